@@ -1,0 +1,93 @@
+"""What every worker shares: the model spec, the step context, and the request/result types.
+
+A worker runs one model of one kind. Model compute always runs on threads owned by the worker
+(never on the event loop). Work is done in *steps* (a decode step, a denoising step, a sentence,
+a window); between steps the worker calls ``StepContext.boundary()``, which is the one place where
+work can be cancelled (client gone) or paused (the arbiter making batch work yield).
+"""
+
+from __future__ import annotations
+
+import threading
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Callable, Literal
+
+ModelKind = Literal["chat", "image", "tts", "stt"]
+
+
+@dataclass(frozen=True)
+class ModelSpec:
+    """One entry of tiers.yaml ``models:``."""
+
+    name: str
+    kind: ModelKind
+    path: Path
+    vram: int | None = None  # declared footprint in bytes; None = estimate
+    engine: str = "transformers"  # chat only: "transformers" or "vllm"
+
+
+class Cancelled(Exception):
+    """The work was cancelled at a step boundary (client went away, or the server is stopping)."""
+
+
+class StepContext:
+    """Handed to running work; ``boundary()`` is called between steps.
+
+    ``cancel()`` may be called from any thread; the work stops at its next boundary.
+    ``pause_gate`` (set by the arbiter) is called at each boundary and may block while the
+    work must yield; it returns when the work may continue. ``steps`` counts boundaries passed.
+    """
+
+    def __init__(self, pause_gate: Callable[["StepContext"], None] | None = None) -> None:
+        self._cancelled = threading.Event()
+        self.pause_gate = pause_gate
+        self.steps = 0
+
+    def cancel(self) -> None:
+        self._cancelled.set()
+
+    @property
+    def cancelled(self) -> bool:
+        return self._cancelled.is_set()
+
+    def boundary(self) -> None:
+        self.steps += 1
+        if self._cancelled.is_set():
+            raise Cancelled()
+        if self.pause_gate is not None:
+            self.pause_gate(self)
+            if self._cancelled.is_set():
+                raise Cancelled()
+
+
+@dataclass
+class ChatParams:
+    max_tokens: int = 256
+    temperature: float = 1.0
+    top_p: float = 1.0
+    stop: list[str] = field(default_factory=list)
+    seed: int | None = None
+
+
+@dataclass
+class ChatRequest:
+    messages: list[dict]
+    params: ChatParams
+    priority: int = 0  # 0 is the highest tier
+    ctx: StepContext = field(default_factory=StepContext)
+
+
+@dataclass
+class TextDelta:
+    text: str
+
+
+@dataclass
+class ChatFinished:
+    finish_reason: Literal["stop", "length"]
+    prompt_tokens: int
+    completion_tokens: int
+
+
+ChatEvent = TextDelta | ChatFinished
