@@ -36,12 +36,18 @@ class StepContext:
 
     ``cancel()`` may be called from any thread; the work stops at its next boundary.
     ``pause_gate`` (set by the arbiter) is called at each boundary and may block while the
-    work must yield; it returns when the work may continue. ``steps`` counts boundaries passed.
+    work must yield; it returns when the work may continue. ``pause_check`` is its non-blocking
+    twin for batched engines. ``steps`` counts boundaries passed.
     """
 
-    def __init__(self, pause_gate: Callable[["StepContext"], None] | None = None) -> None:
+    def __init__(
+        self,
+        pause_gate: Callable[["StepContext"], None] | None = None,
+        pause_check: Callable[[], bool] | None = None,
+    ) -> None:
         self._cancelled = threading.Event()
         self.pause_gate = pause_gate
+        self.pause_check = pause_check
         self.steps = 0
 
     def cancel(self) -> None:
@@ -50,6 +56,11 @@ class StepContext:
     @property
     def cancelled(self) -> bool:
         return self._cancelled.is_set()
+
+    def must_pause(self) -> bool:
+        """Non-blocking form of the pause gate, for engines that batch many requests in one
+        thread (chat): a paused row leaves the batch, keeps its tokens, and rejoins later."""
+        return self.pause_check() if self.pause_check is not None else False
 
     def boundary(self) -> None:
         self.steps += 1
