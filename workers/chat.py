@@ -1,0 +1,403 @@
+"""Chat on transformers: a causal LM and its tokenizer's chat template, served by a small
+continuous-batching loop.
+
+One engine thread per loaded model owns the model and a batch of live sequences. Each loop
+iteration admits newly arrived sequences (one prefill each, then their KV cache is merged into the
+batch's cache with left padding), runs ONE forward pass that decodes a token for every live
+sequence, and hands each sequence's new text to its asyncio consumer. Sequences join and leave at
+any step, so concurrent requests share forward passes instead of queueing one behind another.
+
+A decode step is the step boundary: a cancelled sequence (client gone) leaves the batch there;
+a sequence whose context asks it to pause (batch work yielding to another tier) leaves the batch
+keeping its tokens, and rejoins later by re-prefilling prompt + generated tokens.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import queue
+import threading
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import AsyncIterator, Callable
+
+import torch
+
+from workers.base import (
+    Cancelled,
+    ChatEvent,
+    ChatFinished,
+    ChatParams,
+    ChatRequest,
+    ModelSpec,
+    TextDelta,
+)
+
+
+class ContextTooLong(ValueError):
+    """The prompt plus max_tokens does not fit the model's context window."""
+
+
+@dataclass
+class _Seq:
+    ids: list[int]  # prompt + generated tokens; the last one is not yet in the KV cache
+    prompt_len: int
+    params: ChatParams
+    emit: Callable[[ChatEvent | BaseException], None]
+    req: ChatRequest
+    generator: torch.Generator
+    emitted_chars: int = 0
+    done: bool = False
+
+    @property
+    def generated(self) -> list[int]:
+        return self.ids[self.prompt_len :]
+
+
+@dataclass
+class _Batch:
+    """The live sequences and their shared, left-padded KV cache."""
+
+    seqs: list[_Seq] = field(default_factory=list)
+    cache: object | None = None
+    mask: torch.Tensor | None = None  # [B, T] 1 = real token, 0 = left padding
+
+
+class ChatWorker:
+    """A transformers chat model with a continuous-batching engine thread."""
+
+    kind = "chat"
+
+    def __init__(self, spec: ModelSpec, max_batch: int = 8) -> None:
+        self.spec = spec
+        self.max_batch = max_batch
+        self.model: torch.nn.Module | None = None
+        self.tokenizer = None
+        self.device = torch.device("cpu")
+        self._inbox: queue.Queue[_Seq | None] = queue.Queue()
+        self._thread: threading.Thread | None = None
+        self._waiting: list[_Seq] = []  # new sequences, and paused ones with their tokens
+        self.steps = 0  # decode steps run (forward passes over the batch)
+        self.max_rows_seen = 0  # widest batch decoded in one step
+
+    # -- residency -------------------------------------------------------------------------
+    def load(self, device: torch.device) -> None:
+        from transformers import AutoModelForCausalLM, AutoTokenizer
+
+        self.device = device
+        self.tokenizer = AutoTokenizer.from_pretrained(self.spec.path)
+        dtype = torch.float32 if device.type == "cpu" else torch.bfloat16
+        model = AutoModelForCausalLM.from_pretrained(self.spec.path, dtype=dtype)
+        self.model = model.to(device).eval()
+        self._thread = threading.Thread(target=self._run, name=f"chat:{self.spec.name}", daemon=True)
+        self._thread.start()
+
+    def unload(self) -> None:
+        if self._thread is not None:
+            self._inbox.put(None)
+            self._thread.join()
+            self._thread = None
+        self.model = None
+
+    def modules(self) -> list[torch.nn.Module]:
+        return [self.model] if self.model is not None else []
+
+    @property
+    def context_length(self) -> int:
+        return int(getattr(self.model.config, "max_position_embeddings", 2048))
+
+    # -- requests ----------------------------------------------------------------------------
+    def encode(self, messages: list[dict]) -> list[int]:
+        out = self.tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=True)
+        if hasattr(out, "keys"):  # BatchEncoding in newer transformers
+            out = out["input_ids"]
+        return list(out)
+
+    async def chat(self, req: ChatRequest) -> AsyncIterator[ChatEvent]:
+        """Stream the reply to ``req``. Closing the iterator cancels the work."""
+        ids = self.encode(req.messages)
+        if len(ids) + req.params.max_tokens > self.context_length:
+            raise ContextTooLong(
+                f"prompt ({len(ids)} tokens) plus max_tokens ({req.params.max_tokens}) exceeds "
+                f"the model's context of {self.context_length} tokens"
+            )
+        loop = asyncio.get_running_loop()
+        events: asyncio.Queue[ChatEvent | BaseException] = asyncio.Queue()
+        gen = torch.Generator()
+        gen.manual_seed(req.params.seed if req.params.seed is not None else torch.seed())
+        seq = _Seq(
+            ids=ids,
+            prompt_len=len(ids),
+            params=req.params,
+            emit=lambda ev: loop.call_soon_threadsafe(events.put_nowait, ev),
+            req=req,
+            generator=gen,
+        )
+        self._inbox.put(seq)
+        try:
+            while True:
+                ev = await events.get()
+                if isinstance(ev, BaseException):
+                    raise ev
+                yield ev
+                if isinstance(ev, ChatFinished):
+                    return
+        finally:
+            req.ctx.cancel()  # no-op when finished; stops the row when the consumer left early
+
+    # -- engine thread -----------------------------------------------------------------------
+    def _run(self) -> None:
+        batch = _Batch()
+        while True:
+            idle = not batch.seqs and not self._waiting
+            try:
+                item = self._inbox.get(block=idle, timeout=None if idle else 0)
+            except queue.Empty:
+                item = False
+            if item is None:
+                self._fail_all(batch, Cancelled("model unloaded"))
+                return
+            try:
+                if item is not False:
+                    self._waiting.append(item)
+                self._admit(batch)
+                if batch.seqs:
+                    self._decode_step(batch)
+                elif self._waiting:
+                    time.sleep(0.005)  # every row is paused: look again shortly
+            except Exception as exc:  # noqa: BLE001 - delivered to every caller, engine survives
+                self._fail_all(batch, exc)
+                batch = _Batch()
+
+    def _fail_all(self, batch: _Batch, exc: BaseException) -> None:
+        for seq in batch.seqs + self._waiting:
+            seq.emit(exc)
+        batch.seqs.clear()
+        self._waiting.clear()
+
+    def _admit(self, batch: _Batch) -> None:
+        """Bring waiting sequences into the batch: drain the inbox, prefill, merge caches."""
+        while True:
+            try:
+                item = self._inbox.get_nowait()
+            except queue.Empty:
+                break
+            if item is None:
+                self._inbox.put(None)
+                break
+            self._waiting.append(item)
+        still_waiting = []
+        for seq in self._waiting:
+            if seq.req.ctx.cancelled:
+                continue
+            if seq.req.ctx.must_pause() or len(batch.seqs) >= self.max_batch:
+                still_waiting.append(seq)
+                continue
+            self._prefill_into(batch, seq)
+        self._waiting = still_waiting
+
+    @torch.inference_mode()
+    def _prefill_into(self, batch: _Batch, seq: _Seq) -> None:
+        from transformers import DynamicCache
+
+        fresh = seq.ids[:-1] if seq.generated else list(seq.ids)
+        cache = DynamicCache()
+        ids = torch.tensor([fresh], device=self.device)
+        out = self.model(input_ids=ids, past_key_values=cache, use_cache=True)
+        if not seq.generated:  # a new sequence: its first token comes from the prefill
+            if self._sample_and_emit(seq, out.logits[0, -1]):
+                return
+        _merge(batch, seq, out.past_key_values, len(fresh), self.device)
+
+    @torch.inference_mode()
+    def _decode_step(self, batch: _Batch) -> None:
+        rows = len(batch.seqs)
+        self.max_rows_seen = max(self.max_rows_seen, rows)
+        last = torch.tensor([[s.ids[-1]] for s in batch.seqs], device=self.device)
+        mask = torch.cat([batch.mask, torch.ones(rows, 1, dtype=batch.mask.dtype, device=self.device)], 1)
+        positions = (mask.sum(1, keepdim=True) - 1).long()
+        out = self.model(
+            input_ids=last,
+            attention_mask=mask,
+            position_ids=positions,
+            past_key_values=batch.cache,
+            use_cache=True,
+        )
+        batch.cache, batch.mask = out.past_key_values, mask
+        self.steps += 1
+        keep = []
+        for i, seq in enumerate(batch.seqs):
+            seq.req.ctx.steps += 1
+            if seq.req.ctx.cancelled:
+                continue
+            if self._sample_and_emit(seq, out.logits[i, -1]):
+                continue
+            if seq.req.ctx.must_pause():
+                self._waiting.append(seq)
+                continue
+            keep.append(i)
+        if len(keep) < rows:
+            _select(batch, keep)
+
+    def _sample_and_emit(self, seq: _Seq, logits: torch.Tensor) -> bool:
+        """Sample one token, emit the new text; True when the sequence has finished."""
+        token = _sample(logits.float(), seq.params, seq.generator)
+        seq.ids.append(token)
+        gen = seq.generated
+        eos = token in _eos_ids(self.model, self.tokenizer)
+        text = self.tokenizer.decode(gen[:-1] if eos else gen, skip_special_tokens=True)
+        cut = _first_stop(text, seq.params.stop)
+        if cut is not None:
+            text, reason = text[:cut], "stop"
+        elif eos:
+            reason = "stop"
+        elif len(gen) >= seq.params.max_tokens:
+            reason = "length"
+        else:
+            reason = None
+        safe = len(text) if reason else _safe_prefix_len(text, seq.params.stop)
+        if safe > seq.emitted_chars:
+            seq.emit(TextDelta(text[seq.emitted_chars : safe]))
+            seq.emitted_chars = safe
+        if reason is None:
+            return False
+        seq.done = True
+        seq.emit(ChatFinished(reason, seq.prompt_len, len(gen)))
+        return True
+
+
+# -- helpers: sampling, stop strings, cache surgery ----------------------------------------------
+
+
+def _sample(logits: torch.Tensor, params: ChatParams, generator: torch.Generator) -> int:
+    if params.temperature <= 0:
+        return int(torch.argmax(logits))
+    probs = torch.softmax(logits / params.temperature, dim=-1)
+    if params.top_p < 1.0:
+        sorted_p, order = torch.sort(probs, descending=True)
+        keep = torch.cumsum(sorted_p, 0) - sorted_p < params.top_p
+        keep[0] = True
+        probs = torch.zeros_like(probs).scatter(0, order[keep], sorted_p[keep])
+    return int(torch.multinomial(probs.cpu(), 1, generator=generator))
+
+
+def _eos_ids(model: torch.nn.Module, tokenizer) -> set[int]:
+    ids = getattr(model.generation_config, "eos_token_id", None) or tokenizer.eos_token_id
+    return set(ids) if isinstance(ids, list) else {ids}
+
+
+def _first_stop(text: str, stops: list[str]) -> int | None:
+    hits = [text.find(s) for s in stops if s and s in text]
+    return min(hits) if hits else None
+
+
+def _safe_prefix_len(text: str, stops: list[str]) -> int:
+    """How much of ``text`` can be sent: hold back a tail that may start a stop string, and an
+    incomplete UTF-8 character."""
+    n = len(text) - (1 if text.endswith("\ufffd") else 0)
+    hold = 0
+    for s in stops:
+        for k in range(min(len(s) - 1, n), 0, -1):
+            if text[:n].endswith(s[:k]):
+                hold = max(hold, k)
+                break
+    return n - hold
+
+
+def _layers(cache) -> list:
+    return list(cache.layers)
+
+
+def _merge(batch: _Batch, seq: _Seq, cache, length: int, device: torch.device) -> None:
+    """Append one prefilled sequence to the batch, left-padding whichever side is shorter."""
+    new_mask = torch.ones(1, length, dtype=torch.long, device=device)
+    if not batch.seqs:
+        batch.seqs, batch.cache, batch.mask = [seq], cache, new_mask
+        return
+    old_len = batch.mask.shape[1]
+    width = max(old_len, length)
+    for old, new in zip(_layers(batch.cache), _layers(cache)):
+        old.keys = torch.cat([_pad_left(old.keys, width), _pad_left(new.keys, width)], 0)
+        old.values = torch.cat([_pad_left(old.values, width), _pad_left(new.values, width)], 0)
+    batch.mask = torch.cat([_pad_left_2d(batch.mask, width), _pad_left_2d(new_mask, width)], 0)
+    batch.seqs.append(seq)
+
+
+def _pad_left(t: torch.Tensor, width: int) -> torch.Tensor:
+    pad = width - t.shape[2]
+    if pad == 0:
+        return t
+    return torch.cat([t.new_zeros(t.shape[0], t.shape[1], pad, t.shape[3]), t], 2)
+
+
+def _pad_left_2d(m: torch.Tensor, width: int) -> torch.Tensor:
+    pad = width - m.shape[1]
+    return m if pad == 0 else torch.cat([m.new_zeros(m.shape[0], pad), m], 1)
+
+
+def _select(batch: _Batch, keep: list[int]) -> None:
+    """Keep only rows ``keep`` and drop columns that are padding in every remaining row."""
+    batch.seqs = [batch.seqs[i] for i in keep]
+    if not keep:
+        batch.cache, batch.mask = None, None
+        return
+    index = torch.tensor(keep, device=batch.mask.device)
+    mask = batch.mask.index_select(0, index)
+    first = int((mask.sum(0) > 0).nonzero()[0])
+    batch.mask = mask[:, first:]
+    for layer in _layers(batch.cache):
+        layer.keys = layer.keys.index_select(0, index)[:, :, first:]
+        layer.values = layer.values.index_select(0, index)[:, :, first:]
+
+
+# -- demo model -----------------------------------------------------------------------------------
+
+_CHAT_TEMPLATE = (
+    "{% for m in messages %}<|{{ m['role'] }}|>{{ m['content'] }}</s>{% endfor %}"
+    "{% if add_generation_prompt %}<|assistant|>{% endif %}"
+)
+
+_CORPUS = [
+    "tiergate serves chat, images, speech and transcription on one shared GPU.",
+    "Paid requests come first, then subscribers, then free traffic; batch work waits for idle time.",
+    "The quick brown fox jumps over the lazy dog. Hello world! How are you today?",
+    "One, two, three, four, five, six, seven, eight, nine, ten.",
+    "A small model with random weights says random things, and that is fine for a demo.",
+] * 20
+
+
+def build_demo(out_dir: Path, seed: int = 0) -> Path:
+    """Build ``tiny-chat``: a 2-layer Llama with a byte-level BPE tokenizer, offline, from a seed."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+    from transformers import LlamaConfig, LlamaForCausalLM, PreTrainedTokenizerFast
+
+    out_dir = Path(out_dir)
+    out_dir.mkdir(parents=True, exist_ok=True)
+    specials = ["<pad>", "<s>", "</s>", "<|system|>", "<|user|>", "<|assistant|>"]
+    tok = Tokenizer(models.BPE())
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tok.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(
+        vocab_size=512, special_tokens=specials, initial_alphabet=pre_tokenizers.ByteLevel.alphabet()
+    )
+    tok.train_from_iterator(_CORPUS, trainer)
+    fast = PreTrainedTokenizerFast(
+        tokenizer_object=tok, bos_token="<s>", eos_token="</s>", pad_token="<pad>",
+        additional_special_tokens=specials[3:],
+    )
+    fast.chat_template = _CHAT_TEMPLATE
+    fast.save_pretrained(out_dir)
+
+    torch.manual_seed(seed)
+    config = LlamaConfig(
+        vocab_size=len(fast), hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+        num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=512,
+        bos_token_id=fast.bos_token_id, eos_token_id=fast.eos_token_id,
+        pad_token_id=fast.pad_token_id, tie_word_embeddings=False,
+    )
+    model = LlamaForCausalLM(config)
+    model.generation_config.eos_token_id = fast.eos_token_id
+    model.save_pretrained(out_dir)
+    return out_dir
+
