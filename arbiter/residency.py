@@ -1,0 +1,442 @@
+"""The arbiter's owner: it keeps every model's state and carries out the policy's decisions.
+
+All state lives on the event loop and changes only in plain (non-async) methods, so there are no
+locks: a request for a model (``acquire``) registers a waiter and calls ``_schedule``, which asks
+``arbiter.policy`` what to do for each waiter (best tier first) and starts the effects. Loads,
+evictions and warm reloads run in a worker thread, one at a time per device; their completion
+comes back to the loop and schedules again. Batch work is paused and resumed through a
+per-model ``threading.Event`` that the work checks at its step boundaries.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import threading
+import time
+from dataclasses import dataclass, field, replace
+from typing import Any, Callable
+
+import torch
+
+from arbiter import footprint as fp
+from arbiter import policy
+from arbiter.policy import ArbiterView, Evict, Fit, Impossible, ModelState, Refuse
+from workers.base import ModelSpec, StepContext
+
+
+class Refused(Exception):
+    """429: only recently used (protected) models stand in the way."""
+
+    def __init__(self, retry_after: int, reason: str) -> None:
+        super().__init__(reason)
+        self.retry_after = retry_after
+
+
+class Unavailable(Exception):
+    """503: the model cannot be served now (failed load, cooling down, cannot fit, OOM)."""
+
+    def __init__(self, reason: str, retry_after: int | None = None) -> None:
+        super().__init__(reason)
+        self.retry_after = retry_after
+
+
+def make_worker(spec: ModelSpec) -> Any:
+    """The worker object for a model spec (imported lazily: each kind pulls its own library)."""
+    if spec.kind == "chat" and spec.engine == "vllm":
+        from workers.chat_vllm import VllmChatEngine
+
+        return VllmChatEngine(spec)
+    if spec.kind == "chat":
+        from workers.chat import ChatWorker
+
+        return ChatWorker(spec)
+    if spec.kind == "image":
+        from workers.image import ImageWorker
+
+        return ImageWorker(spec)
+    if spec.kind == "tts":
+        from workers.tts import TTSWorker
+
+        return TTSWorker(spec)
+    if spec.kind == "stt":
+        from workers.stt import STTWorker
+
+        return STTWorker(spec)
+    raise ValueError(f"unknown model kind {spec.kind!r}")
+
+
+@dataclass(eq=False)
+class Lease:
+    """A request's use of a resident model. ``context()`` makes the step context for its work:
+    for batch work it carries the pause gate."""
+
+    model: str
+    tier: int
+    is_batch: bool
+    worker: Any
+    _arbiter: "Arbiter" = field(repr=False)
+    released: bool = False
+
+    def context(self) -> StepContext:
+        if not self.is_batch:
+            return StepContext()
+        run = self._arbiter._may_run[self.model]
+        return StepContext(pause_gate=self._arbiter._pause_gate(self.model), pause_check=lambda: not run.is_set())
+
+    def release(self) -> None:
+        self._arbiter.release(self)
+
+
+@dataclass(eq=False)
+class _Waiter:
+    model: str
+    tier: int
+    is_batch: bool
+    future: asyncio.Future
+
+
+@dataclass
+class Counters:
+    loads: dict[str, int] = field(default_factory=dict)  # by model
+    evictions: dict[tuple[str, str], int] = field(default_factory=dict)  # (model, reason)
+    swap_seconds: dict[str, float] = field(default_factory=dict)  # by model
+    batch_pauses: int = 0
+
+
+class Arbiter:
+    def __init__(
+        self,
+        specs: list[ModelSpec],
+        device: torch.device,
+        budget: int,
+        host_cache_budget: int,
+        protect_window_s: float,
+        batch_rank: int,
+        clock: Callable[[], float] = time.monotonic,
+        worker_factory: Callable[[ModelSpec], Any] = make_worker,
+    ) -> None:
+        self.specs = {s.name: s for s in specs}
+        self.device = device
+        self.budget = budget
+        self.host_cache_budget = host_cache_budget
+        self.protect_window_s = protect_window_s
+        self.batch_rank = batch_rank
+        self.clock = clock
+        self._factory = worker_factory
+        self.states = {
+            s.name: ModelState(s.name, s.kind, fp.estimate_footprint(s.path, s.kind, declared=s.vram))
+            for s in specs
+        }
+        self._declared = {s.name for s in specs if s.vram is not None}
+        self.workers: dict[str, Any] = {}
+        self._waiters: list[_Waiter] = []
+        self._loading: str | None = None
+        self._cooldowns: dict[str, policy.LoadCooldown] = {}
+        self._may_run = {s.name: _set_event() for s in specs}
+        self._others_busy = False
+        self._oom_retried: set[str] = set()
+        self.counters = Counters()
+
+    # -- requests --------------------------------------------------------------------------------
+    async def acquire(self, model: str, tier: int, is_batch: bool = False) -> Lease:
+        """Wait until ``model`` is resident and hold it for one request of ``tier``."""
+        waiter = _Waiter(model, tier, is_batch, asyncio.get_running_loop().create_future())
+        self._waiters.append(waiter)
+        self._schedule()
+        try:
+            return await waiter.future
+        except asyncio.CancelledError:
+            if waiter.future.done() and not waiter.future.cancelled() and waiter.future.exception() is None:
+                waiter.future.result().release()
+            elif waiter in self._waiters:
+                self._waiters.remove(waiter)
+            raise
+
+    def release(self, lease: Lease) -> None:
+        if lease.released:
+            return
+        lease.released = True
+        state = self.states[lease.model]
+        if lease.is_batch:
+            state = replace(state, running_batch=state.running_batch - 1)
+        else:
+            state = replace(state, running_nonbatch=state.running_nonbatch - 1)
+        self.states[lease.model] = policy.served(state, lease.tier, self.clock())
+        self._schedule()
+
+    def set_demand(self, others_busy: bool) -> None:
+        """Told by the admission gate whether any non-batch tier has work admitted or queued."""
+        if others_busy != self._others_busy:
+            self._others_busy = others_busy
+            self._apply_batch_yield()
+
+    # -- admin -----------------------------------------------------------------------------------
+    def pin(self, model: str, pinned: bool) -> None:
+        self.states[model] = replace(self.states[model], pinned=pinned)
+        self._schedule()
+
+    async def load(self, model: str, tier: int = 0) -> None:
+        (await self.acquire(model, tier)).release()
+
+    async def unload(self, model: str) -> bool:
+        """Evict ``model`` to the host cache (or disk) now, if nothing runs on it."""
+        state = self.states[model]
+        if state.place != "resident" or state.running_nonbatch or state.running_batch or self._loading:
+            return False
+        plan = policy.host_cache_plan(self._view(), [model])
+        self._loading = model  # the device is busy moving it
+        try:
+            await self._evict(Evict((model,), (), plan.to_warm, plan.to_cold, plan.drop_warm), "admin")
+        finally:
+            self._loading = None
+            self._schedule()
+        return True
+
+    def table(self) -> list[dict]:
+        now = self.clock()
+        rows = []
+        for name, s in self.states.items():
+            rows.append({
+                "id": name,
+                "kind": s.kind,
+                "place": s.place,
+                "footprint_bytes": s.footprint,
+                "footprint_source": "declared" if name in self._declared else ("measured" if name in self.counters.loads else "estimated"),
+                "last_tier": s.last_tier,
+                "protected_until_s": max(0.0, s.protected_until(self.batch_rank, self.protect_window_s) - now),
+                "pinned": s.pinned,
+                "running": s.running_nonbatch + s.running_batch,
+            })
+        return rows
+
+    async def stop(self) -> None:
+        for worker in self.workers.values():
+            await asyncio.to_thread(worker.unload)
+        self.workers.clear()
+
+    # -- the owner ---------------------------------------------------------------------------------
+    def _view(self) -> ArbiterView:
+        queued: dict[int, int] = {}
+        for w in self._waiters:
+            queued[w.tier] = queued.get(w.tier, 0) + 1
+        return ArbiterView(self.states, self.budget, self.host_cache_budget, self.clock(), self.protect_window_s, queued)
+
+    def _schedule(self) -> None:
+        """Grant every waiter whose model is resident; start at most one load for the best of
+        the rest; refuse the ones the policy refuses."""
+        self._waiters.sort(key=lambda w: w.tier)  # stable: arrival order within a tier
+        for w in list(self._waiters):
+            if w.future.done():
+                self._waiters.remove(w)
+                continue
+            state = self.states[w.model]
+            if state.place == "resident":
+                self._grant(w)
+                continue
+            if state.place == "loading" or self._loading is not None:
+                continue
+            cooldown = self._cooldowns.get(w.model)
+            if cooldown and cooldown.active(self.clock()):
+                self._fail(w, Unavailable(f"loading {w.model} failed recently; cooling down", cooldown.retry_after(self.clock())))
+                continue
+            decision = policy.plan_load(self._view(), w.model, w.tier, self.batch_rank)
+            if isinstance(decision, Refuse):
+                self._fail(w, Refused(decision.retry_after, decision.reason))
+            elif isinstance(decision, Impossible) and not decision.waiting_on:
+                self._fail(w, Unavailable(decision.reason))
+            elif isinstance(decision, (Fit, Evict)):
+                self._start_load(w.model, decision if isinstance(decision, Evict) else None, w.tier)
+            # Impossible with waiting_on: stay queued until that work ends
+        self._bring_back_batch()
+        self._apply_batch_yield()
+
+    def _bring_back_batch(self) -> None:
+        """Batch work paused on a model that was evicted meanwhile: when nothing else waits and
+        the other tiers are idle, load the model again so the work can resume where it stopped."""
+        if self._waiters or self._loading is not None or self._others_busy:
+            return
+        for name, state in self.states.items():
+            if state.running_batch > 0 and state.place in ("warm", "cold"):
+                decision = policy.plan_load(self._view(), name, self.batch_rank, self.batch_rank)
+                if isinstance(decision, (Fit, Evict)):
+                    self._start_load(name, decision if isinstance(decision, Evict) else None, self.batch_rank)
+                return
+
+    def _grant(self, w: _Waiter) -> None:
+        self._waiters.remove(w)
+        state = self.states[w.model]
+        if w.is_batch:
+            state = replace(state, running_batch=state.running_batch + 1)
+        else:
+            state = replace(state, running_nonbatch=state.running_nonbatch + 1)
+        self.states[w.model] = policy.served(state, w.tier, self.clock())
+        w.future.set_result(Lease(w.model, w.tier, w.is_batch, self.workers[w.model], self))
+
+    def _fail(self, w: _Waiter, exc: Exception) -> None:
+        self._waiters.remove(w)
+        w.future.set_exception(exc)
+
+    def _apply_batch_yield(self) -> None:
+        must_pause = policy.batch_must_yield(self._view(), self.batch_rank) if not self._others_busy else {
+            n for n, s in self.states.items() if s.running_batch > 0
+        }
+        for name, event in self._may_run.items():
+            run = name not in must_pause and self.states[name].place == "resident"
+            if run and not event.is_set():
+                event.set()
+            elif not run and event.is_set():
+                if self.states[name].running_batch > 0:
+                    self.counters.batch_pauses += 1
+                event.clear()
+
+    def _pause_gate(self, model: str) -> Callable[[StepContext], None]:
+        event = self._may_run[model]
+
+        def gate(ctx: StepContext) -> None:
+            while not event.wait(0.05):
+                if ctx.cancelled:
+                    return
+
+        return gate
+
+    def _start_load(self, model: str, evict: Evict | None, tier: int) -> None:
+        self._loading = model
+        prior_place = self.states[model].place
+        self.states[model] = replace(self.states[model], place="loading")
+        for name in evict.pause_batch_on if evict else ():
+            self._may_run[name].clear()
+            self.counters.batch_pauses += 1
+        asyncio.get_running_loop().create_task(self._load_task(model, evict, prior_place, tier))
+
+    async def _load_task(self, model: str, evict: Evict | None, prior_place: str, tier: int) -> None:
+        try:
+            if evict is not None:
+                await self._evict(evict, "make_room")
+            worker, seconds, measured = await asyncio.to_thread(self._bring_in, model, prior_place)
+        except torch.OutOfMemoryError as exc:
+            self._after_oom(model, prior_place, tier, exc)
+            return
+        except Exception as exc:  # noqa: BLE001 - a failed load answers 503 and cools down
+            self._after_failure(model, f"loading {model} failed: {type(exc).__name__}: {exc}")
+            return
+        finally:
+            self._loading = None
+        self.workers[model] = worker
+        state = self.states[model]
+        footprint = state.footprint if model in self._declared else fp.footprint_from_measurement(measured, state.kind)
+        self.states[model] = replace(state, place="resident", footprint=footprint)
+        self._cooldowns.pop(model, None)
+        self._oom_retried.discard(model)
+        self.counters.loads[model] = self.counters.loads.get(model, 0) + 1
+        self.counters.swap_seconds[model] = self.counters.swap_seconds.get(model, 0.0) + seconds
+        self._schedule()
+
+    def _after_failure(self, model: str, reason: str) -> None:
+        self.workers.pop(model, None)
+        self.states[model] = replace(self.states[model], place="cold")
+        self._cooldowns[model] = policy.after_load_failure(self._cooldowns.get(model), self.clock())
+        retry = self._cooldowns[model].retry_after(self.clock())
+        for w in [w for w in self._waiters if w.model == model]:
+            self._fail(w, Unavailable(reason, retry))
+        self._schedule()
+
+    def _after_oom(self, model: str, prior_place: str, tier: int, exc: Exception) -> None:
+        """Out of memory while loading: evict the least valuable model and retry once."""
+        self.states[model] = replace(self.states[model], place="cold" if prior_place == "cold" else prior_place)
+        victim = policy.pick_oom_victim(self._view(), {model}, tier, self.batch_rank)
+        if model in self._oom_retried or victim is None:
+            self._oom_retried.discard(model)
+            self._after_failure(model, f"out of memory loading {model}: {exc}")
+            return
+        self._oom_retried.add(model)
+        self._start_load(model, victim, tier)
+
+    def relieve_oom(self, model: str, tier: int) -> bool:
+        """Out of memory during a step of ``model``: evict the least valuable other model (in the
+        background); True if there was one, so the caller retries once."""
+        victim = policy.pick_oom_victim(self._view(), {model}, tier, self.batch_rank)
+        if victim is None or self._loading is not None:
+            return False
+        self._loading = victim.victims[0]
+
+        async def run() -> None:
+            try:
+                await self._evict(victim, "oom")
+            finally:
+                self._loading = None
+                self._schedule()
+
+        asyncio.get_running_loop().create_task(run())
+        return True
+
+    # -- effects ------------------------------------------------------------------------------------
+    def _bring_in(self, model: str, prior_place: str) -> tuple[Any, float, int]:
+        """(thread) Load from disk (cold) or copy back from host RAM (warm).
+        Returns the worker, the seconds it took and the bytes it occupies."""
+        start = time.perf_counter()
+        before = fp.cuda_allocated(self.device) if self.device.type == "cuda" else 0
+        worker = self.workers.get(model) if prior_place == "warm" else None
+        if worker is not None:
+            _move(worker, self.device)
+        else:
+            worker = self._factory(self.specs[model])
+            worker.load(self.device)
+        if self.device.type == "cuda":
+            torch.cuda.synchronize(self.device)
+            measured = fp.cuda_allocated(self.device) - before
+        else:
+            measured = fp.measure_modules(worker.modules())
+        return worker, time.perf_counter() - start, measured
+
+    async def _evict(self, evict: Evict, reason: str) -> None:
+        """Carry out an eviction: the victims are marked busy (``loading``) while their weights
+        move in a thread, then recorded in their new place."""
+        for name in evict.victims:
+            self.states[name] = replace(self.states[name], place="loading")
+        workers = {n: self.workers.get(n) for n in (*evict.victims, *evict.drop_warm)}
+        pin = self.device.type == "cuda"
+        await asyncio.to_thread(_evict_effects, evict, workers, pin)
+        for name in evict.drop_warm:
+            self.workers.pop(name, None)
+            self.states[name] = replace(self.states[name], place="cold")
+        for name in evict.victims:
+            warm = name in evict.to_warm and workers[name] is not None
+            if not warm:
+                self.workers.pop(name, None)
+            self.states[name] = replace(self.states[name], place="warm" if warm else "cold")
+            key = (name, reason)
+            self.counters.evictions[key] = self.counters.evictions.get(key, 0) + 1
+
+
+def _evict_effects(evict: Evict, workers: dict[str, Any], pin: bool) -> None:
+    """(thread) Move victims to host RAM or free them; free the warm copies being dropped."""
+    for name in evict.drop_warm:
+        if workers[name] is not None:
+            workers[name].unload()
+    for name in evict.victims:
+        worker = workers[name]
+        if worker is None:
+            continue
+        if name in evict.to_warm:
+            _move(worker, torch.device("cpu"), pin=pin)
+        else:
+            worker.unload()
+    if torch.cuda.is_available():
+        torch.cuda.empty_cache()
+
+
+def _move(worker: Any, device: torch.device, pin: bool = False) -> None:
+    """Move a worker's modules to ``device``; pinned host memory makes the way back a fast copy."""
+    for module in worker.modules():
+        module.to(device)
+        if pin:
+            for t in (*module.parameters(), *module.buffers()):
+                t.data = t.data.pin_memory()
+    if hasattr(worker, "device"):
+        worker.device = device
+
+
+def _set_event() -> threading.Event:
+    event = threading.Event()
+    event.set()
+    return event

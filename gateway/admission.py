@@ -1,0 +1,253 @@
+"""The admission gate: bounded in-flight slots handed to the best waiting request.
+
+Waiters are ordered by tier, then arrival (one FIFO per tier). Every waiter has its own future;
+when a slot frees, the gate marks the best eligible waiter as admitted *before* waking it, so the
+slot is handed over directly: no broadcast wake-up, no polling, and no newcomer can barge in. A
+waiter that leaves (client gone) is removed from its queue; if a slot had already been handed to
+it, the slot passes on to the next waiter.
+
+A request is refused at once (:class:`Rejected`, HTTP 429) when its tier's queue is full, or when
+its predicted wait exceeds its tier's latency target. The prediction uses :class:`CostModel`, a
+per-model linear fit ``seconds = a + b * units`` over a sliding window of measured service times
+(units: requested tokens for chat, pixels x steps for images, and so on), updated as requests
+finish. Batch-tier requests are admitted only while no other tier is waiting or running.
+
+The gate is plain asyncio and single-threaded: all state changes happen on the event loop.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import math
+import time
+from collections import OrderedDict, deque
+from dataclasses import dataclass, field
+from typing import Callable
+
+MAX_RETRY_AFTER_S = 120
+
+
+@dataclass(frozen=True)
+class TierPolicy:
+    name: str
+    rank: int  # 0 is the highest tier
+    max_inflight: int
+    max_queued: int
+    latency_target_s: float
+    is_batch: bool = False
+
+
+class Rejected(Exception):
+    """Refused at the door; ``retry_after`` is in seconds (1..120)."""
+
+    def __init__(self, tier: str, reason: str, retry_after: float, message: str) -> None:
+        super().__init__(message)
+        self.tier = tier
+        self.reason = reason  # "queue_full" | "latency_target"
+        self.retry_after = retry_after
+
+
+class CostModel:
+    """Per-model service time as a linear function of request size, fitted by least squares over
+    the last ``window`` measurements. Until a model has two distinct sizes measured it predicts
+    the mean of what it has seen (or ``prior_s`` before anything)."""
+
+    def __init__(self, window: int = 64, prior_s: float = 1.0) -> None:
+        self.window = window
+        self.prior_s = prior_s
+        self._obs: dict[str, deque[tuple[float, float]]] = {}
+        self._fit: dict[str, tuple[float, float]] = {}
+
+    def observe(self, model: str, units: float, seconds: float) -> None:
+        obs = self._obs.setdefault(model, deque(maxlen=self.window))
+        obs.append((float(units), float(seconds)))
+        self._fit[model] = _least_squares(obs)
+
+    def predict(self, model: str, units: float) -> float:
+        a, b = self._fit.get(model, (self.prior_s, 0.0))
+        return max(a + b * units, 0.0)
+
+
+def _least_squares(obs: deque[tuple[float, float]]) -> tuple[float, float]:
+    n = len(obs)
+    mx = sum(u for u, _ in obs) / n
+    my = sum(s for _, s in obs) / n
+    var = sum((u - mx) ** 2 for u, _ in obs)
+    if var == 0:
+        return my, 0.0
+    b = sum((u - mx) * (s - my) for u, s in obs) / var
+    b = max(b, 0.0)  # bigger requests never predicted faster
+    return my - b * mx, b
+
+
+@dataclass(eq=False)
+class Ticket:
+    """An admitted request's hold on one slot."""
+
+    tier: TierPolicy
+    model: str
+    units: float
+    cost: float  # predicted service seconds when admitted
+    queued_s: float = 0.0
+    started: float = 0.0
+    released: bool = False
+
+
+@dataclass(eq=False)
+class _Waiter:
+    ticket: Ticket
+    future: asyncio.Future = field(repr=False)
+    arrived: float = 0.0
+
+
+class Gate:
+    def __init__(
+        self,
+        tiers: list[TierPolicy],
+        slots: int,
+        costs: CostModel | None = None,
+        clock: Callable[[], float] = time.monotonic,
+    ) -> None:
+        self.tiers = {t.name: t for t in tiers}
+        self._order = sorted(tiers, key=lambda t: t.rank)
+        self.slots = slots
+        self.costs = costs or CostModel()
+        self.clock = clock
+        self._queues: dict[str, OrderedDict[_Waiter, None]] = {t.name: OrderedDict() for t in tiers}
+        self._queued_cost = {t.name: 0.0 for t in tiers}
+        self.inflight = {t.name: 0 for t in tiers}
+        self._running_cost = 0.0  # sum of predicted costs of admitted tickets
+        self._running_started = 0.0  # sum of their start times
+        self.admitted = {t.name: 0 for t in tiers}
+        self.on_change: Callable[[], None] | None = None  # told when demand changes (the arbiter)
+        self.rejected = {(t.name, r): 0 for t in tiers for r in ("queue_full", "latency_target")}
+
+    # -- public ------------------------------------------------------------------------------
+    def queued(self, tier: str) -> int:
+        return len(self._queues[tier])
+
+    @property
+    def total_inflight(self) -> int:
+        return sum(self.inflight.values())
+
+    def others_busy(self) -> bool:
+        """True while any non-batch tier has work admitted or queued."""
+        return any((self.inflight[t.name] or self._queues[t.name]) for t in self._order if not t.is_batch)
+
+    async def acquire(self, tier: str, model: str, units: float = 1.0) -> Ticket:
+        policy = self.tiers[tier]
+        ticket = Ticket(policy, model, units, self.costs.predict(model, units))
+        now = self.clock()
+        if self._can_start(policy):
+            self._start(ticket, now)
+            return ticket
+        queue = self._queues[tier]
+        wait = self.predict_wait(policy)
+        if len(queue) >= policy.max_queued:
+            self._reject(ticket, "queue_full", wait, f"the {tier} tier's queue is full ({policy.max_queued} waiting)")
+        if not policy.is_batch and wait > policy.latency_target_s:
+            self._reject(
+                ticket, "latency_target", wait - policy.latency_target_s,
+                f"predicted wait {wait:.1f}s exceeds the {tier} tier's latency target of "
+                f"{policy.latency_target_s:g}s",
+            )
+        waiter = _Waiter(ticket, asyncio.get_running_loop().create_future(), now)
+        queue[waiter] = None
+        self._queued_cost[tier] += ticket.cost
+        self._changed()
+        try:
+            await waiter.future
+        except asyncio.CancelledError:
+            if waiter.future.done() and not waiter.future.cancelled():
+                self.release(ticket)  # handed over just as we left: pass it on
+            else:
+                self._leave(waiter)
+            raise
+        return ticket
+
+    def release(self, ticket: Ticket, measured_s: float | None = None) -> None:
+        """Give the slot back; ``measured_s`` (service time) feeds the cost model."""
+        if ticket.released:
+            return
+        ticket.released = True
+        self.inflight[ticket.tier.name] -= 1
+        if not ticket.tier.is_batch:
+            self._running_cost -= ticket.cost
+            self._running_started -= ticket.started
+        if measured_s is not None:
+            self.costs.observe(ticket.model, ticket.units, measured_s)
+        self._dispatch()
+        self._changed()
+
+    def predict_wait(self, policy: TierPolicy) -> float:
+        """Seconds until a request of ``policy``'s tier arriving now would start: the remaining
+        work of everything running plus everything queued at its tier or above, over the slots."""
+        if self._can_start(policy):
+            return 0.0
+        n = self._nonbatch_inflight()
+        running_left = max(self._running_cost - (n * self.clock() - self._running_started), 0.0)
+        ahead = sum(self._queued_cost[t.name] for t in self._order if t.rank <= policy.rank)
+        return (running_left + ahead) / self.slots
+
+    def rate_headers(self, tier: str, retry_after: float | None = None) -> dict[str, str]:
+        policy = self.tiers[tier]
+        limit = policy.max_inflight + policy.max_queued
+        used = self.inflight[tier] + len(self._queues[tier])
+        reset = math.ceil(retry_after) if retry_after else 0
+        return {
+            "x-ratelimit-limit-requests": str(limit),
+            "x-ratelimit-remaining-requests": str(max(limit - used, 0)),
+            "x-ratelimit-reset-requests": f"{reset}s",
+        }
+
+    # -- internals -----------------------------------------------------------------------------
+    def _can_start(self, policy: TierPolicy) -> bool:
+        """Batch work yields at its next step when others arrive, so its slots do not count
+        against the other tiers; batch itself starts only while the others are idle."""
+        if self.inflight[policy.name] >= policy.max_inflight:
+            return False
+        if policy.is_batch:
+            return not self.others_busy() and self.total_inflight < self.slots
+        return self._nonbatch_inflight() < self.slots
+
+    def _nonbatch_inflight(self) -> int:
+        return sum(self.inflight[t.name] for t in self._order if not t.is_batch)
+
+    def _start(self, ticket: Ticket, now: float) -> None:
+        ticket.started = now
+        self.inflight[ticket.tier.name] += 1
+        self.admitted[ticket.tier.name] += 1
+        if not ticket.tier.is_batch:
+            self._running_cost += ticket.cost
+            self._running_started += now
+        self._changed()
+
+    def _dispatch(self) -> None:
+        """Hand free slots to the best waiters: highest tier first, FIFO within a tier."""
+        for policy in self._order:
+            queue = self._queues[policy.name]
+            while queue and self._can_start(policy):
+                waiter, _ = queue.popitem(last=False)
+                self._queued_cost[policy.name] -= waiter.ticket.cost
+                now = self.clock()
+                waiter.ticket.queued_s = now - waiter.arrived
+                self._start(waiter.ticket, now)
+                waiter.future.set_result(None)
+
+    def _leave(self, waiter: _Waiter) -> None:
+        name = waiter.ticket.tier.name
+        queue = self._queues[name]
+        if waiter in queue:
+            del queue[waiter]
+            self._queued_cost[name] -= waiter.ticket.cost
+        self._dispatch()  # a lower tier (batch) may have been waiting on this one
+        self._changed()
+
+    def _changed(self) -> None:
+        if self.on_change is not None:
+            self.on_change()
+
+    def _reject(self, ticket: Ticket, reason: str, retry_after: float, message: str) -> None:
+        self.rejected[(ticket.tier.name, reason)] += 1
+        seconds = min(max(math.ceil(retry_after), 1), MAX_RETRY_AFTER_S)
+        raise Rejected(ticket.tier.name, reason, seconds, message)

@@ -1,0 +1,164 @@
+"""The Starlette application: routes, error handling, and building the services from a config."""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import time
+from typing import AsyncIterator
+
+from starlette.applications import Starlette
+from starlette.exceptions import HTTPException
+from starlette.requests import Request
+from starlette.responses import JSONResponse, Response
+from starlette.routing import Route
+
+from arbiter.footprint import default_device, device_budget
+from arbiter.residency import Arbiter, Refused, Unavailable
+from gateway.admission import Gate, TierPolicy
+from gateway.auth import KeyRing
+from gateway.chat import chat_completions
+from gateway.config import Config
+from gateway.errors import APIError
+from gateway.metrics import Metrics
+from gateway.service import ClientGone, Services
+
+log = logging.getLogger("tiergate")
+
+_STATUS_CODES = {404: "not_found", 405: "method_not_allowed", 413: "request_too_large"}
+
+
+def build_services(config: Config, keys: KeyRing) -> Services:
+    last = len(config.tiers) - 1
+    policies = [
+        TierPolicy(t.name, i, t.max_inflight, t.max_queued, t.latency_target_s, is_batch=(i == last and t.name == "batch"))
+        for i, t in enumerate(config.tiers)
+    ]
+    gate = Gate(policies, config.gate.slots)
+    device = default_device() if config.gpu.device == "auto" else _device(config.gpu.device)
+    arbiter = Arbiter(
+        config.model_specs(),
+        device=device,
+        budget=device_budget(device, config.gpu.vram_budget, config.gpu.reserve),
+        host_cache_budget=config.gpu.host_cache_budget,
+        protect_window_s=config.gpu.protect_window_s,
+        batch_rank=last,
+    )
+    gate.on_change = lambda: arbiter.set_demand(gate.others_busy())
+    return Services(config, keys, gate, arbiter, Metrics(gate, arbiter))
+
+
+def _device(name: str):
+    import torch
+
+    if name == "cuda" and not torch.cuda.is_available():
+        raise RuntimeError("gpu.device is 'cuda' but torch sees no CUDA device")
+    return torch.device(name)
+
+
+async def healthz(request: Request) -> Response:
+    return JSONResponse({"status": "ok"})
+
+
+async def metrics(request: Request) -> Response:
+    svc: Services = request.app.state.services
+    return Response(svc.metrics.render(), media_type="text/plain; version=0.0.4")
+
+
+async def list_models(request: Request) -> Response:
+    svc: Services = request.app.state.services
+    svc.authenticate(request)
+    return JSONResponse({"object": "list", "data": _model_rows(svc)})
+
+
+async def get_model(request: Request) -> Response:
+    svc: Services = request.app.state.services
+    svc.authenticate(request)
+    name = request.path_params["model"]
+    for row in _model_rows(svc):
+        if row["id"] == name:
+            return JSONResponse(row)
+    raise APIError(404, f"the model '{name}' does not exist", "model_not_found", "model")
+
+
+def _model_rows(svc: Services) -> list[dict]:
+    tiers = svc.config.tier_names
+    rows = []
+    for r in svc.arbiter.table():
+        last = r.pop("last_tier")
+        rows.append({"id": r.pop("id"), "object": "model", "created": 0, "owned_by": "tiergate",
+                     **r, "last_tier": tiers[last] if last is not None else None})
+    rows.extend(svc.extras.get("adapter_rows", lambda: [])())
+    return rows
+
+
+async def admin_model(request: Request) -> Response:
+    """POST /admin/models/{model}/{action}: load, unload, pin or unpin a model."""
+    svc: Services = request.app.state.services
+    svc.require_admin(request)
+    name, action = request.path_params["model"], request.path_params["action"]
+    if name not in svc.arbiter.states:
+        raise APIError(404, f"the model '{name}' does not exist", "model_not_found", "model")
+    if action == "load":
+        try:
+            await svc.arbiter.load(name)
+        except Refused as exc:
+            raise APIError(429, str(exc), "model_protected", headers={"retry-after": str(exc.retry_after)}) from None
+        except Unavailable as exc:
+            raise APIError(503, str(exc), "model_unavailable") from None
+    elif action == "unload":
+        if not await svc.arbiter.unload(name):
+            raise APIError(409, f"'{name}' is not resident or is busy", "model_busy", type="invalid_request_error")
+    elif action in ("pin", "unpin"):
+        svc.arbiter.pin(name, action == "pin")
+    else:
+        raise APIError(404, f"unknown action '{action}': use load, unload, pin or unpin", "not_found")
+    row = next(r for r in _model_rows(svc) if r["id"] == name)
+    return JSONResponse(row)
+
+
+async def _api_error(request: Request, exc: APIError) -> Response:
+    return exc.response()
+
+
+async def _http_error(request: Request, exc: HTTPException) -> Response:
+    code = _STATUS_CODES.get(exc.status_code, "http_error")
+    message = {404: f"no route for {request.method} {request.url.path}",
+               405: f"method {request.method} is not allowed on {request.url.path}"}.get(exc.status_code, exc.detail)
+    return APIError(exc.status_code, message, code, headers=dict(exc.headers or {})).response()
+
+
+async def _client_gone(request: Request, exc: ClientGone) -> Response:
+    return Response(status_code=499)
+
+
+async def _unexpected(request: Request, exc: Exception) -> Response:
+    log.exception("unexpected error on %s %s", request.method, request.url.path)
+    return APIError(500, "internal error; the request was not completed", "internal_error").response()
+
+
+def create_app(services: Services, routes: list[Route] | None = None) -> Starlette:
+    """The ASGI app. Extra ``routes`` (images, audio, batches) are mounted by their modules."""
+    base = [
+        Route("/healthz", healthz, methods=["GET"]),
+        Route("/metrics", metrics, methods=["GET"]),
+        Route("/v1/models", list_models, methods=["GET"]),
+        Route("/v1/models/{model:path}", get_model, methods=["GET"]),
+        Route("/v1/chat/completions", chat_completions, methods=["POST"]),
+        Route("/admin/models/{model}/{action}", admin_model, methods=["POST"]),
+    ]
+    app = Starlette(
+        routes=base + list(routes or []),
+        exception_handlers={APIError: _api_error, HTTPException: _http_error, ClientGone: _client_gone,
+                            Exception: _unexpected},
+        lifespan=_lifespan,
+    )
+    app.state.services = services
+    app.state.started = time.time()
+    return app
+
+
+@contextlib.asynccontextmanager
+async def _lifespan(app: Starlette) -> AsyncIterator[None]:
+    yield
+    await app.state.services.arbiter.stop()

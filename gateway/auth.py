@@ -1,0 +1,62 @@
+"""API keys -> tiers. Keys come from environment variables named in tiers.yaml (or are made up
+in demo mode); they are compared in constant time and never logged. Inside the gateway a caller
+is known by ``key_id``, a short hash of the key, which is safe to log and to store as an owner."""
+
+from __future__ import annotations
+
+import hashlib
+import hmac
+import secrets
+from dataclasses import dataclass
+
+ADMIN_ENV = "TIERGATE_KEYS_ADMIN"
+
+
+@dataclass(frozen=True)
+class Caller:
+    tier: str
+    key_id: str
+    admin: bool = False
+
+
+def key_id(key: str) -> str:
+    return hashlib.sha256(key.encode()).hexdigest()[:16]
+
+
+class KeyRing:
+    """Every configured key with its tier. Lookup compares against every key, always."""
+
+    def __init__(self, keys_by_tier: dict[str, list[str]], admin_keys: list[str] = ()) -> None:
+        self._entries = [(k.encode(), tier, False) for tier, keys in keys_by_tier.items() for k in keys]
+        self._entries += [(k.encode(), None, True) for k in admin_keys]
+        self.top_tier = next(iter(keys_by_tier), None)
+
+    def __len__(self) -> int:
+        return len(self._entries)
+
+    def lookup(self, presented: str) -> Caller | None:
+        """The caller for ``presented``, or None. Time does not depend on which key matches."""
+        given = presented.encode()
+        found: tuple[str | None, bool] | None = None
+        for key, tier, admin in self._entries:
+            if hmac.compare_digest(key, given) and found is None:
+                found = (tier, admin)
+        if found is None:
+            return None
+        tier, admin = found
+        # An admin key acts at the highest tier when it calls the model API.
+        return Caller(tier=tier or self.top_tier, key_id=key_id(presented), admin=admin)
+
+
+def demo_keys(tiers: list[str]) -> dict[str, list[str]]:
+    """Fresh random keys, one per tier, for demo mode. Never shipped, never reused."""
+    return {t: [f"tg-{t}-{secrets.token_urlsafe(18)}"] for t in tiers}
+
+
+def bearer_token(authorization: str | None) -> str | None:
+    if not authorization:
+        return None
+    scheme, _, token = authorization.partition(" ")
+    if scheme.lower() != "bearer" or not token.strip():
+        return None
+    return token.strip()

@@ -1,0 +1,148 @@
+"""tiers.yaml: the one file that configures tiers, keys, models, the GPU and request limits.
+
+``load_config(path)`` returns a validated :class:`Config` or raises :class:`ConfigError` whose
+message is one line naming the file, the field and the problem, e.g.
+``tiers.yaml: models[1].vram: not a size: '6 gigs'``.
+"""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+from typing import Annotated, Any, Literal
+
+import yaml
+from pydantic import BaseModel, BeforeValidator, ConfigDict, Field, ValidationError, field_validator
+
+from arbiter.footprint import parse_size
+from workers.base import ModelSpec
+
+
+class ConfigError(Exception):
+    """A configuration problem; the message is one line naming file, field and problem."""
+
+
+Size = Annotated[int, BeforeValidator(parse_size)]
+
+
+class _Strict(BaseModel):
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+
+class TierConfig(_Strict):
+    name: str = Field(pattern=r"^[a-z][a-z0-9_-]*$")
+    keys_env: str  # environment variable holding comma-separated API keys
+    max_inflight: int = Field(default=8, ge=1)
+    max_queued: int = Field(default=64, ge=0)
+    latency_target_s: float = Field(default=30.0, gt=0)
+
+
+class ModelConfig(_Strict):
+    name: str = Field(pattern=r"^[A-Za-z0-9][A-Za-z0-9._:-]*$")
+    kind: Literal["chat", "image", "tts", "stt"]
+    path: Path
+    vram: Size | None = None
+    engine: Literal["transformers", "vllm"] = "transformers"
+
+
+class GpuConfig(_Strict):
+    device: Literal["auto", "cuda", "cpu"] = "auto"
+    vram_budget: Size | None = None  # required on CPU: the simulated budget
+    reserve: Size = parse_size("1GiB")  # CUDA: left free when the budget is the free memory
+    host_cache_budget: Size = parse_size("8GiB")
+    protect_window_s: float = Field(default=60.0, ge=0)
+
+
+class GateConfig(_Strict):
+    slots: int = Field(default=8, ge=1)  # requests in flight at once, all tiers together
+
+
+class LimitsConfig(_Strict):
+    max_body: Size = parse_size("25MiB")
+    max_chat_tokens: int = Field(default=1024, ge=1)
+
+
+class Config(_Strict):
+    tiers: list[TierConfig] = Field(min_length=1)
+    models: list[ModelConfig] = Field(default_factory=list)
+    gpu: GpuConfig = GpuConfig()
+    gate: GateConfig = GateConfig()
+    limits: LimitsConfig = LimitsConfig()
+    source: Path = Path("tiers.yaml")
+
+    @field_validator("tiers")
+    @classmethod
+    def _unique_tiers(cls, tiers: list[TierConfig]) -> list[TierConfig]:
+        _no_duplicates([t.name for t in tiers])
+        return tiers
+
+    @field_validator("models")
+    @classmethod
+    def _unique_models(cls, models: list[ModelConfig]) -> list[ModelConfig]:
+        _no_duplicates([m.name for m in models])
+        return models
+
+    @property
+    def tier_names(self) -> list[str]:
+        return [t.name for t in self.tiers]
+
+    def model_specs(self) -> list[ModelSpec]:
+        return [ModelSpec(m.name, m.kind, m.path, m.vram, m.engine) for m in self.models]
+
+
+def _no_duplicates(names: list[str]) -> None:
+    seen: set[str] = set()
+    for n in names:
+        if n in seen:
+            raise ValueError(f"duplicate name {n!r}")
+        seen.add(n)
+
+
+def load_config(path: str | Path, check_paths: bool = True) -> Config:
+    """Read and validate ``path``; model paths are resolved relative to the file's folder."""
+    path = Path(path)
+    try:
+        raw = yaml.safe_load(path.read_text()) or {}
+    except OSError as exc:
+        raise ConfigError(f"{path}: cannot read: {exc.strerror or exc}") from None
+    except yaml.YAMLError as exc:
+        raise ConfigError(f"{path}: not valid YAML: {str(exc).splitlines()[0]}") from None
+    if not isinstance(raw, dict):
+        raise ConfigError(f"{path}: the top level must be a mapping")
+    try:
+        config = Config.model_validate({**raw, "source": path})
+    except ValidationError as exc:
+        err = exc.errors()[0]
+        where = _loc(err["loc"])
+        raise ConfigError(f"{path}: {where}: {_message(err)}") from None
+    base = path.parent
+    models = []
+    for i, m in enumerate(config.models):
+        resolved = m.path if m.path.is_absolute() else (base / m.path)
+        if check_paths and not resolved.is_dir():
+            raise ConfigError(f"{path}: models[{i}].path: no such folder: {resolved}")
+        models.append(m.model_copy(update={"path": resolved}))
+    return config.model_copy(update={"models": models})
+
+
+def _loc(loc: tuple[Any, ...]) -> str:
+    out = ""
+    for part in loc:
+        out += f"[{part}]" if isinstance(part, int) else (f".{part}" if out else str(part))
+    return out or "(top level)"
+
+
+def _message(err: dict[str, Any]) -> str:
+    if err["type"] == "extra_forbidden":
+        return "unknown field"
+    msg = err["msg"]
+    return msg.removeprefix("Value error, ")
+
+
+def tier_keys(config: Config, environ: os._Environ[str] | dict[str, str] = os.environ) -> dict[str, list[str]]:
+    """API keys per tier, read from each tier's environment variable (comma-separated)."""
+    out = {}
+    for tier in config.tiers:
+        raw = environ.get(tier.keys_env, "")
+        out[tier.name] = [k.strip() for k in raw.split(",") if k.strip()]
+    return out

@@ -1,0 +1,11 @@
+"""The routes of each feature beyond chat, collected in one place for the app."""
+
+from __future__ import annotations
+
+from starlette.routing import BaseRoute
+
+from gateway.service import Services
+
+
+def extra_routes(services: Services) -> list[BaseRoute]:
+    return []

@@ -1,0 +1,140 @@
+"""What every endpoint shares: the services (config, keys, gate, arbiter, metrics), caller
+authentication, and ``hold``: a slot at the gate plus a lease on a resident model, released
+together. Endpoints are thin on top of this."""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from dataclasses import dataclass, field
+from typing import Any, Awaitable, TypeVar
+
+from starlette.requests import Request
+
+from arbiter.residency import Arbiter, Lease, Refused, Unavailable
+from gateway.admission import Gate, Rejected, Ticket
+from gateway.auth import Caller, KeyRing, bearer_token
+from gateway.config import Config
+from gateway.errors import APIError, bad_request, not_found
+from gateway.metrics import Metrics
+from workers.base import ModelSpec
+
+T = TypeVar("T")
+
+
+class ClientGone(Exception):
+    """The client disconnected before the answer was ready."""
+
+
+@dataclass
+class Held:
+    """A request's slot at the gate and its lease on the model; ``release`` frees both."""
+
+    ticket: Ticket
+    lease: Lease
+    gate: Gate
+    started: float = field(default_factory=time.monotonic)
+    released: bool = False
+
+    def release(self, ok: bool = True) -> None:
+        if self.released:
+            return
+        self.released = True
+        self.lease.release()
+        self.gate.release(self.ticket, time.monotonic() - self.started if ok else None)
+
+
+@dataclass
+class Services:
+    config: Config
+    keys: KeyRing
+    gate: Gate
+    arbiter: Arbiter
+    metrics: Metrics
+    extras: dict[str, Any] = field(default_factory=dict)  # per-feature state (image urls, ...)
+
+    @property
+    def tier_rank(self) -> dict[str, int]:
+        return {t.name: i for i, t in enumerate(self.config.tiers)}
+
+    def authenticate(self, request: Request) -> Caller:
+        token = bearer_token(request.headers.get("authorization"))
+        if token is None:
+            raise APIError(401, "missing API key: send 'Authorization: Bearer <key>'", "missing_api_key")
+        caller = self.keys.lookup(token)
+        if caller is None:
+            raise APIError(401, "incorrect API key provided", "invalid_api_key")
+        return caller
+
+    def require_admin(self, request: Request) -> Caller:
+        caller = self.authenticate(request)
+        if not caller.admin:
+            raise APIError(403, "this endpoint needs an admin key", "admin_only")
+        return caller
+
+    def spec(self, name: str, kind: str) -> ModelSpec:
+        spec = self.arbiter.specs.get(name)
+        if spec is None:
+            raise not_found(f"the model '{name}' does not exist", "model", "model_not_found")
+        if spec.kind != kind:
+            raise bad_request(f"the model '{name}' is a {spec.kind} model, not {kind}", "model", "model_not_supported")
+        return spec
+
+    async def hold(self, tier: str, model: str, units: float) -> Held:
+        """Admission then residency; 429 / 503 as OpenAI-shaped errors with Retry-After."""
+        try:
+            ticket = await self.gate.acquire(tier, model, units)
+        except Rejected as exc:
+            headers = {**_retry_headers(exc.retry_after), **self.gate.rate_headers(tier, exc.retry_after)}
+            raise APIError(429, str(exc), exc.reason, headers=headers, type="rate_limit_error") from None
+        self.metrics.queue_wait.labels(tier).observe(ticket.queued_s)
+        rank = self.tier_rank[tier]
+        try:
+            lease = await self.arbiter.acquire(model, rank, is_batch=self.gate.tiers[tier].is_batch)
+        except Refused as exc:
+            self.gate.release(ticket)
+            raise APIError(429, str(exc), "model_protected", headers=_retry_headers(exc.retry_after), type="rate_limit_error") from None
+        except Unavailable as exc:
+            self.gate.release(ticket)
+            headers = _retry_headers(exc.retry_after) if exc.retry_after else {}
+            raise APIError(503, str(exc), "model_unavailable", headers=headers) from None
+        except BaseException:
+            self.gate.release(ticket)
+            raise
+        return Held(ticket, lease, self.gate)
+
+
+def _retry_headers(seconds: float) -> dict[str, str]:
+    seconds = int(seconds)
+    return {"retry-after": str(seconds), "retry-after-ms": str(seconds * 1000)}
+
+
+async def unless_gone(request: Request | None, work: Awaitable[T]) -> T:
+    """Await ``work``, cancelling it if the client disconnects first (then ClientGone)."""
+    task = asyncio.ensure_future(work)
+    if request is None:
+        return await task
+
+    async def gone() -> None:
+        while (await request.receive())["type"] != "http.disconnect":
+            pass
+
+    watcher = asyncio.ensure_future(gone())
+    try:
+        await asyncio.wait({task, watcher}, return_when=asyncio.FIRST_COMPLETED)
+    except asyncio.CancelledError:
+        task.cancel()
+        watcher.cancel()
+        raise
+    if task.done():
+        watcher.cancel()
+        return task.result()
+    task.cancel()
+    try:
+        late = await task
+    except (asyncio.CancelledError, Exception):
+        pass
+    else:  # it finished just as the client left: give back what it holds
+        if hasattr(late, "release"):
+            late.release()
+    raise ClientGone()
