@@ -160,5 +160,10 @@ def create_app(services: Services, routes: list[Route] | None = None) -> Starlet
 
 @contextlib.asynccontextmanager
 async def _lifespan(app: Starlette) -> AsyncIterator[None]:
+    services: Services = app.state.services
+    for start in services.on_startup:
+        await start()
     yield
-    await app.state.services.arbiter.stop()
+    for stop in reversed(services.on_shutdown):
+        await stop()
+    await services.arbiter.stop()

@@ -7,7 +7,7 @@ from __future__ import annotations
 import asyncio
 import time
 from dataclasses import dataclass, field
-from typing import Any, Awaitable, TypeVar
+from typing import Any, Awaitable, Callable, TypeVar
 
 from starlette.requests import Request
 
@@ -52,6 +52,8 @@ class Services:
     arbiter: Arbiter
     metrics: Metrics
     extras: dict[str, Any] = field(default_factory=dict)  # per-feature state (image urls, ...)
+    on_startup: list[Callable[[], Awaitable[None]]] = field(default_factory=list)  # run by the app's lifespan
+    on_shutdown: list[Callable[[], Awaitable[None]]] = field(default_factory=list)
 
     @property
     def tier_rank(self) -> dict[str, int]:
