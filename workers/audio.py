@@ -1,0 +1,176 @@
+"""Audio in and out for the speech and transcription workers: decoding uploads, resampling,
+time-stretching, encoding speech (whole or streamed), and subtitle formatting.
+
+Everything here is float32 mono numpy in [-1, 1] plus a sample rate; files go through soundfile
+(libsndfile), so which compressed formats exist depends on the installed libsndfile and is probed
+once at import.
+"""
+
+from __future__ import annotations
+
+import io
+import math
+import struct
+from collections.abc import Iterable, Iterator, Sequence
+from typing import Protocol
+
+import numpy as np
+import soundfile as sf
+from scipy.signal import istft, resample_poly, stft
+
+# OpenAI response_format -> (libsndfile format, subtype, sample rates it accepts or None for any).
+_SOUNDFILE_FORMATS: dict[str, tuple[str, str, tuple[int, ...] | None]] = {
+    "wav": ("WAV", "PCM_16", None),
+    "flac": ("FLAC", "PCM_16", None),
+    "mp3": ("MP3", "MPEG_LAYER_III", (8000, 11025, 12000, 16000, 22050, 24000, 32000, 44100, 48000)),
+    "opus": ("OGG", "OPUS", (8000, 12000, 16000, 24000, 48000)),
+}
+
+CONTENT_TYPES: dict[str, str] = {
+    "wav": "audio/wav",
+    "flac": "audio/flac",
+    "mp3": "audio/mpeg",
+    "opus": "audio/ogg",
+    "pcm": "audio/pcm",
+}
+
+
+def _probe(fmt: str) -> bool:
+    """Whether this libsndfile can write ``fmt`` (tried on a few ms of silence)."""
+    container, subtype, rates = _SOUNDFILE_FORMATS[fmt]
+    try:
+        sf.write(io.BytesIO(), np.zeros(480, np.float32), (rates or (48000,))[-1], format=container, subtype=subtype)
+    except Exception:  # noqa: BLE001 - any failure means the format is unavailable
+        return False
+    return True
+
+
+_AVAILABLE = [f for f in _SOUNDFILE_FORMATS if _probe(f)] + ["pcm"]
+
+
+def supported_speech_formats() -> list[str]:
+    """Speech output formats this installation can encode (always wav, flac and pcm)."""
+    return list(_AVAILABLE)
+
+
+def decode_audio(data: bytes) -> tuple[np.ndarray, int]:
+    """Decode an uploaded file (wav, flac, ogg, and mp3 where libsndfile has it) to float32 mono.
+
+    Stereo and multi-channel audio is mixed down. Raises ``ValueError`` for bytes that are not
+    audio, are corrupt, or hold no samples.
+    """
+    try:
+        x, sr = sf.read(io.BytesIO(data), dtype="float32", always_2d=True)
+    except (sf.LibsndfileError, RuntimeError, TypeError) as e:
+        raise ValueError(f"could not decode audio (expected wav, flac or ogg): {e}") from None
+    if x.shape[0] == 0:
+        raise ValueError("the audio file holds no samples")
+    return x.mean(axis=1, dtype=np.float32), int(sr)
+
+
+def resample(x: np.ndarray, sr_from: int, sr_to: int) -> np.ndarray:
+    """Resample float32 mono audio with a polyphase filter."""
+    if sr_from == sr_to:
+        return x.astype(np.float32, copy=False)
+    g = math.gcd(sr_from, sr_to)
+    return resample_poly(x, sr_to // g, sr_from // g).astype(np.float32)
+
+
+def time_stretch(x: np.ndarray, rate: float, n_fft: int = 512, hop: int = 128) -> np.ndarray:
+    """Play ``x`` ``rate`` times faster at the same pitch (phase vocoder); length becomes len/rate."""
+    if rate == 1.0 or len(x) < n_fft:
+        return x.astype(np.float32, copy=False)
+    _, _, spec = stft(x, nperseg=n_fft, noverlap=n_fft - hop)
+    pos = np.arange(0, spec.shape[1] - 1, rate)
+    i, frac = pos.astype(int), (pos % 1.0)[None, :]
+    left, right = spec[:, i], spec[:, i + 1]
+    mag = (1 - frac) * np.abs(left) + frac * np.abs(right)
+    omega = 2 * np.pi * hop * np.arange(spec.shape[0])[:, None] / n_fft
+    dphi = np.angle(right) - np.angle(left) - omega
+    dphi -= 2 * np.pi * np.round(dphi / (2 * np.pi))
+    phase = np.angle(spec[:, :1]) + np.cumsum(np.concatenate([np.zeros_like(omega), (omega + dphi)[:, :-1]], 1), 1)
+    _, y = istft(mag * np.exp(1j * phase), nperseg=n_fft, noverlap=n_fft - hop)
+    n = round(len(x) / rate)
+    return np.pad(y[:n], (0, max(0, n - len(y)))).astype(np.float32)
+
+
+def _pcm16(x: np.ndarray) -> bytes:
+    return (np.clip(x, -1.0, 1.0) * 32767.0).astype("<i2").tobytes()
+
+
+def encode_audio(x: np.ndarray, sample_rate: int, fmt: str) -> bytes:
+    """Encode a whole float32 mono signal as ``fmt`` (one of ``supported_speech_formats()``).
+
+    ``pcm`` is raw 16-bit little-endian at ``sample_rate``. Formats that only allow some rates
+    (opus, mp3) are resampled to the closest allowed rate at or above ``sample_rate``.
+    """
+    if fmt not in _AVAILABLE:
+        raise ValueError(f"unsupported format {fmt!r}; supported: {', '.join(_AVAILABLE)}")
+    if fmt == "pcm":
+        return _pcm16(x)
+    container, subtype, rates = _SOUNDFILE_FORMATS[fmt]
+    if rates is not None and sample_rate not in rates:
+        target = min((r for r in rates if r >= sample_rate), default=rates[-1])
+        x, sample_rate = resample(x, sample_rate, target), target
+    buf = io.BytesIO()
+    sf.write(buf, np.clip(x, -1.0, 1.0), sample_rate, format=container, subtype=subtype)
+    return buf.getvalue()
+
+
+def wav_stream_header(sample_rate: int) -> bytes:
+    """A 16-bit mono WAV header of unknown length (sizes 0xFFFFFFFF), for streamed PCM after it."""
+    unknown = 0xFFFFFFFF
+    fmt_chunk = struct.pack("<4sIHHIIHH", b"fmt ", 16, 1, 1, sample_rate, sample_rate * 2, 2, 16)
+    return struct.pack("<4sI4s", b"RIFF", unknown, b"WAVE") + fmt_chunk + struct.pack("<4sI", b"data", unknown)
+
+
+def encode_stream(chunks: Iterable[np.ndarray], sample_rate: int, fmt: str) -> Iterator[bytes]:
+    """Encode speech chunks as they arrive.
+
+    ``wav`` (header of unknown length, then PCM) and ``pcm`` stream chunk by chunk. ``flac``,
+    ``mp3`` and ``opus`` are encoded once the last chunk has arrived: libsndfile rewrites their
+    headers (FLAC STREAMINFO, the MP3 Xing frame) when the file is closed, and a stream without
+    those rewrites decodes to the wrong length.
+    """
+    if fmt not in _AVAILABLE:
+        raise ValueError(f"unsupported format {fmt!r}; supported: {', '.join(_AVAILABLE)}")
+    if fmt in ("wav", "pcm"):
+        if fmt == "wav":
+            yield wav_stream_header(sample_rate)
+        for x in chunks:
+            yield _pcm16(x)
+    else:
+        parts = list(chunks)
+        whole = np.concatenate(parts) if parts else np.zeros(0, np.float32)
+        yield encode_audio(whole, sample_rate, fmt)
+
+
+class Timed(Protocol):
+    """Anything with a start and end in seconds and a text (e.g. ``workers.stt.Segment``)."""
+
+    start: float
+    end: float
+    text: str
+
+
+def _timestamp(seconds: float, sep: str) -> str:
+    ms = max(0, round(seconds * 1000))
+    h, rest = divmod(ms, 3_600_000)
+    m, rest = divmod(rest, 60_000)
+    s, ms = divmod(rest, 1000)
+    return f"{h:02d}:{m:02d}:{s:02d}{sep}{ms:03d}"
+
+
+def to_srt(segments: Sequence[Timed]) -> str:
+    """SubRip subtitles: numbered cues, ``HH:MM:SS,mmm --> HH:MM:SS,mmm``."""
+    cues = [
+        f"{i}\n{_timestamp(s.start, ',')} --> {_timestamp(s.end, ',')}\n{s.text.strip()}\n"
+        for i, s in enumerate(segments, 1)
+    ]
+    return "\n".join(cues)
+
+
+def to_vtt(segments: Sequence[Timed]) -> str:
+    """WebVTT subtitles: a ``WEBVTT`` header, then ``HH:MM:SS.mmm --> HH:MM:SS.mmm`` cues."""
+    cues = [f"{_timestamp(s.start, '.')} --> {_timestamp(s.end, '.')}\n{s.text.strip()}\n" for s in segments]
+    return "\n".join(["WEBVTT\n", *cues])
