@@ -1,0 +1,286 @@
+"""Speech-to-text: a transformers speech seq2seq model (Whisper-style) from its folder, one
+audio window per work step.
+
+Audio longer than the model's window (``feature_extractor.chunk_length``, 30 s for Whisper) is cut
+into windows, each cut placed at the quietest 20 ms inside the last 5 s of the window so words are
+rarely split. Each window is transcribed separately (no conditioning on the previous window's
+text); its segments are shifted to the window's start time.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import numpy as np
+import torch
+from transformers import AutoModelForSpeechSeq2Seq, AutoProcessor
+from transformers.models.whisper.tokenization_whisper import TO_LANGUAGE_CODE
+
+from workers.base import ModelSpec, StepContext
+
+_SEARCH_S = 5.0  # how far back from a window's end to look for a quiet cut
+_FRAME_S = 0.02
+
+
+@dataclass
+class TranscriptionRequest:
+    """One ``/v1/audio/transcriptions`` call, besides the audio itself.
+
+    ``language`` is an ISO-639-1 code or an English name (None = detect on the first window); ``prompt`` is passed as Whisper prompt ids
+    to every window (ignored by models whose processor has no ``get_prompt_ids``);
+    ``temperature`` 0 decodes greedily, above 0 samples.
+    """
+
+    language: str | None = None
+    prompt: str | None = None
+    temperature: float = 0.0
+
+
+@dataclass
+class Segment:
+    id: int
+    start: float  # seconds from the start of the audio
+    end: float
+    text: str
+
+
+@dataclass
+class Transcript:
+    text: str
+    language: str | None  # ISO-639-1 code; None when the model does not tell
+    duration: float  # seconds of audio
+    segments: list[Segment] = field(default_factory=list)
+
+
+def split_windows(audio: np.ndarray, sample_rate: int, window_s: float) -> list[tuple[int, int]]:
+    """(start, end) sample ranges of at most ``window_s`` each, cut at quiet points."""
+    window, frame = int(window_s * sample_rate), int(_FRAME_S * sample_rate)
+    search = min(int(_SEARCH_S * sample_rate), window // 2)
+    bounds, start = [], 0
+    while len(audio) - start > window:
+        tail = audio[start + window - search : start + window]
+        energy = (tail[: len(tail) // frame * frame].reshape(-1, frame) ** 2).sum(axis=1)
+        quietest = len(energy) - 1 - int(np.argmin(energy[::-1]))  # the latest of equally quiet frames
+        end = start + window - search + quietest * frame + frame // 2
+        bounds.append((start, end))
+        start = end
+    bounds.append((start, len(audio)))
+    return bounds
+
+
+class STTWorker:
+    """Runs one speech seq2seq model (Whisper-style) with its processor."""
+
+    def __init__(self, spec: ModelSpec) -> None:
+        self.spec = spec
+        self.model: torch.nn.Module | None = None
+        self.processor = None
+
+    @property
+    def sample_rate(self) -> int:
+        return self.processor.feature_extractor.sampling_rate
+
+    @property
+    def window_s(self) -> float:
+        return float(getattr(self.processor.feature_extractor, "chunk_length", 30))
+
+    def load(self, device: torch.device) -> None:
+        """Load model and processor onto ``device`` (fp16 on CUDA, fp32 elsewhere)."""
+        dtype = torch.float16 if device.type == "cuda" else torch.float32
+        self.processor = AutoProcessor.from_pretrained(Path(self.spec.path))
+        self.model = AutoModelForSpeechSeq2Seq.from_pretrained(Path(self.spec.path), dtype=dtype).to(device).eval()
+
+    def unload(self) -> None:
+        self.model = self.processor = None
+
+    def modules(self) -> list[torch.nn.Module]:
+        return [self.model] if self.model is not None else []
+
+    def transcribe(self, audio: np.ndarray, req: TranscriptionRequest, ctx: StepContext) -> Transcript:
+        """Transcribe float32 mono ``audio`` at ``sample_rate``; ``ctx.boundary()`` before each window."""
+        if self.model is None:
+            raise RuntimeError(f"model {self.spec.name!r} is not loaded")
+        if req.temperature < 0:
+            raise ValueError("temperature must be >= 0")
+        if len(audio) == 0:
+            raise ValueError("no audio samples to transcribe")
+        sr = self.sample_rate
+        language = self._language(req.language)
+        prompt_ids = self._prompt_ids(req.prompt)
+        segments: list[Segment] = []
+        for start, end in split_windows(audio, sr, self.window_s):
+            ctx.boundary()
+            features = self._features(audio[start:end])
+            if language is None:
+                language = self._detect_language(features)
+            t0, t1 = start / sr, end / sr
+            for s0, s1, text in self._window(features, language, prompt_ids, req.temperature, t1 - t0):
+                segments.append(Segment(len(segments), round(t0 + s0, 3), round(t0 + s1, 3), text))
+        text = " ".join(s.text for s in segments if s.text)
+        return Transcript(text=text, language=language, duration=len(audio) / sr, segments=segments)
+
+    def _features(self, audio: np.ndarray) -> torch.Tensor:
+        out = self.processor.feature_extractor(audio, sampling_rate=self.sample_rate, return_tensors="pt")
+        return out.input_features.to(self.model.device, self.model.dtype)
+
+    @property
+    def _gen(self):
+        return self.model.generation_config
+
+    def _multilingual(self) -> bool:
+        return bool(getattr(self._gen, "is_multilingual", False) and getattr(self._gen, "lang_to_id", None))
+
+    def _timestamps(self) -> bool:
+        return getattr(self._gen, "no_timestamps_token_id", None) is not None
+
+    def _language(self, language: str | None) -> str | None:
+        """The requested language as an ISO code; ``ValueError`` if the model has no such token."""
+        if not language:
+            return None
+        code = TO_LANGUAGE_CODE.get(language.lower(), language.lower())
+        if self._multilingual() and f"<|{code}|>" not in self._gen.lang_to_id:
+            known = sorted(t.strip("<|>") for t in self._gen.lang_to_id)
+            raise ValueError(f"unsupported language {language!r}; supported: {', '.join(known)}")
+        return code
+
+    def _detect_language(self, features: torch.Tensor) -> str | None:
+        """The language code the model hears; English-only Whisper says "en", other models None."""
+        if not self._multilingual():
+            return "en" if self.model.config.model_type == "whisper" else None
+        with torch.inference_mode():
+            lang_id = int(self.model.detect_language(features)[0])
+        token = self.processor.tokenizer.convert_ids_to_tokens(lang_id)
+        return token.strip("<|>")
+
+    def _prompt_ids(self, prompt: str | None) -> torch.Tensor | None:
+        """Whisper prompt ids (``<|startofprev|>`` + text), keeping the last tokens that fit.
+
+        Like OpenAI's Whisper, a prompt keeps at most half the decoder's context.
+        """
+        if not prompt or not hasattr(self.processor, "get_prompt_ids"):
+            return None
+        ids = self.processor.get_prompt_ids(prompt, return_tensors="pt")
+        budget = self.model.config.max_target_positions // 2 - 1
+        if len(ids) > budget:
+            ids = torch.cat([ids[:1], ids[len(ids) - budget + 1 :]])
+        return ids.to(self.model.device)
+
+    def _window(
+        self, features: torch.Tensor, language: str | None, prompt_ids: torch.Tensor | None, temperature: float, length_s: float
+    ) -> list[tuple[float, float, str]]:
+        """(start, end, text) segments of one window, times relative to the window's start.
+
+        Lengths come from the model's generation config (``max_new_tokens`` or ``max_length``).
+        """
+        kwargs: dict = {"do_sample": temperature > 0}
+        if temperature > 0:
+            kwargs["temperature"] = temperature
+        if self._multilingual():
+            kwargs.update(language=language, task="transcribe")
+        if prompt_ids is not None:
+            kwargs["prompt_ids"] = prompt_ids
+        timestamps = self._timestamps()
+        if timestamps:
+            kwargs["return_timestamps"] = True
+        with torch.inference_mode():
+            ids = self.model.generate(features, **kwargs)
+        ids = self._text_and_timestamp_ids(ids[0].tolist())
+        tok = self.processor.tokenizer
+        text = tok.decode(ids, skip_special_tokens=True).strip()
+        if not timestamps:
+            return [(0.0, length_s, text)]
+        offsets = tok.decode(ids, output_offsets=True).get("offsets", [])
+        return _clean_offsets(offsets, length_s) or [(0.0, length_s, text)]
+
+    def _text_and_timestamp_ids(self, ids: list[int]) -> list[int]:
+        """Drop any echoed prompt (up to the last start token) and every special token but timestamps."""
+        start = self._gen.decoder_start_token_id
+        if start in ids:
+            ids = ids[len(ids) - ids[::-1].index(start) :]
+        special = set(self.processor.tokenizer.all_special_ids)
+        return [i for i in ids if i not in special]
+
+
+def _clean_offsets(offsets: list[dict], length_s: float) -> list[tuple[float, float, str]]:
+    """Timestamped pieces clamped into the window and made non-decreasing; empty pieces dropped."""
+    out: list[tuple[float, float, str]] = []
+    last = 0.0
+    for o in offsets:
+        text = o["text"].strip()
+        start, end = o["timestamp"]
+        if not text:
+            continue
+        start = min(max(float(start if start is not None else last), last), length_s)
+        end = min(max(float(end if end is not None else length_s), start), length_s)
+        out.append((start, end, text))
+        last = end
+    return out
+
+
+def build_demo(out_dir: Path, seed: int = 0) -> Path:
+    """Save a tiny random-weight multilingual Whisper (16 kHz, 80 mel bins, 30 s windows) to ``out_dir``.
+
+    The tokenizer is byte-level BPE over the 256 byte symbols plus Whisper's special tokens in
+    Whisper's order (``<|endoftext|>``, ``<|startoftranscript|>``, the language tokens, task
+    tokens, ``<|startofprev|>``, ``<|notimestamps|>``) followed by the 1501 timestamp tokens.
+    """
+    from transformers import GenerationConfig, WhisperConfig, WhisperFeatureExtractor, WhisperForConditionalGeneration
+    from transformers import WhisperProcessor, WhisperTokenizer
+    from transformers.convert_slow_tokenizer import bytes_to_unicode
+    from transformers.models.whisper.tokenization_whisper import LANGUAGES
+
+    text = list(dict.fromkeys(bytes_to_unicode().values()))
+    merges = [("Ġ", "t"), ("h", "e"), ("Ġt", "he")]
+    text += ["".join(m) for m in merges]
+    languages = [f"<|{code}|>" for code in LANGUAGES]
+    specials = ["<|endoftext|>", "<|startoftranscript|>", *languages, "<|translate|>", "<|transcribe|>",
+                "<|startoflm|>", "<|startofprev|>", "<|nospeech|>", "<|notimestamps|>"]
+    timestamps = [f"<|{i * 0.02:.2f}|>" for i in range(1501)]
+    vocab = {t: i for i, t in enumerate(text + specials + timestamps)}
+    ids = {t: vocab[t] for t in specials}
+    tokenizer = WhisperTokenizer(vocab=vocab, merges=merges, extra_special_tokens=specials[1:])
+    tokenizer.add_tokens(timestamps)
+
+    torch.manual_seed(seed)
+    eot, sot = ids["<|endoftext|>"], ids["<|startoftranscript|>"]
+    config = WhisperConfig(
+        vocab_size=len(vocab),
+        num_mel_bins=80,
+        d_model=64,
+        encoder_layers=1,
+        decoder_layers=1,
+        encoder_attention_heads=2,
+        decoder_attention_heads=2,
+        encoder_ffn_dim=128,
+        decoder_ffn_dim=128,
+        max_source_positions=1500,
+        max_target_positions=448,
+        pad_token_id=eot,
+        bos_token_id=eot,
+        eos_token_id=eot,
+        decoder_start_token_id=sot,
+        begin_suppress_tokens=None,  # these live in the generation config
+        suppress_tokens=None,
+    )
+    model = WhisperForConditionalGeneration(config)
+    model.generation_config = GenerationConfig(
+        decoder_start_token_id=sot,
+        bos_token_id=eot,
+        eos_token_id=eot,
+        pad_token_id=eot,
+        max_length=None,
+        max_new_tokens=24,  # random weights never say <|endoftext|>; keep the demo fast
+        is_multilingual=True,
+        lang_to_id={t: ids[t] for t in languages},
+        task_to_id={"transcribe": ids["<|transcribe|>"], "translate": ids["<|translate|>"]},
+        no_timestamps_token_id=ids["<|notimestamps|>"],
+        prev_sot_token_id=ids["<|startofprev|>"],
+        max_initial_timestamp_index=50,
+        begin_suppress_tokens=[vocab["Ġ"], eot],
+        suppress_tokens=[],
+    )
+    out_dir = Path(out_dir)
+    model.save_pretrained(out_dir)
+    WhisperProcessor(feature_extractor=WhisperFeatureExtractor(), tokenizer=tokenizer).save_pretrained(out_dir)
+    return out_dir
