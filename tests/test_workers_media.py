@@ -1,0 +1,376 @@
+"""Image, speech and transcription workers on tiny random-weight demo models built offline."""
+
+from __future__ import annotations
+
+import io
+import json
+import re
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+
+import numpy as np
+import pytest
+import soundfile as sf
+import torch
+from PIL import Image
+
+from workers import audio, image, stt, tts
+from workers.base import Cancelled, ModelSpec, StepContext
+
+CPU = torch.device("cpu")
+
+
+def cancel_at(step: int) -> StepContext:
+    """A context whose work is cancelled when it reaches boundary ``step``."""
+
+    def gate(ctx: StepContext) -> None:
+        if ctx.steps >= step:
+            ctx.cancel()
+
+    return StepContext(pause_gate=gate)
+
+
+# ---------------------------------------------------------------- image
+
+
+@pytest.fixture(scope="module")
+def image_worker(tmp_path_factory) -> image.ImageWorker:
+    path = image.build_demo(tmp_path_factory.mktemp("models") / "tiny-image")
+    worker = image.ImageWorker(ModelSpec("tiny-image", "image", path))
+    worker.load(CPU)
+    return worker
+
+
+def _img(prompt: str = "a cat", **kw) -> image.ImageRequest:
+    return image.ImageRequest(prompt, **{"num_inference_steps": 3, **kw})
+
+
+def test_image_pngs_have_the_requested_size(image_worker):
+    pngs = image_worker.generate(_img(n=2, width=64, height=64, seed=1), StepContext())
+    assert [Image.open(io.BytesIO(b)).size for b in pngs] == [(64, 64), (64, 64)]
+    assert pngs[0] != pngs[1]  # seed + i per image
+    (png,) = image_worker.generate(_img(width=32, height=48, seed=1), StepContext())
+    assert Image.open(io.BytesIO(png)).size == (32, 48)
+    with pytest.raises(ValueError, match="multiples of 8"):
+        image_worker.generate(_img(width=30, height=48), StepContext())
+
+
+def test_image_seed_is_deterministic(image_worker):
+    a = image_worker.generate(_img(width=32, height=32, seed=7, negative_prompt="dog"), StepContext())
+    b = image_worker.generate(_img(width=32, height=32, seed=7, negative_prompt="dog"), StepContext())
+    c = image_worker.generate(_img(width=32, height=32, seed=8, negative_prompt="dog"), StepContext())
+    assert a == b and a != c
+    pair = image_worker.generate(_img(n=2, width=32, height=32, seed=7, negative_prompt="dog"), StepContext())
+    assert pair[0] == a[0]
+
+
+def _count_unet_calls(worker: image.ImageWorker) -> tuple[list[int], object]:
+    calls = [0]
+    handle = worker.pipe.unet.register_forward_hook(lambda *_: calls.__setitem__(0, calls[0] + 1))
+    return calls, handle
+
+
+def test_image_boundary_per_denoising_step_and_cancel(image_worker):
+    calls, handle = _count_unet_calls(image_worker)
+    try:
+        ctx = StepContext()
+        image_worker.generate(_img(width=32, height=32, num_inference_steps=5), ctx)
+        assert ctx.steps == 5 and calls[0] == 5
+        calls[0] = 0
+        ctx = cancel_at(2)
+        with pytest.raises(Cancelled):
+            image_worker.generate(_img(width=32, height=32, num_inference_steps=8), ctx)
+        assert ctx.steps == 2 and calls[0] == 2  # stopped at the boundary after step 2 of 8
+    finally:
+        handle.remove()
+
+
+def test_image_concurrent_calls_do_not_share_scheduler_state(image_worker):
+    reqs = [_img(width=32, height=32, seed=s, num_inference_steps=4 + s) for s in range(3)]
+    alone = [image_worker.generate(r, StepContext()) for r in reqs]
+    with ThreadPoolExecutor(3) as pool:
+        together = list(pool.map(lambda r: image_worker.generate(r, StepContext()), reqs))
+    assert together == alone
+
+
+def test_image_modules_and_unload(tmp_path):
+    worker = image.ImageWorker(ModelSpec("x", "image", image.build_demo(tmp_path / "m")))
+    assert worker.modules() == []
+    worker.load(CPU)
+    assert {type(m).__name__ for m in worker.modules()} == {"UNet2DConditionModel", "AutoencoderKL", "CLIPTextModel"}
+    worker.unload()
+    assert worker.modules() == []
+
+
+# ---------------------------------------------------------------- speech
+
+
+@pytest.fixture(scope="module")
+def tts_worker(tmp_path_factory) -> tts.TTSWorker:
+    path = tts.build_demo(tmp_path_factory.mktemp("models") / "tiny-tts")
+    worker = tts.TTSWorker(ModelSpec("tiny-tts", "tts", path))
+    worker.load(CPU)
+    return worker
+
+
+LONG_TEXT = "The first sentence is here. Is this the second one? Yes!\nAnd a fourth line, with a comma."
+
+
+def test_tts_voices_and_openai_mapping(tts_worker):
+    assert tts_worker.voices == ["amy", "ben", "cleo"] and tts_worker.sample_rate == 16000
+    assert set(tts_worker.voice_map) == set(tts.OPENAI_VOICES)
+    assert set(tts_worker.voice_map.values()) == set(tts_worker.voices)
+    assert tts_worker.resolve_voice("cleo") == 2
+    assert tts_worker.resolve_voice("alloy") == 0 and tts_worker.resolve_voice("Ash") == 1
+    with pytest.raises(ValueError) as e:
+        tts_worker.resolve_voice("bob")
+    assert all(v in str(e.value) for v in ["amy", "ben", "cleo", "alloy", "verse"])
+
+
+def test_tts_speaks_a_sentence(tts_worker):
+    (chunk,) = tts_worker.synthesize(tts.SpeechRequest("Hello world.", voice="echo"), StepContext())
+    assert chunk.dtype == np.float32 and chunk.ndim == 1 and len(chunk) > tts_worker.sample_rate // 10
+    assert np.isfinite(chunk).all()
+
+
+def test_tts_long_input_streams_one_sentence_per_step(tts_worker):
+    assert tts.split_sentences(LONG_TEXT) == [
+        "The first sentence is here.",
+        "Is this the second one?",
+        "Yes!",
+        "And a fourth line, with a comma.",
+    ]
+    ctx = StepContext()
+    chunks = tts_worker.synthesize(tts.SpeechRequest(LONG_TEXT), ctx)
+    first = next(chunks)
+    assert ctx.steps == 1 and len(first) > 0  # made and handed over before the rest
+    assert len(list(chunks)) == 3 and ctx.steps == 4
+
+
+def test_tts_splits_overlong_sentences():
+    pieces = tts.split_sentences("word " * 200, max_chars=100)
+    assert len(pieces) > 1 and all(len(p) <= 100 for p in pieces)
+
+
+def test_tts_cancel_between_sentences(tts_worker):
+    chunks = tts_worker.synthesize(tts.SpeechRequest(LONG_TEXT), cancel_at(2))
+    next(chunks)
+    with pytest.raises(Cancelled):
+        next(chunks)
+
+
+def test_tts_speed(tts_worker):
+    def length(speed: float) -> int:
+        return sum(map(len, tts_worker.synthesize(tts.SpeechRequest("Speed test here.", speed=speed), StepContext())))
+
+    assert length(2.0) < length(1.0) < length(0.5)
+    with pytest.raises(ValueError, match="speed"):
+        tts_worker.synthesize(tts.SpeechRequest("hi", speed=5.0), StepContext())
+    with pytest.raises(ValueError, match="speakable"):
+        tts_worker.synthesize(tts.SpeechRequest(" ?! "), StepContext())
+
+
+@pytest.mark.parametrize("fmt", audio.supported_speech_formats())
+def test_speech_formats_encode_and_decode(tts_worker, fmt):
+    chunks = list(tts_worker.synthesize(tts.SpeechRequest("One. Two."), StepContext()))
+    n, sr = sum(map(len, chunks)), tts_worker.sample_rate
+    parts = list(audio.encode_stream(chunks, sr, fmt))
+    data = b"".join(parts)
+    if fmt == "pcm":
+        assert len(data) == 2 * n and len(parts) == 2
+        return
+    if fmt == "wav":
+        assert len(parts) == 3 and parts[0] == audio.wav_stream_header(sr) and len(parts[0]) == 44
+    x, rate = sf.read(io.BytesIO(data), dtype="float32")
+    if fmt in ("wav", "flac"):
+        assert rate == sr and len(x) == n
+        assert np.abs(x - np.clip(np.concatenate(chunks), -1, 1)).max() < 1e-3
+    else:  # lossy codecs add encoder delay/padding and may change the rate
+        assert abs(len(x) / rate - n / sr) < 0.1
+
+
+def test_speech_formats_include_the_basics():
+    assert {"wav", "flac", "pcm"} <= set(audio.supported_speech_formats())
+    with pytest.raises(ValueError, match="supported"):
+        audio.encode_audio(np.zeros(10, np.float32), 16000, "aac")
+
+
+def test_time_stretch_keeps_pitch():
+    sr = 16000
+    x = np.sin(2 * np.pi * 440 * np.arange(sr) / sr).astype(np.float32)
+    for rate in (0.5, 2.0):
+        y = audio.time_stretch(x, rate)
+        assert len(y) == round(sr / rate)
+        assert abs(np.argmax(np.abs(np.fft.rfft(y))) * sr / len(y) - 440) < 5
+
+
+@pytest.fixture(scope="module")
+def speecht5_worker(tmp_path_factory) -> tts.TTSWorker:
+    """A tiny SpeechT5 folder: model, char tokenizer, HiFi-GAN vocoder, two speaker x-vectors."""
+    from safetensors.torch import save_file
+    from tokenizers import Tokenizer, models, processors
+    from transformers import PreTrainedTokenizerFast, SpeechT5Config, SpeechT5ForTextToSpeech
+    from transformers import SpeechT5HifiGan, SpeechT5HifiGanConfig
+
+    path = tmp_path_factory.mktemp("models") / "tiny-speecht5"
+    torch.manual_seed(0)
+    chars = ["<pad>", "</s>", "<unk>", *" abcdefghijklmnopqrstuvwxyz'.,!?"]
+    backend = Tokenizer(models.BPE(vocab={c: i for i, c in enumerate(chars)}, merges=[], unk_token="<unk>"))
+    backend.post_processor = processors.TemplateProcessing(single="$A </s>", special_tokens=[("</s>", 1)])
+    tokenizer = PreTrainedTokenizerFast(tokenizer_object=backend, pad_token="<pad>", eos_token="</s>", unk_token="<unk>")
+    config = SpeechT5Config(
+        vocab_size=len(chars), hidden_size=32, encoder_layers=1, decoder_layers=1, encoder_attention_heads=2,
+        decoder_attention_heads=2, encoder_ffn_dim=64, decoder_ffn_dim=64, speech_decoder_prenet_units=32,
+        speech_decoder_postnet_units=32, speech_decoder_postnet_layers=2, speaker_embedding_dim=16,
+        pad_token_id=0, eos_token_id=1, bos_token_id=1, decoder_start_token_id=1,
+    )  # fmt: skip
+    model = SpeechT5ForTextToSpeech(config)
+    with torch.no_grad():  # never stop early: run to maxlenratio so the output has some length
+        model.speech_decoder_postnet.prob_out.bias.fill_(-20.0)
+    model.save_pretrained(path)
+    tokenizer.save_pretrained(path)
+    vocoder = SpeechT5HifiGanConfig(
+        upsample_initial_channel=16, upsample_rates=[4, 4, 4, 4], upsample_kernel_sizes=[8, 8, 8, 8],
+        resblock_kernel_sizes=[3], resblock_dilation_sizes=[[1, 3]], sampling_rate=16000,
+    )  # fmt: skip
+    SpeechT5HifiGan(vocoder).save_pretrained(path / "vocoder")
+    save_file({"xena": torch.randn(16), "yuri": torch.randn(16)}, str(path / "speakers.safetensors"))
+    worker = tts.TTSWorker(ModelSpec("tiny-speecht5", "tts", path))
+    worker.load(CPU)
+    return worker
+
+
+def test_speecht5_family(speecht5_worker):
+    w = speecht5_worker
+    assert w.family == "speecht5" and w.voices == ["xena", "yuri"] and w.sample_rate == 16000
+    assert w.resolve_voice("ash") == 1 and len(w.modules()) == 2
+    ctx = StepContext()
+    chunks = list(w.synthesize(tts.SpeechRequest("Hi there. Bye.", voice="yuri"), ctx))
+    assert ctx.steps == 2 and all(len(c) > 0 and c.dtype == np.float32 for c in chunks)
+    (normal,) = w.synthesize(tts.SpeechRequest("Hi there."), StepContext())
+    (fast,) = w.synthesize(tts.SpeechRequest("Hi there.", speed=2.0), StepContext())
+    assert len(fast) == round(len(normal) / 2)
+
+
+def test_tts_demo_folder_is_self_describing(tts_worker):
+    folder = Path(tts_worker.spec.path)
+    assert json.loads((folder / "voices.json").read_text()) == tts_worker.voices
+    assert json.loads((folder / "config.json").read_text())["model_type"] == "vits"
+
+
+# ---------------------------------------------------------------- transcription
+
+
+@pytest.fixture(scope="module")
+def stt_worker(tmp_path_factory) -> stt.STTWorker:
+    path = stt.build_demo(tmp_path_factory.mktemp("models") / "tiny-stt")
+    worker = stt.STTWorker(ModelSpec("tiny-stt", "stt", path))
+    worker.load(CPU)
+    return worker
+
+
+def _tone(seconds: float, sr: int, channels: int = 1) -> np.ndarray:
+    t = np.arange(int(seconds * sr)) / sr
+    x = 0.3 * np.sin(2 * np.pi * (200 + 50 * t) * t) * (1 + np.sin(2 * np.pi * 0.5 * t)) / 2
+    return np.stack([x, 0.5 * x][:channels], axis=1).astype(np.float32)
+
+
+def test_stt_transcribes_a_44k_stereo_wav(stt_worker):
+    buf = io.BytesIO()
+    sf.write(buf, _tone(5.0, 44100, channels=2), 44100, format="WAV")
+    x, sr = audio.decode_audio(buf.getvalue())
+    assert sr == 44100 and x.ndim == 1 and len(x) == 5 * 44100
+    x = audio.resample(x, sr, stt_worker.sample_rate)
+    assert len(x) == 5 * 16000
+    ctx = StepContext()
+    result = stt_worker.transcribe(x, stt.TranscriptionRequest(), ctx)
+    assert ctx.steps == 1 and isinstance(result.text, str)
+    assert result.duration == pytest.approx(5.0)
+    assert result.language is not None and re.fullmatch(r"[a-z]{2,3}|haw|yue", result.language)
+    assert result.segments and all(0 <= s.start <= s.end <= 5.0 for s in result.segments)
+    assert [s.id for s in result.segments] == list(range(len(result.segments)))
+
+
+def test_stt_options(stt_worker):
+    x = _tone(3.0, 16000)[:, 0]
+    req = stt.TranscriptionRequest(language="fr", prompt="Glossary: tiergate, Whisper.", temperature=0.8)
+    assert stt_worker.transcribe(x, req, StepContext()).language == "fr"
+    long_prompt = stt.TranscriptionRequest(language="English", prompt="word " * 1000)
+    assert stt_worker.transcribe(x, long_prompt, StepContext()).language == "en"
+    with pytest.raises(ValueError, match="unsupported language 'xx'; supported: af, am, ar"):
+        stt_worker.transcribe(x, stt.TranscriptionRequest(language="xx"), StepContext())
+    with pytest.raises(ValueError, match="no audio"):
+        stt_worker.transcribe(x[:0], stt.TranscriptionRequest(), StepContext())
+
+
+def test_stt_long_audio_is_windowed(stt_worker):
+    x = _tone(65.0, 16000)[:, 0]
+    ctx = StepContext()
+    result = stt_worker.transcribe(x, stt.TranscriptionRequest(language="en"), ctx)
+    assert ctx.steps == 3 and result.duration == pytest.approx(65.0)
+    starts = [s.start for s in result.segments]
+    assert starts == sorted(starts) and all(s.start <= s.end for s in result.segments)
+    assert any(s < 30 for s in starts) and any(30 <= s < 60 for s in starts) and any(s >= 60 for s in starts)
+
+
+def test_stt_cancel_between_windows(stt_worker):
+    with pytest.raises(Cancelled):
+        stt_worker.transcribe(_tone(65.0, 16000)[:, 0], stt.TranscriptionRequest(language="en"), cancel_at(2))
+
+
+def test_windows_cut_at_silence():
+    sr = 16000
+    x = _tone(50.0, sr)[:, 0].copy()
+    x[int(27.0 * sr) : int(27.3 * sr)] = 0.0
+    (s0, e0), (s1, e1) = stt.split_windows(x, sr, 30.0)
+    assert s0 == 0 and e0 == s1 and e1 == len(x)
+    assert 27.0 <= e0 / sr <= 27.3
+
+
+@pytest.mark.parametrize("data", [b"", b"not audio at all", b"RIFF\x00\x00\x00\x00WAVEfmt junk"])
+def test_decode_rejects_non_audio(data):
+    with pytest.raises(ValueError, match="audio"):
+        audio.decode_audio(data)
+
+
+def test_decode_flac_and_ogg():
+    for fmt in ("FLAC", "OGG"):
+        buf = io.BytesIO()
+        sf.write(buf, _tone(1.0, 22050), 22050, format=fmt)
+        x, sr = audio.decode_audio(buf.getvalue())
+        assert sr == 22050 and x.dtype == np.float32 and abs(len(x) - 22050) < 100
+
+
+def test_subtitles():
+    segs = [stt.Segment(0, 0.0, 1.5, " Hello."), stt.Segment(1, 1.5, 3723.042, "World.")]
+    srt = audio.to_srt(segs)
+    cues = re.findall(r"(\d+)\n(\d{2}:\d{2}:\d{2},\d{3}) --> (\d{2}:\d{2}:\d{2},\d{3})\n(.+)\n", srt)
+    assert cues == [("1", "00:00:00,000", "00:00:01,500", "Hello."), ("2", "00:00:01,500", "01:02:03,042", "World.")]
+    vtt = audio.to_vtt(segs)
+    assert vtt.startswith("WEBVTT\n\n")
+    cues = re.findall(r"(\d{2}:\d{2}:\d{2}\.\d{3}) --> (\d{2}:\d{2}:\d{2}\.\d{3})\n(.+)\n", vtt)
+    assert cues == [("00:00:00.000", "00:00:01.500", "Hello."), ("00:00:01.500", "01:02:03.042", "World.")]
+
+
+def test_demo_builds_are_deterministic(tmp_path):
+    from safetensors.torch import load_file
+
+    builds = [
+        (image.build_demo, "unet/diffusion_pytorch_model.safetensors"),
+        (tts.build_demo, "model.safetensors"),
+        (stt.build_demo, "model.safetensors"),
+    ]
+    for build, weights in builds:
+        a, b = build(tmp_path / f"{build.__module__}-a", seed=3), build(tmp_path / f"{build.__module__}-b", seed=3)
+        wa, wb = load_file(a / weights), load_file(b / weights)
+        assert wa.keys() == wb.keys() and all(torch.equal(wa[k], wb[k]) for k in wa)
+
+
+def test_workers_free_their_weights(stt_worker, tts_worker):
+    for cls, loaded in ((stt.STTWorker, stt_worker), (tts.TTSWorker, tts_worker)):
+        worker = cls(loaded.spec)  # a second worker, so the module fixtures stay loaded
+        assert worker.modules() == []
+        worker.load(CPU)
+        assert worker.modules()
+        worker.unload()
+        assert worker.modules() == []
