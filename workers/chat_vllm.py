@@ -1,0 +1,405 @@
+"""Chat on vLLM: one long-lived ``AsyncLLM`` per model, priority-scheduled, streaming deltas.
+
+vLLM owns the batching: its engine core runs in a spawned process, schedules by
+``(priority, arrival)`` (``scheduling_policy="priority"``: lower number first, which is tiergate's
+tier rank), and streams ``RequestOutputKind.DELTA`` outputs that this module turns into
+``TextDelta`` events and one final ``ChatFinished``.
+
+Where vLLM differs from the transformers worker (``workers.chat``):
+
+* Cancellation. Closing the ``chat()`` iterator (client gone) or cancelling its task aborts the
+  request in the engine at once. ``req.ctx.cancel()`` is also honoured: it is checked at every
+  output and, while the request is still queued and produces none, by a watcher every 50 ms.
+* Pausing. vLLM cannot hold one row of its batch. When ``req.ctx.must_pause()`` turns true the
+  request is aborted (its KV blocks are freed), the tokens generated so far are kept, and once the
+  pause lifts it is resubmitted as prompt + generated tokens with the remaining budget, as the
+  transformers worker re-prefills. Not carried over a pause: a stop string split across it, and
+  the sampler state (a seeded request is reproducible only when it is not paused).
+* LoRA. vLLM's CPU LoRA kernels (``vllm.lora.ops.torch_ops``) index the adapter stack with the
+  row's slot, and rows without an adapter carry slot ``-1``, which Python indexing turns into the
+  LAST slot: once an adapter has ever been activated in the last slot (vLLM only clears a slot's
+  bookkeeping on eviction, not its weights), every base-model row is computed with that adapter.
+  So the engine gives vLLM ``max_loras + 1`` slots and keeps at most ``max_loras`` adapters
+  resident itself, evicting an idle one (``remove_lora``) before a new one is used: activation
+  takes the lowest free slot, so the last slot stays empty and zero.
+
+Configuration: ``kv_cache_bytes`` is passed as vLLM's ``kv_cache_memory_bytes`` on every platform
+(vLLM 0.32 honours it on CPU too; the legacy env ``VLLM_CPU_KVCACHE_SPACE``, in whole GiB, still
+overrides it there when set). Without a cap vLLM on CPU asks for 92% of RAM and refuses to start.
+Scripts that start an engine need an ``if __name__ == "__main__":`` guard: the engine core is a
+spawned process that re-imports the main module.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import itertools
+import os
+import time
+import uuid
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, AsyncIterator
+
+from workers.base import (
+    Cancelled,
+    ChatEvent,
+    ChatFinished,
+    ChatRequest,
+    ModelSpec,
+    TextDelta,
+)
+from workers.chat import ContextTooLong  # one error type for both chat engines (HTTP 400)
+
+# The gateway never talks to a model hub: every model is a local folder. Set before vLLM (and
+# huggingface_hub) read it; the spawned engine core inherits it.
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
+
+LoraRef = tuple[str, int, str]  # (name, int_id >= 1, local adapter folder)
+
+_CANCEL_POLL_S = 0.05
+_PAUSE_POLL_S = 0.02
+
+
+def vllm_available() -> bool:
+    try:
+        import vllm  # noqa: F401
+    except Exception:
+        return False
+    return True
+
+
+@dataclass
+class _Resident:
+    """One adapter that the engine keeps loaded (it occupies one of vLLM's GPU/CPU slots)."""
+
+    lora_id: int
+    users: int = 0
+    last_used: float = 0.0
+
+
+class VllmChatEngine:
+    """A chat model served by one ``vllm.v1.engine.async_llm.AsyncLLM``.
+
+    ``await start()`` (tens of seconds: spawns the engine core and loads the weights),
+    ``chat(req, lora)`` any number of times concurrently, ``await shutdown()`` to free the engine's
+    processes and memory. A new engine may be started in the same process afterwards.
+    """
+
+    kind = "chat"
+
+    def __init__(
+        self,
+        spec: ModelSpec,
+        *,
+        max_model_len: int = 2048,
+        kv_cache_bytes: int | None = 1 << 30,
+        gpu_memory_utilization: float | None = None,
+        dtype: str = "auto",
+        max_num_seqs: int = 8,
+        enforce_eager: bool | None = None,
+        enable_lora: bool = False,
+        max_loras: int = 1,
+        max_lora_rank: int = 16,
+        seed: int = 0,
+        engine_args: dict[str, Any] | None = None,
+    ) -> None:
+        """``kv_cache_bytes``: KV-cache budget (``None``: vLLM's own sizing from
+        ``gpu_memory_utilization``). ``dtype="auto"``: float32 on CPU, the checkpoint's dtype
+        elsewhere. ``enforce_eager=None``: True on CPU (no graphs to capture there), vLLM's
+        default elsewhere. ``max_loras``: adapters resident at once (vLLM gets one slot more,
+        see the module doc). ``engine_args``: further ``AsyncEngineArgs`` fields, verbatim."""
+        if spec.kind != "chat":
+            raise ValueError(f"{spec.name}: a vLLM engine serves chat models, not {spec.kind}")
+        if enable_lora and max_loras < 1:
+            raise ValueError("max_loras must be >= 1 when LoRA is enabled")
+        self.spec = spec
+        self.max_model_len = max_model_len
+        self.kv_cache_bytes = kv_cache_bytes
+        self.gpu_memory_utilization = gpu_memory_utilization
+        self.dtype = dtype
+        self.max_num_seqs = max_num_seqs
+        self.enforce_eager = enforce_eager
+        self.enable_lora = enable_lora
+        self.max_loras = max_loras
+        self.max_lora_rank = max_lora_rank
+        self.seed = seed
+        self.extra_engine_args = dict(engine_args or {})
+
+        self.tokenizer = None
+        self._llm = None  # vllm AsyncLLM
+        self._ids = itertools.count()
+        self._tag = uuid.uuid4().hex[:8]
+        self._inflight: set[str] = set()
+        # LoRA residency (see the module doc): name -> _Resident, guarded by _lora_cond.
+        self._resident: dict[str, _Resident] = {}
+        self._lora_cond: asyncio.Condition | None = None
+        self.start_seconds: float | None = None
+        self.shutdown_seconds: float | None = None
+
+    # -- lifecycle ---------------------------------------------------------------------------
+    @property
+    def started(self) -> bool:
+        return self._llm is not None
+
+    def engine_args(self):
+        """The ``AsyncEngineArgs`` this engine starts with (imports vLLM)."""
+        from vllm.engine.arg_utils import AsyncEngineArgs
+        from vllm.platforms import current_platform
+
+        on_cpu = current_platform.is_cpu()
+        kwargs: dict[str, Any] = dict(
+            model=str(self.spec.path),
+            tokenizer=str(self.spec.path),
+            served_model_name=self.spec.name,
+            max_model_len=self.max_model_len,
+            max_num_seqs=self.max_num_seqs,
+            scheduling_policy="priority",
+            seed=self.seed,
+            dtype=("float32" if on_cpu else "auto") if self.dtype == "auto" else self.dtype,
+            enforce_eager=on_cpu if self.enforce_eager is None else self.enforce_eager,
+            disable_log_stats=True,
+            enable_log_requests=False,
+            # The model folder's generation_config.json must not change ChatParams' meaning.
+            generation_config="vllm",
+        )
+        if self.kv_cache_bytes is not None:
+            kwargs["kv_cache_memory_bytes"] = int(self.kv_cache_bytes)
+        if self.gpu_memory_utilization is not None:
+            kwargs["gpu_memory_utilization"] = self.gpu_memory_utilization
+        if self.enable_lora:
+            kwargs.update(
+                enable_lora=True,
+                max_loras=self.max_loras + 1,  # one slot always empty: see the module doc
+                max_cpu_loras=self.max_loras + 1,
+                max_lora_rank=self.max_lora_rank,
+            )
+        kwargs.update(self.extra_engine_args)
+        return AsyncEngineArgs(**kwargs)
+
+    async def start(self) -> None:
+        if self._llm is not None:
+            return
+        from transformers import AutoTokenizer
+        from vllm.v1.engine.async_llm import AsyncLLM
+
+        t0 = time.perf_counter()
+        self._check_head_size()
+        self._lora_cond = asyncio.Condition()
+        self.tokenizer = await asyncio.to_thread(AutoTokenizer.from_pretrained, str(self.spec.path))
+        args = self.engine_args()
+        # Blocking for the whole start-up (engine core spawn, weights, KV allocation): keep it
+        # off the event loop.
+        self._llm = await asyncio.to_thread(AsyncLLM.from_engine_args, args)
+        self.start_seconds = time.perf_counter() - t0
+
+    def _check_head_size(self) -> None:
+        """vLLM's CPU attention supports a fixed set of head sizes (32, 64, 80, ...), and 0.32
+        does not check it at start-up: the first request kills the engine core ("Unsupported
+        CPU attention configuration: head_dim=16"). Refuse such a model before spawning."""
+        import json
+
+        from vllm.platforms import current_platform
+
+        if not current_platform.is_cpu():
+            return
+        from vllm.v1.attention.backends.cpu_attn import CPUAttentionBackend
+
+        cfg = json.loads((Path(self.spec.path) / "config.json").read_text())
+        cfg = cfg.get("text_config", cfg)
+        head = cfg.get("head_dim") or cfg["hidden_size"] // cfg["num_attention_heads"]
+        supported = CPUAttentionBackend.get_supported_head_sizes()
+        if head not in supported:
+            raise ValueError(
+                f"{self.spec.name}: head size {head} is not supported by vLLM's CPU attention "
+                f"(supported: {supported})"
+            )
+
+    async def shutdown(self) -> None:
+        llm, self._llm = self._llm, None
+        if llm is None:
+            return
+        t0 = time.perf_counter()
+        if self._inflight:
+            await llm.abort(list(self._inflight))
+        await asyncio.to_thread(llm.shutdown)
+        self._resident.clear()
+        self.shutdown_seconds = time.perf_counter() - t0
+
+    # -- introspection -----------------------------------------------------------------------
+    def num_unfinished(self) -> int:
+        """Requests the engine still tracks (queued or running), as its front end counts them."""
+        return 0 if self._llm is None else self._llm.get_num_unfinished_requests()
+
+    @property
+    def inflight(self) -> int:
+        """``chat()`` calls of this engine that have a request in vLLM now."""
+        return len(self._inflight)
+
+    def resident_loras(self) -> list[str]:
+        return sorted(self._resident)
+
+    # -- requests ----------------------------------------------------------------------------
+    def encode(self, messages: list[dict]) -> list[int]:
+        """Prompt token ids: the model's chat template with the generation prompt. The template
+        writes the special tokens itself (bos), so the text is encoded without adding any."""
+        text = self.tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=False)
+        return list(self.tokenizer(text, add_special_tokens=False)["input_ids"])
+
+    async def chat(
+        self,
+        req: ChatRequest,
+        lora: LoraRef | None = None,
+        *,
+        ignore_eos: bool = False,
+    ) -> AsyncIterator[ChatEvent]:
+        """Stream the reply to ``req``: ``TextDelta``s, then one ``ChatFinished``.
+
+        ``lora``: ``(name, int_id, path)`` of a peft adapter folder to apply to this request only.
+        ``ignore_eos``: generate exactly ``max_tokens`` (benchmarks and tests).
+        Closing the iterator or cancelling its task aborts the request in the engine;
+        ``req.ctx.cancel()`` does too and makes the iterator raise ``Cancelled``.
+        """
+        if self._llm is None:
+            raise RuntimeError(f"{self.spec.name}: engine not started")
+        if lora is not None and not self.enable_lora:
+            raise ValueError(f"{self.spec.name}: LoRA requested but the engine has enable_lora=False")
+        from vllm.sampling_params import RequestOutputKind, SamplingParams
+
+        p = req.params
+        prompt_ids = self.encode(req.messages)
+        if len(prompt_ids) + p.max_tokens > self.max_model_len:
+            raise ContextTooLong(
+                f"prompt ({len(prompt_ids)} tokens) plus max_tokens ({p.max_tokens}) exceeds "
+                f"the engine's max_model_len of {self.max_model_len}"
+            )
+        ctx = req.ctx
+        if ctx.cancelled:
+            raise Cancelled()
+
+        lora_request = await self._acquire_lora(lora) if lora is not None else None
+        generated: list[int] = []
+        try:
+            while True:  # one pass per submission; a pause ends a pass and resubmits
+                remaining = p.max_tokens - len(generated)
+                sp = SamplingParams(
+                    max_tokens=remaining,
+                    temperature=p.temperature,
+                    top_p=p.top_p,
+                    stop=list(p.stop) or None,
+                    seed=p.seed,
+                    ignore_eos=ignore_eos,
+                    output_kind=RequestOutputKind.DELTA,
+                )
+                rid = f"{self._tag}-{next(self._ids)}"
+                outcome = None  # "finished" | "paused"
+                stream = self._llm.generate(
+                    {"prompt_token_ids": prompt_ids + generated},
+                    sp,
+                    rid,
+                    lora_request=lora_request,
+                    priority=req.priority,
+                )
+                self._inflight.add(rid)
+                watcher = asyncio.create_task(self._watch(ctx, rid))
+                try:
+                    async for out in stream:
+                        c = out.outputs[0]
+                        generated.extend(c.token_ids)
+                        ctx.steps += 1
+                        if c.text:
+                            yield TextDelta(c.text)
+                        if out.finished:
+                            outcome = "finished"
+                            if c.finish_reason == "abort" or ctx.cancelled:
+                                # Aborted by the watcher (cancel or pause) or by shutdown().
+                                if ctx.cancelled or self._llm is None:
+                                    raise Cancelled()
+                                outcome = "paused"
+                                break
+                            reason = "length" if c.finish_reason == "length" else "stop"
+                            yield ChatFinished(reason, len(prompt_ids), len(generated))
+                            return
+                        if ctx.cancelled:
+                            raise Cancelled()
+                        if ctx.must_pause():
+                            outcome = "paused"
+                            break
+                finally:
+                    watcher.cancel()
+                    # Closing vLLM's generator while it is suspended aborts the request there;
+                    # the explicit abort covers the other exits (a no-op for finished ids).
+                    await stream.aclose()
+                    if outcome != "finished":
+                        await self._llm.abort(rid)
+                    self._inflight.discard(rid)
+                if outcome != "paused":
+                    raise RuntimeError(f"request {rid}: the engine's stream ended without finishing")
+                while ctx.must_pause():
+                    if ctx.cancelled:
+                        raise Cancelled()
+                    await asyncio.sleep(_PAUSE_POLL_S)
+                if ctx.cancelled:
+                    raise Cancelled()
+                if len(generated) >= p.max_tokens:
+                    yield ChatFinished("length", len(prompt_ids), len(generated))
+                    return
+        finally:
+            if lora is not None:
+                await self._release_lora(lora[0])
+
+    async def _watch(self, ctx, rid: str) -> None:
+        """Abort ``rid`` when its context is cancelled or asks to pause while it yields no
+        output (queued behind others, or a long prefill)."""
+        while True:
+            await asyncio.sleep(_CANCEL_POLL_S)
+            if ctx.cancelled or ctx.must_pause():
+                if self._llm is not None:
+                    await self._llm.abort(rid)
+                return
+
+    # -- LoRA residency ----------------------------------------------------------------------
+    async def _acquire_lora(self, lora: LoraRef):
+        """Make ``lora`` resident (evicting an idle adapter when all ``max_loras`` are taken,
+        waiting while every resident one is in use) and count this request as its user."""
+        from vllm.lora.request import LoRARequest
+
+        name, lora_id, path = lora
+        assert self._lora_cond is not None
+        async with self._lora_cond:
+            while True:
+                res = self._resident.get(name)
+                if res is not None:
+                    if res.lora_id != lora_id:
+                        raise ValueError(f"LoRA {name!r} is resident with id {res.lora_id}, not {lora_id}")
+                    break
+                if any(r.lora_id == lora_id for r in self._resident.values()):
+                    raise ValueError(f"LoRA id {lora_id} is already used by another adapter")
+                if len(self._resident) < self.max_loras:
+                    res = self._resident[name] = _Resident(lora_id)
+                    break
+                idle = [(r.last_used, n) for n, r in self._resident.items() if r.users == 0]
+                if idle:
+                    _, victim = min(idle)
+                    await self._llm.remove_lora(self._resident.pop(victim).lora_id)
+                    continue
+                await self._lora_cond.wait()
+            res.users += 1
+            res.last_used = time.monotonic()
+        return LoRARequest(lora_name=name, lora_int_id=lora_id, lora_path=str(path))
+
+    async def _release_lora(self, name: str) -> None:
+        assert self._lora_cond is not None
+        async with self._lora_cond:
+            res = self._resident.get(name)
+            if res is not None:
+                res.users -= 1
+                res.last_used = time.monotonic()
+                if res.users == 0:
+                    # Few waiters, and any of them may be able to go: wake them all.
+                    self._lora_cond.notify_all()
+
+
+__all__ = ["VllmChatEngine", "ContextTooLong", "LoraRef", "vllm_available"]
+
