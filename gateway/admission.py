@@ -229,6 +229,8 @@ class Gate:
             while queue and self._can_start(policy):
                 waiter, _ = queue.popitem(last=False)
                 self._queued_cost[policy.name] -= waiter.ticket.cost
+                if waiter.future.done():  # cancelled, its task not yet run: it has left
+                    continue
                 now = self.clock()
                 waiter.ticket.queued_s = now - waiter.arrived
                 self._start(waiter.ticket, now)

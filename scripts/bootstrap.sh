@@ -1,0 +1,38 @@
+# Sourced by scripts/serve and scripts/test: makes sure the virtual environment exists and holds
+# tiergate with what it needs. Safe to run again: it only installs what is missing or changed.
+#   $1: the pip extras to install ("" for serving, "test" for the suite)
+set -euo pipefail
+ROOT="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
+VENV="${TIERGATE_VENV:-$ROOT/.venv}"
+EXTRAS="${1:-}"
+PY="$VENV/bin/python"
+
+has_cuda() { command -v nvidia-smi >/dev/null 2>&1 && nvidia-smi -L >/dev/null 2>&1; }
+
+if [ ! -x "$PY" ]; then
+  echo "tiergate: creating $VENV" >&2
+  python3 -m venv "$VENV"
+fi
+PIP=("$PY" -m pip install -q --disable-pip-version-check)
+
+# torch first: the CPU build where there is no CUDA (this pin lies on disk here), so nothing that
+# depends on torch later makes pip fetch a multi-GB CUDA build.
+if ! "$PY" -c "import torch" >/dev/null 2>&1; then
+  if has_cuda; then
+    echo "tiergate: installing torch (CUDA)" >&2
+    "${PIP[@]}" torch
+  else
+    echo "tiergate: installing torch 2.13.0 (CPU)" >&2
+    "${PIP[@]}" "torch==2.13.0"
+  fi
+fi
+
+# The project itself, again whenever pyproject.toml changes.
+STAMP="$VENV/.tiergate-installed"
+WANT="$(sha256sum "$ROOT/pyproject.toml" | cut -c1-16)-$EXTRAS"
+if [ "$(cat "$STAMP" 2>/dev/null)" != "$WANT" ]; then
+  echo "tiergate: installing tiergate${EXTRAS:+[$EXTRAS]} and its dependencies" >&2
+  "${PIP[@]}" -e "$ROOT${EXTRAS:+[$EXTRAS]}"
+  echo "$WANT" > "$STAMP"
+fi
+export PATH="$VENV/bin:$PATH"

@@ -1,0 +1,96 @@
+"""Test helpers: a real uvicorn server on 127.0.0.1 in a background thread, on a spare port."""
+
+from __future__ import annotations
+
+import asyncio
+import socket
+import threading
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+import uvicorn
+
+from gateway.app import build_services, create_app
+from gateway.auth import KeyRing
+from gateway.config import load_config
+from gateway.routes import extra_routes
+from gateway.service import Services
+
+
+def spare_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+@dataclass
+class RunningServer:
+    url: str
+    keys: dict[str, str]
+    services: Services
+    server: uvicorn.Server
+    thread: threading.Thread
+
+    @property
+    def base_url(self) -> str:
+        return f"{self.url}/v1"
+
+    def call(self, fn, *args):
+        """Run ``fn(*args)`` on the server's event loop (for inspecting its state safely)."""
+        fut = asyncio.run_coroutine_threadsafe(_as_coro(fn, *args), self.loop)
+        return fut.result(10)
+
+    def stop(self) -> None:
+        self.server.should_exit = True
+        self.thread.join(30)
+
+
+async def _as_coro(fn, *args):
+    return fn(*args)
+
+
+TIERS = ["paid", "subscriber", "free", "batch"]
+
+
+def write_config(folder: Path, models: dict[str, tuple[str, Path]], extra: str = "") -> Path:
+    lines = ["tiers:"]
+    for t in TIERS:
+        lines += [f"  - name: {t}", f"    keys_env: TEST_KEYS_{t.upper()}", "    max_inflight: 4",
+                  "    max_queued: 64", "    latency_target_s: 600"]
+    lines.append("models:")
+    for name, (kind, path) in models.items():
+        lines += [f"  - name: {name}", f"    kind: {kind}", f"    path: {path}"]
+    lines += ["gpu:", "  device: cpu", "  vram_budget: 4GiB"]
+    path = folder / "tiers.yaml"
+    path.write_text("\n".join(lines) + "\n" + extra)
+    return path
+
+
+def start_server(config_path: Path, admin: bool = True) -> RunningServer:
+    config = load_config(config_path)
+    keys = {t: f"key-{t}-{i}" for i, t in enumerate(config.tier_names)}
+    if admin:
+        keys["admin"] = "key-admin"
+    ring = KeyRing({t: [keys[t]] for t in config.tier_names}, [keys["admin"]] if admin else [])
+    services = build_services(config, ring)
+    app = create_app(services, extra_routes(services))
+    port = spare_port()
+    server = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=port, log_level="warning", lifespan="on"))
+    holder: dict = {}
+
+    def run() -> None:
+        loop = asyncio.new_event_loop()
+        holder["loop"] = loop
+        loop.run_until_complete(server.serve())
+
+    thread = threading.Thread(target=run, daemon=True)
+    thread.start()
+    deadline = time.time() + 30
+    while not server.started:
+        if time.time() > deadline or not thread.is_alive():
+            raise RuntimeError("server did not start")
+        time.sleep(0.02)
+    running = RunningServer(f"http://127.0.0.1:{port}", keys, services, server, thread)
+    running.loop = holder["loop"]
+    return running

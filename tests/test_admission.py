@@ -1,0 +1,217 @@
+"""The admission gate: ordering, direct hand-off, leaving, refusals, batch, cost model."""
+
+from __future__ import annotations
+
+import asyncio
+
+import pytest
+
+from gateway.admission import CostModel, Gate, Rejected, TierPolicy
+
+
+def tiers(max_queued=100, target=1000.0, inflight=100):
+    return [
+        TierPolicy("paid", 0, inflight, max_queued, target),
+        TierPolicy("subscriber", 1, inflight, max_queued, target),
+        TierPolicy("free", 2, inflight, max_queued, target),
+        TierPolicy("batch", 3, inflight, max_queued, target, is_batch=True),
+    ]
+
+
+class Clock:
+    def __init__(self):
+        self.t = 100.0
+
+    def __call__(self):
+        return self.t
+
+
+async def settle():
+    for _ in range(5):
+        await asyncio.sleep(0)
+
+
+def test_paid_queued_after_50_free_is_admitted_first():
+    async def main():
+        gate = Gate(tiers(), slots=1)
+        first = await gate.acquire("free", "m")
+        order = []
+
+        async def one(tier, i):
+            t = await gate.acquire(tier, "m")
+            order.append((tier, i))
+            gate.release(t)
+
+        tasks = [asyncio.create_task(one("free", i)) for i in range(50)]
+        await settle()
+        tasks.append(asyncio.create_task(one("paid", 0)))
+        await settle()
+        assert gate.queued("free") == 50 and gate.queued("paid") == 1
+        gate.release(first)
+        await asyncio.gather(*tasks)
+        return order
+
+    order = asyncio.run(main())
+    assert order[0] == ("paid", 0)
+    assert order[1:] == [("free", i) for i in range(50)]  # FIFO within the tier
+
+
+def test_slot_is_handed_over_directly_no_barging():
+    async def main():
+        gate = Gate(tiers(), slots=1)
+        held = await gate.acquire("free", "m")
+        waiter = asyncio.create_task(gate.acquire("free", "m"))
+        await settle()
+        gate.release(held)
+        # the waiter owns the slot before it has even run again
+        assert gate.inflight["free"] == 1 and gate.queued("free") == 0
+        newcomer = asyncio.create_task(gate.acquire("free", "m"))
+        await settle()
+        assert not newcomer.done()  # it queues behind: the slot is taken
+        t = await waiter
+        gate.release(t)
+        gate.release(await newcomer)
+
+    asyncio.run(main())
+
+
+def test_cancelled_waiter_leaves_the_queue():
+    async def main():
+        gate = Gate(tiers(), slots=1)
+        held = await gate.acquire("paid", "m")
+        a = asyncio.create_task(gate.acquire("free", "m"))
+        b = asyncio.create_task(gate.acquire("free", "m"))
+        await settle()
+        a.cancel()
+        await settle()
+        assert gate.queued("free") == 1
+        gate.release(held)
+        t = await b
+        assert gate.inflight["free"] == 1
+        gate.release(t)
+
+    asyncio.run(main())
+
+
+def test_slot_handed_to_a_waiter_that_is_leaving_passes_on():
+    async def main():
+        gate = Gate(tiers(), slots=1)
+        held = await gate.acquire("paid", "m")
+        a = asyncio.create_task(gate.acquire("free", "m"))
+        b = asyncio.create_task(gate.acquire("free", "m"))
+        await settle()
+        gate.release(held)  # hands the slot to a ...
+        a.cancel()  # ... which is cancelled before it runs again
+        with pytest.raises(asyncio.CancelledError):
+            await a
+        t = await asyncio.wait_for(b, 1)  # b got the slot a gave back
+        assert gate.inflight["free"] == 1
+        gate.release(t)
+        assert gate.total_inflight == 0
+
+    asyncio.run(main())
+
+
+def test_queue_full_is_rejected_with_retry_after():
+    async def main():
+        gate = Gate(tiers(max_queued=2), slots=1)
+        held = await gate.acquire("free", "m")
+        waiting = [asyncio.create_task(gate.acquire("free", "m")) for _ in range(2)]
+        await settle()
+        with pytest.raises(Rejected) as exc:
+            await gate.acquire("free", "m")
+        assert exc.value.reason == "queue_full"
+        assert 1 <= exc.value.retry_after <= 120
+        assert gate.rejected[("free", "queue_full")] == 1
+        for w in waiting:
+            w.cancel()
+        gate.release(held)
+
+    asyncio.run(main())
+
+
+def test_predicted_wait_over_target_is_rejected_at_once():
+    async def main():
+        clock = Clock()
+        costs = CostModel()
+        for _ in range(3):
+            costs.observe("m", 10, 4.0)  # 4 s per request
+        gate = Gate(tiers(target=10.0), slots=1, costs=costs, clock=clock)
+        held = await gate.acquire("free", "m", 10)
+        q = [asyncio.create_task(gate.acquire("free", "m", 10)) for _ in range(2)]
+        await settle()
+        # running 4 s + 2 queued x 4 s = 12 s > 10 s target
+        with pytest.raises(Rejected) as exc:
+            await gate.acquire("free", "m", 10)
+        assert exc.value.reason == "latency_target"
+        assert exc.value.retry_after == 2
+        # a paid request sees only its own tier's queue: 4 s of running work, admitted to wait
+        paid = asyncio.create_task(gate.acquire("paid", "m", 10))
+        await settle()
+        assert gate.queued("paid") == 1
+        for t in q + [paid]:
+            t.cancel()
+        gate.release(held)
+
+    asyncio.run(main())
+
+
+def test_retry_after_is_capped_at_120():
+    async def main():
+        costs = CostModel()
+        costs.observe("m", 1, 1000.0)
+        gate = Gate(tiers(target=1.0), slots=1, costs=costs, clock=Clock())
+        held = await gate.acquire("free", "m")
+        with pytest.raises(Rejected) as exc:
+            await gate.acquire("free", "m")
+        assert exc.value.retry_after == 120
+        gate.release(held)
+
+    asyncio.run(main())
+
+
+def test_batch_runs_only_while_others_are_idle():
+    async def main():
+        gate = Gate(tiers(), slots=4)
+        paid = await gate.acquire("paid", "m")
+        batch = asyncio.create_task(gate.acquire("batch", "m"))
+        await settle()
+        assert not batch.done()  # paid is running
+        gate.release(paid)
+        bt = await asyncio.wait_for(batch, 1)
+        # batch holds a slot but does not keep others out: it will yield at its next step
+        others = [await gate.acquire("free", "m") for _ in range(4)]
+        assert gate.inflight["free"] == 4
+        second = asyncio.create_task(gate.acquire("batch", "m"))
+        await settle()
+        assert not second.done()
+        for t in others:
+            gate.release(t)
+        gate.release(await asyncio.wait_for(second, 1))
+        gate.release(bt)
+
+    asyncio.run(main())
+
+
+def test_cost_model_fits_size_and_updates():
+    costs = CostModel(window=8, prior_s=1.0)
+    assert costs.predict("m", 100) == 1.0
+    for units in (10, 20, 30, 40):
+        costs.observe("m", units, 0.5 + 0.1 * units)
+    assert costs.predict("m", 100) == pytest.approx(10.5, rel=1e-6)
+    for _ in range(8):  # the window forgets the old regime
+        costs.observe("m", 50, 1.0)
+    assert costs.predict("m", 100) == pytest.approx(1.0)
+
+
+def test_rate_headers_count_the_tier():
+    async def main():
+        gate = Gate(tiers(max_queued=5, inflight=3), slots=10)
+        t = await gate.acquire("free", "m")
+        h = gate.rate_headers("free", 3)
+        assert h["x-ratelimit-limit-requests"] == "8"
+        assert h["x-ratelimit-remaining-requests"] == "7"
+        assert h["x-ratelimit-reset-requests"] == "3s"
+        gate.release(t)
+
+    asyncio.run(main())

@@ -1,0 +1,171 @@
+"""The chat API through the official openai SDK and raw HTTP against a real uvicorn."""
+
+from __future__ import annotations
+
+import json
+
+import httpx
+import openai
+import pytest
+
+
+def client(server, tier="paid", **kw) -> openai.OpenAI:
+    return openai.OpenAI(base_url=server.base_url, api_key=server.keys[tier], max_retries=0, **kw)
+
+
+def test_sdk_chat_non_streaming(chat_server):
+    r = client(chat_server).chat.completions.create(
+        model="tiny-chat", messages=[{"role": "user", "content": "Hello"}], max_tokens=8, seed=7)
+    assert r.object == "chat.completion"
+    assert r.choices[0].finish_reason == "length"
+    assert r.usage.completion_tokens == 8
+    assert r.usage.prompt_tokens > 0
+    assert r.usage.total_tokens == r.usage.prompt_tokens + 8
+
+
+def test_sdk_chat_streaming_with_usage(chat_server):
+    stream = client(chat_server).chat.completions.create(
+        model="tiny-chat", messages=[{"role": "user", "content": "Hello"}], max_completion_tokens=6,
+        seed=3, stream=True, stream_options={"include_usage": True})
+    chunks = list(stream)
+    text = "".join(c.choices[0].delta.content or "" for c in chunks if c.choices)
+    finishes = [c.choices[0].finish_reason for c in chunks if c.choices and c.choices[0].finish_reason]
+    assert finishes == ["length"]
+    assert chunks[-1].usage is not None and chunks[-1].usage.completion_tokens == 6
+    # the same request without streaming gives the same text (same seed)
+    whole = client(chat_server).chat.completions.create(
+        model="tiny-chat", messages=[{"role": "user", "content": "Hello"}], max_completion_tokens=6, seed=3)
+    assert whole.choices[0].message.content == text
+
+
+def test_stream_ends_with_done(chat_server):
+    with httpx.stream("POST", f"{chat_server.base_url}/chat/completions",
+                      headers={"Authorization": f"Bearer {chat_server.keys['free']}"},
+                      json={"model": "tiny-chat", "messages": [{"role": "user", "content": "x"}],
+                            "max_tokens": 3, "stream": True}) as r:
+        assert r.status_code == 200
+        assert r.headers["content-type"].startswith("text/event-stream")
+        assert "x-ratelimit-limit-requests" in r.headers
+        lines = [ln for ln in r.iter_lines() if ln]
+    assert lines[-1] == "data: [DONE]"
+    assert all(ln.startswith("data: ") for ln in lines)
+
+
+def test_seed_and_temperature(chat_server):
+    c = client(chat_server)
+    msgs = [{"role": "user", "content": "Tell me"}]
+    a = c.chat.completions.create(model="tiny-chat", messages=msgs, max_tokens=12, seed=11, temperature=1.0)
+    b = c.chat.completions.create(model="tiny-chat", messages=msgs, max_tokens=12, seed=11, temperature=1.0)
+    d = c.chat.completions.create(model="tiny-chat", messages=msgs, max_tokens=12, seed=12, temperature=1.0)
+    assert a.choices[0].message.content == b.choices[0].message.content
+    g1 = c.chat.completions.create(model="tiny-chat", messages=msgs, max_tokens=12, temperature=0)
+    g2 = c.chat.completions.create(model="tiny-chat", messages=msgs, max_tokens=12, temperature=0, seed=99)
+    assert g1.choices[0].message.content == g2.choices[0].message.content  # greedy ignores the seed
+    assert len({a.choices[0].message.content, d.choices[0].message.content, g1.choices[0].message.content}) >= 2
+
+
+def test_stop_sequence_cuts_output(chat_server):
+    c = client(chat_server)
+    msgs = [{"role": "user", "content": "Count"}]
+    full = c.chat.completions.create(model="tiny-chat", messages=msgs, max_tokens=24, temperature=0).choices[0].message.content
+    # pick a stop string from the middle of the greedy output
+    stop = full[len(full) // 2: len(full) // 2 + 2]
+    assert stop
+    cut = c.chat.completions.create(model="tiny-chat", messages=msgs, max_tokens=24, temperature=0, stop=[stop])
+    assert cut.choices[0].finish_reason == "stop"
+    assert cut.choices[0].message.content == full[: full.index(stop)]
+
+
+def test_models_list(chat_server):
+    models = client(chat_server).models.list()
+    row = next(m for m in models.data if m.id == "tiny-chat")
+    assert row.model_extra["kind"] == "chat"
+    assert row.model_extra["place"] in ("resident", "warm", "cold")
+
+
+def _post(server, body, key="paid", raw=None, headers=None):
+    h = {"Authorization": f"Bearer {server.keys[key]}"} if key else {}
+    h.update(headers or {})
+    return httpx.post(f"{server.base_url}/chat/completions", headers=h,
+                      content=raw if raw is not None else json.dumps(body))
+
+
+def _error(r, status, code=None, param=None):
+    assert r.status_code == status, r.text
+    err = r.json()["error"]
+    assert set(err) == {"message", "type", "param", "code"}
+    assert isinstance(err["code"], str) and err["message"]
+    if code:
+        assert err["code"] == code
+    assert err["param"] == param
+    return err
+
+
+GOOD = {"model": "tiny-chat", "messages": [{"role": "user", "content": "hi"}], "max_tokens": 2}
+
+
+@pytest.mark.parametrize("body,param", [
+    ({**GOOD, "temperature": 5}, "temperature"),
+    ({**GOOD, "top_p": 0}, "top_p"),
+    ({**GOOD, "max_tokens": 0}, "max_tokens"),
+    ({**GOOD, "max_tokens": 65}, "max_tokens"),  # above limits.max_chat_tokens
+    ({**GOOD, "messages": []}, "messages"),
+    ({**GOOD, "messages": [{"role": "robot", "content": "x"}]}, "messages[0].role"),
+    ({**GOOD, "messages": [{"role": "user"}]}, "messages[0].content"),
+    ({**GOOD, "stop": ["a", "b", "c", "d", "e"]}, "stop"),
+    ({**GOOD, "n": 2}, "n"),
+    ({**GOOD, "bogus": 1}, "bogus"),
+    ({k: v for k, v in GOOD.items() if k != "model"}, "model"),
+])
+def test_bad_fields_are_400_with_param(chat_server, body, param):
+    _error(_post(chat_server, body), 400, param=param)
+
+
+def test_context_too_long_is_400(chat_server):
+    body = {**GOOD, "messages": [{"role": "user", "content": "word " * 600}], "max_tokens": 8}
+    _error(_post(chat_server, body), 400, "context_length_exceeded", "messages")
+
+
+def test_bad_json_is_400(chat_server):
+    _error(_post(chat_server, None, raw=b"{not json"), 400, "invalid_json")
+    _error(_post(chat_server, None, raw=b"[1, 2]"), 400, "invalid_json")
+
+
+def test_auth_errors_are_401(chat_server):
+    _error(_post(chat_server, GOOD, key=None), 401, "missing_api_key")
+    _error(_post(chat_server, GOOD, key=None, headers={"Authorization": "Bearer nope"}), 401, "invalid_api_key")
+    _error(_post(chat_server, GOOD, key=None, headers={"Authorization": "Basic abc"}), 401, "missing_api_key")
+    _error(httpx.get(f"{chat_server.base_url}/models"), 401, "missing_api_key")
+
+
+def test_unknown_model_and_route_are_404(chat_server):
+    _error(_post(chat_server, {**GOOD, "model": "gpt-9"}), 404, "model_not_found", "model")
+    _error(httpx.get(f"{chat_server.url}/v1/nothing-here"), 404, "not_found")
+
+
+def test_wrong_method_is_405(chat_server):
+    _error(httpx.get(f"{chat_server.base_url}/chat/completions"), 405, "method_not_allowed")
+
+
+def test_body_over_cap_is_413(chat_server):
+    big = {**GOOD, "messages": [{"role": "user", "content": "x" * 70_000}]}
+    _error(_post(chat_server, big), 413, "request_too_large")
+
+
+def test_keys_are_not_logged(chat_server, caplog):
+    caplog.set_level("DEBUG")
+    _post(chat_server, GOOD)
+    _post(chat_server, GOOD, key=None, headers={"Authorization": "Bearer secret-wrong-key"})
+    assert chat_server.keys["paid"] not in caplog.text
+    assert "secret-wrong-key" not in caplog.text
+
+
+def test_healthz_and_metrics(chat_server):
+    assert httpx.get(f"{chat_server.url}/healthz").json() == {"status": "ok"}
+    _post(chat_server, GOOD, key="subscriber")
+    text = httpx.get(f"{chat_server.url}/metrics").text
+    for name in ("tiergate_admitted_total", "tiergate_rejected_total", "tiergate_queued", "tiergate_in_flight",
+                 "tiergate_request_seconds_bucket", "tiergate_queue_wait_seconds_bucket"):
+        assert name in text
+    admitted = [ln for ln in text.splitlines() if ln.startswith('tiergate_admitted_total{tier="subscriber"}')]
+    assert admitted and float(admitted[0].split()[-1]) >= 1

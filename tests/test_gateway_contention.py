@@ -1,0 +1,137 @@
+"""The gate behind real HTTP: tier order under contention, 429 headers, leaving the queue."""
+
+from __future__ import annotations
+
+import asyncio
+import time
+
+import httpx
+import openai
+import pytest
+
+from tests.helpers import start_server, write_config
+
+
+@pytest.fixture(scope="module")
+def one_slot_server(tiny_chat, tmp_path_factory):
+    folder = tmp_path_factory.mktemp("one-slot")
+    config = write_config(folder, {"tiny-chat": ("chat", tiny_chat)}, "gate:\n  slots: 1\n")
+    # free may queue only 20; subscriber none at all
+    text = config.read_text().replace(
+        "  - name: subscriber\n    keys_env: TEST_KEYS_SUBSCRIBER\n    max_inflight: 4\n    max_queued: 64",
+        "  - name: subscriber\n    keys_env: TEST_KEYS_SUBSCRIBER\n    max_inflight: 4\n    max_queued: 0")
+    config.write_text(text.replace("    max_queued: 64\n    latency_target_s: 600\n  - name: batch",
+                                   "    max_queued: 20\n    latency_target_s: 600\n  - name: batch"))
+    server = start_server(config)
+    yield server
+    server.stop()
+
+
+def gate_state(server):
+    g = server.services.gate
+    return server.call(lambda: ({t: g.queued(t) for t in g.tiers}, dict(g.inflight)))
+
+
+def wait_until(pred, timeout=30):
+    end = time.time() + timeout
+    while time.time() < end:
+        if pred():
+            return True
+        time.sleep(0.02)
+    return False
+
+
+def test_paid_overtakes_queued_free_requests(one_slot_server):
+    s = one_slot_server
+    done: list[str] = []
+
+    async def main():
+        free = openai.AsyncOpenAI(base_url=s.base_url, api_key=s.keys["free"], max_retries=0)
+        paid = openai.AsyncOpenAI(base_url=s.base_url, api_key=s.keys["paid"], max_retries=0)
+
+        async def ask(c, tag):
+            await c.chat.completions.create(model="tiny-chat", messages=[{"role": "user", "content": tag}],
+                                            max_tokens=24, temperature=0)
+            done.append(tag)
+
+        frees = [asyncio.create_task(ask(free, f"free-{i}")) for i in range(8)]
+        while True:  # all eight are in: one running, seven queued
+            q, inflight = gate_state(s)
+            if q["free"] == 7 and inflight["free"] == 1:
+                break
+            await asyncio.sleep(0.02)
+        await ask(paid, "paid")
+        await asyncio.gather(*frees)
+
+    asyncio.run(main())
+    # the paid request finished second: right after the free one that held the slot
+    assert done.index("paid") == 1, done
+
+
+def test_queue_limit_gives_429_with_headers(one_slot_server):
+    s = one_slot_server
+
+    async def main():
+        free = openai.AsyncOpenAI(base_url=s.base_url, api_key=s.keys["free"], max_retries=0)
+        holder = asyncio.create_task(free.chat.completions.create(
+            model="tiny-chat", messages=[{"role": "user", "content": "hold"}], max_tokens=48))
+        while gate_state(s)[1]["free"] == 0:
+            await asyncio.sleep(0.01)
+        async with httpx.AsyncClient() as c:
+            r = await c.post(f"{s.base_url}/chat/completions", headers={"Authorization": f"Bearer {s.keys['subscriber']}"},
+                             json={"model": "tiny-chat", "messages": [{"role": "user", "content": "x"}], "max_tokens": 2})
+        await holder
+        return r
+
+    r = asyncio.run(main())
+    assert r.status_code == 429
+    err = r.json()["error"]
+    assert err["code"] == "queue_full" and err["type"] == "rate_limit_error"
+    retry = int(r.headers["retry-after"])
+    assert 1 <= retry <= 120
+    assert int(r.headers["retry-after-ms"]) == retry * 1000
+    assert r.headers["x-ratelimit-limit-requests"] == "4"
+    assert r.headers["x-ratelimit-remaining-requests"] == "4"
+    assert r.headers["x-ratelimit-reset-requests"] == f"{retry}s"
+
+
+def test_client_that_leaves_the_queue_is_removed(one_slot_server):
+    s = one_slot_server
+
+    async def main():
+        free = openai.AsyncOpenAI(base_url=s.base_url, api_key=s.keys["free"], max_retries=0)
+        holder = asyncio.create_task(free.chat.completions.create(
+            model="tiny-chat", messages=[{"role": "user", "content": "hold"}], max_tokens=64))
+        while gate_state(s)[1]["free"] == 0:
+            await asyncio.sleep(0.01)
+        leaver = asyncio.create_task(free.chat.completions.create(
+            model="tiny-chat", messages=[{"role": "user", "content": "leave"}], max_tokens=2))
+        while gate_state(s)[0]["free"] == 0:
+            await asyncio.sleep(0.01)
+        leaver.cancel()  # the client goes away while queued
+        left = await asyncio.to_thread(wait_until, lambda: gate_state(s)[0]["free"] == 0, 10)
+        await holder
+        return left
+
+    assert asyncio.run(main())
+    assert wait_until(lambda: gate_state(s) == ({"paid": 0, "subscriber": 0, "free": 0, "batch": 0},
+                                                {"paid": 0, "subscriber": 0, "free": 0, "batch": 0}))
+
+
+def test_streaming_client_that_disconnects_frees_its_slot(one_slot_server):
+    s = one_slot_server
+    worker = None
+    with httpx.stream("POST", f"{s.base_url}/chat/completions", headers={"Authorization": f"Bearer {s.keys['paid']}"},
+                      json={"model": "tiny-chat", "messages": [{"role": "user", "content": "long"}],
+                            "max_tokens": 400, "stream": True}) as r:
+        lines = r.iter_lines()
+        for _ in range(4):
+            next(lines)
+        worker = s.services.arbiter.workers["tiny-chat"]
+        steps_at_close = worker.steps
+    assert wait_until(lambda: gate_state(s)[1]["paid"] == 0, 10)
+    time.sleep(0.3)
+    settled = worker.steps
+    time.sleep(0.3)
+    assert worker.steps == settled  # no more decode steps: the row left the batch
+    assert settled - steps_at_close < 100

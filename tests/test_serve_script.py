@@ -1,0 +1,67 @@
+"""`scripts/serve` from a clean checkout: it builds the demo models, starts the server in demo
+mode, prints keys, and the printed key works with the openai SDK."""
+
+from __future__ import annotations
+
+import os
+import re
+import shutil
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import openai
+
+from tests.helpers import spare_port
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def clean_checkout(dest: Path) -> Path:
+    files = subprocess.run(["git", "ls-files", "-co", "--exclude-standard"], cwd=ROOT, capture_output=True,
+                           text=True, check=True).stdout.split()
+    for f in files:
+        src = ROOT / f
+        if src.is_file():
+            (dest / f).parent.mkdir(parents=True, exist_ok=True)
+            shutil.copy2(src, dest / f)
+    return dest
+
+
+def test_serve_from_clean_checkout(tmp_path):
+    repo = clean_checkout(tmp_path / "repo")
+    assert not (repo / "demo-models").exists()
+    port = spare_port()
+    env = {k: v for k, v in os.environ.items() if not k.startswith("TIERGATE_KEYS_")}
+    # reuse this environment's venv: creating one is what scripts/test already proved
+    env.update(TIERGATE_VENV=str(Path(sys.prefix)), TIERGATE_PORT=str(port))
+    proc = subprocess.Popen(["bash", "scripts/serve"], cwd=repo, env=env, stdout=subprocess.PIPE,
+                            stderr=subprocess.STDOUT, text=True, start_new_session=True)
+    out = []
+    try:
+        key = None
+        deadline = time.time() + 240
+        while time.time() < deadline and key is None:
+            line = proc.stdout.readline()
+            if not line and proc.poll() is not None:
+                break
+            out.append(line)
+            m = re.match(r"\s+paid\s+(\S+)", line)
+            if m:
+                key = m.group(1)
+        assert key, "".join(out)
+        assert (repo / "demo-models" / "tiny-chat" / "config.json").exists()
+        client = openai.OpenAI(base_url=f"http://127.0.0.1:{port}/v1", api_key=key, max_retries=5)
+        for _ in range(200):
+            try:
+                r = client.chat.completions.create(model="tiny-chat", messages=[{"role": "user", "content": "hi"}],
+                                                   max_tokens=4)
+                break
+            except openai.APIConnectionError:
+                time.sleep(0.2)
+        assert r.usage.completion_tokens == 4
+    finally:
+        os.killpg(proc.pid, signal.SIGTERM)
+        proc.wait(30)
