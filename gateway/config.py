@@ -62,12 +62,24 @@ class LimitsConfig(_Strict):
     max_chat_tokens: int = Field(default=1024, ge=1)
 
 
+class BatchConfig(_Strict):
+    """The Batch API's store and runner (see docs/BATCH.md)."""
+
+    store: str = Field(default="sqlite", pattern=r"^(sqlite|rediss?://\S+)$")  # "sqlite" or a redis:// URL
+    data_dir: Path = Path("tiergate-data")  # the SQLite file's folder; relative to this file
+    max_file_bytes: Size = parse_size("200MiB")
+    max_lines: int = Field(default=50_000, ge=1)
+    reclaim_after_s: float = Field(default=30.0, gt=0)  # a line held this long by a silent process runs elsewhere
+    concurrency: int = Field(default=4, ge=1)  # lines in flight per process; capped by the batch tier's max_inflight
+
+
 class Config(_Strict):
     tiers: list[TierConfig] = Field(min_length=1)
     models: list[ModelConfig] = Field(default_factory=list)
     gpu: GpuConfig = GpuConfig()
     gate: GateConfig = GateConfig()
     limits: LimitsConfig = LimitsConfig()
+    batch: BatchConfig = BatchConfig()
     source: Path = Path("tiers.yaml")
 
     @field_validator("tiers")
