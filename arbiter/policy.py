@@ -296,12 +296,15 @@ def host_cache_plan(
 
 
 def _evict(view: ArbiterView, victims: Sequence[ModelState], keep: Collection[str] = ()) -> Evict:
+    """Victims holding paused batch work always go warm, even past the host cache budget: their
+    work resumes from where it stopped once the model is back, so it must not be dropped."""
     host = host_cache_plan(view, (v.name for v in victims), keep)
+    holding = {v.name for v in victims if v.running_batch > 0}
     return Evict(
         victims=tuple(v.name for v in victims),
         pause_batch_on=tuple(v.name for v in victims if v.running_batch > 0),
-        to_warm=host.to_warm,
-        to_cold=host.to_cold,
+        to_warm=host.to_warm + tuple(n for n in host.to_cold if n in holding),
+        to_cold=tuple(n for n in host.to_cold if n not in holding),
         drop_warm=host.drop_warm,
     )
 

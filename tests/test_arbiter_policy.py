@@ -183,7 +183,9 @@ def test_running_nonbatch_work_is_never_evicted():
 def test_batch_only_work_is_paused_then_evicted():
     a = m("a", running_batch=2, served_at={BATCH: 1})
     v = view(a, m("b", served_at={PAID: 1}), m("c", place="cold"))
-    assert plan(v, "c", FREE) == Evict(("a",), pause_batch_on=("a",), to_cold=("a",))
+    # the host cache (0 here) is full, but a model holding paused batch work still goes warm:
+    # the work resumes from where it stopped once the model is back
+    assert plan(v, "c", FREE) == Evict(("a",), pause_batch_on=("a",), to_warm=("a",))
 
 
 def test_batch_requester_does_not_pause_other_batch_work():
@@ -340,7 +342,7 @@ def test_host_bytes_may_differ_from_the_footprint():
 def test_oom_victim_is_the_least_valuable_evictable():
     v = view(m("a", served_at={FREE: 100}), m("b", served_at={BATCH: 100}, running_batch=1),
              m("c", served_at={PAID: 100}, gib=1), m("d", running_nonbatch=1, gib=1))  # fmt: skip
-    expected = Evict(("b",), pause_batch_on=("b",), to_cold=("b",))
+    expected = Evict(("b",), pause_batch_on=("b",), to_warm=("b",))
     assert pick_oom_victim(v, (), PAID, BATCH) == expected
     assert pick_oom_victim(v, ("b",), PAID, BATCH).victims == ("a",)
     assert pick_oom_victim(v, ("a", "b"), PAID, BATCH).victims == ("c",)
@@ -442,7 +444,10 @@ def test_decisions_hold_their_invariants():
             assert sorted(d.to_warm + d.to_cold) == sorted(d.victims)
             assert target.name not in d.drop_warm
             host = v.host_used - sum(v.models[n].warm_bytes for n in d.drop_warm)
-            assert host + sum(v.models[n].warm_bytes for n in d.to_warm) <= v.host_cache_budget
+            # only models holding paused batch work may go past the host cache budget
+            free_to_warm = [n for n in d.to_warm if not v.models[n].running_batch]
+            assert host + sum(v.models[n].warm_bytes for n in free_to_warm) <= v.host_cache_budget
+            assert all(not v.models[n].running_batch for n in d.to_cold)
         else:
             # with every protection over: a refusal becomes an eviction, the impossible stays so
             unprotected = {n: replace(x, served_at={}) for n, x in v.models.items()}
