@@ -9,12 +9,12 @@ from typing import AsyncIterator
 
 import torch
 from starlette.requests import Request
-from starlette.responses import JSONResponse, Response, StreamingResponse
+from starlette.responses import JSONResponse, Response
 
 from gateway.auth import Caller
 from gateway.errors import APIError, bad_request
 from gateway.schemas import ChatCompletionRequest, parse, read_json
-from gateway.service import Held, Services, unless_gone
+from gateway.service import Held, HeldStream, Services, unless_gone
 from workers.base import ChatEvent, ChatFinished, ChatParams, ChatRequest, TextDelta
 
 DEFAULT_MAX_TOKENS = 256
@@ -50,7 +50,8 @@ async def complete(svc: Services, caller: Caller, data: dict, request: Request |
     if body.stream:
         include_usage = bool(body.stream_options and body.stream_options.include_usage)
         sse = _sse(events, first, completion_id, body.model, include_usage)
-        return _HeldStream(sse, held, svc, caller.tier, arrived, headers=svc.gate.rate_headers(caller.tier))
+        return HeldStream(sse, held, svc, caller.tier, arrived, "chat", "text/event-stream",
+                          headers=svc.gate.rate_headers(caller.tier))
     try:
         text, finished = await unless_gone(request, _collect(events, first))
     finally:
@@ -137,21 +138,3 @@ async def _sse(events: AsyncIterator[ChatEvent], first: ChatEvent, cid: str, mod
         await events.aclose()
     yield "data: [DONE]\n\n"
 
-
-class _HeldStream(StreamingResponse):
-    """An SSE response that releases its slot and lease however the stream ends, including when
-    the client disconnects before the first byte."""
-
-    def __init__(self, content: AsyncIterator[str], held: Held, svc: Services, tier: str, arrived: float,
-                 headers: dict[str, str]) -> None:
-        super().__init__(content, media_type="text/event-stream", headers={**headers, "cache-control": "no-cache"})
-        self._held, self._svc, self._tier, self._arrived = held, svc, tier, arrived
-        self._content = content
-
-    async def __call__(self, scope, receive, send) -> None:
-        try:
-            await super().__call__(scope, receive, send)
-        finally:
-            await self._content.aclose()
-            self._held.release(ok=True)
-            self._svc.metrics.latency.labels(self._tier, "chat").observe(time.monotonic() - self._arrived)

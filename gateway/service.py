@@ -6,10 +6,13 @@ from __future__ import annotations
 
 import asyncio
 import time
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
-from typing import Any, Awaitable, Callable, TypeVar
+from typing import Any, AsyncIterator, Awaitable, Callable, TypeVar
 
+import anyio
 from starlette.requests import Request
+from starlette.responses import StreamingResponse
 
 from arbiter.residency import Arbiter, Lease, Refused, Unavailable
 from gateway.admission import Gate, Rejected, Ticket
@@ -17,7 +20,7 @@ from gateway.auth import Caller, KeyRing, bearer_token
 from gateway.config import Config
 from gateway.errors import APIError, bad_request, not_found
 from gateway.metrics import Metrics
-from workers.base import ModelSpec
+from workers.base import ModelSpec, StepContext
 
 T = TypeVar("T")
 
@@ -140,3 +143,44 @@ async def unless_gone(request: Request | None, work: Awaitable[T]) -> T:
         if hasattr(late, "release"):
             late.release()
     raise ClientGone()
+
+
+# Model work gets its own threads: on asyncio's default executor, long generations could starve
+# the arbiter's loads and evictions (which run there) and deadlock the requests waiting on them.
+_MODEL_THREADS = ThreadPoolExecutor(max_workers=64, thread_name_prefix="tiergate-model")
+
+
+async def in_thread(work: Callable[[], T], ctx: StepContext) -> T:
+    """Run blocking model ``work`` on a model thread. If the awaiting task is cancelled (client
+    gone), cancel ``ctx`` so the work stops at its next step boundary, and wait for the thread to
+    end before re-raising: nothing may release the model while a thread still runs on it."""
+    running = _MODEL_THREADS.submit(work)
+    done = asyncio.wrap_future(running)
+    try:
+        return await asyncio.shield(done)
+    except asyncio.CancelledError:
+        ctx.cancel()
+        with anyio.CancelScope(shield=True):
+            await asyncio.wait({done})
+        if not done.cancelled():
+            done.exception()  # retrieved: the caller is gone, the result or error goes nowhere
+        raise
+
+
+class HeldStream(StreamingResponse):
+    """A streamed response that releases its slot and lease however the stream ends, including
+    when the client disconnects before the first byte."""
+
+    def __init__(self, content: AsyncIterator[str | bytes], held: Held, svc: Services, tier: str, arrived: float,
+                 endpoint: str, media_type: str, headers: dict[str, str]) -> None:
+        super().__init__(content, media_type=media_type, headers={**headers, "cache-control": "no-cache"})
+        self._held, self._svc, self._tier, self._arrived, self._endpoint = held, svc, tier, arrived, endpoint
+        self._content = content
+
+    async def __call__(self, scope, receive, send) -> None:
+        try:
+            await super().__call__(scope, receive, send)
+        finally:
+            await self._content.aclose()
+            self._held.release(ok=True)
+            self._svc.metrics.latency.labels(self._tier, self._endpoint).observe(time.monotonic() - self._arrived)
