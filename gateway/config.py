@@ -60,6 +60,15 @@ class GateConfig(_Strict):
 class LimitsConfig(_Strict):
     max_body: Size = parse_size("25MiB")
     max_chat_tokens: int = Field(default=1024, ge=1)
+    prompt_max_chars: int = Field(default=4000, ge=1)  # image prompts (and negative prompts), transcription prompts
+    image_max_n: int = Field(default=4, ge=1)
+    image_max_side: int = Field(default=1024, ge=8)  # pixels, either side
+    image_max_steps: int = Field(default=50, ge=1)  # num_inference_steps
+    image_url_ttl_s: float = Field(default=3600.0, gt=0)  # response_format=url: how long an image stays fetchable
+    image_url_store: Size = parse_size("256MiB")  # PNG bytes kept for urls; the oldest go first when full
+    speech_max_chars: int = Field(default=4096, ge=1)
+    transcription_max_bytes: Size = parse_size("25MiB")  # the uploaded file
+    transcription_max_seconds: float = Field(default=1800.0, gt=0)  # of decoded audio
 
 
 class BatchConfig(_Strict):
