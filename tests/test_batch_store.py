@@ -1,0 +1,338 @@
+"""Both batch stores (SQLite, Redis) against the same contract: files, batches, the backlog's
+claim / reclaim / touch / release, outcomes written once, compare-and-set statuses, the finishing
+lock, survival across a reopen, and many consumers racing with some of them dying."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import random
+import shutil
+import subprocess
+import time
+import uuid
+from pathlib import Path
+from typing import Iterator
+
+import pytest
+
+from gateway.batch_store import BatchInfo, FileInfo, Line, Outcome, RedisStore, SQLiteStore, Store
+from tests.helpers import spare_port
+
+
+@contextlib.contextmanager
+def redis_server(folder: Path) -> Iterator[str]:
+    """A throwaway redis-server on 127.0.0.1 (no persistence); yields its URL."""
+    exe = shutil.which("redis-server")
+    if exe is None:
+        pytest.skip("redis-server is not installed (Debian: apt-get install -y redis-server); "
+                    "the Redis store tests need the real server")
+    port = spare_port()
+    proc = subprocess.Popen([exe, "--port", str(port), "--bind", "127.0.0.1", "--save", "", "--appendonly", "no",
+                             "--dir", str(folder)], stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    import redis
+
+    client = redis.Redis(port=port)
+    deadline = time.time() + 10
+    while True:
+        try:
+            client.ping()
+            break
+        except redis.ConnectionError:
+            if time.time() > deadline or proc.poll() is not None:
+                proc.kill()
+                raise RuntimeError("redis-server did not start")
+            time.sleep(0.02)
+    client.close()
+    try:
+        yield f"redis://127.0.0.1:{port}/0"
+    finally:
+        proc.terminate()
+        proc.wait(10)
+
+
+@pytest.fixture(scope="module")
+def redis_url(tmp_path_factory) -> Iterator[str]:
+    with redis_server(tmp_path_factory.mktemp("redis")) as url:
+        yield url
+
+
+@pytest.fixture(params=["sqlite", "redis"])
+def make_store(request, tmp_path):
+    """A factory of store instances that share one backing store (like processes do). Each test
+    runs in its own event loop and closes the stores it opened."""
+    if request.param == "sqlite":
+        def make() -> Store:
+            return SQLiteStore(tmp_path / "batches.sqlite3")
+    else:
+        url, prefix = request.getfixturevalue("redis_url"), f"t{uuid.uuid4().hex[:8]}:"
+
+        def make() -> Store:
+            return RedisStore(url, prefix)
+
+    async def factory() -> Store:
+        store = make()
+        await store.open()
+        return store
+
+    return factory
+
+
+def run(coro):
+    return asyncio.run(coro)
+
+
+def batch(i: int = 0, owner: str = "owner-a") -> BatchInfo:
+    now = int(time.time())
+    return BatchInfo(id=f"batch_{time.time_ns():016x}{i:04d}", owner=owner, endpoint="/v1/chat/completions",
+                     input_file_id="file-x", completion_window="24h", created_at=now, expires_at=now + 86400,
+                     metadata={"k": "v"})
+
+
+def lines(n: int) -> list[Line]:
+    return [Line(i, f"req-{i}", {"model": "m", "n": i}) for i in range(n)]
+
+
+def ok(job_or_line, text: str = "fine") -> Outcome:
+    line = getattr(job_or_line, "line", job_or_line)
+    return Outcome(line.index, True, {"custom_id": line.custom_id, "response": {"status_code": 200, "body": text}})
+
+
+def failed(line: Line, code: str = "batch_cancelled") -> Outcome:
+    return Outcome(line.index, False, {"custom_id": line.custom_id, "response": None, "error": {"code": code}})
+
+
+async def _closing(*stores: Store) -> None:
+    for s in stores:
+        await s.close()
+
+
+def test_files_round_trip(make_store):
+    async def go():
+        s = await make_store()
+        info = FileInfo("file-1", "owner-a", "batch", "in.jsonl", 5, 123)
+        await s.put_file(info, b"a\nb\n\x00")
+        assert await s.get_file("file-1") == info
+        assert await s.file_content("file-1") == b"a\nb\n\x00"
+        assert await s.get_file("file-2") is None and await s.file_content("file-2") is None
+        assert await s.delete_file("file-1") is True
+        assert await s.delete_file("file-1") is False
+        assert await s.get_file("file-1") is None and await s.file_content("file-1") is None
+        await _closing(s)
+
+    run(go())
+
+
+def test_batches_list_newest_first_by_owner_with_cursor(make_store):
+    async def go():
+        s = await make_store()
+        made = [batch(i, owner="a" if i % 2 == 0 else "b") for i in range(5)]
+        for b in made:
+            await s.create_batch(b)
+        got = await s.get_batch(made[0].id)
+        assert got.public()["metadata"] == {"k": "v"} and got.status == "validating" and got.owner == "a"
+        all_ids = [b.id for b in await s.list_batches(None, None, 10)]
+        assert all_ids == [b.id for b in reversed(made)]
+        a_ids = [b.id for b in await s.list_batches("a", None, 10)]
+        assert a_ids == [made[4].id, made[2].id, made[0].id]
+        page = await s.list_batches("a", a_ids[0], 1)
+        assert [b.id for b in page] == [made[2].id]
+        assert sorted(await s.open_batches()) == sorted(b.id for b in made)
+        await _closing(s)
+
+    run(go())
+
+
+def test_start_is_atomic_and_happens_once(make_store):
+    async def go():
+        s = await make_store()
+        b = batch()
+        await s.create_batch(b)
+        bad = Outcome(3, False, {"custom_id": None, "error": {"code": "invalid_json"}})
+        assert await s.start(b.id, lines(3), [bad], now=111) is True
+        assert await s.start(b.id, lines(3), [bad], now=222) is False
+        got = await s.get_batch(b.id)
+        assert (got.status, got.total, got.completed, got.failed) == ("in_progress", 4, 0, 1)
+        assert got.public()["in_progress_at"] == 111
+        jobs = await s.claim("c1", 10, 60)
+        assert sorted(j.line.custom_id for j in jobs) == ["req-0", "req-1", "req-2"]  # queued once
+        assert [o.index for o in await s.outcomes(b.id)] == [3]
+        await _closing(s)
+
+    run(go())
+
+
+def test_claims_are_exclusive_and_reclaimed_when_idle_unless_touched(make_store):
+    async def go():
+        s1, s2 = await make_store(), await make_store()
+        b = batch()
+        await s1.create_batch(b)
+        await s1.start(b.id, lines(6), [], now=1)
+        a = await s1.claim("alive", 2, 0.3)
+        d = await s2.claim("dead", 2, 0.3)
+        assert {j.line.index for j in a}.isdisjoint({j.line.index for j in d})
+        assert all(j.deliveries == 1 for j in a + d)
+        await asyncio.sleep(0.4)
+        await s1.touch("alive", a)  # alive keeps its claims; dead's are up for grabs
+        taken = await s2.claim("heir", 10, 0.3)
+        stale = [j for j in taken if j.line.index in {x.line.index for x in d}]
+        assert {j.line.index for j in stale} == {j.line.index for j in d}
+        assert all(j.deliveries == 2 for j in stale)
+        assert not {j.line.index for j in taken} & {j.line.index for j in a}
+        assert len(taken) == 4  # dead's two + the two never claimed
+        await _closing(s1, s2)
+
+    run(go())
+
+
+def test_release_hands_back_at_once(make_store):
+    async def go():
+        s = await make_store()
+        b = batch()
+        await s.create_batch(b)
+        await s.start(b.id, lines(2), [], now=1)
+        jobs = await s.claim("c1", 2, 60)
+        assert await s.claim("c2", 2, 60) == []
+        await s.release("c1", jobs)
+        again = await s.claim("c2", 2, 60)
+        assert sorted(j.line.index for j in again) == [0, 1]
+        await _closing(s)
+
+    run(go())
+
+
+def test_record_writes_once_and_counts(make_store):
+    async def go():
+        s = await make_store()
+        b = batch()
+        await s.create_batch(b)
+        await s.start(b.id, lines(2), [], now=1)
+        j0, j1 = sorted(await s.claim("c", 2, 60), key=lambda j: j.line.index)
+        first = await s.record(j0, ok(j0, "first"))
+        second = await s.record(j0, ok(j0, "second"))  # the same line run again elsewhere
+        assert (first.new, first.done, first.total) == (True, 1, 2)
+        assert (second.new, second.done) == (False, 1)
+        last = await s.record(j1, failed(j1.line, "boom"))
+        assert (last.new, last.done, last.total) == (True, 2, 2)
+        got = await s.get_batch(b.id)
+        assert (got.completed, got.failed) == (1, 1)
+        outs = await s.outcomes(b.id)
+        assert [o.line["response"]["body"] if o.ok else o.line["error"]["code"] for o in outs] == ["first", "boom"]
+        assert await s.claim("c", 2, 0) == []  # recorded entries left the backlog
+        await _closing(s)
+
+    run(go())
+
+
+def test_set_status_is_compare_and_set_and_terminal_drops_the_work(make_store):
+    async def go():
+        s = await make_store()
+        b = batch()
+        await s.create_batch(b)
+        await s.start(b.id, lines(4), [], now=1)
+        jobs = await s.claim("c", 1, 60)
+        assert await s.set_status(b.id, ["validating"], "failed") is False
+        assert await s.set_status(b.id, ["in_progress"], "cancelling", cancelling_at=5) is True
+        assert await s.set_status(b.id, ["in_progress"], "finalizing") is False  # lost the race
+        filled = await s.fill(b.id, failed)
+        assert filled == 4
+        assert await s.fill(b.id, failed) == 0
+        assert await s.set_status(b.id, ["cancelling"], "cancelled", cancelled_at=6, error_file_id="file-e") is True
+        got = await s.get_batch(b.id)
+        assert got.status == "cancelled" and got.public()["cancelled_at"] == 6 and got.failed == 4
+        assert got.public()["error_file_id"] == "file-e" and got.public()["cancelling_at"] == 5
+        assert b.id not in await s.open_batches()
+        late = await s.record(jobs[0], ok(jobs[0]))  # a line that finishes after the end is dropped
+        assert late.new is False
+        assert await s.outcomes(b.id) == []
+        assert await s.claim("c2", 10, 0) == []  # the rest of its backlog is dropped too
+        with pytest.raises(ValueError):
+            await s.set_status(b.id, ["cancelled"], "completed", owner="someone-else")
+        await _closing(s)
+
+    run(go())
+
+
+def test_lock_is_exclusive_renewable_and_lapses(make_store):
+    async def go():
+        s1, s2 = await make_store(), await make_store()
+        b = batch()
+        await s1.create_batch(b)
+        assert await s1.lock(b.id, "p1", 0.3) is True
+        assert await s2.lock(b.id, "p2", 0.3) is False
+        assert await s1.lock(b.id, "p1", 0.3) is True  # renewed
+        await asyncio.sleep(0.4)
+        assert await s2.lock(b.id, "p2", 5) is True
+        await s2.unlock(b.id, "p1")  # not the holder: no effect
+        assert await s1.lock(b.id, "p1", 5) is False
+        await s2.unlock(b.id, "p2")
+        assert await s1.lock(b.id, "p1", 5) is True
+        await _closing(s1, s2)
+
+    run(go())
+
+
+def test_state_survives_a_reopen(make_store):
+    async def go():
+        s = await make_store()
+        b = batch()
+        await s.create_batch(b)
+        await s.start(b.id, lines(3), [], now=1)
+        j = (await s.claim("gone", 3, 60))[:2]
+        await s.record(j[0], ok(j[0]))
+        await s.close()  # j[1] and one more were claimed by a "process" that is gone
+        s2 = await make_store()
+        got = await s2.get_batch(b.id)
+        assert (got.status, got.done, got.total) == ("in_progress", 1, 3)
+        await asyncio.sleep(0.25)
+        again = await s2.claim("new", 10, 0.2)
+        assert sorted(x.line.index for x in again) == [1, 2]
+        await _closing(s2)
+
+    run(go())
+
+
+def test_racing_consumers_some_dying_give_every_line_exactly_one_outcome(make_store):
+    """Six consumers on separate connections; some claim lines and vanish without recording
+    (a crash), some record the same line twice (a slow consumer reclaimed). Every line ends
+    with exactly one outcome and the counts match."""
+    n_lines = 120
+
+    async def go():
+        stores = [await make_store() for _ in range(6)]
+        b = batch()
+        await stores[0].create_batch(b)
+        await stores[0].start(b.id, lines(n_lines), [], now=1)
+        rng = random.Random(7)
+        recorded_by: dict[int, list[str]] = {}
+
+        async def consumer(k: int, s: Store) -> None:
+            name = f"c{k}"
+            while True:
+                jobs = await s.claim(name, 3, 0.15)
+                if not jobs:
+                    got = await s.get_batch(b.id)
+                    if got.done == got.total:
+                        return
+                    await asyncio.sleep(0.05)
+                    continue
+                for job in jobs:
+                    roll = rng.random()
+                    if roll < 0.1:
+                        continue  # crashed holding it: someone reclaims it later
+                    r = await s.record(job, ok(job, name))
+                    if r.new:
+                        recorded_by.setdefault(job.line.index, []).append(name)
+                    if roll > 0.9:  # a duplicate delivery of the same line
+                        assert (await s.record(job, ok(job, "dup"))).new is False
+
+        await asyncio.wait_for(asyncio.gather(*(consumer(k, s) for k, s in enumerate(stores))), 60)
+        outs = await stores[0].outcomes(b.id)
+        assert [o.index for o in outs] == list(range(n_lines))
+        assert all(len(v) == 1 for v in recorded_by.values()) and len(recorded_by) == n_lines
+        assert all(o.line["response"]["body"] == recorded_by[o.index][0] for o in outs)
+        got = await stores[0].get_batch(b.id)
+        assert (got.completed, got.failed, got.total) == (n_lines, 0, n_lines)
+        await _closing(*stores)
+
+    run(go())
