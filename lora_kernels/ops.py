@@ -9,7 +9,8 @@ Numerics (see docs/LORA.md):
 * ``exact``: factors in fp32 with the scale folded into B, one fp32 GEMM over the concatenated rank
   (IEEE products in the Triton kernel), the add of W in fp32, ONE rounding into W's dtype.
 * ``fast``: factors in W's dtype when W is bf16/fp16 (tf32 products for fp32 W in the Triton kernel),
-  fp32 accumulation on GPU; on CPU one low-precision ``addmm`` for bf16/fp16 weights.
+  fp32 accumulation on GPU; on CPU one bf16 ``addmm`` for bf16 weights (fp16 and fp32 weights take
+  the exact path there).
 """
 
 from __future__ import annotations
@@ -70,6 +71,8 @@ def concat_factors(
 def merge_torch(src: Tensor, dst: Tensor, factors: Sequence[LoraFactor], mode: Mode = "exact") -> Tensor:
     """Fused torch path: ``dst = src + B_cat @ A_cat`` as ONE ``addmm`` (dst may be src)."""
     check_factors(src, factors)
+    if mode == "fast" and src.dtype == torch.float16 and src.device.type == "cpu":
+        mode = "exact"  # CPUs lack a fast fp16 GEMM: the fp32 path is both faster and exact
     fdtype = factor_dtype(src.dtype, mode)
     b_cat, a_cat = concat_factors(factors, fdtype, src.device)
     if src.dtype == fdtype:  # fp32 weight, or fast mode on a low-precision weight
