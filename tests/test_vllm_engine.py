@@ -230,7 +230,7 @@ def test_paid_request_overtakes_queued_free_ones(loop, engine):
     async def scenario():
         log: list = []
         running = [  # staggered lengths: slots free one at a time, the shortest first
-            asyncio.create_task(collect(engine, req(max_tokens=150 + 50 * i, priority=2), log=log, tag=f"run{i}"))
+            asyncio.create_task(collect(engine, req(max_tokens=250 + 60 * i, priority=2), log=log, tag=f"run{i}"))
             for i in range(MAX_NUM_SEQS)
         ]
         while sum(1 for t, e, _ in log if e == "first") < MAX_NUM_SEQS:
