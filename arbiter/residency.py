@@ -100,6 +100,7 @@ class Counters:
     loads: dict[str, int] = field(default_factory=dict)  # by model
     evictions: dict[tuple[str, str], int] = field(default_factory=dict)  # (model, reason)
     swap_seconds: dict[str, float] = field(default_factory=dict)  # by model
+    last_load: dict[str, tuple[str, float]] = field(default_factory=dict)  # model -> (from place, seconds)
     batch_pauses: int = 0
 
 
@@ -168,7 +169,7 @@ class Arbiter:
         """Told by the admission gate whether any non-batch tier has work admitted or queued."""
         if others_busy != self._others_busy:
             self._others_busy = others_busy
-            self._apply_batch_yield()
+            self._schedule()  # pauses or resumes batch work; brings back a model it needs
 
     # -- admin -----------------------------------------------------------------------------------
     def pin(self, model: str, pinned: bool) -> None:
@@ -260,6 +261,8 @@ class Arbiter:
                 decision = policy.plan_load(self._view(), name, self.batch_rank, self.batch_rank)
                 if isinstance(decision, (Fit, Evict)):
                     self._start_load(name, decision if isinstance(decision, Evict) else None, self.batch_rank)
+                elif isinstance(decision, Refuse):  # look again when the protection ends
+                    asyncio.get_running_loop().call_later(decision.retry_after, self._schedule)
                 return
 
     def _grant(self, w: _Waiter) -> None:
@@ -329,6 +332,7 @@ class Arbiter:
         self._oom_retried.discard(model)
         self.counters.loads[model] = self.counters.loads.get(model, 0) + 1
         self.counters.swap_seconds[model] = self.counters.swap_seconds.get(model, 0.0) + seconds
+        self.counters.last_load[model] = (prior_place, seconds)
         self._schedule()
 
     def _after_failure(self, model: str, reason: str) -> None:

@@ -1,0 +1,281 @@
+"""The arbiter's owner on CPU with declared footprints: a 10 GiB simulated budget and four
+4 GiB models (real tiny chat models under four names). Each scenario checks the model table
+after each step."""
+
+from __future__ import annotations
+
+import asyncio
+
+import pytest
+import torch
+
+from arbiter.residency import Arbiter, Refused, Unavailable, make_worker
+from workers.base import ModelSpec
+
+GiB = 2**30
+PAID, SUB, FREE, BATCH = 0, 1, 2, 3
+
+
+class Clock:
+    def __init__(self):
+        self.t = 1000.0
+
+    def __call__(self):
+        return self.t
+
+
+def specs(tiny_chat, names="abcd", vram=4 * GiB):
+    return [ModelSpec(n, "chat", tiny_chat, vram) for n in names]
+
+
+def places(arb: Arbiter) -> dict[str, str]:
+    return {r["id"]: r["place"] for r in arb.table()}
+
+
+async def use(arb: Arbiter, model: str, tier: int):
+    lease = await arb.acquire(model, tier, is_batch=tier == BATCH)
+    lease.release()
+
+
+def make(tiny_chat, clock, factory=make_worker, budget=10 * GiB, host=8 * GiB, names="abcd"):
+    return Arbiter(specs(tiny_chat, names), torch.device("cpu"), budget, host, protect_window_s=60,
+                   batch_rank=BATCH, clock=clock, worker_factory=factory)
+
+
+def test_paid_request_evicts_the_free_tier_model(tiny_chat):
+    clock = Clock()
+
+    async def main():
+        arb = make(tiny_chat, clock)
+        await use(arb, "a", FREE)
+        clock.t += 1
+        await use(arb, "b", SUB)
+        assert places(arb) == {"a": "resident", "b": "resident", "c": "cold", "d": "cold"}
+        clock.t += 1
+        await use(arb, "c", PAID)  # 12 GiB > 10: someone must go, and it is the free-tier one
+        assert places(arb) == {"a": "warm", "b": "resident", "c": "resident", "d": "cold"}
+        assert arb.counters.evictions == {("a", "make_room"): 1}
+        row = next(r for r in arb.table() if r["id"] == "c")
+        assert row["last_tier"] == PAID and row["footprint_bytes"] == 4 * GiB
+        await arb.stop()
+
+    asyncio.run(main())
+
+
+def test_free_request_blocked_by_protection_gets_retry_after_then_succeeds(tiny_chat):
+    clock = Clock()
+
+    async def main():
+        arb = make(tiny_chat, clock)
+        await use(arb, "a", PAID)
+        clock.t += 10
+        await use(arb, "b", PAID)
+        clock.t += 5
+        with pytest.raises(Refused) as exc:
+            await use(arb, "c", FREE)
+        # a's protection (served 15 s ago, 60 s window) is the first to end: in 45 s
+        assert exc.value.retry_after == 45
+        assert places(arb) == {"a": "resident", "b": "resident", "c": "cold", "d": "cold"}
+        with pytest.raises(Refused):  # batch never evicts a model in its window either
+            await use(arb, "c", BATCH)
+        clock.t += 46  # a's window is over, b's is not
+        await use(arb, "c", FREE)
+        assert places(arb) == {"a": "warm", "b": "resident", "c": "resident", "d": "cold"}
+        await arb.stop()
+
+    asyncio.run(main())
+
+
+def test_higher_tier_may_evict_a_model_protected_for_a_lower_tier(tiny_chat):
+    clock = Clock()
+
+    async def main():
+        arb = make(tiny_chat, clock)
+        await use(arb, "a", FREE)
+        await use(arb, "b", SUB)
+        clock.t += 1
+        with pytest.raises(Refused):
+            await use(arb, "c", FREE)  # both protected against free
+        await use(arb, "c", SUB)  # subscriber may evict the free-protected one
+        assert places(arb)["a"] == "warm" and places(arb)["c"] == "resident"
+        await arb.stop()
+
+    asyncio.run(main())
+
+
+def test_busy_model_is_never_evicted_and_the_request_waits(tiny_chat):
+    clock = Clock()
+
+    async def main():
+        arb = make(tiny_chat, clock, budget=5 * GiB)
+        lease = await arb.acquire("a", FREE)  # running free work on a
+        clock.t += 1000  # protection long over; only the running work keeps it
+        waiting = asyncio.create_task(arb.acquire("b", PAID))
+        await asyncio.sleep(0.2)
+        assert not waiting.done()
+        assert places(arb)["a"] == "resident"
+        lease.release()
+        b = await asyncio.wait_for(waiting, 30)
+        assert places(arb) == {"a": "warm", "b": "resident", "c": "cold", "d": "cold"}
+        b.release()
+        await arb.stop()
+
+    asyncio.run(main())
+
+
+def test_warm_reload_is_faster_than_cold_load(tiny_chat):
+    clock = Clock()
+
+    async def main():
+        arb = make(tiny_chat, clock, budget=5 * GiB)
+        await use(arb, "a", FREE)
+        cold = arb.counters.last_load["a"]
+        await use(arb, "b", PAID)  # evicts a to the host cache
+        assert places(arb)["a"] == "warm"
+        clock.t += 100
+        await use(arb, "a", PAID)  # b (paid, 100 s ago) is out of its window
+        warm = arb.counters.last_load["a"]
+        assert cold[0] == "cold" and warm[0] == "warm"
+        assert warm[1] < cold[1]
+        await arb.stop()
+
+    asyncio.run(main())
+
+
+def test_host_cache_full_sends_the_evicted_model_cold(tiny_chat):
+    clock = Clock()
+
+    async def main():
+        arb = make(tiny_chat, clock, budget=5 * GiB, host=0)
+        await use(arb, "a", FREE)
+        await use(arb, "b", PAID)
+        assert places(arb)["a"] == "cold"
+        assert "a" not in arb.workers  # its weights are gone
+        await arb.stop()
+
+    asyncio.run(main())
+
+
+class OOMOnce:
+    """A worker factory whose load raises torch.OutOfMemoryError the first ``times`` times for
+    ``model``."""
+
+    def __init__(self, model: str, times: int = 1):
+        self.model, self.left, self.calls = model, times, 0
+
+    def __call__(self, spec):
+        worker = make_worker(spec)
+        if spec.name == self.model:
+            self.calls += 1
+            if self.left > 0:
+                self.left -= 1
+
+                def boom(device):
+                    raise torch.OutOfMemoryError("CUDA out of memory (injected)")
+
+                worker.load = boom
+        return worker
+
+
+def test_oom_during_load_evicts_the_least_valuable_and_retries_once(tiny_chat):
+    clock = Clock()
+
+    async def main():
+        factory = OOMOnce("c")
+        arb = make(tiny_chat, clock, factory=factory, budget=12 * GiB)
+        await use(arb, "a", FREE)
+        clock.t += 100
+        await use(arb, "b", SUB)
+        await use(arb, "c", PAID)  # fits by the numbers, but the device says no the first time
+        assert factory.calls == 2
+        assert places(arb) == {"a": "warm", "b": "resident", "c": "resident", "d": "cold"}
+        assert arb.counters.evictions == {("a", "make_room"): 1}
+        await arb.stop()
+
+    asyncio.run(main())
+
+
+def test_oom_twice_is_503_and_the_table_stays_true(tiny_chat):
+    clock = Clock()
+
+    async def main():
+        factory = OOMOnce("c", times=2)
+        arb = make(tiny_chat, clock, factory=factory, budget=12 * GiB)
+        await use(arb, "a", FREE)
+        clock.t += 100
+        with pytest.raises(Unavailable) as exc:
+            await use(arb, "c", PAID)
+        assert "out of memory" in str(exc.value)
+        assert places(arb) == {"a": "warm", "b": "cold", "c": "cold", "d": "cold"}
+        await use(arb, "b", PAID)  # the arbiter still works
+        assert places(arb)["b"] == "resident"
+        await arb.stop()
+
+    asyncio.run(main())
+
+
+def test_failed_load_answers_503_with_cooldown_instead_of_retrying(tiny_chat, tmp_path):
+    clock = Clock()
+    broken = tmp_path / "broken"
+    broken.mkdir()
+    (broken / "config.json").write_text("{not json")
+    calls = []
+
+    def factory(spec):
+        calls.append(spec.name)
+        return make_worker(spec)
+
+    async def main():
+        arb = Arbiter([ModelSpec("x", "chat", broken, GiB)], torch.device("cpu"), 10 * GiB, GiB, 60, BATCH,
+                      clock=clock, worker_factory=factory)
+        with pytest.raises(Unavailable) as first:
+            await use(arb, "x", PAID)
+        assert first.value.retry_after == 2
+        with pytest.raises(Unavailable) as second:  # no new attempt during the cooldown
+            await use(arb, "x", PAID)
+        assert len(calls) == 1 and second.value.retry_after == 2
+        clock.t += 2.5
+        with pytest.raises(Unavailable) as third:  # tried again, failed again: cooldown doubles
+            await use(arb, "x", PAID)
+        assert len(calls) == 2 and third.value.retry_after == 4
+        assert places(arb) == {"x": "cold"}
+
+    asyncio.run(main())
+
+
+def test_concurrent_requests_for_one_model_share_one_load(tiny_chat):
+    clock = Clock()
+    calls = []
+
+    def factory(spec):
+        calls.append(spec.name)
+        return make_worker(spec)
+
+    async def main():
+        arb = make(tiny_chat, clock, factory=factory)
+        leases = await asyncio.gather(*[arb.acquire("a", t) for t in (PAID, FREE, SUB, FREE)])
+        assert calls == ["a"]
+        assert all(lease.worker is leases[0].worker for lease in leases)
+        for lease in leases:
+            lease.release()
+        await arb.stop()
+
+    asyncio.run(main())
+
+
+def test_pinned_model_is_never_evicted(tiny_chat):
+    clock = Clock()
+
+    async def main():
+        arb = make(tiny_chat, clock, budget=5 * GiB)
+        await use(arb, "a", FREE)
+        arb.pin("a", True)
+        clock.t += 1000
+        with pytest.raises(Unavailable):
+            await use(arb, "b", PAID)
+        arb.pin("a", False)
+        await use(arb, "b", PAID)
+        assert places(arb)["a"] == "warm"
+        await arb.stop()
+
+    asyncio.run(main())
