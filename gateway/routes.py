@@ -4,8 +4,9 @@ from __future__ import annotations
 
 from starlette.routing import BaseRoute
 
+from gateway import audio, images
 from gateway.service import Services
 
 
 def extra_routes(services: Services) -> list[BaseRoute]:
-    return []
+    return [*images.routes(services), *audio.routes(services)]

@@ -1,0 +1,286 @@
+"""POST /v1/audio/speech (text to speech, streamed as it is made) and POST /v1/audio/transcriptions
+(multipart upload, speech to text), OpenAI-shaped."""
+
+from __future__ import annotations
+
+import itertools
+import logging
+import time
+from collections.abc import AsyncIterator, Iterator
+from typing import Literal
+
+import anyio
+import numpy as np
+import torch
+from pydantic import Field
+from python_multipart.multipart import parse_options_header
+from starlette.datastructures import FormData, UploadFile
+from starlette.formparsers import MultiPartException, MultiPartParser
+from starlette.requests import Request
+from starlette.responses import JSONResponse, PlainTextResponse, Response
+from starlette.routing import BaseRoute, Route
+from transformers.models.whisper.tokenization_whisper import LANGUAGES
+
+from gateway.errors import APIError, bad_request
+from gateway.schemas import _Body, parse, read_json
+from gateway.service import ClientGone, Held, HeldStream, Services, in_thread, unless_gone
+from workers import audio as sound
+from workers.base import Cancelled, ModelSpec, StepContext
+from workers.stt import Transcript, TranscriptionRequest
+from workers.tts import MAX_SPEED, MIN_SPEED, SpeechRequest, TTSWorker
+
+log = logging.getLogger("tiergate")
+
+_FORM_SLACK = 64 * 1024  # multipart bytes allowed beyond the file: boundaries and the other fields
+
+
+# ---------------------------------------------------------------- speech
+
+
+class SpeechBody(_Body):
+    model: str = Field(min_length=1)
+    input: str
+    voice: str = Field(min_length=1)
+    speed: float = Field(default=1.0, ge=MIN_SPEED, le=MAX_SPEED)
+    response_format: str | None = None  # checked against what this installation can encode
+    stream_format: Literal["audio"] | None = None  # "sse" is not offered
+
+
+def default_speech_format() -> str:
+    """mp3 like OpenAI where this libsndfile writes it, else wav."""
+    return "mp3" if "mp3" in sound.supported_speech_formats() else "wav"
+
+
+async def speech(request: Request) -> Response:
+    svc: Services = request.app.state.services
+    caller = svc.authenticate(request)
+    arrived = time.monotonic()
+    body = parse(SpeechBody, await read_json(request, svc.config.limits.max_body))
+    spec = svc.spec(body.model, "tts")
+    fmt = _speech_format(body.response_format)
+    _check_input(body.input, svc.config.limits.speech_max_chars)
+    voices = await _voices(svc, spec)
+    try:
+        voices.resolve_voice(body.voice)
+    except ValueError as exc:
+        raise bad_request(str(exc), "voice") from None
+
+    held = await unless_gone(request, svc.hold(caller.tier, spec.name, units=float(len(body.input))))
+    try:
+        worker, ctx = held.lease.worker, held.lease.context()
+        try:
+            chunks = worker.synthesize(SpeechRequest(body.input, body.voice, body.speed), ctx)
+        except ValueError as exc:  # nothing speakable in the input
+            raise bad_request(str(exc), "input") from None
+        first = await unless_gone(request, in_thread(lambda: next(chunks, None), ctx))  # errors before any byte
+    except Cancelled:
+        held.release(ok=False)
+        raise ClientGone() from None
+    except torch.OutOfMemoryError:
+        held.release(ok=False)
+        raise APIError(503, f"out of memory speaking with {spec.name}", "out_of_memory") from None
+    except BaseException:
+        held.release(ok=False)
+        raise
+    rest = itertools.chain([first], chunks) if first is not None else iter(())
+    encoded = sound.encode_stream(rest, worker.sample_rate, fmt)
+    headers = svc.gate.rate_headers(caller.tier)
+    if fmt == "pcm":
+        headers["x-sample-rate"] = str(worker.sample_rate)
+    return HeldStream(_speak(encoded, ctx, held), held, svc, caller.tier, arrived, "speech",
+                      sound.CONTENT_TYPES[fmt], headers)
+
+
+async def _speak(encoded: Iterator[bytes], ctx: StepContext, held: Held) -> AsyncIterator[bytes]:
+    """Encoded audio, one piece per thread call: a sentence each for wav and pcm, the whole for
+    the others. A stream cut short (client gone) stops the worker at its next sentence and
+    releases the slot as not ok, so the gate does not learn a short time for the whole input."""
+    finished = False
+    try:
+        while (piece := await in_thread(lambda: next(encoded, None), ctx)) is not None:
+            yield piece
+        finished = True
+    except Cancelled:
+        pass
+    except Exception:  # noqa: BLE001 - the response has started; it ends short, the gateway lives on
+        log.exception("speech stream failed")
+    finally:
+        ctx.cancel()
+        encoded.close()
+        held.release(ok=finished)
+
+
+def _speech_format(requested: str | None) -> str:
+    supported = sound.supported_speech_formats()
+    fmt = requested or default_speech_format()
+    if fmt not in supported:
+        raise bad_request(f"response_format {fmt!r} is not supported here; supported: {', '.join(supported)}",
+                          "response_format")
+    return fmt
+
+
+def _check_input(text: str, max_chars: int) -> None:
+    if not text.strip():
+        raise bad_request("input must not be empty", "input")
+    if len(text) > max_chars:
+        raise bad_request(f"input is {len(text)} characters, above this server's limit of {max_chars}", "input")
+
+
+async def _voices(svc: Services, spec: ModelSpec) -> TTSWorker:
+    """The model's voices without its weights (a TTSWorker reads them from the folder), cached,
+    so an unknown voice is refused before the request takes a slot or loads the model."""
+    cache: dict[str, TTSWorker] = svc.extras.setdefault("tts_voices", {})
+    if spec.name not in cache:
+        cache[spec.name] = await anyio.to_thread.run_sync(TTSWorker, spec)
+    return cache[spec.name]
+
+
+# ---------------------------------------------------------------- transcriptions
+
+
+class TranscriptionForm(_Body):
+    model: str = Field(min_length=1)
+    language: str | None = None
+    prompt: str | None = None
+    temperature: float = Field(default=0.0, ge=0, le=1)
+    response_format: Literal["json", "text", "srt", "vtt", "verbose_json"] = "json"
+    timestamp_granularities: list[Literal["segment"]] | None = None  # no word timestamps
+    stream: Literal[False] | None = None
+
+
+async def transcriptions(request: Request) -> Response:
+    svc: Services = request.app.state.services
+    caller = svc.authenticate(request)
+    arrived = time.monotonic()
+    limits = svc.config.limits
+    async with _multipart(request, limits.transcription_max_bytes) as form:
+        body = parse(TranscriptionForm, _fields(form))
+        spec = svc.spec(body.model, "stt")
+        if body.prompt is not None and len(body.prompt) > limits.prompt_max_chars:
+            raise bad_request(f"prompt is {len(body.prompt)} characters, above this server's limit of "
+                              f"{limits.prompt_max_chars}", "prompt")
+        audio, rate = await _decode(form, limits.transcription_max_seconds)
+    duration = len(audio) / rate
+    req = TranscriptionRequest(body.language or None, body.prompt or None, body.temperature)
+
+    held = await unless_gone(request, svc.hold(caller.tier, spec.name, units=duration))
+    ok = False
+    try:
+        worker, ctx = held.lease.worker, held.lease.context()
+
+        def run() -> Transcript:
+            return worker.transcribe(sound.resample(audio, rate, worker.sample_rate), req, ctx)
+
+        transcript = await unless_gone(request, in_thread(run, ctx))
+        ok = True
+    except Cancelled:
+        raise ClientGone() from None
+    except ValueError as exc:  # what the worker refuses after our checks: the language
+        raise bad_request(str(exc), "language" if "language" in str(exc) else None) from None
+    except torch.OutOfMemoryError:
+        raise APIError(503, f"out of memory transcribing with {spec.name}", "out_of_memory") from None
+    finally:
+        held.release(ok=ok)
+        svc.metrics.latency.labels(caller.tier, "transcriptions").observe(time.monotonic() - arrived)
+    return _transcript_response(transcript, body, svc.gate.rate_headers(caller.tier))
+
+
+class _multipart:
+    """``async with _multipart(request, max_file_bytes) as form``: the parsed multipart body,
+    its uploads closed afterwards. 415 when the body is not multipart/form-data, 413 past the cap
+    (counted as it streams, so a body without Content-Length is cut off too)."""
+
+    def __init__(self, request: Request, max_file_bytes: int) -> None:
+        self.request = request
+        self.max_bytes = max_file_bytes + _FORM_SLACK
+        self.form: FormData | None = None
+
+    async def __aenter__(self) -> FormData:
+        content_type, _ = parse_options_header(self.request.headers.get("content-type", ""))
+        if content_type != b"multipart/form-data":
+            raise APIError(415, "this endpoint takes multipart/form-data with the audio in a 'file' part "
+                                f"(got {content_type.decode('latin-1') or 'no content type'})", "unsupported_media_type")
+        declared = self.request.headers.get("content-length", "")
+        if declared.isdigit() and int(declared) > self.max_bytes:
+            raise self._too_large()
+        parser = MultiPartParser(self.request.headers, self._capped(), max_files=1, max_fields=32)
+        try:
+            self.form = await parser.parse()
+        except MultiPartException as exc:
+            raise bad_request(f"malformed multipart body: {exc.message}", None, "invalid_multipart") from None
+        return self.form
+
+    async def __aexit__(self, *exc_info) -> None:
+        if self.form is not None:
+            await self.form.close()
+
+    async def _capped(self) -> AsyncIterator[bytes]:
+        seen = 0
+        async for chunk in self.request.stream():
+            seen += len(chunk)
+            if seen > self.max_bytes:
+                raise self._too_large()
+            yield chunk
+
+    def _too_large(self) -> APIError:
+        limit = self.max_bytes - _FORM_SLACK
+        return APIError(413, f"the upload is larger than this server's limit of {limit} bytes", "request_too_large", "file")
+
+
+def _fields(form: FormData) -> dict:
+    """The form's text fields as a dict for validation; ``name[]`` repeated fields become lists."""
+    out: dict = {}
+    for key, value in form.multi_items():
+        if key == "file":
+            continue
+        if isinstance(value, UploadFile):
+            raise bad_request(f"{key} must be a text field, not a file", key)
+        if key.endswith("[]"):
+            out.setdefault(key[:-2], []).append(value)
+        else:
+            out[key] = value
+    return out
+
+
+async def _decode(form: FormData, max_seconds: float) -> tuple[np.ndarray, int]:
+    """The 'file' part decoded to float32 mono; 400 (param file) when missing, not audio, or too long."""
+    files = form.getlist("file")
+    if not files:
+        raise bad_request("missing required parameter: file", "file", "missing_required_parameter")
+    upload = files[0]
+    if not isinstance(upload, UploadFile):
+        raise bad_request("file must be an uploaded audio file (multipart file part), not a text field", "file")
+    data = await upload.read()
+    try:
+        audio, rate = await anyio.to_thread.run_sync(sound.decode_audio, data)
+    except ValueError as exc:
+        raise bad_request(f"{upload.filename or 'file'}: {exc}", "file", "invalid_file") from None
+    if len(audio) / rate > max_seconds:
+        raise bad_request(f"the audio is {len(audio) / rate:.1f} s long, above this server's limit of "
+                          f"{max_seconds:g} s", "file", "audio_too_long")
+    return audio, rate
+
+
+def _transcript_response(t: Transcript, body: TranscriptionForm, headers: dict[str, str]) -> Response:
+    fmt = body.response_format
+    if fmt == "text":
+        return PlainTextResponse(t.text, headers=headers)
+    if fmt == "srt":
+        return PlainTextResponse(sound.to_srt(t.segments), headers=headers)
+    if fmt == "vtt":
+        return Response(sound.to_vtt(t.segments), media_type="text/vtt", headers=headers)
+    usage = {"type": "duration", "seconds": int(np.ceil(t.duration))}
+    if fmt == "json":
+        return JSONResponse({"text": t.text, "usage": usage}, headers=headers)
+    segments = [{"id": s.id, "seek": int(s.start * 100), "start": s.start, "end": s.end, "text": s.text,
+                 "temperature": body.temperature} for s in t.segments]
+    return JSONResponse({"task": "transcribe", "language": LANGUAGES.get(t.language, t.language),
+                         "duration": round(t.duration, 3), "text": t.text, "segments": segments, "usage": usage},
+                        headers=headers)
+
+
+def routes(svc: Services) -> list[BaseRoute]:
+    return [
+        Route("/v1/audio/speech", speech, methods=["POST"]),
+        Route("/v1/audio/transcriptions", transcriptions, methods=["POST"]),
+    ]
