@@ -21,6 +21,27 @@ def tiny_chat(demo_dir: Path) -> Path:
     return build_demo_models(demo_dir, names=["tiny-chat"])["tiny-chat"]
 
 
+@pytest.fixture(scope="session")
+def tiny_image(demo_dir: Path) -> Path:
+    from workers.demo import build_demo_models
+
+    return build_demo_models(demo_dir, names=["tiny-image"])["tiny-image"]
+
+
+@pytest.fixture(scope="session")
+def tiny_tts(demo_dir: Path) -> Path:
+    from workers.demo import build_demo_models
+
+    return build_demo_models(demo_dir, names=["tiny-tts"])["tiny-tts"]
+
+
+@pytest.fixture(scope="session")
+def tiny_stt(demo_dir: Path) -> Path:
+    from workers.demo import build_demo_models
+
+    return build_demo_models(demo_dir, names=["tiny-stt"])["tiny-stt"]
+
+
 @pytest.fixture(scope="module")
 def chat_server(tiny_chat: Path, tmp_path_factory) -> RunningServer:
     folder = tmp_path_factory.mktemp("chat-server")

@@ -1,0 +1,437 @@
+"""Images, speech and transcriptions through the official openai SDK and raw HTTP against a real
+uvicorn serving the tiny demo models; bad input; and a client leaving mid-generation."""
+
+from __future__ import annotations
+
+import base64
+import io
+import json
+import re
+import socket
+import time
+from pathlib import Path
+
+import httpx
+import numpy as np
+import openai
+import pytest
+import soundfile as sf
+from PIL import Image
+
+from gateway.images import ImageStore
+from tests.helpers import RunningServer, start_server, write_config
+from workers.audio import supported_speech_formats
+from workers.base import ModelSpec
+from workers.tts import TTSWorker
+
+LIMITS = """limits:
+  prompt_max_chars: 200
+  image_max_n: 2
+  image_max_side: 128
+  image_max_steps: 400
+  image_url_ttl_s: 60
+  speech_max_chars: 20000
+  transcription_max_bytes: 1MiB
+  transcription_max_seconds: 20
+"""
+
+
+@pytest.fixture(scope="module")
+def media(tiny_image: Path, tiny_tts: Path, tiny_stt: Path, tmp_path_factory) -> RunningServer:
+    folder = tmp_path_factory.mktemp("media-server")
+    models = {"tiny-image": ("image", tiny_image), "tiny-tts": ("tts", tiny_tts), "tiny-stt": ("stt", tiny_stt)}
+    server = start_server(write_config(folder, models, LIMITS))
+    yield server
+    server.stop()
+
+
+def client(server: RunningServer, tier: str = "paid") -> openai.OpenAI:
+    return openai.OpenAI(base_url=server.base_url, api_key=server.keys[tier], max_retries=0)
+
+
+def auth(server: RunningServer, tier: str = "paid") -> dict[str, str]:
+    return {"Authorization": f"Bearer {server.keys[tier]}"}
+
+
+def error(r: httpx.Response, status: int, param: str | None, code: str | None = None) -> dict:
+    assert r.status_code == status, r.text
+    err = r.json()["error"]
+    assert set(err) == {"message", "type", "param", "code"}
+    assert isinstance(err["code"], str) and err["message"]
+    assert err["param"] == param, err
+    if code:
+        assert err["code"] == code, err
+    return err
+
+
+def png_size(data: bytes) -> tuple[int, int]:
+    img = Image.open(io.BytesIO(data))
+    assert img.format == "PNG"
+    return img.size
+
+
+def sample_rate_of(path: Path) -> int:
+    return TTSWorker(ModelSpec("tts", "tts", path)).sample_rate
+
+
+def tone_file(seconds: float, rate: int, channels: int, fmt: str) -> bytes:
+    t = np.arange(int(seconds * rate)) / rate
+    x = 0.3 * np.sin(2 * np.pi * 440 * t) * (1 + np.sin(2 * np.pi * 0.5 * t)) / 2
+    buf = io.BytesIO()
+    sf.write(buf, np.stack([x] * channels, axis=1).astype(np.float32), rate, format=fmt)
+    return buf.getvalue()
+
+
+# ---------------------------------------------------------------- images
+
+
+def test_image_b64_pngs_have_the_asked_size(media):
+    c = client(media)
+    r = c.images.generate(model="tiny-image", prompt="a cat", n=2, size="32x48",
+                          extra_body={"num_inference_steps": 2, "seed": 3})
+    assert len(r.data) == 2 and r.created > 0
+    pngs = [base64.b64decode(d.b64_json) for d in r.data]
+    assert [png_size(p) for p in pngs] == [(32, 48), (32, 48)]
+    assert pngs[0] != pngs[1] and r.data[0].revised_prompt is None
+    for size in (None, "auto"):  # the model's native size
+        kw = {"size": size} if size else {}
+        r = c.images.generate(model="tiny-image", prompt="a dog", extra_body={"num_inference_steps": 1}, **kw)
+        assert png_size(base64.b64decode(r.data[0].b64_json)) == (64, 64)
+
+
+def test_image_seed_and_extensions_decide_the_pixels(media):
+    c = client(media)
+
+    def one(**extra) -> bytes:
+        body = {"num_inference_steps": 2, "guidance_scale": 3.0, **extra}
+        return base64.b64decode(c.images.generate(model="tiny-image", prompt="a cat", size="32x32",
+                                                  extra_body=body).data[0].b64_json)
+
+    a, b, other = one(seed=5), one(seed=5), one(seed=6)
+    assert a == b and a != other
+    assert one(seed=5, negative_prompt="blurry") != a
+
+
+def test_image_url_is_served_to_the_same_key_only(media):
+    c = client(media)
+    body = {"num_inference_steps": 2, "seed": 11}
+    urls = c.images.generate(model="tiny-image", prompt="a cat", size="32x32", response_format="url",
+                             extra_body=body)
+    inline = c.images.generate(model="tiny-image", prompt="a cat", size="32x32", extra_body=body)
+    url = urls.data[0].url
+    assert url.startswith(media.url + "/v1/images/files/") and url.endswith(".png")
+    assert urls.data[0].b64_json is None
+    r = httpx.get(url, headers=auth(media))
+    assert r.status_code == 200 and r.headers["content-type"] == "image/png"
+    assert r.content == base64.b64decode(inline.data[0].b64_json)  # same seed, same pixels
+    error(httpx.get(url, headers=auth(media, "free")), 404, None, "image_not_found")
+    error(httpx.get(url), 401, None, "missing_api_key")
+    error(httpx.get(url.replace("/files/img-", "/files/img-x"), headers=auth(media)), 404, None)
+
+
+def test_image_store_expires_and_stays_bounded():
+    now = [0.0]
+    store = ImageStore(ttl_s=10, max_bytes=100, clock=lambda: now[0])
+    a = store.put("k1", b"a" * 40)
+    now[0] = 5
+    b = store.put("k1", b"b" * 40)
+    assert store.get("k1", a) == b"a" * 40 and store.get("k2", a) is None
+    c = store.put("k2", b"c" * 40)  # 120 bytes > 100: the oldest goes
+    assert store.get("k1", a) is None and store.get("k1", b) == b"b" * 40 and store.get("k2", c) == b"c" * 40
+    assert store.bytes == 80
+    now[0] = 15.5  # b (put at 5) expired, c (put at 5) too
+    assert store.get("k1", b) is None and store.get("k2", c) is None
+    assert len(store) == 0 and store.bytes == 0
+
+
+IMAGE = {"model": "tiny-image", "prompt": "a cat", "size": "32x32", "num_inference_steps": 1}
+
+
+@pytest.mark.parametrize("change,param", [
+    ({"prompt": ""}, "prompt"),
+    ({"prompt": "   "}, "prompt"),
+    ({"prompt": "x" * 201}, "prompt"),
+    ({"negative_prompt": "x" * 201}, "negative_prompt"),
+    ({"size": "36x32"}, "size"),
+    ({"size": "256x256"}, "size"),
+    ({"size": "0x64"}, "size"),
+    ({"size": "large"}, "size"),
+    ({"n": 3}, "n"),
+    ({"n": 0}, "n"),
+    ({"num_inference_steps": 401}, "num_inference_steps"),
+    ({"response_format": "png"}, "response_format"),
+    ({"guidance_scale": -1}, "guidance_scale"),
+    ({"style": "vivid"}, "style"),
+    ({"model": "tiny-tts"}, "model"),
+    ({"prompt": None}, "prompt"),
+])
+def test_bad_image_requests_are_400_naming_the_param(media, change, param):
+    body = {k: v for k, v in {**IMAGE, **change}.items() if v is not None}
+    error(httpx.post(f"{media.base_url}/images/generations", headers=auth(media), json=body), 400, param)
+
+
+def test_sdk_sees_bad_image_input_as_bad_request(media):
+    with pytest.raises(openai.BadRequestError) as e:
+        client(media).images.generate(model="tiny-image", prompt="a cat", size="1024x1024")
+    assert e.value.body["param"] == "size" and "128" in e.value.body["message"]
+
+
+# ---------------------------------------------------------------- speech
+
+TEXT = "Hello there. This is a test of speech; it has three sentences!"
+
+
+@pytest.mark.parametrize("fmt", ["wav", "flac"])
+def test_speech_decodes_at_the_model_rate(media, tiny_tts, fmt):
+    out = client(media).audio.speech.create(model="tiny-tts", input=TEXT, voice="alloy", response_format=fmt)
+    assert out.response.headers["content-type"] == f"audio/{fmt}"
+    x, rate = sf.read(io.BytesIO(out.content), dtype="float32")
+    assert rate == sample_rate_of(tiny_tts)
+    assert x.ndim == 1 and len(x) / rate > 0.1 and np.abs(x).max() > 0
+
+
+def test_speech_pcm_is_raw_16_bit_at_the_announced_rate(media, tiny_tts):
+    c = client(media)
+    pcm = c.audio.speech.create(model="tiny-tts", input=TEXT, voice="ben", response_format="pcm")
+    wav = c.audio.speech.create(model="tiny-tts", input=TEXT, voice="ben", response_format="wav")
+    assert pcm.response.headers["content-type"] == "audio/pcm"
+    assert int(pcm.response.headers["x-sample-rate"]) == sample_rate_of(tiny_tts)
+    samples = np.frombuffer(pcm.content, "<i2")
+    assert len(pcm.content) % 2 == 0 and np.abs(samples).max() > 0
+    assert len(samples) == len(sf.read(io.BytesIO(wav.content))[0])  # durations are deterministic
+
+
+@pytest.mark.skipif("mp3" not in supported_speech_formats(), reason="this libsndfile writes no mp3")
+def test_speech_defaults_to_mp3(media):
+    r = httpx.post(f"{media.base_url}/audio/speech", headers=auth(media),
+                   json={"model": "tiny-tts", "input": "Hi there.", "voice": "nova"})
+    assert r.status_code == 200 and r.headers["content-type"] == "audio/mpeg"
+    x, _ = sf.read(io.BytesIO(r.content))
+    assert len(x) > 0
+
+
+def test_speech_speed_changes_the_length(media):
+    c = client(media)
+
+    def seconds(speed: float) -> float:
+        x, rate = sf.read(io.BytesIO(c.audio.speech.create(model="tiny-tts", input=TEXT, voice="cleo",
+                                                          response_format="wav", speed=speed).content))
+        return len(x) / rate
+
+    assert seconds(2.0) < 0.75 * seconds(1.0)
+
+
+SPEECH = {"model": "tiny-tts", "input": "Hello.", "voice": "alloy", "response_format": "wav"}
+
+
+@pytest.mark.parametrize("change,param,needle", [
+    ({"input": ""}, "input", None),
+    ({"input": " \n "}, "input", None),
+    ({"input": "x" * 20001}, "input", "20000"),
+    ({"input": "?!"}, "input", None),  # nothing speakable
+    ({"voice": "darth"}, "voice", "amy"),  # lists the model's voices
+    ({"response_format": "aac"}, "response_format", "wav"),  # lists what is supported
+    ({"speed": 4.5}, "speed", None),
+    ({"stream_format": "sse"}, "stream_format", None),
+    ({"voice": None}, "voice", None),
+    ({"model": "tiny-image"}, "model", None),
+])
+def test_bad_speech_requests_are_400_naming_the_param(media, change, param, needle):
+    body = {k: v for k, v in {**SPEECH, **change}.items() if v is not None}
+    err = error(httpx.post(f"{media.base_url}/audio/speech", headers=auth(media), json=body), 400, param)
+    if needle:
+        assert needle in err["message"]
+
+
+# ---------------------------------------------------------------- transcriptions
+
+SRT_CUE = re.compile(r"^\d+\n(\d\d:\d\d:\d\d,\d{3}) --> (\d\d:\d\d:\d\d,\d{3})\n", re.M)
+VTT_CUE = re.compile(r"^(\d\d:\d\d:\d\d\.\d{3}) --> (\d\d:\d\d:\d\d\.\d{3})\n", re.M)
+
+
+def _seconds(stamp: str) -> float:
+    h, m, s = stamp.replace(",", ".").split(":")
+    return int(h) * 3600 + int(m) * 60 + float(s)
+
+
+def test_transcription_in_every_format(media):
+    c = client(media)
+    wav = tone_file(3.0, 44100, 2, "WAV")  # 44.1 kHz stereo, resampled to the model's 16 kHz mono
+
+    def tr(fmt: str):
+        return c.audio.transcriptions.create(model="tiny-stt", file=("tone.wav", wav, "audio/wav"),
+                                             response_format=fmt, language="en", temperature=0)
+
+    plain = tr("json").text
+    assert isinstance(plain, str) and plain
+    assert tr("text") == plain  # greedy decoding: the same words every time
+    srt = tr("srt")
+    cues = SRT_CUE.findall(srt)
+    assert cues and all(0 <= _seconds(a) <= _seconds(b) <= 3.0 for a, b in cues)
+    vtt = tr("vtt")
+    assert vtt.startswith("WEBVTT") and len(VTT_CUE.findall(vtt)) == len(cues)
+    verbose = tr("verbose_json")
+    assert verbose.task == "transcribe" and verbose.language == "english"
+    assert verbose.duration == pytest.approx(3.0, abs=0.01)
+    assert verbose.text == plain and verbose.segments
+    assert [s.id for s in verbose.segments] == list(range(len(verbose.segments)))
+    assert all(0 <= s.start <= s.end <= 3.0 for s in verbose.segments)
+
+
+@pytest.mark.parametrize("fmt,rate,channels,seconds", [("FLAC", 22050, 1, 2.5), ("OGG", 48000, 2, 1.5)])
+def test_transcription_decodes_flac_and_ogg_at_any_rate(media, fmt, rate, channels, seconds):
+    data = tone_file(seconds, rate, channels, fmt)
+    r = httpx.post(f"{media.base_url}/audio/transcriptions", headers=auth(media),
+                   files={"file": (f"tone.{fmt.lower()}", data)},
+                   data={"model": "tiny-stt", "response_format": "verbose_json", "language": "en"})
+    assert r.status_code == 200, r.text
+    assert r.json()["duration"] == pytest.approx(seconds, abs=0.01)
+
+
+def _transcribe(server, files=None, data=None, **kw) -> httpx.Response:
+    fields = {"model": "tiny-stt", **(data or {})}
+    return httpx.post(f"{server.base_url}/audio/transcriptions", headers=auth(server), files=files,
+                      data=fields, **kw)
+
+
+WAV = tone_file(1.0, 16000, 1, "WAV")
+
+
+@pytest.mark.parametrize("files,data,status,param,code", [
+    ({"file": ("a.wav", b"this is not audio at all")}, {}, 400, "file", "invalid_file"),
+    ({"file": ("a.wav", WAV[:30])}, {}, 400, "file", "invalid_file"),  # a cut-off header
+    ({"file": ("a.wav", b"")}, {}, 400, "file", "invalid_file"),
+    ({"file": ("long.wav", tone_file(25.0, 8000, 1, "WAV"))}, {}, 400, "file", "audio_too_long"),
+    ({"file": ("big.wav", tone_file(40.0, 16000, 1, "WAV"))}, {}, 413, "file", "request_too_large"),
+    ({"file": ("a.wav", WAV)}, {"response_format": "mp3"}, 400, "response_format", None),
+    ({"file": ("a.wav", WAV)}, {"temperature": "2"}, 400, "temperature", None),
+    ({"file": ("a.wav", WAV)}, {"language": "klingon"}, 400, "language", None),
+    ({"file": ("a.wav", WAV)}, {"prompt": "p" * 201}, 400, "prompt", None),
+    ({"file": ("a.wav", WAV)}, {"timestamp_granularities[]": "word"}, 400, "timestamp_granularities[0]", None),
+    ({"file": ("a.wav", WAV)}, {"model": "tiny-tts"}, 400, "model", "model_not_supported"),
+    ({"file": (None, "not a file part")}, {}, 400, "file", None),  # a text field named file
+    ({"language": (None, "en")}, {}, 400, "file", "missing_required_parameter"),  # multipart, no file
+    ({"file": ("a.wav", WAV)}, {"bogus": "1"}, 400, "bogus", "unknown_parameter"),
+])
+def test_bad_transcription_requests_name_the_param(media, files, data, status, param, code):
+    error(_transcribe(media, files, data), status, param, code)
+
+
+def test_transcription_needs_multipart(media):
+    r = httpx.post(f"{media.base_url}/audio/transcriptions", headers=auth(media),
+                   json={"model": "tiny-stt", "file": base64.b64encode(WAV).decode()})
+    err = error(r, 415, None, "unsupported_media_type")
+    assert "multipart/form-data" in err["message"]
+
+
+def test_transcription_upload_without_length_is_capped(media):
+    boundary = "b0undary"
+    big = tone_file(40.0, 16000, 1, "WAV")
+
+    def body():
+        yield (f"--{boundary}\r\nContent-Disposition: form-data; name=\"model\"\r\n\r\ntiny-stt\r\n"
+               f"--{boundary}\r\nContent-Disposition: form-data; name=\"file\"; filename=\"a.wav\"\r\n"
+               "Content-Type: audio/wav\r\n\r\n").encode()
+        for i in range(0, len(big), 65536):
+            yield big[i:i + 65536]
+        yield f"\r\n--{boundary}--\r\n".encode()
+
+    r = httpx.post(f"{media.base_url}/audio/transcriptions", content=body(),
+                   headers={**auth(media), "content-type": f"multipart/form-data; boundary={boundary}"})
+    assert "content-length" not in r.request.headers  # chunked: only the streamed count can stop it
+    error(r, 413, "file", "request_too_large")
+
+
+# ---------------------------------------------------------------- the client leaves
+
+
+def _raw_post(server: RunningServer, path: str, body: dict) -> socket.socket:
+    """A POST on a raw socket, so the test decides exactly when the connection goes away."""
+    port = int(server.url.rsplit(":", 1)[1])
+    sock = socket.create_connection(("127.0.0.1", port))
+    payload = json.dumps(body).encode()
+    head = (f"POST /v1{path} HTTP/1.1\r\nHost: 127.0.0.1\r\nAuthorization: Bearer {server.keys['paid']}\r\n"
+            f"Content-Type: application/json\r\nContent-Length: {len(payload)}\r\n\r\n")
+    sock.sendall(head.encode() + payload)
+    return sock
+
+
+def _wait(predicate, timeout: float = 30.0) -> None:
+    deadline = time.monotonic() + timeout
+    while not predicate():
+        assert time.monotonic() < deadline, "timed out"
+        time.sleep(0.005)
+
+
+def _idle(server: RunningServer, model: str) -> bool:
+    def check() -> bool:
+        state = server.services.arbiter.states[model]
+        return server.services.gate.inflight["paid"] == 0 and state.running_nonbatch == 0
+
+    return server.call(check)
+
+
+class _Counter:
+    """Counts forward calls of a torch module (a hook, removed on exit)."""
+
+    def __init__(self, module) -> None:
+        self.n = 0
+        self._handle = module.register_forward_hook(self._hit)
+
+    def _hit(self, *_) -> None:
+        self.n += 1
+
+    def __enter__(self) -> "_Counter":
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self._handle.remove()
+
+
+def test_leaving_mid_image_stops_the_denoising_and_frees_the_slot(media, record_property):
+    c = client(media)
+    c.images.generate(model="tiny-image", prompt="warm up", size="32x32", extra_body={"num_inference_steps": 1})
+    worker = media.services.arbiter.workers["tiny-image"]
+    asked = 400
+    with _Counter(worker.pipe.unet) as steps:  # one UNet call per denoising step
+        sock = _raw_post(media, "/images/generations", {**IMAGE, "size": "64x64", "num_inference_steps": asked})
+        _wait(lambda: steps.n >= 3)
+        sock.close()
+        _wait(lambda: _idle(media, "tiny-image"), timeout=10)
+        at_release = steps.n
+        time.sleep(0.3)
+        after = steps.n
+    record_property("image_steps", f"asked {asked}, ran {at_release} by release, {after} after")
+    print(f"image: asked {asked} steps, {at_release} ran before the slot was released, {after} after 0.3 s")
+    assert after == at_release  # the worker had stopped before the slot was released
+    assert at_release < asked // 10
+    r = c.images.generate(model="tiny-image", prompt="after", size="32x32", extra_body={"num_inference_steps": 1})
+    assert len(r.data) == 1
+    metrics = httpx.get(f"{media.url}/metrics").text
+    assert 'tiergate_in_flight{tier="paid"} 0.0' in metrics
+
+
+def test_leaving_mid_speech_stops_the_sentences_and_frees_the_slot(media):
+    c = client(media)
+    c.audio.speech.create(model="tiny-tts", input="warm up.", voice="alloy", response_format="wav")
+    worker = media.services.arbiter.workers["tiny-tts"]
+    sentences = 300
+    text = " ".join(f"this is sentence number {i}." for i in range(sentences))
+    with _Counter(worker.model) as spoken:  # one model call per sentence
+        sock = _raw_post(media, "/audio/speech", {**SPEECH, "input": text})
+        received = b""
+        while b"\r\n\r\n" not in received or len(received.split(b"\r\n\r\n", 1)[1]) < 200:
+            received += sock.recv(65536)
+        at_first_audio = spoken.n
+        sock.close()
+        _wait(lambda: _idle(media, "tiny-tts"), timeout=10)
+        at_release = spoken.n
+        time.sleep(0.3)
+        after = spoken.n
+    print(f"speech: {sentences} sentences; first audio after {at_first_audio}, "
+          f"{at_release} spoken by release, {after} after 0.3 s")
+    assert received.startswith(b"HTTP/1.1 200") and b"audio/wav" in received
+    assert at_first_audio < sentences // 2  # streamed: audio arrived long before the text was all spoken
+    assert after == at_release and at_release < sentences // 2
+    out = c.audio.speech.create(model="tiny-tts", input="after.", voice="alloy", response_format="wav")
+    assert len(out.content) > 44
