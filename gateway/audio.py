@@ -131,7 +131,10 @@ async def _voices(svc: Services, spec: ModelSpec) -> TTSWorker:
     so an unknown voice is refused before the request takes a slot or loads the model."""
     cache: dict[str, TTSWorker] = svc.extras.setdefault("tts_voices", {})
     if spec.name not in cache:
-        cache[spec.name] = await anyio.to_thread.run_sync(TTSWorker, spec)
+        try:
+            cache[spec.name] = await anyio.to_thread.run_sync(TTSWorker, spec)
+        except (OSError, ValueError) as exc:  # the folder is not a TTS model this worker runs
+            raise APIError(503, f"the model '{spec.name}' cannot be used: {exc}", "model_unavailable") from None
     return cache[spec.name]
 
 
@@ -262,13 +265,14 @@ async def _decode(form: FormData, max_seconds: float) -> tuple[np.ndarray, int]:
 
 
 def _transcript_response(t: Transcript, body: TranscriptionForm, headers: dict[str, str]) -> Response:
+    """OpenAI's shapes; text, srt and vtt are all text/plain, as OpenAI sends them."""
     fmt = body.response_format
     if fmt == "text":
         return PlainTextResponse(t.text, headers=headers)
     if fmt == "srt":
         return PlainTextResponse(sound.to_srt(t.segments), headers=headers)
     if fmt == "vtt":
-        return Response(sound.to_vtt(t.segments), media_type="text/vtt", headers=headers)
+        return PlainTextResponse(sound.to_vtt(t.segments), headers=headers)
     usage = {"type": "duration", "seconds": int(np.ceil(t.duration))}
     if fmt == "json":
         return JSONResponse({"text": t.text, "usage": usage}, headers=headers)

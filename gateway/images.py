@@ -170,6 +170,8 @@ async def generate(svc: Services, caller: Caller, data: dict, request: Request |
     body = parse(ImageGenerationRequest, data)
     spec = svc.spec(body.model, "image")
     job = plan(body, svc.config.limits, _native(svc, spec))
+    if body.response_format == "url" and request is None:
+        raise bad_request("response_format 'url' is only for live requests; use b64_json", "response_format")
     held = await unless_gone(request, svc.hold(caller.tier, spec.name, job.units))
     ok = False
     try:
@@ -186,8 +188,6 @@ async def generate(svc: Services, caller: Caller, data: dict, request: Request |
         held.release(ok=ok)
         svc.metrics.latency.labels(caller.tier, "images").observe(time.monotonic() - arrived)
     if body.response_format == "url":
-        if request is None:
-            raise bad_request("response_format 'url' needs a live request", "response_format")
         data_rows = [{"url": _url(request, _store(svc).put(caller.key_id, png)), "revised_prompt": None} for png in pngs]
     else:
         data_rows = [{"b64_json": base64.b64encode(png).decode("ascii"), "revised_prompt": None} for png in pngs]
