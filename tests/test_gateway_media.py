@@ -396,6 +396,9 @@ def test_leaving_mid_image_stops_the_denoising_and_frees_the_slot(media, record_
     with _Counter(worker.pipe.unet) as steps:  # one UNet call per denoising step
         sock = _raw_post(media, "/images/generations", {**IMAGE, "size": "64x64", "num_inference_steps": asked})
         _wait(lambda: steps.n >= 3)
+        started = time.monotonic()
+        assert httpx.get(f"{media.url}/healthz").status_code == 200  # the loop is free while it denoises
+        assert time.monotonic() - started < 1.0 and steps.n < asked
         sock.close()
         _wait(lambda: _idle(media, "tiny-image"), timeout=10)
         at_release = steps.n
