@@ -27,12 +27,14 @@ if ! "$PY" -c "import torch" >/dev/null 2>&1; then
   fi
 fi
 
-# The project itself, again whenever pyproject.toml changes.
-STAMP="$VENV/.tiergate-installed"
-WANT="$(sha256sum "$ROOT/pyproject.toml" | cut -c1-16)-$EXTRAS"
-if [ "$(cat "$STAMP" 2>/dev/null)" != "$WANT" ]; then
+# The project itself, again whenever pyproject.toml changes. One stamp per set of extras; the
+# "test" install includes everything serving needs.
+HASH="$(sha256sum "$ROOT/pyproject.toml" | cut -c1-16)"
+STAMP="$VENV/.tiergate-installed-${EXTRAS:-base}"
+if [ "$(cat "$STAMP" 2>/dev/null)" != "$HASH" ]; then
   echo "tiergate: installing tiergate${EXTRAS:+[$EXTRAS]} and its dependencies" >&2
   "${PIP[@]}" -e "$ROOT${EXTRAS:+[$EXTRAS]}"
-  echo "$WANT" > "$STAMP"
+  echo "$HASH" > "$STAMP"
+  echo "$HASH" > "$VENV/.tiergate-installed-base"
 fi
 export PATH="$VENV/bin:$PATH"

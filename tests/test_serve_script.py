@@ -35,8 +35,10 @@ def test_serve_from_clean_checkout(tmp_path):
     assert not (repo / "demo-models").exists()
     port = spare_port()
     env = {k: v for k, v in os.environ.items() if not k.startswith("TIERGATE_KEYS_")}
-    # reuse this environment's venv: creating one is what scripts/test already proved
-    env.update(TIERGATE_VENV=str(Path(sys.prefix)), TIERGATE_PORT=str(port))
+    # reuse this environment's venv and its installed project
+    # (scripts/test installed it; CI creates it from nothing in its fresh clone). PYTHONPATH makes
+    # the copy's own code the code that runs.
+    env.update(TIERGATE_VENV=str(Path(sys.prefix)), TIERGATE_PORT=str(port), PYTHONPATH=str(repo))
     proc = subprocess.Popen(["bash", "scripts/serve"], cwd=repo, env=env, stdout=subprocess.PIPE,
                             stderr=subprocess.STDOUT, text=True, start_new_session=True)
     out = []
@@ -63,5 +65,6 @@ def test_serve_from_clean_checkout(tmp_path):
                 time.sleep(0.2)
         assert r.usage.completion_tokens == 4
     finally:
-        os.killpg(proc.pid, signal.SIGTERM)
+        if proc.poll() is None:
+            os.killpg(proc.pid, signal.SIGTERM)
         proc.wait(30)
