@@ -14,7 +14,9 @@ Where vLLM differs from the transformers worker (``workers.chat``):
   request is aborted (its KV blocks are freed), the tokens generated so far are kept, and once the
   pause lifts it is resubmitted as prompt + generated tokens with the remaining budget, as the
   transformers worker re-prefills. Not carried over a pause: a stop string split across it, and
-  the sampler state (a seeded request is reproducible only when it is not paused).
+  the sampler state (a seeded request is reproducible only when it is not paused), and text that
+  vLLM's detokenizer was still holding back at the pause (a partial stop-string match or an
+  incomplete UTF-8 character): the tokens are kept, that text is not streamed.
 * LoRA. vLLM's CPU LoRA kernels (``vllm.lora.ops.torch_ops``) index the adapter stack with the
   row's slot, and rows without an adapter carry slot ``-1``, which Python indexing turns into the
   LAST slot: once an adapter has ever been activated in the last slot (vLLM only clears a slot's
@@ -278,7 +280,7 @@ class VllmChatEngine:
         if ctx.cancelled:
             raise Cancelled()
 
-        lora_request = await self._acquire_lora(lora) if lora is not None else None
+        lora_request = await self._acquire_lora(lora, ctx) if lora is not None else None
         generated: list[int] = []
         try:
             while True:  # one pass per submission; a pause ends a pass and resubmits
@@ -331,7 +333,7 @@ class VllmChatEngine:
                     # Closing vLLM's generator while it is suspended aborts the request there;
                     # the explicit abort covers the other exits (a no-op for finished ids).
                     await stream.aclose()
-                    if outcome != "finished":
+                    if outcome != "finished" and self._llm is not None:
                         await self._llm.abort(rid)
                     self._inflight.discard(rid)
                 if outcome != "paused":
@@ -360,9 +362,10 @@ class VllmChatEngine:
                 return
 
     # -- LoRA residency ----------------------------------------------------------------------
-    async def _acquire_lora(self, lora: LoraRef):
+    async def _acquire_lora(self, lora: LoraRef, ctx):
         """Make ``lora`` resident (evicting an idle adapter when all ``max_loras`` are taken,
-        waiting while every resident one is in use) and count this request as its user."""
+        waiting while every resident one is in use) and count this request as its user.
+        A ``ctx.cancel()`` while waiting raises ``Cancelled``."""
         from vllm.lora.request import LoRARequest
 
         name, lora_id, path = lora
@@ -384,7 +387,12 @@ class VllmChatEngine:
                     _, victim = min(idle)
                     await self._llm.remove_lora(self._resident.pop(victim).lora_id)
                     continue
-                await self._lora_cond.wait()
+                try:
+                    await asyncio.wait_for(self._lora_cond.wait(), _CANCEL_POLL_S)
+                except TimeoutError:
+                    pass
+                if ctx.cancelled:
+                    raise Cancelled()
             res.users += 1
             res.last_used = time.monotonic()
         return LoRARequest(lora_name=name, lora_int_id=lora_id, lora_path=str(path))
