@@ -130,35 +130,50 @@ def stack_factors(
     return b_all, a_all
 
 
-def _launch(srcs: Sequence[Tensor], dsts: Sequence[Tensor], b_all: Tensor, a_all: Tensor, cfg: Config, mode: Mode):
-    m, n = srcs[0].shape
-    device = srcs[0].device
-    src_ptrs = torch.tensor([t.data_ptr() for t in srcs], dtype=torch.int64, device=device)
-    dst_ptrs = torch.tensor([t.data_ptr() for t in dsts], dtype=torch.int64, device=device)
-    precision = "ieee" if mode == "exact" else "tf32"
-    upcast = INTERPRET and b_all.dtype in LOW_PRECISION
-    grid = (triton.cdiv(m, cfg.block_m), triton.cdiv(n, cfg.block_n), len(srcs))
-    extra = {} if INTERPRET else {"num_warps": cfg.num_warps, "num_stages": cfg.num_stages, "enable_fp_fusion": True}
-    _merge_kernel[grid](
-        src_ptrs,
-        dst_ptrs,
-        srcs[0],
-        b_all,
-        a_all,
-        m,
-        n,
-        b_all.shape[2],
-        *srcs[0].stride(),
-        *dsts[0].stride(),
-        *b_all.stride(),
-        *a_all.stride(),
-        BLOCK_M=cfg.block_m,
-        BLOCK_N=cfg.block_n,
-        BLOCK_K=cfg.block_k,
-        PRECISION=precision,
-        UPCAST=upcast,
-        **extra,
-    )
+def _pointers(tensors: Sequence[Tensor]) -> Tensor:
+    return torch.tensor([t.data_ptr() for t in tensors], dtype=torch.int64, device=tensors[0].device)
+
+
+@dataclass
+class PreparedMerge:
+    """A group merge with its factors stacked, pointer tables built and config chosen: ``launch()``
+    is exactly one kernel launch (the benchmark times it alone)."""
+
+    srcs: Sequence[Tensor]
+    dsts: Sequence[Tensor]
+    b_all: Tensor
+    a_all: Tensor
+    cfg: Config
+    mode: Mode
+
+    def __post_init__(self) -> None:
+        self.src_ptrs, self.dst_ptrs = _pointers(self.srcs), _pointers(self.dsts)
+
+    def launch(self) -> None:
+        m, n = self.srcs[0].shape
+        cfg = self.cfg
+        grid = (triton.cdiv(m, cfg.block_m), triton.cdiv(n, cfg.block_n), len(self.srcs))
+        extra = {} if INTERPRET else {"num_warps": cfg.num_warps, "num_stages": cfg.num_stages, "enable_fp_fusion": True}
+        _merge_kernel[grid](
+            self.src_ptrs,
+            self.dst_ptrs,
+            self.srcs[0],
+            self.b_all,
+            self.a_all,
+            m,
+            n,
+            self.b_all.shape[2],
+            *self.srcs[0].stride(),
+            *self.dsts[0].stride(),
+            *self.b_all.stride(),
+            *self.a_all.stride(),
+            BLOCK_M=cfg.block_m,
+            BLOCK_N=cfg.block_n,
+            BLOCK_K=cfg.block_k,
+            PRECISION="ieee" if self.mode == "exact" else "tf32",
+            UPCAST=INTERPRET and self.b_all.dtype in LOW_PRECISION,
+            **extra,
+        )
 
 
 def pick_config(
@@ -179,13 +194,39 @@ def pick_config(
             def bench(fn):
                 return do_bench(fn, warmup=5, rep=20)
 
-        scratch = torch.empty_like(srcs[0])
-        times = {
-            cfg: bench(lambda cfg=cfg: _launch(srcs[:1], [scratch], b_all[:1], a_all[:1], cfg, mode))
-            for cfg in candidates
-        }
+        scratch = [torch.empty_like(srcs[0])]
+        trials = {cfg: PreparedMerge(srcs[:1], scratch, b_all[:1], a_all[:1], cfg, mode) for cfg in candidates}
+        times = {cfg: bench(trial.launch) for cfg, trial in trials.items()}
         _tuned[key] = min(times, key=times.get)
     return _tuned[key]
+
+
+def prepare_group(
+    srcs: Sequence[Tensor], dsts: Sequence[Tensor], factors: Sequence[Sequence[LoraFactor]], mode: Mode = "exact"
+) -> PreparedMerge:
+    """Validate a group of same-shape weights, stack its factors and choose the launch config."""
+    if not srcs or not (len(srcs) == len(dsts) == len(factors)):
+        raise ValueError("a non-empty group with one output and one factor list per weight")
+    first, first_dst = srcs[0], dsts[0]
+    for s, d, fs in zip(srcs, dsts, factors):
+        check_factors(s, fs)
+        if not fs:
+            raise ValueError("every weight of a group needs at least one factor")
+        if (s.shape, s.dtype, s.device, s.stride()) != (first.shape, first.dtype, first.device, first.stride()):
+            raise ValueError("a group's weights must share shape, dtype, device and strides")
+        if (d.shape, d.dtype, d.device, d.stride()) != (first.shape, first.dtype, first.device, first_dst.stride()):
+            raise ValueError("a group's outputs must share shape, strides and the weights' dtype and device")
+    if not INTERPRET and not first.is_cuda:
+        raise RuntimeError("the Triton merge needs CUDA tensors (or TRITON_INTERPRET=1 set before import)")
+    m, n = first.shape
+    fdtype = factor_dtype(first.dtype, mode)
+    if INTERPRET:
+        cfg = interpreter_config(m, n, max(sum(b.shape[1] for b, _, _ in fs) for fs in factors))
+        b_all, a_all = stack_factors(factors, m, n, fdtype, cfg.block_k, first.device)
+    else:
+        b_all, a_all = stack_factors(factors, m, n, fdtype, CUDA_BLOCK_K, first.device)
+        cfg = pick_config(srcs, b_all, a_all, mode)
+    return PreparedMerge(srcs, dsts, b_all, a_all, cfg, mode)
 
 
 def merge_group(
@@ -196,28 +237,4 @@ def merge_group(
     ``dsts[g]`` may be ``srcs[g]`` (in place). All srcs share shape, dtype, device and strides, and so do
     all dsts.
     """
-    if not srcs:
-        return
-    if not (len(srcs) == len(dsts) == len(factors)):
-        raise ValueError("one output and one factor list per weight")
-    first, first_dst = srcs[0], dsts[0]
-    for s, d, fs in zip(srcs, dsts, factors):
-        check_factors(s, fs)
-        if not fs:
-            raise ValueError("every weight of a group needs at least one factor")
-        if (s.shape, s.dtype, s.device, s.stride()) != (first.shape, first.dtype, first.device, first.stride()):
-            raise ValueError("a group's weights must share shape, dtype, device and strides")
-        if (d.shape, d.dtype, d.stride()) != (first.shape, first.dtype, first_dst.stride()):
-            raise ValueError("a group's outputs must share shape, strides and the weights' dtype")
-    if not INTERPRET and not first.is_cuda:
-        raise RuntimeError("the Triton merge needs CUDA tensors (or TRITON_INTERPRET=1 set before import)")
-    m, n = first.shape
-    fdtype = factor_dtype(first.dtype, mode)
-    if INTERPRET:
-        k_max = max(sum(b.shape[1] for b, _, _ in fs) for fs in factors)
-        cfg = interpreter_config(m, n, k_max)
-        b_all, a_all = stack_factors(factors, m, n, fdtype, cfg.block_k, first.device)
-    else:
-        b_all, a_all = stack_factors(factors, m, n, fdtype, CUDA_BLOCK_K, first.device)
-        cfg = pick_config(srcs, b_all, a_all, mode)
-    _launch(srcs, dsts, b_all, a_all, cfg, mode)
+    prepare_group(srcs, dsts, factors, mode).launch()

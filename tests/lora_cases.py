@@ -4,12 +4,15 @@ the Triton-interpreter runner tests/lora_interp_runner.py). Not a test module it
 from __future__ import annotations
 
 import functools
+import time
+from collections.abc import Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass
 
 import torch
 from torch import Tensor
 
-from lora_kernels.ops import LoraFactor, merge_reference
+from lora_kernels.ops import LoraFactor, merge_into, merge_reference
 
 
 @dataclass(frozen=True)
@@ -33,6 +36,8 @@ SHAPES = [
 ]
 SHAPE_BY_ID = {s.id: s for s in SHAPES}
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
+MODES = ("exact", "fast")
+ALL_CASES = [(s.id, d, m) for s in SHAPES for d in DTYPES for m in MODES]
 # per-adapter scales (weight * alpha / r): not powers of two, one negative
 SCALES = (0.7, -1.3, 0.45, 1.9, -0.8, 1.1, 0.35, -2.2)
 
@@ -94,3 +99,69 @@ def worst_ratio(out: Tensor, shape_id: str, dtype_name: str, mode: str, truncati
     k = sum(SHAPE_BY_ID[shape_id].ranks)
     bound = error_bound(ref, w_abs, fac, k, DTYPES[dtype_name], mode, truncating)
     return ((out.to(torch.float64) - ref).abs() / bound).max().item()
+
+
+class LaunchCounter:
+    """Stands in for the jitted kernel and counts ``kernel[grid](...)`` launches."""
+
+    def __init__(self, kernel):
+        self.kernel, self.launches = kernel, 0
+
+    def __getitem__(self, grid):
+        self.launches += 1
+        return self.kernel[grid]
+
+
+@contextmanager
+def count_launches() -> Iterator[LaunchCounter]:
+    from lora_kernels import triton_merge
+
+    counter = LaunchCounter(triton_merge._merge_kernel)
+    triton_merge._merge_kernel = counter
+    try:
+        yield counter
+    finally:
+        triton_merge._merge_kernel = counter.kernel
+
+
+def _sync(device: str) -> None:
+    if device == "cuda":
+        torch.cuda.synchronize()
+
+
+def run_triton_case(shape: str, dtype: str, mode: str, device: str) -> dict:
+    """One kernel case on ``device`` ("cpu" = the interpreter): error/bound ratio, launches, seconds."""
+    w, factors = make_case(shape, dtype)
+    w = w.to(device)
+    factors = [(b.to(device), a.to(device), s) for b, a, s in factors]
+    out = torch.empty_like(w)
+    if device == "cuda":  # compile and tune outside the counted call
+        merge_into([w], [factors], out=[out], mode=mode, backend="triton")
+    with count_launches() as counter:
+        t = time.perf_counter()
+        merge_into([w], [factors], out=[out], mode=mode, backend="triton")
+        _sync(device)
+        seconds = time.perf_counter() - t
+    truncating = device == "cpu"  # the interpreter's fp32->bf16 cast truncates
+    ratio = worst_ratio(out.cpu(), shape, dtype, mode, truncating)
+    return {"ratio": ratio, "launches": counter.launches, "seconds": seconds}
+
+
+def grouped_check(device: str) -> dict:
+    """5 weights of 2 shapes (mixed ranks within a group) merged in place: 2 launches expected."""
+    g = torch.Generator().manual_seed(1)
+    shapes = [(96, 80), (80, 96), (96, 80), (96, 80), (80, 96)]
+    ranks = [(3, 8), (4,), (16,), (1, 2, 5), (7, 9)]
+    weights = [torch.randn(s, generator=g).to(device) for s in shapes]
+    factors = [
+        [(torch.randn(s[0], r, generator=g).to(device), torch.randn(r, s[1], generator=g).to(device), 0.5 - i)
+         for i, r in enumerate(rs)]
+        for s, rs in zip(shapes, ranks)
+    ]
+    refs = [merge_reference(w, f) for w, f in zip(weights, factors)]
+    if device == "cuda":
+        merge_into([w.clone() for w in weights], factors, backend="triton")
+    with count_launches() as counter:
+        merge_into(weights, factors, mode="exact", backend="triton")
+    err = max(((w.double() - r).abs() / (r.abs() + 1)).max().item() for w, r in zip(weights, refs))
+    return {"launches": counter.launches, "groups": len(set(shapes)), "max_rel_err": err}
