@@ -2,7 +2,9 @@
 
 The first merge of a weight keeps a pristine copy of it; every later merge is computed from that
 copy straight into the weight (``W = W0 + delta``, never ``W -= old_delta``), and :meth:`restore`
-copies it back, so merge -> restore round trips are exact however often they repeat.
+copies it back, so merge -> restore round trips are exact however often they repeat. With
+``offload=True`` the copy lives in host memory and each merge first copies it back, then merges in
+place.
 """
 
 from __future__ import annotations
@@ -61,10 +63,13 @@ class AdapterStack:
     the pristine copies; ``restore()`` (or leaving the ``with`` block) puts the exact originals back.
     """
 
-    def __init__(self, model: nn.Module, *, mode: Mode = "exact", backend: Backend = "auto"):
+    def __init__(self, model: nn.Module, *, mode: Mode = "exact", backend: Backend = "auto", offload: bool = False):
+        """``offload=True`` keeps the pristine copies in host memory (pinned for CUDA weights) instead of
+        beside the weights: no extra device memory, at the price of a host-to-device copy per switch."""
         self.model = model
         self.mode: Mode = mode
         self.backend: Backend = backend
+        self.offload = offload
         self._modules = dict(model.named_modules())
         self._pristine: dict[str, Tensor] = {}
         self._merged: tuple[tuple[LoraAdapter, float], ...] | None = None
@@ -96,15 +101,22 @@ class AdapterStack:
                 self._modules[name].weight.copy_(self._pristine.pop(name))
             srcs, dsts = [], []
             for name in targets:
-                weight = self._modules[name].weight
+                weight = self._modules[name].weight.detach()
                 if name not in self._pristine:
-                    self._pristine[name] = weight.detach().clone()
-                srcs.append(_as_2d(self._pristine[name]))
-                dsts.append(_as_2d(weight.detach()))
+                    self._pristine[name] = self._keep(weight)
+                elif self.offload:
+                    weight.copy_(self._pristine[name], non_blocking=True)
+                srcs.append(_as_2d(weight if self.offload else self._pristine[name]))
+                dsts.append(_as_2d(weight))
             self._merged = None  # in case the merge fails half way
             merge_into(srcs, list(targets.values()), out=dsts, mode=self.mode, backend=self.backend)
         self._merged = stack
         return self
+
+    def _keep(self, weight: Tensor) -> Tensor:
+        if not self.offload:
+            return weight.clone()
+        return weight.to("cpu", copy=True).pin_memory() if weight.is_cuda else weight.clone()
 
     def restore(self) -> None:
         """Copy the pristine weights back (bit for bit) and forget them."""

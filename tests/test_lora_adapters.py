@@ -198,13 +198,14 @@ def test_adapter_keys_map_onto_a_differently_wrapped_model(llama, tmp_path):
 # ---------------------------------------------------------------- merge manager
 
 
-def test_restore_is_bit_exact_ten_times(llama, tmp_path):
+@pytest.mark.parametrize("offload", [False, True], ids=["pristine_beside", "pristine_offloaded"])
+def test_restore_is_bit_exact_ten_times(llama, tmp_path, offload):
     fa = make_peft_adapter(llama, tmp_path / "a", seed=1, r=4, lora_alpha=8, target_modules=LLAMA_TARGETS)
     fb = make_peft_adapter(llama, tmp_path / "b", seed=2, r=8, lora_alpha=4, target_modules=["q_proj", "v_proj"])
     a, b = load_peft_adapter(fa), load_peft_adapter(fb)
     model = copy.deepcopy(llama)
     original = {k: v.clone() for k, v in model.state_dict().items()}
-    stack = AdapterStack(model)
+    stack = AdapterStack(model, offload=offload)
     for i in range(10):
         stack.apply([(a, 0.5 + i), (b, -1.0)])
         assert not torch.equal(model.model.layers[0].self_attn.q_proj.weight, original["model.layers.0.self_attn.q_proj.weight"])
@@ -213,12 +214,13 @@ def test_restore_is_bit_exact_ten_times(llama, tmp_path):
     assert stack.merged is None
 
 
-def test_switching_stacks_recomputes_from_pristine(llama, tmp_path):
+@pytest.mark.parametrize("offload", [False, True], ids=["pristine_beside", "pristine_offloaded"])
+def test_switching_stacks_recomputes_from_pristine(llama, tmp_path, offload):
     fa = make_peft_adapter(llama, tmp_path / "a", seed=1, r=4, lora_alpha=8, target_modules=LLAMA_TARGETS)
     fb = make_peft_adapter(llama, tmp_path / "b", seed=2, r=8, lora_alpha=4, target_modules=["q_proj", "v_proj"])
     a, b = load_peft_adapter(fa), load_peft_adapter(fb)
     model = copy.deepcopy(llama)
-    with AdapterStack(model) as stack:
+    with AdapterStack(model, offload=offload) as stack:
         for _ in range(3):
             stack.apply([(a, 1.0)])
             stack.apply([(b, 0.5)])  # touches fewer modules: the others go back to pristine
