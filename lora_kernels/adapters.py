@@ -252,7 +252,7 @@ def load_diffusers_lora(
     """
     path = Path(path)
     file = path / DIFFUSERS_WEIGHTS if path.is_dir() else path
-    name = name or (path.name if path.is_dir() else path.stem)
+    name = name or (file.parent.name if file.name == DIFFUSERS_WEIGHTS else file.stem)
     if not file.is_file():
         raise AdapterFormatError(f"adapter {name!r}: no file {file}")
     prefix = f"{component}."

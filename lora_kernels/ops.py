@@ -128,7 +128,7 @@ def _use_triton(weights: Sequence[Tensor], backend: Backend) -> bool:
     return True
 
 
-def group_key(src: Tensor, dst: Tensor) -> tuple:
+def _group_key(src: Tensor, dst: Tensor) -> tuple:
     """Weights that share this key are merged in one launch."""
     return (tuple(src.shape), src.dtype, src.device, src.stride(), dst.dtype, dst.stride())
 
@@ -166,7 +166,7 @@ def merge_into(
 
         groups: dict[tuple, list[int]] = {}
         for j in todo:
-            groups.setdefault(group_key(weights[j], dsts[j]), []).append(j)
+            groups.setdefault(_group_key(weights[j], dsts[j]), []).append(j)
         for idx in groups.values():
             triton_merge.merge_group(
                 [weights[j] for j in idx], [dsts[j] for j in idx], [factors[j] for j in idx], mode=mode
