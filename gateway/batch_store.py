@@ -198,7 +198,8 @@ class Store(abc.ABC):
 
     @abc.abstractmethod
     async def release(self, consumer: str, jobs: Iterable[Job]) -> None:
-        """Give ``jobs`` back unfinished, for anyone to claim at once (a clean shutdown)."""
+        """Give ``jobs`` back unfinished, for anyone to claim at once (a clean shutdown); the
+        hand-out does not count as a delivery."""
 
     @abc.abstractmethod
     async def ack(self, job: Job) -> None:
@@ -464,7 +465,8 @@ class SQLiteStore(Store):
         seqs = [(int(j.token), consumer) for j in jobs]
         if seqs:
             await self._call(self._tx, lambda db: db.executemany(
-                "UPDATE backlog SET claimed_by = NULL, claimed_at = NULL WHERE seq = ? AND claimed_by = ?", seqs))
+                "UPDATE backlog SET claimed_by = NULL, claimed_at = NULL, deliveries = MAX(deliveries - 1, 0) "
+                "WHERE seq = ? AND claimed_by = ?", seqs))
 
     async def ack(self, job: Job) -> None:
         await self._call(self._tx, lambda db: db.execute("DELETE FROM backlog WHERE seq = ?", (int(job.token),)))
@@ -743,9 +745,9 @@ class RedisStore(Store):
             await self._r.xclaim(self.backlog, GROUP, consumer, 0, ids, justid=True)
 
     async def release(self, consumer: str, jobs: Iterable[Job]) -> None:
-        ids = [j.token for j in jobs]
-        if ids:
-            await self._r.xclaim(self.backlog, GROUP, consumer, 0, ids, idle=_FAR_PAST_MS, justid=True)
+        for j in jobs:  # idle "forever": the next claim takes it; this delivery does not count
+            await self._r.xclaim(self.backlog, GROUP, consumer, 0, [j.token], idle=_FAR_PAST_MS,
+                                 retrycount=max(j.deliveries - 1, 0), justid=True)
 
     async def ack(self, job: Job) -> None:
         await self._drop(job.token)

@@ -196,6 +196,7 @@ def test_release_hands_back_at_once(make_store):
         await s.release("c1", jobs)
         again = await s.claim("c2", 2, 60)
         assert sorted(j.line.index for j in again) == [0, 1]
+        assert [j.deliveries for j in again] == [1, 1]  # a clean hand-back is not a failed delivery
         await _closing(s)
 
     run(go())
