@@ -5,6 +5,7 @@ from __future__ import annotations
 from starlette.routing import BaseRoute
 
 from gateway import audio, images
+from gateway.batches import install_batches
 from gateway.service import Services
 
 
