@@ -10,4 +10,4 @@ from gateway.service import Services
 
 
 def extra_routes(services: Services) -> list[BaseRoute]:
-    return [*images.routes(services), *audio.routes(services)]
+    return [*images.routes(services), *audio.routes(services), *install_batches(services)]
