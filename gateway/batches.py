@@ -13,10 +13,10 @@ and records the outcome. What survives a crash, and why nothing is recorded twic
 store's business (``gateway.batch_store``); the runner only has to keep its claims alive
 (``touch``) while it works on them and give them back when it stops.
 
-Endpoints a batch can call are ``async (services, caller, body) -> Response`` functions. Chat is
-built in; other features add theirs at install time::
+Endpoints a batch can call are ``async (services, caller, body) -> Response`` functions. Chat and
+image generations are built in; other features (speech) add theirs at install time::
 
-    services.extras.setdefault("batch_endpoints", {})["/v1/images/generations"] = generate_for_batch
+    services.extras.setdefault("batch_endpoints", {})["/v1/audio/speech"] = speak_for_batch
 
 A JSON response becomes the output line's ``response.body``; any other (speech audio) becomes
 ``{"content_type": ..., "encoding": "base64", "data": ...}``.
@@ -46,6 +46,7 @@ from gateway.auth import Caller
 from gateway.batch_store import TERMINAL, BatchInfo, FileInfo, Job, Line, Outcome, Store, open_store
 from gateway.chat import complete
 from gateway.errors import APIError, bad_request, not_found
+from gateway.images import generate
 from gateway.schemas import parse, read_json
 from gateway.service import Services
 
@@ -66,7 +67,11 @@ async def _chat(svc: Services, caller: Caller, body: dict) -> Response:
     return await complete(svc, caller, body, None)
 
 
-BUILTIN_ENDPOINTS: dict[str, Endpoint] = {"/v1/chat/completions": _chat}
+async def _images(svc: Services, caller: Caller, body: dict) -> Response:
+    return await generate(svc, caller, body, None)  # response_format "url" is refused: b64_json only
+
+
+BUILTIN_ENDPOINTS: dict[str, Endpoint] = {"/v1/chat/completions": _chat, "/v1/images/generations": _images}
 
 
 def install_batches(services: Services) -> list[Route]:
