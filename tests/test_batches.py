@@ -1,0 +1,448 @@
+"""The Batch API end to end: the openai SDK round trip against a real uvicorn, bad lines, uploads
+and ownership over HTTP, the runner's behaviour (batch tier, 429 is "later", cancel, expiry) with
+a stand-in endpoint, and real tiergate processes: kill -9 and restart, and two processes sharing
+one Redis."""
+
+from __future__ import annotations
+
+import asyncio
+import base64
+import contextlib
+import io
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from collections import Counter
+from pathlib import Path
+
+import httpx
+import openai
+import pytest
+from starlette.responses import JSONResponse, Response
+
+from gateway import batches
+from gateway.auth import key_id
+from gateway.errors import APIError
+from tests.helpers import TIERS, spare_port, start_server, write_config
+from tests.test_batch_store import redis_server
+
+ROOT = Path(__file__).resolve().parents[1]
+BATCH_CONFIG = ("batch:\n  reclaim_after_s: 1\n  max_file_bytes: 256KiB\n  max_lines: 400\n"
+                "limits:\n  max_chat_tokens: 64\n")
+ENDED = ("completed", "failed", "expired", "cancelled")
+
+
+def chat_line(i: int, **body) -> dict:
+    return {"custom_id": f"req-{i}", "method": "POST", "url": "/v1/chat/completions",
+            "body": {"model": "tiny-chat", "messages": [{"role": "user", "content": f"hello {i}"}],
+                     "max_tokens": 2, **body}}
+
+
+def jsonl(rows: list) -> bytes:
+    return "".join((r if isinstance(r, str) else json.dumps(r)) + "\n" for r in rows).encode()
+
+
+def sdk(server, who: str = "paid") -> openai.OpenAI:
+    return openai.OpenAI(base_url=server.base_url, api_key=server.keys[who], max_retries=0)
+
+
+def submit(client: openai.OpenAI, content: bytes, **kw):
+    f = client.files.create(file=("in.jsonl", io.BytesIO(content)), purpose="batch")
+    return client.batches.create(input_file_id=f.id, endpoint="/v1/chat/completions", completion_window="24h", **kw)
+
+
+def wait(client: openai.OpenAI, batch_id: str, until=lambda b: b.status in ENDED, timeout: float = 60):
+    deadline = time.time() + timeout
+    seen = []
+    while True:
+        b = client.batches.retrieve(batch_id)
+        if not seen or seen[-1] != b.status:
+            seen.append(b.status)
+        if until(b):
+            b.seen = seen
+            return b
+        if time.time() > deadline:
+            raise AssertionError(f"batch {batch_id} stuck: {b.status} {b.request_counts}")
+        time.sleep(0.05)
+
+
+def lines_of(client: openai.OpenAI, file_id: str | None) -> list[dict]:
+    if file_id is None:
+        return []
+    return [json.loads(x) for x in client.files.content(file_id).text.splitlines()]
+
+
+@pytest.fixture(scope="module")
+def server(tiny_chat, tiny_image, tmp_path_factory):
+    models = {"tiny-chat": ("chat", tiny_chat), "tiny-image": ("image", tiny_image)}
+    srv = start_server(write_config(tmp_path_factory.mktemp("batch-server"), models, BATCH_CONFIG))
+    yield srv
+    srv.stop()
+
+
+@pytest.fixture
+def fake_server(tiny_chat, tmp_path):
+    """A server whose batch lines go to a stand-in chat endpoint (set ``srv.fake``)."""
+    srv = start_server(write_config(tmp_path, {"tiny-chat": ("chat", tiny_chat)}, BATCH_CONFIG))
+
+    async def endpoint(svc, caller, body):
+        return await srv.fake(svc, caller, body)
+
+    srv.services.extras["batch_endpoints"] = {"/v1/chat/completions": endpoint}
+    yield srv
+    srv.stop()
+
+
+# -- the API with the real chat model --------------------------------------------------------------
+
+def test_sdk_round_trip(server):
+    c = sdk(server)
+    b = submit(c, jsonl([chat_line(i) for i in range(12)]), metadata={"job": "nightly"})
+    assert b.status == "validating" and b.metadata == {"job": "nightly"}
+    assert b.expires_at == b.created_at + 24 * 3600
+    done = wait(c, b.id)
+    assert done.status == "completed", done
+    assert done.seen[-1] == "completed" and set(done.seen) <= {"validating", "in_progress", "finalizing", "completed"}
+    assert (done.request_counts.total, done.request_counts.completed, done.request_counts.failed) == (12, 12, 0)
+    assert done.error_file_id is None and done.in_progress_at and done.finalizing_at and done.completed_at
+    out = lines_of(c, done.output_file_id)
+    assert [x["custom_id"] for x in out] == [f"req-{i}" for i in range(12)]
+    for x in out:
+        assert x["error"] is None and x["id"].startswith("batch_req_")
+        assert x["response"]["status_code"] == 200 and x["response"]["request_id"]
+        assert x["response"]["body"]["object"] == "chat.completion"
+        assert x["response"]["body"]["usage"]["completion_tokens"] <= 2
+    meta = c.files.retrieve(done.output_file_id)
+    assert meta.purpose == "batch_output" and meta.bytes == len(c.files.content(done.output_file_id).content)
+    assert b.id in [x.id for x in c.batches.list(limit=100)]
+
+
+def test_bad_lines_go_to_the_error_file_and_the_rest_runs(server):
+    c = sdk(server)
+    rows = [
+        chat_line(0),
+        "{not json",
+        "[1, 2]",
+        {"method": "POST", "url": "/v1/chat/completions", "body": {}},  # no custom_id
+        {**chat_line(0), "body": {"model": "tiny-chat"}},  # duplicate custom_id
+        {**chat_line(5), "method": "GET"},
+        {**chat_line(6), "url": "/v1/embeddings"},
+        {**chat_line(7), "body": "text"},
+        "",  # blank lines are skipped
+        chat_line(9, model="no-such-model"),  # the endpoint says 404
+        chat_line(10, max_tokens=100000),  # the endpoint says 400 (above max_chat_tokens)
+        chat_line(11, stream=True),  # streaming has no place in a batch
+        chat_line(12),
+    ]
+    done = wait(c, submit(c, jsonl(rows)).id)
+    assert done.status == "completed"
+    assert (done.request_counts.total, done.request_counts.completed, done.request_counts.failed) == (12, 2, 10)
+    assert [x["custom_id"] for x in lines_of(c, done.output_file_id)] == ["req-0", "req-12"]
+    errors = lines_of(c, done.error_file_id)
+    got = [(x["custom_id"], (x["error"] or {}).get("code") or x["response"]["status_code"]) for x in errors]
+    assert got == [(None, "invalid_json"), (None, "invalid_json"), (None, "missing_custom_id"),
+                   ("req-0", "duplicate_custom_id"), ("req-5", "invalid_method"), ("req-6", "invalid_url"),
+                   ("req-7", "invalid_body"), ("req-9", 404), ("req-10", 400), ("req-11", 400)]
+    assert errors[0]["error"]["message"].startswith("line 2:")
+    refused = {x["custom_id"]: x["response"]["body"]["error"] for x in errors if x["response"]}
+    assert refused["req-10"]["param"] == "max_tokens" and refused["req-11"]["param"] == "stream"
+    assert refused["req-9"]["code"] == "model_not_found"
+
+
+def test_image_batch_returns_png_b64(server):
+    c = sdk(server)
+    line = {"method": "POST", "url": "/v1/images/generations",
+            "body": {"model": "tiny-image", "prompt": "a cat", "size": "32x32", "num_inference_steps": 1}}
+    rows = [{**line, "custom_id": "img-0"}, {**line, "custom_id": "img-url", "body": {**line["body"], "response_format": "url"}}]
+    f = c.files.create(file=("in.jsonl", io.BytesIO(jsonl(rows))), purpose="batch")
+    b = c.batches.create(input_file_id=f.id, endpoint="/v1/images/generations", completion_window="24h")
+    done = wait(c, b.id)
+    assert (done.status, done.request_counts.completed, done.request_counts.failed) == ("completed", 1, 1)
+    png = base64.b64decode(lines_of(c, done.output_file_id)[0]["response"]["body"]["data"][0]["b64_json"])
+    assert png.startswith(b"\x89PNG")
+    refused = lines_of(c, done.error_file_id)[0]
+    assert refused["custom_id"] == "img-url" and refused["response"]["body"]["error"]["param"] == "response_format"
+
+
+def test_an_input_without_requests_fails_the_batch(server):
+    c = sdk(server)
+    done = wait(c, submit(c, b"\n\n").id)
+    assert done.status == "failed" and done.failed_at
+    assert done.errors.data[0].code == "empty_file"
+
+
+def test_other_keys_get_404_and_admins_see_everything(server):
+    owner, other, admin = sdk(server, "paid"), sdk(server, "free"), sdk(server, "admin")
+    b = submit(owner, jsonl([chat_line(1)]))
+    done = wait(owner, b.id)
+    f = done.input_file_id
+    for call in (lambda: other.files.retrieve(f), lambda: other.files.content(f), lambda: other.files.delete(f),
+                 lambda: other.batches.retrieve(b.id), lambda: other.batches.cancel(b.id),
+                 lambda: other.files.content(done.output_file_id),
+                 lambda: other.batches.create(input_file_id=f, endpoint="/v1/chat/completions",
+                                              completion_window="24h")):
+        with pytest.raises(openai.NotFoundError) as exc:
+            call()
+        assert exc.value.body["type"] == "not_found_error"
+    assert b.id not in [x.id for x in other.batches.list(limit=100)]
+    assert admin.batches.retrieve(b.id).status == "completed"
+    assert b.id in [x.id for x in admin.batches.list(limit=100)]
+    assert admin.files.content(done.output_file_id).text == owner.files.content(done.output_file_id).text
+    assert owner.files.delete(f).deleted is True
+    with pytest.raises(openai.NotFoundError):
+        owner.files.retrieve(f)
+
+
+def test_upload_errors_are_openai_shaped(server):
+    url, auth = f"{server.base_url}/files", {"Authorization": f"Bearer {server.keys['paid']}"}
+
+    def post(**kw):
+        r = httpx.post(url, headers=auth, **kw)
+        return r.status_code, r.json()["error"]
+
+    status, err = post(json={"purpose": "batch"})
+    assert status == 415 and err["code"] == "unsupported_media_type"
+    status, err = post(files={"file": ("a.jsonl", b"{}\n")}, data={"purpose": "fine-tune"})
+    assert (status, err["param"]) == (400, "purpose")
+    status, err = post(data={"purpose": "batch", "x": "1"}, files={"other": ("a", b"")})
+    assert (status, err["param"], err["code"]) == (400, "file", "missing_required_parameter")
+    status, err = post(files={"file": ("a.jsonl", b"x" * (300 * 1024))}, data={"purpose": "batch"})
+    assert (status, err["code"]) == (413, "file_too_large")
+    status, err = post(files={"file": ("a.jsonl", b"{}\n" * 401)}, data={"purpose": "batch"})
+    assert (status, err["param"], err["code"]) == (400, "file", "too_many_lines")
+    status, err = post(files={"file": ("a.jsonl", b"\xff\xfe{}")}, data={"purpose": "batch"})
+    assert (status, err["param"]) == (400, "file")
+    r = httpx.post(url, headers=auth, files={"file": ("a.jsonl", b"{}\n" * 400)}, data={"purpose": "batch"})
+    assert r.status_code == 200 and r.json()["bytes"] == 1200 and r.json()["filename"] == "a.jsonl"
+
+
+def test_create_errors_name_the_field(server):
+    c = sdk(server)
+    f = c.files.create(file=("in.jsonl", io.BytesIO(jsonl([chat_line(0)]))), purpose="batch")
+    cases = [({"completion_window": "48h"}, "completion_window"), ({"endpoint": "/v1/embeddings"}, "endpoint"),
+             ({"metadata": {f"k{i}": "v" for i in range(17)}}, "metadata"),
+             ({"input_file_id": "file-nope"}, "input_file_id")]
+    for change, param in cases:
+        args = {"input_file_id": f.id, "endpoint": "/v1/chat/completions", "completion_window": "24h", **change}
+        with pytest.raises(openai.APIStatusError) as exc:
+            c.batches.create(**args)
+        assert exc.value.body["param"] == param, change
+    with pytest.raises(openai.BadRequestError) as exc:
+        c.batches.create(input_file_id=f.id, endpoint="/v1/chat/completions", completion_window="24h",
+                         extra_body={"priority": "high"})
+    assert exc.value.body["code"] == "unknown_parameter"
+
+
+def test_list_pages_newest_first(server):
+    c = sdk(server, "subscriber")
+    ids = [submit(c, jsonl([chat_line(i)])).id for i in range(3)]
+    first = c.batches.list(limit=2)
+    assert [b.id for b in first.data] == ids[::-1][:2] and first.has_more
+    rest = c.batches.list(limit=2, after=first.data[-1].id)
+    assert [b.id for b in rest.data] == [ids[0]] and not rest.has_more
+    for i in ids:
+        wait(c, i)
+
+
+# -- the runner, with a stand-in endpoint ----------------------------------------------------------
+
+def test_every_line_runs_as_its_owner_at_the_batch_tier_and_429_means_later(fake_server):
+    seen, refusals = [], Counter()
+
+    async def fake(svc, caller, body):
+        seen.append((caller.tier, caller.key_id))
+        n = body["messages"][0]["content"]
+        if refusals[n] < 2:  # every line is refused twice first
+            refusals[n] += 1
+            raise APIError(429, "the batch tier's queue is full", "queue_full", headers={"retry-after": "0"})
+        return JSONResponse({"echo": n})
+
+    fake_server.fake = fake
+    c = sdk(fake_server, "paid")  # a paid key submits; the lines still run at the batch tier
+    done = wait(c, submit(c, jsonl([chat_line(i) for i in range(20)])).id)
+    assert (done.status, done.request_counts.completed, done.request_counts.failed) == ("completed", 20, 0)
+    assert set(seen) == {("batch", key_id(fake_server.keys["paid"]))}
+    assert len(seen) == 60
+    assert [x["response"]["body"]["echo"] for x in lines_of(c, done.output_file_id)] == [f"hello {i}" for i in range(20)]
+
+
+def test_binary_responses_are_stored_as_base64_with_their_type(fake_server):
+    async def fake(svc, caller, body):
+        return Response(b"RIFF\x00\x01binary", media_type="audio/wav")
+
+    fake_server.fake = fake
+    c = sdk(fake_server)
+    out = lines_of(c, wait(c, submit(c, jsonl([chat_line(0)])).id).output_file_id)[0]["response"]["body"]
+    assert out == {"content_type": "audio/wav", "encoding": "base64",
+                   "data": base64.b64encode(b"RIFF\x00\x01binary").decode()}
+
+
+def test_concurrency_stays_within_the_batch_tier(fake_server):
+    now, peak = [0], [0]
+
+    async def fake(svc, caller, body):
+        now[0] += 1
+        peak[0] = max(peak[0], now[0])
+        await asyncio.sleep(0.01)
+        now[0] -= 1
+        return JSONResponse({})
+
+    fake_server.fake = fake
+    c = sdk(fake_server)
+    wait(c, submit(c, jsonl([chat_line(i) for i in range(40)])).id)
+    assert peak[0] == fake_server.services.gate.tiers["batch"].max_inflight == 4
+
+
+def test_cancel_stops_the_rest_and_keeps_what_finished(fake_server):
+    started = []
+
+    async def fake(svc, caller, body):
+        started.append(body["messages"][0]["content"])
+        await asyncio.sleep(0.1)
+        return JSONResponse({"ok": True})
+
+    fake_server.fake = fake
+    c = sdk(fake_server)
+    b = submit(c, jsonl([chat_line(i) for i in range(200)]))
+    wait(c, b.id, until=lambda x: x.request_counts.completed >= 8)
+    cancelling = c.batches.cancel(b.id)
+    assert cancelling.status in ("cancelling", "cancelled") and cancelling.cancelling_at
+    done = wait(c, b.id, timeout=10)
+    assert done.status == "cancelled" and done.cancelled_at
+    counts = done.request_counts
+    assert counts.total == 200 and counts.completed + counts.failed == 200 and 8 <= counts.completed < 100
+    out, errors = lines_of(c, done.output_file_id), lines_of(c, done.error_file_id)
+    assert len(out) == counts.completed and len(errors) == counts.failed
+    assert {x["error"]["code"] for x in errors} == {"batch_cancelled"}
+    assert sorted(x["custom_id"] for x in out + errors) == sorted(f"req-{i}" for i in range(200))
+    time.sleep(0.5)
+    assert len(started) < 100  # the rest never ran
+    assert c.batches.cancel(b.id).status == "cancelled"  # cancelling twice is harmless
+    with pytest.raises(openai.ConflictError):
+        c.batches.cancel(wait(c, submit(c, jsonl([chat_line(0)])).id).id)  # a completed batch
+
+
+def test_a_batch_out_of_time_expires_with_what_it_finished(fake_server, monkeypatch):
+    async def fake(svc, caller, body):
+        if body["messages"][0]["content"] != "hello 0":
+            await asyncio.sleep(3600)  # never finishes in time
+        return JSONResponse({"ok": True})
+
+    fake_server.fake = fake
+    monkeypatch.setattr(batches, "WINDOW_S", 2)
+    c = sdk(fake_server)
+    done = wait(c, submit(c, jsonl([chat_line(i) for i in range(6)])).id, timeout=15)
+    assert done.status == "expired" and done.expired_at and done.expires_at == done.created_at + 2
+    assert (done.request_counts.completed, done.request_counts.failed) == (1, 5)
+    assert [x["custom_id"] for x in lines_of(c, done.output_file_id)] == ["req-0"]
+    assert {x["error"]["code"] for x in lines_of(c, done.error_file_id)} == {"batch_expired"}
+
+
+# -- real tiergate processes -----------------------------------------------------------------------
+
+class Proc:
+    """``python -m gateway.cli serve`` in a subprocess, with its keys in the environment."""
+
+    started: list["Proc"] = []  # killed at the end of each test, whatever happened
+
+    def __init__(self, config: Path, keys: dict[str, str], log: Path) -> None:
+        Proc.started.append(self)
+        self.port = spare_port()
+        self.url = f"http://127.0.0.1:{self.port}"
+        env = {**os.environ, **{f"TEST_KEYS_{t.upper()}": k for t, k in keys.items()}}
+        env.setdefault("OMP_NUM_THREADS", "1")  # two torch processes on two cores: no oversubscription
+        self.log = log
+        with open(log, "ab") as out:
+            self.proc = subprocess.Popen([sys.executable, "-m", "gateway.cli", "serve", "--config", str(config),
+                                          "--port", str(self.port)], cwd=ROOT, env=env, stdout=out,
+                                         stderr=subprocess.STDOUT)
+
+    def ready(self) -> "Proc":
+        deadline = time.time() + 60
+        while True:
+            try:
+                if httpx.get(f"{self.url}/healthz", timeout=1).status_code == 200:
+                    return self
+            except httpx.HTTPError:
+                pass
+            if self.proc.poll() is not None or time.time() > deadline:
+                raise RuntimeError(f"tiergate did not start:\n{self.log.read_text()[-3000:]}")
+            time.sleep(0.1)
+
+    def client(self, key: str) -> openai.OpenAI:
+        return openai.OpenAI(base_url=f"{self.url}/v1", api_key=key, max_retries=2)
+
+    def kill9(self) -> None:
+        self.proc.send_signal(signal.SIGKILL)
+        self.proc.wait(10)
+
+    def stop(self) -> int:
+        """SIGTERM (a clean shutdown); the number of lines this process recorded, from its log."""
+        self.proc.send_signal(signal.SIGTERM)
+        self.proc.wait(30)
+        recorded = [ln for ln in self.log.read_text().splitlines() if "batch runner" in ln and "stopped" in ln]
+        return int(recorded[-1].split("recorded ")[1].split()[0])
+
+
+@pytest.fixture(autouse=True)
+def _no_stray_processes():
+    yield
+    while Proc.started:
+        p = Proc.started.pop()
+        if p.proc.poll() is None:
+            p.proc.kill()
+            p.proc.wait(10)
+
+
+def proc_config(folder: Path, tiny_chat: Path, store: str) -> tuple[Path, dict[str, str]]:
+    config = write_config(folder, {"tiny-chat": ("chat", tiny_chat)},
+                          f"batch:\n  store: {store}\n  reclaim_after_s: 2\n")
+    return config, {t: f"key-{t}" for t in TIERS}
+
+
+def check_exactly_once(client: openai.OpenAI, batch_id: str, n: int) -> None:
+    done = wait(client, batch_id, timeout=120)
+    assert done.status == "completed", done
+    assert (done.request_counts.total, done.request_counts.completed, done.request_counts.failed) == (n, n, 0)
+    out = lines_of(client, done.output_file_id)
+    ids = [x["custom_id"] for x in out]
+    assert len(ids) == n and sorted(ids) == sorted(f"req-{i}" for i in range(n))
+    assert all(x["response"]["status_code"] == 200 for x in out)
+    assert done.error_file_id is None
+
+
+@pytest.mark.parametrize("store", ["sqlite", "redis"])
+def test_kill_9_mid_batch_then_restart_loses_and_duplicates_nothing(store, tiny_chat, tmp_path):
+    with contextlib.ExitStack() as stack:
+        if store == "redis":
+            store = stack.enter_context(redis_server(tmp_path))
+        config, keys = proc_config(tmp_path, tiny_chat, store)
+        first = Proc(config, keys, tmp_path / "first.log").ready()
+        c = first.client(keys["free"])
+        b = submit(c, jsonl([chat_line(i, max_tokens=24) for i in range(200)]))  # long enough to catch mid-way
+        mid = wait(c, b.id, until=lambda x: x.request_counts.completed >= 30, timeout=90)
+        first.kill9()
+        assert mid.request_counts.completed < 200
+        print(f"killed at {mid.request_counts.completed} of 200 recorded")
+        second = Proc(config, keys, tmp_path / "second.log").ready()
+        check_exactly_once(second.client(keys["free"]), b.id, 200)
+        recorded = second.stop()
+        assert 0 < recorded <= 200 - 30  # the restart ran only what the first had not recorded
+
+
+def test_two_processes_share_one_redis_and_split_a_batch(tiny_chat, tmp_path):
+    with redis_server(tmp_path) as url:
+        config, keys = proc_config(tmp_path, tiny_chat, url)
+        a, b = Proc(config, keys, tmp_path / "a.log"), Proc(config, keys, tmp_path / "b.log")
+        a.ready(), b.ready()
+        try:
+            lines = jsonl([chat_line(i, max_tokens=24) for i in range(200)])  # seconds of work: both join in
+            submitted = submit(a.client(keys["paid"]), lines)
+            check_exactly_once(b.client(keys["paid"]), submitted.id, 200)  # either process serves it
+        finally:
+            by_a, by_b = a.stop(), b.stop()
+        assert by_a + by_b == 200  # each outcome was written by exactly one of them
+        assert by_a > 0 and by_b > 0, (by_a, by_b)
