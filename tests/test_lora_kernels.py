@@ -10,8 +10,9 @@ interpreter, whose fp32->bf16 cast truncates); u_in = 2^-8 (bf16), 2^-11 (fp16, 
 Coverage: the torch path (production CPU path) on ALL shapes x {fp32, bf16, fp16} x {exact, fast}.
 The Triton kernel under the interpreter (a subprocess, see tests/lora_interp_runner.py) on all
 dtypes and modes for 1536x32x4 and the odd shapes, and on the three 3072 shapes for the two
-production combinations (fp32 exact, bf16 fast) to keep the suite fast. On CUDA the kernel runs
-natively on ALL shapes x dtypes x modes (skipped without CUDA; scripts/gpu_check_lora.sh).
+production combinations (fp32 exact, bf16 fast) to keep the suite fast. Without a GPU the kernel
+is also compiled for sm_90 (H200) and checked for register spills. On CUDA it runs natively on ALL
+shapes x dtypes x modes (skipped without CUDA; scripts/gpu_check_lora.py runs them without pytest).
 """
 
 from __future__ import annotations
@@ -149,6 +150,49 @@ def test_interpreter_did_not_leak_into_this_process():
     import os
 
     assert os.environ.get("TRITON_INTERPRET") != "1"
+
+
+# ---------------------------------------------------------------- Triton kernel, compiled for sm_90 without a GPU
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="on CUDA the kernel is compiled and run for real")
+@pytest.mark.parametrize("variant", [("fp32", "fp32", "ieee"), ("bf16", "bf16", "tf32")], ids=["fp32_exact", "bf16_fast"])
+def test_kernel_compiles_for_h200_without_register_spills(variant):
+    """The interpreter never compiles the kernel; ptxas (shipped in the triton wheel) does, for sm_90,
+    with the specialisation the JIT applies to contiguous, 16-byte-aligned tensors."""
+    import subprocess
+    import tempfile
+
+    import triton
+    from triton.backends.compiler import GPUTarget
+
+    from lora_kernels import triton_merge
+
+    cuobjdump = Path(triton.__file__).parent / "backends" / "nvidia" / "bin" / "cuobjdump"
+    if not cuobjdump.exists():
+        pytest.skip("no cuobjdump in this triton wheel")
+    w_dtype, f_dtype, precision = variant
+    ints = ["M", "N", "K", "stride_sm", "stride_sn", "stride_dm", "stride_dn", "stride_bg", "stride_bm",
+            "stride_bk", "stride_ag", "stride_ak", "stride_an"]
+    sig = {"src_ptrs": "*i64", "dst_ptrs": "*i64", "like_ptr": f"*{w_dtype}", "b_ptr": f"*{f_dtype}",
+           "a_ptr": f"*{f_dtype}", **dict.fromkeys(ints, "i32")}
+    unit = {"stride_sn": 1, "stride_dn": 1, "stride_bk": 1, "stride_an": 1}  # the JIT specialises 1s
+    aligned = {(i,): [["tt.divisibility", 16]] for i, n in enumerate(sig) if n not in unit and n not in ("M", "N")}
+    for cfg in triton_merge.CUDA_CONFIGS:
+        consts = {**unit, "BLOCK_M": cfg.block_m, "BLOCK_N": cfg.block_n, "BLOCK_K": cfg.block_k,
+                  "PRECISION": precision, "UPCAST": False}
+        src = triton.compiler.ASTSource(fn=triton_merge._merge_kernel, signature={**sig, **dict.fromkeys(consts, "constexpr")},
+                                        constexprs=consts, attrs=aligned)
+        kernel = triton.compile(src, target=GPUTarget("cuda", 90, 32),
+                                options={"num_warps": cfg.num_warps, "num_stages": cfg.num_stages,
+                                         "enable_fp_fusion": True})
+        with tempfile.NamedTemporaryFile(suffix=".cubin") as f:
+            f.write(kernel.asm["cubin"])
+            f.flush()
+            usage = subprocess.run([str(cuobjdump), "--dump-resource-usage", f.name], capture_output=True,
+                                   text=True, check=True).stdout
+        assert "STACK:0 " in usage, (cfg, usage)  # no spills to local memory
+        assert kernel.metadata.shared <= 227 * 1024
 
 
 # ---------------------------------------------------------------- Triton kernel, CUDA (scripts/gpu_check_lora.py)
