@@ -167,6 +167,16 @@ def test_image_batch_returns_png_b64(server):
     assert refused["custom_id"] == "img-url" and refused["response"]["body"]["error"]["param"] == "response_format"
 
 
+def test_the_demo_script_submits_watches_and_prints(server):
+    run = subprocess.run([sys.executable, str(ROOT / "scripts" / "batch_demo.py"), "--base-url", server.base_url,
+                          "--api-key", server.keys["free"], "-n", "5", "--max-tokens", "3"],
+                         capture_output=True, timeout=60)
+    out = run.stdout.decode()  # not text=True: that would turn the bar's \r into newlines
+    assert run.returncode == 0, run.stderr.decode()
+    assert "\r[" + "#" * 30 + "] 5/5  completed" in out
+    assert [ln.split(":")[0].strip() for ln in out.splitlines()[-5:]] == [f"q-{i}" for i in range(5)]
+
+
 def test_an_input_without_requests_fails_the_batch(server):
     c = sdk(server)
     done = wait(c, submit(c, b"\n\n").id)
