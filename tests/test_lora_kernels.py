@@ -102,7 +102,7 @@ def test_bad_shapes_rejected():
 def _interp_process(request, tmp_path_factory):
     """Starts ONE subprocess for every interpreter case as soon as this module's tests begin, so it
     runs beside the torch-path tests (TRITON_INTERPRET=1 stays out of this process)."""
-    wanted = any(item.module is request.module and "interpreter" in item.name for item in request.session.items)
+    wanted = any(item.module is request.module and "interp_results" in item.fixturenames for item in request.session.items)
     if not wanted:
         yield None
         return
