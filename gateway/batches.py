@@ -417,7 +417,8 @@ class Runner:
                 except Exception:  # noqa: BLE001 - the store is down: keep trying
                     log.exception("batch: claiming lines failed")
             for job in jobs:
-                self._running[job.token] = (job, asyncio.create_task(self._run(job)))
+                if job.token not in self._running:  # not one of ours that was slow to be touched
+                    self._running[job.token] = (job, asyncio.create_task(self._run(job)))
             if jobs:
                 continue
             self._wake.clear()
@@ -430,21 +431,17 @@ class Runner:
         """Keep our claims alive, and drop lines of batches that stopped (cancelled, expired)."""
         while True:
             await asyncio.sleep(self.tick_s)
-            running = [job for job, _ in self._running.values()]
+            running = dict(self._running)  # lines claimed while we await are looked at next tick
             try:
-                await self.store.touch(self.name, running)
-                fresh = {}
-                for batch_id in {j.batch_id for j in running}:
-                    batch = await self.store.get_batch(batch_id)
-                    if batch is not None:
-                        fresh[batch_id] = batch
-                self._batches = fresh
+                await self.store.touch(self.name, [job for job, _ in running.values()])
+                latest = {b: await self.store.get_batch(b) for b in {job.batch_id for job, _ in running.values()}}
             except Exception:  # noqa: BLE001
                 log.exception("batch: heartbeat failed")
                 continue
-            for token, (job, task) in list(self._running.items()):
-                batch = self._batches.get(job.batch_id)
-                if batch is None or batch.status != "in_progress":
+            self._batches = {b: info for b, info in latest.items() if info is not None}
+            for token, (job, task) in running.items():
+                info = latest[job.batch_id]
+                if (info is None or info.status != "in_progress") and token in self._running:
                     self._dropping.add(token)
                     task.cancel()
 

@@ -24,7 +24,10 @@ import pytest
 from starlette.responses import JSONResponse, Response
 
 from gateway import batches
-from gateway.auth import key_id
+from gateway.app import build_services
+from gateway.auth import KeyRing, key_id
+from gateway.batch_store import BatchInfo, FileInfo, SQLiteStore
+from gateway.config import load_config
 from gateway.errors import APIError
 from tests.helpers import TIERS, spare_port, start_server, write_config
 from tests.test_batch_store import redis_server
@@ -288,6 +291,47 @@ def test_binary_responses_are_stored_as_base64_with_their_type(fake_server):
     out = lines_of(c, wait(c, submit(c, jsonl([chat_line(0)])).id).output_file_id)[0]["response"]["body"]
     assert out == {"content_type": "audio/wav", "encoding": "base64",
                    "data": base64.b64encode(b"RIFF\x00\x01binary").decode()}
+
+
+def test_lines_claimed_during_a_slow_heartbeat_are_not_dropped(tiny_chat, tmp_path):
+    """The heartbeat drops lines whose batch stopped; a line of a new batch claimed while the
+    heartbeat was waiting on the store must not look like one (it would never get an outcome)."""
+
+    class SlowStore(SQLiteStore):
+        async def get_batch(self, batch_id):
+            await asyncio.sleep(0.03)
+            return await super().get_batch(batch_id)
+
+    async def fake(svc, caller, body):
+        await asyncio.sleep(0.05)
+        return JSONResponse({"ok": True})
+
+    async def go():
+        config = load_config(write_config(tmp_path, {"tiny-chat": ("chat", tiny_chat)}, "batch:\n  reclaim_after_s: 0.2\n"))
+        svc = build_services(config, KeyRing({t: [f"k-{t}"] for t in TIERS}))
+        svc.extras["batch_endpoints"] = {"/v1/chat/completions": fake}
+        runner = batches.Runner(svc, SlowStore(tmp_path / "b.sqlite3"))
+        await runner.start()
+        ids = []
+        for i in range(15):
+            f = FileInfo(f"file-{i}", "me", "batch", "in.jsonl", 1, 0)
+            await runner.store.put_file(f, jsonl([chat_line(i)]))
+            b = BatchInfo(f"batch_{i:04d}", "me", "/v1/chat/completions", f.id, "24h", 0, int(time.time()) + 60)
+            await runner.store.create_batch(b)
+            runner.soon("validate", b.id)
+            ids.append(b.id)
+            await asyncio.sleep(0.02)
+        deadline = time.time() + 10
+        while time.time() < deadline:
+            statuses = [(await runner.store.get_batch(i)).status for i in ids]
+            if all(s == "completed" for s in statuses):
+                break
+            await asyncio.sleep(0.1)
+        await runner.stop()
+        await svc.arbiter.stop()
+        return statuses
+
+    assert asyncio.run(go()) == ["completed"] * 15
 
 
 def test_concurrency_stays_within_the_batch_tier(fake_server):
