@@ -146,6 +146,7 @@ def merge_into(
     Weights that share shape, dtype, device and strides are merged as one group: one Triton launch per
     group on CUDA (``backend="auto"``), one ``addmm`` per weight on the torch path. Returns the outputs.
     """
+    factor_dtype(torch.float32, mode)  # validates mode
     if len(weights) != len(factors):
         raise ValueError("one factor list per weight")
     dsts = list(weights) if out is None else list(out)

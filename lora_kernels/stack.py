@@ -35,7 +35,12 @@ def resolve_module(modules: dict[str, nn.Module], key: str, adapter: str = "") -
 
 
 def _as_2d(t: Tensor) -> Tensor:
-    return t if t.dim() == 2 else t.view(t.shape[0], -1)
+    """A 2-D view sharing memory (merges write through it); never a copy."""
+    if t.dim() == 2:
+        return t
+    if not t.is_contiguous():
+        raise ValueError(f"a {tuple(t.shape)} weight that is not contiguous (channels_last?) cannot be merged in place")
+    return t.view(t.shape[0], -1)
 
 
 def is_transposed(module: nn.Module, lm: LoraModule, name: str) -> bool:
