@@ -487,9 +487,12 @@ def test_kill_9_mid_batch_then_restart_loses_and_duplicates_nothing(store, tiny_
         assert 0 < recorded <= 200 - 30  # the restart ran only what the first had not recorded
 
 
-def test_two_processes_share_one_redis_and_split_a_batch(tiny_chat, tmp_path):
-    with redis_server(tmp_path) as url:
-        config, keys = proc_config(tmp_path, tiny_chat, url)
+@pytest.mark.parametrize("store", ["redis", "sqlite"])  # sqlite: one file shared on one machine
+def test_two_processes_share_one_store_and_split_a_batch(store, tiny_chat, tmp_path):
+    with contextlib.ExitStack() as stack:
+        if store == "redis":
+            store = stack.enter_context(redis_server(tmp_path))
+        config, keys = proc_config(tmp_path, tiny_chat, store)
         a, b = Proc(config, keys, tmp_path / "a.log"), Proc(config, keys, tmp_path / "b.log")
         a.ready(), b.ready()
         try:
