@@ -41,6 +41,25 @@ def wait_until(pred, timeout=30):
     return False
 
 
+async def hold_the_slot(s, key="free"):
+    """A long request that holds the only slot until the caller cancels it (client goes away)."""
+    client = openai.AsyncOpenAI(base_url=s.base_url, api_key=s.keys[key], max_retries=0)
+    task = asyncio.create_task(client.chat.completions.create(
+        model="tiny-chat", messages=[{"role": "user", "content": "hold"}], max_tokens=480, temperature=0))
+    while gate_state(s)[1][key] == 0:
+        assert not task.done(), task.result()
+        await asyncio.sleep(0.01)
+    return task
+
+
+async def let_go(task):
+    task.cancel()
+    try:
+        await task
+    except (asyncio.CancelledError, openai.APIError):
+        pass
+
+
 def test_paid_overtakes_queued_free_requests(one_slot_server):
     s = one_slot_server
     done: list[str] = []
@@ -51,36 +70,34 @@ def test_paid_overtakes_queued_free_requests(one_slot_server):
 
         async def ask(c, tag):
             await c.chat.completions.create(model="tiny-chat", messages=[{"role": "user", "content": tag}],
-                                            max_tokens=24, temperature=0)
+                                            max_tokens=8, temperature=0)
             done.append(tag)
 
-        frees = [asyncio.create_task(ask(free, f"free-{i}")) for i in range(8)]
-        while True:  # all eight are in: one running, seven queued
-            q, inflight = gate_state(s)
-            if q["free"] == 7 and inflight["free"] == 1:
-                break
-            await asyncio.sleep(0.02)
-        await ask(paid, "paid")
-        await asyncio.gather(*frees)
+        holder = await hold_the_slot(s)
+        frees = []
+        for i in range(7):
+            frees.append(asyncio.create_task(ask(free, f"free-{i}")))
+            while gate_state(s)[0]["free"] < i + 1:  # queued in this order
+                await asyncio.sleep(0.01)
+        paid_task = asyncio.create_task(ask(paid, "paid"))
+        while gate_state(s)[0]["paid"] == 0:
+            await asyncio.sleep(0.01)
+        await let_go(holder)
+        await asyncio.gather(paid_task, *frees)
 
     asyncio.run(main())
-    # the paid request finished second: right after the free one that held the slot
-    assert done.index("paid") == 1, done
+    assert done == ["paid"] + [f"free-{i}" for i in range(7)], done
 
 
 def test_queue_limit_gives_429_with_headers(one_slot_server):
     s = one_slot_server
 
     async def main():
-        free = openai.AsyncOpenAI(base_url=s.base_url, api_key=s.keys["free"], max_retries=0)
-        holder = asyncio.create_task(free.chat.completions.create(
-            model="tiny-chat", messages=[{"role": "user", "content": "hold"}], max_tokens=48))
-        while gate_state(s)[1]["free"] == 0:
-            await asyncio.sleep(0.01)
+        holder = await hold_the_slot(s)
         async with httpx.AsyncClient() as c:
             r = await c.post(f"{s.base_url}/chat/completions", headers={"Authorization": f"Bearer {s.keys['subscriber']}"},
                              json={"model": "tiny-chat", "messages": [{"role": "user", "content": "x"}], "max_tokens": 2})
-        await holder
+        await let_go(holder)
         return r
 
     r = asyncio.run(main())
@@ -99,23 +116,22 @@ def test_client_that_leaves_the_queue_is_removed(one_slot_server):
     s = one_slot_server
 
     async def main():
+        holder = await hold_the_slot(s)
         free = openai.AsyncOpenAI(base_url=s.base_url, api_key=s.keys["free"], max_retries=0)
-        holder = asyncio.create_task(free.chat.completions.create(
-            model="tiny-chat", messages=[{"role": "user", "content": "hold"}], max_tokens=64))
-        while gate_state(s)[1]["free"] == 0:
-            await asyncio.sleep(0.01)
         leaver = asyncio.create_task(free.chat.completions.create(
             model="tiny-chat", messages=[{"role": "user", "content": "leave"}], max_tokens=2))
         while gate_state(s)[0]["free"] == 0:
             await asyncio.sleep(0.01)
         leaver.cancel()  # the client goes away while queued
         left = await asyncio.to_thread(wait_until, lambda: gate_state(s)[0]["free"] == 0, 10)
-        await holder
-        return left
+        still_holding = gate_state(s)[1]["free"] == 1
+        await let_go(holder)
+        return left, still_holding
 
-    assert asyncio.run(main())
-    assert wait_until(lambda: gate_state(s) == ({"paid": 0, "subscriber": 0, "free": 0, "batch": 0},
-                                                {"paid": 0, "subscriber": 0, "free": 0, "batch": 0}))
+    left, still_holding = asyncio.run(main())
+    assert left and still_holding  # it left the queue by itself, not because the slot freed
+    zero = {"paid": 0, "subscriber": 0, "free": 0, "batch": 0}
+    assert wait_until(lambda: gate_state(s) == (zero, zero))
 
 
 def test_streaming_client_that_disconnects_frees_its_slot(one_slot_server):
