@@ -368,7 +368,8 @@ _CORPUS = [
 
 
 def build_demo(out_dir: Path, seed: int = 0) -> Path:
-    """Build ``tiny-chat``: a 2-layer Llama with a byte-level BPE tokenizer, offline, from a seed."""
+    """Build ``tiny-chat``: a 2-layer Llama with a byte-level BPE tokenizer, offline, from a seed.
+    head_dim is 32 because vLLM's CPU attention has no kernel for smaller heads."""
     from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
     from transformers import LlamaConfig, LlamaForCausalLM, PreTrainedTokenizerFast
 
@@ -392,7 +393,7 @@ def build_demo(out_dir: Path, seed: int = 0) -> Path:
     torch.manual_seed(seed)
     config = LlamaConfig(
         vocab_size=len(fast), hidden_size=64, intermediate_size=128, num_hidden_layers=2,
-        num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=512,
+        num_attention_heads=4, num_key_value_heads=2, head_dim=32, max_position_embeddings=512,
         bos_token_id=fast.bos_token_id, eos_token_id=fast.eos_token_id,
         pad_token_id=fast.pad_token_id, tie_word_embeddings=False,
     )
