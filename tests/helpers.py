@@ -53,7 +53,7 @@ async def _as_coro(fn, *args):
 TIERS = ["paid", "subscriber", "free", "batch"]
 
 
-def write_config(folder: Path, models: dict[str, tuple[str, Path]], extra: str = "") -> Path:
+def write_config(folder: Path, models: dict[str, tuple[str, Path]], extra: str = "", engine: str = "transformers") -> Path:
     lines = ["tiers:"]
     for t in TIERS:
         lines += [f"  - name: {t}", f"    keys_env: TEST_KEYS_{t.upper()}", "    max_inflight: 4",
@@ -61,6 +61,8 @@ def write_config(folder: Path, models: dict[str, tuple[str, Path]], extra: str =
     lines.append("models:")
     for name, (kind, path) in models.items():
         lines += [f"  - name: {name}", f"    kind: {kind}", f"    path: {path}"]
+        if kind == "chat":  # vLLM engines take ~20 s to start: only the tests that want one ask
+            lines.append(f"    engine: {engine}")
     lines += ["gpu:", "  device: cpu", "  vram_budget: 4GiB"]
     path = folder / "tiers.yaml"
     path.write_text("\n".join(lines) + "\n" + extra)

@@ -11,7 +11,7 @@ from __future__ import annotations
 import threading
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Callable, Literal
+from typing import Any, Callable, Literal, Mapping
 
 ModelKind = Literal["chat", "image", "tts", "stt"]
 
@@ -25,6 +25,7 @@ class ModelSpec:
     path: Path
     vram: int | None = None  # declared footprint in bytes; None = estimate
     engine: str = "transformers"  # chat only: "transformers" or "vllm"
+    options: Mapping[str, Any] = field(default_factory=dict, hash=False, compare=False)  # engine settings
 
 
 class Cancelled(Exception):
@@ -72,6 +73,18 @@ class StepContext:
                 raise Cancelled()
 
 
+# A weighted adapter stack: the adapters merged into the base weights for one request, W' = W +
+# sum_i w_i * delta_i, in this order. () is the base model. Requests with equal keys share weights.
+AdapterStackSpec = tuple[tuple["LoraAdapter", float], ...]
+StackKey = tuple[tuple[str, float], ...]
+
+
+def stack_key(stack: AdapterStackSpec) -> StackKey:
+    """The identity of a stack: adapter names (unique per server) and weights, in order (the order
+    changes the rounding of the merge, so it is part of the key)."""
+    return tuple((adapter.name, float(weight)) for adapter, weight in stack)
+
+
 @dataclass
 class ChatParams:
     max_tokens: int = 256
@@ -87,6 +100,7 @@ class ChatRequest:
     params: ChatParams
     priority: int = 0  # 0 is the highest tier
     ctx: StepContext = field(default_factory=StepContext)
+    adapters: AdapterStackSpec = ()  # the adapter stack this request runs with; () = the base model
 
 
 @dataclass

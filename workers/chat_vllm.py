@@ -95,7 +95,7 @@ class VllmChatEngine:
         self,
         spec: ModelSpec,
         *,
-        max_model_len: int = 2048,
+        max_model_len: int | None = None,
         kv_cache_bytes: int | None = 1 << 30,
         gpu_memory_utilization: float | None = None,
         dtype: str = "auto",
@@ -156,6 +156,8 @@ class VllmChatEngine:
             tokenizer=str(self.spec.path),
             served_model_name=self.spec.name,
             max_model_len=self.max_model_len,
+            # sleep(level=1) puts the weights in host RAM and frees the KV cache: the warm place
+            enable_sleep_mode=not on_cpu,
             max_num_seqs=self.max_num_seqs,
             scheduling_policy="priority",
             seed=self.seed,
@@ -194,6 +196,7 @@ class VllmChatEngine:
         # Blocking for the whole start-up (engine core spawn, weights, KV allocation): keep it
         # off the event loop.
         self._llm = await asyncio.to_thread(AsyncLLM.from_engine_args, args)
+        self.max_model_len = self._llm.model_config.max_model_len
         self.start_seconds = time.perf_counter() - t0
 
     def _check_head_size(self) -> None:
@@ -228,6 +231,20 @@ class VllmChatEngine:
         await asyncio.to_thread(llm.shutdown)
         self._resident.clear()
         self.shutdown_seconds = time.perf_counter() - t0
+
+    # -- residency (the arbiter's view) --------------------------------------------------------
+    @property
+    def can_sleep(self) -> bool:
+        """Sleep mode (weights to host RAM, the warm place) exists on CUDA only."""
+        from vllm.platforms import current_platform
+
+        return self._llm is not None and not current_platform.is_cpu()
+
+    async def sleep(self) -> None:
+        await self._llm.sleep(level=1)
+
+    async def wake_up(self) -> None:
+        await self._llm.wake_up()
 
     # -- introspection -----------------------------------------------------------------------
     def num_unfinished(self) -> int:

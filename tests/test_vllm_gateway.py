@@ -1,0 +1,97 @@
+"""Chat on vLLM through the whole gateway: streaming with the SDK, tiers mapped to the engine's
+priority, batch work paused and resumed with identical output, and the arbiter evicting and
+reloading the engine. One engine start is ~20 s on CPU, so this module shares one server."""
+
+from __future__ import annotations
+
+import threading
+import time
+
+import httpx
+import openai
+import pytest
+
+from tests.helpers import start_server, write_config
+
+pytest.importorskip("vllm", reason="vllm is not installed in this environment (scripts/test installs it)")
+
+
+@pytest.fixture(scope="module")
+def vllm_server(tiny_chat, tmp_path_factory):
+    folder = tmp_path_factory.mktemp("vllm-server")
+    cfg = write_config(folder, {"tiny-chat": ("chat", tiny_chat)}, engine="vllm")
+    cfg.write_text(cfg.read_text().replace("    engine: vllm", "    engine: vllm\n    kv_cache: 128MiB\n    max_num_seqs: 4"))
+    server = start_server(cfg)
+    yield server
+    server.stop()
+
+
+def client(server, tier="paid"):
+    return openai.OpenAI(base_url=server.base_url, api_key=server.keys[tier], max_retries=0, timeout=120)
+
+
+def test_engine_is_vllm_and_streams(vllm_server):
+    s = vllm_server
+    stream = client(s).chat.completions.create(
+        model="tiny-chat", messages=[{"role": "user", "content": "Hello"}], max_tokens=12, temperature=0,
+        stream=True, stream_options={"include_usage": True})
+    chunks = list(stream)
+    text = "".join(c.choices[0].delta.content or "" for c in chunks if c.choices)
+    assert type(s.services.arbiter.workers["tiny-chat"]).__name__ == "VllmChatEngine"
+    assert chunks[-1].usage.completion_tokens <= 12
+    whole = client(s).chat.completions.create(
+        model="tiny-chat", messages=[{"role": "user", "content": "Hello"}], max_tokens=12, temperature=0)
+    assert whole.choices[0].message.content == text
+
+
+def test_context_too_long_is_400(vllm_server):
+    r = httpx.post(f"{vllm_server.base_url}/chat/completions", timeout=60,
+                   headers={"Authorization": f"Bearer {vllm_server.keys['paid']}"},
+                   json={"model": "tiny-chat", "messages": [{"role": "user", "content": "word " * 600}],
+                         "max_tokens": 8})
+    assert r.status_code == 400 and r.json()["error"]["code"] == "context_length_exceeded"
+
+
+def test_batch_request_yields_to_paid_and_returns_the_same_tokens(vllm_server):
+    s = vllm_server
+    msgs = [{"role": "user", "content": "a long batch job"}]
+    expected = client(s, "batch").chat.completions.create(
+        model="tiny-chat", messages=msgs, max_tokens=200, temperature=0).choices[0].message.content
+    pauses = s.services.arbiter.counters.batch_pauses
+    got: list[str] = []
+    started = threading.Event()
+
+    def run_batch():
+        for c in client(s, "batch").chat.completions.create(model="tiny-chat", messages=msgs, max_tokens=200,
+                                                            temperature=0, stream=True):
+            if c.choices and c.choices[0].delta.content:
+                got.append(c.choices[0].delta.content)
+                started.set()
+
+    t = threading.Thread(target=run_batch)
+    t.start()
+    assert started.wait(60)
+    r = client(s).chat.completions.create(model="tiny-chat", messages=[{"role": "user", "content": "now"}],
+                                          max_tokens=30, temperature=0)
+    assert r.choices[0].finish_reason in ("length", "stop")
+    t.join(120)
+    assert s.services.arbiter.counters.batch_pauses > pauses
+    assert "".join(got) == expected
+
+
+def test_evict_and_reload(vllm_server):
+    s = vllm_server
+    admin = {"Authorization": f"Bearer {s.keys['admin']}"}
+    before = client(s).chat.completions.create(model="tiny-chat", messages=[{"role": "user", "content": "x"}],
+                                               max_tokens=6, temperature=0).choices[0].message.content
+    time.sleep(0.1)
+    r = httpx.post(f"{s.url}/admin/models/tiny-chat/unload", headers=admin, timeout=120)
+    assert r.status_code == 200, r.text
+    assert r.json()["place"] == "cold"  # vLLM has no sleep mode on CPU: the engine shuts down
+    assert not s.services.arbiter.workers["tiny-chat"].started
+    after = client(s).chat.completions.create(model="tiny-chat", messages=[{"role": "user", "content": "x"}],
+                                              max_tokens=6, temperature=0).choices[0].message.content
+    assert after == before
+    row = httpx.get(f"{s.base_url}/models/tiny-chat", headers=admin).json()
+    assert row["place"] == "resident"
+    assert s.services.arbiter.counters.loads["tiny-chat"] == 2
