@@ -47,7 +47,7 @@ class ModelConfig(_Strict):
     engine: Literal["auto", "transformers", "vllm"] = "auto"
     kv_cache: Size = parse_size("256MiB")  # vLLM's KV-cache reservation (never its default of ~all memory)
     max_model_len: int | None = Field(default=None, ge=16)  # vLLM; None: the model's own
-    max_num_seqs: int = Field(default=8, ge=1)  # vLLM: rows per step
+    max_num_seqs: int = Field(default=8, ge=1)  # chat: rows decoded together in one step (both engines)
 
     def resolved_engine(self) -> str:
         if self.kind != "chat":
@@ -58,10 +58,11 @@ class ModelConfig(_Strict):
 
     def spec(self) -> ModelSpec:
         engine = self.resolved_engine()
-        options = {}
+        options: dict = {}
+        if self.kind == "chat":
+            options = {"max_num_seqs": self.max_num_seqs}
         if engine == "vllm":
-            options = {"kv_cache_bytes": self.kv_cache, "max_model_len": self.max_model_len,
-                       "max_num_seqs": self.max_num_seqs}
+            options.update(kv_cache_bytes=self.kv_cache, max_model_len=self.max_model_len)
         return ModelSpec(self.name, self.kind, self.path, self.vram, engine, options)
 
 

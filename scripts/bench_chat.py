@@ -1,0 +1,253 @@
+"""Chat serving benchmark, one run, one model, all over HTTP with the openai SDK:
+
+  (a) sequential transformers ``generate`` behind a minimal streaming server (one request at a time)
+  (b) tiergate with the transformers engine (continuous batching in workers/chat.py)
+  (c) tiergate with the vLLM engine
+  (d) vLLM's own OpenAI server (``vllm serve``), the peer, with the same engine settings
+
+At 1, 8 and 32 concurrent streams: output tokens/s, TTFT and TPOT p50/p99. Ratios in the same run:
+(c)/(d) is tiergate's overhead on top of the engine (target: within 10% at 8 and 32 streams),
+(c)/(a) at 32 streams is what batching buys (target: >= 5x).
+
+    python scripts/bench_chat.py [--model demo-models/tiny-chat] [--tokens 64] [--rounds 2]
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import os
+import signal
+import socket
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import openai
+
+ROOT = Path(__file__).resolve().parents[1]
+KEY = "bench-key"
+KV_CACHE = "512MiB"
+MAX_SEQS = 32
+
+
+def spare_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+# -- (a) the sequential baseline ------------------------------------------------------------------
+
+SEQUENTIAL_SERVER = r'''
+import asyncio, json, sys, threading, time, uuid
+import torch, uvicorn
+from starlette.applications import Starlette
+from starlette.responses import StreamingResponse
+from starlette.routing import Route
+from transformers import AutoModelForCausalLM, AutoTokenizer, TextIteratorStreamer
+
+path, port = sys.argv[1], int(sys.argv[2])
+tok = AutoTokenizer.from_pretrained(path)
+model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
+lock = threading.Lock()  # one generate at a time: the plain way to serve a model
+
+async def chat(request):
+    body = await request.json()
+    ids = tok.apply_chat_template(body["messages"], add_generation_prompt=True, return_tensors="pt", return_dict=True)
+    streamer = TextIteratorStreamer(tok, skip_prompt=True, skip_special_tokens=True)
+    n = {"tokens": 0}
+    def work():
+        with lock:
+            out = model.generate(**ids, max_new_tokens=body.get("max_tokens", 64), do_sample=False, streamer=streamer)
+            n["tokens"] = out.shape[1] - ids["input_ids"].shape[1]
+    threading.Thread(target=work, daemon=True).start()
+    cid = "chatcmpl-" + uuid.uuid4().hex
+    loop = asyncio.get_running_loop()
+    pieces = asyncio.Queue()
+    def pump():  # a thread per request moves the streamer's text to the event loop
+        for piece in streamer:
+            loop.call_soon_threadsafe(pieces.put_nowait, piece)
+        loop.call_soon_threadsafe(pieces.put_nowait, None)
+    threading.Thread(target=pump, daemon=True).start()
+    async def events():
+        while (piece := await pieces.get()) is not None:
+            chunk = {"id": cid, "object": "chat.completion.chunk", "created": 0, "model": "m",
+                     "choices": [{"index": 0, "delta": {"content": piece}, "finish_reason": None}]}
+            yield "data: " + json.dumps(chunk) + "\n\n"
+        usage = {"prompt_tokens": int(ids["input_ids"].shape[1]), "completion_tokens": n["tokens"],
+                 "total_tokens": int(ids["input_ids"].shape[1]) + n["tokens"]}
+        yield "data: " + json.dumps({"id": cid, "object": "chat.completion.chunk", "created": 0, "model": "m",
+                                     "choices": [], "usage": usage}) + "\n\n"
+        yield "data: [DONE]\n\n"
+    return StreamingResponse(events(), media_type="text/event-stream")
+
+uvicorn.run(Starlette(routes=[Route("/v1/chat/completions", chat, methods=["POST"])]),
+            host="127.0.0.1", port=port, log_level="warning")
+'''
+
+
+def start_sequential(model: Path, port: int) -> subprocess.Popen:
+    return subprocess.Popen([sys.executable, "-c", SEQUENTIAL_SERVER, str(model), str(port)],
+                            start_new_session=True, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+
+
+# -- (b), (c): tiergate ---------------------------------------------------------------------------
+
+def start_tiergate(model: Path, port: int, engine: str, folder: Path) -> subprocess.Popen:
+    cfg = folder / f"tiers-{engine}.yaml"
+    cfg.write_text(f"""
+tiers:
+  - {{name: paid, keys_env: BENCH_KEYS, max_inflight: {MAX_SEQS}, max_queued: 1000, latency_target_s: 3600}}
+models:
+  - {{name: m, kind: chat, path: {model}, engine: {engine}, max_num_seqs: {MAX_SEQS}, kv_cache: {KV_CACHE}}}
+gpu: {{device: auto, vram_budget: 8GiB}}
+gate: {{slots: {MAX_SEQS}}}
+""")
+    env = {**os.environ, "BENCH_KEYS": KEY}
+    return subprocess.Popen([sys.executable, "-m", "gateway.cli", "serve", "--config", str(cfg), "--port", str(port)],
+                            env=env, cwd=ROOT, start_new_session=True,
+                            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+
+
+# -- (d): vllm serve ------------------------------------------------------------------------------
+
+def start_vllm_serve(model: Path, port: int) -> subprocess.Popen:
+    from arbiter.footprint import parse_size
+
+    cmd = [sys.executable, "-m", "vllm.entrypoints.openai.api_server", "--model", str(model),
+           "--served-model-name", "m", "--port", str(port), "--host", "127.0.0.1",
+           "--max-num-seqs", str(MAX_SEQS), "--kv-cache-memory-bytes", str(parse_size(KV_CACHE)),
+           "--disable-log-stats", "--generation-config", "vllm"]
+    import torch
+
+    if not torch.cuda.is_available():
+        cmd += ["--dtype", "float32", "--enforce-eager"]
+    env = {**os.environ, "HF_HUB_OFFLINE": "1"}
+    return subprocess.Popen(cmd, env=env, start_new_session=True, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+
+
+# -- the client -----------------------------------------------------------------------------------
+
+async def wait_ready(base: str, timeout: float = 240) -> None:
+    async with openai.AsyncOpenAI(base_url=base, api_key=KEY, max_retries=0, timeout=60) as client:
+        end = time.time() + timeout
+        while time.time() < end:
+            try:
+                await client.chat.completions.create(model="m", messages=[{"role": "user", "content": "warm up"}],
+                                                     max_tokens=4)
+                return
+            except (openai.APIConnectionError, openai.APIStatusError):
+                await asyncio.sleep(0.5)
+    raise RuntimeError(f"{base} did not come up")
+
+
+async def one_stream(client, i: int, tokens: int) -> tuple[float, float | None, int]:
+    t0 = time.perf_counter()
+    first = last = None
+    count = 0
+    stream = await client.chat.completions.create(
+        model="m", messages=[{"role": "user", "content": f"Tell me story number {i}."}],
+        max_tokens=tokens, temperature=0, stream=True, stream_options={"include_usage": True})
+    async for chunk in stream:
+        now = time.perf_counter()
+        if chunk.choices and chunk.choices[0].delta.content:
+            first = first or now
+            last = now
+        if chunk.usage:
+            count = chunk.usage.completion_tokens
+    ttft = (first or time.perf_counter()) - t0
+    tpot = (last - first) / (count - 1) if first and last and count > 1 else None
+    return ttft, tpot, count
+
+
+async def measure(base: str, streams: int, tokens: int, rounds: int) -> dict:
+    results = []
+    async with openai.AsyncOpenAI(base_url=base, api_key=KEY, max_retries=0, timeout=600) as client:
+        t0 = time.perf_counter()
+        for r in range(rounds):
+            results += await asyncio.gather(*[one_stream(client, r * streams + i, tokens) for i in range(streams)])
+        wall = time.perf_counter() - t0
+    ttfts = [x[0] for x in results]
+    tpots = [x[1] for x in results if x[1] is not None]
+    return {"tok_s": sum(x[2] for x in results) / wall, "ttft": ttfts, "tpot": tpots}
+
+
+def pct(xs: list[float], q: int) -> float:
+    if not xs:
+        return float("nan")
+    if len(xs) == 1:
+        return xs[0]
+    return statistics.quantiles(xs, n=100, method="inclusive")[q - 1]
+
+
+def stop(proc: subprocess.Popen) -> None:
+    if proc.poll() is None:
+        os.killpg(proc.pid, signal.SIGTERM)
+        try:
+            proc.wait(30)
+        except subprocess.TimeoutExpired:
+            os.killpg(proc.pid, signal.SIGKILL)
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--model", type=Path, default=ROOT / "demo-models" / "tiny-chat")
+    ap.add_argument("--tokens", type=int, default=64)
+    ap.add_argument("--rounds", type=int, default=2)
+    ap.add_argument("--streams", type=int, nargs="+", default=[1, 8, 32])
+    ap.add_argument("--only", nargs="+", default=["a", "b", "c", "d"])
+    args = ap.parse_args()
+    if not args.model.exists():
+        from workers.demo import build_demo_models
+
+        build_demo_models(args.model.parent, names=[args.model.name])
+    systems = {
+        "a": ("sequential generate", lambda p, d: start_sequential(args.model, p)),
+        "b": ("tiergate transformers", lambda p, d: start_tiergate(args.model, p, "transformers", d)),
+        "c": ("tiergate vllm", lambda p, d: start_tiergate(args.model, p, "vllm", d)),
+        "d": ("vllm serve", lambda p, d: start_vllm_serve(args.model, p)),
+    }
+    table: dict[tuple[str, int], dict] = {}
+    with tempfile.TemporaryDirectory() as tmp:
+        for key in args.only:
+            name, start = systems[key]
+            port = spare_port()
+            proc = start(port, Path(tmp))
+            base = f"http://127.0.0.1:{port}/v1"
+            try:
+                asyncio.run(wait_ready(base))
+                for n in args.streams:
+                    table[(key, n)] = asyncio.run(measure(base, n, args.tokens, args.rounds))
+                    m = table[(key, n)]
+                    print(f"  {name:<22} streams={n:<3} {m['tok_s']:8.0f} tok/s", flush=True)
+            finally:
+                stop(proc)
+
+    print(f"\nmodel {args.model.name}, {args.tokens} max tokens per stream, {args.rounds} rounds, greedy")
+    print(f"{'system':<24}{'streams':>8}{'tok/s':>10}{'TTFT p50':>10}{'TTFT p99':>10}{'TPOT p50':>10}{'TPOT p99':>10}  (ms)")
+    for (key, n), m in sorted(table.items(), key=lambda kv: (kv[0][1], kv[0][0])):
+        print(f"{systems[key][0]:<24}{n:>8}{m['tok_s']:>10.0f}{pct(m['ttft'], 50) * 1e3:>10.1f}"
+              f"{pct(m['ttft'], 99) * 1e3:>10.1f}{pct(m['tpot'], 50) * 1e3:>10.2f}{pct(m['tpot'], 99) * 1e3:>10.2f}")
+    print()
+    for n in args.streams:
+        if ("c", n) in table and ("d", n) in table:
+            r = table[("c", n)]["tok_s"] / table[("d", n)]["tok_s"]
+            verdict = "PASS" if r >= 0.9 else "FAIL"
+            target = " (target >= 0.90)" if n >= 8 else ""
+            print(f"tiergate-vllm / vllm-serve tok/s at {n:>2} streams: {r:5.2f}{target} {verdict if n >= 8 else ''}")
+    big = max(args.streams)
+    if ("c", big) in table and ("a", big) in table:
+        r = table[("c", big)]["tok_s"] / table[("a", big)]["tok_s"]
+        print(f"tiergate-vllm / sequential generate tok/s at {big} streams: {r:5.1f}x (target >= 5x) "
+              f"{'PASS' if r >= 5 else 'FAIL'}")
+    if ("b", big) in table and ("a", big) in table:
+        r = table[("b", big)]["tok_s"] / table[("a", big)]["tok_s"]
+        print(f"tiergate-transformers / sequential generate tok/s at {big} streams: {r:5.1f}x")
+
+
+if __name__ == "__main__":
+    main()
