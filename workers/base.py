@@ -11,7 +11,10 @@ from __future__ import annotations
 import threading
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Callable, Literal, Mapping
+from typing import TYPE_CHECKING, Any, Callable, Literal, Mapping
+
+if TYPE_CHECKING:
+    from lora_kernels import LoraAdapter
 
 ModelKind = Literal["chat", "image", "tts", "stt"]
 

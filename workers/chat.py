@@ -10,11 +10,22 @@ any step, so concurrent requests share forward passes instead of queueing one be
 A decode step is the step boundary: a cancelled sequence (client gone) leaves the batch there;
 a sequence whose context asks it to pause (batch work yielding to another tier) leaves the batch
 keeping its tokens, and rejoins later by re-prefilling prompt + generated tokens.
+
+Adapter stacks. Rows of one forward pass share the weights, so a batch serves ONE adapter stack
+(``ChatRequest.adapters``, merged into the weights by ``lora_kernels.AdapterStack``). While a batch
+runs, only rows wanting its stack join it, and only those ahead (priority, then arrival) of every
+row waiting for another stack, so other stacks are not starved. When the batch drains, the engine
+thread picks the next stack (that of the best waiting row by priority, then arrival), switches the
+weights between steps (restore for the base model, else merge from the pristine copies) and admits
+every waiting row that wants it, so queued requests with the same stack share one merge. A stack
+stays merged until a row wants another one.
 """
 
 from __future__ import annotations
 
 import asyncio
+import itertools
+import json
 import queue
 import threading
 import time
@@ -24,19 +35,27 @@ from typing import AsyncIterator, Callable
 
 import torch
 
+from lora_kernels import AdapterStack
 from workers.base import (
+    AdapterStackSpec,
     Cancelled,
     ChatEvent,
     ChatFinished,
     ChatParams,
     ChatRequest,
     ModelSpec,
+    StackKey,
     TextDelta,
+    stack_key,
 )
 
 
 class ContextTooLong(ValueError):
     """The prompt plus max_tokens does not fit the model's context window."""
+
+
+class AdapterStackFailed(RuntimeError):
+    """The request's adapter stack could not be merged into the model."""
 
 
 @dataclass
@@ -47,8 +66,22 @@ class _Seq:
     emit: Callable[[ChatEvent | BaseException], None]
     req: ChatRequest
     generator: torch.Generator
+    arrival: int = 0  # order of submission: ties between equal priorities
     emitted_chars: int = 0
     done: bool = False
+
+    @property
+    def stack(self) -> AdapterStackSpec:
+        return self.req.adapters
+
+    @property
+    def key(self) -> StackKey:
+        return stack_key(self.req.adapters)
+
+    @property
+    def rank(self) -> tuple[int, int]:
+        """Lower is served first: the tier's priority, then arrival."""
+        return (self.req.priority, self.arrival)
 
     @property
     def generated(self) -> list[int]:
@@ -80,6 +113,11 @@ class ChatWorker:
         self._waiting: list[_Seq] = []  # new sequences, and paused ones with their tokens
         self.steps = 0  # decode steps run (forward passes over the batch)
         self.max_rows_seen = 0  # widest batch decoded in one step
+        self._arrivals = itertools.count()
+        self.adapter_stack: AdapterStack | None = None  # merges adapter stacks into self.model
+        self.stack_key: StackKey = ()  # the stack merged into the weights now; () = the base model
+        self.stack_merges = 0  # stack switches that merged adapters (AdapterStack.apply calls)
+        self.stack_restores = 0  # stack switches back to the base model
 
     # -- residency -------------------------------------------------------------------------
     def load(self, device: torch.device) -> None:
@@ -90,6 +128,9 @@ class ChatWorker:
         dtype = torch.float32 if device.type == "cpu" else torch.bfloat16
         model = AutoModelForCausalLM.from_pretrained(self.spec.path, dtype=dtype)
         self.model = model.to(device).eval()
+        # pristine copies in host memory on CUDA: merging costs no device memory the arbiter did not count
+        self.adapter_stack = AdapterStack(self.model, offload=device.type == "cuda")
+        self.stack_key = ()
         self._thread = threading.Thread(target=self._run, name=f"chat:{self.spec.name}", daemon=True)
         self._thread.start()
 
@@ -99,6 +140,7 @@ class ChatWorker:
             self._thread.join()
             self._thread = None
         self.model = None
+        self.adapter_stack = None
 
     def modules(self) -> list[torch.nn.Module]:
         return [self.model] if self.model is not None else []
@@ -133,6 +175,7 @@ class ChatWorker:
             emit=lambda ev: loop.call_soon_threadsafe(events.put_nowait, ev),
             req=req,
             generator=gen,
+            arrival=next(self._arrivals),
         )
         self._inbox.put(seq)
         try:
@@ -177,7 +220,8 @@ class ChatWorker:
         self._waiting.clear()
 
     def _admit(self, batch: _Batch) -> None:
-        """Bring waiting sequences into the batch: drain the inbox, prefill, merge caches."""
+        """Bring waiting sequences into the batch: drain the inbox, switch the adapter stack if the
+        batch is empty, prefill the rows that want the batch's stack, merge caches."""
         while True:
             try:
                 item = self._inbox.get_nowait()
@@ -187,15 +231,49 @@ class ChatWorker:
                 self._inbox.put(None)
                 break
             self._waiting.append(item)
-        still_waiting = []
-        for seq in self._waiting:
-            if seq.req.ctx.cancelled:
+        self._waiting = [seq for seq in self._waiting if not seq.req.ctx.cancelled]
+        ready = sorted((seq for seq in self._waiting if not seq.req.ctx.must_pause()), key=lambda seq: seq.rank)
+        if not ready:
+            return
+        running = bool(batch.seqs)
+        if not running and not self._switch_stack(ready[0]):
+            return
+        others = [seq.rank for seq in ready if seq.key != self.stack_key]
+        first_other = min(others, default=None)
+        admitted = []
+        for seq in ready:
+            if len(batch.seqs) >= self.max_batch:
+                break
+            if seq.key != self.stack_key or (running and first_other is not None and seq.rank > first_other):
                 continue
-            if seq.req.ctx.must_pause() or len(batch.seqs) >= self.max_batch:
-                still_waiting.append(seq)
-                continue
+            admitted.append(seq)
             self._prefill_into(batch, seq)
-        self._waiting = still_waiting
+        taken = {id(seq) for seq in admitted}
+        self._waiting = [seq for seq in self._waiting if id(seq) not in taken]
+
+    def _switch_stack(self, seq: _Seq) -> bool:
+        """Make the weights serve ``seq``'s adapter stack (only while no row is in the batch). On
+        failure every waiting row that wants that stack gets the error and the model is restored."""
+        if seq.key == self.stack_key:
+            return True
+        try:
+            if seq.stack:
+                self.adapter_stack.apply(seq.stack)
+                self.stack_merges += 1
+            else:
+                self.adapter_stack.restore()
+                self.stack_restores += 1
+            self.stack_key = seq.key
+            return True
+        except Exception as exc:  # noqa: BLE001 - a bad stack fails its rows, not the engine
+            self.adapter_stack.restore()
+            self.stack_key = ()
+            names = ", ".join(name for name, _ in seq.key)
+            error = AdapterStackFailed(f"adapter stack [{names}] cannot be merged into {self.spec.name}: {exc}")
+            for other in [s for s in self._waiting if s.key == seq.key]:
+                other.emit(error)
+                self._waiting.remove(other)
+            return False
 
     @torch.inference_mode()
     def _prefill_into(self, batch: _Batch, seq: _Seq) -> None:
@@ -402,3 +480,34 @@ def build_demo(out_dir: Path, seed: int = 0) -> Path:
     model.save_pretrained(out_dir)
     return out_dir
 
+
+
+_LORA_TARGETS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
+
+
+def build_demo_adapter(base_dir: Path, out_dir: Path, seed: int, rank: int = 4) -> Path:
+    """A peft LoRA folder for ``tiny-chat`` (every attention and MLP projection, ``lora_alpha = r``)
+    with random non-zero factors from ``seed``; shapes read from the model's checkpoint."""
+    from peft import LoraConfig
+    from safetensors.torch import save_file
+
+    from workers.demo import linear_shapes, random_lora
+
+    shapes = linear_shapes(sorted(Path(base_dir).glob("*.safetensors")), _LORA_TARGETS)
+    tensors = {}
+    for module, (down, up) in random_lora(shapes, rank, seed, b_std=0.1).items():
+        tensors[f"base_model.model.{module}.lora_A.weight"] = down
+        tensors[f"base_model.model.{module}.lora_B.weight"] = up
+    out_dir = Path(out_dir)
+    config = LoraConfig(r=rank, lora_alpha=rank, target_modules=list(_LORA_TARGETS), task_type="CAUSAL_LM",
+                        base_model_name_or_path=Path(base_dir).name)
+    config.save_pretrained(str(out_dir))
+    _sort_target_modules(out_dir / "adapter_config.json")  # peft writes a set: order varies per process
+    save_file(tensors, str(out_dir / "adapter_model.safetensors"), metadata={"format": "pt"})
+    return out_dir
+
+
+def _sort_target_modules(config_file: Path) -> None:
+    config = json.loads(config_file.read_text())
+    config["target_modules"] = sorted(config["target_modules"])
+    config_file.write_text(json.dumps(config, indent=2, sort_keys=True) + "\n")

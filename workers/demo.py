@@ -1,12 +1,17 @@
 """Builds the tiny random-weight demo models offline, one folder per model, in the libraries' own
-formats. A folder is built in a temporary sibling and renamed when complete, so an interrupted
-build is never mistaken for a model."""
+formats, and a few demo LoRA adapters on them (under ``adapters/``, each after its base model). A
+folder is built in a temporary sibling and renamed when complete, so an interrupted build is never
+mistaken for a model."""
 
 from __future__ import annotations
 
 import importlib
 import shutil
+import zlib
 from pathlib import Path
+from typing import Callable
+
+import torch
 
 DEMO_MODELS = {
     "tiny-chat": "workers.chat",
@@ -15,21 +20,72 @@ DEMO_MODELS = {
     "tiny-stt": "workers.stt",
 }
 
+# name -> (base model, module with build_demo_adapter, rank). Random non-zero factors, so each
+# adapter changes its model's outputs; deterministic from the seed and the name.
+DEMO_ADAPTERS = {
+    "tiny-chat-pirate": ("tiny-chat", "workers.chat", 4),
+    "tiny-chat-poet": ("tiny-chat", "workers.chat", 8),
+    "tiny-image-sketch": ("tiny-image", "workers.image", 4),
+}
+ADAPTERS_DIR = "adapters"
+
 
 def build_demo_models(out: Path, seed: int = 0, names: list[str] | None = None, force: bool = False) -> dict[str, Path]:
-    """Build the demo models missing under ``out`` (all of them with ``force``)."""
+    """Build the demo models and adapters missing under ``out`` (all of them with ``force``).
+    ``names`` may name models and adapters; an adapter brings its base model along."""
     out = Path(out)
     out.mkdir(parents=True, exist_ok=True)
+    names = names or [*DEMO_MODELS, *DEMO_ADAPTERS]
+    adapters = [n for n in names if n in DEMO_ADAPTERS]
+    models = list(dict.fromkeys([n for n in names if n not in DEMO_ADAPTERS] + [DEMO_ADAPTERS[a][0] for a in adapters]))
     built = {}
-    for name in names or list(DEMO_MODELS):
-        folder = out / name
-        if folder.is_dir() and not force:
-            built[name] = folder
-            continue
-        tmp = out / f".{name}.partial"
-        shutil.rmtree(tmp, ignore_errors=True)
-        importlib.import_module(DEMO_MODELS[name]).build_demo(tmp, seed)
-        shutil.rmtree(folder, ignore_errors=True)
-        tmp.rename(folder)
-        built[name] = folder
+    for name in models:
+        builder = importlib.import_module(DEMO_MODELS[name]).build_demo
+        built[name] = _build(out / name, lambda tmp: builder(tmp, seed), force)
+    for name in adapters:
+        base, module, rank = DEMO_ADAPTERS[name]
+        builder = importlib.import_module(module).build_demo_adapter
+        adapter_seed = seed * 1_000_003 + zlib.crc32(name.encode())
+        built[name] = _build(out / ADAPTERS_DIR / name,
+                             lambda tmp: builder(built[base], tmp, adapter_seed, rank), force)
     return built
+
+
+def _build(folder: Path, build: Callable[[Path], object], force: bool) -> Path:
+    if folder.is_dir() and not force:
+        return folder
+    folder.parent.mkdir(parents=True, exist_ok=True)
+    tmp = folder.parent / f".{folder.name}.partial"
+    shutil.rmtree(tmp, ignore_errors=True)
+    build(tmp)
+    shutil.rmtree(folder, ignore_errors=True)
+    tmp.rename(folder)
+    return folder
+
+
+def random_lora(shapes: dict[str, tuple[int, int]], rank: int, seed: int,
+                b_std: float) -> dict[str, tuple[torch.Tensor, torch.Tensor]]:
+    """Per module (sorted by name): (A [rank, in] ~ N(0, 1/in), B [out, rank] ~ N(0, b_std^2)) from
+    ``seed``. B is not zero (peft's initialisation), so the adapter does something."""
+    g = torch.Generator().manual_seed(seed)
+    factors = {}
+    for module, (d_out, d_in) in sorted(shapes.items()):
+        down = torch.randn(rank, d_in, generator=g) / d_in**0.5
+        up = torch.randn(d_out, rank, generator=g) * b_std
+        factors[module] = (down.contiguous(), up.contiguous())
+    return factors
+
+
+def linear_shapes(files: list[Path], targets: tuple[str, ...]) -> dict[str, tuple[int, int]]:
+    """Shapes of the 2-D weights in ``files`` (safetensors) whose module name ends with a target."""
+    from safetensors import safe_open
+
+    shapes = {}
+    for file in files:
+        with safe_open(str(file), framework="pt") as f:
+            for key in f.keys():
+                module = key.removesuffix(".weight")
+                shape = f.get_slice(key).get_shape()
+                if key.endswith(".weight") and len(shape) == 2 and any(module.endswith("." + t) for t in targets):
+                    shapes[module] = (shape[0], shape[1])
+    return shapes

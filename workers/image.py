@@ -4,18 +4,28 @@ The pipeline's modules (UNet, VAE, text encoder) are shared by all calls, but ea
 own pipeline object with a fresh scheduler: diffusers schedulers, and the pipeline object itself
 (``_guidance_scale``, ``_num_timesteps``, ...), hold per-call state, so two calls on one object
 from two threads would corrupt each other.
+
+Adapter stacks. Because concurrent calls share the denoiser's weights, a call's adapter stack
+(``ImageRequest.adapters``) is merged into them through a :class:`StackGate`: calls wanting the
+stack that is merged run together; a call wanting another stack waits until those finish, then the
+weights are switched (merge, or restore for the base model) before it starts.
 """
 
 from __future__ import annotations
 
 import io
+import itertools
+import threading
+from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Callable, Iterator
 
 import torch
 from diffusers import DiffusionPipeline
 
-from workers.base import ModelSpec, StepContext
+from lora_kernels import AdapterStack
+from workers.base import AdapterStackSpec, Cancelled, ModelSpec, StackKey, StepContext, stack_key
 
 
 @dataclass
@@ -30,6 +40,66 @@ class ImageRequest:
     negative_prompt: str | None = None
     num_inference_steps: int = 25
     guidance_scale: float = 7.0
+    adapters: AdapterStackSpec = ()  # merged into the denoiser for this call; () = the base model
+
+
+class StackGate:
+    """Which adapter stack the shared weights hold, and who is using them.
+
+    ``key`` is the stack merged now, ``users`` the calls running on it, and one condition guards
+    both plus the waiting calls (ticket -> key, in arrival order). A call may start when
+
+    * nobody runs and it wants the stack of the oldest waiting call (the weights are switched
+      first, under the lock, with nobody running on them); every call then waiting for that stack
+      belongs to this turn and may start too; or
+    * its stack is the running one and it belongs to the turn, or no call waiting for another
+      stack is older than it (so a stream of same-stack calls cannot starve other stacks).
+    """
+
+    def __init__(self) -> None:
+        self.key: StackKey = ()
+        self.users = 0
+        self.switches = 0
+        self._cond = threading.Condition()
+        self._tickets = itertools.count()
+        self._waiting: dict[int, StackKey] = {}
+        self._turn: set[int] = set()
+
+    @contextmanager
+    def use(self, key: StackKey, switch: Callable[[StackKey], None], ctx: StepContext) -> Iterator[None]:
+        """Hold the weights with stack ``key`` for one call; ``switch(key)`` changes the weights."""
+        with self._cond:
+            ticket = next(self._tickets)
+            self._waiting[ticket] = key
+            try:
+                while not self._may_start(ticket, key):
+                    self._cond.wait(0.05)
+                    if ctx.cancelled:
+                        raise Cancelled()
+                if self.users == 0:
+                    if key != self.key:
+                        self.key = ()  # what a failed switch leaves: the restored base weights
+                        switch(key)
+                        self.key = key
+                        self.switches += 1
+                    self._turn = {t for t, k in self._waiting.items() if k == key}
+                self.users += 1
+            finally:
+                del self._waiting[ticket]
+                self._cond.notify_all()
+        try:
+            yield
+        finally:
+            with self._cond:
+                self.users -= 1
+                self._cond.notify_all()
+
+    def _may_start(self, ticket: int, key: StackKey) -> bool:
+        if self.users == 0:
+            return key == self._waiting[min(self._waiting)]
+        if key != self.key:
+            return False
+        return ticket in self._turn or all(k == key for t, k in self._waiting.items() if t < ticket)
 
 
 class ImageWorker:
@@ -38,6 +108,9 @@ class ImageWorker:
     def __init__(self, spec: ModelSpec) -> None:
         self.spec = spec
         self.pipe: DiffusionPipeline | None = None
+        self.adapter_stack: AdapterStack | None = None  # merges adapter stacks into the denoiser
+        self.stack_gate = StackGate()
+        self.stack_merges = 0  # stack switches that merged adapters (AdapterStack.apply calls)
 
     def load(self, device: torch.device) -> None:
         """Load the pipeline from ``spec.path`` onto ``device`` (fp16 on CUDA, fp32 elsewhere)."""
@@ -45,9 +118,12 @@ class ImageWorker:
         pipe = DiffusionPipeline.from_pretrained(self.spec.path, dtype=dtype)
         pipe.set_progress_bar_config(disable=True)
         self.pipe = pipe.to(device)
+        denoiser = getattr(pipe, "unet", None) or getattr(pipe, "transformer", None)
+        self.adapter_stack = AdapterStack(denoiser, offload=device.type == "cuda") if denoiser is not None else None
 
     def unload(self) -> None:
         self.pipe = None
+        self.adapter_stack = None
 
     def modules(self) -> list[torch.nn.Module]:
         if self.pipe is None:
@@ -73,7 +149,8 @@ class ImageWorker:
             ctx.boundary()
             return kwargs
 
-        with torch.inference_mode():
+        switch = lambda key: self._switch_stack(req.adapters)  # noqa: E731
+        with self.stack_gate.use(stack_key(req.adapters), switch, ctx), torch.inference_mode():
             out = self._call_pipeline()(
                 prompt=[req.prompt] * req.n,
                 negative_prompt=[req.negative_prompt] * req.n if req.negative_prompt else None,
@@ -86,6 +163,22 @@ class ImageWorker:
                 output_type="pil",
             )
         return [_png(img) for img in out.images]
+
+    def _switch_stack(self, stack: AdapterStackSpec) -> None:
+        """(under the stack gate, nobody running) Merge ``stack`` into the denoiser, or restore it."""
+        if self.adapter_stack is None:
+            if stack:
+                raise ValueError(f"model {self.spec.name!r} has no unet or transformer to merge adapters into")
+            return
+        if not stack:
+            self.adapter_stack.restore()
+            return
+        try:
+            self.adapter_stack.apply(stack)
+        except BaseException:
+            self.adapter_stack.restore()
+            raise
+        self.stack_merges += 1
 
     def _call_pipeline(self) -> DiffusionPipeline:
         """A pipeline object for one call: the shared modules and a fresh scheduler."""
@@ -176,3 +269,25 @@ def _clip_tokenizer():
     tokens += ["<|startoftext|>", "<|endoftext|>"]
     vocab = {t: i for i, t in enumerate(dict.fromkeys(tokens))}
     return CLIPTokenizer(vocab=vocab, merges=merges, model_max_length=77)
+
+
+_LORA_TARGETS = ("to_q", "to_k", "to_v", "to_out.0")
+
+
+def build_demo_adapter(base_dir: Path, out_dir: Path, seed: int, rank: int = 4) -> Path:
+    """A diffusers LoRA (``pytorch_lora_weights.safetensors``, written by diffusers'
+    ``save_lora_weights`` with its peft metadata) for ``tiny-image``'s UNet attention projections,
+    with random non-zero factors from ``seed``; shapes read from the UNet's checkpoint."""
+    from diffusers import StableDiffusionPipeline
+
+    from workers.demo import linear_shapes, random_lora
+
+    shapes = linear_shapes(sorted((Path(base_dir) / "unet").glob("*.safetensors")), _LORA_TARGETS)
+    layers = {}
+    for module, (down, up) in random_lora(shapes, rank, seed, b_std=0.3).items():
+        layers[f"{module}.lora_A.weight"] = down
+        layers[f"{module}.lora_B.weight"] = up
+    metadata = {"r": rank, "lora_alpha": rank, "target_modules": list(_LORA_TARGETS)}
+    StableDiffusionPipeline.save_lora_weights(str(out_dir), unet_lora_layers=layers,
+                                              unet_lora_adapter_metadata=metadata)
+    return Path(out_dir)
