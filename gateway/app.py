@@ -15,6 +15,7 @@ from starlette.routing import Route
 
 from arbiter.footprint import default_device, device_budget
 from arbiter.residency import Arbiter, Refused, Unavailable
+from gateway import adapters
 from gateway.admission import Gate, TierPolicy
 from gateway.auth import KeyRing
 from gateway.chat import chat_completions
@@ -45,7 +46,9 @@ def build_services(config: Config, keys: KeyRing) -> Services:
         batch_rank=last,
     )
     gate.on_change = lambda: arbiter.set_demand(gate.others_busy())
-    return Services(config, keys, gate, arbiter, Metrics(gate, arbiter))
+    services = Services(config, keys, gate, arbiter, Metrics(gate, arbiter))
+    adapters.install(services, adapters.load_adapters(config))  # ConfigError for a bad adapter
+    return services
 
 
 def _device(name: str):

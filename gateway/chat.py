@@ -11,11 +11,12 @@ import torch
 from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
 
+from gateway.adapters import resolve_request
 from gateway.auth import Caller
 from gateway.errors import APIError, bad_request
 from gateway.schemas import ChatCompletionRequest, parse, read_json
 from gateway.service import Held, HeldStream, Services, unless_gone
-from workers.base import ChatEvent, ChatFinished, ChatParams, ChatRequest, TextDelta
+from workers.base import AdapterStackSpec, ChatEvent, ChatFinished, ChatParams, ChatRequest, TextDelta
 
 DEFAULT_MAX_TOKENS = 256
 
@@ -31,7 +32,7 @@ async def complete(svc: Services, caller: Caller, data: dict, request: Request |
     """Serve one chat completion body for ``caller``. ``request`` is None for batch lines."""
     arrived = time.monotonic()
     body = parse(ChatCompletionRequest, data)
-    spec = svc.spec(body.model, "chat")
+    spec, stack = resolve_request(svc, body.model, body.adapters, "chat")
     limit = svc.config.limits.max_chat_tokens
     max_tokens = body.max_completion_tokens or body.max_tokens or min(DEFAULT_MAX_TOKENS, limit)
     if max_tokens > limit:
@@ -41,7 +42,7 @@ async def complete(svc: Services, caller: Caller, data: dict, request: Request |
 
     held = await unless_gone(request, svc.hold(caller.tier, spec.name, units=max_tokens))
     try:
-        events, first = await _start(svc, held, body, params, caller, request)
+        events, first = await _start(svc, held, body, params, stack, caller, request)
     except BaseException:
         held.release(ok=False)
         raise
@@ -60,14 +61,15 @@ async def complete(svc: Services, caller: Caller, data: dict, request: Request |
     return JSONResponse(_completion(completion_id, body.model, text, finished), headers=svc.gate.rate_headers(caller.tier))
 
 
-async def _start(svc: Services, held: Held, body: ChatCompletionRequest, params: ChatParams, caller: Caller,
+async def _start(svc: Services, held: Held, body: ChatCompletionRequest, params: ChatParams,
+                 stack: AdapterStackSpec, caller: Caller,
                  request: Request | None) -> tuple[AsyncIterator[ChatEvent], ChatEvent]:
     """Submit the request and wait for its first event, so that errors found on submission
     (context too long, out of memory) become HTTP errors rather than a broken stream. On out of
     memory the arbiter evicts the least valuable other model and the request is tried once more."""
     rank = svc.tier_rank[caller.tier]
     for attempt in (1, 2):
-        req = ChatRequest(body.messages_as_dicts(), params, priority=rank, ctx=held.lease.context())
+        req = ChatRequest(body.messages_as_dicts(), params, priority=rank, ctx=held.lease.context(), adapters=stack)
         events = held.lease.worker.chat(req)
         try:
             return events, await unless_gone(request, events.__anext__())

@@ -66,6 +66,9 @@ def _serve(args: argparse.Namespace) -> int:
 
     try:
         services = build_services(config, keyring)
+    except ConfigError as exc:  # an adapter that cannot be served
+        print(f"tiergate: {exc}", file=sys.stderr)
+        return 2
     except (ValueError, RuntimeError) as exc:
         print(f"tiergate: {config.source}: gpu: {exc}", file=sys.stderr)
         return 2

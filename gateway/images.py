@@ -9,7 +9,7 @@ import re
 import secrets
 import time
 from collections import OrderedDict
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Callable, Literal
 
@@ -19,10 +19,11 @@ from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
 from starlette.routing import BaseRoute, Route
 
+from gateway.adapters import resolve_request
 from gateway.auth import Caller
 from gateway.config import LimitsConfig
 from gateway.errors import APIError, bad_request, not_found
-from gateway.schemas import _Body, parse, read_json
+from gateway.schemas import MAX_STACK, AdapterChoice, _Body, parse, read_json
 from gateway.service import ClientGone, Services, in_thread, unless_gone
 from workers.base import Cancelled, ModelSpec
 from workers.image import ImageRequest
@@ -46,6 +47,7 @@ class ImageGenerationRequest(_Body):
     output_format: Literal["png"] | None = None
     stream: Literal[False] | None = None
     user: str | None = None
+    adapters: list[AdapterChoice] | None = Field(default=None, max_length=MAX_STACK)  # extension: LoRA stack
 
 
 class ImageStore:
@@ -168,8 +170,9 @@ async def generate(svc: Services, caller: Caller, data: dict, request: Request |
     """Serve one image generation body for ``caller`` (``request`` None: nobody to watch for)."""
     arrived = time.monotonic()
     body = parse(ImageGenerationRequest, data)
-    spec = svc.spec(body.model, "image")
+    spec, stack = resolve_request(svc, body.model, body.adapters, "image")
     job = plan(body, svc.config.limits, _native(svc, spec))
+    job = Plan(replace(job.request, adapters=stack), job.units)
     if body.response_format == "url" and request is None:
         raise bad_request("response_format 'url' is only for live requests; use b64_json", "response_format")
     held = await unless_gone(request, svc.hold(caller.tier, spec.name, job.units))

@@ -38,6 +38,16 @@ class StreamOptions(_Body):
     include_usage: bool = False
 
 
+MAX_STACK = 8  # adapters in one request's stack
+
+
+class AdapterChoice(_Body):
+    """One entry of the ``adapters`` extension field: a configured adapter and its weight."""
+
+    name: str = Field(min_length=1)
+    weight: float = Field(default=1.0, allow_inf_nan=False)
+
+
 class ChatCompletionRequest(_Body):
     model: str = Field(min_length=1)
     messages: list[Message] = Field(min_length=1)
@@ -53,6 +63,7 @@ class ChatCompletionRequest(_Body):
     user: str | None = None
     metadata: dict[str, str] | None = None
     store: bool | None = None
+    adapters: list[AdapterChoice] | None = Field(default=None, max_length=MAX_STACK)  # extension: LoRA stack
 
     @field_validator("stop")
     @classmethod
