@@ -43,7 +43,7 @@ from starlette.responses import JSONResponse, Response
 from starlette.routing import Route
 
 from gateway.auth import Caller
-from gateway.batch_store import TERMINAL, BatchInfo, FileInfo, Job, Line, Outcome, Store, open_store
+from gateway.batch_store import BatchInfo, FileInfo, Job, Line, Outcome, Store, open_store
 from gateway.chat import complete
 from gateway.errors import APIError, bad_request, not_found
 from gateway.images import generate
@@ -267,37 +267,35 @@ def parse_input(content: bytes, endpoint: str) -> tuple[list[Line], list[Outcome
     invalid: list[Outcome] = []
     seen: set[str] = set()
     for index, raw in enumerate(content.decode("utf-8", errors="replace").splitlines()):
-        if not raw.strip():
-            continue
-
-        def bad(code: str, message: str, custom_id: str | None = None) -> None:
-            invalid.append(error_line(index, custom_id, code, f"line {index + 1}: {message}"))
-
-        try:
-            doc = json.loads(raw)
-        except ValueError:
-            bad("invalid_json", "not valid JSON")
-            continue
-        if not isinstance(doc, dict):
-            bad("invalid_json", "not a JSON object")
-            continue
-        cid = doc.get("custom_id")
-        if not isinstance(cid, str) or not cid:
-            bad("missing_custom_id", "custom_id must be a non-empty string")
-            continue
-        if cid in seen:
-            bad("duplicate_custom_id", f"custom_id {cid!r} is used by an earlier line", cid)
-            continue
-        seen.add(cid)
-        if doc.get("method") != "POST":
-            bad("invalid_method", f"method is {doc.get('method')!r}; only POST is supported", cid)
-        elif doc.get("url") != endpoint:
-            bad("invalid_url", f"url is {doc.get('url')!r}; this batch's endpoint is {endpoint}", cid)
-        elif not isinstance(doc.get("body"), dict):
-            bad("invalid_body", "body must be a JSON object", cid)
-        else:
-            lines.append(Line(index, cid, doc["body"]))
+        if raw.strip():
+            checked = _check_line(index, raw, endpoint, seen)
+            (lines if isinstance(checked, Line) else invalid).append(checked)
     return lines, invalid
+
+
+def _check_line(index: int, raw: str, endpoint: str, seen: set[str]) -> Line | Outcome:
+    def bad(code: str, message: str, custom_id: str | None = None) -> Outcome:
+        return error_line(index, custom_id, code, f"line {index + 1}: {message}")
+
+    try:
+        doc = json.loads(raw)
+    except ValueError:
+        return bad("invalid_json", "not valid JSON")
+    if not isinstance(doc, dict):
+        return bad("invalid_json", "not a JSON object")
+    cid = doc.get("custom_id")
+    if not isinstance(cid, str) or not cid:
+        return bad("missing_custom_id", "custom_id must be a non-empty string")
+    if cid in seen:
+        return bad("duplicate_custom_id", f"custom_id {cid!r} is used by an earlier line", cid)
+    seen.add(cid)
+    if doc.get("method") != "POST":
+        return bad("invalid_method", f"method is {doc.get('method')!r}; only POST is supported", cid)
+    if doc.get("url") != endpoint:
+        return bad("invalid_url", f"url is {doc.get('url')!r}; this batch's endpoint is {endpoint}", cid)
+    if not isinstance(doc.get("body"), dict):
+        return bad("invalid_body", "body must be a JSON object", cid)
+    return Line(index, cid, doc["body"])
 
 
 def error_line(index: int, custom_id: str | None, code: str, message: str) -> Outcome:

@@ -41,7 +41,7 @@ def redis_server(folder: Path) -> Iterator[str]:
         except redis.ConnectionError:
             if time.time() > deadline or proc.poll() is not None:
                 proc.kill()
-                raise RuntimeError("redis-server did not start")
+                raise RuntimeError("redis-server did not start") from None
             time.sleep(0.02)
     client.close()
     try:

@@ -494,7 +494,9 @@ def test_two_processes_share_one_store_and_split_a_batch(store, tiny_chat, tmp_p
             store = stack.enter_context(redis_server(tmp_path))
         config, keys = proc_config(tmp_path, tiny_chat, store)
         a, b = Proc(config, keys, tmp_path / "a.log"), Proc(config, keys, tmp_path / "b.log")
-        a.ready(), b.ready()
+        for p in (a.ready(), b.ready()):  # both load the model first, so both are in the race from the start
+            p.client(keys["paid"]).chat.completions.create(model="tiny-chat", max_tokens=1,
+                                                           messages=[{"role": "user", "content": "warm up"}])
         try:
             lines = jsonl([chat_line(i, max_tokens=24) for i in range(200)])  # seconds of work: both join in
             submitted = submit(a.client(keys["paid"]), lines)
