@@ -30,6 +30,7 @@ import json
 import logging
 import os
 import random
+import re
 import secrets
 import socket
 import time
@@ -170,8 +171,8 @@ async def file_content(request: Request) -> Response:
     content = await runner.store.file_content(info.id)
     if content is None:  # deleted meanwhile
         raise not_found(f"no such file: '{info.id}'", "file_id", "file_not_found")
-    return Response(content, media_type="application/jsonl",
-                    headers={"content-disposition": f'attachment; filename="{info.filename}"'})
+    safe = re.sub(r"[^A-Za-z0-9._-]", "_", info.filename)  # the uploader chose it: keep it out of the header
+    return Response(content, media_type="application/jsonl", headers={"content-disposition": f'attachment; filename="{safe}"'})
 
 
 async def delete_file(request: Request) -> Response:

@@ -230,6 +230,11 @@ def test_upload_errors_are_openai_shaped(server):
     assert (status, err["param"]) == (400, "file")
     r = httpx.post(url, headers=auth, files={"file": ("a.jsonl", b"{}\n" * 400)}, data={"purpose": "batch"})
     assert r.status_code == 200 and r.json()["bytes"] == 1200 and r.json()["filename"] == "a.jsonl"
+    odd = httpx.post(url, headers=auth, files={"file": ("名前 x.jsonl", b"{}\n")}, data={"purpose": "batch"}).json()
+    assert odd["filename"] == "名前 x.jsonl"
+    got = httpx.get(f"{url}/{odd['id']}/content", headers=auth)  # the name is not latin-1: kept out of the header
+    assert got.status_code == 200 and got.content == b"{}\n"
+    assert got.headers["content-disposition"] == 'attachment; filename="___x.jsonl"'
 
 
 def test_create_errors_name_the_field(server):
