@@ -60,10 +60,12 @@ async def chat(request):
     ids = tok.apply_chat_template(body["messages"], add_generation_prompt=True, return_tensors="pt", return_dict=True)
     streamer = TextIteratorStreamer(tok, skip_prompt=True, skip_special_tokens=True)
     n = {"tokens": 0}
+    done = threading.Event()
     def work():
         with lock:
             out = model.generate(**ids, max_new_tokens=body.get("max_tokens", 64), do_sample=False, streamer=streamer)
             n["tokens"] = out.shape[1] - ids["input_ids"].shape[1]
+        done.set()
     threading.Thread(target=work, daemon=True).start()
     cid = "chatcmpl-" + uuid.uuid4().hex
     loop = asyncio.get_running_loop()
@@ -78,6 +80,7 @@ async def chat(request):
             chunk = {"id": cid, "object": "chat.completion.chunk", "created": 0, "model": "m",
                      "choices": [{"index": 0, "delta": {"content": piece}, "finish_reason": None}]}
             yield "data: " + json.dumps(chunk) + "\n\n"
+        await asyncio.to_thread(done.wait)
         usage = {"prompt_tokens": int(ids["input_ids"].shape[1]), "completion_tokens": n["tokens"],
                  "total_tokens": int(ids["input_ids"].shape[1]) + n["tokens"]}
         yield "data: " + json.dumps({"id": cid, "object": "chat.completion.chunk", "created": 0, "model": "m",
