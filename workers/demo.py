@@ -28,6 +28,10 @@ DEMO_ADAPTERS = {
     "tiny-image-sketch": ("tiny-image", "workers.image", 4),
 }
 ADAPTERS_DIR = "adapters"
+# Bumped whenever a builder changes what it makes (e.g. tiny-chat's head_dim for vLLM): folders
+# built by an older version are rebuilt, with the adapters on them.
+DEMO_VERSION = "2"
+STAMP = ".tiergate-demo"
 
 
 def build_demo_models(out: Path, seed: int = 0, names: list[str] | None = None, force: bool = False) -> dict[str, Path]:
@@ -38,29 +42,35 @@ def build_demo_models(out: Path, seed: int = 0, names: list[str] | None = None, 
     names = names or [*DEMO_MODELS, *DEMO_ADAPTERS]
     adapters = [n for n in names if n in DEMO_ADAPTERS]
     models = list(dict.fromkeys([n for n in names if n not in DEMO_ADAPTERS] + [DEMO_ADAPTERS[a][0] for a in adapters]))
-    built = {}
+    built: dict[str, Path] = {}
+    rebuilt: set[str] = set()
     for name in models:
         builder = importlib.import_module(DEMO_MODELS[name]).build_demo
-        built[name] = _build(out / name, lambda tmp: builder(tmp, seed), force)
+        built[name], fresh = _build(out / name, lambda tmp: builder(tmp, seed), force)
+        if fresh:
+            rebuilt.add(name)
     for name in adapters:
         base, module, rank = DEMO_ADAPTERS[name]
         builder = importlib.import_module(module).build_demo_adapter
         adapter_seed = seed * 1_000_003 + zlib.crc32(name.encode())
-        built[name] = _build(out / ADAPTERS_DIR / name,
-                             lambda tmp: builder(built[base], tmp, adapter_seed, rank), force)
+        built[name], _ = _build(out / ADAPTERS_DIR / name,
+                                lambda tmp: builder(built[base], tmp, adapter_seed, rank), force or base in rebuilt)
     return built
 
 
-def _build(folder: Path, build: Callable[[Path], object], force: bool) -> Path:
-    if folder.is_dir() and not force:
-        return folder
+def _build(folder: Path, build: Callable[[Path], object], force: bool) -> tuple[Path, bool]:
+    """Build ``folder`` unless a current one is there; True when it was (re)built."""
+    stamp = folder / STAMP
+    if folder.is_dir() and not force and stamp.is_file() and stamp.read_text() == DEMO_VERSION:
+        return folder, False
     folder.parent.mkdir(parents=True, exist_ok=True)
     tmp = folder.parent / f".{folder.name}.partial"
     shutil.rmtree(tmp, ignore_errors=True)
     build(tmp)
+    (tmp / STAMP).write_text(DEMO_VERSION)
     shutil.rmtree(folder, ignore_errors=True)
     tmp.rename(folder)
-    return folder
+    return folder, True
 
 
 def random_lora(shapes: dict[str, tuple[int, int]], rank: int, seed: int,
