@@ -294,7 +294,6 @@ def test_shipped_config_serves_the_demo_adapters():
 def test_demo_chat_adapter_is_a_peft_adapter(demo_adapters, tiny_chat):
     """peft reads the demo folder and its merge gives our merged weights."""
     import peft
-    import torch
     from transformers import AutoModelForCausalLM
 
     from lora_kernels import AdapterStack, load_peft_adapter
