@@ -17,6 +17,7 @@ from gateway.errors import APIError, bad_request
 from gateway.schemas import ChatCompletionRequest, parse, read_json
 from gateway.service import Held, HeldStream, Services, unless_gone
 from workers.base import AdapterStackSpec, ChatEvent, ChatFinished, ChatParams, ChatRequest, TextDelta
+from workers.chat import ContextTooLong
 
 DEFAULT_MAX_TOKENS = 256
 
@@ -73,8 +74,10 @@ async def _start(svc: Services, held: Held, body: ChatCompletionRequest, params:
         events = held.lease.worker.chat(req)
         try:
             return events, await unless_gone(request, events.__anext__())
-        except ValueError as exc:  # the prompt does not fit the model's context
+        except ContextTooLong as exc:
             raise bad_request(str(exc), "messages", "context_length_exceeded") from None
+        except ValueError as exc:  # the engine cannot serve this adapter stack (e.g. rank too high)
+            raise bad_request(str(exc), "adapters", "adapter_not_supported") from None
         except torch.OutOfMemoryError as exc:
             await events.aclose()
             if attempt == 2 or not svc.arbiter.relieve_oom(held.lease.model, rank):

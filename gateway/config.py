@@ -48,6 +48,8 @@ class ModelConfig(_Strict):
     kv_cache: Size = parse_size("256MiB")  # vLLM's KV-cache reservation (never its default of ~all memory)
     max_model_len: int | None = Field(default=None, ge=16)  # vLLM; None: the model's own
     max_num_seqs: int = Field(default=8, ge=1)  # chat: rows decoded together in one step (both engines)
+    lora_slots: int = Field(default=2, ge=1)  # vLLM: adapter stacks resident at once (plus one spare slot)
+    max_lora_rank: Literal[8, 16, 32, 64, 128, 256, 320, 512] = 64  # vLLM: the largest stack rank served
 
     def resolved_engine(self) -> str:
         if self.kind != "chat":
@@ -56,13 +58,15 @@ class ModelConfig(_Strict):
             return "vllm" if importlib.util.find_spec("vllm") is not None else "transformers"
         return self.engine
 
-    def spec(self) -> ModelSpec:
+    def spec(self, with_adapters: bool = False) -> ModelSpec:
         engine = self.resolved_engine()
         options: dict = {}
         if self.kind == "chat":
             options = {"max_num_seqs": self.max_num_seqs}
         if engine == "vllm":
             options.update(kv_cache_bytes=self.kv_cache, max_model_len=self.max_model_len)
+            if with_adapters:  # unmerged multi-LoRA: a request's stack is served as one LoRA
+                options.update(enable_lora=True, max_loras=self.lora_slots, max_lora_rank=self.max_lora_rank)
         return ModelSpec(self.name, self.kind, self.path, self.vram, engine, options)
 
 
@@ -145,7 +149,8 @@ class Config(_Strict):
         return [t.name for t in self.tiers]
 
     def model_specs(self) -> list[ModelSpec]:
-        return [m.spec() for m in self.models]
+        with_adapters = {a.model for a in self.adapters}
+        return [m.spec(m.name in with_adapters) for m in self.models]
 
 
 def _no_duplicates(names: list[str]) -> None:
@@ -181,22 +186,12 @@ def load_config(path: str | Path, check_paths: bool = True) -> Config:
             raise ConfigError(f"{path}: models[{i}].path: no such folder: {resolved}")
         models.append(m.model_copy(update={"path": resolved}))
     adapters = [_check_adapter(path, i, a, models, check_paths) for i, a in enumerate(config.adapters)]
-    with_adapters = {a.model for a in adapters}
-    models = [_transformers_for_adapters(m) if m.name in with_adapters else m for m in models]
     return config.model_copy(update={"models": models, "adapters": adapters})
-
-
-def _transformers_for_adapters(model: ModelConfig) -> ModelConfig:
-    """A chat model with adapters runs on the transformers engine, which merges a request's adapter
-    stack into the weights (the vLLM engine does not serve adapter stacks here yet)."""
-    if model.kind == "chat" and model.engine != "transformers":
-        return model.model_copy(update={"engine": "transformers"})
-    return model
 
 
 def _check_adapter(path: Path, i: int, a: AdapterConfig, models: list[ModelConfig], check_paths: bool) -> AdapterConfig:
     """The adapter with its path resolved; its name must not be a model's, its base must be a chat
-    (transformers engine) or image model, and its folder must exist. Its files are read at start-up
+    or image model, and its folder must exist. Its files are read at start-up
     (gateway/adapters.py)."""
     where = f"{path}: adapters[{i}]"
     bases = {m.name: m for m in models}
@@ -207,9 +202,6 @@ def _check_adapter(path: Path, i: int, a: AdapterConfig, models: list[ModelConfi
         raise ConfigError(f"{where}.model: no model named {a.model!r} in models")
     if base.kind not in ("chat", "image"):
         raise ConfigError(f"{where}.model: {a.model!r} is a {base.kind} model; adapters are for chat and image models")
-    if base.engine == "vllm":
-        raise ConfigError(f"{where}.model: {a.model!r} runs on the vllm engine; adapters are served by the "
-                          "transformers engine only (set engine: transformers, or auto)")
     resolved = a.path if a.path.is_absolute() else (path.parent / a.path)
     if check_paths and not resolved.exists():
         raise ConfigError(f"{where}.path: no such folder: {resolved}")

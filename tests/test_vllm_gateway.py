@@ -16,11 +16,31 @@ from tests.helpers import start_server, write_config
 pytest.importorskip("vllm", reason="vllm is not installed in this environment (scripts/test installs it)")
 
 
+ADAPTERS = ["tiny-chat-pirate", "tiny-chat-poet"]
+
+
+def adapters_yaml(demo_dir) -> str:
+    from workers.demo import build_demo_models
+
+    built = build_demo_models(demo_dir, names=ADAPTERS)
+    return "adapters:\n" + "".join(f"  - {{name: {a}, model: tiny-chat, path: {built[a]}}}\n" for a in ADAPTERS)
+
+
 @pytest.fixture(scope="module")
-def vllm_server(tiny_chat, tmp_path_factory):
+def vllm_server(tiny_chat, demo_dir, tmp_path_factory):
     folder = tmp_path_factory.mktemp("vllm-server")
-    cfg = write_config(folder, {"tiny-chat": ("chat", tiny_chat)}, engine="vllm")
+    cfg = write_config(folder, {"tiny-chat": ("chat", tiny_chat)}, adapters_yaml(demo_dir), engine="vllm")
     cfg.write_text(cfg.read_text().replace("    engine: vllm", "    engine: vllm\n    kv_cache: 128MiB\n    max_num_seqs: 4"))
+    server = start_server(cfg)
+    yield server
+    server.stop()
+
+
+@pytest.fixture(scope="module")
+def merged_server(tiny_chat, demo_dir, tmp_path_factory):
+    """The same model and adapters on the transformers engine, which merges stacks into the
+    weights (lora_kernels): the reference for vLLM's unmerged LoRA."""
+    cfg = write_config(tmp_path_factory.mktemp("merged"), {"tiny-chat": ("chat", tiny_chat)}, adapters_yaml(demo_dir))
     server = start_server(cfg)
     yield server
     server.stop()
@@ -95,3 +115,34 @@ def test_evict_and_reload(vllm_server):
     row = httpx.get(f"{s.base_url}/models/tiny-chat", headers=admin).json()
     assert row["place"] == "resident"
     assert s.services.arbiter.counters.loads["tiny-chat"] == 2
+
+
+STACKS = {
+    "base": ("tiny-chat", None),
+    "pirate": ("tiny-chat-pirate", None),
+    "poet": ("tiny-chat", [{"name": "tiny-chat-poet", "weight": 1.0}]),
+    "blend": ("tiny-chat", [{"name": "tiny-chat-pirate", "weight": 0.5}, {"name": "tiny-chat-poet", "weight": -0.7}]),
+}
+
+
+def ask(server, model, adapters, content="sing"):
+    extra = {"adapters": adapters} if adapters else None
+    r = client(server).chat.completions.create(model=model, messages=[{"role": "user", "content": content}],
+                                               max_tokens=10, temperature=0, extra_body=extra)
+    return r.choices[0].message.content
+
+
+def test_lora_per_request_in_mixed_batches_matches_merged_weights(vllm_server, merged_server):
+    """Rows with different adapter stacks (and none) run unmerged in the same vLLM batches, more
+    stacks than LoRA slots; every row equals the transformers engine with the stack merged in."""
+    import concurrent.futures
+
+    expected = {k: ask(merged_server, m, a) for k, (m, a) in STACKS.items()}
+    assert len(set(expected.values())) == len(expected)  # the adapters do change the output
+    jobs = [k for k in STACKS for _ in range(3)]
+    with concurrent.futures.ThreadPoolExecutor(len(jobs)) as pool:
+        got = list(pool.map(lambda k: (k, ask(vllm_server, *STACKS[k])), jobs))
+    for k, text in got:
+        assert text == expected[k], k
+    engine = vllm_server.services.arbiter.workers["tiny-chat"]
+    assert engine.enable_lora and len(engine.resident_loras()) <= engine.max_loras

@@ -334,7 +334,8 @@ class ChatWorker:
             reason = "length"
         else:
             reason = None
-        safe = len(text) if reason else _safe_prefix_len(text, seq.params.stop)
+        # at the end, an undecodable tail is dropped rather than sent as U+FFFD, as vLLM does
+        safe = len(text.rstrip("\ufffd")) if reason else _safe_prefix_len(text, seq.params.stop)
         if safe > seq.emitted_chars:
             seq.emit(TextDelta(text[seq.emitted_chars : safe]))
             seq.emitted_chars = safe
@@ -373,7 +374,7 @@ def _first_stop(text: str, stops: list[str]) -> int | None:
 def _safe_prefix_len(text: str, stops: list[str]) -> int:
     """How much of ``text`` can be sent: hold back a tail that may start a stop string, and an
     incomplete UTF-8 character."""
-    n = len(text) - (1 if text.endswith("\ufffd") else 0)
+    n = len(text.rstrip("\ufffd"))  # undecodable bytes may be the start of a character
     hold = 0
     for s in stops:
         for k in range(min(len(s) - 1, n), 0, -1):

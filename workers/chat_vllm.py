@@ -36,7 +36,9 @@ from __future__ import annotations
 
 import asyncio
 import itertools
+import json
 import os
+import tempfile
 import time
 import uuid
 from dataclasses import dataclass
@@ -44,12 +46,15 @@ from pathlib import Path
 from typing import Any, AsyncIterator
 
 from workers.base import (
+    AdapterStackSpec,
     Cancelled,
     ChatEvent,
     ChatFinished,
     ChatRequest,
     ModelSpec,
+    StackKey,
     TextDelta,
+    stack_key,
 )
 from workers.chat import ContextTooLong  # one error type for both chat engines (HTTP 400)
 
@@ -137,6 +142,8 @@ class VllmChatEngine:
         # LoRA residency (see the module doc): name -> _Resident, guarded by _lora_cond.
         self._resident: dict[str, _Resident] = {}
         self._lora_cond: asyncio.Condition | None = None
+        self._stack_loras: dict[StackKey, LoraRef] = {}  # adapter stack -> the LoRA that serves it
+        self._stack_dir: Path | None = None
         self.start_seconds: float | None = None
         self.shutdown_seconds: float | None = None
 
@@ -282,6 +289,8 @@ class VllmChatEngine:
         """
         if self._llm is None:
             raise RuntimeError(f"{self.spec.name}: engine not started")
+        if lora is None and req.adapters:
+            lora = self.stack_lora(req.adapters)
         if lora is not None and not self.enable_lora:
             raise ValueError(f"{self.spec.name}: LoRA requested but the engine has enable_lora=False")
         from vllm.sampling_params import RequestOutputKind, SamplingParams
@@ -379,6 +388,33 @@ class VllmChatEngine:
                 return
 
     # -- LoRA residency ----------------------------------------------------------------------
+    def stack_lora(self, stack: AdapterStackSpec) -> LoraRef:
+        """The one LoRA that serves a request's weighted adapter stack, unmerged: a single peft
+        adapter at weight 1 is served from its own folder; any other stack is concatenated along
+        the rank with the weights folded in (lora_kernels.save_stack_as_peft) and written once as
+        a peft folder of rank sum(r_i). Same stack -> same LoRA id, so vLLM batches its rows."""
+        key = stack_key(stack)
+        ref = self._stack_loras.get(key)
+        if ref is not None:
+            return ref
+        (adapter, weight), *rest = stack
+        source = Path(adapter.source) if adapter.source else None
+        if not rest and weight == 1.0 and source is not None and (source / "adapter_config.json").is_file():
+            folder = source
+        else:
+            from lora_kernels import save_stack_as_peft
+
+            if self._stack_dir is None:
+                self._stack_dir = Path(tempfile.mkdtemp(prefix=f"tiergate-{self.spec.name}-stacks-"))
+            folder = save_stack_as_peft(list(stack), self._stack_dir / f"stack-{len(self._stack_loras) + 1}")
+        rank = json.loads((folder / "adapter_config.json").read_text())["r"]
+        if rank > self.max_lora_rank:
+            raise ValueError(f"the adapter stack has rank {rank}, above this engine's max_lora_rank of "
+                             f"{self.max_lora_rank}")
+        ref = self._stack_loras[key] = ("+".join(f"{n}*{w:g}" for n, w in key), len(self._stack_loras) + 1, str(folder))
+        return ref
+
+
     async def _acquire_lora(self, lora: LoraRef, ctx):
         """Make ``lora`` resident (evicting an idle adapter when all ``max_loras`` are taken,
         waiting while every resident one is in use) and count this request as its user.
