@@ -21,6 +21,7 @@ from starlette.responses import JSONResponse, PlainTextResponse, Response
 from starlette.routing import BaseRoute, Route
 from transformers.models.whisper.tokenization_whisper import LANGUAGES
 
+from gateway.auth import Caller
 from gateway.errors import APIError, bad_request
 from gateway.schemas import _Body, parse, read_json
 from gateway.service import ClientGone, Held, HeldStream, Services, in_thread, unless_gone
@@ -54,8 +55,14 @@ def default_speech_format() -> str:
 async def speech(request: Request) -> Response:
     svc: Services = request.app.state.services
     caller = svc.authenticate(request)
+    return await speak(svc, caller, await read_json(request, svc.config.limits.max_body), request)
+
+
+async def speak(svc: Services, caller: Caller, data: dict, request: Request | None) -> Response:
+    """Serve one speech body for ``caller``: streamed to a client, or whole for a batch line
+    (``request`` None)."""
     arrived = time.monotonic()
-    body = parse(SpeechBody, await read_json(request, svc.config.limits.max_body))
+    body = parse(SpeechBody, data)
     spec = svc.spec(body.model, "tts")
     fmt = _speech_format(body.response_format)
     _check_input(body.input, svc.config.limits.speech_max_chars)
@@ -87,6 +94,9 @@ async def speech(request: Request) -> Response:
     headers = svc.gate.rate_headers(caller.tier)
     if fmt == "pcm":
         headers["x-sample-rate"] = str(worker.sample_rate)
+    if request is None:  # a batch line: the whole audio as one response
+        audio = b"".join([piece async for piece in _speak(encoded, ctx, held)])
+        return Response(audio, media_type=sound.CONTENT_TYPES[fmt], headers=headers)
     return HeldStream(_speak(encoded, ctx, held), held, svc, caller.tier, arrived, "speech",
                       sound.CONTENT_TYPES[fmt], headers)
 
@@ -284,6 +294,7 @@ def _transcript_response(t: Transcript, body: TranscriptionForm, headers: dict[s
 
 
 def routes(svc: Services) -> list[BaseRoute]:
+    svc.extras.setdefault("batch_endpoints", {})["/v1/audio/speech"] = lambda s, c, b: speak(s, c, b, None)
     return [
         Route("/v1/audio/speech", speech, methods=["POST"]),
         Route("/v1/audio/transcriptions", transcriptions, methods=["POST"]),

@@ -16,7 +16,7 @@ store's business (``gateway.batch_store``); the runner only has to keep its clai
 Endpoints a batch can call are ``async (services, caller, body) -> Response`` functions. Chat and
 image generations are built in; other features (speech) add theirs at install time::
 
-    services.extras.setdefault("batch_endpoints", {})["/v1/audio/speech"] = speak_for_batch
+    services.extras.setdefault("batch_endpoints", {})["/v1/audio/speech"] = lambda s, c, b: speak(s, c, b, None)
 
 A JSON response becomes the output line's ``response.body``; any other (speech audio) becomes
 ``{"content_type": ..., "encoding": "base64", "data": ...}``.

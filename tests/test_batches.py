@@ -79,8 +79,8 @@ def lines_of(client: openai.OpenAI, file_id: str | None) -> list[dict]:
 
 
 @pytest.fixture(scope="module")
-def server(tiny_chat, tiny_image, tmp_path_factory):
-    models = {"tiny-chat": ("chat", tiny_chat), "tiny-image": ("image", tiny_image)}
+def server(tiny_chat, tiny_image, tiny_tts, tmp_path_factory):
+    models = {"tiny-chat": ("chat", tiny_chat), "tiny-image": ("image", tiny_image), "tiny-tts": ("tts", tiny_tts)}
     srv = start_server(write_config(tmp_path_factory.mktemp("batch-server"), models, BATCH_CONFIG))
     yield srv
     srv.stop()
@@ -168,6 +168,24 @@ def test_image_batch_returns_png_b64(server):
     assert png.startswith(b"\x89PNG")
     refused = lines_of(c, done.error_file_id)[0]
     assert refused["custom_id"] == "img-url" and refused["response"]["body"]["error"]["param"] == "response_format"
+
+
+def test_speech_batch_returns_audio_as_base64(server):
+    import soundfile
+
+    c = sdk(server)
+    rows = [{"custom_id": f"say-{i}", "method": "POST", "url": "/v1/audio/speech",
+             "body": {"model": "tiny-tts", "input": f"Hello number {i}. Bye.", "voice": "alloy", "response_format": "wav"}}
+            for i in range(2)]
+    f = c.files.create(file=("in.jsonl", io.BytesIO(jsonl(rows))), purpose="batch")
+    b = c.batches.create(input_file_id=f.id, endpoint="/v1/audio/speech", completion_window="24h")
+    done = wait(c, b.id)
+    assert (done.status, done.request_counts.completed) == ("completed", 2)
+    for line in lines_of(c, done.output_file_id):
+        body = line["response"]["body"]
+        assert body["content_type"] == "audio/wav" and body["encoding"] == "base64"
+        audio, rate = soundfile.read(io.BytesIO(base64.b64decode(body["data"])))
+        assert len(audio) > 0 and rate > 0
 
 
 def test_the_demo_script_submits_watches_and_prints(server):
