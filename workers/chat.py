@@ -244,7 +244,8 @@ class ChatWorker:
         for seq in ready:
             if len(batch.seqs) >= self.max_batch:
                 break
-            if seq.key != self.stack_key or (running and first_other is not None and seq.rank > first_other):
+            # a pause ordered while earlier rows prefill (a paid arrival while batch rows resume) holds the rest
+            if seq.key != self.stack_key or seq.req.ctx.must_pause() or (running and first_other is not None and seq.rank > first_other):
                 continue
             admitted.append(seq)
             self._prefill_into(batch, seq)
