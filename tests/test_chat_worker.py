@@ -138,3 +138,36 @@ def test_prompt_over_context_is_refused(worker):
 
     with pytest.raises(ContextTooLong):
         asyncio.run(main())
+
+
+def test_pause_ordered_during_admission_holds_the_rows_not_yet_prefilled(worker):
+    """A paid arrival while paused batch rows resume: the pause takes effect between two resume
+    prefills, not after every waiting row has been prefilled."""
+    from workers.chat import _Batch, _Seq
+
+    paused = {"now": False}
+    rows = []
+    for i in range(3):
+        ctx = StepContext(pause_check=lambda: paused["now"])
+        ids = worker.encode([{"role": "user", "content": f"row {i}"}])
+        rows.append(_Seq(ids=ids, prompt_len=len(ids), params=ChatParams(max_tokens=4, temperature=0),
+                         emit=lambda ev: None, req=ChatRequest([], ChatParams(), ctx=ctx),
+                         generator=torch.Generator(), arrival=i))
+    real_prefill = worker._prefill_into
+    prefills = []
+
+    def prefill_then_pause(batch, seq):
+        prefills.append(seq)
+        real_prefill(batch, seq)
+        paused["now"] = True  # the pause is ordered while this row was prefilling
+
+    worker._prefill_into = prefill_then_pause
+    saved, worker._waiting = worker._waiting, list(rows)
+    try:
+        batch = _Batch()
+        worker._admit(batch)
+        assert prefills == rows[:1]
+        assert batch.seqs == rows[:1] and worker._waiting == rows[1:]
+    finally:
+        worker._prefill_into = real_prefill
+        worker._waiting = saved
