@@ -1,7 +1,8 @@
 # Puts vLLM into ONE virtual environment together with the rest of tiergate's stack.
 #
-#   source scripts/install_vllm.sh && install_vllm .venv-vllm/bin/pip [EXTRAS]
-#   bash scripts/install_vllm.sh .venv-vllm/bin/pip [EXTRAS]
+#   source scripts/install_vllm.sh && install_vllm .venv/bin/pip [EXTRAS]
+#   bash scripts/install_vllm.sh .venv/bin/pip [EXTRAS]
+# scripts/bootstrap.sh (so scripts/serve and scripts/test) calls it.
 #
 # PIP is the environment's pip, taken as given, as ONE argument: a path (.venv/bin/pip) or a
 # command split at spaces (".venv/bin/python -m pip"); the environment's python is the one beside

