@@ -9,7 +9,7 @@ At 1, 8 and 32 concurrent streams: output tokens/s, TTFT and TPOT p50/p99. Ratio
 (c)/(d) is tiergate's overhead on top of the engine (target: within 10% at 8 and 32 streams),
 (c)/(a) at 32 streams is what batching buys (target: >= 5x).
 
-    python scripts/bench_chat.py [--model demo-models/tiny-chat] [--tokens 64] [--rounds 2]
+    python scripts/bench_chat.py [--model demo-models/tiny-chat] [--tokens 64] [--rounds 3] [--repeat 3]
 """
 
 from __future__ import annotations
@@ -118,13 +118,13 @@ gate: {{slots: {MAX_SEQS}}}
 
 # -- (d): vllm serve ------------------------------------------------------------------------------
 
-def start_vllm_serve(model: Path, port: int) -> subprocess.Popen:
+def start_vllm_serve(model: Path, port: int, policy: str) -> subprocess.Popen:
     from arbiter.footprint import parse_size
 
     cmd = [sys.executable, "-m", "vllm.entrypoints.openai.api_server", "--model", str(model),
            "--served-model-name", "m", "--port", str(port), "--host", "127.0.0.1",
            "--max-num-seqs", str(MAX_SEQS), "--kv-cache-memory-bytes", str(parse_size(KV_CACHE)),
-           "--disable-log-stats", "--generation-config", "vllm"]
+           "--disable-log-stats", "--generation-config", "vllm", "--scheduling-policy", policy]
     import torch
 
     if not torch.cuda.is_available():
@@ -200,9 +200,12 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--model", type=Path, default=ROOT / "demo-models" / "tiny-chat")
     ap.add_argument("--tokens", type=int, default=64)
-    ap.add_argument("--rounds", type=int, default=2)
+    ap.add_argument("--rounds", type=int, default=3)
+    ap.add_argument("--repeat", type=int, default=3, help="whole comparisons, alternating the order")
     ap.add_argument("--streams", type=int, nargs="+", default=[1, 8, 32])
     ap.add_argument("--only", nargs="+", default=["a", "b", "c", "d"])
+    ap.add_argument("--peer-policy", choices=["priority", "fcfs"], default="priority",
+                    help="vllm serve's scheduling policy (tiergate always runs vLLM with priority)")
     args = ap.parse_args()
     if not args.model.exists():
         from workers.demo import build_demo_models
@@ -212,45 +215,50 @@ def main() -> None:
         "a": ("sequential generate", lambda p, d: start_sequential(args.model, p)),
         "b": ("tiergate transformers", lambda p, d: start_tiergate(args.model, p, "transformers", d)),
         "c": ("tiergate vllm", lambda p, d: start_tiergate(args.model, p, "vllm", d)),
-        "d": ("vllm serve", lambda p, d: start_vllm_serve(args.model, p)),
+        "d": ("vllm serve", lambda p, d: start_vllm_serve(args.model, p, args.peer_policy)),
     }
-    table: dict[tuple[str, int], dict] = {}
+    runs: list[dict[tuple[str, int], dict]] = []
     with tempfile.TemporaryDirectory() as tmp:
-        for key in args.only:
-            name, start = systems[key]
-            port = spare_port()
-            proc = start(port, Path(tmp))
-            base = f"http://127.0.0.1:{port}/v1"
-            try:
-                asyncio.run(wait_ready(base))
-                for n in args.streams:
-                    table[(key, n)] = asyncio.run(measure(base, n, args.tokens, args.rounds))
-                    m = table[(key, n)]
-                    print(f"  {name:<22} streams={n:<3} {m['tok_s']:8.0f} tok/s", flush=True)
-            finally:
-                stop(proc)
+        for rep in range(args.repeat):
+            order = args.only if rep % 2 == 0 else list(reversed(args.only))  # drift hits every system
+            table: dict[tuple[str, int], dict] = {}
+            for key in order:
+                name, start = systems[key]
+                port = spare_port()
+                proc = start(port, Path(tmp))
+                base = f"http://127.0.0.1:{port}/v1"
+                try:
+                    asyncio.run(wait_ready(base))
+                    for n in args.streams:
+                        table[(key, n)] = asyncio.run(measure(base, n, args.tokens, args.rounds))
+                        print(f"  run {rep + 1} {name:<22} streams={n:<3} {table[(key, n)]['tok_s']:8.0f} tok/s", flush=True)
+                finally:
+                    stop(proc)
+            runs.append(table)
 
-    print(f"\nmodel {args.model.name}, {args.tokens} max tokens per stream, {args.rounds} rounds, greedy")
+    print(f"\nmodel {args.model.name}, {args.tokens} max tokens per stream, {args.rounds} rounds per level, greedy; "
+          f"{args.repeat} runs, the last one in full:")
     print(f"{'system':<24}{'streams':>8}{'tok/s':>10}{'TTFT p50':>10}{'TTFT p99':>10}{'TPOT p50':>10}{'TPOT p99':>10}  (ms)")
-    for (key, n), m in sorted(table.items(), key=lambda kv: (kv[0][1], kv[0][0])):
+    for (key, n), m in sorted(runs[-1].items(), key=lambda kv: (kv[0][1], kv[0][0])):
         print(f"{systems[key][0]:<24}{n:>8}{m['tok_s']:>10.0f}{pct(m['ttft'], 50) * 1e3:>10.1f}"
               f"{pct(m['ttft'], 99) * 1e3:>10.1f}{pct(m['tpot'], 50) * 1e3:>10.2f}{pct(m['tpot'], 99) * 1e3:>10.2f}")
-    print()
-    for n in args.streams:
-        if ("c", n) in table and ("d", n) in table:
-            r = table[("c", n)]["tok_s"] / table[("d", n)]["tok_s"]
-            verdict = "PASS" if r >= 0.9 else "FAIL"
-            target = " (target >= 0.90)" if n >= 8 else ""
-            print(f"tiergate-vllm / vllm-serve tok/s at {n:>2} streams: {r:5.2f}{target} {verdict if n >= 8 else ''}")
-    big = max(args.streams)
-    if ("c", big) in table and ("a", big) in table:
-        r = table[("c", big)]["tok_s"] / table[("a", big)]["tok_s"]
-        print(f"tiergate-vllm / sequential generate tok/s at {big} streams: {r:5.1f}x (target >= 5x) "
-              f"{'PASS' if r >= 5 else 'FAIL'}")
-    if ("b", big) in table and ("a", big) in table:
-        r = table[("b", big)]["tok_s"] / table[("a", big)]["tok_s"]
-        print(f"tiergate-transformers / sequential generate tok/s at {big} streams: {r:5.1f}x")
+    print("\nratios of tok/s, each run, then the median:")
 
+    def ratio(x: str, y: str, n: int, target: float | None) -> None:
+        rs = [t[(x, n)]["tok_s"] / t[(y, n)]["tok_s"] for t in runs if (x, n) in t and (y, n) in t]
+        if not rs:
+            return
+        med = statistics.median(rs)
+        verdict = "" if target is None else f"(target >= {target:g}) {'PASS' if med >= target else 'FAIL'}"
+        print(f"  {systems[x][0]} / {systems[y][0]} at {n:>2} streams: "
+              f"{' '.join(f'{r:.2f}' for r in rs)} -> {med:.2f} {verdict}")
+
+    big = max(args.streams)
+    for n in args.streams:
+        ratio("c", "d", n, 0.9 if n >= 8 else None)
+    ratio("c", "a", big, 5.0)
+    ratio("b", "a", big, None)
+    ratio("b", "d", big, None)
 
 if __name__ == "__main__":
     main()
