@@ -64,11 +64,13 @@ def test_batch_pauses_for_paid_and_completes_with_full_output(tmp_path, tiny_cha
         t.start()
         assert started.wait(30)
         paid = openai.OpenAI(base_url=server.base_url, api_key=server.keys["paid"], max_retries=0)
-        t0 = time.monotonic()
-        r = paid.chat.completions.create(model=paid_model, messages=[{"role": "user", "content": "now"}],
-                                         max_tokens=40, temperature=0)
+        first_paid = None
+        for chunk in paid.chat.completions.create(model=paid_model, messages=[{"role": "user", "content": "now"}],
+                                                  max_tokens=150, temperature=0, stream=True):
+            if chunk.choices and chunk.choices[0].delta.content and first_paid is None:
+                first_paid = time.monotonic()  # paid is running: the batch work has been told to pause
         t1 = time.monotonic()
-        assert r.usage.completion_tokens == 40
+        assert first_paid is not None
         if paid_model == "y":
             assert server.services.arbiter.counters.evictions.get(("x", "make_room")) == 1
         t.join(120)
@@ -77,7 +79,7 @@ def test_batch_pauses_for_paid_and_completes_with_full_output(tmp_path, tiny_cha
         assert text == expected  # nothing lost, nothing repeated
         assert server.services.arbiter.counters.batch_pauses > pauses_before
         # while the paid request ran, the batch stream was (almost) silent: at most the step in flight
-        during = [ts for ts, _ in got if t0 + 0.05 < ts < t1]
+        during = [ts for ts, _ in got if first_paid + 0.05 < ts < t1]
         assert len(during) <= 2, len(during)
         assert places(server)["x"] == "resident"
     finally:
