@@ -93,6 +93,18 @@ def test_image_concurrent_calls_do_not_share_scheduler_state(image_worker):
     assert together == alone
 
 
+def test_image_concurrent_calls_do_not_share_tokenizer_state(image_worker):
+    """Two prompts, eight threads, five rounds: every image equals its prompt's image made alone.
+    With one shared fast tokenizer about one round in three gave one image another call's
+    encoding (a different picture for the same seed)."""
+    reqs = [_img(prompt=p, width=32, height=32, seed=1, num_inference_steps=4) for p in ("a cat", "a dog")]
+    alone = [image_worker.generate(r, StepContext()) for r in reqs]
+    for _ in range(5):
+        with ThreadPoolExecutor(8) as pool:
+            together = list(pool.map(lambda i: image_worker.generate(reqs[i % 2], StepContext()), range(8)))
+        assert together == [alone[i % 2] for i in range(8)]
+
+
 def test_image_modules_and_unload(tmp_path):
     worker = image.ImageWorker(ModelSpec("x", "image", image.build_demo(tmp_path / "m")))
     assert worker.modules() == []

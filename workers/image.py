@@ -13,6 +13,7 @@ weights are switched (merge, or restore for the base model) before it starts.
 
 from __future__ import annotations
 
+import copy
 import io
 import itertools
 import threading
@@ -108,6 +109,7 @@ class ImageWorker:
     def __init__(self, spec: ModelSpec) -> None:
         self.spec = spec
         self.pipe: DiffusionPipeline | None = None
+        self._local = threading.local()  # per-thread tokenizer copies (see _own_tokenizers)
         self.adapter_stack: AdapterStack | None = None  # merges adapter stacks into the denoiser
         self.stack_gate = StackGate()
         self.stack_merges = 0  # stack switches that merged adapters (AdapterStack.apply calls)
@@ -180,13 +182,25 @@ class ImageWorker:
             raise
         self.stack_merges += 1
 
+    def _own_tokenizers(self) -> dict:
+        """This thread's copies of the pipeline's tokenizers. A fast (Rust) tokenizer is not safe
+        to share between threads: each call sets its padding and truncation on it, and concurrent
+        calls were seen to encode a prompt with another call's settings (a different image for
+        the same seed). Copied once per thread, kept for the worker's life."""
+        local = self._local.__dict__
+        if local.get("pipe") is not self.pipe:
+            local["pipe"] = self.pipe
+            local["tokenizers"] = {k: copy.deepcopy(v) for k, v in self.pipe.components.items()
+                                   if k.startswith("tokenizer") and v is not None}
+        return local["tokenizers"]
+
     def _call_pipeline(self) -> DiffusionPipeline:
         """A pipeline object for one call: the shared modules and a fresh scheduler."""
         pipe = self.pipe
         _, optional = pipe._get_signature_keys(pipe)
         options = {k: pipe.config[k] for k in optional if k in pipe.config}
         scheduler = type(pipe.scheduler).from_config(pipe.scheduler.config)
-        fresh = type(pipe)(**{**pipe.components, "scheduler": scheduler}, **options)
+        fresh = type(pipe)(**{**pipe.components, "scheduler": scheduler, **self._own_tokenizers()}, **options)
         fresh.set_progress_bar_config(disable=True)
         return fresh
 
