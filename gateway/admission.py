@@ -134,6 +134,15 @@ class Gate:
         """True while any non-batch tier has work admitted or queued."""
         return any((self.inflight[t.name] or self._queues[t.name]) for t in self._order if not t.is_batch)
 
+    def refuse_if_full(self, tier: str) -> None:
+        """Refuse (``Rejected``, queue_full) a request that could neither start nor queue now,
+        before anything is spent on it (reading and parsing its body): under a flood this is
+        most requests, and the work saved is the other tiers' latency."""
+        policy = self.tiers[tier]
+        if not self._can_start(policy) and len(self._queues[tier]) >= policy.max_queued:
+            self._reject_tier(policy, "queue_full", self.predict_wait(policy),
+                              f"the {tier} tier's queue is full ({policy.max_queued} waiting)")
+
     async def acquire(self, tier: str, model: str, units: float = 1.0) -> Ticket:
         policy = self.tiers[tier]
         ticket = Ticket(policy, model, units, self.costs.predict(model, units))
@@ -250,6 +259,9 @@ class Gate:
             self.on_change()
 
     def _reject(self, ticket: Ticket, reason: str, retry_after: float, message: str) -> None:
-        self.rejected[(ticket.tier.name, reason)] += 1
+        self._reject_tier(ticket.tier, reason, retry_after, message)
+
+    def _reject_tier(self, policy: TierPolicy, reason: str, retry_after: float, message: str) -> None:
+        self.rejected[(policy.name, reason)] += 1
         seconds = min(max(math.ceil(retry_after), 1), MAX_RETRY_AFTER_S)
-        raise Rejected(ticket.tier.name, reason, seconds, message)
+        raise Rejected(policy.name, reason, seconds, message)

@@ -54,7 +54,7 @@ def default_speech_format() -> str:
 
 async def speech(request: Request) -> Response:
     svc: Services = request.app.state.services
-    caller = svc.authenticate(request)
+    caller = svc.admit_caller(request)
     return await speak(svc, caller, await read_json(request, svc.config.limits.max_body), request)
 
 
@@ -163,7 +163,7 @@ class TranscriptionForm(_Body):
 
 async def transcriptions(request: Request) -> Response:
     svc: Services = request.app.state.services
-    caller = svc.authenticate(request)
+    caller = svc.admit_caller(request)
     arrived = time.monotonic()
     limits = svc.config.limits
     async with _multipart(request, limits.transcription_max_bytes) as form:

@@ -24,7 +24,7 @@ DEFAULT_MAX_TOKENS = 256
 
 async def chat_completions(request: Request) -> Response:
     svc: Services = request.app.state.services
-    caller = svc.authenticate(request)
+    caller = svc.admit_caller(request)
     data = await read_json(request, svc.config.limits.max_body)
     return await complete(svc, caller, data, request)
 

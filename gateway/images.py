@@ -161,7 +161,7 @@ def _size(size: str | None, max_side: int, native: tuple[int, int] | None) -> tu
 
 async def generations(request: Request) -> Response:
     svc: Services = request.app.state.services
-    caller = svc.authenticate(request)
+    caller = svc.admit_caller(request)
     data = await read_json(request, svc.config.limits.max_body)
     return await generate(svc, caller, data, request)
 

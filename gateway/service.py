@@ -71,6 +71,16 @@ class Services:
             raise APIError(401, "incorrect API key provided", "invalid_api_key")
         return caller
 
+    def admit_caller(self, request: Request) -> Caller:
+        """Authenticate a model request and refuse it at once (429) if its tier can neither start
+        nor queue: before its body is read or parsed."""
+        caller = self.authenticate(request)
+        try:
+            self.gate.refuse_if_full(caller.tier)
+        except Rejected as exc:
+            raise _too_many(self.gate, caller.tier, exc) from None
+        return caller
+
     def require_admin(self, request: Request) -> Caller:
         caller = self.authenticate(request)
         if not caller.admin:
@@ -90,8 +100,7 @@ class Services:
         try:
             ticket = await self.gate.acquire(tier, model, units)
         except Rejected as exc:
-            headers = {**_retry_headers(exc.retry_after), **self.gate.rate_headers(tier, exc.retry_after)}
-            raise APIError(429, str(exc), exc.reason, headers=headers, type="rate_limit_error") from None
+            raise _too_many(self.gate, tier, exc) from None
         self.metrics.queue_wait.labels(tier).observe(ticket.queued_s)
         rank = self.tier_rank[tier]
         try:
@@ -107,6 +116,11 @@ class Services:
             self.gate.release(ticket)
             raise
         return Held(ticket, lease, self.gate)
+
+
+def _too_many(gate: Gate, tier: str, exc: Rejected) -> APIError:
+    headers = {**_retry_headers(exc.retry_after), **gate.rate_headers(tier, exc.retry_after)}
+    return APIError(429, str(exc), exc.reason, headers=headers, type="rate_limit_error")
 
 
 def _retry_headers(seconds: float) -> dict[str, str]:

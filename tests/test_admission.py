@@ -215,3 +215,22 @@ def test_rate_headers_count_the_tier():
         gate.release(t)
 
     asyncio.run(main())
+
+
+def test_refuse_if_full_answers_before_any_work():
+    async def main():
+        gate = Gate(tiers(max_queued=1), slots=1)
+        gate.refuse_if_full("free")  # a slot is free: nothing to refuse
+        held = await gate.acquire("free", "m")
+        gate.refuse_if_full("free")  # no slot, but room in the queue
+        waiting = asyncio.create_task(gate.acquire("free", "m"))
+        await settle()
+        with pytest.raises(Rejected) as exc:
+            gate.refuse_if_full("free")  # no slot and the queue is full
+        assert exc.value.reason == "queue_full" and 1 <= exc.value.retry_after <= 120
+        assert gate.rejected[("free", "queue_full")] == 1
+        gate.refuse_if_full("paid")  # other tiers are not affected
+        waiting.cancel()
+        gate.release(held)
+
+    asyncio.run(main())
