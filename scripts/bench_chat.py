@@ -34,6 +34,28 @@ KV_CACHE = "512MiB"
 MAX_SEQS = 32
 
 
+def build_medium(folder: Path) -> Path:
+    """tiny-chat's tokenizer on a wider, deeper random Llama (hidden 512, 8 layers, head_dim 64)."""
+    if (folder / "config.json").exists():
+        return folder
+    import torch
+    from transformers import AutoTokenizer, LlamaConfig, LlamaForCausalLM
+
+    from workers.demo import build_demo_models
+
+    tiny = build_demo_models(folder.parent, names=["tiny-chat"])["tiny-chat"]
+    tok = AutoTokenizer.from_pretrained(tiny)
+    torch.manual_seed(0)
+    config = LlamaConfig(vocab_size=len(tok), hidden_size=512, intermediate_size=1376, num_hidden_layers=8,
+                         num_attention_heads=8, num_key_value_heads=4, head_dim=64, max_position_embeddings=512,
+                         bos_token_id=tok.bos_token_id, eos_token_id=tok.eos_token_id, pad_token_id=tok.pad_token_id)
+    model = LlamaForCausalLM(config)
+    model.generation_config.eos_token_id = tok.eos_token_id
+    tok.save_pretrained(folder)
+    model.save_pretrained(folder)
+    return folder
+
+
 def spare_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
@@ -204,9 +226,14 @@ def main() -> None:
     ap.add_argument("--repeat", type=int, default=3, help="whole comparisons, alternating the order")
     ap.add_argument("--streams", type=int, nargs="+", default=[1, 8, 32])
     ap.add_argument("--only", nargs="+", default=["a", "b", "c", "d"])
+    ap.add_argument("--medium", action="store_true",
+                    help="use (and build if missing) a 25M-parameter random Llama instead of tiny-chat, so the "
+                         "forward pass, not per-token overhead, dominates")
     ap.add_argument("--peer-policy", choices=["priority", "fcfs"], default="priority",
                     help="vllm serve's scheduling policy (tiergate always runs vLLM with priority)")
     args = ap.parse_args()
+    if args.medium:
+        args.model = build_medium(ROOT / "demo-models" / "bench-chat-medium")
     if not args.model.exists():
         from workers.demo import build_demo_models
 
