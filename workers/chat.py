@@ -117,7 +117,6 @@ class ChatWorker:
         self.adapter_stack: AdapterStack | None = None  # merges adapter stacks into self.model
         self.stack_key: StackKey = ()  # the stack merged into the weights now; () = the base model
         self.stack_merges = 0  # stack switches that merged adapters (AdapterStack.apply calls)
-        self.stack_restores = 0  # stack switches back to the base model
 
     # -- residency -------------------------------------------------------------------------
     def load(self, device: torch.device) -> None:
@@ -263,7 +262,6 @@ class ChatWorker:
                 self.stack_merges += 1
             else:
                 self.adapter_stack.restore()
-                self.stack_restores += 1
             self.stack_key = seq.key
             return True
         except Exception as exc:  # noqa: BLE001 - a bad stack fails its rows, not the engine

@@ -144,8 +144,6 @@ class VllmChatEngine:
         self._lora_cond: asyncio.Condition | None = None
         self._stack_loras: dict[StackKey, LoraRef] = {}  # adapter stack -> the LoRA that serves it
         self._stack_dir: Path | None = None
-        self.start_seconds: float | None = None
-        self.shutdown_seconds: float | None = None
 
     # -- lifecycle ---------------------------------------------------------------------------
     @property
@@ -195,7 +193,6 @@ class VllmChatEngine:
         from transformers import AutoTokenizer
         from vllm.v1.engine.async_llm import AsyncLLM
 
-        t0 = time.perf_counter()
         self._check_head_size()
         self._lora_cond = asyncio.Condition()
         self.tokenizer = await asyncio.to_thread(AutoTokenizer.from_pretrained, str(self.spec.path))
@@ -204,7 +201,6 @@ class VllmChatEngine:
         # off the event loop.
         self._llm = await asyncio.to_thread(AsyncLLM.from_engine_args, args)
         self.max_model_len = self._llm.model_config.max_model_len
-        self.start_seconds = time.perf_counter() - t0
 
     def _check_head_size(self) -> None:
         """vLLM's CPU attention supports a fixed set of head sizes (32, 64, 80, ...), and 0.32
@@ -232,12 +228,10 @@ class VllmChatEngine:
         llm, self._llm = self._llm, None
         if llm is None:
             return
-        t0 = time.perf_counter()
         if self._inflight:
             await llm.abort(list(self._inflight))
         await asyncio.to_thread(llm.shutdown)
         self._resident.clear()
-        self.shutdown_seconds = time.perf_counter() - t0
 
     # -- residency (the arbiter's view) --------------------------------------------------------
     @property
