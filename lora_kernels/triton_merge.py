@@ -19,7 +19,7 @@ import triton
 import triton.language as tl
 from torch import Tensor
 
-from .ops import LOW_PRECISION, LoraFactor, Mode, check_factors, factor_dtype
+from .factors import LOW_PRECISION, LoraFactor, Mode, check_factors, factor_dtype
 
 INTERPRET = os.environ.get("TRITON_INTERPRET") == "1"
 
