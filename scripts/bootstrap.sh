@@ -1,3 +1,4 @@
+# shellcheck shell=bash
 # Sourced by scripts/serve and scripts/test: makes sure the virtual environment exists and holds
 # tiergate with what it needs. Safe to run again: it only installs what is missing or changed.
 #   $1: the pip extras to install ("" for serving, "test" for the suite)

