@@ -15,7 +15,7 @@ from typing import Annotated, Any, Literal
 import yaml
 from pydantic import BaseModel, BeforeValidator, ConfigDict, Field, ValidationError, field_validator
 
-from arbiter.footprint import parse_size
+from arbiter.units import parse_size
 from workers.base import ModelSpec
 
 

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
@@ -84,3 +86,12 @@ def test_shipped_tiers_yaml_is_valid():
     assert [t.keys_env for t in c.tiers] == [
         "TIERGATE_KEYS_PAID", "TIERGATE_KEYS_SUBSCRIBER", "TIERGATE_KEYS_FREE", "TIERGATE_KEYS_BATCH"]
     assert "tiny-chat" in [m.name for m in c.models]
+
+
+def test_reading_a_config_imports_no_torch(tmp_path):
+    """Sizes live in the torch-free arbiter.units: loading tiers.yaml pulls in no model library."""
+    path = write(tmp_path, BASE)
+    code = ("import sys; from gateway.config import load_config; "
+            f"load_config({str(path)!r}); print(sorted(m for m in ('torch', 'transformers', 'diffusers') if m in sys.modules))")
+    out = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True, check=True)
+    assert out.stdout.strip() == "[]"

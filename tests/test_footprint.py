@@ -16,13 +16,12 @@ from arbiter.footprint import (
     device_budget,
     estimate_footprint,
     footprint_from_measurement,
-    format_size,
     measure_modules,
-    parse_size,
     read_safetensors_header,
     runtime_margin,
     safetensors_bytes,
 )
+from arbiter.units import format_size, parse_size
 
 GiB = 1024**3
 
