@@ -12,6 +12,10 @@ per-model linear fit ``seconds = a + b * units`` over a sliding window of measur
 (units: requested tokens for chat, pixels x steps for images, and so on), updated as requests
 finish. Batch-tier requests are admitted only while no other tier is waiting or running.
 
+The SLO guard (``gateway/slo_guard.py``, a pure function) shrinks lower tiers' effective
+``max_inflight`` while a higher tier's recent latency drifts toward its target, and lets it grow
+back when that tier recovers; the endpoints report latencies with :meth:`Gate.observe_latency`.
+
 The gate is plain asyncio and single-threaded: all state changes happen on the event loop.
 """
 
@@ -23,6 +27,8 @@ import time
 from collections import OrderedDict, deque
 from dataclasses import dataclass, field
 from typing import Callable
+
+from gateway.slo_guard import GuardSettings, TierWindow, next_limits
 
 MAX_RETRY_AFTER_S = 120
 
@@ -50,34 +56,74 @@ class Rejected(Exception):
 class CostModel:
     """Per-model service time as a linear function of request size, fitted by least squares over
     the last ``window`` measurements. Until a model has two distinct sizes measured it predicts
-    the mean of what it has seen (or ``prior_s`` before anything)."""
+    the mean of what it has seen (or ``prior_s`` before anything). Each observation updates the
+    fit in O(1) from running sums (:class:`_Window`)."""
 
     def __init__(self, window: int = 64, prior_s: float = 1.0) -> None:
         self.window = window
         self.prior_s = prior_s
-        self._obs: dict[str, deque[tuple[float, float]]] = {}
+        self._obs: dict[str, _Window] = {}
         self._fit: dict[str, tuple[float, float]] = {}
 
     def observe(self, model: str, units: float, seconds: float) -> None:
-        obs = self._obs.setdefault(model, deque(maxlen=self.window))
-        obs.append((float(units), float(seconds)))
-        self._fit[model] = _least_squares(obs)
+        obs = self._obs.get(model)
+        if obs is None:
+            obs = self._obs[model] = _Window(self.window)
+        obs.add(float(units), float(seconds))
+        self._fit[model] = obs.fit()
 
     def predict(self, model: str, units: float) -> float:
         a, b = self._fit.get(model, (self.prior_s, 0.0))
         return max(a + b * units, 0.0)
 
 
-def _least_squares(obs: deque[tuple[float, float]]) -> tuple[float, float]:
-    n = len(obs)
-    mx = sum(u for u, _ in obs) / n
-    my = sum(s for _, s in obs) / n
-    var = sum((u - mx) ** 2 for u, _ in obs)
-    if var == 0:
-        return my, 0.0
-    b = sum((u - mx) * (s - my) for u, s in obs) / var
-    b = max(b, 0.0)  # bigger requests never predicted faster
-    return my - b * mx, b
+class _Window:
+    """The last ``size`` (units, seconds) pairs and the sums a least-squares line needs, kept up
+    to date as pairs enter and leave. Sums are taken about the first pair's values (a shift
+    that leaves the slope unchanged and keeps the sums small), and recomputed from the pairs
+    every ``size`` additions so that floating-point drift from subtracting cannot build up."""
+
+    def __init__(self, size: int) -> None:
+        self.pairs: deque[tuple[float, float]] = deque()
+        self.size = size
+        self._since_exact = 0
+        self._u0 = self._s0 = 0.0
+        self._su = self._ss = self._suu = self._sus = 0.0
+
+    def add(self, units: float, seconds: float) -> None:
+        if not self.pairs:
+            self._u0, self._s0 = units, seconds
+        self.pairs.append((units, seconds))
+        self._shift(units, seconds, 1.0)
+        if len(self.pairs) > self.size:
+            self._shift(*self.pairs.popleft(), -1.0)
+        self._since_exact += 1
+        if self._since_exact >= self.size:
+            self._exact()
+
+    def fit(self) -> tuple[float, float]:
+        n = len(self.pairs)
+        mu, ms = self._su / n, self._ss / n
+        var = self._suu - n * mu * mu
+        cov = self._sus - n * mu * ms
+        if var <= 1e-12 * max(self._suu, 1e-300):
+            return ms + self._s0, 0.0
+        b = max(cov / var, 0.0)  # bigger requests never predicted faster
+        return ms + self._s0 - b * (mu + self._u0), b
+
+    def _shift(self, units: float, seconds: float, sign: float) -> None:
+        u, s = units - self._u0, seconds - self._s0
+        self._su += sign * u
+        self._ss += sign * s
+        self._suu += sign * u * u
+        self._sus += sign * u * s
+
+    def _exact(self) -> None:
+        self._since_exact = 0
+        self._u0, self._s0 = self.pairs[0]
+        self._su = self._ss = self._suu = self._sus = 0.0
+        for u, s in self.pairs:
+            self._shift(u, s, 1.0)
 
 
 @dataclass(eq=False)
@@ -107,6 +153,7 @@ class Gate:
         slots: int,
         costs: CostModel | None = None,
         clock: Callable[[], float] = time.monotonic,
+        guard: GuardSettings | None = None,
     ) -> None:
         self.tiers = {t.name: t for t in tiers}
         self._order = sorted(tiers, key=lambda t: t.rank)
@@ -121,6 +168,10 @@ class Gate:
         self.admitted = {t.name: 0 for t in tiers}
         self.on_change: Callable[[], None] | None = None  # told when demand changes (the arbiter)
         self.rejected = {(t.name, r): 0 for t in tiers for r in ("queue_full", "latency_target")}
+        self.guard = guard or GuardSettings(enabled=False)
+        self.limits = {t.name: t.max_inflight for t in tiers}  # effective max_inflight (the SLO guard's)
+        self._latencies: dict[str, deque[tuple[float, float]]] = {t.name: deque() for t in tiers}
+        self._guarded_at = -math.inf
 
     # -- public ------------------------------------------------------------------------------
     def queued(self, tier: str) -> int:
@@ -185,8 +236,36 @@ class Gate:
             self._running_started -= ticket.started
         if measured_s is not None:
             self.costs.observe(ticket.model, ticket.units, measured_s)
+        if self.guard.enabled:
+            self._retune()
         self._dispatch()
         self._changed()
+
+    def observe_latency(self, tier: str, seconds: float) -> None:
+        """A finished (or first-token) latency of ``tier``, for the SLO guard's window."""
+        if self.guard.enabled:
+            self._latencies[tier].append((self.clock(), seconds))
+            self._retune()
+
+    def _retune(self) -> None:
+        """At most once per ``interval_s``: drop latencies older than the window and let the
+        guard set every tier's effective ``max_inflight``; grown limits hand out slots at once."""
+        now = self.clock()
+        if now - self._guarded_at < self.guard.interval_s:
+            return
+        self._guarded_at = now
+        horizon = now - self.guard.window_s
+        windows = []
+        for t in self._order:
+            recent = self._latencies[t.name]
+            while recent and recent[0][0] < horizon:
+                recent.popleft()
+            windows.append(TierWindow(t.name, t.rank, t.latency_target_s, t.max_inflight, t.is_batch,
+                                      [seconds for _, seconds in recent]))
+        before = self.limits
+        self.limits = next_limits(windows, before, self.guard)
+        if any(self.limits[n] > before[n] for n in before):
+            self._dispatch()
 
     def predict_wait(self, policy: TierPolicy) -> float:
         """Seconds until a request of ``policy``'s tier arriving now would start: the remaining
@@ -213,7 +292,7 @@ class Gate:
     def _can_start(self, policy: TierPolicy) -> bool:
         """Batch work yields at its next step when others arrive, so its slots do not count
         against the other tiers; batch itself starts only while the others are idle."""
-        if self.inflight[policy.name] >= policy.max_inflight:
+        if self.inflight[policy.name] >= self.limits[policy.name]:
             return False
         if policy.is_batch:
             return not self.others_busy() and self.total_inflight < self.slots

@@ -13,9 +13,10 @@ from pathlib import Path
 from typing import Annotated, Any, Literal
 
 import yaml
-from pydantic import BaseModel, BeforeValidator, ConfigDict, Field, ValidationError, field_validator
+from pydantic import BaseModel, BeforeValidator, ConfigDict, Field, ValidationError, field_validator, model_validator
 
 from arbiter.units import parse_size
+from gateway.slo_guard import GuardSettings
 from workers.base import ModelSpec
 
 
@@ -87,8 +88,31 @@ class GpuConfig(_Strict):
     protect_window_s: float = Field(default=60.0, ge=0)
 
 
+class SloGuardConfig(_Strict):
+    """gate.slo_guard: lower tiers' effective max_inflight shrinks while a higher tier's recent
+    latency nears its target (see gateway/slo_guard.py). On by default."""
+
+    enabled: bool = True
+    trigger: float = Field(default=0.8, gt=0)  # fraction of a higher tier's latency target
+    recover: float = Field(default=0.5, gt=0)
+    quantile: float = Field(default=0.9, gt=0, le=1)
+    window_s: float = Field(default=10.0, gt=0)
+    interval_s: float = Field(default=1.0, ge=0)
+    min_samples: int = Field(default=3, ge=1)
+
+    @model_validator(mode="after")
+    def _recover_below_trigger(self) -> "SloGuardConfig":
+        if self.recover > self.trigger:
+            raise ValueError(f"recover ({self.recover:g}) must not be above trigger ({self.trigger:g})")
+        return self
+
+    def settings(self) -> GuardSettings:
+        return GuardSettings(**self.model_dump())
+
+
 class GateConfig(_Strict):
     slots: int = Field(default=8, ge=1)  # requests in flight at once, all tiers together
+    slo_guard: SloGuardConfig = SloGuardConfig()
 
 
 class LimitsConfig(_Strict):

@@ -24,13 +24,16 @@ class _StateCollector(Collector):
         rejected = CounterMetricFamily("tiergate_rejected", "Requests refused by the gate", labels=["tier", "reason"])
         queued = GaugeMetricFamily("tiergate_queued", "Requests waiting at the gate", labels=["tier"])
         inflight = GaugeMetricFamily("tiergate_in_flight", "Requests holding a slot", labels=["tier"])
+        limit = GaugeMetricFamily("tiergate_effective_max_inflight",
+                                  "Slots a tier may hold now: max_inflight as the SLO guard has set it", labels=["tier"])
         for tier in g.tiers:
+            limit.add_metric([tier], g.limits[tier])
             admitted.add_metric([tier], g.admitted[tier])
             queued.add_metric([tier], g.queued(tier))
             inflight.add_metric([tier], g.inflight[tier])
         for (tier, reason), n in g.rejected.items():
             rejected.add_metric([tier, reason], n)
-        yield from (admitted, rejected, queued, inflight)
+        yield from (admitted, rejected, queued, inflight, limit)
 
         a = self.arbiter
         c = a.counters

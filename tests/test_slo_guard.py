@@ -1,0 +1,164 @@
+"""The SLO guard as a pure function over a table of windows, its place in the gate, and the
+gate's cost model fitted from running sums (equal to a plain least-squares fit)."""
+
+from __future__ import annotations
+
+import asyncio
+import random
+
+import pytest
+
+from gateway.admission import CostModel, Gate, TierPolicy
+from gateway.slo_guard import GuardSettings, TierWindow, next_limits, quantile, tier_state
+
+S = GuardSettings(trigger=0.8, recover=0.5, quantile=0.9, min_samples=3)
+TARGET = 1.0
+
+
+def table(paid=(), sub=(), free=(), batch=(), caps=(8, 8, 8, 8)) -> list[TierWindow]:
+    names = ["paid", "subscriber", "free", "batch"]
+    samples = [paid, sub, free, batch]
+    return [TierWindow(n, i, TARGET, caps[i], n == "batch", tuple(samples[i])) for i, n in enumerate(names)]
+
+
+HOT, MID, COOL = (0.9, 0.95, 1.2), (0.6, 0.7, 0.65), (0.1, 0.2, 0.3)
+
+
+@pytest.mark.parametrize(
+    "case, windows, limits, expected",
+    [
+        ("all idle: everyone at the cap", table(), {}, {"paid": 8, "subscriber": 8, "free": 8, "batch": 8}),
+        ("paid hot: every tier below halves, batch untouched", table(paid=HOT), {},
+         {"paid": 8, "subscriber": 4, "free": 4, "batch": 8}),
+        ("paid hot again: halves again", table(paid=HOT), {"subscriber": 4, "free": 4},
+         {"paid": 8, "subscriber": 2, "free": 2, "batch": 8}),
+        ("floor of one", table(paid=HOT), {"subscriber": 1, "free": 1},
+         {"paid": 8, "subscriber": 1, "free": 1, "batch": 8}),
+        ("paid between recover and trigger: hold", table(paid=MID), {"subscriber": 3, "free": 2},
+         {"paid": 8, "subscriber": 3, "free": 2, "batch": 8}),
+        ("paid calm: grow back by one", table(paid=COOL), {"subscriber": 3, "free": 2},
+         {"paid": 8, "subscriber": 4, "free": 3, "batch": 8}),
+        ("growth stops at the configured cap", table(paid=COOL), {"subscriber": 8, "free": 8},
+         {"paid": 8, "subscriber": 8, "free": 8, "batch": 8}),
+        ("subscriber hot: only free shrinks", table(paid=COOL, sub=HOT), {"subscriber": 5, "free": 8},
+         {"paid": 8, "subscriber": 6, "free": 4, "batch": 8}),
+        ("paid holding, subscriber calm: free holds too", table(paid=MID, sub=COOL), {"subscriber": 5, "free": 5},
+         {"paid": 8, "subscriber": 5, "free": 5, "batch": 8}),
+        ("too few samples are not judged", table(paid=(5.0, 5.0)), {"subscriber": 2, "free": 2},
+         {"paid": 8, "subscriber": 3, "free": 3, "batch": 8}),
+        ("the lowest tier's own latency changes nobody", table(free=HOT), {"free": 4},
+         {"paid": 8, "subscriber": 8, "free": 5, "batch": 8}),
+        ("a limit above a lowered cap comes down to the cap", table(caps=(8, 2, 2, 8)), {"subscriber": 6},
+         {"paid": 8, "subscriber": 2, "free": 2, "batch": 8}),
+    ],
+)
+def test_next_limits(case, windows, limits, expected):
+    assert next_limits(windows, limits, S) == expected, case
+
+
+def test_quantile_is_nearest_rank():
+    assert quantile([3.0, 1.0, 2.0], 0.5) == 2.0
+    assert quantile([1.0] * 9 + [10.0], 0.9) == 1.0
+    assert quantile([1.0] * 9 + [10.0], 0.95) == 10.0
+    assert quantile([4.0], 0.9) == 4.0
+
+
+def test_one_slow_outlier_in_ten_does_not_trigger():
+    window = table(paid=(0.1,) * 9 + (5.0,))[0]
+    assert tier_state(window, S) == "calm"
+
+
+def test_disabled_guard_leaves_every_cap():
+    off = GuardSettings(enabled=False)
+    assert next_limits(table(paid=HOT), {"free": 1}, off) == {"paid": 8, "subscriber": 8, "free": 8, "batch": 8}
+
+
+class Clock:
+    def __init__(self) -> None:
+        self.t = 100.0
+
+    def __call__(self) -> float:
+        return self.t
+
+
+def gate_with_guard(clock: Clock) -> Gate:
+    tiers = [TierPolicy("paid", 0, 8, 64, TARGET), TierPolicy("free", 1, 4, 64, TARGET),
+             TierPolicy("batch", 2, 4, 64, TARGET, is_batch=True)]
+    return Gate(tiers, slots=16, clock=clock, guard=GuardSettings(window_s=5.0, interval_s=1.0, min_samples=3))
+
+
+async def settle() -> None:
+    for _ in range(5):
+        await asyncio.sleep(0)
+
+
+def test_gate_shrinks_free_while_paid_is_slow_and_hands_out_slots_when_it_recovers():
+    async def run() -> None:
+        clock = Clock()
+        gate = gate_with_guard(clock)
+        for _ in range(3):
+            gate.observe_latency("paid", 0.95)  # above 0.8 x target
+        assert gate.limits["free"] == 4  # decided on the first sample (too few to judge), then once per interval
+        clock.t += 1.0
+        gate.observe_latency("paid", 0.95)
+        assert gate.limits["free"] == 2
+        clock.t += 1.0
+        gate.observe_latency("paid", 0.95)
+        assert gate.limits["free"] == 1
+        held = await gate.acquire("free", "m")
+        waiter = asyncio.ensure_future(gate.acquire("free", "m"))
+        await settle()
+        assert not waiter.done()  # the second free request waits: free's effective limit is 1
+        clock.t += 10.0  # paid's slow samples leave the window; free's latency arrives
+        gate.observe_latency("free", 0.2)
+        await settle()
+        assert gate.limits["free"] == 2
+        assert waiter.done()  # the grown limit handed the slot over at once
+        gate.release(held)
+        gate.release(waiter.result())
+
+    asyncio.run(run())
+
+
+def test_gate_without_guard_keeps_configured_limits():
+    clock = Clock()
+    gate = Gate([TierPolicy("paid", 0, 8, 64, TARGET), TierPolicy("free", 1, 4, 64, TARGET)], slots=16, clock=clock)
+    for _ in range(10):
+        gate.observe_latency("paid", 50.0)
+        clock.t += 1.0
+    assert gate.limits == {"paid": 8, "free": 4}
+
+
+def plain_fit(pairs: list[tuple[float, float]]) -> tuple[float, float]:
+    n = len(pairs)
+    mx = sum(u for u, _ in pairs) / n
+    my = sum(s for _, s in pairs) / n
+    var = sum((u - mx) ** 2 for u, _ in pairs)
+    if var == 0:
+        return my, 0.0
+    b = max(sum((u - mx) * (s - my) for u, s in pairs) / var, 0.0)
+    return my - b * mx, b
+
+
+@pytest.mark.parametrize("window", [1, 2, 8, 64])
+def test_running_sums_equal_a_plain_fit_over_the_window(window):
+    rng = random.Random(window)
+    costs = CostModel(window=window)
+    seen: list[tuple[float, float]] = []
+    for i in range(500):
+        units = rng.choice([rng.uniform(1, 1e6), 512.0, rng.uniform(1e8, 1e9)])
+        seconds = 0.01 + 1e-6 * units * rng.uniform(0.5, 1.5)
+        costs.observe("m", units, seconds)
+        seen.append((units, seconds))
+        a, b = plain_fit(seen[-window:])
+        for probe in (1.0, 1000.0, 5e5):
+            expect = max(a + b * probe, 0.0)
+            assert costs.predict("m", probe) == pytest.approx(expect, rel=1e-6, abs=1e-9), (i, probe)
+
+
+def test_equal_sizes_predict_the_mean():
+    costs = CostModel(window=4)
+    for s in (1.0, 2.0, 3.0, 4.0, 5.0):
+        costs.observe("m", 100.0, s)
+    assert costs.predict("m", 100.0) == pytest.approx(3.5)
+    assert costs.predict("m", 1e9) == pytest.approx(3.5)
