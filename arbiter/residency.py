@@ -49,7 +49,7 @@ def make_worker(spec: ModelSpec) -> Any:
     if spec.kind == "chat":
         from workers.chat import ChatWorker
 
-        return ChatWorker(spec, max_batch=spec.options.get("max_num_seqs", 8))
+        return ChatWorker(spec, max_num_seqs=spec.options.get("max_num_seqs", 8))
     if spec.kind == "image":
         from workers.image import ImageWorker
 

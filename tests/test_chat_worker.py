@@ -15,7 +15,7 @@ from workers.chat import ChatWorker
 
 @pytest.fixture(scope="module")
 def worker(tiny_chat):
-    w = ChatWorker(ModelSpec("tiny-chat", "chat", tiny_chat), max_batch=8)
+    w = ChatWorker(ModelSpec("tiny-chat", "chat", tiny_chat), max_num_seqs=8)
     w.load(torch.device("cpu"))
     yield w
     w.unload()

@@ -403,3 +403,64 @@ def test_lora_per_request_in_mixed_batches_matches_peft(loop, engine, model_dir,
             assert text == refs[(p, a)], (p, a)
         assert len(engine.resident_loras()) <= 2
     assert engine.num_unfinished() == 0 and engine.inflight == 0
+
+
+# -- one prompt encoding for both engines ----------------------------------------------------------
+CONVERSATIONS = {
+    "system+user": [{"role": "system", "content": "You are terse."}, {"role": "user", "content": "Hello world!"}],
+    "multi-turn": [
+        {"role": "user", "content": "hi"},
+        {"role": "assistant", "content": "Hello! How are you?"},
+        {"role": "user", "content": "One, two, three, four"},
+    ],
+    "unicode": [{"role": "user", "content": "héllo wörld — 你好 🙂, tabs\tand\nnewlines"}],
+}
+
+
+def vllm_chat_ids(engine, messages) -> list[int]:
+    """What vLLM's own chat path (``vllm serve``'s) makes of ``messages``: the running engine's
+    renderer renders the template and tokenizes it with its chat tokenization settings."""
+    from vllm.renderers.params import ChatParams as RenderParams
+
+    renderer = engine._llm.renderer
+    params = RenderParams(chat_template_kwargs={"add_generation_prompt": True})  # a chat request's default
+    _, prompt = renderer.render_messages(messages, params)
+    return list(renderer.tokenize_prompt(prompt, renderer.default_chat_tok_params)["prompt_token_ids"])
+
+
+def test_same_prompt_same_token_ids_and_reply_on_both_engines(loop, engine, model_dir, adapters):
+    """System+user, multi-turn and unicode conversations, with and without an adapter: the
+    transformers engine, this engine and vLLM's own chat rendering give identical prompt ids, and
+    the two engines count the same prompt and give the same greedy reply."""
+    from lora_kernels import load_peft_adapter
+    from workers.chat import ChatWorker
+
+    worker = ChatWorker(ModelSpec("tiny-chat", "chat", model_dir))
+    worker.load(torch.device("cpu"))
+    name, _, path = adapters["a1"]
+    stack = ((load_peft_adapter(path, name), 1.0),)
+    try:
+        for label, messages in CONVERSATIONS.items():
+            ids = worker.encode(messages)
+            assert engine.encode(messages) == ids, label
+            assert vllm_chat_ids(engine, messages) == ids, label
+            for adapter in (None, "a1"):
+                params = ChatParams(max_tokens=8, temperature=0)
+                on_vllm = ChatRequest(messages, params)
+                on_hf = ChatRequest(messages, params, adapters=stack if adapter else ())
+                text, _, fin = loop.run_until_complete(collect(engine, on_vllm, adapters.get(adapter), ignore_eos=False))
+                hf_text, hf_fin = loop.run_until_complete(_collect_worker(worker, on_hf))
+                assert fin.prompt_tokens == hf_fin.prompt_tokens == len(ids), (label, adapter)
+                assert (text, fin.completion_tokens) == (hf_text, hf_fin.completion_tokens), (label, adapter)
+    finally:
+        worker.unload()
+
+
+async def _collect_worker(worker, r) -> tuple[str, ChatFinished]:
+    text, fin = "", None
+    async for ev in worker.chat(r):
+        if isinstance(ev, TextDelta):
+            text += ev.text
+        else:
+            fin = ev
+    return text, fin

@@ -36,6 +36,7 @@ from typing import AsyncIterator, Callable
 import torch
 
 from lora_kernels import AdapterStack
+from workers import chat_prompt
 from workers.base import (
     AdapterStackSpec,
     Cancelled,
@@ -48,10 +49,8 @@ from workers.base import (
     TextDelta,
     stack_key,
 )
-
-
-class ContextTooLong(ValueError):
-    """The prompt plus max_tokens does not fit the model's context window."""
+from workers.worker import ModelInfo, ThreadWorker
+from workers.chat_prompt import ContextTooLong  # noqa: F401 - the chat engines' 400, importable here
 
 
 class AdapterStackFailed(RuntimeError):
@@ -97,14 +96,14 @@ class _Batch:
     mask: torch.Tensor | None = None  # [B, T] 1 = real token, 0 = left padding
 
 
-class ChatWorker:
+class ChatWorker(ThreadWorker):
     """A transformers chat model with a continuous-batching engine thread."""
 
     kind = "chat"
 
-    def __init__(self, spec: ModelSpec, max_batch: int = 8) -> None:
+    def __init__(self, spec: ModelSpec, max_num_seqs: int = 8) -> None:
         self.spec = spec
-        self.max_batch = max_batch
+        self.max_num_seqs = max_num_seqs  # rows decoded together in one step (vLLM's name)
         self.model: torch.nn.Module | None = None
         self.tokenizer = None
         self.device = torch.device("cpu")
@@ -148,21 +147,17 @@ class ChatWorker:
     def context_length(self) -> int:
         return int(getattr(self.model.config, "max_position_embeddings", 2048))
 
+    @classmethod
+    def describe(cls, spec: ModelSpec) -> ModelInfo:
+        return ModelInfo(context_length=folder_context_length(spec.path))
+
     # -- requests ----------------------------------------------------------------------------
     def encode(self, messages: list[dict]) -> list[int]:
-        out = self.tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=True)
-        if hasattr(out, "keys"):  # BatchEncoding in newer transformers
-            out = out["input_ids"]
-        return list(out)
+        return chat_prompt.encode(self.tokenizer, messages)
 
     async def chat(self, req: ChatRequest) -> AsyncIterator[ChatEvent]:
         """Stream the reply to ``req``. Closing the iterator cancels the work."""
-        ids = self.encode(req.messages)
-        if len(ids) + req.params.max_tokens > self.context_length:
-            raise ContextTooLong(
-                f"prompt ({len(ids)} tokens) plus max_tokens ({req.params.max_tokens}) exceeds "
-                f"the model's context of {self.context_length} tokens"
-            )
+        ids = chat_prompt.encode_within(self.tokenizer, req.messages, req.params.max_tokens, self.context_length)
         loop = asyncio.get_running_loop()
         events: asyncio.Queue[ChatEvent | BaseException] = asyncio.Queue()
         gen = torch.Generator()
@@ -241,7 +236,7 @@ class ChatWorker:
         first_other = min(others, default=None)
         admitted = []
         for seq in ready:
-            if len(batch.seqs) >= self.max_batch:
+            if len(batch.seqs) >= self.max_num_seqs:
                 break
             # a pause ordered while earlier rows prefill (a paid arrival while batch rows resume) holds the rest
             if seq.key != self.stack_key or seq.req.ctx.must_pause() or (running and first_other is not None and seq.rank > first_other):
@@ -346,6 +341,13 @@ class ChatWorker:
 
 
 # -- helpers: sampling, stop strings, cache surgery ----------------------------------------------
+
+
+def folder_context_length(path: Path) -> int:
+    """The context window a model folder's ``config.json`` declares (as ``context_length``)."""
+    config = json.loads((Path(path) / "config.json").read_text())
+    config = config.get("text_config", config)
+    return int(config.get("max_position_embeddings", 2048))
 
 
 def _sample(logits: torch.Tensor, params: ChatParams, generator: torch.Generator) -> int:

@@ -56,7 +56,8 @@ from workers.base import (
     TextDelta,
     stack_key,
 )
-from workers.chat import ContextTooLong  # one error type for both chat engines (HTTP 400)
+from workers import chat_prompt
+from workers.chat_prompt import ContextTooLong
 
 # The gateway never talks to a model hub: every model is a local folder. Set before vLLM (and
 # huggingface_hub) read it; the spawned engine core inherits it.
@@ -86,7 +87,7 @@ class _Resident:
     last_used: float = 0.0
 
 
-class VllmChatEngine:
+class VllmChatEngine(Worker):
     """A chat model served by one ``vllm.v1.engine.async_llm.AsyncLLM``.
 
     ``await start()`` (tens of seconds: spawns the engine core and loads the weights),
@@ -95,6 +96,8 @@ class VllmChatEngine:
     """
 
     kind = "chat"
+    engine = "vllm"
+    reserves_memory = True  # its weights and KV cache live in the engine core's process
 
     def __init__(
         self,
@@ -234,6 +237,34 @@ class VllmChatEngine:
         self._resident.clear()
 
     # -- residency (the arbiter's view) --------------------------------------------------------
+    @classmethod
+    def describe(cls, spec: ModelSpec) -> ModelInfo:
+        declared = spec.options.get("max_model_len")
+        return ModelInfo(context_length=declared or folder_context_length(spec.path))
+
+    async def place(self, device) -> None:
+        """Start the engine (its device is vLLM's choice); a start that fails shuts down what it began."""
+        try:
+            await self.start()
+        except BaseException:
+            await self.shutdown()
+            raise
+
+    async def to_host(self, pin: bool) -> bool:
+        """Sleep (level 1: weights to host RAM, KV cache freed); where it cannot sleep (CPU), shut
+        down instead. The object stays: requests paused on it resume once it is placed again."""
+        if self.can_sleep:
+            await self.sleep()
+            return True
+        await self.shutdown()
+        return False
+
+    async def to_device(self, device) -> None:
+        await self.wake_up()
+
+    async def release(self) -> None:
+        await self.shutdown()
+
     @property
     def can_sleep(self) -> bool:
         """Sleep mode (weights to host RAM, the warm place) exists on CUDA only."""
@@ -262,10 +293,7 @@ class VllmChatEngine:
 
     # -- requests ----------------------------------------------------------------------------
     def encode(self, messages: list[dict]) -> list[int]:
-        """Prompt token ids: the model's chat template with the generation prompt. The template
-        writes the special tokens itself (bos), so the text is encoded without adding any."""
-        text = self.tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=False)
-        return list(self.tokenizer(text, add_special_tokens=False)["input_ids"])
+        return chat_prompt.encode(self.tokenizer, messages)
 
     async def chat(
         self,
@@ -290,12 +318,7 @@ class VllmChatEngine:
         from vllm.sampling_params import RequestOutputKind, SamplingParams
 
         p = req.params
-        prompt_ids = self.encode(req.messages)
-        if len(prompt_ids) + p.max_tokens > self.max_model_len:
-            raise ContextTooLong(
-                f"prompt ({len(prompt_ids)} tokens) plus max_tokens ({p.max_tokens}) exceeds "
-                f"the engine's max_model_len of {self.max_model_len}"
-            )
+        prompt_ids = chat_prompt.encode_within(self.tokenizer, req.messages, p.max_tokens, self.max_model_len)
         ctx = req.ctx
         if ctx.cancelled:
             raise Cancelled()

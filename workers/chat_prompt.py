@@ -1,0 +1,39 @@
+"""A chat request's prompt as token ids: the one encoding both chat engines use.
+
+The model's chat template is rendered to text with the generation prompt, and that text is
+encoded WITHOUT adding special tokens: the template writes them itself (bos), so a tokenizer whose
+post-processor also adds bos would otherwise start the prompt with two. This is what vLLM's own
+chat path does (``renderer.render_messages`` then ``default_chat_tok_params``, which has
+``add_special_tokens=False``), so a prompt gives the same ids on the transformers engine, through
+``VllmChatEngine`` and under ``vllm serve``.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+
+class ContextTooLong(ValueError):
+    """The prompt plus max_tokens does not fit the model's context window (HTTP 400)."""
+
+
+def encode(tokenizer: Any, messages: list[dict]) -> list[int]:
+    """Prompt token ids: ``messages`` through the tokenizer's chat template, generation prompt on."""
+    text = tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=False)
+    return list(tokenizer(text, add_special_tokens=False)["input_ids"])
+
+
+def check_context(prompt_len: int, max_tokens: int, context_length: int) -> None:
+    """Refuse a prompt that leaves no room for ``max_tokens`` in the context window."""
+    if prompt_len + max_tokens > context_length:
+        raise ContextTooLong(
+            f"prompt ({prompt_len} tokens) plus max_tokens ({max_tokens}) exceeds "
+            f"the model's context of {context_length} tokens"
+        )
+
+
+def encode_within(tokenizer: Any, messages: list[dict], max_tokens: int, context_length: int) -> list[int]:
+    """:func:`encode`, refused with :class:`ContextTooLong` when the reply cannot fit."""
+    ids = encode(tokenizer, messages)
+    check_context(len(ids), max_tokens, context_length)
+    return ids
