@@ -52,9 +52,11 @@ Host cache (``host_cache_plan``, folded into every ``Evict``)
     that copy the host cache may briefly exceed its budget by that one model.
 
 Batch yields (``batch_must_yield``)
-    Batch work runs only while no other tier has work running or queued; otherwise all running
-    batch work must pause. The function returns the set that must be paused now; the owner
-    pauses those and resumes the rest (an empty set means resume all).
+    Batch work runs only while no other tier has work running or queued, here or at the
+    admission gate (``others_busy``: the gate has non-batch work admitted or queued that may not
+    have reached the arbiter yet); otherwise all running batch work must pause. The function
+    returns the set that must be paused now; the owner pauses those and resumes the rest (an
+    empty set means resume all).
 
 Out of memory (``pick_oom_victim``)
     On ``torch.OutOfMemoryError`` during a load or a step the owner evicts the least valuable
@@ -377,11 +379,12 @@ def pick_oom_victim(
     return _evict(view, [min(candidates, key=value_key)])
 
 
-def batch_must_yield(view: ArbiterView, batch_rank: int) -> frozenset[str]:
-    """The models whose batch work must be paused now (empty: let all batch work run)."""
+def batch_must_yield(view: ArbiterView, batch_rank: int, others_busy: bool) -> frozenset[str]:
+    """The models whose batch work must be paused now (empty: let all batch work run).
+    ``others_busy``: the admission gate holds non-batch work, admitted or queued."""
     others_running = any(m.running_nonbatch > 0 for m in view.models.values())
     others_queued = any(n > 0 for tier, n in view.queued_by_tier.items() if tier < batch_rank)
-    if not (others_running or others_queued):
+    if not (others_busy or others_running or others_queued):
         return frozenset()
     return frozenset(m.name for m in view.models.values() if m.running_batch > 0)
 

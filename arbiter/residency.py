@@ -3,9 +3,10 @@
 All state lives on the event loop and changes only in plain (non-async) methods, so there are no
 locks: a request for a model (``acquire``) registers a waiter and calls ``_schedule``, which asks
 ``arbiter.policy`` what to do for each waiter (best tier first) and starts the effects. Loads,
-evictions and warm reloads run in a worker thread, one at a time per device; their completion
-comes back to the loop and schedules again. Batch work is paused and resumed through a
-per-model ``threading.Event`` that the work checks at its step boundaries.
+evictions and warm reloads are the workers' own calls (``workers.worker.Worker``: ``place``,
+``to_host``, ``to_device``, ``release``), awaited one at a time per device; their completion comes
+back to the loop and schedules again. Batch work is paused and resumed through a per-model
+``threading.Event`` that the work checks at its step boundaries.
 """
 
 from __future__ import annotations
@@ -14,7 +15,7 @@ import asyncio
 import threading
 import time
 from dataclasses import dataclass, field, replace
-from typing import Any, Callable
+from typing import Callable
 
 import torch
 
@@ -22,6 +23,8 @@ from arbiter import footprint as fp
 from arbiter import policy
 from arbiter.policy import ArbiterView, Evict, Fit, Impossible, ModelState, Refuse
 from workers.base import ModelSpec, StepContext
+from workers.registry import make_worker
+from workers.worker import Worker
 
 
 class Refused(Exception):
@@ -40,31 +43,6 @@ class Unavailable(Exception):
         self.retry_after = retry_after
 
 
-def make_worker(spec: ModelSpec) -> Any:
-    """The worker object for a model spec (imported lazily: each kind pulls its own library)."""
-    if spec.kind == "chat" and spec.engine == "vllm":
-        from workers.chat_vllm import VllmChatEngine
-
-        return VllmChatEngine(spec, **spec.options)
-    if spec.kind == "chat":
-        from workers.chat import ChatWorker
-
-        return ChatWorker(spec, max_num_seqs=spec.options.get("max_num_seqs", 8))
-    if spec.kind == "image":
-        from workers.image import ImageWorker
-
-        return ImageWorker(spec)
-    if spec.kind == "tts":
-        from workers.tts import TTSWorker
-
-        return TTSWorker(spec)
-    if spec.kind == "stt":
-        from workers.stt import STTWorker
-
-        return STTWorker(spec)
-    raise ValueError(f"unknown model kind {spec.kind!r}")
-
-
 @dataclass(eq=False)
 class Lease:
     """A request's use of a resident model. ``context()`` makes the step context for its work:
@@ -73,7 +51,7 @@ class Lease:
     model: str
     tier: int
     is_batch: bool
-    worker: Any
+    worker: Worker
     _arbiter: "Arbiter" = field(repr=False)
     released: bool = False
 
@@ -114,7 +92,7 @@ class Arbiter:
         protect_window_s: float,
         batch_rank: int,
         clock: Callable[[], float] = time.monotonic,
-        worker_factory: Callable[[ModelSpec], Any] = make_worker,
+        worker_factory: Callable[[ModelSpec], Worker] = make_worker,
     ) -> None:
         self.specs = {s.name: s for s in specs}
         self.device = device
@@ -126,7 +104,7 @@ class Arbiter:
         self._factory = worker_factory
         self.states = {s.name: ModelState(s.name, s.kind, _estimate(s)) for s in specs}
         self._declared = {s.name for s in specs if s.vram is not None}
-        self.workers: dict[str, Any] = {}
+        self.workers: dict[str, Worker] = {}  # loaded (resident or warm), or cold holding paused work
         self._waiters: list[_Waiter] = []
         self._loading: str | None = None
         self._cooldowns: dict[str, policy.LoadCooldown] = {}
@@ -209,10 +187,7 @@ class Arbiter:
 
     async def stop(self) -> None:
         for worker in self.workers.values():
-            if _is_engine(worker):
-                await worker.shutdown()
-            else:
-                await asyncio.to_thread(worker.unload)
+            await worker.release()
         self.workers.clear()
 
     # -- the owner ---------------------------------------------------------------------------------
@@ -280,9 +255,7 @@ class Arbiter:
         w.future.set_exception(exc)
 
     def _apply_batch_yield(self) -> None:
-        must_pause = policy.batch_must_yield(self._view(), self.batch_rank) if not self._others_busy else {
-            n for n, s in self.states.items() if s.running_batch > 0
-        }
+        must_pause = policy.batch_must_yield(self._view(), self.batch_rank, self._others_busy)
         for name, event in self._may_run.items():
             run = name not in must_pause and self.states[name].place == "resident"
             if run and not event.is_set():
@@ -315,10 +288,7 @@ class Arbiter:
         try:
             if evict is not None:
                 await self._evict(evict, "make_room")
-            if self.specs[model].engine == "vllm":
-                worker, seconds, measured = await self._start_engine(model, prior_place)
-            else:
-                worker, seconds, measured = await asyncio.to_thread(self._bring_in, model, prior_place)
+            worker, seconds, footprint = await self._bring_in(model, prior_place)
         except torch.OutOfMemoryError as exc:
             self._after_oom(model, prior_place, tier, exc)
             return
@@ -331,10 +301,6 @@ class Arbiter:
         state = self.states[model]
         if model in self._declared:
             footprint = state.footprint
-        elif self.specs[model].engine == "vllm":
-            footprint = measured  # an engine's reservation, margin included
-        else:
-            footprint = fp.footprint_from_measurement(measured, state.kind)
         self.states[model] = replace(state, place="resident", footprint=footprint)
         self._cooldowns.pop(model, None)
         self._oom_retried.discard(model)
@@ -344,8 +310,7 @@ class Arbiter:
         self._schedule()
 
     def _after_failure(self, model: str, reason: str) -> None:
-        self.workers.pop(model, None)
-        self.states[model] = replace(self.states[model], place="cold")
+        self._went_cold(model)
         self._cooldowns[model] = policy.after_load_failure(self._cooldowns.get(model), self.clock())
         retry = self._cooldowns[model].retry_after(self.clock())
         for w in [w for w in self._waiters if w.model == model]:
@@ -382,78 +347,73 @@ class Arbiter:
         return True
 
     # -- effects ------------------------------------------------------------------------------------
-    def _bring_in(self, model: str, prior_place: str) -> tuple[Any, float, int]:
-        """(thread) Load from disk (cold) or copy back from host RAM (warm).
-        Returns the worker, the seconds it took and the bytes it occupies."""
+    async def _bring_in(self, model: str, prior_place: str) -> tuple[Worker, float, int]:
+        """Place the model from disk (cold) or bring its host copy back (warm). Returns the
+        worker, the seconds it took and the bytes it occupies: measured (plus the kind's margin)
+        for a worker whose weights live in this process, its reservation for one whose memory
+        lives in other processes. A failed attempt frees what it took, except a host copy."""
         start = time.perf_counter()
         before = fp.cuda_allocated(self.device) if self.device.type == "cuda" else 0
-        worker = self.workers.get(model) if prior_place == "warm" else None
-        if worker is not None:
-            _move(worker, self.device)
-        else:
+        worker = self.workers.get(model)  # warm, or cold holding paused work
+        if worker is None:
             worker = self._factory(self.specs[model])
-            worker.load(self.device)
+        try:
+            if prior_place == "warm":
+                await worker.to_device(self.device)
+            else:
+                await worker.place(self.device)
+            footprint = _estimate(self.specs[model]) if worker.reserves_memory else await asyncio.to_thread(
+                self._measure, worker, before)
+        except BaseException:
+            if prior_place != "warm":
+                await worker.release()
+            raise
+        return worker, time.perf_counter() - start, footprint
+
+    def _measure(self, worker: Worker, before: int) -> int:
+        """(thread) The bytes a just-placed in-process worker occupies, with its kind's margin."""
         if self.device.type == "cuda":
             torch.cuda.synchronize(self.device)
             measured = fp.cuda_allocated(self.device) - before
         else:
             measured = fp.measure_modules(worker.modules())
-        return worker, time.perf_counter() - start, measured
-
-    async def _start_engine(self, model: str, prior_place: str) -> tuple[Any, float, int]:
-        """An engine that owns its processes (vLLM) starts, or wakes from sleep, on the loop. Its
-        footprint is what it reserves: weights plus the configured KV cache, not a measurement
-        (its memory lives in another process)."""
-        start = time.perf_counter()
-        worker = self.workers.get(model) or self._factory(self.specs[model])
-        try:
-            if prior_place == "warm" and worker.started:
-                await worker.wake_up()
-            else:
-                await worker.start()
-        except BaseException:
-            if worker.started:
-                await worker.shutdown()
-            raise
-        return worker, time.perf_counter() - start, _estimate(self.specs[model])
+        return fp.footprint_from_measurement(measured, worker.spec.kind)
 
     async def _evict(self, evict: Evict, reason: str) -> None:
         """Carry out an eviction: the victims are marked busy (``loading``) while their weights
-        move (in a thread; engines on the loop), then recorded in their new place. An engine that
-        cannot sleep (vLLM on CPU) is shut down and goes cold, but its object stays, so work
-        paused on it resumes when it starts again."""
+        move, then recorded in their new place: ``warm`` when the worker kept a host copy, else
+        ``cold``. A worker that goes cold while batch work is paused on it keeps its object, so
+        that work resumes on it once the model is placed again."""
         for name in evict.victims:
             self.states[name] = replace(self.states[name], place="loading")
-        workers = {n: self.workers.get(n) for n in (*evict.victims, *evict.drop_warm)}
-        engines = {n: w for n, w in workers.items() if _is_engine(w)}
-        warm_engines = set()
-        for name, engine in engines.items():
-            if name in evict.to_warm and engine.can_sleep:
-                await engine.sleep()
-                warm_engines.add(name)
-            else:
-                await engine.shutdown()
-        plain = {n: w for n, w in workers.items() if n not in engines}
-        await asyncio.to_thread(_evict_effects, evict, plain, self.device.type == "cuda")
         for name in evict.drop_warm:
-            if name not in engines:
-                self.workers.pop(name, None)
-            self.states[name] = replace(self.states[name], place="cold")
+            if name in self.workers:
+                await self.workers[name].release()
+            self._went_cold(name)
+        pin = self.device.type == "cuda"
         for name in evict.victims:
-            if name in engines:
-                warm = name in warm_engines
+            worker = self.workers.get(name)
+            warm = False
+            if worker is not None:
+                if name in evict.to_warm:
+                    warm = await worker.to_host(pin)
+                else:
+                    await worker.release()
+            if warm:
+                self.states[name] = replace(self.states[name], place="warm")
             else:
-                warm = name in evict.to_warm and workers[name] is not None
-                if not warm:
-                    self.workers.pop(name, None)
-            self.states[name] = replace(self.states[name], place="warm" if warm else "cold")
+                self._went_cold(name)
             key = (name, reason)
             self.counters.evictions[key] = self.counters.evictions.get(key, 0) + 1
+        if torch.cuda.is_available():
+            await asyncio.to_thread(torch.cuda.empty_cache)
 
-
-def _is_engine(worker: Any) -> bool:
-    """An engine owns its own processes and memory and is started and stopped on the loop."""
-    return asyncio.iscoroutinefunction(getattr(worker, "start", None))
+    def _went_cold(self, name: str) -> None:
+        """Record ``name`` as cold (its weights are freed); keep its worker only while paused
+        batch work holds it."""
+        if self.states[name].running_batch == 0:
+            self.workers.pop(name, None)
+        self.states[name] = replace(self.states[name], place="cold")
 
 
 def _estimate(spec: ModelSpec) -> int:
@@ -461,34 +421,6 @@ def _estimate(spec: ModelSpec) -> int:
     if spec.vram is not None:
         return spec.vram
     return fp.estimate_footprint(spec.path, spec.kind) + int(spec.options.get("kv_cache_bytes") or 0)
-
-
-def _evict_effects(evict: Evict, workers: dict[str, Any], pin: bool) -> None:
-    """(thread) Move victims to host RAM or free them; free the warm copies being dropped."""
-    for name in evict.drop_warm:
-        if workers.get(name) is not None:
-            workers[name].unload()
-    for name in evict.victims:
-        worker = workers.get(name)
-        if worker is None:
-            continue
-        if name in evict.to_warm:
-            _move(worker, torch.device("cpu"), pin=pin)
-        else:
-            worker.unload()
-    if torch.cuda.is_available():
-        torch.cuda.empty_cache()
-
-
-def _move(worker: Any, device: torch.device, pin: bool = False) -> None:
-    """Move a worker's modules to ``device``; pinned host memory makes the way back a fast copy."""
-    for module in worker.modules():
-        module.to(device)
-        if pin:
-            for t in (*module.parameters(), *module.buffers()):
-                t.data = t.data.pin_memory()
-    if hasattr(worker, "device"):
-        worker.device = device
 
 
 def _set_event() -> threading.Event:

@@ -359,19 +359,24 @@ def test_oom_victim_respects_protection():
 
 
 @pytest.mark.parametrize(
-    "models, queued, paused",
+    "models, queued, others_busy, paused",
     [
-        ([m("a", running_batch=1)], {}, set()),  # only batch: it runs
-        ([m("a", running_batch=1)], {BATCH: 5}, set()),  # more batch queued: still runs
-        ([m("a", running_batch=1), m("b", running_nonbatch=1)], {}, {"a"}),  # other work runs
-        ([m("a", running_batch=1, running_nonbatch=1)], {}, {"a"}),  # even on the same model
-        ([m("a", running_batch=1), m("b", running_batch=2)], {FREE: 1}, {"a", "b"}),  # queued
-        ([m("a", running_batch=1)], {PAID: 0}, set()),  # an empty queue entry is no work
-        ([m("a"), m("b", running_nonbatch=1)], {SUB: 3}, set()),  # nothing to pause
+        ([m("a", running_batch=1)], {}, False, set()),  # only batch: it runs
+        ([m("a", running_batch=1)], {BATCH: 5}, False, set()),  # more batch queued: still runs
+        ([m("a", running_batch=1), m("b", running_nonbatch=1)], {}, False, {"a"}),  # other work runs
+        ([m("a", running_batch=1, running_nonbatch=1)], {}, False, {"a"}),  # even on the same model
+        ([m("a", running_batch=1), m("b", running_batch=2)], {FREE: 1}, False, {"a", "b"}),  # queued
+        ([m("a", running_batch=1)], {PAID: 0}, False, set()),  # an empty queue entry is no work
+        ([m("a"), m("b", running_nonbatch=1)], {SUB: 3}, False, set()),  # nothing to pause
+        # the gate holds other tiers' work the arbiter has not seen yet (admitted or queued there)
+        ([m("a", running_batch=1)], {}, True, {"a"}),
+        ([m("a", running_batch=1), m("b", running_batch=1, place="warm")], {BATCH: 2}, True, {"a", "b"}),
+        ([m("a"), m("b")], {}, True, set()),  # busy, but no batch work to pause
+        ([m("a", running_batch=1), m("b", running_nonbatch=1)], {}, True, {"a"}),  # both say pause
     ],
 )
-def test_batch_must_yield(models, queued, paused):
-    assert batch_must_yield(view(*models, queued=queued), BATCH) == paused
+def test_batch_must_yield(models, queued, others_busy, paused):
+    assert batch_must_yield(view(*models, queued=queued), BATCH, others_busy) == paused
 
 
 # --- failed loads --------------------------------------------------------------------------

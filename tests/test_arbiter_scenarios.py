@@ -9,7 +9,8 @@ import asyncio
 import pytest
 import torch
 
-from arbiter.residency import Arbiter, Refused, Unavailable, make_worker
+from arbiter.residency import Arbiter, Refused, Unavailable
+from workers.registry import make_worker
 from workers.base import ModelSpec
 
 GiB = 2**30

@@ -57,6 +57,7 @@ from workers.base import (
     stack_key,
 )
 from workers import chat_prompt
+from workers.worker import ModelInfo, Worker
 from workers.chat_prompt import ContextTooLong
 
 # The gateway never talks to a model hub: every model is a local folder. Set before vLLM (and
@@ -239,6 +240,8 @@ class VllmChatEngine(Worker):
     # -- residency (the arbiter's view) --------------------------------------------------------
     @classmethod
     def describe(cls, spec: ModelSpec) -> ModelInfo:
+        from workers.chat import folder_context_length
+
         declared = spec.options.get("max_model_len")
         return ModelInfo(context_length=declared or folder_context_length(spec.path))
 

@@ -16,6 +16,7 @@ from __future__ import annotations
 import copy
 import io
 import itertools
+import json
 import threading
 from contextlib import contextmanager
 from dataclasses import dataclass
@@ -27,6 +28,7 @@ from diffusers import DiffusionPipeline
 
 from lora_kernels import AdapterStack
 from workers.base import AdapterStackSpec, Cancelled, ModelSpec, StackKey, StepContext, stack_key
+from workers.worker import ModelInfo, ThreadWorker
 
 
 @dataclass
@@ -103,8 +105,10 @@ class StackGate:
         return ticket in self._turn or all(k == key for t, k in self._waiting.items() if t < ticket)
 
 
-class ImageWorker:
+class ImageWorker(ThreadWorker):
     """Runs one diffusers text-to-image pipeline."""
+
+    kind = "image"
 
     def __init__(self, spec: ModelSpec) -> None:
         self.spec = spec
@@ -113,6 +117,10 @@ class ImageWorker:
         self.adapter_stack: AdapterStack | None = None  # merges adapter stacks into the denoiser
         self.stack_gate = StackGate()
         self.stack_merges = 0  # stack switches that merged adapters (AdapterStack.apply calls)
+
+    @classmethod
+    def describe(cls, spec: ModelSpec) -> ModelInfo:
+        return ModelInfo(native_size=native_size(Path(spec.path)))
 
     def load(self, device: torch.device) -> None:
         """Load the pipeline from ``spec.path`` onto ``device`` (fp16 on CUDA, fp32 elsewhere)."""
@@ -203,6 +211,26 @@ class ImageWorker:
         fresh = type(pipe)(**{**pipe.components, "scheduler": scheduler, **self._own_tokenizers()}, **options)
         fresh.set_progress_bar_config(disable=True)
         return fresh
+
+
+def native_size(path: Path) -> tuple[int, int] | None:
+    """The pipeline's default image size (width, height), read from its folder as diffusers
+    computes it: denoiser ``sample_size`` times the VAE's down-sampling factor. None when the
+    folder does not say."""
+    try:
+        vae = json.loads((path / "vae" / "config.json").read_text())
+        scale = 2 ** (len(vae["block_out_channels"]) - 1)
+        for denoiser in ("unet", "transformer"):
+            cfg = path / denoiser / "config.json"
+            if cfg.exists():
+                sample = json.loads(cfg.read_text()).get("sample_size")
+                if isinstance(sample, int):
+                    return sample * scale, sample * scale
+                if isinstance(sample, list) and len(sample) == 2:
+                    return sample[1] * scale, sample[0] * scale
+    except (OSError, ValueError, KeyError, TypeError):
+        return None
+    return None
 
 
 def _png(image) -> bytes:

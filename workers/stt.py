@@ -18,6 +18,7 @@ from transformers import AutoModelForSpeechSeq2Seq, AutoProcessor
 from transformers.models.whisper.tokenization_whisper import TO_LANGUAGE_CODE
 
 from workers.base import ModelSpec, StepContext
+from workers.worker import ModelInfo, ThreadWorker
 
 _SEARCH_S = 5.0  # how far back from a window's end to look for a quiet cut
 _FRAME_S = 0.02
@@ -69,13 +70,19 @@ def split_windows(audio: np.ndarray, sample_rate: int, window_s: float) -> list[
     return bounds
 
 
-class STTWorker:
+class STTWorker(ThreadWorker):
     """Runs one speech seq2seq model (Whisper-style) with its processor."""
+
+    kind = "stt"
 
     def __init__(self, spec: ModelSpec) -> None:
         self.spec = spec
         self.model: torch.nn.Module | None = None
         self.processor = None
+
+    @classmethod
+    def describe(cls, spec: ModelSpec) -> ModelInfo:
+        return ModelInfo()
 
     @property
     def sample_rate(self) -> int:

@@ -26,6 +26,7 @@ from transformers import AutoConfig, AutoTokenizer
 
 from workers.audio import time_stretch
 from workers.base import ModelSpec, StepContext
+from workers.worker import ModelInfo, ThreadWorker
 
 OPENAI_VOICES = ("alloy", "ash", "ballad", "coral", "echo", "fable", "onyx", "nova", "sage", "shimmer", "verse")
 MIN_SPEED, MAX_SPEED = 0.25, 4.0
@@ -55,8 +56,10 @@ def split_sentences(text: str, max_chars: int = MAX_SENTENCE_CHARS) -> list[str]
     return [p for p in out if any(c.isalnum() for c in p)]
 
 
-class TTSWorker:
+class TTSWorker(ThreadWorker):
     """Runs one VITS or SpeechT5 text-to-speech model."""
+
+    kind = "tts"
 
     def __init__(self, spec: ModelSpec) -> None:
         """Read the folder's metadata (family, voices, sample rate); weights wait for ``load``."""
@@ -83,6 +86,10 @@ class TTSWorker:
         self.vocoder: torch.nn.Module | None = None
         self.tokenizer = None
         self.speakers: torch.Tensor | None = None  # SpeechT5 only: one x-vector per voice, in voice order
+
+    @classmethod
+    def describe(cls, spec: ModelSpec) -> ModelInfo:
+        return ModelInfo(voices=tuple(cls(spec).voices))
 
     @property
     def voice_map(self) -> dict[str, str]:
