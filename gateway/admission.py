@@ -69,8 +69,7 @@ class CostModel:
         obs = self._obs.get(model)
         if obs is None:
             obs = self._obs[model] = _Window(self.window)
-        obs.add(float(units), float(seconds))
-        self._fit[model] = obs.fit()
+        self._fit[model] = obs.add(float(units), float(seconds))
 
     def predict(self, model: str, units: float) -> float:
         a, b = self._fit.get(model, (self.prior_s, 0.0))
@@ -90,16 +89,27 @@ class _Window:
         self._u0 = self._s0 = 0.0
         self._su = self._ss = self._suu = self._sus = 0.0
 
-    def add(self, units: float, seconds: float) -> None:
-        if not self.pairs:
+    def add(self, units: float, seconds: float) -> tuple[float, float]:
+        """Take one pair in (and the oldest out, past ``size``); returns the new fit."""
+        pairs = self.pairs
+        if not pairs:
             self._u0, self._s0 = units, seconds
-        self.pairs.append((units, seconds))
-        self._shift(units, seconds, 1.0)
-        if len(self.pairs) > self.size:
-            self._shift(*self.pairs.popleft(), -1.0)
+        pairs.append((units, seconds))
+        u, s = units - self._u0, seconds - self._s0
+        if len(pairs) > self.size:  # the oldest pair leaves as this one enters
+            old_u, old_s = pairs.popleft()
+            old_u -= self._u0
+            old_s -= self._s0
+            self._su += u - old_u
+            self._ss += s - old_s
+            self._suu += u * u - old_u * old_u
+            self._sus += u * s - old_u * old_s
+        else:
+            self._shift(u, s, 1.0)
         self._since_exact += 1
         if self._since_exact >= self.size:
             self._exact()
+        return self.fit()
 
     def fit(self) -> tuple[float, float]:
         n = len(self.pairs)
@@ -111,8 +121,8 @@ class _Window:
         b = max(cov / var, 0.0)  # bigger requests never predicted faster
         return ms + self._s0 - b * (mu + self._u0), b
 
-    def _shift(self, units: float, seconds: float, sign: float) -> None:
-        u, s = units - self._u0, seconds - self._s0
+    def _shift(self, u: float, s: float, sign: float) -> None:
+        """Add (sign 1) or take away (-1) one pair, already shifted by (u0, s0)."""
         self._su += sign * u
         self._ss += sign * s
         self._suu += sign * u * u
@@ -123,10 +133,10 @@ class _Window:
         self._u0, self._s0 = self.pairs[0]
         self._su = self._ss = self._suu = self._sus = 0.0
         for u, s in self.pairs:
-            self._shift(u, s, 1.0)
+            self._shift(u - self._u0, s - self._s0, 1.0)
 
 
-@dataclass(eq=False)
+@dataclass(eq=False, slots=True)
 class Ticket:
     """An admitted request's hold on one slot."""
 
@@ -139,7 +149,7 @@ class Ticket:
     released: bool = False
 
 
-@dataclass(eq=False)
+@dataclass(eq=False, slots=True)
 class _Waiter:
     ticket: Ticket
     future: asyncio.Future = field(repr=False)
@@ -162,11 +172,18 @@ class Gate:
         self.clock = clock
         self._queues: dict[str, OrderedDict[_Waiter, None]] = {t.name: OrderedDict() for t in tiers}
         self._queued_cost = {t.name: 0.0 for t in tiers}
+        self._at_or_above = {t.name: [u.name for u in self._order if u.rank <= t.rank] for t in tiers}
         self.inflight = {t.name: 0 for t in tiers}
-        self._running_cost = 0.0  # sum of predicted costs of admitted tickets
+        self.total_inflight = 0
+        self._nonbatch_running = 0  # admitted non-batch tickets
+        self._nonbatch_queued = 0  # waiting non-batch requests
+        self._waiting = 0  # waiting requests, all tiers
+        self._running_cost = 0.0  # sum of predicted costs of admitted non-batch tickets
         self._running_started = 0.0  # sum of their start times
         self.admitted = {t.name: 0 for t in tiers}
-        self.on_change: Callable[[], None] | None = None  # told when demand changes (the arbiter)
+        # Told whenever ``others_busy()`` flips (the arbiter pauses or resumes batch work then).
+        self.on_change: Callable[[], None] | None = None
+        self._told_busy = False  # what on_change was last told
         self.rejected = {(t.name, r): 0 for t in tiers for r in ("queue_full", "latency_target")}
         self.guard = guard or GuardSettings(enabled=False)
         self.limits = {t.name: t.max_inflight for t in tiers}  # effective max_inflight (the SLO guard's)
@@ -177,13 +194,9 @@ class Gate:
     def queued(self, tier: str) -> int:
         return len(self._queues[tier])
 
-    @property
-    def total_inflight(self) -> int:
-        return sum(self.inflight.values())
-
     def others_busy(self) -> bool:
         """True while any non-batch tier has work admitted or queued."""
-        return any((self.inflight[t.name] or self._queues[t.name]) for t in self._order if not t.is_batch)
+        return self._nonbatch_running > 0 or self._nonbatch_queued > 0
 
     def refuse_if_full(self, tier: str) -> None:
         """Refuse (``Rejected``, queue_full) a request that could neither start nor queue now,
@@ -202,7 +215,7 @@ class Gate:
             self._start(ticket, now)
             return ticket
         queue = self._queues[tier]
-        wait = self.predict_wait(policy)
+        wait = self._wait_behind(policy, now)
         if len(queue) >= policy.max_queued:
             self._reject(ticket, "queue_full", wait, f"the {tier} tier's queue is full ({policy.max_queued} waiting)")
         if not policy.is_batch and wait > policy.latency_target_s:
@@ -214,7 +227,11 @@ class Gate:
         waiter = _Waiter(ticket, asyncio.get_running_loop().create_future(), now)
         queue[waiter] = None
         self._queued_cost[tier] += ticket.cost
-        self._changed()
+        self._waiting += 1
+        if not policy.is_batch:
+            self._nonbatch_queued += 1
+            if not self._told_busy:
+                self._changed()
         try:
             await waiter.future
         except asyncio.CancelledError:
@@ -231,18 +248,21 @@ class Gate:
             return
         ticket.released = True
         self.inflight[ticket.tier.name] -= 1
+        self.total_inflight -= 1
         if not ticket.tier.is_batch:
+            self._nonbatch_running -= 1
             self._running_cost -= ticket.cost
             self._running_started -= ticket.started
         if measured_s is not None:
             self.costs.observe(ticket.model, ticket.units, measured_s)
-        if self.guard.enabled:
-            self._retune()
-        self._dispatch()
-        self._changed()
+        if self._waiting:
+            self._dispatch()
+        if self._told_busy and not (self._nonbatch_running or self._nonbatch_queued):
+            self._changed()
 
     def observe_latency(self, tier: str, seconds: float) -> None:
-        """A finished (or first-token) latency of ``tier``, for the SLO guard's window."""
+        """A finished (or first-token) latency of ``tier``, for the SLO guard's window. Every
+        request reports one, so the guard also decides here when no higher tier is busy."""
         if self.guard.enabled:
             self._latencies[tier].append((self.clock(), seconds))
             self._retune()
@@ -272,10 +292,15 @@ class Gate:
         work of everything running plus everything queued at its tier or above, over the slots."""
         if self._can_start(policy):
             return 0.0
-        n = self._nonbatch_inflight()
-        running_left = max(self._running_cost - (n * self.clock() - self._running_started), 0.0)
-        ahead = sum(self._queued_cost[t.name] for t in self._order if t.rank <= policy.rank)
-        return (running_left + ahead) / self.slots
+        return self._wait_behind(policy, self.clock())
+
+    def _wait_behind(self, policy: TierPolicy, now: float) -> float:
+        """``predict_wait`` for a request that cannot start now."""
+        running_left = self._running_cost - (self._nonbatch_running * now - self._running_started)
+        ahead = 0.0
+        for name in self._at_or_above[policy.name]:
+            ahead += self._queued_cost[name]
+        return ((running_left if running_left > 0.0 else 0.0) + ahead) / self.slots
 
     def rate_headers(self, tier: str, retry_after: float | None = None) -> dict[str, str]:
         policy = self.tiers[tier]
@@ -295,28 +320,33 @@ class Gate:
         if self.inflight[policy.name] >= self.limits[policy.name]:
             return False
         if policy.is_batch:
-            return not self.others_busy() and self.total_inflight < self.slots
-        return self._nonbatch_inflight() < self.slots
-
-    def _nonbatch_inflight(self) -> int:
-        return sum(self.inflight[t.name] for t in self._order if not t.is_batch)
+            return not (self._nonbatch_running or self._nonbatch_queued) and self.total_inflight < self.slots
+        return self._nonbatch_running < self.slots
 
     def _start(self, ticket: Ticket, now: float) -> None:
         ticket.started = now
-        self.inflight[ticket.tier.name] += 1
-        self.admitted[ticket.tier.name] += 1
+        name = ticket.tier.name
+        self.inflight[name] += 1
+        self.admitted[name] += 1
+        self.total_inflight += 1
         if not ticket.tier.is_batch:
+            self._nonbatch_running += 1
             self._running_cost += ticket.cost
             self._running_started += now
-        self._changed()
+            if not self._told_busy:
+                self._changed()
 
     def _dispatch(self) -> None:
         """Hand free slots to the best waiters: highest tier first, FIFO within a tier."""
         for policy in self._order:
             queue = self._queues[policy.name]
-            while queue and self._can_start(policy):
+            while queue:
+                if self._nonbatch_running >= self.slots:
+                    return  # no slot for anyone (batch needs total < slots too)
+                if not self._can_start(policy):
+                    break
                 waiter, _ = queue.popitem(last=False)
-                self._queued_cost[policy.name] -= waiter.ticket.cost
+                self._dequeued(waiter)
                 if waiter.future.done():  # cancelled, its task not yet run: it has left
                     continue
                 now = self.clock()
@@ -329,13 +359,24 @@ class Gate:
         queue = self._queues[name]
         if waiter in queue:
             del queue[waiter]
-            self._queued_cost[name] -= waiter.ticket.cost
+            self._dequeued(waiter)
         self._dispatch()  # a lower tier (batch) may have been waiting on this one
         self._changed()
 
+    def _dequeued(self, waiter: _Waiter) -> None:
+        policy = waiter.ticket.tier
+        self._queued_cost[policy.name] -= waiter.ticket.cost
+        self._waiting -= 1
+        if not policy.is_batch:
+            self._nonbatch_queued -= 1
+
     def _changed(self) -> None:
-        if self.on_change is not None:
-            self.on_change()
+        """Tell ``on_change`` when the other tiers' demand flips between busy and idle."""
+        busy = self._nonbatch_running > 0 or self._nonbatch_queued > 0
+        if busy != self._told_busy:
+            self._told_busy = busy
+            if self.on_change is not None:
+                self.on_change()
 
     def _reject(self, ticket: Ticket, reason: str, retry_after: float, message: str) -> None:
         self._reject_tier(ticket.tier, reason, retry_after, message)
