@@ -21,13 +21,13 @@ def main(argv: list[str] | None = None) -> int:
     serve.add_argument("--port", type=int, default=8000)
     serve.add_argument("--demo", action="store_true",
                        help="when no API keys are set, make random ones for this run and print them")
-    demo = sub.add_parser("demo-models", help="build the tiny offline demo models")
-    demo.add_argument("--out", default="demo-models", help="folder to build them in")
-    demo.add_argument("--seed", type=int, default=0)
-    demo.add_argument("--force", action="store_true", help="rebuild models that exist")
+    models = sub.add_parser("demo-models", help="build the tiny offline demo models")
+    models.add_argument("--out", default="demo-models", help="folder to build them in")
+    models.add_argument("--seed", type=int, default=0)
+    models.add_argument("--force", action="store_true", help="rebuild models that exist")
     args = parser.parse_args(argv)
     if args.command == "demo-models":
-        from workers.demo import build_demo_models
+        from demo import build_demo_models
 
         for name, folder in build_demo_models(Path(args.out), args.seed, force=args.force).items():
             print(f"{name}: {folder}")

@@ -54,7 +54,7 @@ def build_medium(folder: Path) -> Path:
     import torch
     from transformers import AutoTokenizer, LlamaConfig, LlamaForCausalLM
 
-    from workers.demo import build_demo_models
+    from demo import build_demo_models
 
     tiny = build_demo_models(folder.parent, names=["tiny-chat"])["tiny-chat"]
     tok = AutoTokenizer.from_pretrained(tiny)
@@ -253,7 +253,7 @@ def main() -> int:
     if args.medium:
         args.model = build_medium(ROOT / "demo-models" / "bench-chat-medium")
     if not args.model.exists():
-        from workers.demo import build_demo_models
+        from demo import build_demo_models
 
         build_demo_models(args.model.parent, names=[args.model.name])
     systems = {

@@ -88,7 +88,7 @@ def _quiet() -> None:
 
 
 def demo_specs(folder: Path, kinds: list[str], chat_engines: list[str]) -> list[ModelSpec]:
-    from workers.demo import build_demo_models
+    from demo import build_demo_models
 
     built = build_demo_models(folder, names=[DEMO[k] for k in kinds])
     specs = []

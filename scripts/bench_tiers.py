@@ -922,7 +922,7 @@ def report(args, server: Server, alone: PaidRun, share: FloodPhase | None, flood
 
 
 async def run(args: argparse.Namespace) -> bool:
-    from workers.demo import build_demo_models
+    from demo import build_demo_models
 
     model = build_demo_models(args.models_dir, names=[MODEL])[MODEL].resolve()
     with tempfile.TemporaryDirectory(prefix="bench-tiers-") as tmp:

@@ -16,28 +16,28 @@ def demo_dir(tmp_path_factory) -> Path:
 
 @pytest.fixture(scope="session")
 def tiny_chat(demo_dir: Path) -> Path:
-    from workers.demo import build_demo_models
+    from demo import build_demo_models
 
     return build_demo_models(demo_dir, names=["tiny-chat"])["tiny-chat"]
 
 
 @pytest.fixture(scope="session")
 def tiny_image(demo_dir: Path) -> Path:
-    from workers.demo import build_demo_models
+    from demo import build_demo_models
 
     return build_demo_models(demo_dir, names=["tiny-image"])["tiny-image"]
 
 
 @pytest.fixture(scope="session")
 def tiny_tts(demo_dir: Path) -> Path:
-    from workers.demo import build_demo_models
+    from demo import build_demo_models
 
     return build_demo_models(demo_dir, names=["tiny-tts"])["tiny-tts"]
 
 
 @pytest.fixture(scope="session")
 def tiny_stt(demo_dir: Path) -> Path:
-    from workers.demo import build_demo_models
+    from demo import build_demo_models
 
     return build_demo_models(demo_dir, names=["tiny-stt"])["tiny-stt"]
 

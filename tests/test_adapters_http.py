@@ -30,7 +30,7 @@ HELLO = [{"role": "user", "content": "Hello there"}]
 
 @pytest.fixture(scope="module")
 def demo_adapters(demo_dir: Path, tiny_chat: Path, tiny_image: Path) -> dict[str, Path]:
-    from workers.demo import build_demo_models
+    from demo import build_demo_models
 
     return build_demo_models(demo_dir, names=[PIRATE, POET, SKETCH])
 
@@ -284,7 +284,7 @@ def test_refused_or_unfitting_adapters_stop_start_up(tmp_path, demo_adapters, ti
 
 
 def test_shipped_config_serves_the_demo_adapters():
-    from workers.demo import DEMO_ADAPTERS
+    from demo import DEMO_ADAPTERS
 
     shipped = load_config(Path(__file__).resolve().parents[1] / "tiers.yaml", check_paths=False)
     assert {a.name: a.model for a in shipped.adapters} == {n: base for n, (base, _, _) in DEMO_ADAPTERS.items()}

@@ -44,13 +44,13 @@ MSG = [{"role": "user", "content": "Hello world! How are you today?"}]
 
 # -- the tiny model --------------------------------------------------------------------------
 def build_tiny_chat(out_dir: Path, seed: int = 0) -> Path:
-    """The canonical demo (workers.chat.build_demo: byte-level BPE tokenizer, chat template,
+    """The canonical demo (demo.chat.build_demo: byte-level BPE tokenizer, chat template,
     2-layer Llama, float32), with the model re-made at head_dim=32 when the demo's is one that
     vLLM's CPU attention lacks (it supports 32, 64, 80, ...; the demo's 64/4 heads gives 16)."""
     from transformers import LlamaConfig, LlamaForCausalLM
     from vllm.v1.attention.backends.cpu_attn import CPUAttentionBackend
 
-    from workers.chat import build_demo
+    from demo.chat import build_demo
 
     out_dir = Path(build_demo(out_dir, seed=seed) or out_dir)
     cfg = json.loads((out_dir / "config.json").read_text())

@@ -20,7 +20,7 @@ ADAPTERS = ["tiny-chat-pirate", "tiny-chat-poet"]
 
 
 def adapters_yaml(demo_dir) -> str:
-    from workers.demo import build_demo_models
+    from demo import build_demo_models
 
     built = build_demo_models(demo_dir, names=ADAPTERS)
     return "adapters:\n" + "".join(f"  - {{name: {a}, model: tiny-chat, path: {built[a]}}}\n" for a in ADAPTERS)
@@ -105,10 +105,11 @@ def test_evict_and_reload(vllm_server):
     before = client(s).chat.completions.create(model="tiny-chat", messages=[{"role": "user", "content": "x"}],
                                                max_tokens=6, temperature=0).choices[0].message.content
     time.sleep(0.1)
+    engine = s.services.arbiter.workers["tiny-chat"]
     r = httpx.post(f"{s.url}/admin/models/tiny-chat/unload", headers=admin, timeout=120)
     assert r.status_code == 200, r.text
     assert r.json()["place"] == "cold"  # vLLM has no sleep mode on CPU: the engine shuts down
-    assert not s.services.arbiter.workers["tiny-chat"].started
+    assert not engine.started and "tiny-chat" not in s.services.arbiter.workers  # nothing paused on it
     after = client(s).chat.completions.create(model="tiny-chat", messages=[{"role": "user", "content": "x"}],
                                               max_tokens=6, temperature=0).choices[0].message.content
     assert after == before

@@ -14,6 +14,9 @@ import soundfile as sf
 import torch
 from PIL import Image
 
+import demo.image
+import demo.stt
+import demo.tts
 from workers import audio, image, stt, tts
 from workers.base import Cancelled, ModelSpec, StepContext
 
@@ -35,7 +38,7 @@ def cancel_at(step: int) -> StepContext:
 
 @pytest.fixture(scope="module")
 def image_worker(tmp_path_factory) -> image.ImageWorker:
-    path = image.build_demo(tmp_path_factory.mktemp("models") / "tiny-image")
+    path = demo.image.build_demo(tmp_path_factory.mktemp("models") / "tiny-image")
     worker = image.ImageWorker(ModelSpec("tiny-image", "image", path))
     worker.load(CPU)
     return worker
@@ -106,7 +109,7 @@ def test_image_concurrent_calls_do_not_share_tokenizer_state(image_worker):
 
 
 def test_image_modules_and_unload(tmp_path):
-    worker = image.ImageWorker(ModelSpec("x", "image", image.build_demo(tmp_path / "m")))
+    worker = image.ImageWorker(ModelSpec("x", "image", demo.image.build_demo(tmp_path / "m")))
     assert worker.modules() == []
     worker.load(CPU)
     assert {type(m).__name__ for m in worker.modules()} == {"UNet2DConditionModel", "AutoencoderKL", "CLIPTextModel"}
@@ -119,7 +122,7 @@ def test_image_modules_and_unload(tmp_path):
 
 @pytest.fixture(scope="module")
 def tts_worker(tmp_path_factory) -> tts.TTSWorker:
-    path = tts.build_demo(tmp_path_factory.mktemp("models") / "tiny-tts")
+    path = demo.tts.build_demo(tmp_path_factory.mktemp("models") / "tiny-tts")
     worker = tts.TTSWorker(ModelSpec("tiny-tts", "tts", path))
     worker.load(CPU)
     return worker
@@ -275,7 +278,7 @@ def test_tts_demo_folder_is_self_describing(tts_worker):
 
 @pytest.fixture(scope="module")
 def stt_worker(tmp_path_factory) -> stt.STTWorker:
-    path = stt.build_demo(tmp_path_factory.mktemp("models") / "tiny-stt")
+    path = demo.stt.build_demo(tmp_path_factory.mktemp("models") / "tiny-stt")
     worker = stt.STTWorker(ModelSpec("tiny-stt", "stt", path))
     worker.load(CPU)
     return worker
@@ -368,9 +371,9 @@ def test_demo_builds_are_deterministic(tmp_path):
     from safetensors.torch import load_file
 
     builds = [
-        (image.build_demo, "unet/diffusion_pytorch_model.safetensors"),
-        (tts.build_demo, "model.safetensors"),
-        (stt.build_demo, "model.safetensors"),
+        (demo.image.build_demo, "unet/diffusion_pytorch_model.safetensors"),
+        (demo.tts.build_demo, "model.safetensors"),
+        (demo.stt.build_demo, "model.safetensors"),
     ]
     for build, weights in builds:
         a, b = build(tmp_path / f"{build.__module__}-a", seed=3), build(tmp_path / f"{build.__module__}-b", seed=3)

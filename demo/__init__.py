@@ -1,7 +1,10 @@
 """Builds the tiny random-weight demo models offline, one folder per model, in the libraries' own
 formats, and a few demo LoRA adapters on them (under ``adapters/``, each after its base model). A
 folder is built in a temporary sibling and renamed when complete, so an interrupted build is never
-mistaken for a model."""
+mistaken for a model.
+
+The builders live beside this module, one per kind (``demo.chat``, ``demo.image``, ``demo.tts``,
+``demo.stt``); demo imports workers and lora_kernels, never the reverse."""
 
 from __future__ import annotations
 
@@ -11,21 +14,19 @@ import zlib
 from pathlib import Path
 from typing import Callable
 
-import torch
-
 DEMO_MODELS = {
-    "tiny-chat": "workers.chat",
-    "tiny-image": "workers.image",
-    "tiny-tts": "workers.tts",
-    "tiny-stt": "workers.stt",
+    "tiny-chat": "demo.chat",
+    "tiny-image": "demo.image",
+    "tiny-tts": "demo.tts",
+    "tiny-stt": "demo.stt",
 }
 
 # name -> (base model, module with build_demo_adapter, rank). Random non-zero factors, so each
 # adapter changes its model's outputs; deterministic from the seed and the name.
 DEMO_ADAPTERS = {
-    "tiny-chat-pirate": ("tiny-chat", "workers.chat", 4),
-    "tiny-chat-poet": ("tiny-chat", "workers.chat", 8),
-    "tiny-image-sketch": ("tiny-image", "workers.image", 4),
+    "tiny-chat-pirate": ("tiny-chat", "demo.chat", 4),
+    "tiny-chat-poet": ("tiny-chat", "demo.chat", 8),
+    "tiny-image-sketch": ("tiny-image", "demo.image", 4),
 }
 ADAPTERS_DIR = "adapters"
 # Bumped whenever a builder changes what it makes (e.g. tiny-chat's head_dim for vLLM): folders
@@ -71,31 +72,3 @@ def _build(folder: Path, build: Callable[[Path], object], force: bool) -> tuple[
     shutil.rmtree(folder, ignore_errors=True)
     tmp.rename(folder)
     return folder, True
-
-
-def random_lora(shapes: dict[str, tuple[int, int]], rank: int, seed: int,
-                b_std: float) -> dict[str, tuple[torch.Tensor, torch.Tensor]]:
-    """Per module (sorted by name): (A [rank, in] ~ N(0, 1/in), B [out, rank] ~ N(0, b_std^2)) from
-    ``seed``. B is not zero (peft's initialisation), so the adapter does something."""
-    g = torch.Generator().manual_seed(seed)
-    factors = {}
-    for module, (d_out, d_in) in sorted(shapes.items()):
-        down = torch.randn(rank, d_in, generator=g) / d_in**0.5
-        up = torch.randn(d_out, rank, generator=g) * b_std
-        factors[module] = (down.contiguous(), up.contiguous())
-    return factors
-
-
-def linear_shapes(files: list[Path], targets: tuple[str, ...]) -> dict[str, tuple[int, int]]:
-    """Shapes of the 2-D weights in ``files`` (safetensors) whose module name ends with a target."""
-    from safetensors import safe_open
-
-    shapes = {}
-    for file in files:
-        with safe_open(str(file), framework="pt") as f:
-            for key in f.keys():
-                module = key.removesuffix(".weight")
-                shape = f.get_slice(key).get_shape()
-                if key.endswith(".weight") and len(shape) == 2 and any(module.endswith("." + t) for t in targets):
-                    shapes[module] = (shape[0], shape[1])
-    return shapes

@@ -1,0 +1,90 @@
+"""``tiny-chat``: a 2-layer Llama with a byte-level BPE tokenizer and a chat template, and peft LoRA
+adapters for it, built offline from a seed."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import torch
+
+from demo.lora import linear_shapes, random_lora
+
+_CHAT_TEMPLATE = (
+    "{% for m in messages %}<|{{ m['role'] }}|>{{ m['content'] }}</s>{% endfor %}"
+    "{% if add_generation_prompt %}<|assistant|>{% endif %}"
+)
+
+_CORPUS = [
+    "tiergate serves chat, images, speech and transcription on one shared GPU.",
+    "Paid requests come first, then subscribers, then free traffic; batch work waits for idle time.",
+    "The quick brown fox jumps over the lazy dog. Hello world! How are you today?",
+    "One, two, three, four, five, six, seven, eight, nine, ten.",
+    "A small model with random weights says random things, and that is fine for a demo.",
+] * 20
+
+
+def build_demo(out_dir: Path, seed: int = 0) -> Path:
+    """Build ``tiny-chat``: a 2-layer Llama with a byte-level BPE tokenizer, offline, from a seed.
+    head_dim is 32 because vLLM's CPU attention has no kernel for smaller heads."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+    from transformers import LlamaConfig, LlamaForCausalLM, PreTrainedTokenizerFast
+
+    out_dir = Path(out_dir)
+    out_dir.mkdir(parents=True, exist_ok=True)
+    specials = ["<pad>", "<s>", "</s>", "<|system|>", "<|user|>", "<|assistant|>"]
+    tok = Tokenizer(models.BPE())
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tok.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(
+        vocab_size=512, special_tokens=specials, initial_alphabet=pre_tokenizers.ByteLevel.alphabet()
+    )
+    tok.train_from_iterator(_CORPUS, trainer)
+    fast = PreTrainedTokenizerFast(
+        tokenizer_object=tok, bos_token="<s>", eos_token="</s>", pad_token="<pad>",
+        additional_special_tokens=specials[3:],
+    )
+    fast.chat_template = _CHAT_TEMPLATE
+    fast.save_pretrained(out_dir)
+
+    torch.manual_seed(seed)
+    config = LlamaConfig(
+        vocab_size=len(fast), hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+        num_attention_heads=4, num_key_value_heads=2, head_dim=32, max_position_embeddings=512,
+        bos_token_id=fast.bos_token_id, eos_token_id=fast.eos_token_id,
+        pad_token_id=fast.pad_token_id, tie_word_embeddings=False,
+    )
+    model = LlamaForCausalLM(config)
+    model.generation_config.eos_token_id = fast.eos_token_id
+    model.save_pretrained(out_dir)
+    return out_dir
+
+
+
+_LORA_TARGETS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
+
+
+def build_demo_adapter(base_dir: Path, out_dir: Path, seed: int, rank: int = 4) -> Path:
+    """A peft LoRA folder for ``tiny-chat`` (every attention and MLP projection, ``lora_alpha = r``)
+    with random non-zero factors from ``seed``; shapes read from the model's checkpoint."""
+    from peft import LoraConfig
+    from safetensors.torch import save_file
+
+    shapes = linear_shapes(sorted(Path(base_dir).glob("*.safetensors")), _LORA_TARGETS)
+    tensors = {}
+    for module, (down, up) in random_lora(shapes, rank, seed, b_std=0.1).items():
+        tensors[f"base_model.model.{module}.lora_A.weight"] = down
+        tensors[f"base_model.model.{module}.lora_B.weight"] = up
+    out_dir = Path(out_dir)
+    config = LoraConfig(r=rank, lora_alpha=rank, target_modules=list(_LORA_TARGETS), task_type="CAUSAL_LM",
+                        base_model_name_or_path=Path(base_dir).name)
+    config.save_pretrained(str(out_dir))
+    _sort_target_modules(out_dir / "adapter_config.json")  # peft writes a set: order varies per process
+    save_file(tensors, str(out_dir / "adapter_model.safetensors"), metadata={"format": "pt"})
+    return out_dir
+
+
+def _sort_target_modules(config_file: Path) -> None:
+    config = json.loads(config_file.read_text())
+    config["target_modules"] = sorted(config["target_modules"])
+    config_file.write_text(json.dumps(config, indent=2, sort_keys=True) + "\n")
