@@ -11,14 +11,14 @@ A decode step is the step boundary: a cancelled sequence (client gone) leaves th
 a sequence whose context asks it to pause (batch work yielding to another tier) leaves the batch
 keeping its tokens, and rejoins later by re-prefilling prompt + generated tokens.
 
+Which rows join, leave and wait, and when the adapter stack changes, is decided before every
+step by a pure function, ``workers.chat_schedule.plan_step``; this module carries its plans out.
+
 Adapter stacks. Rows of one forward pass share the weights, so a batch serves ONE adapter stack
-(``ChatRequest.adapters``, merged into the weights by ``lora_kernels.AdapterStack``). While a batch
-runs, only rows wanting its stack join it, and only those ahead (priority, then arrival) of every
-row waiting for another stack, so other stacks are not starved. When the batch drains, the engine
-thread picks the next stack (that of the best waiting row by priority, then arrival), switches the
-weights between steps (restore for the base model, else merge from the pristine copies) and admits
-every waiting row that wants it, so queued requests with the same stack share one merge. A stack
-stays merged until a row wants another one.
+(``ChatRequest.adapters``, merged into the weights by ``lora_kernels.AdapterStack``). When the
+plan says so (the batch has drained and the best ready row wants another stack) the engine thread
+switches the weights between steps: restore for the base model, else merge from the pristine
+copies.
 """
 
 from __future__ import annotations
@@ -51,6 +51,7 @@ from workers.base import (
 )
 from workers.worker import ModelInfo, ThreadWorker
 from workers.chat_prompt import ContextTooLong  # noqa: F401 - the chat engines' 400, importable here
+from workers.chat_schedule import EngineView, Row, plan_step
 
 
 class AdapterStackFailed(RuntimeError):
@@ -77,10 +78,10 @@ class _Seq:
     def key(self) -> StackKey:
         return stack_key(self.req.adapters)
 
-    @property
-    def rank(self) -> tuple[int, int]:
-        """Lower is served first: the tier's priority, then arrival."""
-        return (self.req.priority, self.arrival)
+    def row(self) -> Row:
+        """This sequence as the scheduler sees it now."""
+        ctx = self.req.ctx
+        return Row(self.arrival, self.req.priority, self.key, ctx.must_pause(), ctx.cancelled)
 
     @property
     def generated(self) -> list[int]:
@@ -214,37 +215,38 @@ class ChatWorker(ThreadWorker):
         self._waiting.clear()
 
     def _admit(self, batch: _Batch) -> None:
-        """Bring waiting sequences into the batch: drain the inbox, switch the adapter stack if the
-        batch is empty, prefill the rows that want the batch's stack, merge caches."""
+        """Drain the inbox, then carry out the scheduler's plan: forget cancelled rows, move paused
+        rows out of the batch, switch the adapter stack, prefill the admitted rows."""
+        self._drain_inbox()
+        view = EngineView(self.stack_key, tuple(s.row() for s in batch.seqs),
+                          tuple(s.row() for s in self._waiting), self.max_num_seqs)
+        plan = plan_step(view)
+        self._waiting = [seq for seq in self._waiting if seq.arrival not in plan.forget]
+        if plan.pause:
+            self._waiting += [seq for seq in batch.seqs if seq.arrival in plan.pause]
+            _select(batch, [i for i, seq in enumerate(batch.seqs) if seq.arrival not in plan.pause])
+        if plan.switch_to is not None:
+            target = next(seq for seq in self._waiting if seq.key == plan.switch_to)
+            if not self._switch_stack(target):
+                return
+        waiting = {seq.arrival: seq for seq in self._waiting}
+        for arrival in plan.admit:
+            seq = waiting[arrival]
+            if seq.req.ctx.must_pause():  # ordered while earlier rows prefilled: it holds the rest
+                continue
+            self._prefill_into(batch, seq)
+            self._waiting.remove(seq)
+
+    def _drain_inbox(self) -> None:
         while True:
             try:
                 item = self._inbox.get_nowait()
             except queue.Empty:
-                break
-            if item is None:
+                return
+            if item is None:  # unload: left for the loop to see
                 self._inbox.put(None)
-                break
+                return
             self._waiting.append(item)
-        self._waiting = [seq for seq in self._waiting if not seq.req.ctx.cancelled]
-        ready = sorted((seq for seq in self._waiting if not seq.req.ctx.must_pause()), key=lambda seq: seq.rank)
-        if not ready:
-            return
-        running = bool(batch.seqs)
-        if not running and not self._switch_stack(ready[0]):
-            return
-        others = [seq.rank for seq in ready if seq.key != self.stack_key]
-        first_other = min(others, default=None)
-        admitted = []
-        for seq in ready:
-            if len(batch.seqs) >= self.max_num_seqs:
-                break
-            # a pause ordered while earlier rows prefill (a paid arrival while batch rows resume) holds the rest
-            if seq.key != self.stack_key or seq.req.ctx.must_pause() or (running and first_other is not None and seq.rank > first_other):
-                continue
-            admitted.append(seq)
-            self._prefill_into(batch, seq)
-        taken = {id(seq) for seq in admitted}
-        self._waiting = [seq for seq in self._waiting if id(seq) not in taken]
 
     def _switch_stack(self, seq: _Seq) -> bool:
         """Make the weights serve ``seq``'s adapter stack (only while no row is in the batch). On
@@ -304,9 +306,6 @@ class ChatWorker(ThreadWorker):
             if seq.req.ctx.cancelled:
                 continue
             if self._sample_and_emit(seq, out.logits[i, -1]):
-                continue
-            if seq.req.ctx.must_pause():
-                self._waiting.append(seq)
                 continue
             keep.append(i)
         if len(keep) < rows:

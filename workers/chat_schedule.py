@@ -1,0 +1,92 @@
+"""The transformers chat engine's scheduling decisions, as a pure function of a snapshot.
+
+Before every step the engine thread (the owner, ``workers.chat.ChatWorker``) hands
+:func:`plan_step` an :class:`EngineView`: the rows in the running batch, the rows waiting (new
+ones, and paused ones keeping their tokens), the adapter stack merged into the weights now and
+``max_num_seqs``. It returns a :class:`StepPlan`; it reads no clock, does no I/O, touches no
+tensor and changes nothing, like ``arbiter.policy``. The owner carries the plan out in this order:
+forget, pause, switch, admit; then it decodes one step for the batch.
+
+Rules
+    * Order. Rows are served by rank: the tier's priority (lower first), then arrival.
+    * Cancelled waiting rows are forgotten. (A running row that is cancelled is not sampled again
+      and leaves in the decode step: a cancel may arrive during the forward pass.)
+    * Pause. A running row whose context asks to pause (batch work yielding to another tier)
+      leaves the batch keeping its tokens and waits; a paused waiting row is not admitted. Once
+      its pause lifts it is admitted like any other row, re-prefilling prompt + generated tokens.
+    * One stack per batch. Rows of one forward pass share the weights, so every running row
+      wants the merged stack. While the batch runs, only rows wanting that stack join it, and
+      only those ranked ahead of every ready row that wants another stack: a stream of
+      same-stack arrivals cannot starve other stacks.
+    * Switching. Only when the batch has drained (after this plan's pauses) does the stack
+      change: to that of the best ready row. Every ready row wanting that stack is then admitted
+      in rank order, so queued requests with the same stack share one merge. A stack stays
+      merged until a row wants another one.
+    * Capacity. The batch never holds more than ``max_num_seqs`` rows.
+
+The plan is a snapshot: the owner checks a row's pause flag again right before its prefill, so
+a pause ordered while earlier rows prefill (a paid arrival while paused batch rows resume) holds
+the rows not yet prefilled.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from workers.base import StackKey
+
+
+@dataclass(frozen=True)
+class Row:
+    """One sequence as the scheduler sees it. ``arrival`` is unique per engine: its identity."""
+
+    arrival: int
+    priority: int = 0  # the tier's rank: 0 is the highest
+    stack: StackKey = ()
+    paused: bool = False  # its context asks it to pause now
+    cancelled: bool = False
+
+    @property
+    def rank(self) -> tuple[int, int]:
+        """Lower is served first: the tier's priority, then arrival."""
+        return (self.priority, self.arrival)
+
+
+@dataclass(frozen=True)
+class EngineView:
+    stack: StackKey  # merged into the weights now
+    running: tuple[Row, ...] = ()  # in the batch
+    waiting: tuple[Row, ...] = ()  # new rows and paused ones
+    max_num_seqs: int = 8
+
+
+@dataclass(frozen=True)
+class StepPlan:
+    """What the owner does before the next decode step (rows named by ``arrival``)."""
+
+    forget: tuple[int, ...] = ()  # waiting rows that were cancelled: drop them
+    pause: tuple[int, ...] = ()  # running rows that leave the batch, keeping their tokens, to wait
+    switch_to: StackKey | None = None  # merge this stack (restore for ()) before admitting
+    admit: tuple[int, ...] = ()  # waiting rows to prefill into the batch, in this order
+
+
+def plan_step(view: EngineView) -> StepPlan:
+    forget = tuple(r.arrival for r in view.waiting if r.cancelled)
+    pause = tuple(r.arrival for r in view.running if r.paused and not r.cancelled)
+    staying = len(view.running) - len(pause)
+    ready = sorted((r for r in view.waiting if not r.cancelled and not r.paused), key=lambda r: r.rank)
+    if not ready:
+        return StepPlan(forget, pause)
+    stack, switch_to = view.stack, None
+    if staying == 0 and ready[0].stack != view.stack:
+        stack = switch_to = ready[0].stack
+    # while a batch runs, a row of its stack may not overtake a ready row of another stack
+    first_other = min((r.rank for r in ready if r.stack != stack), default=None)
+    admit: list[int] = []
+    for row in ready:
+        if staying + len(admit) >= view.max_num_seqs:
+            break
+        if row.stack != stack or (staying and first_other is not None and row.rank > first_other):
+            continue
+        admit.append(row.arrival)
+    return StepPlan(forget, pause, switch_to, tuple(admit))
