@@ -9,6 +9,7 @@ from typing import AsyncIterator
 
 from starlette.applications import Starlette
 from starlette.exceptions import HTTPException
+from starlette.middleware import Middleware
 from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
 from starlette.routing import Route
@@ -18,6 +19,7 @@ from arbiter.residency import Arbiter, Refused, Unavailable
 from gateway import adapters
 from gateway.admission import Gate, TierPolicy
 from gateway.auth import KeyRing
+from gateway.body_deadline import BodyDeadline
 from gateway.chat import chat_completions
 from gateway.config import Config
 from gateway.errors import APIError
@@ -155,6 +157,7 @@ def create_app(services: Services, routes: list[Route] | None = None) -> Starlet
         exception_handlers={APIError: _api_error, HTTPException: _http_error, ClientGone: _client_gone,
                             Exception: _unexpected},
         lifespan=_lifespan,
+        middleware=[Middleware(BodyDeadline, seconds=services.config.limits.body_timeout_s)],
     )
     app.state.services = services
     app.state.started = time.time()

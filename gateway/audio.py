@@ -23,7 +23,7 @@ from transformers.models.whisper.tokenization_whisper import LANGUAGES
 
 from gateway.auth import Caller
 from gateway.errors import APIError, bad_request
-from gateway.schemas import _Body, parse, read_json
+from gateway.schemas import _Body, _Form, parse, read_json
 from gateway.service import ClientGone, Held, HeldStream, Services, in_thread, unless_gone
 from workers import audio as sound
 from workers.base import Cancelled, ModelSpec, StepContext
@@ -151,7 +151,7 @@ async def _voices(svc: Services, spec: ModelSpec) -> TTSWorker:
 # ---------------------------------------------------------------- transcriptions
 
 
-class TranscriptionForm(_Body):
+class TranscriptionForm(_Form):
     model: str = Field(min_length=1)
     language: str | None = None
     prompt: str | None = None

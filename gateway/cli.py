@@ -75,8 +75,20 @@ def _serve(args: argparse.Namespace) -> int:
     app = create_app(services, extra_routes(services))
     if made:
         _print_demo_keys(made, args.host, args.port)
-    uvicorn.run(app, host=args.host, port=args.port, log_level="info")
+    uvicorn.Server(server_config(app, args.host, args.port)).run()
     return 0
+
+
+def server_config(app, host: str, port: int, log_level: str = "info") -> "uvicorn.Config":
+    """uvicorn as tiergate runs it (the tests run the same): h11 with the request head capped at
+    ``MAX_HEAD_BYTES`` and protocol errors in OpenAI's shape (gateway/http11.py). Request bodies
+    are bounded by the app: ``limits.max_body`` and ``limits.body_timeout_s``."""
+    import uvicorn
+
+    from gateway.http11 import MAX_HEAD_BYTES, GatewayH11Protocol
+
+    return uvicorn.Config(app, host=host, port=port, log_level=log_level, lifespan="on", http=GatewayH11Protocol,
+                          h11_max_incomplete_event_size=MAX_HEAD_BYTES)
 
 
 def _print_demo_keys(made: dict[str, list[str]], host: str, port: int) -> None:

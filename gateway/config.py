@@ -127,6 +127,7 @@ class LimitsConfig(_Strict):
     speech_max_chars: int = Field(default=4096, ge=1)
     transcription_max_bytes: Size = parse_size("25MiB")  # the uploaded file
     transcription_max_seconds: float = Field(default=1800.0, gt=0)  # of decoded audio
+    body_timeout_s: float = Field(default=60.0, gt=0)  # a request body must arrive whole within this; else 408
 
 
 class BatchConfig(_Strict):

@@ -1,9 +1,17 @@
 """Request bodies of the OpenAI API as pydantic models, and their parsing into 400 errors that
-name the offending field (``param``)."""
+name the offending field (``param``).
+
+Bodies are read as strictly as OpenAI reads them: UTF-8 JSON only; no ``NaN``/``Infinity``, no
+number that overflows, no duplicate key, no lone surrogate; a bounded shape (nesting depth and
+count of values), checked before parsing so a small body cannot expand into a large parse; and
+strict types: a string is not a boolean or a number (an integer is still a fine float).
+"""
 
 from __future__ import annotations
 
 import json
+import math
+import re
 from typing import Any, Literal, TypeVar
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
@@ -13,9 +21,29 @@ from gateway.errors import APIError, bad_request
 
 M = TypeVar("M", bound=BaseModel)
 
+MAX_DEPTH = 32  # nested arrays and objects in one body
+MAX_VALUES = 100_000  # arrays, objects and comma-separated items in one body
+MAX_INT_DIGITS = 100  # an integer literal longer than this is refused before it is converted
+INT64 = (-(2**63), 2**63 - 1)  # every integer field of the API fits in 64 bits
+
 
 class _Body(BaseModel):
-    model_config = ConfigDict(extra="forbid")
+    """A JSON request body: unknown fields refused, types strict, numbers finite and 64-bit."""
+
+    model_config = ConfigDict(extra="forbid", strict=True, allow_inf_nan=False)
+
+    @field_validator("*")
+    @classmethod
+    def _int64(cls, v: Any) -> Any:
+        if type(v) is int and not INT64[0] <= v <= INT64[1]:
+            raise ValueError("integer out of range (a signed 64-bit integer is expected)")
+        return v
+
+
+class _Form(BaseModel):
+    """Multipart text fields: every value arrives as a string, so types convert as usual."""
+
+    model_config = ConfigDict(extra="forbid", allow_inf_nan=False)
 
 
 class TextPart(_Body):
@@ -81,7 +109,7 @@ class ChatCompletionRequest(_Body):
 
 
 async def read_json(request: Request, max_bytes: int) -> dict[str, Any]:
-    """The request body as a JSON object; 413 past ``max_bytes``, 400 if it is not JSON."""
+    """The request body as a JSON object; 413 past ``max_bytes``, 400 if it is not strict JSON."""
     declared = request.headers.get("content-length")
     if declared and declared.isdigit() and int(declared) > max_bytes:
         raise APIError(413, f"request body is larger than {max_bytes} bytes", "request_too_large")
@@ -91,12 +119,97 @@ async def read_json(request: Request, max_bytes: int) -> dict[str, Any]:
         if len(body) > max_bytes:
             raise APIError(413, f"request body is larger than {max_bytes} bytes", "request_too_large")
     try:
-        data = json.loads(body)
-    except (ValueError, UnicodeDecodeError):
-        raise bad_request("the request body is not valid JSON", None, "invalid_json") from None
+        data = loads(bytes(body))
+    except InvalidJSON as exc:
+        raise _invalid(str(exc)) from None
     if not isinstance(data, dict):
-        raise bad_request("the request body must be a JSON object", None, "invalid_json")
+        raise _invalid("the request body must be a JSON object")
     return data
+
+
+class InvalidJSON(ValueError):
+    """Why a body is not strict JSON (a ``ValueError``, so it can replace ``json.loads``)."""
+
+
+def loads(raw: bytes | str) -> Any:
+    """Strict JSON: UTF-8, bounded shape, finite numbers, unique keys, valid Unicode strings.
+    Raises :class:`InvalidJSON`; as a 400 through :func:`read_json`."""
+    if isinstance(raw, bytes):
+        try:
+            raw = raw.decode("utf-8")
+        except UnicodeDecodeError as exc:
+            raise InvalidJSON(f"the request body is not valid UTF-8 (byte {exc.start})") from None
+    _check_shape(raw)
+    try:
+        data = json.loads(raw, parse_constant=_constant, parse_int=_int, parse_float=_float,
+                          object_pairs_hook=_unique_keys)
+    except InvalidJSON:
+        raise
+    except RecursionError:  # not reached past _check_shape; kept so no body can make a 500
+        raise InvalidJSON("the request body nests too deeply") from None
+    except ValueError as exc:
+        raise InvalidJSON(f"the request body is not valid JSON: {exc}") from None
+    if _SURROGATE_ESCAPE.search(raw):
+        _check_unicode(data)
+    return data
+
+
+_SURROGATE_ESCAPE = re.compile(r"\\u[dD][89a-fA-F]")
+_NOT_STRUCTURE = re.compile(r"[^\[\]{},]")
+
+
+def _check_shape(text: str) -> None:
+    """Depth and value count, counted on the text outside strings, before anything is built."""
+    plain = text.replace("\\\\", "").replace('\\"', "")  # no escaped quote is left: a string is "..."
+    if plain.count('"') > 4 * MAX_VALUES:  # a key or a string value per value, two quotes each
+        raise InvalidJSON(f"the request body has more than {MAX_VALUES} JSON values")
+    structure = _NOT_STRUCTURE.sub("", "".join(plain.split('"')[::2]))  # brackets and commas outside strings
+    if len(structure) > 2 * MAX_VALUES:  # every value adds at most a comma or an opening and a closing bracket
+        raise InvalidJSON(f"the request body has more than {MAX_VALUES} JSON values")
+    depth = 0
+    for ch in structure:
+        if ch == ",":
+            continue
+        depth += 1 if ch in "[{" else -1
+        if depth > MAX_DEPTH:
+            raise InvalidJSON(f"the request body nests arrays and objects deeper than {MAX_DEPTH} levels")
+
+
+def _constant(name: str) -> float:
+    raise InvalidJSON(f"{name} is not a JSON number")
+
+
+def _int(literal: str) -> int:
+    if len(literal.lstrip("-")) > MAX_INT_DIGITS:
+        raise InvalidJSON(f"an integer in the request body has more than {MAX_INT_DIGITS} digits")
+    return int(literal)
+
+
+def _float(literal: str) -> float:
+    value = float(literal)
+    if math.isinf(value):
+        raise InvalidJSON(f"the number {literal[:40]} is out of range")
+    return value
+
+
+def _unique_keys(pairs: list[tuple[str, Any]]) -> dict[str, Any]:
+    out: dict[str, Any] = {}
+    for key, value in pairs:
+        if key in out:
+            raise InvalidJSON(f"duplicate key {json.dumps(key)} in a JSON object")
+        out[key] = value
+    return out
+
+
+def _check_unicode(data: Any) -> None:
+    try:
+        json.dumps(data, ensure_ascii=False).encode("utf-8")
+    except UnicodeEncodeError:
+        raise InvalidJSON("a string in the request body has a lone UTF-16 surrogate (\\ud800-\\udfff)") from None
+
+
+def _invalid(message: str) -> APIError:
+    return bad_request(message, None, "invalid_json")
 
 
 def parse(model: type[M], data: dict[str, Any]) -> M:
@@ -111,6 +224,8 @@ def parse(model: type[M], data: dict[str, Any]) -> M:
         if err["type"] == "missing":
             raise bad_request(f"missing required parameter: {param}", param, "missing_required_parameter") from None
         msg = err["msg"].removeprefix("Value error, ")
+        if err["type"].endswith("_type"):  # bool_type, int_type, string_type...: a string for a bool
+            raise bad_request(f"invalid type for {param}: {msg}", param, "invalid_type") from None
         raise bad_request(f"invalid value for {param}: {msg}", param, "invalid_value") from None
 
 

@@ -13,6 +13,7 @@ import uvicorn
 
 from gateway.app import build_services, create_app
 from gateway.auth import KeyRing
+from gateway.cli import server_config
 from gateway.config import load_config
 from gateway.routes import extra_routes
 from gateway.service import Services
@@ -78,7 +79,7 @@ def start_server(config_path: Path, admin: bool = True) -> RunningServer:
     services = build_services(config, ring)
     app = create_app(services, extra_routes(services))
     port = spare_port()
-    server = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=port, log_level="warning", lifespan="on"))
+    server = uvicorn.Server(server_config(app, "127.0.0.1", port, log_level="warning"))
     holder: dict = {}
 
     def run() -> None:

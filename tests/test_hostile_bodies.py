@@ -1,0 +1,229 @@
+"""Hostile request bodies over real HTTP: each gets a 4xx in OpenAI's error shape (never a 500 or
+a dropped connection), and afterwards the server still answers /healthz and a normal chat."""
+
+from __future__ import annotations
+
+import json
+import logging
+import socket
+import threading
+import time
+
+import httpx
+import pytest
+
+from tests.helpers import start_server, write_config
+
+GOOD = {"model": "tiny-chat", "messages": [{"role": "user", "content": "hi"}], "max_tokens": 2}
+BODY_TIMEOUT_S = 2.0
+
+
+@pytest.fixture(scope="module")
+def server(tiny_chat, tiny_stt, tmp_path_factory):
+    folder = tmp_path_factory.mktemp("hostile")
+    extra = f"limits:\n  max_body: 1MiB\n  max_chat_tokens: 64\n  body_timeout_s: {BODY_TIMEOUT_S}\n"
+    running = start_server(write_config(folder, {"tiny-chat": ("chat", tiny_chat), "tiny-stt": ("stt", tiny_stt)}, extra))
+    yield running
+    running.stop()
+
+
+def _still_serving(server) -> None:
+    assert httpx.get(f"{server.url}/healthz", timeout=10).json() == {"status": "ok"}
+    r = httpx.post(f"{server.base_url}/chat/completions", json=GOOD, timeout=60,
+                   headers={"Authorization": f"Bearer {server.keys['paid']}"})
+    assert r.status_code == 200, r.text
+    assert r.json()["choices"][0]["message"]["role"] == "assistant"
+
+
+def _error(status: int, body: bytes, want_status: int, code: str | None = None, param: str | None = None) -> dict:
+    assert status == want_status, body[:300]
+    err = json.loads(body)["error"]
+    assert set(err) == {"message", "type", "param", "code"}
+    assert isinstance(err["code"], str) and err["message"]
+    if code is not None:
+        assert err["code"] == code, err
+    assert err["param"] == param, err
+    return err
+
+
+def _port(server) -> int:
+    return int(server.url.rsplit(":", 1)[1])
+
+
+def _head(server, length: int | None, content_type: str = "application/json", extra: bytes = b"") -> bytes:
+    size = b"Content-Length: %d\r\n" % length if length is not None else b""
+    return (b"POST /v1/chat/completions HTTP/1.1\r\nHost: test\r\nAuthorization: Bearer "
+            + server.keys["paid"].encode() + b"\r\nContent-Type: " + content_type.encode() + b"\r\n"
+            + size + extra + b"\r\n")
+
+
+def _read_response(sock: socket.socket) -> tuple[int, dict[str, str], bytes]:
+    """One whole HTTP/1.1 response (with Content-Length) from the socket: a dropped connection
+    before it is whole fails the test."""
+    data = b""
+    while b"\r\n\r\n" not in data:
+        chunk = sock.recv(65536)
+        assert chunk, f"the connection closed before a response: {data!r}"
+        data += chunk
+    head, _, body = data.partition(b"\r\n\r\n")
+    lines = head.decode("latin-1").split("\r\n")
+    headers = {k.strip().lower(): v.strip() for k, v in (ln.split(":", 1) for ln in lines[1:])}
+    while len(body) < int(headers["content-length"]):
+        chunk = sock.recv(65536)
+        assert chunk, "the connection closed inside the response body"
+        body += chunk
+    return int(lines[0].split()[1]), headers, body
+
+
+def _raw(server, request: bytes) -> tuple[int, dict[str, str], bytes]:
+    with socket.create_connection(("127.0.0.1", _port(server)), timeout=30) as sock:
+        sock.sendall(request)
+        return _read_response(sock)
+
+
+def _post(server, raw: bytes) -> tuple[int, bytes]:
+    r = httpx.post(f"{server.base_url}/chat/completions", content=raw, timeout=30,
+                   headers={"Authorization": f"Bearer {server.keys['paid']}", "Content-Type": "application/json"})
+    return r.status_code, r.content
+
+
+def _with(**fields) -> bytes:
+    return json.dumps({**GOOD, **fields}).encode()
+
+
+def _with_literal(name: str, literal: bytes) -> bytes:
+    """GOOD plus a field whose value is written as is (JSON that json.dumps would not write)."""
+    return json.dumps(GOOD).encode()[:-1] + b', "' + name.encode() + b'": ' + literal + b"}"
+
+
+# Refused while the body is parsed: param is null, the message says what is wrong.
+JSON_LEVEL = {
+    "100k nested arrays": (b"[" * 100_000 + b"]" * 100_000, "deeper than"),
+    "100k nested objects": (b'{"a":' * 100_000 + b"1" + b"}" * 100_000, "deeper than"),
+    "not UTF-8": (_with(model="tiny-chat").replace(b"tiny-chat", b"tiny-\xff\xfechat"), "not valid UTF-8"),
+    "overlong UTF-8": (_with(user="x").replace(b'"x"', b'"\xc0\xaf"'), "not valid UTF-8"),
+    "UTF-16": (json.dumps(GOOD).encode("utf-16"), "not valid UTF-8"),
+    "lone surrogate": (_with_literal("user", b'"a\\ud800b"'), "surrogate"),
+    "NaN": (_with_literal("temperature", b"NaN"), "NaN"),
+    "Infinity": (_with_literal("temperature", b"Infinity"), "Infinity"),
+    "-Infinity": (_with_literal("temperature", b"-Infinity"), "Infinity"),
+    "1e400": (_with_literal("temperature", b"1e400"), "out of range"),
+    "10**5000": (_with_literal("seed", b"1" + b"0" * 5000), "digits"),
+    "duplicate key": (_with_literal("model", b'"other-model"'), 'duplicate key "model"'),
+    "expands when parsed": (b"[" + b"0," * 300_000 + b"0]", "more than"),
+    "many empty objects": (b"[" + b"{}," * 200_000 + b"{}]", "more than"),
+    "not JSON": (b'{"model": ', "not valid JSON"),
+}
+
+
+@pytest.mark.parametrize("name", list(JSON_LEVEL))
+def test_unparsable_body_is_400(server, name):
+    raw, says = JSON_LEVEL[name]
+    assert len(raw) < 1024 * 1024  # under the size cap: refused for what it is, not its size
+    status, _, body = _raw(server, _head(server, len(raw)) + raw)
+    err = _error(status, body, 400, "invalid_json")
+    assert says in err["message"]
+    _still_serving(server)
+
+
+# Parsed, then refused by type or range: param names the field.
+TYPED = {
+    "stream as a string": (_with(stream="yes"), "stream", "invalid_type"),
+    "stream as a number": (_with(stream=1), "stream", "invalid_type"),
+    "temperature as a string": (_with(temperature="1"), "temperature", "invalid_type"),
+    "max_tokens as a float": (_with(max_tokens=2.0), "max_tokens", "invalid_type"),
+    "max_tokens 10**30": (_with(max_tokens=10**30), "max_tokens", "invalid_value"),
+    "seed 10**30": (_with(seed=10**30), "seed", "invalid_value"),
+    "seed -2**64": (_with(seed=-(2**64)), "seed", "invalid_value"),
+    "temperature 1e300": (_with(temperature=1e300), "temperature", "invalid_value"),
+    "nested bool as a string": (_with(stream=True, stream_options={"include_usage": "true"}),
+                                "stream_options.include_usage", "invalid_type"),
+}
+
+
+@pytest.mark.parametrize("name", list(TYPED))
+def test_wrong_type_or_range_is_400_with_param(server, name):
+    raw, param, code = TYPED[name]
+    _error(*_post(server, raw), 400, code, param)
+    _still_serving(server)
+
+
+def test_an_int_is_a_fine_float(server):
+    status, body = _post(server, _with(temperature=1, top_p=1))
+    assert status == 200, body
+
+
+def test_multipart_with_10000_parts_is_400(server):
+    boundary = "hostileboundary"
+    parts = "".join(f'--{boundary}\r\nContent-Disposition: form-data; name="f{i}"\r\n\r\nx\r\n' for i in range(10_000))
+    raw = (parts + f"--{boundary}--\r\n").encode()
+    assert len(raw) < 1024 * 1024
+    started = time.monotonic()
+    r = httpx.post(f"{server.base_url}/audio/transcriptions", content=raw, timeout=30,
+                   headers={"Authorization": f"Bearer {server.keys['paid']}",
+                            "Content-Type": f"multipart/form-data; boundary={boundary}"})
+    assert time.monotonic() - started < 10  # refused at the part limit, not after the whole body
+    _error(r.status_code, r.content, 400, "invalid_multipart")
+    _still_serving(server)
+
+
+def test_multipart_text_fields_still_convert(server):
+    """The form's fields arrive as strings: strict JSON types do not apply to them."""
+    r = httpx.post(f"{server.base_url}/audio/transcriptions", timeout=30,
+                   headers={"Authorization": f"Bearer {server.keys['paid']}"},
+                   data={"model": "tiny-stt", "temperature": "5"}, files={"file": ("a.wav", b"not audio")})
+    _error(r.status_code, r.content, 400, "invalid_value", "temperature")  # parsed as a number, then out of range
+
+
+def test_header_section_of_1mb_is_431(server):
+    request = _head(server, 2, extra=b"X-Padding: " + b"a" * (1024 * 1024) + b"\r\n") + b"{}"
+    with socket.create_connection(("127.0.0.1", _port(server)), timeout=30) as sock:
+        try:
+            sock.sendall(request)
+        except (BrokenPipeError, ConnectionResetError):
+            pass  # the server may answer and close before the whole head is sent
+        status, headers, body = _read_response(sock)
+    _error(status, body, 431, "request_header_fields_too_large")
+    assert headers["connection"] == "close"
+    _still_serving(server)
+
+
+def test_slow_body_is_cut_off_with_408_while_others_are_served(server):
+    raw = _with()
+    with socket.create_connection(("127.0.0.1", _port(server)), timeout=30) as sock:
+        sock.sendall(_head(server, len(raw)))
+        started = time.monotonic()
+        stop = threading.Event()
+
+        def drip() -> None:  # one byte every 0.2 s: the whole body would take ~14 s
+            for byte in raw[:-1]:
+                if stop.wait(0.2):
+                    return
+                try:
+                    sock.sendall(bytes([byte]))
+                except OSError:
+                    return
+
+        dripping = threading.Thread(target=drip, daemon=True)
+        dripping.start()
+        _still_serving(server)  # others are answered meanwhile
+        try:
+            status, headers, body = _read_response(sock)
+        finally:
+            stop.set()
+            dripping.join(5)
+    waited = time.monotonic() - started
+    _error(status, body, 408, "request_timeout")
+    assert BODY_TIMEOUT_S <= waited < BODY_TIMEOUT_S + 10
+    _still_serving(server)
+
+
+def test_client_leaving_mid_body_leaves_no_error(server, caplog):
+    caplog.set_level(logging.INFO)
+    raw = _with()
+    with socket.create_connection(("127.0.0.1", _port(server)), timeout=30) as sock:
+        sock.sendall(_head(server, len(raw)) + raw[: len(raw) // 2])
+        time.sleep(0.3)
+    time.sleep(0.3)
+    _still_serving(server)
+    assert not [r for r in caplog.records if r.levelno >= logging.ERROR], caplog.text
