@@ -5,6 +5,7 @@ yields to a paid arrival, and who gets refused. Over real HTTP on 127.0.0.1.
     python scripts/bench_tiers.py                   # about 45 s on 2 quiet CPU cores
     python scripts/bench_tiers.py --rounds 5 --paid 300 --free-clients 48 --probes 60
     python scripts/bench_tiers.py --engine vllm     # the vLLM chat engine (where it imports)
+    python scripts/bench_tiers.py --smoke           # tiny counts, transformers engine: the code path, no verdict
 
 The server runs in its own process, as ``tiergate serve`` does (the same services, app and
 uvicorn settings), so the load generators do not share its interpreter. This script starts it as
@@ -78,6 +79,8 @@ import httpx
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
+
+from benchlib import Target, judge  # noqa: E402
 
 TIERS = ["paid", "subscriber", "free", "batch"]
 BATCH_RANK = TIERS.index("batch")
@@ -760,8 +763,14 @@ def verdict(ok: bool) -> str:
     return "PASS" if ok else "FAIL"
 
 
+def note(targets: list[Target], claim: str, measured: str, ok: bool, smoke: bool) -> str:
+    """Record a judged target; return its state for the line that shows it."""
+    targets.append(Target(claim, measured, ok))
+    return "n/a (smoke)" if smoke else verdict(ok)
+
+
 def report(args, server: Server, alone: PaidRun, share: FloodPhase | None, flood: FloodPhase, per_round: list,
-           pause: dict, rec: dict, loads: tuple) -> bool:
+           pause: dict, rec: dict, loads: tuple) -> int:
     ms = 1e3
     threads = args.server_threads or "torch's default"
     print(f"engine: {args.engine}; server in its own process (tiergate serve's app + /bench records, torch threads "
@@ -777,7 +786,8 @@ def report(args, server: Server, alone: PaidRun, share: FloodPhase | None, flood
     print("phases: alone = paid only; share = + free at exactly its max_inflight (nobody refused) + batch; "
           "flood = + the free flood + batch\n")
 
-    ok_all = True
+    targets: list[Target] = []
+    smoke = args.smoke
     runs = [("alone", alone)] + ([("share", share.paid)] if share else []) + [("flood", flood.paid)]
     base = alone.latencies
     head = "".join(f"{name:>10}" for name, _ in runs)
@@ -789,9 +799,10 @@ def report(args, server: Server, alone: PaidRun, share: FloodPhase | None, flood
         line = f"{q:<26}" + "".join(f"{v * ms:>10.1f}" for v in vals)
         line += "".join(f"{v / vals[0]:>12.2f}x" for v in vals[1:])
         if q == "p99":
-            ok = vals[-1] / vals[0] <= P99_TARGET
-            ok_all &= ok
-            line += f"{'<= %.2fx' % P99_TARGET:>10}  {verdict(ok)} (flood)"
+            ratio = vals[-1] / vals[0]
+            state = note(targets, f"(b) paid p99 flood/alone <= {P99_TARGET:.2f}x", f"{ratio:.2f}x",
+                         ratio <= P99_TARGET, smoke)
+            line += f"{'<= %.2fx' % P99_TARGET:>10}  {state} (flood)"
         print(line)
     tput = [len(r.latencies) / r.wall for _, r in runs]
     print(f"{'throughput, req/s':<26}" + "".join(f"{t:>10.1f}" for t in tput)
@@ -849,8 +860,9 @@ def report(args, server: Server, alone: PaidRun, share: FloodPhase | None, flood
         step = an["step"]
         after = Counter(r["decode_after"] + r["prefill_after"] for r in rows)
         worst = max(after, default=0)
-        ok_steps = len(rows) == len(probes) and worst <= 1
-        ok_all &= ok_steps
+        state = note(targets, "(c) batch steps started after a pause order <= 1",
+                     f"max {worst} in {len(rows)}/{len(probes)} probes seen", len(rows) == len(probes) and worst <= 1,
+                     smoke)
         ends = [r["last_batch_end"] for r in rows]
         starts = [r["paid_start"] for r in rows]
         flight = [r["in_flight_ms"] for r in rows]
@@ -860,7 +872,7 @@ def report(args, server: Server, alone: PaidRun, share: FloodPhase | None, flood
         print(f"  batch steps (decode or resuming prefill) started after the order, probes by count: "
               + ", ".join(f"{k}: {after[k]}" for k in sorted(after))
               + f"  (decode max {max(r['decode_after'] for r in rows)}, prefill max "
-              f"{max(r['prefill_after'] for r in rows)}); target <= 1: the batch stops within one step  {verdict(ok_steps)}")
+              f"{max(r['prefill_after'] for r in rows)}); target <= 1: the batch stops within one step  {state}")
         print(f"  order -> last batch compute ends: p50 {pct(ends, 50) * ms:.2f} ms, max {max(ends) * ms:.2f} ms "
               f"= {pct(ends, 50) / step:.2f} / {max(ends) / step:.2f} steps of {step * ms:.2f} ms "
               f"({args.batch_streams} batch rows)")
@@ -871,9 +883,9 @@ def report(args, server: Server, alone: PaidRun, share: FloodPhase | None, flood
         print(f"  server: batch text deltas the engine delivered per stream after the order: "
               + ", ".join(f"{k}: {hist[k]}x" for k in sorted(hist)))
         if not rec.get("steps_recorded"):
-            ok_steps = bool(probes) and max(em) <= 1
-            ok_all &= ok_steps
-            print(f"  (no step records on this engine: judged on the deltas, target <= 1 per stream)  {verdict(ok_steps)}")
+            state = note(targets, "(c) batch text deltas per stream after a pause order <= 1", f"max {max(em)}",
+                         bool(probes) and max(em) <= 1, smoke)
+            print(f"  (no step records on this engine: judged on the deltas, target <= 1 per stream)  {state}")
     # client view: batch tokens received after the pause order (the server's record of it; else the paid send)
     counts = []
     for p in probes:
@@ -884,12 +896,12 @@ def report(args, server: Server, alone: PaidRun, share: FloodPhase | None, flood
     print(f"  client: batch tokens received per stream after the order: "
           + ", ".join(f"{k}: {hist[k]}x" for k in sorted(hist)) + " (includes tokens already in transit)")
     if not rec:
-        ok_steps = bool(probes) and max(counts) <= 1
-        ok_all &= ok_steps
-        print(f"  (no server records: judged on the client view, <= 1)  {verdict(ok_steps)}")
-    ok_pauses = pause["pauses"] >= len(probes)
-    ok_all &= ok_pauses
-    print(f"  tiergate_batch_pauses +{pause['pauses']:.0f} for {len(probes)} probes  {verdict(ok_pauses)}")
+        state = note(targets, "(c) batch tokens per stream after a pause order (client view) <= 1",
+                     f"max {max(counts, default=0)}", bool(probes) and max(counts) <= 1, smoke)
+        print(f"  (no server records: judged on the client view, <= 1)  {state}")
+    state = note(targets, "(c) tiergate_batch_pauses rises by one per probe", f"+{pause['pauses']:.0f} for {len(probes)}",
+                 pause["pauses"] >= len(probes), smoke)
+    print(f"  tiergate_batch_pauses +{pause['pauses']:.0f} for {len(probes)} probes  {state}")
     lat = [p["latency"] for p in probes]
     print(f"  probe latency p50 {pct(lat, 50) * ms:.1f} ms, max {max(lat) * ms:.1f} ms; outcomes "
           f"{dict(Counter(p['status'] for p in probes))}; batch streams {dict(Counter((s.finish, s.completion_tokens) for s in pause['streams']))}\n")
@@ -908,20 +920,18 @@ def report(args, server: Server, alone: PaidRun, share: FloodPhase | None, flood
         mq, ml = rej.get((tier, "queue_full"), 0), rej.get((tier, "latency_target"), 0)
         print(f"  {tier:<7}{sent:>7}{oc.get('ok', 0):>7}{f'{qf} [{mq}]':>18}{f'{lt} [{ml}]':>22}{other429:>11}{other:>7}")
     paid_refused = sum(v for k, v in outcomes["paid"].items() if k != "ok")
-    ok_paid = paid_refused == 0
-    ok_all &= ok_paid
-    print(f"  paid refused or failed: {paid_refused} (target 0)  {verdict(ok_paid)}")
+    state = note(targets, "(d) paid requests refused or failed == 0", str(paid_refused), paid_refused == 0, smoke)
+    print(f"  paid refused or failed: {paid_refused} (target 0)  {state}")
     sent = sum(flood.free_outcomes.values())
     served = f"served ones p50 {pct(flood.free_latencies, 50) * ms:.0f} ms" if flood.free_latencies else "none served"
     print(f"  free flood: {sent} requests in {flood.free_seconds:.0f}s ({sent / flood.free_seconds:.0f}/s); {served}")
     print(f"  batch streams, paused through the flood and resumed after: "
           f"{dict(Counter((s.finish, s.completion_tokens) for s in flood.streams))}, unfinished "
           f"{flood.unfinished_batch}; batch pauses +{flood.pauses:.0f}")
-    print(f"\noverall: {verdict(ok_all)}")
-    return ok_all
+    return judge(targets, smoke=smoke, note="(b) paid latency, (c) batch yielding, (d) refusals")
 
 
-async def run(args: argparse.Namespace) -> bool:
+async def run(args: argparse.Namespace) -> int:
     from demo import build_demo_models
 
     model = build_demo_models(args.models_dir, names=[MODEL])[MODEL].resolve()
@@ -996,12 +1006,18 @@ def main() -> int:
                          "(one per core). See docs/BENCHMARKS.md for why the default is 1")
     ap.add_argument("--switch-interval", type=float, help="diagnostic: the server's sys.setswitchinterval "
                     "(Python's default 0.005 s)")
+    ap.add_argument("--smoke", action="store_true", help="tiny counts on the transformers engine, one round, no "
+                    "share phase: the code path, no verdict (~20 s)")
     ap.add_argument("--serve", metavar="CONFIG", help=argparse.SUPPRESS)  # internal: the server process
     ap.add_argument("--port", type=int, help=argparse.SUPPRESS)
     args = ap.parse_args()
     if args.serve:
         return serve(args.serve, args.port, args.switch_interval, args.server_threads)
-    return 0 if asyncio.run(run(args)) else 1
+    if args.smoke:
+        args.engine = "transformers"
+        args.rounds, args.paid, args.free_clients, args.free_tokens, args.share = 1, 8, 4, 8, False
+        args.flood_warmup, args.batch_streams, args.batch_tokens, args.probes = 0.3, 2, 48, 2
+    return asyncio.run(run(args))
 
 
 if __name__ == "__main__":

@@ -66,7 +66,8 @@ def judge(targets: list[Target], smoke: bool = False, note: str = "") -> int:
             else:
                 print(f"  {'info':<5} {t.claim}: {t.measured} (would {state}; not judged here)")
         elif t.ok is None and not smoke:
-            print(f"  {state:<5} {t.claim}: n/a {t.why_not}")
+            shown = f"{t.measured}, not judged: " if t.measured != "n/a" else ""
+            print(f"  {state:<5} {t.claim}: {shown}n/a {t.why_not}")
         else:
             print(f"  {state:<5} {t.claim}: {t.measured}")
     line = verdict_of(targets, smoke)
