@@ -1,0 +1,101 @@
+"""Every benchmark runs end to end in its ``--smoke`` mode (tiny counts, the real code path) and
+ends with a well-formed verdict line whose exit status agrees with it. The figures are not checked:
+speed targets live in the benchmarks, never in tests. Plus the verdict rules themselves."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT / "scripts"))
+
+from benchlib import SMOKE, VERDICT_LINE, Target, at_least, judge, verdict_of  # noqa: E402
+
+
+def run_smoke(script: str, *args: str) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, str(ROOT / "scripts" / script), "--smoke", *args], cwd=ROOT,
+                          capture_output=True, text=True, timeout=240)
+
+
+def check_verdict(proc: subprocess.CompletedProcess) -> str:
+    lines = proc.stdout.rstrip("\n").splitlines()
+    assert lines, f"no output; stderr:\n{proc.stderr[-3000:]}"
+    last = lines[-1]
+    match = VERDICT_LINE.match(last)
+    assert match, f"last line is not a verdict: {last!r}; stderr:\n{proc.stderr[-3000:]}"
+    if match["judged"] == "FAIL":
+        assert proc.returncode != 0, last
+    else:
+        assert proc.returncode == 0, f"{last!r} but exit status {proc.returncode}; stderr:\n{proc.stderr[-3000:]}"
+    return last
+
+
+@pytest.mark.parametrize("script", ["bench_admission.py", "bench_lora_merge.py"])
+def test_smoke_without_models(script: str) -> None:
+    assert check_verdict(run_smoke(script)) == f"verdict: n/a {SMOKE}"
+
+
+def test_smoke_bench_swap(demo_dir: Path, tiny_chat: Path) -> None:
+    last = check_verdict(run_smoke("bench_swap.py", "--models-dir", str(demo_dir), "--device", "cpu"))
+    assert last == f"verdict: n/a {SMOKE}"
+
+
+def test_smoke_bench_chat(tiny_chat: Path) -> None:
+    assert check_verdict(run_smoke("bench_chat.py", "--model", str(tiny_chat))) == f"verdict: n/a {SMOKE}"
+
+
+def test_smoke_bench_tiers(demo_dir: Path, tiny_chat: Path) -> None:
+    assert check_verdict(run_smoke("bench_tiers.py", "--models-dir", str(demo_dir))) == f"verdict: n/a {SMOKE}"
+
+
+# -- the verdict rules ----------------------------------------------------------------------------
+
+MET = Target("a >= 1x", "2.00x", True)
+MISSED = Target("b >= 1x", "0.50x", False)
+ON_CPU = Target("c >= 5x", "12x", None, "on CPU (no device memory)")
+INFO_MISSED = Target("d >= 1x", "0.70x", False, judged=False)
+
+
+@pytest.mark.parametrize(
+    ("targets", "line"),
+    [
+        ([MET], "verdict: PASS (1 of 1 judged targets met)"),
+        ([MET, ON_CPU], "verdict: PASS (1 of 1 judged targets met, 1 n/a)"),
+        ([MET, MISSED], "verdict: FAIL (1 of 2 judged targets missed)"),
+        ([MISSED, ON_CPU], "verdict: FAIL (1 of 1 judged targets missed, 1 n/a)"),
+        ([ON_CPU, ON_CPU], "verdict: n/a on CPU (no device memory)"),
+        ([MET, INFO_MISSED], "verdict: PASS (1 of 1 judged targets met)"),  # another issue's target
+        ([INFO_MISSED], "verdict: n/a (no target judged)"),
+        ([], "verdict: n/a (no target judged)"),
+    ],
+)
+def test_verdict_of(targets: list[Target], line: str) -> None:
+    assert verdict_of(targets) == line
+    assert VERDICT_LINE.match(line)
+
+
+def test_smoke_never_judges() -> None:
+    assert verdict_of([MISSED], smoke=True) == f"verdict: n/a {SMOKE}"
+
+
+def test_at_least() -> None:
+    assert at_least("r", 1.5, 1.5).ok is True
+    assert at_least("r", 1.49, 1.5).ok is False
+    assert at_least("r", None, 1.5, why_not="(not measured)") == Target("r >= 1.5x", "n/a", None, "(not measured)")
+
+
+@pytest.mark.parametrize("line", ["verdict: PASS!", "verdict: n/a", "verdict: FAIL (", "overall: PASS", "PASS"])
+def test_malformed_lines_are_not_verdicts(line: str) -> None:
+    assert not VERDICT_LINE.match(line)
+
+
+def test_judge_prints_the_verdict_last_and_exits_by_it(capsys) -> None:
+    assert judge([MET, MISSED]) == 1
+    assert judge([MET, ON_CPU]) == 0
+    assert judge([ON_CPU]) == 0
+    last = capsys.readouterr().out.rstrip("\n").splitlines()[-1]
+    assert last == "verdict: n/a on CPU (no device memory)"
