@@ -328,9 +328,11 @@ class Arbiter:
         self._oom_retried.add(model)
         self._start_load(model, victim, tier)
 
-    def relieve_oom(self, model: str, tier: int) -> bool:
-        """Out of memory during a step of ``model``: evict the least valuable other model (in the
-        background); True if there was one, so the caller retries once."""
+    async def relieve_oom(self, model: str, tier: int) -> bool:
+        """Out of memory during a step of ``model``: evict the least valuable other model that
+        ``tier`` may evict and return once that eviction has finished, so the caller's one retry
+        finds the memory free. False (nothing evicted) when there is no such model or the device
+        is busy loading. The eviction runs to its end even if the caller is cancelled."""
         victim = policy.pick_oom_victim(self._view(), {model}, tier, self.batch_rank)
         if victim is None or self._loading is not None:
             return False
@@ -343,7 +345,7 @@ class Arbiter:
                 self._loading = None
                 self._schedule()
 
-        asyncio.get_running_loop().create_task(run())
+        await asyncio.shield(asyncio.get_running_loop().create_task(run()))
         return True
 
     # -- effects ------------------------------------------------------------------------------------

@@ -1,5 +1,5 @@
-"""The OpenAI Batch API: ``/v1/files`` and ``/v1/batches``, and the runner that works through
-the backlog at the batch tier.
+"""The batch runner: one per process, it claims lines from the store, runs each through its
+endpoint's serving core at the batch tier, records the outcome, and finishes batches.
 
 A batch goes ``validating`` -> ``in_progress`` -> ``finalizing`` -> ``completed`` (or ``expired``
 after 24 hours), or ``cancelling`` -> ``cancelled``, or ``failed`` when its input file has no
@@ -7,347 +7,70 @@ request at all. Bad lines do not fail a batch: they go to its error file, like r
 endpoint refused. Every line runs as the batch's owner at the batch tier, whoever submitted it,
 so batch work only ever uses an otherwise idle GPU.
 
-The runner in each process claims up to ``concurrency`` lines from the store, calls the endpoint
-for each (waiting at the gate like any batch-tier request; a 429 means "later", never failure),
-and records the outcome. What survives a crash, and why nothing is recorded twice, is the
-store's business (``gateway.batch_store``); the runner only has to keep its claims alive
-(``touch``) while it works on them and give them back when it stops.
-
-Endpoints a batch can call are ``async (services, caller, body) -> Response`` functions. Chat and
-image generations are built in; other features (speech) add theirs at install time::
-
-    services.extras.setdefault("batch_endpoints", {})["/v1/audio/speech"] = lambda s, c, b: speak(s, c, b, None)
-
-A JSON response becomes the output line's ``response.body``; any other (speech audio) becomes
-``{"content_type": ..., "encoding": "base64", "data": ...}``.
+The runner claims up to ``concurrency`` lines from the store, calls the endpoint for each
+(``batch.endpoints``: waiting at the gate like any batch-tier request; a 429 means "later", never
+failure), and records the outcome. What survives a crash, and why nothing is recorded twice, is
+the store's business (``batch.store``); the runner only has to keep its claims alive (``touch``)
+while it works on them and give them back when it stops.
 """
 
 from __future__ import annotations
 
 import asyncio
-import base64
 import json
 import logging
 import os
 import random
-import re
 import secrets
 import socket
 import time
 import uuid
-from typing import Any, Awaitable, Callable, Literal
+from pathlib import Path
+from typing import Any, Awaitable, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, field_validator
-from starlette.datastructures import UploadFile
-from starlette.requests import Request
-from starlette.responses import JSONResponse, Response
-from starlette.routing import Route
-
+from batch.endpoints import ENDPOINTS, Endpoint, line_body
+from batch.lines import error_line, parse_input, response_line
+from batch.redis_store import RedisStore
+from batch.sqlite_store import SQLiteStore
+from batch.store import BatchInfo, FileInfo, Job, Line, Outcome, Store
 from gateway.auth import Caller
-from gateway.batch_store import BatchInfo, FileInfo, Job, Line, Outcome, Store, open_store
-from gateway.chat import complete
-from gateway.errors import APIError, bad_request, not_found
-from gateway.images import generate
-from gateway.schemas import parse, read_json
+from gateway.errors import APIError
 from gateway.service import Services
 
 log = logging.getLogger("tiergate.batches")
 
-Endpoint = Callable[[Services, Caller, dict], Awaitable[Response]]
-
-BATCH_ENDPOINTS = ("/v1/chat/completions", "/v1/images/generations", "/v1/audio/speech")
-WINDOW_S = 24 * 3600
 MAX_DELIVERIES = 5  # a line whose process died this many times running it is recorded as failed
 RETRIES_503 = 5  # "model unavailable" is retried this often before the line fails
-_FORM_SLACK = 64 * 1024  # multipart framing on top of the file itself
 
 
-async def _chat(svc: Services, caller: Caller, body: dict) -> Response:
-    if body.get("stream"):
-        raise bad_request("stream is not supported in a batch", "stream")
-    return await complete(svc, caller, body, None)
-
-
-async def _images(svc: Services, caller: Caller, body: dict) -> Response:
-    return await generate(svc, caller, body, None)  # response_format "url" is refused: b64_json only
-
-
-BUILTIN_ENDPOINTS: dict[str, Endpoint] = {"/v1/chat/completions": _chat, "/v1/images/generations": _images}
-
-
-def install_batches(services: Services) -> list[Route]:
-    """Open the configured store and start the runner with the app; the Batch API's routes."""
-    cfg = services.config.batch
-    data_dir = cfg.data_dir if cfg.data_dir.is_absolute() else services.config.source.parent / cfg.data_dir
-    runner = Runner(services, open_store(cfg.store, data_dir))
-    services.extras["batches"] = runner
-    services.on_startup.append(runner.start)
-    services.on_shutdown.append(runner.stop)
-    return [
-        Route("/v1/files", upload_file, methods=["POST"]),
-        Route("/v1/files/{file_id}", get_file, methods=["GET"]),
-        Route("/v1/files/{file_id}", delete_file, methods=["DELETE"]),
-        Route("/v1/files/{file_id}/content", file_content, methods=["GET"]),
-        Route("/v1/batches", create_batch, methods=["POST"]),
-        Route("/v1/batches", list_batches, methods=["GET"]),
-        Route("/v1/batches/{batch_id}", get_batch, methods=["GET"]),
-        Route("/v1/batches/{batch_id}/cancel", cancel_batch, methods=["POST"]),
-    ]
-
-
-# -- files -------------------------------------------------------------------------------------
-
-def _context(request: Request) -> tuple[Services, "Runner", Caller]:
-    svc: Services = request.app.state.services
-    return svc, svc.extras["batches"], svc.authenticate(request)
-
-
-async def upload_file(request: Request) -> Response:
-    """POST /v1/files: multipart ``file`` (JSONL) and ``purpose=batch``."""
-    svc, runner, caller = _context(request)
+def runner_for(svc: Services) -> Runner:
+    """The process's runner on the configured store, started and stopped with the app."""
     cfg = svc.config.batch
-    if not request.headers.get("content-type", "").startswith("multipart/form-data"):
-        raise APIError(415, "upload files as multipart/form-data with the fields 'file' and 'purpose'",
-                       "unsupported_media_type")
-    too_big = APIError(413, f"the file is larger than {cfg.max_file_bytes} bytes", "file_too_large", "file")
-    declared = request.headers.get("content-length", "")
-    if declared.isdigit() and int(declared) > cfg.max_file_bytes + _FORM_SLACK:
-        raise too_big
-    async with _capped(request, cfg.max_file_bytes + _FORM_SLACK, too_big).form(max_files=1, max_fields=8) as form:
-        purpose, upload = form.get("purpose"), form.get("file")
-        if purpose is None:
-            raise bad_request("missing required parameter: purpose", "purpose", "missing_required_parameter")
-        if purpose != "batch":
-            raise bad_request(f"purpose is {purpose!r}; this server takes only 'batch' files", "purpose")
-        if not isinstance(upload, UploadFile):
-            raise bad_request("missing required parameter: file (a file part)", "file", "missing_required_parameter")
-        content = await upload.read(cfg.max_file_bytes + 1)
-        filename = upload.filename or "upload.jsonl"
-    if len(content) > cfg.max_file_bytes:
-        raise too_big
-    try:
-        text = content.decode("utf-8")
-    except UnicodeDecodeError:
-        raise bad_request("the file is not UTF-8 text (JSONL expected)", "file", "invalid_file") from None
-    n = sum(1 for ln in text.splitlines() if ln.strip())
-    if n > cfg.max_lines:
-        raise bad_request(f"the file has {n} requests; at most {cfg.max_lines} are allowed", "file", "too_many_lines")
-    info = FileInfo(f"file-{uuid.uuid4().hex}", caller.key_id, "batch", filename, len(content), int(time.time()))
-    await runner.store.put_file(info, content)
-    return JSONResponse(info.public())
+    data_dir = cfg.data_dir if cfg.data_dir.is_absolute() else svc.config.source.parent / cfg.data_dir
+    runner = Runner(svc, open_store(cfg.store, data_dir))
+    svc.on_startup.append(runner.start)
+    svc.on_shutdown.append(runner.stop)
+    return runner
 
 
-def _capped(request: Request, limit: int, error: APIError) -> Request:
-    """``request`` whose body raises ``error`` once more than ``limit`` bytes have arrived."""
-    seen = 0
+def open_store(spec: str, data_dir: Path) -> Store:
+    """``"sqlite"`` -> a file in ``data_dir``; ``redis://...`` -> Redis at that URL."""
+    if spec == "sqlite":
+        return SQLiteStore(data_dir / "batches.sqlite3")
+    if spec.startswith(("redis://", "rediss://")):
+        return RedisStore(spec)
+    raise ValueError(f"unknown batch store {spec!r}: use 'sqlite' or a redis:// URL")
 
-    async def receive() -> dict:
-        nonlocal seen
-        message = await request.receive()
-        seen += len(message.get("body", b""))
-        if seen > limit:
-            raise error
-        return message
-
-    return Request(request.scope, receive)
-
-
-async def _owned_file(runner: "Runner", caller: Caller, file_id: str, param: str = "file_id") -> FileInfo:
-    """The file if ``caller`` may see it; 404 alike for missing files and other keys' files."""
-    info = await runner.store.get_file(file_id)
-    if info is None or not (caller.admin or info.owner == caller.key_id):
-        raise not_found(f"no such file: '{file_id}'", param, "file_not_found")
-    return info
-
-
-async def get_file(request: Request) -> Response:
-    _, runner, caller = _context(request)
-    return JSONResponse((await _owned_file(runner, caller, request.path_params["file_id"])).public())
-
-
-async def file_content(request: Request) -> Response:
-    _, runner, caller = _context(request)
-    info = await _owned_file(runner, caller, request.path_params["file_id"])
-    content = await runner.store.file_content(info.id)
-    if content is None:  # deleted meanwhile
-        raise not_found(f"no such file: '{info.id}'", "file_id", "file_not_found")
-    safe = re.sub(r"[^A-Za-z0-9._-]", "_", info.filename)  # the uploader chose it: keep it out of the header
-    return Response(content, media_type="application/jsonl", headers={"content-disposition": f'attachment; filename="{safe}"'})
-
-
-async def delete_file(request: Request) -> Response:
-    _, runner, caller = _context(request)
-    info = await _owned_file(runner, caller, request.path_params["file_id"])
-    deleted = await runner.store.delete_file(info.id)
-    return JSONResponse({"id": info.id, "object": "file", "deleted": deleted})
-
-
-# -- batches -----------------------------------------------------------------------------------
-
-class BatchCreate(BaseModel):
-    model_config = ConfigDict(extra="forbid")
-
-    input_file_id: str = Field(min_length=1)
-    endpoint: Literal[BATCH_ENDPOINTS]
-    completion_window: Literal["24h"]
-    metadata: dict[str, str] | None = None
-    output_expires_after: dict[str, Any] | None = None  # accepted; outputs are kept until deleted
-
-    @field_validator("metadata")
-    @classmethod
-    def _metadata(cls, v: dict[str, str] | None) -> dict[str, str] | None:
-        if v is not None and (len(v) > 16 or any(len(k) > 64 or len(x) > 512 for k, x in v.items())):
-            raise ValueError("at most 16 pairs, keys up to 64 characters, values up to 512")
-        return v
-
-
-async def create_batch(request: Request) -> Response:
-    svc, runner, caller = _context(request)
-    body = parse(BatchCreate, await read_json(request, svc.config.limits.max_body))
-    if body.endpoint not in runner.endpoints():
-        served = ", ".join(sorted(runner.endpoints()))
-        raise bad_request(f"{body.endpoint} is not served in batches by this server (it serves {served})", "endpoint")
-    info = await _owned_file(runner, caller, body.input_file_id, "input_file_id")
-    if info.purpose != "batch":
-        raise bad_request(f"the file's purpose is {info.purpose!r}, not 'batch'", "input_file_id")
-    now = int(time.time())
-    batch = BatchInfo(id=f"batch_{time.time_ns():016x}{secrets.token_hex(4)}",  # ids sort by time
-                      owner=caller.key_id, endpoint=body.endpoint, input_file_id=info.id,
-                      completion_window=body.completion_window, created_at=now, expires_at=now + WINDOW_S,
-                      metadata=body.metadata)
-    await runner.store.create_batch(batch)
-    runner.soon("validate", batch.id)
-    return JSONResponse(batch.public())
-
-
-async def _owned_batch(runner: "Runner", caller: Caller, batch_id: str) -> BatchInfo:
-    batch = await runner.store.get_batch(batch_id)
-    if batch is None or not (caller.admin or batch.owner == caller.key_id):
-        raise not_found(f"no such batch: '{batch_id}'", "batch_id", "batch_not_found")
-    return batch
-
-
-async def get_batch(request: Request) -> Response:
-    _, runner, caller = _context(request)
-    return JSONResponse((await _owned_batch(runner, caller, request.path_params["batch_id"])).public())
-
-
-async def list_batches(request: Request) -> Response:
-    """GET /v1/batches?after=&limit=: the caller's batches (an admin's: everyone's), newest first."""
-    _, runner, caller = _context(request)
-    raw = request.query_params.get("limit", "20")
-    if not raw.isdigit() or not 1 <= int(raw) <= 100:
-        raise bad_request(f"limit must be an integer from 1 to 100, not {raw!r}", "limit")
-    limit = int(raw)
-    owner = None if caller.admin else caller.key_id
-    page = await runner.store.list_batches(owner, request.query_params.get("after") or None, limit + 1)
-    data = [b.public() for b in page[:limit]]
-    return JSONResponse({"object": "list", "data": data, "first_id": data[0]["id"] if data else None,
-                         "last_id": data[-1]["id"] if data else None, "has_more": len(page) > limit})
-
-
-async def cancel_batch(request: Request) -> Response:
-    _, runner, caller = _context(request)
-    batch = await _owned_batch(runner, caller, request.path_params["batch_id"])
-    if await runner.store.set_status(batch.id, ["validating", "in_progress"], "cancelling",
-                                     cancelling_at=int(time.time())):
-        runner.soon("finish", batch.id)
-    else:
-        batch = await _owned_batch(runner, caller, batch.id)
-        if batch.status not in ("cancelling", "cancelled"):
-            raise APIError(409, f"cannot cancel a batch that is {batch.status}", "batch_not_cancellable")
-    return JSONResponse((await _owned_batch(runner, caller, batch.id)).public())
-
-
-# -- input validation --------------------------------------------------------------------------
-
-def parse_input(content: bytes, endpoint: str) -> tuple[list[Line], list[Outcome]]:
-    """The runnable lines of an input file, and an error outcome for each bad one. Blank lines
-    are skipped; a line's index is its position in the file (0-based)."""
-    lines: list[Line] = []
-    invalid: list[Outcome] = []
-    seen: set[str] = set()
-    for index, raw in enumerate(content.decode("utf-8", errors="replace").splitlines()):
-        if raw.strip():
-            checked = _check_line(index, raw, endpoint, seen)
-            (lines if isinstance(checked, Line) else invalid).append(checked)
-    return lines, invalid
-
-
-def _check_line(index: int, raw: str, endpoint: str, seen: set[str]) -> Line | Outcome:
-    def bad(code: str, message: str, custom_id: str | None = None) -> Outcome:
-        return error_line(index, custom_id, code, f"line {index + 1}: {message}")
-
-    try:
-        doc = json.loads(raw)
-    except ValueError:
-        return bad("invalid_json", "not valid JSON")
-    if not isinstance(doc, dict):
-        return bad("invalid_json", "not a JSON object")
-    cid = doc.get("custom_id")
-    if not isinstance(cid, str) or not cid:
-        return bad("missing_custom_id", "custom_id must be a non-empty string")
-    if cid in seen:
-        return bad("duplicate_custom_id", f"custom_id {cid!r} is used by an earlier line", cid)
-    seen.add(cid)
-    if doc.get("method") != "POST":
-        return bad("invalid_method", f"method is {doc.get('method')!r}; only POST is supported", cid)
-    if doc.get("url") != endpoint:
-        return bad("invalid_url", f"url is {doc.get('url')!r}; this batch's endpoint is {endpoint}", cid)
-    if not isinstance(doc.get("body"), dict):
-        return bad("invalid_body", "body must be a JSON object", cid)
-    return Line(index, cid, doc["body"])
-
-
-def error_line(index: int, custom_id: str | None, code: str, message: str) -> Outcome:
-    """An error-file line for a request that got no response (bad line, cancelled, expired)."""
-    return Outcome(index, False, {"id": f"batch_req_{uuid.uuid4().hex}", "custom_id": custom_id,
-                                  "response": None, "error": {"code": code, "message": message}})
-
-
-def response_line(line: Line, status: int, body: Any, request_id: str) -> Outcome:
-    """An output-file line (2xx) or error-file line (anything else) for a request that ran."""
-    return Outcome(line.index, 200 <= status < 300, {
-        "id": f"batch_req_{uuid.uuid4().hex}", "custom_id": line.custom_id,
-        "response": {"status_code": status, "request_id": request_id, "body": body}, "error": None})
-
-
-async def _served(response: Response) -> tuple[int, Any, dict[str, str]]:
-    """Play ``response`` into memory (any kind, streaming too) -> (status, body for the line,
-    headers)."""
-    start: dict = {}
-    body = bytearray()
-
-    async def send(message: dict) -> None:
-        if message["type"] == "http.response.start":
-            start.update(message)
-        elif message["type"] == "http.response.body":
-            body.extend(message.get("body", b""))
-
-    async def receive() -> dict:  # a batch line has no client to disconnect
-        await asyncio.Event().wait()
-        return {"type": "http.disconnect"}
-
-    scope = {"type": "http", "asgi": {"spec_version": "2.4"}, "method": "POST", "path": "/", "headers": []}
-    await response(scope, receive, send)
-    headers = {k.decode().lower(): v.decode() for k, v in start.get("headers", [])}
-    ctype = headers.get("content-type", "")
-    if ctype.startswith("application/json"):
-        return start["status"], json.loads(body), headers
-    data = base64.b64encode(bytes(body)).decode()
-    return start["status"], {"content_type": ctype, "encoding": "base64", "data": data}, headers
-
-
-# -- the runner --------------------------------------------------------------------------------
 
 class Runner:
     """Claims lines from the store, runs them at the batch tier, records their outcomes, and
     finishes batches. One per process; any number of processes may share a store."""
 
-    def __init__(self, svc: Services, store: Store) -> None:
+    def __init__(self, svc: Services, store: Store, endpoints: dict[str, Endpoint] | None = None) -> None:
         cfg = svc.config.batch
         self.svc = svc
         self.store = store
+        self.endpoints = dict(ENDPOINTS if endpoints is None else endpoints)  # url -> what runs its lines
         self.tier = next((t.name for t in svc.gate.tiers.values() if t.is_batch), svc.config.tier_names[-1])
         self.concurrency = min(cfg.concurrency, svc.gate.tiers[self.tier].max_inflight)
         self.reclaim_after_s = cfg.reclaim_after_s
@@ -361,9 +84,6 @@ class Runner:
         self._soon: dict[tuple[str, str], asyncio.Task] = {}
         self._loops: list[asyncio.Task] = []
         self._wake = asyncio.Event()
-
-    def endpoints(self) -> dict[str, Endpoint]:
-        return {**BUILTIN_ENDPOINTS, **self.svc.extras.get("batch_endpoints", {})}
 
     async def start(self) -> None:
         await self.store.open()
@@ -498,7 +218,7 @@ class Runner:
         """Run one line as its batch's owner at the batch tier. Waiting is never failure: a 429
         (queue full, model protected) is retried after its Retry-After, for as long as it takes;
         a 503 a few times. Any other error is the line's outcome."""
-        endpoint = self.endpoints().get(batch.endpoint)
+        endpoint = self.endpoints.get(batch.endpoint)
         caller = Caller(tier=self.tier, key_id=batch.owner)
         attempt = 0
         while True:
@@ -507,7 +227,7 @@ class Runner:
                 return response_line(line, 404, APIError(404, f"{batch.endpoint} is not served here", "not_found").body(),
                                      request_id)
             try:
-                status, body, headers = await _served(await endpoint(self.svc, caller, dict(line.body)))
+                status, body, headers = 200, line_body(await endpoint(self.svc, caller, dict(line.body))), {}
             except APIError as exc:
                 status, body, headers = exc.status, exc.body(), exc.headers
             except Exception as exc:  # noqa: BLE001 - a bug or a worker crash: this line failed

@@ -18,7 +18,7 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Iterable, Sequence
+from typing import TYPE_CHECKING, Any, Iterable, Sequence
 
 from safetensors import safe_open
 
@@ -29,6 +29,9 @@ from lora_kernels import AdapterFormatError, LoraAdapter, load_diffusers_lora, l
 from lora_kernels.adapters import DIFFUSERS_WEIGHTS, PEFT_CONFIG
 from lora_kernels.stack import resolve_module
 from workers.base import AdapterStackSpec, ModelSpec
+
+if TYPE_CHECKING:
+    from gateway.service import Services
 
 DENOISERS = ("unet", "transformer")  # the pipeline component a diffusers LoRA may target
 
@@ -101,22 +104,11 @@ class AdapterRegistry:
         return tuple(stack)
 
 
-def registry(svc: Any) -> AdapterRegistry:
-    """The services' adapter registry (empty when none was installed)."""
-    return svc.extras.get("adapters") or AdapterRegistry()
-
-
-def install(svc: Any, adapters: AdapterRegistry) -> None:
-    """Make the adapters selectable by requests and listed by /v1/models."""
-    svc.extras["adapters"] = adapters
-    svc.extras["adapter_rows"] = adapters.rows
-
-
-def resolve_request(svc: Any, model: str, choices: Sequence[AdapterChoice] | None,
+def resolve_request(svc: "Services", model: str, choices: Sequence[AdapterChoice] | None,
                     kind: str) -> tuple[ModelSpec, AdapterStackSpec]:
     """The base model's spec and the adapter stack of one request (errors as the API's 4xx; an
     unknown model is a 404 before anything is said about its adapters)."""
-    adapters = registry(svc)
+    adapters = svc.adapters
     if model not in adapters:
         svc.spec(model, kind)
     stack = adapters.stack(model, choices, kind)

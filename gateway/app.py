@@ -32,9 +32,8 @@ _STATUS_CODES = {404: "not_found", 405: "method_not_allowed", 413: "request_too_
 
 
 def build_services(config: Config, keys: KeyRing) -> Services:
-    last = len(config.tiers) - 1
     policies = [
-        TierPolicy(t.name, i, t.max_inflight, t.max_queued, t.latency_target_s, is_batch=(i == last and t.name == "batch"))
+        TierPolicy(t.name, i, t.max_inflight, t.max_queued, t.latency_target_s, is_batch=t.batch)
         for i, t in enumerate(config.tiers)
     ]
     gate = Gate(policies, config.gate.slots)
@@ -44,8 +43,8 @@ def build_services(config: Config, keys: KeyRing) -> Services:
         device=device,
         budget=device_budget(device, config.gpu.vram_budget, config.gpu.reserve),
         host_cache_budget=config.gpu.host_cache_budget,
-        protect_window_s=config.gpu.protect_window_s,
-        batch_rank=last,
+        protect_window_s=config.eviction.protect_window_s,
+        batch_rank=config.batch_rank,
     )
     gate.on_change = lambda: arbiter.set_demand(gate.others_busy())
     services = Services(config, keys, gate, arbiter, Metrics(gate, arbiter))

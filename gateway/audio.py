@@ -1,30 +1,32 @@
-"""POST /v1/audio/speech (text to speech, streamed as it is made) and POST /v1/audio/transcriptions
-(multipart upload, speech to text), OpenAI-shaped."""
+"""Speech and transcriptions: the serving cores ``serve_speech`` and ``serve_transcription``
+(shared with batch lines) and the HTTP handlers that render them, OpenAI-shaped: POST
+/v1/audio/speech (text to speech, streamed as it is made) and POST /v1/audio/transcriptions
+(multipart upload, speech to text)."""
 
 from __future__ import annotations
 
 import itertools
 import logging
-import time
 from collections.abc import AsyncIterator, Iterator
+from dataclasses import dataclass
 from typing import Literal
 
 import anyio
 import numpy as np
-import torch
 from pydantic import Field
 from python_multipart.multipart import parse_options_header
 from starlette.datastructures import FormData, UploadFile
 from starlette.formparsers import MultiPartException, MultiPartParser
 from starlette.requests import Request
 from starlette.responses import JSONResponse, PlainTextResponse, Response
-from starlette.routing import BaseRoute, Route
 from transformers.models.whisper.tokenization_whisper import LANGUAGES
 
 from gateway.auth import Caller
 from gateway.errors import APIError, bad_request
+from gateway.http import Streamed, disconnect_signal
 from gateway.schemas import _Body, _Form, parse, read_json
-from gateway.service import ClientGone, Held, HeldStream, Services, in_thread, unless_gone
+from gateway.service import ClientGone, Services
+from gateway.serving import Gone, Serving, in_thread
 from workers import audio as sound
 from workers.base import Cancelled, ModelSpec, StepContext
 from workers.stt import Transcript, TranscriptionRequest
@@ -52,17 +54,22 @@ def default_speech_format() -> str:
     return "mp3" if "mp3" in sound.supported_speech_formats() else "wav"
 
 
-async def speech(request: Request) -> Response:
-    svc: Services = request.app.state.services
-    caller = svc.admit_caller(request)
-    return await speak(svc, caller, await read_json(request, svc.config.limits.max_body), request)
+@dataclass(frozen=True)
+class SpeechJob:
+    """A checked speech request: its model, what the worker gets, and the audio's encoding."""
+
+    model: str
+    request: SpeechRequest
+    format: str
+    sample_rate: int
+
+    @property
+    def media_type(self) -> str:
+        return sound.CONTENT_TYPES[self.format]
 
 
-async def speak(svc: Services, caller: Caller, data: dict, request: Request | None) -> Response:
-    """Serve one speech body for ``caller``: streamed to a client, or whole for a batch line
-    (``request`` None)."""
-    arrived = time.monotonic()
-    body = parse(SpeechBody, data)
+async def plan_speech(svc: Services, body: SpeechBody) -> SpeechJob:
+    """The job of ``body``; an unknown voice is refused before the request takes a slot."""
     spec = svc.spec(body.model, "tts")
     fmt = _speech_format(body.response_format)
     _check_input(body.input, svc.config.limits.speech_max_chars)
@@ -71,53 +78,61 @@ async def speak(svc: Services, caller: Caller, data: dict, request: Request | No
         voices.resolve_voice(body.voice)
     except ValueError as exc:
         raise bad_request(str(exc), "voice") from None
+    return SpeechJob(spec.name, SpeechRequest(body.input, body.voice, body.speed), fmt, voices.sample_rate)
 
-    held = await unless_gone(request, svc.hold(caller.tier, spec.name, units=float(len(body.input))))
-    try:
-        worker, ctx = held.lease.worker, held.lease.context()
+
+async def serve_speech(svc: Services, caller: Caller, job: SpeechJob, gone: Gone | None) -> AsyncIterator[bytes]:
+    """The serving core: the encoded audio, a sentence a piece for wav and pcm, whole for the
+    others. What goes wrong before the first sentence is made (429/503, out of memory after
+    relief) is raised by the first ``__anext__``; closing the iterator early stops the worker at
+    its next sentence."""
+    async with Serving(svc, caller, job.model, float(len(job.request.input)), "speech", gone) as serving:
+        worker = serving.worker
+        ctx, chunks, first = await serving.step(lambda ctx: _first_sentence(worker, job, ctx), "speaking with")
+        rest = itertools.chain([first], chunks) if first is not None else iter(())
+        encoded = sound.encode_stream(rest, worker.sample_rate, job.format)
         try:
-            chunks = worker.synthesize(SpeechRequest(body.input, body.voice, body.speed), ctx)
-        except ValueError as exc:  # nothing speakable in the input
-            raise bad_request(str(exc), "input") from None
-        first = await unless_gone(request, in_thread(lambda: next(chunks, None), ctx))  # errors before any byte
-    except Cancelled:
-        held.release(ok=False)
-        raise ClientGone() from None
-    except torch.OutOfMemoryError:
-        held.release(ok=False)
-        raise APIError(503, f"out of memory speaking with {spec.name}", "out_of_memory") from None
-    except BaseException:
-        held.release(ok=False)
-        raise
-    rest = itertools.chain([first], chunks) if first is not None else iter(())
-    encoded = sound.encode_stream(rest, worker.sample_rate, fmt)
-    headers = svc.gate.rate_headers(caller.tier)
-    if fmt == "pcm":
-        headers["x-sample-rate"] = str(worker.sample_rate)
-    if request is None:  # a batch line: the whole audio as one response
-        audio = b"".join([piece async for piece in _speak(encoded, ctx, held)])
-        return Response(audio, media_type=sound.CONTENT_TYPES[fmt], headers=headers)
-    return HeldStream(_speak(encoded, ctx, held), held, svc, caller.tier, arrived, "speech",
-                      sound.CONTENT_TYPES[fmt], headers)
+            while (piece := await serving.until_gone(in_thread(lambda: next(encoded, None), ctx))) is not None:
+                yield piece
+        except Cancelled:
+            raise ClientGone() from None
+        finally:
+            ctx.cancel()
+            encoded.close()
 
 
-async def _speak(encoded: Iterator[bytes], ctx: StepContext, held: Held) -> AsyncIterator[bytes]:
-    """Encoded audio, one piece per thread call: a sentence each for wav and pcm, the whole for
-    the others. A stream cut short (client gone) stops the worker at its next sentence and
-    releases the slot as not ok, so the gate does not learn a short time for the whole input."""
-    finished = False
+async def _first_sentence(worker, job: SpeechJob, ctx: StepContext) -> tuple[StepContext, Iterator, object]:
     try:
-        while (piece := await in_thread(lambda: next(encoded, None), ctx)) is not None:
+        chunks = worker.synthesize(job.request, ctx)
+    except ValueError as exc:  # nothing speakable in the input
+        raise bad_request(str(exc), "input") from None
+    return ctx, chunks, await in_thread(lambda: next(chunks, None), ctx)
+
+
+async def speech(request: Request) -> Response:
+    """POST /v1/audio/speech: the audio streamed as it is made."""
+    svc: Services = request.app.state.services
+    caller = svc.admit_caller(request)
+    job = await plan_speech(svc, parse(SpeechBody, await read_json(request, svc.config.limits.max_body)))
+    async with disconnect_signal(request) as gone:
+        pieces = serve_speech(svc, caller, job, gone)
+        first = await pieces.__anext__()  # errors before any byte are HTTP errors
+    headers = svc.gate.rate_headers(caller.tier)
+    if job.format == "pcm":
+        headers["x-sample-rate"] = str(job.sample_rate)
+    return Streamed(_stream(first, pieces), job.media_type, headers)
+
+
+async def _stream(first: bytes, pieces: AsyncIterator[bytes]) -> AsyncIterator[bytes]:
+    """The response has started: a failure ends it short, and the gateway lives on."""
+    try:
+        yield first
+        async for piece in pieces:
             yield piece
-        finished = True
-    except Cancelled:
-        pass
-    except Exception:  # noqa: BLE001 - the response has started; it ends short, the gateway lives on
+    except Exception:  # noqa: BLE001
         log.exception("speech stream failed")
     finally:
-        ctx.cancel()
-        encoded.close()
-        held.release(ok=finished)
+        await pieces.aclose()
 
 
 def _speech_format(requested: str | None) -> str:
@@ -139,7 +154,7 @@ def _check_input(text: str, max_chars: int) -> None:
 async def _voices(svc: Services, spec: ModelSpec) -> TTSWorker:
     """The model's voices without its weights (a TTSWorker reads them from the folder), cached,
     so an unknown voice is refused before the request takes a slot or loads the model."""
-    cache: dict[str, TTSWorker] = svc.extras.setdefault("tts_voices", {})
+    cache = svc.voices
     if spec.name not in cache:
         try:
             cache[spec.name] = await anyio.to_thread.run_sync(TTSWorker, spec)
@@ -161,10 +176,38 @@ class TranscriptionForm(_Form):
     stream: Literal[False] | None = None
 
 
+@dataclass(frozen=True)
+class TranscriptionJob:
+    """A checked transcription request: its model, the decoded audio and the worker's request."""
+
+    model: str
+    audio: np.ndarray
+    rate: int
+    request: TranscriptionRequest
+
+    @property
+    def duration(self) -> float:
+        return len(self.audio) / self.rate
+
+
+async def serve_transcription(svc: Services, caller: Caller, job: TranscriptionJob, gone: Gone | None) -> Transcript:
+    """The serving core: the transcript of one upload."""
+    async with Serving(svc, caller, job.model, job.duration, "transcriptions", gone) as serving:
+        worker = serving.worker
+
+        def run(ctx: StepContext) -> Transcript:
+            return worker.transcribe(sound.resample(job.audio, job.rate, worker.sample_rate), job.request, ctx)
+
+        try:
+            return await serving.step(lambda ctx: in_thread(lambda: run(ctx), ctx), "transcribing with")
+        except ValueError as exc:  # what the worker refuses after our checks: the language
+            raise bad_request(str(exc), "language" if "language" in str(exc) else None) from None
+
+
 async def transcriptions(request: Request) -> Response:
+    """POST /v1/audio/transcriptions: a multipart upload, transcribed."""
     svc: Services = request.app.state.services
     caller = svc.admit_caller(request)
-    arrived = time.monotonic()
     limits = svc.config.limits
     async with _multipart(request, limits.transcription_max_bytes) as form:
         body = parse(TranscriptionForm, _fields(form))
@@ -173,28 +216,10 @@ async def transcriptions(request: Request) -> Response:
             raise bad_request(f"prompt is {len(body.prompt)} characters, above this server's limit of "
                               f"{limits.prompt_max_chars}", "prompt")
         audio, rate = await _decode(form, limits.transcription_max_seconds)
-    duration = len(audio) / rate
-    req = TranscriptionRequest(body.language or None, body.prompt or None, body.temperature)
-
-    held = await unless_gone(request, svc.hold(caller.tier, spec.name, units=duration))
-    ok = False
-    try:
-        worker, ctx = held.lease.worker, held.lease.context()
-
-        def run() -> Transcript:
-            return worker.transcribe(sound.resample(audio, rate, worker.sample_rate), req, ctx)
-
-        transcript = await unless_gone(request, in_thread(run, ctx))
-        ok = True
-    except Cancelled:
-        raise ClientGone() from None
-    except ValueError as exc:  # what the worker refuses after our checks: the language
-        raise bad_request(str(exc), "language" if "language" in str(exc) else None) from None
-    except torch.OutOfMemoryError:
-        raise APIError(503, f"out of memory transcribing with {spec.name}", "out_of_memory") from None
-    finally:
-        held.release(ok=ok)
-        svc.metrics.latency.labels(caller.tier, "transcriptions").observe(time.monotonic() - arrived)
+    job = TranscriptionJob(spec.name, audio, rate, TranscriptionRequest(body.language or None, body.prompt or None,
+                                                                       body.temperature))
+    async with disconnect_signal(request) as gone:
+        transcript = await serve_transcription(svc, caller, job, gone)
     return _transcript_response(transcript, body, svc.gate.rate_headers(caller.tier))
 
 
@@ -291,11 +316,3 @@ def _transcript_response(t: Transcript, body: TranscriptionForm, headers: dict[s
     return JSONResponse({"task": "transcribe", "language": LANGUAGES.get(t.language, t.language),
                          "duration": round(t.duration, 3), "text": t.text, "segments": segments, "usage": usage},
                         headers=headers)
-
-
-def routes(svc: Services) -> list[BaseRoute]:
-    svc.extras.setdefault("batch_endpoints", {})["/v1/audio/speech"] = lambda s, c, b: speak(s, c, b, None)
-    return [
-        Route("/v1/audio/speech", speech, methods=["POST"]),
-        Route("/v1/audio/transcriptions", transcriptions, methods=["POST"]),
-    ]

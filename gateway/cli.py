@@ -62,7 +62,6 @@ def _serve(args: argparse.Namespace) -> int:
     import uvicorn
 
     from gateway.app import build_services, create_app
-    from gateway.routes import extra_routes
 
     try:
         services = build_services(config, keyring)
@@ -72,7 +71,7 @@ def _serve(args: argparse.Namespace) -> int:
     except (ValueError, RuntimeError) as exc:
         print(f"tiergate: {config.source}: gpu: {exc}", file=sys.stderr)
         return 2
-    app = create_app(services, extra_routes(services))
+    app = create_app(services)
     if made:
         _print_demo_keys(made, args.host, args.port)
     uvicorn.Server(server_config(app, args.host, args.port)).run()

@@ -3,14 +3,21 @@
 ``load_config(path)`` returns a validated :class:`Config` or raises :class:`ConfigError` whose
 message is one line naming the file, the field and the problem, e.g.
 ``tiers.yaml: models[1].vram: not a size: '6 gigs'``.
+
+A model entry is one of four shapes, chosen by its ``kind``; only ``chat`` takes an ``engine``
+block (``engine: {name: vllm, kv_cache: 256MiB, ...}``, or just ``engine: vllm``). ``engine: auto``
+is resolved once, when the file is loaded, and the choice is logged with its reason. The batch
+tier is the one marked ``batch: true``, which must be the last. Reading the file imports no model
+library (sizes come from the torch-free ``arbiter.units``).
 """
 
 from __future__ import annotations
 
 import importlib.util
+import logging
 import os
 from pathlib import Path
-from typing import Annotated, Any, Literal
+from typing import Annotated, Any, Literal, Union
 
 import yaml
 from pydantic import BaseModel, BeforeValidator, ConfigDict, Field, ValidationError, field_validator, model_validator
@@ -18,6 +25,8 @@ from pydantic import BaseModel, BeforeValidator, ConfigDict, Field, ValidationEr
 from arbiter.units import parse_size
 from gateway.slo_guard import GuardSettings
 from workers.base import ModelSpec
+
+log = logging.getLogger("tiergate")
 
 
 class ConfigError(Exception):
@@ -37,38 +46,83 @@ class TierConfig(_Strict):
     max_inflight: int = Field(default=8, ge=1)
     max_queued: int = Field(default=64, ge=0)
     latency_target_s: float = Field(default=30.0, gt=0)
+    batch: bool = False  # the batch tier: runs only on an otherwise idle GPU and always yields; at most one, last
+
+    @model_validator(mode="after")
+    def _batch_is_marked(self) -> "TierConfig":
+        if self.name == "batch" and not self.batch:
+            raise ValueError("a tier named 'batch' must say batch: true (the batch tier is marked explicitly)")
+        return self
 
 
-class ModelConfig(_Strict):
-    name: str = Field(pattern=r"^[A-Za-z0-9][A-Za-z0-9._:-]*$")
-    kind: Literal["chat", "image", "tts", "stt"]
-    path: Path
-    vram: Size | None = None
-    # chat only. "auto": vLLM where it imports (the production engine), transformers otherwise.
-    engine: Literal["auto", "transformers", "vllm"] = "auto"
+class EngineConfig(_Strict):
+    """A chat model's engine and its settings: ``engine: {name: vllm, kv_cache: 256MiB, ...}``."""
+
+    # "auto": vLLM where it imports (the production engine), transformers otherwise; resolved at load
+    name: Literal["auto", "transformers", "vllm"] = "auto"
     kv_cache: Size = parse_size("256MiB")  # vLLM's KV-cache reservation (never its default of ~all memory)
     max_model_len: int | None = Field(default=None, ge=16)  # vLLM; None: the model's own
-    max_num_seqs: int = Field(default=8, ge=1)  # chat: rows decoded together in one step (both engines)
+    max_num_seqs: int = Field(default=8, ge=1)  # rows decoded together in one step (both engines)
     lora_slots: int = Field(default=2, ge=1)  # vLLM: adapter stacks resident at once (plus one spare slot)
     max_lora_rank: Literal[8, 16, 32, 64, 128, 256, 320, 512] = 64  # vLLM: the largest stack rank served
 
-    def resolved_engine(self) -> str:
-        if self.kind != "chat":
-            return "transformers"
-        if self.engine == "auto":
-            return "vllm" if importlib.util.find_spec("vllm") is not None else "transformers"
-        return self.engine
+
+def _engine_block(value: Any) -> Any:
+    """``engine: vllm`` is short for ``engine: {name: vllm}``."""
+    return {"name": value} if isinstance(value, str) else value
+
+
+class _Model(_Strict):
+    name: str = Field(pattern=r"^[A-Za-z0-9][A-Za-z0-9._:-]*$")
+    path: Path
+    vram: Size | None = None
 
     def spec(self, with_adapters: bool = False) -> ModelSpec:
-        engine = self.resolved_engine()
-        options: dict = {}
-        if self.kind == "chat":
-            options = {"max_num_seqs": self.max_num_seqs}
-        if engine == "vllm":
-            options.update(kv_cache_bytes=self.kv_cache, max_model_len=self.max_model_len)
+        return ModelSpec(self.name, self.kind, self.path, self.vram)
+
+
+class ChatModel(_Model):
+    kind: Literal["chat"]
+    engine: Annotated[EngineConfig, BeforeValidator(_engine_block)] = EngineConfig()
+
+    def spec(self, with_adapters: bool = False) -> ModelSpec:
+        engine = self.engine
+        if engine.name == "auto":
+            raise RuntimeError(f"{self.name}: engine 'auto' is resolved by load_config")
+        options: dict = {"max_num_seqs": engine.max_num_seqs}
+        if engine.name == "vllm":
+            options.update(kv_cache_bytes=engine.kv_cache, max_model_len=engine.max_model_len)
             if with_adapters:  # unmerged multi-LoRA: a request's stack is served as one LoRA
-                options.update(enable_lora=True, max_loras=self.lora_slots, max_lora_rank=self.max_lora_rank)
-        return ModelSpec(self.name, self.kind, self.path, self.vram, engine, options)
+                options.update(enable_lora=True, max_loras=engine.lora_slots, max_lora_rank=engine.max_lora_rank)
+        return ModelSpec(self.name, self.kind, self.path, self.vram, engine.name, options)
+
+
+class ImageModel(_Model):
+    kind: Literal["image"]
+
+
+class TTSModel(_Model):
+    kind: Literal["tts"]
+
+
+class STTModel(_Model):
+    kind: Literal["stt"]
+
+
+ModelConfig = Annotated[Union[ChatModel, ImageModel, TTSModel, STTModel], Field(discriminator="kind")]
+KINDS = ("chat", "image", "tts", "stt")
+ENGINE_FIELDS = ("engine", *EngineConfig.model_fields)  # engine settings: chat models only
+
+
+def resolve_engine(model: ChatModel) -> tuple[ChatModel, str]:
+    """The model with ``engine: auto`` made concrete, and why that engine."""
+    if model.engine.name != "auto":
+        return model, "set in the config"
+    if importlib.util.find_spec("vllm") is not None:
+        name, why = "vllm", "engine auto: vllm is installed"
+    else:
+        name, why = "transformers", "engine auto: vllm is not installed"
+    return model.model_copy(update={"engine": model.engine.model_copy(update={"name": name})}), why
 
 
 class AdapterConfig(_Strict):
@@ -85,7 +139,19 @@ class GpuConfig(_Strict):
     vram_budget: Size | None = None  # required on CPU: the simulated budget
     reserve: Size = parse_size("1GiB")  # CUDA: left free when the budget is the free memory
     host_cache_budget: Size = parse_size("8GiB")
-    protect_window_s: float = Field(default=60.0, ge=0)
+
+    @model_validator(mode="before")
+    @classmethod
+    def _moved(cls, data: Any) -> Any:
+        if isinstance(data, dict) and "protect_window_s" in data:
+            raise ValueError("protect_window_s moved to eviction.protect_window_s (an eviction rule, not a GPU setting)")
+        return data
+
+
+class EvictionConfig(_Strict):
+    """Who may evict whom (arbiter/policy.py)."""
+
+    protect_window_s: float = Field(default=60.0, ge=0)  # a model served to tier T is evictable only by a higher tier for this long
 
 
 class SloGuardConfig(_Strict):
@@ -146,6 +212,7 @@ class Config(_Strict):
     models: list[ModelConfig] = Field(default_factory=list)
     adapters: list[AdapterConfig] = Field(default_factory=list)
     gpu: GpuConfig = GpuConfig()
+    eviction: EvictionConfig = EvictionConfig()
     gate: GateConfig = GateConfig()
     limits: LimitsConfig = LimitsConfig()
     batch: BatchConfig = BatchConfig()
@@ -155,6 +222,11 @@ class Config(_Strict):
     @classmethod
     def _unique_tiers(cls, tiers: list[TierConfig]) -> list[TierConfig]:
         _no_duplicates([t.name for t in tiers])
+        marked = [t.name for t in tiers if t.batch]
+        if len(marked) > 1:
+            raise ValueError(f"only one tier may be the batch tier; batch: true on {', '.join(marked)}")
+        if marked and not tiers[-1].batch:
+            raise ValueError(f"the batch tier ({marked[0]!r}) must be the last, the lowest tier")
         return tiers
 
     @field_validator("models")
@@ -172,6 +244,11 @@ class Config(_Strict):
     @property
     def tier_names(self) -> list[str]:
         return [t.name for t in self.tiers]
+
+    @property
+    def batch_rank(self) -> int:
+        """The rank of the batch tier; the lowest tier's when none is marked."""
+        return len(self.tiers) - 1
 
     def model_specs(self) -> list[ModelSpec]:
         with_adapters = {a.model for a in self.adapters}
@@ -201,7 +278,7 @@ def load_config(path: str | Path, check_paths: bool = True) -> Config:
         config = Config.model_validate({**raw, "source": path})
     except ValidationError as exc:
         err = exc.errors()[0]
-        where = _loc(err["loc"])
+        where = _loc(err["loc"]) + (".kind" if err["type"].startswith("union_tag") else "")
         raise ConfigError(f"{path}: {where}: {_message(err)}") from None
     base = path.parent
     models = []
@@ -209,7 +286,11 @@ def load_config(path: str | Path, check_paths: bool = True) -> Config:
         resolved = m.path if m.path.is_absolute() else (base / m.path)
         if check_paths and not resolved.is_dir():
             raise ConfigError(f"{path}: models[{i}].path: no such folder: {resolved}")
-        models.append(m.model_copy(update={"path": resolved}))
+        m = m.model_copy(update={"path": resolved})
+        if isinstance(m, ChatModel):
+            m, why = resolve_engine(m)
+            log.info("%s: chat engine %s (%s)", m.name, m.engine.name, why)
+        models.append(m)
     adapters = [_check_adapter(path, i, a, models, check_paths) for i, a in enumerate(config.adapters)]
     return config.model_copy(update={"models": models, "adapters": adapters})
 
@@ -235,14 +316,26 @@ def _check_adapter(path: Path, i: int, a: AdapterConfig, models: list[ModelConfi
 
 def _loc(loc: tuple[Any, ...]) -> str:
     out = ""
-    for part in loc:
+    for i, part in enumerate(loc):
+        if part in KINDS and i >= 2 and loc[i - 2] == "models":
+            continue  # the union's tag: the kind the entry was read as
         out += f"[{part}]" if isinstance(part, int) else (f".{part}" if out else str(part))
     return out or "(top level)"
 
 
 def _message(err: dict[str, Any]) -> str:
+    loc = err["loc"]
     if err["type"] == "extra_forbidden":
+        field = loc[-1]
+        if loc[:1] == ("models",) and len(loc) == 4 and field in ENGINE_FIELDS:
+            if loc[2] != "chat":
+                return f"engine settings are for chat models, not {loc[2]} models"
+            return f"unknown field; engine settings go in the engine block: engine: {{name: ..., {field}: ...}}"
         return "unknown field"
+    if err["type"] == "union_tag_invalid":
+        return f"must be one of {', '.join(KINDS)}, not {err['ctx']['tag']!r}"
+    if err["type"] == "union_tag_not_found":
+        return f"missing: one of {', '.join(KINDS)}"
     msg = err["msg"]
     return msg.removeprefix("Value error, ")
 

@@ -1,31 +1,31 @@
-"""POST /v1/images/generations (OpenAI images) and GET /v1/images/files/{id}.png, which serves
-the images of ``response_format: "url"`` to the key that asked for them, for a limited time."""
+"""Images: ``plan_images`` checks a request, ``serve_images`` (the serving core, shared with batch
+lines) makes the PNGs, and the HTTP handlers render them: POST /v1/images/generations (OpenAI
+images) and GET /v1/images/files/{id}.png, which serves the images of ``response_format: "url"``
+to the key that asked for them, for a limited time."""
 
 from __future__ import annotations
 
 import base64
 import json
 import re
-import secrets
 import time
-from collections import OrderedDict
 from dataclasses import dataclass, replace
 from pathlib import Path
-from typing import Callable, Literal
+from typing import Literal
 
-import torch
 from pydantic import Field
 from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
-from starlette.routing import BaseRoute, Route
 
 from gateway.adapters import resolve_request
 from gateway.auth import Caller
 from gateway.config import LimitsConfig
-from gateway.errors import APIError, bad_request, not_found
+from gateway.errors import bad_request, not_found
+from gateway.http import disconnect_signal
 from gateway.schemas import MAX_STACK, AdapterChoice, _Body, parse, read_json
-from gateway.service import ClientGone, Services, in_thread, unless_gone
-from workers.base import Cancelled, ModelSpec
+from gateway.service import Services
+from gateway.serving import Gone, Serving, in_thread
+from workers.base import ModelSpec
 from workers.image import ImageRequest
 
 DEFAULT_STEPS = 25
@@ -50,50 +50,13 @@ class ImageGenerationRequest(_Body):
     adapters: list[AdapterChoice] | None = Field(default=None, max_length=MAX_STACK)  # extension: LoRA stack
 
 
-class ImageStore:
-    """PNGs behind ``response_format: "url"``: owner key id + bytes, expiring after ``ttl_s``,
-    at most ``max_bytes`` in all (the oldest go first). Insertion order is expiry order."""
-
-    def __init__(self, ttl_s: float, max_bytes: int, clock: Callable[[], float] = time.monotonic) -> None:
-        self.ttl_s, self.max_bytes, self.clock = ttl_s, max_bytes, clock
-        self._items: OrderedDict[str, tuple[str, float, bytes]] = OrderedDict()  # id -> (owner, expires, png)
-        self.bytes = 0
-
-    def put(self, owner: str, png: bytes) -> str:
-        self._expire()
-        while self._items and self.bytes + len(png) > self.max_bytes:
-            self._drop(next(iter(self._items)))
-        image_id = f"img-{secrets.token_urlsafe(18)}"
-        self._items[image_id] = (owner, self.clock() + self.ttl_s, png)
-        self.bytes += len(png)
-        return image_id
-
-    def get(self, owner: str, image_id: str) -> bytes | None:
-        """The image if it exists, has not expired, and belongs to ``owner``; else None."""
-        self._expire()
-        item = self._items.get(image_id)
-        if item is None or not secrets.compare_digest(item[0], owner):
-            return None
-        return item[2]
-
-    def __len__(self) -> int:
-        return len(self._items)
-
-    def _expire(self) -> None:
-        now = self.clock()
-        while self._items and next(iter(self._items.values()))[1] <= now:
-            self._drop(next(iter(self._items)))
-
-    def _drop(self, image_id: str) -> None:
-        self.bytes -= len(self._items.pop(image_id)[2])
-
-
 @dataclass(frozen=True)
 class Plan:
     """A validated request: what the worker gets and what the gate is told."""
 
     request: ImageRequest
     units: float
+    model: str = ""  # the base model (set by plan_images)
 
 
 def native_size(path: Path) -> tuple[int, int] | None:
@@ -159,49 +122,51 @@ def _size(size: str | None, max_side: int, native: tuple[int, int] | None) -> tu
     return width, height
 
 
-async def generations(request: Request) -> Response:
-    svc: Services = request.app.state.services
-    caller = svc.admit_caller(request)
-    data = await read_json(request, svc.config.limits.max_body)
-    return await generate(svc, caller, data, request)
+async def serve_images(svc: Services, caller: Caller, job: Plan, gone: Gone | None) -> list[bytes]:
+    """The serving core: one generation's PNGs."""
+    async with Serving(svc, caller, job.model, job.units, "images", gone) as serving:
+        worker = serving.worker
+        try:
+            return await serving.step(lambda ctx: in_thread(lambda: worker.generate(job.request, ctx), ctx),
+                                      "generating images with")
+        except ValueError as exc:
+            raise bad_request(str(exc)) from None
 
 
-async def generate(svc: Services, caller: Caller, data: dict, request: Request | None) -> Response:
-    """Serve one image generation body for ``caller`` (``request`` None: nobody to watch for)."""
-    arrived = time.monotonic()
-    body = parse(ImageGenerationRequest, data)
+def plan_images(svc: Services, body: ImageGenerationRequest) -> Plan:
+    """The job of ``body``: its model and adapter stack resolved, its size and limits checked."""
     spec, stack = resolve_request(svc, body.model, body.adapters, "image")
     job = plan(body, svc.config.limits, _native(svc, spec))
-    job = Plan(replace(job.request, adapters=stack), job.units)
-    if body.response_format == "url" and request is None:
-        raise bad_request("response_format 'url' is only for live requests; use b64_json", "response_format")
-    held = await unless_gone(request, svc.hold(caller.tier, spec.name, job.units))
-    ok = False
-    try:
-        worker, ctx = held.lease.worker, held.lease.context()
-        pngs = await unless_gone(request, in_thread(lambda: worker.generate(job.request, ctx), ctx))
-        ok = True
-    except Cancelled:
-        raise ClientGone() from None
-    except ValueError as exc:
-        raise bad_request(str(exc)) from None
-    except torch.OutOfMemoryError:
-        raise APIError(503, f"out of memory generating images with {spec.name}", "out_of_memory") from None
-    finally:
-        held.release(ok=ok)
-        svc.metrics.latency.labels(caller.tier, "images").observe(time.monotonic() - arrived)
+    return replace(job, model=spec.name, request=replace(job.request, adapters=stack))
+
+
+def b64_rows(pngs: list[bytes]) -> list[dict]:
+    return [{"b64_json": base64.b64encode(png).decode("ascii"), "revised_prompt": None} for png in pngs]
+
+
+# -- HTTP -------------------------------------------------------------------------------------------
+
+
+async def generations(request: Request) -> Response:
+    """POST /v1/images/generations."""
+    svc: Services = request.app.state.services
+    caller = svc.admit_caller(request)
+    body = parse(ImageGenerationRequest, await read_json(request, svc.config.limits.max_body))
+    job = plan_images(svc, body)
+    async with disconnect_signal(request) as gone:
+        pngs = await serve_images(svc, caller, job, gone)
     if body.response_format == "url":
-        data_rows = [{"url": _url(request, _store(svc).put(caller.key_id, png)), "revised_prompt": None} for png in pngs]
+        rows = [{"url": _url(request, svc.images.put(caller.key_id, png)), "revised_prompt": None} for png in pngs]
     else:
-        data_rows = [{"b64_json": base64.b64encode(png).decode("ascii"), "revised_prompt": None} for png in pngs]
-    return JSONResponse({"created": int(time.time()), "data": data_rows}, headers=svc.gate.rate_headers(caller.tier))
+        rows = b64_rows(pngs)
+    return JSONResponse({"created": int(time.time()), "data": rows}, headers=svc.gate.rate_headers(caller.tier))
 
 
 async def image_file(request: Request) -> Response:
     """GET /v1/images/files/{image_id}.png: only for the key that generated it, until it expires."""
     svc: Services = request.app.state.services
     caller = svc.authenticate(request)
-    png = _store(svc).get(caller.key_id, request.path_params["image_id"])
+    png = svc.images.get(caller.key_id, request.path_params["image_id"])
     if png is None:
         raise not_found("no such image (it may have expired)", None, "image_not_found")
     return Response(png, media_type="image/png", headers={"cache-control": "private, no-store"})
@@ -211,21 +176,7 @@ def _url(request: Request, image_id: str) -> str:
     return str(request.url_for("image_file", image_id=image_id))
 
 
-def _store(svc: Services) -> ImageStore:
-    return svc.extras["image_store"]
-
-
 def _native(svc: Services, spec: ModelSpec) -> tuple[int, int] | None:
-    sizes: dict[str, tuple[int, int] | None] = svc.extras.setdefault("image_native_sizes", {})
-    if spec.name not in sizes:
-        sizes[spec.name] = native_size(Path(spec.path))
-    return sizes[spec.name]
-
-
-def routes(svc: Services) -> list[BaseRoute]:
-    limits = svc.config.limits
-    svc.extras["image_store"] = ImageStore(limits.image_url_ttl_s, limits.image_url_store)
-    return [
-        Route("/v1/images/generations", generations, methods=["POST"]),
-        Route("/v1/images/files/{image_id}.png", image_file, methods=["GET"], name="image_file"),
-    ]
+    if spec.name not in svc.native_sizes:
+        svc.native_sizes[spec.name] = native_size(Path(spec.path))
+    return svc.native_sizes[spec.name]

@@ -1,28 +1,27 @@
-"""What every endpoint shares: the services (config, keys, gate, arbiter, metrics), caller
-authentication, and ``hold``: a slot at the gate plus a lease on a resident model, released
-together. Endpoints are thin on top of this."""
+"""What every endpoint shares: the services (config, keys, gate, arbiter, metrics and each
+feature's state), caller authentication, and ``hold``: a slot at the gate plus a lease on a
+resident model, released together. The serving core (``gateway.serving``) builds on this."""
 
 from __future__ import annotations
 
-import asyncio
 import time
-from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
-from typing import Any, AsyncIterator, Awaitable, Callable, TypeVar
+from typing import TYPE_CHECKING, Awaitable, Callable
 
-import anyio
 from starlette.requests import Request
-from starlette.responses import StreamingResponse
 
 from arbiter.residency import Arbiter, Lease, Refused, Unavailable
+from gateway.adapters import AdapterRegistry
 from gateway.admission import Gate, Rejected, Ticket
 from gateway.auth import Caller, KeyRing, bearer_token
 from gateway.config import Config
 from gateway.errors import APIError, bad_request, not_found
+from gateway.image_store import ImageStore
 from gateway.metrics import Metrics
-from workers.base import ModelSpec, StepContext
+from workers.base import ModelSpec
 
-T = TypeVar("T")
+if TYPE_CHECKING:
+    from workers.tts import TTSWorker
 
 
 class ClientGone(Exception):
@@ -31,7 +30,8 @@ class ClientGone(Exception):
 
 @dataclass
 class Held:
-    """A request's slot at the gate and its lease on the model; ``release`` frees both."""
+    """A request's slot at the gate and its lease on the model; ``release`` frees both and tells
+    the gate's cost model the measured service time, when there is one worth learning from."""
 
     ticket: Ticket
     lease: Lease
@@ -39,12 +39,12 @@ class Held:
     started: float = field(default_factory=time.monotonic)
     released: bool = False
 
-    def release(self, ok: bool = True) -> None:
+    def release(self, service_s: float | None) -> None:
         if self.released:
             return
         self.released = True
         self.lease.release()
-        self.gate.release(self.ticket, time.monotonic() - self.started if ok else None)
+        self.gate.release(self.ticket, service_s)
 
 
 @dataclass
@@ -54,7 +54,10 @@ class Services:
     gate: Gate
     arbiter: Arbiter
     metrics: Metrics
-    extras: dict[str, Any] = field(default_factory=dict)  # per-feature state (image urls, ...)
+    adapters: AdapterRegistry  # the LoRA adapters requests may select
+    images: ImageStore  # the PNGs behind image urls
+    native_sizes: dict[str, tuple[int, int] | None] = field(default_factory=dict)  # image model -> size
+    voices: dict[str, "TTSWorker"] = field(default_factory=dict)  # tts model -> its voices (no weights)
     on_startup: list[Callable[[], Awaitable[None]]] = field(default_factory=list)  # run by the app's lifespan
     on_shutdown: list[Callable[[], Awaitable[None]]] = field(default_factory=list)
 
@@ -126,75 +129,3 @@ def _too_many(gate: Gate, tier: str, exc: Rejected) -> APIError:
 def _retry_headers(seconds: float) -> dict[str, str]:
     seconds = int(seconds)
     return {"retry-after": str(seconds), "retry-after-ms": str(seconds * 1000)}
-
-
-async def unless_gone(request: Request | None, work: Awaitable[T]) -> T:
-    """Await ``work``, cancelling it if the client disconnects first (then ClientGone)."""
-    task = asyncio.ensure_future(work)
-    if request is None:
-        return await task
-
-    async def gone() -> None:
-        while (await request.receive())["type"] != "http.disconnect":
-            pass
-
-    watcher = asyncio.ensure_future(gone())
-    try:
-        await asyncio.wait({task, watcher}, return_when=asyncio.FIRST_COMPLETED)
-    except asyncio.CancelledError:
-        task.cancel()
-        watcher.cancel()
-        raise
-    if task.done():
-        watcher.cancel()
-        return task.result()
-    task.cancel()
-    try:
-        late = await task
-    except (asyncio.CancelledError, Exception):
-        pass
-    else:  # it finished just as the client left: give back what it holds
-        if hasattr(late, "release"):
-            late.release()
-    raise ClientGone()
-
-
-# Model work gets its own threads: on asyncio's default executor, long generations could starve
-# the arbiter's loads and evictions (which run there) and deadlock the requests waiting on them.
-_MODEL_THREADS = ThreadPoolExecutor(max_workers=64, thread_name_prefix="tiergate-model")
-
-
-async def in_thread(work: Callable[[], T], ctx: StepContext) -> T:
-    """Run blocking model ``work`` on a model thread. If the awaiting task is cancelled (client
-    gone), cancel ``ctx`` so the work stops at its next step boundary, and wait for the thread to
-    end before re-raising: nothing may release the model while a thread still runs on it."""
-    running = _MODEL_THREADS.submit(work)
-    done = asyncio.wrap_future(running)
-    try:
-        return await asyncio.shield(done)
-    except asyncio.CancelledError:
-        ctx.cancel()
-        with anyio.CancelScope(shield=True):
-            await asyncio.wait({done})
-        if not done.cancelled():
-            done.exception()  # retrieved: the caller is gone, the result or error goes nowhere
-        raise
-
-
-class HeldStream(StreamingResponse):
-    """A streamed response that releases its slot and lease however the stream ends, including
-    when the client disconnects before the first byte."""
-
-    def __init__(self, content: AsyncIterator[str | bytes], held: Held, svc: Services, tier: str, arrived: float,
-                 endpoint: str, media_type: str, headers: dict[str, str]) -> None:
-        super().__init__(content, media_type=media_type, headers={**headers, "cache-control": "no-cache"})
-        self._held, self._svc, self._tier, self._arrived, self._endpoint = held, svc, tier, arrived, endpoint
-        self._content = content
-
-    async def __call__(self, scope, receive, send) -> None:
-        try:
-            await super().__call__(scope, receive, send)
-        finally:
-            await self._content.aclose()
-            self._held.release(ok=True)
-            self._svc.metrics.latency.labels(self._tier, self._endpoint).observe(time.monotonic() - self._arrived)

@@ -143,7 +143,7 @@ def start_tiergate(model: Path, port: int, engine: str, folder: Path) -> subproc
 tiers:
   - {{name: paid, keys_env: BENCH_KEYS, max_inflight: {MAX_SEQS}, max_queued: 1000, latency_target_s: 3600}}
 models:
-  - {{name: m, kind: chat, path: {model}, engine: {engine}, max_num_seqs: {MAX_SEQS}, kv_cache: {KV_CACHE}}}
+  - {{name: m, kind: chat, path: {model}, engine: {{name: {engine}, max_num_seqs: {MAX_SEQS}, kv_cache: {KV_CACHE}}}}}
 gpu: {{device: auto, vram_budget: 8GiB}}
 gate: {{slots: {MAX_SEQS}}}
 """)

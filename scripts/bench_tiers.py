@@ -244,6 +244,7 @@ def write_config(folder: Path, model_path: Path, args: argparse.Namespace) -> Pa
     for name, (inflight, queued, target) in tiers.items():
         lines += [f"  - name: {name}", f"    keys_env: TIERGATE_BENCH_KEYS_{name.upper()}",
                   f"    max_inflight: {inflight}", f"    max_queued: {queued}", f"    latency_target_s: {target:g}"]
+        lines += ["    batch: true"] if name == "batch" else []
     lines += ["models:", f"  - name: {MODEL}", "    kind: chat", f"    path: {model_path}", f"    engine: {args.engine}",
               "gpu:", "  device: auto", "  vram_budget: 4GiB",
               "gate:", f"  slots: {args.slots}",

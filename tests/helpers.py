@@ -58,7 +58,7 @@ def write_config(folder: Path, models: dict[str, tuple[str, Path]], extra: str =
     lines = ["tiers:"]
     for t in TIERS:
         lines += [f"  - name: {t}", f"    keys_env: TEST_KEYS_{t.upper()}", "    max_inflight: 4",
-                  "    max_queued: 64", "    latency_target_s: 600"]
+                  "    max_queued: 64", "    latency_target_s: 600"] + (["    batch: true"] if t == "batch" else [])
     lines.append("models:")
     for name, (kind, path) in models.items():
         lines += [f"  - name: {name}", f"    kind: {kind}", f"    path: {path}"]

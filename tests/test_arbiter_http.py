@@ -19,7 +19,7 @@ from tests.helpers import start_server, write_config
 def two_model_server(tmp_path, tiny_chat, budget="5GiB", window=1):
     cfg = write_config(tmp_path, {"x": ("chat", tiny_chat), "y": ("chat", tiny_chat)})
     text = cfg.read_text().replace("    path: ", "    vram: 4GiB\n    path: ")
-    text = text.replace("vram_budget: 4GiB", f"vram_budget: {budget}\n  protect_window_s: {window}")
+    text = text.replace("vram_budget: 4GiB", f"vram_budget: {budget}\neviction:\n  protect_window_s: {window}")
     cfg.write_text(text)
     return start_server(cfg)
 

@@ -16,7 +16,9 @@ from typing import Iterator
 
 import pytest
 
-from gateway.batch_store import BatchInfo, FileInfo, Line, Outcome, RedisStore, SQLiteStore, Store
+from batch.redis_store import RedisStore
+from batch.sqlite_store import SQLiteStore
+from batch.store import BatchInfo, FileInfo, Line, Outcome, Store
 from tests.helpers import spare_port
 
 

@@ -21,12 +21,13 @@ from pathlib import Path
 import httpx
 import openai
 import pytest
-from starlette.responses import JSONResponse, Response
-
-from gateway import batches
+from batch import api
+from batch.endpoints import Binary
+from batch.runner import Runner
+from batch.sqlite_store import SQLiteStore
+from batch.store import BatchInfo, FileInfo
 from gateway.app import build_services
 from gateway.auth import KeyRing, key_id
-from gateway.batch_store import BatchInfo, FileInfo, SQLiteStore
 from gateway.config import load_config
 from gateway.errors import APIError
 from tests.helpers import TIERS, spare_port, start_server, write_config
@@ -94,7 +95,7 @@ def fake_server(tiny_chat, tmp_path):
     async def endpoint(svc, caller, body):
         return await srv.fake(svc, caller, body)
 
-    srv.services.extras["batch_endpoints"] = {"/v1/chat/completions": endpoint}
+    srv.batches.endpoints = {"/v1/chat/completions": endpoint}
     yield srv
     srv.stop()
 
@@ -294,7 +295,7 @@ def test_every_line_runs_as_its_owner_at_the_batch_tier_and_429_means_later(fake
         if refusals[n] < 2:  # every line is refused twice first
             refusals[n] += 1
             raise APIError(429, "the batch tier's queue is full", "queue_full", headers={"retry-after": "0"})
-        return JSONResponse({"echo": n})
+        return {"echo": n}
 
     fake_server.fake = fake
     c = sdk(fake_server, "paid")  # a paid key submits; the lines still run at the batch tier
@@ -307,7 +308,7 @@ def test_every_line_runs_as_its_owner_at_the_batch_tier_and_429_means_later(fake
 
 def test_binary_responses_are_stored_as_base64_with_their_type(fake_server):
     async def fake(svc, caller, body):
-        return Response(b"RIFF\x00\x01binary", media_type="audio/wav")
+        return Binary(b"RIFF\x00\x01binary", "audio/wav")
 
     fake_server.fake = fake
     c = sdk(fake_server)
@@ -327,13 +328,12 @@ def test_lines_claimed_during_a_slow_heartbeat_are_not_dropped(tiny_chat, tmp_pa
 
     async def fake(svc, caller, body):
         await asyncio.sleep(0.05)
-        return JSONResponse({"ok": True})
+        return {"ok": True}
 
     async def go():
         config = load_config(write_config(tmp_path, {"tiny-chat": ("chat", tiny_chat)}, "batch:\n  reclaim_after_s: 0.2\n"))
         svc = build_services(config, KeyRing({t: [f"k-{t}"] for t in TIERS}))
-        svc.extras["batch_endpoints"] = {"/v1/chat/completions": fake}
-        runner = batches.Runner(svc, SlowStore(tmp_path / "b.sqlite3"))
+        runner = Runner(svc, SlowStore(tmp_path / "b.sqlite3"), {"/v1/chat/completions": fake})
         await runner.start()
         ids = []
         for i in range(15):
@@ -365,7 +365,7 @@ def test_concurrency_stays_within_the_batch_tier(fake_server):
         peak[0] = max(peak[0], now[0])
         await asyncio.sleep(0.01)
         now[0] -= 1
-        return JSONResponse({})
+        return {}
 
     fake_server.fake = fake
     c = sdk(fake_server)
@@ -379,7 +379,7 @@ def test_cancel_stops_the_rest_and_keeps_what_finished(fake_server):
     async def fake(svc, caller, body):
         started.append(body["messages"][0]["content"])
         await asyncio.sleep(0.1)
-        return JSONResponse({"ok": True})
+        return {"ok": True}
 
     fake_server.fake = fake
     c = sdk(fake_server)
@@ -406,10 +406,10 @@ def test_a_batch_out_of_time_expires_with_what_it_finished(fake_server, monkeypa
     async def fake(svc, caller, body):
         if body["messages"][0]["content"] != "hello 0":
             await asyncio.sleep(3600)  # never finishes in time
-        return JSONResponse({"ok": True})
+        return {"ok": True}
 
     fake_server.fake = fake
-    monkeypatch.setattr(batches, "WINDOW_S", 2)
+    monkeypatch.setattr(api, "WINDOW_S", 2)
     c = sdk(fake_server)
     done = wait(c, submit(c, jsonl([chat_line(i) for i in range(6)])).id, timeout=15)
     assert done.status == "expired" and done.expired_at and done.expires_at == done.created_at + 2

@@ -16,7 +16,7 @@ ROOT = Path(__file__).resolve().parents[1]
 BASE = """
 tiers:
   - {name: paid, keys_env: K_PAID}
-  - {name: batch, keys_env: K_BATCH}
+  - {name: batch, keys_env: K_BATCH, batch: true}
 models:
   - {name: m, kind: chat, path: model, vram: 6GiB}
 gpu: {device: cpu, vram_budget: 10GiB}
@@ -42,7 +42,26 @@ def test_good_config_loads(tmp_path):
 @pytest.mark.parametrize("text,field,problem", [
     (BASE.replace("gpu:", "gpux:"), "gpux", "unknown field"),
     (BASE.replace("vram: 6GiB", "vram: 6 gigs"), "models[0].vram", "not a size"),
-    (BASE.replace("kind: chat", "kind: video"), "models[0].kind", "Input should be"),
+    (BASE.replace("kind: chat", "kind: video"), "models[0].kind", "must be one of chat, image, tts, stt, not 'video'"),
+    (BASE.replace("kind: chat, ", ""), "models[0].kind", "missing: one of chat"),
+    # engine settings: a block on chat models only
+    (BASE.replace("kind: chat", "kind: image, engine: vllm"), "models[0].engine",
+     "engine settings are for chat models, not image models"),
+    (BASE.replace("kind: chat", "kind: tts, max_num_seqs: 4"), "models[0].max_num_seqs", "engine settings are for chat"),
+    (BASE.replace("kind: chat", "kind: chat, kv_cache: 1GiB"), "models[0].kv_cache",
+     "unknown field; engine settings go in the engine block"),
+    (BASE.replace("kind: chat", "kind: chat, engine: {name: tgi}"), "models[0].engine.name", "Input should be"),
+    (BASE.replace("kind: chat", "kind: chat, engine: {kv_cache: lots}"), "models[0].engine.kv_cache", "not a size"),
+    # the batch tier: marked, one, last
+    (BASE.replace(", batch: true}", "}"), "tiers[1]", "must say batch: true"),
+    (BASE.replace("{name: paid, keys_env: K_PAID}", "{name: paid, keys_env: K_PAID, batch: true}"), "tiers",
+     "only one tier may be the batch tier; batch: true on paid, batch"),
+    (BASE.replace("  - {name: paid, keys_env: K_PAID}\n  - {name: batch, keys_env: K_BATCH, batch: true}\n",
+                  "  - {name: batch, keys_env: K_BATCH, batch: true}\n  - {name: paid, keys_env: K_PAID}\n"),
+     "tiers", "the batch tier ('batch') must be the last"),
+    # protect_window_s is an eviction rule now
+    (BASE.replace("vram_budget: 10GiB}", "vram_budget: 10GiB, protect_window_s: 5}"), "gpu",
+     "protect_window_s moved to eviction.protect_window_s"),
     (BASE.replace("models:\n", "models:\n  - {name: m, kind: chat, path: model}\n"), "models", "duplicate name 'm'"),
     (BASE.replace("{name: batch", "{name: paid"), "tiers", "duplicate name 'paid'"),
     (BASE.replace("path: model", "path: nowhere"), "models[0].path", "no such folder"),
@@ -58,6 +77,44 @@ def test_bad_config_is_one_line_naming_file_field_problem(tmp_path, text, field,
     assert "\n" not in msg
     assert msg.startswith(f"{path}: {field}")
     assert problem in msg
+
+
+def test_engine_block_shorthand_and_settings_reach_the_spec(tmp_path):
+    text = BASE.replace("vram: 6GiB}", "vram: 6GiB, engine: {name: vllm, kv_cache: 1GiB, max_num_seqs: 3}}\n"
+                        "  - {name: short, kind: chat, path: model, engine: transformers}\n"
+                        "  - {name: pic, kind: image, path: model}\n"
+                        "adapters:\n  - {name: a, model: m, path: model}")
+    vllm, short, pic = load_config(write(tmp_path, text)).model_specs()
+    assert (vllm.engine, dict(vllm.options)) == ("vllm", {
+        "max_num_seqs": 3, "kv_cache_bytes": 2**30, "max_model_len": None,
+        "enable_lora": True, "max_loras": 2, "max_lora_rank": 64})  # adapters on m: unmerged LoRA
+    assert (short.engine, dict(short.options)) == ("transformers", {"max_num_seqs": 8})
+    assert (pic.engine, dict(pic.options)) == ("transformers", {})
+
+
+@pytest.mark.parametrize("installed", [True, False])
+def test_engine_auto_is_resolved_once_at_load_and_logged(tmp_path, monkeypatch, caplog, installed):
+    import importlib.util
+
+    real = importlib.util.find_spec
+    monkeypatch.setattr(importlib.util, "find_spec", lambda name, *a: object() if name == "vllm" and installed
+                        else (None if name == "vllm" else real(name, *a)))
+    with caplog.at_level("INFO", logger="tiergate"):
+        c = load_config(write(tmp_path, BASE))
+    engine = "vllm" if installed else "transformers"
+    assert c.models[0].engine.name == engine and c.model_specs()[0].engine == engine
+    why = "vllm is installed" if installed else "vllm is not installed"
+    assert [r.getMessage() for r in caplog.records] == [f"m: chat engine {engine} (engine auto: {why})"]
+    monkeypatch.setattr(importlib.util, "find_spec", lambda *a: pytest.fail("resolved again"))
+    c.model_specs()  # the choice is made: asking again looks nothing up
+
+
+def test_batch_tier_and_eviction_settings(tmp_path):
+    c = load_config(write(tmp_path, BASE + "eviction: {protect_window_s: 5}\n"))
+    assert [t.batch for t in c.tiers] == [False, True] and c.batch_rank == 1
+    assert c.eviction.protect_window_s == 5
+    no_batch = load_config(write(tmp_path, BASE.replace("  - {name: batch, keys_env: K_BATCH, batch: true}\n", "")))
+    assert [t.batch for t in no_batch.tiers] == [False]  # a batch tier is optional
 
 
 def test_no_keys_outside_demo_mode_stops_startup(tmp_path):
@@ -86,6 +143,8 @@ def test_shipped_tiers_yaml_is_valid():
     assert [t.keys_env for t in c.tiers] == [
         "TIERGATE_KEYS_PAID", "TIERGATE_KEYS_SUBSCRIBER", "TIERGATE_KEYS_FREE", "TIERGATE_KEYS_BATCH"]
     assert "tiny-chat" in [m.name for m in c.models]
+    assert [t.batch for t in c.tiers] == [False, False, False, True]
+    assert c.eviction.protect_window_s == 60
 
 
 def test_reading_a_config_imports_no_torch(tmp_path):

@@ -18,7 +18,7 @@ import pytest
 import soundfile as sf
 from PIL import Image
 
-from gateway.images import ImageStore
+from gateway.image_store import ImageStore
 from tests.helpers import RunningServer, start_server, write_config
 from workers.audio import supported_speech_formats
 from workers.base import ModelSpec

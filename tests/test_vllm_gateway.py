@@ -30,7 +30,7 @@ def adapters_yaml(demo_dir) -> str:
 def vllm_server(tiny_chat, demo_dir, tmp_path_factory):
     folder = tmp_path_factory.mktemp("vllm-server")
     cfg = write_config(folder, {"tiny-chat": ("chat", tiny_chat)}, adapters_yaml(demo_dir), engine="vllm")
-    cfg.write_text(cfg.read_text().replace("    engine: vllm", "    engine: vllm\n    kv_cache: 128MiB\n    max_num_seqs: 4"))
+    cfg.write_text(cfg.read_text().replace("    engine: vllm", "    engine: {name: vllm, kv_cache: 128MiB, max_num_seqs: 4}"))
     server = start_server(cfg)
     yield server
     server.stop()

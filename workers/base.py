@@ -9,6 +9,7 @@ work can be cancelled (client gone) or paused (the arbiter making batch work yie
 from __future__ import annotations
 
 import threading
+import time
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Callable, Literal, Mapping
@@ -41,7 +42,8 @@ class StepContext:
     ``cancel()`` may be called from any thread; the work stops at its next boundary.
     ``pause_gate`` (set by the arbiter) is called at each boundary and may block while the
     work must yield; it returns when the work may continue. ``pause_check`` is its non-blocking
-    twin for batched engines. ``steps`` counts boundaries passed.
+    twin for batched engines. ``steps`` counts boundaries passed; ``paused`` says whether the work
+    was ever made to yield and ``paused_s`` for how long (such time is not service time).
     """
 
     def __init__(
@@ -53,6 +55,9 @@ class StepContext:
         self.pause_gate = pause_gate
         self.pause_check = pause_check
         self.steps = 0
+        self.paused = False
+        self._paused_s = 0.0
+        self._paused_since: float | None = None
 
     def cancel(self) -> None:
         self._cancelled.set()
@@ -61,17 +66,32 @@ class StepContext:
     def cancelled(self) -> bool:
         return self._cancelled.is_set()
 
+    @property
+    def paused_s(self) -> float:
+        since = self._paused_since
+        return self._paused_s + (time.monotonic() - since if since is not None else 0.0)
+
     def must_pause(self) -> bool:
         """Non-blocking form of the pause gate, for engines that batch many requests in one
-        thread (chat): a paused row leaves the batch, keeps its tokens, and rejoins later."""
-        return self.pause_check() if self.pause_check is not None else False
+        thread (chat): a paused row leaves the batch, keeps its tokens, and rejoins later. The
+        time from the first True to the next False is counted as paused."""
+        pause = self.pause_check() if self.pause_check is not None else False
+        if pause and self._paused_since is None:
+            self.paused, self._paused_since = True, time.monotonic()
+        elif not pause and self._paused_since is not None:
+            self._paused_s += time.monotonic() - self._paused_since
+            self._paused_since = None
+        return pause
 
     def boundary(self) -> None:
         self.steps += 1
         if self._cancelled.is_set():
             raise Cancelled()
         if self.pause_gate is not None:
+            pausing = self.must_pause()  # starts the paused clock when the work must yield
             self.pause_gate(self)
+            if pausing:
+                self.must_pause()  # the gate let it go: ends the paused interval
             if self._cancelled.is_set():
                 raise Cancelled()
 

@@ -1,0 +1,191 @@
+"""The Batch API's HTTP routes: ``/v1/files`` (JSONL inputs and the output and error files) and
+``/v1/batches``. They find the process's runner at ``app.state.batches``; the routes are mounted
+in the app's one route table (``gateway.app``)."""
+
+from __future__ import annotations
+
+import re
+import secrets
+import time
+import uuid
+from typing import Any, Literal
+
+from pydantic import BaseModel, ConfigDict, Field, field_validator
+from starlette.datastructures import UploadFile
+from starlette.requests import Request
+from starlette.responses import JSONResponse, Response
+
+from batch.runner import Runner
+from batch.store import BatchInfo, FileInfo
+from gateway.auth import Caller
+from gateway.errors import APIError, bad_request, not_found
+from gateway.schemas import parse, read_json
+from gateway.service import Services
+
+BATCH_ENDPOINTS = ("/v1/chat/completions", "/v1/images/generations", "/v1/audio/speech")
+WINDOW_S = 24 * 3600
+_FORM_SLACK = 64 * 1024  # multipart framing on top of the file itself
+
+
+# -- files -------------------------------------------------------------------------------------
+
+def _context(request: Request) -> tuple[Services, Runner, Caller]:
+    svc: Services = request.app.state.services
+    return svc, request.app.state.batches, svc.authenticate(request)
+
+
+async def upload_file(request: Request) -> Response:
+    """POST /v1/files: multipart ``file`` (JSONL) and ``purpose=batch``."""
+    svc, runner, caller = _context(request)
+    cfg = svc.config.batch
+    if not request.headers.get("content-type", "").startswith("multipart/form-data"):
+        raise APIError(415, "upload files as multipart/form-data with the fields 'file' and 'purpose'",
+                       "unsupported_media_type")
+    too_big = APIError(413, f"the file is larger than {cfg.max_file_bytes} bytes", "file_too_large", "file")
+    declared = request.headers.get("content-length", "")
+    if declared.isdigit() and int(declared) > cfg.max_file_bytes + _FORM_SLACK:
+        raise too_big
+    async with _capped(request, cfg.max_file_bytes + _FORM_SLACK, too_big).form(max_files=1, max_fields=8) as form:
+        purpose, upload = form.get("purpose"), form.get("file")
+        if purpose is None:
+            raise bad_request("missing required parameter: purpose", "purpose", "missing_required_parameter")
+        if purpose != "batch":
+            raise bad_request(f"purpose is {purpose!r}; this server takes only 'batch' files", "purpose")
+        if not isinstance(upload, UploadFile):
+            raise bad_request("missing required parameter: file (a file part)", "file", "missing_required_parameter")
+        content = await upload.read(cfg.max_file_bytes + 1)
+        filename = upload.filename or "upload.jsonl"
+    if len(content) > cfg.max_file_bytes:
+        raise too_big
+    try:
+        text = content.decode("utf-8")
+    except UnicodeDecodeError:
+        raise bad_request("the file is not UTF-8 text (JSONL expected)", "file", "invalid_file") from None
+    n = sum(1 for ln in text.splitlines() if ln.strip())
+    if n > cfg.max_lines:
+        raise bad_request(f"the file has {n} requests; at most {cfg.max_lines} are allowed", "file", "too_many_lines")
+    info = FileInfo(f"file-{uuid.uuid4().hex}", caller.key_id, "batch", filename, len(content), int(time.time()))
+    await runner.store.put_file(info, content)
+    return JSONResponse(info.public())
+
+
+def _capped(request: Request, limit: int, error: APIError) -> Request:
+    """``request`` whose body raises ``error`` once more than ``limit`` bytes have arrived."""
+    seen = 0
+
+    async def receive() -> dict:
+        nonlocal seen
+        message = await request.receive()
+        seen += len(message.get("body", b""))
+        if seen > limit:
+            raise error
+        return message
+
+    return Request(request.scope, receive)
+
+
+async def _owned_file(runner: Runner, caller: Caller, file_id: str, param: str = "file_id") -> FileInfo:
+    """The file if ``caller`` may see it; 404 alike for missing files and other keys' files."""
+    info = await runner.store.get_file(file_id)
+    if info is None or not (caller.admin or info.owner == caller.key_id):
+        raise not_found(f"no such file: '{file_id}'", param, "file_not_found")
+    return info
+
+
+async def get_file(request: Request) -> Response:
+    _, runner, caller = _context(request)
+    return JSONResponse((await _owned_file(runner, caller, request.path_params["file_id"])).public())
+
+
+async def file_content(request: Request) -> Response:
+    _, runner, caller = _context(request)
+    info = await _owned_file(runner, caller, request.path_params["file_id"])
+    content = await runner.store.file_content(info.id)
+    if content is None:  # deleted meanwhile
+        raise not_found(f"no such file: '{info.id}'", "file_id", "file_not_found")
+    safe = re.sub(r"[^A-Za-z0-9._-]", "_", info.filename)  # the uploader chose it: keep it out of the header
+    return Response(content, media_type="application/jsonl", headers={"content-disposition": f'attachment; filename="{safe}"'})
+
+
+async def delete_file(request: Request) -> Response:
+    _, runner, caller = _context(request)
+    info = await _owned_file(runner, caller, request.path_params["file_id"])
+    deleted = await runner.store.delete_file(info.id)
+    return JSONResponse({"id": info.id, "object": "file", "deleted": deleted})
+
+
+# -- batches -----------------------------------------------------------------------------------
+
+class BatchCreate(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+
+    input_file_id: str = Field(min_length=1)
+    endpoint: Literal[BATCH_ENDPOINTS]
+    completion_window: Literal["24h"]
+    metadata: dict[str, str] | None = None
+    output_expires_after: dict[str, Any] | None = None  # accepted; outputs are kept until deleted
+
+    @field_validator("metadata")
+    @classmethod
+    def _metadata(cls, v: dict[str, str] | None) -> dict[str, str] | None:
+        if v is not None and (len(v) > 16 or any(len(k) > 64 or len(x) > 512 for k, x in v.items())):
+            raise ValueError("at most 16 pairs, keys up to 64 characters, values up to 512")
+        return v
+
+
+async def create_batch(request: Request) -> Response:
+    svc, runner, caller = _context(request)
+    body = parse(BatchCreate, await read_json(request, svc.config.limits.max_body))
+    if body.endpoint not in runner.endpoints:
+        served = ", ".join(sorted(runner.endpoints))
+        raise bad_request(f"{body.endpoint} is not served in batches by this server (it serves {served})", "endpoint")
+    info = await _owned_file(runner, caller, body.input_file_id, "input_file_id")
+    if info.purpose != "batch":
+        raise bad_request(f"the file's purpose is {info.purpose!r}, not 'batch'", "input_file_id")
+    now = int(time.time())
+    batch = BatchInfo(id=f"batch_{time.time_ns():016x}{secrets.token_hex(4)}",  # ids sort by time
+                      owner=caller.key_id, endpoint=body.endpoint, input_file_id=info.id,
+                      completion_window=body.completion_window, created_at=now, expires_at=now + WINDOW_S,
+                      metadata=body.metadata)
+    await runner.store.create_batch(batch)
+    runner.soon("validate", batch.id)
+    return JSONResponse(batch.public())
+
+
+async def _owned_batch(runner: Runner, caller: Caller, batch_id: str) -> BatchInfo:
+    batch = await runner.store.get_batch(batch_id)
+    if batch is None or not (caller.admin or batch.owner == caller.key_id):
+        raise not_found(f"no such batch: '{batch_id}'", "batch_id", "batch_not_found")
+    return batch
+
+
+async def get_batch(request: Request) -> Response:
+    _, runner, caller = _context(request)
+    return JSONResponse((await _owned_batch(runner, caller, request.path_params["batch_id"])).public())
+
+
+async def list_batches(request: Request) -> Response:
+    """GET /v1/batches?after=&limit=: the caller's batches (an admin's: everyone's), newest first."""
+    _, runner, caller = _context(request)
+    raw = request.query_params.get("limit", "20")
+    if not raw.isdigit() or not 1 <= int(raw) <= 100:
+        raise bad_request(f"limit must be an integer from 1 to 100, not {raw!r}", "limit")
+    limit = int(raw)
+    owner = None if caller.admin else caller.key_id
+    page = await runner.store.list_batches(owner, request.query_params.get("after") or None, limit + 1)
+    data = [b.public() for b in page[:limit]]
+    return JSONResponse({"object": "list", "data": data, "first_id": data[0]["id"] if data else None,
+                         "last_id": data[-1]["id"] if data else None, "has_more": len(page) > limit})
+
+
+async def cancel_batch(request: Request) -> Response:
+    _, runner, caller = _context(request)
+    batch = await _owned_batch(runner, caller, request.path_params["batch_id"])
+    if await runner.store.set_status(batch.id, ["validating", "in_progress"], "cancelling",
+                                     cancelling_at=int(time.time())):
+        runner.soon("finish", batch.id)
+    else:
+        batch = await _owned_batch(runner, caller, batch.id)
+        if batch.status not in ("cancelling", "cancelled"):
+            raise APIError(409, f"cannot cancel a batch that is {batch.status}", "batch_not_cancellable")
+    return JSONResponse((await _owned_batch(runner, caller, batch.id)).public())

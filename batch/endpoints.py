@@ -1,0 +1,69 @@
+"""The endpoints a batch line can call: each checks the line's body as its HTTP endpoint does,
+calls the same serving core (``gateway.chat.serve_chat``, ...) at the caller's tier with no one to
+watch for, and returns the result for the output line: a JSON object (the response body), or
+:class:`Binary` (speech audio), which the line stores base64-encoded with its content type."""
+
+from __future__ import annotations
+
+import base64
+import time
+import uuid
+from dataclasses import dataclass
+from typing import Any, Awaitable, Callable
+
+from gateway.audio import SpeechBody, plan_speech, serve_speech
+from gateway.auth import Caller
+from gateway.chat import collect, completion, plan_chat, serve_chat
+from gateway.errors import bad_request
+from gateway.images import ImageGenerationRequest, b64_rows, plan_images, serve_images
+from gateway.schemas import ChatCompletionRequest, parse
+from gateway.service import Services
+
+
+@dataclass(frozen=True)
+class Binary:
+    """A non-JSON result: its bytes and their content type."""
+
+    data: bytes
+    content_type: str
+
+
+Result = dict[str, Any] | Binary
+Endpoint = Callable[[Services, Caller, dict], Awaitable[Result]]
+
+
+def line_body(result: Result) -> Any:
+    """What an output line's ``response.body`` holds for ``result``."""
+    if isinstance(result, Binary):
+        return {"content_type": result.content_type, "encoding": "base64",
+                "data": base64.b64encode(result.data).decode()}
+    return result
+
+
+async def chat(svc: Services, caller: Caller, data: dict) -> Result:
+    body = parse(ChatCompletionRequest, data)
+    if body.stream:
+        raise bad_request("stream is not supported in a batch", "stream")
+    text, finished = await collect(serve_chat(svc, caller, plan_chat(svc, body), None))
+    return completion(f"chatcmpl-{uuid.uuid4().hex}", body.model, text, finished)
+
+
+async def images(svc: Services, caller: Caller, data: dict) -> Result:
+    body = parse(ImageGenerationRequest, data)
+    job = plan_images(svc, body)
+    if body.response_format == "url":  # a url is served to a live request's key for minutes
+        raise bad_request("response_format 'url' is only for live requests; use b64_json", "response_format")
+    return {"created": int(time.time()), "data": b64_rows(await serve_images(svc, caller, job, None))}
+
+
+async def speech(svc: Services, caller: Caller, data: dict) -> Result:
+    job = await plan_speech(svc, parse(SpeechBody, data))
+    audio = b"".join([piece async for piece in serve_speech(svc, caller, job, None)])
+    return Binary(audio, job.media_type)
+
+
+ENDPOINTS: dict[str, Endpoint] = {
+    "/v1/chat/completions": chat,
+    "/v1/images/generations": images,
+    "/v1/audio/speech": speech,
+}

@@ -1,0 +1,61 @@
+"""An input file's lines checked one by one (bad lines become error outcomes, the batch goes on),
+and the output and error file lines of what ran."""
+
+from __future__ import annotations
+
+import json
+import uuid
+from typing import Any
+
+from batch.store import Line, Outcome
+
+
+def parse_input(content: bytes, endpoint: str) -> tuple[list[Line], list[Outcome]]:
+    """The runnable lines of an input file, and an error outcome for each bad one. Blank lines
+    are skipped; a line's index is its position in the file (0-based)."""
+    lines: list[Line] = []
+    invalid: list[Outcome] = []
+    seen: set[str] = set()
+    for index, raw in enumerate(content.decode("utf-8", errors="replace").splitlines()):
+        if raw.strip():
+            checked = _check_line(index, raw, endpoint, seen)
+            (lines if isinstance(checked, Line) else invalid).append(checked)
+    return lines, invalid
+
+
+def _check_line(index: int, raw: str, endpoint: str, seen: set[str]) -> Line | Outcome:
+    def bad(code: str, message: str, custom_id: str | None = None) -> Outcome:
+        return error_line(index, custom_id, code, f"line {index + 1}: {message}")
+
+    try:
+        doc = json.loads(raw)
+    except ValueError:
+        return bad("invalid_json", "not valid JSON")
+    if not isinstance(doc, dict):
+        return bad("invalid_json", "not a JSON object")
+    cid = doc.get("custom_id")
+    if not isinstance(cid, str) or not cid:
+        return bad("missing_custom_id", "custom_id must be a non-empty string")
+    if cid in seen:
+        return bad("duplicate_custom_id", f"custom_id {cid!r} is used by an earlier line", cid)
+    seen.add(cid)
+    if doc.get("method") != "POST":
+        return bad("invalid_method", f"method is {doc.get('method')!r}; only POST is supported", cid)
+    if doc.get("url") != endpoint:
+        return bad("invalid_url", f"url is {doc.get('url')!r}; this batch's endpoint is {endpoint}", cid)
+    if not isinstance(doc.get("body"), dict):
+        return bad("invalid_body", "body must be a JSON object", cid)
+    return Line(index, cid, doc["body"])
+
+
+def error_line(index: int, custom_id: str | None, code: str, message: str) -> Outcome:
+    """An error-file line for a request that got no response (bad line, cancelled, expired)."""
+    return Outcome(index, False, {"id": f"batch_req_{uuid.uuid4().hex}", "custom_id": custom_id,
+                                  "response": None, "error": {"code": code, "message": message}})
+
+
+def response_line(line: Line, status: int, body: Any, request_id: str) -> Outcome:
+    """An output-file line (2xx) or error-file line (anything else) for a request that ran."""
+    return Outcome(line.index, 200 <= status < 300, {
+        "id": f"batch_req_{uuid.uuid4().hex}", "custom_id": line.custom_id,
+        "response": {"status_code": status, "request_id": request_id, "body": body}, "error": None})

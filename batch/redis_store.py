@@ -1,0 +1,267 @@
+"""The Batch API's store in Redis (``store: redis://...``): processes on many machines share the
+work through one stream with a consumer group. See ``batch.store`` for the guarantees."""
+
+from __future__ import annotations
+
+import json
+from dataclasses import asdict
+from typing import Any, Callable, Iterable
+
+from batch.store import (MUTABLE, BatchInfo, FileInfo, Job, Line, Outcome, Recorded, Store, check_fields,
+                         dumps, line_json, line_of, outcome_json, outcome_of)
+
+# Keys (prefix "tg:"): file:{id} (hash of metadata), file:{id}:content; batch:{id} (hash: doc =
+# the static fields as JSON, status, total, completed, failed, and each MUTABLE field as JSON);
+# batch:{id}:lines and batch:{id}:outcomes (hashes by line index); batch:{id}:lock; batches and
+# batches:{owner} (sorted sets of ids, which sort by time); open (set of ids); backlog (the
+# stream, entries {b: batch id, i: line index}, consumer group "runners").
+
+_TERMINAL_LUA = "local terminal = {failed=true, completed=true, expired=true, cancelled=true}\n"
+
+# KEYS batch, lines, outcomes, backlog; ARGV now, batch id, n lines, n*(idx, line), then (idx, outcome)*
+_START = """
+if redis.call('HGET', KEYS[1], 'status') ~= 'validating' then return 0 end
+local n = tonumber(ARGV[3])
+for i = 0, n - 1 do
+  redis.call('HSET', KEYS[2], ARGV[4 + 2 * i], ARGV[5 + 2 * i])
+  redis.call('XADD', KEYS[4], '*', 'b', ARGV[2], 'i', ARGV[4 + 2 * i])
+end
+local bad = 0
+for j = 4 + 2 * n, #ARGV, 2 do
+  redis.call('HSET', KEYS[3], ARGV[j], ARGV[j + 1])
+  bad = bad + 1
+end
+redis.call('HSET', KEYS[1], 'status', 'in_progress', 'in_progress_at', ARGV[1], 'total', n + bad, 'failed', bad)
+return 1
+"""
+
+# KEYS batch, lines, outcomes, open, lock; ARGV batch id, new status, n allowed, allowed..., (field, json)*
+_SET_STATUS = _TERMINAL_LUA + """
+local status = redis.call('HGET', KEYS[1], 'status')
+if not status then return 0 end
+local n = tonumber(ARGV[3])
+local ok = false
+for i = 4, 3 + n do if ARGV[i] == status then ok = true end end
+if not ok then return 0 end
+redis.call('HSET', KEYS[1], 'status', ARGV[2])
+for j = 4 + n, #ARGV, 2 do redis.call('HSET', KEYS[1], ARGV[j], ARGV[j + 1]) end
+if terminal[ARGV[2]] then
+  redis.call('DEL', KEYS[2], KEYS[3], KEYS[5])
+  redis.call('SREM', KEYS[4], ARGV[1])
+end
+return 1
+"""
+
+# KEYS batch, outcomes, backlog; ARGV group, entry id ('' for none), then (idx, ok 1|0, outcome)*
+# -> {added, done, total}
+_RECORD = _TERMINAL_LUA + """
+if ARGV[2] ~= '' then
+  redis.call('XACK', KEYS[3], ARGV[1], ARGV[2])
+  redis.call('XDEL', KEYS[3], ARGV[2])
+end
+local status = redis.call('HGET', KEYS[1], 'status')
+if (not status) or terminal[status] then return {0, 0, 0} end
+local added = 0
+for j = 3, #ARGV, 3 do
+  if redis.call('HSETNX', KEYS[2], ARGV[j], ARGV[j + 2]) == 1 then
+    added = added + 1
+    redis.call('HINCRBY', KEYS[1], ARGV[j + 1] == '1' and 'completed' or 'failed', 1)
+  end
+end
+local c = redis.call('HMGET', KEYS[1], 'completed', 'failed', 'total')
+return {added, tonumber(c[1] or '0') + tonumber(c[2] or '0'), tonumber(c[3] or '0')}
+"""
+
+# KEYS lock; ARGV holder
+_UNLOCK = """
+if redis.call('GET', KEYS[1]) == ARGV[1] then return redis.call('DEL', KEYS[1]) end
+return 0
+"""
+
+GROUP = "runners"
+_FAR_PAST_MS = 10 ** 12  # an idle time that any reclaim threshold passes
+
+
+class RedisStore(Store):
+    def __init__(self, url: str, prefix: str = "tg:") -> None:
+        self.url = url
+        self.prefix = prefix
+        self._r = None
+        self.backlog = f"{prefix}backlog"
+
+    def _k(self, *parts: str) -> str:
+        return self.prefix + ":".join(parts)
+
+    async def open(self) -> None:
+        import redis.asyncio as aioredis
+        from redis.exceptions import ResponseError
+
+        self._r = aioredis.Redis.from_url(self.url)
+        try:
+            await self._r.xgroup_create(self.backlog, GROUP, id="0", mkstream=True)
+        except ResponseError as exc:
+            if "BUSYGROUP" not in str(exc):
+                raise
+        self._start = self._r.register_script(_START)
+        self._set_status = self._r.register_script(_SET_STATUS)
+        self._record = self._r.register_script(_RECORD)
+        self._unlock = self._r.register_script(_UNLOCK)
+
+    async def close(self) -> None:
+        if self._r is not None:
+            await self._r.aclose()
+            self._r = None
+
+    # -- files
+    async def put_file(self, info: FileInfo, content: bytes) -> None:
+        async with self._r.pipeline(transaction=True) as p:
+            p.set(self._k("file", info.id), dumps(asdict(info)))
+            p.set(self._k("file", info.id, "content"), content)
+            await p.execute()
+
+    async def get_file(self, file_id: str) -> FileInfo | None:
+        raw = await self._r.get(self._k("file", file_id))
+        return FileInfo(**json.loads(raw)) if raw else None
+
+    async def file_content(self, file_id: str) -> bytes | None:
+        return await self._r.get(self._k("file", file_id, "content"))
+
+    async def delete_file(self, file_id: str) -> bool:
+        return await self._r.delete(self._k("file", file_id), self._k("file", file_id, "content")) > 0
+
+    # -- batches
+    def _batch_keys(self, batch_id: str) -> list[str]:
+        return [self._k("batch", batch_id), self._k("batch", batch_id, "lines"), self._k("batch", batch_id, "outcomes")]
+
+    async def create_batch(self, batch: BatchInfo) -> None:
+        mapping = {"doc": dumps(batch.static()), "status": batch.status, "total": batch.total,
+                   "completed": batch.completed, "failed": batch.failed}
+        mapping.update({k: dumps(v) for k, v in batch.fields.items()})
+        async with self._r.pipeline(transaction=True) as p:
+            p.hset(self._k("batch", batch.id), mapping=mapping)
+            p.zadd(self._k("batches"), {batch.id: 0})
+            p.zadd(self._k("batches", batch.owner), {batch.id: 0})
+            p.sadd(self._k("open"), batch.id)
+            await p.execute()
+
+    @staticmethod
+    def _batch(raw: dict[bytes, bytes]) -> BatchInfo | None:
+        if not raw:
+            return None
+        h = {k.decode(): v.decode() for k, v in raw.items()}
+        fields = {k: json.loads(h[k]) for k in MUTABLE if k in h}
+        return BatchInfo(**json.loads(h["doc"]), status=h["status"], total=int(h["total"]),
+                         completed=int(h["completed"]), failed=int(h["failed"]), fields=fields)
+
+    async def get_batch(self, batch_id: str) -> BatchInfo | None:
+        return self._batch(await self._r.hgetall(self._k("batch", batch_id)))
+
+    async def list_batches(self, owner: str | None, after: str | None, limit: int) -> list[BatchInfo]:
+        index = self._k("batches", owner) if owner is not None else self._k("batches")
+        ids = await self._r.zrevrangebylex(index, f"({after}" if after else "+", "-", start=0, num=limit)
+        async with self._r.pipeline(transaction=False) as p:
+            for i in ids:
+                p.hgetall(self._k("batch", i.decode()))
+            rows = await p.execute()
+        return [b for b in map(self._batch, rows) if b is not None]
+
+    async def open_batches(self) -> list[str]:
+        return sorted(i.decode() for i in await self._r.smembers(self._k("open")))
+
+    async def start(self, batch_id: str, lines: list[Line], invalid: list[Outcome], now: int) -> bool:
+        args: list[Any] = [now, batch_id, len(lines)]
+        for ln in lines:
+            args += [ln.index, line_json(ln)]
+        for o in invalid:
+            args += [o.index, outcome_json(o)]
+        return bool(await self._start(keys=[*self._batch_keys(batch_id), self.backlog], args=args))
+
+    async def set_status(self, batch_id: str, allowed: Iterable[str], status: str, **fields: Any) -> bool:
+        check_fields(fields)
+        allowed = list(allowed)
+        args: list[Any] = [batch_id, status, len(allowed), *allowed]
+        for k, v in fields.items():
+            args += [k, dumps(v)]
+        keys = [*self._batch_keys(batch_id), self._k("open"), self._k("batch", batch_id, "lock")]
+        return bool(await self._set_status(keys=keys, args=args))
+
+    async def lock(self, batch_id: str, holder: str, ttl_s: float) -> bool:
+        key = self._k("batch", batch_id, "lock")
+        if await self._r.set(key, holder, nx=True, px=int(ttl_s * 1000)):
+            return True
+        if (await self._r.get(key) or b"").decode() == holder:  # ours: renew
+            return bool(await self._r.set(key, holder, xx=True, px=int(ttl_s * 1000)))
+        return False
+
+    async def unlock(self, batch_id: str, holder: str) -> None:
+        await self._unlock(keys=[self._k("batch", batch_id, "lock")], args=[holder])
+
+    # -- backlog and outcomes
+    async def claim(self, consumer: str, count: int, reclaim_after_s: float) -> list[Job]:
+        # Entries whose consumer went silent first, with how often each has been handed out.
+        _, stale, _ = await self._r.xautoclaim(self.backlog, GROUP, consumer, int(reclaim_after_s * 1000),
+                                               start_id="0-0", count=count)
+        deliveries = {}
+        for entry_id, _ in stale:
+            info = await self._r.xpending_range(self.backlog, GROUP, entry_id, entry_id, 1)
+            deliveries[entry_id] = info[0]["times_delivered"] if info else 1
+        entries = list(stale)
+        if len(entries) < count:
+            fresh = await self._r.xreadgroup(GROUP, consumer, {self.backlog: ">"}, count=count - len(entries))
+            for _, got in fresh or []:
+                entries += got
+        jobs = []
+        for entry_id, data in entries:
+            if not data:  # deleted while pending
+                await self._drop(entry_id)
+                continue
+            batch_id, idx = data[b"b"].decode(), int(data[b"i"])
+            raw = await self._r.hget(self._k("batch", batch_id, "lines"), idx)
+            if raw is None:  # its batch has ended
+                await self._drop(entry_id)
+                continue
+            jobs.append(Job(batch_id, line_of(idx, raw), entry_id.decode(), deliveries.get(entry_id, 1)))
+        return jobs
+
+    async def _drop(self, entry_id: bytes | str) -> None:
+        async with self._r.pipeline(transaction=True) as p:
+            p.xack(self.backlog, GROUP, entry_id)
+            p.xdel(self.backlog, entry_id)
+            await p.execute()
+
+    async def touch(self, consumer: str, jobs: Iterable[Job]) -> None:
+        ids = [j.token for j in jobs]
+        if ids:
+            await self._r.xclaim(self.backlog, GROUP, consumer, 0, ids, justid=True)
+
+    async def release(self, consumer: str, jobs: Iterable[Job]) -> None:
+        for j in jobs:  # idle "forever": the next claim takes it; this delivery does not count
+            await self._r.xclaim(self.backlog, GROUP, consumer, 0, [j.token], idle=_FAR_PAST_MS,
+                                 retrycount=max(j.deliveries - 1, 0), justid=True)
+
+    async def ack(self, job: Job) -> None:
+        await self._drop(job.token)
+
+    async def _add(self, batch_id: str, token: str, outcomes: list[Outcome]) -> list[int]:
+        args: list[Any] = [GROUP, token]
+        for o in outcomes:
+            args += [o.index, int(o.ok), outcome_json(o)]
+        keys = [self._k("batch", batch_id), self._k("batch", batch_id, "outcomes"), self.backlog]
+        return await self._record(keys=keys, args=args)
+
+    async def record(self, job: Job, outcome: Outcome) -> Recorded:
+        added, done, total = await self._add(job.batch_id, job.token, [outcome])
+        return Recorded(bool(added), done, total)
+
+    async def fill(self, batch_id: str, make: Callable[[Line], Outcome]) -> int:
+        lines = await self._r.hgetall(self._k("batch", batch_id, "lines"))
+        have = set(await self._r.hkeys(self._k("batch", batch_id, "outcomes")))
+        missing = [make(line_of(int(i), raw)) for i, raw in lines.items() if i not in have]
+        if not missing:
+            return 0
+        added, _, _ = await self._add(batch_id, "", missing)
+        return added
+
+    async def outcomes(self, batch_id: str) -> list[Outcome]:
+        raw = await self._r.hgetall(self._k("batch", batch_id, "outcomes"))
+        return sorted((outcome_of(int(i), v) for i, v in raw.items()), key=lambda o: o.index)

@@ -1,0 +1,50 @@
+"""What HTTP handlers share on top of the serving core: the client's disconnect as a signal for
+``Serving``, and a streamed response that closes its source however the stream ends."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+from typing import AsyncIterator
+
+from starlette.requests import Request
+from starlette.responses import StreamingResponse
+
+from gateway.serving import Gone
+
+
+@contextlib.asynccontextmanager
+async def disconnect_signal(request: Request) -> AsyncIterator[Gone]:
+    """A signal set when the client disconnects, watched while the block runs. Leave the block
+    before a streamed response starts: the response watches the connection itself."""
+    gone = Gone()
+
+    async def watch() -> None:
+        while (await request.receive())["type"] != "http.disconnect":
+            pass
+        gone.set()
+
+    watcher = asyncio.create_task(watch())
+    try:
+        yield gone
+    finally:
+        gone.watched = False
+        watcher.cancel()
+        with contextlib.suppress(asyncio.CancelledError):
+            await watcher
+
+
+class Streamed(StreamingResponse):
+    """A streamed response whose ``content`` is always closed when the response ends, including
+    when the client disconnects before the first byte: closing it ends the serving core's
+    ``Serving`` block, which gives the slot and the lease back."""
+
+    def __init__(self, content: AsyncIterator[str | bytes], media_type: str, headers: dict[str, str]) -> None:
+        super().__init__(content, media_type=media_type, headers={**headers, "cache-control": "no-cache"})
+        self._content = content
+
+    async def __call__(self, scope, receive, send) -> None:
+        try:
+            await super().__call__(scope, receive, send)
+        finally:
+            await self._content.aclose()

@@ -1,0 +1,156 @@
+"""The one path every model request takes, for HTTP and batch alike: ``async with Serving(...)``.
+
+A ``Serving`` owns, for one request:
+
+* the gate slot plus the model lease (``Services.hold``: 429 / 503), given back together on exit;
+* cancellation: ``gone`` is a :class:`Gone` signal set when the client leaves (None for a batch
+  line, which is cancelled as a task). Waiting for the slot or for a step then stops with
+  ``ClientGone``, and work on a model thread stops at its next step boundary;
+* out-of-memory relief: ``step`` runs one attempt of the model work; on ``torch.OutOfMemoryError``
+  the arbiter evicts the least valuable model this requester may evict, the eviction finishes,
+  and the work is tried once more; a second failure (or nothing to evict) is a 503;
+* the outcome for the admission cost model: the service time is learned only when the request
+  completed (the block ended without an exception) and none of its work was ever paused. A cut
+  stream, a disconnect, an error or batch work that waited at a pause gate teach it nothing;
+* the latency metric of its endpoint.
+
+Endpoints build on it (``gateway.chat.serve_chat``, ``gateway.images.serve_images``, ...) and
+HTTP handlers only render what those return.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from concurrent.futures import ThreadPoolExecutor
+from typing import Awaitable, Callable, TypeVar
+
+import anyio
+import torch
+
+from gateway.auth import Caller
+from gateway.errors import APIError
+from gateway.service import ClientGone, Held, Services
+from workers.base import Cancelled, StepContext
+
+T = TypeVar("T")
+
+
+class Gone:
+    """A request's cancellation signal: ``set()`` when its client leaves. ``watched`` turns False
+    once nothing will set it any more (a streamed response watches its connection itself), so
+    waits stop racing it."""
+
+    def __init__(self) -> None:
+        self.event = asyncio.Event()
+        self.watched = True
+
+    def set(self) -> None:
+        self.event.set()
+
+
+class Serving:
+    """``async with Serving(svc, caller, model, units, endpoint, gone) as serving:`` holds a slot
+    and a lease for the block; see the module's docstring."""
+
+    def __init__(self, svc: Services, caller: Caller, model: str, units: float, endpoint: str,
+                 gone: Gone | None) -> None:
+        self.svc, self.caller, self.model, self.units, self.endpoint = svc, caller, model, units, endpoint
+        self.gone = gone
+        self.arrived = time.monotonic()
+        self.held: Held | None = None
+        self.contexts: list[StepContext] = []
+        self._gone_wait: asyncio.Future | None = None
+
+    @property
+    def rank(self) -> int:
+        return self.svc.tier_rank[self.caller.tier]
+
+    @property
+    def worker(self):
+        assert self.held is not None, "use inside 'async with'"
+        return self.held.lease.worker
+
+    @property
+    def paused(self) -> bool:
+        return any(ctx.paused for ctx in self.contexts)
+
+    def context(self) -> StepContext:
+        """A step context for work on the leased model (batch work carries its pause gate)."""
+        assert self.held is not None, "use inside 'async with'"
+        ctx = self.held.lease.context()
+        self.contexts.append(ctx)
+        return ctx
+
+    async def __aenter__(self) -> "Serving":
+        self.held = await self.until_gone(self.svc.hold(self.caller.tier, self.model, self.units))
+        return self
+
+    async def __aexit__(self, exc_type, exc, tb) -> None:
+        if self._gone_wait is not None:
+            self._gone_wait.cancel()
+        held = self.held
+        if held is None:
+            return
+        completed = exc_type is None  # a cut stream ends with GeneratorExit or CancelledError here
+        held.release(time.monotonic() - held.started if completed and not self.paused else None)
+        self.svc.metrics.latency.labels(self.caller.tier, self.endpoint).observe(time.monotonic() - self.arrived)
+
+    async def step(self, attempt: Callable[[StepContext], Awaitable[T]], doing: str) -> T:
+        """Run ``attempt`` (given a fresh step context) until it returns; after out of memory,
+        relieve the device and run it once more. Cancelled work becomes ``ClientGone``."""
+        for tries in (1, 2):
+            try:
+                return await self.until_gone(attempt(self.context()))
+            except Cancelled:
+                raise ClientGone() from None
+            except torch.OutOfMemoryError as exc:
+                if tries == 2 or not await self.svc.arbiter.relieve_oom(self.model, self.rank):
+                    raise APIError(503, f"out of memory {doing} {self.model}: {exc}", "out_of_memory") from None
+        raise AssertionError("unreachable")
+
+    async def until_gone(self, work: Awaitable[T]) -> T:
+        """Await ``work``, cancelling it if the client leaves first (then ``ClientGone``)."""
+        if self.gone is None or not self.gone.watched:
+            return await work
+        if self._gone_wait is None:
+            self._gone_wait = asyncio.ensure_future(self.gone.event.wait())
+        task = asyncio.ensure_future(work)
+        try:
+            await asyncio.wait({task, self._gone_wait}, return_when=asyncio.FIRST_COMPLETED)
+        except asyncio.CancelledError:
+            task.cancel()
+            raise
+        if task.done():
+            return task.result()
+        task.cancel()
+        try:
+            late = await task
+        except (asyncio.CancelledError, Exception):
+            pass
+        else:  # it finished just as the client left: give back what it holds
+            if isinstance(late, Held):
+                late.release(None)
+        raise ClientGone()
+
+
+# Model work gets its own threads: on asyncio's default executor, long generations could starve
+# the arbiter's loads and evictions (which run there) and deadlock the requests waiting on them.
+_MODEL_THREADS = ThreadPoolExecutor(max_workers=64, thread_name_prefix="tiergate-model")
+
+
+async def in_thread(work: Callable[[], T], ctx: StepContext) -> T:
+    """Run blocking model ``work`` on a model thread. If the awaiting task is cancelled (client
+    gone), cancel ``ctx`` so the work stops at its next step boundary, and wait for the thread to
+    end before re-raising: nothing may release the model while a thread still runs on it."""
+    running = _MODEL_THREADS.submit(work)
+    done = asyncio.wrap_future(running)
+    try:
+        return await asyncio.shield(done)
+    except asyncio.CancelledError:
+        ctx.cancel()
+        with anyio.CancelScope(shield=True):
+            await asyncio.wait({done})
+        if not done.cancelled():
+            done.exception()  # retrieved: the caller is gone, the result or error goes nowhere
+        raise
