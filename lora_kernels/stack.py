@@ -4,7 +4,8 @@ The first merge of a weight keeps a pristine copy of it; every later merge is co
 copy straight into the weight (``W = W0 + delta``, never ``W -= old_delta``), and :meth:`restore`
 copies it back, so merge -> restore round trips are exact however often they repeat. With
 ``offload=True`` the copy lives in host memory and each merge first copies it back, then merges in
-place.
+place. :meth:`AdapterStack.switch` is what a server calls between requests: it either merges the
+whole stack or leaves the pristine weights, never a half-merged model.
 """
 
 from __future__ import annotations
@@ -117,6 +118,19 @@ class AdapterStack:
             merge_into(srcs, list(targets.values()), out=dsts, mode=self.mode, backend=self.backend)
         self._merged = stack
         return self
+
+    def switch(self, stack: Sequence[tuple[LoraAdapter, float]]) -> AdapterStack:
+        """Make the weights serve ``stack``: merge it (from the pristine weights), or restore them
+        for the empty stack. A merge that fails, even half way through the weights (out of memory
+        in a later group, a bad factor), restores the pristine weights bit for bit, then re-raises."""
+        if not stack:
+            self.restore()
+            return self
+        try:
+            return self.apply(stack)
+        except BaseException:
+            self.restore()
+            raise
 
     def _keep(self, weight: Tensor) -> Tensor:
         if not self.offload:

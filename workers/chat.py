@@ -250,26 +250,23 @@ class ChatWorker(ThreadWorker):
 
     def _switch_stack(self, seq: _Seq) -> bool:
         """Make the weights serve ``seq``'s adapter stack (only while no row is in the batch). On
-        failure every waiting row that wants that stack gets the error and the model is restored."""
+        failure the pristine weights are back (``AdapterStack.switch``) and every waiting row that
+        wants that stack gets the error."""
         if seq.key == self.stack_key:
             return True
+        self.stack_key = ()  # what a failed switch leaves: the pristine weights
         try:
-            if seq.stack:
-                self.adapter_stack.apply(seq.stack)
-                self.stack_merges += 1
-            else:
-                self.adapter_stack.restore()
-            self.stack_key = seq.key
-            return True
+            self.adapter_stack.switch(seq.stack)
         except Exception as exc:  # noqa: BLE001 - a bad stack fails its rows, not the engine
-            self.adapter_stack.restore()
-            self.stack_key = ()
             names = ", ".join(name for name, _ in seq.key)
             error = AdapterStackFailed(f"adapter stack [{names}] cannot be merged into {self.spec.name}: {exc}")
             for other in [s for s in self._waiting if s.key == seq.key]:
                 other.emit(error)
                 self._waiting.remove(other)
             return False
+        self.stack_key = seq.key
+        self.stack_merges += bool(seq.stack)
+        return True
 
     @torch.inference_mode()
     def _prefill_into(self, batch: _Batch, seq: _Seq) -> None:

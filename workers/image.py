@@ -175,20 +175,14 @@ class ImageWorker(ThreadWorker):
         return [_png(img) for img in out.images]
 
     def _switch_stack(self, stack: AdapterStackSpec) -> None:
-        """(under the stack gate, nobody running) Merge ``stack`` into the denoiser, or restore it."""
+        """(under the stack gate, nobody running) Merge ``stack`` into the denoiser, or restore it;
+        a failed merge leaves the pristine weights (``AdapterStack.switch``) and raises."""
         if self.adapter_stack is None:
             if stack:
                 raise ValueError(f"model {self.spec.name!r} has no unet or transformer to merge adapters into")
             return
-        if not stack:
-            self.adapter_stack.restore()
-            return
-        try:
-            self.adapter_stack.apply(stack)
-        except BaseException:
-            self.adapter_stack.restore()
-            raise
-        self.stack_merges += 1
+        self.adapter_stack.switch(stack)
+        self.stack_merges += bool(stack)
 
     def _own_tokenizers(self) -> dict:
         """This thread's copies of the pipeline's tokenizers. A fast (Rust) tokenizer is not safe
