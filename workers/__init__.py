@@ -1,3 +1,5 @@
-"""One module per modality (chat, image, tts, stt): loading a model from its local folder in its
-library's own format, running it in steps with a yield point between steps, and building the
-tiny offline demo models."""
+"""One module per modality (chat on transformers or vLLM, image, tts, stt): loading a model from
+its local folder in its library's own format and running it in steps with a yield point between
+steps. Every worker implements the interface in ``workers.worker`` (what the arbiter calls to move
+its weights, and what the gateway may know before loading); ``workers.registry`` picks the class
+for a model spec."""
