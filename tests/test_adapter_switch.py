@@ -54,10 +54,11 @@ def llama(tiny_chat):
     return AutoModelForCausalLM.from_pretrained(tiny_chat, dtype=torch.float32).eval()
 
 
-def test_the_failure_is_midway_and_switch_restores_exactly(llama, demo_adapters):
+@pytest.mark.parametrize("offload", [False, True], ids=["copies-beside", "copies-offloaded"])
+def test_the_failure_is_midway_and_switch_restores_exactly(llama, demo_adapters, offload):
     pirate = load_peft_adapter(demo_adapters[PIRATE], PIRATE)
     pristine = snapshot(llama)
-    bare = AdapterStack(llama)
+    bare = AdapterStack(llama, offload=offload)
     with pytest.raises(NotImplementedError, match="meta"):
         bare.apply([(broken(pirate), 1.0)])  # apply alone leaves the weights half merged
     now = llama.state_dict()
@@ -65,7 +66,7 @@ def test_the_failure_is_midway_and_switch_restores_exactly(llama, demo_adapters)
     bare.restore()
     assert_pristine(llama, pristine)
 
-    stack = AdapterStack(llama)
+    stack = AdapterStack(llama, offload=offload)
     stack.switch([(pirate, 1.0)])  # another stack merged first: its copies are kept too
     with pytest.raises(NotImplementedError, match="meta"):
         stack.switch([(pirate, 0.5), (broken(pirate), 1.0)])
