@@ -1,0 +1,289 @@
+"""The serving core's one hold path (gateway/serving.py) against a real server:
+
+* out of memory inside a real image, speech and transcription step, and inside a real load, makes
+  the arbiter evict the least valuable other model; the eviction has finished before the retry
+  starts (the order of events is recorded), and the retry succeeds;
+* the admission cost model learns only completed, unpaused service time: a batch request paused
+  for a long time, and a stream cut by a disconnect, leave its prediction unchanged.
+
+Out of memory is raised by torch forward pre-hooks on the worker's own modules (or by its own
+``Module.to`` during a load), so the worker's real code runs up to that point."""
+
+from __future__ import annotations
+
+import asyncio
+import base64
+import io
+import json
+import socket
+import threading
+import time
+from pathlib import Path
+
+import httpx
+import numpy as np
+import openai
+import pytest
+import soundfile as sf
+import torch
+
+from tests.helpers import RunningServer, start_server, write_config
+
+EXTRA = "eviction:\n  protect_window_s: 0\nlimits:\n  max_chat_tokens: 64\n  image_max_steps: 400\n"
+
+
+@pytest.fixture(scope="module")
+def server(tiny_chat: Path, tiny_image: Path, tiny_tts: Path, tiny_stt: Path, tmp_path_factory) -> RunningServer:
+    folder = tmp_path_factory.mktemp("serving-core")
+    models = {"low": ("chat", tiny_chat), "mid": ("chat", tiny_chat), "tiny-image": ("image", tiny_image),
+              "tiny-tts": ("tts", tiny_tts), "tiny-stt": ("stt", tiny_stt)}
+    cfg = write_config(folder, models, EXTRA)
+    # no host cache: an evicted model goes cold, so loading it again is a real load from disk
+    cfg.write_text(cfg.read_text().replace("vram_budget: 4GiB", "vram_budget: 64GiB\n  host_cache_budget: 0"))
+    srv = start_server(cfg)
+    yield srv
+    srv.stop()
+
+
+def sdk(server: RunningServer, tier: str = "paid") -> openai.OpenAI:
+    return openai.OpenAI(base_url=server.base_url, api_key=server.keys[tier], max_retries=0)
+
+
+def hello(server: RunningServer, model: str, tier: str) -> None:
+    sdk(server, tier).chat.completions.create(model=model, messages=[{"role": "user", "content": "hi"}], max_tokens=1)
+
+
+def places(server: RunningServer) -> dict[str, str]:
+    return {name: s.place for name, s in server.services.arbiter.states.items()}
+
+
+def settle(server: RunningServer) -> None:
+    """Wait until nothing is admitted or moving."""
+    deadline = time.time() + 30
+    while server.services.gate.total_inflight or server.services.arbiter._loading:
+        assert time.time() < deadline, "the server did not settle"
+        time.sleep(0.02)
+
+
+class Recorder:
+    """The order of events: each out-of-memory raised, each eviction finished (the arbiter's own
+    ``_evict``, wrapped to note its end), each step or load that ran after."""
+
+    def __init__(self, server: RunningServer) -> None:
+        self.events: list[tuple[str, object]] = []
+        self.lock = threading.Lock()
+        arbiter = server.services.arbiter
+        real = arbiter._evict
+
+        async def evict(decision, reason):
+            await real(decision, reason)
+            self.note("evicted", decision.victims)
+
+        self.undo = lambda: setattr(arbiter, "_evict", real)
+        arbiter._evict = evict
+
+    def note(self, what: str, detail: object = None) -> None:
+        with self.lock:
+            self.events.append((what, detail))
+
+    def first(self, what: str, after: int = 0) -> int:
+        return next(i for i, (w, _) in enumerate(self.events) if w == what and i >= after)
+
+
+def oom_once(modules: list[torch.nn.Module], rec: Recorder) -> list:
+    """Forward pre-hooks on every submodule of ``modules``: the first forward raises
+    torch.OutOfMemoryError (as the allocator would), every later one is noted as a step."""
+    fired = []
+
+    def hook(module, args):
+        with rec.lock:
+            if not fired:
+                fired.append(1)
+                rec.events.append(("oom", type(module).__name__))
+                raise torch.OutOfMemoryError("CUDA out of memory (injected in a forward)")
+            if rec.events[-1][0] != "step":
+                rec.events.append(("step", type(module).__name__))
+
+    return [sub.register_forward_pre_hook(hook) for m in modules for sub in m.modules()]
+
+
+def prepare(server: RunningServer, target: str, warm_up) -> Recorder:
+    """``target`` resident (by one normal paid request), then "mid" served to the subscriber tier
+    and "low" to the free tier: "low" is the least valuable model the paid tier may evict."""
+    settle(server)
+    warm_up()
+    hello(server, "mid", "subscriber")
+    hello(server, "low", "free")
+    settle(server)
+    assert places(server)[target] == "resident" and places(server)["low"] == places(server)["mid"] == "resident"
+    return Recorder(server)
+
+
+def assert_relieved_then_retried(server: RunningServer, rec: Recorder) -> None:
+    oom = rec.first("oom")
+    evicted = rec.first("evicted", oom)
+    retried = rec.first("step", oom)
+    assert rec.events[evicted][1] == ("low",), rec.events
+    assert evicted < retried, f"the retry started before the eviction finished: {rec.events}"
+    assert places(server)["low"] in ("warm", "cold") and places(server)["mid"] == "resident"
+    assert server.services.arbiter.counters.evictions.get(("low", "oom"), 0) >= 1
+
+
+def image(server: RunningServer) -> bytes:
+    r = sdk(server).images.generate(model="tiny-image", prompt="a red square", size="64x64",
+                                    extra_body={"num_inference_steps": 2, "seed": 1})
+    return base64.b64decode(r.data[0].b64_json)
+
+
+def test_oom_in_an_image_step_evicts_the_least_valuable_then_retries(server):
+    rec = prepare(server, "tiny-image", lambda: image(server))
+    worker = server.services.arbiter.workers["tiny-image"]
+    hooks = oom_once(worker.modules(), rec)
+    try:
+        png = image(server)
+    finally:
+        for h in hooks:
+            h.remove()
+        rec.undo()
+    assert png.startswith(b"\x89PNG")
+    assert_relieved_then_retried(server, rec)
+
+
+def speak(server: RunningServer) -> bytes:
+    r = httpx.post(f"{server.base_url}/audio/speech", headers={"Authorization": f"Bearer {server.keys['paid']}"},
+                   json={"model": "tiny-tts", "input": "Hello there. How are you?", "voice": "alloy",
+                         "response_format": "wav"}, timeout=60)
+    assert r.status_code == 200, r.text
+    return r.content
+
+
+def test_oom_in_a_speech_step_evicts_the_least_valuable_then_retries(server):
+    rec = prepare(server, "tiny-tts", lambda: speak(server))
+    hooks = oom_once(server.services.arbiter.workers["tiny-tts"].modules(), rec)
+    try:
+        audio = speak(server)
+    finally:
+        for h in hooks:
+            h.remove()
+        rec.undo()
+    samples, _ = sf.read(io.BytesIO(audio))
+    assert len(samples) > 0
+    assert_relieved_then_retried(server, rec)
+
+
+def transcribe(server: RunningServer) -> dict:
+    t = np.arange(16000) / 16000
+    buf = io.BytesIO()
+    sf.write(buf, (0.3 * np.sin(2 * np.pi * 440 * t)).astype(np.float32), 16000, format="WAV")
+    r = httpx.post(f"{server.base_url}/audio/transcriptions", headers={"Authorization": f"Bearer {server.keys['paid']}"},
+                   data={"model": "tiny-stt"}, files={"file": ("tone.wav", buf.getvalue(), "audio/wav")}, timeout=60)
+    assert r.status_code == 200, r.text
+    return r.json()
+
+
+def test_oom_in_a_transcription_step_evicts_the_least_valuable_then_retries(server):
+    rec = prepare(server, "tiny-stt", lambda: transcribe(server))
+    hooks = oom_once(server.services.arbiter.workers["tiny-stt"].modules(), rec)
+    try:
+        out = transcribe(server)
+    finally:
+        for h in hooks:
+            h.remove()
+        rec.undo()
+    assert isinstance(out["text"], str) and out["usage"]["seconds"] == 1
+    assert_relieved_then_retried(server, rec)
+
+
+def test_oom_in_a_load_evicts_the_least_valuable_then_loads_again(server, monkeypatch):
+    rec = prepare(server, "tiny-image", lambda: image(server))
+    unloaded = httpx.post(f"{server.url}/admin/models/tiny-image/unload",
+                          headers={"Authorization": f"Bearer {server.keys['admin']}"})
+    assert unloaded.status_code == 200 and places(server)["tiny-image"] == "cold"
+    real_to = torch.nn.Module.to
+    fired = []
+
+    def to(module, *args, **kwargs):  # the pipeline's own move onto the device, during its load
+        if type(module).__module__.startswith("diffusers"):
+            with rec.lock:
+                if not fired:
+                    fired.append(1)
+                    rec.events.append(("oom", type(module).__name__))
+                    raise torch.OutOfMemoryError("CUDA out of memory (injected in a load)")
+                if rec.events[-1][0] != "step":
+                    rec.events.append(("step", type(module).__name__))
+        return real_to(module, *args, **kwargs)
+
+    monkeypatch.setattr(torch.nn.Module, "to", to)
+    try:
+        png = image(server)
+    finally:
+        monkeypatch.undo()
+        rec.undo()
+    assert png.startswith(b"\x89PNG") and fired
+    assert_relieved_then_retried(server, rec)
+    assert server.services.arbiter.counters.evictions.get(("low", "make_room"), 0) >= 1
+
+
+# -- what the cost model learns --------------------------------------------------------------------
+
+
+def predict(server: RunningServer, model: str, units: float) -> float:
+    return server.call(server.services.gate.costs.predict, model, units)
+
+
+def test_a_long_paused_batch_request_leaves_the_prediction_unchanged(server):
+    settle(server)
+    units = float(64 * 64 * 3)
+    for seed in (1, 2):  # completed paid requests: these are what the cost model learns from
+        sdk(server).images.generate(model="tiny-image", prompt="warm", size="64x64",
+                                    extra_body={"num_inference_steps": 3, "seed": seed})
+    learned = predict(server, "tiny-image", units)
+    assert learned != predict(server, "nonexistent-model", units)  # it did learn from them
+    svc, pauses = server.services, server.services.arbiter.counters.batch_pauses
+    line = {"custom_id": "slow", "method": "POST", "url": "/v1/images/generations",
+            "body": {"model": "tiny-image", "prompt": "slow", "size": "64x64", "num_inference_steps": 300}}
+    c = sdk(server, "free")
+    f = c.files.create(file=("in.jsonl", io.BytesIO((json.dumps(line) + "\n").encode())), purpose="batch")
+    batch = c.batches.create(input_file_id=f.id, endpoint="/v1/images/generations", completion_window="24h")
+    deadline = time.time() + 30
+    while svc.arbiter.states["tiny-image"].running_batch == 0:
+        assert time.time() < deadline, "the batch line never started"
+        time.sleep(0.01)
+
+    async def paid_in_flight(seconds: float) -> None:  # a paid request holds a slot: batch work pauses
+        ticket = await svc.gate.acquire("paid", "mid", 1.0)
+        await asyncio.sleep(seconds)
+        svc.gate.release(ticket)
+
+    asyncio.run_coroutine_threadsafe(paid_in_flight(2.0), server.loop).result(10)
+    while (b := c.batches.retrieve(batch.id)).status not in ("completed", "failed", "expired", "cancelled"):
+        assert time.time() < deadline + 60, b
+        time.sleep(0.05)
+    assert b.status == "completed" and b.request_counts.completed == 1
+    assert svc.arbiter.counters.batch_pauses > pauses
+    assert predict(server, "tiny-image", units) == learned
+
+
+def test_a_stream_cut_by_a_disconnect_leaves_the_prediction_unchanged(server):
+    settle(server)
+    body = {"model": "mid", "messages": [{"role": "user", "content": "count"}], "max_tokens": 64,
+            "temperature": 0, "stream": True}
+    done = sdk(server).chat.completions.create(**{**body, "stream": False})
+    assert done.usage.completion_tokens > 8  # the request we cut would run long
+    learned = predict(server, "mid", 64)
+    slow = [m.register_forward_pre_hook(lambda m, a: time.sleep(0.05)) for m in server.services.arbiter.workers["mid"].modules()]
+    try:
+        host, port = server.url.removeprefix("http://").split(":")
+        with socket.create_connection((host, int(port))) as s:
+            payload = json.dumps(body).encode()
+            s.sendall(b"POST /v1/chat/completions HTTP/1.1\r\nhost: x\r\ncontent-type: application/json\r\n"
+                      + f"authorization: Bearer {server.keys['paid']}\r\ncontent-length: {len(payload)}\r\n\r\n".encode()
+                      + payload)
+            got = b""
+            while got.count(b"data: ") < 2:  # the role chunk, then the first token
+                got += s.recv(65536)
+        settle(server)
+    finally:
+        for h in slow:
+            h.remove()
+    assert predict(server, "mid", 64) == learned
