@@ -240,8 +240,8 @@ async def send(calls: Requests, out: Outcome, t_run: float) -> Outcome:
             out.error = f"{exc.status_code} {exc.code or ''}".strip()
     except openai.APITimeoutError:
         out.error = "timeout"
-    except openai.APIConnectionError:
-        out.error = "connection"
+    except openai.APIConnectionError as exc:  # the cause says which (e.g. RemoteProtocolError)
+        out.error = f"connection/{type(exc.__cause__).__name__}" if exc.__cause__ else "connection"
     except asyncio.CancelledError:
         out.error = "unfinished"
         raise
@@ -477,14 +477,16 @@ def _counts(c: dict[str, int]) -> str:
 
 
 def table(rows: list[TierPoint]) -> str:
+    refused = [_counts(r.refused) for r in rows]
+    width = max([len("refused (429)"), *map(len, refused)]) + 2
     head = (f"{'load':<6}{'tier':<12}{'offered/s':>10}{'sent':>6}{'ok':>6}{'p50 ms':>9}{'p99 ms':>9}"
-            f"{'ttft p50':>10}{'ttft p99':>10}{'goodput/s':>11}{'target s':>10}  {'refused (429)':<24}errors")
+            f"{'ttft p50':>10}{'ttft p99':>10}{'goodput/s':>11}{'target s':>10}  {'refused (429)':<{width}}errors")
     lines = [head]
-    for r in rows:
+    for r, refusals in zip(rows, refused):
         target = "-" if r.target_s is None else f"{r.target_s:g}"
         lines.append(f"{'x' + format(r.multiplier, 'g'):<6}{r.tier:<12}{r.offered:>10.2f}{r.sent:>6}{r.ok:>6}"
                      f"{_ms(r.p50_s):>9}{_ms(r.p99_s):>9}{_ms(r.ttft_p50_s):>10}{_ms(r.ttft_p99_s):>10}"
-                     f"{r.goodput:>11.2f}{target:>10}  {_counts(r.refused):<24}{_counts(r.errors)}")
+                     f"{r.goodput:>11.2f}{target:>10}  {refusals:<{width}}{_counts(r.errors)}")
     return "\n".join(lines)
 
 
@@ -524,6 +526,16 @@ def _total_offered(rows: list[TierPoint]) -> dict[float, float]:
     return totals
 
 
+def _load_axis(ax, totals: dict[float, float]) -> None:
+    """Offered load on a log axis (the sweep is usually geometric), ticks at the points."""
+    values = sorted(v for v in totals.values() if v > 0)
+    if values and values[-1] > values[0]:
+        ax.set_xscale("log")
+        ax.set_xticks(values, [f"{v:g}" for v in values])
+        ax.minorticks_off()
+    ax.set_xlabel("offered load, all tiers (requests/s)")
+
+
 def plot_latency(rows: list[TierPoint], path: Path) -> None:
     plt = _pyplot()
     totals = _total_offered(rows)
@@ -535,7 +547,7 @@ def plot_latency(rows: list[TierPoint], path: Path) -> None:
             if xy:
                 ax.plot(*zip(*xy), style, color=colour, label=f"{tier} {label}")
     ax.set_yscale("log")
-    ax.set_xlabel("offered load, all tiers (requests/s)")
+    _load_axis(ax, totals)
     ax.set_ylabel("latency of answered requests (ms)")
     ax.set_title("Latency against offered load")
     ax.grid(True, alpha=0.3)
@@ -553,7 +565,7 @@ def plot_goodput(rows: list[TierPoint], path: Path) -> None:
         x = [totals[p.multiplier] for p in pts]
         ax.plot(x, [p.goodput for p in pts], "o-", color=f"C{n}", label=f"{tier} goodput")
         ax.plot(x, [p.offered for p in pts], ":", color=f"C{n}", alpha=0.6, label=f"{tier} offered")
-    ax.set_xlabel("offered load, all tiers (requests/s)")
+    _load_axis(ax, totals)
     ax.set_ylabel("requests/s answered within target")
     ax.set_title("Goodput against offered load (dotted: offered)")
     ax.grid(True, alpha=0.3)
@@ -578,14 +590,12 @@ def plot_residency(run: Run, path: Path) -> None:
     if marks:
         ax.plot([t for t, _ in marks], [models.index(m) for _, m in marks], "v", color="#c62828",
                 markersize=7, label="eviction")
-    if run.points and run.points[0][1] > 1:
-        ax.text(0, len(models) - 0.4, " warm-up", fontsize=8, va="bottom")
     for mult, start, end in run.points:
         ax.axvline(start, color="black", linewidth=0.6, linestyle=":")
         ax.text(start, len(models) - 0.4, f" x{mult:g}", fontsize=8, va="bottom")
     ax.set_yticks(range(len(models)), models)
     ax.set_ylim(-0.6, len(models) + 0.2)
-    ax.set_xlabel("seconds since the run started (dotted: a sweep point's arrivals begin)")
+    ax.set_xlabel("seconds since the run started (dotted: a sweep point's arrivals begin; before: warm-up)")
     ax.set_title(f"Residency (polled every {run.plan.poll_s:g} s); evictions: {len(marks)}")
     handles = [Patch(color=c, label=p) for p, c in PLACE_COLOURS.items()]
     if marks:
