@@ -252,8 +252,6 @@ class ChatWorker(ThreadWorker):
         """Make the weights serve ``seq``'s adapter stack (only while no row is in the batch). On
         failure the pristine weights are back (``AdapterStack.switch``) and every waiting row that
         wants that stack gets the error."""
-        if seq.key == self.stack_key:
-            return True
         self.stack_key = ()  # what a failed switch leaves: the pristine weights
         try:
             self.adapter_stack.switch(seq.stack)
