@@ -58,13 +58,45 @@ def test_image_pngs_have_the_requested_size(image_worker):
         image_worker.generate(_img(width=30, height=48), StepContext())
 
 
-def test_image_seed_is_deterministic(image_worker):
-    a = image_worker.generate(_img(width=32, height=32, seed=7, negative_prompt="dog"), StepContext())
-    b = image_worker.generate(_img(width=32, height=32, seed=7, negative_prompt="dog"), StepContext())
-    c = image_worker.generate(_img(width=32, height=32, seed=8, negative_prompt="dog"), StepContext())
-    assert a == b and a != c
-    pair = image_worker.generate(_img(n=2, width=32, height=32, seed=7, negative_prompt="dog"), StepContext())
-    assert pair[0] == a[0]
+# Images of one seed made in batches of different sizes agree within this many levels of 255 per
+# channel (docs/MODALITIES.md, Seeds). Measured on the demo model: at most 1 (batches of 2 and 4
+# against 1, 11 seeds; MKL, oneDNN and ATen held to SSE4.2, AVX2 or AVX-512; also one thread,
+# oneDNN off, or every weight perturbed by 2^-12 relative). The old byte-equality check failed
+# with the SSE4.2 kernels, as on the fresh machine of issue 10.
+SEED_PIXEL_TOLERANCE = 3
+
+
+def _pixels(png: bytes) -> np.ndarray:
+    return np.asarray(Image.open(io.BytesIO(png)).convert("RGB"), dtype=np.int16)
+
+
+def _max_pixel_difference(a: bytes, b: bytes) -> int:
+    return int(np.abs(_pixels(a) - _pixels(b)).max())
+
+
+def test_image_seed_promise(image_worker):
+    """The promise of docs/MODALITIES.md (Seeds), which holds on any CPU:
+
+    * the same request with the same seed gives the same PNG bytes (one machine, one process);
+    * image ``i`` of an ``n`` request is the image of seed ``seed + i``: its own generator, so the
+      same starting noise whatever ``n`` is. A batch of ``n`` may run other kernels than a batch
+      of one (which ones depends on the CPU and the library versions), so the pixels agree within
+      ``SEED_PIXEL_TOLERANCE`` levels of 255, not bit for bit; another seed is far off.
+    """
+
+    def make(n: int, seed: int) -> list[bytes]:
+        return image_worker.generate(_img(n=n, width=32, height=32, seed=seed, negative_prompt="dog"), StepContext())
+
+    alone = [make(1, 7 + i)[0] for i in range(3)]
+    assert make(1, 7) == [alone[0]]
+    trio = make(3, 7)
+    assert make(3, 7) == trio
+    for i in range(3):
+        assert _max_pixel_difference(trio[i], alone[i]) <= SEED_PIXEL_TOLERANCE, i
+        assert _max_pixel_difference(trio[i], alone[(i + 1) % 3]) > 10 * SEED_PIXEL_TOLERANCE, i
+    pair = make(2, 8)
+    assert _max_pixel_difference(pair[0], alone[1]) <= SEED_PIXEL_TOLERANCE
+    assert _max_pixel_difference(pair[1], alone[2]) <= SEED_PIXEL_TOLERANCE
 
 
 def _count_unet_calls(worker: image.ImageWorker) -> tuple[list[int], object]:

@@ -17,6 +17,7 @@ import copy
 import io
 import itertools
 import json
+import secrets
 import threading
 from contextlib import contextmanager
 from dataclasses import dataclass
@@ -143,7 +144,10 @@ class ImageWorker(ThreadWorker):
     def generate(self, req: ImageRequest, ctx: StepContext) -> list[bytes]:
         """Generate ``req.n`` PNG images; ``ctx.boundary()`` runs after every denoising step.
 
-        Image ``i`` uses the seed ``req.seed + i``, so a seed gives the same images whatever ``n`` is.
+        Image ``i`` has its own generator seeded ``req.seed + i`` (diffusers draws each image's
+        noise from its own generator), so image ``i`` starts from the noise of the ``n=1`` request
+        with seed ``req.seed + i``. Its pixels equal that image's within the rounding of the batch
+        kernels, not bit for bit: a batch of ``n`` may run other kernels than a batch of one.
         """
         if self.pipe is None:
             raise RuntimeError(f"model {self.spec.name!r} is not loaded")
@@ -152,7 +156,7 @@ class ImageWorker(ThreadWorker):
         for side in (req.width, req.height):
             if side is not None and (side <= 0 or side % 8):
                 raise ValueError(f"image sides must be positive multiples of 8, got {side}")
-        seed = req.seed if req.seed is not None else int(torch.seed() % 2**31)
+        seed = req.seed if req.seed is not None else secrets.randbelow(2**31)  # leaves torch's global RNG alone
         generators = [torch.Generator("cpu").manual_seed(seed + i) for i in range(req.n)]
 
         def on_step_end(pipe: DiffusionPipeline, step: int, timestep: int, kwargs: dict) -> dict:
