@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import itertools
 import logging
-from collections.abc import AsyncIterator, Iterator
+from collections.abc import AsyncGenerator, AsyncIterator, Iterator
 from dataclasses import dataclass
 from typing import Literal
 
@@ -81,7 +81,8 @@ async def plan_speech(svc: Services, body: SpeechBody) -> SpeechJob:
     return SpeechJob(spec.name, SpeechRequest(body.input, body.voice, body.speed), fmt, voices.sample_rate)
 
 
-async def serve_speech(svc: Services, caller: Caller, job: SpeechJob, gone: Gone | None) -> AsyncIterator[bytes]:
+async def serve_speech(svc: Services, caller: Caller, job: SpeechJob,
+                       gone: Gone | None) -> AsyncGenerator[bytes, None]:
     """The serving core: the encoded audio, a sentence a piece for wav and pcm, whole for the
     others. What goes wrong before the first sentence is made (429/503, out of memory after
     relief) is raised by the first ``__anext__``; closing the iterator early stops the worker at
@@ -101,7 +102,8 @@ async def serve_speech(svc: Services, caller: Caller, job: SpeechJob, gone: Gone
             encoded.close()
 
 
-async def _first_sentence(worker, job: SpeechJob, ctx: StepContext) -> tuple[StepContext, Iterator, object]:
+async def _first_sentence(worker: TTSWorker, job: SpeechJob,
+                          ctx: StepContext) -> tuple[StepContext, Iterator[np.ndarray], np.ndarray | None]:
     try:
         chunks = worker.synthesize(job.request, ctx)
     except ValueError as exc:  # nothing speakable in the input
@@ -123,7 +125,7 @@ async def speech(request: Request) -> Response:
     return Streamed(_stream(first, pieces), job.media_type, headers)
 
 
-async def _stream(first: bytes, pieces: AsyncIterator[bytes]) -> AsyncIterator[bytes]:
+async def _stream(first: bytes, pieces: AsyncGenerator[bytes, None]) -> AsyncIterator[bytes]:
     """The response has started: a failure ends it short, and the gateway lives on."""
     try:
         yield first

@@ -83,12 +83,15 @@ class Serving:
         return ctx
 
     async def __aenter__(self) -> "Serving":
-        self.held = await self.until_gone(self.svc.hold(self.caller.tier, self.model, self.units))
+        try:
+            self.held = await self.until_gone(self.svc.hold(self.caller.tier, self.model, self.units))
+        except BaseException:
+            self._stop_watching()
+            raise
         return self
 
     async def __aexit__(self, exc_type, exc, tb) -> None:
-        if self._gone_wait is not None:
-            self._gone_wait.cancel()
+        self._stop_watching()
         held = self.held
         if held is None:
             return
@@ -108,6 +111,10 @@ class Serving:
                 if tries == 2 or not await self.svc.arbiter.relieve_oom(self.model, self.rank):
                     raise APIError(503, f"out of memory {doing} {self.model}: {exc}", "out_of_memory") from None
         raise AssertionError("unreachable")
+
+    def _stop_watching(self) -> None:
+        if self._gone_wait is not None:
+            self._gone_wait.cancel()
 
     async def until_gone(self, work: Awaitable[T]) -> T:
         """Await ``work``, cancelling it if the client leaves first (then ``ClientGone``)."""
