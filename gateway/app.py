@@ -1,28 +1,34 @@
-"""The Starlette application: routes, error handling, and building the services from a config."""
+"""The Starlette application: the one route table, error handling, and building the services from
+a config. This module composes the server: it is the only one in ``gateway`` that imports
+``batch`` (whose routes it mounts and whose runner it starts); ``batch`` imports the gateway's
+serving core, never this module."""
 
 from __future__ import annotations
 
 import contextlib
 import logging
 import time
-from typing import AsyncIterator
+from typing import AsyncIterator, Sequence
 
 from starlette.applications import Starlette
 from starlette.exceptions import HTTPException
 from starlette.middleware import Middleware
 from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
-from starlette.routing import Route
+from starlette.routing import BaseRoute, Route
 
 from arbiter.footprint import default_device, device_budget
 from arbiter.residency import Arbiter, Refused, Unavailable
-from gateway import adapters
+from batch import api as batch_api
+from batch.runner import runner_for
+from gateway import audio, chat, images
+from gateway.adapters import load_adapters
 from gateway.admission import Gate, TierPolicy
 from gateway.auth import KeyRing
 from gateway.body_deadline import BodyDeadline
-from gateway.chat import chat_completions
 from gateway.config import Config
 from gateway.errors import APIError
+from gateway.image_store import ImageStore
 from gateway.metrics import Metrics
 from gateway.service import ClientGone, Services
 
@@ -47,9 +53,10 @@ def build_services(config: Config, keys: KeyRing) -> Services:
         batch_rank=config.batch_rank,
     )
     gate.on_change = lambda: arbiter.set_demand(gate.others_busy())
-    services = Services(config, keys, gate, arbiter, Metrics(gate, arbiter))
-    adapters.install(services, adapters.load_adapters(config))  # ConfigError for a bad adapter
-    return services
+    limits = config.limits
+    return Services(config, keys, gate, arbiter, Metrics(gate, arbiter),
+                    adapters=load_adapters(config),  # ConfigError for a bad adapter
+                    images=ImageStore(limits.image_url_ttl_s, limits.image_url_store))
 
 
 def _device(name: str):
@@ -92,7 +99,7 @@ def _model_rows(svc: Services) -> list[dict]:
         last = r.pop("last_tier")
         rows.append({"id": r.pop("id"), "object": "model", "created": 0, "owned_by": "tiergate",
                      **r, "last_tier": tiers[last] if last is not None else None})
-    rows.extend(svc.extras.get("adapter_rows", lambda: [])())
+    rows.extend(svc.adapters.rows())
     return rows
 
 
@@ -141,24 +148,42 @@ async def _unexpected(request: Request, exc: Exception) -> Response:
     return APIError(500, "internal error; the request was not completed", "internal_error").response()
 
 
-def create_app(services: Services, routes: list[Route] | None = None) -> Starlette:
-    """The ASGI app. Extra ``routes`` (images, audio, batches) are mounted by their modules."""
-    base = [
+def routes() -> list[BaseRoute]:
+    """Every route the server has."""
+    return [
         Route("/healthz", healthz, methods=["GET"]),
         Route("/metrics", metrics, methods=["GET"]),
         Route("/v1/models", list_models, methods=["GET"]),
         Route("/v1/models/{model:path}", get_model, methods=["GET"]),
-        Route("/v1/chat/completions", chat_completions, methods=["POST"]),
+        Route("/v1/chat/completions", chat.chat_completions, methods=["POST"]),
+        Route("/v1/images/generations", images.generations, methods=["POST"]),
+        Route("/v1/images/files/{image_id}.png", images.image_file, methods=["GET"], name="image_file"),
+        Route("/v1/audio/speech", audio.speech, methods=["POST"]),
+        Route("/v1/audio/transcriptions", audio.transcriptions, methods=["POST"]),
+        Route("/v1/files", batch_api.upload_file, methods=["POST"]),
+        Route("/v1/files/{file_id}", batch_api.get_file, methods=["GET"]),
+        Route("/v1/files/{file_id}", batch_api.delete_file, methods=["DELETE"]),
+        Route("/v1/files/{file_id}/content", batch_api.file_content, methods=["GET"]),
+        Route("/v1/batches", batch_api.create_batch, methods=["POST"]),
+        Route("/v1/batches", batch_api.list_batches, methods=["GET"]),
+        Route("/v1/batches/{batch_id}", batch_api.get_batch, methods=["GET"]),
+        Route("/v1/batches/{batch_id}/cancel", batch_api.cancel_batch, methods=["POST"]),
         Route("/admin/models/{model}/{action}", admin_model, methods=["POST"]),
     ]
+
+
+def create_app(services: Services, extra: Sequence[BaseRoute] = ()) -> Starlette:
+    """The ASGI app: every route, the batch runner (``app.state.batches``), and ``extra`` routes
+    (benchmarks add probes)."""
     app = Starlette(
-        routes=base + list(routes or []),
+        routes=routes() + list(extra),
         exception_handlers={APIError: _api_error, HTTPException: _http_error, ClientGone: _client_gone,
                             Exception: _unexpected},
         lifespan=_lifespan,
         middleware=[Middleware(BodyDeadline, seconds=services.config.limits.body_timeout_s)],
     )
     app.state.services = services
+    app.state.batches = runner_for(services)
     app.state.started = time.time()
     return app
 

@@ -11,11 +11,11 @@ from pathlib import Path
 
 import uvicorn
 
+from batch.runner import Runner
 from gateway.app import build_services, create_app
 from gateway.auth import KeyRing
 from gateway.cli import server_config
 from gateway.config import load_config
-from gateway.routes import extra_routes
 from gateway.service import Services
 
 
@@ -30,6 +30,7 @@ class RunningServer:
     url: str
     keys: dict[str, str]
     services: Services
+    batches: Runner  # the batch runner
     server: uvicorn.Server
     thread: threading.Thread
 
@@ -77,7 +78,7 @@ def start_server(config_path: Path, admin: bool = True) -> RunningServer:
         keys["admin"] = "key-admin"
     ring = KeyRing({t: [keys[t]] for t in config.tier_names}, [keys["admin"]] if admin else [])
     services = build_services(config, ring)
-    app = create_app(services, extra_routes(services))
+    app = create_app(services)
     port = spare_port()
     server = uvicorn.Server(server_config(app, "127.0.0.1", port, log_level="warning"))
     holder: dict = {}
@@ -94,6 +95,6 @@ def start_server(config_path: Path, admin: bool = True) -> RunningServer:
         if time.time() > deadline or not thread.is_alive():
             raise RuntimeError("server did not start")
         time.sleep(0.02)
-    running = RunningServer(f"http://127.0.0.1:{port}", keys, services, server, thread)
+    running = RunningServer(f"http://127.0.0.1:{port}", keys, services, app.state.batches, server, thread)
     running.loop = holder["loop"]
     return running
