@@ -4,6 +4,9 @@ models built offline.
 Stated bound: merged fp32 weights within 1e-6 (absolute) of peft's ``merge_and_unload`` /
 diffusers' ``fuse_lora`` (both sides do an fp32 GEMM and one add; only the summation order differs;
 weights here are O(0.1)), model outputs within 1e-4. Restore is checked bit for bit.
+
+These hold on any CPU: the bounds hold for any summation order, and every bit-for-bit check
+compares a weight with a copy of itself (restore) or with the same merge of the same data.
 """
 
 from __future__ import annotations
