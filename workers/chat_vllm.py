@@ -71,14 +71,6 @@ _CANCEL_POLL_S = 0.05
 _PAUSE_POLL_S = 0.02
 
 
-def vllm_available() -> bool:
-    try:
-        import vllm  # noqa: F401
-    except Exception:
-        return False
-    return True
-
-
 @dataclass
 class _Resident:
     """One adapter that the engine keeps loaded (it occupies one of vLLM's GPU/CPU slots)."""
@@ -482,5 +474,5 @@ class VllmChatEngine(Worker):
                     self._lora_cond.notify_all()
 
 
-__all__ = ["VllmChatEngine", "ContextTooLong", "LoraRef", "vllm_available"]
+__all__ = ["VllmChatEngine", "ContextTooLong", "LoraRef"]
 
