@@ -302,14 +302,19 @@ class Gate:
             ahead += self._queued_cost[name]
         return ((running_left if running_left > 0.0 else 0.0) + ahead) / self.slots
 
-    def rate_headers(self, tier: str, retry_after: float | None = None) -> dict[str, str]:
+    def rate_headers(self, tier: str, refused: Rejected | None = None) -> dict[str, str]:
+        """OpenAI's ``x-ratelimit-*-requests`` for ``tier``: its requests at once (``max_inflight +
+        max_queued``) and how many of them are free now. On a refusal none is: remaining 0, and
+        the reset is the refusal's Retry-After."""
         policy = self.tiers[tier]
         limit = policy.max_inflight + policy.max_queued
-        used = self.inflight[tier] + len(self._queues[tier])
-        reset = math.ceil(retry_after) if retry_after else 0
+        if refused is not None:
+            remaining, reset = 0, int(refused.retry_after)  # as Retry-After is written
+        else:
+            remaining, reset = max(limit - self.inflight[tier] - len(self._queues[tier]), 0), 0
         return {
             "x-ratelimit-limit-requests": str(limit),
-            "x-ratelimit-remaining-requests": str(max(limit - used, 0)),
+            "x-ratelimit-remaining-requests": str(remaining),
             "x-ratelimit-reset-requests": f"{reset}s",
         }
 

@@ -122,7 +122,7 @@ class Services:
 
 
 def _too_many(gate: Gate, tier: str, exc: Rejected) -> APIError:
-    headers = {**_retry_headers(exc.retry_after), **gate.rate_headers(tier, exc.retry_after)}
+    headers = {**_retry_headers(exc.retry_after), **gate.rate_headers(tier, refused=exc)}
     return APIError(429, str(exc), exc.reason, headers=headers, type="rate_limit_error")
 
 

@@ -208,11 +208,30 @@ def test_rate_headers_count_the_tier():
     async def main():
         gate = Gate(tiers(max_queued=5, inflight=3), slots=10)
         t = await gate.acquire("free", "m")
-        h = gate.rate_headers("free", 3)
+        h = gate.rate_headers("free")
         assert h["x-ratelimit-limit-requests"] == "8"
         assert h["x-ratelimit-remaining-requests"] == "7"
-        assert h["x-ratelimit-reset-requests"] == "3s"
+        assert h["x-ratelimit-reset-requests"] == "0s"
         gate.release(t)
+
+    asyncio.run(main())
+
+
+def test_rate_headers_of_a_refusal_leave_no_room():
+    """A refused request is told that nothing is left until its Retry-After, even when its own
+    tier has nobody in flight (the slot it wanted is another tier's)."""
+
+    async def main():
+        gate = Gate(tiers(max_queued=0, inflight=3), slots=1)
+        held = await gate.acquire("paid", "m")
+        assert gate.rate_headers("free")["x-ratelimit-remaining-requests"] == "3"
+        with pytest.raises(Rejected) as refusal:
+            gate.refuse_if_full("free")
+        h = gate.rate_headers("free", refused=refusal.value)
+        assert h["x-ratelimit-limit-requests"] == "3"
+        assert h["x-ratelimit-remaining-requests"] == "0"
+        assert h["x-ratelimit-reset-requests"] == f"{refusal.value.retry_after}s"
+        gate.release(held)
 
     asyncio.run(main())
 

@@ -108,7 +108,7 @@ def test_queue_limit_gives_429_with_headers(one_slot_server):
     assert 1 <= retry <= 120
     assert int(r.headers["retry-after-ms"]) == retry * 1000
     assert r.headers["x-ratelimit-limit-requests"] == "4"
-    assert r.headers["x-ratelimit-remaining-requests"] == "4"
+    assert r.headers["x-ratelimit-remaining-requests"] == "0"  # refused: no room until the reset
     assert r.headers["x-ratelimit-reset-requests"] == f"{retry}s"
 
 
