@@ -14,9 +14,10 @@ Footprint before loading
     ``estimate_footprint(path, kind, dtype_bytes=None, declared=None)``: a declared ``vram`` wins;
     otherwise ``checkpoint_bytes(path, dtype_bytes)`` plus the runtime margin of the kind
     (``RUNTIME_MARGIN``: chat +20% for KV cache and activations, image +30% for UNet/VAE
-    activations, tts/stt +15%). ``checkpoint_bytes`` reads only safetensors *headers* (8-byte
-    little-endian length + JSON), summing numel * element size over every ``*.safetensors`` under
-    ``path`` (recursively, so diffusers pipelines with unet/, vae/, text_encoder/... count fully;
+    activations, tts/stt +15%, embed +25% for a padded batch's activations). ``checkpoint_bytes``
+    reads only safetensors *headers* (8-byte little-endian length + JSON), summing numel * element
+    size over every ``*.safetensors`` under ``path`` (recursively, so diffusers pipelines with
+    unet/, vae/, text_encoder/... count fully;
     dot-directories such as .cache/ are skipped). Where a folder holds both plain and variant files
     (``x.safetensors`` and ``x.fp16.safetensors``) only the plain ones count, as diffusers loads
     them by default. ``dtype_bytes`` (e.g. 2 for fp16) rescales floating-point tensors to the dtype
@@ -75,7 +76,7 @@ def cuda_allocated(device: str | torch.device) -> int:
 
 # --- footprint before loading ------------------------------------------------------------------
 
-RUNTIME_MARGIN: dict[str, float] = {"chat": 0.20, "image": 0.30, "tts": 0.15, "stt": 0.15}
+RUNTIME_MARGIN: dict[str, float] = {"chat": 0.20, "image": 0.30, "tts": 0.15, "stt": 0.15, "embed": 0.25}
 
 # Bits per element of each safetensors dtype; sub-byte types are packed.
 _DTYPE_BITS: dict[str, int] = {

@@ -4,7 +4,7 @@
 message is one line naming the file, the field and the problem, e.g.
 ``tiers.yaml: models[1].vram: not a size: '6 gigs'``.
 
-A model entry is one of four shapes, chosen by its ``kind``; only ``chat`` takes an ``engine``
+A model entry is one of five shapes, chosen by its ``kind``; only ``chat`` takes an ``engine``
 block (``engine: {name: vllm, kv_cache: 256MiB, ...}``, or just ``engine: vllm``). ``engine: auto``
 is resolved once, when the file is loaded, and the choice is logged with its reason. The batch
 tier is the one marked ``batch: true``, which must be the last. Reading the file imports no model
@@ -109,8 +109,16 @@ class STTModel(_Model):
     kind: Literal["stt"]
 
 
-ModelConfig = Annotated[Union[ChatModel, ImageModel, TTSModel, STTModel], Field(discriminator="kind")]
-KINDS = ("chat", "image", "tts", "stt")
+class EmbedModel(_Model):
+    kind: Literal["embed"]
+    max_batch_tokens: int = Field(default=16384, ge=1)  # padded tokens (rows x longest) in one forward pass
+
+    def spec(self, with_adapters: bool = False) -> ModelSpec:
+        return ModelSpec(self.name, self.kind, self.path, self.vram, options={"max_batch_tokens": self.max_batch_tokens})
+
+
+ModelConfig = Annotated[Union[ChatModel, ImageModel, TTSModel, STTModel, EmbedModel], Field(discriminator="kind")]
+KINDS = ("chat", "image", "tts", "stt", "embed")
 ENGINE_FIELDS = ("engine", *EngineConfig.model_fields)  # engine settings: chat models only
 
 
@@ -193,6 +201,7 @@ class LimitsConfig(_Strict):
     speech_max_chars: int = Field(default=4096, ge=1)
     transcription_max_bytes: Size = parse_size("25MiB")  # the uploaded file
     transcription_max_seconds: float = Field(default=1800.0, gt=0)  # of decoded audio
+    embed_max_inputs: int = Field(default=256, ge=1)  # inputs in one /v1/embeddings request
     body_timeout_s: float = Field(default=60.0, gt=0)  # a request body must arrive whole within this; else 408
 
 

@@ -42,12 +42,14 @@ def test_good_config_loads(tmp_path):
 @pytest.mark.parametrize("text,field,problem", [
     (BASE.replace("gpu:", "gpux:"), "gpux", "unknown field"),
     (BASE.replace("vram: 6GiB", "vram: 6 gigs"), "models[0].vram", "not a size"),
-    (BASE.replace("kind: chat", "kind: video"), "models[0].kind", "must be one of chat, image, tts, stt, not 'video'"),
+    (BASE.replace("kind: chat", "kind: video"), "models[0].kind", "must be one of chat, image, tts, stt, embed, not 'video'"),
     (BASE.replace("kind: chat, ", ""), "models[0].kind", "missing: one of chat"),
     # engine settings: a block on chat models only
     (BASE.replace("kind: chat", "kind: image, engine: vllm"), "models[0].engine",
      "engine settings are for chat models, not image models"),
     (BASE.replace("kind: chat", "kind: tts, max_num_seqs: 4"), "models[0].max_num_seqs", "engine settings are for chat"),
+    (BASE.replace("kind: chat", "kind: embed, max_batch_tokens: 0"), "models[0].max_batch_tokens",
+     "greater than or equal to 1"),
     (BASE.replace("kind: chat", "kind: chat, kv_cache: 1GiB"), "models[0].kv_cache",
      "unknown field; engine settings go in the engine block"),
     (BASE.replace("kind: chat", "kind: chat, engine: {name: tgi}"), "models[0].engine.name", "Input should be"),
@@ -143,6 +145,7 @@ def test_shipped_tiers_yaml_is_valid():
     assert [t.keys_env for t in c.tiers] == [
         "TIERGATE_KEYS_PAID", "TIERGATE_KEYS_SUBSCRIBER", "TIERGATE_KEYS_FREE", "TIERGATE_KEYS_BATCH"]
     assert "tiny-chat" in [m.name for m in c.models]
+    assert {m.name: m.kind for m in c.models}["tiny-embed"] == "embed"
     assert [t.batch for t in c.tiers] == [False, False, False, True]
     assert c.eviction.protect_window_s == 60
 

@@ -18,6 +18,7 @@ WORKERS: dict[tuple[str, str], str] = {
     ("image", "transformers"): "workers.image:ImageWorker",
     ("tts", "transformers"): "workers.tts:TTSWorker",
     ("stt", "transformers"): "workers.stt:STTWorker",
+    ("embed", "transformers"): "workers.embed:EmbedWorker",
 }
 
 

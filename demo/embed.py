@@ -1,0 +1,71 @@
+"""``tiny-embed``: a 2-layer random-weight BERT encoder with a WordPiece tokenizer trained offline,
+saved in sentence-transformers' folder format (mean pooling, normalized), built from a seed."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import torch
+
+CONTEXT = 128  # tokens per input, [CLS] and [SEP] included
+
+_CORPUS = [
+    "tiergate turns text into vectors for search, clustering and retrieval on one shared GPU.",
+    "Paid requests come first, then subscribers, then free traffic; batch work waits for idle time.",
+    "The quick brown fox jumps over the lazy dog. Hello world! How are you today?",
+    "One, two, three, four, five, six, seven, eight, nine, ten.",
+    "Similar sentences should land near each other; a random model places them anywhere.",
+] * 20
+
+
+def build_demo(out_dir: Path, seed: int = 0) -> Path:
+    """Save ``tiny-embed`` to ``out_dir``: encoder and tokenizer, ``modules.json`` (Transformer,
+    Pooling, Normalize), ``1_Pooling/config.json`` (mean) and ``sentence_bert_config.json``."""
+    from tokenizers import Tokenizer, decoders, models, normalizers, pre_tokenizers, processors, trainers
+    from transformers import BertConfig, BertModel, PreTrainedTokenizerFast
+
+    out_dir = Path(out_dir)
+    out_dir.mkdir(parents=True, exist_ok=True)
+    specials = ["[PAD]", "[UNK]", "[CLS]", "[SEP]", "[MASK]"]
+    tok = Tokenizer(models.WordPiece(unk_token="[UNK]"))
+    tok.normalizer = normalizers.BertNormalizer(lowercase=True)
+    tok.pre_tokenizer = pre_tokenizers.BertPreTokenizer()
+    tok.decoder = decoders.WordPiece()
+    tok.train_from_iterator(_CORPUS, trainers.WordPieceTrainer(vocab_size=400, special_tokens=specials))
+    cls, sep = tok.token_to_id("[CLS]"), tok.token_to_id("[SEP]")
+    tok.post_processor = processors.TemplateProcessing(
+        single="[CLS] $A [SEP]", pair="[CLS] $A [SEP] $B:1 [SEP]:1", special_tokens=[("[CLS]", cls), ("[SEP]", sep)]
+    )
+    fast = PreTrainedTokenizerFast(
+        tokenizer_object=tok, unk_token="[UNK]", pad_token="[PAD]", cls_token="[CLS]", sep_token="[SEP]",
+        mask_token="[MASK]", model_max_length=CONTEXT,
+    )
+    fast.save_pretrained(out_dir)
+
+    torch.manual_seed(seed)
+    config = BertConfig(
+        vocab_size=len(fast), hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+        num_attention_heads=4, max_position_embeddings=CONTEXT, pad_token_id=fast.pad_token_id,
+    )
+    BertModel(config).save_pretrained(out_dir)  # with its (unused) pooler, as real checkpoints ship it
+
+    modules = [
+        {"idx": 0, "name": "0", "path": "", "type": "sentence_transformers.models.Transformer"},
+        {"idx": 1, "name": "1", "path": "1_Pooling", "type": "sentence_transformers.models.Pooling"},
+        {"idx": 2, "name": "2", "path": "2_Normalize", "type": "sentence_transformers.models.Normalize"},
+    ]
+    pooling = {"word_embedding_dimension": config.hidden_size, "pooling_mode_cls_token": False,
+               "pooling_mode_mean_tokens": True, "pooling_mode_max_tokens": False,
+               "pooling_mode_mean_sqrt_len_tokens": False, "pooling_mode_weightedmean_tokens": False,
+               "pooling_mode_lasttoken": False, "include_prompt": True}
+    _write(out_dir / "modules.json", modules)
+    _write(out_dir / "1_Pooling" / "config.json", pooling)
+    (out_dir / "2_Normalize").mkdir(exist_ok=True)
+    _write(out_dir / "sentence_bert_config.json", {"max_seq_length": CONTEXT, "do_lower_case": False})
+    return out_dir
+
+
+def _write(file: Path, data: object) -> None:
+    file.parent.mkdir(parents=True, exist_ok=True)
+    file.write_text(json.dumps(data, indent=2) + "\n")

@@ -1,0 +1,246 @@
+"""Embeddings: a transformers encoder (``AutoModel`` + ``AutoTokenizer``) from its folder, pooled
+and normalized as the folder says, many inputs in one forward pass.
+
+The folder is in sentence-transformers' on-disk format (read here without that package):
+
+* ``modules.json`` lists the modules in order: ``Transformer`` (the encoder, at the folder's root),
+  ``Pooling`` (its folder, e.g. ``1_Pooling/config.json``, names one mode:
+  ``pooling_mode_mean_tokens``, ``pooling_mode_cls_token``, ``pooling_mode_max_tokens`` or
+  ``pooling_mode_lasttoken``) and optionally ``Normalize`` (unit-length vectors). Other module
+  types (``Dense``, ...) are refused when the model is read. A folder without ``modules.json`` is
+  a plain encoder: mean pooling, normalized.
+* The context length is the smallest of ``sentence_bert_config.json``'s ``max_seq_length``, the
+  tokenizer's ``model_max_length`` and the encoder's position embeddings. Longer inputs are
+  refused, never truncated.
+* ``dimensions`` (shorter vectors) is allowed only where ``config.json`` says the model was trained
+  for it, as vLLM reads it: ``matryoshka_dimensions: [..]`` (those lengths) or
+  ``is_matryoshka: true`` (any length up to the full one). The pooled vector is cut to its first
+  ``dimensions`` values before it is normalized.
+
+Inputs arrive as token ids (``tokenize`` turns strings into ids with the tokenizer's special
+tokens; token-id inputs are used as given). ``embed`` pads them on the right into one batch and
+runs one forward pass; it splits the batch only where one pass would exceed ``max_batch_tokens``
+padded tokens (inputs sorted by length, so each pass pads little), with a step boundary between
+passes.
+"""
+
+from __future__ import annotations
+
+import json
+import threading
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Literal
+
+import numpy as np
+import torch
+from transformers import AutoModel, AutoTokenizer
+
+from workers.base import ModelSpec, StepContext
+from workers.worker import ModelInfo, ThreadWorker
+
+PoolingMode = Literal["mean", "cls", "max", "lasttoken"]
+_POOLING_FLAGS: dict[str, PoolingMode] = {
+    "pooling_mode_mean_tokens": "mean",
+    "pooling_mode_cls_token": "cls",
+    "pooling_mode_max_tokens": "max",
+    "pooling_mode_lasttoken": "lasttoken",
+}
+_UNSUPPORTED_POOLING = ("pooling_mode_mean_sqrt_len_tokens", "pooling_mode_weightedmean_tokens")
+_MODULES = ("Transformer", "Pooling", "Normalize")
+_HUGE = 1_000_000  # tokenizers without a real limit say model_max_length = 1e30
+
+
+class InputError(ValueError):
+    """An input the model cannot embed; ``too_long`` when it is over the context length."""
+
+    def __init__(self, message: str, too_long: bool = False) -> None:
+        super().__init__(message)
+        self.too_long = too_long
+
+
+@dataclass(frozen=True)
+class EmbedConfig:
+    """What an embedding model's folder says, read without loading tokenizer or weights."""
+
+    pooling: PoolingMode
+    normalize: bool
+    context_length: int  # tokens per input, special tokens included
+    dimensions: int  # the full vector's length
+    vocab_size: int
+    matryoshka: tuple[int, ...] | bool  # the shorter lengths it allows: listed, any (True) or none (False)
+
+    def check_dimensions(self, dimensions: int) -> None:
+        """``ValueError`` unless the model may return vectors of ``dimensions`` values."""
+        if not self.matryoshka:
+            raise ValueError("this model does not support dimensions (its config declares no matryoshka "
+                             "dimensions); leave it out for the full vectors")
+        allowed = self.matryoshka if isinstance(self.matryoshka, tuple) else range(1, self.dimensions + 1)
+        if dimensions not in allowed:
+            which = ", ".join(map(str, allowed)) if isinstance(allowed, tuple) else f"1 to {self.dimensions}"
+            raise ValueError(f"dimensions is {dimensions}; this model allows {which}")
+
+
+def read_config(path: Path) -> EmbedConfig:
+    """The pooling, normalization and limits of the model in ``path`` (see the module docstring)."""
+    path = Path(path)
+    model = _json(path / "config.json")
+    pooling, normalize = _pooling(path)
+    limits = [int(model.get("max_position_embeddings") or _HUGE)]
+    st = _json(path / "sentence_bert_config.json", missing_ok=True)
+    if st.get("max_seq_length"):
+        limits.append(int(st["max_seq_length"]))
+    tok_max = _json(path / "tokenizer_config.json", missing_ok=True).get("model_max_length")
+    if isinstance(tok_max, (int, float)) and tok_max < _HUGE:
+        limits.append(int(tok_max))
+    listed = model.get("matryoshka_dimensions")
+    matryoshka = tuple(int(d) for d in listed) if listed else bool(model.get("is_matryoshka", False))
+    return EmbedConfig(pooling, normalize, min(limits), int(model["hidden_size"]), int(model["vocab_size"]),
+                       matryoshka)
+
+
+def _json(file: Path, missing_ok: bool = False) -> dict:
+    if missing_ok and not file.exists():
+        return {}
+    data = json.loads(file.read_text())
+    if not isinstance(data, dict):
+        raise ValueError(f"{file}: not a JSON object")
+    return data
+
+
+def _pooling(path: Path) -> tuple[PoolingMode, bool]:
+    modules_file = path / "modules.json"
+    if not modules_file.exists():
+        return "mean", True
+    modules = json.loads(modules_file.read_text())
+    kinds = [m["type"].rsplit(".", 1)[-1] for m in modules]
+    for kind in kinds:
+        if kind not in _MODULES:
+            raise ValueError(f"{modules_file}: module type {kind!r} is not supported (only {', '.join(_MODULES)})")
+    pools = [m for m, kind in zip(modules, kinds) if kind == "Pooling"]
+    if len(pools) != 1:
+        raise ValueError(f"{modules_file}: expected one Pooling module, found {len(pools)}")
+    pool_file = path / pools[0]["path"] / "config.json"
+    config = json.loads(pool_file.read_text())
+    modes = [mode for flag, mode in _POOLING_FLAGS.items() if config.get(flag)]
+    unsupported = [flag for flag in _UNSUPPORTED_POOLING if config.get(flag)]
+    if unsupported or len(modes) != 1:
+        raise ValueError(f"{pool_file}: exactly one of {', '.join(_POOLING_FLAGS)} must be true"
+                         + (f" ({', '.join(unsupported)} is not supported)" if unsupported else ""))
+    return modes[0], "Normalize" in kinds
+
+
+def pool(hidden: torch.Tensor, mask: torch.Tensor, mode: PoolingMode) -> torch.Tensor:
+    """One vector per row of ``hidden`` (rows, tokens, dim), over the tokens where ``mask`` is 1
+    (padding on the right)."""
+    mask_f = mask.unsqueeze(-1).to(hidden.dtype)
+    if mode == "cls":
+        return hidden[:, 0]
+    if mode == "mean":
+        return (hidden * mask_f).sum(1) / mask_f.sum(1).clamp(min=1)
+    if mode == "max":
+        return hidden.masked_fill(mask_f == 0, torch.finfo(hidden.dtype).min).max(1).values
+    last = mask.sum(1) - 1  # right padding: the last real token of each row
+    return hidden[torch.arange(hidden.shape[0], device=hidden.device), last]
+
+
+def finish(pooled: torch.Tensor, dimensions: int | None, normalize: bool) -> torch.Tensor:
+    """Cut to ``dimensions`` (when given), then normalize to unit length (when the model does)."""
+    out = pooled.float()
+    if dimensions is not None:
+        out = out[:, :dimensions]
+    if normalize:
+        out = torch.nn.functional.normalize(out, p=2, dim=-1)
+    return out
+
+
+def batches(lengths: list[int], max_tokens: int) -> list[list[int]]:
+    """Indices of the inputs, longest first, in groups whose padded size (rows x longest) stays
+    within ``max_tokens``; one group whenever they all fit."""
+    order = sorted(range(len(lengths)), key=lambda i: -lengths[i])
+    groups: list[list[int]] = []
+    for i in order:
+        if groups and (len(groups[-1]) + 1) * lengths[groups[-1][0]] <= max_tokens:
+            groups[-1].append(i)
+        else:
+            groups.append([i])
+    return groups
+
+
+class EmbedWorker(ThreadWorker):
+    """Runs one encoder; reads its config and tokenizer at construction, weights at ``load``."""
+
+    kind = "embed"
+
+    def __init__(self, spec: ModelSpec, max_batch_tokens: int = 16384) -> None:
+        self.spec = spec
+        self.max_batch_tokens = max_batch_tokens
+        self.config = read_config(Path(spec.path))
+        self.tokenizer = AutoTokenizer.from_pretrained(Path(spec.path))
+        self._tokenizing = threading.Lock()  # a fast tokenizer's call sets its state: one call at a time
+        self.pad_id = self.tokenizer.pad_token_id if self.tokenizer.pad_token_id is not None else 0
+        self.model: torch.nn.Module | None = None
+
+    @classmethod
+    def describe(cls, spec: ModelSpec) -> ModelInfo:
+        return ModelInfo(context_length=read_config(Path(spec.path)).context_length)
+
+    def load(self, device: torch.device) -> None:
+        """The encoder onto ``device`` (fp16 on CUDA, fp32 elsewhere)."""
+        dtype = torch.float16 if device.type == "cuda" else torch.float32
+        self.model = AutoModel.from_pretrained(Path(self.spec.path), dtype=dtype).to(device).eval()
+        self.device = device
+
+    def unload(self) -> None:
+        self.model = None
+
+    def modules(self) -> list[torch.nn.Module]:
+        return [self.model] if self.model is not None else []
+
+    def tokenize(self, inputs: list[str] | list[list[int]]) -> list[list[int]]:
+        """Token ids of each input: strings through the tokenizer (with its special tokens), token
+        ids as given. ``InputError`` for an empty input, an unknown id, or one over the context.
+        Needs no weights, and may run on any thread."""
+        if inputs and isinstance(inputs[0], str):
+            if any(not text for text in inputs):
+                raise InputError(f"input[{next(i for i, t in enumerate(inputs) if not t)}] is an empty string")
+            with self._tokenizing:
+                ids = self.tokenizer(list(inputs), add_special_tokens=True)["input_ids"]
+        else:
+            ids = [list(row) for row in inputs]
+        limit, vocab = self.config.context_length, self.config.vocab_size
+        for i, row in enumerate(ids):
+            if not row:
+                raise InputError(f"input[{i}] has no tokens")
+            if len(row) > limit:
+                raise InputError(f"input[{i}] is {len(row)} tokens, above this model's context length of {limit}",
+                                 too_long=True)
+            bad = next((t for t in row if not 0 <= t < vocab), None)
+            if bad is not None:
+                raise InputError(f"input[{i}] has token id {bad}, outside this model's vocabulary (0 to {vocab - 1})")
+        return ids
+
+    def embed(self, ids: list[list[int]], dimensions: int | None, ctx: StepContext) -> np.ndarray:
+        """float32 vectors (one row per input, in order) of checked token ids (``tokenize``)."""
+        if self.model is None:
+            raise RuntimeError(f"model {self.spec.name!r} is not loaded")
+        out = np.empty((len(ids), dimensions or self.config.dimensions), dtype=np.float32)
+        for group in batches([len(row) for row in ids], self.max_batch_tokens):
+            ctx.boundary()
+            out[group] = self._forward([ids[i] for i in group], dimensions)
+        return out
+
+    def _forward(self, rows: list[list[int]], dimensions: int | None) -> np.ndarray:
+        """One padded forward pass over ``rows``."""
+        width = max(len(row) for row in rows)
+        input_ids = torch.full((len(rows), width), self.pad_id, dtype=torch.long)
+        mask = torch.zeros((len(rows), width), dtype=torch.long)
+        for r, row in enumerate(rows):
+            input_ids[r, : len(row)] = torch.tensor(row)
+            mask[r, : len(row)] = 1
+        device = self.model.device
+        input_ids, mask = input_ids.to(device), mask.to(device)
+        with torch.inference_mode():
+            hidden = self.model(input_ids=input_ids, attention_mask=mask).last_hidden_state
+            vectors = finish(pool(hidden, mask, self.config.pooling), dimensions, self.config.normalize)
+        return vectors.cpu().numpy()
