@@ -302,14 +302,15 @@ class Gate:
             ahead += self._queued_cost[name]
         return ((running_left if running_left > 0.0 else 0.0) + ahead) / self.slots
 
-    def rate_headers(self, tier: str, refused: Rejected | None = None) -> dict[str, str]:
+    def rate_headers(self, tier: str, refused_for: float | None = None) -> dict[str, str]:
         """OpenAI's ``x-ratelimit-*-requests`` for ``tier``: its requests at once (``max_inflight +
-        max_queued``) and how many of them are free now. On a refusal none is: remaining 0, and
-        the reset is the refusal's Retry-After."""
+        max_queued``) and how many of them are free now. On a refusal (the gate's, or the
+        arbiter's for a protected model: ``refused_for`` is its Retry-After) none is: remaining
+        0, and the reset is that Retry-After."""
         policy = self.tiers[tier]
         limit = policy.max_inflight + policy.max_queued
-        if refused is not None:
-            remaining, reset = 0, int(refused.retry_after)  # as Retry-After is written
+        if refused_for is not None:
+            remaining, reset = 0, int(refused_for)  # as Retry-After is written
         else:
             remaining, reset = max(limit - self.inflight[tier] - len(self._queues[tier]), 0), 0
         return {

@@ -110,7 +110,8 @@ class Services:
             lease = await self.arbiter.acquire(model, rank, is_batch=self.gate.tiers[tier].is_batch)
         except Refused as exc:
             self.gate.release(ticket)
-            raise APIError(429, str(exc), "model_protected", headers=_retry_headers(exc.retry_after), type="rate_limit_error") from None
+            headers = {**_retry_headers(exc.retry_after), **self.gate.rate_headers(tier, refused_for=exc.retry_after)}
+            raise APIError(429, str(exc), "model_protected", headers=headers, type="rate_limit_error") from None
         except Unavailable as exc:
             self.gate.release(ticket)
             headers = _retry_headers(exc.retry_after) if exc.retry_after else {}
@@ -122,7 +123,7 @@ class Services:
 
 
 def _too_many(gate: Gate, tier: str, exc: Rejected) -> APIError:
-    headers = {**_retry_headers(exc.retry_after), **gate.rate_headers(tier, refused=exc)}
+    headers = {**_retry_headers(exc.retry_after), **gate.rate_headers(tier, refused_for=exc.retry_after)}
     return APIError(429, str(exc), exc.reason, headers=headers, type="rate_limit_error")
 
 

@@ -227,7 +227,7 @@ def test_rate_headers_of_a_refusal_leave_no_room():
         assert gate.rate_headers("free")["x-ratelimit-remaining-requests"] == "3"
         with pytest.raises(Rejected) as refusal:
             gate.refuse_if_full("free")
-        h = gate.rate_headers("free", refused=refusal.value)
+        h = gate.rate_headers("free", refused_for=refusal.value.retry_after)
         assert h["x-ratelimit-limit-requests"] == "3"
         assert h["x-ratelimit-remaining-requests"] == "0"
         assert h["x-ratelimit-reset-requests"] == f"{refusal.value.retry_after}s"

@@ -96,6 +96,8 @@ def test_protected_model_answers_429_with_retry_after_then_serves(tmp_path, tiny
         assert r.status_code == 429
         assert r.json()["error"]["code"] == "model_protected"
         assert 1 <= int(r.headers["retry-after"]) <= 2
+        assert r.headers["x-ratelimit-remaining-requests"] == "0"  # a refused request has no room left
+        assert r.headers["x-ratelimit-reset-requests"] == f"{r.headers['retry-after']}s"
         assert places(server) == {"x": "resident", "y": "cold"}
         time.sleep(int(r.headers["retry-after"]) + 0.1)
         free = openai.OpenAI(base_url=server.base_url, api_key=server.keys["free"], max_retries=0)

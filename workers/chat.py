@@ -24,6 +24,7 @@ copies.
 from __future__ import annotations
 
 import asyncio
+import secrets
 import itertools
 import json
 import queue
@@ -162,7 +163,7 @@ class ChatWorker(ThreadWorker):
         loop = asyncio.get_running_loop()
         events: asyncio.Queue[ChatEvent | BaseException] = asyncio.Queue()
         gen = torch.Generator()
-        gen.manual_seed(req.params.seed if req.params.seed is not None else torch.seed())
+        gen.manual_seed(req.params.seed if req.params.seed is not None else secrets.randbits(63))
         seq = _Seq(
             ids=ids,
             prompt_len=len(ids),
