@@ -1,5 +1,6 @@
 """The Batch API's store in Redis (``store: redis://...``): processes on many machines share the
-work through one stream with a consumer group. See ``batch.store`` for the guarantees."""
+work through one stream per line shape, each with a consumer group. See ``batch.store`` for the
+guarantees."""
 
 from __future__ import annotations
 
@@ -13,21 +14,30 @@ from batch.store import (MUTABLE, BatchInfo, FileInfo, Job, Line, Outcome, Recor
 # Keys (prefix "tg:"): file:{id} (hash of metadata), file:{id}:content; batch:{id} (hash: doc =
 # the static fields as JSON, status, total, completed, failed, and each MUTABLE field as JSON);
 # batch:{id}:lines and batch:{id}:outcomes (hashes by line index); batch:{id}:lock; batches and
-# batches:{owner} (sorted sets of ids, which sort by time); open (set of ids); backlog (the
-# stream, entries {b: batch id, i: line index}, consumer group "runners").
+# batches:{owner} (sorted sets of ids, which sort by time); open (set of ids); backlog:{shape} (a
+# stream per line shape, entries {b: batch id, i: line index}, consumer group "runners");
+# shapes (sorted set of the shapes whose stream has entries, by when the shape first got work:
+# the counter shapes:seq). A job's token is "{entry id} {shape}".
 
 _TERMINAL_LUA = "local terminal = {failed=true, completed=true, expired=true, cancelled=true}\n"
 
-# KEYS batch, lines, outcomes, backlog; ARGV now, batch id, n lines, n*(idx, line), then (idx, outcome)*
+# KEYS batch, lines, outcomes, shapes, shapes:seq; ARGV now, batch id, n lines, backlog key prefix,
+# n*(idx, shape, line), then (idx, outcome)*
 _START = """
 if redis.call('HGET', KEYS[1], 'status') ~= 'validating' then return 0 end
 local n = tonumber(ARGV[3])
 for i = 0, n - 1 do
-  redis.call('HSET', KEYS[2], ARGV[4 + 2 * i], ARGV[5 + 2 * i])
-  redis.call('XADD', KEYS[4], '*', 'b', ARGV[2], 'i', ARGV[4 + 2 * i])
+  local idx, shape = ARGV[5 + 3 * i], ARGV[6 + 3 * i]
+  local stream = ARGV[4] .. shape
+  redis.call('HSET', KEYS[2], idx, ARGV[7 + 3 * i])
+  if redis.call('ZSCORE', KEYS[4], shape) == false then
+    redis.pcall('XGROUP', 'CREATE', stream, 'runners', '0', 'MKSTREAM')
+    redis.call('ZADD', KEYS[4], redis.call('INCR', KEYS[5]), shape)
+  end
+  redis.call('XADD', stream, '*', 'b', ARGV[2], 'i', idx)
 end
 local bad = 0
-for j = 4 + 2 * n, #ARGV, 2 do
+for j = 5 + 3 * n, #ARGV, 2 do
   redis.call('HSET', KEYS[3], ARGV[j], ARGV[j + 1])
   bad = bad + 1
 end
@@ -72,6 +82,17 @@ local c = redis.call('HMGET', KEYS[1], 'completed', 'failed', 'total')
 return {added, tonumber(c[1] or '0') + tonumber(c[2] or '0'), tonumber(c[3] or '0')}
 """
 
+# KEYS shapes; ARGV backlog key prefix -> the shapes whose stream has entries, oldest first (the
+# others leave the set, in the same step that checks them, so a start cannot slip in between)
+_SHAPES = """
+local out = {}
+for _, shape in ipairs(redis.call('ZRANGE', KEYS[1], 0, -1)) do
+  if redis.call('XLEN', ARGV[1] .. shape) > 0 then table.insert(out, shape)
+  else redis.call('ZREM', KEYS[1], shape) end
+end
+return out
+"""
+
 # KEYS lock; ARGV holder
 _UNLOCK = """
 if redis.call('GET', KEYS[1]) == ARGV[1] then return redis.call('DEL', KEYS[1]) end
@@ -87,21 +108,16 @@ class RedisStore(Store):
         self.url = url
         self.prefix = prefix
         self._r = None
-        self.backlog = f"{prefix}backlog"
+        self.backlog = f"{prefix}backlog:"  # + shape: that shape's stream
 
     def _k(self, *parts: str) -> str:
         return self.prefix + ":".join(parts)
 
     async def open(self) -> None:
         import redis.asyncio as aioredis
-        from redis.exceptions import ResponseError
 
         self._r = aioredis.Redis.from_url(self.url)
-        try:
-            await self._r.xgroup_create(self.backlog, GROUP, id="0", mkstream=True)
-        except ResponseError as exc:
-            if "BUSYGROUP" not in str(exc):
-                raise
+        self._shapes = self._r.register_script(_SHAPES)
         self._start = self._r.register_script(_START)
         self._set_status = self._r.register_script(_SET_STATUS)
         self._record = self._r.register_script(_RECORD)
@@ -169,12 +185,13 @@ class RedisStore(Store):
         return sorted(i.decode() for i in await self._r.smembers(self._k("open")))
 
     async def start(self, batch_id: str, lines: list[Line], invalid: list[Outcome], now: int) -> bool:
-        args: list[Any] = [now, batch_id, len(lines)]
+        args: list[Any] = [now, batch_id, len(lines), self.backlog]
         for ln in lines:
-            args += [ln.index, line_json(ln)]
+            args += [ln.index, ln.shape, line_json(ln)]
         for o in invalid:
             args += [o.index, outcome_json(o)]
-        return bool(await self._start(keys=[*self._batch_keys(batch_id), self.backlog], args=args))
+        keys = [*self._batch_keys(batch_id), self._k("shapes"), self._k("shapes", "seq")]
+        return bool(await self._start(keys=keys, args=args))
 
     async def set_status(self, batch_id: str, allowed: Iterable[str], status: str, **fields: Any) -> bool:
         check_fields(fields)
@@ -197,56 +214,86 @@ class RedisStore(Store):
         await self._unlock(keys=[self._k("batch", batch_id, "lock")], args=[holder])
 
     # -- backlog and outcomes
-    async def claim(self, consumer: str, count: int, reclaim_after_s: float) -> list[Job]:
-        # Entries whose consumer went silent first, with how often each has been handed out.
-        _, stale, _ = await self._r.xautoclaim(self.backlog, GROUP, consumer, int(reclaim_after_s * 1000),
-                                               start_id="0-0", count=count)
+    async def claim(self, consumer: str, count: int, reclaim_after_s: float, shape: str | None = None) -> list[Job]:
+        jobs: list[Job] = []
+        for one in [shape] if shape is not None else await self.shapes(reclaim_after_s):
+            if len(jobs) >= count:
+                break
+            jobs += await self._claim_shape(consumer, count - len(jobs), reclaim_after_s, one)
+        return jobs
+
+    async def shapes(self, reclaim_after_s: float) -> list[str]:
+        return [s.decode() for s in await self._shapes(keys=[self._k("shapes")], args=[self.backlog])]
+
+    async def _claim_shape(self, consumer: str, count: int, reclaim_after_s: float, shape: str) -> list[Job]:
+        from redis.exceptions import ResponseError
+
+        stream = self.backlog + shape
+        try:  # entries whose consumer went silent first, with how often each has been handed out
+            _, stale, _ = await self._r.xautoclaim(stream, GROUP, consumer, int(reclaim_after_s * 1000),
+                                                   start_id="0-0", count=count)
+        except ResponseError as exc:
+            if "NOGROUP" in str(exc):  # no work of this shape was ever started
+                return []
+            raise
         deliveries = {}
         for entry_id, _ in stale:
-            info = await self._r.xpending_range(self.backlog, GROUP, entry_id, entry_id, 1)
+            info = await self._r.xpending_range(stream, GROUP, entry_id, entry_id, 1)
             deliveries[entry_id] = info[0]["times_delivered"] if info else 1
         entries = list(stale)
         if len(entries) < count:
-            fresh = await self._r.xreadgroup(GROUP, consumer, {self.backlog: ">"}, count=count - len(entries))
+            fresh = await self._r.xreadgroup(GROUP, consumer, {stream: ">"}, count=count - len(entries))
             for _, got in fresh or []:
                 entries += got
         jobs = []
         for entry_id, data in entries:
+            token = f"{entry_id.decode()} {shape}"
             if not data:  # deleted while pending
-                await self._drop(entry_id)
+                await self._drop(token)
                 continue
             batch_id, idx = data[b"b"].decode(), int(data[b"i"])
             raw = await self._r.hget(self._k("batch", batch_id, "lines"), idx)
             if raw is None:  # its batch has ended
-                await self._drop(entry_id)
+                await self._drop(token)
                 continue
-            jobs.append(Job(batch_id, line_of(idx, raw), entry_id.decode(), deliveries.get(entry_id, 1)))
+            jobs.append(Job(batch_id, line_of(idx, raw, shape), token, deliveries.get(entry_id, 1)))
         return jobs
 
-    async def _drop(self, entry_id: bytes | str) -> None:
+    def _entry(self, token: str) -> tuple[str, str]:
+        """(stream, entry id) of a job's token."""
+        entry_id, shape = token.split(" ", 1)
+        return self.backlog + shape, entry_id
+
+    async def _drop(self, token: str) -> None:
+        stream, entry_id = self._entry(token)
         async with self._r.pipeline(transaction=True) as p:
-            p.xack(self.backlog, GROUP, entry_id)
-            p.xdel(self.backlog, entry_id)
+            p.xack(stream, GROUP, entry_id)
+            p.xdel(stream, entry_id)
             await p.execute()
 
     async def touch(self, consumer: str, jobs: Iterable[Job]) -> None:
-        ids = [j.token for j in jobs]
-        if ids:
-            await self._r.xclaim(self.backlog, GROUP, consumer, 0, ids, justid=True)
+        by_stream: dict[str, list[str]] = {}
+        for j in jobs:
+            stream, entry_id = self._entry(j.token)
+            by_stream.setdefault(stream, []).append(entry_id)
+        for stream, ids in by_stream.items():
+            await self._r.xclaim(stream, GROUP, consumer, 0, ids, justid=True)
 
     async def release(self, consumer: str, jobs: Iterable[Job]) -> None:
         for j in jobs:  # idle "forever": the next claim takes it; this delivery does not count
-            await self._r.xclaim(self.backlog, GROUP, consumer, 0, [j.token], idle=_FAR_PAST_MS,
+            stream, entry_id = self._entry(j.token)
+            await self._r.xclaim(stream, GROUP, consumer, 0, [entry_id], idle=_FAR_PAST_MS,
                                  retrycount=max(j.deliveries - 1, 0), justid=True)
 
     async def ack(self, job: Job) -> None:
         await self._drop(job.token)
 
     async def _add(self, batch_id: str, token: str, outcomes: list[Outcome]) -> list[int]:
-        args: list[Any] = [GROUP, token]
+        stream, entry_id = self._entry(token) if token else (self.backlog, "")
+        args: list[Any] = [GROUP, entry_id]
         for o in outcomes:
             args += [o.index, int(o.ok), outcome_json(o)]
-        keys = [self._k("batch", batch_id), self._k("batch", batch_id, "outcomes"), self.backlog]
+        keys = [self._k("batch", batch_id), self._k("batch", batch_id, "outcomes"), stream]
         return await self._record(keys=keys, args=args)
 
     async def record(self, job: Job, outcome: Outcome) -> Recorded:

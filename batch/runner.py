@@ -7,9 +7,16 @@ request at all. Bad lines do not fail a batch: they go to its error file, like r
 endpoint refused. Every line runs as the batch's owner at the batch tier, whoever submitted it,
 so batch work only ever uses an otherwise idle GPU.
 
-The runner claims up to ``concurrency`` lines from the store, calls the endpoint for each
-(``batch.endpoints``: waiting at the gate like any batch-tier request; a 429 means "later", never
-failure), and records the outcome. What survives a crash, and why nothing is recorded twice, is
+The runner keeps every engine its lines need full: lines are claimed by shape (``batch.shapes``:
+the model and adapter stack a line runs on), one shape per model at a time, each up to its
+model's engine width (a chat engine's ``max_num_seqs``), so lines that run together share
+forward passes and a merged stack, and a batch of many stacks does not make the engine re-merge
+between lines. ``batch.concurrency``, when set, caps the lines in flight per process, as does the
+batch tier's ``max_inflight``. The runner does not watch the other tiers: while they have work,
+the gate holds new batch lines back and the arbiter pauses running ones at their next step, and
+when they are done the same lines go on, the engine full again. For each line it calls the
+endpoint (``batch.endpoints``: waiting at the gate like any batch-tier request; a 429 means
+"later", never failure), and records the outcome. What survives a crash, and why nothing is recorded twice, is
 the store's business (``batch.store``); the runner only has to keep its claims alive (``touch``)
 while it works on them and give them back when it stops.
 """
@@ -19,6 +26,7 @@ from __future__ import annotations
 import asyncio
 import json
 import logging
+import math
 import os
 import random
 import secrets
@@ -26,11 +34,14 @@ import socket
 import time
 import uuid
 from pathlib import Path
+from collections import Counter
+from dataclasses import replace
 from typing import Any, Awaitable, Literal
 
 from batch.endpoints import ENDPOINTS, Endpoint, line_body
 from batch.lines import error_line, parse_input, response_line
 from batch.redis_store import RedisStore
+from batch.shapes import model_of, shape_of, width
 from batch.sqlite_store import SQLiteStore
 from batch.store import BatchInfo, FileInfo, Job, Line, Outcome, Store
 from gateway.auth import Caller
@@ -72,7 +83,8 @@ class Runner:
         self.store = store
         self.endpoints = dict(ENDPOINTS if endpoints is None else endpoints)  # url -> what runs its lines
         self.tier = next((t.name for t in svc.gate.tiers.values() if t.is_batch), svc.config.tier_names[-1])
-        self.concurrency = min(cfg.concurrency, svc.gate.tiers[self.tier].max_inflight)
+        tier_cap = svc.gate.tiers[self.tier].max_inflight
+        self.concurrency = tier_cap if cfg.concurrency is None else min(cfg.concurrency, tier_cap)  # per process
         self.reclaim_after_s = cfg.reclaim_after_s
         self.tick_s = min(1.0, cfg.reclaim_after_s / 4)  # heartbeat: well inside the reclaim timeout
         self.poll_s = 0.5  # how often an idle runner looks for work other processes queued
@@ -84,29 +96,39 @@ class Runner:
         self._soon: dict[tuple[str, str], asyncio.Task] = {}
         self._loops: list[asyncio.Task] = []
         self._wake = asyncio.Event()
+        self._shapes_at = -math.inf  # when the claim loop last listed the store's shapes
 
     async def start(self) -> None:
         await self.store.open()
         self._wake = asyncio.Event()
         self._loops = [asyncio.create_task(loop(), name=f"batch-{loop.__name__}")
                        for loop in (self._claim_loop, self._heartbeat_loop, self._sweep_loop)]
-        log.info("batch runner %s: %d at a time at the %s tier, store %s", self.name, self.concurrency,
-                 self.tier, type(self.store).__name__)
+        log.info("batch runner %s: engine widths, at most %d lines at a time, at the %s tier, store %s", self.name,
+                 self.concurrency, self.tier, type(self.store).__name__)
 
     async def stop(self) -> None:
         """Stop claiming, abandon running lines and hand them back for others (or the next start)."""
+        await self.hand_back()
+        await self.store.close()
+        log.info("batch runner %s stopped: recorded %d lines", self.name, self.recorded)
+
+    async def hand_back(self) -> str:
+        """Stop claiming and abandon running lines, handing them back to the store (a drain does
+        this first; the store stays open). Says how many went back."""
         tasks = self._loops + [t for _, t in self._running.values()] + list(self._soon.values())
         unfinished = [job for job, _ in self._running.values()]
+        self._loops = []
         for t in tasks:
             t.cancel()
         await asyncio.gather(*tasks, return_exceptions=True)
+        self._running.clear()  # a task cancelled before it ran never removed itself
         try:
             await self.store.release(self.name, unfinished)
         except Exception:  # noqa: BLE001 - they will be reclaimed after the timeout instead
             log.warning("could not hand back %d batch lines; they run again after %gs",
                         len(unfinished), self.reclaim_after_s)
-        await self.store.close()
-        log.info("batch runner %s stopped: recorded %d lines", self.name, self.recorded)
+            return f"{len(unfinished)} batch lines will be reclaimed after {self.reclaim_after_s:g}s"
+        return f"{len(unfinished)} batch line{'s' * (len(unfinished) != 1)} handed back to the store"
 
     def soon(self, what: Literal["validate", "finish"], batch_id: str) -> None:
         """Validate or finish ``batch_id`` in the background (once at a time per process)."""
@@ -128,23 +150,49 @@ class Runner:
     # -- loops
     async def _claim_loop(self) -> None:
         while True:
-            free = self.concurrency - len(self._running)
-            jobs: list[Job] = []
-            if free > 0:
-                try:
-                    jobs = await self.store.claim(self.name, free, self.reclaim_after_s)
-                except Exception:  # noqa: BLE001 - the store is down: keep trying
-                    log.exception("batch: claiming lines failed")
-            for job in jobs:
-                if job.token not in self._running:  # not one of ours that was slow to be touched
-                    self._running[job.token] = (job, asyncio.create_task(self._run(job)))
-            if jobs:
+            try:
+                claimed = await self._claim()
+            except Exception:  # noqa: BLE001 - the store is down: keep trying
+                log.exception("batch: claiming lines failed")
+                claimed = 0
+            if claimed:
                 continue
             self._wake.clear()
             try:
-                await asyncio.wait_for(self._wake.wait(), self.poll_s if free > 0 else None)
+                await asyncio.wait_for(self._wake.wait(), self.poll_s)
             except TimeoutError:
                 pass
+
+    async def _claim(self) -> int:
+        """Fill the engines: top up each shape running here to its model's width, then start the
+        oldest waiting shape of every model with nothing running here. Returns the lines claimed."""
+        running = Counter(job.line.shape for job, _ in self._running.values())
+        busy = {model_of(shape) for shape in running}
+        claimed = 0
+        for shape, n in list(running.items()):
+            claimed += await self._take(shape, width(self.svc, model_of(shape)) - n)
+        now = time.monotonic()
+        if self.concurrency - len(self._running) <= 0 or (running and now - self._shapes_at < self.poll_s):
+            return claimed  # new shapes are looked for every poll_s while lines run (a scan of the backlog)
+        self._shapes_at = now
+        for shape in await self.store.shapes(self.reclaim_after_s):
+            model = model_of(shape)
+            if model not in busy:
+                taken = await self._take(shape, width(self.svc, model))
+                busy.update([model] if taken else [])
+                claimed += taken
+        return claimed
+
+    async def _take(self, shape: str, room: int) -> int:
+        """Claim and start up to ``room`` lines of ``shape`` (within the process's cap)."""
+        room = min(room, self.concurrency - len(self._running))
+        if room <= 0:
+            return 0
+        jobs = await self.store.claim(self.name, room, self.reclaim_after_s, shape)
+        for job in jobs:
+            if job.token not in self._running:  # not one of ours that was slow to be touched
+                self._running[job.token] = (job, asyncio.create_task(self._run(job)))
+        return len(jobs)
 
     async def _heartbeat_loop(self) -> None:
         """Keep our claims alive, and drop lines of batches that stopped (cancelled, expired)."""
@@ -261,6 +309,7 @@ class Runner:
             await self._fail(batch, "file_not_found", f"the input file {batch.input_file_id} was deleted")
             return False
         lines, invalid = await asyncio.to_thread(parse_input, content, batch.endpoint)
+        lines = [replace(ln, shape=shape_of(self.svc, batch.endpoint, ln.body)) for ln in lines]
         if not lines and not invalid:
             await self._fail(batch, "empty_file", "the input file has no requests")
             return False

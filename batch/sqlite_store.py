@@ -32,8 +32,11 @@ CREATE TABLE IF NOT EXISTS outcomes (
     PRIMARY KEY (batch_id, idx)) WITHOUT ROWID;
 CREATE TABLE IF NOT EXISTS backlog (
     seq INTEGER PRIMARY KEY AUTOINCREMENT, batch_id TEXT NOT NULL, idx INTEGER NOT NULL,
-    claimed_by TEXT, claimed_at REAL, deliveries INTEGER NOT NULL DEFAULT 0);
+    claimed_by TEXT, claimed_at REAL, deliveries INTEGER NOT NULL DEFAULT 0, shape TEXT NOT NULL DEFAULT '');
 """
+# a file written before backlog entries had shapes gets the column; then the index on it
+_SHAPES = ("ALTER TABLE backlog ADD COLUMN shape TEXT NOT NULL DEFAULT ''",
+           "CREATE INDEX IF NOT EXISTS backlog_by_shape ON backlog (shape, seq)")
 
 
 class SQLiteStore(Store):
@@ -69,6 +72,9 @@ class SQLiteStore(Store):
             db.execute("PRAGMA journal_mode=WAL")
             db.execute("PRAGMA synchronous=NORMAL")  # WAL: a process crash loses nothing committed
             db.executescript(_SCHEMA)
+            if "shape" not in {row[1] for row in db.execute("PRAGMA table_info(backlog)")}:
+                db.execute(_SHAPES[0])
+            db.execute(_SHAPES[1])
             self._db = db
 
         await self._call(connect)
@@ -156,7 +162,8 @@ class SQLiteStore(Store):
             if row is None or row[0] != "validating":
                 return False
             db.executemany("INSERT INTO lines VALUES (?, ?, ?)", [(batch_id, ln.index, line_json(ln)) for ln in lines])
-            db.executemany("INSERT INTO backlog (batch_id, idx) VALUES (?, ?)", [(batch_id, ln.index) for ln in lines])
+            db.executemany("INSERT INTO backlog (batch_id, idx, shape) VALUES (?, ?, ?)",
+                           [(batch_id, ln.index, ln.shape) for ln in lines])
             db.executemany("INSERT OR IGNORE INTO outcomes VALUES (?, ?, 0, ?)",
                            [(batch_id, o.index, outcome_json(o)) for o in invalid])
             fields = {**json.loads(row[1]), "in_progress_at": now}
@@ -199,25 +206,34 @@ class SQLiteStore(Store):
             "UPDATE batches SET locked_by = NULL, locked_until = NULL WHERE id = ? AND locked_by = ?", (batch_id, holder)))
 
     # -- backlog and outcomes
-    async def claim(self, consumer: str, count: int, reclaim_after_s: float) -> list[Job]:
+    async def claim(self, consumer: str, count: int, reclaim_after_s: float, shape: str | None = None) -> list[Job]:
         def claim(db: sqlite3.Connection) -> list[Job]:
             now = time.time()
+            of_shape, args = ("AND b.shape = ? ", (shape,)) if shape is not None else ("", ())
             rows = db.execute(
-                "SELECT b.seq, b.batch_id, b.idx, b.deliveries, l.line FROM backlog b "
+                "SELECT b.seq, b.batch_id, b.idx, b.deliveries, b.shape, l.line FROM backlog b "
                 "LEFT JOIN lines l ON l.batch_id = b.batch_id AND l.idx = b.idx "
-                "WHERE b.claimed_by IS NULL OR b.claimed_at < ? ORDER BY b.seq LIMIT ?",
-                (now - reclaim_after_s, count)).fetchall()
+                f"WHERE (b.claimed_by IS NULL OR b.claimed_at < ?) {of_shape}ORDER BY b.seq LIMIT ?",
+                (now - reclaim_after_s, *args, count)).fetchall()
             jobs = []
-            for seq, batch_id, idx, deliveries, line in rows:
+            for seq, batch_id, idx, deliveries, line_shape, line in rows:
                 if line is None:  # its batch has ended
                     db.execute("DELETE FROM backlog WHERE seq = ?", (seq,))
                     continue
                 db.execute("UPDATE backlog SET claimed_by = ?, claimed_at = ?, deliveries = deliveries + 1 "
                            "WHERE seq = ?", (consumer, now, seq))
-                jobs.append(Job(batch_id, line_of(idx, line), str(seq), deliveries + 1))
+                jobs.append(Job(batch_id, line_of(idx, line, line_shape), str(seq), deliveries + 1))
             return jobs
 
         return await self._call(self._tx, claim)
+
+    async def shapes(self, reclaim_after_s: float) -> list[str]:
+        def get() -> list[str]:
+            rows = self._db.execute("SELECT shape FROM backlog WHERE claimed_by IS NULL OR claimed_at < ? "
+                                    "GROUP BY shape ORDER BY MIN(seq)", (time.time() - reclaim_after_s,))
+            return [r[0] for r in rows]
+
+        return await self._call(get)
 
     async def touch(self, consumer: str, jobs: Iterable[Job]) -> None:
         seqs = [(time.time(), int(j.token), consumer) for j in jobs]

@@ -13,6 +13,9 @@ Both give the same guarantees, which the runner in ``batch.runner`` relies on:
 * :meth:`Store.claim` hands each backlog entry to one consumer. An entry that its consumer has not
   touched (:meth:`Store.touch`) for ``reclaim_after_s`` is handed to another: a dead process's
   lines are run again, elsewhere or after a restart.
+* Every entry keeps its line's shape (``batch.shapes``: the model and adapter stack it runs on);
+  :meth:`Store.shapes` lists the shapes with work, oldest first, and :meth:`Store.claim` can take
+  the entries of one shape only, so lines that run together share a model and a stack.
 * :meth:`Store.record` writes a line's outcome at most once (the first write wins), counts it, and
   removes the entry from the backlog, all in one atomic step. A line run twice (its first consumer
   was only slow) is therefore recorded once; a crash before the write loses only that attempt.
@@ -98,6 +101,7 @@ class Line:
     index: int  # 0-based position in the input file
     custom_id: str
     body: dict[str, Any]
+    shape: str = ""  # the model and adapter stack it runs on (``batch.shapes``)
 
 
 @dataclass(frozen=True)
@@ -182,9 +186,15 @@ class Store(abc.ABC):
 
     # -- backlog and outcomes -----------------------------------------------------------------
     @abc.abstractmethod
-    async def claim(self, consumer: str, count: int, reclaim_after_s: float) -> list[Job]:
-        """Up to ``count`` entries: first those idle longer than ``reclaim_after_s`` (their
-        consumer went silent), then new ones. Entries of finished batches are dropped here."""
+    async def claim(self, consumer: str, count: int, reclaim_after_s: float, shape: str | None = None) -> list[Job]:
+        """Up to ``count`` entries, of ``shape`` only unless it is None: first those idle longer
+        than ``reclaim_after_s`` (their consumer went silent), then new ones. Entries of finished
+        batches are dropped here."""
+
+    @abc.abstractmethod
+    async def shapes(self, reclaim_after_s: float) -> list[str]:
+        """The shapes that have entries to claim, the one with the oldest entry first (a shape
+        whose entries are all claimed by live consumers may be listed: claiming it gets none)."""
 
     @abc.abstractmethod
     async def touch(self, consumer: str, jobs: Iterable[Job]) -> None:
@@ -229,9 +239,9 @@ def line_json(line: Line) -> str:
     return dumps({"custom_id": line.custom_id, "body": line.body})
 
 
-def line_of(index: int, raw: str | bytes) -> Line:
+def line_of(index: int, raw: str | bytes, shape: str = "") -> Line:
     doc = json.loads(raw)
-    return Line(index, doc["custom_id"], doc["body"])
+    return Line(index, doc["custom_id"], doc["body"], shape)
 
 
 def check_fields(fields: dict[str, Any]) -> None:

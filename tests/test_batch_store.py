@@ -187,6 +187,33 @@ def test_claims_are_exclusive_and_reclaimed_when_idle_unless_touched(make_store)
     run(go())
 
 
+def test_claims_by_shape_take_only_that_shape_and_shapes_list_the_oldest_first(make_store):
+    async def go():
+        s1, s2 = await make_store(), await make_store()
+        b1, b2 = batch(1), batch(2)
+        shapes = ["m", "m+a*1", "n", "m+a*1", "m", "n+b*0.5"]
+        for b in (b1, b2):
+            await s1.create_batch(b)
+        await s1.start(b1.id, [Line(i, f"req-{i}", {"i": i}, shape) for i, shape in enumerate(shapes)], [], now=1)
+        await s1.start(b2.id, [Line(0, "late", {}, "m+a*1"), Line(1, "other", {}, "p")], [], now=2)
+        assert await s1.shapes(60) == ["m", "m+a*1", "n", "n+b*0.5", "p"]
+        got = await s1.claim("c1", 10, 60, "m+a*1")
+        assert sorted((j.batch_id == b1.id, j.line.index) for j in got) == [(False, 0), (True, 1), (True, 3)]
+        assert {j.line.shape for j in got} == {"m+a*1"}
+        assert await s2.claim("c2", 10, 60, "m+a*1") == []  # claimed by a live consumer
+        two = await s2.claim("c2", 2, 60)  # any shape: the oldest entries
+        assert [(j.line.index, j.line.shape) for j in two] in ([(0, "m"), (4, "m")], [(0, "m"), (2, "n")])
+        for j in got + two:
+            await s1.record(j, ok(j))
+        assert "m+a*1" not in await s2.shapes(60)  # every entry of it ran
+        rest = await s2.claim("c2", 10, 0.01, "n")
+        assert [j.line.custom_id for j in rest] == [f"req-{i}" for i, sh in enumerate(shapes) if sh == "n"
+                                                    and i not in {j.line.index for j in two}]
+        await _closing(s1, s2)
+
+    run(go())
+
+
 def test_release_hands_back_at_once(make_store):
     async def go():
         s = await make_store()
