@@ -15,6 +15,7 @@ from starlette.datastructures import UploadFile
 from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
 
+from batch.endpoints import ENDPOINTS
 from batch.runner import Runner
 from batch.store import BatchInfo, FileInfo
 from gateway.auth import Caller
@@ -22,7 +23,7 @@ from gateway.errors import APIError, bad_request, not_found
 from gateway.schemas import parse, read_json
 from gateway.service import Services
 
-BATCH_ENDPOINTS = ("/v1/chat/completions", "/v1/images/generations", "/v1/audio/speech")
+BATCH_ENDPOINTS = tuple(ENDPOINTS)  # the urls a batch's lines may call
 WINDOW_S = 24 * 3600
 _FORM_SLACK = 64 * 1024  # multipart framing on top of the file itself
 

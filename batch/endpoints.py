@@ -14,6 +14,7 @@ from typing import Any, Awaitable, Callable
 from gateway.audio import SpeechBody, plan_speech, serve_speech
 from gateway.auth import Caller
 from gateway.chat import collect, completion, plan_chat, serve_chat
+from gateway.embeddings import EmbeddingRequest, embedding_list, plan_embeddings, serve_embeddings
 from gateway.errors import bad_request
 from gateway.images import ImageGenerationRequest, b64_rows, plan_images, serve_images
 from gateway.schemas import ChatCompletionRequest, parse
@@ -62,8 +63,16 @@ async def speech(svc: Services, caller: Caller, data: dict) -> Result:
     return Binary(audio, job.media_type)
 
 
+async def embeddings(svc: Services, caller: Caller, data: dict) -> Result:
+    body = parse(EmbeddingRequest, data)
+    job = await plan_embeddings(svc, body)
+    vectors = await serve_embeddings(svc, caller, job, None)
+    return embedding_list(body.model, vectors, body.encoding_format, job.tokens)
+
+
 ENDPOINTS: dict[str, Endpoint] = {
     "/v1/chat/completions": chat,
     "/v1/images/generations": images,
     "/v1/audio/speech": speech,
+    "/v1/embeddings": embeddings,
 }

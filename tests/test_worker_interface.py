@@ -31,7 +31,7 @@ def test_an_unknown_kind_or_engine_is_a_clear_error():
         worker_class(ModelSpec("m", "image", "unused", engine="vllm"))
 
 
-def test_describe_reads_what_the_gateway_needs_from_the_folder(tiny_chat, tiny_image, tiny_tts, tiny_stt):
+def test_describe_reads_what_the_gateway_needs_from_the_folder(tiny_chat, tiny_image, tiny_tts, tiny_stt, tiny_embed):
     assert describe(ModelSpec("c", "chat", tiny_chat)) == ModelInfo(context_length=512)
     vllm = ModelSpec("c", "chat", tiny_chat, engine="vllm", options={"max_model_len": 256})
     assert describe(vllm).context_length == 256
@@ -39,6 +39,7 @@ def test_describe_reads_what_the_gateway_needs_from_the_folder(tiny_chat, tiny_i
     assert describe(ModelSpec("i", "image", tiny_image)) == ModelInfo(native_size=(64, 64))
     assert describe(ModelSpec("t", "tts", tiny_tts)) == ModelInfo(voices=("amy", "ben", "cleo"))
     assert describe(ModelSpec("s", "stt", tiny_stt)) == ModelInfo()
+    assert describe(ModelSpec("e", "embed", tiny_embed)) == ModelInfo(context_length=128)
 
 
 def test_a_thread_worker_moves_through_every_place(tiny_chat):

@@ -69,6 +69,7 @@ class EmbedConfig:
     dimensions: int  # the full vector's length
     vocab_size: int
     matryoshka: tuple[int, ...] | bool  # the shorter lengths it allows: listed, any (True) or none (False)
+    pad_id: int = 0  # fills the batch past each input's end (masked out)
 
     def check_dimensions(self, dimensions: int) -> None:
         """``ValueError`` unless the model may return vectors of ``dimensions`` values."""
@@ -96,7 +97,7 @@ def read_config(path: Path) -> EmbedConfig:
     listed = model.get("matryoshka_dimensions")
     matryoshka = tuple(int(d) for d in listed) if listed else bool(model.get("is_matryoshka", False))
     return EmbedConfig(pooling, normalize, min(limits), int(model["hidden_size"]), int(model["vocab_size"]),
-                       matryoshka)
+                       matryoshka, int(model.get("pad_token_id") or 0))
 
 
 def _json(file: Path, missing_ok: bool = False) -> dict:
@@ -168,7 +169,8 @@ def batches(lengths: list[int], max_tokens: int) -> list[list[int]]:
 
 
 class EmbedWorker(ThreadWorker):
-    """Runs one encoder; reads its config and tokenizer at construction, weights at ``load``."""
+    """Runs one encoder; reads its config at construction, its tokenizer at the first
+    ``tokenize`` and its weights at ``load`` (``embed`` takes token ids: the gateway tokenizes)."""
 
     kind = "embed"
 
@@ -176,9 +178,8 @@ class EmbedWorker(ThreadWorker):
         self.spec = spec
         self.max_batch_tokens = max_batch_tokens
         self.config = read_config(Path(spec.path))
-        self.tokenizer = AutoTokenizer.from_pretrained(Path(spec.path))
+        self._tokenizer = None
         self._tokenizing = threading.Lock()  # a fast tokenizer's call sets its state: one call at a time
-        self.pad_id = self.tokenizer.pad_token_id if self.tokenizer.pad_token_id is not None else 0
         self.model: torch.nn.Module | None = None
 
     @classmethod
@@ -197,6 +198,14 @@ class EmbedWorker(ThreadWorker):
     def modules(self) -> list[torch.nn.Module]:
         return [self.model] if self.model is not None else []
 
+    @property
+    def tokenizer(self):
+        """The model's tokenizer, read from its folder the first time it is asked for."""
+        with self._tokenizing:
+            if self._tokenizer is None:
+                self._tokenizer = AutoTokenizer.from_pretrained(Path(self.spec.path))
+            return self._tokenizer
+
     def tokenize(self, inputs: list[str] | list[list[int]]) -> list[list[int]]:
         """Token ids of each input: strings through the tokenizer (with its special tokens), token
         ids as given. ``InputError`` for an empty input, an unknown id, or one over the context.
@@ -204,8 +213,9 @@ class EmbedWorker(ThreadWorker):
         if inputs and isinstance(inputs[0], str):
             if any(not text for text in inputs):
                 raise InputError(f"input[{next(i for i, t in enumerate(inputs) if not t)}] is an empty string")
+            tokenizer = self.tokenizer
             with self._tokenizing:
-                ids = self.tokenizer(list(inputs), add_special_tokens=True)["input_ids"]
+                ids = tokenizer(list(inputs), add_special_tokens=True)["input_ids"]
         else:
             ids = [list(row) for row in inputs]
         limit, vocab = self.config.context_length, self.config.vocab_size
@@ -233,7 +243,7 @@ class EmbedWorker(ThreadWorker):
     def _forward(self, rows: list[list[int]], dimensions: int | None) -> np.ndarray:
         """One padded forward pass over ``rows``."""
         width = max(len(row) for row in rows)
-        input_ids = torch.full((len(rows), width), self.pad_id, dtype=torch.long)
+        input_ids = torch.full((len(rows), width), self.config.pad_id, dtype=torch.long)
         mask = torch.zeros((len(rows), width), dtype=torch.long)
         for r, row in enumerate(rows):
             input_ids[r, : len(row)] = torch.tensor(row)

@@ -1,0 +1,294 @@
+"""Embeddings against a real uvicorn serving tiny-embed: the openai SDK (texts, token arrays, float
+and base64), LangChain's OpenAIEmbeddings, bad input naming its field, a Batch API line, eviction
+by a higher tier; and the worker's pooling, batching and folder reading."""
+
+from __future__ import annotations
+
+import base64
+import io
+import json
+import shutil
+import time
+from pathlib import Path
+
+import httpx
+import numpy as np
+import openai
+import pytest
+import torch
+
+from tests.helpers import RunningServer, start_server, write_config
+from workers.base import ModelSpec, StepContext
+from workers.embed import EmbedWorker, batches, pool, read_config
+
+# One input alone and among longer ones differs only by the padded attention's fp32 rounding.
+BATCH_TOLERANCE = 1e-5
+LIMITS = "limits:\n  embed_max_inputs: 8\n"
+
+
+@pytest.fixture(scope="module")
+def tiny_embed_mrl(tiny_embed: Path, tmp_path_factory) -> Path:
+    """tiny-embed whose config.json says it was trained for shorter vectors (matryoshka)."""
+    folder = tmp_path_factory.mktemp("mrl") / "tiny-embed-mrl"
+    shutil.copytree(tiny_embed, folder)
+    config = json.loads((folder / "config.json").read_text())
+    (folder / "config.json").write_text(json.dumps({**config, "matryoshka_dimensions": [16, 32]}))
+    return folder
+
+
+@pytest.fixture(scope="module")
+def server(tiny_embed: Path, tiny_embed_mrl: Path, tmp_path_factory) -> RunningServer:
+    folder = tmp_path_factory.mktemp("embed-server")
+    models = {"tiny-embed": ("embed", tiny_embed), "tiny-embed-mrl": ("embed", tiny_embed_mrl)}
+    running = start_server(write_config(folder, models, LIMITS))
+    yield running
+    running.stop()
+
+
+def client(server: RunningServer, tier: str = "paid") -> openai.OpenAI:
+    return openai.OpenAI(base_url=server.base_url, api_key=server.keys[tier], max_retries=0)
+
+
+def post(server: RunningServer, body: dict, tier: str = "paid") -> httpx.Response:
+    return httpx.post(f"{server.base_url}/embeddings", json=body, timeout=30,
+                      headers={"Authorization": f"Bearer {server.keys[tier]}"})
+
+
+def refused(r: httpx.Response, param: str, code: str | None = None) -> str:
+    assert r.status_code == 400, r.text
+    err = r.json()["error"]
+    assert set(err) == {"message", "type", "param", "code"} and isinstance(err["code"], str)
+    assert err["param"] == param, err
+    if code:
+        assert err["code"] == code, err
+    return err["message"]
+
+
+def vectors(response) -> np.ndarray:
+    return np.array([d.embedding for d in sorted(response.data, key=lambda d: d.index)], dtype=np.float64)
+
+
+def token_ids(folder: Path, text: str) -> list[int]:
+    from transformers import AutoTokenizer
+
+    return AutoTokenizer.from_pretrained(folder)(text)["input_ids"]
+
+
+TEXTS = ["hello world", "the quick brown fox jumps over the lazy dog " * 4, "one two three"]
+
+
+# ---------------------------------------------------------------- the openai SDK
+
+
+def test_a_string_and_a_list_in_float_and_base64(server):
+    c = client(server)
+    one = c.embeddings.create(model="tiny-embed", input="hello world", encoding_format="float")
+    assert one.object == "list" and one.model == "tiny-embed" and len(one.data) == 1
+    assert one.data[0].object == "embedding" and one.data[0].index == 0 and len(one.data[0].embedding) == 64
+    assert one.usage.prompt_tokens == one.usage.total_tokens == len(token_ids(server_folder(server), "hello world"))
+
+    floats = c.embeddings.create(model="tiny-embed", input=TEXTS, encoding_format="float")
+    raw = post(server, {"model": "tiny-embed", "input": TEXTS, "encoding_format": "base64"}).json()
+    decoded = np.array([np.frombuffer(base64.b64decode(d["embedding"]), dtype="<f4") for d in raw["data"]])
+    assert decoded.shape == (3, 64)
+    assert np.array_equal(decoded.astype(np.float64), vectors(floats))  # the same float32 values, bit for bit
+    assert raw["usage"] == {"prompt_tokens": floats.usage.prompt_tokens, "total_tokens": floats.usage.total_tokens}
+    assert floats.usage.total_tokens == sum(len(token_ids(server_folder(server), t)) for t in TEXTS)
+    # the SDK's default asks for base64 and decodes it itself
+    default = c.embeddings.create(model="tiny-embed", input=TEXTS)
+    assert np.array_equal(vectors(default), vectors(floats))
+
+
+def test_normalized_and_the_same_alone_as_in_a_batch(server):
+    c = client(server)
+    batch = vectors(c.embeddings.create(model="tiny-embed", input=TEXTS, encoding_format="float"))
+    assert np.allclose(np.linalg.norm(batch, axis=1), 1.0, atol=1e-5)  # modules.json has Normalize
+    for i, text in enumerate(TEXTS):
+        alone = vectors(c.embeddings.create(model="tiny-embed", input=text, encoding_format="float"))[0]
+        assert np.abs(alone - batch[i]).max() < BATCH_TOLERANCE
+    assert np.abs(batch[0] - batch[2]).max() > 1e-2  # different texts, different vectors
+
+
+def test_token_arrays_embed_like_their_text(server):
+    c = client(server)
+    folder = server_folder(server)
+    ids = [token_ids(folder, t) for t in TEXTS[:2]]
+    texts = vectors(c.embeddings.create(model="tiny-embed", input=TEXTS[:2], encoding_format="float"))
+    arrays = c.embeddings.create(model="tiny-embed", input=ids, encoding_format="float")
+    assert np.abs(vectors(arrays) - texts).max() < BATCH_TOLERANCE
+    assert arrays.usage.total_tokens == len(ids[0]) + len(ids[1])
+    single = vectors(c.embeddings.create(model="tiny-embed", input=ids[0], encoding_format="float"))
+    assert single.shape == (1, 64) and np.abs(single[0] - texts[0]).max() < BATCH_TOLERANCE
+
+
+def test_dimensions_where_the_model_allows_it(server):
+    c = client(server)
+    full = vectors(c.embeddings.create(model="tiny-embed-mrl", input=TEXTS, encoding_format="float"))
+    short = vectors(c.embeddings.create(model="tiny-embed-mrl", input=TEXTS, encoding_format="float", dimensions=16))
+    assert short.shape == (3, 16)
+    expected = full[:, :16] / np.linalg.norm(full[:, :16], axis=1, keepdims=True)  # cut, then normalized
+    assert np.abs(short - expected).max() < 1e-5
+    same = c.embeddings.create(model="tiny-embed", input="hi", encoding_format="float", dimensions=64)
+    assert len(same.data[0].embedding) == 64  # the full length is always allowed
+    msg = refused(post(server, {"model": "tiny-embed-mrl", "input": "hi", "dimensions": 20}), "dimensions")
+    assert "16, 32" in msg
+    msg = refused(post(server, {"model": "tiny-embed", "input": "hi", "dimensions": 16}), "dimensions",
+                  "dimensions_not_supported")
+    assert "matryoshka" in msg
+
+
+def test_bad_input_is_a_400_naming_input(server):
+    folder = server_folder(server)
+    context = read_config(folder).context_length
+    long_text = "hello world " * context
+    msg = refused(post(server, {"model": "tiny-embed", "input": ["hi", long_text]}), "input", "context_length_exceeded")
+    assert "input[1]" in msg and str(context) in msg
+    refused(post(server, {"model": "tiny-embed", "input": [[5] * (context + 1)]}), "input", "context_length_exceeded")
+    msg = refused(post(server, {"model": "tiny-embed", "input": ["hi"] * 9}), "input", "too_many_inputs")
+    assert "8" in msg
+    refused(post(server, {"model": "tiny-embed", "input": [[1, 2, 10**6]]}), "input")  # outside the vocabulary
+    refused(post(server, {"model": "tiny-embed", "input": [[1, -2]]}), "input")
+    for empty in ("", [], [""], [[]]):
+        refused(post(server, {"model": "tiny-embed", "input": empty}), "input")
+    refused(post(server, {"model": "tiny-embed", "input": [1, "a"]}), "input")
+    refused(post(server, {"model": "tiny-embed", "input": "hi", "encoding_format": "int8"}), "encoding_format")
+    with pytest.raises(openai.BadRequestError) as exc:  # the SDK sees the same 400
+        client(server).embeddings.create(model="tiny-embed", input=["x"] * 9)
+    assert exc.value.body["param"] == "input"
+    r = post(server, {"model": "no-such-model", "input": "hi"})
+    assert r.status_code == 404 and r.json()["error"]["param"] == "model"
+
+
+def test_langchain_openai_embeddings(server, monkeypatch):
+    import tiktoken
+    from langchain_openai import OpenAIEmbeddings
+
+    # check_embedding_ctx_length=False sends the texts as they are; True would tokenize them with
+    # tiktoken, whose encoding files are a download: any use of it fails here.
+    for name in ("get_encoding", "encoding_for_model"):
+        monkeypatch.setattr(tiktoken, name, lambda *a, **k: pytest.fail("tiktoken was used"))
+    lc = OpenAIEmbeddings(model="tiny-embed", base_url=server.base_url, api_key=server.keys["paid"],
+                          check_embedding_ctx_length=False, max_retries=0)
+    docs = np.array(lc.embed_documents(TEXTS))
+    query = np.array(lc.embed_query(TEXTS[0]))
+    direct = vectors(client(server).embeddings.create(model="tiny-embed", input=TEXTS, encoding_format="float"))
+    assert docs.shape == (3, 64) and np.abs(docs - direct).max() < BATCH_TOLERANCE
+    assert np.abs(query - direct[0]).max() < BATCH_TOLERANCE
+
+
+def test_models_list_shows_the_embed_kind(server):
+    rows = {m.id: m for m in client(server).models.list().data}
+    assert rows["tiny-embed"].model_extra["kind"] == "embed"
+
+
+def test_a_batch_line_runs_through_the_batch_api(server):
+    c = client(server)
+    lines = [{"custom_id": f"e{i}", "method": "POST", "url": "/v1/embeddings",
+              "body": {"model": "tiny-embed", "input": text, "encoding_format": "float"}}
+             for i, text in enumerate(TEXTS[:2])]
+    lines.append({"custom_id": "bad", "method": "POST", "url": "/v1/embeddings",
+                  "body": {"model": "tiny-embed", "input": "hi", "dimensions": 8}})
+    upload = c.files.create(file=("in.jsonl", io.BytesIO("".join(json.dumps(x) + "\n" for x in lines).encode())),
+                            purpose="batch")
+    batch = c.batches.create(input_file_id=upload.id, endpoint="/v1/embeddings", completion_window="24h")
+    deadline = time.time() + 60
+    while (batch := c.batches.retrieve(batch.id)).status not in ("completed", "failed", "expired", "cancelled"):
+        assert time.time() < deadline, batch.status
+        time.sleep(0.05)
+    assert batch.status == "completed" and batch.request_counts.completed == 2 and batch.request_counts.failed == 1
+    out = {x["custom_id"]: x for x in map(json.loads, c.files.content(batch.output_file_id).text.splitlines())}
+    live = vectors(c.embeddings.create(model="tiny-embed", input=TEXTS[:2], encoding_format="float"))
+    for i in range(2):
+        body = out[f"e{i}"]["response"]["body"]
+        assert body["object"] == "list" and body["usage"]["total_tokens"] > 0
+        assert np.abs(np.array(body["data"][0]["embedding"]) - live[i]).max() < BATCH_TOLERANCE
+    errors = [json.loads(x) for x in c.files.content(batch.error_file_id).text.splitlines()]
+    assert [e["response"]["body"]["error"]["param"] for e in errors] == ["dimensions"]
+
+
+def test_a_higher_tier_evicts_the_embed_model(tiny_embed, tiny_embed_mrl, tmp_path):
+    """A budget with room for one of the two: paid takes the device from free's model, and free
+    cannot take it back while paid's model is protected."""
+    models = {"tiny-embed": ("embed", tiny_embed), "tiny-embed-mrl": ("embed", tiny_embed_mrl)}
+    config = write_config(tmp_path, models, "eviction:\n  protect_window_s: 60\n")
+    config.write_text(config.read_text().replace("vram_budget: 4GiB", "vram_budget: 700KiB"))
+    srv = start_server(config)
+    try:
+        free, paid = client(srv, "free"), client(srv, "paid")
+        refused(post(srv, {"model": "tiny-embed", "input": ["x"] * 300}, "free"), "input")
+        places = {r["id"]: r["place"] for r in srv.call(srv.services.arbiter.table)}
+        assert places == {"tiny-embed": "cold", "tiny-embed-mrl": "cold"}  # refused before any load
+        free.embeddings.create(model="tiny-embed", input="hello")
+        places = {r["id"]: r["place"] for r in srv.call(srv.services.arbiter.table)}
+        assert places == {"tiny-embed": "resident", "tiny-embed-mrl": "cold"}
+        paid.embeddings.create(model="tiny-embed-mrl", input="hello")
+        places = {r["id"]: r["place"] for r in srv.call(srv.services.arbiter.table)}
+        assert places["tiny-embed-mrl"] == "resident" and places["tiny-embed"] in ("warm", "cold")
+        with pytest.raises(openai.RateLimitError) as exc:
+            free.embeddings.create(model="tiny-embed", input="hello")
+        assert exc.value.body["code"] == "model_protected"
+    finally:
+        srv.stop()
+
+
+def server_folder(server: RunningServer) -> Path:
+    return Path(server.services.arbiter.specs["tiny-embed"].path)
+
+
+# ---------------------------------------------------------------- the worker
+
+
+def test_many_inputs_share_one_forward_pass_split_only_at_the_token_cap(tiny_embed):
+    worker = EmbedWorker(ModelSpec("e", "embed", tiny_embed), max_batch_tokens=64)
+    worker.load(torch.device("cpu"))
+    passes: list[tuple[int, ...]] = []
+    worker.model.register_forward_hook(lambda m, args, kwargs, out: passes.append(tuple(kwargs["input_ids"].shape)),
+                                       with_kwargs=True)
+    ids = worker.tokenize(["a b", "one two three four", "hi", "the dog"])
+    ctx = StepContext()
+    together = worker.embed(ids, None, ctx)
+    assert len(passes) == 1 and passes[0][0] == 4 and ctx.steps == 1
+    long = worker.tokenize(["hello world " * 20])[0]  # 42 tokens: with the four above, over 64 padded
+    passes.clear()
+    mixed = worker.embed([long, *ids], None, StepContext())
+    assert [p[0] for p in passes] == [1, 4]
+    assert np.abs(mixed[1:] - together).max() < BATCH_TOLERANCE
+
+
+def test_pooling_modes_over_right_padding():
+    hidden = torch.tensor([[[1.0, 2.0], [3.0, 6.0], [9.0, 9.0]],
+                           [[4.0, 0.0], [0.0, 8.0], [5.0, 4.0]]])
+    mask = torch.tensor([[1, 1, 0], [1, 1, 1]])
+    assert pool(hidden, mask, "cls").tolist() == [[1.0, 2.0], [4.0, 0.0]]
+    assert pool(hidden, mask, "mean").tolist() == [[2.0, 4.0], [3.0, 4.0]]
+    assert pool(hidden, mask, "max").tolist() == [[3.0, 6.0], [5.0, 8.0]]
+    assert pool(hidden, mask, "lasttoken").tolist() == [[3.0, 6.0], [5.0, 4.0]]
+
+
+def test_batches_group_longest_first_within_the_cap():
+    assert batches([3, 10, 2], 100) == [[1, 0, 2]]
+    assert batches([3, 10, 2], 20) == [[1, 0], [2]]
+    assert batches([30], 8) == [[0]]  # one input longer than the cap still runs alone
+
+
+def test_the_folder_decides_pooling_normalization_and_limits(tiny_embed, tmp_path):
+    cfg = read_config(tiny_embed)
+    assert (cfg.pooling, cfg.normalize, cfg.context_length, cfg.dimensions, cfg.matryoshka) == ("mean", True, 128, 64, False)
+    folder = tmp_path / "m"
+    shutil.copytree(tiny_embed, folder)
+    pooling = json.loads((folder / "1_Pooling/config.json").read_text())
+    pooling.update(pooling_mode_mean_tokens=False, pooling_mode_cls_token=True)
+    (folder / "1_Pooling/config.json").write_text(json.dumps(pooling))
+    modules = json.loads((folder / "modules.json").read_text())[:2]  # no Normalize
+    (folder / "modules.json").write_text(json.dumps(modules))
+    (folder / "sentence_bert_config.json").write_text(json.dumps({"max_seq_length": 32}))
+    cfg = read_config(folder)
+    assert (cfg.pooling, cfg.normalize, cfg.context_length) == ("cls", False, 32)
+    worker = EmbedWorker(ModelSpec("e", "embed", folder))
+    worker.load(torch.device("cpu"))
+    out = worker.embed(worker.tokenize(["hello world"]), None, StepContext())
+    assert abs(float(np.linalg.norm(out[0])) - 1.0) > 1e-3  # not normalized
+    (folder / "modules.json").write_text(json.dumps(modules + [{"idx": 2, "name": "2", "path": "2_Dense",
+                                                                "type": "sentence_transformers.models.Dense"}]))
+    with pytest.raises(ValueError, match="'Dense' is not supported"):
+        read_config(folder)
