@@ -12,7 +12,9 @@ A ``Serving`` owns, for one request:
 * the outcome for the admission cost model: the service time is learned only when the request
   completed (the block ended without an exception) and none of its work was ever paused. A cut
   stream, a disconnect, an error or batch work that waited at a pause gate teach it nothing;
-* the latency metric of its endpoint.
+* the latency metric of its endpoint;
+* the request log's figures (``gateway.request_log``): the model, the queue wait at the gate, the
+  wait for the model's load, the service time and (``count_tokens``) the tokens.
 
 Endpoints build on it (``gateway.chat.serve_chat``, ``gateway.images.serve_images``, ...) and
 HTTP handlers only render what those return.
@@ -30,6 +32,7 @@ import torch
 
 from gateway.auth import Caller
 from gateway.errors import APIError
+from gateway.request_log import current as current_request
 from gateway.service import ClientGone, Held, Services
 from workers.base import Cancelled, StepContext
 
@@ -61,6 +64,7 @@ class Serving:
         self.held: Held | None = None
         self.contexts: list[StepContext] = []
         self._gone_wait: asyncio.Future | None = None
+        self.record = current_request()  # the HTTP request's log record; None for a batch line
 
     @property
     def rank(self) -> int:
@@ -75,6 +79,12 @@ class Serving:
     def paused(self) -> bool:
         return any(ctx.paused for ctx in self.contexts)
 
+    def count_tokens(self, prompt: int, completion: int) -> None:
+        """The request's tokens, for the request log (completions add up over a request's blocks)."""
+        if self.record is not None:
+            self.record.prompt_tokens = prompt
+            self.record.completion_tokens = (self.record.completion_tokens or 0) + completion
+
     def context(self) -> StepContext:
         """A step context for work on the leased model (batch work carries its pause gate)."""
         assert self.held is not None, "use inside 'async with'"
@@ -83,11 +93,17 @@ class Serving:
         return ctx
 
     async def __aenter__(self) -> "Serving":
+        if self.record is not None:
+            self.record.model = self.model
         try:
             self.held = await self.until_gone(self.svc.hold(self.caller.tier, self.model, self.units))
         except BaseException:
             self._stop_watching()
             raise
+        if self.record is not None:
+            queued = self.held.ticket.queued_s
+            self.record.queue_wait_s = queued
+            self.record.load_wait_s = max(0.0, self.held.started - self.arrived - queued)
         return self
 
     async def __aexit__(self, exc_type, exc, tb) -> None:
@@ -97,6 +113,8 @@ class Serving:
             return
         completed = exc_type is None  # a cut stream ends with GeneratorExit or CancelledError here
         held.release(time.monotonic() - held.started if completed and not self.paused else None)
+        if self.record is not None:
+            self.record.service_s = time.monotonic() - held.started
         self.svc.metrics.latency.labels(self.caller.tier, self.endpoint).observe(time.monotonic() - self.arrived)
 
     async def step(self, attempt: Callable[[StepContext], Awaitable[T]], doing: str) -> T:

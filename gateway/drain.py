@@ -1,0 +1,177 @@
+"""Readiness and graceful drain.
+
+``/readyz`` answers 200 once the server has started (its config loaded, the app's start-up done)
+and the batch store answers; 503 while draining or while the store does not answer. ``/healthz``
+stays the plain liveness probe.
+
+On SIGTERM (or the first Ctrl+C) :class:`DrainingServer` drains before uvicorn shuts down:
+
+1. :class:`Drain` flips to draining: ``DrainGate`` (ASGI middleware) refuses every new request
+   but the probes and ``/metrics`` with 503 ``shutting_down`` and ``Retry-After``, and ``/readyz``
+   turns 503, so load balancers stop sending traffic;
+2. the drain's hooks run: the batch runner hands its in-flight lines back to the store (neither
+   lost nor run twice: ``Store.release``);
+3. API requests already in flight, streams included, run to their end, for at most
+   ``server.drain_timeout_s``; progress is logged every second;
+4. then uvicorn shuts down as usual (what is still running past the timeout is cancelled) and
+   the process exits 0. A second signal stops at once.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import math
+import signal
+import time
+from types import FrameType
+from typing import Awaitable, Callable
+
+import uvicorn
+from starlette.requests import Request
+from starlette.responses import JSONResponse, Response
+from starlette.types import ASGIApp, Message, Receive, Scope, Send
+
+from gateway.errors import APIError
+
+log = logging.getLogger("tiergate.drain")
+
+PROBES = frozenset({"/healthz", "/readyz", "/metrics"})  # answered while draining
+RETRY_AFTER_S = 5
+STORE_TIMEOUT_S = 2.0
+CUT_AFTER_S = 1.0  # past the drain timeout, how long uvicorn waits before cancelling what is left
+
+
+class Drain:
+    """Whether the server is draining, and the API requests in flight (``/v1/...``; responses
+    that have started sending count as streams)."""
+
+    def __init__(self, timeout_s: float) -> None:
+        self.timeout_s = timeout_s
+        self.draining = False
+        self.since: float | None = None
+        self.inflight = 0
+        self.streaming = 0
+        self.hooks: list[Callable[[], Awaitable[str | None]]] = []  # run once draining starts; say what they did
+
+    def begin(self) -> None:
+        if not self.draining:
+            self.draining, self.since = True, time.monotonic()
+
+    def left_s(self) -> float:
+        return 0.0 if self.since is None else max(0.0, self.timeout_s - (time.monotonic() - self.since))
+
+    async def run(self) -> None:
+        """Drain: stop admitting, run the hooks, wait for the API requests in flight (at most
+        ``timeout_s``), logging progress. Returns when the server may shut down."""
+        self.begin()
+        log.info("draining: no new requests; %s in flight; waiting up to %gs", self.describe(), self.timeout_s)
+        for hook in self.hooks:
+            try:
+                said = await hook()
+            except Exception:  # noqa: BLE001 - the drain goes on
+                log.exception("draining: a shutdown step failed")
+            else:
+                if said:
+                    log.info("draining: %s", said)
+        last = -1.0
+        while self.inflight and self.left_s() > 0:
+            if time.monotonic() - last >= 1.0:
+                last = time.monotonic()
+                log.info("draining: %s in flight, %.0fs left", self.describe(), self.left_s())
+            await asyncio.sleep(0.05)
+        if self.inflight:
+            log.warning("draining: timed out after %gs with %s in flight; cutting them", self.timeout_s, self.describe())
+        else:
+            log.info("drained: nothing in flight")
+
+    def describe(self) -> str:
+        return f"{self.inflight} request{'s' * (self.inflight != 1)} ({self.streaming} streaming)"
+
+
+class DrainGate:
+    """ASGI middleware: counts API requests in flight; while draining, refuses new ones."""
+
+    def __init__(self, app: ASGIApp, drain: Drain) -> None:
+        self.app = app
+        self.drain = drain
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] != "http" or scope["path"] in PROBES:
+            await self.app(scope, receive, send)
+            return
+        drain = self.drain
+        if drain.draining:
+            retry = max(RETRY_AFTER_S, math.ceil(drain.left_s()))
+            error = APIError(503, "the server is shutting down; retry on another instance", "shutting_down",
+                             headers={"retry-after": str(retry), "connection": "close"})
+            await error.response()(scope, receive, send)
+            return
+        if not scope["path"].startswith("/v1/"):
+            await self.app(scope, receive, send)
+            return
+        started = False
+
+        async def counting_send(message: Message) -> None:
+            nonlocal started
+            if message["type"] == "http.response.start" and not started:
+                started = True
+                drain.streaming += 1
+            await send(message)
+
+        drain.inflight += 1
+        try:
+            await self.app(scope, receive, counting_send)
+        finally:
+            drain.inflight -= 1
+            if started:
+                drain.streaming -= 1
+
+
+async def readyz(request: Request) -> Response:
+    """200 when serving; 503 while draining or when the batch store does not answer."""
+    drain: Drain = request.app.state.drain
+    if drain.draining:
+        return JSONResponse({"status": "draining", "seconds_left": round(drain.left_s(), 1)}, status_code=503)
+    store = request.app.state.batches.store
+    try:
+        await asyncio.wait_for(store.get_batch("batch_readyz"), STORE_TIMEOUT_S)  # a read: None, if it answers
+    except Exception as exc:  # noqa: BLE001 - any failure means not ready
+        return JSONResponse({"status": "store_unavailable", "store": type(store).__name__,
+                             "error": f"{type(exc).__name__}: {exc}"[:300]}, status_code=503)
+    return JSONResponse({"status": "ready", "config": str(request.app.state.services.config.source),
+                         "store": type(store).__name__})
+
+
+class DrainingServer(uvicorn.Server):
+    """uvicorn's server, except that the first SIGTERM or SIGINT drains (:meth:`Drain.run`)
+    before shutting down, and the process then exits normally (status 0) instead of re-raising
+    the signal; a second signal shuts down at once."""
+
+    def __init__(self, config: uvicorn.Config, drain: Drain) -> None:
+        super().__init__(config)
+        self.drain = drain
+        self._loop: asyncio.AbstractEventLoop | None = None
+        self._draining: asyncio.Task | None = None
+
+    async def serve(self, sockets=None) -> None:
+        self._loop = asyncio.get_running_loop()
+        await super().serve(sockets)
+
+    def handle_exit(self, sig: int, frame: FrameType | None) -> None:
+        if self.drain.draining or self._loop is None or not self.started:
+            self.should_exit = True  # second signal, or nothing started yet: stop now
+            self.force_exit = self.force_exit or (self.drain.draining and sig == signal.SIGINT)
+            return
+        self.drain.begin()  # refuse from this instant on
+        self._loop.call_soon_threadsafe(self._start_draining)
+
+    def _start_draining(self) -> None:
+        self._draining = asyncio.ensure_future(self._drain_then_exit())
+
+    async def _drain_then_exit(self) -> None:
+        try:
+            await self.drain.run()
+        finally:
+            self.config.timeout_graceful_shutdown = CUT_AFTER_S
+            self.should_exit = True

@@ -1,0 +1,163 @@
+"""One structured log line per request, and the request's id.
+
+``RequestLog`` (ASGI middleware, outermost) gives every request a :class:`RequestRecord`: its id is
+the client's ``x-request-id`` when that is printable ASCII of at most ``MAX_ID_CHARS`` characters,
+otherwise a new ``req_<hex>``; it is echoed in the response's ``x-request-id`` header (errors and
+streams included) and the line is written once the response has ended (a stream's last byte).
+
+What the line says is filled in along the way, through :func:`current` (the record of the request
+running in this task): ``Services.authenticate`` notes the caller (its ``key_id``, never the key),
+the serving core notes the model, the queue wait at the gate, the wait for the model's load and the
+service time, the chat core notes tokens, and the error handlers note the refusal's code. Batch
+lines have no record (``current()`` is None).
+
+Lines go to the ``tiergate.requests`` logger; ``Formatter`` writes every log record as one JSON
+object (``tiergate serve --log-format json``) or as plain text with the fields as ``key=value``.
+"""
+
+from __future__ import annotations
+
+import contextvars
+import datetime
+import json
+import logging
+import time
+import uuid
+from dataclasses import asdict, dataclass, field
+from typing import Any
+
+from starlette.types import ASGIApp, Message, Receive, Scope, Send
+
+log = logging.getLogger("tiergate.requests")
+
+MAX_ID_CHARS = 128
+SCOPE_KEY = "tiergate.request"  # the record in the ASGI scope (for handlers outside this middleware)
+
+
+@dataclass
+class RequestRecord:
+    request_id: str
+    method: str
+    endpoint: str
+    status: int | None = None
+    reason: str | None = None  # the error's code (queue_full, model_protected, shutting_down, ...)
+    key_id: str | None = None
+    tier: str | None = None
+    model: str | None = None
+    queue_wait_s: float | None = None  # at the gate
+    load_wait_s: float | None = None  # for the model to become resident
+    service_s: float | None = None  # holding the slot and the lease
+    prompt_tokens: int | None = None
+    completion_tokens: int | None = None
+    duration_s: float | None = None  # arrival to the response's last byte
+    started: float = field(default_factory=time.monotonic, repr=False)
+
+    def fields(self) -> dict[str, Any]:
+        out = asdict(self)
+        out.pop("started")
+        return {k: round(v, 4) if isinstance(v, float) else v for k, v in out.items()}
+
+
+_current: contextvars.ContextVar[RequestRecord | None] = contextvars.ContextVar("tiergate_request", default=None)
+
+
+def current() -> RequestRecord | None:
+    """The record of the HTTP request this task is serving; None outside one (batch lines)."""
+    return _current.get()
+
+
+def note(**fields: Any) -> None:
+    """Set ``fields`` on the current request's record, if there is one."""
+    record = _current.get()
+    if record is not None:
+        for name, value in fields.items():
+            setattr(record, name, value)
+
+
+def request_id_of(scope: Scope) -> str | None:
+    record = scope.get(SCOPE_KEY)
+    return record.request_id if record is not None else None
+
+
+def valid_request_id(value: str) -> bool:
+    return 0 < len(value) <= MAX_ID_CHARS and all(33 <= ord(c) <= 126 for c in value)
+
+
+def _request_id(scope: Scope) -> str:
+    for name, value in scope["headers"]:
+        if name == b"x-request-id":
+            given = value.decode("latin-1")
+            if valid_request_id(given):
+                return given
+            break
+    return f"req_{uuid.uuid4().hex}"
+
+
+class RequestLog:
+    def __init__(self, app: ASGIApp) -> None:
+        self.app = app
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] != "http":
+            await self.app(scope, receive, send)
+            return
+        record = RequestRecord(_request_id(scope), scope["method"], scope["path"])
+        scope[SCOPE_KEY] = record
+        echo = (b"x-request-id", record.request_id.encode())
+
+        async def send_with_id(message: Message) -> None:
+            if message["type"] == "http.response.start":
+                record.status = message["status"]
+                message = {**message, "headers": [*message.get("headers", []), echo]}
+            await send(message)
+
+        token = _current.set(record)
+        try:
+            await self.app(scope, receive, send_with_id)
+        except BaseException:
+            if record.status is None:  # the server answers 500 after this
+                record.status, record.reason = 500, record.reason or "internal_error"
+            raise
+        finally:
+            _current.reset(token)
+            record.duration_s = time.monotonic() - record.started
+            log.info("request", extra={"request": record.fields()})
+
+
+class Formatter(logging.Formatter):
+    """Every log record on one line: a JSON object (``json=True``) or text. A request line's
+    fields (``extra={"request": ...}``) become the object's keys, or ``key=value`` pairs."""
+
+    def __init__(self, json_lines: bool) -> None:
+        super().__init__()
+        self.json_lines = json_lines
+
+    def format(self, record: logging.LogRecord) -> str:
+        fields: dict[str, Any] = getattr(record, "request", None) or {}
+        when = datetime.datetime.fromtimestamp(record.created, datetime.timezone.utc)
+        if self.json_lines:
+            doc = {"ts": when.isoformat(timespec="milliseconds"), "level": record.levelname.lower(),
+                   "logger": record.name, "message": record.getMessage(), **fields}
+            if record.exc_info:
+                doc["exception"] = self.formatException(record.exc_info)
+            return json.dumps(doc, default=str)
+        line = f"{when.isoformat(timespec='milliseconds')} {record.levelname} {record.name}: {record.getMessage()}"
+        if fields:
+            line += " " + " ".join(f"{k}={_text(v)}" for k, v in fields.items() if v is not None)
+        if record.exc_info:
+            line += "\n" + self.formatException(record.exc_info)
+        return line
+
+
+def _text(value: Any) -> str:
+    text = str(value)
+    return json.dumps(text) if (not text or any(c.isspace() or c == '"' for c in text)) else text
+
+
+def configure(json_lines: bool, level: int = logging.INFO) -> None:
+    """Send every logger (uvicorn's included) through one handler on stderr with ``Formatter``."""
+    handler = logging.StreamHandler()
+    handler.setFormatter(Formatter(json_lines))
+    root = logging.getLogger()
+    root.handlers[:] = [handler]
+    root.setLevel(level)
