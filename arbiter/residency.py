@@ -15,12 +15,13 @@ import asyncio
 import threading
 import time
 from dataclasses import dataclass, field, replace
-from typing import Callable
+from typing import Callable, Sequence
 
 import torch
 
 from arbiter import footprint as fp
 from arbiter import policy
+from arbiter.events import EventLog
 from arbiter.policy import ArbiterView, Evict, Fit, Impossible, ModelState, Refuse
 from workers.base import ModelSpec, StepContext
 from workers.registry import make_worker
@@ -93,6 +94,8 @@ class Arbiter:
         batch_rank: int,
         clock: Callable[[], float] = time.monotonic,
         worker_factory: Callable[[ModelSpec], Worker] = make_worker,
+        events: EventLog | None = None,
+        tier_names: Sequence[str] = (),
     ) -> None:
         self.specs = {s.name: s for s in specs}
         self.device = device
@@ -112,6 +115,9 @@ class Arbiter:
         self._others_busy = False
         self._oom_retried: set[str] = set()
         self.counters = Counters()
+        self.events = events or EventLog()  # loads, evictions, refusals, pauses, OOM relief
+        self.tier_names = list(tier_names)  # rank -> name, for the events
+        self._paused: set[str] = set()  # models whose batch work is paused now
 
     # -- requests --------------------------------------------------------------------------------
     async def acquire(self, model: str, tier: int, is_batch: bool = False) -> Lease:
@@ -162,7 +168,7 @@ class Arbiter:
         plan = policy.host_cache_plan(self._view(), [model])
         self._loading = model  # the device is busy moving it
         try:
-            await self._evict(Evict((model,), (), plan.to_warm, plan.to_cold, plan.drop_warm), "admin")
+            await self._evict(Evict((model,), (), plan.to_warm, plan.to_cold, plan.drop_warm), "admin", None)
         finally:
             self._loading = None
             self._schedule()
@@ -189,6 +195,10 @@ class Arbiter:
         for worker in self.workers.values():
             await worker.release()
         self.workers.clear()
+
+    def view(self) -> ArbiterView:
+        """The state as the policy sees it now: places, footprints, budgets and their use."""
+        return self._view()
 
     # -- the owner ---------------------------------------------------------------------------------
     def _view(self) -> ArbiterView:
@@ -253,9 +263,16 @@ class Arbiter:
     def _fail(self, w: _Waiter, exc: Exception) -> None:
         self._waiters.remove(w)
         w.future.set_exception(exc)
+        self.events.emit("refusal", tier=self._tier(w.tier), model=w.model,
+                         reason="model_protected" if isinstance(exc, Refused) else "model_unavailable",
+                         retry_after_s=getattr(exc, "retry_after", None))
+
+    def _tier(self, rank: int) -> str:
+        return self.tier_names[rank] if rank < len(self.tier_names) else str(rank)
 
     def _apply_batch_yield(self) -> None:
         must_pause = policy.batch_must_yield(self._view(), self.batch_rank, self._others_busy)
+        paused = set()
         for name, event in self._may_run.items():
             run = name not in must_pause and self.states[name].place == "resident"
             if run and not event.is_set():
@@ -264,6 +281,13 @@ class Arbiter:
                 if self.states[name].running_batch > 0:
                     self.counters.batch_pauses += 1
                 event.clear()
+            if not run and self.states[name].running_batch > 0:
+                paused.add(name)
+        for name in sorted(paused - self._paused):
+            self.events.emit("batch_paused", model=name)
+        for name in sorted(self._paused - paused):
+            self.events.emit("batch_resumed", model=name)
+        self._paused = paused
 
     def _pause_gate(self, model: str) -> Callable[[StepContext], None]:
         event = self._may_run[model]
@@ -279,15 +303,19 @@ class Arbiter:
         self._loading = model
         prior_place = self.states[model].place
         self.states[model] = replace(self.states[model], place="loading")
+        self.events.emit("load_started", model=model, from_place=prior_place, tier=self._tier(tier))
         for name in evict.pause_batch_on if evict else ():
             self._may_run[name].clear()
             self.counters.batch_pauses += 1
+            if name not in self._paused:
+                self._paused.add(name)
+                self.events.emit("batch_paused", model=name)
         asyncio.get_running_loop().create_task(self._load_task(model, evict, prior_place, tier))
 
     async def _load_task(self, model: str, evict: Evict | None, prior_place: str, tier: int) -> None:
         try:
             if evict is not None:
-                await self._evict(evict, "make_room")
+                await self._evict(evict, "make_room", (model, tier))
             worker, seconds, footprint = await self._bring_in(model, prior_place)
         except torch.OutOfMemoryError as exc:
             self._after_oom(model, prior_place, tier, exc)
@@ -307,9 +335,12 @@ class Arbiter:
         self.counters.loads[model] = self.counters.loads.get(model, 0) + 1
         self.counters.swap_seconds[model] = self.counters.swap_seconds.get(model, 0.0) + seconds
         self.counters.last_load[model] = (prior_place, seconds)
+        self.events.emit("load_finished", model=model, from_place=prior_place, seconds=round(seconds, 4),
+                         footprint_bytes=self.states[model].footprint)
         self._schedule()
 
     def _after_failure(self, model: str, reason: str) -> None:
+        self.events.emit("load_failed", model=model, reason=reason)
         self._went_cold(model)
         self._cooldowns[model] = policy.after_load_failure(self._cooldowns.get(model), self.clock())
         retry = self._cooldowns[model].retry_after(self.clock())
@@ -326,6 +357,7 @@ class Arbiter:
             self._after_failure(model, f"out of memory loading {model}: {exc}")
             return
         self._oom_retried.add(model)
+        self.events.emit("oom_relief", model=model, victim=victim.victims[0], tier=self._tier(tier))
         self._start_load(model, victim, tier)
 
     async def relieve_oom(self, model: str, tier: int) -> bool:
@@ -337,10 +369,11 @@ class Arbiter:
         if victim is None or self._loading is not None:
             return False
         self._loading = victim.victims[0]
+        self.events.emit("oom_relief", model=model, victim=victim.victims[0], tier=self._tier(tier))
 
         async def run() -> None:
             try:
-                await self._evict(victim, "oom")
+                await self._evict(victim, "oom", (model, tier))
             finally:
                 self._loading = None
                 self._schedule()
@@ -381,17 +414,20 @@ class Arbiter:
             measured = fp.measure_modules(worker.modules())
         return fp.footprint_from_measurement(measured, worker.spec.kind)
 
-    async def _evict(self, evict: Evict, reason: str) -> None:
+    async def _evict(self, evict: Evict, reason: str, cause: tuple[str, int] | None) -> None:
         """Carry out an eviction: the victims are marked busy (``loading``) while their weights
         move, then recorded in their new place: ``warm`` when the worker kept a host copy, else
         ``cold``. A worker that goes cold while batch work is paused on it keeps its object, so
-        that work resumes on it once the model is placed again."""
+        that work resumes on it once the model is placed again. ``cause`` is the requesting
+        model and tier (None for an admin unload), for the events."""
+        by = {"by_model": cause[0], "by_tier": self._tier(cause[1])} if cause else {"by_model": None, "by_tier": None}
         for name in evict.victims:
             self.states[name] = replace(self.states[name], place="loading")
         for name in evict.drop_warm:
             if name in self.workers:
                 await self.workers[name].release()
             self._went_cold(name)
+            self.events.emit("eviction", model=name, from_place="warm", to_place="cold", reason="host_cache", **by)
         pin = self.device.type == "cuda"
         for name in evict.victims:
             worker = self.workers.get(name)
@@ -407,6 +443,8 @@ class Arbiter:
                 self._went_cold(name)
             key = (name, reason)
             self.counters.evictions[key] = self.counters.evictions.get(key, 0) + 1
+            self.events.emit("eviction", model=name, from_place="resident", to_place=self.states[name].place,
+                             reason=reason, **by)
         if torch.cuda.is_available():
             await asyncio.to_thread(torch.cuda.empty_cache)
 

@@ -1,5 +1,6 @@
 """The event stream (arbiter/events.py) and each tier's recent figures (gateway/tier_stats.py),
-as plain objects with injected clocks."""
+as plain objects with injected clocks; and what the arbiter's owner reports into the stream as it
+pauses batch work, evicts (naming who caused it) and relieves out-of-memory errors."""
 
 from __future__ import annotations
 
@@ -7,8 +8,16 @@ import asyncio
 
 import pytest
 
+import torch
+
 from arbiter.events import EventLog, Lagged
+from arbiter.residency import Arbiter
 from gateway.tier_stats import TierStats
+from workers.base import ModelSpec
+
+GiB = 2**30
+TIERS = ["paid", "subscriber", "free", "batch"]
+PAID, FREE, BATCH = 0, 2, 3
 
 
 def test_ring_keeps_the_last_events_with_growing_ids_and_times():
@@ -93,3 +102,82 @@ def test_tier_figures_keep_a_bounded_record_under_load():
     paid = stats.figures("paid")
     assert 5500 <= paid.admitted_per_min <= 6500 and paid.latency_samples >= 30_000
     assert 0.099 <= paid.p50_s <= 0.106 and 0.148 <= paid.p99_s <= 0.156
+
+
+def arbiter(tiny_chat, host_cache: int = 8 * GiB) -> Arbiter:
+    """Four 4 GiB chat models (declared) on a 10 GiB budget: two fit at a time."""
+    specs = [ModelSpec(n, "chat", tiny_chat, 4 * GiB) for n in "abcd"]
+    return Arbiter(specs, torch.device("cpu"), 10 * GiB, host_cache, protect_window_s=60, batch_rank=BATCH,
+                   tier_names=TIERS)
+
+
+def kinds(arb: Arbiter, since: int = 0) -> list[tuple]:
+    return [(e.kind, e.data.get("model")) for e in arb.events.since(since)]
+
+
+async def use(arb: Arbiter, model: str, tier: int) -> None:
+    (await arb.acquire(model, tier, is_batch=tier == BATCH)).release()
+
+
+def test_evictions_name_who_caused_them_and_where_the_victim_went(tiny_chat):
+    async def main():
+        arb = arbiter(tiny_chat, host_cache=4 * GiB)  # room for one warm copy
+        for model in "ab":
+            await use(arb, model, FREE)
+        await use(arb, "c", PAID)  # a (least recently used) goes warm
+        await use(arb, "d", PAID)  # b goes warm, pushing a's warm copy out to disk
+        evictions = [e.data for e in arb.events.since(0) if e.kind == "eviction"]
+        assert evictions == [
+            {"model": "a", "from_place": "resident", "to_place": "warm", "reason": "make_room", "by_model": "c", "by_tier": "paid"},
+            {"model": "a", "from_place": "warm", "to_place": "cold", "reason": "host_cache", "by_model": "d", "by_tier": "paid"},
+            {"model": "b", "from_place": "resident", "to_place": "warm", "reason": "make_room", "by_model": "d", "by_tier": "paid"},
+        ]
+        loads = [e.data for e in arb.events.since(0) if e.kind == "load_finished"]
+        assert [(d["model"], d["from_place"]) for d in loads] == [("a", "cold"), ("b", "cold"), ("c", "cold"), ("d", "cold")]
+        started = [e.data for e in arb.events.since(0) if e.kind == "load_started"]
+        assert [(d["model"], d["tier"]) for d in started] == [("a", "free"), ("b", "free"), ("c", "paid"), ("d", "paid")]
+        await arb.unload("c")
+        assert arb.events.recent[-1].data == {
+            "model": "c", "from_place": "resident", "to_place": "warm", "reason": "admin", "by_model": None, "by_tier": None}
+        await arb.stop()
+
+    asyncio.run(main())
+
+
+def test_refusals_and_batch_pauses_are_reported(tiny_chat):
+    async def main():
+        arb = arbiter(tiny_chat)
+        await use(arb, "a", PAID)
+        await use(arb, "b", PAID)
+        mark = arb.events.last_id
+        with pytest.raises(Exception):
+            await use(arb, "c", FREE)  # both protected against free
+        refusal = arb.events.since(mark)[0]
+        assert refusal.kind == "refusal" and refusal.data["tier"] == "free" and refusal.data["model"] == "c"
+        assert refusal.data["reason"] == "model_protected" and refusal.data["retry_after_s"] == 60
+
+        lease = await arb.acquire("a", BATCH, is_batch=True)
+        mark = arb.events.last_id
+        arb.set_demand(True)  # another tier has work: batch work pauses
+        arb.set_demand(True)  # no change, no event
+        arb.set_demand(False)
+        assert kinds(arb, mark) == [("batch_paused", "a"), ("batch_resumed", "a")]
+        lease.release()
+        await arb.stop()
+
+    asyncio.run(main())
+
+
+def test_out_of_memory_relief_is_reported_with_its_victim(tiny_chat):
+    async def main():
+        arb = arbiter(tiny_chat)
+        await use(arb, "a", FREE)
+        await use(arb, "b", PAID)
+        mark = arb.events.last_id
+        assert await arb.relieve_oom("b", PAID)
+        relief, eviction = arb.events.since(mark)
+        assert (relief.kind, relief.data) == ("oom_relief", {"model": "b", "victim": "a", "tier": "paid"})
+        assert eviction.kind == "eviction" and eviction.data["reason"] == "oom" and eviction.data["by_model"] == "b"
+        await arb.stop()
+
+    asyncio.run(main())
