@@ -1,10 +1,10 @@
 """The admission gate: bounded in-flight slots handed to the best waiting request.
 
-Waiters are ordered by tier, then arrival (one FIFO per tier). Every waiter has its own future;
-when a slot frees, the gate marks the best eligible waiter as admitted *before* waking it, so the
-slot is handed over directly: no broadcast wake-up, no polling, and no newcomer can barge in. A
-waiter that leaves (client gone) is removed from its queue; if a slot had already been handed to
-it, the slot passes on to the next waiter.
+Waiters are ordered by tier, then arrival (one FIFO per tier: its lane). Every waiter has its own
+future; when a slot frees, the gate marks the best eligible waiter as admitted *before* waking it,
+so the slot is handed over directly: no broadcast wake-up, no polling, and no newcomer can barge
+in. A waiter that leaves (client gone) stops counting at once and is skipped when it reaches the
+front of its lane; if a slot had already been handed to it, the slot passes on to the next waiter.
 
 A request is refused at once (:class:`Rejected`, HTTP 429) when its tier's queue is full, or when
 its predicted wait exceeds its tier's latency target. The prediction uses :class:`CostModel`, a
@@ -24,7 +24,7 @@ from __future__ import annotations
 import asyncio
 import math
 import time
-from collections import OrderedDict, deque
+from collections import deque
 from dataclasses import dataclass, field
 from typing import Callable
 
@@ -63,97 +63,127 @@ class CostModel:
         self.window = window
         self.prior_s = prior_s
         self._obs: dict[str, _Window] = {}
-        self._fit: dict[str, tuple[float, float]] = {}
 
     def observe(self, model: str, units: float, seconds: float) -> None:
         obs = self._obs.get(model)
         if obs is None:
             obs = self._obs[model] = _Window(self.window)
-        self._fit[model] = obs.add(float(units), float(seconds))
+        obs.add(units, seconds)
 
     def predict(self, model: str, units: float) -> float:
-        a, b = self._fit.get(model, (self.prior_s, 0.0))
-        return max(a + b * units, 0.0)
+        obs = self._obs.get(model)
+        if obs is None:
+            return self.prior_s
+        seconds = obs.a + obs.b * units
+        return seconds if seconds > 0.0 else 0.0
 
 
 class _Window:
-    """The last ``size`` (units, seconds) pairs and the sums a least-squares line needs, kept up
-    to date as pairs enter and leave. Sums are taken about the first pair's values (a shift
-    that leaves the slope unchanged and keeps the sums small), and recomputed from the pairs
-    every ``size`` additions so that floating-point drift from subtracting cannot build up."""
+    """The last ``size`` (units, seconds) pairs, the sums a least-squares line needs, and the line
+    itself (``seconds = a + b * units``), kept up to date as pairs enter and leave. Sums are taken
+    about an origin (the oldest pair's values when they were last recomputed: a shift that leaves
+    the slope unchanged and keeps the sums small), and recomputed from the pairs every ``size``
+    additions so that floating-point drift from subtracting cannot build up. It is on every
+    release's path, so :meth:`add` works in local variables."""
+
+    __slots__ = ("pairs", "size", "a", "b", "_since_exact", "_u0", "_s0", "_su", "_ss", "_suu", "_sus")
 
     def __init__(self, size: int) -> None:
         self.pairs: deque[tuple[float, float]] = deque()
         self.size = size
+        self.a = self.b = 0.0
         self._since_exact = 0
         self._u0 = self._s0 = 0.0
         self._su = self._ss = self._suu = self._sus = 0.0
 
-    def add(self, units: float, seconds: float) -> tuple[float, float]:
-        """Take one pair in (and the oldest out, past ``size``); returns the new fit."""
+    def add(self, units: float, seconds: float) -> None:
+        """Take one pair in (and the oldest out, past ``size``) and refit."""
         pairs = self.pairs
         if not pairs:
-            self._u0, self._s0 = units, seconds
+            self._u0 = float(units)
+            self._s0 = float(seconds)
         pairs.append((units, seconds))
-        u, s = units - self._u0, seconds - self._s0
+        u0 = self._u0
+        s0 = self._s0
+        u = units - u0
+        s = seconds - s0
+        su = self._su + u
+        ss = self._ss + s
+        suu = self._suu + u * u
+        sus = self._sus + u * s
         if len(pairs) > self.size:  # the oldest pair leaves as this one enters
-            old_u, old_s = pairs.popleft()
-            old_u -= self._u0
-            old_s -= self._s0
-            self._su += u - old_u
-            self._ss += s - old_s
-            self._suu += u * u - old_u * old_u
-            self._sus += u * s - old_u * old_s
-        else:
-            self._shift(u, s, 1.0)
+            u, s = pairs.popleft()
+            u -= u0
+            s -= s0
+            su -= u
+            ss -= s
+            suu -= u * u
+            sus -= u * s
         self._since_exact += 1
         if self._since_exact >= self.size:
-            self._exact()
-        return self.fit()
+            u0, s0, su, ss, suu, sus = self._exact()
+        self._su = su
+        self._ss = ss
+        self._suu = suu
+        self._sus = sus
+        n = len(pairs)
+        mu = su / n
+        ms = ss / n
+        var = suu - mu * su  # n x the variance of the units
+        cov = sus - mu * ss
+        if var <= 1e-12 * suu or cov <= 0.0:  # one size only, or bigger is not slower: the mean
+            self.a = ms + s0
+            self.b = 0.0
+        else:
+            self.b = b = cov / var
+            self.a = ms + s0 - b * (mu + u0)
 
-    def fit(self) -> tuple[float, float]:
-        n = len(self.pairs)
-        mu, ms = self._su / n, self._ss / n
-        var = self._suu - n * mu * mu
-        cov = self._sus - n * mu * ms
-        if var <= 1e-12 * max(self._suu, 1e-300):
-            return ms + self._s0, 0.0
-        b = max(cov / var, 0.0)  # bigger requests never predicted faster
-        return ms + self._s0 - b * (mu + self._u0), b
-
-    def _shift(self, u: float, s: float, sign: float) -> None:
-        """Add (sign 1) or take away (-1) one pair, already shifted by (u0, s0)."""
-        self._su += sign * u
-        self._ss += sign * s
-        self._suu += sign * u * u
-        self._sus += sign * u * s
-
-    def _exact(self) -> None:
+    def _exact(self) -> tuple[float, float, float, float, float, float]:
+        """A new origin (the oldest pair) and the sums recomputed about it."""
         self._since_exact = 0
-        self._u0, self._s0 = self.pairs[0]
-        self._su = self._ss = self._suu = self._sus = 0.0
-        for u, s in self.pairs:
-            self._shift(u - self._u0, s - self._s0, 1.0)
+        units, seconds = self.pairs[0]
+        u0 = self._u0 = float(units)
+        s0 = self._s0 = float(seconds)
+        su = ss = suu = sus = 0.0
+        for units, seconds in self.pairs:
+            u = units - u0
+            s = seconds - s0
+            su += u
+            ss += s
+            suu += u * u
+            sus += u * s
+        return u0, s0, su, ss, suu, sus
 
 
 @dataclass(eq=False, slots=True)
 class Ticket:
-    """An admitted request's hold on one slot."""
+    """A request's place at the gate: waiting for a slot, then holding one until released."""
 
     tier: TierPolicy
     model: str
     units: float
     cost: float  # predicted service seconds when admitted
+    lane: _Lane = field(repr=False)  # its tier's place at the gate
     queued_s: float = 0.0
-    started: float = 0.0
+    started: float = 0.0  # when it was admitted (while it waits: when it arrived)
     released: bool = False
+    waiter: asyncio.Future | None = field(default=None, repr=False)  # set while it counts as queued
 
 
 @dataclass(eq=False, slots=True)
-class _Waiter:
-    ticket: Ticket
-    future: asyncio.Future = field(repr=False)
-    arrived: float = 0.0
+class _Lane:
+    """One tier at the gate: its FIFO of waiting tickets and its counts. A ticket that leaves the
+    queue (client gone) stops counting at once and is skipped when it reaches the front."""
+
+    policy: TierPolicy
+    limit: int  # effective max_inflight (the SLO guard's)
+    is_batch: bool
+    queue: deque[Ticket] = field(default_factory=deque)
+    waiting: int = 0  # tickets in ``queue`` that have not left
+    queued_cost: float = 0.0  # their predicted costs
+    inflight: int = 0
+    admitted: int = 0
+    above: list[_Lane] = field(default_factory=list)  # this lane and the lanes of higher tiers
 
 
 class Gate:
@@ -166,33 +196,44 @@ class Gate:
         guard: GuardSettings | None = None,
     ) -> None:
         self.tiers = {t.name: t for t in tiers}
-        self._order = sorted(tiers, key=lambda t: t.rank)
         self.slots = slots
         self.costs = costs or CostModel()
         self.clock = clock
-        self._queues: dict[str, OrderedDict[_Waiter, None]] = {t.name: OrderedDict() for t in tiers}
-        self._queued_cost = {t.name: 0.0 for t in tiers}
-        self._at_or_above = {t.name: [u.name for u in self._order if u.rank <= t.rank] for t in tiers}
-        self.inflight = {t.name: 0 for t in tiers}
+        self._order = [_Lane(t, t.max_inflight, t.is_batch) for t in sorted(tiers, key=lambda t: t.rank)]
+        self._lanes = {lane.policy.name: lane for lane in self._order}
+        for lane in self._order:
+            lane.above = [u for u in self._order if u.policy.rank <= lane.policy.rank]
         self.total_inflight = 0
         self._nonbatch_running = 0  # admitted non-batch tickets
         self._nonbatch_queued = 0  # waiting non-batch requests
         self._waiting = 0  # waiting requests, all tiers
         self._running_cost = 0.0  # sum of predicted costs of admitted non-batch tickets
         self._running_started = 0.0  # sum of their start times
-        self.admitted = {t.name: 0 for t in tiers}
         # Told whenever ``others_busy()`` flips (the arbiter pauses or resumes batch work then).
         self.on_change: Callable[[], None] | None = None
         self._told_busy = False  # what on_change was last told
         self.rejected = {(t.name, r): 0 for t in tiers for r in ("queue_full", "latency_target")}
         self.guard = guard or GuardSettings(enabled=False)
-        self.limits = {t.name: t.max_inflight for t in tiers}  # effective max_inflight (the SLO guard's)
         self._latencies: dict[str, deque[tuple[float, float]]] = {t.name: deque() for t in tiers}
         self._guarded_at = -math.inf
+        self._loop: asyncio.AbstractEventLoop | None = None
 
     # -- public ------------------------------------------------------------------------------
+    @property
+    def inflight(self) -> dict[str, int]:
+        return {name: lane.inflight for name, lane in self._lanes.items()}
+
+    @property
+    def admitted(self) -> dict[str, int]:
+        return {name: lane.admitted for name, lane in self._lanes.items()}
+
+    @property
+    def limits(self) -> dict[str, int]:
+        """Each tier's effective max_inflight (the SLO guard's)."""
+        return {name: lane.limit for name, lane in self._lanes.items()}
+
     def queued(self, tier: str) -> int:
-        return len(self._queues[tier])
+        return self._lanes[tier].waiting
 
     def others_busy(self) -> bool:
         """True while any non-batch tier has work admitted or queued."""
@@ -202,43 +243,46 @@ class Gate:
         """Refuse (``Rejected``, queue_full) a request that could neither start nor queue now,
         before anything is spent on it (reading and parsing its body): under a flood this is
         most requests, and the work saved is the other tiers' latency."""
-        policy = self.tiers[tier]
-        if not self._can_start(policy) and len(self._queues[tier]) >= policy.max_queued:
+        lane = self._lanes[tier]
+        policy = lane.policy
+        if not self._can_start(lane) and lane.waiting >= policy.max_queued:
             self._reject_tier(policy, "queue_full", self.predict_wait(policy),
                               f"the {tier} tier's queue is full ({policy.max_queued} waiting)")
 
     async def acquire(self, tier: str, model: str, units: float = 1.0) -> Ticket:
-        policy = self.tiers[tier]
-        ticket = Ticket(policy, model, units, self.costs.predict(model, units))
+        lane = self._lanes[tier]
+        policy = lane.policy
+        ticket = Ticket(policy, model, units, self.costs.predict(model, units), lane)
         now = self.clock()
-        if self._can_start(policy):
-            self._start(ticket, now)
+        if self._can_start(lane):
+            self._start(ticket, lane, now)
             return ticket
-        queue = self._queues[tier]
-        wait = self._wait_behind(policy, now)
-        if len(queue) >= policy.max_queued:
+        wait = self._wait_behind(lane, now)
+        if lane.waiting >= policy.max_queued:
             self._reject(ticket, "queue_full", wait, f"the {tier} tier's queue is full ({policy.max_queued} waiting)")
-        if not policy.is_batch and wait > policy.latency_target_s:
+        if not lane.is_batch and wait > policy.latency_target_s:
             self._reject(
                 ticket, "latency_target", wait - policy.latency_target_s,
                 f"predicted wait {wait:.1f}s exceeds the {tier} tier's latency target of "
                 f"{policy.latency_target_s:g}s",
             )
-        waiter = _Waiter(ticket, asyncio.get_running_loop().create_future(), now)
-        queue[waiter] = None
-        self._queued_cost[tier] += ticket.cost
+        future = ticket.waiter = self._event_loop().create_future()
+        ticket.started = now
+        lane.queue.append(ticket)
+        lane.waiting += 1
+        lane.queued_cost += ticket.cost
         self._waiting += 1
-        if not policy.is_batch:
+        if not lane.is_batch:
             self._nonbatch_queued += 1
             if not self._told_busy:
                 self._changed()
         try:
-            await waiter.future
+            await future
         except asyncio.CancelledError:
-            if waiter.future.done() and not waiter.future.cancelled():
+            if future.done() and not future.cancelled():
                 self.release(ticket)  # handed over just as we left: pass it on
             else:
-                self._leave(waiter)
+                self._leave(ticket, lane)
             raise
         return ticket
 
@@ -247,9 +291,10 @@ class Gate:
         if ticket.released:
             return
         ticket.released = True
-        self.inflight[ticket.tier.name] -= 1
+        lane = ticket.lane
+        lane.inflight -= 1
         self.total_inflight -= 1
-        if not ticket.tier.is_batch:
+        if not lane.is_batch:
             self._nonbatch_running -= 1
             self._running_cost -= ticket.cost
             self._running_started -= ticket.started
@@ -276,30 +321,34 @@ class Gate:
         self._guarded_at = now
         horizon = now - self.guard.window_s
         windows = []
-        for t in self._order:
+        for lane in self._order:
+            t = lane.policy
             recent = self._latencies[t.name]
             while recent and recent[0][0] < horizon:
                 recent.popleft()
             windows.append(TierWindow(t.name, t.rank, t.latency_target_s, t.max_inflight, t.is_batch,
                                       [seconds for _, seconds in recent]))
         before = self.limits
-        self.limits = next_limits(windows, before, self.guard)
-        if any(self.limits[n] > before[n] for n in before):
+        limits = next_limits(windows, before, self.guard)
+        for name, limit in limits.items():
+            self._lanes[name].limit = limit
+        if any(limits[n] > before[n] for n in before):
             self._dispatch()
 
     def predict_wait(self, policy: TierPolicy) -> float:
         """Seconds until a request of ``policy``'s tier arriving now would start: the remaining
         work of everything running plus everything queued at its tier or above, over the slots."""
-        if self._can_start(policy):
+        lane = self._lanes[policy.name]
+        if self._can_start(lane):
             return 0.0
-        return self._wait_behind(policy, self.clock())
+        return self._wait_behind(lane, self.clock())
 
-    def _wait_behind(self, policy: TierPolicy, now: float) -> float:
+    def _wait_behind(self, lane: _Lane, now: float) -> float:
         """``predict_wait`` for a request that cannot start now."""
         running_left = self._running_cost - (self._nonbatch_running * now - self._running_started)
         ahead = 0.0
-        for name in self._at_or_above[policy.name]:
-            ahead += self._queued_cost[name]
+        for other in lane.above:
+            ahead += other.queued_cost
         return ((running_left if running_left > 0.0 else 0.0) + ahead) / self.slots
 
     def rate_headers(self, tier: str, refused_for: float | None = None) -> dict[str, str]:
@@ -307,12 +356,12 @@ class Gate:
         max_queued``) and how many of them are free now. On a refusal (the gate's, or the
         arbiter's for a protected model: ``refused_for`` is its Retry-After) none is: remaining
         0, and the reset is that Retry-After."""
-        policy = self.tiers[tier]
-        limit = policy.max_inflight + policy.max_queued
+        lane = self._lanes[tier]
+        limit = lane.policy.max_inflight + lane.policy.max_queued
         if refused_for is not None:
             remaining, reset = 0, int(refused_for)  # as Retry-After is written
         else:
-            remaining, reset = max(limit - self.inflight[tier] - len(self._queues[tier]), 0), 0
+            remaining, reset = max(limit - lane.inflight - lane.waiting, 0), 0
         return {
             "x-ratelimit-limit-requests": str(limit),
             "x-ratelimit-remaining-requests": str(remaining),
@@ -320,60 +369,73 @@ class Gate:
         }
 
     # -- internals -----------------------------------------------------------------------------
-    def _can_start(self, policy: TierPolicy) -> bool:
+    def _can_start(self, lane: _Lane) -> bool:
         """Batch work yields at its next step when others arrive, so its slots do not count
         against the other tiers; batch itself starts only while the others are idle."""
-        if self.inflight[policy.name] >= self.limits[policy.name]:
+        if lane.inflight >= lane.limit:
             return False
-        if policy.is_batch:
+        if lane.is_batch:
             return not (self._nonbatch_running or self._nonbatch_queued) and self.total_inflight < self.slots
         return self._nonbatch_running < self.slots
 
-    def _start(self, ticket: Ticket, now: float) -> None:
+    def _start(self, ticket: Ticket, lane: _Lane, now: float) -> None:
         ticket.started = now
-        name = ticket.tier.name
-        self.inflight[name] += 1
-        self.admitted[name] += 1
+        lane.inflight += 1
+        lane.admitted += 1
         self.total_inflight += 1
-        if not ticket.tier.is_batch:
+        if not lane.is_batch:
             self._nonbatch_running += 1
             self._running_cost += ticket.cost
             self._running_started += now
             if not self._told_busy:
                 self._changed()
 
-    def _dispatch(self) -> None:
-        """Hand free slots to the best waiters: highest tier first, FIFO within a tier."""
-        for policy in self._order:
-            queue = self._queues[policy.name]
-            while queue:
-                if self._nonbatch_running >= self.slots:
-                    return  # no slot for anyone (batch needs total < slots too)
-                if not self._can_start(policy):
-                    break
-                waiter, _ = queue.popitem(last=False)
-                self._dequeued(waiter)
-                if waiter.future.done():  # cancelled, its task not yet run: it has left
-                    continue
-                now = self.clock()
-                waiter.ticket.queued_s = now - waiter.arrived
-                self._start(waiter.ticket, now)
-                waiter.future.set_result(None)
+    def _event_loop(self) -> asyncio.AbstractEventLoop:
+        """The loop the gate runs on, looked up once: ``asyncio.get_running_loop()`` costs a
+        system call (``getpid``) each time, and the gate is single-threaded on one loop."""
+        loop = self._loop
+        if loop is None or not loop.is_running():  # first use, or a new loop (tests)
+            loop = self._loop = asyncio.get_running_loop()
+        return loop
 
-    def _leave(self, waiter: _Waiter) -> None:
-        name = waiter.ticket.tier.name
-        queue = self._queues[name]
-        if waiter in queue:
-            del queue[waiter]
-            self._dequeued(waiter)
+    def _dispatch(self) -> None:
+        """Hand free slots to the best waiters: highest tier first, FIFO within a tier. Each is
+        admitted (counted, its future resolved) before it runs again, so nobody can barge in."""
+        now = None
+        for lane in self._order:
+            queue = lane.queue
+            while queue and self._can_start(lane):
+                ticket = queue.popleft()
+                future = ticket.waiter
+                if future is None:  # it left while queued
+                    continue
+                self._dequeued(ticket, lane)
+                if future.done():  # cancelled, its task not yet run: it has left
+                    continue
+                if now is None:
+                    now = self.clock()
+                ticket.queued_s = now - ticket.started
+                self._start(ticket, lane, now)
+                future.set_result(None)
+            if self._nonbatch_running >= self.slots:
+                return  # no slot for anyone below (batch needs total < slots too)
+
+    def _leave(self, ticket: Ticket, lane: _Lane) -> None:
+        if ticket.waiter is not None:  # still counted in its queue: stop counting it
+            self._dequeued(ticket, lane)
+            if len(lane.queue) > 2 * lane.waiting + 16:  # drop the tickets that left
+                kept = [t for t in lane.queue if t.waiter is not None]
+                lane.queue.clear()
+                lane.queue.extend(kept)
         self._dispatch()  # a lower tier (batch) may have been waiting on this one
         self._changed()
 
-    def _dequeued(self, waiter: _Waiter) -> None:
-        policy = waiter.ticket.tier
-        self._queued_cost[policy.name] -= waiter.ticket.cost
+    def _dequeued(self, ticket: Ticket, lane: _Lane) -> None:
+        ticket.waiter = None
+        lane.waiting -= 1
+        lane.queued_cost -= ticket.cost
         self._waiting -= 1
-        if not policy.is_batch:
+        if not lane.is_batch:
             self._nonbatch_queued -= 1
 
     def _changed(self) -> None:

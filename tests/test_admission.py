@@ -253,3 +253,28 @@ def test_refuse_if_full_answers_before_any_work():
         gate.release(held)
 
     asyncio.run(main())
+
+
+def test_waiters_that_leave_stop_counting_and_are_not_kept():
+    """A cancelled waiter stops counting at once; the gate forgets it (no pile-up of dead waiters
+    under a stream of clients that give up), and the next live waiter still gets the slot."""
+
+    async def main():
+        gate = Gate(tiers(max_queued=10_000), slots=1)
+        held = await gate.acquire("free", "m")
+        for _ in range(50):
+            leaving = [asyncio.create_task(gate.acquire("free", "m")) for _ in range(20)]
+            await settle()
+            assert gate.queued("free") == 20
+            for t in leaving:
+                t.cancel()
+            await settle()
+            assert gate.queued("free") == 0
+        assert len(gate._lanes["free"].queue) <= 20 + 16  # dead waiters are dropped as they pile up
+        last = asyncio.create_task(gate.acquire("free", "m"))
+        await settle()
+        gate.release(held)
+        gate.release(await asyncio.wait_for(last, 1))
+        assert gate.total_inflight == 0 and gate.queued("free") == 0
+
+    asyncio.run(main())
