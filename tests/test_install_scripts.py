@@ -3,9 +3,10 @@
 CI runs on a machine where earlier sessions installed things by hand, so a broken install line
 can pass there: `scripts/test` once ran `$SUDO DEBIAN_FRONTEND=noninteractive apt-get ...` with
 an empty SUDO, which is "command not found" on every machine without redis-server. These tests run
-scripts/install_redis.sh with a PATH that has no redis-server and a recording apt-get (and id,
-sudo), so the path a fresh machine takes runs here whatever this machine has installed. They
-also run ShellCheck over every shell script in scripts/ and .ci/.
+scripts/install_system.sh with a PATH that lacks redis-server, chromium and chromedriver (or
+some of them) and a recording apt-get (and id, sudo), so the path a fresh machine takes runs here
+whatever this machine has installed. They also run ShellCheck over every shell script in
+scripts/ and .ci/.
 """
 
 from __future__ import annotations
@@ -21,11 +22,19 @@ import pytest
 ROOT = Path(__file__).resolve().parents[1]
 BASH = shutil.which("bash") or "/bin/bash"
 
+# Debian package -> the program it puts on PATH
+PROGRAMS = {"redis-server": "redis-server", "chromium": "chromium", "chromium-driver": "chromedriver"}
+EVERYTHING = "redis-server chromium chromium-driver"
+
 FAKE_APT = """#!{bash}
 echo "apt-get $* DEBIAN_FRONTEND=${{DEBIAN_FRONTEND:-unset}}" >> "{log}"
+program() {{
+  case "$1" in redis-server) echo redis-server;; chromium) echo chromium;; chromium-driver) echo chromedriver;; esac
+}}
 if [ "$1" = install ]; then
   for a in "$@"; do
-    if [ "$a" = redis-server ]; then printf '#!{bash}\\necho redis 7\\n' > "{bin}/redis-server"; {chmod} +x "{bin}/redis-server"; fi
+    p=$(program "$a")
+    if [ -n "$p" ]; then printf '#!{bash}\\necho %s\\n' "$a" > "{bin}/$p"; {chmod} +x "{bin}/$p"; fi
   done
 fi
 """
@@ -39,7 +48,7 @@ exec "$@"
 
 def fake_machine(tmp_path: Path, uid: int, sudo: bool, apt: bool = True) -> tuple[dict[str, str], Path, Path]:
     """A PATH of one folder with only what the script may use: env, true, id (reporting ``uid``),
-    apt-get and sudo fakes that record their calls. No redis-server."""
+    apt-get and sudo fakes that record their calls. No redis-server, chromium or chromedriver."""
     bin_dir, log = tmp_path / "bin", tmp_path / "calls.log"
     bin_dir.mkdir()
     log.touch()
@@ -58,18 +67,34 @@ def fake_machine(tmp_path: Path, uid: int, sudo: bool, apt: bool = True) -> tupl
 
 
 def run_install(env: dict[str, str]) -> subprocess.CompletedProcess:
-    return subprocess.run([BASH, str(ROOT / "scripts" / "install_redis.sh")], env=env, capture_output=True,
+    return subprocess.run([BASH, str(ROOT / "scripts" / "install_system.sh")], env=env, capture_output=True,
                           text=True, timeout=60)
 
 
-def test_root_without_redis_installs_it_with_apt(tmp_path):
+def have(bin_dir: Path, *programs: str) -> None:
+    for program in programs:
+        (bin_dir / program).write_text(f"#!{BASH}\n")
+        (bin_dir / program).chmod(0o755)
+
+
+def test_root_on_a_fresh_machine_installs_everything_in_one_apt_call(tmp_path):
     env, bin_dir, log = fake_machine(tmp_path, uid=0, sudo=False)
     result = run_install(env)
     assert result.returncode == 0, result.stderr
     calls = log.read_text().splitlines()
     assert calls == ["apt-get update -qq DEBIAN_FRONTEND=noninteractive",
-                     "apt-get install -y -qq redis-server DEBIAN_FRONTEND=noninteractive"]
-    assert (bin_dir / "redis-server").exists()
+                     f"apt-get install -y -qq {EVERYTHING} DEBIAN_FRONTEND=noninteractive"]
+    assert all((bin_dir / program).exists() for program in PROGRAMS.values())
+
+
+def test_only_the_missing_browser_is_installed(tmp_path):
+    """A machine that has Redis but no Chromium (the case of every machine before the dashboard)."""
+    env, bin_dir, log = fake_machine(tmp_path, uid=0, sudo=False)
+    have(bin_dir, "redis-server")
+    result = run_install(env)
+    assert result.returncode == 0, result.stderr
+    assert log.read_text().splitlines()[-1] == "apt-get install -y -qq chromium chromium-driver DEBIAN_FRONTEND=noninteractive"
+    assert (bin_dir / "chromium").exists() and (bin_dir / "chromedriver").exists()
 
 
 def test_user_with_passwordless_sudo_installs_through_sudo(tmp_path):
@@ -77,40 +102,49 @@ def test_user_with_passwordless_sudo_installs_through_sudo(tmp_path):
     result = run_install(env)
     assert result.returncode == 0, result.stderr
     calls = log.read_text().splitlines()
-    assert "sudo -n env DEBIAN_FRONTEND=noninteractive apt-get install -y -qq redis-server" in calls
-    assert "apt-get install -y -qq redis-server DEBIAN_FRONTEND=noninteractive" in calls
-    assert (bin_dir / "redis-server").exists()
+    assert f"sudo -n env DEBIAN_FRONTEND=noninteractive apt-get install -y -qq {EVERYTHING}" in calls
+    assert f"apt-get install -y -qq {EVERYTHING} DEBIAN_FRONTEND=noninteractive" in calls
+    assert all((bin_dir / program).exists() for program in PROGRAMS.values())
 
 
 def test_user_without_sudo_is_told_what_to_install(tmp_path):
     env, bin_dir, log = fake_machine(tmp_path, uid=1000, sudo=False)
+    have(bin_dir, "chromium")
     result = run_install(env)
     assert result.returncode != 0
-    assert "apt-get install -y redis-server" in result.stderr
+    assert "sudo apt-get install -y redis-server chromium-driver" in result.stderr
     assert "neither root nor allowed sudo" in result.stderr
     assert "apt-get" not in log.read_text()
 
 
-def test_no_apt_get_names_the_package(tmp_path):
+def test_no_apt_get_names_the_packages(tmp_path):
     env, bin_dir, log = fake_machine(tmp_path, uid=0, sudo=False, apt=False)
     result = run_install(env)
     assert result.returncode != 0
-    assert "install redis-server" in result.stderr
+    assert f"{EVERYTHING} missing and there is no apt-get" in result.stderr
 
 
-def test_present_redis_installs_nothing(tmp_path):
+def test_an_install_that_leaves_a_program_missing_fails(tmp_path):
     env, bin_dir, log = fake_machine(tmp_path, uid=0, sudo=False)
-    (bin_dir / "redis-server").write_text(f"#!{BASH}\n")
-    (bin_dir / "redis-server").chmod(0o755)
+    apt = bin_dir / "apt-get"
+    apt.write_text(apt.read_text().replace("chromium-driver) echo chromedriver;;", ""))
+    result = run_install(env)
+    assert result.returncode != 0
+    assert "installed chromium-driver but chromedriver is not on PATH" in result.stderr
+
+
+def test_present_programs_install_nothing(tmp_path):
+    env, bin_dir, log = fake_machine(tmp_path, uid=0, sudo=False)
+    have(bin_dir, *PROGRAMS.values())
     result = run_install(env)
     assert result.returncode == 0, result.stderr
     assert log.read_text() == ""
 
 
 def test_scripts_test_takes_this_install_path():
-    """scripts/test installs redis through install_redis.sh, not a line of its own."""
+    """scripts/test installs system packages through install_system.sh, not a line of its own."""
     text = (ROOT / "scripts" / "test").read_text()
-    assert "source scripts/install_redis.sh" in text and "\ninstall_redis\n" in text
+    assert "source scripts/install_system.sh" in text and "\ninstall_system\n" in text
     assert "apt-get" not in text
 
 
