@@ -1,0 +1,164 @@
+"""The live dashboard: its JSON (``GET /admin/state``), its server-sent event stream
+(``GET /admin/events``) and its page (``GET /dashboard``). docs/DASHBOARD.md documents the JSON.
+
+The state is read from its owners at the moment it is asked for: places and footprints from the
+arbiter, queues, limits and each tier's recent figures from the gate, batch jobs from the batch
+store, recent events from the one event stream the arbiter and the gate produce into
+(``arbiter.events``). The stream sends a snapshot first, then every event as it happens, a fresh
+snapshot every ``STATE_EVERY_S`` (counters move without events) and a heartbeat comment every
+``HEARTBEAT_S``; a reader that falls behind gets a fresh snapshot instead of the events it missed.
+The stream ends when its client disconnects, or when the server starts draining (so that it does
+not hold the shutdown).
+
+Both JSON routes need an admin key. The page itself holds no data: it asks for the key once,
+keeps it in ``sessionStorage`` and sends it as a bearer header, never in a URL.
+"""
+
+from __future__ import annotations
+
+import json
+import time
+from importlib import resources
+from typing import Any, AsyncIterator, Callable
+
+from starlette.requests import Request
+from starlette.responses import JSONResponse, Response
+
+from arbiter.events import Lagged
+from gateway.errors import APIError
+from gateway.http import Streamed
+from gateway.service import Services
+
+STATE_EVERY_S = 2.0
+HEARTBEAT_S = 15.0
+RECENT_EVENTS = 100
+RECENT_BATCHES = 20
+_ASSETS = {"dashboard.js": "text/javascript", "dashboard.css": "text/css"}
+_PAGE_HEADERS = {
+    "content-security-policy": "default-src 'none'; script-src 'self'; style-src 'self'; connect-src 'self'; "
+                               "img-src 'self' data:; base-uri 'none'; form-action 'none'; frame-ancestors 'none'",
+    "referrer-policy": "no-referrer",
+    "x-content-type-options": "nosniff",
+    "cache-control": "no-cache",
+}
+
+
+async def snapshot(svc: Services, batch_store: Any) -> dict[str, Any]:
+    """Everything the dashboard shows, as documented in docs/DASHBOARD.md."""
+    arbiter = svc.arbiter
+    view = arbiter.view()
+    now = view.now
+    tiers = svc.config.tier_names
+    models = []
+    for row in arbiter.table():
+        state = arbiter.states[row["id"]]
+        last = row["last_tier"]
+        protected = {tiers[r]: round(until - now, 1) for r in range(len(tiers))
+                     if (until := state.protected_until(r, arbiter.protect_window_s)) > now}
+        models.append({**row, "last_tier": tiers[last] if last is not None else None,
+                       "host_bytes": state.warm_bytes, "protected_until_s": round(row["protected_until_s"], 1),
+                       "protected_from": protected})
+    return {
+        "time": time.time(),
+        "last_event_id": arbiter.events.last_id,
+        "vram": {"device": str(arbiter.device), "budget_bytes": view.budget, "used_bytes": view.used},
+        "host_cache": {"budget_bytes": view.host_cache_budget, "used_bytes": view.host_used},
+        "models": models,
+        "tiers": [_tier_row(svc, name) for name in tiers],
+        "batches": await _batches(batch_store),
+        "events": [e.public() for e in arbiter.events.since(0, RECENT_EVENTS)],
+    }
+
+
+def _tier_row(svc: Services, name: str) -> dict[str, Any]:
+    gate = svc.gate
+    policy = gate.tiers[name]
+    figures = gate.stats.figures(name)
+    return {
+        "name": name, "rank": policy.rank, "batch": policy.is_batch,
+        "in_flight": gate.inflight[name], "queued": gate.queued(name), "limit": gate.limits[name],
+        "max_inflight": policy.max_inflight, "max_queued": policy.max_queued,
+        "latency_target_s": policy.latency_target_s,
+        "admitted_per_min": figures.admitted_per_min, "refused_per_min": figures.refused_per_min,
+        "refused_by_reason_per_min": figures.refused_by_reason_per_min,
+        "latency_samples": figures.latency_samples, "p50_s": figures.p50_s, "p99_s": figures.p99_s,
+    }
+
+
+async def _batches(store: Any) -> list[dict[str, Any]]:
+    """The most recent batch jobs with their progress, newest first."""
+    if store is None:
+        return []
+    jobs = await store.list_batches(None, None, RECENT_BATCHES)
+    return [{"id": b.id, "status": b.status, "endpoint": b.endpoint, "created_at": b.created_at,
+             "total": b.total, "completed": b.completed, "failed": b.failed,
+             "progress": round(b.done / b.total, 4) if b.total else 0.0} for b in jobs]
+
+
+def _services(request: Request) -> Services:
+    svc: Services = request.app.state.services
+    svc.require_admin(request)
+    return svc
+
+
+def _store(request: Request) -> Any:
+    runner = getattr(request.app.state, "batches", None)
+    return runner.store if runner is not None else None
+
+
+async def admin_state(request: Request) -> Response:
+    return JSONResponse(await snapshot(_services(request), _store(request)))
+
+
+async def admin_events(request: Request) -> Response:
+    svc = _services(request)
+    drain = getattr(request.app.state, "drain", None)
+    draining = (lambda: drain.draining) if drain is not None else (lambda: False)
+    return Streamed(_stream(svc, _store(request), draining), "text/event-stream", {"x-accel-buffering": "no"})
+
+
+async def _stream(svc: Services, store: Any, draining: Callable[[], bool]) -> AsyncIterator[str]:
+    events = svc.arbiter.events
+    sub = events.subscribe()  # before the snapshot: nothing falls between the two
+    try:
+        next_state = time.monotonic()
+        next_beat = next_state + HEARTBEAT_S
+        while not draining():
+            now = time.monotonic()
+            if now >= next_state:
+                yield _sse("state", await snapshot(svc, store))
+                next_state = now + STATE_EVERY_S
+            if now >= next_beat:
+                yield ": heartbeat\n\n"
+                next_beat = now + HEARTBEAT_S
+            try:
+                event = await sub.next(max(0.0, min(next_state, next_beat) - time.monotonic()))
+            except Lagged:  # fell behind: a fresh snapshot stands for what was missed
+                sub.close()
+                sub = events.subscribe()
+                next_state = 0.0
+                continue
+            if event is not None:
+                yield _sse("event", event.public(), event.id)
+    finally:
+        sub.close()
+
+
+def _sse(name: str, data: dict[str, Any], event_id: int | None = None) -> str:
+    head = f"id: {event_id}\n" if event_id is not None else ""
+    return f"{head}event: {name}\ndata: {json.dumps(data, separators=(',', ':'))}\n\n"
+
+
+def _asset(name: str) -> str:
+    return resources.files("gateway").joinpath("static", name).read_text(encoding="utf-8")
+
+
+async def page(request: Request) -> Response:
+    return Response(_asset("dashboard.html"), media_type="text/html; charset=utf-8", headers=_PAGE_HEADERS)
+
+
+async def asset(request: Request) -> Response:
+    name = request.path_params["name"]
+    if name not in _ASSETS:
+        raise APIError(404, f"no route for GET {request.url.path}", "not_found")
+    return Response(_asset(name), media_type=f"{_ASSETS[name]}; charset=utf-8", headers=_PAGE_HEADERS)
