@@ -1,9 +1,9 @@
-"""The ``tiergate`` command: ``serve`` and ``demo-models``."""
+"""The ``tiergate`` command: ``serve`` (logs as text or JSON lines; SIGTERM drains, see
+``gateway.drain``) and ``demo-models`` (a progress bar in a terminal)."""
 
 from __future__ import annotations
 
 import argparse
-import logging
 import os
 import sys
 from pathlib import Path
@@ -21,18 +21,34 @@ def main(argv: list[str] | None = None) -> int:
     serve.add_argument("--port", type=int, default=8000)
     serve.add_argument("--demo", action="store_true",
                        help="when no API keys are set, make random ones for this run and print them")
+    serve.add_argument("--log-format", choices=["text", "json"], default="text",
+                       help="log lines (one per request among them) as plain text or as JSON objects")
     models = sub.add_parser("demo-models", help="build the tiny offline demo models")
     models.add_argument("--out", default="demo-models", help="folder to build them in")
     models.add_argument("--seed", type=int, default=0)
     models.add_argument("--force", action="store_true", help="rebuild models that exist")
     args = parser.parse_args(argv)
     if args.command == "demo-models":
-        from demo import build_demo_models
-
-        for name, folder in build_demo_models(Path(args.out), args.seed, force=args.force).items():
+        for name, folder in _build_demo_models(Path(args.out), args.seed, args.force).items():
             print(f"{name}: {folder}")
         return 0
     return _serve(args)
+
+
+def _build_demo_models(out: Path, seed: int, force: bool) -> dict[str, Path]:
+    """Every demo model with its adapters, one model at a time under a progress bar (shown in a
+    terminal only)."""
+    from tqdm import tqdm
+
+    from demo import DEMO_ADAPTERS, DEMO_MODELS, build_demo_models
+
+    built: dict[str, Path] = {}
+    with tqdm(DEMO_MODELS, desc="demo models", unit="model", disable=not sys.stderr.isatty()) as bar:
+        for model in bar:
+            bar.set_postfix_str(model)
+            adapters = [a for a, (base, *_) in DEMO_ADAPTERS.items() if base == model]
+            built.update(build_demo_models(out, seed, names=[model, *adapters], force=force))
+    return built
 
 
 def resolve_keys(config: Config, demo: bool, environ=os.environ) -> tuple[KeyRing, dict[str, list[str]] | None]:
@@ -52,16 +68,18 @@ def resolve_keys(config: Config, demo: bool, environ=os.environ) -> tuple[KeyRin
 
 
 def _serve(args: argparse.Namespace) -> int:
-    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    from gateway import request_log
+
+    request_log.configure(json_lines=args.log_format == "json")
+    _library_output(sys.stderr.isatty())
     try:
         config = load_config(args.config)
         keyring, made = resolve_keys(config, args.demo)
     except ConfigError as exc:
         print(f"tiergate: {exc}", file=sys.stderr)
         return 2
-    import uvicorn
-
     from gateway.app import build_services, create_app
+    from gateway.drain import DrainingServer
 
     try:
         services = build_services(config, keyring)
@@ -74,20 +92,38 @@ def _serve(args: argparse.Namespace) -> int:
     app = create_app(services)
     if made:
         _print_demo_keys(made, args.host, args.port)
-    uvicorn.Server(server_config(app, args.host, args.port)).run()
+    # uvicorn logs through the handler configured above; the request log replaces its access log
+    config = server_config(app, args.host, args.port, log_config=None, access_log=False)
+    DrainingServer(config, app.state.drain).run()
     return 0
 
 
-def server_config(app, host: str, port: int, log_level: str = "info") -> "uvicorn.Config":
+def _library_output(interactive: bool) -> None:
+    """transformers' and diffusers' log lines through tiergate's handler (so --log-format json
+    holds for them too), and their weight-loading bars (long model loads) in a terminal only: in
+    logs they would be noise."""
+    import diffusers.utils.logging
+    import huggingface_hub.utils
+    import transformers.utils.logging
+
+    for library in (transformers.utils.logging, diffusers.utils.logging):
+        library.disable_default_handler()
+        library.enable_propagation()
+        (library.enable_progress_bar if interactive else library.disable_progress_bar)()
+    (huggingface_hub.utils.enable_progress_bars if interactive else huggingface_hub.utils.disable_progress_bars)()
+
+
+def server_config(app, host: str, port: int, log_level: str = "info", **options) -> "uvicorn.Config":
     """uvicorn as tiergate runs it (the tests run the same): h11 with the request head capped at
     ``MAX_HEAD_BYTES`` and protocol errors in OpenAI's shape (gateway/http11.py). Request bodies
-    are bounded by the app: ``limits.max_body`` and ``limits.body_timeout_s``."""
+    are bounded by the app: ``limits.max_body`` and ``limits.body_timeout_s``. ``options`` go to
+    uvicorn as they are."""
     import uvicorn
 
     from gateway.http11 import MAX_HEAD_BYTES, GatewayH11Protocol
 
     return uvicorn.Config(app, host=host, port=port, log_level=log_level, lifespan="on", http=GatewayH11Protocol,
-                          h11_max_incomplete_event_size=MAX_HEAD_BYTES)
+                          h11_max_incomplete_event_size=MAX_HEAD_BYTES, **options)
 
 
 def _print_demo_keys(made: dict[str, list[str]], host: str, port: int) -> None:

@@ -33,6 +33,7 @@ from starlette.responses import JSONResponse, Response
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from gateway.errors import APIError
+from gateway.request_log import note
 
 log = logging.getLogger("tiergate.drain")
 
@@ -105,6 +106,7 @@ class DrainGate:
             retry = max(RETRY_AFTER_S, math.ceil(drain.left_s()))
             error = APIError(503, "the server is shutting down; retry on another instance", "shutting_down",
                              headers={"retry-after": str(retry), "connection": "close"})
+            note(reason=error.code)
             await error.response()(scope, receive, send)
             return
         if not scope["path"].startswith("/v1/"):

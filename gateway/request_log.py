@@ -155,7 +155,9 @@ def _text(value: Any) -> str:
 
 
 def configure(json_lines: bool, level: int = logging.INFO) -> None:
-    """Send every logger (uvicorn's included) through one handler on stderr with ``Formatter``."""
+    """Send every logger (uvicorn's included) and Python's warnings through one handler on
+    stderr with ``Formatter``."""
+    logging.captureWarnings(True)
     handler = logging.StreamHandler()
     handler.setFormatter(Formatter(json_lines))
     root = logging.getLogger()

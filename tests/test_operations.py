@@ -1,0 +1,247 @@
+"""Operating tiergate, on a real ``tiergate serve`` process: one JSON log line per request with
+no secret in it and the request's id echoed; ``/readyz``; and SIGTERM draining: a stream in flight
+completes, a new request gets 503 ``shutting_down``, batch lines in flight go back to the store,
+and the process exits 0."""
+
+from __future__ import annotations
+
+import io
+import json
+import os
+import signal
+import sqlite3
+import subprocess
+import sys
+import threading
+import time
+from pathlib import Path
+
+import httpx
+import openai
+import pytest
+
+from gateway.auth import key_id
+from gateway.request_log import Formatter, valid_request_id
+from tests.helpers import TIERS, spare_port, write_config
+
+KEYS = {t: f"sk-{t}-{os.urandom(8).hex()}" for t in TIERS}  # the secrets that must never be logged
+ROOT = Path(__file__).resolve().parents[1]
+REQUEST_FIELDS = {"request_id", "method", "endpoint", "status", "reason", "key_id", "tier", "model",
+                  "queue_wait_s", "load_wait_s", "service_s", "prompt_tokens", "completion_tokens", "duration_s"}
+
+
+class Served:
+    """``tiergate serve --log-format json`` in a subprocess, its output in a file."""
+
+    def __init__(self, config: Path) -> None:
+        self.port = spare_port()
+        self.url = f"http://127.0.0.1:{self.port}"
+        self.log_path = config.parent / "serve.log"
+        env = {k: v for k, v in os.environ.items() if not k.startswith(("TEST_KEYS_", "TIERGATE_KEYS_"))}
+        env.update({f"TEST_KEYS_{t.upper()}": k for t, k in KEYS.items()}, PYTHONPATH=str(ROOT))  # this checkout's code
+        tiergate = Path(sys.executable).with_name("tiergate")
+        command = [str(tiergate)] if tiergate.exists() else [sys.executable, "-m", "gateway.cli"]
+        with open(self.log_path, "w") as out:
+            self.proc = subprocess.Popen(
+                [*command, "serve", "--config", str(config), "--port", str(self.port), "--log-format", "json"],
+                env=env, stdout=out, stderr=subprocess.STDOUT)
+        deadline = time.time() + 60
+        while True:
+            assert self.proc.poll() is None and time.time() < deadline, self.output()
+            try:
+                if httpx.get(f"{self.url}/readyz", timeout=1).status_code == 200:
+                    break
+            except httpx.TransportError:
+                pass
+            time.sleep(0.1)
+
+    def client(self, tier: str = "paid") -> openai.OpenAI:
+        return openai.OpenAI(base_url=f"{self.url}/v1", api_key=KEYS[tier], max_retries=0)
+
+    def output(self) -> str:
+        return self.log_path.read_text()
+
+    def stop(self, timeout: float = 40) -> int:
+        if self.proc.poll() is None:
+            self.proc.send_signal(signal.SIGTERM)
+        try:
+            return self.proc.wait(timeout)
+        finally:
+            if self.proc.poll() is None:
+                self.proc.kill()
+
+    def lines(self) -> list[dict]:
+        """Every line of output, each parsed as JSON (fails on one that is not)."""
+        out = []
+        for n, line in enumerate(self.output().splitlines()):
+            try:
+                out.append(json.loads(line))
+            except json.JSONDecodeError:
+                pytest.fail(f"log line {n} is not JSON: {line!r}")
+        return out
+
+    def requests(self) -> dict[str, dict]:
+        return {ln["request_id"]: ln for ln in self.lines() if ln["logger"] == "tiergate.requests"}
+
+
+def assert_no_secret(text: str) -> None:
+    for tier, key in KEYS.items():
+        assert key not in text, f"the {tier} key is in the log"
+
+
+@pytest.fixture
+def served(tiny_chat, tmp_path):
+    server = Served(write_config(tmp_path, {"tiny-chat": ("chat", tiny_chat)}))
+    yield server
+    server.stop()
+
+
+def test_one_json_line_per_request_with_its_id_and_no_secret(served):
+    client = served.client()
+    raw = client.chat.completions.with_raw_response.create(
+        model="tiny-chat", messages=[{"role": "user", "content": "hi"}], max_tokens=4,
+        extra_headers={"x-request-id": "ops-plain-1"})
+    assert raw.headers["x-request-id"] == "ops-plain-1"
+    assert raw.parse().usage.completion_tokens == 4
+    with httpx.stream("POST", f"{served.url}/v1/chat/completions", timeout=30,
+                      headers={"authorization": f"Bearer {KEYS['free']}", "x-request-id": "ops-stream-2"},
+                      json={"model": "tiny-chat", "messages": [{"role": "user", "content": "hi"}],
+                            "max_tokens": 3, "stream": True}) as sse:
+        assert sse.headers["x-request-id"] == "ops-stream-2"
+        assert sse.read().decode().rstrip().endswith("data: [DONE]")
+    bad = "not valid\tid" + "x" * 200
+    r = httpx.get(f"{served.url}/v1/models", headers={"authorization": "Bearer wrong-key", "x-request-id": bad})
+    assert r.status_code == 401 and r.headers["x-request-id"].startswith("req_")
+    made = r.headers["x-request-id"]
+    with pytest.raises(openai.NotFoundError) as missing:
+        client.chat.completions.create(model="no-such-model", messages=[{"role": "user", "content": "hi"}],
+                                       extra_headers={"x-request-id": "ops-missing-3"})
+    assert missing.value.response.headers["x-request-id"] == "ops-missing-3"
+    assert served.stop() == 0
+
+    assert_no_secret(served.output())
+    logged = served.requests()  # every line parsed as JSON
+    plain, stream = logged["ops-plain-1"], logged["ops-stream-2"]
+    assert REQUEST_FIELDS <= set(plain)
+    assert plain | {"duration_s": 0, "service_s": 0, "load_wait_s": 0, "queue_wait_s": 0} == plain | {
+        "request_id": "ops-plain-1", "method": "POST", "endpoint": "/v1/chat/completions", "status": 200,
+        "reason": None, "key_id": key_id(KEYS["paid"]), "tier": "paid", "model": "tiny-chat",
+        "prompt_tokens": plain["prompt_tokens"], "completion_tokens": 4,
+        "duration_s": 0, "service_s": 0, "load_wait_s": 0, "queue_wait_s": 0}
+    assert plain["prompt_tokens"] > 0
+    assert 0 < plain["service_s"] <= plain["duration_s"] and plain["queue_wait_s"] >= 0 and plain["load_wait_s"] > 0
+    assert (stream["tier"], stream["key_id"], stream["status"], stream["completion_tokens"]) == (
+        "free", key_id(KEYS["free"]), 200, 3)
+    assert stream["load_wait_s"] < plain["load_wait_s"]  # the model was resident by then
+    assert (logged[made]["status"], logged[made]["reason"], logged[made]["key_id"]) == (401, "invalid_api_key", None)
+    missing_line = logged["ops-missing-3"]
+    assert (missing_line["status"], missing_line["reason"], missing_line["tier"]) == (404, "model_not_found", "paid")
+    assert bad not in served.output()
+
+
+def test_sigterm_drains_a_stream_refuses_new_work_hands_back_batch_lines_and_exits_0(tiny_chat, tiny_image, tmp_path):
+    extra = "limits:\n  image_max_steps: 5000\nserver:\n  drain_timeout_s: 40\n"
+    config = write_config(tmp_path, {"tiny-chat": ("chat", tiny_chat), "tiny-image": ("image", tiny_image)}, extra)
+    served = Served(config)
+    try:
+        # batch lines that take long, claimed and running before the drain
+        line = {"method": "POST", "url": "/v1/images/generations",
+                "body": {"model": "tiny-image", "prompt": "slow", "size": "64x64", "num_inference_steps": 4000}}
+        content = "".join(json.dumps({"custom_id": f"slow-{i}", **line}) + "\n" for i in range(2)).encode()
+        batch_client = served.client("free")
+        f = batch_client.files.create(file=("in.jsonl", io.BytesIO(content)), purpose="batch")
+        batch = batch_client.batches.create(input_file_id=f.id, endpoint="/v1/images/generations", completion_window="24h")
+        store = tmp_path / "tiergate-data" / "batches.sqlite3"
+        deadline = time.time() + 30
+        while not backlog(store, batch.id) or not any(claimed for claimed, _ in backlog(store, batch.id)):
+            assert time.time() < deadline, "no batch line was claimed"
+            time.sleep(0.05)
+
+        # a long stream (greedy decoding of the random model runs to max_tokens), SIGTERM during it
+        chunks: list[tuple[float, dict]] = []
+        first = threading.Event()
+
+        def stream() -> None:
+            events = served.client().chat.completions.create(
+                model="tiny-chat", messages=[{"role": "user", "content": "hi"}], max_tokens=120, temperature=0,
+                stream=True, stream_options={"include_usage": True}, extra_headers={"x-request-id": "drain-stream"})
+            for chunk in events:
+                chunks.append((time.monotonic(), chunk.model_dump()))
+                first.set()
+
+        reader = threading.Thread(target=stream)
+        reader.start()
+        assert first.wait(30), served.output()
+        served.proc.send_signal(signal.SIGTERM)
+
+        deadline = time.time() + 10
+        while (ready := httpx.get(f"{served.url}/readyz", timeout=5)).status_code == 200:
+            assert time.time() < deadline, "/readyz never turned 503"
+            time.sleep(0.02)
+        assert ready.status_code == 503 and ready.json()["status"] == "draining"
+        with pytest.raises(openai.InternalServerError) as refused:
+            served.client().chat.completions.create(model="tiny-chat", messages=[{"role": "user", "content": "hi"}],
+                                                    max_tokens=2)
+        refused_at = time.monotonic()
+        assert refused.value.status_code == 503
+        assert refused.value.body["code"] == "shutting_down" and refused.value.body["type"] == "server_error"
+        assert int(refused.value.response.headers["retry-after"]) >= 1
+        assert refused.value.response.headers["x-request-id"].startswith("req_")
+
+        reader.join(60)
+        assert not reader.is_alive()
+        assert served.proc.wait(60) == 0
+    finally:
+        served.stop()
+
+    # the stream ran to its end after the refusal
+    finished = [c for _, c in chunks if c["choices"] and c["choices"][0]["finish_reason"]]
+    assert [c["choices"][0]["finish_reason"] for c in finished] in (["length"], ["stop"])
+    usage = chunks[-1][1]["usage"]
+    assert usage and usage["completion_tokens"] >= 1
+    assert chunks[-1][0] > refused_at, "the stream had ended before the drain refused a request"
+    # batch lines: back in the store, unclaimed, their hand-out not counted, nothing recorded
+    rows = backlog(store, batch.id)
+    assert len(rows) == 2 and rows == [(None, 0), (None, 0)]
+    with sqlite3.connect(store) as db:
+        assert db.execute("SELECT count(*) FROM outcomes WHERE batch_id = ?", (batch.id,)).fetchone() == (0,)
+        assert db.execute("SELECT status FROM batches WHERE id = ?", (batch.id,)).fetchone() == ("in_progress",)
+    # the log: JSON lines, the drain's progress, the stream's line, no secret
+    lines = served.lines()
+    messages = [ln["message"] for ln in lines if ln["logger"] == "tiergate.drain"]
+    assert any(m.startswith("draining: no new requests; 1 request (1 streaming) in flight") for m in messages), messages
+    assert any("batch line" in m and "handed back to the store" in m and not m.startswith("draining: 0 ") for m in messages)
+    assert messages[-1] == "drained: nothing in flight"
+    logged = {ln["request_id"]: ln for ln in lines if ln["logger"] == "tiergate.requests"}
+    assert (logged["drain-stream"]["status"], logged["drain-stream"]["completion_tokens"]) == (200, usage["completion_tokens"])
+    assert any(ln["status"] == 503 and ln["reason"] == "shutting_down" for ln in logged.values())
+    assert_no_secret(served.output())
+
+
+def backlog(store: Path, batch_id: str) -> list[tuple[str | None, int]]:
+    """(claimed_by, deliveries) of each backlog entry of the batch, read beside the server."""
+    if not store.exists():
+        return []
+    with sqlite3.connect(store, timeout=10) as db:
+        try:
+            return db.execute("SELECT claimed_by, deliveries FROM backlog WHERE batch_id = ? ORDER BY idx",
+                              (batch_id,)).fetchall()
+        except sqlite3.OperationalError:  # the schema is not there yet
+            return []
+
+
+def test_request_ids_are_printable_ascii_of_bounded_length():
+    assert valid_request_id("abc-123_XYZ.~!") and valid_request_id("x" * 128)
+    for bad in ("", "x" * 129, "has space", "tab\there", "caf\u00e9", "new\nline"):
+        assert not valid_request_id(bad)
+
+
+def test_text_lines_put_the_request_fields_after_the_message():
+    import logging
+
+    record = logging.LogRecord("tiergate.requests", logging.INFO, __file__, 1, "request", None, None)
+    record.request = {"request_id": "r1", "status": 429, "reason": "queue_full", "model": None, "endpoint": "/v1/x y"}
+    text = Formatter(json_lines=False).format(record)
+    assert text.endswith(' INFO tiergate.requests: request request_id=r1 status=429 reason=queue_full endpoint="/v1/x y"')
+    doc = json.loads(Formatter(json_lines=True).format(record))
+    assert (doc["message"], doc["status"], doc["model"], doc["level"]) == ("request", 429, None, "info")
