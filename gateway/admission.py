@@ -16,7 +16,9 @@ The SLO guard (``gateway/slo_guard.py``, a pure function) shrinks lower tiers' e
 ``max_inflight`` while a higher tier's recent latency drifts toward its target, and lets it grow
 back when that tier recovers; the endpoints report latencies with :meth:`Gate.observe_latency`.
 
-The gate is plain asyncio and single-threaded: all state changes happen on the event loop.
+The gate is plain asyncio and single-threaded: all state changes happen on the event loop. It
+reports its refusals and the guard's limit changes to the event stream (``arbiter.events``) and
+keeps each tier's recent figures for the dashboard (``stats``, a :class:`TierStats`).
 """
 
 from __future__ import annotations
@@ -28,7 +30,9 @@ from collections import deque
 from dataclasses import dataclass, field
 from typing import Callable
 
+from arbiter.events import EventLog
 from gateway.slo_guard import GuardSettings, TierWindow, next_limits
+from gateway.tier_stats import TierStats
 
 MAX_RETRY_AFTER_S = 120
 
@@ -194,6 +198,7 @@ class Gate:
         costs: CostModel | None = None,
         clock: Callable[[], float] = time.monotonic,
         guard: GuardSettings | None = None,
+        events: EventLog | None = None,
     ) -> None:
         self.tiers = {t.name: t for t in tiers}
         self.slots = slots
@@ -217,6 +222,8 @@ class Gate:
         self._latencies: dict[str, deque[tuple[float, float]]] = {t.name: deque() for t in tiers}
         self._guarded_at = -math.inf
         self._loop: asyncio.AbstractEventLoop | None = None
+        self.events = events or EventLog()
+        self.stats = TierStats(list(self.tiers), clock)  # admitted, refused, latency; recent
 
     # -- public ------------------------------------------------------------------------------
     @property
@@ -246,7 +253,7 @@ class Gate:
         lane = self._lanes[tier]
         policy = lane.policy
         if not self._can_start(lane) and lane.waiting >= policy.max_queued:
-            self._reject_tier(policy, "queue_full", self.predict_wait(policy),
+            self._reject_tier(policy, None, "queue_full", self.predict_wait(policy),
                               f"the {tier} tier's queue is full ({policy.max_queued} waiting)")
 
     async def acquire(self, tier: str, model: str, units: float = 1.0) -> Ticket:
@@ -332,6 +339,8 @@ class Gate:
         limits = next_limits(windows, before, self.guard)
         for name, limit in limits.items():
             self._lanes[name].limit = limit
+        if limits != before:
+            self.events.emit("limits_changed", limits=dict(limits), before=dict(before))
         if any(limits[n] > before[n] for n in before):
             self._dispatch()
 
@@ -371,17 +380,20 @@ class Gate:
     # -- internals -----------------------------------------------------------------------------
     def _can_start(self, lane: _Lane) -> bool:
         """Batch work yields at its next step when others arrive, so its slots do not count
-        against the other tiers; batch itself starts only while the others are idle."""
+        against the other tiers, nor ``slots`` against it (an idle engine takes as many batch rows
+        as it is wide: the batch tier's ``max_inflight`` is its limit); batch itself starts only
+        while the others are idle."""
         if lane.inflight >= lane.limit:
             return False
         if lane.is_batch:
-            return not (self._nonbatch_running or self._nonbatch_queued) and self.total_inflight < self.slots
+            return not (self._nonbatch_running or self._nonbatch_queued)
         return self._nonbatch_running < self.slots
 
     def _start(self, ticket: Ticket, lane: _Lane, now: float) -> None:
         ticket.started = now
         lane.inflight += 1
         lane.admitted += 1
+        self.stats.admitted(lane.policy.name)
         self.total_inflight += 1
         if not lane.is_batch:
             self._nonbatch_running += 1
@@ -418,7 +430,7 @@ class Gate:
                 self._start(ticket, lane, now)
                 future.set_result(None)
             if self._nonbatch_running >= self.slots:
-                return  # no slot for anyone below (batch needs total < slots too)
+                return  # no slot for anyone below (nor for batch, which waits for the others to be idle)
 
     def _leave(self, ticket: Ticket, lane: _Lane) -> None:
         if ticket.waiter is not None:  # still counted in its queue: stop counting it
@@ -447,9 +459,12 @@ class Gate:
                 self.on_change()
 
     def _reject(self, ticket: Ticket, reason: str, retry_after: float, message: str) -> None:
-        self._reject_tier(ticket.tier, reason, retry_after, message)
+        self._reject_tier(ticket.tier, ticket.model, reason, retry_after, message)
 
-    def _reject_tier(self, policy: TierPolicy, reason: str, retry_after: float, message: str) -> None:
+    def _reject_tier(self, policy: TierPolicy, model: str | None, reason: str, retry_after: float,
+                     message: str) -> None:
         self.rejected[(policy.name, reason)] += 1
         seconds = min(max(math.ceil(retry_after), 1), MAX_RETRY_AFTER_S)
+        self.stats.refused(policy.name, reason)
+        self.events.emit("refusal", tier=policy.name, model=model, reason=reason, retry_after_s=seconds)
         raise Rejected(policy.name, reason, seconds, message)

@@ -52,6 +52,10 @@ def test_smoke_bench_tiers(demo_dir: Path, tiny_chat: Path) -> None:
     assert check_verdict(run_smoke("bench_tiers.py", "--models-dir", str(demo_dir))) == f"verdict: n/a {SMOKE}"
 
 
+def test_smoke_bench_batch(demo_dir: Path, tiny_chat: Path) -> None:
+    assert check_verdict(run_smoke("bench_batch.py", "--models-dir", str(demo_dir))) == f"verdict: n/a {SMOKE}"
+
+
 # -- the verdict rules ----------------------------------------------------------------------------
 
 MET = Target("a >= 1x", "2.00x", True)

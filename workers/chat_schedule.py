@@ -14,6 +14,12 @@ Rules
     * Pause. A running row whose context asks to pause (batch work yielding to another tier)
       leaves the batch keeping its tokens and waits; a paused waiting row is not admitted. Once
       its pause lifts it is admitted like any other row, re-prefilling prompt + generated tokens.
+    * Resuming in chunks. At most ``resume_chunk`` rows holding tokens (paused ones) are admitted
+      per step, so a batch of hundreds resuming at once decodes between its re-prefills instead of
+      prefilling them all before the next step, and a paid row that arrives meanwhile waits for at
+      most one chunk (the owner also checks each row's pause flag right before its prefill, below).
+      Each paused row is re-prefilled once per pause: a row the plan admits either joins the batch
+      or, paused again before its prefill, stays waiting with its tokens, never prefilled.
     * One stack per batch. Rows of one forward pass share the weights, so every running row
       wants the merged stack. While the batch runs, only rows wanting that stack join it, and
       only those ranked ahead of every ready row that wants another stack: a stream of
@@ -45,6 +51,7 @@ class Row:
     stack: StackKey = ()
     paused: bool = False  # its context asks it to pause now
     cancelled: bool = False
+    resumes: bool = False  # it holds generated tokens: admitting it re-prefills prompt + tokens
 
     @property
     def rank(self) -> tuple[int, int]:
@@ -58,6 +65,7 @@ class EngineView:
     running: tuple[Row, ...] = ()  # in the batch
     waiting: tuple[Row, ...] = ()  # new rows and paused ones
     max_num_seqs: int = 8
+    resume_chunk: int = 4  # rows holding tokens admitted per step
 
 
 @dataclass(frozen=True)
@@ -83,10 +91,15 @@ def plan_step(view: EngineView) -> StepPlan:
     # while a batch runs, a row of its stack may not overtake a ready row of another stack
     first_other = min((r.rank for r in ready if r.stack != stack), default=None)
     admit: list[int] = []
+    resumed = 0
     for row in ready:
         if staying + len(admit) >= view.max_num_seqs:
             break
         if row.stack != stack or (staying and first_other is not None and row.rank > first_other):
             continue
+        if row.resumes:
+            if resumed >= view.resume_chunk:
+                continue
+            resumed += 1
         admit.append(row.arrival)
     return StepPlan(forget, pause, switch_to, tuple(admit))
