@@ -42,7 +42,7 @@ def build_services(config: Config, keys: KeyRing) -> Services:
         TierPolicy(t.name, i, t.max_inflight, t.max_queued, t.latency_target_s, is_batch=t.batch)
         for i, t in enumerate(config.tiers)
     ]
-    gate = Gate(policies, config.gate.slots)
+    gate = Gate(policies, config.gate.slots, guard=config.gate.slo_guard.settings())
     device = default_device() if config.gpu.device == "auto" else _device(config.gpu.device)
     arbiter = Arbiter(
         config.model_specs(),

@@ -56,7 +56,7 @@ async def serve_chat(svc: Services, caller: Caller, job: ChatJob,
     is raised by the first ``__anext__``. Closing the iterator early cancels the generation."""
     async with Serving(svc, caller, job.model, job.params.max_tokens, "chat", gone) as serving:
         events, event = await serving.step(lambda ctx: _first_event(serving, job, ctx), "running")
-        svc.metrics.ttft.labels(caller.tier).observe(time.monotonic() - serving.arrived)
+        svc.metrics.ttft.labels(caller.tier).observe(serving.first_token())
         try:
             while not isinstance(event, ChatFinished):
                 yield event

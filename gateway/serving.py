@@ -12,7 +12,9 @@ A ``Serving`` owns, for one request:
 * the outcome for the admission cost model: the service time is learned only when the request
   completed (the block ended without an exception) and none of its work was ever paused. A cut
   stream, a disconnect, an error or batch work that waited at a pause gate teach it nothing;
-* the latency metric of its endpoint;
+* the latency metric of its endpoint, and the latency the gate's SLO guard judges its tier by:
+  time to first token for streamed text (``first_token``), else the whole request when it
+  completed;
 * the request log's figures (``gateway.request_log``): the model, the queue wait at the gate, the
   wait for the model's load, the service time and (``count_tokens``) the tokens.
 
@@ -61,6 +63,7 @@ class Serving:
         self.svc, self.caller, self.model, self.units, self.endpoint = svc, caller, model, units, endpoint
         self.gone = gone
         self.arrived = time.monotonic()
+        self._latency_reported = False  # to the gate's SLO guard: once per request
         self.held: Held | None = None
         self.contexts: list[StepContext] = []
         self._gone_wait: asyncio.Future | None = None
@@ -84,6 +87,15 @@ class Serving:
         if self.record is not None:
             self.record.prompt_tokens = prompt
             self.record.completion_tokens = (self.record.completion_tokens or 0) + completion
+
+    def first_token(self) -> float:
+        """The time to first token (seconds since the request arrived), which the gate's SLO guard
+        judges a text request by; the request's whole time is then not reported. Returns it."""
+        ttft = time.monotonic() - self.arrived
+        if not self._latency_reported:
+            self._latency_reported = True
+            self.svc.gate.observe_latency(self.caller.tier, ttft)
+        return ttft
 
     def context(self) -> StepContext:
         """A step context for work on the leased model (batch work carries its pause gate)."""
@@ -115,7 +127,11 @@ class Serving:
         held.release(time.monotonic() - held.started if completed and not self.paused else None)
         if self.record is not None:
             self.record.service_s = time.monotonic() - held.started
-        self.svc.metrics.latency.labels(self.caller.tier, self.endpoint).observe(time.monotonic() - self.arrived)
+        latency = time.monotonic() - self.arrived
+        self.svc.metrics.latency.labels(self.caller.tier, self.endpoint).observe(latency)
+        if completed and not self._latency_reported:
+            self._latency_reported = True
+            self.svc.gate.observe_latency(self.caller.tier, latency)
 
     async def step(self, attempt: Callable[[StepContext], Awaitable[T]], doing: str) -> T:
         """Run ``attempt`` (given a fresh step context) until it returns; after out of memory,

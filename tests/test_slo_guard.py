@@ -1,12 +1,15 @@
-"""The SLO guard as a pure function over a table of windows, its place in the gate, and the
-gate's cost model fitted from running sums (equal to a plain least-squares fit)."""
+"""The SLO guard as a pure function over a table of windows, its place in the gate, its wiring in
+the server (the config's settings; chat reports time to first token, the others their whole
+time), and the gate's cost model fitted from running sums (equal to a plain least-squares fit)."""
 
 from __future__ import annotations
 
 import asyncio
 import random
+import time
 
 import pytest
+from openai import OpenAI
 
 from gateway.admission import CostModel, Gate, TierPolicy
 from gateway.slo_guard import GuardSettings, TierWindow, next_limits, quantile, tier_state
@@ -162,3 +165,60 @@ def test_equal_sizes_predict_the_mean():
         costs.observe("m", 100.0, s)
     assert costs.predict("m", 100.0) == pytest.approx(3.5)
     assert costs.predict("m", 1e9) == pytest.approx(3.5)
+
+
+# -- wired into the server: the guard is on with the config's settings, and every request reports --
+
+
+@pytest.fixture(scope="module")
+def server(tiny_chat, tiny_tts, tmp_path_factory):
+    from tests.helpers import start_server, write_config
+
+    folder = tmp_path_factory.mktemp("guarded")
+    running = start_server(write_config(folder, {"tiny-chat": ("chat", tiny_chat), "tiny-tts": ("tts", tiny_tts)},
+                                        "gate:\n  slo_guard:\n    trigger: 0.7\n"))
+    yield running
+    running.stop()
+
+
+def reported(server, monkeypatch) -> list[tuple[str, float, float]]:
+    """What the server's gate is told, as (tier, seconds, when it was told)."""
+    gate = server.services.gate
+    seen: list[tuple[str, float, float]] = []
+    real = gate.observe_latency
+
+    def observe(tier: str, seconds: float) -> None:
+        seen.append((tier, seconds, time.monotonic()))
+        real(tier, seconds)
+
+    monkeypatch.setattr(gate, "observe_latency", observe)
+    return seen
+
+
+def test_the_servers_gate_has_the_configs_guard(server):
+    assert server.services.gate.guard == GuardSettings(trigger=0.7)  # on; the rest the shipped defaults
+
+
+def test_chat_reports_its_time_to_first_token(server, monkeypatch):
+    seen = reported(server, monkeypatch)
+    client = OpenAI(base_url=server.base_url, api_key=server.keys["paid"])
+    start = time.monotonic()
+    stream = client.chat.completions.create(model="tiny-chat", messages=[{"role": "user", "content": "hi"}],
+                                            max_tokens=32, stream=True)
+    arrivals = [time.monotonic() for _ in stream]
+    assert len(seen) == 1, seen  # once per request, not again at its end
+    tier, seconds, told = seen[0]
+    assert tier == "paid" and 0 < seconds <= told - start
+    assert told < arrivals[0]  # told before the first token left the server: the TTFT, not the whole time
+
+
+def test_speech_reports_its_whole_time(server, monkeypatch):
+    seen = reported(server, monkeypatch)
+    client = OpenAI(base_url=server.base_url, api_key=server.keys["free"])
+    start = time.monotonic()
+    audio = client.audio.speech.create(model="tiny-tts", voice="alloy", input="hello there", response_format="wav")
+    audio.read()
+    done = time.monotonic()
+    assert len(seen) == 1, seen
+    tier, seconds, told = seen[0]
+    assert tier == "free" and 0 < seconds <= done - start
