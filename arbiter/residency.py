@@ -55,6 +55,7 @@ class Lease:
     worker: Worker
     _arbiter: "Arbiter" = field(repr=False)
     released: bool = False
+    swap_s: float = 0.0  # seconds of the load (evictions included) this request triggered
 
     def context(self) -> StepContext:
         if not self.is_batch:
@@ -72,6 +73,7 @@ class _Waiter:
     tier: int
     is_batch: bool
     future: asyncio.Future
+    swap_s: float = 0.0  # the load this waiter triggered, once it is done
 
 
 @dataclass
@@ -231,7 +233,7 @@ class Arbiter:
             elif isinstance(decision, Impossible) and not decision.waiting_on:
                 self._fail(w, Unavailable(decision.reason))
             elif isinstance(decision, (Fit, Evict)):
-                self._start_load(w.model, decision if isinstance(decision, Evict) else None, w.tier)
+                self._start_load(w.model, decision if isinstance(decision, Evict) else None, w.tier, w)
             # Impossible with waiting_on: stay queued until that work ends
         self._bring_back_batch()
         self._apply_batch_yield()
@@ -258,7 +260,7 @@ class Arbiter:
         else:
             state = replace(state, running_nonbatch=state.running_nonbatch + 1)
         self.states[w.model] = policy.served(state, w.tier, self.clock())
-        w.future.set_result(Lease(w.model, w.tier, w.is_batch, self.workers[w.model], self))
+        w.future.set_result(Lease(w.model, w.tier, w.is_batch, self.workers[w.model], self, swap_s=w.swap_s))
 
     def _fail(self, w: _Waiter, exc: Exception) -> None:
         self._waiters.remove(w)
@@ -299,7 +301,9 @@ class Arbiter:
 
         return gate
 
-    def _start_load(self, model: str, evict: Evict | None, tier: int) -> None:
+    def _start_load(self, model: str, evict: Evict | None, tier: int, trigger: _Waiter | None = None) -> None:
+        """Load ``model`` (after ``evict``); the waiter whose request caused it, if any, is
+        charged the seconds it takes (``Lease.swap_s``)."""
         self._loading = model
         prior_place = self.states[model].place
         self.states[model] = replace(self.states[model], place="loading")
@@ -310,9 +314,11 @@ class Arbiter:
             if name not in self._paused:
                 self._paused.add(name)
                 self.events.emit("batch_paused", model=name)
-        asyncio.get_running_loop().create_task(self._load_task(model, evict, prior_place, tier))
+        asyncio.get_running_loop().create_task(self._load_task(model, evict, prior_place, tier, trigger))
 
-    async def _load_task(self, model: str, evict: Evict | None, prior_place: str, tier: int) -> None:
+    async def _load_task(self, model: str, evict: Evict | None, prior_place: str, tier: int,
+                         trigger: _Waiter | None = None) -> None:
+        started = time.perf_counter()
         try:
             if evict is not None:
                 await self._evict(evict, "make_room", (model, tier))
@@ -326,6 +332,8 @@ class Arbiter:
         finally:
             self._loading = None
         self.workers[model] = worker
+        if trigger is not None:
+            trigger.swap_s = time.perf_counter() - started
         state = self.states[model]
         if model in self._declared:
             footprint = state.footprint

@@ -21,6 +21,8 @@ from starlette.requests import Request
 from starlette.responses import JSONResponse, PlainTextResponse, Response
 from transformers.models.whisper.tokenization_whisper import LANGUAGES
 
+from accounts.rates import Ask
+from accounts.usage import Usage
 from gateway.auth import Caller
 from gateway.errors import APIError, bad_request
 from gateway.http import Streamed, disconnect_signal
@@ -35,6 +37,7 @@ from workers.tts import MAX_SPEED, MIN_SPEED, SpeechRequest, TTSWorker
 log = logging.getLogger("tiergate")
 
 _FORM_SLACK = 64 * 1024  # multipart bytes allowed beyond the file: boundaries and the other fields
+SPOKEN_CHARS_PER_S = 15.0  # speech's length estimated from its text, for the key's audio limit
 
 
 # ---------------------------------------------------------------- speech
@@ -87,19 +90,32 @@ async def serve_speech(svc: Services, caller: Caller, job: SpeechJob,
     others. What goes wrong before the first sentence is made (429/503, out of memory after
     relief) is raised by the first ``__anext__``; closing the iterator early stops the worker at
     its next sentence."""
-    async with Serving(svc, caller, job.model, float(len(job.request.input)), "speech", gone) as serving:
+    last: bytes | None = None  # each piece waits for the next, so the last goes out after the usage is written
+    ask = Ask(audio_seconds=len(job.request.input) / SPOKEN_CHARS_PER_S)  # corrected by what was made
+    async with Serving(svc, caller, job.model, float(len(job.request.input)), "speech", gone, ask) as serving:
         worker = serving.worker
         ctx, chunks, first = await serving.step(lambda ctx: _first_sentence(worker, job, ctx), "speaking with")
         rest = itertools.chain([first], chunks) if first is not None else iter(())
-        encoded = sound.encode_stream(rest, worker.sample_rate, job.format)
+        encoded = sound.encode_stream(_timed(rest, worker.sample_rate, serving.usage), worker.sample_rate, job.format)
         try:
             while (piece := await serving.until_gone(in_thread(lambda: next(encoded, None), ctx))) is not None:
-                yield piece
+                if last is not None:
+                    yield last
+                last = piece
         except Cancelled:
             raise ClientGone() from None
         finally:
             ctx.cancel()
             encoded.close()
+    if last is not None:
+        yield last
+
+
+def _timed(chunks: Iterator[np.ndarray], rate: int, usage: Usage) -> Iterator[np.ndarray]:
+    """The audio as it is made, its seconds added to the request's usage."""
+    for chunk in chunks:
+        usage.audio_out_seconds += len(chunk) / rate
+        yield chunk
 
 
 async def _first_sentence(worker: TTSWorker, job: SpeechJob,
@@ -194,7 +210,9 @@ class TranscriptionJob:
 
 async def serve_transcription(svc: Services, caller: Caller, job: TranscriptionJob, gone: Gone | None) -> Transcript:
     """The serving core: the transcript of one upload."""
-    async with Serving(svc, caller, job.model, job.duration, "transcriptions", gone) as serving:
+    async with Serving(svc, caller, job.model, job.duration, "transcriptions", gone,
+                       Ask(audio_seconds=job.duration)) as serving:
+        serving.usage.audio_in_seconds = job.duration
         worker = serving.worker
 
         def run(ctx: StepContext) -> Transcript:

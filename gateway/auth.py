@@ -1,15 +1,24 @@
 """API keys -> tiers. Keys come from environment variables named in tiers.yaml (or are made up
 in demo mode); they are compared in constant time and never logged. Inside the gateway a caller
-is known by ``key_id``, a short hash of the key, which is safe to log and to store as an owner."""
+is known by ``key_id``, a short hash of the key, which is safe to log and to store as an owner.
+Managed keys (created at run time, ``gateway.accounts``) are known by their id."""
 
 from __future__ import annotations
 
 import hashlib
 import hmac
 import secrets
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 ADMIN_ENV = "TIERGATE_KEYS_ADMIN"
+
+
+@dataclass(eq=False)
+class RateState:
+    """One HTTP request's rate-limit headers for its key, set when its key's limits admit it and
+    sent on its response (``gateway.accounts_api.KeyHeaders``)."""
+
+    headers: dict[str, str] | None = None
 
 
 @dataclass(frozen=True)
@@ -17,6 +26,7 @@ class Caller:
     tier: str
     key_id: str
     admin: bool = False
+    rate: RateState | None = field(default=None, compare=False)  # HTTP requests only: their key's limits apply
 
 
 def key_id(key: str) -> str:

@@ -1,5 +1,6 @@
 """The ``tiergate`` command: ``serve`` (logs as text or JSON lines; SIGTERM drains, see
-``gateway.drain``) and ``demo-models`` (a progress bar in a terminal)."""
+``gateway.drain``), ``demo-models`` (a progress bar in a terminal) and ``keys`` (managed API keys,
+``gateway.keys_cli``)."""
 
 from __future__ import annotations
 
@@ -8,6 +9,7 @@ import os
 import sys
 from pathlib import Path
 
+from gateway import keys_cli
 from gateway.auth import ADMIN_ENV, KeyRing, demo_keys
 from gateway.config import Config, ConfigError, load_config, tier_keys
 
@@ -27,7 +29,15 @@ def main(argv: list[str] | None = None) -> int:
     models.add_argument("--out", default="demo-models", help="folder to build them in")
     models.add_argument("--seed", type=int, default=0)
     models.add_argument("--force", action="store_true", help="rebuild models that exist")
+    keys_cli.add_parser(sub)
     args = parser.parse_args(argv)
+    if args.command == "keys":
+        try:
+            config = load_config(args.config, check_paths=False)
+        except ConfigError as exc:
+            print(f"tiergate: {exc}", file=sys.stderr)
+            return 2
+        return keys_cli.run(args, config)
     if args.command == "demo-models":
         for name, folder in _build_demo_models(Path(args.out), args.seed, args.force).items():
             print(f"{name}: {folder}")

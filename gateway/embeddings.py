@@ -15,6 +15,7 @@ from pydantic import Field
 from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
 
+from accounts.rates import Ask
 from gateway.auth import Caller
 from gateway.errors import APIError, bad_request
 from gateway.http import disconnect_signal
@@ -104,7 +105,8 @@ async def _encoder(svc: Services, spec: ModelSpec) -> EmbedWorker:
 
 async def serve_embeddings(svc: Services, caller: Caller, job: EmbedJob, gone: Gone | None) -> np.ndarray:
     """The serving core: one float32 vector per input, in order. The gate counts the job's tokens."""
-    async with Serving(svc, caller, job.model, job.tokens, "embeddings", gone) as serving:
+    async with Serving(svc, caller, job.model, job.tokens, "embeddings", gone, Ask(tokens=job.tokens)) as serving:
+        serving.usage.embedding_tokens = job.tokens
         worker: EmbedWorker = serving.worker
         return await serving.step(lambda ctx: in_thread(lambda: worker.embed(job.ids, job.dimensions, ctx), ctx),
                                   "embedding with")

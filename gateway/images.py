@@ -17,6 +17,7 @@ from pydantic import Field
 from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
 
+from accounts.rates import Ask
 from gateway.adapters import resolve_request
 from gateway.auth import Caller
 from gateway.config import LimitsConfig
@@ -124,13 +125,21 @@ def _size(size: str | None, max_side: int, native: tuple[int, int] | None) -> tu
 
 async def serve_images(svc: Services, caller: Caller, job: Plan, gone: Gone | None) -> list[bytes]:
     """The serving core: one generation's PNGs."""
-    async with Serving(svc, caller, job.model, job.units, "images", gone) as serving:
+    async with Serving(svc, caller, job.model, job.units, "images", gone, Ask(images=job.request.n)) as serving:
         worker = serving.worker
         try:
-            return await serving.step(lambda ctx: in_thread(lambda: worker.generate(job.request, ctx), ctx),
+            pngs = await serving.step(lambda ctx: in_thread(lambda: worker.generate(job.request, ctx), ctx),
                                       "generating images with")
         except ValueError as exc:
             raise bad_request(str(exc)) from None
+        serving.usage.images = len(pngs)
+        serving.usage.pixels = sum(_pixels(png) for png in pngs)
+        return pngs
+
+
+def _pixels(png: bytes) -> int:
+    """Width times height, from the PNG's header (IHDR: big-endian, at bytes 16-24)."""
+    return int.from_bytes(png[16:20], "big") * int.from_bytes(png[20:24], "big")
 
 
 def plan_images(svc: Services, body: ImageGenerationRequest) -> Plan:

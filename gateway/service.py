@@ -18,9 +18,12 @@ from gateway.config import Config
 from gateway.errors import APIError, bad_request, not_found
 from gateway.image_store import ImageStore
 from gateway.metrics import Metrics
+from gateway.request_log import note
 from workers.base import ModelSpec
 
 if TYPE_CHECKING:
+    from gateway.accounts import Accounts
+    from workers.embed import EmbedWorker
     from workers.tts import TTSWorker
 
 
@@ -30,12 +33,14 @@ class ClientGone(Exception):
 
 @dataclass
 class Held:
-    """A request's slot at the gate and its lease on the model; ``release`` frees both and tells
-    the gate's cost model the measured service time, when there is one worth learning from."""
+    """A request's slot at the gate and its lease on the model; ``release`` frees both, tells
+    the gate's cost model the measured service time, when there is one worth learning from, and
+    records the request's latency since it asked for the slot (``arrived``) in the tier's figures."""
 
     ticket: Ticket
     lease: Lease
     gate: Gate
+    arrived: float
     started: float = field(default_factory=time.monotonic)
     released: bool = False
 
@@ -45,6 +50,7 @@ class Held:
         self.released = True
         self.lease.release()
         self.gate.release(self.ticket, service_s)
+        self.gate.stats.latency(self.ticket.tier.name, time.monotonic() - self.arrived)
 
 
 @dataclass
@@ -58,8 +64,10 @@ class Services:
     images: ImageStore  # the PNGs behind image urls
     native_sizes: dict[str, tuple[int, int] | None] = field(default_factory=dict)  # image model -> size
     voices: dict[str, "TTSWorker"] = field(default_factory=dict)  # tts model -> its voices (no weights)
+    encoders: dict[str, "EmbedWorker"] = field(default_factory=dict)  # embed model -> its tokenizer (no weights)
     on_startup: list[Callable[[], Awaitable[None]]] = field(default_factory=list)  # run by the app's lifespan
     on_shutdown: list[Callable[[], Awaitable[None]]] = field(default_factory=list)
+    accounts: "Accounts | None" = None  # managed keys, per-key limits, usage (None: env keys only, unmetered)
 
     @property
     def tier_rank(self) -> dict[str, int]:
@@ -70,8 +78,14 @@ class Services:
         if token is None:
             raise APIError(401, "missing API key: send 'Authorization: Bearer <key>'", "missing_api_key")
         caller = self.keys.lookup(token)
+        if caller is None and self.accounts is not None:
+            caller = self.accounts.lookup(token)
         if caller is None:
             raise APIError(401, "incorrect API key provided", "invalid_api_key")
+        if self.accounts is not None:
+            caller = self.accounts.for_http(caller)
+            request.state.caller = caller  # its rate-limit headers go on the response
+        note(key_id=caller.key_id, tier=caller.tier)  # the request log knows the key by its id only
         return caller
 
     def admit_caller(self, request: Request) -> Caller:
@@ -100,26 +114,30 @@ class Services:
 
     async def hold(self, tier: str, model: str, units: float) -> Held:
         """Admission then residency; 429 / 503 as OpenAI-shaped errors with Retry-After."""
+        arrived = time.monotonic()
         try:
             ticket = await self.gate.acquire(tier, model, units)
         except Rejected as exc:
             raise _too_many(self.gate, tier, exc) from None
         self.metrics.queue_wait.labels(tier).observe(ticket.queued_s)
+        self.gate.stats.admitted(tier)  # here, not in the gate's admission path (bench_admission times that)
         rank = self.tier_rank[tier]
         try:
             lease = await self.arbiter.acquire(model, rank, is_batch=self.gate.tiers[tier].is_batch)
         except Refused as exc:
             self.gate.release(ticket)
+            self.gate.stats.refused(tier, "model_protected")
             headers = {**_retry_headers(exc.retry_after), **self.gate.rate_headers(tier, refused_for=exc.retry_after)}
             raise APIError(429, str(exc), "model_protected", headers=headers, type="rate_limit_error") from None
         except Unavailable as exc:
             self.gate.release(ticket)
+            self.gate.stats.refused(tier, "model_unavailable")
             headers = _retry_headers(exc.retry_after) if exc.retry_after else {}
             raise APIError(503, str(exc), "model_unavailable", headers=headers) from None
         except BaseException:
             self.gate.release(ticket)
             raise
-        return Held(ticket, lease, self.gate)
+        return Held(ticket, lease, self.gate, arrived)
 
 
 def _too_many(gate: Gate, tier: str, exc: Rejected) -> APIError:

@@ -15,6 +15,10 @@ A ``Serving`` owns, for one request:
 * the latency metric of its endpoint, and the latency the gate's SLO guard judges its tier by:
   time to first token for streamed text (``first_token``), else the whole request when it
   completed;
+* the key's account (``gateway.accounts``): its model allow-list and limits before the slot is
+  taken (404 / 429), and its usage (``usage``, which the core fills in: tokens, images, audio;
+  the block adds GPU-seconds and swap seconds) written durably when the block ends, which every
+  core arranges to be before the response's last byte;
 * the request log's figures (``gateway.request_log``): the model, the queue wait at the gate, the
   wait for the model's load, the service time and (``count_tokens``) the tokens.
 
@@ -32,6 +36,8 @@ from typing import Awaitable, Callable, TypeVar
 import anyio
 import torch
 
+from accounts.rates import Ask
+from accounts.usage import Usage
 from gateway.auth import Caller
 from gateway.errors import APIError
 from gateway.request_log import current as current_request
@@ -59,14 +65,17 @@ class Serving:
     and a lease for the block; see the module's docstring."""
 
     def __init__(self, svc: Services, caller: Caller, model: str, units: float, endpoint: str,
-                 gone: Gone | None) -> None:
+                 gone: Gone | None, ask: Ask = Ask()) -> None:
         self.svc, self.caller, self.model, self.units, self.endpoint = svc, caller, model, units, endpoint
         self.gone = gone
+        self.ask = ask  # what the request spends of its key's minute limits, as estimated now
+        self.usage = Usage(requests=1)  # filled in by the core; GPU and swap seconds by the block
         self.arrived = time.monotonic()
         self._latency_reported = False  # to the gate's SLO guard: once per request
         self.held: Held | None = None
         self.contexts: list[StepContext] = []
         self._gone_wait: asyncio.Future | None = None
+        self._admission = None
         self.record = current_request()  # the HTTP request's log record; None for a batch line
 
     @property
@@ -83,7 +92,10 @@ class Serving:
         return any(ctx.paused for ctx in self.contexts)
 
     def count_tokens(self, prompt: int, completion: int) -> None:
-        """The request's tokens, for the request log (completions add up over a request's blocks)."""
+        """The request's tokens, for its usage and the request log (completions add up over a
+        request's blocks)."""
+        self.usage.input_tokens = prompt
+        self.usage.output_tokens += completion
         if self.record is not None:
             self.record.prompt_tokens = prompt
             self.record.completion_tokens = (self.record.completion_tokens or 0) + completion
@@ -107,10 +119,16 @@ class Serving:
     async def __aenter__(self) -> "Serving":
         if self.record is not None:
             self.record.model = self.model
+        accounts = self.svc.accounts
+        if accounts is not None:
+            self._admission = await accounts.admit(self.caller, self.model, self.ask)
         try:
             self.held = await self.until_gone(self.svc.hold(self.caller.tier, self.model, self.units))
         except BaseException:
             self._stop_watching()
+            if self._admission is not None:  # refused or gone before any work: give the limits back
+                with anyio.CancelScope(shield=True):
+                    await accounts.finish(self.caller, self.model, self._admission, None)
             raise
         if self.record is not None:
             queued = self.held.ticket.queued_s
@@ -124,14 +142,28 @@ class Serving:
         if held is None:
             return
         completed = exc_type is None  # a cut stream ends with GeneratorExit or CancelledError here
-        held.release(time.monotonic() - held.started if completed and not self.paused else None)
+        service_s = time.monotonic() - held.started
+        held.release(service_s if completed and not self.paused else None)
         if self.record is not None:
-            self.record.service_s = time.monotonic() - held.started
+            self.record.service_s = service_s
         latency = time.monotonic() - self.arrived
         self.svc.metrics.latency.labels(self.caller.tier, self.endpoint).observe(latency)
         if completed and not self._latency_reported:
             self._latency_reported = True
             self.svc.gate.observe_latency(self.caller.tier, latency)
+        if self.svc.accounts is not None:
+            self.usage.gpu_seconds = self._gpu_seconds(service_s)
+            self.usage.swap_seconds = held.lease.swap_s
+            with anyio.CancelScope(shield=True):  # a cut stream is metered too
+                await self.svc.accounts.finish(self.caller, self.model, self._admission, self.usage)
+
+    def _gpu_seconds(self, service_s: float) -> float:
+        """The device time this request cost: what an engine that shares its steps among rows
+        charged it (``StepContext.gpu_s``), else its service time less the time it was paused."""
+        charged = [ctx.gpu_s for ctx in self.contexts if ctx.gpu_s is not None]
+        if charged:
+            return sum(charged)
+        return max(service_s - sum(ctx.paused_s for ctx in self.contexts), 0.0)
 
     async def step(self, attempt: Callable[[StepContext], Awaitable[T]], doing: str) -> T:
         """Run ``attempt`` (given a fresh step context) until it returns; after out of memory,

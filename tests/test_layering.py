@@ -1,5 +1,5 @@
 """The house is drawn in one direction: gateway -> arbiter -> workers -> lora_kernels, with batch
-beside gateway and demo beside them all (demo may import workers and lora_kernels, never the
+beside gateway, accounts (imported by both, importing none of them) and demo beside them all (demo may import workers and lora_kernels, never the
 reverse). Checked on every import statement, lazy ones included, and no module cycle inside a
 package."""
 
@@ -11,11 +11,12 @@ from pathlib import Path
 import pytest
 
 ROOT = Path(__file__).resolve().parents[1]
-PACKAGES = ("gateway", "batch", "arbiter", "workers", "lora_kernels", "demo")
+PACKAGES = ("gateway", "batch", "accounts", "arbiter", "workers", "lora_kernels", "demo")
 # what each package may import from the others
 ALLOWED = {
-    "gateway": {"batch", "arbiter", "workers", "lora_kernels", "demo"},  # demo: the demo-models command
-    "batch": {"gateway", "arbiter", "workers", "lora_kernels"},
+    "gateway": {"batch", "accounts", "arbiter", "workers", "lora_kernels", "demo"},  # demo: the demo-models command
+    "batch": {"gateway", "accounts", "arbiter", "workers", "lora_kernels"},
+    "accounts": set(),  # keys, limits and usage: a leaf the gateway composes
     "arbiter": {"workers"},
     "workers": {"lora_kernels"},
     "lora_kernels": set(),

@@ -1,0 +1,75 @@
+"""Limits and prices as tiers.yaml states them: ``accounts.limits`` (defaults per tier) and
+``prices`` (cost per tier). A managed key's own limits override its tier's, field by field."""
+
+from __future__ import annotations
+
+from pydantic import BaseModel, ConfigDict, Field
+
+
+class _Strict(BaseModel):
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+
+class Limits(_Strict):
+    """What one key may use; None is no limit. Minute limits are buckets that refill evenly over
+    a minute (GCRA), so a full minute's worth can be spent at once and then one more every
+    ``60 / limit`` seconds."""
+
+    requests_per_min: int | None = Field(default=None, ge=1)
+    tokens_per_min: int | None = Field(default=None, ge=1)  # chat prompt + max_tokens, embeddings input
+    concurrent: int | None = Field(default=None, ge=1)  # requests in flight at once
+    images_per_min: int | None = Field(default=None, ge=1)
+    audio_seconds_per_min: float | None = Field(default=None, gt=0)  # speech made plus audio transcribed
+    gpu_seconds_per_day: float | None = Field(default=None, gt=0)  # per UTC day
+    models: tuple[str, ...] | None = None  # allow-list of model names; None: every model
+
+    def over(self, overrides: dict) -> "Limits":
+        """These limits with ``overrides`` (a key's own, only the fields it sets) on top."""
+        return Limits.model_validate({**self.model_dump(), **overrides})
+
+
+MINUTE_LIMITS = ("requests_per_min", "tokens_per_min", "images_per_min", "audio_seconds_per_min")
+
+
+class Price(_Strict):
+    """US dollars per unit of usage for one tier, or another tier's prices times ``factor``
+    (``{like: paid, factor: 0.5}``: OpenAI's Batch API discount)."""
+
+    like: str | None = None
+    factor: float = Field(default=1.0, ge=0)
+    input_tokens_per_1m: float = Field(default=0.0, ge=0)
+    output_tokens_per_1m: float = Field(default=0.0, ge=0)
+    embedding_tokens_per_1m: float = Field(default=0.0, ge=0)
+    image: float = Field(default=0.0, ge=0)  # per image
+    audio_in_minute: float = Field(default=0.0, ge=0)  # transcription, per minute of audio
+    audio_out_minute: float = Field(default=0.0, ge=0)  # speech, per minute made
+    gpu_hour: float = Field(default=0.0, ge=0)
+
+
+class AccountsConfig(_Strict):
+    """``accounts:`` in tiers.yaml: per-tier default limits, and how long a process trusts what it
+    knows of the managed keys (a revoke reaches every process within ``refresh_s``)."""
+
+    limits: dict[str, Limits] = Field(default_factory=dict)
+    refresh_s: float = Field(default=0.5, gt=0, le=1.0)
+
+
+def check_tiers(accounts: AccountsConfig, prices: dict[str, Price], tiers: list[str]) -> None:
+    """Every tier named under ``accounts.limits`` and ``prices`` exists; ``like`` names a priced tier."""
+    for where, names in (("accounts.limits", accounts.limits), ("prices", prices)):
+        for name in names:
+            if name not in tiers:
+                raise ValueError(f"{where}: no tier named {name!r} (tiers: {', '.join(tiers)})")
+    for name, price in prices.items():
+        if price.like is not None and (price.like not in prices or prices[price.like].like is not None):
+            raise ValueError(f"prices.{name}.like: {price.like!r} must be a tier priced directly")
+
+
+def resolved_price(prices: dict[str, Price], tier: str) -> Price | None:
+    """The tier's prices with ``like`` applied, or None when the tier has none."""
+    price = prices.get(tier)
+    if price is None or price.like is None:
+        return price
+    base = prices[price.like].model_dump(exclude={"like", "factor"})
+    return Price(**{k: v * price.factor for k, v in base.items()})
+

@@ -1,0 +1,170 @@
+"""The limit arithmetic: what a request asks for, the decision on it, and GCRA buckets.
+
+Each per-minute limit ``L`` is a GCRA bucket (the generic cell rate algorithm, a token bucket
+kept as one number): the bucket's *theoretical arrival time* ``tat`` moves ``cost * 60 / L``
+seconds forward for every admitted request, and a request is admitted when the new ``tat`` is at
+most 60 s ahead of now. A full minute's allowance can therefore be spent at once, and it comes
+back evenly, one unit every ``60 / L`` seconds. What is left, when the bucket is full again, and
+how long a refused request must wait all follow from ``tat`` alone (``Bucket``).
+
+Concurrency is a count of requests in flight; the daily GPU-seconds budget compares what the key
+has spent today (from the usage store) with its budget, before the request: the request that
+crosses the budget completes, the next one is refused with ``insufficient_quota`` until 00:00 UTC.
+
+:class:`LocalLimiter` keeps the buckets in this process (the SQLite store's mode);
+``accounts.redis_store.RedisLimiter`` runs the same decision as one Lua script on Redis, so every
+process sharing that Redis sees one bucket per key.
+"""
+
+from __future__ import annotations
+
+import abc
+import math
+import time
+from dataclasses import dataclass, field
+
+from accounts.config import Limits
+
+WINDOW_S = 60.0
+# bucket name -> the Limits field that sets it, and the Ask field that spends it
+DIMENSIONS = {"requests": "requests_per_min", "tokens": "tokens_per_min", "images": "images_per_min",
+              "audio_seconds": "audio_seconds_per_min"}
+
+
+@dataclass(frozen=True)
+class Ask:
+    """What one request spends of its key's minute buckets (estimates at admission)."""
+
+    requests: float = 1.0
+    tokens: float = 0.0
+    images: float = 0.0
+    audio_seconds: float = 0.0
+
+    def of(self, dimension: str) -> float:
+        return getattr(self, dimension)
+
+
+@dataclass(frozen=True)
+class Bucket:
+    """One limit's state for the headers: the limit, what is left, seconds until full again."""
+
+    limit: float
+    remaining: float
+    reset_s: float
+
+
+@dataclass
+class Verdict:
+    ok: bool
+    buckets: dict[str, Bucket] = field(default_factory=dict)  # after this request, when admitted
+    code: str = ""  # "rate_limit_exceeded" | "insufficient_quota" when refused
+    message: str = ""
+    retry_after_s: float = 0.0
+
+
+def rates(limits: Limits) -> dict[str, float]:
+    """The minute limits that are set: bucket name -> units per minute."""
+    out = {}
+    for dim, name in DIMENSIONS.items():
+        value = getattr(limits, name)
+        if value is not None:
+            out[dim] = float(value)
+    return out
+
+
+def seconds_to_utc_midnight(now: float) -> float:
+    return 86400.0 - (now % 86400.0)
+
+
+def utc_day(now: float) -> str:
+    return time.strftime("%Y-%m-%d", time.gmtime(now))
+
+
+def bucket_after(tat: float, now: float, limit: float) -> Bucket:
+    t = WINDOW_S / limit
+    ahead = max(tat - now, 0.0)
+    return Bucket(limit, max(math.floor((WINDOW_S - ahead) / t + 1e-9), 0), ahead)
+
+
+def refusal(dim: str, limit: float, cost: float, need_s: float) -> Verdict:
+    """The 429 for a minute bucket that cannot take ``cost`` now."""
+    per = f"{limit:g} {dim.replace('_', ' ')} per min"
+    if cost > limit:
+        return Verdict(False, code="rate_limit_exceeded", retry_after_s=WINDOW_S,
+                       message=f"this request needs {cost:g} {dim.replace('_', ' ')}, more than this key's limit of {per}")
+    return Verdict(False, code="rate_limit_exceeded", retry_after_s=need_s,
+                   message=f"rate limit reached for this key: {per}; try again in {need_s:.1f}s")
+
+
+def over_budget(spent: float, budget: float, now: float) -> Verdict:
+    return Verdict(False, code="insufficient_quota", retry_after_s=seconds_to_utc_midnight(now),
+                   message=f"this key has used its daily budget of {budget:g} GPU-seconds "
+                           f"({spent:.2f} used today); it renews at 00:00 UTC")
+
+
+def too_many_at_once(limit: int) -> Verdict:
+    return Verdict(False, code="rate_limit_exceeded", retry_after_s=1.0,
+                   message=f"this key already has {limit} requests in flight, its limit")
+
+
+class Limiter(abc.ABC):
+    """Decides on a key's request against its limits, atomically; then corrects it when it ends."""
+
+    @abc.abstractmethod
+    async def admit(self, key: str, limits: Limits, ask: Ask, spent_gpu_s: float, request_id: str) -> Verdict:
+        """Admit (spending ``ask`` and a concurrency slot) or refuse, all limits at once.
+        ``spent_gpu_s`` is today's GPU-seconds so far (the Redis limiter reads its own)."""
+
+    @abc.abstractmethod
+    async def settle(self, key: str, limits: Limits, asked: Ask, used: Ask, request_id: str) -> None:
+        """The request ended: free its concurrency slot and correct the buckets by ``used - asked``."""
+
+    @abc.abstractmethod
+    async def peek(self, key: str, limits: Limits) -> dict[str, Bucket]:
+        """The buckets as they are now, spending nothing."""
+
+    async def close(self) -> None:
+        return None
+
+
+class LocalLimiter(Limiter):
+    """The buckets of this process (no I/O; the event loop is the only caller)."""
+
+    def __init__(self, clock=time.time) -> None:
+        self.clock = clock
+        self._tat: dict[tuple[str, str], float] = {}
+        self._inflight: dict[str, int] = {}
+
+    async def admit(self, key: str, limits: Limits, ask: Ask, spent_gpu_s: float, request_id: str) -> Verdict:
+        now = self.clock()
+        if limits.gpu_seconds_per_day is not None and spent_gpu_s >= limits.gpu_seconds_per_day:
+            return over_budget(spent_gpu_s, limits.gpu_seconds_per_day, now)
+        if limits.concurrent is not None and self._inflight.get(key, 0) >= limits.concurrent:
+            return too_many_at_once(limits.concurrent)
+        new_tat = {}
+        for dim, limit in rates(limits).items():
+            cost = ask.of(dim)
+            tat = max(self._tat.get((key, dim), now), now) + cost * WINDOW_S / limit
+            if tat - now > WINDOW_S + 1e-9:
+                return refusal(dim, limit, cost, tat - WINDOW_S - now)
+            new_tat[dim] = tat
+        for dim, tat in new_tat.items():
+            self._tat[(key, dim)] = tat
+        self._inflight[key] = self._inflight.get(key, 0) + 1
+        return Verdict(True, {dim: bucket_after(tat, now, rates(limits)[dim]) for dim, tat in new_tat.items()})
+
+    async def settle(self, key: str, limits: Limits, asked: Ask, used: Ask, request_id: str) -> None:
+        left = self._inflight.get(key, 0) - 1
+        if left > 0:
+            self._inflight[key] = left
+        else:
+            self._inflight.pop(key, None)
+        now = self.clock()
+        for dim, limit in rates(limits).items():
+            delta = used.of(dim) - asked.of(dim)
+            if delta and (key, dim) in self._tat:
+                self._tat[(key, dim)] = max(self._tat[(key, dim)] + delta * WINDOW_S / limit, now)
+
+    async def peek(self, key: str, limits: Limits) -> dict[str, Bucket]:
+        now = self.clock()
+        return {dim: bucket_after(self._tat.get((key, dim), now), now, limit) for dim, limit in rates(limits).items()}

@@ -1,0 +1,165 @@
+"""Managed keys and usage in one SQLite file (the default): see ``accounts.store``."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import sqlite3
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+from typing import Any, Callable, TypeVar
+
+from accounts.keys import KeyRecord
+from accounts.store import AccountStore
+from accounts.usage import COUNTERS, Usage, UsageRow
+
+T = TypeVar("T")
+
+_SCHEMA = f"""
+CREATE TABLE IF NOT EXISTS keys (
+    id TEXT PRIMARY KEY, hash TEXT NOT NULL UNIQUE, doc TEXT NOT NULL, version INTEGER NOT NULL);
+CREATE INDEX IF NOT EXISTS keys_by_version ON keys (version);
+CREATE TABLE IF NOT EXISTS usage (
+    day TEXT NOT NULL, key TEXT NOT NULL, model TEXT NOT NULL, tier TEXT NOT NULL,
+    {", ".join(f"{c} REAL NOT NULL DEFAULT 0" for c in COUNTERS)},
+    PRIMARY KEY (day, key, model, tier)) WITHOUT ROWID;
+CREATE INDEX IF NOT EXISTS usage_by_key ON usage (key, day);
+"""
+_UPSERT = (f"INSERT INTO usage (day, key, model, tier, {', '.join(COUNTERS)}) "
+           f"VALUES (?, ?, ?, ?, {', '.join('?' for _ in COUNTERS)}) ON CONFLICT (day, key, model, tier) DO UPDATE SET "
+           + ", ".join(f"{c} = {c} + excluded.{c}" for c in COUNTERS))
+
+
+class SQLiteAccounts(AccountStore):
+    """One file in WAL mode; one thread owns the connection; each change is one transaction."""
+
+    def __init__(self, path: Path) -> None:
+        self.path = Path(path)
+        self._pool: ThreadPoolExecutor | None = None
+        self._db: sqlite3.Connection | None = None
+
+    async def _call(self, fn: Callable[..., T], *args: Any) -> T:
+        assert self._pool is not None, "the account store is not open"
+        return await asyncio.get_running_loop().run_in_executor(self._pool, fn, *args)
+
+    def _tx(self, fn: Callable[[sqlite3.Connection], T]) -> T:
+        db = self._db
+        db.execute("BEGIN IMMEDIATE")
+        try:
+            out = fn(db)
+        except BaseException:
+            db.execute("ROLLBACK")
+            raise
+        db.execute("COMMIT")
+        return out
+
+    async def open(self) -> None:
+        self._pool = ThreadPoolExecutor(1, thread_name_prefix="tiergate-accounts")
+
+        def connect() -> None:
+            self.path.parent.mkdir(parents=True, exist_ok=True)
+            db = sqlite3.connect(self.path, isolation_level=None, timeout=30, check_same_thread=False)
+            db.execute("PRAGMA journal_mode=WAL")
+            db.execute("PRAGMA synchronous=NORMAL")  # WAL: a process crash loses nothing committed
+            db.executescript(_SCHEMA)
+            self._db = db
+
+        await self._call(connect)
+
+    async def close(self) -> None:
+        if self._pool is None:
+            return
+        if self._db is not None:
+            await self._call(self._db.close)
+        self._pool.shutdown()
+        self._pool, self._db = None, None
+
+    # -- keys
+    @staticmethod
+    def _next_version(db: sqlite3.Connection) -> int:
+        return db.execute("SELECT COALESCE(MAX(version), 0) + 1 FROM keys").fetchone()[0]
+
+    async def create_key(self, record: KeyRecord) -> KeyRecord:
+        def run(db: sqlite3.Connection) -> int:
+            version = self._next_version(db)
+            db.execute("INSERT INTO keys (id, hash, doc, version) VALUES (?, ?, ?, ?)",
+                       (record.id, record.hash, json.dumps(record.doc()), version))
+            return version
+
+        version = await self._call(self._tx, run)
+        return KeyRecord.of(record.doc(), version)
+
+    def _one(self, sql: str, arg: str) -> KeyRecord | None:
+        row = self._db.execute(sql, (arg,)).fetchone()
+        return KeyRecord.of(json.loads(row[0]), row[1]) if row else None
+
+    async def get_key(self, key_id: str) -> KeyRecord | None:
+        return await self._call(self._one, "SELECT doc, version FROM keys WHERE id = ?", key_id)
+
+    async def find_key(self, hash_hex: str) -> KeyRecord | None:
+        return await self._call(self._one, "SELECT doc, version FROM keys WHERE hash = ?", hash_hex)
+
+    async def list_keys(self) -> list[KeyRecord]:
+        def run() -> list[KeyRecord]:
+            rows = self._db.execute("SELECT doc, version FROM keys").fetchall()
+            return sorted((KeyRecord.of(json.loads(d), v) for d, v in rows), key=lambda r: (r.created_at, r.id))
+
+        return await self._call(run)
+
+    async def update_key(self, key_id: str, **changes: Any) -> KeyRecord | None:
+        def run(db: sqlite3.Connection) -> KeyRecord | None:
+            row = db.execute("SELECT doc FROM keys WHERE id = ?", (key_id,)).fetchone()
+            if row is None:
+                return None
+            doc = json.loads(row[0])
+            if doc.get("revoked_at") is not None:
+                changes.pop("revoked_at", None)
+            doc.update({k: (list(v) if isinstance(v, tuple) else v) for k, v in changes.items()})
+            version = self._next_version(db)
+            db.execute("UPDATE keys SET doc = ?, version = ? WHERE id = ?", (json.dumps(doc), version, key_id))
+            return KeyRecord.of(doc, version)
+
+        return await self._call(self._tx, run)
+
+    async def keys_since(self, version: int) -> tuple[list[KeyRecord], int]:
+        def run() -> tuple[list[KeyRecord], int]:
+            rows = self._db.execute("SELECT doc, version FROM keys WHERE version > ? ORDER BY version",
+                                    (version,)).fetchall()
+            records = [KeyRecord.of(json.loads(d), v) for d, v in rows]
+            return records, max([version] + [r.version for r in records])
+
+        return await self._call(run)
+
+    # -- usage
+    async def record(self, day: str, key: str, model: str, tier: str, usage: Usage) -> None:
+        values = (day, key, model, tier, *(getattr(usage, c) for c in COUNTERS))
+        await self._call(self._tx, lambda db: db.execute(_UPSERT, values))
+
+    async def usage(self, key: str | None, model: str | None, since: str | None, until: str | None) -> list[UsageRow]:
+        where, args = [], []
+        for column, op, value in (("key", "=", key), ("model", "=", model), ("day", ">=", since), ("day", "<=", until)):
+            if value is not None:
+                where.append(f"{column} {op} ?")
+                args.append(value)
+        sql = f"SELECT day, key, model, tier, {', '.join(COUNTERS)} FROM usage"
+        if where:
+            sql += " WHERE " + " AND ".join(where)
+
+        def run() -> list[UsageRow]:
+            return [UsageRow(r[0], r[1], r[2], r[3], _usage(r[4:])) for r in self._db.execute(sql + " ORDER BY day", args)]
+
+        return await self._call(run)
+
+    async def gpu_spent(self, key: str, day: str) -> float:
+        def run() -> float:
+            return self._db.execute("SELECT COALESCE(SUM(gpu_seconds), 0) FROM usage WHERE key = ? AND day = ?",
+                                    (key, day)).fetchone()[0]
+
+        return await self._call(run)
+
+
+def _usage(values: tuple) -> Usage:
+    u = Usage()
+    for name, value in zip(COUNTERS, values):
+        setattr(u, name, int(value) if isinstance(getattr(u, name), int) else float(value))
+    return u

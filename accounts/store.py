@@ -1,0 +1,83 @@
+"""Where managed keys and usage live: one :class:`AccountStore` interface, two implementations
+beside the Batch API's (and chosen by the same ``batch.store`` setting):
+
+* ``accounts.sqlite_store.SQLiteAccounts`` (the default): one SQLite file in WAL mode next to
+  batch's; processes on one machine share it; limits are kept per process (``LocalLimiter``).
+* ``accounts.redis_store.RedisAccounts`` (``redis://...``): processes on many machines share keys,
+  usage and one set of limit buckets (``RedisLimiter``).
+
+Guarantees both keep:
+
+* Secrets are never stored, only their SHA-256 (``accounts.keys``).
+* Every change to a key (create, change, revoke) takes the next value of one change counter, so a
+  process stays current by asking for what changed since the last value it saw
+  (:meth:`AccountStore.keys_since`).
+* :meth:`AccountStore.record` adds one request's usage to its row in one atomic write, which is on
+  disk (SQLite WAL) or in Redis when it returns: a request is counted once, and a process killed
+  after it answered has lost nothing.
+"""
+
+from __future__ import annotations
+
+import abc
+from typing import Any
+
+from accounts.keys import KeyRecord
+from accounts.rates import Limiter, LocalLimiter
+from accounts.usage import Usage, UsageRow
+
+
+class AccountStore(abc.ABC):
+    @abc.abstractmethod
+    async def open(self) -> None: ...
+
+    @abc.abstractmethod
+    async def close(self) -> None: ...
+
+    # -- keys
+    @abc.abstractmethod
+    async def create_key(self, record: KeyRecord) -> KeyRecord:
+        """Store a new key; returns it with its version."""
+
+    @abc.abstractmethod
+    async def get_key(self, key_id: str) -> KeyRecord | None: ...
+
+    @abc.abstractmethod
+    async def find_key(self, hash_hex: str) -> KeyRecord | None:
+        """The key whose secret has this SHA-256, revoked or not."""
+
+    @abc.abstractmethod
+    async def list_keys(self) -> list[KeyRecord]:
+        """Every key, oldest first."""
+
+    @abc.abstractmethod
+    async def update_key(self, key_id: str, **changes: Any) -> KeyRecord | None:
+        """Change ``name``, ``tier``, ``limits``, ``models`` or ``revoked_at``; None if no such key.
+        A revoked key stays revoked."""
+
+    @abc.abstractmethod
+    async def keys_since(self, version: int) -> tuple[list[KeyRecord], int]:
+        """Keys changed after ``version``, and the latest version."""
+
+    # -- usage
+    @abc.abstractmethod
+    async def record(self, day: str, key: str, model: str, tier: str, usage: Usage) -> None:
+        """Add ``usage`` to its row, atomically and durably."""
+
+    @abc.abstractmethod
+    async def usage(self, key: str | None, model: str | None, since: str | None, until: str | None) -> list[UsageRow]:
+        """Rows filtered by key, model and day range (``since`` and ``until`` inclusive, YYYY-MM-DD)."""
+
+    @abc.abstractmethod
+    async def gpu_spent(self, key: str, day: str) -> float:
+        """GPU-seconds the key used on ``day``, all models and tiers."""
+
+    def limiter(self) -> Limiter:
+        """The limiter that goes with this store (in-process unless the store is shared)."""
+        return LocalLimiter()
+
+    @property
+    def shares_limits(self) -> bool:
+        """True when the limiter reads today's GPU-seconds itself (no ``gpu_spent`` call needed)."""
+        return False
+

@@ -1,0 +1,236 @@
+"""Accounts in the gateway: managed keys beside the environment's, per-key limits at admission,
+and usage metered per request (see docs/ACCOUNTS.md).
+
+:class:`Accounts` keeps a copy of every managed key in this process, refreshed from the store
+every ``accounts.refresh_s`` (0.5 s by default) by asking only for what changed since the last
+refresh, so a key is looked up without I/O and a revoke or a change reaches every process within
+a second. The store is the one the Batch API uses (``batch.store``): SQLite beside its file, or
+the same Redis.
+
+Every model request, HTTP or batch line, runs in ``gateway.serving.Serving``, which calls
+:meth:`Accounts.admit` before it takes a slot and :meth:`Accounts.finish` when it ends, before its
+last byte is sent: the model allow-list (404, as if the model did not exist), the key's limits
+(429, from the limiter, atomic across processes on Redis), then the usage record, written and
+durable before the response ends. Batch lines are metered at the batch tier but not limited:
+their key's limits were applied when the batch was created, and batch work only runs on an idle
+GPU anyway.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import logging
+import math
+import time
+import uuid
+from dataclasses import dataclass, field, replace
+from typing import Any
+
+from accounts.config import Limits, Price, resolved_price
+from accounts.keys import PREFIX, KeyRecord, make_key, secret_hash
+from accounts.rates import Ask, Bucket, Limiter, Verdict, utc_day
+from accounts.redis_store import RedisAccounts
+from accounts.sqlite_store import SQLiteAccounts
+from accounts.store import AccountStore
+from accounts.usage import Usage
+from gateway.auth import Caller, RateState
+from gateway.config import Config
+from gateway.errors import APIError
+
+log = logging.getLogger("tiergate.accounts")
+
+
+def store_for(config: Config) -> AccountStore:
+    """The account store beside the Batch API's (same ``batch.store``, same data folder)."""
+    cfg = config.batch
+    if cfg.store.startswith(("redis://", "rediss://")):
+        return RedisAccounts(cfg.store)
+    data_dir = cfg.data_dir if cfg.data_dir.is_absolute() else config.source.parent / cfg.data_dir
+    return SQLiteAccounts(data_dir / "accounts.sqlite3")
+
+
+def estimate_tokens(messages: list[dict]) -> int:
+    """A prompt's tokens before it is encoded, as OpenAI estimates them for its limits: about four
+    characters a token. The bucket is corrected with the true count when the request ends."""
+    return math.ceil(len(json.dumps(messages, ensure_ascii=False)) / 4)
+
+
+@dataclass
+class Admission:
+    """One request's hold on its key's limits: what it asked, to correct when it ends."""
+
+    key: str
+    limits: Limits
+    ask: Ask
+    request_id: str = field(default_factory=lambda: uuid.uuid4().hex)
+
+
+class Accounts:
+    def __init__(self, config: Config, store: AccountStore) -> None:
+        self.tier_limits = config.accounts.limits
+        self.tiers = config.tier_names
+        self.prices: dict[str, Price | None] = {t: resolved_price(config.prices, t) for t in self.tiers}
+        self.refresh_s = config.accounts.refresh_s
+        self.store = store
+        self.limiter: Limiter = store.limiter()
+        self._by_hash: dict[str, KeyRecord] = {}
+        self._by_id: dict[str, KeyRecord] = {}
+        self._version = 0
+        self._loop: asyncio.Task | None = None
+        self.record_s: list[float] = []  # how long recent usage writes took (benchmark, tests)
+
+    @classmethod
+    def from_config(cls, config: Config) -> "Accounts":
+        return cls(config, store_for(config))
+
+    async def start(self) -> None:
+        await self.store.open()
+        await self.refresh()
+        self._loop = asyncio.create_task(self._refresh_loop(), name="accounts-refresh")
+
+    async def stop(self) -> None:
+        if self._loop is not None:
+            self._loop.cancel()
+            await asyncio.gather(self._loop, return_exceptions=True)
+        await self.limiter.close()
+        await self.store.close()
+
+    async def refresh(self) -> None:
+        records, self._version = await self.store.keys_since(self._version)
+        for r in records:
+            self._learn(r)
+
+    def _learn(self, record: KeyRecord) -> None:
+        old = self._by_id.get(record.id)
+        if old is not None and old.version > record.version:
+            return
+        self._by_id[record.id] = record
+        self._by_hash[record.hash] = record
+
+    async def _refresh_loop(self) -> None:
+        while True:
+            await asyncio.sleep(self.refresh_s)
+            try:
+                await self.refresh()
+            except Exception:  # noqa: BLE001 - the store is down: keep what we know, try again
+                log.warning("could not refresh managed keys from the store", exc_info=True)
+
+    # -- keys
+    def lookup(self, token: str) -> Caller | None:
+        """The caller of a managed key's secret, or None (unknown or revoked)."""
+        if not token.startswith(PREFIX):
+            return None
+        record = self._by_hash.get(secret_hash(token))
+        if record is None or not record.active:
+            return None
+        return Caller(tier=record.tier, key_id=record.id)
+
+    def for_http(self, caller: Caller) -> Caller:
+        """The caller of one HTTP request, with the holder its rate-limit headers go in."""
+        return replace(caller, rate=RateState())
+
+    def limits(self, key_id: str, tier: str) -> Limits:
+        """A key's limits: its tier's defaults with the key's own on top."""
+        record = self._by_id.get(key_id)
+        if record is None:
+            return self.tier_limits.get(tier, Limits())
+        limits = self.tier_limits.get(record.tier, Limits()).over(record.limits)
+        return limits if record.models is None else limits.model_copy(update={"models": record.models})
+
+    def allows(self, caller: Caller, model: str) -> bool:
+        allowed = self.limits(caller.key_id, caller.tier).models
+        return allowed is None or model in allowed
+
+    async def create_key(self, name: str, tier: str, limits: dict[str, Any], models: tuple[str, ...] | None) -> tuple[KeyRecord, str]:
+        record, secret = make_key(name, tier, limits, models)
+        record = await self.store.create_key(record)
+        self._learn(record)
+        return record, secret
+
+    async def update_key(self, key_id: str, **changes: Any) -> KeyRecord | None:
+        record = await self.store.update_key(key_id, **changes)
+        if record is not None:
+            self._learn(record)
+        return record
+
+    # -- requests
+    async def admit(self, caller: Caller, model: str, ask: Ask) -> Admission | None:
+        """Before a request takes a slot: 404 for a model outside the key's allow-list; for HTTP
+        requests, 429 over a limit. Returns the hold to give back in ``finish`` (None: nothing held)."""
+        limits = self.limits(caller.key_id, caller.tier)
+        if limits.models is not None and model not in limits.models:
+            raise APIError(404, f"the model '{model}' does not exist", "model_not_found", "model")
+        if caller.rate is None or not _limited(limits):
+            return None
+        spent = 0.0
+        if limits.gpu_seconds_per_day is not None and not self.store.shares_limits:
+            spent = await self.store.gpu_spent(caller.key_id, utc_day(time.time()))
+        held = Admission(caller.key_id, limits, ask)
+        verdict = await self.limiter.admit(caller.key_id, limits, ask, spent, held.request_id)
+        if not verdict.ok:
+            caller.rate.headers = rate_headers(await self.limiter.peek(caller.key_id, limits))
+            raise refused(verdict)
+        caller.rate.headers = rate_headers(verdict.buckets)
+        return held
+
+    async def finish(self, caller: Caller, model: str, held: Admission | None, usage: Usage | None) -> None:
+        """After a request: correct its key's buckets by what it used (``usage`` None: it never
+        ran, and only the request itself still counts) and write its usage, durable on return."""
+        start = time.perf_counter()
+        writes = []
+        if usage is not None:
+            writes.append(self.store.record(utc_day(time.time()), caller.key_id, model, caller.tier, usage))
+        if held is not None:
+            used = Ask() if usage is None else Ask(
+                1.0, usage.input_tokens + usage.output_tokens + usage.embedding_tokens, usage.images,
+                usage.audio_in_seconds + usage.audio_out_seconds)
+            writes.append(self.limiter.settle(held.key, held.limits, held.ask, used, held.request_id))
+        for result in await asyncio.gather(*writes, return_exceptions=True):
+            if isinstance(result, BaseException):
+                log.error("usage of a request on %s could not be written: %r", model, result)
+        self.record_s = self.record_s[-999:] + [time.perf_counter() - start]
+
+    async def headers(self, caller: Caller) -> dict[str, str]:
+        """The key's rate-limit headers as they stand now (for responses that spent nothing)."""
+        limits = self.limits(caller.key_id, caller.tier)
+        if not (limits.requests_per_min or limits.tokens_per_min):
+            return {}
+        return rate_headers(await self.limiter.peek(caller.key_id, limits))
+
+
+def _limited(limits: Limits) -> bool:
+    return any(getattr(limits, f) is not None for f in
+               ("requests_per_min", "tokens_per_min", "concurrent", "images_per_min", "audio_seconds_per_min",
+                "gpu_seconds_per_day"))
+
+
+def refused(verdict: Verdict) -> APIError:
+    seconds = max(1, math.ceil(verdict.retry_after_s))  # a budget's wait (until 00:00 UTC) may be hours
+    headers = {"retry-after": str(seconds), "retry-after-ms": str(int(verdict.retry_after_s * 1000))}
+    if verdict.code == "insufficient_quota":  # waiting a little does not help: the SDK must not retry
+        headers["x-should-retry"] = "false"
+        return APIError(429, verdict.message, "insufficient_quota", headers=headers, type="insufficient_quota")
+    return APIError(429, verdict.message, "rate_limit_exceeded", headers=headers, type="rate_limit_error")
+
+
+def rate_headers(buckets: dict[str, Bucket]) -> dict[str, str]:
+    """OpenAI's ``x-ratelimit-{limit,remaining,reset}-{requests,tokens}`` for the buckets set."""
+    out = {}
+    for dim in ("requests", "tokens"):
+        b = buckets.get(dim)
+        if b is not None:
+            out[f"x-ratelimit-limit-{dim}"] = str(int(b.limit))
+            out[f"x-ratelimit-remaining-{dim}"] = str(int(b.remaining))
+            out[f"x-ratelimit-reset-{dim}"] = duration(b.reset_s)
+    return out
+
+
+def duration(seconds: float) -> str:
+    """Seconds as OpenAI writes a reset time: ``20ms``, ``1.5s``, ``6m0s``."""
+    if seconds < 1:
+        return f"{int(seconds * 1000)}ms"
+    minutes, rest = divmod(seconds, 60)
+    if minutes:
+        return f"{int(minutes)}m{int(rest)}s"
+    return f"{round(rest, 3):g}s"
