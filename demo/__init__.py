@@ -4,7 +4,7 @@ folder is built in a temporary sibling and renamed when complete, so an interrup
 mistaken for a model.
 
 The builders live beside this module, one per kind (``demo.chat``, ``demo.image``, ``demo.tts``,
-``demo.stt``); demo imports workers and lora_kernels, never the reverse."""
+``demo.stt``, ``demo.embed``); demo imports workers and lora_kernels, never the reverse."""
 
 from __future__ import annotations
 
@@ -19,6 +19,7 @@ DEMO_MODELS = {
     "tiny-image": "demo.image",
     "tiny-tts": "demo.tts",
     "tiny-stt": "demo.stt",
+    "tiny-embed": "demo.embed",
 }
 
 # name -> (base model, module with build_demo_adapter, rank). Random non-zero factors, so each
@@ -29,9 +30,9 @@ DEMO_ADAPTERS = {
     "tiny-image-sketch": ("tiny-image", "demo.image", 4),
 }
 ADAPTERS_DIR = "adapters"
-# Bumped whenever a builder changes what it makes (e.g. tiny-chat's head_dim for vLLM): folders
-# built by an older version are rebuilt, with the adapters on them.
-DEMO_VERSION = "2"
+# Bumped whenever a builder changes what it makes (e.g. tiny-chat's head_dim for vLLM, its tool-calling
+# chat template): folders built by an older version are rebuilt, with the adapters on them.
+DEMO_VERSION = "3"
 STAMP = ".tiergate-demo"
 
 

@@ -10,10 +10,26 @@ import torch
 
 from demo.lora import linear_shapes, random_lora
 
+# Hermes/Qwen style: tools listed in the system turn, calls as <tool_call>{"name": ..., "arguments":
+# ...}</tool_call> (the format tiers.yaml's default tool_parser, hermes, reads), results in a
+# <tool_response> turn. Without tools a conversation renders as <|role|>content</s> per message.
 _CHAT_TEMPLATE = (
-    "{% for m in messages %}<|{{ m['role'] }}|>{{ m['content'] }}</s>{% endfor %}"
-    "{% if add_generation_prompt %}<|assistant|>{% endif %}"
+    "{%- set first_system = messages and messages[0]['role'] == 'system' %}"
+    "{%- if tools %}<|system|>{% if first_system %}{{ messages[0]['content'] }}\n\n{% endif %}"
+    "<tools>{% for t in tools %}{{ '\\n' }}{{ t['function'] | tojson }}{% endfor %}{{ '\\n' }}</tools></s>"
+    "{%- elif first_system %}<|system|>{{ messages[0]['content'] }}</s>{% endif %}"
+    "{%- for m in messages %}"
+    "{%- if m['role'] == 'system' and loop.first %}"
+    "{%- elif m['role'] == 'tool' %}<|user|><tool_response>{{ m['content'] }}</tool_response></s>"
+    "{%- elif m['role'] == 'assistant' %}<|assistant|>{{ m['content'] or '' }}"
+    "{%- for c in m.get('tool_calls') or [] %}<tool_call>{\"name\": {{ c['function']['name'] | tojson }}, "
+    "\"arguments\": {% if c['function']['arguments'] is string %}{{ c['function']['arguments'] }}"
+    "{% else %}{{ c['function']['arguments'] | tojson }}{% endif %}}</tool_call>{% endfor %}</s>"
+    "{%- else %}<|{{ m['role'] }}|>{{ m['content'] }}</s>{% endif %}"
+    "{%- endfor %}"
+    "{%- if add_generation_prompt %}<|assistant|>{% endif %}"
 )
+_TOOL_TOKENS = ["<tool_call>", "</tool_call>", "<tool_response>", "</tool_response>"]  # added, not special: decoded text keeps them
 
 _CORPUS = [
     "tiergate serves chat, images, speech and transcription on one shared GPU.",
@@ -21,6 +37,11 @@ _CORPUS = [
     "The quick brown fox jumps over the lazy dog. Hello world! How are you today?",
     "One, two, three, four, five, six, seven, eight, nine, ten.",
     "A small model with random weights says random things, and that is fine for a demo.",
+    # JSON schemas and tool calls, so that tools and structured outputs take few tokens
+    '{"type": "object", "properties": {"name": {"title": "Name", "type": "string"}}, "required": ["name"]}',
+    '{"type": "integer", "minimum": 0, "maximum": 9}, {"type": "boolean"}, {"enum": ["a", "b"], "type": "array"}',
+    '{"name": "get_weather", "description": "A function.", "parameters": {"additionalProperties": false}}',
+    '<tool_call>{"name": "f", "arguments": {"city": "Paris", "unit": "celsius"}}</tool_call>',
 ] * 20
 
 
@@ -37,13 +58,14 @@ def build_demo(out_dir: Path, seed: int = 0) -> Path:
     tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
     tok.decoder = decoders.ByteLevel()
     trainer = trainers.BpeTrainer(
-        vocab_size=512, special_tokens=specials, initial_alphabet=pre_tokenizers.ByteLevel.alphabet()
+        vocab_size=1024, special_tokens=specials, initial_alphabet=pre_tokenizers.ByteLevel.alphabet()
     )
     tok.train_from_iterator(_CORPUS, trainer)
     fast = PreTrainedTokenizerFast(
         tokenizer_object=tok, bos_token="<s>", eos_token="</s>", pad_token="<pad>",
         additional_special_tokens=specials[3:],
     )
+    fast.add_tokens(_TOOL_TOKENS)
     fast.chat_template = _CHAT_TEMPLATE
     fast.save_pretrained(out_dir)
 

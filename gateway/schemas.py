@@ -51,15 +51,71 @@ class TextPart(_Body):
     text: str
 
 
-class Message(_Body):
-    role: Literal["system", "developer", "user", "assistant"]
-    content: str | list[TextPart]
-    name: str | None = None
+class FunctionCall(_Body):
+    name: str = Field(min_length=1)
+    arguments: str  # JSON text, as the model wrote it
 
-    def text(self) -> str:
-        if isinstance(self.content, str):
+
+class ToolCall(_Body):
+    """A call an assistant message made (echoed back in later turns)."""
+
+    id: str = Field(min_length=1)
+    type: Literal["function"] = "function"
+    function: FunctionCall
+
+
+class Message(_Body):
+    """One chat message. Which fields a role needs (content, tool_calls, tool_call_id) is checked
+    by :meth:`ChatCompletionRequest.message_problem`, so the error names the field."""
+
+    role: Literal["system", "developer", "user", "assistant", "tool"]
+    content: str | list[TextPart] | None = None
+    name: str | None = None
+    tool_calls: list[ToolCall] | None = None  # assistant
+    tool_call_id: str | None = None  # tool
+    refusal: str | None = None  # assistant: accepted, not rendered
+
+    def text(self) -> str | None:
+        if self.content is None or isinstance(self.content, str):
             return self.content
         return "".join(p.text for p in self.content)
+
+
+TOOL_NAME = r"^[a-zA-Z0-9_-]{1,64}$"
+MAX_TOOLS = 128
+
+
+class FunctionDef(_Body):
+    name: str = Field(pattern=TOOL_NAME)
+    description: str | None = None
+    parameters: dict[str, Any] | None = None  # a JSON schema of the arguments object
+    strict: bool | None = None
+
+
+class Tool(_Body):
+    type: Literal["function"]
+    function: FunctionDef
+
+
+class FunctionName(_Body):
+    name: str = Field(min_length=1)
+
+
+class NamedToolChoice(_Body):
+    type: Literal["function"]
+    function: FunctionName
+
+
+class JsonSchemaFormat(_Body):
+    name: str = Field(pattern=TOOL_NAME)
+    description: str | None = None
+    schema_: dict[str, Any] | bool | None = Field(default=None, alias="schema")
+    strict: bool | None = None
+
+
+class ResponseFormat(_Body):
+    type: Literal["text", "json_object", "json_schema"]
+    json_schema: JsonSchemaFormat | None = None  # required with type json_schema
 
 
 class StreamOptions(_Body):
@@ -87,7 +143,17 @@ class ChatCompletionRequest(_Body):
     seed: int | None = None
     stream: bool = False
     stream_options: StreamOptions | None = None
-    n: Literal[1] = 1
+    n: int = Field(default=1, ge=1)  # capped by limits.max_n
+    logprobs: bool = False
+    top_logprobs: int | None = Field(default=None, ge=0, le=20)
+    presence_penalty: float = Field(default=0.0, ge=-2, le=2)
+    frequency_penalty: float = Field(default=0.0, ge=-2, le=2)
+    logit_bias: dict[str, float] | None = None  # token id (as a string) -> bias in -100..100
+    tools: list[Tool] | None = Field(default=None, max_length=MAX_TOOLS)
+    tool_choice: Literal["none", "auto", "required"] | NamedToolChoice | None = None
+    parallel_tool_calls: bool | None = None
+    response_format: ResponseFormat | None = None
+    service_tier: str | None = None  # auto | default | flex | priority, or a tier's name
     user: str | None = None
     metadata: dict[str, str] | None = None
     store: bool | None = None
@@ -103,9 +169,42 @@ class ChatCompletionRequest(_Body):
             raise ValueError("stop sequences must not be empty")
         return stops
 
-    def messages_as_dicts(self) -> list[dict[str, str]]:
+    @field_validator("logit_bias")
+    @classmethod
+    def _bias(cls, v: dict[str, float] | None) -> dict[str, float] | None:
+        for token, bias in (v or {}).items():
+            if not token.isdigit():
+                raise ValueError(f"keys are token ids, not {token[:20]!r}")
+            if not -100 <= bias <= 100:
+                raise ValueError(f"the bias of token {token} is {bias:g}, outside -100..100")
+        return v
+
+    def message_problem(self) -> tuple[str, str] | None:
+        """(message, param) for the first message whose role lacks (or must not have) a field."""
+        for i, m in enumerate(self.messages):
+            where = f"messages[{i}]"
+            if m.role == "tool" and m.tool_call_id is None:
+                return "a tool message needs tool_call_id", f"{where}.tool_call_id"
+            if m.role != "tool" and m.tool_call_id is not None:
+                return f"tool_call_id is only for tool messages, not {m.role}", f"{where}.tool_call_id"
+            if m.role != "assistant" and m.tool_calls is not None:
+                return f"tool_calls is only for assistant messages, not {m.role}", f"{where}.tool_calls"
+            if m.content is None and not (m.role == "assistant" and m.tool_calls):
+                return f"missing required parameter: {where}.content", f"{where}.content"
+        return None
+
+    def messages_as_dicts(self) -> list[dict[str, Any]]:
+        """The messages as the chat template takes them (developer becomes system)."""
         role = {"developer": "system"}
-        return [{"role": role.get(m.role, m.role), "content": m.text()} for m in self.messages]
+        out = []
+        for m in self.messages:
+            d: dict[str, Any] = {"role": role.get(m.role, m.role), "content": m.text()}
+            if m.tool_calls:
+                d["tool_calls"] = [c.model_dump() for c in m.tool_calls]
+            if m.tool_call_id is not None:
+                d["tool_call_id"] = m.tool_call_id
+            out.append(d)
+        return out
 
 
 async def read_json(request: Request, max_bytes: int) -> dict[str, Any]:
@@ -234,8 +333,8 @@ def _param(loc: tuple[Any, ...]) -> str:
     for part in loc:
         if isinstance(part, int):
             out += f"[{part}]"
-        elif part in ("str", "list[TextPart]", "literal['text']") or "[" in str(part):
-            continue  # pydantic's union-branch labels are not fields
+        elif part in ("str", "list[TextPart]", "literal['text']") or "[" in str(part) or str(part)[:1].isupper():
+            continue  # pydantic's union-branch labels (types, model classes) are not fields
         else:
             out += f".{part}" if out else str(part)
     return out

@@ -70,7 +70,7 @@ def test_batched_rows_match_unbatched_reference(worker):
     results = asyncio.run(main())
     for p, (text, fin), i in zip(prompts, results, range(4)):
         ref = worker.tokenizer.decode(reference_ids(worker, p, 6 + 3 * i), skip_special_tokens=True)
-        assert text == ref, p
+        assert text == ref.rstrip("\ufffd"), p  # at the end an undecodable tail is dropped, as vLLM does
         assert fin.completion_tokens == 6 + 3 * i
 
 

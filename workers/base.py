@@ -17,7 +17,7 @@ from typing import TYPE_CHECKING, Any, Callable, Literal, Mapping
 if TYPE_CHECKING:
     from lora_kernels import LoraAdapter
 
-ModelKind = Literal["chat", "image", "tts", "stt"]
+ModelKind = Literal["chat", "image", "tts", "stt", "embed"]
 
 
 @dataclass(frozen=True)
@@ -44,6 +44,9 @@ class StepContext:
     work must yield; it returns when the work may continue. ``pause_check`` is its non-blocking
     twin for batched engines. ``steps`` counts boundaries passed; ``paused`` says whether the work
     was ever made to yield and ``paused_s`` for how long (such time is not service time).
+    ``gpu_s`` is set by an engine that runs many requests in one step (the transformers chat
+    engine): each step's time shared among its rows; None means the work's service time is its
+    device time.
     """
 
     def __init__(
@@ -55,6 +58,7 @@ class StepContext:
         self.pause_gate = pause_gate
         self.pause_check = pause_check
         self.steps = 0
+        self.gpu_s: float | None = None  # device seconds an engine that shares steps among rows charged this work
         self.paused = False
         self._paused_s = 0.0
         self._paused_since: float | None = None
@@ -108,6 +112,15 @@ def stack_key(stack: AdapterStackSpec) -> StackKey:
     return tuple((adapter.name, float(weight)) for adapter, weight in stack)
 
 
+@dataclass(frozen=True)
+class JsonGrammar:
+    """Constrained decoding: the reply is JSON valid against ``schema`` (JSON Schema text), with
+    no free whitespace (separators ``", "`` and ``": "``). Both engines compile it with xgrammar
+    (see ``workers.grammar``)."""
+
+    schema: str
+
+
 @dataclass
 class ChatParams:
     max_tokens: int = 256
@@ -115,20 +128,46 @@ class ChatParams:
     top_p: float = 1.0
     stop: list[str] = field(default_factory=list)
     seed: int | None = None
+    logprobs: int | None = None  # None: no logprobs; k: the sampled token's and the k most likely (0..20)
+    presence_penalty: float = 0.0  # subtracted once from a token that was generated before
+    frequency_penalty: float = 0.0  # subtracted per earlier generation of a token
+    logit_bias: dict[int, float] = field(default_factory=dict)  # token id -> added to its logit
+    grammar: JsonGrammar | None = None
+
+
+class InvalidParam(ValueError):
+    """A request field the engine cannot serve for this model (HTTP 400 naming ``param``)."""
+
+    def __init__(self, message: str, param: str) -> None:
+        super().__init__(message)
+        self.param = param
 
 
 @dataclass
 class ChatRequest:
-    messages: list[dict]
+    messages: list[dict]  # OpenAI's shape: role, content, and tool_calls / tool_call_id where given
     params: ChatParams
     priority: int = 0  # 0 is the highest tier
     ctx: StepContext = field(default_factory=StepContext)
     adapters: AdapterStackSpec = ()  # the adapter stack this request runs with; () = the base model
+    tools: list[dict] | None = None  # function tools, rendered by the chat template
+    prompt_ids: list[int] | None = None  # a raw prompt (legacy completions): these ids, no chat template
+
+
+@dataclass(frozen=True)
+class TokenLogprob:
+    """One generated token's log probability, and the ``top`` most likely tokens at its step as
+    (token, logprob) pairs, most likely first."""
+
+    token: str
+    logprob: float
+    top: tuple[tuple[str, float], ...] = ()
 
 
 @dataclass
 class TextDelta:
     text: str
+    logprobs: list[TokenLogprob] | None = None  # the tokens behind this text (when asked for)
 
 
 @dataclass

@@ -7,6 +7,10 @@ batch's cache with left padding), runs ONE forward pass that decodes a token for
 sequence, and hands each sequence's new text to its asyncio consumer. Sequences join and leave at
 any step, so concurrent requests share forward passes instead of queueing one behind another.
 
+Sampling, per row: the logits get the row's ``logit_bias`` and presence/frequency penalties, then
+its grammar's mask when it is constrained (``workers.grammar``: a matcher per row, advanced by
+each sampled token); logprobs are the log-softmax of these processed logits, before temperature.
+
 A decode step is the step boundary: a cancelled sequence (client gone) leaves the batch there;
 a sequence whose context asks it to pause (batch work yielding to another tier) leaves the batch
 keeping its tokens, and rejoins later by re-prefilling prompt + generated tokens.
@@ -45,14 +49,21 @@ from workers.base import (
     ChatFinished,
     ChatParams,
     ChatRequest,
+    InvalidParam,
     ModelSpec,
     StackKey,
     TextDelta,
+    TokenLogprob,
     stack_key,
 )
+from workers.grammar import Grammars, RowGrammar
 from workers.worker import ModelInfo, ThreadWorker
 from workers.chat_prompt import ContextTooLong  # noqa: F401 - the chat engines' 400, importable here
 from workers.chat_schedule import EngineView, Row, plan_step
+
+
+_clock = time.perf_counter  # times forward passes for GPU-seconds (tests replace it)
+_STEP_LOG = 20_000  # decode steps kept in step_log (read by tests and benchmarks; copy it with list())
 
 
 class AdapterStackFailed(RuntimeError):
@@ -70,6 +81,14 @@ class _Seq:
     arrival: int = 0  # order of submission: ties between equal priorities
     emitted_chars: int = 0
     done: bool = False
+    grammar: RowGrammar | None = None  # the row's matcher when its reply is constrained
+    logprobs: list[TokenLogprob] = field(default_factory=list)  # sampled, not yet emitted
+
+    def take_logprobs(self) -> list[TokenLogprob] | None:
+        if self.params.logprobs is None:
+            return None
+        taken, self.logprobs = self.logprobs, []
+        return taken
 
     @property
     def stack(self) -> AdapterStackSpec:
@@ -82,7 +101,7 @@ class _Seq:
     def row(self) -> Row:
         """This sequence as the scheduler sees it now."""
         ctx = self.req.ctx
-        return Row(self.arrival, self.req.priority, self.key, ctx.must_pause(), ctx.cancelled)
+        return Row(self.arrival, self.req.priority, self.key, ctx.must_pause(), ctx.cancelled, bool(self.generated))
 
     @property
     def generated(self) -> list[int]:
@@ -114,10 +133,13 @@ class ChatWorker(ThreadWorker):
         self._waiting: list[_Seq] = []  # new sequences, and paused ones with their tokens
         self.steps = 0  # decode steps run (forward passes over the batch)
         self.max_rows_seen = 0  # widest batch decoded in one step
+        self.step_log: list[tuple[int, ...]] = []  # recent decode steps: the tier rank of each row in it
         self._arrivals = itertools.count()
         self.adapter_stack: AdapterStack | None = None  # merges adapter stacks into self.model
         self.stack_key: StackKey = ()  # the stack merged into the weights now; () = the base model
         self.stack_merges = 0  # stack switches that merged adapters (AdapterStack.apply calls)
+        self._grammars: Grammars | None = None  # built on the first constrained request
+        self._eos: set[int] = set()
 
     # -- residency -------------------------------------------------------------------------
     def load(self, device: torch.device) -> None:
@@ -128,6 +150,8 @@ class ChatWorker(ThreadWorker):
         dtype = torch.float32 if device.type == "cpu" else torch.bfloat16
         model = AutoModelForCausalLM.from_pretrained(self.spec.path, dtype=dtype)
         self.model = model.to(device).eval()
+        self._eos = _eos_ids(self.model, self.tokenizer)
+        self._grammars = None
         # pristine copies in host memory on CUDA: merging costs no device memory the arbiter did not count
         self.adapter_stack = AdapterStack(self.model, offload=device.type == "cuda")
         self.stack_key = ()
@@ -154,12 +178,25 @@ class ChatWorker(ThreadWorker):
         return ModelInfo(context_length=folder_context_length(spec.path))
 
     # -- requests ----------------------------------------------------------------------------
-    def encode(self, messages: list[dict]) -> list[int]:
-        return chat_prompt.encode(self.tokenizer, messages)
+    def encode(self, messages: list[dict], tools: list[dict] | None = None) -> list[int]:
+        return chat_prompt.encode(self.tokenizer, messages, tools)
+
+    @property
+    def vocab_size(self) -> int:
+        return int(self.model.config.get_text_config().vocab_size)
+
+    def _row_grammar(self, req: ChatRequest) -> RowGrammar | None:
+        if req.params.grammar is None:
+            return None
+        if self._grammars is None:
+            self._grammars = Grammars(self.tokenizer, self.vocab_size, sorted(self._eos))
+        return self._grammars.row(req.params.grammar)
 
     async def chat(self, req: ChatRequest) -> AsyncIterator[ChatEvent]:
         """Stream the reply to ``req``. Closing the iterator cancels the work."""
-        ids = chat_prompt.encode_within(self.tokenizer, req.messages, req.params.max_tokens, self.context_length)
+        ids = chat_prompt.request_ids(self.tokenizer, req, self.context_length)
+        check_logit_bias(req.params.logit_bias, self.vocab_size)
+        grammar = await asyncio.to_thread(self._row_grammar, req)
         loop = asyncio.get_running_loop()
         events: asyncio.Queue[ChatEvent | BaseException] = asyncio.Queue()
         gen = torch.Generator()
@@ -172,6 +209,7 @@ class ChatWorker(ThreadWorker):
             req=req,
             generator=gen,
             arrival=next(self._arrivals),
+            grammar=grammar,
         )
         self._inbox.put(seq)
         try:
@@ -274,19 +312,35 @@ class ChatWorker(ThreadWorker):
         fresh = seq.ids[:-1] if seq.generated else list(seq.ids)
         cache = DynamicCache()
         ids = torch.tensor([fresh], device=self.device)
+        started = _clock()
         out = self.model(input_ids=ids, past_key_values=cache, use_cache=True)
+        self._charge([seq], started)
         if not seq.generated:  # a new sequence: its first token comes from the prefill
             if self._sample_and_emit(seq, out.logits[0, -1]):
                 return
         _merge(batch, seq, out.past_key_values, len(fresh), self.device)
 
+    def _charge(self, seqs: list[_Seq], started: float) -> None:
+        """Share the forward pass that began at ``started`` among the rows it computed, before any
+        of them can finish (their GPU-seconds are read when they do)."""
+        if self.device.type == "cuda":
+            torch.cuda.synchronize(self.device)
+        share = (_clock() - started) / len(seqs)
+        for seq in seqs:
+            ctx = seq.req.ctx
+            ctx.gpu_s = (ctx.gpu_s or 0.0) + share
+
     @torch.inference_mode()
     def _decode_step(self, batch: _Batch) -> None:
         rows = len(batch.seqs)
         self.max_rows_seen = max(self.max_rows_seen, rows)
+        self.step_log.append(tuple(s.req.priority for s in batch.seqs))
+        if len(self.step_log) > _STEP_LOG:
+            del self.step_log[: _STEP_LOG // 2]
         last = torch.tensor([[s.ids[-1]] for s in batch.seqs], device=self.device)
         mask = torch.cat([batch.mask, torch.ones(rows, 1, dtype=batch.mask.dtype, device=self.device)], 1)
         positions = (mask.sum(1, keepdim=True) - 1).long()
+        started = _clock()
         out = self.model(
             input_ids=last,
             attention_mask=mask,
@@ -294,6 +348,7 @@ class ChatWorker(ThreadWorker):
             past_key_values=batch.cache,
             use_cache=True,
         )
+        self._charge(batch.seqs, started)
         batch.cache, batch.mask = out.past_key_values, mask
         self.steps += 1
         keep = []
@@ -309,10 +364,15 @@ class ChatWorker(ThreadWorker):
 
     def _sample_and_emit(self, seq: _Seq, logits: torch.Tensor) -> bool:
         """Sample one token, emit the new text; True when the sequence has finished."""
-        token = _sample(logits.float(), seq.params, seq.generator)
+        logits = _process(logits.float().clone(), seq)
+        token = _sample(logits, seq.params, seq.generator)
+        if seq.grammar is not None:
+            seq.grammar.accept(token)
         seq.ids.append(token)
         gen = seq.generated
-        eos = token in _eos_ids(self.model, self.tokenizer)
+        eos = token in self._eos
+        if seq.params.logprobs is not None and not eos:
+            seq.logprobs.append(self._logprob(logits, token, seq.params.logprobs))
         text = self.tokenizer.decode(gen[:-1] if eos else gen, skip_special_tokens=True)
         cut = _first_stop(text, seq.params.stop)
         if cut is not None:
@@ -326,16 +386,53 @@ class ChatWorker(ThreadWorker):
         # at the end, an undecodable tail is dropped rather than sent as U+FFFD, as vLLM does
         safe = len(text.rstrip("\ufffd")) if reason else _safe_prefix_len(text, seq.params.stop)
         if safe > seq.emitted_chars:
-            seq.emit(TextDelta(text[seq.emitted_chars : safe]))
+            seq.emit(TextDelta(text[seq.emitted_chars : safe], seq.take_logprobs()))
             seq.emitted_chars = safe
         if reason is None:
             return False
+        if seq.logprobs:  # tokens whose text was held back or dropped still report theirs
+            seq.emit(TextDelta("", seq.take_logprobs()))
         seq.done = True
         seq.emit(ChatFinished(reason, seq.prompt_len, len(gen)))
         return True
 
 
+    def _logprob(self, logits: torch.Tensor, token: int, top: int) -> TokenLogprob:
+        """The sampled token's log probability under the processed logits, and the ``top`` most
+        likely tokens' (those the grammar forbids are left out)."""
+        logprobs = torch.log_softmax(logits, dim=-1)
+        decode = self.tokenizer.decode
+        best = []
+        if top:
+            values, ids = torch.topk(logprobs, min(top, logprobs.numel()))
+            best = [(decode([int(i)]), float(v)) for v, i in zip(values, ids) if torch.isfinite(v)]
+        return TokenLogprob(decode([token]), float(logprobs[token]), tuple(best))
+
+
 # -- helpers: sampling, stop strings, cache surgery ----------------------------------------------
+
+
+def check_logit_bias(bias: dict[int, float], vocab_size: int) -> None:
+    """Refuse a ``logit_bias`` naming a token outside the vocabulary (``InvalidParam``)."""
+    bad = [t for t in bias if not 0 <= t < vocab_size]
+    if bad:
+        raise InvalidParam(f"logit_bias names token {bad[0]}, outside this model's vocabulary "
+                           f"(0..{vocab_size - 1})", "logit_bias")
+
+
+def _process(logits: torch.Tensor, seq: _Seq) -> torch.Tensor:
+    """The row's logits after its logit bias, penalties and grammar mask (in place)."""
+    p = seq.params
+    if p.logit_bias:
+        ids = torch.tensor(list(p.logit_bias), device=logits.device)
+        logits[ids] += torch.tensor(list(p.logit_bias.values()), device=logits.device, dtype=logits.dtype)
+    if (p.presence_penalty or p.frequency_penalty) and seq.generated:
+        counts = torch.bincount(torch.tensor(seq.generated), minlength=logits.numel())[: logits.numel()]
+        counts = counts.to(logits.device, logits.dtype)
+        logits -= p.frequency_penalty * counts + p.presence_penalty * (counts > 0).to(logits.dtype)
+    if seq.grammar is not None:
+        seq.grammar.mask(logits)
+    return logits
 
 
 def folder_context_length(path: Path) -> int:

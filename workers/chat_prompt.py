@@ -5,21 +5,25 @@ encoded WITHOUT adding special tokens: the template writes them itself (bos), so
 post-processor also adds bos would otherwise start the prompt with two. This is what vLLM's own
 chat path does (``renderer.render_messages`` then ``default_chat_tok_params``, which has
 ``add_special_tokens=False``), so a prompt gives the same ids on the transformers engine, through
-``VllmChatEngine`` and under ``vllm serve``.
+``VllmChatEngine`` and under ``vllm serve``. A legacy completion's raw prompt
+(``ChatRequest.prompt_ids``) skips the template: :func:`request_ids` takes its ids as they are.
 """
 
 from __future__ import annotations
 
 from typing import Any
 
+from workers.base import ChatRequest
+
 
 class ContextTooLong(ValueError):
     """The prompt plus max_tokens does not fit the model's context window (HTTP 400)."""
 
 
-def encode(tokenizer: Any, messages: list[dict]) -> list[int]:
-    """Prompt token ids: ``messages`` through the tokenizer's chat template, generation prompt on."""
-    text = tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=False)
+def encode(tokenizer: Any, messages: list[dict], tools: list[dict] | None = None) -> list[int]:
+    """Prompt token ids: ``messages`` (with their tool calls and tool results) and ``tools``
+    through the tokenizer's chat template, generation prompt on."""
+    text = tokenizer.apply_chat_template(messages, tools=tools or None, add_generation_prompt=True, tokenize=False)
     return list(tokenizer(text, add_special_tokens=False)["input_ids"])
 
 
@@ -32,8 +36,19 @@ def check_context(prompt_len: int, max_tokens: int, context_length: int) -> None
         )
 
 
-def encode_within(tokenizer: Any, messages: list[dict], max_tokens: int, context_length: int) -> list[int]:
+def encode_within(tokenizer: Any, messages: list[dict], max_tokens: int, context_length: int,
+                  tools: list[dict] | None = None) -> list[int]:
     """:func:`encode`, refused with :class:`ContextTooLong` when the reply cannot fit."""
-    ids = encode(tokenizer, messages)
+    ids = encode(tokenizer, messages, tools)
     check_context(len(ids), max_tokens, context_length)
     return ids
+
+
+def request_ids(tokenizer: Any, req: ChatRequest, context_length: int) -> list[int]:
+    """The prompt of ``req``: its raw ``prompt_ids`` when it has them (legacy completions, no
+    template), else its messages and tools through :func:`encode`; refused with
+    :class:`ContextTooLong` when the reply cannot fit."""
+    if req.prompt_ids is None:
+        return encode_within(tokenizer, req.messages, req.params.max_tokens, context_length, req.tools)
+    check_context(len(req.prompt_ids), req.params.max_tokens, context_length)
+    return list(req.prompt_ids)

@@ -17,6 +17,12 @@ Where vLLM differs from the transformers worker (``workers.chat``):
   the sampler state (a seeded request is reproducible only when it is not paused), and text that
   vLLM's detokenizer was still holding back at the pause (a partial stop-string match or an
   incomplete UTF-8 character): the tokens are kept, that text is not streamed.
+* Constrained replies (``params.grammar``) go to vLLM's structured outputs (xgrammar, no free
+  whitespace: ``disable_any_whitespace=True``), like the transformers engine's own matcher. A
+  resubmission restarts the grammar from its beginning, so a constrained request is paused only
+  before it has produced a token; after that it runs to its end (it stays bounded by max_tokens).
+* Logprobs are vLLM's (``SamplingParams(logprobs=k)``): by default the model's raw log
+  probabilities, before penalties, bias and the grammar's mask.
 * LoRA. vLLM's CPU LoRA kernels (``vllm.lora.ops.torch_ops``) index the adapter stack with the
   row's slot, and rows without an adapter carry slot ``-1``, which Python indexing turns into the
   LAST slot: once an adapter has ever been activated in the last slot (vLLM only clears a slot's
@@ -50,10 +56,12 @@ from workers.base import (
     Cancelled,
     ChatEvent,
     ChatFinished,
+    ChatParams,
     ChatRequest,
     ModelSpec,
     StackKey,
     TextDelta,
+    TokenLogprob,
     stack_key,
 )
 from workers import chat_prompt
@@ -161,6 +169,9 @@ class VllmChatEngine(Worker):
             enable_sleep_mode=not on_cpu,
             max_num_seqs=self.max_num_seqs,
             scheduling_policy="priority",
+            # a paused row comes back as prompt + tokens so far: its blocks are found in the cache
+            # (vLLM 0.32's default on CUDA and x86 CPU alike; said here because pausing relies on it)
+            enable_prefix_caching=True,
             seed=self.seed,
             dtype=("float32" if on_cpu else "auto") if self.dtype == "auto" else self.dtype,
             enforce_eager=on_cpu if self.enforce_eager is None else self.enforce_eager,
@@ -287,8 +298,8 @@ class VllmChatEngine(Worker):
         return sorted(self._resident)
 
     # -- requests ----------------------------------------------------------------------------
-    def encode(self, messages: list[dict]) -> list[int]:
-        return chat_prompt.encode(self.tokenizer, messages)
+    def encode(self, messages: list[dict], tools: list[dict] | None = None) -> list[int]:
+        return chat_prompt.encode(self.tokenizer, messages, tools)
 
     async def chat(
         self,
@@ -312,8 +323,11 @@ class VllmChatEngine(Worker):
             raise ValueError(f"{self.spec.name}: LoRA requested but the engine has enable_lora=False")
         from vllm.sampling_params import RequestOutputKind, SamplingParams
 
+        from workers.chat import check_logit_bias
+
         p = req.params
-        prompt_ids = chat_prompt.encode_within(self.tokenizer, req.messages, p.max_tokens, self.max_model_len)
+        prompt_ids = chat_prompt.request_ids(self.tokenizer, req, self.max_model_len)
+        check_logit_bias(p.logit_bias, self._llm.model_config.get_vocab_size())
         ctx = req.ctx
         if ctx.cancelled:
             raise Cancelled()
@@ -331,6 +345,7 @@ class VllmChatEngine(Worker):
                     seed=p.seed,
                     ignore_eos=ignore_eos,
                     output_kind=RequestOutputKind.DELTA,
+                    **_sampling_extras(p),
                 )
                 rid = f"{self._tag}-{next(self._ids)}"
                 outcome = None  # "finished" | "paused"
@@ -342,14 +357,17 @@ class VllmChatEngine(Worker):
                     priority=req.priority,
                 )
                 self._inflight.add(rid)
-                watcher = asyncio.create_task(self._watch(ctx, rid))
+                # a constrained reply cannot resume mid-way (see the module doc): no pause once it began
+                pausable = p.grammar is None or not generated
+                watcher = asyncio.create_task(self._watch(ctx, rid, pausable))
                 try:
                     async for out in stream:
                         c = out.outputs[0]
                         generated.extend(c.token_ids)
                         ctx.steps += 1
-                        if c.text:
-                            yield TextDelta(c.text)
+                        logprobs = self._logprobs(c, p.logprobs) if p.logprobs is not None else None
+                        if c.text or logprobs:
+                            yield TextDelta(c.text, logprobs)
                         if out.finished:
                             outcome = "finished"
                             if c.finish_reason == "abort" or ctx.cancelled:
@@ -363,7 +381,7 @@ class VllmChatEngine(Worker):
                             return
                         if ctx.cancelled:
                             raise Cancelled()
-                        if ctx.must_pause():
+                        if pausable and ctx.must_pause():
                             outcome = "paused"
                             break
                 finally:
@@ -389,12 +407,25 @@ class VllmChatEngine(Worker):
             if lora is not None:
                 await self._release_lora(lora[0])
 
-    async def _watch(self, ctx, rid: str) -> None:
-        """Abort ``rid`` when its context is cancelled or asks to pause while it yields no
-        output (queued behind others, or a long prefill)."""
+    def _logprobs(self, c, k: int) -> list[TokenLogprob]:
+        """vLLM's logprobs of the tokens in one delta output (``k`` alternatives each), the
+        end-of-sequence token left out."""
+        out = []
+        for token, entries in zip(c.token_ids, c.logprobs or []):
+            if token == self.tokenizer.eos_token_id:
+                continue
+            top = sorted((e for e in entries.values() if e.rank is not None and e.rank <= k), key=lambda e: e.rank)
+            chosen = entries[token]
+            out.append(TokenLogprob(chosen.decoded_token or "", chosen.logprob,
+                                    tuple((e.decoded_token or "", e.logprob) for e in top)))
+        return out
+
+    async def _watch(self, ctx, rid: str, pausable: bool = True) -> None:
+        """Abort ``rid`` when its context is cancelled or (when ``pausable``) asks to pause while
+        it yields no output (queued behind others, or a long prefill)."""
         while True:
             await asyncio.sleep(_CANCEL_POLL_S)
-            if ctx.cancelled or ctx.must_pause():
+            if ctx.cancelled or (pausable and ctx.must_pause()):
                 if self._llm is not None:
                     await self._llm.abort(rid)
                 return
@@ -472,6 +503,21 @@ class VllmChatEngine(Worker):
                 if res.users == 0:
                     # Few waiters, and any of them may be able to go: wake them all.
                     self._lora_cond.notify_all()
+
+
+def _sampling_extras(p: ChatParams) -> dict[str, Any]:
+    """SamplingParams fields for the request's logprobs, penalties, bias and grammar."""
+    extras: dict[str, Any] = {
+        "logprobs": p.logprobs,
+        "presence_penalty": p.presence_penalty,
+        "frequency_penalty": p.frequency_penalty,
+        "logit_bias": dict(p.logit_bias) or None,
+    }
+    if p.grammar is not None:
+        from vllm.sampling_params import StructuredOutputsParams
+
+        extras["structured_outputs"] = StructuredOutputsParams(json=p.grammar.schema, disable_any_whitespace=True)
+    return extras
 
 
 __all__ = ["VllmChatEngine", "ContextTooLong", "LoraRef"]

@@ -1,0 +1,317 @@
+"""Function tools on chat: what a request's ``tools`` / ``tool_choice`` make of its reply, and the
+parsers that turn the model's text into OpenAI tool calls, whole or streamed.
+
+Modes (:func:`plan_tools`)
+    * ``none`` (``tool_choice: "none"``, or no tools): the tools are not rendered; the reply is text.
+    * ``auto`` (the default with tools): the chat template renders the tools and the model may
+      answer with calls in its own format; the model's ``tool_parser`` (tiers.yaml, engine
+      block; ``hermes`` by default) reads them: ``<tool_call>{"name": ..., "arguments": {...}}
+      </tool_call>`` blocks, with any other text as content. A block that does not parse as a
+      call of a declared tool stays content.
+    * ``forced`` (``required``, or a named function): decoding is constrained to a JSON array of
+      calls, ``[{"name": "<tool>", "arguments": {...}}, ...]`` (one call for a named function or
+      with ``parallel_tool_calls: false``), whose arguments follow each tool's ``parameters``
+      schema (``workers.grammar``): every call names a declared tool and its arguments validate.
+
+Both parsers take the reply's text piece by piece (:meth:`feed`) and give back pieces of
+content (``str``) and :class:`CallDelta` in OpenAI's streaming order: a call's index, id and name
+first, then fragments of its arguments. Whole responses are built from the same pieces.
+"""
+
+from __future__ import annotations
+
+import copy
+import json
+import re
+import uuid
+from dataclasses import dataclass, field
+from typing import Any, Literal, Protocol
+
+from gateway.errors import bad_request
+from gateway.schemas import NamedToolChoice, Tool
+from workers.base import JsonGrammar
+from workers.grammar import schema_error
+
+TOOL_PARSERS = ("hermes",)
+EMPTY_PARAMETERS: dict[str, Any] = {"type": "object", "properties": {}}
+
+
+@dataclass(frozen=True)
+class ToolPlan:
+    """How the tools shape one request's reply."""
+
+    mode: Literal["none", "auto", "forced"] = "none"
+    tools: tuple[Tool, ...] = ()  # declared (and rendered unless mode is none)
+    names: tuple[str, ...] = ()  # the tools a call may name
+    parser: str = "hermes"  # auto mode's format
+    grammar: JsonGrammar | None = None  # forced mode's array of calls
+
+    def template_tools(self) -> list[dict] | None:
+        """The tools as the chat template takes them (None: render none)."""
+        if self.mode == "none":
+            return None
+        return [{"type": "function", "function": t.function.model_dump(exclude_none=True)} for t in self.tools]
+
+    def parser_for_reply(self) -> "CallParser | None":
+        if self.mode == "forced":
+            return ForcedCalls(self.names)
+        if self.mode == "auto":
+            return HermesCalls(self.names)
+        return None
+
+
+def plan_tools(tools: list[Tool] | None, choice: str | NamedToolChoice | None, parallel: bool | None,
+               parser: str = "hermes") -> ToolPlan:
+    """The plan for a request's tool fields; 400 naming the field for a tool schema that does not
+    compile, a choice naming a missing tool, or a choice without tools."""
+    tools = list(tools or [])
+    for i, tool in enumerate(tools):
+        problem = schema_error(tool.function.parameters or EMPTY_PARAMETERS)
+        if problem:
+            raise bad_request(f"the parameters schema of tool '{tool.function.name}' cannot be used: {problem}",
+                              f"tools[{i}].function.parameters", "invalid_schema")
+    names = [t.function.name for t in tools]
+    if len(set(names)) < len(names):
+        raise bad_request("two tools have the same name", "tools")
+    if choice is None:
+        choice = "auto" if tools else "none"
+    if choice != "none" and not tools:
+        raise bad_request("tool_choice is only allowed when tools are given", "tool_choice")
+    if choice == "none":
+        return ToolPlan("none", tuple(tools))
+    if choice == "auto":
+        return ToolPlan("auto", tuple(tools), tuple(names), parser)
+    if isinstance(choice, NamedToolChoice):
+        if choice.function.name not in names:
+            raise bad_request(f"tool_choice names the function '{choice.function.name}', which is not among "
+                              f"the tools ({', '.join(names)})", "tool_choice")
+        allowed = [choice.function.name]
+        single = True
+    else:  # required
+        allowed, single = names, parallel is False
+    grammar = JsonGrammar(json.dumps(calls_schema([t for t in tools if t.function.name in allowed], single)))
+    return ToolPlan("forced", tuple(tools), tuple(allowed), parser, grammar)
+
+
+def calls_schema(tools: list[Tool], single: bool) -> dict:
+    """The JSON schema of a forced reply: an array of ``{"name", "arguments"}`` calls of
+    ``tools`` (exactly one when ``single``). Each tool's ``$defs`` move to the root, renamed."""
+    defs: dict[str, Any] = {}
+    items = []
+    for i, tool in enumerate(tools):
+        params = _hoist_defs(tool.function.parameters or EMPTY_PARAMETERS, f"tool{i}_", defs)
+        items.append({"type": "object", "properties": {"name": {"const": tool.function.name}, "arguments": params},
+                      "required": ["name", "arguments"], "additionalProperties": False})
+    schema: dict[str, Any] = {"type": "array", "items": items[0] if len(items) == 1 else {"anyOf": items},
+                              "minItems": 1}
+    if single:
+        schema["maxItems"] = 1
+    if defs:
+        schema["$defs"] = defs
+    return schema
+
+
+def _hoist_defs(schema: dict, prefix: str, defs: dict[str, Any]) -> dict:
+    """``schema`` with its top-level ``$defs``/``definitions`` moved into ``defs`` under
+    ``prefix`` and its local references (``#``, ``#/$defs/X``, ``#/definitions/X``) rewritten."""
+    schema = copy.deepcopy(schema)
+    local = {**schema.pop("definitions", {}), **schema.pop("$defs", {})}
+
+    def rewrite(node: Any) -> Any:
+        if isinstance(node, dict):
+            out = {k: rewrite(v) for k, v in node.items()}
+            ref = out.get("$ref")
+            if isinstance(ref, str):
+                if ref == "#":
+                    out["$ref"] = f"#/$defs/{prefix}root"
+                else:
+                    m = re.fullmatch(r"#/(?:\$defs|definitions)/(.+)", ref)
+                    if m:
+                        out["$ref"] = f"#/$defs/{prefix}{m.group(1)}"
+            return out
+        if isinstance(node, list):
+            return [rewrite(v) for v in node]
+        return node
+
+    schema = rewrite(schema)
+    for name, sub in local.items():
+        defs[prefix + name] = rewrite(sub)
+    if f"#/$defs/{prefix}root" in json.dumps(schema) + json.dumps(defs):
+        defs[prefix + "root"] = schema
+    return schema
+
+
+# -- parsing the reply ------------------------------------------------------------------------------
+
+
+@dataclass
+class CallDelta:
+    """A piece of tool call ``index``: its first piece has ``id`` and ``name``; the others carry
+    fragments of its ``arguments`` (JSON text)."""
+
+    index: int
+    id: str | None = None
+    name: str | None = None
+    arguments: str = ""
+
+    def as_openai(self) -> dict:
+        """The ``delta.tool_calls[]`` entry of a stream chunk."""
+        out: dict[str, Any] = {"index": self.index}
+        if self.id is not None:
+            out.update(id=self.id, type="function", function={"name": self.name, "arguments": self.arguments})
+        else:
+            out["function"] = {"arguments": self.arguments}
+        return out
+
+
+Piece = str | CallDelta
+
+
+class CallParser(Protocol):
+    calls: int  # tool calls started so far
+
+    def feed(self, text: str) -> list[Piece]: ...
+
+    def finish(self) -> list[Piece]: ...
+
+
+def call_id() -> str:
+    return f"call_{uuid.uuid4().hex[:24]}"
+
+
+_CALL_HEAD = re.compile(r'\s*[\[,]\s*\{\s*"name"\s*:\s*"([^"\\]*)"\s*,\s*"arguments"\s*:\s*')
+
+
+@dataclass
+class ForcedCalls:
+    """Reads the constrained array ``[{"name": ..., "arguments": ...}, ...]`` as it is written
+    (the grammar fixes the key order). Arguments stream as they arrive."""
+
+    names: tuple[str, ...]
+    calls: int = 0
+    _buf: str = ""
+    _in_args: bool = False
+    _depth: int = 0
+    _in_string: bool = False
+    _escaped: bool = False
+
+    def feed(self, text: str) -> list[Piece]:
+        self._buf += text
+        out: list[Piece] = []
+        while self._buf:
+            if not self._in_args:
+                m = _CALL_HEAD.match(self._buf)
+                if m is None:
+                    break
+                out.append(CallDelta(self.calls, call_id(), m.group(1)))
+                self.calls += 1
+                self._buf = self._buf[m.end():]
+                self._in_args, self._depth, self._in_string, self._escaped = True, 0, False, False
+                continue
+            end = self._args_end()
+            fragment = self._buf if end is None else self._buf[:end]
+            if fragment:
+                out.append(CallDelta(self.calls - 1, arguments=fragment))
+            if end is None:
+                self._buf = ""
+                break
+            self._buf = self._buf[end + 1:]  # past the call's closing brace
+            self._in_args = False
+        return out
+
+    def _args_end(self) -> int | None:
+        """Where the current call's closing brace is in the buffer (None: not yet), scanning the
+        arguments' JSON and keeping the scan state across feeds."""
+        for i, ch in enumerate(self._buf):
+            if self._in_string:
+                if self._escaped:
+                    self._escaped = False
+                elif ch == "\\":
+                    self._escaped = True
+                elif ch == '"':
+                    self._in_string = False
+            elif ch == '"':
+                self._in_string = True
+            elif ch in "[{":
+                self._depth += 1
+            elif ch in "]}":
+                if self._depth == 0:
+                    return i
+                self._depth -= 1
+        return None
+
+    def finish(self) -> list[Piece]:
+        return []
+
+
+OPEN, CLOSE = "<tool_call>", "</tool_call>"
+
+
+@dataclass
+class HermesCalls:
+    """Reads ``<tool_call>{"name": ..., "arguments": {...}}</tool_call>`` blocks out of free text.
+    Text outside blocks is content (a possible start of ``<tool_call>`` is held back); a block is
+    given out whole once closed: a call when it parses as one of ``names``, else as content."""
+
+    names: tuple[str, ...]
+    calls: int = 0
+    _buf: str = ""
+
+    def feed(self, text: str) -> list[Piece]:
+        self._buf += text
+        out: list[Piece] = []
+        while self._buf:
+            start = self._buf.find(OPEN)
+            if start < 0:
+                keep = _partial_suffix(self._buf, OPEN)
+                if len(self._buf) > keep:
+                    out.append(self._buf[: len(self._buf) - keep])
+                    self._buf = self._buf[len(self._buf) - keep:]
+                break
+            if start:
+                out.append(self._buf[:start])
+                self._buf = self._buf[start:]
+            end = self._buf.find(CLOSE)
+            if end < 0:
+                break
+            block, self._buf = self._buf[: end + len(CLOSE)], self._buf[end + len(CLOSE):]
+            out.extend(self._block(block))
+        return out
+
+    def _block(self, block: str) -> list[Piece]:
+        try:
+            call = json.loads(block[len(OPEN): -len(CLOSE)])
+        except ValueError:
+            return [block]
+        if not (isinstance(call, dict) and call.get("name") in self.names and isinstance(call.get("arguments", {}), dict)):
+            return [block]
+        index = self.calls
+        self.calls += 1
+        return [CallDelta(index, call_id(), call["name"]),
+                CallDelta(index, arguments=json.dumps(call.get("arguments", {})))]
+
+    def finish(self) -> list[Piece]:
+        rest, self._buf = self._buf, ""
+        return [rest] if rest else []
+
+
+def _partial_suffix(text: str, marker: str) -> int:
+    """The length of the longest end of ``text`` that begins ``marker``."""
+    for k in range(min(len(marker) - 1, len(text)), 0, -1):
+        if text.endswith(marker[:k]):
+            return k
+    return 0
+
+
+@dataclass
+class ToolCalls:
+    """Whole tool calls assembled from :class:`CallDelta` pieces (for a non-streamed reply)."""
+
+    calls: list[dict] = field(default_factory=list)
+
+    def add(self, delta: CallDelta) -> None:
+        if delta.id is not None:
+            self.calls.append({"id": delta.id, "type": "function",
+                               "function": {"name": delta.name, "arguments": delta.arguments}})
+        else:
+            self.calls[delta.index]["function"]["arguments"] += delta.arguments

@@ -1,0 +1,99 @@
+"""The tool-call parsers and tool plans (gateway/tools.py), fed the reply in every possible split."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from gateway.errors import APIError
+from gateway.schemas import NamedToolChoice, Tool
+from gateway.tools import CallDelta, ForcedCalls, HermesCalls, ToolCalls, calls_schema, plan_tools
+
+
+def feed_split(parser, text: str, cut: int) -> list:
+    return parser.feed(text[:cut]) + parser.feed(text[cut:]) + parser.finish()
+
+
+def assemble(pieces: list) -> tuple[str, list[dict]]:
+    calls = ToolCalls()
+    content = ""
+    for p in pieces:
+        if isinstance(p, CallDelta):
+            calls.add(p)
+        else:
+            content += p
+    return content, calls.calls
+
+
+FORCED = '[{"name": "get_weather", "arguments": {"city": "Paris", "tags": ["a}", "\\"b]"]}}, {"name": "noop", "arguments": {}}]'
+
+
+@pytest.mark.parametrize("cut", range(len(FORCED) + 1))
+def test_forced_calls_in_any_split(cut):
+    parser = ForcedCalls(("get_weather", "noop"))
+    pieces = feed_split(parser, FORCED, cut)
+    content, calls = assemble(pieces)
+    assert content == ""
+    assert [c["function"]["name"] for c in calls] == ["get_weather", "noop"]
+    assert json.loads(calls[0]["function"]["arguments"]) == {"city": "Paris", "tags": ["a}", '"b]']}
+    assert json.loads(calls[1]["function"]["arguments"]) == {}
+    assert all(c["id"].startswith("call_") for c in calls) and calls[0]["id"] != calls[1]["id"]
+    # OpenAI's streaming order: index, id and name first, then argument fragments only
+    firsts = [p for p in pieces if p.id is not None]
+    assert [p.index for p in firsts] == [0, 1] and all(p.arguments == "" for p in firsts)
+
+
+HERMES = 'Let me check. <tool_call>{"name": "get_weather", "arguments": {"city": "Oslo"}}</tool_call> <tool_call>not json</tool_call> done <tool'
+
+
+@pytest.mark.parametrize("cut", range(len(HERMES) + 1))
+def test_hermes_calls_in_any_split(cut):
+    pieces = feed_split(HermesCalls(("get_weather",)), HERMES, cut)
+    content, calls = assemble(pieces)
+    assert content == "Let me check.  <tool_call>not json</tool_call> done <tool"
+    assert [c["function"]["name"] for c in calls] == ["get_weather"]
+    assert json.loads(calls[0]["function"]["arguments"]) == {"city": "Oslo"}
+
+
+def test_hermes_call_of_an_undeclared_tool_is_content():
+    text = '<tool_call>{"name": "rm_rf", "arguments": {}}</tool_call>'
+    assert assemble(HermesCalls(("get_weather",)).feed(text)) == (text, [])
+
+
+def tool(name: str, parameters: dict | None = None) -> Tool:
+    return Tool.model_validate({"type": "function", "function": {"name": name, "parameters": parameters}})
+
+
+def test_forced_schema_moves_each_tools_defs_to_the_root():
+    person = {"type": "object", "properties": {"pet": {"$ref": "#/$defs/Pet"}}, "required": ["pet"],
+              "$defs": {"Pet": {"type": "object", "properties": {"kind": {"enum": ["cat", "dog"]}}}}}
+    schema = calls_schema([tool("a", person), tool("b", person)], single=False)
+    assert set(schema["$defs"]) == {"tool0_Pet", "tool1_Pet"}
+    items = schema["items"]["anyOf"]
+    assert items[1]["properties"]["arguments"]["properties"]["pet"] == {"$ref": "#/$defs/tool1_Pet"}
+    assert items[0]["properties"]["name"] == {"const": "a"}
+
+
+def test_plans():
+    tools = [tool("a"), tool("b")]
+    assert plan_tools(None, None, None).mode == "none"
+    assert plan_tools(tools, None, None).mode == "auto"
+    assert plan_tools(tools, "none", None).template_tools() is None
+    forced = plan_tools(tools, NamedToolChoice.model_validate({"type": "function", "function": {"name": "b"}}), None)
+    assert forced.mode == "forced" and forced.names == ("b",)
+    assert json.loads(forced.grammar.schema)["maxItems"] == 1
+    assert "maxItems" not in json.loads(plan_tools(tools, "required", None).grammar.schema)
+    assert json.loads(plan_tools(tools, "required", False).grammar.schema)["maxItems"] == 1
+
+
+@pytest.mark.parametrize("tools,choice,param", [
+    ([tool("a", {"type": "string", "pattern": "("})], "auto", "tools[0].function.parameters"),
+    ([tool("a")], NamedToolChoice.model_validate({"type": "function", "function": {"name": "zz"}}), "tool_choice"),
+    (None, "required", "tool_choice"),
+    ([tool("a"), tool("a")], "auto", "tools"),
+])
+def test_bad_plans_are_400_naming_the_field(tools, choice, param):
+    with pytest.raises(APIError) as err:
+        plan_tools(tools, choice, None)
+    assert err.value.status == 400 and err.value.param == param

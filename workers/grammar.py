@@ -1,0 +1,85 @@
+"""Grammar-constrained decoding with xgrammar, shared by both chat engines.
+
+A :class:`~workers.base.JsonGrammar` (a JSON schema) is compiled with no free whitespace: the
+separators are fixed (``", "`` between items, ``": "`` after a key) and nothing else may be
+inserted, so a closed schema (enums, booleans, bounded integers) ends in a few dozen tokens even
+on random weights. ``strict_mode`` is on: an object takes only the properties its schema
+declares (what the output may contain narrows; everything it does contain validates).
+
+* :func:`schema_error` compiles a schema without a tokenizer: the gateway refuses a schema that
+  does not compile (400) before the request queues.
+* The vLLM engine hands the schema to vLLM (``StructuredOutputsParams(json=...,
+  disable_any_whitespace=True)``), whose xgrammar backend compiles it the same way.
+* The transformers engine keeps one :class:`Grammars` per loaded model (the tokenizer's
+  vocabulary and a compile cache) and one :class:`RowGrammar` per constrained row: before each
+  sample the row's logits are masked to the tokens the grammar allows next, and the sampled token
+  advances the row's matcher. Rows of one batch each have their own matcher.
+"""
+
+from __future__ import annotations
+
+import json
+
+import torch
+
+from workers.base import JsonGrammar
+
+
+def schema_error(schema: dict | bool) -> str | None:
+    """Why xgrammar cannot compile ``schema``, or None when it can."""
+    import xgrammar as xgr
+
+    try:
+        xgr.Grammar.from_json_schema(json.dumps(schema), any_whitespace=False)
+    except Exception as exc:  # noqa: BLE001 - xgrammar raises RuntimeError/ValueError with its reason
+        return _reason(exc)
+    return None
+
+
+def _reason(exc: Exception) -> str:
+    """xgrammar's message without its C++ source location prefix."""
+    text = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
+    return text.split(": ", 1)[1] if text.startswith("[") and ": " in text else text
+
+
+class Grammars:
+    """xgrammar's view of one model's vocabulary, and compiled grammars cached by schema."""
+
+    def __init__(self, tokenizer, vocab_size: int, stop_ids: list[int]) -> None:
+        import xgrammar as xgr
+
+        self.vocab_size = vocab_size
+        info = xgr.TokenizerInfo.from_huggingface(tokenizer, vocab_size=vocab_size, stop_token_ids=stop_ids)
+        self._compiler = xgr.GrammarCompiler(info, max_threads=2)
+
+    def row(self, grammar: JsonGrammar) -> "RowGrammar":
+        """A fresh matcher for one row constrained by ``grammar``."""
+        compiled = self._compiler.compile_json_schema(grammar.schema, any_whitespace=False)
+        return RowGrammar(compiled, self.vocab_size)
+
+
+class RowGrammar:
+    """One row's grammar state: which tokens may come next, advanced token by token."""
+
+    def __init__(self, compiled, vocab_size: int) -> None:
+        import xgrammar as xgr
+
+        self._xgr = xgr
+        self._matcher = xgr.GrammarMatcher(compiled)
+        self._bitmask = xgr.allocate_token_bitmask(1, vocab_size)
+        self._vocab_size = vocab_size
+
+    def mask(self, logits: torch.Tensor) -> None:
+        """Set the logits (1-D, in place) of every token the grammar forbids now to -inf."""
+        self._matcher.fill_next_token_bitmask(self._bitmask)
+        bitmask = self._bitmask.to(logits.device, non_blocking=True)
+        self._xgr.apply_token_bitmask_inplace(logits.unsqueeze(0), bitmask, vocab_size=self._vocab_size)
+
+    def accept(self, token: int) -> None:
+        if not self._matcher.accept_token(token):
+            raise RuntimeError(f"token {token} was sampled outside the grammar")
+
+    @property
+    def finished(self) -> bool:
+        """The grammar is complete and its stop token was accepted."""
+        return self._matcher.is_terminated()
