@@ -18,7 +18,9 @@ back when that tier recovers; the endpoints report latencies with :meth:`Gate.ob
 
 The gate is plain asyncio and single-threaded: all state changes happen on the event loop. It
 reports its refusals and the guard's limit changes to the event stream (``arbiter.events``) and
-keeps each tier's recent figures for the dashboard (``stats``, a :class:`TierStats`).
+keeps each tier's recent figures for the dashboard (``stats``, a :class:`TierStats`: the gate
+records its refusals there; admissions and latencies are recorded by ``Services.hold``, per request,
+off the gate's hot path).
 """
 
 from __future__ import annotations
@@ -393,7 +395,6 @@ class Gate:
         ticket.started = now
         lane.inflight += 1
         lane.admitted += 1
-        self.stats.admitted(lane.policy.name)
         self.total_inflight += 1
         if not lane.is_batch:
             self._nonbatch_running += 1
