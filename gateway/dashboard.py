@@ -16,6 +16,7 @@ keeps it in ``sessionStorage`` and sends it as a bearer header, never in a URL.
 
 from __future__ import annotations
 
+import asyncio
 import json
 import time
 from importlib import resources
@@ -33,6 +34,7 @@ STATE_EVERY_S = 2.0
 HEARTBEAT_S = 15.0
 RECENT_EVENTS = 100
 RECENT_BATCHES = 20
+STORE_TIMEOUT_S = 2.0
 _ASSETS = {"dashboard.js": "text/javascript", "dashboard.css": "text/css"}
 _PAGE_HEADERS = {
     "content-security-policy": "default-src 'none'; script-src 'self'; style-src 'self'; connect-src 'self'; "
@@ -65,7 +67,7 @@ async def snapshot(svc: Services, batch_store: Any) -> dict[str, Any]:
         "host_cache": {"budget_bytes": view.host_cache_budget, "used_bytes": view.host_used},
         "models": models,
         "tiers": [_tier_row(svc, name) for name in tiers],
-        "batches": await _batches(batch_store),
+        **await _batches(batch_store),
         "events": [e.public() for e in arbiter.events.since(0, RECENT_EVENTS)],
     }
 
@@ -85,14 +87,18 @@ def _tier_row(svc: Services, name: str) -> dict[str, Any]:
     }
 
 
-async def _batches(store: Any) -> list[dict[str, Any]]:
-    """The most recent batch jobs with their progress, newest first."""
+async def _batches(store: Any) -> dict[str, Any]:
+    """The most recent batch jobs with their progress, newest first; when the store does not
+    answer, none and why (the rest of the state is still worth showing)."""
     if store is None:
-        return []
-    jobs = await store.list_batches(None, None, RECENT_BATCHES)
-    return [{"id": b.id, "status": b.status, "endpoint": b.endpoint, "created_at": b.created_at,
-             "total": b.total, "completed": b.completed, "failed": b.failed,
-             "progress": round(b.done / b.total, 4) if b.total else 0.0} for b in jobs]
+        return {"batches": []}
+    try:
+        jobs = await asyncio.wait_for(store.list_batches(None, None, RECENT_BATCHES), STORE_TIMEOUT_S)
+    except Exception as exc:  # noqa: BLE001 - Redis down, store closed while stopping, timeout
+        return {"batches": [], "batches_error": f"the batch store did not answer: {type(exc).__name__}: {exc}"}
+    return {"batches": [{"id": b.id, "status": b.status, "endpoint": b.endpoint, "created_at": b.created_at,
+                         "total": b.total, "completed": b.completed, "failed": b.failed,
+                         "progress": round(b.done / b.total, 4) if b.total else 0.0} for b in jobs]}
 
 
 def _services(request: Request) -> Services:

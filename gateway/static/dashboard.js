@@ -321,6 +321,7 @@ function renderBatches() {
   });
   $("batches").tBodies[0].replaceChildren(...rows);
   $("no-batches").hidden = rows.length > 0;
+  $("no-batches").textContent = state.batches_error || "No batch jobs.";
 }
 
 // -- start --------------------------------------------------------------------------------------

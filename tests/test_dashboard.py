@@ -1,0 +1,332 @@
+"""The dashboard behind a real server. Real requests bring it to a known state: a free request
+loads the chat model, a free request for the image model is refused (429: only protected models
+stand in the way), a paid request for it evicts the chat model (a higher tier may). Then:
+
+* ``/admin/state`` (admin keys only) reports that state, and ``/admin/events`` reports a real
+  eviction within a second of the eviction's own timestamp;
+* the page, in headless Chromium from Debian driven by Selenium, shows it, follows a later
+  eviction live, and a screenshot is saved (``TIERGATE_UPDATE_SCREENSHOT=1`` also writes
+  docs/img/dashboard.png, which the README shows).
+"""
+
+from __future__ import annotations
+
+import io
+import json
+import os
+import queue
+import shutil
+import threading
+import time
+from pathlib import Path
+
+import httpx
+import openai
+import pytest
+
+from tests.helpers import RunningServer, start_server, write_config
+
+ROOT = Path(__file__).resolve().parents[1]
+CHROMIUM, CHROMEDRIVER = "/usr/bin/chromium", "/usr/bin/chromedriver"
+GiB = 2**30
+
+
+def dashboard_server(tmp_path: Path, tiny_chat: Path, tiny_image: Path, tiny_tts: Path) -> RunningServer:
+    """Declared footprints on an 8 GiB budget: chat (4) and image (5) never fit together; tts (1)
+    fits beside either. Protection lasts ten minutes, longer than any test."""
+    models = {"tiny-chat": ("chat", tiny_chat), "tiny-image": ("image", tiny_image), "tiny-tts": ("tts", tiny_tts)}
+    cfg = write_config(tmp_path, models, "batch:\n  reclaim_after_s: 5\n")
+    text = cfg.read_text()
+    for name, size in (("tiny-chat", "4GiB"), ("tiny-image", "5GiB"), ("tiny-tts", "1GiB")):
+        text = text.replace(f"  - name: {name}\n", f"  - name: {name}\n    vram: {size}\n")
+    text = text.replace("vram_budget: 4GiB", "vram_budget: 8GiB\n  host_cache_budget: 8GiB\n"
+                        "eviction:\n  protect_window_s: 600")
+    cfg.write_text(text)
+    return start_server(cfg)
+
+
+@pytest.fixture
+def server(tmp_path, tiny_chat, tiny_image, tiny_tts):
+    s = dashboard_server(tmp_path, tiny_chat, tiny_image, tiny_tts)
+    yield s
+    s.stop()
+
+
+def client(server: RunningServer, tier: str) -> openai.OpenAI:
+    return openai.OpenAI(base_url=server.base_url, api_key=server.keys[tier], max_retries=0, timeout=120)
+
+
+def chat(server: RunningServer, tier: str) -> None:
+    client(server, tier).chat.completions.create(
+        model="tiny-chat", messages=[{"role": "user", "content": "hello"}], max_tokens=2)
+
+
+def image(server: RunningServer, tier: str) -> None:
+    client(server, tier).images.generate(model="tiny-image", prompt="a cat", size="32x32",
+                                         extra_body={"num_inference_steps": 1})
+
+
+def speech(server: RunningServer, tier: str) -> None:
+    client(server, tier).audio.speech.create(model="tiny-tts", voice="alloy", input="hi", response_format="wav").read()
+
+
+def bring_to_known_state(server: RunningServer) -> None:
+    """A load (free: chat, then tts), a refusal (free: image, only protected models in the way)
+    and an eviction by a higher tier (paid: image pushes chat out to the host cache)."""
+    chat(server, "free")
+    speech(server, "free")
+    with pytest.raises(openai.RateLimitError) as refused:
+        image(server, "free")
+    assert refused.value.code == "model_protected"
+    image(server, "paid")
+
+
+def admin(server: RunningServer, key: str = "admin") -> dict[str, str]:
+    return {"Authorization": f"Bearer {server.keys[key]}"}
+
+
+def places(state: dict) -> dict[str, str]:
+    return {m["id"]: m["place"] for m in state["models"]}
+
+
+def test_admin_routes_need_an_admin_key(server):
+    for path in ("/admin/state", "/admin/events"):
+        assert httpx.get(server.url + path).status_code == 401
+        r = httpx.get(server.url + path, headers=admin(server, "paid"))
+        assert r.status_code == 403 and r.json()["error"]["code"] == "admin_only"
+    page = httpx.get(server.url + "/dashboard")  # the page holds no data: it asks for the key
+    assert page.status_code == 200 and "text/html" in page.headers["content-type"]
+    assert "script-src 'self'" in page.headers["content-security-policy"]
+    for asset in ("dashboard.js", "dashboard.css"):
+        assert httpx.get(f"{server.url}/dashboard/{asset}").status_code == 200
+    assert httpx.get(f"{server.url}/dashboard/../app.py").status_code == 404
+
+
+def test_state_reports_a_load_an_eviction_by_a_higher_tier_and_a_refusal(server):
+    bring_to_known_state(server)
+    state = httpx.get(server.url + "/admin/state", headers=admin(server)).json()
+    assert places(state) == {"tiny-chat": "warm", "tiny-image": "resident", "tiny-tts": "resident"}
+    assert state["vram"] == {"device": "cpu", "budget_bytes": 8 * GiB, "used_bytes": 6 * GiB}
+    assert state["host_cache"] == {"budget_bytes": 8 * GiB, "used_bytes": 4 * GiB}
+    models = {m["id"]: m for m in state["models"]}
+    assert models["tiny-image"]["last_tier"] == "paid"
+    # served to paid: no tier may evict it for ten minutes; tts (served to free): all but paid and subscriber
+    assert set(models["tiny-image"]["protected_from"]) == {"paid", "subscriber", "free", "batch"}
+    assert set(models["tiny-tts"]["protected_from"]) == {"free", "batch"}
+    assert 590 < models["tiny-tts"]["protected_until_s"] <= 600
+
+    tiers = {t["name"]: t for t in state["tiers"]}
+    assert tiers["free"]["admitted_per_min"] == 3 and tiers["free"]["refused_per_min"] == 1
+    assert tiers["free"]["refused_by_reason_per_min"] == {"model_protected": 1}
+    assert tiers["paid"]["admitted_per_min"] == 1 and tiers["paid"]["refused_per_min"] == 0
+    assert tiers["free"]["latency_samples"] == 2 and tiers["paid"]["latency_samples"] == 1
+    assert 0 < tiers["paid"]["p50_s"] <= tiers["paid"]["p99_s"] < 120
+    assert tiers["free"]["in_flight"] == 0 and tiers["free"]["limit"] == 4
+
+    events = state["events"]
+    assert [e["id"] for e in events] == sorted(e["id"] for e in events)
+    kinds = [(e["kind"], e.get("model")) for e in events]
+    assert kinds == [("load_started", "tiny-chat"), ("load_finished", "tiny-chat"),
+                     ("load_started", "tiny-tts"), ("load_finished", "tiny-tts"),
+                     ("refusal", "tiny-image"),
+                     ("load_started", "tiny-image"), ("eviction", "tiny-chat"), ("load_finished", "tiny-image")]
+    refusal = events[4]
+    assert refusal["tier"] == "free" and refusal["reason"] == "model_protected" and refusal["retry_after_s"] == 120  # capped
+    eviction = events[6]
+    assert (eviction["from_place"], eviction["to_place"], eviction["reason"]) == ("resident", "warm", "make_room")
+    assert (eviction["by_model"], eviction["by_tier"]) == ("tiny-image", "paid")
+    assert events[7]["from_place"] == "cold" and events[7]["seconds"] > 0
+    assert state["last_event_id"] == events[-1]["id"]
+
+
+class EventReader(threading.Thread):
+    """Reads /admin/events in the background; each message with the time it arrived."""
+
+    def __init__(self, server: RunningServer) -> None:
+        super().__init__(daemon=True)
+        self.server = server
+        self.messages: queue.Queue[tuple[float, str, dict]] = queue.Queue()
+        self.stop = threading.Event()
+
+    def run(self) -> None:
+        with httpx.stream("GET", self.server.url + "/admin/events", headers=admin(self.server), timeout=60) as r:
+            assert r.headers["content-type"].startswith("text/event-stream")
+            name = None
+            for line in r.iter_lines():
+                if self.stop.is_set():
+                    return
+                if line.startswith("event: "):
+                    name = line[7:]
+                elif line.startswith("data: "):
+                    self.messages.put((time.time(), name, json.loads(line[6:])))
+
+    def next(self, name: str, match=lambda data: True, timeout: float = 60) -> tuple[float, dict]:
+        deadline = time.monotonic() + timeout
+        while True:
+            arrived, got, data = self.messages.get(timeout=max(0.01, deadline - time.monotonic()))
+            if got == name and match(data):
+                return arrived, data
+
+
+def test_event_stream_reports_a_real_eviction_within_a_second(server):
+    reader = EventReader(server)
+    reader.start()
+    _, first = reader.next("state")  # the snapshot comes first
+    assert places(first) == {"tiny-chat": "cold", "tiny-image": "cold", "tiny-tts": "cold"}
+    chat(server, "free")
+    image(server, "paid")  # chat (served to free) must make room: paid may evict it
+    arrived, eviction = reader.next("event", lambda e: e["kind"] == "eviction")
+    assert eviction["model"] == "tiny-chat" and eviction["by_tier"] == "paid"
+    assert arrived - eviction["at"] < 1.0, f"reported {arrived - eviction['at']:.3f}s after the eviction"
+    _, later = reader.next("state", timeout=10)  # snapshots keep coming (counters move without events)
+    assert places(later)["tiny-chat"] == "warm"
+    reader.stop.set()
+    reader.join(10)  # it left: the server's stream ends and drops its subscription
+    deadline = time.monotonic() + 10
+    while server.call(lambda: len(server.services.arbiter.events._subscribers)) and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert server.call(lambda: len(server.services.arbiter.events._subscribers)) == 0
+
+
+def test_a_reader_that_falls_behind_gets_a_fresh_state(server):
+    events = server.services.arbiter.events
+    server.call(lambda: setattr(events, "queue_size", 3))
+    reader = EventReader(server)
+    reader.start()
+    reader.next("state")
+
+    def burst():  # ten events in one turn of the loop: the reader cannot keep up with them
+        return [events.emit("limits_changed", limits={}, before={}).id for _ in range(10)][-1]
+
+    last = server.call(burst)
+    got = [reader.next("event")[1]["id"] for _ in range(3)]
+    assert got == [last - 9, last - 8, last - 7]
+    _, fresh = reader.next("state", timeout=10)  # then a fresh state, holding the events it missed
+    assert fresh["last_event_id"] == last and fresh["events"][-1]["id"] == last
+    reader.stop.set()
+
+
+# -- the page, in a real browser --------------------------------------------------------------------
+
+
+def chromium(tmp_path: Path):
+    """Debian's headless Chromium through Debian's chromedriver; nothing is ever downloaded."""
+    missing = [p for p in (CHROMIUM, CHROMEDRIVER) if not shutil.which(p)]
+    if missing:
+        pytest.fail(f"{' and '.join(missing)} missing: install Debian's chromium and chromium-driver "
+                    "(scripts/test does: scripts/install_system.sh)")
+    from selenium import webdriver
+    from selenium.webdriver.chrome.service import Service
+
+    os.environ["SE_OFFLINE"] = "true"  # Selenium Manager may not fetch a browser or a driver
+    options = webdriver.ChromeOptions()
+    options.binary_location = CHROMIUM
+    for flag in ("--headless", "--no-sandbox", "--disable-gpu", "--disable-quic", "--no-first-run",
+                 "--disable-background-networking", "--disable-component-update", "--disable-sync",
+                 "--disable-dev-shm-usage", "--window-size=1400,1300", f"--user-data-dir={tmp_path / 'profile'}"):
+        options.add_argument(flag)
+    return webdriver.Chrome(service=Service(CHROMEDRIVER), options=options)
+
+
+def test_the_page_shows_the_state_in_a_real_browser(server, tmp_path):
+    from selenium.webdriver.common.by import By
+    from selenium.webdriver.support.ui import WebDriverWait
+
+    bring_to_known_state(server)
+    driver = chromium(tmp_path)
+    try:
+        wait = WebDriverWait(driver, 20)
+        driver.get(server.url + "/dashboard")
+        key_box = wait.until(lambda d: d.find_element(By.ID, "key") if d.find_element(By.ID, "key").is_displayed() else None)
+        key_box.send_keys(server.keys["admin"])
+        driver.find_element(By.ID, "connect").click()
+        wait.until(lambda d: d.find_element(By.ID, "status").get_attribute("data-state") == "live")
+        assert driver.execute_script("return sessionStorage.getItem('tiergate.adminKey')") == server.keys["admin"]
+        assert server.keys["admin"] not in driver.current_url
+
+        def model_row(name):
+            return driver.find_element(By.CSS_SELECTOR, f'#models tr[data-model="{name}"]')
+
+        wait.until(lambda d: model_row("tiny-image").get_attribute("data-place") == "resident")
+        assert model_row("tiny-chat").get_attribute("data-place") == "warm"
+        assert model_row("tiny-tts").get_attribute("data-place") == "resident"
+        assert "protected" in model_row("tiny-tts").text and float(model_row("tiny-tts").get_attribute("data-protected-s")) > 500
+        # the VRAM bar holds the two resident models; the host cache bar the warm one
+        on_device = {g.get_attribute("data-model"): g.get_attribute("data-place")
+                     for g in driver.find_elements(By.CSS_SELECTOR, "#vram-bar g[data-model]")}
+        assert on_device == {"tiny-image": "resident", "tiny-tts": "resident"}
+        assert [g.get_attribute("data-model") for g in driver.find_elements(By.CSS_SELECTOR, "#host-bar g")] == ["tiny-chat"]
+        assert "6.0 GiB of 8.0 GiB" in driver.find_element(By.ID, "vram-text").text
+
+        free = driver.find_element(By.CSS_SELECTOR, '#tiers tr[data-tier="free"]')
+        assert free.find_element(By.CSS_SELECTOR, '[data-field="refused_per_min"]').text == "1"
+        assert free.find_element(By.CSS_SELECTOR, '[data-field="admitted_per_min"]').text == "3"
+
+        eviction = driver.find_element(By.CSS_SELECTOR, '#events li[data-kind="eviction"]').text
+        assert "evicted tiny-chat to warm by a paid request for tiny-image" in eviction
+        refusal = driver.find_element(By.CSS_SELECTOR, '#events li[data-kind="refusal"]').text
+        assert "refused free for tiny-image: model_protected" in refusal
+        loads = [li.text for li in driver.find_elements(By.CSS_SELECTOR, '#events li[data-kind="load_finished"]')]
+        assert len(loads) == 3 and any("loaded tiny-image from cold in" in t for t in loads)
+
+        # live: a later eviction and a batch job reach the open page through the event stream
+        r = httpx.post(f"{server.url}/admin/models/tiny-tts/unload", headers=admin(server), timeout=60)
+        assert r.status_code == 200
+        wait.until(lambda d: len(d.find_elements(By.CSS_SELECTOR, '#events li[data-kind="eviction"]')) == 2)
+        assert "evicted tiny-tts to warm by an admin" in driver.find_element(By.CSS_SELECTOR, "#events li").text
+        wait.until(lambda d: model_row("tiny-tts").get_attribute("data-place") == "warm")
+        batch = run_speech_batch(server)
+        row = f'#batches tr[data-batch="{batch}"]'
+        wait.until(lambda d: d.find_elements(By.CSS_SELECTOR, row)
+                   and d.find_element(By.CSS_SELECTOR, row).get_attribute("data-status") == "completed")
+        assert "2 / 2" in driver.find_element(By.CSS_SELECTOR, row).text
+
+        shot = tmp_path / "dashboard.png"
+        driver.save_screenshot(str(shot))
+        assert shot.stat().st_size > 10_000
+        print(f"dashboard screenshot: {shot}")
+        if os.environ.get("TIERGATE_UPDATE_SCREENSHOT") == "1":
+            shutil.copyfile(shot, ROOT / "docs" / "img" / "dashboard.png")
+    finally:
+        driver.quit()
+
+
+def run_speech_batch(server: RunningServer) -> str:
+    """A two-line batch of speech on the batch tier; returns its id once it has completed."""
+    c = client(server, "batch")
+    lines = [{"custom_id": f"line-{i}", "method": "POST", "url": "/v1/audio/speech",
+              "body": {"model": "tiny-tts", "voice": "alloy", "input": f"line {i}", "response_format": "wav"}}
+             for i in range(2)]
+    upload = c.files.create(file=("lines.jsonl", io.BytesIO("\n".join(map(json.dumps, lines)).encode())),
+                            purpose="batch")
+    batch = c.batches.create(input_file_id=upload.id, endpoint="/v1/audio/speech", completion_window="24h")
+    deadline = time.monotonic() + 120
+    while c.batches.retrieve(batch.id).status != "completed":
+        assert time.monotonic() < deadline, "the batch did not complete"
+        time.sleep(0.2)
+    return batch.id
+
+
+def test_a_batch_store_that_does_not_answer_leaves_the_rest_of_the_state(server):
+    store = server.batches.store
+
+    async def broken(*args):
+        raise ConnectionError("connection refused")
+
+    original = store.list_batches
+    store.list_batches = broken
+    try:
+        r = httpx.get(server.url + "/admin/state", headers=admin(server))
+    finally:
+        store.list_batches = original
+    assert r.status_code == 200
+    state = r.json()
+    assert state["batches"] == [] and "connection refused" in state["batches_error"]
+    assert places(state) == {"tiny-chat": "cold", "tiny-image": "cold", "tiny-tts": "cold"}
+
+
+def test_a_missing_browser_fails_the_browser_test_with_what_to_install(monkeypatch, tmp_path):
+    """Not a skip: CI runs scripts/test, which installs Chromium, so a missing one is a failure."""
+    monkeypatch.setitem(globals(), "CHROMIUM", str(tmp_path / "no-chromium"))
+    with pytest.raises(pytest.fail.Exception, match="install Debian's chromium and chromium-driver"):
+        chromium(tmp_path)
