@@ -21,7 +21,7 @@ from arbiter.footprint import default_device, device_budget
 from arbiter.residency import Arbiter, Refused, Unavailable
 from batch import api as batch_api
 from batch.runner import runner_for
-from gateway import audio, chat, images
+from gateway import audio, chat, embeddings, images
 from gateway.adapters import load_adapters
 from gateway.admission import Gate, TierPolicy
 from gateway.auth import KeyRing
@@ -160,6 +160,7 @@ def routes() -> list[BaseRoute]:
         Route("/v1/images/files/{image_id}.png", images.image_file, methods=["GET"], name="image_file"),
         Route("/v1/audio/speech", audio.speech, methods=["POST"]),
         Route("/v1/audio/transcriptions", audio.transcriptions, methods=["POST"]),
+        Route("/v1/embeddings", embeddings.embeddings, methods=["POST"]),
         Route("/v1/files", batch_api.upload_file, methods=["POST"]),
         Route("/v1/files/{file_id}", batch_api.get_file, methods=["GET"]),
         Route("/v1/files/{file_id}", batch_api.delete_file, methods=["DELETE"]),
