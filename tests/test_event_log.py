@@ -181,3 +181,31 @@ def test_out_of_memory_relief_is_reported_with_its_victim(tiny_chat):
         await arb.stop()
 
     asyncio.run(main())
+
+
+def test_the_gate_reports_refusals_and_the_guards_limit_changes():
+    from gateway.admission import Gate, Rejected, TierPolicy
+    from gateway.slo_guard import GuardSettings
+
+    now = [100.0]
+    events = EventLog()
+    tiers = [TierPolicy("paid", 0, 8, 64, 1.0), TierPolicy("free", 1, 4, 0, 1.0)]
+    gate = Gate(tiers, slots=16, clock=lambda: now[0], events=events,
+                guard=GuardSettings(window_s=5.0, interval_s=1.0, min_samples=3))
+
+    async def main():
+        for _ in range(4):
+            await gate.acquire("free", "m")  # free's four slots
+        with pytest.raises(Rejected):
+            await gate.acquire("free", "m")  # no room to queue either
+
+    asyncio.run(main())
+    refusal = events.recent[-1]
+    assert (refusal.kind, refusal.data) == ("refusal", {"tier": "free", "model": "m", "reason": "queue_full",
+                                                        "retry_after_s": 1})
+    assert gate.stats.figures("free").refused_by_reason_per_min == {"queue_full": 1}
+    for _ in range(3):
+        gate.observe_latency("paid", 0.95)  # paid near its target: free gives way
+        now[0] += 1.0
+    changes = [e.data for e in events.recent if e.kind == "limits_changed"]
+    assert changes == [{"limits": {"paid": 8, "free": 2}, "before": {"paid": 8, "free": 4}}]
