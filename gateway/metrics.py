@@ -1,7 +1,26 @@
 """Prometheus metrics. Counters that the gate and the arbiter already keep are read at scrape
-time (a custom collector), so neither carries prometheus code; latencies are observed here."""
+time (a custom collector), so neither carries prometheus code; latencies are observed here.
+
+The llm-d / Gateway API Inference Extension model-server protocol (its endpoint picker scrapes
+these per model server, i.e. per device: one gate and one arbiter) is served under vLLM's names:
+
+* ``vllm:num_requests_waiting``: requests queued at the gate plus admitted requests waiting for
+  their model's load;
+* ``vllm:num_requests_running``: requests holding a slot and a resident model;
+* ``vllm:kv_cache_usage_perc`` (0..1): tiergate keeps no KV-cache blocks of its own, so this is
+  the engine occupancy: rows running on resident chat models over the rows those engines decode
+  at once (their ``max_num_seqs``); 0 when no chat model is resident;
+* ``vllm:lora_requests_info``: value the time of the last change (seconds since the epoch);
+  labels ``max_lora`` (the largest ``lora_slots`` of the chat engines), ``running_lora_adapters``
+  and ``waiting_lora_adapters`` (the adapters of running and of queued requests, comma-separated);
+* ``tiergate_model_resident{model}``: 1 resident, 0.5 warm in host memory, 0 cold (or loading).
+"""
 
 from __future__ import annotations
+
+import time
+from collections import Counter
+from collections.abc import Iterable
 
 from prometheus_client import CollectorRegistry, Histogram, generate_latest
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
@@ -11,12 +30,35 @@ from arbiter.residency import Arbiter
 from gateway.admission import Gate
 
 _BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 120)
+_RESIDENT = {"resident": 1.0, "warm": 0.5}  # tiergate_model_resident; anything else 0
+
+
+class LoraActivity:
+    """The adapters of queued and of running requests, for ``vllm:lora_requests_info``."""
+
+    def __init__(self, clock=time.time) -> None:
+        self.waiting: Counter[str] = Counter()
+        self.running: Counter[str] = Counter()
+        self.clock = clock
+        self.updated = clock()
+
+    def move(self, adapters: Iterable[str], src: Counter | None, dst: Counter | None) -> None:
+        """Count ``adapters`` out of ``src`` and into ``dst`` (None: nowhere)."""
+        for name in adapters:
+            if src is not None:
+                src[name] -= 1
+                if src[name] <= 0:
+                    del src[name]
+            if dst is not None:
+                dst[name] += 1
+        self.updated = self.clock()
 
 
 class _StateCollector(Collector):
-    def __init__(self, gate: Gate, arbiter: Arbiter) -> None:
+    def __init__(self, gate: Gate, arbiter: Arbiter, lora: LoraActivity) -> None:
         self.gate = gate
         self.arbiter = arbiter
+        self.lora = lora
 
     def collect(self):
         g = self.gate
@@ -51,12 +93,47 @@ class _StateCollector(Collector):
             evictions.add_metric([name, reason], n)
         pauses.add_metric([], c.batch_pauses)
         yield from (loads, evictions, swap, resident, pauses)
+        yield from self._model_server()
+
+    def _model_server(self):
+        """The llm-d model-server protocol's gauges (see the module's docstring)."""
+        g, a = self.gate, self.arbiter
+        loading = sum(a.view().queued_by_tier.values())  # admitted at the gate, waiting for a load
+        queued = sum(g.queued(t) for t in g.tiers) + loading
+        running = max(g.total_inflight - loading, 0)
+        rows = width = 0
+        max_lora = 0
+        for name, s in a.states.items():
+            spec = a.specs[name]
+            if spec.kind != "chat":
+                continue
+            max_lora = max(max_lora, int(spec.options.get("max_loras", 1)))
+            if s.place == "resident":
+                seqs = int(spec.options.get("max_num_seqs", 1))
+                width += seqs
+                rows += min(s.running_nonbatch + s.running_batch, seqs)
+        yield GaugeMetricFamily("vllm:num_requests_waiting", "Requests queued (gate and model loads)", value=queued)
+        yield GaugeMetricFamily("vllm:num_requests_running", "Requests running on a resident model", value=running)
+        yield GaugeMetricFamily("vllm:kv_cache_usage_perc",
+                                "Engine occupancy: running rows over resident chat engines' width (0-1)",
+                                value=rows / width if width else 0.0)
+        lora = GaugeMetricFamily("vllm:lora_requests_info", "Adapters of running and waiting requests",
+                                 labels=["max_lora", "running_lora_adapters", "waiting_lora_adapters"])
+        lora.add_metric([str(max_lora), ",".join(sorted(self.lora.running)), ",".join(sorted(self.lora.waiting))],
+                        self.lora.updated)
+        yield lora
+        place = GaugeMetricFamily("tiergate_model_resident", "1 resident, 0.5 warm in host memory, 0 cold",
+                                  labels=["model"])
+        for name, s in a.states.items():
+            place.add_metric([name], _RESIDENT.get(s.place, 0.0))
+        yield place
 
 
 class Metrics:
     def __init__(self, gate: Gate, arbiter: Arbiter) -> None:
         self.registry = CollectorRegistry()
-        self.registry.register(_StateCollector(gate, arbiter))
+        self.lora = LoraActivity()  # the serving core moves each request's adapters through it
+        self.registry.register(_StateCollector(gate, arbiter, self.lora))
         self.latency = Histogram(
             "tiergate_request_seconds", "Request latency from arrival to the last byte",
             ["tier", "endpoint"], buckets=_BUCKETS, registry=self.registry,

@@ -65,8 +65,9 @@ class Serving:
     and a lease for the block; see the module's docstring."""
 
     def __init__(self, svc: Services, caller: Caller, model: str, units: float, endpoint: str,
-                 gone: Gone | None, ask: Ask = Ask()) -> None:
+                 gone: Gone | None, ask: Ask = Ask(), adapters: tuple[str, ...] = ()) -> None:
         self.svc, self.caller, self.model, self.units, self.endpoint = svc, caller, model, units, endpoint
+        self.adapters = adapters  # its adapter stack's names, for vllm:lora_requests_info
         self.gone = gone
         self.ask = ask  # what the request spends of its key's minute limits, as estimated now
         self.usage = Usage(requests=1)  # filled in by the core; GPU and swap seconds by the block
@@ -122,14 +123,18 @@ class Serving:
         accounts = self.svc.accounts
         if accounts is not None:
             self._admission = await accounts.admit(self.caller, self.model, self.ask)
+        lora = self.svc.metrics.lora
+        lora.move(self.adapters, None, lora.waiting)
         try:
             self.held = await self.until_gone(self.svc.hold(self.caller.tier, self.model, self.units))
         except BaseException:
+            lora.move(self.adapters, lora.waiting, None)
             self._stop_watching()
             if self._admission is not None:  # refused or gone before any work: give the limits back
                 with anyio.CancelScope(shield=True):
                     await accounts.finish(self.caller, self.model, self._admission, None)
             raise
+        lora.move(self.adapters, lora.waiting, lora.running)
         if self.record is not None:
             queued = self.held.ticket.queued_s
             self.record.queue_wait_s = queued
@@ -141,6 +146,7 @@ class Serving:
         held = self.held
         if held is None:
             return
+        self.svc.metrics.lora.move(self.adapters, self.svc.metrics.lora.running, None)
         completed = exc_type is None  # a cut stream ends with GeneratorExit or CancelledError here
         service_s = time.monotonic() - held.started
         held.release(service_s if completed and not self.paused else None)
