@@ -1,81 +1,239 @@
 """Chat completions: ``plan_chat`` checks a request, ``serve_chat`` (the serving core, shared with
-batch lines) yields its events, and ``chat_completions`` (POST /v1/chat/completions) renders them
-as one JSON completion or as server-sent events."""
+batch lines) yields its choices' deltas, and ``chat_completions`` (POST /v1/chat/completions)
+renders them as one JSON completion or as server-sent events.
+
+A request with ``n`` choices runs them as ``n`` requests of the engine (rows sharing the prompt),
+each with its own gate slot and model lease; a seeded request gives choice ``i`` the seed
+``seed + i``. Tool calls are read from each choice's text by the parser its tool plan names
+(``gateway.tools``), logprobs are shaped by ``gateway.logprobs``, ``response_format`` becomes a
+grammar in ``gateway.structured`` and ``service_tier`` picks the tier served
+(``gateway.service_tier``).
+"""
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
+import dataclasses
+import hashlib
 import json
+import logging
 import time
 import uuid
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import AsyncGenerator, AsyncIterator
 
 from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
 
+from gateway import service_tier
 from gateway.adapters import resolve_request
+from accounts.rates import Ask
+from gateway.accounts import estimate_tokens
 from gateway.auth import Caller
 from gateway.errors import APIError, bad_request
 from gateway.http import Streamed, disconnect_signal
+from gateway.logprobs import chat_content, chat_logprobs
 from gateway.schemas import ChatCompletionRequest, parse, read_json
 from gateway.service import Services
 from gateway.serving import Gone, Serving
-from workers.base import AdapterStackSpec, ChatEvent, ChatFinished, ChatParams, ChatRequest, StepContext, TextDelta
+from gateway.structured import response_grammar
+from gateway.tools import CallDelta, CallParser, ToolCalls, ToolPlan, plan_tools
+from workers.base import (
+    AdapterStackSpec,
+    ChatEvent,
+    ChatFinished,
+    ChatParams,
+    ChatRequest,
+    InvalidParam,
+    StepContext,
+    TokenLogprob,
+)
 from workers.chat import ContextTooLong
+
+log = logging.getLogger("tiergate")
 
 DEFAULT_MAX_TOKENS = 256
 
 
 @dataclass(frozen=True)
 class ChatJob:
-    """A checked chat request: the base model, what the worker gets, and its adapter stack."""
+    """A checked chat request: the base model, what the worker gets, its adapter stack, how its
+    tools shape the reply, how many choices, and the service tier it asked for."""
 
     model: str
     messages: list[dict]
     params: ChatParams
     stack: AdapterStackSpec
+    tools: ToolPlan = ToolPlan()
+    n: int = 1
+    service_tier: str | None = None
+    prompt_ids: list[int] | None = None  # a raw prompt (legacy completions): no chat template
+
+
+@dataclass
+class ChoiceDelta:
+    """What one choice adds: content, pieces of tool calls, the logprobs of its tokens; the last
+    delta of a choice has ``finish_reason``, its token counts and the tier that served it."""
+
+    index: int
+    content: str = ""
+    calls: list[CallDelta] = field(default_factory=list)
+    logprobs: list[TokenLogprob] | None = None
+    finish_reason: str | None = None
+    finished: ChatFinished | None = None
+    tier: str | None = None
+
+    @property
+    def empty(self) -> bool:
+        return not (self.content or self.calls or self.logprobs or self.finish_reason)
 
 
 def plan_chat(svc: Services, body: ChatCompletionRequest) -> ChatJob:
-    """The job of ``body``; 404 for an unknown model or adapter, 400 past the token limit."""
+    """The job of ``body``; 404 for an unknown model or adapter, 400 naming the field for a bad
+    one (a message without what its role needs, the token limit, ``n`` over the cap,
+    ``top_logprobs`` without ``logprobs``, a tool or response schema that does not compile, a
+    ``tool_choice`` naming a missing tool, an unknown ``service_tier``)."""
+    problem = body.message_problem()
+    if problem:
+        raise bad_request(problem[0], problem[1], "missing_required_parameter" if "missing" in problem[0] else "invalid_value")
     spec, stack = resolve_request(svc, body.model, body.adapters, "chat")
-    limit = svc.config.limits.max_chat_tokens
-    max_tokens = body.max_completion_tokens or body.max_tokens or min(DEFAULT_MAX_TOKENS, limit)
-    if max_tokens > limit:
+    limits = svc.config.limits
+    max_tokens = body.max_completion_tokens or body.max_tokens or min(DEFAULT_MAX_TOKENS, limits.max_chat_tokens)
+    if max_tokens > limits.max_chat_tokens:
         param = "max_completion_tokens" if body.max_completion_tokens else "max_tokens"
-        raise bad_request(f"{param} is {max_tokens}, above this server's limit of {limit}", param)
-    params = ChatParams(max_tokens, body.temperature, body.top_p, body.stop or [], body.seed)
-    return ChatJob(spec.name, body.messages_as_dicts(), params, stack)
+        raise bad_request(f"{param} is {max_tokens}, above this server's limit of {limits.max_chat_tokens}", param)
+    if body.n > limits.max_n:
+        raise bad_request(f"n is {body.n}, above this server's limit of {limits.max_n} choices", "n")
+    if body.top_logprobs is not None and not body.logprobs:
+        raise bad_request("top_logprobs needs logprobs: true", "top_logprobs")
+    tools = plan_tools(body.tools, body.tool_choice, body.parallel_tool_calls, _tool_parser(svc, spec.name))
+    grammar = response_grammar(body.response_format)
+    if grammar is not None and tools.mode == "forced":
+        raise bad_request("response_format cannot constrain a reply that tool_choice already forces to be tool calls",
+                          "response_format")
+    if grammar is not None and tools.mode == "auto":
+        tools = ToolPlan("none", tools.tools)  # the reply is the requested JSON, not calls
+    service_tier.check(svc.config, body.service_tier)
+    params = ChatParams(
+        max_tokens, body.temperature, body.top_p, body.stop or [], body.seed,
+        logprobs=(body.top_logprobs or 0) if body.logprobs else None,
+        presence_penalty=body.presence_penalty, frequency_penalty=body.frequency_penalty,
+        logit_bias={int(k): v for k, v in (body.logit_bias or {}).items()},
+        grammar=grammar or tools.grammar,
+    )
+    return ChatJob(spec.name, body.messages_as_dicts(), params, stack, tools, body.n, body.service_tier)
 
 
-async def serve_chat(svc: Services, caller: Caller, job: ChatJob,
-                     gone: Gone | None) -> AsyncGenerator[ChatEvent, None]:
-    """The events of one completion: text deltas, then one ``ChatFinished``. What goes wrong
-    before the first event (429/503, context too long, out of memory after relief, client gone)
-    is raised by the first ``__anext__``. Closing the iterator early cancels the generation."""
-    async with Serving(svc, caller, job.model, job.params.max_tokens, "chat", gone) as serving:
-        events, event = await serving.step(lambda ctx: _first_event(serving, job, ctx), "running")
+def _tool_parser(svc: Services, model: str) -> str:
+    entry = next((m for m in svc.config.models if m.name == model), None)
+    engine = getattr(entry, "engine", None)
+    return getattr(engine, "tool_parser", "hermes")
+
+
+def served_caller(svc: Services, caller: Caller, job: ChatJob) -> Caller:
+    """``caller`` at the tier its request's ``service_tier`` is served at."""
+    tier = service_tier.served_tier(svc.config, caller.tier, job.service_tier)
+    return caller if tier == caller.tier else dataclasses.replace(caller, tier=tier)
+
+
+def serve_chat(svc: Services, caller: Caller, job: ChatJob, gone: Gone | None) -> AsyncGenerator[ChoiceDelta, None]:
+    """The deltas of every choice of a completion, interleaved as they come; each choice ends with
+    a delta that has its ``finish_reason``. What goes wrong before the first delta (429/503, a
+    bad field the engine finds, context too long, out of memory after relief, client gone) is
+    raised by the first ``__anext__``. Closing the iterator early cancels the generation."""
+    served = served_caller(svc, caller, job)
+    choices = [_serve_choice(svc, served, job, i, gone) for i in range(job.n)]
+    return choices[0] if job.n == 1 else _interleave(choices)
+
+
+async def _serve_choice(svc: Services, caller: Caller, job: ChatJob, index: int,
+                        gone: Gone | None) -> AsyncGenerator[ChoiceDelta, None]:
+    params = job.params
+    if index and params.seed is not None:
+        params = dataclasses.replace(params, seed=params.seed + index)
+    parser = job.tools.parser_for_reply()
+    prompt = len(job.prompt_ids) if job.prompt_ids is not None else estimate_tokens(job.messages)
+    ask = Ask(tokens=prompt + params.max_tokens)  # the key's tokens per minute, corrected when it ends
+    adapters = tuple(adapter.name for adapter, _ in job.stack)
+    async with Serving(svc, caller, job.model, params.max_tokens, "chat", gone, ask, adapters) as serving:
+        events, event = await serving.step(lambda ctx: _first_event(serving, job, params, ctx), "running")
         svc.metrics.ttft.labels(caller.tier).observe(serving.first_token())
         try:
             while not isinstance(event, ChatFinished):
-                yield event
+                delta = _read(index, event, parser)
+                if not delta.empty:
+                    yield delta
                 event = await serving.until_gone(events.__anext__())
+            serving.count_tokens(event.prompt_tokens, event.completion_tokens)
         finally:
             await events.aclose()
-    yield event  # the slot is free and the service time learned before the last event goes out
+    # the slot is free and the service time learned before the last delta goes out
+    last = _read(index, None, parser)
+    calls = parser is not None and parser.calls > 0
+    last.finish_reason = "tool_calls" if calls and event.finish_reason == "stop" else event.finish_reason
+    last.finished, last.tier = event, caller.tier
+    yield last
 
 
-async def _first_event(serving: Serving, job: ChatJob, ctx: StepContext) -> tuple[AsyncIterator[ChatEvent], ChatEvent]:
+def _read(index: int, event: ChatEvent | None, parser: CallParser | None) -> ChoiceDelta:
+    """A text event (None: the end of the text) as a choice delta, through the tool-call parser."""
+    if event is None:
+        pieces = parser.finish() if parser is not None else []
+        return _delta(index, pieces, None)
+    pieces = parser.feed(event.text) if parser is not None else [event.text]
+    return _delta(index, pieces, event.logprobs)
+
+
+def _delta(index: int, pieces: list, logprobs: list[TokenLogprob] | None) -> ChoiceDelta:
+    return ChoiceDelta(index, "".join(p for p in pieces if isinstance(p, str)),
+                       [p for p in pieces if isinstance(p, CallDelta)], logprobs)
+
+
+async def _interleave(choices: list[AsyncGenerator[ChoiceDelta, None]]) -> AsyncGenerator[ChoiceDelta, None]:
+    """The deltas of several choices as they come, each choice run by its own task."""
+    queue: asyncio.Queue[ChoiceDelta | BaseException] = asyncio.Queue()
+
+    async def pump(choice: AsyncGenerator[ChoiceDelta, None]) -> None:
+        try:
+            async for delta in choice:
+                queue.put_nowait(delta)
+        except Exception as exc:  # noqa: BLE001 - handed to the consumer, which raises it
+            queue.put_nowait(exc)
+        finally:
+            await choice.aclose()
+
+    tasks = [asyncio.create_task(pump(c)) for c in choices]
+    try:
+        running = len(choices)
+        while running:
+            item = await queue.get()
+            if isinstance(item, BaseException):
+                raise item
+            if item.finish_reason is not None:
+                running -= 1
+            yield item
+    finally:
+        for task in tasks:
+            task.cancel()
+        await asyncio.gather(*tasks, return_exceptions=True)
+
+
+async def _first_event(serving: Serving, job: ChatJob, params: ChatParams,
+                       ctx: StepContext) -> tuple[AsyncIterator[ChatEvent], ChatEvent]:
     """Submit the request and wait for its first event, so that errors found on submission
     become API errors rather than a broken stream."""
-    req = ChatRequest(job.messages, job.params, priority=serving.rank, ctx=ctx, adapters=job.stack)
+    req = ChatRequest(job.messages, params, priority=serving.rank, ctx=ctx, adapters=job.stack,
+                      tools=job.tools.template_tools(), prompt_ids=job.prompt_ids)
     events = serving.worker.chat(req)
     try:
         return events, await events.__anext__()
     except ContextTooLong as exc:
         await events.aclose()
         raise bad_request(str(exc), "messages", "context_length_exceeded") from None
+    except InvalidParam as exc:
+        await events.aclose()
+        raise bad_request(str(exc), exc.param) from None
     except ValueError as exc:  # the engine cannot serve this adapter stack (e.g. rank too high)
         await events.aclose()
         raise bad_request(str(exc), "adapters", "adapter_not_supported") from None
@@ -84,26 +242,75 @@ async def _first_event(serving: Serving, job: ChatJob, ctx: StepContext) -> tupl
         raise
 
 
-async def collect(events: AsyncGenerator[ChatEvent, None]) -> tuple[str, ChatFinished]:
-    """The whole text of a completion and how it finished (``events`` is closed after)."""
-    parts: list[str] = []
-    async with contextlib.aclosing(events):
-        async for event in events:
-            if isinstance(event, TextDelta):
-                parts.append(event.text)
-            elif isinstance(event, ChatFinished):
-                return "".join(parts), event
-    raise RuntimeError("the chat events ended without ChatFinished")
+# -- whole responses --------------------------------------------------------------------------------
 
 
-def completion(cid: str, model: str, text: str, f: ChatFinished) -> dict:
-    """The ``chat.completion`` object."""
-    return {
+@dataclass
+class Reply:
+    """One choice, whole."""
+
+    index: int
+    content: list[str] = field(default_factory=list)
+    calls: ToolCalls = field(default_factory=ToolCalls)
+    logprobs: list[TokenLogprob] | None = None
+    finish_reason: str | None = None
+    finished: ChatFinished | None = None
+
+    def add(self, delta: ChoiceDelta) -> None:
+        self.content.append(delta.content)
+        for call in delta.calls:
+            self.calls.add(call)
+        if delta.logprobs is not None:
+            self.logprobs = (self.logprobs or []) + delta.logprobs
+        if delta.finish_reason is not None:
+            self.finish_reason, self.finished = delta.finish_reason, delta.finished
+
+    def message(self) -> dict:
+        text = "".join(self.content)
+        message: dict = {"role": "assistant", "content": text if text or not self.calls.calls else None}
+        if self.calls.calls:
+            message["tool_calls"] = self.calls.calls
+        return message
+
+
+async def collect(deltas: AsyncGenerator[ChoiceDelta, None]) -> tuple[list[Reply], str]:
+    """Every choice of a completion, whole, and the tier that served it (``deltas`` is closed
+    after)."""
+    replies: dict[int, Reply] = {}
+    tier = ""
+    async with contextlib.aclosing(deltas):
+        async for delta in deltas:
+            replies.setdefault(delta.index, Reply(delta.index)).add(delta)
+            tier = delta.tier or tier
+    out = [replies[i] for i in sorted(replies)]
+    if not out or any(r.finished is None for r in out):
+        raise RuntimeError("the chat deltas ended without finishing every choice")
+    return out, tier
+
+
+def completion(cid: str, model: str, replies: list[Reply], tier: str, svc: Services | None = None,
+               logprobs: bool | None = None) -> dict:
+    """The ``chat.completion`` object of ``replies`` served at ``tier``."""
+    body = {
         "id": cid, "object": "chat.completion", "created": int(time.time()), "model": model,
-        "choices": [{"index": 0, "message": {"role": "assistant", "content": text},
-                     "finish_reason": f.finish_reason, "logprobs": None}],
-        "usage": _usage(f),
+        "choices": [{"index": r.index, "message": r.message(), "finish_reason": r.finish_reason,
+                     "logprobs": chat_logprobs(r.logprobs)} for r in replies],
+        "usage": _usage([r.finished for r in replies]),
     }
+    return _with_tier(body, tier, svc)
+
+
+def _with_tier(body: dict, tier: str, svc: Services | None) -> dict:
+    if svc is not None and tier:
+        body["service_tier"] = service_tier.label(svc.config, tier)
+    return body
+
+
+def _usage(finished: list[ChatFinished]) -> dict:
+    prompt = finished[0].prompt_tokens if finished else 0
+    completion_tokens = sum(f.completion_tokens for f in finished)
+    return {"prompt_tokens": prompt, "completion_tokens": completion_tokens,
+            "total_tokens": prompt + completion_tokens}
 
 
 # -- HTTP -------------------------------------------------------------------------------------------
@@ -114,50 +321,67 @@ async def chat_completions(request: Request) -> Response:
     caller = svc.admit_caller(request)
     body = parse(ChatCompletionRequest, await read_json(request, svc.config.limits.max_body))
     job = plan_chat(svc, body)
+    served = served_caller(svc, caller, job)
+    if body.user:
+        log.info("chat request: key %s, user %s, tier %s", caller.key_id, scoped_user(caller, body.user), served.tier)
     completion_id = f"chatcmpl-{uuid.uuid4().hex}"
+    headers = {**svc.gate.rate_headers(served.tier), "x-tiergate-tier": served.tier}
     async with disconnect_signal(request) as gone:
-        events = serve_chat(svc, caller, job, gone)
+        deltas = serve_chat(svc, caller, job, gone)
         if not body.stream:
-            text, finished = await collect(events)
-            return JSONResponse(completion(completion_id, body.model, text, finished),
-                                headers=svc.gate.rate_headers(caller.tier))
-        first = await events.__anext__()
+            replies, tier = await collect(deltas)
+            return JSONResponse(completion(completion_id, body.model, replies, tier, svc), headers=headers)
+        first = await deltas.__anext__()
     include_usage = bool(body.stream_options and body.stream_options.include_usage)
-    sse = _sse(events, first, completion_id, body.model, include_usage)
-    return Streamed(sse, "text/event-stream", headers=svc.gate.rate_headers(caller.tier))
+    label = service_tier.label(svc.config, served.tier)
+    sse = _sse(deltas, first, completion_id, body.model, job.n, body.logprobs, label, include_usage)
+    return Streamed(sse, "text/event-stream", headers=headers)
 
 
-def _usage(f: ChatFinished) -> dict:
-    return {"prompt_tokens": f.prompt_tokens, "completion_tokens": f.completion_tokens,
-            "total_tokens": f.prompt_tokens + f.completion_tokens}
+def scoped_user(caller: Caller, user: str) -> str:
+    """The ``user`` field as logged: a hash scoped to the caller's key (the raw value may be an
+    e-mail address; two keys' identical user strings are different users)."""
+    return hashlib.sha256(f"{caller.key_id}:{user}".encode()).hexdigest()[:16]
 
 
-async def _sse(events: AsyncIterator[ChatEvent], first: ChatEvent, cid: str, model: str,
-               include_usage: bool) -> AsyncIterator[str]:
+async def _sse(deltas: AsyncIterator[ChoiceDelta], first: ChoiceDelta, cid: str, model: str, n: int,
+               logprobs: bool, tier_label: str, include_usage: bool) -> AsyncIterator[str]:
     created = int(time.time())
 
-    def chunk(delta: dict, finish: str | None = None, usage: dict | None = None, choices: bool = True) -> str:
+    def chunk(choices: list[dict], usage: dict | None = None) -> str:
         body = {"id": cid, "object": "chat.completion.chunk", "created": created, "model": model,
-                "choices": [{"index": 0, "delta": delta, "finish_reason": finish, "logprobs": None}] if choices else []}
+                "service_tier": tier_label, "choices": choices}
         if include_usage:
             body["usage"] = usage
         return f"data: {json.dumps(body)}\n\n"
 
+    def choice(d: ChoiceDelta) -> dict:
+        delta: dict = {}
+        if d.content:
+            delta["content"] = d.content
+        if d.calls:
+            delta["tool_calls"] = [c.as_openai() for c in d.calls]
+        lp = {"content": chat_content(d.logprobs or []), "refusal": None} if logprobs else None
+        return {"index": d.index, "delta": delta, "finish_reason": d.finish_reason, "logprobs": lp}
+
+    finished: list[ChatFinished] = []
     try:
-        yield chunk({"role": "assistant", "content": ""})
-        event = first
+        for i in range(n):
+            yield chunk([{"index": i, "delta": {"role": "assistant", "content": ""}, "finish_reason": None,
+                          "logprobs": None}])
+        delta = first
         while True:
-            if isinstance(event, TextDelta):
-                yield chunk({"content": event.text})
-            elif isinstance(event, ChatFinished):
-                yield chunk({}, event.finish_reason)
-                if include_usage:
-                    yield chunk({}, usage=_usage(event), choices=False)
-                break
-            event = await events.__anext__()
+            yield chunk([choice(delta)])
+            if delta.finished is not None:
+                finished.append(delta.finished)
+                if len(finished) == n:
+                    break
+            delta = await deltas.__anext__()
+        if include_usage:
+            yield chunk([], _usage(finished))
     except Exception as exc:  # noqa: BLE001 - the stream has started: report in-band
         err = APIError(500, f"generation failed: {type(exc).__name__}", "generation_failed")
         yield f"data: {json.dumps(err.body())}\n\n"
     finally:
-        await events.aclose()
+        await deltas.aclose()
     yield "data: [DONE]\n\n"

@@ -22,6 +22,7 @@ from typing import Annotated, Any, Literal, Union
 import yaml
 from pydantic import BaseModel, BeforeValidator, ConfigDict, Field, ValidationError, field_validator, model_validator
 
+from accounts.config import AccountsConfig, Price, check_tiers
 from arbiter.units import parse_size
 from gateway.slo_guard import GuardSettings
 from workers.base import ModelSpec
@@ -43,7 +44,7 @@ class _Strict(BaseModel):
 class TierConfig(_Strict):
     name: str = Field(pattern=r"^[a-z][a-z0-9_-]*$")
     keys_env: str  # environment variable holding comma-separated API keys
-    max_inflight: int = Field(default=8, ge=1)
+    max_inflight: int | None = Field(default=None, ge=1)  # None: 8; on the batch tier, every engine's width together
     max_queued: int = Field(default=64, ge=0)
     latency_target_s: float = Field(default=30.0, gt=0)
     batch: bool = False  # the batch tier: runs only on an otherwise idle GPU and always yields; at most one, last
@@ -65,6 +66,7 @@ class EngineConfig(_Strict):
     max_num_seqs: int = Field(default=8, ge=1)  # rows decoded together in one step (both engines)
     lora_slots: int = Field(default=2, ge=1)  # vLLM: adapter stacks resident at once (plus one spare slot)
     max_lora_rank: Literal[8, 16, 32, 64, 128, 256, 320, 512] = 64  # vLLM: the largest stack rank served
+    tool_parser: Literal["hermes"] = "hermes"  # how tool calls are read from the model's text (tool_choice auto)
 
 
 def _engine_block(value: Any) -> Any:
@@ -114,7 +116,8 @@ class EmbedModel(_Model):
     max_batch_tokens: int = Field(default=16384, ge=1)  # padded tokens (rows x longest) in one forward pass
 
     def spec(self, with_adapters: bool = False) -> ModelSpec:
-        return ModelSpec(self.name, self.kind, self.path, self.vram, options={"max_batch_tokens": self.max_batch_tokens})
+        options = {"max_batch_tokens": self.max_batch_tokens}
+        return ModelSpec(self.name, self.kind, self.path, self.vram, options=options)
 
 
 ModelConfig = Annotated[Union[ChatModel, ImageModel, TTSModel, STTModel, EmbedModel], Field(discriminator="kind")]
@@ -192,6 +195,7 @@ class GateConfig(_Strict):
 class LimitsConfig(_Strict):
     max_body: Size = parse_size("25MiB")
     max_chat_tokens: int = Field(default=1024, ge=1)
+    max_n: int = Field(default=4, ge=1)  # chat choices per request (n); each takes its own gate slot
     prompt_max_chars: int = Field(default=4000, ge=1)  # image prompts (and negative prompts), transcription prompts
     image_max_n: int = Field(default=4, ge=1)
     image_max_side: int = Field(default=1024, ge=8)  # pixels, either side
@@ -213,7 +217,13 @@ class BatchConfig(_Strict):
     max_file_bytes: Size = parse_size("200MiB")
     max_lines: int = Field(default=50_000, ge=1)
     reclaim_after_s: float = Field(default=30.0, gt=0)  # a line held this long by a silent process runs elsewhere
-    concurrency: int = Field(default=4, ge=1)  # lines in flight per process; capped by the batch tier's max_inflight
+    concurrency: int | None = Field(default=None, ge=1)  # a cap on lines in flight per process; None: the engines' widths
+
+
+class ServerConfig(_Strict):
+    """How the server stops (gateway/drain.py)."""
+
+    drain_timeout_s: float = Field(default=30.0, ge=0)  # on SIGTERM: how long requests in flight may finish
 
 
 class Config(_Strict):
@@ -225,7 +235,20 @@ class Config(_Strict):
     gate: GateConfig = GateConfig()
     limits: LimitsConfig = LimitsConfig()
     batch: BatchConfig = BatchConfig()
+    server: ServerConfig = ServerConfig()
+    accounts: AccountsConfig = AccountsConfig()  # per-tier default limits of each key (docs/ACCOUNTS.md)
+    prices: dict[str, Price] = Field(default_factory=dict)  # tier -> what usage costs there
     source: Path = Path("tiers.yaml")
+
+    @model_validator(mode="after")
+    def _accounts_name_tiers_and_models(self) -> "Config":
+        check_tiers(self.accounts, self.prices, self.tier_names)
+        known = {m.name for m in self.models}
+        for tier, limits in self.accounts.limits.items():
+            unknown = sorted(set(limits.models or ()) - known)
+            if unknown:
+                raise ValueError(f"accounts.limits.{tier}.models: no model named {', '.join(map(repr, unknown))}")
+        return self
 
     @field_validator("tiers")
     @classmethod
@@ -258,6 +281,16 @@ class Config(_Strict):
     def batch_rank(self) -> int:
         """The rank of the batch tier; the lowest tier's when none is marked."""
         return len(self.tiers) - 1
+
+    def max_inflight(self, tier: TierConfig) -> int:
+        """The tier's slots: as set, else 8; the batch tier's default is room to fill every
+        model's engine at once (its ``max_num_seqs``, 1 for models without one), so batch work is
+        held back only by the other tiers' demand, never by its own limit."""
+        if tier.max_inflight is not None:
+            return tier.max_inflight
+        if not tier.batch:
+            return 8
+        return max(1, sum(m.engine.max_num_seqs if isinstance(m, ChatModel) else 1 for m in self.models))
 
     def model_specs(self) -> list[ModelSpec]:
         with_adapters = {a.model for a in self.adapters}

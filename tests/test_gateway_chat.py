@@ -113,7 +113,7 @@ GOOD = {"model": "tiny-chat", "messages": [{"role": "user", "content": "hi"}], "
     ({**GOOD, "messages": [{"role": "robot", "content": "x"}]}, "messages[0].role"),
     ({**GOOD, "messages": [{"role": "user"}]}, "messages[0].content"),
     ({**GOOD, "stop": ["a", "b", "c", "d", "e"]}, "stop"),
-    ({**GOOD, "n": 2}, "n"),
+    ({**GOOD, "n": 5}, "n"),  # above limits.max_n (4)
     ({**GOOD, "bogus": 1}, "bogus"),
     ({k: v for k, v in GOOD.items() if k != "model"}, "model"),
 ])

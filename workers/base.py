@@ -115,8 +115,8 @@ def stack_key(stack: AdapterStackSpec) -> StackKey:
 @dataclass(frozen=True)
 class JsonGrammar:
     """Constrained decoding: the reply is JSON valid against ``schema`` (JSON Schema text), with
-    no free whitespace (separators ``", "`` and ``": "``). Both engines compile it with xgrammar
-    (see ``workers.grammar``)."""
+    no free whitespace (compact: separators ``","`` and ``":"``). Both engines compile it with
+    xgrammar (see ``workers.grammar``)."""
 
     schema: str
 

@@ -18,7 +18,8 @@ Where vLLM differs from the transformers worker (``workers.chat``):
   vLLM's detokenizer was still holding back at the pause (a partial stop-string match or an
   incomplete UTF-8 character): the tokens are kept, that text is not streamed.
 * Constrained replies (``params.grammar``) go to vLLM's structured outputs (xgrammar, no free
-  whitespace: ``disable_any_whitespace=True``), like the transformers engine's own matcher. A
+  whitespace: the engine starts with ``disable_any_whitespace``, which vLLM 0.32 reads per
+  engine, not per request), like the transformers engine's own matcher. A
   resubmission restarts the grammar from its beginning, so a constrained request is paused only
   before it has produced a token; after that it runs to its end (it stays bounded by max_tokens).
 * Logprobs are vLLM's (``SamplingParams(logprobs=k)``): by default the model's raw log
@@ -180,6 +181,10 @@ class VllmChatEngine(Worker):
             # The model folder's generation_config.json must not change ChatParams' meaning.
             generation_config="vllm",
         )
+        from vllm.config import StructuredOutputsConfig
+
+        # compact JSON for every constrained reply (a random model wanders in free whitespace)
+        kwargs["structured_outputs_config"] = StructuredOutputsConfig(backend="xgrammar", disable_any_whitespace=True)
         if self.kv_cache_bytes is not None:
             kwargs["kv_cache_memory_bytes"] = int(self.kv_cache_bytes)
         if self.gpu_memory_utilization is not None:
@@ -516,7 +521,7 @@ def _sampling_extras(p: ChatParams) -> dict[str, Any]:
     if p.grammar is not None:
         from vllm.sampling_params import StructuredOutputsParams
 
-        extras["structured_outputs"] = StructuredOutputsParams(json=p.grammar.schema, disable_any_whitespace=True)
+        extras["structured_outputs"] = StructuredOutputsParams(json=p.grammar.schema)
     return extras
 
 

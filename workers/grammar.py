@@ -1,15 +1,15 @@
 """Grammar-constrained decoding with xgrammar, shared by both chat engines.
 
 A :class:`~workers.base.JsonGrammar` (a JSON schema) is compiled with no free whitespace: the
-separators are fixed (``", "`` between items, ``": "`` after a key) and nothing else may be
-inserted, so a closed schema (enums, booleans, bounded integers) ends in a few dozen tokens even
+separators are ``","`` and ``":"`` and nothing else may be inserted (compact JSON), so a closed schema (enums, booleans, bounded integers) ends in a few dozen tokens even
 on random weights. ``strict_mode`` is on: an object takes only the properties its schema
 declares (what the output may contain narrows; everything it does contain validates).
 
 * :func:`schema_error` compiles a schema without a tokenizer: the gateway refuses a schema that
   does not compile (400) before the request queues.
-* The vLLM engine hands the schema to vLLM (``StructuredOutputsParams(json=...,
-  disable_any_whitespace=True)``), whose xgrammar backend compiles it the same way.
+* The vLLM engine hands the schema to vLLM (``StructuredOutputsParams(json=...)``); the engine is
+  started with ``structured_outputs_config(backend="xgrammar", disable_any_whitespace=True)``
+  (vLLM 0.32 reads that flag per engine, not per request), which compiles it the same way.
 * The transformers engine keeps one :class:`Grammars` per loaded model (the tokenizer's
   vocabulary and a compile cache) and one :class:`RowGrammar` per constrained row: before each
   sample the row's logits are masked to the tokens the grammar allows next, and the sampled token
@@ -24,13 +24,15 @@ import torch
 
 from workers.base import JsonGrammar
 
+SEPARATORS = (",", ":")  # compact JSON, as vLLM's disable_any_whitespace compiles it
+
 
 def schema_error(schema: dict | bool) -> str | None:
     """Why xgrammar cannot compile ``schema``, or None when it can."""
     import xgrammar as xgr
 
     try:
-        xgr.Grammar.from_json_schema(json.dumps(schema), any_whitespace=False)
+        xgr.Grammar.from_json_schema(json.dumps(schema), any_whitespace=False, separators=SEPARATORS)
     except Exception as exc:  # noqa: BLE001 - xgrammar raises RuntimeError/ValueError with its reason
         return _reason(exc)
     return None
@@ -54,7 +56,7 @@ class Grammars:
 
     def row(self, grammar: JsonGrammar) -> "RowGrammar":
         """A fresh matcher for one row constrained by ``grammar``."""
-        compiled = self._compiler.compile_json_schema(grammar.schema, any_whitespace=False)
+        compiled = self._compiler.compile_json_schema(grammar.schema, any_whitespace=False, separators=SEPARATORS)
         return RowGrammar(compiled, self.vocab_size)
 
 

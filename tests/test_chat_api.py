@@ -1,0 +1,331 @@
+"""What clients call on /v1/chat/completions beyond plain text (issue 12): structured outputs,
+tools, logprobs, n, penalties and logit_bias, service_tier, and their 400s, through the openai
+SDK, LangChain and instructor against a real server on tiny-chat (random weights), on BOTH chat
+engines. The vLLM server is started once for the module (~20 s)."""
+
+from __future__ import annotations
+
+import json
+import threading
+from typing import Literal
+
+import httpx
+import openai
+import pytest
+from pydantic import BaseModel, Field
+
+from tests.helpers import start_server, write_config
+
+ENGINES = ["transformers", pytest.param("vllm", marks=pytest.mark.skipif(
+    not __import__("importlib").util.find_spec("vllm"), reason="vllm is not installed"))]
+
+
+@pytest.fixture(scope="module", params=ENGINES)
+def server(request, tiny_chat, tmp_path_factory):
+    folder = tmp_path_factory.mktemp(f"chat-api-{request.param}")
+    cfg = write_config(folder, {"tiny-chat": ("chat", tiny_chat)}, "limits:\n  max_chat_tokens: 256\n",
+                       engine=request.param)
+    if request.param == "vllm":
+        cfg.write_text(cfg.read_text().replace("    engine: vllm", "    engine: {name: vllm, kv_cache: 128MiB, max_num_seqs: 8}"))
+    running = start_server(cfg)
+    yield running
+    running.stop()
+
+
+def client(server, tier="paid") -> openai.OpenAI:
+    return openai.OpenAI(base_url=server.base_url, api_key=server.keys[tier], max_retries=0, timeout=120)
+
+
+def tokenizer(server):
+    return server.services.arbiter.workers["tiny-chat"].tokenizer
+
+
+class Answer(BaseModel):
+    """A closed schema: an enum, a boolean and a bounded integer."""
+
+    color: Literal["red", "green", "blue"]
+    ok: bool
+    level: int = Field(ge=0, le=9)
+
+
+class GetWeather(BaseModel):
+    """Weather in a city."""
+
+    city: Literal["paris", "oslo", "lima"]
+    celsius: bool
+
+
+class SetAlarm(BaseModel):
+    hour: int = Field(ge=0, le=23)
+
+
+def fn(model: type[BaseModel]) -> dict:
+    return {"type": "function", "function": {"name": model.__name__, "description": model.__doc__ or "",
+                                             "parameters": model.model_json_schema()}}
+
+
+TOOLS = [fn(GetWeather), fn(SetAlarm)]
+ASK = [{"role": "user", "content": "What is the weather?"}]
+
+
+# -- structured outputs ------------------------------------------------------------------------------
+
+
+def test_sdk_parse_with_a_pydantic_model(server):
+    r = client(server).chat.completions.parse(model="tiny-chat", messages=ASK, response_format=Answer,
+                                              max_tokens=64, seed=1)
+    assert r.choices[0].finish_reason == "stop"
+    assert isinstance(r.choices[0].message.parsed, Answer)
+    text = r.choices[0].message.content
+    assert text == json.dumps(json.loads(text), separators=(",", ":"))  # compact JSON: no free whitespace
+
+
+@pytest.mark.parametrize("seed", range(4))
+def test_closed_schema_ends_within_64_tokens(server, seed):
+    schema = {"type": "object", "properties": {"mood": {"enum": ["calm", "angry"]}, "n": {"type": "integer", "minimum": 1, "maximum": 5},
+                                               "yes": {"type": "boolean"}}, "required": ["mood", "n", "yes"]}
+    r = client(server).chat.completions.create(
+        model="tiny-chat", messages=ASK, max_tokens=64, seed=seed, temperature=1.0,
+        response_format={"type": "json_schema", "json_schema": {"name": "m", "schema": schema, "strict": True}})
+    assert r.choices[0].finish_reason == "stop" and r.usage.completion_tokens <= 64
+    value = json.loads(r.choices[0].message.content)
+    assert set(value) == {"mood", "n", "yes"} and value["mood"] in ("calm", "angry") and 1 <= value["n"] <= 5
+
+
+def test_json_object_mode_starts_an_object(server):
+    r = client(server).chat.completions.create(model="tiny-chat", messages=ASK, max_tokens=32, seed=2,
+                                               response_format={"type": "json_object"})
+    text = r.choices[0].message.content
+    assert text.startswith("{")
+    if r.choices[0].finish_reason == "stop":
+        assert isinstance(json.loads(text), dict)
+
+
+# -- tools --------------------------------------------------------------------------------------------
+
+
+def stream_calls(stream) -> tuple[list[dict], list[str], list]:
+    """Tool calls assembled from a stream's deltas, the finish reasons and the raw tool-call deltas."""
+    calls: dict[int, dict] = {}
+    finishes, deltas = [], []
+    for chunk in stream:
+        for choice in chunk.choices:
+            if choice.finish_reason:
+                finishes.append(choice.finish_reason)
+            for d in choice.delta.tool_calls or []:
+                deltas.append(d)
+                if d.id is not None:
+                    calls[d.index] = {"id": d.id, "name": d.function.name, "arguments": d.function.arguments or ""}
+                else:
+                    calls[d.index]["arguments"] += d.function.arguments
+    return [calls[i] for i in sorted(calls)], finishes, deltas
+
+
+def test_named_tool_choice_whole_and_streamed(server):
+    choice = {"type": "function", "function": {"name": "GetWeather"}}
+    r = client(server).chat.completions.create(model="tiny-chat", messages=ASK, tools=TOOLS, tool_choice=choice,
+                                               max_tokens=128, seed=3)
+    c = r.choices[0]
+    assert c.finish_reason == "tool_calls" and c.message.content is None
+    (call,) = c.message.tool_calls
+    assert call.id.startswith("call_") and call.type == "function" and call.function.name == "GetWeather"
+    GetWeather.model_validate_json(call.function.arguments)
+
+    stream = client(server).chat.completions.create(model="tiny-chat", messages=ASK, tools=TOOLS, tool_choice=choice,
+                                                    max_tokens=128, seed=3, stream=True)
+    calls, finishes, deltas = stream_calls(stream)
+    assert finishes == ["tool_calls"]
+    assert len(calls) == 1 and calls[0]["name"] == "GetWeather"
+    assert json.loads(calls[0]["arguments"]) == json.loads(call.function.arguments)  # same seed, same call
+    assert deltas[0].id and deltas[0].function.name and all(d.id is None for d in deltas[1:])
+
+
+def test_required_tool_choice_whole_and_streamed(server):
+    models = {"GetWeather": GetWeather, "SetAlarm": SetAlarm}
+    for seed in range(3):
+        r = client(server).chat.completions.create(model="tiny-chat", messages=ASK, tools=TOOLS, tool_choice="required",
+                                                   parallel_tool_calls=False, max_tokens=128, seed=seed)
+        (call,) = r.choices[0].message.tool_calls
+        models[call.function.name].model_validate_json(call.function.arguments)
+        assert r.choices[0].finish_reason == "tool_calls"
+    stream = client(server).chat.completions.create(model="tiny-chat", messages=ASK, tools=TOOLS, tool_choice="required",
+                                                    parallel_tool_calls=False, max_tokens=128, seed=0, stream=True)
+    calls, finishes, _ = stream_calls(stream)
+    assert finishes == ["tool_calls"] and len(calls) == 1
+    models[calls[0]["name"]].model_validate_json(calls[0]["arguments"])
+
+
+def test_tool_round_trip_renders_calls_and_results(server):
+    from workers.chat_prompt import encode
+
+    call = {"id": "call_abc", "type": "function", "function": {"name": "GetWeather", "arguments": '{"city": "oslo", "celsius": true}'}}
+    messages = ASK + [{"role": "assistant", "content": None, "tool_calls": [call]},
+                      {"role": "tool", "tool_call_id": "call_abc", "content": "sunny, 21 C"}]
+    r = client(server).chat.completions.create(model="tiny-chat", messages=messages, tools=TOOLS, max_tokens=8, seed=1)
+    assert r.choices[0].finish_reason in ("stop", "length", "tool_calls")
+    rendered = encode(tokenizer(server), messages, TOOLS)
+    text = tokenizer(server).decode(rendered)
+    assert '<tool_call>{"name": "GetWeather", "arguments": {"city": "oslo", "celsius": true}}</tool_call>' in text
+    assert "<tool_response>sunny, 21 C</tool_response>" in text and '"name": "SetAlarm"' in text
+    assert r.usage.prompt_tokens == len(rendered)  # the server rendered exactly this
+
+
+# -- sampling fields ------------------------------------------------------------------------------------
+
+
+def test_logprobs_whole_and_streamed(server):
+    kw = dict(model="tiny-chat", messages=ASK, max_tokens=8, temperature=0, logprobs=True, top_logprobs=3,
+              logit_bias={str(tokenizer(server).eos_token_id): -100})
+    r = client(server).chat.completions.create(**kw)
+    entries = r.choices[0].logprobs.content
+    assert len(entries) == r.usage.completion_tokens == 8
+    for e in entries:
+        assert e.logprob <= 0 and len(e.top_logprobs) == 3
+        tops = [t.logprob for t in e.top_logprobs]
+        assert tops == sorted(tops, reverse=True)
+        assert e.top_logprobs[0].token == e.token and e.top_logprobs[0].logprob == pytest.approx(e.logprob, abs=1e-4)
+        assert e.bytes == list(e.token.encode())
+    chunks = list(client(server).chat.completions.create(**kw, stream=True))
+    streamed = [e for c in chunks if c.choices and c.choices[0].logprobs for e in c.choices[0].logprobs.content]
+    assert [e.token for e in streamed] == [e.token for e in entries]
+    assert [e.logprob for e in streamed] == pytest.approx([e.logprob for e in entries], abs=1e-4)
+
+
+def test_n_choices_each_take_a_slot(server):
+    gate = server.services.gate
+    before = gate.admitted["paid"]
+    kw = dict(model="tiny-chat", messages=ASK, max_tokens=10, temperature=1.0)
+    r = client(server).chat.completions.create(**kw, n=2, seed=40)
+    assert gate.admitted["paid"] - before == 2
+    assert [c.index for c in r.choices] == [0, 1]
+    alone = [client(server).chat.completions.create(**kw, seed=s) for s in (40, 41)]
+    singles = [a.choices[0].message.content for a in alone]
+    assert [c.message.content for c in r.choices] == singles  # choice i is seeded seed + i
+    assert r.usage.completion_tokens == sum(a.usage.completion_tokens for a in alone)
+    assert r.usage.prompt_tokens == alone[0].usage.prompt_tokens
+    texts = {0: "", 1: ""}
+    for chunk in client(server).chat.completions.create(**kw, n=2, seed=40, stream=True):
+        for c in chunk.choices:
+            texts[c.index] += c.delta.content or ""
+    assert [texts[0], texts[1]] == singles
+
+
+def test_penalties_and_logit_bias(server):
+    tok = tokenizer(server)
+    a, b = (tok.convert_tokens_to_ids(t) for t in ("a", "b"))
+    kw = dict(model="tiny-chat", messages=ASK, max_tokens=12, temperature=0, logit_bias={str(a): 100, str(b): 90})
+    plain = client(server).chat.completions.create(**kw).choices[0].message.content
+    assert plain == "a" * 12
+    damped = client(server).chat.completions.create(**kw, frequency_penalty=2, presence_penalty=2).choices[0].message.content
+    assert set(damped) == {"a", "b"}  # every "a" costs 2 more: "b" wins now and then
+
+
+def test_user_is_logged_scoped_to_the_key(server, caplog):
+    caplog.set_level("INFO", logger="tiergate")
+    client(server).chat.completions.create(model="tiny-chat", messages=ASK, max_tokens=2, user="alice@example.com")
+    assert "alice@example.com" not in caplog.text
+    assert "user " in caplog.text
+
+
+# -- clients ------------------------------------------------------------------------------------------
+
+
+def test_langchain_structured_output_and_bind_tools(server):
+    from langchain_openai import ChatOpenAI
+
+    llm = ChatOpenAI(model="tiny-chat", base_url=server.base_url, api_key=server.keys["paid"], max_tokens=128,
+                     max_retries=0, seed=5)
+    answer = llm.with_structured_output(Answer, method="json_schema").invoke("Pick a color")
+    assert isinstance(answer, Answer)
+    message = llm.bind_tools([GetWeather, SetAlarm], tool_choice="any").invoke("Weather in Oslo?")
+    assert message.tool_calls
+    models = {"GetWeather": GetWeather, "SetAlarm": SetAlarm}
+    for call in message.tool_calls:
+        models[call["name"]].model_validate(call["args"])
+
+
+def test_instructor_tools_mode(server):
+    import instructor
+
+    ic = instructor.from_openai(client(server), mode=instructor.Mode.TOOLS)
+    answer = ic.chat.completions.create(model="tiny-chat", response_model=Answer, max_retries=0, max_tokens=128,
+                                        messages=[{"role": "user", "content": "Pick a color"}])
+    assert isinstance(answer, Answer)
+
+
+# -- service_tier -----------------------------------------------------------------------------------------
+
+
+def test_priority_from_a_free_key_is_served_as_free(server):
+    gate = server.services.gate
+    paid, free = gate.admitted["paid"], gate.admitted["free"]
+    raw = client(server, "free").chat.completions.with_raw_response.create(
+        model="tiny-chat", messages=ASK, max_tokens=2, service_tier="priority")
+    assert raw.headers["x-tiergate-tier"] == "free"
+    assert raw.parse().service_tier == "default"
+    assert gate.admitted["free"] == free + 1 and gate.admitted["paid"] == paid
+    r = client(server).chat.completions.create(model="tiny-chat", messages=ASK, max_tokens=2, service_tier="auto")
+    assert r.service_tier == "priority"  # the paid key's own tier, the highest
+
+
+def test_flex_runs_at_the_batch_tier_and_yields(server):
+    s = server
+    eos = str(tokenizer(s).eos_token_id)
+    pauses = s.services.arbiter.counters.batch_pauses
+    before = s.services.gate.admitted["batch"]
+    seen: dict = {}
+    started = threading.Event()
+
+    def run_flex():
+        with client(s).chat.completions.with_streaming_response.create(
+                model="tiny-chat", messages=ASK, max_tokens=200, temperature=0, stream=True, service_tier="flex",
+                logit_bias={eos: -100}) as raw:
+            seen["tier"] = raw.headers["x-tiergate-tier"]
+            for chunk in raw.parse():
+                seen["label"] = chunk.service_tier
+                if chunk.choices and chunk.choices[0].delta.content:
+                    started.set()
+                if chunk.choices and chunk.choices[0].finish_reason:
+                    seen["finish"] = chunk.choices[0].finish_reason
+
+    t = threading.Thread(target=run_flex)
+    t.start()
+    assert started.wait(60)
+    r = client(s).chat.completions.create(model="tiny-chat", messages=ASK, max_tokens=30, temperature=0)
+    assert r.choices[0].finish_reason in ("length", "stop")
+    t.join(120)
+    assert seen == {"tier": "batch", "label": "flex", "finish": "length"}
+    assert s.services.gate.admitted["batch"] == before + 1
+    assert s.services.arbiter.counters.batch_pauses > pauses
+
+
+# -- bad input -------------------------------------------------------------------------------------------
+
+
+GOOD = {"model": "tiny-chat", "messages": ASK, "max_tokens": 4}
+
+
+@pytest.mark.parametrize("extra,param", [
+    ({"response_format": {"type": "json_schema", "json_schema": {"name": "x", "schema": {"type": "string", "pattern": "("}}}},
+     "response_format"),
+    ({"response_format": {"type": "json_schema", "json_schema": {"name": "x", "schema": {"type": "bogus"}}}}, "response_format"),
+    ({"tools": [{"type": "function", "function": {"name": "f", "parameters": {"type": "object", "properties": {"a": {"$ref": "#/$defs/none"}}}}}]},
+     "tools[0].function.parameters"),
+    ({"tools": TOOLS, "tool_choice": {"type": "function", "function": {"name": "Missing"}}}, "tool_choice"),
+    ({"tool_choice": "required"}, "tool_choice"),
+    ({"n": 5}, "n"),
+    ({"logprobs": True, "top_logprobs": 21}, "top_logprobs"),
+    ({"top_logprobs": 2}, "top_logprobs"),
+    ({"logit_bias": {"99999": 1}}, "logit_bias"),
+    ({"logit_bias": {"1": 101}}, "logit_bias"),
+    ({"presence_penalty": 3}, "presence_penalty"),
+    ({"service_tier": "gold"}, "service_tier"),
+    ({"messages": [{"role": "tool", "content": "x"}]}, "messages[0].tool_call_id"),
+    ({"messages": [{"role": "assistant"}]}, "messages[0].content"),
+])
+def test_bad_fields_are_400_naming_the_param(server, extra, param):
+    r = httpx.post(f"{server.base_url}/chat/completions", json={**GOOD, **extra}, timeout=60,
+                   headers={"Authorization": f"Bearer {server.keys['paid']}"})
+    assert r.status_code == 400, r.text
+    err = r.json()["error"]
+    assert err["param"] == param and isinstance(err["code"], str) and err["message"]
