@@ -75,8 +75,8 @@ class Recorder:
         arbiter = server.services.arbiter
         real = arbiter._evict
 
-        async def evict(decision, reason):
-            await real(decision, reason)
+        async def evict(decision, *args):
+            await real(decision, *args)
             self.note("evicted", decision.victims)
 
         self.undo = lambda: setattr(arbiter, "_evict", real)
