@@ -14,7 +14,8 @@ On SIGTERM (or the first Ctrl+C) :class:`DrainingServer` drains before uvicorn s
 3. API requests already in flight, streams included, run to their end, for at most
    ``server.drain_timeout_s``; progress is logged every second;
 4. then uvicorn shuts down as usual (what is still running past the timeout is cancelled) and
-   the process exits 0. A second signal stops at once.
+   the process exits 0. A second signal cuts what still runs (after ``CUT_AFTER_S``) and shuts
+   down the same way.
 """
 
 from __future__ import annotations
@@ -22,7 +23,6 @@ from __future__ import annotations
 import asyncio
 import logging
 import math
-import signal
 import time
 from types import FrameType
 from typing import Awaitable, Callable
@@ -148,7 +148,7 @@ async def readyz(request: Request) -> Response:
 class DrainingServer(uvicorn.Server):
     """uvicorn's server, except that the first SIGTERM or SIGINT drains (:meth:`Drain.run`)
     before shutting down, and the process then exits normally (status 0) instead of re-raising
-    the signal; a second signal shuts down at once."""
+    the signal; a second signal cuts what still runs and shuts down."""
 
     def __init__(self, config: uvicorn.Config, drain: Drain) -> None:
         super().__init__(config)
@@ -162,8 +162,9 @@ class DrainingServer(uvicorn.Server):
 
     def handle_exit(self, sig: int, frame: FrameType | None) -> None:
         if self.drain.draining or self._loop is None or not self.started:
-            self.should_exit = True  # second signal, or nothing started yet: stop now
-            self.force_exit = self.force_exit or (self.drain.draining and sig == signal.SIGINT)
+            # second signal, or not started yet: cut what runs (the app's shutdown still stops the engines)
+            self.config.timeout_graceful_shutdown = CUT_AFTER_S
+            self.should_exit = True
             return
         self.drain.begin()  # refuse from this instant on
         self._loop.call_soon_threadsafe(self._start_draining)

@@ -117,6 +117,8 @@ class RequestLog:
         except BaseException:
             if record.status is None:  # the server answers 500 after this
                 record.status, record.reason = 500, record.reason or "internal_error"
+            else:  # the response had started: cut (a drain's timeout, a crash mid-stream)
+                record.reason = record.reason or "interrupted"
             raise
         finally:
             _current.reset(token)

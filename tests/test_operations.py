@@ -245,3 +245,24 @@ def test_text_lines_put_the_request_fields_after_the_message():
     assert text.endswith(' INFO tiergate.requests: request request_id=r1 status=429 reason=queue_full endpoint="/v1/x y"')
     doc = json.loads(Formatter(json_lines=True).format(record))
     assert (doc["message"], doc["status"], doc["model"], doc["level"]) == ("request", 429, None, "info")
+
+
+def test_readyz_follows_the_batch_store(tiny_chat, tmp_path):
+    from tests.helpers import start_server
+    from tests.test_batch_store import redis_server
+
+    with redis_server(tmp_path) as url:
+        extra = f"batch:\n  store: {url}\n"
+        server = start_server(write_config(tmp_path, {"tiny-chat": ("chat", tiny_chat)}, extra))
+        try:
+            ready = httpx.get(f"{server.url}/readyz")
+            assert ready.status_code == 200 and ready.json()["store"] == "RedisStore"
+        except BaseException:
+            server.stop()
+            raise
+    try:  # Redis is gone
+        gone = httpx.get(f"{server.url}/readyz", timeout=10)
+        assert gone.status_code == 503 and gone.json()["status"] == "store_unavailable", gone.text
+        assert httpx.get(f"{server.url}/healthz").status_code == 200  # alive, not ready
+    finally:
+        server.stop()
