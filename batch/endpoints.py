@@ -14,9 +14,11 @@ from typing import Any, Awaitable, Callable
 from gateway.audio import SpeechBody, plan_speech, serve_speech
 from gateway.auth import Caller
 from gateway.chat import collect, completion, plan_chat, serve_chat
+from gateway.completions import completion_result
 from gateway.embeddings import EmbeddingRequest, embedding_list, plan_embeddings, serve_embeddings
 from gateway.errors import bad_request
 from gateway.images import ImageGenerationRequest, b64_rows, plan_images, serve_images
+from gateway.responses import response_result
 from gateway.schemas import ChatCompletionRequest, parse
 from gateway.service import Services
 
@@ -45,8 +47,8 @@ async def chat(svc: Services, caller: Caller, data: dict) -> Result:
     body = parse(ChatCompletionRequest, data)
     if body.stream:
         raise bad_request("stream is not supported in a batch", "stream")
-    text, finished = await collect(serve_chat(svc, caller, plan_chat(svc, body), None))
-    return completion(f"chatcmpl-{uuid.uuid4().hex}", body.model, text, finished)
+    replies, tier = await collect(serve_chat(svc, caller, plan_chat(svc, body), None))
+    return completion(f"chatcmpl-{uuid.uuid4().hex}", body.model, replies, tier, svc)
 
 
 async def images(svc: Services, caller: Caller, data: dict) -> Result:
@@ -72,6 +74,8 @@ async def embeddings(svc: Services, caller: Caller, data: dict) -> Result:
 
 ENDPOINTS: dict[str, Endpoint] = {
     "/v1/chat/completions": chat,
+    "/v1/completions": completion_result,  # legacy text completions
+    "/v1/responses": response_result,  # not stored; no previous_response_id
     "/v1/images/generations": images,
     "/v1/audio/speech": speech,
     "/v1/embeddings": embeddings,

@@ -17,19 +17,26 @@ from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
 from starlette.routing import BaseRoute, Route
 
+from arbiter.events import EventLog
 from arbiter.footprint import default_device, device_budget
 from arbiter.residency import Arbiter, Refused, Unavailable
 from batch import api as batch_api
 from batch.runner import runner_for
-from gateway import audio, chat, embeddings, images
+from gateway import audio, chat, completions, dashboard, embeddings, images, responses
+from gateway.accounts import Accounts
+from gateway.accounts_api import KeyHeaders
+from gateway import accounts_api
 from gateway.adapters import load_adapters
 from gateway.admission import Gate, TierPolicy
-from gateway.auth import KeyRing
+from gateway.auth import Caller, KeyRing
 from gateway.body_deadline import BodyDeadline
 from gateway.config import Config
+from gateway.drain import Drain, DrainGate, readyz
 from gateway.errors import APIError
 from gateway.image_store import ImageStore
 from gateway.metrics import Metrics
+from gateway.request_log import RequestLog, note, request_id_of
+from gateway.response_store import responses_for
 from gateway.service import ClientGone, Services
 
 log = logging.getLogger("tiergate")
@@ -39,10 +46,11 @@ _STATUS_CODES = {404: "not_found", 405: "method_not_allowed", 413: "request_too_
 
 def build_services(config: Config, keys: KeyRing) -> Services:
     policies = [
-        TierPolicy(t.name, i, t.max_inflight, t.max_queued, t.latency_target_s, is_batch=t.batch)
+        TierPolicy(t.name, i, config.max_inflight(t), t.max_queued, t.latency_target_s, is_batch=t.batch)
         for i, t in enumerate(config.tiers)
     ]
-    gate = Gate(policies, config.gate.slots, guard=config.gate.slo_guard.settings())
+    events = EventLog()  # the one stream the gate and the arbiter report into (the dashboard's)
+    gate = Gate(policies, config.gate.slots, guard=config.gate.slo_guard.settings(), events=events)
     device = default_device() if config.gpu.device == "auto" else _device(config.gpu.device)
     arbiter = Arbiter(
         config.model_specs(),
@@ -51,12 +59,18 @@ def build_services(config: Config, keys: KeyRing) -> Services:
         host_cache_budget=config.gpu.host_cache_budget,
         protect_window_s=config.eviction.protect_window_s,
         batch_rank=config.batch_rank,
+        events=events,
+        tier_names=config.tier_names,
     )
     gate.on_change = lambda: arbiter.set_demand(gate.others_busy())
     limits = config.limits
-    return Services(config, keys, gate, arbiter, Metrics(gate, arbiter),
-                    adapters=load_adapters(config),  # ConfigError for a bad adapter
-                    images=ImageStore(limits.image_url_ttl_s, limits.image_url_store))
+    services = Services(config, keys, gate, arbiter, Metrics(gate, arbiter),
+                        adapters=load_adapters(config),  # ConfigError for a bad adapter
+                        images=ImageStore(limits.image_url_ttl_s, limits.image_url_store),
+                        accounts=Accounts.from_config(config))  # beside the batch store
+    services.on_startup.append(services.accounts.start)
+    services.on_shutdown.append(services.accounts.stop)
+    return services
 
 
 def _device(name: str):
@@ -78,21 +92,22 @@ async def metrics(request: Request) -> Response:
 
 async def list_models(request: Request) -> Response:
     svc: Services = request.app.state.services
-    svc.authenticate(request)
-    return JSONResponse({"object": "list", "data": _model_rows(svc)})
+    caller = svc.authenticate(request)
+    return JSONResponse({"object": "list", "data": _model_rows(svc, caller)})
 
 
 async def get_model(request: Request) -> Response:
     svc: Services = request.app.state.services
-    svc.authenticate(request)
+    caller = svc.authenticate(request)
     name = request.path_params["model"]
-    for row in _model_rows(svc):
+    for row in _model_rows(svc, caller):
         if row["id"] == name:
             return JSONResponse(row)
     raise APIError(404, f"the model '{name}' does not exist", "model_not_found", "model")
 
 
-def _model_rows(svc: Services) -> list[dict]:
+def _model_rows(svc: Services, caller: Caller | None = None) -> list[dict]:
+    """Every model and adapter; for ``caller``, only those its key's allow-list lets it see."""
     tiers = svc.config.tier_names
     rows = []
     for r in svc.arbiter.table():
@@ -100,6 +115,8 @@ def _model_rows(svc: Services) -> list[dict]:
         rows.append({"id": r.pop("id"), "object": "model", "created": 0, "owned_by": "tiergate",
                      **r, "last_tier": tiers[last] if last is not None else None})
     rows.extend(svc.adapters.rows())
+    if caller is not None and svc.accounts is not None:
+        rows = [r for r in rows if svc.accounts.allows(caller, r.get("parent") or r["id"])]
     return rows
 
 
@@ -129,6 +146,7 @@ async def admin_model(request: Request) -> Response:
 
 
 async def _api_error(request: Request, exc: APIError) -> Response:
+    note(reason=exc.code)
     return exc.response()
 
 
@@ -136,6 +154,7 @@ async def _http_error(request: Request, exc: HTTPException) -> Response:
     code = _STATUS_CODES.get(exc.status_code, "http_error")
     message = {404: f"no route for {request.method} {request.url.path}",
                405: f"method {request.method} is not allowed on {request.url.path}"}.get(exc.status_code, exc.detail)
+    note(reason=code)
     return APIError(exc.status_code, message, code, headers=dict(exc.headers or {})).response()
 
 
@@ -145,17 +164,24 @@ async def _client_gone(request: Request, exc: ClientGone) -> Response:
 
 async def _unexpected(request: Request, exc: Exception) -> Response:
     log.exception("unexpected error on %s %s", request.method, request.url.path)
-    return APIError(500, "internal error; the request was not completed", "internal_error").response()
+    request_id = request_id_of(request.scope)  # the request log's middleware is inside this handler's
+    return APIError(500, "internal error; the request was not completed", "internal_error",
+                    headers={"x-request-id": request_id} if request_id else None).response()
 
 
 def routes() -> list[BaseRoute]:
     """Every route the server has."""
     return [
         Route("/healthz", healthz, methods=["GET"]),
+        Route("/readyz", readyz, methods=["GET"]),
         Route("/metrics", metrics, methods=["GET"]),
         Route("/v1/models", list_models, methods=["GET"]),
         Route("/v1/models/{model:path}", get_model, methods=["GET"]),
         Route("/v1/chat/completions", chat.chat_completions, methods=["POST"]),
+        Route("/v1/completions", completions.completions, methods=["POST"]),
+        Route("/v1/responses", responses.create_response, methods=["POST"]),
+        Route("/v1/responses/{response_id}", responses.get_response, methods=["GET"]),
+        Route("/v1/responses/{response_id}", responses.delete_response, methods=["DELETE"]),
         Route("/v1/images/generations", images.generations, methods=["POST"]),
         Route("/v1/images/files/{image_id}.png", images.image_file, methods=["GET"], name="image_file"),
         Route("/v1/audio/speech", audio.speech, methods=["POST"]),
@@ -170,21 +196,41 @@ def routes() -> list[BaseRoute]:
         Route("/v1/batches/{batch_id}", batch_api.get_batch, methods=["GET"]),
         Route("/v1/batches/{batch_id}/cancel", batch_api.cancel_batch, methods=["POST"]),
         Route("/admin/models/{model}/{action}", admin_model, methods=["POST"]),
+        Route("/admin/keys", accounts_api.create_key, methods=["POST"]),
+        Route("/admin/keys", accounts_api.list_keys, methods=["GET"]),
+        Route("/admin/keys/{key_id}", accounts_api.get_key, methods=["GET"]),
+        Route("/admin/keys/{key_id}", accounts_api.change_key, methods=["PATCH"]),
+        Route("/admin/keys/{key_id}", accounts_api.revoke_key, methods=["DELETE"]),
+        Route("/admin/usage", accounts_api.admin_usage, methods=["GET"]),
+        Route("/v1/usage", accounts_api.own_usage, methods=["GET"]),
+        Route("/admin/state", dashboard.admin_state, methods=["GET"]),
+        Route("/admin/events", dashboard.admin_events, methods=["GET"]),
+        Route("/dashboard", dashboard.page, methods=["GET"]),
+        Route("/dashboard/{name}", dashboard.asset, methods=["GET"]),
     ]
 
 
 def create_app(services: Services, extra: Sequence[BaseRoute] = ()) -> Starlette:
-    """The ASGI app: every route, the batch runner (``app.state.batches``), and ``extra`` routes
-    (benchmarks add probes)."""
+    """The ASGI app: every route, the batch runner (``app.state.batches``), the stored responses
+    (``app.state.responses``), the drain
+    (``app.state.drain``: readiness, refusing while draining, handing batch lines back), and
+    ``extra`` routes (benchmarks add probes). Middleware, outermost first: the request log, the
+    drain's gate, the body deadline."""
+    drain = Drain(services.config.server.drain_timeout_s)
     app = Starlette(
         routes=routes() + list(extra),
         exception_handlers={APIError: _api_error, HTTPException: _http_error, ClientGone: _client_gone,
                             Exception: _unexpected},
         lifespan=_lifespan,
-        middleware=[Middleware(BodyDeadline, seconds=services.config.limits.body_timeout_s)],
+        middleware=[Middleware(RequestLog), Middleware(DrainGate, drain=drain),
+                    Middleware(BodyDeadline, seconds=services.config.limits.body_timeout_s),
+                    Middleware(KeyHeaders)],
     )
     app.state.services = services
     app.state.batches = runner_for(services)
+    app.state.responses = responses_for(services)
+    app.state.drain = drain
+    drain.hooks.append(app.state.batches.hand_back)
     app.state.started = time.time()
     return app
 

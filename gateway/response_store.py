@@ -84,7 +84,8 @@ class SQLiteResponses(ResponseStore):
             self.path.parent.mkdir(parents=True, exist_ok=True)
             db = sqlite3.connect(self.path, isolation_level=None, timeout=30, check_same_thread=False)
             db.execute("PRAGMA journal_mode=WAL")
-            db.execute("CREATE TABLE IF NOT EXISTS responses (id TEXT PRIMARY KEY, owner TEXT NOT NULL, doc TEXT NOT NULL)")
+            db.execute("CREATE TABLE IF NOT EXISTS responses "
+                       "(id TEXT PRIMARY KEY, owner TEXT NOT NULL, doc TEXT NOT NULL)")
             return db
 
         self._db = await asyncio.get_running_loop().run_in_executor(self._pool, connect)

@@ -1,0 +1,350 @@
+"""Legacy text completions, ``POST /v1/completions``: a raw prompt, no chat template.
+
+``prompt`` is a string, a list of strings, a list of token ids or a list of such lists; each
+prompt is its own completion with ``n`` choices (choice ``p * n + i`` is choice ``i`` of prompt
+``p``), and every choice runs through the chat serving core (``gateway.chat.serve_chat``) with its
+own gate slot and model lease, on either chat engine. Text prompts are encoded by the model's
+tokenizer with its special tokens (as ``vllm serve`` does), and the ids go to the engine as they
+are (``ChatRequest.prompt_ids``).
+
+``logprobs: k`` (0..5) gives the legacy shape per choice: ``tokens``, ``token_logprobs``,
+``top_logprobs`` (the sampled token and the ``k`` most likely, as a dict per token) and
+``text_offset``. ``echo`` prepends the prompt's text; ``echo`` with ``logprobs`` would need the
+prompt's own logprobs, which the engines do not compute: it is a 400 naming ``echo``.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import json
+import time
+import uuid
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, AsyncGenerator, AsyncIterator
+
+from pydantic import Field, field_validator
+from starlette.requests import Request
+from starlette.responses import JSONResponse, Response
+
+from gateway import service_tier
+from gateway.adapters import resolve_request
+from gateway.auth import Caller
+from gateway.chat import ChatJob, ChoiceDelta, Reply, collect, served_caller, serve_chat
+from gateway.errors import APIError, bad_request
+from gateway.http import Streamed, disconnect_signal
+from gateway.schemas import AdapterChoice, MAX_STACK, StreamOptions, _Body, parse, read_json
+from gateway.serving import Gone
+from gateway.service import Services
+from workers.base import ChatParams, TokenLogprob
+
+DEFAULT_MAX_TOKENS = 16  # as OpenAI's
+MAX_LOGPROBS = 5  # the legacy endpoint's cap on ``logprobs``
+MAX_CHOICES = 64  # prompts times n in one request (each choice takes a gate slot)
+MAX_STOPS = 4
+
+TokenIds = list[int]
+
+
+class CompletionRequest(_Body):
+    model: str = Field(min_length=1)
+    prompt: str | list[str] | TokenIds | list[TokenIds]
+    max_tokens: int | None = Field(default=None, ge=1)
+    temperature: float = Field(default=1.0, ge=0, le=2)
+    top_p: float = Field(default=1.0, gt=0, le=1)
+    n: int = Field(default=1, ge=1)  # per prompt; capped by limits.max_n
+    stream: bool = False
+    stream_options: StreamOptions | None = None
+    stop: str | list[str] | None = None
+    logprobs: int | None = Field(default=None, ge=0, le=MAX_LOGPROBS)
+    echo: bool = False
+    seed: int | None = None
+    presence_penalty: float = Field(default=0.0, ge=-2, le=2)
+    frequency_penalty: float = Field(default=0.0, ge=-2, le=2)
+    logit_bias: dict[str, float] | None = None  # token id (as a string) -> bias in -100..100
+    best_of: int | None = Field(default=None, ge=1)  # accepted only equal to n
+    suffix: str | None = None  # refused: no insertion
+    user: str | None = None
+    service_tier: str | None = None
+    adapters: list[AdapterChoice] | None = Field(default=None, max_length=MAX_STACK)  # extension: LoRA stack
+
+    @field_validator("stop")
+    @classmethod
+    def _stops(cls, v: str | list[str] | None) -> list[str] | None:
+        stops = [v] if isinstance(v, str) else v
+        if stops is not None and len(stops) > MAX_STOPS:
+            raise ValueError(f"at most {MAX_STOPS} stop sequences")
+        if stops and any(not s for s in stops):
+            raise ValueError("stop sequences must not be empty")
+        return stops
+
+    @field_validator("logit_bias")
+    @classmethod
+    def _bias(cls, v: dict[str, float] | None) -> dict[str, float] | None:
+        for token, bias in (v or {}).items():
+            if not token.isdigit():
+                raise ValueError(f"keys are token ids, not {token[:20]!r}")
+            if not -100 <= bias <= 100:
+                raise ValueError(f"the bias of token {token} is {bias:g}, outside -100..100")
+        return v
+
+    def prompts(self) -> list[str | TokenIds]:
+        """Each prompt: a string or a list of token ids."""
+        p = self.prompt
+        if isinstance(p, str) or (p and isinstance(p[0], int)):
+            return [p]
+        return list(p)
+
+
+@dataclass(frozen=True)
+class Prompt:
+    """One prompt as the engine gets it, and its text for ``echo``."""
+
+    ids: list[int]
+    text: str
+
+
+@dataclass(frozen=True)
+class CompletionJob:
+    """A checked completion request: one chat job per prompt, sharing everything but the ids."""
+
+    jobs: list[ChatJob]
+    prompts: list[Prompt]
+    n: int
+    echo: bool
+    logprobs: int | None
+
+
+# -- the prompt's tokens ------------------------------------------------------------------------------
+
+_TOKENIZERS: dict[Path, Any] = {}
+
+
+async def tokenizer_of(path: Path) -> Any:
+    """The tokenizer of a chat model's folder (no weights), loaded once per process."""
+    tok = _TOKENIZERS.get(path)
+    if tok is None:
+        from transformers import AutoTokenizer
+
+        tok = _TOKENIZERS[path] = await asyncio.to_thread(AutoTokenizer.from_pretrained, str(path))
+    return tok
+
+
+def encode_prompts(tok: Any, prompts: list[str | TokenIds]) -> list[Prompt]:
+    """Token ids and text of each prompt; 400 naming ``prompt`` for an empty one or an id
+    outside the vocabulary."""
+    vocab = len(tok)
+    out = []
+    for i, p in enumerate(prompts):
+        param = "prompt" if len(prompts) == 1 else f"prompt[{i}]"
+        if isinstance(p, str):
+            ids = list(tok(p)["input_ids"])
+            text = p
+        else:
+            bad = [t for t in p if not 0 <= t < vocab]
+            if bad:
+                raise bad_request(f"token id {bad[0]} is outside this model's vocabulary (0..{vocab - 1})", param)
+            ids, text = list(p), tok.decode(p)
+        if not ids:
+            raise bad_request("the prompt is empty (no tokens)", param)
+        out.append(Prompt(ids, text))
+    return out
+
+
+# -- planning and serving -----------------------------------------------------------------------------
+
+
+async def plan_completion(svc: Services, body: CompletionRequest) -> CompletionJob:
+    """The job of ``body``; 404 for an unknown model or adapter, 400 naming the field."""
+    spec, stack = resolve_request(svc, body.model, body.adapters, "chat")
+    limits = svc.config.limits
+    max_tokens = body.max_tokens or min(DEFAULT_MAX_TOKENS, limits.max_chat_tokens)
+    if max_tokens > limits.max_chat_tokens:
+        raise bad_request(f"max_tokens is {max_tokens}, above this server's limit of {limits.max_chat_tokens}",
+                          "max_tokens")
+    if body.n > limits.max_n:
+        raise bad_request(f"n is {body.n}, above this server's limit of {limits.max_n} choices", "n")
+    if body.best_of is not None and body.best_of != body.n:
+        raise bad_request("best_of is not supported (only best_of equal to n)", "best_of")
+    if body.suffix:
+        raise bad_request("suffix (insertion) is not supported", "suffix")
+    if body.echo and body.logprobs is not None:
+        raise bad_request("echo with logprobs (the prompt's logprobs) is not supported", "echo")
+    raw = body.prompts()
+    if not raw:
+        raise bad_request("prompt must not be an empty list", "prompt")
+    if len(raw) * body.n > MAX_CHOICES:
+        raise bad_request(f"{len(raw)} prompts times n={body.n} is above {MAX_CHOICES} choices", "prompt")
+    service_tier.check(svc.config, body.service_tier)
+    prompts = await asyncio.to_thread(encode_prompts, await tokenizer_of(spec.path), raw)  # off the loop
+    params = ChatParams(
+        max_tokens, body.temperature, body.top_p, body.stop or [], body.seed, logprobs=body.logprobs,
+        presence_penalty=body.presence_penalty, frequency_penalty=body.frequency_penalty,
+        logit_bias={int(k): v for k, v in (body.logit_bias or {}).items()},
+    )
+    jobs = [ChatJob(spec.name, [], params, stack, n=body.n, service_tier=body.service_tier, prompt_ids=p.ids)
+            for p in prompts]
+    return CompletionJob(jobs, prompts, body.n, body.echo, body.logprobs)
+
+
+def serve_completion(svc: Services, caller: Caller, job: CompletionJob,
+                     gone: Gone | None) -> AsyncGenerator[ChoiceDelta, None]:
+    """Every choice's deltas, indexed across prompts (prompt ``p``'s choice ``i`` is ``p * n + i``);
+    errors before the first delta come from the first ``__anext__``, as with chat."""
+    streams = [_reindexed(serve_chat(svc, caller, j, gone), p * job.n) for p, j in enumerate(job.jobs)]
+    return streams[0] if len(streams) == 1 else _merge(streams)
+
+
+async def _merge(streams: list[AsyncGenerator[ChoiceDelta, None]]) -> AsyncGenerator[ChoiceDelta, None]:
+    """The deltas of several prompts as they come, each prompt's stream pumped by its own task."""
+    queue: asyncio.Queue[ChoiceDelta | BaseException | None] = asyncio.Queue()
+
+    async def pump(stream: AsyncGenerator[ChoiceDelta, None]) -> None:
+        try:
+            async for delta in stream:
+                queue.put_nowait(delta)
+            queue.put_nowait(None)
+        except Exception as exc:  # noqa: BLE001 - handed to the consumer, which raises it
+            queue.put_nowait(exc)
+        finally:
+            await stream.aclose()
+
+    tasks = [asyncio.create_task(pump(s)) for s in streams]
+    try:
+        running = len(streams)
+        while running:
+            item = await queue.get()
+            if isinstance(item, BaseException):
+                raise item
+            if item is None:
+                running -= 1
+            else:
+                yield item
+    finally:
+        for task in tasks:
+            task.cancel()
+        await asyncio.gather(*tasks, return_exceptions=True)
+
+
+async def _reindexed(deltas: AsyncGenerator[ChoiceDelta, None], offset: int) -> AsyncGenerator[ChoiceDelta, None]:
+    async with contextlib.aclosing(deltas):
+        try:
+            async for delta in deltas:
+                delta.index += offset
+                yield delta
+        except APIError as exc:  # the chat core names the prompt ``messages``
+            if exc.param == "messages":
+                exc.param = "prompt"
+            raise
+
+
+# -- the legacy shapes --------------------------------------------------------------------------------
+
+
+def legacy_logprobs(entries: list[TokenLogprob], offset: int) -> dict:
+    """``logprobs`` of a choice (or chunk) in the legacy shape, its text starting at ``offset``."""
+    out: dict[str, list] = {"tokens": [], "token_logprobs": [], "top_logprobs": [], "text_offset": []}
+    for e in entries:
+        out["tokens"].append(e.token)
+        out["token_logprobs"].append(e.logprob)
+        out["top_logprobs"].append({e.token: e.logprob, **{t: lp for t, lp in e.top}})
+        out["text_offset"].append(offset)
+        offset += len(e.token)
+    return out
+
+
+def completion_usage(job: CompletionJob, replies: list[Reply] | list[ChoiceDelta]) -> dict:
+    """Usage of a whole completion: each prompt counted once, every choice's tokens."""
+    finished = [r.finished for r in replies if r.finished is not None]
+    prompt = sum(len(p.ids) for p in job.prompts)
+    generated = sum(f.completion_tokens for f in finished)
+    return {"prompt_tokens": prompt, "completion_tokens": generated, "total_tokens": prompt + generated}
+
+
+def text_completion(cid: str, model: str, job: CompletionJob, replies: list[Reply], tier_label: str) -> dict:
+    """The ``text_completion`` object."""
+    choices = []
+    for r in replies:
+        head = job.prompts[r.index // job.n].text if job.echo else ""
+        lp = legacy_logprobs(r.logprobs or [], len(head)) if job.logprobs is not None else None
+        choices.append({"index": r.index, "text": head + "".join(r.content), "logprobs": lp,
+                        "finish_reason": r.finish_reason})
+    return {"id": cid, "object": "text_completion", "created": int(time.time()), "model": model,
+            "choices": choices, "usage": completion_usage(job, replies), "service_tier": tier_label,
+            "system_fingerprint": None}
+
+
+async def completion_result(svc: Services, caller: Caller, data: dict) -> dict:
+    """A batch line's completion (no streaming)."""
+    body = parse(CompletionRequest, data)
+    if body.stream:
+        raise bad_request("stream is not supported in a batch", "stream")
+    job = await plan_completion(svc, body)
+    replies, tier = await collect(serve_completion(svc, caller, job, None))
+    return text_completion(f"cmpl-{uuid.uuid4().hex}", body.model, job, replies,
+                           service_tier.label(svc.config, tier))
+
+
+# -- HTTP ---------------------------------------------------------------------------------------------
+
+
+async def completions(request: Request) -> Response:
+    svc: Services = request.app.state.services
+    caller = svc.admit_caller(request)
+    body = parse(CompletionRequest, await read_json(request, svc.config.limits.max_body))
+    job = await plan_completion(svc, body)
+    served = served_caller(svc, caller, job.jobs[0])
+    label = service_tier.label(svc.config, served.tier)
+    cid = f"cmpl-{uuid.uuid4().hex}"
+    headers = {**svc.gate.rate_headers(served.tier), "x-tiergate-tier": served.tier}
+    async with disconnect_signal(request) as gone:
+        deltas = serve_completion(svc, caller, job, gone)
+        if not body.stream:
+            replies, _ = await collect(deltas)
+            return JSONResponse(text_completion(cid, body.model, job, replies, label), headers=headers)
+        first = await deltas.__anext__()
+    include_usage = bool(body.stream_options and body.stream_options.include_usage)
+    return Streamed(_sse(deltas, first, cid, body.model, job, label, include_usage), "text/event-stream",
+                    headers=headers)
+
+
+async def _sse(deltas: AsyncIterator[ChoiceDelta], first: ChoiceDelta, cid: str, model: str, job: CompletionJob,
+               tier_label: str, include_usage: bool) -> AsyncIterator[str]:
+    created = int(time.time())
+    total = len(job.prompts) * job.n
+    offsets = [0] * total  # each choice's text sent so far, for text_offset
+
+    def chunk(choices: list[dict], usage: dict | None = None) -> str:
+        body = {"id": cid, "object": "text_completion", "created": created, "model": model,
+                "service_tier": tier_label, "choices": choices, "system_fingerprint": None}
+        if include_usage:
+            body["usage"] = usage
+        return f"data: {json.dumps(body)}\n\n"
+
+    def choice(index: int, text: str, entries: list[TokenLogprob] | None, finish: str | None) -> dict:
+        lp = legacy_logprobs(entries or [], offsets[index]) if job.logprobs is not None else None
+        offsets[index] += len(text)
+        return {"index": index, "text": text, "logprobs": lp, "finish_reason": finish}
+
+    done: list[ChoiceDelta] = []
+    try:
+        if job.echo:
+            for i in range(total):
+                yield chunk([choice(i, job.prompts[i // job.n].text, None, None)])
+        delta = first
+        while True:
+            yield chunk([choice(delta.index, delta.content, delta.logprobs, delta.finish_reason)])
+            if delta.finished is not None:
+                done.append(delta)
+                if len(done) == total:
+                    break
+            delta = await deltas.__anext__()
+        if include_usage:
+            yield chunk([], completion_usage(job, done))
+    except Exception as exc:  # noqa: BLE001 - the stream has started: report in-band
+        err = APIError(500, f"generation failed: {type(exc).__name__}", "generation_failed")
+        yield f"data: {json.dumps(err.body())}\n\n"
+    finally:
+        await deltas.aclose()
+    yield "data: [DONE]\n\n"

@@ -1,0 +1,532 @@
+"""The Responses API: ``POST /v1/responses``, ``GET`` and ``DELETE /v1/responses/{id}``.
+
+A request becomes a chat job: ``input`` (a string, or items: messages with ``input_text`` /
+``output_text`` parts, ``function_call`` and ``function_call_output`` items) is turned into chat
+messages after ``instructions`` (a system message) and, with ``previous_response_id``, after the
+stored conversation of that response (its input and its reply; its instructions are not carried
+over, as OpenAI does). Tools, ``tool_choice``, ``text.format`` and the sampling fields are read by
+the chat planner (``gateway.chat.plan_chat``: tools, structured outputs, the token limit), so a
+response runs through the same serving core, gate, arbiter and engines as chat; a 400 names the
+Responses field (``text.format``, ``max_output_tokens``, ``input``...).
+
+The reply is a list of output items: a ``message`` with one ``output_text`` part, and a
+``function_call`` item per tool call. ``status`` is ``completed``, or ``incomplete`` (with
+``incomplete_details.reason: max_output_tokens``) when the reply hit the limit. With ``store``
+(the default) the response and its conversation are kept in the durable store
+(``gateway.response_store``), visible only to the key that made it.
+
+Streaming sends OpenAI's events, each ``event: <type>`` plus ``data`` with ``type`` and a growing
+``sequence_number``: ``response.created``, ``response.in_progress``, then per output item
+``response.output_item.added``, for a message ``response.content_part.added``,
+``response.output_text.delta``..., ``response.output_text.done``, ``response.content_part.done``,
+for a call ``response.function_call_arguments.delta``..., ``response.function_call_arguments.done``,
+then ``response.output_item.done``; last ``response.completed`` (or ``response.incomplete``).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import re
+import time
+import uuid
+from dataclasses import dataclass, field
+from typing import Any, AsyncGenerator, AsyncIterator, Literal
+
+from pydantic import Field
+from starlette.requests import Request
+from starlette.responses import JSONResponse, Response
+
+from gateway import service_tier
+from gateway.auth import Caller
+from gateway.chat import ChatJob, ChoiceDelta, Reply, collect, plan_chat, served_caller, serve_chat
+from gateway.errors import APIError, bad_request, not_found
+from gateway.http import Streamed, disconnect_signal
+from gateway.logprobs import chat_content
+from gateway.response_store import ResponseStore, StoredResponse
+from gateway.schemas import (MAX_STACK, MAX_TOOLS, TOOL_NAME, AdapterChoice, ChatCompletionRequest, _Body, parse,
+                             read_json)
+from gateway.service import Services
+from gateway.tools import CallDelta
+
+
+class FunctionTool(_Body):
+    type: Literal["function"]
+    name: str = Field(pattern=TOOL_NAME)
+    description: str | None = None
+    parameters: dict[str, Any] | None = None
+    strict: bool | None = None
+
+
+class FunctionChoice(_Body):
+    type: Literal["function"]
+    name: str = Field(min_length=1)
+
+
+class TextFormat(_Body):
+    type: Literal["text", "json_object", "json_schema"]
+    name: str | None = Field(default=None, pattern=TOOL_NAME)  # json_schema
+    description: str | None = None
+    schema_: dict[str, Any] | bool | None = Field(default=None, alias="schema")
+    strict: bool | None = None
+
+
+class TextConfig(_Body):
+    format: TextFormat | None = None
+    verbosity: Literal["low", "medium", "high"] | None = None  # accepted; the model decides
+
+
+class ResponsesRequest(_Body):
+    model: str = Field(min_length=1)
+    input: str | list[dict[str, Any]]
+    instructions: str | None = None
+    max_output_tokens: int | None = Field(default=None, ge=1)
+    temperature: float = Field(default=1.0, ge=0, le=2)
+    top_p: float = Field(default=1.0, gt=0, le=1)
+    top_logprobs: int | None = Field(default=None, ge=0, le=20)
+    tools: list[FunctionTool] | None = Field(default=None, max_length=MAX_TOOLS)
+    tool_choice: Literal["none", "auto", "required"] | FunctionChoice | None = None
+    parallel_tool_calls: bool | None = None
+    text: TextConfig | None = None
+    store: bool = True
+    previous_response_id: str | None = Field(default=None, min_length=1)
+    stream: bool = False
+    include: list[str] | None = None  # accepted; logprobs come with top_logprobs
+    metadata: dict[str, str] | None = None
+    user: str | None = None
+    service_tier: str | None = None
+    truncation: Literal["disabled"] | None = None  # "auto" (dropping old turns) is not supported
+    background: Literal[False] | None = None
+    reasoning: None = None
+    adapters: list[AdapterChoice] | None = Field(default=None, max_length=MAX_STACK)  # extension: LoRA stack
+
+
+@dataclass(frozen=True)
+class ResponseJob:
+    """A checked response request: its chat job and the conversation it continues and adds."""
+
+    chat: ChatJob
+    conversation: list[dict[str, Any]]  # every message of the prompt but the instructions
+    body: ResponsesRequest
+
+
+# -- input items as chat messages ---------------------------------------------------------------------
+
+_ROLES = {"user": "user", "system": "system", "developer": "system", "assistant": "assistant"}
+_TEXT_PARTS = ("input_text", "output_text", "text")
+_ITEM_KEYS = {
+    "message": {"type", "role", "content", "id", "status", "phase"},
+    "function_call": {"type", "call_id", "name", "arguments", "id", "status"},
+    "function_call_output": {"type", "call_id", "output", "id", "status"},
+}
+
+
+def input_messages(items: str | list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """Chat messages of ``input``; 400 naming the item (``input[i]...``) that cannot be one.
+    Function calls join the assistant message before them (or start one)."""
+    if isinstance(items, str):
+        return [{"role": "user", "content": items}]
+    if not items:
+        raise bad_request("input must not be an empty list", "input")
+    out: list[dict[str, Any]] = []
+    for i, item in enumerate(items):
+        where = f"input[{i}]"
+        kind = item.get("type", "message")
+        if kind not in _ITEM_KEYS:
+            raise bad_request(f"input items of type {str(kind)[:40]!r} are not supported (message, function_call, "
+                              "function_call_output)", f"{where}.type")
+        extra = sorted(set(item) - _ITEM_KEYS[kind])
+        if extra:
+            raise bad_request(f"unrecognized field of a {kind} item: {extra[0]}", f"{where}.{extra[0]}",
+                              "unknown_parameter")
+        if kind == "message":
+            out.append({"role": _role(item, where), "content": _text(item.get("content"), f"{where}.content")})
+        elif kind == "function_call":
+            call = {"id": _string(item, "call_id", where), "type": "function",
+                    "function": {"name": _string(item, "name", where), "arguments": _string(item, "arguments", where)}}
+            if out and out[-1]["role"] == "assistant":
+                out[-1].setdefault("tool_calls", []).append(call)
+            else:
+                out.append({"role": "assistant", "content": None, "tool_calls": [call]})
+        else:
+            out.append({"role": "tool", "tool_call_id": _string(item, "call_id", where),
+                        "content": _text(item.get("output"), f"{where}.output")})
+    return out
+
+
+def _role(item: dict[str, Any], where: str) -> str:
+    role = item.get("role")
+    if role not in _ROLES:
+        raise bad_request(f"a message item's role must be one of {', '.join(_ROLES)}", f"{where}.role")
+    return _ROLES[role]
+
+
+def _string(item: dict[str, Any], key: str, where: str) -> str:
+    value = item.get(key)
+    if value is None:
+        raise bad_request(f"missing required parameter: {where}.{key}", f"{where}.{key}", "missing_required_parameter")
+    if not isinstance(value, str):
+        raise bad_request(f"invalid type for {where}.{key}: a string is expected", f"{where}.{key}", "invalid_type")
+    return value
+
+
+def _text(content: Any, where: str) -> str:
+    """The text of a content field: a string, or text parts (other parts are refused)."""
+    if isinstance(content, str):
+        return content
+    if not isinstance(content, list):
+        raise bad_request(f"{where} must be a string or a list of text parts", where, "invalid_type")
+    texts = []
+    for j, part in enumerate(content):
+        kind = part.get("type") if isinstance(part, dict) else None
+        if kind not in _TEXT_PARTS and kind != "refusal":
+            raise bad_request(f"content parts of type {str(kind)[:40]!r} are not supported (input_text, output_text)",
+                              f"{where}[{j}].type")
+        text = part.get("refusal" if kind == "refusal" else "text")
+        if not isinstance(text, str):
+            raise bad_request(f"a {kind} part needs its text as a string", f"{where}[{j}]", "invalid_type")
+        texts.append(text)
+    return "".join(texts)
+
+
+# -- planning -----------------------------------------------------------------------------------------
+
+# chat's names of the fields -> the Responses API's (the first matching prefix is replaced)
+_PARAMS = [(r"^response_format(\.json_schema)?", "text.format"), (r"^max_completion_tokens", "max_output_tokens"),
+           (r"^messages(\[\d+\])?", "input"), (r"^tools\[(\d+)\]\.function", r"tools[\1]"),
+           (r"^top_logprobs", "top_logprobs")]
+
+
+def responses_param(param: str | None) -> str | None:
+    """A chat field's name as the Responses API names it."""
+    for pattern, repl in _PARAMS:
+        if param and re.match(pattern, param):
+            return re.sub(pattern, repl, param, count=1)
+    return param
+
+
+@contextlib.contextmanager
+def responses_names():
+    """Errors raised inside name the Responses API's fields."""
+    try:
+        yield
+    except APIError as exc:
+        named = responses_param(exc.param)
+        if named != exc.param and exc.param:
+            exc.message = exc.message.replace(exc.param, named)
+            exc.param = named
+        raise
+
+
+def chat_body(body: ResponsesRequest, messages: list[dict[str, Any]]) -> dict[str, Any]:
+    """The chat completion request that ``body`` asks for, on ``messages``."""
+    chat: dict[str, Any] = {"model": body.model, "messages": messages, "temperature": body.temperature,
+                            "top_p": body.top_p}
+    if body.max_output_tokens is not None:
+        chat["max_completion_tokens"] = body.max_output_tokens
+    if body.top_logprobs is not None:
+        chat.update(logprobs=True, top_logprobs=body.top_logprobs)
+    if body.tools:
+        chat["tools"] = [{"type": "function", "function": t.model_dump(exclude={"type"}, exclude_none=True)}
+                         for t in body.tools]
+    if isinstance(body.tool_choice, FunctionChoice):
+        chat["tool_choice"] = {"type": "function", "function": {"name": body.tool_choice.name}}
+    elif body.tool_choice is not None:
+        chat["tool_choice"] = body.tool_choice
+    if body.parallel_tool_calls is not None:
+        chat["parallel_tool_calls"] = body.parallel_tool_calls
+    fmt = body.text.format if body.text else None
+    if fmt is not None and fmt.type == "json_schema":
+        if fmt.name is None:
+            raise bad_request("missing required parameter: text.format.name", "text.format.name",
+                              "missing_required_parameter")
+        spec = {"name": fmt.name, "schema": fmt.schema_, "strict": fmt.strict, "description": fmt.description}
+        spec = {k: v for k, v in spec.items() if v is not None}
+        chat["response_format"] = {"type": "json_schema", "json_schema": spec}
+    elif fmt is not None:
+        chat["response_format"] = {"type": fmt.type}
+    for key in ("service_tier", "user"):
+        if getattr(body, key) is not None:
+            chat[key] = getattr(body, key)
+    if body.adapters:
+        chat["adapters"] = [a.model_dump() for a in body.adapters]
+    return chat
+
+
+async def plan_response(svc: Services, caller: Caller, store: ResponseStore | None,
+                        body: ResponsesRequest) -> ResponseJob:
+    """The job of ``body``: its conversation (404 for a ``previous_response_id`` this key cannot
+    see) and its chat job (what ``plan_chat`` checks, errors named as Responses fields)."""
+    history: list[dict[str, Any]] = []
+    if body.previous_response_id is not None:
+        previous = await store.get(body.previous_response_id, caller.key_id) if store is not None else None
+        if previous is None:
+            raise not_found(f"no response with id '{body.previous_response_id}'", "previous_response_id")
+        history = previous.conversation
+    conversation = history + input_messages(body.input)
+    system = [{"role": "system", "content": body.instructions}] if body.instructions else []
+    with responses_names():
+        chat = parse(ChatCompletionRequest, chat_body(body, system + conversation))
+        job = plan_chat(svc, chat)
+    return ResponseJob(job, conversation, body)
+
+
+# -- the response object ------------------------------------------------------------------------------
+
+
+@dataclass
+class Draft:
+    """A response being built: its id, times, output items and how it ended."""
+
+    id: str
+    job: ResponseJob
+    tier_label: str
+    created_at: int = field(default_factory=lambda: int(time.time()))
+    output: list[dict[str, Any]] = field(default_factory=list)
+    reply: Reply = field(default_factory=lambda: Reply(0))
+
+    def public(self, status: str) -> dict[str, Any]:
+        """The ``response`` object, with ``status`` and what has been built so far."""
+        body = self.job.body
+        f = self.reply.finished
+        usage = None
+        if f is not None:
+            usage = {"input_tokens": f.prompt_tokens, "input_tokens_details": {"cached_tokens": 0},
+                     "output_tokens": f.completion_tokens, "output_tokens_details": {"reasoning_tokens": 0},
+                     "total_tokens": f.prompt_tokens + f.completion_tokens}
+        fmt = {"type": "text"}
+        if body.text and body.text.format:
+            fmt = body.text.format.model_dump(by_alias=True, exclude_none=True)
+        choice = body.tool_choice or "auto"
+        if isinstance(choice, FunctionChoice):
+            choice = choice.model_dump()
+        return {
+            "id": self.id, "object": "response", "created_at": self.created_at, "status": status,
+            "background": False, "error": None,
+            "incomplete_details": {"reason": "max_output_tokens"} if status == "incomplete" else None,
+            "instructions": body.instructions, "max_output_tokens": body.max_output_tokens, "model": body.model,
+            "output": self.output, "parallel_tool_calls": body.parallel_tool_calls is not False,
+            "previous_response_id": body.previous_response_id, "reasoning": {"effort": None, "summary": None},
+            "service_tier": self.tier_label, "store": body.store, "temperature": body.temperature,
+            "text": {"format": fmt}, "tool_choice": choice,
+            "tools": [t.model_dump(exclude_none=True) for t in body.tools or []],
+            "top_logprobs": body.top_logprobs, "top_p": body.top_p, "truncation": "disabled",
+            "usage": usage, "user": body.user, "metadata": body.metadata or {},
+        }
+
+    @property
+    def status(self) -> str:
+        return "incomplete" if self.reply.finish_reason == "length" else "completed"
+
+    def conversation(self) -> list[dict[str, Any]]:
+        """The conversation a later response continues: this one's input, then its reply."""
+        return self.job.conversation + [self.reply.message()]
+
+    async def keep(self, store: ResponseStore | None, owner: str) -> None:
+        """Store the finished response when the request asked to."""
+        if self.job.body.store and store is not None:
+            await store.put(StoredResponse(self.id, owner, self.created_at, self.public(self.status),
+                                           self.conversation()))
+
+
+def message_item(item_id: str, text: str, status: str, logprobs: list | None) -> dict[str, Any]:
+    part: dict[str, Any] = {"type": "output_text", "text": text, "annotations": []}
+    if logprobs is not None:
+        part["logprobs"] = logprobs
+    return {"id": item_id, "type": "message", "role": "assistant", "status": status, "content": [part]}
+
+
+def call_item(item_id: str, call: dict[str, Any], status: str) -> dict[str, Any]:
+    return {"id": item_id, "type": "function_call", "call_id": call["id"], "name": call["function"]["name"],
+            "arguments": call["function"]["arguments"], "status": status}
+
+
+def _item_id(prefix: str) -> str:
+    return f"{prefix}_{uuid.uuid4().hex}"
+
+
+def whole_output(draft: Draft) -> list[dict[str, Any]]:
+    """The output items of a finished reply: its message (when it has text or no calls), then
+    its calls."""
+    r, status = draft.reply, draft.status
+    text = "".join(r.content)
+    logprobs = chat_content(r.logprobs) if r.logprobs is not None else None
+    items = [message_item(_item_id("msg"), text, status, logprobs)] if text or not r.calls.calls else []
+    return items + [call_item(_item_id("fc"), c, "completed") for c in r.calls.calls]
+
+
+async def response_result(svc: Services, caller: Caller, data: dict) -> dict[str, Any]:
+    """A batch line's response: not stored, and it cannot continue a stored one."""
+    body = parse(ResponsesRequest, data)
+    if body.stream:
+        raise bad_request("stream is not supported in a batch", "stream")
+    if body.previous_response_id is not None:
+        raise bad_request("previous_response_id is not supported in a batch", "previous_response_id")
+    job = await plan_response(svc, caller, None, body.model_copy(update={"store": False}))
+    with responses_names():
+        replies, tier = await collect(serve_chat(svc, caller, job.chat, None))
+    draft = Draft(_item_id("resp"), job, service_tier.label(svc.config, tier), reply=replies[0])
+    draft.output = whole_output(draft)
+    return draft.public(draft.status)
+
+
+# -- HTTP ---------------------------------------------------------------------------------------------
+
+
+def _store(request: Request) -> ResponseStore:
+    return request.app.state.responses
+
+
+async def create_response(request: Request) -> Response:
+    svc: Services = request.app.state.services
+    caller = svc.admit_caller(request)
+    body = parse(ResponsesRequest, await read_json(request, svc.config.limits.max_body))
+    store = _store(request)
+    job = await plan_response(svc, caller, store, body)
+    served = served_caller(svc, caller, job.chat)
+    draft = Draft(_item_id("resp"), job, service_tier.label(svc.config, served.tier))
+    headers = {**svc.gate.rate_headers(served.tier), "x-tiergate-tier": served.tier}
+    with responses_names():  # the engine refuses a prompt past the context: that is ``input``
+        async with disconnect_signal(request) as gone:
+            deltas = serve_chat(svc, caller, job.chat, gone)
+            if not body.stream:
+                replies, _ = await collect(deltas)
+                draft.reply = replies[0]
+                draft.output = whole_output(draft)
+                await draft.keep(store, caller.key_id)
+                return JSONResponse(draft.public(draft.status), headers=headers)
+            first = await deltas.__anext__()
+    events = _events(deltas, first, draft, store, caller.key_id)
+    return Streamed(events, "text/event-stream", headers=headers)
+
+
+async def get_response(request: Request) -> Response:
+    svc: Services = request.app.state.services
+    caller = svc.admit_caller(request)
+    record = await _store(request).get(request.path_params["response_id"], caller.key_id)
+    if record is None:
+        raise not_found(f"no response with id '{request.path_params['response_id']}'", "response_id")
+    return JSONResponse(record.response)
+
+
+async def delete_response(request: Request) -> Response:
+    svc: Services = request.app.state.services
+    caller = svc.admit_caller(request)
+    response_id = request.path_params["response_id"]
+    if not await _store(request).delete(response_id, caller.key_id):
+        raise not_found(f"no response with id '{response_id}'", "response_id")
+    return JSONResponse({"id": response_id, "object": "response", "deleted": True})
+
+
+# -- streaming ----------------------------------------------------------------------------------------
+
+
+class _Stream:
+    """The events of one streamed response, numbered, and the output items they build."""
+
+    def __init__(self, draft: Draft) -> None:
+        self.draft = draft
+        self.seq = 0
+        self.text: dict[str, Any] | None = None  # the open message item
+        self.call: dict[str, Any] | None = None  # the open function call item
+
+    def event(self, kind: str, **data: Any) -> str:
+        body = {"type": kind, **data, "sequence_number": self.seq}
+        self.seq += 1
+        return f"event: {kind}\ndata: {json.dumps(body)}\n\n"
+
+    @property
+    def index(self) -> int:
+        return len(self.draft.output) - 1
+
+    def open_text(self) -> list[str]:
+        item = message_item(_item_id("msg"), "", "in_progress", None)
+        item["content"] = []
+        self.text = item
+        self.draft.output.append(item)
+        part = {"type": "output_text", "text": "", "annotations": []}
+        return [self.event("response.output_item.added", output_index=self.index, item=dict(item, content=[])),
+                self.event("response.content_part.added", item_id=item["id"], output_index=self.index,
+                           content_index=0, part=part)]
+
+    def add_text(self, text: str, logprobs: list | None) -> list[str]:
+        out = [] if self.text is not None else self.close() + self.open_text()
+        item = self.text
+        item.setdefault("_text", []).append(text)
+        if logprobs is not None:
+            item.setdefault("_logprobs", []).extend(logprobs)
+        return out + [self.event("response.output_text.delta", item_id=item["id"], output_index=self.index,
+                                 content_index=0, delta=text, logprobs=logprobs or [])]
+
+    def add_call(self, delta: CallDelta) -> list[str]:
+        out = []
+        if delta.id is not None:
+            out = self.close()
+            item = call_item(_item_id("fc"), {"id": delta.id, "function": {"name": delta.name, "arguments": ""}},
+                             "in_progress")
+            self.call = item
+            self.draft.output.append(item)
+            out.append(self.event("response.output_item.added", output_index=self.index, item=dict(item)))
+        if delta.arguments:
+            self.call["arguments"] += delta.arguments
+            out.append(self.event("response.function_call_arguments.delta", item_id=self.call["id"],
+                                  output_index=self.index, delta=delta.arguments))
+        return out
+
+    def close(self, status: str = "completed") -> list[str]:
+        """End the open item (if any) with its done events."""
+        out: list[str] = []
+        if self.text is not None:
+            item, self.text = self.text, None
+            text = "".join(item.pop("_text", []))
+            logprobs = item.pop("_logprobs", None)
+            final = message_item(item["id"], text, status, logprobs)
+            item.clear()
+            item.update(final)
+            part = final["content"][0]
+            out += [self.event("response.output_text.done", item_id=item["id"], output_index=self.index,
+                               content_index=0, text=text, logprobs=logprobs or []),
+                    self.event("response.content_part.done", item_id=item["id"], output_index=self.index,
+                               content_index=0, part=part),
+                    self.event("response.output_item.done", output_index=self.index, item=final)]
+        if self.call is not None:
+            item, self.call = self.call, None
+            item["status"] = "completed"
+            out += [self.event("response.function_call_arguments.done", item_id=item["id"], output_index=self.index,
+                               name=item["name"], arguments=item["arguments"]),
+                    self.event("response.output_item.done", output_index=self.index, item=item)]
+        return out
+
+
+async def _events(deltas: AsyncGenerator[ChoiceDelta, None], first: ChoiceDelta, draft: Draft,
+                  store: ResponseStore, owner: str) -> AsyncIterator[str]:
+    s = _Stream(draft)
+    try:
+        yield s.event("response.created", response=draft.public("in_progress"))
+        yield s.event("response.in_progress", response=draft.public("in_progress"))
+        delta = first
+        while True:
+            draft.reply.add(delta)
+            if delta.content or (delta.logprobs and s.text is not None):
+                logprobs = chat_content(delta.logprobs) if delta.logprobs is not None else None
+                for line in s.add_text(delta.content, logprobs):
+                    yield line
+            for call in delta.calls:
+                for line in s.add_call(call):
+                    yield line
+            if delta.finished is not None:
+                break
+            delta = await deltas.__anext__()
+        if not draft.output:  # an empty reply is still one (empty) message
+            for line in s.open_text():
+                yield line
+        status = draft.status
+        for line in s.close(status):
+            yield line
+        await draft.keep(store, owner)
+        yield s.event(f"response.{status}", response=draft.public(status))
+    except Exception as exc:  # noqa: BLE001 - the stream has started: report in-band
+        yield s.event("error", code="generation_failed", message=f"generation failed: {type(exc).__name__}",
+                      param=None)
+    finally:
+        await deltas.aclose()

@@ -1,0 +1,441 @@
+"""POST /v1/completions (legacy) and the Responses API through the openai SDK against a real
+server: the transformers engine for most, one vLLM-engine server for a smaller set; the store of
+responses on both backends (SQLite, Redis)."""
+
+from __future__ import annotations
+
+import asyncio
+import io
+import json
+import time
+
+import httpx
+import openai
+import pytest
+from transformers import AutoTokenizer
+
+from gateway.response_store import RedisResponses, SQLiteResponses, StoredResponse
+from tests.helpers import start_server, write_config
+from tests.test_batch_store import redis_server
+
+TOOLS = [{"type": "function", "name": "get_weather", "description": "The weather in a city",
+          "parameters": {"type": "object", "properties": {"city": {"type": "string", "enum": ["Paris", "Rome"]}},
+                         "required": ["city"], "additionalProperties": False}, "strict": True}]
+CLOSED = {"type": "object", "properties": {"ok": {"type": "boolean"}, "n": {"type": "integer", "enum": [1, 2, 3]}},
+          "required": ["ok", "n"], "additionalProperties": False}
+EVENTS_TEXT = ["response.created", "response.in_progress", "response.output_item.added",
+               "response.content_part.added"]
+EVENTS_TEXT_END = ["response.output_text.done", "response.content_part.done", "response.output_item.done"]
+
+
+@pytest.fixture(scope="module")
+def server(tiny_chat, tmp_path_factory):
+    folder = tmp_path_factory.mktemp("completions-responses")
+    s = start_server(write_config(folder, {"tiny-chat": ("chat", tiny_chat)}, "limits:\n  max_chat_tokens: 64\n"))
+    yield s
+    s.stop()
+
+
+@pytest.fixture(scope="module")
+def tokenizer(tiny_chat):
+    return AutoTokenizer.from_pretrained(tiny_chat)
+
+
+def client(server, tier="paid") -> openai.OpenAI:
+    return openai.OpenAI(base_url=server.base_url, api_key=server.keys[tier], max_retries=0, timeout=120)
+
+
+def post(server, path: str, body: dict, tier="paid") -> httpx.Response:
+    return httpx.post(f"{server.base_url}{path}", json=body, timeout=120,
+                      headers={"Authorization": f"Bearer {server.keys[tier]}"})
+
+
+def greedy(c, prompt, max_tokens=8, **kw):
+    return c.completions.create(model="tiny-chat", prompt=prompt, max_tokens=max_tokens, temperature=0, **kw)
+
+
+# -- /v1/completions ----------------------------------------------------------------------------------
+
+
+def test_a_string_prompt_has_no_template(server, tokenizer):
+    r = greedy(client(server), "Hello there", max_tokens=6)
+    assert r.object == "text_completion" and r.id.startswith("cmpl-")
+    assert r.choices[0].finish_reason in ("length", "stop") and r.choices[0].text
+    assert r.usage.prompt_tokens == len(tokenizer("Hello there")["input_ids"])  # not the chat template's
+    assert r.usage.total_tokens == r.usage.prompt_tokens + r.usage.completion_tokens
+    # the same ids as a token prompt give the same greedy text
+    ids = tokenizer("Hello there")["input_ids"]
+    assert greedy(client(server), ids, max_tokens=6).choices[0].text == r.choices[0].text
+
+
+def test_a_list_of_prompts_with_n_2(server, tokenizer):
+    c = client(server)
+    prompts = ["The cat", "A dog barks"]
+    r = greedy(c, prompts, max_tokens=5, n=2)
+    assert [ch.index for ch in sorted(r.choices, key=lambda ch: ch.index)] == [0, 1, 2, 3]
+    texts = {ch.index: ch.text for ch in r.choices}
+    for p, prompt in enumerate(prompts):  # choice i of prompt p is p * n + i; greedy: all alike
+        alone = greedy(c, prompt, max_tokens=5).choices[0].text
+        assert texts[2 * p] == texts[2 * p + 1] == alone
+    assert r.usage.prompt_tokens == sum(len(tokenizer(p)["input_ids"]) for p in prompts)
+    lengths = [ch for ch in r.choices if ch.finish_reason == "length"]
+    assert r.usage.completion_tokens >= 5 * len(lengths)
+    token_lists = [tokenizer(p)["input_ids"] for p in prompts]
+    assert [ch.text for ch in sorted(greedy(c, token_lists, max_tokens=5).choices, key=lambda ch: ch.index)] == \
+        [texts[0], texts[2]]
+
+
+def test_seeded_sampling_gives_each_choice_its_own_seed(server):
+    c = client(server)
+    r = c.completions.create(model="tiny-chat", prompt="Once", max_tokens=8, n=2, seed=5)
+    again = c.completions.create(model="tiny-chat", prompt="Once", max_tokens=8, n=2, seed=5)
+    assert [ch.text for ch in r.choices] == [ch.text for ch in again.choices]
+    first = c.completions.create(model="tiny-chat", prompt="Once", max_tokens=8, seed=5)
+    second = c.completions.create(model="tiny-chat", prompt="Once", max_tokens=8, seed=6)
+    assert {ch.index: ch.text for ch in r.choices} == {0: first.choices[0].text, 1: second.choices[0].text}
+
+
+def test_stream_matches_the_whole_completion(server):
+    c = client(server)
+    whole = greedy(c, "Stream me", max_tokens=8)
+    chunks = list(c.completions.create(model="tiny-chat", prompt="Stream me", max_tokens=8, temperature=0,
+                                       stream=True, stream_options={"include_usage": True}))
+    assert all(ch.object == "text_completion" for ch in chunks)
+    assert "".join(ch.choices[0].text for ch in chunks if ch.choices) == whole.choices[0].text
+    assert [ch.choices[0].finish_reason for ch in chunks if ch.choices and ch.choices[0].finish_reason] == \
+        [whole.choices[0].finish_reason]
+    assert chunks[-1].usage.completion_tokens == whole.usage.completion_tokens
+    many = list(c.completions.create(model="tiny-chat", prompt=["Stream me", "Two"], n=2, max_tokens=4,
+                                     temperature=0, stream=True))
+    joined = {i: "".join(ch.choices[0].text for ch in many if ch.choices[0].index == i) for i in range(4)}
+    ends = [ch.choices[0].index for ch in many if ch.choices[0].finish_reason]
+    assert sorted(ends) == [0, 1, 2, 3] and joined[0] == joined[1] and joined[2] == joined[3]
+    assert joined[2] == greedy(c, "Two", max_tokens=4).choices[0].text
+    with httpx.stream("POST", f"{server.base_url}/completions", headers={"Authorization": f"Bearer {server.keys['free']}"},
+                      json={"model": "tiny-chat", "prompt": "x", "max_tokens": 2, "stream": True}) as raw:
+        lines = [ln for ln in raw.iter_lines() if ln]
+    assert lines[-1] == "data: [DONE]" and all(ln.startswith("data: ") for ln in lines)
+
+
+def test_stop_cuts_the_text(server):
+    c = client(server)
+    text = greedy(c, "Tell me", max_tokens=24).choices[0].text
+    stop = next(text[k:k + 2] for k in range(2, len(text) - 2) if text[k:k + 2].strip() and "\ufffd" not in text[k:k + 2])
+    r = greedy(c, "Tell me", max_tokens=24, stop=[stop])
+    assert r.choices[0].text == text[:text.index(stop)]
+    assert r.choices[0].finish_reason == "stop"
+
+
+def test_echo_prepends_the_prompt(server):
+    c = client(server)
+    plain = greedy(c, "Echo this", max_tokens=5).choices[0].text
+    assert greedy(c, "Echo this", max_tokens=5, echo=True).choices[0].text == "Echo this" + plain
+    chunks = list(c.completions.create(model="tiny-chat", prompt="Echo this", max_tokens=5, temperature=0,
+                                       echo=True, stream=True))
+    assert chunks[0].choices[0].text == "Echo this"
+    assert "".join(ch.choices[0].text for ch in chunks) == "Echo this" + plain
+
+
+def test_logprobs_in_the_legacy_shape(server):
+    c = client(server)
+    r = greedy(c, "Probably", max_tokens=6, logprobs=2)
+    lp = r.choices[0].logprobs
+    assert len(lp.tokens) == len(lp.token_logprobs) == len(lp.top_logprobs) == len(lp.text_offset) > 0
+    for i, (token, logprob, top) in enumerate(zip(lp.tokens, lp.token_logprobs, lp.top_logprobs)):
+        assert logprob <= 0 and token in top and len(top) <= 3
+        assert logprob == pytest.approx(max(top.values()))  # greedy: the sampled token is the most likely
+        if i:
+            assert lp.text_offset[i] == lp.text_offset[i - 1] + len(lp.tokens[i - 1])
+    assert lp.text_offset[0] == 0
+    streamed = list(c.completions.create(model="tiny-chat", prompt="Probably", max_tokens=6, temperature=0,
+                                         logprobs=2, stream=True))
+    tokens = [t for ch in streamed if ch.choices and ch.choices[0].logprobs for t in ch.choices[0].logprobs.tokens]
+    assert tokens == lp.tokens
+
+
+@pytest.mark.parametrize("body, param", [
+    ({"prompt": "x", "logprobs": 6}, "logprobs"),
+    ({"prompt": "x", "logprobs": 1, "echo": True}, "echo"),
+    ({"prompt": "x", "n": 99}, "n"),
+    ({"prompt": [1, 2, 10 ** 9]}, "prompt"),
+    ({"prompt": []}, "prompt"),
+    ({"prompt": [[1], "x"]}, "prompt"),
+    ({"prompt": "x", "suffix": "y"}, "suffix"),
+    ({"prompt": "x", "stop": ["a", "b", "c", "d", "e"]}, "stop"),
+    ({"prompt": "x", "max_tokens": 65}, "max_tokens"),
+    ({"prompt": "word " * 600}, "prompt"),
+    ({"prompt": "x", "best_of": 3}, "best_of"),
+    ({"prompt": "x", "temperature": 3}, "temperature"),
+    ({"prompt": "x", "frobnicate": 1}, "frobnicate"),
+])
+def test_bad_completion_input_is_a_400_naming_the_param(server, body, param):
+    r = post(server, "/completions", {"model": "tiny-chat", **body})
+    assert r.status_code == 400, r.text
+    assert r.json()["error"]["param"] == param
+
+
+def test_completion_and_response_lines_in_a_batch(server):
+    c = client(server)
+    lines = [{"custom_id": "c", "method": "POST", "url": "/v1/completions",
+              "body": {"model": "tiny-chat", "prompt": "Batch", "max_tokens": 4, "temperature": 0}}]
+    upload = c.files.create(file=("in.jsonl", io.BytesIO("".join(json.dumps(x) + "\n" for x in lines).encode())),
+                            purpose="batch")
+    batch = c.batches.create(input_file_id=upload.id, endpoint="/v1/completions", completion_window="24h")
+    rlines = [{"custom_id": "r", "method": "POST", "url": "/v1/responses",
+               "body": {"model": "tiny-chat", "input": "Batch", "max_output_tokens": 4, "temperature": 0}}]
+    rupload = c.files.create(file=("in.jsonl", io.BytesIO("".join(json.dumps(x) + "\n" for x in rlines).encode())),
+                             purpose="batch")
+    rbatch = c.batches.create(input_file_id=rupload.id, endpoint="/v1/responses", completion_window="24h")
+    deadline = time.time() + 120
+    for b in (batch, rbatch):
+        while (b := c.batches.retrieve(b.id)).status not in ("completed", "failed", "expired", "cancelled"):
+            assert time.time() < deadline, b.status
+            time.sleep(0.05)
+        assert b.status == "completed" and b.request_counts.completed == 1, b
+        body = json.loads(c.files.content(b.output_file_id).text)["response"]["body"]
+        if b.endpoint == "/v1/completions":
+            assert body["choices"][0]["text"] == greedy(c, "Batch", max_tokens=4).choices[0].text
+        else:
+            live = c.responses.create(model="tiny-chat", input="Batch", max_output_tokens=4, temperature=0)
+            assert body["object"] == "response" and body["output"][0]["content"][0]["text"] == live.output_text
+
+
+# -- /v1/responses ------------------------------------------------------------------------------------
+
+
+def respond(c, input, **kw):
+    kw.setdefault("max_output_tokens", 8)
+    return c.responses.create(model="tiny-chat", input=input, temperature=0, **kw)
+
+
+def test_a_string_input(server):
+    r = respond(client(server), "Hello there")
+    assert r.object == "response" and r.id.startswith("resp_")
+    assert r.output[0].type == "message" and r.output[0].role == "assistant"
+    assert r.output_text == r.output[0].content[0].text and r.output_text
+    assert r.usage.total_tokens == r.usage.input_tokens + r.usage.output_tokens
+    if r.status == "incomplete":
+        assert r.incomplete_details.reason == "max_output_tokens" and r.usage.output_tokens == 8
+    else:
+        assert r.status == "completed"
+
+
+def test_items_and_instructions_are_the_chat_prompt(server):
+    c = client(server)
+    items = [{"role": "user", "content": [{"type": "input_text", "text": "Hi"}]},
+             {"type": "message", "role": "assistant", "content": [{"type": "output_text", "text": "Hello"}]},
+             {"role": "user", "content": "How are you?"}]
+    r = respond(c, items, instructions="Be brief")
+    chat = c.chat.completions.create(model="tiny-chat", max_tokens=8, temperature=0, messages=[
+        {"role": "system", "content": "Be brief"}, {"role": "user", "content": "Hi"},
+        {"role": "assistant", "content": "Hello"}, {"role": "user", "content": "How are you?"}])
+    assert r.usage.input_tokens == chat.usage.prompt_tokens
+    assert r.output_text == chat.choices[0].message.content
+
+
+def test_previous_response_id_continues_the_conversation(server):
+    c = client(server)
+    first = respond(c, "Hi", instructions="Be brief")
+    second = respond(c, "Say more", previous_response_id=first.id)
+    # the same conversation spelt out: the first exchange (its instructions are not carried over)
+    spelt = respond(c, [{"role": "user", "content": "Hi"}, {"role": "assistant", "content": first.output_text},
+                        {"role": "user", "content": "Say more"}])
+    assert second.previous_response_id == first.id
+    assert second.usage.input_tokens == spelt.usage.input_tokens > first.usage.input_tokens
+    assert second.output_text == spelt.output_text
+
+
+def test_top_logprobs_in_output_text(server):
+    r = respond(client(server), "Probably", top_logprobs=2, max_output_tokens=6)
+    entries = r.output[0].content[0].logprobs
+    if r.status == "incomplete":  # every token generated has its entry (an end-of-text token has none)
+        assert len(entries) == r.usage.output_tokens == 6
+    assert entries and all(e.logprob <= 0 and 0 < len(e.top_logprobs) <= 2 for e in entries)
+    assert all(e.logprob == pytest.approx(e.top_logprobs[0].logprob) for e in entries)  # greedy: the best one
+
+
+def test_get_delete_and_other_keys(server):
+    c, other = client(server), client(server, "free")
+    r = respond(c, "Keep me")
+    got = c.responses.retrieve(r.id)
+    assert got.id == r.id and got.output_text == r.output_text and got.usage.output_tokens == r.usage.output_tokens
+    for call in (lambda: other.responses.retrieve(r.id), lambda: other.responses.delete(r.id),
+                 lambda: respond(other, "x", previous_response_id=r.id)):
+        with pytest.raises(openai.NotFoundError):
+            call()
+    c.responses.delete(r.id)
+    with pytest.raises(openai.NotFoundError):
+        c.responses.retrieve(r.id)
+    with pytest.raises(openai.NotFoundError):
+        c.responses.delete(r.id)
+    unstored = respond(c, "Forget me", store=False)
+    with pytest.raises(openai.NotFoundError):
+        c.responses.retrieve(unstored.id)
+
+
+def test_streamed_text_events_in_order(server):
+    c = client(server)
+    whole = respond(c, "Stream it")
+    with c.responses.stream(model="tiny-chat", input="Stream it", max_output_tokens=8, temperature=0) as stream:
+        events = list(stream)
+    kinds = [e.type for e in events]
+    deltas = [e for e in events if e.type == "response.output_text.delta"]
+    assert kinds == EVENTS_TEXT + ["response.output_text.delta"] * len(deltas) + EVENTS_TEXT_END + \
+        [f"response.{whole.status}"]
+    assert [e.sequence_number for e in events] == list(range(len(events)))
+    text = "".join(e.delta for e in deltas)
+    assert text == whole.output_text == events[-4].text
+    final = events[-1].response
+    assert final.output_text == text and final.usage.output_tokens == whole.usage.output_tokens
+    assert c.responses.retrieve(final.id).output_text == text  # stored before the last event
+
+
+def test_structured_output_completes_and_validates(server):
+    c = client(server)
+    fmt = {"format": {"type": "json_schema", "name": "answer", "schema": CLOSED, "strict": True}}
+    with c.responses.stream(model="tiny-chat", input="Answer", text=fmt, max_output_tokens=64) as stream:
+        final = stream.get_final_response()
+    assert final.status == "completed"
+    answer = json.loads(final.output_text)
+    assert isinstance(answer["ok"], bool) and answer["n"] in (1, 2, 3) and set(answer) == {"ok", "n"}
+    assert json.loads(respond(c, "Answer", text=fmt, max_output_tokens=64).output_text).keys() == {"ok", "n"}
+
+
+def test_required_tool_call_and_its_output(server):
+    c = client(server)
+    r = respond(c, "Weather in Paris?", tools=TOOLS, tool_choice="required", max_output_tokens=64)
+    calls = [o for o in r.output if o.type == "function_call"]
+    assert r.status == "completed" and calls and calls[0].call_id.startswith("call_")
+    assert calls[0].name == "get_weather" and json.loads(calls[0].arguments)["city"] in ("Paris", "Rome")
+    after = respond(c, [{"type": "function_call_output", "call_id": calls[0].call_id, "output": "sunny"}],
+                    previous_response_id=r.id, tools=TOOLS)
+    # the output items go back as input as the SDK parsed them
+    spelt = respond(c, [{"role": "user", "content": "Weather in Paris?"}] + r.output
+                    + [{"type": "function_call_output", "call_id": calls[0].call_id, "output": "sunny"}], tools=TOOLS)
+    assert after.usage.input_tokens == spelt.usage.input_tokens > r.usage.input_tokens
+    assert after.output_text == spelt.output_text
+
+
+def test_streamed_function_call_arguments(server):
+    c = client(server)
+    with c.responses.stream(model="tiny-chat", input="Weather?", tools=TOOLS, max_output_tokens=64,
+                            tool_choice={"type": "function", "name": "get_weather"}) as stream:
+        events = list(stream)
+        final = stream.get_final_response()
+    kinds = [e.type for e in events]
+    assert kinds[:3] == ["response.created", "response.in_progress", "response.output_item.added"]
+    assert events[2].item.type == "function_call" and events[2].item.name == "get_weather"
+    deltas = [e.delta for e in events if e.type == "response.function_call_arguments.delta"]
+    done = next(e for e in events if e.type == "response.function_call_arguments.done")
+    assert kinds[-3:] == ["response.function_call_arguments.done", "response.output_item.done", "response.completed"]
+    assert "".join(deltas) == done.arguments == final.output[0].arguments
+    assert json.loads(done.arguments)["city"] in ("Paris", "Rome")
+
+
+@pytest.mark.parametrize("body, param", [
+    ({"input": []}, "input"),
+    ({"input": [{"role": "user", "content": [{"type": "input_image", "image_url": "x"}]}]}, "input[0].content[0].type"),
+    ({"input": [{"role": "robot", "content": "x"}]}, "input[0].role"),
+    ({"input": [{"type": "function_call_output", "output": "x"}]}, "input[0].call_id"),
+    ({"input": [{"type": "reasoning", "summary": []}]}, "input[0].type"),
+    ({"input": "x", "max_output_tokens": 65}, "max_output_tokens"),
+    ({"input": "x", "text": {"format": {"type": "json_schema", "name": "a", "schema": {"type": "strng"}}}}, "text.format"),
+    ({"input": "x", "text": {"format": {"type": "json_schema", "schema": CLOSED}}}, "text.format.name"),
+    ({"input": "x", "tools": TOOLS, "tool_choice": {"type": "function", "name": "nope"}}, "tool_choice"),
+    ({"input": "x", "tools": [{**TOOLS[0], "parameters": {"type": "strng"}}]}, "tools[0].parameters"),
+    ({"input": "word " * 600}, "input"),
+    ({"input": "x", "background": True}, "background"),
+    ({"input": "x", "frobnicate": 1}, "frobnicate"),
+])
+def test_bad_response_input_is_a_400_naming_the_param(server, body, param):
+    r = post(server, "/responses", {"model": "tiny-chat", **body})
+    assert r.status_code == 400, r.text
+    assert r.json()["error"]["param"] == param
+
+
+def test_unknown_previous_response_is_404(server):
+    r = post(server, "/responses", {"model": "tiny-chat", "input": "x", "previous_response_id": "resp_nope"})
+    assert r.status_code == 404 and r.json()["error"]["param"] == "previous_response_id"
+
+
+# -- the store, on both backends ----------------------------------------------------------------------
+
+
+async def _store_contract(store) -> None:
+    await store.open()
+    try:
+        record = StoredResponse("resp_1", "key-a", 5, {"id": "resp_1", "object": "response"},
+                                [{"role": "user", "content": "hi"}])
+        await store.put(record)
+        assert await store.get("resp_1", "key-a") == record
+        assert await store.get("resp_1", "key-b") is None
+        assert not await store.delete("resp_1", "key-b")
+        assert await store.get("resp_1", "key-a") == record
+        assert await store.delete("resp_1", "key-a")
+        assert await store.get("resp_1", "key-a") is None and not await store.delete("resp_1", "key-a")
+    finally:
+        await store.close()
+
+
+def test_sqlite_store(tmp_path):
+    asyncio.run(_store_contract(SQLiteResponses(tmp_path / "batches.sqlite3")))
+    async def reopened() -> None:  # durable: a record outlives the store that wrote it
+        a = SQLiteResponses(tmp_path / "b.sqlite3")
+        await a.open()
+        await a.put(StoredResponse("resp_2", "k", 1, {}, []))
+        await a.close()
+        b = SQLiteResponses(tmp_path / "b.sqlite3")
+        await b.open()
+        assert (await b.get("resp_2", "k")).created_at == 1
+        await b.close()
+    asyncio.run(reopened())
+
+
+def test_redis_store(tmp_path):
+    with redis_server(tmp_path) as url:
+        asyncio.run(_store_contract(RedisResponses(url)))
+
+
+# -- the vLLM engine ----------------------------------------------------------------------------------
+
+
+@pytest.fixture(scope="module")
+def vllm_server(tiny_chat, tmp_path_factory):
+    pytest.importorskip("vllm", reason="vllm is not installed in this environment (scripts/test installs it)")
+    cfg = write_config(tmp_path_factory.mktemp("vllm-completions"), {"tiny-chat": ("chat", tiny_chat)},
+                       "limits:\n  max_chat_tokens: 64\n", engine="vllm")
+    cfg.write_text(cfg.read_text().replace("    engine: vllm", "    engine: {name: vllm, kv_cache: 128MiB, max_num_seqs: 4}"))
+    s = start_server(cfg)
+    yield s
+    s.stop()
+
+
+def test_vllm_completions(vllm_server, tokenizer):
+    c = client(vllm_server)
+    r = greedy(c, ["The cat", "A dog"], max_tokens=5, n=2, logprobs=1)
+    assert type(vllm_server.services.arbiter.workers["tiny-chat"]).__name__ == "VllmChatEngine"
+    texts = {ch.index: ch.text for ch in r.choices}
+    assert texts[0] == texts[1] == greedy(c, "The cat", max_tokens=5).choices[0].text
+    assert r.usage.prompt_tokens == len(tokenizer("The cat")["input_ids"]) + len(tokenizer("A dog")["input_ids"])
+    lp = r.choices[0].logprobs
+    assert len(lp.tokens) > 0 and all(t in top for t, top in zip(lp.tokens, lp.top_logprobs))
+    chunks = list(c.completions.create(model="tiny-chat", prompt="The cat", max_tokens=5, temperature=0,
+                                       stream=True, echo=True))
+    assert "".join(ch.choices[0].text for ch in chunks) == "The cat" + texts[0]
+
+
+def test_vllm_responses(vllm_server):
+    c = client(vllm_server)
+    first = respond(c, "Hi")
+    second = respond(c, "Say more", previous_response_id=first.id)
+    spelt = respond(c, [{"role": "user", "content": "Hi"}, {"role": "assistant", "content": first.output_text},
+                        {"role": "user", "content": "Say more"}])
+    assert second.usage.input_tokens == spelt.usage.input_tokens > first.usage.input_tokens
+    assert second.output_text == spelt.output_text
+    with c.responses.stream(model="tiny-chat", input="Weather?", tools=TOOLS, tool_choice="required",
+                            max_output_tokens=64, temperature=0) as stream:
+        events = list(stream)
+        final = stream.get_final_response()
+    deltas = "".join(e.delta for e in events if e.type == "response.function_call_arguments.delta")
+    assert final.output[0].type == "function_call" and deltas == final.output[0].arguments
+    assert json.loads(deltas)["city"] in ("Paris", "Rome")
