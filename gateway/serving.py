@@ -152,6 +152,8 @@ class Serving:
         held.release(service_s if completed and not self.paused else None)
         if self.record is not None:
             self.record.service_s = service_s
+            if self.usage.embedding_tokens:  # an embedding's input tokens are its prompt
+                self.record.prompt_tokens = self.usage.embedding_tokens
         latency = time.monotonic() - self.arrived
         self.svc.metrics.latency.labels(self.caller.tier, self.endpoint).observe(latency)
         if completed and not self._latency_reported:

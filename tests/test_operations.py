@@ -90,8 +90,8 @@ def assert_no_secret(text: str) -> None:
 
 
 @pytest.fixture
-def served(tiny_chat, tmp_path):
-    server = Served(write_config(tmp_path, {"tiny-chat": ("chat", tiny_chat)}))
+def served(tiny_chat, tiny_embed, tmp_path):
+    server = Served(write_config(tmp_path, {"tiny-chat": ("chat", tiny_chat), "tiny-embed": ("embed", tiny_embed)}))
     yield server
     server.stop()
 
@@ -117,6 +117,8 @@ def test_one_json_line_per_request_with_its_id_and_no_secret(served):
         client.chat.completions.create(model="no-such-model", messages=[{"role": "user", "content": "hi"}],
                                        extra_headers={"x-request-id": "ops-missing-3"})
     assert missing.value.response.headers["x-request-id"] == "ops-missing-3"
+    embedded = client.embeddings.create(model="tiny-embed", input=["one two three", "four"],
+                                        extra_headers={"x-request-id": "ops-embed-4"})
     assert served.stop() == 0
 
     assert_no_secret(served.output())
@@ -137,6 +139,9 @@ def test_one_json_line_per_request_with_its_id_and_no_secret(served):
     missing_line = logged["ops-missing-3"]
     assert (missing_line["status"], missing_line["reason"], missing_line["tier"]) == (404, "model_not_found", "paid")
     assert bad not in served.output()
+    embed_line = logged["ops-embed-4"]
+    assert (embed_line["model"], embed_line["prompt_tokens"], embed_line["completion_tokens"]) == (
+        "tiny-embed", embedded.usage.prompt_tokens, None)
 
 
 def test_sigterm_drains_a_stream_refuses_new_work_hands_back_batch_lines_and_exits_0(tiny_chat, tiny_image, tmp_path):
