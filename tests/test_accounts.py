@@ -1,0 +1,245 @@
+"""Accounts on a real server (SQLite store): managed keys through the admin API, each key's own
+rate-limit headers, its limits (requests, tokens, concurrency, the daily GPU budget, the model
+allow-list), usage read back per key, and secrets kept out of logs and storage. GPU-seconds of
+rows that share a decode step are checked on the chat engine itself."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import logging
+import math
+import time
+
+import httpx
+import openai
+import pytest
+import torch
+
+from tests.helpers import start_server, write_config
+from workers.base import ChatParams, ChatRequest, ModelSpec, StepContext
+
+EXTRA = """batch:
+  store: sqlite
+accounts:
+  limits:
+    free: {requests_per_min: 100, tokens_per_min: 100000}
+prices:
+  paid: {input_tokens_per_1m: 1000000, output_tokens_per_1m: 2000000, gpu_hour: 3600}
+  batch: {like: paid, factor: 0.5}
+"""
+HI = [{"role": "user", "content": "hi"}]
+HI_ESTIMATE = math.ceil(len(json.dumps(HI)) / 4)  # the prompt's tokens as the limiter guesses them
+
+
+@pytest.fixture(scope="module")
+def server(tiny_chat, tiny_image, tmp_path_factory):
+    folder = tmp_path_factory.mktemp("accounts")
+    s = start_server(write_config(folder, {"tiny-chat": ("chat", tiny_chat), "tiny-image": ("image", tiny_image)},
+                                  EXTRA))
+    s.folder = folder
+    yield s
+    s.stop()
+
+
+def admin(server) -> httpx.Client:
+    return httpx.Client(base_url=server.url, headers={"Authorization": f"Bearer {server.keys['admin']}"}, timeout=30)
+
+
+def new_key(server, **body) -> tuple[str, str]:
+    with admin(server) as c:
+        r = c.post("/admin/keys", json={"name": "t", "tier": "free", **body})
+    assert r.status_code == 201, r.text
+    return r.json()["id"], r.json()["value"]
+
+
+def chat(server, secret: str, max_tokens: int = 4, **kw) -> httpx.Response:
+    return httpx.post(f"{server.base_url}/chat/completions", headers={"Authorization": f"Bearer {secret}"},
+                      json={"model": "tiny-chat", "messages": HI, "max_tokens": max_tokens, **kw}, timeout=60)
+
+
+def test_a_key_made_at_run_time_works_at_once_is_listed_without_secret_and_revoked(server):
+    key_id, secret = new_key(server, name="ci")
+    assert secret.startswith("sk-tg-")
+    client = openai.OpenAI(base_url=server.base_url, api_key=secret, max_retries=0)
+    assert client.chat.completions.create(model="tiny-chat", messages=HI, max_tokens=2).choices
+    with admin(server) as c:
+        listed = c.get("/admin/keys").json()["data"]
+        mine = next(k for k in listed if k["id"] == key_id)
+        assert mine["redacted_value"] == f"sk-tg-...{secret[-4:]}" and mine["status"] == "active"
+        assert secret not in json.dumps(listed) and "value" not in mine and "hash" not in mine
+        changed = c.patch(f"/admin/keys/{key_id}", json={"tier": "paid", "limits": {"requests_per_min": 7}}).json()
+        assert changed["tier"] == "paid" and changed["limits"] == {"requests_per_min": 7}
+        assert c.patch(f"/admin/keys/{key_id}", json={"tier": "gold"}).status_code == 400
+        assert c.patch(f"/admin/keys/{key_id}", json={"limits": {"requests_per_min": "7"}}).json()["error"]["param"] \
+            == "limits.requests_per_min"
+        assert c.delete(f"/admin/keys/{key_id}").json() == {"id": key_id, "object": "api_key.deleted", "deleted": True}
+        assert c.delete("/admin/keys/key_nope").status_code == 404
+    with pytest.raises(openai.AuthenticationError):
+        client.chat.completions.create(model="tiny-chat", messages=HI, max_tokens=2)
+    other = httpx.get(f"{server.base_url}/models", headers={"Authorization": f"Bearer {secret}"})
+    assert other.status_code == 401
+    not_admin = httpx.post(f"{server.url}/admin/keys", json={"tier": "free"},
+                           headers={"Authorization": f"Bearer {server.keys['paid']}"})
+    assert not_admin.status_code == 403
+
+
+def test_headers_are_true_for_the_key(server):
+    key_id, secret = new_key(server, limits={"requests_per_min": 3, "tokens_per_min": 1000})
+    spent = 0  # tokens the bucket holds after each request is corrected to what it used
+    for i in range(3):
+        if i == 1:  # a stream carries them too, before its first byte
+            with httpx.stream("POST", f"{server.base_url}/chat/completions",
+                              headers={"Authorization": f"Bearer {secret}"},
+                              json={"model": "tiny-chat", "messages": HI, "max_tokens": 4, "stream": True,
+                                    "stream_options": {"include_usage": True}}, timeout=60) as r:
+                headers = r.headers
+                usage = [json.loads(line[6:]) for line in r.iter_lines() if line.startswith("data: {")][-1]["usage"]
+        else:
+            r = chat(server, secret)
+            headers, usage = r.headers, r.json()["usage"]
+        assert headers["x-ratelimit-limit-requests"] == "3" and headers["x-ratelimit-limit-tokens"] == "1000"
+        assert headers["x-ratelimit-remaining-requests"] == str(2 - i)
+        expected = 1000 - spent - (HI_ESTIMATE + 4)
+        assert expected <= int(headers["x-ratelimit-remaining-tokens"]) <= expected + 1000 // 60 * 10
+        assert headers["x-ratelimit-reset-requests"].endswith("s")
+        spent += usage["total_tokens"]
+    refused = chat(server, secret)
+    assert refused.status_code == 429 and refused.json()["error"]["code"] == "rate_limit_exceeded"
+    assert 1 <= int(refused.headers["retry-after"]) <= 20  # one request comes back every 60/3 s
+    assert refused.headers["x-ratelimit-remaining-requests"] == "0"
+    models = httpx.get(f"{server.base_url}/models", headers={"Authorization": f"Bearer {secret}"})
+    assert models.headers["x-ratelimit-limit-requests"] == "3" and models.headers["x-ratelimit-remaining-requests"] == "0"
+    paid = chat(server, server.keys["paid"])  # an environment key of a tier without limits: the tier's headers
+    assert paid.status_code == 200 and "x-ratelimit-limit-tokens" not in paid.headers
+
+
+def test_a_request_over_the_token_limit_and_too_many_at_once(server):
+    _, secret = new_key(server, limits={"tokens_per_min": 20})
+    big = chat(server, secret, max_tokens=64)
+    assert big.status_code == 429 and "more than this key's limit" in big.json()["error"]["message"]
+    _, secret = new_key(server, limits={"concurrent": 1})
+    with httpx.stream("POST", f"{server.base_url}/chat/completions", headers={"Authorization": f"Bearer {secret}"},
+                      json={"model": "tiny-chat", "messages": HI, "max_tokens": 400, "stream": True}, timeout=60) as r:
+        assert r.status_code == 200
+        second = chat(server, secret, max_tokens=2)  # while the stream holds the key's one slot
+        assert second.status_code == 429 and "in flight" in second.json()["error"]["message"]
+        r.read()
+    assert chat(server, secret, max_tokens=2).status_code == 200
+
+
+def test_a_budget_spent_mid_day_gives_insufficient_quota(server):
+    key_id, secret = new_key(server, limits={"gpu_seconds_per_day": 0.000001})
+    assert chat(server, secret).status_code == 200  # under budget when it starts; it spends past it
+    client = openai.OpenAI(base_url=server.base_url, api_key=secret, max_retries=3)
+    started = time.monotonic()
+    with pytest.raises(openai.RateLimitError) as err:
+        client.chat.completions.create(model="tiny-chat", messages=HI, max_tokens=2)
+    assert time.monotonic() - started < 1.0  # x-should-retry: false, so the SDK did not retry
+    assert err.value.code == "insufficient_quota" and err.value.response.headers["x-should-retry"] == "false"
+    assert 0 < int(err.value.response.headers["retry-after"]) <= 86400  # until 00:00 UTC
+    with admin(server) as c:
+        c.patch(f"/admin/keys/{key_id}", json={"limits": {"gpu_seconds_per_day": 3600}})
+    deadline = time.time() + 2
+    while chat(server, secret).status_code != 200:  # a bigger budget applies within a second
+        assert time.time() < deadline
+    usage = httpx.get(f"{server.base_url}/usage", headers={"Authorization": f"Bearer {secret}"}).json()["data"]
+    assert usage[0]["requests"] == 2 and usage[0]["gpu_seconds"] > 0.000001
+
+
+def test_a_model_outside_the_allow_list_does_not_exist_for_that_key(server):
+    _, secret = new_key(server, models=["tiny-image"])
+    auth = {"Authorization": f"Bearer {secret}"}
+    hidden = chat(server, secret)
+    missing = httpx.post(f"{server.base_url}/chat/completions", headers=auth,
+                         json={"model": "no-such-model", "messages": HI})
+    assert hidden.status_code == missing.status_code == 404
+    assert hidden.json() == json.loads(json.dumps(missing.json()).replace("no-such-model", "tiny-chat"))
+    listed = httpx.get(f"{server.base_url}/models", headers=auth).json()["data"]
+    assert [m["id"] for m in listed] == ["tiny-image"]
+    assert httpx.get(f"{server.base_url}/models/tiny-chat", headers=auth).status_code == 404
+    assert httpx.get(f"{server.base_url}/models/tiny-image", headers=auth).status_code == 200
+    assert chat(server, server.keys["free"]).status_code == 200  # other keys still see it
+
+
+def test_usage_per_key_is_exact_grouped_priced_and_csv(server):
+    key_id, secret = new_key(server, tier="paid")
+    totals = {"prompt_tokens": 0, "completion_tokens": 0}
+    for max_tokens in (3, 5):
+        for k, v in chat(server, secret, max_tokens=max_tokens).json()["usage"].items():
+            if k in totals:
+                totals[k] += v
+    auth = {"Authorization": f"Bearer {secret}"}
+    mine = httpx.get(f"{server.base_url}/usage", params={"group_by": "model"}, headers=auth).json()
+    [row] = mine["data"]
+    assert (row["model"], row["requests"], row["input_tokens"], row["output_tokens"]) == \
+        ("tiny-chat", 2, totals["prompt_tokens"], totals["completion_tokens"])
+    assert row["gpu_seconds"] > 0 and row["swap_seconds"] >= 0
+    price = totals["prompt_tokens"] * 1.0 + totals["completion_tokens"] * 2.0 + row["gpu_seconds"]
+    assert row["cost_usd"] == pytest.approx(price, rel=1e-6)
+    assert httpx.get(f"{server.base_url}/usage", params={"key": "other"}, headers=auth).status_code == 400
+    with admin(server) as c:
+        today = time.strftime("%Y-%m-%d", time.gmtime())
+        text = c.get("/admin/usage", params={"key": key_id, "start_date": today, "end_date": today,
+                                             "format": "csv"}).text
+        head, line = text.splitlines()
+        assert head.split(",")[:3] == ["day", "requests", "input_tokens"] and line.startswith(f"{today},2,")
+        everyone = c.get("/admin/usage", params={"group_by": "key"}).json()["data"]
+        assert key_id in {r["key"] for r in everyone} and len(everyone) > 1
+        assert c.get("/admin/usage", params={"start_date": "yesterday"}).json()["error"]["param"] == "start_date"
+        assert c.get("/admin/usage", params={"key": key_id, "end_date": "2000-01-01"}).json()["data"] == []
+
+
+def test_secrets_never_in_logs_nor_stored_in_clear(server, caplog, capfd):
+    caplog.set_level(logging.DEBUG)
+    key_id, secret = new_key(server, limits={"requests_per_min": 1})
+    chat(server, secret)
+    chat(server, secret)  # a 429
+    with admin(server) as c:
+        c.delete(f"/admin/keys/{key_id}")
+    time.sleep(0.1)
+    chat(server, secret)  # a 401
+    out, err = capfd.readouterr()
+    body = secret.removeprefix("sk-tg-")
+    for text in (caplog.text, out, err):
+        assert body not in text
+    stored = b"".join(p.read_bytes() for p in (server.folder / "tiergate-data").glob("accounts.sqlite3*"))
+    assert key_id.encode() in stored and body.encode() not in stored and body[:12].encode() not in stored
+
+
+# -- GPU-seconds of rows that share a decode step ---------------------------------------------------
+
+def test_gpu_seconds_of_one_batched_step_are_shared_by_its_rows(tiny_chat, monkeypatch):
+    """Every forward pass 'takes' exactly 1 s (a fake clock): a prefill is its row's alone, a
+    decode step is shared equally by the rows in it; nothing is lost or counted twice."""
+    import workers.chat as engine
+
+    ticks = iter(range(10**9))
+    monkeypatch.setattr(engine, "_clock", lambda: float(next(ticks)))
+    worker = engine.ChatWorker(ModelSpec("tiny-chat", "chat", tiny_chat), max_num_seqs=8)
+    worker.load(torch.device("cpu"))
+    steps, prefills = [], []
+    decode, prefill = worker._decode_step, worker._prefill_into
+    monkeypatch.setattr(worker, "_decode_step", lambda b: (steps.append([s.req.ctx for s in b.seqs]), decode(b))[1])
+    monkeypatch.setattr(worker, "_prefill_into", lambda b, s: (prefills.append(s.req.ctx), prefill(b, s))[1])
+    try:
+        contexts = [StepContext() for _ in range(3)]
+
+        async def main():
+            async def one(ctx, n):
+                async for _ in worker.chat(ChatRequest(HI, ChatParams(max_tokens=n, temperature=0), ctx=ctx)):
+                    pass
+
+            await asyncio.gather(*(one(ctx, n) for ctx, n in zip(contexts, (4, 8, 12))))
+
+        asyncio.run(main())
+    finally:
+        worker.unload()
+    assert max(len(rows) for rows in steps) >= 2, "the rows never shared a step"
+    for ctx in contexts:
+        expected = float(prefills.count(ctx))
+        for rows in steps:
+            if ctx in rows:
+                expected += 1.0 / len(rows)
+        assert ctx.gpu_s == pytest.approx(expected, rel=1e-12)
+    assert sum(ctx.gpu_s for ctx in contexts) == pytest.approx(len(prefills) + len(steps), rel=1e-12)
