@@ -353,6 +353,23 @@ def test_bad_response_input_is_a_400_naming_the_param(server, body, param):
     assert r.json()["error"]["param"] == param
 
 
+def test_unknown_model_is_404_on_both(server):
+    for path, body in (("/completions", {"prompt": "x"}), ("/responses", {"input": "x"})):
+        r = post(server, path, {"model": "no-such-model", **body})
+        assert r.status_code == 404 and r.json()["error"]["param"] == "model"
+
+
+def test_raw_events_name_their_type(server):
+    with httpx.stream("POST", f"{server.base_url}/responses", headers={"Authorization": f"Bearer {server.keys['paid']}"},
+                      json={"model": "tiny-chat", "input": "x", "max_output_tokens": 3, "stream": True}) as raw:
+        assert raw.headers["content-type"].startswith("text/event-stream")
+        blocks = [b for b in raw.read().decode().split("\n\n") if b]
+    for block in blocks:
+        event, data = block.split("\n")
+        assert json.loads(data.removeprefix("data: "))["type"] == event.removeprefix("event: ")
+    assert blocks[-1].startswith("event: response.")  # no [DONE]: the Responses API ends with its last event
+
+
 def test_unknown_previous_response_is_404(server):
     r = post(server, "/responses", {"model": "tiny-chat", "input": "x", "previous_response_id": "resp_nope"})
     assert r.status_code == 404 and r.json()["error"]["param"] == "previous_response_id"
