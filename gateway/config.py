@@ -226,6 +226,21 @@ class ServerConfig(_Strict):
     drain_timeout_s: float = Field(default=30.0, ge=0)  # on SIGTERM: how long requests in flight may finish
 
 
+class ClusterConfig(_Strict):
+    """``tiergate cluster``: the same tiers on a Ray cluster, one replica (gate + arbiter) per
+    device (docs/CLUSTER.md). Read only by the ``cluster`` package."""
+
+    replicas_per_node: int = Field(default=1, ge=1)  # one per GPU on CUDA
+    nodes: int = Field(default=1, ge=1)  # replicas = nodes x replicas_per_node
+    devices: str = Field(default="auto", pattern=r"^(auto|cpu|cuda)$")  # cuda: num_gpus 1 per replica
+    replica_cpus: float = Field(default=1.0, gt=0)  # CPUs Ray reserves per replica (fractions allowed)
+    redis_url: str | None = Field(default=None, pattern=r"^rediss?://\S+$")  # keys, quotas, usage, batch backlog
+    stats_period_s: float = Field(default=2.0, gt=0)  # how often replicas report to the router
+    max_copies: dict[str, int] = Field(default_factory=dict)  # model -> replicas it may be resident on (default 1)
+    host: str = "0.0.0.0"
+    port: int = Field(default=8000, ge=1, le=65535)
+
+
 class Config(_Strict):
     tiers: list[TierConfig] = Field(min_length=1)
     models: list[ModelConfig] = Field(default_factory=list)
@@ -236,6 +251,7 @@ class Config(_Strict):
     limits: LimitsConfig = LimitsConfig()
     batch: BatchConfig = BatchConfig()
     server: ServerConfig = ServerConfig()
+    cluster: ClusterConfig = ClusterConfig()
     accounts: AccountsConfig = AccountsConfig()  # per-tier default limits of each key (docs/ACCOUNTS.md)
     prices: dict[str, Price] = Field(default_factory=dict)  # tier -> what usage costs there
     source: Path = Path("tiers.yaml")

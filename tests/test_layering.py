@@ -11,10 +11,11 @@ from pathlib import Path
 import pytest
 
 ROOT = Path(__file__).resolve().parents[1]
-PACKAGES = ("gateway", "batch", "accounts", "arbiter", "workers", "lora_kernels", "demo")
+PACKAGES = ("cluster", "gateway", "batch", "accounts", "arbiter", "workers", "lora_kernels", "demo")
 # what each package may import from the others
 ALLOWED = {
-    "gateway": {"batch", "accounts", "arbiter", "workers", "lora_kernels", "demo"},  # demo: the demo-models command
+    "cluster": {"gateway", "batch", "accounts", "arbiter", "workers", "lora_kernels"},  # the serving stack, per replica
+    "gateway": {"batch", "accounts", "arbiter", "workers", "lora_kernels", "demo", "cluster"},  # demo, cluster: their commands
     "batch": {"gateway", "accounts", "arbiter", "workers", "lora_kernels"},
     "accounts": set(),  # keys, limits and usage: a leaf the gateway composes
     "arbiter": {"workers"},
