@@ -144,7 +144,7 @@ def serve_chat(svc: Services, caller: Caller, job: ChatJob, gone: Gone | None) -
     raised by the first ``__anext__``. Closing the iterator early cancels the generation."""
     served = served_caller(svc, caller, job)
     choices = [_serve_choice(svc, served, job, i, gone) for i in range(job.n)]
-    return choices[0] if job.n == 1 else _interleave(choices)
+    return choices[0] if job.n == 1 else interleave(choices)
 
 
 async def _serve_choice(svc: Services, caller: Caller, job: ChatJob, index: int,
@@ -190,7 +190,7 @@ def _delta(index: int, pieces: list, logprobs: list[TokenLogprob] | None) -> Cho
                        [p for p in pieces if isinstance(p, CallDelta)], logprobs)
 
 
-async def _interleave(choices: list[AsyncGenerator[ChoiceDelta, None]]) -> AsyncGenerator[ChoiceDelta, None]:
+async def interleave(choices: list[AsyncGenerator[ChoiceDelta, None]]) -> AsyncGenerator[ChoiceDelta, None]:
     """The deltas of several choices as they come, each choice run by its own task."""
     queue: asyncio.Queue[ChoiceDelta | BaseException] = asyncio.Queue()
 
