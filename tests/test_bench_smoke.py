@@ -52,8 +52,16 @@ def test_smoke_bench_tiers(demo_dir: Path, tiny_chat: Path) -> None:
     assert check_verdict(run_smoke("bench_tiers.py", "--models-dir", str(demo_dir))) == f"verdict: n/a {SMOKE}"
 
 
+def test_smoke_bench_overhead(demo_dir: Path, tiny_chat: Path, tiny_embed: Path) -> None:
+    assert check_verdict(run_smoke("bench_overhead.py", "--models-dir", str(demo_dir))) == f"verdict: n/a {SMOKE}"
+
+
 def test_smoke_bench_batch(demo_dir: Path, tiny_chat: Path) -> None:
     assert check_verdict(run_smoke("bench_batch.py", "--models-dir", str(demo_dir))) == f"verdict: n/a {SMOKE}"
+
+
+def test_smoke_bench_accounts() -> None:
+    assert check_verdict(run_smoke("bench_accounts.py")) == f"verdict: n/a {SMOKE}"
 
 
 # -- the verdict rules ----------------------------------------------------------------------------

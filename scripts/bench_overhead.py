@@ -1,0 +1,402 @@
+#!/usr/bin/env python
+"""Gateway overhead: what tiergate adds per request over a bare Starlette endpoint that makes the
+same engine call on the same model, over real HTTP on 127.0.0.1, at 1 and at 64 concurrent clients.
+
+    python scripts/bench_overhead.py                 # about 2 minutes on 2 cores
+    python scripts/bench_overhead.py --rounds 5 --requests 400 --clients 1 64
+    python scripts/bench_overhead.py --smoke         # tiny counts, the real code path; no verdict
+
+Two servers, each its own process, started and loaded before anything is timed:
+
+  tiergate  as ``tiergate serve`` runs (``build_services``, ``create_app``, uvicorn with tiergate's
+            h11 settings, the request log writing one line per request): auth, the gate, the
+            arbiter's lease, metrics, the request log, accounts, OpenAI-shaped validation.
+  bare      a Starlette app with one route per endpoint and nothing else: it parses the JSON body,
+            calls the same worker class on the same model (the config's own ``ModelSpec``, built
+            by ``workers.registry.make_worker``) and answers in OpenAI's shape; no auth, no
+            limits, no metrics, no logging.
+
+The endpoints: ``/v1/chat/completions`` on the demo tiny-chat with the transformers engine
+(``max_tokens`` 1, greedy, not streamed: the prefill and one token, so the HTTP path dominates),
+and ``/v1/embeddings`` on the demo tiny-embed (one short input). Both servers run with one torch
+thread (``--server-threads``) and the same uvicorn protocol settings. The gate gets room for
+every client (``gate.slots`` 64, paid ``max_inflight`` 64), so the engine sees the same
+concurrency behind both servers.
+
+The client is this process: closed-loop keep-alive connections written on asyncio streams (a
+minimal HTTP/1.1 client, so that the client's own cost, which lands on the same cores, stays
+small and equal for both). Per round, per endpoint, per concurrency level, the two servers take
+turns (the order reversed every other round); the figures are medians over ``--rounds`` rounds.
+
+Judged, per endpoint: the p50 latency tiergate adds at 1 client <= 1 ms (the median over the
+rounds of p50(tiergate) - p50(bare)), and tiergate's throughput >= 0.9x the bare endpoint's at 64
+clients (the median of the per-round ratios). Both are ``n/a`` when the load average exceeds the
+number of cores at the start or at the end: the figures then measure the machine.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import os
+import secrets
+import signal
+import socket
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+
+from benchlib import Target, judge  # noqa: E402
+
+TIERS = ["paid", "subscriber", "free", "batch"]
+CHAT, EMBED = "tiny-chat", "tiny-embed"
+ADDED_P50_MS = 1.0
+THROUGHPUT = 0.9
+CHAT_BODY = {"model": CHAT, "messages": [{"role": "user", "content": "Say one word."}], "max_tokens": 1,
+             "temperature": 0}
+EMBED_BODY = {"model": EMBED, "input": "the gateway's own overhead"}
+ENDPOINTS = {"chat": ("/v1/chat/completions", CHAT_BODY), "embeddings": ("/v1/embeddings", EMBED_BODY)}
+
+
+# -- the servers (each its own process) -------------------------------------------------------------
+
+
+def write_config(folder: Path, models_dir: Path) -> Path:
+    lines = ["tiers:"]
+    for name in TIERS:
+        lines += [f"  - name: {name}", f"    keys_env: TIERGATE_BENCH_KEYS_{name.upper()}", "    max_inflight: 64",
+                  "    max_queued: 256", "    latency_target_s: 600"] + (["    batch: true"] if name == "batch" else [])
+    lines += ["models:",
+              f"  - name: {CHAT}", "    kind: chat", f"    path: {models_dir / CHAT}", "    engine: transformers",
+              f"  - name: {EMBED}", "    kind: embed", f"    path: {models_dir / EMBED}",
+              "gpu:", "  device: cpu", "  vram_budget: 4GiB",
+              "gate:", "  slots: 64"]
+    path = folder / "tiers.yaml"
+    path.write_text("\n".join(lines) + "\n")
+    return path
+
+
+def serve_tiergate(config_path: str, port: int) -> None:
+    """What ``tiergate serve`` does (gateway/cli.py's _serve), on ``port``."""
+    from gateway import request_log
+    from gateway.app import build_services, create_app
+    from gateway.cli import resolve_keys, server_config
+    from gateway.config import load_config
+
+    import uvicorn
+
+    request_log.configure(json_lines=False)
+    config = load_config(config_path)
+    keyring, _ = resolve_keys(config, demo=False)
+    app = create_app(build_services(config, keyring))
+    uvicorn.Server(server_config(app, "127.0.0.1", port, log_config=None, access_log=False)).run()
+
+
+def serve_bare(config_path: str, port: int) -> None:
+    """The same workers on the same specs behind a bare Starlette app."""
+    import anyio
+    import torch
+    import uvicorn
+    from starlette.applications import Starlette
+    from starlette.requests import Request
+    from starlette.responses import JSONResponse
+    from starlette.routing import Route
+
+    from gateway.cli import server_config
+    from gateway.config import load_config
+    from workers.base import ChatFinished, ChatParams, ChatRequest, StepContext, TextDelta
+    from workers.registry import make_worker
+
+    specs = {s.name: s for s in load_config(config_path).model_specs()}
+    chat_worker, embed_worker = make_worker(specs[CHAT]), make_worker(specs[EMBED])
+    for worker in (chat_worker, embed_worker):
+        worker.load(torch.device("cpu"))
+
+    async def chat(request: Request) -> JSONResponse:
+        body = json.loads(await request.body())
+        params = ChatParams(max_tokens=body.get("max_tokens", 256), temperature=body.get("temperature", 1.0))
+        text, finished = [], None
+        events = chat_worker.chat(ChatRequest(body["messages"], params))
+        async for event in events:
+            if isinstance(event, TextDelta):
+                text.append(event.text)
+            elif isinstance(event, ChatFinished):
+                finished = event
+        return JSONResponse({
+            "id": "chatcmpl-bare", "object": "chat.completion", "created": int(time.time()), "model": body["model"],
+            "choices": [{"index": 0, "message": {"role": "assistant", "content": "".join(text)},
+                         "finish_reason": finished.finish_reason}],
+            "usage": {"prompt_tokens": finished.prompt_tokens, "completion_tokens": finished.completion_tokens,
+                      "total_tokens": finished.prompt_tokens + finished.completion_tokens}})
+
+    async def embeddings(request: Request) -> JSONResponse:
+        body = json.loads(await request.body())
+        inputs = [body["input"]] if isinstance(body["input"], str) else body["input"]
+        ids = await anyio.to_thread.run_sync(embed_worker.tokenize, inputs)
+        vectors = await anyio.to_thread.run_sync(lambda: embed_worker.embed(ids, None, StepContext()))
+        tokens = sum(len(i) for i in ids)
+        return JSONResponse({"object": "list", "model": body["model"],
+                             "data": [{"object": "embedding", "index": i, "embedding": v.tolist()}
+                                      for i, v in enumerate(vectors)],
+                             "usage": {"prompt_tokens": tokens, "total_tokens": tokens}})
+
+    async def healthz(request: Request) -> JSONResponse:
+        return JSONResponse({"status": "ok"})
+
+    app = Starlette(routes=[Route("/v1/chat/completions", chat, methods=["POST"]),
+                            Route("/v1/embeddings", embeddings, methods=["POST"]),
+                            Route("/healthz", healthz, methods=["GET"])])
+    uvicorn.Server(server_config(app, "127.0.0.1", port, log_config=None, access_log=False)).run()
+
+
+@dataclass
+class Server:
+    kind: str
+    proc: subprocess.Popen
+    port: int
+    key: str
+
+    def stop(self) -> None:
+        if self.proc.poll() is None:
+            self.proc.send_signal(signal.SIGINT)
+            try:
+                self.proc.wait(30)
+            except subprocess.TimeoutExpired:
+                self.proc.kill()
+                self.proc.wait(10)
+
+
+def spare_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def start_server(kind: str, config: Path, folder: Path, threads: int, timeout: float = 180) -> Server:
+    keys = {t: f"tg-bench-{t}-{secrets.token_urlsafe(12)}" for t in [*TIERS, "admin"]}
+    env = {k: v for k, v in os.environ.items() if not k.startswith("TIERGATE_KEYS_")}
+    env.update({f"TIERGATE_BENCH_KEYS_{t.upper()}": keys[t] for t in TIERS})
+    env["TIERGATE_KEYS_ADMIN"] = keys["admin"]
+    env["OMP_NUM_THREADS"] = env["MKL_NUM_THREADS"] = str(threads)
+    port = spare_port()
+    log = (folder / f"{kind}.log").open("w")
+    proc = subprocess.Popen([sys.executable, str(Path(__file__).resolve()), "--serve", kind, str(config),
+                             "--port", str(port), "--server-threads", str(threads)],
+                            cwd=ROOT, env=env, stdout=log, stderr=subprocess.STDOUT)
+    server = Server(kind, proc, port, keys["paid"])
+    deadline = time.monotonic() + timeout
+    while not _healthy(port):
+        if proc.poll() is not None:
+            raise RuntimeError(f"the {kind} server exited ({proc.returncode}):\n{(folder / f'{kind}.log').read_text()[-3000:]}")
+        if time.monotonic() > deadline:
+            server.stop()
+            raise RuntimeError(f"the {kind} server did not come up")
+        time.sleep(0.2)
+    if kind == "tiergate":  # the bare server loaded its models before it listened
+        for model in (CHAT, EMBED):
+            status, body = asyncio.run(_request(port, "POST", f"/admin/models/{model}/load", keys["admin"], b""))
+            if status != 200:
+                server.stop()
+                raise RuntimeError(f"loading {model} failed: {status} {body[:300]!r}")
+    return server
+
+
+def _healthy(port: int) -> bool:
+    try:
+        return asyncio.run(_request(port, "GET", "/healthz", None, b""))[0] == 200
+    except OSError:
+        return False
+
+
+# -- the client: keep-alive connections on asyncio streams ---------------------------------------
+
+
+def _head(method: str, path: str, key: str | None, body: bytes) -> bytes:
+    auth = f"Authorization: Bearer {key}\r\n" if key else ""
+    return (f"{method} {path} HTTP/1.1\r\nHost: 127.0.0.1\r\nContent-Type: application/json\r\n"
+            f"Content-Length: {len(body)}\r\n{auth}\r\n").encode() + body
+
+
+async def _response(reader: asyncio.StreamReader) -> tuple[int, bytes]:
+    head = await reader.readuntil(b"\r\n\r\n")
+    status = int(head[9:12])
+    fields = {}
+    for line in head.decode("latin-1").split("\r\n")[1:]:
+        name, _, value = line.partition(":")
+        fields[name.strip().lower()] = value.strip()
+    if "content-length" in fields:
+        return status, await reader.readexactly(int(fields["content-length"]))
+    chunks = []  # chunked
+    while True:
+        size = int((await reader.readuntil(b"\r\n")).strip(), 16)
+        chunks.append(await reader.readexactly(size + 2))
+        if size == 0:
+            return status, b"".join(c[:-2] for c in chunks)
+
+
+async def _request(port: int, method: str, path: str, key: str | None, body: bytes) -> tuple[int, bytes]:
+    reader, writer = await asyncio.open_connection("127.0.0.1", port)
+    try:
+        writer.write(_head(method, path, key, body))
+        return await _response(reader)
+    finally:
+        writer.close()
+
+
+@dataclass
+class Load:
+    latencies: list[float]  # seconds, per request
+    seconds: float  # wall time of the whole run
+    errors: list[str]
+
+    @property
+    def throughput(self) -> float:
+        return len(self.latencies) / self.seconds
+
+    @property
+    def p50_ms(self) -> float:
+        return statistics.median(self.latencies) * 1e3
+
+
+async def _drive(server: Server, endpoint: str, clients: int, requests: int) -> Load:
+    path, payload = ENDPOINTS[endpoint]
+    message = _head("POST", path, server.key, json.dumps(payload).encode())
+    latencies: list[float] = []
+    errors: list[str] = []
+    per_client = [requests // clients + (i < requests % clients) for i in range(clients)]
+
+    async def client(n: int) -> None:
+        reader, writer = await asyncio.open_connection("127.0.0.1", server.port)
+        try:
+            for _ in range(n):
+                start = time.perf_counter()
+                writer.write(message)
+                status, body = await _response(reader)
+                latencies.append(time.perf_counter() - start)
+                if status != 200:
+                    errors.append(f"{status} {body[:200]!r}")
+        finally:
+            writer.close()
+
+    start = time.perf_counter()
+    await asyncio.gather(*(client(n) for n in per_client if n))
+    return Load(latencies, time.perf_counter() - start, errors)
+
+
+def drive(server: Server, endpoint: str, clients: int, requests: int) -> Load:
+    return asyncio.run(_drive(server, endpoint, clients, requests))
+
+
+# -- the run ---------------------------------------------------------------------------------------
+
+
+def targets(results: dict, levels: list[int], loaded: str | None) -> list[Target]:
+    """Per endpoint: the p50 tiergate adds at the lowest level (1 client), and its throughput over
+    the bare endpoint's at the highest (64), each the median over the rounds."""
+    low, high = min(levels), max(levels)
+    out = []
+    for endpoint in ENDPOINTS:
+        runs = results[endpoint]
+        added = statistics.median(t.p50_ms - b.p50_ms for t, b in zip(runs["tiergate"][low], runs["bare"][low]))
+        ratio = statistics.median(t.throughput / b.throughput for t, b in zip(runs["tiergate"][high], runs["bare"][high]))
+        claim = f"{endpoint}: p50 latency tiergate adds at {low} client{'s' if low > 1 else ''} <= {ADDED_P50_MS:g} ms"
+        why = loaded or ("" if low == 1 else f"(the lowest level measured is {low} clients, not 1)")
+        out.append(Target(claim, f"{added:.3f} ms", None if why else added <= ADDED_P50_MS, why))
+        claim = f"{endpoint}: tiergate/bare throughput at {high} clients >= {THROUGHPUT:g}x"
+        why = loaded or ("" if high >= 64 else f"(the highest level measured is {high} clients, not 64)")
+        out.append(Target(claim, f"{ratio:.2f}x", None if why else ratio >= THROUGHPUT, why))
+    return out
+
+
+def run(args: argparse.Namespace) -> int:
+    from demo import build_demo_models
+
+    build_demo_models(args.models_dir, names=[CHAT, EMBED])
+    cores = os.cpu_count() or 1
+    with tempfile.TemporaryDirectory(prefix="bench-overhead-") as tmp:
+        folder = Path(tmp)
+        config = write_config(folder, args.models_dir.resolve())
+        servers = [start_server(kind, config, folder, args.server_threads) for kind in ("tiergate", "bare")]
+        try:
+            load_start = os.getloadavg()[0]
+            for server in servers:  # warm: every path once, the engines' first steps
+                for endpoint in ENDPOINTS:
+                    warm = drive(server, endpoint, min(4, max(args.clients)), args.warmup)
+                    if warm.errors:
+                        raise RuntimeError(f"{server.kind} {endpoint}: {warm.errors[0]}")
+            results = {e: {s.kind: {c: [] for c in args.clients} for s in servers} for e in ENDPOINTS}
+            for r in range(args.rounds):
+                for endpoint in ENDPOINTS:
+                    for clients in args.clients:
+                        for server in (servers if r % 2 == 0 else servers[::-1]):
+                            load = drive(server, endpoint, clients, args.requests if clients > 1 else args.requests_alone)
+                            if load.errors:
+                                raise RuntimeError(f"{server.kind} {endpoint} at {clients} clients: {len(load.errors)} "
+                                                   f"errors, first: {load.errors[0]}")
+                            results[endpoint][server.kind][clients].append(load)
+            load_end = os.getloadavg()[0]
+        finally:
+            for server in servers:
+                server.stop()
+    print(f"tiergate (the production app) vs a bare Starlette endpoint on the same worker; {cores} CPUs; "
+          f"load average (1 min) {load_start:.1f} at the start, {load_end:.1f} at the end; torch threads "
+          f"{args.server_threads} per server; {args.rounds} rounds, medians over them")
+    print(f"{'endpoint':<11} {'clients':>7} {'server':<9} {'req/s':>8} {'p50 ms':>8} {'p99 ms':>8}")
+    for endpoint in ENDPOINTS:
+        for clients in args.clients:
+            for kind in ("tiergate", "bare"):
+                runs = results[endpoint][kind][clients]
+                p99 = statistics.median(statistics.quantiles(r.latencies, n=100)[98] if len(r.latencies) > 1
+                                        else r.latencies[0] for r in runs) * 1e3
+                print(f"{endpoint:<11} {clients:>7} {kind:<9} {statistics.median(r.throughput for r in runs):>8.1f} "
+                      f"{statistics.median(r.p50_ms for r in runs):>8.2f} {p99:>8.2f}")
+    print()
+    for endpoint in ENDPOINTS:
+        for clients in args.clients:
+            t, b = results[endpoint]["tiergate"][clients], results[endpoint]["bare"][clients]
+            added = " ".join(f"{x.p50_ms - y.p50_ms:+.2f}" for x, y in zip(t, b))
+            ratio = " ".join(f"{x.throughput / y.throughput:.2f}" for x, y in zip(t, b))
+            print(f"{endpoint} at {clients:>2} clients, per round: p50 added ms {added}; throughput tiergate/bare {ratio}")
+    loaded = None
+    if max(load_start, load_end) > cores:
+        loaded = f"(load average {max(load_start, load_end):.1f} on {cores} cores: the figures measure the machine)"
+    return judge(targets(results, args.clients, loaded), smoke=args.smoke,
+                 note="issue 15 item 3: the gateway's own overhead")
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--models-dir", type=Path, default=ROOT / "demo-models")
+    ap.add_argument("--clients", type=int, nargs="+", default=[1, 64], help="concurrency levels")
+    ap.add_argument("--requests", type=int, default=640, help="per run above 1 client")
+    ap.add_argument("--requests-alone", type=int, default=200, help="per run at 1 client")
+    ap.add_argument("--warmup", type=int, default=20)
+    ap.add_argument("--rounds", type=int, default=3)
+    ap.add_argument("--server-threads", type=int, default=1, help="torch intra-op threads per server")
+    ap.add_argument("--smoke", action="store_true", help="1 round of a few requests at 1 and 4 clients; no verdict")
+    ap.add_argument("--serve", nargs=2, metavar=("KIND", "CONFIG"), help=argparse.SUPPRESS)
+    ap.add_argument("--port", type=int, help=argparse.SUPPRESS)
+    args = ap.parse_args()
+    if args.serve:
+        import torch
+
+        torch.set_num_threads(args.server_threads)
+        kind, config = args.serve
+        (serve_tiergate if kind == "tiergate" else serve_bare)(config, args.port)
+        return 0
+    if args.smoke:
+        args.clients, args.requests, args.requests_alone, args.warmup, args.rounds = [1, 4], 8, 4, 2, 1
+    args.clients = sorted(set(args.clients))
+    return run(args)
+
+
+if __name__ == "__main__":
+    sys.exit(main())
