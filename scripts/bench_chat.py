@@ -3,7 +3,11 @@
   (a) sequential transformers ``generate`` behind a minimal streaming server (one request at a time)
   (b) tiergate with the transformers engine (continuous batching in workers/chat.py)
   (c) tiergate with the vLLM engine
-  (d) vLLM's own OpenAI server (``vllm serve``), the peer, with the same engine settings
+  (d) vLLM's own OpenAI server (``vllm serve``), the peer, started with the same engine arguments:
+      its flags are derived from the ``AsyncEngineArgs`` tiergate's engine builds for (c) (every
+      field set away from vLLM's default, and every field vLLM's command line defaults otherwise),
+      parsed back and compared field by field; the output lists the flags and every difference
+      left (none, or the scheduling policy under ``--peer-policy fcfs``)
 
 At 1, 8 and 32 concurrent streams: output tokens/s, TTFT and TPOT p50/p99. Ratios in the same run:
 (c)/(d) is tiergate's overhead on top of the engine (target: within 10% at 8 and 32 streams),
@@ -24,6 +28,8 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import dataclasses
+import json
 import os
 import signal
 import socket
@@ -137,7 +143,7 @@ def start_sequential(model: Path, port: int) -> subprocess.Popen:
 
 # -- (b), (c): tiergate ---------------------------------------------------------------------------
 
-def start_tiergate(model: Path, port: int, engine: str, folder: Path) -> subprocess.Popen:
+def tiergate_config(model: Path, engine: str, folder: Path) -> Path:
     cfg = folder / f"tiers-{engine}.yaml"
     cfg.write_text(f"""
 tiers:
@@ -147,6 +153,11 @@ models:
 gpu: {{device: auto, vram_budget: 8GiB}}
 gate: {{slots: {MAX_SEQS}}}
 """)
+    return cfg
+
+
+def start_tiergate(model: Path, port: int, engine: str, folder: Path) -> subprocess.Popen:
+    cfg = tiergate_config(model, engine, folder)
     env = {**os.environ, "BENCH_KEYS": KEY}
     return subprocess.Popen([sys.executable, "-m", "gateway.cli", "serve", "--config", str(cfg), "--port", str(port)],
                             env=env, cwd=ROOT, start_new_session=True,
@@ -155,17 +166,71 @@ gate: {{slots: {MAX_SEQS}}}
 
 # -- (d): vllm serve ------------------------------------------------------------------------------
 
-def start_vllm_serve(model: Path, port: int, policy: str) -> subprocess.Popen:
-    from arbiter.units import parse_size
+def tiergate_engine_args(model: Path, folder: Path):
+    """The ``AsyncEngineArgs`` tiergate's vLLM engine starts (c) with: its own config, spec and
+    worker (workers/chat_vllm.py ``engine_args``), nothing restated here."""
+    from gateway.config import load_config
+    from workers.registry import make_worker
 
+    (spec,) = load_config(tiergate_config(model, "vllm", folder)).model_specs()
+    return make_worker(spec).engine_args()
+
+
+def _flag(name: str, value) -> list[str]:
+    flag = "--" + name.replace("_", "-")
+    if isinstance(value, bool):
+        return [flag if value else "--no-" + flag[2:]]
+    if dataclasses.is_dataclass(value):
+        return [flag, json.dumps(dataclasses.asdict(value))]
+    if isinstance(value, (list, tuple)):
+        return [flag, *map(str, value)]
+    return [flag, str(value)]
+
+
+def peer_engine_flags(model: Path, folder: Path, policy: str) -> tuple[list[str], list[str]]:
+    """vllm serve's engine flags, derived from (c)'s engine arguments: every field tiergate's engine
+    sets away from vLLM's default becomes a flag, and so does every field that vLLM's command line
+    would otherwise leave unlike the Python default (its parser's own defaults), so both engines
+    start with the same arguments; the scheduling policy is ``policy`` (``--peer-policy``). Returns
+    the flags and every field that still differs when vLLM parses them back ('name: tiergate's /
+    vllm serve's'; values equal in all but form do not count): none, or ``scheduling_policy``
+    under ``--peer-policy fcfs``."""
+    from vllm.engine.arg_utils import AsyncEngineArgs
+    from vllm.entrypoints.launchers.cli_args import make_arg_parser
+    from vllm.utils.argparse_utils import FlexibleArgumentParser
+
+    ours = tiergate_engine_args(model, folder)
+    fields = [f.name for f in dataclasses.fields(AsyncEngineArgs)
+              if f.init and f.name not in ("model", "scheduling_policy")]
+
+    def parsed(flags: list[str]):
+        args = make_arg_parser(FlexibleArgumentParser()).parse_args(["--model", str(ours.model), *flags])
+        return AsyncEngineArgs.from_cli_args(args)
+
+    def differ(theirs) -> list[str]:
+        return [name for name in fields if not _same(getattr(ours, name), getattr(theirs, name))]
+
+    default = AsyncEngineArgs(model=ours.model)
+    flags = [flag for name in fields if not _same(getattr(ours, name), getattr(default, name))
+             for flag in _flag(name, getattr(ours, name))]
+    for name in differ(parsed(flags)):  # the command line's own defaults, where unlike the Python API's
+        if getattr(ours, name) is not None:
+            flags += _flag(name, getattr(ours, name))
+    flags += ["--scheduling-policy", policy]  # --peer-policy: tiergate's own is priority
+    theirs = parsed(flags)
+    return flags, [f"{name}: {getattr(ours, name)!r} / {getattr(theirs, name)!r}"
+                   for name in [*differ(theirs), "scheduling_policy"] if not _same(getattr(ours, name), getattr(theirs, name))]
+
+
+def _same(a, b) -> bool:
+    """Equal, or equal in all but form: a name as a string and as a one-element list; None and ''."""
+    return (a == b or (isinstance(a, str) and b == [a]) or (isinstance(b, str) and a == [b])
+            or (a is None and b == "") or (a == "" and b is None))
+
+
+def start_vllm_serve(model: Path, port: int, flags: list[str]) -> subprocess.Popen:
     cmd = [sys.executable, "-m", "vllm.entrypoints.openai.api_server", "--model", str(model),
-           "--served-model-name", "m", "--port", str(port), "--host", "127.0.0.1",
-           "--max-num-seqs", str(MAX_SEQS), "--kv-cache-memory-bytes", str(parse_size(KV_CACHE)),
-           "--disable-log-stats", "--generation-config", "vllm", "--scheduling-policy", policy]
-    import torch
-
-    if not torch.cuda.is_available():
-        cmd += ["--dtype", "float32", "--enforce-eager"]
+           "--port", str(port), "--host", "127.0.0.1", *flags]
     env = {**os.environ, "HF_HUB_OFFLINE": "1"}
     return subprocess.Popen(cmd, env=env, start_new_session=True, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
 
@@ -262,10 +327,14 @@ def main() -> int:
         "a": ("sequential generate", lambda p, d: start_sequential(args.model, p)),
         "b": ("tiergate transformers", lambda p, d: start_tiergate(args.model, p, "transformers", d)),
         "c": ("tiergate vllm", lambda p, d: start_tiergate(args.model, p, "vllm", d)),
-        "d": ("vllm serve", lambda p, d: start_vllm_serve(args.model, p, args.peer_policy)),
+        "d": ("vllm serve", lambda p, d: start_vllm_serve(args.model, p, peer_flags)),
     }
     runs: list[dict[tuple[str, int], dict]] = []
     with tempfile.TemporaryDirectory() as tmp:
+        if "d" in args.only:
+            peer_flags, differ = peer_engine_flags(args.model, Path(tmp), args.peer_policy)
+            print("vllm serve's engine flags, derived from tiergate's engine arguments (c):", " ".join(peer_flags))
+            print("engine arguments that differ between (c) and (d):", "; ".join(differ) if differ else "none")
         for rep in range(args.repeat):
             order = args.only if rep % 2 == 0 else list(reversed(args.only))  # drift hits every system
             table: dict[tuple[str, int], dict] = {}
