@@ -43,6 +43,13 @@ are pooled. Target: paid p99 under flood <= 1.25x alone. Then:
       tokens received after the order, including tokens already in transit) is printed too.
   (d) refusals per tier and reason over the flood phases, from the responses (status, error
       code) and from ``/metrics`` (``tiergate_rejected``). Target: no paid request refused.
+  (e) the SLO guard: every phase also runs, in the same rounds (order alternated), on a second
+      server whose ``gate.slo_guard`` is off; (a)-(d) are the guarded server's (the shipped
+      default). Paid's ``latency_target_s`` is ``--paid-target`` (the guard shrinks free while
+      paid's time to first token nears it). Shown side by side: paid p50/p99 flood/alone and free
+      served and refused per second in the flood. Target: free served with the guard on >= 0.5x
+      what it gets with the guard off ((b) judges paid's p99 with the guard on); n/a above the
+      core count, like (b): the guard then reacts to the machine's latency.
 
 The config gives paid all the room it asks for: ``gate.slots`` 8, paid ``max_inflight`` 4 >=
 ``--paid-concurrency`` 2, free ``max_inflight`` 2 and ``max_queued`` 4, so at most 2 paid + 2 free
@@ -232,9 +239,9 @@ def serve(config_path: str, port: int, switch_interval: float | None = None, thr
 # -- starting it -------------------------------------------------------------------------------------
 
 
-def write_config(folder: Path, model_path: Path, args: argparse.Namespace) -> Path:
+def write_config(folder: Path, model_path: Path, args: argparse.Namespace, guard: bool = True) -> Path:
     tiers = {
-        "paid": (args.paid_inflight, 64, 30),
+        "paid": (args.paid_inflight, 64, args.paid_target),
         "subscriber": (4, 64, 30),
         "free": (args.free_inflight, args.free_queued, args.free_target),
         "batch": (args.batch_streams, 1000, 3600),
@@ -246,7 +253,7 @@ def write_config(folder: Path, model_path: Path, args: argparse.Namespace) -> Pa
         lines += ["    batch: true"] if name == "batch" else []
     lines += ["models:", f"  - name: {MODEL}", "    kind: chat", f"    path: {model_path}", f"    engine: {args.engine}",
               "gpu:", "  device: auto", "  vram_budget: 4GiB",
-              "gate:", f"  slots: {args.slots}",
+              "gate:", f"  slots: {args.slots}", "  slo_guard:", f"    enabled: {'true' if guard else 'false'}",
               "limits:", "  max_chat_tokens: 512"]
     path = folder / "tiers.yaml"
     path.write_text("\n".join(lines) + "\n")
@@ -778,7 +785,8 @@ def overloaded(loads: tuple[float, float]) -> str:
 
 
 def report(args, server: Server, alone: PaidRun, share: FloodPhase | None, flood: FloodPhase, per_round: list,
-           pause: dict, rec: dict, loads: tuple) -> int:
+           pause: dict, rec: dict, loads: tuple, unguarded: tuple[PaidRun, FloodPhase] | None = None,
+           limits: dict | None = None) -> int:
     ms = 1e3
     threads = args.server_threads or "torch's default"
     print(f"engine: {args.engine}; server in its own process (tiergate serve's app + /bench records, torch threads "
@@ -936,7 +944,33 @@ def report(args, server: Server, alone: PaidRun, share: FloodPhase | None, flood
     print(f"  batch streams, paused through the flood and resumed after: "
           f"{dict(Counter((s.finish, s.completion_tokens) for s in flood.streams))}, unfinished "
           f"{flood.unfinished_batch}; batch pauses +{flood.pauses:.0f}")
-    return judge(targets, smoke=smoke, note="(b) paid latency, (c) batch yielding, (d) refusals")
+    if unguarded is not None:
+        guard_rows(args, (alone, flood), unguarded, limits, targets, smoke, loads)
+    return judge(targets, smoke=smoke, note="(b) paid latency, (c) batch yielding, (d) refusals, (e) the SLO guard")
+
+
+def guard_rows(args, guarded: tuple[PaidRun, FloodPhase], unguarded: tuple[PaidRun, FloodPhase], limits: dict,
+               targets: list[Target], smoke: bool, loads: tuple) -> None:
+    """(e) The same phases, same run, on a second server whose SLO guard is off: paid's latency
+    and what free got served in the flood, side by side."""
+    print("\n(e) the SLO guard (gate.slo_guard: on, the shipped default) vs a second server with it off, same run, "
+          f"phases alternated; paid latency_target_s {args.paid_target:g} (the guard judges chat by time to first token)")
+    print(f"  {'':<34}{'guard on':>10}{'guard off':>10}")
+    rows = []
+    for q in (50, 99):
+        ratio = [pct(f.paid.latencies, q) / pct(a.latencies, q) for a, f in (guarded, unguarded)]
+        rows.append(ratio)
+        print(f"  {'paid p%d flood/alone' % q:<34}{ratio[0]:>9.2f}x{ratio[1]:>9.2f}x")
+    served = [f.free_outcomes.get("ok", 0) / max(f.free_seconds, 1e-9) for _, f in (guarded, unguarded)]
+    print(f"  {'free served in the flood, req/s':<34}{served[0]:>10.1f}{served[1]:>10.1f}")
+    refused = [sum(v for k, v in f.free_outcomes.items() if k != "ok") / max(f.free_seconds, 1e-9) for _, f in (guarded, unguarded)]
+    print(f"  {'free refused in the flood, req/s':<34}{refused[0]:>10.1f}{refused[1]:>10.1f}")
+    print(f"  effective max_inflight after the last flood (guard on): {limits or 'n/a'}")
+    ratio = served[0] / served[1] if served[1] else float("inf")
+    state = note(targets, "(e) free served in the flood, guard on / guard off >= 0.5x", f"{ratio:.2f}x", ratio >= 0.5,
+                 smoke, overloaded(loads))
+    print(f"  free served, guard on / guard off: {ratio:.2f}x (target >= 0.5x)  {state}")
+    print(f"  paid p99 flood/alone with the guard off: {rows[1][1]:.2f}x (shown; (b) judges the guard on)")
 
 
 async def run(args: argparse.Namespace) -> int:
@@ -944,41 +978,56 @@ async def run(args: argparse.Namespace) -> int:
 
     model = build_demo_models(args.models_dir, names=[MODEL])[MODEL].resolve()
     with tempfile.TemporaryDirectory(prefix="bench-tiers-") as tmp:
-        folder = Path(tmp)
-        cfg = write_config(folder, model, args)
+        folders = {guard: Path(tmp) / f"guard-{'on' if guard else 'off'}" for guard in (True, False)}
+        for folder in folders.values():
+            folder.mkdir()
         t_start = time.monotonic()
         load_start = os.getloadavg()[0]
-        server = start_server(cfg, folder, timeout=300, switch_interval=args.switch_interval,
-                              threads=args.server_threads)
+        servers = {guard: start_server(write_config(folder, model, args, guard), folder, timeout=300,
+                                       switch_interval=args.switch_interval, threads=args.server_threads)
+                   for guard, folder in folders.items()}
+        server = servers[True]  # the shipped default: everything below but (e)'s guard-off column is its
         say = lambda msg: print(f"bench_tiers: {msg} ({time.monotonic() - t_start:.0f}s)", file=sys.stderr, flush=True)  # noqa: E731
-        say("server up")
+        say("servers up (guard on, guard off)")
         try:
-            await warm_up(server, args)
-            server.threads = server.records(since=float("inf"))["threads"]
-            alone, share, flood, per_round = PaidRun(), FloodPhase(), FloodPhase(), []
+            for s in servers.values():
+                await warm_up(s, args)
+                s.threads = s.records(since=float("inf"))["threads"]
+            phases = {guard: (PaidRun(), FloodPhase(), FloodPhase()) for guard in servers}
+            per_round = []
             for i in range(args.rounds):  # alternate, so that drifting machine load hits every phase alike
-                async with client_for(server.url) as client:
-                    a = await paid_load(client, server.keys["paid"], args.paid, args.paid_concurrency,
-                                        args.paid_tokens, server)
-                sh = await phase_flood(server, args, args.free_inflight) if args.share else None
-                b = await phase_flood(server, args, args.free_clients)
-                per_round.append((a, sh.paid if sh else None, b.paid))
-                alone.merge(a)
-                if sh:
-                    share.merge(sh)
-                flood.merge(b)
-                say(f"round {i + 1}: paid alone {a.wall:.1f}s, share {sh.paid.wall if sh else 0:.1f}s, "
-                    f"flood {b.paid.wall:.1f}s")
+                for guard in ((True, False) if i % 2 == 0 else (False, True)):
+                    s = servers[guard]
+                    alone, share, flood = phases[guard]
+                    async with client_for(s.url) as client:
+                        a = await paid_load(client, s.keys["paid"], args.paid, args.paid_concurrency,
+                                            args.paid_tokens, s)
+                    sh = await phase_flood(s, args, args.free_inflight) if args.share else None
+                    b = await phase_flood(s, args, args.free_clients)
+                    if guard:
+                        per_round.append((a, sh.paid if sh else None, b.paid))
+                    alone.merge(a)
+                    if sh:
+                        share.merge(sh)
+                    flood.merge(b)
+                    say(f"round {i + 1}, guard {'on' if guard else 'off'}: paid alone {a.wall:.1f}s, share "
+                        f"{sh.paid.wall if sh else 0:.1f}s, flood {b.paid.wall:.1f}s")
+            limits = {labels[0][1]: int(v) for (name, labels), v in metrics(server.url).items()
+                      if name == "tiergate_effective_max_inflight"}
             pause = await phase_pause(server, args)
             say("pause probes done")
             rec = server.records(since=t_start) if server.instrumented else {}
         except BaseException:
-            print(f"--- server log tail ---\n{server.log.read_text()[-4000:]}", file=sys.stderr)
+            for s in servers.values():
+                print(f"--- server log tail ({s.log}) ---\n{s.log.read_text()[-4000:]}", file=sys.stderr)
             raise
         finally:
-            server.stop()
+            for s in servers.values():
+                s.stop()
+        alone, share, flood = phases[True]
+        off_alone, _, off_flood = phases[False]
         return report(args, server, alone, share if args.share else None, flood, per_round, pause, rec,
-                      (load_start, os.getloadavg()[0]))
+                      (load_start, os.getloadavg()[0]), (off_alone, off_flood), limits)
 
 
 def main() -> int:
@@ -1009,6 +1058,9 @@ def main() -> int:
     ap.add_argument("--free-inflight", type=int, default=2)
     ap.add_argument("--free-queued", type=int, default=4)
     ap.add_argument("--free-target", type=float, default=10)
+    ap.add_argument("--paid-target", type=float, default=0.015,
+                    help="paid's latency_target_s: the SLO guard shrinks free while paid's time to first token "
+                         "(p90 over 10 s) is above 0.8x this, lets it grow back below 0.5x")
     ap.add_argument("--server-threads", type=int, default=1,
                     help="torch intra-op threads of the server process (OMP_NUM_THREADS); 0: torch's default "
                          "(one per core). See docs/BENCHMARKS.md for why the default is 1")
