@@ -347,12 +347,12 @@ def _item_id(prefix: str) -> str:
 
 def whole_output(draft: Draft) -> list[dict[str, Any]]:
     """The output items of a finished reply: its message (when it has text or no calls), then
-    its calls."""
+    its calls; all ``incomplete`` when the reply stopped at ``max_output_tokens``."""
     r, status = draft.reply, draft.status
     text = "".join(r.content)
     logprobs = chat_content(r.logprobs) if r.logprobs is not None else None
     items = [message_item(_item_id("msg"), text, status, logprobs)] if text or not r.calls.calls else []
-    return items + [call_item(_item_id("fc"), c, "completed") for c in r.calls.calls]
+    return items + [call_item(_item_id("fc"), c, status) for c in r.calls.calls]
 
 
 async def response_result(svc: Services, caller: Caller, data: dict) -> dict[str, Any]:
@@ -474,7 +474,7 @@ class _Stream:
         return out
 
     def close(self, status: str = "completed") -> list[str]:
-        """End the open item (if any) with its done events."""
+        """End the open item (if any) with its done events and ``status``."""
         out: list[str] = []
         if self.text is not None:
             item, self.text = self.text, None
@@ -491,7 +491,7 @@ class _Stream:
                     self.event("response.output_item.done", output_index=self.index, item=final)]
         if self.call is not None:
             item, self.call = self.call, None
-            item["status"] = "completed"
+            item["status"] = status
             out += [self.event("response.function_call_arguments.done", item_id=item["id"], output_index=self.index,
                                name=item["name"], arguments=item["arguments"]),
                     self.event("response.output_item.done", output_index=self.index, item=item)]

@@ -316,6 +316,20 @@ def test_required_tool_call_and_its_output(server):
     assert after.output_text == spelt.output_text
 
 
+def test_a_call_cut_by_max_output_tokens_is_incomplete(server):
+    c = client(server)
+    whole = respond(c, "Weather?", tools=TOOLS, tool_choice="required", max_output_tokens=64)
+    assert whole.status == "completed"
+    # greedy, so the same call, cut one token short of its end
+    kw = dict(tools=TOOLS, tool_choice="required", max_output_tokens=whole.usage.output_tokens - 1)
+    r = respond(c, "Weather?", **kw)
+    assert r.status == "incomplete" and [(o.type, o.status) for o in r.output] == [("function_call", "incomplete")]
+    with c.responses.stream(model="tiny-chat", input="Weather?", temperature=0, **kw) as stream:
+        events = list(stream)
+    assert events[-1].type == "response.incomplete" and events[-2].item.status == "incomplete"
+    assert events[-1].response.output[0].arguments == r.output[0].arguments
+
+
 def test_streamed_function_call_arguments(server):
     c = client(server)
     with c.responses.stream(model="tiny-chat", input="Weather?", tools=TOOLS, max_output_tokens=64,
