@@ -20,7 +20,7 @@ from cluster.router import admits
 from cluster.stats import replica_stats
 from gateway.app import build_services, create_app
 from gateway.auth import KeyRing
-from gateway.config import load_config
+from gateway.config import Config, load_config
 from gateway.errors import APIError
 
 REPLICA_HEADER = b"x-tiergate-replica"
@@ -36,7 +36,7 @@ class TierReplica:
     """A Ray Serve deployment class (``cluster.app`` decorates it with its resources)."""
 
     def __init__(self, config_path: str, keys: dict[str, list[str]], admin_keys: list[str]) -> None:
-        self.config = load_config(Path(config_path))
+        self.config = shared_store(load_config(Path(config_path)))
         self.services = build_services(self.config, KeyRing(keys, admin_keys))
         self.app = create_app(self.services)
         self.rank = {t.name: i for i, t in enumerate(self.config.tiers)}
@@ -80,6 +80,15 @@ class TierReplica:
 
     async def __del__(self) -> None:
         await self._lifespan.stop()
+
+
+def shared_store(config: Config) -> Config:
+    """``cluster.redis_url``, when set, is every replica's batch store, and so their accounts' too
+    (keys, quotas, usage and the batch backlog in one Redis)."""
+    url = config.cluster.redis_url
+    if url is None:
+        return config
+    return config.model_copy(update={"batch": config.batch.model_copy(update={"store": url})})
 
 
 def _retry(seconds: int | None) -> dict[str, str] | None:

@@ -1,5 +1,5 @@
 """The ``tiergate`` command: ``serve`` (logs as text or JSON lines; SIGTERM drains, see
-``gateway.drain``), ``demo-models`` (a progress bar in a terminal) and ``keys`` (managed API keys,
+``gateway.drain``), ``cluster`` (the same tiers on Ray Serve: ``cluster.cli``), ``demo-models`` (a progress bar in a terminal) and ``keys`` (managed API keys,
 ``gateway.keys_cli``)."""
 
 from __future__ import annotations
@@ -30,7 +30,17 @@ def main(argv: list[str] | None = None) -> int:
     models.add_argument("--seed", type=int, default=0)
     models.add_argument("--force", action="store_true", help="rebuild models that exist")
     keys_cli.add_parser(sub)
+    cluster = sub.add_parser("cluster", help="run the same tiers on a Ray cluster, one replica per device "
+                                             "(needs tiergate[cluster]; docs/CLUSTER.md)")
+    cluster.add_argument("--config", default="tiers.yaml", help="path to tiers.yaml (its cluster: section)")
+    cluster.add_argument("--address", default=None,
+                         help="a running Ray cluster ('auto', or host:port of its head); default: start one here")
+    cluster.add_argument("--demo", action="store_true", help="when no API keys are set, make random ones and print them")
     args = parser.parse_args(argv)
+    if args.command == "cluster":
+        from cluster.cli import run  # imports Ray: only this command does
+
+        return run(args.config, args.address, args.demo)
     if args.command == "keys":
         try:
             config = load_config(args.config, check_paths=False)

@@ -209,3 +209,46 @@ def test_replica_stats_carry_the_gates_predicted_wait(tiny_chat):
         assert replica_stats("A", arb, gate).wait_s == {PAID: 0.0, SUB: 0.0, FREE: 0.0, BATCH: 0.0}
 
     asyncio.run(main())
+
+
+# --- tiergate serve stays free of Ray ------------------------------------------------------------
+
+def test_only_the_cluster_package_imports_ray():
+    """Every import statement outside cluster/ (lazy ones included), and what `tiergate serve`
+    imports at run time (every gateway module, in a fresh interpreter)."""
+    import ast
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    root = Path(__file__).resolve().parents[1]
+    offenders = []
+    for package in ("gateway", "batch", "accounts", "arbiter", "workers", "lora_kernels", "demo"):
+        for path in (root / package).glob("*.py"):
+            for node in ast.walk(ast.parse(path.read_text())):
+                names = ([a.name for a in node.names] if isinstance(node, ast.Import)
+                         else [node.module or ""] if isinstance(node, ast.ImportFrom) else [])
+                offenders += [f"{path.name}: {n}" for n in names if n == "ray" or n.startswith("ray.")]
+    assert offenders == []
+    code = ("import importlib, pkgutil, sys, gateway\n"
+            "for m in pkgutil.iter_modules(gateway.__path__): importlib.import_module('gateway.' + m.name)\n"
+            "from gateway.cli import main\n"
+            "print(sorted(n for n in sys.modules if n == 'ray' or n.startswith('ray.')))")
+    out = subprocess.run([sys.executable, "-c", code], cwd=root, capture_output=True, text=True, timeout=120)
+    assert out.returncode == 0, out.stderr[-2000:]
+    assert out.stdout.strip().splitlines()[-1] == "[]"
+
+
+def test_the_clusters_redis_url_is_every_replicas_batch_and_accounts_store(tmp_path):
+    from cluster.replica import shared_store
+    from gateway.accounts import store_for
+    from gateway.config import load_config
+
+    path = tmp_path / "tiers.yaml"
+    path.write_text("tiers:\n  - {name: paid, keys_env: K, latency_target_s: 10}\n")
+    plain = load_config(path)
+    assert shared_store(plain) == plain and plain.batch.store == "sqlite"
+    path.write_text(path.read_text() + "cluster:\n  redis_url: redis://127.0.0.1:6390/0\n")
+    shared = shared_store(load_config(path))
+    assert shared.batch.store == "redis://127.0.0.1:6390/0"
+    assert type(store_for(shared)).__name__ == "RedisAccounts"

@@ -1,0 +1,41 @@
+"""``tiergate cluster``: the tiers.yaml's models on a Ray cluster (docs/CLUSTER.md). Imported only
+by that command, so ``tiergate serve`` never imports Ray."""
+
+from __future__ import annotations
+
+import os
+import sys
+
+from gateway.auth import ADMIN_ENV, demo_keys
+from gateway.config import ConfigError, load_config, tier_keys
+
+
+def run(config_path: str, address: str | None, demo: bool) -> int:
+    try:
+        config = load_config(config_path)
+    except ConfigError as exc:
+        print(f"tiergate: {exc}", file=sys.stderr)
+        return 2
+    keys = tier_keys(config)
+    admin = [k.strip() for k in os.environ.get(ADMIN_ENV, "").split(",") if k.strip()]
+    if not any(keys.values()):
+        if not demo:
+            names = ", ".join(t.keys_env for t in config.tiers)
+            print(f"tiergate: {config.source}: tiers: no API keys are set (set {names}, or run with --demo)",
+                  file=sys.stderr)
+            return 2
+        made = demo_keys(config.tier_names + ["admin"])
+        admin = made.pop("admin")
+        keys = made
+        for tier, ring in {**keys, "admin": admin}.items():
+            print(f"  {tier}: {', '.join(ring)}", file=sys.stderr)
+
+    import ray
+    from ray import serve
+
+    from cluster.app import build, runtime_env
+
+    ray.init(address=address, runtime_env=runtime_env())
+    serve.start(http_options={"host": config.cluster.host, "port": config.cluster.port, "location": "EveryNode"})
+    serve.run(build(config, keys, admin), name="tiergate", route_prefix="/", blocking=True)
+    return 0
