@@ -367,6 +367,17 @@ def test_bad_response_input_is_a_400_naming_the_param(server, body, param):
     assert r.json()["error"]["param"] == param
 
 
+def test_service_tier_on_both(server):
+    c = client(server)
+    flex = c.completions.create(model="tiny-chat", prompt="x", max_tokens=2, extra_body={"service_tier": "flex"})
+    r = respond(c, "x", max_output_tokens=2, service_tier="flex")
+    assert flex.service_tier == r.service_tier == "flex"  # a paid key may ask to run lower
+    free = client(server, "free")
+    assert respond(free, "x", max_output_tokens=2, service_tier="priority").service_tier == "default"  # never higher
+    raw = post(server, "/responses", {"model": "tiny-chat", "input": "x", "max_output_tokens": 2, "service_tier": "flex"})
+    assert raw.headers["x-tiergate-tier"] == "batch"
+
+
 def test_unknown_model_is_404_on_both(server):
     for path, body in (("/completions", {"prompt": "x"}), ("/responses", {"input": "x"})):
         r = post(server, path, {"model": "no-such-model", **body})
