@@ -402,7 +402,7 @@ async def create_response(request: Request) -> Response:
 
 async def get_response(request: Request) -> Response:
     svc: Services = request.app.state.services
-    caller = svc.admit_caller(request)
+    caller = svc.authenticate(request)  # reading a record takes no slot: no gate
     record = await _store(request).get(request.path_params["response_id"], caller.key_id)
     if record is None:
         raise not_found(f"no response with id '{request.path_params['response_id']}'", "response_id")
@@ -411,7 +411,7 @@ async def get_response(request: Request) -> Response:
 
 async def delete_response(request: Request) -> Response:
     svc: Services = request.app.state.services
-    caller = svc.admit_caller(request)
+    caller = svc.authenticate(request)
     response_id = request.path_params["response_id"]
     if not await _store(request).delete(response_id, caller.key_id):
         raise not_found(f"no response with id '{response_id}'", "response_id")
