@@ -1,21 +1,24 @@
 """The cluster's HTTP entry point, behind Ray Serve's proxy (one per node): what the gateway does
 before a model is needed, then the call to the replica the router picks, streamed back.
 
-* authentication with the tiers' keys (401 without a valid key);
-* validation: the body's ``model`` must be a configured model or adapter (404 otherwise), a JSON
-  body must parse (400);
+* authentication with the tiers' keys and the managed keys (``gateway.accounts``: the store is
+  ``cluster.redis_url``'s Redis when set, shared with every replica; 401 without a valid key);
+* validation: the body's ``model`` must be a configured model or adapter that the key may use
+  (404 otherwise, as if it did not exist), a JSON body must parse (400);
 * an early 429 when a tier already has as many requests in flight through this ingress as all
   replicas' gates could hold (``max_inflight + max_queued`` each), before any replica is asked;
 * the call: ``forward`` on the replica deployment with ``stream=True``; the router (a
   ``cluster.ray_router.TierRouter``) reads the model and tier from its arguments. A replica that
   answers "redirect" (its stats were stale) is avoided and the router is asked once more.
 
-Per-key quotas and usage (``accounts``, Redis) are not yet enforced here; the replicas' own
-gateway applies each key's account where one is configured (docs/CLUSTER.md).
+Per-key quotas (requests and tokens per minute, daily spend) and usage are applied by the chosen
+replica's serving core, as in ``tiergate serve``: on a shared Redis the limiter is atomic across
+processes, so a key's limits hold for the whole cluster (docs/CLUSTER.md).
 """
 
 from __future__ import annotations
 
+import asyncio
 import json
 import re
 from collections.abc import AsyncIterator
@@ -24,7 +27,9 @@ from pathlib import Path
 from starlette.requests import Request
 from starlette.responses import JSONResponse, Response, StreamingResponse
 
-from gateway.auth import KeyRing, bearer_token
+from cluster.replica import shared_store
+from gateway.accounts import Accounts
+from gateway.auth import Caller, KeyRing, bearer_token
 from gateway.config import load_config
 from gateway.errors import APIError
 
@@ -36,8 +41,10 @@ class Ingress:
 
     def __init__(self, config_path: str, keys: dict[str, list[str]], admin_keys: list[str], replicas,
                  num_replicas: int) -> None:
-        self.config = load_config(Path(config_path))
+        self.config = shared_store(load_config(Path(config_path)))
         self.keys = KeyRing(keys, admin_keys)
+        self.accounts = Accounts.from_config(self.config)
+        self._accounts_started: asyncio.Future | None = None
         self.replicas = replicas
         self.rank = {t.name: i for i, t in enumerate(self.config.tiers)}
         self.base = {m.name: m.name for m in self.config.models} | {a.name: a.model for a in self.config.adapters}
@@ -54,12 +61,11 @@ class Ingress:
     async def _serve(self, request: Request) -> Response:
         if _app_path(request.scope) == "/healthz":
             return JSONResponse({"status": "ok"})
-        token = bearer_token(request.headers.get("authorization"))
-        caller = self.keys.lookup(token) if token else None
-        if caller is None:
-            raise APIError(401, "missing or incorrect API key", "invalid_api_key")
+        caller = await self._caller(request)
         body = await request.body()
         model = self._model(request, body)
+        if model is not None and not self.accounts.allows(caller, model):
+            raise APIError(404, f"the model '{model}' does not exist", "model_not_found", "model")
         tier = caller.tier
         if self.inflight[tier] >= self.capacity[tier]:
             raise APIError(429, f"the {tier} tier's queues are full on every replica", "queue_full",
@@ -77,6 +83,16 @@ class Ingress:
         response = StreamingResponse(self._body(rest, tier), status_code=head["status"])
         response.raw_headers = [(k.encode("latin-1"), v.encode("latin-1")) for k, v in headers]
         return response
+
+    async def _caller(self, request: Request) -> Caller:
+        if self._accounts_started is None:
+            self._accounts_started = asyncio.ensure_future(self.accounts.start())
+        await asyncio.shield(self._accounts_started)
+        token = bearer_token(request.headers.get("authorization"))
+        caller = (self.keys.lookup(token) or self.accounts.lookup(token)) if token else None
+        if caller is None:
+            raise APIError(401, "missing or incorrect API key", "invalid_api_key")
+        return caller
 
     async def _call(self, forwarded: dict, model: str | None, tier: int):
         avoid: list[str] = []

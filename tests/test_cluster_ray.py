@@ -21,6 +21,7 @@ from gateway.config import load_config  # noqa: E402
 from tests.helpers import TIERS, spare_port  # noqa: E402
 
 KEYS = {t: [f"key-{t}"] for t in TIERS}
+ADMIN = "key-admin"
 PERIOD_S = 0.5  # how often replicas report to the router here
 WINDOW_S = 30  # protect_window_s
 
@@ -52,7 +53,7 @@ def cluster(tiny_chat, tmp_path_factory):
     def deploy(name: str, prefix: str, period: float) -> None:
         path = folder / f"{name}.yaml"
         path.write_text(config_text({"a": tiny_chat, "b": tiny_chat, "c": tiny_chat}, period))
-        serve.run(build(load_config(path), KEYS, []), name=name, route_prefix=prefix)
+        serve.run(build(load_config(path), KEYS, [ADMIN]), name=name, route_prefix=prefix)
 
     deploy("tiergate", "/", PERIOD_S)
     deploy("stale", "/stale", 60.0)  # reports a minute apart: the redirect test's
@@ -115,6 +116,22 @@ def test_ingress_refuses_before_any_replica(cluster):
     assert chat(cluster, "a", "nobody").status_code == 401
     missing = chat(cluster, "no-such-model", "paid")
     assert missing.status_code == 404 and missing.json()["error"]["code"] == "model_not_found"
+
+
+def test_managed_keys_reach_the_ingress_and_every_replica(cluster):
+    """A key made through the ingress (on whichever replica) is known to the ingress and the
+    replicas within a refresh; its model allow-list is applied at the ingress."""
+    made = httpx.post(f"{cluster.url}/admin/keys", headers={"authorization": f"Bearer {ADMIN}"},
+                      json={"name": "team", "tier": "paid", "models": ["c"]}, timeout=30)
+    assert made.status_code == 201, made.text
+    time.sleep(1.5)  # accounts.refresh_s is 0.5 s
+    key = made.json()["value"]
+    headers = {"authorization": f"Bearer {key}"}
+    body = {"messages": [{"role": "user", "content": "hi"}], "max_tokens": 2}
+    ok = httpx.post(f"{cluster.url}/v1/chat/completions", headers=headers, json={"model": "c", **body}, timeout=60)
+    assert ok.status_code == 200, ok.text
+    hidden = httpx.post(f"{cluster.url}/v1/chat/completions", headers=headers, json={"model": "a", **body})
+    assert hidden.status_code == 404 and "x-tiergate-replica" not in hidden.headers  # refused at the ingress
 
 
 def test_stale_stats_redirect(cluster):
