@@ -2,18 +2,15 @@
 
 from __future__ import annotations
 
-import asyncio
 import json
 import sqlite3
-from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
-from typing import Any, Callable, TypeVar
+from typing import Any
 
 from accounts.keys import KeyRecord
 from accounts.store import AccountStore
 from accounts.usage import COUNTERS, Usage, UsageRow
-
-T = TypeVar("T")
+from storage.sqlite import SQLiteFile
 
 _SCHEMA = f"""
 CREATE TABLE IF NOT EXISTS keys (
@@ -30,49 +27,11 @@ _UPSERT = (f"INSERT INTO usage (day, key, model, tier, {', '.join(COUNTERS)}) "
            + ", ".join(f"{c} = {c} + excluded.{c}" for c in COUNTERS))
 
 
-class SQLiteAccounts(AccountStore):
+class SQLiteAccounts(SQLiteFile, AccountStore):
     """One file in WAL mode; one thread owns the connection; each change is one transaction."""
 
     def __init__(self, path: Path) -> None:
-        self.path = Path(path)
-        self._pool: ThreadPoolExecutor | None = None
-        self._db: sqlite3.Connection | None = None
-
-    async def _call(self, fn: Callable[..., T], *args: Any) -> T:
-        assert self._pool is not None, "the account store is not open"
-        return await asyncio.get_running_loop().run_in_executor(self._pool, fn, *args)
-
-    def _tx(self, fn: Callable[[sqlite3.Connection], T]) -> T:
-        db = self._db
-        db.execute("BEGIN IMMEDIATE")
-        try:
-            out = fn(db)
-        except BaseException:
-            db.execute("ROLLBACK")
-            raise
-        db.execute("COMMIT")
-        return out
-
-    async def open(self) -> None:
-        self._pool = ThreadPoolExecutor(1, thread_name_prefix="tiergate-accounts")
-
-        def connect() -> None:
-            self.path.parent.mkdir(parents=True, exist_ok=True)
-            db = sqlite3.connect(self.path, isolation_level=None, timeout=30, check_same_thread=False)
-            db.execute("PRAGMA journal_mode=WAL")
-            db.execute("PRAGMA synchronous=NORMAL")  # WAL: a process crash loses nothing committed
-            db.executescript(_SCHEMA)
-            self._db = db
-
-        await self._call(connect)
-
-    async def close(self) -> None:
-        if self._pool is None:
-            return
-        if self._db is not None:
-            await self._call(self._db.close)
-        self._pool.shutdown()
-        self._pool, self._db = None, None
+        super().__init__(path, _SCHEMA, thread_name="tiergate-accounts")
 
     # -- keys
     @staticmethod

@@ -2,18 +2,15 @@
 
 from __future__ import annotations
 
-import asyncio
 import json
 import sqlite3
 import time
-from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
-from typing import Any, Callable, Iterable, TypeVar
+from typing import Any, Callable, Iterable
 
 from batch.store import (TERMINAL, BatchInfo, FileInfo, Job, Line, Outcome, Recorded, Store, check_fields,
                          dumps, line_json, line_of, outcome_json, outcome_of)
-
-T = TypeVar("T")
+from storage.sqlite import SQLiteFile
 
 _SCHEMA = """
 CREATE TABLE IF NOT EXISTS files (
@@ -39,53 +36,18 @@ _SHAPES = ("ALTER TABLE backlog ADD COLUMN shape TEXT NOT NULL DEFAULT ''",
            "CREATE INDEX IF NOT EXISTS backlog_by_shape ON backlog (shape, seq)")
 
 
-class SQLiteStore(Store):
-    """One SQLite file in WAL mode. Every call runs on one thread that owns the connection; each
-    change is one ``BEGIN IMMEDIATE`` transaction, so processes sharing the file serialise."""
+class SQLiteStore(SQLiteFile, Store):
+    """One SQLite file in WAL mode (``storage.sqlite``): every call runs on one thread that owns the
+    connection; each change is one ``BEGIN IMMEDIATE`` transaction, so processes sharing the file
+    serialise."""
 
     def __init__(self, path: Path) -> None:
-        self.path = Path(path)
-        self._pool: ThreadPoolExecutor | None = None
-        self._db: sqlite3.Connection | None = None
+        super().__init__(path, _SCHEMA, thread_name="tiergate-sqlite")
 
-    async def _call(self, fn: Callable[..., T], *args: Any) -> T:
-        assert self._pool is not None, "the store is not open"
-        return await asyncio.get_running_loop().run_in_executor(self._pool, fn, *args)
-
-    def _tx(self, fn: Callable[[sqlite3.Connection], T]) -> T:
-        db = self._db
-        db.execute("BEGIN IMMEDIATE")
-        try:
-            out = fn(db)
-        except BaseException:
-            db.execute("ROLLBACK")
-            raise
-        db.execute("COMMIT")
-        return out
-
-    async def open(self) -> None:
-        self._pool = ThreadPoolExecutor(1, thread_name_prefix="tiergate-sqlite")
-
-        def connect() -> None:
-            self.path.parent.mkdir(parents=True, exist_ok=True)
-            db = sqlite3.connect(self.path, isolation_level=None, timeout=30, check_same_thread=False)
-            db.execute("PRAGMA journal_mode=WAL")
-            db.execute("PRAGMA synchronous=NORMAL")  # WAL: a process crash loses nothing committed
-            db.executescript(_SCHEMA)
-            if "shape" not in {row[1] for row in db.execute("PRAGMA table_info(backlog)")}:
-                db.execute(_SHAPES[0])
-            db.execute(_SHAPES[1])
-            self._db = db
-
-        await self._call(connect)
-
-    async def close(self) -> None:
-        if self._pool is None:
-            return
-        if self._db is not None:
-            await self._call(self._db.close)
-        self._pool.shutdown(wait=True)
-        self._pool = self._db = None
+    def _migrate(self, db: sqlite3.Connection) -> None:
+        if "shape" not in {row[1] for row in db.execute("PRAGMA table_info(backlog)")}:
+            db.execute(_SHAPES[0])
+        db.execute(_SHAPES[1])
 
     # -- files
     async def put_file(self, info: FileInfo, content: bytes) -> None:

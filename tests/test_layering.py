@@ -1,7 +1,8 @@
 """The house is drawn in one direction: gateway -> arbiter -> workers -> lora_kernels, with batch
-beside gateway, accounts (imported by both, importing none of them) and demo beside them all (demo may import workers and lora_kernels, never the
-reverse). Checked on every import statement, lazy ones included, and no module cycle inside a
-package."""
+beside gateway, accounts (imported by both, importing none of them), storage (the SQLite file that
+batch and accounts both keep their state in; it imports nothing) and demo beside them all (demo may
+import workers and lora_kernels, never the reverse). Checked on every import statement, lazy ones
+included, and no module cycle inside a package."""
 
 from __future__ import annotations
 
@@ -11,13 +12,14 @@ from pathlib import Path
 import pytest
 
 ROOT = Path(__file__).resolve().parents[1]
-PACKAGES = ("cluster", "gateway", "batch", "accounts", "arbiter", "workers", "lora_kernels", "demo")
+PACKAGES = ("cluster", "gateway", "batch", "accounts", "storage", "arbiter", "workers", "lora_kernels", "demo")
 # what each package may import from the others
 ALLOWED = {
-    "cluster": {"gateway", "batch", "accounts", "arbiter", "workers", "lora_kernels"},  # the serving stack, per replica
-    "gateway": {"batch", "accounts", "arbiter", "workers", "lora_kernels", "demo", "cluster"},  # demo, cluster: their commands
-    "batch": {"gateway", "accounts", "arbiter", "workers", "lora_kernels"},
-    "accounts": set(),  # keys, limits and usage: a leaf the gateway composes
+    "cluster": {"gateway", "batch", "accounts", "storage", "arbiter", "workers", "lora_kernels"},  # the serving stack, per replica
+    "gateway": {"batch", "accounts", "storage", "arbiter", "workers", "lora_kernels", "demo", "cluster"},  # demo, cluster: their commands
+    "batch": {"gateway", "accounts", "storage", "arbiter", "workers", "lora_kernels"},
+    "accounts": {"storage"},  # keys, limits and usage: a leaf the gateway composes
+    "storage": set(),  # the files under the stores of batch and accounts, which stay apart
     "arbiter": {"workers"},
     "workers": {"lora_kernels"},
     "lora_kernels": set(),

@@ -1,0 +1,64 @@
+"""One SQLite file that the processes of one machine share: WAL mode, one thread that owns the
+connection, each change one ``BEGIN IMMEDIATE`` transaction, so processes sharing the file
+serialise and a process killed after a change returned has lost nothing committed."""
+
+from __future__ import annotations
+
+import asyncio
+import sqlite3
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+from typing import Any, Callable, TypeVar
+
+T = TypeVar("T")
+
+
+class SQLiteFile:
+    """A store's base: ``open`` creates ``schema`` (then ``_migrate``), ``_call`` runs a function on
+    the connection's thread, ``_tx`` (called there) runs one in a transaction."""
+
+    def __init__(self, path: Path, schema: str, thread_name: str) -> None:
+        self.path = Path(path)
+        self._schema = schema
+        self._thread_name = thread_name
+        self._pool: ThreadPoolExecutor | None = None
+        self._db: sqlite3.Connection | None = None
+
+    async def _call(self, fn: Callable[..., T], *args: Any) -> T:
+        assert self._pool is not None, "the store is not open"
+        return await asyncio.get_running_loop().run_in_executor(self._pool, fn, *args)
+
+    def _tx(self, fn: Callable[[sqlite3.Connection], T]) -> T:
+        db = self._db
+        db.execute("BEGIN IMMEDIATE")
+        try:
+            out = fn(db)
+        except BaseException:
+            db.execute("ROLLBACK")
+            raise
+        db.execute("COMMIT")
+        return out
+
+    async def open(self) -> None:
+        self._pool = ThreadPoolExecutor(1, thread_name_prefix=self._thread_name)
+        await self._call(self._connect)
+
+    def _connect(self) -> None:
+        self.path.parent.mkdir(parents=True, exist_ok=True)
+        db = sqlite3.connect(self.path, isolation_level=None, timeout=30, check_same_thread=False)
+        db.execute("PRAGMA journal_mode=WAL")
+        db.execute("PRAGMA synchronous=NORMAL")  # WAL: a process crash loses nothing committed
+        db.executescript(self._schema)
+        self._migrate(db)
+        self._db = db
+
+    def _migrate(self, db: sqlite3.Connection) -> None:
+        """Bring a file written by an older version up to date; nothing by default."""
+
+    async def close(self) -> None:
+        if self._pool is None:
+            return
+        if self._db is not None:
+            await self._call(self._db.close)
+        self._pool.shutdown()
+        self._pool, self._db = None, None
