@@ -6,11 +6,9 @@ to the key that asked for them, for a limited time."""
 from __future__ import annotations
 
 import base64
-import json
 import re
 import time
 from dataclasses import dataclass, replace
-from pathlib import Path
 from typing import Literal
 
 from pydantic import Field
@@ -28,6 +26,7 @@ from gateway.service import Services
 from gateway.serving import Gone, Serving, in_thread
 from workers.base import ModelSpec
 from workers.image import ImageRequest
+from workers.registry import describe
 
 DEFAULT_STEPS = 25
 _SIZE = re.compile(r"^(\d{1,5})x(\d{1,5})$")
@@ -58,25 +57,6 @@ class Plan:
     request: ImageRequest
     units: float
     model: str = ""  # the base model (set by plan_images)
-
-
-def native_size(path: Path) -> tuple[int, int] | None:
-    """The pipeline's default image size, read from its folder as diffusers computes it:
-    denoiser ``sample_size`` times the VAE's down-sampling factor. None when the folder does not say."""
-    try:
-        vae = json.loads((path / "vae" / "config.json").read_text())
-        scale = 2 ** (len(vae["block_out_channels"]) - 1)
-        for denoiser in ("unet", "transformer"):
-            cfg = path / denoiser / "config.json"
-            if cfg.exists():
-                sample = json.loads(cfg.read_text()).get("sample_size")
-                if isinstance(sample, int):
-                    return sample * scale, sample * scale
-                if isinstance(sample, list) and len(sample) == 2:
-                    return sample[1] * scale, sample[0] * scale
-    except (OSError, ValueError, KeyError, TypeError):
-        return None
-    return None
 
 
 def plan(body: ImageGenerationRequest, limits: LimitsConfig, native: tuple[int, int] | None) -> Plan:
@@ -187,5 +167,5 @@ def _url(request: Request, image_id: str) -> str:
 
 def _native(svc: Services, spec: ModelSpec) -> tuple[int, int] | None:
     if spec.name not in svc.native_sizes:
-        svc.native_sizes[spec.name] = native_size(Path(spec.path))
+        svc.native_sizes[spec.name] = describe(spec).native_size
     return svc.native_sizes[spec.name]
