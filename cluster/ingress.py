@@ -9,7 +9,10 @@ before a model is needed, then the call to the replica the router picks, streame
   replicas' gates could hold (``max_inflight + max_queued`` each), before any replica is asked;
 * the call: ``forward`` on the replica deployment with ``stream=True``; the router (a
   ``cluster.ray_router.TierRouter``) reads the model and tier from its arguments. A replica that
-  answers "redirect" (its stats were stale) is avoided and the router is asked once more.
+  answers "redirect" (its stats were stale) is avoided and the router is asked once more; so is a
+  replica that died before answering (Serve drops it from the router's candidates).
+* a replica that dies mid-answer: a stream (SSE) ends with an OpenAI-shaped error event, which the
+  OpenAI SDK raises as an ``APIError``; any other body is cut short.
 
 Per-key quotas (requests and tokens per minute, daily spend) and usage are applied by the chosen
 replica's serving core, as in ``tiergate serve``: on a shared Redis the limiter is atomic across
@@ -20,10 +23,12 @@ from __future__ import annotations
 
 import asyncio
 import json
+import logging
 import re
 from collections.abc import AsyncIterator
 from pathlib import Path
 
+from ray.exceptions import RayError
 from starlette.requests import Request
 from starlette.responses import JSONResponse, Response, StreamingResponse
 
@@ -33,6 +38,7 @@ from gateway.auth import Caller, KeyRing, bearer_token
 from gateway.config import load_config
 from gateway.errors import APIError
 
+log = logging.getLogger("tiergate.cluster")
 _FORM_MODEL = re.compile(rb'name="model"\r\n\r\n([^\r\n]*)\r\n')
 
 
@@ -80,7 +86,8 @@ class Ingress:
             raise
         headers = [(k.decode("latin-1"), v.decode("latin-1")) for k, v in head["headers"]]
         headers.append(("x-tiergate-redirects", str(redirects)))
-        response = StreamingResponse(self._body(rest, tier), status_code=head["status"])
+        sse = any(k.lower() == "content-type" and v.startswith("text/event-stream") for k, v in headers)
+        response = StreamingResponse(self._body(rest, tier, sse), status_code=head["status"])
         response.raw_headers = [(k.encode("latin-1"), v.encode("latin-1")) for k, v in headers]
         return response
 
@@ -98,17 +105,28 @@ class Ingress:
         avoid: list[str] = []
         for _ in range(2):
             stream = self.replicas.options(stream=True).forward.remote(forwarded, model=model, tier=tier, avoid=avoid)
-            first = await stream.__anext__()
+            try:
+                first = await stream.__anext__()
+            except RayError as exc:  # died before answering: Serve stops routing to it; try once more
+                log.warning("replica failed before answering: %s", type(exc).__name__)
+                continue
             if "redirect" not in first:
                 return first, stream, len(avoid)
             avoid.append(first["redirect"])
-        raise APIError(429, f"no replica can take '{model}' now", "model_protected",
-                       headers={"retry-after": "1", "retry-after-ms": "1000"}, type="rate_limit_error")
+        raise APIError(503 if not avoid else 429, f"no replica can take '{model}' now",
+                       "model_protected" if avoid else "replica_unavailable",
+                       headers={"retry-after": "1", "retry-after-ms": "1000"},
+                       type="rate_limit_error" if avoid else None)
 
-    async def _body(self, rest, tier: str) -> AsyncIterator[bytes]:
+    async def _body(self, rest, tier: str, sse: bool) -> AsyncIterator[bytes]:
         try:
             async for chunk in rest:
                 yield chunk
+        except RayError as exc:
+            log.warning("replica failed mid-answer: %s", type(exc).__name__)
+            if sse:
+                error = APIError(502, "the replica serving this request failed; retry it", "replica_failed")
+                yield b"data: " + json.dumps(error.body()).encode() + b"\n\n"
         finally:
             self.inflight[tier] -= 1
 

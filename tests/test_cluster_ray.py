@@ -37,7 +37,7 @@ def config_text(models: dict[str, Path], period: float) -> str:
                   "    engine: transformers"]
     lines += ["gpu:", "  device: cpu", "  vram_budget: 2GiB", "  host_cache_budget: 4GiB",
               f"eviction:\n  protect_window_s: {WINDOW_S}",
-              "limits:\n  max_chat_tokens: 16",
+              "limits:\n  max_chat_tokens: 512",
               "cluster:", "  replicas_per_node: 2", "  devices: cpu", "  replica_cpus: 0.5",
               f"  stats_period_s: {period}"]
     return "\n".join(lines) + "\n"
@@ -145,3 +145,28 @@ def test_stale_stats_redirect(cluster):
     assert a.headers["x-tiergate-redirects"] == "0"
     assert b.headers["x-tiergate-redirects"] == "1"
     assert replica(b) != replica(a)
+
+
+def test_a_replica_killed_mid_stream(cluster):
+    """The client gets a clean error (the SDK raises it), and the next request is served by a
+    replica that is alive (reported: how long after the kill)."""
+    client = openai.OpenAI(base_url=f"{cluster.url}/v1", api_key="key-paid", max_retries=0)
+    long = dict(model="c", messages=[{"role": "user", "content": "tell me"}], max_tokens=480, temperature=0)
+    assert client.chat.completions.create(**long).choices[0].finish_reason == "length"  # it runs the full length
+    stream = client.chat.completions.create(**long, stream=True)
+    victim = stream.response.headers["x-tiergate-replica"]
+    chunks = iter(stream)
+    next(chunks)
+    killed = time.monotonic()
+    ray.kill(ray.get_actor(f"SERVE_REPLICA::tiergate#replica#{victim}", namespace="serve"), no_restart=True)
+    with pytest.raises(openai.APIError, match="replica serving this request failed"):
+        for _ in chunks:
+            pass
+    for attempt in range(20):
+        after = chat(cluster, "c", "paid")
+        if after.status_code == 200:
+            break
+        time.sleep(0.25)
+    assert after.status_code == 200, after.text
+    assert replica(after) != victim
+    print(f"served again {time.monotonic() - killed:.2f} s after the kill, after {attempt} refusals")
