@@ -792,7 +792,8 @@ def report(args, server: Server, alone: PaidRun, share: FloodPhase | None, flood
     print(f"engine: {args.engine}; server in its own process (tiergate serve's app + /bench records, torch threads "
           f"{threads}) on 127.0.0.1; {os.cpu_count()} CPUs; load average (1 min) {loads[0]:.1f} at the start, "
           f"{loads[1]:.1f} at the end")
-    print(f"config: gate.slots {args.slots}; paid max_inflight {args.paid_inflight}; free max_inflight "
+    print(f"config: gate.slots {args.slots}; paid max_inflight {args.paid_inflight}, latency_target_s "
+          f"{args.paid_target:g}; free max_inflight "
           f"{args.free_inflight}, max_queued {args.free_queued}, latency_target_s {args.free_target:g}; batch "
           f"max_inflight {args.batch_streams}")
     print(f"load: paid {args.rounds} rounds x {args.paid} requests x {args.paid_tokens} tokens by {args.paid_concurrency} "
