@@ -29,6 +29,7 @@ def build(config: Config, keys: dict[str, list[str]], admin_keys: list[str]) -> 
     replica = serve.deployment(TierReplica).options(
         name="replica",
         num_replicas=replicas,
+        max_replicas_per_node=cluster.replicas_per_node,  # so they spread over the nodes' devices
         max_ongoing_requests=gate_capacity + 16,  # above what the gate holds: Ray never queues, the gate does
         ray_actor_options={"num_cpus": cluster.replica_cpus, "num_gpus": 1 if on_cuda else 0},
         request_router_config=RequestRouterConfig(
@@ -39,7 +40,7 @@ def build(config: Config, keys: dict[str, list[str]], admin_keys: list[str]) -> 
         ),
     )
     ingress = serve.deployment(Ingress).options(
-        name="ingress", num_replicas=cluster.nodes, max_ongoing_requests=10_000,
+        name="ingress", num_replicas=cluster.nodes, max_replicas_per_node=1, max_ongoing_requests=10_000,
         ray_actor_options={"num_cpus": 0.1},
     )
     source = str(config.source.resolve())

@@ -24,12 +24,19 @@ from gateway.config import Config, load_config
 from gateway.errors import APIError
 
 REPLICA_HEADER = b"x-tiergate-replica"
+NODE_HEADER = b"x-tiergate-node"
 
 
 def replica_id() -> str:
     from ray import serve
 
     return serve.get_replica_context().replica_id.unique_id
+
+
+def node_id() -> str:
+    import ray
+
+    return ray.get_runtime_context().get_node_id()
 
 
 class TierReplica:
@@ -41,6 +48,7 @@ class TierReplica:
         self.app = create_app(self.services)
         self.rank = {t.name: i for i, t in enumerate(self.config.tiers)}
         self.id = replica_id()
+        self.node = node_id()
         self._lifespan = Lifespan(self.app)
         self._started: asyncio.Future | None = None
 
@@ -76,7 +84,7 @@ class TierReplica:
                 yield item
 
     def _headers(self, headers: list[tuple[bytes, bytes]]) -> list[tuple[bytes, bytes]]:
-        return [*headers, (REPLICA_HEADER, self.id.encode())]
+        return [*headers, (REPLICA_HEADER, self.id.encode()), (NODE_HEADER, self.node.encode())]
 
     async def __del__(self) -> None:
         await self._lifespan.stop()

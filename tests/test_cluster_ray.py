@@ -1,4 +1,4 @@
-"""tiergate on a local Ray cluster: two replicas (fractional CPU, a simulated 2 GiB budget each,
+"""tiergate on a local two-node Ray cluster (``ray.cluster_utils.Cluster``): two replicas, one per node (fractional CPU, a simulated 2 GiB budget each,
 real arbiters and gates, the tiny demo chat model under three names of 1.5 GiB declared each, so a
 replica holds one at a time), the tier-aware router and the ingress, through Ray Serve's HTTP
 proxy with the openai SDK. The cluster starts once for the module; the scenarios run in order.
@@ -15,6 +15,7 @@ import pytest
 
 ray = pytest.importorskip("ray")
 serve = pytest.importorskip("ray.serve")
+from ray.cluster_utils import Cluster  # noqa: E402
 
 from cluster.app import build, runtime_env  # noqa: E402
 from gateway.config import load_config  # noqa: E402
@@ -38,7 +39,7 @@ def config_text(models: dict[str, Path], period: float) -> str:
     lines += ["gpu:", "  device: cpu", "  vram_budget: 2GiB", "  host_cache_budget: 4GiB",
               f"eviction:\n  protect_window_s: {WINDOW_S}",
               "limits:\n  max_chat_tokens: 512",
-              "cluster:", "  replicas_per_node: 2", "  devices: cpu", "  replica_cpus: 0.5",
+              "cluster:", "  nodes: 2", "  replicas_per_node: 1", "  devices: cpu", "  replica_cpus: 0.5",
               f"  stats_period_s: {period}"]
     return "\n".join(lines) + "\n"
 
@@ -46,7 +47,10 @@ def config_text(models: dict[str, Path], period: float) -> str:
 @pytest.fixture(scope="module")
 def cluster(tiny_chat, tmp_path_factory):
     port = spare_port()
-    ray.init(num_cpus=4, include_dashboard=False, runtime_env=runtime_env(), log_to_driver=False)
+    nodes = Cluster(initialize_head=True, head_node_args={"num_cpus": 2, "include_dashboard": False})
+    nodes.add_node(num_cpus=2)
+    nodes.wait_for_nodes()
+    ray.init(address=nodes.address, runtime_env=runtime_env(), log_to_driver=False)
     serve.start(http_options={"host": "127.0.0.1", "port": port})
     folder = tmp_path_factory.mktemp("cluster")
 
@@ -61,6 +65,7 @@ def cluster(tiny_chat, tmp_path_factory):
     yield type("Cluster", (), {"url": f"http://127.0.0.1:{port}"})
     serve.shutdown()
     ray.shutdown()
+    nodes.shutdown()
 
 
 def chat(cluster, model: str, tier: str, prefix: str = "", **kw) -> httpx.Response:
@@ -85,6 +90,7 @@ def test_placement_eviction_and_cluster_wide_429(cluster):
     assert replica(again) == replica(first)  # where a is resident
     b = chat(cluster, "b", "free")
     assert b.status_code == 200 and replica(b) != replica(first)  # fits on the empty replica: nobody evicted
+    assert b.headers["x-tiergate-node"] != first.headers["x-tiergate-node"]  # one replica per node
     settle()
     # both replicas hold a model the free tier used within the window: c for free is a 429 for the
     # whole cluster, with Retry-After the earliest protection end (a's, served first)
