@@ -21,6 +21,7 @@ import contextvars
 import datetime
 import json
 import logging
+import sys
 import time
 import uuid
 from dataclasses import asdict, dataclass, field
@@ -156,11 +157,24 @@ def _text(value: Any) -> str:
     return json.dumps(text) if (not text or any(c.isspace() or c == '"' for c in text)) else text
 
 
+class _StderrHandler(logging.StreamHandler):
+    """Writes to whatever ``sys.stderr`` is when a line is logged, not the stream it was when
+    the handler was made (a replaced or closed stderr, as under a test runner, is not kept)."""
+
+    @property
+    def stream(self):  # type: ignore[override]
+        return sys.stderr
+
+    @stream.setter
+    def stream(self, value) -> None:
+        pass
+
+
 def configure(json_lines: bool, level: int = logging.INFO) -> None:
     """Send every logger (uvicorn's included) and Python's warnings through one handler on
     stderr with ``Formatter``."""
     logging.captureWarnings(True)
-    handler = logging.StreamHandler()
+    handler = _StderrHandler()
     handler.setFormatter(Formatter(json_lines))
     root = logging.getLogger()
     root.handlers[:] = [handler]
