@@ -19,6 +19,7 @@ import socket
 import threading
 import time
 from pathlib import Path
+from typing import Callable, TypeVar
 
 import httpx
 import numpy as np
@@ -29,6 +30,7 @@ import torch
 
 from tests.helpers import RunningServer, start_server, write_config
 
+T = TypeVar("T")
 EXTRA = "eviction:\n  protect_window_s: 0\nlimits:\n  max_chat_tokens: 64\n  image_max_steps: 400\n"
 
 
@@ -72,6 +74,7 @@ class Recorder:
     def __init__(self, server: RunningServer) -> None:
         self.events: list[tuple[str, object]] = []
         self.lock = threading.Lock()
+        self.fired = False
         arbiter = server.services.arbiter
         real = arbiter._evict
 
@@ -89,22 +92,16 @@ class Recorder:
     def first(self, what: str, after: int = 0) -> int:
         return next(i for i, (w, _) in enumerate(self.events) if w == what and i >= after)
 
-
-def oom_once(modules: list[torch.nn.Module], rec: Recorder) -> list:
-    """Forward pre-hooks on every submodule of ``modules``: the first forward raises
-    torch.OutOfMemoryError (as the allocator would), every later one is noted as a step."""
-    fired = []
-
-    def hook(module, args):
-        with rec.lock:
-            if not fired:
-                fired.append(1)
-                rec.events.append(("oom", type(module).__name__))
-                raise torch.OutOfMemoryError("CUDA out of memory (injected in a forward)")
-            if rec.events[-1][0] != "step":
-                rec.events.append(("step", type(module).__name__))
-
-    return [sub.register_forward_pre_hook(hook) for m in modules for sub in m.modules()]
+    def oom_once(self, module: torch.nn.Module, where: str) -> None:
+        """Called as ``module`` runs: the first call raises torch.OutOfMemoryError (as the allocator
+        would), every later one is noted as a step."""
+        with self.lock:
+            if not self.fired:
+                self.fired = True
+                self.events.append(("oom", type(module).__name__))
+                raise torch.OutOfMemoryError(f"CUDA out of memory (injected in {where})")
+            if self.events[-1][0] != "step":
+                self.events.append(("step", type(module).__name__))
 
 
 def prepare(server: RunningServer, target: str, warm_up) -> Recorder:
@@ -117,6 +114,24 @@ def prepare(server: RunningServer, target: str, warm_up) -> Recorder:
     settle(server)
     assert places(server)[target] == "resident" and places(server)["low"] == places(server)["mid"] == "resident"
     return Recorder(server)
+
+
+def through_an_oom(server: RunningServer, model: str, call: Callable[[RunningServer], T]) -> tuple[T, Recorder]:
+    """``call`` once with ``model`` resident beside "mid" and "low" (``prepare``) and the first
+    forward of any of its modules raising out of memory: what it returned, and the order of events."""
+    rec = prepare(server, model, lambda: call(server))
+
+    def hook(module, args):
+        rec.oom_once(module, "a forward")
+
+    modules = server.services.arbiter.workers[model].modules()
+    hooks = [sub.register_forward_pre_hook(hook) for m in modules for sub in m.modules()]
+    try:
+        return call(server), rec
+    finally:
+        for h in hooks:
+            h.remove()
+        rec.undo()
 
 
 def assert_relieved_then_retried(server: RunningServer, rec: Recorder) -> None:
@@ -136,15 +151,7 @@ def image(server: RunningServer) -> bytes:
 
 
 def test_oom_in_an_image_step_evicts_the_least_valuable_then_retries(server):
-    rec = prepare(server, "tiny-image", lambda: image(server))
-    worker = server.services.arbiter.workers["tiny-image"]
-    hooks = oom_once(worker.modules(), rec)
-    try:
-        png = image(server)
-    finally:
-        for h in hooks:
-            h.remove()
-        rec.undo()
+    png, rec = through_an_oom(server, "tiny-image", image)
     assert png.startswith(b"\x89PNG")
     assert_relieved_then_retried(server, rec)
 
@@ -158,14 +165,7 @@ def speak(server: RunningServer) -> bytes:
 
 
 def test_oom_in_a_speech_step_evicts_the_least_valuable_then_retries(server):
-    rec = prepare(server, "tiny-tts", lambda: speak(server))
-    hooks = oom_once(server.services.arbiter.workers["tiny-tts"].modules(), rec)
-    try:
-        audio = speak(server)
-    finally:
-        for h in hooks:
-            h.remove()
-        rec.undo()
+    audio, rec = through_an_oom(server, "tiny-tts", speak)
     samples, _ = sf.read(io.BytesIO(audio))
     assert len(samples) > 0
     assert_relieved_then_retried(server, rec)
@@ -182,14 +182,7 @@ def transcribe(server: RunningServer) -> dict:
 
 
 def test_oom_in_a_transcription_step_evicts_the_least_valuable_then_retries(server):
-    rec = prepare(server, "tiny-stt", lambda: transcribe(server))
-    hooks = oom_once(server.services.arbiter.workers["tiny-stt"].modules(), rec)
-    try:
-        out = transcribe(server)
-    finally:
-        for h in hooks:
-            h.remove()
-        rec.undo()
+    out, rec = through_an_oom(server, "tiny-stt", transcribe)
     assert isinstance(out["text"], str) and out["usage"]["seconds"] == 1
     assert_relieved_then_retried(server, rec)
 
@@ -200,17 +193,10 @@ def test_oom_in_a_load_evicts_the_least_valuable_then_loads_again(server, monkey
                           headers={"Authorization": f"Bearer {server.keys['admin']}"})
     assert unloaded.status_code == 200 and places(server)["tiny-image"] == "cold"
     real_to = torch.nn.Module.to
-    fired = []
 
     def to(module, *args, **kwargs):  # the pipeline's own move onto the device, during its load
         if type(module).__module__.startswith("diffusers"):
-            with rec.lock:
-                if not fired:
-                    fired.append(1)
-                    rec.events.append(("oom", type(module).__name__))
-                    raise torch.OutOfMemoryError("CUDA out of memory (injected in a load)")
-                if rec.events[-1][0] != "step":
-                    rec.events.append(("step", type(module).__name__))
+            rec.oom_once(module, "a load")
         return real_to(module, *args, **kwargs)
 
     monkeypatch.setattr(torch.nn.Module, "to", to)
@@ -219,7 +205,7 @@ def test_oom_in_a_load_evicts_the_least_valuable_then_loads_again(server, monkey
     finally:
         monkeypatch.undo()
         rec.undo()
-    assert png.startswith(b"\x89PNG") and fired
+    assert png.startswith(b"\x89PNG") and rec.fired
     assert_relieved_then_retried(server, rec)
     assert server.services.arbiter.counters.evictions.get(("low", "make_room"), 0) >= 1
 
