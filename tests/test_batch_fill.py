@@ -19,18 +19,9 @@ from gateway.admission import Gate, TierPolicy
 from tests.helpers import TIERS, start_server
 from tests.test_batch_store import redis_server
 from tests.test_batches import Proc, chat_line, check_exactly_once, jsonl, submit, wait
+from tests.test_batches import _no_stray_processes  # noqa: F401 - the fixture kills strays
 
 PAID, BATCH = TIERS.index("paid"), TIERS.index("batch")
-
-
-@pytest.fixture(autouse=True)
-def _no_stray_processes():
-    yield
-    while Proc.started:
-        p = Proc.started.pop()
-        if p.proc.poll() is None:
-            p.proc.kill()
-            p.proc.wait(10)
 
 
 def fill_config(folder: Path, models: dict[str, Path], width: int, extra: str = "") -> Path:
