@@ -60,6 +60,11 @@ def test_smoke_bench_batch(demo_dir: Path, tiny_chat: Path) -> None:
     assert check_verdict(run_smoke("bench_batch.py", "--models-dir", str(demo_dir))) == f"verdict: n/a {SMOKE}"
 
 
+def test_smoke_bench_cluster(demo_dir: Path, tiny_chat: Path) -> None:
+    pytest.importorskip("ray.serve")
+    assert check_verdict(run_smoke("bench_cluster.py", "--models-dir", str(demo_dir))) == f"verdict: n/a {SMOKE}"
+
+
 def test_smoke_bench_accounts() -> None:
     assert check_verdict(run_smoke("bench_accounts.py")) == f"verdict: n/a {SMOKE}"
 
