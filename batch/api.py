@@ -85,10 +85,15 @@ def _capped(request: Request, limit: int, error: APIError) -> Request:
     return Request(request.scope, receive)
 
 
+def _sees(caller: Caller, owner: str) -> bool:
+    """An admin key sees every file and batch; any other key only its own."""
+    return caller.admin or owner == caller.key_id
+
+
 async def _owned_file(runner: Runner, caller: Caller, file_id: str, param: str = "file_id") -> FileInfo:
     """The file if ``caller`` may see it; 404 alike for missing files and other keys' files."""
     info = await runner.store.get_file(file_id)
-    if info is None or not (caller.admin or info.owner == caller.key_id):
+    if info is None or not _sees(caller, info.owner):
         raise not_found(f"no such file: '{file_id}'", param, "file_not_found")
     return info
 
@@ -155,7 +160,7 @@ async def create_batch(request: Request) -> Response:
 
 async def _owned_batch(runner: Runner, caller: Caller, batch_id: str) -> BatchInfo:
     batch = await runner.store.get_batch(batch_id)
-    if batch is None or not (caller.admin or batch.owner == caller.key_id):
+    if batch is None or not _sees(caller, batch.owner):
         raise not_found(f"no such batch: '{batch_id}'", "batch_id", "batch_not_found")
     return batch
 
