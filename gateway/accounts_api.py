@@ -14,6 +14,7 @@ from starlette.responses import JSONResponse, Response
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from accounts.config import Limits
+from accounts.keys import KeyRecord
 from accounts.usage import group, to_csv
 from gateway.accounts import Accounts
 from gateway.errors import APIError, bad_request, not_found
@@ -60,6 +61,12 @@ def _checked(svc: Services, tier: str | None, models: list[str] | None) -> tuple
     return tuple(models)
 
 
+def _found(record: KeyRecord | None) -> KeyRecord:
+    if record is None:
+        raise not_found("no such key", None, "key_not_found")
+    return record
+
+
 async def create_key(request: Request) -> Response:
     """POST /admin/keys: a new key; its secret is in this answer and nowhere else, ever."""
     svc, accounts = _accounts(request)
@@ -81,10 +88,7 @@ async def list_keys(request: Request) -> Response:
 async def get_key(request: Request) -> Response:
     svc, accounts = _accounts(request)
     svc.require_admin(request)
-    record = await accounts.store.get_key(request.path_params["key_id"])
-    if record is None:
-        raise not_found("no such key", None, "key_not_found")
-    return JSONResponse(record.public())
+    return JSONResponse(_found(await accounts.store.get_key(request.path_params["key_id"])).public())
 
 
 async def change_key(request: Request) -> Response:
@@ -105,19 +109,14 @@ async def change_key(request: Request) -> Response:
         changes["limits"] = body.limits.model_dump(exclude_unset=True) if body.limits is not None else {}
     if "models" in given:
         changes["models"] = _checked(svc, None, body.models)
-    record = await accounts.update_key(request.path_params["key_id"], **changes)
-    if record is None:
-        raise not_found("no such key", None, "key_not_found")
-    return JSONResponse(record.public())
+    return JSONResponse(_found(await accounts.update_key(request.path_params["key_id"], **changes)).public())
 
 
 async def revoke_key(request: Request) -> Response:
     """DELETE /admin/keys/{id}: revoked on every process within ``accounts.refresh_s``."""
     svc, accounts = _accounts(request)
     svc.require_admin(request)
-    record = await accounts.update_key(request.path_params["key_id"], revoked_at=int(time.time()))
-    if record is None:
-        raise not_found("no such key", None, "key_not_found")
+    record = _found(await accounts.update_key(request.path_params["key_id"], revoked_at=int(time.time())))
     return JSONResponse({"id": record.id, "object": "api_key.deleted", "deleted": True})
 
 
