@@ -21,6 +21,7 @@ from accounts.rates import (Ask, Bucket, Limiter, Verdict, bucket_after, over_bu
                             too_many_at_once, utc_day)
 from accounts.store import AccountStore
 from accounts.usage import COUNTERS, INTEGER_COUNTERS, Usage, UsageRow
+from storage.redis import RedisKeys
 
 INFLIGHT_TTL_S = 900  # a request in flight on a process that died stops counting after this
 
@@ -110,30 +111,18 @@ return out
 """
 
 
-class RedisAccounts(AccountStore):
+class RedisAccounts(RedisKeys, AccountStore):
     def __init__(self, url: str, prefix: str = "tg:acct:") -> None:
-        self.url = url
-        self.prefix = prefix
-        self._r = None
-
-    def k(self, *parts: str) -> str:
-        return self.prefix + ":".join(parts)
+        super().__init__(url, prefix)
 
     async def open(self) -> None:
-        import redis.asyncio as aioredis
-
-        self._r = aioredis.Redis.from_url(self.url)
+        await super().open()
         self._create = self._r.register_script(_CREATE)
         self._update = self._r.register_script(_UPDATE)
         self._record = self._r.register_script(_RECORD)
         self.admit_script = self._r.register_script(_ADMIT)
         self.settle_script = self._r.register_script(_SETTLE)
         self.peek_script = self._r.register_script(_PEEK)
-
-    async def close(self) -> None:
-        if self._r is not None:
-            await self._r.aclose()
-            self._r = None
 
     def limiter(self) -> Limiter:
         return RedisLimiter(self)

@@ -10,6 +10,7 @@ from typing import Any, Callable, Iterable
 
 from batch.store import (MUTABLE, BatchInfo, FileInfo, Job, Line, Outcome, Recorded, Store, check_fields,
                          dumps, line_json, line_of, outcome_json, outcome_of)
+from storage.redis import RedisKeys
 
 # Keys (prefix "tg:"): file:{id} (hash of metadata), file:{id}:content; batch:{id} (hash: doc =
 # the static fields as JSON, status, total, completed, failed, and each MUTABLE field as JSON);
@@ -103,61 +104,49 @@ GROUP = "runners"
 _FAR_PAST_MS = 10 ** 12  # an idle time that any reclaim threshold passes
 
 
-class RedisStore(Store):
+class RedisStore(RedisKeys, Store):
     def __init__(self, url: str, prefix: str = "tg:") -> None:
-        self.url = url
-        self.prefix = prefix
-        self._r = None
+        super().__init__(url, prefix)
         self.backlog = f"{prefix}backlog:"  # + shape: that shape's stream
 
-    def _k(self, *parts: str) -> str:
-        return self.prefix + ":".join(parts)
-
     async def open(self) -> None:
-        import redis.asyncio as aioredis
-
-        self._r = aioredis.Redis.from_url(self.url)
+        await super().open()
         self._shapes = self._r.register_script(_SHAPES)
         self._start = self._r.register_script(_START)
         self._set_status = self._r.register_script(_SET_STATUS)
         self._record = self._r.register_script(_RECORD)
         self._unlock = self._r.register_script(_UNLOCK)
 
-    async def close(self) -> None:
-        if self._r is not None:
-            await self._r.aclose()
-            self._r = None
-
     # -- files
     async def put_file(self, info: FileInfo, content: bytes) -> None:
         async with self._r.pipeline(transaction=True) as p:
-            p.set(self._k("file", info.id), dumps(asdict(info)))
-            p.set(self._k("file", info.id, "content"), content)
+            p.set(self.k("file", info.id), dumps(asdict(info)))
+            p.set(self.k("file", info.id, "content"), content)
             await p.execute()
 
     async def get_file(self, file_id: str) -> FileInfo | None:
-        raw = await self._r.get(self._k("file", file_id))
+        raw = await self._r.get(self.k("file", file_id))
         return FileInfo(**json.loads(raw)) if raw else None
 
     async def file_content(self, file_id: str) -> bytes | None:
-        return await self._r.get(self._k("file", file_id, "content"))
+        return await self._r.get(self.k("file", file_id, "content"))
 
     async def delete_file(self, file_id: str) -> bool:
-        return await self._r.delete(self._k("file", file_id), self._k("file", file_id, "content")) > 0
+        return await self._r.delete(self.k("file", file_id), self.k("file", file_id, "content")) > 0
 
     # -- batches
     def _batch_keys(self, batch_id: str) -> list[str]:
-        return [self._k("batch", batch_id), self._k("batch", batch_id, "lines"), self._k("batch", batch_id, "outcomes")]
+        return [self.k("batch", batch_id), self.k("batch", batch_id, "lines"), self.k("batch", batch_id, "outcomes")]
 
     async def create_batch(self, batch: BatchInfo) -> None:
         mapping = {"doc": dumps(batch.static()), "status": batch.status, "total": batch.total,
                    "completed": batch.completed, "failed": batch.failed}
         mapping.update({k: dumps(v) for k, v in batch.fields.items()})
         async with self._r.pipeline(transaction=True) as p:
-            p.hset(self._k("batch", batch.id), mapping=mapping)
-            p.zadd(self._k("batches"), {batch.id: 0})
-            p.zadd(self._k("batches", batch.owner), {batch.id: 0})
-            p.sadd(self._k("open"), batch.id)
+            p.hset(self.k("batch", batch.id), mapping=mapping)
+            p.zadd(self.k("batches"), {batch.id: 0})
+            p.zadd(self.k("batches", batch.owner), {batch.id: 0})
+            p.sadd(self.k("open"), batch.id)
             await p.execute()
 
     @staticmethod
@@ -170,19 +159,19 @@ class RedisStore(Store):
                          completed=int(h["completed"]), failed=int(h["failed"]), fields=fields)
 
     async def get_batch(self, batch_id: str) -> BatchInfo | None:
-        return self._batch(await self._r.hgetall(self._k("batch", batch_id)))
+        return self._batch(await self._r.hgetall(self.k("batch", batch_id)))
 
     async def list_batches(self, owner: str | None, after: str | None, limit: int) -> list[BatchInfo]:
-        index = self._k("batches", owner) if owner is not None else self._k("batches")
+        index = self.k("batches", owner) if owner is not None else self.k("batches")
         ids = await self._r.zrevrangebylex(index, f"({after}" if after else "+", "-", start=0, num=limit)
         async with self._r.pipeline(transaction=False) as p:
             for i in ids:
-                p.hgetall(self._k("batch", i.decode()))
+                p.hgetall(self.k("batch", i.decode()))
             rows = await p.execute()
         return [b for b in map(self._batch, rows) if b is not None]
 
     async def open_batches(self) -> list[str]:
-        return sorted(i.decode() for i in await self._r.smembers(self._k("open")))
+        return sorted(i.decode() for i in await self._r.smembers(self.k("open")))
 
     async def start(self, batch_id: str, lines: list[Line], invalid: list[Outcome], now: int) -> bool:
         args: list[Any] = [now, batch_id, len(lines), self.backlog]
@@ -190,7 +179,7 @@ class RedisStore(Store):
             args += [ln.index, ln.shape, line_json(ln)]
         for o in invalid:
             args += [o.index, outcome_json(o)]
-        keys = [*self._batch_keys(batch_id), self._k("shapes"), self._k("shapes", "seq")]
+        keys = [*self._batch_keys(batch_id), self.k("shapes"), self.k("shapes", "seq")]
         return bool(await self._start(keys=keys, args=args))
 
     async def set_status(self, batch_id: str, allowed: Iterable[str], status: str, **fields: Any) -> bool:
@@ -199,11 +188,11 @@ class RedisStore(Store):
         args: list[Any] = [batch_id, status, len(allowed), *allowed]
         for k, v in fields.items():
             args += [k, dumps(v)]
-        keys = [*self._batch_keys(batch_id), self._k("open"), self._k("batch", batch_id, "lock")]
+        keys = [*self._batch_keys(batch_id), self.k("open"), self.k("batch", batch_id, "lock")]
         return bool(await self._set_status(keys=keys, args=args))
 
     async def lock(self, batch_id: str, holder: str, ttl_s: float) -> bool:
-        key = self._k("batch", batch_id, "lock")
+        key = self.k("batch", batch_id, "lock")
         if await self._r.set(key, holder, nx=True, px=int(ttl_s * 1000)):
             return True
         if (await self._r.get(key) or b"").decode() == holder:  # ours: renew
@@ -211,7 +200,7 @@ class RedisStore(Store):
         return False
 
     async def unlock(self, batch_id: str, holder: str) -> None:
-        await self._unlock(keys=[self._k("batch", batch_id, "lock")], args=[holder])
+        await self._unlock(keys=[self.k("batch", batch_id, "lock")], args=[holder])
 
     # -- backlog and outcomes
     async def claim(self, consumer: str, count: int, reclaim_after_s: float, shape: str | None = None) -> list[Job]:
@@ -223,7 +212,7 @@ class RedisStore(Store):
         return jobs
 
     async def shapes(self, reclaim_after_s: float) -> list[str]:
-        return [s.decode() for s in await self._shapes(keys=[self._k("shapes")], args=[self.backlog])]
+        return [s.decode() for s in await self._shapes(keys=[self.k("shapes")], args=[self.backlog])]
 
     async def _claim_shape(self, consumer: str, count: int, reclaim_after_s: float, shape: str) -> list[Job]:
         from redis.exceptions import ResponseError
@@ -252,7 +241,7 @@ class RedisStore(Store):
                 await self._drop(token)
                 continue
             batch_id, idx = data[b"b"].decode(), int(data[b"i"])
-            raw = await self._r.hget(self._k("batch", batch_id, "lines"), idx)
+            raw = await self._r.hget(self.k("batch", batch_id, "lines"), idx)
             if raw is None:  # its batch has ended
                 await self._drop(token)
                 continue
@@ -293,7 +282,7 @@ class RedisStore(Store):
         args: list[Any] = [GROUP, entry_id]
         for o in outcomes:
             args += [o.index, int(o.ok), outcome_json(o)]
-        keys = [self._k("batch", batch_id), self._k("batch", batch_id, "outcomes"), stream]
+        keys = [self.k("batch", batch_id), self.k("batch", batch_id, "outcomes"), stream]
         return await self._record(keys=keys, args=args)
 
     async def record(self, job: Job, outcome: Outcome) -> Recorded:
@@ -301,8 +290,8 @@ class RedisStore(Store):
         return Recorded(bool(added), done, total)
 
     async def fill(self, batch_id: str, make: Callable[[Line], Outcome]) -> int:
-        lines = await self._r.hgetall(self._k("batch", batch_id, "lines"))
-        have = set(await self._r.hkeys(self._k("batch", batch_id, "outcomes")))
+        lines = await self._r.hgetall(self.k("batch", batch_id, "lines"))
+        have = set(await self._r.hkeys(self.k("batch", batch_id, "outcomes")))
         missing = [make(line_of(int(i), raw)) for i, raw in lines.items() if i not in have]
         if not missing:
             return 0
@@ -310,5 +299,5 @@ class RedisStore(Store):
         return added
 
     async def outcomes(self, batch_id: str) -> list[Outcome]:
-        raw = await self._r.hgetall(self._k("batch", batch_id, "outcomes"))
+        raw = await self._r.hgetall(self.k("batch", batch_id, "outcomes"))
         return sorted((outcome_of(int(i), v) for i, v in raw.items()), key=lambda o: o.index)

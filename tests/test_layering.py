@@ -1,8 +1,8 @@
 """The house is drawn in one direction: gateway -> arbiter -> workers -> lora_kernels, with batch
-beside gateway, accounts (imported by both, importing none of them), storage (the SQLite file that
-batch and accounts both keep their state in; it imports nothing) and demo beside them all (demo may
-import workers and lora_kernels, never the reverse). Checked on every import statement, lazy ones
-included, and no module cycle inside a package."""
+beside gateway, accounts (imported by both, importing none of them), storage (the SQLite file and
+the Redis client that batch and accounts both keep their state in; it imports nothing) and demo
+beside them all (demo may import workers and lora_kernels, never the reverse). Checked on every
+import statement, lazy ones included, and no module cycle inside a package."""
 
 from __future__ import annotations
 
@@ -19,7 +19,7 @@ ALLOWED = {
     "gateway": {"batch", "accounts", "storage", "arbiter", "workers", "lora_kernels", "demo", "cluster"},  # demo, cluster: their commands
     "batch": {"gateway", "accounts", "storage", "arbiter", "workers", "lora_kernels"},
     "accounts": {"storage"},  # keys, limits and usage: a leaf the gateway composes
-    "storage": set(),  # the files under the stores of batch and accounts, which stay apart
+    "storage": set(),  # the SQLite file and Redis client under the stores of batch and accounts
     "arbiter": {"workers"},
     "workers": {"lora_kernels"},
     "lora_kernels": set(),
