@@ -1,2 +1,2 @@
-"""How tiergate keeps state on disk, shared by the packages that keep some (``batch``, ``accounts``)
-and importing nothing of tiergate's, so that neither of them imports the other."""
+"""What the stores of ``batch`` and ``accounts`` share (one SQLite file, a Redis client), importing
+nothing of tiergate's, so that neither of those two imports the other for it."""
