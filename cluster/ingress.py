@@ -77,14 +77,15 @@ class Ingress:
             raise APIError(429, f"the {tier} tier's queues are full on every replica", "queue_full",
                            headers={"retry-after": "1", "retry-after-ms": "1000"}, type="rate_limit_error")
         forwarded = {"method": request.method, "path": _app_path(request.scope), "query": request.url.query.encode(),
-                     "headers": list(request.headers.raw), "body": body}
+                     "headers": _with_request_id(request.headers.raw), "body": body}
         self.inflight[tier] += 1
         try:
             head, rest, redirects = await self._call(forwarded, model, self.rank[tier])
         except BaseException:
             self.inflight[tier] -= 1
             raise
-        headers = [(k.decode("latin-1"), v.decode("latin-1")) for k, v in head["headers"]]
+        headers = [(k.decode("latin-1"), v.decode("latin-1")) for k, v in head["headers"]
+                   if k.lower() != b"x-request-id"]  # Serve's proxy writes the same id
         headers.append(("x-tiergate-redirects", str(redirects)))
         sse = any(k.lower() == "content-type" and v.startswith("text/event-stream") for k, v in headers)
         response = StreamingResponse(self._body(rest, tier, sse), status_code=head["status"])
@@ -157,3 +158,13 @@ def _app_path(scope: dict) -> str:
     """The path below the application's route prefix (ASGI's ``path`` includes ``root_path``)."""
     path, root = scope["path"], scope.get("root_path", "")
     return path[len(root):] or "/" if root and path.startswith(root) else path
+
+
+def _with_request_id(headers: list[tuple[bytes, bytes]]) -> list[tuple[bytes, bytes]]:
+    """The request's headers with Serve's request id (the client's x-request-id, or the one its
+    proxy made and answers with) as x-request-id, so the replica's request log names the same id."""
+    from ray.serve.context import _get_serve_request_context
+
+    request_id = _get_serve_request_context().request_id
+    kept = [(k, v) for k, v in headers if k.lower() != b"x-request-id"]
+    return kept + [(b"x-request-id", request_id.encode())] if request_id else list(headers)

@@ -118,6 +118,18 @@ def test_sse_streaming_through_the_ingress_with_the_openai_sdk(cluster):
     assert "".join(c.choices[0].delta.content or "" for c in chunks if c.choices)
 
 
+def test_other_endpoints_and_one_request_id(cluster):
+    models = httpx.get(f"{cluster.url}/v1/models", headers={"authorization": "Bearer key-free"})
+    assert models.status_code == 200 and {m["id"] for m in models.json()["data"]} >= {"a", "b", "c"}
+    r = httpx.post(f"{cluster.url}/v1/chat/completions", headers={"authorization": "Bearer key-paid",
+                   "x-request-id": "trace-42"}, json={"model": "c", "messages": [{"role": "user", "content": "hi"}],
+                                                    "max_tokens": 2}, timeout=60)
+    assert r.status_code == 200 and r.headers.get_list("x-request-id") == ["trace-42"]
+    bad = httpx.post(f"{cluster.url}/v1/chat/completions", headers={"authorization": "Bearer key-paid"},
+                     content=b"{not json", timeout=30)
+    assert bad.status_code == 400 and bad.json()["error"]["code"] == "invalid_json"
+
+
 def test_ingress_refuses_before_any_replica(cluster):
     assert chat(cluster, "a", "nobody").status_code == 401
     missing = chat(cluster, "no-such-model", "paid")
