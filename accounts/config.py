@@ -28,9 +28,6 @@ class Limits(_Strict):
         return Limits.model_validate({**self.model_dump(), **overrides})
 
 
-MINUTE_LIMITS = ("requests_per_min", "tokens_per_min", "images_per_min", "audio_seconds_per_min")
-
-
 class Price(_Strict):
     """US dollars per unit of usage for one tier, or another tier's prices times ``factor``
     (``{like: paid, factor: 0.5}``: OpenAI's Batch API discount)."""
