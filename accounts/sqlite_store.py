@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import asyncio
 import json
 import sqlite3
 from pathlib import Path
@@ -28,10 +29,16 @@ _UPSERT = (f"INSERT INTO usage (day, key, model, tier, {', '.join(COUNTERS)}) "
 
 
 class SQLiteAccounts(SQLiteFile, AccountStore):
-    """One file in WAL mode; one thread owns the connection; each change is one transaction."""
+    """One file in WAL mode; one thread owns the connection; each change is one transaction.
+
+    Usage rows are group-committed: ``record`` queues its row and returns once the transaction
+    that holds it has committed; while one such transaction runs, the rows that arrive queue up
+    and go in the next one, so many concurrent requests cost one commit and one thread hop."""
 
     def __init__(self, path: Path) -> None:
         super().__init__(path, _SCHEMA, thread_name="tiergate-accounts")
+        self._usage_rows: list[tuple[tuple, asyncio.Future[None]]] = []
+        self._usage_writer: asyncio.Task[None] | None = None
 
     # -- keys
     @staticmethod
@@ -91,8 +98,37 @@ class SQLiteAccounts(SQLiteFile, AccountStore):
 
     # -- usage
     async def record(self, day: str, key: str, model: str, tier: str, usage: Usage) -> None:
-        values = (day, key, model, tier, *(getattr(usage, c) for c in COUNTERS))
-        await self._call(self._tx, lambda db: db.execute(_UPSERT, values))
+        committed = asyncio.get_running_loop().create_future()
+        self._usage_rows.append(((day, key, model, tier, *(getattr(usage, c) for c in COUNTERS)), committed))
+        if self._usage_writer is None:
+            self._usage_writer = asyncio.ensure_future(self._write_usage())
+        await committed
+
+    async def _write_usage(self) -> None:
+        """Commit the queued usage rows, one transaction per batch, until none are left."""
+        try:
+            while self._usage_rows:
+                batch, self._usage_rows = self._usage_rows, []
+                rows = [values for values, _ in batch]
+                try:
+                    await self._call(self._tx, lambda db: db.executemany(_UPSERT, rows))
+                except BaseException as exc:  # each waiting request gets the error (or is cancelled)
+                    for _, committed in batch:
+                        if not committed.done():
+                            committed.set_exception(exc) if isinstance(exc, Exception) else committed.cancel()
+                    if not isinstance(exc, Exception):
+                        raise
+                else:
+                    for _, committed in batch:
+                        if not committed.done():
+                            committed.set_result(None)
+        finally:
+            self._usage_writer = None
+
+    async def close(self) -> None:
+        if self._usage_writer is not None:  # the rows queued before closing are written
+            await asyncio.shield(self._usage_writer)
+        await super().close()
 
     async def usage(self, key: str | None, model: str | None, since: str | None, until: str | None) -> list[UsageRow]:
         where, args = [], []

@@ -24,7 +24,7 @@ import logging
 import sys
 import time
 import uuid
-from dataclasses import asdict, dataclass, field
+from dataclasses import dataclass, field, fields
 from typing import Any
 
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
@@ -54,10 +54,12 @@ class RequestRecord:
     started: float = field(default_factory=time.monotonic, repr=False)
 
     def fields(self) -> dict[str, Any]:
-        out = asdict(self)
-        out.pop("started")
-        return {k: round(v, 4) if isinstance(v, float) else v for k, v in out.items()}
+        values = self.__dict__  # flat, so no deep copy (``asdict``): this runs once per request
+        return {k: round(v, 4) if isinstance(v, float) else v for k, v in
+                ((name, values[name]) for name in _LOGGED)}
 
+
+_LOGGED = tuple(f.name for f in fields(RequestRecord) if f.name != "started")
 
 _current: contextvars.ContextVar[RequestRecord | None] = contextvars.ContextVar("tiergate_request", default=None)
 
@@ -124,7 +126,8 @@ class RequestLog:
         finally:
             _current.reset(token)
             record.duration_s = time.monotonic() - record.started
-            log.info("request", extra={"request": record.fields()})
+            if log.isEnabledFor(logging.INFO):  # the fields are built only for a line that is written
+                log.info("request", extra={"request": record.fields()})
 
 
 class Formatter(logging.Formatter):

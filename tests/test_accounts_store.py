@@ -92,6 +92,31 @@ def test_usage_adds_up_per_row_and_filters(store_factory):
     run(go())
 
 
+def test_concurrent_usage_is_durable_when_each_record_returns_and_adds_up(store_factory):
+    """Many requests recording at once (SQLite group-commits them): each row is visible to another
+    process's view of the store as soon as its own ``record`` returns, and none is lost."""
+    async def go():
+        a, b = store_factory(), store_factory()
+        await a.open()
+        await b.open()
+
+        async def one(i: int) -> None:
+            await a.record("2025-01-01", f"k{i % 3}", "m1", "paid", Usage(requests=1, input_tokens=i))
+            rows = await b.usage(f"k{i % 3}", None, None, None)
+            assert rows and rows[0].usage.requests >= 1
+
+        try:
+            await asyncio.gather(*(one(i) for i in range(60)))
+            rows = await b.usage(None, None, None, None)
+            assert sorted((r.key, r.usage.requests) for r in rows) == [("k0", 20), ("k1", 20), ("k2", 20)]
+            assert sum(r.usage.input_tokens for r in rows) == sum(range(60))
+        finally:
+            await a.close()
+            await b.close()
+
+    run(go())
+
+
 def test_secrets_are_never_stored_in_clear(store_factory, tmp_path, redis_url):
     async def go():
         s = store_factory()
