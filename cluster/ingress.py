@@ -9,8 +9,9 @@ before a model is needed, then the call to the replica the router picks, streame
   replicas' gates could hold (``max_inflight + max_queued`` each), before any replica is asked;
 * the call: ``forward`` on the replica deployment with ``stream=True``; the router (a
   ``cluster.ray_router.TierRouter``) reads the model and tier from its arguments. A replica that
-  answers "redirect" (its stats were stale) is avoided and the router is asked once more; so is a
-  replica that died before answering (Serve drops it from the router's candidates).
+  answers "redirect" (its stats were stale) is avoided and the router is asked again, until a replica
+  takes the request or the router refuses (at most once per replica); a replica that died before
+  answering is tried once more (Serve drops it from the router's candidates).
 * a replica that dies mid-answer: a stream (SSE) ends with an OpenAI-shaped error event, which the
   OpenAI SDK raises as an ``APIError``; any other body is cut short.
 
@@ -52,6 +53,7 @@ class Ingress:
         self.accounts = Accounts.from_config(self.config)
         self._accounts_started: asyncio.Future | None = None
         self.replicas = replicas
+        self.num_replicas = num_replicas
         self.rank = {t.name: i for i, t in enumerate(self.config.tiers)}
         self.base = {m.name: m.name for m in self.config.models} | {a.name: a.model for a in self.config.adapters}
         self.capacity = {t.name: num_replicas * (self.config.max_inflight(t) + t.max_queued)
@@ -104,7 +106,7 @@ class Ingress:
 
     async def _call(self, forwarded: dict, model: str | None, tier: int):
         avoid: list[str] = []
-        for _ in range(2):
+        for _ in range(max(2, self.num_replicas)):  # until a replica takes it or the router refuses
             stream = self.replicas.options(stream=True).forward.remote(forwarded, model=model, tier=tier, avoid=avoid)
             try:
                 first = await stream.__anext__()

@@ -4,8 +4,9 @@ Ray hands it the replicas it may use and the pending request; it reads each repl
 report (``RunningReplica.routing_stats``, from ``TierReplica.record_routing_stats``) and asks
 ``cluster.router.choose``. Replicas that have not reported yet form a last rank. When no replica
 can take the request the verdict (429 with Retry-After, or 503) travels in the request's
-``verdict`` argument to any replica, which answers it without touching a model, so the client gets
-the cluster-wide answer through the same path as every other response.
+``verdict`` argument to a replica, which answers it without touching a model (unless its live state
+can take the request after all: the reports were stale), so the client gets the cluster-wide
+answer through the same path as every other response.
 """
 
 from __future__ import annotations

@@ -3,9 +3,10 @@ batch runner of ``tiergate serve``, built from the same tiers.yaml by ``gateway.
 
 The ingress forwards each request (``forward``); the replica runs it through its own Starlette app
 in-process (``cluster.asgi``), so every endpoint and SSE behave exactly as in ``tiergate serve``.
-Before that it honours the router's verdict (a cluster-wide 429 or 503 travels with the request)
-and re-checks the router's choice on its fresh stats: a request its arbiter would refuse is
-answered "redirect", and the ingress tries once more elsewhere. Every ``stats_period_s`` Ray asks
+Before that it re-checks the router's choice on its fresh stats: a request its arbiter would refuse
+is answered "redirect", and the ingress tries elsewhere; a cluster-wide 429 or 503 verdict that
+travels with the request is answered as such unless this replica can take the request after all
+(the reports were stale). Every ``stats_period_s`` Ray asks
 ``record_routing_stats`` for the report the router reads (``cluster.stats``).
 """
 
@@ -65,6 +66,10 @@ class TierReplica:
         """Serve one forwarded request: yield ``{"status", "headers"}`` then body chunks, or
         ``{"redirect": replica}`` when this replica's arbiter would refuse it now."""
         await self._start()
+        known = model is not None and model in self.services.arbiter.states
+        fresh = replica_stats(self.id, self.services.arbiter, self.services.gate) if known else None
+        if verdict is not None and fresh is not None and admits(fresh, model, tier):
+            verdict = None  # the reports were stale: this replica can take it now
         if verdict is not None:  # the router found no replica: answer for the cluster
             error = APIError(verdict["status"], verdict["message"], verdict["code"],
                              headers=_retry(verdict.get("retry_after")), type=verdict.get("type"))
@@ -72,11 +77,9 @@ class TierReplica:
             yield {"status": response.status_code, "headers": self._headers(response.raw_headers)}
             yield bytes(response.body)
             return
-        if model is not None and model in self.services.arbiter.states:
-            own = replica_stats(self.id, self.services.arbiter, self.services.gate)
-            if not admits(own, model, tier):
-                yield {"redirect": self.id}
-                return
+        if fresh is not None and not admits(fresh, model, tier):
+            yield {"redirect": self.id}
+            return
         async for item in call(self.app, Forwarded(**request)):
             if isinstance(item, Head):
                 yield {"status": item.status, "headers": self._headers(item.headers)}

@@ -18,7 +18,8 @@ highest tier (paid, rank 0) beyond that tier's latency target: then the best rep
 be loaded now (ranks 2-4) takes it.
 
 Reports are stale by up to their period, so the chosen replica re-checks (``admits``) and answers
-"redirect" when it would refuse; the caller routes once more with that replica in ``avoid``.
+"redirect" when it would refuse; the caller routes again with that replica in ``avoid``. A
+refusal whose Retry-After has passed since its report counts as ``evict``: that protection is over.
 """
 
 from __future__ import annotations
@@ -80,6 +81,7 @@ def choose(
     options = [(s, o) for s in stats if (o := _option(s, model, tier)) is not None]
     if not options:
         return Unplaceable(f"no replica serves the model '{model}'")
+    options = [(s, _aged(s, o, now)) for s, o in options]
     copies = sum(1 for _, o in options if o.need == "resident")
     usable = [(s, o) for s, o in options if s.replica not in avoid and o.need in RANK]
     holding = [(s, o) for s, o in usable if o.need == "resident"]
@@ -98,6 +100,14 @@ def choose(
     if any(s.replica in avoid for s, _ in options):
         return Refusal(1, f"no other replica can take '{model}' now")
     return Unplaceable(f"'{model}' does not fit on any replica")
+
+
+def _aged(s: ReplicaStats, o: Option, now: float) -> Option:
+    """A refusal whose protection has ended since the report was made: the models in the way may
+    be evicted now (the replica re-checks)."""
+    if o.need == "refuse" and o.retry_after <= now - s.at:
+        return Option("evict")
+    return o
 
 
 def admits(own: ReplicaStats, model: str, tier: int) -> bool:

@@ -87,15 +87,20 @@ def option(view: ArbiterView, model: str, tier: int, batch_rank: int) -> Option:
     return Option("wait" if decision.waiting_on else "never")
 
 
-def replica_stats(replica: str, arbiter: Arbiter, gate: Gate, clock=time.time) -> ReplicaStats:
-    """The report of one replica, from its live arbiter and gate."""
-    view = arbiter.view()
-    ranks = sorted(p.rank for p in gate.tiers.values())
+def stats_of(replica: str, view: ArbiterView, wait_s: Mapping[int, float], batch_rank: int,
+             at: float) -> ReplicaStats:
+    """The report of a replica whose arbiter state is ``view`` and whose gate predicts ``wait_s``."""
     return ReplicaStats(
         replica=replica,
-        at=clock(),
-        options={name: {t: option(view, name, t, arbiter.batch_rank) for t in ranks} for name in view.models},
-        wait_s={p.rank: gate.predict_wait(p) for p in gate.tiers.values()},
+        at=at,
+        options={name: {t: option(view, name, t, batch_rank) for t in wait_s} for name in view.models},
+        wait_s=dict(wait_s),
         free_bytes=view.free,
         places={name: m.place for name, m in view.models.items()},
     )
+
+
+def replica_stats(replica: str, arbiter: Arbiter, gate: Gate, clock=time.time) -> ReplicaStats:
+    """The report of one replica, from its live arbiter and gate."""
+    waits = {p.rank: gate.predict_wait(p) for p in sorted(gate.tiers.values(), key=lambda p: p.rank)}
+    return stats_of(replica, arbiter.view(), waits, arbiter.batch_rank, clock())
