@@ -88,3 +88,40 @@ def test_waiting_and_running_count_the_gates_requests(chat_server):
     families = scrape(chat_server)
     assert value(families, "vllm:num_requests_running") == 0
     assert value(families, "vllm:num_requests_waiting") == 0
+
+
+def test_lora_info_names_the_adapters_of_running_and_waiting_requests(chat_server):
+    """Requests through the real serving core (gate slot + model lease), with adapter stacks: one
+    holding its slot, one queued behind the free tier's limit."""
+    from gateway.auth import Caller
+    from gateway.serving import Serving
+
+    svc = chat_server.services
+    free = Caller(tier="free", key_id="test")
+    inside, leave = asyncio.Event(), asyncio.Event()
+
+    async def hold(adapters):
+        async with Serving(svc, free, "tiny-chat", 1, "chat", None, adapters=adapters):
+            inside.set()
+            await leave.wait()
+
+    def start(coro):
+        return asyncio.run_coroutine_threadsafe(coro, chat_server.loop)
+
+    limit = svc.gate.limits["free"]
+    running = [start(hold(("pirate",)))] + [start(hold(())) for _ in range(limit - 1)]
+    deadline = time.time() + 30
+    while svc.gate.inflight["free"] < limit and time.time() < deadline:
+        time.sleep(0.05)
+    waiting = start(hold(("poet", "pirate")))
+    time.sleep(0.3)
+    try:
+        info = scrape(chat_server)["vllm:lora_requests_info"].samples[0].labels
+        assert info["running_lora_adapters"] == "pirate"
+        assert info["waiting_lora_adapters"] == "pirate,poet"
+    finally:
+        chat_server.loop.call_soon_threadsafe(leave.set)
+        for f in [*running, waiting]:
+            f.result(30)
+    info = scrape(chat_server)["vllm:lora_requests_info"].samples[0].labels
+    assert info["running_lora_adapters"] == info["waiting_lora_adapters"] == ""
