@@ -65,6 +65,14 @@ def ready(*procs: Proc) -> None:
             time.sleep(0.1)
 
 
+def wait_known(proc: Proc, secret: str) -> None:
+    """Until ``proc`` knows a key made in another process: within a second (it refreshes every 0.5 s)."""
+    at = time.monotonic()
+    while httpx.get(f"{proc.url}/v1/models", headers={"Authorization": f"Bearer {secret}"}).status_code == 401:
+        assert time.monotonic() - at < 1.0, "a key made elsewhere was not known within a second"
+        time.sleep(0.02)
+
+
 def test_two_processes_on_one_redis_share_limits_revokes_and_usage(tiny_chat, tmp_path, monkeypatch):
     with redis_server(tmp_path) as url:
         config = write_config(tmp_path, {"tiny-chat": ("chat", tiny_chat)}, f"batch:\n  store: {url}\n")
@@ -102,7 +110,9 @@ def test_two_processes_on_one_redis_share_limits_revokes_and_usage(tiny_chat, tm
 
         # usage written by a process killed right after its response, read from the other
         other = cli_key(config, "--tier", "paid", "--name", "kill")
+        wait_known(b, other["value"])  # a key made elsewhere reaches a process within its refresh
         r, first = chat(b, other["value"])
+        assert r.status_code == 200, r.text
         r2, second = chat(b, other["value"], stream=True)
         b.kill9()
         rows = httpx.get(f"{a.url}/admin/usage", params={"key": other["id"]},
