@@ -51,6 +51,7 @@ from gateway.service import Services
 log = logging.getLogger("tiergate.batches")
 
 MAX_DELIVERIES = 5  # a line whose process died this many times running it is recorded as failed
+MAX_STREAK = 8  # starts in a row of one shape on a model before an older shape goes first
 RETRIES_503 = 5  # "model unavailable" is retried this often before the line fails
 
 
@@ -97,6 +98,8 @@ class Runner:
         self._loops: list[asyncio.Task] = []
         self._wake = asyncio.Event()
         self._shapes_at = -math.inf  # when the claim loop last listed the store's shapes
+        self._last_shape: dict[str, str] = {}  # model -> the shape whose lines it ran last
+        self._streak: Counter[str] = Counter()  # model -> starts in a row of that shape
 
     async def start(self) -> None:
         await self.store.open()
@@ -164,8 +167,11 @@ class Runner:
                 pass
 
     async def _claim(self) -> int:
-        """Fill the engines: top up each shape running here to its model's width, then start the
-        oldest waiting shape of every model with nothing running here. Returns the lines claimed."""
+        """Fill the engines: top up each shape running here to its model's width, then start a
+        waiting shape on every model with nothing running here: the shape that model ran last
+        while it has lines left (so a shape whose rows all ended in the same step is not left for
+        another stack and come back to: a merge each time), at most ``MAX_STREAK`` starts in a row
+        so older shapes are not starved; else the oldest. Returns the lines claimed."""
         running = Counter(job.line.shape for job, _ in self._running.values())
         busy = {model_of(shape) for shape in running}
         claimed = 0
@@ -175,11 +181,17 @@ class Runner:
         if self.concurrency - len(self._running) <= 0 or (running and now - self._shapes_at < self.poll_s):
             return claimed  # new shapes are looked for every poll_s while lines run (a scan of the backlog)
         self._shapes_at = now
-        for shape in await self.store.shapes(self.reclaim_after_s):
+        waiting = await self.store.shapes(self.reclaim_after_s)
+        last = [shape for model, shape in self._last_shape.items()
+                if shape in waiting and self._streak[model] < MAX_STREAK]
+        for shape in last + [shape for shape in waiting if shape not in last]:
             model = model_of(shape)
             if model not in busy:
                 taken = await self._take(shape, width(self.svc, model))
-                busy.update([model] if taken else [])
+                if taken:
+                    busy.add(model)
+                    self._streak[model] = self._streak[model] + 1 if self._last_shape.get(model) == shape else 1
+                    self._last_shape[model] = shape
                 claimed += taken
         return claimed
 
