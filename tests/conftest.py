@@ -2,11 +2,23 @@
 
 from __future__ import annotations
 
+import logging
 from pathlib import Path
 
 import pytest
 
 from tests.helpers import RunningServer, start_server, write_config
+
+
+@pytest.fixture(autouse=True)
+def _root_logging_restored():
+    """A test that runs ``tiergate serve``'s main() installs its one log handler on the root
+    logger; give the next tests the logging they had (pytest's own capture)."""
+    root = logging.getLogger()
+    handlers, level = root.handlers[:], root.level
+    yield
+    root.handlers[:] = handlers
+    root.setLevel(level)
 
 
 @pytest.fixture(scope="session")
