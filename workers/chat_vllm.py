@@ -362,6 +362,12 @@ class VllmChatEngine(Worker):
                     priority=req.priority,
                 )
                 self._inflight.add(rid)
+                # A resumed pass: vLLM's detokenizer, started on prompt + generated ids that end
+                # inside a character (the pause came while it held back a partial UTF-8 byte),
+                # can send the text of the whole prompt as its first delta. What it repeats is
+                # text the client has (the prompt's, then the reply so far): cut it off.
+                repeated = _complete_text(self.tokenizer.decode(prompt_ids + generated, skip_special_tokens=True)) \
+                    if generated else ""
                 # a constrained reply cannot resume mid-way (see the module doc): no pause once it began
                 pausable = p.grammar is None or not generated
                 watcher = asyncio.create_task(self._watch(ctx, rid, pausable))
@@ -371,8 +377,13 @@ class VllmChatEngine(Worker):
                         generated.extend(c.token_ids)
                         ctx.steps += 1
                         logprobs = self._logprobs(c, p.logprobs) if p.logprobs is not None else None
-                        if c.text or logprobs:
-                            yield TextDelta(c.text, logprobs)
+                        text = c.text
+                        if repeated:
+                            if text.startswith(repeated):
+                                text = text[len(repeated):]
+                            repeated = ""  # only the first delta of a pass can repeat
+                        if text or logprobs:
+                            yield TextDelta(text, logprobs)
                         if out.finished:
                             outcome = "finished"
                             if c.finish_reason == "abort" or ctx.cancelled:
@@ -508,6 +519,11 @@ class VllmChatEngine(Worker):
                 if res.users == 0:
                     # Few waiters, and any of them may be able to go: wake them all.
                     self._lora_cond.notify_all()
+
+
+def _complete_text(text: str) -> str:
+    """``text`` without a trailing undecodable (partial) character."""
+    return text.rstrip("\ufffd")
 
 
 def _sampling_extras(p: ChatParams) -> dict[str, Any]:
