@@ -34,7 +34,7 @@ from gateway.auth import Caller
 from gateway.chat import ChatJob, ChoiceDelta, Reply, collect, served_caller, serve_chat
 from gateway.errors import APIError, bad_request
 from gateway.http import Streamed, disconnect_signal
-from gateway.schemas import AdapterChoice, MAX_STACK, StreamOptions, _Body, parse, read_json
+from gateway.schemas import AdapterChoice, MAX_STACK, StreamOptions, _Body, checked_logit_bias, parse, read_json
 from gateway.serving import Gone
 from gateway.service import Services
 from workers.base import ChatParams, TokenLogprob
@@ -82,12 +82,7 @@ class CompletionRequest(_Body):
     @field_validator("logit_bias")
     @classmethod
     def _bias(cls, v: dict[str, float] | None) -> dict[str, float] | None:
-        for token, bias in (v or {}).items():
-            if not token.isdigit():
-                raise ValueError(f"keys are token ids, not {token[:20]!r}")
-            if not -100 <= bias <= 100:
-                raise ValueError(f"the bias of token {token} is {bias:g}, outside -100..100")
-        return v
+        return checked_logit_bias(v)
 
     def prompts(self) -> list[str | TokenIds]:
         """Each prompt: a string or a list of token ids."""

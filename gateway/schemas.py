@@ -132,6 +132,16 @@ class AdapterChoice(_Body):
     weight: float = Field(default=1.0, allow_inf_nan=False)
 
 
+def checked_logit_bias(v: dict[str, float] | None) -> dict[str, float] | None:
+    """``logit_bias`` as chat and completions take it: token-id keys, biases within -100..100."""
+    for token, bias in (v or {}).items():
+        if not token.isdigit():
+            raise ValueError(f"keys are token ids, not {token[:20]!r}")
+        if not -100 <= bias <= 100:
+            raise ValueError(f"the bias of token {token} is {bias:g}, outside -100..100")
+    return v
+
+
 class ChatCompletionRequest(_Body):
     model: str = Field(min_length=1)
     messages: list[Message] = Field(min_length=1)
@@ -172,12 +182,7 @@ class ChatCompletionRequest(_Body):
     @field_validator("logit_bias")
     @classmethod
     def _bias(cls, v: dict[str, float] | None) -> dict[str, float] | None:
-        for token, bias in (v or {}).items():
-            if not token.isdigit():
-                raise ValueError(f"keys are token ids, not {token[:20]!r}")
-            if not -100 <= bias <= 100:
-                raise ValueError(f"the bias of token {token} is {bias:g}, outside -100..100")
-        return v
+        return checked_logit_bias(v)
 
     def message_problem(self) -> tuple[str, str] | None:
         """(message, param) for the first message whose role lacks (or must not have) a field."""
