@@ -37,7 +37,10 @@ def client(server, tier="paid") -> openai.OpenAI:
 
 
 def tokenizer(server):
-    return server.services.arbiter.workers["tiny-chat"].tokenizer
+    """The model's tokenizer from its folder: the test must not depend on the model being resident."""
+    from transformers import AutoTokenizer
+
+    return AutoTokenizer.from_pretrained(str(server.services.arbiter.specs["tiny-chat"].path))
 
 
 class Answer(BaseModel):
