@@ -13,7 +13,10 @@ figure it would get so nobody has to compute it, but not part of the verdict.
 
 from __future__ import annotations
 
+import os
 import re
+import threading
+import time
 from dataclasses import dataclass
 
 SMOKE = "(smoke run: counts too small to judge)"
@@ -73,3 +76,103 @@ def judge(targets: list[Target], smoke: bool = False, note: str = "") -> int:
     line = verdict_of(targets, smoke)
     print(line, flush=True)
     return 1 if line.startswith("verdict: FAIL") else 0
+
+
+class OtherLoad:
+    """The CPU that processes *outside* this benchmark's own process tree used while it ran.
+
+    The load average counts the benchmark's own server and clients, so a benchmark that keeps two
+    cores busy reads "load 2" on a 2-core machine however quiet the machine is. This counts instead
+    the machine's busy CPU time (``/proc/stat``) minus what this process and its descendants used
+    (sampled from ``/proc/<pid>/stat`` every ``period`` s by a thread, so children that exit midway
+    still count), in cores:
+
+        with OtherLoad() as other:
+            ...run the benchmark...
+        if other.cores > OTHER_LOAD_LIMIT: the ratios measure the machine: n/a
+
+    Linux only; elsewhere ``cores`` is None (the caller falls back to the load average).
+    """
+
+    def __init__(self, period: float = 0.25) -> None:
+        self.period = period
+        self.cores: float | None = None
+        self._first: dict[tuple[int, str], float] = {}
+        self._last: dict[tuple[int, str], float] = {}
+        self._stop = threading.Event()
+
+    def __enter__(self) -> OtherLoad:
+        if not os.path.exists("/proc/stat"):
+            return self
+        self._t0, self._busy0 = time.monotonic(), _machine_busy_s()
+        self._sample()
+        self._thread = threading.Thread(target=self._run, name="other-load", daemon=True)
+        self._thread.start()
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        if not hasattr(self, "_thread"):
+            return
+        self._stop.set()
+        self._thread.join()
+        self._sample()
+        ours = sum(self._last[k] - self._first[k] for k in self._last)
+        elapsed = max(1e-9, time.monotonic() - self._t0)
+        self.cores = max(0.0, (_machine_busy_s() - self._busy0 - ours) / elapsed)
+
+    def why_not(self, limit: float = 0.5) -> str:
+        """An n/a reason when other processes used more than ``limit`` cores, else ""."""
+        if self.cores is None or self.cores <= limit:
+            return ""
+        return f"(other processes used {self.cores:.1f} cores meanwhile: the figures measure the machine)"
+
+    def _run(self) -> None:
+        while not self._stop.wait(self.period):
+            self._sample()
+
+    def _sample(self) -> None:
+        initial = not self._last
+        for key, cpu in _tree_cpu_s(os.getpid()).items():
+            self._first.setdefault(key, cpu if initial else 0.0)  # born after the start: all of it counts
+            self._last[key] = max(cpu, self._last.get(key, 0.0))
+
+
+OTHER_LOAD_LIMIT = 0.5  # cores other processes may use before a latency or throughput ratio is n/a
+_TICK = os.sysconf("SC_CLK_TCK") if hasattr(os, "sysconf") else 100
+
+
+def _machine_busy_s() -> float:
+    with open("/proc/stat") as f:
+        fields = [int(x) for x in f.readline().split()[1:]]
+    user, nice, system, _idle, _iowait, irq, softirq, steal = (fields + [0] * 8)[:8]
+    return (user + nice + system + irq + softirq + steal) / _TICK
+
+
+def _tree_cpu_s(root: int) -> dict[tuple[int, str], float]:
+    """CPU seconds (own plus reaped children's) of ``root`` and every live descendant, by
+    (pid, start time) so a reused pid is a new process."""
+    parent: dict[int, int] = {}
+    stats: dict[int, list[str]] = {}
+    for name in os.listdir("/proc"):
+        if not name.isdigit():
+            continue
+        try:
+            with open(f"/proc/{name}/stat") as f:
+                rest = f.read().rsplit(")", 1)[1].split()
+        except OSError:
+            continue
+        pid = int(name)
+        parent[pid], stats[pid] = int(rest[1]), rest
+    ours, frontier = {root}, [root]
+    while frontier:
+        p = frontier.pop()
+        for child, par in parent.items():
+            if par == p and child not in ours:
+                ours.add(child)
+                frontier.append(child)
+    out = {}
+    for pid in ours:
+        if pid in stats:
+            s = stats[pid]  # after the ")": state=0, ppid=1, ..., utime=11, stime=12, cutime=13, cstime=14, starttime=19
+            out[(pid, s[19])] = sum(int(x) for x in s[11:15]) / _TICK
+    return out

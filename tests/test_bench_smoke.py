@@ -4,6 +4,7 @@ speed targets live in the benchmarks, never in tests. Plus the verdict rules the
 
 from __future__ import annotations
 
+import os
 import subprocess
 import sys
 from pathlib import Path
@@ -116,3 +117,34 @@ def test_judge_prints_the_verdict_last_and_exits_by_it(capsys) -> None:
     assert judge([ON_CPU]) == 0
     last = capsys.readouterr().out.rstrip("\n").splitlines()[-1]
     assert last == "verdict: n/a on CPU (no device memory)"
+
+
+def test_other_load_counts_the_benchmarks_own_children_as_ours() -> None:
+    """OtherLoad's process-tree walk: a child (and its child) of this process is ours, so a
+    benchmark's own server and clients never make its figures n/a; an unrelated process is not."""
+    import subprocess
+
+    from benchlib import _tree_cpu_s
+
+    child = subprocess.Popen([sys.executable, "-c", "import subprocess, sys, time; "
+                              "p = subprocess.Popen([sys.executable, '-c', 'import time; time.sleep(30)']); "
+                              "print(p.pid, flush=True); time.sleep(30)"], stdout=subprocess.PIPE, text=True)
+    try:
+        grandchild = int(child.stdout.readline())
+        pids = {pid for pid, _ in _tree_cpu_s(os.getpid())}
+        assert {os.getpid(), child.pid, grandchild} <= pids
+        assert 1 not in pids  # init is nobody's child of ours
+    finally:
+        child.kill()
+        os.kill(grandchild, 9)
+        child.wait()
+
+
+def test_other_load_reason_only_above_the_limit() -> None:
+    from benchlib import OtherLoad
+
+    quiet, busy = OtherLoad(), OtherLoad()
+    quiet.cores, busy.cores = 0.2, 1.3
+    assert quiet.why_not() == ""
+    assert "1.3 cores" in busy.why_not()
+    assert OtherLoad().why_not() == ""  # not measured (not Linux): no reason of its own
