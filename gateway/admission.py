@@ -47,6 +47,7 @@ class TierPolicy:
     max_queued: int
     latency_target_s: float
     is_batch: bool = False
+    token_latency_target_s: float | None = None  # streamed text: seconds between tokens (the SLO guard's)
 
 
 class Rejected(Exception):
@@ -222,6 +223,7 @@ class Gate:
         self.rejected = {(t.name, r): 0 for t in tiers for r in ("queue_full", "latency_target")}
         self.guard = guard or GuardSettings(enabled=False)
         self._latencies: dict[str, deque[tuple[float, float]]] = {t.name: deque() for t in tiers}
+        self._token_latencies: dict[str, deque[tuple[float, float]]] = {t.name: deque() for t in tiers}
         self._guarded_at = -math.inf
         self._loop: asyncio.AbstractEventLoop | None = None
         self.events = events or EventLog()
@@ -321,6 +323,13 @@ class Gate:
             self._latencies[tier].append((self.clock(), seconds))
             self._retune()
 
+    def observe_token_latency(self, tier: str, seconds: float) -> None:
+        """A finished text reply's mean time per token after its first, for the SLO guard's
+        token-latency window (judged only where the tier has ``token_latency_target_s``)."""
+        if self.guard.enabled:
+            self._token_latencies[tier].append((self.clock(), seconds))
+            self._retune()
+
     def _retune(self) -> None:
         """At most once per ``interval_s``: drop latencies older than the window and let the
         guard set every tier's effective ``max_inflight``; grown limits hand out slots at once."""
@@ -332,11 +341,13 @@ class Gate:
         windows = []
         for lane in self._order:
             t = lane.policy
-            recent = self._latencies[t.name]
-            while recent and recent[0][0] < horizon:
-                recent.popleft()
+            recent, tokens = self._latencies[t.name], self._token_latencies[t.name]
+            for window in (recent, tokens):
+                while window and window[0][0] < horizon:
+                    window.popleft()
             windows.append(TierWindow(t.name, t.rank, t.latency_target_s, t.max_inflight, t.is_batch,
-                                      [seconds for _, seconds in recent]))
+                                      [seconds for _, seconds in recent], t.token_latency_target_s,
+                                      [seconds for _, seconds in tokens]))
         before = self.limits
         limits = next_limits(windows, before, self.guard)
         for name, limit in limits.items():

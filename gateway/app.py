@@ -46,7 +46,8 @@ _STATUS_CODES = {404: "not_found", 405: "method_not_allowed", 413: "request_too_
 
 def build_services(config: Config, keys: KeyRing) -> Services:
     policies = [
-        TierPolicy(t.name, i, config.max_inflight(t), t.max_queued, t.latency_target_s, is_batch=t.batch)
+        TierPolicy(t.name, i, config.max_inflight(t), t.max_queued, t.latency_target_s, is_batch=t.batch,
+                   token_latency_target_s=t.token_latency_target_s)
         for i, t in enumerate(config.tiers)
     ]
     events = EventLog()  # the one stream the gate and the arbiter report into (the dashboard's)

@@ -47,6 +47,9 @@ class TierConfig(_Strict):
     max_inflight: int | None = Field(default=None, ge=1)  # None: 8; on the batch tier, every engine's width together
     max_queued: int = Field(default=64, ge=0)
     latency_target_s: float = Field(default=30.0, gt=0)
+    # streamed text: the time between tokens this tier should see; the SLO guard shrinks the tiers
+    # below while this tier's replies come slower (None: only latency_target_s is judged)
+    token_latency_target_s: float | None = Field(default=None, gt=0)
     batch: bool = False  # the batch tier: runs only on an otherwise idle GPU and always yields; at most one, last
 
     @model_validator(mode="after")
@@ -237,8 +240,34 @@ class ClusterConfig(_Strict):
     redis_url: str | None = Field(default=None, pattern=r"^rediss?://\S+$")  # keys, quotas, usage, batch backlog
     stats_period_s: float = Field(default=2.0, gt=0)  # how often replicas report to the router
     max_copies: dict[str, int] = Field(default_factory=dict)  # model -> replicas it may be resident on (default 1)
+    # model -> devices it spans (tensor parallel): its own deployment, pinned, outside the swap pool
+    tensor_parallel: dict[str, Annotated[int, Field(ge=2)]] = Field(default_factory=dict)
     host: str = "0.0.0.0"
     port: int = Field(default=8000, ge=1, le=65535)
+
+    def check(self, models: list[ModelConfig]) -> None:
+        """What the cluster section says of models: they exist; a tensor-parallel model is a chat
+        model on vLLM with its ``vram`` declared (its deployment's budget), and the devices left
+        hold the other models."""
+        by_name = {m.name: m for m in models}
+        for field_name in ("max_copies", "tensor_parallel"):
+            unknown = sorted(set(getattr(self, field_name)) - set(by_name))
+            if unknown:
+                raise ValueError(f"cluster.{field_name}: no model named {', '.join(map(repr, unknown))}")
+        for name in self.tensor_parallel:
+            model = by_name[name]
+            if not isinstance(model, ChatModel) or model.engine.name == "transformers":
+                raise ValueError(f"cluster.tensor_parallel.{name}: only a chat model on the vllm engine can span devices")
+            if model.vram is None:
+                raise ValueError(f"cluster.tensor_parallel.{name}: declare the model's vram (its deployment's budget)")
+            if name in self.max_copies:
+                raise ValueError(f"cluster.tensor_parallel.{name}: a tensor-parallel model has one copy; drop its max_copies")
+        devices = self.nodes * self.replicas_per_node
+        spanned = sum(self.tensor_parallel.values())
+        pooled = [m for m in models if m.name not in self.tensor_parallel]
+        if spanned > devices or (pooled and spanned >= devices):
+            raise ValueError(f"cluster.tensor_parallel: {spanned} devices spanned, of {devices} "
+                             "(nodes x replicas_per_node), leave none for the other models")
 
 
 class Config(_Strict):
@@ -259,6 +288,7 @@ class Config(_Strict):
     @model_validator(mode="after")
     def _accounts_name_tiers_and_models(self) -> "Config":
         check_tiers(self.accounts, self.prices, self.tier_names)
+        self.cluster.check(self.models)
         known = {m.name for m in self.models}
         for tier, limits in self.accounts.limits.items():
             unknown = sorted(set(limits.models or ()) - known)

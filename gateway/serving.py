@@ -73,6 +73,7 @@ class Serving:
         self.usage = Usage(requests=1)  # filled in by the core; GPU and swap seconds by the block
         self.arrived = time.monotonic()
         self._latency_reported = False  # to the gate's SLO guard: once per request
+        self._first_at: float | None = None  # when the first token went out (text requests)
         self.held: Held | None = None
         self.contexts: list[StepContext] = []
         self._gone_wait: asyncio.Future | None = None
@@ -104,7 +105,8 @@ class Serving:
     def first_token(self) -> float:
         """The time to first token (seconds since the request arrived), which the gate's SLO guard
         judges a text request by; the request's whole time is then not reported. Returns it."""
-        ttft = time.monotonic() - self.arrived
+        self._first_at = time.monotonic()
+        ttft = self._first_at - self.arrived
         if not self._latency_reported:
             self._latency_reported = True
             self.svc.gate.observe_latency(self.caller.tier, ttft)
@@ -159,6 +161,9 @@ class Serving:
         if completed and not self._latency_reported:
             self._latency_reported = True
             self.svc.gate.observe_latency(self.caller.tier, latency)
+        tokens = self.usage.output_tokens
+        if completed and self._first_at is not None and tokens > 1:  # its mean time per later token
+            self.svc.gate.observe_token_latency(self.caller.tier, (time.monotonic() - self._first_at) / (tokens - 1))
         if self.svc.accounts is not None:
             self.usage.gpu_seconds = self._gpu_seconds(service_s)
             self.usage.swap_seconds = held.lease.swap_s

@@ -1,15 +1,23 @@
 """The SLO guard: lower tiers give way when a higher tier's latency drifts toward its target.
 
-Each tier has a latency target (``latency_target_s``). The gate keeps a short sliding window of
-each tier's recent latencies (time to first token for chat, total time for the other endpoints)
-and, at most once per ``interval_s``, asks :func:`next_limits` for every tier's *effective*
-``max_inflight``. The decision is additive-increase / multiplicative-decrease, per tier:
+Each tier has a latency target (``latency_target_s``) and may have a token latency target
+(``token_latency_target_s``: the time between tokens of a streamed text reply). The gate keeps a
+short sliding window of each tier's recent latencies (time to first token for chat, total time
+for the other endpoints) and of its streamed replies' mean time per output token, and, at most
+once per ``interval_s``, asks :func:`next_limits` for every tier's *effective* ``max_inflight``.
+The decision is additive-increase / multiplicative-decrease, per tier:
 
-- **hot**: some higher tier's recent latency (the ``quantile`` of its window, with at least
-  ``min_samples`` samples) is above ``trigger`` x its target: halve this tier's limit (floor 1);
-- **calm**: every higher tier is below ``recover`` x its target, or has no recent samples (idle):
+- **hot**: some higher tier's recent latency or token latency (the ``quantile`` of its window,
+  with at least ``min_samples`` samples) is above ``trigger`` x its target: halve this tier's
+  limit (floor 1);
+- **calm**: every higher tier is below ``recover`` x its targets, or has no recent samples (idle):
   grow this tier's limit by one, up to its configured ``max_inflight``;
 - otherwise hold.
+
+Why two targets: time to first token measures the wait for a slot and a prefill, but the lower
+tiers' rows also share every decode step with a higher tier's, so a higher tier's replies can
+slow down token by token while their first tokens are still on time. The token target lets the
+guard see that.
 
 The highest tier is never limited by the guard, and neither is batch: batch work already yields
 at its next step whenever another tier has work. Like ``arbiter/policy.py``, this module is pure:
@@ -47,6 +55,8 @@ class TierWindow:
     max_inflight: int
     is_batch: bool
     samples: Sequence[float]  # latencies (seconds) inside the window, any order
+    token_target_s: float | None = None  # None: the tier's token latency is not judged
+    token_samples: Sequence[float] = ()  # streamed replies' mean seconds per output token, in the window
 
 
 def quantile(samples: Sequence[float], q: float) -> float:
@@ -55,16 +65,23 @@ def quantile(samples: Sequence[float], q: float) -> float:
     return ordered[min(len(ordered) - 1, max(0, math.ceil(q * len(ordered)) - 1))]
 
 
-def tier_state(tier: TierWindow, settings: GuardSettings) -> Pressure:
-    """How this tier's own recent latency stands against its target."""
-    if len(tier.samples) < settings.min_samples:
-        return "calm"  # idle or barely used: nothing to protect
-    recent = quantile(tier.samples, settings.quantile)
-    if recent > settings.trigger * tier.target_s:
+def _against(samples: Sequence[float], target_s: float | None, settings: GuardSettings) -> Pressure:
+    if target_s is None or len(samples) < settings.min_samples:
+        return "calm"  # not judged, idle or barely used: nothing to protect
+    recent = quantile(samples, settings.quantile)
+    if recent > settings.trigger * target_s:
         return "hot"
-    if recent < settings.recover * tier.target_s:
+    if recent < settings.recover * target_s:
         return "calm"
     return "hold"
+
+
+def tier_state(tier: TierWindow, settings: GuardSettings) -> Pressure:
+    """How this tier's own recent latencies stand against its targets: the worse of its latency
+    and its token latency."""
+    states = {_against(tier.samples, tier.target_s, settings),
+              _against(tier.token_samples, tier.token_target_s, settings)}
+    return "hot" if "hot" in states else "hold" if "hold" in states else "calm"
 
 
 def next_limits(tiers: Sequence[TierWindow], limits: Mapping[str, int], settings: GuardSettings) -> dict[str, int]:

@@ -87,7 +87,7 @@ import httpx
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-from benchlib import Target, judge  # noqa: E402
+from benchlib import OTHER_LOAD_LIMIT, OtherLoad, Target, judge  # noqa: E402
 
 TIERS = ["paid", "subscriber", "free", "batch"]
 BATCH_RANK = TIERS.index("batch")
@@ -239,7 +239,8 @@ def serve(config_path: str, port: int, switch_interval: float | None = None, thr
 # -- starting it -------------------------------------------------------------------------------------
 
 
-def write_config(folder: Path, model_path: Path, args: argparse.Namespace, guard: bool = True) -> Path:
+def write_config(folder: Path, model_path: Path, args: argparse.Namespace, guard: bool = True,
+                 paid_token_target: float | None = None) -> Path:
     tiers = {
         "paid": (args.paid_inflight, 64, args.paid_target),
         "subscriber": (4, 64, 30),
@@ -250,6 +251,7 @@ def write_config(folder: Path, model_path: Path, args: argparse.Namespace, guard
     for name, (inflight, queued, target) in tiers.items():
         lines += [f"  - name: {name}", f"    keys_env: TIERGATE_BENCH_KEYS_{name.upper()}",
                   f"    max_inflight: {inflight}", f"    max_queued: {queued}", f"    latency_target_s: {target:g}"]
+        lines += [f"    token_latency_target_s: {paid_token_target:.6f}"] if name == "paid" and paid_token_target else []
         lines += ["    batch: true"] if name == "batch" else []
     lines += ["models:", f"  - name: {MODEL}", "    kind: chat", f"    path: {model_path}", f"    engine: {args.engine}",
               "gpu:", "  device: auto", "  vram_budget: 4GiB",
@@ -776,12 +778,11 @@ def note(targets: list[Target], claim: str, measured: str, ok: bool, smoke: bool
     return "n/a (smoke)" if smoke else f"n/a {why_not}" if why_not else verdict(ok)
 
 
-def overloaded(loads: tuple[float, float]) -> str:
-    """Why a latency ratio cannot be judged: more runnable processes than cores, so it measures the
-    machine (docs/BENCHMARKS.md: at load 3-5 on 2 cores, p99s of seconds in every phase)."""
-    cores = os.cpu_count() or 1
-    worst = max(loads)
-    return f"(load average {worst:.1f} on {cores} cores: the latency ratio measures the machine)" if worst > cores else ""
+def overloaded(loads: tuple) -> str:
+    """Why a latency ratio cannot be judged: other processes than this benchmark's own (server,
+    load generators) used more than half a core meanwhile, so it measures the machine
+    (docs/BENCHMARKS.md: at load 3-5 on 2 cores, p99s of seconds in every phase)."""
+    return loads[2].why_not(OTHER_LOAD_LIMIT)
 
 
 def report(args, server: Server, alone: PaidRun, share: FloodPhase | None, flood: FloodPhase, per_round: list,
@@ -791,7 +792,8 @@ def report(args, server: Server, alone: PaidRun, share: FloodPhase | None, flood
     threads = args.server_threads or "torch's default"
     print(f"engine: {args.engine}; server in its own process (tiergate serve's app + /bench records, torch threads "
           f"{threads}) on 127.0.0.1; {os.cpu_count()} CPUs; load average (1 min) {loads[0]:.1f} at the start, "
-          f"{loads[1]:.1f} at the end")
+          f"{loads[1]:.1f} at the end; other processes than this benchmark's used "
+          f"{'n/a' if loads[2].cores is None else f'{loads[2].cores:.2f}'} cores meanwhile")
     print(f"config: gate.slots {args.slots}; paid max_inflight {args.paid_inflight}, latency_target_s "
           f"{args.paid_target:g}; free max_inflight "
           f"{args.free_inflight}, max_queued {args.free_queued}, latency_target_s {args.free_target:g}; batch "
@@ -955,7 +957,8 @@ def guard_rows(args, guarded: tuple[PaidRun, FloodPhase], unguarded: tuple[PaidR
     """(e) The same phases, same run, on a second server whose SLO guard is off: paid's latency
     and what free got served in the flood, side by side."""
     print("\n(e) the SLO guard (gate.slo_guard: on, the shipped default) vs a second server with it off, same run, "
-          f"phases alternated; paid latency_target_s {args.paid_target:g} (the guard judges chat by time to first token)")
+          f"phases alternated; paid latency_target_s {args.paid_target:g}, token_latency_target_s "
+          f"{args.paid_token_target * 1e3:.2f} ms (the guard judges chat by time to first token and by time per later token)")
     print(f"  {'':<34}{'guard on':>10}{'guard off':>10}")
     rows = []
     for q in (50, 99):
@@ -984,15 +987,26 @@ async def run(args: argparse.Namespace) -> int:
             folder.mkdir()
         t_start = time.monotonic()
         load_start = os.getloadavg()[0]
-        servers = {guard: start_server(write_config(folder, model, args, guard), folder, timeout=300,
-                                       switch_interval=args.switch_interval, threads=args.server_threads)
-                   for guard, folder in folders.items()}
-        server = servers[True]  # the shipped default: everything below but (e)'s guard-off column is its
+        other = OtherLoad().__enter__()  # left at the end of the measuring, before the report
         say = lambda msg: print(f"bench_tiers: {msg} ({time.monotonic() - t_start:.0f}s)", file=sys.stderr, flush=True)  # noqa: E731
-        say("servers up (guard on, guard off)")
+        start = lambda guard, token_target=None: start_server(  # noqa: E731
+            write_config(folders[guard], model, args, guard, token_target), folders[guard], timeout=300,
+            switch_interval=args.switch_interval, threads=args.server_threads)
+        servers = {False: start(False)}
         try:
+            await warm_up(servers[False], args)
+            token_target = args.paid_token_target
+            if token_target is None:  # calibrated: 1.25x paid's time per token alone, the ratio (b) judges
+                async with client_for(servers[False].url) as client:
+                    calib = await paid_load(client, servers[False].keys["paid"], args.paid // 3 or 1,
+                                            args.paid_concurrency, args.paid_tokens)
+                token_target = 1.25 * pct(calib.latencies, 50) / args.paid_tokens
+            args.paid_token_target = token_target
+            servers[True] = start(True, token_target or None)
+            server = servers[True]  # the shipped default: everything below but (e)'s guard-off column is its
+            say(f"servers up (guard off, guard on with paid token_latency_target_s {token_target * 1e3:.2f} ms)")
+            await warm_up(server, args)
             for s in servers.values():
-                await warm_up(s, args)
                 s.threads = s.records(since=float("inf"))["threads"]
             phases = {guard: (PaidRun(), FloodPhase(), FloodPhase()) for guard in servers}
             per_round = []
@@ -1023,12 +1037,13 @@ async def run(args: argparse.Namespace) -> int:
                 print(f"--- server log tail ({s.log}) ---\n{s.log.read_text()[-4000:]}", file=sys.stderr)
             raise
         finally:
+            other.__exit__(None, None, None)
             for s in servers.values():
                 s.stop()
         alone, share, flood = phases[True]
         off_alone, _, off_flood = phases[False]
         return report(args, server, alone, share if args.share else None, flood, per_round, pause, rec,
-                      (load_start, os.getloadavg()[0]), (off_alone, off_flood), limits)
+                      (load_start, os.getloadavg()[0], other), (off_alone, off_flood), limits)
 
 
 def main() -> int:
@@ -1062,6 +1077,11 @@ def main() -> int:
     ap.add_argument("--paid-target", type=float, default=0.015,
                     help="paid's latency_target_s: the SLO guard shrinks free while paid's time to first token "
                          "(p90 over 10 s) is above 0.8x this, lets it grow back below 0.5x")
+    ap.add_argument("--paid-token-target", type=float, default=None,
+                    help="paid's token_latency_target_s (seconds per token): the SLO guard shrinks free while "
+                         "paid's replies' mean time per later token (p90) is above 0.8x this. Default: calibrated "
+                         "as 1.25x paid's p50 latency alone per token, on the guard-off server before the rounds "
+                         "(the ratio (b) judges); 0: none (the guard judges time to first token only)")
     ap.add_argument("--server-threads", type=int, default=1,
                     help="torch intra-op threads of the server process (OMP_NUM_THREADS); 0: torch's default "
                          "(one per core). See docs/BENCHMARKS.md for why the default is 1")

@@ -222,3 +222,81 @@ def test_speech_reports_its_whole_time(server, monkeypatch):
     assert len(seen) == 1, seen
     tier, seconds, told = seen[0]
     assert tier == "free" and 0 < seconds <= done - start
+
+
+def token_table(paid_tokens=(), paid_token_target=0.01, paid=COOL) -> list[TierWindow]:
+    rows = table(paid=paid)
+    rows[0] = TierWindow("paid", 0, TARGET, 8, False, tuple(paid), paid_token_target, tuple(paid_tokens))
+    return rows
+
+
+SLOW_TOKENS, MID_TOKENS, FAST_TOKENS = (0.009, 0.0095, 0.012), (0.006, 0.007, 0.0065), (0.001, 0.002, 0.003)
+
+
+@pytest.mark.parametrize(
+    "case, windows, limits, expected",
+    [
+        ("paid's first tokens on time but its replies slow: the tiers below halve",
+         token_table(SLOW_TOKENS), {}, {"paid": 8, "subscriber": 4, "free": 4, "batch": 8}),
+        ("token latency between recover and trigger: hold",
+         token_table(MID_TOKENS), {"subscriber": 3, "free": 2}, {"paid": 8, "subscriber": 3, "free": 2, "batch": 8}),
+        ("both fast: grow back", token_table(FAST_TOKENS), {"subscriber": 3, "free": 2},
+         {"paid": 8, "subscriber": 4, "free": 3, "batch": 8}),
+        ("no token target: slow replies are not judged", token_table(SLOW_TOKENS, None), {"subscriber": 3},
+         {"paid": 8, "subscriber": 4, "free": 8, "batch": 8}),
+        ("too few token samples are not judged", token_table(SLOW_TOKENS[:2]), {"subscriber": 3},
+         {"paid": 8, "subscriber": 4, "free": 8, "batch": 8}),
+        ("fast replies do not hide a late first token", token_table(FAST_TOKENS, paid=HOT), {},
+         {"paid": 8, "subscriber": 4, "free": 4, "batch": 8}),
+    ],
+)
+def test_next_limits_judges_token_latency(case, windows, limits, expected):
+    assert next_limits(windows, limits, S) == expected, case
+
+
+def test_gate_feeds_token_latencies_to_the_guard():
+    """Through the gate: paid's replies slowing down token by token (its first tokens fast)
+    halve free's effective max_inflight, and fast replies let it grow back."""
+    now = [0.0]
+    tiers = [TierPolicy("paid", 0, 4, 8, 1.0, token_latency_target_s=0.01), TierPolicy("free", 1, 4, 8, 10.0)]
+    gate = Gate(tiers, 8, clock=lambda: now[0], guard=GuardSettings(interval_s=1.0, window_s=5.0))
+    for _ in range(3):
+        gate.observe_latency("paid", 0.001)
+        gate.observe_token_latency("paid", 0.02)
+    now[0] = 1.5
+    gate.observe_token_latency("paid", 0.02)
+    assert gate.limits["free"] == 2
+    now[0] = 10.0  # the slow replies have aged out of the window: one decision grows free by one
+    gate.observe_token_latency("paid", 0.001)
+    assert gate.limits["free"] == 3
+    now[0] = 11.1
+    gate.observe_token_latency("paid", 0.001)
+    assert gate.limits["free"] == 4
+
+
+def test_chat_reports_its_mean_time_per_later_token(server, monkeypatch):
+    """A streamed reply of n tokens reports (end - first token) / (n - 1) once, as it ends; a
+    speech request (no tokens) reports none."""
+    gate = server.services.gate
+    seen: list[tuple[str, float, float]] = []
+    real = gate.observe_token_latency
+
+    def observe(tier: str, seconds: float) -> None:
+        seen.append((tier, seconds, time.monotonic()))
+        real(tier, seconds)
+
+    monkeypatch.setattr(gate, "observe_token_latency", observe)
+    client = OpenAI(base_url=server.base_url, api_key=server.keys["paid"])
+    start = time.monotonic()
+    stream = client.chat.completions.create(model="tiny-chat", messages=[{"role": "user", "content": "hi"}],
+                                            max_tokens=32, stream=True, stream_options={"include_usage": True})
+    chunks = list(stream)
+    elapsed = time.monotonic() - start
+    tokens = chunks[-1].usage.completion_tokens
+    assert tokens > 1  # the random demo model does not stop at once (else this test would show nothing)
+    assert len(seen) == 1, seen
+    tier, seconds, _ = seen[0]
+    assert tier == "paid" and 0 < seconds * (tokens - 1) < elapsed
+    seen.clear()
+    client.audio.speech.create(model="tiny-tts", voice="alloy", input="hello", response_format="wav").read()
+    assert seen == []
