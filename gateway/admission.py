@@ -47,7 +47,7 @@ class TierPolicy:
     max_queued: int
     latency_target_s: float
     is_batch: bool = False
-    token_latency_target_s: float | None = None  # streamed text: seconds between tokens (the SLO guard's)
+    token_latency_target_s: float | None = None  # text replies: seconds per token after the first (the SLO guard's)
 
 
 class Rejected(Exception):

@@ -47,8 +47,8 @@ class TierConfig(_Strict):
     max_inflight: int | None = Field(default=None, ge=1)  # None: 8; on the batch tier, every engine's width together
     max_queued: int = Field(default=64, ge=0)
     latency_target_s: float = Field(default=30.0, gt=0)
-    # streamed text: the time between tokens this tier should see; the SLO guard shrinks the tiers
-    # below while this tier's replies come slower (None: only latency_target_s is judged)
+    # text replies: the time per token (after the first) this tier should see; the SLO guard shrinks
+    # the tiers below while this tier's replies come slower (None: only latency_target_s is judged)
     token_latency_target_s: float | None = Field(default=None, gt=0)
     batch: bool = False  # the batch tier: runs only on an otherwise idle GPU and always yields; at most one, last
 
