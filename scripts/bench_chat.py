@@ -18,7 +18,9 @@ At 1, 8 and 32 concurrent streams: output tokens/s, TTFT and TPOT p50/p99. Ratio
     python scripts/bench_chat.py --smoke                    # (a) and (b), 1 stream, 8 tokens: no verdict
 
 Whole comparisons repeat ``--repeat`` times in alternating order; each target is judged on the
-median of the runs' ratios, and only with at least 5 runs (fewer: n/a), with the spread printed.
+median of the runs' ratios, and only with at least 5 runs (fewer: n/a), with the spread printed,
+and n/a when other processes than the benchmark's own used more than half a core meanwhile
+(``benchlib.OtherLoad``).
 On the demo tiny-chat (the default model) the verdict is n/a: its forward pass is so cheap that
 the figures measure per-token Python overhead and swing 2-5x run to run; judge with ``--medium``
 (or ``--model`` a real one).
@@ -45,7 +47,7 @@ import openai
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-from benchlib import Target, at_least, judge  # noqa: E402
+from benchlib import OTHER_LOAD_LIMIT, OtherLoad, Target, at_least, judge  # noqa: E402
 
 KEY = "bench-key"
 MIN_RUNS = 5
@@ -330,6 +332,7 @@ def main() -> int:
         "d": ("vllm serve", lambda p, d: start_vllm_serve(args.model, p, peer_flags)),
     }
     runs: list[dict[tuple[str, int], dict]] = []
+    other = OtherLoad().__enter__()  # the CPU other processes take meanwhile (left after the runs)
     with tempfile.TemporaryDirectory() as tmp:
         if "d" in args.only:
             peer_flags, differ = peer_engine_flags(args.model, Path(tmp), args.peer_policy)
@@ -351,6 +354,7 @@ def main() -> int:
                 finally:
                     stop(proc)
             runs.append(table)
+    other.__exit__(None, None, None)
 
     print(f"\nmodel {args.model.name}, {args.tokens} max tokens per stream, {args.rounds} rounds per level, greedy; "
           f"{args.repeat} runs, the last one in full:")
@@ -365,6 +369,10 @@ def main() -> int:
         why_not = f"({len(runs)} runs: targets are judged on the median of >= {MIN_RUNS})"
     elif args.model.name == "tiny-chat":
         why_not = "(tiny-chat measures per-token overhead, not the engines: judge with --medium)"
+    elif other.why_not(OTHER_LOAD_LIMIT):
+        why_not = other.why_not(OTHER_LOAD_LIMIT)
+    print(f"(other processes than this benchmark's used {'n/a' if other.cores is None else f'{other.cores:.2f}'} "
+          "cores meanwhile)")
 
     def ratio(x: str, y: str, n: int, target: float | None) -> None:
         rs = [t[(x, n)]["tok_s"] / t[(y, n)]["tok_s"] for t in runs if (x, n) in t and (y, n) in t]
