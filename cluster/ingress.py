@@ -5,19 +5,24 @@ before a model is needed, then the call to the replica the router picks, streame
   ``cluster.redis_url``'s Redis when set, shared with every replica; 401 without a valid key);
 * validation: the body's ``model`` must be a configured model or adapter that the key may use
   (404 otherwise, as if it did not exist), a JSON body must parse (400);
-* an early 429 when a tier already has as many requests in flight through this ingress as all
-  replicas' gates could hold (``max_inflight + max_queued`` each), before any replica is asked;
-* the call: ``forward`` on the replica deployment with ``stream=True``; the router (a
+* early 429s, before any replica is asked: a key that has used up a minute limit
+  (``rate_limit_exceeded``) or its daily budget (``insufficient_quota``, ``cluster.quota``), and a
+  tier that already has as many requests in flight through this ingress as all replicas' gates
+  could hold (``max_inflight + max_queued`` each);
+* the call: ``forward`` on the deployment that serves the model (the pool, or a tensor-parallel
+  model's own, ``cluster.deployments``) with ``stream=True``; the router (a
   ``cluster.ray_router.TierRouter``) reads the model and tier from its arguments. A replica that
   answers "redirect" (its stats were stale) is avoided and the router is asked again, until a replica
   takes the request or the router refuses (at most once per replica); a replica that died before
   answering is tried once more (Serve drops it from the router's candidates).
 * a replica that dies mid-answer: a stream (SSE) ends with an OpenAI-shaped error event, which the
   OpenAI SDK raises as an ``APIError``; any other body is cut short.
+* ``GET /metrics``: the cluster's scrape target, every replica's metrics with a ``replica`` label
+  plus this ingress's own (``cluster.scrape``).
 
-Per-key quotas (requests and tokens per minute, daily spend) and usage are applied by the chosen
-replica's serving core, as in ``tiergate serve``: on a shared Redis the limiter is atomic across
-processes, so a key's limits hold for the whole cluster (docs/CLUSTER.md).
+The replica's serving core still admits each request against its key's limits (atomically, on a
+shared Redis across processes) and meters its usage, as in ``tiergate serve``: the early refusal
+only reads, so it spends nothing twice (docs/CLUSTER.md).
 """
 
 from __future__ import annotations
@@ -26,59 +31,80 @@ import asyncio
 import json
 import logging
 import re
+from collections import Counter
 from collections.abc import AsyncIterator
+from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
+from prometheus_client.metrics_core import Metric
 from ray.exceptions import RayError
 from starlette.requests import Request
 from starlette.responses import JSONResponse, Response, StreamingResponse
 
-from cluster.replica import shared_store
+from cluster.quota import early_refusal
+from cluster.replica import replica_id, shared_store
+from cluster.scrape import merged
 from gateway.accounts import Accounts
 from gateway.auth import Caller, KeyRing, bearer_token
 from gateway.config import load_config
 from gateway.errors import APIError
 
 log = logging.getLogger("tiergate.cluster")
+_DROPPED = {b"x-request-id", b"content-length"}  # the proxy writes the same id; the length is set here
 _FORM_MODEL = re.compile(rb'name="model"\r\n\r\n([^\r\n]*)\r\n')
 
 
 class Ingress:
     """A Ray Serve deployment class; ``replicas`` is the replica deployment's handle."""
 
-    def __init__(self, config_path: str, keys: dict[str, list[str]], admin_keys: list[str], replicas,
-                 num_replicas: int) -> None:
+    def __init__(self, config_path: str, keys: dict[str, list[str]], admin_keys: list[str],
+                 deployments: dict[str, dict]) -> None:
+        """``deployments``: name -> {"models", "replicas", "handle"} (``cluster.app``)."""
         self.config = shared_store(load_config(Path(config_path)))
         self.keys = KeyRing(keys, admin_keys)
         self.accounts = Accounts.from_config(self.config)
         self._accounts_started: asyncio.Future | None = None
-        self.replicas = replicas
-        self.num_replicas = num_replicas
+        self.deployments = [_Target(d["handle"], d["replicas"]) for d in deployments.values()]
+        self.by_model = {m: t for t, d in zip(self.deployments, deployments.values()) for m in d["models"]}
+        self.default = self.deployments[0]  # the pool (first when there is one): requests that need no model
         self.rank = {t.name: i for i, t in enumerate(self.config.tiers)}
         self.base = {m.name: m.name for m in self.config.models} | {a.name: a.model for a in self.config.adapters}
-        self.capacity = {t.name: num_replicas * (self.config.max_inflight(t) + t.max_queued)
-                         for t in self.config.tiers}
+        replicas = sum(t.replicas for t in self.deployments)
+        self.capacity = {t.name: replicas * (self.config.max_inflight(t) + t.max_queued) for t in self.config.tiers}
         self.inflight = {t.name: 0 for t in self.config.tiers}
+        self.answered: Counter[tuple[str, str, int]] = Counter()  # (tier, where, status) -> responses
+        self.id = replica_id()
+        self.redirects = 0
 
     async def __call__(self, request: Request) -> Response:
+        path = _app_path(request.scope)
+        if path == "/healthz":
+            return JSONResponse({"status": "ok"})
+        if path == "/metrics" and request.method == "GET":
+            return Response(await self._scrape(), media_type="text/plain; version=0.0.4")
+        tier = "-"
         try:
-            return await self._serve(request)
+            caller = await self._caller(request)
+            tier = caller.tier
+            return await self._serve(request, path, caller)
         except APIError as exc:
+            self.answered[(tier, "ingress", exc.status)] += 1
             return exc.response()
 
-    async def _serve(self, request: Request) -> Response:
-        if _app_path(request.scope) == "/healthz":
-            return JSONResponse({"status": "ok"})
-        caller = await self._caller(request)
+    async def _serve(self, request: Request, path: str, caller: Caller) -> Response:
         body = await request.body()
         model = self._model(request, body)
         if model is not None and not self.accounts.allows(caller, model):
             raise APIError(404, f"the model '{model}' does not exist", "model_not_found", "model")
         tier = caller.tier
+        if model is not None and (early := await early_refusal(self.accounts, caller)) is not None:
+            raise early
         if self.inflight[tier] >= self.capacity[tier]:
             raise APIError(429, f"the {tier} tier's queues are full on every replica", "queue_full",
                            headers={"retry-after": "1", "retry-after-ms": "1000"}, type="rate_limit_error")
-        forwarded = {"method": request.method, "path": _app_path(request.scope), "query": request.url.query.encode(),
+        forwarded = {"method": request.method, "path": path, "query": request.url.query.encode(),
                      "headers": _with_request_id(request.headers.raw), "body": body}
         self.inflight[tier] += 1
         try:
@@ -86,12 +112,18 @@ class Ingress:
         except BaseException:
             self.inflight[tier] -= 1
             raise
-        headers = [(k.decode("latin-1"), v.decode("latin-1")) for k, v in head["headers"]
-                   if k.lower() != b"x-request-id"]  # Serve's proxy writes the same id
-        headers.append(("x-tiergate-redirects", str(redirects)))
-        sse = any(k.lower() == "content-type" and v.startswith("text/event-stream") for k, v in headers)
+        self.answered[(tier, "replica", head["status"])] += 1
+        self.redirects += redirects
+        headers = [(k, v) for k, v in head["headers"] if k.lower() not in _DROPPED]  # Serve's proxy writes the id
+        headers.append((b"x-tiergate-redirects", str(redirects).encode()))
+        if "body" in head:  # the whole answer in one message
+            self.inflight[tier] -= 1
+            response = Response(head["body"], status_code=head["status"])
+            response.raw_headers = headers + [(b"content-length", str(len(head["body"])).encode())]
+            return response
+        sse = any(k.lower() == b"content-type" and v.startswith(b"text/event-stream") for k, v in headers)
         response = StreamingResponse(self._body(rest, tier, sse), status_code=head["status"])
-        response.raw_headers = [(k.encode("latin-1"), v.encode("latin-1")) for k, v in headers]
+        response.raw_headers = headers
         return response
 
     async def _caller(self, request: Request) -> Caller:
@@ -105,9 +137,10 @@ class Ingress:
         return caller
 
     async def _call(self, forwarded: dict, model: str | None, tier: int):
+        target = self.by_model.get(model, self.default) if model is not None else self.default
         avoid: list[str] = []
-        for _ in range(max(2, self.num_replicas)):  # until a replica takes it or the router refuses
-            stream = self.replicas.options(stream=True).forward.remote(forwarded, model=model, tier=tier, avoid=avoid)
+        for _ in range(max(2, target.replicas)):  # until a replica takes it or the router refuses
+            stream = target.handle.options(stream=True).forward.remote(forwarded, model=model, tier=tier, avoid=avoid)
             try:
                 first = await stream.__anext__()
             except RayError as exc:  # died before answering: Serve stops routing to it; try once more
@@ -133,6 +166,41 @@ class Ingress:
         finally:
             self.inflight[tier] -= 1
 
+    async def _scrape(self) -> bytes:
+        """Every replica's metrics (each asked once, in turn: the router avoids those already
+        asked) with ``replica`` and ``node`` labels, and this ingress's own."""
+        texts = []
+        for target in self.deployments:
+            seen: set[str] = set()
+            for _ in range(target.replicas):
+                try:
+                    got = await target.handle.metrics.remote(avoid=sorted(seen))
+                except RayError as exc:  # a replica dying: the next scrape has its replacement
+                    log.warning("a replica's metrics failed: %s", type(exc).__name__)
+                    continue
+                if got["replica"] in seen:  # every replica answered already (the router fell back)
+                    break
+                seen.add(got["replica"])
+                texts.append(({"replica": got["replica"], "node": got["node"]}, got["text"]))
+        return merged(texts, self._own_metrics())
+
+    def _own_metrics(self) -> list[Metric]:
+        """This ingress's counters, labelled with its id (each node's ingress counts its own)."""
+        me = self.id
+        answered = CounterMetricFamily("tiergate_ingress_responses", "Responses by tier, who answered "
+                                       "(ingress: refused before any replica) and status",
+                                       labels=["ingress", "tier", "by", "status"])
+        for (tier, by, status), n in sorted(self.answered.items()):
+            answered.add_metric([me, tier, by, str(status)], n)
+        inflight = GaugeMetricFamily("tiergate_ingress_in_flight", "Requests in flight through this ingress",
+                                     labels=["ingress", "tier"])
+        for tier, n in self.inflight.items():
+            inflight.add_metric([me, tier], n)
+        redirects = CounterMetricFamily("tiergate_ingress_redirects", "Replicas that answered redirect (stale stats)",
+                                        labels=["ingress"])
+        redirects.add_metric([me], self.redirects)
+        return [answered, inflight, redirects]
+
     def _model(self, request: Request, body: bytes) -> str | None:
         """The base model the request needs (None for endpoints that need none); 400/404 on bad input."""
         if request.method != "POST" or not body:
@@ -154,6 +222,14 @@ class Ingress:
         if not isinstance(name, str) or name not in self.base:
             raise APIError(404, f"the model '{name}' does not exist", "model_not_found", "model")
         return self.base[name]
+
+
+@dataclass(frozen=True)
+class _Target:
+    """A deployment's handle and its replica count."""
+
+    handle: Any
+    replicas: int
 
 
 def _app_path(scope: dict) -> str:

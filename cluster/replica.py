@@ -13,17 +13,20 @@ travels with the request is answered as such unless this replica can take the re
 from __future__ import annotations
 
 import asyncio
+import os
 from collections.abc import AsyncIterator
+from dataclasses import replace
 from pathlib import Path
 
 from cluster.asgi import Forwarded, Head, Lifespan, call
-from cluster.router import admits
-from cluster.stats import replica_stats
+from cluster.router import RANK
+from cluster.stats import option, replica_stats
 from gateway.app import build_services, create_app
 from gateway.auth import KeyRing
 from gateway.config import Config, load_config
 from gateway.errors import APIError
 
+WHOLE_BODY_BYTES = 1 << 20  # a non-streamed answer up to this size goes back as one message
 REPLICA_HEADER = b"x-tiergate-replica"
 NODE_HEADER = b"x-tiergate-node"
 
@@ -43,9 +46,14 @@ def node_id() -> str:
 class TierReplica:
     """A Ray Serve deployment class (``cluster.app`` decorates it with its resources)."""
 
-    def __init__(self, config_path: str, keys: dict[str, list[str]], admin_keys: list[str]) -> None:
-        self.config = shared_store(load_config(Path(config_path)))
+    def __init__(self, config_path: str, keys: dict[str, list[str]], admin_keys: list[str],
+                 models: list[str] | None = None, pinned: bool = False) -> None:
+        config = shared_store(load_config(Path(config_path)))
+        self.config = serving_only(config, models, pinned)
         self.services = build_services(self.config, KeyRing(keys, admin_keys))
+        if pinned:  # a tensor-parallel deployment: its model spans the replica's devices, never swapped
+            for name in self.config.cluster.tensor_parallel.keys() & set(self.services.arbiter.specs):
+                _span(self.services.arbiter, name, self.config.cluster.tensor_parallel[name])
         self.app = create_app(self.services)
         self.rank = {t.name: i for i, t in enumerate(self.config.tiers)}
         self.id = replica_id()
@@ -58,33 +66,64 @@ class TierReplica:
             self._started = asyncio.ensure_future(self._lifespan.start())
         await asyncio.shield(self._started)
 
+    def metrics(self, avoid: list[str] | None = None) -> dict:
+        """This replica's Prometheus text (``avoid`` is read by the router: the ingress's scrape
+        asks each replica once)."""
+        return {"replica": self.id, "node": self.node, "text": self.services.metrics.render().decode()}
+
+    def devices(self) -> dict:
+        """The GPUs this replica's process was given by Ray and sees through torch."""
+        import ray
+        import torch
+
+        return {"ray_gpu_ids": [str(i) for i in ray.get_gpu_ids()], "torch_devices": torch.cuda.device_count(),
+                "cuda_visible_devices": os.environ.get("CUDA_VISIBLE_DEVICES")}
+
     def record_routing_stats(self) -> dict:
         return replica_stats(self.id, self.services.arbiter, self.services.gate).to_dict()
 
     async def forward(self, request: dict, model: str | None = None, tier: int = 0,
                       avoid: list[str] | None = None, verdict: dict | None = None) -> AsyncIterator[dict | bytes]:
-        """Serve one forwarded request: yield ``{"status", "headers"}`` then body chunks, or
-        ``{"redirect": replica}`` when this replica's arbiter would refuse it now."""
+        """Serve one forwarded request: yield ``{"status", "headers", "body"}`` for a whole answer
+        (one message back, the common case), or ``{"status", "headers"}`` then body chunks for a
+        stream (SSE, or a body past ``WHOLE_BODY_BYTES``), or ``{"redirect": replica}`` when this
+        replica's arbiter would refuse the request now."""
         await self._start()
-        known = model is not None and model in self.services.arbiter.states
-        fresh = replica_stats(self.id, self.services.arbiter, self.services.gate) if known else None
-        if verdict is not None and fresh is not None and admits(fresh, model, tier):
+        arbiter = self.services.arbiter
+        known = model is not None and model in arbiter.states
+        takes = known and option(arbiter.view(), model, tier, arbiter.batch_rank).need in RANK
+        if verdict is not None and takes:
             verdict = None  # the reports were stale: this replica can take it now
         if verdict is not None:  # the router found no replica: answer for the cluster
             error = APIError(verdict["status"], verdict["message"], verdict["code"],
                              headers=_retry(verdict.get("retry_after")), type=verdict.get("type"))
             response = error.response()
-            yield {"status": response.status_code, "headers": self._headers(response.raw_headers)}
-            yield bytes(response.body)
+            yield {"status": response.status_code, "headers": self._headers(response.raw_headers),
+                   "body": bytes(response.body)}
             return
-        if fresh is not None and not admits(fresh, model, tier):
+        if known and not takes:
             yield {"redirect": self.id}
             return
+        head: dict | None = None
+        held: list[bytes] = []
+        size = 0
         async for item in call(self.app, Forwarded(**request)):
             if isinstance(item, Head):
-                yield {"status": item.status, "headers": self._headers(item.headers)}
-            else:
+                head = {"status": item.status, "headers": self._headers(item.headers)}
+                if _streamed(item.headers):
+                    yield head
+                    head = None
+            elif head is None:
                 yield item
+            else:
+                held.append(item)
+                size += len(item)
+                if size > WHOLE_BODY_BYTES:  # too big to send whole: stream the rest
+                    yield head
+                    yield b"".join(held)
+                    head, held = None, []
+        if head is not None:
+            yield {**head, "body": b"".join(held)}
 
     def _headers(self, headers: list[tuple[bytes, bytes]]) -> list[tuple[bytes, bytes]]:
         return [*headers, (REPLICA_HEADER, self.id.encode()), (NODE_HEADER, self.node.encode())]
@@ -100,6 +139,33 @@ def shared_store(config: Config) -> Config:
     if url is None:
         return config
     return config.model_copy(update={"batch": config.batch.model_copy(update={"store": url})})
+
+
+def serving_only(config: Config, models: list[str] | None, pinned: bool) -> Config:
+    """The replica's config: only ``models`` (and their adapters); a pinned deployment's budget is
+    its models' declared size, so nothing else ever fits beside them."""
+    if models is None:
+        return config
+    keep = set(models)
+    update: dict = {"models": [m for m in config.models if m.name in keep],
+                    "adapters": [a for a in config.adapters if a.model in keep]}
+    if pinned:
+        budget = sum(m.vram or 0 for m in update["models"])
+        update["gpu"] = config.gpu.model_copy(update={"vram_budget": budget})
+    return config.model_copy(update=update)
+
+
+def _span(arbiter, model: str, devices: int) -> None:
+    """Pin ``model`` and have its engine (vLLM) shard it over the replica's ``devices`` GPUs."""
+    spec = arbiter.specs[model]
+    if spec.engine == "vllm":
+        engine_args = {**spec.options.get("engine_args", {}), "tensor_parallel_size": devices}
+        arbiter.specs[model] = replace(spec, options={**spec.options, "engine_args": engine_args})
+    arbiter.pin(model, True)
+
+
+def _streamed(headers: list[tuple[bytes, bytes]]) -> bool:
+    return any(k.lower() == b"content-type" and v.startswith(b"text/event-stream") for k, v in headers)
 
 
 def _retry(seconds: int | None) -> dict[str, str] | None:

@@ -1,71 +1,91 @@
 """tiergate on a local two-node Ray cluster (``ray.cluster_utils.Cluster``): two replicas, one per node (fractional CPU, a simulated 2 GiB budget each,
 real arbiters and gates, the tiny demo chat model under three names of 1.5 GiB declared each, so a
-replica holds one at a time), the tier-aware router and the ingress, through Ray Serve's HTTP
-proxy with the openai SDK. The cluster starts once for the module; the scenarios run in order.
+replica holds one at a time, and once more as a small model ``s`` for batch lines), the tier-aware
+router and the ingress, through Ray Serve's HTTP proxy with the openai SDK, keys, quotas and the
+batch backlog in a real Redis. The cluster starts once for the module; the scenarios run in order.
 """
 
 from __future__ import annotations
 
+import asyncio
+import io
+import json
 import time
+from collections import Counter
 from pathlib import Path
 
 import httpx
 import openai
 import pytest
+from prometheus_client.parser import text_string_to_metric_families
 
 ray = pytest.importorskip("ray")
 serve = pytest.importorskip("ray.serve")
 from ray.cluster_utils import Cluster  # noqa: E402
 
+from accounts.redis_store import RedisAccounts  # noqa: E402
 from cluster.app import build, runtime_env  # noqa: E402
 from gateway.config import load_config  # noqa: E402
 from tests.helpers import TIERS, spare_port  # noqa: E402
+from tests.test_batch_store import redis_server  # noqa: E402
 
 KEYS = {t: [f"key-{t}"] for t in TIERS}
 ADMIN = "key-admin"
 PERIOD_S = 0.5  # how often replicas report to the router here
 WINDOW_S = 30  # protect_window_s
+RECLAIM_S = 2.0  # batch.reclaim_after_s: a dead replica's batch lines run elsewhere after this
 
 
-def config_text(models: dict[str, Path], period: float) -> str:
+def config_text(models: dict[str, Path], period: float, redis_url: str | None = None, replicas: tuple[int, int] = (2, 1),
+                paid_target_s: float = 600, slots: int = 8, max_copies: str = "{}", small: Path | None = None) -> str:
     lines = ["tiers:"]
     for t in TIERS:
+        target = paid_target_s if t == "paid" else 600
         lines += [f"  - name: {t}", f"    keys_env: TEST_KEYS_{t.upper()}", "    max_inflight: 4",
-                  "    max_queued: 16", "    latency_target_s: 600"] + (["    batch: true"] if t == "batch" else [])
+                  "    max_queued: 16", f"    latency_target_s: {target}"] + (["    batch: true"] if t == "batch" else [])
     lines.append("models:")
     for name, path in models.items():
         lines += [f"  - name: {name}", "    kind: chat", f"    path: {path}", "    vram: 1536MiB",
                   "    engine: transformers"]
+    if small is not None:  # fits beside any one of the others
+        lines += ["  - name: s", "    kind: chat", f"    path: {small}", "    vram: 256MiB", "    engine: transformers"]
+    nodes, per_node = replicas
     lines += ["gpu:", "  device: cpu", "  vram_budget: 2GiB", "  host_cache_budget: 4GiB",
               f"eviction:\n  protect_window_s: {WINDOW_S}",
+              f"gate:\n  slots: {slots}",
               "limits:\n  max_chat_tokens: 512",
-              "cluster:", "  nodes: 2", "  replicas_per_node: 1", "  devices: cpu", "  replica_cpus: 0.5",
-              f"  stats_period_s: {period}"]
+              f"batch:\n  reclaim_after_s: {RECLAIM_S}\n  concurrency: 1",
+              "cluster:", f"  nodes: {nodes}", f"  replicas_per_node: {per_node}", "  devices: cpu",
+              f"  replica_cpus: {0.5 if nodes * per_node <= 2 else 0.25}",
+              f"  stats_period_s: {period}", f"  max_copies: {max_copies}"]
+    if redis_url is not None:
+        lines.append(f"  redis_url: {redis_url}")
     return "\n".join(lines) + "\n"
 
 
 @pytest.fixture(scope="module")
 def cluster(tiny_chat, tmp_path_factory):
     port = spare_port()
-    nodes = Cluster(initialize_head=True, head_node_args={"num_cpus": 2, "include_dashboard": False})
-    nodes.add_node(num_cpus=2)
-    nodes.wait_for_nodes()
-    ray.init(address=nodes.address, runtime_env=runtime_env(), log_to_driver=False)
-    serve.start(http_options={"host": "127.0.0.1", "port": port})
     folder = tmp_path_factory.mktemp("cluster")
+    with redis_server(tmp_path_factory.mktemp("redis")) as redis_url:
+        nodes = Cluster(initialize_head=True, head_node_args={"num_cpus": 2, "include_dashboard": False})
+        nodes.add_node(num_cpus=2)
+        nodes.wait_for_nodes()
+        ray.init(address=nodes.address, runtime_env=runtime_env(), log_to_driver=False)
+        serve.start(http_options={"host": "127.0.0.1", "port": port})
 
-    def deploy(name: str, prefix: str, period: float) -> None:
-        path = folder / f"{name}.yaml"
-        path.write_text(config_text({"a": tiny_chat, "b": tiny_chat, "c": tiny_chat}, period))
-        serve.run(build(load_config(path), KEYS, [ADMIN]), name=name, route_prefix=prefix)
+        def deploy(name: str, prefix: str, **kw) -> None:
+            path = folder / f"{name}.yaml"
+            path.write_text(config_text({"a": tiny_chat, "b": tiny_chat, "c": tiny_chat}, **kw))
+            serve.run(build(load_config(path), KEYS, [ADMIN]), name=name, route_prefix=prefix)
 
-    deploy("tiergate", "/", PERIOD_S)
-    deploy("stale", "/stale", 60.0)  # reports a minute apart: the redirect test's
-    time.sleep(2 * PERIOD_S + 0.5)  # the first reports
-    yield type("Cluster", (), {"url": f"http://127.0.0.1:{port}"})
-    serve.shutdown()
-    ray.shutdown()
-    nodes.shutdown()
+        deploy("tiergate", "/", period=PERIOD_S, redis_url=redis_url, small=tiny_chat)
+        deploy("stale", "/stale", period=60.0)  # reports a minute apart: the redirect test's
+        time.sleep(2 * PERIOD_S + 0.5)  # the first reports
+        yield type("Cluster", (), {"url": f"http://127.0.0.1:{port}", "redis_url": redis_url, "deploy": deploy})
+        serve.shutdown()
+        ray.shutdown()
+        nodes.shutdown()
 
 
 def chat(cluster, model: str, tier: str, prefix: str = "", **kw) -> httpx.Response:
@@ -136,6 +156,65 @@ def test_ingress_refuses_before_any_replica(cluster):
     assert missing.status_code == 404 and missing.json()["error"]["code"] == "model_not_found"
 
 
+def scrape(cluster, prefix: str = "") -> dict[str, list]:
+    """The cluster's /metrics, parsed by prometheus_client: family name -> samples."""
+    response = httpx.get(f"{cluster.url}{prefix}/metrics", timeout=30)
+    assert response.status_code == 200 and response.headers["content-type"].startswith("text/plain")
+    return {f.name: f.samples for f in text_string_to_metric_families(response.text)}
+
+
+def test_one_metrics_target_for_the_whole_cluster(cluster):
+    """GET /metrics on the ingress: both replicas' series, each with its replica label, and the
+    ingress's own, in Prometheus text that its parser reads."""
+    assert chat(cluster, "c", "paid").status_code == 200
+    families = scrape(cluster)
+    for name in ("vllm:num_requests_waiting", "vllm:num_requests_running", "vllm:kv_cache_usage_perc",
+                 "tiergate_model_resident", "tiergate_admitted"):
+        assert len({s.labels["replica"] for s in families[name]}) == 2, name
+    resident = {(s.labels["replica"], s.labels["model"]): s.value for s in families["tiergate_model_resident"]}
+    assert sorted(m for (_, m), v in resident.items() if v == 1) == ["a", "c"]  # as test one left them
+    nodes = {s.labels["node"] for s in families["vllm:num_requests_running"]}
+    assert len(nodes) == 2  # one replica per node
+    ingress = {s.labels["ingress"] for s in families["tiergate_ingress_in_flight"]}
+    assert len(ingress) == 1  # the answering ingress's own (one ingress per node: each counts its own)
+    assert {s.labels["tier"] for s in families["tiergate_ingress_in_flight"]} == set(TIERS)
+
+
+def admitted(cluster) -> float:
+    return sum(s.value for s in scrape(cluster)["tiergate_admitted"] if s.name == "tiergate_admitted_total")
+
+
+def test_quota_refused_at_the_ingress_before_any_replica(cluster):
+    """A managed key over its requests per minute, and one over its daily GPU budget: the ingress
+    answers 429 itself (every replica's answer names its replica; this one does not, and no
+    replica admitted anything more), with OpenAI's codes."""
+    def key(limits: dict) -> str:
+        made = httpx.post(f"{cluster.url}/admin/keys", headers={"authorization": f"Bearer {ADMIN}"},
+                          json={"name": "quota", "tier": "paid", "limits": limits}, timeout=30)
+        assert made.status_code == 201, made.text
+        return made.json()["value"]
+
+    per_min, budget = key({"requests_per_min": 2}), key({"gpu_seconds_per_day": 0.0001})
+    time.sleep(1.5)  # accounts.refresh_s is 0.5 s
+
+    def ask(secret: str) -> httpx.Response:
+        return httpx.post(f"{cluster.url}/v1/chat/completions", headers={"authorization": f"Bearer {secret}"},
+                          json={"model": "c", "messages": [{"role": "user", "content": "hi"}], "max_tokens": 2},
+                          timeout=60)
+
+    assert [ask(per_min).status_code for _ in range(2)] == [200, 200]
+    assert ask(budget).status_code == 200  # the request that crosses the budget completes
+    before = admitted(cluster)
+    over = ask(per_min)
+    assert over.status_code == 429 and over.json()["error"]["code"] == "rate_limit_exceeded", over.text
+    assert 1 <= int(over.headers["retry-after"]) <= 60 and "x-tiergate-replica" not in over.headers
+    assert over.headers["x-ratelimit-remaining-requests"] == "0"
+    spent = ask(budget)
+    assert spent.status_code == 429 and spent.json()["error"]["code"] == "insufficient_quota", spent.text
+    assert spent.headers["x-should-retry"] == "false" and "x-tiergate-replica" not in spent.headers
+    assert admitted(cluster) == before  # no replica saw either
+
+
 def test_managed_keys_reach_the_ingress_and_every_replica(cluster):
     """A key made through the ingress (on whichever replica) is known to the ingress and the
     replicas within a refresh; its model allow-list is applied at the ingress."""
@@ -165,6 +244,44 @@ def test_stale_stats_redirect(cluster):
     assert replica(b) != replica(a)
 
 
+def test_a_hot_model_loads_a_second_copy_and_no_more_than_max_copies(cluster, tiny_chat):
+    """Three replicas with one gate slot each, paid's latency target 1 ms and ``max_copies: {a: 2}``:
+    bursts of long paid requests for ``a`` queue on its replica until its predicted paid wait is
+    past the target; then a second replica loads ``a``; when both are past it, no third does."""
+    serve.delete("stale")  # its test is over: room for this application's replicas
+    cluster.deploy("copies", "/copies", period=PERIOD_S, replicas=(1, 3), paid_target_s=0.001, slots=1,
+                   max_copies="{a: 2}")
+    time.sleep(2 * PERIOD_S + 0.5)
+
+    def holders() -> set[str]:
+        return {s.labels["replica"] for s in scrape(cluster, "/copies")["tiergate_model_resident"]
+                if s.labels["model"] == "a" and s.value == 1}
+
+    async def scenario() -> list[set[str]]:
+        seen = []
+        async with httpx.AsyncClient(base_url=f"{cluster.url}/copies", timeout=120,
+                                     headers={"authorization": "Bearer key-paid"}) as client:
+            body = {"model": "a", "messages": [{"role": "user", "content": "tell me"}], "max_tokens": 480,
+                    "temperature": 0}
+            running = []
+            for _ in range(4):
+                running += [asyncio.create_task(client.post("/v1/chat/completions", json=body)) for _ in range(3)]
+                await asyncio.sleep(2 * PERIOD_S + 0.3)  # the router sees the queues
+                seen.append(await asyncio.to_thread(holders))
+            for task in running:
+                task.cancel()
+            await asyncio.gather(*running, return_exceptions=True)
+        return seen
+
+    try:
+        seen = asyncio.run(scenario())
+    finally:
+        serve.delete("copies")
+    print("replicas holding a after each burst:", [len(h) for h in seen])
+    assert all(len(h) <= 2 for h in seen)
+    assert len(set().union(*seen)) == 2  # a second copy loaded, and never a third
+
+
 def test_a_replica_killed_mid_stream(cluster):
     """The client gets a clean error (the SDK raises it), and the next request is served by a
     replica that is alive (reported: how long after the kill)."""
@@ -188,3 +305,68 @@ def test_a_replica_killed_mid_stream(cluster):
     assert after.status_code == 200, after.text
     assert replica(after) != victim
     print(f"served again {time.monotonic() - killed:.2f} s after the kill, after {attempt} refusals")
+
+
+def test_a_replica_killed_mid_batch(cluster):
+    """Both replicas pull a batch's lines from Redis (one at a time each); the actor of one that
+    holds a claimed line is killed (``ray.kill``) after the first lines are done. After
+    ``batch.reclaim_after_s`` the other replica (or the replacement Serve starts) reclaims the dead
+    one's line: every line has exactly one result, none failed, and the engines completed exactly
+    as many executions as there are lines (the usage metered in Redis, batch tier)."""
+    n = 8
+    client = openai.OpenAI(base_url=f"{cluster.url}/v1", api_key="key-paid", max_retries=0)
+    rows = [{"custom_id": f"line-{i}", "method": "POST", "url": "/v1/chat/completions",
+             "body": {"model": "s", "messages": [{"role": "user", "content": f"count {i}"}], "max_tokens": 200,
+                      "temperature": 0}} for i in range(n)]
+    content = "".join(json.dumps(r) + "\n" for r in rows).encode()
+    file = client.files.create(file=("in.jsonl", io.BytesIO(content)), purpose="batch")
+    batch = client.batches.create(input_file_id=file.id, endpoint="/v1/chat/completions", completion_window="24h")
+    victim = None
+    deadline = time.monotonic() + 120
+    while victim is None and time.monotonic() < deadline:
+        done = client.batches.retrieve(batch.id).request_counts.completed
+        holders = asyncio.run(claimed_by(cluster.redis_url))
+        if done >= 1 and holders:
+            victim = holders[0]
+        time.sleep(0.05)
+    assert victim is not None, "no replica was seen holding a line"
+    actor = next(a for a in ray._private.state.actors(actor_state_name="ALIVE").values() if a["Pid"] == victim)
+    assert actor["Name"].startswith("SERVE_REPLICA::tiergate#replica#")
+    ray.kill(ray.get_actor(actor["Name"], namespace="serve"), no_restart=True)
+    killed = time.monotonic()
+    while client.batches.retrieve(batch.id).status not in ("completed", "failed", "expired", "cancelled"):
+        assert time.monotonic() - killed < 180, "the batch did not finish"
+        time.sleep(0.5)
+    final = client.batches.retrieve(batch.id)
+    assert final.status == "completed" and final.request_counts.completed == n and final.request_counts.failed == 0
+    results = Counter(json.loads(x)["custom_id"] for x in client.files.content(final.output_file_id).text.splitlines())
+    assert results == Counter({f"line-{i}": 1 for i in range(n)})
+    assert asyncio.run(batch_executions(cluster.redis_url, "s")) == n
+    print(f"finished {time.monotonic() - killed:.1f} s after the kill")
+
+
+async def claimed_by(redis_url: str) -> list[int]:
+    """The pids of the processes (replicas) that hold claimed, unfinished batch lines, most first."""
+    import redis.asyncio as aioredis
+
+    r = aioredis.from_url(redis_url)
+    try:
+        held: Counter[int] = Counter()
+        for stream in await r.keys("tg:backlog:*"):
+            for c in await r.xinfo_consumers(stream, "runners"):
+                if c["pending"]:
+                    name = c["name"].decode() if isinstance(c["name"], bytes) else c["name"]
+                    held[int(name.split(":")[1])] += c["pending"]
+        return [pid for pid, _ in held.most_common()]
+    finally:
+        await r.aclose()
+
+
+async def batch_executions(redis_url: str, model: str) -> int:
+    """Requests the batch tier completed on ``model``, as metered in the shared usage store."""
+    store = RedisAccounts(redis_url)
+    await store.open()
+    try:
+        return sum(row.usage.requests for row in await store.usage(None, model, None, None) if row.tier == "batch")
+    finally:
+        await store.close()

@@ -1,0 +1,48 @@
+"""Which Ray Serve deployments a tiers.yaml becomes, as a pure function (no Ray imported).
+
+Every device (``nodes x replicas_per_node`` of them) is one replica. A tensor-parallel model
+(``cluster.tensor_parallel: {model: N}``) is its own deployment: one replica spanning ``N``
+devices (``num_gpus: N`` on CUDA), serving that model only, pinned, so it is never swapped and
+its devices are outside the swap pool. The devices left form the pool: the ``replica``
+deployment, one replica per device, serving every other model under the tier-aware router.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from gateway.config import Config
+
+POOL = "replica"
+
+
+@dataclass(frozen=True)
+class Deployment:
+    name: str
+    models: tuple[str, ...]  # the models its replicas serve
+    num_replicas: int
+    num_gpus: int  # per replica: devices it reserves (0 on CPU, where budgets are simulated)
+    num_cpus: float  # per replica
+    max_replicas_per_node: int
+    pinned: bool  # its models are pinned: loaded once, never evicted
+
+
+def deployments(config: Config) -> list[Deployment]:
+    """The pool deployment (when any model is left for it), then one per tensor-parallel model."""
+    cluster = config.cluster
+    on_cuda = cluster.devices == "cuda"
+    spanned = cluster.tensor_parallel
+    out = []
+    pooled = tuple(m.name for m in config.models if m.name not in spanned)
+    devices = cluster.nodes * cluster.replicas_per_node - sum(spanned.values())
+    if pooled:
+        out.append(Deployment(POOL, pooled, devices, 1 if on_cuda else 0, cluster.replica_cpus,
+                              cluster.replicas_per_node, pinned=False))
+    for model, span in spanned.items():
+        out.append(Deployment(tp_name(model), (model,), 1, span if on_cuda else 0, cluster.replica_cpus, 1,
+                              pinned=True))
+    return out
+
+
+def tp_name(model: str) -> str:
+    return f"tp-{model}"

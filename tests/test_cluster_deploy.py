@@ -1,0 +1,183 @@
+"""The cluster's parts that need no Ray: the deployments a tiers.yaml becomes (tensor-parallel
+models included), the cluster section's validation, the ingress's early quota refusal on a real
+account store, and the merged scrape target. The CUDA test checks that a replica sees the GPUs Ray
+gave it (skipped without CUDA)."""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from pathlib import Path
+
+import pytest
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
+from prometheus_client.parser import text_string_to_metric_families
+
+from accounts.rates import Ask, utc_day
+from accounts.sqlite_store import SQLiteAccounts
+from accounts.usage import Usage
+from cluster.deployments import Deployment, deployments
+from cluster.quota import early_refusal
+from cluster.replica import serving_only
+from cluster.scrape import merged
+from gateway.accounts import Accounts
+from gateway.auth import Caller, RateState
+from gateway.config import ConfigError, load_config
+
+
+def tiers_yaml(tmp_path: Path, cluster: str, models: str = "") -> Path:
+    for name in ("big", "m1", "m2"):
+        (tmp_path / name).mkdir(exist_ok=True)
+    path = tmp_path / "tiers.yaml"
+    path.write_text(
+        "tiers:\n  - {name: paid, keys_env: K_PAID, latency_target_s: 10}\n  - {name: free, keys_env: K_FREE}\n"
+        "models:\n"
+        "  - {name: big, kind: chat, path: big, vram: 60GiB, engine: vllm}\n"
+        "  - {name: m1, kind: chat, path: m1, vram: 10GiB, engine: vllm}\n"
+        "  - {name: m2, kind: chat, path: m2, vram: 10GiB, engine: vllm}\n" + models
+        + "gpu: {device: cpu, vram_budget: 80GiB}\n" + "cluster:\n" + cluster)
+    return path
+
+
+CUDA_TWO_NODES = "  nodes: 2\n  replicas_per_node: 4\n  devices: cuda\n"
+
+
+def test_one_replica_per_device_and_a_tensor_parallel_model_apart(tmp_path):
+    config = load_config(tiers_yaml(tmp_path, CUDA_TWO_NODES + "  tensor_parallel: {big: 2}\n"))
+    assert deployments(config) == [
+        Deployment("replica", ("m1", "m2"), 6, 1, 1.0, 4, pinned=False),  # 8 devices, 2 spanned by big
+        Deployment("tp-big", ("big",), 1, 2, 1.0, 1, pinned=True),
+    ]
+
+
+def test_without_tensor_parallel_every_device_is_a_pool_replica(tmp_path):
+    config = load_config(tiers_yaml(tmp_path, CUDA_TWO_NODES))
+    assert deployments(config) == [Deployment("replica", ("big", "m1", "m2"), 8, 1, 1.0, 4, pinned=False)]
+
+
+def test_on_cpu_replicas_reserve_no_gpu(tmp_path):
+    config = load_config(tiers_yaml(tmp_path, "  nodes: 1\n  replicas_per_node: 4\n  devices: cpu\n"
+                                              "  replica_cpus: 0.5\n  tensor_parallel: {big: 3}\n"))
+    assert [(d.name, d.num_replicas, d.num_gpus, d.num_cpus) for d in deployments(config)] == [
+        ("replica", 1, 0, 0.5), ("tp-big", 1, 0, 0.5)]
+
+
+def test_a_tensor_parallel_replica_serves_its_model_alone_pinned_with_its_size_as_budget(tmp_path):
+    config = load_config(tiers_yaml(tmp_path, CUDA_TWO_NODES + "  tensor_parallel: {big: 2}\n"))
+    tp = serving_only(config, ["big"], pinned=True)
+    assert [m.name for m in tp.models] == ["big"] and tp.gpu.vram_budget == 60 * 2**30
+    pool = serving_only(config, ["m1", "m2"], pinned=False)
+    assert [m.name for m in pool.models] == ["m1", "m2"] and pool.gpu.vram_budget == 80 * 2**30
+
+
+@pytest.mark.parametrize("cluster,message", [
+    ("  tensor_parallel: {nope: 2}\n", "cluster.tensor_parallel: no model named 'nope'"),
+    ("  max_copies: {nope: 2}\n", "cluster.max_copies: no model named 'nope'"),
+    ("  tensor_parallel: {big: 1}\n", "greater than or equal to 2"),
+    ("  tensor_parallel: {small: 2}\n", "only a chat model on the vllm engine"),
+    ("  tensor_parallel: {undeclared: 2}\n", "declare the model's vram"),
+    ("  tensor_parallel: {big: 2}\n  max_copies: {big: 2}\n", "has one copy"),
+    ("  nodes: 1\n  replicas_per_node: 2\n  tensor_parallel: {big: 2}\n", "leave none for the other models"),
+])
+def test_the_cluster_section_is_checked(tmp_path, cluster, message):
+    (tmp_path / "small").mkdir()
+    extra = ("  - {name: small, kind: chat, path: small, vram: 1GiB, engine: transformers}\n"
+             "  - {name: undeclared, kind: chat, path: small, engine: vllm}\n")
+    with pytest.raises(ConfigError, match=message):
+        load_config(tiers_yaml(tmp_path, cluster, extra))
+
+
+# --- the early quota refusal, on the real account store -------------------------------------------
+
+def test_the_ingress_refuses_a_spent_minute_limit_and_a_spent_budget(tmp_path):
+    config = load_config(tiers_yaml(tmp_path, "  nodes: 1\n"))
+
+    async def main():
+        accounts = Accounts(config, SQLiteAccounts(tmp_path / "accounts.sqlite3"))
+        await accounts.start()
+        try:
+            per_min, _ = await accounts.create_key("rpm", "paid", {"requests_per_min": 2}, None)
+            budget, _ = await accounts.create_key("gpu", "paid", {"gpu_seconds_per_day": 0.5}, None)
+            caller = Caller(tier="paid", key_id=per_min.id, rate=RateState())
+            for _ in range(2):
+                assert await early_refusal(accounts, caller) is None
+                assert await accounts.admit(caller, "m1", Ask()) is not None
+            over = await early_refusal(accounts, caller)
+            assert over is not None and over.status == 429 and over.code == "rate_limit_exceeded"
+            assert 1 <= int(over.headers["retry-after"]) <= 31  # one request comes back every 30 s
+            assert over.headers["x-ratelimit-remaining-requests"] == "0"
+
+            spender = Caller(tier="paid", key_id=budget.id)
+            assert await early_refusal(accounts, spender) is None
+            await accounts.store.record(utc_day(time.time()), budget.id, "m1", "paid", Usage(requests=1, gpu_seconds=0.6))
+            spent = await early_refusal(accounts, spender)
+            assert spent is not None and spent.code == "insufficient_quota" and spent.headers["x-should-retry"] == "false"
+            unlimited = Caller(tier="free", key_id="env-key")
+            assert await early_refusal(accounts, unlimited) is None
+        finally:
+            await accounts.stop()
+
+    asyncio.run(main())
+
+
+# --- one scrape target --------------------------------------------------------------------------
+
+def _replica_text(admitted: int, waiting: float) -> str:
+    registry = CollectorRegistry()
+    Counter("tiergate_admitted", "Requests admitted by the gate", ["tier"], registry=registry).labels("paid").inc(admitted)
+    Gauge("vllm:num_requests_waiting", "Requests queued", registry=registry).set(waiting)
+    Histogram("tiergate_request_seconds", "Latency", ["tier"], registry=registry).labels("paid").observe(0.2)
+    return generate_latest(registry).decode()
+
+
+def test_replicas_metrics_merge_into_one_family_each_with_their_replica_label():
+    from prometheus_client.core import GaugeMetricFamily
+
+    own = GaugeMetricFamily("tiergate_ingress_in_flight", "In flight", labels=["tier"])
+    own.add_metric(["paid"], 3)
+    text = merged([({"replica": "A"}, _replica_text(1, 2)), ({"replica": "B"}, _replica_text(5, 0))], [own]).decode()
+    families = {f.name: f for f in text_string_to_metric_families(text)}
+    assert text.count("# TYPE tiergate_admitted_total counter") == 1  # one family, both replicas' samples
+    admitted = {s.labels["replica"]: s.value for s in families["tiergate_admitted"].samples
+                if s.name == "tiergate_admitted_total"}
+    assert admitted == {"A": 1.0, "B": 5.0}
+    assert {s.labels["replica"]: s.value for s in families["vllm:num_requests_waiting"].samples} == {"A": 2.0, "B": 0.0}
+    counts = [s for s in families["tiergate_request_seconds"].samples if s.name.endswith("_count")]
+    assert families["tiergate_request_seconds"].type == "histogram" and len(counts) == 2
+    assert [(s.labels, s.value) for s in families["tiergate_ingress_in_flight"].samples] == [({"tier": "paid"}, 3.0)]
+
+
+# --- a replica sees its GPUs ----------------------------------------------------------------------
+
+def test_a_replica_sees_the_gpus_ray_gave_it(tmp_path, tiny_chat):
+    """On CUDA: the pool's replica sees one GPU; with three or more, a tensor-parallel model's
+    replica sees two (and none of the pool's). Ray sets each replica's CUDA_VISIBLE_DEVICES to what it reserved."""
+    torch = pytest.importorskip("torch")
+    if not torch.cuda.is_available():
+        pytest.skip("no CUDA device: a replica's GPUs can only be checked on a machine with one")
+    ray = pytest.importorskip("ray")
+    serve = pytest.importorskip("ray.serve")
+    from cluster.app import build, runtime_env
+
+    gpus = torch.cuda.device_count()
+    span = "  tensor_parallel: {wide: 2}\n" if gpus >= 3 else ""
+    path = tmp_path / "tiers.yaml"
+    path.write_text(
+        "tiers:\n  - {name: paid, keys_env: K_PAID}\nmodels:\n"
+        f"  - {{name: narrow, kind: chat, path: {tiny_chat}, vram: 1GiB, engine: vllm}}\n"
+        f"  - {{name: wide, kind: chat, path: {tiny_chat}, vram: 1GiB, engine: vllm}}\n"
+        f"cluster:\n  nodes: 1\n  replicas_per_node: {max(gpus, 1)}\n  devices: cuda\n  replica_cpus: 0.5\n" + span)
+    config = load_config(path)
+    ray.init(num_gpus=gpus, num_cpus=4, runtime_env=runtime_env(), include_dashboard=False)
+    try:
+        serve.run(build(config, {"paid": ["k"]}, []), name="gpus", route_prefix="/")
+        pool = serve.get_deployment_handle("replica", app_name="gpus")
+        seen = pool.devices.remote().result(timeout_s=120)
+        assert seen["torch_devices"] == 1 and len(seen["ray_gpu_ids"]) == 1, seen
+        if span:
+            wide = serve.get_deployment_handle("tp-wide", app_name="gpus").devices.remote().result(timeout_s=120)
+            assert wide["torch_devices"] == 2 and len(wide["ray_gpu_ids"]) == 2, wide
+            assert set(wide["ray_gpu_ids"]).isdisjoint(seen["ray_gpu_ids"])
+    finally:
+        serve.shutdown()
+        ray.shutdown()
