@@ -19,6 +19,7 @@ GPU anyway.
 from __future__ import annotations
 
 import asyncio
+import collections
 import json
 import logging
 import math
@@ -78,7 +79,7 @@ class Accounts:
         self._by_id: dict[str, KeyRecord] = {}
         self._version = 0
         self._loop: asyncio.Task | None = None
-        self.record_s: list[float] = []  # how long recent usage writes took (benchmark, tests)
+        self.record_s: collections.deque[float] = collections.deque(maxlen=1000)  # recent usage writes' times
 
     @classmethod
     def from_config(cls, config: Config) -> "Accounts":
@@ -186,10 +187,16 @@ class Accounts:
                 1.0, usage.input_tokens + usage.output_tokens + usage.embedding_tokens, usage.images,
                 usage.audio_in_seconds + usage.audio_out_seconds)
             writes.append(self.limiter.settle(held.key, held.limits, held.ask, used, held.request_id))
-        for result in await asyncio.gather(*writes, return_exceptions=True):
-            if isinstance(result, BaseException):
-                log.error("usage of a request on %s could not be written: %r", model, result)
-        self.record_s = self.record_s[-999:] + [time.perf_counter() - start]
+        if len(writes) == 1:  # the common case (a key without limits): no task for gather
+            try:
+                await writes[0]
+            except (Exception, asyncio.CancelledError) as exc:  # as gather(return_exceptions=True) has it
+                log.error("usage of a request on %s could not be written: %r", model, exc)
+        else:
+            for result in await asyncio.gather(*writes, return_exceptions=True):
+                if isinstance(result, BaseException):
+                    log.error("usage of a request on %s could not be written: %r", model, result)
+        self.record_s.append(time.perf_counter() - start)
 
     async def headers(self, caller: Caller) -> dict[str, str]:
         """The key's rate-limit headers as they stand now (for responses that spent nothing)."""

@@ -19,7 +19,6 @@ import hashlib
 import json
 import logging
 import time
-import uuid
 from dataclasses import dataclass, field
 from typing import AsyncGenerator, AsyncIterator
 
@@ -34,6 +33,7 @@ from gateway.auth import Caller
 from gateway.errors import APIError, bad_request
 from gateway.http import Streamed, disconnect_signal
 from gateway.logprobs import chat_content, chat_logprobs
+from gateway.request_log import new_id
 from gateway.schemas import ChatCompletionRequest, parse, read_json
 from gateway.service import Services
 from gateway.serving import Gone, Serving
@@ -69,6 +69,7 @@ class ChatJob:
     n: int = 1
     service_tier: str | None = None
     prompt_ids: list[int] | None = None  # a raw prompt (legacy completions): no chat template
+    stream: bool = True  # False: the reply is read whole (the engine may hand it over in fewer pieces)
 
 
 @dataclass
@@ -122,7 +123,8 @@ def plan_chat(svc: Services, body: ChatCompletionRequest) -> ChatJob:
         logit_bias={int(k): v for k, v in (body.logit_bias or {}).items()},
         grammar=grammar or tools.grammar,
     )
-    return ChatJob(spec.name, body.messages_as_dicts(), params, stack, tools, body.n, body.service_tier)
+    return ChatJob(spec.name, body.messages_as_dicts(), params, stack, tools, body.n, body.service_tier,
+                   stream=bool(body.stream))
 
 
 def _tool_parser(svc: Services, model: str) -> str:
@@ -224,7 +226,7 @@ async def _first_event(serving: Serving, job: ChatJob, params: ChatParams,
     """Submit the request and wait for its first event, so that errors found on submission
     become API errors rather than a broken stream."""
     req = ChatRequest(job.messages, params, priority=serving.rank, ctx=ctx, adapters=job.stack,
-                      tools=job.tools.template_tools(), prompt_ids=job.prompt_ids)
+                      tools=job.tools.template_tools(), prompt_ids=job.prompt_ids, stream=job.stream)
     events = serving.worker.chat(req)
     try:
         return events, await events.__anext__()
@@ -324,7 +326,7 @@ async def chat_completions(request: Request) -> Response:
     served = served_caller(svc, caller, job)
     if body.user:
         log.info("chat request: key %s, user %s, tier %s", caller.key_id, scoped_user(caller, body.user), served.tier)
-    completion_id = f"chatcmpl-{uuid.uuid4().hex}"
+    completion_id = f"chatcmpl-{new_id()}"
     headers = {**svc.gate.rate_headers(served.tier), "x-tiergate-tier": served.tier}
     async with disconnect_signal(request) as gone:
         deltas = serve_chat(svc, caller, job, gone)

@@ -13,17 +13,22 @@ lines have no record (``current()`` is None).
 
 Lines go to the ``tiergate.requests`` logger; ``Formatter`` writes every log record as one JSON
 object (``tiergate serve --log-format json``) or as plain text with the fields as ``key=value``.
+``configure`` sends them to stderr through ``LineWriter``, which formats and writes request lines
+off the event loop, a batch at a time, and every other line at once, in order.
 """
 
 from __future__ import annotations
 
+import collections
 import contextvars
 import datetime
 import json
 import logging
+import random
+import re
 import sys
+import threading
 import time
-import uuid
 from dataclasses import dataclass, field, fields
 from typing import Any
 
@@ -86,6 +91,14 @@ def valid_request_id(value: str) -> bool:
     return 0 < len(value) <= MAX_ID_CHARS and all(33 <= ord(c) <= 126 for c in value)
 
 
+_ids = random.Random()  # seeded from os.urandom; ids must be unique, not secret (no system call per id)
+
+
+def new_id() -> str:
+    """32 random hex digits, as ``uuid4().hex`` has, without a system call."""
+    return f"{_ids.getrandbits(128):032x}"
+
+
 def _request_id(scope: Scope) -> str:
     for name, value in scope["headers"]:
         if name == b"x-request-id":
@@ -93,7 +106,7 @@ def _request_id(scope: Scope) -> str:
             if valid_request_id(given):
                 return given
             break
-    return f"req_{uuid.uuid4().hex}"
+    return f"req_{new_id()}"
 
 
 class RequestLog:
@@ -127,7 +140,8 @@ class RequestLog:
             _current.reset(token)
             record.duration_s = time.monotonic() - record.started
             if log.isEnabledFor(logging.INFO):  # the fields are built only for a line that is written
-                log.info("request", extra={"request": record.fields()})
+                log.handle(log.makeRecord(log.name, logging.INFO, "", 0, "request", (), None,
+                                          extra={"request": record.fields()}))  # no caller lookup
 
 
 class Formatter(logging.Formatter):
@@ -155,30 +169,98 @@ class Formatter(logging.Formatter):
         return line
 
 
+_QUOTED = re.compile(r'[\s"]')  # \s: what str.isspace() calls whitespace
+
+
 def _text(value: Any) -> str:
     text = str(value)
-    return json.dumps(text) if (not text or any(c.isspace() or c == '"' for c in text)) else text
+    return json.dumps(text) if (not text or _QUOTED.search(text)) else text
 
 
-class _StderrHandler(logging.StreamHandler):
-    """Writes to whatever ``sys.stderr`` is when a line is logged, not the stream it was when
-    the handler was made (a replaced or closed stderr, as under a test runner, is not kept)."""
+class LineWriter(logging.Handler):
+    """Writes log lines to whatever ``sys.stderr`` is when they are written (a replaced or closed
+    stderr, as under a test runner, is not kept).
 
-    @property
-    def stream(self):  # type: ignore[override]
-        return sys.stderr
+    Request lines (one per request, logged on the event loop) are only queued there: a thread
+    formats what has queued and writes it in one write, ``period`` seconds after the first of them
+    arrived. Every other line (start-up, warnings, errors) is written at once, after what is
+    queued, so lines keep their order. ``flush`` writes what is queued, and ``logging.shutdown``
+    flushes and closes every handler at exit: a line is never lost at shutdown."""
 
-    @stream.setter
-    def stream(self, value) -> None:
-        pass
+    def __init__(self, period: float = 0.01) -> None:
+        super().__init__()
+        self.period = period
+        self._queued: collections.deque[logging.LogRecord] = collections.deque()
+        self._writing = threading.Lock()  # one writer at a time, in order
+        self._arrived = threading.Event()
+        self._closed = False
+        self._thread = threading.Thread(target=self._run, name="tiergate-log", daemon=True)
+        self._thread.start()
+
+    def emit(self, record: logging.LogRecord) -> None:
+        if getattr(record, "request", None) is not None and not record.exc_info and not self._closed:
+            self._queued.append(record)  # its fields are its own dict, built for this line
+            if not self._arrived.is_set():
+                self._arrived.set()
+            return
+        with self._writing:
+            lines = self._drained()
+            try:
+                lines.append(self.format(record))
+            except Exception:  # noqa: BLE001 - logging's own convention: report, never raise
+                self.handleError(record)
+            self._write(lines)
+
+    def flush(self) -> None:
+        with self._writing:
+            self._write(self._drained())
+
+    def close(self) -> None:
+        self._closed = True
+        self._arrived.set()
+        if self._thread.is_alive() and threading.current_thread() is not self._thread:
+            self._thread.join(5)
+        self.flush()
+        super().close()
+
+    def _run(self) -> None:
+        while not self._closed:
+            self._arrived.wait()
+            time.sleep(self.period)  # lines that arrive meanwhile go in the same write
+            self._arrived.clear()
+            self.flush()
+
+    def _drained(self) -> list[str]:
+        lines = []
+        while self._queued:
+            record = self._queued.popleft()
+            try:
+                lines.append(self.format(record))
+            except Exception:  # noqa: BLE001
+                self.handleError(record)
+        return lines
+
+    @staticmethod
+    def _write(lines: list[str]) -> None:
+        if not lines:
+            return
+        stream = sys.stderr
+        try:
+            stream.write("\n".join(lines) + "\n")
+            stream.flush()
+        except (OSError, ValueError):  # stderr closed or gone: nowhere to write
+            pass
 
 
 def configure(json_lines: bool, level: int = logging.INFO) -> None:
-    """Send every logger (uvicorn's included) and Python's warnings through one handler on
-    stderr with ``Formatter``."""
+    """Send every logger (uvicorn's included) and Python's warnings through one ``LineWriter``
+    on stderr with ``Formatter``."""
     logging.captureWarnings(True)
-    handler = _StderrHandler()
+    handler = LineWriter()
     handler.setFormatter(Formatter(json_lines))
     root = logging.getLogger()
+    for old in root.handlers:
+        if isinstance(old, LineWriter):
+            old.close()
     root.handlers[:] = [handler]
     root.setLevel(level)

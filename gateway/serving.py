@@ -48,16 +48,21 @@ T = TypeVar("T")
 
 
 class Gone:
-    """A request's cancellation signal: ``set()`` when its client leaves. ``watched`` turns False
-    once nothing will set it any more (a streamed response watches its connection itself), so
-    waits stop racing it."""
+    """A request's cancellation signal: ``set()`` when its client leaves, which cancels the tasks
+    waiting in ``Serving.until_gone`` (no task per wait: a request awaits several steps).
+    ``watched`` turns False once nothing will set it any more (a streamed response watches its
+    connection itself), so waits stop registering with it."""
 
     def __init__(self) -> None:
-        self.event = asyncio.Event()
+        self.is_set = False
         self.watched = True
+        self.waiting: set[asyncio.Task] = set()  # tasks in until_gone now
 
     def set(self) -> None:
-        self.event.set()
+        if not self.is_set:
+            self.is_set = True
+            for task in self.waiting:
+                task.cancel()
 
 
 class Serving:
@@ -76,7 +81,6 @@ class Serving:
         self._first_at: float | None = None  # when the first token went out (text requests)
         self.held: Held | None = None
         self.contexts: list[StepContext] = []
-        self._gone_wait: asyncio.Future | None = None
         self._admission = None
         self.record = current_request()  # the HTTP request's log record; None for a batch line
 
@@ -131,7 +135,6 @@ class Serving:
             self.held = await self.until_gone(self.svc.hold(self.caller.tier, self.model, self.units))
         except BaseException:
             lora.move(self.adapters, lora.waiting, None)
-            self._stop_watching()
             if self._admission is not None:  # refused or gone before any work: give the limits back
                 with anyio.CancelScope(shield=True):
                     await accounts.finish(self.caller, self.model, self._admission, None)
@@ -144,7 +147,6 @@ class Serving:
         return self
 
     async def __aexit__(self, exc_type, exc, tb) -> None:
-        self._stop_watching()
         held = self.held
         if held is None:
             return
@@ -191,33 +193,32 @@ class Serving:
                     raise APIError(503, f"out of memory {doing} {self.model}: {exc}", "out_of_memory") from None
         raise AssertionError("unreachable")
 
-    def _stop_watching(self) -> None:
-        if self._gone_wait is not None:
-            self._gone_wait.cancel()
-
     async def until_gone(self, work: Awaitable[T]) -> T:
-        """Await ``work``, cancelling it if the client leaves first (then ``ClientGone``)."""
-        if self.gone is None or not self.gone.watched:
+        """Await ``work``, cancelling it if the client leaves first (then ``ClientGone``): the
+        signal cancels this task while it waits here, and the cancellation becomes ``ClientGone``
+        unless the task was also cancelled for another reason."""
+        gone = self.gone
+        if gone is None or not gone.watched:
             return await work
-        if self._gone_wait is None:
-            self._gone_wait = asyncio.ensure_future(self.gone.event.wait())
-        task = asyncio.ensure_future(work)
+        if gone.is_set:
+            getattr(work, "close", lambda: None)()  # never started: no 'never awaited' warning
+            raise ClientGone()
+        task = asyncio.current_task()
+        gone.waiting.add(task)
         try:
-            await asyncio.wait({task, self._gone_wait}, return_when=asyncio.FIRST_COMPLETED)
+            result = await work
         except asyncio.CancelledError:
-            task.cancel()
+            if gone.is_set and task.uncancel() == 0:
+                raise ClientGone() from None
             raise
-        if task.done():
-            return task.result()
-        task.cancel()
-        try:
-            late = await task
-        except (asyncio.CancelledError, Exception):
-            pass
-        else:  # it finished just as the client left: give back what it holds
-            if isinstance(late, Held):
-                late.release(None)
-        raise ClientGone()
+        finally:
+            gone.waiting.discard(task)
+        if gone.is_set:  # it finished just as the client left: give back what it holds
+            task.uncancel()
+            if isinstance(result, Held):
+                result.release(None)
+            raise ClientGone()
+        return result
 
 
 # Model work gets its own threads: on asyncio's default executor, long generations could starve
