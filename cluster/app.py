@@ -16,9 +16,6 @@ from cluster.replica import TierReplica
 from gateway.config import Config
 
 ROOT = Path(__file__).resolve().parents[1]  # on every worker's path, for a source checkout
-# The ingress only awaits I/O: its code and its handles' routing run on the replica actor's own
-# event loop, not on two more threads (Ray Serve's defaults), saving thread hops per request.
-ONE_LOOP = {"RAY_SERVE_RUN_USER_CODE_IN_SEPARATE_THREAD": "0", "RAY_SERVE_RUN_ROUTER_IN_SEPARATE_LOOP": "0"}
 
 
 def runtime_env() -> dict:
@@ -43,7 +40,7 @@ def build(config: Config, keys: dict[str, list[str]], admin_keys: list[str]) -> 
                                                                              d.pinned)}
     ingress = serve.deployment(Ingress).options(
         name="ingress", num_replicas=cluster.nodes, max_replicas_per_node=1, max_ongoing_requests=10_000,
-        ray_actor_options={"num_cpus": 0.1, "runtime_env": {"env_vars": dict(ONE_LOOP)}},
+        ray_actor_options={"num_cpus": 0.1},
     )
     return ingress.bind(source, keys, admin_keys, handles)
 

@@ -95,7 +95,7 @@ class Ingress:
 
     async def _serve(self, request: Request, path: str, caller: Caller) -> Response:
         body = await request.body()
-        model = self._model(request, body)
+        model, streamed = self._model(request, body)
         if model is not None and not self.accounts.allows(caller, model):
             raise APIError(404, f"the model '{model}' does not exist", "model_not_found", "model")
         tier = caller.tier
@@ -108,7 +108,7 @@ class Ingress:
                      "headers": _with_request_id(request.headers.raw), "body": body}
         self.inflight[tier] += 1
         try:
-            head, rest, redirects = await self._call(forwarded, model, self.rank[tier])
+            head, rest, redirects = await self._call(forwarded, model, self.rank[tier], streamed)
         except BaseException:
             self.inflight[tier] -= 1
             raise
@@ -136,16 +136,27 @@ class Ingress:
             raise APIError(401, "missing or incorrect API key", "invalid_api_key")
         return caller
 
-    async def _call(self, forwarded: dict, model: str | None, tier: int):
+    async def _call(self, forwarded: dict, model: str | None, tier: int, streamed: bool):
+        """The first reply of the replica that takes the request (``{"status", "headers"}``, with
+        ``"body"`` when it is the whole answer), the rest of a streamed one, and the redirects.
+        A request that did not ask for a stream is one plain call (``answer``), cheaper in Ray
+        than a streaming call."""
         target = self.by_model.get(model, self.default) if model is not None else self.default
         avoid: list[str] = []
         for _ in range(max(2, target.replicas)):  # until a replica takes it or the router refuses
-            stream = target.handle.options(stream=True).forward.remote(forwarded, model=model, tier=tier, avoid=avoid)
+            stream = None
             try:
-                first = await stream.__anext__()
-            except RayError as exc:  # died before answering: Serve stops routing to it; try once more
+                if streamed:
+                    stream = target.handle.options(stream=True).forward.remote(forwarded, model=model, tier=tier,
+                                                                              avoid=avoid)
+                    first = await stream.__anext__()
+                else:
+                    first = await target.handle.answer.remote(forwarded, model=model, tier=tier, avoid=avoid)
+            except RayError as exc:  # died before answering: Serve stops routing to it
                 log.warning("replica failed before answering: %s", type(exc).__name__)
-                continue
+                if stream is None and model is None:  # a file, a batch, a key: it may have been made
+                    raise APIError(502, "the replica serving this request failed; retry it", "replica_failed") from None
+                continue  # a model request: once more elsewhere
             if "redirect" not in first:
                 return first, stream, len(avoid)
             avoid.append(first["redirect"])
@@ -201,11 +212,14 @@ class Ingress:
         redirects.add_metric([me], self.redirects)
         return [answered, inflight, redirects]
 
-    def _model(self, request: Request, body: bytes) -> str | None:
-        """The base model the request needs (None for endpoints that need none); 400/404 on bad input."""
+    def _model(self, request: Request, body: bytes) -> tuple[str | None, bool]:
+        """The base model the request needs (None for endpoints that need none), and whether its
+        answer may come as a stream (asked for one, or not a JSON POST: a file's content, a form);
+        400/404 on bad input."""
         if request.method != "POST" or not body:
-            return None
+            return None, request.method != "POST"
         kind = request.headers.get("content-type", "")
+        streamed = True
         if kind.startswith("multipart/"):
             found = _FORM_MODEL.search(body)
             name = found.group(1).decode() if found else None
@@ -214,14 +228,16 @@ class Ingress:
                 parsed = json.loads(body)
             except ValueError:
                 raise APIError(400, "the body is not valid JSON", "invalid_json") from None
-            name = parsed.get("model") if isinstance(parsed, dict) else None
+            parsed = parsed if isinstance(parsed, dict) else {}
+            name = parsed.get("model")
+            streamed = parsed.get("stream") is True or parsed.get("stream_format") == "sse"
         else:
-            return None
+            return None, True
         if name is None:
-            return None
+            return None, streamed
         if not isinstance(name, str) or name not in self.base:
             raise APIError(404, f"the model '{name}' does not exist", "model_not_found", "model")
-        return self.base[name]
+        return self.base[name], streamed
 
 
 @dataclass(frozen=True)

@@ -125,6 +125,21 @@ class TierReplica:
         if head is not None:
             yield {**head, "body": b"".join(held)}
 
+    async def answer(self, request: dict, model: str | None = None, tier: int = 0,
+                     avoid: list[str] | None = None, verdict: dict | None = None) -> dict:
+        """``forward`` as one reply, for a request that asked for no stream: ``{"redirect"}``, or
+        ``{"status", "headers", "body"}`` with the whole body."""
+        head: dict = {}
+        chunks: list[bytes] = []
+        async for item in self.forward(request, model, tier, avoid, verdict):
+            if isinstance(item, dict):
+                if "redirect" in item or "body" in item:
+                    return item
+                head = item
+            else:
+                chunks.append(item)
+        return {**head, "body": b"".join(chunks)}
+
     def _headers(self, headers: list[tuple[bytes, bytes]]) -> list[tuple[bytes, bytes]]:
         return [*headers, (REPLICA_HEADER, self.id.encode()), (NODE_HEADER, self.node.encode())]
 
