@@ -180,3 +180,93 @@ def test_pause_ordered_during_admission_holds_the_rows_not_yet_prefilled(worker)
     finally:
         worker._prefill_into = real_prefill
         worker._waiting = saved
+
+
+def whole(req: ChatRequest) -> ChatRequest:
+    req.stream = False  # the reply is read whole, like a batch line's
+    return req
+
+
+async def events_of(worker, req) -> list:
+    return [ev async for ev in worker.chat(req)]
+
+
+def test_whole_reply_holds_its_text_until_the_end(worker):
+    """A reply read whole gets its first text at once (it times the first token), then the rest
+    in one piece when it ends: the same text, stop strings and logprobs as the streamed reply."""
+    def req(stop: list[str] | None = None) -> ChatRequest:
+        return greedy("tell me everything you know", 16) if stop is None else ChatRequest(
+            [{"role": "user", "content": "tell me everything you know"}],
+            ChatParams(max_tokens=16, temperature=0, stop=stop, logprobs=1), ctx=StepContext())
+
+    async def main():
+        streamed = await events_of(worker, req())
+        held = await events_of(worker, whole(req()))
+        text = "".join(e.text for e in streamed if isinstance(e, TextDelta))
+        late = next(i for i in range(3 * len(text) // 4, len(text)) if text.find(text[i:i + 2]) == i)
+        stop = [text[late:late + 2]]  # met late in the reply, after several deltas
+        return streamed, held, await events_of(worker, req(stop)), await events_of(worker, whole(req(stop)))
+
+    streamed, held, streamed_stop, held_stop = asyncio.run(main())
+    deltas = lambda evs: [e for e in evs if isinstance(e, TextDelta)]  # noqa: E731
+    assert len(deltas(streamed)) > 4
+    assert len(deltas(held)) == 2 and deltas(held)[0].text  # the first text, then the rest
+    assert "".join(e.text for e in deltas(held)) == "".join(e.text for e in deltas(streamed))
+    assert held[-1] == streamed[-1]  # the same finish: reason and token counts
+    assert len(deltas(held_stop)) <= 3 < len(deltas(streamed_stop))
+    assert "".join(e.text for e in deltas(held_stop)) == "".join(e.text for e in deltas(streamed_stop))
+    assert held_stop[-1] == streamed_stop[-1] and held_stop[-1].finish_reason == "stop"
+    logprobs = lambda evs: [lp.token for e in deltas(evs) for lp in e.logprobs or []]  # noqa: E731
+    assert logprobs(held_stop) == logprobs(streamed_stop) and logprobs(held_stop)
+
+
+@pytest.mark.parametrize("during", ["decode", "prefill"])
+def test_pause_order_stops_batch_work_between_layers(worker, during):
+    """Batch work whose pause is ordered while a forward pass runs stops at the next decoder layer
+    (the rest of the pass does not run); its row keeps its tokens and, resumed, ends as an
+    uninterrupted run does: nothing lost, nothing generated twice."""
+    from workers.chat import _decoder_layers
+
+    first, second = _decoder_layers(worker.model)[:2]
+    paused = threading.Event()
+    ctx = StepContext(pause_check=paused.is_set)
+    calls = {"first": 0, "second": 0, "armed": False, "ordered": False}
+
+    def after_first(module, args, kwargs, output):
+        calls["first"] += 1
+        tokens = (args[0] if args else kwargs["hidden_states"]).shape[1]
+        right_pass = tokens == 1 and ctx.steps >= 3 if during == "decode" else tokens > 1
+        if right_pass and calls["armed"] and not calls["ordered"]:
+            calls["ordered"] = True
+            paused.set()  # ordered while this pass runs, between its first and second layer
+
+    def before_second(module, args):
+        calls["second"] += 1
+
+    hooks = [first.register_forward_hook(after_first, with_kwargs=True), second.register_forward_pre_hook(before_second)]
+
+    async def lift():
+        while not paused.is_set():
+            await asyncio.sleep(0.002)
+        await asyncio.sleep(0.1)
+        stopped = (calls["first"], calls["second"], ctx.steps)
+        paused.clear()
+        return stopped
+
+    async def main():
+        straight = await run(worker, greedy("stop between layers", 12))
+        calls["first"] = calls["second"] = 0
+        calls["armed"] = True  # the uninterrupted run is over: the next such pass is the batch row's
+        lifted = asyncio.create_task(lift())
+        resumed = await run(worker, greedy("stop between layers", 12, ctx))
+        return straight, resumed, await lifted
+
+    try:
+        straight, resumed, (first_calls, second_calls, steps) = asyncio.run(main())
+    finally:
+        for h in hooks:
+            h.remove()
+    assert calls["ordered"] and ctx.paused
+    assert first_calls == second_calls + 1  # the pass that saw the order never reached the second layer
+    assert resumed == straight
+    assert steps == (3 if during == "decode" else 0)  # the stopped step is not counted as one

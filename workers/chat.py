@@ -13,7 +13,17 @@ each sampled token); logprobs are the log-softmax of these processed logits, bef
 
 A decode step is the step boundary: a cancelled sequence (client gone) leaves the batch there;
 a sequence whose context asks it to pause (batch work yielding to another tier) leaves the batch
-keeping its tokens, and rejoins later by re-prefilling prompt + generated tokens.
+keeping its tokens, and rejoins later by re-prefilling prompt + generated tokens. A forward pass
+over batch work alone (a decode step of batch rows, a batch row's prefill) need not finish: a pause
+order stops it at the next decoder layer (a forward pre-hook), or between two rows' sampling, and
+its rows leave with the tokens they had (the half-stepped cache goes: they re-prefill anyway), so
+the request they yield to waits for a layer rather than a step. With every row paused, the engine
+thread waits on its inbox, so that request's arrival wakes it at once.
+
+Each row's new text crosses to its asyncio consumer once per step (``loop.call_soon_threadsafe``),
+unless the reply is read whole (``ChatRequest.stream`` False: a batch line, a non-streamed
+response): then its first text goes at once (it times the first token) and the rest at the end,
+and a row with no stop strings is not even detokenized between the two.
 
 Which rows join, leave and wait, and when the adapter stack changes, is decided before every
 step by a pure function, ``workers.chat_schedule.plan_step``; this module carries its plans out.
@@ -64,6 +74,11 @@ from workers.chat_schedule import EngineView, Row, plan_step
 
 _clock = time.perf_counter  # times forward passes for GPU-seconds (tests replace it)
 _STEP_LOG = 20_000  # decode steps kept in step_log (read by tests and benchmarks; copy it with list())
+_PAUSED_POLL_S = 0.005  # while every row is paused, how often the engine looks whether their pause lifted
+
+
+class _Yield(Exception):
+    """Raised between decoder layers: a pause order came for every row of the step."""
 
 
 class AdapterStackFailed(RuntimeError):
@@ -83,6 +98,12 @@ class _Seq:
     done: bool = False
     grammar: RowGrammar | None = None  # the row's matcher when its reply is constrained
     logprobs: list[TokenLogprob] = field(default_factory=list)  # sampled, not yet emitted
+
+    @property
+    def holds_text(self) -> bool:
+        """Its text waits for the end: the reply is read whole and its first text went out (the
+        consumer times the first token by it), so each step's text need not cross to the loop."""
+        return not self.req.stream and self.emitted_chars > 0
 
     def take_logprobs(self) -> list[TokenLogprob] | None:
         if self.params.logprobs is None:
@@ -140,6 +161,7 @@ class ChatWorker(ThreadWorker):
         self.stack_merges = 0  # stack switches that merged adapters (AdapterStack.apply calls)
         self._grammars: Grammars | None = None  # built on the first constrained request
         self._eos: set[int] = set()
+        self._yielding: list[_Seq] | None = None  # rows of the decode step that stops at a pause order
 
     # -- residency -------------------------------------------------------------------------
     def load(self, device: torch.device) -> None:
@@ -154,6 +176,8 @@ class ChatWorker(ThreadWorker):
         self._grammars = None
         # pristine copies in host memory on CUDA: merging costs no device memory the arbiter did not count
         self.adapter_stack = AdapterStack(self.model, offload=device.type == "cuda")
+        for layer in _decoder_layers(self.model):
+            layer.register_forward_pre_hook(self._yield_between_layers)
         self.stack_key = ()
         self._thread = threading.Thread(target=self._run, name=f"chat:{self.spec.name}", daemon=True)
         self._thread.start()
@@ -196,7 +220,8 @@ class ChatWorker(ThreadWorker):
         """Stream the reply to ``req``. Closing the iterator cancels the work."""
         ids = chat_prompt.request_ids(self.tokenizer, req, self.context_length)
         check_logit_bias(req.params.logit_bias, self.vocab_size)
-        grammar = await asyncio.to_thread(self._row_grammar, req)
+        # compiling a grammar may take a while (off the loop); most requests have none
+        grammar = None if req.params.grammar is None else await asyncio.to_thread(self._row_grammar, req)
         loop = asyncio.get_running_loop()
         events: asyncio.Queue[ChatEvent | BaseException] = asyncio.Queue()
         gen = torch.Generator()
@@ -227,9 +252,11 @@ class ChatWorker(ThreadWorker):
     def _run(self) -> None:
         batch = _Batch()
         while True:
-            idle = not batch.seqs and not self._waiting
+            # a running batch only glances at the inbox; with every row paused, a new arrival
+            # (the request they yield to) wakes the thread at once, else it looks again shortly
+            timeout = 0.0 if batch.seqs else _PAUSED_POLL_S if self._waiting else None
             try:
-                item = self._inbox.get(block=idle, timeout=None if idle else 0)
+                item = self._inbox.get(block=timeout != 0.0, timeout=timeout)
             except queue.Empty:
                 item = False
             if item is None:
@@ -239,10 +266,8 @@ class ChatWorker(ThreadWorker):
                 if item is not False:
                     self._waiting.append(item)
                 self._admit(batch)
-                if batch.seqs:
+                if batch.seqs and not self._yielded(batch):
                     self._decode_step(batch)
-                elif self._waiting:
-                    time.sleep(0.005)  # every row is paused: look again shortly
             except Exception as exc:  # noqa: BLE001 - delivered to every caller, engine survives
                 self._fail_all(batch, exc)
                 batch = _Batch()
@@ -274,7 +299,6 @@ class ChatWorker(ThreadWorker):
             if seq.req.ctx.must_pause():  # ordered while earlier rows prefilled: it holds the rest
                 continue
             self._prefill_into(batch, seq)
-            self._waiting.remove(seq)
 
     def _drain_inbox(self) -> None:
         while True:
@@ -307,14 +331,24 @@ class ChatWorker(ThreadWorker):
 
     @torch.inference_mode()
     def _prefill_into(self, batch: _Batch, seq: _Seq) -> None:
+        """Prefill a waiting row into the batch (it leaves ``_waiting``), unless a pause order
+        stops it between two layers: then it stays waiting, as it was."""
         from transformers import DynamicCache
 
         fresh = seq.ids[:-1] if seq.generated else list(seq.ids)
         cache = DynamicCache()
         ids = torch.tensor([fresh], device=self.device)
+        self._yielding = [seq] if seq.req.ctx.pause_check is not None else None
         started = _clock()
-        out = self.model(input_ids=ids, past_key_values=cache, use_cache=True)
+        try:
+            out = self.model(input_ids=ids, past_key_values=cache, use_cache=True)
+        except _Yield:
+            self._charge([seq], started)
+            return
+        finally:
+            self._yielding = None
         self._charge([seq], started)
+        self._waiting.remove(seq)
         if not seq.generated:  # a new sequence: its first token comes from the prefill
             if self._sample_and_emit(seq, out.logits[0, -1]):
                 return
@@ -334,25 +368,39 @@ class ChatWorker(ThreadWorker):
     def _decode_step(self, batch: _Batch) -> None:
         rows = len(batch.seqs)
         self.max_rows_seen = max(self.max_rows_seen, rows)
-        self.step_log.append(tuple(s.req.priority for s in batch.seqs))
-        if len(self.step_log) > _STEP_LOG:
-            del self.step_log[: _STEP_LOG // 2]
         last = torch.tensor([[s.ids[-1]] for s in batch.seqs], device=self.device)
         mask = torch.cat([batch.mask, torch.ones(rows, 1, dtype=batch.mask.dtype, device=self.device)], 1)
         positions = (mask.sum(1, keepdim=True) - 1).long()
+        # a step of rows that all may pause (batch work) stops where a pause order finds it
+        pausable = all(s.req.ctx.pause_check is not None for s in batch.seqs)
+        self._yielding = batch.seqs if pausable else None
         started = _clock()
-        out = self.model(
-            input_ids=last,
-            attention_mask=mask,
-            position_ids=positions,
-            past_key_values=batch.cache,
-            use_cache=True,
-        )
+        try:
+            out = self.model(
+                input_ids=last,
+                attention_mask=mask,
+                position_ids=positions,
+                past_key_values=batch.cache,
+                use_cache=True,
+            )
+        except _Yield:  # between two layers: the cache is half a step on, so it goes with the rows
+            self._charge(batch.seqs, started)
+            self._pause_all(batch)
+            return
+        finally:
+            self._yielding = None
         self._charge(batch.seqs, started)
         batch.cache, batch.mask = out.past_key_values, mask
         self.steps += 1
+        self.step_log.append(tuple(s.req.priority for s in batch.seqs))
+        if len(self.step_log) > _STEP_LOG:
+            del self.step_log[: _STEP_LOG // 2]
         keep = []
         for i, seq in enumerate(batch.seqs):
+            if pausable and _must_yield(batch.seqs):  # rows not sampled yet keep their last token to feed
+                self._waiting += [batch.seqs[j] for j in keep] + batch.seqs[i:]
+                _select(batch, [])
+                return
             seq.req.ctx.steps += 1
             if seq.req.ctx.cancelled:
                 continue
@@ -361,6 +409,25 @@ class ChatWorker(ThreadWorker):
             keep.append(i)
         if len(keep) < rows:
             _select(batch, keep)
+
+    def _yielded(self, batch: _Batch) -> bool:
+        """Pause the whole batch if it is batch work whose pause was ordered after the plan (while
+        rows prefilled): the next step would be one too many."""
+        if not all(s.req.ctx.pause_check is not None for s in batch.seqs) or not _must_yield(batch.seqs):
+            return False
+        self._pause_all(batch)
+        return True
+
+    def _pause_all(self, batch: _Batch) -> None:
+        """Every row leaves the batch keeping its tokens (they re-prefill when the pause lifts)."""
+        self._waiting += batch.seqs
+        _select(batch, [])
+
+    def _yield_between_layers(self, module: torch.nn.Module, args: object) -> None:
+        """A decoder layer's forward pre-hook: stop a batch-only decode step when a pause order
+        came (``_Yield``), so the request it yields to waits for one layer, not the whole step."""
+        if self._yielding is not None and _must_yield(self._yielding):
+            raise _Yield()
 
     def _sample_and_emit(self, seq: _Seq, logits: torch.Tensor) -> bool:
         """Sample one token, emit the new text; True when the sequence has finished."""
@@ -373,19 +440,16 @@ class ChatWorker(ThreadWorker):
         eos = token in self._eos
         if seq.params.logprobs is not None and not eos:
             seq.logprobs.append(self._logprob(logits, token, seq.params.logprobs))
+        reason = "stop" if eos else "length" if len(gen) >= seq.params.max_tokens else None
+        if reason is None and seq.holds_text and not seq.params.stop:
+            return False  # nothing to look for in the text, and none of it goes out before the end
         text = self.tokenizer.decode(gen[:-1] if eos else gen, skip_special_tokens=True)
         cut = _first_stop(text, seq.params.stop)
         if cut is not None:
             text, reason = text[:cut], "stop"
-        elif eos:
-            reason = "stop"
-        elif len(gen) >= seq.params.max_tokens:
-            reason = "length"
-        else:
-            reason = None
         # at the end, an undecodable tail is dropped rather than sent as U+FFFD, as vLLM does
         safe = len(text.rstrip("\ufffd")) if reason else _safe_prefix_len(text, seq.params.stop)
-        if safe > seq.emitted_chars:
+        if safe > seq.emitted_chars and (reason or not seq.holds_text):
             seq.emit(TextDelta(text[seq.emitted_chars : safe], seq.take_logprobs()))
             seq.emitted_chars = safe
         if reason is None:
@@ -475,6 +539,18 @@ def _safe_prefix_len(text: str, stops: list[str]) -> int:
                 hold = max(hold, k)
                 break
     return n - hold
+
+
+def _must_yield(seqs: list[_Seq]) -> bool:
+    """Every row is batch work whose pause was ordered (the flag only; ``must_pause`` starts the
+    paused clock when the plan moves the row)."""
+    return all(s.req.ctx.pause_check() for s in seqs)
+
+
+def _decoder_layers(model: torch.nn.Module) -> list[torch.nn.Module]:
+    """The model's stack of decoder layers (where a step can stop); [] when it has none we know."""
+    layers = getattr(model.get_decoder(), "layers", None) if hasattr(model, "get_decoder") else None
+    return list(layers) if isinstance(layers, torch.nn.ModuleList) else []
 
 
 def _layers(cache) -> list:
