@@ -25,7 +25,7 @@ import logging
 import math
 import time
 import uuid
-from dataclasses import dataclass, field, replace
+from dataclasses import dataclass, field
 from typing import Any
 
 from accounts.config import Limits, Price, resolved_price
@@ -129,13 +129,13 @@ class Accounts:
 
     def for_http(self, caller: Caller) -> Caller:
         """The caller of one HTTP request, with the holder its rate-limit headers go in."""
-        return replace(caller, rate=RateState())
+        return Caller(caller.tier, caller.key_id, caller.admin, RateState())
 
     def limits(self, key_id: str, tier: str) -> Limits:
         """A key's limits: its tier's defaults with the key's own on top."""
         record = self._by_id.get(key_id)
         if record is None:
-            return self.tier_limits.get(tier, Limits())
+            return self.tier_limits.get(tier, _NO_LIMITS)
         limits = self.tier_limits.get(record.tier, Limits()).over(record.limits)
         return limits if record.models is None else limits.model_copy(update={"models": record.models})
 
@@ -204,6 +204,9 @@ class Accounts:
         if not (limits.requests_per_min or limits.tokens_per_min):
             return {}
         return rate_headers(await self.limiter.peek(caller.key_id, limits))
+
+
+_NO_LIMITS = Limits()
 
 
 def _limited(limits: Limits) -> bool:

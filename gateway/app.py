@@ -171,23 +171,24 @@ async def _unexpected(request: Request, exc: Exception) -> Response:
 
 
 def routes() -> list[BaseRoute]:
-    """Every route the server has."""
+    """Every route the server has. The router tries them in order on every request, so the
+    model endpoints come first (no two routes match the same path and method)."""
     return [
+        Route("/v1/chat/completions", chat.chat_completions, methods=["POST"]),
+        Route("/v1/embeddings", embeddings.embeddings, methods=["POST"]),
+        Route("/v1/completions", completions.completions, methods=["POST"]),
+        Route("/v1/responses", responses.create_response, methods=["POST"]),
         Route("/healthz", healthz, methods=["GET"]),
         Route("/readyz", readyz, methods=["GET"]),
         Route("/metrics", metrics, methods=["GET"]),
         Route("/v1/models", list_models, methods=["GET"]),
         Route("/v1/models/{model:path}", get_model, methods=["GET"]),
-        Route("/v1/chat/completions", chat.chat_completions, methods=["POST"]),
-        Route("/v1/completions", completions.completions, methods=["POST"]),
-        Route("/v1/responses", responses.create_response, methods=["POST"]),
         Route("/v1/responses/{response_id}", responses.get_response, methods=["GET"]),
         Route("/v1/responses/{response_id}", responses.delete_response, methods=["DELETE"]),
         Route("/v1/images/generations", images.generations, methods=["POST"]),
         Route("/v1/images/files/{image_id}.png", images.image_file, methods=["GET"], name="image_file"),
         Route("/v1/audio/speech", audio.speech, methods=["POST"]),
         Route("/v1/audio/transcriptions", audio.transcriptions, methods=["POST"]),
-        Route("/v1/embeddings", embeddings.embeddings, methods=["POST"]),
         Route("/v1/files", batch_api.upload_file, methods=["POST"]),
         Route("/v1/files/{file_id}", batch_api.get_file, methods=["GET"]),
         Route("/v1/files/{file_id}", batch_api.delete_file, methods=["DELETE"]),

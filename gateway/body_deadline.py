@@ -26,25 +26,44 @@ class BodyDeadline:
         if scope["type"] != "http":
             await self.app(scope, receive, send)
             return
-        deadline: float | None = None
-        whole = False
+        timer: asyncio.TimerHandle | None = None  # armed at the first read, for the whole body
+        reader: asyncio.Task | None = None  # the task waiting for a piece of the body, if any
+        expired = whole = False
+
+        def expire() -> None:
+            nonlocal expired
+            expired = True
+            if reader is not None:
+                reader.cancel()
 
         async def receive_in_time() -> Message:
-            nonlocal deadline, whole
+            # one timer per request rather than asyncio.timeout per read: a third of its cost
+            nonlocal timer, reader, whole
             if whole:
                 return await receive()
-            if deadline is None:
-                deadline = asyncio.get_running_loop().time() + self.seconds
-            try:  # asyncio's own timeout: a quarter of anyio.fail_after's cost, on every request
-                async with asyncio.timeout_at(deadline):
+            if timer is None:
+                loop = asyncio.get_running_loop()
+                timer = loop.call_at(loop.time() + self.seconds, expire)
+            if not expired:
+                reader = asyncio.current_task()
+                try:
                     message = await receive()
-            except TimeoutError:
-                raise APIError(408, f"the request body did not arrive within {self.seconds:g} s",
-                               "request_timeout") from None
-            whole = message["type"] != "http.request" or not message.get("more_body", False)
-            return message
+                except asyncio.CancelledError:
+                    if not (expired and reader.uncancel() == 0):  # not (only) the deadline's
+                        raise
+                else:
+                    whole = message["type"] != "http.request" or not message.get("more_body", False)
+                    if whole:
+                        timer.cancel()
+                    return message
+                finally:
+                    reader = None
+            raise APIError(408, f"the request body did not arrive within {self.seconds:g} s", "request_timeout")
 
         try:
             await self.app(scope, receive_in_time, send)
         except ClientDisconnect:
             pass  # the client left before its body was whole: there is no one to answer
+        finally:
+            if timer is not None:
+                timer.cancel()

@@ -160,7 +160,7 @@ async def _serve_choice(svc: Services, caller: Caller, job: ChatJob, index: int,
     adapters = tuple(adapter.name for adapter, _ in job.stack)
     async with Serving(svc, caller, job.model, params.max_tokens, "chat", gone, ask, adapters) as serving:
         events, event = await serving.step(lambda ctx: _first_event(serving, job, params, ctx), "running")
-        svc.metrics.ttft.labels(caller.tier).observe(serving.first_token())
+        svc.metrics.observe(svc.metrics.ttft, serving.first_token(), caller.tier)
         try:
             while not isinstance(event, ChatFinished):
                 delta = _read(index, event, parser)

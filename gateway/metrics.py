@@ -132,6 +132,7 @@ class _StateCollector(Collector):
 class Metrics:
     def __init__(self, gate: Gate, arbiter: Arbiter) -> None:
         self.registry = CollectorRegistry()
+        self._children: dict[tuple, Histogram] = {}  # (histogram, labels) -> its child, for observe
         self.lora = LoraActivity()  # the serving core moves each request's adapters through it
         self.registry.register(_StateCollector(gate, arbiter, self.lora))
         self.latency = Histogram(
@@ -146,6 +147,14 @@ class Metrics:
             "tiergate_time_to_first_token_seconds", "Chat: arrival to the first token",
             ["tier"], buckets=_BUCKETS, registry=self.registry,
         )
+
+    def observe(self, histogram: Histogram, value: float, *labels: str) -> None:
+        """``histogram.labels(*labels).observe(value)``, with the labelled child looked up once."""
+        key = (histogram, labels)
+        child = self._children.get(key)
+        if child is None:
+            child = self._children[key] = histogram.labels(*labels)
+        child.observe(value)
 
     def render(self) -> bytes:
         return generate_latest(self.registry)

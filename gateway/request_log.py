@@ -60,11 +60,15 @@ class RequestRecord:
 
     def fields(self) -> dict[str, Any]:
         values = self.__dict__  # flat, so no deep copy (``asdict``): this runs once per request
-        return {k: round(v, 4) if isinstance(v, float) else v for k, v in
-                ((name, values[name]) for name in _LOGGED)}
+        out = {name: values[name] for name in _LOGGED}
+        for name in _SECONDS:
+            if out[name] is not None:
+                out[name] = round(out[name], 4)
+        return out
 
 
 _LOGGED = tuple(f.name for f in fields(RequestRecord) if f.name != "started")
+_SECONDS = tuple(name for name in _LOGGED if name.endswith("_s"))  # the float fields, rounded
 
 _current: contextvars.ContextVar[RequestRecord | None] = contextvars.ContextVar("tiergate_request", default=None)
 
@@ -256,6 +260,7 @@ def configure(json_lines: bool, level: int = logging.INFO) -> None:
     """Send every logger (uvicorn's included) and Python's warnings through one ``LineWriter``
     on stderr with ``Formatter``."""
     logging.captureWarnings(True)
+    logging.logThreads = logging.logProcesses = logging.logMultiprocessing = False  # Formatter writes none
     handler = LineWriter()
     handler.setFormatter(Formatter(json_lines))
     root = logging.getLogger()

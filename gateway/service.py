@@ -4,6 +4,7 @@ resident model, released together. The serving core (``gateway.serving``) builds
 
 from __future__ import annotations
 
+import functools
 import time
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Awaitable, Callable
@@ -69,8 +70,8 @@ class Services:
     on_shutdown: list[Callable[[], Awaitable[None]]] = field(default_factory=list)
     accounts: "Accounts | None" = None  # managed keys, per-key limits, usage (None: env keys only, unmetered)
 
-    @property
-    def tier_rank(self) -> dict[str, int]:
+    @functools.cached_property
+    def tier_rank(self) -> dict[str, int]:  # looked up per request: made once
         return {t.name: i for i, t in enumerate(self.config.tiers)}
 
     def authenticate(self, request: Request) -> Caller:
@@ -119,7 +120,7 @@ class Services:
             ticket = await self.gate.acquire(tier, model, units)
         except Rejected as exc:
             raise _too_many(self.gate, tier, exc) from None
-        self.metrics.queue_wait.labels(tier).observe(ticket.queued_s)
+        self.metrics.observe(self.metrics.queue_wait, ticket.queued_s, tier)
         self.gate.stats.admitted(tier)  # here, not in the gate's admission path (bench_admission times that)
         rank = self.tier_rank[tier]
         try:

@@ -159,7 +159,7 @@ class Serving:
             if self.usage.embedding_tokens:  # an embedding's input tokens are its prompt
                 self.record.prompt_tokens = self.usage.embedding_tokens
         latency = time.monotonic() - self.arrived
-        self.svc.metrics.latency.labels(self.caller.tier, self.endpoint).observe(latency)
+        self.svc.metrics.observe(self.svc.metrics.latency, latency, self.caller.tier, self.endpoint)
         if completed and not self._latency_reported:
             self._latency_reported = True
             self.svc.gate.observe_latency(self.caller.tier, latency)
