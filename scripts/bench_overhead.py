@@ -2,7 +2,7 @@
 """Gateway overhead: what tiergate adds per request over a bare Starlette endpoint that makes the
 same engine call on the same model, over real HTTP on 127.0.0.1, at 1 and at 64 concurrent clients.
 
-    python scripts/bench_overhead.py                 # about 2 minutes on 2 cores
+    python scripts/bench_overhead.py                 # about a minute on 2 cores
     python scripts/bench_overhead.py --rounds 5 --requests 400 --clients 1 64
     python scripts/bench_overhead.py --smoke         # tiny counts, the real code path; no verdict
 
@@ -30,8 +30,14 @@ turns (the order reversed every other round); the figures are medians over ``--r
 
 Judged, per endpoint: the p50 latency tiergate adds at 1 client <= 1 ms (the median over the
 rounds of p50(tiergate) - p50(bare)), and tiergate's throughput >= 0.9x the bare endpoint's at 64
-clients (the median of the per-round ratios). Both are ``n/a`` when the load average exceeds the
-number of cores at the start or at the end: the figures then measure the machine.
+clients (the median of the per-round ratios). Both are ``n/a`` when processes outside this
+benchmark (its two servers and its client are its own) used more than ``OTHER_LOAD_LIMIT`` cores
+while it ran (``benchlib.OtherLoad``): the figures then measure the machine.
+
+Printed beside them, the figure load distorts least: each server process's CPU seconds per
+request (all its threads, user + system, from ``/proc/<pid>/stat``), read before and after each
+run. At 64 clients both servers are CPU-bound, so tiergate's throughput ratio is about the
+inverse of its CPU ratio; the difference is tiergate's own work per request.
 """
 
 from __future__ import annotations
@@ -54,8 +60,9 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-from benchlib import Target, judge  # noqa: E402
+from benchlib import OTHER_LOAD_LIMIT, OtherLoad, Target, judge  # noqa: E402
 
+_TICK = os.sysconf("SC_CLK_TCK") if hasattr(os, "sysconf") else 100
 TIERS = ["paid", "subscriber", "free", "batch"]
 CHAT, EMBED = "tiny-chat", "tiny-embed"
 ADDED_P50_MS = 1.0
@@ -84,33 +91,39 @@ def write_config(folder: Path, models_dir: Path) -> Path:
     return path
 
 
-def serve_tiergate(config_path: str, port: int) -> None:
-    """What ``tiergate serve`` does (gateway/cli.py's _serve), on ``port``."""
-    from gateway import request_log
-    from gateway.app import build_services, create_app
-    from gateway.cli import resolve_keys, server_config
-    from gateway.config import load_config
-
+def serve(kind: str, config_path: str, port: int) -> None:
+    """Serve ``kind``'s app on ``port`` as ``tiergate serve`` does (gateway/cli.py's _serve)."""
     import uvicorn
 
-    request_log.configure(json_lines=False)
-    config = load_config(config_path)
-    keyring, _ = resolve_keys(config, demo=False)
-    app = create_app(build_services(config, keyring))
+    from gateway import request_log
+    from gateway.cli import server_config
+
+    if kind == "tiergate":
+        request_log.configure(json_lines=False)
+    app = tiergate_app(config_path) if kind == "tiergate" else bare_app(config_path)
     uvicorn.Server(server_config(app, "127.0.0.1", port, log_config=None, access_log=False)).run()
 
 
-def serve_bare(config_path: str, port: int) -> None:
-    """The same workers on the same specs behind a bare Starlette app."""
+def tiergate_app(config_path: str):
+    """The production app, its services built from the config with the keys in the environment."""
+    from gateway.app import build_services, create_app
+    from gateway.cli import resolve_keys
+    from gateway.config import load_config
+
+    config = load_config(config_path)
+    keyring, _ = resolve_keys(config, demo=False)
+    return create_app(build_services(config, keyring))
+
+
+def bare_app(config_path: str):
+    """The same workers on the same specs behind a bare Starlette app, loaded."""
     import anyio
     import torch
-    import uvicorn
     from starlette.applications import Starlette
     from starlette.requests import Request
     from starlette.responses import JSONResponse
     from starlette.routing import Route
 
-    from gateway.cli import server_config
     from gateway.config import load_config
     from workers.base import ChatFinished, ChatParams, ChatRequest, StepContext, TextDelta
     from workers.registry import make_worker
@@ -151,10 +164,9 @@ def serve_bare(config_path: str, port: int) -> None:
     async def healthz(request: Request) -> JSONResponse:
         return JSONResponse({"status": "ok"})
 
-    app = Starlette(routes=[Route("/v1/chat/completions", chat, methods=["POST"]),
-                            Route("/v1/embeddings", embeddings, methods=["POST"]),
-                            Route("/healthz", healthz, methods=["GET"])])
-    uvicorn.Server(server_config(app, "127.0.0.1", port, log_config=None, access_log=False)).run()
+    return Starlette(routes=[Route("/v1/chat/completions", chat, methods=["POST"]),
+                             Route("/v1/embeddings", embeddings, methods=["POST"]),
+                             Route("/healthz", healthz, methods=["GET"])])
 
 
 @dataclass
@@ -163,6 +175,15 @@ class Server:
     proc: subprocess.Popen
     port: int
     key: str
+
+    def cpu_s(self) -> float:
+        """The server's CPU seconds so far, every thread, user + system (Linux; else 0)."""
+        try:
+            with open(f"/proc/{self.proc.pid}/stat") as f:
+                rest = f.read().rsplit(")", 1)[1].split()
+        except OSError:
+            return 0.0
+        return (int(rest[11]) + int(rest[12])) / _TICK
 
     def stop(self) -> None:
         if self.proc.poll() is None:
@@ -256,6 +277,12 @@ class Load:
     latencies: list[float]  # seconds, per request
     seconds: float  # wall time of the whole run
     errors: list[str]
+    server_cpu_s: float = 0.0  # the server process's CPU seconds over the run
+
+    @property
+    def cpu_ms(self) -> float:
+        """The server's CPU milliseconds per request."""
+        return self.server_cpu_s / len(self.latencies) * 1e3
 
     @property
     def throughput(self) -> float:
@@ -292,13 +319,31 @@ async def _drive(server: Server, endpoint: str, clients: int, requests: int) -> 
 
 
 def drive(server: Server, endpoint: str, clients: int, requests: int) -> Load:
-    return asyncio.run(_drive(server, endpoint, clients, requests))
+    before = server.cpu_s()
+    load = asyncio.run(_drive(server, endpoint, clients, requests))
+    load.server_cpu_s = server.cpu_s() - before
+    return load
 
 
 # -- the run ---------------------------------------------------------------------------------------
 
 
-def targets(results: dict, levels: list[int], loaded: str | None) -> list[Target]:
+def measure(servers: list[Server], args: argparse.Namespace) -> dict:
+    """results[endpoint][server kind][clients]: one Load per round, the servers taking turns."""
+    results = {e: {s.kind: {c: [] for c in args.clients} for s in servers} for e in ENDPOINTS}
+    for r in range(args.rounds):
+        for endpoint in ENDPOINTS:
+            for clients in args.clients:
+                for server in (servers if r % 2 == 0 else servers[::-1]):
+                    load = drive(server, endpoint, clients, args.requests if clients > 1 else args.requests_alone)
+                    if load.errors:
+                        raise RuntimeError(f"{server.kind} {endpoint} at {clients} clients: {len(load.errors)} "
+                                           f"errors, first: {load.errors[0]}")
+                    results[endpoint][server.kind][clients].append(load)
+    return results
+
+
+def targets(results: dict, levels: list[int], loaded: str) -> list[Target]:
     """Per endpoint: the p50 tiergate adds at the lowest level (1 client), and its throughput over
     the bare endpoint's at the highest (64), each the median over the rounds."""
     low, high = min(levels), max(levels)
@@ -321,35 +366,28 @@ def run(args: argparse.Namespace) -> int:
 
     build_demo_models(args.models_dir, names=[CHAT, EMBED])
     cores = os.cpu_count() or 1
+    other = OtherLoad()
     with tempfile.TemporaryDirectory(prefix="bench-overhead-") as tmp:
         folder = Path(tmp)
         config = write_config(folder, args.models_dir.resolve())
         servers = [start_server(kind, config, folder, args.server_threads) for kind in ("tiergate", "bare")]
         try:
-            load_start = os.getloadavg()[0]
             for server in servers:  # warm: every path once, the engines' first steps
                 for endpoint in ENDPOINTS:
                     warm = drive(server, endpoint, min(4, max(args.clients)), args.warmup)
                     if warm.errors:
                         raise RuntimeError(f"{server.kind} {endpoint}: {warm.errors[0]}")
-            results = {e: {s.kind: {c: [] for c in args.clients} for s in servers} for e in ENDPOINTS}
-            for r in range(args.rounds):
-                for endpoint in ENDPOINTS:
-                    for clients in args.clients:
-                        for server in (servers if r % 2 == 0 else servers[::-1]):
-                            load = drive(server, endpoint, clients, args.requests if clients > 1 else args.requests_alone)
-                            if load.errors:
-                                raise RuntimeError(f"{server.kind} {endpoint} at {clients} clients: {len(load.errors)} "
-                                                   f"errors, first: {load.errors[0]}")
-                            results[endpoint][server.kind][clients].append(load)
-            load_end = os.getloadavg()[0]
+            with other:
+                results = measure(servers, args)
         finally:
             for server in servers:
                 server.stop()
+    busy = "n/a" if other.cores is None else f"{other.cores:.2f}"
     print(f"tiergate (the production app) vs a bare Starlette endpoint on the same worker; {cores} CPUs; "
-          f"load average (1 min) {load_start:.1f} at the start, {load_end:.1f} at the end; torch threads "
-          f"{args.server_threads} per server; {args.rounds} rounds, medians over them")
-    print(f"{'endpoint':<11} {'clients':>7} {'server':<9} {'req/s':>8} {'p50 ms':>8} {'p99 ms':>8}")
+          f"other processes used {busy} cores meanwhile (limit {OTHER_LOAD_LIMIT:g}); torch threads "
+          f"{args.server_threads} per server; {args.rounds} rounds, medians over them; "
+          f"cpu ms/req: the server process's CPU per request")
+    print(f"{'endpoint':<11} {'clients':>7} {'server':<9} {'req/s':>8} {'p50 ms':>8} {'p99 ms':>8} {'cpu ms/req':>10}")
     for endpoint in ENDPOINTS:
         for clients in args.clients:
             for kind in ("tiergate", "bare"):
@@ -357,18 +395,18 @@ def run(args: argparse.Namespace) -> int:
                 p99 = statistics.median(statistics.quantiles(r.latencies, n=100)[98] if len(r.latencies) > 1
                                         else r.latencies[0] for r in runs) * 1e3
                 print(f"{endpoint:<11} {clients:>7} {kind:<9} {statistics.median(r.throughput for r in runs):>8.1f} "
-                      f"{statistics.median(r.p50_ms for r in runs):>8.2f} {p99:>8.2f}")
+                      f"{statistics.median(r.p50_ms for r in runs):>8.2f} {p99:>8.2f} "
+                      f"{statistics.median(r.cpu_ms for r in runs):>10.2f}")
     print()
     for endpoint in ENDPOINTS:
         for clients in args.clients:
             t, b = results[endpoint]["tiergate"][clients], results[endpoint]["bare"][clients]
             added = " ".join(f"{x.p50_ms - y.p50_ms:+.2f}" for x, y in zip(t, b))
             ratio = " ".join(f"{x.throughput / y.throughput:.2f}" for x, y in zip(t, b))
-            print(f"{endpoint} at {clients:>2} clients, per round: p50 added ms {added}; throughput tiergate/bare {ratio}")
-    loaded = None
-    if max(load_start, load_end) > cores:
-        loaded = f"(load average {max(load_start, load_end):.1f} on {cores} cores: the figures measure the machine)"
-    return judge(targets(results, args.clients, loaded), smoke=args.smoke,
+            cpu = " ".join(f"{x.cpu_ms - y.cpu_ms:+.2f}" for x, y in zip(t, b))
+            print(f"{endpoint} at {clients:>2} clients, per round: p50 added ms {added}; throughput tiergate/bare "
+                  f"{ratio}; cpu ms/req added {cpu}")
+    return judge(targets(results, args.clients, other.why_not(OTHER_LOAD_LIMIT)), smoke=args.smoke,
                  note="issue 15 item 3: the gateway's own overhead")
 
 
@@ -389,8 +427,7 @@ def main() -> int:
         import torch
 
         torch.set_num_threads(args.server_threads)
-        kind, config = args.serve
-        (serve_tiergate if kind == "tiergate" else serve_bare)(config, args.port)
+        serve(*args.serve, args.port)
         return 0
     if args.smoke:
         args.clients, args.requests, args.requests_alone, args.warmup, args.rounds = [1, 4], 8, 4, 2, 1
