@@ -197,12 +197,14 @@ class LineWriter(logging.Handler):
         self._queued: collections.deque[logging.LogRecord] = collections.deque()
         self._writing = threading.Lock()  # one writer at a time, in order
         self._arrived = threading.Event()
+        self._closing = threading.Event()  # wakes the thread from its wait at close
         self._closed = False
         self._thread = threading.Thread(target=self._run, name="tiergate-log", daemon=True)
         self._thread.start()
 
     def emit(self, record: logging.LogRecord) -> None:
-        if getattr(record, "request", None) is not None and not record.exc_info and not self._closed:
+        queue_it = not (self._closed or record.exc_info) and self._thread.is_alive()  # not in a forked child
+        if queue_it and getattr(record, "request", None) is not None:
             self._queued.append(record)  # its fields are its own dict, built for this line
             if not self._arrived.is_set():
                 self._arrived.set()
@@ -221,6 +223,7 @@ class LineWriter(logging.Handler):
 
     def close(self) -> None:
         self._closed = True
+        self._closing.set()
         self._arrived.set()
         if self._thread.is_alive() and threading.current_thread() is not self._thread:
             self._thread.join(5)
@@ -230,7 +233,7 @@ class LineWriter(logging.Handler):
     def _run(self) -> None:
         while not self._closed:
             self._arrived.wait()
-            time.sleep(self.period)  # lines that arrive meanwhile go in the same write
+            self._closing.wait(self.period)  # lines that arrive meanwhile go in the same write
             self._arrived.clear()
             self.flush()
 

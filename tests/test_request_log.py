@@ -1,0 +1,92 @@
+"""The request log's writer (gateway.request_log.LineWriter): request lines are queued on the
+caller's thread and written by the writer's thread; every other line goes out at once, after
+the queued ones; flush and close leave nothing queued."""
+
+from __future__ import annotations
+
+import logging
+
+import pytest
+
+from gateway.request_log import Formatter, LineWriter, RequestRecord
+
+
+class Captured:
+    """What reached stderr so far (pytest's ``capsys``: the writer writes to the stderr of the moment)."""
+
+    def __init__(self, capsys) -> None:
+        self.capsys, self.text = capsys, ""
+
+    def getvalue(self) -> str:
+        self.text += self.capsys.readouterr().err
+        return self.text
+
+
+@pytest.fixture
+def captured(capsys) -> Captured:
+    return Captured(capsys)
+
+
+@pytest.fixture
+def logger():
+    log = logging.getLogger("tiergate.test-request-log")
+    log.propagate, log.level = False, logging.INFO
+    yield log
+    for handler in log.handlers:
+        handler.close()
+    log.handlers.clear()
+
+
+def writer(log: logging.Logger, period: float) -> LineWriter:
+    handler = LineWriter(period=period)
+    handler.setFormatter(Formatter(json_lines=False))
+    log.addHandler(handler)
+    return handler
+
+
+def request_line(log: logging.Logger, n: int) -> None:
+    record = RequestRecord(f"r{n}", "POST", "/v1/chat/completions", status=200, duration_s=0.123456)
+    log.info("request", extra={"request": record.fields()})
+
+
+def request_ids(text: str) -> list[str]:
+    return [word.split("=", 1)[1] for word in text.split() if word.startswith("request_id=")]
+
+
+def test_request_lines_wait_for_the_writer_and_flush_writes_them(captured, logger):
+    handler = writer(logger, period=60)  # the thread would not write for a minute
+    for n in range(3):
+        request_line(logger, n)
+    assert captured.getvalue() == ""  # queued, not written on the caller's thread
+    handler.flush()
+    assert request_ids(captured.getvalue()) == ["r0", "r1", "r2"]
+    assert "duration_s=0.1235" in captured.getvalue()
+
+
+def test_other_lines_go_out_at_once_after_the_queued_ones(captured, logger):
+    writer(logger, period=60)
+    request_line(logger, 0)
+    request_line(logger, 1)
+    logger.warning("the store is slow")
+    lines = captured.getvalue().splitlines()
+    assert len(lines) == 3
+    assert request_ids(lines[0]) == ["r0"] and request_ids(lines[1]) == ["r1"]
+    assert lines[2].endswith("WARNING tiergate.test-request-log: the store is slow")
+
+
+def test_the_thread_writes_queued_lines_in_one_batch(captured, logger):
+    handler = writer(logger, period=0.05)
+    for n in range(20):
+        request_line(logger, n)
+    handler._thread.join(0.5)  # noqa: SLF001 - wait a while (it never ends by itself)
+    assert request_ids(captured.getvalue()) == [f"r{n}" for n in range(20)]
+
+
+def test_close_leaves_nothing_queued_and_later_lines_are_written_at_once(captured, logger):
+    handler = writer(logger, period=60)
+    request_line(logger, 0)
+    handler.close()
+    assert request_ids(captured.getvalue()) == ["r0"]
+    assert not handler._thread.is_alive()  # noqa: SLF001
+    request_line(logger, 1)
+    assert request_ids(captured.getvalue()) == ["r0", "r1"]
