@@ -168,7 +168,7 @@ def test_a_replica_sees_the_gpus_ray_gave_it(tmp_path, tiny_chat):
         f"  - {{name: wide, kind: chat, path: {tiny_chat}, vram: 1GiB, engine: vllm}}\n"
         f"cluster:\n  nodes: 1\n  replicas_per_node: {max(gpus, 1)}\n  devices: cuda\n  replica_cpus: 0.5\n" + span)
     config = load_config(path)
-    ray.init(num_gpus=gpus, num_cpus=4, runtime_env=runtime_env(), include_dashboard=False)
+    ray.init(address="local", num_gpus=gpus, num_cpus=4, runtime_env=runtime_env(), include_dashboard=False)
     try:
         serve.run(build(config, {"paid": ["k"]}, []), name="gpus", route_prefix="/")
         pool = serve.get_deployment_handle("replica", app_name="gpus")
