@@ -42,6 +42,7 @@ import secrets
 import itertools
 import json
 import queue
+import sys
 import threading
 import time
 from dataclasses import dataclass, field
@@ -75,6 +76,10 @@ from workers.chat_schedule import EngineView, Row, plan_step
 _clock = time.perf_counter  # times forward passes for GPU-seconds (tests replace it)
 _STEP_LOG = 20_000  # decode steps kept in step_log (read by tests and benchmarks; copy it with list())
 _PAUSED_POLL_S = 0.005  # while every row is paused, how often the engine looks whether their pause lifted
+# The engine thread runs Python between its kernels (nearly all of a step, on a small model), so the
+# event loop, where a paid arrival is parsed and admitted, waits for the GIL whenever it wakes:
+# up to the interpreter's switch interval, 5 ms by default. The engine lowers it to this.
+_SWITCH_INTERVAL_S = 0.0005
 
 
 class _Yield(Exception):
@@ -179,6 +184,7 @@ class ChatWorker(ThreadWorker):
         for layer in _decoder_layers(self.model):
             layer.register_forward_pre_hook(self._yield_between_layers)
         self.stack_key = ()
+        sys.setswitchinterval(min(sys.getswitchinterval(), _SWITCH_INTERVAL_S))
         self._thread = threading.Thread(target=self._run, name=f"chat:{self.spec.name}", daemon=True)
         self._thread.start()
 
