@@ -24,8 +24,10 @@ batch tier with no ``max_inflight`` (room for every engine's width) and no ``bat
       started after the pause order, as bench_tiers (c) counts them. Target: at most one (the
       engine checks for a pause before each step). Transformers engine only; on vLLM it is n/a.
 
-Latency and throughput ratios are n/a when the load average exceeds the cores (the machine is
-measured, not tiergate; see docs/BENCHMARKS.md), as in bench_tiers.
+Latency and throughput ratios are n/a when processes outside the benchmark's own tree (its
+server and clients) used more than half a core meanwhile (``benchlib.OtherLoad``: the machine
+is measured, not tiergate; see docs/BENCHMARKS.md); where /proc is missing, when the load
+average exceeds the cores.
 """
 
 from __future__ import annotations
@@ -49,7 +51,7 @@ sys.path.insert(0, str(ROOT))
 
 from bench_tiers import (BATCH_RANK, MODEL, PAID_PROMPT, TIERS, body, client_for, overloaded, pause_analysis,  # noqa: E402
                          start_server)
-from benchlib import Target, at_least, judge  # noqa: E402
+from benchlib import OTHER_LOAD_LIMIT, OtherLoad, Target, at_least, judge  # noqa: E402
 
 TPUT_TARGET, TTFT_TARGET = 0.9, 1.25
 BATCH_PROMPT = "Summarise the batch."
@@ -161,7 +163,8 @@ async def probes_beside_batch(server, client: httpx.AsyncClient, args: argparse.
     """(b)/(c): a long batch job fills the engine; paid probes arrive one at a time, each once
     the engine is full of batch rows again. Returns the probes, the server records, batch width seen."""
     keys = server.keys
-    fill_id = await submit(client, keys["free"], args.width * args.fill_factor, args.fill_tokens)
+    lines = args.width * args.fill_factor * max(1, -(-args.probes // 20))  # enough to outlast the probes
+    fill_id = await submit(client, keys["free"], lines, args.fill_tokens)
     start = time.monotonic()
     full = await engine_full(server, start, args.width)
     probes = []
@@ -169,7 +172,7 @@ async def probes_beside_batch(server, client: httpx.AsyncClient, args: argparse.
         for _ in range(args.probes):
             await asyncio.sleep(args.probe_gap * (0.5 + secrets.randbelow(1000) / 1000))  # land anywhere in a step
             t0, first, t1 = await ttft(client, keys["paid"], args.probe_tokens)
-            probes.append({"t0": t0, "t1": t1, "ttft": first - t0})
+            probes.append({"t0": t0, "t1": t1, "first": first, "ttft": first - t0})
             if full:
                 await engine_full(server, t1, args.width)
     finally:
@@ -188,29 +191,65 @@ async def run(args: argparse.Namespace) -> int:
         load_start = os.getloadavg()[0]
         server = start_server(write_config(folder, model, args), folder, timeout=300, threads=args.server_threads)
         try:
-            async with client_for(server.url) as client:
-                paid = server.keys["paid"]
-                await interactive(client, paid, args.width * 2, args.width, args.tokens)  # warm-up
-                rps = await interactive(client, paid, args.requests, args.width, args.tokens)
-                lps = await batch_job(client, server.keys["free"], args.requests, args.tokens)
-                alone = [await ttft(client, paid, args.probe_tokens) for _ in range(args.probes)]
-                probes, rec, widest = await probes_beside_batch(server, client, args)
+            with OtherLoad() as other:  # the CPU processes outside this benchmark's tree use meanwhile
+                async with client_for(server.url) as client:
+                    paid = server.keys["paid"]
+                    await interactive(client, paid, args.width * 2, args.width, args.tokens)  # warm-up
+                    rps = await interactive(client, paid, args.requests, args.width, args.tokens)
+                    lps = await batch_job(client, server.keys["free"], args.requests, args.tokens)
+                    since = time.monotonic()
+                    alone = [await ttft(client, paid, args.probe_tokens) for _ in range(args.probes)]
+                    rec_alone = await asyncio.to_thread(records, server, since)
+                    probes, rec, widest = await probes_beside_batch(server, client, args)
         except BaseException:
             print(f"--- server log tail ---\n{server.log.read_text()[-4000:]}", file=sys.stderr)
             raise
         finally:
             server.stop()
-        return report(args, rps, lps, [b - a for a, b, _ in alone], probes, rec, widest,
-                      (load_start, os.getloadavg()[0]))
+        alone_probes = [{"t0": a, "first": b, "t1": c, "ttft": b - a} for a, b, c in alone]
+        if args.records:
+            args.records.write_text(json.dumps({"alone": {"probes": alone_probes, "records": rec_alone},
+                                                "beside": {"probes": probes, "records": rec}}))
+        return report(args, rps, lps, alone_probes, rec_alone, probes, rec, widest, (load_start, os.getloadavg()[0]),
+                      other)
 
 
-def report(args, rps: float, lps: float, alone: list[float], probes: list[dict], rec: dict, widest: int,
-           loads: tuple[float, float]) -> int:
+PHASES = ("send -> pause order", "order -> paid prefill", "paid prefill", "prefill end -> delta on loop",
+          "delta -> client")
+
+
+def phases(rec: dict, probes: list[dict]) -> list[tuple[float, ...]]:
+    """Per probe, where its time to first token went, from the server's records (see ``PHASES``):
+    the request reaching the gate (the order: the gate turning busy), reaching the engine (its
+    prefill starting), the prefill, its first text delta reaching the event loop, and the response
+    chunk reaching the client. Probes the records do not cover are left out."""
+    out = []
+    for p in probes:
+        order = next((t for t, busy in rec.get("gate", []) if busy and p["t0"] <= t <= p["t1"]), None)
+        prefill = next((x for x in rec.get("prefill", []) if x[2] == 0 and p["t0"] <= x[0] <= p["t1"]), None)
+        emit = next((e[0] for e in rec.get("emits", []) if e[1] == 0 and p["t0"] <= e[0] <= p["t1"]), None)
+        if order is None or prefill is None or emit is None:
+            continue
+        out.append((order - p["t0"], prefill[0] - order, prefill[1] - prefill[0], emit - prefill[1], p["first"] - emit))
+    return out
+
+
+def print_phases(label: str, rows: list[tuple[float, ...]]) -> None:
+    if not rows:
+        return
+    med = [statistics.median(r[i] for r in rows) * 1e3 for i in range(len(PHASES))]
+    print(f"    {label:<12} " + ", ".join(f"{name} {m:.2f}" for name, m in zip(PHASES, med)) + " ms (p50s)")
+
+
+def report(args, rps: float, lps: float, alone_probes: list[dict], rec_alone: dict, probes: list[dict], rec: dict,
+           widest: int, loads: tuple[float, float], other: OtherLoad) -> int:
+    alone = [p["ttft"] for p in alone_probes]
     smoke = args.smoke
-    busy = overloaded(loads)
+    busy = overloaded(loads) if other.cores is None else other.why_not(OTHER_LOAD_LIMIT)
     ms = 1e3
+    others = "n/a" if other.cores is None else f"{other.cores:.2f} cores"
     print(f"bench_batch: {MODEL} on {args.engine}, engine width {args.width}; load average {loads[0]:.1f} -> "
-          f"{loads[1]:.1f} on {os.cpu_count()} cores")
+          f"{loads[1]:.1f} on {os.cpu_count()} cores; other processes used {others} meanwhile")
     ratio = lps / rps
     print(f"(a) {args.requests} requests x {args.tokens} tokens: interactive ({args.width} paid clients) "
           f"{rps:.1f} req/s, batch job {lps:.1f} lines/s = {ratio:.2f}x")
@@ -224,6 +263,8 @@ def report(args, rps: float, lps: float, alone: list[float], probes: list[dict],
     print(f"(b) paid time to first token, {len(probes)} probes: alone p50 {med_alone * ms:.1f} ms "
           f"(max {max(alone) * ms:.1f}), beside a batch filling the engine p50 {med_batch * ms:.1f} ms "
           f"(max {max(with_batch) * ms:.1f}) = {tratio:.2f}x; batch rows per step at most {widest} of {args.width}")
+    print_phases("alone", phases(rec_alone, alone_probes))
+    print_phases("beside batch", phases(rec, probes))
     claim = f"(b) paid TTFT beside batch / alone <= {TTFT_TARGET:g}x"
     targets.append(Target(claim, f"{tratio:.2f}x", None, busy) if busy else
                    Target(claim, f"{tratio:.2f}x", tratio <= TTFT_TARGET))
@@ -253,8 +294,9 @@ def main() -> int:
     ap.add_argument("--probe-tokens", type=int, default=8)
     ap.add_argument("--probe-gap", type=float, default=0.05, help="mean extra seconds between probes")
     ap.add_argument("--fill-tokens", type=int, default=200, help="tokens of each line of the batch that fills (b)")
-    ap.add_argument("--fill-factor", type=int, default=8, help="lines of that batch per engine row")
+    ap.add_argument("--fill-factor", type=int, default=8, help="lines of that batch per engine row (per 20 probes)")
     ap.add_argument("--server-threads", type=int, default=1, help="torch intra-op threads of the server (see bench_tiers)")
+    ap.add_argument("--records", type=Path, help="write (b)'s probes and the server's records there (JSON)")
     ap.add_argument("--smoke", action="store_true", help="tiny counts: the code path, no verdict (~20 s)")
     args = ap.parse_args()
     if args.smoke:
