@@ -162,13 +162,14 @@ def test_sigterm_drains_a_stream_refuses_new_work_hands_back_batch_lines_and_exi
             assert time.time() < deadline, "no batch line was claimed"
             time.sleep(0.05)
 
-        # a long stream (greedy decoding of the random model runs to max_tokens), SIGTERM during it
+        # a long stream (greedy decoding of the random model runs to max_tokens), SIGTERM during it;
+        # 480 of the model's 512 positions, so that a loaded machine's signal -> /readyz -> refusal still lands inside it
         chunks: list[tuple[float, dict]] = []
         first = threading.Event()
 
         def stream() -> None:
             events = served.client().chat.completions.create(
-                model="tiny-chat", messages=[{"role": "user", "content": "hi"}], max_tokens=120, temperature=0,
+                model="tiny-chat", messages=[{"role": "user", "content": "hi"}], max_tokens=480, temperature=0,
                 stream=True, stream_options={"include_usage": True}, extra_headers={"x-request-id": "drain-stream"})
             for chunk in events:
                 chunks.append((time.monotonic(), chunk.model_dump()))
