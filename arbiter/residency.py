@@ -126,7 +126,7 @@ class Arbiter:
         """Wait until ``model`` is resident and hold it for one request of ``tier``."""
         waiter = _Waiter(model, tier, is_batch, asyncio.get_running_loop().create_future())
         self._waiters.append(waiter)
-        self._schedule()
+        self._schedule(lease_only=not is_batch)
         try:
             return await waiter.future
         except asyncio.CancelledError:
@@ -140,13 +140,8 @@ class Arbiter:
         if lease.released:
             return
         lease.released = True
-        state = self.states[lease.model]
-        if lease.is_batch:
-            state = replace(state, running_batch=state.running_batch - 1)
-        else:
-            state = replace(state, running_nonbatch=state.running_nonbatch - 1)
-        self.states[lease.model] = policy.served(state, lease.tier, self.clock())
-        self._schedule()
+        self.states[lease.model] = _leased(self.states[lease.model], lease.tier, self.clock(), lease.is_batch, -1)
+        self._schedule(lease_only=not lease.is_batch)
 
     def set_demand(self, others_busy: bool) -> None:
         """Told by the admission gate whether any non-batch tier has work admitted or queued."""
@@ -209,9 +204,15 @@ class Arbiter:
             queued[w.tier] = queued.get(w.tier, 0) + 1
         return ArbiterView(self.states, self.budget, self.host_cache_budget, self.clock(), self.protect_window_s, queued)
 
-    def _schedule(self) -> None:
+    def _schedule(self, lease_only: bool = False) -> None:
         """Grant every waiter whose model is resident; start at most one load for the best of
-        the rest; refuse the ones the policy refuses."""
+        the rest; refuse the ones the policy refuses; then pause or resume batch work.
+
+        ``lease_only``: what changed since the last call is a non-batch lease asked for or ended.
+        While no batch work runs or is paused anywhere, that changes nothing the batch decisions
+        depend on (``policy.batch_must_yield`` pauses only models with batch work; a model is
+        brought back only for its paused batch work), so they are skipped unless this call
+        granted batch work or started a load."""
         self._waiters.sort(key=lambda w: w.tier)  # stable: arrival order within a tier
         for w in list(self._waiters):
             if w.future.done():
@@ -235,8 +236,19 @@ class Arbiter:
             elif isinstance(decision, (Fit, Evict)):
                 self._start_load(w.model, decision if isinstance(decision, Evict) else None, w.tier, w)
             # Impossible with waiting_on: stay queued until that work ends
+        if lease_only and self._loading is None and self._batch_idle():
+            return
         self._bring_back_batch()
         self._apply_batch_yield()
+
+    def _batch_idle(self) -> bool:
+        """No batch work runs or is paused on any model."""
+        if self._paused:
+            return False
+        for state in self.states.values():
+            if state.running_batch:
+                return False
+        return True
 
     def _bring_back_batch(self) -> None:
         """Batch work paused on a model that was evicted meanwhile: when nothing else waits and
@@ -254,12 +266,7 @@ class Arbiter:
 
     def _grant(self, w: _Waiter) -> None:
         self._waiters.remove(w)
-        state = self.states[w.model]
-        if w.is_batch:
-            state = replace(state, running_batch=state.running_batch + 1)
-        else:
-            state = replace(state, running_nonbatch=state.running_nonbatch + 1)
-        self.states[w.model] = policy.served(state, w.tier, self.clock())
+        self.states[w.model] = _leased(self.states[w.model], w.tier, self.clock(), w.is_batch, +1)
         w.future.set_result(Lease(w.model, w.tier, w.is_batch, self.workers[w.model], self, swap_s=w.swap_s))
 
     def _fail(self, w: _Waiter, exc: Exception) -> None:
@@ -462,6 +469,15 @@ class Arbiter:
         if self.states[name].running_batch == 0:
             self.workers.pop(name, None)
         self.states[name] = replace(self.states[name], place="cold")
+
+
+def _leased(state: ModelState, tier: int, now: float, is_batch: bool, delta: int) -> ModelState:
+    """``policy.served(state, tier, now)`` with ``delta`` more (or fewer) leases of the kind in
+    flight: one new state per lease change instead of two."""
+    served_at = {**state.served_at, tier: now}
+    if is_batch:
+        return replace(state, running_batch=state.running_batch + delta, served_at=served_at)
+    return replace(state, running_nonbatch=state.running_nonbatch + delta, served_at=served_at)
 
 
 def _estimate(spec: ModelSpec) -> int:

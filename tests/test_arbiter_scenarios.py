@@ -280,3 +280,50 @@ def test_pinned_model_is_never_evicted(tiny_chat):
         await arb.stop()
 
     asyncio.run(main())
+
+
+class AlwaysDecides(Arbiter):
+    """The owner without the lease-only shortcut: every schedule re-decides batch work."""
+
+    def _schedule(self, lease_only: bool = False) -> None:
+        super()._schedule(lease_only=False)
+
+
+def test_lease_only_schedules_decide_batch_work_as_a_full_schedule_does(tiny_chat):
+    """Random leases (batch and not) and demand changes on two models, applied to an owner with
+    the shortcut and one without: the same states, the same paused models and pause counts,
+    and the same run/pause signal for every model with batch work, after every step."""
+    import random
+
+    rng = random.Random(7)
+
+    async def main():
+        clock = Clock()
+        arbs = [make(tiny_chat, clock, names="ab"),
+                AlwaysDecides(specs(tiny_chat, "ab"), torch.device("cpu"), 10 * GiB, 8 * GiB,
+                              protect_window_s=60, batch_rank=BATCH, clock=clock)]
+        held: list[list] = [[], []]
+        for _ in range(300):
+            clock.t += 1
+            op = rng.random()
+            model, tier, pick, busy = rng.choice("ab"), rng.randrange(4), rng.random(), rng.random() < 0.5
+            for arb, leases in zip(arbs, held):
+                if op < 0.45:
+                    leases.append(await arb.acquire(model, tier, is_batch=tier == BATCH))
+                elif op < 0.9 and leases:
+                    leases.pop(int(pick * len(leases))).release()
+                else:
+                    arb.set_demand(busy)
+                await asyncio.sleep(0)
+            fast, full = arbs
+            assert fast.states == full.states
+            assert fast._paused == full._paused
+            assert fast.counters.batch_pauses == full.counters.batch_pauses
+            for name, state in full.states.items():
+                if state.running_batch:
+                    assert fast._may_run[name].is_set() == full._may_run[name].is_set()
+        assert any(s.running_batch for s in arbs[0].states.values()) or arbs[0].counters.batch_pauses
+        for arb in arbs:
+            await arb.stop()
+
+    asyncio.run(main())
