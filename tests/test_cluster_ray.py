@@ -326,7 +326,7 @@ def test_a_replica_killed_mid_batch(cluster):
     n = 6
     client = openai.OpenAI(base_url=f"{cluster.url}/v1", api_key="key-paid", max_retries=0)
     rows = [{"custom_id": f"line-{i}", "method": "POST", "url": "/v1/chat/completions",
-             "body": {"model": "s", "messages": [{"role": "user", "content": f"count {i}"}], "max_tokens": 120,
+             "body": {"model": "s", "messages": [{"role": "user", "content": f"count {i}"}], "max_tokens": 48,
                       "temperature": 0}} for i in range(n)]
     content = "".join(json.dumps(r) + "\n" for r in rows).encode()
     file = client.files.create(file=("in.jsonl", io.BytesIO(content)), purpose="batch")
