@@ -51,7 +51,7 @@ sys.path.insert(0, str(ROOT))
 sys.path.insert(0, str(ROOT / "scripts"))
 
 from benchlib import OTHER_LOAD_LIMIT, OtherLoad, Target, at_least, judge  # noqa: E402
-from benchlib import _tree_cpu_s as tree_cpu_s  # noqa: E402  (CPU seconds of a process tree, by process)
+from benchlib import tree_cpu_s  # noqa: E402  (CPU seconds of a process tree, by process)
 
 TIERS = ["paid", "subscriber", "free", "batch"]
 KEYS = {t: f"bench-{t}" for t in TIERS}

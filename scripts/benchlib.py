@@ -132,7 +132,7 @@ class OtherLoad:
 
     def _sample(self) -> None:
         initial = not self._last
-        for key, cpu in _tree_cpu_s(os.getpid()).items():
+        for key, cpu in tree_cpu_s(os.getpid()).items():
             self._first.setdefault(key, cpu if initial else 0.0)  # born after the start: all of it counts
             self._last[key] = max(cpu, self._last.get(key, 0.0))
 
@@ -148,7 +148,7 @@ def _machine_busy_s() -> float:
     return (user + nice + system + irq + softirq + steal) / _TICK
 
 
-def _tree_cpu_s(root: int) -> dict[tuple[int, str], float]:
+def tree_cpu_s(root: int) -> dict[tuple[int, str], float]:
     """CPU seconds (own plus reaped children's) of ``root`` and every live descendant, by
     (pid, start time) so a reused pid is a new process."""
     parent: dict[int, int] = {}

@@ -124,14 +124,14 @@ def test_other_load_counts_the_benchmarks_own_children_as_ours() -> None:
     benchmark's own server and clients never make its figures n/a; an unrelated process is not."""
     import subprocess
 
-    from benchlib import _tree_cpu_s
+    from benchlib import tree_cpu_s
 
     child = subprocess.Popen([sys.executable, "-c", "import subprocess, sys, time; "
                               "p = subprocess.Popen([sys.executable, '-c', 'import time; time.sleep(30)']); "
                               "print(p.pid, flush=True); time.sleep(30)"], stdout=subprocess.PIPE, text=True)
     try:
         grandchild = int(child.stdout.readline())
-        pids = {pid for pid, _ in _tree_cpu_s(os.getpid())}
+        pids = {pid for pid, _ in tree_cpu_s(os.getpid())}
         assert {os.getpid(), child.pid, grandchild} <= pids
         assert 1 not in pids  # init is nobody's child of ours
     finally:
