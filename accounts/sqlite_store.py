@@ -3,9 +3,11 @@
 from __future__ import annotations
 
 import asyncio
+import concurrent.futures
 import json
 import sqlite3
 from pathlib import Path
+from dataclasses import dataclass
 from typing import Any
 
 from accounts.keys import KeyRecord
@@ -31,14 +33,16 @@ _UPSERT = (f"INSERT INTO usage (day, key, model, tier, {', '.join(COUNTERS)}) "
 class SQLiteAccounts(SQLiteFile, AccountStore):
     """One file in WAL mode; one thread owns the connection; each change is one transaction.
 
-    Usage rows are group-committed: ``record`` queues its row and returns once the transaction
-    that holds it has committed; while one such transaction runs, the rows that arrive queue up
-    and go in the next one, so many concurrent requests cost one commit and one thread hop."""
+    Usage rows are group-committed: ``record`` adds its row to the next group and gives back the
+    future that is done once the transaction that holds the group has committed. One group
+    commits at a time; while it runs, the rows that arrive join the next group, so many
+    concurrent requests cost one commit, one thread hop and one wake-up of the event loop."""
 
     def __init__(self, path: Path) -> None:
         super().__init__(path, _SCHEMA, thread_name="tiergate-accounts")
-        self._usage_rows: list[tuple[tuple, asyncio.Future[None]]] = []
-        self._usage_writer: asyncio.Task[None] | None = None
+        self._next_group: _Group | None = None  # rows waiting for the group in flight to commit
+        self._in_flight: _Group | None = None
+        self._drained: asyncio.Future[None] | None = None  # done when no group is left (close)
 
     # -- keys
     @staticmethod
@@ -97,37 +101,49 @@ class SQLiteAccounts(SQLiteFile, AccountStore):
         return await self._call(run)
 
     # -- usage
-    async def record(self, day: str, key: str, model: str, tier: str, usage: Usage) -> None:
+    def record(self, day: str, key: str, model: str, tier: str, usage: Usage) -> asyncio.Future[None]:
+        """Queue the row; the future is done (or failed) once its transaction has committed."""
         committed = asyncio.get_running_loop().create_future()
-        self._usage_rows.append(((day, key, model, tier, *(getattr(usage, c) for c in COUNTERS)), committed))
-        if self._usage_writer is None:
-            self._usage_writer = asyncio.ensure_future(self._write_usage())
-        await committed
+        group = self._next_group
+        if group is None:
+            group = self._next_group = _Group([], [])
+        group.rows.append((day, key, model, tier, *[getattr(usage, c) for c in COUNTERS]))
+        group.waiters.append(committed)
+        if self._in_flight is None:
+            self._commit_next()
+        return committed
 
-    async def _write_usage(self) -> None:
-        """Commit the queued usage rows, one transaction per batch, until none are left."""
-        try:
-            while self._usage_rows:
-                batch, self._usage_rows = self._usage_rows, []
-                rows = [values for values, _ in batch]
-                try:
-                    await self._call(self._tx, lambda db: db.executemany(_UPSERT, rows))
-                except BaseException as exc:  # each waiting request gets the error (or is cancelled)
-                    for _, committed in batch:
-                        if not committed.done():
-                            committed.set_exception(exc) if isinstance(exc, Exception) else committed.cancel()
-                    if not isinstance(exc, Exception):
-                        raise
-                else:
-                    for _, committed in batch:
-                        if not committed.done():
-                            committed.set_result(None)
-        finally:
-            self._usage_writer = None
+    def _commit_next(self) -> None:
+        """Send the next group to the connection's thread; its end wakes the loop once."""
+        group, self._next_group = self._next_group, None
+        self._in_flight = group
+        if group is None:
+            if self._drained is not None and not self._drained.done():
+                self._drained.set_result(None)
+            return
+        assert self._pool is not None, "the store is not open"
+        loop = group.waiters[0].get_loop()
+        work = self._pool.submit(self._tx, lambda db: db.executemany(_UPSERT, group.rows))
+        work.add_done_callback(lambda done: loop.call_soon_threadsafe(self._committed, group, done))
+
+    def _committed(self, group: _Group, done: concurrent.futures.Future) -> None:
+        """Each waiting request gets the commit, or its error (or is cancelled)."""
+        exc = None if done.cancelled() else done.exception()
+        for committed in group.waiters:
+            if committed.done():
+                continue
+            if exc is None and not done.cancelled():
+                committed.set_result(None)
+            elif isinstance(exc, Exception):
+                committed.set_exception(exc)
+            else:
+                committed.cancel()
+        self._commit_next()
 
     async def close(self) -> None:
-        if self._usage_writer is not None:  # the rows queued before closing are written
-            await asyncio.shield(self._usage_writer)
+        if self._in_flight is not None:  # the rows queued before closing are written
+            self._drained = asyncio.get_running_loop().create_future()
+            await self._drained
         await super().close()
 
     async def usage(self, key: str | None, model: str | None, since: str | None, until: str | None) -> list[UsageRow]:
@@ -158,3 +174,11 @@ def _usage(values: tuple) -> Usage:
     for name, value in zip(COUNTERS, values):
         setattr(u, name, int(value) if isinstance(getattr(u, name), int) else float(value))
     return u
+
+
+@dataclass
+class _Group:
+    """Usage rows committed in one transaction, and the future their requests await."""
+
+    rows: list[tuple]
+    waiters: list[asyncio.Future[None]]  # one per row, so that a cancelled request cancels only its own
