@@ -126,7 +126,7 @@ class Arbiter:
         """Wait until ``model`` is resident and hold it for one request of ``tier``."""
         waiter = _Waiter(model, tier, is_batch, asyncio.get_running_loop().create_future())
         self._waiters.append(waiter)
-        self._schedule(lease_only=not is_batch)
+        self._schedule(non_batch_only=not is_batch)
         try:
             return await waiter.future
         except asyncio.CancelledError:
@@ -141,13 +141,13 @@ class Arbiter:
             return
         lease.released = True
         self.states[lease.model] = _leased(self.states[lease.model], lease.tier, self.clock(), lease.is_batch, -1)
-        self._schedule(lease_only=not lease.is_batch)
+        self._schedule(non_batch_only=not lease.is_batch)
 
     def set_demand(self, others_busy: bool) -> None:
         """Told by the admission gate whether any non-batch tier has work admitted or queued."""
         if others_busy != self._others_busy:
             self._others_busy = others_busy
-            self._schedule()  # pauses or resumes batch work; brings back a model it needs
+            self._schedule(non_batch_only=True)  # pauses or resumes batch work; brings back a model it needs
 
     # -- admin -----------------------------------------------------------------------------------
     def pin(self, model: str, pinned: bool) -> None:
@@ -204,13 +204,13 @@ class Arbiter:
             queued[w.tier] = queued.get(w.tier, 0) + 1
         return ArbiterView(self.states, self.budget, self.host_cache_budget, self.clock(), self.protect_window_s, queued)
 
-    def _schedule(self, lease_only: bool = False) -> None:
+    def _schedule(self, non_batch_only: bool = False) -> None:
         """Grant every waiter whose model is resident; start at most one load for the best of
         the rest; refuse the ones the policy refuses; then pause or resume batch work.
 
-        ``lease_only``: what changed since the last call is a non-batch lease asked for or ended.
-        While no batch work runs or is paused anywhere, that changes nothing the batch decisions
-        depend on (``policy.batch_must_yield`` pauses only models with batch work; a model is
+        ``non_batch_only``: what changed since the last call is a non-batch lease asked for or
+        ended, or the other tiers' demand. While no batch work runs or is paused anywhere, that
+        changes nothing the batch decisions depend on (``policy.batch_must_yield`` pauses only models with batch work; a model is
         brought back only for its paused batch work), so they are skipped unless this call
         granted batch work or started a load."""
         self._waiters.sort(key=lambda w: w.tier)  # stable: arrival order within a tier
@@ -236,7 +236,7 @@ class Arbiter:
             elif isinstance(decision, (Fit, Evict)):
                 self._start_load(w.model, decision if isinstance(decision, Evict) else None, w.tier, w)
             # Impossible with waiting_on: stay queued until that work ends
-        if lease_only and self._loading is None and self._batch_idle():
+        if non_batch_only and self._loading is None and self._batch_idle():
             return
         self._bring_back_batch()
         self._apply_batch_yield()

@@ -283,13 +283,13 @@ def test_pinned_model_is_never_evicted(tiny_chat):
 
 
 class AlwaysDecides(Arbiter):
-    """The owner without the lease-only shortcut: every schedule re-decides batch work."""
+    """The owner without the shortcut for non-batch changes: every schedule re-decides batch work."""
 
-    def _schedule(self, lease_only: bool = False) -> None:
-        super()._schedule(lease_only=False)
+    def _schedule(self, non_batch_only: bool = False) -> None:
+        super()._schedule(non_batch_only=False)
 
 
-def test_lease_only_schedules_decide_batch_work_as_a_full_schedule_does(tiny_chat):
+def test_non_batch_schedules_decide_batch_work_as_a_full_schedule_does(tiny_chat):
     """Random leases (batch and not) and demand changes on two models, applied to an owner with
     the shortcut and one without: the same states, the same paused models and pause counts,
     and the same run/pause signal for every model with batch work, after every step."""
