@@ -86,6 +86,17 @@ def test_batch_fills_the_engine_when_idle_pauses_whole_for_paid_and_grows_back(t
         until(lambda: full_batch_steps(0) >= 3, what="batch to fill the engine")
         assert max(len(r) for r in list(worker.step_log)) == width  # never wider than the engine
 
+        # the steps logged when the paid request reaches the gate (the pause order): a step in flight then is
+        # logged after it, so at most one batch step may come between that mark and the paid row's first
+        gate, at_order = srv.services.gate, []
+        told = gate.on_change
+
+        def on_change() -> None:
+            told()
+            if gate.others_busy() and not at_order:
+                at_order.append(len(worker.step_log))
+
+        gate.on_change = on_change
         before = len(worker.step_log)
         stream = paid.chat.completions.create(model="tiny-chat", max_tokens=24, temperature=0, stream=True,
                                               messages=[{"role": "user", "content": "paid goes first"}])
@@ -96,7 +107,8 @@ def test_batch_fills_the_engine_when_idle_pauses_whole_for_paid_and_grows_back(t
         assert len(with_paid) >= 20, steps  # the paid row decoded (24 tokens: the first from its prefill)
         assert all(ranks == (PAID,) for ranks in with_paid), [r for r in with_paid if r != (PAID,)]
         first = steps.index(with_paid[0])
-        assert first <= 1, steps[: first + 1]  # at most one batch step between the arrival and paid
+        assert at_order and before <= at_order[0] <= before + first, (before, at_order)
+        assert first - (at_order[0] - before) <= 1, steps[: first + 1]  # at most one batch step after the order
         assert text
 
         until(lambda: full_batch_steps(after) >= 3, what="batch to grow back to the engine's width")

@@ -83,7 +83,7 @@ _SWITCH_INTERVAL_S = 0.0005
 
 
 class _Yield(Exception):
-    """Raised between decoder layers: a pause order came for every row of the step."""
+    """Raised between decoder layers: a pause order came for every row of the forward pass."""
 
 
 class AdapterStackFailed(RuntimeError):
@@ -166,7 +166,7 @@ class ChatWorker(ThreadWorker):
         self.stack_merges = 0  # stack switches that merged adapters (AdapterStack.apply calls)
         self._grammars: Grammars | None = None  # built on the first constrained request
         self._eos: set[int] = set()
-        self._yielding: list[_Seq] | None = None  # rows of the decode step that stops at a pause order
+        self._yielding: list[_Seq] | None = None  # rows of the forward pass running now, when it may stop at a pause order
 
     # -- residency -------------------------------------------------------------------------
     def load(self, device: torch.device) -> None:
@@ -430,8 +430,8 @@ class ChatWorker(ThreadWorker):
         _select(batch, [])
 
     def _yield_between_layers(self, module: torch.nn.Module, args: object) -> None:
-        """A decoder layer's forward pre-hook: stop a batch-only decode step when a pause order
-        came (``_Yield``), so the request it yields to waits for one layer, not the whole step."""
+        """A decoder layer's forward pre-hook: stop a forward pass of batch rows alone when their
+        pause was ordered (``_Yield``), so the request they yield to waits for a layer, not a step."""
         if self._yielding is not None and _must_yield(self._yielding):
             raise _Yield()
 
