@@ -143,7 +143,11 @@ class RequestLog:
         finally:
             _current.reset(token)
             record.duration_s = time.monotonic() - record.started
-            if log.isEnabledFor(logging.INFO):  # the fields are built only for a line that is written
+            if not log.isEnabledFor(logging.INFO):  # the fields are built only for a line that is written
+                pass
+            elif _writer is not None and _writer.takes(log):
+                _writer.queue_request(record.fields())  # its LogRecord is made by the writer's thread
+            else:
                 log.handle(log.makeRecord(log.name, logging.INFO, "", 0, "request", (), None,
                                           extra={"request": record.fields()}))  # no caller lookup
 
@@ -194,7 +198,7 @@ class LineWriter(logging.Handler):
     def __init__(self, period: float = 0.01) -> None:
         super().__init__()
         self.period = period
-        self._queued: collections.deque[logging.LogRecord] = collections.deque()
+        self._queued: collections.deque[logging.LogRecord | tuple[float, dict]] = collections.deque()
         self._writing = threading.Lock()  # one writer at a time, in order
         self._arrived = threading.Event()
         self._closing = threading.Event()  # wakes the thread from its wait at close
@@ -216,6 +220,23 @@ class LineWriter(logging.Handler):
             except Exception:  # noqa: BLE001 - logging's own convention: report, never raise
                 self.handleError(record)
             self._write(lines)
+
+    def takes(self, logger: logging.Logger) -> bool:
+        """Whether a line of ``logger`` would reach this handler alone, unfiltered, and be queued:
+        then ``queue_request`` may stand for ``logger.handle``."""
+        if logger.filters or self.filters or self.level > logging.INFO or self._closed:
+            return False
+        while logger is not _root:  # the loggers the line passes on its way to the root's handlers
+            if logger.handlers or not logger.propagate or logger.parent is None:
+                return False
+            logger = logger.parent
+        return _root.handlers == [self] and self._thread.is_alive()
+
+    def queue_request(self, fields: dict[str, Any]) -> None:
+        """Queue a request line of ``log`` without a ``LogRecord`` on the event loop."""
+        self._queued.append((time.time(), fields))
+        if not self._arrived.is_set():
+            self._arrived.set()
 
     def flush(self) -> None:
         with self._writing:
@@ -241,6 +262,8 @@ class LineWriter(logging.Handler):
         lines = []
         while self._queued:
             record = self._queued.popleft()
+            if isinstance(record, tuple):  # queue_request's (time, fields)
+                record = _request_record(*record)
             try:
                 lines.append(self.format(record))
             except Exception:  # noqa: BLE001
@@ -259,6 +282,16 @@ class LineWriter(logging.Handler):
             pass
 
 
+def _request_record(created: float, fields: dict[str, Any]) -> logging.LogRecord:
+    record = log.makeRecord(log.name, logging.INFO, "", 0, "request", (), None, extra={"request": fields})
+    record.created, record.msecs = created, (created - int(created)) * 1000
+    return record
+
+
+_root = logging.getLogger()
+_writer: LineWriter | None = None  # configure's handler: request lines go to it directly
+
+
 def configure(json_lines: bool, level: int = logging.INFO) -> None:
     """Send every logger (uvicorn's included) and Python's warnings through one ``LineWriter``
     on stderr with ``Formatter``."""
@@ -272,3 +305,5 @@ def configure(json_lines: bool, level: int = logging.INFO) -> None:
             old.close()
     root.handlers[:] = [handler]
     root.setLevel(level)
+    global _writer
+    _writer = handler

@@ -90,3 +90,43 @@ def test_close_leaves_nothing_queued_and_later_lines_are_written_at_once(capture
     assert not handler._thread.is_alive()  # noqa: SLF001
     request_line(logger, 1)
     assert request_ids(captured.getvalue()) == ["r0", "r1"]
+
+
+def test_request_lines_skip_the_logging_call_only_where_the_writer_alone_would_get_them(captured, monkeypatch):
+    """``takes``: the fast path (``queue_request``) stands for ``log.handle`` only when the line
+    would reach this writer alone; the line it queues is written like a logged one."""
+    import datetime
+    import time
+
+    from gateway import request_log
+
+    root = logging.getLogger("tiergate-test-root")
+    child = logging.getLogger("tiergate-test-root.mid.requests")
+    monkeypatch.setattr(request_log, "_root", root)
+    handler = LineWriter(period=60)
+    handler.setFormatter(Formatter(json_lines=False))
+    root.handlers[:] = [handler]
+    try:
+        assert handler.takes(child)
+        other = logging.NullHandler()
+        for place in (child, logging.getLogger("tiergate-test-root.mid"), root):
+            place.addHandler(other)
+            assert not handler.takes(child)  # the line would also reach ``other``
+            place.removeHandler(other)
+        child.propagate = False
+        assert not handler.takes(child)
+        child.propagate = True
+
+        before = time.time()
+        handler.queue_request(RequestRecord("r9", "POST", "/v1/embeddings", status=200, duration_s=0.5).fields())
+        assert captured.getvalue() == ""  # queued
+        handler.flush()
+        line = captured.getvalue()
+        assert request_ids(line) == ["r9"] and "tiergate.requests: request" in line and "duration_s=0.5" in line
+        stamp = datetime.datetime.fromisoformat(line.split()[0]).timestamp()
+        assert before - 0.002 <= stamp <= time.time()  # the time it was queued, not written
+        handler.close()
+        assert not handler.takes(child)
+    finally:
+        root.handlers.clear()
+        handler.close()
