@@ -181,17 +181,17 @@ def server(tiny_chat, tiny_tts, tmp_path_factory):
     running.stop()
 
 
-def reported(server, monkeypatch) -> list[tuple[str, float, float]]:
-    """What the server's gate is told, as (tier, seconds, when it was told)."""
+def reported(server, monkeypatch, method: str = "observe_latency") -> list[tuple[str, float, float]]:
+    """What the server's gate is told through ``method``, as (tier, seconds, when it was told)."""
     gate = server.services.gate
     seen: list[tuple[str, float, float]] = []
-    real = gate.observe_latency
+    real = getattr(gate, method)
 
     def observe(tier: str, seconds: float) -> None:
         seen.append((tier, seconds, time.monotonic()))
         real(tier, seconds)
 
-    monkeypatch.setattr(gate, "observe_latency", observe)
+    monkeypatch.setattr(gate, method, observe)
     return seen
 
 
@@ -277,15 +277,7 @@ def test_gate_feeds_token_latencies_to_the_guard():
 def test_chat_reports_its_mean_time_per_later_token(server, monkeypatch):
     """A streamed reply of n tokens reports (end - first token) / (n - 1) once, as it ends; a
     speech request (no tokens) reports none."""
-    gate = server.services.gate
-    seen: list[tuple[str, float, float]] = []
-    real = gate.observe_token_latency
-
-    def observe(tier: str, seconds: float) -> None:
-        seen.append((tier, seconds, time.monotonic()))
-        real(tier, seconds)
-
-    monkeypatch.setattr(gate, "observe_token_latency", observe)
+    seen = reported(server, monkeypatch, "observe_token_latency")
     client = OpenAI(base_url=server.base_url, api_key=server.keys["paid"])
     start = time.monotonic()
     stream = client.chat.completions.create(model="tiny-chat", messages=[{"role": "user", "content": "hi"}],
