@@ -24,6 +24,7 @@ import contextvars
 import datetime
 import json
 import logging
+import os
 import random
 import re
 import sys
@@ -96,6 +97,8 @@ def valid_request_id(value: str) -> bool:
 
 
 _ids = random.Random()  # seeded from os.urandom; ids must be unique, not secret (no system call per id)
+if hasattr(os, "register_at_fork"):  # a forked child must not repeat its parent's ids
+    os.register_at_fork(after_in_child=_ids.seed)
 
 
 def new_id() -> str:

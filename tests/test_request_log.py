@@ -130,3 +130,21 @@ def test_request_lines_skip_the_logging_call_only_where_the_writer_alone_would_g
     finally:
         root.handlers.clear()
         handler.close()
+
+
+def test_a_forked_child_does_not_repeat_its_parents_ids():
+    """Ids come from a seeded PRNG (no system call per id); a fork reseeds it in the child."""
+    import os
+
+    from gateway.request_log import new_id
+
+    read, write = os.pipe()
+    pid = os.fork()
+    if pid == 0:
+        os.write(write, new_id().encode())
+        os._exit(0)
+    os.close(write)
+    os.waitpid(pid, 0)
+    child = os.read(read, 64).decode()
+    os.close(read)
+    assert len(child) == 32 and child != new_id()
