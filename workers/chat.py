@@ -167,6 +167,9 @@ class ChatWorker(ThreadWorker):
         self._grammars: Grammars | None = None  # built on the first constrained request
         self._eos: set[int] = set()
         self._yielding: list[_Seq] | None = None  # rows of the forward pass running now, when it may stop at a pause order
+        # read from the model's config once, at load: every request checks its prompt and its logit bias against them
+        self.context_length = 0
+        self.vocab_size = 0
 
     # -- residency -------------------------------------------------------------------------
     def load(self, device: torch.device) -> None:
@@ -178,6 +181,8 @@ class ChatWorker(ThreadWorker):
         model = AutoModelForCausalLM.from_pretrained(self.spec.path, dtype=dtype)
         self.model = model.to(device).eval()
         self._eos = _eos_ids(self.model, self.tokenizer)
+        self.context_length = int(getattr(self.model.config, "max_position_embeddings", 2048))
+        self.vocab_size = int(self.model.config.get_text_config().vocab_size)
         self._grammars = None
         # pristine copies in host memory on CUDA: merging costs no device memory the arbiter did not count
         self.adapter_stack = AdapterStack(self.model, offload=device.type == "cuda")
@@ -199,10 +204,6 @@ class ChatWorker(ThreadWorker):
     def modules(self) -> list[torch.nn.Module]:
         return [self.model] if self.model is not None else []
 
-    @property
-    def context_length(self) -> int:
-        return int(getattr(self.model.config, "max_position_embeddings", 2048))
-
     @classmethod
     def describe(cls, spec: ModelSpec) -> ModelInfo:
         return ModelInfo(context_length=folder_context_length(spec.path))
@@ -210,10 +211,6 @@ class ChatWorker(ThreadWorker):
     # -- requests ----------------------------------------------------------------------------
     def encode(self, messages: list[dict], tools: list[dict] | None = None) -> list[int]:
         return chat_prompt.encode(self.tokenizer, messages, tools)
-
-    @property
-    def vocab_size(self) -> int:
-        return int(self.model.config.get_text_config().vocab_size)
 
     def _row_grammar(self, req: ChatRequest) -> RowGrammar | None:
         if req.params.grammar is None:
