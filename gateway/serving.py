@@ -169,8 +169,12 @@ class Serving:
         if self.svc.accounts is not None:
             self.usage.gpu_seconds = self._gpu_seconds(service_s)
             self.usage.swap_seconds = held.lease.swap_s
-            with anyio.CancelScope(shield=True):  # a cut stream is metered too
-                await self.svc.accounts.finish(self.caller, self.model, self._admission, self.usage)
+            finish = self.svc.accounts.finish(self.caller, self.model, self._admission, self.usage)
+            if in_cancel_scope():
+                with anyio.CancelScope(shield=True):  # a cut stream is metered too
+                    await finish
+            else:
+                await finish
 
     def _gpu_seconds(self, service_s: float) -> float:
         """The device time this request cost: what an engine that shares its steps among rows
@@ -219,6 +223,24 @@ class Serving:
                 result.release(None)
             raise ClientGone()
         return result
+
+
+def in_cancel_scope() -> bool:
+    """Whether an anyio cancel scope encloses the running task, as a streamed response's task group
+    does: a cancelled scope cancels the task again at every await until it is left, and only a
+    shielded scope stops that. Elsewhere a shield stops nothing (anyio's shield does not hold off
+    asyncio's own ``Task.cancel``), and it costs ~30 Python calls, so a non-streamed request's
+    usage write goes without one. True when anyio's bookkeeping cannot be read (always shield)."""
+    if _anyio_tasks is None:
+        return True
+    state = _anyio_tasks.get(asyncio.current_task())
+    return state is not None and state.cancel_scope is not None
+
+
+try:  # anyio's per-task state on asyncio: its cancel scopes (private; without it, always shield)
+    from anyio._backends._asyncio import _task_states as _anyio_tasks
+except ImportError:  # pragma: no cover - another anyio layout
+    _anyio_tasks = None
 
 
 # Model work gets its own threads: on asyncio's default executor, long generations could starve

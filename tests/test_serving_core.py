@@ -4,7 +4,9 @@
   the arbiter evict the least valuable other model; the eviction has finished before the retry
   starts (the order of events is recorded), and the retry succeeds;
 * the admission cost model learns only completed, unpaused service time: a batch request paused
-  for a long time, and a stream cut by a disconnect, leave its prediction unchanged.
+  for a long time, and a stream cut by a disconnect, leave its prediction unchanged; the cut
+  stream's usage is still written;
+* the usage write is shielded from a cancel scope's cancellation exactly where one encloses it.
 
 Out of memory is raised by torch forward pre-hooks on the worker's own modules (or by its own
 ``Module.to`` during a load), so the worker's real code runs up to that point."""
@@ -250,6 +252,13 @@ def test_a_long_paused_batch_request_leaves_the_prediction_unchanged(server):
     assert predict(server, "tiny-image", units) == learned
 
 
+def metered(server: RunningServer, model: str) -> int:
+    """The paid key's requests on ``model`` in its usage (GET /v1/usage)."""
+    r = httpx.get(f"{server.base_url}/usage", params={"group_by": "model"},
+                  headers={"Authorization": f"Bearer {server.keys['paid']}"})
+    return sum(row["requests"] for row in r.json()["data"] if row["model"] == model)
+
+
 def test_a_stream_cut_by_a_disconnect_leaves_the_prediction_unchanged(server):
     settle(server)
     body = {"model": "mid", "messages": [{"role": "user", "content": "count"}], "max_tokens": 64,
@@ -257,6 +266,7 @@ def test_a_stream_cut_by_a_disconnect_leaves_the_prediction_unchanged(server):
     done = sdk(server).chat.completions.create(**{**body, "stream": False})
     assert done.usage.completion_tokens > 8  # the request we cut would run long
     learned = predict(server, "mid", 64)
+    before = metered(server, "mid")
     slow = [m.register_forward_pre_hook(lambda m, a: time.sleep(0.05)) for m in server.services.arbiter.workers["mid"].modules()]
     try:
         host, port = server.url.removeprefix("http://").split(":")
@@ -273,3 +283,27 @@ def test_a_stream_cut_by_a_disconnect_leaves_the_prediction_unchanged(server):
         for h in slow:
             h.remove()
     assert predict(server, "mid", 64) == learned
+    deadline = time.time() + 10  # the slot is given back before the usage write ends
+    while metered(server, "mid") != before + 1:
+        assert time.time() < deadline, f"the cut stream was not metered: {metered(server, 'mid')} != {before + 1}"
+        time.sleep(0.05)
+
+
+def test_the_usage_write_is_shielded_only_inside_a_cancel_scope():
+    import anyio
+
+    from gateway.serving import in_cancel_scope
+
+    async def main() -> list[bool]:
+        seen = [in_cancel_scope()]  # a plain task: nothing re-cancels it, so no shield
+        async with anyio.create_task_group() as group:  # a streamed response's task group
+            async def child() -> None:
+                seen.append(in_cancel_scope())
+            group.start_soon(child)
+            seen.append(in_cancel_scope())
+        with anyio.CancelScope():
+            seen.append(in_cancel_scope())
+        seen.append(in_cancel_scope())  # the scopes were left
+        return seen
+
+    assert asyncio.run(main()) == [False, True, True, True, False]
