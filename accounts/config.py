@@ -3,6 +3,8 @@
 
 from __future__ import annotations
 
+import functools
+
 from pydantic import BaseModel, ConfigDict, Field
 
 
@@ -22,6 +24,14 @@ class Limits(_Strict):
     audio_seconds_per_min: float | None = Field(default=None, gt=0)  # speech made plus audio transcribed
     gpu_seconds_per_day: float | None = Field(default=None, gt=0)  # per UTC day
     models: tuple[str, ...] | None = None  # allow-list of model names; None: every model
+
+    @functools.cached_property
+    def limited(self) -> bool:
+        """Whether any minute, concurrency or daily limit is set (the allow-list is not a limit):
+        asked of every request's limits, so worked out once per ``Limits``."""
+        return any(getattr(self, f) is not None for f in
+                   ("requests_per_min", "tokens_per_min", "concurrent", "images_per_min", "audio_seconds_per_min",
+                    "gpu_seconds_per_day"))
 
     def over(self, overrides: dict) -> "Limits":
         """These limits with ``overrides`` (a key's own, only the fields it sets) on top."""

@@ -3,8 +3,8 @@
 from __future__ import annotations
 
 import asyncio
-import concurrent.futures
 import json
+import operator
 import sqlite3
 from pathlib import Path
 from dataclasses import dataclass
@@ -25,6 +25,7 @@ CREATE TABLE IF NOT EXISTS usage (
     PRIMARY KEY (day, key, model, tier)) WITHOUT ROWID;
 CREATE INDEX IF NOT EXISTS usage_by_key ON usage (key, day);
 """
+_COUNTS = operator.attrgetter(*COUNTERS)  # a Usage's counters as a tuple, in COUNTERS' order
 _UPSERT = (f"INSERT INTO usage (day, key, model, tier, {', '.join(COUNTERS)}) "
            f"VALUES (?, ?, ?, ?, {', '.join('?' for _ in COUNTERS)}) ON CONFLICT (day, key, model, tier) DO UPDATE SET "
            + ", ".join(f"{c} = {c} + excluded.{c}" for c in COUNTERS))
@@ -107,7 +108,7 @@ class SQLiteAccounts(SQLiteFile, AccountStore):
         group = self._next_group
         if group is None:
             group = self._next_group = _Group([], [])
-        group.rows.append((day, key, model, tier, *[getattr(usage, c) for c in COUNTERS]))
+        group.rows.append((day, key, model, tier, *_COUNTS(usage)))
         group.waiters.append(committed)
         if self._in_flight is None:
             self._commit_next()
@@ -123,16 +124,23 @@ class SQLiteAccounts(SQLiteFile, AccountStore):
             return
         assert self._pool is not None, "the store is not open"
         loop = group.waiters[0].get_loop()
-        work = self._pool.submit(self._tx, lambda db: db.executemany(_UPSERT, group.rows))
-        work.add_done_callback(lambda done: loop.call_soon_threadsafe(self._committed, group, done))
 
-    def _committed(self, group: _Group, done: concurrent.futures.Future) -> None:
+        def commit() -> None:  # on the connection's thread; its end wakes the loop once
+            try:
+                self._tx(lambda db: db.executemany(_UPSERT, group.rows))
+            except BaseException as exc:  # noqa: BLE001 - handed to the waiting requests
+                loop.call_soon_threadsafe(self._committed, group, exc)
+            else:
+                loop.call_soon_threadsafe(self._committed, group, None)
+
+        self._pool.submit(commit)
+
+    def _committed(self, group: _Group, exc: BaseException | None) -> None:
         """Each waiting request gets the commit, or its error (or is cancelled)."""
-        exc = None if done.cancelled() else done.exception()
         for committed in group.waiters:
             if committed.done():
                 continue
-            if exc is None and not done.cancelled():
+            if exc is None:
                 committed.set_result(None)
             elif isinstance(exc, Exception):
                 committed.set_exception(exc)

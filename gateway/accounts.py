@@ -162,7 +162,7 @@ class Accounts:
         limits = self.limits(caller.key_id, caller.tier)
         if limits.models is not None and model not in limits.models:
             raise APIError(404, f"the model '{model}' does not exist", "model_not_found", "model")
-        if caller.rate is None or not _limited(limits):
+        if caller.rate is None or not limits.limited:
             return None
         spent = 0.0
         if limits.gpu_seconds_per_day is not None and not self.store.shares_limits:
@@ -179,20 +179,20 @@ class Accounts:
         """After a request: correct its key's buckets by what it used (``usage`` None: it never
         ran, and only the request itself still counts) and write its usage, durable on return."""
         start = time.perf_counter()
-        writes = []
-        if usage is not None:
-            writes.append(self.store.record(utc_day(time.time()), caller.key_id, model, caller.tier, usage))
-        if held is not None:
+        if held is None:  # the common case (a key without limits): the row alone, no task for gather
+            if usage is not None:
+                try:
+                    await self.store.record(utc_day(time.time()), caller.key_id, model, caller.tier, usage)
+                except (Exception, asyncio.CancelledError) as exc:  # as gather(return_exceptions=True) has it
+                    log.error("usage of a request on %s could not be written: %r", model, exc)
+        else:
+            writes = []
+            if usage is not None:
+                writes.append(self.store.record(utc_day(time.time()), caller.key_id, model, caller.tier, usage))
             used = Ask() if usage is None else Ask(
                 1.0, usage.input_tokens + usage.output_tokens + usage.embedding_tokens, usage.images,
                 usage.audio_in_seconds + usage.audio_out_seconds)
             writes.append(self.limiter.settle(held.key, held.limits, held.ask, used, held.request_id))
-        if len(writes) == 1:  # the common case (a key without limits): no task for gather
-            try:
-                await writes[0]
-            except (Exception, asyncio.CancelledError) as exc:  # as gather(return_exceptions=True) has it
-                log.error("usage of a request on %s could not be written: %r", model, exc)
-        else:
             for result in await asyncio.gather(*writes, return_exceptions=True):
                 if isinstance(result, BaseException):
                     log.error("usage of a request on %s could not be written: %r", model, result)
@@ -207,12 +207,6 @@ class Accounts:
 
 
 _NO_LIMITS = Limits()
-
-
-def _limited(limits: Limits) -> bool:
-    return any(getattr(limits, f) is not None for f in
-               ("requests_per_min", "tokens_per_min", "concurrent", "images_per_min", "audio_seconds_per_min",
-                "gpu_seconds_per_day"))
 
 
 def refused(verdict: Verdict) -> APIError:
