@@ -54,7 +54,7 @@ Host cache (``host_cache_plan``, folded into every ``Evict``)
 Batch yields (``batch_must_yield``)
     Batch work runs only while no other tier has work running or queued, here or at the
     admission gate (``others_busy``: the gate has non-batch work admitted or queued that may not
-    have reached the arbiter yet); otherwise all running batch work must pause. The function
+    have reached the arbiter yet, or on its way from the door); otherwise all running batch work must pause. The function
     returns the set that must be paused now; the owner pauses those and resumes the rest (an
     empty set means resume all).
 
@@ -381,7 +381,7 @@ def pick_oom_victim(
 
 def batch_must_yield(view: ArbiterView, batch_rank: int, others_busy: bool) -> frozenset[str]:
     """The models whose batch work must be paused now (empty: let all batch work run).
-    ``others_busy``: the admission gate holds non-batch work, admitted or queued."""
+    ``others_busy``: the admission gate holds non-batch work, admitted, queued or arriving."""
     others_running = any(m.running_nonbatch > 0 for m in view.models.values())
     others_queued = any(n > 0 for tier, n in view.queued_by_tier.items() if tier < batch_rank)
     if not (others_busy or others_running or others_queued):

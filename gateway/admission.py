@@ -12,6 +12,12 @@ per-model linear fit ``seconds = a + b * units`` over a sliding window of measur
 (units: requested tokens for chat, pixels x steps for images, and so on), updated as requests
 finish. Batch-tier requests are admitted only while no other tier is waiting or running.
 
+The other tiers' demand (``others_busy``, which pauses batch work) starts at the door: a
+non-batch request that passed :meth:`Gate.refuse_if_full` counts as an :class:`Arrival` while its
+body is read, parsed and tokenized, until it reaches :meth:`Gate.acquire` or ``DOOR_WINDOW_S``
+passes. Batch work in flight so stops while the request is still on its way, and that way is not
+slowed by the batch's steps.
+
 The SLO guard (``gateway/slo_guard.py``, a pure function) shrinks lower tiers' effective
 ``max_inflight`` while a higher tier's recent latency drifts toward its target, and lets it grow
 back when that tier recovers; the endpoints report latencies with :meth:`Gate.observe_latency`.
@@ -37,6 +43,7 @@ from gateway.slo_guard import GuardSettings, TierWindow, next_limits
 from gateway.tier_stats import TierStats
 
 MAX_RETRY_AFTER_S = 120
+DOOR_WINDOW_S = 0.05  # an arrival counts as demand at most this long before it reaches ``acquire``
 
 
 @dataclass(frozen=True)
@@ -178,6 +185,16 @@ class Ticket:
 
 
 @dataclass(eq=False, slots=True)
+class Arrival:
+    """A non-batch request between the door and :meth:`Gate.acquire`: demand that pauses batch
+    work. It ends when the request reaches ``acquire`` (as a ticket it counts on), when it fails
+    on the way, or after ``DOOR_WINDOW_S`` (a slow body read: the pause then waits for ``acquire``)."""
+
+    timer: asyncio.TimerHandle | None = None
+    ended: bool = False
+
+
+@dataclass(eq=False, slots=True)
 class _Lane:
     """One tier at the gate: its FIFO of waiting tickets and its counts. A ticket that leaves the
     queue (client gone) stops counting at once and is skipped when it reaches the front."""
@@ -214,6 +231,7 @@ class Gate:
         self.total_inflight = 0
         self._nonbatch_running = 0  # admitted non-batch tickets
         self._nonbatch_queued = 0  # waiting non-batch requests
+        self._arriving = 0  # non-batch requests past the door, not yet at ``acquire`` (Arrival)
         self._waiting = 0  # waiting requests, all tiers
         self._running_cost = 0.0  # sum of predicted costs of admitted non-batch tickets
         self._running_started = 0.0  # sum of their start times
@@ -247,8 +265,8 @@ class Gate:
         return self._lanes[tier].waiting
 
     def others_busy(self) -> bool:
-        """True while any non-batch tier has work admitted or queued."""
-        return self._nonbatch_running > 0 or self._nonbatch_queued > 0
+        """True while any non-batch tier has work admitted, queued or on its way from the door."""
+        return self._nonbatch_running > 0 or self._nonbatch_queued > 0 or self._arriving > 0
 
     def refuse_if_full(self, tier: str) -> None:
         """Refuse (``Rejected``, queue_full) a request that could neither start nor queue now,
@@ -260,18 +278,48 @@ class Gate:
             self._reject_tier(policy, None, "queue_full", self.predict_wait(policy),
                               f"the {tier} tier's queue is full ({policy.max_queued} waiting)")
 
-    async def acquire(self, tier: str, model: str, units: float = 1.0) -> Ticket:
+    def arrive(self, tier: str) -> Arrival | None:
+        """A request of ``tier`` passed the door (``refuse_if_full``): a non-batch one counts as
+        demand from now on (batch work pauses) until :meth:`acquire` takes its ``Arrival``, or
+        :meth:`left` ends it, or ``DOOR_WINDOW_S`` passes."""
+        if self._lanes[tier].is_batch:
+            return None
+        arrival = Arrival()
+        self._arriving += 1
+        if not self._told_busy:
+            self._changed()
+        arrival.timer = self._event_loop().call_later(DOOR_WINDOW_S, self.left, arrival)
+        return arrival
+
+    def left(self, arrival: Arrival | None) -> None:
+        """``arrival`` stops counting as demand (idempotent)."""
+        if arrival is None or arrival.ended:
+            return
+        arrival.ended = True
+        arrival.timer.cancel()
+        self._arriving -= 1
+        if self._told_busy and not self.others_busy():
+            if self._waiting:
+                self._dispatch()  # batch may have been waiting on it
+            self._changed()
+
+    async def acquire(self, tier: str, model: str, units: float = 1.0, arrival: Arrival | None = None) -> Ticket:
+        """Wait for a slot (or be refused); ``arrival``, the request's from :meth:`arrive`,
+        ends once the ticket counts as demand in its place."""
         lane = self._lanes[tier]
         policy = lane.policy
         ticket = Ticket(policy, model, units, self.costs.predict(model, units), lane)
         now = self.clock()
         if self._can_start(lane):
             self._start(ticket, lane, now)
+            self.left(arrival)
             return ticket
         wait = self._wait_behind(lane, now)
         if lane.waiting >= policy.max_queued:
+            self.left(arrival)
             self._reject(ticket, "queue_full", wait, f"the {tier} tier's queue is full ({policy.max_queued} waiting)")
         if not lane.is_batch and wait > policy.latency_target_s:
+            self.left(arrival)
             self._reject(
                 ticket, "latency_target", wait - policy.latency_target_s,
                 f"predicted wait {wait:.1f}s exceeds the {tier} tier's latency target of "
@@ -287,6 +335,7 @@ class Gate:
             self._nonbatch_queued += 1
             if not self._told_busy:
                 self._changed()
+        self.left(arrival)
         try:
             await future
         except asyncio.CancelledError:
@@ -313,7 +362,7 @@ class Gate:
             self.costs.observe(ticket.model, ticket.units, measured_s)
         if self._waiting:
             self._dispatch()
-        if self._told_busy and not (self._nonbatch_running or self._nonbatch_queued):
+        if self._told_busy and not (self._nonbatch_running or self._nonbatch_queued or self._arriving):
             self._changed()
 
     def observe_latency(self, tier: str, seconds: float) -> None:
@@ -399,7 +448,7 @@ class Gate:
         if lane.inflight >= lane.limit:
             return False
         if lane.is_batch:
-            return not (self._nonbatch_running or self._nonbatch_queued)
+            return not (self._nonbatch_running or self._nonbatch_queued or self._arriving)
         return self._nonbatch_running < self.slots
 
     def _start(self, ticket: Ticket, lane: _Lane, now: float) -> None:
@@ -464,7 +513,7 @@ class Gate:
 
     def _changed(self) -> None:
         """Tell ``on_change`` when the other tiers' demand flips between busy and idle."""
-        busy = self._nonbatch_running > 0 or self._nonbatch_queued > 0
+        busy = self._nonbatch_running > 0 or self._nonbatch_queued > 0 or self._arriving > 0
         if busy != self._told_busy:
             self._told_busy = busy
             if self.on_change is not None:

@@ -147,6 +147,7 @@ async def admin_model(request: Request) -> Response:
 
 
 async def _api_error(request: Request, exc: APIError) -> Response:
+    request.app.state.services.left_door()  # refused on its way to the gate: no longer demand
     note(reason=exc.code)
     return exc.response()
 
@@ -160,10 +161,12 @@ async def _http_error(request: Request, exc: HTTPException) -> Response:
 
 
 async def _client_gone(request: Request, exc: ClientGone) -> Response:
+    request.app.state.services.left_door()
     return Response(status_code=499)
 
 
 async def _unexpected(request: Request, exc: Exception) -> Response:
+    request.app.state.services.left_door()
     log.exception("unexpected error on %s %s", request.method, request.url.path)
     request_id = request_id_of(request.scope)  # the request log's middleware is inside this handler's
     return APIError(500, "internal error; the request was not completed", "internal_error",

@@ -4,6 +4,7 @@ resident model, released together. The serving core (``gateway.serving``) builds
 
 from __future__ import annotations
 
+import contextvars
 import functools
 import time
 from dataclasses import dataclass, field
@@ -13,7 +14,7 @@ from starlette.requests import Request
 
 from arbiter.residency import Arbiter, Lease, Refused, Unavailable
 from gateway.adapters import AdapterRegistry
-from gateway.admission import Gate, Rejected, Ticket
+from gateway.admission import Arrival, Gate, Rejected, Ticket
 from gateway.auth import Caller, KeyRing, bearer_token
 from gateway.config import Config
 from gateway.errors import APIError, bad_request, not_found
@@ -26,6 +27,10 @@ if TYPE_CHECKING:
     from gateway.accounts import Accounts
     from workers.embed import EmbedWorker
     from workers.tts import TTSWorker
+
+
+# the request's own arrival at the gate (``Gate.arrive``), from ``admit_caller`` until ``hold``
+_arrival: contextvars.ContextVar[Arrival | None] = contextvars.ContextVar("tiergate_arrival", default=None)
 
 
 class ClientGone(Exception):
@@ -91,13 +96,21 @@ class Services:
 
     def admit_caller(self, request: Request) -> Caller:
         """Authenticate a model request and refuse it at once (429) if its tier can neither start
-        nor queue: before its body is read or parsed."""
+        nor queue: before its body is read or parsed. One that passes counts as demand from here
+        (``Gate.arrive``: batch work pauses while its body is read and parsed) until it reaches
+        the gate in ``hold``, fails on the way (``left_door``), or ``DOOR_WINDOW_S`` passes."""
         caller = self.authenticate(request)
         try:
             self.gate.refuse_if_full(caller.tier)
         except Rejected as exc:
             raise _too_many(self.gate, caller.tier, exc) from None
+        _arrival.set(self.gate.arrive(caller.tier))
         return caller
+
+    def left_door(self) -> None:
+        """The request failed between the door and the gate (bad input, say): it stops counting
+        as demand now rather than when ``DOOR_WINDOW_S`` passes."""
+        self.gate.left(_arrival.get())
 
     def require_admin(self, request: Request) -> Caller:
         caller = self.authenticate(request)
@@ -117,7 +130,7 @@ class Services:
         """Admission then residency; 429 / 503 as OpenAI-shaped errors with Retry-After."""
         arrived = time.monotonic()
         try:
-            ticket = await self.gate.acquire(tier, model, units)
+            ticket = await self.gate.acquire(tier, model, units, _arrival.get())
         except Rejected as exc:
             raise _too_many(self.gate, tier, exc) from None
         self.metrics.observe(self.metrics.queue_wait, ticket.queued_s, tier)

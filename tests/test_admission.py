@@ -278,3 +278,69 @@ def test_waiters_that_leave_stop_counting_and_are_not_kept():
         assert gate.total_inflight == 0 and gate.queued("free") == 0
 
     asyncio.run(main())
+
+
+# -- demand from the door: an arrival pauses batch before its body is read ---------------------------
+
+
+def test_an_arrival_is_demand_until_its_ticket_counts_in_its_place():
+    async def main():
+        gate = Gate(tiers(), slots=4)
+        told = []
+        gate.on_change = lambda: told.append(gate.others_busy())
+        arrival = gate.arrive("paid")
+        assert gate.others_busy() and told == [True]
+        ticket = await gate.acquire("paid", "m", arrival=arrival)
+        assert arrival.ended and gate.others_busy() and told == [True]  # no idle flip in between
+        gate.release(ticket)
+        assert not gate.others_busy() and told == [True, False]
+        gate.left(arrival)  # idempotent
+        assert told == [True, False]
+        assert gate.arrive("batch") is None  # batch never pauses batch
+
+    asyncio.run(main())
+
+
+def test_an_arrival_that_never_reaches_the_gate_lapses(monkeypatch):
+    import gateway.admission as admission
+
+    monkeypatch.setattr(admission, "DOOR_WINDOW_S", 0.01)
+
+    async def main():
+        gate = Gate(tiers(), slots=4)
+        told = []
+        gate.on_change = lambda: told.append(gate.others_busy())
+        gate.arrive("free")
+        await asyncio.sleep(0.05)
+        return told, gate.others_busy()
+
+    assert asyncio.run(main()) == ([True, False], False)
+
+
+def test_batch_waits_while_a_request_is_on_its_way_and_starts_when_it_leaves():
+    async def main():
+        gate = Gate(tiers(), slots=4)
+        arrival = gate.arrive("subscriber")
+        batch = asyncio.create_task(gate.acquire("batch", "m"))
+        await settle()
+        assert not batch.done() and gate.queued("batch") == 1
+        gate.left(arrival)  # it failed on its way (bad input): batch goes on at once
+        await settle()
+        assert batch.done()
+        gate.release(batch.result())
+
+    asyncio.run(main())
+
+
+def test_a_refused_arrival_stops_counting():
+    async def main():
+        gate = Gate(tiers(max_queued=0), slots=1)
+        first = await gate.acquire("paid", "m")
+        arrival = gate.arrive("free")
+        with pytest.raises(Rejected):
+            await gate.acquire("free", "m", arrival=arrival)
+        assert arrival.ended
+        gate.release(first)
+        assert not gate.others_busy()
+
+    asyncio.run(main())

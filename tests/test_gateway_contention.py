@@ -151,3 +151,40 @@ def test_streaming_client_that_disconnects_frees_its_slot(one_slot_server):
     time.sleep(0.3)
     assert worker.steps == settled  # no more decode steps: the row left the batch
     assert settled - steps_at_close < 100
+
+
+def test_demand_starts_at_the_door_and_ends_with_the_request(one_slot_server, monkeypatch):
+    """A paid request counts as demand (batch work pauses) from the moment its key passes the
+    door, while its body is still on the wire; a body that turns out bad ends that demand with
+    its 400 (not when the door window passes), and a served request hands it to its ticket."""
+    import gateway.admission as admission
+
+    monkeypatch.setattr(admission, "DOOR_WINDOW_S", 60.0)  # only the request's own end may end it
+    s = one_slot_server
+    gate, arbiter = s.services.gate, s.services.arbiter
+
+    def demand():
+        return s.call(lambda: (gate.others_busy(), arbiter._others_busy))
+
+    async def main():
+        seen_before_body = []
+
+        async def body(payload: bytes):
+            assert wait_until(lambda: demand() == (True, True), timeout=10)
+            seen_before_body.append(demand())
+            yield payload
+
+        headers = {"authorization": f"Bearer {s.keys['paid']}", "content-type": "application/json"}
+        async with httpx.AsyncClient(base_url=s.base_url, timeout=30) as client:
+            bad = await client.post("/chat/completions", headers=headers, content=body(b'{"model": "tiny-chat", '))
+            assert bad.status_code == 400, bad.text
+            after_bad = demand()
+            good = await client.post("/chat/completions", headers=headers, content=body(
+                b'{"model": "tiny-chat", "messages": [{"role": "user", "content": "hi"}], "max_tokens": 2}'))
+            assert good.status_code == 200, good.text
+        return seen_before_body, after_bad, demand()
+
+    seen_before_body, after_bad, after_good = asyncio.run(main())
+    assert seen_before_body == [(True, True), (True, True)]
+    assert after_bad == (False, False)
+    assert after_good == (False, False)
