@@ -77,6 +77,7 @@ class Accounts:
         self.limiter: Limiter = store.limiter()
         self._by_hash: dict[str, KeyRecord] = {}
         self._by_id: dict[str, KeyRecord] = {}
+        self._limits: dict[str, tuple[KeyRecord, Limits]] = {}  # a managed key's limits, while its record is current
         self._version = 0
         self._loop: asyncio.Task | None = None
         self.record_s: collections.deque[float] = collections.deque(maxlen=1000)  # recent usage writes' times
@@ -128,16 +129,27 @@ class Accounts:
         return Caller(tier=record.tier, key_id=record.id)
 
     def for_http(self, caller: Caller) -> Caller:
-        """The caller of one HTTP request, with the holder its rate-limit headers go in."""
-        return Caller(caller.tier, caller.key_id, caller.admin, RateState())
+        """The caller of one HTTP request, with the holder its rate-limit headers go in. A key
+        without a requests or tokens minute limit has no such headers: its holder starts empty, so
+        its response does not look them up."""
+        limits = self.limits(caller.key_id, caller.tier)
+        headers = None if limits.requests_per_min or limits.tokens_per_min else {}
+        return Caller(caller.tier, caller.key_id, caller.admin, RateState(headers))
 
     def limits(self, key_id: str, tier: str) -> Limits:
-        """A key's limits: its tier's defaults with the key's own on top."""
+        """A key's limits: its tier's defaults with the key's own on top (worked out once per
+        version of a managed key's record)."""
         record = self._by_id.get(key_id)
         if record is None:
             return self.tier_limits.get(tier, _NO_LIMITS)
+        known = self._limits.get(key_id)
+        if known is not None and known[0] is record:
+            return known[1]
         limits = self.tier_limits.get(record.tier, Limits()).over(record.limits)
-        return limits if record.models is None else limits.model_copy(update={"models": record.models})
+        if record.models is not None:
+            limits = limits.model_copy(update={"models": record.models})
+        self._limits[key_id] = (record, limits)
+        return limits
 
     def allows(self, caller: Caller, model: str) -> bool:
         allowed = self.limits(caller.key_id, caller.tier).models

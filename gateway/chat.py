@@ -180,11 +180,11 @@ async def _serve_choice(svc: Services, caller: Caller, job: ChatJob, index: int,
 
 def _read(index: int, event: ChatEvent | None, parser: CallParser | None) -> ChoiceDelta:
     """A text event (None: the end of the text) as a choice delta, through the tool-call parser."""
+    if parser is None:  # no tools: the text as it is
+        return ChoiceDelta(index) if event is None else ChoiceDelta(index, event.text, [], event.logprobs)
     if event is None:
-        pieces = parser.finish() if parser is not None else []
-        return _delta(index, pieces, None)
-    pieces = parser.feed(event.text) if parser is not None else [event.text]
-    return _delta(index, pieces, event.logprobs)
+        return _delta(index, parser.finish(), None)
+    return _delta(index, parser.feed(event.text), event.logprobs)
 
 
 def _delta(index: int, pieces: list, logprobs: list[TokenLogprob] | None) -> ChoiceDelta:

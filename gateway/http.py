@@ -4,7 +4,6 @@
 from __future__ import annotations
 
 import asyncio
-import contextlib
 from typing import AsyncIterator
 
 from starlette.requests import Request
@@ -16,34 +15,38 @@ from gateway.serving import Gone
 WATCH_AFTER_S = 0.05  # a block that ends sooner never starts its watcher
 
 
-@contextlib.asynccontextmanager
-async def disconnect_signal(request: Request) -> AsyncIterator[Gone]:
-    """A signal set when the client disconnects, watched while the block runs from
-    ``WATCH_AFTER_S`` on: a short request (most non-streamed ones) costs no watcher task, and a
-    client gone in its first 50 ms is noticed at 50 ms. Leave the block before a streamed
-    response starts: the response watches the connection itself."""
-    gone = Gone()
-    watcher: asyncio.Task | None = None
+class disconnect_signal:
+    """``async with disconnect_signal(request) as gone``: a signal set when the client disconnects,
+    watched while the block runs from ``WATCH_AFTER_S`` on: a short request (most non-streamed
+    ones) costs no watcher task, and a client gone in its first 50 ms is noticed at 50 ms. Leave
+    the block before a streamed response starts: the response watches the connection itself.
+    (A class, not a generator-based context manager: it is entered once per request.)"""
 
-    async def watch() -> None:
-        while (await request.receive())["type"] != "http.disconnect":
-            pass
-        gone.set()
+    def __init__(self, request: Request) -> None:
+        self.receive = request.receive
+        self.gone = Gone()
+        self.watcher: asyncio.Task | None = None
+        self.timer: asyncio.TimerHandle | None = None
 
-    def start() -> None:
-        nonlocal watcher
-        watcher = asyncio.create_task(watch())
+    async def __aenter__(self) -> Gone:
+        self.timer = asyncio.get_running_loop().call_later(WATCH_AFTER_S, self._start)
+        return self.gone
 
-    timer = asyncio.get_running_loop().call_later(WATCH_AFTER_S, start)
-    try:
-        yield gone
-    finally:
-        gone.watched = False
-        timer.cancel()
-        if watcher is not None:
+    async def __aexit__(self, *exc_info: object) -> None:
+        self.gone.watched = False
+        self.timer.cancel()
+        if self.watcher is not None:
             # Not awaited (two turns of the loop per request): the watcher ends at its next step,
             # inside the receive it waits in, before anything else can read the connection.
-            watcher.cancel()
+            self.watcher.cancel()
+
+    def _start(self) -> None:
+        self.watcher = asyncio.create_task(self._watch())
+
+    async def _watch(self) -> None:
+        while (await self.receive())["type"] != "http.disconnect":
+            pass
+        self.gone.set()
 
 
 class Streamed(StreamingResponse):
