@@ -13,14 +13,16 @@ from ray.serve.config import RequestRouterConfig
 from cluster.deployments import Deployment, deployments
 from cluster.ingress import Ingress
 from cluster.replica import TierReplica
+from cluster.settings import SERVE_LOGGING, serve_settings
 from gateway.config import Config
 
 ROOT = Path(__file__).resolve().parents[1]  # on every worker's path, for a source checkout
 
 
 def runtime_env() -> dict:
-    """What Ray's workers need to import tiergate from this checkout (a pip install needs none)."""
-    return {"env_vars": {"PYTHONPATH": str(ROOT)}}
+    """The job's runtime_env: tiergate's Serve settings, and what Ray's workers need to import
+    tiergate from this checkout (a pip install needs no ``PYTHONPATH``)."""
+    return {"env_vars": {"PYTHONPATH": str(ROOT), **serve_settings()}}
 
 
 def build(config: Config, keys: dict[str, list[str]], admin_keys: list[str]) -> serve.Application:
@@ -40,7 +42,7 @@ def build(config: Config, keys: dict[str, list[str]], admin_keys: list[str]) -> 
                                                                              d.pinned)}
     ingress = serve.deployment(Ingress).options(
         name="ingress", num_replicas=cluster.nodes, max_replicas_per_node=1, max_ongoing_requests=10_000,
-        ray_actor_options={"num_cpus": 0.1},
+        ray_actor_options={"num_cpus": 0.1}, logging_config=SERVE_LOGGING,
     )
     return ingress.bind(source, keys, admin_keys, handles)
 
@@ -52,5 +54,5 @@ def _replica(d: Deployment, gate_capacity: int, router: RequestRouterConfig):
         max_replicas_per_node=d.max_replicas_per_node,  # so they spread over the nodes' devices
         max_ongoing_requests=gate_capacity + 16,  # above what the gate holds: Ray never queues, the gate does
         ray_actor_options={"num_cpus": d.num_cpus, "num_gpus": d.num_gpus},
-        request_router_config=router,
+        request_router_config=router, logging_config=SERVE_LOGGING,
     )

@@ -34,8 +34,10 @@ def run(config_path: str, address: str | None, demo: bool) -> int:
     from ray import serve
 
     from cluster.app import build, runtime_env
+    from cluster.settings import SERVE_LOGGING
 
     ray.init(address=address, runtime_env=runtime_env())
-    serve.start(http_options={"host": config.cluster.host, "port": config.cluster.port, "location": "EveryNode"})
+    serve.start(http_options={"host": config.cluster.host, "port": config.cluster.port, "location": "EveryNode"},
+                logging_config=SERVE_LOGGING)
     serve.run(build(config, keys, admin), name="tiergate", route_prefix="/", blocking=True)
     return 0

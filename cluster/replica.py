@@ -20,6 +20,7 @@ from pathlib import Path
 
 from cluster.asgi import Forwarded, Head, Lifespan, call
 from cluster.router import RANK
+from cluster.settings import in_effect
 from cluster.stats import option, replica_stats
 from gateway.app import build_services, create_app
 from gateway.auth import KeyRing
@@ -78,6 +79,11 @@ class TierReplica:
 
         return {"ray_gpu_ids": [str(i) for i in ray.get_gpu_ids()], "torch_devices": torch.cuda.device_count(),
                 "cuda_visible_devices": os.environ.get("CUDA_VISIBLE_DEVICES")}
+
+    def serve_settings(self) -> dict:
+        """The values of ``cluster.settings.SERVE_SETTINGS`` Ray Serve runs with in this replica's
+        process (what reached it, as Serve read it)."""
+        return in_effect()
 
     def record_routing_stats(self) -> dict:
         return replica_stats(self.id, self.services.arbiter, self.services.gate).to_dict()

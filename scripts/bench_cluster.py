@@ -182,12 +182,13 @@ def run_cluster(config_path: Path, n: int, seed: int) -> tuple[int, int, list[fl
     from ray import serve
 
     from cluster.app import build, runtime_env
+    from cluster.settings import SERVE_LOGGING
     from gateway.config import load_config
 
     port = spare_port()
     ray.init(address="local", num_cpus=4, include_dashboard=False, runtime_env=runtime_env(), log_to_driver=False)
     try:
-        serve.start(http_options={"host": "127.0.0.1", "port": port})
+        serve.start(http_options={"host": "127.0.0.1", "port": port}, logging_config=SERVE_LOGGING)  # as tiergate cluster
         serve.run(build(load_config(config_path), {t: [k] for t, k in KEYS.items()}, []), name="bench",
                   route_prefix="/")
         url = f"http://127.0.0.1:{port}"

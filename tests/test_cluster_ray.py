@@ -138,6 +138,16 @@ def test_sse_streaming_through_the_ingress_with_the_openai_sdk(cluster):
     assert "".join(c.choices[0].delta.content or "" for c in chunks if c.choices)
 
 
+def test_serve_settings_reach_the_replicas(cluster):
+    """tiergate's Ray Serve settings (``cluster.settings``) travel in the job's runtime_env and are
+    what Serve read in each replica's process, not Serve's defaults."""
+    from cluster.settings import SERVE_SETTINGS
+
+    for name in ("tiergate", "stale"):
+        seen = serve.get_deployment_handle("replica", app_name=name).serve_settings.remote().result(timeout_s=30)
+        assert seen == {"RAY_SERVE_USE_GRPC_BY_DEFAULT": True} and seen.keys() == SERVE_SETTINGS.keys()
+
+
 def test_other_endpoints_and_one_request_id(cluster):
     models = httpx.get(f"{cluster.url}/v1/models", headers={"authorization": "Bearer key-free"})
     assert models.status_code == 200 and {m["id"] for m in models.json()["data"]} >= {"a", "b", "c"}
