@@ -18,13 +18,17 @@ these per model server, i.e. per device: one gate and one arbiter) is served und
 
 from __future__ import annotations
 
+import bisect
+import math
 import time
 from collections import Counter
 from collections.abc import Iterable
 
-from prometheus_client import CollectorRegistry, Histogram, generate_latest
+from prometheus_client import CollectorRegistry, generate_latest
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
+from prometheus_client.metrics_core import Metric
 from prometheus_client.registry import Collector
+from prometheus_client.utils import floatToGoString
 
 from arbiter.residency import Arbiter
 from gateway.admission import Gate
@@ -129,10 +133,52 @@ class _StateCollector(Collector):
         yield place
 
 
+class Histogram(Collector):
+    """A labelled latency histogram, exposed exactly as prometheus_client's ``Histogram`` is
+    (``_bucket`` per bound, ``_count``, ``_sum``, ``_created`` per label set), observed for less:
+    a bisect and two additions, where prometheus_client's takes a lock for the sum and for the
+    bucket (~9 Python calls; three histograms per request). Observed on the event loop only."""
+
+    def __init__(self, name: str, documentation: str, labelnames: Iterable[str], buckets: Iterable[float],
+                 registry: CollectorRegistry) -> None:
+        self.name, self.documentation, self.labelnames = name, documentation, tuple(labelnames)
+        self.bounds = tuple(float(b) for b in buckets) + (math.inf,)
+        self.children: dict[tuple[str, ...], _Series] = {}
+        registry.register(self)
+
+    def observe(self, value: float, *labels: str) -> None:
+        series = self.children.get(labels)
+        if series is None:
+            series = self.children[labels] = _Series([0] * len(self.bounds), 0.0, time.time())
+        series.counts[bisect.bisect_left(self.bounds, value)] += 1  # the first bound >= value, as le is
+        series.sum += value
+
+    def collect(self) -> Iterable[Metric]:
+        metric = Metric(self.name, self.documentation, "histogram")
+        for labels, series in list(self.children.items()):
+            base = dict(zip(self.labelnames, labels))
+            total = 0
+            for bound, count in zip(self.bounds, series.counts):
+                total += count
+                metric.add_sample(self.name + "_bucket", {**base, "le": floatToGoString(bound)}, float(total))
+            metric.add_sample(self.name + "_count", base, float(total))
+            metric.add_sample(self.name + "_sum", base, series.sum)
+            metric.add_sample(self.name + "_created", base, series.created)
+        return [metric]
+
+
+class _Series:
+    """One label set's bucket counts (not cumulative), sum and creation time."""
+
+    __slots__ = ("counts", "sum", "created")
+
+    def __init__(self, counts: list[int], total: float, created: float) -> None:
+        self.counts, self.sum, self.created = counts, total, created
+
+
 class Metrics:
     def __init__(self, gate: Gate, arbiter: Arbiter) -> None:
         self.registry = CollectorRegistry()
-        self._children: dict[tuple, Histogram] = {}  # (histogram, labels) -> its child, for observe
         self.lora = LoraActivity()  # the serving core moves each request's adapters through it
         self.registry.register(_StateCollector(gate, arbiter, self.lora))
         self.latency = Histogram(
@@ -148,13 +194,10 @@ class Metrics:
             ["tier"], buckets=_BUCKETS, registry=self.registry,
         )
 
-    def observe(self, histogram: Histogram, value: float, *labels: str) -> None:
-        """``histogram.labels(*labels).observe(value)``, with the labelled child looked up once."""
-        key = (histogram, labels)
-        child = self._children.get(key)
-        if child is None:
-            child = self._children[key] = histogram.labels(*labels)
-        child.observe(value)
+    @staticmethod
+    def observe(histogram: Histogram, value: float, *labels: str) -> None:
+        """``value`` into ``histogram``'s series for ``labels``."""
+        histogram.observe(value, *labels)
 
     def render(self) -> bytes:
         return generate_latest(self.registry)
