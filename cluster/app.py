@@ -19,10 +19,12 @@ from gateway.config import Config
 ROOT = Path(__file__).resolve().parents[1]  # on every worker's path, for a source checkout
 
 
-def runtime_env() -> dict:
-    """The job's runtime_env: tiergate's Serve settings, and what Ray's workers need to import
-    tiergate from this checkout (a pip install needs no ``PYTHONPATH``)."""
-    return {"env_vars": {"PYTHONPATH": str(ROOT), **serve_settings()}}
+def runtime_env(ingress_port: int | None = None, ports: int = 1) -> dict:
+    """The job's runtime_env: tiergate's Serve settings (``cluster.settings``; with
+    ``ingress_port``, each ingress serves HTTP itself on the first free port of
+    ``[ingress_port, ingress_port + ports)``), and what Ray's workers need to import tiergate from
+    this checkout (a pip install needs no ``PYTHONPATH``)."""
+    return {"env_vars": {"PYTHONPATH": str(ROOT), **serve_settings(ingress_port, ports)}}
 
 
 def build(config: Config, keys: dict[str, list[str]], admin_keys: list[str]) -> serve.Application:

@@ -34,10 +34,13 @@ def run(config_path: str, address: str | None, demo: bool) -> int:
     from ray import serve
 
     from cluster.app import build, runtime_env
-    from cluster.settings import SERVE_LOGGING
+    from cluster.settings import SERVE_LOGGING, is_direct
 
-    ray.init(address=address, runtime_env=runtime_env())
-    serve.start(http_options={"host": config.cluster.host, "port": config.cluster.port, "location": "EveryNode"},
+    port = config.cluster.port
+    env = runtime_env(ingress_port=port)  # each node's ingress serves cluster.port itself (direct ingress)
+    ray.init(address=address, runtime_env=env)
+    proxy_port = port + 1 if is_direct(env["env_vars"]) else port  # Serve's proxy: head node only, a fallback
+    serve.start(http_options={"host": config.cluster.host, "port": proxy_port, "location": "EveryNode"},
                 logging_config=SERVE_LOGGING)
     serve.run(build(config, keys, admin), name="tiergate", route_prefix="/", blocking=True)
     return 0

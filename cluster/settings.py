@@ -6,6 +6,10 @@ when ``ray.serve._private.constants`` is imported, so they must be in that envir
 process starts: the job's runtime_env (``cluster.app.runtime_env``) carries them to every actor the
 job starts, Serve's controller included, which starts the proxies and replicas with them. A Serve
 already running on the cluster (started by another job) keeps the settings it started with.
+
+Any ``RAY_SERVE_*`` variable set where ``tiergate cluster`` runs travels the same way and wins over
+these, so a setting can be turned off (``RAY_SERVE_ENABLE_DIRECT_INGRESS=0``: through Serve's
+proxy again) or another one tried without a code change.
 """
 
 from __future__ import annotations
@@ -23,14 +27,32 @@ SERVE_SETTINGS = {
 # request log (the replica's app) is not Serve's and is unchanged.
 SERVE_LOGGING = {"enable_access_log": False, "log_level": "WARNING"}
 
+DIRECT_INGRESS = "RAY_SERVE_ENABLE_DIRECT_INGRESS"
 
-def serve_settings() -> dict[str, str]:
-    """``SERVE_SETTINGS``, each overridden by the same variable in this process's environment."""
-    return {name: os.environ.get(name, value) for name, value in SERVE_SETTINGS.items()}
+
+def direct_ingress(port: int, ports: int = 1) -> dict[str, str]:
+    """Serve's direct ingress: each ingress replica serves HTTP itself, on the first free port of
+    ``[port, port + ports)`` on its node, so a request skips Serve's proxy (which then runs on the
+    head node only, as a fallback on its own port). A port an ingress released is free again at once
+    (Serve holds it back 150 s for its HAProxy mode, which tiergate does not use)."""
+    return {DIRECT_INGRESS: "1", "RAY_SERVE_DIRECT_INGRESS_MIN_HTTP_PORT": str(port),
+            "RAY_SERVE_DIRECT_INGRESS_MAX_HTTP_PORT": str(port + ports), "RAY_SERVE_PORT_QUARANTINE_S": "0"}
+
+
+def serve_settings(ingress_port: int | None = None, ports: int = 1) -> dict[str, str]:
+    """``SERVE_SETTINGS``, direct ingress on ``ingress_port`` when given, and every ``RAY_SERVE_*``
+    variable of this process's environment, which wins over both."""
+    chosen = {**SERVE_SETTINGS, **(direct_ingress(ingress_port, ports) if ingress_port is not None else {})}
+    return {**chosen, **{k: v for k, v in os.environ.items() if k.startswith("RAY_SERVE_")}}
+
+
+def is_direct(settings: dict[str, str]) -> bool:
+    return settings.get(DIRECT_INGRESS) == "1"
 
 
 def in_effect() -> dict[str, object]:
-    """The values Ray Serve runs with in this process, for each of ``SERVE_SETTINGS``."""
+    """The values Ray Serve runs with in this process, for each of ``SERVE_SETTINGS`` and direct
+    ingress."""
     from ray.serve._private import constants
 
-    return {name: getattr(constants, name) for name in SERVE_SETTINGS}
+    return {name: getattr(constants, name) for name in [*SERVE_SETTINGS, DIRECT_INGRESS]}

@@ -5,12 +5,15 @@ the hop through Ray Serve costs.
     python scripts/bench_cluster.py               # a few minutes on 2 cores
     python scripts/bench_cluster.py --requests 2000
     python scripts/bench_cluster.py --smoke       # tiny counts, the real code path; no verdict
+    python scripts/bench_cluster.py --proxy       # through Serve's proxy, as before direct ingress
 
 Set-up: the demo tiny-chat under two names (``a``, ``b``), each declared 1.5 GiB, and replicas with
 a simulated 2 GiB budget each: the working set (two models) fits the cluster (two replicas), one
 model per replica. This script is the Ray driver: it starts a local Ray instance, the application
-of ``cluster.app.build`` (router, ingress, replicas) and, for the comparison, ``tiergate serve`` on
-the same tiers.yaml in its own process.
+of ``cluster.app.build`` (router, ingress, replicas) with the Ray Serve settings of ``tiergate
+cluster`` (``cluster.settings``: the ingress serves HTTP on its own port, no proxy hop; ``--proxy``
+goes through Serve's proxy instead) and, for the comparison, ``tiergate serve`` on the same
+tiers.yaml in its own process.
 
 Measured, sequential requests (chat, ``max_tokens`` 1, not streamed) over HTTP on 127.0.0.1:
 
@@ -174,24 +177,33 @@ def serve_single(config: Path, n: int) -> tuple[list[float], list[float], float]
         proc.wait(30)
 
 
-def run_cluster(config_path: Path, n: int, seed: int) -> tuple[int, int, list[float], list[float], dict[str, float]]:
-    """The landing run, the overhead run and the flood run through the cluster: (hits, requests,
-    latencies, paid latencies under a free flood, CPU seconds per overhead request by role)."""
+def run_cluster(config_path: Path, n: int, seed: int,
+                proxy: bool = False) -> tuple[int, int, list[float], list[float], dict[str, float]]:
+    """The landing run, the overhead run and the flood run through the cluster, as ``tiergate
+    cluster`` runs it (the ingress serves HTTP itself: Serve's direct ingress), or with ``proxy``
+    through Serve's proxy: (hits, requests, latencies, paid latencies under a free flood, CPU seconds
+    per overhead request by role)."""
     import httpx
     import ray
     from ray import serve
 
     from cluster.app import build, runtime_env
-    from cluster.settings import SERVE_LOGGING
+    from cluster.settings import DIRECT_INGRESS, SERVE_LOGGING
     from gateway.config import load_config
 
     port = spare_port()
-    ray.init(address="local", num_cpus=4, include_dashboard=False, runtime_env=runtime_env(), log_to_driver=False)
+    ingress_port = spare_port()
+    env = runtime_env(ingress_port)
+    if proxy:
+        env["env_vars"][DIRECT_INGRESS] = "0"
+        ingress_port = port
+    env["env_vars"]["RAY_SERVE_DIRECT_INGRESS_MIN_DRAINING_PERIOD_S"] = "0"  # no load balancer to tell: stop at once
+    ray.init(address="local", num_cpus=4, include_dashboard=False, runtime_env=env, log_to_driver=False)
     try:
         serve.start(http_options={"host": "127.0.0.1", "port": port}, logging_config=SERVE_LOGGING)  # as tiergate cluster
         serve.run(build(load_config(config_path), {t: [k] for t, k in KEYS.items()}, []), name="bench",
                   route_prefix="/")
-        url = f"http://127.0.0.1:{port}"
+        url = f"http://127.0.0.1:{ingress_port}"
         with httpx.Client(timeout=120) as client:
             time.sleep(PERIOD_S + 0.5)
             home = {}
@@ -300,6 +312,8 @@ def main() -> int:
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--stale-seeds", type=int, default=20, help="randomized stale-stats runs (300 s simulated each)")
     ap.add_argument("--smoke", action="store_true", help="tiny counts; no verdict")
+    ap.add_argument("--proxy", action="store_true",
+                    help="through Serve's proxy (RAY_SERVE_ENABLE_DIRECT_INGRESS=0) instead of the ingress's own port")
     args = ap.parse_args()
     n = 8 if args.smoke else args.requests
 
@@ -312,7 +326,7 @@ def main() -> int:
         load_start = os.getloadavg()[0]
         with OtherLoad() as other:  # the CPU processes outside this benchmark's tree use meanwhile
             single, single_flood, single_cpu = serve_single(config, n)
-            hits, total, through, through_flood, roles = run_cluster(config, n, args.seed)
+            hits, total, through, through_flood, roles = run_cluster(config, n, args.seed, args.proxy)
         load_end = os.getloadavg()[0]
 
     stale = stale_runs(1 if args.smoke else args.stale_seeds, 20 if args.smoke else 300)
@@ -346,7 +360,8 @@ def main() -> int:
         Target("protection violations with stale stats == 0", str(stale["violations"]), stale["violations"] == 0),
         Target("wrong 429s with stale stats == 0", str(stale["wrong_429"]), stale["wrong_429"] == 0),
     ]
-    return judge(targets, smoke=args.smoke, note="local Ray cluster, 2 replicas, simulated 2 GiB budgets")
+    return judge(targets, smoke=args.smoke, note="local Ray cluster, 2 replicas, simulated 2 GiB budgets"
+                 + (", through Serve's proxy" if args.proxy else ""))
 
 
 if __name__ == "__main__":

@@ -63,15 +63,22 @@ def config_text(models: dict[str, Path], period: float, redis_url: str | None = 
     return "\n".join(lines) + "\n"
 
 
+INGRESS_PORTS = 8  # both simulated nodes are this machine: each app's ingress replicas take a port each
+
+
 @pytest.fixture(scope="module")
 def cluster(tiny_chat, tmp_path_factory):
-    port = spare_port()
+    """Two simulated nodes, the main application at ``url`` (its ingress's own port: Serve's direct
+    ingress, as ``tiergate cluster`` runs it) and the others under a prefix of Serve's proxy."""
+    port, ingress_port = spare_port(), spare_port_range(INGRESS_PORTS)
     folder = tmp_path_factory.mktemp("cluster")
+    env = runtime_env(ingress_port, INGRESS_PORTS)
+    env["env_vars"]["RAY_SERVE_DIRECT_INGRESS_MIN_DRAINING_PERIOD_S"] = "0"  # Serve's 30 s, for a load balancer
     with redis_server(tmp_path_factory.mktemp("redis")) as redis_url:
         nodes = Cluster(initialize_head=True, head_node_args={"num_cpus": 2, "include_dashboard": False})
         nodes.add_node(num_cpus=2)
         nodes.wait_for_nodes()
-        ray.init(address=nodes.address, runtime_env=runtime_env(), log_to_driver=False)
+        ray.init(address=nodes.address, runtime_env=env, log_to_driver=False)
         serve.start(http_options={"host": "127.0.0.1", "port": port})
 
         def deploy(name: str, prefix: str, **kw) -> None:
@@ -82,14 +89,43 @@ def cluster(tiny_chat, tmp_path_factory):
         deploy("tiergate", "/", period=PERIOD_S, redis_url=redis_url, small=tiny_chat)
         deploy("stale", "/stale", period=60.0)  # reports a minute apart: the redirect test's
         time.sleep(2 * PERIOD_S + 0.5)  # the first reports
-        yield type("Cluster", (), {"url": f"http://127.0.0.1:{port}", "redis_url": redis_url, "deploy": deploy})
+        main = ingress_ports("tiergate")
+        assert len(main) == 2 and port not in main  # one ingress per node, each on its own port
+        yield type("Cluster", (), {"url": f"http://127.0.0.1:{min(main)}", "proxy": f"http://127.0.0.1:{port}",
+                                   "redis_url": redis_url, "deploy": deploy})
         serve.shutdown()
         ray.shutdown()
         nodes.shutdown()
 
 
+def spare_port_range(n: int) -> int:
+    """The first of ``n`` consecutive ports free now."""
+    while True:
+        first = spare_port()
+        if first + n < 65536 and all(_free(first + i) for i in range(1, n)):
+            return first
+
+
+def _free(port: int) -> bool:
+    import socket
+
+    with socket.socket() as s:
+        try:
+            s.bind(("127.0.0.1", port))
+        except OSError:
+            return False
+    return True
+
+
+def ingress_ports(app: str) -> list[int]:
+    """The HTTP ports the application's ingress replicas serve on (Serve's target groups)."""
+    details = serve.context._get_global_client().get_serve_details()
+    return sorted(t["port"] for g in details["target_groups"]
+                  if g["app_name"] == app and g["protocol"] == "HTTP" for t in g["targets"])
+
+
 def chat(cluster, model: str, tier: str, prefix: str = "", **kw) -> httpx.Response:
-    return httpx.post(f"{cluster.url}{prefix}/v1/chat/completions", timeout=60,
+    return httpx.post(f"{cluster.proxy + prefix if prefix else cluster.url}/v1/chat/completions", timeout=60,
                       headers={"authorization": f"Bearer key-{tier}"},
                       json={"model": model, "messages": [{"role": "user", "content": "hi"}], "max_tokens": 4, **kw})
 
@@ -145,7 +181,8 @@ def test_serve_settings_reach_the_replicas(cluster):
 
     for name in ("tiergate", "stale"):
         seen = serve.get_deployment_handle("replica", app_name=name).serve_settings.remote().result(timeout_s=30)
-        assert seen == {"RAY_SERVE_USE_GRPC_BY_DEFAULT": True} and seen.keys() == SERVE_SETTINGS.keys()
+        assert seen == {"RAY_SERVE_USE_GRPC_BY_DEFAULT": True, "RAY_SERVE_ENABLE_DIRECT_INGRESS": True}
+        assert seen.keys() >= SERVE_SETTINGS.keys()
 
 
 def test_other_endpoints_and_one_request_id(cluster):
@@ -168,7 +205,7 @@ def test_ingress_refuses_before_any_replica(cluster):
 
 def scrape(cluster, prefix: str = "") -> dict[str, list]:
     """The cluster's /metrics, parsed by prometheus_client: family name -> samples."""
-    response = httpx.get(f"{cluster.url}{prefix}/metrics", timeout=30)
+    response = httpx.get(f"{cluster.proxy + prefix if prefix else cluster.url}/metrics", timeout=30)
     assert response.status_code == 200 and response.headers["content-type"].startswith("text/plain")
     return {f.name: f.samples for f in text_string_to_metric_families(response.text)}
 
@@ -281,7 +318,7 @@ def test_a_hot_model_loads_a_second_copy_and_no_more_than_max_copies(cluster, ti
                 if r.status_code != 200:
                     await asyncio.sleep(0.1)
 
-        async with httpx.AsyncClient(base_url=f"{cluster.url}/copies", timeout=120,
+        async with httpx.AsyncClient(base_url=f"{cluster.proxy}/copies", timeout=120,
                                      headers={"authorization": "Bearer key-paid"}) as client:
             until = time.monotonic() + seconds
             askers = [asyncio.create_task(asker(client, until)) for _ in range(4)]
