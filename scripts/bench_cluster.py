@@ -192,7 +192,7 @@ def run_cluster(config_path: Path, n: int, seed: int,
     from gateway.config import load_config
 
     port = spare_port()
-    ingress_port = spare_port()
+    ingress_port = next(p for p in iter(spare_port, None) if p != port)
     env = runtime_env(ingress_port)
     if proxy:
         env["env_vars"][DIRECT_INGRESS] = "0"

@@ -70,7 +70,8 @@ INGRESS_PORTS = 8  # both simulated nodes are this machine: each app's ingress r
 def cluster(tiny_chat, tmp_path_factory):
     """Two simulated nodes, the main application at ``url`` (its ingress's own port: Serve's direct
     ingress, as ``tiergate cluster`` runs it) and the others under a prefix of Serve's proxy."""
-    port, ingress_port = spare_port(), spare_port_range(INGRESS_PORTS)
+    ingress_port = spare_port_range(INGRESS_PORTS)
+    port = next(p for p in iter(spare_port, None) if not ingress_port <= p < ingress_port + INGRESS_PORTS)
     folder = tmp_path_factory.mktemp("cluster")
     env = runtime_env(ingress_port, INGRESS_PORTS)
     env["env_vars"]["RAY_SERVE_DIRECT_INGRESS_MIN_DRAINING_PERIOD_S"] = "0"  # Serve's 30 s, for a load balancer
