@@ -46,6 +46,7 @@ from starlette.responses import JSONResponse, Response, StreamingResponse
 from cluster.quota import early_refusal
 from cluster.replica import replica_id, shared_store
 from cluster.scrape import merged
+from cluster.settings import in_effect
 from gateway.accounts import Accounts
 from gateway.auth import Caller, KeyRing, bearer_token
 from gateway.config import load_config
@@ -66,7 +67,7 @@ class Ingress:
         self.keys = KeyRing(keys, admin_keys)
         self.accounts = Accounts.from_config(self.config)
         self._accounts_started: asyncio.Future | None = None
-        self.deployments = [_Target(d["handle"], d["replicas"]) for d in deployments.values()]
+        self.deployments = [_Target.of(d["handle"], d["replicas"]) for d in deployments.values()]
         self.by_model = {m: t for t, d in zip(self.deployments, deployments.values()) for m in d["models"]}
         self.default = self.deployments[0]  # the pool (first when there is one): requests that need no model
         self.rank = {t.name: i for i, t in enumerate(self.config.tiers)}
@@ -147,11 +148,10 @@ class Ingress:
             stream = None
             try:
                 if streamed:
-                    stream = target.handle.options(stream=True).forward.remote(forwarded, model=model, tier=tier,
-                                                                              avoid=avoid)
+                    stream = target.forward.remote(forwarded, model=model, tier=tier, avoid=avoid)
                     first = await stream.__anext__()
                 else:
-                    first = await target.handle.answer.remote(forwarded, model=model, tier=tier, avoid=avoid)
+                    first = await target.answer.remote(forwarded, model=model, tier=tier, avoid=avoid)
             except RayError as exc:  # died before answering: Serve stops routing to it
                 log.warning("replica failed before answering: %s", type(exc).__name__)
                 if stream is None and model is None:  # a file, a batch, a key: it may have been made
@@ -185,7 +185,7 @@ class Ingress:
             seen: set[str] = set()
             for _ in range(target.replicas):
                 try:
-                    got = await target.handle.metrics.remote(avoid=sorted(seen))
+                    got = await target.metrics.remote(avoid=sorted(seen))
                 except RayError as exc:  # a replica dying: the next scrape has its replacement
                     log.warning("a replica's metrics failed: %s", type(exc).__name__)
                     continue
@@ -242,10 +242,21 @@ class Ingress:
 
 @dataclass(frozen=True)
 class _Target:
-    """A deployment's handle and its replica count."""
+    """A deployment's handles, one per method called (made once: a handle's method attribute makes a
+    new handle each time), and its replica count."""
 
-    handle: Any
+    forward: Any  # streamed
+    answer: Any
+    metrics: Any
     replicas: int
+
+    @classmethod
+    def of(cls, handle: Any, replicas: int) -> "_Target":
+        """The handle was made where the application was built, with that process's Serve settings:
+        its calls go over gRPC when this process's Serve says so (``cluster.settings``)."""
+        handle = handle.options(_by_reference=not in_effect()["RAY_SERVE_USE_GRPC_BY_DEFAULT"])
+        return cls(handle.options(method_name="forward", stream=True), handle.options(method_name="answer"),
+                   handle.options(method_name="metrics"), replicas)
 
 
 def _app_path(scope: dict) -> str:
