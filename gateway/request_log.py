@@ -179,13 +179,30 @@ class Formatter(logging.Formatter):
             line += "\n" + self.formatException(record.exc_info)
         return line
 
+    def request_line(self, created: float, fields: dict[str, Any]) -> str:
+        """What ``format`` writes for a request line of ``log`` made at ``created`` with these
+        fields, without making its ``LogRecord`` (a third of the writer's work per line)."""
+        when = datetime.datetime.fromtimestamp(created, datetime.timezone.utc).isoformat(timespec="milliseconds")
+        if self.json_lines:
+            return json.dumps({"ts": when, "level": "info", "logger": log.name, "message": "request", **fields},
+                              default=str)
+        line = f"{when} INFO {log.name}: request"
+        if fields:
+            line += " " + " ".join(f"{k}={_text(v)}" for k, v in fields.items() if v is not None)
+        return line
+
 
 _QUOTED = re.compile(r'[\s"]')  # \s: what str.isspace() calls whitespace
 
 
 def _text(value: Any) -> str:
+    if type(value) in _NUMBERS:  # no space nor quote in a number's text
+        return str(value)
     text = str(value)
     return json.dumps(text) if (not text or _QUOTED.search(text)) else text
+
+
+_NUMBERS = frozenset({int, float})
 
 
 class LineWriter(logging.Handler):
@@ -263,14 +280,16 @@ class LineWriter(logging.Handler):
 
     def _drained(self) -> list[str]:
         lines = []
+        direct = self.formatter if type(self.formatter) is Formatter else None  # request lines without a LogRecord
         while self._queued:
-            record = self._queued.popleft()
-            if isinstance(record, tuple):  # queue_request's (time, fields)
-                record = _request_record(*record)
+            item = self._queued.popleft()
             try:
-                lines.append(self.format(record))
+                if isinstance(item, tuple):  # queue_request's (time, fields)
+                    lines.append(direct.request_line(*item) if direct else self.format(_request_record(*item)))
+                else:
+                    lines.append(self.format(item))
             except Exception:  # noqa: BLE001
-                self.handleError(record)
+                self.handleError(item if isinstance(item, logging.LogRecord) else _request_record(*item))
         return lines
 
     @staticmethod

@@ -148,3 +148,22 @@ def test_a_forked_child_does_not_repeat_its_parents_ids():
     child = os.read(read, 64).decode()
     os.close(read)
     assert len(child) == 32 and child != new_id()
+
+
+@pytest.mark.parametrize("json_lines", [False, True])
+def test_a_queued_request_line_is_written_as_its_log_record_would_be(json_lines):
+    """The writer formats a queued request line without making its LogRecord
+    (``Formatter.request_line``): the same text as ``Formatter.format`` of that record, quoting
+    and rounding included, in both formats."""
+    from gateway.request_log import _request_record
+
+    formatter = Formatter(json_lines=json_lines)
+    records = [RequestRecord("r1", "POST", "/v1/chat/completions", status=200, key_id="k1", tier="paid",
+                             model="tiny-chat", queue_wait_s=0.000123456, load_wait_s=0.0, service_s=1.5,
+                             prompt_tokens=12, completion_tokens=1, duration_s=0.0023456),
+               RequestRecord('id with "quotes" and spaces', "GET", "/v1/models", status=429, reason="queue_full"),
+               RequestRecord("r3", "POST", "/v1/embeddings", status=500, reason="", duration_s=float("inf"))]
+    for created in (0.0, 1764500000.1234567, 1764500000.9999):
+        for record in records:
+            fields = record.fields()
+            assert formatter.request_line(created, fields) == formatter.format(_request_record(created, fields))
