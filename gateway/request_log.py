@@ -60,12 +60,17 @@ class RequestRecord:
     started: float = field(default_factory=time.monotonic, repr=False)
 
     def fields(self) -> dict[str, Any]:
-        values = self.__dict__  # flat, so no deep copy (``asdict``): this runs once per request
-        out = {name: values[name] for name in _LOGGED}
-        for name in _SECONDS:
-            if out[name] is not None:
-                out[name] = round(out[name], 4)
-        return out
+        return logged(self.__dict__)  # flat, so no deep copy (``asdict``)
+
+
+def logged(values: dict[str, Any]) -> dict[str, Any]:
+    """A record's fields as its line says them (seconds rounded), from its attributes
+    (``RequestRecord.__dict__``, or fields already picked)."""
+    out = {name: values[name] for name in _LOGGED}
+    for name in _SECONDS:
+        if out[name] is not None:
+            out[name] = round(out[name], 4)
+    return out
 
 
 _LOGGED = tuple(f.name for f in fields(RequestRecord) if f.name != "started")
@@ -149,7 +154,7 @@ class RequestLog:
             if not log.isEnabledFor(logging.INFO):  # the fields are built only for a line that is written
                 pass
             elif _writer is not None and _writer.takes(log):
-                _writer.queue_request(record.fields())  # its LogRecord is made by the writer's thread
+                _writer.queue_request(record.__dict__.copy())  # the writer's thread picks the fields
             else:
                 log.handle(log.makeRecord(log.name, logging.INFO, "", 0, "request", (), None,
                                           extra={"request": record.fields()}))  # no caller lookup
@@ -252,9 +257,11 @@ class LineWriter(logging.Handler):
             logger = logger.parent
         return _root.handlers == [self] and self._thread.is_alive()
 
-    def queue_request(self, fields: dict[str, Any]) -> None:
-        """Queue a request line of ``log`` without a ``LogRecord`` on the event loop."""
-        self._queued.append((time.time(), fields))
+    def queue_request(self, values: dict[str, Any]) -> None:
+        """Queue a request line of ``log`` without a ``LogRecord`` on the event loop: ``values``
+        are its record's attributes (a copy of ``RequestRecord.__dict__``) or its fields; the
+        writer's thread picks and rounds them (``logged``)."""
+        self._queued.append((time.time(), values))
         if not self._arrived.is_set():
             self._arrived.set()
 
@@ -284,12 +291,14 @@ class LineWriter(logging.Handler):
         while self._queued:
             item = self._queued.popleft()
             try:
-                if isinstance(item, tuple):  # queue_request's (time, fields)
-                    lines.append(direct.request_line(*item) if direct else self.format(_request_record(*item)))
+                if isinstance(item, tuple):  # queue_request's (time, values)
+                    created, fields = item[0], logged(item[1])
+                    lines.append(direct.request_line(created, fields) if direct
+                                 else self.format(_request_record(created, fields)))
                 else:
                     lines.append(self.format(item))
             except Exception:  # noqa: BLE001
-                self.handleError(item if isinstance(item, logging.LogRecord) else _request_record(*item))
+                self.handleError(item if isinstance(item, logging.LogRecord) else _request_record(item[0], item[1]))
         return lines
 
     @staticmethod

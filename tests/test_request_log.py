@@ -118,11 +118,14 @@ def test_request_lines_skip_the_logging_call_only_where_the_writer_alone_would_g
         child.propagate = True
 
         before = time.time()
-        handler.queue_request(RequestRecord("r9", "POST", "/v1/embeddings", status=200, duration_s=0.5).fields())
+        record = RequestRecord("r9", "POST", "/v1/embeddings", status=200, duration_s=0.123456)
+        handler.queue_request(record.__dict__.copy())  # as RequestLog queues it: the writer picks the fields
         assert captured.getvalue() == ""  # queued
         handler.flush()
         line = captured.getvalue()
-        assert request_ids(line) == ["r9"] and "tiergate.requests: request" in line and "duration_s=0.5" in line
+        assert request_ids(line) == ["r9"] and "tiergate.requests: request" in line
+        assert line.split(": request ", 1)[1].strip() == "request_id=r9 method=POST endpoint=/v1/embeddings status=200 " \
+            "duration_s=0.1235"  # the logged fields only, rounded; not ``started``
         stamp = datetime.datetime.fromisoformat(line.split()[0]).timestamp()
         assert before - 0.002 <= stamp <= time.time()  # the time it was queued, not written
         handler.close()
