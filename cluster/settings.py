@@ -24,8 +24,9 @@ SERVE_SETTINGS = {
 }
 # Not set: RAY_SERVE_RUN_USER_CODE_IN_SEPARATE_THREAD=0 and RAY_SERVE_RUN_ROUTER_IN_SEPARATE_LOOP=0
 # (the deployment's code and the handle's router on the actor's main loop) saved about 0.4 ms of the
-# ingress's CPU per request, but with them test_cluster_ray failed in 2 of 3 full runs (a stream, then
-# the replica killed mid-batch), which it never did without them.
+# ingress's CPU per request, but with them test_cluster_ray failed in 2 of 4 full runs (a stream; the
+# replica killed mid-batch) while the ingress still called the replicas by reference, and passed 2 of 2
+# after its calls moved to gRPC; without them it never failed. Worth measuring again, not yet set.
 
 # Serve's per-request access log lines (proxy, ingress, replica) off; its warnings stay. tiergate's
 # request log (the replica's app) is not Serve's and is unchanged.
