@@ -94,6 +94,12 @@ class Ingress:
             self.answered[(tier, "ingress", exc.status)] += 1
             return exc.response()
 
+    def serve_settings(self) -> dict:
+        """The Serve settings in this ingress's process (``cluster.settings``) and how its calls to
+        the replicas travel: "grpc" or "actor task" (by reference)."""
+        by_reference = {t.answer.handle_options._by_reference for t in self.deployments}
+        return {**in_effect(), "replica_calls": sorted("actor task" if r else "grpc" for r in by_reference)}
+
     async def _serve(self, request: Request, path: str, caller: Caller) -> Response:
         body = await request.body()
         model, streamed = self._model(request, body)

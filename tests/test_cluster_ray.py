@@ -177,13 +177,16 @@ def test_sse_streaming_through_the_ingress_with_the_openai_sdk(cluster):
 
 def test_serve_settings_reach_the_replicas(cluster):
     """tiergate's Ray Serve settings (``cluster.settings``) travel in the job's runtime_env and are
-    what Serve read in each replica's process, not Serve's defaults."""
+    what Serve read in each replica's and ingress's process, not Serve's defaults; the ingress calls
+    the replicas over gRPC."""
     from cluster.settings import SERVE_SETTINGS
 
     for name in ("tiergate", "stale"):
         seen = serve.get_deployment_handle("replica", app_name=name).serve_settings.remote().result(timeout_s=30)
         assert seen == {"RAY_SERVE_USE_GRPC_BY_DEFAULT": True, "RAY_SERVE_ENABLE_DIRECT_INGRESS": True}
         assert seen.keys() >= SERVE_SETTINGS.keys()
+        ingress = serve.get_deployment_handle("ingress", app_name=name).serve_settings.remote().result(timeout_s=30)
+        assert ingress == {**seen, "replica_calls": ["grpc"]}  # its handles were made in the driver, by reference
 
 
 def test_other_endpoints_and_one_request_id(cluster):
