@@ -60,7 +60,7 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-from benchlib import OTHER_LOAD_LIMIT, OtherLoad, Target, judge  # noqa: E402
+from benchlib import OTHER_LOAD_LIMIT, OtherLoad, Target, http_head, judge, read_response  # noqa: E402
 
 _TICK = os.sysconf("SC_CLK_TCK") if hasattr(os, "sysconf") else 100
 TIERS = ["paid", "subscriber", "free", "batch"]
@@ -237,37 +237,11 @@ def _healthy(port: int) -> bool:
         return False
 
 
-# -- the client: keep-alive connections on asyncio streams ---------------------------------------
-
-
-def _head(method: str, path: str, key: str | None, body: bytes) -> bytes:
-    auth = f"Authorization: Bearer {key}\r\n" if key else ""
-    return (f"{method} {path} HTTP/1.1\r\nHost: 127.0.0.1\r\nContent-Type: application/json\r\n"
-            f"Content-Length: {len(body)}\r\n{auth}\r\n").encode() + body
-
-
-async def _response(reader: asyncio.StreamReader) -> tuple[int, bytes]:
-    head = await reader.readuntil(b"\r\n\r\n")
-    status = int(head[9:12])
-    fields = {}
-    for line in head.decode("latin-1").split("\r\n")[1:]:
-        name, _, value = line.partition(":")
-        fields[name.strip().lower()] = value.strip()
-    if "content-length" in fields:
-        return status, await reader.readexactly(int(fields["content-length"]))
-    chunks = []  # chunked
-    while True:
-        size = int((await reader.readuntil(b"\r\n")).strip(), 16)
-        chunks.append(await reader.readexactly(size + 2))
-        if size == 0:
-            return status, b"".join(c[:-2] for c in chunks)
-
-
 async def _request(port: int, method: str, path: str, key: str | None, body: bytes) -> tuple[int, bytes]:
     reader, writer = await asyncio.open_connection("127.0.0.1", port)
     try:
-        writer.write(_head(method, path, key, body))
-        return await _response(reader)
+        writer.write(http_head(method, path, key, body))
+        return await read_response(reader)
     finally:
         writer.close()
 
@@ -295,7 +269,7 @@ class Load:
 
 async def _drive(server: Server, endpoint: str, clients: int, requests: int) -> Load:
     path, payload = ENDPOINTS[endpoint]
-    message = _head("POST", path, server.key, json.dumps(payload).encode())
+    message = http_head("POST", path, server.key, json.dumps(payload).encode())
     latencies: list[float] = []
     errors: list[str] = []
     per_client = [requests // clients + (i < requests % clients) for i in range(clients)]
@@ -306,7 +280,7 @@ async def _drive(server: Server, endpoint: str, clients: int, requests: int) -> 
             for _ in range(n):
                 start = time.perf_counter()
                 writer.write(message)
-                status, body = await _response(reader)
+                status, body = await read_response(reader)
                 latencies.append(time.perf_counter() - start)
                 if status != 200:
                     errors.append(f"{status} {body[:200]!r}")

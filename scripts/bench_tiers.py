@@ -26,7 +26,8 @@ client side:
          the others arrive) + free at exactly its ``max_inflight`` (closed-loop clients in another
          process): free uses its whole share, nobody is refused. Skip with ``--no-share``.
   flood  (b) + the same batch streams + ``--free-clients`` free clients, each retrying
-         ``--free-backoff`` s after a 429 (impatient: they ignore Retry-After).
+         ``--free-backoff`` s after a 429 (impatient: they ignore Retry-After). The free clients
+         use benchlib's minimal HTTP/1.1 client, so that their own CPU on the shared cores is small.
 
 ``--rounds`` rounds alternate the phases, so drifting machine load hits all of them; the samples
 are pooled. Target: paid p99 under flood <= 1.25x alone. Then:
@@ -87,7 +88,7 @@ import httpx
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-from benchlib import OTHER_LOAD_LIMIT, OtherLoad, Target, judge  # noqa: E402
+from benchlib import OTHER_LOAD_LIMIT, OtherLoad, Target, http_head, judge, read_response  # noqa: E402
 
 TIERS = ["paid", "subscriber", "free", "batch"]
 BATCH_RANK = TIERS.index("batch")
@@ -525,32 +526,47 @@ def flood_main(url: str, key: str, clients: int, tokens: int, backoff: float, st
 
 
 async def _flood(url, key, clients, tokens, backoff, stop, ready, results) -> None:
+    """Each client: one keep-alive connection (benchlib's minimal HTTP/1.1 client: the flood's
+    own CPU shares the server's cores, and httpx spent ~4x more per request), a request, and
+    after a refusal ``backoff`` seconds before the next."""
     outcomes: Counter = Counter()
     latencies: list[float] = []
+    port = int(url.rsplit(":", 1)[1])
+    message = http_head("POST", "/v1/chat/completions", key, json.dumps(body(FREE_PROMPT, tokens)).encode())
 
-    async def worker(client: httpx.AsyncClient) -> None:
+    async def worker() -> None:
+        conn = None
         while not stop.is_set():
             t0 = time.monotonic()
             try:
-                r = await client.post("/v1/chat/completions", json=body(FREE_PROMPT, tokens),
-                                      headers={"Authorization": f"Bearer {key}"})
-            except httpx.HTTPError as exc:
+                if conn is None:
+                    conn = await asyncio.open_connection("127.0.0.1", port)
+                conn[1].write(message)
+                status, answer = await read_response(conn[0])
+            except (OSError, asyncio.IncompleteReadError) as exc:
                 outcomes[f"error {type(exc).__name__}"] += 1
+                conn = None
                 await asyncio.sleep(backoff)
                 continue
-            outcomes[outcome(r)] += 1
-            if r.status_code == 200:
+            if status == 200:
+                outcomes["ok"] += 1
                 latencies.append(time.monotonic() - t0)
-            else:
-                await asyncio.sleep(backoff)
+                continue
+            try:
+                code = json.loads(answer)["error"]["code"]
+            except Exception:  # noqa: BLE001
+                code = "?"
+            outcomes[f"{status} {code}"] += 1
+            await asyncio.sleep(backoff)
+        if conn is not None:
+            conn[1].close()
 
-    async with client_for(url) as client:
-        start = time.monotonic()
-        tasks = [asyncio.create_task(worker(client)) for _ in range(clients)]
-        ready.set()
-        while not stop.is_set():
-            await asyncio.sleep(0.02)
-        await asyncio.gather(*tasks)
+    start = time.monotonic()
+    tasks = [asyncio.create_task(worker()) for _ in range(clients)]
+    ready.set()
+    while not stop.is_set():
+        await asyncio.sleep(0.02)
+    await asyncio.gather(*tasks)
     results.put({"outcomes": dict(outcomes), "latencies": latencies, "seconds": time.monotonic() - start,
                  "cpu": time.process_time()})
 

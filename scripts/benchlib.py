@@ -176,3 +176,33 @@ def tree_cpu_s(root: int) -> dict[tuple[int, str], float]:
             s = stats[pid]  # after the ")": state=0, ppid=1, ..., utime=11, stime=12, cutime=13, cstime=14, starttime=19
             out[(pid, s[19])] = sum(int(x) for x in s[11:15]) / _TICK
     return out
+
+
+# -- a minimal HTTP/1.1 client: keep-alive connections on asyncio streams --------------------------
+# The load generators' own CPU shares the machine's cores with the server they measure; httpx
+# spends several times more per request than this.
+
+
+def http_head(method: str, path: str, key: str | None, body: bytes) -> bytes:
+    """A request's bytes: the head (JSON content type, the key as a bearer token) and ``body``."""
+    auth = f"Authorization: Bearer {key}\r\n" if key else ""
+    return (f"{method} {path} HTTP/1.1\r\nHost: 127.0.0.1\r\nContent-Type: application/json\r\n"
+            f"Content-Length: {len(body)}\r\n{auth}\r\n").encode() + body
+
+
+async def read_response(reader) -> tuple[int, bytes]:
+    """(status, body) of one response on a keep-alive connection (content-length or chunked)."""
+    head = await reader.readuntil(b"\r\n\r\n")
+    status = int(head[9:12])
+    fields = {}
+    for line in head.decode("latin-1").split("\r\n")[1:]:
+        name, _, value = line.partition(":")
+        fields[name.strip().lower()] = value.strip()
+    if "content-length" in fields:
+        return status, await reader.readexactly(int(fields["content-length"]))
+    chunks = []  # chunked
+    while True:
+        size = int((await reader.readuntil(b"\r\n")).strip(), 16)
+        chunks.append(await reader.readexactly(size + 2))
+        if size == 0:
+            return status, b"".join(c[:-2] for c in chunks)
