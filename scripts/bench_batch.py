@@ -57,6 +57,7 @@ from bench_tiers import (BATCH_RANK, MODEL, PAID_PROMPT, TIERS, body, client_for
 from benchlib import OTHER_LOAD_LIMIT, OtherLoad, Target, at_least, judge  # noqa: E402
 
 TPUT_TARGET, TTFT_TARGET = 0.9, 1.25
+DONE = ("completed", "failed", "expired", "cancelled")  # a batch's final states
 BATCH_PROMPT = "Summarise the batch."
 
 
@@ -120,7 +121,7 @@ async def batch_job(client: httpx.AsyncClient, key: str, n: int, tokens: int) ->
     batch_id = await submit(client, key, n, tokens)
     while True:
         b = await batch_status(client, key, batch_id)
-        if b["status"] in ("completed", "failed", "expired", "cancelled"):
+        if b["status"] in DONE:
             break
         await asyncio.sleep(0.02)
     seconds = time.monotonic() - start
@@ -182,8 +183,11 @@ async def probes_beside_batch(server, client: httpx.AsyncClient, args: argparse.
                 await engine_full(server, t1, args.width)
     finally:
         await client.post(f"/v1/batches/{fill_id}/cancel", headers=auth(keys["free"]))
-    while (await batch_status(client, keys["free"], fill_id))["status"] not in ("cancelled", "completed", "failed"):
-        await asyncio.sleep(0.05)  # drained: the next round's probes alone meet no batch rows
+    deadline = time.monotonic() + 120  # drained: the next round's probes alone meet no batch rows
+    while (status := (await batch_status(client, keys["free"], fill_id))["status"]) not in DONE:
+        if time.monotonic() > deadline:
+            raise RuntimeError(f"the fill batch did not stop within 120 s of its cancel (still {status})")
+        await asyncio.sleep(0.05)
     rec = await asyncio.to_thread(records, server, start)
     widest = max((d[2][BATCH_RANK] for d in rec.get("decode", [])), default=0)
     return probes, rec, widest
