@@ -31,9 +31,12 @@ average exceeds the cores at the start or the end: the figures then measure the 
 randomized runs with stale stats (2 s reports), 0 protection violations and 0 wrong 429s. Those runs
 (``stale_runs``) drive the real router, the replicas' re-check and the arbiter's policy over
 simulated replica states and time, not the Ray deployment. And paid p99 under a free flood (eight
-free clients asking for ``a`` back to back, 16 tokens each; paid asks for ``a`` too, one token)
-within 10% of ``tiergate serve``'s under the same flood in the same run (bench_tiers' setting on
-one device; n/a under load like the latency targets).
+free clients asking for ``a`` back to back, 16 tokens each; paid asks for ``a`` too, one token):
+the cluster's flood/alone ratio of paid's p99 within 10% of ``tiergate serve``'s under the same
+flood in the same run. bench_tiers' figure is that ratio (paid p99 flood/alone), and the hop's own
+cost is the p50/p99 targets' to judge: a cluster whose hop adds its allowed 20 ms at p99 could not
+also keep paid's absolute p99 under the flood within 10% of one process's. The absolute p99s are
+printed beside it. n/a under load like the latency targets.
 """
 
 from __future__ import annotations
@@ -333,9 +336,14 @@ def main() -> int:
     print(f"stale stats ({PERIOD_S:g} s reports), {stale['requests']} simulated requests: {stale['refused']} refused "
           f"({stale['wrong_429']} while a replica had room), {stale['redirects']} redirects, "
           f"{stale['violations']} protection violations")
-    flood_pct = 100.0 * (pct(through_flood, 0.99) / pct(single_flood, 0.99) - 1)
-    print(f"paid under a free flood (8 clients): tiergate serve p99 {pct(single_flood, 0.99) * 1000:.1f} ms, "
-          f"cluster p99 {pct(through_flood, 0.99) * 1000:.1f} ms ({flood_pct:+.1f}%)")
+    single_ratio = pct(single_flood, 0.99) / pct(single, 0.99)
+    cluster_ratio = pct(through_flood, 0.99) / pct(through, 0.99)
+    flood_pct = 100.0 * (cluster_ratio / single_ratio - 1)
+    print(f"paid p99 under a free flood (8 clients) / alone: tiergate serve {pct(single_flood, 0.99) * 1000:.1f} / "
+          f"{pct(single, 0.99) * 1000:.1f} ms = {single_ratio:.2f}x, cluster {pct(through_flood, 0.99) * 1000:.1f} / "
+          f"{pct(through, 0.99) * 1000:.1f} ms = {cluster_ratio:.2f}x ({flood_pct:+.1f}%); absolute p99 under the "
+          f"flood, cluster against tiergate serve: "
+          f"{100.0 * (pct(through_flood, 0.99) / pct(single_flood, 0.99) - 1):+.1f}% (info)")
     landed = 100.0 * hits / total
     loads = 1000.0 * (total - hits) / total
     p50 = (statistics.median(through) - statistics.median(single)) * 1000
@@ -356,7 +364,7 @@ def main() -> int:
         Target("loads per 1,000 requests in steady state <= 0", f"{loads:.1f}", loads <= 0),
         overhead("added latency at p50 <= 5 ms", p50, 5, why_not),
         overhead("added latency at p99 <= 20 ms", p99, 20, why_not),
-        overhead("paid p99 under a free flood within 10% of tiergate serve's", flood_pct, 10, why_not, unit="%"),
+        overhead("paid p99 flood/alone within 10% of tiergate serve's", flood_pct, 10, why_not, unit="%"),
         Target("protection violations with stale stats == 0", str(stale["violations"]), stale["violations"] == 0),
         Target("wrong 429s with stale stats == 0", str(stale["wrong_429"]), stale["wrong_429"] == 0),
     ]
