@@ -4,6 +4,7 @@ same engine call on the same model, over real HTTP on 127.0.0.1, at 1 and at 64 
 
     python scripts/bench_overhead.py                 # about a minute on 2 cores
     python scripts/bench_overhead.py --rounds 5 --requests 400 --clients 1 64
+    python scripts/bench_overhead.py --engine vllm   # chat on the vLLM engine (its core in its own process)
     python scripts/bench_overhead.py --smoke         # tiny counts, the real code path; no verdict
 
 Two servers, each its own process, started and loaded before anything is timed:
@@ -23,6 +24,13 @@ thread (``--server-threads``) and the same uvicorn protocol settings. The gate g
 every client (``gate.slots`` 64, paid ``max_inflight`` 64), so the engine sees the same
 concurrency behind both servers.
 
+With ``--engine vllm`` tiny-chat runs on the vLLM engine (``workers.chat_vllm``: one ``AsyncLLM``,
+its engine core a child process of each server) with the config's engine defaults, the same
+``ModelSpec`` and so the same engine arguments behind both servers; only chat is measured (the
+embeddings endpoint does not touch the chat engine: its figures are the transformers run's).
+On the transformers engine the engine's step thread shares the server's interpreter lock with
+the event loop; on vLLM the engine core does not.
+
 The client is this process: closed-loop keep-alive connections written on asyncio streams (a
 minimal HTTP/1.1 client, so that the client's own cost, which lands on the same cores, stays
 small and equal for both). Per round, per endpoint, per concurrency level, the two servers take
@@ -34,10 +42,16 @@ clients (the median of the per-round ratios). Both are ``n/a`` when processes ou
 benchmark (its two servers and its client are its own) used more than ``OTHER_LOAD_LIMIT`` cores
 while it ran (``benchlib.OtherLoad``): the figures then measure the machine.
 
-Printed beside them, the figure load distorts least: each server process's CPU seconds per
-request (all its threads, user + system, from ``/proc/<pid>/stat``), read before and after each
-run. At 64 clients both servers are CPU-bound, so tiergate's throughput ratio is about the
-inverse of its CPU ratio; the difference is tiergate's own work per request.
+Printed beside them, the figure load distorts least: each server's CPU seconds per request
+(its whole process tree, all threads, user + system, from ``/proc/<pid>/stat``), read before and
+after each run, and apart: the server process itself (the API: uvicorn, the app, and on the
+transformers engine the engine thread) and its children (vLLM's engine core). At 64 clients both
+servers are CPU-bound, so tiergate's throughput ratio is about the inverse of its CPU ratio; the
+difference is tiergate's own work per request.
+
+``--switch-interval SECONDS`` (a diagnostic) sets ``sys.setswitchinterval`` in both servers after
+their models are loaded (the transformers engine lowers it to 0.5 ms when it loads): how much of
+the 64-client gap is the loop and the engine thread handing the interpreter lock back and forth.
 """
 
 from __future__ import annotations
@@ -60,12 +74,15 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-from benchlib import OTHER_LOAD_LIMIT, OtherLoad, Target, http_head, judge, read_response  # noqa: E402
+from benchlib import (OTHER_LOAD_LIMIT, OtherLoad, Target, http_head, judge, read_response,  # noqa: E402
+                      tree_cpu_s)
 
-_TICK = os.sysconf("SC_CLK_TCK") if hasattr(os, "sysconf") else 100
 TIERS = ["paid", "subscriber", "free", "batch"]
 CHAT, EMBED = "tiny-chat", "tiny-embed"
 ADDED_P50_MS = 1.0
+# vLLM's engine core on CPU keeps a core busy for ~1 s after its last request: a pause before each
+# run, so that the server measured before does not share the cores with the one measured now
+VLLM_SETTLE_S = 2.0
 THROUGHPUT = 0.9
 CHAT_BODY = {"model": CHAT, "messages": [{"role": "user", "content": "Say one word."}], "max_tokens": 1,
              "temperature": 0}
@@ -76,15 +93,15 @@ ENDPOINTS = {"chat": ("/v1/chat/completions", CHAT_BODY), "embeddings": ("/v1/em
 # -- the servers (each its own process) -------------------------------------------------------------
 
 
-def write_config(folder: Path, models_dir: Path) -> Path:
+def write_config(folder: Path, models_dir: Path, engine: str, endpoints: list[str]) -> Path:
     lines = ["tiers:"]
     for name in TIERS:
         lines += [f"  - name: {name}", f"    keys_env: TIERGATE_BENCH_KEYS_{name.upper()}", "    max_inflight: 64",
                   "    max_queued: 256", "    latency_target_s: 600"] + (["    batch: true"] if name == "batch" else [])
-    lines += ["models:",
-              f"  - name: {CHAT}", "    kind: chat", f"    path: {models_dir / CHAT}", "    engine: transformers",
-              f"  - name: {EMBED}", "    kind: embed", f"    path: {models_dir / EMBED}",
-              "gpu:", "  device: cpu", "  vram_budget: 4GiB",
+    lines += ["models:", f"  - name: {CHAT}", "    kind: chat", f"    path: {models_dir / CHAT}", f"    engine: {engine}"]
+    if "embeddings" in endpoints:
+        lines += [f"  - name: {EMBED}", "    kind: embed", f"    path: {models_dir / EMBED}"]
+    lines += ["gpu:", "  device: cpu", "  vram_budget: 4GiB",
               "gate:", "  slots: 64"]
     path = folder / "tiers.yaml"
     path.write_text("\n".join(lines) + "\n")
@@ -104,19 +121,34 @@ def serve(kind: str, config_path: str, port: int) -> None:
     uvicorn.Server(server_config(app, "127.0.0.1", port, log_config=None, access_log=False)).run()
 
 
+async def set_switch_interval(request):
+    """(diagnostic, both servers) ``sys.setswitchinterval`` to the body's seconds, once loaded."""
+    from starlette.responses import JSONResponse
+
+    before = sys.getswitchinterval()
+    sys.setswitchinterval(float(await request.body()))
+    return JSONResponse({"before": before, "now": sys.getswitchinterval()})
+
+
 def tiergate_app(config_path: str):
     """The production app, its services built from the config with the keys in the environment."""
+    from starlette.routing import Route
+
     from gateway.app import build_services, create_app
     from gateway.cli import resolve_keys
     from gateway.config import load_config
 
     config = load_config(config_path)
     keyring, _ = resolve_keys(config, demo=False)
-    return create_app(build_services(config, keyring))
+    return create_app(build_services(config, keyring),
+                      [Route("/bench/switch-interval", set_switch_interval, methods=["POST"])])
 
 
 def bare_app(config_path: str):
-    """The same workers on the same specs behind a bare Starlette app, loaded."""
+    """The same workers on the same specs behind a bare Starlette app, placed before it listens
+    (the vLLM engine starts on the server's own event loop, as behind tiergate)."""
+    import contextlib
+
     import anyio
     import torch
     from starlette.applications import Starlette
@@ -128,16 +160,22 @@ def bare_app(config_path: str):
     from workers.base import ChatFinished, ChatParams, ChatRequest, StepContext, TextDelta
     from workers.registry import make_worker
 
-    specs = {s.name: s for s in load_config(config_path).model_specs()}
-    chat_worker, embed_worker = make_worker(specs[CHAT]), make_worker(specs[EMBED])
-    for worker in (chat_worker, embed_worker):
-        worker.load(torch.device("cpu"))
+    workers = {s.name: make_worker(s) for s in load_config(config_path).model_specs()}
+    chat_worker, embed_worker = workers[CHAT], workers.get(EMBED)
+
+    @contextlib.asynccontextmanager
+    async def lifespan(app):
+        for worker in workers.values():
+            await worker.place(torch.device("cpu"))
+        yield
+        for worker in workers.values():
+            await worker.release()
 
     async def chat(request: Request) -> JSONResponse:
         body = json.loads(await request.body())
         params = ChatParams(max_tokens=body.get("max_tokens", 256), temperature=body.get("temperature", 1.0))
         text, finished = [], None
-        events = chat_worker.chat(ChatRequest(body["messages"], params))
+        events = chat_worker.chat(ChatRequest(body["messages"], params, stream=bool(body.get("stream"))))
         async for event in events:
             if isinstance(event, TextDelta):
                 text.append(event.text)
@@ -165,8 +203,10 @@ def bare_app(config_path: str):
         return JSONResponse({"status": "ok"})
 
     return Starlette(routes=[Route("/v1/chat/completions", chat, methods=["POST"]),
-                             Route("/v1/embeddings", embeddings, methods=["POST"]),
-                             Route("/healthz", healthz, methods=["GET"])])
+                             *([Route("/v1/embeddings", embeddings, methods=["POST"])] if embed_worker else []),
+                             Route("/healthz", healthz, methods=["GET"]),
+                             Route("/bench/switch-interval", set_switch_interval, methods=["POST"])],
+                     lifespan=lifespan)
 
 
 @dataclass
@@ -176,14 +216,12 @@ class Server:
     port: int
     key: str
 
-    def cpu_s(self) -> float:
-        """The server's CPU seconds so far, every thread, user + system (Linux; else 0)."""
-        try:
-            with open(f"/proc/{self.proc.pid}/stat") as f:
-                rest = f.read().rsplit(")", 1)[1].split()
-        except OSError:
-            return 0.0
-        return (int(rest[11]) + int(rest[12])) / _TICK
+    def cpu_s(self) -> tuple[float, float]:
+        """The server's CPU seconds so far, every thread, user + system (Linux; else 0): (its own
+        process, its descendants together: vLLM's engine core)."""
+        tree = tree_cpu_s(self.proc.pid) if os.path.exists("/proc/stat") else {}
+        own = sum(cpu for (pid, _), cpu in tree.items() if pid == self.proc.pid)
+        return own, sum(tree.values()) - own
 
     def stop(self) -> None:
         if self.proc.poll() is None:
@@ -201,7 +239,8 @@ def spare_port() -> int:
         return s.getsockname()[1]
 
 
-def start_server(kind: str, config: Path, folder: Path, threads: int, timeout: float = 180) -> Server:
+def start_server(kind: str, config: Path, folder: Path, threads: int, models: list[str],
+                 switch_interval: float | None = None, timeout: float = 240) -> Server:
     keys = {t: f"tg-bench-{t}-{secrets.token_urlsafe(12)}" for t in [*TIERS, "admin"]}
     env = {k: v for k, v in os.environ.items() if not k.startswith("TIERGATE_KEYS_")}
     env.update({f"TIERGATE_BENCH_KEYS_{t.upper()}": keys[t] for t in TIERS})
@@ -222,11 +261,16 @@ def start_server(kind: str, config: Path, folder: Path, threads: int, timeout: f
             raise RuntimeError(f"the {kind} server did not come up")
         time.sleep(0.2)
     if kind == "tiergate":  # the bare server loaded its models before it listened
-        for model in (CHAT, EMBED):
+        for model in models:
             status, body = asyncio.run(_request(port, "POST", f"/admin/models/{model}/load", keys["admin"], b""))
             if status != 200:
                 server.stop()
                 raise RuntimeError(f"loading {model} failed: {status} {body[:300]!r}")
+    if switch_interval is not None:
+        status, body = asyncio.run(_request(port, "POST", "/bench/switch-interval", None, str(switch_interval).encode()))
+        if status != 200:
+            server.stop()
+            raise RuntimeError(f"setting the switch interval failed: {status} {body[:300]!r}")
     return server
 
 
@@ -251,12 +295,21 @@ class Load:
     latencies: list[float]  # seconds, per request
     seconds: float  # wall time of the whole run
     errors: list[str]
-    server_cpu_s: float = 0.0  # the server process's CPU seconds over the run
+    api_cpu_s: float = 0.0  # the server process's CPU seconds over the run
+    engine_cpu_s: float = 0.0  # its descendants' (vLLM's engine core)
 
     @property
     def cpu_ms(self) -> float:
-        """The server's CPU milliseconds per request."""
-        return self.server_cpu_s / len(self.latencies) * 1e3
+        """The server's CPU milliseconds per request, its whole process tree."""
+        return (self.api_cpu_s + self.engine_cpu_s) / len(self.latencies) * 1e3
+
+    @property
+    def api_ms(self) -> float:
+        return self.api_cpu_s / len(self.latencies) * 1e3
+
+    @property
+    def engine_ms(self) -> float:
+        return self.engine_cpu_s / len(self.latencies) * 1e3
 
     @property
     def throughput(self) -> float:
@@ -293,9 +346,10 @@ async def _drive(server: Server, endpoint: str, clients: int, requests: int) -> 
 
 
 def drive(server: Server, endpoint: str, clients: int, requests: int) -> Load:
-    before = server.cpu_s()
+    api, engine = server.cpu_s()
     load = asyncio.run(_drive(server, endpoint, clients, requests))
-    load.server_cpu_s = server.cpu_s() - before
+    api_after, engine_after = server.cpu_s()
+    load.api_cpu_s, load.engine_cpu_s = api_after - api, engine_after - engine
     return load
 
 
@@ -304,11 +358,12 @@ def drive(server: Server, endpoint: str, clients: int, requests: int) -> Load:
 
 def measure(servers: list[Server], args: argparse.Namespace) -> dict:
     """results[endpoint][server kind][clients]: one Load per round, the servers taking turns."""
-    results = {e: {s.kind: {c: [] for c in args.clients} for s in servers} for e in ENDPOINTS}
+    results = {e: {s.kind: {c: [] for c in args.clients} for s in servers} for e in args.endpoints}
     for r in range(args.rounds):
-        for endpoint in ENDPOINTS:
+        for endpoint in args.endpoints:
             for clients in args.clients:
                 for server in (servers if r % 2 == 0 else servers[::-1]):
+                    time.sleep(args.settle)
                     load = drive(server, endpoint, clients, args.requests if clients > 1 else args.requests_alone)
                     if load.errors:
                         raise RuntimeError(f"{server.kind} {endpoint} at {clients} clients: {len(load.errors)} "
@@ -322,8 +377,7 @@ def targets(results: dict, levels: list[int], loaded: str) -> list[Target]:
     the bare endpoint's at the highest (64), each the median over the rounds."""
     low, high = min(levels), max(levels)
     out = []
-    for endpoint in ENDPOINTS:
-        runs = results[endpoint]
+    for endpoint, runs in results.items():
         added = statistics.median(t.p50_ms - b.p50_ms for t, b in zip(runs["tiergate"][low], runs["bare"][low]))
         ratio = statistics.median(t.throughput / b.throughput for t, b in zip(runs["tiergate"][high], runs["bare"][high]))
         claim = f"{endpoint}: p50 latency tiergate adds at {low} client{'s' if low > 1 else ''} <= {ADDED_P50_MS:g} ms"
@@ -338,16 +392,19 @@ def targets(results: dict, levels: list[int], loaded: str) -> list[Target]:
 def run(args: argparse.Namespace) -> int:
     from demo import build_demo_models
 
-    build_demo_models(args.models_dir, names=[CHAT, EMBED])
+    models = [CHAT] + ([EMBED] if "embeddings" in args.endpoints else [])
+    build_demo_models(args.models_dir, names=models)
     cores = os.cpu_count() or 1
     other = OtherLoad()
     with tempfile.TemporaryDirectory(prefix="bench-overhead-") as tmp:
         folder = Path(tmp)
-        config = write_config(folder, args.models_dir.resolve())
-        servers = [start_server(kind, config, folder, args.server_threads) for kind in ("tiergate", "bare")]
+        config = write_config(folder, args.models_dir.resolve(), args.engine, args.endpoints)
+        servers = []
         try:
+            for kind in ("tiergate", "bare"):
+                servers.append(start_server(kind, config, folder, args.server_threads, models, args.switch_interval))
             for server in servers:  # warm: every path once, the engines' first steps
-                for endpoint in ENDPOINTS:
+                for endpoint in args.endpoints:
                     warm = drive(server, endpoint, min(4, max(args.clients)), args.warmup)
                     if warm.errors:
                         raise RuntimeError(f"{server.kind} {endpoint}: {warm.errors[0]}")
@@ -357,12 +414,15 @@ def run(args: argparse.Namespace) -> int:
             for server in servers:
                 server.stop()
     busy = "n/a" if other.cores is None else f"{other.cores:.2f}"
-    print(f"tiergate (the production app) vs a bare Starlette endpoint on the same worker; {cores} CPUs; "
-          f"other processes used {busy} cores meanwhile (limit {OTHER_LOAD_LIMIT:g}); torch threads "
-          f"{args.server_threads} per server; {args.rounds} rounds, medians over them; "
-          f"cpu ms/req: the server process's CPU per request")
-    print(f"{'endpoint':<11} {'clients':>7} {'server':<9} {'req/s':>8} {'p50 ms':>8} {'p99 ms':>8} {'cpu ms/req':>10}")
-    for endpoint in ENDPOINTS:
+    interval = "" if args.switch_interval is None else f"; switch interval {args.switch_interval:g} s (diagnostic)"
+    print(f"tiergate (the production app) vs a bare Starlette endpoint on the same worker; chat engine "
+          f"{args.engine}; {cores} CPUs; other processes used {busy} cores meanwhile (limit {OTHER_LOAD_LIMIT:g}); "
+          f"torch threads {args.server_threads} per server; {args.rounds} rounds, medians over them{interval}; "
+          f"cpu ms/req: the server's CPU per request, its process tree (api: the server process; "
+          f"engine: its children, vLLM's engine core)")
+    print(f"{'endpoint':<11} {'clients':>7} {'server':<9} {'req/s':>8} {'p50 ms':>8} {'p99 ms':>8} {'cpu ms/req':>10} "
+          f"{'api':>6} {'engine':>6}")
+    for endpoint in args.endpoints:
         for clients in args.clients:
             for kind in ("tiergate", "bare"):
                 runs = results[endpoint][kind][clients]
@@ -370,9 +430,10 @@ def run(args: argparse.Namespace) -> int:
                                         else r.latencies[0] for r in runs) * 1e3
                 print(f"{endpoint:<11} {clients:>7} {kind:<9} {statistics.median(r.throughput for r in runs):>8.1f} "
                       f"{statistics.median(r.p50_ms for r in runs):>8.2f} {p99:>8.2f} "
-                      f"{statistics.median(r.cpu_ms for r in runs):>10.2f}")
+                      f"{statistics.median(r.cpu_ms for r in runs):>10.2f} "
+                      f"{statistics.median(r.api_ms for r in runs):>6.2f} {statistics.median(r.engine_ms for r in runs):>6.2f}")
     print()
-    for endpoint in ENDPOINTS:
+    for endpoint in args.endpoints:
         for clients in args.clients:
             t, b = results[endpoint]["tiergate"][clients], results[endpoint]["bare"][clients]
             added = " ".join(f"{x.p50_ms - y.p50_ms:+.2f}" for x, y in zip(t, b))
@@ -393,6 +454,12 @@ def main() -> int:
     ap.add_argument("--warmup", type=int, default=20)
     ap.add_argument("--rounds", type=int, default=3)
     ap.add_argument("--server-threads", type=int, default=1, help="torch intra-op threads per server")
+    ap.add_argument("--engine", default="transformers", choices=["transformers", "vllm"],
+                    help="tiny-chat's engine behind both servers (vllm: its engine core in a child process)")
+    ap.add_argument("--endpoints", nargs="+", choices=list(ENDPOINTS),
+                    help="default: chat and embeddings on transformers, chat alone on vllm")
+    ap.add_argument("--switch-interval", type=float, help="diagnostic: sys.setswitchinterval in both servers once "
+                    "loaded (the transformers engine lowers it to 0.0005)")
     ap.add_argument("--smoke", action="store_true", help="1 round of a few requests at 1 and 4 clients; no verdict")
     ap.add_argument("--serve", nargs=2, metavar=("KIND", "CONFIG"), help=argparse.SUPPRESS)
     ap.add_argument("--port", type=int, help=argparse.SUPPRESS)
@@ -406,6 +473,9 @@ def main() -> int:
     if args.smoke:
         args.clients, args.requests, args.requests_alone, args.warmup, args.rounds = [1, 4], 8, 4, 2, 1
     args.clients = sorted(set(args.clients))
+    args.settle = VLLM_SETTLE_S if args.engine == "vllm" else 0.0
+    if args.endpoints is None:
+        args.endpoints = ["chat"] if args.engine == "vllm" else list(ENDPOINTS)
     return run(args)
 
 
