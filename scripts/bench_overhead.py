@@ -80,9 +80,9 @@ from benchlib import (OTHER_LOAD_LIMIT, OtherLoad, Target, http_head, judge, rea
 TIERS = ["paid", "subscriber", "free", "batch"]
 CHAT, EMBED = "tiny-chat", "tiny-embed"
 ADDED_P50_MS = 1.0
-# vLLM's engine core on CPU keeps a core busy for ~1 s after its last request: a pause before each
-# run, so that the server measured before does not share the cores with the one measured now
-VLLM_SETTLE_S = 2.0
+# After its first requests vLLM's engine core on CPU kept a core busy for ~1 s (not after later
+# runs): a pause after the warm-up, so that the first run does not share the cores with it
+SETTLE_S = 2.0
 THROUGHPUT = 0.9
 CHAT_BODY = {"model": CHAT, "messages": [{"role": "user", "content": "Say one word."}], "max_tokens": 1,
              "temperature": 0}
@@ -363,7 +363,6 @@ def measure(servers: list[Server], args: argparse.Namespace) -> dict:
         for endpoint in args.endpoints:
             for clients in args.clients:
                 for server in (servers if r % 2 == 0 else servers[::-1]):
-                    time.sleep(args.settle)
                     load = drive(server, endpoint, clients, args.requests if clients > 1 else args.requests_alone)
                     if load.errors:
                         raise RuntimeError(f"{server.kind} {endpoint} at {clients} clients: {len(load.errors)} "
@@ -408,6 +407,7 @@ def run(args: argparse.Namespace) -> int:
                     warm = drive(server, endpoint, min(4, max(args.clients)), args.warmup)
                     if warm.errors:
                         raise RuntimeError(f"{server.kind} {endpoint}: {warm.errors[0]}")
+            time.sleep(SETTLE_S)
             with other:
                 results = measure(servers, args)
         finally:
@@ -473,7 +473,6 @@ def main() -> int:
     if args.smoke:
         args.clients, args.requests, args.requests_alone, args.warmup, args.rounds = [1, 4], 8, 4, 2, 1
     args.clients = sorted(set(args.clients))
-    args.settle = VLLM_SETTLE_S if args.engine == "vllm" else 0.0
     if args.endpoints is None:
         args.endpoints = ["chat"] if args.engine == "vllm" else list(ENDPOINTS)
     return run(args)
