@@ -58,6 +58,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import gc
 import json
 import os
 import secrets
@@ -117,31 +118,62 @@ def serve(kind: str, config_path: str, port: int) -> None:
 
     if kind == "tiergate":
         request_log.configure(json_lines=False)
+    gc.callbacks.append(GC_CLOCK)
     app = tiergate_app(config_path) if kind == "tiergate" else bare_app(config_path)
     uvicorn.Server(server_config(app, "127.0.0.1", port, log_config=None, access_log=False)).run()
 
 
-async def set_switch_interval(request):
-    """(diagnostic, both servers) ``sys.setswitchinterval`` to the body's seconds, once loaded."""
-    from starlette.responses import JSONResponse
+class GcClock:
+    """The server process's garbage collections: count and seconds per generation (``gc.callbacks``)."""
 
-    before = sys.getswitchinterval()
-    sys.setswitchinterval(float(await request.body()))
-    return JSONResponse({"before": before, "now": sys.getswitchinterval()})
+    def __init__(self) -> None:
+        self.collections, self.seconds, self._start = [0, 0, 0], [0.0, 0.0, 0.0], 0.0
+
+    def __call__(self, phase: str, info: dict) -> None:
+        if phase == "start":
+            self._start = time.perf_counter()
+        else:
+            self.collections[info["generation"]] += 1
+            self.seconds[info["generation"]] += time.perf_counter() - self._start
+
+
+GC_CLOCK = GcClock()
+
+
+def bench_routes() -> list:
+    """Both servers' diagnostics, outside the timed runs: their garbage collections so far, and,
+    once loaded, a switch interval, ``gc.freeze()`` and the collector's thresholds for the
+    diagnostic flags."""
+    from starlette.responses import JSONResponse
+    from starlette.routing import Route
+
+    async def collections(request):
+        return JSONResponse({"collections": GC_CLOCK.collections, "seconds": GC_CLOCK.seconds})
+
+    async def tune(request):
+        settings = json.loads(await request.body())
+        if settings.get("switch_interval") is not None:
+            sys.setswitchinterval(settings["switch_interval"])
+        if settings.get("gc_freeze"):
+            gc.collect()
+            gc.freeze()
+        if settings.get("gc_threshold"):
+            gc.set_threshold(*settings["gc_threshold"])
+        return JSONResponse({"switch_interval": sys.getswitchinterval(), "frozen": gc.get_freeze_count(),
+                             "threshold": gc.get_threshold()})
+
+    return [Route("/bench/gc", collections, methods=["GET"]), Route("/bench/tune", tune, methods=["POST"])]
 
 
 def tiergate_app(config_path: str):
     """The production app, its services built from the config with the keys in the environment."""
-    from starlette.routing import Route
-
     from gateway.app import build_services, create_app
     from gateway.cli import resolve_keys
     from gateway.config import load_config
 
     config = load_config(config_path)
     keyring, _ = resolve_keys(config, demo=False)
-    return create_app(build_services(config, keyring),
-                      [Route("/bench/switch-interval", set_switch_interval, methods=["POST"])])
+    return create_app(build_services(config, keyring), bench_routes())
 
 
 def bare_app(config_path: str):
@@ -204,8 +236,7 @@ def bare_app(config_path: str):
 
     return Starlette(routes=[Route("/v1/chat/completions", chat, methods=["POST"]),
                              *([Route("/v1/embeddings", embeddings, methods=["POST"])] if embed_worker else []),
-                             Route("/healthz", healthz, methods=["GET"]),
-                             Route("/bench/switch-interval", set_switch_interval, methods=["POST"])],
+                             Route("/healthz", healthz, methods=["GET"]), *bench_routes()],
                      lifespan=lifespan)
 
 
@@ -222,6 +253,13 @@ class Server:
         tree = tree_cpu_s(self.proc.pid) if os.path.exists("/proc/stat") else {}
         own = sum(cpu for (pid, _), cpu in tree.items() if pid == self.proc.pid)
         return own, sum(tree.values()) - own
+
+    def collections(self) -> dict:
+        """The server process's garbage collections so far (``/bench/gc``)."""
+        status, body = asyncio.run(_request(self.port, "GET", "/bench/gc", None, b""))
+        if status != 200:
+            raise RuntimeError(f"{self.kind} /bench/gc: {status} {body[:200]!r}")
+        return json.loads(body)
 
     def stop(self) -> None:
         if self.proc.poll() is None:
@@ -240,7 +278,7 @@ def spare_port() -> int:
 
 
 def start_server(kind: str, config: Path, folder: Path, threads: int, models: list[str],
-                 switch_interval: float | None = None, timeout: float = 240) -> Server:
+                 tune: dict, timeout: float = 240) -> Server:
     keys = {t: f"tg-bench-{t}-{secrets.token_urlsafe(12)}" for t in [*TIERS, "admin"]}
     env = {k: v for k, v in os.environ.items() if not k.startswith("TIERGATE_KEYS_")}
     env.update({f"TIERGATE_BENCH_KEYS_{t.upper()}": keys[t] for t in TIERS})
@@ -266,11 +304,11 @@ def start_server(kind: str, config: Path, folder: Path, threads: int, models: li
             if status != 200:
                 server.stop()
                 raise RuntimeError(f"loading {model} failed: {status} {body[:300]!r}")
-    if switch_interval is not None:
-        status, body = asyncio.run(_request(port, "POST", "/bench/switch-interval", None, str(switch_interval).encode()))
+    if any(tune.values()):
+        status, body = asyncio.run(_request(port, "POST", "/bench/tune", None, json.dumps(tune).encode()))
         if status != 200:
             server.stop()
-            raise RuntimeError(f"setting the switch interval failed: {status} {body[:300]!r}")
+            raise RuntimeError(f"/bench/tune failed: {status} {body[:300]!r}")
     return server
 
 
@@ -297,6 +335,8 @@ class Load:
     errors: list[str]
     api_cpu_s: float = 0.0  # the server process's CPU seconds over the run
     engine_cpu_s: float = 0.0  # its descendants' (vLLM's engine core)
+    gc_s: float = 0.0  # the server process's garbage collections over the run: seconds
+    full_gcs: int = 0  # and how many were of the oldest generation (every object tracked)
 
     @property
     def cpu_ms(self) -> float:
@@ -310,6 +350,10 @@ class Load:
     @property
     def engine_ms(self) -> float:
         return self.engine_cpu_s / len(self.latencies) * 1e3
+
+    @property
+    def gc_ms(self) -> float:
+        return self.gc_s / len(self.latencies) * 1e3
 
     @property
     def throughput(self) -> float:
@@ -346,10 +390,14 @@ async def _drive(server: Server, endpoint: str, clients: int, requests: int) -> 
 
 
 def drive(server: Server, endpoint: str, clients: int, requests: int) -> Load:
+    gcs = server.collections()
     api, engine = server.cpu_s()
     load = asyncio.run(_drive(server, endpoint, clients, requests))
     api_after, engine_after = server.cpu_s()
+    gcs_after = server.collections()
     load.api_cpu_s, load.engine_cpu_s = api_after - api, engine_after - engine
+    load.gc_s = sum(gcs_after["seconds"]) - sum(gcs["seconds"])
+    load.full_gcs = gcs_after["collections"][2] - gcs["collections"][2]
     return load
 
 
@@ -401,7 +449,9 @@ def run(args: argparse.Namespace) -> int:
         servers = []
         try:
             for kind in ("tiergate", "bare"):
-                servers.append(start_server(kind, config, folder, args.server_threads, models, args.switch_interval))
+                servers.append(start_server(kind, config, folder, args.server_threads, models,
+                                            {"switch_interval": args.switch_interval, "gc_freeze": args.gc_freeze,
+                                             "gc_threshold": args.gc_threshold}))
             for server in servers:  # warm: every path once, the engines' first steps
                 for endpoint in args.endpoints:
                     warm = drive(server, endpoint, min(4, max(args.clients)), args.warmup)
@@ -415,13 +465,16 @@ def run(args: argparse.Namespace) -> int:
                 server.stop()
     busy = "n/a" if other.cores is None else f"{other.cores:.2f}"
     interval = "" if args.switch_interval is None else f"; switch interval {args.switch_interval:g} s (diagnostic)"
+    interval += "; gc.freeze() after loading (diagnostic)" if args.gc_freeze else ""
+    interval += f"; gc thresholds {args.gc_threshold} (diagnostic)" if args.gc_threshold else ""
     print(f"tiergate (the production app) vs a bare Starlette endpoint on the same worker; chat engine "
           f"{args.engine}; {cores} CPUs; other processes used {busy} cores meanwhile (limit {OTHER_LOAD_LIMIT:g}); "
           f"torch threads {args.server_threads} per server; {args.rounds} rounds, medians over them{interval}; "
           f"cpu ms/req: the server's CPU per request, its process tree (api: the server process; "
-          f"engine: its children, vLLM's engine core)")
+          f"engine: its children, vLLM's engine core; gc: the server process's garbage collections, ms per "
+          f"request; full: collections of the oldest generation, all rounds)")
     print(f"{'endpoint':<11} {'clients':>7} {'server':<9} {'req/s':>8} {'p50 ms':>8} {'p99 ms':>8} {'cpu ms/req':>10} "
-          f"{'api':>6} {'engine':>6}")
+          f"{'api':>6} {'engine':>6} {'gc':>6} {'full':>4}")
     for endpoint in args.endpoints:
         for clients in args.clients:
             for kind in ("tiergate", "bare"):
@@ -431,7 +484,8 @@ def run(args: argparse.Namespace) -> int:
                 print(f"{endpoint:<11} {clients:>7} {kind:<9} {statistics.median(r.throughput for r in runs):>8.1f} "
                       f"{statistics.median(r.p50_ms for r in runs):>8.2f} {p99:>8.2f} "
                       f"{statistics.median(r.cpu_ms for r in runs):>10.2f} "
-                      f"{statistics.median(r.api_ms for r in runs):>6.2f} {statistics.median(r.engine_ms for r in runs):>6.2f}")
+                      f"{statistics.median(r.api_ms for r in runs):>6.2f} {statistics.median(r.engine_ms for r in runs):>6.2f} "
+                      f"{statistics.median(r.gc_ms for r in runs):>6.3f} {sum(r.full_gcs for r in runs):>4}")
     print()
     for endpoint in args.endpoints:
         for clients in args.clients:
@@ -439,8 +493,9 @@ def run(args: argparse.Namespace) -> int:
             added = " ".join(f"{x.p50_ms - y.p50_ms:+.2f}" for x, y in zip(t, b))
             ratio = " ".join(f"{x.throughput / y.throughput:.2f}" for x, y in zip(t, b))
             cpu = " ".join(f"{x.cpu_ms - y.cpu_ms:+.2f}" for x, y in zip(t, b))
+            gcs = " ".join(f"{x.gc_ms - y.gc_ms:+.2f}" for x, y in zip(t, b))
             print(f"{endpoint} at {clients:>2} clients, per round: p50 added ms {added}; throughput tiergate/bare "
-                  f"{ratio}; cpu ms/req added {cpu}")
+                  f"{ratio}; cpu ms/req added {cpu}; of it gc {gcs}")
     return judge(targets(results, args.clients, other.why_not(OTHER_LOAD_LIMIT)), smoke=args.smoke,
                  note="issue 15 item 3: the gateway's own overhead")
 
@@ -460,6 +515,10 @@ def main() -> int:
                     help="default: chat and embeddings on transformers, chat alone on vllm")
     ap.add_argument("--switch-interval", type=float, help="diagnostic: sys.setswitchinterval in both servers once "
                     "loaded (the transformers engine lowers it to 0.0005)")
+    ap.add_argument("--gc-freeze", action="store_true", help="diagnostic: gc.freeze() in both servers once loaded "
+                    "(the loaded libraries' objects out of every later collection)")
+    ap.add_argument("--gc-threshold", type=int, nargs=3, metavar=("GEN0", "GEN1", "GEN2"),
+                    help="diagnostic: gc.set_threshold in both servers once loaded (Python's default: 700 10 10)")
     ap.add_argument("--smoke", action="store_true", help="1 round of a few requests at 1 and 4 clients; no verdict")
     ap.add_argument("--serve", nargs=2, metavar=("KIND", "CONFIG"), help=argparse.SUPPRESS)
     ap.add_argument("--port", type=int, help=argparse.SUPPRESS)
