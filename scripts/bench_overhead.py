@@ -45,13 +45,16 @@ while it ran (``benchlib.OtherLoad``): the figures then measure the machine.
 Printed beside them, the figure load distorts least: each server's CPU seconds per request
 (its whole process tree, all threads, user + system, from ``/proc/<pid>/stat``), read before and
 after each run, and apart: the server process itself (the API: uvicorn, the app, and on the
-transformers engine the engine thread) and its children (vLLM's engine core). At 64 clients both
-servers are CPU-bound, so tiergate's throughput ratio is about the inverse of its CPU ratio; the
-difference is tiergate's own work per request.
+transformers engine the engine thread) and its children (vLLM's engine core); and the server
+process's garbage collections (CPU per request, and how many were full collections), read from
+``/bench/gc`` on both servers. At 64 clients both servers are CPU-bound, so tiergate's throughput
+ratio is about the inverse of its CPU ratio; the difference is tiergate's own work per request.
 
-``--switch-interval SECONDS`` (a diagnostic) sets ``sys.setswitchinterval`` in both servers after
-their models are loaded (the transformers engine lowers it to 0.5 ms when it loads): how much of
-the 64-client gap is the loop and the engine thread handing the interpreter lock back and forth.
+Diagnostics, set in both servers once their models are loaded (``/bench/tune``), judged the same
+way: ``--switch-interval SECONDS`` (``sys.setswitchinterval``; the transformers engine lowers it
+to 0.5 ms when it loads: how much of the 64-client gap is the loop and the engine thread handing
+the interpreter lock back and forth), ``--gc-freeze`` (``gc.freeze()``) and ``--gc-threshold``
+(``gc.set_threshold``): how much of it is the collector.
 """
 
 from __future__ import annotations
