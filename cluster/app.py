@@ -13,7 +13,7 @@ from ray.serve.config import RequestRouterConfig
 from cluster.deployments import Deployment, deployments
 from cluster.ingress import Ingress
 from cluster.replica import TierReplica
-from cluster.settings import SERVE_LOGGING, serve_settings
+from cluster.settings import SERVE_LOGGING, ingress_settings, serve_settings
 from gateway.config import Config
 
 ROOT = Path(__file__).resolve().parents[1]  # on every worker's path, for a source checkout
@@ -44,7 +44,8 @@ def build(config: Config, keys: dict[str, list[str]], admin_keys: list[str]) -> 
                                                                              d.pinned)}
     ingress = serve.deployment(Ingress).options(
         name="ingress", num_replicas=cluster.nodes, max_replicas_per_node=1, max_ongoing_requests=10_000,
-        ray_actor_options={"num_cpus": 0.1}, logging_config=SERVE_LOGGING,
+        ray_actor_options={"num_cpus": 0.1, "runtime_env": {"env_vars": ingress_settings()}},
+        logging_config=SERVE_LOGGING,
     )
     return ingress.bind(source, keys, admin_keys, handles)
 

@@ -22,11 +22,19 @@ SERVE_SETTINGS = {
     # across the proxy, ingress and replica on the benchmark's machine.
     "RAY_SERVE_USE_GRPC_BY_DEFAULT": "1",
 }
-# Not set: RAY_SERVE_RUN_USER_CODE_IN_SEPARATE_THREAD=0 and RAY_SERVE_RUN_ROUTER_IN_SEPARATE_LOOP=0
-# (the deployment's code and the handle's router on the actor's main loop) saved about 0.4 ms of the
-# ingress's CPU per request, but with them test_cluster_ray failed in 2 of 4 full runs (a stream; the
-# replica killed mid-batch) while the ingress still called the replicas by reference, and passed 2 of 2
-# after its calls moved to gRPC; without them it never failed. Worth measuring again, not yet set.
+
+# The ingress only (its deployment's runtime_env, merged over the job's): its code and its handles'
+# router run on the actor's main event loop, where Serve's HTTP server for it runs, instead of a
+# thread and a loop each, so a request no longer crosses threads inside the ingress (HTTP -> user
+# code -> router -> gRPC and back); Serve's own throughput profile (RAY_SERVE_THROUGHPUT_OPTIMIZED)
+# sets the same. The ingress never blocks its loop. The replicas keep Serve's defaults: with these
+# settings on them too, test_cluster_ray failed in 3 of 10 full runs over two rounds (twice a line of
+# the batch whose replica is killed ran twice, once a stream; docs/BENCHMARKS.md, Cluster), never
+# in 5 runs without.
+INGRESS_SETTINGS = {
+    "RAY_SERVE_RUN_USER_CODE_IN_SEPARATE_THREAD": "0",
+    "RAY_SERVE_RUN_ROUTER_IN_SEPARATE_LOOP": "0",
+}
 
 # Serve's per-request access log lines (proxy, ingress, replica) off; its warnings stay. tiergate's
 # request log (the replica's app) is not Serve's and is unchanged.
@@ -51,13 +59,18 @@ def serve_settings(ingress_port: int | None = None, ports: int = 1) -> dict[str,
     return {**chosen, **{k: v for k, v in os.environ.items() if k.startswith("RAY_SERVE_")}}
 
 
+def ingress_settings() -> dict[str, str]:
+    """``INGRESS_SETTINGS``, each overridden by the same variable in this process's environment."""
+    return {k: os.environ.get(k, v) for k, v in INGRESS_SETTINGS.items()}
+
+
 def is_direct(settings: dict[str, str]) -> bool:
     return settings.get(DIRECT_INGRESS) == "1"
 
 
 def in_effect() -> dict[str, object]:
-    """The values Ray Serve runs with in this process, for each of ``SERVE_SETTINGS`` and direct
-    ingress."""
+    """The values Ray Serve runs with in this process, for each of ``SERVE_SETTINGS``,
+    ``INGRESS_SETTINGS`` and direct ingress."""
     from ray.serve._private import constants
 
-    return {name: getattr(constants, name) for name in [*SERVE_SETTINGS, DIRECT_INGRESS]}
+    return {name: getattr(constants, name) for name in [*SERVE_SETTINGS, *INGRESS_SETTINGS, DIRECT_INGRESS]}

@@ -179,14 +179,18 @@ def test_serve_settings_reach_the_replicas(cluster):
     """tiergate's Ray Serve settings (``cluster.settings``) travel in the job's runtime_env and are
     what Serve read in each replica's and ingress's process, not Serve's defaults; the ingress calls
     the replicas over gRPC."""
-    from cluster.settings import SERVE_SETTINGS
+    from cluster.settings import INGRESS_SETTINGS, SERVE_SETTINGS
 
     for name in ("tiergate", "stale"):
         seen = serve.get_deployment_handle("replica", app_name=name).serve_settings.remote().result(timeout_s=30)
-        assert seen == {"RAY_SERVE_USE_GRPC_BY_DEFAULT": True, "RAY_SERVE_ENABLE_DIRECT_INGRESS": True}
-        assert seen.keys() >= SERVE_SETTINGS.keys()
+        assert seen == {"RAY_SERVE_USE_GRPC_BY_DEFAULT": True, "RAY_SERVE_ENABLE_DIRECT_INGRESS": True,
+                        "RAY_SERVE_RUN_USER_CODE_IN_SEPARATE_THREAD": True,  # Serve's defaults in the replicas
+                        "RAY_SERVE_RUN_ROUTER_IN_SEPARATE_LOOP": True}
+        assert seen.keys() >= SERVE_SETTINGS.keys() | INGRESS_SETTINGS.keys()
         ingress = serve.get_deployment_handle("ingress", app_name=name).serve_settings.remote().result(timeout_s=30)
-        assert ingress == {**seen, "replica_calls": ["grpc"]}  # its handles were made in the driver, by reference
+        assert ingress == {**seen, "RAY_SERVE_RUN_USER_CODE_IN_SEPARATE_THREAD": False,  # the ingress's own
+                           "RAY_SERVE_RUN_ROUTER_IN_SEPARATE_LOOP": False,
+                           "replica_calls": ["grpc"]}  # its handles were made in the driver, by reference
 
 
 def test_other_endpoints_and_one_request_id(cluster):
