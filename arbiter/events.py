@@ -61,8 +61,9 @@ class Subscription:
         """The next event, or None when none arrives within ``timeout`` seconds."""
         if self.lagged and self.queue.empty():
             raise Lagged()
-        try:
-            return await asyncio.wait_for(self.queue.get(), timeout)
+        try:  # asyncio.timeout, not wait_for: on 3.11 wait_for can swallow a cancellation that
+            async with asyncio.timeout(timeout):  # lands as the get completes, and the reader never stops
+                return await self.queue.get()
         except TimeoutError:
             return None
 
