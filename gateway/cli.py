@@ -99,6 +99,7 @@ def _serve(args: argparse.Namespace) -> int:
         print(f"tiergate: {exc}", file=sys.stderr)
         return 2
     from gateway.app import build_services, create_app
+    from gateway import collector
     from gateway.drain import DrainingServer
 
     try:
@@ -109,6 +110,7 @@ def _serve(args: argparse.Namespace) -> int:
     except (ValueError, RuntimeError) as exc:
         print(f"tiergate: {config.source}: gpu: {exc}", file=sys.stderr)
         return 2
+    collector.attach(services)  # the long-lived objects frozen out of the garbage collector's walks
     app = create_app(services)
     if made:
         _print_demo_keys(made, args.host, args.port)

@@ -171,14 +171,18 @@ def bench_routes() -> list:
 
 
 def tiergate_app(config_path: str):
-    """The production app, its services built from the config with the keys in the environment."""
+    """The production app, its services built from the config with the keys in the environment,
+    and the garbage collector's freezes (``gateway.collector``), as ``tiergate serve`` runs it."""
+    from gateway import collector
     from gateway.app import build_services, create_app
     from gateway.cli import resolve_keys
     from gateway.config import load_config
 
     config = load_config(config_path)
     keyring, _ = resolve_keys(config, demo=False)
-    return create_app(build_services(config, keyring), bench_routes())
+    services = build_services(config, keyring)
+    collector.attach(services)
+    return create_app(services, bench_routes())
 
 
 def bare_app(config_path: str):

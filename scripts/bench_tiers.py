@@ -217,6 +217,7 @@ def serve(config_path: str, port: int, switch_interval: float | None = None, thr
     """What ``tiergate serve`` does (gateway/cli.py), plus the Recorder's routes."""
     import uvicorn
 
+    from gateway import collector
     from gateway.app import build_services, create_app
     from gateway.cli import resolve_keys
     from gateway.config import load_config
@@ -231,6 +232,7 @@ def serve(config_path: str, port: int, switch_interval: float | None = None, thr
     config = load_config(config_path)
     keyring, _ = resolve_keys(config, demo=False)
     services = build_services(config, keyring)
+    collector.attach(services)
     recorder = Recorder(services)
     app = create_app(services, recorder.routes())
     uvicorn.run(app, host="127.0.0.1", port=port, log_level="info")

@@ -1,0 +1,97 @@
+"""The garbage collector in a long-running server: what lives as long as the process is frozen
+out of its sight.
+
+CPython's full collection walks every object the collector tracks. Once torch, transformers and
+the app are imported that is about 600,000 objects, and vLLM's first load adds about 500,000 more;
+one full collection then takes 0.3-0.6 s of CPU on the event loop, during which no request of any
+tier moves. With many requests in flight, enough of their objects outlive the young collections
+that full collections come every few seconds (bench_overhead's ``gc`` column: several per run at
+64 clients, none at 1).
+
+So :class:`Collector` moves what is alive at two moments into the permanent generation
+(``gc.freeze``), each time right after a full collection so that no garbage is frozen: when the
+server has started, and after the first load of each worker class (the libraries that class
+imports on its first load: vLLM's engine, diffusers' pipelines). Later full collections walk only
+what requests and later loads made.
+
+The price: an object that was alive at a freeze and later becomes garbage in a reference cycle is
+never reclaimed (garbage without cycles is freed by its reference count as always). Freezes
+happen a bounded number of times (once at startup, once per worker class), so that is bounded
+too: the in-flight requests' objects at those moments. A model's weights are freed by reference
+count when its worker drops them, frozen or not (checked in tests/test_collector.py).
+
+``tiergate serve`` runs it; the test suite's apps do not (each test's app would stay frozen).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import gc
+
+from arbiter.events import EventLog, Lagged, Subscription
+
+
+def freeze() -> int:
+    """Collect, then move every object the collector tracks to the permanent generation; the
+    number of objects frozen so far."""
+    gc.collect()
+    gc.freeze()
+    return gc.get_freeze_count()
+
+
+class Collector:
+    """Freezes at startup and after each worker class's first load (``load_finished`` events);
+    ``workers`` maps a model to its worker while loaded (the arbiter's ``workers``)."""
+
+    def __init__(self, events: EventLog, workers: dict[str, object]) -> None:
+        self._events = events
+        self._workers = workers
+        self._loaded: set[type] = set()  # worker classes loaded once (their imports frozen)
+        self._task: asyncio.Task[None] | None = None
+        self.freezes = 0
+
+    async def start(self) -> None:
+        self._loaded.update(type(w) for w in self._workers.values())
+        self._freeze()
+        events = self._events.subscribe()  # now, not in the task: no load between the two is missed
+        self._task = asyncio.get_running_loop().create_task(self._follow_loads(events))
+
+    async def stop(self) -> None:
+        """Stop following loads and unfreeze, so that the interpreter's exit collects as it always
+        does (frozen objects are never finalized: nanobind, under the grammar library, then reports
+        its instances as leaked on stderr at exit)."""
+        if self._task is not None:
+            self._task.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await self._task
+        gc.unfreeze()
+
+    def _freeze(self) -> None:
+        freeze()
+        self.freezes += 1
+
+    async def _follow_loads(self, events: Subscription) -> None:
+        while True:
+            with events, contextlib.suppress(Lagged):
+                while True:
+                    event = await events.next(timeout=3600)
+                    if event is not None and event.kind == "load_finished":
+                        self._after_loads()
+            self._after_loads()  # fell behind and dropped: whatever loaded meanwhile, then subscribe again
+            events = self._events.subscribe()
+
+    def _after_loads(self) -> None:
+        new = {type(w) for w in list(self._workers.values())} - self._loaded
+        if new:
+            self._loaded |= new
+            self._freeze()
+
+
+def attach(services) -> Collector:
+    """The collector as ``tiergate serve`` runs it on ``services`` (a ``gateway.service.Services``):
+    started last, once every feature has started, and stopped first."""
+    collector = Collector(services.arbiter.events, services.arbiter.workers)
+    services.on_startup.append(collector.start)
+    services.on_shutdown.append(collector.stop)  # the shutdown runs in reverse order
+    return collector
