@@ -28,9 +28,10 @@ SERVE_SETTINGS = {
 # thread and a loop each, so a request no longer crosses threads inside the ingress (HTTP -> user
 # code -> router -> gRPC and back); Serve's own throughput profile (RAY_SERVE_THROUGHPUT_OPTIMIZED)
 # sets the same. The ingress never blocks its loop. The replicas keep Serve's defaults: with these
-# settings on them too, test_cluster_ray failed in 3 of 10 full runs over two rounds (twice a line of
-# the batch whose replica is killed ran twice, once a stream; docs/BENCHMARKS.md, Cluster), never
-# in 5 runs without.
+# settings on every deployment test_cluster_ray failed in 3 of 10 full runs over two rounds (twice
+# test_a_replica_killed_mid_batch metered one execution more than lines, once a stream); on the
+# ingress only, 1 of 9 (that test again, on a heavily loaded machine); without them, never (8 full
+# runs). docs/BENCHMARKS.md, Cluster.
 INGRESS_SETTINGS = {
     "RAY_SERVE_RUN_USER_CODE_IN_SEPARATE_THREAD": "0",
     "RAY_SERVE_RUN_ROUTER_IN_SEPARATE_LOOP": "0",
