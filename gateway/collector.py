@@ -59,8 +59,8 @@ class Collector:
 
     async def stop(self) -> None:
         """Stop following loads and unfreeze, so that the interpreter's exit collects as it always
-        does (frozen objects are never finalized: nanobind, under the grammar library, then reports
-        its instances as leaked on stderr at exit)."""
+        does (frozen objects are never finalized, and nanobind, the binding library under one of
+        the loaded libraries, then reports its instances as leaked on stderr at exit)."""
         if self._task is not None:
             self._task.cancel()
             with contextlib.suppress(asyncio.CancelledError):
