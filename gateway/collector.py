@@ -20,7 +20,8 @@ happen a bounded number of times (once at startup, once per worker class), so th
 too: the in-flight requests' objects at those moments. A model's weights are freed by reference
 count when its worker drops them, frozen or not (checked in tests/test_collector.py).
 
-``tiergate serve`` runs it; the test suite's apps do not (each test's app would stay frozen).
+``tiergate serve`` runs it (tests/test_operations.py reads its log lines on a real one); the suite's
+in-process apps do not (each test's app would stay frozen).
 """
 
 from __future__ import annotations
@@ -28,8 +29,11 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import gc
+import logging
 
 from arbiter.events import EventLog, Lagged, Subscription
+
+log = logging.getLogger("tiergate.collector")
 
 
 def freeze() -> int:
@@ -53,7 +57,7 @@ class Collector:
 
     async def start(self) -> None:
         self._loaded.update(type(w) for w in self._workers.values())
-        self._freeze()
+        self._freeze("startup")
         events = self._events.subscribe()  # now, not in the task: no load between the two is missed
         self._task = asyncio.get_running_loop().create_task(self._follow_loads(events))
 
@@ -67,8 +71,8 @@ class Collector:
                 await self._task
         gc.unfreeze()
 
-    def _freeze(self) -> None:
-        freeze()
+    def _freeze(self, why: str) -> None:
+        log.info("garbage collector: %d objects frozen out of its walks (%s)", freeze(), why)
         self.freezes += 1
 
     async def _follow_loads(self, events: Subscription) -> None:
@@ -85,7 +89,7 @@ class Collector:
         new = {type(w) for w in list(self._workers.values())} - self._loaded
         if new:
             self._loaded |= new
-            self._freeze()
+            self._freeze("first load of " + ", ".join(sorted(c.__name__ for c in new)))
 
 
 def attach(services) -> Collector:

@@ -48,12 +48,20 @@ def test_a_freeze_collects_first_so_no_garbage_is_frozen():
 
 
 def test_a_frozen_model_is_freed_when_its_worker_drops_it(tiny_chat):
-    from transformers import AutoModelForCausalLM
+    """The chat worker as the arbiter drives it: loaded (its engine thread running), frozen, then
+    released as an eviction to cold releases it. Its weights go by reference count, although the
+    collector no longer walks them."""
+    import torch
 
-    model = AutoModelForCausalLM.from_pretrained(tiny_chat)
-    weights = weakref.ref(next(model.parameters()))
+    from workers.base import ModelSpec
+    from workers.registry import make_worker
+
+    worker = make_worker(ModelSpec(name="tiny-chat", kind="chat", path=tiny_chat))
+    worker.load(torch.device("cpu"))
+    weights = weakref.ref(next(iter(worker.modules()[0].parameters())))
     collector.freeze()
-    del model  # as ChatWorker.unload drops it: by reference count, no collection needed
+    assert weights() is not None
+    worker.unload()
     assert weights() is None
 
 

@@ -209,3 +209,23 @@ def test_the_gate_reports_refusals_and_the_guards_limit_changes():
         now[0] += 1.0
     changes = [e.data for e in events.recent if e.kind == "limits_changed"]
     assert changes == [{"limits": {"paid": 8, "free": 2}, "before": {"paid": 8, "free": 4}}]
+
+
+def test_a_reader_cancelled_as_its_event_arrives_stops_and_the_event_stays_queued():
+    """On Python 3.11 ``asyncio.wait_for`` returns the result instead of raising when the
+    cancellation lands after the inner get completed: the reader then never stopped (the
+    dashboard's stream, the collector's follower). ``next`` must raise, and lose nothing."""
+    import asyncio
+
+    async def main():
+        log = EventLog()
+        sub = log.subscribe()
+        reader = asyncio.create_task(sub.next(timeout=60))
+        await asyncio.sleep(0)  # the reader waits on the queue
+        log.emit("load_finished", model="m")
+        reader.cancel()  # before the loop runs again: the get has its item, the reader its cancel
+        with pytest.raises(asyncio.CancelledError):
+            await reader
+        assert (await sub.next(timeout=1)).kind == "load_finished"
+
+    asyncio.run(main())

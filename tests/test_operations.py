@@ -142,6 +142,9 @@ def test_one_json_line_per_request_with_its_id_and_no_secret(served):
     embed_line = logged["ops-embed-4"]
     assert (embed_line["model"], embed_line["prompt_tokens"], embed_line["completion_tokens"]) == (
         "tiny-embed", embedded.usage.prompt_tokens, None)
+    # the garbage collector's freezes (gateway/collector.py): at startup, then after the first load of each worker class
+    freezes = [ln["message"] for ln in served.lines() if ln["logger"] == "tiergate.collector"]
+    assert [m.rsplit("(", 1)[1] for m in freezes] == ["startup)", "first load of ChatWorker)", "first load of EmbedWorker)"]
 
 
 def test_sigterm_drains_a_stream_refuses_new_work_hands_back_batch_lines_and_exits_0(tiny_chat, tiny_image, tmp_path):
