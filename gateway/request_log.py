@@ -326,8 +326,8 @@ _writer: LineWriter | None = None  # configure's handler: request lines go to it
 def configure(json_lines: bool, level: int = logging.INFO) -> None:
     """Send every logger (uvicorn's included) and Python's warnings through one ``LineWriter``
     on stderr with ``Formatter``."""
-    logging.captureWarnings(True)
-    logging.logThreads = logging.logProcesses = logging.logMultiprocessing = False  # Formatter writes none
+    logging.captureWarnings(True)  # (logging's process and thread fields stay: libraries with their own
+    # handlers write them, as vLLM's does with %(process)d)
     handler = LineWriter()
     handler.setFormatter(Formatter(json_lines))
     root = logging.getLogger()

@@ -170,3 +170,27 @@ def test_a_queued_request_line_is_written_as_its_log_record_would_be(json_lines)
         for record in records:
             fields = record.fields()
             assert formatter.request_line(created, fields) == formatter.format(_request_record(created, fields))
+
+
+def test_a_library_with_its_own_handler_still_formats_after_configure():
+    """``configure`` leaves logging's process and thread fields filled: vLLM's handler writes
+    ``%(process)d``, and with them off every vLLM line became a "--- Logging error ---" traceback
+    (about 80 KB per model load, enough to fill a pipe nobody reads and block the server)."""
+    import subprocess
+    import sys
+
+    program = (
+        "import logging, os\n"
+        "from gateway import request_log\n"
+        "request_log.configure(json_lines=True)\n"
+        "handler = logging.StreamHandler()\n"
+        "handler.setFormatter(logging.Formatter('pid=%(process)d thread=%(thread)d %(processName)s %(message)s'))\n"
+        "library = logging.getLogger('a-library')\n"
+        "library.addHandler(handler)\n"
+        "library.propagate = False\n"
+        "library.warning('hello')\n"
+        "print(os.getpid())\n"
+    )
+    done = subprocess.run([sys.executable, "-c", program], capture_output=True, text=True, timeout=60, check=True)
+    assert "Logging error" not in done.stderr
+    assert f"pid={done.stdout.strip()} thread=" in done.stderr and "MainProcess hello" in done.stderr

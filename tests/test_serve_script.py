@@ -4,15 +4,18 @@ mode, prints keys, and the printed key works with the openai SDK."""
 from __future__ import annotations
 
 import os
+import queue
 import re
 import shutil
 import signal
 import subprocess
 import sys
+import threading
 import time
 from pathlib import Path
 
 import openai
+import pytest
 
 from tests.helpers import spare_port
 
@@ -41,19 +44,22 @@ def test_serve_from_clean_checkout(tmp_path):
     env.update(TIERGATE_VENV=str(Path(sys.prefix)), TIERGATE_PORT=str(port), PYTHONPATH=str(repo))
     proc = subprocess.Popen(["bash", "scripts/serve"], cwd=repo, env=env, stdout=subprocess.PIPE,
                             stderr=subprocess.STDOUT, text=True, start_new_session=True)
-    out = []
-    try:
-        key = None
-        deadline = time.time() + 240
-        while time.time() < deadline and key is None:
-            line = proc.stdout.readline()
-            if not line and proc.poll() is not None:
-                break
+    out: list[str] = []
+    keys: queue.Queue[str] = queue.Queue()
+
+    def read() -> None:  # for the whole run: a pipe nobody reads fills and blocks the server's writes
+        for line in proc.stdout:
             out.append(line)
             m = re.match(r"\s+paid\s+(\S+)", line)
             if m:
-                key = m.group(1)
-        assert key, "".join(out)
+                keys.put(m.group(1))
+
+    threading.Thread(target=read, daemon=True).start()
+    try:
+        try:
+            key = keys.get(timeout=240)
+        except queue.Empty:
+            pytest.fail("no paid key printed within 240 s:\n" + "".join(out))
         assert (repo / "demo-models" / "tiny-chat" / "config.json").exists()
         client = openai.OpenAI(base_url=f"http://127.0.0.1:{port}/v1", api_key=key, max_retries=5)
         for _ in range(200):
@@ -64,7 +70,12 @@ def test_serve_from_clean_checkout(tmp_path):
             except openai.APIConnectionError:
                 time.sleep(0.2)
         assert r.usage.completion_tokens == 4
+        assert "Logging error" not in "".join(out)  # every library's log line formats
     finally:
         if proc.poll() is None:
             os.killpg(proc.pid, signal.SIGTERM)
-        proc.wait(30)
+        try:
+            proc.wait(30)
+        except subprocess.TimeoutExpired:
+            os.killpg(proc.pid, signal.SIGKILL)
+            pytest.fail("scripts/serve did not exit within 30 s of SIGTERM:\n" + "".join(out)[-20000:])
