@@ -5,8 +5,10 @@ Keys (prefix ``tg:acct:``): ``key:{id}`` (hash: doc = the record as JSON, versio
 (-> id), ``keys`` (sorted set of ids scored by version), ``version`` (the change counter);
 ``u:{day}|{key}|{model}|{tier}`` (hash of usage counters) listed in ``u`` (a sorted set whose
 members are those names, so a day range is a lexical range); ``gpu:{day}:{key}`` (GPU-seconds
-that day, read by the admission script); ``rl:{key}:{bucket}`` (a bucket's GCRA time) and
-``cc:{key}`` (requests in flight: a sorted set of request ids scored by when their claim lapses).
+that day, read by the admission script); ``m:{metering id}`` (a batch line's usage was counted:
+set NX by the script that adds the usage, which adds nothing when it was set already; it expires
+after ``METERED_KEEP_S``, two days); ``rl:{key}:{bucket}`` (a bucket's GCRA time) and ``cc:{key}``
+(requests in flight: a sorted set of request ids scored by when their claim lapses).
 """
 
 from __future__ import annotations
@@ -19,7 +21,7 @@ from accounts.config import Limits
 from accounts.keys import KeyRecord
 from accounts.rates import (Ask, Bucket, Limiter, Verdict, bucket_after, over_budget, rates, refusal,
                             too_many_at_once, utc_day)
-from accounts.store import AccountStore
+from accounts.store import METERED_KEEP_S, AccountStore
 from accounts.usage import COUNTERS, INTEGER_COUNTERS, Usage, UsageRow
 from storage.redis import RedisKeys
 
@@ -46,8 +48,10 @@ redis.call('ZADD', KEYS[2], v, ARGV[1])
 return v
 """
 
-# KEYS row, index, gpu day; ARGV member, gpu seconds, (field, amount)*
-_RECORD = """
+# KEYS row, index, gpu day[, metering id]; ARGV member, gpu seconds, (field, amount)* -> 1, or 0 when
+# the metering id was counted already
+_RECORD = f"""
+if KEYS[4] and not redis.call('SET', KEYS[4], '1', 'NX', 'EX', {METERED_KEEP_S}) then return 0 end
 for i = 3, #ARGV, 2 do redis.call('HINCRBYFLOAT', KEYS[1], ARGV[i], ARGV[i + 1]) end
 redis.call('ZADD', KEYS[2], 0, ARGV[1])
 redis.call('INCRBYFLOAT', KEYS[3], ARGV[2])
@@ -188,14 +192,18 @@ class RedisAccounts(RedisKeys, AccountStore):
         return records, max([version] + [r.version for r in records])
 
     # -- usage
-    async def record(self, day: str, key: str, model: str, tier: str, usage: Usage) -> None:
+    async def record(self, day: str, key: str, model: str, tier: str, usage: Usage,
+                     metering_id: str | None = None) -> None:
         member = f"{day}|{key}|{model}|{tier}"
         args: list[Any] = [member, repr(float(usage.gpu_seconds))]
         for name in COUNTERS:
             value = getattr(usage, name)
             if value:
                 args += [name, repr(float(value))]
-        await self._record(keys=[self.k("u", member), self.k("u"), self.k("gpu", day, key)], args=args)
+        keys = [self.k("u", member), self.k("u"), self.k("gpu", day, key)]
+        if metering_id is not None:
+            keys.append(self.k("m", metering_id))
+        await self._record(keys=keys, args=args)
 
     async def usage(self, key: str | None, model: str | None, since: str | None, until: str | None) -> list[UsageRow]:
         low = f"[{since}" if since else "-"

@@ -1,4 +1,8 @@
-"""Managed keys and usage in one SQLite file (the default): see ``accounts.store``."""
+"""Managed keys and usage in one SQLite file (the default): see ``accounts.store``.
+
+Metering ids live in ``metered`` (id, when): a usage with an id is inserted there (INSERT OR
+IGNORE) in the transaction that adds it to its row, and added only if the insert took; ids older
+than ``METERED_KEEP_S`` are deleted by the transactions that insert new ones."""
 
 from __future__ import annotations
 
@@ -6,12 +10,13 @@ import asyncio
 import json
 import operator
 import sqlite3
+import time
 from pathlib import Path
 from dataclasses import dataclass
 from typing import Any
 
 from accounts.keys import KeyRecord
-from accounts.store import AccountStore
+from accounts.store import METERED_KEEP_S, AccountStore
 from accounts.usage import COUNTERS, Usage, UsageRow
 from storage.sqlite import SQLiteFile
 
@@ -24,11 +29,14 @@ CREATE TABLE IF NOT EXISTS usage (
     {", ".join(f"{c} REAL NOT NULL DEFAULT 0" for c in COUNTERS)},
     PRIMARY KEY (day, key, model, tier)) WITHOUT ROWID;
 CREATE INDEX IF NOT EXISTS usage_by_key ON usage (key, day);
+CREATE TABLE IF NOT EXISTS metered (id TEXT PRIMARY KEY, at REAL NOT NULL) WITHOUT ROWID;
+CREATE INDEX IF NOT EXISTS metered_by_time ON metered (at);
 """
 _COUNTS = operator.attrgetter(*COUNTERS)  # a Usage's counters as a tuple, in COUNTERS' order
 _UPSERT = (f"INSERT INTO usage (day, key, model, tier, {', '.join(COUNTERS)}) "
            f"VALUES (?, ?, ?, ?, {', '.join('?' for _ in COUNTERS)}) ON CONFLICT (day, key, model, tier) DO UPDATE SET "
            + ", ".join(f"{c} = {c} + excluded.{c}" for c in COUNTERS))
+_METER = "INSERT OR IGNORE INTO metered (id, at) VALUES (?, ?)"
 
 
 class SQLiteAccounts(SQLiteFile, AccountStore):
@@ -102,12 +110,15 @@ class SQLiteAccounts(SQLiteFile, AccountStore):
         return await self._call(run)
 
     # -- usage
-    def record(self, day: str, key: str, model: str, tier: str, usage: Usage) -> asyncio.Future[None]:
+    def record(self, day: str, key: str, model: str, tier: str, usage: Usage,
+               metering_id: str | None = None) -> asyncio.Future[None]:
         """Queue the row; the future is done (or failed) once its transaction has committed."""
         committed = asyncio.get_running_loop().create_future()
         group = self._next_group
         if group is None:
-            group = self._next_group = _Group([], [])
+            group = self._next_group = _Group([], [], {})
+        if metering_id is not None:
+            group.metered[len(group.rows)] = metering_id
         group.rows.append((day, key, model, tier, *_COUNTS(usage)))
         group.waiters.append(committed)
         if self._in_flight is None:
@@ -125,9 +136,12 @@ class SQLiteAccounts(SQLiteFile, AccountStore):
         assert self._pool is not None, "the store is not open"
         loop = group.waiters[0].get_loop()
 
+        def upsert(db: sqlite3.Connection) -> None:
+            db.executemany(_UPSERT, _first_time(db, group) if group.metered else group.rows)
+
         def commit() -> None:  # on the connection's thread; its end wakes the loop once
             try:
-                self._tx(lambda db: db.executemany(_UPSERT, group.rows))
+                self._tx(upsert)
             except BaseException as exc:  # noqa: BLE001 - handed to the waiting requests
                 loop.call_soon_threadsafe(self._committed, group, exc)
             else:
@@ -177,6 +191,15 @@ class SQLiteAccounts(SQLiteFile, AccountStore):
         return await self._call(run)
 
 
+def _first_time(db: sqlite3.Connection, group: _Group) -> list[tuple]:
+    """The group's rows to add: those without a metering id, and those whose id is new (checked
+    row by row, so an id twice in one group counts once). Forgets ids past their time."""
+    now = time.time()
+    db.execute("DELETE FROM metered WHERE at < ?", (now - METERED_KEEP_S,))
+    return [row for i, row in enumerate(group.rows)
+            if i not in group.metered or db.execute(_METER, (group.metered[i], now)).rowcount == 1]
+
+
 def _usage(values: tuple) -> Usage:
     u = Usage()
     for name, value in zip(COUNTERS, values):
@@ -190,3 +213,4 @@ class _Group:
 
     rows: list[tuple]
     waiters: list[asyncio.Future[None]]  # one per row, so that a cancelled request cancels only its own
+    metered: dict[int, str]  # a row's position -> its metering id (batch lines only)

@@ -15,6 +15,11 @@ Guarantees both keep:
 * :meth:`AccountStore.record` adds one request's usage to its row in one atomic write, which is on
   disk (SQLite WAL) or in Redis when it returns: a request is counted once, and a process killed
   after it answered has lost nothing.
+* A usage recorded with a metering id (a batch line's, which runs again when the process that ran
+  it died before recording its outcome) is counted at most once: the id is kept, in the same
+  atomic write as the counters, for ``METERED_KEEP_S``, and a later usage with the same id adds
+  nothing. The first delivery's usage is the one kept. HTTP requests carry no id and write
+  nothing more.
 """
 
 from __future__ import annotations
@@ -25,6 +30,11 @@ from typing import Any
 from accounts.keys import KeyRecord
 from accounts.rates import Limiter, LocalLimiter
 from accounts.usage import Usage, UsageRow
+
+# How long a metering id is remembered: a batch's 24-hour completion window plus a day, so a line
+# that runs again late (its batch ended late because every process was down for a while) still
+# finds the id of its first delivery. Batch lines run only inside their batch's window.
+METERED_KEEP_S = 2 * 86400
 
 
 class AccountStore(abc.ABC):
@@ -61,8 +71,10 @@ class AccountStore(abc.ABC):
 
     # -- usage
     @abc.abstractmethod
-    async def record(self, day: str, key: str, model: str, tier: str, usage: Usage) -> None:
-        """Add ``usage`` to its row, atomically and durably."""
+    async def record(self, day: str, key: str, model: str, tier: str, usage: Usage,
+                     metering_id: str | None = None) -> None:
+        """Add ``usage`` to its row, atomically and durably; with ``metering_id``, only if no usage
+        was recorded under that id before (in the last ``METERED_KEEP_S``)."""
 
     @abc.abstractmethod
     async def usage(self, key: str | None, model: str | None, since: str | None, until: str | None) -> list[UsageRow]:

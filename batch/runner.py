@@ -19,6 +19,13 @@ endpoint (``batch.endpoints``: waiting at the gate like any batch-tier request; 
 "later", never failure), and records the outcome. What survives a crash, and why nothing is recorded twice, is
 the store's business (``batch.store``); the runner only has to keep its claims alive (``touch``)
 while it works on them and give them back when it stops.
+
+A line's usage is written by the serving core when the line's model work ends, before its outcome
+is recorded, and to another store: a process that dies between the two leaves a metered line that
+runs again elsewhere. So each line runs with its metering ids (``gateway.auth.Metering``:
+``{batch_id}:{index}:{k}`` for its k-th serving block), the same in every attempt and delivery,
+and the usage store counts each id once (``accounts.store``): the first delivery's usage is the
+one kept.
 """
 
 from __future__ import annotations
@@ -44,7 +51,7 @@ from batch.redis_store import RedisStore
 from batch.shapes import model_of, shape_of, width
 from batch.sqlite_store import SQLiteStore
 from batch.store import BatchInfo, FileInfo, Job, Line, Outcome, Store
-from gateway.auth import Caller
+from gateway.auth import Caller, Metering
 from gateway.errors import APIError
 from gateway.service import Services
 
@@ -277,12 +284,15 @@ class Runner:
     async def _call(self, batch: BatchInfo, line: Line) -> Outcome:
         """Run one line as its batch's owner at the batch tier. Waiting is never failure: a 429
         (queue full, model protected) is retried after its Retry-After, for as long as it takes;
-        a 503 a few times. Any other error is the line's outcome."""
+        a 503 a few times. Any other error is the line's outcome. Its usage is metered once
+        (``gateway.auth.Metering``): an attempt after the first, here or after a reclaim, adds
+        nothing to it."""
         endpoint = self.endpoints.get(batch.endpoint)
-        caller = Caller(tier=self.tier, key_id=batch.owner)
         attempt = 0
         while True:
             request_id = f"req_{uuid.uuid4().hex}"
+            # every attempt, here or in another process, writes its usage under the same ids
+            caller = Caller(tier=self.tier, key_id=batch.owner, metering=Metering(f"{batch.id}:{line.index}"))
             if endpoint is None:
                 return response_line(line, 404, APIError(404, f"{batch.endpoint} is not served here", "not_found").body(),
                                      request_id)

@@ -13,7 +13,9 @@ last byte is sent: the model allow-list (404, as if the model did not exist), th
 (429, from the limiter, atomic across processes on Redis), then the usage record, written and
 durable before the response ends. Batch lines are metered at the batch tier but not limited:
 their key's limits were applied when the batch was created, and batch work only runs on an idle
-GPU anyway.
+GPU anyway. A batch line's caller carries its metering ids (``gateway.auth.Metering``), which the
+usage write passes on, so the store counts a line once however often it runs: the first
+delivery's usage is the one kept. HTTP requests have none.
 """
 
 from __future__ import annotations
@@ -189,18 +191,22 @@ class Accounts:
 
     async def finish(self, caller: Caller, model: str, held: Admission | None, usage: Usage | None) -> None:
         """After a request: correct its key's buckets by what it used (``usage`` None: it never
-        ran, and only the request itself still counts) and write its usage, durable on return."""
+        ran, and only the request itself still counts) and write its usage, durable on return
+        (a batch line's under its next metering id, counted once)."""
         start = time.perf_counter()
+        metering_id = caller.metering.next_id() if caller.metering is not None and usage is not None else None
         if held is None:  # the common case (a key without limits): the row alone, no task for gather
             if usage is not None:
                 try:
-                    await self.store.record(utc_day(time.time()), caller.key_id, model, caller.tier, usage)
+                    await self.store.record(utc_day(time.time()), caller.key_id, model, caller.tier, usage,
+                                            metering_id)
                 except (Exception, asyncio.CancelledError) as exc:  # as gather(return_exceptions=True) has it
                     log.error("usage of a request on %s could not be written: %r", model, exc)
         else:
             writes = []
             if usage is not None:
-                writes.append(self.store.record(utc_day(time.time()), caller.key_id, model, caller.tier, usage))
+                writes.append(self.store.record(utc_day(time.time()), caller.key_id, model, caller.tier, usage,
+                                                metering_id))
             used = Ask() if usage is None else Ask(
                 1.0, usage.input_tokens + usage.output_tokens + usage.embedding_tokens, usage.images,
                 usage.audio_in_seconds + usage.audio_out_seconds)

@@ -1,7 +1,8 @@
 """API keys -> tiers. Keys come from environment variables named in tiers.yaml (or are made up
 in demo mode); they are compared in constant time and never logged. Inside the gateway a caller
 is known by ``key_id``, a short hash of the key, which is safe to log and to store as an owner.
-Managed keys (created at run time, ``gateway.accounts``) are known by their id."""
+Managed keys (created at run time, ``gateway.accounts``) are known by their id. A batch line's
+caller also carries its :class:`Metering`, the ids its usage is written under."""
 
 from __future__ import annotations
 
@@ -21,12 +22,28 @@ class RateState:
     headers: dict[str, str] | None = None
 
 
+@dataclass(eq=False)
+class Metering:
+    """The ids a batch line's usage is written under, so that the usage store counts it once
+    however often the line runs (a retry, or another process's after this one died before it
+    recorded the outcome): its k-th usage write (one per serving block: one per choice when
+    ``n`` > 1) is ``{line}:{k}`` in every attempt. ``line`` is ``{batch_id}:{index}``."""
+
+    line: str
+    written: int = 0
+
+    def next_id(self) -> str:
+        self.written += 1
+        return f"{self.line}:{self.written - 1}"
+
+
 @dataclass(frozen=True)
 class Caller:
     tier: str
     key_id: str
     admin: bool = False
     rate: RateState | None = field(default=None, compare=False)  # HTTP requests only: their key's limits apply
+    metering: Metering | None = field(default=None, compare=False)  # batch lines only: usage counted once
 
 
 def key_id(key: str) -> str:
