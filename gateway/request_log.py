@@ -338,3 +338,36 @@ def configure(json_lines: bool, level: int = logging.INFO) -> None:
     root.setLevel(level)
     global _writer
     _writer = handler
+    if json_lines:
+        _vllm_through()
+
+
+class LibraryHandler(logging.Handler):
+    """A library's handler that writes as tiergate does: through ``configure``'s writer in the
+    process that configured it, else (a child process the library started) on stderr with
+    ``Formatter``."""
+
+    def __init__(self, json_lines: bool) -> None:
+        super().__init__()
+        self.setFormatter(Formatter(json_lines))
+
+    def emit(self, record: logging.LogRecord) -> None:
+        if _writer is not None:
+            _writer.handle(record)
+            return
+        try:
+            sys.stderr.write(self.format(record) + "\n")
+            sys.stderr.flush()
+        except Exception:  # noqa: BLE001 - logging's convention
+            self.handleError(record)
+
+
+def _vllm_through() -> None:
+    """vLLM configures its own logger (its own format, on stdout) in this process and in each
+    engine process it starts, from ``VLLM_LOGGING_CONFIG_PATH`` when that is set: point it at
+    ``vllm_logging.json``, which sends the ``vllm`` logger to :class:`LibraryHandler` in JSON, so
+    that its lines are tiergate's lines in every process. An operator's own vLLM logging settings
+    are kept."""
+    if "VLLM_LOGGING_CONFIG_PATH" in os.environ or os.environ.get("VLLM_CONFIGURE_LOGGING") == "0":
+        return
+    os.environ["VLLM_LOGGING_CONFIG_PATH"] = os.path.join(os.path.dirname(__file__), "vllm_logging.json")
