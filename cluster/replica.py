@@ -22,6 +22,7 @@ from cluster.asgi import Forwarded, Head, Lifespan, call
 from cluster.router import RANK
 from cluster.settings import in_effect
 from cluster.stats import option, replica_stats
+from gateway import collector
 from gateway.app import build_services, create_app
 from gateway.auth import KeyRing
 from gateway.config import Config, load_config
@@ -55,6 +56,7 @@ class TierReplica:
         if pinned:  # a tensor-parallel deployment: its model spans the replica's devices, never swapped
             for name in self.config.cluster.tensor_parallel.keys() & set(self.services.arbiter.specs):
                 _span(self.services.arbiter, name, self.config.cluster.tensor_parallel[name])
+        self.collector = collector.attach(self.services)  # as tiergate serve: long-lived objects out of gc's walks
         self.app = create_app(self.services)
         self.rank = {t.name: i for i, t in enumerate(self.config.tiers)}
         self.id = replica_id()
@@ -84,6 +86,12 @@ class TierReplica:
         """The values of ``cluster.settings.SERVE_SETTINGS`` Ray Serve runs with in this replica's
         process (what reached it, as Serve read it)."""
         return in_effect()
+
+    async def collector_freezes(self) -> dict:
+        """How often this replica froze its long-lived objects out of the collector's walks
+        (``gateway.collector``: at start, then after each worker class's first load)."""
+        await self._start()
+        return {"replica": self.id, "freezes": self.collector.freezes}
 
     def record_routing_stats(self) -> dict:
         return replica_stats(self.id, self.services.arbiter, self.services.gate).to_dict()

@@ -20,7 +20,8 @@ happen a bounded number of times (once at startup, once per worker class), so th
 too: the in-flight requests' objects at those moments. A model's weights are freed by reference
 count when its worker drops them, frozen or not (checked in tests/test_collector.py).
 
-``tiergate serve`` runs it (tests/test_operations.py reads its log lines on a real one); the suite's
+``tiergate serve`` and each ``tiergate cluster`` replica run it (tests/test_operations.py reads its
+log lines on a real serve, tests/test_cluster_ray.py asks the replicas); the suite's
 in-process apps do not (each test's app would stay frozen).
 """
 

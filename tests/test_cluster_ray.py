@@ -193,6 +193,25 @@ def test_serve_settings_reach_the_replicas(cluster):
                            "replica_calls": ["grpc"]}  # its handles were made in the driver, by reference
 
 
+def test_replicas_freeze_their_long_lived_objects(cluster):
+    """Each replica runs the collector as ``tiergate serve`` does (gateway/collector.py): frozen at
+    start, and again after the first load of a worker class: the replica that served a chat
+    request has frozen at least twice."""
+    client = openai.OpenAI(base_url=f"{cluster.url}/v1", api_key="key-paid", max_retries=0)
+    raw = client.chat.completions.with_raw_response.create(model="c", messages=[{"role": "user", "content": "hi"}],
+                                                           max_tokens=2)
+    served_by = raw.headers["x-tiergate-replica"]
+    handle = serve.get_deployment_handle("replica", app_name="tiergate")
+    seen = {}
+    for _ in range(40):  # a handle's call reaches one replica: ask until the one that served has answered
+        answer = handle.collector_freezes.remote().result(timeout_s=60)
+        seen[answer["replica"]] = answer["freezes"]
+        if served_by in seen:
+            break
+    assert all(n >= 1 for n in seen.values()), seen
+    assert seen[served_by] >= 2, seen
+
+
 def test_other_endpoints_and_one_request_id(cluster):
     models = httpx.get(f"{cluster.url}/v1/models", headers={"authorization": "Bearer key-free"})
     assert models.status_code == 200 and {m["id"] for m in models.json()["data"]} >= {"a", "b", "c"}
