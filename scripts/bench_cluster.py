@@ -174,7 +174,7 @@ def serve_single(config: Path, n: int) -> tuple[list[float], list[float], float]
             before = tree_cpu_s(proc.pid)
             alone = [ask(client, url, "a", "paid")[1] for _ in range(n)]
             cpu = sum(tree_cpu_s(proc.pid).values()) - sum(before.values())
-        return alone, under_flood(url, max(n // 4, 8)), cpu / n
+        return alone, under_flood(url, n), cpu / n
     finally:
         proc.terminate()
         proc.wait(30)
@@ -224,7 +224,7 @@ def run_cluster(config_path: Path, n: int, seed: int,
             before = tree_cpu_s(os.getpid())
             latencies = [ask(client, url, "a", "paid")[1] for _ in range(n)]
             roles = cpu_by_role(before, tree_cpu_s(os.getpid()))
-        return hits, n, latencies, under_flood(url, max(n // 4, 8)), {r: c / n for r, c in roles.items()}
+        return hits, n, latencies, under_flood(url, n), {r: c / n for r, c in roles.items()}
     finally:
         serve.shutdown()
         ray.shutdown()
