@@ -114,3 +114,18 @@ def test_grafana_dashboard_queries_only_metrics_a_real_scrape_has(chat_server):
             "tiergate_effective_max_inflight", "tiergate_request_seconds", "tiergate_time_to_first_token_seconds",
             "tiergate_resident_bytes", "tiergate_model_loads", "tiergate_evictions", "tiergate_swap_seconds",
             "tiergate_batch_pauses"} <= families
+
+
+def test_the_wheel_carries_the_package_data(tmp_path):
+    """A non-editable install (``pip install .``, the Dockerfiles) has the files the code opens
+    beside its modules: the dashboard's page and vLLM's logging config for ``--log-format json``."""
+    from tests.test_serve_script import clean_checkout
+
+    source = clean_checkout(tmp_path / "src")
+    subprocess.run([sys.executable, "-m", "pip", "wheel", "-q", "--no-deps", "--no-build-isolation", str(source),
+                    "-w", str(tmp_path / "wheel")], check=True, capture_output=True, timeout=300)
+    import zipfile
+
+    (wheel,) = (tmp_path / "wheel").glob("tiergate-*.whl")
+    names = set(zipfile.ZipFile(wheel).namelist())
+    assert {"gateway/vllm_logging.json", "gateway/static/dashboard.html", "gateway/static/dashboard.js"} <= names
