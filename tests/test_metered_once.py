@@ -28,24 +28,16 @@ from gateway.app import build_services
 from gateway.auth import KeyRing
 from gateway.config import load_config
 from tests.helpers import TIERS, write_config
-from tests.test_batch_store import redis_server
+from tests.test_accounts_store import redis_url, store_factory  # noqa: F401 - fixtures
 from tests.test_batches import chat_line, jsonl
 
 DAY = "2025-01-01"
 
 
-@pytest.fixture(scope="module")
-def redis_url(tmp_path_factory):
-    with redis_server(tmp_path_factory.mktemp("redis")) as url:
-        yield url
-
-
-@pytest.fixture(params=["sqlite", "redis"])
-def usage_store(request, tmp_path):
-    """A usage store, open, on a fresh file or a fresh prefix of the test Redis."""
-    if request.param == "sqlite":
-        return SQLiteAccounts(tmp_path / "accounts.sqlite3")
-    return RedisAccounts(request.getfixturevalue("redis_url"), f"t{uuid.uuid4().hex[:8]}:")
+@pytest.fixture
+def usage_store(store_factory):
+    """A usage store on a fresh file or a fresh prefix of the test Redis (both, parametrized)."""
+    return store_factory()
 
 
 async def requests_of(store, key: str = "k") -> tuple[int, int]:
