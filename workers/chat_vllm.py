@@ -65,7 +65,7 @@ from workers.base import (
     TokenLogprob,
     stack_key,
 )
-from workers import chat_prompt
+from workers import chat_prompt, reaper
 from workers.worker import ModelInfo, Worker
 from workers.chat_prompt import ContextTooLong
 
@@ -210,8 +210,10 @@ class VllmChatEngine(Worker):
         self.tokenizer = await asyncio.to_thread(AutoTokenizer.from_pretrained, str(self.spec.path))
         args = self.engine_args()
         # Blocking for the whole start-up (engine core spawn, weights, KV allocation): keep it
-        # off the event loop.
+        # off the event loop. The engine's processes end with this one, even when it is killed.
+        before = set(reaper.descendants(os.getpid()))
         self._llm = await asyncio.to_thread(AsyncLLM.from_engine_args, args)
+        await asyncio.to_thread(reaper.guard_new_descendants, before)
         self.max_model_len = self._llm.model_config.max_model_len
 
     def _check_head_size(self) -> None:

@@ -1,0 +1,207 @@
+"""workers.reaper: the processes an engine started end with the serving process, however it ends
+(SIGKILL included), and only those. Real processes throughout: a "server" script guards its
+children the way the vLLM engine does after its start, and the test kills it."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import textwrap
+import time
+from pathlib import Path
+
+import pytest
+
+from workers import reaper
+
+pytestmark = pytest.mark.skipif(not sys.platform.startswith("linux"), reason="the reaper reads /proc")
+
+ROOT = Path(__file__).resolve().parents[1]
+
+# A serving process: one child started before the snapshot (not the engine's: left alone), then
+# the "engine's" two, one of which ignores SIGTERM, then guards the new ones and waits.
+SERVER = textwrap.dedent("""
+    import json, os, subprocess, sys, time
+    from workers import reaper
+    ignore_term = "import signal, time; signal.signal(signal.SIGTERM, signal.SIG_IGN); time.sleep(120)"
+    other = subprocess.Popen(["sleep", "120"])
+    before = set(reaper.descendants(os.getpid()))
+    plain = subprocess.Popen(["sleep", "120"])
+    stubborn = subprocess.Popen([sys.executable, "-c", ignore_term])
+    time.sleep(0.3)  # the stubborn one has set its handler
+    guarded = reaper.guard_new_descendants(before, grace_s=float(sys.argv[1]))
+    print(json.dumps({"other": other.pid, "plain": plain.pid, "stubborn": stubborn.pid,
+                      "guarded": guarded, "reaper": reaper._reaper.pid}), flush=True)
+    if sys.argv[2] == "exit":  # a clean shutdown: it stops its engine's processes itself
+        for p in (plain, stubborn):
+            p.kill(); p.wait()
+        other.kill(); other.wait()
+        sys.exit(0)
+    time.sleep(120)
+""")
+
+
+def start_server(tmp_path: Path, grace_s: float, then: str = "wait", **popen) -> tuple[subprocess.Popen, dict]:
+    script = tmp_path / "server.py"
+    script.write_text(SERVER)
+    proc = subprocess.Popen([sys.executable, str(script), str(grace_s), then], stdout=subprocess.PIPE, text=True,
+                            env={**os.environ, "PYTHONPATH": str(ROOT)}, **popen)
+    pids = json.loads(proc.stdout.readline())
+    return proc, pids
+
+
+def alive(pid: int) -> bool:
+    return reaper.start_time(pid) is not None  # a zombie counts as gone
+
+
+def wait_gone(pids: list[int], within_s: float) -> list[int]:
+    deadline = time.monotonic() + within_s
+    while time.monotonic() < deadline and any(alive(p) for p in pids):
+        time.sleep(0.05)
+    return [p for p in pids if alive(p)]
+
+
+def cleanup(*pids: int) -> None:
+    for pid in pids:
+        if pid <= 0:  # os.kill(-1) signals every process this user may signal
+            continue
+        try:
+            os.kill(pid, signal.SIGKILL)
+        except OSError:
+            pass
+
+
+def test_start_time_tells_the_same_process_from_a_reused_pid():
+    proc = subprocess.Popen(["sleep", "30"])
+    started = reaper.start_time(proc.pid)
+    assert isinstance(started, int) and started > 0
+    assert reaper.is_same_process(proc.pid, started)
+    assert not reaper.is_same_process(proc.pid, started + 1)  # the pid, but another process
+    proc.kill()
+    time.sleep(0.1)
+    assert reaper.start_time(proc.pid) is None  # exited, not yet waited for: a zombie
+    proc.wait()
+    assert reaper.start_time(proc.pid) is None
+
+
+def test_descendants_are_children_and_their_children():
+    proc = subprocess.Popen(["bash", "-c", "sleep 30 & wait"])
+    try:
+        deadline = time.monotonic() + 5
+        while len(reaper.descendants(proc.pid)) < 1 and time.monotonic() < deadline:
+            time.sleep(0.02)
+        (grandchild,) = reaper.descendants(proc.pid)
+        assert {proc.pid, grandchild} <= set(reaper.descendants(os.getpid()))
+    finally:
+        proc.kill()
+        proc.wait()
+        cleanup(*reaper.descendants(os.getpid()))
+
+
+def test_sigkill_of_the_server_ends_the_engine_processes_and_only_them(tmp_path):
+    proc, pids = start_server(tmp_path, grace_s=0.5)
+    try:
+        assert sorted(pids["guarded"]) == sorted([pids["plain"], pids["stubborn"]])
+        proc.kill()  # no shutdown runs
+        proc.wait()
+        # plain ends at the reaper's SIGTERM; stubborn ignores it and gets SIGKILL after 0.5 s
+        assert wait_gone([pids["plain"], pids["stubborn"]], within_s=5) == []
+        assert wait_gone([pids["reaper"]], within_s=5) == []  # and the reaper is done
+        assert alive(pids["other"])  # started before the engine: not the reaper's to end
+    finally:
+        cleanup(pids["other"], pids["plain"], pids["stubborn"], pids["reaper"])
+
+
+def test_a_signal_to_the_process_group_does_not_end_the_reaper_first(tmp_path):
+    """Ctrl+C or systemd signal the whole group: the reaper ignores it and outlives the server."""
+    proc, pids = start_server(tmp_path, grace_s=0.5, start_new_session=True)
+    try:
+        os.killpg(proc.pid, signal.SIGTERM)  # the server and plain end; stubborn ignores it
+        proc.wait()
+        assert wait_gone([pids["plain"]], within_s=5) == []
+        assert wait_gone([pids["stubborn"]], within_s=5) == []  # the reaper's SIGKILL after 0.5 s
+        assert wait_gone([pids["reaper"]], within_s=5) == []
+    finally:
+        cleanup(pids["other"], pids["plain"], pids["stubborn"], pids["reaper"])
+
+
+def test_a_clean_exit_leaves_nothing_to_reap_and_the_reaper_ends(tmp_path):
+    proc, pids = start_server(tmp_path, grace_s=5, then="exit")
+    try:
+        assert proc.wait(10) == 0
+        assert wait_gone([pids["reaper"]], within_s=3) == []
+    finally:
+        cleanup(pids["other"], pids["plain"], pids["stubborn"], pids["reaper"])
+
+
+def test_a_guarded_pid_reused_by_another_process_is_not_signalled(tmp_path):
+    """The reaper is told a live pid with another start time (what a reused pid looks like)."""
+    bystander = subprocess.Popen(["sleep", "30"])
+    parent = subprocess.Popen(
+        [sys.executable, "-c", textwrap.dedent(f"""
+            import os, subprocess, sys, time
+            r = subprocess.Popen([sys.executable, "-I", {str(Path(reaper.__file__))!r}, str(os.getpid()), "0.2"],
+                                 stdin=subprocess.PIPE)
+            r.stdin.write(b"{bystander.pid} {reaper.start_time(bystander.pid) + 1}\\n"); r.stdin.flush()
+            print(r.pid, flush=True)
+            time.sleep(120)
+        """)], stdout=subprocess.PIPE, text=True)
+    reaper_pid = int(parent.stdout.readline())
+    try:
+        time.sleep(0.2)  # the line is read
+        parent.kill()
+        parent.wait()
+        assert wait_gone([reaper_pid], within_s=5) == []
+        assert bystander.poll() is None
+    finally:
+        cleanup(reaper_pid)
+        bystander.kill()
+        bystander.wait()
+
+
+ENGINE_SERVER = textwrap.dedent("""
+    import asyncio, json, os, sys, time
+    from workers import reaper
+    from workers.chat_vllm import VllmChatEngine
+    from workers.base import ModelSpec
+
+    async def main():
+        engine = VllmChatEngine(ModelSpec("tiny-chat", "chat", sys.argv[1], engine="vllm"), max_model_len=256,
+                                kv_cache_bytes=64 << 20, dtype="float32", max_num_seqs=2, enforce_eager=True)
+        await engine.start()
+        pids = {"engine": reaper.descendants(os.getpid()), "reaper": reaper._reaper.pid}
+        print("PIDS", json.dumps(pids), flush=True)  # vLLM logs on stdout too
+        await asyncio.sleep(600)
+
+    if __name__ == "__main__":  # vLLM spawns its engine core, which imports this module again
+        asyncio.run(main())
+""")
+
+
+def test_the_vllm_engine_processes_end_when_its_server_is_killed(tmp_path, tiny_chat):
+    """vLLM's engine core and worker outlive a SIGKILLed parent on their own (vLLM 0.32)."""
+    pytest.importorskip("vllm", reason="scripts/test installs vllm unless TIERGATE_VLLM=0")
+    script = tmp_path / "engine_server.py"
+    script.write_text(ENGINE_SERVER)
+    proc = subprocess.Popen([sys.executable, str(script), str(tiny_chat)], stdout=subprocess.PIPE, text=True,
+                            env={**os.environ, "PYTHONPATH": str(ROOT)}, start_new_session=True)
+    out = []
+    for line in proc.stdout:
+        out.append(line)
+        if line.startswith("PIDS "):
+            break
+    else:
+        pytest.fail(f"the engine did not start (exit {proc.wait()}):\n" + "".join(out[-50:]))
+    pids = json.loads(line[5:])
+    engine = [p for p in pids["engine"] if p != pids["reaper"]]
+    try:
+        names = {Path(f"/proc/{p}/comm").read_text().strip() for p in engine}
+        assert any(n.startswith("VLLM::EngineCor") for n in names), names  # what vLLM names its core
+        proc.kill()
+        proc.wait()
+        assert wait_gone(engine, within_s=reaper.GRACE_S + 10) == []
+    finally:
+        cleanup(*engine, pids["reaper"])
