@@ -39,6 +39,7 @@ from dataclasses import dataclass, field
 from typing import Callable
 
 from arbiter.events import EventLog
+from gateway.deadlines import Deadline, Deadlines
 from gateway.slo_guard import GuardSettings, TierWindow, next_limits
 from gateway.tier_stats import TierStats
 
@@ -190,7 +191,7 @@ class Arrival:
     work. It ends when the request reaches ``acquire`` (as a ticket it counts on), when it fails
     on the way, or after ``DOOR_WINDOW_S`` (a slow body read: the pause then waits for ``acquire``)."""
 
-    timer: asyncio.TimerHandle | None = None
+    window: Deadline | None = None  # DOOR_WINDOW_S from its arrival
     ended: bool = False
 
 
@@ -244,6 +245,7 @@ class Gate:
         self._token_latencies: dict[str, deque[tuple[float, float]]] = {t.name: deque() for t in tiers}
         self._guarded_at = -math.inf
         self._loop: asyncio.AbstractEventLoop | None = None
+        self._door_windows = Deadlines(DOOR_WINDOW_S)
         self.events = events or EventLog()
         self.stats = TierStats(list(self.tiers), clock)  # admitted, refused, latency; recent
 
@@ -288,7 +290,10 @@ class Gate:
         self._arriving += 1
         if not self._told_busy:
             self._changed()
-        arrival.timer = self._event_loop().call_later(DOOR_WINDOW_S, self.left, arrival)
+        windows = self._door_windows
+        if windows.seconds != DOOR_WINDOW_S:  # changed since (tests)
+            windows = self._door_windows = Deadlines(DOOR_WINDOW_S)
+        arrival.window = windows.after(self.left, arrival)
         return arrival
 
     def left(self, arrival: Arrival | None) -> None:
@@ -296,7 +301,7 @@ class Gate:
         if arrival is None or arrival.ended:
             return
         arrival.ended = True
-        arrival.timer.cancel()
+        arrival.window.cancel()
         self._arriving -= 1
         if self._told_busy and not self.others_busy():
             if self._waiting:

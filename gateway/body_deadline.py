@@ -14,6 +14,7 @@ import asyncio
 from starlette.requests import ClientDisconnect
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
+from gateway.deadlines import Deadline, Deadlines
 from gateway.errors import APIError
 
 
@@ -21,12 +22,13 @@ class BodyDeadline:
     def __init__(self, app: ASGIApp, seconds: float) -> None:
         self.app = app
         self.seconds = seconds
+        self.deadlines = Deadlines(seconds)
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         if scope["type"] != "http":
             await self.app(scope, receive, send)
             return
-        timer: asyncio.TimerHandle | None = None  # armed at the first read, for the whole body
+        deadline: Deadline | None = None  # set at the first read, for the whole body
         reader: asyncio.Task | None = None  # the task waiting for a piece of the body, if any
         expired = whole = False
 
@@ -37,13 +39,12 @@ class BodyDeadline:
                 reader.cancel()
 
         async def receive_in_time() -> Message:
-            # one timer per request rather than asyncio.timeout per read: a third of its cost
-            nonlocal timer, reader, whole
+            # one deadline per request rather than asyncio.timeout per read: a third of its cost
+            nonlocal deadline, reader, whole
             if whole:
                 return await receive()
-            if timer is None:
-                loop = asyncio.get_running_loop()
-                timer = loop.call_at(loop.time() + self.seconds, expire)
+            if deadline is None:
+                deadline = self.deadlines.after(expire)
             if not expired:
                 reader = asyncio.current_task()
                 try:
@@ -54,7 +55,7 @@ class BodyDeadline:
                 else:
                     whole = message["type"] != "http.request" or not message.get("more_body", False)
                     if whole:
-                        timer.cancel()
+                        deadline.cancel()
                     return message
                 finally:
                     reader = None
@@ -65,5 +66,5 @@ class BodyDeadline:
         except ClientDisconnect:
             pass  # the client left before its body was whole: there is no one to answer
         finally:
-            if timer is not None:
-                timer.cancel()
+            if deadline is not None and not whole:  # (once whole, it was cancelled)
+                deadline.cancel()

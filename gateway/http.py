@@ -9,10 +9,12 @@ from typing import AsyncIterator
 from starlette.requests import Request
 from starlette.responses import StreamingResponse
 
+from gateway.deadlines import Deadline, Deadlines
 from gateway.serving import Gone
 
 
 WATCH_AFTER_S = 0.05  # a block that ends sooner never starts its watcher
+_watch_starts = Deadlines(WATCH_AFTER_S)
 
 
 class disconnect_signal:
@@ -26,15 +28,15 @@ class disconnect_signal:
         self.receive = request.receive
         self.gone = Gone()
         self.watcher: asyncio.Task | None = None
-        self.timer: asyncio.TimerHandle | None = None
+        self.start: Deadline | None = None
 
     async def __aenter__(self) -> Gone:
-        self.timer = asyncio.get_running_loop().call_later(WATCH_AFTER_S, self._start)
+        self.start = _watch_starts.after(self._start)
         return self.gone
 
     async def __aexit__(self, *exc_info: object) -> None:
         self.gone.watched = False
-        self.timer.cancel()
+        self.start.cancel()
         if self.watcher is not None:
             # Not awaited (two turns of the loop per request): the watcher ends at its next step,
             # inside the receive it waits in, before anything else can read the connection.
