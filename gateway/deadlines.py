@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import asyncio
 import contextvars
+import time
 import weakref
 from collections import deque
 from typing import Any, Callable
@@ -69,7 +70,7 @@ class Deadlines:
             if queue is None:
                 queue = self._queues[loop] = _Queue(loop)
             self._last = (loop, queue)
-        deadline = Deadline(loop.time() + self.seconds, callback, args, queue)
+        deadline = Deadline(queue.clock() + self.seconds, callback, args, queue)
         queue.items.append(deadline)
         queue.live += 1
         if queue.timer is None:
@@ -87,6 +88,8 @@ class _Queue:
 
     def __init__(self, loop: asyncio.AbstractEventLoop) -> None:
         self.loop = loop
+        # the loop's clock: asyncio's own loops read time.monotonic, called here directly
+        self.clock = time.monotonic if type(loop).time is asyncio.BaseEventLoop.time else loop.time
         self.items: deque[Deadline] = deque()  # live and cancelled, by time
         self.live = 0  # items not cancelled
         self.timer: asyncio.TimerHandle | None = None  # armed no later than the front item's time
@@ -106,7 +109,7 @@ class _Queue:
     def _fire(self) -> None:
         self.timer = None
         # The loop runs a timer up to its clock's resolution early: what it ran is due.
-        due = max(self.loop.time(), self.armed_at)
+        due = max(self.clock(), self.armed_at)
         items = self.items
         try:
             while items and items[0].when <= due:

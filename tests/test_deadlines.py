@@ -5,6 +5,8 @@ import asyncio
 import contextvars
 import random
 
+import pytest
+
 from gateway.deadlines import Deadlines
 
 S = 0.02
@@ -187,3 +189,22 @@ def test_one_instance_serves_a_new_loop_after_the_old_one_closed():
 
     assert asyncio.run(main("one")) == ["one"]
     assert asyncio.run(main("two")) == ["two"]
+
+
+def test_on_uvloop_deadlines_keep_the_loops_own_clock():
+    uvloop = pytest.importorskip("uvloop")
+
+    async def main():
+        loop = asyncio.get_running_loop()
+        fired = {}
+        deadline = Deadlines(S).after(lambda: fired.setdefault("at", loop.time()))
+        loop.call_later(S, lambda: fired.setdefault("before", "at" in fired))
+        await asyncio.sleep(S * 5)
+        return deadline.when, fired
+
+    loop = uvloop.new_event_loop()
+    try:
+        when, fired = loop.run_until_complete(main())
+    finally:
+        loop.close()
+    assert fired["at"] >= when - 1e-3 and fired["before"] is True
