@@ -54,9 +54,11 @@ class KeyRing:
     """Every configured key with its tier. Lookup compares against every key, always."""
 
     def __init__(self, keys_by_tier: dict[str, list[str]], admin_keys: list[str] = ()) -> None:
-        self._entries = [(k.encode(), tier, False, key_id(k)) for tier, keys in keys_by_tier.items() for k in keys]
-        self._entries += [(k.encode(), None, True, key_id(k)) for k in admin_keys]
         self.top_tier = next(iter(keys_by_tier), None)
+        # Each key's caller is made once (a Caller is immutable): an admin key acts at the highest
+        # tier when it calls the model API.
+        self._entries = [(k.encode(), Caller(tier, key_id(k))) for tier, keys in keys_by_tier.items() for k in keys]
+        self._entries += [(k.encode(), Caller(self.top_tier, key_id(k), admin=True)) for k in admin_keys]
 
     def __len__(self) -> int:
         return len(self._entries)
@@ -64,15 +66,11 @@ class KeyRing:
     def lookup(self, presented: str) -> Caller | None:
         """The caller for ``presented``, or None. Time does not depend on which key matches."""
         given = presented.encode()
-        found: tuple[str | None, bool, str] | None = None
-        for key, tier, admin, kid in self._entries:
+        found: Caller | None = None
+        for key, caller in self._entries:
             if hmac.compare_digest(key, given) and found is None:
-                found = (tier, admin, kid)
-        if found is None:
-            return None
-        tier, admin, kid = found  # the key's id, hashed once when the ring was made
-        # An admin key acts at the highest tier when it calls the model API.
-        return Caller(tier=tier or self.top_tier, key_id=kid, admin=admin)
+                found = caller
+        return found
 
 
 def demo_keys(tiers: list[str]) -> dict[str, list[str]]:

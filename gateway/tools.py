@@ -60,10 +60,15 @@ class ToolPlan:
         return None
 
 
+NO_TOOLS = ToolPlan()
+
+
 def plan_tools(tools: list[Tool] | None, choice: str | NamedToolChoice | None, parallel: bool | None,
                parser: str = "hermes") -> ToolPlan:
     """The plan for a request's tool fields; 400 naming the field for a tool schema that does not
     compile, a choice naming a missing tool, or a choice without tools."""
+    if not tools and choice is None:
+        return NO_TOOLS  # most requests
     tools = list(tools or [])
     for i, tool in enumerate(tools):
         problem = schema_error(tool.function.parameters or EMPTY_PARAMETERS)
