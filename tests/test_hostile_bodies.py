@@ -188,6 +188,33 @@ def test_header_section_of_1mb_is_431(server):
     _still_serving(server)
 
 
+def test_a_head_just_under_the_cap_and_a_large_body_sent_with_it_are_served(server):
+    """The cap counts the head only: a body in the same packets as its head does not count."""
+    from gateway.http11 import MAX_HEAD_BYTES
+
+    padding = b"X-Padding: " + b"a" * (MAX_HEAD_BYTES - 1024) + b"\r\n"
+    raw = _with(messages=[{"role": "user", "content": "hi " * 100_000}], max_tokens=1)  # ~300 KB
+    assert len(raw) > 4 * MAX_HEAD_BYTES
+    with socket.create_connection(("127.0.0.1", _port(server)), timeout=60) as sock:
+        sock.sendall(_head(server, len(raw), extra=padding) + raw)
+        status, _, body = _read_response(sock)
+    assert status != 431, body[:300]
+    _error(status, body, 400, "context_length_exceeded", "messages")  # the app read it, and answered
+    with socket.create_connection(("127.0.0.1", _port(server)), timeout=60) as sock:
+        sock.sendall(_head(server, len(_with()), extra=padding) + _with())
+        status, _, body = _read_response(sock)
+    assert status == 200, body[:300]
+
+
+def test_malformed_request_line_is_400_and_the_server_carries_on(server):
+    with socket.create_connection(("127.0.0.1", _port(server)), timeout=30) as sock:
+        sock.sendall(b"NOT HTTP AT ALL\r\n\r\n")
+        status, headers, body = _read_response(sock)
+    _error(status, body, 400, "invalid_http_request")
+    assert headers["connection"] == "close"
+    _still_serving(server)
+
+
 def test_slow_body_is_cut_off_with_408_while_others_are_served(server):
     raw = _with()
     with socket.create_connection(("127.0.0.1", _port(server)), timeout=30) as sock:
