@@ -10,7 +10,7 @@ same engine call on the same model, over real HTTP on 127.0.0.1, at 1 and at 64 
 Two servers, each its own process, started and loaded before anything is timed:
 
   tiergate  as ``tiergate serve`` runs (``build_services``, ``create_app``, uvicorn with tiergate's
-            h11 settings, the request log writing one line per request): auth, the gate, the
+            HTTP protocol, the request log writing one line per request): auth, the gate, the
             arbiter's lease, metrics, the request log, accounts, OpenAI-shaped validation.
   bare      a Starlette app with one route per endpoint and nothing else: it parses the JSON body,
             calls the same worker class on the same model (the config's own ``ModelSpec``, built
