@@ -38,10 +38,12 @@ def test_serve_from_clean_checkout(tmp_path):
     assert not (repo / "demo-models").exists()
     port = spare_port()
     env = {k: v for k, v in os.environ.items() if not k.startswith("TIERGATE_KEYS_")}
-    # reuse this environment's venv and its installed project
-    # (scripts/test installed it; CI creates it from nothing in its fresh clone). PYTHONPATH makes
-    # the copy's own code the code that runs.
+    # reuse this environment's venv and its installed project (scripts/test installed it; CI
+    # creates it from nothing in its fresh clone). The copy's scripts and files run; its Python
+    # packages run only where the venv has no editable install of tiergate (an editable install's
+    # finder comes before PYTHONPATH), which is this checkout's, the same code.
     env.update(TIERGATE_VENV=str(Path(sys.prefix)), TIERGATE_PORT=str(port), PYTHONPATH=str(repo))
+    installed = installed_root()
     proc = subprocess.Popen(["bash", "scripts/serve"], cwd=repo, env=env, stdout=subprocess.PIPE,
                             stderr=subprocess.STDOUT, text=True, start_new_session=True)
     out: list[str] = []
@@ -95,3 +97,22 @@ def test_serve_from_clean_checkout(tmp_path):
         except subprocess.TimeoutExpired:
             os.killpg(proc.pid, signal.SIGKILL)
             pytest.fail("scripts/serve did not exit within 30 s of SIGTERM:\n" + "".join(out)[-20000:])
+        finally:
+            restore_install(installed)
+
+
+def installed_root() -> str:
+    """Where the venv's installed tiergate lives, as a process started without PYTHONPATH sees it."""
+    return subprocess.run([sys.executable, "-c", "import gateway, pathlib; print(pathlib.Path(gateway.__file__).parents[1])"],
+                          cwd="/", env={k: v for k, v in os.environ.items() if k != "PYTHONPATH"},
+                          capture_output=True, text=True, check=True).stdout.strip()
+
+
+def restore_install(root: str) -> None:
+    """The copy's bootstrap reinstalls tiergate when the venv's stamp is stale (pyproject.toml
+    changed), which points the shared venv's editable install at the copy, a temporary folder:
+    point it back where it was."""
+    if installed_root() != root:
+        subprocess.run([sys.executable, "-m", "pip", "install", "-q", "--no-deps", "--no-build-isolation",
+                        "--disable-pip-version-check", "-e", root], check=True)
+        assert installed_root() == root
