@@ -1,5 +1,4 @@
-"""The processes an engine starts: out of the serving process's group, and ending with it
-however it ends.
+"""The processes an engine starts end with the serving process, however it ends.
 
 vLLM runs its engine core (and, under it, its workers) as child processes. When the process that
 started them dies without running its shutdown (SIGKILL, the OOM killer, a crash), they are left
@@ -16,31 +15,19 @@ own and ignores SIGINT, SIGTERM and SIGHUP: a signal to the serving process's gr
 shell's ``kill -- -PGID``) must not end it before the serving process, which it outlives by at
 most the grace period.
 
-Process groups. vLLM's engine core stops at once on SIGINT or SIGTERM, so a signal to the serving
-process's whole group (Ctrl+C in a terminal, ``kill -- -PGID``) used to cut its streams in flight
-(``EngineDeadError``) instead of letting the serving process drain them. Inside
-:func:`own_session`, processes that ``multiprocessing`` spawns (vLLM's engine core, and under it
-its workers) start in a session of their own (util-linux's ``setsid``), so such a signal reaches
-the serving process alone, which drains and then stops its engines; the reaper is what makes this
-safe when the serving process cannot stop them.
-
 This file is also the reaper's program (``python reaper.py PARENT_PID GRACE_S``): standard library only, so
 it starts in a few milliseconds and imports nothing of the project.
 """
 
 from __future__ import annotations
 
-import contextlib
-import multiprocessing.util
 import os
 import select
-import shutil
 import signal
 import subprocess
 import sys
 import threading
 import time
-from typing import Iterator
 
 GRACE_S = 5.0  # from SIGTERM to SIGKILL for a guarded process still running
 _POLL_S = 0.5  # how often the parent is checked where there is no pidfd
@@ -48,8 +35,6 @@ _POLL_S = 0.5  # how often the parent is checked where there is no pidfd
 _lock = threading.Lock()
 _reaper: subprocess.Popen | None = None
 _guarded: set[tuple[int, int]] = set()
-_sessions = 0  # own_session blocks open
-_spawnv_passfds = multiprocessing.util.spawnv_passfds  # what multiprocessing spawns with
 
 
 def start_time(pid: int) -> int | None:
@@ -115,34 +100,6 @@ def guard_new_descendants(before: set[int], grace_s: float = GRACE_S) -> list[in
             _reaper.stdin.write(f"{pid} {started}\n".encode())
         _reaper.stdin.flush()
         return new
-
-
-@contextlib.contextmanager
-def own_session() -> Iterator[None]:
-    """While open (in any thread), processes ``multiprocessing`` spawns start in a session of
-    their own, through ``setsid`` (util-linux); where it is missing, as before. Pair it with
-    :func:`guard_new_descendants`: out of the group, only the reaper ends them if this process is
-    killed."""
-    global _sessions
-    setsid = shutil.which("setsid") if sys.platform.startswith("linux") else None
-    if setsid is None:
-        yield
-        return
-
-    def spawn_in_own_session(path: bytes, args: list, passfds) -> int:
-        # the same pid (setsid execs the program), the same argv; the path as multiprocessing's
-        return _spawnv_passfds(os.fsencode(setsid), [setsid, path, *args[1:]], passfds)
-
-    with _lock:
-        _sessions += 1
-        multiprocessing.util.spawnv_passfds = spawn_in_own_session
-    try:
-        yield
-    finally:
-        with _lock:
-            _sessions -= 1
-            if _sessions == 0:
-                multiprocessing.util.spawnv_passfds = _spawnv_passfds
 
 
 # -- the reaper's program --------------------------------------------------------------------------
