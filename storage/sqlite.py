@@ -6,11 +6,35 @@ from __future__ import annotations
 
 import asyncio
 import sqlite3
+import time
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any, Callable, TypeVar
 
 T = TypeVar("T")
+
+
+_BUSY_S = 30.0
+
+
+def _switch_to_wal(db: sqlite3.Connection) -> None:
+    """``PRAGMA journal_mode=WAL``, retried while another connection holds the file.
+
+    Switching a new file to WAL takes its exclusive lock from a shared one. When two processes
+    open the same new file at once, each can hold the shared lock the other waits on, and SQLite
+    then answers "database is locked" at once instead of calling the busy handler (it would
+    deadlock). One of them backs off, the other switches, and the retry finds WAL already set."""
+    deadline = time.monotonic() + _BUSY_S
+    pause = 0.001
+    while True:
+        try:
+            db.execute("PRAGMA journal_mode=WAL")
+            return
+        except sqlite3.OperationalError as e:
+            if "locked" not in str(e) or time.monotonic() > deadline:
+                raise
+        time.sleep(pause)
+        pause = min(pause * 2, 0.05)
 
 
 class SQLiteFile:
@@ -45,8 +69,8 @@ class SQLiteFile:
 
     def _connect(self) -> None:
         self.path.parent.mkdir(parents=True, exist_ok=True)
-        db = sqlite3.connect(self.path, isolation_level=None, timeout=30, check_same_thread=False)
-        db.execute("PRAGMA journal_mode=WAL")
+        db = sqlite3.connect(self.path, isolation_level=None, timeout=_BUSY_S, check_same_thread=False)
+        _switch_to_wal(db)
         db.execute("PRAGMA synchronous=NORMAL")  # WAL: a process crash loses nothing committed
         db.executescript(self._schema)
         self._migrate(db)
