@@ -100,7 +100,7 @@ def test_one_json_line_per_request_with_its_id_and_no_secret(served):
     client = served.client()
     raw = client.chat.completions.with_raw_response.create(
         model="tiny-chat", messages=[{"role": "user", "content": "hi"}], max_tokens=4,
-        extra_headers={"x-request-id": "ops-plain-1"})
+        temperature=0, extra_headers={"x-request-id": "ops-plain-1"})
     assert raw.headers["x-request-id"] == "ops-plain-1"
     assert raw.parse().usage.completion_tokens == 4
     with httpx.stream("POST", f"{served.url}/v1/chat/completions", timeout=30,

@@ -67,7 +67,7 @@ def test_serve_from_clean_checkout(tmp_path):
         for _ in range(200):
             try:
                 r = client.chat.completions.create(model="tiny-chat", messages=[{"role": "user", "content": "hi"}],
-                                                   max_tokens=4)
+                                                   max_tokens=4, temperature=0)  # greedy: no early EOS
                 break
             except openai.APIConnectionError:
                 time.sleep(0.2)
