@@ -182,7 +182,8 @@ ENGINE_SERVER = textwrap.dedent("""
 
 
 def test_the_vllm_engine_processes_end_when_its_server_is_killed(tmp_path, tiny_chat):
-    """vLLM's engine core and worker outlive a SIGKILLed parent on their own (vLLM 0.32)."""
+    """vLLM's engine core and worker outlive a SIGKILLed parent on their own (vLLM 0.32); they run
+    in a process group of their own, in the server's session."""
     pytest.importorskip("vllm", reason="scripts/test installs vllm unless TIERGATE_VLLM=0")
     script = tmp_path / "engine_server.py"
     script.write_text(ENGINE_SERVER)
@@ -200,8 +201,35 @@ def test_the_vllm_engine_processes_end_when_its_server_is_killed(tmp_path, tiny_
     try:
         names = {Path(f"/proc/{p}/comm").read_text().strip() for p in engine}
         assert any(n.startswith("VLLM::EngineCor") for n in names), names  # what vLLM names its core
+        # out of the server's group: a Ctrl+C to the group reaches the server alone. In its session:
+        # a session of their own is a CPU share of their own (autogroups), which starved the server
+        assert all(os.getpgid(p) != os.getpgid(proc.pid) for p in engine)
+        assert all(os.getsid(p) == os.getsid(proc.pid) for p in engine)
         proc.kill()
         proc.wait()
         assert wait_gone(engine, within_s=reaper.GRACE_S + 10) == []
     finally:
         cleanup(*engine, pids["reaper"])
+
+
+def test_own_group_puts_what_multiprocessing_spawns_in_a_group_of_its_own():
+    import multiprocessing
+
+    ctx = multiprocessing.get_context("spawn")
+    with reaper.own_group():
+        inside = ctx.Process(target=time.sleep, args=(30,))
+        inside.start()
+    outside = ctx.Process(target=time.sleep, args=(30,))
+    outside.start()
+    try:
+        deadline = time.monotonic() + 10  # the shim runs in the child, after start() returned
+        while os.getpgid(inside.pid) != inside.pid and time.monotonic() < deadline:
+            time.sleep(0.01)
+        assert os.getpgid(inside.pid) == inside.pid != os.getpgid(0)  # a group leader: the shim ran
+        assert os.getsid(inside.pid) == os.getsid(0)  # and still in this session
+        assert os.getpgid(outside.pid) == os.getpgid(0)  # restored after the block
+        assert multiprocessing.util.spawnv_passfds is reaper._spawnv_passfds
+    finally:
+        for p in (inside, outside):
+            p.kill()
+            p.join()

@@ -1,5 +1,5 @@
 """`scripts/serve` from a clean checkout: it builds the demo models, starts the server in demo
-mode, prints keys, and the printed key works with the openai SDK."""
+mode, prints keys, the printed key works with the openai SDK, and Ctrl+C drains a stream."""
 
 from __future__ import annotations
 
@@ -72,6 +72,22 @@ def test_serve_from_clean_checkout(tmp_path):
             except openai.APIConnectionError:
                 time.sleep(0.2)
         assert r.usage.completion_tokens == 4
+
+        # Ctrl+C in the terminal: SIGINT to the whole process group, mid-stream. The server drains
+        # the stream to its end and exits 0 (vLLM's engine, the demo's chat engine where vLLM is
+        # installed, runs in a session of its own, so the signal does not stop it first).
+        chunks = []
+        events = client.chat.completions.create(model="tiny-chat", messages=[{"role": "user", "content": "hi"}],
+                                                max_tokens=480, temperature=0, stream=True,
+                                                stream_options={"include_usage": True})
+        for chunk in events:
+            chunks.append(chunk)
+            if len(chunks) == 2:
+                os.killpg(proc.pid, signal.SIGINT)
+        finish = [c.choices[0].finish_reason for c in chunks if c.choices and c.choices[0].finish_reason]
+        assert finish in (["length"], ["stop"]), "".join(out)[-5000:]
+        assert chunks[-1].usage is not None and chunks[-1].usage.completion_tokens >= 1
+        assert proc.wait(40) == 0, "".join(out)[-5000:]
         assert "Logging error" not in "".join(out)  # every library's log line formats
     finally:
         if proc.poll() is None:

@@ -210,9 +210,11 @@ class VllmChatEngine(Worker):
         self.tokenizer = await asyncio.to_thread(AutoTokenizer.from_pretrained, str(self.spec.path))
         args = self.engine_args()
         # Blocking for the whole start-up (engine core spawn, weights, KV allocation): keep it
-        # off the event loop. The engine's processes end with this one, even when it is killed.
+        # off the event loop. Its processes start out of this process's group (a Ctrl+C reaches
+        # this process alone, which drains), and end with this process even when it is killed.
         before = set(reaper.descendants(os.getpid()))
-        self._llm = await asyncio.to_thread(AsyncLLM.from_engine_args, args)
+        with reaper.own_group():
+            self._llm = await asyncio.to_thread(AsyncLLM.from_engine_args, args)
         await asyncio.to_thread(reaper.guard_new_descendants, before)
         self.max_model_len = self._llm.model_config.max_model_len
 
