@@ -14,7 +14,7 @@ if [ ! -x "$PY" ]; then
   echo "tiergate: creating $VENV" >&2
   python3 -m venv "$VENV"
 fi
-PIP=("$PY" -m pip install -q --disable-pip-version-check --no-compile)  # see install_vllm.sh
+PIP=("$PY" -m pip install -q --disable-pip-version-check)
 
 # torch first: the CPU build where there is no CUDA (this pin lies on disk here), so nothing that
 # depends on torch later makes pip fetch a multi-GB CUDA build.

