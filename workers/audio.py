@@ -16,7 +16,8 @@ from typing import Protocol
 
 import numpy as np
 import soundfile as sf
-from scipy.signal import istft, resample_poly, stft
+
+# scipy.signal is imported where it is used: ~0.8 s at start that a server without audio skips
 
 # OpenAI response_format -> (libsndfile format, subtype, sample rates it accepts or None for any).
 _SOUNDFILE_FORMATS: dict[str, tuple[str, str, tuple[int, ...] | None]] = {
@@ -72,6 +73,8 @@ def resample(x: np.ndarray, sr_from: int, sr_to: int) -> np.ndarray:
     """Resample float32 mono audio with a polyphase filter."""
     if sr_from == sr_to:
         return x.astype(np.float32, copy=False)
+    from scipy.signal import resample_poly
+
     g = math.gcd(sr_from, sr_to)
     return resample_poly(x, sr_to // g, sr_from // g).astype(np.float32)
 
@@ -80,6 +83,8 @@ def time_stretch(x: np.ndarray, rate: float, n_fft: int = 512, hop: int = 128) -
     """Play ``x`` ``rate`` times faster at the same pitch (phase vocoder); length becomes len/rate."""
     if rate == 1.0 or len(x) < n_fft:
         return x.astype(np.float32, copy=False)
+    from scipy.signal import istft, stft
+
     _, _, spec = stft(x, nperseg=n_fft, noverlap=n_fft - hop)
     pos = np.arange(0, spec.shape[1] - 1, rate)
     i, frac = pos.astype(int), (pos % 1.0)[None, :]

@@ -22,14 +22,16 @@ import threading
 from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Callable, Iterator
+from typing import TYPE_CHECKING, Callable, Iterator
 
 import torch
-from diffusers import DiffusionPipeline
 
 from lora_kernels import AdapterStack
 from workers.base import AdapterStackSpec, Cancelled, ModelSpec, StackKey, StepContext, stack_key
 from workers.worker import ModelInfo, ThreadWorker
+
+if TYPE_CHECKING:  # diffusers is imported where a pipeline loads: ~1 s a server without one skips
+    from diffusers import DiffusionPipeline
 
 
 @dataclass
@@ -126,6 +128,8 @@ class ImageWorker(ThreadWorker):
     def load(self, device: torch.device) -> None:
         """Load the pipeline from ``spec.path`` onto ``device`` (fp16 on CUDA, fp32 elsewhere)."""
         dtype = torch.float16 if device.type == "cuda" else torch.float32
+        from diffusers import DiffusionPipeline
+
         pipe = DiffusionPipeline.from_pretrained(self.spec.path, dtype=dtype)
         pipe.set_progress_bar_config(disable=True)
         self.pipe = pipe.to(device)
