@@ -42,9 +42,11 @@ spawned process that re-imports the main module.
 from __future__ import annotations
 
 import asyncio
+import atexit
 import itertools
 import json
 import os
+import shutil
 import tempfile
 import time
 import uuid
@@ -87,6 +89,20 @@ class _Resident:
     lora_id: int
     users: int = 0
     last_used: float = 0.0
+
+
+def _rpc_folder() -> Path:
+    """Where vLLM puts its ZMQ socket files: ``VLLM_RPC_BASE_PATH``, by default the system's temp
+    folder, where vLLM 0.32 leaves them after an engine shuts down (7 per engine start on this CPU
+    build). Unless the operator set it, tiergate gives them a folder of its own, removed when this
+    process exits; each engine removes the files its start made when it shuts down."""
+    if "VLLM_RPC_BASE_PATH" not in os.environ:
+        folder = tempfile.mkdtemp(prefix="tiergate-vllm-")
+        os.environ["VLLM_RPC_BASE_PATH"] = folder  # read by vLLM in this process and its engines
+        atexit.register(shutil.rmtree, folder, True)
+    folder = Path(os.environ["VLLM_RPC_BASE_PATH"])
+    folder.mkdir(parents=True, exist_ok=True)  # set by a parent whose folder is gone: vLLM binds in it
+    return folder
 
 
 class VllmChatEngine(Worker):
@@ -149,6 +165,7 @@ class VllmChatEngine(Worker):
         self._lora_cond: asyncio.Condition | None = None
         self._stack_loras: dict[StackKey, LoraRef] = {}  # adapter stack -> the LoRA that serves it
         self._stack_dir: Path | None = None
+        self._sockets: set[Path] = set()  # the ZMQ socket files this engine's start made
 
     # -- lifecycle ---------------------------------------------------------------------------
     @property
@@ -202,6 +219,8 @@ class VllmChatEngine(Worker):
     async def start(self) -> None:
         if self._llm is not None:
             return
+        rpc = _rpc_folder()
+        sockets_before = set(rpc.iterdir())
         from transformers import AutoTokenizer
         from vllm.v1.engine.async_llm import AsyncLLM
 
@@ -216,6 +235,7 @@ class VllmChatEngine(Worker):
         with reaper.own_group():
             self._llm = await asyncio.to_thread(AsyncLLM.from_engine_args, args)
         await asyncio.to_thread(reaper.guard_new_descendants, before)
+        self._sockets = set(rpc.iterdir()) - sockets_before
         self.max_model_len = self._llm.model_config.max_model_len
 
     def _check_head_size(self) -> None:
@@ -248,6 +268,9 @@ class VllmChatEngine(Worker):
             await llm.abort(list(self._inflight))
         await asyncio.to_thread(llm.shutdown)
         self._resident.clear()
+        for path in self._sockets:  # vLLM 0.32 leaves its socket files behind
+            path.unlink(missing_ok=True)
+        self._sockets = set()
 
     # -- residency (the arbiter's view) --------------------------------------------------------
     @classmethod
