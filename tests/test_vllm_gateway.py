@@ -110,12 +110,15 @@ def test_evict_and_reload(vllm_server):
     time.sleep(0.1)
     engine = s.services.arbiter.workers["tiny-chat"]
     rpc = Path(os.environ["VLLM_RPC_BASE_PATH"])  # tiergate's own folder for vLLM's socket files
-    assert rpc != Path(tempfile.gettempdir()) and engine._sockets and engine._sockets <= set(rpc.iterdir())
+    made = set(engine._sockets)  # the socket files this engine's start made
+    assert rpc != Path(tempfile.gettempdir()) and made and made <= set(rpc.iterdir())
     r = httpx.post(f"{s.url}/admin/models/tiny-chat/unload", headers=admin, timeout=120)
     assert r.status_code == 200, r.text
     assert r.json()["place"] == "cold"  # vLLM has no sleep mode on CPU: the engine shuts down
     assert not engine.started and "tiny-chat" not in s.services.arbiter.workers  # nothing paused on it
-    assert list(rpc.iterdir()) == []  # vLLM 0.32 leaves 7 socket files per engine; its shutdown removed them
+    # vLLM 0.32 leaves its 7 socket files behind; the engine's shutdown removed them. (Only its own:
+    # the folder is shared with other engines of this suite, and servers it started and killed.)
+    assert made & set(rpc.iterdir()) == set()
     after = client(s).chat.completions.create(model="tiny-chat", messages=[{"role": "user", "content": "x"}],
                                               max_tokens=6, temperature=0).choices[0].message.content
     assert after == before
