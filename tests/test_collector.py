@@ -39,12 +39,14 @@ def test_a_freeze_collects_first_so_no_garbage_is_frozen():
     kept = Node()
     assert gone() is not None
     assert any(o is kept for o in gc.get_objects())  # tracked: walked by every full collection
-    frozen = collector.freeze()
+    assert collector.freeze() >= 1
     assert gone() is None
-    assert frozen >= 1 and gc.get_freeze_count() == frozen
     assert not any(o is kept for o in gc.get_objects())  # alive, and out of the collections' walks
     gc.collect()
-    assert gc.get_freeze_count() == frozen
+    # Still frozen after a full collection. (Not checked by gc.get_freeze_count(): a frozen
+    # object that loses its last reference, in any thread of the suite's process, leaves the
+    # count, as it dropped by 6 in one CI run.)
+    assert not any(o is kept for o in gc.get_objects())
 
 
 def test_a_frozen_model_is_freed_when_its_worker_drops_it(tiny_chat):
