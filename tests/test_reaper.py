@@ -233,3 +233,22 @@ def test_own_group_puts_what_multiprocessing_spawns_in_a_group_of_its_own():
         for p in (inside, outside):
             p.kill()
             p.join()
+
+
+def test_a_tiergate_started_by_another_takes_a_socket_folder_of_its_own(tmp_path):
+    """VLLM_RPC_BASE_PATH inherited from a tiergate parent names the parent's folder, which the
+    parent removes when it exits: the child makes its own. An operator's folder is kept."""
+
+    def folder_in_child(**env: str) -> Path:
+        base = {k: v for k, v in os.environ.items() if k not in ("VLLM_RPC_BASE_PATH", "TIERGATE_VLLM_RPC_OWNER")}
+        out = subprocess.run([sys.executable, "-c", "from workers.chat_vllm import _rpc_folder; print(_rpc_folder())"],
+                             env={**base, **env}, cwd=ROOT, capture_output=True, text=True, timeout=60, check=True)
+        return Path(out.stdout.strip())
+
+    parents = tmp_path / "parents"
+    parents.mkdir()
+    child = folder_in_child(VLLM_RPC_BASE_PATH=str(parents), TIERGATE_VLLM_RPC_OWNER="1")
+    assert child != parents and child.name.startswith("tiergate-vllm-")
+    assert not child.exists()  # the child removed its own folder when it exited
+    assert folder_in_child(VLLM_RPC_BASE_PATH=str(tmp_path / "operators")) == tmp_path / "operators"
+    assert (tmp_path / "operators").is_dir()  # kept: not tiergate's to remove

@@ -465,3 +465,26 @@ async def _collect_worker(worker, r) -> tuple[str, ChatFinished]:
         else:
             fin = ev
     return text, fin
+
+
+# -- vLLM's socket files -----------------------------------------------------------------------------
+def test_a_start_that_fails_part_way_removes_the_socket_files_it_made(loop, model_dir, monkeypatch):
+    """vLLM binds its ZMQ sockets before the engine core has loaded anything; a start that fails
+    after that (the engine core dies loading the weights, say) must not leave them behind."""
+    import os
+
+    from vllm.v1.engine.async_llm import AsyncLLM
+
+    def bind_then_fail(args):
+        for name in ("input", "output"):
+            (Path(os.environ["VLLM_RPC_BASE_PATH"]) / f"failed-start-{name}").touch()
+        raise RuntimeError("Engine core initialization failed")
+
+    monkeypatch.setattr(AsyncLLM, "from_engine_args", staticmethod(bind_then_fail))
+    eng = VllmChatEngine(ModelSpec("tiny-chat", "chat", model_dir, engine="vllm"), max_model_len=512,
+                         kv_cache_bytes=64 << 20, dtype="float32", enforce_eager=True)
+    with pytest.raises(RuntimeError, match="initialization failed"):
+        loop.run_until_complete(eng.start())
+    folder = Path(os.environ["VLLM_RPC_BASE_PATH"])
+    assert not eng.started and eng._sockets == set()
+    assert not [p for p in folder.iterdir() if p.name.startswith("failed-start-")]

@@ -91,17 +91,26 @@ class _Resident:
     last_used: float = 0.0
 
 
+_RPC_OWNER = "TIERGATE_VLLM_RPC_OWNER"  # the pid whose folder VLLM_RPC_BASE_PATH names, when tiergate made it
+
+
 def _rpc_folder() -> Path:
     """Where vLLM puts its ZMQ socket files: ``VLLM_RPC_BASE_PATH``, by default the system's temp
     folder, where vLLM 0.32 leaves them after an engine shuts down (7 per engine start on this CPU
     build). Unless the operator set it, tiergate gives them a folder of its own, removed when this
-    process exits; each engine removes the files its start made when it shuts down."""
-    if "VLLM_RPC_BASE_PATH" not in os.environ:
-        folder = tempfile.mkdtemp(prefix="tiergate-vllm-")
+    process exits; each engine removes the files its start made when it shuts down.
+
+    A folder another tiergate process made (a server started by this one inherits its
+    environment) is not used: the process that made it removes it when it exits, under the
+    sockets of whoever else binds there. The operator's own folder is shared and never removed."""
+    inherited = os.environ.get(_RPC_OWNER) not in (None, str(os.getpid()))
+    if "VLLM_RPC_BASE_PATH" not in os.environ or inherited:
+        folder = tempfile.mkdtemp(prefix=f"tiergate-vllm-{os.getpid()}-")
         os.environ["VLLM_RPC_BASE_PATH"] = folder  # read by vLLM in this process and its engines
+        os.environ[_RPC_OWNER] = str(os.getpid())
         atexit.register(shutil.rmtree, folder, True)
     folder = Path(os.environ["VLLM_RPC_BASE_PATH"])
-    folder.mkdir(parents=True, exist_ok=True)  # set by a parent whose folder is gone: vLLM binds in it
+    folder.mkdir(parents=True, exist_ok=True)
     return folder
 
 
@@ -232,10 +241,14 @@ class VllmChatEngine(Worker):
         # off the event loop. Its processes start out of this process's group (a Ctrl+C reaches
         # this process alone, which drains), and end with this process even when it is killed.
         before = set(reaper.descendants(os.getpid()))
-        with reaper.own_group():
-            self._llm = await asyncio.to_thread(AsyncLLM.from_engine_args, args)
+        try:
+            with reaper.own_group():
+                self._llm = await asyncio.to_thread(AsyncLLM.from_engine_args, args)
+        finally:  # a start that fails part-way has bound some of them already
+            self._sockets = set(rpc.iterdir()) - sockets_before
+            if self._llm is None:
+                self._remove_sockets()
         await asyncio.to_thread(reaper.guard_new_descendants, before)
-        self._sockets = set(rpc.iterdir()) - sockets_before
         self.max_model_len = self._llm.model_config.max_model_len
 
     def _check_head_size(self) -> None:
@@ -268,6 +281,9 @@ class VllmChatEngine(Worker):
             await llm.abort(list(self._inflight))
         await asyncio.to_thread(llm.shutdown)
         self._resident.clear()
+        self._remove_sockets()
+
+    def _remove_sockets(self) -> None:
         for path in self._sockets:  # vLLM 0.32 leaves its socket files behind
             path.unlink(missing_ok=True)
         self._sockets = set()
