@@ -33,6 +33,8 @@ SERVER = textwrap.dedent("""
     stubborn = subprocess.Popen([sys.executable, "-c", ignore_term])
     time.sleep(0.3)  # the stubborn one has set its handler
     guarded = reaper.guard_new_descendants(before, grace_s=float(sys.argv[1]))
+    reaper.remove_when_gone(sys.argv[3])  # as a vLLM engine's start hands over its socket folder
+    reaper.remove_when_gone(sys.argv[3])  # as the next engine's start does
     print(json.dumps({"other": other.pid, "plain": plain.pid, "stubborn": stubborn.pid,
                       "guarded": guarded, "reaper": reaper._reaper.pid}), flush=True)
     if sys.argv[2] == "exit":  # a clean shutdown: it stops its engine's processes itself
@@ -47,8 +49,11 @@ SERVER = textwrap.dedent("""
 def start_server(tmp_path: Path, grace_s: float, then: str = "wait", **popen) -> tuple[subprocess.Popen, dict]:
     script = tmp_path / "server.py"
     script.write_text(SERVER)
-    proc = subprocess.Popen([sys.executable, str(script), str(grace_s), then], stdout=subprocess.PIPE, text=True,
-                            env={**os.environ, "PYTHONPATH": str(ROOT)}, **popen)
+    folder = tmp_path / "sockets"
+    folder.mkdir()
+    (folder / "engine.sock").touch()
+    proc = subprocess.Popen([sys.executable, str(script), str(grace_s), then, str(folder)], stdout=subprocess.PIPE,
+                            text=True, env={**os.environ, "PYTHONPATH": str(ROOT)}, **popen)
     pids = json.loads(proc.stdout.readline())
     return proc, pids
 
@@ -111,6 +116,7 @@ def test_sigkill_of_the_server_ends_the_engine_processes_and_only_them(tmp_path)
         assert wait_gone([pids["plain"], pids["stubborn"]], within_s=5) == []
         assert wait_gone([pids["reaper"]], within_s=5) == []  # and the reaper is done
         assert alive(pids["other"])  # started before the engine: not the reaper's to end
+        assert not (tmp_path / "sockets").exists()  # the folder handed to it, removed
     finally:
         cleanup(pids["other"], pids["plain"], pids["stubborn"], pids["reaper"])
 
@@ -172,7 +178,8 @@ ENGINE_SERVER = textwrap.dedent("""
         engine = VllmChatEngine(ModelSpec("tiny-chat", "chat", sys.argv[1], engine="vllm"), max_model_len=256,
                                 kv_cache_bytes=64 << 20, dtype="float32", max_num_seqs=2, enforce_eager=True)
         await engine.start()
-        pids = {"engine": reaper.descendants(os.getpid()), "reaper": reaper._reaper.pid}
+        pids = {"engine": reaper.descendants(os.getpid()), "reaper": reaper._reaper.pid,
+                "sockets": os.environ["VLLM_RPC_BASE_PATH"]}
         print("PIDS", json.dumps(pids), flush=True)  # vLLM logs on stdout too
         await asyncio.sleep(600)
 
@@ -183,7 +190,8 @@ ENGINE_SERVER = textwrap.dedent("""
 
 def test_the_vllm_engine_processes_end_when_its_server_is_killed(tmp_path, tiny_chat):
     """vLLM's engine core and worker outlive a SIGKILLed parent on their own (vLLM 0.32); they run
-    in a process group of their own, in the server's session."""
+    in a process group of their own, in the server's session. The folder of vLLM's socket files
+    goes with them."""
     pytest.importorskip("vllm", reason="scripts/test installs vllm unless TIERGATE_VLLM=0")
     script = tmp_path / "engine_server.py"
     script.write_text(ENGINE_SERVER)
@@ -205,9 +213,15 @@ def test_the_vllm_engine_processes_end_when_its_server_is_killed(tmp_path, tiny_
         # a session of their own is a CPU share of their own (autogroups), which starved the server
         assert all(os.getpgid(p) != os.getpgid(proc.pid) for p in engine)
         assert all(os.getsid(p) == os.getsid(proc.pid) for p in engine)
+        sockets = Path(pids["sockets"])  # tiergate's own folder for vLLM's socket files
+        assert sockets.name.startswith(f"tiergate-vllm-{proc.pid}-") and any(sockets.iterdir())
         proc.kill()
         proc.wait()
         assert wait_gone(engine, within_s=reaper.GRACE_S + 10) == []
+        deadline = time.monotonic() + 10  # the reaper removes it after the engine's processes end
+        while sockets.exists() and time.monotonic() < deadline:
+            time.sleep(0.05)
+        assert not sockets.exists()  # a killed server never ran its exit, which removes it
     finally:
         cleanup(*engine, pids["reaper"])
 

@@ -98,7 +98,8 @@ def _rpc_folder() -> Path:
     """Where vLLM puts its ZMQ socket files: ``VLLM_RPC_BASE_PATH``, by default the system's temp
     folder, where vLLM 0.32 leaves them after an engine shuts down (7 per engine start on this CPU
     build). Unless the operator set it, tiergate gives them a folder of its own, removed when this
-    process exits; each engine removes the files its start made when it shuts down.
+    process exits (by the reaper if it is killed); each engine removes the files its start made
+    when it shuts down.
 
     A folder another tiergate process made (a server started by this one inherits its
     environment) is not used: the process that made it removes it when it exits, under the
@@ -249,6 +250,8 @@ class VllmChatEngine(Worker):
             if self._llm is None:
                 self._remove_sockets()
         await asyncio.to_thread(reaper.guard_new_descendants, before)
+        if os.environ.get(_RPC_OWNER) == str(os.getpid()):  # tiergate's own folder: gone with this process
+            reaper.remove_when_gone(str(rpc))
         self.max_model_len = self._llm.model_config.max_model_len
 
     def _check_head_size(self) -> None:

@@ -11,7 +11,9 @@ The reaper is a small process of its own, started by the serving process at the 
 processes to guard, each as its pid and its start time, and watches the serving process (a pidfd,
 or its parent pid where pidfds are missing). When the serving process is gone, the reaper sends
 SIGTERM to each guarded process that is still the same process (same pid, same start time: a pid
-can be reused), and SIGKILL to those still running ``grace_s`` later. It runs in a session of its
+can be reused), and SIGKILL to those still running ``grace_s`` later; then it removes the folders
+handed to it with :func:`remove_when_gone` (vLLM's socket folder, which the serving process
+removes at its exit when it gets to run it). It runs in a session of its
 own and ignores SIGINT, SIGTERM and SIGHUP: a signal to the serving process's group (Ctrl+C, a
 shell's ``kill -- -PGID``) must not end it before the serving process, which it outlives by at
 most the grace period.
@@ -39,6 +41,7 @@ import contextlib
 import multiprocessing.util
 import os
 import select
+import shutil
 import signal
 import subprocess
 import sys
@@ -52,6 +55,7 @@ _POLL_S = 0.5  # how often the parent is checked where there is no pidfd
 _lock = threading.Lock()
 _reaper: subprocess.Popen | None = None
 _guarded: set[tuple[int, int]] = set()
+_removing: set[str] = set()  # folders handed to the reaper
 _groups = 0  # own_group blocks open
 _spawnv_passfds = multiprocessing.util.spawnv_passfds  # what multiprocessing spawns with
 
@@ -100,15 +104,10 @@ def guard_new_descendants(before: set[int], grace_s: float = GRACE_S) -> list[in
     """Guard the processes below this one that are not in ``before`` (the pids of
     :func:`descendants` taken before starting them): they are signalled once this process is gone.
     Returns the pids newly guarded."""
-    global _reaper
     if not sys.platform.startswith("linux"):
         return []
     with _lock:
-        if _reaper is None or _reaper.poll() is not None:
-            _reaper = subprocess.Popen([sys.executable, "-I", os.path.abspath(__file__), str(os.getpid()), str(grace_s)],
-                                       stdin=subprocess.PIPE, stdout=subprocess.DEVNULL, close_fds=True,
-                                       start_new_session=True)
-            _guarded.clear()
+        _start(grace_s)
         new = []
         for pid in descendants(os.getpid()):
             started = start_time(pid)
@@ -119,6 +118,29 @@ def guard_new_descendants(before: set[int], grace_s: float = GRACE_S) -> list[in
             _reaper.stdin.write(f"{pid} {started}\n".encode())
         _reaper.stdin.flush()
         return new
+
+
+def remove_when_gone(folder: str, grace_s: float = GRACE_S) -> None:
+    """Have the reaper remove ``folder`` (and what it holds) once this process is gone and the
+    guarded processes have ended: what this process would remove at exit, had it run its exit."""
+    if not sys.platform.startswith("linux"):
+        return
+    with _lock:
+        _start(grace_s)
+        if folder not in _removing:
+            _removing.add(folder)
+            _reaper.stdin.write(f"remove {folder}\n".encode())
+            _reaper.stdin.flush()
+
+
+def _start(grace_s: float) -> None:
+    global _reaper
+    if _reaper is None or _reaper.poll() is not None:
+        _reaper = subprocess.Popen([sys.executable, "-I", os.path.abspath(__file__), str(os.getpid()), str(grace_s)],
+                                   stdin=subprocess.PIPE, stdout=subprocess.DEVNULL, close_fds=True,
+                                   start_new_session=True)
+        _guarded.clear()
+        _removing.clear()
 
 
 # Runs in the spawned process before its program: a group of its own, then the program itself
@@ -150,9 +172,9 @@ def own_group() -> Iterator[None]:
 
 
 # -- the reaper's program --------------------------------------------------------------------------
-def _read_lines(fd: int, pending: bytes, guarded: dict[int, int]) -> tuple[bytes, bool]:
-    """Read what the pipe holds now into ``guarded``; returns the unfinished line and whether the
-    pipe is closed (every writer gone)."""
+def _read_lines(fd: int, pending: bytes, guarded: dict[int, int], folders: set[str]) -> tuple[bytes, bool]:
+    """Read what the pipe holds now into ``guarded`` ("PID START" lines) and ``folders`` ("remove
+    PATH" lines); returns the unfinished line and whether the pipe is closed (every writer gone)."""
     try:
         data = os.read(fd, 65536)
     except BlockingIOError:
@@ -161,8 +183,11 @@ def _read_lines(fd: int, pending: bytes, guarded: dict[int, int]) -> tuple[bytes
         return pending, True
     *lines, pending = (pending + data).split(b"\n")
     for line in lines:
-        pid, started = line.split()
-        guarded[int(pid)] = int(started)
+        word, rest = line.split(b" ", 1)
+        if word == b"remove":
+            folders.add(os.fsdecode(rest))
+        else:
+            guarded[int(word)] = int(rest)
     return pending, False
 
 
@@ -190,6 +215,7 @@ def main(parent: int, grace_s: float) -> None:
         signal.signal(sig, signal.SIG_IGN)
     fd = sys.stdin.fileno()
     guarded: dict[int, int] = {}
+    folders: set[str] = set()
     pending, closed = b"", False
     try:
         parent_gone = os.pidfd_open(parent)  # readable once the parent has exited
@@ -201,16 +227,18 @@ def main(parent: int, grace_s: float) -> None:
         watch = ([] if closed else [fd]) + ([parent_gone] if parent_gone >= 0 else [])
         ready = select.select(watch, [], [], None if parent_gone >= 0 else _POLL_S)[0]
         if fd in ready:
-            pending, closed = _read_lines(fd, pending, guarded)
+            pending, closed = _read_lines(fd, pending, guarded, folders)
         if parent_gone >= 0 and parent_gone in ready:
             break
     os.set_blocking(fd, False)  # what the parent wrote before it went: a process started may
     while not closed:  # hold the pipe's write end, so read what is there, not until its end
-        before = len(guarded)
-        pending, closed = _read_lines(fd, pending, guarded)
-        if len(guarded) == before and not closed:
+        before = len(guarded) + len(folders)
+        pending, closed = _read_lines(fd, pending, guarded, folders)
+        if len(guarded) + len(folders) == before and not closed:
             break
     _reap(guarded, grace_s)
+    for folder in folders:
+        shutil.rmtree(folder, ignore_errors=True)
 
 
 if __name__ == "__main__":
