@@ -24,6 +24,14 @@ Measured, sequential requests (chat, ``max_tokens`` 1, not streamed) over HTTP o
   1,000 requests are counted as the misses per 1,000.
 * overhead: ``--requests`` requests for ``a`` through the cluster's ingress and the same through
   ``tiergate serve``; the difference of their p50 and of their p99.
+* the flood: ``--requests`` paid requests for ``a`` on each side while eight free clients ask for
+  ``a`` back to back (16 tokens each).
+
+Both servers run side by side, and the overhead and flood samples are taken in ``--rounds``
+interleaved rounds (alone on each side, then the flood on each; the side that goes first alternates)
+and pooled per side, so a machine that drifts during the run moves both sides alike. (Until
+2026-12-01 the two sides ran one after the other, and the flood ratio's verdict swung between
+-26% and +48% from run to run.)
 
 Judged (issue 16): >= 99% of requests land where their model is resident; 0 loads per 1,000
 requests in steady state; the cluster adds <= 5 ms at p50 and <= 20 ms at p99 (n/a when the load
@@ -42,6 +50,7 @@ printed beside it. n/a under load like the latency targets.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import os
 import random
 import statistics
@@ -49,8 +58,9 @@ import subprocess
 import sys
 import tempfile
 import time
-from dataclasses import replace
+from dataclasses import dataclass, field, replace
 from pathlib import Path
+from typing import Iterator
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
@@ -145,9 +155,10 @@ def cpu_by_role(before: dict, after: dict) -> dict[str, float]:
     return out
 
 
-def serve_single(config: Path, n: int) -> tuple[list[float], list[float], float]:
-    """``tiergate serve`` on the same tiers.yaml in its own process: ``n`` timed requests for a,
-    paid under a free flood, and the CPU seconds the server used per timed request."""
+@contextlib.contextmanager
+def serve_single(config: Path) -> Iterator[tuple[str, int]]:
+    """``tiergate serve`` on the same tiers.yaml in its own process, started and warmed: (its URL,
+    its pid)."""
     import httpx
 
     port = spare_port()
@@ -171,21 +182,17 @@ def serve_single(config: Path, n: int) -> tuple[list[float], list[float], float]
                 time.sleep(0.2)
             for _ in range(5):
                 ask(client, url, "a", "paid")
-            before = tree_cpu_s(proc.pid)
-            alone = [ask(client, url, "a", "paid")[1] for _ in range(n)]
-            cpu = sum(tree_cpu_s(proc.pid).values()) - sum(before.values())
-        return alone, under_flood(url, n), cpu / n
+        yield url, proc.pid
     finally:
         proc.terminate()
         proc.wait(30)
 
 
-def run_cluster(config_path: Path, n: int, seed: int,
-                proxy: bool = False) -> tuple[int, int, list[float], list[float], dict[str, float]]:
-    """The landing run, the overhead run and the flood run through the cluster, as ``tiergate
-    cluster`` runs it (the ingress serves HTTP itself: Serve's direct ingress), or with ``proxy``
-    through Serve's proxy: (hits, requests, latencies, paid latencies under a free flood, CPU seconds
-    per overhead request by role)."""
+@contextlib.contextmanager
+def cluster(config_path: Path, n: int, seed: int, proxy: bool = False) -> Iterator[tuple[str, int]]:
+    """The cluster as ``tiergate cluster`` runs it (the ingress serves HTTP itself: Serve's direct
+    ingress), or with ``proxy`` through Serve's proxy, after its landing run: (its URL, how many of
+    the ``n`` landing requests landed where their model is resident)."""
     import httpx
     import ray
     from ray import serve
@@ -221,13 +228,52 @@ def run_cluster(config_path: Path, n: int, seed: int,
                 model = rng.choice("ab")
                 r, _ = ask(client, url, model, rng.choice(TIERS[:3]))
                 hits += r.status_code == 200 and r.headers["x-tiergate-replica"] == home[model]
-            before = tree_cpu_s(os.getpid())
-            latencies = [ask(client, url, "a", "paid")[1] for _ in range(n)]
-            roles = cpu_by_role(before, tree_cpu_s(os.getpid()))
-        return hits, n, latencies, under_flood(url, n), {r: c / n for r, c in roles.items()}
+            for _ in range(5):
+                ask(client, url, "a", "paid")
+        yield url, hits
     finally:
         serve.shutdown()
         ray.shutdown()
+
+
+@dataclass
+class Side:
+    """One server's samples, pooled over the rounds: paid alone, paid under the flood, and the CPU
+    seconds by role (see ``cpu_by_role``; ``tiergate serve`` is one role) over the alone runs."""
+
+    url: str
+    alone: list[float] = field(default_factory=list)
+    flood: list[float] = field(default_factory=list)
+    cpu: dict[str, float] = field(default_factory=dict)
+
+
+def measure(sides: dict[str, Side], serve_pid: int, n: int, rounds: int) -> None:
+    """``n`` paid requests alone and ``n`` under the flood per side, in ``rounds`` interleaved
+    rounds (alone on each side, then the flood on each, the first side alternating by round), so
+    that a machine that slows down or speeds up during the run moves both sides alike."""
+    import httpx
+
+    serve_tree = lambda: tree_cpu_s(serve_pid)  # noqa: E731
+    for r in range(rounds):
+        share = n // rounds + (r < n % rounds)
+        names = list(sides) if r % 2 == 0 else list(reversed(sides))
+        for name in names:
+            side = sides[name]
+            own = name == "tiergate serve"
+            before = serve_tree() if own else tree_cpu_s(os.getpid())
+            with httpx.Client(timeout=120) as client:
+                side.alone += [ask(client, side.url, "a", "paid")[1] for _ in range(share)]
+            if own:
+                after = serve_tree()
+                used = {"tiergate serve": sum(after.values()) - sum(before.values())}
+            else:  # the driver's tree less tiergate serve's process, which the driver started
+                skip = set(serve_tree())
+                after = {k: v for k, v in tree_cpu_s(os.getpid()).items() if k not in skip}
+                used = cpu_by_role({k: v for k, v in before.items() if k not in skip}, after)
+            for role, cpu in used.items():
+                side.cpu[role] = side.cpu.get(role, 0.0) + cpu
+        for name in names:
+            sides[name].flood += under_flood(sides[name].url, share)
 
 
 def overhead(claim: str, value: float, limit: float, why_not: str, unit: str = " ms") -> Target:
@@ -313,6 +359,8 @@ def main() -> int:
     ap.add_argument("--models-dir", type=Path, default=ROOT / "demo-models")
     ap.add_argument("--requests", type=int, default=1000)
     ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--rounds", type=int, default=4,
+                    help="interleaved rounds the --requests per side and phase are split over")
     ap.add_argument("--stale-seeds", type=int, default=20, help="randomized stale-stats runs (300 s simulated each)")
     ap.add_argument("--smoke", action="store_true", help="tiny counts; no verdict")
     ap.add_argument("--proxy", action="store_true",
@@ -328,9 +376,16 @@ def main() -> int:
         config.write_text(config_text(chat.resolve()))
         load_start = os.getloadavg()[0]
         with OtherLoad() as other:  # the CPU processes outside this benchmark's tree use meanwhile
-            single, single_flood, single_cpu = serve_single(config, n)
-            hits, total, through, through_flood, roles = run_cluster(config, n, args.seed, args.proxy)
+            with serve_single(config) as (single_url, serve_pid), \
+                    cluster(config, n, args.seed, args.proxy) as (cluster_url, hits):
+                sides = {"tiergate serve": Side(single_url), "cluster": Side(cluster_url)}
+                measure(sides, serve_pid, n, 2 if args.smoke else args.rounds)
         load_end = os.getloadavg()[0]
+    total = n
+    single, single_flood = sides["tiergate serve"].alone, sides["tiergate serve"].flood
+    through, through_flood = sides["cluster"].alone, sides["cluster"].flood
+    single_cpu = sides["tiergate serve"].cpu["tiergate serve"] / n
+    roles = {role: cpu / n for role, cpu in sides["cluster"].cpu.items()}
 
     stale = stale_runs(1 if args.smoke else args.stale_seeds, 20 if args.smoke else 300)
     print(f"stale stats ({PERIOD_S:g} s reports), {stale['requests']} simulated requests: {stale['refused']} refused "
