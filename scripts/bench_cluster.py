@@ -31,7 +31,7 @@ Both servers run side by side, and the overhead and flood samples are taken in `
 interleaved rounds (alone on each side, then the flood on each; the side that goes first alternates)
 and pooled per side, so a machine that drifts during the run moves both sides alike. (Until
 2026-12-01 the two sides ran one after the other, and the flood ratio's verdict swung between
--26% and +48% from run to run.)
+-26% and +54% from run to run.)
 
 Judged (issue 16): >= 99% of requests land where their model is resident; 0 loads per 1,000
 requests in steady state; the cluster adds <= 5 ms at p50 and <= 20 ms at p99 (n/a when the load
@@ -253,21 +253,20 @@ def measure(sides: dict[str, Side], serve_pid: int, n: int, rounds: int) -> None
     that a machine that slows down or speeds up during the run moves both sides alike."""
     import httpx
 
-    serve_tree = lambda: tree_cpu_s(serve_pid)  # noqa: E731
     for r in range(rounds):
         share = n // rounds + (r < n % rounds)
         names = list(sides) if r % 2 == 0 else list(reversed(sides))
         for name in names:
             side = sides[name]
             own = name == "tiergate serve"
-            before = serve_tree() if own else tree_cpu_s(os.getpid())
+            before = tree_cpu_s(serve_pid) if own else tree_cpu_s(os.getpid())
             with httpx.Client(timeout=120) as client:
                 side.alone += [ask(client, side.url, "a", "paid")[1] for _ in range(share)]
             if own:
-                after = serve_tree()
+                after = tree_cpu_s(serve_pid)
                 used = {"tiergate serve": sum(after.values()) - sum(before.values())}
             else:  # the driver's tree less tiergate serve's process, which the driver started
-                skip = set(serve_tree())
+                skip = set(tree_cpu_s(serve_pid))
                 after = {k: v for k, v in tree_cpu_s(os.getpid()).items() if k not in skip}
                 used = cpu_by_role({k: v for k, v in before.items() if k not in skip}, after)
             for role, cpu in used.items():
