@@ -195,8 +195,9 @@ def test_the_vllm_engine_processes_end_when_its_server_is_killed(tmp_path, tiny_
     pytest.importorskip("vllm", reason="scripts/test installs vllm unless TIERGATE_VLLM=0")
     script = tmp_path / "engine_server.py"
     script.write_text(ENGINE_SERVER)
+    env = {k: v for k, v in os.environ.items() if k not in ("VLLM_RPC_BASE_PATH", "TIERGATE_VLLM_RPC_OWNER")}
     proc = subprocess.Popen([sys.executable, str(script), str(tiny_chat)], stdout=subprocess.PIPE, text=True,
-                            env={**os.environ, "PYTHONPATH": str(ROOT)}, start_new_session=True)
+                            env={**env, "PYTHONPATH": str(ROOT)}, start_new_session=True)  # a folder of its own
     out = []
     for line in proc.stdout:
         out.append(line)
