@@ -250,6 +250,57 @@ def test_own_group_puts_what_multiprocessing_spawns_in_a_group_of_its_own():
             p.join()
 
 
+# A server in a terminal with ``stty tostop``: the process it spawns in a group of its own (as a
+# vLLM engine core) writes to the terminal from a background group.
+TERMINAL = textwrap.dedent("""
+    import multiprocessing, termios
+    from workers import reaper
+
+    def engine():
+        print("the engine wrote", flush=True)
+
+    if __name__ == "__main__":
+        attrs = termios.tcgetattr(1)
+        attrs[3] |= termios.TOSTOP
+        termios.tcsetattr(1, termios.TCSANOW, attrs)
+        with reaper.own_group():
+            p = multiprocessing.get_context("spawn").Process(target=engine)
+            p.start()
+        p.join(30)
+        print("exit code", p.exitcode, flush=True)
+        p.kill()
+""")
+
+
+def test_a_group_of_its_own_still_writes_to_a_terminal_with_tostop_set(tmp_path):
+    """Without SIGTTOU ignored, the engine's first write stops it (a background group's write to
+    a terminal with tostop set) and it never exits."""
+    import pty
+    import select
+
+    script = tmp_path / "terminal.py"
+    script.write_text(TERMINAL)
+    pid, fd = pty.fork()  # the child: a session leader with the new terminal as its controlling one
+    if pid == 0:
+        os.execve(sys.executable, [sys.executable, str(script)], {**os.environ, "PYTHONPATH": str(ROOT)})
+    out, deadline = b"", time.monotonic() + 90
+    try:
+        while b"exit code" not in out and time.monotonic() < deadline:
+            if select.select([fd], [], [], 1)[0]:
+                try:
+                    data = os.read(fd, 4096)
+                except OSError:  # the terminal's other side closed
+                    break
+                if not data:
+                    break
+                out += data
+    finally:
+        cleanup(pid)
+        os.waitpid(pid, 0)
+        os.close(fd)
+    assert b"the engine wrote" in out and b"exit code 0" in out, out.decode(errors="replace")[-2000:]
+
+
 def test_a_tiergate_started_by_another_takes_a_socket_folder_of_its_own(tmp_path):
     """VLLM_RPC_BASE_PATH inherited from a tiergate parent names the parent's folder, which the
     parent removes when it exits: the child makes its own. An operator's folder is kept."""

@@ -28,8 +28,9 @@ them. A group, not a session: Linux's scheduler gives each session its own share
 (autogroups), and with the engine core in a session of its own (``setsid``, tried first) the
 engine decoded a whole 480-token reply before the serving process delivered its first chunk on
 this 2-core machine: streams came in 3-6 bursts instead of 240 chunks, and a paid request arrived
-after the batch reply it should have paused had finished. (In a terminal the engine's group is a
-background group: with ``stty tostop`` set, its writes to the terminal would stop it.)
+after the batch reply it should have paused had finished. In a terminal the engine's group is a
+background group, which ``stty tostop`` stops (SIGTTOU) at its first write to the terminal; the
+group's processes ignore SIGTTOU, so their logs are written as before.
 
 This file is also the reaper's program (``python reaper.py PARENT_PID GRACE_S``): standard library only, so
 it starts in a few milliseconds and imports nothing of the project.
@@ -143,9 +144,12 @@ def _start(grace_s: float) -> None:
         _removing.clear()
 
 
-# Runs in the spawned process before its program: a group of its own, then the program itself
-# (same pid, same argv). -I -S: no site, no environment; it starts in ~10 ms.
-_NEW_GROUP = "import os, sys; os.setpgid(0, 0); os.execv(sys.argv[1], sys.argv[2:])"
+# Runs in the spawned process before its program: a group of its own, SIGTTOU ignored (a
+# background group's writes to a terminal with tostop set are then written, not stopped; an
+# ignored signal stays ignored across exec), then the program itself (same pid, same argv).
+# -I -S: no site, no environment; it starts in ~10 ms.
+_NEW_GROUP = ("import os, signal, sys; os.setpgid(0, 0); signal.signal(signal.SIGTTOU, signal.SIG_IGN); "
+              "os.execv(sys.argv[1], sys.argv[2:])")
 
 
 @contextlib.contextmanager
