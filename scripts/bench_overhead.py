@@ -2,8 +2,8 @@
 """Gateway overhead: what tiergate adds per request over a bare Starlette endpoint that makes the
 same engine call on the same model, over real HTTP on 127.0.0.1, at 1 and at 64 concurrent clients.
 
-    python scripts/bench_overhead.py                 # about a minute on 2 cores
-    python scripts/bench_overhead.py --rounds 5 --requests 400 --clients 1 64
+    python scripts/bench_overhead.py                 # 5 rounds, about 1.5 minutes on 2 cores
+    python scripts/bench_overhead.py --rounds 9 --requests 400 --clients 1 64
     python scripts/bench_overhead.py --engine vllm   # chat on the vLLM engine (its core in its own process)
     python scripts/bench_overhead.py --smoke         # tiny counts, the real code path; no verdict
 
@@ -34,7 +34,9 @@ the event loop; on vLLM the engine core does not.
 The client is this process: closed-loop keep-alive connections written on asyncio streams (a
 minimal HTTP/1.1 client, so that the client's own cost, which lands on the same cores, stays
 small and equal for both). Per round, per endpoint, per concurrency level, the two servers take
-turns (the order reversed every other round); the figures are medians over ``--rounds`` rounds.
+turns (the order reversed every other round); the figures are medians over ``--rounds`` rounds
+(5 by default: with 3, the 1-client p50 added ranged -0.58 to +2.00 ms between the rounds of one
+run on a quiet machine, so one slow round in three could decide a 1 ms target).
 
 Judged, per endpoint: the p50 latency tiergate adds at 1 client <= 1 ms (the median over the
 rounds of p50(tiergate) - p50(bare)), and tiergate's throughput >= 0.9x the bare endpoint's at 64
@@ -516,7 +518,7 @@ def main() -> int:
     ap.add_argument("--requests", type=int, default=640, help="per run above 1 client")
     ap.add_argument("--requests-alone", type=int, default=200, help="per run at 1 client")
     ap.add_argument("--warmup", type=int, default=20)
-    ap.add_argument("--rounds", type=int, default=3)
+    ap.add_argument("--rounds", type=int, default=5)
     ap.add_argument("--server-threads", type=int, default=1, help="torch intra-op threads per server")
     ap.add_argument("--engine", default="transformers", choices=["transformers", "vllm"],
                     help="tiny-chat's engine behind both servers (vllm: its engine core in a child process)")
