@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import importlib.util
 import os
+from concurrent.futures import Future, ThreadPoolExecutor
 import subprocess
 import sys
 from pathlib import Path
@@ -60,30 +61,34 @@ def cluster_smoke(request, demo_dir: Path, tiny_chat: Path, tmp_path_factory) ->
             f.close()
 
 
+# The smoke runs that load models keep about one core busy each (bench_tiers: 18.6 s of CPU in 18.0 s)
+# while this process waits: two at a time, started with the module, each test reading its own.
+MODEL_SMOKES = {
+    "bench_swap.py": ("--models-dir", "{demo}", "--device", "cpu"),
+    "bench_chat.py": ("--model", "{chat}"),
+    "bench_tiers.py": ("--models-dir", "{demo}"),
+    "bench_overhead.py": ("--models-dir", "{demo}"),
+    "bench_batch.py": ("--models-dir", "{demo}"),
+}
+
+
+@pytest.fixture(scope="module")
+def model_smokes(request, demo_dir: Path, tiny_chat: Path, tiny_embed: Path) -> Iterator[dict[str, Future]]:
+    wanted = {item.callspec.params["script"] for item in request.session.items
+              if getattr(item, "originalname", "") == "test_smoke_with_models"}
+    with ThreadPoolExecutor(max_workers=2) as pool:
+        yield {script: pool.submit(run_smoke, script, *(a.format(demo=demo_dir, chat=tiny_chat) for a in args))
+               for script, args in MODEL_SMOKES.items() if script in wanted}
+
+
 @pytest.mark.parametrize("script", ["bench_admission.py", "bench_lora_merge.py"])
 def test_smoke_without_models(script: str) -> None:
     assert check_verdict(run_smoke(script)) == f"verdict: n/a {SMOKE}"
 
 
-def test_smoke_bench_swap(demo_dir: Path, tiny_chat: Path) -> None:
-    last = check_verdict(run_smoke("bench_swap.py", "--models-dir", str(demo_dir), "--device", "cpu"))
-    assert last == f"verdict: n/a {SMOKE}"
-
-
-def test_smoke_bench_chat(tiny_chat: Path) -> None:
-    assert check_verdict(run_smoke("bench_chat.py", "--model", str(tiny_chat))) == f"verdict: n/a {SMOKE}"
-
-
-def test_smoke_bench_tiers(demo_dir: Path, tiny_chat: Path) -> None:
-    assert check_verdict(run_smoke("bench_tiers.py", "--models-dir", str(demo_dir))) == f"verdict: n/a {SMOKE}"
-
-
-def test_smoke_bench_overhead(demo_dir: Path, tiny_chat: Path, tiny_embed: Path) -> None:
-    assert check_verdict(run_smoke("bench_overhead.py", "--models-dir", str(demo_dir))) == f"verdict: n/a {SMOKE}"
-
-
-def test_smoke_bench_batch(demo_dir: Path, tiny_chat: Path) -> None:
-    assert check_verdict(run_smoke("bench_batch.py", "--models-dir", str(demo_dir))) == f"verdict: n/a {SMOKE}"
+@pytest.mark.parametrize("script", list(MODEL_SMOKES))
+def test_smoke_with_models(script: str, model_smokes: dict[str, Future]) -> None:
+    assert check_verdict(model_smokes[script].result()) == f"verdict: n/a {SMOKE}"
 
 
 def test_smoke_bench_accounts() -> None:
