@@ -75,7 +75,7 @@ def test_serve_from_clean_checkout(tmp_path):
 
         # Ctrl+C in the terminal: SIGINT to the whole process group, mid-stream. The server drains
         # the stream to its end and exits 0 (vLLM's engine, the demo's chat engine where vLLM is
-        # installed, runs in a session of its own, so the signal does not stop it first).
+        # installed, runs in a process group of its own, so the signal does not stop it first).
         chunks = []
         events = client.chat.completions.create(model="tiny-chat", messages=[{"role": "user", "content": "hi"}],
                                                 max_tokens=480, temperature=0, stream=True,
