@@ -14,17 +14,23 @@ if [ ! -x "$PY" ]; then
   echo "tiergate: creating $VENV" >&2
   python3 -m venv "$VENV"
 fi
-PIP=("$PY" -m pip install -q --disable-pip-version-check)
+source "$ROOT/scripts/install_vllm.sh"  # vllm_pip: installs with uv where the environment has it
+
+# uv, which then installs the rest (scripts/install_vllm.sh, vllm_pip); without it, pip does.
+if [ ! -x "$VENV/bin/uv" ]; then
+  echo "tiergate: installing uv" >&2
+  "$PY" -m pip install -q --disable-pip-version-check uv || echo "tiergate: uv did not install; pip installs the rest" >&2
+fi
 
 # torch first: the CPU build where there is no CUDA (this pin lies on disk here), so nothing that
 # depends on torch later makes pip fetch a multi-GB CUDA build.
 if ! "$PY" -c "import torch" >/dev/null 2>&1; then
   if has_cuda; then
     echo "tiergate: installing torch (CUDA)" >&2
-    "${PIP[@]}" torch
+    vllm_pip "$PY" install torch
   else
     echo "tiergate: installing torch 2.13.0 (CPU)" >&2
-    "${PIP[@]}" "torch==2.13.0"
+    vllm_pip "$PY" install "torch==2.13.0"
   fi
 fi
 
@@ -37,10 +43,9 @@ STAMP="$VENV/.tiergate-installed-${EXTRAS:-base}"
 if [ "$(cat "$STAMP" 2>/dev/null)" != "$HASH" ]; then
   echo "tiergate: installing tiergate${EXTRAS:+[$EXTRAS]} and its dependencies" >&2
   if [ "${TIERGATE_VLLM:-1}" = 1 ]; then
-    source "$ROOT/scripts/install_vllm.sh"
     install_vllm "$PY -m pip" "$EXTRAS"
   else
-    "${PIP[@]}" -e "$ROOT${EXTRAS:+[$EXTRAS]}"
+    vllm_pip "$PY" install -e "$ROOT${EXTRAS:+[$EXTRAS]}"
   fi
   echo "$HASH" > "$STAMP"
   echo "$HASH" > "$VENV/.tiergate-installed-base"
