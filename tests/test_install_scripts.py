@@ -164,3 +164,69 @@ def test_shellcheck_every_script():
     assert len(scripts) >= 6
     result = subprocess.run([shellcheck, "-x", *map(str, scripts)], cwd=ROOT, capture_output=True, text=True)
     assert result.returncode == 0, result.stdout + result.stderr
+
+
+# -- vllm_pip (scripts/install_vllm.sh): uv where the environment has it, pip otherwise -------------
+
+def sourced(script: str, *args: str, env: dict[str, str] | None = None) -> subprocess.CompletedProcess:
+    """``script`` run by bash after sourcing scripts/install_vllm.sh, with ``args`` as $1, $2, ...;
+    pip's own config files left out (PIP_CONFIG_FILE), so only ``env`` sets pip's settings."""
+    return subprocess.run([BASH, "-c", f'source "{ROOT / "scripts" / "install_vllm.sh"}"; {script}', "bash", *args],
+                          env={**os.environ, "PIP_CONFIG_FILE": os.devnull, **(env or {})},
+                          capture_output=True, text=True, timeout=300)
+
+
+def test_uv_is_handed_the_settings_pip_would_use():
+    """uv reads neither pip.conf nor PIP_*: find-links, constraints, indexes and the CA bundle that
+    pip would use on this machine are passed to it as options."""
+    env = {"PIP_FIND_LINKS": "/opt/wheels", "PIP_CONSTRAINT": "/etc/pins.txt", "PIP_INDEX_URL": "https://pypi.example/simple",
+           "PIP_EXTRA_INDEX_URL": "file:///opt/a/simple file:///opt/b/simple", "PIP_CERT": "/etc/ca.pem"}
+    result = sourced('_vllm_uv_settings "$1"; printf "%s\\n" "${_VLLM_UV_SETTINGS[@]}"', sys.executable, env=env)
+    assert result.returncode == 0, result.stderr
+    assert result.stdout.split() == [
+        "--index-strategy", "unsafe-best-match", "--compile-bytecode", "--find-links", "/opt/wheels",
+        "--constraints", "/etc/pins.txt", "--index-url", "https://pypi.example/simple",
+        "--extra-index-url", "file:///opt/a/simple", "--extra-index-url", "file:///opt/b/simple", "--cert", "/etc/ca.pem"]
+
+
+def tiny_wheel(folder: Path, name: str) -> Path:
+    """A wheel with one module and no dependencies, written by hand (nothing to download)."""
+    import base64
+    import hashlib
+    import zipfile
+
+    files = {f"{name}.py": "VALUE = 1\n",
+             f"{name}-0.1.dist-info/METADATA": f"Metadata-Version: 2.1\nName: {name}\nVersion: 0.1\n",
+             f"{name}-0.1.dist-info/WHEEL": "Wheel-Version: 1.0\nGenerator: hand\nRoot-Is-Purelib: true\nTag: py3-none-any\n"}
+    record = [f"{path},sha256={base64.urlsafe_b64encode(hashlib.sha256(text.encode()).digest()).rstrip(b'=').decode()},"
+              f"{len(text.encode())}" for path, text in files.items()]
+    files[f"{name}-0.1.dist-info/RECORD"] = "\n".join(record + [f"{name}-0.1.dist-info/RECORD,,"]) + "\n"
+    wheel = folder / f"{name}-0.1-py3-none-any.whl"
+    with zipfile.ZipFile(wheel, "w") as z:
+        for path, text in files.items():
+            z.writestr(path, text)
+    return wheel
+
+
+def test_vllm_pip_installs_with_uv_where_the_venv_has_it_and_with_pip_otherwise(tmp_path):
+    uv = shutil.which("uv", path=str(Path(sys.executable).parent))
+    if uv is None:
+        pytest.skip("uv is not in this environment (scripts/bootstrap.sh puts it there; pip installed instead)")
+    subprocess.run([sys.executable, "-m", "venv", str(tmp_path / "venv")], check=True, timeout=120)
+    py = tmp_path / "venv" / "bin" / "python"
+    site = Path(subprocess.run([str(py), "-c", "import sysconfig; print(sysconfig.get_paths()['purelib'])"],
+                               capture_output=True, text=True, check=True).stdout.strip())
+
+    def installer(name: str) -> str:
+        return (site / f"{name}-0.1.dist-info" / "INSTALLER").read_text().strip()
+
+    result = sourced('vllm_pip "$@"', str(py), "install", str(tiny_wheel(tmp_path, "by_pip")))
+    assert result.returncode == 0, result.stderr
+    assert installer("by_pip") == "pip"  # no uv in the venv
+    os.symlink(uv, py.parent / "uv")
+    result = sourced('vllm_pip "$@"', str(py), "install", str(tiny_wheel(tmp_path, "by_uv")))
+    assert result.returncode == 0, result.stderr
+    assert installer("by_uv") == "uv"
+    result = sourced('vllm_pip "$@"', str(py), "uninstall", "by_pip", "by_uv")
+    assert result.returncode == 0, result.stderr
+    assert not list(site.glob("by_*"))
