@@ -6,9 +6,9 @@ from __future__ import annotations
 
 import importlib.util
 import os
-from concurrent.futures import Future, ThreadPoolExecutor
 import subprocess
 import sys
+from concurrent.futures import Future, ThreadPoolExecutor
 from pathlib import Path
 from typing import Iterator
 

@@ -282,7 +282,10 @@ def test_a_group_of_its_own_still_writes_to_a_terminal_with_tostop_set(tmp_path)
     script.write_text(TERMINAL)
     pid, fd = pty.fork()  # the child: a session leader with the new terminal as its controlling one
     if pid == 0:
-        os.execve(sys.executable, [sys.executable, str(script)], {**os.environ, "PYTHONPATH": str(ROOT)})
+        try:
+            os.execve(sys.executable, [sys.executable, str(script)], {**os.environ, "PYTHONPATH": str(ROOT)})
+        finally:
+            os._exit(127)  # never go on running pytest in the child
     out, deadline = b"", time.monotonic() + 90
     try:
         while time.monotonic() < deadline:  # until the child has exited and its terminal closed

@@ -468,23 +468,31 @@ async def _collect_worker(worker, r) -> tuple[str, ChatFinished]:
 
 
 # -- vLLM's socket files -----------------------------------------------------------------------------
-def test_a_start_that_fails_part_way_removes_the_socket_files_it_made(loop, model_dir, monkeypatch):
-    """vLLM binds its ZMQ sockets before the engine core has loaded anything; a start that fails
-    after that (the engine core dies loading the weights, say) must not leave them behind."""
+def test_a_start_that_fails_part_way_removes_the_socket_files_it_made(loop, model_dir, tmp_path):
+    """A real start that fails after vLLM has made its socket files: the model's weights are cut
+    short, so the engine core dies loading them. The files must not stay behind."""
     import os
+    import shutil
 
-    from vllm.v1.engine.async_llm import AsyncLLM
-
-    def bind_then_fail(args):
-        for name in ("input", "output"):
-            (Path(os.environ["VLLM_RPC_BASE_PATH"]) / f"failed-start-{name}").touch()
-        raise RuntimeError("Engine core initialization failed")
-
-    monkeypatch.setattr(AsyncLLM, "from_engine_args", staticmethod(bind_then_fail))
-    eng = VllmChatEngine(ModelSpec("tiny-chat", "chat", model_dir, engine="vllm"), max_model_len=512,
+    broken = tmp_path / "broken-chat"
+    shutil.copytree(model_dir, broken)
+    weights = broken / "model.safetensors"
+    weights.write_bytes(weights.read_bytes()[:4096])
+    eng = VllmChatEngine(ModelSpec("tiny-chat", "chat", broken, engine="vllm"), max_model_len=512,
                          kv_cache_bytes=64 << 20, dtype="float32", enforce_eager=True)
-    with pytest.raises(RuntimeError, match="initialization failed"):
+    folder = Path(os.environ.get("VLLM_RPC_BASE_PATH", "/nonexistent"))
+    before = set(folder.iterdir()) if folder.is_dir() else set()
+    made: list[set[Path]] = []
+    remove = eng._remove_sockets
+
+    def seen_then_removed() -> None:  # what the failed start made, as it is removed
+        made.append(set(eng._sockets))
+        remove()
+
+    eng._remove_sockets = seen_then_removed
+    with pytest.raises(Exception):
         loop.run_until_complete(eng.start())
+    assert not eng.started and made and made[0], "the failed start recorded and removed no socket files"
     folder = Path(os.environ["VLLM_RPC_BASE_PATH"])
-    assert not eng.started and eng._sockets == set()
-    assert not [p for p in folder.iterdir() if p.name.startswith("failed-start-")]
+    assert not made[0] & set(folder.iterdir())
+    assert set(folder.iterdir()) - before == set()
