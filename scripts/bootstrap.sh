@@ -46,6 +46,7 @@ if [ "$(cat "$STAMP" 2>/dev/null)" != "$HASH" ]; then
     install_vllm "$PY -m pip" "$EXTRAS"
   else
     vllm_pip "$PY" install -e "$ROOT${EXTRAS:+[$EXTRAS]}"
+    repair_native_wheels "$PY"
   fi
   echo "$HASH" > "$STAMP"
   echo "$HASH" > "$VENV/.tiergate-installed-base"

