@@ -229,57 +229,65 @@ def chromium(tmp_path: Path):
 
 
 def test_the_page_shows_the_state_in_a_real_browser(server, tmp_path):
+    from selenium.common.exceptions import StaleElementReferenceException
     from selenium.webdriver.common.by import By
     from selenium.webdriver.support.ui import WebDriverWait
 
     bring_to_known_state(server)
     driver = chromium(tmp_path)
+
+    # The page re-renders its tables every second and on every event, so an element found by one
+    # WebDriver call may be gone by the next. Reads of those parts are one script each: it runs
+    # between two renders and returns values, not elements.
+    def read(css: str, what: str = "text", all_: bool = False):
+        return driver.execute_script(
+            "const f = (e) => e === null ? null : arguments[1] === 'text' ? e.innerText : e.getAttribute(arguments[1]);"
+            "return arguments[2] ? [...document.querySelectorAll(arguments[0])].map(f)"
+            " : f(document.querySelector(arguments[0]));", css, what, all_)
+
+    def model(name: str, what: str = "data-place"):
+        return read(f'#models tr[data-model="{name}"]', what)
+
     try:
-        wait = WebDriverWait(driver, 20)
+        wait = WebDriverWait(driver, 20, ignored_exceptions=(StaleElementReferenceException,))
         driver.get(server.url + "/dashboard")
         key_box = wait.until(lambda d: d.find_element(By.ID, "key") if d.find_element(By.ID, "key").is_displayed() else None)
         key_box.send_keys(server.keys["admin"])
         driver.find_element(By.ID, "connect").click()
-        wait.until(lambda d: d.find_element(By.ID, "status").get_attribute("data-state") == "live")
+        wait.until(lambda d: read("#status", "data-state") == "live")
         assert driver.execute_script("return sessionStorage.getItem('tiergate.adminKey')") == server.keys["admin"]
         assert server.keys["admin"] not in driver.current_url
 
-        def model_row(name):
-            return driver.find_element(By.CSS_SELECTOR, f'#models tr[data-model="{name}"]')
-
-        wait.until(lambda d: model_row("tiny-image").get_attribute("data-place") == "resident")
-        assert model_row("tiny-chat").get_attribute("data-place") == "warm"
-        assert model_row("tiny-tts").get_attribute("data-place") == "resident"
-        assert "protected" in model_row("tiny-tts").text and float(model_row("tiny-tts").get_attribute("data-protected-s")) > 500
+        wait.until(lambda d: model("tiny-image") == "resident")
+        assert model("tiny-chat") == "warm"
+        assert model("tiny-tts") == "resident"
+        assert "protected" in model("tiny-tts", "text") and float(model("tiny-tts", "data-protected-s")) > 500
         # the VRAM bar holds the two resident models; the host cache bar the warm one
-        on_device = {g.get_attribute("data-model"): g.get_attribute("data-place")
-                     for g in driver.find_elements(By.CSS_SELECTOR, "#vram-bar g[data-model]")}
+        on_device = dict(zip(read("#vram-bar g[data-model]", "data-model", True),
+                             read("#vram-bar g[data-model]", "data-place", True)))
         assert on_device == {"tiny-image": "resident", "tiny-tts": "resident"}
-        assert [g.get_attribute("data-model") for g in driver.find_elements(By.CSS_SELECTOR, "#host-bar g")] == ["tiny-chat"]
-        assert "6.0 GiB of 8.0 GiB" in driver.find_element(By.ID, "vram-text").text
+        assert read("#host-bar g", "data-model", True) == ["tiny-chat"]
+        assert "6.0 GiB of 8.0 GiB" in read("#vram-text")
 
-        free = driver.find_element(By.CSS_SELECTOR, '#tiers tr[data-tier="free"]')
-        assert free.find_element(By.CSS_SELECTOR, '[data-field="refused_per_min"]').text == "1"
-        assert free.find_element(By.CSS_SELECTOR, '[data-field="admitted_per_min"]').text == "3"
+        free = '#tiers tr[data-tier="free"]'
+        assert read(f'{free} [data-field="refused_per_min"]') == "1"
+        assert read(f'{free} [data-field="admitted_per_min"]') == "3"
 
-        eviction = driver.find_element(By.CSS_SELECTOR, '#events li[data-kind="eviction"]').text
-        assert "evicted tiny-chat to warm by a paid request for tiny-image" in eviction
-        refusal = driver.find_element(By.CSS_SELECTOR, '#events li[data-kind="refusal"]').text
-        assert "refused free for tiny-image: model_protected" in refusal
-        loads = [li.text for li in driver.find_elements(By.CSS_SELECTOR, '#events li[data-kind="load_finished"]')]
+        assert "evicted tiny-chat to warm by a paid request for tiny-image" in read('#events li[data-kind="eviction"]')
+        assert "refused free for tiny-image: model_protected" in read('#events li[data-kind="refusal"]')
+        loads = read('#events li[data-kind="load_finished"]', all_=True)
         assert len(loads) == 3 and any("loaded tiny-image from cold in" in t for t in loads)
 
         # live: a later eviction and a batch job reach the open page through the event stream
         r = httpx.post(f"{server.url}/admin/models/tiny-tts/unload", headers=admin(server), timeout=60)
         assert r.status_code == 200
-        wait.until(lambda d: len(d.find_elements(By.CSS_SELECTOR, '#events li[data-kind="eviction"]')) == 2)
-        assert "evicted tiny-tts to warm by an admin" in driver.find_element(By.CSS_SELECTOR, "#events li").text
-        wait.until(lambda d: model_row("tiny-tts").get_attribute("data-place") == "warm")
+        wait.until(lambda d: len(read('#events li[data-kind="eviction"]', all_=True)) == 2)
+        assert "evicted tiny-tts to warm by an admin" in read("#events li")
+        wait.until(lambda d: model("tiny-tts") == "warm")
         batch = run_speech_batch(server)
         row = f'#batches tr[data-batch="{batch}"]'
-        wait.until(lambda d: d.find_elements(By.CSS_SELECTOR, row)
-                   and d.find_element(By.CSS_SELECTOR, row).get_attribute("data-status") == "completed")
-        assert "2 / 2" in driver.find_element(By.CSS_SELECTOR, row).text
+        wait.until(lambda d: read(row, "data-status") == "completed")
+        assert "2 / 2" in read(row)
 
         shot = tmp_path / "dashboard.png"
         driver.save_screenshot(str(shot))
