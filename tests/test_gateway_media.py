@@ -229,6 +229,7 @@ SPEECH = {"model": "tiny-tts", "input": "Hello.", "voice": "alloy", "response_fo
     ({"input": " \n "}, "input", None),
     ({"input": "x" * 20001}, "input", "20000"),
     ({"input": "?!"}, "input", None),  # nothing speakable
+    ({"input": "¹ 💥"}, "input", "tokenizer"),  # no character the model's tokenizer knows (was a 500)
     ({"voice": "darth"}, "voice", "amy"),  # lists the model's voices
     ({"response_format": "aac"}, "response_format", "wav"),  # lists what is supported
     ({"speed": 4.5}, "speed", None),

@@ -217,6 +217,17 @@ def test_tts_speed(tts_worker):
         tts_worker.synthesize(tts.SpeechRequest(" ?! "), StepContext())
 
 
+def test_a_sentence_the_tokenizer_cannot_spell_is_left_out(tts_worker):
+    """VITS' character vocabulary turns "¹" into no tokens at all, which its text encoder cannot
+    run on (it raised mid-stream): such a sentence is skipped, and input made only of them is a
+    ValueError (the gateway's 400) before anything is spoken."""
+    assert tts_worker.tokenizer("¹")["input_ids"] == []
+    spoken = list(tts_worker.synthesize(tts.SpeechRequest("Hello there. ¹! Bye now."), StepContext()))
+    assert len(spoken) == 2 and all(len(c) > 0 for c in spoken)
+    with pytest.raises(ValueError, match="speakable"):
+        tts_worker.synthesize(tts.SpeechRequest("¹. 💥!"), StepContext())
+
+
 @pytest.mark.parametrize("fmt", audio.supported_speech_formats())
 def test_speech_formats_encode_and_decode(tts_worker, fmt):
     chunks = list(tts_worker.synthesize(tts.SpeechRequest("One. Two."), StepContext()))

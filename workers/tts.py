@@ -141,9 +141,11 @@ class TTSWorker(ThreadWorker):
         speaker = self.resolve_voice(req.voice)
         if not MIN_SPEED <= req.speed <= MAX_SPEED:
             raise ValueError(f"speed must be between {MIN_SPEED} and {MAX_SPEED}, got {req.speed}")
-        sentences = split_sentences(req.input)
+        # a sentence of characters the tokenizer does not know ("¹", emoji, for VITS' character
+        # vocabulary) is no tokens at all, which the model cannot run on: it is left out
+        sentences = [s for s in split_sentences(req.input) if self.tokenizer(s)["input_ids"]]
         if not sentences:
-            raise ValueError("input has no speakable text")
+            raise ValueError("input has no speakable text (no characters this model's tokenizer knows)")
         return self._chunks(sentences, speaker, req.speed, ctx)
 
     def _chunks(self, sentences: list[str], speaker: int, speed: float, ctx: StepContext) -> Iterator[np.ndarray]:
