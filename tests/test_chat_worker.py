@@ -270,3 +270,50 @@ def test_pause_order_stops_batch_work_between_layers(worker, during):
     assert first_calls == second_calls + 1  # the pass that saw the order never reached the second layer
     assert resumed == straight
     assert steps == (3 if during == "decode" else 0)  # the stopped step is not counted as one
+
+
+def test_a_temperature_too_small_to_divide_by_samples_greedily(worker):
+    """1e-45 is 0 in float32: logits / it overflow and softmax gives NaN, which multinomial refuses
+    (the request then waited forever, below). Under 1e-5 the engine samples greedily, as vLLM
+    does; at 1e-5 and above it samples."""
+    def at(temperature: float) -> str:
+        req = ChatRequest([{"role": "user", "content": "hello there"}],
+                          ChatParams(max_tokens=6, temperature=temperature, seed=3), ctx=StepContext())
+        return asyncio.run(asyncio.wait_for(run(worker, req), 60))[0]
+
+    greedy_text = at(0)
+    assert at(1e-320) == at(1e-45) == at(9e-6) == greedy_text
+    assert at(2.0) != greedy_text  # sampling is still sampling
+
+
+@pytest.mark.parametrize("fails_at", [1, 3], ids=["first token (prefill)", "third token (decode step)"])
+def test_a_row_whose_sampling_fails_gets_the_error_and_the_others_go_on(worker, monkeypatch, fails_at):
+    """A row whose own sampling raises gets that error, whether it fails on the token its prefill
+    samples or in a decode step; the rows beside it finish. (From the prefill the error used to
+    reach no one: the row had left the waiting list and was not in the batch yet.)"""
+    import workers.chat as chat
+
+    real, calls = chat._sample, {"n": 0}
+
+    def sample(logits, params, generator):
+        if params.seed == 666:
+            calls["n"] += 1
+            if calls["n"] == fails_at:
+                raise RuntimeError("probability tensor contains either inf, nan or element < 0")
+        return real(logits, params, generator)
+
+    monkeypatch.setattr(chat, "_sample", sample)
+    bad = ChatRequest([{"role": "user", "content": "hi"}], ChatParams(max_tokens=6, temperature=0, seed=666),
+                      ctx=StepContext())
+
+    async def main():
+        others = [asyncio.create_task(run(worker, greedy(f"q{i}", 8))) for i in range(3)]
+        await asyncio.sleep(0.01)
+        with pytest.raises(RuntimeError, match="probability tensor"):
+            await asyncio.wait_for(run(worker, bad), 60)
+        return await asyncio.wait_for(asyncio.gather(*others), 60)
+
+    for text, fin in asyncio.run(main()):
+        assert fin.completion_tokens == 8
+    assert calls["n"] == fails_at
+    assert asyncio.run(asyncio.wait_for(run(worker, greedy("after", 3)), 60))[1].completion_tokens == 3

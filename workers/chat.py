@@ -353,7 +353,7 @@ class ChatWorker(ThreadWorker):
         self._charge([seq], started)
         self._waiting.remove(seq)
         if not seq.generated:  # a new sequence: its first token comes from the prefill
-            if self._sample_and_emit(seq, out.logits[0, -1]):
+            if self._sample_or_fail(seq, out.logits[0, -1]):
                 return
         _merge(batch, seq, out.past_key_values, len(fresh), self.device)
 
@@ -407,7 +407,7 @@ class ChatWorker(ThreadWorker):
             seq.req.ctx.steps += 1
             if seq.req.ctx.cancelled:
                 continue
-            if self._sample_and_emit(seq, out.logits[i, -1]):
+            if self._sample_or_fail(seq, out.logits[i, -1]):
                 continue
             keep.append(i)
         if len(keep) < rows:
@@ -431,6 +431,16 @@ class ChatWorker(ThreadWorker):
         pause was ordered (``_Yield``), so the request they yield to waits for a layer, not a step."""
         if self._yielding is not None and _must_yield(self._yielding):
             raise _Yield()
+
+    def _sample_or_fail(self, seq: _Seq, logits: torch.Tensor) -> bool:
+        """``_sample_and_emit``; a row whose own sampling fails gets the error and leaves (True),
+        and the other rows go on. (Raised out of a prefill, the error reached no one: the row had
+        left the waiting list and was not in the batch yet, so its request waited forever.)"""
+        try:
+            return self._sample_and_emit(seq, logits)
+        except Exception as exc:  # noqa: BLE001 - delivered to the row's caller
+            seq.emit(exc)
+            return True
 
     def _sample_and_emit(self, seq: _Seq, logits: torch.Tensor) -> bool:
         """Sample one token, emit the new text; True when the sequence has finished."""
@@ -509,8 +519,12 @@ def folder_context_length(path: Path) -> int:
     return int(config.get("max_position_embeddings", 2048))
 
 
+_GREEDY_BELOW = 1e-5  # a temperature under this samples greedily, as vLLM does (its _SAMPLING_EPS):
+# dividing by a smaller one overflows the logits (1e-45 is 0 in float32), and softmax gives NaN
+
+
 def _sample(logits: torch.Tensor, params: ChatParams, generator: torch.Generator) -> int:
-    if params.temperature <= 0:
+    if params.temperature < _GREEDY_BELOW:
         return int(torch.argmax(logits))
     probs = torch.softmax(logits / params.temperature, dim=-1)
     if params.top_p < 1.0:
