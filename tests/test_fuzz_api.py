@@ -1,0 +1,264 @@
+"""Generated bad input, every JSON endpoint: whatever the body, the answer is a success or a 4xx
+(429/503 allowed) in OpenAI's error shape, never a 500, a traceback or a dropped connection; a
+stream that starts is valid SSE to its end; and the server still serves a normal chat afterwards.
+
+Bodies are a valid request with some fields replaced by near-misses (edge numbers, wrong types,
+odd schemas, tool calls without ids, token ids outside the vocabulary ...) or by any JSON value,
+fields dropped, and unknown ones added (hypothesis). In the suite the examples are fixed
+(``derandomize``) so that a failure repeats; ``TIERGATE_FUZZ_EXAMPLES=2000 TIERGATE_FUZZ_RANDOM=1``
+runs a longer, random search by hand.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+
+import httpx
+import pytest
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+from tests.helpers import start_server, write_config
+
+EXAMPLES = int(os.environ.get("TIERGATE_FUZZ_EXAMPLES", "40"))
+FUZZ = settings(max_examples=EXAMPLES, deadline=None, derandomize=not os.environ.get("TIERGATE_FUZZ_RANDOM"),
+                database=None, suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large])
+
+
+@pytest.fixture(scope="module")
+def server(tiny_chat, tiny_embed, tiny_image, tiny_tts, tmp_path_factory):
+    folder = tmp_path_factory.mktemp("fuzz")
+    models = {"tiny-chat": ("chat", tiny_chat), "tiny-embed": ("embed", tiny_embed),
+              "tiny-image": ("image", tiny_image), "tiny-tts": ("tts", tiny_tts)}
+    extra = ("limits:\n  max_chat_tokens: 6\n  max_n: 2\n  image_max_side: 64\n  image_max_steps: 2\n"
+             "  image_max_n: 1\n  speech_max_chars: 80\n  embed_max_inputs: 4\n  prompt_max_chars: 200\n"
+             "batch:\n  store: sqlite\naccounts:\n  limits:\n    free: {requests_per_min: 100000}\n")
+    running = start_server(write_config(folder, models, extra))
+    yield running
+    running.stop()
+
+
+# -- values ---------------------------------------------------------------------------------------
+
+EDGE_INTS = st.sampled_from([0, -1, 1, 2, 7, 255, 2**31, 2**53 + 1, 2**63, 2**64 + 1, -(2**63) - 1, 10**30])
+EDGE_FLOATS = st.sampled_from([0.0, -0.0, 1e-320, 0.5, 1.0, 2.0, 2.0000001, -2.0, 100.0, 1e308, -1e308])
+TEXT = st.text(max_size=12) | st.sampled_from(["", " ", "\x00", "\ud7ff", "💥" * 3, "{", "</s>", "<|im_end|>", "a" * 300])
+SCALARS = st.none() | st.booleans() | EDGE_INTS | st.integers() | EDGE_FLOATS | st.floats(allow_nan=False) | TEXT
+ANY_JSON = st.recursive(SCALARS, lambda inner: st.lists(inner, max_size=3) | st.dictionaries(TEXT, inner, max_size=3),
+                        max_leaves=6)
+
+SCHEMA_KEYS = ["type", "properties", "items", "enum", "required", "minimum", "maximum", "maxLength", "minItems",
+               "pattern", "anyOf", "oneOf", "allOf", "$ref", "$defs", "additionalProperties", "const", "format"]
+SCHEMA_TYPES = st.sampled_from(["object", "string", "integer", "number", "boolean", "array", "null", "nope"])
+JSON_SCHEMA = st.recursive(
+    st.fixed_dictionaries({"type": SCHEMA_TYPES}) | st.booleans() | st.just({}),
+    lambda inner: st.dictionaries(st.sampled_from(SCHEMA_KEYS),
+                                  inner | SCHEMA_TYPES | st.lists(inner | TEXT, max_size=3)
+                                  | st.dictionaries(TEXT, inner, max_size=3) | EDGE_INTS | TEXT, max_size=4),
+    max_leaves=8)
+TOOL_NAME = st.sampled_from(["get_weather", "f", "", "a b", "x" * 80]) | TEXT
+TOOL = st.fixed_dictionaries({"type": st.sampled_from(["function", "code"]) | ANY_JSON,
+                              "function": st.fixed_dictionaries(
+                                  {"name": TOOL_NAME},
+                                  optional={"parameters": JSON_SCHEMA | ANY_JSON, "strict": st.booleans() | ANY_JSON,
+                                            "description": TEXT})})
+TOOL_CALL = st.fixed_dictionaries({}, optional={
+    "id": TEXT, "type": st.just("function") | ANY_JSON,
+    "function": st.fixed_dictionaries({}, optional={"name": TOOL_NAME, "arguments": TEXT | st.just('{"a": 1}') | ANY_JSON})})
+PART = st.fixed_dictionaries({"type": st.sampled_from(["text", "image_url", "input_audio", "refusal"]) | ANY_JSON},
+                             optional={"text": TEXT | ANY_JSON, "image_url": ANY_JSON})
+MESSAGE = st.fixed_dictionaries(
+    {"role": st.sampled_from(["system", "developer", "user", "assistant", "tool", "function", "robot"])},
+    optional={"content": TEXT | st.lists(PART, max_size=3) | st.none() | ANY_JSON, "name": TEXT | ANY_JSON,
+              "tool_calls": st.lists(TOOL_CALL, max_size=2) | ANY_JSON, "tool_call_id": TEXT | ANY_JSON,
+              "refusal": TEXT})
+TOKEN_IDS = st.lists(EDGE_INTS | st.integers(-5, 300), max_size=4)
+FORMAT = st.fixed_dictionaries({"type": st.sampled_from(["text", "json_object", "json_schema", "xml"]) | ANY_JSON},
+                               optional={"json_schema": st.fixed_dictionaries(
+                                   {"name": TOOL_NAME}, optional={"schema": JSON_SCHEMA | ANY_JSON,
+                                                                  "strict": st.booleans()}) | ANY_JSON})
+TOOL_CHOICE = (st.sampled_from(["none", "auto", "required", "any"])
+               | st.fixed_dictionaries({"type": st.just("function"), "function": st.fixed_dictionaries({"name": TOOL_NAME})})
+               | ANY_JSON)
+ADAPTERS = st.lists(st.fixed_dictionaries({"name": TEXT}, optional={"weight": EDGE_FLOATS | ANY_JSON}), max_size=3)
+SAMPLING = {"temperature": EDGE_FLOATS, "top_p": EDGE_FLOATS, "seed": EDGE_INTS, "n": EDGE_INTS,
+            "presence_penalty": EDGE_FLOATS, "frequency_penalty": EDGE_FLOATS,
+            "stop": TEXT | st.lists(TEXT, max_size=5), "stream": st.booleans(),
+            "stream_options": st.fixed_dictionaries({}, optional={"include_usage": st.booleans() | ANY_JSON}),
+            "logit_bias": st.dictionaries(st.sampled_from(["0", "1", "-1", "99999999", "abc", "1.5", " 2"]),
+                                          EDGE_FLOATS | ANY_JSON, max_size=3),
+            "service_tier": st.sampled_from(["auto", "default", "flex", "priority", "paid", "batch", "free", "gold"]),
+            "user": TEXT, "metadata": st.dictionaries(TEXT, TEXT | ANY_JSON, max_size=3)}
+
+# each endpoint: a valid body, and a near-miss strategy per field (any field may also get ANY_JSON)
+ENDPOINTS = {
+    "/v1/chat/completions": (
+        {"model": "tiny-chat", "messages": [{"role": "user", "content": "hi"}], "max_tokens": 2},
+        {**SAMPLING, "messages": st.lists(MESSAGE, max_size=4), "max_tokens": EDGE_INTS,
+         "max_completion_tokens": EDGE_INTS, "logprobs": st.booleans(), "top_logprobs": EDGE_INTS,
+         "tools": st.lists(TOOL, max_size=3), "tool_choice": TOOL_CHOICE, "parallel_tool_calls": st.booleans(),
+         "response_format": FORMAT, "adapters": ADAPTERS, "store": st.booleans(),
+         "model": st.sampled_from(["tiny-chat", "tiny-embed", "tiny-image", "nope", ""])}),
+    "/v1/completions": (
+        {"model": "tiny-chat", "prompt": "hi", "max_tokens": 2},
+        {**SAMPLING, "prompt": TEXT | st.lists(TEXT, max_size=3) | TOKEN_IDS | st.lists(TOKEN_IDS, max_size=3),
+         "max_tokens": EDGE_INTS, "logprobs": EDGE_INTS, "echo": st.booleans(), "best_of": EDGE_INTS,
+         "suffix": TEXT, "model": st.sampled_from(["tiny-chat", "tiny-tts", "nope"])}),
+    "/v1/responses": (
+        {"model": "tiny-chat", "input": "hi", "max_output_tokens": 2},
+        {"input": TEXT | st.lists(MESSAGE | st.fixed_dictionaries(
+            {"type": st.sampled_from(["message", "function_call", "function_call_output", "reasoning", "nope"])},
+            optional={"role": TEXT, "content": TEXT | st.lists(PART, max_size=2) | ANY_JSON, "call_id": TEXT,
+                      "name": TOOL_NAME, "arguments": TEXT, "output": TEXT | ANY_JSON}), max_size=4),
+         "instructions": TEXT, "max_output_tokens": EDGE_INTS, "temperature": EDGE_FLOATS, "top_p": EDGE_FLOATS,
+         "top_logprobs": EDGE_INTS, "stream": st.booleans(), "store": st.booleans(),
+         "tools": st.lists(st.fixed_dictionaries({"type": st.just("function"), "name": TOOL_NAME},
+                                                 optional={"parameters": JSON_SCHEMA, "strict": st.booleans()}),
+                           max_size=2),
+         "tool_choice": TOOL_CHOICE, "previous_response_id": TEXT | st.just("resp_0"),
+         "text": st.fixed_dictionaries({}, optional={"format": st.fixed_dictionaries(
+             {"type": st.sampled_from(["text", "json_object", "json_schema"])},
+             optional={"name": TOOL_NAME, "schema": JSON_SCHEMA | ANY_JSON, "strict": st.booleans()})}),
+         "truncation": st.sampled_from(["disabled", "auto"]), "include": st.lists(TEXT, max_size=2)}),
+    "/v1/embeddings": (
+        {"model": "tiny-embed", "input": "hi"},
+        {"input": TEXT | st.lists(TEXT, max_size=6) | TOKEN_IDS | st.lists(TOKEN_IDS, max_size=3) | st.just([[]]),
+         "encoding_format": st.sampled_from(["float", "base64", "int8"]), "dimensions": EDGE_INTS,
+         "model": st.sampled_from(["tiny-embed", "tiny-chat", "nope"])}),
+    "/v1/images/generations": (
+        {"model": "tiny-image", "prompt": "a cat", "size": "32x32", "num_inference_steps": 1},
+        {"prompt": TEXT, "n": EDGE_INTS, "seed": EDGE_INTS, "num_inference_steps": EDGE_INTS,
+         "guidance_scale": EDGE_FLOATS, "negative_prompt": TEXT,
+         "size": st.sampled_from(["auto", "32x32", "0x0", "8x8", "7x9", "64x65", "99999x1", "x", "32X32", " 32x32",
+                                  "-32x32", "3.5x4"]) | TEXT,
+         "response_format": st.sampled_from(["b64_json", "url", "jpeg"]), "quality": TEXT, "adapters": ADAPTERS,
+         "model": st.sampled_from(["tiny-image", "tiny-chat"])}),
+    "/v1/audio/speech": (
+        {"model": "tiny-tts", "input": "hello", "voice": "alloy"},
+        {"input": TEXT, "voice": TEXT | st.sampled_from(["alloy", "nova"]), "speed": EDGE_FLOATS,
+         "response_format": st.sampled_from(["mp3", "wav", "flac", "opus", "aac", "pcm", "ogg", ""]) | TEXT,
+         "stream_format": st.sampled_from(["audio", "sse"]), "model": st.sampled_from(["tiny-tts", "tiny-chat"])}),
+    "/v1/batches": (
+        {"input_file_id": "file-none", "endpoint": "/v1/chat/completions", "completion_window": "24h"},
+        {"input_file_id": TEXT, "endpoint": st.sampled_from(["/v1/chat/completions", "/v1/embeddings", "/v1/x"]),
+         "completion_window": st.sampled_from(["24h", "1h"]), "metadata": st.dictionaries(TEXT, TEXT | ANY_JSON),
+         "output_expires_after": ANY_JSON}),
+    "/admin/keys": (
+        {"name": "fuzz", "tier": "free"},
+        {"name": TEXT, "tier": st.sampled_from(["paid", "free", "batch", "gold", ""]),
+         "models": st.lists(TEXT, max_size=3),
+         "limits": st.dictionaries(st.sampled_from(["requests_per_min", "tokens_per_min", "gpu_seconds_per_day",
+                                                    "max_inflight", "nope"]), EDGE_INTS | EDGE_FLOATS | ANY_JSON,
+                                   max_size=3)}),
+}
+
+
+@st.composite
+def bodies(draw, path: str):
+    if draw(st.integers(0, 19)) == 0:  # now and then, not an object at all
+        return draw(ANY_JSON)
+    base, fields = ENDPOINTS[path]
+    body = dict(base)
+    names = sorted(set(base) | set(fields))
+    for name in draw(st.lists(st.sampled_from(names), max_size=4, unique=True)):
+        choice = draw(st.integers(0, 5))
+        if choice == 0:
+            body.pop(name, None)
+        else:
+            body[name] = draw(ANY_JSON if choice == 1 or name not in fields else fields[name])
+    if draw(st.integers(0, 9)) == 0:
+        body[draw(TEXT)] = draw(ANY_JSON)
+    if body.get("stream") is True and path == "/v1/chat/completions":
+        body["max_tokens"] = 2  # a streamed reply is read to its end
+    return body
+
+
+# -- checks ---------------------------------------------------------------------------------------
+
+def check_error(status: int, content: bytes, body) -> None:
+    try:
+        err = json.loads(content)["error"]
+    except (ValueError, KeyError, TypeError):
+        pytest.fail(f"{status} without OpenAI's error shape: {content[:300]!r} for {body!r}")
+    assert set(err) == {"message", "type", "param", "code"}, (err, body)
+    assert isinstance(err["code"], str) and isinstance(err["message"], str) and err["message"], (err, body)
+    assert err["param"] is None or isinstance(err["param"], str), (err, body)
+
+
+def check_stream(lines, body) -> None:
+    done = False
+    for line in lines:
+        if not line.startswith("data: "):
+            continue
+        data = line[len("data: "):]
+        if data == "[DONE]":
+            done = True
+            continue
+        assert not done, f"data after [DONE] for {body!r}"
+        event = json.loads(data)  # every event is JSON; an error mid-stream is one too
+        if "error" in event and set(event) <= {"error", "type", "sequence_number"}:
+            err = event["error"]
+            assert isinstance(err.get("message"), str) and err.get("message"), (event, body)
+
+
+def post(server, path: str, body) -> None:
+    headers = {"Authorization": f"Bearer {server.keys['admin' if path.startswith('/admin') else 'paid']}"}
+    with httpx.stream("POST", f"{server.url}{path}", content=json.dumps(body).encode(), timeout=120,
+                      headers={**headers, "Content-Type": "application/json"}) as r:
+        assert r.status_code < 500 or r.status_code == 503, (r.status_code, r.read()[:500], body)
+        if r.status_code >= 400:
+            check_error(r.status_code, r.read(), body)
+        elif r.headers.get("content-type", "").startswith("text/event-stream"):
+            check_stream(r.iter_lines(), body)
+        else:
+            r.read()
+
+
+@pytest.mark.parametrize("path", list(ENDPOINTS))
+def test_generated_bodies_get_a_success_or_a_clean_4xx(server, path):
+    @FUZZ
+    @given(body=bodies(path))
+    def run(body):
+        post(server, path, body)
+
+    run()
+    r = httpx.post(f"{server.base_url}/chat/completions", timeout=60,
+                   json={"model": "tiny-chat", "messages": [{"role": "user", "content": "hi"}], "max_tokens": 2},
+                   headers={"Authorization": f"Bearer {server.keys['paid']}"})
+    assert r.status_code == 200, r.text
+
+
+# -- reads: odd ids in the path, odd query strings --------------------------------------------------
+
+READS = ["/v1/batches", "/v1/usage", "/admin/usage", "/admin/keys", "/admin/events", "/admin/state", "/v1/models/{}",
+         "/v1/files/{}", "/v1/files/{}/content", "/v1/batches/{}", "/v1/responses/{}", "/admin/keys/{}",
+         "/v1/images/files/{}.png"]
+QUERY = st.dictionaries(
+    st.sampled_from(["limit", "after", "key", "model", "start_date", "end_date", "group_by", "format", "stream",
+                     "starting_after", "include[]", "since", "nope"]),
+    st.sampled_from(["", "0", "-1", "20", "101", "1e3", "abc", "2026-01-01", "2026-13-45", "0000-00-00", "csv", "json",
+                     "day", "key", "tier", "true", "\x00", "../etc/passwd"]) | TEXT, max_size=4)
+ID = st.sampled_from(["x", "file-0", "batch_0", "resp_0", "key_0", "tiny-chat", "..", "%2e%2e", "a/b"]) | TEXT
+
+
+@FUZZ
+@given(path=st.sampled_from(READS), ident=ID, query=QUERY, method=st.sampled_from(["GET", "GET", "DELETE", "POST"]),
+       admin=st.booleans())
+def _read(server, path, ident, query, method, admin):
+    from urllib.parse import quote
+
+    url = f"{server.url}{path.format(quote(ident, safe='') or 'x')}"
+    key = server.keys["admin" if admin else "paid"]
+    with httpx.stream(method, url, params=query, headers={"Authorization": f"Bearer {key}"}, timeout=60) as r:
+        if r.headers.get("content-type", "").startswith("text/event-stream"):
+            assert r.status_code == 200
+            return  # a live event stream (/admin/events) does not end: its head is the answer here
+        r.read()
+    assert r.status_code < 500 or r.status_code == 503, (r.status_code, r.text[:500], method, url, query)
+    if r.status_code >= 400:
+        check_error(r.status_code, r.content, (method, url, query))
+
+
+def test_generated_reads_get_a_success_or_a_clean_4xx(server):
+    _read(server)
