@@ -204,7 +204,7 @@ def check_stream(lines, body) -> None:
 
 def post(server, path: str, body) -> None:
     headers = {"Authorization": f"Bearer {server.keys['admin' if path.startswith('/admin') else 'paid']}"}
-    with httpx.stream("POST", f"{server.url}{path}", content=json.dumps(body).encode(), timeout=120,
+    with httpx.stream("POST", f"{server.url}{path}", content=json.dumps(body).encode(), timeout=30,
                       headers={**headers, "Content-Type": "application/json"}) as r:
         assert r.status_code < 500 or r.status_code == 503, (r.status_code, r.read()[:500], body)
         if r.status_code >= 400:
