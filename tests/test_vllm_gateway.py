@@ -4,6 +4,7 @@ reloading the engine. One engine start is ~20 s on CPU, so this module shares on
 
 from __future__ import annotations
 
+import json
 import os
 import tempfile
 import threading
@@ -15,6 +16,8 @@ import openai
 import pytest
 
 from tests.helpers import start_server, write_config
+from tests.test_completions_responses import TOOLS, greedy, respond
+from tests.test_completions_responses import client as sdk_client
 
 pytest.importorskip("vllm", reason="vllm is not installed in this environment (scripts/test installs it)")
 
@@ -65,6 +68,48 @@ def test_engine_is_vllm_and_streams(vllm_server):
     whole = client(s).chat.completions.create(
         model="tiny-chat", messages=[{"role": "user", "content": "Hello"}], max_tokens=12, temperature=0)
     assert whole.choices[0].message.content == text
+
+
+# -- completions and responses on vLLM (tests/test_completions_responses.py has them on transformers;
+# here so that they share this module's engine start) --------------------------------------------
+
+
+@pytest.fixture(scope="module")
+def tokenizer(tiny_chat):
+    from transformers import AutoTokenizer
+
+    return AutoTokenizer.from_pretrained(tiny_chat)
+
+
+def test_vllm_completions(vllm_server, tokenizer):
+    c = sdk_client(vllm_server)
+    r = greedy(c, ["The cat", "A dog"], max_tokens=5, n=2, logprobs=1)
+    assert type(vllm_server.services.arbiter.workers["tiny-chat"]).__name__ == "VllmChatEngine"
+    texts = {ch.index: ch.text for ch in r.choices}
+    assert texts[0] == texts[1] == greedy(c, "The cat", max_tokens=5).choices[0].text
+    assert r.usage.prompt_tokens == len(tokenizer("The cat")["input_ids"]) + len(tokenizer("A dog")["input_ids"])
+    lp = r.choices[0].logprobs
+    assert len(lp.tokens) > 0 and all(t in top for t, top in zip(lp.tokens, lp.top_logprobs))
+    chunks = list(c.completions.create(model="tiny-chat", prompt="The cat", max_tokens=5, temperature=0,
+                                       stream=True, echo=True))
+    assert "".join(ch.choices[0].text for ch in chunks) == "The cat" + texts[0]
+
+
+def test_vllm_responses(vllm_server):
+    c = sdk_client(vllm_server)
+    first = respond(c, "Hi")
+    second = respond(c, "Say more", previous_response_id=first.id)
+    spelt = respond(c, [{"role": "user", "content": "Hi"}, {"role": "assistant", "content": first.output_text},
+                        {"role": "user", "content": "Say more"}])
+    assert second.usage.input_tokens == spelt.usage.input_tokens > first.usage.input_tokens
+    assert second.output_text == spelt.output_text
+    with c.responses.stream(model="tiny-chat", input="Weather?", tools=TOOLS, tool_choice="required",
+                            max_output_tokens=64, temperature=0) as stream:
+        events = list(stream)
+        final = stream.get_final_response()
+    deltas = "".join(e.delta for e in events if e.type == "response.function_call_arguments.delta")
+    assert final.output[0].type == "function_call" and deltas == final.output[0].arguments
+    assert json.loads(deltas)["city"] in ("Paris", "Rome")
 
 
 def test_context_too_long_is_400(vllm_server):
