@@ -37,11 +37,13 @@ _vllm_has_cuda() { command -v nvidia-smi >/dev/null 2>&1 && nvidia-smi -L >/dev/
 # constraints, indexes, CA bundle) are handed to it.
 _VLLM_UV_SETTINGS=()
 _vllm_uv_settings() {  # _vllm_uv_settings PY: pip's settings as uv options, into _VLLM_UV_SETTINGS
-  local py="$1" key env value v
+  local py="$1" key env value v files
   _VLLM_UV_SETTINGS=(--index-strategy unsafe-best-match --compile-bytecode)
+  # every config file pip reads, merged as pip merges them (`pip config get` reads only one file)
+  files="$("$py" -m pip config list 2>/dev/null || true)"
   for key in find-links constraint index-url extra-index-url cert; do
     env="PIP_$(tr 'a-z-' 'A-Z_' <<<"$key")"
-    value="${!env:-$("$py" -m pip config get "global.$key" 2>/dev/null || true)}"
+    value="${!env:-$(_pip_conf_value "$py" "$key" <<<"$files")}"
     for v in $value; do  # space- or newline-separated lists
       case "$key" in
         constraint) _VLLM_UV_SETTINGS+=(--constraints "$v") ;;
@@ -49,6 +51,20 @@ _vllm_uv_settings() {  # _vllm_uv_settings PY: pip's settings as uv options, int
       esac
     done
   done
+}
+
+# _pip_conf_value PY KEY < `pip config list`: KEY's value for `pip install`, as pip takes it from
+# its config files: the [install] section over [global]; empty when neither sets it.
+_pip_conf_value() {
+  "$1" -c '
+import ast, sys
+key, found = sys.argv[1], {}
+for line in sys.stdin:
+    name, _, value = line.rstrip("\n").partition("=")
+    section, _, option = name.partition(".")
+    if option == key and section in ("global", "install"):
+        found[section] = ast.literal_eval(value)
+print(found.get("install", found.get("global", "")))' "$2"
 }
 
 vllm_pip() {

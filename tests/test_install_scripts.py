@@ -189,6 +189,25 @@ def test_uv_is_handed_the_settings_pip_would_use():
         "--extra-index-url", "file:///opt/a/simple", "--extra-index-url", "file:///opt/b/simple", "--cert", "/etc/ca.pem"]
 
 
+def test_uv_is_handed_pip_conf_settings_with_install_over_global(tmp_path):
+    """Settings in pip's config files, all of them merged as pip merges them (`pip config get`,
+    used before, reads one file only, so the machine-wide constraint file never reached uv), and
+    [install] over [global] for pip install."""
+    conf = tmp_path / "pip.conf"
+    conf.write_text("[global]\nfind-links = /opt/global-wheels\nindex-url = https://global.example/simple\n"
+                    "[install]\nindex-url = https://install.example/simple\n")
+    result = sourced('_vllm_uv_settings "$1"; printf "%s\\n" "${_VLLM_UV_SETTINGS[@]}"', sys.executable,
+                     env={"PIP_CONFIG_FILE": str(conf), **{f"PIP_{k}": "" for k in
+                                                           ("FIND_LINKS", "CONSTRAINT", "INDEX_URL", "EXTRA_INDEX_URL", "CERT")}})
+    assert result.returncode == 0, result.stderr
+    words = result.stdout.split()
+    assert words[:3] == ["--index-strategy", "unsafe-best-match", "--compile-bytecode"]
+    options = dict(zip(words[3::2], words[4::2]))  # this machine's own pip.conf files may add others
+    assert options["--find-links"] == "/opt/global-wheels"  # PIP_CONFIG_FILE's [global], over other files
+    assert options["--index-url"] == "https://install.example/simple"  # [install] over [global]
+    assert "https://global.example/simple" not in words
+
+
 def tiny_wheel(folder: Path, name: str, tag: str = "py3-none-any", code: str = "VALUE = 1\n") -> Path:
     """A wheel with one module and no dependencies, written by hand (nothing to download)."""
     import base64
