@@ -272,18 +272,19 @@ def test_pause_order_stops_batch_work_between_layers(worker, during):
     assert steps == (3 if during == "decode" else 0)  # the stopped step is not counted as one
 
 
-def test_a_temperature_too_small_to_divide_by_samples_greedily(worker):
+def test_a_temperature_too_small_to_divide_by_samples_at_the_floor(worker):
     """1e-45 is 0 in float32: logits / it overflow and softmax gives NaN, which multinomial refuses
-    (the request then waited forever, below). Under 1e-5 the engine samples greedily, as vLLM
-    does; at 1e-5 and above it samples."""
+    (the request then waited forever, below). A temperature above 0 and under 0.01 samples at 0.01,
+    as vLLM raises it; 0 is greedy."""
     def at(temperature: float) -> str:
         req = ChatRequest([{"role": "user", "content": "hello there"}],
                           ChatParams(max_tokens=6, temperature=temperature, seed=3), ctx=StepContext())
         return asyncio.run(asyncio.wait_for(run(worker, req), 60))[0]
 
-    greedy_text = at(0)
-    assert at(1e-320) == at(1e-45) == at(9e-6) == greedy_text
-    assert at(2.0) != greedy_text  # sampling is still sampling
+    floor = at(0.01)
+    assert at(1e-320) == at(1e-45) == at(0.005) == floor  # the same seed samples the same tokens
+    assert at(2.0) != floor  # sampling at 2.0 is still sampling at 2.0
+    assert at(0)  # greedy
 
 
 @pytest.mark.parametrize("fails_at", [1, 3], ids=["first token (prefill)", "third token (decode step)"])

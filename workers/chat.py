@@ -519,14 +519,14 @@ def folder_context_length(path: Path) -> int:
     return int(config.get("max_position_embeddings", 2048))
 
 
-_GREEDY_BELOW = 1e-5  # a temperature under this samples greedily, as vLLM does (its _SAMPLING_EPS):
-# dividing by a smaller one overflows the logits (1e-45 is 0 in float32), and softmax gives NaN
+_MIN_TEMPERATURE = 0.01  # a temperature above 0 and below this samples at this, as vLLM does (its
+# _MAX_TEMP): dividing by a tiny one overflows the logits (1e-45 is 0 in float32), and softmax gives NaN
 
 
 def _sample(logits: torch.Tensor, params: ChatParams, generator: torch.Generator) -> int:
-    if params.temperature < _GREEDY_BELOW:
+    if params.temperature <= 0:
         return int(torch.argmax(logits))
-    probs = torch.softmax(logits / params.temperature, dim=-1)
+    probs = torch.softmax(logits / max(params.temperature, _MIN_TEMPERATURE), dim=-1)
     if params.top_p < 1.0:
         sorted_p, order = torch.sort(probs, descending=True)
         keep = torch.cumsum(sorted_p, 0) - sorted_p < params.top_p
