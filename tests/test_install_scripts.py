@@ -279,7 +279,7 @@ def test_a_pure_wheel_uv_takes_from_the_first_index_is_replaced_by_pip_s_platfor
     empty = tmp_path / "empty"
     empty.mkdir()
     env = {"PIP_INDEX_URL": empty.as_uri(), "PIP_EXTRA_INDEX_URL": f"{first} {second}", "PIP_FIND_LINKS": "",
-           "PIP_CONSTRAINT": "", "VLLM_NATIVE": "natpkg:natpkg"}
+           "PIP_CONSTRAINT": "", "TIERGATE_NATIVE_WHEELS": "natpkg:natpkg"}
     subprocess.run([sys.executable, "-m", "venv", str(tmp_path / "venv")], check=True, timeout=120)
     py = tmp_path / "venv" / "bin" / "python"
     os.symlink(uv, py.parent / "uv")
@@ -311,7 +311,7 @@ def test_a_package_that_pip_cannot_make_import_stops_the_install(tmp_path):
     pure = tiny_wheel(tmp_path / "pure", "natpkg", code="raise OSError(\"cannot load library 'libnat.so'\")\n")
     index = simple_index(tmp_path / "a", [pure])
     env = {"PIP_INDEX_URL": index, "PIP_EXTRA_INDEX_URL": "", "PIP_FIND_LINKS": "", "PIP_CONSTRAINT": "",
-           "VLLM_NATIVE": "natpkg:natpkg"}
+           "TIERGATE_NATIVE_WHEELS": "natpkg:natpkg"}
     subprocess.run([sys.executable, "-m", "venv", str(tmp_path / "venv")], check=True, timeout=120)
     py = tmp_path / "venv" / "bin" / "python"
     os.symlink(uv, py.parent / "uv")
