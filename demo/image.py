@@ -13,7 +13,7 @@ from demo.lora import linear_shapes, random_lora
 def build_demo(out_dir: Path, seed: int = 0) -> Path:
     """Save a tiny random-weight StableDiffusionPipeline (native size 64x64) to ``out_dir``."""
     from diffusers import AutoencoderKL, EulerDiscreteScheduler, StableDiffusionPipeline, UNet2DConditionModel
-    from transformers import CLIPTextConfig, CLIPTextModel, CLIPTokenizer
+    from transformers import CLIPTextConfig, CLIPTextModel
 
     torch.manual_seed(seed)
     unet = UNet2DConditionModel(

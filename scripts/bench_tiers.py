@@ -826,7 +826,6 @@ def report(args, server: Server, alone: PaidRun, share: FloodPhase | None, flood
     targets: list[Target] = []
     smoke = args.smoke
     runs = [("alone", alone)] + ([("share", share.paid)] if share else []) + [("flood", flood.paid)]
-    base = alone.latencies
     head = "".join(f"{name:>10}" for name, _ in runs)
     ratios = "".join(f"{name + '/alone':>13}" for name, _ in runs[1:])
     print(f"{'(a)/(b) paid latency, ms':<26}{head}{ratios}{'target':>10}  result")
@@ -906,7 +905,7 @@ def report(args, server: Server, alone: PaidRun, share: FloodPhase | None, flood
         print(f"  server: pause orders seen {len(rows)}/{len(probes)}; a batch step was in flight at "
               f"{sum(r['in_flight'] > 0 for r in rows)} of them (it took p50 {pct(flight, 50):.2f} ms, max "
               f"{max(flight):.2f} ms)")
-        print(f"  batch steps (decode or resuming prefill) started after the order, probes by count: "
+        print("  batch steps (decode or resuming prefill) started after the order, probes by count: "
               + ", ".join(f"{k}: {after[k]}" for k in sorted(after))
               + f"  (decode max {max(r['decode_after'] for r in rows)}, prefill max "
               f"{max(r['prefill_after'] for r in rows)}); target <= 1: the batch stops within one step  {state}")
@@ -917,7 +916,7 @@ def report(args, server: Server, alone: PaidRun, share: FloodPhase | None, flood
               f"= {pct(starts, 50) / step:.2f} / {max(starts) / step:.2f} steps")
     if em:
         hist = Counter(em)
-        print(f"  server: batch text deltas the engine delivered per stream after the order: "
+        print("  server: batch text deltas the engine delivered per stream after the order: "
               + ", ".join(f"{k}: {hist[k]}x" for k in sorted(hist)))
         if not rec.get("steps_recorded"):
             state = note(targets, "(c) batch text deltas per stream after a pause order <= 1", f"max {max(em)}",
@@ -930,7 +929,7 @@ def report(args, server: Server, alone: PaidRun, share: FloodPhase | None, flood
         since = orders[0] if orders else p["t0"]
         counts += [len([t for t in ts if t > since]) for ts in p["received"]]
     hist = Counter(counts)
-    print(f"  client: batch tokens received per stream after the order: "
+    print("  client: batch tokens received per stream after the order: "
           + ", ".join(f"{k}: {hist[k]}x" for k in sorted(hist)) + " (includes tokens already in transit)")
     if not rec:
         state = note(targets, "(c) batch tokens per stream after a pause order (client view) <= 1",

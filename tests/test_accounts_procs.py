@@ -12,7 +12,6 @@ import time
 from pathlib import Path
 
 import httpx
-import pytest
 
 from accounts.redis_store import RedisAccounts
 from accounts.sqlite_store import SQLiteAccounts

@@ -3,7 +3,6 @@ output, protection answers 429 with Retry-After, OOM in a step is relieved and r
 
 from __future__ import annotations
 
-import asyncio
 import json
 import threading
 import time
@@ -130,7 +129,9 @@ def test_oom_during_a_step_evicts_another_model_and_retries(tmp_path, tiny_chat)
 
         worker.chat = chat_oom_once
         r = c.chat.completions.create(model="x", messages=[{"role": "user", "content": "b"}], max_tokens=3)
-        assert r.usage.completion_tokens == 3 and len(calls) == 2
+        # the retry ran the request whole: it ended as any reply does (random weights may draw EOS early)
+        assert len(calls) == 2 and r.choices[0].finish_reason in ("stop", "length")
+        assert 1 <= r.usage.completion_tokens <= 3 and (r.usage.completion_tokens == 3) == (r.choices[0].finish_reason == "length")
         assert server.services.arbiter.counters.evictions.get(("y", "oom")) == 1
         deadline = time.time() + 10
         while places(server)["y"] != "warm" and time.time() < deadline:

@@ -16,7 +16,6 @@ import time
 
 import httpx
 import openai
-import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
 # name -> (type, label names) as the protocol's document requires them
