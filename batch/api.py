@@ -12,6 +12,7 @@ from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator
 from starlette.datastructures import UploadFile
+from starlette.exceptions import HTTPException
 from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
 
@@ -46,7 +47,11 @@ async def upload_file(request: Request) -> Response:
     declared = request.headers.get("content-length", "")
     if declared.isdigit() and int(declared) > cfg.max_file_bytes + _FORM_SLACK:
         raise too_big
-    async with _capped(request, cfg.max_file_bytes + _FORM_SLACK, too_big).form(max_files=1, max_fields=8) as form:
+    try:
+        form = await _capped(request, cfg.max_file_bytes + _FORM_SLACK, too_big).form(max_files=1, max_fields=8)
+    except HTTPException as exc:  # what Starlette's parser says of a malformed body (as /v1/audio/transcriptions)
+        raise bad_request(f"malformed multipart body: {exc.detail}", None, "invalid_multipart") from None
+    try:
         purpose, upload = form.get("purpose"), form.get("file")
         if purpose is None:
             raise bad_request("missing required parameter: purpose", "purpose", "missing_required_parameter")
@@ -56,6 +61,8 @@ async def upload_file(request: Request) -> Response:
             raise bad_request("missing required parameter: file (a file part)", "file", "missing_required_parameter")
         content = await upload.read(cfg.max_file_bytes + 1)
         filename = upload.filename or "upload.jsonl"
+    finally:
+        await form.close()
     if len(content) > cfg.max_file_bytes:
         raise too_big
     try:

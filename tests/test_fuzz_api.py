@@ -4,7 +4,10 @@ stream that starts is valid SSE to its end; and the server still serves a normal
 
 Bodies are a valid request with some fields replaced by near-misses (edge numbers, wrong types,
 odd schemas, tool calls without ids, token ids outside the vocabulary ...) or by any JSON value,
-fields dropped, and unknown ones added (hypothesis). In the suite the examples are fixed
+fields dropped, and unknown ones added (hypothesis). The two upload endpoints get real audio files
+(libsndfile) at odd rates, channel counts, lengths and sample values, cut short or replaced by
+noise, JSONL files of generated lines, odd form fields, and raw bodies that are not well-formed
+multipart; no error message may show Python internals (a repr, a traceback). In the suite the examples are fixed
 (``derandomize``) so that a failure repeats; ``TIERGATE_FUZZ_EXAMPLES=2000 TIERGATE_FUZZ_RANDOM=1``
 runs a longer, random search by hand.
 """
@@ -21,19 +24,22 @@ from hypothesis import strategies as st
 
 from tests.helpers import start_server, write_config
 
+MAX_UPLOAD = 96 * 1024  # both upload endpoints' caps in this server: a few generated files go past them
 EXAMPLES = int(os.environ.get("TIERGATE_FUZZ_EXAMPLES", "40"))
 FUZZ = settings(max_examples=EXAMPLES, deadline=None, derandomize=not os.environ.get("TIERGATE_FUZZ_RANDOM"),
                 database=None, suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large])
 
 
 @pytest.fixture(scope="module")
-def server(tiny_chat, tiny_embed, tiny_image, tiny_tts, tmp_path_factory):
+def server(tiny_chat, tiny_embed, tiny_image, tiny_tts, tiny_stt, tmp_path_factory):
     folder = tmp_path_factory.mktemp("fuzz")
     models = {"tiny-chat": ("chat", tiny_chat), "tiny-embed": ("embed", tiny_embed),
-              "tiny-image": ("image", tiny_image), "tiny-tts": ("tts", tiny_tts)}
+              "tiny-image": ("image", tiny_image), "tiny-tts": ("tts", tiny_tts), "tiny-stt": ("stt", tiny_stt)}
     extra = ("limits:\n  max_chat_tokens: 6\n  max_n: 2\n  image_max_side: 64\n  image_max_steps: 2\n"
              "  image_max_n: 1\n  speech_max_chars: 80\n  embed_max_inputs: 4\n  prompt_max_chars: 200\n"
-             "batch:\n  store: sqlite\naccounts:\n  limits:\n    free: {requests_per_min: 100000}\n")
+             f"  transcription_max_bytes: {MAX_UPLOAD}\n  transcription_max_seconds: 3\n"
+             f"batch:\n  store: sqlite\n  max_file_bytes: {MAX_UPLOAD}\n  max_lines: 8\n"
+             "accounts:\n  limits:\n    free: {requests_per_min: 100000}\n")
     running = start_server(write_config(folder, models, extra))
     yield running
     running.stop()
@@ -184,6 +190,8 @@ def check_error(status: int, content: bytes, body) -> None:
     assert set(err) == {"message", "type", "param", "code"}, (err, body)
     assert isinstance(err["code"], str) and isinstance(err["message"], str) and err["message"], (err, body)
     assert err["param"] is None or isinstance(err["param"], str), (err, body)
+    assert err["code"] != "http_error", (err, body)  # the catch-all code: every refusal here has its own
+    assert " object at 0x" not in err["message"] and "Traceback" not in err["message"], (err, body)  # no internals
 
 
 def check_stream(lines, body) -> None:
@@ -262,3 +270,124 @@ def _read(server, path, ident, query, method, admin):
 
 def test_generated_reads_get_a_success_or_a_clean_4xx(server):
     _read(server)
+
+
+# -- multipart uploads: transcriptions and batch files -----------------------------------------------
+
+def sound_file(rate: int, channels: int, frames: int, fmt: str, subtype: str, special: str) -> bytes:
+    """A real audio file from libsndfile (the server decodes with the same library)."""
+    import io
+
+    import numpy as np
+    import soundfile as sf
+
+    x = np.random.default_rng(frames).uniform(-1, 1, (frames, channels)).astype(np.float32)
+    if special != "plain" and frames:
+        x[::3] = {"nan": np.nan, "inf": np.inf, "loud": 1e30, "silent": 0.0}[special]
+    buf = io.BytesIO()
+    sf.write(buf, x, rate, format=fmt, subtype=subtype)
+    return buf.getvalue()
+
+
+AUDIO = st.builds(sound_file, rate=st.sampled_from([1, 7, 8000, 16000, 22050, 44101, 48000, 192000]),
+                  channels=st.sampled_from([1, 2, 3]), frames=st.sampled_from([0, 1, 2, 400, 4000, 20000]),
+                  fmt=st.just("WAV"), subtype=st.sampled_from(["PCM_16", "PCM_U8", "FLOAT", "DOUBLE"]),
+                  special=st.sampled_from(["plain", "plain", "nan", "inf", "loud", "silent"]))
+FILE_BYTES = st.one_of(AUDIO, AUDIO, AUDIO, AUDIO.map(lambda b: b[:len(b) // 2]), AUDIO.map(lambda b: b[:44]),
+                       st.binary(max_size=200), st.just(b""), st.just(b"RIFF" + b"\xff" * 40),
+                       st.just(b"x" * (MAX_UPLOAD + 1)))
+FORM_TEXT = TEXT | st.sampled_from(["0", "-1", "0.5", "1", "2", "nan", "1e309", "true", "[]", "{}"])
+TRANSCRIPTION_FIELDS = {
+    "model": st.sampled_from(["tiny-stt", "tiny-chat", "nope", ""]) | TEXT,
+    "language": st.sampled_from(["en", "fr", "english", "xx", "", "EN"]) | TEXT,
+    "prompt": TEXT, "temperature": FORM_TEXT,
+    "response_format": st.sampled_from(["json", "text", "srt", "vtt", "verbose_json", "xml"]) | TEXT,
+    "timestamp_granularities[]": st.sampled_from(["segment", "word", ""]), "stream": FORM_TEXT,
+}
+JSONL_LINE = (st.builds(lambda i, body: json.dumps({"custom_id": i, "method": "POST", "url": "/v1/chat/completions",
+                                                    "body": body}),
+                        st.sampled_from(["a", "b", "a", ""]) | ANY_JSON, bodies("/v1/chat/completions"))
+              | ANY_JSON.map(json.dumps) | TEXT)
+JSONL = (st.lists(JSONL_LINE, max_size=10).map(lambda ls: "\n".join(ls).encode())
+         | st.binary(max_size=100) | st.just(b"\xff\xfe{}"))
+FILE_FIELDS = {"purpose": st.sampled_from(["batch", "fine-tune", "", "BATCH"]) | TEXT}
+
+
+@st.composite
+def uploads(draw, path: str):
+    """(files, fields) for httpx: a file part (or a text 'file', or none) and form fields."""
+    transcription = path == "/v1/audio/transcriptions"
+    names = TRANSCRIPTION_FIELDS if transcription else FILE_FIELDS
+    data = {"model": "tiny-stt"} if transcription else {"purpose": "batch"}
+    for name in draw(st.lists(st.sampled_from(sorted(names)), max_size=3, unique=True)):
+        if draw(st.integers(0, 4)) == 0:
+            data.pop(name, None)
+        else:
+            data[name] = draw(names[name])
+    if draw(st.integers(0, 9)) == 0:
+        data[draw(TEXT) or "x"] = draw(FORM_TEXT)
+    content = draw(FILE_BYTES if transcription else JSONL)
+    how = draw(st.sampled_from(["file"] * 7 + ["none", "text", "two"]))
+    if how == "none":
+        return None, data  # no file part
+    if how == "text":
+        return None, {**data, "file": content.decode("latin-1")}  # a text field named file
+    name = draw(st.sampled_from(["a.wav", "a.jsonl", "", "../../x", "é.wav", "a\"b"]))
+    files = [("file", (name, content, draw(st.sampled_from(["audio/wav", "application/octet-stream", "text/plain"]))))]
+    if how == "two":
+        files.append(("file", ("b.wav", content, "audio/wav")))
+    return files, data
+
+
+RAW_BODIES = st.sampled_from([
+    b"", b"--", b"--x\r\n", b"--x--\r\n", b"--x\r\nContent-Disposition: form-data\r\n\r\nv\r\n--x--\r\n",
+    b"--x\r\nContent-Disposition: form-data; name=\"file\"; filename=\"a.wav\"\r\n\r\nRIFF",
+    b"--x\r\nContent-Disposition: form-data; name=\"model\"\r\n\r\ntiny-stt\r\n--x",
+    b"not multipart at all", b"--y\r\n\r\n--y--",
+]) | st.binary(max_size=120)
+CONTENT_TYPES = st.sampled_from(["multipart/form-data; boundary=x", "multipart/form-data", "multipart/form-data; boundary=",
+                                 "multipart/form-data; boundary=\"x\"", "multipart/mixed; boundary=x", "application/json",
+                                 "text/plain", "multipart/form-data; boundary=" + "x" * 300])
+
+
+def check_answer(r: httpx.Response, what) -> None:
+    assert r.status_code < 500 or r.status_code == 503, (r.status_code, r.text[:500], what)
+    if r.status_code >= 400:
+        check_error(r.status_code, r.content, what)
+
+
+@pytest.mark.parametrize("path", ["/v1/audio/transcriptions", "/v1/files"])
+def test_generated_uploads_get_a_success_or_a_clean_4xx(server, path):
+    """Real audio files at odd rates, channel counts, lengths and sample values (NaN, inf, 1e30),
+    cut short or replaced by noise; JSONL files of generated lines; odd fields; then raw bodies
+    that are not well-formed multipart at all. An uploaded batch file is then used for a batch."""
+    headers = {"Authorization": f"Bearer {server.keys['paid']}"}
+
+    @FUZZ
+    @given(upload=uploads(path))
+    def run(upload):
+        files, data = upload
+        r = httpx.post(f"{server.url}{path}", files=files, data=data, headers=headers, timeout=60)
+        check_answer(r, (data, files and [(n, f[0], len(f[1])) for n, f in files]))
+        if path == "/v1/files" and r.status_code == 200:
+            made = httpx.post(f"{server.url}/v1/batches", headers=headers, timeout=30,
+                              json={"input_file_id": r.json()["id"], "endpoint": "/v1/chat/completions",
+                                    "completion_window": "24h"})
+            check_answer(made, "batch on an uploaded file")
+
+    @FUZZ
+    @given(body=RAW_BODIES, content_type=CONTENT_TYPES)
+    def raw(body, content_type):
+        r = httpx.post(f"{server.url}{path}", content=body, headers={**headers, "Content-Type": content_type},
+                       timeout=30)
+        check_answer(r, (content_type, body))
+        assert r.status_code != 200 or path == "/v1/files", (content_type, body)
+
+    run()
+    raw()
+    if path == "/v1/audio/transcriptions":  # the server still transcribes / stores a good upload afterwards
+        files, data = {"file": ("a.wav", sound_file(16000, 1, 1600, "WAV", "PCM_16", "silent"), "audio/wav")}, {"model": "tiny-stt"}
+    else:
+        files, data = {"file": ("a.jsonl", b"{}", "text/plain")}, {"purpose": "batch"}
+    r = httpx.post(f"{server.url}{path}", files=files, data=data, headers=headers, timeout=60)
+    assert r.status_code == 200, r.text

@@ -315,7 +315,8 @@ WAV = tone_file(1.0, 16000, 1, "WAV")
     ({"file": ("a.wav", WAV)}, {"bogus": "1"}, 400, "bogus", "unknown_parameter"),
 ])
 def test_bad_transcription_requests_name_the_param(media, files, data, status, param, code):
-    error(_transcribe(media, files, data), status, param, code)
+    err = error(_transcribe(media, files, data), status, param, code)
+    assert " at 0x" not in err["message"]  # libsndfile's reason, without the repr of our buffer
 
 
 def test_transcription_needs_multipart(media):

@@ -153,13 +153,14 @@ def test_an_int_is_a_fine_float(server):
     assert status == 200, body
 
 
-def test_multipart_with_10000_parts_is_400(server):
+@pytest.mark.parametrize("path", ["/audio/transcriptions", "/files"])
+def test_multipart_with_10000_parts_is_400(server, path):
     boundary = "hostileboundary"
     parts = "".join(f'--{boundary}\r\nContent-Disposition: form-data; name="f{i}"\r\n\r\nx\r\n' for i in range(10_000))
     raw = (parts + f"--{boundary}--\r\n").encode()
     assert len(raw) < 1024 * 1024
     started = time.monotonic()
-    r = httpx.post(f"{server.base_url}/audio/transcriptions", content=raw, timeout=30,
+    r = httpx.post(f"{server.base_url}{path}", content=raw, timeout=30,
                    headers={"Authorization": f"Bearer {server.keys['paid']}",
                             "Content-Type": f"multipart/form-data; boundary={boundary}"})
     assert time.monotonic() - started < 10  # refused at the part limit, not after the whole body

@@ -63,7 +63,8 @@ def decode_audio(data: bytes) -> tuple[np.ndarray, int]:
     try:
         x, sr = sf.read(io.BytesIO(data), dtype="float32", always_2d=True)
     except (sf.LibsndfileError, RuntimeError, TypeError) as e:
-        raise ValueError(f"could not decode audio (expected wav, flac or ogg): {e}") from None
+        why = getattr(e, "error_string", None) or str(e)  # libsndfile's own words, not "Error opening <BytesIO at 0x...>"
+        raise ValueError(f"could not decode audio (expected wav, flac or ogg): {why}") from None
     if x.shape[0] == 0:
         raise ValueError("the audio file holds no samples")
     return x.mean(axis=1, dtype=np.float32), int(sr)
