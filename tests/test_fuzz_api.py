@@ -9,13 +9,14 @@ fields dropped, and unknown ones added (hypothesis). The two upload endpoints ge
 noise, JSONL files of generated lines, odd form fields, and raw bodies that are not well-formed
 multipart; no error message may show Python internals (a repr, a traceback). In the suite the examples are fixed
 (``derandomize``) so that a failure repeats; ``TIERGATE_FUZZ_EXAMPLES=2000 TIERGATE_FUZZ_RANDOM=1``
-runs a longer, random search by hand.
+runs a longer, random search by hand, and ``TIERGATE_FUZZ_ENGINE=vllm`` puts chat on the vLLM engine.
 """
 
 from __future__ import annotations
 
 import json
 import os
+import time
 
 import httpx
 import pytest
@@ -25,6 +26,7 @@ from hypothesis import strategies as st
 from tests.helpers import start_server, write_config
 
 MAX_UPLOAD = 96 * 1024  # both upload endpoints' caps in this server: a few generated files go past them
+ENGINE = os.environ.get("TIERGATE_FUZZ_ENGINE", "transformers")  # the chat engine behind the server; vllm by hand
 EXAMPLES = int(os.environ.get("TIERGATE_FUZZ_EXAMPLES", "40"))
 FUZZ = settings(max_examples=EXAMPLES, deadline=None, derandomize=not os.environ.get("TIERGATE_FUZZ_RANDOM"),
                 database=None, suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large])
@@ -40,7 +42,14 @@ def server(tiny_chat, tiny_embed, tiny_image, tiny_tts, tiny_stt, tmp_path_facto
              f"  transcription_max_bytes: {MAX_UPLOAD}\n  transcription_max_seconds: 3\n"
              f"batch:\n  store: sqlite\n  max_file_bytes: {MAX_UPLOAD}\n  max_lines: 8\n"
              "accounts:\n  limits:\n    free: {requests_per_min: 100000}\n")
-    running = start_server(write_config(folder, models, extra))
+    config = write_config(folder, models, extra, engine=ENGINE)
+    if ENGINE == "vllm":  # a small engine, as tests/test_vllm_gateway.py starts it
+        config.write_text(config.read_text().replace("    engine: vllm", "    engine: {name: vllm, kv_cache: 128MiB, max_num_seqs: 4}"))
+    running = start_server(config)
+    r = httpx.post(f"{running.base_url}/chat/completions", timeout=300,  # the chat engine loads (a vLLM start: ~30 s)
+                   json={"model": "tiny-chat", "messages": [{"role": "user", "content": "hi"}], "max_tokens": 1},
+                   headers={"Authorization": f"Bearer {running.keys['paid']}"})
+    assert r.status_code == 200, r.text
     yield running
     running.stop()
 
@@ -374,6 +383,8 @@ def test_generated_uploads_get_a_success_or_a_clean_4xx(server, path):
                               json={"input_file_id": r.json()["id"], "endpoint": "/v1/chat/completions",
                                     "completion_window": "24h"})
             check_answer(made, "batch on an uploaded file")
+            if made.status_code == 200:
+                batches[made.json()["id"]] = files[0][1][1]
 
     @FUZZ
     @given(body=RAW_BODIES, content_type=CONTENT_TYPES)
@@ -383,8 +394,15 @@ def test_generated_uploads_get_a_success_or_a_clean_4xx(server, path):
         check_answer(r, (content_type, body))
         assert r.status_code != 200 or path == "/v1/files", (content_type, body)
 
+    batches: dict[str, bytes] = {}  # the batches made on generated files: id -> the file
     run()
     raw()
+    deadline = time.monotonic() + 120  # each batch's validation ends: never stuck, whatever its lines
+    for batch_id, content in batches.items():
+        while (status := httpx.get(f"{server.url}/v1/batches/{batch_id}", headers=headers, timeout=30).json()["status"]) \
+                == "validating" and time.monotonic() < deadline:
+            time.sleep(0.1)
+        assert status != "validating", (batch_id, content)
     if path == "/v1/audio/transcriptions":  # the server still transcribes / stores a good upload afterwards
         files, data = {"file": ("a.wav", sound_file(16000, 1, 1600, "WAV", "PCM_16", "silent"), "audio/wav")}, {"model": "tiny-stt"}
     else:
