@@ -10,19 +10,6 @@ import pytest
 from tests.helpers import RunningServer, start_server, write_config
 
 
-# The modules that take longest (an engine, a cluster or servers in processes of their own), longest
-# first: with the suite in two processes (scripts/test), a file to a process, the long ones start
-# at once and the short ones fill in behind them, so both processes end near the same time.
-LONGEST_FIRST = ["test_cluster_ray", "test_bench_smoke", "test_batches", "test_vllm_engine", "test_vllm_gateway",
-                 "test_serve_script", "test_reaper", "test_chat_api", "test_batch_fill", "test_fuzz_residency",
-                 "test_request_log", "test_accounts_procs", "test_serving_core", "test_operations"]
-
-
-def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
-    rank = {name: i for i, name in enumerate(LONGEST_FIRST)}
-    items.sort(key=lambda item: rank.get(Path(item.nodeid.partition("::")[0]).stem, len(rank)))  # stable: files stay whole
-
-
 @pytest.fixture(autouse=True)
 def _root_logging_restored():
     """A test that runs ``tiergate serve``'s main() installs its one log handler on the root
