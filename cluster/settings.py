@@ -21,7 +21,16 @@ SERVE_SETTINGS = {
     # straight to the replica instead of as Ray actor tasks: about 4 ms of CPU less per request
     # across the proxy, ingress and replica on the benchmark's machine.
     "RAY_SERVE_USE_GRPC_BY_DEFAULT": "1",
+    # Serve's controller kills a proxy that has not answered its ready check within 5 s and starts
+    # another, while ``serve.start`` waits (up to 60 s) on the first one only, so it fails with
+    # ActorDiedError ("killed by `ray.kill`... never ran"). On a loaded node a proxy's process takes
+    # longer than 5 s to start: it did in CI (2 cores, two test processes, another Ray cluster
+    # starting). The controller now waits as long as ``serve.start`` does.
+    "RAY_SERVE_PROXY_READY_CHECK_TIMEOUT_S": "60",
 }
+
+# The name each setting has in ``ray.serve._private.constants``, where it is not the variable's.
+CONSTANT_NAMES = {"RAY_SERVE_PROXY_READY_CHECK_TIMEOUT_S": "PROXY_READY_CHECK_TIMEOUT_S"}
 
 # The ingress only (its deployment's runtime_env, merged over the job's): its code and its handles'
 # router run on the actor's main event loop, where Serve's HTTP server for it runs, instead of a
@@ -74,4 +83,5 @@ def in_effect() -> dict[str, object]:
     ``INGRESS_SETTINGS`` and direct ingress."""
     from ray.serve._private import constants
 
-    return {name: getattr(constants, name) for name in [*SERVE_SETTINGS, *INGRESS_SETTINGS, DIRECT_INGRESS]}
+    return {name: getattr(constants, CONSTANT_NAMES.get(name, name))
+            for name in [*SERVE_SETTINGS, *INGRESS_SETTINGS, DIRECT_INGRESS]}

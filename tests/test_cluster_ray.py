@@ -184,6 +184,7 @@ def test_serve_settings_reach_the_replicas(cluster):
     for name in ("tiergate", "stale"):
         seen = serve.get_deployment_handle("replica", app_name=name).serve_settings.remote().result(timeout_s=30)
         assert seen == {"RAY_SERVE_USE_GRPC_BY_DEFAULT": True, "RAY_SERVE_ENABLE_DIRECT_INGRESS": True,
+                        "RAY_SERVE_PROXY_READY_CHECK_TIMEOUT_S": 60.0,
                         "RAY_SERVE_RUN_USER_CODE_IN_SEPARATE_THREAD": True,  # Serve's defaults in the replicas
                         "RAY_SERVE_RUN_ROUTER_IN_SEPARATE_LOOP": True}
         assert seen.keys() >= SERVE_SETTINGS.keys() | INGRESS_SETTINGS.keys()
