@@ -1,4 +1,5 @@
-"""Which Ray Serve deployments a tiers.yaml becomes, as a pure function (no Ray imported).
+"""Which Ray Serve deployments a tiers.yaml becomes, and the config each replica and ingress
+runs with, as pure functions (no Ray imported).
 
 Every device (``nodes x replicas_per_node`` of them) is one replica. A tensor-parallel model
 (``cluster.tensor_parallel: {model: N}``) is its own deployment: one replica spanning ``N``
@@ -46,3 +47,26 @@ def deployments(config: Config) -> list[Deployment]:
 
 def tp_name(model: str) -> str:
     return f"tp-{model}"
+
+
+def shared_store(config: Config) -> Config:
+    """``cluster.redis_url``, when set, is every replica's batch store, and so their accounts' too
+    (keys, quotas, usage and the batch backlog in one Redis)."""
+    url = config.cluster.redis_url
+    if url is None:
+        return config
+    return config.model_copy(update={"batch": config.batch.model_copy(update={"store": url})})
+
+
+def serving_only(config: Config, models: list[str] | None, pinned: bool) -> Config:
+    """The replica's config: only ``models`` (and their adapters); a pinned deployment's budget is
+    its models' declared size, so nothing else ever fits beside them."""
+    if models is None:
+        return config
+    keep = set(models)
+    update: dict = {"models": [m for m in config.models if m.name in keep],
+                    "adapters": [a for a in config.adapters if a.model in keep]}
+    if pinned:
+        budget = sum(m.vram or 0 for m in update["models"])
+        update["gpu"] = config.gpu.model_copy(update={"vram_budget": budget})
+    return config.model_copy(update=update)

@@ -39,12 +39,13 @@ from typing import Any
 
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 from prometheus_client.metrics_core import Metric
+from ray import serve
 from ray.exceptions import RayError
 from starlette.requests import Request
 from starlette.responses import JSONResponse, Response, StreamingResponse
 
 from cluster.quota import early_refusal
-from cluster.replica import replica_id, shared_store
+from cluster.deployments import shared_store
 from cluster.scrape import merged
 from cluster.settings import in_effect
 from gateway.accounts import Accounts
@@ -76,7 +77,7 @@ class Ingress:
         self.capacity = {t.name: replicas * (self.config.max_inflight(t) + t.max_queued) for t in self.config.tiers}
         self.inflight = {t.name: 0 for t in self.config.tiers}
         self.answered: Counter[tuple[str, str, int]] = Counter()  # (tier, where, status) -> responses
-        self.id = replica_id()
+        self.id = serve.get_replica_context().replica_id.unique_id
         self.redirects = 0
 
     async def __call__(self, request: Request) -> Response:

@@ -19,13 +19,14 @@ from dataclasses import replace
 from pathlib import Path
 
 from cluster.asgi import Forwarded, Head, Lifespan, call
+from cluster.deployments import serving_only, shared_store
 from cluster.router import RANK
 from cluster.settings import in_effect
 from cluster.stats import option, replica_stats
 from gateway import collector
 from gateway.app import build_services, create_app
 from gateway.auth import KeyRing
-from gateway.config import Config, load_config
+from gateway.config import load_config
 from gateway.errors import APIError
 
 WHOLE_BODY_BYTES = 1 << 20  # a non-streamed answer up to this size goes back as one message
@@ -159,29 +160,6 @@ class TierReplica:
 
     async def __del__(self) -> None:
         await self._lifespan.stop()
-
-
-def shared_store(config: Config) -> Config:
-    """``cluster.redis_url``, when set, is every replica's batch store, and so their accounts' too
-    (keys, quotas, usage and the batch backlog in one Redis)."""
-    url = config.cluster.redis_url
-    if url is None:
-        return config
-    return config.model_copy(update={"batch": config.batch.model_copy(update={"store": url})})
-
-
-def serving_only(config: Config, models: list[str] | None, pinned: bool) -> Config:
-    """The replica's config: only ``models`` (and their adapters); a pinned deployment's budget is
-    its models' declared size, so nothing else ever fits beside them."""
-    if models is None:
-        return config
-    keep = set(models)
-    update: dict = {"models": [m for m in config.models if m.name in keep],
-                    "adapters": [a for a in config.adapters if a.model in keep]}
-    if pinned:
-        budget = sum(m.vram or 0 for m in update["models"])
-        update["gpu"] = config.gpu.model_copy(update={"vram_budget": budget})
-    return config.model_copy(update=update)
 
 
 def _span(arbiter, model: str, devices: int) -> None:

@@ -21,11 +21,13 @@ from __future__ import annotations
 
 import time
 from dataclasses import dataclass, field
-from typing import Literal, Mapping
+from typing import TYPE_CHECKING, Literal, Mapping
 
 from arbiter.policy import ArbiterView, Evict, Fit, Impossible, Refuse, plan_load
-from arbiter.residency import Arbiter
-from gateway.admission import Gate
+
+if TYPE_CHECKING:  # the router reads these stats inside the ingress, which imports no torch
+    from arbiter.residency import Arbiter
+    from gateway.admission import Gate
 
 Need = Literal["resident", "warm", "fits", "evict", "wait", "refuse", "never"]
 

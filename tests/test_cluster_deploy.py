@@ -1,11 +1,13 @@
 """The cluster's parts that need no Ray: the deployments a tiers.yaml becomes (tensor-parallel
 models included), the cluster section's validation, the ingress's early quota refusal on a real
-account store, and the merged scrape target. The CUDA test checks that a replica sees the GPUs Ray
+account store, the merged scrape target, and what the ingress's process imports. The CUDA test checks that a replica sees the GPUs Ray
 gave it (skipped without CUDA)."""
 
 from __future__ import annotations
 
 import asyncio
+import subprocess
+import sys
 import time
 from pathlib import Path
 
@@ -16,13 +18,24 @@ from prometheus_client.parser import text_string_to_metric_families
 from accounts.rates import Ask, utc_day
 from accounts.sqlite_store import SQLiteAccounts
 from accounts.usage import Usage
-from cluster.deployments import Deployment, deployments
+from cluster.deployments import Deployment, deployments, serving_only
 from cluster.quota import early_refusal
-from cluster.replica import serving_only
 from cluster.scrape import merged
 from gateway.accounts import Accounts
 from gateway.auth import Caller, RateState
 from gateway.config import ConfigError, load_config
+
+
+def test_the_ingress_imports_no_model_library():
+    """The ingress (and the router inside it) does what the gateway does before a model is needed:
+    its process imports neither torch nor the model libraries. One ingress runs on every node; with
+    them it took 10 s of CPU to start here, and held torch's memory, for nothing."""
+    code = ("import sys, cluster.ingress, cluster.ray_router; "
+            "print(sorted({'torch', 'transformers', 'diffusers', 'peft', 'vllm'} & sys.modules.keys()))")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120,
+                         cwd=Path(__file__).resolve().parents[1])
+    assert out.returncode == 0, out.stderr[-2000:]
+    assert out.stdout.strip() == "[]"
 
 
 def tiers_yaml(tmp_path: Path, cluster: str, models: str = "") -> Path:

@@ -241,7 +241,7 @@ def test_only_the_cluster_package_imports_ray():
 
 
 def test_the_clusters_redis_url_is_every_replicas_batch_and_accounts_store(tmp_path):
-    from cluster.replica import shared_store
+    from cluster.deployments import shared_store
     from gateway.accounts import store_for
     from gateway.config import load_config
 
