@@ -1,4 +1,12 @@
-"""Shared fixtures: the tiny demo models (built once per session, offline) and a real server."""
+"""Shared fixtures: the tiny demo models (built once per session, offline), a real server, and
+one tiergate server on the vLLM engine shared by the modules that test chat through it.
+
+A vLLM engine start is three processes that each import vLLM: about 45 s of CPU on this 2-core
+machine. ``test_chat_api`` (its vLLM half) and ``test_vllm_gateway`` share one such server
+(``vllm_chat_server``, session-scoped), and when the suite runs in several processes
+(pytest-xdist, ``--dist loadfile``) the scheduler below sends both modules to the same process,
+as one unit, so that the server starts once there too.
+"""
 
 from __future__ import annotations
 
@@ -7,7 +15,26 @@ from pathlib import Path
 
 import pytest
 
-from tests.helpers import RunningServer, start_server, write_config
+from tests.helpers import RunningServer, adapters_yaml, start_server, write_config
+
+# Modules that must run in the same test process (one unit of xdist's scheduling): they share a
+# session fixture that is costly to start.
+ONE_PROCESS = {"tests/test_chat_api.py": "vllm-chat-server", "tests/test_vllm_gateway.py": "vllm-chat-server"}
+
+
+@pytest.hookimpl(optionalhook=True)
+def pytest_xdist_make_scheduler(config, log):
+    """``--dist loadfile`` with the modules of ``ONE_PROCESS`` as one unit each group."""
+    if config.getvalue("dist") != "loadfile":
+        return None
+    from xdist.scheduler import LoadFileScheduling
+
+    class Grouped(LoadFileScheduling):
+        def _split_scope(self, nodeid: str) -> str:
+            module = super()._split_scope(nodeid)
+            return ONE_PROCESS.get(module, module)
+
+    return Grouped(config, log)
 
 
 @pytest.fixture(autouse=True)
@@ -66,5 +93,19 @@ def chat_server(tiny_chat: Path, tmp_path_factory) -> RunningServer:
     folder = tmp_path_factory.mktemp("chat-server")
     extra = "limits:\n  max_body: 64KiB\n  max_chat_tokens: 64\n"
     server = start_server(write_config(folder, {"tiny-chat": ("chat", tiny_chat)}, extra))
+    yield server
+    server.stop()
+
+
+@pytest.fixture(scope="session")
+def vllm_chat_server(tiny_chat: Path, demo_dir: Path, tmp_path_factory) -> RunningServer:
+    """tiny-chat on the vLLM engine with two adapters (so vLLM runs with LoRA), for
+    ``test_chat_api`` and ``test_vllm_gateway``; started once (see the module's docstring)."""
+    pytest.importorskip("vllm", reason="vllm is not installed in this environment (scripts/test installs it)")
+    folder = tmp_path_factory.mktemp("vllm-chat-server")
+    cfg = write_config(folder, {"tiny-chat": ("chat", tiny_chat)},
+                       adapters_yaml(demo_dir) + "limits:\n  max_chat_tokens: 256\n", engine="vllm")
+    cfg.write_text(cfg.read_text().replace("    engine: vllm", "    engine: {name: vllm, kv_cache: 128MiB, max_num_seqs: 8}"))
+    server = start_server(cfg)
     yield server
     server.stop()

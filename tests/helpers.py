@@ -98,3 +98,14 @@ def start_server(config_path: Path, admin: bool = True) -> RunningServer:
     running = RunningServer(f"http://127.0.0.1:{port}", keys, services, app.state.batches, server, thread)
     running.loop = holder["loop"]
     return running
+
+
+CHAT_ADAPTERS = ["tiny-chat-pirate", "tiny-chat-poet"]
+
+
+def adapters_yaml(demo_dir: Path) -> str:
+    """The demo's two tiny-chat adapters, built in ``demo_dir``, as a tiers.yaml section."""
+    from demo import build_demo_models
+
+    built = build_demo_models(demo_dir, names=CHAT_ADAPTERS)
+    return "adapters:\n" + "".join(f"  - {{name: {a}, model: tiny-chat, path: {built[a]}}}\n" for a in CHAT_ADAPTERS)

@@ -1,7 +1,7 @@
 """What clients call on /v1/chat/completions beyond plain text (issue 12): structured outputs,
 tools, logprobs, n, penalties and logit_bias, service_tier, and their 400s, through the openai
 SDK, LangChain and instructor against a real server on tiny-chat (random weights), on BOTH chat
-engines. The vLLM server is started once for the module (~20 s)."""
+engines. The vLLM server is shared with test_vllm_gateway (conftest.py)."""
 
 from __future__ import annotations
 
@@ -22,11 +22,11 @@ ENGINES = ["transformers", pytest.param("vllm", marks=pytest.mark.skipif(
 
 @pytest.fixture(scope="module", params=ENGINES)
 def server(request, tiny_chat, tmp_path_factory):
+    if request.param == "vllm":  # shared with test_vllm_gateway (conftest.py)
+        yield request.getfixturevalue("vllm_chat_server")
+        return
     folder = tmp_path_factory.mktemp(f"chat-api-{request.param}")
-    cfg = write_config(folder, {"tiny-chat": ("chat", tiny_chat)}, "limits:\n  max_chat_tokens: 256\n",
-                       engine=request.param)
-    if request.param == "vllm":
-        cfg.write_text(cfg.read_text().replace("    engine: vllm", "    engine: {name: vllm, kv_cache: 128MiB, max_num_seqs: 8}"))
+    cfg = write_config(folder, {"tiny-chat": ("chat", tiny_chat)}, "limits:\n  max_chat_tokens: 256\n")
     running = start_server(cfg)
     yield running
     running.stop()

@@ -1,6 +1,7 @@
 """Chat on vLLM through the whole gateway: streaming with the SDK, tiers mapped to the engine's
 priority, batch work paused and resumed with identical output, and the arbiter evicting and
-reloading the engine. One engine start is ~20 s on CPU, so this module shares one server."""
+reloading the engine. One engine start is ~45 s of CPU here, so this module shares one server
+with test_chat_api (conftest.py)."""
 
 from __future__ import annotations
 
@@ -15,31 +16,16 @@ import httpx
 import openai
 import pytest
 
-from tests.helpers import start_server, write_config
+from tests.helpers import adapters_yaml, start_server, write_config
 from tests.test_completions_responses import TOOLS, greedy, respond
 from tests.test_completions_responses import client as sdk_client
 
 pytest.importorskip("vllm", reason="vllm is not installed in this environment (scripts/test installs it)")
 
 
-ADAPTERS = ["tiny-chat-pirate", "tiny-chat-poet"]
-
-
-def adapters_yaml(demo_dir) -> str:
-    from demo import build_demo_models
-
-    built = build_demo_models(demo_dir, names=ADAPTERS)
-    return "adapters:\n" + "".join(f"  - {{name: {a}, model: tiny-chat, path: {built[a]}}}\n" for a in ADAPTERS)
-
-
 @pytest.fixture(scope="module")
-def vllm_server(tiny_chat, demo_dir, tmp_path_factory):
-    folder = tmp_path_factory.mktemp("vllm-server")
-    cfg = write_config(folder, {"tiny-chat": ("chat", tiny_chat)}, adapters_yaml(demo_dir), engine="vllm")
-    cfg.write_text(cfg.read_text().replace("    engine: vllm", "    engine: {name: vllm, kv_cache: 128MiB, max_num_seqs: 4}"))
-    server = start_server(cfg)
-    yield server
-    server.stop()
+def vllm_server(vllm_chat_server):
+    return vllm_chat_server  # shared with test_chat_api (conftest.py)
 
 
 @pytest.fixture(scope="module")
@@ -158,6 +144,7 @@ def test_evict_and_reload(vllm_server):
     made = set(engine._sockets)  # the socket files this engine's start made
     assert rpc != Path(tempfile.gettempdir()) and made and made <= set(rpc.iterdir())
     r = httpx.post(f"{s.url}/admin/models/tiny-chat/unload", headers=admin, timeout=120)
+    loads = s.services.arbiter.counters.loads["tiny-chat"]
     assert r.status_code == 200, r.text
     assert r.json()["place"] == "cold"  # vLLM has no sleep mode on CPU: the engine shuts down
     assert not engine.started and "tiny-chat" not in s.services.arbiter.workers  # nothing paused on it
@@ -169,7 +156,7 @@ def test_evict_and_reload(vllm_server):
     assert after == before
     row = httpx.get(f"{s.base_url}/models/tiny-chat", headers=admin).json()
     assert row["place"] == "resident"
-    assert s.services.arbiter.counters.loads["tiny-chat"] == 2
+    assert s.services.arbiter.counters.loads["tiny-chat"] == loads + 1
 
 
 STACKS = {
