@@ -1,7 +1,7 @@
 """The cluster's parts that need no Ray: the deployments a tiers.yaml becomes (tensor-parallel
 models included), the cluster section's validation, the ingress's early quota refusal on a real
-account store, the merged scrape target, and what the ingress's process imports. The CUDA test checks that a replica sees the GPUs Ray
-gave it (skipped without CUDA)."""
+account store, the merged scrape target, and what the ingress's process imports. The CUDA test
+checks that a replica sees the GPUs Ray gave it (skipped without CUDA)."""
 
 from __future__ import annotations
 
