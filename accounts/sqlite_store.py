@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import logging
 import operator
 import sqlite3
 import time
@@ -32,6 +33,7 @@ CREATE INDEX IF NOT EXISTS usage_by_key ON usage (key, day);
 CREATE TABLE IF NOT EXISTS metered (id TEXT PRIMARY KEY, at REAL NOT NULL) WITHOUT ROWID;
 CREATE INDEX IF NOT EXISTS metered_by_time ON metered (at);
 """
+log = logging.getLogger("tiergate.accounts")
 _COUNTS = operator.attrgetter(*COUNTERS)  # a Usage's counters as a tuple, in COUNTERS' order
 _UPSERT = (f"INSERT INTO usage (day, key, model, tier, {', '.join(COUNTERS)}) "
            f"VALUES (?, ?, ?, ?, {', '.join('?' for _ in COUNTERS)}) ON CONFLICT (day, key, model, tier) DO UPDATE SET "
@@ -42,16 +44,43 @@ _METER = "INSERT OR IGNORE INTO metered (id, at) VALUES (?, ?)"
 class SQLiteAccounts(SQLiteFile, AccountStore):
     """One file in WAL mode; one thread owns the connection; each change is one transaction.
 
-    Usage rows are group-committed: ``record`` adds its row to the next group and gives back the
-    future that is done once the transaction that holds the group has committed. One group
-    commits at a time; while it runs, the rows that arrive join the next group, so many
-    concurrent requests cost one commit, one thread hop and one wake-up of the event loop."""
+    A request's usage row (no metering id) is committed **on the event loop** when it can be
+    without waiting: a second connection, used only there, has no busy timeout and never
+    checkpoints, so its transaction is a few page writes into the WAL (~20 us of CPU here), where
+    handing the row to the thread and waking the loop back cost ~240 us and two threads more
+    contending for the interpreter lock (docs/BENCHMARKS.md, "Gateway overhead"). The loop never
+    waits there: when another connection holds the write lock, the row goes to the thread.
+
+    There, usage rows are group-committed: ``record`` adds its row to the next group and gives
+    back the future that is done once the transaction that holds the group has committed. One
+    group commits at a time; while it runs, the rows that arrive join the next group (not the
+    loop's connection, which would find the lock taken), so many concurrent requests cost one
+    commit, one thread hop and one wake-up of the event loop. Batch lines' rows (with metering
+    ids) always go this way. The thread checkpoints the WAL after every ``CHECKPOINT_EVERY``
+    commits made on the loop (passive: it never waits for readers; its fsync stays off the loop).
+    Meanwhile rows go to the thread too, behind the checkpoint: a commit made during it would
+    leave frames it did not copy, and the WAL would grow instead of starting over."""
+
+    CHECKPOINT_EVERY = 256
 
     def __init__(self, path: Path) -> None:
         super().__init__(path, _SCHEMA, thread_name="tiergate-accounts")
         self._next_group: _Group | None = None  # rows waiting for the group in flight to commit
         self._in_flight: _Group | None = None
         self._drained: asyncio.Future[None] | None = None  # done when no group is left (close)
+        self._loop_db: sqlite3.Connection | None = None  # the event loop's connection (usage rows)
+        self._loop_commits = 0  # since the last checkpoint was asked for
+        self._checkpointing = False
+
+    async def open(self) -> None:
+        await super().open()
+        self._loop_db = await self._call(self._connect_for_loop)
+
+    def _connect_for_loop(self) -> sqlite3.Connection:
+        db = sqlite3.connect(self.path, isolation_level=None, timeout=0, check_same_thread=False)
+        db.execute("PRAGMA synchronous=NORMAL")
+        db.execute("PRAGMA wal_autocheckpoint=0")  # checkpoints (and their fsync) stay on the thread
+        return db
 
     # -- keys
     @staticmethod
@@ -112,18 +141,55 @@ class SQLiteAccounts(SQLiteFile, AccountStore):
     # -- usage
     def record(self, day: str, key: str, model: str, tier: str, usage: Usage,
                metering_id: str | None = None) -> asyncio.Future[None]:
-        """Queue the row; the future is done (or failed) once its transaction has committed."""
+        """Commit the row, here if no one holds the write lock, else queue it for the thread; the
+        future is done (or failed) once its transaction has committed."""
         committed = asyncio.get_running_loop().create_future()
+        row = (day, key, model, tier, *_COUNTS(usage))
+        if metering_id is None and self._in_flight is None and not self._checkpointing and self._loop_db is not None:
+            try:
+                self._commit_on_loop(row)
+            except sqlite3.OperationalError as exc:
+                if exc.sqlite_errorcode & 0xFF not in (sqlite3.SQLITE_BUSY, sqlite3.SQLITE_LOCKED):
+                    committed.set_exception(exc)
+                    return committed
+            else:
+                committed.set_result(None)
+                return committed
         group = self._next_group
         if group is None:
             group = self._next_group = _Group([], [], {})
         if metering_id is not None:
             group.metered[len(group.rows)] = metering_id
-        group.rows.append((day, key, model, tier, *_COUNTS(usage)))
+        group.rows.append(row)
         group.waiters.append(committed)
         if self._in_flight is None:
             self._commit_next()
         return committed
+
+    def _commit_on_loop(self, row: tuple) -> None:
+        """One row in one transaction on the loop's connection; SQLITE_BUSY at once (and nothing
+        written) when another connection holds the write lock."""
+        db = self._loop_db
+        db.execute("BEGIN IMMEDIATE")
+        try:
+            db.execute(_UPSERT, row)
+            db.execute("COMMIT")
+        except BaseException:
+            if db.in_transaction:
+                db.execute("ROLLBACK")
+            raise
+        self._loop_commits += 1
+        if self._loop_commits >= self.CHECKPOINT_EVERY and not self._checkpointing:
+            self._loop_commits, self._checkpointing = 0, True
+            self._pool.submit(self._checkpoint)
+
+    def _checkpoint(self) -> None:  # on the connection's thread
+        try:
+            self._db.execute("PRAGMA wal_checkpoint(PASSIVE)")
+        except sqlite3.Error as exc:  # the next one tries again; a WAL that grows meanwhile is no loss
+            log.warning("checkpointing %s failed: %r", self.path, exc)
+        finally:
+            self._checkpointing = False
 
     def _commit_next(self) -> None:
         """Send the next group to the connection's thread; its end wakes the loop once."""
@@ -166,6 +232,9 @@ class SQLiteAccounts(SQLiteFile, AccountStore):
         if self._in_flight is not None:  # the rows queued before closing are written
             self._drained = asyncio.get_running_loop().create_future()
             await self._drained
+        if self._loop_db is not None:
+            self._loop_db.close()
+            self._loop_db = None
         await super().close()
 
     async def usage(self, key: str | None, model: str | None, since: str | None, until: str | None) -> list[UsageRow]:

@@ -222,3 +222,78 @@ def test_grouping_prices_each_row_at_its_tier_and_writes_csv():
     assert [(d["day"], d["requests"], d["cost_usd"]) for d in by_day] == [("2025-01-01", 2, 4.5), ("2025-01-02", 1, 0.0)]
     text = to_csv(by_day)
     assert text.splitlines()[0].startswith("day,requests,input_tokens") and text.splitlines()[1].endswith(",4.5")
+
+
+# -- SQLite: a request's usage row commits on the event loop when no one else is writing -------------
+
+
+def _raw_rows(path) -> list[tuple]:
+    import sqlite3
+
+    with sqlite3.connect(path) as db:
+        return db.execute("SELECT key, requests, input_tokens FROM usage ORDER BY key").fetchall()
+
+
+def test_sqlite_usage_commits_on_the_loop_when_the_write_lock_is_free(tmp_path):
+    """The common case: the row is committed before ``record`` returns (its future already done),
+    without a group on the connection's thread, and another connection reads it at once."""
+    async def go():
+        s = SQLiteAccounts(tmp_path / "accounts.sqlite3")
+        await s.open()
+        try:
+            for i in range(3):
+                committed = s.record("2025-01-01", "k", "m1", "paid", Usage(requests=1, input_tokens=i))
+                assert committed.done() and committed.exception() is None and s._in_flight is None
+                assert _raw_rows(tmp_path / "accounts.sqlite3") == [("k", 1 + i, sum(range(i + 1)))]
+        finally:
+            await s.close()
+
+    run(go())
+
+
+def test_sqlite_usage_goes_to_the_thread_while_another_connection_writes(tmp_path):
+    """Another process holding the write lock: the loop does not wait on it (every row goes to the
+    thread's group, none is done yet), the rows commit once the lock is free, each exactly once."""
+    import sqlite3
+
+    async def go():
+        path = tmp_path / "accounts.sqlite3"
+        s = SQLiteAccounts(path)
+        await s.open()
+        other = sqlite3.connect(path, isolation_level=None, check_same_thread=False)
+        try:
+            other.execute("BEGIN IMMEDIATE")
+            pending = [s.record("2025-01-01", f"k{i % 2}", "m1", "paid", Usage(requests=1, input_tokens=1))
+                       for i in range(20)]
+            await asyncio.sleep(0.2)  # the loop runs on meanwhile; the thread's group waits for the lock
+            assert not any(f.done() for f in pending)
+            other.execute("COMMIT")
+            await asyncio.wait_for(asyncio.gather(*pending), 30)
+            assert _raw_rows(path) == [("k0", 10, 10), ("k1", 10, 10)]
+            s.record("2025-01-01", "k0", "m1", "paid", Usage(requests=1)).result()  # the loop again
+            assert _raw_rows(path)[0] == ("k0", 11, 10)
+        finally:
+            other.close()
+            await s.close()
+
+    run(go())
+
+
+def test_sqlite_usage_on_the_loop_keeps_the_wal_from_growing(tmp_path):
+    """Commits on the loop never checkpoint; the thread does, every ``CHECKPOINT_EVERY`` of them,
+    and the WAL starts over instead of growing by a page or so per request."""
+    async def go():
+        path = tmp_path / "accounts.sqlite3"
+        s = SQLiteAccounts(path)
+        s.CHECKPOINT_EVERY = 64
+        await s.open()
+        try:
+            for i in range(2000):
+                await s.record("2025-01-01", f"k{i % 50}", "m1", "paid", Usage(requests=1))
+            wal = (tmp_path / "accounts.sqlite3-wal").stat().st_size
+            assert wal < 2 * 2**20, f"the WAL grew to {wal} bytes over 2,000 commits (~8 MB without checkpoints)"
+            assert sum(r[1] for r in _raw_rows(path)) == 2000
+        finally:
+            await s.close()
+
+    run(go())
