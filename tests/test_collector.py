@@ -99,7 +99,9 @@ def test_freezes_at_start_and_after_each_worker_class_first_load():
     async def main() -> list[int]:
         events, workers = EventLog(), {}
         c = collector.Collector(events, workers)
+        before = gc.get_threshold()
         await c.start()
+        assert gc.get_threshold() == (collector.YOUNG_THRESHOLD, *before[1:])  # young collections rarer
         seen = [c.freezes]
         for model, cls in [("chat-a", ChatLike), ("chat-b", ChatLike), ("image", ImageLike), ("chat-a", ChatLike)]:
             workers[model] = cls()
@@ -109,6 +111,7 @@ def test_freezes_at_start_and_after_each_worker_class_first_load():
             await settle()
             seen.append(c.freezes)
         await c.stop()
+        assert gc.get_threshold() == before  # put back
         return seen
 
     assert asyncio.run(main()) == [1, 2, 2, 3, 3]
