@@ -49,7 +49,10 @@ Printed beside them, the figure load distorts least: each server's CPU seconds p
 after each run, and apart: the server process itself (the API: uvicorn, the app, and on the
 transformers engine the engine thread) and its children (vLLM's engine core); and the server
 process's garbage collections (CPU per request, and how many were full collections), read from
-``/bench/gc`` on both servers. At 64 clients both servers are CPU-bound, so tiergate's throughput
+``/bench/gc`` on both servers; and its threads' context switches per request (``cs``, the server
+process's ``getrusage``, also from ``/bench/gc``): a thread that waits for the interpreter lock, or a helper thread
+woken to do a little work, is a switch, and each costs the others turns at the lock (bare's
+server has only its event loop and the engine thread). At 64 clients both servers are CPU-bound, so tiergate's throughput
 ratio is about the inverse of its CPU ratio; the difference is tiergate's own work per request.
 
 Diagnostics, set in both servers once their models are loaded (``/bench/tune``), judged the same
@@ -66,6 +69,7 @@ import asyncio
 import gc
 import json
 import os
+import resource
 import secrets
 import signal
 import socket
@@ -155,7 +159,9 @@ def bench_routes() -> list:
     from starlette.routing import Route
 
     async def collections(request):
-        return JSONResponse({"collections": GC_CLOCK.collections, "seconds": GC_CLOCK.seconds})
+        usage = resource.getrusage(resource.RUSAGE_SELF)  # every thread's, the ended ones' too
+        return JSONResponse({"collections": GC_CLOCK.collections, "seconds": GC_CLOCK.seconds,
+                             "switches": usage.ru_nvcsw + usage.ru_nivcsw})
 
     async def tune(request):
         settings = json.loads(await request.body())
@@ -348,6 +354,7 @@ class Load:
     engine_cpu_s: float = 0.0  # its descendants' (vLLM's engine core)
     gc_s: float = 0.0  # the server process's garbage collections over the run: seconds
     full_gcs: int = 0  # and how many were of the oldest generation (every object tracked)
+    switches: int = 0  # the server process's threads' context switches over the run
 
     @property
     def cpu_ms(self) -> float:
@@ -365,6 +372,10 @@ class Load:
     @property
     def gc_ms(self) -> float:
         return self.gc_s / len(self.latencies) * 1e3
+
+    @property
+    def switches_per_request(self) -> float:
+        return self.switches / len(self.latencies)
 
     @property
     def throughput(self) -> float:
@@ -409,6 +420,7 @@ def drive(server: Server, endpoint: str, clients: int, requests: int) -> Load:
     load.api_cpu_s, load.engine_cpu_s = api_after - api, engine_after - engine
     load.gc_s = sum(gcs_after["seconds"]) - sum(gcs["seconds"])
     load.full_gcs = gcs_after["collections"][2] - gcs["collections"][2]
+    load.switches = gcs_after["switches"] - gcs["switches"]
     return load
 
 
@@ -483,9 +495,10 @@ def run(args: argparse.Namespace) -> int:
           f"torch threads {args.server_threads} per server; {args.rounds} rounds, medians over them{interval}; "
           f"cpu ms/req: the server's CPU per request, its process tree (api: the server process; "
           f"engine: its children, vLLM's engine core; gc: the server process's garbage collections, ms per "
-          f"request; full: collections of the oldest generation, all rounds)")
+          f"request; full: collections of the oldest generation, all rounds; cs: context switches per "
+          f"request, the server process's threads)")
     print(f"{'endpoint':<11} {'clients':>7} {'server':<9} {'req/s':>8} {'p50 ms':>8} {'p99 ms':>8} {'cpu ms/req':>10} "
-          f"{'api':>6} {'engine':>6} {'gc':>6} {'full':>4}")
+          f"{'api':>6} {'engine':>6} {'gc':>6} {'full':>4} {'cs':>5}")
     for endpoint in args.endpoints:
         for clients in args.clients:
             for kind in ("tiergate", "bare"):
@@ -496,7 +509,8 @@ def run(args: argparse.Namespace) -> int:
                       f"{statistics.median(r.p50_ms for r in runs):>8.2f} {p99:>8.2f} "
                       f"{statistics.median(r.cpu_ms for r in runs):>10.2f} "
                       f"{statistics.median(r.api_ms for r in runs):>6.2f} {statistics.median(r.engine_ms for r in runs):>6.2f} "
-                      f"{statistics.median(r.gc_ms for r in runs):>6.3f} {sum(r.full_gcs for r in runs):>4}")
+                      f"{statistics.median(r.gc_ms for r in runs):>6.3f} {sum(r.full_gcs for r in runs):>4} "
+                      f"{statistics.median(r.switches_per_request for r in runs):>5.1f}")
     print()
     for endpoint in args.endpoints:
         for clients in args.clients:
