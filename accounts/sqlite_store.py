@@ -148,8 +148,8 @@ class SQLiteAccounts(SQLiteFile, AccountStore):
         if metering_id is None and self._in_flight is None and not self._checkpointing and self._loop_db is not None:
             try:
                 self._commit_on_loop(row)
-            except sqlite3.OperationalError as exc:
-                if exc.sqlite_errorcode & 0xFF not in (sqlite3.SQLITE_BUSY, sqlite3.SQLITE_LOCKED):
+            except sqlite3.Error as exc:  # busy: the thread's group waits for the lock; else the row's error
+                if (getattr(exc, "sqlite_errorcode", None) or 0) & 0xFF not in (sqlite3.SQLITE_BUSY, sqlite3.SQLITE_LOCKED):
                     committed.set_exception(exc)
                     return committed
             else:

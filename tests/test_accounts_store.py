@@ -279,6 +279,32 @@ def test_sqlite_usage_goes_to_the_thread_while_another_connection_writes(tmp_pat
     run(go())
 
 
+def test_sqlite_usage_that_fails_on_the_loop_fails_its_own_future_and_leaves_no_transaction(tmp_path):
+    """An error other than a busy lock (here the table is gone) is the row's, as it is on the
+    thread: its future fails (``Accounts.finish`` logs it and the response goes out), ``record``
+    does not raise, and the loop's connection is left outside any transaction for the next row."""
+    import sqlite3
+
+    async def go():
+        path = tmp_path / "accounts.sqlite3"
+        s = SQLiteAccounts(path)
+        await s.open()
+        try:
+            with sqlite3.connect(path) as other:
+                other.execute("ALTER TABLE usage RENAME TO usage_away")
+            failed = s.record("2025-01-01", "k", "m1", "paid", Usage(requests=1))
+            assert failed.done() and isinstance(failed.exception(), sqlite3.OperationalError)
+            assert not s._loop_db.in_transaction
+            with sqlite3.connect(path) as other:
+                other.execute("ALTER TABLE usage_away RENAME TO usage")
+            assert s.record("2025-01-01", "k", "m1", "paid", Usage(requests=1)).result() is None
+            assert _raw_rows(path) == [("k", 1, 0)]
+        finally:
+            await s.close()
+
+    run(go())
+
+
 def test_sqlite_usage_on_the_loop_keeps_the_wal_from_growing(tmp_path):
     """Commits on the loop never checkpoint; the thread does, every ``CHECKPOINT_EVERY`` of them,
     and the WAL starts over instead of growing by a page or so per request."""
