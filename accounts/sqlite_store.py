@@ -49,7 +49,9 @@ class SQLiteAccounts(SQLiteFile, AccountStore):
     checkpoints, so its transaction is a few page writes into the WAL (~20 us of CPU here), where
     handing the row to the thread and waking the loop back cost ~240 us and two threads more
     contending for the interpreter lock (docs/BENCHMARKS.md, "Gateway overhead"). The loop never
-    waits there: when another connection holds the write lock, the row goes to the thread.
+    waits for a lock there: when another connection holds the write lock, the row goes to the
+    thread. What it does wait for is the kernel taking those pages into its cache (no fsync: in
+    WAL mode with ``synchronous=NORMAL`` only checkpoints sync, and they run on the thread).
 
     There, usage rows are group-committed: ``record`` adds its row to the next group and gives
     back the future that is done once the transaction that holds the group has committed. One
