@@ -149,14 +149,22 @@ def serve_chat(svc: Services, caller: Caller, job: ChatJob, gone: Gone | None) -
     return choices[0] if job.n == 1 else interleave(choices)
 
 
+def _ask(svc: Services, caller: Caller, job: ChatJob, params: ChatParams) -> Ask:
+    """What the request spends of its key's minute limits, corrected when it ends; nothing to work
+    out for a key without limits (most: the prompt would be serialised only to be ignored)."""
+    if svc.accounts is None or not svc.accounts.limits(caller.key_id, caller.tier).limited:
+        return Ask()
+    prompt = len(job.prompt_ids) if job.prompt_ids is not None else estimate_tokens(job.messages)
+    return Ask(tokens=prompt + params.max_tokens)
+
+
 async def _serve_choice(svc: Services, caller: Caller, job: ChatJob, index: int,
                         gone: Gone | None) -> AsyncGenerator[ChoiceDelta, None]:
     params = job.params
     if index and params.seed is not None:
         params = dataclasses.replace(params, seed=params.seed + index)
     parser = job.tools.parser_for_reply()
-    prompt = len(job.prompt_ids) if job.prompt_ids is not None else estimate_tokens(job.messages)
-    ask = Ask(tokens=prompt + params.max_tokens)  # the key's tokens per minute, corrected when it ends
+    ask = _ask(svc, caller, job, params)
     adapters = tuple(adapter.name for adapter, _ in job.stack)
     async with Serving(svc, caller, job.model, params.max_tokens, "chat", gone, ask, adapters) as serving:
         events, event = await serving.step(lambda ctx: _first_event(serving, job, params, ctx), "running")

@@ -244,3 +244,26 @@ def test_gpu_seconds_of_one_batched_step_are_shared_by_its_rows(tiny_chat, monke
                 expected += 1.0 / len(rows)
         assert ctx.gpu_s == pytest.approx(expected, rel=1e-12)
     assert sum(ctx.gpu_s for ctx in contexts) == pytest.approx(len(prefills) + len(steps), rel=1e-12)
+
+
+def test_a_chat_request_works_out_its_token_ask_only_for_a_key_with_limits(tmp_path, tiny_chat, monkeypatch):
+    """The prompt is serialised to estimate its tokens (``estimate_tokens``) only when the key has
+    limits to spend them against; a key without limits asks nothing of the limiter."""
+    from types import SimpleNamespace
+
+    from accounts.rates import Ask
+    from accounts.sqlite_store import SQLiteAccounts
+    from gateway import chat
+    from gateway.accounts import Accounts
+    from gateway.auth import Caller
+    from gateway.config import load_config
+
+    config = load_config(write_config(tmp_path, {"tiny-chat": ("chat", tiny_chat)}, EXTRA))  # free has limits
+    svc = SimpleNamespace(accounts=Accounts(config, SQLiteAccounts(tmp_path / "accounts.sqlite3")))
+    job = SimpleNamespace(prompt_ids=None, messages=HI)
+    estimated = []
+    monkeypatch.setattr(chat, "estimate_tokens", lambda messages: estimated.append(messages) or 7)
+    params = ChatParams(max_tokens=4)
+    assert chat._ask(svc, Caller("paid", "k1"), job, params) == Ask() and estimated == []
+    assert chat._ask(svc, Caller("free", "k2"), job, params) == Ask(tokens=7 + 4) and estimated == [HI]
+    assert chat._ask(SimpleNamespace(accounts=None), Caller("free", "k2"), job, params) == Ask()
