@@ -509,8 +509,10 @@ def test_a_start_that_fails_part_way_removes_the_socket_files_it_made(loop, mode
     killer = threading.Thread(target=kill_the_engine_core, args=(stop,), daemon=True)
     killer.start()
     try:
-        # vLLM's own report of an engine core that died starting, with the kill's signal (-9)
-        with pytest.raises(RuntimeError, match=r"Engine core initialization failed.*-9"):
+        # vLLM's own report of an engine core that died starting. It lists the core's exit code
+        # (-9, the kill) when it has collected it, and `{}` when the report came first (one CI run
+        # in four): that the kill happened is checked below, not read from the message
+        with pytest.raises(RuntimeError, match=r"Engine core initialization failed"):
             loop.run_until_complete(eng.start())
     finally:
         stop.set()
