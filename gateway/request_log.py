@@ -219,8 +219,9 @@ class LineWriter(logging.Handler):
     arrived (0.1 s: at a few hundred requests a second the thread wakes once per ten lines or
     more, not once per one or two as at 10 ms, and each wake-up costs the event loop and the
     engine thread turns at the interpreter lock). Every other line (start-up, warnings, errors)
-    is written at once, after what is queued, so lines keep their order. ``flush`` writes what is queued, and ``logging.shutdown``
-    flushes and closes every handler at exit: a line is never lost at shutdown."""
+    is written at once, after what is queued, so lines keep their order. ``flush`` writes what is
+    queued, and ``logging.shutdown`` flushes and closes every handler at exit: a line is never
+    lost at shutdown."""
 
     def __init__(self, period: float = 0.1) -> None:
         super().__init__()

@@ -510,8 +510,8 @@ def test_a_start_that_fails_part_way_removes_the_socket_files_it_made(loop, mode
     killer.start()
     try:
         # vLLM's own report of an engine core that died starting. It lists the core's exit code
-        # (-9, the kill) when it has collected it, and `{}` when the report came first (one CI run
-        # in four): that the kill happened is checked below, not read from the message
+        # (-9, the kill) when it has collected it, and `{}` when the report came first (one
+        # fresh-clone run in five): that the kill happened is checked below, not read from the message
         with pytest.raises(RuntimeError, match=r"Engine core initialization failed"):
             loop.run_until_complete(eng.start())
     finally:
