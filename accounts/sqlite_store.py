@@ -2,7 +2,8 @@
 
 Metering ids live in ``metered`` (id, when): a usage with an id is inserted there (INSERT OR
 IGNORE) in the transaction that adds it to its row, and added only if the insert took; ids older
-than ``METERED_KEEP_S`` are deleted by the transactions that insert new ones."""
+than ``METERED_KEEP_S`` are deleted by the transactions that insert new ones. The usage journal's
+segments and how far each is folded live in ``journal`` (see ``accounts.journal``)."""
 
 from __future__ import annotations
 
@@ -16,6 +17,7 @@ from pathlib import Path
 from dataclasses import dataclass
 from typing import Any
 
+from accounts.journal import Journal, read_whole_lines
 from accounts.keys import KeyRecord
 from accounts.store import METERED_KEEP_S, AccountStore
 from accounts.usage import COUNTERS, Usage, UsageRow
@@ -32,6 +34,7 @@ CREATE TABLE IF NOT EXISTS usage (
 CREATE INDEX IF NOT EXISTS usage_by_key ON usage (key, day);
 CREATE TABLE IF NOT EXISTS metered (id TEXT PRIMARY KEY, at REAL NOT NULL) WITHOUT ROWID;
 CREATE INDEX IF NOT EXISTS metered_by_time ON metered (at);
+CREATE TABLE IF NOT EXISTS journal (segment TEXT PRIMARY KEY, folded INTEGER NOT NULL) WITHOUT ROWID;
 """
 log = logging.getLogger("tiergate.accounts")
 _COUNTS = operator.attrgetter(*COUNTERS)  # a Usage's counters as a tuple, in COUNTERS' order
@@ -44,45 +47,103 @@ _METER = "INSERT OR IGNORE INTO metered (id, at) VALUES (?, ?)"
 class SQLiteAccounts(SQLiteFile, AccountStore):
     """One file in WAL mode; one thread owns the connection; each change is one transaction.
 
-    A request's usage row (no metering id) is committed **on the event loop** when it can be
-    without waiting: a second connection, used only there, has no busy timeout and never
-    checkpoints, so its transaction is a few page writes into the WAL (~20 us of CPU here), where
-    handing the row to the thread and waking the loop back cost ~240 us and two threads more
-    contending for the interpreter lock (docs/BENCHMARKS.md, "Gateway overhead"). The loop never
-    waits for a lock there: when another connection holds the write lock, the row goes to the
-    thread. What it does wait for is the kernel taking those pages into its cache (no fsync: in
-    WAL mode with ``synchronous=NORMAL`` only checkpoints sync, and they run on the thread).
+    A request's usage row (no metering id) is appended to this process's **usage journal**
+    (``accounts.journal``) on the event loop: one ``write`` to a file, durable against the
+    process's death once ``record`` returns, where a SQLite commit there cost ~150 us of CPU cold
+    and through the thread ~240 us (docs/BENCHMARKS.md, "Gateway overhead"). The thread folds
+    the journal into the database every ``FOLD_EVERY_S`` while rows arrive, and before every read
+    of usage it folds every process's segments, so a read sees each row whose ``record`` returned,
+    in any process, exactly once.
 
-    There, usage rows are group-committed: ``record`` adds its row to the next group and gives
-    back the future that is done once the transaction that holds the group has committed. One
-    group commits at a time; while it runs, the rows that arrive join the next group (not the
-    loop's connection, which would find the lock taken), so many concurrent requests cost one
-    commit, one thread hop and one wake-up of the event loop. Batch lines' rows (with metering
-    ids) always go this way. The thread checkpoints the WAL after every ``CHECKPOINT_EVERY``
-    commits made on the loop (passive: it never waits for readers; its fsync stays off the loop).
-    Meanwhile rows go to the thread too, behind the checkpoint: a commit made during it would
-    leave frames it did not copy, and the WAL would grow instead of starting over."""
+    Batch lines' rows (with metering ids) are group-committed on the thread: ``record`` adds the
+    row to the next group and gives back the future that is done once the transaction holding the
+    group has committed (the id checked in it). One group commits at a time; rows that arrive
+    meanwhile join the next."""
 
-    CHECKPOINT_EVERY = 256
+    FOLD_EVERY_S = 0.1
 
     def __init__(self, path: Path) -> None:
         super().__init__(path, _SCHEMA, thread_name="tiergate-accounts")
         self._next_group: _Group | None = None  # rows waiting for the group in flight to commit
         self._in_flight: _Group | None = None
         self._drained: asyncio.Future[None] | None = None  # done when no group is left (close)
-        self._loop_db: sqlite3.Connection | None = None  # the event loop's connection (usage rows)
-        self._loop_commits = 0  # since the last checkpoint was asked for
-        self._checkpointing = False
+        self._journal = Journal(self.path.with_name(self.path.name + ".usage"))
+        self._folding: asyncio.Task | None = None
 
     async def open(self) -> None:
         await super().open()
-        self._loop_db = await self._call(self._connect_for_loop)
+        await self._call(self._open_journal)
+        self._folding = asyncio.create_task(self._fold_while_open(), name="usage-journal")
 
-    def _connect_for_loop(self) -> sqlite3.Connection:
-        db = sqlite3.connect(self.path, isolation_level=None, timeout=0, check_same_thread=False)
-        db.execute("PRAGMA synchronous=NORMAL")
-        db.execute("PRAGMA wal_autocheckpoint=0")  # checkpoints (and their fsync) stay on the thread
-        return db
+    def _open_journal(self) -> None:  # on the connection's thread
+        self._journal.open()
+        for instance, fd in self._journal.lock_gone():  # processes gone: their rows, then their files
+            for segment in self._journal.segments(instance):
+                self._fold(segment)
+                self._forget(segment)
+            self._journal.bury(instance, fd)
+        for (name,) in self._db.execute("SELECT segment FROM journal").fetchall():
+            if not (self._journal.folder / name).exists():  # deleted before its offset was forgotten
+                self._db.execute("DELETE FROM journal WHERE segment = ?", (name,))
+
+    async def _fold_while_open(self) -> None:
+        folded = 0
+        while True:
+            await asyncio.sleep(self.FOLD_EVERY_S)
+            appended = self._journal.appended
+            if appended == folded and not self._journal.retired:
+                continue
+            try:
+                await self._call(self._fold_own)
+                folded = appended
+            except Exception:  # noqa: BLE001 - the rows stay in the journal: the next fold takes them
+                log.warning("folding the usage journal into %s failed", self.path, exc_info=True)
+
+    def _fold_own(self) -> None:  # on the connection's thread
+        journal = self._journal
+        for segment in list(journal.retired):
+            self._fold(segment)
+            self._forget(segment)
+            journal.retired.remove(segment)
+        if journal.segment is not None:
+            self._fold(journal.segment)
+
+    def _fold_all(self) -> None:  # on the connection's thread: before usage is read
+        for segment in self._journal.segments():
+            self._fold(segment)
+
+    def _fold(self, segment: Path) -> None:
+        """Add ``segment``'s whole lines past its folded offset to their rows, in one transaction
+        with the new offset (read inside it: a fold by another process is seen, not repeated)."""
+        name = segment.name
+        known = self._db.execute("SELECT folded FROM journal WHERE segment = ?", (name,)).fetchone()
+        try:
+            if segment.stat().st_size <= (known[0] if known else 0):
+                return
+        except FileNotFoundError:  # folded and deleted by its instance meanwhile
+            return
+
+        def run(db: sqlite3.Connection) -> None:
+            row = db.execute("SELECT folded FROM journal WHERE segment = ?", (name,)).fetchone()
+            start = row[0] if row else 0
+            try:
+                rows, taken, bad = read_whole_lines(segment, start, len(COUNTERS))
+            except FileNotFoundError:  # deleted after its last fold (which then stored its offset)
+                return
+            if bad:
+                log.error("usage journal %s: %d lines past byte %d are not usage rows; skipped", segment, bad, start)
+            if taken:
+                db.executemany(_UPSERT, rows)
+                db.execute("INSERT INTO journal (segment, folded) VALUES (?, ?) "
+                           "ON CONFLICT (segment) DO UPDATE SET folded = excluded.folded", (name, start + taken))
+
+        self._tx(run)
+
+    def _forget(self, segment: Path) -> None:
+        """A segment written whole and folded: the file goes, then its offset (in that order, so
+        that a fold that finds no offset finds no file either)."""
+        segment.unlink(missing_ok=True)
+        self._db.execute("DELETE FROM journal WHERE segment = ?", (segment.name,))
 
     # -- keys
     @staticmethod
@@ -143,55 +204,27 @@ class SQLiteAccounts(SQLiteFile, AccountStore):
     # -- usage
     def record(self, day: str, key: str, model: str, tier: str, usage: Usage,
                metering_id: str | None = None) -> asyncio.Future[None]:
-        """Commit the row, here if no one holds the write lock, else queue it for the thread; the
-        future is done (or failed) once its transaction has committed."""
+        """A request's row into the journal at once; a batch line's into the thread's next group.
+        The future is done (or failed) once the row is durable."""
         committed = asyncio.get_running_loop().create_future()
         row = (day, key, model, tier, *_COUNTS(usage))
-        if metering_id is None and self._in_flight is None and not self._checkpointing and self._loop_db is not None:
+        if metering_id is None:
             try:
-                self._commit_on_loop(row)
-            except sqlite3.Error as exc:  # busy: the thread's group waits for the lock; else the row's error
-                if (getattr(exc, "sqlite_errorcode", None) or 0) & 0xFF not in (sqlite3.SQLITE_BUSY, sqlite3.SQLITE_LOCKED):
-                    committed.set_exception(exc)
-                    return committed
+                self._journal.append(row)
+            except OSError as exc:
+                committed.set_exception(exc)
             else:
                 committed.set_result(None)
-                return committed
+            return committed
         group = self._next_group
         if group is None:
             group = self._next_group = _Group([], [], {})
-        if metering_id is not None:
-            group.metered[len(group.rows)] = metering_id
+        group.metered[len(group.rows)] = metering_id
         group.rows.append(row)
         group.waiters.append(committed)
         if self._in_flight is None:
             self._commit_next()
         return committed
-
-    def _commit_on_loop(self, row: tuple) -> None:
-        """One row in one transaction on the loop's connection; SQLITE_BUSY at once (and nothing
-        written) when another connection holds the write lock."""
-        db = self._loop_db
-        db.execute("BEGIN IMMEDIATE")
-        try:
-            db.execute(_UPSERT, row)
-            db.execute("COMMIT")
-        except BaseException:
-            if db.in_transaction:
-                db.execute("ROLLBACK")
-            raise
-        self._loop_commits += 1
-        if self._loop_commits >= self.CHECKPOINT_EVERY and not self._checkpointing:
-            self._loop_commits, self._checkpointing = 0, True
-            self._pool.submit(self._checkpoint)
-
-    def _checkpoint(self) -> None:  # on the connection's thread
-        try:
-            self._db.execute("PRAGMA wal_checkpoint(PASSIVE)")
-        except sqlite3.Error as exc:  # the next one tries again; a WAL that grows meanwhile is no loss
-            log.warning("checkpointing %s failed: %r", self.path, exc)
-        finally:
-            self._checkpointing = False
 
     def _commit_next(self) -> None:
         """Send the next group to the connection's thread; its end wakes the loop once."""
@@ -205,7 +238,7 @@ class SQLiteAccounts(SQLiteFile, AccountStore):
         loop = group.waiters[0].get_loop()
 
         def upsert(db: sqlite3.Connection) -> None:
-            db.executemany(_UPSERT, _first_time(db, group) if group.metered else group.rows)
+            db.executemany(_UPSERT, _first_time(db, group))
 
         def commit() -> None:  # on the connection's thread; its end wakes the loop once
             try:
@@ -231,12 +264,17 @@ class SQLiteAccounts(SQLiteFile, AccountStore):
         self._commit_next()
 
     async def close(self) -> None:
+        if self._folding is not None:
+            self._folding.cancel()
+            await asyncio.gather(self._folding, return_exceptions=True)
+            self._folding = None
         if self._in_flight is not None:  # the rows queued before closing are written
             self._drained = asyncio.get_running_loop().create_future()
             await self._drained
-        if self._loop_db is not None:
-            self._loop_db.close()
-            self._loop_db = None
+        if self._pool is not None:
+            self._journal.retire()
+            await self._call(self._fold_own)  # every row of this process into the file, then its journal goes
+            self._journal.release()
         await super().close()
 
     async def usage(self, key: str | None, model: str | None, since: str | None, until: str | None) -> list[UsageRow]:
@@ -250,12 +288,14 @@ class SQLiteAccounts(SQLiteFile, AccountStore):
             sql += " WHERE " + " AND ".join(where)
 
         def run() -> list[UsageRow]:
+            self._fold_all()
             return [UsageRow(r[0], r[1], r[2], r[3], _usage(r[4:])) for r in self._db.execute(sql + " ORDER BY day", args)]
 
         return await self._call(run)
 
     async def gpu_spent(self, key: str, day: str) -> float:
         def run() -> float:
+            self._fold_all()
             return self._db.execute("SELECT COALESCE(SUM(gpu_seconds), 0) FROM usage WHERE key = ? AND day = ?",
                                     (key, day)).fetchone()[0]
 
@@ -263,12 +303,11 @@ class SQLiteAccounts(SQLiteFile, AccountStore):
 
 
 def _first_time(db: sqlite3.Connection, group: _Group) -> list[tuple]:
-    """The group's rows to add: those without a metering id, and those whose id is new (checked
-    row by row, so an id twice in one group counts once). Forgets ids past their time."""
+    """The group's rows whose metering id is new (checked row by row, so an id twice in one group
+    counts once). Forgets ids past their time."""
     now = time.time()
     db.execute("DELETE FROM metered WHERE at < ?", (now - METERED_KEEP_S,))
-    return [row for i, row in enumerate(group.rows)
-            if i not in group.metered or db.execute(_METER, (group.metered[i], now)).rowcount == 1]
+    return [row for i, row in enumerate(group.rows) if db.execute(_METER, (group.metered[i], now)).rowcount == 1]
 
 
 def _usage(values: tuple) -> Usage:
@@ -284,4 +323,4 @@ class _Group:
 
     rows: list[tuple]
     waiters: list[asyncio.Future[None]]  # one per row, so that a cancelled request cancels only its own
-    metered: dict[int, str]  # a row's position -> its metering id (batch lines only)
+    metered: dict[int, str]  # a row's position -> its metering id

@@ -6,9 +6,9 @@
 Every request's usage is written durably before its last byte goes out (issue 13), so the write
 is on the response's path. Measured here:
 
-1. the write alone, ``Accounts.finish`` (one SQLite transaction in WAL mode, on the event loop
-   when no other connection is writing, else on the store's thread; or one Lua script on a local
-   redis-server when one is installed), p50 and p99;
+1. the write alone, ``Accounts.finish`` (on SQLite one line appended to the usage journal on
+   the event loop, ``accounts/journal.py``, folded into the database by the store's thread; or
+   one Lua script on a local redis-server when one is installed), p50 and p99;
 2. end to end: chat requests (tiny-chat, 1 token, through the ASGI app in this process) with
    metering on and off, interleaved so drift and load hit both alike; the median difference.
 

@@ -130,7 +130,8 @@ def test_secrets_are_never_stored_in_clear(store_factory, tmp_path, redis_url):
     s, secret = run(go())
     body = secret.removeprefix(PREFIX)
     if isinstance(s, SQLiteAccounts):
-        raw = b"".join(p.read_bytes() for p in tmp_path.glob("accounts.sqlite3*"))
+        raw = b"".join(p.read_bytes() for p in [*tmp_path.glob("accounts.sqlite3*"), *tmp_path.glob("accounts.sqlite3.usage/*")]
+                       if p.is_file())  # the usage journal too
         assert raw and secret_hash(secret).encode() in raw  # the file holds the hash ...
     else:
         import redis
@@ -234,91 +235,148 @@ def _raw_rows(path) -> list[tuple]:
         return db.execute("SELECT key, requests, input_tokens FROM usage ORDER BY key").fetchall()
 
 
-def test_sqlite_usage_commits_on_the_loop_when_the_write_lock_is_free(tmp_path):
-    """The common case: the row is committed before ``record`` returns (its future already done),
-    without a group on the connection's thread, and another connection reads it at once."""
+def _journal_files(path) -> list[str]:
+    folder = path.with_name(path.name + ".usage")
+    return sorted(p.name for p in folder.iterdir()) if folder.exists() else []
+
+
+def test_sqlite_usage_is_in_the_journal_when_record_returns_and_folded_once(tmp_path):
+    """A request's row is written to the journal before ``record`` returns (its future already
+    done, no transaction on the thread), a reader folds it into the database, and folding again
+    (the store's own folds, another reader's) adds nothing."""
     async def go():
-        s = SQLiteAccounts(tmp_path / "accounts.sqlite3")
+        path = tmp_path / "accounts.sqlite3"
+        s = SQLiteAccounts(path)
+        s.FOLD_EVERY_S = 3600  # only the readers fold here
         await s.open()
         try:
             for i in range(3):
                 committed = s.record("2025-01-01", "k", "m1", "paid", Usage(requests=1, input_tokens=i))
                 assert committed.done() and committed.exception() is None and s._in_flight is None
-                assert _raw_rows(tmp_path / "accounts.sqlite3") == [("k", 1 + i, sum(range(i + 1)))]
+            assert _raw_rows(path) == []  # in the journal, not yet in the database
+            [segment] = [n for n in _journal_files(path) if n.endswith(".rows")]
+            assert (path.with_name(path.name + ".usage") / segment).read_bytes().count(b"\n") == 3
+            for _ in range(2):
+                [row] = await s.usage("k", None, None, None)
+                assert (row.usage.requests, row.usage.input_tokens) == (3, 3)
+            await s._call(s._fold_own)
+            assert _raw_rows(path) == [("k", 3, 3)]
+        finally:
+            await s.close()
+        assert _raw_rows(path) == [("k", 3, 3)] and _journal_files(path) == []  # closing folds and removes it
+
+    run(go())
+
+
+def test_sqlite_usage_journal_rotates_and_every_segment_counts_once(tmp_path, monkeypatch):
+    """Segments are retired at their size and a new one started; each is folded, then deleted
+    with its offset, and every row counts exactly once across them."""
+    import accounts.journal as journal
+
+    monkeypatch.setattr(journal, "SEGMENT_BYTES", 600)
+
+    async def go():
+        path = tmp_path / "accounts.sqlite3"
+        s = SQLiteAccounts(path)
+        s.FOLD_EVERY_S = 0.01
+        await s.open()
+        try:
+            for i in range(200):
+                await s.record("2025-01-01", f"k{i % 4}", "m1", "paid", Usage(requests=1, input_tokens=1))
+                if i % 50 == 0:
+                    await asyncio.sleep(0.05)  # the store's own folds run meanwhile
+            assert s._journal._seq > 20  # ~130 bytes a row: a new segment every ~5 rows
+            rows = await s.usage(None, None, None, None)
+            assert sorted((r.key, r.usage.requests, r.usage.input_tokens) for r in rows) == \
+                [(f"k{i}", 50, 50) for i in range(4)]
+            await s._call(s._fold_own)
+            segments = [n for n in _journal_files(path) if n.endswith(".rows")]
+            assert len(segments) == 1  # the retired ones are gone; the one being written stays
+            import sqlite3
+            with sqlite3.connect(path) as db:
+                assert set(r[0] for r in db.execute("SELECT segment FROM journal")) <= set(segments)  # the rest forgotten
         finally:
             await s.close()
 
     run(go())
 
 
-def test_sqlite_usage_goes_to_the_thread_while_another_connection_writes(tmp_path):
-    """Another process holding the write lock: the loop does not wait on it (every row goes to the
-    thread's group, none is done yet), the rows commit once the lock is free, each exactly once."""
-    import sqlite3
+_WRITE_AND_DIE = """
+import asyncio, os, sys
+sys.path.insert(0, {root!r})
+from accounts.sqlite_store import SQLiteAccounts
+from accounts.usage import Usage
+
+async def main():
+    s = SQLiteAccounts({path!r})
+    s.FOLD_EVERY_S = 3600
+    await s.open()
+    for i in range(5):
+        await s.record("2025-01-01", "dead", "m1", "paid", Usage(requests=1, output_tokens=2))
+    os.write(s._journal._fd, b'["2025-01-01","dead","m1"')  # a line cut by the kill: not a row
+    print("written", flush=True)
+    os.kill(os.getpid(), 9)
+
+asyncio.run(main())
+"""
+
+
+def test_sqlite_usage_of_a_killed_process_is_folded_by_the_next_one_once(tmp_path):
+    """A process killed with rows in its journal: a live store reads them at once (it folds every
+    process's segments before reading) without deleting them, the next store to open folds and
+    removes the dead process's files, and nothing counts twice; a cut last line is not a row."""
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    path = tmp_path / "accounts.sqlite3"
+    root = str(Path(__file__).resolve().parents[1])
 
     async def go():
-        path = tmp_path / "accounts.sqlite3"
-        s = SQLiteAccounts(path)
-        await s.open()
-        other = sqlite3.connect(path, isolation_level=None, check_same_thread=False)
+        live = SQLiteAccounts(path)
+        await live.open()
         try:
-            other.execute("BEGIN IMMEDIATE")
-            pending = [s.record("2025-01-01", f"k{i % 2}", "m1", "paid", Usage(requests=1, input_tokens=1))
-                       for i in range(20)]
-            await asyncio.sleep(0.2)  # the loop runs on meanwhile; the thread's group waits for the lock
-            assert not any(f.done() for f in pending)
-            other.execute("COMMIT")
-            await asyncio.wait_for(asyncio.gather(*pending), 30)
-            assert _raw_rows(path) == [("k0", 10, 10), ("k1", 10, 10)]
-            s.record("2025-01-01", "k0", "m1", "paid", Usage(requests=1)).result()  # the loop again
-            assert _raw_rows(path)[0] == ("k0", 11, 10)
+            done = subprocess.run([sys.executable, "-c", _WRITE_AND_DIE.format(root=root, path=str(path))],
+                                  capture_output=True, text=True, timeout=120)
+            assert done.returncode == -9 and "written" in done.stdout, done.stderr
+            dead = [n for n in _journal_files(path) if not n.startswith(live._journal.instance)]
+            assert len(dead) == 2  # its lock file and its segment, left behind
+            [row] = await live.usage("dead", None, None, None)
+            assert (row.usage.requests, row.usage.output_tokens) == (5, 10)
+            assert [n for n in _journal_files(path) if not n.startswith(live._journal.instance)] == dead
+            later = SQLiteAccounts(path)
+            await later.open()  # finds the dead process's lock free: folds (nothing new) and removes
+            try:
+                assert [n for n in _journal_files(path)
+                        if not n.startswith((live._journal.instance, later._journal.instance))] == []
+                [row] = await later.usage("dead", None, None, None)
+                assert (row.usage.requests, row.usage.output_tokens) == (5, 10)
+            finally:
+                await later.close()
         finally:
-            other.close()
-            await s.close()
+            await live.close()
 
     run(go())
 
 
-def test_sqlite_usage_that_fails_on_the_loop_fails_its_own_future_and_leaves_no_transaction(tmp_path):
-    """An error other than a busy lock (here the table is gone) is the row's, as it is on the
-    thread: its future fails (``Accounts.finish`` logs it and the response goes out), ``record``
-    does not raise, and the loop's connection is left outside any transaction for the next row."""
-    import sqlite3
+def test_sqlite_usage_journal_leaves_no_piece_of_a_row_it_could_not_write(tmp_path, monkeypatch):
+    """A short write (a full disk) fails that row's future and cuts the piece off again, so the
+    rows before and after it are whole lines and each counts."""
+    import accounts.journal as journal
 
     async def go():
         path = tmp_path / "accounts.sqlite3"
         s = SQLiteAccounts(path)
         await s.open()
         try:
-            with sqlite3.connect(path) as other:
-                other.execute("ALTER TABLE usage RENAME TO usage_away")
-            failed = s.record("2025-01-01", "k", "m1", "paid", Usage(requests=1))
-            assert failed.done() and isinstance(failed.exception(), sqlite3.OperationalError)
-            assert not s._loop_db.in_transaction
-            with sqlite3.connect(path) as other:
-                other.execute("ALTER TABLE usage_away RENAME TO usage")
             assert s.record("2025-01-01", "k", "m1", "paid", Usage(requests=1)).result() is None
-            assert _raw_rows(path) == [("k", 1, 0)]
-        finally:
-            await s.close()
-
-    run(go())
-
-
-def test_sqlite_usage_on_the_loop_keeps_the_wal_from_growing(tmp_path):
-    """Commits on the loop never checkpoint; the thread does, every ``CHECKPOINT_EVERY`` of them,
-    and the WAL starts over instead of growing by a page or so per request."""
-    async def go():
-        path = tmp_path / "accounts.sqlite3"
-        s = SQLiteAccounts(path)
-        s.CHECKPOINT_EVERY = 64
-        await s.open()
-        try:
-            for i in range(2000):
-                await s.record("2025-01-01", f"k{i % 50}", "m1", "paid", Usage(requests=1))
-            wal = (tmp_path / "accounts.sqlite3-wal").stat().st_size
-            assert wal < 2 * 2**20, f"the WAL grew to {wal} bytes over 2,000 commits (~8 MB without checkpoints)"
-            assert sum(r[1] for r in _raw_rows(path)) == 2000
+            real_write = journal.os.write
+            monkeypatch.setattr(journal.os, "write", lambda fd, data: real_write(fd, data[:7]))
+            failed = s.record("2025-01-01", "k", "m1", "paid", Usage(requests=1))
+            assert failed.done() and isinstance(failed.exception(), OSError)
+            monkeypatch.setattr(journal.os, "write", real_write)
+            assert s.record("2025-01-01", "k", "m1", "paid", Usage(requests=1)).result() is None
+            assert [(r.key, r.usage.requests) for r in await s.usage(None, None, None, None)] == [("k", 2)]
         finally:
             await s.close()
 
