@@ -245,8 +245,7 @@ def loads(raw: bytes | str) -> Any:
             raise InvalidJSON(f"the request body is not valid UTF-8 (byte {exc.start})") from None
     _check_shape(raw)
     try:
-        data = json.loads(raw, parse_constant=_constant, parse_int=_int, parse_float=_float,
-                          object_pairs_hook=_unique_keys)
+        data = _DECODER.decode(raw)
     except InvalidJSON:
         raise
     except RecursionError:  # not reached past _check_shape; kept so no body can make a 500
@@ -303,6 +302,10 @@ def _unique_keys(pairs: list[tuple[str, Any]]) -> dict[str, Any]:
             raise InvalidJSON(f"duplicate key {json.dumps(key)} in a JSON object")
         out[key] = value
     return out
+
+
+# made once (json.loads with options makes a decoder per call)
+_DECODER = json.JSONDecoder(parse_constant=_constant, parse_int=_int, parse_float=_float, object_pairs_hook=_unique_keys)
 
 
 def _check_unicode(data: Any) -> None:
