@@ -49,7 +49,7 @@ class Journal:
     def __init__(self, folder: Path) -> None:
         self.folder = folder
         self.instance = uuid.uuid4().hex[:16]
-        self.segment: Path | None = None  # the one being written
+        self.segment: Path | None = None  # the one being written, if any
         self.size = 0  # bytes written to it, whole lines only
         self.appended = 0  # rows appended since opening (the store folds when it moved)
         self.retired: list[Path] = []  # written whole: to fold, then delete
@@ -78,7 +78,10 @@ class Journal:
     def append(self, row: tuple) -> None:
         """Write ``row`` as one line; it is durable (against this process's death) on return.
         Raises ``OSError`` (nothing of the line left behind) when it cannot be written."""
-        assert self._fd is not None, "the usage journal is not open"
+        if self._fd is None:  # the last segment was written whole (or could not be started)
+            if self._lock_fd is None:
+                raise RuntimeError("the usage journal is not open")
+            self._start_segment()
         line = (_ENCODE(row) + "\n").encode()
         written = os.write(self._fd, line)
         if written != len(line):  # a full disk: leave no piece of a line for the next to join
@@ -87,15 +90,14 @@ class Journal:
         self.size += written
         self.appended += 1
         if self.size >= SEGMENT_BYTES:
-            self.retire()
-            self._start_segment()
+            self.retire()  # the next row starts the next segment
 
     def retire(self) -> None:
         """Stop writing the current segment: it is whole, to be folded and deleted."""
         if self._fd is not None:
             os.close(self._fd)
-            self._fd = None
             self.retired.append(self.segment)
+            self._fd, self.segment = None, None
 
     def release(self) -> None:
         """After the last fold: the lock file goes, and the lock with it."""

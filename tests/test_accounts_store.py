@@ -285,13 +285,13 @@ def test_sqlite_usage_journal_rotates_and_every_segment_counts_once(tmp_path, mo
                 await s.record("2025-01-01", f"k{i % 4}", "m1", "paid", Usage(requests=1, input_tokens=1))
                 if i % 50 == 0:
                     await asyncio.sleep(0.05)  # the store's own folds run meanwhile
-            assert s._journal._seq > 20  # ~130 bytes a row: a new segment every ~5 rows
+            assert s._journal._seq >= 10  # ~60 bytes a row: a new segment every ~10 rows
             rows = await s.usage(None, None, None, None)
             assert sorted((r.key, r.usage.requests, r.usage.input_tokens) for r in rows) == \
                 [(f"k{i}", 50, 50) for i in range(4)]
             await s._call(s._fold_own)
             segments = [n for n in _journal_files(path) if n.endswith(".rows")]
-            assert len(segments) == 1  # the retired ones are gone; the one being written stays
+            assert len(segments) <= 1  # the retired ones are gone; the one being written (if any) stays
             import sqlite3
             with sqlite3.connect(path) as db:
                 assert set(r[0] for r in db.execute("SELECT segment FROM journal")) <= set(segments)  # the rest forgotten
