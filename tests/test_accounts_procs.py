@@ -161,3 +161,6 @@ def test_usage_survives_kill_9_right_after_the_response_sqlite(tiny_chat, tmp_pa
     [row] = asyncio.run(read())
     assert (row.usage.requests, row.usage.input_tokens, row.usage.output_tokens) == (4, *totals)
     assert row.usage.gpu_seconds > 0 and row.tier == "paid" and row.model == "tiny-chat"
+    # the usage journal: the killed server's was folded and removed by the store opened after it,
+    # which removed its own on closing, as the key command did
+    assert list((tmp_path / "tiergate-data" / "accounts.sqlite3.usage").iterdir()) == []
