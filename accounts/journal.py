@@ -107,6 +107,14 @@ class Journal:
             os.close(self._lock_fd)
             self._lock_fd = None
 
+    def abandon(self) -> None:
+        """Give up the lock but leave the lock file: the next process to open the store finds it
+        free and folds and deletes what this one could not."""
+        self.retire()
+        if self._lock_fd is not None:
+            os.close(self._lock_fd)
+            self._lock_fd = None
+
     # -- every process's segments (on the store's thread)
     def segments(self, instance: str | None = None) -> list[Path]:
         """Every segment in the folder (or ``instance``'s), oldest first per instance."""

@@ -273,8 +273,14 @@ class SQLiteAccounts(SQLiteFile, AccountStore):
             await self._drained
         if self._pool is not None:
             self._journal.retire()
-            await self._call(self._fold_own)  # every row of this process into the file, then its journal goes
-            self._journal.release()
+            try:
+                await self._call(self._fold_own)  # every row of this process into the file, then its journal goes
+            except Exception:  # noqa: BLE001 - the rows stay in the journal, its lock file with them
+                log.error("folding the usage journal into %s at close failed; the next process to open it "
+                          "folds it", self.path, exc_info=True)
+                self._journal.abandon()
+            else:
+                self._journal.release()
         await super().close()
 
     async def usage(self, key: str | None, model: str | None, since: str | None, until: str | None) -> list[UsageRow]:

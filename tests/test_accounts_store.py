@@ -381,3 +381,34 @@ def test_sqlite_usage_journal_leaves_no_piece_of_a_row_it_could_not_write(tmp_pa
             await s.close()
 
     run(go())
+
+
+def test_sqlite_usage_journal_that_cannot_be_folded_at_close_is_folded_by_the_next_store(tmp_path):
+    """A fold that fails at close (here the usage table is away) neither raises nor loses the rows:
+    the journal and its lock file stay, unlocked, and the next store to open folds them once."""
+    import sqlite3
+
+    async def go():
+        path = tmp_path / "accounts.sqlite3"
+        s = SQLiteAccounts(path)
+        s.FOLD_EVERY_S = 3600
+        await s.open()
+        for i in range(3):
+            await s.record("2025-01-01", "k", "m1", "paid", Usage(requests=1, input_tokens=i))
+        with sqlite3.connect(path) as other:
+            other.execute("ALTER TABLE usage RENAME TO usage_away")
+        await s.close()
+        left = _journal_files(path)
+        assert len(left) == 2 and all(n.startswith(s._journal.instance) for n in left)  # lock file and segment
+        with sqlite3.connect(path) as other:
+            other.execute("ALTER TABLE usage_away RENAME TO usage")
+        later = SQLiteAccounts(path)
+        await later.open()
+        try:
+            assert _raw_rows(path) == [("k", 3, 3)]
+            assert all(n.startswith(later._journal.instance) for n in _journal_files(path))
+        finally:
+            await later.close()
+        assert _raw_rows(path) == [("k", 3, 3)] and _journal_files(path) == []
+
+    run(go())
