@@ -26,6 +26,9 @@ process is seen at once), two folds of one segment serialise on the write lock, 
 once. A segment's instance deletes it once it is written whole and folded, then forgets its
 offset; the segments of an instance whose process died are folded and deleted by the next process
 that opens the store.
+
+A line is positional (``accounts.usage.COUNTERS``' order). A line of another width, as a process of
+a version with other counters would have left behind, is logged and skipped, not guessed at.
 """
 
 from __future__ import annotations
