@@ -168,8 +168,9 @@ class Runner:
             if claimed:
                 continue
             self._wake.clear()
-            try:
-                await asyncio.wait_for(self._wake.wait(), self.poll_s)
+            try:  # not asyncio.wait_for: on 3.11 it can swallow the stop's cancel (gh-86296)
+                async with asyncio.timeout(self.poll_s):
+                    await self._wake.wait()
             except TimeoutError:
                 pass
 

@@ -93,7 +93,8 @@ async def _batches(store: Any) -> dict[str, Any]:
     if store is None:
         return {"batches": []}
     try:
-        jobs = await asyncio.wait_for(store.list_batches(None, None, RECENT_BATCHES), STORE_TIMEOUT_S)
+        async with asyncio.timeout(STORE_TIMEOUT_S):  # not wait_for: it can swallow a cancel on 3.11
+            jobs = await store.list_batches(None, None, RECENT_BATCHES)
     except Exception as exc:  # noqa: BLE001 - Redis down, store closed while stopping, timeout
         return {"batches": [], "batches_error": f"the batch store did not answer: {type(exc).__name__}: {exc}"}
     return {"batches": [{"id": b.id, "status": b.status, "endpoint": b.endpoint, "created_at": b.created_at,

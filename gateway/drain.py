@@ -137,7 +137,8 @@ async def readyz(request: Request) -> Response:
         return JSONResponse({"status": "draining", "seconds_left": round(drain.left_s(), 1)}, status_code=503)
     store = request.app.state.batches.store
     try:
-        await asyncio.wait_for(store.get_batch("batch_readyz"), STORE_TIMEOUT_S)  # a read: None, if it answers
+        async with asyncio.timeout(STORE_TIMEOUT_S):  # not wait_for: it can swallow a cancel on 3.11
+            await store.get_batch("batch_readyz")  # a read: None, if it answers
     except Exception as exc:  # noqa: BLE001 - any failure means not ready
         return JSONResponse({"status": "store_unavailable", "store": type(store).__name__,
                              "error": f"{type(exc).__name__}: {exc}"[:300]}, status_code=503)

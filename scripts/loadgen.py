@@ -316,9 +316,10 @@ async def poll_residency(run: Run, http: httpx.AsyncClient, stop: asyncio.Event)
             run.samples.append((run.now(), await discover(http)))
         except (httpx.HTTPError, ValueError, KeyError):
             pass  # a missed sample is a gap in the timeline, not a failed run
-        try:
-            await asyncio.wait_for(stop.wait(), run.plan.poll_s)
-        except asyncio.TimeoutError:
+        try:  # not asyncio.wait_for: on 3.11 it can swallow a cancel (gh-86296)
+            async with asyncio.timeout(run.plan.poll_s):
+                await stop.wait()
+        except TimeoutError:
             pass
 
 

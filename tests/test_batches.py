@@ -528,3 +528,31 @@ def test_two_processes_share_one_store_and_split_a_batch(store, tiny_chat, tmp_p
             by_a, by_b = a.stop(), b.stop()
         assert by_a + by_b == 200  # each outcome was written by exactly one of them
         assert by_a > 0 and by_b > 0, (by_a, by_b)
+
+
+@pytest.mark.parametrize("yields", range(6))
+def test_a_runner_stops_when_its_wake_up_lands_just_before_the_stop(tiny_chat, tmp_path, yields):
+    """``stop`` cancels the claim loop while it waits for work. On Python 3.11,
+    ``asyncio.wait_for`` swallows a cancellation that arrives after the awaited event fired and
+    before the waiting task resumed (gh-86296): the loop went on claiming and ``stop`` never
+    returned (a 300 s hang in CI). Here the wake-up lands ``yields`` loop turns before the stop,
+    which covers that window whatever its width."""
+
+    async def go():
+        config = load_config(write_config(tmp_path, {"tiny-chat": ("chat", tiny_chat)}, "batch:\n  reclaim_after_s: 0.2\n"))
+        svc = build_services(config, KeyRing({t: [f"k-{t}"] for t in TIERS}))
+        runner = Runner(svc, SQLiteStore(tmp_path / "b.sqlite3"))
+        await runner.start()
+        await asyncio.sleep(0.1)  # nothing to claim: the claim loop waits for a wake-up
+        loops = list(runner._loops)
+        runner._wake.set()
+        for _ in range(yields):
+            await asyncio.sleep(0)
+        stopping = asyncio.create_task(runner.stop())
+        done, _ = await asyncio.wait({stopping}, timeout=10)
+        for task in loops:  # a loop that ignored the stop's cancel gets another, to end the test
+            task.cancel()
+        await svc.arbiter.stop()
+        return stopping in done
+
+    assert asyncio.run(go()), "the runner's stop() did not return: a loop ignored its cancellation"

@@ -545,8 +545,9 @@ class VllmChatEngine(Worker):
                     _, victim = min(idle)
                     await self._llm.remove_lora(self._resident.pop(victim).lora_id)
                     continue
-                try:
-                    await asyncio.wait_for(self._lora_cond.wait(), _CANCEL_POLL_S)
+                try:  # not asyncio.wait_for: on 3.11 it can swallow a cancel (gh-86296)
+                    async with asyncio.timeout(_CANCEL_POLL_S):
+                        await self._lora_cond.wait()
                 except TimeoutError:
                     pass
                 if ctx.cancelled:
