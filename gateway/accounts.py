@@ -200,7 +200,9 @@ class Accounts:
                 try:
                     await self.store.record(utc_day(time.time()), caller.key_id, model, caller.tier, usage,
                                             metering_id)
-                except (Exception, asyncio.CancelledError) as exc:  # as gather(return_exceptions=True) has it
+                except (Exception, asyncio.CancelledError) as exc:  # a group commit the store cancelled, or
+                    # this task's own cancel (a shutdown cutting it: it ends right after). On SQLite the row is
+                    # already in the journal or its group by then; on Redis the cut write may be lost
                     log.error("usage of a request on %s could not be written: %r", model, exc)
         else:
             writes = []
