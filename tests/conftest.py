@@ -18,6 +18,8 @@ import pytest
 
 from tests.helpers import RunningServer, adapters_yaml, start_server, write_config
 
+pytest_plugins = ["tests.timeout_tasks"]  # a timeout prints the unfinished asyncio tasks too
+
 # Modules that must run in the same test process (one unit of xdist's scheduling): they share a
 # session fixture that is costly to start.
 ONE_PROCESS = {"tests/test_chat_api.py": "vllm-chat-server", "tests/test_vllm_gateway.py": "vllm-chat-server"}
