@@ -46,9 +46,11 @@ def pytest_timeout_set_timer(item, settings):
 
     def handler(signum, frame):
         __tracebackhide__ = True
-        terminal = item.config.get_terminal_writer()
-        terminal.sep("+", title="Unfinished asyncio tasks")
-        terminal.write(task_stacks())
-        timed_out(signum, frame)
+        try:  # whatever the dump meets, the test still times out
+            terminal = item.config.get_terminal_writer()
+            terminal.sep("+", title="Unfinished asyncio tasks")
+            terminal.write(task_stacks())
+        finally:
+            timed_out(signum, frame)
 
     signal.signal(signal.SIGALRM, handler)
