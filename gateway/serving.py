@@ -18,7 +18,11 @@ A ``Serving`` owns, for one request:
 * the key's account (``gateway.accounts``): its model allow-list and limits before the slot is
   taken (404 / 429), and its usage (``usage``, which the core fills in: tokens, images, audio;
   the block adds GPU-seconds and swap seconds) written durably when the block ends, which every
-  core arranges to be before the response's last byte;
+  core arranges to be before the response's last byte. A reply cut before its end (the client
+  left, or the server cancelled it) is metered by the tokens its engine had counted by then
+  (``StepContext.prompt_tokens`` and ``completion_tokens``). A batch line's block that is cut is
+  not metered at all: the line runs again (handed back at a drain) or never (its batch was
+  cancelled), and its usage is the one of the attempt that ends, under the same metering ids;
 * the request log's figures (``gateway.request_log``): the model, the queue wait at the gate, the
   wait for the model's load, the service time and (``count_tokens``) the tokens.
 
@@ -82,6 +86,7 @@ class Serving:
         self.held: Held | None = None
         self.contexts: list[StepContext] = []
         self._admission = None
+        self._counted = False  # the core counted the reply's tokens (it ran to its end)
         self.record = current_request()  # the HTTP request's log record; None for a batch line
 
     @property
@@ -100,6 +105,7 @@ class Serving:
     def count_tokens(self, prompt: int, completion: int) -> None:
         """The request's tokens, for its usage and the request log (completions add up over a
         request's blocks)."""
+        self._counted = True
         self.usage.input_tokens = prompt
         self.usage.output_tokens += completion
         if self.record is not None:
@@ -152,6 +158,12 @@ class Serving:
             return
         self.svc.metrics.lora.move(self.adapters, self.svc.metrics.lora.running, None)
         completed = exc_type is None  # a cut stream ends with GeneratorExit or CancelledError here
+        cut = exc_type is not None and issubclass(exc_type, _CUT)
+        if cut and not self._counted:  # the tokens it cost until the cut, as its engine counted them
+            prompt = max((ctx.prompt_tokens for ctx in self.contexts), default=0)
+            completion = sum(ctx.completion_tokens for ctx in self.contexts)
+            if prompt or completion:
+                self.count_tokens(prompt, completion)
         service_s = time.monotonic() - held.started
         held.release(service_s if completed and not self.paused else None)
         if self.record is not None:
@@ -169,7 +181,9 @@ class Serving:
         if self.svc.accounts is not None:
             self.usage.gpu_seconds = self._gpu_seconds(service_s)
             self.usage.swap_seconds = held.lease.swap_s
-            finish = self.svc.accounts.finish(self.caller, self.model, self._admission, self.usage)
+            # a batch line's cut block: its next attempt is metered under the same ids (see above)
+            usage = None if cut and self.caller.metering is not None else self.usage
+            finish = self.svc.accounts.finish(self.caller, self.model, self._admission, usage)
             if in_cancel_scope():
                 with anyio.CancelScope(shield=True):  # a cut stream is metered too
                     await finish
@@ -223,6 +237,11 @@ class Serving:
                 result.release(None)
             raise ClientGone()
         return result
+
+
+# How a block ends when its reply is cut before its end: the client left (``ClientGone``, or the
+# streamed response's generator closed), or the server cancelled it (a drain, a batch's cancel).
+_CUT = (asyncio.CancelledError, GeneratorExit, ClientGone, Cancelled)
 
 
 def in_cancel_scope() -> bool:

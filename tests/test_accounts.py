@@ -191,6 +191,42 @@ def test_usage_per_key_is_exact_grouped_priced_and_csv(server):
         assert c.get("/admin/usage", params={"key": key_id, "end_date": "2000-01-01"}).json()["data"] == []
 
 
+@pytest.mark.parametrize("limits", [None, {"tokens_per_min": 100000}], ids=["no-limits", "limited"])
+def test_a_stream_the_client_cuts_is_metered_by_the_tokens_it_cost(server, tiny_chat, limits):
+    """The client leaves after three text chunks of a long streamed reply: the key is metered the
+    prompt's tokens and every token generated until the engine saw it leave (at least the three
+    it received, far fewer than asked for), not a request of no tokens. Both of ``finish``'s
+    paths: a key without limits (the row alone) and a key with limits (the row and the buckets)."""
+    from transformers import AutoTokenizer
+
+    key_id, secret = new_key(server, tier="paid", **({"limits": limits} if limits else {}))
+    eos = AutoTokenizer.from_pretrained(str(tiny_chat)).eos_token_id
+    body = {"model": "tiny-chat", "messages": HI, "temperature": 0, "logit_bias": {str(eos): -100}}
+    headers = {"Authorization": f"Bearer {secret}"}
+    prompt = httpx.post(f"{server.base_url}/chat/completions", headers=headers, timeout=60,
+                        json={**body, "max_tokens": 1}).json()["usage"]["prompt_tokens"]
+    received = 0
+    with httpx.stream("POST", f"{server.base_url}/chat/completions", headers=headers, timeout=60,
+                      json={**body, "max_tokens": 400, "stream": True}) as r:
+        for line in r.iter_lines():
+            if line.startswith("data: {") and json.loads(line[6:])["choices"][0]["delta"].get("content"):
+                received += 1
+                if received == 3:
+                    break
+
+    def cut_row() -> dict | None:
+        rows = httpx.get(f"{server.base_url}/usage", headers=headers).json()["data"]
+        return rows[0] if rows and rows[0]["requests"] == 2 else None
+
+    deadline = time.monotonic() + 30
+    while (row := cut_row()) is None:
+        assert time.monotonic() < deadline, "the cut stream was not metered"
+        time.sleep(0.1)
+    assert row["input_tokens"] == 2 * prompt
+    assert 3 <= row["output_tokens"] - 1 < 400  # the first request's one token, then the cut one's
+    assert row["gpu_seconds"] > 0
+
+
 def test_secrets_never_in_logs_nor_stored_in_clear(server, caplog, capfd):
     caplog.set_level(logging.DEBUG)
     key_id, secret = new_key(server, limits={"requests_per_min": 1})
@@ -269,3 +305,4 @@ def test_a_chat_request_works_out_its_token_ask_only_for_a_key_with_limits(tmp_p
     assert chat._ask(svc, Caller("paid", "k1"), job, params) == Ask() and estimated == []
     assert chat._ask(svc, Caller("free", "k2"), job, params) == Ask(tokens=7 + 4) and estimated == [HI]
     assert chat._ask(SimpleNamespace(accounts=None), Caller("free", "k2"), job, params) == Ask()
+

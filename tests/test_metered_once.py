@@ -211,3 +211,68 @@ async def until(check, what: str, timeout: float = 60) -> None:
             return
         assert time.monotonic() < deadline, f"timed out: {what}"
         await asyncio.sleep(0.05)
+
+
+@pytest.mark.parametrize("spec", ["sqlite", "redis"])
+def test_a_line_handed_back_mid_reply_is_metered_by_the_attempt_that_ends(spec, tiny_chat, tmp_path, request):
+    """Runner A is stopped (a drain's hand-back) while both lines of a batch are half-way through
+    long replies; runner B runs them again to their end. The cut attempt is not metered, so the
+    line's metering id carries the attempt that ended: the batch owner is metered exactly the
+    tokens of the replies in the output file. (Metering the cut attempt under that id would keep
+    its partial tokens and drop the whole reply's as a duplicate.)"""
+    from transformers import AutoTokenizer
+
+    store = request.getfixturevalue("redis_url") if spec == "redis" else "sqlite"
+    config = load_config(write_config(tmp_path, {"tiny-chat": ("chat", tiny_chat)},
+                                      f"batch:\n  reclaim_after_s: 0.3\n  store: {store}\n"))
+    data_dir = tmp_path / "tiergate-data"
+    eos = AutoTokenizer.from_pretrained(str(tiny_chat)).eos_token_id
+    rows = [chat_line(i, max_tokens=200, temperature=0, logit_bias={str(eos): -100}) for i in range(2)]
+    owner = f"owner-{uuid.uuid4().hex[:8]}"  # the Redis is the session's: a key of its own
+
+    async def go():
+        svc = build_services(config, KeyRing({t: [f"k-{t}"] for t in TIERS}))
+        await svc.accounts.start()
+        a = Runner(svc, open_store(store, data_dir))
+        await a.start()
+        f = FileInfo("file-in", owner, "batch", "in.jsonl", 1, int(time.time()))
+        await a.store.put_file(f, jsonl(rows))
+        batch = BatchInfo(f"batch_{uuid.uuid4().hex[:12]}", owner, "/v1/chat/completions", f.id, "24h",
+                          int(time.time()), int(time.time()) + 3600)
+        await a.store.create_batch(batch)
+        a.soon("validate", batch.id)
+        await until(lambda: len(a._running) == 2, "runner A runs both lines")
+        workers = svc.arbiter.workers
+        await until(lambda: "tiny-chat" in workers and workers["tiny-chat"].steps >= 20,
+                    "tokens into both replies")  # of 200 each
+        handed = await a.hand_back()
+        await a.store.close()
+        assert handed.startswith("2 batch lines handed back") and a.recorded == 0
+        b = Runner(svc, open_store(store, data_dir))
+        await b.start()
+        try:
+            async def ended() -> bool:
+                return (await b.store.get_batch(batch.id)).status == "completed"
+
+            await until(ended, "runner B completed the batch")
+            final = await b.store.get_batch(batch.id)
+            output = [json.loads(x) for x in (await b.store.file_content(final.fields["output_file_id"])).splitlines()]
+        finally:
+            await b.stop()
+            await svc.accounts.stop()
+            await svc.arbiter.stop()
+        assert final.completed == 2 and b.recorded == 2
+        return sum(o["response"]["body"]["usage"]["completion_tokens"] for o in output)
+
+    replied = asyncio.run(go())
+    assert replied == 400
+
+    async def metered_now():
+        s = config_store(store, data_dir)
+        await s.open()
+        try:
+            return await requests_of(s, owner)
+        finally:
+            await s.close()
+
+    assert asyncio.run(metered_now()) == (2, replied)

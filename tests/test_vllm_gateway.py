@@ -56,6 +56,38 @@ def test_engine_is_vllm_and_streams(vllm_server):
     assert whole.choices[0].message.content == text
 
 
+def test_a_stream_the_client_cuts_is_metered_by_the_tokens_it_cost(vllm_server, tokenizer):
+    """As on the transformers engine (tests/test_accounts.py): the client leaves after three text
+    chunks of a long reply; its key is metered the prompt's tokens and the tokens vLLM generated
+    until the abort (at least the three received), not a request of no tokens."""
+    s = vllm_server
+    headers = {"Authorization": f"Bearer {s.keys['paid']}"}
+
+    def totals() -> tuple[int, int, int]:
+        rows = httpx.get(f"{s.base_url}/usage", headers=headers, timeout=30).json()["data"]
+        return tuple(sum(r[k] for r in rows) for k in ("requests", "input_tokens", "output_tokens"))
+
+    before = totals()
+    body = {"model": "tiny-chat", "messages": [{"role": "user", "content": "tell me"}], "temperature": 0,
+            "logit_bias": {str(tokenizer.eos_token_id): -100}}
+    prompt = httpx.post(f"{s.base_url}/chat/completions", headers=headers, timeout=60,
+                        json={**body, "max_tokens": 1}).json()["usage"]["prompt_tokens"]
+    received = 0
+    with httpx.stream("POST", f"{s.base_url}/chat/completions", headers=headers, timeout=60,
+                      json={**body, "max_tokens": 256, "stream": True}) as r:
+        for line in r.iter_lines():
+            if line.startswith("data: {") and json.loads(line[6:])["choices"][0]["delta"].get("content"):
+                received += 1
+                if received == 3:
+                    break
+    deadline = time.monotonic() + 30
+    while (now := totals())[0] < before[0] + 2:
+        assert time.monotonic() < deadline, "the cut stream was not metered"
+        time.sleep(0.1)
+    assert now[1] - before[1] == 2 * prompt
+    assert 3 <= now[2] - before[2] - 1 < 256  # the first request's one token, then the cut one's
+
+
 # -- completions and responses on vLLM (tests/test_completions_responses.py has them on transformers;
 # here so that they share this module's engine start) --------------------------------------------
 

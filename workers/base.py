@@ -46,7 +46,9 @@ class StepContext:
     was ever made to yield and ``paused_s`` for how long (such time is not service time).
     ``gpu_s`` is set by an engine that runs many requests in one step (the transformers chat
     engine): each step's time shared among its rows; None means the work's service time is its
-    device time.
+    device time. ``prompt_tokens`` and ``completion_tokens`` are a chat engine's running count of
+    the request's tokens (the prompt once it is tokenized, every token sampled so far): what a
+    reply cut before its end is metered by.
     """
 
     def __init__(
@@ -59,6 +61,8 @@ class StepContext:
         self.pause_check = pause_check
         self.steps = 0
         self.gpu_s: float | None = None  # device seconds an engine that shares steps among rows charged this work
+        self.prompt_tokens = 0  # a chat engine's running count of this request's tokens
+        self.completion_tokens = 0
         self.paused = False
         self._paused_s = 0.0
         self._paused_since: float | None = None

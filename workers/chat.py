@@ -223,6 +223,7 @@ class ChatWorker(ThreadWorker):
         """Stream the reply to ``req``. Closing the iterator cancels the work."""
         ids = chat_prompt.request_ids(self.tokenizer, req, self.context_length)
         check_logit_bias(req.params.logit_bias, self.vocab_size)
+        req.ctx.prompt_tokens = len(ids)
         # compiling a grammar may take a while (off the loop); most requests have none
         grammar = None if req.params.grammar is None else await asyncio.to_thread(self._row_grammar, req)
         loop = asyncio.get_running_loop()
@@ -450,6 +451,7 @@ class ChatWorker(ThreadWorker):
             seq.grammar.accept(token)
         seq.ids.append(token)
         gen = seq.generated
+        seq.req.ctx.completion_tokens = len(gen)  # read from the loop if the reply is cut (an int: no lock)
         eos = token in self._eos
         if seq.params.logprobs is not None and not eos:
             seq.logprobs.append(self._logprob(logits, token, seq.params.logprobs))

@@ -382,6 +382,7 @@ class VllmChatEngine(Worker):
         ctx = req.ctx
         if ctx.cancelled:
             raise Cancelled()
+        ctx.prompt_tokens = len(prompt_ids)
 
         lora_request = await self._acquire_lora(lora, ctx) if lora is not None else None
         generated: list[int] = []
@@ -421,6 +422,7 @@ class VllmChatEngine(Worker):
                     async for out in stream:
                         c = out.outputs[0]
                         generated.extend(c.token_ids)
+                        ctx.completion_tokens = len(generated)
                         ctx.steps += 1
                         logprobs = self._logprobs(c, p.logprobs) if p.logprobs is not None else None
                         text = c.text
