@@ -54,6 +54,7 @@ from batch.store import BatchInfo, FileInfo, Job, Line, Outcome, Store
 from gateway.auth import Caller, Metering
 from gateway.errors import APIError
 from gateway.service import Services
+from storage.redis import honour_cancel
 
 log = logging.getLogger("tiergate.batches")
 
@@ -165,6 +166,7 @@ class Runner:
             except Exception:  # noqa: BLE001 - the store is down: keep trying
                 log.exception("batch: claiming lines failed")
                 claimed = 0
+            honour_cancel()  # a cancel the store's client swallowed (storage.redis)
             if claimed:
                 continue
             self._wake.clear()
@@ -217,6 +219,7 @@ class Runner:
     async def _heartbeat_loop(self) -> None:
         """Keep our claims alive, and drop lines of batches that stopped (cancelled, expired)."""
         while True:
+            honour_cancel()
             await asyncio.sleep(self.tick_s)
             running = dict(self._running)  # lines claimed while we await are looked at next tick
             try:
@@ -240,6 +243,7 @@ class Runner:
                 await self._sweep()
             except Exception:  # noqa: BLE001
                 log.exception("batch: sweep failed")
+            honour_cancel()
             await asyncio.sleep(sweep_s)
 
     async def _sweep(self) -> None:
@@ -291,6 +295,7 @@ class Runner:
         endpoint = self.endpoints.get(batch.endpoint)
         attempt = 0
         while True:
+            honour_cancel()  # a 429 is retried for as long as it takes: not past a stop
             request_id = f"req_{uuid.uuid4().hex}"
             # every attempt, here or in another process, writes its usage under the same ids
             caller = Caller(tier=self.tier, key_id=batch.owner, metering=Metering(f"{batch.id}:{line.index}"))

@@ -40,6 +40,7 @@ from accounts.usage import Usage
 from gateway.auth import Caller, RateState
 from gateway.config import Config
 from gateway.errors import APIError
+from storage.redis import honour_cancel
 
 log = logging.getLogger("tiergate.accounts")
 
@@ -114,6 +115,7 @@ class Accounts:
 
     async def _refresh_loop(self) -> None:
         while True:
+            honour_cancel()  # a cancel the store's client swallowed (storage.redis)
             await asyncio.sleep(self.refresh_s)
             try:
                 await self.refresh()

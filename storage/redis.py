@@ -1,9 +1,25 @@
 """A Redis client from a URL (``redis://...``) whose keys all start with one prefix: the base of
-the stores that processes on many machines share. redis.asyncio is imported when it opens."""
+the stores that processes on many machines share. redis.asyncio is imported when it opens.
+
+The client can lose a cancel: redis-py sends every command through ``asyncio.wait_for`` (its
+``socket_timeout``, 5 s by default), and on Python 3.11 ``wait_for`` swallows a cancellation
+that lands just as the send finishes (gh-86296, fixed in 3.12): the command returns, the task
+goes on. A loop that calls the store would then ignore its stop and hang whoever awaits it, so
+every such loop calls ``honour_cancel()`` at each turn.
+"""
 
 from __future__ import annotations
 
+import asyncio
 from typing import Any
+
+
+def honour_cancel() -> None:
+    """Raise ``CancelledError`` when this task was cancelled and the cancel never reached it (a
+    library swallowed it; see the module's doc). Call it at the top of a loop's turn."""
+    task = asyncio.current_task()
+    if task is not None and task.cancelling():
+        raise asyncio.CancelledError
 
 
 class RedisKeys:

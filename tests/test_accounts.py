@@ -306,3 +306,40 @@ def test_a_chat_request_works_out_its_token_ask_only_for_a_key_with_limits(tmp_p
     assert chat._ask(svc, Caller("free", "k2"), job, params) == Ask(tokens=7 + 4) and estimated == [HI]
     assert chat._ask(SimpleNamespace(accounts=None), Caller("free", "k2"), job, params) == Ask()
 
+
+def test_accounts_stop_when_the_store_swallows_the_cancel(tmp_path):
+    """The managed keys' refresh loop asks the store every ``refresh_s``; on Redis the client can
+    swallow a cancel (``storage.redis``). Here the store's ``keys_since`` does, as the send would
+    when the stop lands: ``stop`` must return all the same."""
+    from gateway.accounts import Accounts
+    from gateway.config import load_config
+
+    config = load_config(write_config(tmp_path, {"m": ("chat", tmp_path)}, "accounts:\n  refresh_s: 0.05\n"))
+
+    async def go() -> bool:
+        accounts = Accounts.from_config(config)
+        real, inside, swallowed = accounts.store.keys_since, asyncio.Event(), []
+
+        async def swallowing(*args):
+            inside.set()
+            try:
+                await asyncio.sleep(0.5)
+            except asyncio.CancelledError:
+                if swallowed:  # once is enough: later cancels (the test's cleanup) go through
+                    raise
+                swallowed.append(True)  # as wait_for on 3.11 when the send had finished: the cancel is gone
+            return await real(*args)
+
+        accounts.store.keys_since = swallowing
+        await accounts.start()
+        inside.clear()
+        async with asyncio.timeout(10):
+            await inside.wait()  # the refresh loop's own call, not start()'s
+        loop = accounts._loop
+        stopping = asyncio.create_task(accounts.stop())
+        done, _ = await asyncio.wait({stopping}, timeout=10)
+        loop.cancel()  # a loop that ignored the stop gets another cancel, to end the test
+        await asyncio.gather(stopping, return_exceptions=True)
+        return stopping in done
+
+    assert asyncio.run(go()), "Accounts.stop() did not return: the refresh loop went on after a swallowed cancel"

@@ -556,3 +556,43 @@ def test_a_runner_stops_when_its_wake_up_lands_just_before_the_stop(tiny_chat, t
         return stopping in done
 
     assert asyncio.run(go()), "the runner's stop() did not return: a loop ignored its cancellation"
+
+
+@pytest.mark.parametrize("call", ["shapes", "touch", "open_batches"], ids=["claim", "heartbeat", "sweep"])
+def test_a_runner_stops_when_its_store_swallows_the_cancel(tiny_chat, tmp_path, call):
+    """redis-py sends every command through ``asyncio.wait_for``, which on Python 3.11 swallows a
+    cancel that lands as the send finishes (``storage.redis``): a runner stopped while a loop was
+    in such a call hung a test for 300 s. Here the store call of each loop in turn (the claim
+    loop's, the heartbeat's, the sweep's) swallows the stop's cancel and returns as the send
+    would: ``stop`` must return all the same."""
+
+    async def go():
+        config = load_config(write_config(tmp_path, {"tiny-chat": ("chat", tiny_chat)}, "batch:\n  reclaim_after_s: 0.2\n"))
+        svc = build_services(config, KeyRing({t: [f"k-{t}"] for t in TIERS}))
+        runner = Runner(svc, SQLiteStore(tmp_path / "b.sqlite3"))
+        real, inside, swallowed = getattr(runner.store, call), asyncio.Event(), []
+
+        async def swallowing(*args, **kwargs):
+            inside.set()
+            try:
+                await asyncio.sleep(0.5)  # the command on its way when the stop's cancel lands
+            except asyncio.CancelledError:
+                if swallowed:  # once is enough: later cancels (the test's cleanup) go through
+                    raise
+                swallowed.append(True)  # as wait_for on 3.11 when the send had finished: the cancel is gone
+            return await real(*args, **kwargs)
+
+        setattr(runner.store, call, swallowing)
+        await runner.start()
+        async with asyncio.timeout(10):
+            await inside.wait()
+        loops = list(runner._loops)
+        stopping = asyncio.create_task(runner.stop())
+        done, _ = await asyncio.wait({stopping}, timeout=10)
+        for task in loops:  # a loop that ignored the stop gets another cancel, to end the test
+            task.cancel()
+        await asyncio.gather(stopping, return_exceptions=True)
+        await svc.arbiter.stop()
+        return stopping in done
+
+    assert asyncio.run(go()), "the runner's stop() did not return: a loop went on after its store swallowed the cancel"
