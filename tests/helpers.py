@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import json
 import socket
 import threading
 import time
@@ -101,6 +102,21 @@ def start_server(config_path: Path, admin: bool = True) -> RunningServer:
 
 
 CHAT_ADAPTERS = ["tiny-chat-pirate", "tiny-chat-poet"]
+
+
+def stream_and_leave(url: str, headers: dict, body: dict, chunks: int = 3) -> None:
+    """POST a streamed chat request to ``url`` and close the connection after ``chunks`` chunks of
+    text, as a client that leaves mid-reply."""
+    import httpx
+
+    received = 0
+    with httpx.stream("POST", url, headers=headers, timeout=60, json={**body, "stream": True}) as r:
+        for line in r.iter_lines():
+            if line.startswith("data: {") and json.loads(line[6:])["choices"][0]["delta"].get("content"):
+                received += 1
+                if received == chunks:
+                    return
+    raise AssertionError(f"the stream ended after {received} chunks of text, before the client left")
 
 
 def adapters_yaml(demo_dir: Path) -> str:

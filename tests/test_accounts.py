@@ -16,7 +16,7 @@ import openai
 import pytest
 import torch
 
-from tests.helpers import start_server, write_config
+from tests.helpers import start_server, stream_and_leave, write_config
 from workers.base import ChatParams, ChatRequest, ModelSpec, StepContext
 
 EXTRA = """batch:
@@ -205,14 +205,7 @@ def test_a_stream_the_client_cuts_is_metered_by_the_tokens_it_cost(server, tiny_
     headers = {"Authorization": f"Bearer {secret}"}
     prompt = httpx.post(f"{server.base_url}/chat/completions", headers=headers, timeout=60,
                         json={**body, "max_tokens": 1}).json()["usage"]["prompt_tokens"]
-    received = 0
-    with httpx.stream("POST", f"{server.base_url}/chat/completions", headers=headers, timeout=60,
-                      json={**body, "max_tokens": 400, "stream": True}) as r:
-        for line in r.iter_lines():
-            if line.startswith("data: {") and json.loads(line[6:])["choices"][0]["delta"].get("content"):
-                received += 1
-                if received == 3:
-                    break
+    stream_and_leave(f"{server.base_url}/chat/completions", headers, {**body, "max_tokens": 400})
 
     def cut_row() -> dict | None:
         rows = httpx.get(f"{server.base_url}/usage", headers=headers).json()["data"]

@@ -166,18 +166,7 @@ def test_a_line_metered_by_a_runner_that_died_before_recording_it_is_metered_onc
             return await ENDPOINTS["/v1/chat/completions"](svc_, caller, body)
 
         b = Runner(svc, open_store(store, data_dir), {"/v1/chat/completions": chat})
-        await b.start()
-        try:
-            async def ended() -> bool:
-                return (await b.store.get_batch(batch.id)).status == "completed"
-
-            await until(ended, "runner B completed the batch")
-            final = await b.store.get_batch(batch.id)
-            output = [json.loads(x) for x in (await b.store.file_content(final.fields["output_file_id"])).splitlines()]
-        finally:
-            await b.stop()
-            await svc.accounts.stop()
-            await svc.arbiter.stop()
+        final, output = await finished_by(b, svc, batch.id)
         assert len(calls) == n and b.recorded == n  # B did run every line again
         assert final.completed == n and final.failed == 0
         assert sorted(o["custom_id"] for o in output) == [f"req-{i}" for i in range(n)]
@@ -195,6 +184,23 @@ def test_a_line_metered_by_a_runner_that_died_before_recording_it_is_metered_onc
             await s.close()
 
     assert asyncio.run(metered_now()) == first  # each line once (line 0: two choices), as A metered it
+
+
+async def finished_by(b: Runner, svc, batch_id: str) -> tuple[BatchInfo, list[dict]]:
+    """Start runner ``b``, wait until the batch completes, and return it with its output lines;
+    then stop ``b`` and the services."""
+    await b.start()
+    try:
+        async def ended() -> bool:
+            return (await b.store.get_batch(batch_id)).status == "completed"
+
+        await until(ended, "runner B completed the batch")
+        final = await b.store.get_batch(batch_id)
+        return final, [json.loads(x) for x in (await b.store.file_content(final.fields["output_file_id"])).splitlines()]
+    finally:
+        await b.stop()
+        await svc.accounts.stop()
+        await svc.arbiter.stop()
 
 
 def config_store(spec: str, data_dir):
@@ -249,18 +255,7 @@ def test_a_line_handed_back_mid_reply_is_metered_by_the_attempt_that_ends(spec, 
         await a.store.close()
         assert handed.startswith("2 batch lines handed back") and a.recorded == 0
         b = Runner(svc, open_store(store, data_dir))
-        await b.start()
-        try:
-            async def ended() -> bool:
-                return (await b.store.get_batch(batch.id)).status == "completed"
-
-            await until(ended, "runner B completed the batch")
-            final = await b.store.get_batch(batch.id)
-            output = [json.loads(x) for x in (await b.store.file_content(final.fields["output_file_id"])).splitlines()]
-        finally:
-            await b.stop()
-            await svc.accounts.stop()
-            await svc.arbiter.stop()
+        final, output = await finished_by(b, svc, batch.id)
         assert final.completed == 2 and b.recorded == 2
         return sum(o["response"]["body"]["usage"]["completion_tokens"] for o in output)
 

@@ -16,7 +16,7 @@ import httpx
 import openai
 import pytest
 
-from tests.helpers import adapters_yaml, start_server, write_config
+from tests.helpers import adapters_yaml, start_server, stream_and_leave, write_config
 from tests.test_completions_responses import TOOLS, greedy, respond
 from tests.test_completions_responses import client as sdk_client
 
@@ -72,14 +72,7 @@ def test_a_stream_the_client_cuts_is_metered_by_the_tokens_it_cost(vllm_server, 
             "logit_bias": {str(tokenizer.eos_token_id): -100}}
     prompt = httpx.post(f"{s.base_url}/chat/completions", headers=headers, timeout=60,
                         json={**body, "max_tokens": 1}).json()["usage"]["prompt_tokens"]
-    received = 0
-    with httpx.stream("POST", f"{s.base_url}/chat/completions", headers=headers, timeout=60,
-                      json={**body, "max_tokens": 256, "stream": True}) as r:
-        for line in r.iter_lines():
-            if line.startswith("data: {") and json.loads(line[6:])["choices"][0]["delta"].get("content"):
-                received += 1
-                if received == 3:
-                    break
+    stream_and_leave(f"{s.base_url}/chat/completions", headers, {**body, "max_tokens": 256})
     deadline = time.monotonic() + 30
     while (now := totals())[0] < before[0] + 2:
         assert time.monotonic() < deadline, "the cut stream was not metered"
