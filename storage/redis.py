@@ -16,7 +16,8 @@ from typing import Any
 
 def honour_cancel() -> None:
     """Raise ``CancelledError`` when this task was cancelled and the cancel never reached it (a
-    library swallowed it; see the module's doc). Call it at the top of a loop's turn."""
+    library swallowed it; see the module's doc). Call it once per turn of a loop, after its store
+    calls and before it waits again."""
     task = asyncio.current_task()
     if task is not None and task.cancelling():
         raise asyncio.CancelledError
