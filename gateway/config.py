@@ -69,6 +69,7 @@ class EngineConfig(_Strict):
     max_num_seqs: int = Field(default=8, ge=1)  # rows decoded together in one step (both engines)
     lora_slots: int = Field(default=2, ge=1)  # vLLM: adapter stacks resident at once (plus one spare slot)
     max_lora_rank: Literal[8, 16, 32, 64, 128, 256, 320, 512] = 64  # vLLM: the largest stack rank served
+    stack_loras: int = Field(default=32, ge=1)  # vLLM: stacks' LoRAs kept written on disk (LRU beyond)
     tool_parser: Literal["hermes"] = "hermes"  # how tool calls are read from the model's text (tool_choice auto)
 
 
@@ -98,7 +99,8 @@ class ChatModel(_Model):
         if engine.name == "vllm":
             options.update(kv_cache_bytes=engine.kv_cache, max_model_len=engine.max_model_len)
             if with_adapters:  # unmerged multi-LoRA: a request's stack is served as one LoRA
-                options.update(enable_lora=True, max_loras=engine.lora_slots, max_lora_rank=engine.max_lora_rank)
+                options.update(enable_lora=True, max_loras=engine.lora_slots, max_lora_rank=engine.max_lora_rank,
+                               max_stack_loras=engine.stack_loras)
         return ModelSpec(self.name, self.kind, self.path, self.vram, engine.name, options)
 
 

@@ -82,14 +82,14 @@ def test_bad_config_is_one_line_naming_file_field_problem(tmp_path, text, field,
 
 
 def test_engine_block_shorthand_and_settings_reach_the_spec(tmp_path):
-    text = BASE.replace("vram: 6GiB}", "vram: 6GiB, engine: {name: vllm, kv_cache: 1GiB, max_num_seqs: 3}}\n"
+    text = BASE.replace("vram: 6GiB}", "vram: 6GiB, engine: {name: vllm, kv_cache: 1GiB, max_num_seqs: 3, stack_loras: 5}}\n"
                         "  - {name: short, kind: chat, path: model, engine: transformers}\n"
                         "  - {name: pic, kind: image, path: model}\n"
                         "adapters:\n  - {name: a, model: m, path: model}")
     vllm, short, pic = load_config(write(tmp_path, text)).model_specs()
     assert (vllm.engine, dict(vllm.options)) == ("vllm", {
         "max_num_seqs": 3, "kv_cache_bytes": 2**30, "max_model_len": None,
-        "enable_lora": True, "max_loras": 2, "max_lora_rank": 64})  # adapters on m: unmerged LoRA
+        "enable_lora": True, "max_loras": 2, "max_lora_rank": 64, "max_stack_loras": 5})  # adapters on m: unmerged LoRA
     assert (short.engine, dict(short.options)) == ("transformers", {"max_num_seqs": 8})
     assert (pic.engine, dict(pic.options)) == ("transformers", {})
 

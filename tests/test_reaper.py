@@ -171,6 +171,7 @@ def test_a_guarded_pid_reused_by_another_process_is_not_signalled(tmp_path):
 ENGINE_SERVER = textwrap.dedent("""
     import asyncio, json, os, sys, time
     from workers import reaper
+    from lora_kernels import load_peft_adapter
     from workers.chat_vllm import VllmChatEngine
     from workers.base import ModelSpec
 
@@ -178,8 +179,9 @@ ENGINE_SERVER = textwrap.dedent("""
         engine = VllmChatEngine(ModelSpec("tiny-chat", "chat", sys.argv[1], engine="vllm"), max_model_len=256,
                                 kv_cache_bytes=64 << 20, dtype="float32", max_num_seqs=2, enforce_eager=True)
         await engine.start()
+        stack = tuple((load_peft_adapter(path), weight) for path, weight in ((sys.argv[2], 0.5), (sys.argv[3], -0.7)))
         pids = {"engine": reaper.descendants(os.getpid()), "reaper": reaper._reaper.pid,
-                "sockets": os.environ["VLLM_RPC_BASE_PATH"]}
+                "sockets": os.environ["VLLM_RPC_BASE_PATH"], "stack": engine.stack_lora(stack)[2]}
         print("PIDS", json.dumps(pids), flush=True)  # vLLM logs on stdout too
         await asyncio.sleep(600)
 
@@ -188,15 +190,24 @@ ENGINE_SERVER = textwrap.dedent("""
 """)
 
 
-def test_the_vllm_engine_processes_end_when_its_server_is_killed(tmp_path, tiny_chat):
+@pytest.fixture(scope="module")
+def chat_adapters(demo_dir: Path) -> list[Path]:
+    from demo import build_demo_models
+
+    built = build_demo_models(demo_dir, names=["tiny-chat-pirate", "tiny-chat-poet"])
+    return [built["tiny-chat-pirate"], built["tiny-chat-poet"]]
+
+
+def test_the_vllm_engine_processes_end_when_its_server_is_killed(tmp_path, tiny_chat, chat_adapters):
     """vLLM's engine core and worker outlive a SIGKILLed parent on their own (vLLM 0.32); they run
     in a process group of their own, in the server's session. The folder of vLLM's socket files
-    goes with them."""
+    goes with them, and so does the folder of the engine's adapter-stack LoRAs."""
     pytest.importorskip("vllm", reason="scripts/test installs vllm unless TIERGATE_VLLM=0")
     script = tmp_path / "engine_server.py"
     script.write_text(ENGINE_SERVER)
     env = {k: v for k, v in os.environ.items() if k not in ("VLLM_RPC_BASE_PATH", "TIERGATE_VLLM_RPC_OWNER")}
-    proc = subprocess.Popen([sys.executable, str(script), str(tiny_chat)], stdout=subprocess.PIPE, text=True,
+    proc = subprocess.Popen([sys.executable, str(script), str(tiny_chat), *map(str, chat_adapters)],
+                            stdout=subprocess.PIPE, text=True,
                             env={**env, "PYTHONPATH": str(ROOT)}, start_new_session=True)  # a folder of its own
     out = []
     for line in proc.stdout:
@@ -216,13 +227,16 @@ def test_the_vllm_engine_processes_end_when_its_server_is_killed(tmp_path, tiny_
         assert all(os.getsid(p) == os.getsid(proc.pid) for p in engine)
         sockets = Path(pids["sockets"])  # tiergate's own folder for vLLM's socket files
         assert sockets.name.startswith(f"tiergate-vllm-{proc.pid}-") and any(sockets.iterdir())
+        stacks = Path(pids["stack"]).parent
+        assert stacks.name.startswith("tiergate-tiny-chat-stacks-") and (stacks / "stack-1").is_dir()
         proc.kill()
         proc.wait()
         assert wait_gone(engine, within_s=reaper.GRACE_S + 10) == []
-        deadline = time.monotonic() + 10  # the reaper removes it after the engine's processes end
-        while sockets.exists() and time.monotonic() < deadline:
+        deadline = time.monotonic() + 10  # the reaper removes them after the engine's processes end
+        while (sockets.exists() or stacks.exists()) and time.monotonic() < deadline:
             time.sleep(0.05)
         assert not sockets.exists()  # a killed server never ran its exit, which removes it
+        assert not stacks.exists()
     finally:
         cleanup(*engine, pids["reaper"])
 

@@ -406,6 +406,43 @@ def test_lora_per_request_in_mixed_batches_matches_peft(loop, engine, model_dir,
     assert engine.num_unfinished() == 0 and engine.inflight == 0
 
 
+def test_forgotten_stacks_are_written_again_and_served_the_same(loop, engine, adapters, monkeypatch):
+    """With room for one stack LoRA on disk: a stack held by a running request is kept while
+    another is served; once both are idle a third deletes them; a deleted stack that comes back
+    is written again under a new id while vLLM still has the old one loaded under its name, and
+    the engine swaps them (an idle one) and gives the same reply as before."""
+    from lora_kernels import load_peft_adapter
+
+    monkeypatch.setattr(engine, "max_stack_loras", 1)
+    a1, a2 = (load_peft_adapter(adapters[k][2], k) for k in ("a1", "a2"))
+    s1, s2, s3 = ((a1, 0.5),), ((a2, 0.5),), ((a1, 0.25),)
+
+    def stacked(stack, n=8):
+        return ChatRequest(MSG, ChatParams(max_tokens=n, temperature=0), ctx=StepContext(), adapters=stack)
+
+    async def while_s1_runs():
+        events = engine.chat(stacked(s1, n=200), ignore_eos=True)
+        await events.__anext__()  # s1's request has started, and holds its stack
+        try:
+            return await collect(engine, stacked(s2), ignore_eos=False)
+        finally:
+            await events.aclose()
+
+    first = engine.stack_lora(s1)
+    text2 = loop.run_until_complete(while_s1_runs())[0]
+    # s2 once more, so that s1 is the least recently used resident LoRA (s1's request ended last)
+    assert loop.run_until_complete(collect(engine, stacked(s2), ignore_eos=False))[0] == text2
+    second = engine.stack_lora(s2)
+    assert Path(first[2]).is_dir() and Path(second[2]).is_dir()  # s1 was held: both kept
+    loop.run_until_complete(collect(engine, stacked(s3), ignore_eos=False))
+    assert not Path(first[2]).exists() and not Path(second[2]).exists()
+    assert second[0] in engine.resident_loras()  # vLLM still has s2's old LoRA
+    again = loop.run_until_complete(collect(engine, stacked(s2), ignore_eos=False))[0]
+    assert again == text2 and engine.stack_lora(s2)[1] != second[1]
+    assert engine._resident[second[0]].lora_id == engine.stack_lora(s2)[1]
+    assert engine.num_unfinished() == 0 and engine.inflight == 0
+
+
 # -- one prompt encoding for both engines ----------------------------------------------------------
 CONVERSATIONS = {
     "system+user": [{"role": "system", "content": "You are terse."}, {"role": "user", "content": "Hello world!"}],

@@ -43,6 +43,7 @@ from __future__ import annotations
 
 import asyncio
 import atexit
+import contextlib
 import itertools
 import json
 import os
@@ -50,6 +51,8 @@ import shutil
 import tempfile
 import time
 import uuid
+import weakref
+from collections import OrderedDict
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, AsyncIterator
@@ -89,6 +92,15 @@ class _Resident:
     lora_id: int
     users: int = 0
     last_used: float = 0.0
+
+
+@dataclass
+class _StackLora:
+    """The LoRA written for one adapter stack, and the ``chat()`` calls that hold its path (a
+    request paused across an unload and reload keeps it)."""
+
+    ref: LoraRef
+    users: int = 0
 
 
 _RPC_OWNER = "TIERGATE_VLLM_RPC_OWNER"  # the pid whose folder VLLM_RPC_BASE_PATH names, when tiergate made it
@@ -140,6 +152,7 @@ class VllmChatEngine(Worker):
         enable_lora: bool = False,
         max_loras: int = 1,
         max_lora_rank: int = 16,
+        max_stack_loras: int = 32,
         seed: int = 0,
         engine_args: dict[str, Any] | None = None,
     ) -> None:
@@ -147,11 +160,15 @@ class VllmChatEngine(Worker):
         ``gpu_memory_utilization``). ``dtype="auto"``: float32 on CPU, the checkpoint's dtype
         elsewhere. ``enforce_eager=None``: True on CPU (no graphs to capture there), vLLM's
         default elsewhere. ``max_loras``: adapters resident at once (vLLM gets one slot more,
-        see the module doc). ``engine_args``: further ``AsyncEngineArgs`` fields, verbatim."""
+        see the module doc). ``max_stack_loras``: stack LoRAs kept written on disk; the least
+        recently used one that no request holds is deleted beyond it (see ``stack_lora``).
+        ``engine_args``: further ``AsyncEngineArgs`` fields, verbatim."""
         if spec.kind != "chat":
             raise ValueError(f"{spec.name}: a vLLM engine serves chat models, not {spec.kind}")
         if enable_lora and max_loras < 1:
             raise ValueError("max_loras must be >= 1 when LoRA is enabled")
+        if max_stack_loras < 1:
+            raise ValueError("max_stack_loras must be >= 1")
         self.spec = spec
         self.max_model_len = max_model_len
         self.kv_cache_bytes = kv_cache_bytes
@@ -162,6 +179,7 @@ class VllmChatEngine(Worker):
         self.enable_lora = enable_lora
         self.max_loras = max_loras
         self.max_lora_rank = max_lora_rank
+        self.max_stack_loras = max_stack_loras
         self.seed = seed
         self.extra_engine_args = dict(engine_args or {})
 
@@ -173,7 +191,10 @@ class VllmChatEngine(Worker):
         # LoRA residency (see the module doc): name -> _Resident, guarded by _lora_cond.
         self._resident: dict[str, _Resident] = {}
         self._lora_cond: asyncio.Condition | None = None
-        self._stack_loras: dict[StackKey, LoraRef] = {}  # adapter stack -> the LoRA that serves it
+        # adapter stack -> the LoRA that serves it, least recently used first
+        self._stack_loras: OrderedDict[StackKey, _StackLora] = OrderedDict()
+        self._stack_ids = itertools.count(1)  # never reused: vLLM may still hold a deleted stack's id
+        self._stack_writes: dict[StackKey, asyncio.Task] = {}  # stacks being written, for those who wait
         self._stack_dir: Path | None = None
         self._sockets: set[Path] = set()  # the ZMQ socket files this engine's start made
 
@@ -352,7 +373,7 @@ class VllmChatEngine(Worker):
     def encode(self, messages: list[dict], tools: list[dict] | None = None) -> list[int]:
         return chat_prompt.encode(self.tokenizer, messages, tools)
 
-    async def chat(
+    def chat(
         self,
         req: ChatRequest,
         lora: LoraRef | None = None,
@@ -361,15 +382,33 @@ class VllmChatEngine(Worker):
     ) -> AsyncIterator[ChatEvent]:
         """Stream the reply to ``req``: ``TextDelta``s, then one ``ChatFinished``.
 
-        ``lora``: ``(name, int_id, path)`` of a peft adapter folder to apply to this request only.
+        ``lora``: ``(name, int_id, path)`` of a peft adapter folder to apply to this request only;
+        without it, ``req.adapters`` (a stack) is served by ``stack_lora``'s LoRA.
         ``ignore_eos``: generate exactly ``max_tokens`` (benchmarks and tests).
         Closing the iterator or cancelling its task aborts the request in the engine;
         ``req.ctx.cancel()`` does too and makes the iterator raise ``Cancelled``.
         """
+        if lora is None and req.adapters:
+            return self._chat_on_stack(req, ignore_eos)
+        return self._chat(req, lora, ignore_eos)
+
+    async def _chat_on_stack(self, req: ChatRequest, ignore_eos: bool) -> AsyncIterator[ChatEvent]:
+        """``_chat`` with the stack's LoRA held: its folder is not deleted while this runs."""
         if self._llm is None:
             raise RuntimeError(f"{self.spec.name}: engine not started")
-        if lora is None and req.adapters:
-            lora = self.stack_lora(req.adapters)
+        if not self.enable_lora:
+            raise ValueError(f"{self.spec.name}: LoRA requested but the engine has enable_lora=False")
+        stack = await self._hold_stack(req.adapters)
+        try:
+            async with contextlib.aclosing(self._chat(req, stack.ref, ignore_eos)) as events:
+                async for event in events:
+                    yield event
+        finally:
+            stack.users -= 1
+
+    async def _chat(self, req: ChatRequest, lora: LoraRef | None, ignore_eos: bool) -> AsyncIterator[ChatEvent]:
+        if self._llm is None:
+            raise RuntimeError(f"{self.spec.name}: engine not started")
         if lora is not None and not self.enable_lora:
             raise ValueError(f"{self.spec.name}: LoRA requested but the engine has enable_lora=False")
         from vllm.sampling_params import RequestOutputKind, SamplingParams
@@ -498,12 +537,52 @@ class VllmChatEngine(Worker):
     def stack_lora(self, stack: AdapterStackSpec) -> LoraRef:
         """The one LoRA that serves a request's weighted adapter stack, unmerged: a single peft
         adapter at weight 1 is served from its own folder; any other stack is concatenated along
-        the rank with the weights folded in (lora_kernels.save_stack_as_peft) and written once as
-        a peft folder of rank sum(r_i). Same stack -> same LoRA id, so vLLM batches its rows."""
+        the rank with the weights folded in (lora_kernels.save_stack_as_peft) and written as a
+        peft folder of rank sum(r_i). Same stack -> same LoRA id while it is kept, so vLLM
+        batches its rows. At most ``max_stack_loras`` are kept: beyond that the least recently
+        used one that no request holds is forgotten and its folder deleted (a stack that comes
+        back is written again, under a new id). Writes on the calling thread; ``chat()`` writes
+        in a worker thread (``_hold_stack``)."""
         key = stack_key(stack)
-        ref = self._stack_loras.get(key)
-        if ref is not None:
-            return ref
+        entry = self._stack_loras.get(key)
+        if entry is None:
+            entry = self._keep_stack(key, self._write_stack(stack, next(self._stack_ids), self._stack_folder()))
+        self._stack_loras.move_to_end(key)
+        return entry.ref
+
+    async def _hold_stack(self, stack: AdapterStackSpec) -> _StackLora:
+        """The stack's LoRA, counted as held by one more request. A new one is written in a
+        worker thread (hundreds of MB for a large model: not on the event loop, which serves every
+        tier), once for all the requests that want it meanwhile."""
+        key = stack_key(stack)
+        while True:
+            entry = self._stack_loras.get(key)
+            if entry is not None:
+                self._stack_loras.move_to_end(key)
+                entry.users += 1
+                return entry
+            writing = self._stack_writes.get(key)
+            if writing is None:
+                writing = self._stack_writes[key] = asyncio.create_task(self._write_and_keep(key, stack))
+                writing.add_done_callback(lambda t: t.cancelled() or t.exception())  # all who waited may be gone
+            await asyncio.shield(writing)  # a request cancelled meanwhile leaves the write to the others
+            # (forgotten again before this request resumed, when others filled the room: write it again)
+
+    async def _write_and_keep(self, key: StackKey, stack: AdapterStackSpec) -> None:
+        try:
+            ref = await asyncio.to_thread(self._write_stack, stack, next(self._stack_ids), self._stack_folder())
+            self._keep_stack(key, ref)
+        finally:
+            del self._stack_writes[key]
+
+    def _stack_folder(self) -> Path:
+        if self._stack_dir is None:
+            self._stack_dir = self._new_stack_dir()
+        return self._stack_dir
+
+    def _write_stack(self, stack: AdapterStackSpec, lora_id: int, into: Path) -> LoraRef:
+        """(any thread) The LoRA of ``stack``: its own folder for one adapter at weight 1, else
+        written under ``into``; refused above ``max_lora_rank``."""
         (adapter, weight), *rest = stack
         source = Path(adapter.source) if adapter.source else None
         if not rest and weight == 1.0 and source is not None and (source / "adapter_config.json").is_file():
@@ -511,16 +590,39 @@ class VllmChatEngine(Worker):
         else:
             from lora_kernels import save_stack_as_peft
 
-            if self._stack_dir is None:
-                self._stack_dir = Path(tempfile.mkdtemp(prefix=f"tiergate-{self.spec.name}-stacks-"))
-            folder = save_stack_as_peft(list(stack), self._stack_dir / f"stack-{len(self._stack_loras) + 1}")
+            folder = save_stack_as_peft(list(stack), into / f"stack-{lora_id}")
         rank = json.loads((folder / "adapter_config.json").read_text())["r"]
         if rank > self.max_lora_rank:
+            if folder != source:
+                shutil.rmtree(folder, ignore_errors=True)
             raise ValueError(f"the adapter stack has rank {rank}, above this engine's max_lora_rank of "
                              f"{self.max_lora_rank}")
-        ref = self._stack_loras[key] = ("+".join(f"{n}*{w:g}" for n, w in key), len(self._stack_loras) + 1, str(folder))
-        return ref
+        return "+".join(f"{n}*{w:g}" for n, w in stack_key(stack)), lora_id, str(folder)
 
+    def _keep_stack(self, key: StackKey, ref: LoraRef) -> _StackLora:
+        self._forget_stacks(room_for=1)
+        entry = self._stack_loras[key] = _StackLora(ref)
+        return entry
+
+    def _forget_stacks(self, room_for: int) -> None:
+        """Forget the least recently used stack LoRAs that no request holds until ``room_for``
+        more fit in ``max_stack_loras``, deleting the folders this engine wrote. One that vLLM
+        still has loaded stays there until it is evicted as idle (``_acquire_lora``)."""
+        excess = len(self._stack_loras) + room_for - self.max_stack_loras
+        for key in [k for k, e in self._stack_loras.items() if e.users == 0][:max(0, excess)]:
+            folder = Path(self._stack_loras.pop(key).ref[2])
+            if self._stack_dir is not None and folder.parent == self._stack_dir:
+                shutil.rmtree(folder, ignore_errors=True)
+
+    def _new_stack_dir(self) -> Path:
+        """The folder of this engine's stack LoRAs. It lives as long as this object: a request
+        paused on it holds paths inside it across an unload and reload, so it is removed when the
+        object is collected or at exit (weakref.finalize), or by the reaper when this process is
+        killed. Before, every engine that served a stack left its folder in the temp folder."""
+        folder = tempfile.mkdtemp(prefix=f"tiergate-{self.spec.name}-stacks-")
+        weakref.finalize(self, shutil.rmtree, folder, True)
+        reaper.remove_when_gone(folder)
+        return Path(folder)
 
     async def _acquire_lora(self, lora: LoraRef, ctx):
         """Make ``lora`` resident (evicting an idle adapter when all ``max_loras`` are taken,
@@ -533,20 +635,23 @@ class VllmChatEngine(Worker):
         async with self._lora_cond:
             while True:
                 res = self._resident.get(name)
-                if res is not None:
-                    if res.lora_id != lora_id:
-                        raise ValueError(f"LoRA {name!r} is resident with id {res.lora_id}, not {lora_id}")
+                if res is not None and res.lora_id == lora_id:
                     break
-                if any(r.lora_id == lora_id for r in self._resident.values()):
-                    raise ValueError(f"LoRA id {lora_id} is already used by another adapter")
-                if len(self._resident) < self.max_loras:
-                    res = self._resident[name] = _Resident(lora_id)
-                    break
-                idle = [(r.last_used, n) for n, r in self._resident.items() if r.users == 0]
-                if idle:
-                    _, victim = min(idle)
-                    await self._llm.remove_lora(self._resident.pop(victim).lora_id)
-                    continue
+                if res is not None:  # an older LoRA of that name (a forgotten stack written again)
+                    if res.users == 0:
+                        await self._llm.remove_lora(self._resident.pop(name).lora_id)
+                        continue
+                else:
+                    if any(r.lora_id == lora_id for r in self._resident.values()):
+                        raise ValueError(f"LoRA id {lora_id} is already used by another adapter")
+                    if len(self._resident) < self.max_loras:
+                        res = self._resident[name] = _Resident(lora_id)
+                        break
+                    idle = [(r.last_used, n) for n, r in self._resident.items() if r.users == 0]
+                    if idle:
+                        _, victim = min(idle)
+                        await self._llm.remove_lora(self._resident.pop(victim).lora_id)
+                        continue
                 try:  # not asyncio.wait_for: on 3.11 it can swallow a cancel (gh-86296)
                     async with asyncio.timeout(_CANCEL_POLL_S):
                         await self._lora_cond.wait()
