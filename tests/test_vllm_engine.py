@@ -443,6 +443,39 @@ def test_forgotten_stacks_are_written_again_and_served_the_same(loop, engine, ad
     assert engine.num_unfinished() == 0 and engine.inflight == 0
 
 
+def test_a_request_paused_across_a_restart_is_counted_again_as_its_loras_user(loop, engine, adapters):
+    """A request paused on an adapter while the engine is shut down and started again (an
+    eviction on CPU, where vLLM cannot sleep) is counted as that adapter's user in the new run
+    when it resumes, and its end lowers only that count: another request on the same adapter
+    stays counted, so its LoRA cannot be evicted under it. The restart's bookkeeping is done here
+    as shutdown() does it (its residency table cleared, a new run), without the 20 s restart."""
+    name = adapters["a1"][0]
+    paused = {"on": False}
+    ctx = StepContext(pause_check=lambda: paused["on"])
+
+    async def scenario():
+        paused["on"] = True  # at its first output
+        first = asyncio.create_task(collect(engine, req(max_tokens=24, ctx=ctx), adapters["a1"]))
+        while not ctx.paused or engine.inflight:  # it has left the engine
+            await asyncio.sleep(0.01)
+        engine._resident.clear()  # what shutdown() does to the counts
+        engine._residency += 1
+        other = engine.chat(req(max_tokens=400), adapters["a1"], ignore_eos=True)
+        await other.__anext__()
+        counted = [engine._resident[name].users]
+        paused["on"] = False
+        fin = (await first)[2]
+        counted.append(engine._resident[name].users)  # the resumed request has ended; the other runs on
+        await other.aclose()
+        counted.append(engine._resident[name].users)
+        return fin, counted
+
+    fin, counted = loop.run_until_complete(scenario())
+    assert fin.completion_tokens == 24
+    assert counted == [1, 1, 0]
+    assert engine.num_unfinished() == 0 and engine.inflight == 0
+
+
 # -- one prompt encoding for both engines ----------------------------------------------------------
 CONVERSATIONS = {
     "system+user": [{"role": "system", "content": "You are terse."}, {"role": "user", "content": "Hello world!"}],

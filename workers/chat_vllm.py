@@ -30,7 +30,9 @@ Where vLLM differs from the transformers worker (``workers.chat``):
   bookkeeping on eviction, not its weights), every base-model row is computed with that adapter.
   So the engine gives vLLM ``max_loras + 1`` slots and keeps at most ``max_loras`` adapters
   resident itself, evicting an idle one (``remove_lora``) before a new one is used: activation
-  takes the lowest free slot, so the last slot stays empty and zero.
+  takes the lowest free slot, so the last slot stays empty and zero. Each request counts as its
+  adapter's user from its start to its end; one paused while the engine is shut down and started
+  again (an eviction on CPU) is counted again in the new run when it resumes.
 
 Configuration: ``kv_cache_bytes`` is passed as vLLM's ``kv_cache_memory_bytes`` on every platform
 (vLLM 0.32 honours it on CPU too; the legacy env ``VLLM_CPU_KVCACHE_SPACE``, in whole GiB, still
@@ -190,6 +192,7 @@ class VllmChatEngine(Worker):
         self._inflight: set[str] = set()
         # LoRA residency (see the module doc): name -> _Resident, guarded by _lora_cond.
         self._resident: dict[str, _Resident] = {}
+        self._residency = 0  # which engine run _resident describes: one more at each shutdown
         self._lora_cond: asyncio.Condition | None = None
         # adapter stack -> the LoRA that serves it, least recently used first
         self._stack_loras: OrderedDict[StackKey, _StackLora] = OrderedDict()
@@ -305,6 +308,7 @@ class VllmChatEngine(Worker):
             await llm.abort(list(self._inflight))
         await asyncio.to_thread(llm.shutdown)
         self._resident.clear()
+        self._residency += 1  # the counts of requests paused meanwhile are gone with it
         self._remove_sockets()
 
     def _remove_sockets(self) -> None:
@@ -424,9 +428,18 @@ class VllmChatEngine(Worker):
         ctx.prompt_tokens = len(prompt_ids)
 
         lora_request = await self._acquire_lora(lora, ctx) if lora is not None else None
+        held = self._residency  # the engine run in which this request is counted as the LoRA's user
         generated: list[int] = []
         try:
             while True:  # one pass per submission; a pause ends a pass and resubmits
+                if lora is not None and held != self._residency:
+                    # The engine was shut down and started again while this request was paused
+                    # (an eviction on CPU): the new run has not counted it, and may not have the
+                    # LoRA loaded. Count it there, so that nobody evicts the LoRA under it and its
+                    # release below lowers the right count.
+                    held = None
+                    lora_request = await self._acquire_lora(lora, ctx)
+                    held = self._residency
                 remaining = p.max_tokens - len(generated)
                 sp = SamplingParams(
                     max_tokens=remaining,
@@ -507,7 +520,7 @@ class VllmChatEngine(Worker):
                     yield ChatFinished("length", len(prompt_ids), len(generated))
                     return
         finally:
-            if lora is not None:
+            if lora is not None and held == self._residency:
                 await self._release_lora(lora[0])
 
     def _logprobs(self, c, k: int) -> list[TokenLogprob]:
