@@ -225,6 +225,13 @@ class BatchConfig(_Strict):
     concurrency: int | None = Field(default=None, ge=1)  # a cap on lines in flight per process; None: the engines' widths
 
 
+class ResponsesConfig(_Strict):
+    """Stored responses (``/v1/responses`` with ``store: true``), in the batch store's backend."""
+
+    # deleted this long after they were made, as OpenAI keeps them 30 days; null: until deleted
+    retention_days: float | None = Field(default=30, gt=0)
+
+
 class ServerConfig(_Strict):
     """How the server stops (gateway/drain.py)."""
 
@@ -281,6 +288,7 @@ class Config(_Strict):
     gate: GateConfig = GateConfig()
     limits: LimitsConfig = LimitsConfig()
     batch: BatchConfig = BatchConfig()
+    responses: ResponsesConfig = ResponsesConfig()
     server: ServerConfig = ServerConfig()
     cluster: ClusterConfig = ClusterConfig()
     accounts: AccountsConfig = AccountsConfig()  # per-tier default limits of each key (docs/ACCOUNTS.md)

@@ -9,6 +9,11 @@ messages its prompt was built from, without ``instructions``, followed by its ow
 later request continues with ``previous_response_id``. A record is visible only to the key that
 made it: ``get`` and ``delete`` by another key find nothing, so the API answers 404, as it does
 for files and batches.
+
+Retention (``responses.retention_days`` in tiers.yaml, 30 by default, as OpenAI keeps them): a
+record older than that is not returned, and is deleted: on SQLite by a sweep when the store opens
+and every ``sweep_s`` after; on Redis by the key's own expiry, set when it is written (keys
+written before there was a retention get theirs from a scan when the store opens).
 """
 
 from __future__ import annotations
@@ -16,15 +21,20 @@ from __future__ import annotations
 import abc
 import asyncio
 import json
+import logging
 import sqlite3
+import time
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Callable, TypeVar
 
 from gateway.service import Services
+from storage.redis import honour_cancel
 
 T = TypeVar("T")
+log = logging.getLogger("tiergate.responses")
+DAY_S = 86400
 
 
 @dataclass(frozen=True)
@@ -46,6 +56,12 @@ class StoredResponse:
 
 
 class ResponseStore(abc.ABC):
+    retention_s: float | None = None  # None: kept until deleted
+
+    def _cutoff(self) -> float | None:
+        """Records made before this (epoch seconds) are past their retention."""
+        return None if self.retention_s is None else time.time() - self.retention_s
+
     @abc.abstractmethod
     async def open(self) -> None: ...
 
@@ -68,10 +84,12 @@ class ResponseStore(abc.ABC):
 class SQLiteResponses(ResponseStore):
     """A table in one SQLite file (WAL), every call on one thread that owns the connection."""
 
-    def __init__(self, path: Path) -> None:
+    def __init__(self, path: Path, retention_s: float | None = None, sweep_s: float = 3600.0) -> None:
         self.path = Path(path)
+        self.retention_s, self.sweep_s = retention_s, sweep_s
         self._pool: ThreadPoolExecutor | None = None
         self._db: sqlite3.Connection | None = None
+        self._sweeper: asyncio.Task | None = None
 
     async def _call(self, fn: Callable[[sqlite3.Connection], T]) -> T:
         assert self._pool is not None and self._db is not None, "the store is not open"
@@ -84,27 +102,62 @@ class SQLiteResponses(ResponseStore):
             self.path.parent.mkdir(parents=True, exist_ok=True)
             db = sqlite3.connect(self.path, isolation_level=None, timeout=30, check_same_thread=False)
             db.execute("PRAGMA journal_mode=WAL")
-            db.execute("CREATE TABLE IF NOT EXISTS responses "
-                       "(id TEXT PRIMARY KEY, owner TEXT NOT NULL, doc TEXT NOT NULL)")
+            db.execute("BEGIN IMMEDIATE")  # processes sharing the file migrate it one at a time
+            try:
+                db.execute("CREATE TABLE IF NOT EXISTS responses "
+                           "(id TEXT PRIMARY KEY, owner TEXT NOT NULL, doc TEXT NOT NULL, created_at INTEGER)")
+                if "created_at" not in {row[1] for row in db.execute("PRAGMA table_info(responses)")}:
+                    db.execute("ALTER TABLE responses ADD COLUMN created_at INTEGER")  # a table from before retention
+                    db.execute("UPDATE responses SET created_at = json_extract(doc, '$.created_at')")
+                db.execute("CREATE INDEX IF NOT EXISTS responses_created_at ON responses (created_at)")
+                db.execute("COMMIT")
+            except BaseException:
+                db.execute("ROLLBACK")
+                raise
             return db
 
         self._db = await asyncio.get_running_loop().run_in_executor(self._pool, connect)
+        if self.retention_s is not None:
+            await self.sweep()
+            self._sweeper = asyncio.create_task(self._sweep_loop())
 
     async def close(self) -> None:
         if self._pool is None:
             return
+        if self._sweeper is not None:
+            self._sweeper.cancel()
+            await asyncio.gather(self._sweeper, return_exceptions=True)
+            self._sweeper = None
         if self._db is not None:
             await self._call(lambda db: db.close())
         self._pool.shutdown()
         self._pool, self._db = None, None
 
+    async def sweep(self) -> int:
+        """Delete the records past their retention; how many went."""
+        cutoff = self._cutoff()
+        if cutoff is None:
+            return 0
+        cur = await self._call(lambda db: db.execute("DELETE FROM responses WHERE created_at < ?", (cutoff,)))
+        return cur.rowcount
+
+    async def _sweep_loop(self) -> None:
+        while True:
+            await asyncio.sleep(self.sweep_s)
+            try:
+                await self.sweep()
+            except sqlite3.Error as exc:  # a busy or full disk: the next sweep tries again
+                log.warning("stored responses: the retention sweep failed: %s", exc)
+
     async def put(self, record: StoredResponse) -> None:
-        await self._call(lambda db: db.execute("INSERT INTO responses (id, owner, doc) VALUES (?, ?, ?)",
-                                               (record.id, record.owner, record.doc())))
+        await self._call(lambda db: db.execute("INSERT INTO responses (id, owner, doc, created_at) VALUES (?, ?, ?, ?)",
+                                               (record.id, record.owner, record.doc(), record.created_at)))
 
     async def get(self, response_id: str, owner: str) -> StoredResponse | None:
-        row = await self._call(lambda db: db.execute("SELECT doc FROM responses WHERE id = ? AND owner = ?",
-                                                     (response_id, owner)).fetchone())
+        cutoff = self._cutoff()
+        row = await self._call(lambda db: db.execute(
+            "SELECT doc FROM responses WHERE id = ? AND owner = ? AND (? IS NULL OR created_at >= ?)",
+            (response_id, owner, cutoff, cutoff)).fetchone())
         return StoredResponse.of(response_id, row[0]) if row else None
 
     async def delete(self, response_id: str, owner: str) -> bool:
@@ -123,11 +176,13 @@ return redis.call('DEL', KEYS[1])
 
 
 class RedisResponses(ResponseStore):
-    """One key per response, ``{prefix}response:{id}``, holding the record as JSON."""
+    """One key per response, ``{prefix}response:{id}``, holding the record as JSON, expiring at
+    the end of its retention."""
 
-    def __init__(self, url: str, prefix: str = "tg:") -> None:
-        self.url, self.prefix = url, prefix
+    def __init__(self, url: str, prefix: str = "tg:", retention_s: float | None = None) -> None:
+        self.url, self.prefix, self.retention_s = url, prefix, retention_s
         self._r = None
+        self._expirer: asyncio.Task | None = None
 
     def _key(self, response_id: str) -> str:
         return f"{self.prefix}response:{response_id}"
@@ -137,30 +192,68 @@ class RedisResponses(ResponseStore):
 
         self._r = aioredis.Redis.from_url(self.url)
         self._delete = self._r.register_script(_DELETE)
+        if self.retention_s is not None:
+            self._expirer = asyncio.create_task(self._expire_in_background())
 
     async def close(self) -> None:
+        if self._expirer is not None:
+            self._expirer.cancel()
+            await asyncio.gather(self._expirer, return_exceptions=True)
+            self._expirer = None
         if self._r is not None:
             await self._r.aclose()
             self._r = None
 
+    def _expires_at(self, created_at: float) -> int | None:
+        return None if self.retention_s is None else int(created_at + self.retention_s) + 1
+
     async def put(self, record: StoredResponse) -> None:
-        await self._r.set(self._key(record.id), record.doc(), nx=True)
+        # (an expiry already past deletes the key at once, as Redis does for any EXAT)
+        await self._r.set(self._key(record.id), record.doc(), nx=True, exat=self._expires_at(record.created_at))
 
     async def get(self, response_id: str, owner: str) -> StoredResponse | None:
         raw = await self._r.get(self._key(response_id))
         record = StoredResponse.of(response_id, raw) if raw else None
-        return record if record is not None and record.owner == owner else None
+        if record is None or record.owner != owner:
+            return None
+        cutoff = self._cutoff()
+        return record if cutoff is None or record.created_at >= cutoff else None
+
+    async def _expire_in_background(self) -> None:
+        from redis.exceptions import RedisError
+
+        try:
+            given = await self.expire_unexpiring()
+        except RedisError as exc:  # the next start tries again; get() hides the old ones meanwhile
+            log.warning("stored responses: giving old records their expiry failed: %s", exc)
+        else:
+            if given:
+                log.info("stored responses: %d records from before the retention now expire", given)
+
+    async def expire_unexpiring(self) -> int:
+        """Give the records written without an expiry (before there was a retention) theirs; how
+        many. One pass of SCAN over this prefix's keys, run in the background when the store opens."""
+        given = 0
+        async for key in self._r.scan_iter(match=f"{self.prefix}response:*", count=500):
+            honour_cancel()
+            if await self._r.ttl(key) != -1:  # has one (-1: none; -2: gone meanwhile)
+                continue
+            raw = await self._r.get(key)
+            if raw:
+                await self._r.expireat(key, self._expires_at(json.loads(raw)["created_at"]))
+                given += 1
+        return given
 
     async def delete(self, response_id: str, owner: str) -> bool:
         return bool(await self._delete(keys=[self._key(response_id)], args=[owner]))
 
 
-def open_responses(spec: str, data_dir: Path) -> ResponseStore:
+def open_responses(spec: str, data_dir: Path, retention_s: float | None = None) -> ResponseStore:
     """``"sqlite"`` -> the batch store's file in ``data_dir``; ``redis://...`` -> Redis at that URL."""
     if spec == "sqlite":
-        return SQLiteResponses(data_dir / "batches.sqlite3")
+        return SQLiteResponses(data_dir / "batches.sqlite3", retention_s)
     if spec.startswith(("redis://", "rediss://")):
-        return RedisResponses(spec)
+        return RedisResponses(spec, retention_s=retention_s)
     raise ValueError(f"unknown store {spec!r}: use 'sqlite' or a redis:// URL")
 
 
@@ -168,7 +261,8 @@ def responses_for(svc: Services) -> ResponseStore:
     """The process's response store on the configured backend, opened and closed with the app."""
     cfg = svc.config.batch
     data_dir = cfg.data_dir if cfg.data_dir.is_absolute() else svc.config.source.parent / cfg.data_dir
-    store = open_responses(cfg.store, data_dir)
+    days = svc.config.responses.retention_days
+    store = open_responses(cfg.store, data_dir, None if days is None else days * DAY_S)
     svc.on_startup.append(store.open)
     svc.on_shutdown.append(store.close)
     return store

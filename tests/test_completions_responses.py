@@ -5,6 +5,7 @@ responses on both backends (SQLite, Redis)."""
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import io
 import json
 import time
@@ -400,6 +401,26 @@ def test_unknown_previous_response_is_404(server):
     assert r.status_code == 404 and r.json()["error"]["param"] == "previous_response_id"
 
 
+def test_a_response_past_the_30_days_retention_is_gone(server):
+    """The shipped retention (responses.retention_days: 30, as OpenAI keeps them): a stored
+    response made 31 days ago cannot be read or continued; one made 29 days ago can."""
+    import sqlite3
+
+    c = client(server)
+    old, recent = respond(c, "Old"), respond(c, "Recent")
+    db = sqlite3.connect(server.services.config.source.parent / "tiergate-data" / "batches.sqlite3")
+    with db:
+        for r, days in ((old, 31), (recent, 29)):
+            db.execute("UPDATE responses SET created_at = created_at - ? WHERE id = ?", (days * 86400, r.id))
+    db.close()
+    with pytest.raises(openai.NotFoundError):
+        c.responses.retrieve(old.id)
+    with pytest.raises(openai.NotFoundError):
+        respond(c, "x", previous_response_id=old.id)
+    assert c.responses.retrieve(recent.id).id == recent.id
+    assert respond(c, "More", previous_response_id=recent.id).previous_response_id == recent.id
+
+
 # -- the store, on both backends ----------------------------------------------------------------------
 
 
@@ -436,3 +457,98 @@ def test_sqlite_store(tmp_path):
 def test_redis_store(tmp_path):
     with redis_server(tmp_path) as url:
         asyncio.run(_store_contract(RedisResponses(url)))
+
+
+DAY = 86400
+
+
+def record(response_id: str, age_s: float, owner: str = "k") -> StoredResponse:
+    made = int(time.time() - age_s)
+    return StoredResponse(response_id, owner, made, {"id": response_id, "created_at": made}, [])
+
+
+def test_sqlite_retention_hides_and_sweeps_old_records(tmp_path):
+    """With a retention, a record past it is not returned, the store's sweep deletes it (at open
+    and every sweep_s), and a newer one stays."""
+    import sqlite3
+
+    path = tmp_path / "batches.sqlite3"
+
+    def rows() -> set[str]:
+        with contextlib.closing(sqlite3.connect(path)) as db:
+            return {r[0] for r in db.execute("SELECT id FROM responses")}
+
+    async def main() -> None:
+        store = SQLiteResponses(path, retention_s=DAY, sweep_s=0.05)
+        await store.open()
+        try:
+            await store.put(record("resp_old", 2 * DAY))
+            await store.put(record("resp_new", 0))
+            assert await store.get("resp_old", "k") is None  # hidden at once, before any sweep
+            assert (await store.get("resp_new", "k")).id == "resp_new"
+            for _ in range(100):  # the sweep every 0.05 s deletes it
+                if rows() == {"resp_new"}:
+                    break
+                await asyncio.sleep(0.02)
+            assert rows() == {"resp_new"}
+        finally:
+            await store.close()
+
+    asyncio.run(main())
+
+
+def test_sqlite_table_from_before_retention_is_migrated_and_swept_at_open(tmp_path):
+    """A responses table written before there was a retention (no created_at column) gets the
+    column from each record, and its records past the retention go when the store opens."""
+    import sqlite3
+
+    path = tmp_path / "batches.sqlite3"
+    with contextlib.closing(sqlite3.connect(path)) as db, db:
+        db.execute("CREATE TABLE responses (id TEXT PRIMARY KEY, owner TEXT NOT NULL, doc TEXT NOT NULL)")
+        for r in (record("resp_old", 40 * DAY), record("resp_new", DAY)):
+            db.execute("INSERT INTO responses VALUES (?, ?, ?)", (r.id, r.owner, r.doc()))
+
+    async def main() -> None:
+        store = SQLiteResponses(path, retention_s=30 * DAY)
+        await store.open()
+        try:
+            assert await store.get("resp_old", "k") is None
+            assert (await store.get("resp_new", "k")).id == "resp_new"
+        finally:
+            await store.close()
+
+    asyncio.run(main())
+    with contextlib.closing(sqlite3.connect(path)) as db:
+        assert db.execute("SELECT id, created_at > 0 FROM responses").fetchall() == [("resp_new", 1)]
+
+
+def test_redis_retention_is_each_keys_expiry(tmp_path):
+    """On Redis a record expires at the end of its retention (set when it is written; one already
+    past it is gone at once), and records written before there was a retention get their expiry
+    when a store with one opens."""
+    import redis
+
+    async def main(url: str) -> None:
+        forever = RedisResponses(url)  # as before: no retention
+        await forever.open()
+        await forever.put(record("resp_before_old", 40 * DAY))
+        await forever.put(record("resp_before_new", DAY))
+        await forever.close()
+        store = RedisResponses(url, retention_s=30 * DAY)
+        await store.open()
+        try:
+            await store._expirer  # the scan it starts when it opens
+            await store.put(record("resp_old", 31 * DAY))
+            await store.put(record("resp_new", 0))
+            assert await store.get("resp_new", "k") is not None and await store.get("resp_old", "k") is None
+        finally:
+            await store.close()
+
+    with redis_server(tmp_path) as url:
+        asyncio.run(main(url))
+        r = redis.Redis.from_url(url)
+        ttl = {k.decode().rsplit(":", 1)[1]: r.ttl(k) for k in r.keys("tg:response:*")}
+        r.close()
+    assert set(ttl) == {"resp_before_new", "resp_new"}  # both old ones are gone from Redis itself
+    assert 29 * DAY - 60 < ttl["resp_before_new"] <= 29 * DAY + 1
+    assert 30 * DAY - 60 < ttl["resp_new"] <= 30 * DAY + 1

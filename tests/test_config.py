@@ -69,6 +69,7 @@ def test_good_config_loads(tmp_path):
     (BASE.replace("path: model", "path: nowhere"), "models[0].path", "no such folder"),
     (BASE.replace("keys_env: K_PAID}", "keys_env: K_PAID, max_inflight: 0}"), "tiers[0].max_inflight", "greater than"),
     ("tiers: []\n", "tiers", "at least 1"),
+    (BASE + "responses: {retention_days: 0}\n", "responses.retention_days", "greater than 0"),
     ("tiers: [\n", "", "not valid YAML"),
 ])
 def test_bad_config_is_one_line_naming_file_field_problem(tmp_path, text, field, problem):
@@ -157,3 +158,10 @@ def test_reading_a_config_imports_no_torch(tmp_path):
             f"load_config({str(path)!r}); print(sorted(m for m in ('torch', 'transformers', 'diffusers') if m in sys.modules))")
     out = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True, check=True)
     assert out.stdout.strip() == "[]"
+
+
+def test_stored_responses_are_kept_30_days_unless_set():
+    from gateway.config import ResponsesConfig
+
+    assert ResponsesConfig().retention_days == 30
+    assert ResponsesConfig(retention_days=None).retention_days is None  # kept until deleted
