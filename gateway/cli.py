@@ -8,10 +8,14 @@ import argparse
 import os
 import sys
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 from gateway import keys_cli
 from gateway.auth import ADMIN_ENV, KeyRing, demo_keys
 from gateway.config import Config, ConfigError, load_config, tier_keys
+
+if TYPE_CHECKING:
+    import uvicorn
 
 
 def main(argv: list[str] | None = None) -> int:
