@@ -8,7 +8,7 @@ import re
 import secrets
 import time
 import uuid
-from typing import Any, Literal
+from typing import Literal
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator
 from starlette.datastructures import UploadFile
@@ -61,6 +61,7 @@ async def upload_file(request: Request) -> Response:
             raise bad_request("missing required parameter: file (a file part)", "file", "missing_required_parameter")
         content = await upload.read(cfg.max_file_bytes + 1)
         filename = upload.filename or "upload.jsonl"
+        expires_after = _form_expires_after(form)
     finally:
         await form.close()
     if len(content) > cfg.max_file_bytes:
@@ -72,9 +73,34 @@ async def upload_file(request: Request) -> Response:
     n = sum(1 for ln in text.splitlines() if ln.strip())
     if n > cfg.max_lines:
         raise bad_request(f"the file has {n} requests; at most {cfg.max_lines} are allowed", "file", "too_many_lines")
-    info = FileInfo(f"file-{uuid.uuid4().hex}", caller.key_id, "batch", filename, len(content), int(time.time()))
+    now = int(time.time())
+    info = FileInfo(f"file-{uuid.uuid4().hex}", caller.key_id, "batch", filename, len(content), now,
+                    now + expires_after.seconds if expires_after else None)
     await runner.store.put_file(info, content)
     return JSONResponse(info.public())
+
+
+class ExpiresAfter(BaseModel):
+    """A file's expiry, as OpenAI takes it: ``seconds`` after its ``created_at``."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    anchor: Literal["created_at"]
+    seconds: int = Field(ge=3600, le=30 * 86400)  # OpenAI's bounds: an hour to 30 days
+
+
+def _form_expires_after(form) -> ExpiresAfter | None:
+    """``expires_after[anchor]`` and ``expires_after[seconds]`` of a multipart upload (how the SDKs
+    send the object there), or None when neither is given."""
+    fields = {k[len("expires_after["):-1]: v for k, v in form.multi_items()
+              if k.startswith("expires_after[") and k.endswith("]")}
+    if not fields:
+        return None
+    return parse(_Upload, {"expires_after": fields}).expires_after
+
+
+class _Upload(BaseModel):
+    expires_after: ExpiresAfter
 
 
 def _capped(request: Request, limit: int, error: APIError) -> Request:
@@ -136,7 +162,7 @@ class BatchCreate(BaseModel):
     endpoint: Literal[BATCH_ENDPOINTS]
     completion_window: Literal["24h"]
     metadata: dict[str, str] | None = None
-    output_expires_after: dict[str, Any] | None = None  # accepted; outputs are kept until deleted
+    output_expires_after: ExpiresAfter | None = None  # the output and error files' expiry
 
     @field_validator("metadata")
     @classmethod
@@ -159,7 +185,8 @@ async def create_batch(request: Request) -> Response:
     batch = BatchInfo(id=f"batch_{time.time_ns():016x}{secrets.token_hex(4)}",  # ids sort by time
                       owner=caller.key_id, endpoint=body.endpoint, input_file_id=info.id,
                       completion_window=body.completion_window, created_at=now, expires_at=now + WINDOW_S,
-                      metadata=body.metadata)
+                      metadata=body.metadata,
+                      output_expires_after_s=body.output_expires_after.seconds if body.output_expires_after else None)
     await runner.store.create_batch(batch)
     runner.soon("validate", batch.id)
     return JSONResponse(batch.public())

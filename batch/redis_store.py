@@ -5,6 +5,7 @@ guarantees."""
 from __future__ import annotations
 
 import json
+import time
 from dataclasses import asdict
 from typing import Any, Callable, Iterable
 
@@ -12,7 +13,8 @@ from batch.store import (MUTABLE, BatchInfo, FileInfo, Job, Line, Outcome, Recor
                          dumps, line_json, line_of, outcome_json, outcome_of)
 from storage.redis import RedisKeys
 
-# Keys (prefix "tg:"): file:{id} (hash of metadata), file:{id}:content; batch:{id} (hash: doc =
+# Keys (prefix "tg:"): file:{id} (its metadata as JSON), file:{id}:content (both expire at the
+# file's expires_at, if it has one); batch:{id} (hash: doc =
 # the static fields as JSON, status, total, completed, failed, and each MUTABLE field as JSON);
 # batch:{id}:lines and batch:{id}:outcomes (hashes by line index); batch:{id}:lock; batches and
 # batches:{owner} (sorted sets of ids, which sort by time); open (set of ids); backlog:{shape} (a
@@ -119,20 +121,24 @@ class RedisStore(RedisKeys, Store):
 
     # -- files
     async def put_file(self, info: FileInfo, content: bytes) -> None:
-        async with self._r.pipeline(transaction=True) as p:
-            p.set(self.k("file", info.id), dumps(asdict(info)))
-            p.set(self.k("file", info.id, "content"), content)
+        async with self._r.pipeline(transaction=True) as p:  # both keys expire with the file (EXAT)
+            p.set(self.k("file", info.id), dumps(asdict(info)), exat=info.expires_at)
+            p.set(self.k("file", info.id, "content"), content, exat=info.expires_at)
             await p.execute()
 
     async def get_file(self, file_id: str) -> FileInfo | None:
         raw = await self._r.get(self.k("file", file_id))
-        return FileInfo(**json.loads(raw)) if raw else None
+        info = FileInfo(**json.loads(raw)) if raw else None
+        return None if info is None or info.expired(time.time()) else info
 
     async def file_content(self, file_id: str) -> bytes | None:
-        return await self._r.get(self.k("file", file_id, "content"))
+        return None if await self.get_file(file_id) is None else await self._r.get(self.k("file", file_id, "content"))
 
     async def delete_file(self, file_id: str) -> bool:
         return await self._r.delete(self.k("file", file_id), self.k("file", file_id, "content")) > 0
+
+    async def delete_expired_files(self, now: float) -> int:
+        return 0  # Redis deletes each file's keys at its expires_at
 
     # -- batches
     def _batch_keys(self, batch_id: str) -> list[str]:

@@ -248,6 +248,7 @@ class Runner:
 
     async def _sweep(self) -> None:
         now = int(time.time())
+        await self.store.delete_expired_files(now)
         for batch_id in await self.store.open_batches():
             batch = await self.store.get_batch(batch_id)
             if batch is None:
@@ -389,8 +390,9 @@ class Runner:
             chosen = [o.line for o in outcomes if o.ok is ok]
             if chosen:
                 content = "".join(json.dumps(x) + "\n" for x in chosen).encode()
+                expires = batch.output_expires_after_s
                 info = FileInfo(f"file-{batch_id.removeprefix('batch_')}-{suffix}", batch.owner, "batch_output",
-                                f"{batch_id}_{suffix}.jsonl", len(content), now)
+                                f"{batch_id}_{suffix}.jsonl", len(content), now, now + expires if expires else None)
                 await self.store.put_file(info, content)
                 fields[key] = info.id
         if batch.status == "cancelling":

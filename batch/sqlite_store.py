@@ -15,7 +15,7 @@ from storage.sqlite import SQLiteFile
 _SCHEMA = """
 CREATE TABLE IF NOT EXISTS files (
     id TEXT PRIMARY KEY, owner TEXT NOT NULL, purpose TEXT NOT NULL, filename TEXT NOT NULL,
-    bytes INTEGER NOT NULL, created_at INTEGER NOT NULL, content BLOB NOT NULL);
+    bytes INTEGER NOT NULL, created_at INTEGER NOT NULL, content BLOB NOT NULL, expires_at INTEGER);
 CREATE TABLE IF NOT EXISTS batches (
     id TEXT PRIMARY KEY, owner TEXT NOT NULL, status TEXT NOT NULL, doc TEXT NOT NULL,
     total INTEGER NOT NULL DEFAULT 0, completed INTEGER NOT NULL DEFAULT 0, failed INTEGER NOT NULL DEFAULT 0,
@@ -34,6 +34,11 @@ CREATE TABLE IF NOT EXISTS backlog (
 # a file written before backlog entries had shapes gets the column; then the index on it
 _SHAPES = ("ALTER TABLE backlog ADD COLUMN shape TEXT NOT NULL DEFAULT ''",
            "CREATE INDEX IF NOT EXISTS backlog_by_shape ON backlog (shape, seq)")
+# likewise, one written before files could expire
+_EXPIRY = ("ALTER TABLE files ADD COLUMN expires_at INTEGER",
+           "CREATE INDEX IF NOT EXISTS files_by_expiry ON files (expires_at) WHERE expires_at IS NOT NULL")
+_FILE_COLUMNS = "id, owner, purpose, filename, bytes, created_at, expires_at"
+_LIVE = "(expires_at IS NULL OR expires_at > ?)"
 
 
 class SQLiteStore(SQLiteFile, Store):
@@ -48,32 +53,41 @@ class SQLiteStore(SQLiteFile, Store):
         if "shape" not in {row[1] for row in db.execute("PRAGMA table_info(backlog)")}:
             db.execute(_SHAPES[0])
         db.execute(_SHAPES[1])
+        if "expires_at" not in {row[1] for row in db.execute("PRAGMA table_info(files)")}:
+            db.execute(_EXPIRY[0])
+        db.execute(_EXPIRY[1])
 
     # -- files
     async def put_file(self, info: FileInfo, content: bytes) -> None:
         def put(db: sqlite3.Connection) -> None:
-            db.execute("INSERT OR REPLACE INTO files VALUES (?, ?, ?, ?, ?, ?, ?)",
-                       (info.id, info.owner, info.purpose, info.filename, info.bytes, info.created_at, content))
+            db.execute(f"INSERT OR REPLACE INTO files ({_FILE_COLUMNS}, content) VALUES (?, ?, ?, ?, ?, ?, ?, ?)",
+                       (info.id, info.owner, info.purpose, info.filename, info.bytes, info.created_at,
+                        info.expires_at, content))
 
         await self._call(self._tx, put)
 
     async def get_file(self, file_id: str) -> FileInfo | None:
         def get() -> FileInfo | None:
-            row = self._db.execute("SELECT id, owner, purpose, filename, bytes, created_at FROM files WHERE id = ?",
-                                   (file_id,)).fetchone()
+            row = self._db.execute(f"SELECT {_FILE_COLUMNS} FROM files WHERE id = ? AND {_LIVE}",
+                                   (file_id, time.time())).fetchone()
             return FileInfo(*row) if row else None
 
         return await self._call(get)
 
     async def file_content(self, file_id: str) -> bytes | None:
         def get() -> bytes | None:
-            row = self._db.execute("SELECT content FROM files WHERE id = ?", (file_id,)).fetchone()
+            row = self._db.execute(f"SELECT content FROM files WHERE id = ? AND {_LIVE}", (file_id, time.time())).fetchone()
             return bytes(row[0]) if row else None
 
         return await self._call(get)
 
     async def delete_file(self, file_id: str) -> bool:
-        return await self._call(self._tx, lambda db: db.execute("DELETE FROM files WHERE id = ?", (file_id,)).rowcount > 0)
+        return await self._call(self._tx, lambda db: db.execute(
+            f"DELETE FROM files WHERE id = ? AND {_LIVE}", (file_id, time.time())).rowcount > 0)
+
+    async def delete_expired_files(self, now: float) -> int:
+        return await self._call(self._tx, lambda db: db.execute(
+            "DELETE FROM files WHERE expires_at <= ?", (now,)).rowcount)
 
     # -- batches
     async def create_batch(self, batch: BatchInfo) -> None:

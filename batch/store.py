@@ -48,11 +48,15 @@ class FileInfo:
     filename: str
     bytes: int
     created_at: int
+    expires_at: int | None = None  # gone from then on (``expires_after`` / a batch's ``output_expires_after``)
 
     def public(self) -> dict[str, Any]:
         return {"id": self.id, "object": "file", "bytes": self.bytes, "created_at": self.created_at,
                 "filename": self.filename, "purpose": self.purpose, "status": "processed",
-                "expires_at": None, "status_details": None}
+                "expires_at": self.expires_at, "status_details": None}
+
+    def expired(self, now: float) -> bool:
+        return self.expires_at is not None and now >= self.expires_at
 
 
 @dataclass
@@ -65,6 +69,7 @@ class BatchInfo:
     created_at: int
     expires_at: int
     metadata: dict[str, str] | None = None
+    output_expires_after_s: int | None = None  # its output and error files expire this long after they are written
     status: str = "validating"
     total: int = 0
     completed: int = 0
@@ -150,6 +155,11 @@ class Store(abc.ABC):
 
     @abc.abstractmethod
     async def delete_file(self, file_id: str) -> bool: ...
+
+    @abc.abstractmethod
+    async def delete_expired_files(self, now: float) -> int:
+        """Delete the files whose ``expires_at`` has come (``get_file`` and ``file_content``
+        already find none of them); how many went."""
 
     # -- batches ------------------------------------------------------------------------------
     @abc.abstractmethod

@@ -8,6 +8,7 @@ import asyncio
 import contextlib
 import random
 import shutil
+import sqlite3
 import subprocess
 import time
 import uuid
@@ -121,6 +122,55 @@ def test_files_round_trip(make_store):
         assert await s.delete_file("file-1") is False
         assert await s.get_file("file-1") is None and await s.file_content("file-1") is None
         await _closing(s)
+
+    run(go())
+
+
+def test_a_file_is_gone_from_its_expires_at(make_store):
+    """A file with ``expires_at`` is found until then and not from then on, and is deleted: by the
+    store's own expiry (Redis) or by ``delete_expired_files`` (SQLite, which the runner's sweep
+    calls). One without stays."""
+    async def go():
+        s = await make_store()
+        now = int(time.time())
+        soon = FileInfo("file-soon", "owner-a", "batch_output", "out.jsonl", 1, now, now + 2)
+        later = FileInfo("file-later", "owner-a", "batch_output", "out.jsonl", 1, now, now + 3600)
+        kept = FileInfo("file-kept", "owner-a", "batch", "in.jsonl", 1, now)
+        for info in (soon, later, kept):
+            await s.put_file(info, b"x")
+        assert await s.get_file("file-soon") == soon and await s.file_content("file-soon") == b"x"
+        assert soon.public()["expires_at"] == now + 2
+        await asyncio.sleep(max(0.0, now + 2 - time.time()) + 0.05)
+        assert await s.get_file("file-soon") is None and await s.file_content("file-soon") is None
+        assert await s.delete_file("file-soon") is False  # already gone for the API
+        await s.delete_expired_files(time.time())
+        assert await s.get_file("file-later") == later and await s.get_file("file-kept") == kept
+        await _closing(s)
+        return s
+
+    s = run(go())
+    if isinstance(s, SQLiteStore):  # the row itself is deleted, not only hidden
+        with contextlib.closing(sqlite3.connect(s.path)) as db:
+            assert {r[0] for r in db.execute("SELECT id FROM files")} == {"file-later", "file-kept"}
+
+
+def test_a_sqlite_file_from_before_expiry_is_migrated(tmp_path):
+    """A batch store written before files could expire (no expires_at column) opens, keeps its
+    files (they never expire) and takes new ones that do."""
+    path = tmp_path / "batches.sqlite3"
+    with contextlib.closing(sqlite3.connect(path)) as db, db:
+        db.execute("CREATE TABLE files (id TEXT PRIMARY KEY, owner TEXT NOT NULL, purpose TEXT NOT NULL, "
+                   "filename TEXT NOT NULL, bytes INTEGER NOT NULL, created_at INTEGER NOT NULL, content BLOB NOT NULL)")
+        db.execute("INSERT INTO files VALUES ('file-old', 'o', 'batch', 'in.jsonl', 1, 5, x'61')")
+
+    async def go():
+        s = SQLiteStore(path)
+        await s.open()
+        assert await s.get_file("file-old") == FileInfo("file-old", "o", "batch", "in.jsonl", 1, 5)
+        await s.put_file(FileInfo("file-new", "o", "batch", "in.jsonl", 1, 5, 6), b"b")
+        assert await s.get_file("file-new") is None and await s.delete_expired_files(time.time()) == 1
+        assert await s.file_content("file-old") == b"a"
+        await s.close()
 
     run(go())
 

@@ -12,6 +12,7 @@ import io
 import json
 import os
 import signal
+import sqlite3
 import subprocess
 import sys
 import time
@@ -271,6 +272,41 @@ def test_create_errors_name_the_field(server):
         c.batches.create(input_file_id=f.id, endpoint="/v1/chat/completions", completion_window="24h",
                          extra_body={"priority": "high"})
     assert exc.value.body["code"] == "unknown_parameter"
+
+
+def test_files_and_a_batchs_outputs_expire_when_asked(server):
+    """``expires_after`` on an upload and ``output_expires_after`` on a batch (OpenAI's: an hour to
+    30 days after ``created_at``) set the files' ``expires_at``; from then on the file and its
+    content are 404. Bad values are a 400 naming the field."""
+    c = sdk(server)
+    hour = {"anchor": "created_at", "seconds": 3600}
+    f = c.files.create(file=("in.jsonl", io.BytesIO(jsonl([chat_line(0), chat_line(1, max_tokens=-1)]))),
+                       purpose="batch", expires_after=hour)
+    assert f.expires_at == f.created_at + 3600 and c.files.retrieve(f.id).expires_at == f.expires_at
+    b = c.batches.create(input_file_id=f.id, endpoint="/v1/chat/completions", completion_window="24h",
+                         output_expires_after={"anchor": "created_at", "seconds": 7200})
+    done = wait(c, b.id)
+    for file_id in (done.output_file_id, done.error_file_id):
+        out = c.files.retrieve(file_id)
+        assert out.expires_at == out.created_at + 7200
+    assert c.files.retrieve(submit(c, jsonl([chat_line(0)])).input_file_id).expires_at is None  # none asked
+    # an hour later (the file's expiry moved back to now, in the server's store)
+    db = sqlite3.connect(server.services.config.source.parent / "tiergate-data" / "batches.sqlite3")
+    with db:
+        db.execute("UPDATE files SET expires_at = ? WHERE id = ?", (int(time.time()), f.id))
+    db.close()
+    for call in (lambda: c.files.retrieve(f.id), lambda: c.files.content(f.id), lambda: c.files.delete(f.id)):
+        with pytest.raises(openai.NotFoundError):
+            call()
+    for bad, param in (({"anchor": "created_at", "seconds": 60}, "expires_after.seconds"),
+                       ({"anchor": "last_active_at", "seconds": 3600}, "expires_after.anchor")):
+        with pytest.raises(openai.BadRequestError) as exc:
+            c.files.create(file=("in.jsonl", io.BytesIO(b"{}\n")), purpose="batch", expires_after=bad)
+        assert exc.value.body["param"] == param
+        with pytest.raises(openai.BadRequestError) as exc:
+            c.batches.create(input_file_id=f.id, endpoint="/v1/chat/completions", completion_window="24h",
+                             output_expires_after=bad)
+        assert exc.value.body["param"] == "output_" + param
 
 
 def test_list_pages_newest_first(server):
