@@ -86,6 +86,11 @@ class SQLiteStore(SQLiteFile, Store):
             f"DELETE FROM files WHERE id = ? AND {_LIVE}", (file_id, time.time())).rowcount > 0)
 
     async def delete_expired_files(self, now: float) -> int:
+        def due() -> bool:  # a read first: the sweep runs every few seconds, the write lock only when one is due
+            return self._db.execute("SELECT 1 FROM files WHERE expires_at <= ? LIMIT 1", (now,)).fetchone() is not None
+
+        if not await self._call(due):
+            return 0
         return await self._call(self._tx, lambda db: db.execute(
             "DELETE FROM files WHERE expires_at <= ?", (now,)).rowcount)
 
