@@ -191,6 +191,18 @@ def test_usage_per_key_is_exact_grouped_priced_and_csv(server):
         assert c.get("/admin/usage", params={"key": key_id, "end_date": "2000-01-01"}).json()["data"] == []
 
 
+def usage_row_of(server, headers: dict, requests: int, what: str) -> dict:
+    """The key's usage row once it counts ``requests`` (a cut request is metered when the server
+    sees the cut, a moment after the client has gone)."""
+    deadline = time.monotonic() + 30
+    while True:
+        rows = httpx.get(f"{server.base_url}/usage", headers=headers).json()["data"]
+        if rows and rows[0]["requests"] == requests:
+            return rows[0]
+        assert time.monotonic() < deadline, f"{what} was not metered"
+        time.sleep(0.1)
+
+
 @pytest.mark.parametrize("limits", [None, {"tokens_per_min": 100000}], ids=["no-limits", "limited"])
 def test_a_stream_the_client_cuts_is_metered_by_the_tokens_it_cost(server, tiny_chat, limits):
     """The client leaves after three text chunks of a long streamed reply: the key is metered the
@@ -207,14 +219,7 @@ def test_a_stream_the_client_cuts_is_metered_by_the_tokens_it_cost(server, tiny_
                         json={**body, "max_tokens": 1}).json()["usage"]["prompt_tokens"]
     stream_and_leave(f"{server.base_url}/chat/completions", headers, {**body, "max_tokens": 400})
 
-    def cut_row() -> dict | None:
-        rows = httpx.get(f"{server.base_url}/usage", headers=headers).json()["data"]
-        return rows[0] if rows and rows[0]["requests"] == 2 else None
-
-    deadline = time.monotonic() + 30
-    while (row := cut_row()) is None:
-        assert time.monotonic() < deadline, "the cut stream was not metered"
-        time.sleep(0.1)
+    row = usage_row_of(server, headers, requests=2, what="the cut stream")
     assert row["input_tokens"] == 2 * prompt
     assert 3 <= row["output_tokens"] - 1 < 400  # the first request's one token, then the cut one's
     assert row["gpu_seconds"] > 0
@@ -236,14 +241,7 @@ def test_a_client_that_leaves_before_a_whole_answer_is_metered_by_the_tokens_it_
         httpx.post(f"{server.base_url}/chat/completions", headers=headers, json={**body, "max_tokens": 400},
                    timeout=httpx.Timeout(60, read=0.1))
 
-    def row() -> dict | None:
-        rows = httpx.get(f"{server.base_url}/usage", headers=headers).json()["data"]
-        return rows[0] if rows and rows[0]["requests"] == 3 else None
-
-    deadline = time.monotonic() + 30
-    while (got := row()) is None:
-        assert time.monotonic() < deadline, "the request the client left was not metered"
-        time.sleep(0.1)
+    got = usage_row_of(server, headers, requests=3, what="the request the client left")
     assert got["input_tokens"] == 3 * prompt
     assert 1 <= got["output_tokens"] - 1 - 8 < 400  # the two whole replies' 1 + 8, then the cut one's
 
