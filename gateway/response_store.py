@@ -220,11 +220,9 @@ class RedisResponses(ResponseStore):
         return record if cutoff is None or record.created_at >= cutoff else None
 
     async def _expire_in_background(self) -> None:
-        from redis.exceptions import RedisError
-
         try:
             given = await self.expire_unexpiring()
-        except RedisError as exc:  # the next start tries again; get() hides the old ones meanwhile
+        except Exception as exc:  # noqa: BLE001 - Redis down: the next start tries again; get() hides them meanwhile
             log.warning("stored responses: giving old records their expiry failed: %s", exc)
         else:
             if given:
@@ -238,10 +236,12 @@ class RedisResponses(ResponseStore):
             honour_cancel()
             if await self._r.ttl(key) != -1:  # has one (-1: none; -2: gone meanwhile)
                 continue
-            raw = await self._r.get(key)
-            if raw:
-                await self._r.expireat(key, self._expires_at(json.loads(raw)["created_at"]))
-                given += 1
+            try:
+                created_at = json.loads(await self._r.get(key) or "null")["created_at"]
+            except (ValueError, TypeError, KeyError):  # gone meanwhile, or not a record of ours: left as it is
+                continue
+            await self._r.expireat(key, self._expires_at(created_at))
+            given += 1
         return given
 
     async def delete(self, response_id: str, owner: str) -> bool:

@@ -533,6 +533,7 @@ def test_redis_retention_is_each_keys_expiry(tmp_path):
         await forever.open()
         await forever.put(record("resp_before_old", 40 * DAY))
         await forever.put(record("resp_before_new", DAY))
+        await forever._r.set("tg:response:not-ours", "not json")  # skipped by the scan, not a stop
         await forever.close()
         store = RedisResponses(url, retention_s=30 * DAY)
         await store.open()
@@ -549,6 +550,7 @@ def test_redis_retention_is_each_keys_expiry(tmp_path):
         r = redis.Redis.from_url(url)
         ttl = {k.decode().rsplit(":", 1)[1]: r.ttl(k) for k in r.keys("tg:response:*")}
         r.close()
-    assert set(ttl) == {"resp_before_new", "resp_new"}  # both old ones are gone from Redis itself
+    assert set(ttl) == {"resp_before_new", "resp_new", "not-ours"}  # both old ones are gone from Redis itself
+    assert ttl["not-ours"] == -1
     assert 29 * DAY - 60 < ttl["resp_before_new"] <= 29 * DAY + 1
     assert 30 * DAY - 60 < ttl["resp_new"] <= 30 * DAY + 1
