@@ -24,15 +24,16 @@ import json
 import logging
 import sqlite3
 import time
-from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Callable, TypeVar
+from typing import Any
 
 from gateway.service import Services
 from storage.redis import honour_cancel
+from storage.sqlite import SQLiteFile
 
-T = TypeVar("T")
+_SCHEMA = """CREATE TABLE IF NOT EXISTS responses (
+    id TEXT PRIMARY KEY, owner TEXT NOT NULL, doc TEXT NOT NULL, created_at INTEGER);"""
 log = logging.getLogger("tiergate.responses")
 DAY_S = 86400
 
@@ -81,65 +82,44 @@ class ResponseStore(abc.ABC):
         """Delete the record; False when there is none or another key made it."""
 
 
-class SQLiteResponses(ResponseStore):
-    """A table in one SQLite file (WAL), every call on one thread that owns the connection."""
+class SQLiteResponses(SQLiteFile, ResponseStore):
+    """A table in one SQLite file (WAL; ``storage.sqlite``), every call on one thread that owns the
+    connection."""
 
     def __init__(self, path: Path, retention_s: float | None = None, sweep_s: float = 3600.0) -> None:
-        self.path = Path(path)
+        super().__init__(path, _SCHEMA, thread_name="tiergate-responses")
         self.retention_s, self.sweep_s = retention_s, sweep_s
-        self._pool: ThreadPoolExecutor | None = None
-        self._db: sqlite3.Connection | None = None
         self._sweeper: asyncio.Task | None = None
 
-    async def _call(self, fn: Callable[[sqlite3.Connection], T]) -> T:
-        assert self._pool is not None and self._db is not None, "the store is not open"
-        return await asyncio.get_running_loop().run_in_executor(self._pool, fn, self._db)
+    def _migrate(self, db: sqlite3.Connection) -> None:
+        if "created_at" not in {row[1] for row in db.execute("PRAGMA table_info(responses)")}:
+            db.execute("ALTER TABLE responses ADD COLUMN created_at INTEGER")  # a table from before retention
+            db.execute("UPDATE responses SET created_at = json_extract(doc, '$.created_at')")
+        db.execute("CREATE INDEX IF NOT EXISTS responses_created_at ON responses (created_at)")
 
     async def open(self) -> None:
-        self._pool = ThreadPoolExecutor(1, thread_name_prefix="tiergate-responses")
-
-        def connect() -> sqlite3.Connection:
-            self.path.parent.mkdir(parents=True, exist_ok=True)
-            db = sqlite3.connect(self.path, isolation_level=None, timeout=30, check_same_thread=False)
-            db.execute("PRAGMA journal_mode=WAL")
-            db.execute("BEGIN IMMEDIATE")  # processes sharing the file migrate it one at a time
-            try:
-                db.execute("CREATE TABLE IF NOT EXISTS responses "
-                           "(id TEXT PRIMARY KEY, owner TEXT NOT NULL, doc TEXT NOT NULL, created_at INTEGER)")
-                if "created_at" not in {row[1] for row in db.execute("PRAGMA table_info(responses)")}:
-                    db.execute("ALTER TABLE responses ADD COLUMN created_at INTEGER")  # a table from before retention
-                    db.execute("UPDATE responses SET created_at = json_extract(doc, '$.created_at')")
-                db.execute("CREATE INDEX IF NOT EXISTS responses_created_at ON responses (created_at)")
-                db.execute("COMMIT")
-            except BaseException:
-                db.execute("ROLLBACK")
-                raise
-            return db
-
-        self._db = await asyncio.get_running_loop().run_in_executor(self._pool, connect)
+        await super().open()
         if self.retention_s is not None:
             await self.sweep()
             self._sweeper = asyncio.create_task(self._sweep_loop())
 
     async def close(self) -> None:
-        if self._pool is None:
-            return
         if self._sweeper is not None:
             self._sweeper.cancel()
             await asyncio.gather(self._sweeper, return_exceptions=True)
             self._sweeper = None
-        if self._db is not None:
-            await self._call(lambda db: db.close())
-        self._pool.shutdown()
-        self._pool, self._db = None, None
+        await super().close()
+
+    def _changed(self, sql: str, args: tuple) -> int:
+        """(on the connection's thread) Rows that ``sql`` changed (one statement: its own transaction)."""
+        return self._db.execute(sql, args).rowcount
 
     async def sweep(self) -> int:
         """Delete the records past their retention; how many went."""
         cutoff = self._cutoff()
         if cutoff is None:
             return 0
-        cur = await self._call(lambda db: db.execute("DELETE FROM responses WHERE created_at < ?", (cutoff,)))
-        return cur.rowcount
+        return await self._call(self._changed, "DELETE FROM responses WHERE created_at < ?", (cutoff,))
 
     async def _sweep_loop(self) -> None:
         while True:
@@ -150,20 +130,19 @@ class SQLiteResponses(ResponseStore):
                 log.warning("stored responses: the retention sweep failed: %s", exc)
 
     async def put(self, record: StoredResponse) -> None:
-        await self._call(lambda db: db.execute("INSERT INTO responses (id, owner, doc, created_at) VALUES (?, ?, ?, ?)",
-                                               (record.id, record.owner, record.doc(), record.created_at)))
+        await self._call(self._changed, "INSERT INTO responses (id, owner, doc, created_at) VALUES (?, ?, ?, ?)",
+                         (record.id, record.owner, record.doc(), record.created_at))
 
     async def get(self, response_id: str, owner: str) -> StoredResponse | None:
         cutoff = self._cutoff()
-        row = await self._call(lambda db: db.execute(
+        row = await self._call(lambda: self._db.execute(
             "SELECT doc FROM responses WHERE id = ? AND owner = ? AND (? IS NULL OR created_at >= ?)",
             (response_id, owner, cutoff, cutoff)).fetchone())
         return StoredResponse.of(response_id, row[0]) if row else None
 
     async def delete(self, response_id: str, owner: str) -> bool:
-        cur = await self._call(lambda db: db.execute("DELETE FROM responses WHERE id = ? AND owner = ?",
-                                                     (response_id, owner)))
-        return cur.rowcount == 1
+        return await self._call(self._changed, "DELETE FROM responses WHERE id = ? AND owner = ?",
+                                (response_id, owner)) == 1
 
 
 # KEYS response; ARGV owner: delete only the owner's record

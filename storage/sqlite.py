@@ -72,12 +72,20 @@ class SQLiteFile:
         db = sqlite3.connect(self.path, isolation_level=None, timeout=_BUSY_S, check_same_thread=False)
         _switch_to_wal(db)
         db.execute("PRAGMA synchronous=NORMAL")  # WAL: a process crash loses nothing committed
-        db.executescript(self._schema)
-        self._migrate(db)
+        # schema and migration in one write transaction: processes opening one file from an older
+        # version migrate it one at a time (the second finds the column the first added)
+        db.executescript("BEGIN IMMEDIATE;\n" + self._schema)
+        try:
+            self._migrate(db)
+        except BaseException:
+            db.execute("ROLLBACK")
+            raise
+        db.execute("COMMIT")
         self._db = db
 
     def _migrate(self, db: sqlite3.Connection) -> None:
-        """Bring a file written by an older version up to date; nothing by default."""
+        """Bring a file written by an older version up to date (inside the opening transaction);
+        nothing by default."""
 
     async def close(self) -> None:
         if self._pool is None:
