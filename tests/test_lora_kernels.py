@@ -7,7 +7,9 @@ tests/lora_cases.error_bound (elementwise, vs fp64):
 u_out = 2^-24 / 2^-8 / 2^-11 for fp32 / bf16 / fp16 weights (doubled for bf16 under the Triton
 interpreter, whose fp32->bf16 cast truncates); u_in = 2^-8 (bf16), 2^-11 (fp16, tf32).
 
-Coverage: the torch path (production CPU path) on ALL shapes x {fp32, bf16, fp16} x {exact, fast}.
+Coverage: the torch path (production CPU path) on ALL shapes x {fp32, bf16, fp16} x {exact, fast}
+(fast takes the exact path on a CPU without native bf16, as this one; its bf16 GEMM is checked
+on the shapes below 3072, forced).
 The Triton kernel under the interpreter (a subprocess, see tests/lora_interp_runner.py) on all
 dtypes and modes for 1536x32x4 and the odd shapes, and on the three 3072 shapes for the two
 production combinations (fp32 exact, bf16 fast) to keep the suite fast. Without a GPU the kernel
@@ -30,7 +32,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from lora_kernels import concat_factors, merge_into, merge_loop, merge_reference
+from lora_kernels import concat_factors, merge_into, merge_loop, merge_reference, ops
 from tests.lora_cases import ALL_CASES, count_launches, grouped_check, make_case, run_triton_case, worst_ratio
 
 BIG = {"3072x32x4", "3072x64x4", "3072x64x8"}
@@ -52,6 +54,29 @@ def test_torch_path_within_bound(case):
     w, factors = make_case(shape, dtype)
     out = merge_into([w], [factors], out=[torch.empty_like(w)], mode=mode, backend="torch")[0]
     assert worst_ratio(out, shape, dtype, mode) <= 1.0
+
+
+@pytest.mark.parametrize("case", [c for c in ALL_CASES if c[0] not in BIG and c[1:] == ("bf16", "fast")], ids=_case_id)
+def test_torch_bf16_gemm_within_bound_where_the_cpu_has_one(case, monkeypatch):
+    """The one bf16 ``addmm`` that fast mode takes on a CPU that multiplies bf16 natively, forced
+    here whatever this CPU has (an AVX2 CPU emulates it, ~50x slower than fp32: the smaller shapes
+    only)."""
+    shape, dtype, mode = case
+    monkeypatch.setattr(ops, "native_bf16_cpu", lambda: True)
+    w, factors = make_case(shape, dtype)
+    out = merge_into([w], [factors], out=[torch.empty_like(w)], mode=mode, backend="torch")[0]
+    b_cat, a_cat = concat_factors(factors, torch.bfloat16, w.device)
+    assert torch.equal(out, torch.addmm(w, b_cat, a_cat))  # the bf16 GEMM itself, not the fp32 path
+    assert worst_ratio(out, shape, dtype, mode) <= 1.0
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16, torch.float32], ids=str)
+def test_fast_mode_on_a_cpu_without_a_low_precision_gemm_is_the_exact_path(dtype, monkeypatch):
+    monkeypatch.setattr(ops, "native_bf16_cpu", lambda: False)
+    w, factors = make_case("1000x77_r3-8-16", {torch.bfloat16: "bf16", torch.float16: "fp16", torch.float32: "fp32"}[dtype])
+    fast, exact = (merge_into([w], [factors], out=[torch.empty_like(w)], mode=m, backend="torch")[0]
+                   for m in ("fast", "exact"))
+    assert torch.equal(fast, exact)
 
 
 def test_in_place_equals_out_of_place():
