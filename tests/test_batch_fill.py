@@ -164,7 +164,7 @@ def in_flight_at_kill(store: str, folder: Path) -> int:
 
 @pytest.mark.parametrize("store", ["sqlite", "redis"])
 def test_kill_9_in_a_wide_batch_loses_nothing_and_records_nothing_twice(store, tiny_chat, tmp_path):
-    width, n = 16, 160
+    width, n = 16, 96  # six waves: the kill comes in the third
     with contextlib.ExitStack() as stack:
         if store == "redis":
             store = stack.enter_context(redis_server(tmp_path))
