@@ -239,10 +239,12 @@ def start_vllm_serve(model: Path, port: int, flags: list[str]) -> subprocess.Pop
 
 # -- the client -----------------------------------------------------------------------------------
 
-async def wait_ready(base: str, timeout: float = 240) -> None:
+async def wait_ready(base: str, proc: subprocess.Popen, timeout: float = 240) -> None:
     async with openai.AsyncOpenAI(base_url=base, api_key=KEY, max_retries=0, timeout=60) as client:
         end = time.time() + timeout
         while time.time() < end:
+            if proc.poll() is not None:  # say so now, not after the timeout
+                raise RuntimeError(f"the server for {base} exited with status {proc.returncode} before it answered")
             try:
                 await client.chat.completions.create(model="m", messages=[{"role": "user", "content": "warm up"}],
                                                      max_tokens=4)
@@ -321,6 +323,7 @@ def main() -> int:
         args.tokens, args.rounds, args.repeat, args.streams, args.only = 8, 1, 1, [1], ["a", "b"]
     if args.medium:
         args.model = build_medium(ROOT / "demo-models" / "bench-chat-medium")
+    args.model = args.model.resolve()  # the servers' configs live in a temporary folder
     if not args.model.exists():
         from demo import build_demo_models
 
@@ -347,7 +350,7 @@ def main() -> int:
                 proc = start(port, Path(tmp))
                 base = f"http://127.0.0.1:{port}/v1"
                 try:
-                    asyncio.run(wait_ready(base))
+                    asyncio.run(wait_ready(base, proc))
                     for n in args.streams:
                         table[(key, n)] = asyncio.run(measure(base, n, args.tokens, args.rounds))
                         print(f"  run {rep + 1} {name:<22} streams={n:<3} {table[(key, n)]['tok_s']:8.0f} tok/s", flush=True)

@@ -74,7 +74,7 @@ def cluster_smoke(request, demo_dir: Path, tiny_chat: Path, tmp_path_factory) ->
 # while this process waits: two at a time, started with the module, each test reading its own.
 MODEL_SMOKES = {
     "bench_swap.py": ("--models-dir", "{demo}", "--device", "cpu"),
-    "bench_chat.py": ("--model", "{chat}"),
+    "bench_chat.py": ("--model", "{chat_relative}"),  # as typed in the checkout: the servers' configs are elsewhere
     "bench_tiers.py": ("--models-dir", "{demo}"),
     "bench_overhead.py": ("--models-dir", "{demo}"),
     "bench_batch.py": ("--models-dir", "{demo}"),
@@ -86,7 +86,9 @@ def model_smokes(request, demo_dir: Path, tiny_chat: Path, tiny_embed: Path) -> 
     wanted = {item.callspec.params["script"] for item in request.session.items
               if getattr(item, "originalname", "") == "test_smoke_with_models"}
     with ThreadPoolExecutor(max_workers=2) as pool:
-        yield {script: pool.submit(run_smoke, script, *(a.format(demo=demo_dir, chat=tiny_chat) for a in args))
+        yield {script: pool.submit(run_smoke, script, *(a.format(demo=demo_dir, chat=tiny_chat,
+                                                                 chat_relative=os.path.relpath(tiny_chat, ROOT))
+                                                        for a in args))
                for script, args in MODEL_SMOKES.items() if script in wanted}
 
 
