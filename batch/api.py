@@ -7,7 +7,6 @@ from __future__ import annotations
 import re
 import secrets
 import time
-import uuid
 from typing import Literal
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator
@@ -74,8 +73,8 @@ async def upload_file(request: Request) -> Response:
     if n > cfg.max_lines:
         raise bad_request(f"the file has {n} requests; at most {cfg.max_lines} are allowed", "file", "too_many_lines")
     now = int(time.time())
-    info = FileInfo(f"file-{uuid.uuid4().hex}", caller.key_id, "batch", filename, len(content), now,
-                    now + expires_after.seconds if expires_after else None)
+    info = FileInfo(f"file-{time.time_ns():016x}{secrets.token_hex(8)}",  # ids sort by time, as batches' do
+                    caller.key_id, "batch", filename, len(content), now, now + expires_after.seconds if expires_after else None)
     await runner.store.put_file(info, content)
     return JSONResponse(info.public())
 
@@ -134,6 +133,28 @@ async def _owned_file(runner: Runner, caller: Caller, file_id: str, param: str =
 async def get_file(request: Request) -> Response:
     _, runner, caller = _context(request)
     return JSONResponse((await _owned_file(runner, caller, request.path_params["file_id"])).public())
+
+
+async def list_files(request: Request) -> Response:
+    """GET /v1/files?purpose=&limit=&order=&after=: the caller's files (an admin's: everyone's),
+    newest first unless ``order=asc``; ``limit`` 1 to 10,000, 10,000 unless given (OpenAI's)."""
+    _, runner, caller = _context(request)
+    query = request.query_params
+    raw = query.get("limit", "10000")
+    if not raw.isdigit() or not 1 <= int(raw) <= 10_000:
+        raise bad_request(f"limit must be an integer from 1 to 10000, not {raw!r}", "limit")
+    order = query.get("order", "desc")
+    if order not in ("asc", "desc"):
+        raise bad_request(f"order must be 'asc' or 'desc', not {order!r}", "order")
+    limit, after = int(raw), query.get("after") or None
+    owner = None if caller.admin else caller.key_id
+    page = await runner.store.list_files(owner, query.get("purpose") or None, after, limit + 1, order == "asc")
+    if page is None:
+        raise bad_request(f"no such file to list after: '{after}' (deleted or expired since: list from the start)",
+                          "after", "file_not_found")
+    data = [f.public() for f in page[:limit]]
+    return JSONResponse({"object": "list", "data": data, "first_id": data[0]["id"] if data else None,
+                         "last_id": data[-1]["id"] if data else None, "has_more": len(page) > limit})
 
 
 async def file_content(request: Request) -> Response:

@@ -4,17 +4,24 @@ guarantees."""
 
 from __future__ import annotations
 
+import asyncio
 import json
+import logging
 import time
 from dataclasses import asdict
 from typing import Any, Callable, Iterable
 
 from batch.store import (MUTABLE, BatchInfo, FileInfo, Job, Line, Outcome, Recorded, Store, check_fields,
                          dumps, line_json, line_of, outcome_json, outcome_of)
-from storage.redis import RedisKeys
+from storage.redis import RedisKeys, honour_cancel
+
+log = logging.getLogger("tiergate.batch")
 
 # Keys (prefix "tg:"): file:{id} (its metadata as JSON), file:{id}:content (both expire at the
-# file's expires_at, if it has one); batch:{id} (hash: doc =
+# file's expires_at, if it has one); files and files:{owner} (sorted sets of ids by created_at, the
+# listing's order: score, then id); files:expiry (sorted set of "{id} {owner}" by expires_at: the
+# sweep drops expired files from the two listings); files:indexed (set once the files from before
+# the listings are in them); batch:{id} (hash: doc =
 # the static fields as JSON, status, total, completed, failed, and each MUTABLE field as JSON);
 # batch:{id}:lines and batch:{id}:outcomes (hashes by line index); batch:{id}:lock; batches and
 # batches:{owner} (sorted sets of ids, which sort by time); open (set of ids); backlog:{shape} (a
@@ -118,13 +125,33 @@ class RedisStore(RedisKeys, Store):
         self._set_status = self._r.register_script(_SET_STATUS)
         self._record = self._r.register_script(_RECORD)
         self._unlock = self._r.register_script(_UNLOCK)
+        self._indexer = asyncio.create_task(self._index_in_background())
+
+    async def close(self) -> None:
+        indexer, self._indexer = getattr(self, "_indexer", None), None
+        if indexer is not None:
+            indexer.cancel()
+            await asyncio.gather(indexer, return_exceptions=True)
+        await super().close()
 
     # -- files
     async def put_file(self, info: FileInfo, content: bytes) -> None:
         async with self._r.pipeline(transaction=True) as p:  # both keys expire with the file (EXAT)
             p.set(self.k("file", info.id), dumps(asdict(info)), exat=info.expires_at)
             p.set(self.k("file", info.id, "content"), content, exat=info.expires_at)
+            self._list_file(p, info)
             await p.execute()
+
+    def _list_file(self, p, info: FileInfo) -> None:
+        p.zadd(self.k("files"), {info.id: info.created_at})
+        p.zadd(self.k("files", info.owner), {info.id: info.created_at})
+        if info.expires_at is not None:
+            p.zadd(self.k("files", "expiry"), {f"{info.id} {info.owner}": info.expires_at})
+
+    def _unlist_file(self, p, file_id: str, owner: str) -> None:
+        p.zrem(self.k("files"), file_id)
+        p.zrem(self.k("files", owner), file_id)
+        p.zrem(self.k("files", "expiry"), f"{file_id} {owner}")
 
     async def get_file(self, file_id: str) -> FileInfo | None:
         raw = await self._r.get(self.k("file", file_id))
@@ -135,10 +162,84 @@ class RedisStore(RedisKeys, Store):
         return None if await self.get_file(file_id) is None else await self._r.get(self.k("file", file_id, "content"))
 
     async def delete_file(self, file_id: str) -> bool:
-        return await self._r.delete(self.k("file", file_id), self.k("file", file_id, "content")) > 0
+        raw = await self._r.get(self.k("file", file_id))
+        async with self._r.pipeline(transaction=True) as p:
+            p.delete(self.k("file", file_id), self.k("file", file_id, "content"))
+            if raw:
+                self._unlist_file(p, file_id, json.loads(raw)["owner"])
+            deleted, *_ = await p.execute()
+        return deleted > 0
+
+    async def list_files(self, owner: str | None, purpose: str | None, after: str | None, limit: int,
+                         ascending: bool) -> list[FileInfo] | None:
+        index = self.k("files", owner) if owner is not None else self.k("files")
+        place = self._r.zrank if ascending else self._r.zrevrank  # by score, then id: as SQLite orders them
+        start = 0
+        if after is not None:
+            rank = await place(index, after)
+            if rank is None or await self.get_file(after) is None:
+                return None
+            start = rank + 1
+        found: list[FileInfo] = []
+        gone: list[bytes] = []
+        now = time.time()
+        while len(found) < limit:
+            ids = await self._r.zrange(index, start, start + max(limit - len(found), 100) - 1, desc=not ascending)
+            if not ids:
+                break
+            for file_id, raw in zip(ids, await self._r.mget([self.k("file", i.decode()) for i in ids])):
+                info = FileInfo(**json.loads(raw)) if raw else None
+                if info is None:
+                    gone.append(file_id)  # expired (Redis deleted its keys) or deleted mid-listing
+                elif not info.expired(now) and purpose in (None, info.purpose):
+                    found.append(info)
+            last = await place(index, ids[-1])  # files listed or unlisted meanwhile move the ranks
+            start = start + len(ids) if last is None else last + 1
+        if gone:
+            await self._r.zrem(index, *gone)
+        return found[:limit]
 
     async def delete_expired_files(self, now: float) -> int:
-        return 0  # Redis deletes each file's keys at its expires_at
+        """Redis deletes each file's keys at its ``expires_at``; this drops them from the listings."""
+        due = await self._r.zrangebyscore(self.k("files", "expiry"), "-inf", now)
+        if not due:
+            return 0
+        async with self._r.pipeline(transaction=True) as p:
+            for member in due:
+                file_id, owner = member.decode().split(" ", 1)
+                self._unlist_file(p, file_id, owner)
+            await p.execute()
+        return len(due)
+
+    async def _index_in_background(self) -> None:
+        try:
+            listed = await self.index_old_files()
+        except Exception as exc:  # noqa: BLE001 - Redis down: the next start tries again
+            log.warning("batch store: listing the files from before the listings failed: %s", exc)
+        else:
+            if listed:
+                log.info("batch store: %d files from before the listings are now listed", listed)
+
+    async def index_old_files(self) -> int:
+        """Put the files written before there were listings in them; how many. One pass of SCAN
+        over this prefix's files, once per Redis (``files:indexed`` marks it done)."""
+        if await self._r.exists(self.k("files", "indexed")):
+            return 0
+        listed = 0
+        async for key in self._r.scan_iter(match=self.k("file", "*"), count=500):
+            honour_cancel()
+            if key.endswith(b":content"):
+                continue
+            raw = await self._r.get(key)
+            if not raw:  # deleted or expired meanwhile
+                continue
+            info = FileInfo(**json.loads(raw))
+            async with self._r.pipeline(transaction=True) as p:
+                self._list_file(p, info)
+                await p.execute()
+            listed += 1
+        await self._r.set(self.k("files", "indexed"), 1)
+        return listed
 
     # -- batches
     def _batch_keys(self, batch_id: str) -> list[str]:

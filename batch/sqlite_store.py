@@ -16,6 +16,8 @@ _SCHEMA = """
 CREATE TABLE IF NOT EXISTS files (
     id TEXT PRIMARY KEY, owner TEXT NOT NULL, purpose TEXT NOT NULL, filename TEXT NOT NULL,
     bytes INTEGER NOT NULL, created_at INTEGER NOT NULL, content BLOB NOT NULL, expires_at INTEGER);
+CREATE INDEX IF NOT EXISTS files_by_owner ON files (owner, created_at, id);
+CREATE INDEX IF NOT EXISTS files_by_time ON files (created_at, id);
 CREATE TABLE IF NOT EXISTS batches (
     id TEXT PRIMARY KEY, owner TEXT NOT NULL, status TEXT NOT NULL, doc TEXT NOT NULL,
     total INTEGER NOT NULL DEFAULT 0, completed INTEGER NOT NULL DEFAULT 0, failed INTEGER NOT NULL DEFAULT 0,
@@ -84,6 +86,31 @@ class SQLiteStore(SQLiteFile, Store):
     async def delete_file(self, file_id: str) -> bool:
         return await self._call(self._tx, lambda db: db.execute(
             f"DELETE FROM files WHERE id = ? AND {_LIVE}", (file_id, time.time())).rowcount > 0)
+
+    async def list_files(self, owner: str | None, purpose: str | None, after: str | None, limit: int,
+                         ascending: bool) -> list[FileInfo] | None:
+        def get() -> list[FileInfo] | None:
+            now = time.time()
+            where, args = [_LIVE], [now]
+            if owner is not None:
+                where.append("owner = ?")
+                args.append(owner)
+            if after is not None:
+                row = self._db.execute(f"SELECT created_at FROM files WHERE id = ? AND {' AND '.join(where)}",
+                                       (after, *args)).fetchone()
+                if row is None:
+                    return None
+                where.append(f"(created_at, id) {'>' if ascending else '<'} (?, ?)")
+                args += [row[0], after]
+            if purpose is not None:
+                where.append("purpose = ?")
+                args.append(purpose)
+            order = "ASC" if ascending else "DESC"
+            rows = self._db.execute(f"SELECT {_FILE_COLUMNS} FROM files WHERE {' AND '.join(where)} "
+                                    f"ORDER BY created_at {order}, id {order} LIMIT ?", (*args, limit)).fetchall()
+            return [FileInfo(*r) for r in rows]
+
+        return await self._call(get)
 
     async def delete_expired_files(self, now: float) -> int:
         def due() -> bool:  # a read first: the sweep runs every few seconds, the write lock only when one is due

@@ -157,6 +157,14 @@ class Store(abc.ABC):
     async def delete_file(self, file_id: str) -> bool: ...
 
     @abc.abstractmethod
+    async def list_files(self, owner: str | None, purpose: str | None, after: str | None, limit: int,
+                         ascending: bool) -> list[FileInfo] | None:
+        """Up to ``limit`` live files by ``(created_at, id)``, newest first unless ``ascending``;
+        ``owner`` None lists everyone's, ``purpose`` None every purpose. ``after`` is the last id
+        already seen: the page starts past its place, and is None when it names no live file of
+        ``owner``'s (one deleted or expired since: the caller starts again)."""
+
+    @abc.abstractmethod
     async def delete_expired_files(self, now: float) -> int:
         """Delete the files whose ``expires_at`` has come (``get_file`` and ``file_content``
         already find none of them); how many went."""

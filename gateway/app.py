@@ -193,6 +193,7 @@ def routes() -> list[BaseRoute]:
         Route("/v1/audio/speech", audio.speech, methods=["POST"]),
         Route("/v1/audio/transcriptions", audio.transcriptions, methods=["POST"]),
         Route("/v1/files", batch_api.upload_file, methods=["POST"]),
+        Route("/v1/files", batch_api.list_files, methods=["GET"]),
         Route("/v1/files/{file_id}", batch_api.get_file, methods=["GET"]),
         Route("/v1/files/{file_id}", batch_api.delete_file, methods=["DELETE"]),
         Route("/v1/files/{file_id}/content", batch_api.file_content, methods=["GET"]),

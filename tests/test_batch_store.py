@@ -6,6 +6,8 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import dataclasses
+import json
 import random
 import shutil
 import sqlite3
@@ -171,6 +173,81 @@ def test_a_sqlite_file_from_before_expiry_is_migrated(tmp_path):
         assert await s.get_file("file-new") is None and await s.delete_expired_files(time.time()) == 1
         assert await s.file_content("file-old") == b"a"
         await s.close()
+
+    run(go())
+
+
+def test_files_list_by_owner_purpose_and_time_in_either_order_with_cursor(make_store):
+    """Files list by ``(created_at, id)``: files made in the same second go by id, in both
+    orders; pages joined give the whole list; a cursor that names no live file of the owner's
+    gives None; deleted and expired files are not listed, and the sweep unlists expired ones."""
+    async def go():
+        s = await make_store()
+        now = int(time.time())
+        made = [FileInfo(f"file-{i}", "a" if i != 3 else "b", "batch" if i % 2 == 0 else "batch_output",
+                         "x.jsonl", 1, now - 10 + (i // 2)) for i in range(6)]  # pairs share a second
+        for info in made:
+            await s.put_file(info, b"x")
+        a = [f for f in made if f.owner == "a"]
+        newest = sorted(a, key=lambda f: (f.created_at, f.id), reverse=True)
+        assert await s.list_files("a", None, None, 10, False) == newest
+        assert await s.list_files("a", None, None, 10, True) == newest[::-1]
+        assert await s.list_files(None, None, None, 10, False) == sorted(made, key=lambda f: (f.created_at, f.id),
+                                                                        reverse=True)
+        assert await s.list_files("a", "batch_output", None, 10, False) == [f for f in newest if f.purpose == "batch_output"]
+        for ascending in (False, True):
+            pages, after = [], None
+            while True:
+                page = await s.list_files("a", None, after, 2, ascending)
+                if not page:
+                    break
+                pages += page
+                after = page[-1].id
+            assert pages == (newest[::-1] if ascending else newest)
+        assert await s.list_files("a", None, "file-3", 10, False) is None  # b's
+        assert await s.list_files("a", None, "file-nope", 10, False) is None
+        await s.delete_file("file-0")
+        assert "file-0" not in [f.id for f in await s.list_files("a", None, None, 10, False)]
+        assert await s.list_files("a", None, "file-0", 10, False) is None
+        soon = FileInfo("file-soon", "a", "batch", "x.jsonl", 1, now, now + 1)
+        await s.put_file(soon, b"x")
+        assert (await s.list_files("a", None, None, 1, False)) == [soon]
+        await asyncio.sleep(max(0.0, now + 1 - time.time()) + 0.05)
+        assert "file-soon" not in [f.id for f in await s.list_files("a", None, None, 10, False)]
+        assert await s.delete_expired_files(time.time()) == 1
+        if isinstance(s, RedisStore):  # unlisted everywhere, not only hidden
+            for index in (s.k("files"), s.k("files", "a")):
+                assert await s._r.zscore(index, "file-soon") is None
+            assert await s._r.zcard(s.k("files", "expiry")) == 0
+        await _closing(s)
+
+    run(go())
+
+
+def test_redis_files_from_before_the_listings_are_listed(redis_url):
+    """Files written to Redis before there were listings (their two keys only) are listed once a
+    store opens; the pass runs once per Redis."""
+    prefix = f"t{uuid.uuid4().hex[:8]}:"
+    old = FileInfo("file-old", "a", "batch", "in.jsonl", 1, 5)
+
+    async def go():
+        import redis.asyncio as aioredis
+
+        r = aioredis.Redis.from_url(redis_url)
+        await r.set(f"{prefix}file:file-old", json.dumps(dataclasses.asdict(old)))
+        await r.set(f"{prefix}file:file-old:content", b"x")
+        s = RedisStore(redis_url, prefix)
+        await s.open()
+        for _ in range(100):
+            if await s.list_files("a", None, None, 10, False):
+                break
+            await asyncio.sleep(0.05)
+        assert await s.list_files("a", None, None, 10, False) == [old]
+        assert await s.list_files(None, "batch", None, 10, False) == [old]
+        assert await r.exists(f"{prefix}files:indexed")
+        assert await s.index_old_files() == 0  # done once
+        await s.close()
+        await r.aclose()
 
     run(go())
 

@@ -320,6 +320,37 @@ def test_list_pages_newest_first(server):
         wait(c, i)
 
 
+def test_files_list_in_pages_by_purpose_and_key(server):
+    """``GET /v1/files`` through the SDK: the key's own files, newest first or oldest first, a
+    purpose at a time, in pages the SDK follows; an admin key lists everyone's. Bad parameters
+    are a 400 naming the parameter."""
+    c, other, admin = sdk(server, "free"), sdk(server, "subscriber"), sdk(server, "admin")
+    made = [c.files.create(file=(f"in{i}.jsonl", io.BytesIO(jsonl([chat_line(i)]))), purpose="batch").id
+            for i in range(3)]
+    page = c.files.list(purpose="batch", limit=2)
+    assert [f.id for f in page.data] == made[::-1][:2] and page.has_more
+    rest = c.files.list(purpose="batch", limit=2, after=page.data[-1].id)
+    assert [f.id for f in rest.data][:1] == [made[0]]
+    followed = [f.id for f in c.files.list(purpose="batch", limit=1)]  # the SDK's iteration: page after page
+    assert [i for i in followed if i in made] == made[::-1]
+    oldest_first = [f.id for f in c.files.list(order="asc")]
+    assert [i for i in oldest_first if i in made] == made
+    assert not set(made) & {f.id for f in other.files.list()}
+    assert set(made) <= {f.id for f in admin.files.list()}
+    assert c.files.delete(made[1]).deleted
+    assert made[1] not in [f.id for f in c.files.list()]
+    done = wait(c, c.batches.create(input_file_id=made[0], endpoint="/v1/chat/completions",
+                                    completion_window="24h").id)
+    outputs = [f for f in c.files.list(purpose="batch_output")]
+    assert done.output_file_id in [f.id for f in outputs] and {f.purpose for f in outputs} == {"batch_output"}
+    auth = {"Authorization": f"Bearer {server.keys['free']}"}
+    for query, param in (({"limit": "0"}, "limit"), ({"limit": "10001"}, "limit"), ({"limit": "x"}, "limit"),
+                         ({"order": "newest"}, "order"), ({"after": made[1]}, "after"), ({"after": "file-nope"}, "after")):
+        r = httpx.get(f"{server.base_url}/files", params=query, headers=auth)
+        assert r.status_code == 400 and r.json()["error"]["param"] == param, (query, r.text)
+        assert isinstance(r.json()["error"]["code"], str)
+
+
 # -- the runner, with a stand-in endpoint ----------------------------------------------------------
 
 def test_every_line_runs_as_its_owner_at_the_batch_tier_and_429_means_later(fake_server):
