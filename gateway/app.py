@@ -192,6 +192,7 @@ def routes() -> list[BaseRoute]:
         Route("/v1/images/files/{image_id}.png", images.image_file, methods=["GET"], name="image_file"),
         Route("/v1/audio/speech", audio.speech, methods=["POST"]),
         Route("/v1/audio/transcriptions", audio.transcriptions, methods=["POST"]),
+        Route("/v1/audio/translations", audio.translations, methods=["POST"]),
         Route("/v1/files", batch_api.upload_file, methods=["POST"]),
         Route("/v1/files", batch_api.list_files, methods=["GET"]),
         Route("/v1/files/{file_id}", batch_api.get_file, methods=["GET"]),

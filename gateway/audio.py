@@ -184,12 +184,17 @@ async def _voices(svc: Services, spec: ModelSpec) -> TTSWorker:
 # ---------------------------------------------------------------- transcriptions
 
 
-class TranscriptionForm(_Form):
+class TranslationForm(_Form):
+    """``/v1/audio/translations``: OpenAI's fields (English text out, so no ``language``)."""
+
     model: str = Field(min_length=1)
-    language: str | None = None
     prompt: str | None = None
     temperature: float = Field(default=0.0, ge=0, le=1)
     response_format: Literal["json", "text", "srt", "vtt", "verbose_json"] = "json"
+
+
+class TranscriptionForm(TranslationForm):
+    language: str | None = None
     timestamp_granularities: list[Literal["segment"]] | None = None  # no word timestamps
     stream: Literal[False] | None = None
 
@@ -209,8 +214,9 @@ class TranscriptionJob:
 
 
 async def serve_transcription(svc: Services, caller: Caller, job: TranscriptionJob, gone: Gone | None) -> Transcript:
-    """The serving core: the transcript of one upload."""
-    async with Serving(svc, caller, job.model, job.duration, "transcriptions", gone,
+    """The serving core: the transcript (or English translation) of one upload."""
+    endpoint = "translations" if job.request.task == "translate" else "transcriptions"
+    async with Serving(svc, caller, job.model, job.duration, endpoint, gone,
                        Ask(audio_seconds=job.duration)) as serving:
         serving.usage.audio_in_seconds = job.duration
         worker = serving.worker
@@ -220,27 +226,39 @@ async def serve_transcription(svc: Services, caller: Caller, job: TranscriptionJ
 
         try:
             return await serving.step(lambda ctx: in_thread(lambda: run(ctx), ctx), "transcribing with")
-        except ValueError as exc:  # what the worker refuses after our checks: the language
-            raise bad_request(str(exc), "language" if "language" in str(exc) else None) from None
+        except ValueError as exc:  # what the worker refuses after our checks: the language, a translation
+            message = str(exc)
+            param = "language" if "language" in message else "model" if "translate" in message else None
+            raise bad_request(message, param) from None
 
 
 async def transcriptions(request: Request) -> Response:
     """POST /v1/audio/transcriptions: a multipart upload, transcribed."""
+    return await _speech_to_text(request, TranscriptionForm, "transcribe")
+
+
+async def translations(request: Request) -> Response:
+    """POST /v1/audio/translations: a multipart upload, as English text."""
+    return await _speech_to_text(request, TranslationForm, "translate")
+
+
+async def _speech_to_text(request: Request, form_type: type[TranslationForm], task: str) -> Response:
     svc: Services = request.app.state.services
     caller = svc.admit_caller(request)
     limits = svc.config.limits
     async with _multipart(request, limits.transcription_max_bytes) as form:
-        body = parse(TranscriptionForm, _fields(form))
+        body = parse(form_type, _fields(form))
         spec = svc.spec(body.model, "stt")
         if body.prompt is not None and len(body.prompt) > limits.prompt_max_chars:
             raise bad_request(f"prompt is {len(body.prompt)} characters, above this server's limit of "
                               f"{limits.prompt_max_chars}", "prompt")
         audio, rate = await _decode(form, limits.transcription_max_seconds)
-    job = TranscriptionJob(spec.name, audio, rate, TranscriptionRequest(body.language or None, body.prompt or None,
-                                                                       body.temperature))
+    language = getattr(body, "language", None) or None
+    job = TranscriptionJob(spec.name, audio, rate, TranscriptionRequest(language, body.prompt or None, body.temperature,
+                                                                       task))
     async with disconnect_signal(request) as gone:
         transcript = await serve_transcription(svc, caller, job, gone)
-    return _transcript_response(transcript, body, svc.gate.rate_headers(caller.tier))
+    return _transcript_response(transcript, body, task, svc.gate.rate_headers(caller.tier))
 
 
 class _multipart:
@@ -319,8 +337,9 @@ async def _decode(form: FormData, max_seconds: float) -> tuple[np.ndarray, int]:
     return audio, rate
 
 
-def _transcript_response(t: Transcript, body: TranscriptionForm, headers: dict[str, str]) -> Response:
-    """OpenAI's shapes; text, srt and vtt are all text/plain, as OpenAI sends them."""
+def _transcript_response(t: Transcript, body: TranslationForm, task: str, headers: dict[str, str]) -> Response:
+    """OpenAI's shapes; text, srt and vtt are all text/plain, as OpenAI sends them. A translation's
+    ``language`` is the text's, always English (OpenAI's), and its JSON has no ``usage``."""
     fmt = body.response_format
     if fmt == "text":
         return PlainTextResponse(t.text, headers=headers)
@@ -328,11 +347,11 @@ def _transcript_response(t: Transcript, body: TranscriptionForm, headers: dict[s
         return PlainTextResponse(sound.to_srt(t.segments), headers=headers)
     if fmt == "vtt":
         return PlainTextResponse(sound.to_vtt(t.segments), headers=headers)
-    usage = {"type": "duration", "seconds": int(np.ceil(t.duration))}
+    usage = {"usage": {"type": "duration", "seconds": int(np.ceil(t.duration))}} if task == "transcribe" else {}
     if fmt == "json":
-        return JSONResponse({"text": t.text, "usage": usage}, headers=headers)
+        return JSONResponse({"text": t.text, **usage}, headers=headers)
     segments = [{"id": s.id, "seek": int(s.start * 100), "start": s.start, "end": s.end, "text": s.text,
                  "temperature": body.temperature} for s in t.segments]
-    return JSONResponse({"task": "transcribe", "language": LANGUAGES.get(t.language, t.language),
-                         "duration": round(t.duration, 3), "text": t.text, "segments": segments, "usage": usage},
-                        headers=headers)
+    language = "english" if task == "translate" else LANGUAGES.get(t.language, t.language)
+    return JSONResponse({"task": task, "language": language, "duration": round(t.duration, 3), "text": t.text,
+                         "segments": segments, **usage}, headers=headers)

@@ -279,6 +279,27 @@ def test_transcription_in_every_format(media):
     assert all(0 <= s.start <= s.end <= 3.0 for s in verbose.segments)
 
 
+def test_translation_through_the_sdk(media):
+    """``/v1/audio/translations`` with the SDK: English text in OpenAI's shapes (the verbose one says
+    ``task: translate`` and ``language: english`` whatever was spoken); no ``language`` field."""
+    c = client(media)
+    wav = tone_file(2.0, 16000, 1, "WAV")
+    plain = c.audio.translations.create(model="tiny-stt", file=("tone.wav", wav, "audio/wav"), temperature=0)
+    assert isinstance(plain.text, str) and plain.text
+    verbose = c.audio.translations.create(model="tiny-stt", file=("tone.wav", wav, "audio/wav"),
+                                          response_format="verbose_json", temperature=0)
+    assert verbose.language == "english" and verbose.text == plain.text and verbose.segments
+    assert verbose.model_extra["task"] == "translate" and verbose.duration == pytest.approx(2.0, abs=0.01)
+    assert c.audio.translations.create(model="tiny-stt", file=("tone.wav", wav, "audio/wav"),
+                                       response_format="text", temperature=0) == plain.text
+    r = httpx.post(f"{media.base_url}/audio/translations", headers=auth(media), files={"file": ("a.wav", WAV)},
+                   data={"model": "tiny-stt", "language": "fr"})
+    error(r, 400, "language", "unknown_parameter")
+    r = httpx.post(f"{media.base_url}/audio/translations", headers=auth(media), files={"file": ("a.wav", WAV)},
+                   data={"model": "tiny-tts"})
+    error(r, 400, "model", "model_not_supported")
+
+
 @pytest.mark.parametrize("fmt,rate,channels,seconds", [("FLAC", 22050, 1, 2.5), ("OGG", 48000, 2, 1.5)])
 def test_transcription_decodes_flac_and_ogg_at_any_rate(media, fmt, rate, channels, seconds):
     data = tone_file(seconds, rate, channels, fmt)

@@ -361,6 +361,31 @@ def test_stt_options(stt_worker):
         stt_worker.transcribe(x[:0], stt.TranscriptionRequest(), StepContext())
 
 
+def test_stt_translation_asks_the_model_for_its_translate_task(stt_worker):
+    """``task="translate"`` reaches the decoder as Whisper's ``<|translate|>`` token (read from the
+    decoder's first input, whatever the random weights then say); a transcription has
+    ``<|transcribe|>`` there instead."""
+    x = _tone(2.0, 16000)[:, 0]
+    tokens = stt_worker.processor.tokenizer.convert_tokens_to_ids(["<|translate|>", "<|transcribe|>"])
+    seen: list[list[int]] = []
+
+    def first_inputs(module, args, kwargs):  # the first decoder call gets the whole forced prefix
+        ids = kwargs.get("input_ids")
+        if not seen:
+            seen.append((ids if ids is not None else args[0])[0].tolist())
+
+    hook = stt_worker.model.model.decoder.register_forward_pre_hook(first_inputs, with_kwargs=True)
+    try:
+        for task in ("translate", "transcribe"):
+            seen.clear()
+            result = stt_worker.transcribe(x, stt.TranscriptionRequest(language="fr", task=task), StepContext())
+            assert isinstance(result.text, str) and result.language == "fr"
+            asked = [t for t in tokens if t in seen[0]]
+            assert asked == [tokens[0] if task == "translate" else tokens[1]], (task, seen[0])
+    finally:
+        hook.remove()
+
+
 def test_stt_long_audio_is_windowed(stt_worker):
     x = _tone(65.0, 16000)[:, 0]
     ctx = StepContext()

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Literal
 
 import numpy as np
 import torch
@@ -26,16 +27,19 @@ _FRAME_S = 0.02
 
 @dataclass
 class TranscriptionRequest:
-    """One ``/v1/audio/transcriptions`` call, besides the audio itself.
+    """One ``/v1/audio/transcriptions`` or ``/v1/audio/translations`` call, besides the audio itself.
 
     ``language`` is an ISO-639-1 code or an English name (None = detect on the first window); ``prompt`` is passed as Whisper prompt ids
     to every window (ignored by models whose processor has no ``get_prompt_ids``);
-    ``temperature`` 0 decodes greedily, above 0 samples.
+    ``temperature`` 0 decodes greedily, above 0 samples. ``task`` "translate" asks a multilingual
+    Whisper for English text whatever the language spoken (its ``<|translate|>`` token); an
+    English-only Whisper hears English and transcribes it; other models cannot translate.
     """
 
     language: str | None = None
     prompt: str | None = None
     temperature: float = 0.0
+    task: Literal["transcribe", "translate"] = "transcribe"
 
 
 @dataclass
@@ -112,6 +116,8 @@ class STTWorker(ThreadWorker):
             raise ValueError("temperature must be >= 0")
         if len(audio) == 0:
             raise ValueError("no audio samples to transcribe")
+        if req.task == "translate" and not self._multilingual() and self.model.config.model_type != "whisper":
+            raise ValueError(f"the model {self.spec.name!r} transcribes only: it cannot translate")
         sr = self.sample_rate
         language = self._language(req.language)
         prompt_ids = self._prompt_ids(req.prompt)
@@ -122,7 +128,7 @@ class STTWorker(ThreadWorker):
             if language is None:
                 language = self._detect_language(features)
             t0, t1 = start / sr, end / sr
-            for s0, s1, text in self._window(features, language, prompt_ids, req.temperature, t1 - t0):
+            for s0, s1, text in self._window(features, language, prompt_ids, req.temperature, t1 - t0, req.task):
                 segments.append(Segment(len(segments), round(t0 + s0, 3), round(t0 + s1, 3), text))
         text = " ".join(s.text for s in segments if s.text)
         return Transcript(text=text, language=language, duration=len(audio) / sr, segments=segments)
@@ -174,7 +180,8 @@ class STTWorker(ThreadWorker):
         return ids.to(self.model.device)
 
     def _window(
-        self, features: torch.Tensor, language: str | None, prompt_ids: torch.Tensor | None, temperature: float, length_s: float
+        self, features: torch.Tensor, language: str | None, prompt_ids: torch.Tensor | None, temperature: float, length_s: float,
+        task: str = "transcribe",
     ) -> list[tuple[float, float, str]]:
         """(start, end, text) segments of one window, times relative to the window's start.
 
@@ -184,7 +191,7 @@ class STTWorker(ThreadWorker):
         if temperature > 0:
             kwargs["temperature"] = temperature
         if self._multilingual():
-            kwargs.update(language=language, task="transcribe")
+            kwargs.update(language=language, task=task)
         if prompt_ids is not None:
             kwargs["prompt_ids"] = prompt_ids
         timestamps = self._timestamps()
