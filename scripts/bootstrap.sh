@@ -8,6 +8,15 @@ VENV="${TIERGATE_VENV:-$ROOT/.venv}"
 EXTRAS="${1:-}"
 PY="$VENV/bin/python"
 
+# Python writes each module's .pyc the first time a process imports it, into this checkout and the
+# venv (both ours), even where PYTHONDONTWRITEBYTECODE is set, as on this machine and its CI: there
+# nothing was ever written, so every process (each server, each test's subprocess, each Ray worker,
+# each vLLM engine core) compiled tiergate's modules from source again (~0.9 s of CPU each), and
+# every installed package had to be compiled whole at install (~40 s of CPU for ~27,000 files, most
+# never imported). The scripts that source this file run with it unset, from here on (the install's
+# own import check included).
+unset PYTHONDONTWRITEBYTECODE
+
 has_cuda() { command -v nvidia-smi >/dev/null 2>&1 && nvidia-smi -L >/dev/null 2>&1; }
 
 if [ ! -x "$PY" ]; then
@@ -52,11 +61,3 @@ if [ "$(cat "$STAMP" 2>/dev/null)" != "$HASH" ]; then
   echo "$HASH" > "$VENV/.tiergate-installed-base"
 fi
 export PATH="$VENV/bin:$PATH"
-
-# This checkout's own modules, compiled once (~1.5 s): where PYTHONDONTWRITEBYTECODE is set, as on
-# this machine and its CI, Python never writes a .pyc itself, so every process that imports
-# tiergate (each server, each test's subprocess, each Ray worker, each vLLM engine core) compiled
-# them from source again: ~0.9 s of CPU per process. Stale files are recompiled; errors do not stop
-# the install (the import that meets them reports them).
-"$PY" -m compileall -q -j 0 "$ROOT"/{accounts,arbiter,batch,cluster,demo,gateway,lora_kernels,scripts,storage,tests,workers} >&2 \
-  || echo "tiergate: compileall reported errors (above)" >&2

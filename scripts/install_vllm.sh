@@ -32,15 +32,16 @@ _vllm_has_cuda() { command -v nvidia-smi >/dev/null 2>&1 && nvidia-smi -L >/dev/
 
 # vllm_pip PY CMD ARGS...: `pip CMD ARGS` in PY's environment, through uv where that environment
 # has it (scripts/bootstrap.sh puts it there first), through pip otherwise. The same packages,
-# resolved the same way (the best version across indexes, as pip takes it; bytecode compiled, as
-# pip does; the files of a version can differ, see repair_native_wheels) in a quarter of the
-# time: the whole CPU stack in ~36 s here against ~155 s with pip.
+# resolved the same way (the best version across indexes, as pip takes it; the files of a version
+# can differ, see repair_native_wheels) in a fraction of the time. uv does not byte-compile (pip
+# does): compiling all ~27,000 installed files took ~40 s of the ~50 s step here, and a process
+# compiles only what it imports, once, since scripts/bootstrap.sh lets Python write its .pyc files.
 # uv reads none of pip's settings, so the ones pip would use (pip.conf, PIP_*: find-links,
 # constraints, indexes, CA bundle) are handed to it.
 _VLLM_UV_SETTINGS=()
 _vllm_uv_settings() {  # _vllm_uv_settings PY: pip's settings as uv options, into _VLLM_UV_SETTINGS
   local py="$1" key env value v files
-  _VLLM_UV_SETTINGS=(--index-strategy unsafe-best-match --compile-bytecode)
+  _VLLM_UV_SETTINGS=(--index-strategy unsafe-best-match)
   # every config file pip reads, merged as pip merges them (`pip config get` reads only one file)
   files="$("$py" -m pip config list 2>/dev/null || true)"
   for key in find-links constraint index-url extra-index-url cert; do

@@ -148,6 +148,25 @@ def test_scripts_test_takes_this_install_path():
     assert "apt-get" not in text
 
 
+def test_the_scripts_write_pyc_files_where_the_environment_says_not_to(tmp_path):
+    """scripts/bootstrap.sh unsets PYTHONDONTWRITEBYTECODE (set on this machine and its CI): a module
+    a process imports gets its .pyc, so the next process does not compile it again (and the
+    install compiles nothing ahead)."""
+    import hashlib
+
+    stamp = Path(sys.prefix) / ".tiergate-installed-test"
+    want = hashlib.sha256((ROOT / "pyproject.toml").read_bytes()).hexdigest()[:16] + "-vllm1"
+    if not stamp.exists() or stamp.read_text().strip() != want:
+        pytest.skip("this venv was not installed by scripts/test: sourcing the bootstrap would install")
+    (tmp_path / "probe_mod.py").write_text("X = 1\n")
+    script = f'source "{ROOT}/scripts/bootstrap.sh" test; cd "{tmp_path}"; "$PY" -c "import probe_mod"'
+    done = subprocess.run([BASH, "-c", script], capture_output=True, text=True, timeout=120,
+                          env={**os.environ, "PYTHONDONTWRITEBYTECODE": "1", "TIERGATE_VENV": sys.prefix})
+    assert done.returncode == 0, done.stderr
+    assert "installing" not in done.stderr  # nothing was installed: the venv is current
+    assert list((tmp_path / "__pycache__").glob("probe_mod.*.pyc"))
+
+
 def shell_scripts() -> list[Path]:
     found = [ROOT / ".ci" / "run"]
     for path in sorted((ROOT / "scripts").iterdir()):
@@ -184,7 +203,7 @@ def test_uv_is_handed_the_settings_pip_would_use():
     result = sourced('_vllm_uv_settings "$1"; printf "%s\\n" "${_VLLM_UV_SETTINGS[@]}"', sys.executable, env=env)
     assert result.returncode == 0, result.stderr
     assert result.stdout.split() == [
-        "--index-strategy", "unsafe-best-match", "--compile-bytecode", "--find-links", "/opt/wheels",
+        "--index-strategy", "unsafe-best-match", "--find-links", "/opt/wheels",
         "--constraints", "/etc/pins.txt", "--index-url", "https://pypi.example/simple",
         "--extra-index-url", "file:///opt/a/simple", "--extra-index-url", "file:///opt/b/simple", "--cert", "/etc/ca.pem"]
 
@@ -201,8 +220,8 @@ def test_uv_is_handed_pip_conf_settings_with_install_over_global(tmp_path):
                                                            ("FIND_LINKS", "CONSTRAINT", "INDEX_URL", "EXTRA_INDEX_URL", "CERT")}})
     assert result.returncode == 0, result.stderr
     words = result.stdout.split()
-    assert words[:3] == ["--index-strategy", "unsafe-best-match", "--compile-bytecode"]
-    options = dict(zip(words[3::2], words[4::2]))  # this machine's own pip.conf files may add others
+    assert words[:2] == ["--index-strategy", "unsafe-best-match"]
+    options = dict(zip(words[2::2], words[3::2]))  # this machine's own pip.conf files may add others
     assert options["--find-links"] == "/opt/global-wheels"  # PIP_CONFIG_FILE's [global], over other files
     assert options["--index-url"] == "https://install.example/simple"  # [install] over [global]
     assert "https://global.example/simple" not in words

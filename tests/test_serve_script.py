@@ -63,10 +63,6 @@ def test_serve_from_clean_checkout(tmp_path):
         except queue.Empty:
             pytest.fail("no paid key printed within 240 s:\n" + "".join(out))
         assert (repo / "demo-models" / "tiny-chat" / "config.json").exists()
-        # the bootstrap compiled every package of the checkout (PYTHONDONTWRITEBYTECODE or not)
-        packages = sorted(p.parent.name for p in repo.glob("*/__init__.py"))
-        assert len(packages) >= 10
-        assert [p for p in packages if not list((repo / p / "__pycache__").glob("__init__.*.pyc"))] == []
         client = openai.OpenAI(base_url=f"http://127.0.0.1:{port}/v1", api_key=key, max_retries=5)
         for _ in range(200):
             try:
