@@ -566,7 +566,7 @@ def test_kill_9_mid_batch_then_restart_loses_and_duplicates_nothing(store, tiny_
         config, keys = proc_config(tmp_path, tiny_chat, store)
         first = Proc(config, keys, tmp_path / "first.log").ready()
         c = first.client(keys["free"])
-        # long enough to catch mid-way: ~20 lines a second here, polled every 0.05 s from 30 on
+        # long enough to catch mid-way: 30-50 lines a second here (alone), polled every 0.05 s from 30 on
         n = 100
         b = submit(c, jsonl([chat_line(i, max_tokens=24) for i in range(n)]))
         mid = wait(c, b.id, until=lambda x: x.request_counts.completed >= 30, timeout=90)
