@@ -281,7 +281,7 @@ def test_generated_reads_get_a_success_or_a_clean_4xx(server):
     _read(server)
 
 
-# -- multipart uploads: transcriptions and batch files -----------------------------------------------
+# -- multipart uploads: transcriptions, translations and batch files --------------------------------
 
 def sound_file(rate: int, channels: int, frames: int, fmt: str, subtype: str, special: str) -> bytes:
     """A real audio file from libsndfile (the server decodes with the same library)."""
@@ -325,7 +325,7 @@ FILE_FIELDS = {"purpose": st.sampled_from(["batch", "fine-tune", "", "BATCH"]) |
 @st.composite
 def uploads(draw, path: str):
     """(files, fields) for httpx: a file part (or a text 'file', or none) and form fields."""
-    transcription = path == "/v1/audio/transcriptions"
+    transcription = path.startswith("/v1/audio/")  # transcriptions and translations: the same fields but one
     names = TRANSCRIPTION_FIELDS if transcription else FILE_FIELDS
     data = {"model": "tiny-stt"} if transcription else {"purpose": "batch"}
     for name in draw(st.lists(st.sampled_from(sorted(names)), max_size=3, unique=True)):
@@ -365,7 +365,7 @@ def check_answer(r: httpx.Response, what) -> None:
         check_error(r.status_code, r.content, what)
 
 
-@pytest.mark.parametrize("path", ["/v1/audio/transcriptions", "/v1/files"])
+@pytest.mark.parametrize("path", ["/v1/audio/transcriptions", "/v1/audio/translations", "/v1/files"])
 def test_generated_uploads_get_a_success_or_a_clean_4xx(server, path):
     """Real audio files at odd rates, channel counts, lengths and sample values (NaN, inf, 1e30),
     cut short or replaced by noise; JSONL files of generated lines; odd fields; then raw bodies
@@ -403,7 +403,7 @@ def test_generated_uploads_get_a_success_or_a_clean_4xx(server, path):
                 == "validating" and time.monotonic() < deadline:
             time.sleep(0.1)
         assert status != "validating", (batch_id, content)
-    if path == "/v1/audio/transcriptions":  # the server still transcribes / stores a good upload afterwards
+    if path.startswith("/v1/audio/"):  # the server still transcribes / stores a good upload afterwards
         files, data = {"file": ("a.wav", sound_file(16000, 1, 1600, "WAV", "PCM_16", "silent"), "audio/wav")}, {"model": "tiny-stt"}
     else:
         files, data = {"file": ("a.jsonl", b"{}", "text/plain")}, {"purpose": "batch"}
