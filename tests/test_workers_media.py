@@ -386,6 +386,20 @@ def test_stt_translation_asks_the_model_for_its_translate_task(stt_worker):
         hook.remove()
 
 
+def test_stt_translation_on_a_model_without_the_task(stt_worker, monkeypatch):
+    """An English-only Whisper (not multilingual) has no translate task: it transcribes what it
+    hears; a speech model that is not Whisper cannot translate (a ValueError, a 400 at the door).
+    The demo model, told it is English-only, stands in for both."""
+    x = _tone(1.0, 16000)[:, 0]
+    monkeypatch.setattr(stt_worker, "_multilingual", lambda: False)
+    english_only = stt_worker.transcribe(x, stt.TranscriptionRequest(task="translate"), StepContext())
+    assert english_only.language == "en" and isinstance(english_only.text, str)
+    monkeypatch.setattr(stt_worker.model.config, "model_type", "speech_to_text")
+    with pytest.raises(ValueError, match="cannot translate"):
+        stt_worker.transcribe(x, stt.TranscriptionRequest(task="translate"), StepContext())
+    assert isinstance(stt_worker.transcribe(x, stt.TranscriptionRequest(), StepContext()).text, str)
+
+
 def test_stt_long_audio_is_windowed(stt_worker):
     x = _tone(65.0, 16000)[:, 0]
     ctx = StepContext()
