@@ -31,7 +31,7 @@ from gateway.service import ClientGone, Services
 from gateway.serving import Gone, Serving, in_thread
 from workers import audio as sound
 from workers.base import Cancelled, ModelSpec, StepContext
-from workers.stt import Transcript, TranscriptionRequest
+from workers.stt import Transcript, TranscriptionError, TranscriptionRequest
 from workers.tts import MAX_SPEED, MIN_SPEED, SpeechRequest, TTSWorker
 
 log = logging.getLogger("tiergate")
@@ -227,9 +227,7 @@ async def serve_transcription(svc: Services, caller: Caller, job: TranscriptionJ
         try:
             return await serving.step(lambda ctx: in_thread(lambda: run(ctx), ctx), "transcribing with")
         except ValueError as exc:  # what the worker refuses after our checks: the language, a translation
-            message = str(exc)
-            param = "language" if "language" in message else "model" if "translate" in message else None
-            raise bad_request(message, param) from None
+            raise bad_request(str(exc), exc.param if isinstance(exc, TranscriptionError) else None) from None
 
 
 async def transcriptions(request: Request) -> Response:

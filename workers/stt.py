@@ -42,6 +42,14 @@ class TranscriptionRequest:
     task: Literal["transcribe", "translate"] = "transcribe"
 
 
+class TranscriptionError(ValueError):
+    """A request the model cannot serve as asked; ``param`` names the request field at fault."""
+
+    def __init__(self, message: str, param: str | None) -> None:
+        super().__init__(message)
+        self.param = param
+
+
 @dataclass
 class Segment:
     id: int
@@ -113,11 +121,11 @@ class STTWorker(ThreadWorker):
         if self.model is None:
             raise RuntimeError(f"model {self.spec.name!r} is not loaded")
         if req.temperature < 0:
-            raise ValueError("temperature must be >= 0")
+            raise TranscriptionError("temperature must be >= 0", "temperature")
         if len(audio) == 0:
-            raise ValueError("no audio samples to transcribe")
+            raise TranscriptionError("no audio samples to transcribe", "file")
         if req.task == "translate" and not self._multilingual() and self.model.config.model_type != "whisper":
-            raise ValueError(f"the model {self.spec.name!r} transcribes only: it cannot translate")
+            raise TranscriptionError(f"the model {self.spec.name!r} transcribes only: it cannot translate", "model")
         sr = self.sample_rate
         language = self._language(req.language)
         prompt_ids = self._prompt_ids(req.prompt)
@@ -154,7 +162,7 @@ class STTWorker(ThreadWorker):
         code = TO_LANGUAGE_CODE.get(language.lower(), language.lower())
         if self._multilingual() and f"<|{code}|>" not in self._gen.lang_to_id:
             known = sorted(t.strip("<|>") for t in self._gen.lang_to_id)
-            raise ValueError(f"unsupported language {language!r}; supported: {', '.join(known)}")
+            raise TranscriptionError(f"unsupported language {language!r}; supported: {', '.join(known)}", "language")
         return code
 
     def _detect_language(self, features: torch.Tensor) -> str | None:
