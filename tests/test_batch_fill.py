@@ -164,6 +164,10 @@ def in_flight_at_kill(store: str, folder: Path) -> int:
 
 @pytest.mark.parametrize("store", ["sqlite", "redis"])
 def test_kill_9_in_a_wide_batch_loses_nothing_and_records_nothing_twice(store, tiny_chat, tmp_path):
+    """The Batch API's crash test, on each store: a tiergate process is killed with ``kill -9``
+    mid-batch while it holds claimed lines it has not recorded; its restart reclaims them, and the
+    batch ends with exactly one outcome per line, the restart having run only what the first had
+    not recorded."""
     width, n = 16, 96  # six waves: the kill comes in the third
     with contextlib.ExitStack() as stack:
         if store == "redis":

@@ -1,7 +1,8 @@
 """The Batch API end to end: the openai SDK round trip against a real uvicorn, bad lines, uploads
 and ownership over HTTP, the runner's behaviour (batch tier, 429 is "later", cancel, expiry) with
-a stand-in endpoint, and real tiergate processes: kill -9 and restart, and two processes sharing
-one Redis."""
+a stand-in endpoint, and real tiergate processes: two of them sharing one store (kill -9 and
+restart is ``tests/test_batch_fill.py``'s, in a batch wide enough to be caught with many lines in
+flight)."""
 
 from __future__ import annotations
 
@@ -31,6 +32,7 @@ from gateway.app import build_services
 from gateway.auth import KeyRing, key_id
 from gateway.config import load_config
 from gateway.errors import APIError
+from tests.forked import ForkedServer
 from tests.helpers import TIERS, spare_port, start_server, write_config
 from tests.test_batch_store import redis_server
 
@@ -488,7 +490,8 @@ def test_a_batch_out_of_time_expires_with_what_it_finished(fake_server, monkeypa
 # -- real tiergate processes -----------------------------------------------------------------------
 
 class Proc:
-    """``python -m gateway.cli serve`` in a subprocess, with its keys in the environment."""
+    """``tiergate serve`` in a process of its own (forked ready-imported: ``tests/forked.py``), with
+    its keys in the environment."""
 
     started: list["Proc"] = []  # killed at the end of each test, whatever happened
 
@@ -499,10 +502,7 @@ class Proc:
         env = {**os.environ, **{f"TEST_KEYS_{t.upper()}": k for t, k in keys.items()}}
         env.setdefault("OMP_NUM_THREADS", "1")  # two torch processes on two cores: no oversubscription
         self.log = log
-        with open(log, "ab") as out:
-            self.proc = subprocess.Popen([sys.executable, "-m", "gateway.cli", "serve", "--config", str(config),
-                                          "--port", str(self.port)], cwd=ROOT, env=env, stdout=out,
-                                         stderr=subprocess.STDOUT)
+        self.proc = ForkedServer(["serve", "--config", str(config), "--port", str(self.port)], env, log, ROOT)
 
     def ready(self) -> "Proc":
         deadline = time.time() + 60
@@ -556,27 +556,6 @@ def check_exactly_once(client: openai.OpenAI, batch_id: str, n: int) -> None:
     assert len(ids) == n and sorted(ids) == sorted(f"req-{i}" for i in range(n))
     assert all(x["response"]["status_code"] == 200 for x in out)
     assert done.error_file_id is None
-
-
-@pytest.mark.parametrize("store", ["sqlite", "redis"])
-def test_kill_9_mid_batch_then_restart_loses_and_duplicates_nothing(store, tiny_chat, tmp_path):
-    with contextlib.ExitStack() as stack:
-        if store == "redis":
-            store = stack.enter_context(redis_server(tmp_path))
-        config, keys = proc_config(tmp_path, tiny_chat, store)
-        first = Proc(config, keys, tmp_path / "first.log").ready()
-        c = first.client(keys["free"])
-        # long enough to catch mid-way: 30-50 lines a second here (alone), polled every 0.05 s from 30 on
-        n = 100
-        b = submit(c, jsonl([chat_line(i, max_tokens=24) for i in range(n)]))
-        mid = wait(c, b.id, until=lambda x: x.request_counts.completed >= 30, timeout=90)
-        first.kill9()
-        assert mid.request_counts.completed < n
-        print(f"killed at {mid.request_counts.completed} of {n} recorded")
-        second = Proc(config, keys, tmp_path / "second.log").ready()
-        check_exactly_once(second.client(keys["free"]), b.id, n)
-        recorded = second.stop()
-        assert 0 < recorded <= n - 30  # the restart ran only what the first had not recorded
 
 
 @pytest.mark.parametrize("store", ["redis", "sqlite"])  # sqlite: one file shared on one machine
