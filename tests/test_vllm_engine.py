@@ -197,6 +197,35 @@ def test_eos_finishes_with_stop(loop, engine, hf_model):
         assert fin.finish_reason == "length" and fin.completion_tokens == 200
 
 
+def test_a_logprobs_request_runs_eager_on_cpu(loop, engine):
+    """vLLM 0.32 compiles the helper that ranks logprobs with inductor at the first request that
+    asks for logprobs (a C++ compile: 9.5 s on a fresh machine, ~2 s per engine start with the
+    cache warm). On CPU the engine's processes run without TorchDynamo: after such a request no
+    inductor-compiled library is mapped in any of them, and the reply carries its logprobs."""
+    import os
+
+    from vllm.platforms import current_platform
+
+    from workers import reaper
+
+    if not current_platform.is_cpu():
+        pytest.skip("CPU only: elsewhere vLLM's compiles are its own business")
+    r = ChatRequest(MSG, ChatParams(max_tokens=4, temperature=0.0, logprobs=2), ctx=StepContext())
+
+    async def run():
+        return [ev async for ev in engine.chat(r, None, ignore_eos=True) if isinstance(ev, TextDelta)]
+
+    deltas = loop.run_until_complete(run())
+    entries = [lp for d in deltas for lp in d.logprobs or []]
+    assert len(entries) == 4 and all(len(e.top) == 2 for e in entries)
+    processes = [p for p in reaper.descendants(os.getpid())
+                 if Path(f"/proc/{p}/comm").read_text().startswith("VLLM::")]
+    assert len(processes) >= 2  # the engine core and its worker
+    for pid in processes:  # (not their /proc environ: vLLM's process titles write over it)
+        maps = Path(f"/proc/{pid}/maps").read_text()
+        assert "torchinductor" not in maps, [line for line in maps.splitlines() if "torchinductor" in line]
+
+
 def test_stop_string(loop, engine):
     full, _, _ = loop.run_until_complete(collect(engine, req(max_tokens=40)))
     assert len(full) > 16, full

@@ -34,6 +34,13 @@ Where vLLM differs from the transformers worker (``workers.chat``):
   adapter's user from its start to its end; one paused while the engine is shut down and started
   again (an eviction on CPU) is counted again in the new run when it resumes.
 
+On CPU the engine's processes run without TorchDynamo (``TORCHDYNAMO_DISABLE=1`` in their
+environment, see ``_eager_on_cpu``): ``enforce_eager`` keeps the model out of ``torch.compile``,
+but vLLM 0.32 still compiles a sampler helper with inductor (``batched_count_greater_than``, the
+logprobs' ranks) at the first request that asks for logprobs, which then waited 9.5 s on a fresh
+machine (a C++ compile) and ~2 s after every engine start with the compile cache warm. Eager, that
+request takes what any other does (0.07 s, the tiny demo model).
+
 Configuration: ``kv_cache_bytes`` is passed as vLLM's ``kv_cache_memory_bytes`` on every platform
 (vLLM 0.32 honours it on CPU too; the legacy env ``VLLM_CPU_KVCACHE_SPACE``, in whole GiB, still
 overrides it there when set). Without a cap vLLM on CPU asks for 92% of RAM and refuses to start.
@@ -127,6 +134,16 @@ def _rpc_folder() -> Path:
     folder = Path(os.environ["VLLM_RPC_BASE_PATH"])
     folder.mkdir(parents=True, exist_ok=True)
     return folder
+
+
+def _eager_on_cpu() -> None:
+    """On CPU, the engine processes spawned from now on start with TorchDynamo off (see the module
+    doc). They inherit this process's environment; this process has imported torch already and
+    reads the variable no more (nor does tiergate compile anything here)."""
+    from vllm.platforms import current_platform
+
+    if current_platform.is_cpu():
+        os.environ["TORCHDYNAMO_DISABLE"] = "1"
 
 
 class VllmChatEngine(Worker):
@@ -266,6 +283,7 @@ class VllmChatEngine(Worker):
         # off the event loop. Its processes start out of this process's group (a Ctrl+C reaches
         # this process alone, which drains), and end with this process even when it is killed.
         before = set(reaper.descendants(os.getpid()))
+        _eager_on_cpu()
         try:
             with reaper.own_group():
                 self._llm = await asyncio.to_thread(AsyncLLM.from_engine_args, args)
