@@ -234,6 +234,10 @@ def start_vllm_serve(model: Path, port: int, flags: list[str]) -> subprocess.Pop
     cmd = [sys.executable, "-m", "vllm.entrypoints.openai.api_server", "--model", str(model),
            "--port", str(port), "--host", "127.0.0.1", *flags]
     env = {**os.environ, "HF_HUB_OFFLINE": "1"}
+    from vllm.platforms import current_platform
+
+    if current_platform.is_cpu():  # as tiergate's engine runs its processes there (workers/chat_vllm.py)
+        env["TORCHDYNAMO_DISABLE"] = "1"
     return subprocess.Popen(cmd, env=env, start_new_session=True, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
 
 
