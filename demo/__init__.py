@@ -46,17 +46,20 @@ def build_demo_models(out: Path, seed: int = 0, names: list[str] | None = None, 
     models = list(dict.fromkeys([n for n in names if n not in DEMO_ADAPTERS] + [DEMO_ADAPTERS[a][0] for a in adapters]))
     built: dict[str, Path] = {}
     rebuilt: set[str] = set()
+    # a builder's module (torch, transformers, diffusers: seconds of imports) is imported only
+    # when something is built: a caller that finds every folder current imports none of them
     for name in models:
-        builder = importlib.import_module(DEMO_MODELS[name]).build_demo
-        built[name], fresh = _build(out / name, lambda tmp: builder(tmp, seed), force)
+        module = DEMO_MODELS[name]
+        built[name], fresh = _build(out / name, lambda tmp: importlib.import_module(module).build_demo(tmp, seed), force)
         if fresh:
             rebuilt.add(name)
     for name in adapters:
         base, module, rank = DEMO_ADAPTERS[name]
-        builder = importlib.import_module(module).build_demo_adapter
         adapter_seed = seed * 1_000_003 + zlib.crc32(name.encode())
         built[name], _ = _build(out / ADAPTERS_DIR / name,
-                                lambda tmp: builder(built[base], tmp, adapter_seed, rank), force or base in rebuilt)
+                                lambda tmp: importlib.import_module(module).build_demo_adapter(built[base], tmp,
+                                                                                               adapter_seed, rank),
+                                force or base in rebuilt)
     return built
 
 

@@ -1,0 +1,23 @@
+"""demo.build_demo_models: what a caller that finds the demo models built pays."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def test_models_found_current_import_no_builder(tiny_chat: Path, demo_dir: Path) -> None:
+    """Every benchmark and ``scripts/serve`` call it before they start; with the folders current
+    it must not import the builders' libraries (torch, transformers, diffusers: ~8 s of CPU here,
+    for nothing)."""
+    from demo import build_demo_models
+
+    build_demo_models(demo_dir, names=["tiny-chat", "tiny-chat-pirate"])  # both current from here on
+    code = ("import sys; from demo import build_demo_models; "
+            f"built = build_demo_models({str(demo_dir)!r}, names=['tiny-chat', 'tiny-chat-pirate']); "
+            "print(sorted(built), sorted(m for m in ('torch', 'transformers', 'diffusers', 'peft') if m in sys.modules))")
+    out = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True, check=True).stdout
+    assert out.strip() == "['tiny-chat', 'tiny-chat-pirate'] []"
