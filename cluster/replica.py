@@ -23,8 +23,6 @@ from cluster.deployments import serving_only, shared_store
 from cluster.router import RANK
 from cluster.settings import in_effect
 from cluster.stats import option, replica_stats
-from gateway import collector
-from gateway.app import build_services, create_app
 from gateway.auth import KeyRing
 from gateway.config import load_config
 from gateway.errors import APIError
@@ -51,6 +49,11 @@ class TierReplica:
 
     def __init__(self, config_path: str, keys: dict[str, list[str]], admin_keys: list[str],
                  models: list[str] | None = None, pinned: bool = False) -> None:
+        # here, not at the top: the driver that builds the application (tiergate cluster, the
+        # benchmark) imports this module too, and needs no torch, transformers or engines
+        from gateway import collector
+        from gateway.app import build_services, create_app
+
         config = shared_store(load_config(Path(config_path)))
         self.config = serving_only(config, models, pinned)
         self.services = build_services(self.config, KeyRing(keys, admin_keys))

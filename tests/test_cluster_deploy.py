@@ -26,11 +26,13 @@ from gateway.auth import Caller, RateState
 from gateway.config import ConfigError, load_config
 
 
-def test_the_ingress_imports_no_model_library():
+def test_the_ingress_and_the_driver_import_no_model_library():
     """The ingress (and the router inside it) does what the gateway does before a model is needed:
     its process imports neither torch nor the model libraries. One ingress runs on every node; with
-    them it took 10 s of CPU to start here, and held torch's memory, for nothing."""
-    code = ("import sys, cluster.ingress, cluster.ray_router; "
+    them it took 10 s of CPU to start here, and held torch's memory, for nothing. Nor does the
+    driver that builds the application (``tiergate cluster``: ``cluster.cli``, ``cluster.app``,
+    which names the replicas' class): the replicas import them when they start."""
+    code = ("import sys, cluster.ingress, cluster.ray_router, cluster.app, cluster.cli; "
             "print(sorted({'torch', 'transformers', 'diffusers', 'peft', 'vllm'} & sys.modules.keys()))")
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120,
                          cwd=Path(__file__).resolve().parents[1])
