@@ -25,13 +25,14 @@ pytest_plugins = ["tests.timeout_tasks"]  # a timeout prints the unfinished asyn
 ONE_PROCESS = {"tests/test_chat_api.py": "vllm-chat-server", "tests/test_vllm_gateway.py": "vllm-chat-server"}
 
 
-# The modules that take longest (wall time in two processes on 2 cores: 250 s down to 45 s), in
+# The modules that take longest (wall time in two processes on 2 cores: 230 s down to 30 s), in
 # that order, then the others in name order. The two Ray modules are apart, so that their clusters
 # do not start at the same time. xdist would otherwise order the files by their number of tests
 # (--loadscope-reorder, its default), which put these late and left one process running alone.
-LONGEST_FIRST = ["test_cluster_ray", "test_chat_api", "test_vllm_gateway", "test_batches", "test_bench_smoke",
-                 "test_vllm_engine", "test_serve_script", "test_reaper", "test_batch_fill", "test_lora_kernels",
-                 "test_fuzz_api"]
+LONGEST_FIRST = ["test_cluster_ray", "test_chat_api", "test_vllm_gateway", "test_bench_smoke", "test_serve_script",
+                 "test_vllm_engine", "test_reaper", "test_fuzz_api", "test_lora_kernels", "test_batches",
+                 "test_install_scripts", "test_batch_fill", "test_request_log", "test_operations",
+                 "test_fuzz_residency"]
 
 
 def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
