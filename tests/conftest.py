@@ -27,9 +27,13 @@ ONE_PROCESS = {"tests/test_chat_api.py": "vllm-chat-server", "tests/test_vllm_ga
 
 # The modules that take longest (wall time in two processes on 2 cores: 230 s down to 30 s), in
 # that order, then the others in name order. The two Ray modules are apart, so that their clusters
-# do not start at the same time. xdist would otherwise order the files by their number of tests
-# (--loadscope-reorder, its default), which put these late and left one process running alone.
-LONGEST_FIRST = ["test_cluster_ray", "test_chat_api", "test_vllm_gateway", "test_bench_smoke", "test_serve_script",
+# do not run at the same time: the other process takes the vLLM server's pair, then the serve
+# script's test, and the one that ran test_cluster_ray (longer than the pair) takes the smoke runs
+# (bench_cluster's among them) after it. (With the smoke runs right after the pair, a starved Ray
+# cluster took 170 s to deploy an application.) xdist would otherwise order the files by their
+# number of tests (--loadscope-reorder, its default), which put these late and left one process
+# running alone.
+LONGEST_FIRST = ["test_cluster_ray", "test_chat_api", "test_vllm_gateway", "test_serve_script", "test_bench_smoke",
                  "test_vllm_engine", "test_reaper", "test_fuzz_api", "test_lora_kernels", "test_batches",
                  "test_install_scripts", "test_batch_fill", "test_request_log", "test_operations",
                  "test_fuzz_residency"]

@@ -321,7 +321,8 @@ def test_stale_stats_redirect(cluster):
 
 def test_a_hot_model_loads_a_second_copy_and_no_more_than_max_copies(cluster, tiny_chat):
     """Three replicas with one gate slot each, paid's latency target 1 ms and ``max_copies: {a: 2}``:
-    four clients ask for long paid replies of ``a`` back to back. A replica running one predicts a
+    four clients ask for long paid replies of ``a`` back to back (6 s, or until a second copy has
+    loaded and 3 s more: up to 40 s on a loaded machine). A replica running one predicts a
     paid wait past the target (the rest of that reply) until it ends, so ``a`` loads on a second
     replica; with both past it, requests go to those two (whose gates may answer 429), never to the
     third, which stays empty."""
@@ -334,13 +335,16 @@ def test_a_hot_model_loads_a_second_copy_and_no_more_than_max_copies(cluster, ti
         return {s.labels["replica"] for s in scrape(cluster, "/copies")["tiergate_model_resident"]
                 if s.labels["model"] == "a" and s.value == 1}
 
-    async def scenario(seconds: float) -> tuple[list[set[str]], Counter]:
+    async def scenario(at_least: float, at_most: float, after_second: float) -> tuple[list[set[str]], Counter]:
+        """Ask for ``at_least`` seconds, longer while no second copy has loaded (up to ``at_most``:
+        a loaded machine loads slowly), and ``after_second`` seconds more once one has."""
         answered: Counter = Counter()
         body = {"model": "a", "messages": [{"role": "user", "content": "tell me"}], "max_tokens": 480,
                 "temperature": 0}
+        stop = asyncio.Event()
 
-        async def asker(client: httpx.AsyncClient, until: float) -> None:
-            while time.monotonic() < until:
+        async def asker(client: httpx.AsyncClient) -> None:
+            while not stop.is_set():
                 r = await client.post("/v1/chat/completions", json=body)
                 answered[r.status_code] += 1
                 if r.status_code != 200:
@@ -348,17 +352,21 @@ def test_a_hot_model_loads_a_second_copy_and_no_more_than_max_copies(cluster, ti
 
         async with httpx.AsyncClient(base_url=f"{cluster.proxy}/copies", timeout=120,
                                      headers={"authorization": "Bearer key-paid"}) as client:
-            until = time.monotonic() + seconds
-            askers = [asyncio.create_task(asker(client, until)) for _ in range(4)]
+            start = time.monotonic()
+            until = start + at_most
+            askers = [asyncio.create_task(asker(client)) for _ in range(4)]
             seen = []
             while time.monotonic() < until:
                 await asyncio.sleep(0.5)
                 seen.append(await asyncio.to_thread(holders))
+                if len(set().union(*seen)) >= 2:
+                    until = min(until, max(start + at_least, time.monotonic() + after_second))
+            stop.set()
             await asyncio.gather(*askers)
         return seen, answered
 
     try:
-        seen, answered = asyncio.run(scenario(6.0))
+        seen, answered = asyncio.run(scenario(6.0, 40.0, 3.0))
     finally:
         serve.delete("copies")
     print("replicas holding a, scraped every 0.5 s:", [len(h) for h in seen], "answers:", dict(answered))
