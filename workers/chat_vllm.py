@@ -138,8 +138,9 @@ def _rpc_folder() -> Path:
 
 def _eager_on_cpu() -> None:
     """On CPU, the engine processes spawned from now on start with TorchDynamo off (see the module
-    doc). They inherit this process's environment; this process has imported torch already and
-    reads the variable no more (nor does tiergate compile anything here)."""
+    doc): they inherit this process's environment. This process read the variable when it
+    imported ``torch._dynamo`` (transformers imports it, before any engine starts) and reads it
+    no more; tiergate compiles nothing here. Any other process it starts later inherits it too."""
     from vllm.platforms import current_platform
 
     if current_platform.is_cpu():
