@@ -10,8 +10,9 @@ environment, working folder and output file. What it skips is only the interpret
 the imports; ``tests/test_serve_script.py`` and ``tests/test_operations.py`` start the real
 commands (``scripts/serve``, the ``tiergate`` console script) and keep that path tested.
 
-The forkserver itself never runs a torch op, a tokenizer or a thread pool before it forks, so a
-child inherits no thread that is not there (torch's intra-op threads start at the first op).
+The forkserver only imports before it forks: no torch op, tokenizer or thread pool has run there,
+so it has one thread, and a child inherits no lock another thread held at the fork (torch's
+intra-op threads start at the first op); ``tests/test_batches.py`` checks it.
 """
 
 from __future__ import annotations
@@ -41,10 +42,6 @@ class ForkedServer:
                                          name=f"tiergate {' '.join(argv)}")
         self._process.start()
         self.pid = self._process.pid
-
-    @property
-    def returncode(self) -> int | None:
-        return self._process.exitcode
 
     def poll(self) -> int | None:
         return self._process.exitcode
@@ -93,3 +90,12 @@ def _serve(argv: list[str], env: dict[str, str], log: str, cwd: str) -> None:
         # ends its children with os._exit, which skips it
         atexit._run_exitfuncs()
     sys.exit(code)
+
+
+def threads_and_imports(answers) -> None:
+    """For the test of this module, from a process forked here: the threads of the forkserver it
+    was forked from (a fork copies only the forking thread, so any other one running there could
+    have held a lock the child then finds held forever), and which of the stack's modules the
+    child has (this module imports none of them itself)."""
+    answers.put((len(os.listdir(f"/proc/{os.getppid()}/task")),
+                 sorted(m for m in ("torch", "transformers", "gateway.app") if m in sys.modules)))

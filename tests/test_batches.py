@@ -531,6 +531,21 @@ class Proc:
         return int(recorded[-1].split("recorded ")[1].split()[0])
 
 
+def test_a_forked_server_process_comes_from_a_one_thread_forkserver_with_the_stack_imported():
+    """What ``tests/forked.py`` rests on: a process forked from its forkserver has tiergate's
+    stack imported already (the point: no ~8 s of imports per server), and the forkserver runs
+    one thread (a fork copies only that one: no other may be running there, holding a lock)."""
+    from tests import forked
+
+    answers = forked._CONTEXT.Queue()
+    child = forked._CONTEXT.Process(target=forked.threads_and_imports, args=(answers,))
+    child.start()
+    try:
+        assert answers.get(timeout=120) == (1, ["gateway.app", "torch", "transformers"])
+    finally:
+        child.join(30)
+
+
 @pytest.fixture(autouse=True)
 def _no_stray_processes():
     yield
