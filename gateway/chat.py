@@ -84,10 +84,11 @@ class ChoiceDelta:
     finish_reason: str | None = None
     finished: ChatFinished | None = None
     tier: str | None = None
+    prompt_logprobs: list[TokenLogprob | None] | None = None  # ``ChatParams.prompt_logprobs``, in the first delta
 
     @property
     def empty(self) -> bool:
-        return not (self.content or self.calls or self.logprobs or self.finish_reason)
+        return not (self.content or self.calls or self.logprobs or self.finish_reason or self.prompt_logprobs)
 
 
 def plan_chat(svc: Services, body: ChatCompletionRequest) -> ChatJob:
@@ -189,7 +190,8 @@ async def _serve_choice(svc: Services, caller: Caller, job: ChatJob, index: int,
 def _read(index: int, event: ChatEvent | None, parser: CallParser | None) -> ChoiceDelta:
     """A text event (None: the end of the text) as a choice delta, through the tool-call parser."""
     if parser is None:  # no tools: the text as it is
-        return ChoiceDelta(index) if event is None else ChoiceDelta(index, event.text, [], event.logprobs)
+        return ChoiceDelta(index) if event is None else \
+            ChoiceDelta(index, event.text, [], event.logprobs, prompt_logprobs=event.prompt_logprobs)
     if event is None:
         return _delta(index, parser.finish(), None)
     return _delta(index, parser.feed(event.text), event.logprobs)
@@ -265,9 +267,12 @@ class Reply:
     logprobs: list[TokenLogprob] | None = None
     finish_reason: str | None = None
     finished: ChatFinished | None = None
+    prompt_logprobs: list[TokenLogprob | None] | None = None
 
     def add(self, delta: ChoiceDelta) -> None:
         self.content.append(delta.content)
+        if delta.prompt_logprobs is not None:
+            self.prompt_logprobs = delta.prompt_logprobs
         for call in delta.calls:
             self.calls.add(call)
         if delta.logprobs is not None:

@@ -9,8 +9,13 @@ are (``ChatRequest.prompt_ids``).
 
 ``logprobs: k`` (0..5) gives the legacy shape per choice: ``tokens``, ``token_logprobs``,
 ``top_logprobs`` (the sampled token and the ``k`` most likely, as a dict per token) and
-``text_offset``. ``echo`` prepends the prompt's text; ``echo`` with ``logprobs`` would need the
-prompt's own logprobs, which the engines do not compute: it is a 400 naming ``echo``.
+``text_offset``. ``echo`` prepends the prompt's text; with ``logprobs`` too, the prompt's own
+tokens come first in ``logprobs``, as in ``vllm serve`` (the engines' ``prompt_logprobs``: the
+model's raw log probabilities, each prompt token's given those before it; the first token's
+``token_logprobs`` and ``top_logprobs`` entries are ``null``, nothing preceding it), which is what
+evaluation harnesses score a continuation by (``echo``, ``logprobs``, ``max_tokens: 1``). The
+prompt tokens' ``text_offset`` counts their own text from 0, as vLLM's does: a special token the
+tokenizer adds (a BOS) has text that the echoed prompt does not.
 """
 
 from __future__ import annotations
@@ -98,6 +103,7 @@ class Prompt:
 
     ids: list[int]
     text: str
+    first: str  # the first token's text: its place in the prompt's logprobs has no logprob
 
 
 @dataclass(frozen=True)
@@ -143,7 +149,7 @@ def encode_prompts(tok: Any, prompts: list[str | TokenIds]) -> list[Prompt]:
             ids, text = list(p), tok.decode(p)
         if not ids:
             raise bad_request("the prompt is empty (no tokens)", param)
-        out.append(Prompt(ids, text))
+        out.append(Prompt(ids, text, tok.decode(ids[:1])))
     return out
 
 
@@ -164,8 +170,6 @@ async def plan_completion(svc: Services, body: CompletionRequest) -> CompletionJ
         raise bad_request("best_of is not supported (only best_of equal to n)", "best_of")
     if body.suffix:
         raise bad_request("suffix (insertion) is not supported", "suffix")
-    if body.echo and body.logprobs is not None:
-        raise bad_request("echo with logprobs (the prompt's logprobs) is not supported", "echo")
     raw = body.prompts()
     if not raw:
         raise bad_request("prompt must not be an empty list", "prompt")
@@ -177,6 +181,7 @@ async def plan_completion(svc: Services, body: CompletionRequest) -> CompletionJ
         max_tokens, body.temperature, body.top_p, body.stop or [], body.seed, logprobs=body.logprobs,
         presence_penalty=body.presence_penalty, frequency_penalty=body.frequency_penalty,
         logit_bias={int(k): v for k, v in (body.logit_bias or {}).items()},
+        prompt_logprobs=body.logprobs if body.echo else None,
     )
     jobs = [ChatJob(spec.name, [], params, stack, n=body.n, service_tier=body.service_tier, prompt_ids=p.ids)
             for p in prompts]
@@ -237,9 +242,19 @@ async def _reindexed(deltas: AsyncGenerator[ChoiceDelta, None], offset: int) -> 
 # -- the legacy shapes --------------------------------------------------------------------------------
 
 
-def legacy_logprobs(entries: list[TokenLogprob], offset: int) -> dict:
-    """``logprobs`` of a choice (or chunk) in the legacy shape, its text starting at ``offset``."""
+def legacy_logprobs(entries: list[TokenLogprob], offset: int, prompt: tuple[Prompt, list] | None = None) -> dict:
+    """``logprobs`` of a choice (or chunk) in the legacy shape, its text starting at ``offset``;
+    with ``prompt`` (echo: the prompt and its engine's prompt logprobs), the prompt's tokens first."""
     out: dict[str, list] = {"tokens": [], "token_logprobs": [], "top_logprobs": [], "text_offset": []}
+    if prompt is not None:
+        at = 0
+        for e in _prompt_entries(*prompt):
+            token = e.token if e is not None else prompt[0].first
+            out["tokens"].append(token)
+            out["token_logprobs"].append(None if e is None else e.logprob)
+            out["top_logprobs"].append(None if e is None else {e.token: e.logprob, **{t: lp for t, lp in e.top}})
+            out["text_offset"].append(at)
+            at += len(token)
     for e in entries:
         out["tokens"].append(e.token)
         out["token_logprobs"].append(e.logprob)
@@ -247,6 +262,13 @@ def legacy_logprobs(entries: list[TokenLogprob], offset: int) -> dict:
         out["text_offset"].append(offset)
         offset += len(e.token)
     return out
+
+
+def _prompt_entries(prompt: Prompt, entries: list | None) -> list[TokenLogprob | None]:
+    if entries is None or len(entries) != len(prompt.ids):  # an engine bug, not the client's
+        raise RuntimeError(f"the engine gave {None if entries is None else len(entries)} prompt logprobs "
+                           f"for {len(prompt.ids)} prompt tokens")
+    return entries
 
 
 def completion_usage(job: CompletionJob, replies: list[Reply] | list[ChoiceDelta]) -> dict:
@@ -261,8 +283,10 @@ def text_completion(cid: str, model: str, job: CompletionJob, replies: list[Repl
     """The ``text_completion`` object."""
     choices = []
     for r in replies:
-        head = job.prompts[r.index // job.n].text if job.echo else ""
-        lp = legacy_logprobs(r.logprobs or [], len(head)) if job.logprobs is not None else None
+        prompt = job.prompts[r.index // job.n]
+        head = prompt.text if job.echo else ""
+        echoed = (prompt, r.prompt_logprobs) if job.echo else None
+        lp = legacy_logprobs(r.logprobs or [], len(head), echoed) if job.logprobs is not None else None
         choices.append({"index": r.index, "text": head + "".join(r.content), "logprobs": lp,
                         "finish_reason": r.finish_reason})
     return {"id": cid, "object": "text_completion", "created": int(time.time()), "model": model,
@@ -322,14 +346,24 @@ async def _sse(deltas: AsyncIterator[ChoiceDelta], first: ChoiceDelta, cid: str,
         offsets[index] += len(text)
         return {"index": index, "text": text, "logprobs": lp, "finish_reason": finish}
 
+    def echoed(index: int, entries: list[TokenLogprob | None]) -> dict:
+        """The prompt of choice ``index`` with its logprobs: sent when its engine gave them."""
+        prompt = job.prompts[index // job.n]
+        offsets[index] = len(prompt.text)
+        return {"index": index, "text": prompt.text, "logprobs": legacy_logprobs([], 0, (prompt, entries)),
+                "finish_reason": None}
+
     done: list[ChoiceDelta] = []
     try:
-        if job.echo:
+        if job.echo and job.logprobs is None:
             for i in range(total):
                 yield chunk([choice(i, job.prompts[i // job.n].text, None, None)])
         delta = first
         while True:
-            yield chunk([choice(delta.index, delta.content, delta.logprobs, delta.finish_reason)])
+            if delta.prompt_logprobs is not None and job.echo:
+                yield chunk([echoed(delta.index, delta.prompt_logprobs)])
+            if delta.content or delta.logprobs or delta.finish_reason or delta.prompt_logprobs is None:
+                yield chunk([choice(delta.index, delta.content, delta.logprobs, delta.finish_reason)])
             if delta.finished is not None:
                 done.append(delta)
                 if len(done) == total:

@@ -154,9 +154,74 @@ def test_logprobs_in_the_legacy_shape(server):
     assert tokens == lp.tokens
 
 
+def prompt_reference(tiny_chat, ids: list[int]) -> tuple[list[float], list[float]]:
+    """A plain torch reference for a prompt's logprobs: the model from its folder in float32, one
+    forward pass, log-softmax at each place: each token's logprob given those before it, and the
+    best logprob there (the first token has neither)."""
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(tiny_chat, dtype=torch.float32).eval()
+    with torch.inference_mode():
+        logprobs = torch.log_softmax(model(input_ids=torch.tensor([ids])).logits[0, :-1].float(), dim=-1)
+    return logprobs.gather(1, torch.tensor(ids[1:])[:, None])[:, 0].tolist(), logprobs.max(-1).values.tolist()
+
+
+def check_echoed_logprobs(c, tokenizer, tiny_chat, tol: float) -> None:
+    """``echo`` with ``logprobs`` and ``max_tokens: 1``, as evaluation harnesses score a
+    continuation: the prompt's tokens come first, each with its logprob given the tokens before
+    it (the first with none), then the generated token; a token-id prompt gives the same; the
+    stream sends the prompt with its logprobs first. Compared with ``prompt_reference`` within
+    ``tol`` (absolute, in nats)."""
+    context, continuation = "The quick brown fox", " jumps over"
+    ids = tokenizer(context + continuation)["input_ids"]
+    ctxlen = len(tokenizer(context)["input_ids"])
+    expected, best = prompt_reference(tiny_chat, ids)
+    r = greedy(c, context + continuation, max_tokens=1, echo=True, logprobs=2)
+    plain = greedy(c, context + continuation, max_tokens=1).choices[0].text
+    choice = r.choices[0]
+    assert choice.text == context + continuation + plain
+    lp = choice.logprobs
+    n = len(ids)
+    assert len(lp.tokens) == len(lp.token_logprobs) == len(lp.top_logprobs) == len(lp.text_offset) == n + 1
+    assert lp.tokens[:n] == [tokenizer.decode([t]) for t in ids]
+    assert lp.token_logprobs[0] is None and lp.top_logprobs[0] is None
+    assert lp.token_logprobs[1:n] == pytest.approx(expected, abs=tol)
+    for i in range(1, n):  # the prompt token and the 2 best at its place
+        top = lp.top_logprobs[i]
+        assert lp.tokens[i] in top and len(top) <= 3 and max(top.values()) == pytest.approx(best[i - 1], abs=tol)
+    assert lp.text_offset[:n] == [sum(len(t) for t in lp.tokens[:i]) for i in range(n)]
+    assert lp.text_offset[n] == len(context + continuation)  # the generated token, in the text returned
+    # what lm-evaluation-harness's local-completions model sums: the continuation's logprobs
+    assert sum(lp.token_logprobs[ctxlen:-1]) == pytest.approx(sum(expected[ctxlen - 1:]), abs=tol * n)
+    as_ids = greedy(c, ids, max_tokens=1, echo=True, logprobs=2).choices[0].logprobs
+    assert as_ids.tokens == lp.tokens and as_ids.token_logprobs[1:] == pytest.approx(lp.token_logprobs[1:], abs=tol)
+    chunks = list(c.completions.create(model="tiny-chat", prompt=ids, max_tokens=3, temperature=0, echo=True,
+                                       logprobs=2, stream=True))
+    first = chunks[0].choices[0]
+    assert first.text == tokenizer.decode(ids) and first.logprobs.tokens == lp.tokens[:n]
+    assert first.logprobs.token_logprobs[1:] == pytest.approx(expected, abs=tol)
+    streamed = [t for ch in chunks if ch.choices and ch.choices[0].logprobs for t in ch.choices[0].logprobs.tokens]
+    assert streamed[:n + 1] == lp.tokens and len(streamed) <= n + 3
+
+
+def test_echo_with_logprobs_gives_the_prompts_logprobs(server, tokenizer, tiny_chat, monkeypatch):
+    check_echoed_logprobs(client(server), tokenizer, tiny_chat, tol=1e-4)
+    whole = greedy(client(server), "The quick brown fox jumps over", max_tokens=1, echo=True, logprobs=2)
+    monkeypatch.setattr("workers.chat._PROMPT_CHUNK", 3)  # the log-softmax a few places at a time: the same
+    chunked = greedy(client(server), "The quick brown fox jumps over", max_tokens=1, echo=True, logprobs=2)
+    assert chunked.choices[0].logprobs == whole.choices[0].logprobs
+    r = greedy(client(server), ["The cat", "A dog barks"], max_tokens=2, n=2, echo=True, logprobs=0)
+    for ch in r.choices:  # each choice has its own prompt's tokens; logprobs 0: only the token's own
+        prompt = ["The cat", "A dog barks"][ch.index // 2]
+        n = len(tokenizer(prompt)["input_ids"])
+        assert ch.text.startswith(prompt) and ch.logprobs.tokens[:n] == \
+            [tokenizer.decode([t]) for t in tokenizer(prompt)["input_ids"]]
+        assert all(len(top) == 1 for top in ch.logprobs.top_logprobs[1:n])
+
+
 @pytest.mark.parametrize("body, param", [
     ({"prompt": "x", "logprobs": 6}, "logprobs"),
-    ({"prompt": "x", "logprobs": 1, "echo": True}, "echo"),
     ({"prompt": "x", "n": 99}, "n"),
     ({"prompt": [1, 2, 10 ** 9]}, "prompt"),
     ({"prompt": []}, "prompt"),
@@ -164,6 +229,7 @@ def test_logprobs_in_the_legacy_shape(server):
     ({"prompt": "x", "suffix": "y"}, "suffix"),
     ({"prompt": "x", "stop": ["a", "b", "c", "d", "e"]}, "stop"),
     ({"prompt": "x", "max_tokens": 65}, "max_tokens"),
+    ({"prompt": "x", "max_tokens": 0, "echo": True, "logprobs": 1}, "max_tokens"),
     ({"prompt": "word " * 600}, "prompt"),
     ({"prompt": "x", "best_of": 3}, "best_of"),
     ({"prompt": "x", "temperature": 3}, "temperature"),

@@ -17,7 +17,7 @@ import openai
 import pytest
 
 from tests.helpers import adapters_yaml, start_server, stream_and_leave, write_config
-from tests.test_completions_responses import TOOLS, greedy, respond
+from tests.test_completions_responses import TOOLS, check_echoed_logprobs, greedy, respond
 from tests.test_completions_responses import client as sdk_client
 
 pytest.importorskip("vllm", reason="vllm is not installed in this environment (scripts/test installs it)")
@@ -104,6 +104,12 @@ def test_vllm_completions(vllm_server, tokenizer):
     chunks = list(c.completions.create(model="tiny-chat", prompt="The cat", max_tokens=5, temperature=0,
                                        stream=True, echo=True))
     assert "".join(ch.choices[0].text for ch in chunks) == "The cat" + texts[0]
+
+
+def test_vllm_echo_with_logprobs_gives_the_prompts_logprobs(vllm_server, tokenizer, tiny_chat):
+    """vLLM's prompt logprobs (float32 on CPU, its own attention kernels) against the same plain
+    torch reference as the transformers engine's, within 1e-3 nats."""
+    check_echoed_logprobs(sdk_client(vllm_server), tokenizer, tiny_chat, tol=1e-3)
 
 
 def test_vllm_responses(vllm_server):

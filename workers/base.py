@@ -137,6 +137,7 @@ class ChatParams:
     frequency_penalty: float = 0.0  # subtracted per earlier generation of a token
     logit_bias: dict[int, float] = field(default_factory=dict)  # token id -> added to its logit
     grammar: JsonGrammar | None = None
+    prompt_logprobs: int | None = None  # None: none; k: each prompt token's and the k most likely there
 
 
 class InvalidParam(ValueError):
@@ -174,6 +175,9 @@ class TokenLogprob:
 class TextDelta:
     text: str
     logprobs: list[TokenLogprob] | None = None  # the tokens behind this text (when asked for)
+    # ``params.prompt_logprobs``: one entry per prompt token, the first None (nothing precedes it),
+    # on the request's first event, before any text; the model's raw log probabilities
+    prompt_logprobs: list[TokenLogprob | None] | None = None
 
 
 @dataclass

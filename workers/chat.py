@@ -10,6 +10,8 @@ any step, so concurrent requests share forward passes instead of queueing one be
 Sampling, per row: the logits get the row's ``logit_bias`` and presence/frequency penalties, then
 its grammar's mask when it is constrained (``workers.grammar``: a matcher per row, advanced by
 each sampled token); logprobs are the log-softmax of these processed logits, before temperature.
+A prompt's own logprobs (``ChatParams.prompt_logprobs``: legacy completions' ``echo``) come from
+its prefill's logits at every place, raw, as vLLM's do, in one event before the first text.
 
 A decode step is the step boundary: a cancelled sequence (client gone) leaves the batch there;
 a sequence whose context asks it to pause (batch work yielding to another tier) leaves the batch
@@ -75,6 +77,7 @@ from workers.chat_schedule import EngineView, Row, plan_step
 
 _clock = time.perf_counter  # times forward passes for GPU-seconds (tests replace it)
 _STEP_LOG = 20_000  # decode steps kept in step_log (read by tests and benchmarks; copy it with list())
+_PROMPT_CHUNK = 256  # prompt positions whose log-softmax is taken at once (``params.prompt_logprobs``)
 _PAUSED_POLL_S = 0.005  # while every row is paused, how often the engine looks whether their pause lifted
 # The engine thread runs Python between its kernels (nearly all of a step, on a small model), so the
 # event loop, where a paid arrival is parsed and admitted, waits for the GIL whenever it wakes:
@@ -354,6 +357,8 @@ class ChatWorker(ThreadWorker):
         self._charge([seq], started)
         self._waiting.remove(seq)
         if not seq.generated:  # a new sequence: its first token comes from the prefill
+            if seq.params.prompt_logprobs is not None:
+                seq.emit(TextDelta("", None, self._prompt_logprobs(out.logits[0], fresh, seq.params.prompt_logprobs)))
             if self._sample_or_fail(seq, out.logits[0, -1]):
                 return
         _merge(batch, seq, out.past_key_values, len(fresh), self.device)
@@ -475,6 +480,24 @@ class ChatWorker(ThreadWorker):
         seq.emit(ChatFinished(reason, seq.prompt_len, len(gen)))
         return True
 
+    def _prompt_logprobs(self, logits: torch.Tensor, ids: list[int], top: int) -> list[TokenLogprob | None]:
+        """Each prompt token's log probability given the tokens before it (the model's raw
+        logits: no bias, penalty or grammar applies to a prompt), with the ``top`` most likely
+        tokens at its place; None for the first, which nothing precedes. A chunk of positions at
+        a time, so the float32 copy stays small beside the logits."""
+        decode = self.tokenizer.decode
+        out: list[TokenLogprob | None] = [None]
+        for start in range(0, len(ids) - 1, _PROMPT_CHUNK):
+            end = min(start + _PROMPT_CHUNK, len(ids) - 1)  # the places that predict ids[start + 1 : end + 1]
+            rows = torch.log_softmax(logits[start:end].float(), dim=-1)
+            targets = torch.tensor(ids[start + 1 : end + 1], device=rows.device)
+            chosen = rows.gather(1, targets[:, None])[:, 0].tolist()
+            best = torch.topk(rows, min(top, rows.shape[-1])) if top else None
+            for i, token in enumerate(targets.tolist()):
+                pairs = () if best is None else tuple(
+                    (decode([t]), v) for v, t in zip(best.values[i].tolist(), best.indices[i].tolist()))
+                out.append(TokenLogprob(decode([token]), chosen[i], pairs))
+        return out
 
     def _logprob(self, logits: torch.Tensor, token: int, top: int) -> TokenLogprob:
         """The sampled token's log probability under the processed logits, and the ``top`` most

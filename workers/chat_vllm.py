@@ -23,7 +23,9 @@ Where vLLM differs from the transformers worker (``workers.chat``):
   resubmission restarts the grammar from its beginning, so a constrained request is paused only
   before it has produced a token; after that it runs to its end (it stays bounded by max_tokens).
 * Logprobs are vLLM's (``SamplingParams(logprobs=k)``): by default the model's raw log
-  probabilities, before penalties, bias and the grammar's mask.
+  probabilities, before penalties, bias and the grammar's mask. So are the prompt's
+  (``SamplingParams(prompt_logprobs=k)``, asked of the first pass only: a resubmission's prompt
+  holds generated tokens).
 * LoRA. vLLM's CPU LoRA kernels (``vllm.lora.ops.torch_ops``) index the adapter stack with the
   row's slot, and rows without an adapter carry slot ``-1``, which Python indexing turns into the
   LAST slot: once an adapter has ever been activated in the last slot (vLLM only clears a slot's
@@ -449,6 +451,7 @@ class VllmChatEngine(Worker):
         lora_request = await self._acquire_lora(lora, ctx) if lora is not None else None
         held = self._residency  # the engine run in which this request is counted as the LoRA's user
         generated: list[int] = []
+        prompt_logprobs = p.prompt_logprobs  # asked of the first pass that delivers output, then not again
         try:
             while True:  # one pass per submission; a pause ends a pass and resubmits
                 if lora is not None and held != self._residency:
@@ -468,6 +471,7 @@ class VllmChatEngine(Worker):
                     seed=p.seed,
                     ignore_eos=ignore_eos,
                     output_kind=RequestOutputKind.DELTA,
+                    prompt_logprobs=prompt_logprobs,
                     **_sampling_extras(p),
                 )
                 rid = f"{self._tag}-{next(self._ids)}"
@@ -491,6 +495,9 @@ class VllmChatEngine(Worker):
                 watcher = asyncio.create_task(self._watch(ctx, rid, pausable))
                 try:
                     async for out in stream:
+                        if prompt_logprobs is not None and out.prompt_logprobs is not None:
+                            yield TextDelta("", None, self._prompt_logprobs(prompt_ids, out.prompt_logprobs, prompt_logprobs))
+                            prompt_logprobs = None
                         c = out.outputs[0]
                         generated.extend(c.token_ids)
                         ctx.completion_tokens = len(generated)
@@ -551,6 +558,18 @@ class VllmChatEngine(Worker):
                 continue
             top = sorted((e for e in entries.values() if e.rank is not None and e.rank <= k), key=lambda e: e.rank)
             chosen = entries[token]
+            out.append(TokenLogprob(chosen.decoded_token or "", chosen.logprob,
+                                    tuple((e.decoded_token or "", e.logprob) for e in top)))
+        return out
+
+    @staticmethod
+    def _prompt_logprobs(ids: list[int], entries: list, k: int) -> list[TokenLogprob | None]:
+        """vLLM's prompt logprobs (``SamplingParams(prompt_logprobs=k)``: per position after the
+        first, the prompt token's and the ``k`` best by rank) as the engines' shape."""
+        out: list[TokenLogprob | None] = [None]
+        for token, at in zip(ids[1:], entries[1:]):
+            top = sorted((e for e in at.values() if e.rank is not None and e.rank <= k), key=lambda e: e.rank)
+            chosen = at[token]
             out.append(TokenLogprob(chosen.decoded_token or "", chosen.logprob,
                                     tuple((e.decoded_token or "", e.logprob) for e in top)))
         return out
