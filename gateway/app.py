@@ -187,6 +187,7 @@ def routes() -> list[BaseRoute]:
         Route("/v1/models", list_models, methods=["GET"]),
         Route("/v1/models/{model:path}", get_model, methods=["GET"]),
         Route("/v1/responses/{response_id}", responses.get_response, methods=["GET"]),
+        Route("/v1/responses/{response_id}/input_items", responses.list_input_items, methods=["GET"]),
         Route("/v1/responses/{response_id}", responses.delete_response, methods=["DELETE"]),
         Route("/v1/images/generations", images.generations, methods=["POST"]),
         Route("/v1/images/files/{image_id}.png", images.image_file, methods=["GET"], name="image_file"),

@@ -4,9 +4,9 @@ beside the Batch API's, on the same backend (``batch.store`` in tiers.yaml).
 * ``sqlite`` (the default): a ``responses`` table in the batch store's SQLite file.
 * ``redis://...``: one key per response, ``tg:response:{id}``, on the batch store's Redis.
 
-A record is the response object as the API returns it and the conversation behind it (the
+A record is the response object as the API returns it, the conversation behind it (the
 messages its prompt was built from, without ``instructions``, followed by its own reply), which a
-later request continues with ``previous_response_id``. A record is visible only to the key that
+later request continues with ``previous_response_id``, and its input items as the API lists them. A record is visible only to the key that
 made it: ``get`` and ``delete`` by another key find nothing, so the API answers 404, as it does
 for files and batches.
 
@@ -45,15 +45,17 @@ class StoredResponse:
     created_at: int
     response: dict[str, Any]  # the public response object
     conversation: list[dict[str, Any]]  # chat messages: its input (no instructions), then its reply
+    # its input as the Responses API's items (``input_items``): None in a record from before they were kept
+    input_items: list[dict[str, Any]] | None = None
 
     def doc(self) -> str:
         return json.dumps({"owner": self.owner, "created_at": self.created_at, "response": self.response,
-                           "conversation": self.conversation}, separators=(",", ":"))
+                           "conversation": self.conversation, "input_items": self.input_items}, separators=(",", ":"))
 
     @classmethod
     def of(cls, response_id: str, doc: str | bytes) -> "StoredResponse":
         d = json.loads(doc)
-        return cls(response_id, d["owner"], d["created_at"], d["response"], d["conversation"])
+        return cls(response_id, d["owner"], d["created_at"], d["response"], d["conversation"], d.get("input_items"))
 
 
 class ResponseStore(abc.ABC):

@@ -1,4 +1,5 @@
-"""The Responses API: ``POST /v1/responses``, ``GET`` and ``DELETE /v1/responses/{id}``.
+"""The Responses API: ``POST /v1/responses``, ``GET`` and ``DELETE /v1/responses/{id}``, and
+``GET /v1/responses/{id}/input_items``.
 
 A request becomes a chat job: ``input`` (a string, or items: messages with ``input_text`` /
 ``output_text`` parts, ``function_call`` and ``function_call_output`` items) is turned into chat
@@ -21,6 +22,15 @@ Streaming sends OpenAI's events, each ``event: <type>`` plus ``data`` with ``typ
 ``response.output_text.delta``..., ``response.output_text.done``, ``response.content_part.done``,
 for a call ``response.function_call_arguments.delta``..., ``response.function_call_arguments.done``,
 then ``response.output_item.done``; last ``response.completed`` (or ``response.incomplete``).
+
+A stored response's input items (``input_items``) are what it was made from, kept with it: a
+continued response's are the previous one's input items and output items (their ids unchanged),
+then its own ``input``, each item as the client sent it, with the id it gave or a new one and
+``status: completed`` (a string ``input`` is one user message). ``instructions`` are not an item,
+as in OpenAI's API. A record stored before items were kept has them rebuilt from its chat
+messages (a message's parts as one, ``developer`` as ``system``, ids fixed by the response and
+place). A page is OpenAI's cursor list (``limit`` 1..100, default 20; ``order`` ``desc``, the
+newest first, by default; ``after`` / ``before`` an item id).
 """
 
 from __future__ import annotations
@@ -108,6 +118,7 @@ class ResponseJob:
     chat: ChatJob
     conversation: list[dict[str, Any]]  # every message of the prompt but the instructions
     body: ResponsesRequest
+    items: list[dict[str, Any]]  # the same as the Responses API's input items (``input_items``)
 
 
 # -- input items as chat messages ---------------------------------------------------------------------
@@ -258,17 +269,42 @@ async def plan_response(svc: Services, caller: Caller, store: ResponseStore | No
     """The job of ``body``: its conversation (404 for a ``previous_response_id`` this key cannot
     see) and its chat job (what ``plan_chat`` checks, errors named as Responses fields)."""
     history: list[dict[str, Any]] = []
+    items: list[dict[str, Any]] = []
     if body.previous_response_id is not None:
         previous = await store.get(body.previous_response_id, caller.key_id) if store is not None else None
         if previous is None:
             raise not_found(f"no response with id '{body.previous_response_id}'", "previous_response_id")
         history = previous.conversation
+        items = input_items(previous) + previous.response.get("output", [])
     conversation = history + input_messages(body.input)
     system = [{"role": "system", "content": body.instructions}] if body.instructions else []
     with responses_names():
         chat = parse(ChatCompletionRequest, chat_body(body, system + conversation))
         job = plan_chat(svc, chat)
-    return ResponseJob(job, conversation, body)
+    return ResponseJob(job, conversation, body, items + given_items(body.input))
+
+
+def given_items(given: str | list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """``input`` (checked by ``input_messages``) as items to list: each as sent, with an id (its
+    own or a new one), its type and ``status: completed``; a string is one user message."""
+    if isinstance(given, str):
+        return [{"id": _item_id("msg"), "type": "message", "role": "user", "status": "completed",
+                 "content": [{"type": "input_text", "text": given}]}]
+    out = []
+    for item in given:
+        kind = item.get("type", "message")
+        given_id = item.get("id")
+        listed = {**item, "id": given_id if isinstance(given_id, str) and given_id else _item_id(_ID_PREFIX[kind]),
+                  "type": kind, "status": "completed"}
+        if kind == "message" and isinstance(item["content"], str):
+            assistant = item["role"] == "assistant"
+            listed["content"] = [{"type": "output_text" if assistant else "input_text", "text": item["content"],
+                                  **({"annotations": []} if assistant else {})}]
+        out.append(listed)
+    return out
+
+
+_ID_PREFIX = {"message": "msg", "function_call": "fc", "function_call_output": "fco"}
 
 
 # -- the response object ------------------------------------------------------------------------------
@@ -326,7 +362,7 @@ class Draft:
         """Store the finished response when the request asked to."""
         if self.job.body.store and store is not None:
             await store.put(StoredResponse(self.id, owner, self.created_at, self.public(self.status),
-                                           self.conversation()))
+                                           self.conversation(), self.job.items))
 
 
 def message_item(item_id: str, text: str, status: str, logprobs: list | None) -> dict[str, Any]:
@@ -407,6 +443,64 @@ async def get_response(request: Request) -> Response:
     if record is None:
         raise not_found(f"no response with id '{request.path_params['response_id']}'", "response_id")
     return JSONResponse(record.response)
+
+
+async def list_input_items(request: Request) -> Response:
+    svc: Services = request.app.state.services
+    caller = svc.authenticate(request)
+    response_id = request.path_params["response_id"]
+    record = await _store(request).get(response_id, caller.key_id)
+    if record is None:
+        raise not_found(f"no response with id '{response_id}'", "response_id")
+    q = request.query_params
+    limit = q.get("limit", "20")
+    if not limit.isdigit() or not 1 <= int(limit) <= 100:
+        raise bad_request("limit must be an integer from 1 to 100", "limit")
+    order = q.get("order", "desc")
+    if order not in ("asc", "desc"):
+        raise bad_request("order must be 'asc' or 'desc'", "order")
+    return JSONResponse(input_page(input_items(record), order, int(limit), q.get("after"), q.get("before")))
+
+
+def input_items(record: StoredResponse) -> list[dict[str, Any]]:
+    """The items ``record`` was made from, oldest first: those kept with it, or for a record from
+    before they were kept, its conversation but its reply in the Responses API's shapes, with ids
+    fixed by the response and each item's place."""
+    if record.input_items is not None:
+        return record.input_items
+    tag = record.id.removeprefix("resp_")
+    items: list[dict[str, Any]] = []
+    for k, m in enumerate(record.conversation[:-1]):
+        if m["role"] == "tool":
+            items.append({"id": f"fco_{tag}{k:04x}", "type": "function_call_output", "call_id": m["tool_call_id"],
+                          "output": m["content"], "status": "completed"})
+            continue
+        if m.get("content") is not None or not m.get("tool_calls"):
+            part = {"type": "output_text", "text": m["content"] or "", "annotations": []} if m["role"] == "assistant" \
+                else {"type": "input_text", "text": m["content"]}
+            items.append({"id": f"msg_{tag}{k:04x}", "type": "message", "role": m["role"], "status": "completed",
+                          "content": [part]})
+        items += [call_item(f"fc_{tag}{k:04x}{j:02x}", call, "completed") for j, call in enumerate(m.get("tool_calls") or [])]
+    return items
+
+
+def input_page(items: list[dict[str, Any]], order: str, limit: int, after: str | None,
+               before: str | None) -> dict[str, Any]:
+    """One page of ``items`` (oldest first) in ``order``: those after the item ``after`` and
+    before the item ``before`` (ids; 400 naming the one that is not an item), ``limit`` at most."""
+    ranked = items if order == "asc" else items[::-1]
+    ids = [item["id"] for item in ranked]
+    start, end = 0, len(ranked)
+    for name, cursor in (("after", after), ("before", before)):
+        if cursor is not None and cursor not in ids:
+            raise bad_request(f"{name} names no input item of this response: '{cursor[:80]}'", name)
+    if after is not None:
+        start = ids.index(after) + 1
+    if before is not None:
+        end = ids.index(before)
+    data = ranked[start:end][:limit]
+    return {"object": "list", "data": data, "first_id": data[0]["id"] if data else None,
+            "last_id": data[-1]["id"] if data else None, "has_more": end - start > limit}
 
 
 async def delete_response(request: Request) -> Response:

@@ -312,6 +312,48 @@ def test_previous_response_id_continues_the_conversation(server):
     assert second.output_text == spelt.output_text
 
 
+def test_input_items_list_what_a_response_was_made_from(server):
+    """``responses.input_items.list``: a continued response's items are the previous one's input
+    and output items, ids unchanged, then its own input as sent (no instructions, not its own
+    reply), newest first by default, ``asc`` on request, paged by ``after`` (the SDK follows the
+    cursor), function calls and their outputs as items; another key gets 404, a bad ``limit``,
+    ``order`` or cursor a 400 naming it."""
+    c = client(server)
+    first = respond(c, [{"role": "developer", "content": "Rules"},
+                        {"role": "user", "content": [{"type": "input_text", "text": "Hi"},
+                                                     {"type": "input_text", "text": " there"}]}],
+                    instructions="Be brief")
+    call = {"type": "function_call", "call_id": "call_1", "name": "get_weather", "arguments": '{"city":"Rome"}'}
+    second = respond(c, [{"role": "user", "content": "Weather in Rome?", "id": "msg_mine"}, call,
+                         {"type": "function_call_output", "call_id": "call_1", "output": "sunny"}],
+                     previous_response_id=first.id)
+    firsts = list(c.responses.input_items.list(first.id, order="asc"))
+    assert [(i.role, [p.text for p in i.content]) for i in firsts] == [("developer", ["Rules"]), ("user", ["Hi", " there"])]
+    asc = list(c.responses.input_items.list(second.id, order="asc"))
+    assert [i.id for i in asc[:3]] == [firsts[0].id, firsts[1].id, first.output[0].id]
+    assert asc[2].type == "message" and asc[2].role == "assistant" and asc[2].content[0].text == first.output_text
+    assert (asc[3].id, asc[3].role, asc[3].content[0].text) == ("msg_mine", "user", "Weather in Rome?")
+    assert (asc[4].type, asc[4].call_id, asc[4].name, asc[4].arguments) == \
+        ("function_call", "call_1", "get_weather", '{"city":"Rome"}')
+    assert (asc[5].type, asc[5].call_id, asc[5].output) == ("function_call_output", "call_1", "sunny")
+    assert len({i.id for i in asc}) == 6 and all(i.status == "completed" for i in asc[3:])
+    assert [i.id for i in c.responses.input_items.list(second.id)] == [i.id for i in reversed(asc)]
+    page = c.responses.input_items.list(second.id, limit=4, order="asc")
+    assert [i.id for i in page.data] == [i.id for i in asc[:4]] and page.has_more
+    assert [i.id for i in page] == [i.id for i in asc]  # iterating follows `after` to the end
+    later = c.responses.input_items.list(second.id, order="asc", after=asc[1].id, limit=2)
+    assert [i.id for i in later.data] == [asc[2].id, asc[3].id] and later.has_more
+    before = c.responses.input_items.list(second.id, order="asc", extra_query={"before": asc[2].id})
+    assert [i.id for i in before.data] == [asc[0].id, asc[1].id] and not before.has_more
+    with pytest.raises(openai.NotFoundError):
+        client(server, "free").responses.input_items.list(second.id)
+    for query, param in (({"limit": 0}, "limit"), ({"limit": 101}, "limit"), ({"order": "up"}, "order"),
+                         ({"after": "msg_nope"}, "after")):
+        r = httpx.get(f"{server.base_url}/responses/{second.id}/input_items", params=query,
+                      headers={"Authorization": f"Bearer {server.keys['paid']}"})
+        assert r.status_code == 400 and r.json()["error"]["param"] == param, r.text
+
+
 def test_top_logprobs_in_output_text(server):
     r = respond(client(server), "Probably", top_logprobs=2, max_output_tokens=6)
     entries = r.output[0].content[0].logprobs
@@ -494,9 +536,12 @@ async def _store_contract(store) -> None:
     await store.open()
     try:
         record = StoredResponse("resp_1", "key-a", 5, {"id": "resp_1", "object": "response"},
-                                [{"role": "user", "content": "hi"}])
+                                [{"role": "user", "content": "hi"}], [{"id": "msg_1", "type": "message"}])
         await store.put(record)
         assert await store.get("resp_1", "key-a") == record
+        old = StoredResponse("resp_0", "key-a", 4, {}, [])  # a record from before input items were kept
+        await store.put(old)
+        assert await store.get("resp_0", "key-a") == old and old.input_items is None
         assert await store.get("resp_1", "key-b") is None
         assert not await store.delete("resp_1", "key-b")
         assert await store.get("resp_1", "key-a") == record
@@ -504,6 +549,25 @@ async def _store_contract(store) -> None:
         assert await store.get("resp_1", "key-a") is None and not await store.delete("resp_1", "key-a")
     finally:
         await store.close()
+
+
+def test_input_items_of_a_record_from_before_they_were_kept():
+    """Rebuilt from its chat messages, its own reply (the last) left out: messages, each tool call
+    an item after its message, tool outputs; ids fixed by the response and place."""
+    from gateway.responses import input_items
+
+    call = {"id": "call_1", "type": "function", "function": {"name": "get_weather", "arguments": "{}"}}
+    rec = StoredResponse("resp_ab", "k", 1, {}, [
+        {"role": "system", "content": "Rules"}, {"role": "user", "content": "Hi"},
+        {"role": "assistant", "content": None, "tool_calls": [call]},
+        {"role": "tool", "tool_call_id": "call_1", "content": "sunny"}, {"role": "assistant", "content": "Nice"}])
+    items = input_items(rec)
+    assert [(i["type"], i.get("role")) for i in items] == [("message", "system"), ("message", "user"),
+                                                          ("function_call", None), ("function_call_output", None)]
+    assert items[1]["content"] == [{"type": "input_text", "text": "Hi"}]
+    assert (items[2]["call_id"], items[2]["name"], items[3]["output"]) == ("call_1", "get_weather", "sunny")
+    assert [i["id"] for i in items] == [i["id"] for i in input_items(rec)] and len({i["id"] for i in items}) == 4
+    assert all(i["id"].split("_")[1].startswith("ab") for i in items)
 
 
 def test_sqlite_store(tmp_path):
