@@ -6,9 +6,9 @@ beside the Batch API's, on the same backend (``batch.store`` in tiers.yaml).
 
 A record is the response object as the API returns it, the conversation behind it (the
 messages its prompt was built from, without ``instructions``, followed by its own reply), which a
-later request continues with ``previous_response_id``, and its input items as the API lists them. A record is visible only to the key that
-made it: ``get`` and ``delete`` by another key find nothing, so the API answers 404, as it does
-for files and batches.
+later request continues with ``previous_response_id``, and its input items as the API lists them
+(``input_items``). A record is visible only to the key that made it: ``get`` and ``delete`` by
+another key find nothing, so the API answers 404, as it does for files and batches.
 
 Retention (``responses.retention_days`` in tiers.yaml, 30 by default, as OpenAI keeps them): a
 record older than that is not returned, and is deleted: on SQLite by a sweep when the store opens

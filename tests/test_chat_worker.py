@@ -318,3 +318,31 @@ def test_a_row_whose_sampling_fails_gets_the_error_and_the_others_go_on(worker, 
         assert fin.completion_tokens == 8
     assert calls["n"] == fails_at
     assert asyncio.run(asyncio.wait_for(run(worker, greedy("after", 3)), 60))[1].completion_tokens == 3
+
+
+def test_a_prefill_computes_the_last_places_logits_only_unless_the_prompt_logprobs_are_asked(worker):
+    """The LM head (a prompt x vocabulary product, and its logits tensor) runs on the prefill's
+    last place only (``logits_to_keep``); a request for its prompt's logprobs gets every place,
+    and its first token is the same."""
+    seen: list[int] = []
+    hook = worker.model.get_output_embeddings().register_forward_hook(lambda m, args, out: seen.append(out.shape[-2]))
+    try:
+        prompt = "one two three four five six seven"
+        n = len(worker.encode([{"role": "user", "content": prompt}]))
+        text, _ = asyncio.run(run(worker, greedy(prompt, 1)))
+        assert seen == [1]
+        seen.clear()
+        req = greedy(prompt, 1)
+        req.params.prompt_logprobs = 0
+        events = []
+
+        async def collect():
+            async for ev in worker.chat(req):
+                events.append(ev)
+
+        asyncio.run(collect())
+        assert seen == [n]
+        assert len(events[0].prompt_logprobs) == n and events[0].prompt_logprobs[0] is None
+        assert "".join(ev.text for ev in events if isinstance(ev, TextDelta)) == text
+    finally:
+        hook.remove()

@@ -40,6 +40,7 @@ copies.
 from __future__ import annotations
 
 import asyncio
+import inspect
 import secrets
 import itertools
 import json
@@ -173,6 +174,7 @@ class ChatWorker(ThreadWorker):
         # read from the model's config once, at load: every request checks its prompt and its logit bias against them
         self.context_length = 0
         self.vocab_size = 0
+        self._last_logits: dict[str, int] = {}  # the forward's argument that keeps the last place's logits only
 
     # -- residency -------------------------------------------------------------------------
     def load(self, device: torch.device) -> None:
@@ -183,6 +185,10 @@ class ChatWorker(ThreadWorker):
         dtype = torch.float32 if device.type == "cpu" else torch.bfloat16
         model = AutoModelForCausalLM.from_pretrained(self.spec.path, dtype=dtype)
         self.model = model.to(device).eval()
+        # a prefill needs the logits of its last place only (but for prompt logprobs): on a model
+        # that can keep just those, the LM head skips the others, a prompt x vocabulary product
+        self._last_logits = {"logits_to_keep": 1} if "logits_to_keep" in inspect.signature(model.forward).parameters \
+            else {}
         self._eos = _eos_ids(self.model, self.tokenizer)
         self.context_length = int(getattr(self.model.config, "max_position_embeddings", 2048))
         self.vocab_size = int(self.model.config.get_text_config().vocab_size)
@@ -347,8 +353,10 @@ class ChatWorker(ThreadWorker):
         ids = torch.tensor([fresh], device=self.device)
         self._yielding = [seq] if seq.req.ctx.pause_check is not None else None
         started = _clock()
+        every_place = not seq.generated and seq.params.prompt_logprobs is not None
         try:
-            out = self.model(input_ids=ids, past_key_values=cache, use_cache=True)
+            out = self.model(input_ids=ids, past_key_values=cache, use_cache=True,
+                             **({} if every_place else self._last_logits))
         except _Yield:
             self._charge([seq], started)
             return
@@ -357,7 +365,7 @@ class ChatWorker(ThreadWorker):
         self._charge([seq], started)
         self._waiting.remove(seq)
         if not seq.generated:  # a new sequence: its first token comes from the prefill
-            if seq.params.prompt_logprobs is not None:
+            if every_place:
                 seq.emit(TextDelta("", None, self._prompt_logprobs(out.logits[0], fresh, seq.params.prompt_logprobs)))
             if self._sample_or_fail(seq, out.logits[0, -1]):
                 return
