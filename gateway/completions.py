@@ -13,9 +13,10 @@ are (``ChatRequest.prompt_ids``).
 tokens come first in ``logprobs``, as in ``vllm serve`` (the engines' ``prompt_logprobs``: the
 model's raw log probabilities, each prompt token's given those before it; the first token's
 ``token_logprobs`` and ``top_logprobs`` entries are ``null``, nothing preceding it), which is what
-evaluation harnesses score a continuation by (``echo``, ``logprobs``, ``max_tokens: 1``). The
-prompt tokens' ``text_offset`` counts their own text from 0, as vLLM's does: a special token the
-tokenizer adds (a BOS) has text that the echoed prompt does not.
+evaluation harnesses score a continuation by (``echo``, ``logprobs``, ``max_tokens: 1``, or
+``max_tokens: 0`` with both, the older idiom: the prompt scored and nothing generated, as ``vllm
+serve`` allows). The prompt tokens' ``text_offset`` counts their own text from 0, as vLLM's does: a
+special token the tokenizer adds (a BOS) has text that the echoed prompt does not.
 """
 
 from __future__ import annotations
@@ -55,7 +56,7 @@ TokenIds = list[int]
 class CompletionRequest(_Body):
     model: str = Field(min_length=1)
     prompt: str | list[str] | TokenIds | list[TokenIds]
-    max_tokens: int | None = Field(default=None, ge=1)
+    max_tokens: int | None = Field(default=None, ge=0)  # 0: score the prompt (echo and logprobs), generate nothing
     temperature: float = Field(default=1.0, ge=0, le=2)
     top_p: float = Field(default=1.0, gt=0, le=1)
     n: int = Field(default=1, ge=1)  # per prompt; capped by limits.max_n
@@ -160,7 +161,10 @@ async def plan_completion(svc: Services, body: CompletionRequest) -> CompletionJ
     """The job of ``body``; 404 for an unknown model or adapter, 400 naming the field."""
     spec, stack = resolve_request(svc, body.model, body.adapters, "chat")
     limits = svc.config.limits
-    max_tokens = body.max_tokens or min(DEFAULT_MAX_TOKENS, limits.max_chat_tokens)
+    max_tokens = min(DEFAULT_MAX_TOKENS, limits.max_chat_tokens) if body.max_tokens is None else body.max_tokens
+    if max_tokens == 0 and not (body.echo and body.logprobs is not None):
+        raise bad_request("max_tokens 0 scores the prompt and generates nothing: it needs echo and logprobs",
+                          "max_tokens")
     if max_tokens > limits.max_chat_tokens:
         raise bad_request(f"max_tokens is {max_tokens}, above this server's limit of {limits.max_chat_tokens}",
                           "max_tokens")

@@ -203,6 +203,17 @@ def check_echoed_logprobs(c, tokenizer, tiny_chat, tol: float) -> None:
     assert first.logprobs.token_logprobs[1:] == pytest.approx(expected, abs=tol)
     streamed = [t for ch in chunks if ch.choices and ch.choices[0].logprobs for t in ch.choices[0].logprobs.tokens]
     assert streamed[:n + 1] == lp.tokens and len(streamed) <= n + 3
+    # max_tokens 0 (the older idiom): the prompt scored, nothing generated, whole and streamed
+    scored = greedy(c, context + continuation, max_tokens=0, echo=True, logprobs=2)
+    only = scored.choices[0]
+    assert only.text == context + continuation and only.finish_reason == "length"
+    assert only.logprobs.tokens == lp.tokens[:n] and only.logprobs.token_logprobs[1:] == pytest.approx(expected, abs=tol)
+    assert (scored.usage.prompt_tokens, scored.usage.completion_tokens) == (n, 0)
+    chunks = list(c.completions.create(model="tiny-chat", prompt=ids, max_tokens=0, temperature=0, echo=True,
+                                       logprobs=2, stream=True))
+    assert "".join(ch.choices[0].text for ch in chunks) == tokenizer.decode(ids)
+    assert [t for ch in chunks if ch.choices[0].logprobs for t in ch.choices[0].logprobs.tokens] == lp.tokens[:n]
+    assert [ch.choices[0].finish_reason for ch in chunks if ch.choices[0].finish_reason] == ["length"]
 
 
 def test_echo_with_logprobs_gives_the_prompts_logprobs(server, tokenizer, tiny_chat, monkeypatch):
@@ -229,7 +240,9 @@ def test_echo_with_logprobs_gives_the_prompts_logprobs(server, tokenizer, tiny_c
     ({"prompt": "x", "suffix": "y"}, "suffix"),
     ({"prompt": "x", "stop": ["a", "b", "c", "d", "e"]}, "stop"),
     ({"prompt": "x", "max_tokens": 65}, "max_tokens"),
-    ({"prompt": "x", "max_tokens": 0, "echo": True, "logprobs": 1}, "max_tokens"),
+    ({"prompt": "x", "max_tokens": 0}, "max_tokens"),  # scoring (0) needs echo and logprobs
+    ({"prompt": "x", "max_tokens": 0, "echo": True}, "max_tokens"),
+    ({"prompt": "x", "max_tokens": -1, "echo": True, "logprobs": 1}, "max_tokens"),
     ({"prompt": "word " * 600}, "prompt"),
     ({"prompt": "x", "best_of": 3}, "best_of"),
     ({"prompt": "x", "temperature": 3}, "temperature"),

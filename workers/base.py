@@ -127,7 +127,7 @@ class JsonGrammar:
 
 @dataclass
 class ChatParams:
-    max_tokens: int = 256
+    max_tokens: int = 256  # 0: nothing generated (a prompt scored for its ``prompt_logprobs``)
     temperature: float = 1.0
     top_p: float = 1.0
     stop: list[str] = field(default_factory=list)

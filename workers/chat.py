@@ -367,6 +367,10 @@ class ChatWorker(ThreadWorker):
         if not seq.generated:  # a new sequence: its first token comes from the prefill
             if every_place:
                 seq.emit(TextDelta("", None, self._prompt_logprobs(out.logits[0], fresh, seq.params.prompt_logprobs)))
+            if seq.params.max_tokens == 0:  # the prompt scored, nothing to generate
+                seq.done = True
+                seq.emit(ChatFinished("length", seq.prompt_len, 0))
+                return
             if self._sample_or_fail(seq, out.logits[0, -1]):
                 return
         _merge(batch, seq, out.past_key_values, len(fresh), self.device)

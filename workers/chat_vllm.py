@@ -464,7 +464,7 @@ class VllmChatEngine(Worker):
                     held = self._residency
                 remaining = p.max_tokens - len(generated)
                 sp = SamplingParams(
-                    max_tokens=remaining,
+                    max_tokens=max(remaining, 1),  # vLLM samples at least one: a prompt scored (0) gets none of it
                     temperature=p.temperature,
                     top_p=p.top_p,
                     stop=list(p.stop) or None,
@@ -498,6 +498,9 @@ class VllmChatEngine(Worker):
                         if prompt_logprobs is not None and out.prompt_logprobs is not None:
                             yield TextDelta("", None, self._prompt_logprobs(prompt_ids, out.prompt_logprobs, prompt_logprobs))
                             prompt_logprobs = None
+                        if p.max_tokens == 0:  # the prompt scored: the token vLLM sampled is not delivered
+                            yield ChatFinished("length", len(prompt_ids), 0)
+                            return
                         c = out.outputs[0]
                         generated.extend(c.token_ids)
                         ctx.completion_tokens = len(generated)
@@ -542,7 +545,7 @@ class VllmChatEngine(Worker):
                     await asyncio.sleep(_PAUSE_POLL_S)
                 if ctx.cancelled:
                     raise Cancelled()
-                if len(generated) >= p.max_tokens:
+                if len(generated) >= p.max_tokens and p.max_tokens:  # a prompt to score (0) is submitted again
                     yield ChatFinished("length", len(prompt_ids), len(generated))
                     return
         finally:
