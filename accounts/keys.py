@@ -15,7 +15,7 @@ from __future__ import annotations
 import hashlib
 import secrets
 import time
-from dataclasses import asdict, dataclass, field, replace
+from dataclasses import asdict, dataclass, field
 from typing import Any
 
 PREFIX = "sk-tg-"
@@ -80,7 +80,3 @@ def make_key(name: str, tier: str, limits: dict[str, Any] | None = None,
     record = KeyRecord(new_key_id(), name, tier, secret_hash(secret), secret[-4:], int(time.time()),
                        dict(limits or {}), models)
     return record, secret
-
-
-def changed(record: KeyRecord, **changes: Any) -> KeyRecord:
-    return replace(record, **changes)

@@ -152,10 +152,6 @@ class RedisAccounts(RedisKeys, AccountStore):
         found = await self._read(key_id)
         return KeyRecord.of(json.loads(found[0]), found[1]) if found else None
 
-    async def find_key(self, hash_hex: str) -> KeyRecord | None:
-        key_id = await self._r.get(self.k("hash", hash_hex))
-        return await self.get_key(key_id.decode()) if key_id else None
-
     async def _many(self, ids: list[bytes]) -> list[KeyRecord]:
         async with self._r.pipeline(transaction=False) as p:
             for key_id in ids:

@@ -167,9 +167,6 @@ class SQLiteAccounts(SQLiteFile, AccountStore):
     async def get_key(self, key_id: str) -> KeyRecord | None:
         return await self._call(self._one, "SELECT doc, version FROM keys WHERE id = ?", key_id)
 
-    async def find_key(self, hash_hex: str) -> KeyRecord | None:
-        return await self._call(self._one, "SELECT doc, version FROM keys WHERE hash = ?", hash_hex)
-
     async def list_keys(self) -> list[KeyRecord]:
         def run() -> list[KeyRecord]:
             rows = self._db.execute("SELECT doc, version FROM keys").fetchall()

@@ -53,10 +53,6 @@ class AccountStore(abc.ABC):
     async def get_key(self, key_id: str) -> KeyRecord | None: ...
 
     @abc.abstractmethod
-    async def find_key(self, hash_hex: str) -> KeyRecord | None:
-        """The key whose secret has this SHA-256, revoked or not."""
-
-    @abc.abstractmethod
     async def list_keys(self) -> list[KeyRecord]:
         """Every key, oldest first."""
 

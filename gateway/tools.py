@@ -32,7 +32,6 @@ from gateway.schemas import NamedToolChoice, Tool
 from workers.base import JsonGrammar
 from workers.grammar import schema_error
 
-TOOL_PARSERS = ("hermes",)
 EMPTY_PARAMETERS: dict[str, Any] = {"type": "object", "properties": {}}
 
 
