@@ -346,3 +346,55 @@ def test_a_prefill_computes_the_last_places_logits_only_unless_the_prompt_logpro
         assert "".join(ev.text for ev in events if isinstance(ev, TextDelta)) == text
     finally:
         hook.remove()
+
+
+def test_a_prefill_stopped_between_layers_sends_the_prompts_logprobs_once(worker):
+    """A row asking for its prompt's logprobs whose prefill a pause order stops between two
+    layers sends them once, when its prefill completes after the pause, equal to an uninterrupted
+    run's; its text is the same too."""
+    from workers.chat import _decoder_layers
+
+    first = _decoder_layers(worker.model)[0]
+    paused = threading.Event()
+    ctx = StepContext(pause_check=paused.is_set)
+    state = {"armed": False, "ordered": False}
+
+    def after_first(module, args, kwargs, output):
+        tokens = (args[0] if args else kwargs["hidden_states"]).shape[1]
+        if tokens > 1 and state["armed"] and not state["ordered"]:
+            state["ordered"] = True
+            paused.set()
+
+    hook = first.register_forward_hook(after_first, with_kwargs=True)
+
+    def request(c: StepContext) -> ChatRequest:
+        req = greedy("score this prompt", 4, c)
+        req.params.prompt_logprobs = 2
+        return req
+
+    async def events_of(req):
+        return [ev async for ev in worker.chat(req)]
+
+    async def lift():
+        while not paused.is_set():
+            await asyncio.sleep(0.002)
+        await asyncio.sleep(0.05)
+        paused.clear()
+
+    async def main():
+        straight = await events_of(request(StepContext()))
+        state["armed"] = True
+        lifted = asyncio.create_task(lift())
+        resumed = await events_of(request(ctx))
+        await lifted
+        return straight, resumed
+
+    try:
+        straight, resumed = asyncio.run(main())
+    finally:
+        hook.remove()
+    assert state["ordered"] and ctx.paused
+    sent = [ev.prompt_logprobs for ev in resumed if isinstance(ev, TextDelta) and ev.prompt_logprobs is not None]
+    assert len(sent) == 1 and sent[0] == straight[0].prompt_logprobs and sent[0][1] is not None
+    texts = ["".join(ev.text for ev in evs if isinstance(ev, TextDelta)) for evs in (straight, resumed)]
+    assert texts[0] == texts[1]
