@@ -175,6 +175,7 @@ class ChatWorker(ThreadWorker):
         self.context_length = 0
         self.vocab_size = 0
         self._last_logits: dict[str, int] = {}  # the forward's argument that keeps the last place's logits only
+        self._texts: dict[int, str] = {}
 
     # -- residency -------------------------------------------------------------------------
     def load(self, device: torch.device) -> None:
@@ -193,6 +194,7 @@ class ChatWorker(ThreadWorker):
         self.context_length = int(getattr(self.model.config, "max_position_embeddings", 2048))
         self.vocab_size = int(self.model.config.get_text_config().vocab_size)
         self._grammars = None
+        self._texts: dict[int, str] = {}  # token id -> its text (``_token_text``), for this tokenizer
         # pristine copies in host memory on CUDA: merging costs no device memory the arbiter did not count
         self.adapter_stack = AdapterStack(self.model, offload=device.type == "cuda")
         for layer in _decoder_layers(self.model):
@@ -497,7 +499,7 @@ class ChatWorker(ThreadWorker):
         logits: no bias, penalty or grammar applies to a prompt), with the ``top`` most likely
         tokens at its place; None for the first, which nothing precedes. A chunk of positions at
         a time, so the float32 copy stays small beside the logits."""
-        decode = self.tokenizer.decode
+        decode = self._token_text
         out: list[TokenLogprob | None] = [None]
         for start in range(0, len(ids) - 1, _PROMPT_CHUNK):
             end = min(start + _PROMPT_CHUNK, len(ids) - 1)  # the places that predict ids[start + 1 : end + 1]
@@ -507,20 +509,28 @@ class ChatWorker(ThreadWorker):
             best = torch.topk(rows, min(top, rows.shape[-1])) if top else None
             for i, token in enumerate(targets.tolist()):
                 pairs = () if best is None else tuple(
-                    (decode([t]), v) for v, t in zip(best.values[i].tolist(), best.indices[i].tolist()))
-                out.append(TokenLogprob(decode([token]), chosen[i], pairs))
+                    (decode(t), v) for v, t in zip(best.values[i].tolist(), best.indices[i].tolist()))
+                out.append(TokenLogprob(decode(token), chosen[i], pairs))
         return out
+
+    def _token_text(self, token: int) -> str:
+        """One token's text as logprobs show it (``decode([token])``), remembered: a long prompt's
+        logprobs decode thousands of tokens on the engine thread, most of them seen before."""
+        text = self._texts.get(token)
+        if text is None:
+            text = self._texts[token] = self.tokenizer.decode([token])
+        return text
 
     def _logprob(self, logits: torch.Tensor, token: int, top: int) -> TokenLogprob:
         """The sampled token's log probability under the processed logits, and the ``top`` most
         likely tokens' (those the grammar forbids are left out)."""
         logprobs = torch.log_softmax(logits, dim=-1)
-        decode = self.tokenizer.decode
+        decode = self._token_text
         best = []
         if top:
             values, ids = torch.topk(logprobs, min(top, logprobs.numel()))
-            best = [(decode([int(i)]), float(v)) for v, i in zip(values, ids) if torch.isfinite(v)]
-        return TokenLogprob(decode([token]), float(logprobs[token]), tuple(best))
+            best = [(decode(int(i)), float(v)) for v, i in zip(values, ids) if torch.isfinite(v)]
+        return TokenLogprob(decode(token), float(logprobs[token]), tuple(best))
 
 
 # -- helpers: sampling, stop strings, cache surgery ----------------------------------------------
