@@ -7,8 +7,9 @@ yields to a paid arrival, and who gets refused. Over real HTTP on 127.0.0.1.
     python scripts/bench_tiers.py --engine vllm     # the vLLM chat engine (where it imports)
     python scripts/bench_tiers.py --smoke           # tiny counts, transformers engine: the code path, no verdict
 
-The server runs in its own process, as ``tiergate serve`` does (the same services, app and
-uvicorn settings), so the load generators do not share its interpreter. This script starts it as
+The server runs in its own process, as ``tiergate serve`` does (the same services, app, request
+log and uvicorn settings: ``gateway.cli.server_config``'s h11 protocol, no uvicorn access log), so
+the load generators do not share its interpreter. This script starts it as
 ``bench_tiers.py --serve``, which adds routes under ``/bench/`` that record on the server: when
 the gate's demand changes (that is when the arbiter orders batch work to pause or resume), when
 each text delta of each request reaches the event loop, and, on the transformers engine, every
@@ -66,7 +67,6 @@ import argparse
 import asyncio
 import gc
 import json
-import logging
 import multiprocessing as mp
 import os
 import re
@@ -217,12 +217,12 @@ def serve(config_path: str, port: int, switch_interval: float | None = None, thr
     """What ``tiergate serve`` does (gateway/cli.py), plus the Recorder's routes."""
     import uvicorn
 
-    from gateway import collector
+    from gateway import collector, request_log
     from gateway.app import build_services, create_app
-    from gateway.cli import resolve_keys
+    from gateway.cli import resolve_keys, server_config
     from gateway.config import load_config
 
-    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    request_log.configure(json_lines=False)  # the request log's lines, as tiergate serve writes them
     if switch_interval is not None:  # diagnostic only: how much of the tail is GIL hand-over
         sys.setswitchinterval(switch_interval)
     if threads:
@@ -235,7 +235,9 @@ def serve(config_path: str, port: int, switch_interval: float | None = None, thr
     collector.attach(services)
     recorder = Recorder(services)
     app = create_app(services, recorder.routes())
-    uvicorn.run(app, host="127.0.0.1", port=port, log_level="info")
+    # tiergate serve's uvicorn: its h11 protocol, the request log instead of uvicorn's access log
+    # (until 2026-12-02 this ran uvicorn's defaults: httptools and the access log)
+    uvicorn.Server(server_config(app, "127.0.0.1", port, log_config=None, access_log=False)).run()
     return 0
 
 
