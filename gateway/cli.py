@@ -140,16 +140,16 @@ def _library_output(interactive: bool) -> None:
 
 
 def server_config(app, host: str, port: int, log_level: str = "info", **options) -> "uvicorn.Config":
-    """uvicorn as tiergate runs it (the tests run the same): h11 with the request head capped at
-    ``MAX_HEAD_BYTES`` and protocol errors in OpenAI's shape (gateway/http11.py). Request bodies
+    """uvicorn as tiergate runs it (the tests run the same): httptools with the request head capped
+    at ``MAX_HEAD_BYTES`` and protocol errors in OpenAI's shape (gateway/http11.py). Request bodies
     are bounded by the app: ``limits.max_body`` and ``limits.body_timeout_s``. ``options`` go to
     uvicorn as they are."""
     import uvicorn
 
-    from gateway.http11 import MAX_HEAD_BYTES, GatewayH11Protocol
+    from gateway.http11 import GatewayHttpToolsProtocol
 
-    return uvicorn.Config(app, host=host, port=port, log_level=log_level, lifespan="on", http=GatewayH11Protocol,
-                          h11_max_incomplete_event_size=MAX_HEAD_BYTES, **options)
+    return uvicorn.Config(app, host=host, port=port, log_level=log_level, lifespan="on", http=GatewayHttpToolsProtocol,
+                          **options)
 
 
 def _print_demo_keys(made: dict[str, list[str]], host: str, port: int) -> None:
