@@ -454,7 +454,7 @@ async def list_input_items(request: Request) -> Response:
         raise not_found(f"no response with id '{response_id}'", "response_id")
     q = request.query_params
     limit = q.get("limit", "20")
-    if not limit.isdigit() or not 1 <= int(limit) <= 100:
+    if not (limit.isascii() and limit.isdigit()) or not 1 <= int(limit) <= 100:  # "²" is a digit to str, not to int
         raise bad_request("limit must be an integer from 1 to 100", "limit")
     order = q.get("order", "desc")
     if order not in ("asc", "desc"):

@@ -360,7 +360,7 @@ def test_input_items_list_what_a_response_was_made_from(server):
     assert [i.id for i in before.data] == [asc[0].id, asc[1].id] and not before.has_more
     with pytest.raises(openai.NotFoundError):
         client(server, "free").responses.input_items.list(second.id)
-    for query, param in (({"limit": 0}, "limit"), ({"limit": 101}, "limit"), ({"order": "up"}, "order"),
+    for query, param in (({"limit": 0}, "limit"), ({"limit": 101}, "limit"), ({"limit": "²"}, "limit"), ({"order": "up"}, "order"),
                          ({"after": "msg_nope"}, "after")):
         r = httpx.get(f"{server.base_url}/responses/{second.id}/input_items", params=query,
                       headers={"Authorization": f"Bearer {server.keys['paid']}"})
