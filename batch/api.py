@@ -20,7 +20,7 @@ from batch.runner import Runner
 from batch.store import BatchInfo, FileInfo
 from gateway.auth import Caller
 from gateway.errors import APIError, bad_request, not_found
-from gateway.schemas import parse, read_json
+from gateway.schemas import is_count, parse, read_json
 from gateway.service import Services
 
 BATCH_ENDPOINTS = tuple(ENDPOINTS)  # the urls a batch's lines may call
@@ -44,7 +44,7 @@ async def upload_file(request: Request) -> Response:
                        "unsupported_media_type")
     too_big = APIError(413, f"the file is larger than {cfg.max_file_bytes} bytes", "file_too_large", "file")
     declared = request.headers.get("content-length", "")
-    if declared.isdigit() and int(declared) > cfg.max_file_bytes + _FORM_SLACK:
+    if is_count(declared) and int(declared) > cfg.max_file_bytes + _FORM_SLACK:
         raise too_big
     try:
         form = await _capped(request, cfg.max_file_bytes + _FORM_SLACK, too_big).form(max_files=1, max_fields=8)
@@ -141,7 +141,7 @@ async def list_files(request: Request) -> Response:
     _, runner, caller = _context(request)
     query = request.query_params
     raw = query.get("limit", "10000")
-    if not raw.isdigit() or not 1 <= int(raw) <= 10_000:
+    if not is_count(raw) or not 1 <= int(raw) <= 10_000:
         raise bad_request(f"limit must be an integer from 1 to 10000, not {raw!r}", "limit")
     order = query.get("order", "desc")
     if order not in ("asc", "desc"):
@@ -229,7 +229,7 @@ async def list_batches(request: Request) -> Response:
     """GET /v1/batches?after=&limit=: the caller's batches (an admin's: everyone's), newest first."""
     _, runner, caller = _context(request)
     raw = request.query_params.get("limit", "20")
-    if not raw.isdigit() or not 1 <= int(raw) <= 100:
+    if not is_count(raw) or not 1 <= int(raw) <= 100:
         raise bad_request(f"limit must be an integer from 1 to 100, not {raw!r}", "limit")
     limit = int(raw)
     owner = None if caller.admin else caller.key_id

@@ -26,7 +26,7 @@ from accounts.usage import Usage
 from gateway.auth import Caller
 from gateway.errors import APIError, bad_request
 from gateway.http import Streamed, disconnect_signal
-from gateway.schemas import _Body, _Form, parse, read_json
+from gateway.schemas import _Body, _Form, is_count, parse, read_json
 from gateway.service import ClientGone, Services
 from gateway.serving import Gone, Serving, in_thread
 from workers import audio as sound
@@ -275,7 +275,7 @@ class _multipart:
             raise APIError(415, "this endpoint takes multipart/form-data with the audio in a 'file' part "
                                 f"(got {content_type.decode('latin-1') or 'no content type'})", "unsupported_media_type")
         declared = self.request.headers.get("content-length", "")
-        if declared.isdigit() and int(declared) > self.max_bytes:
+        if is_count(declared) and int(declared) > self.max_bytes:
             raise self._too_large()
         parser = MultiPartParser(self.request.headers, self._capped(), max_files=1, max_fields=32)
         try:

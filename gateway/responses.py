@@ -54,7 +54,7 @@ from gateway.errors import APIError, bad_request, not_found
 from gateway.http import Streamed, disconnect_signal
 from gateway.logprobs import chat_content
 from gateway.response_store import ResponseStore, StoredResponse
-from gateway.schemas import (MAX_STACK, MAX_TOOLS, TOOL_NAME, AdapterChoice, ChatCompletionRequest, _Body, parse,
+from gateway.schemas import (MAX_STACK, MAX_TOOLS, TOOL_NAME, AdapterChoice, ChatCompletionRequest, _Body, is_count, parse,
                              read_json)
 from gateway.service import Services
 from gateway.tools import CallDelta
@@ -454,7 +454,7 @@ async def list_input_items(request: Request) -> Response:
         raise not_found(f"no response with id '{response_id}'", "response_id")
     q = request.query_params
     limit = q.get("limit", "20")
-    if not (limit.isascii() and limit.isdigit()) or not 1 <= int(limit) <= 100:  # "²" is a digit to str, not to int
+    if not is_count(limit) or not 1 <= int(limit) <= 100:
         raise bad_request("limit must be an integer from 1 to 100", "limit")
     order = q.get("order", "desc")
     if order not in ("asc", "desc"):

@@ -132,10 +132,16 @@ class AdapterChoice(_Body):
     weight: float = Field(default=1.0, allow_inf_nan=False)
 
 
+def is_count(text: str) -> bool:
+    """Whether ``text`` is a non-negative integer in ASCII digits. ``str.isdigit`` alone also
+    accepts "²" and other digits that ``int`` refuses (a 500 where a 400 was meant)."""
+    return text.isascii() and text.isdigit()
+
+
 def checked_logit_bias(v: dict[str, float] | None) -> dict[str, float] | None:
     """``logit_bias`` as chat and completions take it: token-id keys, biases within -100..100."""
     for token, bias in (v or {}).items():
-        if not token.isdigit():
+        if not is_count(token):
             raise ValueError(f"keys are token ids, not {token[:20]!r}")
         if not -100 <= bias <= 100:
             raise ValueError(f"the bias of token {token} is {bias:g}, outside -100..100")
@@ -215,7 +221,7 @@ class ChatCompletionRequest(_Body):
 async def read_json(request: Request, max_bytes: int) -> dict[str, Any]:
     """The request body as a JSON object; 413 past ``max_bytes``, 400 if it is not strict JSON."""
     declared = request.headers.get("content-length")
-    if declared and declared.isdigit() and int(declared) > max_bytes:
+    if declared and is_count(declared) and int(declared) > max_bytes:
         raise APIError(413, f"request body is larger than {max_bytes} bytes", "request_too_large")
     body = bytearray()
     async for chunk in request.stream():

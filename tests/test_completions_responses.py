@@ -245,6 +245,7 @@ def test_echo_with_logprobs_gives_the_prompts_logprobs(server, tokenizer, tiny_c
     ({"prompt": "x", "max_tokens": -1, "echo": True, "logprobs": 1}, "max_tokens"),
     ({"prompt": "word " * 600}, "prompt"),
     ({"prompt": "x", "best_of": 3}, "best_of"),
+    ({"prompt": "x", "logit_bias": {"²": 1}}, "logit_bias"),  # a digit to str.isdigit, not to int
     ({"prompt": "x", "temperature": 3}, "temperature"),
     ({"prompt": "x", "frobnicate": 1}, "frobnicate"),
 ])

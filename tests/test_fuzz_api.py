@@ -101,7 +101,7 @@ SAMPLING = {"temperature": EDGE_FLOATS, "top_p": EDGE_FLOATS, "seed": EDGE_INTS,
             "presence_penalty": EDGE_FLOATS, "frequency_penalty": EDGE_FLOATS,
             "stop": TEXT | st.lists(TEXT, max_size=5), "stream": st.booleans(),
             "stream_options": st.fixed_dictionaries({}, optional={"include_usage": st.booleans() | ANY_JSON}),
-            "logit_bias": st.dictionaries(st.sampled_from(["0", "1", "-1", "99999999", "abc", "1.5", " 2"]),
+            "logit_bias": st.dictionaries(st.sampled_from(["0", "1", "-1", "99999999", "abc", "1.5", " 2", "²"]),
                                           EDGE_FLOATS | ANY_JSON, max_size=3),
             "service_tier": st.sampled_from(["auto", "default", "flex", "priority", "paid", "batch", "free", "gold"]),
             "user": TEXT, "metadata": st.dictionaries(TEXT, TEXT | ANY_JSON, max_size=3)}
@@ -255,7 +255,7 @@ QUERY = st.dictionaries(
     st.sampled_from(["limit", "after", "key", "model", "start_date", "end_date", "group_by", "format", "stream",
                      "starting_after", "include[]", "since", "order", "purpose", "before", "nope"]),
     st.sampled_from(["", "0", "-1", "20", "101", "1e3", "abc", "2026-01-01", "2026-13-45", "0000-00-00", "csv", "json",
-                     "day", "key", "tier", "true", "asc", "batch_output", "\x00", "../etc/passwd"]) | TEXT, max_size=4)
+                     "day", "key", "tier", "true", "asc", "batch_output", "\x00", "../etc/passwd", "²"]) | TEXT, max_size=4)
 ID = st.sampled_from(["x", "file-0", "batch_0", "resp_0", "key_0", "tiny-chat", "..", "%2e%2e", "a/b"]) | TEXT
 
 
@@ -275,6 +275,20 @@ def _read(server, path, ident, query, method, admin):
     assert r.status_code < 500 or r.status_code == 503, (r.status_code, r.text[:500], method, url, query)
     if r.status_code >= 400:
         check_error(r.status_code, r.content, (method, url, query))
+
+
+@pytest.mark.parametrize("method, path, body", [
+    ("GET", "/v1/batches?limit=²", None),
+    ("GET", "/v1/files?limit=²", None),
+    ("POST", "/v1/chat/completions", {"model": "tiny-chat", "messages": [{"role": "user", "content": "x"}],
+                                      "max_tokens": 1, "logit_bias": {"²": 1}}),
+])
+def test_a_number_in_non_ascii_digits_is_a_400(server, method, path, body):
+    """"²" is a digit to ``str.isdigit`` and not to ``int``: these were 500s."""
+    r = httpx.request(method, f"{server.url}{path}", json=body, timeout=60,
+                      headers={"Authorization": f"Bearer {server.keys['paid']}"})
+    assert r.status_code == 400, r.text
+    assert r.json()["error"]["param"] in ("limit", "logit_bias")
 
 
 def test_generated_reads_get_a_success_or_a_clean_4xx(server):
