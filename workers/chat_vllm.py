@@ -555,27 +555,14 @@ class VllmChatEngine(Worker):
     def _logprobs(self, c, k: int) -> list[TokenLogprob]:
         """vLLM's logprobs of the tokens in one delta output (``k`` alternatives each), the
         end-of-sequence token left out."""
-        out = []
-        for token, entries in zip(c.token_ids, c.logprobs or []):
-            if token == self.tokenizer.eos_token_id:
-                continue
-            top = sorted((e for e in entries.values() if e.rank is not None and e.rank <= k), key=lambda e: e.rank)
-            chosen = entries[token]
-            out.append(TokenLogprob(chosen.decoded_token or "", chosen.logprob,
-                                    tuple((e.decoded_token or "", e.logprob) for e in top)))
-        return out
+        eos = self.tokenizer.eos_token_id
+        return [_token_logprob(token, entries, k) for token, entries in zip(c.token_ids, c.logprobs or []) if token != eos]
 
     @staticmethod
     def _prompt_logprobs(ids: list[int], entries: list, k: int) -> list[TokenLogprob | None]:
         """vLLM's prompt logprobs (``SamplingParams(prompt_logprobs=k)``: per position after the
         first, the prompt token's and the ``k`` best by rank) as the engines' shape."""
-        out: list[TokenLogprob | None] = [None]
-        for token, at in zip(ids[1:], entries[1:]):
-            top = sorted((e for e in at.values() if e.rank is not None and e.rank <= k), key=lambda e: e.rank)
-            chosen = at[token]
-            out.append(TokenLogprob(chosen.decoded_token or "", chosen.logprob,
-                                    tuple((e.decoded_token or "", e.logprob) for e in top)))
-        return out
+        return [None] + [_token_logprob(token, at, k) for token, at in zip(ids[1:], entries[1:])]
 
     async def _watch(self, ctx, rid: str, pausable: bool = True) -> None:
         """Abort ``rid`` when its context is cancelled or (when ``pausable``) asks to pause while
@@ -727,6 +714,14 @@ class VllmChatEngine(Worker):
                 if res.users == 0:
                     # Few waiters, and any of them may be able to go: wake them all.
                     self._lora_cond.notify_all()
+
+
+def _token_logprob(token: int, entries: dict, k: int) -> TokenLogprob:
+    """One place of vLLM's logprobs (``{token id: Logprob}``: the token's and the ``k`` best by
+    rank) as the engines' shape."""
+    top = sorted((e for e in entries.values() if e.rank is not None and e.rank <= k), key=lambda e: e.rank)
+    chosen = entries[token]
+    return TokenLogprob(chosen.decoded_token or "", chosen.logprob, tuple((e.decoded_token or "", e.logprob) for e in top))
 
 
 def _complete_text(text: str) -> str:
