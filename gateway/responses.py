@@ -26,7 +26,8 @@ then ``response.output_item.done``; last ``response.completed`` (or ``response.i
 A stored response's input items (``input_items``) are what it was made from, kept with it: a
 continued response's are the previous one's input items and output items (their ids unchanged),
 then its own ``input``, each item as the client sent it, with the id it gave or a new one and
-``status: completed`` (a string ``input`` is one user message). ``instructions`` are not an item,
+``status: completed`` (a string ``input`` is one user message); a given id already used in the
+conversation is a 400, so that a page's cursor names one place. ``instructions`` are not an item,
 as in OpenAI's API. A record stored before items were kept has them rebuilt from its chat
 messages (a message's parts as one, ``developer`` as ``system``, ids fixed by the response and
 place). A page is OpenAI's cursor list (``limit`` 1..100, default 20; ``order`` ``desc``, the
@@ -281,7 +282,14 @@ async def plan_response(svc: Services, caller: Caller, store: ResponseStore | No
     with responses_names():
         chat = parse(ChatCompletionRequest, chat_body(body, system + conversation))
         job = plan_chat(svc, chat)
-    return ResponseJob(job, conversation, body, items + given_items(body.input))
+    given = given_items(body.input)
+    seen = {item["id"] for item in items}
+    for i, item in enumerate(given):  # an id names one item: a page's cursor must find one place
+        if item["id"] in seen:
+            raise bad_request(f"duplicate item id '{item['id'][:80]}' (in this input or the conversation it continues)",
+                              f"input[{i}].id", "duplicate_item_id")
+        seen.add(item["id"])
+    return ResponseJob(job, conversation, body, items + given)
 
 
 def given_items(given: str | list[dict[str, Any]]) -> list[dict[str, Any]]:

@@ -361,6 +361,11 @@ def test_input_items_list_what_a_response_was_made_from(server):
     assert [i.id for i in before.data] == [asc[0].id, asc[1].id] and not before.has_more
     with pytest.raises(openai.NotFoundError):
         client(server, "free").responses.input_items.list(second.id)
+    for given, at in (([{"role": "user", "content": "a", "id": "msg_twice"}, {"role": "user", "content": "b", "id": "msg_twice"}],
+                       "input[1].id"),
+                      ([{"role": "user", "content": "again", "id": "msg_mine"}], "input[0].id")):  # msg_mine is in second's
+        r = post(server, "/responses", {"model": "tiny-chat", "input": given, "previous_response_id": second.id})
+        assert r.status_code == 400 and r.json()["error"]["param"] == at, r.text
     for query, param in (({"limit": 0}, "limit"), ({"limit": 101}, "limit"), ({"limit": "²"}, "limit"), ({"order": "up"}, "order"),
                          ({"after": "msg_nope"}, "after")):
         r = httpx.get(f"{server.base_url}/responses/{second.id}/input_items", params=query,
