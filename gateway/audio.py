@@ -14,9 +14,7 @@ from typing import Literal
 import anyio
 import numpy as np
 from pydantic import Field
-from python_multipart.multipart import parse_options_header
 from starlette.datastructures import FormData, UploadFile
-from starlette.formparsers import MultiPartException, MultiPartParser
 from starlette.requests import Request
 from starlette.responses import JSONResponse, PlainTextResponse, Response
 from transformers.models.whisper.tokenization_whisper import LANGUAGES
@@ -26,7 +24,8 @@ from accounts.usage import Usage
 from gateway.auth import Caller
 from gateway.errors import APIError, bad_request
 from gateway.http import Streamed, disconnect_signal
-from gateway.schemas import _Body, _Form, is_count, parse, read_json
+from gateway.multipart import Multipart, text_fields
+from gateway.schemas import _Body, _Form, parse, read_json
 from gateway.service import ClientGone, Services
 from gateway.serving import Gone, Serving, in_thread
 from workers import audio as sound
@@ -36,7 +35,6 @@ from workers.tts import MAX_SPEED, MIN_SPEED, SpeechRequest, TTSWorker
 
 log = logging.getLogger("tiergate")
 
-_FORM_SLACK = 64 * 1024  # multipart bytes allowed beyond the file: boundaries and the other fields
 SPOKEN_CHARS_PER_S = 15.0  # speech's length estimated from its text, for the key's audio limit
 
 
@@ -244,8 +242,8 @@ async def _speech_to_text(request: Request, form_type: type[TranslationForm], ta
     svc: Services = request.app.state.services
     caller = svc.admit_caller(request)
     limits = svc.config.limits
-    async with _multipart(request, limits.transcription_max_bytes) as form:
-        body = parse(form_type, _fields(form))
+    async with Multipart(request, limits.transcription_max_bytes, "the audio in a 'file' part", "file") as form:
+        body = parse(form_type, text_fields(form, ("file",)))
         spec = svc.spec(body.model, "stt")
         if body.prompt is not None and len(body.prompt) > limits.prompt_max_chars:
             raise bad_request(f"prompt is {len(body.prompt)} characters, above this server's limit of "
@@ -257,63 +255,6 @@ async def _speech_to_text(request: Request, form_type: type[TranslationForm], ta
     async with disconnect_signal(request) as gone:
         transcript = await serve_transcription(svc, caller, job, gone)
     return _transcript_response(transcript, body, task, svc.gate.rate_headers(caller.tier))
-
-
-class _multipart:
-    """``async with _multipart(request, max_file_bytes) as form``: the parsed multipart body,
-    its uploads closed afterwards. 415 when the body is not multipart/form-data, 413 past the cap
-    (counted as it streams, so a body without Content-Length is cut off too)."""
-
-    def __init__(self, request: Request, max_file_bytes: int) -> None:
-        self.request = request
-        self.max_bytes = max_file_bytes + _FORM_SLACK
-        self.form: FormData | None = None
-
-    async def __aenter__(self) -> FormData:
-        content_type, _ = parse_options_header(self.request.headers.get("content-type", ""))
-        if content_type != b"multipart/form-data":
-            raise APIError(415, "this endpoint takes multipart/form-data with the audio in a 'file' part "
-                                f"(got {content_type.decode('latin-1') or 'no content type'})", "unsupported_media_type")
-        declared = self.request.headers.get("content-length", "")
-        if is_count(declared) and int(declared) > self.max_bytes:
-            raise self._too_large()
-        parser = MultiPartParser(self.request.headers, self._capped(), max_files=1, max_fields=32)
-        try:
-            self.form = await parser.parse()
-        except MultiPartException as exc:
-            raise bad_request(f"malformed multipart body: {exc.message}", None, "invalid_multipart") from None
-        return self.form
-
-    async def __aexit__(self, *exc_info) -> None:
-        if self.form is not None:
-            await self.form.close()
-
-    async def _capped(self) -> AsyncIterator[bytes]:
-        seen = 0
-        async for chunk in self.request.stream():
-            seen += len(chunk)
-            if seen > self.max_bytes:
-                raise self._too_large()
-            yield chunk
-
-    def _too_large(self) -> APIError:
-        limit = self.max_bytes - _FORM_SLACK
-        return APIError(413, f"the upload is larger than this server's limit of {limit} bytes", "request_too_large", "file")
-
-
-def _fields(form: FormData) -> dict:
-    """The form's text fields as a dict for validation; ``name[]`` repeated fields become lists."""
-    out: dict = {}
-    for key, value in form.multi_items():
-        if key == "file":
-            continue
-        if isinstance(value, UploadFile):
-            raise bad_request(f"{key} must be a text field, not a file", key)
-        if key.endswith("[]"):
-            out.setdefault(key[:-2], []).append(value)
-        else:
-            out[key] = value
-    return out
 
 
 async def _decode(form: FormData, max_seconds: float) -> tuple[np.ndarray, int]:
