@@ -1,17 +1,22 @@
 """Images: ``plan_images`` checks a request, ``serve_images`` (the serving core, shared with batch
 lines) makes the PNGs, and the HTTP handlers render them: POST /v1/images/generations (OpenAI
-images) and GET /v1/images/files/{id}.png, which serves the images of ``response_format: "url"``
-to the key that asked for them, for a limited time."""
+images), POST /v1/images/edits (a multipart upload: an image, and a mask whose fully transparent
+pixels are what to repaint, OpenAI's rule) and GET /v1/images/files/{id}.png, which serves the
+images of ``response_format: "url"`` to the key that asked for them, for a limited time."""
 
 from __future__ import annotations
 
 import base64
+import io
+import json
 import re
 import time
 from dataclasses import dataclass, replace
-from typing import Literal
+from typing import TYPE_CHECKING, Literal
 
+import anyio
 from pydantic import Field
+from starlette.datastructures import FormData, UploadFile
 from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
 
@@ -19,17 +24,24 @@ from accounts.rates import Ask
 from gateway.adapters import resolve_request
 from gateway.auth import Caller
 from gateway.config import LimitsConfig
-from gateway.errors import bad_request, not_found
+from gateway.errors import APIError, bad_request, not_found
 from gateway.http import disconnect_signal
-from gateway.schemas import MAX_STACK, AdapterChoice, _Body, parse, read_json
+from gateway.multipart import Multipart, text_fields
+from gateway.schemas import MAX_STACK, AdapterChoice, _Body, _Form, parse, read_json
 from gateway.service import Services
 from gateway.serving import Gone, Serving, in_thread
 from workers.base import ModelSpec
 from workers.image import ImageRequest
 from workers.registry import describe
 
+if TYPE_CHECKING:
+    from PIL.Image import Image
+
 DEFAULT_STEPS = 25
 _SIZE = re.compile(r"^(\d{1,5})x(\d{1,5})$")
+MAX_SOURCE_PIXELS = 4096 * 4096  # an edit's uploaded image (and mask), checked before it is decoded
+SOURCE_FORMATS = ("PNG", "JPEG", "WEBP")
+IMG2IMG_STRENGTH = 0.8  # diffusers' image-to-image default: an edit without a mask, strength not given
 
 
 class ImageGenerationRequest(_Body):
@@ -50,6 +62,26 @@ class ImageGenerationRequest(_Body):
     adapters: list[AdapterChoice] | None = Field(default=None, max_length=MAX_STACK)  # extension: LoRA stack
 
 
+class ImageEditForm(_Form):
+    """``/v1/images/edits``'s text fields (the image and the mask are file parts)."""
+
+    model: str = Field(min_length=1)
+    prompt: str
+    n: int = Field(default=1, ge=1)
+    size: str | None = None  # "WxH" or "auto"; None and "auto" = the image's own size
+    response_format: Literal["b64_json", "url"] | None = None
+    seed: int | None = Field(default=None, ge=0, le=2**62)
+    negative_prompt: str | None = None
+    num_inference_steps: int | None = Field(default=None, ge=1)
+    guidance_scale: float = Field(default=7.0, ge=0, le=50)
+    strength: float | None = Field(default=None, gt=0, le=1)  # extension: how far from the source
+    quality: Literal["auto", "standard"] | None = None
+    output_format: Literal["png"] | None = None
+    stream: Literal[False] | None = None
+    user: str | None = None
+    adapters: str | None = None  # extension: the LoRA stack as JSON text, as the JSON endpoints take it
+
+
 @dataclass(frozen=True)
 class Plan:
     """A validated request: what the worker gets and what the gate is told."""
@@ -61,6 +93,17 @@ class Plan:
 
 def plan(body: ImageGenerationRequest, limits: LimitsConfig, native: tuple[int, int] | None) -> Plan:
     """Check ``body`` against the limits; every refusal is a 400 naming its field."""
+    steps = _checked_steps(body, limits)
+    size = _size(body.size, limits.image_max_side, native)
+    width, height = size or (None, None)
+    pixels = width * height if size else limits.image_max_side**2  # unknown native size: count the largest
+    req = ImageRequest(body.prompt, body.n, width, height, body.seed, body.negative_prompt or None, steps,
+                       body.guidance_scale)
+    return Plan(req, units=float(body.n * pixels * steps))
+
+
+def _checked_steps(body: ImageGenerationRequest | ImageEditForm, limits: LimitsConfig) -> int:
+    """The fields generations and edits share checked against the limits; the denoising steps."""
     _text(body.prompt, "prompt", limits.prompt_max_chars, required=True)
     if body.negative_prompt is not None:
         _text(body.negative_prompt, "negative_prompt", limits.prompt_max_chars, required=False)
@@ -70,12 +113,7 @@ def plan(body: ImageGenerationRequest, limits: LimitsConfig, native: tuple[int, 
     if steps > limits.image_max_steps:
         raise bad_request(f"num_inference_steps is {steps}, above this server's limit of {limits.image_max_steps}",
                           "num_inference_steps")
-    size = _size(body.size, limits.image_max_side, native)
-    width, height = size or (None, None)
-    pixels = width * height if size else limits.image_max_side**2  # unknown native size: count the largest
-    req = ImageRequest(body.prompt, body.n, width, height, body.seed, body.negative_prompt or None, steps,
-                       body.guidance_scale)
-    return Plan(req, units=float(body.n * pixels * steps))
+    return steps
 
 
 def _text(value: str, param: str, max_chars: int, required: bool) -> None:
@@ -101,6 +139,103 @@ def _size(size: str | None, max_side: int, native: tuple[int, int] | None) -> tu
     if max(width, height) > max_side:
         raise bad_request(f"size {size} is above this server's limit of {max_side} pixels a side", "size")
     return width, height
+
+
+# -- edits: the upload decoded and its mask read --------------------------------------------------
+
+
+def decode_edit(image: bytes, mask: bytes | None, size: str | None, max_side: int) -> tuple[Image, Image | None]:
+    """An edit's source image (RGB) and what to repaint (mode "L": 255 repaint, 0 keep; None = the
+    whole image), both at the output size. The mask's fully transparent pixels are what to repaint;
+    without a mask, the image's own fully transparent pixels are (OpenAI's rule), and an image with
+    none is edited whole. Runs in a thread: decoding is CPU work."""
+    source = _open_image(image, "image")
+    width, height = _edit_size(size, source.size, max_side)
+    if mask is not None:
+        held = _open_image(mask, "mask")
+        if held.size != source.size:
+            raise bad_request(f"the mask is {held.width}x{held.height} and the image {source.width}x{source.height}: "
+                              "they must be the same size", "mask", "invalid_mask")
+        repaint = _transparent(held)
+        if repaint is None:
+            raise bad_request("the mask has no alpha channel: its fully transparent pixels say where to edit",
+                              "mask", "invalid_mask")
+        if repaint.getextrema()[1] == 0:
+            raise bad_request("the mask has no fully transparent pixel: nothing to edit", "mask", "invalid_mask")
+    else:
+        repaint = _transparent(source)
+        if repaint is not None and repaint.getextrema()[1] == 0:
+            repaint = None  # an alpha channel, but nothing transparent: the whole image
+    from PIL import Image as PILImage
+
+    rgb = source.convert("RGB")
+    if rgb.size != (width, height):
+        rgb = rgb.resize((width, height), PILImage.Resampling.LANCZOS)
+        repaint = repaint.resize((width, height), PILImage.Resampling.NEAREST) if repaint is not None else None
+    return rgb, repaint
+
+
+def _open_image(data: bytes, param: str) -> Image:
+    """``data`` decoded by Pillow, as RGBA when it has an alpha channel (a palette or colour-key
+    transparency counts as one) and RGB otherwise; a 400 naming ``param`` for anything else than a
+    PNG, JPEG or WebP image of at most MAX_SOURCE_PIXELS (checked from its header, before the
+    pixels are decoded)."""
+    from PIL import Image as PILImage
+
+    try:
+        img = PILImage.open(io.BytesIO(data))
+        if img.format not in SOURCE_FORMATS:
+            raise bad_request(f"{param} is a {img.format} image; this endpoint takes PNG, JPEG or WebP", param,
+                              "invalid_image_format")
+        if img.width * img.height > MAX_SOURCE_PIXELS:
+            raise bad_request(f"{param} is {img.width}x{img.height}, above this server's limit of "
+                              f"{MAX_SOURCE_PIXELS} pixels", param, "image_too_large")
+        alpha = "A" in img.getbands() or "transparency" in img.info
+        return img.convert("RGBA" if alpha else "RGB")
+    except APIError:
+        raise
+    except Exception:  # Pillow's decoders raise many kinds on a damaged or hostile file (OSError, ValueError,
+        # SyntaxError, EOFError, zlib's error...), and their messages may quote our buffer's repr
+        raise bad_request(f"{param} is not a PNG, JPEG or WebP image this server can read (empty, cut short, damaged "
+                          "or an unsupported pixel format)", param, "invalid_image") from None
+
+
+def _transparent(img: Image) -> Image | None:
+    """Mode "L", 255 where ``img`` (from ``_open_image``) is fully transparent and 0 elsewhere;
+    None when it has no alpha channel."""
+    if img.mode != "RGBA":
+        return None
+    return img.getchannel("A").point(lambda a: 255 if a == 0 else 0)
+
+
+def _edit_size(size: str | None, source: tuple[int, int], max_side: int) -> tuple[int, int]:
+    """The edit's output size: ``size``, or for None and "auto" the image's own, each side rounded
+    down to a multiple of 8."""
+    if size is not None and size != "auto":
+        return _size(size, max_side, None)
+    width, height = source[0] // 8 * 8, source[1] // 8 * 8
+    if min(width, height) < 8:
+        raise bad_request(f"the image is {source[0]}x{source[1]}; an edit needs both sides at least 8 pixels", "image",
+                          "invalid_image")
+    if max(width, height) > max_side:
+        raise bad_request(f"the image is {source[0]}x{source[1]}, above this server's limit of {max_side} pixels a "
+                          "side; ask for a smaller size", "size")
+    return width, height
+
+
+def plan_edit(body: ImageEditForm, steps: int, image: Image, mask: Image | None) -> Plan:
+    """An edit's job: its checked fields (``steps`` from ``_checked_steps``), the decoded image and
+    mask; its cost counts the steps diffusers runs (``strength`` of them)."""
+    width, height = image.size
+    strength = body.strength if body.strength is not None else (1.0 if mask is not None else IMG2IMG_STRENGTH)
+    runs = int(steps * strength)  # diffusers denoises the last int(steps x strength) of the steps
+    if runs < 1:
+        raise bad_request(f"num_inference_steps {steps} at strength {strength:g} runs no denoising step (an edit runs "
+                          "int(steps x strength) of them): ask for more steps or a higher strength",
+                          "strength" if body.strength is not None else "num_inference_steps")
+    req = ImageRequest(body.prompt, body.n, width, height, body.seed, body.negative_prompt or None, steps,
+                       body.guidance_scale, image=image, mask=mask, strength=body.strength)
+    return Plan(req, units=float(body.n * width * height * runs))
 
 
 async def serve_images(svc: Services, caller: Caller, job: Plan, gone: Gone | None) -> list[bytes]:
@@ -149,6 +284,64 @@ async def generations(request: Request) -> Response:
     else:
         rows = b64_rows(pngs)
     return JSONResponse({"created": int(time.time()), "data": rows}, headers=svc.gate.rate_headers(caller.tier))
+
+
+async def edits(request: Request) -> Response:
+    """POST /v1/images/edits: multipart ``image`` (one), optional ``mask``, and the text fields."""
+    svc: Services = request.app.state.services
+    caller = svc.admit_caller(request)
+    limits = svc.config.limits
+    async with Multipart(request, limits.image_edit_max_bytes, "the image in an 'image' part", "image",
+                         max_files=3) as form:
+        body = parse(ImageEditForm, text_fields(form, ("image", "image[]", "mask")))
+        image, mask = await _uploads(form, limits.image_edit_max_bytes)
+    spec, stack = resolve_request(svc, body.model, _adapters(body.adapters), "image")
+    steps = _checked_steps(body, limits)  # the fields' 400s before the pixels are decoded
+    source, repaint = await anyio.to_thread.run_sync(decode_edit, image, mask, body.size, limits.image_max_side)
+    job = plan_edit(body, steps, source, repaint)
+    job = replace(job, model=spec.name, request=replace(job.request, adapters=stack))
+    async with disconnect_signal(request) as gone:
+        pngs = await serve_images(svc, caller, job, gone)
+    if body.response_format == "url":
+        rows = [{"url": _url(request, svc.images.put(caller.key_id, png)), "revised_prompt": None} for png in pngs]
+    else:
+        rows = b64_rows(pngs)
+    return JSONResponse({"created": int(time.time()), "data": rows}, headers=svc.gate.rate_headers(caller.tier))
+
+
+async def _uploads(form: FormData, max_bytes: int) -> tuple[bytes, bytes | None]:
+    """The bytes of the one ``image`` (``image[]`` as the SDK sends a list) and of the ``mask``;
+    413 when they are more than ``max_bytes`` together."""
+    images = form.getlist("image") + form.getlist("image[]")
+    masks = form.getlist("mask")
+    if not images:
+        raise bad_request("missing required parameter: image", "image", "missing_required_parameter")
+    for param, parts in (("image", images), ("mask", masks)):
+        if len(parts) > 1:
+            raise bad_request(f"{len(parts)} {param} parts: this server edits one image (with at most one mask)",
+                              param)
+        if parts and not isinstance(parts[0], UploadFile):
+            raise bad_request(f"{param} must be an uploaded image (a multipart file part), not a text field", param)
+    image, mask = await images[0].read(), (await masks[0].read() if masks else None)
+    if len(image) + len(mask or b"") > max_bytes:
+        raise APIError(413, f"the image and mask are larger than this server's limit of {max_bytes} bytes",
+                       "request_too_large", "image")
+    return image, mask
+
+
+def _adapters(text: str | None) -> list[AdapterChoice] | None:
+    """The ``adapters`` form field: JSON text of the JSON endpoints' list (a 400 naming it otherwise)."""
+    if text is None:
+        return None
+    try:
+        value = json.loads(text)
+    except ValueError:
+        raise bad_request("adapters must be JSON text: a list of {\"name\", \"weight\"} objects", "adapters") from None
+    return parse(_EditAdapters, {"adapters": value}).adapters
+
+
+class _EditAdapters(_Body):
+    adapters: list[AdapterChoice] = Field(max_length=MAX_STACK)
 
 
 async def image_file(request: Request) -> Response:

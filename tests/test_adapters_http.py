@@ -5,6 +5,7 @@ inside one chat batch, the image worker's stack gate, /v1/models, and start-up c
 from __future__ import annotations
 
 import base64
+import io
 import json
 import shutil
 import threading
@@ -13,8 +14,10 @@ from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import httpx
+import numpy as np
 import openai
 import pytest
+from PIL import Image
 
 from gateway.app import build_services
 from gateway.auth import KeyRing
@@ -194,6 +197,24 @@ def test_image_adapter_changes_the_image_and_base_comes_back(server):
     assert sketch != base
     assert image(server, adapters=[{"name": SKETCH}]) == sketch
     assert image(server) == base
+
+
+def test_image_edit_takes_the_adapter_stack_by_name_or_in_the_form(server):
+    """An edit is multipart: the stack comes as the adapter's model name, or as the ``adapters``
+    field holding the JSON endpoints' list as JSON text."""
+    source = io.BytesIO()
+    Image.fromarray(np.random.default_rng(0).integers(0, 256, (32, 32, 3), dtype=np.uint8)).save(source, "PNG")
+
+    def edit(model="tiny-image", **extra) -> bytes:
+        r = client(server).images.edit(model=model, prompt="a cat", image=("a.png", source.getvalue()),
+                                       extra_body={"num_inference_steps": 2, "strength": 1.0, "seed": 3, **extra})
+        return base64.b64decode(r.data[0].b64_json)
+
+    base, sketch = edit(), edit(SKETCH)
+    assert sketch != base
+    assert edit(adapters=json.dumps([{"name": SKETCH}])) == sketch
+    assert edit(adapters=json.dumps([{"name": SKETCH, "weight": 0.0}])) == base
+    assert edit() == base
 
 
 def test_concurrent_image_calls_with_two_stacks_each_get_their_own(server):

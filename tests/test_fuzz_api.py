@@ -40,6 +40,7 @@ def server(tiny_chat, tiny_embed, tiny_image, tiny_tts, tiny_stt, tmp_path_facto
     extra = ("limits:\n  max_chat_tokens: 6\n  max_n: 2\n  image_max_side: 64\n  image_max_steps: 2\n"
              "  image_max_n: 1\n  speech_max_chars: 80\n  embed_max_inputs: 4\n  prompt_max_chars: 200\n"
              f"  transcription_max_bytes: {MAX_UPLOAD}\n  transcription_max_seconds: 3\n"
+             f"  image_edit_max_bytes: {MAX_UPLOAD}\n"
              f"batch:\n  store: sqlite\n  max_file_bytes: {MAX_UPLOAD}\n  max_lines: 8\n"
              "accounts:\n  limits:\n    free: {requests_per_min: 100000}\n")
     config = write_config(folder, models, extra, engine=ENGINE)
@@ -336,9 +337,75 @@ JSONL = (st.lists(JSONL_LINE, max_size=10).map(lambda ls: "\n".join(ls).encode()
 FILE_FIELDS = {"purpose": st.sampled_from(["batch", "fine-tune", "", "BATCH"]) | TEXT}
 
 
+def image_file(mode: str, width: int, height: int, fmt: str, alpha: str) -> bytes:
+    """A real image file from Pillow (the server decodes with the same library): noise pixels, and
+    for modes with alpha none, some or all of them fully transparent."""
+    import io
+
+    import numpy as np
+    from PIL import Image
+
+    rng = np.random.default_rng(width * 1000 + height)
+    img = Image.fromarray(rng.integers(0, 256, (height, width, 4), dtype=np.uint8), "RGBA")
+    if alpha != "random":
+        img.putalpha({"opaque": 255, "clear": 0, "half": 128}[alpha])
+    buf = io.BytesIO()
+    try:
+        img.convert(mode).save(buf, format=fmt)
+    except (OSError, ValueError):  # a mode the format cannot hold: the same pixels as a PNG
+        buf = io.BytesIO()
+        img.save(buf, format="PNG")
+    return buf.getvalue()
+
+
+# (the first values are the ones a derandomized run draws most: an image the model can edit)
+IMAGE = st.builds(image_file, mode=st.sampled_from(["RGBA", "RGB", "L", "LA", "P", "1", "I;16", "CMYK"]),
+                  width=st.sampled_from([16, 33, 64, 8, 7, 1, 65, 300]), height=st.sampled_from([16, 24, 64, 8, 1, 200]),
+                  fmt=st.sampled_from(["PNG", "PNG", "JPEG", "WEBP", "GIF", "BMP"]),
+                  alpha=st.sampled_from(["random", "opaque", "clear", "half"]))
+IMAGE_BYTES = st.one_of(IMAGE, IMAGE, IMAGE, IMAGE.map(lambda b: b[:len(b) // 2]), st.binary(max_size=200),
+                        st.just(b""), st.just(b"\x89PNG\r\n\x1a\n" + b"\xff" * 40), st.just(b"x" * (MAX_UPLOAD + 1)))
+EDIT_FIELDS = {
+    "model": st.sampled_from(["tiny-image", "tiny-chat", "nope", ""]) | TEXT, "prompt": TEXT,
+    "n": FORM_TEXT, "size": st.sampled_from(["16x16", "64x64", "8x8", "auto", "72x64", "16x15", ""]) | TEXT,
+    "strength": FORM_TEXT, "num_inference_steps": FORM_TEXT, "seed": FORM_TEXT, "guidance_scale": FORM_TEXT,
+    "response_format": st.sampled_from(["b64_json", "url", "png"]) | TEXT, "negative_prompt": TEXT,
+    "adapters": st.sampled_from(["[]", "[{\"name\": \"x\"}]", "{}", "null", "[1]"]) | TEXT,
+    "stream": FORM_TEXT, "user": TEXT,
+}
+
+
+@st.composite
+def image_edits(draw):
+    """(files, fields) for an image edit: an image part (or none, two, or a text field), maybe a
+    mask (an image of its own, often the same size with transparent pixels), and form fields."""
+    data = {"model": "tiny-image", "prompt": "a cat", "num_inference_steps": "2"}  # 2 x 0.8: one step
+    for name in draw(st.lists(st.sampled_from(sorted(EDIT_FIELDS)), max_size=3, unique=True)):
+        if draw(st.integers(0, 4)) == 0:
+            data.pop(name, None)
+        else:
+            data[name] = draw(EDIT_FIELDS[name])
+    image = draw(IMAGE_BYTES)
+    how = draw(st.sampled_from(["image"] * 6 + ["image[]", "none", "text", "two"]))
+    if how == "none":
+        return None, data
+    if how == "text":
+        return None, {**data, "image": image.decode("latin-1")}
+    files = [("image" if how != "image[]" else "image[]", ("a.png", image, "image/png"))]
+    if how == "two":
+        files.append(("image", ("b.png", image, "image/png")))
+    if draw(st.booleans()):
+        mask = image_file("RGBA", 16, 16, "PNG", draw(st.sampled_from(["random", "clear", "opaque"]))) \
+            if draw(st.booleans()) else draw(IMAGE_BYTES)
+        files.append(("mask", ("m.png", mask, "image/png")))
+    return files, data
+
+
 @st.composite
 def uploads(draw, path: str):
     """(files, fields) for httpx: a file part (or a text 'file', or none) and form fields."""
+    if path == "/v1/images/edits":
+        return draw(image_edits())
     transcription = path.startswith("/v1/audio/")  # transcriptions and translations: the same fields but one
     names = TRANSCRIPTION_FIELDS if transcription else FILE_FIELDS
     data = {"model": "tiny-stt"} if transcription else {"purpose": "batch"}
@@ -379,11 +446,12 @@ def check_answer(r: httpx.Response, what) -> None:
         check_error(r.status_code, r.content, what)
 
 
-@pytest.mark.parametrize("path", ["/v1/audio/transcriptions", "/v1/audio/translations", "/v1/files"])
+@pytest.mark.parametrize("path", ["/v1/audio/transcriptions", "/v1/audio/translations", "/v1/files", "/v1/images/edits"])
 def test_generated_uploads_get_a_success_or_a_clean_4xx(server, path):
     """Real audio files at odd rates, channel counts, lengths and sample values (NaN, inf, 1e30),
-    cut short or replaced by noise; JSONL files of generated lines; odd fields; then raw bodies
-    that are not well-formed multipart at all. An uploaded batch file is then used for a batch."""
+    cut short or replaced by noise; JSONL files of generated lines; real images in every pixel
+    mode and format, with masks; odd fields; then raw bodies that are not well-formed multipart at
+    all. An uploaded batch file is then used for a batch."""
     headers = {"Authorization": f"Bearer {server.keys['paid']}"}
 
     @FUZZ
@@ -392,6 +460,7 @@ def test_generated_uploads_get_a_success_or_a_clean_4xx(server, path):
         files, data = upload
         r = httpx.post(f"{server.url}{path}", files=files, data=data, headers=headers, timeout=60)
         check_answer(r, (data, files and [(n, f[0], len(f[1])) for n, f in files]))
+        statuses[r.status_code] = statuses.get(r.status_code, 0) + 1
         if path == "/v1/files" and r.status_code == 200:
             made = httpx.post(f"{server.url}/v1/batches", headers=headers, timeout=30,
                               json={"input_file_id": r.json()["id"], "endpoint": "/v1/chat/completions",
@@ -409,7 +478,10 @@ def test_generated_uploads_get_a_success_or_a_clean_4xx(server, path):
         assert r.status_code != 200 or path == "/v1/files", (content_type, body)
 
     batches: dict[str, bytes] = {}  # the batches made on generated files: id -> the file
+    statuses: dict[int, int] = {}
     run()
+    if path == "/v1/images/edits" and EXAMPLES >= 40:  # the generated edits reach the model too, not only refusals
+        assert statuses.get(200, 0) >= 2, statuses
     raw()
     deadline = time.monotonic() + 120  # each batch's validation ends: never stuck, whatever its lines
     for batch_id, content in batches.items():
@@ -419,6 +491,9 @@ def test_generated_uploads_get_a_success_or_a_clean_4xx(server, path):
         assert status != "validating", (batch_id, content)
     if path.startswith("/v1/audio/"):  # the server still transcribes / stores a good upload afterwards
         files, data = {"file": ("a.wav", sound_file(16000, 1, 1600, "WAV", "PCM_16", "silent"), "audio/wav")}, {"model": "tiny-stt"}
+    elif path == "/v1/images/edits":
+        files = {"image": ("a.png", image_file("RGBA", 16, 16, "PNG", "random"), "image/png")}
+        data = {"model": "tiny-image", "prompt": "a cat", "num_inference_steps": "2"}
     else:
         files, data = {"file": ("a.jsonl", b"{}", "text/plain")}, {"purpose": "batch"}
     r = httpx.post(f"{server.url}{path}", files=files, data=data, headers=headers, timeout=60)

@@ -30,6 +30,7 @@ LIMITS = """limits:
   image_max_side: 128
   image_max_steps: 400
   image_url_ttl_s: 60
+  image_edit_max_bytes: 128KiB
   speech_max_chars: 20000
   transcription_max_bytes: 1MiB
   transcription_max_seconds: 20
@@ -174,6 +175,146 @@ def test_sdk_sees_bad_image_input_as_bad_request(media):
     with pytest.raises(openai.BadRequestError) as e:
         client(media).images.generate(model="tiny-image", prompt="a cat", size="1024x1024")
     assert e.value.body["param"] == "size" and "128" in e.value.body["message"]
+
+
+# ---------------------------------------------------------------- image edits
+
+
+def png_of(img: Image.Image, fmt: str = "PNG") -> bytes:
+    buf = io.BytesIO()
+    img.save(buf, format=fmt)
+    return buf.getvalue()
+
+
+def noise_image(width: int, height: int, seed: int = 0) -> Image.Image:
+    return Image.fromarray(np.random.default_rng(seed).integers(0, 256, (height, width, 3), dtype=np.uint8))
+
+
+def hole_mask(width: int, height: int, box: tuple[int, int, int, int], mode: str = "RGBA") -> Image.Image:
+    """OpenAI's mask: opaque, fully transparent (alpha 0) inside ``box``: where to edit."""
+    mask = Image.new(mode, (width, height), (0, 0, 0, 255) if mode == "RGBA" else 0)
+    if mode == "RGBA":
+        mask.paste((0, 0, 0, 0), box)
+    return mask
+
+
+def pixels_of(png: bytes) -> np.ndarray:
+    return np.asarray(Image.open(io.BytesIO(png)).convert("RGB"), dtype=np.int16)
+
+
+EDIT = {"num_inference_steps": 2, "seed": 4}
+
+
+def test_image_edit_repaints_only_the_transparent_pixels_of_the_mask(media):
+    source, box = noise_image(48, 40), (8, 8, 32, 24)
+    r = client(media).images.edit(model="tiny-image", image=("src.png", png_of(source), "image/png"),
+                                  mask=("mask.png", png_of(hole_mask(48, 40, box)), "image/png"),
+                                  prompt="a cat", n=2, extra_body=EDIT)
+    got = [pixels_of(base64.b64decode(d.b64_json)) for d in r.data]
+    assert len(got) == 2 and r.created > 0
+    edited = np.zeros((40, 48), bool)
+    edited[8:24, 8:32] = True
+    src = np.asarray(source, dtype=np.int16)
+    for pixels in got:
+        assert pixels.shape == (40, 48, 3)
+        assert (pixels[~edited] == src[~edited]).all()  # the source itself outside the hole
+        assert np.abs(pixels[edited] - src[edited]).mean() > 20  # repainted inside it
+    assert (got[0] != got[1]).any()
+
+
+def test_image_edit_without_a_mask_uses_the_image_transparency(media):
+    """OpenAI's rule: no mask, and the image's own fully transparent pixels are what to edit."""
+    rgba = noise_image(32, 32, seed=2).convert("RGBA")
+    rgba.paste((0, 0, 0, 0), (0, 16, 32, 32))
+    c = client(media)
+
+    def edit(**files) -> bytes:
+        return base64.b64decode(c.images.edit(model="tiny-image", prompt="a dog", extra_body=EDIT,
+                                              **files).data[0].b64_json)
+
+    alone = edit(image=("a.png", png_of(rgba)))
+    assert alone == edit(image=("a.png", png_of(rgba)), mask=("m.png", png_of(hole_mask(32, 32, (0, 16, 32, 32)))))
+    top = pixels_of(alone)[:16]
+    assert (top == np.asarray(rgba.convert("RGB"), dtype=np.int16)[:16]).all()
+
+
+def test_image_edit_of_an_opaque_image_is_image_to_image(media):
+    """No transparency anywhere: the whole image is edited, ``strength`` (an extension) deciding
+    how far; a JPEG is taken too, and ``size`` resizes the source."""
+    c = client(media)
+    jpeg = png_of(noise_image(40, 24, seed=3), "JPEG")
+
+    def edit(**extra) -> bytes:
+        r = c.images.edit(model="tiny-image", image=("a.jpg", jpeg, "image/jpeg"), prompt="a tree",
+                          extra_body={**EDIT, **extra})
+        return base64.b64decode(r.data[0].b64_json)
+
+    weak, again, strong = edit(strength=0.5), edit(strength=0.5), edit(strength=1.0)
+    assert weak == again and weak != strong
+    assert png_size(weak) == (40, 24)
+    assert png_size(edit(size="32x16")) == (32, 16)
+
+
+def test_image_edit_url_and_adapters_field(media):
+    c = client(media)
+    r = c.images.edit(model="tiny-image", image=("a.png", png_of(noise_image(16, 16))), prompt="a cat",
+                      response_format="url", extra_body=EDIT)
+    got = httpx.get(r.data[0].url, headers=auth(media))
+    assert got.status_code == 200 and png_size(got.content) == (16, 16)
+    r = httpx.post(f"{media.base_url}/images/edits", headers=auth(media), files={"image": ("a.png", png_of(noise_image(16, 16)))},
+                   data={"model": "tiny-image", "prompt": "a cat", "adapters": '[{"name": "nope"}]'})
+    error(r, 404, "adapters", "adapter_not_found")  # read as the JSON endpoints read the field
+
+
+def _edit(server, files=None, data=None) -> httpx.Response:
+    fields = {"model": "tiny-image", "prompt": "a cat", "num_inference_steps": "1", **(data or {})}
+    return httpx.post(f"{server.base_url}/images/edits", headers=auth(server), files=files, data=fields)
+
+
+SRC = png_of(noise_image(32, 32))
+
+
+@pytest.mark.parametrize("files,data,status,param,code", [
+    ({"image": ("a.png", SRC), "mask": ("m.png", png_of(hole_mask(16, 32, (0, 0, 8, 8))))}, {}, 400, "mask",
+     "invalid_mask"),  # not the image's size
+    ({"image": ("a.png", SRC), "mask": ("m.png", png_of(Image.new("RGB", (32, 32))))}, {}, 400, "mask",
+     "invalid_mask"),  # no alpha channel
+    ({"image": ("a.png", SRC), "mask": ("m.png", png_of(Image.new("RGBA", (32, 32), (9, 9, 9, 255))))}, {}, 400,
+     "mask", "invalid_mask"),  # nothing transparent: nothing to edit
+    ({"image": ("a.png", b"not an image")}, {}, 400, "image", "invalid_image"),
+    ({"image": ("a.png", SRC[:60])}, {}, 400, "image", "invalid_image"),  # cut short
+    ({"image": ("a.png", b"")}, {}, 400, "image", "invalid_image"),
+    ({"image": ("a.gif", png_of(noise_image(16, 16), "GIF"))}, {}, 400, "image", "invalid_image_format"),
+    ({"image": ("a.png", png_of(noise_image(4, 4)))}, {}, 400, "image", "invalid_image"),  # under 8 pixels a side
+    ({"image": ("a.png", png_of(noise_image(200, 16)))}, {}, 400, "size", None),  # over image_max_side
+    ({"image": ("a.png", png_of(Image.new("L", (5000, 4000))))}, {}, 400, "image", "image_too_large"),
+    ({"image": ("a.png", SRC), "mask": ("m.png", b"junk")}, {}, 400, "mask", "invalid_image"),
+    ([("image", ("a.png", SRC)), ("image", ("b.png", SRC))], {}, 400, "image", None),
+    ({"mask": ("m.png", SRC)}, {}, 400, "image", "missing_required_parameter"),
+    ({"image": (None, "a text field")}, {}, 400, "image", None),
+    ({"image": ("big.png", b"x" * 140_000)}, {}, 413, "image", "request_too_large"),
+    ({"image": ("a.png", SRC)}, {"prompt": ""}, 400, "prompt", None),
+    ({"image": ("a.png", SRC)}, {"n": "3"}, 400, "n", None),
+    ({"image": ("a.png", SRC)}, {"strength": "0"}, 400, "strength", None),
+    ({"image": ("a.png", SRC)}, {"strength": "1.5"}, 400, "strength", None),
+    ({"image": ("a.png", SRC)}, {"strength": "0.4", "num_inference_steps": "2"}, 400, "strength", None),  # 0 steps
+    ({"image": ("a.png", SRC)}, {}, 400, "num_inference_steps", None),  # 1 step at the default 0.8: 0 steps
+    ({"image": ("a.png", SRC)}, {"size": "36x32"}, 400, "size", None),
+    ({"image": ("a.png", SRC)}, {"num_inference_steps": "401"}, 400, "num_inference_steps", None),
+    ({"image": ("a.png", SRC)}, {"adapters": "not json"}, 400, "adapters", None),
+    ({"image": ("a.png", SRC)}, {"style": "vivid"}, 400, "style", "unknown_parameter"),
+    ({"image": ("a.png", SRC)}, {"model": "tiny-tts"}, 400, "model", "model_not_supported"),
+    ({"image": ("a.png", SRC)}, {"model": "nope"}, 404, "model", None),
+])
+def test_bad_image_edits_name_the_param(media, files, data, status, param, code):
+    err = error(_edit(media, files, data), status, param, code)
+    assert " at 0x" not in err["message"]  # no repr of our buffers
+
+
+def test_image_edit_needs_multipart(media):
+    r = httpx.post(f"{media.base_url}/images/edits", headers=auth(media),
+                   json={"model": "tiny-image", "prompt": "a cat", "image": base64.b64encode(SRC).decode()})
+    assert "an 'image' part" in error(r, 415, None, "unsupported_media_type")["message"]
 
 
 # ---------------------------------------------------------------- speech

@@ -140,6 +140,89 @@ def test_image_concurrent_calls_do_not_share_tokenizer_state(image_worker):
         assert together == [alone[i % 2] for i in range(8)]
 
 
+def _source(width: int, height: int, seed: int = 0) -> Image.Image:
+    return Image.fromarray(np.random.default_rng(seed).integers(0, 256, (height, width, 3), dtype=np.uint8))
+
+
+def _repaint_box(width: int, height: int, box: tuple[int, int, int, int]) -> Image.Image:
+    mask = Image.new("L", (width, height), 0)
+    mask.paste(255, box)
+    return mask
+
+
+def _reference_edit(worker: image.ImageWorker, task: str, req: image.ImageRequest) -> list[np.ndarray]:
+    """The plain diffusers call an edit stands for: the task's pipeline from the loaded one
+    (``AutoPipelineFor*.from_pipe``), one generator per image seeded ``seed + i``, and for an
+    inpainting the source pasted back outside the mask."""
+    from diffusers import AutoPipelineForImage2Image, AutoPipelineForInpainting
+
+    auto = AutoPipelineForInpainting if task == "inpaint" else AutoPipelineForImage2Image
+    pipe = auto.from_pipe(worker.pipe)
+    pipe.set_progress_bar_config(disable=True)
+    extra = {"mask_image": req.mask, "width": req.image.width, "height": req.image.height} if task == "inpaint" else {}
+    if req.strength is not None:
+        extra["strength"] = req.strength
+    with torch.inference_mode():
+        out = pipe(prompt=[req.prompt] * req.n, image=req.image, num_inference_steps=req.num_inference_steps,
+                   guidance_scale=req.guidance_scale,
+                   generator=[torch.Generator("cpu").manual_seed(req.seed + i) for i in range(req.n)], **extra).images
+    if task == "inpaint":
+        out = [Image.composite(img, req.image, req.mask) for img in out]
+    return [np.asarray(img.convert("RGB"), dtype=np.int16) for img in out]
+
+
+def test_image_inpainting_repaints_the_mask_only_and_equals_diffusers(image_worker):
+    """With a mask, the worker runs diffusers' inpainting pipeline for the loaded one (the demo's
+    UNet has 4 input channels: diffusers' blend of the source's latents outside the mask) and
+    pastes the source back outside the mask: those pixels are the source's exactly, and the
+    repainted ones are diffusers' own within SEED_PIXEL_TOLERANCE (the same call, run here)."""
+    source, mask = _source(48, 40), _repaint_box(48, 40, (8, 8, 32, 24))
+    req = _img(n=2, seed=5, image=source, mask=mask)
+    pngs = image_worker.generate(req, StepContext())
+    got = [_pixels(p) for p in pngs]
+    keep = np.asarray(mask) == 0
+    src = np.asarray(source, dtype=np.int16)
+    for pixels, ref in zip(got, _reference_edit(image_worker, "inpaint", req)):
+        assert pixels.shape == (40, 48, 3)
+        assert (pixels[keep] == src[keep]).all()
+        assert np.abs(pixels[~keep] - src[~keep]).mean() > 20  # repainted, not the source
+        assert int(np.abs(pixels - ref).max()) <= SEED_PIXEL_TOLERANCE
+    assert np.abs(got[0] - got[1]).max() > 10 * SEED_PIXEL_TOLERANCE  # seed + i per image
+    assert image_worker.generate(req, StepContext()) == pngs
+
+
+def test_image_to_image_without_a_mask_equals_diffusers(image_worker):
+    source = _source(32, 32, seed=1)
+    weak, strong = (_img(seed=3, image=source, strength=s, num_inference_steps=4) for s in (0.5, 1.0))
+    (a,), (b,) = image_worker.generate(weak, StepContext()), image_worker.generate(strong, StepContext())
+    assert int(np.abs(_pixels(a) - _reference_edit(image_worker, "image2image", weak)[0]).max()) <= SEED_PIXEL_TOLERANCE
+    assert int(np.abs(_pixels(b) - _reference_edit(image_worker, "image2image", strong)[0]).max()) <= SEED_PIXEL_TOLERANCE
+    assert a != b and _pixels(a).shape == (32, 32, 3)
+    with pytest.raises(ValueError, match="mask needs an image of its size"):
+        image_worker.generate(_img(image=source, mask=_repaint_box(16, 16, (0, 0, 8, 8))), StepContext())
+
+
+def test_image_edit_boundary_per_denoising_step_and_cancel(image_worker):
+    """Edits yield at every step as generations do: an inpainting runs all its steps, an
+    image-to-image at strength 0.5 half of them, and a cancel stops either at the next step."""
+    source = _source(32, 32)
+    calls, handle = _count_unet_calls(image_worker)
+    try:
+        for req, steps in ((_img(image=source, mask=_repaint_box(32, 32, (0, 0, 16, 16)), num_inference_steps=6), 6),
+                           (_img(image=source, strength=0.5, num_inference_steps=6), 3)):
+            calls[0] = 0
+            ctx = StepContext()
+            image_worker.generate(req, ctx)
+            assert ctx.steps == steps and calls[0] == steps
+            calls[0] = 0
+            ctx = cancel_at(2)
+            with pytest.raises(Cancelled):
+                image_worker.generate(req, ctx)
+            assert ctx.steps == 2 and calls[0] == 2
+    finally:
+        handle.remove()
+
+
 def test_image_modules_and_unload(tmp_path):
     worker = image.ImageWorker(ModelSpec("x", "image", demo.image.build_demo(tmp_path / "m")))
     assert worker.modules() == []

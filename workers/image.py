@@ -1,4 +1,7 @@
-"""Text-to-image: a diffusers pipeline loaded from its folder, one denoising step per work step.
+"""Text-to-image and image edits: a diffusers pipeline loaded from its folder, one denoising step
+per work step. An edit runs the same modules through diffusers' inpainting pipeline for that
+pipeline (a mask: only its white pixels are repainted, and the others are the source's, pixel for
+pixel) or its image-to-image pipeline (no mask: the whole image, ``strength`` deciding how far).
 
 The pipeline's modules (UNet, VAE, text encoder) are shared by all calls, but each call gets its
 own pipeline object with a fresh scheduler: diffusers schedulers, and the pipeline object itself
@@ -32,11 +35,18 @@ from workers.worker import ModelInfo, ThreadWorker
 
 if TYPE_CHECKING:  # diffusers is imported where a pipeline loads: ~1 s a server without one skips
     from diffusers import DiffusionPipeline
+    from PIL.Image import Image
 
 
 @dataclass
 class ImageRequest:
-    """One ``/v1/images/generations`` call. ``width``/``height`` None = the model's native size."""
+    """One ``/v1/images/generations`` or ``/v1/images/edits`` call. ``width``/``height`` None = the
+    model's native size.
+
+    An edit has ``image`` (RGB, already ``width`` x ``height``) and, to repaint part of it,
+    ``mask`` (mode "L", the same size: 255 where to repaint, 0 where to keep); ``strength`` (0..1]
+    is how much noise the source gets, None for diffusers' default (1.0 with a mask, 0.8 without).
+    """
 
     prompt: str
     n: int = 1
@@ -47,6 +57,9 @@ class ImageRequest:
     num_inference_steps: int = 25
     guidance_scale: float = 7.0
     adapters: AdapterStackSpec = ()  # merged into the denoiser for this call; () = the base model
+    image: Image | None = None  # an edit's source image
+    mask: Image | None = None  # an edit's mask (with image): what to repaint
+    strength: float | None = None  # an edit's noise strength; None = diffusers' default
 
 
 class StackGate:
@@ -157,6 +170,8 @@ class ImageWorker(ThreadWorker):
             raise RuntimeError(f"model {self.spec.name!r} is not loaded")
         if req.n < 1:
             raise ValueError("n must be at least 1")
+        if req.mask is not None and (req.image is None or req.mask.size != req.image.size):
+            raise ValueError("a mask needs an image of its size")
         for side in (req.width, req.height):
             if side is not None and (side <= 0 or side % 8):
                 raise ValueError(f"image sides must be positive multiples of 8, got {side}")
@@ -167,20 +182,25 @@ class ImageWorker(ThreadWorker):
             ctx.boundary()
             return kwargs
 
+        task, kwargs = _task(req)
         switch = lambda key: self._switch_stack(req.adapters)  # noqa: E731
         with self.stack_gate.use(stack_key(req.adapters), switch, ctx), torch.inference_mode():
-            out = self._call_pipeline()(
+            out = self._call_pipeline(task)(
                 prompt=[req.prompt] * req.n,
                 negative_prompt=[req.negative_prompt] * req.n if req.negative_prompt else None,
-                width=req.width,
-                height=req.height,
                 num_inference_steps=req.num_inference_steps,
                 guidance_scale=req.guidance_scale,
                 generator=generators,
                 callback_on_step_end=on_step_end,
                 output_type="pil",
+                **kwargs,
             )
-        return [_png(img) for img in out.images]
+        images = out.images
+        if req.mask is not None:  # outside the mask, the source itself (not its trip through the VAE)
+            from PIL import Image as PILImage
+
+            images = [PILImage.composite(img.convert("RGB"), req.image, req.mask) for img in images]
+        return [_png(img) for img in images]
 
     def _switch_stack(self, stack: AdapterStackSpec) -> None:
         """(under the stack gate, nobody running) Merge ``stack`` into the denoiser, or restore it;
@@ -204,15 +224,40 @@ class ImageWorker(ThreadWorker):
                                    if k.startswith("tokenizer") and v is not None}
         return local["tokenizers"]
 
-    def _call_pipeline(self) -> DiffusionPipeline:
-        """A pipeline object for one call: the shared modules and a fresh scheduler."""
+    def _call_pipeline(self, task: str = "text2image") -> DiffusionPipeline:
+        """A pipeline object for one call: the shared modules and a fresh scheduler. ``task``
+        "inpaint" or "image2image" gets diffusers' pipeline for that task on the same modules
+        (``AutoPipelineFor*.from_pipe``); a ValueError when diffusers has none for this pipeline."""
         pipe = self.pipe
+        if task != "text2image":
+            from diffusers import AutoPipelineForImage2Image, AutoPipelineForInpainting
+
+            auto = AutoPipelineForInpainting if task == "inpaint" else AutoPipelineForImage2Image
+            scheduler = type(pipe.scheduler).from_config(pipe.scheduler.config)
+            try:
+                fresh = auto.from_pipe(pipe, scheduler=scheduler, **self._own_tokenizers())
+            except ValueError:
+                raise ValueError(f"model {self.spec.name!r} ({type(pipe).__name__}) cannot edit images: diffusers "
+                                 f"has no {task} pipeline for it") from None
+            fresh.set_progress_bar_config(disable=True)
+            return fresh
         _, optional = pipe._get_signature_keys(pipe)
         options = {k: pipe.config[k] for k in optional if k in pipe.config}
         scheduler = type(pipe.scheduler).from_config(pipe.scheduler.config)
         fresh = type(pipe)(**{**pipe.components, "scheduler": scheduler, **self._own_tokenizers()}, **options)
         fresh.set_progress_bar_config(disable=True)
         return fresh
+
+
+def _task(req: ImageRequest) -> tuple[str, dict]:
+    """The diffusers task of ``req`` and the call's arguments for it beyond the shared ones."""
+    if req.image is None:
+        return "text2image", {"width": req.width, "height": req.height}
+    strength = {} if req.strength is None else {"strength": req.strength}
+    if req.mask is None:  # image-to-image takes its size from the image
+        return "image2image", {"image": req.image, **strength}
+    width, height = req.image.size
+    return "inpaint", {"image": req.image, "mask_image": req.mask, "width": width, "height": height, **strength}
 
 
 def native_size(path: Path) -> tuple[int, int] | None:
