@@ -1,7 +1,8 @@
 """Images: ``plan_images`` checks a request, ``serve_images`` (the serving core, shared with batch
 lines) makes the PNGs, and the HTTP handlers render them: POST /v1/images/generations (OpenAI
 images), POST /v1/images/edits (a multipart upload: an image, and a mask whose fully transparent
-pixels are what to repaint, OpenAI's rule) and GET /v1/images/files/{id}.png, which serves the
+pixels are what to repaint, OpenAI's rule), POST /v1/images/variations (an upload made again, no
+prompt) and GET /v1/images/files/{id}.png, which serves the
 images of ``response_format: "url"`` to the key that asked for them, for a limited time."""
 
 from __future__ import annotations
@@ -62,11 +63,10 @@ class ImageGenerationRequest(_Body):
     adapters: list[AdapterChoice] | None = Field(default=None, max_length=MAX_STACK)  # extension: LoRA stack
 
 
-class ImageEditForm(_Form):
-    """``/v1/images/edits``'s text fields (the image and the mask are file parts)."""
+class ImageVariationForm(_Form):
+    """``/v1/images/variations``'s text fields (the image is a file part)."""
 
     model: str = Field(min_length=1)
-    prompt: str
     n: int = Field(default=1, ge=1)
     size: str | None = None  # "WxH" or "auto"; None and "auto" = the image's own size
     response_format: Literal["b64_json", "url"] | None = None
@@ -75,11 +75,17 @@ class ImageEditForm(_Form):
     num_inference_steps: int | None = Field(default=None, ge=1)
     guidance_scale: float = Field(default=7.0, ge=0, le=50)
     strength: float | None = Field(default=None, gt=0, le=1)  # extension: how far from the source
+    user: str | None = None
+    adapters: str | None = None  # extension: the LoRA stack as JSON text, as the JSON endpoints take it
+
+
+class ImageEditForm(ImageVariationForm):
+    """``/v1/images/edits``'s text fields (the image and the mask are file parts)."""
+
+    prompt: str
     quality: Literal["auto", "standard"] | None = None
     output_format: Literal["png"] | None = None
     stream: Literal[False] | None = None
-    user: str | None = None
-    adapters: str | None = None  # extension: the LoRA stack as JSON text, as the JSON endpoints take it
 
 
 @dataclass(frozen=True)
@@ -102,9 +108,11 @@ def plan(body: ImageGenerationRequest, limits: LimitsConfig, native: tuple[int, 
     return Plan(req, units=float(body.n * pixels * steps))
 
 
-def _checked_steps(body: ImageGenerationRequest | ImageEditForm, limits: LimitsConfig) -> int:
-    """The fields generations and edits share checked against the limits; the denoising steps."""
-    _text(body.prompt, "prompt", limits.prompt_max_chars, required=True)
+def _checked_steps(body: ImageGenerationRequest | ImageVariationForm, limits: LimitsConfig) -> int:
+    """The fields generations, edits and variations share checked against the limits (the prompt
+    where there is one); the denoising steps."""
+    if "prompt" in type(body).model_fields:
+        _text(body.prompt, "prompt", limits.prompt_max_chars, required=True)
     if body.negative_prompt is not None:
         _text(body.negative_prompt, "negative_prompt", limits.prompt_max_chars, required=False)
     if body.n > limits.image_max_n:
@@ -144,11 +152,13 @@ def _size(size: str | None, max_side: int, native: tuple[int, int] | None) -> tu
 # -- edits: the upload decoded and its mask read --------------------------------------------------
 
 
-def decode_edit(image: bytes, mask: bytes | None, size: str | None, max_side: int) -> tuple[Image, Image | None]:
+def decode_edit(image: bytes, mask: bytes | None, size: str | None, max_side: int,
+                whole: bool = False) -> tuple[Image, Image | None]:
     """An edit's source image (RGB) and what to repaint (mode "L": 255 repaint, 0 keep; None = the
     whole image), both at the output size. The mask's fully transparent pixels are what to repaint;
     without a mask, the image's own fully transparent pixels are (OpenAI's rule), and an image with
-    none is edited whole. Runs in a thread: decoding is CPU work."""
+    none, or any image when ``whole`` (a variation), is edited whole. Runs in a thread: decoding
+    is CPU work."""
     source = _open_image(image, "image")
     width, height = _edit_size(size, source.size, max_side)
     if mask is not None:
@@ -163,7 +173,7 @@ def decode_edit(image: bytes, mask: bytes | None, size: str | None, max_side: in
         if repaint.getextrema()[1] == 0:
             raise bad_request("the mask has no fully transparent pixel: nothing to edit", "mask", "invalid_mask")
     else:
-        repaint = _transparent(source)
+        repaint = None if whole else _transparent(source)
         if repaint is not None and repaint.getextrema()[1] == 0:
             repaint = None  # an alpha channel, but nothing transparent: the whole image
     from PIL import Image as PILImage
@@ -223,9 +233,10 @@ def _edit_size(size: str | None, source: tuple[int, int], max_side: int) -> tupl
     return width, height
 
 
-def plan_edit(body: ImageEditForm, steps: int, image: Image, mask: Image | None) -> Plan:
-    """An edit's job: its checked fields (``steps`` from ``_checked_steps``), the decoded image and
-    mask; its cost counts the steps diffusers runs (``strength`` of them)."""
+def plan_edit(body: ImageVariationForm, steps: int, image: Image, mask: Image | None) -> Plan:
+    """An edit's or a variation's job (a variation: an edit without a prompt): its checked fields
+    (``steps`` from ``_checked_steps``), the decoded image and mask; its cost counts the steps
+    diffusers runs (``strength`` of them)."""
     width, height = image.size
     strength = body.strength if body.strength is not None else (1.0 if mask is not None else IMG2IMG_STRENGTH)
     runs = int(steps * strength)  # diffusers denoises the last int(steps x strength) of the steps
@@ -233,8 +244,8 @@ def plan_edit(body: ImageEditForm, steps: int, image: Image, mask: Image | None)
         raise bad_request(f"num_inference_steps {steps} at strength {strength:g} runs no denoising step (an edit runs "
                           "int(steps x strength) of them): ask for more steps or a higher strength",
                           "strength" if body.strength is not None else "num_inference_steps")
-    req = ImageRequest(body.prompt, body.n, width, height, body.seed, body.negative_prompt or None, steps,
-                       body.guidance_scale, image=image, mask=mask, strength=body.strength)
+    req = ImageRequest(getattr(body, "prompt", ""), body.n, width, height, body.seed, body.negative_prompt or None,
+                       steps, body.guidance_scale, image=image, mask=mask, strength=body.strength)
     return Plan(req, units=float(body.n * width * height * runs))
 
 
@@ -279,30 +290,42 @@ async def generations(request: Request) -> Response:
     job = plan_images(svc, body)
     async with disconnect_signal(request) as gone:
         pngs = await serve_images(svc, caller, job, gone)
-    if body.response_format == "url":
-        rows = [{"url": _url(request, svc.images.put(caller.key_id, png)), "revised_prompt": None} for png in pngs]
-    else:
-        rows = b64_rows(pngs)
-    return JSONResponse({"created": int(time.time()), "data": rows}, headers=svc.gate.rate_headers(caller.tier))
+    return _answer(request, svc, caller, pngs, body.response_format)
 
 
 async def edits(request: Request) -> Response:
     """POST /v1/images/edits: multipart ``image`` (one), optional ``mask``, and the text fields."""
+    return await _from_image(request, ImageEditForm, ("image", "image[]", "mask"))
+
+
+async def variations(request: Request) -> Response:
+    """POST /v1/images/variations: multipart ``image`` (one) made again, the whole of it, with no
+    prompt: image to image at ``strength``."""
+    return await _from_image(request, ImageVariationForm, ("image", "image[]"))
+
+
+async def _from_image(request: Request, form_type: type[ImageVariationForm], files: tuple[str, ...]) -> Response:
     svc: Services = request.app.state.services
     caller = svc.admit_caller(request)
     limits = svc.config.limits
     async with Multipart(request, limits.image_edit_max_bytes, "the image in an 'image' part", "image",
                          max_files=3) as form:
-        body = parse(ImageEditForm, text_fields(form, ("image", "image[]", "mask")))
+        body = parse(form_type, text_fields(form, files))
         image, mask = await _uploads(form, limits.image_edit_max_bytes)
     spec, stack = resolve_request(svc, body.model, _adapters(body.adapters), "image")
     steps = _checked_steps(body, limits)  # the fields' 400s before the pixels are decoded
-    source, repaint = await anyio.to_thread.run_sync(decode_edit, image, mask, body.size, limits.image_max_side)
+    source, repaint = await anyio.to_thread.run_sync(decode_edit, image, mask, body.size, limits.image_max_side,
+                                                     form_type is ImageVariationForm)
     job = plan_edit(body, steps, source, repaint)
     job = replace(job, model=spec.name, request=replace(job.request, adapters=stack))
     async with disconnect_signal(request) as gone:
         pngs = await serve_images(svc, caller, job, gone)
-    if body.response_format == "url":
+    return _answer(request, svc, caller, pngs, body.response_format)
+
+
+def _answer(request: Request, svc: Services, caller: Caller, pngs: list[bytes], response_format: str | None) -> Response:
+    """Generations' answer: the PNGs inline, or as urls of the image store for ``url``."""
+    if response_format == "url":
         rows = [{"url": _url(request, svc.images.put(caller.key_id, png)), "revised_prompt": None} for png in pngs]
     else:
         rows = b64_rows(pngs)

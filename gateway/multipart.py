@@ -73,7 +73,7 @@ def text_fields(form: FormData, files: tuple[str, ...]) -> dict:
         if key in files:
             continue
         if isinstance(value, UploadFile):
-            raise bad_request(f"{key} must be a text field, not a file", key)
+            raise bad_request(f"{key} is a file part; this endpoint takes files only as {', '.join(files)}", key)
         if key.endswith("[]"):
             out.setdefault(key[:-2], []).append(value)
         else:

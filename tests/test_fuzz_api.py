@@ -376,10 +376,11 @@ EDIT_FIELDS = {
 
 
 @st.composite
-def image_edits(draw):
-    """(files, fields) for an image edit: an image part (or none, two, or a text field), maybe a
-    mask (an image of its own, often the same size with transparent pixels), and form fields."""
-    data = {"model": "tiny-image", "prompt": "a cat", "num_inference_steps": "2"}  # 2 x 0.8: one step
+def image_edits(draw, variation: bool):
+    """(files, fields) for an image edit or variation: an image part (or none, two, or a text
+    field), maybe a mask (an image of its own, often the same size with transparent pixels), and
+    form fields."""
+    data = {"model": "tiny-image", "num_inference_steps": "2", **({} if variation else {"prompt": "a cat"})}  # 2 x 0.8
     for name in draw(st.lists(st.sampled_from(sorted(EDIT_FIELDS)), max_size=3, unique=True)):
         if draw(st.integers(0, 4)) == 0:
             data.pop(name, None)
@@ -404,8 +405,8 @@ def image_edits(draw):
 @st.composite
 def uploads(draw, path: str):
     """(files, fields) for httpx: a file part (or a text 'file', or none) and form fields."""
-    if path == "/v1/images/edits":
-        return draw(image_edits())
+    if path.startswith("/v1/images/"):
+        return draw(image_edits(path.endswith("/variations")))
     transcription = path.startswith("/v1/audio/")  # transcriptions and translations: the same fields but one
     names = TRANSCRIPTION_FIELDS if transcription else FILE_FIELDS
     data = {"model": "tiny-stt"} if transcription else {"purpose": "batch"}
@@ -446,11 +447,12 @@ def check_answer(r: httpx.Response, what) -> None:
         check_error(r.status_code, r.content, what)
 
 
-@pytest.mark.parametrize("path", ["/v1/audio/transcriptions", "/v1/audio/translations", "/v1/files", "/v1/images/edits"])
+@pytest.mark.parametrize("path", ["/v1/audio/transcriptions", "/v1/audio/translations", "/v1/files", "/v1/images/edits",
+                                  "/v1/images/variations"])
 def test_generated_uploads_get_a_success_or_a_clean_4xx(server, path):
     """Real audio files at odd rates, channel counts, lengths and sample values (NaN, inf, 1e30),
     cut short or replaced by noise; JSONL files of generated lines; real images in every pixel
-    mode and format, with masks; odd fields; then raw bodies that are not well-formed multipart at
+    mode and format, with masks (edits and variations); odd fields; then raw bodies that are not well-formed multipart at
     all. An uploaded batch file is then used for a batch."""
     headers = {"Authorization": f"Bearer {server.keys['paid']}"}
 
@@ -480,7 +482,7 @@ def test_generated_uploads_get_a_success_or_a_clean_4xx(server, path):
     batches: dict[str, bytes] = {}  # the batches made on generated files: id -> the file
     statuses: dict[int, int] = {}
     run()
-    if path == "/v1/images/edits" and EXAMPLES >= 40:  # the generated edits reach the model too, not only refusals
+    if path.startswith("/v1/images/") and EXAMPLES >= 40:  # the generated edits reach the model too, not only refusals
         assert statuses.get(200, 0) >= 2, statuses
     raw()
     deadline = time.monotonic() + 120  # each batch's validation ends: never stuck, whatever its lines
@@ -491,9 +493,9 @@ def test_generated_uploads_get_a_success_or_a_clean_4xx(server, path):
         assert status != "validating", (batch_id, content)
     if path.startswith("/v1/audio/"):  # the server still transcribes / stores a good upload afterwards
         files, data = {"file": ("a.wav", sound_file(16000, 1, 1600, "WAV", "PCM_16", "silent"), "audio/wav")}, {"model": "tiny-stt"}
-    elif path == "/v1/images/edits":
+    elif path.startswith("/v1/images/"):
         files = {"image": ("a.png", image_file("RGBA", 16, 16, "PNG", "random"), "image/png")}
-        data = {"model": "tiny-image", "prompt": "a cat", "num_inference_steps": "2"}
+        data = {"model": "tiny-image", "num_inference_steps": "2", **({"prompt": "a cat"} if "edits" in path else {})}
     else:
         files, data = {"file": ("a.jsonl", b"{}", "text/plain")}, {"purpose": "batch"}
     r = httpx.post(f"{server.url}{path}", files=files, data=data, headers=headers, timeout=60)

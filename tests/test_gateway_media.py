@@ -311,6 +311,31 @@ def test_bad_image_edits_name_the_param(media, files, data, status, param, code)
     assert " at 0x" not in err["message"]  # no repr of our buffers
 
 
+def test_image_variation_remakes_the_whole_image(media):
+    """``client.images.create_variation``: the image made again, no prompt, transparency and all
+    (image to image at ``strength``, 0.8 by default); the seed decides it, as everywhere."""
+    c = client(media)
+    rgba = noise_image(32, 24, seed=5).convert("RGBA")
+    rgba.paste((0, 0, 0, 0), (0, 0, 16, 24))  # transparent pixels mark nothing here: all of it is remade
+
+    def vary(**extra) -> list[bytes]:
+        r = c.images.create_variation(model="tiny-image", image=("a.png", png_of(rgba)), n=2, extra_body={**EDIT, **extra})
+        return [base64.b64decode(d.b64_json) for d in r.data]
+
+    first, again = vary(), vary()
+    assert first == again and first[0] != first[1]
+    assert [png_size(p) for p in first] == [(32, 24), (32, 24)]
+    src = np.asarray(rgba.convert("RGB"), dtype=np.int16)
+    assert np.abs(pixels_of(first[0])[:, 16:] - src[:, 16:]).mean() > 20  # the opaque half is remade too
+    assert vary(strength=1.0) != first
+    r = httpx.post(f"{media.base_url}/images/variations", headers=auth(media), data={"model": "tiny-image"},
+                   files={"image": ("a.png", SRC), "mask": ("m.png", SRC)})
+    assert "image, image[]" in error(r, 400, "mask")["message"]
+    r = httpx.post(f"{media.base_url}/images/variations", headers=auth(media), files={"image": ("a.png", SRC)},
+                   data={"model": "tiny-image", "prompt": "a cat"})
+    error(r, 400, "prompt", "unknown_parameter")
+
+
 def test_image_edit_needs_multipart(media):
     r = httpx.post(f"{media.base_url}/images/edits", headers=auth(media),
                    json={"model": "tiny-image", "prompt": "a cat", "image": base64.b64encode(SRC).decode()})

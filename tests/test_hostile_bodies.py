@@ -153,7 +153,7 @@ def test_an_int_is_a_fine_float(server):
     assert status == 200, body
 
 
-@pytest.mark.parametrize("path", ["/audio/transcriptions", "/files", "/images/edits"])
+@pytest.mark.parametrize("path", ["/audio/transcriptions", "/files", "/images/edits", "/images/variations"])
 def test_multipart_with_10000_parts_is_400(server, path):
     boundary = "hostileboundary"
     parts = "".join(f'--{boundary}\r\nContent-Disposition: form-data; name="f{i}"\r\n\r\nx\r\n' for i in range(10_000))
