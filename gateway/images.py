@@ -245,7 +245,7 @@ def plan_edit(body: ImageVariationForm, steps: int, image: Image, mask: Image | 
                           "int(steps x strength) of them): ask for more steps or a higher strength",
                           "strength" if body.strength is not None else "num_inference_steps")
     req = ImageRequest(getattr(body, "prompt", ""), body.n, width, height, body.seed, body.negative_prompt or None,
-                       steps, body.guidance_scale, image=image, mask=mask, strength=body.strength)
+                       steps, body.guidance_scale, image=image, mask=mask, strength=strength)
     return Plan(req, units=float(body.n * width * height * runs))
 
 

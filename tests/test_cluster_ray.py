@@ -231,6 +231,28 @@ def test_ingress_refuses_before_any_replica(cluster):
     assert missing.status_code == 404 and missing.json()["error"]["code"] == "model_not_found"
 
 
+def test_multipart_uploads_route_by_their_model_part(cluster):
+    """The ingress reads a form's model from its 'model' part (uploads are not JSON): an unknown one
+    is its own 404, a known one goes to a replica, which judges the rest (here: a chat model cannot
+    transcribe or edit images); a batch file, which names no model, is stored by any replica."""
+    paid = {"authorization": "Bearer key-paid"}
+    png = bytes.fromhex("89504e470d0a1a0a0000000d4948445200000001000000010806000000"
+                        "1f15c4890000000d49444154789c6360000000000500010d0a2db40000000049454e44ae426082")
+    for path, files in (("/v1/audio/transcriptions", {"file": ("a.wav", b"RIFF")}),
+                        ("/v1/images/edits", {"image": ("a.png", png)})):
+        data = {"prompt": "a cat"} if "images" in path else {}
+        missing = httpx.post(f"{cluster.url}{path}", headers=paid, files=files, data={"model": "nope", **data}, timeout=60)
+        assert missing.status_code == 404 and missing.json()["error"]["param"] == "model", missing.text
+        assert "x-tiergate-replica" not in missing.headers  # refused at the ingress
+        wrong = httpx.post(f"{cluster.url}{path}", headers=paid, files=files, data={"model": "a", **data}, timeout=60)
+        assert wrong.status_code == 400 and wrong.json()["error"]["code"] == "model_not_supported", wrong.text
+        assert wrong.headers["x-tiergate-replica"]
+    stored = httpx.post(f"{cluster.url}/v1/files", headers=paid, data={"purpose": "batch"}, timeout=60,
+                        files={"file": ("b.jsonl", b'{"custom_id": "1", "method": "POST", "url": "/v1/chat/completions", '
+                                                   b'"body": {"model": "a", "messages": []}}\n')})
+    assert stored.status_code == 200 and stored.json()["id"].startswith("file-"), stored.text
+
+
 def scrape(cluster, prefix: str = "") -> dict[str, list]:
     """The cluster's /metrics, parsed by prometheus_client: family name -> samples."""
     response = httpx.get(f"{cluster.proxy + prefix if prefix else cluster.url}/metrics", timeout=30)
