@@ -31,6 +31,7 @@ from gateway.admission import Gate, TierPolicy
 from gateway.auth import Caller, KeyRing
 from gateway.body_deadline import BodyDeadline
 from gateway.config import Config
+from gateway.background import Background
 from gateway.drain import Drain, DrainGate, readyz
 from gateway.errors import APIError
 from gateway.image_store import ImageStore
@@ -189,6 +190,7 @@ def routes() -> list[BaseRoute]:
         Route("/v1/responses/{response_id}", responses.get_response, methods=["GET"]),
         Route("/v1/responses/{response_id}/input_items", responses.list_input_items, methods=["GET"]),
         Route("/v1/responses/{response_id}", responses.delete_response, methods=["DELETE"]),
+        Route("/v1/responses/{response_id}/cancel", responses.cancel_response, methods=["POST"]),
         Route("/v1/images/generations", images.generations, methods=["POST"]),
         Route("/v1/images/edits", images.edits, methods=["POST"]),
         Route("/v1/images/variations", images.variations, methods=["POST"]),
@@ -239,6 +241,8 @@ def create_app(services: Services, extra: Sequence[BaseRoute] = ()) -> Starlette
     app.state.services = services
     app.state.batches = runner_for(services)
     app.state.responses = responses_for(services)
+    app.state.background = Background(drain)  # background responses: stopped at shutdown before the store closes
+    services.on_shutdown.append(app.state.background.stop)
     app.state.drain = drain
     drain.hooks.append(app.state.batches.hand_back)
     app.state.started = time.time()

@@ -10,6 +10,13 @@ later request continues with ``previous_response_id``, and its input items as th
 (``input_items``). A record is visible only to the key that made it: ``get`` and ``delete`` by
 another key find nothing, so the API answers 404, as it does for files and batches.
 
+A background response (``background: true``) is stored when it is accepted, ``queued``, and
+rewritten as it runs by ``update_running``, which replaces a record only while its stored status
+is still ``queued`` or ``in_progress``: so a cancel written by another process, or a delete, is
+never undone by the process running it, whose next write finds it and stops the work. Each
+write carries ``beat``, the time it was made; the running process writes at least every
+``HEARTBEAT_S`` (gateway/responses.py), so a record whose beat is old had its process die.
+
 Retention (``responses.retention_days`` in tiers.yaml, 30 by default, as OpenAI keeps them): a
 record older than that is not returned, and is deleted: on SQLite by a sweep when the store opens
 and every ``sweep_s`` after; on Redis by the key's own expiry, set when it is written (keys
@@ -47,15 +54,18 @@ class StoredResponse:
     conversation: list[dict[str, Any]]  # chat messages: its input (no instructions), then its reply
     # its input as the Responses API's items (``input_items``): None in a record from before they were kept
     input_items: list[dict[str, Any]] | None = None
+    beat: float | None = None  # a background response's last write (epoch seconds); None for the others
 
     def doc(self) -> str:
         return json.dumps({"owner": self.owner, "created_at": self.created_at, "response": self.response,
-                           "conversation": self.conversation, "input_items": self.input_items}, separators=(",", ":"))
+                           "conversation": self.conversation, "input_items": self.input_items, "beat": self.beat},
+                          separators=(",", ":"))
 
     @classmethod
     def of(cls, response_id: str, doc: str | bytes) -> "StoredResponse":
         d = json.loads(doc)
-        return cls(response_id, d["owner"], d["created_at"], d["response"], d["conversation"], d.get("input_items"))
+        return cls(response_id, d["owner"], d["created_at"], d["response"], d["conversation"], d.get("input_items"),
+                   d.get("beat"))
 
 
 class ResponseStore(abc.ABC):
@@ -82,6 +92,12 @@ class ResponseStore(abc.ABC):
     @abc.abstractmethod
     async def delete(self, response_id: str, owner: str) -> bool:
         """Delete the record; False when there is none or another key made it."""
+
+    @abc.abstractmethod
+    async def update_running(self, record: StoredResponse) -> bool:
+        """Replace the stored record of ``record.id`` (made by ``record.owner``) with ``record``, only
+        while the stored one's status is ``queued`` or ``in_progress``; False when it is not (it
+        ended, was cancelled or deleted), and then nothing changes."""
 
 
 class SQLiteResponses(SQLiteFile, ResponseStore):
@@ -146,6 +162,11 @@ class SQLiteResponses(SQLiteFile, ResponseStore):
         return await self._call(self._changed, "DELETE FROM responses WHERE id = ? AND owner = ?",
                                 (response_id, owner)) == 1
 
+    async def update_running(self, record: StoredResponse) -> bool:
+        return await self._call(self._changed, "UPDATE responses SET doc = ? WHERE id = ? AND owner = ? AND "
+                                "json_extract(doc, '$.response.status') IN ('queued', 'in_progress')",
+                                (record.doc(), record.id, record.owner)) == 1
+
 
 # KEYS response; ARGV owner: delete only the owner's record
 _DELETE = """
@@ -153,6 +174,19 @@ local doc = redis.call('GET', KEYS[1])
 if not doc then return 0 end
 if cjson.decode(doc)['owner'] ~= ARGV[1] then return 0 end
 return redis.call('DEL', KEYS[1])
+"""
+
+
+# KEYS response; ARGV the new record, owner: replace only the owner's record while it runs
+_UPDATE_RUNNING = """
+local doc = redis.call('GET', KEYS[1])
+if not doc then return 0 end
+local d = cjson.decode(doc)
+if d['owner'] ~= ARGV[2] then return 0 end
+local status = d['response']['status']
+if status ~= 'queued' and status ~= 'in_progress' then return 0 end
+redis.call('SET', KEYS[1], ARGV[1], 'KEEPTTL')
+return 1
 """
 
 
@@ -173,6 +207,7 @@ class RedisResponses(ResponseStore):
 
         self._r = aioredis.Redis.from_url(self.url)
         self._delete = self._r.register_script(_DELETE)
+        self._update_running = self._r.register_script(_UPDATE_RUNNING)
         if self.retention_s is not None:
             self._expirer = asyncio.create_task(self._expire_in_background())
 
@@ -227,6 +262,9 @@ class RedisResponses(ResponseStore):
 
     async def delete(self, response_id: str, owner: str) -> bool:
         return bool(await self._delete(keys=[self._key(response_id)], args=[owner]))
+
+    async def update_running(self, record: StoredResponse) -> bool:
+        return bool(await self._update_running(keys=[self._key(record.id)], args=[record.doc(), record.owner]))
 
 
 def open_responses(spec: str, data_dir: Path, retention_s: float | None = None) -> ResponseStore:

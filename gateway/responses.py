@@ -1,5 +1,5 @@
-"""The Responses API: ``POST /v1/responses``, ``GET`` and ``DELETE /v1/responses/{id}``, and
-``GET /v1/responses/{id}/input_items``.
+"""The Responses API: ``POST /v1/responses``, ``GET`` and ``DELETE /v1/responses/{id}``,
+``GET /v1/responses/{id}/input_items`` and ``POST /v1/responses/{id}/cancel``.
 
 A request becomes a chat job: ``input`` (a string, or items: messages with ``input_text`` /
 ``output_text`` parts, ``function_call`` and ``function_call_output`` items) is turned into chat
@@ -32,12 +32,24 @@ as in OpenAI's API. A record stored before items were kept has them rebuilt from
 messages (a message's parts as one, ``developer`` as ``system``, ids fixed by the response and
 place). A page is OpenAI's cursor list (``limit`` 1..100, default 20; ``order`` ``desc``, the
 newest first, by default; ``after`` / ``before`` an item id).
+
+Background responses (``background: true``, stored, not streamed): the request is checked and
+admitted as any other (its 400s and its early 429 come at once), stored ``queued`` and answered;
+the work then runs in this process (``gateway.background``) at the caller's tier, ``in_progress``
+from its first token, and its record ends ``completed``, ``incomplete``, ``failed`` (with
+``error``) or ``cancelled``. ``POST /v1/responses/{id}/cancel`` stops it: at once when this process
+runs it, else by writing ``cancelled`` to the store, which the running process finds at its next
+write (every ``HEARTBEAT_S``) and stops. A record still running whose last write is older than
+``STALE_S`` had its process die: it is shown ``failed`` (``server_error``). Only a ``completed``
+or ``incomplete`` response can be continued with ``previous_response_id``.
 """
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
 import json
+import logging
 import re
 import time
 import uuid
@@ -50,6 +62,7 @@ from starlette.responses import JSONResponse, Response
 
 from gateway import service_tier
 from gateway.auth import Caller
+from gateway.background import Background
 from gateway.chat import ChatJob, ChoiceDelta, Reply, collect, plan_chat, served_caller, serve_chat
 from gateway.errors import APIError, bad_request, not_found
 from gateway.http import Streamed, disconnect_signal
@@ -57,8 +70,17 @@ from gateway.logprobs import chat_content
 from gateway.response_store import ResponseStore, StoredResponse
 from gateway.schemas import (MAX_STACK, MAX_TOOLS, TOOL_NAME, AdapterChoice, ChatCompletionRequest, _Body, is_count, parse,
                              read_json)
-from gateway.service import Services
+from gateway.service import ClientGone, Services
+from gateway.serving import Gone
 from gateway.tools import CallDelta
+
+log = logging.getLogger("tiergate.responses")
+
+HEARTBEAT_S = 5.0  # a running background response's record is written at least this often
+STALE_S = 30.0  # a running one's record older than this: its process died
+CANCEL_WAIT_S = 5.0  # a cancel waits this long for this process's work to stop and record it
+RUNNING = ("queued", "in_progress")
+CONTINUABLE = ("completed", "incomplete")
 
 
 class FunctionTool(_Body):
@@ -107,7 +129,7 @@ class ResponsesRequest(_Body):
     user: str | None = None
     service_tier: str | None = None
     truncation: Literal["disabled"] | None = None  # "auto" (dropping old turns) is not supported
-    background: Literal[False] | None = None
+    background: bool = False
     reasoning: None = None
     adapters: list[AdapterChoice] | None = Field(default=None, max_length=MAX_STACK)  # extension: LoRA stack
 
@@ -275,6 +297,10 @@ async def plan_response(svc: Services, caller: Caller, store: ResponseStore | No
         previous = await store.get(body.previous_response_id, caller.key_id) if store is not None else None
         if previous is None:
             raise not_found(f"no response with id '{body.previous_response_id}'", "previous_response_id")
+        status = shown(previous)["status"]
+        if status not in CONTINUABLE:
+            raise bad_request(f"the response '{body.previous_response_id}' is {status}: only a completed or incomplete "
+                              "response can be continued", "previous_response_id")
         history = previous.conversation
         items = input_items(previous) + previous.response.get("output", [])
     conversation = history + input_messages(body.input)
@@ -328,9 +354,11 @@ class Draft:
     created_at: int = field(default_factory=lambda: int(time.time()))
     output: list[dict[str, Any]] = field(default_factory=list)
     reply: Reply = field(default_factory=lambda: Reply(0))
+    background: bool = False
 
-    def public(self, status: str) -> dict[str, Any]:
-        """The ``response`` object, with ``status`` and what has been built so far."""
+    def public(self, status: str, error: dict[str, str] | None = None) -> dict[str, Any]:
+        """The ``response`` object, with ``status`` (and ``error`` when it failed) and what has been
+        built so far."""
         body = self.job.body
         f = self.reply.finished
         usage = None
@@ -346,7 +374,7 @@ class Draft:
             choice = choice.model_dump()
         return {
             "id": self.id, "object": "response", "created_at": self.created_at, "status": status,
-            "background": False, "error": None,
+            "background": self.background, "error": error,
             "incomplete_details": {"reason": "max_output_tokens"} if status == "incomplete" else None,
             "instructions": body.instructions, "max_output_tokens": body.max_output_tokens, "model": body.model,
             "output": self.output, "parallel_tool_calls": body.parallel_tool_calls is not False,
@@ -369,8 +397,12 @@ class Draft:
     async def keep(self, store: ResponseStore | None, owner: str) -> None:
         """Store the finished response when the request asked to."""
         if self.job.body.store and store is not None:
-            await store.put(StoredResponse(self.id, owner, self.created_at, self.public(self.status),
-                                           self.conversation(), self.job.items))
+            await store.put(self.record(self.status, owner))
+
+    def record(self, status: str, owner: str, error: dict[str, str] | None = None) -> StoredResponse:
+        """The stored record of this response at ``status`` (a background one's carries the time)."""
+        return StoredResponse(self.id, owner, self.created_at, self.public(status, error), self.conversation(),
+                              self.job.items, time.time() if self.background else None)
 
 
 def message_item(item_id: str, text: str, status: str, logprobs: list | None) -> dict[str, Any]:
@@ -404,6 +436,8 @@ async def response_result(svc: Services, caller: Caller, data: dict) -> dict[str
     body = parse(ResponsesRequest, data)
     if body.stream:
         raise bad_request("stream is not supported in a batch", "stream")
+    if body.background:
+        raise bad_request("background is not supported in a batch (a batch line already runs on its own)", "background")
     if body.previous_response_id is not None:
         raise bad_request("previous_response_id is not supported in a batch", "previous_response_id")
     job = await plan_response(svc, caller, None, body.model_copy(update={"store": False}))
@@ -428,8 +462,18 @@ async def create_response(request: Request) -> Response:
     store = _store(request)
     job = await plan_response(svc, caller, store, body)
     served = served_caller(svc, caller, job.chat)
-    draft = Draft(_item_id("resp"), job, service_tier.label(svc.config, served.tier))
+    draft = Draft(_item_id("resp"), job, service_tier.label(svc.config, served.tier), background=body.background)
     headers = {**svc.gate.rate_headers(served.tier), "x-tiergate-tier": served.tier}
+    if body.background:
+        if not body.store:
+            raise bad_request("a background response must be stored: background needs store true", "background")
+        if body.stream:
+            raise bad_request("background responses are not streamed by this server: poll GET /v1/responses/{id}",
+                              "stream")
+        await store.put(draft.record("queued", caller.key_id))
+        background: Background = request.app.state.background
+        background.start(draft.id, lambda gone: _run_in_background(svc, caller, draft, store, background, gone))
+        return JSONResponse(draft.public("queued"), headers=headers)
     with responses_names():  # the engine refuses a prompt past the context: that is ``input``
         async with disconnect_signal(request) as gone:
             deltas = serve_chat(svc, caller, job.chat, gone)
@@ -444,13 +488,98 @@ async def create_response(request: Request) -> Response:
     return Streamed(events, "text/event-stream", headers=headers)
 
 
+async def _run_in_background(svc: Services, caller: Caller, draft: Draft, store: ResponseStore,
+                             background: Background, gone: Gone) -> None:
+    """A background response's work: served as a live request would be (``gone`` is its stop
+    signal), its record rewritten as it goes, and how it ended stored."""
+    owner, phase = caller.key_id, ["queued"]
+    beat = asyncio.get_running_loop().create_task(_heartbeat(store, draft, owner, phase, gone))
+    status, error = "failed", None
+    try:
+        with responses_names():
+            deltas = serve_chat(svc, caller, draft.job.chat, gone)
+            first = await deltas.__anext__()
+            phase[0] = "in_progress"
+            if not await store.update_running(draft.record("in_progress", owner)):
+                gone.set()  # cancelled or deleted by another process while it waited: stop here
+            replies, _ = await collect(_after(first, deltas))
+        draft.reply = replies[0]
+        draft.output = whole_output(draft)
+        status = draft.status
+    except ClientGone:
+        status = "cancelled"
+        if background.stopping:
+            status, error = "failed", {"code": "server_error",
+                                       "message": "the server shut down before this response finished; create it again"}
+    except APIError as exc:
+        error = {"code": exc.code, "message": exc.message}
+    except Exception:
+        log.exception("background response %s failed", draft.id)
+        error = {"code": "server_error", "message": "the server failed while making this response"}
+    finally:
+        beat.cancel()
+    kept = await store.update_running(draft.record(status, owner, error))
+    log.info("background response %s: %s%s%s", draft.id, status, f" ({error['code']})" if error else "",
+             "" if kept else " (not recorded: cancelled or deleted meanwhile)")
+
+
+async def _after(first: ChoiceDelta, rest: AsyncGenerator[ChoiceDelta, None]) -> AsyncIterator[ChoiceDelta]:
+    yield first
+    async with contextlib.aclosing(rest):
+        async for delta in rest:
+            yield delta
+
+
+async def _heartbeat(store: ResponseStore, draft: Draft, owner: str, phase: list[str], gone: Gone) -> None:
+    """Rewrite the running record every HEARTBEAT_S; stop the work once the store says it was
+    cancelled or deleted meanwhile (by another process)."""
+    while True:
+        await asyncio.sleep(HEARTBEAT_S)
+        if not await store.update_running(draft.record(phase[0], owner)):
+            gone.set()
+            return
+
+
+def shown(record: StoredResponse) -> dict[str, Any]:
+    """The response object of ``record`` as the API shows it: a running one whose process stopped
+    writing it (its last write older than STALE_S) as ``failed``."""
+    response = record.response
+    if response["status"] in RUNNING and (record.beat is None or time.time() - record.beat > STALE_S):
+        return {**response, "status": "failed",
+                "error": {"code": "server_error", "message": "the server process running this background response "
+                                                             "stopped before it finished; create it again"}}
+    return response
+
+
 async def get_response(request: Request) -> Response:
     svc: Services = request.app.state.services
     caller = svc.authenticate(request)  # reading a record takes no slot: no gate
     record = await _store(request).get(request.path_params["response_id"], caller.key_id)
     if record is None:
         raise not_found(f"no response with id '{request.path_params['response_id']}'", "response_id")
-    return JSONResponse(record.response)
+    return JSONResponse(shown(record))
+
+
+async def cancel_response(request: Request) -> Response:
+    """POST /v1/responses/{id}/cancel: a background response still running stops (here at once, in
+    another process at its next write); one that ended is returned as it is."""
+    svc: Services = request.app.state.services
+    caller = svc.authenticate(request)
+    response_id, store = request.path_params["response_id"], _store(request)
+    record = await store.get(response_id, caller.key_id)
+    if record is None:
+        raise not_found(f"no response with id '{response_id}'", "response_id")
+    if not record.response.get("background"):
+        raise bad_request("only a background response (background: true) can be cancelled", "response_id",
+                          "not_background")
+    if shown(record)["status"] in RUNNING:  # (one whose process died shows failed: returned as it is)
+        background: Background = request.app.state.background
+        if not await background.cancel(response_id, CANCEL_WAIT_S):  # another process runs it, or none does
+            await store.update_running(StoredResponse(record.id, record.owner, record.created_at,
+                                                      {**record.response, "status": "cancelled"}, record.conversation,
+                                                      record.input_items, time.time()))
+        record = await store.get(response_id, caller.key_id) or record
+    return JSONResponse(shown(record))
 
 
 async def list_input_items(request: Request) -> Response:
@@ -517,6 +646,7 @@ async def delete_response(request: Request) -> Response:
     response_id = request.path_params["response_id"]
     if not await _store(request).delete(response_id, caller.key_id):
         raise not_found(f"no response with id '{response_id}'", "response_id")
+    await request.app.state.background.cancel(response_id, 0)  # a background one running here stops now
     return JSONResponse({"id": response_id, "object": "response", "deleted": True})
 
 

@@ -9,6 +9,7 @@ import threading
 import time
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 import uvicorn
 
@@ -34,6 +35,7 @@ class RunningServer:
     batches: Runner  # the batch runner
     server: uvicorn.Server
     thread: threading.Thread
+    app: Any = None  # the Starlette app (its ``state``)
 
     @property
     def base_url(self) -> str:
@@ -43,6 +45,10 @@ class RunningServer:
         """Run ``fn(*args)`` on the server's event loop (for inspecting its state safely)."""
         fut = asyncio.run_coroutine_threadsafe(_as_coro(fn, *args), self.loop)
         return fut.result(10)
+
+    def wait(self, coro):
+        """Run the coroutine ``coro`` on the server's event loop and return its result."""
+        return asyncio.run_coroutine_threadsafe(coro, self.loop).result(10)
 
     def stop(self) -> None:
         self.server.should_exit = True
@@ -96,7 +102,7 @@ def start_server(config_path: Path, admin: bool = True) -> RunningServer:
         if time.time() > deadline or not thread.is_alive():
             raise RuntimeError("server did not start")
         time.sleep(0.02)
-    running = RunningServer(f"http://127.0.0.1:{port}", keys, services, app.state.batches, server, thread)
+    running = RunningServer(f"http://127.0.0.1:{port}", keys, services, app.state.batches, server, thread, app)
     running.loop = holder["loop"]
     return running
 

@@ -9,12 +9,15 @@ import contextlib
 import io
 import json
 import time
+from dataclasses import replace
 
 import httpx
 import openai
 import pytest
 from transformers import AutoTokenizer
 
+from gateway.auth import key_id
+from gateway.errors import APIError
 from gateway.response_store import RedisResponses, SQLiteResponses, StoredResponse
 from tests.helpers import start_server, write_config
 from tests.test_batch_store import redis_server
@@ -486,13 +489,190 @@ def test_streamed_function_call_arguments(server):
     ({"input": "x", "tools": TOOLS, "tool_choice": {"type": "function", "name": "nope"}}, "tool_choice"),
     ({"input": "x", "tools": [{**TOOLS[0], "parameters": {"type": "strng"}}]}, "tools[0].parameters"),
     ({"input": "word " * 600}, "input"),
-    ({"input": "x", "background": True}, "background"),
+    ({"input": "x", "background": True, "store": False}, "background"),
+    ({"input": "x", "background": True, "stream": True}, "stream"),
     ({"input": "x", "frobnicate": 1}, "frobnicate"),
 ])
 def test_bad_response_input_is_a_400_naming_the_param(server, body, param):
     r = post(server, "/responses", {"model": "tiny-chat", **body})
     assert r.status_code == 400, r.text
     assert r.json()["error"]["param"] == param
+
+
+# -- background responses -----------------------------------------------------------------------------
+
+
+def wait_until_done(c, response_id: str, timeout: float = 60.0):
+    deadline = time.monotonic() + timeout
+    while (r := c.responses.retrieve(response_id)).status in ("queued", "in_progress"):
+        assert time.monotonic() < deadline, r
+        time.sleep(0.05)
+    return r
+
+
+def test_background_response_is_answered_queued_and_polled_to_its_end(server):
+    c = client(server)
+    alone = respond(c, "Tell me a story", max_output_tokens=24)
+    made = c.responses.create(model="tiny-chat", input="Tell me a story", max_output_tokens=24, temperature=0,
+                              background=True)
+    assert made.status == "queued" and made.background is True and made.output == [] and made.usage is None
+    done = wait_until_done(c, made.id)
+    assert done.status == alone.status and done.background is True
+    assert done.output_text == alone.output_text and done.usage.output_tokens == alone.usage.output_tokens
+    assert done.error is None
+    items = c.responses.input_items.list(made.id)
+    assert [i.type for i in items.data] == ["message"]
+    follow = respond(c, "And then?", previous_response_id=made.id, max_output_tokens=4)  # a finished one continues
+    assert follow.status in ("completed", "incomplete")
+
+
+def _slow_background(c, **kw):
+    """A background response long enough to be caught running: 64 tokens (the tiny model writes
+    one every ~1-3 ms here, so it runs for ~0.1-0.2 s)."""
+    return c.responses.create(model="tiny-chat", input="Count to a thousand", max_output_tokens=64,
+                              background=True, **kw)
+
+
+def test_cancel_stops_a_running_background_response(server):
+    c = client(server)
+    worker = server.services.arbiter.workers["tiny-chat"]
+    before = server.call(lambda: worker.steps)
+    made = _slow_background(c)
+    gone = c.responses.cancel(made.id)
+    assert gone.status == "cancelled" and gone.output == []
+    assert c.responses.cancel(made.id).status == "cancelled"  # again: the same, idempotent
+    assert not server.app.state.background.running
+    time.sleep(0.2)  # a step in flight when the cancel landed ends
+    steps = server.call(lambda: worker.steps)
+    assert steps - before < 60  # the engine stopped short of the 64 tokens asked
+    time.sleep(0.3)
+    assert server.call(lambda: worker.steps) == steps  # and decodes nothing more for it
+    assert c.responses.retrieve(made.id).status == "cancelled"  # not overwritten by a finish
+    with pytest.raises(openai.BadRequestError) as e:  # only a finished response continues
+        respond(c, "more", previous_response_id=made.id)
+    assert e.value.body["param"] == "previous_response_id"
+    done = wait_until_done(c, _slow_background(c).id)
+    assert c.responses.cancel(done.id).status == done.status  # a finished one is returned as it is
+    with pytest.raises(openai.BadRequestError) as e:
+        c.responses.cancel(respond(c, "hi", max_output_tokens=2).id)
+    assert e.value.body["code"] == "not_background"
+    with pytest.raises(openai.NotFoundError):
+        c.responses.cancel("resp_nope")
+    with pytest.raises(openai.NotFoundError):  # another key's
+        client(server, "free").responses.cancel(done.id)
+
+
+def test_a_queued_background_response_counts_for_the_drain_and_cancels_from_the_queue(server):
+    """With paid's slots all taken, a background response waits at the gate, ``queued``; while it
+    does it counts as work in flight for a drain (a SIGTERM waits for it); a cancel takes it out of
+    the gate's queue before any model work."""
+    gate, state, c = server.services.gate, server.app.state, client(server)
+    tickets = [server.wait(gate.acquire("paid", "tiny-chat")) for _ in range(gate.limits["paid"])]
+    try:
+        made = c.responses.create(model="tiny-chat", input="hi", max_output_tokens=4, background=True)
+        time.sleep(0.2)
+        assert c.responses.retrieve(made.id).status == "queued"
+        assert server.call(lambda: (state.drain.inflight, gate.queued("paid"))) == (1, 1)
+        assert c.responses.cancel(made.id).status == "cancelled"
+        assert server.call(lambda: (state.drain.inflight, gate.queued("paid"), len(state.background.running))) == (0, 0, 0)
+    finally:
+        for ticket in tickets:
+            server.call(gate.release, ticket)
+    time.sleep(0.2)
+    assert c.responses.retrieve(made.id).status == "cancelled"
+
+
+def test_a_cancel_written_by_another_process_stops_the_work(server, monkeypatch):
+    """Another process cancels (it writes ``cancelled`` to the store): the running process finds it
+    at its next write, stops the work (here: takes it out of the gate's queue, the slots still all
+    taken) and leaves the record cancelled."""
+    import gateway.responses as responses
+
+    monkeypatch.setattr(responses, "HEARTBEAT_S", 0.05)
+    gate, state, store, c = server.services.gate, server.app.state, server.app.state.responses, client(server)
+    tickets = [server.wait(gate.acquire("paid", "tiny-chat")) for _ in range(gate.limits["paid"])]
+    try:
+        made = c.responses.create(model="tiny-chat", input="hi", max_output_tokens=4, background=True)
+        record = server.wait(store.get(made.id, key_id(server.keys["paid"])))
+        cancelled = replace(record, response={**record.response, "status": "cancelled"}, beat=time.time())
+        assert server.wait(store.update_running(cancelled))
+        deadline = time.monotonic() + 10
+        while server.call(lambda: made.id in state.background.running) and time.monotonic() < deadline:
+            time.sleep(0.02)
+        assert server.call(lambda: (made.id in state.background.running, gate.queued("paid"))) == (False, 0)
+    finally:
+        for ticket in tickets:
+            server.call(gate.release, ticket)
+    assert c.responses.retrieve(made.id).status == "cancelled"
+
+
+def test_a_running_record_whose_process_died_reads_failed_over_http(server):
+    """A record left ``in_progress`` by a process killed mid-work (its last write older than
+    STALE_S) is shown failed by GET and by a cancel, so a client polling it stops."""
+    from gateway.responses import STALE_S
+
+    store, owner = server.app.state.responses, key_id(server.keys["paid"])
+    made = respond(client(server), "hi", max_output_tokens=2)
+    record = server.wait(store.get(made.id, owner))
+    dead = replace(record, id="resp_dead" + made.id[5:], beat=time.time() - STALE_S - 5,
+                   response={**record.response, "id": "resp_dead", "status": "in_progress", "background": True})
+    server.wait(store.put(dead))
+    for r in (httpx.get(f"{server.base_url}/responses/{dead.id}", headers={"Authorization": f"Bearer {server.keys['paid']}"}),
+              post(server, f"/responses/{dead.id}/cancel", {})):
+        assert r.status_code == 200 and r.json()["status"] == "failed", r.text
+        assert r.json()["error"]["code"] == "server_error"
+
+
+def test_background_work_left_at_shutdown_ends_failed(tiny_chat, tmp_path):
+    """At shutdown (after the drain's wait, or without one) what still runs is stopped, and its
+    record says so rather than staying ``queued`` forever."""
+    import sqlite3
+
+    s = start_server(write_config(tmp_path, {"tiny-chat": ("chat", tiny_chat)}))
+    gate = s.services.gate
+    tickets = [s.wait(gate.acquire("paid", "tiny-chat")) for _ in range(gate.limits["paid"])]
+    made = client(s).responses.create(model="tiny-chat", input="hi", max_output_tokens=4, background=True)
+    assert s.call(lambda: made.id in s.app.state.background.running)
+    s.stop()
+    db = sqlite3.connect(tmp_path / "tiergate-data" / "batches.sqlite3")
+    (doc,) = db.execute("SELECT doc FROM responses WHERE id = ?", (made.id,)).fetchone()
+    db.close()
+    response = json.loads(doc)["response"]
+    assert response["status"] == "failed" and response["error"]["code"] == "server_error"
+    assert "shut down" in response["error"]["message"] and tickets
+
+
+def test_a_running_record_its_process_stopped_writing_shows_failed():
+    from gateway.responses import STALE_S, shown
+
+    def rec(status: str, age: float) -> StoredResponse:
+        return StoredResponse("resp_s", "k", 1, {"id": "resp_s", "status": status, "error": None}, [], [],
+                              time.time() - age)
+
+    assert shown(rec("in_progress", 1.0))["status"] == "in_progress"
+    stale = shown(rec("in_progress", STALE_S + 1))
+    assert stale["status"] == "failed" and stale["error"]["code"] == "server_error"
+    assert shown(rec("queued", STALE_S + 1))["status"] == "failed"
+    assert shown(rec("completed", STALE_S + 1))["status"] == "completed"  # a finished one is what it is
+
+
+@pytest.mark.parametrize("failure,code", [
+    (APIError(503, "the model 'tiny-chat' cannot be used: gone", "model_unavailable"), "model_unavailable"),
+    (RuntimeError("a bug"), "server_error"),
+])
+def test_a_background_response_that_fails_records_its_error(server, monkeypatch, failure, code):
+    """What ends a live request with an error ends a background one ``failed``, with the error."""
+    import gateway.responses as responses
+
+    async def failing(*args):
+        raise failure
+        yield  # an async generator, as serve_chat's deltas are
+
+    monkeypatch.setattr(responses, "serve_chat", lambda *args: failing())
+    c = client(server)
+    done = wait_until_done(c, c.responses.create(model="tiny-chat", input="hi", background=True).id)
+    assert done.status == "failed" and done.error.code == code and done.error.message and done.output == []
+    assert not server.app.state.background.running
 
 
 def test_service_tier_on_both(server):
@@ -566,6 +746,22 @@ async def _store_contract(store) -> None:
         assert await store.get("resp_1", "key-a") == record
         assert await store.delete("resp_1", "key-a")
         assert await store.get("resp_1", "key-a") is None and not await store.delete("resp_1", "key-a")
+
+        # a background response's record changes only while it runs
+        def bg(status: str, beat: float) -> StoredResponse:
+            return StoredResponse("resp_b", "key-a", 6, {"id": "resp_b", "status": status, "background": True},
+                                  [], [], beat)
+
+        await store.put(bg("queued", 1.0))
+        assert await store.update_running(bg("in_progress", 2.0))
+        assert (await store.get("resp_b", "key-a")).beat == 2.0
+        assert not await store.update_running(replace(bg("cancelled", 3.0), owner="key-b"))  # not its owner's
+        assert await store.update_running(bg("cancelled", 4.0))  # (another process's cancel)
+        assert not await store.update_running(bg("completed", 5.0))  # the runner cannot undo it
+        assert (await store.get("resp_b", "key-a")).response["status"] == "cancelled"
+        assert not await store.update_running(bg("in_progress", 6.0)) and (await store.get("resp_b", "key-a")).beat == 4.0
+        assert await store.delete("resp_b", "key-a") and not await store.update_running(bg("queued", 7.0))
+        assert await store.get("resp_b", "key-a") is None  # not written back after a delete
     finally:
         await store.close()
 

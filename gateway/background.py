@@ -1,0 +1,61 @@
+"""Work that outlives its HTTP request: the Responses API's ``background: true``.
+
+:class:`Background` holds this process's running background work by id, each a task with its
+stop signal (a :class:`~gateway.serving.Gone`, the signal a client's disconnect sets for a live
+request: the wait for a slot ends, and the model work stops at its next step boundary). While a
+piece runs it counts as an API request in flight for the drain, so a SIGTERM lets it finish, for
+at most ``server.drain_timeout_s``; at shutdown what still runs is stopped with ``stopping`` set,
+so that it can record why it ended.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from typing import Awaitable, Callable
+
+from gateway.drain import Drain
+from gateway.serving import Gone
+
+STOP_WAIT_S = 5.0  # at shutdown, how long the stopped work gets to record how it ended
+
+
+class Background:
+    def __init__(self, drain: Drain) -> None:
+        self.drain = drain
+        self.running: dict[str, tuple[asyncio.Task, Gone]] = {}
+        self.stopping = False
+
+    def start(self, key: str, work: Callable[[Gone], Awaitable[None]]) -> None:
+        """Run ``work(gone)`` in a task of its own under ``key``."""
+        gone = Gone()
+        self.drain.inflight += 1
+        task = asyncio.get_running_loop().create_task(self._run(key, work, gone))
+        self.running[key] = (task, gone)
+
+    async def _run(self, key: str, work: Callable[[Gone], Awaitable[None]], gone: Gone) -> None:
+        try:
+            await work(gone)
+        finally:
+            self.drain.inflight -= 1
+            self.running.pop(key, None)
+
+    async def cancel(self, key: str, wait_s: float) -> bool:
+        """Stop the work ``key`` and wait for it to end (at most ``wait_s``); False when this
+        process does not run it."""
+        entry = self.running.get(key)
+        if entry is None:
+            return False
+        task, gone = entry
+        gone.set()
+        if wait_s > 0:
+            await asyncio.wait({task}, timeout=wait_s)
+        return True
+
+    async def stop(self) -> None:
+        """At shutdown: stop what still runs and let each record how it ended."""
+        self.stopping = True
+        tasks = [task for task, _ in self.running.values()]
+        for _, gone in list(self.running.values()):
+            gone.set()
+        if tasks:
+            await asyncio.wait(tasks, timeout=STOP_WAIT_S)
