@@ -250,7 +250,7 @@ def test_generated_bodies_get_a_success_or_a_clean_4xx(server, path):
 # -- reads: odd ids in the path, odd query strings --------------------------------------------------
 
 READS = ["/v1/batches", "/v1/files", "/v1/usage", "/admin/usage", "/admin/keys", "/admin/events", "/admin/state", "/v1/models/{}",
-         "/v1/files/{}", "/v1/files/{}/content", "/v1/batches/{}", "/v1/responses/{}", "/v1/responses/{}/input_items", "/admin/keys/{}",
+         "/v1/files/{}", "/v1/files/{}/content", "/v1/batches/{}", "/v1/responses/{}", "/v1/responses/{}/input_items", "/v1/responses/{}/cancel", "/admin/keys/{}",
          "/v1/images/files/{}.png"]
 QUERY = st.dictionaries(
     st.sampled_from(["limit", "after", "key", "model", "start_date", "end_date", "group_by", "format", "stream",
