@@ -253,6 +253,30 @@ def test_multipart_uploads_route_by_their_model_part(cluster):
     assert stored.status_code == 200 and stored.json()["id"].startswith("file-"), stored.text
 
 
+def test_background_responses_through_the_ingress(cluster):
+    """A background response is answered queued by the replica that takes it, runs there, and is
+    read (and cancelled) through the ingress, whichever replica answers: the records are in Redis,
+    and a cancel that lands on another replica is written there for the running one to find."""
+    c = openai.OpenAI(base_url=f"{cluster.url}/v1", api_key="key-paid", max_retries=0, timeout=60)
+    # on "c", resident since the first test, so that the residency the later tests expect stays as it is
+    made = c.responses.create(model="c", input="hi", max_output_tokens=4, background=True, temperature=0)
+    assert made.status == "queued"
+    deadline = time.monotonic() + 60
+    while (done := c.responses.retrieve(made.id)).status in ("queued", "in_progress"):
+        assert time.monotonic() < deadline, done
+        time.sleep(0.1)
+    assert done.status in ("completed", "incomplete") and done.output_text
+    assert c.responses.cancel(made.id).status == done.status
+    long = c.responses.create(model="c", input="Count", max_output_tokens=480, background=True)  # within the 512 context
+    assert c.responses.cancel(long.id).status in ("cancelled", "queued", "in_progress")  # here: at once; elsewhere: by its next write
+    deadline = time.monotonic() + 20
+    while (r := c.responses.retrieve(long.id)).status != "cancelled":
+        assert r.status in ("queued", "in_progress") and time.monotonic() < deadline, r
+        time.sleep(0.2)
+    time.sleep(1)
+    assert c.responses.retrieve(long.id).status == "cancelled"
+
+
 def scrape(cluster, prefix: str = "") -> dict[str, list]:
     """The cluster's /metrics, parsed by prometheus_client: family name -> samples."""
     response = httpx.get(f"{cluster.proxy + prefix if prefix else cluster.url}/metrics", timeout=30)
