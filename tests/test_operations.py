@@ -148,6 +148,9 @@ def test_one_json_line_per_request_with_its_id_and_no_secret(served):
 
 
 def test_sigterm_drains_a_stream_refuses_new_work_hands_back_batch_lines_and_exits_0(tiny_chat, tiny_image, tmp_path):
+    """SIGTERM during a stream and a background response, with batch lines running: new requests
+    are refused, the stream and the background response run to their ends, the batch lines go
+    back to the store, the process exits 0."""
     extra = "limits:\n  image_max_steps: 5000\nserver:\n  drain_timeout_s: 40\n"
     config = write_config(tmp_path, {"tiny-chat": ("chat", tiny_chat), "tiny-image": ("image", tiny_image)}, extra)
     served = Served(config)
@@ -181,6 +184,9 @@ def test_sigterm_drains_a_stream_refuses_new_work_hands_back_batch_lines_and_exi
         reader = threading.Thread(target=stream)
         reader.start()
         assert first.wait(30), served.output()
+        # and a background response (no connection held for it) taken before the signal
+        background = served.client().responses.create(model="tiny-chat", input="hi", max_output_tokens=480,
+                                                      temperature=0, background=True)
         served.proc.send_signal(signal.SIGTERM)
 
         deadline = time.time() + 10
@@ -209,6 +215,11 @@ def test_sigterm_drains_a_stream_refuses_new_work_hands_back_batch_lines_and_exi
     usage = chunks[-1][1]["usage"]
     assert usage and usage["completion_tokens"] >= 1
     assert chunks[-1][0] > refused_at, "the stream had ended before the drain refused a request"
+    # the background response ran to its end too, recorded in the store before the process exited
+    with sqlite3.connect(store) as db:
+        (doc,) = db.execute("SELECT doc FROM responses WHERE id = ?", (background.id,)).fetchone()
+    kept = json.loads(doc)["response"]
+    assert kept["status"] in ("completed", "incomplete") and kept["usage"]["output_tokens"] >= 1, kept
     # batch lines: back in the store, unclaimed, their hand-out not counted, nothing recorded
     rows = backlog(store, batch.id)
     assert len(rows) == 2 and rows == [(None, 0), (None, 0)]
@@ -218,7 +229,7 @@ def test_sigterm_drains_a_stream_refuses_new_work_hands_back_batch_lines_and_exi
     # the log: JSON lines, the drain's progress, the stream's line, no secret
     lines = served.lines()
     messages = [ln["message"] for ln in lines if ln["logger"] == "tiergate.drain"]
-    assert any(m.startswith("draining: no new requests; 1 request (1 streaming) in flight") for m in messages), messages
+    assert any(m.startswith("draining: no new requests; 2 requests (1 streaming) in flight") for m in messages), messages
     assert any("batch line" in m and "handed back to the store" in m and not m.startswith("draining: 0 ") for m in messages)
     assert messages[-1] == "drained: nothing in flight"
     logged = {ln["request_id"]: ln for ln in lines if ln["logger"] == "tiergate.requests"}
