@@ -60,7 +60,11 @@ async def images(svc: Services, caller: Caller, data: dict) -> Result:
 
 
 async def speech(svc: Services, caller: Caller, data: dict) -> Result:
-    job = await plan_speech(svc, parse(SpeechBody, data))
+    body = parse(SpeechBody, data)
+    if body.stream_format == "sse":
+        raise bad_request("stream_format sse is not supported in a batch (a line's output is the audio file)",
+                          "stream_format")
+    job = await plan_speech(svc, body)
     audio = b"".join([piece async for piece in serve_speech(svc, caller, job, None)])
     return Binary(audio, job.media_type)
 

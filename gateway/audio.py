@@ -5,7 +5,9 @@
 
 from __future__ import annotations
 
+import base64
 import itertools
+import json
 import logging
 from collections.abc import AsyncGenerator, AsyncIterator, Iterator
 from dataclasses import dataclass
@@ -47,7 +49,7 @@ class SpeechBody(_Body):
     voice: str = Field(min_length=1)
     speed: float = Field(default=1.0, ge=MIN_SPEED, le=MAX_SPEED)
     response_format: str | None = None  # checked against what this installation can encode
-    stream_format: Literal["audio"] | None = None  # "sse" is not offered
+    stream_format: Literal["audio", "sse"] | None = None  # sse: base64 pieces as speech.audio.* events
 
 
 def default_speech_format() -> str:
@@ -83,16 +85,19 @@ async def plan_speech(svc: Services, body: SpeechBody) -> SpeechJob:
 
 
 async def serve_speech(svc: Services, caller: Caller, job: SpeechJob,
-                       gone: Gone | None) -> AsyncGenerator[bytes, None]:
+                       gone: Gone | None, read: list[int] | None = None) -> AsyncGenerator[bytes, None]:
     """The serving core: the encoded audio, a sentence a piece for wav and pcm, whole for the
     others. What goes wrong before the first sentence is made (429/503, out of memory after
     relief) is raised by the first ``__anext__``; closing the iterator early stops the worker at
-    its next sentence."""
+    its next sentence. ``read``, when given, gets the number of tokens the model reads (its
+    tokenizer's, for the whole input)."""
     last: bytes | None = None  # each piece waits for the next, so the last goes out after the usage is written
     ask = Ask(audio_seconds=len(job.request.input) / SPOKEN_CHARS_PER_S)  # corrected by what was made
     async with Serving(svc, caller, job.model, float(len(job.request.input)), "speech", gone, ask) as serving:
         worker = serving.worker
         ctx, chunks, first = await serving.step(lambda ctx: _first_sentence(worker, job, ctx), "speaking with")
+        if read is not None:
+            read.append(len(worker.tokenizer(job.request.input)["input_ids"]))
         rest = itertools.chain([first], chunks) if first is not None else iter(())
         encoded = sound.encode_stream(_timed(rest, worker.sample_rate, serving.usage), worker.sample_rate, job.format)
         try:
@@ -129,14 +134,40 @@ async def speech(request: Request) -> Response:
     """POST /v1/audio/speech: the audio streamed as it is made."""
     svc: Services = request.app.state.services
     caller = svc.admit_caller(request)
-    job = await plan_speech(svc, parse(SpeechBody, await read_json(request, svc.config.limits.max_body)))
+    body = parse(SpeechBody, await read_json(request, svc.config.limits.max_body))
+    job = await plan_speech(svc, body)
+    read: list[int] = []
     async with disconnect_signal(request) as gone:
-        pieces = serve_speech(svc, caller, job, gone)
+        pieces = serve_speech(svc, caller, job, gone, read)
         first = await pieces.__anext__()  # errors before any byte are HTTP errors
     headers = svc.gate.rate_headers(caller.tier)
     if job.format == "pcm":
         headers["x-sample-rate"] = str(job.sample_rate)
+    if body.stream_format == "sse":
+        return Streamed(_events(_stream(first, pieces), read), "text/event-stream", headers)
     return Streamed(_stream(first, pieces), job.media_type, headers)
+
+
+async def _events(pieces: AsyncIterator[bytes], read: list[int]) -> AsyncIterator[bytes]:
+    """``stream_format: sse``: each piece of the encoded audio as a ``speech.audio.delta`` event
+    (base64; decoded and joined, they are the file), then ``speech.audio.done`` with the usage:
+    the tokens the model read, and no output tokens (it writes a waveform, not audio tokens; its
+    seconds are metered in /v1/usage). A stream cut short by a failure has no done event."""
+    finished = False
+    try:
+        async for piece in pieces:
+            yield _event({"type": "speech.audio.delta", "audio": base64.b64encode(piece).decode("ascii")})
+        finished = True
+    finally:
+        await pieces.aclose()
+    if finished:
+        tokens = read[0] if read else 0
+        yield _event({"type": "speech.audio.done",
+                      "usage": {"input_tokens": tokens, "output_tokens": 0, "total_tokens": tokens}})
+
+
+def _event(data: dict) -> bytes:
+    return b"data: " + json.dumps(data, separators=(",", ":")).encode() + b"\n\n"
 
 
 async def _stream(first: bytes, pieces: AsyncGenerator[bytes, None]) -> AsyncIterator[bytes]:

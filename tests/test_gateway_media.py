@@ -367,6 +367,34 @@ def test_speech_pcm_is_raw_16_bit_at_the_announced_rate(media, tiny_tts):
     assert len(samples) == len(sf.read(io.BytesIO(wav.content))[0])  # durations are deterministic
 
 
+def test_speech_as_server_sent_events(media, tiny_tts):
+    """``stream_format: sse``: the audio's pieces as base64 ``speech.audio.delta`` events (a
+    sentence each for pcm), which decoded and joined are the audio of the plain answer, then
+    ``speech.audio.done`` with the tokens the model read."""
+    from transformers import AutoTokenizer
+
+    c = client(media)
+    plain = c.audio.speech.create(model="tiny-tts", input=TEXT, voice="ben", response_format="pcm").content
+    with c.audio.speech.with_streaming_response.create(model="tiny-tts", input=TEXT, voice="ben", response_format="pcm",
+                                                       stream_format="sse") as r:
+        assert r.headers["content-type"].startswith("text/event-stream")
+        events = [json.loads(line[6:]) for line in r.iter_lines() if line.startswith("data: ")]
+    deltas, done = events[:-1], events[-1]
+    assert len(deltas) == 3 and {e["type"] for e in deltas} == {"speech.audio.delta"}  # three sentences
+    audio = b"".join(base64.b64decode(e["audio"]) for e in deltas)
+    assert len(audio) == len(plain) and np.abs(np.frombuffer(audio, "<i2")).max() > 0  # (VITS samples noise: the
+    # same duration, not the same samples)
+    with c.audio.speech.with_streaming_response.create(model="tiny-tts", input=TEXT, voice="ben", response_format="wav",
+                                                       stream_format="sse") as r:
+        wav = b"".join(base64.b64decode(json.loads(line[6:])["audio"]) for line in r.iter_lines()
+                       if line.startswith("data: ") and '"speech.audio.delta"' in line)
+    x, rate = sf.read(io.BytesIO(wav), dtype="int16")  # joined, the deltas are a whole wav file
+    assert rate == sample_rate_of(tiny_tts) and len(x) * 2 == len(plain)
+    tokens = len(AutoTokenizer.from_pretrained(tiny_tts)(TEXT)["input_ids"])
+    assert done == {"type": "speech.audio.done", "usage": {"input_tokens": tokens, "output_tokens": 0,
+                                                           "total_tokens": tokens}}
+
+
 @pytest.mark.skipif("mp3" not in supported_speech_formats(), reason="this libsndfile writes no mp3")
 def test_speech_defaults_to_mp3(media):
     r = httpx.post(f"{media.base_url}/audio/speech", headers=auth(media),
@@ -399,7 +427,7 @@ SPEECH = {"model": "tiny-tts", "input": "Hello.", "voice": "alloy", "response_fo
     ({"voice": "darth"}, "voice", "amy"),  # lists the model's voices
     ({"response_format": "aac"}, "response_format", "wav"),  # lists what is supported
     ({"speed": 4.5}, "speed", None),
-    ({"stream_format": "sse"}, "stream_format", None),
+    ({"stream_format": "events"}, "stream_format", None),
     ({"voice": None}, "voice", None),
     ({"model": "tiny-image"}, "model", None),
 ])
