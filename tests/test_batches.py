@@ -181,10 +181,15 @@ def test_speech_batch_returns_audio_as_base64(server):
     rows = [{"custom_id": f"say-{i}", "method": "POST", "url": "/v1/audio/speech",
              "body": {"model": "tiny-tts", "input": f"Hello number {i}. Bye.", "voice": "alloy", "response_format": "wav"}}
             for i in range(2)]
+    rows.append({"custom_id": "sse", "method": "POST", "url": "/v1/audio/speech",  # a line's output is the file
+                 "body": {"model": "tiny-tts", "input": "Hi.", "voice": "alloy", "stream_format": "sse"}})
     f = c.files.create(file=("in.jsonl", io.BytesIO(jsonl(rows))), purpose="batch")
     b = c.batches.create(input_file_id=f.id, endpoint="/v1/audio/speech", completion_window="24h")
     done = wait(c, b.id)
-    assert (done.status, done.request_counts.completed) == ("completed", 2)
+    assert (done.status, done.request_counts.completed, done.request_counts.failed) == ("completed", 2, 1)
+    (refused,) = lines_of(c, done.error_file_id)
+    assert refused["custom_id"] == "sse" and refused["response"]["status_code"] == 400
+    assert refused["response"]["body"]["error"]["param"] == "stream_format"
     for line in lines_of(c, done.output_file_id):
         body = line["response"]["body"]
         assert body["content_type"] == "audio/wav" and body["encoding"] == "base64"
