@@ -144,20 +144,23 @@ async def speech(request: Request) -> Response:
     if job.format == "pcm":
         headers["x-sample-rate"] = str(job.sample_rate)
     if body.stream_format == "sse":
-        return Streamed(_events(_stream(first, pieces), read), "text/event-stream", headers)
+        return Streamed(_events(first, pieces, read), "text/event-stream", headers)
     return Streamed(_stream(first, pieces), job.media_type, headers)
 
 
-async def _events(pieces: AsyncIterator[bytes], read: list[int]) -> AsyncIterator[bytes]:
+async def _events(first: bytes, pieces: AsyncGenerator[bytes, None], read: list[int]) -> AsyncIterator[bytes]:
     """``stream_format: sse``: each piece of the encoded audio as a ``speech.audio.delta`` event
     (base64; decoded and joined, they are the file), then ``speech.audio.done`` with the usage:
     the tokens the model read, and no output tokens (it writes a waveform, not audio tokens; its
     seconds are metered in /v1/usage). A stream cut short by a failure has no done event."""
     finished = False
     try:
+        yield _event({"type": "speech.audio.delta", "audio": base64.b64encode(first).decode("ascii")})
         async for piece in pieces:
             yield _event({"type": "speech.audio.delta", "audio": base64.b64encode(piece).decode("ascii")})
         finished = True
+    except Exception:  # noqa: BLE001 - the response has started: it ends short, and the gateway lives on
+        log.exception("speech stream failed")
     finally:
         await pieces.aclose()
     if finished:

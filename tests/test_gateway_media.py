@@ -395,6 +395,28 @@ def test_speech_as_server_sent_events(media, tiny_tts):
                                                            "total_tokens": tokens}}
 
 
+def test_speech_events_cut_short_by_a_failure_have_no_done_event(media, monkeypatch):
+    """A failure after the first piece ends the event stream early, without ``speech.audio.done``
+    (so a client cannot take a cut stream for a whole one), and the server lives on."""
+    from workers import audio as sound
+
+    real = sound.encode_stream
+
+    def failing(*args, **kw):
+        pieces = real(*args, **kw)
+        yield next(pieces)  # the wav header
+        yield next(pieces)  # the first sentence
+        raise RuntimeError("the encoder broke")
+
+    monkeypatch.setattr(sound, "encode_stream", failing)
+    with client(media).audio.speech.with_streaming_response.create(
+            model="tiny-tts", input=TEXT, voice="ben", response_format="wav", stream_format="sse") as r:
+        types = [json.loads(line[6:])["type"] for line in r.iter_lines() if line.startswith("data: ")]
+    assert types and set(types) == {"speech.audio.delta"}  # what was made before the failure, and no done
+    monkeypatch.undo()
+    assert client(media).audio.speech.create(model="tiny-tts", input="Hi.", voice="ben").content
+
+
 @pytest.mark.skipif("mp3" not in supported_speech_formats(), reason="this libsndfile writes no mp3")
 def test_speech_defaults_to_mp3(media):
     r = httpx.post(f"{media.base_url}/audio/speech", headers=auth(media),
