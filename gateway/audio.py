@@ -136,14 +136,15 @@ async def speech(request: Request) -> Response:
     caller = svc.admit_caller(request)
     body = parse(SpeechBody, await read_json(request, svc.config.limits.max_body))
     job = await plan_speech(svc, body)
-    read: list[int] = []
+    sse = body.stream_format == "sse"
+    read: list[int] = []  # filled (for the events' usage) before the first piece
     async with disconnect_signal(request) as gone:
-        pieces = serve_speech(svc, caller, job, gone, read)
+        pieces = serve_speech(svc, caller, job, gone, read if sse else None)
         first = await pieces.__anext__()  # errors before any byte are HTTP errors
     headers = svc.gate.rate_headers(caller.tier)
     if job.format == "pcm":
         headers["x-sample-rate"] = str(job.sample_rate)
-    if body.stream_format == "sse":
+    if sse:
         return Streamed(_events(first, pieces, read), "text/event-stream", headers)
     return Streamed(_stream(first, pieces), job.media_type, headers)
 
