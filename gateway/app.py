@@ -243,6 +243,7 @@ def create_app(services: Services, extra: Sequence[BaseRoute] = ()) -> Starlette
     app.state.responses = responses_for(services)
     app.state.background = Background(drain)  # background responses: stopped at shutdown before the store closes
     services.on_shutdown.append(app.state.background.stop)
+    services.metrics.registry.register(app.state.background)
     app.state.drain = drain
     drain.hooks.append(app.state.batches.hand_back)
     app.state.started = time.time()

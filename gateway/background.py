@@ -5,7 +5,8 @@ stop signal (a :class:`~gateway.serving.Gone`, the signal a client's disconnect 
 request: the wait for a slot ends, and the model work stops at its next step boundary). While a
 piece runs it counts as an API request in flight for the drain, so a SIGTERM lets it finish, for
 at most ``server.drain_timeout_s``; at shutdown what still runs is stopped with ``stopping`` set,
-so that it can record why it ended.
+so that it can record why it ended. ``/metrics`` shows how many run here
+(``tiergate_background_responses``, :meth:`Background.collect`).
 """
 
 from __future__ import annotations
@@ -13,13 +14,16 @@ from __future__ import annotations
 import asyncio
 from typing import Awaitable, Callable
 
+from prometheus_client.core import GaugeMetricFamily
+from prometheus_client.registry import Collector
+
 from gateway.drain import Drain
 from gateway.serving import Gone
 
 STOP_WAIT_S = 5.0  # at shutdown, how long the stopped work gets to record how it ended
 
 
-class Background:
+class Background(Collector):
     def __init__(self, drain: Drain) -> None:
         self.drain = drain
         self.running: dict[str, tuple[asyncio.Task, Gone]] = {}
@@ -59,3 +63,9 @@ class Background:
             gone.set()
         if tasks:
             await asyncio.wait(tasks, timeout=STOP_WAIT_S)
+
+    def collect(self):
+        """The metrics registry's view: how many run in this process now (queued at the gate or
+        generating; each also counts as its tier's request)."""
+        yield GaugeMetricFamily("tiergate_background_responses", "Background responses this process runs now",
+                                value=len(self.running))

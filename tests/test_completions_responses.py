@@ -573,6 +573,8 @@ def test_a_queued_background_response_counts_for_the_drain_and_cancels_from_the_
         time.sleep(0.2)
         assert c.responses.retrieve(made.id).status == "queued"
         assert server.call(lambda: (state.drain.inflight, gate.queued("paid"))) == (1, 1)
+        scraped = httpx.get(f"{server.url}/metrics", timeout=30).text
+        assert "tiergate_background_responses 1.0" in scraped and 'tiergate_queued{tier="paid"} 1.0' in scraped
         assert c.responses.cancel(made.id).status == "cancelled"
         assert server.call(lambda: (state.drain.inflight, gate.queued("paid"), len(state.background.running))) == (0, 0, 0)
     finally:
