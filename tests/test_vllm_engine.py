@@ -623,3 +623,26 @@ def test_a_start_that_fails_part_way_removes_the_socket_files_it_made(loop, mode
     folder = Path(os.environ["VLLM_RPC_BASE_PATH"])
     assert not made[0] & set(folder.iterdir())
     assert set(folder.iterdir()) - before == set()
+
+
+# The first delta of a resumed pass, as the suite saw vLLM send it (test_vllm_gateway's batch
+# request, paused once): the tail of the prompt's text, the reply so far as already delivered, then
+# the new text. A full decode of prompt + reply rendered the reply's undecodable bytes otherwise,
+# so the cut by ``repeated`` missed it and the client got the prompt and its reply twice.
+REPLY = "dtypeobjectobject two\ufffdget idled two\ufffdget idle\ufffdagoo}, images"
+
+
+@pytest.mark.parametrize("text,repeated,prompt_text,sent,kept", [
+    ("a long batch job" + REPLY + "\ufffd\ufffdoooo", "a long batch job" + "dtypeobject-rendered-otherwise",
+     "a long batch job", REPLY, "\ufffd\ufffdoooo"),  # the prompt, then the reply: cut both
+    ("batch job" + REPLY + "xyz", "", "a long batch job", REPLY, "xyz"),  # a tail of the prompt only
+    ("a long batch job" + REPLY + "xyz", "a long batch job" + REPLY, "a long batch job", REPLY, "xyz"),  # as before
+    ("K", "", "a long batch job", "KKK", "K"),  # new text that repeats the reply's end: kept
+    ("KKKK", "", "a long batch job", "KKK", "KKKK"),  # the reply again, but no prompt text before it: kept
+    ("job!" + "abc", "", "a long batch job", "abc", "job!abc"),  # before the reply, text the prompt does not end with
+    ("a long batch jobxy", "", "a long batch job", "", "xy"),  # nothing delivered yet: only the prompt's text
+])
+def test_a_resumed_pass_drops_what_the_detokenizer_sends_again(text, repeated, prompt_text, sent, kept):
+    from workers.chat_vllm import _without_replay
+
+    assert _without_replay(text, repeated, prompt_text, sent) == kept

@@ -451,6 +451,8 @@ class VllmChatEngine(Worker):
         lora_request = await self._acquire_lora(lora, ctx) if lora is not None else None
         held = self._residency  # the engine run in which this request is counted as the LoRA's user
         generated: list[int] = []
+        sent = ""  # the reply's text delivered so far, over every pass
+        prompt_text = ""  # the prompt's text as vLLM's detokenizer renders it (made at the first resumption)
         prompt_logprobs = p.prompt_logprobs  # asked of the first pass that delivers output, then not again
         try:
             while True:  # one pass per submission; a pause ends a pass and resubmits
@@ -486,10 +488,13 @@ class VllmChatEngine(Worker):
                 self._inflight.add(rid)
                 # A resumed pass: vLLM's detokenizer, started on prompt + generated ids that end
                 # inside a character (the pause came while it held back a partial UTF-8 byte),
-                # can send the text of the whole prompt as its first delta. What it repeats is
-                # text the client has (the prompt's, then the reply so far): cut it off.
-                repeated = _complete_text(self.tokenizer.decode(prompt_ids + generated, skip_special_tokens=True)) \
-                    if generated else ""
+                # can send the text of the prompt (whole, or its tail) and of the reply so far as
+                # its first delta: text the client has, cut off by _without_replay.
+                resumed = bool(generated)
+                repeated = ""
+                if resumed:
+                    repeated = _complete_text(self.tokenizer.decode(prompt_ids + generated, skip_special_tokens=True))
+                    prompt_text = prompt_text or self.tokenizer.decode(prompt_ids, skip_special_tokens=True)
                 # a constrained reply cannot resume mid-way (see the module doc): no pause once it began
                 pausable = p.grammar is None or not generated
                 watcher = asyncio.create_task(self._watch(ctx, rid, pausable))
@@ -507,10 +512,10 @@ class VllmChatEngine(Worker):
                         ctx.steps += 1
                         logprobs = self._logprobs(c, p.logprobs) if p.logprobs is not None else None
                         text = c.text
-                        if repeated:
-                            if text.startswith(repeated):
-                                text = text[len(repeated):]
-                            repeated = ""  # only the first delta of a pass can repeat
+                        if resumed:
+                            text = _without_replay(text, repeated, prompt_text, sent)
+                            resumed = False  # only the first delta of a pass can repeat
+                        sent += text
                         if text or logprobs:
                             yield TextDelta(text, logprobs)
                         if out.finished:
@@ -727,6 +732,24 @@ def _token_logprob(token: int, entries: dict, k: int) -> TokenLogprob:
 def _complete_text(text: str) -> str:
     """``text`` without a trailing undecodable (partial) character."""
     return text.rstrip("\ufffd")
+
+
+def _without_replay(text: str, repeated: str, prompt_text: str, sent: str) -> str:
+    """The first delta of a resumed pass without what vLLM's restarted detokenizer sends again:
+    either the whole prompt and reply as a full decode renders them (``repeated``), or a tail of
+    the prompt's text (``prompt_text``) followed by the reply delivered so far (``sent``), as its
+    own incremental decoding rendered it (seen in the suite: the user's message, then the reply
+    from its start). A delta that is none of these is new text, and kept whole."""
+    if repeated and text.startswith(repeated):
+        return text[len(repeated):]
+    if not sent:
+        return text[len(prompt_text):] if prompt_text and text.startswith(prompt_text) else text
+    at = text.find(sent)
+    while at > 0:
+        if prompt_text.endswith(text[:at]):
+            return text[at + len(sent):]
+        at = text.find(sent, at + 1)
+    return text
 
 
 def _sampling_extras(p: ChatParams) -> dict[str, Any]:
