@@ -27,7 +27,7 @@ from gateway.auth import Caller
 from gateway.errors import APIError, bad_request
 from gateway.http import Streamed, disconnect_signal
 from gateway.multipart import Multipart, text_fields
-from gateway.schemas import _Body, _Form, parse, read_json
+from gateway.schemas import _Body, _Form, FormNoStream, parse, read_json
 from gateway.service import ClientGone, Services
 from gateway.serving import Gone, Serving, in_thread
 from workers import audio as sound
@@ -229,7 +229,7 @@ class TranslationForm(_Form):
 class TranscriptionForm(TranslationForm):
     language: str | None = None
     timestamp_granularities: list[Literal["segment"]] | None = None  # no word timestamps
-    stream: Literal[False] | None = None
+    stream: FormNoStream = None
 
 
 @dataclass(frozen=True)

@@ -28,7 +28,7 @@ from gateway.config import LimitsConfig
 from gateway.errors import APIError, bad_request, not_found
 from gateway.http import disconnect_signal
 from gateway.multipart import Multipart, text_fields
-from gateway.schemas import MAX_STACK, AdapterChoice, _Body, _Form, parse, read_json
+from gateway.schemas import MAX_STACK, AdapterChoice, _Body, _Form, FormNoStream, parse, read_json
 from gateway.service import Services
 from gateway.serving import Gone, Serving, in_thread
 from workers.base import ModelSpec
@@ -85,7 +85,7 @@ class ImageEditForm(ImageVariationForm):
     prompt: str
     quality: Literal["auto", "standard"] | None = None
     output_format: Literal["png"] | None = None
-    stream: Literal[False] | None = None
+    stream: FormNoStream = None
 
 
 @dataclass(frozen=True)

@@ -12,9 +12,9 @@ from __future__ import annotations
 import json
 import math
 import re
-from typing import Any, Literal, TypeVar
+from typing import Annotated, Any, Literal, TypeVar
 
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
+from pydantic import AfterValidator, BaseModel, ConfigDict, Field, ValidationError, field_validator
 from starlette.requests import Request
 
 from gateway.errors import APIError, bad_request
@@ -44,6 +44,17 @@ class _Form(BaseModel):
     """Multipart text fields: every value arrives as a string, so types convert as usual."""
 
     model_config = ConfigDict(extra="forbid", allow_inf_nan=False)
+
+
+def _not_streamed(value: bool | None) -> bool | None:
+    if value:
+        raise ValueError("this endpoint does not stream its answer; leave stream out or false")
+    return value
+
+
+# ``stream`` of an upload that is answered whole: the SDKs send a given ``stream=False`` as the
+# form text "false", which a ``Literal[False]`` refuses (it is not the boolean False)
+FormNoStream = Annotated[bool | None, AfterValidator(_not_streamed)]
 
 
 class TextPart(_Body):

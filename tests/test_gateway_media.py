@@ -336,6 +336,20 @@ def test_image_variation_remakes_the_whole_image(media):
     error(r, 400, "prompt", "unknown_parameter")
 
 
+def test_uploads_take_the_sdks_stream_false(media):
+    """The SDK sends a given ``stream=False`` as the form text "false": answered whole, as without
+    it (it was a 400 "Input should be False"); ``stream=true`` is a 400 naming ``stream``."""
+    c = client(media)
+    r = c.images.edit(model="tiny-image", prompt="a cat", image=("a.png", SRC), stream=False, extra_body=EDIT)
+    assert png_size(base64.b64decode(r.data[0].b64_json)) == (32, 32)
+    t = c.audio.transcriptions.create(model="tiny-stt", file=("a.wav", WAV), stream=False)
+    assert isinstance(t.text, str)
+    for path, files, data in (("/images/edits", {"image": ("a.png", SRC)}, {"model": "tiny-image", "prompt": "a cat"}),
+                              ("/audio/transcriptions", {"file": ("a.wav", WAV)}, {"model": "tiny-stt"})):
+        r = httpx.post(f"{media.base_url}{path}", headers=auth(media), files=files, data={**data, "stream": "true"})
+        assert "does not stream" in error(r, 400, "stream", "invalid_value")["message"]
+
+
 def test_image_edit_needs_multipart(media):
     r = httpx.post(f"{media.base_url}/images/edits", headers=auth(media),
                    json={"model": "tiny-image", "prompt": "a cat", "image": base64.b64encode(SRC).decode()})
