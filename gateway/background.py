@@ -7,12 +7,16 @@ piece runs it counts as an API request in flight for the drain, so a SIGTERM let
 at most ``server.drain_timeout_s``; at shutdown what still runs is stopped with ``stopping`` set,
 so that it can record why it ended. ``/metrics`` shows how many run here
 (``tiergate_background_responses``, :meth:`Background.collect`).
+
+A piece made with ``stream: true`` has an :class:`EventLog` while it runs here: its events as they
+are made, which any number of clients of this process follow (the one that made it, and those that
+come back with ``GET /v1/responses/{id}?stream=true``); each follower waits on an event of its own.
 """
 
 from __future__ import annotations
 
 import asyncio
-from typing import Awaitable, Callable
+from typing import AsyncIterator, Awaitable, Callable
 
 from prometheus_client.core import GaugeMetricFamily
 from prometheus_client.registry import Collector
@@ -23,18 +27,62 @@ from gateway.serving import Gone
 STOP_WAIT_S = 5.0  # at shutdown, how long the stopped work gets to record how it ended
 
 
+class EventLog:
+    """The events of one streamed piece of work, in order (an event's index is its number), and
+    whether the last has been added."""
+
+    def __init__(self) -> None:
+        self.events: list[str] = []
+        self.ended = False
+        self._followers: set[asyncio.Event] = set()
+
+    def add(self, events: list[str]) -> None:
+        self.events += events
+        self._wake()
+
+    def end(self) -> None:
+        self.ended = True
+        self._wake()
+
+    def _wake(self) -> None:
+        for follower in self._followers:
+            follower.set()
+
+    async def follow(self, after: int) -> AsyncIterator[str]:
+        """The events numbered above ``after``: those there now, then each as it is added, until
+        the last."""
+        n = after + 1
+        woken = asyncio.Event()
+        self._followers.add(woken)
+        try:
+            while True:
+                while n < len(self.events):
+                    n += 1
+                    yield self.events[n - 1]
+                if self.ended:
+                    return
+                woken.clear()
+                await woken.wait()
+        finally:
+            self._followers.discard(woken)
+
+
 class Background(Collector):
     def __init__(self, drain: Drain) -> None:
         self.drain = drain
         self.running: dict[str, tuple[asyncio.Task, Gone]] = {}
+        self.logs: dict[str, EventLog] = {}  # the streamed ones' events, while they run
         self.stopping = False
 
-    def start(self, key: str, work: Callable[[Gone], Awaitable[None]]) -> None:
-        """Run ``work(gone)`` in a task of its own under ``key``."""
+    def start(self, key: str, work: Callable[[Gone], Awaitable[None]], log: EventLog | None = None) -> None:
+        """Run ``work(gone)`` in a task of its own under ``key`` (with ``log``, its events, for
+        followers to find until it ends)."""
         gone = Gone()
         self.drain.inflight += 1
         task = asyncio.get_running_loop().create_task(self._run(key, work, gone))
         self.running[key] = (task, gone)
+        if log is not None:
+            self.logs[key] = log
 
     async def _run(self, key: str, work: Callable[[Gone], Awaitable[None]], gone: Gone) -> None:
         try:
@@ -42,6 +90,9 @@ class Background(Collector):
         finally:
             self.drain.inflight -= 1
             self.running.pop(key, None)
+            log = self.logs.pop(key, None)
+            if log is not None:
+                log.end()  # (the work ends it; this is for work that failed before it could)
 
     async def cancel(self, key: str, wait_s: float) -> bool:
         """Stop the work ``key`` and wait for it to end (at most ``wait_s``); False when this

@@ -17,6 +17,12 @@ never undone by the process running it, whose next write finds it and stops the 
 write carries ``beat``, the time it was made; the running process writes at least every
 ``HEARTBEAT_S`` (gateway/responses.py), so a record whose beat is old had its process die.
 
+A background response made with ``stream: true`` also keeps its events (the SSE text of each,
+numbered by its ``sequence_number`` from 0), appended as they are made (``add_events``), so that a
+client in any process can follow it again from any event (``events``): on SQLite a
+``response_events`` table, on Redis a list ``tg:response-events:{id}``. Events are added only
+while their record exists, deleted with it, and kept for the same retention.
+
 Retention (``responses.retention_days`` in tiers.yaml, 30 by default, as OpenAI keeps them): a
 record older than that is not returned, and is deleted: on SQLite by a sweep when the store opens
 and every ``sweep_s`` after; on Redis by the key's own expiry, set when it is written (keys
@@ -40,7 +46,11 @@ from storage.redis import honour_cancel
 from storage.sqlite import SQLiteFile
 
 _SCHEMA = """CREATE TABLE IF NOT EXISTS responses (
-    id TEXT PRIMARY KEY, owner TEXT NOT NULL, doc TEXT NOT NULL, created_at INTEGER);"""
+    id TEXT PRIMARY KEY, owner TEXT NOT NULL, doc TEXT NOT NULL, created_at INTEGER);
+CREATE TABLE IF NOT EXISTS response_events (
+    response_id TEXT NOT NULL, seq INTEGER NOT NULL, event TEXT NOT NULL, created_at INTEGER NOT NULL,
+    PRIMARY KEY (response_id, seq)) WITHOUT ROWID;
+CREATE INDEX IF NOT EXISTS response_events_created_at ON response_events (created_at);"""
 log = logging.getLogger("tiergate.responses")
 DAY_S = 86400
 
@@ -99,6 +109,17 @@ class ResponseStore(abc.ABC):
         while the stored one's status is ``queued`` or ``in_progress``; False when it is not (it
         ended, was cancelled or deleted), and then nothing changes."""
 
+    @abc.abstractmethod
+    async def add_events(self, response_id: str, created_at: int, first: int, events: list[str]) -> None:
+        """Append the events numbered ``first``, ``first + 1``... of the response ``response_id``
+        (made at ``created_at``); events already stored are not written again, and none are written
+        when the record is gone (deleted)."""
+
+    @abc.abstractmethod
+    async def events(self, response_id: str, after: int) -> list[str]:
+        """The stored events of ``response_id`` numbered above ``after``, in order. (No owner: the
+        caller has read the record with the key's own id first.)"""
+
 
 class SQLiteResponses(SQLiteFile, ResponseStore):
     """A table in one SQLite file (WAL; ``storage.sqlite``), every call on one thread that owns the
@@ -137,7 +158,12 @@ class SQLiteResponses(SQLiteFile, ResponseStore):
         cutoff = self._cutoff()
         if cutoff is None:
             return 0
-        return await self._call(self._changed, "DELETE FROM responses WHERE created_at < ?", (cutoff,))
+        return await self._call(self._sweep, cutoff)
+
+    def _sweep(self, cutoff: float) -> int:
+        gone = self._changed("DELETE FROM responses WHERE created_at < ?", (cutoff,))
+        self._changed("DELETE FROM response_events WHERE created_at < ?", (cutoff,))
+        return gone
 
     async def _sweep_loop(self) -> None:
         while True:
@@ -159,21 +185,52 @@ class SQLiteResponses(SQLiteFile, ResponseStore):
         return StoredResponse.of(response_id, row[0]) if row else None
 
     async def delete(self, response_id: str, owner: str) -> bool:
-        return await self._call(self._changed, "DELETE FROM responses WHERE id = ? AND owner = ?",
-                                (response_id, owner)) == 1
+        return await self._call(self._tx, lambda db: self._delete(db, response_id, owner))
+
+    @staticmethod
+    def _delete(db: sqlite3.Connection, response_id: str, owner: str) -> bool:
+        if db.execute("DELETE FROM responses WHERE id = ? AND owner = ?", (response_id, owner)).rowcount != 1:
+            return False
+        db.execute("DELETE FROM response_events WHERE response_id = ?", (response_id,))
+        return True
 
     async def update_running(self, record: StoredResponse) -> bool:
         return await self._call(self._changed, "UPDATE responses SET doc = ? WHERE id = ? AND owner = ? AND "
                                 "json_extract(doc, '$.response.status') IN ('queued', 'in_progress')",
                                 (record.doc(), record.id, record.owner)) == 1
 
+    async def add_events(self, response_id: str, created_at: int, first: int, events: list[str]) -> None:
+        rows = [(response_id, first + k, event, created_at, response_id) for k, event in enumerate(events)]
+        await self._call(self._tx, lambda db: db.executemany(
+            "INSERT OR IGNORE INTO response_events (response_id, seq, event, created_at) "
+            "SELECT ?, ?, ?, ? WHERE EXISTS (SELECT 1 FROM responses WHERE id = ?)", rows))
 
-# KEYS response; ARGV owner: delete only the owner's record
+    async def events(self, response_id: str, after: int) -> list[str]:
+        rows = await self._call(lambda: self._db.execute(
+            "SELECT event FROM response_events WHERE response_id = ? AND seq > ? ORDER BY seq",
+            (response_id, after)).fetchall())
+        return [row[0] for row in rows]
+
+
+# KEYS response, its events; ARGV owner: delete only the owner's record (and its events)
 _DELETE = """
 local doc = redis.call('GET', KEYS[1])
 if not doc then return 0 end
 if cjson.decode(doc)['owner'] ~= ARGV[1] then return 0 end
+redis.call('DEL', KEYS[2])
 return redis.call('DEL', KEYS[1])
+"""
+
+
+# KEYS events, response; ARGV first, expiry ('' for none), events...: append those not yet there,
+# while the record exists (the list's index is the event's number)
+_ADD_EVENTS = """
+if redis.call('EXISTS', KEYS[2]) == 0 then return 0 end
+local from = 3 + redis.call('LLEN', KEYS[1]) - tonumber(ARGV[1])
+if from < 3 then return redis.error_reply('events missing before ' .. ARGV[1]) end
+for i = from, #ARGV do redis.call('RPUSH', KEYS[1], ARGV[i]) end
+if ARGV[2] ~= '' then redis.call('EXPIREAT', KEYS[1], ARGV[2]) end
+return 1
 """
 
 
@@ -202,12 +259,16 @@ class RedisResponses(ResponseStore):
     def _key(self, response_id: str) -> str:
         return f"{self.prefix}response:{response_id}"
 
+    def _events_key(self, response_id: str) -> str:  # (not under response:*, which the expiry scan reads)
+        return f"{self.prefix}response-events:{response_id}"
+
     async def open(self) -> None:
         import redis.asyncio as aioredis
 
         self._r = aioredis.Redis.from_url(self.url)
         self._delete = self._r.register_script(_DELETE)
         self._update_running = self._r.register_script(_UPDATE_RUNNING)
+        self._add_events = self._r.register_script(_ADD_EVENTS)
         if self.retention_s is not None:
             self._expirer = asyncio.create_task(self._expire_in_background())
 
@@ -261,10 +322,18 @@ class RedisResponses(ResponseStore):
         return given
 
     async def delete(self, response_id: str, owner: str) -> bool:
-        return bool(await self._delete(keys=[self._key(response_id)], args=[owner]))
+        return bool(await self._delete(keys=[self._key(response_id), self._events_key(response_id)], args=[owner]))
 
     async def update_running(self, record: StoredResponse) -> bool:
         return bool(await self._update_running(keys=[self._key(record.id)], args=[record.doc(), record.owner]))
+
+    async def add_events(self, response_id: str, created_at: int, first: int, events: list[str]) -> None:
+        expires = self._expires_at(created_at)
+        await self._add_events(keys=[self._events_key(response_id), self._key(response_id)],
+                               args=[first, "" if expires is None else expires, *events])
+
+    async def events(self, response_id: str, after: int) -> list[str]:
+        return [e.decode() for e in await self._r.lrange(self._events_key(response_id), after + 1, -1)]
 
 
 def open_responses(spec: str, data_dir: Path, retention_s: float | None = None) -> ResponseStore:

@@ -33,7 +33,7 @@ messages (a message's parts as one, ``developer`` as ``system``, ids fixed by th
 place). A page is OpenAI's cursor list (``limit`` 1..100, default 20; ``order`` ``desc``, the
 newest first, by default; ``after`` / ``before`` an item id).
 
-Background responses (``background: true``, stored, not streamed): the request is checked and
+Background responses (``background: true``, stored): the request is checked and
 admitted as any other (its 400s and its early 429 come at once), stored ``queued`` and answered;
 the work then runs in this process (``gateway.background``) at the caller's tier, ``in_progress``
 from its first token, and its record ends ``completed``, ``incomplete``, ``failed`` (with
@@ -42,6 +42,15 @@ runs it, else by writing ``cancelled`` to the store, which the running process f
 write (every ``HEARTBEAT_S``) and stops. A record still running whose last write is older than
 ``STALE_S`` had its process die: it is shown ``failed`` (``server_error``). Only a ``completed``
 or ``incomplete`` response can be continued with ``previous_response_id``.
+
+A background response made with ``stream: true`` is answered with its events: ``response.created``
+and ``response.queued`` (stored with it before the answer), ``response.in_progress`` at its first
+token, then a live stream's. The connection is only a follower (``EventLog.follow``): closing it
+stops nothing. The events are stored as they are made (every FLUSH_S; the items' closing events
+before the record says it ended, the last event after), so ``GET /v1/responses/{id}?stream=true
+&starting_after=n`` follows it from any process: live from the log where it runs, else from the
+store (``_replay``, read every POLL_S). A cancelled one ends with an ``error`` event
+(``response_cancelled``), a failed one with ``response.failed``.
 """
 
 from __future__ import annotations
@@ -62,7 +71,7 @@ from starlette.responses import JSONResponse, Response
 
 from gateway import service_tier
 from gateway.auth import Caller
-from gateway.background import Background
+from gateway.background import Background, EventLog
 from gateway.chat import ChatJob, ChoiceDelta, Reply, collect, plan_chat, served_caller, serve_chat
 from gateway.errors import APIError, bad_request, not_found
 from gateway.http import Streamed, disconnect_signal
@@ -79,6 +88,8 @@ log = logging.getLogger("tiergate.responses")
 HEARTBEAT_S = 5.0  # a running background response's record is written at least this often
 STALE_S = 30.0  # a running one's record older than this: its process died
 CANCEL_WAIT_S = 5.0  # a cancel waits this long for this process's work to stop and record it
+FLUSH_S = 0.25  # a streamed background response's new events are stored at least this often
+POLL_S = 0.25  # a follower in another process reads the store this often
 RUNNING = ("queued", "in_progress")
 CONTINUABLE = ("completed", "incomplete")
 
@@ -377,7 +388,7 @@ class Draft:
             "background": self.background, "error": error,
             "incomplete_details": {"reason": "max_output_tokens"} if status == "incomplete" else None,
             "instructions": body.instructions, "max_output_tokens": body.max_output_tokens, "model": body.model,
-            "output": self.output, "parallel_tool_calls": body.parallel_tool_calls is not False,
+            "output": [_visible(item) for item in self.output], "parallel_tool_calls": body.parallel_tool_calls is not False,
             "previous_response_id": body.previous_response_id, "reasoning": {"effort": None, "summary": None},
             "service_tier": self.tier_label, "store": body.store, "temperature": body.temperature,
             "text": {"format": fmt}, "tool_choice": choice,
@@ -410,6 +421,13 @@ def message_item(item_id: str, text: str, status: str, logprobs: list | None) ->
     if logprobs is not None:
         part["logprobs"] = logprobs
     return {"id": item_id, "type": "message", "role": "assistant", "status": status, "content": [part]}
+
+
+def _visible(item: dict[str, Any]) -> dict[str, Any]:
+    """An output item as shown: a message still being streamed with its text so far."""
+    if "_text" not in item:
+        return item
+    return message_item(item["id"], "".join(item["_text"]), item["status"], item.get("_logprobs"))
 
 
 def call_item(item_id: str, call: dict[str, Any], status: str) -> dict[str, Any]:
@@ -467,12 +485,18 @@ async def create_response(request: Request) -> Response:
     if body.background:
         if not body.store:
             raise bad_request("a background response must be stored: background needs store true", "background")
-        if body.stream:
-            raise bad_request("background responses are not streamed by this server: poll GET /v1/responses/{id}",
-                              "stream")
         await store.put(draft.record("queued", caller.key_id))
+        events = None
+        if body.stream:  # its first events are stored with it, before it is answered
+            events = _Events(store, draft, _Stream(draft))
+            queued = draft.public("queued")
+            await events.add([events.s.event("response.created", response=queued),
+                              events.s.event("response.queued", response=queued)], flush=True)
         background: Background = request.app.state.background
-        background.start(draft.id, lambda gone: _run_in_background(svc, caller, draft, store, background, gone))
+        background.start(draft.id, lambda gone: _run_in_background(svc, caller, draft, store, background, gone, events),
+                         events.log if events else None)
+        if events is not None:
+            return Streamed(events.log.follow(-1), "text/event-stream", headers=headers)
         return JSONResponse(draft.public("queued"), headers=headers)
     with responses_names():  # the engine refuses a prompt past the context: that is ``input``
         async with disconnect_signal(request) as gone:
@@ -489,9 +513,10 @@ async def create_response(request: Request) -> Response:
 
 
 async def _run_in_background(svc: Services, caller: Caller, draft: Draft, store: ResponseStore,
-                             background: Background, gone: Gone) -> None:
+                             background: Background, gone: Gone, events: "_Events | None") -> None:
     """A background response's work: served as a live request would be (``gone`` is its stop
-    signal), its record rewritten as it goes, and how it ended stored."""
+    signal), its record rewritten as it goes, and how it ended stored; a streamed one's events
+    added to ``events`` as they are made, its last after its record is written."""
     owner, phase = caller.key_id, ["queued"]
     beat = asyncio.get_running_loop().create_task(_heartbeat(store, draft, owner, phase, gone))
     status, error = "failed", None
@@ -502,9 +527,18 @@ async def _run_in_background(svc: Services, caller: Caller, draft: Draft, store:
             phase[0] = "in_progress"
             if not await store.update_running(draft.record("in_progress", owner)):
                 gone.set()  # cancelled or deleted by another process while it waited: stop here
-            replies, _ = await collect(_after(first, deltas))
-        draft.reply = replies[0]
-        draft.output = whole_output(draft)
+            if events is None:
+                replies, _ = await collect(_after(first, deltas))
+                draft.reply = replies[0]
+                draft.output = whole_output(draft)
+            else:
+                await events.add([events.s.event("response.in_progress", response=draft.public("in_progress"))])
+                async with contextlib.aclosing(_after(first, deltas)) as each:
+                    async for delta in each:
+                        await events.add(_lines(events.s, delta))
+                        if delta.finished is not None:
+                            break
+                await events.add(_tail(events.s))
         status = draft.status
     except ClientGone:
         status = "cancelled"
@@ -518,9 +552,43 @@ async def _run_in_background(svc: Services, caller: Caller, draft: Draft, store:
         error = {"code": "server_error", "message": "the server failed while making this response"}
     finally:
         beat.cancel()
+    if events is not None:  # what it had begun, closed; all stored before its record says it ended
+        await events.add(events.s.close("incomplete") if status not in CONTINUABLE else [], flush=True)
     kept = await store.update_running(draft.record(status, owner, error))
+    if events is not None:
+        await events.add([_last_event(draft.public(status, error), events.s.next())], flush=True)
+        events.log.end()
     log.info("background response %s: %s%s%s", draft.id, status, f" ({error['code']})" if error else "",
              "" if kept else " (not recorded: cancelled or deleted meanwhile)")
+
+
+class _Events:
+    """A streamed background response's events: numbered by ``s``, added to ``log`` for this
+    process's followers, and written to the store for any process's (every FLUSH_S, and when
+    asked); a failed write is tried again with the next."""
+
+    def __init__(self, store: ResponseStore, draft: Draft, s: "_Stream") -> None:
+        self.store, self.draft, self.s = store, draft, s
+        self.log = EventLog()
+        self.stored = 0
+        self.flushed_at = time.monotonic()
+
+    async def add(self, events: list[str], flush: bool = False) -> None:
+        self.log.add(events)
+        if flush or time.monotonic() - self.flushed_at >= FLUSH_S:
+            await self.flush()
+
+    async def flush(self) -> None:
+        self.flushed_at = time.monotonic()
+        new = self.log.events[self.stored:]
+        if not new:
+            return
+        try:
+            await self.store.add_events(self.draft.id, self.draft.created_at, self.stored, new)
+        except Exception as exc:  # noqa: BLE001 - the store is down: followers here still see them
+            log.warning("background response %s: storing its events failed: %s", self.draft.id, exc)
+            return
+        self.stored += len(new)
 
 
 async def _after(first: ChoiceDelta, rest: AsyncGenerator[ChoiceDelta, None]) -> AsyncIterator[ChoiceDelta]:
@@ -552,12 +620,78 @@ def shown(record: StoredResponse) -> dict[str, Any]:
 
 
 async def get_response(request: Request) -> Response:
+    """GET /v1/responses/{id}: the response object; with ``stream=true`` a streamed background
+    response's events again, from the first or from above ``starting_after``, then as they come."""
     svc: Services = request.app.state.services
     caller = svc.authenticate(request)  # reading a record takes no slot: no gate
-    record = await _store(request).get(request.path_params["response_id"], caller.key_id)
+    q = request.query_params
+    stream = q.get("stream", "false")
+    if stream not in ("true", "false"):
+        raise bad_request("stream must be true or false", "stream")
+    after = q.get("starting_after")
+    if after is not None and (stream == "false" or not is_count(after)):
+        raise bad_request("starting_after must be a non-negative integer (an event's sequence_number), "
+                          "and only with stream=true", "starting_after")
+    response_id, store = request.path_params["response_id"], _store(request)
+    record = await store.get(response_id, caller.key_id)
     if record is None:
-        raise not_found(f"no response with id '{request.path_params['response_id']}'", "response_id")
-    return JSONResponse(shown(record))
+        raise not_found(f"no response with id '{response_id}'", "response_id")
+    if stream == "false":
+        return JSONResponse(shown(record))
+    if not record.response.get("background") or not await store.events(response_id, -1):
+        raise bad_request("only a background response created with stream true can be streamed again; "
+                          "read this one without stream", "stream", "not_streamable")
+    after_n = -1 if after is None else int(after)
+    running: EventLog | None = request.app.state.background.logs.get(response_id)
+    events = running.follow(after_n) if running is not None else _replay(store, record, after_n)
+    return Streamed(events, "text/event-stream", headers={})
+
+
+async def _replay(store: ResponseStore, record: StoredResponse, after: int) -> AsyncIterator[str]:
+    """A streamed background response's stored events above ``after``; while another process
+    still runs it, each new one as that process stores it (read every POLL_S). Its last event is
+    one of ENDING; when the record ended without one stored (that process died, or had not stored
+    it yet), the last is made from the record as ``_last_event`` makes it there."""
+    n = after + 1
+    while True:
+        new = await store.events(record.id, n - 1)
+        n += len(new)
+        for event in new:
+            yield event
+        if new and _ends(new[-1]):
+            return
+        now = await store.get(record.id, record.owner)
+        if now is None:  # deleted meanwhile
+            return
+        response = shown(now)
+        if response["status"] not in RUNNING:
+            new = await store.events(record.id, n - 1)  # stored just before its record ended
+            for event in new:
+                yield event
+            if not (new and _ends(new[-1])):
+                yield _last_event(response, n + len(new))
+            return
+        await asyncio.sleep(POLL_S)
+
+
+ENDING = ("response.completed", "response.incomplete", "response.failed", "error")
+
+
+def _ends(event: str) -> bool:
+    return event.split("\n", 1)[0].removeprefix("event: ") in ENDING
+
+
+def _last_event(response: dict[str, Any], seq: int) -> str:
+    """The event that ends a background response's stream, number ``seq``: ``response.<status>``
+    with the response, or for a cancelled one an ``error`` (the Responses API has no event for a
+    cancel)."""
+    if response["status"] == "cancelled":
+        return _sse("error", seq, code="response_cancelled", message="the response was cancelled", param=None)
+    return _sse(f"response.{response['status']}", seq, response=response)
+
+
+def _sse(kind: str, seq: int, **data: Any) -> str:
+    return f"event: {kind}\ndata: {json.dumps({'type': kind, **data, 'sequence_number': seq})}\n\n"
 
 
 async def cancel_response(request: Request) -> Response:
@@ -663,9 +797,12 @@ class _Stream:
         self.call: dict[str, Any] | None = None  # the open function call item
 
     def event(self, kind: str, **data: Any) -> str:
-        body = {"type": kind, **data, "sequence_number": self.seq}
+        return _sse(kind, self.next(), **data)
+
+    def next(self) -> int:
+        """Take the next event's number."""
         self.seq += 1
-        return f"event: {kind}\ndata: {json.dumps(body)}\n\n"
+        return self.seq - 1
 
     @property
     def index(self) -> int:
@@ -730,6 +867,22 @@ class _Stream:
         return out
 
 
+def _lines(s: _Stream, delta: ChoiceDelta) -> list[str]:
+    """The events of one delta of the reply (which it is added to)."""
+    s.draft.reply.add(delta)
+    out: list[str] = []
+    if delta.content or (delta.logprobs and s.text is not None):
+        out += s.add_text(delta.content, chat_content(delta.logprobs) if delta.logprobs is not None else None)
+    for call in delta.calls:
+        out += s.add_call(call)
+    return out
+
+
+def _tail(s: _Stream) -> list[str]:
+    """The events that end a finished reply's items (an empty reply is still one, empty, message)."""
+    return (s.open_text() if not s.draft.output else []) + s.close(s.draft.status)
+
+
 async def _events(deltas: AsyncGenerator[ChoiceDelta, None], first: ChoiceDelta, draft: Draft,
                   store: ResponseStore, owner: str) -> AsyncIterator[str]:
     s = _Stream(draft)
@@ -738,23 +891,14 @@ async def _events(deltas: AsyncGenerator[ChoiceDelta, None], first: ChoiceDelta,
         yield s.event("response.in_progress", response=draft.public("in_progress"))
         delta = first
         while True:
-            draft.reply.add(delta)
-            if delta.content or (delta.logprobs and s.text is not None):
-                logprobs = chat_content(delta.logprobs) if delta.logprobs is not None else None
-                for line in s.add_text(delta.content, logprobs):
-                    yield line
-            for call in delta.calls:
-                for line in s.add_call(call):
-                    yield line
+            for line in _lines(s, delta):
+                yield line
             if delta.finished is not None:
                 break
             delta = await deltas.__anext__()
-        if not draft.output:  # an empty reply is still one (empty) message
-            for line in s.open_text():
-                yield line
-        status = draft.status
-        for line in s.close(status):
+        for line in _tail(s):
             yield line
+        status = draft.status
         await draft.keep(store, owner)
         yield s.event(f"response.{status}", response=draft.public(status))
     except Exception as exc:  # noqa: BLE001 - the stream has started: report in-band

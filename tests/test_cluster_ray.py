@@ -255,8 +255,9 @@ def test_multipart_uploads_route_by_their_model_part(cluster):
 
 def test_background_responses_through_the_ingress(cluster):
     """A background response is answered queued by the replica that takes it, runs there, and is
-    read (and cancelled) through the ingress, whichever replica answers: the records are in Redis,
-    and a cancel that lands on another replica is written there for the running one to find."""
+    read (and cancelled, and a streamed one followed again) through the ingress, whichever replica
+    answers: the records and events are in Redis, and a cancel that lands on another replica is
+    written there for the running one to find."""
     c = openai.OpenAI(base_url=f"{cluster.url}/v1", api_key="key-paid", max_retries=0, timeout=60)
     # on "c", resident since the first test, so that the residency the later tests expect stays as it is
     made = c.responses.create(model="c", input="hi", max_output_tokens=4, background=True, temperature=0)
@@ -275,6 +276,17 @@ def test_background_responses_through_the_ingress(cluster):
         time.sleep(0.2)
     time.sleep(1)
     assert c.responses.retrieve(long.id).status == "cancelled"
+    # streamed in the background: left after its first events, followed again through the ingress
+    # from whichever replica answers (from Redis where it does not run)
+    with c.responses.create(model="c", input="Count", max_output_tokens=32, background=True, stream=True,
+                            temperature=0) as stream:
+        first = [event for _, event in zip(range(3), stream)]
+    rid = first[0].response.id
+    rest = list(c.responses.retrieve(rid, stream=True, starting_after=2))
+    events = first + rest
+    assert [e.sequence_number for e in events] == list(range(len(events)))
+    assert events[-1].type in ("response.completed", "response.incomplete")
+    assert events[-1].response.output_text == c.responses.retrieve(rid).output_text
 
 
 def scrape(cluster, prefix: str = "") -> dict[str, list]:

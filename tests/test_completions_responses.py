@@ -495,7 +495,6 @@ def test_streamed_function_call_arguments(server):
     ({"input": "x", "tools": [{**TOOLS[0], "parameters": {"type": "strng"}}]}, "tools[0].parameters"),
     ({"input": "word " * 600}, "input"),
     ({"input": "x", "background": True, "store": False}, "background"),
-    ({"input": "x", "background": True, "stream": True}, "stream"),
     ({"input": "x", "frobnicate": 1}, "frobnicate"),
 ])
 def test_bad_response_input_is_a_400_naming_the_param(server, body, param):
@@ -682,6 +681,159 @@ def test_a_background_response_that_fails_records_its_error(server, monkeypatch,
     assert not server.app.state.background.running
 
 
+# -- streamed background responses ---------------------------------------------------------------------
+
+
+def _deltas(events) -> str:
+    return "".join(e.delta for e in events if e.type == "response.output_text.delta")
+
+
+def test_a_streamed_background_response_is_followed_again_from_any_event(server):
+    """background + stream: the stream opens with the response queued; the client that leaves
+    does not stop it; ``GET ?stream=true&starting_after=n`` gives the events after n, and from the
+    first after it ended (from the store); the SDK's ``responses.stream(response_id=...)`` rebuilds it."""
+    c = client(server)
+    alone = respond(c, "Tell me a story", max_output_tokens=24)
+    with c.responses.create(model="tiny-chat", input="Tell me a story", max_output_tokens=24, temperature=0,
+                            background=True, stream=True) as stream:
+        first = []
+        for event in stream:
+            first.append(event)
+            if len(first) == 4:
+                break  # and the connection closes
+    assert [e.type for e in first[:3]] == ["response.created", "response.queued", "response.in_progress"]
+    assert first[0].response.status == "queued" and first[0].response.background is True
+    rid = first[0].response.id
+    rest = list(c.responses.retrieve(rid, stream=True, starting_after=first[-1].sequence_number))
+    events = first + rest
+    assert [e.sequence_number for e in events] == list(range(len(events)))
+    assert events[-1].type == f"response.{alone.status}" and _deltas(events) == alone.output_text
+    done = wait_until_done(c, rid)
+    assert events[-1].response.output_text == done.output_text == alone.output_text
+    assert done.usage.output_tokens == alone.usage.output_tokens
+    again = list(c.responses.retrieve(rid, stream=True))
+    assert [e.model_dump() for e in again] == [e.model_dump() for e in events]
+    with c.responses.stream(response_id=rid, starting_after=5) as helper:  # (it reads from the first, shows after 5)
+        assert [e.sequence_number for e in helper] == list(range(6, len(events)))
+
+
+def test_followers_of_a_streamed_background_response_while_it_runs(server, monkeypatch):
+    """While it waits for a slot and then runs: a second client of this process follows it live
+    from the event it names, and a follower reading the store (as another process does, every
+    POLL_S) gets every event once, in order, ending with the last."""
+    import gateway.responses as responses
+
+    monkeypatch.setattr(responses, "POLL_S", 0.01)
+    gate, store, c = server.services.gate, server.app.state.responses, client(server)
+    owner = key_id(server.keys["paid"])
+
+    async def replay(record) -> list[str]:
+        return [event async for event in responses._replay(store, record, -1)]
+
+    tickets = [server.wait(gate.acquire("paid", "tiny-chat")) for _ in range(gate.limits["paid"])]
+    try:
+        mine = iter(c.responses.create(model="tiny-chat", input="Count to a thousand", max_output_tokens=48,
+                                       temperature=0, background=True, stream=True))
+        created, queued = next(mine), next(mine)
+        rid = created.response.id
+        assert c.responses.retrieve(rid).status == "queued"
+        assert server.call(lambda: rid in server.app.state.background.logs)
+        follower = c.responses.retrieve(rid, stream=True, starting_after=0)
+        elsewhere = asyncio.run_coroutine_threadsafe(replay(server.wait(store.get(rid, owner))), server.loop)
+        time.sleep(0.1)
+        assert not elsewhere.done()  # it waits for more: the response has not begun
+    finally:
+        for ticket in tickets:
+            server.call(gate.release, ticket)
+    events = [created, queued] + list(mine)
+    followed = list(follower)
+    assert [e.sequence_number for e in events] == list(range(len(events))) and events[-1].type == "response.incomplete"
+    assert [e.model_dump() for e in followed] == [e.model_dump() for e in events[1:]]
+    stored = elsewhere.result(30)
+    assert stored == server.wait(store.events(rid, -1)) and len(stored) == len(events)
+    assert [json.loads(e.split("data: ", 1)[1])["sequence_number"] for e in stored] == list(range(len(events)))
+    assert not server.call(lambda: rid in server.app.state.background.logs)  # gone with its work
+
+
+def test_a_cancelled_streamed_background_response_ends_its_streams(server):
+    """A cancel while it waits: its stream (and one opened after) ends with an ``error`` event,
+    ``response_cancelled``; the record is cancelled."""
+    gate, c = server.services.gate, client(server)
+    tickets = [server.wait(gate.acquire("paid", "tiny-chat")) for _ in range(gate.limits["paid"])]
+    try:
+        mine = iter(c.responses.create(model="tiny-chat", input="hi", max_output_tokens=8, background=True, stream=True))
+        rid = next(mine).response.id
+        assert c.responses.cancel(rid).status == "cancelled"
+    finally:
+        for ticket in tickets:
+            server.call(gate.release, ticket)
+    events = list(mine)
+    assert [e.type for e in events] == ["response.queued", "error"] and events[-1].code == "response_cancelled"
+    assert c.responses.retrieve(rid).status == "cancelled"
+    assert [e.type for e in c.responses.retrieve(rid, stream=True, starting_after=1)] == ["error"]
+
+
+def test_a_streamed_background_response_whose_process_died_ends_failed(server):
+    """Its stored events, then (its record no longer written: its process died) a
+    ``response.failed`` made from the record as GET shows it."""
+    from gateway.responses import STALE_S
+
+    store, owner = server.app.state.responses, key_id(server.keys["paid"])
+    record = server.wait(store.get(respond(client(server), "hi", max_output_tokens=2).id, owner))
+    dead = replace(record, id="resp_dead2", beat=time.time() - STALE_S - 5,
+                   response={**record.response, "id": "resp_dead2", "status": "in_progress", "background": True})
+    server.wait(store.put(dead))
+    made = [f'event: response.created\ndata: {json.dumps({"type": "response.created", "response": dead.response, "sequence_number": 0})}\n\n']
+    server.wait(store.add_events(dead.id, dead.created_at, 0, made))
+    events = list(client(server).responses.retrieve(dead.id, stream=True))
+    assert [(e.type, e.sequence_number) for e in events] == [("response.created", 0), ("response.failed", 1)]
+    assert events[1].response.status == "failed" and events[1].response.error.code == "server_error"
+
+
+def test_a_streamed_response_shows_its_message_so_far():
+    """A record written while the reply streams (a background one's heartbeat) shows the open
+    message with its text so far, not the stream's own bookkeeping."""
+    from gateway.chat import ChoiceDelta
+    from gateway.responses import Draft, ResponseJob, ResponsesRequest, _lines, _Stream
+
+    draft = Draft("resp_x", ResponseJob(None, [], ResponsesRequest(model="m", input="x"), []), "default")
+    s = _Stream(draft)
+    _lines(s, ChoiceDelta(0, "Hel"))
+    _lines(s, ChoiceDelta(0, "lo"))
+    (item,) = draft.public("in_progress")["output"]
+    assert item["status"] == "in_progress" and item["content"][0]["text"] == "Hello"
+    assert not [k for k in item if k.startswith("_")] and json.dumps(item)
+
+
+@pytest.mark.parametrize("query, param", [
+    ("stream=maybe", "stream"),
+    ("stream=true&starting_after=-1", "starting_after"),
+    ("stream=true&starting_after=x", "starting_after"),
+    ("starting_after=3", "starting_after"),
+])
+def test_bad_stream_query_is_a_400(server, query, param):
+    made = respond(client(server), "hi", max_output_tokens=2)
+    r = httpx.get(f"{server.base_url}/responses/{made.id}?{query}", headers={"Authorization": f"Bearer {server.keys['paid']}"})
+    assert r.status_code == 400 and r.json()["error"]["param"] == param, r.text
+
+
+def test_only_a_streamed_background_response_streams_again(server):
+    c = client(server)
+    live = respond(c, "hi", max_output_tokens=2, stream=False)
+    polled = wait_until_done(c, c.responses.create(model="tiny-chat", input="hi", max_output_tokens=2, background=True).id)
+    for rid in (live.id, polled.id):
+        with pytest.raises(openai.BadRequestError) as e:
+            list(c.responses.retrieve(rid, stream=True))
+        assert e.value.body["code"] == "not_streamable" and e.value.body["param"] == "stream"
+    with c.responses.stream(model="tiny-chat", input="hi", max_output_tokens=2, background=True) as s:  # the SDK's helper
+        rid = next(iter(s)).response.id
+    wait_until_done(c, rid)
+    with pytest.raises(openai.NotFoundError):  # another key's
+        list(client(server, "free").responses.retrieve(rid, stream=True))
+    with pytest.raises(openai.NotFoundError):
+        list(c.responses.retrieve("resp_nope", stream=True))
+
+
 def test_service_tier_on_both(server):
     c = client(server)
     flex = c.completions.create(model="tiny-chat", prompt="x", max_tokens=2, extra_body={"service_tier": "flex"})
@@ -769,6 +921,21 @@ async def _store_contract(store) -> None:
         assert not await store.update_running(bg("in_progress", 6.0)) and (await store.get("resp_b", "key-a")).beat == 4.0
         assert await store.delete("resp_b", "key-a") and not await store.update_running(bg("queued", 7.0))
         assert await store.get("resp_b", "key-a") is None  # not written back after a delete
+
+        # a streamed background response's events: appended in order, read above a number,
+        # never twice, gone with their record and not added after it
+        await store.put(bg("queued", 8.0))
+        assert await store.events("resp_b", -1) == []
+        await store.add_events("resp_b", 6, 0, ["e0", "e1"])
+        await store.add_events("resp_b", 6, 1, ["e1", "e2"])  # (a write that had landed, tried again)
+        await store.add_events("resp_b", 6, 3, ["e3"])
+        assert await store.events("resp_b", -1) == ["e0", "e1", "e2", "e3"]
+        assert await store.events("resp_b", 1) == ["e2", "e3"] and await store.events("resp_b", 3) == []
+        assert await store.events("resp_other", -1) == []
+        assert not await store.delete("resp_b", "key-b") and len(await store.events("resp_b", -1)) == 4
+        assert await store.delete("resp_b", "key-a") and await store.events("resp_b", -1) == []
+        await store.add_events("resp_b", 6, 4, ["e4"])
+        assert await store.events("resp_b", -1) == []
     finally:
         await store.close()
 
@@ -828,14 +995,15 @@ def test_sqlite_retention_hides_and_sweeps_old_records(tmp_path):
 
     def rows() -> set[str]:
         with contextlib.closing(sqlite3.connect(path)) as db:
-            return {r[0] for r in db.execute("SELECT id FROM responses")}
+            return {r[0] for r in db.execute("SELECT id FROM responses UNION SELECT response_id FROM response_events")}
 
     async def main() -> None:
         store = SQLiteResponses(path, retention_s=DAY, sweep_s=0.05)
         await store.open()
         try:
-            await store.put(record("resp_old", 2 * DAY))
-            await store.put(record("resp_new", 0))
+            for r in (record("resp_old", 2 * DAY), record("resp_new", 0)):
+                await store.put(r)
+                await store.add_events(r.id, r.created_at, 0, ["e0"])  # (a streamed one's events go with it)
             assert await store.get("resp_old", "k") is None  # hidden at once, before any sweep
             assert (await store.get("resp_new", "k")).id == "resp_new"
             for _ in range(100):  # the sweep every 0.05 s deletes it
@@ -891,8 +1059,9 @@ def test_redis_retention_is_each_keys_expiry(tmp_path):
         await store.open()
         try:
             await store._expirer  # the scan it starts when it opens
-            await store.put(record("resp_old", 31 * DAY))
-            await store.put(record("resp_new", 0))
+            for r in (record("resp_old", 31 * DAY), record("resp_new", 0)):
+                await store.put(r)
+                await store.add_events(r.id, r.created_at, 0, ["e0"])
             assert await store.get("resp_new", "k") is not None and await store.get("resp_old", "k") is None
         finally:
             await store.close()
@@ -901,7 +1070,10 @@ def test_redis_retention_is_each_keys_expiry(tmp_path):
         asyncio.run(main(url))
         r = redis.Redis.from_url(url)
         ttl = {k.decode().rsplit(":", 1)[1]: r.ttl(k) for k in r.keys("tg:response:*")}
+        events_ttl = {k.decode().rsplit(":", 1)[1]: r.ttl(k) for k in r.keys("tg:response-events:*")}
         r.close()
+    assert set(events_ttl) == {"resp_new"}  # the old one's were never written: its record had expired
+    assert 30 * DAY - 60 < events_ttl["resp_new"] <= 30 * DAY + 1
     assert set(ttl) == {"resp_before_new", "resp_new", "not-ours"}  # both old ones are gone from Redis itself
     assert ttl["not-ours"] == -1
     assert 29 * DAY - 60 < ttl["resp_before_new"] <= 29 * DAY + 1

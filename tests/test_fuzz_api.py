@@ -128,7 +128,7 @@ ENDPOINTS = {
             optional={"role": TEXT, "content": TEXT | st.lists(PART, max_size=2) | ANY_JSON, "call_id": TEXT,
                       "name": TOOL_NAME, "arguments": TEXT, "output": TEXT | ANY_JSON}), max_size=4),
          "instructions": TEXT, "max_output_tokens": EDGE_INTS, "temperature": EDGE_FLOATS, "top_p": EDGE_FLOATS,
-         "top_logprobs": EDGE_INTS, "stream": st.booleans(), "store": st.booleans(),
+         "top_logprobs": EDGE_INTS, "stream": st.booleans(), "store": st.booleans(), "background": st.booleans(),
          "tools": st.lists(st.fixed_dictionaries({"type": st.just("function"), "name": TOOL_NAME},
                                                  optional={"parameters": JSON_SCHEMA, "strict": st.booleans()}),
                            max_size=2),
