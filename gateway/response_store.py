@@ -43,7 +43,7 @@ from typing import Any
 
 from gateway.service import Services
 from storage.redis import honour_cancel
-from storage.sqlite import SQLiteFile
+from storage.sqlite import SweptFile
 
 _SCHEMA = """CREATE TABLE IF NOT EXISTS responses (
     id TEXT PRIMARY KEY, owner TEXT NOT NULL, doc TEXT NOT NULL, created_at INTEGER);
@@ -121,14 +121,12 @@ class ResponseStore(abc.ABC):
         caller has read the record with the key's own id first.)"""
 
 
-class SQLiteResponses(SQLiteFile, ResponseStore):
+class SQLiteResponses(SweptFile, ResponseStore):
     """A table in one SQLite file (WAL; ``storage.sqlite``), every call on one thread that owns the
     connection."""
 
     def __init__(self, path: Path, retention_s: float | None = None, sweep_s: float = 3600.0) -> None:
-        super().__init__(path, _SCHEMA, thread_name="tiergate-responses")
-        self.retention_s, self.sweep_s = retention_s, sweep_s
-        self._sweeper: asyncio.Task | None = None
+        super().__init__(path, _SCHEMA, "tiergate-responses", retention_s, sweep_s)
 
     def _migrate(self, db: sqlite3.Connection) -> None:
         if "created_at" not in {row[1] for row in db.execute("PRAGMA table_info(responses)")}:
@@ -136,42 +134,14 @@ class SQLiteResponses(SQLiteFile, ResponseStore):
             db.execute("UPDATE responses SET created_at = json_extract(doc, '$.created_at')")
         db.execute("CREATE INDEX IF NOT EXISTS responses_created_at ON responses (created_at)")
 
-    async def open(self) -> None:
-        await super().open()
-        if self.retention_s is not None:
-            await self.sweep()
-            self._sweeper = asyncio.create_task(self._sweep_loop())
-
-    async def close(self) -> None:
-        if self._sweeper is not None:
-            self._sweeper.cancel()
-            await asyncio.gather(self._sweeper, return_exceptions=True)
-            self._sweeper = None
-        await super().close()
-
     def _changed(self, sql: str, args: tuple) -> int:
         """(on the connection's thread) Rows that ``sql`` changed (one statement: its own transaction)."""
         return self._db.execute(sql, args).rowcount
-
-    async def sweep(self) -> int:
-        """Delete the records past their retention; how many went."""
-        cutoff = self._cutoff()
-        if cutoff is None:
-            return 0
-        return await self._call(self._sweep, cutoff)
 
     def _sweep(self, cutoff: float) -> int:
         gone = self._changed("DELETE FROM responses WHERE created_at < ?", (cutoff,))
         self._changed("DELETE FROM response_events WHERE created_at < ?", (cutoff,))
         return gone
-
-    async def _sweep_loop(self) -> None:
-        while True:
-            await asyncio.sleep(self.sweep_s)
-            try:
-                await self.sweep()
-            except sqlite3.Error as exc:  # a busy or full disk: the next sweep tries again
-                log.warning("stored responses: the retention sweep failed: %s", exc)
 
     async def put(self, record: StoredResponse) -> None:
         await self._call(self._changed, "INSERT INTO responses (id, owner, doc, created_at) VALUES (?, ?, ?, ?)",

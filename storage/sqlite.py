@@ -5,6 +5,7 @@ serialise and a process killed after a change returned has lost nothing committe
 from __future__ import annotations
 
 import asyncio
+import logging
 import sqlite3
 import time
 from concurrent.futures import ThreadPoolExecutor
@@ -12,6 +13,7 @@ from pathlib import Path
 from typing import Any, Callable, TypeVar
 
 T = TypeVar("T")
+log = logging.getLogger("tiergate.storage")
 
 
 _BUSY_S = 30.0
@@ -94,3 +96,48 @@ class SQLiteFile:
             await self._call(self._db.close)
         self._pool.shutdown()
         self._pool, self._db = None, None
+
+
+class SweptFile(SQLiteFile):
+    """A store whose rows expire ``retention_s`` after they were made (None: never): ``_sweep``
+    (on the connection's thread) deletes those made before a cutoff; it runs when the store opens
+    and every ``sweep_s`` after, a failed sweep tried again at the next."""
+
+    def __init__(self, path: Path, schema: str, thread_name: str, retention_s: float | None,
+                 sweep_s: float = 3600.0) -> None:
+        super().__init__(path, schema, thread_name)
+        self.retention_s, self.sweep_s = retention_s, sweep_s
+        self._sweeper: asyncio.Task | None = None
+
+    def _cutoff(self) -> float | None:
+        """Rows made before this (epoch seconds) are past their retention."""
+        return None if self.retention_s is None else time.time() - self.retention_s
+
+    def _sweep(self, cutoff: float) -> int:
+        """(on the connection's thread) Delete what was made before ``cutoff``; how many went."""
+        raise NotImplementedError
+
+    async def sweep(self) -> int:
+        cutoff = self._cutoff()
+        return 0 if cutoff is None else await self._call(self._sweep, cutoff)
+
+    async def open(self) -> None:
+        await super().open()
+        if self.retention_s is not None:
+            await self.sweep()
+            self._sweeper = asyncio.create_task(self._sweep_loop())
+
+    async def close(self) -> None:
+        if self._sweeper is not None:
+            self._sweeper.cancel()
+            await asyncio.gather(self._sweeper, return_exceptions=True)
+            self._sweeper = None
+        await super().close()
+
+    async def _sweep_loop(self) -> None:
+        while True:
+            await asyncio.sleep(self.sweep_s)
+            try:
+                await self.sweep()
+            except sqlite3.Error as exc:  # a busy or full disk: the next sweep tries again
+                log.warning("%s: the retention sweep failed: %s", self.path.name, exc)
