@@ -20,12 +20,12 @@ import json
 import logging
 import time
 from dataclasses import dataclass, field
-from typing import AsyncGenerator, AsyncIterator
+from typing import AsyncGenerator, AsyncIterator, Awaitable, Callable
 
 from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
 
-from gateway import service_tier
+from gateway import service_tier, stored_chat
 from gateway.adapters import resolve_request
 from accounts.rates import Ask
 from gateway.accounts import estimate_tokens
@@ -345,11 +345,18 @@ async def chat_completions(request: Request) -> Response:
         deltas = serve_chat(svc, caller, job, gone)
         if not body.stream:
             replies, tier = await collect(deltas)
-            return JSONResponse(completion(completion_id, body.model, replies, tier, svc), headers=headers)
+            answer = completion(completion_id, body.model, replies, tier, svc)
+            if body.store:
+                await stored_chat.keep(request.app.state.completions, caller.key_id, answer, body)
+            return JSONResponse(answer, headers=headers)
         first = await deltas.__anext__()
     include_usage = bool(body.stream_options and body.stream_options.include_usage)
     label = service_tier.label(svc.config, served.tier)
-    sse = _sse(deltas, first, completion_id, body.model, job.n, body.logprobs, label, include_usage)
+    kept = None
+    if body.store:
+        async def kept(answer: dict) -> None:
+            await stored_chat.keep(request.app.state.completions, caller.key_id, answer, body)
+    sse = _sse(deltas, first, completion_id, body.model, job.n, body.logprobs, label, include_usage, kept)
     return Streamed(sse, "text/event-stream", headers=headers)
 
 
@@ -360,8 +367,12 @@ def scoped_user(caller: Caller, user: str) -> str:
 
 
 async def _sse(deltas: AsyncIterator[ChoiceDelta], first: ChoiceDelta, cid: str, model: str, n: int,
-               logprobs: bool, tier_label: str, include_usage: bool) -> AsyncIterator[str]:
+               logprobs: bool, tier_label: str, include_usage: bool,
+               kept: Callable[[dict], Awaitable[None]] | None = None) -> AsyncIterator[str]:
+    """The chunks of a streamed completion; with ``kept``, the whole completion is handed to it
+    once every choice finished (``store: true``), before the last chunk."""
     created = int(time.time())
+    replies: dict[int, Reply] = {}
 
     def chunk(choices: list[dict], usage: dict | None = None) -> str:
         body = {"id": cid, "object": "chat.completion.chunk", "created": created, "model": model,
@@ -387,11 +398,16 @@ async def _sse(deltas: AsyncIterator[ChoiceDelta], first: ChoiceDelta, cid: str,
         delta = first
         while True:
             yield chunk([choice(delta)])
+            if kept is not None:
+                replies.setdefault(delta.index, Reply(delta.index)).add(delta)
             if delta.finished is not None:
                 finished.append(delta.finished)
                 if len(finished) == n:
                     break
             delta = await deltas.__anext__()
+        if kept is not None:
+            whole = completion(cid, model, [replies[i] for i in sorted(replies)], "", None)
+            await kept({**whole, "created": created, "service_tier": tier_label})
         if include_usage:
             yield chunk([], _usage(finished))
     except Exception as exc:  # noqa: BLE001 - the stream has started: report in-band

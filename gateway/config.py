@@ -233,6 +233,12 @@ class ResponsesConfig(_Strict):
     retention_days: float | None = Field(default=30, gt=0)
 
 
+class StoredCompletionsConfig(_Strict):
+    """Stored chat completions (``/v1/chat/completions`` with ``store: true``), in the batch store's backend."""
+
+    retention_days: float | None = Field(default=30, gt=0)  # as OpenAI keeps them; null: until deleted
+
+
 class ServerConfig(_Strict):
     """How the server stops (gateway/drain.py)."""
 
@@ -290,6 +296,7 @@ class Config(_Strict):
     limits: LimitsConfig = LimitsConfig()
     batch: BatchConfig = BatchConfig()
     responses: ResponsesConfig = ResponsesConfig()
+    stored_completions: StoredCompletionsConfig = StoredCompletionsConfig()
     server: ServerConfig = ServerConfig()
     cluster: ClusterConfig = ClusterConfig()
     accounts: AccountsConfig = AccountsConfig()  # per-tier default limits of each key (docs/ACCOUNTS.md)

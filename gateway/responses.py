@@ -76,9 +76,10 @@ from gateway.chat import ChatJob, ChoiceDelta, Reply, collect, plan_chat, served
 from gateway.errors import APIError, bad_request, not_found
 from gateway.http import Streamed, disconnect_signal
 from gateway.logprobs import chat_content
+from gateway.pages import cursor_page, page_query
 from gateway.response_store import ResponseStore, StoredResponse
-from gateway.schemas import (MAX_STACK, MAX_TOOLS, TOOL_NAME, AdapterChoice, ChatCompletionRequest, _Body, is_count, parse,
-                             read_json)
+from gateway.schemas import (MAX_STACK, MAX_TOOLS, TOOL_NAME, AdapterChoice, ChatCompletionRequest, Metadata, _Body,
+                             is_count, parse, read_json)
 from gateway.service import ClientGone, Services
 from gateway.serving import Gone
 from gateway.tools import CallDelta
@@ -136,7 +137,7 @@ class ResponsesRequest(_Body):
     previous_response_id: str | None = Field(default=None, min_length=1)
     stream: bool = False
     include: list[str] | None = None  # accepted; logprobs come with top_logprobs
-    metadata: dict[str, str] | None = None
+    metadata: Metadata = None
     user: str | None = None
     service_tier: str | None = None
     truncation: Literal["disabled"] | None = None  # "auto" (dropping old turns) is not supported
@@ -724,13 +725,8 @@ async def list_input_items(request: Request) -> Response:
     if record is None:
         raise not_found(f"no response with id '{response_id}'", "response_id")
     q = request.query_params
-    limit = q.get("limit", "20")
-    if not is_count(limit) or not 1 <= int(limit) <= 100:
-        raise bad_request("limit must be an integer from 1 to 100", "limit")
-    order = q.get("order", "desc")
-    if order not in ("asc", "desc"):
-        raise bad_request("order must be 'asc' or 'desc'", "order")
-    return JSONResponse(input_page(input_items(record), order, int(limit), q.get("after"), q.get("before")))
+    limit, order = page_query(q, "desc")
+    return JSONResponse(cursor_page(input_items(record), order, limit, q.get("after"), q.get("before")))
 
 
 def input_items(record: StoredResponse) -> list[dict[str, Any]]:
@@ -753,25 +749,6 @@ def input_items(record: StoredResponse) -> list[dict[str, Any]]:
                           "content": [part]})
         items += [call_item(f"fc_{tag}{k:04x}{j:02x}", call, "completed") for j, call in enumerate(m.get("tool_calls") or [])]
     return items
-
-
-def input_page(items: list[dict[str, Any]], order: str, limit: int, after: str | None,
-               before: str | None) -> dict[str, Any]:
-    """One page of ``items`` (oldest first) in ``order``: those after the item ``after`` and
-    before the item ``before`` (ids; 400 naming the one that is not an item), ``limit`` at most."""
-    ranked = items if order == "asc" else items[::-1]
-    ids = [item["id"] for item in ranked]
-    start, end = 0, len(ranked)
-    for name, cursor in (("after", after), ("before", before)):
-        if cursor is not None and cursor not in ids:
-            raise bad_request(f"{name} names no input item of this response: '{cursor[:80]}'", name)
-    if after is not None:
-        start = ids.index(after) + 1
-    if before is not None:
-        end = ids.index(before)
-    data = ranked[start:end][:limit]
-    return {"object": "list", "data": data, "first_id": data[0]["id"] if data else None,
-            "last_id": data[-1]["id"] if data else None, "has_more": end - start > limit}
 
 
 async def delete_response(request: Request) -> Response:

@@ -57,6 +57,21 @@ def _not_streamed(value: bool | None) -> bool | None:
 FormNoStream = Annotated[bool | None, AfterValidator(_not_streamed)]
 
 
+def _checked_metadata(v: dict[str, str] | None) -> dict[str, str] | None:
+    """OpenAI's limits on ``metadata``: 16 pairs, keys of 64 characters and values of 512 at most."""
+    if v is not None and len(v) > 16:
+        raise ValueError(f"at most 16 pairs, not {len(v)}")
+    for key, value in (v or {}).items():
+        if len(key) > 64:
+            raise ValueError(f"the key '{key[:20]}...' is longer than 64 characters")
+        if len(value) > 512:
+            raise ValueError(f"the value of '{key}' is longer than 512 characters")
+    return v
+
+
+Metadata = Annotated[dict[str, str] | None, AfterValidator(_checked_metadata)]
+
+
 class TextPart(_Body):
     type: Literal["text"]
     text: str
@@ -182,8 +197,8 @@ class ChatCompletionRequest(_Body):
     response_format: ResponseFormat | None = None
     service_tier: str | None = None  # auto | default | flex | priority, or a tier's name
     user: str | None = None
-    metadata: dict[str, str] | None = None
-    store: bool | None = None
+    metadata: Metadata = None
+    store: bool | None = None  # true: kept for the stored-completions API (gateway/stored_chat.py)
     adapters: list[AdapterChoice] | None = Field(default=None, max_length=MAX_STACK)  # extension: LoRA stack
 
     @field_validator("stop")

@@ -289,6 +289,21 @@ def test_background_responses_through_the_ingress(cluster):
     assert events[-1].response.output_text == c.responses.retrieve(rid).output_text
 
 
+def test_stored_chat_completions_through_the_ingress(cluster):
+    """A chat completion stored by the replica that made it is read, listed, changed and deleted
+    through the ingress, whichever replica answers: the store is the shared Redis."""
+    c = openai.OpenAI(base_url=f"{cluster.url}/v1", api_key="key-paid", max_retries=0, timeout=60)
+    made = c.chat.completions.create(model="c", messages=[{"role": "user", "content": "hi"}], max_tokens=2,
+                                     store=True, metadata={"via": "cluster"})
+    for _ in range(4):  # (GETs go to any replica)
+        assert c.chat.completions.retrieve(made.id).choices[0].message.content == made.choices[0].message.content
+    assert made.id in [x.id for x in c.chat.completions.list(metadata={"via": "cluster"})]
+    assert c.chat.completions.update(made.id, metadata={"via": "changed"}).metadata == {"via": "changed"}
+    assert c.chat.completions.delete(made.id).deleted
+    with pytest.raises(openai.NotFoundError):
+        c.chat.completions.retrieve(made.id)
+
+
 def scrape(cluster, prefix: str = "") -> dict[str, list]:
     """The cluster's /metrics, parsed by prometheus_client: family name -> samples."""
     response = httpx.get(f"{cluster.proxy + prefix if prefix else cluster.url}/metrics", timeout=30)

@@ -251,13 +251,15 @@ def test_generated_bodies_get_a_success_or_a_clean_4xx(server, path):
 
 READS = ["/v1/batches", "/v1/files", "/v1/usage", "/admin/usage", "/admin/keys", "/admin/events", "/admin/state", "/v1/models/{}",
          "/v1/files/{}", "/v1/files/{}/content", "/v1/batches/{}", "/v1/responses/{}", "/v1/responses/{}/input_items", "/v1/responses/{}/cancel", "/admin/keys/{}",
+         "/v1/chat/completions", "/v1/chat/completions/{}", "/v1/chat/completions/{}/messages",
          "/v1/images/files/{}.png"]
 QUERY = st.dictionaries(
     st.sampled_from(["limit", "after", "key", "model", "start_date", "end_date", "group_by", "format", "stream",
-                     "starting_after", "include[]", "since", "order", "purpose", "before", "nope"]),
+                     "starting_after", "include[]", "since", "order", "purpose", "before", "nope", "metadata[g]",
+                     "metadata"]),
     st.sampled_from(["", "0", "-1", "20", "101", "1e3", "abc", "2026-01-01", "2026-13-45", "0000-00-00", "csv", "json",
                      "day", "key", "tier", "true", "asc", "batch_output", "\x00", "../etc/passwd", "²"]) | TEXT, max_size=4)
-ID = st.sampled_from(["x", "file-0", "batch_0", "resp_0", "key_0", "tiny-chat", "..", "%2e%2e", "a/b"]) | TEXT
+ID = st.sampled_from(["x", "file-0", "batch_0", "resp_0", "key_0", "chatcmpl-0", "tiny-chat", "..", "%2e%2e", "a/b"]) | TEXT
 
 
 @FUZZ
