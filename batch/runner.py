@@ -66,7 +66,7 @@ RETRIES_503 = 5  # "model unavailable" is retried this often before the line fai
 def runner_for(svc: Services) -> Runner:
     """The process's runner on the configured store, started and stopped with the app."""
     cfg = svc.config.batch
-    data_dir = cfg.data_dir if cfg.data_dir.is_absolute() else svc.config.source.parent / cfg.data_dir
+    data_dir = svc.config.data_dir()
     runner = Runner(svc, open_store(cfg.store, data_dir))
     svc.on_startup.append(runner.start)
     svc.on_shutdown.append(runner.stop)

@@ -50,7 +50,7 @@ def store_for(config: Config) -> AccountStore:
     cfg = config.batch
     if cfg.store.startswith(("redis://", "rediss://")):
         return RedisAccounts(cfg.store)
-    data_dir = cfg.data_dir if cfg.data_dir.is_absolute() else config.source.parent / cfg.data_dir
+    data_dir = config.data_dir()
     return SQLiteAccounts(data_dir / "accounts.sqlite3")
 
 

@@ -22,7 +22,7 @@ from arbiter.footprint import default_device, device_budget
 from arbiter.residency import Arbiter, Refused, Unavailable
 from batch import api as batch_api
 from batch.runner import runner_for
-from gateway import audio, chat, completions, dashboard, embeddings, images, responses, stored_chat
+from gateway import audio, chat, completions, conversations, dashboard, embeddings, images, responses, stored_chat
 from gateway.accounts import Accounts
 from gateway.accounts_api import KeyHeaders
 from gateway import accounts_api
@@ -38,6 +38,7 @@ from gateway.image_store import ImageStore
 from gateway.metrics import Metrics
 from gateway.request_log import RequestLog, note, request_id_of
 from gateway.completion_store import completions_for
+from gateway.conversation_store import conversations_for
 from gateway.response_store import responses_for
 from gateway.service import ClientGone, Services
 
@@ -192,6 +193,14 @@ def routes() -> list[BaseRoute]:
         Route("/v1/responses/{response_id}/input_items", responses.list_input_items, methods=["GET"]),
         Route("/v1/responses/{response_id}", responses.delete_response, methods=["DELETE"]),
         Route("/v1/responses/{response_id}/cancel", responses.cancel_response, methods=["POST"]),
+        Route("/v1/conversations", conversations.create_conversation, methods=["POST"]),
+        Route("/v1/conversations/{conversation_id}", conversations.get_conversation, methods=["GET"]),
+        Route("/v1/conversations/{conversation_id}", conversations.update_conversation, methods=["POST"]),
+        Route("/v1/conversations/{conversation_id}", conversations.delete_conversation, methods=["DELETE"]),
+        Route("/v1/conversations/{conversation_id}/items", conversations.add_items, methods=["POST"]),
+        Route("/v1/conversations/{conversation_id}/items", conversations.list_items, methods=["GET"]),
+        Route("/v1/conversations/{conversation_id}/items/{item_id}", conversations.get_item, methods=["GET"]),
+        Route("/v1/conversations/{conversation_id}/items/{item_id}", conversations.delete_item, methods=["DELETE"]),
         Route("/v1/chat/completions", stored_chat.list_completions, methods=["GET"]),
         Route("/v1/chat/completions/{completion_id}", stored_chat.get_completion, methods=["GET"]),
         Route("/v1/chat/completions/{completion_id}", stored_chat.update_completion, methods=["POST"]),
@@ -230,7 +239,8 @@ def routes() -> list[BaseRoute]:
 
 def create_app(services: Services, extra: Sequence[BaseRoute] = ()) -> Starlette:
     """The ASGI app: every route, the batch runner (``app.state.batches``), the stored responses
-    (``app.state.responses``) and chat completions (``app.state.completions``), the drain
+    (``app.state.responses``), chat completions (``app.state.completions``) and conversations
+    (``app.state.conversations``), the drain
     (``app.state.drain``: readiness, refusing while draining, handing batch lines back), and
     ``extra`` routes (benchmarks add probes). Middleware, outermost first: the request log, the
     drain's gate, the body deadline."""
@@ -248,6 +258,7 @@ def create_app(services: Services, extra: Sequence[BaseRoute] = ()) -> Starlette
     app.state.batches = runner_for(services)
     app.state.responses = responses_for(services)
     app.state.completions = completions_for(services)  # stored chat completions
+    app.state.conversations = conversations_for(services)
     app.state.background = Background(drain)  # background responses: stopped at shutdown before the store closes
     services.on_shutdown.append(app.state.background.stop)
     services.metrics.registry.register(app.state.background)

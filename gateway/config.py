@@ -303,6 +303,11 @@ class Config(_Strict):
     prices: dict[str, Price] = Field(default_factory=dict)  # tier -> what usage costs there
     source: Path = Path("tiers.yaml")
 
+    def data_dir(self) -> Path:
+        """``batch.data_dir``, a relative one taken from this file's folder: where the SQLite stores live."""
+        d = self.batch.data_dir
+        return d if d.is_absolute() else self.source.parent / d
+
     @model_validator(mode="after")
     def _accounts_name_tiers_and_models(self) -> "Config":
         check_tiers(self.accounts, self.prices, self.tier_names)

@@ -318,7 +318,7 @@ def open_responses(spec: str, data_dir: Path, retention_s: float | None = None) 
 def responses_for(svc: Services) -> ResponseStore:
     """The process's response store on the configured backend, opened and closed with the app."""
     cfg = svc.config.batch
-    data_dir = cfg.data_dir if cfg.data_dir.is_absolute() else svc.config.source.parent / cfg.data_dir
+    data_dir = svc.config.data_dir()
     days = svc.config.responses.retention_days
     store = open_responses(cfg.store, data_dir, None if days is None else days * DAY_S)
     svc.on_startup.append(store.open)

@@ -5,7 +5,9 @@ A request becomes a chat job: ``input`` (a string, or items: messages with ``inp
 ``output_text`` parts, ``function_call`` and ``function_call_output`` items) is turned into chat
 messages after ``instructions`` (a system message) and, with ``previous_response_id``, after the
 stored conversation of that response (its input and its reply; its instructions are not carried
-over, as OpenAI does). Tools, ``tool_choice``, ``text.format`` and the sampling fields are read by
+over, as OpenAI does), or with ``conversation`` after that conversation's items
+(``gateway.conversations``), to which its input and output items are added once it ends
+``completed`` or ``incomplete``. Tools, ``tool_choice``, ``text.format`` and the sampling fields are read by
 the chat planner (``gateway.chat.plan_chat``: tools, structured outputs, the token limit), so a
 response runs through the same serving core, gate, arbiter and engines as chat; a 400 names the
 Responses field (``text.format``, ``max_output_tokens``, ``input``...).
@@ -73,6 +75,7 @@ from gateway import service_tier
 from gateway.auth import Caller
 from gateway.background import Background, EventLog
 from gateway.chat import ChatJob, ChoiceDelta, Reply, collect, plan_chat, served_caller, serve_chat
+from gateway.conversation_store import ConversationStore
 from gateway.errors import APIError, bad_request, not_found
 from gateway.http import Streamed, disconnect_signal
 from gateway.logprobs import chat_content
@@ -121,6 +124,10 @@ class TextConfig(_Body):
     verbosity: Literal["low", "medium", "high"] | None = None  # accepted; the model decides
 
 
+class ConversationRef(_Body):
+    id: str = Field(min_length=1)
+
+
 class ResponsesRequest(_Body):
     model: str = Field(min_length=1)
     input: str | list[dict[str, Any]]
@@ -135,6 +142,7 @@ class ResponsesRequest(_Body):
     text: TextConfig | None = None
     store: bool = True
     previous_response_id: str | None = Field(default=None, min_length=1)
+    conversation: str | ConversationRef | None = None  # its id, or {"id": ...}
     stream: bool = False
     include: list[str] | None = None  # accepted; logprobs come with top_logprobs
     metadata: Metadata = None
@@ -154,6 +162,8 @@ class ResponseJob:
     conversation: list[dict[str, Any]]  # every message of the prompt but the instructions
     body: ResponsesRequest
     items: list[dict[str, Any]]  # the same as the Responses API's input items (``input_items``)
+    conversation_id: str | None = None  # the conversation it continues and adds its items to
+    added: list[dict[str, Any]] = field(default_factory=list)  # its own input's items
 
 
 # -- input items as chat messages ---------------------------------------------------------------------
@@ -167,16 +177,16 @@ _ITEM_KEYS = {
 }
 
 
-def input_messages(items: str | list[dict[str, Any]]) -> list[dict[str, Any]]:
-    """Chat messages of ``input``; 400 naming the item (``input[i]...``) that cannot be one.
-    Function calls join the assistant message before them (or start one)."""
+def input_messages(items: str | list[dict[str, Any]], name: str = "input") -> list[dict[str, Any]]:
+    """Chat messages of ``input`` (or items called ``name``); 400 naming the item (``input[i]...``)
+    that cannot be one. Function calls join the assistant message before them (or start one)."""
     if isinstance(items, str):
         return [{"role": "user", "content": items}]
     if not items:
-        raise bad_request("input must not be an empty list", "input")
+        raise bad_request(f"{name} must not be an empty list", name)
     out: list[dict[str, Any]] = []
     for i, item in enumerate(items):
-        where = f"input[{i}]"
+        where = f"{name}[{i}]"
         kind = item.get("type", "message")
         if kind not in _ITEM_KEYS:
             raise bad_request(f"input items of type {str(kind)[:40]!r} are not supported (message, function_call, "
@@ -300,11 +310,21 @@ def chat_body(body: ResponsesRequest, messages: list[dict[str, Any]]) -> dict[st
 
 
 async def plan_response(svc: Services, caller: Caller, store: ResponseStore | None,
-                        body: ResponsesRequest) -> ResponseJob:
-    """The job of ``body``: its conversation (404 for a ``previous_response_id`` this key cannot
-    see) and its chat job (what ``plan_chat`` checks, errors named as Responses fields)."""
+                        body: ResponsesRequest, conversations: ConversationStore | None = None) -> ResponseJob:
+    """The job of ``body``: its conversation (404 for a ``previous_response_id`` or a
+    ``conversation`` this key cannot see) and its chat job (what ``plan_chat`` checks, errors named
+    as Responses fields)."""
     history: list[dict[str, Any]] = []
     items: list[dict[str, Any]] = []
+    conversation_id = None
+    if body.conversation is not None:
+        conversation_id = body.conversation if isinstance(body.conversation, str) else body.conversation.id
+        if body.previous_response_id is not None:
+            raise bad_request("conversation and previous_response_id cannot be used together", "conversation")
+        found = await conversations.items(conversation_id, caller.key_id) if conversations is not None else None
+        if found is None:
+            raise not_found(f"no conversation with id '{conversation_id}'", "conversation")
+        history, items = (input_messages(found, "conversation") if found else []), found
     if body.previous_response_id is not None:
         previous = await store.get(body.previous_response_id, caller.key_id) if store is not None else None
         if previous is None:
@@ -327,7 +347,7 @@ async def plan_response(svc: Services, caller: Caller, store: ResponseStore | No
             raise bad_request(f"duplicate item id '{item['id'][:80]}' (in this input or the conversation it continues)",
                               f"input[{i}].id", "duplicate_item_id")
         seen.add(item["id"])
-    return ResponseJob(job, conversation, body, items + given)
+    return ResponseJob(job, conversation, body, items + given, conversation_id, given)
 
 
 def given_items(given: str | list[dict[str, Any]]) -> list[dict[str, Any]]:
@@ -392,6 +412,7 @@ class Draft:
             "output": [_visible(item) for item in self.output], "parallel_tool_calls": body.parallel_tool_calls is not False,
             "previous_response_id": body.previous_response_id, "reasoning": {"effort": None, "summary": None},
             "service_tier": self.tier_label, "store": body.store, "temperature": body.temperature,
+            "conversation": {"id": self.job.conversation_id} if self.job.conversation_id else None,
             "text": {"format": fmt}, "tool_choice": choice,
             "tools": [t.model_dump(exclude_none=True) for t in body.tools or []],
             "top_logprobs": body.top_logprobs, "top_p": body.top_p, "truncation": "disabled",
@@ -406,10 +427,18 @@ class Draft:
         """The conversation a later response continues: this one's input, then its reply."""
         return self.job.conversation + [self.reply.message()]
 
-    async def keep(self, store: ResponseStore | None, owner: str) -> None:
-        """Store the finished response when the request asked to."""
+    async def keep(self, store: ResponseStore | None, owner: str, conversations: ConversationStore | None) -> None:
+        """Store the finished response when the request asked to, and add it to its conversation."""
         if self.job.body.store and store is not None:
             await store.put(self.record(self.status, owner))
+        await self.add_to_conversation(conversations, owner)
+
+    async def add_to_conversation(self, conversations: ConversationStore | None, owner: str) -> None:
+        """Its input items and output items, added to the conversation it continued (if any)."""
+        if self.job.conversation_id is None or conversations is None:
+            return
+        if not await conversations.add_items(self.job.conversation_id, owner, self.job.added + self.output):
+            log.info("response %s: its conversation %s was deleted before it ended", self.id, self.job.conversation_id)
 
     def record(self, status: str, owner: str, error: dict[str, str] | None = None) -> StoredResponse:
         """The stored record of this response at ``status`` (a background one's carries the time)."""
@@ -459,6 +488,8 @@ async def response_result(svc: Services, caller: Caller, data: dict) -> dict[str
         raise bad_request("background is not supported in a batch (a batch line already runs on its own)", "background")
     if body.previous_response_id is not None:
         raise bad_request("previous_response_id is not supported in a batch", "previous_response_id")
+    if body.conversation is not None:
+        raise bad_request("conversation is not supported in a batch", "conversation")
     job = await plan_response(svc, caller, None, body.model_copy(update={"store": False}))
     with responses_names():
         replies, tier = await collect(serve_chat(svc, caller, job.chat, None))
@@ -478,8 +509,8 @@ async def create_response(request: Request) -> Response:
     svc: Services = request.app.state.services
     caller = svc.admit_caller(request)
     body = parse(ResponsesRequest, await read_json(request, svc.config.limits.max_body))
-    store = _store(request)
-    job = await plan_response(svc, caller, store, body)
+    store, conversations = _store(request), request.app.state.conversations
+    job = await plan_response(svc, caller, store, body, conversations)
     served = served_caller(svc, caller, job.chat)
     draft = Draft(_item_id("resp"), job, service_tier.label(svc.config, served.tier), background=body.background)
     headers = {**svc.gate.rate_headers(served.tier), "x-tiergate-tier": served.tier}
@@ -494,7 +525,8 @@ async def create_response(request: Request) -> Response:
             await events.add([events.s.event("response.created", response=queued),
                               events.s.event("response.queued", response=queued)], flush=True)
         background: Background = request.app.state.background
-        background.start(draft.id, lambda gone: _run_in_background(svc, caller, draft, store, background, gone, events),
+        background.start(draft.id, lambda gone: _run_in_background(svc, caller, draft, store, conversations, background,
+                                                                   gone, events),
                          events.log if events else None)
         if events is not None:
             return Streamed(events.log.follow(-1), "text/event-stream", headers=headers)
@@ -506,15 +538,16 @@ async def create_response(request: Request) -> Response:
                 replies, _ = await collect(deltas)
                 draft.reply = replies[0]
                 draft.output = whole_output(draft)
-                await draft.keep(store, caller.key_id)
+                await draft.keep(store, caller.key_id, conversations)
                 return JSONResponse(draft.public(draft.status), headers=headers)
             first = await deltas.__anext__()
-    events = _events(deltas, first, draft, store, caller.key_id)
+    events = _events(deltas, first, draft, store, caller.key_id, conversations)
     return Streamed(events, "text/event-stream", headers=headers)
 
 
 async def _run_in_background(svc: Services, caller: Caller, draft: Draft, store: ResponseStore,
-                             background: Background, gone: Gone, events: "_Events | None") -> None:
+                             conversations: ConversationStore, background: Background, gone: Gone,
+                             events: "_Events | None") -> None:
     """A background response's work: served as a live request would be (``gone`` is its stop
     signal), its record rewritten as it goes, and how it ended stored; a streamed one's events
     added to ``events`` as they are made, its last after its record is written."""
@@ -556,6 +589,8 @@ async def _run_in_background(svc: Services, caller: Caller, draft: Draft, store:
     if events is not None:  # what it had begun, closed; all stored before its record says it ended
         await events.add(events.s.close("incomplete") if status not in CONTINUABLE else [], flush=True)
     kept = await store.update_running(draft.record(status, owner, error))
+    if kept and status in CONTINUABLE:
+        await draft.add_to_conversation(conversations, owner)
     if events is not None:
         await events.add([_last_event(draft.public(status, error), events.s.next())], flush=True)
         events.log.end()
@@ -861,7 +896,7 @@ def _tail(s: _Stream) -> list[str]:
 
 
 async def _events(deltas: AsyncGenerator[ChoiceDelta, None], first: ChoiceDelta, draft: Draft,
-                  store: ResponseStore, owner: str) -> AsyncIterator[str]:
+                  store: ResponseStore, owner: str, conversations: ConversationStore | None) -> AsyncIterator[str]:
     s = _Stream(draft)
     try:
         yield s.event("response.created", response=draft.public("in_progress"))
@@ -876,7 +911,7 @@ async def _events(deltas: AsyncGenerator[ChoiceDelta, None], first: ChoiceDelta,
         for line in _tail(s):
             yield line
         status = draft.status
-        await draft.keep(store, owner)
+        await draft.keep(store, owner, conversations)
         yield s.event(f"response.{status}", response=draft.public(status))
     except Exception as exc:  # noqa: BLE001 - the stream has started: report in-band
         yield s.event("error", code="generation_failed", message=f"generation failed: {type(exc).__name__}",

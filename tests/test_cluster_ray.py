@@ -289,9 +289,10 @@ def test_background_responses_through_the_ingress(cluster):
     assert events[-1].response.output_text == c.responses.retrieve(rid).output_text
 
 
-def test_stored_chat_completions_through_the_ingress(cluster):
+def test_stored_chat_completions_and_conversations_through_the_ingress(cluster):
     """A chat completion stored by the replica that made it is read, listed, changed and deleted
-    through the ingress, whichever replica answers: the store is the shared Redis."""
+    through the ingress, whichever replica answers, and a conversation one replica made is read
+    and added to by any: the stores are the shared Redis."""
     c = openai.OpenAI(base_url=f"{cluster.url}/v1", api_key="key-paid", max_retries=0, timeout=60)
     made = c.chat.completions.create(model="c", messages=[{"role": "user", "content": "hi"}], max_tokens=2,
                                      store=True, metadata={"via": "cluster"})
@@ -302,6 +303,11 @@ def test_stored_chat_completions_through_the_ingress(cluster):
     assert c.chat.completions.delete(made.id).deleted
     with pytest.raises(openai.NotFoundError):
         c.chat.completions.retrieve(made.id)
+    conv = c.conversations.create(items=[{"type": "message", "role": "user", "content": "hi"}])
+    replies = [c.responses.create(model="c", input="more", max_output_tokens=2, conversation=conv.id) for _ in range(2)]
+    for _ in range(4):
+        listed = [i.id for i in c.conversations.items.list(conv.id, order="asc")]
+        assert len(listed) == 5 and [listed[2], listed[4]] == [r.output[0].id for r in replies]
 
 
 def scrape(cluster, prefix: str = "") -> dict[str, list]:

@@ -268,7 +268,9 @@ def test_completion_and_response_lines_in_a_batch(server):
     rlines = [{"custom_id": "r", "method": "POST", "url": "/v1/responses",
                "body": {"model": "tiny-chat", "input": "Batch", "max_output_tokens": 4, "temperature": 0}},
               {"custom_id": "bg", "method": "POST", "url": "/v1/responses",  # a line runs on its own already
-               "body": {"model": "tiny-chat", "input": "Batch", "background": True}}]
+               "body": {"model": "tiny-chat", "input": "Batch", "background": True}},
+              {"custom_id": "conv", "method": "POST", "url": "/v1/responses",  # a line has no conversation
+               "body": {"model": "tiny-chat", "input": "Batch", "conversation": "conv_0"}}]
     rupload = c.files.create(file=("in.jsonl", io.BytesIO("".join(json.dumps(x) + "\n" for x in rlines).encode())),
                              purpose="batch")
     rbatch = c.batches.create(input_file_id=rupload.id, endpoint="/v1/responses", completion_window="24h")
@@ -280,8 +282,9 @@ def test_completion_and_response_lines_in_a_batch(server):
         assert b.status == "completed" and b.request_counts.completed == 1, b
         body = json.loads(c.files.content(b.output_file_id).text)["response"]["body"]
         if b.endpoint == "/v1/responses":
-            refused = json.loads(c.files.content(b.error_file_id).text)
-            assert refused["custom_id"] == "bg" and refused["response"]["body"]["error"]["param"] == "background"
+            refused = {r["custom_id"]: r["response"]["body"]["error"]["param"]
+                       for r in map(json.loads, c.files.content(b.error_file_id).text.splitlines())}
+            assert refused == {"bg": "background", "conv": "conversation"}
         if b.endpoint == "/v1/completions":
             assert body["choices"][0]["text"] == greedy(c, "Batch", max_tokens=4).choices[0].text
         else:

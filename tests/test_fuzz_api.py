@@ -133,6 +133,7 @@ ENDPOINTS = {
                                                  optional={"parameters": JSON_SCHEMA, "strict": st.booleans()}),
                            max_size=2),
          "tool_choice": TOOL_CHOICE, "previous_response_id": TEXT | st.just("resp_0"),
+         "conversation": TEXT | st.just("conv_0") | st.fixed_dictionaries({"id": TEXT}) | ANY_JSON,
          "text": st.fixed_dictionaries({}, optional={"format": st.fixed_dictionaries(
              {"type": st.sampled_from(["text", "json_object", "json_schema"])},
              optional={"name": TOOL_NAME, "schema": JSON_SCHEMA | ANY_JSON, "strict": st.booleans()})}),
@@ -160,6 +161,13 @@ ENDPOINTS = {
         {"input_file_id": TEXT, "endpoint": st.sampled_from(["/v1/chat/completions", "/v1/embeddings", "/v1/x"]),
          "completion_window": st.sampled_from(["24h", "1h"]), "metadata": st.dictionaries(TEXT, TEXT | ANY_JSON),
          "output_expires_after": ANY_JSON}),
+    "/v1/conversations": (
+        {"items": [{"type": "message", "role": "user", "content": "hi"}], "metadata": {"a": "b"}},
+        {"items": st.lists(MESSAGE | st.fixed_dictionaries(
+            {"type": st.sampled_from(["message", "function_call", "function_call_output", "nope"])},
+            optional={"role": TEXT, "content": TEXT | st.lists(PART, max_size=2) | ANY_JSON, "call_id": TEXT,
+                      "id": TEXT, "name": TOOL_NAME, "arguments": TEXT, "output": TEXT | ANY_JSON}), max_size=22),
+         "metadata": st.dictionaries(TEXT, TEXT | ANY_JSON, max_size=18)}),
     "/admin/keys": (
         {"name": "fuzz", "tier": "free"},
         {"name": TEXT, "tier": st.sampled_from(["paid", "free", "batch", "gold", ""]),
@@ -252,6 +260,7 @@ def test_generated_bodies_get_a_success_or_a_clean_4xx(server, path):
 READS = ["/v1/batches", "/v1/files", "/v1/usage", "/admin/usage", "/admin/keys", "/admin/events", "/admin/state", "/v1/models/{}",
          "/v1/files/{}", "/v1/files/{}/content", "/v1/batches/{}", "/v1/responses/{}", "/v1/responses/{}/input_items", "/v1/responses/{}/cancel", "/admin/keys/{}",
          "/v1/chat/completions", "/v1/chat/completions/{}", "/v1/chat/completions/{}/messages",
+         "/v1/conversations/{}", "/v1/conversations/{}/items", "/v1/conversations/conv_0/items/{}",
          "/v1/images/files/{}.png"]
 QUERY = st.dictionaries(
     st.sampled_from(["limit", "after", "key", "model", "start_date", "end_date", "group_by", "format", "stream",

@@ -144,7 +144,7 @@ def test_unknown_model_and_route_are_404(chat_server):
 
 
 def test_wrong_method_is_405(chat_server):
-    _error(httpx.get(f"{chat_server.base_url}/chat/completions"), 405, "method_not_allowed")
+    _error(httpx.put(f"{chat_server.base_url}/chat/completions"), 405, "method_not_allowed")  # (GET lists stored ones)
 
 
 def test_body_over_cap_is_413(chat_server):
