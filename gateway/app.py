@@ -184,6 +184,7 @@ def routes() -> list[BaseRoute]:
         Route("/v1/embeddings", embeddings.embeddings, methods=["POST"]),
         Route("/v1/completions", completions.completions, methods=["POST"]),
         Route("/v1/responses", responses.create_response, methods=["POST"]),
+        Route("/v1/responses/input_tokens", responses.count_input_tokens, methods=["POST"]),
         Route("/healthz", healthz, methods=["GET"]),
         Route("/readyz", readyz, methods=["GET"]),
         Route("/metrics", metrics, methods=["GET"]),

@@ -1,5 +1,6 @@
 """The Responses API: ``POST /v1/responses``, ``GET`` and ``DELETE /v1/responses/{id}``,
-``GET /v1/responses/{id}/input_items`` and ``POST /v1/responses/{id}/cancel``.
+``GET /v1/responses/{id}/input_items``, ``POST /v1/responses/{id}/cancel`` and
+``POST /v1/responses/input_tokens`` (the prompt's tokens, counted without running the model).
 
 A request becomes a chat job: ``input`` (a string, or items: messages with ``input_text`` /
 ``output_text`` parts, ``function_call`` and ``function_call_output`` items) is turned into chat
@@ -75,6 +76,7 @@ from gateway import service_tier
 from gateway.auth import Caller
 from gateway.background import Background, EventLog
 from gateway.chat import ChatJob, ChoiceDelta, Reply, collect, plan_chat, served_caller, serve_chat
+from gateway.completions import tokenizer_of
 from gateway.conversation_store import ConversationStore
 from gateway.errors import APIError, bad_request, not_found
 from gateway.http import Streamed, disconnect_signal
@@ -86,6 +88,7 @@ from gateway.schemas import (MAX_STACK, MAX_TOOLS, TOOL_NAME, AdapterChoice, Cha
 from gateway.service import ClientGone, Services
 from gateway.serving import Gone
 from gateway.tools import CallDelta
+from workers.chat_prompt import encode
 
 log = logging.getLogger("tiergate.responses")
 
@@ -152,6 +155,12 @@ class ResponsesRequest(_Body):
     background: bool = False
     reasoning: None = None
     adapters: list[AdapterChoice] | None = Field(default=None, max_length=MAX_STACK)  # extension: LoRA stack
+
+
+class InputTokensRequest(ResponsesRequest):
+    """``POST /v1/responses/input_tokens``: what a response would be made from, ``input`` optional."""
+
+    input: str | list[dict[str, Any]] | None = None
 
 
 @dataclass(frozen=True)
@@ -335,7 +344,7 @@ async def plan_response(svc: Services, caller: Caller, store: ResponseStore | No
                               "response can be continued", "previous_response_id")
         history = previous.conversation
         items = input_items(previous) + previous.response.get("output", [])
-    conversation = history + input_messages(body.input)
+    conversation = history + (input_messages(body.input) if body.input is not None else [])
     system = [{"role": "system", "content": body.instructions}] if body.instructions else []
     with responses_names():
         chat = parse(ChatCompletionRequest, chat_body(body, system + conversation))
@@ -350,9 +359,11 @@ async def plan_response(svc: Services, caller: Caller, store: ResponseStore | No
     return ResponseJob(job, conversation, body, items + given, conversation_id, given)
 
 
-def given_items(given: str | list[dict[str, Any]]) -> list[dict[str, Any]]:
+def given_items(given: str | list[dict[str, Any]] | None) -> list[dict[str, Any]]:
     """``input`` (checked by ``input_messages``) as items to list: each as sent, with an id (its
     own or a new one), its type and ``status: completed``; a string is one user message."""
+    if given is None:
+        return []
     if isinstance(given, str):
         return [{"id": _item_id("msg"), "type": "message", "role": "user", "status": "completed",
                  "content": [{"type": "input_text", "text": given}]}]
@@ -653,6 +664,20 @@ def shown(record: StoredResponse) -> dict[str, Any]:
                 "error": {"code": "server_error", "message": "the server process running this background response "
                                                              "stopped before it finished; create it again"}}
     return response
+
+
+async def count_input_tokens(request: Request) -> Response:
+    """POST /v1/responses/input_tokens: the prompt tokens the response would have (``usage.input_tokens``),
+    counted by the model's own tokenizer and chat template; no model work, so no gate."""
+    svc: Services = request.app.state.services
+    caller = svc.authenticate(request)
+    body = parse(InputTokensRequest, await read_json(request, svc.config.limits.max_body))
+    job = await plan_response(svc, caller, _store(request), body, request.app.state.conversations)
+    if svc.accounts is not None and not svc.accounts.allows(caller, job.chat.model):
+        raise not_found(f"the model '{body.model}' does not exist", "model", "model_not_found")
+    tokenizer = await tokenizer_of(svc.spec(job.chat.model, "chat").path)
+    ids = await asyncio.to_thread(encode, tokenizer, job.chat.messages, job.chat.tools.template_tools())
+    return JSONResponse({"object": "response.input_tokens", "input_tokens": len(ids)})
 
 
 async def get_response(request: Request) -> Response:

@@ -837,6 +837,27 @@ def test_only_a_streamed_background_response_streams_again(server):
         list(c.responses.retrieve("resp_nope", stream=True))
 
 
+def test_input_tokens_are_counted_as_the_response_counts_them(server):
+    """``responses.input_tokens.count`` gives the ``usage.input_tokens`` the same request gets, with
+    instructions, tools, a previous response or a conversation in the prompt."""
+    c = client(server)
+    first = respond(c, "Tell me about Paris", max_output_tokens=4)
+    conv = c.conversations.create(items=[{"type": "message", "role": "user", "content": "Hello there"}])
+    for kw in ({"input": "Hi"}, {"input": "Hi", "instructions": "Answer in French"},
+               {"input": "Weather?", "tools": TOOLS}, {"input": "And Rome?", "previous_response_id": first.id},
+               {"input": [{"type": "message", "role": "user", "content": "Go on"}], "conversation": conv.id}):
+        counted = c.responses.input_tokens.count(model="tiny-chat", **kw)
+        assert counted.object == "response.input_tokens"
+        assert counted.input_tokens == respond(c, max_output_tokens=2, **kw).usage.input_tokens, kw
+    assert c.responses.input_tokens.count(model="tiny-chat", conversation=conv.id).input_tokens > 0  # no input
+    for body, status, param in (({"input": "x"}, 400, "model"), ({"model": "nope", "input": "x"}, 404, "model"),
+                                ({"model": "tiny-chat"}, 400, "input"),
+                                ({"model": "tiny-chat", "input": "x", "previous_response_id": "resp_nope"}, 404,
+                                 "previous_response_id")):
+        r = post(server, "/responses/input_tokens", body)
+        assert r.status_code == status and r.json()["error"]["param"] == param, (body, r.text)
+
+
 def test_service_tier_on_both(server):
     c = client(server)
     flex = c.completions.create(model="tiny-chat", prompt="x", max_tokens=2, extra_body={"service_tier": "flex"})

@@ -178,6 +178,9 @@ ENDPOINTS = {
 }
 
 
+ENDPOINTS["/v1/responses/input_tokens"] = ENDPOINTS["/v1/responses"]  # what a response would be made from
+
+
 @st.composite
 def bodies(draw, path: str):
     if draw(st.integers(0, 19)) == 0:  # now and then, not an object at all
