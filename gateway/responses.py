@@ -89,6 +89,7 @@ from gateway.service import ClientGone, Services
 from gateway.serving import Gone
 from gateway.tools import CallDelta
 from workers.chat_prompt import encode
+from workers.registry import describe
 
 log = logging.getLogger("tiergate.responses")
 
@@ -151,7 +152,7 @@ class ResponsesRequest(_Body):
     metadata: Metadata = None
     user: str | None = None
     service_tier: str | None = None
-    truncation: Literal["disabled"] | None = None  # "auto" (dropping old turns) is not supported
+    truncation: Literal["disabled", "auto"] | None = None  # auto: the oldest turns dropped until it fits
     background: bool = False
     reasoning: None = None
     adapters: list[AdapterChoice] | None = Field(default=None, max_length=MAX_STACK)  # extension: LoRA stack
@@ -349,6 +350,10 @@ async def plan_response(svc: Services, caller: Caller, store: ResponseStore | No
     with responses_names():
         chat = parse(ChatCompletionRequest, chat_body(body, system + conversation))
         job = plan_chat(svc, chat)
+        if body.truncation == "auto":
+            kept = await fitting(svc, job, system, conversation)
+            if len(kept) < len(conversation):
+                job = plan_chat(svc, parse(ChatCompletionRequest, chat_body(body, system + kept)))
     given = given_items(body.input)
     seen = {item["id"] for item in items}
     for i, item in enumerate(given):  # an id names one item: a page's cursor must find one place
@@ -357,6 +362,37 @@ async def plan_response(svc: Services, caller: Caller, store: ResponseStore | No
                               f"input[{i}].id", "duplicate_item_id")
         seen.add(item["id"])
     return ResponseJob(job, conversation, body, items + given, conversation_id, given)
+
+
+async def fitting(svc: Services, job: ChatJob, system: list[dict[str, Any]],
+                  conversation: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """``truncation: auto``: the end of ``conversation`` that fits the model's context with room
+    for the reply, dropping whole turns from the start (a turn begins at a user message, so roles
+    still alternate); the last turn is always kept (when it alone does not fit, the engine
+    refuses it as it would without truncation). Counted with the model's tokenizer, off the loop."""
+    spec = svc.spec(job.model, "chat")
+    room = describe(spec).context_length - job.params.max_tokens
+    starts = [i for i, m in enumerate(conversation) if m["role"] == "user" and i > 0]
+    if not starts:
+        return conversation
+    tokenizer, tools = await tokenizer_of(spec.path), job.tools.template_tools()
+
+    def fits(start: int) -> bool:
+        return len(encode(tokenizer, system + conversation[start:], tools)) <= room
+
+    def first_fitting() -> int:
+        if fits(0):
+            return 0
+        lo, hi = 0, len(starts) - 1  # starts[hi] is kept whatever its size; the answer lies in starts[lo..hi]
+        while lo < hi:
+            mid = (lo + hi) // 2
+            if fits(starts[mid]):
+                hi = mid
+            else:
+                lo = mid + 1
+        return starts[lo]
+
+    return conversation[await asyncio.to_thread(first_fitting):]
 
 
 def given_items(given: str | list[dict[str, Any]] | None) -> list[dict[str, Any]]:
@@ -426,7 +462,7 @@ class Draft:
             "conversation": {"id": self.job.conversation_id} if self.job.conversation_id else None,
             "text": {"format": fmt}, "tool_choice": choice,
             "tools": [t.model_dump(exclude_none=True) for t in body.tools or []],
-            "top_logprobs": body.top_logprobs, "top_p": body.top_p, "truncation": "disabled",
+            "top_logprobs": body.top_logprobs, "top_p": body.top_p, "truncation": body.truncation or "disabled",
             "usage": usage, "user": body.user, "metadata": body.metadata or {},
         }
 

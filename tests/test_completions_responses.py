@@ -858,6 +858,34 @@ def test_input_tokens_are_counted_as_the_response_counts_them(server):
         assert r.status_code == status and r.json()["error"]["param"] == param, (body, r.text)
 
 
+def test_truncation_auto_drops_the_oldest_turns_until_it_fits(server):
+    """A conversation past the context: a 400 naming input without truncation; with ``auto`` the
+    fewest whole turns are dropped from the start (the reply and its input tokens are those of the
+    conversation with them left out), and the response says so."""
+    c = client(server)
+    turns = []
+    for i in range(12):
+        turns += [{"type": "message", "role": "user", "content": f"Question {i}: " + "tell me more " * 10},
+                  {"type": "message", "role": "assistant", "content": f"Answer {i}: " + "it is so " * 10}]
+    turns.append({"type": "message", "role": "user", "content": "And finally?"})
+    with pytest.raises(openai.BadRequestError) as e:
+        respond(c, turns, max_output_tokens=8)
+    assert e.value.body["param"] == "input"
+    cut = respond(c, turns, max_output_tokens=8, truncation="auto")
+    assert cut.truncation == "auto" and cut.status in ("completed", "incomplete")
+
+    def count(start: int) -> int:
+        return c.responses.input_tokens.count(model="tiny-chat", input=turns[start:]).input_tokens
+
+    room = 512 - 8  # tiny-chat's context, less the reply
+    kept = next(start for start in range(0, len(turns), 2) if count(start) <= room)
+    assert kept > 0 and count(kept - 2) > room  # the fewest whole turns went
+    assert cut.usage.input_tokens == count(kept)
+    assert cut.output_text == respond(c, turns[kept:], max_output_tokens=8).output_text
+    assert c.responses.input_tokens.count(model="tiny-chat", input=turns, truncation="auto",  # counted as it would run
+                                          extra_body={"max_output_tokens": 8}).input_tokens == count(kept)
+
+
 def test_service_tier_on_both(server):
     c = client(server)
     flex = c.completions.create(model="tiny-chat", prompt="x", max_tokens=2, extra_body={"service_tier": "flex"})
