@@ -349,7 +349,13 @@ class Runner:
 
     async def _fail(self, batch: BatchInfo, code: str, message: str) -> None:
         errors = {"object": "list", "data": [{"code": code, "message": message, "param": "input_file_id", "line": None}]}
-        await self.store.set_status(batch.id, ["validating"], "failed", failed_at=int(time.time()), errors=errors)
+        if await self.store.set_status(batch.id, ["validating"], "failed", failed_at=int(time.time()), errors=errors):
+            self._ended(batch, "failed")
+
+    def _ended(self, batch: BatchInfo, status: str) -> None:
+        """Tell the webhooks that ``batch`` ended (called by the one process whose compare-and-set ended it)."""
+        if self.svc.webhooks is not None:
+            self.svc.webhooks.emit(f"batch.{status}", batch.id, batch.owner)
 
     async def _finish(self, batch_id: str) -> None:
         if not await self.store.lock(batch_id, self.name, self.reclaim_after_s):
@@ -403,6 +409,7 @@ class Runner:
             status = "completed"
         fields[f"{status}_at"] = now
         if await self.store.set_status(batch_id, [batch.status], status, **fields):
+            self._ended(batch, status)
             log.info("batch %s %s: %d completed, %d failed", batch_id, status,
                      sum(o.ok for o in outcomes), sum(not o.ok for o in outcomes))
 

@@ -40,6 +40,7 @@ from gateway.request_log import RequestLog, note, request_id_of
 from gateway.completion_store import completions_for
 from gateway.conversation_store import conversations_for
 from gateway.response_store import responses_for
+from gateway.webhooks import webhooks_for
 from gateway.service import ClientGone, Services
 
 log = logging.getLogger("tiergate")
@@ -74,6 +75,7 @@ def build_services(config: Config, keys: KeyRing) -> Services:
                         accounts=Accounts.from_config(config))  # beside the batch store
     services.on_startup.append(services.accounts.start)
     services.on_shutdown.append(services.accounts.stop)
+    services.webhooks = webhooks_for(services)  # ConfigError for an endpoint whose secret is not set
     return services
 
 

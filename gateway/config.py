@@ -245,6 +245,20 @@ class ServerConfig(_Strict):
     drain_timeout_s: float = Field(default=30.0, ge=0)  # on SIGTERM: how long requests in flight may finish
 
 
+WEBHOOK_EVENTS = ("response.completed", "response.incomplete", "response.failed", "response.cancelled",
+                  "batch.completed", "batch.failed", "batch.expired", "batch.cancelled")
+
+
+class WebhookConfig(_Strict):
+    """One endpoint that gets signed events (gateway/webhooks.py); its secret comes from the
+    environment, never from this file."""
+
+    url: str = Field(pattern=r"^https?://\S+$")
+    secret_env: str = Field(min_length=1)  # the variable holding its secret (whsec_<base64>, as OpenAI's)
+    events: list[Literal[WEBHOOK_EVENTS]] | None = None  # None: every event
+    keys: list[str] | None = None  # the key ids whose events it gets; None: every key's
+
+
 class ClusterConfig(_Strict):
     """``tiergate cluster``: the same tiers on a Ray cluster, one replica (gate + arbiter) per
     device (docs/CLUSTER.md). Read only by the ``cluster`` package."""
@@ -297,6 +311,7 @@ class Config(_Strict):
     batch: BatchConfig = BatchConfig()
     responses: ResponsesConfig = ResponsesConfig()
     stored_completions: StoredCompletionsConfig = StoredCompletionsConfig()
+    webhooks: list[WebhookConfig] = Field(default_factory=list)
     server: ServerConfig = ServerConfig()
     cluster: ClusterConfig = ClusterConfig()
     accounts: AccountsConfig = AccountsConfig()  # per-tier default limits of each key (docs/ACCOUNTS.md)

@@ -638,6 +638,8 @@ async def _run_in_background(svc: Services, caller: Caller, draft: Draft, store:
     kept = await store.update_running(draft.record(status, owner, error))
     if kept and status in CONTINUABLE:
         await draft.add_to_conversation(conversations, owner)
+    if (kept or status == "cancelled") and svc.webhooks is not None:  # (not for one deleted meanwhile)
+        svc.webhooks.emit(f"response.{status}", draft.id, owner)
     if events is not None:
         await events.add([_last_event(draft.public(status, error), events.s.next())], flush=True)
         events.log.end()

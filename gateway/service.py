@@ -25,6 +25,7 @@ from workers.base import ModelSpec
 
 if TYPE_CHECKING:
     from gateway.accounts import Accounts
+    from gateway.webhooks import Webhooks
     from workers.embed import EmbedWorker
     from workers.tts import TTSWorker
 
@@ -74,6 +75,7 @@ class Services:
     on_startup: list[Callable[[], Awaitable[None]]] = field(default_factory=list)  # run by the app's lifespan
     on_shutdown: list[Callable[[], Awaitable[None]]] = field(default_factory=list)
     accounts: "Accounts | None" = None  # managed keys, per-key limits, usage (None: env keys only, unmetered)
+    webhooks: "Webhooks | None" = None  # signed events when background work ends (gateway/webhooks.py)
 
     @functools.cached_property
     def tier_rank(self) -> dict[str, int]:  # looked up per request: made once

@@ -1,0 +1,169 @@
+"""Webhooks: signed events when background responses and batches end, checked by the openai SDK's
+own ``webhooks.unwrap`` at a receiver on 127.0.0.1; retries, filters, and the secret's config."""
+
+from __future__ import annotations
+
+import base64
+import http.server
+import io
+import json
+import os
+import queue
+import threading
+import time
+
+import httpx
+import openai
+import pytest
+
+from gateway.auth import key_id
+from gateway.config import ConfigError, load_config
+from gateway.webhooks import endpoints_of, sign
+from tests.helpers import spare_port, start_server, write_config
+
+SECRET = "whsec_" + base64.b64encode(b"a test secret of 32 bytes length").decode()
+SDK = openai.OpenAI(api_key="unused", base_url="http://127.0.0.1:9")  # only its webhooks.unwrap is used
+
+
+class Receiver:
+    """An HTTP endpoint that records what it is sent and answers each with the next scripted
+    status (200 once the script is empty)."""
+
+    def __init__(self) -> None:
+        self.got: queue.Queue[tuple[bytes, dict[str, str]]] = queue.Queue()
+        self.statuses: list[int] = []
+        receiver = self
+
+        class Handler(http.server.BaseHTTPRequestHandler):
+            def do_POST(self) -> None:  # noqa: N802 - the http.server name
+                body = self.rfile.read(int(self.headers["content-length"]))
+                receiver.got.put((body, {k.lower(): v for k, v in self.headers.items()}))
+                self.send_response(receiver.statuses.pop(0) if receiver.statuses else 200)
+                self.send_header("content-length", "0")
+                self.end_headers()
+
+            def log_message(self, *args) -> None:
+                pass
+
+        self.port = spare_port()
+        self.http = http.server.ThreadingHTTPServer(("127.0.0.1", self.port), Handler)
+        threading.Thread(target=self.http.serve_forever, daemon=True).start()
+
+    def next(self, timeout: float = 30.0) -> tuple[bytes, dict[str, str]]:
+        """The next request's body and headers, as ``webhooks.unwrap`` takes them."""
+        return self.got.get(timeout=timeout)
+
+    def nothing(self, wait_s: float = 0.5) -> bool:
+        try:
+            self.got.get(timeout=wait_s)
+        except queue.Empty:
+            return True
+        return False
+
+
+@pytest.fixture(scope="module")
+def hooked(tiny_chat, tmp_path_factory):
+    """A server with two endpoints: ``every`` gets every event; ``batches`` only batch.completed
+    of the free key's."""
+    every, batches = Receiver(), Receiver()
+    os.environ["TG_TEST_WEBHOOK_SECRET"] = SECRET
+    folder = tmp_path_factory.mktemp("webhooks")
+    free_id = key_id("key-free-2")  # tests.helpers.start_server's key of the free tier
+    extra = (f"webhooks:\n  - url: http://127.0.0.1:{every.port}/hook\n    secret_env: TG_TEST_WEBHOOK_SECRET\n"
+             f"  - url: http://127.0.0.1:{batches.port}/hook\n    secret_env: TG_TEST_WEBHOOK_SECRET\n"
+             f"    events: [batch.completed]\n    keys: [{free_id}]\n")
+    s = start_server(write_config(folder, {"tiny-chat": ("chat", tiny_chat)}, extra))
+    assert s.keys["free"] == "key-free-2"
+    yield s, every, batches
+    s.stop()
+    every.http.shutdown()
+    batches.http.shutdown()
+    del os.environ["TG_TEST_WEBHOOK_SECRET"]
+
+
+def client(server, tier="paid") -> openai.OpenAI:
+    return openai.OpenAI(base_url=server.base_url, api_key=server.keys[tier], max_retries=0, timeout=120)
+
+
+def test_a_background_response_that_ends_is_announced_signed(hooked):
+    s, every, batches = hooked
+    made = client(s).responses.create(model="tiny-chat", input="hi", max_output_tokens=4, background=True)
+    body, headers = every.next()
+    event = SDK.webhooks.unwrap(body, headers, secret=SECRET)  # raises unless the signature holds
+    assert event.type in ("response.completed", "response.incomplete") and event.data.id == made.id
+    assert event.id == headers["webhook-id"] and event.id.startswith("evt_") and abs(event.created_at - time.time()) < 60
+    assert client(s).responses.retrieve(made.id).status == event.type.removeprefix("response.")
+    with pytest.raises(openai.InvalidWebhookSignatureError):
+        SDK.webhooks.unwrap(body, headers, secret="whsec_" + base64.b64encode(b"another secret").decode())
+    assert batches.nothing()  # not an event it asked for
+
+
+def test_a_cancelled_one_is_announced_cancelled_and_a_live_one_not_at_all(hooked):
+    s, every, _ = hooked
+    c = client(s)
+    c.responses.create(model="tiny-chat", input="hi", max_output_tokens=2)  # not background: no event
+    gate = s.services.gate
+    tickets = [s.wait(gate.acquire("paid", "tiny-chat")) for _ in range(gate.limits["paid"])]
+    try:
+        made = c.responses.create(model="tiny-chat", input="hi", max_output_tokens=4, background=True)
+        c.responses.cancel(made.id)
+    finally:
+        for ticket in tickets:
+            s.call(gate.release, ticket)
+    body, headers = every.next()
+    event = SDK.webhooks.unwrap(body, headers, secret=SECRET)
+    assert (event.type, event.data.id) == ("response.cancelled", made.id)
+    assert every.nothing()
+
+
+def test_a_batch_that_ends_is_announced_to_both_endpoints_for_the_free_key(hooked):
+    s, every, batches = hooked
+    for tier in ("paid", "free"):
+        c = client(s, tier)
+        line = {"custom_id": "1", "method": "POST", "url": "/v1/chat/completions",
+                "body": {"model": "tiny-chat", "messages": [{"role": "user", "content": "hi"}], "max_tokens": 2}}
+        upload = c.files.create(file=("in.jsonl", io.BytesIO((json.dumps(line) + "\n").encode())), purpose="batch")
+        batch = c.batches.create(input_file_id=upload.id, endpoint="/v1/chat/completions", completion_window="24h")
+        event = SDK.webhooks.unwrap(*every.next(), secret=SECRET)
+        assert (event.type, event.data.id) == ("batch.completed", batch.id)
+        assert c.batches.retrieve(batch.id).status == "completed"
+    event = SDK.webhooks.unwrap(*batches.next(), secret=SECRET)  # the free key's only
+    assert event.type == "batch.completed" and event.data.id == batch.id and batches.nothing()
+
+
+def test_a_failed_delivery_is_tried_again_with_the_same_id(hooked, monkeypatch):
+    import gateway.webhooks as webhooks
+
+    monkeypatch.setattr(webhooks, "FIRST_RETRY_S", 0.05)
+    s, every, _ = hooked
+    every.statuses = [500, 503]
+    made = client(s).responses.create(model="tiny-chat", input="hi", max_output_tokens=2, background=True)
+    attempts = [every.next() for _ in range(3)]
+    assert len({h["webhook-id"] for _, h in attempts}) == 1 and {b for b, _ in attempts} == {attempts[0][0]}
+    assert SDK.webhooks.unwrap(*attempts[-1], secret=SECRET).data.id == made.id
+    assert every.nothing()
+    scraped = httpx.get(f"{s.url}/metrics", timeout=30).text
+    url = f"http://127.0.0.1:{every.port}/hook"
+    assert f'tiergate_webhook_deliveries_total{{outcome="retried",url="{url}"}} 2.0' in scraped
+
+
+def test_the_signature_is_the_one_the_sdk_checks():
+    body = '{"id":"evt_1","type":"batch.completed"}'
+    now = int(time.time())
+    for secret, key in ((SECRET, base64.b64decode(SECRET[6:])), ("plain", b"plain")):
+        headers = {"webhook-id": "evt_1", "webhook-timestamp": str(now), "webhook-signature": sign(key, "evt_1", now, body)}
+        SDK.webhooks.verify_signature(body, headers, secret=secret)
+        with pytest.raises(openai.InvalidWebhookSignatureError):
+            SDK.webhooks.verify_signature(body.replace("1", "2"), headers, secret=secret)
+
+
+def test_an_endpoint_whose_secret_is_not_set_is_a_config_error(tmp_path, monkeypatch):
+    monkeypatch.delenv("TG_UNSET_SECRET", raising=False)
+    config = load_config(write_config(tmp_path, {"m": ("chat", tmp_path / "m")},
+                                      "webhooks:\n  - {url: 'http://127.0.0.1:1/h', secret_env: TG_UNSET_SECRET}\n"),
+                         check_paths=False)
+    with pytest.raises(ConfigError, match=r"webhooks\[0\].*TG_UNSET_SECRET"):
+        endpoints_of(config)
+    monkeypatch.setenv("TG_UNSET_SECRET", "whsec_not base64!")
+    with pytest.raises(ConfigError, match="base64"):
+        endpoints_of(config)
