@@ -263,12 +263,17 @@ def create_app(services: Services, extra: Sequence[BaseRoute] = ()) -> Starlette
     app.state.completions = completions_for(services)  # stored chat completions
     app.state.conversations = conversations_for(services)
     app.state.background = Background(drain)  # background responses: stopped at shutdown before the store closes
+    services.on_startup.append(lambda: _follow_stops(app.state.background, app.state.responses))
     services.on_shutdown.append(app.state.background.stop)
     services.metrics.registry.register(app.state.background)
     app.state.drain = drain
     drain.hooks.append(app.state.batches.hand_back)
     app.state.started = time.time()
     return app
+
+
+async def _follow_stops(background: Background, store) -> None:
+    background.follow_stops(store.stops())  # (after the store opened: it runs first)
 
 
 @contextlib.asynccontextmanager

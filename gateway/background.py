@@ -73,6 +73,7 @@ class Background(Collector):
         self.running: dict[str, tuple[asyncio.Task, Gone]] = {}
         self.logs: dict[str, EventLog] = {}  # the streamed ones' events, while they run
         self.stopping = False
+        self._listener: asyncio.Task | None = None
 
     def start(self, key: str, work: Callable[[Gone], Awaitable[None]], log: EventLog | None = None) -> None:
         """Run ``work(gone)`` in a task of its own under ``key`` (with ``log``, its events, for
@@ -106,8 +107,20 @@ class Background(Collector):
             await asyncio.wait({task}, timeout=wait_s)
         return True
 
+    def follow_stops(self, stops: AsyncIterator[str]) -> None:
+        """Stop the work whose id ``stops`` yields (other processes' cancels and deletes), as it
+        comes, until ``stop``."""
+        async def listen() -> None:
+            async for key in stops:
+                await self.cancel(key, 0)
+
+        self._listener = asyncio.get_running_loop().create_task(listen())
+
     async def stop(self) -> None:
         """At shutdown: stop what still runs and let each record how it ended."""
+        if self._listener is not None:
+            self._listener.cancel()
+            await asyncio.gather(self._listener, return_exceptions=True)
         self.stopping = True
         tasks = [task for task, _ in self.running.values()]
         for _, gone in list(self.running.values()):

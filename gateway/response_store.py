@@ -15,7 +15,11 @@ rewritten as it runs by ``update_running``, which replaces a record only while i
 is still ``queued`` or ``in_progress``: so a cancel written by another process, or a delete, is
 never undone by the process running it, whose next write finds it and stops the work. Each
 write carries ``beat``, the time it was made; the running process writes at least every
-``HEARTBEAT_S`` (gateway/responses.py), so a record whose beat is old had its process die.
+``HEARTBEAT_S`` (gateway/responses.py), so a record whose beat is old had its process die. A
+process that cancels or deletes a running record also announces it (``announce_stop``); on Redis
+every process hears it at once (``stops``, a pub/sub channel, ``tg:response-stops``) and the one
+running it stops then, not at its next write. On SQLite (processes of one machine) there is no
+channel: the next write finds it.
 
 A background response made with ``stream: true`` also keeps its events (the SSE text of each,
 numbered by its ``sequence_number`` from 0), appended as they are made (``add_events``), so that a
@@ -39,7 +43,9 @@ import sqlite3
 import time
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, AsyncIterator
+
+from redis.exceptions import RedisError
 
 from gateway.service import Services
 from storage.redis import honour_cancel
@@ -53,6 +59,7 @@ CREATE TABLE IF NOT EXISTS response_events (
 CREATE INDEX IF NOT EXISTS response_events_created_at ON response_events (created_at);"""
 log = logging.getLogger("tiergate.responses")
 DAY_S = 86400
+STOPS_RETRY_S = 1.0
 
 
 @dataclass(frozen=True)
@@ -108,6 +115,14 @@ class ResponseStore(abc.ABC):
         """Replace the stored record of ``record.id`` (made by ``record.owner``) with ``record``, only
         while the stored one's status is ``queued`` or ``in_progress``; False when it is not (it
         ended, was cancelled or deleted), and then nothing changes."""
+
+    async def announce_stop(self, response_id: str) -> None:
+        """Tell the other processes that ``response_id`` was cancelled or deleted (nothing by default)."""
+
+    async def stops(self) -> AsyncIterator[str]:
+        """The ids other processes announce, as they come; none by default (this waits for ever)."""
+        await asyncio.Event().wait()
+        yield ""  # pragma: no cover - never reached
 
     @abc.abstractmethod
     async def add_events(self, response_id: str, created_at: int, first: int, events: list[str]) -> None:
@@ -304,6 +319,28 @@ class RedisResponses(ResponseStore):
 
     async def events(self, response_id: str, after: int) -> list[str]:
         return [e.decode() for e in await self._r.lrange(self._events_key(response_id), after + 1, -1)]
+
+    def _stops_channel(self) -> str:
+        return f"{self.prefix}response-stops"
+
+    async def announce_stop(self, response_id: str) -> None:
+        await self._r.publish(self._stops_channel(), response_id)
+
+    async def stops(self) -> AsyncIterator[str]:
+        """Subscribed again after a lost connection, STOPS_RETRY_S later (what was announced
+        meanwhile is found by the running process's next write, as on SQLite)."""
+        while True:
+            pubsub = self._r.pubsub(ignore_subscribe_messages=True)
+            try:
+                await pubsub.subscribe(self._stops_channel())
+                async for message in pubsub.listen():
+                    if message["type"] == "message":
+                        yield message["data"].decode()
+            except (OSError, RedisError) as exc:
+                log.warning("stored responses: the stops channel failed (%s); again in %gs", exc, STOPS_RETRY_S)
+            finally:
+                await pubsub.aclose()
+            await asyncio.sleep(STOPS_RETRY_S)
 
 
 def open_responses(spec: str, data_dir: Path, retention_s: float | None = None) -> ResponseStore:

@@ -41,8 +41,9 @@ admitted as any other (its 400s and its early 429 come at once), stored ``queued
 the work then runs in this process (``gateway.background``) at the caller's tier, ``in_progress``
 from its first token, and its record ends ``completed``, ``incomplete``, ``failed`` (with
 ``error``) or ``cancelled``. ``POST /v1/responses/{id}/cancel`` stops it: at once when this process
-runs it, else by writing ``cancelled`` to the store, which the running process finds at its next
-write (every ``HEARTBEAT_S``) and stops. A record still running whose last write is older than
+runs it, else by writing ``cancelled`` to the store and announcing it (``announce_stop``): the
+running process hears it at once on Redis, and on SQLite finds it at its next write (every
+``HEARTBEAT_S``) and stops. A record still running whose last write is older than
 ``STALE_S`` had its process die: it is shown ``failed`` (``server_error``). Only a ``completed``
 or ``incomplete`` response can be continued with ``previous_response_id``.
 
@@ -808,9 +809,10 @@ async def cancel_response(request: Request) -> Response:
     if shown(record)["status"] in RUNNING:  # (one whose process died shows failed: returned as it is)
         background: Background = request.app.state.background
         if not await background.cancel(response_id, CANCEL_WAIT_S):  # another process runs it, or none does
-            await store.update_running(StoredResponse(record.id, record.owner, record.created_at,
-                                                      {**record.response, "status": "cancelled"}, record.conversation,
-                                                      record.input_items, time.time()))
+            if await store.update_running(StoredResponse(record.id, record.owner, record.created_at,
+                                                         {**record.response, "status": "cancelled"},
+                                                         record.conversation, record.input_items, time.time())):
+                await store.announce_stop(response_id)  # the process running it stops now (Redis), not at its next write
         record = await store.get(response_id, caller.key_id) or record
     return JSONResponse(shown(record))
 
@@ -855,7 +857,8 @@ async def delete_response(request: Request) -> Response:
     response_id = request.path_params["response_id"]
     if not await _store(request).delete(response_id, caller.key_id):
         raise not_found(f"no response with id '{response_id}'", "response_id")
-    await request.app.state.background.cancel(response_id, 0)  # a background one running here stops now
+    if not await request.app.state.background.cancel(response_id, 0):  # a background one running here stops now
+        await _store(request).announce_stop(response_id)  # one running elsewhere, then (Redis)
     return JSONResponse({"id": response_id, "object": "response", "deleted": True})
 
 

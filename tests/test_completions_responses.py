@@ -615,6 +615,43 @@ def test_a_cancel_written_by_another_process_stops_the_work(server, monkeypatch)
     assert c.responses.retrieve(made.id).status == "cancelled"
 
 
+def test_on_redis_another_processs_cancel_or_delete_stops_the_work_at_once(tiny_chat, tmp_path, monkeypatch):
+    """On Redis a cancel or delete made by another process is announced, and the process running
+    the response stops it at once: not at its next write (here 60 s away)."""
+    import gateway.responses as responses
+
+    monkeypatch.setattr(responses, "HEARTBEAT_S", 60.0)
+    with redis_server(tmp_path) as url:
+        s = start_server(write_config(tmp_path, {"tiny-chat": ("chat", tiny_chat)}, f"batch:\n  store: {url}\n"))
+        gate, state, c = s.services.gate, s.app.state, client(s)
+        tickets = [s.wait(gate.acquire("paid", "tiny-chat")) for _ in range(gate.limits["paid"])]
+        try:
+            for how in ("cancel", "delete"):
+                made = c.responses.create(model="tiny-chat", input="hi", max_output_tokens=4, background=True)
+                assert s.call(lambda: made.id in state.background.running)
+
+                async def elsewhere() -> None:  # another process's store on the same Redis
+                    other = RedisResponses(url)
+                    await other.open()
+                    record = await other.get(made.id, key_id(s.keys["paid"]))
+                    if how == "cancel":
+                        assert await other.update_running(replace(record, response={**record.response, "status": "cancelled"}))
+                    else:
+                        assert await other.delete(made.id, record.owner)
+                    await other.announce_stop(made.id)
+                    await other.close()
+
+                asyncio.run(elsewhere())
+                deadline = time.monotonic() + 3
+                while s.call(lambda: made.id in state.background.running) and time.monotonic() < deadline:
+                    time.sleep(0.02)
+                assert s.call(lambda: (made.id in state.background.running, gate.queued("paid"))) == (False, 0), how
+        finally:
+            for ticket in tickets:
+                s.call(gate.release, ticket)
+            s.stop()
+
+
 def test_a_running_record_whose_process_died_reads_failed_over_http(server):
     """A record left ``in_progress`` by a process killed mid-work (its last write older than
     STALE_S) is shown failed by GET and by a cancel, so a client polling it stops."""
