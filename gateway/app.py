@@ -263,7 +263,7 @@ def create_app(services: Services, extra: Sequence[BaseRoute] = ()) -> Starlette
     app.state.completions = completions_for(services)  # stored chat completions
     app.state.conversations = conversations_for(services)
     app.state.background = Background(drain)  # background responses: stopped at shutdown before the store closes
-    services.on_startup.append(lambda: _follow_stops(app.state.background, app.state.responses))
+    services.on_startup.append(lambda: _follow_stops(services, app.state))
     services.on_shutdown.append(app.state.background.stop)
     services.metrics.registry.register(app.state.background)
     app.state.drain = drain
@@ -272,8 +272,13 @@ def create_app(services: Services, extra: Sequence[BaseRoute] = ()) -> Starlette
     return app
 
 
-async def _follow_stops(background: Background, store) -> None:
-    background.follow_stops(store.stops())  # (after the store opened: it runs first)
+async def _follow_stops(services: Services, state) -> None:
+    """(After the stores opened: they start first.) Other processes' cancels, and the background
+    responses of processes that died, taken over (gateway/responses.py's ``reclaim``)."""
+    background: Background = state.background
+    background.follow_stops(state.responses.stops())
+    background.every(responses.RECLAIM_S, lambda: responses.reclaim(services, state.responses, state.conversations,
+                                                                     background))
 
 
 @contextlib.asynccontextmanager

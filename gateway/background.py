@@ -16,6 +16,8 @@ come back with ``GET /v1/responses/{id}?stream=true``); each follower waits on a
 from __future__ import annotations
 
 import asyncio
+import logging
+import uuid
 from typing import AsyncIterator, Awaitable, Callable
 
 from prometheus_client.core import GaugeMetricFamily
@@ -24,6 +26,7 @@ from prometheus_client.registry import Collector
 from gateway.drain import Drain
 from gateway.serving import Gone
 
+log = logging.getLogger("tiergate.background")
 STOP_WAIT_S = 5.0  # at shutdown, how long the stopped work gets to record how it ended
 
 
@@ -74,6 +77,8 @@ class Background(Collector):
         self.logs: dict[str, EventLog] = {}  # the streamed ones' events, while they run
         self.stopping = False
         self._listener: asyncio.Task | None = None
+        self._loops: list[asyncio.Task] = []
+        self.runner = uuid.uuid4().hex  # this process's name on the records it runs
 
     def start(self, key: str, work: Callable[[Gone], Awaitable[None]], log: EventLog | None = None) -> None:
         """Run ``work(gone)`` in a task of its own under ``key`` (with ``log``, its events, for
@@ -116,11 +121,24 @@ class Background(Collector):
 
         self._listener = asyncio.get_running_loop().create_task(listen())
 
+    def every(self, period_s: float, fn: Callable[[], Awaitable[object]]) -> None:
+        """Run ``fn()`` every ``period_s`` until ``stop`` (a failed run is logged; the next tries again)."""
+        async def loop() -> None:
+            while True:
+                await asyncio.sleep(period_s)
+                try:
+                    await fn()
+                except Exception:  # noqa: BLE001 - the store was down, say: the next turn tries again
+                    log.exception("background: a periodic task failed")
+
+        self._loops.append(asyncio.get_running_loop().create_task(loop()))
+
     async def stop(self) -> None:
         """At shutdown: stop what still runs and let each record how it ended."""
-        if self._listener is not None:
-            self._listener.cancel()
-            await asyncio.gather(self._listener, return_exceptions=True)
+        for task in [self._listener, *self._loops]:
+            if task is not None:
+                task.cancel()
+                await asyncio.gather(task, return_exceptions=True)
         self.stopping = True
         tasks = [task for task, _ in self.running.values()]
         for _, gone in list(self.running.values()):

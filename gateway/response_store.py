@@ -51,6 +51,7 @@ from gateway.service import Services
 from storage.redis import honour_cancel
 from storage.sqlite import SweptFile
 
+_RUNNING_SQL = "json_extract(doc, '$.response.status') IN ('queued', 'in_progress')"  # (the partial index's term)
 _SCHEMA = """CREATE TABLE IF NOT EXISTS responses (
     id TEXT PRIMARY KEY, owner TEXT NOT NULL, doc TEXT NOT NULL, created_at INTEGER);
 CREATE TABLE IF NOT EXISTS response_events (
@@ -72,17 +73,20 @@ class StoredResponse:
     # its input as the Responses API's items (``input_items``): None in a record from before they were kept
     input_items: list[dict[str, Any]] | None = None
     beat: float | None = None  # a background response's last write (epoch seconds); None for the others
+    # a background response's request, to run it again elsewhere: {"body", "tier" (its key's), "attempts"}
+    request: dict[str, Any] | None = None
+    runner: str | None = None  # the process running it (Background.runner); only it rewrites the record
 
     def doc(self) -> str:
         return json.dumps({"owner": self.owner, "created_at": self.created_at, "response": self.response,
-                           "conversation": self.conversation, "input_items": self.input_items, "beat": self.beat},
-                          separators=(",", ":"))
+                           "conversation": self.conversation, "input_items": self.input_items, "beat": self.beat,
+                           "request": self.request, "runner": self.runner}, separators=(",", ":"))
 
     @classmethod
     def of(cls, response_id: str, doc: str | bytes) -> "StoredResponse":
         d = json.loads(doc)
         return cls(response_id, d["owner"], d["created_at"], d["response"], d["conversation"], d.get("input_items"),
-                   d.get("beat"))
+                   d.get("beat"), d.get("request"), d.get("runner"))
 
 
 class ResponseStore(abc.ABC):
@@ -113,8 +117,19 @@ class ResponseStore(abc.ABC):
     @abc.abstractmethod
     async def update_running(self, record: StoredResponse) -> bool:
         """Replace the stored record of ``record.id`` (made by ``record.owner``) with ``record``, only
-        while the stored one's status is ``queued`` or ``in_progress``; False when it is not (it
-        ended, was cancelled or deleted), and then nothing changes."""
+        while the stored one's status is ``queued`` or ``in_progress`` and its ``runner`` is
+        ``record.runner``; False when not (it ended, was cancelled or deleted, or another process
+        took it over), and then nothing changes."""
+
+    @abc.abstractmethod
+    async def running(self) -> list[tuple[str, str]]:
+        """Every record still ``queued`` or ``in_progress``, as ``(id, doc)``: the stored text, for
+        ``claim``."""
+
+    @abc.abstractmethod
+    async def claim(self, response_id: str, doc: str, record: StoredResponse) -> bool:
+        """Replace the record with ``record`` only if it is still exactly ``doc`` (as ``running``
+        read it): one process wins a record left by a dead one."""
 
     async def announce_stop(self, response_id: str) -> None:
         """Tell the other processes that ``response_id`` was cancelled or deleted (nothing by default)."""
@@ -148,6 +163,7 @@ class SQLiteResponses(SweptFile, ResponseStore):
             db.execute("ALTER TABLE responses ADD COLUMN created_at INTEGER")  # a table from before retention
             db.execute("UPDATE responses SET created_at = json_extract(doc, '$.created_at')")
         db.execute("CREATE INDEX IF NOT EXISTS responses_created_at ON responses (created_at)")
+        db.execute(f"CREATE INDEX IF NOT EXISTS responses_running ON responses (id) WHERE {_RUNNING_SQL}")
 
     def _changed(self, sql: str, args: tuple) -> int:
         """(on the connection's thread) Rows that ``sql`` changed (one statement: its own transaction)."""
@@ -180,9 +196,16 @@ class SQLiteResponses(SweptFile, ResponseStore):
         return True
 
     async def update_running(self, record: StoredResponse) -> bool:
-        return await self._call(self._changed, "UPDATE responses SET doc = ? WHERE id = ? AND owner = ? AND "
-                                "json_extract(doc, '$.response.status') IN ('queued', 'in_progress')",
-                                (record.doc(), record.id, record.owner)) == 1
+        return await self._call(self._changed, f"UPDATE responses SET doc = ? WHERE id = ? AND owner = ? AND {_RUNNING_SQL} "
+                                "AND coalesce(json_extract(doc, '$.runner'), '') = ?",
+                                (record.doc(), record.id, record.owner, record.runner or "")) == 1
+
+    async def running(self) -> list[tuple[str, str]]:
+        return await self._call(lambda: self._db.execute(f"SELECT id, doc FROM responses WHERE {_RUNNING_SQL}").fetchall())
+
+    async def claim(self, response_id: str, doc: str, record: StoredResponse) -> bool:
+        return await self._call(self._changed, "UPDATE responses SET doc = ? WHERE id = ? AND doc = ?",
+                                (record.doc(), response_id, doc)) == 1
 
     async def add_events(self, response_id: str, created_at: int, first: int, events: list[str]) -> None:
         rows = [(response_id, first + k, event, created_at, response_id) for k, event in enumerate(events)]
@@ -219,7 +242,8 @@ return 1
 """
 
 
-# KEYS response; ARGV the new record, owner: replace only the owner's record while it runs
+# KEYS response, the running set; ARGV the new record, owner, runner ('' for none), the new status:
+# replace only the owner's record while it runs under that runner; one that ends leaves the set
 _UPDATE_RUNNING = """
 local doc = redis.call('GET', KEYS[1])
 if not doc then return 0 end
@@ -227,7 +251,18 @@ local d = cjson.decode(doc)
 if d['owner'] ~= ARGV[2] then return 0 end
 local status = d['response']['status']
 if status ~= 'queued' and status ~= 'in_progress' then return 0 end
+local runner = d['runner']
+if runner == nil or runner == cjson.null then runner = '' end
+if runner ~= ARGV[3] then return 0 end
 redis.call('SET', KEYS[1], ARGV[1], 'KEEPTTL')
+if ARGV[4] ~= 'queued' and ARGV[4] ~= 'in_progress' then redis.call('SREM', KEYS[2], ARGV[5]) end
+return 1
+"""
+
+# KEYS response; ARGV the doc read, the new doc: replace it only if no one changed it meanwhile
+_CLAIM = """
+if redis.call('GET', KEYS[1]) ~= ARGV[1] then return 0 end
+redis.call('SET', KEYS[1], ARGV[2], 'KEEPTTL')
 return 1
 """
 
@@ -254,6 +289,7 @@ class RedisResponses(ResponseStore):
         self._delete = self._r.register_script(_DELETE)
         self._update_running = self._r.register_script(_UPDATE_RUNNING)
         self._add_events = self._r.register_script(_ADD_EVENTS)
+        self._claim = self._r.register_script(_CLAIM)
         if self.retention_s is not None:
             self._expirer = asyncio.create_task(self._expire_in_background())
 
@@ -269,9 +305,14 @@ class RedisResponses(ResponseStore):
     def _expires_at(self, created_at: float) -> int | None:
         return None if self.retention_s is None else int(created_at + self.retention_s) + 1
 
+    def _running_key(self) -> str:
+        return f"{self.prefix}responses-running"
+
     async def put(self, record: StoredResponse) -> None:
         # (an expiry already past deletes the key at once, as Redis does for any EXAT)
         await self._r.set(self._key(record.id), record.doc(), nx=True, exat=self._expires_at(record.created_at))
+        if record.response.get("status") in ("queued", "in_progress"):
+            await self._r.sadd(self._running_key(), record.id)
 
     async def get(self, response_id: str, owner: str) -> StoredResponse | None:
         raw = await self._r.get(self._key(response_id))
@@ -310,7 +351,23 @@ class RedisResponses(ResponseStore):
         return bool(await self._delete(keys=[self._key(response_id), self._events_key(response_id)], args=[owner]))
 
     async def update_running(self, record: StoredResponse) -> bool:
-        return bool(await self._update_running(keys=[self._key(record.id)], args=[record.doc(), record.owner]))
+        return bool(await self._update_running(keys=[self._key(record.id), self._running_key()],
+                                               args=[record.doc(), record.owner, record.runner or "",
+                                                     record.response.get("status", ""), record.id]))
+
+    async def running(self) -> list[tuple[str, str]]:
+        ids = [i.decode() for i in await self._r.smembers(self._running_key())]
+        out = []
+        for response_id, raw in zip(ids, await self._r.mget([self._key(i) for i in ids]) if ids else []):
+            status = json.loads(raw)["response"].get("status") if raw else None
+            if status in ("queued", "in_progress"):
+                out.append((response_id, raw.decode()))
+            else:  # ended by a cancel written elsewhere, deleted or expired: no longer running
+                await self._r.srem(self._running_key(), response_id)
+        return out
+
+    async def claim(self, response_id: str, doc: str, record: StoredResponse) -> bool:
+        return bool(await self._claim(keys=[self._key(response_id)], args=[doc, record.doc()]))
 
     async def add_events(self, response_id: str, created_at: int, first: int, events: list[str]) -> None:
         expires = self._expires_at(created_at)

@@ -44,8 +44,11 @@ from its first token, and its record ends ``completed``, ``incomplete``, ``faile
 runs it, else by writing ``cancelled`` to the store and announcing it (``announce_stop``): the
 running process hears it at once on Redis, and on SQLite finds it at its next write (every
 ``HEARTBEAT_S``) and stops. A record still running whose last write is older than
-``STALE_S`` had its process die: it is shown ``failed`` (``server_error``). Only a ``completed``
-or ``incomplete`` response can be continued with ``previous_response_id``.
+``STALE_S`` had its process die: every RECLAIM_S each process looks for those (``reclaim``) and
+one claims it and runs it again from its kept request (shown ``queued`` meanwhile); what runs at
+shutdown is handed back the same way. One that cannot run again (streamed, or run RECLAIM_TRIES
+times) is shown ``failed`` (``server_error``). Only a ``completed`` or ``incomplete`` response
+can be continued with ``previous_response_id``.
 
 A background response made with ``stream: true`` is answered with its events: ``response.created``
 and ``response.queued`` (stored with it before the answer), ``response.in_progress`` at its first
@@ -66,7 +69,7 @@ import logging
 import re
 import time
 import uuid
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any, AsyncGenerator, AsyncIterator, Literal
 
 from pydantic import Field
@@ -96,6 +99,8 @@ log = logging.getLogger("tiergate.responses")
 
 HEARTBEAT_S = 5.0  # a running background response's record is written at least this often
 STALE_S = 30.0  # a running one's record older than this: its process died
+RECLAIM_S = 10.0  # how often a process looks for background responses whose process died
+RECLAIM_TRIES = 3  # runs of one background response at most (a request that kills its process stops)
 CANCEL_WAIT_S = 5.0  # a cancel waits this long for this process's work to stop and record it
 FLUSH_S = 0.25  # a streamed background response's new events are stored at least this often
 POLL_S = 0.25  # a follower in another process reads the store this often
@@ -435,6 +440,8 @@ class Draft:
     output: list[dict[str, Any]] = field(default_factory=list)
     reply: Reply = field(default_factory=lambda: Reply(0))
     background: bool = False
+    request: dict[str, Any] | None = None  # a background one's: its body and key tier, to run it again
+    runner: str | None = None  # a background one's: the process running it
 
     def public(self, status: str, error: dict[str, str] | None = None) -> dict[str, Any]:
         """The ``response`` object, with ``status`` (and ``error`` when it failed) and what has been
@@ -491,7 +498,7 @@ class Draft:
     def record(self, status: str, owner: str, error: dict[str, str] | None = None) -> StoredResponse:
         """The stored record of this response at ``status`` (a background one's carries the time)."""
         return StoredResponse(self.id, owner, self.created_at, self.public(status, error), self.conversation(),
-                              self.job.items, time.time() if self.background else None)
+                              self.job.items, time.time() if self.background else None, self.request, self.runner)
 
 
 def message_item(item_id: str, text: str, status: str, logprobs: list | None) -> dict[str, Any]:
@@ -561,6 +568,10 @@ async def create_response(request: Request) -> Response:
     job = await plan_response(svc, caller, store, body, conversations)
     served = served_caller(svc, caller, job.chat)
     draft = Draft(_item_id("resp"), job, service_tier.label(svc.config, served.tier), background=body.background)
+    if body.background:
+        draft.runner = request.app.state.background.runner
+        draft.request = {"body": body.model_dump(mode="json", by_alias=True, exclude_unset=True), "tier": caller.tier,
+                         "attempts": 1}
     headers = {**svc.gate.rate_headers(served.tier), "x-tiergate-tier": served.tier}
     if body.background:
         if not body.store:
@@ -634,6 +645,14 @@ async def _run_in_background(svc: Services, caller: Caller, draft: Draft, store:
         error = {"code": "server_error", "message": "the server failed while making this response"}
     finally:
         beat.cancel()
+    if background.stopping and events is None and _reclaimable(draft.record("queued", owner)):
+        # handed back: stored queued and unwritten since the epoch, so that the next process to look
+        # (another one now, or this server once it is back) runs it again (``reclaim``)
+        back = replace(draft.record("queued", owner), beat=0.0)
+        back = replace(back, response={**back.response, "output": []})
+        if await store.update_running(back):
+            log.info("background response %s: handed back at shutdown, to run again", draft.id)
+            return
     if events is not None:  # what it had begun, closed; all stored before its record says it ended
         await events.add(events.s.close("incomplete") if status not in CONTINUABLE else [], flush=True)
     kept = await store.update_running(draft.record(status, owner, error))
@@ -677,6 +696,48 @@ class _Events:
         self.stored += len(new)
 
 
+def _reclaimable(record: StoredResponse) -> bool:
+    """Whether a background response left by a dead process is run again elsewhere: one kept with
+    its request, not streamed (its followers saw part of it), run fewer than RECLAIM_TRIES times."""
+    asked = record.request
+    return asked is not None and not asked["body"].get("stream") and asked.get("attempts", 1) < RECLAIM_TRIES
+
+
+async def reclaim(svc: Services, store: ResponseStore, conversations: ConversationStore | None,
+                  background: Background) -> list[str]:
+    """One pass: run here again the background responses whose process died (still running in the
+    store, unwritten for STALE_S, ``_reclaimable``), each taken by one process's ``claim`` and run
+    from the start under this process's runner; what was reclaimed."""
+    taken = []
+    for response_id, doc in await store.running():
+        record = StoredResponse.of(response_id, doc)
+        if response_id in background.running or record.beat is None or time.time() - record.beat <= STALE_S:
+            continue
+        if not _reclaimable(record):
+            continue
+        asked = {**record.request, "attempts": record.request.get("attempts", 1) + 1}
+        claimed = replace(record, response={**record.response, "status": "queued", "output": []}, beat=time.time(),
+                          request=asked, runner=background.runner)
+        if not await store.claim(response_id, doc, claimed):
+            continue  # another process took it first, or it changed meanwhile
+        caller = Caller(asked["tier"], record.owner)
+        body = ResponsesRequest.model_validate(asked["body"])
+        try:
+            job = await plan_response(svc, caller, store, body, conversations)
+        except APIError as exc:  # what it continued is gone, say
+            await store.update_running(replace(claimed, response={**claimed.response, "status": "failed",
+                                                                   "error": {"code": exc.code, "message": exc.message}}))
+            continue
+        draft = Draft(response_id, job, record.response["service_tier"], created_at=record.created_at, background=True,
+                      request=asked, runner=background.runner)
+        background.start(response_id, lambda gone, d=draft: _run_in_background(svc, caller, d, store, conversations,
+                                                                                background, gone, None))
+        log.info("background response %s: its process stopped writing it; run again here (attempt %d)",
+                 response_id, asked["attempts"])
+        taken.append(response_id)
+    return taken
+
+
 async def _after(first: ChoiceDelta, rest: AsyncGenerator[ChoiceDelta, None]) -> AsyncIterator[ChoiceDelta]:
     yield first
     async with contextlib.aclosing(rest):
@@ -696,9 +757,12 @@ async def _heartbeat(store: ResponseStore, draft: Draft, owner: str, phase: list
 
 def shown(record: StoredResponse) -> dict[str, Any]:
     """The response object of ``record`` as the API shows it: a running one whose process stopped
-    writing it (its last write older than STALE_S) as ``failed``."""
+    writing it (its last write older than STALE_S) as ``failed``, unless another process will run
+    it again (``reclaim``: then it is ``queued``)."""
     response = record.response
     if response["status"] in RUNNING and (record.beat is None or time.time() - record.beat > STALE_S):
+        if _reclaimable(record):
+            return {**response, "status": "queued"}
         return {**response, "status": "failed",
                 "error": {"code": "server_error", "message": "the server process running this background response "
                                                              "stopped before it finished; create it again"}}

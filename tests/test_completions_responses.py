@@ -652,6 +652,46 @@ def test_on_redis_another_processs_cancel_or_delete_stops_the_work_at_once(tiny_
             s.stop()
 
 
+def test_a_background_response_whose_process_died_is_run_again_here(tiny_chat, tmp_path, monkeypatch):
+    """A record left running by a dead process (its last write older than STALE_S), with its
+    request kept: another process claims it and runs it from the start, so it ends as it would
+    have (reading ``queued`` meanwhile, not ``failed``). A streamed one, or one already run
+    RECLAIM_TRIES times, is not run again and reads failed."""
+    import gateway.responses as responses
+
+    monkeypatch.setattr(responses, "RECLAIM_S", 0.1)
+    monkeypatch.setattr(responses, "STALE_S", 1.0)
+    s = start_server(write_config(tmp_path, {"tiny-chat": ("chat", tiny_chat)}))
+    try:
+        c, store, owner = client(s), s.app.state.responses, key_id(s.keys["paid"])
+        alone = wait_until_done(c, c.responses.create(model="tiny-chat", input="Tell me a story", max_output_tokens=12,
+                                                      temperature=0, background=True).id)
+        record = s.wait(store.get(alone.id, owner))
+        assert record.request["tier"] == "paid" and record.request["body"]["input"] == "Tell me a story"
+
+        def dead(name: str, **request) -> str:
+            left = replace(record, id=name, beat=time.time() - 5, runner="a-dead-process",
+                           request={**record.request, **request},
+                           response={**record.response, "id": name, "status": "in_progress", "output": []})
+            s.wait(store.put(left))
+            return name
+
+        again = dead("resp_deadrerun")
+        assert c.responses.retrieve(again).status in ("queued", "in_progress", "completed", "incomplete")
+        done = wait_until_done(c, again)
+        assert done.output_text == alone.output_text and done.usage.output_tokens == alone.usage.output_tokens
+        assert s.wait(store.get(again, owner)).request["attempts"] == record.request["attempts"] + 1
+        streamed = dead("resp_deadstream", body={**record.request["body"], "stream": True})
+        spent = dead("resp_deadspent", attempts=responses.RECLAIM_TRIES)
+        time.sleep(0.5)  # a few passes of the reclaimer
+        for name in (streamed, spent):
+            r = c.responses.retrieve(name)
+            assert r.status == "failed" and r.error.code == "server_error", name
+            assert name not in s.app.state.background.running
+    finally:
+        s.stop()
+
+
 def test_a_running_record_whose_process_died_reads_failed_over_http(server):
     """A record left ``in_progress`` by a process killed mid-work (its last write older than
     STALE_S) is shown failed by GET and by a cancel, so a client polling it stops."""
@@ -669,23 +709,41 @@ def test_a_running_record_whose_process_died_reads_failed_over_http(server):
         assert r.json()["error"]["code"] == "server_error"
 
 
-def test_background_work_left_at_shutdown_ends_failed(tiny_chat, tmp_path):
-    """At shutdown (after the drain's wait, or without one) what still runs is stopped, and its
-    record says so rather than staying ``queued`` forever."""
+def test_background_work_left_at_shutdown_is_handed_back_and_run_by_the_next_server(tiny_chat, tmp_path, monkeypatch):
+    """At shutdown (after the drain's wait, or without one) what still runs is stopped: a response
+    that can run again is handed back (stored queued, unwritten), and the next server on the same
+    store runs it to its end; a streamed one (its followers saw part of it) ends failed."""
     import sqlite3
 
-    s = start_server(write_config(tmp_path, {"tiny-chat": ("chat", tiny_chat)}))
+    import gateway.responses as responses
+
+    monkeypatch.setattr(responses, "RECLAIM_S", 0.1)
+    config = write_config(tmp_path, {"tiny-chat": ("chat", tiny_chat)})
+    s = start_server(config)
     gate = s.services.gate
     tickets = [s.wait(gate.acquire("paid", "tiny-chat")) for _ in range(gate.limits["paid"])]
-    made = client(s).responses.create(model="tiny-chat", input="hi", max_output_tokens=4, background=True)
-    assert s.call(lambda: made.id in s.app.state.background.running)
+    made = client(s).responses.create(model="tiny-chat", input="hi", max_output_tokens=4, background=True, temperature=0)
+    streamed = client(s).responses.create(model="tiny-chat", input="hi", max_output_tokens=4, background=True, stream=True)
+    streamed_id = next(iter(streamed)).response.id
+    streamed.close()  # (leaving it: the work goes on)
+    assert s.call(lambda: {made.id, streamed_id} <= set(s.app.state.background.running))
     s.stop()
     db = sqlite3.connect(tmp_path / "tiergate-data" / "batches.sqlite3")
-    (doc,) = db.execute("SELECT doc FROM responses WHERE id = ?", (made.id,)).fetchone()
+    docs = {i: json.loads(doc) for i, doc in db.execute("SELECT id, doc FROM responses WHERE id IN (?, ?)",
+                                                        (made.id, streamed_id))}
     db.close()
-    response = json.loads(doc)["response"]
-    assert response["status"] == "failed" and response["error"]["code"] == "server_error"
-    assert "shut down" in response["error"]["message"] and tickets
+    assert docs[made.id]["response"]["status"] == "queued" and docs[made.id]["beat"] == 0.0
+    failed = docs[streamed_id]["response"]
+    assert failed["status"] == "failed" and failed["error"]["code"] == "server_error"
+    assert "shut down" in failed["error"]["message"] and tickets
+
+    s = start_server(config)  # the next server: it finds the handed-back one and runs it
+    try:
+        done = wait_until_done(client(s), made.id)
+        assert done.status in ("completed", "incomplete")
+        assert done.output_text == respond(client(s), "hi", max_output_tokens=4).output_text
+    finally:
+        s.stop()
 
 
 def test_a_running_record_its_process_stopped_writing_shows_failed():
@@ -1010,6 +1068,21 @@ async def _store_contract(store) -> None:
         assert not await store.update_running(bg("in_progress", 6.0)) and (await store.get("resp_b", "key-a")).beat == 4.0
         assert await store.delete("resp_b", "key-a") and not await store.update_running(bg("queued", 7.0))
         assert await store.get("resp_b", "key-a") is None  # not written back after a delete
+
+        # running records, and a claim: one process takes over a record left by a dead one, and
+        # the dead one's runner can no longer write it
+        run = StoredResponse("resp_r", "key-a", 9, {"id": "resp_r", "status": "in_progress", "background": True}, [], [],
+                             1.0, {"body": {"model": "m", "input": "x"}, "tier": "paid"}, "runner-1")
+        await store.put(run)
+        docs = dict(await store.running())
+        assert "resp_r" in docs and "resp_0" not in docs and StoredResponse.of("resp_r", docs["resp_r"]) == run
+        taken = replace(run, runner="runner-2", beat=2.0, response={**run.response, "status": "queued"})
+        assert await store.claim("resp_r", docs["resp_r"], taken)
+        assert not await store.claim("resp_r", docs["resp_r"], replace(run, runner="runner-3"))  # taken already
+        assert not await store.update_running(replace(run, beat=3.0))  # the first runner lost it
+        assert (await store.get("resp_r", "key-a")) == taken
+        assert await store.update_running(replace(taken, beat=4.0, response={**taken.response, "status": "completed"}))
+        assert "resp_r" not in dict(await store.running())
 
         # a streamed background response's events: appended in order, read above a number,
         # never twice, gone with their record and not added after it
