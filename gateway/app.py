@@ -277,8 +277,8 @@ async def _follow_stops(services: Services, state) -> None:
     responses of processes that died, taken over (gateway/responses.py's ``reclaim``)."""
     background: Background = state.background
     background.follow_stops(state.responses.stops())
-    background.every(responses.RECLAIM_S, lambda: responses.reclaim(services, state.responses, state.conversations,
-                                                                     background))
+    period = min(responses.RECLAIM_S, services.config.responses.reclaim_after_s / 3)
+    background.every(period, lambda: responses.reclaim(services, state.responses, state.conversations, background))
 
 
 @contextlib.asynccontextmanager

@@ -231,6 +231,8 @@ class ResponsesConfig(_Strict):
 
     # deleted this long after they were made, as OpenAI keeps them 30 days; null: until deleted
     retention_days: float | None = Field(default=30, gt=0)
+    # a background response unwritten this long had its process die: another process runs it again
+    reclaim_after_s: float = Field(default=30.0, gt=0)
 
 
 class StoredCompletionsConfig(_Strict):

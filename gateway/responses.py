@@ -44,7 +44,7 @@ from its first token, and its record ends ``completed``, ``incomplete``, ``faile
 runs it, else by writing ``cancelled`` to the store and announcing it (``announce_stop``): the
 running process hears it at once on Redis, and on SQLite finds it at its next write (every
 ``HEARTBEAT_S``) and stops. A record still running whose last write is older than
-``STALE_S`` had its process die: every RECLAIM_S each process looks for those (``reclaim``) and
+``responses.reclaim_after_s`` (30 s) had its process die: every RECLAIM_S each process looks for those (``reclaim``) and
 one claims it and runs it again from its kept request (shown ``queued`` meanwhile); what runs at
 shutdown is handed back the same way. One that cannot run again (streamed, or run RECLAIM_TRIES
 times) is shown ``failed`` (``server_error``). Only a ``completed`` or ``incomplete`` response
@@ -98,8 +98,7 @@ from workers.registry import describe
 log = logging.getLogger("tiergate.responses")
 
 HEARTBEAT_S = 5.0  # a running background response's record is written at least this often
-STALE_S = 30.0  # a running one's record older than this: its process died
-RECLAIM_S = 10.0  # how often a process looks for background responses whose process died
+RECLAIM_S = 10.0  # how often a process looks for background responses whose process died (at most)
 RECLAIM_TRIES = 3  # runs of one background response at most (a request that kills its process stops)
 CANCEL_WAIT_S = 5.0  # a cancel waits this long for this process's work to stop and record it
 FLUSH_S = 0.25  # a streamed background response's new events are stored at least this often
@@ -345,7 +344,7 @@ async def plan_response(svc: Services, caller: Caller, store: ResponseStore | No
         previous = await store.get(body.previous_response_id, caller.key_id) if store is not None else None
         if previous is None:
             raise not_found(f"no response with id '{body.previous_response_id}'", "previous_response_id")
-        status = shown(previous)["status"]
+        status = shown(previous, svc.config.responses.reclaim_after_s)["status"]
         if status not in CONTINUABLE:
             raise bad_request(f"the response '{body.previous_response_id}' is {status}: only a completed or incomplete "
                               "response can be continued", "previous_response_id")
@@ -706,12 +705,13 @@ def _reclaimable(record: StoredResponse) -> bool:
 async def reclaim(svc: Services, store: ResponseStore, conversations: ConversationStore | None,
                   background: Background) -> list[str]:
     """One pass: run here again the background responses whose process died (still running in the
-    store, unwritten for STALE_S, ``_reclaimable``), each taken by one process's ``claim`` and run
+    store, unwritten for ``responses.reclaim_after_s``, ``_reclaimable``), each taken by one process's ``claim`` and run
     from the start under this process's runner; what was reclaimed."""
     taken = []
     for response_id, doc in await store.running():
         record = StoredResponse.of(response_id, doc)
-        if response_id in background.running or record.beat is None or time.time() - record.beat <= STALE_S:
+        stale = record.beat is not None and time.time() - record.beat > svc.config.responses.reclaim_after_s
+        if response_id in background.running or not stale:
             continue
         if not _reclaimable(record):
             continue
@@ -755,12 +755,12 @@ async def _heartbeat(store: ResponseStore, draft: Draft, owner: str, phase: list
             return
 
 
-def shown(record: StoredResponse) -> dict[str, Any]:
+def shown(record: StoredResponse, stale_s: float) -> dict[str, Any]:
     """The response object of ``record`` as the API shows it: a running one whose process stopped
-    writing it (its last write older than STALE_S) as ``failed``, unless another process will run
-    it again (``reclaim``: then it is ``queued``)."""
+    writing it (its last write older than ``stale_s``, ``responses.reclaim_after_s``) as ``failed``,
+    unless another process will run it again (``reclaim``: then it is ``queued``)."""
     response = record.response
-    if response["status"] in RUNNING and (record.beat is None or time.time() - record.beat > STALE_S):
+    if response["status"] in RUNNING and (record.beat is None or time.time() - record.beat > stale_s):
         if _reclaimable(record):
             return {**response, "status": "queued"}
         return {**response, "status": "failed",
@@ -801,17 +801,18 @@ async def get_response(request: Request) -> Response:
     if record is None:
         raise not_found(f"no response with id '{response_id}'", "response_id")
     if stream == "false":
-        return JSONResponse(shown(record))
+        return JSONResponse(shown(record, svc.config.responses.reclaim_after_s))
     if not record.response.get("background") or not await store.events(response_id, -1):
         raise bad_request("only a background response created with stream true can be streamed again; "
                           "read this one without stream", "stream", "not_streamable")
     after_n = -1 if after is None else int(after)
     running: EventLog | None = request.app.state.background.logs.get(response_id)
-    events = running.follow(after_n) if running is not None else _replay(store, record, after_n)
+    events = running.follow(after_n) if running is not None else _replay(store, record, after_n,
+                                                                         svc.config.responses.reclaim_after_s)
     return Streamed(events, "text/event-stream", headers={})
 
 
-async def _replay(store: ResponseStore, record: StoredResponse, after: int) -> AsyncIterator[str]:
+async def _replay(store: ResponseStore, record: StoredResponse, after: int, stale_s: float) -> AsyncIterator[str]:
     """A streamed background response's stored events above ``after``; while another process
     still runs it, each new one as that process stores it (read every POLL_S). Its last event is
     one of ENDING; when the record ended without one stored (that process died, or had not stored
@@ -827,7 +828,7 @@ async def _replay(store: ResponseStore, record: StoredResponse, after: int) -> A
         now = await store.get(record.id, record.owner)
         if now is None:  # deleted meanwhile
             return
-        response = shown(now)
+        response = shown(now, stale_s)
         if response["status"] not in RUNNING:
             new = await store.events(record.id, n - 1)  # stored just before its record ended
             for event in new:
@@ -870,7 +871,7 @@ async def cancel_response(request: Request) -> Response:
     if not record.response.get("background"):
         raise bad_request("only a background response (background: true) can be cancelled", "response_id",
                           "not_background")
-    if shown(record)["status"] in RUNNING:  # (one whose process died shows failed: returned as it is)
+    if shown(record, svc.config.responses.reclaim_after_s)["status"] in RUNNING:  # (one whose process died shows failed: returned as it is)
         background: Background = request.app.state.background
         if not await background.cancel(response_id, CANCEL_WAIT_S):  # another process runs it, or none does
             if await store.update_running(StoredResponse(record.id, record.owner, record.created_at,
@@ -878,7 +879,7 @@ async def cancel_response(request: Request) -> Response:
                                                          record.conversation, record.input_items, time.time())):
                 await store.announce_stop(response_id)  # the process running it stops now (Redis), not at its next write
         record = await store.get(response_id, caller.key_id) or record
-    return JSONResponse(shown(record))
+    return JSONResponse(shown(record, svc.config.responses.reclaim_after_s))
 
 
 async def list_input_items(request: Request) -> Response:

@@ -27,6 +27,7 @@ TOOLS = [{"type": "function", "name": "get_weather", "description": "The weather
                          "required": ["city"], "additionalProperties": False}, "strict": True}]
 CLOSED = {"type": "object", "properties": {"ok": {"type": "boolean"}, "n": {"type": "integer", "enum": [1, 2, 3]}},
           "required": ["ok", "n"], "additionalProperties": False}
+STALE_S = 30.0  # responses.reclaim_after_s as shipped
 EVENTS_TEXT = ["response.created", "response.in_progress", "response.output_item.added",
                "response.content_part.added"]
 EVENTS_TEXT_END = ["response.output_text.done", "response.content_part.done", "response.output_item.done"]
@@ -653,15 +654,14 @@ def test_on_redis_another_processs_cancel_or_delete_stops_the_work_at_once(tiny_
 
 
 def test_a_background_response_whose_process_died_is_run_again_here(tiny_chat, tmp_path, monkeypatch):
-    """A record left running by a dead process (its last write older than STALE_S), with its
+    """A record left running by a dead process (its last write older than reclaim_after_s), with its
     request kept: another process claims it and runs it from the start, so it ends as it would
     have (reading ``queued`` meanwhile, not ``failed``). A streamed one, or one already run
     RECLAIM_TRIES times, is not run again and reads failed."""
     import gateway.responses as responses
 
     monkeypatch.setattr(responses, "RECLAIM_S", 0.1)
-    monkeypatch.setattr(responses, "STALE_S", 1.0)
-    s = start_server(write_config(tmp_path, {"tiny-chat": ("chat", tiny_chat)}))
+    s = start_server(write_config(tmp_path, {"tiny-chat": ("chat", tiny_chat)}, "responses:\n  reclaim_after_s: 1\n"))
     try:
         c, store, owner = client(s), s.app.state.responses, key_id(s.keys["paid"])
         alone = wait_until_done(c, c.responses.create(model="tiny-chat", input="Tell me a story", max_output_tokens=12,
@@ -692,11 +692,43 @@ def test_a_background_response_whose_process_died_is_run_again_here(tiny_chat, t
         s.stop()
 
 
+def test_kill_9_mid_background_response_and_the_next_process_runs_it(tiny_chat, tmp_path):
+    """The crash test: ``tiergate serve`` is killed with ``kill -9`` while a background response
+    generates; a second process on the same store takes it over once its record goes unwritten
+    (``responses.reclaim_after_s``, 2 s here) and runs it to the end it would have had."""
+    from tests.helpers import TIERS
+    from tests.test_batches import Proc
+
+    config = write_config(tmp_path, {"tiny-chat": ("chat", tiny_chat)},
+                          "responses:\n  reclaim_after_s: 2\nlimits:\n  max_chat_tokens: 480\n")
+    keys = {t: f"key-{t}" for t in TIERS}
+    first = Proc(config, keys, tmp_path / "first.log").ready()
+    try:
+        c = first.client(keys["paid"])
+        made = c.responses.create(model="tiny-chat", input="Count to a thousand", max_output_tokens=480,
+                                  temperature=0, background=True)
+        deadline = time.monotonic() + 30
+        while (status := c.responses.retrieve(made.id).status) == "queued":
+            assert time.monotonic() < deadline
+            time.sleep(0.01)
+        assert status == "in_progress"  # killed mid-generation
+        first.kill9()
+        second = Proc(config, keys, tmp_path / "second.log").ready()
+        c = second.client(keys["paid"])
+        done = wait_until_done(c, made.id)
+        live = c.responses.create(model="tiny-chat", input="Count to a thousand", max_output_tokens=480, temperature=0)
+        assert done.status == live.status and done.output_text == live.output_text
+        assert "run again here" in (tmp_path / "second.log").read_text()
+    finally:
+        for proc in Proc.started:
+            if proc.proc.poll() is None:
+                proc.kill9()
+        Proc.started.clear()
+
+
 def test_a_running_record_whose_process_died_reads_failed_over_http(server):
     """A record left ``in_progress`` by a process killed mid-work (its last write older than
     STALE_S) is shown failed by GET and by a cancel, so a client polling it stops."""
-    from gateway.responses import STALE_S
-
     store, owner = server.app.state.responses, key_id(server.keys["paid"])
     made = respond(client(server), "hi", max_output_tokens=2)
     record = server.wait(store.get(made.id, owner))
@@ -747,17 +779,17 @@ def test_background_work_left_at_shutdown_is_handed_back_and_run_by_the_next_ser
 
 
 def test_a_running_record_its_process_stopped_writing_shows_failed():
-    from gateway.responses import STALE_S, shown
+    from gateway.responses import shown
 
     def rec(status: str, age: float) -> StoredResponse:
         return StoredResponse("resp_s", "k", 1, {"id": "resp_s", "status": status, "error": None}, [], [],
                               time.time() - age)
 
-    assert shown(rec("in_progress", 1.0))["status"] == "in_progress"
-    stale = shown(rec("in_progress", STALE_S + 1))
+    assert shown(rec("in_progress", 1.0), STALE_S)["status"] == "in_progress"
+    stale = shown(rec("in_progress", STALE_S + 1), STALE_S)
     assert stale["status"] == "failed" and stale["error"]["code"] == "server_error"
-    assert shown(rec("queued", STALE_S + 1))["status"] == "failed"
-    assert shown(rec("completed", STALE_S + 1))["status"] == "completed"  # a finished one is what it is
+    assert shown(rec("queued", STALE_S + 1), STALE_S)["status"] == "failed"
+    assert shown(rec("completed", STALE_S + 1), STALE_S)["status"] == "completed"  # a finished one is what it is
 
 
 @pytest.mark.parametrize("failure,code", [
@@ -874,8 +906,6 @@ def test_a_cancelled_streamed_background_response_ends_its_streams(server):
 def test_a_streamed_background_response_whose_process_died_ends_failed(server):
     """Its stored events, then (its record no longer written: its process died) a
     ``response.failed`` made from the record as GET shows it."""
-    from gateway.responses import STALE_S
-
     store, owner = server.app.state.responses, key_id(server.keys["paid"])
     record = server.wait(store.get(respond(client(server), "hi", max_output_tokens=2).id, owner))
     dead = replace(record, id="resp_dead2", beat=time.time() - STALE_S - 5,
