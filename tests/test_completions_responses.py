@@ -858,7 +858,7 @@ def test_followers_of_a_streamed_background_response_while_it_runs(server, monke
     owner = key_id(server.keys["paid"])
 
     async def replay(record) -> list[str]:
-        return [event async for event in responses._replay(store, record, -1)]
+        return [event async for event in responses._replay(store, record, -1, STALE_S)]
 
     tickets = [server.wait(gate.acquire("paid", "tiny-chat")) for _ in range(gate.limits["paid"])]
     try:
