@@ -611,7 +611,7 @@ async def _run_in_background(svc: Services, caller: Caller, draft: Draft, store:
     added to ``events`` as they are made, its last after its record is written."""
     owner, phase = caller.key_id, ["queued"]
     beat = asyncio.get_running_loop().create_task(_heartbeat(store, draft, owner, phase, gone))
-    status, error = "failed", None
+    status, error, shut_down = "failed", None, False
     try:
         with responses_names():
             deltas = serve_chat(svc, caller, draft.job.chat, gone)
@@ -634,7 +634,8 @@ async def _run_in_background(svc: Services, caller: Caller, draft: Draft, store:
         status = draft.status
     except ClientGone:
         status = "cancelled"
-        if background.stopping:
+        if background.stopping:  # stopped by the shutdown (a finished one is recorded as it ended)
+            shut_down = True
             status, error = "failed", {"code": "server_error",
                                        "message": "the server shut down before this response finished; create it again"}
     except APIError as exc:
@@ -644,7 +645,7 @@ async def _run_in_background(svc: Services, caller: Caller, draft: Draft, store:
         error = {"code": "server_error", "message": "the server failed while making this response"}
     finally:
         beat.cancel()
-    if background.stopping and events is None and _reclaimable(draft.record("queued", owner)):
+    if shut_down and events is None and _reclaimable(draft.record("queued", owner)):
         # handed back: stored queued and unwritten since the epoch, so that the next process to look
         # (another one now, or this server once it is back) runs it again (``reclaim``)
         back = replace(draft.record("queued", owner), beat=0.0)
@@ -874,9 +875,9 @@ async def cancel_response(request: Request) -> Response:
     if shown(record, svc.config.responses.reclaim_after_s)["status"] in RUNNING:  # (one whose process died shows failed: returned as it is)
         background: Background = request.app.state.background
         if not await background.cancel(response_id, CANCEL_WAIT_S):  # another process runs it, or none does
-            if await store.update_running(StoredResponse(record.id, record.owner, record.created_at,
-                                                         {**record.response, "status": "cancelled"},
-                                                         record.conversation, record.input_items, time.time())):
+            # (written as the record's runner: the only writer the store lets through)
+            if await store.update_running(replace(record, response={**record.response, "status": "cancelled"},
+                                                  beat=time.time())):
                 await store.announce_stop(response_id)  # the process running it stops now (Redis), not at its next write
         record = await store.get(response_id, caller.key_id) or record
     return JSONResponse(shown(record, svc.config.responses.reclaim_after_s))

@@ -726,6 +726,35 @@ def test_kill_9_mid_background_response_and_the_next_process_runs_it(tiny_chat, 
         Proc.started.clear()
 
 
+def test_a_cancel_through_another_server_stops_the_work_where_it_runs(tiny_chat, tmp_path, monkeypatch):
+    """Two servers on one store (SQLite): a background response waiting at the first is
+    cancelled through the second's HTTP API; the second writes the cancel as the record's runner,
+    and the first finds it at its next write and stops."""
+    import gateway.responses as responses
+
+    monkeypatch.setattr(responses, "HEARTBEAT_S", 0.05)
+    config = write_config(tmp_path, {"tiny-chat": ("chat", tiny_chat)})
+    here, there = start_server(config), start_server(config)
+    try:
+        gate = here.services.gate
+        tickets = [here.wait(gate.acquire("paid", "tiny-chat")) for _ in range(gate.limits["paid"])]
+        try:
+            made = client(here).responses.create(model="tiny-chat", input="hi", max_output_tokens=4, background=True)
+            assert client(there).responses.cancel(made.id).status == "cancelled"
+            deadline = time.monotonic() + 10
+            while here.call(lambda: made.id in here.app.state.background.running) and time.monotonic() < deadline:
+                time.sleep(0.02)
+            assert here.call(lambda: (made.id in here.app.state.background.running, gate.queued("paid"))) == (False, 0)
+        finally:
+            for ticket in tickets:
+                here.call(gate.release, ticket)
+        time.sleep(0.2)
+        assert client(here).responses.retrieve(made.id).status == "cancelled"
+    finally:
+        here.stop()
+        there.stop()
+
+
 def test_a_running_record_whose_process_died_reads_failed_over_http(server):
     """A record left ``in_progress`` by a process killed mid-work (its last write older than
     STALE_S) is shown failed by GET and by a cancel, so a client polling it stops."""
