@@ -22,7 +22,8 @@ from arbiter.footprint import default_device, device_budget
 from arbiter.residency import Arbiter, Refused, Unavailable
 from batch import api as batch_api
 from batch.runner import runner_for
-from gateway import audio, chat, completions, conversations, dashboard, embeddings, images, responses, stored_chat
+from gateway import (audio, chat, completions, conversations, dashboard, embeddings, images, response_runs, responses_api,
+                     stored_chat)
 from gateway.accounts import Accounts
 from gateway.accounts_api import KeyHeaders
 from gateway import accounts_api
@@ -185,17 +186,17 @@ def routes() -> list[BaseRoute]:
         Route("/v1/chat/completions", chat.chat_completions, methods=["POST"]),
         Route("/v1/embeddings", embeddings.embeddings, methods=["POST"]),
         Route("/v1/completions", completions.completions, methods=["POST"]),
-        Route("/v1/responses", responses.create_response, methods=["POST"]),
-        Route("/v1/responses/input_tokens", responses.count_input_tokens, methods=["POST"]),
+        Route("/v1/responses", responses_api.create_response, methods=["POST"]),
+        Route("/v1/responses/input_tokens", responses_api.count_input_tokens, methods=["POST"]),
         Route("/healthz", healthz, methods=["GET"]),
         Route("/readyz", readyz, methods=["GET"]),
         Route("/metrics", metrics, methods=["GET"]),
         Route("/v1/models", list_models, methods=["GET"]),
         Route("/v1/models/{model:path}", get_model, methods=["GET"]),
-        Route("/v1/responses/{response_id}", responses.get_response, methods=["GET"]),
-        Route("/v1/responses/{response_id}/input_items", responses.list_input_items, methods=["GET"]),
-        Route("/v1/responses/{response_id}", responses.delete_response, methods=["DELETE"]),
-        Route("/v1/responses/{response_id}/cancel", responses.cancel_response, methods=["POST"]),
+        Route("/v1/responses/{response_id}", responses_api.get_response, methods=["GET"]),
+        Route("/v1/responses/{response_id}/input_items", responses_api.list_input_items, methods=["GET"]),
+        Route("/v1/responses/{response_id}", responses_api.delete_response, methods=["DELETE"]),
+        Route("/v1/responses/{response_id}/cancel", responses_api.cancel_response, methods=["POST"]),
         Route("/v1/conversations", conversations.create_conversation, methods=["POST"]),
         Route("/v1/conversations/{conversation_id}", conversations.get_conversation, methods=["GET"]),
         Route("/v1/conversations/{conversation_id}", conversations.update_conversation, methods=["POST"]),
@@ -274,11 +275,11 @@ def create_app(services: Services, extra: Sequence[BaseRoute] = ()) -> Starlette
 
 async def _follow_stops(services: Services, state) -> None:
     """(After the stores opened: they start first.) Other processes' cancels, and the background
-    responses of processes that died, taken over (gateway/responses.py's ``reclaim``)."""
+    responses of processes that died, taken over (``gateway.response_runs.reclaim``)."""
     background: Background = state.background
     background.follow_stops(state.responses.stops())
-    period = min(responses.RECLAIM_S, services.config.responses.reclaim_after_s / 3)
-    background.every(period, lambda: responses.reclaim(services, state.responses, state.conversations, background))
+    period = min(response_runs.RECLAIM_S, services.config.responses.reclaim_after_s / 3)
+    background.every(period, lambda: response_runs.reclaim(services, state.responses, state.conversations, background))
 
 
 @contextlib.asynccontextmanager

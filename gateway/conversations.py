@@ -13,7 +13,7 @@ text parts, ``function_call``, ``function_call_output``; a 400 names ``items[i].
 its input items are: each as sent, with its own ``id`` or a new one, ``status: completed``; an id
 already in the conversation is a 400. A response made with ``conversation`` reads every item as the
 start of its prompt, and once it ends ``completed`` or ``incomplete`` its input items and output
-items are added (``gateway.responses``). Only the key that made a conversation sees it (a 404
+items are added (``gateway.response_runs``, ``gateway.responses_api``). Only the key that made a conversation sees it (a 404
 otherwise). Kept in ``gateway.conversation_store``, until deleted.
 """
 

@@ -15,7 +15,7 @@ rewritten as it runs by ``update_running``, which replaces a record only while i
 is still ``queued`` or ``in_progress``: so a cancel written by another process, or a delete, is
 never undone by the process running it, whose next write finds it and stops the work. Each
 write carries ``beat``, the time it was made; the running process writes at least every
-``HEARTBEAT_S`` (gateway/responses.py), so a record whose beat is old had its process die. A
+``HEARTBEAT_S`` (gateway/response_runs.py), so a record whose beat is old had its process die. A
 process that cancels or deletes a running record also announces it (``announce_stop``); on Redis
 every process hears it at once (``stops``, a pub/sub channel, ``tg:response-stops``) and the one
 running it stops then, not at its next write. On SQLite (processes of one machine) there is no

@@ -1,6 +1,6 @@
-"""The Responses API: ``POST /v1/responses``, ``GET`` and ``DELETE /v1/responses/{id}``,
-``GET /v1/responses/{id}/input_items``, ``POST /v1/responses/{id}/cancel`` and
-``POST /v1/responses/input_tokens`` (the prompt's tokens, counted without running the model).
+"""The Responses API's model: its request, how a request becomes a chat job (input items as chat
+messages, ``previous_response_id``, ``conversation``, ``truncation``), the response object and its
+output items, how a stored response reads, and the stream of events a response is rendered as.
 
 A request becomes a chat job: ``input`` (a string, or items: messages with ``input_text`` /
 ``output_text`` parts, ``function_call`` and ``function_call_output`` items) is turned into chat
@@ -36,28 +36,8 @@ messages (a message's parts as one, ``developer`` as ``system``, ids fixed by th
 place). A page is OpenAI's cursor list (``limit`` 1..100, default 20; ``order`` ``desc``, the
 newest first, by default; ``after`` / ``before`` an item id).
 
-Background responses (``background: true``, stored): the request is checked and
-admitted as any other (its 400s and its early 429 come at once), stored ``queued`` and answered;
-the work then runs in this process (``gateway.background``) at the caller's tier, ``in_progress``
-from its first token, and its record ends ``completed``, ``incomplete``, ``failed`` (with
-``error``) or ``cancelled``. ``POST /v1/responses/{id}/cancel`` stops it: at once when this process
-runs it, else by writing ``cancelled`` to the store and announcing it (``announce_stop``): the
-running process hears it at once on Redis, and on SQLite finds it at its next write (every
-``HEARTBEAT_S``) and stops. A record still running whose last write is older than
-``responses.reclaim_after_s`` (30 s) had its process die: every RECLAIM_S each process looks for those (``reclaim``) and
-one claims it and runs it again from its kept request (shown ``queued`` meanwhile); what runs at
-shutdown is handed back the same way. One that cannot run again (streamed, or run RECLAIM_TRIES
-times) is shown ``failed`` (``server_error``). Only a ``completed`` or ``incomplete`` response
-can be continued with ``previous_response_id``.
-
-A background response made with ``stream: true`` is answered with its events: ``response.created``
-and ``response.queued`` (stored with it before the answer), ``response.in_progress`` at its first
-token, then a live stream's. The connection is only a follower (``EventLog.follow``): closing it
-stops nothing. The events are stored as they are made (every FLUSH_S; the items' closing events
-before the record says it ended, the last event after), so ``GET /v1/responses/{id}?stream=true
-&starting_after=n`` follows it from any process: live from the log where it runs, else from the
-store (``_replay``, read every POLL_S). A cancelled one ends with an ``error`` event
-(``response_cancelled``), a failed one with ``response.failed``.
+The HTTP handlers are in ``gateway.responses_api``; background responses run in
+``gateway.response_runs``.
 """
 
 from __future__ import annotations
@@ -69,40 +49,29 @@ import logging
 import re
 import time
 import uuid
-from dataclasses import dataclass, field, replace
-from typing import Any, AsyncGenerator, AsyncIterator, Literal
+from dataclasses import dataclass, field
+from typing import Any, Literal
 
 from pydantic import Field
-from starlette.requests import Request
-from starlette.responses import JSONResponse, Response
 
 from gateway import service_tier
 from gateway.auth import Caller
-from gateway.background import Background, EventLog
-from gateway.chat import ChatJob, ChoiceDelta, Reply, collect, plan_chat, served_caller, serve_chat
+from gateway.chat import ChatJob, ChoiceDelta, Reply, collect, plan_chat, serve_chat
 from gateway.completions import tokenizer_of
 from gateway.conversation_store import ConversationStore
 from gateway.errors import APIError, bad_request, not_found
-from gateway.http import Streamed, disconnect_signal
 from gateway.logprobs import chat_content
-from gateway.pages import cursor_page, page_query
 from gateway.response_store import ResponseStore, StoredResponse
 from gateway.schemas import (MAX_STACK, MAX_TOOLS, TOOL_NAME, AdapterChoice, ChatCompletionRequest, Metadata, _Body,
-                             is_count, parse, read_json)
-from gateway.service import ClientGone, Services
-from gateway.serving import Gone
+                             parse)
+from gateway.service import Services
 from gateway.tools import CallDelta
 from workers.chat_prompt import encode
 from workers.registry import describe
 
 log = logging.getLogger("tiergate.responses")
 
-HEARTBEAT_S = 5.0  # a running background response's record is written at least this often
-RECLAIM_S = 10.0  # how often a process looks for background responses whose process died (at most)
 RECLAIM_TRIES = 3  # runs of one background response at most (a request that kills its process stops)
-CANCEL_WAIT_S = 5.0  # a cancel waits this long for this process's work to stop and record it
-FLUSH_S = 0.25  # a streamed background response's new events are stored at least this often
-POLL_S = 0.25  # a follower in another process reads the store this often
 RUNNING = ("queued", "in_progress")
 CONTINUABLE = ("completed", "incomplete")
 
@@ -406,13 +375,13 @@ def given_items(given: str | list[dict[str, Any]] | None) -> list[dict[str, Any]
     if given is None:
         return []
     if isinstance(given, str):
-        return [{"id": _item_id("msg"), "type": "message", "role": "user", "status": "completed",
+        return [{"id": new_item_id("msg"), "type": "message", "role": "user", "status": "completed",
                  "content": [{"type": "input_text", "text": given}]}]
     out = []
     for item in given:
         kind = item.get("type", "message")
         given_id = item.get("id")
-        listed = {**item, "id": given_id if isinstance(given_id, str) and given_id else _item_id(_ID_PREFIX[kind]),
+        listed = {**item, "id": given_id if isinstance(given_id, str) and given_id else new_item_id(_ID_PREFIX[kind]),
                   "type": kind, "status": "completed"}
         if kind == "message" and isinstance(item["content"], str):
             assistant = item["role"] == "assistant"
@@ -519,7 +488,7 @@ def call_item(item_id: str, call: dict[str, Any], status: str) -> dict[str, Any]
             "arguments": call["function"]["arguments"], "status": status}
 
 
-def _item_id(prefix: str) -> str:
+def new_item_id(prefix: str) -> str:
     return f"{prefix}_{uuid.uuid4().hex}"
 
 
@@ -529,8 +498,8 @@ def whole_output(draft: Draft) -> list[dict[str, Any]]:
     r, status = draft.reply, draft.status
     text = "".join(r.content)
     logprobs = chat_content(r.logprobs) if r.logprobs is not None else None
-    items = [message_item(_item_id("msg"), text, status, logprobs)] if text or not r.calls.calls else []
-    return items + [call_item(_item_id("fc"), c, status) for c in r.calls.calls]
+    items = [message_item(new_item_id("msg"), text, status, logprobs)] if text or not r.calls.calls else []
+    return items + [call_item(new_item_id("fc"), c, status) for c in r.calls.calls]
 
 
 async def response_result(svc: Services, caller: Caller, data: dict) -> dict[str, Any]:
@@ -547,213 +516,16 @@ async def response_result(svc: Services, caller: Caller, data: dict) -> dict[str
     job = await plan_response(svc, caller, None, body.model_copy(update={"store": False}))
     with responses_names():
         replies, tier = await collect(serve_chat(svc, caller, job.chat, None))
-    draft = Draft(_item_id("resp"), job, service_tier.label(svc.config, tier), reply=replies[0])
+    draft = Draft(new_item_id("resp"), job, service_tier.label(svc.config, tier), reply=replies[0])
     draft.output = whole_output(draft)
     return draft.public(draft.status)
 
 
-# -- HTTP ---------------------------------------------------------------------------------------------
-
-
-def _store(request: Request) -> ResponseStore:
-    return request.app.state.responses
-
-
-async def create_response(request: Request) -> Response:
-    svc: Services = request.app.state.services
-    caller = svc.admit_caller(request)
-    body = parse(ResponsesRequest, await read_json(request, svc.config.limits.max_body))
-    store, conversations = _store(request), request.app.state.conversations
-    job = await plan_response(svc, caller, store, body, conversations)
-    served = served_caller(svc, caller, job.chat)
-    draft = Draft(_item_id("resp"), job, service_tier.label(svc.config, served.tier), background=body.background)
-    if body.background:
-        draft.runner = request.app.state.background.runner
-        draft.request = {"body": body.model_dump(mode="json", by_alias=True, exclude_unset=True), "tier": caller.tier,
-                         "attempts": 1}
-    headers = {**svc.gate.rate_headers(served.tier), "x-tiergate-tier": served.tier}
-    if body.background:
-        if not body.store:
-            raise bad_request("a background response must be stored: background needs store true", "background")
-        await store.put(draft.record("queued", caller.key_id))
-        events = None
-        if body.stream:  # its first events are stored with it, before it is answered
-            events = _Events(store, draft, _Stream(draft))
-            queued = draft.public("queued")
-            await events.add([events.s.event("response.created", response=queued),
-                              events.s.event("response.queued", response=queued)], flush=True)
-        background: Background = request.app.state.background
-        background.start(draft.id, lambda gone: _run_in_background(svc, caller, draft, store, conversations, background,
-                                                                   gone, events),
-                         events.log if events else None)
-        if events is not None:
-            return Streamed(events.log.follow(-1), "text/event-stream", headers=headers)
-        return JSONResponse(draft.public("queued"), headers=headers)
-    with responses_names():  # the engine refuses a prompt past the context: that is ``input``
-        async with disconnect_signal(request) as gone:
-            deltas = serve_chat(svc, caller, job.chat, gone)
-            if not body.stream:
-                replies, _ = await collect(deltas)
-                draft.reply = replies[0]
-                draft.output = whole_output(draft)
-                await draft.keep(store, caller.key_id, conversations)
-                return JSONResponse(draft.public(draft.status), headers=headers)
-            first = await deltas.__anext__()
-    events = _events(deltas, first, draft, store, caller.key_id, conversations)
-    return Streamed(events, "text/event-stream", headers=headers)
-
-
-async def _run_in_background(svc: Services, caller: Caller, draft: Draft, store: ResponseStore,
-                             conversations: ConversationStore, background: Background, gone: Gone,
-                             events: "_Events | None") -> None:
-    """A background response's work: served as a live request would be (``gone`` is its stop
-    signal), its record rewritten as it goes, and how it ended stored; a streamed one's events
-    added to ``events`` as they are made, its last after its record is written."""
-    owner, phase = caller.key_id, ["queued"]
-    beat = asyncio.get_running_loop().create_task(_heartbeat(store, draft, owner, phase, gone))
-    status, error, shut_down = "failed", None, False
-    try:
-        with responses_names():
-            deltas = serve_chat(svc, caller, draft.job.chat, gone)
-            first = await deltas.__anext__()
-            phase[0] = "in_progress"
-            if not await store.update_running(draft.record("in_progress", owner)):
-                gone.set()  # cancelled or deleted by another process while it waited: stop here
-            if events is None:
-                replies, _ = await collect(_after(first, deltas))
-                draft.reply = replies[0]
-                draft.output = whole_output(draft)
-            else:
-                await events.add([events.s.event("response.in_progress", response=draft.public("in_progress"))])
-                async with contextlib.aclosing(_after(first, deltas)) as each:
-                    async for delta in each:
-                        await events.add(_lines(events.s, delta))
-                        if delta.finished is not None:
-                            break
-                await events.add(_tail(events.s))
-        status = draft.status
-    except ClientGone:
-        status = "cancelled"
-        if background.stopping:  # stopped by the shutdown (a finished one is recorded as it ended)
-            shut_down = True
-            status, error = "failed", {"code": "server_error",
-                                       "message": "the server shut down before this response finished; create it again"}
-    except APIError as exc:
-        error = {"code": exc.code, "message": exc.message}
-    except Exception:
-        log.exception("background response %s failed", draft.id)
-        error = {"code": "server_error", "message": "the server failed while making this response"}
-    finally:
-        beat.cancel()
-    if shut_down and events is None and _reclaimable(draft.record("queued", owner)):
-        # handed back: stored queued and unwritten since the epoch, so that the next process to look
-        # (another one now, or this server once it is back) runs it again (``reclaim``)
-        back = replace(draft.record("queued", owner), beat=0.0)
-        back = replace(back, response={**back.response, "output": []})
-        if await store.update_running(back):
-            log.info("background response %s: handed back at shutdown, to run again", draft.id)
-            return
-    if events is not None:  # what it had begun, closed; all stored before its record says it ended
-        await events.add(events.s.close("incomplete") if status not in CONTINUABLE else [], flush=True)
-    kept = await store.update_running(draft.record(status, owner, error))
-    if kept and status in CONTINUABLE:
-        await draft.add_to_conversation(conversations, owner)
-    if (kept or status == "cancelled") and svc.webhooks is not None:  # (not for one deleted meanwhile)
-        svc.webhooks.emit(f"response.{status}", draft.id, owner)
-    if events is not None:
-        await events.add([_last_event(draft.public(status, error), events.s.next())], flush=True)
-        events.log.end()
-    log.info("background response %s: %s%s%s", draft.id, status, f" ({error['code']})" if error else "",
-             "" if kept else " (not recorded: cancelled or deleted meanwhile)")
-
-
-class _Events:
-    """A streamed background response's events: numbered by ``s``, added to ``log`` for this
-    process's followers, and written to the store for any process's (every FLUSH_S, and when
-    asked); a failed write is tried again with the next."""
-
-    def __init__(self, store: ResponseStore, draft: Draft, s: "_Stream") -> None:
-        self.store, self.draft, self.s = store, draft, s
-        self.log = EventLog()
-        self.stored = 0
-        self.flushed_at = time.monotonic()
-
-    async def add(self, events: list[str], flush: bool = False) -> None:
-        self.log.add(events)
-        if flush or time.monotonic() - self.flushed_at >= FLUSH_S:
-            await self.flush()
-
-    async def flush(self) -> None:
-        self.flushed_at = time.monotonic()
-        new = self.log.events[self.stored:]
-        if not new:
-            return
-        try:
-            await self.store.add_events(self.draft.id, self.draft.created_at, self.stored, new)
-        except Exception as exc:  # noqa: BLE001 - the store is down: followers here still see them
-            log.warning("background response %s: storing its events failed: %s", self.draft.id, exc)
-            return
-        self.stored += len(new)
-
-
-def _reclaimable(record: StoredResponse) -> bool:
+def reclaimable(record: StoredResponse) -> bool:
     """Whether a background response left by a dead process is run again elsewhere: one kept with
     its request, not streamed (its followers saw part of it), run fewer than RECLAIM_TRIES times."""
     asked = record.request
     return asked is not None and not asked["body"].get("stream") and asked.get("attempts", 1) < RECLAIM_TRIES
-
-
-async def reclaim(svc: Services, store: ResponseStore, conversations: ConversationStore | None,
-                  background: Background) -> list[str]:
-    """One pass: run here again the background responses whose process died (still running in the
-    store, unwritten for ``responses.reclaim_after_s``, ``_reclaimable``), each taken by one process's ``claim`` and run
-    from the start under this process's runner; what was reclaimed."""
-    taken = []
-    for response_id, doc in await store.running():
-        record = StoredResponse.of(response_id, doc)
-        stale = record.beat is not None and time.time() - record.beat > svc.config.responses.reclaim_after_s
-        if response_id in background.running or not stale:
-            continue
-        if not _reclaimable(record):
-            continue
-        asked = {**record.request, "attempts": record.request.get("attempts", 1) + 1}
-        claimed = replace(record, response={**record.response, "status": "queued", "output": []}, beat=time.time(),
-                          request=asked, runner=background.runner)
-        if not await store.claim(response_id, doc, claimed):
-            continue  # another process took it first, or it changed meanwhile
-        caller = Caller(asked["tier"], record.owner)
-        body = ResponsesRequest.model_validate(asked["body"])
-        try:
-            job = await plan_response(svc, caller, store, body, conversations)
-        except APIError as exc:  # what it continued is gone, say
-            await store.update_running(replace(claimed, response={**claimed.response, "status": "failed",
-                                                                   "error": {"code": exc.code, "message": exc.message}}))
-            continue
-        draft = Draft(response_id, job, record.response["service_tier"], created_at=record.created_at, background=True,
-                      request=asked, runner=background.runner)
-        background.start(response_id, lambda gone, d=draft: _run_in_background(svc, caller, d, store, conversations,
-                                                                                background, gone, None))
-        log.info("background response %s: its process stopped writing it; run again here (attempt %d)",
-                 response_id, asked["attempts"])
-        taken.append(response_id)
-    return taken
-
-
-async def _after(first: ChoiceDelta, rest: AsyncGenerator[ChoiceDelta, None]) -> AsyncIterator[ChoiceDelta]:
-    yield first
-    async with contextlib.aclosing(rest):
-        async for delta in rest:
-            yield delta
-
-
-async def _heartbeat(store: ResponseStore, draft: Draft, owner: str, phase: list[str], gone: Gone) -> None:
-    """Rewrite the running record every HEARTBEAT_S; stop the work once the store says it was
-    cancelled or deleted meanwhile (by another process)."""
-    while True:
-        await asyncio.sleep(HEARTBEAT_S)
-        if not await store.update_running(draft.record(phase[0], owner)):
-            gone.set()
-            return
 
 
 def shown(record: StoredResponse, stale_s: float) -> dict[str, Any]:
@@ -762,7 +534,7 @@ def shown(record: StoredResponse, stale_s: float) -> dict[str, Any]:
     unless another process will run it again (``reclaim``: then it is ``queued``)."""
     response = record.response
     if response["status"] in RUNNING and (record.beat is None or time.time() - record.beat > stale_s):
-        if _reclaimable(record):
+        if reclaimable(record):
             return {**response, "status": "queued"}
         return {**response, "status": "failed",
                 "error": {"code": "server_error", "message": "the server process running this background response "
@@ -770,129 +542,8 @@ def shown(record: StoredResponse, stale_s: float) -> dict[str, Any]:
     return response
 
 
-async def count_input_tokens(request: Request) -> Response:
-    """POST /v1/responses/input_tokens: the prompt tokens the response would have (``usage.input_tokens``),
-    counted by the model's own tokenizer and chat template; no model work, so no gate."""
-    svc: Services = request.app.state.services
-    caller = svc.authenticate(request)
-    body = parse(InputTokensRequest, await read_json(request, svc.config.limits.max_body))
-    job = await plan_response(svc, caller, _store(request), body, request.app.state.conversations)
-    if svc.accounts is not None and not svc.accounts.allows(caller, job.chat.model):
-        raise not_found(f"the model '{body.model}' does not exist", "model", "model_not_found")
-    tokenizer = await tokenizer_of(svc.spec(job.chat.model, "chat").path)
-    ids = await asyncio.to_thread(encode, tokenizer, job.chat.messages, job.chat.tools.template_tools())
-    return JSONResponse({"object": "response.input_tokens", "input_tokens": len(ids)})
-
-
-async def get_response(request: Request) -> Response:
-    """GET /v1/responses/{id}: the response object; with ``stream=true`` a streamed background
-    response's events again, from the first or from above ``starting_after``, then as they come."""
-    svc: Services = request.app.state.services
-    caller = svc.authenticate(request)  # reading a record takes no slot: no gate
-    q = request.query_params
-    stream = q.get("stream", "false")
-    if stream not in ("true", "false"):
-        raise bad_request("stream must be true or false", "stream")
-    after = q.get("starting_after")
-    if after is not None and (stream == "false" or not is_count(after)):
-        raise bad_request("starting_after must be a non-negative integer (an event's sequence_number), "
-                          "and only with stream=true", "starting_after")
-    response_id, store = request.path_params["response_id"], _store(request)
-    record = await store.get(response_id, caller.key_id)
-    if record is None:
-        raise not_found(f"no response with id '{response_id}'", "response_id")
-    if stream == "false":
-        return JSONResponse(shown(record, svc.config.responses.reclaim_after_s))
-    if not record.response.get("background") or not await store.events(response_id, -1):
-        raise bad_request("only a background response created with stream true can be streamed again; "
-                          "read this one without stream", "stream", "not_streamable")
-    after_n = -1 if after is None else int(after)
-    running: EventLog | None = request.app.state.background.logs.get(response_id)
-    events = running.follow(after_n) if running is not None else _replay(store, record, after_n,
-                                                                         svc.config.responses.reclaim_after_s)
-    return Streamed(events, "text/event-stream", headers={})
-
-
-async def _replay(store: ResponseStore, record: StoredResponse, after: int, stale_s: float) -> AsyncIterator[str]:
-    """A streamed background response's stored events above ``after``; while another process
-    still runs it, each new one as that process stores it (read every POLL_S). Its last event is
-    one of ENDING; when the record ended without one stored (that process died, or had not stored
-    it yet), the last is made from the record as ``_last_event`` makes it there."""
-    n = after + 1
-    while True:
-        new = await store.events(record.id, n - 1)
-        n += len(new)
-        for event in new:
-            yield event
-        if new and _ends(new[-1]):
-            return
-        now = await store.get(record.id, record.owner)
-        if now is None:  # deleted meanwhile
-            return
-        response = shown(now, stale_s)
-        if response["status"] not in RUNNING:
-            new = await store.events(record.id, n - 1)  # stored just before its record ended
-            for event in new:
-                yield event
-            if not (new and _ends(new[-1])):
-                yield _last_event(response, n + len(new))
-            return
-        await asyncio.sleep(POLL_S)
-
-
-ENDING = ("response.completed", "response.incomplete", "response.failed", "error")
-
-
-def _ends(event: str) -> bool:
-    return event.split("\n", 1)[0].removeprefix("event: ") in ENDING
-
-
-def _last_event(response: dict[str, Any], seq: int) -> str:
-    """The event that ends a background response's stream, number ``seq``: ``response.<status>``
-    with the response, or for a cancelled one an ``error`` (the Responses API has no event for a
-    cancel)."""
-    if response["status"] == "cancelled":
-        return _sse("error", seq, code="response_cancelled", message="the response was cancelled", param=None)
-    return _sse(f"response.{response['status']}", seq, response=response)
-
-
-def _sse(kind: str, seq: int, **data: Any) -> str:
+def sse_event(kind: str, seq: int, **data: Any) -> str:
     return f"event: {kind}\ndata: {json.dumps({'type': kind, **data, 'sequence_number': seq})}\n\n"
-
-
-async def cancel_response(request: Request) -> Response:
-    """POST /v1/responses/{id}/cancel: a background response still running stops (here at once, in
-    another process at its next write); one that ended is returned as it is."""
-    svc: Services = request.app.state.services
-    caller = svc.authenticate(request)
-    response_id, store = request.path_params["response_id"], _store(request)
-    record = await store.get(response_id, caller.key_id)
-    if record is None:
-        raise not_found(f"no response with id '{response_id}'", "response_id")
-    if not record.response.get("background"):
-        raise bad_request("only a background response (background: true) can be cancelled", "response_id",
-                          "not_background")
-    if shown(record, svc.config.responses.reclaim_after_s)["status"] in RUNNING:  # (one whose process died shows failed: returned as it is)
-        background: Background = request.app.state.background
-        if not await background.cancel(response_id, CANCEL_WAIT_S):  # another process runs it, or none does
-            # (written as the record's runner: the only writer the store lets through)
-            if await store.update_running(replace(record, response={**record.response, "status": "cancelled"},
-                                                  beat=time.time())):
-                await store.announce_stop(response_id)  # the process running it stops now (Redis), not at its next write
-        record = await store.get(response_id, caller.key_id) or record
-    return JSONResponse(shown(record, svc.config.responses.reclaim_after_s))
-
-
-async def list_input_items(request: Request) -> Response:
-    svc: Services = request.app.state.services
-    caller = svc.authenticate(request)
-    response_id = request.path_params["response_id"]
-    record = await _store(request).get(response_id, caller.key_id)
-    if record is None:
-        raise not_found(f"no response with id '{response_id}'", "response_id")
-    q = request.query_params
-    limit, order = page_query(q, "desc")
-    return JSONResponse(cursor_page(input_items(record), order, limit, q.get("after"), q.get("before")))
 
 
 def input_items(record: StoredResponse) -> list[dict[str, Any]]:
@@ -917,21 +568,10 @@ def input_items(record: StoredResponse) -> list[dict[str, Any]]:
     return items
 
 
-async def delete_response(request: Request) -> Response:
-    svc: Services = request.app.state.services
-    caller = svc.authenticate(request)
-    response_id = request.path_params["response_id"]
-    if not await _store(request).delete(response_id, caller.key_id):
-        raise not_found(f"no response with id '{response_id}'", "response_id")
-    if not await request.app.state.background.cancel(response_id, 0):  # a background one running here stops now
-        await _store(request).announce_stop(response_id)  # one running elsewhere, then (Redis)
-    return JSONResponse({"id": response_id, "object": "response", "deleted": True})
-
-
 # -- streaming ----------------------------------------------------------------------------------------
 
 
-class _Stream:
+class ResponseEvents:
     """The events of one streamed response, numbered, and the output items they build."""
 
     def __init__(self, draft: Draft) -> None:
@@ -941,7 +581,7 @@ class _Stream:
         self.call: dict[str, Any] | None = None  # the open function call item
 
     def event(self, kind: str, **data: Any) -> str:
-        return _sse(kind, self.next(), **data)
+        return sse_event(kind, self.next(), **data)
 
     def next(self) -> int:
         """Take the next event's number."""
@@ -953,7 +593,7 @@ class _Stream:
         return len(self.draft.output) - 1
 
     def open_text(self) -> list[str]:
-        item = message_item(_item_id("msg"), "", "in_progress", None)
+        item = message_item(new_item_id("msg"), "", "in_progress", None)
         item["content"] = []
         self.text = item
         self.draft.output.append(item)
@@ -975,7 +615,7 @@ class _Stream:
         out = []
         if delta.id is not None:
             out = self.close()
-            item = call_item(_item_id("fc"), {"id": delta.id, "function": {"name": delta.name, "arguments": ""}},
+            item = call_item(new_item_id("fc"), {"id": delta.id, "function": {"name": delta.name, "arguments": ""}},
                              "in_progress")
             self.call = item
             self.draft.output.append(item)
@@ -1011,7 +651,7 @@ class _Stream:
         return out
 
 
-def _lines(s: _Stream, delta: ChoiceDelta) -> list[str]:
+def delta_events(s: ResponseEvents, delta: ChoiceDelta) -> list[str]:
     """The events of one delta of the reply (which it is added to)."""
     s.draft.reply.add(delta)
     out: list[str] = []
@@ -1022,31 +662,8 @@ def _lines(s: _Stream, delta: ChoiceDelta) -> list[str]:
     return out
 
 
-def _tail(s: _Stream) -> list[str]:
+def closing_events(s: ResponseEvents) -> list[str]:
     """The events that end a finished reply's items (an empty reply is still one, empty, message)."""
     return (s.open_text() if not s.draft.output else []) + s.close(s.draft.status)
 
 
-async def _events(deltas: AsyncGenerator[ChoiceDelta, None], first: ChoiceDelta, draft: Draft,
-                  store: ResponseStore, owner: str, conversations: ConversationStore | None) -> AsyncIterator[str]:
-    s = _Stream(draft)
-    try:
-        yield s.event("response.created", response=draft.public("in_progress"))
-        yield s.event("response.in_progress", response=draft.public("in_progress"))
-        delta = first
-        while True:
-            for line in _lines(s, delta):
-                yield line
-            if delta.finished is not None:
-                break
-            delta = await deltas.__anext__()
-        for line in _tail(s):
-            yield line
-        status = draft.status
-        await draft.keep(store, owner, conversations)
-        yield s.event(f"response.{status}", response=draft.public(status))
-    except Exception as exc:  # noqa: BLE001 - the stream has started: report in-band
-        yield s.event("error", code="generation_failed", message=f"generation failed: {type(exc).__name__}",
-                      param=None)
-    finally:
-        await deltas.aclose()

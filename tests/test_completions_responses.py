@@ -19,6 +19,7 @@ from transformers import AutoTokenizer
 from gateway.auth import key_id
 from gateway.errors import APIError
 from gateway.response_store import RedisResponses, SQLiteResponses, StoredResponse
+from gateway.responses import RECLAIM_TRIES
 from tests.helpers import start_server, write_config
 from tests.test_batch_store import redis_server
 
@@ -596,9 +597,9 @@ def test_a_cancel_written_by_another_process_stops_the_work(server, monkeypatch)
     """Another process cancels (it writes ``cancelled`` to the store): the running process finds it
     at its next write, stops the work (here: takes it out of the gate's queue, the slots still all
     taken) and leaves the record cancelled."""
-    import gateway.responses as responses
+    import gateway.response_runs as runs
 
-    monkeypatch.setattr(responses, "HEARTBEAT_S", 0.05)
+    monkeypatch.setattr(runs, "HEARTBEAT_S", 0.05)
     gate, state, store, c = server.services.gate, server.app.state, server.app.state.responses, client(server)
     tickets = [server.wait(gate.acquire("paid", "tiny-chat")) for _ in range(gate.limits["paid"])]
     try:
@@ -619,9 +620,9 @@ def test_a_cancel_written_by_another_process_stops_the_work(server, monkeypatch)
 def test_on_redis_another_processs_cancel_or_delete_stops_the_work_at_once(tiny_chat, tmp_path, monkeypatch):
     """On Redis a cancel or delete made by another process is announced, and the process running
     the response stops it at once: not at its next write (here 60 s away)."""
-    import gateway.responses as responses
+    import gateway.response_runs as runs
 
-    monkeypatch.setattr(responses, "HEARTBEAT_S", 60.0)
+    monkeypatch.setattr(runs, "HEARTBEAT_S", 60.0)
     with redis_server(tmp_path) as url:
         s = start_server(write_config(tmp_path, {"tiny-chat": ("chat", tiny_chat)}, f"batch:\n  store: {url}\n"))
         gate, state, c = s.services.gate, s.app.state, client(s)
@@ -658,9 +659,9 @@ def test_a_background_response_whose_process_died_is_run_again_here(tiny_chat, t
     request kept: another process claims it and runs it from the start, so it ends as it would
     have (reading ``queued`` meanwhile, not ``failed``). A streamed one, or one already run
     RECLAIM_TRIES times, is not run again and reads failed."""
-    import gateway.responses as responses
+    import gateway.response_runs as runs
 
-    monkeypatch.setattr(responses, "RECLAIM_S", 0.1)
+    monkeypatch.setattr(runs, "RECLAIM_S", 0.1)
     s = start_server(write_config(tmp_path, {"tiny-chat": ("chat", tiny_chat)}, "responses:\n  reclaim_after_s: 1\n"))
     try:
         c, store, owner = client(s), s.app.state.responses, key_id(s.keys["paid"])
@@ -682,7 +683,7 @@ def test_a_background_response_whose_process_died_is_run_again_here(tiny_chat, t
         assert done.output_text == alone.output_text and done.usage.output_tokens == alone.usage.output_tokens
         assert s.wait(store.get(again, owner)).request["attempts"] == record.request["attempts"] + 1
         streamed = dead("resp_deadstream", body={**record.request["body"], "stream": True})
-        spent = dead("resp_deadspent", attempts=responses.RECLAIM_TRIES)
+        spent = dead("resp_deadspent", attempts=RECLAIM_TRIES)
         time.sleep(0.5)  # a few passes of the reclaimer
         for name in (streamed, spent):
             r = c.responses.retrieve(name)
@@ -730,9 +731,9 @@ def test_a_cancel_through_another_server_stops_the_work_where_it_runs(tiny_chat,
     """Two servers on one store (SQLite): a background response waiting at the first is
     cancelled through the second's HTTP API; the second writes the cancel as the record's runner,
     and the first finds it at its next write and stops."""
-    import gateway.responses as responses
+    import gateway.response_runs as runs
 
-    monkeypatch.setattr(responses, "HEARTBEAT_S", 0.05)
+    monkeypatch.setattr(runs, "HEARTBEAT_S", 0.05)
     config = write_config(tmp_path, {"tiny-chat": ("chat", tiny_chat)})
     here, there = start_server(config), start_server(config)
     try:
@@ -776,9 +777,9 @@ def test_background_work_left_at_shutdown_is_handed_back_and_run_by_the_next_ser
     store runs it to its end; a streamed one (its followers saw part of it) ends failed."""
     import sqlite3
 
-    import gateway.responses as responses
+    import gateway.response_runs as runs
 
-    monkeypatch.setattr(responses, "RECLAIM_S", 0.1)
+    monkeypatch.setattr(runs, "RECLAIM_S", 0.1)
     config = write_config(tmp_path, {"tiny-chat": ("chat", tiny_chat)})
     s = start_server(config)
     gate = s.services.gate
@@ -827,13 +828,13 @@ def test_a_running_record_its_process_stopped_writing_shows_failed():
 ])
 def test_a_background_response_that_fails_records_its_error(server, monkeypatch, failure, code):
     """What ends a live request with an error ends a background one ``failed``, with the error."""
-    import gateway.responses as responses
+    import gateway.response_runs as runs
 
     async def failing(*args):
         raise failure
         yield  # an async generator, as serve_chat's deltas are
 
-    monkeypatch.setattr(responses, "serve_chat", lambda *args: failing())
+    monkeypatch.setattr(runs, "serve_chat", lambda *args: failing())
     c = client(server)
     done = wait_until_done(c, c.responses.create(model="tiny-chat", input="hi", background=True).id)
     assert done.status == "failed" and done.error.code == code and done.error.message and done.output == []
@@ -880,14 +881,14 @@ def test_followers_of_a_streamed_background_response_while_it_runs(server, monke
     """While it waits for a slot and then runs: a second client of this process follows it live
     from the event it names, and a follower reading the store (as another process does, every
     POLL_S) gets every event once, in order, ending with the last."""
-    import gateway.responses as responses
+    import gateway.response_runs as runs
 
-    monkeypatch.setattr(responses, "POLL_S", 0.01)
+    monkeypatch.setattr(runs, "POLL_S", 0.01)
     gate, store, c = server.services.gate, server.app.state.responses, client(server)
     owner = key_id(server.keys["paid"])
 
     async def replay(record) -> list[str]:
-        return [event async for event in responses._replay(store, record, -1, STALE_S)]
+        return [event async for event in runs.replay(store, record, -1, STALE_S)]
 
     tickets = [server.wait(gate.acquire("paid", "tiny-chat")) for _ in range(gate.limits["paid"])]
     try:
@@ -951,12 +952,12 @@ def test_a_streamed_response_shows_its_message_so_far():
     """A record written while the reply streams (a background one's heartbeat) shows the open
     message with its text so far, not the stream's own bookkeeping."""
     from gateway.chat import ChoiceDelta
-    from gateway.responses import Draft, ResponseJob, ResponsesRequest, _lines, _Stream
+    from gateway.responses import Draft, ResponseEvents, ResponseJob, ResponsesRequest, delta_events
 
     draft = Draft("resp_x", ResponseJob(None, [], ResponsesRequest(model="m", input="x"), []), "default")
-    s = _Stream(draft)
-    _lines(s, ChoiceDelta(0, "Hel"))
-    _lines(s, ChoiceDelta(0, "lo"))
+    s = ResponseEvents(draft)
+    delta_events(s, ChoiceDelta(0, "Hel"))
+    delta_events(s, ChoiceDelta(0, "lo"))
     (item,) = draft.public("in_progress")["output"]
     assert item["status"] == "in_progress" and item["content"][0]["text"] == "Hello"
     assert not [k for k in item if k.startswith("_")] and json.dumps(item)

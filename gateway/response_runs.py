@@ -1,0 +1,242 @@
+"""Background responses (``background: true``, stored) as they run: in the process that answered
+their request (``run_in_background``), and in another when that one died (``reclaim``).
+
+The request is checked and admitted as any other (its 400s and its early 429 come at once), stored ``queued`` and answered;
+the work then runs in this process (``gateway.background``) at the caller's tier, ``in_progress``
+from its first token, and its record ends ``completed``, ``incomplete``, ``failed`` (with
+``error``) or ``cancelled``. ``POST /v1/responses/{id}/cancel`` stops it: at once when this process
+runs it, else by writing ``cancelled`` to the store and announcing it (``announce_stop``): the
+running process hears it at once on Redis, and on SQLite finds it at its next write (every
+``HEARTBEAT_S``) and stops. A record still running whose last write is older than
+``responses.reclaim_after_s`` (30 s) had its process die: every RECLAIM_S (at most) each process
+looks for those (``reclaim``) and one claims it and runs it again from its kept request (shown ``queued`` meanwhile); what runs at
+shutdown is handed back the same way. One that cannot run again (streamed, or run RECLAIM_TRIES
+times) is shown ``failed`` (``server_error``). Only a ``completed`` or ``incomplete`` response
+can be continued with ``previous_response_id``.
+
+A background response made with ``stream: true`` is answered with its events: ``response.created``
+and ``response.queued`` (stored with it before the answer), ``response.in_progress`` at its first
+token, then a live stream's. The connection is only a follower (``EventLog.follow``): closing it
+stops nothing. The events are stored as they are made (every FLUSH_S; the items' closing events
+before the record says it ended, the last event after), so ``GET /v1/responses/{id}?stream=true
+&starting_after=n`` follows it from any process: live from the log where it runs, else from the
+store (``replay``, read every POLL_S). A cancelled one ends with an ``error`` event
+(``response_cancelled``), a failed one with ``response.failed``.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import time
+from dataclasses import replace
+from typing import Any, AsyncGenerator, AsyncIterator
+
+from gateway.auth import Caller
+from gateway.background import Background, EventLog
+from gateway.chat import ChoiceDelta, collect, serve_chat
+from gateway.conversation_store import ConversationStore
+from gateway.errors import APIError
+from gateway.response_store import ResponseStore, StoredResponse
+from gateway.responses import (CONTINUABLE, RUNNING, Draft, ResponseEvents, ResponsesRequest, closing_events,
+                               delta_events, plan_response, reclaimable, responses_names, shown, sse_event,
+                               whole_output)
+from gateway.service import ClientGone, Services
+from gateway.serving import Gone
+
+log = logging.getLogger("tiergate.responses")
+
+HEARTBEAT_S = 5.0  # a running background response's record is written at least this often
+RECLAIM_S = 10.0  # how often a process looks for background responses whose process died (at most)
+FLUSH_S = 0.25  # a streamed background response's new events are stored at least this often
+POLL_S = 0.25  # a follower in another process reads the store this often
+async def run_in_background(svc: Services, caller: Caller, draft: Draft, store: ResponseStore,
+                             conversations: ConversationStore, background: Background, gone: Gone,
+                             events: "StoredEvents | None") -> None:
+    """A background response's work: served as a live request would be (``gone`` is its stop
+    signal), its record rewritten as it goes, and how it ended stored; a streamed one's events
+    added to ``events`` as they are made, its last after its record is written."""
+    owner, phase = caller.key_id, ["queued"]
+    beat = asyncio.get_running_loop().create_task(_heartbeat(store, draft, owner, phase, gone))
+    status, error, shut_down = "failed", None, False
+    try:
+        with responses_names():
+            deltas = serve_chat(svc, caller, draft.job.chat, gone)
+            first = await deltas.__anext__()
+            phase[0] = "in_progress"
+            if not await store.update_running(draft.record("in_progress", owner)):
+                gone.set()  # cancelled or deleted by another process while it waited: stop here
+            if events is None:
+                replies, _ = await collect(_after(first, deltas))
+                draft.reply = replies[0]
+                draft.output = whole_output(draft)
+            else:
+                await events.add([events.s.event("response.in_progress", response=draft.public("in_progress"))])
+                async with contextlib.aclosing(_after(first, deltas)) as each:
+                    async for delta in each:
+                        await events.add(delta_events(events.s, delta))
+                        if delta.finished is not None:
+                            break
+                await events.add(closing_events(events.s))
+        status = draft.status
+    except ClientGone:
+        status = "cancelled"
+        if background.stopping:  # stopped by the shutdown (a finished one is recorded as it ended)
+            shut_down = True
+            status, error = "failed", {"code": "server_error",
+                                       "message": "the server shut down before this response finished; create it again"}
+    except APIError as exc:
+        error = {"code": exc.code, "message": exc.message}
+    except Exception:
+        log.exception("background response %s failed", draft.id)
+        error = {"code": "server_error", "message": "the server failed while making this response"}
+    finally:
+        beat.cancel()
+    if shut_down and events is None and reclaimable(draft.record("queued", owner)):
+        # handed back: stored queued and unwritten since the epoch, so that the next process to look
+        # (another one now, or this server once it is back) runs it again (``reclaim``)
+        back = replace(draft.record("queued", owner), beat=0.0)
+        back = replace(back, response={**back.response, "output": []})
+        if await store.update_running(back):
+            log.info("background response %s: handed back at shutdown, to run again", draft.id)
+            return
+    if events is not None:  # what it had begun, closed; all stored before its record says it ended
+        await events.add(events.s.close("incomplete") if status not in CONTINUABLE else [], flush=True)
+    kept = await store.update_running(draft.record(status, owner, error))
+    if kept and status in CONTINUABLE:
+        await draft.add_to_conversation(conversations, owner)
+    if (kept or status == "cancelled") and svc.webhooks is not None:  # (not for one deleted meanwhile)
+        svc.webhooks.emit(f"response.{status}", draft.id, owner)
+    if events is not None:
+        await events.add([last_event(draft.public(status, error), events.s.next())], flush=True)
+        events.log.end()
+    log.info("background response %s: %s%s%s", draft.id, status, f" ({error['code']})" if error else "",
+             "" if kept else " (not recorded: cancelled or deleted meanwhile)")
+
+
+class StoredEvents:
+    """A streamed background response's events: numbered by ``s``, added to ``log`` for this
+    process's followers, and written to the store for any process's (every FLUSH_S, and when
+    asked); a failed write is tried again with the next."""
+
+    def __init__(self, store: ResponseStore, draft: Draft, s: "ResponseEvents") -> None:
+        self.store, self.draft, self.s = store, draft, s
+        self.log = EventLog()
+        self.stored = 0
+        self.flushed_at = time.monotonic()
+
+    async def add(self, events: list[str], flush: bool = False) -> None:
+        self.log.add(events)
+        if flush or time.monotonic() - self.flushed_at >= FLUSH_S:
+            await self.flush()
+
+    async def flush(self) -> None:
+        self.flushed_at = time.monotonic()
+        new = self.log.events[self.stored:]
+        if not new:
+            return
+        try:
+            await self.store.add_events(self.draft.id, self.draft.created_at, self.stored, new)
+        except Exception as exc:  # noqa: BLE001 - the store is down: followers here still see them
+            log.warning("background response %s: storing its events failed: %s", self.draft.id, exc)
+            return
+        self.stored += len(new)
+
+
+async def reclaim(svc: Services, store: ResponseStore, conversations: ConversationStore | None,
+                  background: Background) -> list[str]:
+    """One pass: run here again the background responses whose process died (still running in the
+    store, unwritten for ``responses.reclaim_after_s``, ``reclaimable``), each taken by one process's ``claim`` and run
+    from the start under this process's runner; what was reclaimed."""
+    taken = []
+    for response_id, doc in await store.running():
+        record = StoredResponse.of(response_id, doc)
+        stale = record.beat is not None and time.time() - record.beat > svc.config.responses.reclaim_after_s
+        if response_id in background.running or not stale:
+            continue
+        if not reclaimable(record):
+            continue
+        asked = {**record.request, "attempts": record.request.get("attempts", 1) + 1}
+        claimed = replace(record, response={**record.response, "status": "queued", "output": []}, beat=time.time(),
+                          request=asked, runner=background.runner)
+        if not await store.claim(response_id, doc, claimed):
+            continue  # another process took it first, or it changed meanwhile
+        caller = Caller(asked["tier"], record.owner)
+        body = ResponsesRequest.model_validate(asked["body"])
+        try:
+            job = await plan_response(svc, caller, store, body, conversations)
+        except APIError as exc:  # what it continued is gone, say
+            await store.update_running(replace(claimed, response={**claimed.response, "status": "failed",
+                                                                   "error": {"code": exc.code, "message": exc.message}}))
+            continue
+        draft = Draft(response_id, job, record.response["service_tier"], created_at=record.created_at, background=True,
+                      request=asked, runner=background.runner)
+        background.start(response_id, lambda gone, d=draft: run_in_background(svc, caller, d, store, conversations,
+                                                                                background, gone, None))
+        log.info("background response %s: its process stopped writing it; run again here (attempt %d)",
+                 response_id, asked["attempts"])
+        taken.append(response_id)
+    return taken
+
+
+async def _after(first: ChoiceDelta, rest: AsyncGenerator[ChoiceDelta, None]) -> AsyncIterator[ChoiceDelta]:
+    yield first
+    async with contextlib.aclosing(rest):
+        async for delta in rest:
+            yield delta
+
+
+async def _heartbeat(store: ResponseStore, draft: Draft, owner: str, phase: list[str], gone: Gone) -> None:
+    """Rewrite the running record every HEARTBEAT_S; stop the work once the store says it was
+    cancelled or deleted meanwhile (by another process)."""
+    while True:
+        await asyncio.sleep(HEARTBEAT_S)
+        if not await store.update_running(draft.record(phase[0], owner)):
+            gone.set()
+            return
+
+
+async def replay(store: ResponseStore, record: StoredResponse, after: int, stale_s: float) -> AsyncIterator[str]:
+    """A streamed background response's stored events above ``after``; while another process
+    still runs it, each new one as that process stores it (read every POLL_S). Its last event is
+    one of ENDING; when the record ended without one stored (that process died, or had not stored
+    it yet), the last is made from the record as ``last_event`` makes it there."""
+    n = after + 1
+    while True:
+        new = await store.events(record.id, n - 1)
+        n += len(new)
+        for event in new:
+            yield event
+        if new and _ends(new[-1]):
+            return
+        now = await store.get(record.id, record.owner)
+        if now is None:  # deleted meanwhile
+            return
+        response = shown(now, stale_s)
+        if response["status"] not in RUNNING:
+            new = await store.events(record.id, n - 1)  # stored just before its record ended
+            for event in new:
+                yield event
+            if not (new and _ends(new[-1])):
+                yield last_event(response, n + len(new))
+            return
+        await asyncio.sleep(POLL_S)
+
+
+ENDING = ("response.completed", "response.incomplete", "response.failed", "error")
+
+
+def _ends(event: str) -> bool:
+    return event.split("\n", 1)[0].removeprefix("event: ") in ENDING
+
+
+def last_event(response: dict[str, Any], seq: int) -> str:
+    """The event that ends a background response's stream, number ``seq``: ``response.<status>``
+    with the response, or for a cancelled one an ``error`` (the Responses API has no event for a
+    cancel)."""
+    if response["status"] == "cancelled":
+        return sse_event("error", seq, code="response_cancelled", message="the response was cancelled", param=None)
+    return sse_event(f"response.{response['status']}", seq, response=response)
+
+

@@ -1,0 +1,196 @@
+"""The Responses API's routes: ``POST /v1/responses``, ``GET`` and ``DELETE /v1/responses/{id}``
+(``GET`` with ``stream=true`` follows a streamed background response again),
+``GET /v1/responses/{id}/input_items``, ``POST /v1/responses/{id}/cancel`` and
+``POST /v1/responses/input_tokens`` (the prompt's tokens, counted without running the model). The
+model is ``gateway.responses``; background work runs in ``gateway.response_runs``.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from dataclasses import replace
+from typing import AsyncGenerator, AsyncIterator
+
+from starlette.requests import Request
+from starlette.responses import JSONResponse, Response
+
+from gateway import service_tier
+from gateway.background import Background, EventLog
+from gateway.chat import ChoiceDelta, collect, served_caller, serve_chat
+from gateway.completions import tokenizer_of
+from gateway.conversation_store import ConversationStore
+from gateway.errors import bad_request, not_found
+from gateway.http import Streamed, disconnect_signal
+from gateway.pages import cursor_page, page_query
+from gateway.response_runs import StoredEvents, replay, run_in_background
+from gateway.response_store import ResponseStore
+from gateway.responses import (RUNNING, Draft, InputTokensRequest, ResponseEvents, ResponsesRequest, closing_events,
+                               delta_events, input_items, new_item_id, plan_response, responses_names, shown,
+                               whole_output)
+from gateway.schemas import is_count, parse, read_json
+from gateway.service import Services
+from workers.chat_prompt import encode
+
+CANCEL_WAIT_S = 5.0  # a cancel waits this long for this process's work to stop and record it
+
+
+def _store(request: Request) -> ResponseStore:
+    return request.app.state.responses
+
+
+async def create_response(request: Request) -> Response:
+    svc: Services = request.app.state.services
+    caller = svc.admit_caller(request)
+    body = parse(ResponsesRequest, await read_json(request, svc.config.limits.max_body))
+    store, conversations = _store(request), request.app.state.conversations
+    job = await plan_response(svc, caller, store, body, conversations)
+    served = served_caller(svc, caller, job.chat)
+    draft = Draft(new_item_id("resp"), job, service_tier.label(svc.config, served.tier), background=body.background)
+    headers = {**svc.gate.rate_headers(served.tier), "x-tiergate-tier": served.tier}
+    if body.background:
+        if not body.store:
+            raise bad_request("a background response must be stored: background needs store true", "background")
+        draft.runner = request.app.state.background.runner  # its record keeps what another process needs to run it
+        draft.request = {"body": body.model_dump(mode="json", by_alias=True, exclude_unset=True), "tier": caller.tier,
+                         "attempts": 1}
+        await store.put(draft.record("queued", caller.key_id))
+        events = None
+        if body.stream:  # its first events are stored with it, before it is answered
+            events = StoredEvents(store, draft, ResponseEvents(draft))
+            queued = draft.public("queued")
+            await events.add([events.s.event("response.created", response=queued),
+                              events.s.event("response.queued", response=queued)], flush=True)
+        background: Background = request.app.state.background
+        background.start(draft.id, lambda gone: run_in_background(svc, caller, draft, store, conversations, background,
+                                                                   gone, events),
+                         events.log if events else None)
+        if events is not None:
+            return Streamed(events.log.follow(-1), "text/event-stream", headers=headers)
+        return JSONResponse(draft.public("queued"), headers=headers)
+    with responses_names():  # the engine refuses a prompt past the context: that is ``input``
+        async with disconnect_signal(request) as gone:
+            deltas = serve_chat(svc, caller, job.chat, gone)
+            if not body.stream:
+                replies, _ = await collect(deltas)
+                draft.reply = replies[0]
+                draft.output = whole_output(draft)
+                await draft.keep(store, caller.key_id, conversations)
+                return JSONResponse(draft.public(draft.status), headers=headers)
+            first = await deltas.__anext__()
+    events = live_events(deltas, first, draft, store, caller.key_id, conversations)
+    return Streamed(events, "text/event-stream", headers=headers)
+
+
+async def count_input_tokens(request: Request) -> Response:
+    """POST /v1/responses/input_tokens: the prompt tokens the response would have (``usage.input_tokens``),
+    counted by the model's own tokenizer and chat template; no model work, so no gate."""
+    svc: Services = request.app.state.services
+    caller = svc.authenticate(request)
+    body = parse(InputTokensRequest, await read_json(request, svc.config.limits.max_body))
+    job = await plan_response(svc, caller, _store(request), body, request.app.state.conversations)
+    if svc.accounts is not None and not svc.accounts.allows(caller, job.chat.model):
+        raise not_found(f"the model '{body.model}' does not exist", "model", "model_not_found")
+    tokenizer = await tokenizer_of(svc.spec(job.chat.model, "chat").path)
+    ids = await asyncio.to_thread(encode, tokenizer, job.chat.messages, job.chat.tools.template_tools())
+    return JSONResponse({"object": "response.input_tokens", "input_tokens": len(ids)})
+
+
+async def get_response(request: Request) -> Response:
+    """GET /v1/responses/{id}: the response object; with ``stream=true`` a streamed background
+    response's events again, from the first or from above ``starting_after``, then as they come."""
+    svc: Services = request.app.state.services
+    caller = svc.authenticate(request)  # reading a record takes no slot: no gate
+    q = request.query_params
+    stream = q.get("stream", "false")
+    if stream not in ("true", "false"):
+        raise bad_request("stream must be true or false", "stream")
+    after = q.get("starting_after")
+    if after is not None and (stream == "false" or not is_count(after)):
+        raise bad_request("starting_after must be a non-negative integer (an event's sequence_number), "
+                          "and only with stream=true", "starting_after")
+    response_id, store = request.path_params["response_id"], _store(request)
+    record = await store.get(response_id, caller.key_id)
+    if record is None:
+        raise not_found(f"no response with id '{response_id}'", "response_id")
+    if stream == "false":
+        return JSONResponse(shown(record, svc.config.responses.reclaim_after_s))
+    if not record.response.get("background") or not await store.events(response_id, -1):
+        raise bad_request("only a background response created with stream true can be streamed again; "
+                          "read this one without stream", "stream", "not_streamable")
+    after_n = -1 if after is None else int(after)
+    running: EventLog | None = request.app.state.background.logs.get(response_id)
+    events = running.follow(after_n) if running is not None else replay(store, record, after_n,
+                                                                         svc.config.responses.reclaim_after_s)
+    return Streamed(events, "text/event-stream", headers={})
+
+
+async def cancel_response(request: Request) -> Response:
+    """POST /v1/responses/{id}/cancel: a background response still running stops (here at once, in
+    another process at its next write); one that ended is returned as it is."""
+    svc: Services = request.app.state.services
+    caller = svc.authenticate(request)
+    response_id, store = request.path_params["response_id"], _store(request)
+    record = await store.get(response_id, caller.key_id)
+    if record is None:
+        raise not_found(f"no response with id '{response_id}'", "response_id")
+    if not record.response.get("background"):
+        raise bad_request("only a background response (background: true) can be cancelled", "response_id",
+                          "not_background")
+    if shown(record, svc.config.responses.reclaim_after_s)["status"] in RUNNING:  # (one whose process died shows failed: returned as it is)
+        background: Background = request.app.state.background
+        if not await background.cancel(response_id, CANCEL_WAIT_S):  # another process runs it, or none does
+            # (written as the record's runner: the only writer the store lets through)
+            if await store.update_running(replace(record, response={**record.response, "status": "cancelled"},
+                                                  beat=time.time())):
+                await store.announce_stop(response_id)  # the process running it stops now (Redis), not at its next write
+        record = await store.get(response_id, caller.key_id) or record
+    return JSONResponse(shown(record, svc.config.responses.reclaim_after_s))
+
+
+async def list_input_items(request: Request) -> Response:
+    svc: Services = request.app.state.services
+    caller = svc.authenticate(request)
+    response_id = request.path_params["response_id"]
+    record = await _store(request).get(response_id, caller.key_id)
+    if record is None:
+        raise not_found(f"no response with id '{response_id}'", "response_id")
+    q = request.query_params
+    limit, order = page_query(q, "desc")
+    return JSONResponse(cursor_page(input_items(record), order, limit, q.get("after"), q.get("before")))
+
+
+async def delete_response(request: Request) -> Response:
+    svc: Services = request.app.state.services
+    caller = svc.authenticate(request)
+    response_id = request.path_params["response_id"]
+    if not await _store(request).delete(response_id, caller.key_id):
+        raise not_found(f"no response with id '{response_id}'", "response_id")
+    if not await request.app.state.background.cancel(response_id, 0):  # a background one running here stops now
+        await _store(request).announce_stop(response_id)  # one running elsewhere, then (Redis)
+    return JSONResponse({"id": response_id, "object": "response", "deleted": True})
+
+
+async def live_events(deltas: AsyncGenerator[ChoiceDelta, None], first: ChoiceDelta, draft: Draft,
+                  store: ResponseStore, owner: str, conversations: ConversationStore | None) -> AsyncIterator[str]:
+    s = ResponseEvents(draft)
+    try:
+        yield s.event("response.created", response=draft.public("in_progress"))
+        yield s.event("response.in_progress", response=draft.public("in_progress"))
+        delta = first
+        while True:
+            for line in delta_events(s, delta):
+                yield line
+            if delta.finished is not None:
+                break
+            delta = await deltas.__anext__()
+        for line in closing_events(s):
+            yield line
+        status = draft.status
+        await draft.keep(store, owner, conversations)
+        yield s.event(f"response.{status}", response=draft.public(status))
+    except Exception as exc:  # noqa: BLE001 - the stream has started: report in-band
+        yield s.event("error", code="generation_failed", message=f"generation failed: {type(exc).__name__}",
+                      param=None)
+    finally:
+        await deltas.aclose()
