@@ -19,6 +19,7 @@ import os
 import time
 
 import httpx
+import openai
 import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
@@ -180,12 +181,21 @@ ENDPOINTS = {
 
 ENDPOINTS["/v1/responses/input_tokens"] = ENDPOINTS["/v1/responses"]  # what a response would be made from
 
+# the updates of stored objects: their paths name a real one, made when the test starts
+METADATA = st.dictionaries(TEXT, TEXT | ANY_JSON, max_size=18) | st.none()
+ON_STORED = {
+    "/v1/chat/completions/{completion}": ({"metadata": {"a": "b"}}, {"metadata": METADATA}),
+    "/v1/conversations/{conversation}": ({"metadata": {"a": "b"}}, {"metadata": METADATA}),
+    "/v1/conversations/{conversation}/items": ({"items": [{"type": "message", "role": "user", "content": "hi"}]},
+                                               {"items": ENDPOINTS["/v1/conversations"][1]["items"]}),
+}
+
 
 @st.composite
 def bodies(draw, path: str):
     if draw(st.integers(0, 19)) == 0:  # now and then, not an object at all
         return draw(ANY_JSON)
-    base, fields = ENDPOINTS[path]
+    base, fields = ENDPOINTS.get(path) or ON_STORED[path]
     body = dict(base)
     names = sorted(set(base) | set(fields))
     for name in draw(st.lists(st.sampled_from(names), max_size=4, unique=True)):
@@ -242,6 +252,25 @@ def post(server, path: str, body) -> None:
             check_stream(r.iter_lines(), body)
         else:
             r.read()
+
+
+@pytest.mark.parametrize("path", list(ON_STORED))
+def test_generated_updates_of_stored_objects_get_a_success_or_a_clean_4xx(server, path):
+    """The bodies that change a stored completion's or a conversation's metadata, or add items."""
+    c = openai.OpenAI(base_url=server.base_url, api_key=server.keys["paid"], max_retries=0, timeout=60)
+    ids = {"completion": c.chat.completions.create(model="tiny-chat", messages=[{"role": "user", "content": "hi"}],
+                                                   max_tokens=1, store=True).id,
+           "conversation": c.conversations.create().id}
+    target = path.format(**ids)
+
+    @FUZZ
+    @given(body=bodies(path))
+    def run(body):
+        post(server, target, body)
+
+    run()
+    assert c.chat.completions.retrieve(ids["completion"]).id == ids["completion"]  # still there, still readable
+    assert c.conversations.items.list(ids["conversation"]).object == "list"
 
 
 @pytest.mark.parametrize("path", list(ENDPOINTS))
