@@ -27,6 +27,7 @@ from pathlib import Path
 from typing import Any
 
 from gateway.service import Services
+from storage.retention import Retained
 from storage.sqlite import SweptFile
 
 _SCHEMA = """CREATE TABLE IF NOT EXISTS chat_completions (
@@ -63,12 +64,7 @@ class StoredCompletion:
         return (model is None or self.completion["model"] == model) and all(mine.get(k) == v for k, v in metadata.items())
 
 
-class CompletionStore(abc.ABC):
-    retention_s: float | None = None  # None: kept until deleted
-
-    def _cutoff(self) -> float | None:
-        return None if self.retention_s is None else time.time() - self.retention_s
-
+class CompletionStore(Retained, abc.ABC):
     @abc.abstractmethod
     async def open(self) -> None: ...
 
@@ -210,7 +206,7 @@ class RedisCompletions(CompletionStore):
             self._r = None
 
     async def put(self, record: StoredCompletion) -> None:
-        expires = None if self.retention_s is None else int(record.created + self.retention_s) + 1
+        expires = self._expires_at(record.created)
         async with self._r.pipeline(transaction=True) as tx:
             tx.set(self._key(record.id), record.doc(), nx=True, exat=expires)
             tx.zadd(self._list(record.owner), {record.id: time.time_ns() // 1000})
@@ -282,10 +278,6 @@ def open_completions(spec: str, data_dir: Path, retention_s: float | None = None
 
 def completions_for(svc: Services) -> CompletionStore:
     """The process's completion store on the configured backend, opened and closed with the app."""
-    cfg = svc.config.batch
-    data_dir = svc.config.data_dir()
     days = svc.config.stored_completions.retention_days
-    store = open_completions(cfg.store, data_dir, None if days is None else days * DAY_S)
-    svc.on_startup.append(store.open)
-    svc.on_shutdown.append(store.close)
-    return store
+    return svc.keep_open(open_completions(svc.config.batch.store, svc.config.data_dir(),
+                                          None if days is None else days * DAY_S))

@@ -254,9 +254,4 @@ def open_conversations(spec: str, data_dir: Path) -> ConversationStore:
 
 def conversations_for(svc: Services) -> ConversationStore:
     """The process's conversation store on the configured backend, opened and closed with the app."""
-    cfg = svc.config.batch
-    data_dir = svc.config.data_dir()
-    store = open_conversations(cfg.store, data_dir)
-    svc.on_startup.append(store.open)
-    svc.on_shutdown.append(store.close)
-    return store
+    return svc.keep_open(open_conversations(svc.config.batch.store, svc.config.data_dir()))

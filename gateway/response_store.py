@@ -40,7 +40,6 @@ import asyncio
 import json
 import logging
 import sqlite3
-import time
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, AsyncIterator
@@ -49,6 +48,7 @@ from redis.exceptions import RedisError
 
 from gateway.service import Services
 from storage.redis import honour_cancel
+from storage.retention import Retained
 from storage.sqlite import SweptFile
 
 _RUNNING_SQL = "json_extract(doc, '$.response.status') IN ('queued', 'in_progress')"  # (the partial index's term)
@@ -89,13 +89,7 @@ class StoredResponse:
                    d.get("beat"), d.get("request"), d.get("runner"))
 
 
-class ResponseStore(abc.ABC):
-    retention_s: float | None = None  # None: kept until deleted
-
-    def _cutoff(self) -> float | None:
-        """Records made before this (epoch seconds) are past their retention."""
-        return None if self.retention_s is None else time.time() - self.retention_s
-
+class ResponseStore(Retained, abc.ABC):
     @abc.abstractmethod
     async def open(self) -> None: ...
 
@@ -302,9 +296,6 @@ class RedisResponses(ResponseStore):
             await self._r.aclose()
             self._r = None
 
-    def _expires_at(self, created_at: float) -> int | None:
-        return None if self.retention_s is None else int(created_at + self.retention_s) + 1
-
     def _running_key(self) -> str:
         return f"{self.prefix}responses-running"
 
@@ -411,10 +402,6 @@ def open_responses(spec: str, data_dir: Path, retention_s: float | None = None) 
 
 def responses_for(svc: Services) -> ResponseStore:
     """The process's response store on the configured backend, opened and closed with the app."""
-    cfg = svc.config.batch
-    data_dir = svc.config.data_dir()
     days = svc.config.responses.retention_days
-    store = open_responses(cfg.store, data_dir, None if days is None else days * DAY_S)
-    svc.on_startup.append(store.open)
-    svc.on_shutdown.append(store.close)
-    return store
+    return svc.keep_open(open_responses(svc.config.batch.store, svc.config.data_dir(),
+                                        None if days is None else days * DAY_S))

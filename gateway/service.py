@@ -8,7 +8,7 @@ import contextvars
 import functools
 import time
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Awaitable, Callable
+from typing import TYPE_CHECKING, Awaitable, Callable, Protocol, TypeVar
 
 from starlette.requests import Request
 
@@ -60,6 +60,15 @@ class Held:
         self.gate.stats.latency(self.ticket.tier.name, time.monotonic() - self.arrived)
 
 
+class _Store(Protocol):
+    async def open(self) -> None: ...
+
+    async def close(self) -> None: ...
+
+
+S = TypeVar("S", bound=_Store)
+
+
 @dataclass
 class Services:
     config: Config
@@ -80,6 +89,12 @@ class Services:
     @functools.cached_property
     def tier_rank(self) -> dict[str, int]:  # looked up per request: made once
         return {t.name: i for i, t in enumerate(self.config.tiers)}
+
+    def keep_open(self, store: S) -> S:
+        """Open ``store`` when the app starts and close it when the app stops; returns it."""
+        self.on_startup.append(store.open)
+        self.on_shutdown.append(store.close)
+        return store
 
     def authenticate(self, request: Request) -> Caller:
         token = bearer_token(request.headers.get("authorization"))

@@ -1,2 +1,3 @@
-"""What the stores of ``batch`` and ``accounts`` share (one SQLite file, a Redis client), importing
-nothing of tiergate's, so that neither of those two imports the other for it."""
+"""What tiergate's stores share (one SQLite file with its retention sweep, a Redis client, records
+that expire), importing nothing of tiergate's, so that ``batch``, ``accounts`` and the gateway's
+stores of responses, completions and conversations need not import each other for it."""

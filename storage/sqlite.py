@@ -12,6 +12,8 @@ from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any, Callable, TypeVar
 
+from storage.retention import Retained
+
 T = TypeVar("T")
 log = logging.getLogger("tiergate.storage")
 
@@ -98,7 +100,7 @@ class SQLiteFile:
         self._pool, self._db = None, None
 
 
-class SweptFile(SQLiteFile):
+class SweptFile(SQLiteFile, Retained):
     """A store whose rows expire ``retention_s`` after they were made (None: never): ``_sweep``
     (on the connection's thread) deletes those made before a cutoff; it runs when the store opens
     and every ``sweep_s`` after, a failed sweep tried again at the next."""
@@ -108,10 +110,6 @@ class SweptFile(SQLiteFile):
         super().__init__(path, schema, thread_name)
         self.retention_s, self.sweep_s = retention_s, sweep_s
         self._sweeper: asyncio.Task | None = None
-
-    def _cutoff(self) -> float | None:
-        """Rows made before this (epoch seconds) are past their retention."""
-        return None if self.retention_s is None else time.time() - self.retention_s
 
     def _sweep(self, cutoff: float) -> int:
         """(on the connection's thread) Delete what was made before ``cutoff``; how many went."""
