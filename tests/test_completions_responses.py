@@ -544,6 +544,7 @@ def _slow_background(c, **kw):
 
 def test_cancel_stops_a_running_background_response(server):
     c = client(server)
+    respond(c, "hi", max_output_tokens=1)  # the model loaded, so its worker is there to count steps
     worker = server.services.arbiter.workers["tiny-chat"]
     before = server.call(lambda: worker.steps)
     made = _slow_background(c)
