@@ -17,11 +17,17 @@ variable ``secret_env`` names). The openai SDK's ``client.webhooks.unwrap(body, 
 secret=...)`` checks and parses them. The signing is the scheme's few lines of ``hmac``, by hand:
 the ``standardwebhooks`` package does the same and brings an API client's dependencies with it.
 
-Delivery is at least once while the process runs: an answer other than 2xx, or none within
-``TIMEOUT_S``, is tried again after 1, 2, 4... s (``ATTEMPTS`` in all, each signed afresh); at
-shutdown what is still pending gets ``STOP_WAIT_S`` and is then dropped (logged). Events are not
-kept across restarts. ``/metrics`` counts deliveries by endpoint and outcome
-(``tiergate_webhook_deliveries_total``).
+Delivery is at least once, and outlives the process: each event for each endpoint is first
+written to the outbox (``gateway.webhook_outbox``, on the batch store: SQLite or Redis), and a
+process's delivery loop claims what is due there, tries it, and removes it once the endpoint
+answers 2xx. An answer other than 2xx, or none within ``TIMEOUT_S``, is tried again after 1, 2,
+4... s (at most an hour apart), each try signed afresh, until ``RETRY_WINDOW_S`` (72 hours, as
+OpenAI retries) after the event was made; then it is dropped (logged). At shutdown the tries in
+flight get ``STOP_WAIT_S`` and the rest stay in the outbox for the next start; what a crashed
+process had claimed is taken by any process serving that endpoint once the claim (``HOLD_S``)
+runs out, found by the loop's poll (``POLL_S``). The window an event can still be lost in: the
+work ended and the process died before the event was written (a store write's time).
+``/metrics`` counts tries by endpoint and outcome (``tiergate_webhook_deliveries_total``).
 """
 
 from __future__ import annotations
@@ -33,6 +39,8 @@ import hmac
 import json
 import logging
 import os
+import secrets
+import socket
 import time
 import uuid
 from collections import Counter
@@ -43,13 +51,25 @@ from prometheus_client.core import CounterMetricFamily
 from prometheus_client.registry import Collector
 
 from gateway.config import Config, ConfigError
+from gateway.webhook_outbox import Delivery, Outbox, open_outbox
+from storage.redis import honour_cancel
 
 log = logging.getLogger("tiergate.webhooks")
 
-ATTEMPTS = 8
-FIRST_RETRY_S = 1.0
-TIMEOUT_S = 10.0
+RETRY_WINDOW_S = 72 * 3600.0  # an event is tried until this long after it was made
+FIRST_RETRY_S = 1.0  # the wait after the first failed try; it doubles after each
+MAX_RETRY_S = 3600.0  # and is at most this
+TIMEOUT_S = 10.0  # one try's
+HOLD_S = TIMEOUT_S + 20.0  # a claim: one try, with room to record its outcome
+POLL_S = 2.0  # how often a process looks for deliveries it was not told of (another's, a crashed one's)
+CLAIM_AT_ONCE = 32
+MAX_TRYING = 64  # tries in flight per process
 STOP_WAIT_S = 5.0
+
+
+def next_try_s(tries: int) -> float:
+    """The wait before the next try after ``tries`` failed ones: 1, 2, 4... s, at most an hour."""
+    return min(FIRST_RETRY_S * 2 ** (tries - 1), MAX_RETRY_S)
 
 
 @dataclass(frozen=True)
@@ -75,10 +95,13 @@ def sign(secret: bytes, webhook_id: str, timestamp: int, body: str) -> str:
 
 def endpoints_of(config: Config) -> list[Endpoint]:
     """The configured endpoints with their secrets from the environment; ConfigError naming the
-    entry whose variable is unset or not a secret."""
-    out = []
+    entry whose variable is unset or not a secret, or a URL listed twice (an endpoint's deliveries
+    wait in the outbox under its URL, to be signed with its secret)."""
+    out: list[Endpoint] = []
     for i, hook in enumerate(config.webhooks):
         where = f"{config.source}: webhooks[{i}] ({hook.url})"
+        if any(e.url == hook.url for e in out):
+            raise ConfigError(f"{where}: this URL is listed twice; list it once, with the events and keys of both")
         secret = os.environ.get(hook.secret_env)
         if not secret:
             raise ConfigError(f"{where}: the environment variable {hook.secret_env} (its secret) is not set")
@@ -92,62 +115,136 @@ def endpoints_of(config: Config) -> list[Endpoint]:
 
 
 class Webhooks(Collector):
-    """The process's deliveries: ``emit`` starts one task per endpoint that wants the event."""
+    """The process's deliveries: ``emit`` writes an event's deliveries to the outbox, and the
+    delivery loop (one task, started with the app when any endpoint is configured) claims the
+    due ones and tries each in a task of its own."""
 
-    def __init__(self, endpoints: list[Endpoint]) -> None:
+    def __init__(self, endpoints: list[Endpoint], outbox: Outbox | None) -> None:
         self.endpoints = endpoints
-        self.pending: set[asyncio.Task] = set()
+        self.by_url = {e.url: e for e in endpoints}
+        self.outbox = outbox
+        self.runner = f"{socket.gethostname()}:{os.getpid()}:{secrets.token_hex(3)}"
+        self.pending: set[asyncio.Task] = set()  # events being written, and tries in flight
+        self.trying = 0
         self.outcomes: Counter[tuple[str, str]] = Counter()  # (url, delivered|retried|dropped)
         self._client: httpx.AsyncClient | None = None
+        self._loop: asyncio.Task | None = None
+        self._wake = asyncio.Event()
 
     async def start(self) -> None:
         if self.endpoints:
+            await self.outbox.open()
             self._client = httpx.AsyncClient(timeout=TIMEOUT_S)
+            self._loop = asyncio.create_task(self._deliver_loop())
 
     async def stop(self) -> None:
-        if self.pending:
+        if self._loop is not None:
+            self._loop.cancel()
+            await asyncio.gather(self._loop, return_exceptions=True)
+            self._loop = None
+        if self.pending:  # the tries cut short here are released, for the next process to make at once
             _, late = await asyncio.wait(set(self.pending), timeout=STOP_WAIT_S)
             for task in late:
                 task.cancel()
-                log.warning("webhooks: an event was still undelivered at shutdown; dropped")
+            await asyncio.gather(*late, return_exceptions=True)
         if self._client is not None:
             await self._client.aclose()
             self._client = None
+            await self.outbox.close()
 
     def emit(self, kind: str, object_id: str, owner: str) -> None:
         """Send the event ``kind`` about ``object_id`` (a response's or batch's id), made by the
         key ``owner``, to every endpoint that wants it; returns at once."""
         wanting = [e for e in self.endpoints if e.wants(kind, owner)]
-        if not wanting or self._client is None:
+        if not wanting:
             return
-        event_id = f"evt_{uuid.uuid4().hex}"
-        body = json.dumps({"id": event_id, "object": "event", "created_at": int(time.time()), "type": kind,
+        if self._client is None:
+            log.warning("webhooks: %s of %s came after shutdown; not sent", kind, object_id)
+            return
+        event_id, now = f"evt_{uuid.uuid4().hex}", time.time()
+        body = json.dumps({"id": event_id, "object": "event", "created_at": int(now), "type": kind,
                            "data": {"id": object_id}}, separators=(",", ":"))
-        for endpoint in wanting:
-            task = asyncio.get_running_loop().create_task(self._deliver(endpoint, event_id, body))
-            self.pending.add(task)
-            task.add_done_callback(self.pending.discard)
+        self._spawn(self._write([Delivery(f"whd_{uuid.uuid4().hex}", e.url, event_id, body, now) for e in wanting]))
 
-    async def _deliver(self, endpoint: Endpoint, event_id: str, body: str) -> None:
-        for attempt in range(ATTEMPTS):
-            timestamp = int(time.time())
-            headers = {"content-type": "application/json", "webhook-id": event_id,
-                       "webhook-timestamp": str(timestamp), "webhook-signature": sign(endpoint.secret, event_id, timestamp, body)}
+    def _spawn(self, work) -> None:
+        task = asyncio.get_running_loop().create_task(work)
+        self.pending.add(task)
+        task.add_done_callback(self.pending.discard)
+
+    async def _write(self, deliveries: list[Delivery]) -> None:
+        try:
+            await self.outbox.add(deliveries, time.time())
+        except Exception as exc:  # noqa: BLE001 - a store that is down: the event is lost, and said so
+            for d in deliveries:
+                self.outcomes[d.url, "dropped"] += 1
+            log.error("webhooks: %s could not be written to the outbox (%s); dropped", deliveries[0].event_id, exc)
+            return
+        self._wake.set()
+
+    async def _deliver_loop(self) -> None:
+        urls = list(self.by_url)
+        while True:
+            self._wake.clear()
+            room = min(CLAIM_AT_ONCE, MAX_TRYING - self.trying)
+            claimed: list[Delivery] = []
+            if room > 0:
+                now = time.time()
+                try:
+                    claimed = await self.outbox.claim(urls, self.runner, now, now + HOLD_S, room, now - RETRY_WINDOW_S)
+                except Exception as exc:  # noqa: BLE001 - a store that is down: the next turn tries again
+                    log.warning("webhooks: the outbox could not be read: %s", exc)
+            for delivery in claimed:
+                self.trying += 1
+                self._spawn(self._try(delivery))
+            honour_cancel()
+            if claimed and len(claimed) == room:
+                continue  # more may be due
             try:
-                answer = await self._client.post(endpoint.url, content=body, headers=headers)
-                if 200 <= answer.status_code < 300:
-                    self.outcomes[endpoint.url, "delivered"] += 1
-                    return
-                why = f"HTTP {answer.status_code}"
+                async with asyncio.timeout(POLL_S):
+                    await self._wake.wait()
+            except TimeoutError:
+                pass
+
+    async def _try(self, d: Delivery) -> None:
+        """One try of ``d`` (claimed by this process), and its outcome recorded in the outbox."""
+        try:
+            endpoint, timestamp = self.by_url[d.url], int(time.time())
+            headers = {"content-type": "application/json", "webhook-id": d.event_id,
+                       "webhook-timestamp": str(timestamp), "webhook-signature": sign(endpoint.secret, d.event_id, timestamp, d.body)}
+            try:
+                answer = await self._client.post(d.url, content=d.body, headers=headers)
+                ok, why = 200 <= answer.status_code < 300, f"HTTP {answer.status_code}"
             except httpx.HTTPError as exc:
-                why = type(exc).__name__
-            if attempt + 1 < ATTEMPTS:
-                self.outcomes[endpoint.url, "retried"] += 1
-                log.info("webhooks: %s to %s failed (%s); again in %gs", event_id, endpoint.url, why,
-                         FIRST_RETRY_S * 2 ** attempt)
-                await asyncio.sleep(FIRST_RETRY_S * 2 ** attempt)
-        self.outcomes[endpoint.url, "dropped"] += 1
-        log.warning("webhooks: %s to %s failed %d times; dropped", event_id, endpoint.url, ATTEMPTS)
+                ok, why = False, type(exc).__name__
+            except asyncio.CancelledError:  # shutdown: released, so the next start sends it at once
+                await self._record(self.outbox.reschedule(d, self.runner, d.attempt, time.time()))
+                raise
+            tries = d.attempt + 1
+            wait_s = next_try_s(tries)
+            if ok:
+                outcome = "delivered"
+                await self._record(self.outbox.finish(d, self.runner))
+            elif time.time() + wait_s < d.created_at + RETRY_WINDOW_S:
+                outcome = "retried"
+                log.info("webhooks: %s to %s failed (%s); again in %gs", d.event_id, d.url, why, wait_s)
+                await self._record(self.outbox.reschedule(d, self.runner, tries, time.time() + wait_s))
+                asyncio.get_running_loop().call_later(wait_s, self._wake.set)
+            else:
+                outcome = "dropped"
+                log.warning("webhooks: %s to %s failed %d times over %gs; dropped", d.event_id, d.url, tries,
+                            time.time() - d.created_at)
+                await self._record(self.outbox.finish(d, self.runner))
+            self.outcomes[d.url, outcome] += 1
+        finally:
+            self.trying -= 1
+
+    async def _record(self, change) -> None:
+        """An outcome written to the outbox; a store that fails here leaves the claim to run out,
+        and the delivery is tried again then (at least once)."""
+        try:
+            await change
+        except Exception as exc:  # noqa: BLE001
+            log.warning("webhooks: the outbox could not be written: %s", exc)
 
     def collect(self):
         family = CounterMetricFamily("tiergate_webhook_deliveries", "Webhook deliveries by endpoint and outcome",
@@ -158,8 +255,10 @@ class Webhooks(Collector):
 
 
 def webhooks_for(services) -> Webhooks:
-    """The configured webhooks, started and stopped with the app (no endpoints: emit does nothing)."""
-    hooks = Webhooks(endpoints_of(services.config))
+    """The configured webhooks, started and stopped with the app, their outbox on the batch
+    store's backend (no endpoints: emit does nothing, and no outbox is opened)."""
+    config = services.config
+    hooks = Webhooks(endpoints_of(config), open_outbox(config.batch.store, config.data_dir(), RETRY_WINDOW_S))
     services.on_startup.append(hooks.start)
     services.on_shutdown.append(hooks.stop)
     services.metrics.registry.register(hooks)

@@ -3,6 +3,7 @@ own ``webhooks.unwrap`` at a receiver on 127.0.0.1; retries, filters, and the se
 
 from __future__ import annotations
 
+import asyncio
 import base64
 import http.server
 import io
@@ -11,6 +12,8 @@ import os
 import queue
 import threading
 import time
+import uuid
+from dataclasses import replace
 
 import httpx
 import openai
@@ -18,8 +21,10 @@ import pytest
 
 from gateway.auth import key_id
 from gateway.config import ConfigError, load_config
+from gateway.webhook_outbox import Delivery, RedisOutbox, SQLiteOutbox
 from gateway.webhooks import endpoints_of, sign
 from tests.helpers import spare_port, start_server, write_config
+from tests.test_batch_store import redis_server
 
 SECRET = "whsec_" + base64.b64encode(b"a test secret of 32 bytes length").decode()
 SDK = openai.OpenAI(api_key="unused", base_url="http://127.0.0.1:9")  # only its webhooks.unwrap is used
@@ -32,15 +37,20 @@ class Receiver:
     def __init__(self) -> None:
         self.got: queue.Queue[tuple[bytes, dict[str, str]]] = queue.Queue()
         self.statuses: list[int] = []
+        self.delay_s = 0.0  # before each answer: a slow endpoint
         receiver = self
 
         class Handler(http.server.BaseHTTPRequestHandler):
             def do_POST(self) -> None:  # noqa: N802 - the http.server name
                 body = self.rfile.read(int(self.headers["content-length"]))
                 receiver.got.put((body, {k.lower(): v for k, v in self.headers.items()}))
-                self.send_response(receiver.statuses.pop(0) if receiver.statuses else 200)
-                self.send_header("content-length", "0")
-                self.end_headers()
+                time.sleep(receiver.delay_s)
+                try:
+                    self.send_response(receiver.statuses.pop(0) if receiver.statuses else 200)
+                    self.send_header("content-length", "0")
+                    self.end_headers()
+                except OSError:  # the sender left meanwhile
+                    pass
 
             def log_message(self, *args) -> None:
                 pass
@@ -167,3 +177,110 @@ def test_an_endpoint_whose_secret_is_not_set_is_a_config_error(tmp_path, monkeyp
     monkeypatch.setenv("TG_UNSET_SECRET", "whsec_not base64!")
     with pytest.raises(ConfigError, match="base64"):
         endpoints_of(config)
+    monkeypatch.setenv("TG_UNSET_SECRET", SECRET)
+    twice = load_config(write_config(tmp_path, {"m": ("chat", tmp_path / "m")},
+                                     "webhooks:\n  - {url: 'http://127.0.0.1:1/h', secret_env: TG_UNSET_SECRET}\n"
+                                     "  - {url: 'http://127.0.0.1:1/h', secret_env: TG_UNSET_SECRET, events: [batch.completed]}\n"),
+                        check_paths=False)
+    with pytest.raises(ConfigError, match=r"webhooks\[1\].*listed twice"):
+        endpoints_of(twice)
+
+
+def test_a_delivery_whose_retry_window_ends_is_dropped(hooked, monkeypatch):
+    """Tries 1, 2, 3 fail; the wait before a 4th (0.2 * 2**2 s) would end past the window: dropped."""
+    import gateway.webhooks as webhooks
+
+    monkeypatch.setattr(webhooks, "FIRST_RETRY_S", 0.2)
+    monkeypatch.setattr(webhooks, "RETRY_WINDOW_S", 1.2)
+    s, every, _ = hooked
+    every.statuses = [500] * 10
+    try:
+        client(s).responses.create(model="tiny-chat", input="hi", max_output_tokens=2, background=True)
+        ids = {every.next()[1]["webhook-id"] for _ in range(3)}
+        assert len(ids) == 1 and every.nothing(1.5)
+    finally:
+        every.statuses = []
+    scraped = httpx.get(f"{s.url}/metrics", timeout=30).text
+    assert f'tiergate_webhook_deliveries_total{{outcome="dropped",url="http://127.0.0.1:{every.port}/hook"}} 1.0' in scraped
+
+
+@pytest.fixture(scope="module")
+def redis_url(tmp_path_factory):
+    with redis_server(tmp_path_factory.mktemp("redis")) as url:
+        yield url
+
+
+@pytest.fixture(params=["sqlite", "redis"])
+def outbox_factory(request, tmp_path):
+    """Outboxes that share one store, as the processes on one store do."""
+    if request.param == "sqlite":
+        return lambda: SQLiteOutbox(tmp_path / "batches.sqlite3")
+    url, prefix = request.getfixturevalue("redis_url"), f"t{uuid.uuid4().hex[:8]}:"
+    return lambda: RedisOutbox(url, 3600.0, prefix)
+
+
+def test_the_outbox_gives_a_delivery_to_one_claimant_at_a_time(outbox_factory):
+    x, y = "http://127.0.0.1:1/x", "http://127.0.0.1:1/y"
+
+    async def go():
+        a, b = outbox_factory(), outbox_factory()  # two processes
+        await a.open()
+        await b.open()
+        try:
+            now = time.time()
+            early = now - 100
+            dx = Delivery("whd_x", x, "evt_1", '{"id":"evt_1"}', now)
+            dy = Delivery("whd_y", y, "evt_1", '{"id":"evt_1"}', now)
+            await a.add([dx, dy], now)
+            assert await a.claim([x], "A", now, now + 30, 10, early) == [dx]  # only its endpoints'
+            assert await b.claim([x], "B", now + 29, now + 59, 10, early) == []  # A holds it
+            assert not await b.finish(dx, "B") and not await b.reschedule(dx, "B", 1, now)  # not B's to change
+            assert await b.claim([x], "B", now + 30, now + 60, 10, early) == [dx]  # A's claim ran out
+            assert not await a.finish(dx, "A") and not await a.reschedule(dx, "A", 1, now)  # A, late, changes nothing
+            assert await b.reschedule(dx, "B", 1, now + 40)  # B's try failed: the next at +40
+            assert await a.claim([x], "A", now + 39, now + 69, 10, early) == []
+            again = await a.claim([x], "A", now + 40, now + 70, 10, early)
+            assert again == [replace(dx, attempt=1)]
+            assert await a.finish(again[0], "A")  # delivered: gone
+            assert await a.claim([x], "A", now + 1000, now + 1030, 10, early) == []
+            assert await b.claim([x, y], "B", now + 1000, now + 1030, 10, early) == [dy]
+            assert await b.reschedule(dy, "B", 1, now + 1000)
+            assert await b.claim([y], "B", now + 1000, now + 1030, 10, now + 1) == []  # its window is over
+            assert await b.claim([y], "B", now + 1000, now + 1030, 10, early) == []  # and it was deleted
+        finally:
+            await a.close()
+            await b.close()
+
+    asyncio.run(go())
+
+
+def test_an_event_whose_try_was_cut_by_a_shutdown_is_sent_by_the_next_start(tiny_chat, tmp_path, monkeypatch):
+    """The endpoint is slow; the server stops while its first try is in flight: the try is
+    released to the outbox, and the server started again on the same store sends the same event
+    (its webhook-id and body) at once."""
+    import gateway.webhooks as webhooks
+
+    monkeypatch.setattr(webhooks, "STOP_WAIT_S", 0.2)
+    monkeypatch.setenv("TG_TEST_WEBHOOK_SECRET", SECRET)
+    slow = Receiver()
+    slow.delay_s = 5.0
+    config = write_config(tmp_path, {"tiny-chat": ("chat", tiny_chat)},
+                          f"webhooks:\n  - url: http://127.0.0.1:{slow.port}/hook\n    secret_env: TG_TEST_WEBHOOK_SECRET\n")
+    try:
+        s = start_server(config)
+        try:
+            made = client(s).responses.create(model="tiny-chat", input="hi", max_output_tokens=2, background=True)
+            first = slow.next()
+        finally:
+            s.stop()
+        slow.delay_s = 0.0
+        s = start_server(config)
+        try:
+            second = slow.next(timeout=10)
+            assert second[1]["webhook-id"] == first[1]["webhook-id"] and second[0] == first[0]
+            assert SDK.webhooks.unwrap(*second, secret=SECRET).data.id == made.id
+            assert slow.nothing(1.0)  # delivered: not again
+        finally:
+            s.stop()
+    finally:
+        slow.http.shutdown()
