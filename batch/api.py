@@ -1,9 +1,11 @@
-"""The Batch API's HTTP routes: ``/v1/files`` (JSONL inputs and the output and error files) and
-``/v1/batches``. They find the process's runner at ``app.state.batches``; the routes are mounted
+"""The Batch API's HTTP routes: ``/v1/files`` (JSONL inputs and the output and error files),
+``/v1/uploads`` (an input file sent in parts) and ``/v1/batches``. They find the process's runner at ``app.state.batches``; the routes are mounted
 in the app's one route table (``gateway.app``)."""
 
 from __future__ import annotations
 
+import asyncio
+import hashlib
 import re
 import secrets
 import time
@@ -18,6 +20,8 @@ from starlette.responses import JSONResponse, Response
 from batch.endpoints import ENDPOINTS
 from batch.runner import Runner
 from batch.store import BatchInfo, FileInfo
+from batch.uploads import MAX_PART_BYTES, PartRefused, UploadInfo, UploadStore
+from batch.uploads import TTL_S as UPLOAD_TTL_S
 from gateway.auth import Caller
 from gateway.errors import APIError, bad_request, not_found
 from gateway.schemas import is_count, parse, read_json
@@ -65,18 +69,27 @@ async def upload_file(request: Request) -> Response:
         await form.close()
     if len(content) > cfg.max_file_bytes:
         raise too_big
+    info = await _new_file(svc, runner, caller, filename, content, expires_after.seconds if expires_after else None)
+    return JSONResponse(info.public())
+
+
+async def _new_file(svc: Services, runner: Runner, caller: Caller, filename: str, content: bytes,
+                    expires_after_s: int | None, param: str = "file") -> FileInfo:
+    """A batch input file made of ``content`` (UTF-8 JSON lines, at most ``batch.max_lines``)
+    and stored; a 400 naming ``param`` when the content is not one."""
+    limit = svc.config.batch.max_lines
     try:
         text = content.decode("utf-8")
     except UnicodeDecodeError:
-        raise bad_request("the file is not UTF-8 text (JSONL expected)", "file", "invalid_file") from None
+        raise bad_request("the file is not UTF-8 text (JSONL expected)", param, "invalid_file") from None
     n = sum(1 for ln in text.splitlines() if ln.strip())
-    if n > cfg.max_lines:
-        raise bad_request(f"the file has {n} requests; at most {cfg.max_lines} are allowed", "file", "too_many_lines")
+    if n > limit:
+        raise bad_request(f"the file has {n} requests; at most {limit} are allowed", param, "too_many_lines")
     now = int(time.time())
     info = FileInfo(f"file-{time.time_ns():016x}{secrets.token_hex(8)}",  # ids sort by time, as batches' do
-                    caller.key_id, "batch", filename, len(content), now, now + expires_after.seconds if expires_after else None)
+                    caller.key_id, "batch", filename, len(content), now, now + expires_after_s if expires_after_s else None)
     await runner.store.put_file(info, content)
-    return JSONResponse(info.public())
+    return info
 
 
 class ExpiresAfter(BaseModel):
@@ -172,6 +185,151 @@ async def delete_file(request: Request) -> Response:
     info = await _owned_file(runner, caller, request.path_params["file_id"])
     deleted = await runner.store.delete_file(info.id)
     return JSONResponse({"id": info.id, "object": "file", "deleted": deleted})
+
+
+# -- uploads (a file in parts: client.uploads.upload_file_chunked) ------------------------------
+
+UPLOAD_MIME_TYPES = ("application/jsonl", "application/x-ndjson", "application/json", "text/jsonl", "text/plain")
+
+
+class UploadCreate(BaseModel):
+    model_config = ConfigDict(extra="forbid", strict=True)
+
+    bytes: int = Field(ge=0)
+    filename: str = Field(min_length=1, max_length=512)
+    mime_type: str
+    purpose: str
+    expires_after: ExpiresAfter | None = None  # the file's, once made
+
+
+class UploadComplete(BaseModel):
+    model_config = ConfigDict(extra="forbid", strict=True)
+
+    part_ids: list[str] = Field(max_length=10_000)
+    md5: str | None = None
+
+
+def _uploads(request: Request) -> UploadStore:
+    return request.app.state.uploads
+
+
+async def _owned_upload(request: Request, caller: Caller) -> UploadInfo:
+    upload_id = request.path_params["upload_id"]
+    upload = await _uploads(request).get(upload_id)
+    if upload is None or not _sees(caller, upload.owner):
+        raise not_found(f"no such upload: '{upload_id}'", "upload_id", "upload_not_found")
+    return upload
+
+
+def _not_pending(upload: UploadInfo) -> APIError:
+    return bad_request(f"the upload is {upload.status_at(time.time())}, not pending", None, "upload_not_pending")
+
+
+async def _shown(runner: Runner, upload: UploadInfo) -> dict:
+    """The upload as the API shows it: a completed one with its file (None once the file is deleted)."""
+    file = await runner.store.get_file(upload.file_id) if upload.file_id else None
+    return upload.public(file.public() if file else None)
+
+
+async def create_upload(request: Request) -> Response:
+    """POST /v1/uploads: an upload that takes parts for an hour, then ``complete`` makes the file."""
+    svc, _, caller = _context(request)
+    body = parse(UploadCreate, await read_json(request, svc.config.limits.max_body))
+    if body.purpose != "batch":
+        raise bad_request(f"purpose is {body.purpose!r}; this server takes only 'batch' files", "purpose")
+    if body.mime_type not in UPLOAD_MIME_TYPES:
+        raise bad_request(f"mime_type is {body.mime_type!r}; a batch file is JSON lines: one of {', '.join(UPLOAD_MIME_TYPES)}",
+                          "mime_type", "unsupported_mime_type")
+    if body.bytes > svc.config.batch.max_file_bytes:
+        raise bad_request(f"bytes is {body.bytes}; this server takes files of at most {svc.config.batch.max_file_bytes} bytes",
+                          "bytes", "file_too_large")
+    now = int(time.time())
+    upload = UploadInfo(f"upload_{time.time_ns():016x}{secrets.token_hex(8)}", caller.key_id, body.filename, body.purpose,
+                        body.bytes, body.mime_type, now, now + UPLOAD_TTL_S,
+                        body.expires_after.seconds if body.expires_after else None)
+    await _uploads(request).create(upload)
+    return JSONResponse(upload.public())
+
+
+async def add_upload_part(request: Request) -> Response:
+    """POST /v1/uploads/{id}/parts: multipart ``data``, one part of at most 64 MiB."""
+    svc, _, caller = _context(request)
+    if not request.headers.get("content-type", "").startswith("multipart/form-data"):
+        raise APIError(415, "send a part as multipart/form-data with the field 'data'", "unsupported_media_type")
+    limit = min(MAX_PART_BYTES, svc.config.batch.max_file_bytes)
+    too_big = APIError(413, f"a part is at most {limit} bytes", "part_too_large", "data")
+    declared = request.headers.get("content-length", "")
+    if is_count(declared) and int(declared) > limit + _FORM_SLACK:
+        raise too_big
+    upload = await _owned_upload(request, caller)
+    try:
+        form = await _capped(request, limit + _FORM_SLACK, too_big).form(max_files=1, max_fields=4)
+    except HTTPException as exc:
+        raise bad_request(f"malformed multipart body: {exc.detail}", None, "invalid_multipart") from None
+    try:
+        part = form.get("data")
+        if not isinstance(part, UploadFile):
+            raise bad_request("missing required parameter: data (a file part)", "data", "missing_required_parameter")
+        data = await part.read(limit + 1)
+    finally:
+        await form.close()
+    if len(data) > limit:
+        raise too_big
+    part_id, now = f"part_{secrets.token_hex(12)}", time.time()
+    try:
+        await _uploads(request).add_part(upload.id, part_id, data, now)
+    except PartRefused as refused:
+        if refused.reason == "not_pending":
+            raise _not_pending(await _owned_upload(request, caller)) from None
+        raise bad_request(f"this part's {len(data)} bytes would bring the upload to {refused.received + len(data)}, "
+                          f"past the {upload.bytes} it was created for", "data", "upload_too_large") from None
+    return JSONResponse({"id": part_id, "object": "upload.part", "created_at": int(now), "upload_id": upload.id})
+
+
+async def complete_upload(request: Request) -> Response:
+    """POST /v1/uploads/{id}/complete: ``part_ids`` in order (parts left out are dropped) and an
+    optional ``md5`` of the whole; the parts must add up to the upload's ``bytes``. The file is
+    checked as ``POST /v1/files`` checks one. Completing a completed upload again returns it."""
+    svc, runner, caller = _context(request)
+    body = parse(UploadComplete, await read_json(request, svc.config.limits.max_body))
+    upload = await _owned_upload(request, caller)
+    if upload.status == "completed":
+        return JSONResponse(await _shown(runner, upload))
+    if upload.status_at(time.time()) != "pending":
+        raise _not_pending(upload)
+    if len(set(body.part_ids)) != len(body.part_ids):
+        raise bad_request("part_ids names a part twice", "part_ids")
+    held = await _uploads(request).parts(upload.id, body.part_ids)
+    missing = [p for p, data in zip(body.part_ids, held) if data is None]
+    if missing:
+        raise bad_request(f"the upload has no part '{missing[0]}'", "part_ids", "part_not_found")
+    content = b"".join(held)
+    if len(content) != upload.bytes:
+        raise bad_request(f"the parts add up to {len(content)} bytes; the upload was created for {upload.bytes}",
+                          "part_ids", "bytes_mismatch")
+    if body.md5 is not None and await asyncio.to_thread(lambda: hashlib.md5(content).hexdigest()) != body.md5.lower():
+        raise bad_request("the parts' md5 is not the one given", "md5", "md5_mismatch")
+    info = await _new_file(svc, runner, caller, upload.filename, content, upload.file_expires_after_s, "part_ids")
+    ended = await _uploads(request).end(upload.id, "completed", info.id, time.time())
+    if ended is None:  # another call completed or cancelled it meanwhile (or it expired): one file only
+        await runner.store.delete_file(info.id)
+        upload = await _owned_upload(request, caller)
+        if upload.status != "completed":
+            raise _not_pending(upload)
+        return JSONResponse(await _shown(runner, upload))
+    return JSONResponse(ended.public(info.public()))
+
+
+async def cancel_upload(request: Request) -> Response:
+    """POST /v1/uploads/{id}/cancel: no more parts; those received are deleted."""
+    _, runner, caller = _context(request)
+    upload = await _owned_upload(request, caller)
+    if upload.status == "cancelled":
+        return JSONResponse(upload.public())
+    ended = await _uploads(request).end(upload.id, "cancelled", None, time.time())
+    if ended is None:
+        raise _not_pending(await _owned_upload(request, caller))
+    return JSONResponse(ended.public())
 
 
 # -- batches -----------------------------------------------------------------------------------

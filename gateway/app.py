@@ -22,6 +22,7 @@ from arbiter.footprint import default_device, device_budget
 from arbiter.residency import Arbiter, Refused, Unavailable
 from batch import api as batch_api
 from batch.runner import runner_for
+from batch.uploads import uploads_for
 from gateway import (audio, chat, completions, conversations, dashboard, embeddings, images, response_runs, responses_api,
                      stored_chat)
 from gateway.accounts import Accounts
@@ -222,6 +223,10 @@ def routes() -> list[BaseRoute]:
         Route("/v1/files/{file_id}", batch_api.get_file, methods=["GET"]),
         Route("/v1/files/{file_id}", batch_api.delete_file, methods=["DELETE"]),
         Route("/v1/files/{file_id}/content", batch_api.file_content, methods=["GET"]),
+        Route("/v1/uploads", batch_api.create_upload, methods=["POST"]),
+        Route("/v1/uploads/{upload_id}/parts", batch_api.add_upload_part, methods=["POST"]),
+        Route("/v1/uploads/{upload_id}/complete", batch_api.complete_upload, methods=["POST"]),
+        Route("/v1/uploads/{upload_id}/cancel", batch_api.cancel_upload, methods=["POST"]),
         Route("/v1/batches", batch_api.create_batch, methods=["POST"]),
         Route("/v1/batches", batch_api.list_batches, methods=["GET"]),
         Route("/v1/batches/{batch_id}", batch_api.get_batch, methods=["GET"]),
@@ -260,6 +265,7 @@ def create_app(services: Services, extra: Sequence[BaseRoute] = ()) -> Starlette
     )
     app.state.services = services
     app.state.batches = runner_for(services)
+    app.state.uploads = uploads_for(services)  # input files sent in parts (batch/api.py)
     app.state.responses = responses_for(services)
     app.state.completions = completions_for(services)  # stored chat completions
     app.state.conversations = conversations_for(services)

@@ -169,6 +169,10 @@ ENDPOINTS = {
             optional={"role": TEXT, "content": TEXT | st.lists(PART, max_size=2) | ANY_JSON, "call_id": TEXT,
                       "id": TEXT, "name": TOOL_NAME, "arguments": TEXT, "output": TEXT | ANY_JSON}), max_size=22),
          "metadata": st.dictionaries(TEXT, TEXT | ANY_JSON, max_size=18)}),
+    "/v1/uploads": (
+        {"bytes": 10, "filename": "x.jsonl", "mime_type": "application/jsonl", "purpose": "batch"},
+        {"bytes": EDGE_INTS, "filename": TEXT, "mime_type": st.sampled_from(["text/plain", "image/png", ""]) | TEXT,
+         "purpose": st.sampled_from(["batch", "fine-tune", ""]), "expires_after": ANY_JSON}),
     "/admin/keys": (
         {"name": "fuzz", "tier": "free"},
         {"name": TEXT, "tier": st.sampled_from(["paid", "free", "batch", "gold", ""]),
@@ -188,6 +192,7 @@ ON_STORED = {
     "/v1/conversations/{conversation}": ({"metadata": {"a": "b"}}, {"metadata": METADATA}),
     "/v1/conversations/{conversation}/items": ({"items": [{"type": "message", "role": "user", "content": "hi"}]},
                                                {"items": ENDPOINTS["/v1/conversations"][1]["items"]}),
+    "/v1/uploads/{upload}/complete": ({"part_ids": []}, {"part_ids": st.lists(TEXT, max_size=3) | ANY_JSON, "md5": TEXT | ANY_JSON}),
 }
 
 
@@ -260,7 +265,8 @@ def test_generated_updates_of_stored_objects_get_a_success_or_a_clean_4xx(server
     c = openai.OpenAI(base_url=server.base_url, api_key=server.keys["paid"], max_retries=0, timeout=60)
     ids = {"completion": c.chat.completions.create(model="tiny-chat", messages=[{"role": "user", "content": "hi"}],
                                                    max_tokens=1, store=True).id,
-           "conversation": c.conversations.create().id}
+           "conversation": c.conversations.create().id,
+           "upload": c.uploads.create(bytes=3, filename="x.jsonl", mime_type="text/plain", purpose="batch").id}
     target = path.format(**ids)
 
     @FUZZ
@@ -271,6 +277,7 @@ def test_generated_updates_of_stored_objects_get_a_success_or_a_clean_4xx(server
     run()
     assert c.chat.completions.retrieve(ids["completion"]).id == ids["completion"]  # still there, still readable
     assert c.conversations.items.list(ids["conversation"]).object == "list"
+    assert c.uploads.cancel(ids["upload"]).status in ("cancelled", "completed")  # (completed: a generated body made it)
 
 
 @pytest.mark.parametrize("path", list(ENDPOINTS))
@@ -293,7 +300,7 @@ READS = ["/v1/batches", "/v1/files", "/v1/usage", "/admin/usage", "/admin/keys",
          "/v1/files/{}", "/v1/files/{}/content", "/v1/batches/{}", "/v1/responses/{}", "/v1/responses/{}/input_items", "/v1/responses/{}/cancel", "/admin/keys/{}",
          "/v1/chat/completions", "/v1/chat/completions/{}", "/v1/chat/completions/{}/messages",
          "/v1/conversations/{}", "/v1/conversations/{}/items", "/v1/conversations/conv_0/items/{}",
-         "/v1/images/files/{}.png"]
+         "/v1/images/files/{}.png", "/v1/uploads/{}/cancel", "/v1/uploads/{}/parts"]
 QUERY = st.dictionaries(
     st.sampled_from(["limit", "after", "key", "model", "start_date", "end_date", "group_by", "format", "stream",
                      "starting_after", "include[]", "since", "order", "purpose", "before", "nope", "metadata[g]",
