@@ -15,7 +15,6 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import dataclasses
-import hashlib
 import json
 import logging
 import time
@@ -337,8 +336,8 @@ async def chat_completions(request: Request) -> Response:
     body = parse(ChatCompletionRequest, await read_json(request, svc.config.limits.max_body))
     job = plan_chat(svc, body)
     served = served_caller(svc, caller, job)
-    if body.user:
-        log.info("chat request: key %s, user %s, tier %s", caller.key_id, scoped_user(caller, body.user), served.tier)
+    if (end_user := body.end_user(caller.key_id)) is not None:
+        log.info("chat request: key %s, user %s, tier %s", caller.key_id, end_user, served.tier)
     completion_id = f"chatcmpl-{new_id()}"
     headers = {**svc.gate.rate_headers(served.tier), "x-tiergate-tier": served.tier}
     async with disconnect_signal(request) as gone:
@@ -358,12 +357,6 @@ async def chat_completions(request: Request) -> Response:
             await stored_chat.keep(request.app.state.completions, caller.key_id, answer, body)
     sse = _sse(deltas, first, completion_id, body.model, job.n, body.logprobs, label, include_usage, kept)
     return Streamed(sse, "text/event-stream", headers=headers)
-
-
-def scoped_user(caller: Caller, user: str) -> str:
-    """The ``user`` field as logged: a hash scoped to the caller's key (the raw value may be an
-    e-mail address; two keys' identical user strings are different users)."""
-    return hashlib.sha256(f"{caller.key_id}:{user}".encode()).hexdigest()[:16]
 
 
 async def _sse(deltas: AsyncIterator[ChoiceDelta], first: ChoiceDelta, cid: str, model: str, n: int,

@@ -62,8 +62,8 @@ from gateway.conversation_store import ConversationStore
 from gateway.errors import APIError, bad_request, not_found
 from gateway.logprobs import chat_content
 from gateway.response_store import ResponseStore, StoredResponse
-from gateway.schemas import (MAX_STACK, MAX_TOOLS, TOOL_NAME, AdapterChoice, ChatCompletionRequest, Metadata, _Body,
-                             parse)
+from gateway.schemas import (MAX_STACK, MAX_TOOLS, TOOL_NAME, AdapterChoice, ChatCompletionRequest, EndUser, Metadata,
+                             _Body, parse)
 from gateway.service import Services
 from gateway.tools import CallDelta
 from workers.chat_prompt import encode
@@ -106,7 +106,11 @@ class ConversationRef(_Body):
     id: str = Field(min_length=1)
 
 
-class ResponsesRequest(_Body):
+class ResponseStreamOptions(_Body):
+    include_obfuscation: bool | None = None  # accepted; no padding field is added to the events
+
+
+class ResponsesRequest(EndUser):
     model: str = Field(min_length=1)
     input: str | list[dict[str, Any]]
     instructions: str | None = None
@@ -124,8 +128,9 @@ class ResponsesRequest(_Body):
     stream: bool = False
     include: list[str] | None = None  # accepted; logprobs come with top_logprobs
     metadata: Metadata = None
-    user: str | None = None
     service_tier: str | None = None
+    max_tool_calls: int | None = Field(default=None, ge=1)  # of built-in tools: none is served, so none is made
+    stream_options: ResponseStreamOptions | None = None
     truncation: Literal["disabled", "auto"] | None = None  # auto: the oldest turns dropped until it fits
     background: bool = False
     reasoning: None = None
@@ -440,6 +445,8 @@ class Draft:
             "tools": [t.model_dump(exclude_none=True) for t in body.tools or []],
             "top_logprobs": body.top_logprobs, "top_p": body.top_p, "truncation": body.truncation or "disabled",
             "usage": usage, "user": body.user, "metadata": body.metadata or {},
+            "safety_identifier": body.safety_identifier, "prompt_cache_key": body.prompt_cache_key,
+            "max_tool_calls": body.max_tool_calls,
         }
 
     @property

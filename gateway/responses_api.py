@@ -8,6 +8,7 @@ model is ``gateway.responses``; background work runs in ``gateway.response_runs`
 from __future__ import annotations
 
 import asyncio
+import logging
 import time
 from dataclasses import replace
 from typing import AsyncGenerator, AsyncIterator
@@ -32,6 +33,8 @@ from gateway.schemas import is_count, parse, read_json
 from gateway.service import Services
 from workers.chat_prompt import encode
 
+log = logging.getLogger("tiergate.responses")
+
 CANCEL_WAIT_S = 5.0  # a cancel waits this long for this process's work to stop and record it
 
 
@@ -46,6 +49,8 @@ async def create_response(request: Request) -> Response:
     store, conversations = _store(request), request.app.state.conversations
     job = await plan_response(svc, caller, store, body, conversations)
     served = served_caller(svc, caller, job.chat)
+    if (end_user := body.end_user(caller.key_id)) is not None:
+        log.info("response request: key %s, user %s, tier %s", caller.key_id, end_user, served.tier)
     draft = Draft(new_item_id("resp"), job, service_tier.label(svc.config, served.tier), background=body.background)
     headers = {**svc.gate.rate_headers(served.tier), "x-tiergate-tier": served.tier}
     if body.background:

@@ -9,6 +9,7 @@ strict types: a string is not a boolean or a number (an integer is still a fine 
 
 from __future__ import annotations
 
+import hashlib
 import json
 import math
 import re
@@ -146,6 +147,7 @@ class ResponseFormat(_Body):
 
 class StreamOptions(_Body):
     include_usage: bool = False
+    include_obfuscation: bool | None = None  # accepted; no padding field is added to the chunks
 
 
 MAX_STACK = 8  # adapters in one request's stack
@@ -174,7 +176,25 @@ def checked_logit_bias(v: dict[str, float] | None) -> dict[str, float] | None:
     return v
 
 
-class ChatCompletionRequest(_Body):
+class EndUser(_Body):
+    """OpenAI's fields that name the caller's end user and its prompt cache. Accepted, not acted
+    on: ``user`` and ``safety_identifier`` are logged as a hash scoped to the key, never raw
+    (``end_user``); the engines cache prompt prefixes by their tokens, whatever the key asks
+    (vLLM's prefix cache, for as long as its blocks stay)."""
+
+    user: str | None = None
+    safety_identifier: str | None = Field(default=None, max_length=64)
+    prompt_cache_key: str | None = None
+    prompt_cache_retention: Literal["in-memory", "24h"] | None = None
+
+    def end_user(self, key_id: str) -> str | None:
+        """Who the caller says it serves, as logged: a hash scoped to the key (the raw value may
+        be an e-mail address; two keys' identical strings are different users); None when unsaid."""
+        named = self.safety_identifier or self.user
+        return None if named is None else hashlib.sha256(f"{key_id}:{named}".encode()).hexdigest()[:16]
+
+
+class ChatCompletionRequest(EndUser):
     model: str = Field(min_length=1)
     messages: list[Message] = Field(min_length=1)
     max_tokens: int | None = Field(default=None, ge=1)
@@ -196,9 +216,10 @@ class ChatCompletionRequest(_Body):
     parallel_tool_calls: bool | None = None
     response_format: ResponseFormat | None = None
     service_tier: str | None = None  # auto | default | flex | priority, or a tier's name
-    user: str | None = None
     metadata: Metadata = None
     store: bool | None = None  # true: kept for the stored-completions API (gateway/stored_chat.py)
+    verbosity: Literal["low", "medium", "high"] | None = None  # accepted; the model decides
+    modalities: list[str] | None = None  # ["text"]: no audio output is served
     adapters: list[AdapterChoice] | None = Field(default=None, max_length=MAX_STACK)  # extension: LoRA stack
 
     @field_validator("stop")
@@ -215,6 +236,13 @@ class ChatCompletionRequest(_Body):
     @classmethod
     def _bias(cls, v: dict[str, float] | None) -> dict[str, float] | None:
         return checked_logit_bias(v)
+
+    @field_validator("modalities")
+    @classmethod
+    def _text_only(cls, v: list[str] | None) -> list[str] | None:
+        if v is not None and set(v) != {"text"}:
+            raise ValueError("this server answers in text only: modalities must be [\"text\"]")
+        return v
 
     def message_problem(self) -> tuple[str, str] | None:
         """(message, param) for the first message whose role lacks (or must not have) a field."""

@@ -230,6 +230,34 @@ def test_user_is_logged_scoped_to_the_key(server, caplog):
     assert "user " in caplog.text
 
 
+def test_the_end_user_and_prompt_cache_fields_are_accepted_and_logged_scoped(server, caplog):
+    """``safety_identifier`` (OpenAI's successor to ``user``), ``prompt_cache_key`` and
+    ``prompt_cache_retention``, ``verbosity``, ``modalities: ["text"]`` and
+    ``stream_options.include_obfuscation``: accepted, the reply the same as without them; the
+    end user logged only as its hash scoped to the key."""
+    from gateway.auth import key_id
+    from gateway.schemas import EndUser
+
+    caplog.set_level("INFO", logger="tiergate")
+    c = client(server)
+    plain = c.chat.completions.create(model="tiny-chat", messages=ASK, max_tokens=4, temperature=0)
+    tagged = c.chat.completions.create(model="tiny-chat", messages=ASK, max_tokens=4, temperature=0,
+                                       safety_identifier="bob@example.com", prompt_cache_key="app-1",
+                                       prompt_cache_retention="24h", verbosity="low", modalities=["text"])
+    assert tagged.choices[0].message.content == plain.choices[0].message.content
+    assert "bob@example.com" not in caplog.text
+    assert EndUser(safety_identifier="bob@example.com").end_user(key_id(server.keys["paid"])) in caplog.text
+    chunks = list(c.chat.completions.create(model="tiny-chat", messages=ASK, max_tokens=4, temperature=0, stream=True,
+                                            stream_options={"include_usage": True, "include_obfuscation": False}))
+    assert "".join(k.choices[0].delta.content or "" for k in chunks if k.choices) == plain.choices[0].message.content
+    for bad, param in ((dict(modalities=["text", "audio"]), "modalities"), (dict(safety_identifier="x" * 65), "safety_identifier"),
+                       (dict(prompt_cache_retention="1h"), "prompt_cache_retention")):
+        with pytest.raises(openai.BadRequestError) as e:
+            c.chat.completions.create(model="tiny-chat", messages=ASK, max_tokens=1, **bad)
+        assert e.value.body["param"] == param, e.value.body
+        assert param != "modalities" or "text only" in e.value.body["message"]
+
+
 # -- clients ------------------------------------------------------------------------------------------
 
 

@@ -302,6 +302,28 @@ def respond(c, input, **kw):
     return c.responses.create(model="tiny-chat", input=input, temperature=0, **kw)
 
 
+def test_the_end_user_and_cache_fields_are_accepted_echoed_and_logged_scoped(server, caplog):
+    from gateway.auth import key_id
+    from gateway.schemas import EndUser
+
+    caplog.set_level("INFO", logger="tiergate")
+    c = client(server)
+    plain = respond(c, "Hello there")
+    tagged = respond(c, "Hello there", safety_identifier="carol@example.com", prompt_cache_key="app-2",
+                     prompt_cache_retention="in-memory", max_tool_calls=3)
+    assert tagged.output_text == plain.output_text
+    assert (tagged.safety_identifier, tagged.prompt_cache_key, tagged.max_tool_calls) == ("carol@example.com", "app-2", 3)
+    assert c.responses.retrieve(tagged.id).safety_identifier == "carol@example.com"
+    assert "carol@example.com" not in caplog.text
+    assert EndUser(safety_identifier="carol@example.com").end_user(key_id(server.keys["paid"])) in caplog.text
+    events = list(c.responses.create(model="tiny-chat", input="Hello there", temperature=0, max_output_tokens=8, stream=True,
+                                     stream_options={"include_obfuscation": False}))
+    assert events[-1].response.output_text == plain.output_text
+    with pytest.raises(openai.BadRequestError) as e:
+        respond(c, "hi", max_tool_calls=0)
+    assert e.value.body["param"] == "max_tool_calls"
+
+
 def test_a_string_input(server):
     r = respond(client(server), "Hello there")
     assert r.object == "response" and r.id.startswith("resp_")

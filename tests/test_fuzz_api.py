@@ -108,6 +108,8 @@ SAMPLING = {"temperature": EDGE_FLOATS, "top_p": EDGE_FLOATS, "seed": EDGE_INTS,
             "service_tier": st.sampled_from(["auto", "default", "flex", "priority", "paid", "batch", "free", "gold"]),
             "user": TEXT, "metadata": st.dictionaries(TEXT, TEXT | ANY_JSON, max_size=3)}
 
+END_USER = {"safety_identifier": TEXT, "prompt_cache_key": TEXT, "prompt_cache_retention": st.sampled_from(["in-memory", "24h", "1h"])}
+
 # each endpoint: a valid body, and a near-miss strategy per field (any field may also get ANY_JSON)
 ENDPOINTS = {
     "/v1/chat/completions": (
@@ -115,7 +117,8 @@ ENDPOINTS = {
         {**SAMPLING, "messages": st.lists(MESSAGE, max_size=4), "max_tokens": EDGE_INTS,
          "max_completion_tokens": EDGE_INTS, "logprobs": st.booleans(), "top_logprobs": EDGE_INTS,
          "tools": st.lists(TOOL, max_size=3), "tool_choice": TOOL_CHOICE, "parallel_tool_calls": st.booleans(),
-         "response_format": FORMAT, "adapters": ADAPTERS, "store": st.booleans(),
+         "response_format": FORMAT, "adapters": ADAPTERS, "store": st.booleans(), **END_USER,
+         "verbosity": st.sampled_from(["low", "high", "max"]), "modalities": st.lists(st.sampled_from(["text", "audio"]), max_size=2),
          "model": st.sampled_from(["tiny-chat", "tiny-embed", "tiny-image", "nope", ""])}),
     "/v1/completions": (
         {"model": "tiny-chat", "prompt": "hi", "max_tokens": 2},
@@ -130,6 +133,8 @@ ENDPOINTS = {
                       "name": TOOL_NAME, "arguments": TEXT, "output": TEXT | ANY_JSON}), max_size=4),
          "instructions": TEXT, "max_output_tokens": EDGE_INTS, "temperature": EDGE_FLOATS, "top_p": EDGE_FLOATS,
          "top_logprobs": EDGE_INTS, "stream": st.booleans(), "store": st.booleans(), "background": st.booleans(),
+         **END_USER, "max_tool_calls": EDGE_INTS,
+         "stream_options": st.fixed_dictionaries({}, optional={"include_obfuscation": st.booleans() | ANY_JSON}),
          "tools": st.lists(st.fixed_dictionaries({"type": st.just("function"), "name": TOOL_NAME},
                                                  optional={"parameters": JSON_SCHEMA, "strict": st.booleans()}),
                            max_size=2),
