@@ -5,6 +5,7 @@
 
 from __future__ import annotations
 
+import asyncio
 import base64
 import itertools
 import json
@@ -15,6 +16,7 @@ from typing import Literal
 
 import anyio
 import numpy as np
+import torch
 from pydantic import Field
 from starlette.datastructures import FormData, UploadFile
 from starlette.requests import Request
@@ -27,7 +29,7 @@ from gateway.auth import Caller
 from gateway.errors import APIError, bad_request
 from gateway.http import Streamed, disconnect_signal
 from gateway.multipart import Multipart, text_fields
-from gateway.schemas import _Body, _Form, FormNoStream, parse, read_json
+from gateway.schemas import _Body, _Form, parse, read_json
 from gateway.service import ClientGone, Services
 from gateway.serving import Gone, Serving, in_thread
 from workers import audio as sound
@@ -229,7 +231,7 @@ class TranslationForm(_Form):
 class TranscriptionForm(TranslationForm):
     language: str | None = None
     timestamp_granularities: list[Literal["segment"]] | None = None  # no word timestamps
-    stream: FormNoStream = None
+    stream: bool = False  # the text as it is decoded: transcript.text.delta events, then transcript.text.done
 
 
 @dataclass(frozen=True)
@@ -263,6 +265,51 @@ async def serve_transcription(svc: Services, caller: Caller, job: TranscriptionJ
             raise bad_request(str(exc), exc.param if isinstance(exc, TranscriptionError) else None) from None
 
 
+async def stream_transcription(svc: Services, caller: Caller, job: TranscriptionJob,
+                               gone: Gone | None) -> AsyncGenerator[str | Transcript, None]:
+    """The serving core, streamed: each piece of the text as the model decodes it, then the
+    whole ``Transcript`` (the pieces join to its text). What goes wrong before the first piece
+    is raised by the first ``__anext__``; closing the iterator early stops the model at its next
+    token. No retry after running out of memory: pieces may have gone out already."""
+    endpoint = "transcriptions"
+    async with Serving(svc, caller, job.model, job.duration, endpoint, gone,
+                       Ask(audio_seconds=job.duration)) as serving:
+        serving.usage.audio_in_seconds = job.duration
+        worker, ctx, loop = serving.worker, serving.context(), asyncio.get_running_loop()
+        pieces: asyncio.Queue[str] = asyncio.Queue()
+        audio = sound.resample(job.audio, job.rate, worker.sample_rate)
+        work = asyncio.ensure_future(in_thread(
+            lambda: worker.transcribe(audio, job.request, ctx, lambda text: loop.call_soon_threadsafe(pieces.put_nowait, text)),
+            ctx))
+        try:
+            while not work.done():
+                piece = asyncio.ensure_future(pieces.get())
+                await serving.until_gone(asyncio.wait({piece, work}, return_when=asyncio.FIRST_COMPLETED))
+                if piece.done():
+                    yield piece.result()
+                else:
+                    piece.cancel()
+            await asyncio.sleep(0)  # the pieces the thread handed over last are queued by now
+            while not pieces.empty():
+                yield pieces.get_nowait()
+            try:
+                transcript = work.result()
+            except Cancelled:
+                raise ClientGone() from None
+            except torch.OutOfMemoryError as exc:
+                raise APIError(503, f"out of memory transcribing with {job.model}: {exc}", "out_of_memory") from None
+            except ValueError as exc:  # what the worker refuses after our checks: the language
+                raise bad_request(str(exc), exc.param if isinstance(exc, TranscriptionError) else None) from None
+        finally:
+            if not work.done():  # the client left, or the stream was closed: stop at the next token
+                ctx.cancel()
+                with anyio.CancelScope(shield=True):
+                    await asyncio.wait({work})
+            if work.done() and not work.cancelled():
+                work.exception()  # retrieved: raised above, or going nowhere
+    yield transcript
+
+
 async def transcriptions(request: Request) -> Response:
     """POST /v1/audio/transcriptions: a multipart upload, transcribed."""
     return await _speech_to_text(request, TranscriptionForm, "transcribe")
@@ -287,9 +334,41 @@ async def _speech_to_text(request: Request, form_type: type[TranslationForm], ta
     language = getattr(body, "language", None) or None
     job = TranscriptionJob(spec.name, audio, rate, TranscriptionRequest(language, body.prompt or None, body.temperature,
                                                                        task))
+    if getattr(body, "stream", False):
+        if body.response_format not in ("json", "text"):
+            raise bad_request(f"a streamed transcription is text events: response_format json or text, "
+                              f"not {body.response_format}", "response_format")
+        async with disconnect_signal(request) as gone:
+            pieces = stream_transcription(svc, caller, job, gone)
+            first = await pieces.__anext__()  # errors before any event are HTTP errors
+        return Streamed(_transcript_events(first, pieces), "text/event-stream", svc.gate.rate_headers(caller.tier))
     async with disconnect_signal(request) as gone:
         transcript = await serve_transcription(svc, caller, job, gone)
     return _transcript_response(transcript, body, task, svc.gate.rate_headers(caller.tier))
+
+
+async def _transcript_events(first: str | Transcript,
+                             pieces: AsyncGenerator[str | Transcript, None]) -> AsyncIterator[bytes]:
+    """``stream: true``: ``transcript.text.delta`` with each piece of the text, then
+    ``transcript.text.done`` with the whole and its usage (seconds of audio, as the unstreamed
+    answer's). A stream cut short by a failure ends with an ``error`` event and no done event."""
+    try:
+        item = first
+        while True:
+            if isinstance(item, Transcript):
+                usage = {"type": "duration", "seconds": int(np.ceil(item.duration))}
+                yield _event({"type": "transcript.text.done", "text": item.text, "usage": usage})
+                return
+            yield _event({"type": "transcript.text.delta", "delta": item})
+            item = await pieces.__anext__()
+    except APIError as exc:
+        yield _event({"type": "error", "error": exc.body()["error"]})
+    except Exception:  # noqa: BLE001 - the response has started: it ends short, and the gateway lives on
+        log.exception("transcription stream failed")
+        yield _event({"type": "error", "error": {"message": "the transcription failed", "type": "server_error",
+                                                 "param": None, "code": "server_error"}})
+    finally:
+        await pieces.aclose()
 
 
 async def _decode(form: FormData, max_seconds: float) -> tuple[np.ndarray, int]:

@@ -509,6 +509,58 @@ def test_transcription_in_every_format(media):
     assert all(0 <= s.start <= s.end <= 3.0 for s in verbose.segments)
 
 
+def test_a_streamed_transcription_sends_the_text_as_it_is_decoded(media):
+    """``stream: true`` through the SDK: ``transcript.text.delta`` events whose pieces join to
+    the ``transcript.text.done`` text, the same text as the unstreamed answer (greedy); a request
+    refused before any text is an HTTP error, not an event."""
+    c = client(media)
+    wav = tone_file(3.0, 16000, 1, "WAV")
+    ask = dict(model="tiny-stt", file=("tone.wav", wav, "audio/wav"), language="en", temperature=0)
+    plain = c.audio.transcriptions.create(**ask)
+    events = list(c.audio.transcriptions.create(**ask, stream=True))
+    deltas = [e.delta for e in events if e.type == "transcript.text.delta"]
+    done = events[-1]
+    assert len(deltas) >= 2 and len(events) == len(deltas) + 1  # more than one piece: streamed as decoded
+    assert done.type == "transcript.text.done" and "".join(deltas) == done.text == plain.text
+    assert (done.usage.type, done.usage.model_extra["seconds"]) == ("duration", 3)
+    assert c.audio.transcriptions.create(**ask, stream=True, response_format="text") is not None
+    error(_transcribe(media, {"file": ("a.wav", WAV)}, {"stream": "true", "language": "klingon"}), 400, "language", None)
+    error(_transcribe(media, {"file": ("a.wav", WAV)}, {"stream": "true", "response_format": "srt"}), 400,
+          "response_format", None)
+    error(_transcribe(media, {"file": ("a.wav", WAV)}, {"stream": "maybe"}), 400, "stream", None)
+    r = httpx.post(f"{media.base_url}/audio/translations", headers=auth(media), files={"file": ("a.wav", WAV)},
+                   data={"model": "tiny-stt", "stream": "true"})
+    error(r, 400, "stream", "unknown_parameter")  # translations do not stream (OpenAI's have no such field)
+
+
+def test_leaving_a_streamed_transcription_stops_the_decoding_and_frees_the_slot(media):
+    c = client(media)
+    wav = tone_file(3.0, 16000, 1, "WAV")
+    c.audio.transcriptions.create(model="tiny-stt", file=("w.wav", wav, "audio/wav"), language="en")  # loaded
+    worker = media.services.arbiter.workers["tiny-stt"]
+    decoder = worker.model.get_decoder()
+    whole = c.audio.transcriptions.create(model="tiny-stt", file=("w.wav", wav, "audio/wav"), language="en", stream=True)
+    with _Counter(decoder) as full:
+        list(whole)
+    slow = decoder.register_forward_pre_hook(lambda *_: time.sleep(0.05))  # a token every 50 ms
+    try:
+        with _Counter(decoder) as decoded:
+            with httpx.stream("POST", f"{media.base_url}/audio/transcriptions", headers=auth(media),
+                              files={"file": ("w.wav", wav)}, data={"model": "tiny-stt", "language": "en", "stream": "true"},
+                              timeout=60) as r:
+                assert r.status_code == 200 and r.headers["content-type"].startswith("text/event-stream")
+                first = next(line for line in r.iter_lines() if line.startswith("data: "))
+                assert json.loads(first[6:])["type"] == "transcript.text.delta"
+            _wait(lambda: _idle(media, "tiny-stt"), timeout=10)
+            at_release = decoded.n
+            time.sleep(0.3)
+            after = decoded.n
+    finally:
+        slow.remove()
+    print(f"transcription: {full.n} decoder calls in all; {at_release} by release after the client left, {after} after 0.3 s")
+    assert after == at_release and at_release < full.n - 5  # stopped at the next token, not at the window's end
+
+
 def test_translation_through_the_sdk(media):
     """``/v1/audio/translations`` with the SDK: English text in OpenAI's shapes (the verbose one says
     ``task: translate`` and ``language: english`` whatever was spoken); no ``language`` field."""

@@ -432,6 +432,22 @@ def test_stt_transcribes_a_44k_stereo_wav(stt_worker):
     assert [s.id for s in result.segments] == list(range(len(result.segments)))
 
 
+@pytest.mark.parametrize("seconds, temperature", [(45.0, 0.0), (4.0, 0.8)])
+def test_stt_streamed_pieces_join_to_the_transcript(stt_worker, seconds, temperature):
+    """``on_text`` across two windows (45 s) and sampled (0.8): the pieces join to the text, a
+    step boundary at every token; greedy, the same text as unstreamed."""
+    x = _tone(seconds, 16000)[:, 0]
+    req = stt.TranscriptionRequest(language="en", temperature=temperature)
+    pieces: list[str] = []
+    ctx = StepContext()
+    streamed = stt_worker.transcribe(x, req, ctx, pieces.append)
+    assert len(pieces) >= 2 and all(pieces) and "".join(pieces) == streamed.text
+    windows = len(stt.split_windows(x, 16000, stt_worker.window_s))
+    assert ctx.steps > windows * 3  # one per window, and one per token decoded
+    if temperature == 0:
+        assert stt_worker.transcribe(x, req, StepContext()).text == streamed.text
+
+
 def test_stt_options(stt_worker):
     x = _tone(3.0, 16000)[:, 0]
     req = stt.TranscriptionRequest(language="fr", prompt="Glossary: tiergate, Whisper.", temperature=0.8)

@@ -11,11 +11,12 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Literal
+from typing import Callable, Literal
 
 import numpy as np
 import torch
 from transformers import AutoModelForSpeechSeq2Seq, AutoProcessor
+from transformers.generation.streamers import BaseStreamer
 from transformers.models.whisper.tokenization_whisper import TO_LANGUAGE_CODE
 
 from workers.base import ModelSpec, StepContext
@@ -116,8 +117,16 @@ class STTWorker(ThreadWorker):
     def modules(self) -> list[torch.nn.Module]:
         return [self.model] if self.model is not None else []
 
-    def transcribe(self, audio: np.ndarray, req: TranscriptionRequest, ctx: StepContext) -> Transcript:
-        """Transcribe float32 mono ``audio`` at ``sample_rate``; ``ctx.boundary()`` before each window."""
+    def transcribe(self, audio: np.ndarray, req: TranscriptionRequest, ctx: StepContext,
+                   on_text: Callable[[str], None] | None = None) -> Transcript:
+        """Transcribe float32 mono ``audio`` at ``sample_rate``; ``ctx.boundary()`` before each window.
+
+        ``on_text`` (a streamed transcription) is called, on this thread, with each piece of the
+        transcript's text as it is decoded (and ``ctx.boundary()`` is passed at every token): the
+        text so far is the windows done, then the current window's tokens read as its finished
+        segments will be (``_segments``), and each call adds what that text grew by. The pieces
+        join to ``Transcript.text``; in the rare case the finished window reads other than its
+        tokens so far did, what was already sent stands and the last piece is left out."""
         if self.model is None:
             raise RuntimeError(f"model {self.spec.name!r} is not loaded")
         if req.temperature < 0:
@@ -130,15 +139,30 @@ class STTWorker(ThreadWorker):
         language = self._language(req.language)
         prompt_ids = self._prompt_ids(req.prompt)
         segments: list[Segment] = []
+        sent = ""  # what on_text was given
         for start, end in split_windows(audio, sr, self.window_s):
             ctx.boundary()
             features = self._features(audio[start:end])
             if language is None:
                 language = self._detect_language(features)
             t0, t1 = start / sr, end / sr
-            for s0, s1, text in self._window(features, language, prompt_ids, req.temperature, t1 - t0, req.task):
+            streamer = None
+            if on_text is not None:
+                done = _joined(s.text for s in segments)
+
+                def grown(ids: list[int], done: str = done, length_s: float = t1 - t0) -> None:
+                    nonlocal sent
+                    so_far = _joined([done, _joined(t for _, _, t in self._segments(ids, length_s))])
+                    if so_far.startswith(sent) and len(so_far) > len(sent):
+                        on_text(so_far[len(sent):])
+                        sent = so_far
+
+                streamer = _Tokens(ctx, grown)
+            for s0, s1, text in self._window(features, language, prompt_ids, req.temperature, t1 - t0, req.task, streamer):
                 segments.append(Segment(len(segments), round(t0 + s0, 3), round(t0 + s1, 3), text))
-        text = " ".join(s.text for s in segments if s.text)
+        text = _joined(s.text for s in segments)
+        if on_text is not None and text.startswith(sent) and len(text) > len(sent):
+            on_text(text[len(sent):])
         return Transcript(text=text, language=language, duration=len(audio) / sr, segments=segments)
 
     def _features(self, audio: np.ndarray) -> torch.Tensor:
@@ -189,7 +213,7 @@ class STTWorker(ThreadWorker):
 
     def _window(
         self, features: torch.Tensor, language: str | None, prompt_ids: torch.Tensor | None, temperature: float, length_s: float,
-        task: str = "transcribe",
+        task: str = "transcribe", streamer: BaseStreamer | None = None,
     ) -> list[tuple[float, float, str]]:
         """(start, end, text) segments of one window, times relative to the window's start.
 
@@ -202,15 +226,21 @@ class STTWorker(ThreadWorker):
             kwargs.update(language=language, task=task)
         if prompt_ids is not None:
             kwargs["prompt_ids"] = prompt_ids
-        timestamps = self._timestamps()
-        if timestamps:
+        if self._timestamps():
             kwargs["return_timestamps"] = True
+        if streamer is not None:
+            kwargs["streamer"] = streamer
         with torch.inference_mode():
             ids = self.model.generate(features, **kwargs)
-        ids = self._text_and_timestamp_ids(ids[0].tolist())
+        return self._segments(ids[0].tolist(), length_s)
+
+    def _segments(self, ids: list[int], length_s: float) -> list[tuple[float, float, str]]:
+        """(start, end, text) segments of a window's generated ``ids`` (with or without the
+        decoder's prompt), by their timestamps where the model writes them."""
+        ids = self._text_and_timestamp_ids(ids)
         tok = self.processor.tokenizer
         text = tok.decode(ids, skip_special_tokens=True).strip()
-        if not timestamps:
+        if not self._timestamps():
             return [(0.0, length_s, text)]
         offsets = tok.decode(ids, output_offsets=True).get("offsets", [])
         return _clean_offsets(offsets, length_s) or [(0.0, length_s, text)]
@@ -222,6 +252,32 @@ class STTWorker(ThreadWorker):
             ids = ids[len(ids) - ids[::-1].index(start) :]
         special = set(self.processor.tokenizer.all_special_ids)
         return [i for i in ids if i not in special]
+
+
+def _joined(texts) -> str:
+    """Pieces of a transcript as it reads: the non-empty ones, a space between."""
+    return " ".join(t for t in texts if t)
+
+
+class _Tokens(BaseStreamer):
+    """``generate``'s tokens as they come: the first ``put`` is the decoder's prompt (skipped);
+    each after it is one token, a step boundary, and ``grown`` is told all tokens so far."""
+
+    def __init__(self, ctx: StepContext, grown: Callable[[list[int]], None]) -> None:
+        self.ctx, self.grown = ctx, grown
+        self.ids: list[int] = []
+        self.prompted = False
+
+    def put(self, value: torch.Tensor) -> None:
+        if not self.prompted:
+            self.prompted = True
+            return
+        self.ids.extend(value.reshape(-1).tolist())
+        self.ctx.boundary()
+        self.grown(self.ids)
+
+    def end(self) -> None:
+        pass
 
 
 def _clean_offsets(offsets: list[dict], length_s: float) -> list[tuple[float, float, str]]:
