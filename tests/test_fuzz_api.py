@@ -507,6 +507,8 @@ def check_answer(r: httpx.Response, what) -> None:
     assert r.status_code < 500 or r.status_code == 503, (r.status_code, r.text[:500], what)
     if r.status_code >= 400:
         check_error(r.status_code, r.content, what)
+    elif r.headers.get("content-type", "").startswith("text/event-stream"):  # a streamed transcription
+        check_stream(r.text.splitlines(), what)
 
 
 @pytest.mark.parametrize("path", ["/v1/audio/transcriptions", "/v1/audio/translations", "/v1/files", "/v1/images/edits",
