@@ -5,7 +5,6 @@
 
 from __future__ import annotations
 
-import asyncio
 import base64
 import itertools
 import json
@@ -31,7 +30,7 @@ from gateway.http import Streamed, disconnect_signal
 from gateway.multipart import Multipart, text_fields
 from gateway.schemas import _Body, _Form, parse, read_json
 from gateway.service import ClientGone, Services
-from gateway.serving import Gone, Serving, in_thread
+from gateway.serving import Finished, Gone, Serving, in_thread, relayed
 from workers import audio as sound
 from workers.base import Cancelled, ModelSpec, StepContext
 from workers.stt import Transcript, TranscriptionError, TranscriptionRequest
@@ -270,44 +269,22 @@ async def stream_transcription(svc: Services, caller: Caller, job: Transcription
     """The serving core, streamed: each piece of the text as the model decodes it, then the
     whole ``Transcript`` (the pieces join to its text). What goes wrong before the first piece
     is raised by the first ``__anext__``; closing the iterator early stops the model at its next
-    token. No retry after running out of memory: pieces may have gone out already."""
-    endpoint = "transcriptions"
-    async with Serving(svc, caller, job.model, job.duration, endpoint, gone,
+    token."""
+    async with Serving(svc, caller, job.model, job.duration, "transcriptions", gone,
                        Ask(audio_seconds=job.duration)) as serving:
         serving.usage.audio_in_seconds = job.duration
-        worker, ctx, loop = serving.worker, serving.context(), asyncio.get_running_loop()
-        pieces: asyncio.Queue[str] = asyncio.Queue()
+        worker, ctx = serving.worker, serving.context()
         audio = sound.resample(job.audio, job.rate, worker.sample_rate)
-        work = asyncio.ensure_future(in_thread(
-            lambda: worker.transcribe(audio, job.request, ctx, lambda text: loop.call_soon_threadsafe(pieces.put_nowait, text)),
-            ctx))
+        pieces = relayed(serving, ctx, lambda send: worker.transcribe(audio, job.request, ctx, send))
         try:
-            while not work.done():
-                piece = asyncio.ensure_future(pieces.get())
-                await serving.until_gone(asyncio.wait({piece, work}, return_when=asyncio.FIRST_COMPLETED))
-                if piece.done():
-                    yield piece.result()
-                else:
-                    piece.cancel()
-            await asyncio.sleep(0)  # the pieces the thread handed over last are queued by now
-            while not pieces.empty():
-                yield pieces.get_nowait()
-            try:
-                transcript = work.result()
-            except Cancelled:
-                raise ClientGone() from None
-            except torch.OutOfMemoryError as exc:
-                raise APIError(503, f"out of memory transcribing with {job.model}: {exc}", "out_of_memory") from None
-            except ValueError as exc:  # what the worker refuses after our checks: the language
-                raise bad_request(str(exc), exc.param if isinstance(exc, TranscriptionError) else None) from None
+            async for piece in pieces:
+                yield piece.result if isinstance(piece, Finished) else piece
+        except torch.OutOfMemoryError as exc:
+            raise APIError(503, f"out of memory transcribing with {job.model}: {exc}", "out_of_memory") from None
+        except ValueError as exc:  # what the worker refuses after our checks: the language
+            raise bad_request(str(exc), exc.param if isinstance(exc, TranscriptionError) else None) from None
         finally:
-            if not work.done():  # the client left, or the stream was closed: stop at the next token
-                ctx.cancel()
-                with anyio.CancelScope(shield=True):
-                    await asyncio.wait({work})
-            if work.done() and not work.cancelled():
-                work.exception()  # retrieved: raised above, or going nowhere
-    yield transcript
+            await pieces.aclose()
 
 
 async def transcriptions(request: Request) -> Response:

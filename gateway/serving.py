@@ -34,8 +34,10 @@ from __future__ import annotations
 
 import asyncio
 import time
+from collections.abc import AsyncGenerator
 from concurrent.futures import ThreadPoolExecutor
-from typing import Awaitable, Callable, TypeVar
+from dataclasses import dataclass
+from typing import Awaitable, Callable, Generic, TypeVar
 
 import anyio
 import torch
@@ -49,6 +51,7 @@ from gateway.service import ClientGone, Held, Services
 from workers.base import Cancelled, StepContext
 
 T = TypeVar("T")
+R = TypeVar("R")
 
 
 class Gone:
@@ -282,3 +285,47 @@ async def in_thread(work: Callable[[], T], ctx: StepContext) -> T:
         if not done.cancelled():
             done.exception()  # retrieved: the caller is gone, the result or error goes nowhere
         raise
+
+
+@dataclass(frozen=True)
+class Finished(Generic[R]):
+    """The last item ``relayed`` yields: the work's result."""
+
+    result: R
+
+
+async def relayed(serving: Serving, ctx: StepContext,
+                  work: Callable[[Callable[[T], None]], R]) -> AsyncGenerator[T | Finished[R], None]:
+    """Run blocking model ``work(send)`` on a model thread and yield what it sends, as it sends
+    it, then ``Finished`` with its result: a streamed answer's pieces (a transcript's text, an
+    image's previews). What the work raises is raised after the pieces sent before it, Cancelled
+    as ``ClientGone``. The client leaving, or the generator closed early, cancels ``ctx`` (the
+    work stops at its next step boundary) and waits for the thread. No out-of-memory retry: pieces
+    may have gone out already."""
+    loop, sent = asyncio.get_running_loop(), asyncio.Queue()
+    running = asyncio.ensure_future(in_thread(lambda: work(lambda item: loop.call_soon_threadsafe(sent.put_nowait, item)),
+                                              ctx))
+    try:
+        while not running.done():
+            item = asyncio.ensure_future(sent.get())
+            try:
+                await serving.until_gone(asyncio.wait({item, running}, return_when=asyncio.FIRST_COMPLETED))
+            finally:
+                if not item.done():
+                    item.cancel()
+            if item.done() and not item.cancelled():  # (a get cancelled unfinished leaves its item queued)
+                yield item.result()
+        while not sent.empty():  # the thread's last sends were queued before its result
+            yield sent.get_nowait()
+        try:
+            result = running.result()
+        except Cancelled:
+            raise ClientGone() from None
+    finally:
+        if not running.done():
+            ctx.cancel()
+            with anyio.CancelScope(shield=True):
+                await asyncio.wait({running})
+        if not running.cancelled():
+            running.exception()  # retrieved: raised above, or going nowhere
+    yield Finished(result)
