@@ -53,6 +53,8 @@ async def chat(svc: Services, caller: Caller, data: dict) -> Result:
 
 async def images(svc: Services, caller: Caller, data: dict) -> Result:
     body = parse(ImageGenerationRequest, data)
+    if body.stream:
+        raise bad_request("stream is not supported in a batch (a line's output is the image)", "stream")
     job = plan_images(svc, body)
     if body.response_format == "url":  # a url is served to a live request's key for minutes
         raise bad_request("response_format 'url' is only for live requests; use b64_json", "response_format")

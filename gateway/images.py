@@ -10,12 +10,15 @@ from __future__ import annotations
 import base64
 import io
 import json
+import logging
 import re
 import time
+from collections.abc import AsyncGenerator, AsyncIterator
 from dataclasses import dataclass, replace
 from typing import TYPE_CHECKING, Literal
 
 import anyio
+import torch
 from pydantic import Field
 from starlette.datastructures import FormData, UploadFile
 from starlette.requests import Request
@@ -26,17 +29,19 @@ from gateway.adapters import resolve_request
 from gateway.auth import Caller
 from gateway.config import LimitsConfig
 from gateway.errors import APIError, bad_request, not_found
-from gateway.http import disconnect_signal
+from gateway.http import Streamed, disconnect_signal
 from gateway.multipart import Multipart, text_fields
-from gateway.schemas import MAX_STACK, AdapterChoice, _Body, _Form, FormNoStream, parse, read_json
+from gateway.schemas import MAX_STACK, AdapterChoice, _Body, _Form, parse, read_json
 from gateway.service import Services
-from gateway.serving import Gone, Serving, in_thread
+from gateway.serving import Finished, Gone, Serving, in_thread, relayed
 from workers.base import ModelSpec
 from workers.image import ImageRequest
 from workers.registry import describe
 
 if TYPE_CHECKING:
     from PIL.Image import Image
+
+log = logging.getLogger("tiergate")
 
 DEFAULT_STEPS = 25
 _SIZE = re.compile(r"^(\d{1,5})x(\d{1,5})$")
@@ -58,7 +63,8 @@ class ImageGenerationRequest(_Body):
     # OpenAI fields accepted with the only values this server has
     quality: Literal["auto", "standard"] | None = None
     output_format: Literal["png"] | None = None
-    stream: Literal[False] | None = None
+    stream: bool = False  # previews while it denoises (partial_images of them), then the image: SSE events
+    partial_images: int | None = Field(default=None, ge=0, le=3)
     user: str | None = None
     adapters: list[AdapterChoice] | None = Field(default=None, max_length=MAX_STACK)  # extension: LoRA stack
 
@@ -85,7 +91,8 @@ class ImageEditForm(ImageVariationForm):
     prompt: str
     quality: Literal["auto", "standard"] | None = None
     output_format: Literal["png"] | None = None
-    stream: FormNoStream = None
+    stream: bool = False
+    partial_images: int | None = Field(default=None, ge=0, le=3)
 
 
 @dataclass(frozen=True)
@@ -258,14 +265,44 @@ async def serve_images(svc: Services, caller: Caller, job: Plan, gone: Gone | No
                                       "generating images with")
         except ValueError as exc:
             raise bad_request(str(exc)) from None
-        serving.usage.images = len(pngs)
-        serving.usage.pixels = sum(_pixels(png) for png in pngs)
+        _metered(serving, pngs)
         return pngs
 
 
+async def stream_images(svc: Services, caller: Caller, job: Plan,
+                        gone: Gone | None) -> AsyncGenerator[list[bytes] | Finished[list[bytes]], None]:
+    """The serving core, streamed: the previews as the model denoises (``job.request.partial_images``
+    of them, each a list of PNGs), then ``Finished`` with the PNGs, after the usage is written.
+    What goes wrong before the first preview is raised by the first ``__anext__``; closing the
+    iterator early stops the model at its next denoising step."""
+    done: Finished[list[bytes]] | None = None
+    async with Serving(svc, caller, job.model, job.units, "images", gone, Ask(images=job.request.n)) as serving:
+        worker, ctx = serving.worker, serving.context()
+        pieces = relayed(serving, ctx, lambda send: worker.generate(job.request, ctx, send))
+        try:
+            async for piece in pieces:
+                if isinstance(piece, Finished):
+                    done = piece
+                else:
+                    yield piece
+        except torch.OutOfMemoryError as exc:
+            raise APIError(503, f"out of memory generating images with {job.model}: {exc}", "out_of_memory") from None
+        except ValueError as exc:
+            raise bad_request(str(exc)) from None
+        finally:
+            await pieces.aclose()
+        _metered(serving, done.result)
+    yield done  # after the block: its usage is written before the image goes out
+
+
+def _metered(serving: Serving, pngs: list[bytes]) -> None:
+    serving.usage.images = len(pngs)
+    serving.usage.pixels = sum(_pixels(png) for png in pngs)
+
+
 def _pixels(png: bytes) -> int:
-    """Width times height, from the PNG's header (IHDR: big-endian, at bytes 16-24)."""
-    return int.from_bytes(png[16:20], "big") * int.from_bytes(png[20:24], "big")
+    width, height = _png_size(png)
+    return width * height
 
 
 def plan_images(svc: Services, body: ImageGenerationRequest) -> Plan:
@@ -288,9 +325,73 @@ async def generations(request: Request) -> Response:
     caller = svc.admit_caller(request)
     body = parse(ImageGenerationRequest, await read_json(request, svc.config.limits.max_body))
     job = plan_images(svc, body)
+    if body.stream:
+        return await _streamed(request, svc, caller, job, body, "image_generation")
     async with disconnect_signal(request) as gone:
         pngs = await serve_images(svc, caller, job, gone)
     return _answer(request, svc, caller, pngs, body.response_format)
+
+
+async def _streamed(request: Request, svc: Services, caller: Caller, job: Plan,
+                    body: ImageGenerationRequest | ImageEditForm, kind: str) -> Response:
+    """``stream: true``: OpenAI's ``{kind}.partial_image`` events (the previews) and then
+    ``{kind}.completed`` (the image), each with its PNG in ``b64_json``."""
+    if body.n != 1:
+        raise bad_request(f"a streamed request makes one image: n must be 1, not {body.n}", "n")
+    if body.response_format == "url":
+        raise bad_request("a streamed image comes in its events (b64_json): response_format url is not streamed",
+                          "response_format")
+    job = replace(job, request=replace(job.request, partial_images=body.partial_images or 0))
+    async with disconnect_signal(request) as gone:
+        pieces = stream_images(svc, caller, job, gone)
+        first = await pieces.__anext__()  # errors before any event are HTTP errors
+    width, height = _png_size(first.result[0] if isinstance(first, Finished) else first[0])
+    shown = {"size": f"{width}x{height}", "quality": body.quality or "auto", "background": "opaque", "output_format": "png"}
+    return Streamed(_image_events(first, pieces, kind, shown, _prompt_tokens(svc, job)), "text/event-stream",
+                    svc.gate.rate_headers(caller.tier))
+
+
+async def _image_events(first, pieces, kind: str, shown: dict, prompt_tokens: int) -> AsyncIterator[bytes]:
+    """The events of ``_streamed``. A failure after the first event ends the stream with an
+    ``error`` event and no completed event."""
+    try:
+        piece, index = first, 0
+        while True:
+            b64 = base64.b64encode(piece.result[0] if isinstance(piece, Finished) else piece[0]).decode("ascii")
+            if isinstance(piece, Finished):
+                usage = {"input_tokens": prompt_tokens, "input_tokens_details": {"image_tokens": 0, "text_tokens": prompt_tokens},
+                         "output_tokens": 0, "total_tokens": prompt_tokens}
+                yield _event(f"{kind}.completed", {"b64_json": b64, **shown, "usage": usage})
+                return
+            yield _event(f"{kind}.partial_image", {"b64_json": b64, **shown, "partial_image_index": index})
+            piece, index = await pieces.__anext__(), index + 1
+    except APIError as exc:
+        yield _event("error", {"error": exc.body()["error"]})
+    except Exception:  # noqa: BLE001 - the response has started: it ends short, and the gateway lives on
+        log.exception("image stream failed")
+        yield _event("error", {"error": {"message": "the image generation failed", "type": "server_error",
+                                         "param": None, "code": "server_error"}})
+    finally:
+        await pieces.aclose()
+
+
+def _event(kind: str, data: dict) -> bytes:
+    body = json.dumps({"type": kind, **data, "created_at": int(time.time())} if kind != "error" else {"type": kind, **data},
+                      separators=(",", ":"))
+    return f"event: {kind}\ndata: {body}\n\n".encode()
+
+
+def _png_size(png: bytes) -> tuple[int, int]:
+    """(width, height) from the PNG's header (IHDR: big-endian, at bytes 16-24)."""
+    return int.from_bytes(png[16:20], "big"), int.from_bytes(png[20:24], "big")
+
+
+def _prompt_tokens(svc: Services, job: Plan) -> int:
+    """The prompt's tokens as the pipeline's (first) tokenizer counts them, uncut; 0 when the
+    model is gone or has none."""
+    worker = svc.arbiter.workers.get(job.model)
+    tokenizer = getattr(getattr(worker, "pipe", None), "tokenizer", None)
+    return len(tokenizer(job.request.prompt)["input_ids"]) if tokenizer is not None and job.request.prompt else 0
 
 
 async def edits(request: Request) -> Response:
@@ -318,6 +419,8 @@ async def _from_image(request: Request, form_type: type[ImageVariationForm], fil
                                                      form_type is ImageVariationForm)
     job = plan_edit(body, steps, source, repaint)
     job = replace(job, model=spec.name, request=replace(job.request, adapters=stack))
+    if getattr(body, "stream", False):
+        return await _streamed(request, svc, caller, job, body, "image_edit")
     async with disconnect_signal(request) as gone:
         pngs = await serve_images(svc, caller, job, gone)
     return _answer(request, svc, caller, pngs, body.response_format)

@@ -47,17 +47,6 @@ class _Form(BaseModel):
     model_config = ConfigDict(extra="forbid", allow_inf_nan=False)
 
 
-def _not_streamed(value: bool | None) -> bool | None:
-    if value:
-        raise ValueError("this endpoint does not stream its answer; leave stream out or false")
-    return value
-
-
-# ``stream`` of an upload that is answered whole: the SDKs send a given ``stream=False`` as the
-# form text "false", which a ``Literal[False]`` refuses (it is not the boolean False)
-FormNoStream = Annotated[bool | None, AfterValidator(_not_streamed)]
-
-
 def _checked_metadata(v: dict[str, str] | None) -> dict[str, str] | None:
     """OpenAI's limits on ``metadata``: 16 pairs, keys of 64 characters and values of 512 at most."""
     if v is not None and len(v) > 16:

@@ -163,15 +163,16 @@ def test_image_batch_returns_png_b64(server):
     c = sdk(server)
     line = {"method": "POST", "url": "/v1/images/generations",
             "body": {"model": "tiny-image", "prompt": "a cat", "size": "32x32", "num_inference_steps": 1}}
-    rows = [{**line, "custom_id": "img-0"}, {**line, "custom_id": "img-url", "body": {**line["body"], "response_format": "url"}}]
+    rows = [{**line, "custom_id": "img-0"}, {**line, "custom_id": "img-url", "body": {**line["body"], "response_format": "url"}},
+            {**line, "custom_id": "img-stream", "body": {**line["body"], "stream": True}}]
     f = c.files.create(file=("in.jsonl", io.BytesIO(jsonl(rows))), purpose="batch")
     b = c.batches.create(input_file_id=f.id, endpoint="/v1/images/generations", completion_window="24h")
     done = wait(c, b.id)
-    assert (done.status, done.request_counts.completed, done.request_counts.failed) == ("completed", 1, 1)
+    assert (done.status, done.request_counts.completed, done.request_counts.failed) == ("completed", 1, 2)
     png = base64.b64decode(lines_of(c, done.output_file_id)[0]["response"]["body"]["data"][0]["b64_json"])
     assert png.startswith(b"\x89PNG")
-    refused = lines_of(c, done.error_file_id)[0]
-    assert refused["custom_id"] == "img-url" and refused["response"]["body"]["error"]["param"] == "response_format"
+    refused = {x["custom_id"]: x["response"]["body"]["error"]["param"] for x in lines_of(c, done.error_file_id)}
+    assert refused == {"img-url": "response_format", "img-stream": "stream"}
 
 
 def test_speech_batch_returns_audio_as_base64(server):

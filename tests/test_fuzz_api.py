@@ -156,6 +156,7 @@ ENDPOINTS = {
          "size": st.sampled_from(["auto", "32x32", "0x0", "8x8", "7x9", "64x65", "99999x1", "x", "32X32", " 32x32",
                                   "-32x32", "3.5x4"]) | TEXT,
          "response_format": st.sampled_from(["b64_json", "url", "jpeg"]), "quality": TEXT, "adapters": ADAPTERS,
+         "stream": st.booleans(), "partial_images": EDGE_INTS | st.sampled_from([0, 1, 3]),
          "model": st.sampled_from(["tiny-image", "tiny-chat"])}),
     "/v1/audio/speech": (
         {"model": "tiny-tts", "input": "hello", "voice": "alloy"},
@@ -427,7 +428,7 @@ EDIT_FIELDS = {
     "strength": FORM_TEXT, "num_inference_steps": FORM_TEXT, "seed": FORM_TEXT, "guidance_scale": FORM_TEXT,
     "response_format": st.sampled_from(["b64_json", "url", "png"]) | TEXT, "negative_prompt": TEXT,
     "adapters": st.sampled_from(["[]", "[{\"name\": \"x\"}]", "{}", "null", "[1]"]) | TEXT,
-    "stream": FORM_TEXT, "user": TEXT,
+    "stream": FORM_TEXT, "partial_images": FORM_TEXT, "user": TEXT,
 }
 
 

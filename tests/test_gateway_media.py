@@ -338,16 +338,72 @@ def test_image_variation_remakes_the_whole_image(media):
 
 def test_uploads_take_the_sdks_stream_false(media):
     """The SDK sends a given ``stream=False`` as the form text "false": answered whole, as without
-    it (it was a 400 "Input should be False"); ``stream=true`` is a 400 naming ``stream``."""
+    it (it was a 400 "Input should be False"); variations have no ``stream`` (OpenAI's neither)."""
     c = client(media)
     r = c.images.edit(model="tiny-image", prompt="a cat", image=("a.png", SRC), stream=False, extra_body=EDIT)
     assert png_size(base64.b64decode(r.data[0].b64_json)) == (32, 32)
     t = c.audio.transcriptions.create(model="tiny-stt", file=("a.wav", WAV), stream=False)
     assert isinstance(t.text, str)
-    for path, files, data in (("/images/edits", {"image": ("a.png", SRC)}, {"model": "tiny-image", "prompt": "a cat"}),
-                              ("/audio/transcriptions", {"file": ("a.wav", WAV)}, {"model": "tiny-stt"})):
-        r = httpx.post(f"{media.base_url}{path}", headers=auth(media), files=files, data={**data, "stream": "true"})
-        assert "does not stream" in error(r, 400, "stream", "invalid_value")["message"]
+    r = httpx.post(f"{media.base_url}/images/variations", headers=auth(media), files={"image": ("a.png", SRC)},
+                   data={"model": "tiny-image", "stream": "true"})
+    error(r, 400, "stream", "unknown_parameter")
+
+
+def test_a_streamed_generation_sends_previews_then_the_image(media):
+    """``stream: true`` through the SDK: ``partial_images`` previews, nearer the image each, then
+    the image itself, byte for byte the unstreamed one of the same seed."""
+    c = client(media)
+    ask = dict(model="tiny-image", prompt="a cat", size="32x32", extra_body={"num_inference_steps": 8, "seed": 3})
+    whole = base64.b64decode(c.images.generate(**ask).data[0].b64_json)
+    events = list(c.images.generate(**ask, stream=True, partial_images=3))
+    assert [e.type for e in events] == ["image_generation.partial_image"] * 3 + ["image_generation.completed"]
+    assert [e.partial_image_index for e in events[:3]] == [0, 1, 2]
+    done = events[-1]
+    assert base64.b64decode(done.b64_json) == whole
+    assert (done.size, done.output_format, done.quality) == ("32x32", "png", "auto") and done.created_at > 0
+    assert done.usage.input_tokens == done.usage.total_tokens > 0
+    final = pixels_of(whole)
+    distances = [np.abs(pixels_of(base64.b64decode(e.b64_json)) - final).mean() for e in events[:3]]
+    assert distances[0] > distances[-1] > 0  # previews of the denoising, not the image sent early
+    assert [e.type for e in c.images.generate(**ask, stream=True)] == ["image_generation.completed"]  # no previews asked
+    for bad, param in ((dict(n=2), "n"), (dict(response_format="url"), "response_format"), (dict(partial_images=4), "partial_images")):
+        with pytest.raises(openai.BadRequestError) as e:
+            c.images.generate(**{**ask, **bad}, stream=True)
+        assert e.value.body["param"] == param, e.value.body
+
+
+def test_a_streamed_edit_keeps_the_source_outside_its_mask_in_every_preview(media):
+    source, box = noise_image(48, 40), (8, 8, 32, 24)
+    ask = dict(model="tiny-image", image=("src.png", png_of(source), "image/png"), prompt="a cat",
+               mask=("mask.png", png_of(hole_mask(48, 40, box)), "image/png"), extra_body={"num_inference_steps": 6, "seed": 4})
+    c = client(media)
+    whole = base64.b64decode(c.images.edit(**ask).data[0].b64_json)
+    events = list(c.images.edit(**ask, stream=True, partial_images=2))
+    assert [e.type for e in events] == ["image_edit.partial_image"] * 2 + ["image_edit.completed"]
+    assert base64.b64decode(events[-1].b64_json) == whole and events[-1].size == "48x40"
+    edited = np.zeros((40, 48), bool)
+    edited[8:24, 8:32] = True
+    src = np.asarray(source, dtype=np.int16)
+    for e in events:
+        assert (pixels_of(base64.b64decode(e.b64_json))[~edited] == src[~edited]).all()
+
+
+def test_leaving_a_streamed_generation_stops_the_denoising(media):
+    c = client(media)
+    c.images.generate(model="tiny-image", prompt="warm up", size="32x32", extra_body={"num_inference_steps": 1})
+    worker = media.services.arbiter.workers["tiny-image"]
+    asked = 400
+    with _Counter(worker.pipe.unet) as steps:
+        with httpx.stream("POST", f"{media.base_url}/images/generations", headers=auth(media), timeout=60,
+                          json={**IMAGE, "size": "64x64", "num_inference_steps": asked, "stream": True, "partial_images": 3}) as r:
+            assert r.status_code == 200
+            first = next(line for line in r.iter_lines() if line.startswith("data: "))
+            assert json.loads(first[6:])["type"] == "image_generation.partial_image"
+        _wait(lambda: _idle(media, "tiny-image"), timeout=10)
+        at_release = steps.n
+        time.sleep(0.3)
+        after = steps.n
+    assert after == at_release and at_release < asked // 2  # the first preview comes at step 100 of 400
 
 
 def test_image_edit_needs_multipart(media):

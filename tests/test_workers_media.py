@@ -416,6 +416,14 @@ def _tone(seconds: float, sr: int, channels: int = 1) -> np.ndarray:
     return np.stack([x, 0.5 * x][:channels], axis=1).astype(np.float32)
 
 
+@pytest.mark.parametrize("steps, partial_images, expected", [
+    (10, 3, {1, 4, 6}), (25, 2, {7, 15}), (8, 0, set()), (2, 3, {0}), (1, 3, set()), (4, 1, {1})])
+def test_previews_are_spread_over_the_steps_before_the_last(steps, partial_images, expected):
+    from workers.image import partial_steps
+
+    assert partial_steps(steps, partial_images) == expected
+
+
 def test_stt_transcribes_a_44k_stereo_wav(stt_worker):
     buf = io.BytesIO()
     sf.write(buf, _tone(5.0, 44100, channels=2), 44100, format="WAV")

@@ -60,6 +60,7 @@ class ImageRequest:
     image: Image | None = None  # an edit's source image
     mask: Image | None = None  # an edit's mask (with image): what to repaint
     strength: float | None = None  # an edit's noise strength; None = diffusers' default
+    partial_images: int = 0  # a streamed request's previews while it denoises (0..3)
 
 
 class StackGate:
@@ -158,8 +159,14 @@ class ImageWorker(ThreadWorker):
             return []
         return [c for c in self.pipe.components.values() if isinstance(c, torch.nn.Module)]
 
-    def generate(self, req: ImageRequest, ctx: StepContext) -> list[bytes]:
+    def generate(self, req: ImageRequest, ctx: StepContext,
+                 on_partial: Callable[[list[bytes]], None] | None = None) -> list[bytes]:
         """Generate ``req.n`` PNG images; ``ctx.boundary()`` runs after every denoising step.
+
+        ``on_partial`` (a streamed request) is called, on this thread, with previews of the
+        images (PNGs of the latents decoded by the VAE) after ``req.partial_images`` of the
+        denoising steps spread evenly before the last (``partial_steps``); none for a pipeline
+        whose latents are not image-shaped (packed ones, as Flux's).
 
         Image ``i`` has its own generator seeded ``req.seed + i`` (diffusers draws each image's
         noise from its own generator), so image ``i`` starts from the noise of the ``n=1`` request
@@ -180,6 +187,10 @@ class ImageWorker(ThreadWorker):
 
         def on_step_end(pipe: DiffusionPipeline, step: int, timestep: int, kwargs: dict) -> dict:
             ctx.boundary()
+            if on_partial is not None and step in partial_steps(pipe.num_timesteps, req.partial_images):
+                previews = _previews(pipe, kwargs["latents"])
+                if previews is not None:
+                    on_partial([_png(self._kept(req, img)) for img in previews])
             return kwargs
 
         task, kwargs = _task(req)
@@ -195,12 +206,16 @@ class ImageWorker(ThreadWorker):
                 output_type="pil",
                 **kwargs,
             )
-        images = out.images
-        if req.mask is not None:  # outside the mask, the source itself (not its trip through the VAE)
-            from PIL import Image as PILImage
+        return [_png(self._kept(req, img)) for img in out.images]
 
-            images = [PILImage.composite(img.convert("RGB"), req.image, req.mask) for img in images]
-        return [_png(img) for img in images]
+    @staticmethod
+    def _kept(req: ImageRequest, image: Image) -> Image:
+        """An edit with a mask: outside it, the source itself (not its trip through the VAE)."""
+        if req.mask is None:
+            return image
+        from PIL import Image as PILImage
+
+        return PILImage.composite(image.convert("RGB"), req.image, req.mask)
 
     def _switch_stack(self, stack: AdapterStackSpec) -> None:
         """(under the stack gate, nobody running) Merge ``stack`` into the denoiser, or restore it;
@@ -247,6 +262,25 @@ class ImageWorker(ThreadWorker):
         fresh = type(pipe)(**{**pipe.components, "scheduler": scheduler, **self._own_tokenizers()}, **options)
         fresh.set_progress_bar_config(disable=True)
         return fresh
+
+
+def partial_steps(steps: int, partial_images: int) -> frozenset[int]:
+    """The denoising steps (0-based, of ``steps``) after which a streamed request's
+    ``partial_images`` previews are made: spread evenly, never the last (the finished image is),
+    fewer when there are not enough steps."""
+    return frozenset((j + 1) * steps // (partial_images + 1) - 1 for j in range(partial_images)) - {-1, steps - 1}
+
+
+def _previews(pipe: DiffusionPipeline, latents: torch.Tensor) -> list[Image] | None:
+    """The images ``latents`` (mid-denoising) decode to, as the pipeline decodes its last ones:
+    unscaled (and unshifted) for the VAE, then its image processor; None for latents that are
+    not image-shaped."""
+    vae = getattr(pipe, "vae", None)
+    if vae is None or latents.ndim != 4 or getattr(pipe, "image_processor", None) is None:
+        return None
+    shift = getattr(vae.config, "shift_factor", None) or 0.0
+    pixels = vae.decode(latents.to(vae.dtype) / vae.config.scaling_factor + shift, return_dict=False)[0]
+    return pipe.image_processor.postprocess(pixels, output_type="pil")
 
 
 def _task(req: ImageRequest) -> tuple[str, dict]:
