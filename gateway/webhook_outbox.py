@@ -55,6 +55,10 @@ class Outbox(abc.ABC):
         over) are deleted instead of returned."""
 
     @abc.abstractmethod
+    async def pending(self, urls: list[str]) -> dict[str, int]:
+        """How many deliveries to each of ``urls`` wait (due, claimed or waiting to retry)."""
+
+    @abc.abstractmethod
     async def finish(self, delivery: Delivery, runner: str) -> bool:
         """Delete ``delivery`` (delivered, or given up) if ``runner`` still holds it."""
 
@@ -95,6 +99,12 @@ class SQLiteOutbox(SQLiteFile, Outbox):
             return [Delivery(*r) for r in rows]
 
         return await self._call(self._tx, take) if urls else []
+
+    async def pending(self, urls: list[str]) -> dict[str, int]:
+        marks = ",".join("?" * len(urls))
+        rows = await self._call(lambda: self._db.execute(
+            f"SELECT url, COUNT(*) FROM webhook_deliveries WHERE url IN ({marks}) GROUP BY url", urls).fetchall())
+        return {url: 0 for url in urls} | dict(rows)
 
     async def finish(self, delivery: Delivery, runner: str) -> bool:
         return await self._call(lambda: self._db.execute(
@@ -175,6 +185,12 @@ class RedisOutbox(RedisKeys, Outbox):
                 f: dict[str, Any] = {flat[i].decode(): flat[i + 1].decode() for i in range(0, len(flat), 2)}
                 out.append(Delivery(f["id"], f["url"], f["event_id"], f["body"], float(f["created_at"]), int(f["attempt"])))
         return out
+
+    async def pending(self, urls: list[str]) -> dict[str, int]:
+        async with self._r.pipeline(transaction=False) as p:
+            for url in urls:
+                p.zcard(self.k("webhook-due", url))
+            return dict(zip(urls, await p.execute()))
 
     async def finish(self, delivery: Delivery, runner: str) -> bool:
         return bool(await self._finish(keys=[self.k("webhook-delivery", delivery.id), self.k("webhook-due", delivery.url)],

@@ -27,7 +27,8 @@ flight get ``STOP_WAIT_S`` and the rest stay in the outbox for the next start; w
 process had claimed is taken by any process serving that endpoint once the claim (``HOLD_S``)
 runs out, found by the loop's poll (``POLL_S``). The window an event can still be lost in: the
 work ended and the process died before the event was written (a store write's time).
-``/metrics`` counts tries by endpoint and outcome (``tiergate_webhook_deliveries_total``).
+``/metrics`` counts tries by endpoint and outcome (``tiergate_webhook_deliveries_total``) and
+what waits in the outbox (``tiergate_webhook_pending``: a growing count is an endpoint down).
 """
 
 from __future__ import annotations
@@ -47,7 +48,7 @@ from collections import Counter
 from dataclasses import dataclass
 
 import httpx
-from prometheus_client.core import CounterMetricFamily
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 from prometheus_client.registry import Collector
 
 from gateway.config import Config, ConfigError
@@ -127,6 +128,7 @@ class Webhooks(Collector):
         self.pending: set[asyncio.Task] = set()  # events being written, and tries in flight
         self.trying = 0
         self.outcomes: Counter[tuple[str, str]] = Counter()  # (url, delivered|retried|dropped)
+        self.waiting: dict[str, int] = {}  # per endpoint, deliveries in the outbox (read by each turn of the loop)
         self._client: httpx.AsyncClient | None = None
         self._loop: asyncio.Task | None = None
         self._wake = asyncio.Event()
@@ -196,6 +198,10 @@ class Webhooks(Collector):
             for delivery in claimed:
                 self.trying += 1
                 self._spawn(self._try(delivery))
+            try:
+                self.waiting = await self.outbox.pending(urls)
+            except Exception as exc:  # noqa: BLE001 - as above
+                log.warning("webhooks: the outbox could not be counted: %s", exc)
             honour_cancel()
             if claimed and len(claimed) == room:
                 continue  # more may be due
@@ -252,6 +258,11 @@ class Webhooks(Collector):
         for (url, outcome), n in sorted(self.outcomes.items()):
             family.add_metric([url, outcome], n)
         yield family
+        waiting = GaugeMetricFamily("tiergate_webhook_pending", "Webhook deliveries waiting in the outbox, by endpoint "
+                                    "(all processes' on a shared store; counted every few seconds)", labels=["url"])
+        for url, n in sorted(self.waiting.items()):
+            waiting.add_metric([url], n)
+        yield waiting
 
 
 def webhooks_for(services) -> Webhooks:

@@ -232,6 +232,7 @@ def test_the_outbox_gives_a_delivery_to_one_claimant_at_a_time(outbox_factory):
             dx = Delivery("whd_x", x, "evt_1", '{"id":"evt_1"}', now)
             dy = Delivery("whd_y", y, "evt_1", '{"id":"evt_1"}', now)
             await a.add([dx, dy], now)
+            assert await b.pending([x, y, "http://127.0.0.1:1/z"]) == {x: 1, y: 1, "http://127.0.0.1:1/z": 0}
             assert await a.claim([x], "A", now, now + 30, 10, early) == [dx]  # only its endpoints'
             assert await b.claim([x], "B", now + 29, now + 59, 10, early) == []  # A holds it
             assert not await b.finish(dx, "B") and not await b.reschedule(dx, "B", 1, now)  # not B's to change
@@ -242,6 +243,7 @@ def test_the_outbox_gives_a_delivery_to_one_claimant_at_a_time(outbox_factory):
             again = await a.claim([x], "A", now + 40, now + 70, 10, early)
             assert again == [replace(dx, attempt=1)]
             assert await a.finish(again[0], "A")  # delivered: gone
+            assert await b.pending([x, y]) == {x: 0, y: 1}
             assert await a.claim([x], "A", now + 1000, now + 1030, 10, early) == []
             assert await b.claim([x, y], "B", now + 1000, now + 1030, 10, early) == [dy]
             assert await b.reschedule(dy, "B", 1, now + 1000)
@@ -271,6 +273,11 @@ def test_an_event_whose_try_was_cut_by_a_shutdown_is_sent_by_the_next_start(tiny
         try:
             made = client(s).responses.create(model="tiny-chat", input="hi", max_output_tokens=2, background=True)
             first = slow.next()
+            pending = f'tiergate_webhook_pending{{url="http://127.0.0.1:{slow.port}/hook"}}'
+            deadline = time.time() + 4  # the gauge is read at each turn of the delivery loop (every 2 s)
+            while f"{pending} 1.0" not in httpx.get(f"{s.url}/metrics", timeout=30).text:
+                assert time.time() < deadline, "the pending delivery never showed in /metrics"
+                time.sleep(0.1)
         finally:
             s.stop()
         slow.delay_s = 0.0
@@ -279,7 +286,8 @@ def test_an_event_whose_try_was_cut_by_a_shutdown_is_sent_by_the_next_start(tiny
             second = slow.next(timeout=10)
             assert second[1]["webhook-id"] == first[1]["webhook-id"] and second[0] == first[0]
             assert SDK.webhooks.unwrap(*second, secret=SECRET).data.id == made.id
-            assert slow.nothing(1.0)  # delivered: not again
+            assert slow.nothing(2.5)  # delivered: not again
+            assert f"{pending} 0.0" in httpx.get(f"{s.url}/metrics", timeout=30).text  # counted since
         finally:
             s.stop()
     finally:
