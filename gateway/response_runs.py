@@ -10,8 +10,9 @@ running process hears it at once on Redis, and on SQLite finds it at its next wr
 ``HEARTBEAT_S``) and stops. A record still running whose last write is older than
 ``responses.reclaim_after_s`` (30 s) had its process die: every RECLAIM_S (at most) each process
 looks for those (``reclaim``) and one claims it and runs it again from its kept request (shown ``queued`` meanwhile); what runs at
-shutdown is handed back the same way. One that cannot run again (streamed, or run RECLAIM_TRIES
-times) is shown ``failed`` (``server_error``). Only a ``completed`` or ``incomplete`` response
+shutdown is handed back the same way. One that cannot run again (streamed and past ``queued``: its
+followers saw output; or run RECLAIM_TRIES times) is shown ``failed`` (``server_error``); a
+streamed one still queued runs again with its stored events going on (``StoredEvents.resumed``). Only a ``completed`` or ``incomplete`` response
 can be continued with ``previous_response_id``.
 
 A background response made with ``stream: true`` is answered with its events: ``response.created``
@@ -93,13 +94,17 @@ async def run_in_background(svc: Services, caller: Caller, draft: Draft, store: 
         error = {"code": "server_error", "message": "the server failed while making this response"}
     finally:
         beat.cancel()
-    if shut_down and events is None and reclaimable(draft.record("queued", owner)):
+    if shut_down and (events is None or phase[0] == "queued") and reclaimable(draft.record("queued", owner)):
         # handed back: stored queued and unwritten since the epoch, so that the next process to look
-        # (another one now, or this server once it is back) runs it again (``reclaim``)
+        # (another one now, or this server once it is back) runs it again (``reclaim``); a streamed
+        # one's followers here end, and follow it again from any process
         back = replace(draft.record("queued", owner), beat=0.0)
         back = replace(back, response={**back.response, "output": []})
         if await store.update_running(back):
             log.info("background response %s: handed back at shutdown, to run again", draft.id)
+            if events is not None:
+                await events.flush()
+                events.log.end()
             return
     if events is not None:  # what it had begun, closed; all stored before its record says it ended
         await events.add(events.s.close("incomplete") if status not in CONTINUABLE else [], flush=True)
@@ -125,6 +130,16 @@ class StoredEvents:
         self.log = EventLog()
         self.stored = 0
         self.flushed_at = time.monotonic()
+
+    @classmethod
+    async def resumed(cls, store: ResponseStore, draft: Draft) -> "StoredEvents":
+        """The events of a streamed response run again (``reclaim``): those its dead process
+        stored, in the log for this process's followers, and the new ones numbered after them."""
+        events = cls(store, draft, ResponseEvents(draft))
+        before = await store.events(draft.id, -1)
+        events.log.add(before)
+        events.stored = events.s.seq = len(before)
+        return events
 
     async def add(self, events: list[str], flush: bool = False) -> None:
         self.log.add(events)
@@ -172,8 +187,9 @@ async def reclaim(svc: Services, store: ResponseStore, conversations: Conversati
             continue
         draft = Draft(response_id, job, record.response["service_tier"], created_at=record.created_at, background=True,
                       request=asked, runner=background.runner)
-        background.start(response_id, lambda gone, d=draft: run_in_background(svc, caller, d, store, conversations,
-                                                                                background, gone, None))
+        events = await StoredEvents.resumed(store, draft) if body.stream else None
+        background.start(response_id, lambda gone, d=draft, e=events: run_in_background(
+            svc, caller, d, store, conversations, background, gone, e), events.log if events else None)
         log.info("background response %s: its process stopped writing it; run again here (attempt %d)",
                  response_id, asked["attempts"])
         taken.append(response_id)

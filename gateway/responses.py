@@ -530,9 +530,14 @@ async def response_result(svc: Services, caller: Caller, data: dict) -> dict[str
 
 def reclaimable(record: StoredResponse) -> bool:
     """Whether a background response left by a dead process is run again elsewhere: one kept with
-    its request, not streamed (its followers saw part of it), run fewer than RECLAIM_TRIES times."""
+    its request, run fewer than RECLAIM_TRIES times, and when streamed, still ``queued``. A
+    streamed one's record says ``in_progress`` before its first output event is made, so a queued
+    one's followers have seen no output: its events go on from the last stored (a run again after
+    ``response.queued``). One whose followers saw part of its output is not run again."""
     asked = record.request
-    return asked is not None and not asked["body"].get("stream") and asked.get("attempts", 1) < RECLAIM_TRIES
+    if asked is None or asked.get("attempts", 1) >= RECLAIM_TRIES:
+        return False
+    return not asked["body"].get("stream") or record.response["status"] == "queued"
 
 
 def shown(record: StoredResponse, stale_s: float) -> dict[str, Any]:

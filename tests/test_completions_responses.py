@@ -19,7 +19,7 @@ from transformers import AutoTokenizer
 from gateway.auth import key_id
 from gateway.errors import APIError
 from gateway.response_store import RedisResponses, SQLiteResponses, StoredResponse
-from gateway.responses import RECLAIM_TRIES
+from gateway.responses import RECLAIM_TRIES, sse_event
 from tests.helpers import start_server, write_config
 from tests.test_batch_store import redis_server
 
@@ -712,6 +712,21 @@ def test_a_background_response_whose_process_died_is_run_again_here(tiny_chat, t
             r = c.responses.retrieve(name)
             assert r.status == "failed" and r.error.code == "server_error", name
             assert name not in s.app.state.background.running
+
+        # streamed but still queued when its process died: no output was seen, so it runs again,
+        # its stored events going on from the last one stored
+        waiting = replace(record, id="resp_deadqueued", beat=time.time() - 5, runner="a-dead-process",
+                          request={**record.request, "body": {**record.request["body"], "stream": True}},
+                          response={**record.response, "id": "resp_deadqueued", "status": "queued", "output": []})
+        s.wait(store.put(waiting))
+        opened = [sse_event(kind, n, response=waiting.response) for n, kind in enumerate(["response.created", "response.queued"])]
+        s.wait(store.add_events(waiting.id, waiting.created_at, 0, opened))
+        events = list(c.responses.retrieve(waiting.id, stream=True))
+        assert [e.sequence_number for e in events] == list(range(len(events)))  # one stream, numbered on
+        assert [e.type for e in events[:3]] == ["response.created", "response.queued", "response.in_progress"]
+        assert events[-1].type in ("response.completed", "response.incomplete")
+        assert events[-1].response.output_text == alone.output_text
+        assert c.responses.retrieve(waiting.id).output_text == alone.output_text
     finally:
         s.stop()
 
@@ -797,7 +812,8 @@ def test_a_running_record_whose_process_died_reads_failed_over_http(server):
 def test_background_work_left_at_shutdown_is_handed_back_and_run_by_the_next_server(tiny_chat, tmp_path, monkeypatch):
     """At shutdown (after the drain's wait, or without one) what still runs is stopped: a response
     that can run again is handed back (stored queued, unwritten), and the next server on the same
-    store runs it to its end; a streamed one (its followers saw part of it) ends failed."""
+    store runs it to its end; a streamed one still queued (its followers saw no output) too, its
+    events going on in the next server."""
     import sqlite3
 
     import gateway.response_runs as runs
@@ -817,16 +833,18 @@ def test_background_work_left_at_shutdown_is_handed_back_and_run_by_the_next_ser
     docs = {i: json.loads(doc) for i, doc in db.execute("SELECT id, doc FROM responses WHERE id IN (?, ?)",
                                                         (made.id, streamed_id))}
     db.close()
-    assert docs[made.id]["response"]["status"] == "queued" and docs[made.id]["beat"] == 0.0
-    failed = docs[streamed_id]["response"]
-    assert failed["status"] == "failed" and failed["error"]["code"] == "server_error"
-    assert "shut down" in failed["error"]["message"] and tickets
+    for rid in (made.id, streamed_id):
+        assert docs[rid]["response"]["status"] == "queued" and docs[rid]["beat"] == 0.0 and tickets
 
-    s = start_server(config)  # the next server: it finds the handed-back one and runs it
+    s = start_server(config)  # the next server: it finds the handed-back ones and runs them
     try:
         done = wait_until_done(client(s), made.id)
         assert done.status in ("completed", "incomplete")
         assert done.output_text == respond(client(s), "hi", max_output_tokens=4).output_text
+        events = list(client(s).responses.retrieve(streamed_id, stream=True))
+        assert [e.sequence_number for e in events] == list(range(len(events)))
+        assert [e.type for e in events[:3]] == ["response.created", "response.queued", "response.in_progress"]
+        assert events[-1].type in ("response.completed", "response.incomplete")
     finally:
         s.stop()
 
