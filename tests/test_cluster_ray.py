@@ -253,6 +253,20 @@ def test_multipart_uploads_route_by_their_model_part(cluster):
     assert stored.status_code == 200 and stored.json()["id"].startswith("file-"), stored.text
 
 
+def test_a_file_uploaded_in_parts_through_the_ingress(cluster, tmp_path):
+    """The Uploads API through the ingress: the parts name no model, so they may reach any replica;
+    the upload and its parts are in Redis, and the file the last call makes is one file."""
+    c = openai.OpenAI(base_url=f"{cluster.url}/v1", api_key="key-paid", max_retries=0, timeout=60)
+    line = {"custom_id": "1", "method": "POST", "url": "/v1/chat/completions",
+            "body": {"model": "a", "messages": [{"role": "user", "content": "hi"}], "max_tokens": 2}}
+    content = "".join(json.dumps({**line, "custom_id": str(i)}) + "\n" for i in range(6)).encode()
+    path = tmp_path / "in.jsonl"
+    path.write_bytes(content)
+    upload = c.uploads.upload_file_chunked(file=path, mime_type="application/jsonl", purpose="batch", part_size=100)
+    assert upload.status == "completed" and upload.file.bytes == len(content)
+    assert c.files.content(upload.file.id).content == content
+
+
 def test_background_responses_through_the_ingress(cluster):
     """A background response is answered queued by the replica that takes it, runs there, and is
     read (and cancelled, and a streamed one followed again) through the ingress, whichever replica
