@@ -261,7 +261,13 @@ def _joined(texts) -> str:
 
 class _Tokens(BaseStreamer):
     """``generate``'s tokens as they come: the first ``put`` is the decoder's prompt (skipped);
-    each after it is one token, a step boundary, and ``grown`` is told all tokens so far."""
+    each after it is one token, a step boundary, and ``grown`` is told all tokens so far.
+
+    ``grown`` reads all of them again (``_segments``, offsets and all): 0.3-0.9 ms a token at
+    50-440 tokens on this CPU, up to ~0.26 s over a full 30 s window. Decoding only the open
+    segment was tried and dropped: Whisper's generate trims what it streamed (tokens after its
+    last timestamp), so text sent from the open segment was later not in the transcript, where
+    reading the finished segments as ``_segments`` does stays a prefix of it."""
 
     def __init__(self, ctx: StepContext, grown: Callable[[list[int]], None]) -> None:
         self.ctx, self.grown = ctx, grown
