@@ -394,16 +394,24 @@ def test_leaving_a_streamed_generation_stops_the_denoising(media):
     worker = media.services.arbiter.workers["tiny-image"]
     asked = 400
     with _Counter(worker.pipe.unet) as steps:
-        with httpx.stream("POST", f"{media.base_url}/images/generations", headers=auth(media), timeout=60,
-                          json={**IMAGE, "size": "64x64", "num_inference_steps": asked, "stream": True, "partial_images": 3}) as r:
-            assert r.status_code == 200
-            first = next(line for line in r.iter_lines() if line.startswith("data: "))
-            assert json.loads(first[6:])["type"] == "image_generation.partial_image"
-        _wait(lambda: _idle(media, "tiny-image"), timeout=10)
-        at_release = steps.n
-        time.sleep(0.3)
-        after = steps.n
+        at_release, after = _leave_at_first_event(
+            media, "/images/generations", "image_generation.partial_image", steps,
+            json={**IMAGE, "size": "64x64", "num_inference_steps": asked, "stream": True, "partial_images": 3})
     assert after == at_release and at_release < asked // 2  # the first preview comes at step 100 of 400
+
+
+def _leave_at_first_event(media, path: str, kind: str, counter: "_Counter", **request) -> tuple[int, int]:
+    """POST a streamed request (``request``: httpx's body arguments), read its first event (of
+    type ``kind``) and leave; ``counter``'s count once the model's slot is free, and 0.3 s later."""
+    model = "tiny-image" if path.startswith("/images") else "tiny-stt"
+    with httpx.stream("POST", f"{media.base_url}{path}", headers=auth(media), timeout=60, **request) as r:
+        assert r.status_code == 200 and r.headers["content-type"].startswith("text/event-stream")
+        first = next(line for line in r.iter_lines() if line.startswith("data: "))
+        assert json.loads(first[6:])["type"] == kind
+    _wait(lambda: _idle(media, model), timeout=10)
+    at_release = counter.n
+    time.sleep(0.3)
+    return at_release, counter.n
 
 
 def test_image_edit_needs_multipart(media):
@@ -601,16 +609,9 @@ def test_leaving_a_streamed_transcription_stops_the_decoding_and_frees_the_slot(
     slow = decoder.register_forward_pre_hook(lambda *_: time.sleep(0.05))  # a token every 50 ms
     try:
         with _Counter(decoder) as decoded:
-            with httpx.stream("POST", f"{media.base_url}/audio/transcriptions", headers=auth(media),
-                              files={"file": ("w.wav", wav)}, data={"model": "tiny-stt", "language": "en", "stream": "true"},
-                              timeout=60) as r:
-                assert r.status_code == 200 and r.headers["content-type"].startswith("text/event-stream")
-                first = next(line for line in r.iter_lines() if line.startswith("data: "))
-                assert json.loads(first[6:])["type"] == "transcript.text.delta"
-            _wait(lambda: _idle(media, "tiny-stt"), timeout=10)
-            at_release = decoded.n
-            time.sleep(0.3)
-            after = decoded.n
+            at_release, after = _leave_at_first_event(
+                media, "/audio/transcriptions", "transcript.text.delta", decoded,
+                files={"file": ("w.wav", wav)}, data={"model": "tiny-stt", "language": "en", "stream": "true"})
     finally:
         slow.remove()
     print(f"transcription: {full.n} decoder calls in all; {at_release} by release after the client left, {after} after 0.3 s")
