@@ -15,7 +15,6 @@ from typing import Literal
 
 import anyio
 import numpy as np
-import torch
 from pydantic import Field
 from starlette.datastructures import FormData, UploadFile
 from starlette.requests import Request
@@ -273,14 +272,12 @@ async def stream_transcription(svc: Services, caller: Caller, job: Transcription
     async with Serving(svc, caller, job.model, job.duration, "transcriptions", gone,
                        Ask(audio_seconds=job.duration)) as serving:
         serving.usage.audio_in_seconds = job.duration
-        worker, ctx = serving.worker, serving.context()
+        worker = serving.worker
         audio = sound.resample(job.audio, job.rate, worker.sample_rate)
-        pieces = relayed(serving, ctx, lambda send: worker.transcribe(audio, job.request, ctx, send))
+        pieces = relayed(serving, lambda ctx, send: worker.transcribe(audio, job.request, ctx, send), "transcribing with")
         try:
             async for piece in pieces:
                 yield piece.result if isinstance(piece, Finished) else piece
-        except torch.OutOfMemoryError as exc:
-            raise APIError(503, f"out of memory transcribing with {job.model}: {exc}", "out_of_memory") from None
         except ValueError as exc:  # what the worker refuses after our checks: the language
             raise bad_request(str(exc), exc.param if isinstance(exc, TranscriptionError) else None) from None
         finally:

@@ -18,7 +18,6 @@ from dataclasses import dataclass, replace
 from typing import TYPE_CHECKING, Literal
 
 import anyio
-import torch
 from pydantic import Field
 from starlette.datastructures import FormData, UploadFile
 from starlette.requests import Request
@@ -277,16 +276,14 @@ async def stream_images(svc: Services, caller: Caller, job: Plan,
     iterator early stops the model at its next denoising step."""
     done: Finished[list[bytes]] | None = None
     async with Serving(svc, caller, job.model, job.units, "images", gone, Ask(images=job.request.n)) as serving:
-        worker, ctx = serving.worker, serving.context()
-        pieces = relayed(serving, ctx, lambda send: worker.generate(job.request, ctx, send))
+        worker = serving.worker
+        pieces = relayed(serving, lambda ctx, send: worker.generate(job.request, ctx, send), "generating images with")
         try:
             async for piece in pieces:
                 if isinstance(piece, Finished):
                     done = piece
                 else:
                     yield piece
-        except torch.OutOfMemoryError as exc:
-            raise APIError(503, f"out of memory generating images with {job.model}: {exc}", "out_of_memory") from None
         except ValueError as exc:
             raise bad_request(str(exc)) from None
         finally:

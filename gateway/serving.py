@@ -294,38 +294,49 @@ class Finished(Generic[R]):
     result: R
 
 
-async def relayed(serving: Serving, ctx: StepContext,
-                  work: Callable[[Callable[[T], None]], R]) -> AsyncGenerator[T | Finished[R], None]:
-    """Run blocking model ``work(send)`` on a model thread and yield what it sends, as it sends
-    it, then ``Finished`` with its result: a streamed answer's pieces (a transcript's text, an
-    image's previews). What the work raises is raised after the pieces sent before it, Cancelled
-    as ``ClientGone``. The client leaving, or the generator closed early, cancels ``ctx`` (the
-    work stops at its next step boundary) and waits for the thread. No out-of-memory retry: pieces
-    may have gone out already."""
-    loop, sent = asyncio.get_running_loop(), asyncio.Queue()
-    running = asyncio.ensure_future(in_thread(lambda: work(lambda item: loop.call_soon_threadsafe(sent.put_nowait, item)),
-                                              ctx))
-    try:
-        while not running.done():
-            item = asyncio.ensure_future(sent.get())
-            try:
-                await serving.until_gone(asyncio.wait({item, running}, return_when=asyncio.FIRST_COMPLETED))
-            finally:
-                if not item.done():
-                    item.cancel()
-            if item.done() and not item.cancelled():  # (a get cancelled unfinished leaves its item queued)
-                yield item.result()
-        while not sent.empty():  # the thread's last sends were queued before its result
-            yield sent.get_nowait()
+async def relayed(serving: Serving, work: Callable[[StepContext, Callable[[T], None]], R],
+                  doing: str) -> AsyncGenerator[T | Finished[R], None]:
+    """Run blocking model ``work(ctx, send)`` on a model thread, with a fresh step context, and
+    yield what it sends, as it sends it, then ``Finished`` with its result: a streamed answer's
+    pieces (a transcript's text, an image's previews). Out of memory before anything was sent is
+    relieved and the work run once more, as ``Serving.step`` does (``doing`` names the work in
+    the 503 otherwise); after, pieces have gone out and it is a 503. What else the work raises is
+    raised after the pieces sent before it, Cancelled as ``ClientGone``. The client leaving, or
+    the generator closed early, cancels the context (the work stops at its next step boundary)
+    and waits for the thread."""
+    sent_any = False
+    for tries in (1, 2):
+        ctx, loop, sent = serving.context(), asyncio.get_running_loop(), asyncio.Queue()
+        running = asyncio.ensure_future(in_thread(
+            lambda: work(ctx, lambda item: loop.call_soon_threadsafe(sent.put_nowait, item)), ctx))
         try:
-            result = running.result()
-        except Cancelled:
-            raise ClientGone() from None
-    finally:
-        if not running.done():
-            ctx.cancel()
-            with anyio.CancelScope(shield=True):
-                await asyncio.wait({running})
-        if not running.cancelled():
-            running.exception()  # retrieved: raised above, or going nowhere
-    yield Finished(result)
+            while not running.done():
+                item = asyncio.ensure_future(sent.get())
+                try:
+                    await serving.until_gone(asyncio.wait({item, running}, return_when=asyncio.FIRST_COMPLETED))
+                finally:
+                    if not item.done():
+                        item.cancel()
+                if item.done() and not item.cancelled():  # (a get cancelled unfinished leaves its item queued)
+                    sent_any = True
+                    yield item.result()
+            while not sent.empty():  # the thread's last sends were queued before its result
+                sent_any = True
+                yield sent.get_nowait()
+            try:
+                result = running.result()
+            except Cancelled:
+                raise ClientGone() from None
+            except torch.OutOfMemoryError as exc:
+                if sent_any or tries == 2 or not await serving.svc.arbiter.relieve_oom(serving.model, serving.rank):
+                    raise APIError(503, f"out of memory {doing} {serving.model}: {exc}", "out_of_memory") from None
+                continue
+        finally:
+            if not running.done():
+                ctx.cancel()
+                with anyio.CancelScope(shield=True):
+                    await asyncio.wait({running})
+            if not running.cancelled():
+                running.exception()  # retrieved: raised above, or going nowhere
+        yield Finished(result)
+        return

@@ -189,6 +189,31 @@ def test_oom_in_a_transcription_step_evicts_the_least_valuable_then_retries(serv
     assert_relieved_then_retried(server, rec)
 
 
+def streamed_image(server: RunningServer) -> list[str]:
+    events = list(sdk(server).images.generate(model="tiny-image", prompt="a red square", size="64x64", stream=True,
+                                              partial_images=1, extra_body={"num_inference_steps": 4, "seed": 1}))
+    return [e.type for e in events]
+
+
+def streamed_transcript(server: RunningServer) -> list[str]:
+    t = np.arange(16000) / 16000
+    buf = io.BytesIO()
+    sf.write(buf, (0.3 * np.sin(2 * np.pi * 440 * t)).astype(np.float32), 16000, format="WAV")
+    events = sdk(server).audio.transcriptions.create(model="tiny-stt", file=("tone.wav", buf.getvalue(), "audio/wav"),
+                                                      stream=True)
+    return [e.type for e in events]
+
+
+@pytest.mark.parametrize("model, call, last", [("tiny-image", streamed_image, "image_generation.completed"),
+                                               ("tiny-stt", streamed_transcript, "transcript.text.done")])
+def test_oom_before_a_streamed_answer_sends_anything_is_relieved_then_retried(server, model, call, last):
+    """Streamed, out of memory at the first forward (nothing sent yet): the least valuable model
+    is evicted and the work run once more, as unstreamed; the stream is whole."""
+    kinds, rec = through_an_oom(server, model, call)
+    assert kinds[-1] == last and len(kinds) >= 2
+    assert_relieved_then_retried(server, rec)
+
+
 def test_oom_in_a_load_evicts_the_least_valuable_then_loads_again(server, monkeypatch):
     rec = prepare(server, "tiny-image", lambda: image(server))
     unloaded = httpx.post(f"{server.url}/admin/models/tiny-image/unload",
