@@ -120,7 +120,7 @@ class Webhooks(Collector):
     delivery loop (one task, started with the app when any endpoint is configured) claims the
     due ones and tries each in a task of its own."""
 
-    def __init__(self, endpoints: list[Endpoint], outbox: Outbox | None) -> None:
+    def __init__(self, endpoints: list[Endpoint], outbox: Outbox) -> None:
         self.endpoints = endpoints
         self.by_url = {e.url: e for e in endpoints}
         self.outbox = outbox
