@@ -13,10 +13,11 @@ from __future__ import annotations
 
 import logging
 from pathlib import Path
+from typing import Iterator
 
 import pytest
 
-from tests.helpers import RunningServer, adapters_yaml, start_server, write_config
+from tests.helpers import RunningServer, adapters_yaml, redis_server, start_server, write_config
 
 pytest_plugins = ["tests.timeout_tasks"]  # a timeout prints the unfinished asyncio tasks too
 
@@ -133,3 +134,10 @@ def vllm_chat_server(tiny_chat: Path, demo_dir: Path, tmp_path_factory) -> Runni
     server = start_server(cfg)
     yield server
     server.stop()
+
+
+@pytest.fixture(scope="module")
+def redis_url(tmp_path_factory) -> Iterator[str]:
+    """A throwaway redis-server for the module's Redis store tests (``helpers.redis_server``)."""
+    with redis_server(tmp_path_factory.mktemp("redis")) as url:
+        yield url

@@ -3,14 +3,18 @@
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
+import shutil
 import socket
+import subprocess
 import threading
 import time
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, Iterator
 
+import pytest
 import uvicorn
 
 from batch.runner import Runner
@@ -131,3 +135,34 @@ def adapters_yaml(demo_dir: Path) -> str:
 
     built = build_demo_models(demo_dir, names=CHAT_ADAPTERS)
     return "adapters:\n" + "".join(f"  - {{name: {a}, model: tiny-chat, path: {built[a]}}}\n" for a in CHAT_ADAPTERS)
+
+
+@contextlib.contextmanager
+def redis_server(folder: Path) -> Iterator[str]:
+    """A throwaway redis-server on 127.0.0.1 (no persistence); yields its URL."""
+    exe = shutil.which("redis-server")
+    if exe is None:
+        pytest.skip("redis-server is not installed (Debian: apt-get install -y redis-server); "
+                    "the Redis store tests need the real server")
+    port = spare_port()
+    proc = subprocess.Popen([exe, "--port", str(port), "--bind", "127.0.0.1", "--save", "", "--appendonly", "no",
+                             "--dir", str(folder)], stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    import redis
+
+    client = redis.Redis(port=port)
+    deadline = time.time() + 10
+    while True:
+        try:
+            client.ping()
+            break
+        except redis.ConnectionError:
+            if time.time() > deadline or proc.poll() is not None:
+                proc.kill()
+                raise RuntimeError("redis-server did not start") from None
+            time.sleep(0.02)
+    client.close()
+    try:
+        yield f"redis://127.0.0.1:{port}/0"
+    finally:
+        proc.terminate()
+        proc.wait(10)

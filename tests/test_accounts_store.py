@@ -15,13 +15,6 @@ from accounts.rates import Ask, LocalLimiter
 from accounts.redis_store import RedisAccounts
 from accounts.sqlite_store import SQLiteAccounts
 from accounts.usage import Usage, group, to_csv
-from tests.test_batch_store import redis_server
-
-
-@pytest.fixture(scope="module")
-def redis_url(tmp_path_factory):
-    with redis_server(tmp_path_factory.mktemp("redis")) as url:
-        yield url
 
 
 @pytest.fixture(params=["sqlite", "redis"])

@@ -9,57 +9,16 @@ import contextlib
 import dataclasses
 import json
 import random
-import shutil
 import sqlite3
-import subprocess
 import time
 import uuid
-from pathlib import Path
-from typing import Iterator
 
 import pytest
 
 from batch.redis_store import RedisStore
 from batch.sqlite_store import SQLiteStore
 from batch.store import BatchInfo, FileInfo, Line, Outcome, Store
-from tests.helpers import spare_port
-
-
-@contextlib.contextmanager
-def redis_server(folder: Path) -> Iterator[str]:
-    """A throwaway redis-server on 127.0.0.1 (no persistence); yields its URL."""
-    exe = shutil.which("redis-server")
-    if exe is None:
-        pytest.skip("redis-server is not installed (Debian: apt-get install -y redis-server); "
-                    "the Redis store tests need the real server")
-    port = spare_port()
-    proc = subprocess.Popen([exe, "--port", str(port), "--bind", "127.0.0.1", "--save", "", "--appendonly", "no",
-                             "--dir", str(folder)], stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
-    import redis
-
-    client = redis.Redis(port=port)
-    deadline = time.time() + 10
-    while True:
-        try:
-            client.ping()
-            break
-        except redis.ConnectionError:
-            if time.time() > deadline or proc.poll() is not None:
-                proc.kill()
-                raise RuntimeError("redis-server did not start") from None
-            time.sleep(0.02)
-    client.close()
-    try:
-        yield f"redis://127.0.0.1:{port}/0"
-    finally:
-        proc.terminate()
-        proc.wait(10)
-
-
-@pytest.fixture(scope="module")
-def redis_url(tmp_path_factory) -> Iterator[str]:
-    with redis_server(tmp_path_factory.mktemp("redis")) as url:
-        yield url
+from tests.helpers import redis_server, spare_port  # noqa: F401 - redis_server: where other modules import it from
 
 
 @pytest.fixture(params=["sqlite", "redis"])

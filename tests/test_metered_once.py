@@ -28,7 +28,7 @@ from gateway.app import build_services
 from gateway.auth import KeyRing
 from gateway.config import load_config
 from tests.helpers import TIERS, write_config
-from tests.test_accounts_store import redis_url, store_factory  # noqa: F401 - fixtures
+from tests.test_accounts_store import store_factory  # noqa: F401 - a fixture (redis_url is conftest.py's)
 from tests.test_batches import chat_line, jsonl
 
 DAY = "2025-01-01"

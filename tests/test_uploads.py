@@ -17,7 +17,6 @@ import pytest
 
 from batch.uploads import PartRefused, RedisUploads, SQLiteUploads, UploadInfo
 from tests.helpers import start_server, write_config
-from tests.test_batch_store import redis_server
 from tests.test_batches import chat_line, jsonl, sdk, wait
 
 
@@ -115,12 +114,6 @@ def test_refusals(server, monkeypatch):
     late = create()
     assert late.status == "expired"
     assert refusal(lambda: parts_of(c, late.id, b"1"))["code"] == "upload_not_pending"
-
-
-@pytest.fixture(scope="module")
-def redis_url(tmp_path_factory):
-    with redis_server(tmp_path_factory.mktemp("redis")) as url:
-        yield url
 
 
 @pytest.fixture(params=["sqlite", "redis"])

@@ -24,7 +24,6 @@ from gateway.config import ConfigError, load_config
 from gateway.webhook_outbox import Delivery, RedisOutbox, SQLiteOutbox
 from gateway.webhooks import endpoints_of, sign
 from tests.helpers import spare_port, start_server, write_config
-from tests.test_batch_store import redis_server
 
 SECRET = "whsec_" + base64.b64encode(b"a test secret of 32 bytes length").decode()
 SDK = openai.OpenAI(api_key="unused", base_url="http://127.0.0.1:9")  # only its webhooks.unwrap is used
@@ -202,12 +201,6 @@ def test_a_delivery_whose_retry_window_ends_is_dropped(hooked, monkeypatch):
         every.statuses = []
     scraped = httpx.get(f"{s.url}/metrics", timeout=30).text
     assert f'tiergate_webhook_deliveries_total{{outcome="dropped",url="http://127.0.0.1:{every.port}/hook"}} 1.0' in scraped
-
-
-@pytest.fixture(scope="module")
-def redis_url(tmp_path_factory):
-    with redis_server(tmp_path_factory.mktemp("redis")) as url:
-        yield url
 
 
 @pytest.fixture(params=["sqlite", "redis"])
