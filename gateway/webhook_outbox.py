@@ -45,7 +45,8 @@ class Outbox(abc.ABC):
 
     @abc.abstractmethod
     async def add(self, deliveries: list[Delivery], now: float) -> None:
-        """Store new deliveries, available at ``now``."""
+        """Store new deliveries, available at ``now``; one already stored (a write tried again
+        after it had landed) is left as it is."""
 
     @abc.abstractmethod
     async def claim(self, urls: list[str], runner: str, now: float, until: float, limit: int,
@@ -81,7 +82,7 @@ class SQLiteOutbox(SQLiteFile, Outbox):
 
     async def add(self, deliveries: list[Delivery], now: float) -> None:
         await self._call(lambda: self._tx(lambda db: db.executemany(
-            "INSERT INTO webhook_deliveries (id, url, event_id, body, created_at, attempt, available_at) "
+            "INSERT OR IGNORE INTO webhook_deliveries (id, url, event_id, body, created_at, attempt, available_at) "
             "VALUES (?, ?, ?, ?, ?, ?, ?)",
             [(d.id, d.url, d.event_id, d.body, d.created_at, d.attempt, now) for d in deliveries])))
 
@@ -169,7 +170,7 @@ class RedisOutbox(RedisKeys, Outbox):
                 tx.hset(key, mapping={"id": d.id, "url": d.url, "event_id": d.event_id, "body": d.body,
                                       "created_at": repr(d.created_at), "attempt": d.attempt, "runner": ""})
                 tx.expireat(key, int(d.created_at + self.window_s) + 1)
-                tx.zadd(self.k("webhook-due", d.url), {d.id: now})
+                tx.zadd(self.k("webhook-due", d.url), {d.id: now}, nx=True)  # written again: its due time kept
             await tx.execute()
 
     async def claim(self, urls: list[str], runner: str, now: float, until: float, limit: int,

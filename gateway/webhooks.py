@@ -25,9 +25,11 @@ answers 2xx. An answer other than 2xx, or none within ``TIMEOUT_S``, is tried ag
 OpenAI retries) after the event was made; then it is dropped (logged). At shutdown the tries in
 flight get ``STOP_WAIT_S`` and the rest stay in the outbox for the next start; what a crashed
 process had claimed is taken by any process serving that endpoint once the claim (``HOLD_S``)
-runs out, found by the loop's poll (``POLL_S``). The window an event can still be lost in: the
-work ended and the process died before the event was written (a store write's time).
-``/metrics`` counts tries by endpoint and outcome (``tiergate_webhook_deliveries_total``) and
+runs out, found by the loop's poll (``POLL_S``). While the store fails, new events wait in the
+process and each turn of the loop (every ``POLL_S`` at most) writes them again. An event can still
+be lost when the process dies after the work ended and before the event was written (a store
+write's time, or as long as the store stays down), and at a shutdown while the store is down
+(logged with the events' ids). ``/metrics`` counts tries by endpoint and outcome (``tiergate_webhook_deliveries_total``) and
 what waits in the outbox (``tiergate_webhook_pending``: a growing count is an endpoint down).
 """
 
@@ -129,6 +131,7 @@ class Webhooks(Collector):
         self.trying = 0
         self.outcomes: Counter[tuple[str, str]] = Counter()  # (url, delivered|retried|dropped)
         self.waiting: dict[str, int] = {}  # per endpoint, deliveries in the outbox (read by each turn of the loop)
+        self.unwritten: list[Delivery] = []  # deliveries whose outbox write failed, written again each turn
         self._client: httpx.AsyncClient | None = None
         self._loop: asyncio.Task | None = None
         self._wake = asyncio.Event()
@@ -149,6 +152,12 @@ class Webhooks(Collector):
             for task in late:
                 task.cancel()
             await asyncio.gather(*late, return_exceptions=True)
+        if not await self._write_again():  # the store is still down: these are lost, and said so
+            for d in self.unwritten:
+                self.outcomes[d.url, "dropped"] += 1
+            log.error("webhooks: the outbox could not be written before shutdown; events dropped: %s",
+                      ", ".join(sorted({d.event_id for d in self.unwritten})))
+            self.unwritten = []
         if self._client is not None:
             await self._client.aclose()
             self._client = None
@@ -174,19 +183,36 @@ class Webhooks(Collector):
         task.add_done_callback(self.pending.discard)
 
     async def _write(self, deliveries: list[Delivery]) -> None:
+        """Store new deliveries in the outbox; while the store fails, they wait in this process
+        (``unwritten``) and each turn of the delivery loop writes them again."""
         try:
             await self.outbox.add(deliveries, time.time())
-        except Exception as exc:  # noqa: BLE001 - a store that is down: the event is lost, and said so
-            for d in deliveries:
-                self.outcomes[d.url, "dropped"] += 1
-            log.error("webhooks: %s could not be written to the outbox (%s); dropped", deliveries[0].event_id, exc)
+        except Exception as exc:  # noqa: BLE001 - a store that is down: kept here, written again
+            self.unwritten.extend(deliveries)
+            log.warning("webhooks: %s could not be written to the outbox (%s); kept to write again",
+                        deliveries[0].event_id, exc)
             return
         self._wake.set()
+
+    async def _write_again(self) -> bool:
+        """The deliveries kept while the store failed, written now (``add`` is idempotent, so a
+        write that failed after it landed only lands again); whether none is left."""
+        if self.unwritten:
+            kept, self.unwritten = self.unwritten, []
+            try:
+                await self.outbox.add(kept, time.time())
+            except Exception as exc:  # noqa: BLE001 - still down: the next turn tries again
+                self.unwritten = kept + self.unwritten
+                log.warning("webhooks: %d deliveries still cannot be written to the outbox: %s", len(kept), exc)
+                return False
+            log.info("webhooks: %d deliveries kept while the outbox failed are written", len(kept))
+        return True
 
     async def _deliver_loop(self) -> None:
         urls = list(self.by_url)
         while True:
             self._wake.clear()
+            await self._write_again()
             room = min(CLAIM_AT_ONCE, MAX_TRYING - self.trying)
             claimed: list[Delivery] = []
             if room > 0:
@@ -260,8 +286,9 @@ class Webhooks(Collector):
         yield family
         waiting = GaugeMetricFamily("tiergate_webhook_pending", "Webhook deliveries waiting in the outbox, by endpoint "
                                     "(all processes' on a shared store; counted every few seconds)", labels=["url"])
+        kept = Counter(d.url for d in self.unwritten)
         for url, n in sorted(self.waiting.items()):
-            waiting.add_metric([url], n)
+            waiting.add_metric([url], n + kept[url])
         yield waiting
 
 
