@@ -715,12 +715,13 @@ def test_a_background_response_whose_process_died_is_run_again_here(tiny_chat, t
 
         # streamed but still queued when its process died: no output was seen, so it runs again,
         # its stored events going on from the last one stored
-        waiting = replace(record, id="resp_deadqueued", beat=time.time() - 5, runner="a-dead-process",
+        waiting = replace(record, id="resp_deadqueued", beat=time.time(), runner="a-dead-process",
                           request={**record.request, "body": {**record.request["body"], "stream": True}},
                           response={**record.response, "id": "resp_deadqueued", "status": "queued", "output": []})
-        s.wait(store.put(waiting))
+        s.wait(store.put(waiting))  # live while its first events are stored (else the reclaimer may run it first)
         opened = [sse_event(kind, n, response=waiting.response) for n, kind in enumerate(["response.created", "response.queued"])]
         s.wait(store.add_events(waiting.id, waiting.created_at, 0, opened))
+        assert s.wait(store.update_running(replace(waiting, beat=time.time() - 5)))  # then its process died
         events = list(c.responses.retrieve(waiting.id, stream=True))
         assert [e.sequence_number for e in events] == list(range(len(events)))  # one stream, numbered on
         assert [e.type for e in events[:3]] == ["response.created", "response.queued", "response.in_progress"]
