@@ -17,6 +17,15 @@ evaluation harnesses score a continuation by (``echo``, ``logprobs``, ``max_toke
 ``max_tokens: 0`` with both, the older idiom: the prompt scored and nothing generated, as ``vllm
 serve`` allows). The prompt tokens' ``text_offset`` counts their own text from 0, as vLLM's does: a
 special token the tokenizer adds (a BOS) has text that the echoed prompt does not.
+
+``suffix`` asks for the text between the prompt and it (fill in the middle, what editors' code
+completion sends): a code model trained for it is given ``<prefix>`` prompt ``<suffix>`` suffix
+``<middle>`` (its own three tokens, the prefix-suffix-middle order all of them were trained on) and
+writes the middle, which is the completion's text. The tokens are found in the tokenizer by the
+names code models give them (``FIM_LAYOUTS``: Qwen2.5-Coder, CodeGemma, StarCoder, DeepSeek-Coder,
+...) or named in tiers.yaml (a chat model's ``fim:``); a model with neither is a 400 naming
+``suffix``. The prompt and the suffix are each encoded as a prompt is (special tokens spelled in
+the text read as those tokens), without the tokenizer's BOS, which (if it adds one) comes first.
 """
 
 from __future__ import annotations
@@ -70,7 +79,7 @@ class CompletionRequest(_Body):
     frequency_penalty: float = Field(default=0.0, ge=-2, le=2)
     logit_bias: dict[str, float] | None = None  # token id (as a string) -> bias in -100..100
     best_of: int | None = Field(default=None, ge=1)  # accepted only equal to n
-    suffix: str | None = None  # refused: no insertion
+    suffix: str | None = None  # fill in the middle, on a model with FIM tokens
     user: str | None = None
     service_tier: str | None = None
     adapters: list[AdapterChoice] | None = Field(default=None, max_length=MAX_STACK)  # extension: LoRA stack
@@ -133,23 +142,58 @@ async def tokenizer_of(path: Path) -> Any:
     return tok
 
 
-def encode_prompts(tok: Any, prompts: list[str | TokenIds]) -> list[Prompt]:
+# Fill-in-the-middle tokens (prefix, suffix, middle) as code models' tokenizers name them, each
+# trained on <prefix>{prefix}<suffix>{suffix}<middle>: Qwen2.5-Coder, Qwen3-Coder and CodeGemma;
+# StarCoder, StarCoder2, SantaCoder and Granite Code; DeepSeek-Coder; older BigCode models.
+FIM_LAYOUTS: list[tuple[str, str, str]] = [
+    ("<|fim_prefix|>", "<|fim_suffix|>", "<|fim_middle|>"),
+    ("<fim_prefix>", "<fim_suffix>", "<fim_middle>"),
+    ("<｜fim▁begin｜>", "<｜fim▁hole｜>", "<｜fim▁end｜>"),
+    ("<fim-prefix>", "<fim-suffix>", "<fim-middle>"),
+]
+
+
+def fim_ids(tok: Any, configured: tuple[str, str, str] | None = None) -> tuple[int, int, int] | None:
+    """The ids of the model's (prefix, suffix, middle) tokens: ``configured`` (tiers.yaml), else the
+    first of FIM_LAYOUTS the tokenizer has; None when it has none. 400 naming ``suffix`` for
+    configured tokens the tokenizer lacks."""
+    vocab = tok.get_vocab()
+    if configured is not None:
+        missing = [t for t in configured if t not in vocab]
+        if missing:
+            raise bad_request(f"this model's fim tokens (tiers.yaml) are not in its tokenizer: {', '.join(missing)}",
+                              "suffix")
+        return tuple(vocab[t] for t in configured)  # type: ignore[return-value]
+    for layout in FIM_LAYOUTS:
+        if all(t in vocab for t in layout):
+            return tuple(vocab[t] for t in layout)  # type: ignore[return-value]
+    return None
+
+
+def encode_prompts(tok: Any, prompts: list[str | TokenIds], suffix: str | None = None,
+                   fim: tuple[int, int, int] | None = None) -> list[Prompt]:
     """Token ids and text of each prompt; 400 naming ``prompt`` for an empty one or an id
-    outside the vocabulary."""
+    outside the vocabulary. With ``suffix`` (and the model's ``fim`` ids), each prompt's ids are
+    its fill-in-the-middle layout: the tokenizer's BOS for a text prompt, then prefix token,
+    prompt, suffix token, suffix, middle token, the texts encoded without special tokens."""
     vocab = len(tok)
+    insert = suffix is not None and fim is not None
     out = []
     for i, p in enumerate(prompts):
         param = "prompt" if len(prompts) == 1 else f"prompt[{i}]"
         if isinstance(p, str):
-            ids = list(tok(p)["input_ids"])
+            ids = list(tok(p, add_special_tokens=not insert)["input_ids"])
             text = p
         else:
             bad = [t for t in p if not 0 <= t < vocab]
             if bad:
                 raise bad_request(f"token id {bad[0]} is outside this model's vocabulary (0..{vocab - 1})", param)
             ids, text = list(p), tok.decode(p)
-        if not ids:
+        if not ids and not insert:
             raise bad_request("the prompt is empty (no tokens)", param)
+        if insert:
+            lead = [t for t in tok("")["input_ids"] if t == tok.bos_token_id] if isinstance(p, str) else []
+            ids = [*lead, fim[0], *ids, fim[1], *tok(suffix, add_special_tokens=False)["input_ids"], fim[2]]
         out.append(Prompt(ids, text, tok.decode(ids[:1])))
     return out
 
@@ -172,15 +216,23 @@ async def plan_completion(svc: Services, body: CompletionRequest) -> CompletionJ
         raise bad_request(f"n is {body.n}, above this server's limit of {limits.max_n} choices", "n")
     if body.best_of is not None and body.best_of != body.n:
         raise bad_request("best_of is not supported (only best_of equal to n)", "best_of")
-    if body.suffix:
-        raise bad_request("suffix (insertion) is not supported", "suffix")
+    if body.suffix is not None and body.echo:
+        raise bad_request("echo with suffix is not supported: the completion is the text between the prompt and "
+                          "the suffix", "echo")
     raw = body.prompts()
     if not raw:
         raise bad_request("prompt must not be an empty list", "prompt")
     if len(raw) * body.n > MAX_CHOICES:
         raise bad_request(f"{len(raw)} prompts times n={body.n} is above {MAX_CHOICES} choices", "prompt")
     service_tier.check(svc.config, body.service_tier)
-    prompts = await asyncio.to_thread(encode_prompts, await tokenizer_of(spec.path), raw)  # off the loop
+    tok, fim = await tokenizer_of(spec.path), None
+    if body.suffix is not None:
+        fim = fim_ids(tok, svc.config.fim_tokens(spec.name))
+        if fim is None:
+            raise bad_request(f"the model '{spec.name}' has no fill-in-the-middle tokens (none of the layouts tiergate "
+                              "knows, and no fim: in tiers.yaml), so it cannot complete between a prompt and a suffix",
+                              "suffix")
+    prompts = await asyncio.to_thread(encode_prompts, tok, raw, body.suffix, fim)  # off the loop
     params = ChatParams(
         max_tokens, body.temperature, body.top_p, body.stop or [], body.seed, logprobs=body.logprobs,
         presence_penalty=body.presence_penalty, frequency_penalty=body.frequency_penalty,

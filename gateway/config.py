@@ -87,9 +87,19 @@ class _Model(_Strict):
         return ModelSpec(self.name, self.kind, self.path, self.vram)
 
 
+class FimTokens(_Strict):
+    """A code model's fill-in-the-middle tokens (``/v1/completions`` with ``suffix``), for a model
+    whose tokenizer has none of the layouts ``gateway.completions`` knows by their tokens."""
+
+    prefix: str = Field(min_length=1)
+    suffix: str = Field(min_length=1)
+    middle: str = Field(min_length=1)
+
+
 class ChatModel(_Model):
     kind: Literal["chat"]
     engine: Annotated[EngineConfig, BeforeValidator(_engine_block)] = EngineConfig()
+    fim: FimTokens | None = None  # None: found in the tokenizer by their names (gateway.completions.FIM_LAYOUTS)
 
     def spec(self, with_adapters: bool = False) -> ModelSpec:
         engine = self.engine
@@ -324,6 +334,13 @@ class Config(_Strict):
         """``batch.data_dir``, a relative one taken from this file's folder: where the SQLite stores live."""
         d = self.batch.data_dir
         return d if d.is_absolute() else self.source.parent / d
+
+    def fim_tokens(self, model: str) -> tuple[str, str, str] | None:
+        """The fill-in-the-middle tokens tiers.yaml names for the chat model ``model`` (``fim:``)."""
+        for m in self.models:
+            if m.name == model and isinstance(m, ChatModel) and m.fim is not None:
+                return m.fim.prefix, m.fim.suffix, m.fim.middle
+        return None
 
     @model_validator(mode="after")
     def _accounts_name_tiers_and_models(self) -> "Config":

@@ -14,6 +14,7 @@ from dataclasses import replace
 import httpx
 import openai
 import pytest
+import torch
 from transformers import AutoTokenizer
 
 from gateway.auth import key_id
@@ -34,10 +35,35 @@ EVENTS_TEXT = ["response.created", "response.in_progress", "response.output_item
 EVENTS_TEXT_END = ["response.output_text.done", "response.content_part.done", "response.output_item.done"]
 
 
+FIM = ("<|fim_prefix|>", "<|fim_suffix|>", "<|fim_middle|>")  # Qwen2.5-Coder's names
+
+
 @pytest.fixture(scope="module")
-def server(tiny_chat, tmp_path_factory):
+def tiny_coder(tiny_chat, tmp_path_factory):
+    """tiny-chat made a fill-in-the-middle model as code models ship: its tokenizer with Qwen2.5-Coder's
+    three FIM tokens, and embedding rows for them."""
+    from transformers import AutoModelForCausalLM
+
+    folder = tmp_path_factory.mktemp("tiny-coder")
+    tok = AutoTokenizer.from_pretrained(tiny_chat)
+    tok.add_tokens(list(FIM), special_tokens=True)
+    tok.save_pretrained(folder)
+    model = AutoModelForCausalLM.from_pretrained(tiny_chat)
+    torch.manual_seed(0)
+    model.resize_token_embeddings(len(tok))
+    model.save_pretrained(folder)
+    return folder
+
+
+@pytest.fixture(scope="module")
+def server(tiny_chat, tiny_coder, tmp_path_factory):
     folder = tmp_path_factory.mktemp("completions-responses")
-    s = start_server(write_config(folder, {"tiny-chat": ("chat", tiny_chat)}, "limits:\n  max_chat_tokens: 64\n"))
+    config = write_config(folder, {"tiny-chat": ("chat", tiny_chat), "tiny-coder": ("chat", tiny_coder),
+                                   "tiny-chat-fim": ("chat", tiny_chat)}, "limits:\n  max_chat_tokens: 64\n")
+    entry = f"  - name: tiny-chat-fim\n    kind: chat\n    path: {tiny_chat}\n"  # its chat roles as FIM tokens
+    config.write_text(config.read_text().replace(
+        entry, entry + '    fim: {prefix: "<|user|>", suffix: "<|system|>", middle: "<|assistant|>"}\n'))
+    s = start_server(config)
     yield s
     s.stop()
 
@@ -236,13 +262,90 @@ def test_echo_with_logprobs_gives_the_prompts_logprobs(server, tokenizer, tiny_c
         assert all(len(top) == 1 for top in ch.logprobs.top_logprobs[1:n])
 
 
+def fim_layout(tok, prompt: str, suffix: str, names=FIM) -> list[int]:
+    """The layout a FIM-trained code model reads, built here token by token."""
+    pre, suf, mid = tok.convert_tokens_to_ids(list(names))
+    return [pre, *tok.encode(prompt, add_special_tokens=False), suf, *tok.encode(suffix, add_special_tokens=False), mid]
+
+
+def test_suffix_fills_in_the_middle_on_a_model_with_fim_tokens(server, tiny_coder):
+    """The completion with ``suffix`` is the model's greedy continuation of the prefix-suffix-middle
+    layout (the same as that layout sent as token ids), whole and streamed, for every prompt; the
+    prompt's tokens are the layout's."""
+    tok, c = AutoTokenizer.from_pretrained(tiny_coder), client(server)
+    prefix, suffix = "def add(a, b):\n    ", "\n    return total"
+    layout = fim_layout(tok, prefix, suffix)
+    filled = c.completions.create(model="tiny-coder", prompt=prefix, suffix=suffix, max_tokens=8, temperature=0)
+    plain = c.completions.create(model="tiny-coder", prompt=layout, max_tokens=8, temperature=0)
+    assert filled.choices[0].text == plain.choices[0].text and filled.choices[0].text
+    assert filled.usage.prompt_tokens == len(layout)
+    without = c.completions.create(model="tiny-coder", prompt=prefix, max_tokens=8, temperature=0)
+    assert without.usage.prompt_tokens == len(tok(prefix)["input_ids"])  # a prompt alone is not laid out
+    streamed = c.completions.create(model="tiny-coder", prompt=[prefix, "x = "], suffix=suffix, max_tokens=8,
+                                    temperature=0, stream=True)
+    texts = {0: "", 1: ""}
+    for chunk in streamed:
+        for ch in chunk.choices:
+            texts[ch.index] += ch.text
+    assert texts[0] == filled.choices[0].text
+    second = c.completions.create(model="tiny-coder", prompt=fim_layout(tok, "x = ", suffix), max_tokens=8, temperature=0)
+    assert texts[1] == second.choices[0].text
+
+
+def test_fim_tokens_named_in_tiers_yaml(server, tokenizer):
+    c = client(server)
+    names = ("<|user|>", "<|system|>", "<|assistant|>")
+    filled = c.completions.create(model="tiny-chat-fim", prompt="The cat", suffix="the mat", max_tokens=6, temperature=0)
+    plain = greedy(c, fim_layout(tokenizer, "The cat", "the mat", names), max_tokens=6)
+    assert filled.choices[0].text == plain.choices[0].text
+    assert filled.usage.prompt_tokens == len(fim_layout(tokenizer, "The cat", "the mat", names))
+
+
+@pytest.mark.parametrize("model, body, param, says", [
+    ("tiny-chat", {"suffix": "y"}, "suffix", "no fill-in-the-middle tokens"),  # none of the layouts, none named
+    ("tiny-coder", {"suffix": "y", "echo": True}, "echo", "echo with suffix"),
+])
+def test_a_suffix_the_model_cannot_fill_is_a_400(server, model, body, param, says):
+    r = post(server, "/completions", {"model": model, "prompt": "x", **body})
+    assert r.status_code == 400, r.text
+    assert r.json()["error"]["param"] == param and says in r.json()["error"]["message"]
+
+
+def test_fim_ids_finds_each_layout_and_checks_named_tokens(tokenizer):
+    from gateway.completions import FIM_LAYOUTS, fim_ids
+
+    assert fim_ids(tokenizer) is None
+    for layout in FIM_LAYOUTS:
+        tok = AutoTokenizer.from_pretrained(tokenizer.name_or_path)
+        tok.add_tokens(list(layout), special_tokens=True)
+        assert fim_ids(tok) == tuple(tok.convert_tokens_to_ids(list(layout)))
+    assert fim_ids(tokenizer, ("<|user|>", "<|system|>", "<|assistant|>")) == \
+        tuple(tokenizer.convert_tokens_to_ids(["<|user|>", "<|system|>", "<|assistant|>"]))
+    with pytest.raises(APIError, match="<nope>"):
+        fim_ids(tokenizer, ("<|user|>", "<nope>", "<|assistant|>"))
+
+
+def test_a_tokenizer_s_bos_comes_before_the_fim_layout(tokenizer):
+    from tokenizers.processors import TemplateProcessing
+
+    from gateway.completions import encode_prompts
+
+    tok = AutoTokenizer.from_pretrained(tokenizer.name_or_path)
+    tok._tokenizer.post_processor = TemplateProcessing(single="<s> $A", special_tokens=[("<s>", tok.bos_token_id)])
+    assert tok("ab")["input_ids"][0] == tok.bos_token_id  # it adds a BOS now
+    fim = (3, 4, 5)
+    [text, ids] = encode_prompts(tok, ["ab cd", [7, 8]], " ef", fim)
+    assert text.ids == [tok.bos_token_id, 3, *tok.encode("ab cd", add_special_tokens=False), 4,
+                        *tok.encode(" ef", add_special_tokens=False), 5]
+    assert ids.ids == [3, 7, 8, 4, *tok.encode(" ef", add_special_tokens=False), 5]  # token ids are as sent
+
+
 @pytest.mark.parametrize("body, param", [
     ({"prompt": "x", "logprobs": 6}, "logprobs"),
     ({"prompt": "x", "n": 99}, "n"),
     ({"prompt": [1, 2, 10 ** 9]}, "prompt"),
     ({"prompt": []}, "prompt"),
     ({"prompt": [[1], "x"]}, "prompt"),
-    ({"prompt": "x", "suffix": "y"}, "suffix"),
     ({"prompt": "x", "stop": ["a", "b", "c", "d", "e"]}, "stop"),
     ({"prompt": "x", "max_tokens": 65}, "max_tokens"),
     ({"prompt": "x", "max_tokens": 0}, "max_tokens"),  # scoring (0) needs echo and logprobs
