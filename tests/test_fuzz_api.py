@@ -44,7 +44,12 @@ def server(tiny_chat, tiny_embed, tiny_image, tiny_tts, tiny_stt, tmp_path_facto
              f"  image_edit_max_bytes: {MAX_UPLOAD}\n"
              f"batch:\n  store: sqlite\n  max_file_bytes: {MAX_UPLOAD}\n  max_lines: 8\n"
              "accounts:\n  limits:\n    free: {requests_per_min: 100000}\n")
+    if ENGINE == "transformers":  # suffix on a model with FIM tokens (its chat roles, named in tiers.yaml)
+        models["tiny-chat-fim"] = ("chat", tiny_chat)
     config = write_config(folder, models, extra, engine=ENGINE)
+    entry = f"  - name: tiny-chat-fim\n    kind: chat\n    path: {tiny_chat}\n"
+    config.write_text(config.read_text().replace(
+        entry, entry + '    fim: {prefix: "<|user|>", suffix: "<|system|>", middle: "<|assistant|>"}\n'))
     if ENGINE == "vllm":  # a small engine, as tests/test_vllm_gateway.py starts it
         config.write_text(config.read_text().replace("    engine: vllm", "    engine: {name: vllm, kv_cache: 128MiB, max_num_seqs: 4}"))
     running = start_server(config)
@@ -124,7 +129,8 @@ ENDPOINTS = {
         {"model": "tiny-chat", "prompt": "hi", "max_tokens": 2},
         {**SAMPLING, "prompt": TEXT | st.lists(TEXT, max_size=3) | TOKEN_IDS | st.lists(TOKEN_IDS, max_size=3),
          "max_tokens": EDGE_INTS, "logprobs": EDGE_INTS, "echo": st.booleans(), "best_of": EDGE_INTS,
-         "suffix": TEXT, "model": st.sampled_from(["tiny-chat", "tiny-tts", "nope"])}),
+         "suffix": TEXT, "model": st.sampled_from(["tiny-chat", "tiny-tts", "nope"] +
+                                                  (["tiny-chat-fim"] * 2 if ENGINE == "transformers" else []))}),
     "/v1/responses": (
         {"model": "tiny-chat", "input": "hi", "max_output_tokens": 2},
         {"input": TEXT | st.lists(MESSAGE | st.fixed_dictionaries(
