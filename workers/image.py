@@ -17,6 +17,7 @@ weights are switched (merge, or restore for the base model) before it starts.
 from __future__ import annotations
 
 import copy
+import inspect
 import io
 import itertools
 import json
@@ -165,8 +166,8 @@ class ImageWorker(ThreadWorker):
 
         ``on_partial`` (a streamed request) is called, on this thread, with previews of the
         images (PNGs of the latents decoded by the VAE) after ``req.partial_images`` of the
-        denoising steps spread evenly before the last (``partial_steps``); none for a pipeline
-        whose latents are not image-shaped (packed ones, as Flux's).
+        denoising steps spread evenly before the last (``partial_steps``); packed latents (Flux's)
+        are unpacked first, and none are sent for latents of another shape.
 
         Image ``i`` has its own generator seeded ``req.seed + i`` (diffusers draws each image's
         noise from its own generator), so image ``i`` starts from the noise of the ``n=1`` request
@@ -185,10 +186,12 @@ class ImageWorker(ThreadWorker):
         seed = req.seed if req.seed is not None else secrets.randbelow(2**31)  # leaves torch's global RNG alone
         generators = [torch.Generator("cpu").manual_seed(seed + i) for i in range(req.n)]
 
+        size = req.image.size if req.image is not None else (req.width, req.height) if req.width and req.height else None
+
         def on_step_end(pipe: DiffusionPipeline, step: int, timestep: int, kwargs: dict) -> dict:
             ctx.boundary()
             if on_partial is not None and step in partial_steps(pipe.num_timesteps, req.partial_images):
-                previews = _previews(pipe, kwargs["latents"])
+                previews = _previews(pipe, kwargs["latents"], size)
                 if previews is not None:
                     on_partial([_png(self._kept(req, img)) for img in previews])
             return kwargs
@@ -196,7 +199,11 @@ class ImageWorker(ThreadWorker):
         task, kwargs = _task(req)
         switch = lambda key: self._switch_stack(req.adapters)  # noqa: E731
         with self.stack_gate.use(stack_key(req.adapters), switch, ctx), torch.inference_mode():
-            out = self._call_pipeline(task)(
+            pipe = self._call_pipeline(task)
+            if task == "image2image" and "width" in inspect.signature(pipe.__call__).parameters:
+                width, height = req.image.size  # Flux's takes its default size (1024) otherwise, not the image's
+                kwargs.update(width=width, height=height)
+            out = pipe(
                 prompt=[req.prompt] * req.n,
                 negative_prompt=[req.negative_prompt] * req.n if req.negative_prompt else None,
                 num_inference_steps=req.num_inference_steps,
@@ -271,16 +278,37 @@ def partial_steps(steps: int, partial_images: int) -> frozenset[int]:
     return frozenset((j + 1) * steps // (partial_images + 1) - 1 for j in range(partial_images)) - {-1, steps - 1}
 
 
-def _previews(pipe: DiffusionPipeline, latents: torch.Tensor) -> list[Image] | None:
+def _previews(pipe: DiffusionPipeline, latents: torch.Tensor, size: tuple[int, int] | None) -> list[Image] | None:
     """The images ``latents`` (mid-denoising) decode to, as the pipeline decodes its last ones:
-    unscaled (and unshifted) for the VAE, then its image processor; None for latents that are
-    not image-shaped."""
+    packed ones (Flux's: a sequence of 2x2 patches) unpacked to the image's latents for ``size``
+    (width, height; None: the pipeline's default), unscaled (and unshifted) for the VAE, then its
+    image processor; None for latents of any other shape."""
     vae = getattr(pipe, "vae", None)
-    if vae is None or latents.ndim != 4 or getattr(pipe, "image_processor", None) is None:
+    if vae is None or getattr(pipe, "image_processor", None) is None:
+        return None
+    if latents.ndim == 3 and hasattr(pipe, "_unpack_latents"):
+        latents = _unpacked(pipe, latents, size)
+    if latents is None or latents.ndim != 4:
         return None
     shift = getattr(vae.config, "shift_factor", None) or 0.0
     pixels = vae.decode(latents.to(vae.dtype) / vae.config.scaling_factor + shift, return_dict=False)[0]
     return pipe.image_processor.postprocess(pixels, output_type="pil")
+
+
+def _unpacked(pipe: DiffusionPipeline, latents: torch.Tensor, size: tuple[int, int] | None) -> torch.Tensor | None:
+    """Packed latents (batch, patches, channels x 4) as the pipeline unpacks them before decoding,
+    for an image of ``size``; None when the patches are not that size's (a size the pipeline
+    rounded otherwise)."""
+    scale = pipe.vae_scale_factor
+    if size is None:
+        default = getattr(pipe, "default_sample_size", None)
+        if default is None:
+            return None
+        size = (default * scale, default * scale)
+    width, height = size
+    if (height // (scale * 2)) * (width // (scale * 2)) != latents.shape[1]:
+        return None
+    return pipe._unpack_latents(latents, height, width, scale)
 
 
 def _task(req: ImageRequest) -> tuple[str, dict]:
@@ -288,7 +316,7 @@ def _task(req: ImageRequest) -> tuple[str, dict]:
     if req.image is None:
         return "text2image", {"width": req.width, "height": req.height}
     strength = {} if req.strength is None else {"strength": req.strength}
-    if req.mask is None:  # image-to-image takes its size from the image
+    if req.mask is None:  # image-to-image takes its size from the image (or is told it: generate)
         return "image2image", {"image": req.image, **strength}
     width, height = req.image.size
     return "inpaint", {"image": req.image, "mask_image": req.mask, "width": width, "height": height, **strength}

@@ -1,0 +1,129 @@
+"""A Flux pipeline (a transformer denoiser on packed latents, two text encoders, flow matching)
+through the image endpoints, built tiny offline from configs as diffusers' own tests build it:
+generations, streamed previews (its latents unpacked before the VAE), edits with and without a
+mask, and variations, through the openai SDK."""
+
+from __future__ import annotations
+
+import base64
+import io
+from pathlib import Path
+
+import numpy as np
+import openai
+import pytest
+import torch
+from PIL import Image
+
+from tests.helpers import start_server, write_config
+
+
+def build_tiny_flux(out: Path, seed: int = 0) -> Path:
+    """A random-weight FluxPipeline folder: 1+1 transformer blocks on 4 latent channels (16 packed),
+    a 2-layer CLIP and a 2-layer T5 encoder sharing the demo's byte-level CLIP tokenizer (the T5
+    encoder needs only ids), and an 8x VAE."""
+    from diffusers import AutoencoderKL, FlowMatchEulerDiscreteScheduler, FluxPipeline, FluxTransformer2DModel
+    from transformers import CLIPTextConfig, CLIPTextModel, T5Config, T5EncoderModel
+
+    from demo.image import _clip_tokenizer
+
+    torch.manual_seed(seed)
+    tokenizer = _clip_tokenizer()
+    ids = {"bos_token_id": tokenizer.bos_token_id, "eos_token_id": tokenizer.eos_token_id,
+           "pad_token_id": tokenizer.pad_token_id}
+    pipe = FluxPipeline(
+        scheduler=FlowMatchEulerDiscreteScheduler(),
+        vae=AutoencoderKL(in_channels=3, out_channels=3, block_out_channels=(8, 8, 8, 8),
+                          down_block_types=("DownEncoderBlock2D",) * 4, up_block_types=("UpDecoderBlock2D",) * 4,
+                          layers_per_block=1, latent_channels=4, norm_num_groups=4, sample_size=64,
+                          use_quant_conv=False, use_post_quant_conv=False, shift_factor=0.0609, scaling_factor=1.5035),
+        text_encoder=CLIPTextModel(CLIPTextConfig(vocab_size=len(tokenizer), hidden_size=32, intermediate_size=37,
+                                                  num_hidden_layers=2, num_attention_heads=4,
+                                                  max_position_embeddings=77, projection_dim=32, **ids)),
+        tokenizer=tokenizer,
+        text_encoder_2=T5EncoderModel(T5Config(vocab_size=len(tokenizer), d_model=32, d_kv=8, d_ff=37, num_layers=2,
+                                               num_heads=4)),
+        tokenizer_2=_clip_tokenizer(),
+        transformer=FluxTransformer2DModel(patch_size=1, in_channels=16, num_layers=1, num_single_layers=1,
+                                           attention_head_dim=16, num_attention_heads=2, joint_attention_dim=32,
+                                           pooled_projection_dim=32, axes_dims_rope=[4, 4, 8]),
+    )
+    pipe.save_pretrained(out)
+    return out
+
+
+@pytest.fixture(scope="module")
+def server(tmp_path_factory):
+    folder = tmp_path_factory.mktemp("flux")
+    flux = build_tiny_flux(folder / "tiny-flux")
+    s = start_server(write_config(folder, {"tiny-flux": ("image", flux)}))
+    yield s
+    s.stop()
+
+
+def client(server) -> openai.OpenAI:
+    return openai.OpenAI(base_url=server.base_url, api_key=server.keys["paid"], max_retries=0, timeout=120)
+
+
+def png(b64: str) -> Image.Image:
+    return Image.open(io.BytesIO(base64.b64decode(b64)))
+
+
+STEPS = {"num_inference_steps": 4, "seed": 7}
+
+
+def test_generations_streamed_with_previews_end_in_the_unstreamed_image(server):
+    c = client(server)
+    whole = c.images.generate(model="tiny-flux", prompt="a cat", size="64x32", response_format="b64_json",
+                              extra_body=STEPS)
+    assert png(whole.data[0].b64_json).size == (64, 32)
+    events = list(c.images.generate(model="tiny-flux", prompt="a cat", size="64x32", stream=True, partial_images=2,
+                                    extra_body=STEPS))
+    assert [e.type for e in events] == ["image_generation.partial_image"] * 2 + ["image_generation.completed"]
+    previews = [png(e.b64_json) for e in events[:2]]
+    assert all(p.size == (64, 32) for p in previews)
+    assert not np.array_equal(np.asarray(previews[0]), np.asarray(previews[1]))  # two steps apart
+    assert events[-1].b64_json == whole.data[0].b64_json  # the same seed: the same bytes
+
+
+def test_unpacking_is_the_inverse_of_the_pipeline_s_packing():
+    """``_unpacked`` gives back the image-shaped latents the pipeline packed, for a wide image
+    (width and height not swapped), and None for latents packed for another size."""
+    from diffusers import FluxPipeline
+
+    from workers.image import _unpacked
+
+    class Pipe:  # what _unpacked reads of a Flux pipeline
+        vae_scale_factor = 8
+        default_sample_size = 4
+        _unpack_latents = staticmethod(FluxPipeline._unpack_latents)
+
+    latents = torch.randn(2, 4, 4, 8)  # a 64x32 image's (width 64: 8 latent columns)
+    packed = FluxPipeline._pack_latents(latents, 2, 4, 4, 8)
+    assert torch.equal(_unpacked(Pipe, packed, (64, 32)), latents)
+    assert _unpacked(Pipe, packed, (64, 64)) is None
+    square = FluxPipeline._pack_latents(torch.randn(1, 4, 4, 4), 1, 4, 4, 4)
+    assert _unpacked(Pipe, square, None).shape == (1, 4, 4, 4)  # the default size: 4 x 8 pixels a side
+
+
+def test_an_edit_keeps_what_the_mask_keeps_and_variations_run(server):
+    c = client(server)
+    source = Image.new("RGB", (64, 64), (200, 30, 30))
+    mask = Image.new("RGBA", (64, 64), (0, 0, 0, 255))
+    mask.paste((0, 0, 0, 0), (0, 0, 32, 32))  # repaint the top-left quarter
+    files = {}
+    for name, image in (("image", source), ("mask", mask)):
+        buf = io.BytesIO()
+        image.save(buf, "PNG")
+        files[name] = (f"{name}.png", buf.getvalue(), "image/png")
+    edited = c.images.edit(model="tiny-flux", prompt="a dog", response_format="b64_json", extra_body=STEPS, **files)
+    pixels = np.asarray(png(edited.data[0].b64_json).convert("RGB"))
+    assert (pixels[32:, :] == (200, 30, 30)).all() and (pixels[:, 32:] == (200, 30, 30)).all()
+    assert not (pixels[:32, :32] == (200, 30, 30)).all()  # repainted
+    streamed = list(c.images.edit(model="tiny-flux", prompt="a dog", stream=True, partial_images=1,
+                                  extra_body=STEPS, **files))
+    assert [e.type for e in streamed] == ["image_edit.partial_image", "image_edit.completed"]
+    assert streamed[-1].b64_json == edited.data[0].b64_json
+    varied = c.images.create_variation(model="tiny-flux", image=files["image"], response_format="b64_json",
+                                       extra_body=STEPS)
+    assert png(varied.data[0].b64_json).size == (64, 64)
