@@ -1,7 +1,7 @@
 """A Flux pipeline (a transformer denoiser on packed latents, two text encoders, flow matching)
 through the image endpoints, built tiny offline from configs as diffusers' own tests build it:
 generations, streamed previews (its latents unpacked before the VAE), edits with and without a
-mask, and variations, through the openai SDK."""
+mask, variations and a transformer LoRA (merged as diffusers fuses it), through the openai SDK."""
 
 from __future__ import annotations
 
@@ -52,11 +52,46 @@ def build_tiny_flux(out: Path, seed: int = 0) -> Path:
     return out
 
 
+# Linear layers of both kinds of Flux block: the joint blocks' image and text attention, the single
+# blocks' MLP and output projection
+FLUX_TARGETS = ["to_q", "to_k", "to_v", "to_out.0", "add_q_proj", "to_add_out", "proj_mlp", "proj_out"]
+
+
+def save_flux_lora(flux: Path, folder: Path, seed: int = 3) -> Path:
+    """A transformer LoRA written by diffusers' FluxPipeline.save_lora_weights (its peft metadata
+    too), with random non-zero B factors."""
+    import peft
+    from diffusers import FluxPipeline, FluxTransformer2DModel
+    from peft.utils import get_peft_model_state_dict
+
+    trained = FluxTransformer2DModel.from_pretrained(flux / "transformer")
+    config = peft.LoraConfig(r=4, lora_alpha=8, target_modules=FLUX_TARGETS)
+    trained.add_adapter(config)
+    g = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for name, p in trained.named_parameters():
+            if "lora_B" in name:
+                p.copy_(0.3 * torch.randn(p.shape, generator=g))
+    FluxPipeline.save_lora_weights(str(folder), transformer_lora_layers=get_peft_model_state_dict(trained),
+                                   transformer_lora_adapter_metadata=config.to_dict())
+    return folder
+
+
 @pytest.fixture(scope="module")
-def server(tmp_path_factory):
-    folder = tmp_path_factory.mktemp("flux")
-    flux = build_tiny_flux(folder / "tiny-flux")
-    s = start_server(write_config(folder, {"tiny-flux": ("image", flux)}))
+def flux(tmp_path_factory) -> Path:
+    return build_tiny_flux(tmp_path_factory.mktemp("flux") / "tiny-flux")
+
+
+@pytest.fixture(scope="module")
+def flux_lora(flux, tmp_path_factory) -> Path:
+    return save_flux_lora(flux, tmp_path_factory.mktemp("flux-lora"))
+
+
+@pytest.fixture(scope="module")
+def server(flux, flux_lora, tmp_path_factory):
+    folder = tmp_path_factory.mktemp("flux-server")
+    adapters = f"adapters:\n  - {{name: flux-style, model: tiny-flux, path: {flux_lora}}}\n"
+    s = start_server(write_config(folder, {"tiny-flux": ("image", flux)}, adapters))
     yield s
     s.stop()
 
@@ -127,3 +162,37 @@ def test_an_edit_keeps_what_the_mask_keeps_and_variations_run(server):
     varied = c.images.create_variation(model="tiny-flux", image=files["image"], response_format="b64_json",
                                        extra_body=STEPS)
     assert png(varied.data[0].b64_json).size == (64, 64)
+
+
+def test_a_flux_lora_merges_as_diffusers_fuses_it(flux, flux_lora):
+    """tiergate's merge of a transformer LoRA (lora_kernels, as the image worker merges it) gives the
+    weights diffusers' own load_lora_adapter + fuse_lora gives, within fp32 rounding (1e-6), on every
+    targeted layer of both block kinds."""
+    from diffusers import FluxTransformer2DModel
+
+    from lora_kernels import AdapterStack, load_diffusers_lora
+
+    adapter = load_diffusers_lora(flux_lora, component="transformer")
+    assert {m.scale for m in adapter.modules.values()} == {8 / 4}
+    assert {name.rsplit(".", 1)[-1] for name in adapter.modules} >= {"to_q", "add_q_proj", "proj_mlp", "proj_out"}
+    ours = FluxTransformer2DModel.from_pretrained(flux / "transformer")
+    base = {k: v.clone() for k, v in ours.state_dict().items()}
+    AdapterStack(ours).apply([(adapter, 1.0)])
+    fused = FluxTransformer2DModel.from_pretrained(flux / "transformer")
+    fused.load_lora_adapter(str(flux_lora), weight_name="pytorch_lora_weights.safetensors", prefix="transformer")
+    fused.fuse_lora()
+    fused.unload_lora()
+    expected, got = fused.state_dict(), ours.state_dict()
+    assert set(expected) == set(got)
+    assert max((expected[k] - got[k]).abs().max().item() for k in expected) <= 1e-6
+    changed = [k for k in got if not torch.equal(got[k], base[k])]
+    assert len(changed) == len(adapter.modules)  # each targeted layer's weight, and nothing else
+
+
+def test_a_flux_lora_by_name_changes_the_image_and_the_base_comes_back(server):
+    c = client(server)
+    ask = dict(model="tiny-flux", prompt="a cat", size="32x32", response_format="b64_json")
+    base = c.images.generate(**ask, extra_body=STEPS).data[0].b64_json
+    styled = c.images.generate(**ask, extra_body={**STEPS, "adapters": [{"name": "flux-style"}]}).data[0].b64_json
+    assert styled != base
+    assert c.images.generate(**ask, extra_body=STEPS).data[0].b64_json == base
