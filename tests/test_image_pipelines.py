@@ -1,7 +1,9 @@
-"""A Flux pipeline (a transformer denoiser on packed latents, two text encoders, flow matching)
-through the image endpoints, built tiny offline from configs as diffusers' own tests build it:
-generations, streamed previews (its latents unpacked before the VAE), edits with and without a
-mask, variations and a transformer LoRA (merged as diffusers fuses it), through the openai SDK."""
+"""The image endpoints on the pipeline families people serve, each built tiny offline from configs as
+diffusers' own tests build them: Flux (a transformer on packed latents, CLIP and T5 encoders, flow
+matching), Stable Diffusion XL (two CLIP encoders, a UNet with time conditioning) and Stable
+Diffusion 3 (a joint transformer, three encoders). Generations, streamed previews (Flux's latents
+unpacked before the VAE), edits with and without a mask and variations on each, and a Flux
+transformer LoRA (merged as diffusers fuses it), through the openai SDK."""
 
 from __future__ import annotations
 
@@ -18,38 +20,95 @@ from PIL import Image
 from tests.helpers import start_server, write_config
 
 
-def build_tiny_flux(out: Path, seed: int = 0) -> Path:
-    """A random-weight FluxPipeline folder: 1+1 transformer blocks on 4 latent channels (16 packed),
-    a 2-layer CLIP and a 2-layer T5 encoder sharing the demo's byte-level CLIP tokenizer (the T5
-    encoder needs only ids), and an 8x VAE."""
-    from diffusers import AutoencoderKL, FlowMatchEulerDiscreteScheduler, FluxPipeline, FluxTransformer2DModel
-    from transformers import CLIPTextConfig, CLIPTextModel, T5Config, T5EncoderModel
+def _clip(tokenizer, with_projection: bool = False):
+    from transformers import CLIPTextConfig, CLIPTextModel, CLIPTextModelWithProjection
+
+    config = CLIPTextConfig(vocab_size=len(tokenizer), hidden_size=32, intermediate_size=37, num_hidden_layers=2,
+                            num_attention_heads=4, max_position_embeddings=77, projection_dim=32,
+                            bos_token_id=tokenizer.bos_token_id, eos_token_id=tokenizer.eos_token_id,
+                            pad_token_id=tokenizer.pad_token_id)
+    return (CLIPTextModelWithProjection if with_projection else CLIPTextModel)(config)
+
+
+def _t5(tokenizer):
+    from transformers import T5Config, T5EncoderModel
+
+    return T5EncoderModel(T5Config(vocab_size=len(tokenizer), d_model=32, d_kv=8, d_ff=37, num_layers=2, num_heads=4))
+
+
+def _vae(latent_channels: int, flow: bool):
+    """An 8x VAE; a flow-matching pipeline's (Flux, SD3) has their shift and scale and no quant convs."""
+    from diffusers import AutoencoderKL
+
+    flow_only = dict(use_quant_conv=False, use_post_quant_conv=False, shift_factor=0.0609, scaling_factor=1.5035)
+    return AutoencoderKL(in_channels=3, out_channels=3, block_out_channels=(8, 8, 8, 8),
+                         down_block_types=("DownEncoderBlock2D",) * 4, up_block_types=("UpDecoderBlock2D",) * 4,
+                         layers_per_block=1, latent_channels=latent_channels, norm_num_groups=4, sample_size=64,
+                         **(flow_only if flow else {}))
+
+
+def build_tiny_flux(out: Path) -> Path:
+    """FluxPipeline: 1+1 transformer blocks on 4 latent channels (16 packed). Every tokenizer is the
+    demo's byte-level CLIP one (a T5 encoder needs only ids)."""
+    from diffusers import FlowMatchEulerDiscreteScheduler, FluxPipeline, FluxTransformer2DModel
 
     from demo.image import _clip_tokenizer
 
-    torch.manual_seed(seed)
-    tokenizer = _clip_tokenizer()
-    ids = {"bos_token_id": tokenizer.bos_token_id, "eos_token_id": tokenizer.eos_token_id,
-           "pad_token_id": tokenizer.pad_token_id}
-    pipe = FluxPipeline(
-        scheduler=FlowMatchEulerDiscreteScheduler(),
-        vae=AutoencoderKL(in_channels=3, out_channels=3, block_out_channels=(8, 8, 8, 8),
-                          down_block_types=("DownEncoderBlock2D",) * 4, up_block_types=("UpDecoderBlock2D",) * 4,
-                          layers_per_block=1, latent_channels=4, norm_num_groups=4, sample_size=64,
-                          use_quant_conv=False, use_post_quant_conv=False, shift_factor=0.0609, scaling_factor=1.5035),
-        text_encoder=CLIPTextModel(CLIPTextConfig(vocab_size=len(tokenizer), hidden_size=32, intermediate_size=37,
-                                                  num_hidden_layers=2, num_attention_heads=4,
-                                                  max_position_embeddings=77, projection_dim=32, **ids)),
-        tokenizer=tokenizer,
-        text_encoder_2=T5EncoderModel(T5Config(vocab_size=len(tokenizer), d_model=32, d_kv=8, d_ff=37, num_layers=2,
-                                               num_heads=4)),
-        tokenizer_2=_clip_tokenizer(),
+    torch.manual_seed(0)
+    tok = _clip_tokenizer()
+    FluxPipeline(
+        scheduler=FlowMatchEulerDiscreteScheduler(), vae=_vae(4, flow=True), text_encoder=_clip(tok), tokenizer=tok,
+        text_encoder_2=_t5(tok), tokenizer_2=_clip_tokenizer(),
         transformer=FluxTransformer2DModel(patch_size=1, in_channels=16, num_layers=1, num_single_layers=1,
                                            attention_head_dim=16, num_attention_heads=2, joint_attention_dim=32,
                                            pooled_projection_dim=32, axes_dims_rope=[4, 4, 8]),
-    )
-    pipe.save_pretrained(out)
+    ).save_pretrained(out)
     return out
+
+
+def build_tiny_sdxl(out: Path) -> Path:
+    from diffusers import EulerDiscreteScheduler, StableDiffusionXLPipeline, UNet2DConditionModel
+
+    from demo.image import _clip_tokenizer
+
+    torch.manual_seed(0)
+    tok = _clip_tokenizer()
+    unet = UNet2DConditionModel(block_out_channels=(16, 32), layers_per_block=1, sample_size=8, in_channels=4,
+                                out_channels=4, down_block_types=("DownBlock2D", "CrossAttnDownBlock2D"),
+                                up_block_types=("CrossAttnUpBlock2D", "UpBlock2D"), attention_head_dim=(2, 4),
+                                use_linear_projection=True, addition_embed_type="text_time", addition_time_embed_dim=8,
+                                transformer_layers_per_block=(1, 1), projection_class_embeddings_input_dim=80,
+                                cross_attention_dim=64, norm_num_groups=4)
+    StableDiffusionXLPipeline(
+        vae=_vae(4, flow=False), text_encoder=_clip(tok), text_encoder_2=_clip(tok, with_projection=True),
+        tokenizer=tok, tokenizer_2=_clip_tokenizer(), unet=unet,
+        scheduler=EulerDiscreteScheduler(beta_start=0.00085, beta_end=0.012, beta_schedule="scaled_linear",
+                                         steps_offset=1),
+    ).save_pretrained(out)
+    return out
+
+
+def build_tiny_sd3(out: Path) -> Path:
+    """StableDiffusion3Pipeline on 16 latent channels (as SD3's own: its inpainting needs them)."""
+    from diffusers import FlowMatchEulerDiscreteScheduler, SD3Transformer2DModel, StableDiffusion3Pipeline
+
+    from demo.image import _clip_tokenizer
+
+    torch.manual_seed(0)
+    tok = _clip_tokenizer()
+    StableDiffusion3Pipeline(
+        scheduler=FlowMatchEulerDiscreteScheduler(), vae=_vae(16, flow=True),
+        text_encoder=_clip(tok, with_projection=True), tokenizer=tok,
+        text_encoder_2=_clip(tok, with_projection=True), tokenizer_2=_clip_tokenizer(),
+        text_encoder_3=_t5(tok), tokenizer_3=_clip_tokenizer(),
+        transformer=SD3Transformer2DModel(sample_size=8, patch_size=1, in_channels=16, out_channels=16, num_layers=1,
+                                          attention_head_dim=8, num_attention_heads=4, caption_projection_dim=32,
+                                          joint_attention_dim=32, pooled_projection_dim=64),
+    ).save_pretrained(out)
+    return out
+
+
+PIPELINES = {"tiny-flux": build_tiny_flux, "tiny-sdxl": build_tiny_sdxl, "tiny-sd3": build_tiny_sd3}
 
 
 # Linear layers of both kinds of Flux block: the joint blocks' image and text attention, the single
@@ -78,8 +137,14 @@ def save_flux_lora(flux: Path, folder: Path, seed: int = 3) -> Path:
 
 
 @pytest.fixture(scope="module")
-def flux(tmp_path_factory) -> Path:
-    return build_tiny_flux(tmp_path_factory.mktemp("flux") / "tiny-flux")
+def pipelines(tmp_path_factory) -> dict[str, Path]:
+    folder = tmp_path_factory.mktemp("pipelines")
+    return {name: build(folder / name) for name, build in PIPELINES.items()}
+
+
+@pytest.fixture(scope="module")
+def flux(pipelines) -> Path:
+    return pipelines["tiny-flux"]
 
 
 @pytest.fixture(scope="module")
@@ -88,10 +153,10 @@ def flux_lora(flux, tmp_path_factory) -> Path:
 
 
 @pytest.fixture(scope="module")
-def server(flux, flux_lora, tmp_path_factory):
-    folder = tmp_path_factory.mktemp("flux-server")
+def server(pipelines, flux_lora, tmp_path_factory):
+    folder = tmp_path_factory.mktemp("pipelines-server")
     adapters = f"adapters:\n  - {{name: flux-style, model: tiny-flux, path: {flux_lora}}}\n"
-    s = start_server(write_config(folder, {"tiny-flux": ("image", flux)}, adapters))
+    s = start_server(write_config(folder, {name: ("image", path) for name, path in pipelines.items()}, adapters))
     yield s
     s.stop()
 
@@ -107,12 +172,13 @@ def png(b64: str) -> Image.Image:
 STEPS = {"num_inference_steps": 4, "seed": 7}
 
 
-def test_generations_streamed_with_previews_end_in_the_unstreamed_image(server):
+@pytest.mark.parametrize("model", list(PIPELINES))
+def test_generations_streamed_with_previews_end_in_the_unstreamed_image(server, model):
     c = client(server)
-    whole = c.images.generate(model="tiny-flux", prompt="a cat", size="64x32", response_format="b64_json",
+    whole = c.images.generate(model=model, prompt="a cat", size="64x32", response_format="b64_json",
                               extra_body=STEPS)
     assert png(whole.data[0].b64_json).size == (64, 32)
-    events = list(c.images.generate(model="tiny-flux", prompt="a cat", size="64x32", stream=True, partial_images=2,
+    events = list(c.images.generate(model=model, prompt="a cat", size="64x32", stream=True, partial_images=2,
                                     extra_body=STEPS))
     assert [e.type for e in events] == ["image_generation.partial_image"] * 2 + ["image_generation.completed"]
     previews = [png(e.b64_json) for e in events[:2]]
@@ -141,7 +207,8 @@ def test_unpacking_is_the_inverse_of_the_pipeline_s_packing():
     assert _unpacked(Pipe, square, None).shape == (1, 4, 4, 4)  # the default size: 4 x 8 pixels a side
 
 
-def test_an_edit_keeps_what_the_mask_keeps_and_variations_run(server):
+@pytest.mark.parametrize("model", list(PIPELINES))
+def test_an_edit_keeps_what_the_mask_keeps_and_variations_keep_the_size(server, model):
     c = client(server)
     source = Image.new("RGB", (64, 64), (200, 30, 30))
     mask = Image.new("RGBA", (64, 64), (0, 0, 0, 255))
@@ -151,15 +218,15 @@ def test_an_edit_keeps_what_the_mask_keeps_and_variations_run(server):
         buf = io.BytesIO()
         image.save(buf, "PNG")
         files[name] = (f"{name}.png", buf.getvalue(), "image/png")
-    edited = c.images.edit(model="tiny-flux", prompt="a dog", response_format="b64_json", extra_body=STEPS, **files)
+    edited = c.images.edit(model=model, prompt="a dog", response_format="b64_json", extra_body=STEPS, **files)
     pixels = np.asarray(png(edited.data[0].b64_json).convert("RGB"))
     assert (pixels[32:, :] == (200, 30, 30)).all() and (pixels[:, 32:] == (200, 30, 30)).all()
     assert not (pixels[:32, :32] == (200, 30, 30)).all()  # repainted
-    streamed = list(c.images.edit(model="tiny-flux", prompt="a dog", stream=True, partial_images=1,
+    streamed = list(c.images.edit(model=model, prompt="a dog", stream=True, partial_images=1,
                                   extra_body=STEPS, **files))
     assert [e.type for e in streamed] == ["image_edit.partial_image", "image_edit.completed"]
     assert streamed[-1].b64_json == edited.data[0].b64_json
-    varied = c.images.create_variation(model="tiny-flux", image=files["image"], response_format="b64_json",
+    varied = c.images.create_variation(model=model, image=files["image"], response_format="b64_json",
                                        extra_body=STEPS)
     assert png(varied.data[0].b64_json).size == (64, 64)
 
