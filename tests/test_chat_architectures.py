@@ -1,7 +1,8 @@
 """The transformers chat engine on the decoder families people serve besides the demo's Llama: each
 built tiny offline from its config (random weights, the demo's tokenizer and chat template), its
 greedy chat answer through the openai SDK, whole and streamed, checked against transformers' own
-``generate`` on the same model: the same text, and each token's log probability within 1e-4."""
+``generate`` on the same model: the same text, and each token's log probability within 1e-4; and
+with a peft LoRA on every linear layer, against peft's merged model."""
 
 from __future__ import annotations
 
@@ -49,10 +50,33 @@ def families(tiny_chat, tmp_path_factory) -> dict[str, Path]:
     return {family: build(family, tiny_chat, folder / family) for family in CONFIGS}
 
 
+def save_adapter(base: Path, out: Path) -> Path:
+    """A peft LoRA on every linear layer of ``base`` (Phi-3's fused qkv and gate_up among them),
+    its B factors random so that it changes the answer."""
+    import peft
+
+    model = peft.get_peft_model(AutoModelForCausalLM.from_pretrained(base),
+                                peft.LoraConfig(r=4, lora_alpha=8, target_modules="all-linear"))
+    g = torch.Generator().manual_seed(5)
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if "lora_B" in name:
+                p.copy_(0.2 * torch.randn(p.shape, generator=g))
+    model.save_pretrained(out)
+    return out
+
+
 @pytest.fixture(scope="module")
-def server(families, tmp_path_factory):
+def adapters(families, tmp_path_factory) -> dict[str, Path]:
+    folder = tmp_path_factory.mktemp("family-adapters")
+    return {family: save_adapter(path, folder / family) for family, path in families.items()}
+
+
+@pytest.fixture(scope="module")
+def server(families, adapters, tmp_path_factory):
+    listed = "adapters:\n" + "".join(f"  - {{name: {f}-lora, model: {f}, path: {path}}}\n" for f, path in adapters.items())
     s = start_server(write_config(tmp_path_factory.mktemp("families-server"),
-                                  {name: ("chat", path) for name, path in families.items()}))
+                                  {name: ("chat", path) for name, path in families.items()}, listed))
     yield s
     s.stop()
 
@@ -60,10 +84,15 @@ def server(families, tmp_path_factory):
 LOGPROB_ATOL = 1e-4  # fp32 on both sides; the engine's batched step and generate's differ in summation order
 
 
-def reference(path: Path) -> tuple[str, list[float]]:
+def reference(path: Path, adapter: Path | None = None) -> tuple[str, list[float]]:
     """transformers' greedy answer (its text, without a last character cut in half, which the
-    engine holds back at a length stop as vLLM's detokenizer does) and each token's log probability."""
+    engine holds back at a length stop as vLLM's detokenizer does) and each token's log probability;
+    with ``adapter``, of the model peft merged it into."""
     tok, model = AutoTokenizer.from_pretrained(path), AutoModelForCausalLM.from_pretrained(path)
+    if adapter is not None:
+        import peft
+
+        model = peft.PeftModel.from_pretrained(model, adapter).merge_and_unload()
     prompt = tok.apply_chat_template(MESSAGES, add_generation_prompt=True, return_tensors="pt", return_dict=True)
     out = model.generate(**prompt, max_new_tokens=TOKENS, do_sample=False, output_logits=True,
                          return_dict_in_generate=True)
@@ -83,3 +112,14 @@ def test_greedy_chat_matches_transformers_generate(server, families, family):
     assert whole.usage.completion_tokens == len(logprobs)
     got = [entry.logprob for entry in whole.choices[0].logprobs.content]
     assert got == pytest.approx(logprobs, abs=LOGPROB_ATOL)
+
+
+@pytest.mark.parametrize("family", list(CONFIGS))
+def test_a_lora_on_every_linear_layer_matches_peft_merged(server, families, adapters, family):
+    c = openai.OpenAI(base_url=server.base_url, api_key=server.keys["paid"], max_retries=0, timeout=120)
+    styled = c.chat.completions.create(model=family, messages=MESSAGES, max_tokens=TOKENS, temperature=0, logprobs=True,
+                                       extra_body={"adapters": [{"name": f"{family}-lora"}]})
+    expected, logprobs = reference(families[family], adapters[family])
+    assert styled.choices[0].message.content == expected
+    assert [e.logprob for e in styled.choices[0].logprobs.content] == pytest.approx(logprobs, abs=LOGPROB_ATOL)
+    assert reference(families[family])[1] != pytest.approx(logprobs, abs=LOGPROB_ATOL)  # the adapter changes it
