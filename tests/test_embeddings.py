@@ -1,5 +1,5 @@
 """Embeddings against a real uvicorn serving tiny-embed: the openai SDK (texts, token arrays, float
-and base64), LangChain's OpenAIEmbeddings, bad input naming its field, a Batch API line, eviction
+and base64), a decoder with last-token pooling (as Qwen3-Embedding), LangChain's OpenAIEmbeddings, bad input naming its field, a Batch API line, eviction
 by a higher tier; and the worker's pooling, batching and folder reading."""
 
 from __future__ import annotations
@@ -37,9 +37,34 @@ def tiny_embed_mrl(tiny_embed: Path, tmp_path_factory) -> Path:
 
 
 @pytest.fixture(scope="module")
-def server(tiny_embed: Path, tiny_embed_mrl: Path, tmp_path_factory) -> RunningServer:
+def tiny_decoder_embed(tiny_chat: Path, tmp_path_factory) -> Path:
+    """A decoder embedding model laid out as Qwen3-Embedding's folder is: a Qwen3 decoder (causal
+    attention) with sentence-transformers' last-token pooling and normalization."""
+    from transformers import AutoModel, AutoTokenizer, Qwen3Config
+
+    folder = tmp_path_factory.mktemp("decoder-embed") / "tiny-qwen3-embed"
+    tok = AutoTokenizer.from_pretrained(tiny_chat)
+    tok.save_pretrained(folder)
+    torch.manual_seed(0)
+    AutoModel.from_config(Qwen3Config(vocab_size=len(tok), hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                                      num_attention_heads=4, num_key_value_heads=2, head_dim=16,
+                                      max_position_embeddings=256, pad_token_id=tok.pad_token_id)).save_pretrained(folder)
+    modules = [{"idx": 0, "name": "0", "path": "", "type": "sentence_transformers.models.Transformer"},
+               {"idx": 1, "name": "1", "path": "1_Pooling", "type": "sentence_transformers.models.Pooling"},
+               {"idx": 2, "name": "2", "path": "2_Normalize", "type": "sentence_transformers.models.Normalize"}]
+    (folder / "modules.json").write_text(json.dumps(modules))
+    (folder / "1_Pooling").mkdir()
+    (folder / "1_Pooling" / "config.json").write_text(json.dumps({"word_embedding_dimension": 64,
+                                                                  "pooling_mode_lasttoken": True}))
+    (folder / "2_Normalize").mkdir()
+    return folder
+
+
+@pytest.fixture(scope="module")
+def server(tiny_embed: Path, tiny_embed_mrl: Path, tiny_decoder_embed: Path, tmp_path_factory) -> RunningServer:
     folder = tmp_path_factory.mktemp("embed-server")
-    models = {"tiny-embed": ("embed", tiny_embed), "tiny-embed-mrl": ("embed", tiny_embed_mrl)}
+    models = {"tiny-embed": ("embed", tiny_embed), "tiny-embed-mrl": ("embed", tiny_embed_mrl),
+              "tiny-qwen3-embed": ("embed", tiny_decoder_embed)}
     running = start_server(write_config(folder, models, LIMITS))
     yield running
     running.stop()
@@ -107,6 +132,21 @@ def test_normalized_and_the_same_alone_as_in_a_batch(server):
         alone = vectors(c.embeddings.create(model="tiny-embed", input=text, encoding_format="float"))[0]
         assert np.abs(alone - batch[i]).max() < BATCH_TOLERANCE
     assert np.abs(batch[0] - batch[2]).max() > 1e-2  # different texts, different vectors
+
+
+def test_a_decoder_with_last_token_pooling_embeds_each_input_as_alone(server, tiny_decoder_embed):
+    """Inputs of different lengths in one padded forward pass (padding on the right, after the last
+    real token a causal model reads) get the vectors each gets alone: the last token's hidden state
+    of transformers' own model, normalized."""
+    from transformers import AutoModel, AutoTokenizer
+
+    got = vectors(client(server).embeddings.create(model="tiny-qwen3-embed", input=TEXTS))
+    tok, model = AutoTokenizer.from_pretrained(tiny_decoder_embed), AutoModel.from_pretrained(tiny_decoder_embed)
+    with torch.no_grad():
+        alone = [model(**tok(text, return_tensors="pt")).last_hidden_state[0, -1] for text in TEXTS]
+    expected = torch.nn.functional.normalize(torch.stack(alone), dim=-1).double().numpy()
+    np.testing.assert_allclose(got, expected, rtol=0, atol=BATCH_TOLERANCE)
+    assert np.abs(got[0] - got[2]).max() > 0.1  # not one vector for all
 
 
 def test_token_arrays_embed_like_their_text(server):
