@@ -157,17 +157,25 @@ def fim_ids(tok: Any, configured: tuple[str, str, str] | None = None) -> tuple[i
     """The ids of the model's (prefix, suffix, middle) tokens: ``configured`` (tiers.yaml), else the
     first of FIM_LAYOUTS the tokenizer has; None when it has none. 400 naming ``suffix`` for
     configured tokens the tokenizer lacks."""
-    vocab = tok.get_vocab()
     if configured is not None:
-        missing = [t for t in configured if t not in vocab]
+        ids = [_token_id(tok, t) for t in configured]
+        missing = [t for t, i in zip(configured, ids) if i is None]
         if missing:
             raise bad_request(f"this model's fim tokens (tiers.yaml) are not in its tokenizer: {', '.join(missing)}",
                               "suffix")
-        return tuple(vocab[t] for t in configured)  # type: ignore[return-value]
+        return tuple(ids)  # type: ignore[return-value]
     for layout in FIM_LAYOUTS:
-        if all(t in vocab for t in layout):
-            return tuple(vocab[t] for t in layout)  # type: ignore[return-value]
+        ids = [_token_id(tok, t) for t in layout]
+        if None not in ids:
+            return tuple(ids)  # type: ignore[return-value]
     return None
+
+
+def _token_id(tok: Any, token: str) -> int | None:
+    """The id of ``token`` in the vocabulary, None when it has none (a lookup, not ``get_vocab``'s
+    copy of a 150k-entry vocabulary on the event loop per request)."""
+    i = tok.convert_tokens_to_ids(token)
+    return i if isinstance(i, int) and tok.convert_ids_to_tokens(i) == token else None
 
 
 def encode_prompts(tok: Any, prompts: list[str | TokenIds], suffix: str | None = None,
