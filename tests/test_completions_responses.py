@@ -311,10 +311,15 @@ def test_a_suffix_the_model_cannot_fill_is_a_400(server, model, body, param, say
     assert r.json()["error"]["param"] == param and says in r.json()["error"]["message"]
 
 
-def test_fim_ids_finds_each_layout_and_checks_named_tokens(tokenizer):
+def test_fim_ids_finds_each_layout_and_checks_named_tokens(tokenizer, tiny_embed):
     from gateway.completions import FIM_LAYOUTS, fim_ids
 
     assert fim_ids(tokenizer) is None
+    with_unk = AutoTokenizer.from_pretrained(tiny_embed)  # a missing token reads as [UNK]'s id there
+    assert with_unk.convert_tokens_to_ids("<fim_prefix>") == with_unk.unk_token_id is not None
+    assert fim_ids(with_unk) is None
+    with pytest.raises(APIError, match="<nope>"):
+        fim_ids(with_unk, ("[CLS]", "<nope>", "[SEP]"))
     for layout in FIM_LAYOUTS:
         tok = AutoTokenizer.from_pretrained(tokenizer.name_or_path)
         tok.add_tokens(list(layout), special_tokens=True)
