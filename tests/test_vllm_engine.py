@@ -646,3 +646,21 @@ def test_a_resumed_pass_drops_what_the_detokenizer_sends_again(text, repeated, p
     from workers.chat_vllm import _without_replay
 
     assert _without_replay(text, repeated, prompt_text, sent) == kept
+
+
+@pytest.mark.parametrize(("deltas", "kept"), [
+    # recorded from vLLM 0.32 on the demo's tiny-chat, paused after 22 tokens of the reply REPLY
+    # begins: five tokens of a partial character (empty deltas), then the prompt and the reply again
+    (["", "", "", "", "", "a long batch job" + REPLY + "\ufffd" * 8 + "ˎ"], "\ufffd" * 8 + "ˎ"),
+    # after 43 tokens: one empty delta, then the replay and new text, then new text only
+    (["", "a long batch job" + REPLY + "xyz", " b", "\x1f"], "xyz b\x1f"),
+    (["xyz", "a long batch job"], "xyza long batch job"),  # a later delta is new text, whatever it says
+    (["", ""], ""),
+])
+def test_the_replay_is_cut_from_the_first_delta_with_text(deltas, kept):
+    """The pass's deltas as the engine sends them on: vLLM's detokenizer holds back a partial
+    character for as many tokens as it takes, and the replay comes with the first text."""
+    from workers.chat_vllm import _Replay
+
+    replay = _Replay("", "a long batch job", REPLY)
+    assert "".join(replay.cut(d) for d in deltas) == kept

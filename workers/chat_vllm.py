@@ -488,13 +488,13 @@ class VllmChatEngine(Worker):
                 self._inflight.add(rid)
                 # A resumed pass: vLLM's detokenizer, started on prompt + generated ids that end
                 # inside a character (the pause came while it held back a partial UTF-8 byte),
-                # can send the text of the prompt (whole, or its tail) and of the reply so far as
-                # its first delta: text the client has, cut off by _without_replay.
-                resumed = bool(generated)
-                repeated = ""
-                if resumed:
-                    repeated = _complete_text(self.tokenizer.decode(prompt_ids + generated, skip_special_tokens=True))
+                # can send the text of the prompt (whole, or its tail) and of the reply so far:
+                # text the client has, cut off by _Replay.
+                replay = None
+                if generated:
                     prompt_text = prompt_text or self.tokenizer.decode(prompt_ids, skip_special_tokens=True)
+                    replay = _Replay(_complete_text(self.tokenizer.decode(prompt_ids + generated, skip_special_tokens=True)),
+                                     prompt_text, sent)
                 # a constrained reply cannot resume mid-way (see the module doc): no pause once it began
                 pausable = p.grammar is None or not generated
                 watcher = asyncio.create_task(self._watch(ctx, rid, pausable))
@@ -512,9 +512,8 @@ class VllmChatEngine(Worker):
                         ctx.steps += 1
                         logprobs = self._logprobs(c, p.logprobs) if p.logprobs is not None else None
                         text = c.text
-                        if resumed:
-                            text = _without_replay(text, repeated, prompt_text, sent)
-                            resumed = False  # only the first delta of a pass can repeat
+                        if replay is not None:
+                            text = replay.cut(text)
                         sent += text
                         if text or logprobs:
                             yield TextDelta(text, logprobs)
@@ -734,9 +733,26 @@ def _complete_text(text: str) -> str:
     return text.rstrip("\ufffd")
 
 
+class _Replay:
+    """What a resumed pass's restarted detokenizer sends again, cut from its deltas. It comes
+    with the first delta that has text, which is not always the pass's first: while the
+    detokenizer holds back a partial character its deltas are empty, for as many tokens as the
+    character takes (seen in the suite: five empty deltas, then the prompt and the reply again)."""
+
+    def __init__(self, repeated: str, prompt_text: str, sent: str) -> None:
+        self.repeated, self.prompt_text, self.sent = repeated, prompt_text, sent
+        self.pending = True
+
+    def cut(self, text: str) -> str:
+        if not self.pending or not text:
+            return text
+        self.pending = False
+        return _without_replay(text, self.repeated, self.prompt_text, self.sent)
+
+
 def _without_replay(text: str, repeated: str, prompt_text: str, sent: str) -> str:
-    """The first delta of a resumed pass without what vLLM's restarted detokenizer sends again:
-    either the whole prompt and reply as a full decode renders them (``repeated``), or a tail of
+    """The first delta with text of a resumed pass without what vLLM's restarted detokenizer
+    sends again: either the whole prompt and reply as a full decode renders them (``repeated``), or a tail of
     the prompt's text (``prompt_text``) followed by the reply delivered so far (``sent``), as its
     own incremental decoding rendered it (seen in the suite: the user's message, then the reply
     from its start). A delta that is none of these is new text, and kept whole."""
