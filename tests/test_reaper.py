@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import signal
 import subprocess
 import sys
@@ -170,24 +171,30 @@ def test_a_guarded_pid_reused_by_another_process_is_not_signalled(tmp_path):
 
 ENGINE_SERVER = textwrap.dedent("""
     import asyncio, json, os, sys, time
-    from workers import reaper
-    from lora_kernels import load_peft_adapter
-    from workers.chat_vllm import VllmChatEngine
-    from workers.base import ModelSpec
 
     async def main():
+        from workers import reaper
+        from lora_kernels import load_peft_adapter
+        from workers.chat_vllm import VllmChatEngine
+        from workers.base import ModelSpec
+
         engine = VllmChatEngine(ModelSpec("tiny-chat", "chat", sys.argv[1], engine="vllm"), max_model_len=256,
                                 kv_cache_bytes=64 << 20, dtype="float32", max_num_seqs=2, enforce_eager=True)
         await engine.start()
         stack = tuple((load_peft_adapter(path), weight) for path, weight in ((sys.argv[2], 0.5), (sys.argv[3], -0.7)))
         pids = {"engine": reaper.descendants(os.getpid()), "reaper": reaper._reaper.pid,
                 "sockets": os.environ["VLLM_RPC_BASE_PATH"], "stack": engine.stack_lora(stack)[2]}
-        print("PIDS", json.dumps(pids), flush=True)  # vLLM logs on stdout too
+        print("PIDS", json.dumps(pids), flush=True)
         await asyncio.sleep(600)
 
     if __name__ == "__main__":  # vLLM spawns its engine core, which imports this module again
+        from gateway import request_log
+        request_log.configure(json_lines=True)  # as `tiergate serve --log-format json`, before vLLM is imported
         asyncio.run(main())
 """)
+
+# vLLM's own log format: "INFO 12-03 06:34:41 [core.py:133] ...", "(EngineCore pid=1) INFO ..."
+VLLM_FORMAT = re.compile(r"^(\(\w+ pid=\d+\) )?(DEBUG|INFO|WARNING|ERROR) \d\d-\d\d ")
 
 
 @pytest.fixture(scope="module")
@@ -198,47 +205,73 @@ def chat_adapters(demo_dir: Path) -> list[Path]:
     return [built["tiny-chat-pirate"], built["tiny-chat-poet"]]
 
 
-def test_the_vllm_engine_processes_end_when_its_server_is_killed(tmp_path, tiny_chat, chat_adapters):
-    """vLLM's engine core and worker outlive a SIGKILLed parent on their own (vLLM 0.32); they run
-    in a process group of their own, in the server's session. The folder of vLLM's socket files
-    goes with them, and so does the folder of the engine's adapter-stack LoRAs."""
+@pytest.fixture(scope="module")
+def engine_server(tmp_path_factory, tiny_chat, chat_adapters):
+    """A serving process with a vLLM engine (and an adapter stack) started, its log in JSON lines:
+    one engine start (about 45 s of CPU here) for both tests below. Yields the process, what it
+    wrote (stdout and stderr) until its engine had started, and its engine's pids."""
     pytest.importorskip("vllm", reason="scripts/test installs vllm unless TIERGATE_VLLM=0")
-    script = tmp_path / "engine_server.py"
+    script = tmp_path_factory.mktemp("engine-server") / "engine_server.py"
     script.write_text(ENGINE_SERVER)
-    env = {k: v for k, v in os.environ.items() if k not in ("VLLM_RPC_BASE_PATH", "TIERGATE_VLLM_RPC_OWNER")}
+    env = {k: v for k, v in os.environ.items()
+           if k not in ("VLLM_RPC_BASE_PATH", "TIERGATE_VLLM_RPC_OWNER", "VLLM_LOGGING_CONFIG_PATH")}
     proc = subprocess.Popen([sys.executable, str(script), str(tiny_chat), *map(str, chat_adapters)],
-                            stdout=subprocess.PIPE, text=True,
+                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
                             env={**env, "PYTHONPATH": str(ROOT)}, start_new_session=True)  # a folder of its own
     out = []
     for line in proc.stdout:
-        out.append(line)
         if line.startswith("PIDS "):
             break
+        out.append(line)
     else:
         pytest.fail(f"the engine did not start (exit {proc.wait()}):\n" + "".join(out[-50:]))
     pids = json.loads(line[5:])
-    engine = [p for p in pids["engine"] if p != pids["reaper"]]
     try:
-        names = {Path(f"/proc/{p}/comm").read_text().strip() for p in engine}
-        assert any(n.startswith("VLLM::EngineCor") for n in names), names  # what vLLM names its core
-        # out of the server's group: a Ctrl+C to the group reaches the server alone. In its session:
-        # a session of their own is a CPU share of their own (autogroups), which starved the server
-        assert all(os.getpgid(p) != os.getpgid(proc.pid) for p in engine)
-        assert all(os.getsid(p) == os.getsid(proc.pid) for p in engine)
-        sockets = Path(pids["sockets"])  # tiergate's own folder for vLLM's socket files
-        assert sockets.name.startswith(f"tiergate-vllm-{proc.pid}-") and any(sockets.iterdir())
-        stacks = Path(pids["stack"]).parent
-        assert stacks.name.startswith("tiergate-tiny-chat-stacks-") and (stacks / "stack-1").is_dir()
+        yield proc, out, pids
+    finally:
         proc.kill()
         proc.wait()
-        assert wait_gone(engine, within_s=reaper.GRACE_S + 10) == []
-        deadline = time.monotonic() + 10  # the reaper removes them after the engine's processes end
-        while (sockets.exists() or stacks.exists()) and time.monotonic() < deadline:
-            time.sleep(0.05)
-        assert not sockets.exists()  # a killed server never ran its exit, which removes it
-        assert not stacks.exists()
-    finally:
-        cleanup(*engine, pids["reaper"])
+        cleanup(*pids["engine"], pids["reaper"])
+
+
+def test_vllm_lines_are_json_lines_in_every_engine_process(engine_server):
+    """``--log-format json``: vLLM's loggers, in the serving process and in the engine core and
+    worker it spawns, write tiergate's JSON lines (gateway/vllm_logging.json), not vLLM's own
+    format. (Import-time warnings of a spawned process come before any configuration, as
+    Python's last-resort text: not vLLM's format either.)"""
+    _, out, _ = engine_server
+    assert [line for line in out if VLLM_FORMAT.match(line)] == []
+    loggers = {json.loads(line)["logger"] for line in out if line.startswith("{")}
+    assert "vllm.v1.engine.core" in loggers  # the engine core process: "Initializing a V1 LLM engine"
+    assert any(name.startswith("vllm.v1.worker.") for name in loggers), loggers  # the worker process
+    assert any(name.startswith("vllm.") and name != "vllm.v1.engine.core" and not name.startswith("vllm.v1.worker.")
+               for name in loggers)  # and the serving process
+
+
+def test_the_vllm_engine_processes_end_when_its_server_is_killed(engine_server):
+    """vLLM's engine core and worker outlive a SIGKILLed parent on their own (vLLM 0.32); they run
+    in a process group of their own, in the server's session. The folder of vLLM's socket files
+    goes with them, and so does the folder of the engine's adapter-stack LoRAs."""
+    proc, _, pids = engine_server
+    engine = [p for p in pids["engine"] if p != pids["reaper"]]
+    names = {Path(f"/proc/{p}/comm").read_text().strip() for p in engine}
+    assert any(n.startswith("VLLM::EngineCor") for n in names), names  # what vLLM names its core
+    # out of the server's group: a Ctrl+C to the group reaches the server alone. In its session:
+    # a session of their own is a CPU share of their own (autogroups), which starved the server
+    assert all(os.getpgid(p) != os.getpgid(proc.pid) for p in engine)
+    assert all(os.getsid(p) == os.getsid(proc.pid) for p in engine)
+    sockets = Path(pids["sockets"])  # tiergate's own folder for vLLM's socket files
+    assert sockets.name.startswith(f"tiergate-vllm-{proc.pid}-") and any(sockets.iterdir())
+    stacks = Path(pids["stack"]).parent
+    assert stacks.name.startswith("tiergate-tiny-chat-stacks-") and (stacks / "stack-1").is_dir()
+    proc.kill()
+    proc.wait()
+    assert wait_gone(engine, within_s=reaper.GRACE_S + 10) == []
+    deadline = time.monotonic() + 10  # the reaper removes them after the engine's processes end
+    while (sockets.exists() or stacks.exists()) and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert not sockets.exists()  # a killed server never ran its exit, which removes it
+    assert not stacks.exists()
 
 
 def test_own_group_puts_what_multiprocessing_spawns_in_a_group_of_its_own():

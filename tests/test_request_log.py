@@ -5,7 +5,6 @@ the queued ones; flush and close leave nothing queued."""
 from __future__ import annotations
 
 import logging
-import os
 
 import pytest
 
@@ -197,47 +196,4 @@ def test_a_library_with_its_own_handler_still_formats_after_configure():
     assert f"pid={done.stdout.strip()} thread=" in done.stderr and "MainProcess hello" in done.stderr
 
 
-VLLM_PROGRAM = """
-import logging, multiprocessing
-from gateway import request_log
-
-def engine_process(config):  # as vLLM's engine processes start: spawned, given the parent's logging config
-    from vllm.logger import configure_logging, init_logger
-    configure_logging(config)
-    init_logger("vllm.child").info("from the child")
-
-if __name__ == "__main__":
-    request_log.configure(json_lines=True)
-    from vllm.config.logging import LoggingConfig
-    from vllm.logger import configure_logging, init_logger
-    config = LoggingConfig()  # what vLLM's engine arguments make (from the environment) and hand to its processes
-    configure_logging(config)
-    init_logger("vllm.parent").info("from the parent")
-    started = multiprocessing.get_context("spawn").Process(target=engine_process, args=(config,))
-    started.start()
-    started.join()
-    logging.shutdown()
-"""
-
-
-def test_vllm_lines_are_json_lines_in_every_process(tmp_path):
-    """``--log-format json``: vLLM's loggers, in the serving process and in the engine processes
-    it spawns, write tiergate's JSON lines (gateway/vllm_logging.json), not vLLM's own format."""
-    import json
-    import subprocess
-    import sys
-    from pathlib import Path
-
-    pytest.importorskip("vllm")
-    program = tmp_path / "program.py"
-    program.write_text(VLLM_PROGRAM)
-    env = {k: v for k, v in os.environ.items() if not k.startswith("VLLM_")}
-    env["PYTHONPATH"] = str(Path(__file__).resolve().parents[1])
-    done = subprocess.run([sys.executable, str(program)], capture_output=True, text=True, timeout=180, env=env,
-                          check=True)
-    # (a spawned process's import-time warnings come before any configuration: Python's last-resort text)
-    lines = [json.loads(line) for line in (done.stdout + done.stderr).splitlines() if line.startswith("{")]
-    assert "from the" not in "".join(line for line in (done.stdout + done.stderr).splitlines()
-                                     if not line.startswith("{"))
-    said = {(line["logger"], line["message"]) for line in lines}
-    assert {("vllm.parent", "from the parent"), ("vllm.child", "from the child")} <= said
+# vLLM's lines in JSON in every engine process: tests/test_reaper.py, on a real engine start.
