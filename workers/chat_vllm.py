@@ -14,8 +14,9 @@ Where vLLM differs from the transformers worker (``workers.chat``):
   request is aborted (its KV blocks are freed), the tokens generated so far are kept, and once the
   pause lifts it is resubmitted as prompt + generated tokens with the remaining budget, as the
   transformers worker re-prefills. Not carried over a pause: a stop string split across it, and
-  the sampler state (a seeded request is reproducible only when it is not paused). Text that
-  vLLM's detokenizer was still holding back at the pause (an incomplete UTF-8 character) comes
+  the sampler state (a seeded request is reproducible only when it is not paused), and text that
+  vLLM's detokenizer was holding back at the pause as a partial stop-string match: the tokens are
+  kept, that text is not streamed. An incomplete UTF-8 character held back at the pause comes
   with the resumed pass's first text, after what its restarted detokenizer sends again, which is
   cut (``_Replay``): a greedy reply paused at any of its tokens streams the unpaused text.
 * Constrained replies (``params.grammar``) go to vLLM's structured outputs (xgrammar, no free
