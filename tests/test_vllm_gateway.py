@@ -164,19 +164,24 @@ def test_batch_request_yields_to_paid_and_returns_the_same_tokens(vllm_server):
     assert "".join(got) == expected
 
 
-def test_a_pause_at_any_token_resumes_the_same_text(vllm_server):
-    """The arbiter's pause lands at any token, also while vLLM's detokenizer holds back a partial
-    character (the demo's reply to this prompt has such a stretch: its tokens 19-26). Paused after
-    each of the reply's first 29 tokens in turn, the engine resumes with the unpaused text,
-    nothing sent twice (the batch test above met this at random, one run in many)."""
-    from workers.base import ChatParams, ChatRequest, StepContext, TextDelta
+@pytest.mark.parametrize("stop", [None, "idled", "object!"])
+def test_a_pause_at_any_token_resumes_the_same_text(vllm_server, stop):
+    """The arbiter's pause lands at any token. Paused after each of the reply's first 29 tokens in
+    turn, the engine resumes with the unpaused text and finish reason, nothing sent twice or lost:
+    - with no stop string, also where vLLM's detokenizer holds back a partial character (the
+      demo's reply to this prompt has such a stretch, its tokens 19-26; the batch test above met
+      it at random, one run in many);
+    - with a stop string the reply meets (``idled``, four tokens), also where the pause splits it;
+    - with one it never meets (``object!``): vLLM holds back the text's last 6 characters as a
+      possible start of it, which a resumed pass must still send."""
+    from workers.base import ChatFinished, ChatParams, ChatRequest, StepContext, TextDelta
 
     s = vllm_server
     client(s, "batch").chat.completions.create(model="tiny-chat", messages=[{"role": "user", "content": "x"}],
                                                max_tokens=1)  # resident
     engine = s.services.arbiter.workers["tiny-chat"]
 
-    async def reply(k: int | None) -> tuple[str, int]:
+    async def reply(k: int | None) -> tuple[str, str, int]:
         until = {"at": None}
 
         def must_pause() -> bool:  # asked after every step: from token k on, for 20 ms once
@@ -185,14 +190,21 @@ def test_a_pause_at_any_token_resumes_the_same_text(vllm_server):
             return until["at"] is not None and time.monotonic() < until["at"]
 
         ctx = StepContext(pause_check=must_pause)
-        r = ChatRequest([{"role": "user", "content": "a long batch job"}], ChatParams(max_tokens=30, temperature=0.0),
-                        ctx=ctx)
-        pieces = [ev.text async for ev in engine.chat(r, None, ignore_eos=True) if isinstance(ev, TextDelta)]
-        return "".join(pieces), len(pieces)
+        params = ChatParams(max_tokens=30, temperature=0.0, stop=[stop] if stop else [])
+        r = ChatRequest([{"role": "user", "content": "a long batch job"}], params, ctx=ctx)
+        events = [ev async for ev in engine.chat(r, None, ignore_eos=True)]
+        pieces = [ev.text for ev in events if isinstance(ev, TextDelta)]
+        finish = [ev.finish_reason for ev in events if isinstance(ev, ChatFinished)]
+        return "".join(pieces), "/".join(finish), len(pieces)
 
-    ref, pieces = s.wait(reply(None))
-    assert pieces < 30  # some tokens ended inside a character: their deltas were held back
-    assert [k for k in range(1, 30) if s.wait(reply(k))[0] != ref] == []
+    text, finish, pieces = s.wait(reply(None))
+    if stop is None:
+        assert pieces < 30  # some tokens ended inside a character: their deltas were held back
+    if stop == "idled":
+        assert finish == "stop" and len(text) > 20  # the reply meets it, some way in
+    else:
+        assert finish == "length"
+    assert [k for k in range(1, 30) if s.wait(reply(k))[:2] != (text, finish)] == []
 
 
 def test_evict_and_reload(vllm_server):

@@ -13,12 +13,14 @@ Where vLLM differs from the transformers worker (``workers.chat``):
 * Pausing. vLLM cannot hold one row of its batch. When ``req.ctx.must_pause()`` turns true the
   request is aborted (its KV blocks are freed), the tokens generated so far are kept, and once the
   pause lifts it is resubmitted as prompt + generated tokens with the remaining budget, as the
-  transformers worker re-prefills. Not carried over a pause: a stop string split across it, and
-  the sampler state (a seeded request is reproducible only when it is not paused), and text that
-  vLLM's detokenizer was holding back at the pause as a partial stop-string match: the tokens are
-  kept, that text is not streamed. An incomplete UTF-8 character held back at the pause comes
-  with the resumed pass's first text, after what its restarted detokenizer sends again, which is
-  cut (``_Replay``): a greedy reply paused at any of its tokens streams the unpaused text.
+  transformers worker re-prefills. Not carried over a pause: the sampler state (a seeded request
+  is reproducible only when it is not paused). vLLM's detokenizer starts again with each pass, so
+  what it knew of the text is made good here: an incomplete UTF-8 character held back at the
+  pause comes with the resumed pass's first text, after what the restarted detokenizer sends
+  again, which is cut (``_Replay``); and a resumed pass with stop strings checks them itself on
+  the whole reply's text, as the transformers worker does (``_resumed_text``), so that a stop
+  string split across the pause ends the reply and the tail vLLM was holding back as a possible
+  stop's start is sent. A greedy reply paused at any of its tokens streams the unpaused text.
 * Constrained replies (``params.grammar``) go to vLLM's structured outputs (xgrammar, no free
   whitespace: the engine starts with ``disable_any_whitespace``, which vLLM 0.32 reads per
   engine, not per request), like the transformers engine's own matcher. A
@@ -68,7 +70,7 @@ import weakref
 from collections import OrderedDict
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, AsyncIterator
+from typing import Any, AsyncIterator, Sequence
 
 from workers.base import (
     AdapterStackSpec,
@@ -467,11 +469,15 @@ class VllmChatEngine(Worker):
                     lora_request = await self._acquire_lora(lora, ctx)
                     held = self._residency
                 remaining = p.max_tokens - len(generated)
+                # A resumed pass with stop strings checks them itself, on the whole reply's text:
+                # vLLM's restarted detokenizer never saw the text before the pause (a stop string
+                # split across it), nor sent the tail it was holding back as a possible stop's start.
+                own_stops = bool(generated and p.stop)
                 sp = SamplingParams(
                     max_tokens=max(remaining, 1),  # vLLM samples at least one: a prompt scored (0) gets none of it
                     temperature=p.temperature,
                     top_p=p.top_p,
-                    stop=list(p.stop) or None,
+                    stop=None if own_stops else list(p.stop) or None,
                     seed=p.seed,
                     ignore_eos=ignore_eos,
                     output_kind=RequestOutputKind.DELTA,
@@ -514,7 +520,16 @@ class VllmChatEngine(Worker):
                         ctx.steps += 1
                         logprobs = self._logprobs(c, p.logprobs) if p.logprobs is not None else None
                         text = c.text
-                        if replay is not None:
+                        if own_stops:
+                            whole = self.tokenizer.decode(generated, skip_special_tokens=True)
+                            text, stopped = _resumed_text(whole, sent, p.stop, out.finished and c.finish_reason != "abort")
+                            if stopped:
+                                outcome = "stopped"  # vLLM's request is aborted on the way out
+                                if text or logprobs:
+                                    yield TextDelta(text, logprobs)
+                                yield ChatFinished("stop", len(prompt_ids), len(generated))
+                                return
+                        elif replay is not None:
                             text = replay.cut(text)
                         sent += text
                         if text or logprobs:
@@ -733,6 +748,20 @@ def _token_logprob(token: int, entries: dict, k: int) -> TokenLogprob:
 def _complete_text(text: str) -> str:
     """``text`` without a trailing undecodable (partial) character."""
     return text.rstrip("\ufffd")
+
+
+def _resumed_text(whole: str, sent: str, stops: Sequence[str], final: bool) -> tuple[str, bool]:
+    """What a resumed pass with stop strings sends now, from the whole reply's text decoded from
+    its tokens (``whole``) and what the client has (``sent``), and whether a stop string ended
+    the reply; held back, as vLLM holds back: a tail that may start a stop string, and an
+    incomplete character (both sent at the end, but the incomplete character)."""
+    from workers.chat import _first_stop, _safe_prefix_len
+
+    cut = _first_stop(whole, list(stops))
+    if cut is not None:
+        whole = whole[:cut]
+    end = len(whole.rstrip("\ufffd")) if cut is not None or final else _safe_prefix_len(whole, list(stops))
+    return whole[len(sent):end], cut is not None
 
 
 class _Replay:
