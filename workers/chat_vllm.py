@@ -497,9 +497,10 @@ class VllmChatEngine(Worker):
                 # A resumed pass: vLLM's detokenizer, started on prompt + generated ids that end
                 # inside a character (the pause came while it held back a partial UTF-8 byte),
                 # can send the text of the prompt (whole, or its tail) and of the reply so far:
-                # text the client has, cut off by _Replay.
+                # text the client has, cut off by _Replay (a pass that checks its own stop strings
+                # reads no text of vLLM's: it needs none).
                 replay = None
-                if generated:
+                if generated and not own_stops:
                     prompt_text = prompt_text or self.tokenizer.decode(prompt_ids, skip_special_tokens=True)
                     replay = _Replay(_complete_text(self.tokenizer.decode(prompt_ids + generated, skip_special_tokens=True)),
                                      prompt_text, sent)
