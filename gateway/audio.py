@@ -228,7 +228,7 @@ class TranslationForm(_Form):
 
 class TranscriptionForm(TranslationForm):
     language: str | None = None
-    timestamp_granularities: list[Literal["segment"]] | None = None  # no word timestamps
+    timestamp_granularities: list[Literal["segment", "word"]] | None = None  # verbose_json's segments and/or words
     stream: bool = False  # the text as it is decoded: transcript.text.delta events, then transcript.text.done
 
 
@@ -306,8 +306,12 @@ async def _speech_to_text(request: Request, form_type: type[TranslationForm], ta
                               f"{limits.prompt_max_chars}", "prompt")
         audio, rate = await _decode(form, limits.transcription_max_seconds)
     language = getattr(body, "language", None) or None
+    words = "word" in (getattr(body, "timestamp_granularities", None) or ())
+    if words and body.response_format != "verbose_json":
+        raise bad_request(f"word timestamps come in response_format verbose_json, not {body.response_format}",
+                          "timestamp_granularities")
     job = TranscriptionJob(spec.name, audio, rate, TranscriptionRequest(language, body.prompt or None, body.temperature,
-                                                                       task))
+                                                                       task, words))
     if getattr(body, "stream", False):
         if body.response_format not in ("json", "text"):
             raise bad_request(f"a streamed transcription is text events: response_format json or text, "
@@ -380,5 +384,6 @@ def _transcript_response(t: Transcript, body: TranslationForm, task: str, header
     segments = [{"id": s.id, "seek": int(s.start * 100), "start": s.start, "end": s.end, "text": s.text,
                  "temperature": body.temperature} for s in t.segments]
     language = "english" if task == "translate" else LANGUAGES.get(t.language, t.language)
+    words = {"words": [{"word": w.word, "start": w.start, "end": w.end} for w in t.words]} if t.words is not None else {}
     return JSONResponse({"task": task, "language": language, "duration": round(t.duration, 3), "text": t.text,
-                         "segments": segments, **usage}, headers=headers)
+                         **words, "segments": segments, **usage}, headers=headers)

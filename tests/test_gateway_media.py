@@ -573,6 +573,27 @@ def test_transcription_in_every_format(media):
     assert all(0 <= s.start <= s.end <= 3.0 for s in verbose.segments)
 
 
+def test_word_timestamps_through_the_sdk(media):
+    """``timestamp_granularities=["word"]`` with verbose_json: ``words`` in OpenAI's shape (the
+    SDK's ``TranscriptionVerbose.words``), spelling the text, in order and inside the audio; the
+    text and segments are those of the same request without them, which has no ``words``."""
+    c = client(media)
+    wav = tone_file(6.0, 16000, 1, "WAV")
+
+    def tr(granularities):
+        return c.audio.transcriptions.create(model="tiny-stt", file=("tone.wav", wav, "audio/wav"), language="en",
+                                             response_format="verbose_json", temperature=0,
+                                             timestamp_granularities=granularities)
+
+    plain, timed, both = tr(["segment"]), tr(["word"]), tr(["word", "segment"])
+    assert plain.words is None and timed.words
+    assert timed.text == both.text == plain.text and timed.segments == both.segments == plain.segments
+    assert timed.words == both.words
+    assert "".join(w.word for w in timed.words) == "".join(timed.text.split())
+    assert all(0 <= w.start <= w.end <= 6.0 for w in timed.words)
+    assert all(a.end <= b.start for a, b in zip(timed.words, timed.words[1:]))
+
+
 def test_a_streamed_transcription_sends_the_text_as_it_is_decoded(media):
     """``stream: true`` through the SDK: ``transcript.text.delta`` events whose pieces join to
     the ``transcript.text.done`` text, the same text as the unstreamed answer (greedy); a request
@@ -668,7 +689,8 @@ WAV = tone_file(1.0, 16000, 1, "WAV")
     ({"file": ("a.wav", WAV)}, {"temperature": "2"}, 400, "temperature", None),
     ({"file": ("a.wav", WAV)}, {"language": "klingon"}, 400, "language", None),
     ({"file": ("a.wav", WAV)}, {"prompt": "p" * 201}, 400, "prompt", None),
-    ({"file": ("a.wav", WAV)}, {"timestamp_granularities[]": "word"}, 400, "timestamp_granularities[0]", None),
+    ({"file": ("a.wav", WAV)}, {"timestamp_granularities[]": "char"}, 400, "timestamp_granularities[0]", None),
+    ({"file": ("a.wav", WAV)}, {"timestamp_granularities[]": "word"}, 400, "timestamp_granularities", None),  # json
     ({"file": ("a.wav", WAV)}, {"model": "tiny-tts"}, 400, "model", "model_not_supported"),
     ({"file": (None, "not a file part")}, {}, 400, "file", None),  # a text field named file
     ({"language": (None, "en")}, {}, 400, "file", "missing_required_parameter"),  # multipart, no file

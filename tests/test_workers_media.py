@@ -517,6 +517,83 @@ def test_stt_long_audio_is_windowed(stt_worker):
     assert any(s < 30 for s in starts) and any(30 <= s < 60 for s in starts) and any(s >= 60 for s in starts)
 
 
+def _tokens(tok, pieces) -> list[int]:
+    """Whisper ids for ``pieces``: a float is a timestamp token, a str its text's tokens."""
+    ids: list[int] = []
+    for piece in pieces:
+        ids += [tok.convert_tokens_to_ids(f"<|{piece:.2f}|>")] if isinstance(piece, float) \
+            else tok.encode(piece, add_special_tokens=False)
+    return ids
+
+
+@pytest.mark.parametrize("pieces", [
+    [0.0, " The cat, sat.", 1.0, 1.0, " On the mat", 2.0],
+    [0.0, ' "Hello," she said (twice) -- and left!', 3.0],
+    [" no timestamp tokens at all"],
+])
+def test_word_times_are_read_as_the_whisper_decoder_reads_them(stt_worker, pieces):
+    """``_words`` against transformers' own Whisper decoder (``_decode_asr`` with word
+    timestamps, what its ASR pipeline returns) on the same tokens and token times: the same words
+    (leading space stripped, punctuation joined to its word) and the same spans. Times on the
+    decoder's 0.02 s grid, uneven steps (seeded), so a token read off by one moves a time."""
+    from transformers.models.whisper.tokenization_whisper import _decode_asr
+
+    tok = stt_worker.processor.tokenizer
+    ids = _tokens(tok, pieces)
+    steps = np.random.default_rng(len(ids)).integers(0, 4, len(ids))
+    times = [round(0.02 * float(k), 2) for k in np.cumsum(steps)]
+    _, ref = _decode_asr(tok, [{"tokens": torch.tensor([ids]), "token_timestamps": torch.tensor([times])}],
+                         return_timestamps="word", return_language=False, time_precision=0.02)
+    expected = [(c["timestamp"][0], c["timestamp"][1], c["text"].strip()) for c in ref["chunks"]]
+    assert len(expected) >= 4
+    assert [(round(a, 2), round(b, 2), w) for a, b, w in stt_worker._words(ids, times, "en", 30.0)] == expected
+
+
+def test_words_drop_the_prompt_stop_at_timestamps_and_stay_in_the_window(stt_worker):
+    """What ``_words`` does beyond the decoder: an echoed decoder prompt is not text; a word never
+    runs across a timestamp token (the transcript's segments do not); times outside the window
+    (a later decoding pass's -0.02, a time past the audio) are clamped and kept in order; a lone
+    space is no word."""
+    tok = stt_worker.processor.tokenizer
+    prompt = tok.convert_tokens_to_ids(["<|startofprev|>", "Ġt", "he", "<|startoftranscript|>", "<|en|>",
+                                        "<|transcribe|>"])
+    ids = prompt + _tokens(tok, [0.0, " Hi th", 0.5, 0.5, "ere ", 1.0])
+    #       prev  ' t' he   sot  en   tr   <0>  ' '  H    i    ' t' h    <.5> <.5>   e    r    e    ' '  <1>
+    times = [0.0, 0.0, 0.0, 0.0, 0.0, 0.0, 0.1, 0.2, 0.3, 0.4, 0.5, 0.6, 0.7, -0.02, 0.9, 1.1, 9.0, 9.0, 9.0]
+    assert len(ids) == len(times)
+    words = stt_worker._words(ids, times, "en", 2.0)
+    assert [(round(a, 6), round(b, 6), w) for a, b, w in words] == [(0.1, 0.4, "Hi"), (0.4, 0.6, "th"), (0.6, 2.0, "ere")]
+
+
+def test_stt_word_timestamps(stt_worker):
+    """Word timestamps on the demo Whisper across two windows: the same transcript and segments
+    as without them; words that spell the transcript, each inside the audio, in order, those of
+    the second window after its cut; times from the alignment (not one value for all). The demo
+    folder names no alignment heads, so the load gave it openai-whisper's default (its one
+    decoder layer's two heads)."""
+    assert stt_worker._gen.alignment_heads == [[0, 0], [0, 1]]
+    x = _tone(45.0, 16000)[:, 0]
+    plain = stt_worker.transcribe(x, stt.TranscriptionRequest(language="en"), StepContext())
+    ctx = StepContext()
+    timed = stt_worker.transcribe(x, stt.TranscriptionRequest(language="en", words=True), ctx)
+    assert plain.words is None and ctx.steps == 2
+    assert timed.text == plain.text and timed.segments == plain.segments
+    words = timed.words
+    assert words and "".join(w.word for w in words) == "".join(timed.text.split())
+    assert all(0 <= w.start <= w.end <= 45.0 for w in words)
+    assert all(a.end <= b.start for a, b in zip(words, words[1:]))
+    cut = stt.split_windows(x, 16000, stt_worker.window_s)[0][1] / 16000
+    assert any(w.end < cut for w in words) and any(w.start >= cut for w in words)
+    assert len({w.start for w in words}) > 2
+
+
+def test_stt_word_timestamps_need_whisper(stt_worker, monkeypatch):
+    monkeypatch.setattr(stt_worker.model.config, "model_type", "speech_to_text")
+    with pytest.raises(stt.TranscriptionError, match="no word timestamps") as caught:
+        stt_worker.transcribe(_tone(1.0, 16000)[:, 0], stt.TranscriptionRequest(words=True), StepContext())
+    assert caught.value.param == "timestamp_granularities"
+
+
 def test_stt_cancel_between_windows(stt_worker):
     with pytest.raises(Cancelled):
         stt_worker.transcribe(_tone(65.0, 16000)[:, 0], stt.TranscriptionRequest(language="en"), cancel_at(2))

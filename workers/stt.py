@@ -5,6 +5,13 @@ Audio longer than the model's window (``feature_extractor.chunk_length``, 30 s f
 into windows, each cut placed at the quietest 20 ms inside the last 5 s of the window so words are
 rarely split. Each window is transcribed separately (no conditioning on the previous window's
 text); its segments are shifted to the window's start time.
+
+Word timestamps (``TranscriptionRequest.words``) are Whisper's: dynamic time warping over the
+cross-attention of its alignment heads (transformers' ``return_token_timestamps``), each token's
+span read as transformers' ASR pipeline reads it, and tokens grouped into words by the Whisper
+tokenizer's own rules (spaces, punctuation joined to its word; per character for languages
+written without spaces). A Whisper folder whose generation config names no alignment heads gets
+openai-whisper's default: every head of the decoder's last half of layers.
 """
 
 from __future__ import annotations
@@ -17,7 +24,7 @@ import numpy as np
 import torch
 from transformers import AutoModelForSpeechSeq2Seq, AutoProcessor
 from transformers.generation.streamers import BaseStreamer
-from transformers.models.whisper.tokenization_whisper import TO_LANGUAGE_CODE
+from transformers.models.whisper.tokenization_whisper import LANGUAGES, TO_LANGUAGE_CODE, _combine_tokens_into_words
 
 from workers.base import ModelSpec, StepContext
 from workers.worker import ModelInfo, ThreadWorker
@@ -41,6 +48,7 @@ class TranscriptionRequest:
     prompt: str | None = None
     temperature: float = 0.0
     task: Literal["transcribe", "translate"] = "transcribe"
+    words: bool = False  # word timestamps too (Whisper only)
 
 
 class TranscriptionError(ValueError):
@@ -60,11 +68,19 @@ class Segment:
 
 
 @dataclass
+class Word:
+    word: str
+    start: float  # seconds from the start of the audio
+    end: float
+
+
+@dataclass
 class Transcript:
     text: str
     language: str | None  # ISO-639-1 code; None when the model does not tell
     duration: float  # seconds of audio
     segments: list[Segment] = field(default_factory=list)
+    words: list[Word] | None = None  # only when the request asked for them
 
 
 def split_windows(audio: np.ndarray, sample_rate: int, window_s: float) -> list[tuple[int, int]]:
@@ -110,6 +126,11 @@ class STTWorker(ThreadWorker):
         dtype = torch.float16 if device.type == "cuda" else torch.float32
         self.processor = AutoProcessor.from_pretrained(Path(self.spec.path))
         self.model = AutoModelForSpeechSeq2Seq.from_pretrained(Path(self.spec.path), dtype=dtype).to(device).eval()
+        config = self.model.config
+        if config.model_type == "whisper" and not getattr(self._gen, "alignment_heads", None):
+            half = config.decoder_layers // 2
+            self._gen.alignment_heads = [[layer, head] for layer in range(half, config.decoder_layers)
+                                         for head in range(config.decoder_attention_heads)]
 
     def unload(self) -> None:
         self.model = self.processor = None
@@ -135,14 +156,18 @@ class STTWorker(ThreadWorker):
             raise TranscriptionError("no audio samples to transcribe", "file")
         if req.task == "translate" and not self._multilingual() and self.model.config.model_type != "whisper":
             raise TranscriptionError(f"the model {self.spec.name!r} transcribes only: it cannot translate", "model")
+        if req.words and (self.model.config.model_type != "whisper" or not self._timestamps()):
+            raise TranscriptionError(f"the model {self.spec.name!r} gives no word timestamps (only Whisper models do)",
+                                     "timestamp_granularities")
         sr = self.sample_rate
         language = self._language(req.language)
         prompt_ids = self._prompt_ids(req.prompt)
         segments: list[Segment] = []
+        words: list[Word] | None = [] if req.words else None
         sent = ""  # what on_text was given
         for start, end in split_windows(audio, sr, self.window_s):
             ctx.boundary()
-            features = self._features(audio[start:end])
+            features, frames = self._features(audio[start:end], req.words)
             if language is None:
                 language = self._detect_language(features)
             t0, t1 = start / sr, end / sr
@@ -158,16 +183,24 @@ class STTWorker(ThreadWorker):
                         sent = so_far
 
                 streamer = _Tokens(ctx, grown)
-            for s0, s1, text in self._window(features, language, prompt_ids, req.temperature, t1 - t0, req.task, streamer):
+            found, timed = self._window(features, language, prompt_ids, req.temperature, t1 - t0, req.task, streamer,
+                                        frames=frames)
+            for s0, s1, text in found:
                 segments.append(Segment(len(segments), round(t0 + s0, 3), round(t0 + s1, 3), text))
+            if words is not None:
+                words += [Word(w, round(t0 + w0, 3), round(t0 + w1, 3)) for w0, w1, w in timed]
         text = _joined(s.text for s in segments)
         if on_text is not None and text.startswith(sent) and len(text) > len(sent):
             on_text(text[len(sent):])
-        return Transcript(text=text, language=language, duration=len(audio) / sr, segments=segments)
+        return Transcript(text=text, language=language, duration=len(audio) / sr, segments=segments, words=words)
 
-    def _features(self, audio: np.ndarray) -> torch.Tensor:
-        out = self.processor.feature_extractor(audio, sampling_rate=self.sample_rate, return_tensors="pt")
-        return out.input_features.to(self.model.device, self.model.dtype)
+    def _features(self, audio: np.ndarray, frames: bool = False) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """The window's input features, and with ``frames`` the mask of its (padded) feature
+        frames that hold audio, for the word alignment to stop at the audio's end."""
+        out = self.processor.feature_extractor(audio, sampling_rate=self.sample_rate, return_tensors="pt",
+                                               return_attention_mask=frames)
+        mask = out.attention_mask.to(self.model.device) if frames else None
+        return out.input_features.to(self.model.device, self.model.dtype), mask
 
     @property
     def _gen(self):
@@ -213,9 +246,11 @@ class STTWorker(ThreadWorker):
 
     def _window(
         self, features: torch.Tensor, language: str | None, prompt_ids: torch.Tensor | None, temperature: float, length_s: float,
-        task: str = "transcribe", streamer: BaseStreamer | None = None,
-    ) -> list[tuple[float, float, str]]:
-        """(start, end, text) segments of one window, times relative to the window's start.
+        task: str = "transcribe", streamer: BaseStreamer | None = None, frames: torch.Tensor | None = None,
+    ) -> tuple[list[tuple[float, float, str]], list[tuple[float, float, str]]]:
+        """(start, end, text) segments of one window, and (start, end, word) words when
+        ``frames`` (the audio's mask, ``_frames``) asks for word timestamps; times relative to
+        the window's start.
 
         Lengths come from the model's generation config (``max_new_tokens`` or ``max_length``).
         """
@@ -230,9 +265,18 @@ class STTWorker(ThreadWorker):
             kwargs["return_timestamps"] = True
         if streamer is not None:
             kwargs["streamer"] = streamer
+        if frames is not None:
+            kwargs.update(attention_mask=frames, return_token_timestamps=True, return_segments=True)
         with torch.inference_mode():
-            ids = self.model.generate(features, **kwargs)
-        return self._segments(ids[0].tolist(), length_s)
+            out = self.model.generate(features, **kwargs)
+        if frames is None:
+            return self._segments(out[0].tolist(), length_s), []
+        # Each of generate's segments has its tokens' times from the start of the window; the
+        # flat ``token_timestamps`` beside ``sequences`` count each decoding pass from its own start.
+        passes = out["segments"][0]
+        ids = [i for s in passes for i in s["tokens"].tolist()]
+        times = [t for s in passes for t in s["token_timestamps"].tolist()]
+        return self._segments(out["sequences"][0].tolist(), length_s), self._words(ids, times, language, length_s)
 
     def _segments(self, ids: list[int], length_s: float) -> list[tuple[float, float, str]]:
         """(start, end, text) segments of a window's generated ``ids`` (with or without the
@@ -252,6 +296,41 @@ class STTWorker(ThreadWorker):
             ids = ids[len(ids) - ids[::-1].index(start) :]
         special = set(self.processor.tokenizer.all_special_ids)
         return [i for i in ids if i not in special]
+
+
+    def _words(self, ids: list[int], times: list[float], language: str | None,
+               length_s: float) -> list[tuple[float, float, str]]:
+        """(start, end, word) of a window's generated ``ids``, ``times`` being generate's token
+        timestamps for the same positions. Token i spans ``times[i-1]`` to ``times[i]`` (from 0
+        for the first), as transformers' ASR pipeline reads them; a word spans its tokens. Words
+        are made of text tokens (the prompt and special tokens dropped) and never cross a
+        timestamp token, as the transcript's segments do not. Times are clamped into the window
+        and made non-decreasing."""
+        tok = self.processor.tokenizer
+        start = self._gen.decoder_start_token_id
+        first = len(ids) - ids[::-1].index(start) if start in ids else 0
+        special = set(tok.all_special_ids)
+        runs: list[list[tuple[int, float, float]]] = [[]]  # text tokens between timestamp tokens
+        for n in range(first, len(ids)):
+            if ids[n] < tok.eos_token_id:
+                runs[-1].append((ids[n], times[n - 1] if n > 0 else 0.0, times[n]))
+            elif ids[n] not in special and runs[-1]:  # a timestamp token closes a run
+                runs.append([])
+        name = LANGUAGES.get(language or "", "english")
+        out: list[tuple[float, float, str]] = []
+        last = 0.0
+        for run in runs:
+            if not run:
+                continue
+            found, _, indices = _combine_tokens_into_words(tok, [i for i, _, _ in run], name)
+            for word, at in zip(found, indices):
+                if not word.strip():
+                    continue
+                w0 = min(max(float(run[at[0]][1]), last), length_s)
+                w1 = min(max(float(run[at[-1]][2]), w0), length_s)
+                out.append((w0, w1, word.strip()))
+                last = w1
+        return out
 
 
 def _joined(texts) -> str:
