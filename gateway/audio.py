@@ -311,7 +311,8 @@ async def _speech_to_text(request: Request, form_type: type[TranslationForm], ta
         raise bad_request(f"word timestamps come in response_format verbose_json, not {body.response_format}",
                           "timestamp_granularities")
     job = TranscriptionJob(spec.name, audio, rate, TranscriptionRequest(language, body.prompt or None, body.temperature,
-                                                                       task, words))
+                                                                       task, words,
+                                                                       details=body.response_format == "verbose_json"))
     if getattr(body, "stream", False):
         if body.response_format not in ("json", "text"):
             raise bad_request(f"a streamed transcription is text events: response_format json or text, "
@@ -381,8 +382,10 @@ def _transcript_response(t: Transcript, body: TranslationForm, task: str, header
     usage = {"usage": {"type": "duration", "seconds": int(np.ceil(t.duration))}} if task == "transcribe" else {}
     if fmt == "json":
         return JSONResponse({"text": t.text, **usage}, headers=headers)
-    segments = [{"id": s.id, "seek": int(s.start * 100), "start": s.start, "end": s.end, "text": s.text,
-                 "temperature": body.temperature} for s in t.segments]
+    segments = [{"id": s.id, "seek": s.seek, "start": s.start, "end": s.end, "text": s.text,
+                 "temperature": body.temperature,
+                 **{k: round(v, 6) for k in ("avg_logprob", "compression_ratio", "no_speech_prob")
+                    if (v := getattr(s, k)) is not None}} for s in t.segments]
     language = "english" if task == "translate" else LANGUAGES.get(t.language, t.language)
     words = {"words": [{"word": w.word, "start": w.start, "end": w.end} for w in t.words]} if t.words is not None else {}
     return JSONResponse({"task": task, "language": language, "duration": round(t.duration, 3), "text": t.text,

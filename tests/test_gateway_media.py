@@ -571,6 +571,8 @@ def test_transcription_in_every_format(media):
     assert verbose.text == plain and verbose.segments
     assert [s.id for s in verbose.segments] == list(range(len(verbose.segments)))
     assert all(0 <= s.start <= s.end <= 3.0 for s in verbose.segments)
+    for s in verbose.segments:  # openai-whisper's confidence figures (the worker's tests check their values)
+        assert s.avg_logprob < 0 and 0 < s.no_speech_prob < 1 and s.compression_ratio > 0 and s.seek == 0
 
 
 def test_word_timestamps_through_the_sdk(media):

@@ -587,6 +587,51 @@ def test_stt_word_timestamps(stt_worker):
     assert len({w.start for w in words}) > 2
 
 
+def test_stt_segment_figures_are_openai_whispers(stt_worker):
+    """``details`` (verbose_json): every segment carries its window's ``avg_logprob``,
+    ``no_speech_prob`` and ``compression_ratio``, each checked against a reading made apart from
+    the worker's, window by window over two windows: ``no_speech_prob`` from a forward pass of
+    the start token alone (the decoder is causal: what follows it cannot change it);
+    ``avg_logprob`` from transformers' ``compute_transition_scores`` over a greedy decoding's own
+    scores; ``compression_ratio`` from zlib. ``seek`` is the window's start in 10 ms frames. The
+    transcript is the same as without ``details``, which has no figures."""
+    import zlib
+
+    model, tok = stt_worker.model, stt_worker.processor.tokenizer
+    x = _tone(45.0, 16000)[:, 0]
+    plain = stt_worker.transcribe(x, stt.TranscriptionRequest(language="en"), StepContext())
+    got = stt_worker.transcribe(x, stt.TranscriptionRequest(language="en", details=True), StepContext())
+    assert [(s.start, s.end, s.text) for s in got.segments] == [(s.start, s.end, s.text) for s in plain.segments]
+    assert all(s.avg_logprob is s.no_speech_prob is s.compression_ratio is None for s in plain.segments)
+    start, no_speech = tok.convert_tokens_to_ids(["<|startoftranscript|>", "<|nospeech|>"])
+    windows = stt.split_windows(x, 16000, stt_worker.window_s)
+    assert len(windows) == 2
+    for a, b in windows:
+        mine = [s for s in got.segments if s.seek == round(a / 16000 * 100)]
+        assert mine and len({(s.avg_logprob, s.no_speech_prob, s.compression_ratio) for s in mine}) == 1
+        features, _ = stt_worker._features(x[a:b])
+        with torch.inference_mode():
+            logits = model(input_features=features, decoder_input_ids=torch.tensor([[start]])).logits
+            out = model.generate(features, language="en", task="transcribe", return_timestamps=True,
+                                 return_dict_in_generate=True, output_scores=True, return_segments=True)
+        passes = list({id(s["result"]): s["result"] for s in out["segments"][0]}.values())
+        chosen = torch.cat([model.compute_transition_scores(r["sequences"][None], tuple(v[None] for v in r["scores"]),
+                                                            normalize_logits=True)[0] for r in passes])
+        text = " ".join(s.text for s in mine).encode()
+        assert mine[0].no_speech_prob == pytest.approx(float(logits[0, 0].softmax(-1)[no_speech]), rel=1e-5)
+        assert mine[0].avg_logprob == pytest.approx(float(chosen.mean()), rel=1e-5)
+        assert mine[0].compression_ratio == pytest.approx(len(text) / len(zlib.compress(text)))
+    assert {s.seek for s in got.segments} == {0, round(windows[1][0] / 16000 * 100)}
+    # with a prompt the decoder's input starts with it: the start token is further on
+    prompted = stt_worker.transcribe(x[:48000], stt.TranscriptionRequest(language="en", prompt="Glossary: tiergate",
+                                                                         details=True), StepContext())
+    before = stt_worker._prompt_ids("Glossary: tiergate").tolist()
+    features, _ = stt_worker._features(x[:48000])
+    with torch.inference_mode():
+        logits = model(input_features=features, decoder_input_ids=torch.tensor([before + [start]])).logits
+    assert prompted.segments[0].no_speech_prob == pytest.approx(float(logits[0, -1].softmax(-1)[no_speech]), rel=1e-5)
+
+
 def test_stt_word_timestamps_need_whisper(stt_worker, monkeypatch):
     monkeypatch.setattr(stt_worker.model.config, "model_type", "speech_to_text")
     with pytest.raises(stt.TranscriptionError, match="no word timestamps") as caught:

@@ -12,10 +12,21 @@ span read as transformers' ASR pipeline reads it, and tokens grouped into words 
 tokenizer's own rules (spaces, punctuation joined to its word; per character for languages
 written without spaces). A Whisper folder whose generation config names no alignment heads gets
 openai-whisper's default: every head of the decoder's last half of layers.
+
+A verbose transcript's segments (``TranscriptionRequest.details``, Whisper only) carry
+openai-whisper's confidence figures, per window (a window's segments share them; openai-whisper's
+share them per decoding pass, which is the window but for a window decoded in more than one pass):
+``avg_logprob``, the mean log-probability of the tokens the decoder chose (end of text included),
+under the scores it chose them from (after Whisper's logit rules; at a temperature above 0,
+scaled by it); ``no_speech_prob``, the probability of ``<|nospeech|>`` right after
+``<|startoftranscript|>`` (raw logits, as openai-whisper reads it); ``compression_ratio``, the
+window's text's UTF-8 length over its zlib-compressed length.
 """
 
 from __future__ import annotations
 
+import contextlib
+import zlib
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Callable, Literal
@@ -49,6 +60,7 @@ class TranscriptionRequest:
     temperature: float = 0.0
     task: Literal["transcribe", "translate"] = "transcribe"
     words: bool = False  # word timestamps too (Whisper only)
+    details: bool = False  # each segment's confidence figures too (Whisper only; verbose_json)
 
 
 class TranscriptionError(ValueError):
@@ -65,6 +77,10 @@ class Segment:
     start: float  # seconds from the start of the audio
     end: float
     text: str
+    seek: int = 0  # the start of the window it was decoded in, in 10 ms feature frames (openai-whisper's unit)
+    avg_logprob: float | None = None  # the window's figures (``details``), as the module doc says
+    compression_ratio: float | None = None
+    no_speech_prob: float | None = None
 
 
 @dataclass
@@ -156,7 +172,7 @@ class STTWorker(ThreadWorker):
             raise TranscriptionError("no audio samples to transcribe", "file")
         if req.task == "translate" and not self._multilingual() and self.model.config.model_type != "whisper":
             raise TranscriptionError(f"the model {self.spec.name!r} transcribes only: it cannot translate", "model")
-        if req.words and (self.model.config.model_type != "whisper" or not self._timestamps()):
+        if req.words and not self._whisper_timestamps():
             raise TranscriptionError(f"the model {self.spec.name!r} gives no word timestamps (only Whisper models do)",
                                      "timestamp_granularities")
         sr = self.sample_rate
@@ -183,12 +199,18 @@ class STTWorker(ThreadWorker):
                         sent = so_far
 
                 streamer = _Tokens(ctx, grown)
-            found, timed = self._window(features, language, prompt_ids, req.temperature, t1 - t0, req.task, streamer,
-                                        frames=frames)
-            for s0, s1, text in found:
-                segments.append(Segment(len(segments), round(t0 + s0, 3), round(t0 + s1, 3), text))
+            window = self._window(features, language, prompt_ids, req.temperature, t1 - t0, req.task, streamer,
+                                  frames=frames, details=req.details and self._whisper_timestamps())
+            figures = {}
+            if window.avg_logprob is not None:
+                said = _joined(text for _, _, text in window.segments).encode()
+                figures = {"avg_logprob": window.avg_logprob, "no_speech_prob": window.no_speech_prob,
+                           "compression_ratio": len(said) / len(zlib.compress(said))}
+            for s0, s1, text in window.segments:
+                segments.append(Segment(len(segments), round(t0 + s0, 3), round(t0 + s1, 3), text,
+                                        round(t0 * 100), **figures))
             if words is not None:
-                words += [Word(w, round(t0 + w0, 3), round(t0 + w1, 3)) for w0, w1, w in timed]
+                words += [Word(w, round(t0 + w0, 3), round(t0 + w1, 3)) for w0, w1, w in window.words]
         text = _joined(s.text for s in segments)
         if on_text is not None and text.startswith(sent) and len(text) > len(sent):
             on_text(text[len(sent):])
@@ -211,6 +233,9 @@ class STTWorker(ThreadWorker):
 
     def _timestamps(self) -> bool:
         return getattr(self._gen, "no_timestamps_token_id", None) is not None
+
+    def _whisper_timestamps(self) -> bool:
+        return self.model.config.model_type == "whisper" and self._timestamps()
 
     def _language(self, language: str | None) -> str | None:
         """The requested language as an ISO code; ``ValueError`` if the model has no such token."""
@@ -247,10 +272,11 @@ class STTWorker(ThreadWorker):
     def _window(
         self, features: torch.Tensor, language: str | None, prompt_ids: torch.Tensor | None, temperature: float, length_s: float,
         task: str = "transcribe", streamer: BaseStreamer | None = None, frames: torch.Tensor | None = None,
-    ) -> tuple[list[tuple[float, float, str]], list[tuple[float, float, str]]]:
-        """(start, end, text) segments of one window, and (start, end, word) words when
-        ``frames`` (the audio's mask, ``_frames``) asks for word timestamps; times relative to
-        the window's start.
+        details: bool = False,
+    ) -> "_Window":
+        """One window decoded: its segments; its words when ``frames`` (the audio's mask, from
+        ``_features``) asks for word timestamps; its confidence figures with ``details``. Times
+        relative to the window's start.
 
         Lengths come from the model's generation config (``max_new_tokens`` or ``max_length``).
         """
@@ -267,16 +293,34 @@ class STTWorker(ThreadWorker):
             kwargs["streamer"] = streamer
         if frames is not None:
             kwargs.update(attention_mask=frames, return_token_timestamps=True, return_segments=True)
-        with torch.inference_mode():
+        if details:
+            kwargs.update(return_segments=True, return_dict_in_generate=True, output_scores=True)
+        with torch.inference_mode(), _NoSpeech(self.model, self._gen.decoder_start_token_id, self._no_speech_id()) \
+                if details else contextlib.nullcontext() as no_speech:
             out = self.model.generate(features, **kwargs)
-        if frames is None:
-            return self._segments(out[0].tolist(), length_s), []
-        # Each of generate's segments has its tokens' times from the start of the window; the
-        # flat ``token_timestamps`` beside ``sequences`` count each decoding pass from its own start.
+        if frames is None and not details:
+            return _Window(self._segments(out[0].tolist(), length_s))
+        window = _Window(self._segments(out["sequences"][0].tolist(), length_s))
+        # generate's segments, each with the decoding pass it came from (``result``)
         passes = out["segments"][0]
-        ids = [i for s in passes for i in s["tokens"].tolist()]
-        times = [t for s in passes for t in s["token_timestamps"].tolist()]
-        return self._segments(out["sequences"][0].tolist(), length_s), self._words(ids, times, language, length_s)
+        if frames is not None:
+            # Each segment has its tokens' times from the start of the window; the flat
+            # ``token_timestamps`` beside ``sequences`` count each decoding pass from its own start.
+            ids = [i for s in passes for i in s["tokens"].tolist()]
+            times = [t for s in passes for t in s["token_timestamps"].tolist()]
+            window.words = self._words(ids, times, language, length_s)
+        if details:
+            window.avg_logprob = _mean_logprob(list({id(s["result"]): s["result"] for s in passes}.values()))
+            window.no_speech_prob = no_speech.first
+        return window
+
+    def _no_speech_id(self) -> int:
+        tok = self.processor.tokenizer
+        for name in ("<|nospeech|>", "<|nocaptions|>"):  # the name changed with Whisper's later tokenizers
+            found = tok.convert_tokens_to_ids(name)
+            if found is not None and found != tok.unk_token_id:
+                return found
+        raise TranscriptionError(f"the model {self.spec.name!r} has no <|nospeech|> token", None)
 
     def _segments(self, ids: list[int], length_s: float) -> list[tuple[float, float, str]]:
         """(start, end, text) segments of a window's generated ``ids`` (with or without the
@@ -331,6 +375,60 @@ class STTWorker(ThreadWorker):
                 out.append((w0, w1, word.strip()))
                 last = w1
         return out
+
+
+@dataclass
+class _Window:
+    """What ``STTWorker._window`` read from one window (times from its start)."""
+
+    segments: list[tuple[float, float, str]]
+    words: list[tuple[float, float, str]] = field(default_factory=list)
+    avg_logprob: float | None = None
+    no_speech_prob: float | None = None
+
+
+class _NoSpeech:
+    """Reads, during ``generate``, the probability of ``<|nospeech|>`` after
+    ``<|startoftranscript|>`` in the first decoding pass: the decoder's first call (its prompt's
+    prefill) is seen by a pre-hook (its ids: where the start token is) and the LM head's output
+    for that call by a hook."""
+
+    def __init__(self, model: torch.nn.Module, start: int, no_speech: int) -> None:
+        self.model, self.start, self.no_speech = model, start, no_speech
+        self.ids: list[int] | None = None
+        self.first: float | None = None
+
+    def __enter__(self) -> "_NoSpeech":
+        def prompt(module, args, kwargs) -> None:
+            if self.ids is None:
+                ids = kwargs.get("input_ids")
+                self.ids = (ids if ids is not None else args[0])[0].tolist()
+
+        def logits(module, args, out: torch.Tensor) -> None:
+            if self.first is None and self.ids is not None and self.start in self.ids:
+                at = self.ids.index(self.start)
+                self.first = float(out[0, at].float().softmax(-1)[self.no_speech])
+
+        self.hooks = [self.model.get_decoder().register_forward_pre_hook(prompt, with_kwargs=True),
+                      self.model.get_output_embeddings().register_forward_hook(logits)]
+        return self
+
+    def __exit__(self, *exc) -> None:
+        for hook in self.hooks:
+            hook.remove()
+
+
+def _mean_logprob(passes: list[dict]) -> float:
+    """The mean log-probability of the tokens each decoding pass chose, under the scores it chose
+    them from (``generate``'s ``scores``, one per step, after its logit processors)."""
+    total, n = 0.0, 0
+    for result in passes:
+        scores = result["scores"]
+        chosen = result["sequences"][-len(scores):].tolist() if scores else []
+        for step, token in zip(scores, chosen):
+            total += float(torch.log_softmax(step.float().reshape(-1), -1)[token])
+            n += 1
+    return total / n if n else 0.0
 
 
 def _joined(texts) -> str:
