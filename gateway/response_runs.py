@@ -10,16 +10,20 @@ running process hears it at once on Redis, and on SQLite finds it at its next wr
 ``HEARTBEAT_S``) and stops. A record still running whose last write is older than
 ``responses.reclaim_after_s`` (30 s) had its process die: every RECLAIM_S (at most) each process
 looks for those (``reclaim``) and one claims it and runs it again from its kept request (shown ``queued`` meanwhile); what runs at
-shutdown is handed back the same way. One that cannot run again (streamed and past ``queued``: its
-followers saw output; or run RECLAIM_TRIES times) is shown ``failed`` (``server_error``); a
-streamed one still queued runs again with its stored events going on (``StoredEvents.resumed``). Only a ``completed`` or ``incomplete`` response
-can be continued with ``previous_response_id``.
+shutdown is handed back the same way. A streamed one runs again with its stored events going on
+(``StoredEvents.resumed``): one still queued from the start; one whose followers saw part of its
+text (``resumable``: a plain text reply) from that text, the chat model given the prompt and the
+text so far as its raw prompt (``_continued``). One that cannot run again (streamed past ``queued``
+with tools, a JSON format or logprobs: its followers saw output that cannot be continued; or run
+RECLAIM_TRIES times) is shown ``failed`` (``server_error``). Only a ``completed`` or ``incomplete``
+response can be continued with ``previous_response_id``.
 
 A background response made with ``stream: true`` is answered with its events: ``response.created``
 and ``response.queued`` (stored with it before the answer), ``response.in_progress`` at its first
 token, then a live stream's. The connection is only a follower (``EventLog.follow``): closing it
-stops nothing. The events are stored as they are made (every FLUSH_S; the items' closing events
-before the record says it ended, the last event after), so ``GET /v1/responses/{id}?stream=true
+stops nothing. Each event is stored before any follower sees it (the items' closing events before
+the record says it ended, the last event after), so that a run again elsewhere goes on from the
+last event any follower saw, and ``GET /v1/responses/{id}?stream=true
 &starting_after=n`` follows it from any process: live from the log where it runs, else from the
 store (``replay``, read every POLL_S). A cancelled one ends with an ``error`` event
 (``response_cancelled``), a failed one with ``response.failed``.
@@ -37,20 +41,22 @@ from typing import Any, AsyncGenerator, AsyncIterator
 from gateway.auth import Caller
 from gateway.background import Background, EventLog
 from gateway.chat import ChoiceDelta, collect, serve_chat
+from gateway.completions import tokenizer_of
 from gateway.conversation_store import ConversationStore
 from gateway.errors import APIError
 from gateway.response_store import ResponseStore, StoredResponse
-from gateway.responses import (CONTINUABLE, RUNNING, Draft, ResponseEvents, ResponsesRequest, closing_events,
-                               delta_events, plan_response, reclaimable, responses_names, shown, sse_event,
-                               whole_output)
+from gateway.responses import (CONTINUABLE, RUNNING, Draft, ResponseEvents, ResponsesRequest, Sent, closing_events,
+                               delta_events, message_item, plan_response, reclaimable, responses_names, resumable,
+                               shown, sse_event, whole_output)
 from gateway.service import ClientGone, Services
 from gateway.serving import Gone
+from workers.base import ChatFinished
+from workers.chat_prompt import encode
 
 log = logging.getLogger("tiergate.responses")
 
 HEARTBEAT_S = 5.0  # a running background response's record is written at least this often
 RECLAIM_S = 10.0  # how often a process looks for background responses whose process died (at most)
-FLUSH_S = 0.25  # a streamed background response's new events are stored at least this often
 POLL_S = 0.25  # a follower in another process reads the store this often
 async def run_in_background(svc: Services, caller: Caller, draft: Draft, store: ResponseStore,
                              conversations: ConversationStore, background: Background, gone: Gone,
@@ -63,7 +69,10 @@ async def run_in_background(svc: Services, caller: Caller, draft: Draft, store: 
     status, error, shut_down = "failed", None, False
     try:
         with responses_names():
-            deltas = serve_chat(svc, caller, draft.job.chat, gone)
+            if events is not None and events.sent.text:
+                deltas = await _continued(svc, caller, draft, events.sent.text, gone)
+            else:
+                deltas = serve_chat(svc, caller, draft.job.chat, gone)
             first = await deltas.__anext__()
             phase[0] = "in_progress"
             if not await store.update_running(draft.record("in_progress", owner)):
@@ -73,7 +82,8 @@ async def run_in_background(svc: Services, caller: Caller, draft: Draft, store: 
                 draft.reply = replies[0]
                 draft.output = whole_output(draft)
             else:
-                await events.add([events.s.event("response.in_progress", response=draft.public("in_progress"))])
+                if not events.sent.began:
+                    await events.add([events.s.event("response.in_progress", response=draft.public("in_progress"))])
                 async with contextlib.aclosing(_after(first, deltas)) as each:
                     async for delta in each:
                         await events.add(delta_events(events.s, delta))
@@ -94,7 +104,8 @@ async def run_in_background(svc: Services, caller: Caller, draft: Draft, store: 
         error = {"code": "server_error", "message": "the server failed while making this response"}
     finally:
         beat.cancel()
-    if shut_down and (events is None or phase[0] == "queued") and reclaimable(draft.record("queued", owner)):
+    can_go_on = events is None or phase[0] == "queued" or resumable(draft.request["body"])
+    if shut_down and can_go_on and reclaimable(draft.record("queued", owner)):
         # handed back: stored queued and unwritten since the epoch, so that the next process to look
         # (another one now, or this server once it is back) runs it again (``reclaim``); a streamed
         # one's followers here end, and follow it again from any process
@@ -103,60 +114,65 @@ async def run_in_background(svc: Services, caller: Caller, draft: Draft, store: 
         if await store.update_running(back):
             log.info("background response %s: handed back at shutdown, to run again", draft.id)
             if events is not None:
-                await events.flush()
                 events.log.end()
             return
     if events is not None:  # what it had begun, closed; all stored before its record says it ended
-        await events.add(events.s.close("incomplete") if status not in CONTINUABLE else [], flush=True)
+        await events.add(events.s.close("incomplete") if status not in CONTINUABLE else [])
     kept = await store.update_running(draft.record(status, owner, error))
     if kept and status in CONTINUABLE:
         await draft.add_to_conversation(conversations, owner)
     if (kept or status == "cancelled") and svc.webhooks is not None:  # (not for one deleted meanwhile)
         svc.webhooks.emit(f"response.{status}", draft.id, owner)
     if events is not None:
-        await events.add([last_event(draft.public(status, error), events.s.next())], flush=True)
+        await events.add([last_event(draft.public(status, error), events.s.next())])
         events.log.end()
     log.info("background response %s: %s%s%s", draft.id, status, f" ({error['code']})" if error else "",
              "" if kept else " (not recorded: cancelled or deleted meanwhile)")
 
 
 class StoredEvents:
-    """A streamed background response's events: numbered by ``s``, added to ``log`` for this
-    process's followers, and written to the store for any process's (every FLUSH_S, and when
-    asked); a failed write is tried again with the next."""
+    """A streamed background response's events: numbered by ``s``, written to the store for any
+    process's followers, then added to ``log`` for this process's: no follower sees an event
+    before it is stored. A failed write is tried again with the next; the events go to this
+    process's followers meanwhile (they would otherwise stall while the store is down), so a run
+    again elsewhere, should this process then die, may go on from before what they saw."""
 
-    def __init__(self, store: ResponseStore, draft: Draft, s: "ResponseEvents") -> None:
+    def __init__(self, store: ResponseStore, draft: Draft, s: "ResponseEvents", sent: Sent | None = None) -> None:
         self.store, self.draft, self.s = store, draft, s
+        self.sent = sent or Sent()  # what the stored events show (a run again goes on after them)
         self.log = EventLog()
-        self.stored = 0
-        self.flushed_at = time.monotonic()
+        self.stored = 0  # the number of the first event not stored yet
+        self.unstored: list[str] = []  # made but not stored (a write failed): tried again with the next
 
     @classmethod
     async def resumed(cls, store: ResponseStore, draft: Draft) -> "StoredEvents":
         """The events of a streamed response run again (``reclaim``): those its dead process
-        stored, in the log for this process's followers, and the new ones numbered after them."""
-        events = cls(store, draft, ResponseEvents(draft))
+        stored, in the log for this process's followers, and the new ones numbered after them;
+        the message it had begun is open again with its text so far (``Sent``)."""
         before = await store.events(draft.id, -1)
+        sent = Sent.of(before)
+        events = cls(store, draft, ResponseEvents(draft), sent)
         events.log.add(before)
         events.stored = events.s.seq = len(before)
+        if sent.item_id is not None and not sent.closed:
+            item = message_item(sent.item_id, "", "in_progress", None)
+            item.update(content=[], _text=[sent.text])
+            draft.output.append(item)
+            events.s.text = item
+            draft.reply.content.append(sent.text)
         return events
 
-    async def add(self, events: list[str], flush: bool = False) -> None:
+    async def add(self, events: list[str]) -> None:
+        self.unstored += events
+        if self.unstored:
+            try:
+                await self.store.add_events(self.draft.id, self.draft.created_at, self.stored, self.unstored)
+            except Exception as exc:  # noqa: BLE001 - the store is down: followers here still see them
+                log.warning("background response %s: storing its events failed: %s", self.draft.id, exc)
+            else:
+                self.stored += len(self.unstored)
+                self.unstored = []
         self.log.add(events)
-        if flush or time.monotonic() - self.flushed_at >= FLUSH_S:
-            await self.flush()
-
-    async def flush(self) -> None:
-        self.flushed_at = time.monotonic()
-        new = self.log.events[self.stored:]
-        if not new:
-            return
-        try:
-            await self.store.add_events(self.draft.id, self.draft.created_at, self.stored, new)
-        except Exception as exc:  # noqa: BLE001 - the store is down: followers here still see them
-            log.warning("background response %s: storing its events failed: %s", self.draft.id, exc)
-            return
-        self.stored += len(new)
 
 
 async def reclaim(svc: Services, store: ResponseStore, conversations: ConversationStore | None,
@@ -188,12 +204,48 @@ async def reclaim(svc: Services, store: ResponseStore, conversations: Conversati
         draft = Draft(response_id, job, record.response["service_tier"], created_at=record.created_at, background=True,
                       request=asked, runner=background.runner)
         events = await StoredEvents.resumed(store, draft) if body.stream else None
+        if events is not None and events.sent.closed:  # it had ended an item: nothing to go on from
+            await store.update_running(replace(claimed, response={**claimed.response, "status": "failed", "error": {
+                "code": "server_error", "message": "the server failed while making this response"}}))
+            continue
         background.start(response_id, lambda gone, d=draft, e=events: run_in_background(
             svc, caller, d, store, conversations, background, gone, e), events.log if events else None)
         log.info("background response %s: its process stopped writing it; run again here (attempt %d)",
                  response_id, asked["attempts"])
         taken.append(response_id)
     return taken
+
+
+async def _continued(svc: Services, caller: Caller, draft: Draft, text: str,
+                     gone: Gone) -> AsyncIterator[ChoiceDelta]:
+    """The deltas of a reply that goes on after ``text`` (a resumed stream's text so far): the
+    chat model is given its prompt and that text's tokens as a raw prompt, and what is left of
+    ``max_tokens``; the last delta's token counts are the whole reply's (the text's tokens are
+    output, not input). None left: the reply ends there, at its length."""
+    job = draft.job.chat
+    tok = await tokenizer_of(svc.spec(job.model, "chat").path)
+    prompt = await asyncio.to_thread(encode, tok, job.messages, None)
+    said = list(tok(text, add_special_tokens=False)["input_ids"])
+    left = job.params.max_tokens - len(said)
+    if left <= 0:
+        ended = ChatFinished("length", len(prompt) + len(said), 0)  # as the engine counts: the text in the prompt
+        return _counted(_one(ChoiceDelta(0, finish_reason="length", finished=ended)), len(said))
+    job = replace(job, prompt_ids=prompt + said, params=replace(job.params, max_tokens=left))
+    return _counted(serve_chat(svc, caller, job, gone), len(said))
+
+
+async def _counted(deltas: AsyncGenerator[ChoiceDelta, None], said: int) -> AsyncIterator[ChoiceDelta]:
+    async with contextlib.aclosing(deltas):
+        async for delta in deltas:
+            if delta.finished is not None:
+                f = delta.finished
+                delta = replace(delta, finished=replace(f, prompt_tokens=f.prompt_tokens - said,
+                                                        completion_tokens=f.completion_tokens + said))
+            yield delta
+
+
+async def _one(delta: ChoiceDelta) -> AsyncIterator[ChoiceDelta]:
+    yield delta
 
 
 async def _after(first: ChoiceDelta, rest: AsyncGenerator[ChoiceDelta, None]) -> AsyncIterator[ChoiceDelta]:

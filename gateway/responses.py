@@ -530,14 +530,58 @@ async def response_result(svc: Services, caller: Caller, data: dict) -> dict[str
 
 def reclaimable(record: StoredResponse) -> bool:
     """Whether a background response left by a dead process is run again elsewhere: one kept with
-    its request, run fewer than RECLAIM_TRIES times, and when streamed, still ``queued``. A
-    streamed one's record says ``in_progress`` before its first output event is made, so a queued
-    one's followers have seen no output: its events go on from the last stored (a run again after
-    ``response.queued``). One whose followers saw part of its output is not run again."""
+    its request, run fewer than RECLAIM_TRIES times, and when streamed, still ``queued`` or
+    ``resumable``. A streamed one's record says ``in_progress`` before its first output event is
+    made, so a queued one's followers have seen no output: its events go on from the last stored
+    (a run again after ``response.queued``); a resumable one's followers may have seen some of
+    its text, which the run again goes on from. Others whose followers saw output are not run
+    again."""
     asked = record.request
     if asked is None or asked.get("attempts", 1) >= RECLAIM_TRIES:
         return False
-    return not asked["body"].get("stream") or record.response["status"] == "queued"
+    body = asked["body"]
+    return not body.get("stream") or record.response["status"] == "queued" or resumable(body)
+
+
+def resumable(body: dict[str, Any]) -> bool:
+    """Whether a streamed response (its request ``body``) can go on from the text its followers
+    saw: a plain text reply, with no tools (a call's arguments cannot be continued), no JSON format
+    (the grammar's state is not kept) and no logprobs (the text already sent has them only in its
+    events)."""
+    fmt = ((body.get("text") or {}).get("format") or {}).get("type", "text")
+    return not body.get("tools") and fmt == "text" and body.get("top_logprobs") is None
+
+
+@dataclass
+class Sent:
+    """What a streamed response's stored events show of its output: how many there are, whether
+    ``response.in_progress`` is among them, and the message item begun (its id and text so far),
+    or ``closed`` when an item was ended or one that is not a message begun (then it cannot go on
+    from there)."""
+
+    count: int = 0
+    began: bool = False
+    item_id: str | None = None
+    text: str = ""
+    closed: bool = False
+
+    @classmethod
+    def of(cls, events: list[str]) -> "Sent":
+        sent = cls(len(events))
+        for event in events:
+            data = json.loads(event.split("data: ", 1)[1])
+            kind = data["type"]
+            if kind == "response.in_progress":
+                sent.began = True
+            elif kind == "response.output_item.added":
+                if data["item"]["type"] != "message" or sent.item_id is not None:
+                    sent.closed = True
+                sent.item_id = data["item"]["id"]
+            elif kind == "response.output_text.delta":
+                sent.text += data["delta"]
+            elif kind.endswith(".done") or kind in ("response.completed", "response.incomplete", "response.failed"):
+                sent.closed = True
+        return sent
 
 
 def shown(record: StoredResponse, stale_s: float) -> dict[str, Any]:

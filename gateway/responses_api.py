@@ -65,7 +65,7 @@ async def create_response(request: Request) -> Response:
             events = StoredEvents(store, draft, ResponseEvents(draft))
             queued = draft.public("queued")
             await events.add([events.s.event("response.created", response=queued),
-                              events.s.event("response.queued", response=queued)], flush=True)
+                              events.s.event("response.queued", response=queued)])
         background: Background = request.app.state.background
         background.start(draft.id, lambda gone: run_in_background(svc, caller, draft, store, conversations, background,
                                                                    gone, events),

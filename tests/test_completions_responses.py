@@ -788,8 +788,10 @@ def test_on_redis_another_processs_cancel_or_delete_stops_the_work_at_once(tiny_
 def test_a_background_response_whose_process_died_is_run_again_here(tiny_chat, tmp_path, monkeypatch):
     """A record left running by a dead process (its last write older than reclaim_after_s), with its
     request kept: another process claims it and runs it from the start, so it ends as it would
-    have (reading ``queued`` meanwhile, not ``failed``). A streamed one, or one already run
-    RECLAIM_TRIES times, is not run again and reads failed."""
+    have (reading ``queued`` meanwhile, not ``failed``); a streamed one with plain text too (its
+    stored events show no output: from the start). A streamed one whose output cannot be
+    continued (here: with logprobs), or one already run RECLAIM_TRIES times, is not run again and
+    reads failed."""
     import gateway.response_runs as runs
 
     monkeypatch.setattr(runs, "RECLAIM_S", 0.1)
@@ -814,9 +816,11 @@ def test_a_background_response_whose_process_died_is_run_again_here(tiny_chat, t
         assert done.output_text == alone.output_text and done.usage.output_tokens == alone.usage.output_tokens
         assert s.wait(store.get(again, owner)).request["attempts"] == record.request["attempts"] + 1
         streamed = dead("resp_deadstream", body={**record.request["body"], "stream": True})
+        assert wait_until_done(c, streamed).output_text == alone.output_text
+        with_logprobs = dead("resp_deadlogprobs", body={**record.request["body"], "stream": True, "top_logprobs": 2})
         spent = dead("resp_deadspent", attempts=RECLAIM_TRIES)
         time.sleep(0.5)  # a few passes of the reclaimer
-        for name in (streamed, spent):
+        for name in (with_logprobs, spent):
             r = c.responses.retrieve(name)
             assert r.status == "failed" and r.error.code == "server_error", name
             assert name not in s.app.state.background.running
@@ -838,6 +842,123 @@ def test_a_background_response_whose_process_died_is_run_again_here(tiny_chat, t
         assert c.responses.retrieve(waiting.id).output_text == alone.output_text
     finally:
         s.stop()
+
+
+@pytest.mark.parametrize("sent", [5, None])  # tokens of the reply sent before the process died (None: all of it)
+def test_a_streamed_background_response_whose_process_died_goes_on_from_the_text_it_had_sent(
+        tiny_chat, tmp_path, monkeypatch, sent):
+    """A streamed background response (plain text) whose process died after its followers had
+    seen part of its text: another process claims it and goes on from that text, so that a
+    follower sees one stream: numbered on, no second ``response.in_progress`` nor item, the same
+    message item, its deltas joining to the whole text. What it adds is what the model makes from
+    the prompt and that text's tokens (the same raw prompt through ``/v1/completions``, greedy,
+    with what is left of ``max_output_tokens``), and the text's tokens count as output. With the
+    whole reply sent, nothing is left to make: it ends at its length with that text."""
+    import gateway.response_runs as runs
+    from workers.chat_prompt import encode
+
+    monkeypatch.setattr(runs, "RECLAIM_S", 0.1)
+    s = start_server(write_config(tmp_path, {"tiny-chat": ("chat", tiny_chat)}, "responses:\n  reclaim_after_s: 1\n"))
+    try:
+        c, store, owner = client(s), s.app.state.responses, key_id(s.keys["paid"])
+        ask = dict(model="tiny-chat", input="Tell me a story", max_output_tokens=24, temperature=0)
+        alone = c.responses.create(**ask)
+        tok = AutoTokenizer.from_pretrained(tiny_chat)
+        ids = tok(alone.output_text, add_special_tokens=False)["input_ids"]
+        text = tok.decode(ids[:sent])
+        said = tok(text, add_special_tokens=False)["input_ids"]
+        left = 24 - len(said)
+        assert (left > 0) == (sent is not None)
+        added = ""
+        if left > 0:
+            prompt = encode(tok, [{"role": "user", "content": "Tell me a story"}]) + said
+            added = c.completions.create(model="tiny-chat", prompt=prompt, max_tokens=left, temperature=0).choices[0].text
+        record = s.wait(store.get(wait_until_done(c, c.responses.create(**ask, background=True).id).id, owner))
+        rid = f"resp_deadmid{sent}"
+        dead = replace(record, id=rid, beat=time.time(), runner="a-dead-process",
+                       request={**record.request, "body": {**record.request["body"], "stream": True}},
+                       response={**record.response, "id": rid, "status": "in_progress", "output": []})
+        s.wait(store.put(dead))
+        item = {"id": "msg_before", "type": "message", "role": "assistant", "status": "in_progress", "content": []}
+        at = dict(item_id="msg_before", output_index=0, content_index=0)
+        before = [sse_event(kind, n, response=dead.response)
+                  for n, kind in enumerate(["response.created", "response.queued", "response.in_progress"])]
+        before += [sse_event("response.output_item.added", 3, output_index=0, item=item),
+                   sse_event("response.content_part.added", 4, part={"type": "output_text", "text": "", "annotations": []},
+                             **at)]
+        before += [sse_event("response.output_text.delta", 5 + k, delta=d, logprobs=[], **at)
+                   for k, d in enumerate([text[:3], text[3:]])]
+        s.wait(store.add_events(rid, dead.created_at, 0, before))
+        assert s.wait(store.update_running(replace(dead, beat=time.time() - 5)))  # then its process died
+        events = list(c.responses.retrieve(rid, stream=True))
+        assert [e.sequence_number for e in events] == list(range(len(events)))
+        after = [e.type for e in events[len(before):]]
+        assert "response.in_progress" not in after and "response.output_item.added" not in after
+        assert after[-4:] == ["response.output_text.done", "response.content_part.done", "response.output_item.done",
+                              "response.incomplete"]
+        assert (left > 0) == (after[0] == "response.output_text.delta")
+        last = events[-1].response
+        assert _deltas(events) == last.output_text == text + added and last.output[0].id == "msg_before"
+        done = c.responses.retrieve(rid)
+        assert done.output_text == text + added and done.status == "incomplete"
+        assert (done.usage.input_tokens, done.usage.output_tokens) == (alone.usage.input_tokens, max(24, len(said)))
+    finally:
+        s.stop()
+
+
+def test_what_stored_events_show_of_the_output():
+    from gateway.responses import Sent
+
+    def ev(kind: str, **data) -> str:
+        return sse_event(kind, 0, **data)
+
+    message = {"id": "msg_1", "type": "message"}
+    opened = [ev("response.created"), ev("response.in_progress"), ev("response.output_item.added", item=message)]
+    assert Sent.of([]) == Sent()
+    assert Sent.of(opened[:1]) == Sent(1)
+    assert Sent.of(opened) == Sent(3, True, "msg_1")
+    texts = [ev("response.output_text.delta", delta=d) for d in ("Hel", "lo", " there")]
+    assert Sent.of(opened + texts) == Sent(6, True, "msg_1", "Hello there")
+    assert Sent.of(opened + texts + [ev("response.output_text.done", text="Hello there")]).closed
+    assert Sent.of(opened[:2] + [ev("response.output_item.added", item={"id": "fc_1", "type": "function_call"})]).closed
+    assert Sent.of(opened + [ev("response.output_item.added", item={"id": "msg_2", "type": "message"})]).closed
+
+
+def test_no_follower_sees_an_event_before_it_is_stored():
+    """A streamed background response's events reach this process's followers only once stored
+    (so a run again elsewhere goes on from the last one any follower saw); a write that fails is
+    tried again with the next, and its events still reach the followers meanwhile."""
+    from gateway.response_runs import StoredEvents
+    from gateway.responses import Draft, ResponseEvents, ResponseJob, ResponsesRequest
+
+    class Store:
+        def __init__(self) -> None:
+            self.rows: list[str] = []
+            self.fail = False
+            self.seen_by_followers: list[int] = []  # how many were in the log at each write
+
+        async def add_events(self, response_id: str, created_at: int, first: int, events: list[str]) -> None:
+            self.seen_by_followers.append(len(stored.log.events))
+            if self.fail:
+                raise ConnectionError("the store is down")
+            assert first == len(self.rows)
+            self.rows += events
+
+    store = Store()
+    draft = Draft("resp_x", ResponseJob(None, [], ResponsesRequest(model="m", input="x"), []), "default")
+    stored = StoredEvents(store, draft, ResponseEvents(draft))
+
+    async def run() -> None:
+        await stored.add(["a", "b"])
+        assert store.seen_by_followers == [0] and store.rows == stored.log.events == ["a", "b"]
+        store.fail = True
+        await stored.add(["c"])
+        assert stored.log.events == ["a", "b", "c"] and store.rows == ["a", "b"]
+        store.fail = False
+        await stored.add(["d"])
+        assert store.rows == stored.log.events == ["a", "b", "c", "d"] and store.seen_by_followers == [0, 2, 3]
+
+    asyncio.run(run())
 
 
 def test_kill_9_mid_background_response_and_the_next_process_runs_it(tiny_chat, tmp_path):
@@ -866,6 +987,49 @@ def test_kill_9_mid_background_response_and_the_next_process_runs_it(tiny_chat, 
         done = wait_until_done(c, made.id)
         live = c.responses.create(model="tiny-chat", input="Count to a thousand", max_output_tokens=480, temperature=0)
         assert done.status == live.status and done.output_text == live.output_text
+        assert "run again here" in (tmp_path / "second.log").read_text()
+    finally:
+        for proc in Proc.started:
+            if proc.proc.poll() is None:
+                proc.kill9()
+        Proc.started.clear()
+
+
+def test_kill_9_mid_streamed_background_response_and_its_follower_gets_one_stream(tiny_chat, tmp_path):
+    """The crash test, streamed: ``tiergate serve`` is killed with ``kill -9`` while a streamed
+    background response sends its text; its client follows it again from the last event it saw,
+    through a second process on the same store, which takes the response over and goes on from
+    the text sent. The client gets one stream: numbered on, one message, the text it saw and
+    then the rest, ending as the response's record does."""
+    from tests.helpers import TIERS
+    from tests.test_batches import Proc
+
+    config = write_config(tmp_path, {"tiny-chat": ("chat", tiny_chat)},
+                          "responses:\n  reclaim_after_s: 2\nlimits:\n  max_chat_tokens: 480\n")
+    keys = {t: f"key-{t}" for t in TIERS}
+    first = Proc(config, keys, tmp_path / "first.log").ready()
+    try:
+        seen = []
+        stream = first.client(keys["paid"]).responses.create(model="tiny-chat", input="Count to a thousand",
+                                                              max_output_tokens=480, temperature=0, background=True,
+                                                              stream=True)
+        for event in stream:
+            seen.append(event)
+            if event.type == "response.output_text.delta":
+                break
+        first.kill9()
+        rid = seen[0].response.id
+        second = Proc(config, keys, tmp_path / "second.log").ready()
+        c = second.client(keys["paid"])
+        rest = list(c.responses.retrieve(rid, stream=True, starting_after=seen[-1].sequence_number))
+        events = seen + rest
+        assert [e.sequence_number for e in events] == list(range(len(events)))
+        kinds = [e.type for e in events]
+        assert kinds.count("response.in_progress") == kinds.count("response.output_item.added") == 1
+        done = c.responses.retrieve(rid)
+        assert events[-1].type == f"response.{done.status}" and done.status in ("completed", "incomplete")
+        assert _deltas(events) == done.output_text and done.output_text.startswith(seen[-1].delta)
+        assert done.usage.output_tokens <= 480
         assert "run again here" in (tmp_path / "second.log").read_text()
     finally:
         for proc in Proc.started:
@@ -922,7 +1086,8 @@ def test_background_work_left_at_shutdown_is_handed_back_and_run_by_the_next_ser
     """At shutdown (after the drain's wait, or without one) what still runs is stopped: a response
     that can run again is handed back (stored queued, unwritten), and the next server on the same
     store runs it to its end; a streamed one still queued (its followers saw no output) too, its
-    events going on in the next server."""
+    events going on in the next server; and a streamed one that had begun its text (another
+    tier's, not held at the gate), from that text."""
     import sqlite3
 
     import gateway.response_runs as runs
@@ -930,19 +1095,29 @@ def test_background_work_left_at_shutdown_is_handed_back_and_run_by_the_next_ser
     monkeypatch.setattr(runs, "RECLAIM_S", 0.1)
     config = write_config(tmp_path, {"tiny-chat": ("chat", tiny_chat)})
     s = start_server(config)
+    respond(client(s, "subscriber"), "hi", max_output_tokens=2)  # the model loaded
     gate = s.services.gate
     tickets = [s.wait(gate.acquire("paid", "tiny-chat")) for _ in range(gate.limits["paid"])]
     made = client(s).responses.create(model="tiny-chat", input="hi", max_output_tokens=4, background=True, temperature=0)
     streamed = client(s).responses.create(model="tiny-chat", input="hi", max_output_tokens=4, background=True, stream=True)
     streamed_id = next(iter(streamed)).response.id
     streamed.close()  # (leaving it: the work goes on)
-    assert s.call(lambda: {made.id, streamed_id} <= set(s.app.state.background.running))
+    begun: list = []
+    model = s.services.arbiter.workers["tiny-chat"].model
+    model.register_forward_pre_hook(lambda *_: time.sleep(0.05))  # a token every 50 ms: it runs at the stop
+    for event in client(s, "subscriber").responses.create(model="tiny-chat", input="Count to a thousand",
+                                                          max_output_tokens=480, temperature=0, background=True,
+                                                          stream=True):
+        begun.append(event)
+        if event.type == "response.output_text.delta":
+            break
+    assert s.call(lambda: {made.id, streamed_id, begun[0].response.id} <= set(s.app.state.background.running))
     s.stop()
     db = sqlite3.connect(tmp_path / "tiergate-data" / "batches.sqlite3")
-    docs = {i: json.loads(doc) for i, doc in db.execute("SELECT id, doc FROM responses WHERE id IN (?, ?)",
-                                                        (made.id, streamed_id))}
+    docs = {i: json.loads(doc) for i, doc in db.execute("SELECT id, doc FROM responses WHERE id IN (?, ?, ?)",
+                                                        (made.id, streamed_id, begun[0].response.id))}
     db.close()
-    for rid in (made.id, streamed_id):
+    for rid in (made.id, streamed_id, begun[0].response.id):
         assert docs[rid]["response"]["status"] == "queued" and docs[rid]["beat"] == 0.0 and tickets
 
     s = start_server(config)  # the next server: it finds the handed-back ones and runs them
@@ -954,6 +1129,14 @@ def test_background_work_left_at_shutdown_is_handed_back_and_run_by_the_next_ser
         assert [e.sequence_number for e in events] == list(range(len(events)))
         assert [e.type for e in events[:3]] == ["response.created", "response.queued", "response.in_progress"]
         assert events[-1].type in ("response.completed", "response.incomplete")
+        rest = list(client(s, "subscriber").responses.retrieve(begun[0].response.id, stream=True,
+                                                                 starting_after=begun[-1].sequence_number))
+        events = begun + rest
+        assert [e.sequence_number for e in events] == list(range(len(events)))
+        kinds = [e.type for e in events]
+        assert kinds.count("response.in_progress") == kinds.count("response.output_item.added") == 1
+        assert events[-1].type in ("response.completed", "response.incomplete")
+        assert _deltas(events) == events[-1].response.output_text and _deltas(events).startswith(begun[-1].delta)
     finally:
         s.stop()
 
