@@ -1106,7 +1106,7 @@ def test_background_work_left_at_shutdown_is_handed_back_and_run_by_the_next_ser
     model = s.services.arbiter.workers["tiny-chat"].model
     model.register_forward_pre_hook(lambda *_: time.sleep(0.05))  # a token every 50 ms: it runs at the stop
     for event in client(s, "subscriber").responses.create(model="tiny-chat", input="Count to a thousand",
-                                                          max_output_tokens=480, temperature=0, background=True,
+                                                          max_output_tokens=96, temperature=0, background=True,
                                                           stream=True):
         begun.append(event)
         if event.type == "response.output_text.delta":
