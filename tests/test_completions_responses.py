@@ -9,6 +9,7 @@ import contextlib
 import io
 import json
 import time
+from pathlib import Path
 from dataclasses import replace
 
 import httpx
@@ -848,62 +849,76 @@ def test_a_background_response_whose_process_died_is_run_again_here(tiny_chat, t
 def test_a_streamed_background_response_whose_process_died_goes_on_from_the_text_it_had_sent(
         tiny_chat, tmp_path, monkeypatch, sent):
     """A streamed background response (plain text) whose process died after its followers had
-    seen part of its text: another process claims it and goes on from that text, so that a
-    follower sees one stream: numbered on, no second ``response.in_progress`` nor item, the same
-    message item, its deltas joining to the whole text. What it adds is what the model makes from
-    the prompt and that text's tokens (the same raw prompt through ``/v1/completions``, greedy,
-    with what is left of ``max_output_tokens``), and the text's tokens count as output. With the
-    whole reply sent, nothing is left to make: it ends at its length with that text."""
+    seen part of its text: another process claims it (this server's reclaimer) and goes on from
+    that text (``check_a_response_goes_on_from_its_text``)."""
     import gateway.response_runs as runs
-    from workers.chat_prompt import encode
 
     monkeypatch.setattr(runs, "RECLAIM_S", 0.1)
     s = start_server(write_config(tmp_path, {"tiny-chat": ("chat", tiny_chat)}, "responses:\n  reclaim_after_s: 1\n"))
     try:
-        c, store, owner = client(s), s.app.state.responses, key_id(s.keys["paid"])
-        ask = dict(model="tiny-chat", input="Tell me a story", max_output_tokens=24, temperature=0)
-        alone = c.responses.create(**ask)
-        tok = AutoTokenizer.from_pretrained(tiny_chat)
-        ids = tok(alone.output_text, add_special_tokens=False)["input_ids"]
-        text = tok.decode(ids[:sent])
-        said = tok(text, add_special_tokens=False)["input_ids"]
-        left = 24 - len(said)
-        assert (left > 0) == (sent is not None)
-        added = ""
-        if left > 0:
-            prompt = encode(tok, [{"role": "user", "content": "Tell me a story"}]) + said
-            added = c.completions.create(model="tiny-chat", prompt=prompt, max_tokens=left, temperature=0).choices[0].text
-        record = s.wait(store.get(wait_until_done(c, c.responses.create(**ask, background=True).id).id, owner))
-        rid = f"resp_deadmid{sent}"
-        dead = replace(record, id=rid, beat=time.time(), runner="a-dead-process",
-                       request={**record.request, "body": {**record.request["body"], "stream": True}},
-                       response={**record.response, "id": rid, "status": "in_progress", "output": []})
-        s.wait(store.put(dead))
-        item = {"id": "msg_before", "type": "message", "role": "assistant", "status": "in_progress", "content": []}
-        at = dict(item_id="msg_before", output_index=0, content_index=0)
-        before = [sse_event(kind, n, response=dead.response)
-                  for n, kind in enumerate(["response.created", "response.queued", "response.in_progress"])]
-        before += [sse_event("response.output_item.added", 3, output_index=0, item=item),
-                   sse_event("response.content_part.added", 4, part={"type": "output_text", "text": "", "annotations": []},
-                             **at)]
-        before += [sse_event("response.output_text.delta", 5 + k, delta=d, logprobs=[], **at)
-                   for k, d in enumerate([text[:3], text[3:]])]
-        s.wait(store.add_events(rid, dead.created_at, 0, before))
-        assert s.wait(store.update_running(replace(dead, beat=time.time() - 5)))  # then its process died
-        events = list(c.responses.retrieve(rid, stream=True))
-        assert [e.sequence_number for e in events] == list(range(len(events)))
-        after = [e.type for e in events[len(before):]]
-        assert "response.in_progress" not in after and "response.output_item.added" not in after
-        assert after[-4:] == ["response.output_text.done", "response.content_part.done", "response.output_item.done",
-                              "response.incomplete"]
-        assert (left > 0) == (after[0] == "response.output_text.delta")
-        last = events[-1].response
-        assert _deltas(events) == last.output_text == text + added and last.output[0].id == "msg_before"
-        done = c.responses.retrieve(rid)
-        assert done.output_text == text + added and done.status == "incomplete"
-        assert (done.usage.input_tokens, done.usage.output_tokens) == (alone.usage.input_tokens, max(24, len(said)))
+        check_a_response_goes_on_from_its_text(s, tiny_chat, sent, 1.0)
     finally:
         s.stop()
+
+
+def check_a_response_goes_on_from_its_text(s, tiny_chat: Path, sent: int | None, stale_s: float,
+                                           reclaim_now: bool = False) -> None:
+    """A dead process's streamed background response, its events stored up to part of its text
+    (the first ``sent`` tokens of the reply, all of it for None), is claimed by server ``s`` (by
+    its reclaimer, or at once with ``reclaim_now``). A follower sees one stream: numbered on, no
+    second ``response.in_progress`` nor item, the same message item, its deltas joining to the
+    whole text. What it adds is what the model makes from the prompt and that text's tokens (the
+    same raw prompt through ``/v1/completions``, greedy, with what is left of
+    ``max_output_tokens``), and the text's tokens count as output. With the whole reply sent,
+    nothing is left to make: it ends at its length with that text."""
+    import gateway.response_runs as runs
+    from workers.chat_prompt import encode
+
+    c, store, owner = client(s), s.app.state.responses, key_id(s.keys["paid"])
+    ask = dict(model="tiny-chat", input="Tell me a story", max_output_tokens=24, temperature=0)
+    alone = c.responses.create(**ask)
+    tok = AutoTokenizer.from_pretrained(tiny_chat)
+    ids = tok(alone.output_text, add_special_tokens=False)["input_ids"]
+    text = tok.decode(ids[:sent])
+    said = tok(text, add_special_tokens=False)["input_ids"]
+    left = 24 - len(said)
+    assert (left > 0) == (sent is not None)
+    added = ""
+    if left > 0:
+        prompt = encode(tok, [{"role": "user", "content": "Tell me a story"}]) + said
+        added = c.completions.create(model="tiny-chat", prompt=prompt, max_tokens=left, temperature=0).choices[0].text
+    record = s.wait(store.get(wait_until_done(c, c.responses.create(**ask, background=True).id).id, owner))
+    rid = f"resp_deadmid{sent}"
+    dead = replace(record, id=rid, beat=time.time(), runner="a-dead-process",
+                   request={**record.request, "body": {**record.request["body"], "stream": True}},
+                   response={**record.response, "id": rid, "status": "in_progress", "output": []})
+    s.wait(store.put(dead))
+    item = {"id": "msg_before", "type": "message", "role": "assistant", "status": "in_progress", "content": []}
+    at = dict(item_id="msg_before", output_index=0, content_index=0)
+    before = [sse_event(kind, n, response=dead.response)
+              for n, kind in enumerate(["response.created", "response.queued", "response.in_progress"])]
+    before += [sse_event("response.output_item.added", 3, output_index=0, item=item),
+               sse_event("response.content_part.added", 4, part={"type": "output_text", "text": "", "annotations": []},
+                         **at)]
+    before += [sse_event("response.output_text.delta", 5 + k, delta=d, logprobs=[], **at)
+               for k, d in enumerate([text[:3], text[3:]])]
+    s.wait(store.add_events(rid, dead.created_at, 0, before))
+    assert s.wait(store.update_running(replace(dead, beat=time.time() - stale_s - 5)))  # then its process died
+    if reclaim_now:
+        state = s.app.state
+        s.wait(runs.reclaim(s.services, store, state.conversations, state.background))  # (or its own pass took it)
+    events = list(c.responses.retrieve(rid, stream=True))
+    assert [e.sequence_number for e in events] == list(range(len(events)))
+    after = [e.type for e in events[len(before):]]
+    assert "response.in_progress" not in after and "response.output_item.added" not in after
+    assert after[-4:] == ["response.output_text.done", "response.content_part.done", "response.output_item.done",
+                          "response.incomplete"]
+    assert (left > 0) == (after[0] == "response.output_text.delta")
+    last = events[-1].response
+    assert _deltas(events) == last.output_text == text + added and last.output[0].id == "msg_before"
+    done = c.responses.retrieve(rid)
+    assert done.output_text == text + added and done.status == "incomplete"
+    assert (done.usage.input_tokens, done.usage.output_tokens) == (alone.usage.input_tokens, max(24, len(said)))
 
 
 def test_what_stored_events_show_of_the_output():

@@ -17,7 +17,8 @@ import openai
 import pytest
 
 from tests.helpers import adapters_yaml, start_server, stream_and_leave, write_config
-from tests.test_completions_responses import TOOLS, check_echoed_logprobs, greedy, respond
+from tests.test_completions_responses import (STALE_S, TOOLS, check_a_response_goes_on_from_its_text,
+                                              check_echoed_logprobs, greedy, respond)
 from tests.test_completions_responses import client as sdk_client
 
 pytest.importorskip("vllm", reason="vllm is not installed in this environment (scripts/test installs it)")
@@ -127,6 +128,14 @@ def test_vllm_responses(vllm_server):
     deltas = "".join(e.delta for e in events if e.type == "response.function_call_arguments.delta")
     assert final.output[0].type == "function_call" and deltas == final.output[0].arguments
     assert json.loads(deltas)["city"] in ("Paris", "Rome")
+
+
+@pytest.mark.parametrize("sent", [5, None])
+def test_a_streamed_background_response_goes_on_from_its_text_on_vllm(vllm_server, tiny_chat, sent):
+    """The resumed stream of tests/test_completions_responses.py on the vLLM engine: the text so
+    far's tokens reach vLLM as a raw prompt (the server's reclaimer called at once: its pass
+    every 10 s would only wait)."""
+    check_a_response_goes_on_from_its_text(vllm_server, tiny_chat, sent, STALE_S, reclaim_now=True)
 
 
 def test_context_too_long_is_400(vllm_server):
