@@ -384,6 +384,7 @@ def _transcript_response(t: Transcript, body: TranslationForm, task: str, header
         return JSONResponse({"text": t.text, **usage}, headers=headers)
     segments = [{"id": s.id, "seek": s.seek, "start": s.start, "end": s.end, "text": s.text,
                  "temperature": body.temperature,
+                 **({"tokens": s.tokens} if s.tokens is not None else {}),
                  **{k: round(v, 6) for k in ("avg_logprob", "compression_ratio", "no_speech_prob")
                     if (v := getattr(s, k)) is not None}} for s in t.segments]
     language = "english" if task == "translate" else LANGUAGES.get(t.language, t.language)

@@ -15,6 +15,7 @@ import httpx
 import numpy as np
 import openai
 import pytest
+from openai.types.audio import TranscriptionVerbose
 import soundfile as sf
 from PIL import Image
 
@@ -573,6 +574,8 @@ def test_transcription_in_every_format(media):
     assert all(0 <= s.start <= s.end <= 3.0 for s in verbose.segments)
     for s in verbose.segments:  # openai-whisper's confidence figures (the worker's tests check their values)
         assert s.avg_logprob < 0 and 0 < s.no_speech_prob < 1 and s.compression_ratio > 0 and s.seek == 0
+        assert s.tokens and all(isinstance(i, int) for i in s.tokens)
+    TranscriptionVerbose.model_validate(verbose.model_dump())  # every field OpenAI's type requires
 
 
 def test_word_timestamps_through_the_sdk(media):

@@ -565,6 +565,20 @@ def test_words_drop_the_prompt_stop_at_timestamps_and_stay_in_the_window(stt_wor
     assert [(round(a, 6), round(b, 6), w) for a, b, w in words] == [(0.1, 0.4, "Hi"), (0.4, 0.6, "th"), (0.6, 2.0, "ere")]
 
 
+def test_segment_tokens_are_cut_as_the_segments_are(stt_worker):
+    """``_segment_tokens`` cuts a window's ids where the tokenizer's offsets cut them for
+    ``_segments``: from a timestamp to the end of the next pair, a piece without text left out
+    (as its segment is); one piece for a window without timestamps; None when the count differs."""
+    tok = stt_worker.processor.tokenizer
+    hi, blank, there = (_tokens(tok, p) for p in ([0.0, " Hi", 0.5], [0.5, " ", 0.7], [0.7, " there", 1.0]))
+    ids = hi + blank + there
+    assert [text for _, _, text in stt_worker._segments(ids, 2.0)] == ["Hi", "there"]
+    assert stt_worker._segment_tokens(ids, 2) == [hi, there]
+    assert stt_worker._segment_tokens(ids, 3) is None
+    plain = _tokens(tok, [" no timestamps"])
+    assert stt_worker._segment_tokens(plain, 1) == [plain]
+
+
 def test_stt_word_timestamps(stt_worker):
     """Word timestamps on the demo Whisper across two windows: the same transcript and segments
     as without them; words that spell the transcript, each inside the audio, in order, those of
@@ -622,6 +636,10 @@ def test_stt_segment_figures_are_openai_whispers(stt_worker):
         assert mine[0].avg_logprob == pytest.approx(float(chosen.mean()), rel=1e-5)
         assert mine[0].compression_ratio == pytest.approx(len(text) / len(zlib.compress(text)))
     assert {s.seek for s in got.segments} == {0, round(windows[1][0] / 16000 * 100)}
+    # each segment's tokens: its text (the tokenizer leaves timestamps out), from its first timestamp
+    stamp = tok.convert_tokens_to_ids("<|0.00|>")
+    assert all(tok.decode(s.tokens).strip() == s.text and s.tokens[0] >= stamp for s in got.segments)
+    assert plain.segments[0].tokens is None
     # with a prompt the decoder's input starts with it: the start token is further on
     prompted = stt_worker.transcribe(x[:48000], stt.TranscriptionRequest(language="en", prompt="Glossary: tiergate",
                                                                          details=True), StepContext())

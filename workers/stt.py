@@ -13,8 +13,8 @@ tokenizer's own rules (spaces, punctuation joined to its word; per character for
 written without spaces). A Whisper folder whose generation config names no alignment heads gets
 openai-whisper's default: every head of the decoder's last half of layers.
 
-A verbose transcript's segments (``TranscriptionRequest.details``, Whisper only) carry
-openai-whisper's confidence figures, per window (a window's segments share them; openai-whisper's
+A verbose transcript's segments (``TranscriptionRequest.details``, Whisper only) carry their
+token ids (``_segment_tokens``) and openai-whisper's confidence figures, per window (a window's segments share them; openai-whisper's
 share them per decoding pass, which is the window but for a window decoded in more than one pass):
 ``avg_logprob``, the mean log-probability of the tokens the decoder chose (end of text included),
 under the scores it chose them from (after Whisper's logit rules; at a temperature above 0,
@@ -78,6 +78,7 @@ class Segment:
     end: float
     text: str
     seek: int = 0  # the start of the window it was decoded in, in 10 ms feature frames (openai-whisper's unit)
+    tokens: list[int] | None = None  # its token ids, timestamps included (``details``)
     avg_logprob: float | None = None  # the window's figures (``details``), as the module doc says
     compression_ratio: float | None = None
     no_speech_prob: float | None = None
@@ -206,9 +207,10 @@ class STTWorker(ThreadWorker):
                 said = _joined(text for _, _, text in window.segments).encode()
                 figures = {"avg_logprob": window.avg_logprob, "no_speech_prob": window.no_speech_prob,
                            "compression_ratio": len(said) / len(zlib.compress(said))}
-            for s0, s1, text in window.segments:
+            tokens = window.tokens or [None] * len(window.segments)
+            for (s0, s1, text), ids in zip(window.segments, tokens):
                 segments.append(Segment(len(segments), round(t0 + s0, 3), round(t0 + s1, 3), text,
-                                        round(t0 * 100), **figures))
+                                        round(t0 * 100), ids, **figures))
             if words is not None:
                 words += [Word(w, round(t0 + w0, 3), round(t0 + w1, 3)) for w0, w1, w in window.words]
         text = _joined(s.text for s in segments)
@@ -301,6 +303,8 @@ class STTWorker(ThreadWorker):
         if frames is None and not details:
             return _Window(self._segments(out[0].tolist(), length_s))
         window = _Window(self._segments(out["sequences"][0].tolist(), length_s))
+        if details:
+            window.tokens = self._segment_tokens(out["sequences"][0].tolist(), len(window.segments))
         # generate's segments, each with the decoding pass it came from (``result``)
         passes = out["segments"][0]
         if frames is not None:
@@ -332,6 +336,29 @@ class STTWorker(ThreadWorker):
             return [(0.0, length_s, text)]
         offsets = tok.decode(ids, output_offsets=True).get("offsets", [])
         return _clean_offsets(offsets, length_s) or [(0.0, length_s, text)]
+
+    def _segment_tokens(self, ids: list[int], count: int) -> list[list[int]] | None:
+        """Each of ``_segments``'s segments' token ids (its timestamps included): the pieces the
+        tokenizer's ``output_offsets`` cuts ``ids`` into (from a timestamp to the end of the next
+        pair of timestamps, or to the last timestamp), less those without text, as
+        ``_clean_offsets`` leaves them; all the ids for a window read as one segment. None should
+        they not come out as ``count`` pieces (a tokenizer that cuts otherwise)."""
+        tok = self.processor.tokenizer
+        ids = self._text_and_timestamp_ids(ids)
+        stamp = tok.all_special_ids[-1] + 1  # the first timestamp token, as the tokenizer finds it
+        at = [n for n, i in enumerate(ids) if i >= stamp]
+        ends = [n + 1 for n in at if n + 1 < len(ids) and ids[n + 1] >= stamp]  # after the first of each pair
+        pieces = []
+        if at and (ends or len(at) > 1):
+            ends += [] if at[-1] + 1 in ends else [at[-1] + 1]
+            last = at[0]
+            for end in ends:
+                if end - last > 1 and tok.decode(ids[last:end], skip_special_tokens=True).strip():
+                    pieces.append(ids[last:end])
+                last = end
+        if not pieces:
+            pieces = [ids]
+        return pieces if len(pieces) == count else None
 
     def _text_and_timestamp_ids(self, ids: list[int]) -> list[int]:
         """Drop any echoed prompt (up to the last start token) and every special token but timestamps."""
@@ -382,6 +409,7 @@ class _Window:
     """What ``STTWorker._window`` read from one window (times from its start)."""
 
     segments: list[tuple[float, float, str]]
+    tokens: list[list[int]] | None = None  # each segment's, with ``details``
     words: list[tuple[float, float, str]] = field(default_factory=list)
     avg_logprob: float | None = None
     no_speech_prob: float | None = None
