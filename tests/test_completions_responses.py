@@ -24,6 +24,7 @@ from gateway.response_store import RedisResponses, SQLiteResponses, StoredRespon
 from gateway.responses import RECLAIM_TRIES, sse_event
 from tests.helpers import start_server, write_config
 from tests.test_batch_store import redis_server
+from tests.test_batches import _no_stray_processes  # noqa: F401 - autouse: no tiergate serve outlives its test
 
 TOOLS = [{"type": "function", "name": "get_weather", "description": "The weather in a city",
           "parameters": {"type": "object", "properties": {"city": {"type": "string", "enum": ["Paris", "Rome"]}},
@@ -987,27 +988,21 @@ def test_kill_9_mid_background_response_and_the_next_process_runs_it(tiny_chat, 
                           "responses:\n  reclaim_after_s: 2\nlimits:\n  max_chat_tokens: 480\n")
     keys = {t: f"key-{t}" for t in TIERS}
     first = Proc(config, keys, tmp_path / "first.log").ready()
-    try:
-        c = first.client(keys["paid"])
-        made = c.responses.create(model="tiny-chat", input="Count to a thousand", max_output_tokens=480,
-                                  temperature=0, background=True)
-        deadline = time.monotonic() + 30
-        while (status := c.responses.retrieve(made.id).status) == "queued":
-            assert time.monotonic() < deadline
-            time.sleep(0.01)
-        assert status == "in_progress"  # killed mid-generation
-        first.kill9()
-        second = Proc(config, keys, tmp_path / "second.log").ready()
-        c = second.client(keys["paid"])
-        done = wait_until_done(c, made.id)
-        live = c.responses.create(model="tiny-chat", input="Count to a thousand", max_output_tokens=480, temperature=0)
-        assert done.status == live.status and done.output_text == live.output_text
-        assert "run again here" in (tmp_path / "second.log").read_text()
-    finally:
-        for proc in Proc.started:
-            if proc.proc.poll() is None:
-                proc.kill9()
-        Proc.started.clear()
+    c = first.client(keys["paid"])
+    made = c.responses.create(model="tiny-chat", input="Count to a thousand", max_output_tokens=480,
+                              temperature=0, background=True)
+    deadline = time.monotonic() + 30
+    while (status := c.responses.retrieve(made.id).status) == "queued":
+        assert time.monotonic() < deadline
+        time.sleep(0.01)
+    assert status == "in_progress"  # killed mid-generation
+    first.kill9()
+    second = Proc(config, keys, tmp_path / "second.log").ready()
+    c = second.client(keys["paid"])
+    done = wait_until_done(c, made.id)
+    live = c.responses.create(model="tiny-chat", input="Count to a thousand", max_output_tokens=480, temperature=0)
+    assert done.status == live.status and done.output_text == live.output_text
+    assert "run again here" in (tmp_path / "second.log").read_text()
 
 
 def test_kill_9_mid_streamed_background_response_and_its_follower_gets_one_stream(tiny_chat, tmp_path):
@@ -1023,34 +1018,28 @@ def test_kill_9_mid_streamed_background_response_and_its_follower_gets_one_strea
                           "responses:\n  reclaim_after_s: 2\nlimits:\n  max_chat_tokens: 480\n")
     keys = {t: f"key-{t}" for t in TIERS}
     first = Proc(config, keys, tmp_path / "first.log").ready()
-    try:
-        seen = []
-        stream = first.client(keys["paid"]).responses.create(model="tiny-chat", input="Count to a thousand",
-                                                              max_output_tokens=480, temperature=0, background=True,
-                                                              stream=True)
-        for event in stream:
-            seen.append(event)
-            if event.type == "response.output_text.delta":
-                break
-        first.kill9()
-        rid = seen[0].response.id
-        second = Proc(config, keys, tmp_path / "second.log").ready()
-        c = second.client(keys["paid"])
-        rest = list(c.responses.retrieve(rid, stream=True, starting_after=seen[-1].sequence_number))
-        events = seen + rest
-        assert [e.sequence_number for e in events] == list(range(len(events)))
-        kinds = [e.type for e in events]
-        assert kinds.count("response.in_progress") == kinds.count("response.output_item.added") == 1
-        done = c.responses.retrieve(rid)
-        assert events[-1].type == f"response.{done.status}" and done.status in ("completed", "incomplete")
-        assert _deltas(events) == done.output_text and done.output_text.startswith(seen[-1].delta)
-        assert done.usage.output_tokens <= 480
-        assert "run again here" in (tmp_path / "second.log").read_text()
-    finally:
-        for proc in Proc.started:
-            if proc.proc.poll() is None:
-                proc.kill9()
-        Proc.started.clear()
+    seen = []
+    stream = first.client(keys["paid"]).responses.create(model="tiny-chat", input="Count to a thousand",
+                                                          max_output_tokens=480, temperature=0, background=True,
+                                                          stream=True)
+    for event in stream:
+        seen.append(event)
+        if event.type == "response.output_text.delta":
+            break
+    first.kill9()
+    rid = seen[0].response.id
+    second = Proc(config, keys, tmp_path / "second.log").ready()
+    c = second.client(keys["paid"])
+    rest = list(c.responses.retrieve(rid, stream=True, starting_after=seen[-1].sequence_number))
+    events = seen + rest
+    assert [e.sequence_number for e in events] == list(range(len(events)))
+    kinds = [e.type for e in events]
+    assert kinds.count("response.in_progress") == kinds.count("response.output_item.added") == 1
+    done = c.responses.retrieve(rid)
+    assert events[-1].type == f"response.{done.status}" and done.status in ("completed", "incomplete")
+    assert _deltas(events) == done.output_text and done.output_text.startswith(seen[-1].delta)
+    assert done.usage.output_tokens <= 480
+    assert "run again here" in (tmp_path / "second.log").read_text()
 
 
 def test_a_cancel_through_another_server_stops_the_work_where_it_runs(tiny_chat, tmp_path, monkeypatch):
