@@ -1019,9 +1019,8 @@ def test_kill_9_mid_streamed_background_response_and_its_follower_gets_one_strea
     keys = {t: f"key-{t}" for t in TIERS}
     first = Proc(config, keys, tmp_path / "first.log").ready()
     seen = []
-    stream = first.client(keys["paid"]).responses.create(model="tiny-chat", input="Count to a thousand",
-                                                          max_output_tokens=480, temperature=0, background=True,
-                                                          stream=True)
+    stream = first.client(keys["paid"]).responses.create(model="tiny-chat", input="hi", max_output_tokens=480,
+                                                          temperature=0, background=True, stream=True)  # no early EOS
     for event in stream:
         seen.append(event)
         if event.type == "response.output_text.delta":
@@ -1109,12 +1108,13 @@ def test_background_work_left_at_shutdown_is_handed_back_and_run_by_the_next_ser
     begun: list = []
     model = s.services.arbiter.workers["tiny-chat"].model
     model.register_forward_pre_hook(lambda *_: time.sleep(0.05))  # a token every 50 ms: it runs at the stop
-    for event in client(s, "subscriber").responses.create(model="tiny-chat", input="Count to a thousand",
-                                                          max_output_tokens=96, temperature=0, background=True,
-                                                          stream=True):
+    going = client(s, "subscriber").responses.create(model="tiny-chat", input="hi", max_output_tokens=96,
+                                                     temperature=0, background=True, stream=True)
+    for event in going:  # (greedy, tiny-chat says no end of text on "hi": all 96 tokens, 50 ms each)
         begun.append(event)
         if event.type == "response.output_text.delta":
             break
+    going.close()  # left, as the other: the server's shutdown does not wait for this connection
     assert s.call(lambda: {made.id, streamed_id, begun[0].response.id} <= set(s.app.state.background.running))
     s.stop()
     db = sqlite3.connect(tmp_path / "tiergate-data" / "batches.sqlite3")

@@ -106,7 +106,7 @@ def test_one_json_line_per_request_with_its_id_and_no_secret(served):
     with httpx.stream("POST", f"{served.url}/v1/chat/completions", timeout=30,
                       headers={"authorization": f"Bearer {KEYS['free']}", "x-request-id": "ops-stream-2"},
                       json={"model": "tiny-chat", "messages": [{"role": "user", "content": "hi"}],
-                            "max_tokens": 3, "stream": True}) as sse:
+                            "max_tokens": 3, "stream": True, "temperature": 0}) as sse:  # greedy: no early EOS
         assert sse.headers["x-request-id"] == "ops-stream-2"
         assert sse.read().decode().rstrip().endswith("data: [DONE]")
     bad = "not valid\tid" + "x" * 200
