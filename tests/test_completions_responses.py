@@ -862,6 +862,21 @@ def test_a_streamed_background_response_whose_process_died_goes_on_from_the_text
         s.stop()
 
 
+def test_on_redis_a_streamed_background_response_goes_on_from_its_text(tiny_chat, tmp_path, monkeypatch):
+    """The same on the Redis store (where ``tiergate cluster``'s replicas keep responses)."""
+    import gateway.response_runs as runs
+
+    monkeypatch.setattr(runs, "RECLAIM_S", 0.1)
+    with redis_server(tmp_path) as url:
+        s = start_server(write_config(tmp_path, {"tiny-chat": ("chat", tiny_chat)},
+                                      f"batch:\n  store: {url}\nresponses:\n  reclaim_after_s: 1\n"))
+        try:
+            assert isinstance(s.app.state.responses, RedisResponses)
+            check_a_response_goes_on_from_its_text(s, tiny_chat, 5, 1.0)
+        finally:
+            s.stop()
+
+
 def check_a_response_goes_on_from_its_text(s, tiny_chat: Path, sent: int | None, stale_s: float,
                                            reclaim_now: bool = False) -> None:
     """A dead process's streamed background response, its events stored up to part of its text
