@@ -650,6 +650,15 @@ def test_stt_segment_figures_are_openai_whispers(stt_worker):
     assert prompted.segments[0].no_speech_prob == pytest.approx(float(logits[0, -1].softmax(-1)[no_speech]), rel=1e-5)
 
 
+def test_stt_segment_figures_without_a_no_speech_token(stt_worker, monkeypatch):
+    """A Whisper tokenizer with neither ``<|nospeech|>`` nor ``<|nocaptions|>``: the segments have
+    no ``no_speech_prob`` and the rest as before (not a failed request)."""
+    monkeypatch.setattr(stt_worker, "_no_speech_id", lambda: None)
+    got = stt_worker.transcribe(_tone(2.0, 16000)[:, 0], stt.TranscriptionRequest(language="en", details=True),
+                                StepContext())
+    assert all(s.no_speech_prob is None and s.avg_logprob < 0 and s.tokens for s in got.segments)
+
+
 def test_stt_word_timestamps_need_whisper(stt_worker, monkeypatch):
     monkeypatch.setattr(stt_worker.model.config, "model_type", "speech_to_text")
     with pytest.raises(stt.TranscriptionError, match="no word timestamps") as caught:

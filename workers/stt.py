@@ -318,13 +318,15 @@ class STTWorker(ThreadWorker):
             window.no_speech_prob = no_speech.first
         return window
 
-    def _no_speech_id(self) -> int:
+    def _no_speech_id(self) -> int | None:
+        """``<|nospeech|>``'s id (``<|nocaptions|>`` in the first Whisper tokenizers); None for a
+        tokenizer with neither (its segments then have no ``no_speech_prob``)."""
         tok = self.processor.tokenizer
-        for name in ("<|nospeech|>", "<|nocaptions|>"):  # the name changed with Whisper's later tokenizers
+        for name in ("<|nospeech|>", "<|nocaptions|>"):
             found = tok.convert_tokens_to_ids(name)
             if found is not None and found != tok.unk_token_id:
                 return found
-        raise TranscriptionError(f"the model {self.spec.name!r} has no <|nospeech|> token", None)
+        return None
 
     def _segments(self, ids: list[int], length_s: float) -> list[tuple[float, float, str]]:
         """(start, end, text) segments of a window's generated ``ids`` (with or without the
@@ -421,7 +423,7 @@ class _NoSpeech:
     prefill) is seen by a pre-hook (its ids: where the start token is) and the LM head's output
     for that call by a hook."""
 
-    def __init__(self, model: torch.nn.Module, start: int, no_speech: int) -> None:
+    def __init__(self, model: torch.nn.Module, start: int, no_speech: int | None) -> None:
         self.model, self.start, self.no_speech = model, start, no_speech
         self.ids: list[int] | None = None
         self.first: float | None = None
@@ -433,7 +435,7 @@ class _NoSpeech:
                 self.ids = (ids if ids is not None else args[0])[0].tolist()
 
         def logits(module, args, out: torch.Tensor) -> None:
-            if self.first is None and self.ids is not None and self.start in self.ids:
+            if self.first is None and self.no_speech is not None and self.ids is not None and self.start in self.ids:
                 at = self.ids.index(self.start)
                 self.first = float(out[0, at].float().softmax(-1)[self.no_speech])
 
