@@ -877,6 +877,39 @@ def test_on_redis_a_streamed_background_response_goes_on_from_its_text(tiny_chat
             s.stop()
 
 
+def test_a_streamed_response_whose_stored_events_ended_its_item_reads_failed(tiny_chat, tmp_path, monkeypatch):
+    """A dead process's streamed response whose stored events had already ended its message item
+    (it died between those events and its record): nothing to go on from, so the process that
+    claims it records it failed, and it is not run."""
+    import gateway.response_runs as runs
+
+    monkeypatch.setattr(runs, "RECLAIM_S", 0.1)
+    s = start_server(write_config(tmp_path, {"tiny-chat": ("chat", tiny_chat)}, "responses:\n  reclaim_after_s: 1\n"))
+    try:
+        c, store, owner = client(s), s.app.state.responses, key_id(s.keys["paid"])
+        made = wait_until_done(c, c.responses.create(model="tiny-chat", input="hi", max_output_tokens=4,
+                                                     background=True).id)
+        record = s.wait(store.get(made.id, owner))
+        dead = replace(record, id="resp_deadended", beat=time.time() - 5, runner="a-dead-process",
+                       request={**record.request, "body": {**record.request["body"], "stream": True}},
+                       response={**record.response, "id": "resp_deadended", "status": "in_progress", "output": []})
+        s.wait(store.put(dead))
+        at = dict(item_id="msg_x", output_index=0, content_index=0)
+        events = [sse_event("response.created", 0, response=dead.response),
+                  sse_event("response.in_progress", 1, response=dead.response),
+                  sse_event("response.output_item.added", 2, output_index=0, item={"id": "msg_x", "type": "message"}),
+                  sse_event("response.output_text.delta", 3, delta="Hi", logprobs=[], **at),
+                  sse_event("response.output_text.done", 4, text="Hi", logprobs=[], **at)]
+        s.wait(store.add_events(dead.id, dead.created_at, 0, events))
+        deadline = time.monotonic() + 10
+        while (r := c.responses.retrieve(dead.id)).status == "queued" and time.monotonic() < deadline:
+            time.sleep(0.05)
+        assert r.status == "failed" and r.error.code == "server_error"
+        assert dead.id not in s.app.state.background.running
+    finally:
+        s.stop()
+
+
 def check_a_response_goes_on_from_its_text(s, tiny_chat: Path, sent: int | None, stale_s: float,
                                            reclaim_now: bool = False) -> None:
     """A dead process's streamed background response, its events stored up to part of its text
