@@ -6,7 +6,8 @@ in-process (``cluster.asgi``), so every endpoint and SSE behave exactly as in ``
 Before that it re-checks the router's choice on its fresh stats: a request its arbiter would refuse
 is answered "redirect", and the ingress tries elsewhere; a cluster-wide 429 or 503 verdict that
 travels with the request is answered as such unless this replica can take the request after all
-(the reports were stale). Every ``stats_period_s`` Ray asks
+(the reports were stale). The app starts with the replica (Serve's first health check), not at
+its first request. Every ``stats_period_s`` Ray asks
 ``record_routing_stats`` for the report the router reads (``cluster.stats``).
 """
 
@@ -68,6 +69,13 @@ class TierReplica:
         self._lifespan = Lifespan(self.app)
         self._started: asyncio.Future | None = None
 
+    async def check_health(self) -> None:
+        """Serve's health check, first called as the replica starts: the app's start-up (its batch
+        runner, reclaimers, stores) runs then, so a replica Serve puts in a dead one's place pulls
+        batch lines and background work before any request reaches it; a start-up that failed
+        keeps the replica unhealthy, and Serve replaces it."""
+        await self._start()
+
     async def _start(self) -> None:
         if self._started is None:
             self._started = asyncio.ensure_future(self._lifespan.start())
@@ -94,7 +102,6 @@ class TierReplica:
     async def collector_freezes(self) -> dict:
         """How often this replica froze its long-lived objects out of the collector's walks
         (``gateway.collector``: at start, then after each worker class's first load)."""
-        await self._start()
         return {"replica": self.id, "freezes": self.collector.freezes}
 
     def record_routing_stats(self) -> dict:

@@ -194,21 +194,31 @@ def test_serve_settings_reach_the_replicas(cluster):
                            "replica_calls": ["grpc"]}  # its handles were made in the driver, by reference
 
 
+def freezes(app: str, want: set[str] | int) -> dict[str, int]:
+    """Each replica's freeze count, asked through a handle (one replica per call) until the
+    replicas ``want`` names (or that many) have answered."""
+    handle = serve.get_deployment_handle("replica", app_name=app)
+    seen: dict[str, int] = {}
+    for _ in range(40):
+        answer = handle.collector_freezes.remote().result(timeout_s=60)
+        seen[answer["replica"]] = answer["freezes"]
+        if (want <= seen.keys()) if isinstance(want, set) else len(seen) >= want:
+            break
+    return seen
+
+
 def test_replicas_freeze_their_long_lived_objects(cluster):
     """Each replica runs the collector as ``tiergate serve`` does (gateway/collector.py): frozen at
     start, and again after the first load of a worker class: the replica that served a chat
-    request has frozen at least twice."""
+    request has frozen at least twice. The second application's replicas have had no request
+    yet: their apps started with them (Serve's health check), so they froze at start too."""
+    untouched = freezes("stale", 2)
+    assert len(untouched) == 2 and set(untouched.values()) == {1}, untouched
     client = openai.OpenAI(base_url=f"{cluster.url}/v1", api_key="key-paid", max_retries=0)
     raw = client.chat.completions.with_raw_response.create(model="c", messages=[{"role": "user", "content": "hi"}],
                                                            max_tokens=2)
     served_by = raw.headers["x-tiergate-replica"]
-    handle = serve.get_deployment_handle("replica", app_name="tiergate")
-    seen = {}
-    for _ in range(40):  # a handle's call reaches one replica: ask until the one that served has answered
-        answer = handle.collector_freezes.remote().result(timeout_s=60)
-        seen[answer["replica"]] = answer["freezes"]
-        if served_by in seen:
-            break
+    seen = freezes("tiergate", {served_by})
     assert all(n >= 1 for n in seen.values()), seen
     assert seen[served_by] >= 2, seen
 
@@ -412,6 +422,32 @@ def test_stale_stats_redirect(cluster):
     assert replica(b) != replica(a)
 
 
+def test_a_replica_killed_mid_stream(cluster):
+    """The client gets a clean error (the SDK raises it), and the next request is served by a
+    replica that is alive (reported: how long after the kill). Serve starts a replica in the dead
+    one's place while the next test deploys its application: the last test waits for it."""
+    client = openai.OpenAI(base_url=f"{cluster.url}/v1", api_key="key-paid", max_retries=0)
+    long = dict(model="c", messages=[{"role": "user", "content": "tell me"}], max_tokens=480, temperature=0)
+    assert client.chat.completions.create(**long).choices[0].finish_reason == "length"  # it runs the full length
+    stream = client.chat.completions.create(**long, stream=True)
+    victim = stream.response.headers["x-tiergate-replica"]
+    chunks = iter(stream)
+    next(chunks)
+    killed = time.monotonic()
+    ray.kill(ray.get_actor(f"SERVE_REPLICA::tiergate#replica#{victim}", namespace="serve"), no_restart=True)
+    with pytest.raises(openai.APIError, match="replica serving this request failed"):
+        for _ in chunks:
+            pass
+    for attempt in range(20):
+        after = chat(cluster, "c", "paid")
+        if after.status_code == 200:
+            break
+        time.sleep(0.25)
+    assert after.status_code == 200, after.text
+    assert replica(after) != victim
+    print(f"served again {time.monotonic() - killed:.2f} s after the kill, after {attempt} refusals")
+
+
 def test_a_hot_model_loads_a_second_copy_and_no_more_than_max_copies(cluster, tiny_chat):
     """Three replicas with one gate slot each, paid's latency target 1 ms and ``max_copies: {a: 2}``:
     four clients ask for long paid replies of ``a`` back to back (6 s, or until a second copy has
@@ -468,37 +504,18 @@ def test_a_hot_model_loads_a_second_copy_and_no_more_than_max_copies(cluster, ti
     assert len(set().union(*seen)) == 2  # a second copy loaded, and never a third
 
 
-def test_a_replica_killed_mid_stream(cluster):
-    """The client gets a clean error (the SDK raises it), and the next request is served by a
-    replica that is alive (reported: how long after the kill)."""
-    client = openai.OpenAI(base_url=f"{cluster.url}/v1", api_key="key-paid", max_retries=0)
-    long = dict(model="c", messages=[{"role": "user", "content": "tell me"}], max_tokens=480, temperature=0)
-    assert client.chat.completions.create(**long).choices[0].finish_reason == "length"  # it runs the full length
-    stream = client.chat.completions.create(**long, stream=True)
-    victim = stream.response.headers["x-tiergate-replica"]
-    chunks = iter(stream)
-    next(chunks)
-    killed = time.monotonic()
-    ray.kill(ray.get_actor(f"SERVE_REPLICA::tiergate#replica#{victim}", namespace="serve"), no_restart=True)
-    with pytest.raises(openai.APIError, match="replica serving this request failed"):
-        for _ in chunks:
-            pass
-    for attempt in range(20):
-        after = chat(cluster, "c", "paid")
-        if after.status_code == 200:
-            break
-        time.sleep(0.25)
-    assert after.status_code == 200, after.text
-    assert replica(after) != victim
-    print(f"served again {time.monotonic() - killed:.2f} s after the kill, after {attempt} refusals")
-
-
 def test_a_replica_killed_mid_batch(cluster):
     """Both replicas pull a batch's lines from Redis (one at a time each); the actor of one that
     holds a claimed line is killed (``ray.kill``) after the first lines are done. After
     ``batch.reclaim_after_s`` the other replica (or the replacement Serve starts) reclaims the dead
     one's line: every line has exactly one result, none failed, and the engines completed exactly
-    as many executions as there are lines (the usage metered in Redis, batch tier)."""
+    as many executions as there are lines (the usage metered in Redis, batch tier). It starts
+    once Serve runs two replicas again (the one it started after the mid-stream kill may have had
+    no request yet: it pulls lines all the same)."""
+    deadline = time.monotonic() + 300
+    while running_replicas("tiergate") < 2:
+        assert time.monotonic() < deadline, "Serve did not replace the replica the mid-stream test killed"
+        time.sleep(0.5)
     n = 6
     client = openai.OpenAI(base_url=f"{cluster.url}/v1", api_key="key-paid", max_retries=0)
     rows = [{"custom_id": f"line-{i}", "method": "POST", "url": "/v1/chat/completions",
@@ -512,10 +529,10 @@ def test_a_replica_killed_mid_batch(cluster):
     while victim is None and time.monotonic() < deadline:
         done = client.batches.retrieve(batch.id).request_counts.completed
         holders = asyncio.run(claimed_by(cluster.redis_url))
-        if done >= 1 and holders:
+        if done >= 1 and len(holders) == 2:  # both replicas run lines: one is killed, one goes on
             victim = holders[0]
         time.sleep(0.05)
-    assert victim is not None, "no replica was seen holding a line"
+    assert victim is not None, "two replicas were never seen holding a line each"
     actor = next(a for a in ray._private.state.actors(actor_state_name="ALIVE").values() if a["Pid"] == victim)
     assert actor["Name"].startswith("SERVE_REPLICA::tiergate#replica#")
     ray.kill(ray.get_actor(actor["Name"], namespace="serve"), no_restart=True)
@@ -529,6 +546,12 @@ def test_a_replica_killed_mid_batch(cluster):
     assert results == Counter({f"line-{i}": 1 for i in range(n)})
     assert asyncio.run(batch_executions(cluster.redis_url, "s")) == n
     print(f"finished {time.monotonic() - killed:.1f} s after the kill")
+
+
+def running_replicas(app: str) -> int:
+    """How many of the application's ``replica`` deployment's replicas Serve reports running."""
+    states = serve.status().applications[app].deployments["replica"].replica_states
+    return states.get("RUNNING", 0)
 
 
 async def claimed_by(redis_url: str) -> list[int]:
