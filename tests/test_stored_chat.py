@@ -75,7 +75,7 @@ def test_a_streamed_completion_is_stored_whole_once_it_finished(server):
 def test_a_stream_its_client_left_is_not_stored(server):
     before = {x.id for x in client(server).chat.completions.list(limit=100)}
     stream_and_leave(f"{server.base_url}/chat/completions", {"Authorization": f"Bearer {server.keys['paid']}"},
-                     {"model": "tiny-chat", "messages": [{"role": "user", "content": "Count"}], "max_tokens": 200,
+                     {"model": "tiny-chat", "messages": [{"role": "user", "content": "Count"}], "max_tokens": 200, "temperature": 0,
                       "stream": True, "store": True}, chunks=2)
     time.sleep(0.5)
     assert {x.id for x in client(server).chat.completions.list(limit=100)} == before
