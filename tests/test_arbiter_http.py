@@ -131,7 +131,8 @@ def test_oom_during_a_step_evicts_another_model_and_retries(tmp_path, tiny_chat)
         r = c.chat.completions.create(model="x", messages=[{"role": "user", "content": "b"}], max_tokens=3)
         # the retry ran the request whole: it ended as any reply does (random weights may draw EOS early)
         assert len(calls) == 2 and r.choices[0].finish_reason in ("stop", "length")
-        assert 1 <= r.usage.completion_tokens <= 3 and (r.usage.completion_tokens == 3) == (r.choices[0].finish_reason == "length")
+        assert 1 <= r.usage.completion_tokens <= 3  # an EOS drawn as the third token is "stop" with 3 (it counts)
+        assert r.choices[0].finish_reason == "stop" or r.usage.completion_tokens == 3
         assert server.services.arbiter.counters.evictions.get(("y", "oom")) == 1
         deadline = time.time() + 10
         while places(server)["y"] != "warm" and time.time() < deadline:
