@@ -88,7 +88,9 @@ def cluster(tiny_chat, tmp_path_factory):
             serve.run(build(load_config(path), KEYS, [ADMIN]), name=name, route_prefix=prefix)
 
         deploy("tiergate", "/", period=PERIOD_S, redis_url=redis_url, small=tiny_chat)
-        deploy("stale", "/stale", period=60.0)  # reports a minute apart: the redirect test's
+        # the redirect test's: its replicas report as they start, then an hour apart (a minute
+        # apart could bring a fresh report between that test's two requests: ~2 s in 60)
+        deploy("stale", "/stale", period=3600.0)
         time.sleep(2 * PERIOD_S + 0.5)  # the first reports
         main = ingress_ports("tiergate")
         assert len(main) == 2 and port not in main  # one ingress per node, each on its own port
@@ -413,7 +415,7 @@ def test_managed_keys_reach_the_ingress_and_every_replica(cluster):
 
 
 def test_stale_stats_redirect(cluster):
-    """On the second application (its own two replicas) reports come a minute apart: its fresh
+    """On the second application (its own two replicas) reports come an hour apart: its fresh
     replicas report both empty; a then b for free both rank
     the same replica first; it holds a (protected for free) by then, so it answers "redirect" and
     b lands on the other replica."""
