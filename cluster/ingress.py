@@ -2,7 +2,8 @@
 before a model is needed, then the call to the replica the router picks, streamed back.
 
 * authentication with the tiers' keys and the managed keys (``gateway.accounts``: the store is
-  ``cluster.redis_url``'s Redis when set, shared with every replica; 401 without a valid key);
+  ``cluster.redis_url``'s Redis when set, shared with every replica, read at Serve's first health
+  check; 401 without a valid key, 503 ``store_unavailable`` while the store does not answer);
 * validation: the body's ``model`` must be a configured model or adapter that the key may use
   (404 otherwise, as if it did not exist), a JSON body must parse (400);
 * early 429s, before any replica is asked: a key that has used up a minute limit
@@ -134,10 +135,30 @@ class Ingress:
         response.raw_headers = headers
         return response
 
-    async def _caller(self, request: Request) -> Caller:
+    async def check_health(self) -> None:
+        """Serve's health check, first called as the ingress starts: the managed keys are read
+        (``Accounts.start``) before any request comes; while their store does not answer the
+        ingress is unhealthy (and Serve replaces it)."""
+        await self._accounts()
+
+    async def _accounts(self) -> None:
+        """Start the accounts once; a start that failed is tried again by the next caller."""
         if self._accounts_started is None:
             self._accounts_started = asyncio.ensure_future(self.accounts.start())
-        await asyncio.shield(self._accounts_started)
+        try:
+            await asyncio.shield(self._accounts_started)
+        except Exception:
+            self._accounts_started = None
+            await self.accounts.store.close()  # the next start opens it again
+            raise
+
+    async def _caller(self, request: Request) -> Caller:
+        try:
+            await self._accounts()
+        except Exception as exc:  # noqa: BLE001 - the store's own errors (Redis down): a clean 503, tried again later
+            log.warning("the key store did not answer: %s: %s", type(exc).__name__, exc)
+            raise APIError(503, "the key store is unavailable; try again shortly", "store_unavailable",
+                           headers={"retry-after": "1"}) from exc
         token = bearer_token(request.headers.get("authorization"))
         caller = (self.keys.lookup(token) or self.accounts.lookup(token)) if token else None
         if caller is None:

@@ -138,13 +138,14 @@ def adapters_yaml(demo_dir: Path) -> str:
 
 
 @contextlib.contextmanager
-def redis_server(folder: Path) -> Iterator[str]:
-    """A throwaway redis-server on 127.0.0.1 (no persistence); yields its URL."""
+def redis_server(folder: Path, port: int | None = None) -> Iterator[str]:
+    """A throwaway redis-server on 127.0.0.1 (no persistence, on ``port`` or a spare one); yields
+    its URL."""
     exe = shutil.which("redis-server")
     if exe is None:
         pytest.skip("redis-server is not installed (Debian: apt-get install -y redis-server); "
                     "the Redis store tests need the real server")
-    port = spare_port()
+    port = port or spare_port()
     proc = subprocess.Popen([exe, "--port", str(port), "--bind", "127.0.0.1", "--save", "", "--appendonly", "no",
                              "--dir", str(folder)], stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
     import redis

@@ -1,0 +1,52 @@
+"""The ingress's own start-up, without a cluster: its managed keys come from the shared store
+(Redis), read at Serve's first health check; while that store does not answer, the health check
+fails and a request gets a clean 503, and both try again, so the ingress recovers with the store."""
+
+from __future__ import annotations
+
+import asyncio
+
+import pytest
+from starlette.requests import Request
+
+pytest.importorskip("ray.serve")
+
+from accounts.redis_store import RedisAccounts  # noqa: E402
+from cluster.ingress import Ingress  # noqa: E402
+from gateway.accounts import Accounts  # noqa: E402
+from gateway.auth import KeyRing  # noqa: E402
+from gateway.config import load_config  # noqa: E402
+from gateway.errors import APIError  # noqa: E402
+from tests.helpers import redis_server, spare_port, write_config  # noqa: E402
+
+
+def asking(key: str) -> Request:
+    return Request({"type": "http", "method": "GET", "path": "/v1/models", "query_string": b"",
+                    "headers": [(b"authorization", f"Bearer {key}".encode())]})
+
+
+def test_the_ingress_waits_for_its_key_store_and_recovers_with_it(tmp_path, tiny_chat):
+    config = load_config(write_config(tmp_path, {"m": ("chat", tiny_chat)}))
+    port = spare_port()
+    ingress = object.__new__(Ingress)  # its constructor asks Serve for its replica context
+    ingress.keys = KeyRing({"paid": ["key-paid"]}, [])
+    ingress.accounts = Accounts(config, RedisAccounts(f"redis://127.0.0.1:{port}/0"))
+    ingress._accounts_started = None
+
+    async def scenario() -> None:
+        with pytest.raises(Exception):  # Redis's own error: Serve marks the ingress unhealthy
+            await ingress.check_health()
+        with pytest.raises(APIError) as refused:
+            await ingress._caller(asking("key-paid"))
+        assert refused.value.status == 503 and refused.value.code == "store_unavailable"
+        assert refused.value.headers == {"retry-after": "1"}
+        with redis_server(tmp_path / "redis", port):  # the store answers now: both try again
+            await ingress.check_health()
+            assert (await ingress._caller(asking("key-paid"))).tier == "paid"
+            with pytest.raises(APIError) as unknown:
+                await ingress._caller(asking("key-nobody"))
+            assert unknown.value.status == 401
+            await ingress.accounts.stop()
+
+    (tmp_path / "redis").mkdir()
+    asyncio.run(scenario())
