@@ -145,11 +145,13 @@ class Ingress:
         """Start the accounts once; a start that failed is tried again by the next caller."""
         if self._accounts_started is None:
             self._accounts_started = asyncio.ensure_future(self.accounts.start())
+        started = self._accounts_started
         try:
-            await asyncio.shield(self._accounts_started)
+            await asyncio.shield(started)
         except Exception:
-            self._accounts_started = None
-            await self.accounts.store.close()  # the next start opens it again
+            if self._accounts_started is started:  # the first of its waiters (a retry may have begun since)
+                self._accounts_started = None
+                await self.accounts.store.close()  # the next start opens it again
             raise
 
     async def _caller(self, request: Request) -> Caller:
