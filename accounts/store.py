@@ -25,6 +25,7 @@ Guarantees both keep:
 from __future__ import annotations
 
 import abc
+import sqlite3
 from typing import Any
 
 from accounts.keys import KeyRecord
@@ -35,6 +36,19 @@ from accounts.usage import Usage, UsageRow
 # that runs again late (its batch ended late because every process was down for a while) still
 # finds the id of its first delivery. Batch lines run only inside their batch's window.
 METERED_KEEP_S = 2 * 86400
+
+
+def _store_errors() -> tuple[type[BaseException], ...]:
+    try:
+        from redis.exceptions import RedisError
+    except ImportError:  # redis is a dependency; without it only SQLite stores exist
+        return (OSError, sqlite3.Error)
+    return (OSError, sqlite3.Error, RedisError)
+
+
+# What a store raises when it does not answer (Redis down or timing out, a locked or unreadable
+# SQLite file): a request that needs it then gets 503 store_unavailable, not a 500.
+STORE_ERRORS = _store_errors()
 
 
 class AccountStore(abc.ABC):

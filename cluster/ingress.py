@@ -52,7 +52,7 @@ from cluster.settings import in_effect
 from gateway.accounts import Accounts
 from gateway.auth import Caller, KeyRing, bearer_token
 from gateway.config import load_config
-from gateway.errors import APIError
+from gateway.errors import APIError, store_unavailable
 
 log = logging.getLogger("tiergate.cluster")
 _DROPPED = {b"x-request-id", b"content-length"}  # the proxy writes the same id; the length is set here
@@ -159,8 +159,7 @@ class Ingress:
             await self._accounts()
         except Exception as exc:  # noqa: BLE001 - the store's own errors (Redis down): a clean 503, tried again later
             log.warning("the key store did not answer: %s: %s", type(exc).__name__, exc)
-            raise APIError(503, "the key store is unavailable; try again shortly", "store_unavailable",
-                           headers={"retry-after": "1"}) from exc
+            raise store_unavailable() from exc
         token = bearer_token(request.headers.get("authorization"))
         caller = (self.keys.lookup(token) or self.accounts.lookup(token)) if token else None
         if caller is None:

@@ -13,13 +13,22 @@ from __future__ import annotations
 import time
 
 from accounts.rates import WINDOW_S, over_budget, refusal, utc_day
+from accounts.store import STORE_ERRORS
 from gateway.accounts import Accounts, rate_headers, refused
 from gateway.auth import Caller
 from gateway.errors import APIError
 
 
 async def early_refusal(accounts: Accounts, caller: Caller) -> APIError | None:
-    """The 429 a request of ``caller`` would get for limits it has already used up, or None."""
+    """The 429 a request of ``caller`` would get for limits it has already used up, or None (also
+    when the store does not answer: the replica's admission then answers 503 store_unavailable)."""
+    try:
+        return await _early_refusal(accounts, caller)
+    except STORE_ERRORS:
+        return None
+
+
+async def _early_refusal(accounts: Accounts, caller: Caller) -> APIError | None:
     limits = accounts.limits(caller.key_id, caller.tier)
     if limits.gpu_seconds_per_day is not None:
         now = time.time()

@@ -35,11 +35,11 @@ from accounts.keys import PREFIX, KeyRecord, make_key, secret_hash
 from accounts.rates import Ask, Bucket, Limiter, Verdict, utc_day
 from accounts.redis_store import RedisAccounts
 from accounts.sqlite_store import SQLiteAccounts
-from accounts.store import AccountStore
+from accounts.store import STORE_ERRORS, AccountStore
 from accounts.usage import Usage
 from gateway.auth import Caller, RateState
 from gateway.config import Config
-from gateway.errors import APIError
+from gateway.errors import APIError, store_unavailable
 from storage.redis import honour_cancel
 
 log = logging.getLogger("tiergate.accounts")
@@ -181,12 +181,17 @@ class Accounts:
         if caller.rate is None or not limits.limited:
             return None
         spent = 0.0
-        if limits.gpu_seconds_per_day is not None and not self.store.shares_limits:
-            spent = await self.store.gpu_spent(caller.key_id, utc_day(time.time()))
         held = Admission(caller.key_id, limits, ask)
-        verdict = await self.limiter.admit(caller.key_id, limits, ask, spent, held.request_id)
+        try:
+            if limits.gpu_seconds_per_day is not None and not self.store.shares_limits:
+                spent = await self.store.gpu_spent(caller.key_id, utc_day(time.time()))
+            verdict = await self.limiter.admit(caller.key_id, limits, ask, spent, held.request_id)
+            if not verdict.ok:
+                caller.rate.headers = rate_headers(await self.limiter.peek(caller.key_id, limits))
+        except STORE_ERRORS as exc:  # its limits cannot be checked: refused, nothing spent
+            log.warning("the limits of key %s could not be checked: %r", caller.key_id, exc)
+            raise store_unavailable() from exc
         if not verdict.ok:
-            caller.rate.headers = rate_headers(await self.limiter.peek(caller.key_id, limits))
             raise refused(verdict)
         caller.rate.headers = rate_headers(verdict.buckets)
         return held
@@ -221,11 +226,15 @@ class Accounts:
         self.record_s.append(time.perf_counter() - start)
 
     async def headers(self, caller: Caller) -> dict[str, str]:
-        """The key's rate-limit headers as they stand now (for responses that spent nothing)."""
+        """The key's rate-limit headers as they stand now (for responses that spent nothing; none
+        while the store does not answer)."""
         limits = self.limits(caller.key_id, caller.tier)
         if not (limits.requests_per_min or limits.tokens_per_min):
             return {}
-        return rate_headers(await self.limiter.peek(caller.key_id, limits))
+        try:
+            return rate_headers(await self.limiter.peek(caller.key_id, limits))
+        except STORE_ERRORS:  # the response is decided already: it goes without them
+            return {}
 
 
 _NO_LIMITS = Limits()

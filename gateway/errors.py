@@ -49,6 +49,12 @@ class APIError(Exception):
         return JSONResponse(self.body(), status_code=self.status, headers=self.headers)
 
 
+def store_unavailable(what: str = "the key store") -> APIError:
+    """A store a request needs did not answer (``accounts.store.STORE_ERRORS``): try again shortly."""
+    return APIError(503, f"{what} is unavailable; try again shortly", "store_unavailable",
+                    headers={"retry-after": "1"})
+
+
 def bad_request(message: str, param: str | None = None, code: str = "invalid_value") -> APIError:
     return APIError(400, message, code, param)
 

@@ -362,3 +362,37 @@ def test_accounts_stop_when_the_store_swallows_the_cancel(tmp_path):
         return stopping in done
 
     assert asyncio.run(go()), "Accounts.stop() did not return: the refresh loop went on after a swallowed cancel"
+
+
+def test_a_limited_key_gets_503_while_its_store_is_down_and_is_served_again_after(tiny_chat, tmp_path):
+    """A managed key's limits live in the store (Redis here): while it does not answer, the key's
+    requests are refused with 503 ``store_unavailable`` and Retry-After (not a 500), and served
+    again once it answers (a new Redis on the same port: the buckets start afresh; a pooled
+    connection to the old one fails its first command, which is a 503 too)."""
+    from tests.helpers import redis_server, spare_port
+
+    port = spare_port()
+    (tmp_path / "redis").mkdir()
+    body = {"model": "tiny-chat", "messages": HI, "max_tokens": 1}
+    with redis_server(tmp_path / "redis", port) as url:
+        s = start_server(write_config(tmp_path, {"tiny-chat": ("chat", tiny_chat)}, f"batch:\n  store: {url}\n"))
+        c = httpx.Client(base_url=s.url, timeout=60)
+        made = c.post("/admin/keys", json={"name": "t", "tier": "free", "limits": {"requests_per_min": 100}},
+                      headers={"Authorization": "Bearer key-admin"})
+        assert made.status_code == 201, made.text
+        key = {"Authorization": f"Bearer {made.json()['value']}"}
+        assert c.post("/v1/chat/completions", json=body, headers=key).status_code == 200
+    try:
+        down = c.post("/v1/chat/completions", json=body, headers=key)
+        assert down.status_code == 503, down.text
+        assert down.json()["error"]["code"] == "store_unavailable" and down.headers["retry-after"] == "1"
+        with redis_server(tmp_path / "redis", port):
+            for _ in range(5):
+                again = c.post("/v1/chat/completions", json=body, headers=key)
+                if again.status_code != 503:
+                    break
+            assert again.status_code == 200, again.text
+            assert again.headers["x-ratelimit-limit-requests"] == "100"
+    finally:
+        c.close()
+        s.stop()
