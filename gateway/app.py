@@ -25,6 +25,7 @@ from batch.runner import runner_for
 from batch.uploads import uploads_for
 from gateway import (audio, chat, completions, conversations, dashboard, embeddings, images, response_runs, responses_api,
                      stored_chat)
+from accounts.store import STORE_ERRORS
 from gateway.accounts import Accounts
 from gateway.accounts_api import KeyHeaders
 from gateway import accounts_api
@@ -35,7 +36,7 @@ from gateway.body_deadline import BodyDeadline
 from gateway.config import Config
 from gateway.background import Background
 from gateway.drain import Drain, DrainGate, readyz
-from gateway.errors import APIError
+from gateway.errors import APIError, store_unavailable
 from gateway.image_store import ImageStore
 from gateway.metrics import Metrics
 from gateway.request_log import RequestLog, note, request_id_of
@@ -172,6 +173,14 @@ async def _client_gone(request: Request, exc: ClientGone) -> Response:
     return Response(status_code=499)
 
 
+async def _store_down(request: Request, exc: Exception) -> Response:
+    """Redis or SQLite did not answer (``accounts.store.STORE_ERRORS``): not the request's fault,
+    and worth trying again shortly."""
+    request.app.state.services.left_door()
+    log.warning("a store did not answer on %s %s: %r", request.method, request.url.path, exc)
+    return store_unavailable("a store this request needs").response()
+
+
 async def _unexpected(request: Request, exc: Exception) -> Response:
     request.app.state.services.left_door()
     log.exception("unexpected error on %s %s", request.method, request.url.path)
@@ -257,7 +266,7 @@ def create_app(services: Services, extra: Sequence[BaseRoute] = ()) -> Starlette
     app = Starlette(
         routes=routes() + list(extra),
         exception_handlers={APIError: _api_error, HTTPException: _http_error, ClientGone: _client_gone,
-                            Exception: _unexpected},
+                            **dict.fromkeys(STORE_ERRORS, _store_down), Exception: _unexpected},
         lifespan=_lifespan,
         middleware=[Middleware(RequestLog), Middleware(DrainGate, drain=drain),
                     Middleware(BodyDeadline, seconds=services.config.limits.body_timeout_s),

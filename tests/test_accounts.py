@@ -366,7 +366,8 @@ def test_accounts_stop_when_the_store_swallows_the_cancel(tmp_path):
 
 def test_a_limited_key_gets_503_while_its_store_is_down_and_is_served_again_after(tiny_chat, tmp_path):
     """A managed key's limits live in the store (Redis here): while it does not answer, the key's
-    requests are refused with 503 ``store_unavailable`` and Retry-After (not a 500), and served
+    requests are refused with 503 ``store_unavailable`` and Retry-After (not a 500), as are the
+    requests of any key to the endpoints that read or write the store, and the key is served
     again once it answers (a new Redis on the same port: the buckets start afresh; a pooled
     connection to the old one fails its first command, which is a 503 too)."""
     from tests.helpers import redis_server, spare_port
@@ -386,6 +387,10 @@ def test_a_limited_key_gets_503_while_its_store_is_down_and_is_served_again_afte
         down = c.post("/v1/chat/completions", json=body, headers=key)
         assert down.status_code == 503, down.text
         assert down.json()["error"]["code"] == "store_unavailable" and down.headers["retry-after"] == "1"
+        paid = {"Authorization": f"Bearer {s.keys['paid']}"}  # the other endpoints on the store: 503 too
+        for other in (c.get("/v1/batches", headers=paid), c.get("/v1/usage", headers=key),
+                      c.post("/v1/files", headers=paid, files={"file": ("in.jsonl", b"{}\n")}, data={"purpose": "batch"})):
+            assert other.status_code == 503 and other.json()["error"]["code"] == "store_unavailable", other.text
         with redis_server(tmp_path / "redis", port):
             for _ in range(5):
                 again = c.post("/v1/chat/completions", json=body, headers=key)
