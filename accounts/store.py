@@ -28,6 +28,8 @@ import abc
 import sqlite3
 from typing import Any
 
+from redis.exceptions import RedisError
+
 from accounts.keys import KeyRecord
 from accounts.rates import Limiter, LocalLimiter
 from accounts.usage import Usage, UsageRow
@@ -38,17 +40,11 @@ from accounts.usage import Usage, UsageRow
 METERED_KEEP_S = 2 * 86400
 
 
-def _store_errors() -> tuple[type[BaseException], ...]:
-    try:
-        from redis.exceptions import RedisError
-    except ImportError:  # redis is a dependency; without it only SQLite stores exist
-        return (OSError, sqlite3.Error)
-    return (OSError, sqlite3.Error, RedisError)
-
-
-# What a store raises when it does not answer (Redis down or timing out, a locked or unreadable
-# SQLite file): a request that needs it then gets 503 store_unavailable, not a 500.
-STORE_ERRORS = _store_errors()
+# What a store raises when it does not answer (Redis down or timing out: redis-py wraps the
+# socket's errors in its own; a locked or unreadable SQLite file): a request that needs it then gets
+# 503 store_unavailable, not a 500. Only the stores' own exception types, so that an error of
+# anything else (a bad upload that PIL reads as an OSError) is never taken for one.
+STORE_ERRORS: tuple[type[Exception], ...] = (sqlite3.Error, RedisError)
 
 
 class AccountStore(abc.ABC):

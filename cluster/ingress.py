@@ -49,6 +49,7 @@ from cluster.quota import early_refusal
 from cluster.deployments import shared_store
 from cluster.scrape import merged
 from cluster.settings import in_effect
+from accounts.store import STORE_ERRORS
 from gateway.accounts import Accounts
 from gateway.auth import Caller, KeyRing, bearer_token
 from gateway.config import load_config
@@ -157,7 +158,7 @@ class Ingress:
     async def _caller(self, request: Request) -> Caller:
         try:
             await self._accounts()
-        except Exception as exc:  # noqa: BLE001 - the store's own errors (Redis down): a clean 503, tried again later
+        except STORE_ERRORS as exc:  # Redis down: a clean 503, and the next caller tries again
             log.warning("the key store did not answer: %s: %s", type(exc).__name__, exc)
             raise store_unavailable() from exc
         token = bearer_token(request.headers.get("authorization"))
