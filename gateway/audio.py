@@ -26,6 +26,7 @@ from accounts.usage import Usage
 from gateway.auth import Caller
 from gateway.errors import APIError, bad_request
 from gateway.http import Streamed, disconnect_signal
+from gateway.logprobs import token_entries
 from gateway.multipart import Multipart, text_fields
 from gateway.schemas import _Body, _Form, parse, read_json
 from gateway.service import ClientGone, Services
@@ -230,6 +231,7 @@ class TranscriptionForm(TranslationForm):
     language: str | None = None
     timestamp_granularities: list[Literal["segment", "word"]] | None = None  # verbose_json's segments and/or words
     stream: bool = False  # the text as it is decoded: transcript.text.delta events, then transcript.text.done
+    include: list[Literal["logprobs"]] | None = None  # include[]=logprobs: the text's tokens' logprobs (json only)
 
 
 @dataclass(frozen=True)
@@ -310,9 +312,13 @@ async def _speech_to_text(request: Request, form_type: type[TranslationForm], ta
     if words and body.response_format != "verbose_json":
         raise bad_request(f"word timestamps come in response_format verbose_json, not {body.response_format}",
                           "timestamp_granularities")
+    logprobs = "logprobs" in (getattr(body, "include", None) or ())
+    if logprobs and body.response_format != "json":
+        raise bad_request(f"logprobs come with response_format json, not {body.response_format}", "include")
     job = TranscriptionJob(spec.name, audio, rate, TranscriptionRequest(language, body.prompt or None, body.temperature,
                                                                        task, words,
-                                                                       details=body.response_format == "verbose_json"))
+                                                                       details=body.response_format == "verbose_json",
+                                                                       logprobs=logprobs))
     if getattr(body, "stream", False):
         if body.response_format not in ("json", "text"):
             raise bad_request(f"a streamed transcription is text events: response_format json or text, "
@@ -336,7 +342,7 @@ async def _transcript_events(first: str | Transcript,
         while True:
             if isinstance(item, Transcript):
                 usage = {"type": "duration", "seconds": int(np.ceil(item.duration))}
-                yield _event({"type": "transcript.text.done", "text": item.text, "usage": usage})
+                yield _event({"type": "transcript.text.done", "text": item.text, **_logprobs(item), "usage": usage})
                 return
             yield _event({"type": "transcript.text.delta", "delta": item})
             item = await pieces.__anext__()
@@ -369,6 +375,11 @@ async def _decode(form: FormData, max_seconds: float) -> tuple[np.ndarray, int]:
     return audio, rate
 
 
+def _logprobs(t: Transcript) -> dict:
+    """``logprobs`` as OpenAI's transcriptions carry them, when asked for (else nothing)."""
+    return {} if t.logprobs is None else {"logprobs": token_entries(t.logprobs)}
+
+
 def _transcript_response(t: Transcript, body: TranslationForm, task: str, headers: dict[str, str]) -> Response:
     """OpenAI's shapes; text, srt and vtt are all text/plain, as OpenAI sends them. A translation's
     ``language`` is the text's, always English (OpenAI's), and its JSON has no ``usage``."""
@@ -381,7 +392,7 @@ def _transcript_response(t: Transcript, body: TranslationForm, task: str, header
         return PlainTextResponse(sound.to_vtt(t.segments), headers=headers)
     usage = {"usage": {"type": "duration", "seconds": int(np.ceil(t.duration))}} if task == "transcribe" else {}
     if fmt == "json":
-        return JSONResponse({"text": t.text, **usage}, headers=headers)
+        return JSONResponse({"text": t.text, **_logprobs(t), **usage}, headers=headers)
     segments = [{"id": s.id, "seek": s.seek, "start": s.start, "end": s.end, "text": s.text,
                  "temperature": body.temperature,
                  **({"tokens": s.tokens} if s.tokens is not None else {}),

@@ -2,7 +2,8 @@
 
 Chat (``choices[].logprobs.content``): one entry per generated token, ``{"token", "logprob",
 "bytes", "top_logprobs": [{"token", "logprob", "bytes"}, ...]}``, most likely alternative first;
-a streamed chunk carries the entries of the tokens behind its text. ``bytes`` are the UTF-8 bytes
+a streamed chunk carries the entries of the tokens behind its text. Transcriptions
+(``include[]=logprobs``): ``{"token", "logprob", "bytes"}`` per token of the text. ``bytes`` are the UTF-8 bytes
 of the token's text as decoded alone (a token that is part of a multi-byte character decodes to
 U+FFFD there).
 """
@@ -14,6 +15,12 @@ from workers.base import TokenLogprob
 
 def _entry(token: str, logprob: float) -> dict:
     return {"token": token, "logprob": logprob, "bytes": list(token.encode("utf-8", "replace"))}
+
+
+def token_entries(entries: list[TokenLogprob]) -> list[dict]:
+    """A transcription's ``logprobs`` (and its done event's): ``{"token", "logprob", "bytes"}`` per
+    token, without alternatives."""
+    return [_entry(e.token, e.logprob) for e in entries]
 
 
 def chat_content(entries: list[TokenLogprob]) -> list[dict]:

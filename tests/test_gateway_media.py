@@ -599,6 +599,31 @@ def test_word_timestamps_through_the_sdk(media):
     assert all(a.end <= b.start for a, b in zip(timed.words, timed.words[1:]))
 
 
+def test_transcription_token_logprobs_through_the_sdk(media):
+    """``include=["logprobs"]`` (OpenAI's ``include[]`` form field) with ``response_format`` json:
+    ``logprobs`` in OpenAI's shape (the SDK's ``Transcription.logprobs``), one per text token
+    (the worker's tests check the values), the bytes the token's own; the text is the same as
+    without them, which has none. Streamed, the done event carries the same entries (greedy).
+    Any other response_format is a 400 naming ``include``; translations have no such field."""
+    c = client(media)
+    wav = tone_file(3.0, 16000, 1, "WAV")
+    ask = dict(model="tiny-stt", file=("tone.wav", wav, "audio/wav"), language="en", temperature=0)
+    plain = c.audio.transcriptions.create(**ask)
+    got = c.audio.transcriptions.create(**ask, include=["logprobs"])
+    assert got.text == plain.text and plain.logprobs is None and got.logprobs
+    assert all(e.logprob <= 0 and e.bytes == list(e.token.encode()) for e in got.logprobs)
+    done = list(c.audio.transcriptions.create(**ask, include=["logprobs"], stream=True))[-1]
+    assert done.type == "transcript.text.done" and done.text == got.text
+    assert [(e.token, e.logprob) for e in done.logprobs] == [(e.token, e.logprob) for e in got.logprobs]
+    for fmt in ("text", "verbose_json", "srt"):
+        r = _transcribe(media, {"file": ("a.wav", WAV)}, {"include[]": "logprobs", "response_format": fmt})
+        err = error(r, 400, "include", "invalid_value")
+        assert "response_format json" in err["message"]
+    r = httpx.post(f"{media.base_url}/audio/translations", headers=auth(media), files={"file": ("a.wav", WAV)},
+                   data={"model": "tiny-stt", "include[]": "logprobs"})
+    error(r, 400, "include", "unknown_parameter")
+
+
 def test_a_streamed_transcription_sends_the_text_as_it_is_decoded(media):
     """``stream: true`` through the SDK: ``transcript.text.delta`` events whose pieces join to
     the ``transcript.text.done`` text, the same text as the unstreamed answer (greedy); a request
@@ -696,6 +721,7 @@ WAV = tone_file(1.0, 16000, 1, "WAV")
     ({"file": ("a.wav", WAV)}, {"prompt": "p" * 201}, 400, "prompt", None),
     ({"file": ("a.wav", WAV)}, {"timestamp_granularities[]": "char"}, 400, "timestamp_granularities[0]", None),
     ({"file": ("a.wav", WAV)}, {"timestamp_granularities[]": "word"}, 400, "timestamp_granularities", None),  # json
+    ({"file": ("a.wav", WAV)}, {"include[]": "segments"}, 400, "include[0]", "invalid_value"),
     ({"file": ("a.wav", WAV)}, {"model": "tiny-tts"}, 400, "model", "model_not_supported"),
     ({"file": (None, "not a file part")}, {}, 400, "file", None),  # a text field named file
     ({"language": (None, "en")}, {}, 400, "file", "missing_required_parameter"),  # multipart, no file

@@ -650,6 +650,51 @@ def test_stt_segment_figures_are_openai_whispers(stt_worker):
     assert prompted.segments[0].no_speech_prob == pytest.approx(float(logits[0, -1].softmax(-1)[no_speech]), rel=1e-5)
 
 
+@pytest.mark.parametrize("seconds, prompt", [(45.0, None), (3.0, "Glossary: tiergate")])
+def test_stt_token_logprobs_are_the_decoders_own(stt_worker, seconds, prompt):
+    """``logprobs`` (``include[]=logprobs``), over two windows and with a prompt: one entry per
+    text token of the transcript, in order, the token as it decodes alone; each checked against
+    a reading made apart from the worker's, window by window: the text ids (below end of text) of
+    a greedy decoding's own sequence, and their log-probabilities from transformers'
+    ``compute_transition_scores`` over that decoding's scores. The transcript is the same as
+    without them, which has none."""
+    model, tok = stt_worker.model, stt_worker.processor.tokenizer
+    x = _tone(seconds, 16000)[:, 0]
+    plain = stt_worker.transcribe(x, stt.TranscriptionRequest(language="en", prompt=prompt), StepContext())
+    got = stt_worker.transcribe(x, stt.TranscriptionRequest(language="en", prompt=prompt, logprobs=True), StepContext())
+    assert got.text == plain.text and plain.logprobs is None
+    expected: list[tuple[str, float]] = []
+    windows = stt.split_windows(x, 16000, stt_worker.window_s)
+    assert len(windows) == (2 if seconds > 30 else 1)
+    for a, b in windows:
+        features, _ = stt_worker._features(x[a:b])
+        extra = {} if prompt is None else {"prompt_ids": stt_worker._prompt_ids(prompt)}
+        with torch.inference_mode():
+            out = model.generate(features, language="en", task="transcribe", return_timestamps=True,
+                                 return_dict_in_generate=True, output_scores=True, return_segments=True, **extra)
+        chosen = {}  # (pass, place in its sequence) -> the chosen token's log-probability
+        for r in {id(s["result"]): s["result"] for s in out["segments"][0]}.values():
+            scores = model.compute_transition_scores(r["sequences"][None], tuple(v[None] for v in r["scores"]),
+                                                     normalize_logits=True)[0]
+            first = len(r["sequences"]) - len(scores)
+            chosen.update({(id(r), first + n): float(v) for n, v in enumerate(scores)})
+        texts = [(int(r["sequences"][at]), chosen[(id(r), at)]) for s in out["segments"][0] for r in [s["result"]]
+                 for at in range(*s["idxs"]) if int(r["sequences"][at]) < tok.eos_token_id]
+        assert [i for i, _ in texts] == [i for i in out["sequences"][0].tolist() if i < tok.eos_token_id]
+        expected += [(tok.decode([i]), lp) for i, lp in texts]
+    assert len(got.logprobs) == len(expected) > 0
+    assert [e.token for e in got.logprobs] == [t for t, _ in expected]
+    assert [e.logprob for e in got.logprobs] == pytest.approx([lp for _, lp in expected], rel=1e-5)
+    assert all(e.logprob <= 0 and e.top == () for e in got.logprobs)
+
+
+def test_stt_token_logprobs_need_whisper(stt_worker, monkeypatch):
+    monkeypatch.setattr(stt_worker.model.config, "model_type", "speech_to_text")
+    with pytest.raises(stt.TranscriptionError, match="no token logprobs") as caught:
+        stt_worker.transcribe(_tone(1.0, 16000)[:, 0], stt.TranscriptionRequest(logprobs=True), StepContext())
+    assert caught.value.param == "include"
+
+
 def test_stt_segment_figures_without_a_no_speech_token(stt_worker, monkeypatch):
     """A Whisper tokenizer with neither ``<|nospeech|>`` nor ``<|nocaptions|>``: the segments have
     no ``no_speech_prob`` and the rest as before (not a failed request)."""

@@ -21,6 +21,10 @@ under the scores it chose them from (after Whisper's logit rules; at a temperatu
 scaled by it); ``no_speech_prob``, the probability of ``<|nospeech|>`` right after
 ``<|startoftranscript|>`` (raw logits, as openai-whisper reads it); ``compression_ratio``, the
 window's text's UTF-8 length over its zlib-compressed length.
+
+Token log-probabilities (``TranscriptionRequest.logprobs``, Whisper only): each text token of the
+transcript, in order (timestamps and special tokens left out), with its log-probability under the
+same scores as ``avg_logprob``'s, read from the decoding pass each segment came from.
 """
 
 from __future__ import annotations
@@ -37,7 +41,7 @@ from transformers import AutoModelForSpeechSeq2Seq, AutoProcessor
 from transformers.generation.streamers import BaseStreamer
 from transformers.models.whisper.tokenization_whisper import LANGUAGES, TO_LANGUAGE_CODE, _combine_tokens_into_words
 
-from workers.base import ModelSpec, StepContext
+from workers.base import ModelSpec, StepContext, TokenLogprob
 from workers.worker import ModelInfo, ThreadWorker
 
 _SEARCH_S = 5.0  # how far back from a window's end to look for a quiet cut
@@ -61,6 +65,7 @@ class TranscriptionRequest:
     task: Literal["transcribe", "translate"] = "transcribe"
     words: bool = False  # word timestamps too (Whisper only)
     details: bool = False  # each segment's confidence figures too (Whisper only; verbose_json)
+    logprobs: bool = False  # each text token's log-probability too (Whisper only; include[]=logprobs)
 
 
 class TranscriptionError(ValueError):
@@ -98,6 +103,7 @@ class Transcript:
     duration: float  # seconds of audio
     segments: list[Segment] = field(default_factory=list)
     words: list[Word] | None = None  # only when the request asked for them
+    logprobs: list[TokenLogprob] | None = None  # the text's tokens, in order; only when asked for
 
 
 def split_windows(audio: np.ndarray, sample_rate: int, window_s: float) -> list[tuple[int, int]]:
@@ -176,11 +182,15 @@ class STTWorker(ThreadWorker):
         if req.words and not self._whisper_timestamps():
             raise TranscriptionError(f"the model {self.spec.name!r} gives no word timestamps (only Whisper models do)",
                                      "timestamp_granularities")
+        if req.logprobs and not self._whisper_timestamps():
+            raise TranscriptionError(f"the model {self.spec.name!r} gives no token logprobs (only Whisper models do)",
+                                     "include")
         sr = self.sample_rate
         language = self._language(req.language)
         prompt_ids = self._prompt_ids(req.prompt)
         segments: list[Segment] = []
         words: list[Word] | None = [] if req.words else None
+        logprobs: list[TokenLogprob] | None = [] if req.logprobs else None
         sent = ""  # what on_text was given
         for start, end in split_windows(audio, sr, self.window_s):
             ctx.boundary()
@@ -201,7 +211,8 @@ class STTWorker(ThreadWorker):
 
                 streamer = _Tokens(ctx, grown)
             window = self._window(features, language, prompt_ids, req.temperature, t1 - t0, req.task, streamer,
-                                  frames=frames, details=req.details and self._whisper_timestamps())
+                                  frames=frames, details=req.details and self._whisper_timestamps(),
+                                  logprobs=req.logprobs)
             figures = {}
             if window.avg_logprob is not None:
                 said = _joined(text for _, _, text in window.segments).encode()
@@ -213,10 +224,13 @@ class STTWorker(ThreadWorker):
                                         round(t0 * 100), ids, **figures))
             if words is not None:
                 words += [Word(w, round(t0 + w0, 3), round(t0 + w1, 3)) for w0, w1, w in window.words]
+            if logprobs is not None:
+                logprobs += window.logprobs
         text = _joined(s.text for s in segments)
         if on_text is not None and text.startswith(sent) and len(text) > len(sent):
             on_text(text[len(sent):])
-        return Transcript(text=text, language=language, duration=len(audio) / sr, segments=segments, words=words)
+        return Transcript(text=text, language=language, duration=len(audio) / sr, segments=segments, words=words,
+                          logprobs=logprobs)
 
     def _features(self, audio: np.ndarray, frames: bool = False) -> tuple[torch.Tensor, torch.Tensor | None]:
         """The window's input features, and with ``frames`` the mask of its (padded) feature
@@ -274,11 +288,11 @@ class STTWorker(ThreadWorker):
     def _window(
         self, features: torch.Tensor, language: str | None, prompt_ids: torch.Tensor | None, temperature: float, length_s: float,
         task: str = "transcribe", streamer: BaseStreamer | None = None, frames: torch.Tensor | None = None,
-        details: bool = False,
+        details: bool = False, logprobs: bool = False,
     ) -> "_Window":
         """One window decoded: its segments; its words when ``frames`` (the audio's mask, from
-        ``_features``) asks for word timestamps; its confidence figures with ``details``. Times
-        relative to the window's start.
+        ``_features``) asks for word timestamps; its confidence figures with ``details``; its text
+        tokens' log-probabilities with ``logprobs``. Times relative to the window's start.
 
         Lengths come from the model's generation config (``max_new_tokens`` or ``max_length``).
         """
@@ -295,12 +309,12 @@ class STTWorker(ThreadWorker):
             kwargs["streamer"] = streamer
         if frames is not None:
             kwargs.update(attention_mask=frames, return_token_timestamps=True, return_segments=True)
-        if details:
+        if details or logprobs:
             kwargs.update(return_segments=True, return_dict_in_generate=True, output_scores=True)
         with torch.inference_mode(), _NoSpeech(self.model, self._gen.decoder_start_token_id, self._no_speech_id()) \
                 if details else contextlib.nullcontext() as no_speech:
             out = self.model.generate(features, **kwargs)
-        if frames is None and not details:
+        if frames is None and not details and not logprobs:
             return _Window(self._segments(out[0].tolist(), length_s))
         window = _Window(self._segments(out["sequences"][0].tolist(), length_s))
         if details:
@@ -316,7 +330,28 @@ class STTWorker(ThreadWorker):
         if details:
             window.avg_logprob = _mean_logprob(list({id(s["result"]): s["result"] for s in passes}.values()))
             window.no_speech_prob = no_speech.first
+        if logprobs:
+            window.logprobs = self._token_logprobs(passes)
         return window
+
+    def _token_logprobs(self, segments: list[dict]) -> list[TokenLogprob]:
+        """The text tokens of ``generate``'s ``segments``, in the order the window's sequence joins
+        them, each with its log-probability under the scores of the decoding pass it came from
+        (``result``; a segment's ``idxs`` are its place in that pass's ``sequences``, whose last
+        ``len(scores)`` tokens are the generated ones). Text tokens are those below end of text,
+        as ``_words`` reads them; timestamps and other special tokens are left out."""
+        tok = self.processor.tokenizer
+        out: list[TokenLogprob] = []
+        for segment in segments:
+            result = segment["result"]
+            sequence, scores = result["sequences"], result["scores"]
+            first = len(sequence) - len(scores)
+            for at in range(*segment["idxs"]):
+                token = int(sequence[at])
+                if token < tok.eos_token_id:
+                    logprob = torch.log_softmax(scores[at - first].float().reshape(-1), -1)[token]
+                    out.append(TokenLogprob(tok.decode([token]), float(logprob)))
+        return out
 
     def _no_speech_id(self) -> int | None:
         """``<|nospeech|>``'s id (``<|nocaptions|>`` in the first Whisper tokenizers); None for a
@@ -415,6 +450,7 @@ class _Window:
     words: list[tuple[float, float, str]] = field(default_factory=list)
     avg_logprob: float | None = None
     no_speech_prob: float | None = None
+    logprobs: list[TokenLogprob] = field(default_factory=list)  # with ``logprobs``
 
 
 class _NoSpeech:
