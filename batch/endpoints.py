@@ -17,7 +17,7 @@ from gateway.chat import collect, completion, plan_chat, serve_chat
 from gateway.completions import completion_result
 from gateway.embeddings import EmbeddingRequest, embedding_list, plan_embeddings, serve_embeddings
 from gateway.errors import bad_request
-from gateway.images import ImageGenerationRequest, b64_rows, plan_images, serve_images
+from gateway.images import ImageGenerationRequest, b64_rows, encoded, plan_images, serve_images
 from gateway.responses import response_result
 from gateway.schemas import ChatCompletionRequest, parse
 from gateway.service import Services
@@ -58,7 +58,9 @@ async def images(svc: Services, caller: Caller, data: dict) -> Result:
     job = plan_images(svc, body)
     if body.response_format == "url":  # a url is served to a live request's key for minutes
         raise bad_request("response_format 'url' is only for live requests; use b64_json", "response_format")
-    return {"created": int(time.time()), "data": b64_rows(await serve_images(svc, caller, job, None))}
+    images = await encoded(await serve_images(svc, caller, job, None), body)
+    return {"created": int(time.time()), "data": b64_rows(images),
+            **({"output_format": body.output_format} if body.output_format else {})}
 
 
 async def speech(svc: Services, caller: Caller, data: dict) -> Result:

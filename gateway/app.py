@@ -223,7 +223,7 @@ def routes() -> list[BaseRoute]:
         Route("/v1/images/generations", images.generations, methods=["POST"]),
         Route("/v1/images/edits", images.edits, methods=["POST"]),
         Route("/v1/images/variations", images.variations, methods=["POST"]),
-        Route("/v1/images/files/{image_id}.png", images.image_file, methods=["GET"], name="image_file"),
+        Route("/v1/images/files/{image_id}.{fmt}", images.image_file, methods=["GET"], name="image_file"),
         Route("/v1/audio/speech", audio.speech, methods=["POST"]),
         Route("/v1/audio/transcriptions", audio.transcriptions, methods=["POST"]),
         Route("/v1/audio/translations", audio.translations, methods=["POST"]),

@@ -216,7 +216,7 @@ class LimitsConfig(_Strict):
     image_max_side: int = Field(default=1024, ge=8)  # pixels, either side
     image_max_steps: int = Field(default=50, ge=1)  # num_inference_steps
     image_url_ttl_s: float = Field(default=3600.0, gt=0)  # response_format=url: how long an image stays fetchable
-    image_url_store: Size = parse_size("256MiB")  # PNG bytes kept for urls; the oldest go first when full
+    image_url_store: Size = parse_size("256MiB")  # image bytes kept for urls; the oldest go first when full
     image_edit_max_bytes: Size = parse_size("25MiB")  # /v1/images/edits and variations: the uploaded image (and mask)
     speech_max_chars: int = Field(default=4096, ge=1)
     transcription_max_bytes: Size = parse_size("25MiB")  # the uploaded file

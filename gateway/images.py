@@ -2,8 +2,10 @@
 lines) makes the PNGs, and the HTTP handlers render them: POST /v1/images/generations (OpenAI
 images), POST /v1/images/edits (a multipart upload: an image, and a mask whose fully transparent
 pixels are what to repaint, OpenAI's rule), POST /v1/images/variations (an upload made again, no
-prompt) and GET /v1/images/files/{id}.png, which serves the
-images of ``response_format: "url"`` to the key that asked for them, for a limited time."""
+prompt) and GET /v1/images/files/{id}.{png,jpeg,webp}, which serves the
+images of ``response_format: "url"`` to the key that asked for them, for a limited time. The
+workers make PNGs; ``output_format`` jpeg or webp is encoded from them here, as the answer goes
+out (``encoded``)."""
 
 from __future__ import annotations
 
@@ -47,6 +49,8 @@ _SIZE = re.compile(r"^(\d{1,5})x(\d{1,5})$")
 MAX_SOURCE_PIXELS = 4096 * 4096  # an edit's uploaded image (and mask), checked before it is decoded
 SOURCE_FORMATS = ("PNG", "JPEG", "WEBP")
 IMG2IMG_STRENGTH = 0.8  # diffusers' image-to-image default: an edit without a mask, strength not given
+MEDIA_TYPES = {"png": "image/png", "jpeg": "image/jpeg", "webp": "image/webp"}
+DEFAULT_COMPRESSION = 100  # OpenAI's default output_compression for jpeg and webp
 
 
 class ImageGenerationRequest(_Body):
@@ -61,7 +65,9 @@ class ImageGenerationRequest(_Body):
     guidance_scale: float = Field(default=7.0, ge=0, le=50)
     # OpenAI fields accepted with the only values this server has
     quality: Literal["auto", "standard"] | None = None
-    output_format: Literal["png"] | None = None
+    output_format: Literal["png", "jpeg", "webp"] | None = None
+    output_compression: int | None = Field(default=None, ge=0, le=100)  # jpeg and webp: 0-100 (quality)
+    background: Literal["auto", "opaque", "transparent"] | None = None  # transparent: a 400 (opaque images only)
     stream: bool = False  # previews while it denoises (partial_images of them), then the image: SSE events
     partial_images: int | None = Field(default=None, ge=0, le=3)
     user: str | None = None
@@ -89,7 +95,9 @@ class ImageEditForm(ImageVariationForm):
 
     prompt: str
     quality: Literal["auto", "standard"] | None = None
-    output_format: Literal["png"] | None = None
+    output_format: Literal["png", "jpeg", "webp"] | None = None
+    output_compression: int | None = Field(default=None, ge=0, le=100)
+    background: Literal["auto", "opaque", "transparent"] | None = None
     stream: bool = False
     partial_images: int | None = Field(default=None, ge=0, le=3)
 
@@ -127,6 +135,12 @@ def _checked_steps(body: ImageGenerationRequest | ImageVariationForm, limits: Li
     if steps > limits.image_max_steps:
         raise bad_request(f"num_inference_steps is {steps}, above this server's limit of {limits.image_max_steps}",
                           "num_inference_steps")
+    if getattr(body, "background", None) == "transparent":
+        raise bad_request("background transparent is not served: this server's image models make opaque images "
+                          "(auto or opaque)", "background")
+    if getattr(body, "output_compression", None) is not None and (body.output_format or "png") == "png":
+        raise bad_request("output_compression applies to output_format jpeg or webp; a png is lossless",
+                          "output_compression")
     return steps
 
 
@@ -309,8 +323,30 @@ def plan_images(svc: Services, body: ImageGenerationRequest) -> Plan:
     return replace(job, model=spec.name, request=replace(job.request, adapters=stack))
 
 
-def b64_rows(pngs: list[bytes]) -> list[dict]:
-    return [{"b64_json": base64.b64encode(png).decode("ascii"), "revised_prompt": None} for png in pngs]
+def b64_rows(images: list[bytes]) -> list[dict]:
+    return [{"b64_json": base64.b64encode(image).decode("ascii"), "revised_prompt": None} for image in images]
+
+
+async def encoded(pngs: list[bytes], body: ImageGenerationRequest | ImageVariationForm) -> list[bytes]:
+    """The worker's PNGs in the request's ``output_format``: PNG as made; JPEG or WebP encoded
+    from them (in a thread) at ``output_compression`` read as the encoder's quality (100 when not
+    given): JPEG without chroma subsampling from 90 up, WebP lossless at 100, so the default keeps
+    the pixels (within JPEG's rounding)."""
+    fmt = getattr(body, "output_format", None) or "png"
+    if fmt == "png":
+        return pngs
+    quality = body.output_compression if body.output_compression is not None else DEFAULT_COMPRESSION
+    return await anyio.to_thread.run_sync(lambda: [_transcoded(png, fmt, quality) for png in pngs])
+
+
+def _transcoded(png: bytes, fmt: str, quality: int) -> bytes:
+    from PIL import Image
+
+    buf = io.BytesIO()
+    with Image.open(io.BytesIO(png)) as image:
+        options = {"subsampling": 0 if quality >= 90 else 2} if fmt == "jpeg" else {"lossless": quality == 100}
+        image.convert("RGB").save(buf, format=fmt.upper(), quality=quality, **options)
+    return buf.getvalue()
 
 
 # -- HTTP -------------------------------------------------------------------------------------------
@@ -326,13 +362,13 @@ async def generations(request: Request) -> Response:
         return await _streamed(request, svc, caller, job, body, "image_generation")
     async with disconnect_signal(request) as gone:
         pngs = await serve_images(svc, caller, job, gone)
-    return _answer(request, svc, caller, pngs, body.response_format)
+    return await _answer(request, svc, caller, pngs, body)
 
 
 async def _streamed(request: Request, svc: Services, caller: Caller, job: Plan,
                     body: ImageGenerationRequest | ImageEditForm, kind: str) -> Response:
     """``stream: true``: OpenAI's ``{kind}.partial_image`` events (the previews) and then
-    ``{kind}.completed`` (the image), each with its PNG in ``b64_json``."""
+    ``{kind}.completed`` (the image), each with its image in ``b64_json`` (in ``output_format``)."""
     if body.n != 1:
         raise bad_request(f"a streamed request makes one image: n must be 1, not {body.n}", "n")
     if body.response_format == "url":
@@ -343,18 +379,21 @@ async def _streamed(request: Request, svc: Services, caller: Caller, job: Plan,
         pieces = stream_images(svc, caller, job, gone)
         first = await pieces.__anext__()  # errors before any event are HTTP errors
     width, height = _png_size(first.result[0] if isinstance(first, Finished) else first[0])
-    shown = {"size": f"{width}x{height}", "quality": body.quality or "auto", "background": "opaque", "output_format": "png"}
-    return Streamed(_image_events(first, pieces, kind, shown, _prompt_tokens(svc, job)), "text/event-stream",
+    shown = {"size": f"{width}x{height}", "quality": body.quality or "auto", "background": "opaque",
+             "output_format": body.output_format or "png"}
+    return Streamed(_image_events(first, pieces, kind, shown, _prompt_tokens(svc, job), body), "text/event-stream",
                     svc.gate.rate_headers(caller.tier))
 
 
-async def _image_events(first, pieces, kind: str, shown: dict, prompt_tokens: int) -> AsyncIterator[bytes]:
+async def _image_events(first, pieces, kind: str, shown: dict, prompt_tokens: int,
+                        body: ImageGenerationRequest | ImageEditForm) -> AsyncIterator[bytes]:
     """The events of ``_streamed``. A failure after the first event ends the stream with an
     ``error`` event and no completed event."""
     try:
         piece, index = first, 0
         while True:
-            b64 = base64.b64encode(piece.result[0] if isinstance(piece, Finished) else piece[0]).decode("ascii")
+            image = (await encoded(piece.result if isinstance(piece, Finished) else piece, body))[0]
+            b64 = base64.b64encode(image).decode("ascii")
             if isinstance(piece, Finished):
                 usage = {"input_tokens": prompt_tokens, "input_tokens_details": {"image_tokens": 0, "text_tokens": prompt_tokens},
                          "output_tokens": 0, "total_tokens": prompt_tokens}
@@ -420,16 +459,22 @@ async def _from_image(request: Request, form_type: type[ImageVariationForm], fil
         return await _streamed(request, svc, caller, job, body, "image_edit")
     async with disconnect_signal(request) as gone:
         pngs = await serve_images(svc, caller, job, gone)
-    return _answer(request, svc, caller, pngs, body.response_format)
+    return await _answer(request, svc, caller, pngs, body)
 
 
-def _answer(request: Request, svc: Services, caller: Caller, pngs: list[bytes], response_format: str | None) -> Response:
-    """Generations' answer: the PNGs inline, or as urls of the image store for ``url``."""
-    if response_format == "url":
-        rows = [{"url": _url(request, svc.images.put(caller.key_id, png)), "revised_prompt": None} for png in pngs]
+async def _answer(request: Request, svc: Services, caller: Caller, pngs: list[bytes],
+                  body: ImageGenerationRequest | ImageVariationForm) -> Response:
+    """Generations' answer: the images (in ``output_format``) inline, or as urls of the image
+    store for ``url``; ``output_format`` is said when the request named one."""
+    images = await encoded(pngs, body)
+    fmt = getattr(body, "output_format", None)
+    if body.response_format == "url":
+        rows = [{"url": _url(request, svc.images.put(caller.key_id, image, fmt or "png"), fmt or "png"),
+                 "revised_prompt": None} for image in images]
     else:
-        rows = b64_rows(pngs)
-    return JSONResponse({"created": int(time.time()), "data": rows}, headers=svc.gate.rate_headers(caller.tier))
+        rows = b64_rows(images)
+    return JSONResponse({"created": int(time.time()), "data": rows, **({"output_format": fmt} if fmt else {})},
+                        headers=svc.gate.rate_headers(caller.tier))
 
 
 async def _uploads(form: FormData, max_bytes: int) -> tuple[bytes, bytes | None]:
@@ -468,17 +513,19 @@ class _EditAdapters(_Body):
 
 
 async def image_file(request: Request) -> Response:
-    """GET /v1/images/files/{image_id}.png: only for the key that generated it, until it expires."""
+    """GET /v1/images/files/{image_id}.{png,jpeg,webp}: only for the key that generated it, in
+    the format it was made in, until it expires."""
     svc: Services = request.app.state.services
     caller = svc.authenticate(request)
-    png = svc.images.get(caller.key_id, request.path_params["image_id"])
-    if png is None:
+    fmt = request.path_params["fmt"]
+    image = svc.images.get(caller.key_id, request.path_params["image_id"], fmt) if fmt in MEDIA_TYPES else None
+    if image is None:
         raise not_found("no such image (it may have expired)", None, "image_not_found")
-    return Response(png, media_type="image/png", headers={"cache-control": "private, no-store"})
+    return Response(image, media_type=MEDIA_TYPES[fmt], headers={"cache-control": "private, no-store"})
 
 
-def _url(request: Request, image_id: str) -> str:
-    return str(request.url_for("image_file", image_id=image_id))
+def _url(request: Request, image_id: str, fmt: str) -> str:
+    return str(request.url_for("image_file", image_id=image_id, fmt=fmt))
 
 
 def _native(svc: Services, spec: ModelSpec) -> tuple[int, int] | None:

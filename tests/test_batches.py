@@ -164,13 +164,16 @@ def test_image_batch_returns_png_b64(server):
     line = {"method": "POST", "url": "/v1/images/generations",
             "body": {"model": "tiny-image", "prompt": "a cat", "size": "32x32", "num_inference_steps": 1}}
     rows = [{**line, "custom_id": "img-0"}, {**line, "custom_id": "img-url", "body": {**line["body"], "response_format": "url"}},
-            {**line, "custom_id": "img-stream", "body": {**line["body"], "stream": True}}]
+            {**line, "custom_id": "img-stream", "body": {**line["body"], "stream": True}},
+            {**line, "custom_id": "img-jpeg", "body": {**line["body"], "output_format": "jpeg"}}]
     f = c.files.create(file=("in.jsonl", io.BytesIO(jsonl(rows))), purpose="batch")
     b = c.batches.create(input_file_id=f.id, endpoint="/v1/images/generations", completion_window="24h")
     done = wait(c, b.id)
-    assert (done.status, done.request_counts.completed, done.request_counts.failed) == ("completed", 1, 2)
-    png = base64.b64decode(lines_of(c, done.output_file_id)[0]["response"]["body"]["data"][0]["b64_json"])
-    assert png.startswith(b"\x89PNG")
+    assert (done.status, done.request_counts.completed, done.request_counts.failed) == ("completed", 2, 2)
+    out = {x["custom_id"]: x["response"]["body"] for x in lines_of(c, done.output_file_id)}
+    assert base64.b64decode(out["img-0"]["data"][0]["b64_json"]).startswith(b"\x89PNG")
+    jpeg = base64.b64decode(out["img-jpeg"]["data"][0]["b64_json"])
+    assert jpeg.startswith(b"\xff\xd8\xff") and out["img-jpeg"]["output_format"] == "jpeg"
     refused = {x["custom_id"]: x["response"]["body"]["error"]["param"] for x in lines_of(c, done.error_file_id)}
     assert refused == {"img-url": "response_format", "img-stream": "stream"}
 

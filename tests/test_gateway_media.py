@@ -131,6 +131,40 @@ def test_image_url_is_served_to_the_same_key_only(media):
     error(httpx.get(url.replace("/files/img-", "/files/img-x"), headers=auth(media)), 404, None)
 
 
+def test_image_output_formats_are_the_same_pixels_encoded_as_asked(media):
+    """``output_format`` jpeg and webp (gpt-image-1's fields) through the SDK: the same seed's
+    pixels as the png, in that format (decoded from its own bytes: at the default
+    ``output_compression`` of 100, JPEG within its rounding (no chroma subsampling) and WebP
+    lossless; the demo's images are noise, which subsampling would blur by ~47 levels a channel);
+    a lower ``output_compression`` makes a smaller file; a ``url``
+    ends in the format and serves it with its media type, and not under another extension. A
+    streamed generation's events are in the format too, and say so."""
+    c = client(media)
+    body = {"num_inference_steps": 2, "seed": 11}
+    ask = dict(model="tiny-image", prompt="a cat", size="64x64", extra_body=body)
+    png = base64.b64decode(c.images.generate(**ask).data[0].b64_json)
+    pixels = np.asarray(Image.open(io.BytesIO(png)).convert("RGB"), dtype=np.float64)
+    for fmt, pil in (("jpeg", "JPEG"), ("webp", "WEBP")):
+        r = c.images.generate(**ask, output_format=fmt)
+        assert r.output_format == fmt
+        data = base64.b64decode(r.data[0].b64_json)
+        with Image.open(io.BytesIO(data)) as img:
+            assert img.format == pil and img.size == (64, 64)
+            assert np.abs(np.asarray(img.convert("RGB"), dtype=np.float64) - pixels).mean() < (2 if fmt == "jpeg" else 1e-9)
+        small = base64.b64decode(c.images.generate(**ask, output_format=fmt, output_compression=5).data[0].b64_json)
+        assert Image.open(io.BytesIO(small)).format == pil and len(small) < len(data)
+        url = c.images.generate(**ask, output_format=fmt, response_format="url").data[0].url
+        assert url.endswith(f".{fmt}")
+        got = httpx.get(url, headers=auth(media))
+        assert got.status_code == 200 and got.headers["content-type"] == f"image/{fmt}" and got.content == data
+        error(httpx.get(url.rsplit(".", 1)[0] + ".png", headers=auth(media)), 404, None, "image_not_found")
+    events = list(c.images.generate(model="tiny-image", prompt="a cat", size="64x64", extra_body=body,
+                                    output_format="webp", stream=True, partial_images=1))
+    assert [e.output_format for e in events] == ["webp", "webp"]
+    assert all(Image.open(io.BytesIO(base64.b64decode(e.b64_json))).format == "WEBP" for e in events)
+    assert c.images.generate(**ask, background="opaque").data[0].b64_json == base64.b64encode(png).decode()
+
+
 def test_image_store_expires_and_stays_bounded():
     now = [0.0]
     store = ImageStore(ttl_s=10, max_bytes=100, clock=lambda: now[0])
@@ -164,6 +198,11 @@ IMAGE = {"model": "tiny-image", "prompt": "a cat", "size": "32x32", "num_inferen
     ({"response_format": "png"}, "response_format"),
     ({"guidance_scale": -1}, "guidance_scale"),
     ({"style": "vivid"}, "style"),
+    ({"output_format": "gif"}, "output_format"),
+    ({"output_compression": 50}, "output_compression"),  # png is lossless
+    ({"output_format": "png", "output_compression": 50}, "output_compression"),
+    ({"output_format": "jpeg", "output_compression": 101}, "output_compression"),
+    ({"background": "transparent"}, "background"),
     ({"model": "tiny-tts"}, "model"),
     ({"prompt": None}, "prompt"),
 ])
