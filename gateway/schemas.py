@@ -91,6 +91,17 @@ class Message(_Body):
     tool_call_id: str | None = None  # tool
     refusal: str | None = None  # assistant: accepted, not rendered
 
+    @field_validator("content", mode="before")
+    @classmethod
+    def _text_parts_only(cls, value: Any) -> Any:
+        """An image, audio or file part is named as such, not as "not a valid string"."""
+        for part in value if isinstance(value, list) else ():
+            kind = part.get("type", "text") if isinstance(part, dict) else "text"
+            if kind != "text":
+                raise ValueError(f"content parts of type {str(kind)[:40]!r} are not supported: the chat models "
+                                 "here take text only (parts of type 'text')")
+        return value
+
     def text(self) -> str | None:
         if self.content is None or isinstance(self.content, str):
             return self.content

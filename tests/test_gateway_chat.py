@@ -121,6 +121,18 @@ def test_bad_fields_are_400_with_param(chat_server, body, param):
     _error(_post(chat_server, body), 400, param=param)
 
 
+def test_a_part_the_chat_models_cannot_read_is_named(chat_server):
+    """An image (or audio, or file) part in a message: a 400 naming the part's type, where pydantic
+    alone would say the content is "not a valid string"; text parts are read as before."""
+    for kind in ("image_url", "input_audio", "file"):
+        content = [{"type": "text", "text": "what is this?"}, {"type": kind, kind: {"url": "data:,x"}}]
+        err = _error(_post(chat_server, {**GOOD, "messages": [{"role": "user", "content": content}]}), 400,
+                     "invalid_value", "messages[0].content")
+        assert f"content parts of type '{kind}' are not supported" in err["message"]
+    ok = _post(chat_server, {**GOOD, "messages": [{"role": "user", "content": [{"type": "text", "text": "hi"}]}]})
+    assert ok.status_code == 200, ok.text
+
+
 def test_context_too_long_is_400(chat_server):
     body = {**GOOD, "messages": [{"role": "user", "content": "word " * 600}], "max_tokens": 8}
     _error(_post(chat_server, body), 400, "context_length_exceeded", "messages")
