@@ -78,7 +78,7 @@ class CompletionRequest(_Body):
     presence_penalty: float = Field(default=0.0, ge=-2, le=2)
     frequency_penalty: float = Field(default=0.0, ge=-2, le=2)
     logit_bias: dict[str, float] | None = None  # token id (as a string) -> bias in -100..100
-    best_of: int | None = Field(default=None, ge=1)  # accepted only equal to n
+    best_of: int | None = Field(default=None, ge=1)  # candidates per prompt, the best n answered (not streamed)
     suffix: str | None = None  # fill in the middle, on a model with FIM tokens
     user: str | None = None
     service_tier: str | None = None
@@ -122,9 +122,10 @@ class CompletionJob:
 
     jobs: list[ChatJob]
     prompts: list[Prompt]
-    n: int
+    n: int  # choices made per prompt (best_of's candidates when it is above the n asked)
     echo: bool
     logprobs: int | None
+    keep: int | None = None  # best_of: choices answered per prompt, the best of the n made; None: all n
 
 
 # -- the prompt's tokens ------------------------------------------------------------------------------
@@ -222,16 +223,23 @@ async def plan_completion(svc: Services, body: CompletionRequest) -> CompletionJ
                           "max_tokens")
     if body.n > limits.max_n:
         raise bad_request(f"n is {body.n}, above this server's limit of {limits.max_n} choices", "n")
-    if body.best_of is not None and body.best_of != body.n:
-        raise bad_request("best_of is not supported (only best_of equal to n)", "best_of")
+    made = body.n if body.best_of is None else body.best_of
+    if made < body.n:
+        raise bad_request(f"best_of ({made}) must be at least n ({body.n})", "best_of")
+    if made > limits.max_n:
+        raise bad_request(f"best_of is {made}, above this server's limit of {limits.max_n} candidates", "best_of")
+    if made > body.n and body.stream:
+        raise bad_request("best_of above n cannot be streamed: the best are known only when every candidate ends",
+                          "best_of")
     if body.suffix is not None and body.echo:
         raise bad_request("echo with suffix is not supported: the completion is the text between the prompt and "
                           "the suffix", "echo")
     raw = body.prompts()
     if not raw:
         raise bad_request("prompt must not be an empty list", "prompt")
-    if len(raw) * body.n > MAX_CHOICES:
-        raise bad_request(f"{len(raw)} prompts times n={body.n} is above {MAX_CHOICES} choices", "prompt")
+    if len(raw) * made > MAX_CHOICES:
+        raise bad_request(f"{len(raw)} prompts times {'best_of' if made > body.n else 'n'}={made} is above "
+                          f"{MAX_CHOICES} choices", "prompt")
     service_tier.check(svc.config, body.service_tier)
     tok, fim = await tokenizer_of(spec.path), None
     if body.suffix is not None:
@@ -241,15 +249,17 @@ async def plan_completion(svc: Services, body: CompletionRequest) -> CompletionJ
                               "knows, and no fim: in tiers.yaml), so it cannot complete between a prompt and a suffix",
                               "suffix")
     prompts = await asyncio.to_thread(encode_prompts, tok, raw, body.suffix, fim)  # off the loop
+    ranked = made > body.n  # best_of: each candidate's tokens' logprobs rank it
     params = ChatParams(
-        max_tokens, body.temperature, body.top_p, body.stop or [], body.seed, logprobs=body.logprobs,
+        max_tokens, body.temperature, body.top_p, body.stop or [], body.seed,
+        logprobs=0 if ranked and body.logprobs is None else body.logprobs,
         presence_penalty=body.presence_penalty, frequency_penalty=body.frequency_penalty,
         logit_bias={int(k): v for k, v in (body.logit_bias or {}).items()},
         prompt_logprobs=body.logprobs if body.echo else None,
     )
-    jobs = [ChatJob(spec.name, [], params, stack, n=body.n, service_tier=body.service_tier, prompt_ids=p.ids)
+    jobs = [ChatJob(spec.name, [], params, stack, n=made, service_tier=body.service_tier, prompt_ids=p.ids)
             for p in prompts]
-    return CompletionJob(jobs, prompts, body.n, body.echo, body.logprobs)
+    return CompletionJob(jobs, prompts, made, body.echo, body.logprobs, keep=body.n if ranked else None)
 
 
 def serve_completion(svc: Services, caller: Caller, job: CompletionJob,
@@ -344,18 +354,38 @@ def completion_usage(job: CompletionJob, replies: list[Reply] | list[ChoiceDelta
 
 
 def text_completion(cid: str, model: str, job: CompletionJob, replies: list[Reply], tier_label: str) -> dict:
-    """The ``text_completion`` object."""
+    """The ``text_completion`` object: every choice, or with ``best_of`` each prompt's best
+    (``best``); usage counts every candidate made, as OpenAI bills them."""
     choices = []
-    for r in replies:
+    for index, r in best(job, replies):
         prompt = job.prompts[r.index // job.n]
         head = prompt.text if job.echo else ""
         echoed = (prompt, r.prompt_logprobs) if job.echo else None
         lp = legacy_logprobs(r.logprobs or [], len(head), echoed) if job.logprobs is not None else None
-        choices.append({"index": r.index, "text": head + "".join(r.content), "logprobs": lp,
+        choices.append({"index": index, "text": head + "".join(r.content), "logprobs": lp,
                         "finish_reason": r.finish_reason})
     return {"id": cid, "object": "text_completion", "created": int(time.time()), "model": model,
             "choices": choices, "usage": completion_usage(job, replies), "service_tier": tier_label,
             "system_fingerprint": None}
+
+
+def best(job: CompletionJob, replies: list[Reply]) -> list[tuple[int, Reply]]:
+    """The answered choices with their indexes: every reply as it is, or with ``best_of`` each
+    prompt's ``keep`` best candidates, highest mean log probability per token first (OpenAI's
+    rule; a candidate with no token, an end of text at once, ranks last: the engines give no
+    logprob for the end of text), indexed ``p * keep + i``."""
+    if job.keep is None:
+        return [(r.index, r) for r in replies]
+    out = []
+    for p in range(len(job.prompts)):
+        candidates = [r for r in replies if r.index // job.n == p]
+        ranked = sorted(candidates, key=lambda r: -_mean_logprob(r.logprobs or []))[:job.keep]
+        out += [(p * job.keep + i, r) for i, r in enumerate(ranked)]
+    return out
+
+
+def _mean_logprob(entries: list[TokenLogprob]) -> float:
+    return sum(e.logprob for e in entries) / len(entries) if entries else float("-inf")
 
 
 async def completion_result(svc: Services, caller: Caller, data: dict) -> dict:

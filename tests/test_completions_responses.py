@@ -129,6 +129,38 @@ def test_seeded_sampling_gives_each_choice_its_own_seed(server):
     assert {ch.index: ch.text for ch in r.choices} == {0: first.choices[0].text, 1: second.choices[0].text}
 
 
+def _mean(choice) -> float:
+    lps = choice.logprobs.token_logprobs
+    return sum(lps) / len(lps) if lps else float("-inf")
+
+
+def test_best_of_answers_the_candidates_with_the_best_mean_logprob(server):
+    """``best_of`` 4 with ``n`` 2, seeded: the two answered are, best first, the two of the four
+    candidates (the same four as ``n`` 4 with the seed: candidate i is seeded seed + i) with the
+    highest mean token logprob, read from that ``n`` 4 answer; usage counts all four, as OpenAI
+    bills them; logprobs only when asked. With two prompts, each prompt's best, indexed p * n + i."""
+    c = client(server)
+    ask = dict(model="tiny-chat", max_tokens=6, seed=3)
+    every = c.completions.create(**ask, prompt="Once", n=4, logprobs=0)
+    assert len({ch.text for ch in every.choices}) > 2  # sampled: the candidates differ
+    ranked = sorted(every.choices, key=lambda ch: -_mean(ch))
+    got = c.completions.create(**ask, prompt="Once", n=2, best_of=4)
+    assert [ch.index for ch in got.choices] == [0, 1]
+    assert [ch.text for ch in got.choices] == [ch.text for ch in ranked[:2]]
+    assert all(ch.logprobs is None for ch in got.choices)
+    assert got.usage.completion_tokens == every.usage.completion_tokens
+    scored = c.completions.create(**ask, prompt="Once", n=2, best_of=4, logprobs=1)
+    for mine, theirs in zip(scored.choices, ranked[:2], strict=True):
+        assert mine.logprobs.token_logprobs == pytest.approx(theirs.logprobs.token_logprobs, rel=1e-5)
+    prompts = ["Once", "Twice upon"]
+    each = c.completions.create(**ask, prompt=prompts, n=3, logprobs=0)
+    best = c.completions.create(**ask, prompt=prompts, best_of=3)
+    for p in range(2):
+        mine = [ch for ch in each.choices if ch.index // 3 == p]
+        assert [ch.text for ch in best.choices if ch.index == p] == [max(mine, key=_mean).text]
+    assert sorted(ch.index for ch in best.choices) == [0, 1]
+
+
 def test_stream_matches_the_whole_completion(server):
     c = client(server)
     whole = greedy(c, "Stream me", max_tokens=8)
@@ -359,7 +391,10 @@ def test_a_tokenizer_s_bos_comes_before_the_fim_layout(tokenizer):
     ({"prompt": "x", "max_tokens": 0, "echo": True}, "max_tokens"),
     ({"prompt": "x", "max_tokens": -1, "echo": True, "logprobs": 1}, "max_tokens"),
     ({"prompt": "word " * 600}, "prompt"),
-    ({"prompt": "x", "best_of": 3}, "best_of"),
+    ({"prompt": "x", "n": 2, "best_of": 1}, "best_of"),  # fewer candidates than choices
+    ({"prompt": "x", "best_of": 5}, "best_of"),  # above limits.max_n (4)
+    ({"prompt": "x", "best_of": 2, "stream": True}, "best_of"),  # the best are known only at the end
+    ({"prompt": [[5]] * 17, "best_of": 4}, "prompt"),  # 68 candidates, above MAX_CHOICES (64)
     ({"prompt": "x", "logit_bias": {"²": 1}}, "logit_bias"),  # a digit to str.isdigit, not to int
     ({"prompt": "x", "temperature": 3}, "temperature"),
     ({"prompt": "x", "frobnicate": 1}, "frobnicate"),
