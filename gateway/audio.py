@@ -232,6 +232,7 @@ class TranscriptionForm(TranslationForm):
     timestamp_granularities: list[Literal["segment", "word"]] | None = None  # verbose_json's segments and/or words
     stream: bool = False  # the text as it is decoded: transcript.text.delta events, then transcript.text.done
     include: list[Literal["logprobs"]] | None = None  # include[]=logprobs: the text's tokens' logprobs (json only)
+    chunking_strategy: Literal["auto"] | None = None  # auto: the server's own cuts (STTWorker's quiet points), as always
 
 
 @dataclass(frozen=True)
@@ -301,7 +302,11 @@ async def _speech_to_text(request: Request, form_type: type[TranslationForm], ta
     caller = svc.admit_caller(request)
     limits = svc.config.limits
     async with Multipart(request, limits.transcription_max_bytes, "the audio in a 'file' part", "file") as form:
-        body = parse(form_type, text_fields(form, ("file",)))
+        fields = text_fields(form, ("file",))
+        if form_type is TranscriptionForm and any(k.startswith("chunking_strategy[") for k in fields):
+            raise bad_request("chunking_strategy server_vad is not served: this server cuts long audio at its quiet "
+                              "points within the model's windows; send auto or leave it out", "chunking_strategy")
+        body = parse(form_type, fields)
         spec = svc.spec(body.model, "stt")
         if body.prompt is not None and len(body.prompt) > limits.prompt_max_chars:
             raise bad_request(f"prompt is {len(body.prompt)} characters, above this server's limit of "

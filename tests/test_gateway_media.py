@@ -663,6 +663,22 @@ def test_transcription_token_logprobs_through_the_sdk(media):
     error(r, 400, "include", "unknown_parameter")
 
 
+def test_chunking_strategy_auto_is_the_servers_own_cutting(media):
+    """``chunking_strategy="auto"`` (the server chooses the cuts): the same transcript as without
+    it; a ``server_vad`` object (the SDK sends its fields as ``chunking_strategy[...]``) is a 400
+    naming ``chunking_strategy``; translations have no such field."""
+    c = client(media)
+    wav = tone_file(3.0, 16000, 1, "WAV")
+    ask = dict(model="tiny-stt", file=("tone.wav", wav, "audio/wav"), language="en", temperature=0)
+    assert c.audio.transcriptions.create(**ask, chunking_strategy="auto").text == c.audio.transcriptions.create(**ask).text
+    with pytest.raises(openai.BadRequestError) as caught:
+        c.audio.transcriptions.create(**ask, chunking_strategy={"type": "server_vad", "threshold": 0.5})
+    assert caught.value.body["param"] == "chunking_strategy" and "server_vad" in caught.value.body["message"]
+    r = httpx.post(f"{media.base_url}/audio/translations", headers=auth(media), files={"file": ("a.wav", WAV)},
+                   data={"model": "tiny-stt", "chunking_strategy": "auto"})
+    error(r, 400, "chunking_strategy", "unknown_parameter")
+
+
 def test_a_streamed_transcription_sends_the_text_as_it_is_decoded(media):
     """``stream: true`` through the SDK: ``transcript.text.delta`` events whose pieces join to
     the ``transcript.text.done`` text, the same text as the unstreamed answer (greedy); a request
@@ -761,6 +777,7 @@ WAV = tone_file(1.0, 16000, 1, "WAV")
     ({"file": ("a.wav", WAV)}, {"timestamp_granularities[]": "char"}, 400, "timestamp_granularities[0]", None),
     ({"file": ("a.wav", WAV)}, {"timestamp_granularities[]": "word"}, 400, "timestamp_granularities", None),  # json
     ({"file": ("a.wav", WAV)}, {"include[]": "segments"}, 400, "include[0]", "invalid_value"),
+    ({"file": ("a.wav", WAV)}, {"chunking_strategy": "semantic"}, 400, "chunking_strategy", "invalid_value"),
     ({"file": ("a.wav", WAV)}, {"model": "tiny-tts"}, 400, "model", "model_not_supported"),
     ({"file": (None, "not a file part")}, {}, 400, "file", None),  # a text field named file
     ({"language": (None, "en")}, {}, 400, "file", "missing_required_parameter"),  # multipart, no file
