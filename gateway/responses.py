@@ -126,7 +126,7 @@ class ResponsesRequest(EndUser):
     previous_response_id: str | None = Field(default=None, min_length=1)
     conversation: str | ConversationRef | None = None  # its id, or {"id": ...}
     stream: bool = False
-    include: list[str] | None = None  # accepted; logprobs come with top_logprobs
+    include: list[str] | None = None  # message.output_text.logprobs: logprobs (as top_logprobs does); others accepted
     metadata: Metadata = None
     service_tier: str | None = None
     max_tool_calls: int | None = Field(default=None, ge=1)  # of built-in tools: none is served, so none is made
@@ -263,14 +263,17 @@ def responses_names():
         raise
 
 
+LOGPROBS = "message.output_text.logprobs"  # the include that asks for the output text's logprobs
+
+
 def chat_body(body: ResponsesRequest, messages: list[dict[str, Any]]) -> dict[str, Any]:
     """The chat completion request that ``body`` asks for, on ``messages``."""
     chat: dict[str, Any] = {"model": body.model, "messages": messages, "temperature": body.temperature,
                             "top_p": body.top_p}
     if body.max_output_tokens is not None:
         chat["max_completion_tokens"] = body.max_output_tokens
-    if body.top_logprobs is not None:
-        chat.update(logprobs=True, top_logprobs=body.top_logprobs)
+    if body.top_logprobs is not None or LOGPROBS in (body.include or ()):
+        chat.update(logprobs=True, top_logprobs=body.top_logprobs or 0)
     if body.tools:
         chat["tools"] = [{"type": "function", "function": t.model_dump(exclude={"type"}, exclude_none=True)}
                          for t in body.tools]
@@ -549,7 +552,8 @@ def resumable(body: dict[str, Any]) -> bool:
     (the grammar's state is not kept) and no logprobs (the text already sent has them only in its
     events)."""
     fmt = ((body.get("text") or {}).get("format") or {}).get("type", "text")
-    return not body.get("tools") and fmt == "text" and body.get("top_logprobs") is None
+    return (not body.get("tools") and fmt == "text" and body.get("top_logprobs") is None
+            and LOGPROBS not in (body.get("include") or ()))
 
 
 @dataclass

@@ -562,6 +562,22 @@ def test_top_logprobs_in_output_text(server):
     assert all(e.logprob == pytest.approx(e.top_logprobs[0].logprob) for e in entries)  # greedy: the best one
 
 
+def test_include_output_text_logprobs_asks_for_them(server):
+    """``include=["message.output_text.logprobs"]`` (OpenAI's way to ask): the output text's logprobs
+    without alternatives, or with ``top_logprobs`` of them; the same tokens as top_logprobs alone
+    reads (greedy). Without either, none."""
+    c = client(server)
+    plain = respond(c, "Probably", max_output_tokens=6)
+    assert not plain.output[0].content[0].logprobs
+    got = respond(c, "Probably", max_output_tokens=6, include=["message.output_text.logprobs"])
+    entries = got.output[0].content[0].logprobs
+    assert entries and all(e.logprob <= 0 and e.top_logprobs == [] for e in entries)
+    both = respond(c, "Probably", max_output_tokens=6, include=["message.output_text.logprobs"], top_logprobs=2)
+    assert [(e.token, e.logprob) for e in both.output[0].content[0].logprobs] == \
+        [(e.token, pytest.approx(e.logprob)) for e in entries]
+    assert all(len(e.top_logprobs) == 2 for e in both.output[0].content[0].logprobs)
+
+
 def test_get_delete_and_other_keys(server):
     c, other = client(server), client(server, "free")
     r = respond(c, "Keep me")
