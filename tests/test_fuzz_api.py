@@ -151,7 +151,9 @@ ENDPOINTS = {
          "text": st.fixed_dictionaries({}, optional={"format": st.fixed_dictionaries(
              {"type": st.sampled_from(["text", "json_object", "json_schema"])},
              optional={"name": TOOL_NAME, "schema": JSON_SCHEMA | ANY_JSON, "strict": st.booleans()})}),
-         "truncation": st.sampled_from(["disabled", "auto"]), "include": st.lists(TEXT, max_size=2)}),
+         "truncation": st.sampled_from(["disabled", "auto"]),
+         "include": st.lists(st.sampled_from(["message.output_text.logprobs", "reasoning.encrypted_content"]) | TEXT,
+                             max_size=2)}),
     "/v1/embeddings": (
         {"model": "tiny-embed", "input": "hi"},
         {"input": TEXT | st.lists(TEXT, max_size=6) | TOKEN_IDS | st.lists(TOKEN_IDS, max_size=3) | st.just([[]]),
@@ -164,6 +166,9 @@ ENDPOINTS = {
          "size": st.sampled_from(["auto", "32x32", "0x0", "8x8", "7x9", "64x65", "99999x1", "x", "32X32", " 32x32",
                                   "-32x32", "3.5x4"]) | TEXT,
          "response_format": st.sampled_from(["b64_json", "url", "jpeg"]), "quality": TEXT, "adapters": ADAPTERS,
+         "output_format": st.sampled_from(["png", "jpeg", "webp", "gif"]) | TEXT,
+         "output_compression": EDGE_INTS | st.sampled_from([0, 50, 100]),
+         "background": st.sampled_from(["auto", "opaque", "transparent"]) | TEXT,
          "stream": st.booleans(), "partial_images": EDGE_INTS | st.sampled_from([0, 1, 3]),
          "model": st.sampled_from(["tiny-image", "tiny-chat"])}),
     "/v1/audio/speech": (
@@ -392,6 +397,9 @@ TRANSCRIPTION_FIELDS = {
     "prompt": TEXT, "temperature": FORM_TEXT,
     "response_format": st.sampled_from(["json", "text", "srt", "vtt", "verbose_json", "xml"]) | TEXT,
     "timestamp_granularities[]": st.sampled_from(["segment", "word", ""]), "stream": FORM_TEXT,
+    "include[]": st.sampled_from(["logprobs", "segments", ""]) | TEXT,
+    "chunking_strategy": st.sampled_from(["auto", "server_vad", ""]) | TEXT,
+    "chunking_strategy[type]": st.sampled_from(["server_vad", "auto"]) | TEXT,
 }
 JSONL_LINE = (st.builds(lambda i, body: json.dumps({"custom_id": i, "method": "POST", "url": "/v1/chat/completions",
                                                     "body": body}),
@@ -437,6 +445,8 @@ EDIT_FIELDS = {
     "response_format": st.sampled_from(["b64_json", "url", "png"]) | TEXT, "negative_prompt": TEXT,
     "adapters": st.sampled_from(["[]", "[{\"name\": \"x\"}]", "{}", "null", "[1]"]) | TEXT,
     "stream": FORM_TEXT, "partial_images": FORM_TEXT, "user": TEXT,
+    "output_format": st.sampled_from(["png", "jpeg", "webp", "bmp"]) | TEXT, "output_compression": FORM_TEXT,
+    "background": st.sampled_from(["auto", "opaque", "transparent"]) | TEXT,
 }
 
 
