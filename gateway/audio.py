@@ -371,12 +371,12 @@ async def _decode(form: FormData, max_seconds: float) -> tuple[np.ndarray, int]:
         raise bad_request("file must be an uploaded audio file (multipart file part), not a text field", "file")
     data = await upload.read()
     try:
-        audio, rate = await anyio.to_thread.run_sync(sound.decode_audio, data)
+        audio, rate = await anyio.to_thread.run_sync(sound.decode_audio, data, max_seconds)
     except ValueError as exc:
         raise bad_request(f"{upload.filename or 'file'}: {exc}", "file", "invalid_file") from None
-    if len(audio) / rate > max_seconds:
-        raise bad_request(f"the audio is {len(audio) / rate:.1f} s long, above this server's limit of "
-                          f"{max_seconds:g} s", "file", "audio_too_long")
+    if len(audio) / rate > max_seconds:  # decoded up to a second past the limit (compressed audio)
+        raise bad_request(f"the audio is longer than this server's limit of {max_seconds:g} s "
+                          f"({len(audio) / rate:.1f} s or more)", "file", "audio_too_long")
     return audio, rate
 
 

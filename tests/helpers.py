@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import io
 import json
 import shutil
 import socket
@@ -167,3 +168,22 @@ def redis_server(folder: Path, port: int | None = None) -> Iterator[str]:
     finally:
         proc.terminate()
         proc.wait(10)
+
+
+def recorded(fmt: str, codec: str, seconds: float, rate: int = 48000, freq: float = 440.0, channels: int = 2) -> bytes:
+    """A tone (or silence, at ``freq`` 0) as browsers and phones record: encoded by FFmpeg (PyAV)."""
+    import av
+    import numpy as np
+
+    layout = "stereo" if channels == 2 else "mono"
+    t = np.arange(int(seconds * rate)) / rate
+    x = np.tile((0.3 * np.sin(2 * np.pi * freq * t)).astype(np.float32), (channels, 1))
+    buf = io.BytesIO()
+    with av.open(buf, mode="w", format=fmt) as out:
+        stream = out.add_stream(codec, rate=rate)
+        stream.layout = layout
+        frame = av.AudioFrame.from_ndarray(x, format="fltp", layout=layout)
+        frame.sample_rate = rate
+        for packet in [*stream.encode(frame), *stream.encode(None)]:
+            out.mux(packet)
+    return buf.getvalue()

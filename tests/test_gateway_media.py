@@ -20,7 +20,7 @@ import soundfile as sf
 from PIL import Image
 
 from gateway.image_store import ImageStore
-from tests.helpers import RunningServer, start_server, write_config
+from tests.helpers import RunningServer, recorded, start_server, write_config
 from workers.audio import supported_speech_formats
 from workers.base import ModelSpec
 from workers.tts import TTSWorker
@@ -661,6 +661,22 @@ def test_transcription_token_logprobs_through_the_sdk(media):
     r = httpx.post(f"{media.base_url}/audio/translations", headers=auth(media), files={"file": ("a.wav", WAV)},
                    data={"model": "tiny-stt", "include[]": "logprobs"})
     error(r, 400, "include", "unknown_parameter")
+
+
+@pytest.mark.parametrize("name, fmt, codec, mime", [("note.webm", "webm", "libopus", "audio/webm"),
+                                                     ("memo.m4a", "ipod", "aac", "audio/mp4")])
+def test_a_browser_or_phone_recording_is_transcribed(media, name, fmt, codec, mime):
+    """What MediaRecorder (WebM/Opus) and phones (M4A/AAC) upload, through the SDK: transcribed,
+    its duration read from the stream; a long one (a small file of 30 s of silence here) is the
+    same 400 ``audio_too_long`` as a long wav, decoded only a second past the limit."""
+    c = client(media)
+    verbose = c.audio.transcriptions.create(model="tiny-stt", file=(name, recorded(fmt, codec, 3.0), mime),
+                                            response_format="verbose_json", language="en")
+    assert abs(verbose.duration - 3.0) < 0.1 and verbose.segments
+    long = recorded(fmt, codec, 30.0, rate=16000, freq=0.0, channels=1)
+    assert len(long) < 1_000_000  # under transcription_max_bytes (1 MiB): only the duration refuses it
+    err = error(_transcribe(media, {"file": (name, long)}), 400, "file", "audio_too_long")
+    assert "longer than this server's limit of 20 s" in err["message"]
 
 
 def test_chunking_strategy_auto_is_the_servers_own_cutting(media):

@@ -18,6 +18,7 @@ import demo.image
 import demo.stt
 import demo.tts
 from workers import audio, image, stt, tts
+from tests.helpers import recorded
 from workers.base import Cancelled, ModelSpec, StepContext
 
 CPU = torch.device("cpu")
@@ -737,6 +738,39 @@ def test_decode_flac_and_ogg():
         sf.write(buf, _tone(1.0, 22050), 22050, format=fmt)
         x, sr = audio.decode_audio(buf.getvalue())
         assert sr == 22050 and x.dtype == np.float32 and abs(len(x) - 22050) < 100
+
+
+@pytest.mark.parametrize("fmt, codec", [("webm", "libopus"), ("ipod", "aac"), ("mp4", "aac"), ("adts", "aac")])
+def test_decode_what_browsers_and_phones_record(fmt, codec):
+    """WebM/Opus (Chrome's MediaRecorder), M4A and MP4 with AAC (Safari, phones), raw AAC: decoded
+    by FFmpeg to mono at the stream's rate, the length and the tone's pitch kept."""
+    x, sr = audio.decode_audio(recorded(fmt, codec, 2.0))
+    assert sr == 48000 and x.dtype == np.float32 and x.ndim == 1
+    assert abs(len(x) / sr - 2.0) < 0.1  # codec padding and priming: a few tens of ms
+    spectrum = np.abs(np.fft.rfft(x[sr // 2: sr // 2 + sr]))  # a second from the middle: 1 Hz bins
+    assert abs(int(np.argmax(spectrum)) - 440) <= 1 and 0.1 < np.abs(x).max() < 0.5
+
+
+def test_ffmpeg_decodes_no_more_than_it_may_use():
+    """A few kilobytes of WebM silence that would decode to 90 s stop a second past
+    ``max_seconds``; a container that is not audio is refused by name, not decoded."""
+    silence = recorded("webm", "libopus", 90.0, rate=16000, freq=0.0, channels=1)
+    assert len(silence) < 90_000
+    x, sr = audio.decode_audio(silence, max_seconds=10)
+    assert 10 < len(x) / sr <= 11.2
+    assert abs(len(audio.decode_audio(silence)[0]) / sr - 90) < 0.1  # without a cap, the whole
+    import av
+
+    buf = io.BytesIO()
+    with av.open(buf, mode="w", format="gif") as out:
+        stream = out.add_stream("gif", rate=1)
+        stream.width = stream.height = 8
+        stream.pix_fmt = "rgb8"
+        frame = av.VideoFrame.from_ndarray(np.zeros((8, 8, 3), np.uint8), format="rgb24")
+        for packet in [*stream.encode(frame), *stream.encode(None)]:
+            out.mux(packet)
+    with pytest.raises(ValueError, match="CompuServe GIF|GIF"):
+        audio.decode_audio(buf.getvalue())
 
 
 def test_subtitles():

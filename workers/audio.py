@@ -3,7 +3,8 @@ time-stretching, encoding speech (whole or streamed), and subtitle formatting.
 
 Everything here is float32 mono numpy in [-1, 1] plus a sample rate; files go through soundfile
 (libsndfile), so which compressed formats exist depends on the installed libsndfile and is probed
-once at import.
+once at import. An upload libsndfile cannot read (WebM, MP4/M4A, AAC: what browsers and phones
+record) is decoded by FFmpeg through PyAV, the containers OpenAI lists only.
 """
 
 from __future__ import annotations
@@ -54,20 +55,63 @@ def supported_speech_formats() -> list[str]:
     return list(_AVAILABLE)
 
 
-def decode_audio(data: bytes) -> tuple[np.ndarray, int]:
-    """Decode an uploaded file (wav, flac, ogg, and mp3 where libsndfile has it) to float32 mono.
+# FFmpeg's demuxers (``container.format.name``) for the uploads OpenAI takes that libsndfile does not
+# read: webm, mp4, m4a (and mpeg, mpga, aac); anything else FFmpeg finds is refused, not decoded
+_AV_CONTAINERS = ("matroska,webm", "mov,mp4,m4a,3gp,3g2,mj2", "aac", "mp3", "mpeg", "ogg", "wav", "flac")
 
-    Stereo and multi-channel audio is mixed down. Raises ``ValueError`` for bytes that are not
-    audio, are corrupt, or hold no samples.
+
+def decode_audio(data: bytes, max_seconds: float | None = None) -> tuple[np.ndarray, int]:
+    """Decode an uploaded file to float32 mono: wav, flac, ogg (and mp3 where libsndfile has it)
+    through libsndfile; webm, mp4, m4a and aac (and what libsndfile turned down) through FFmpeg.
+
+    Stereo and multi-channel audio is mixed down. FFmpeg decodes at most ``max_seconds`` plus a
+    second (a small file of a long silence is not decoded whole: the caller sees it is too long).
+    Raises ``ValueError`` for bytes that are not audio, are corrupt, or hold no samples.
     """
     try:
         x, sr = sf.read(io.BytesIO(data), dtype="float32", always_2d=True)
     except (sf.LibsndfileError, RuntimeError, TypeError) as e:
         why = getattr(e, "error_string", None) or str(e)  # libsndfile's own words, not "Error opening <BytesIO at 0x...>"
-        raise ValueError(f"could not decode audio (expected wav, flac or ogg): {why}") from None
-    if x.shape[0] == 0:
+        mono, sr = _decode_with_ffmpeg(data, max_seconds, why)
+    else:
+        mono = x.mean(axis=1, dtype=np.float32)
+    if len(mono) == 0:
         raise ValueError("the audio file holds no samples")
-    return x.mean(axis=1, dtype=np.float32), int(sr)
+    return mono, int(sr)
+
+
+def _decode_with_ffmpeg(data: bytes, max_seconds: float | None, why: str) -> tuple[np.ndarray, int]:
+    """The first audio stream of ``data`` through PyAV, mixed down to mono float32 at its own rate;
+    ``why`` is libsndfile's reason, said when FFmpeg cannot read it either."""
+    import av
+
+    expected = "expected wav, flac, ogg, mp3, webm, mp4, m4a or aac"
+    chunks: list[np.ndarray] = []
+    try:
+        with av.open(io.BytesIO(data), mode="r") as container:
+            if container.format.name not in _AV_CONTAINERS:
+                raise ValueError(f"could not decode audio ({expected}): a {container.format.long_name} file")
+            stream = next((s for s in container.streams if s.type == "audio"), None)
+            if stream is None:
+                raise ValueError(f"could not decode audio ({expected}): the file holds no audio stream")
+            rate = stream.codec_context.sample_rate
+            if not rate:
+                raise ValueError(f"could not decode audio ({expected}): its audio stream has no sample rate")
+            mono = av.AudioResampler(format="flt", layout="mono", rate=rate)
+            cap = None if max_seconds is None else int((max_seconds + 1) * rate)
+            got = 0
+            for frame in container.decode(stream):
+                for out in mono.resample(frame):
+                    chunks.append(out.to_ndarray().reshape(-1))
+                    got += chunks[-1].size
+                if cap is not None and got > cap:
+                    break
+            else:
+                chunks += [out.to_ndarray().reshape(-1) for out in mono.resample(None)]
+    except av.FFmpegError as e:
+        raise ValueError(f"could not decode audio ({expected}): {why}; FFmpeg: {e.strerror or e}") from None
+    x = np.concatenate(chunks).astype(np.float32, copy=False) if chunks else np.zeros(0, np.float32)
+    return x, rate
 
 
 def resample(x: np.ndarray, sr_from: int, sr_to: int) -> np.ndarray:
