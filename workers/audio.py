@@ -33,8 +33,10 @@ CONTENT_TYPES: dict[str, str] = {
     "flac": "audio/flac",
     "mp3": "audio/mpeg",
     "opus": "audio/ogg",
+    "aac": "audio/aac",
     "pcm": "audio/pcm",
 }
+_AAC_RATES = (7350, 8000, 11025, 12000, 16000, 22050, 24000, 32000, 44100, 48000, 64000, 88200, 96000)
 
 
 def _probe(fmt: str) -> bool:
@@ -47,11 +49,11 @@ def _probe(fmt: str) -> bool:
     return True
 
 
-_AVAILABLE = [f for f in _SOUNDFILE_FORMATS if _probe(f)] + ["pcm"]
+_AVAILABLE = [f for f in _SOUNDFILE_FORMATS if _probe(f)] + ["aac", "pcm"]  # aac: FFmpeg's encoder (PyAV)
 
 
 def supported_speech_formats() -> list[str]:
-    """Speech output formats this installation can encode (always wav, flac and pcm)."""
+    """Speech output formats this installation can encode (always wav, flac, aac and pcm)."""
     return list(_AVAILABLE)
 
 
@@ -158,6 +160,8 @@ def encode_audio(x: np.ndarray, sample_rate: int, fmt: str) -> bytes:
         raise ValueError(f"unsupported format {fmt!r}; supported: {', '.join(_AVAILABLE)}")
     if fmt == "pcm":
         return _pcm16(x)
+    if fmt == "aac":
+        return b"".join(_aac([x], sample_rate))
     container, subtype, rates = _SOUNDFILE_FORMATS[fmt]
     if rates is not None and sample_rate not in rates:
         target = min((r for r in rates if r >= sample_rate), default=rates[-1])
@@ -177,14 +181,17 @@ def wav_stream_header(sample_rate: int) -> bytes:
 def encode_stream(chunks: Iterable[np.ndarray], sample_rate: int, fmt: str) -> Iterator[bytes]:
     """Encode speech chunks as they arrive.
 
-    ``wav`` (header of unknown length, then PCM) and ``pcm`` stream chunk by chunk. ``flac``,
-    ``mp3`` and ``opus`` are encoded once the last chunk has arrived: libsndfile rewrites their
-    headers (FLAC STREAMINFO, the MP3 Xing frame) when the file is closed, and a stream without
-    those rewrites decodes to the wrong length.
+    ``wav`` (header of unknown length, then PCM) and ``pcm`` stream chunk by chunk, and ``aac``
+    too (ADTS: each frame carries its own header; the encoder holds back a frame or two until the
+    next chunk). ``flac``, ``mp3`` and ``opus`` are encoded once the last chunk has arrived:
+    libsndfile rewrites their headers (FLAC STREAMINFO, the MP3 Xing frame) when the file is
+    closed, and a stream without those rewrites decodes to the wrong length.
     """
     if fmt not in _AVAILABLE:
         raise ValueError(f"unsupported format {fmt!r}; supported: {', '.join(_AVAILABLE)}")
-    if fmt in ("wav", "pcm"):
+    if fmt == "aac":
+        yield from _aac(chunks, sample_rate)
+    elif fmt in ("wav", "pcm"):
         if fmt == "wav":
             yield wav_stream_header(sample_rate)
         for x in chunks:
@@ -193,6 +200,37 @@ def encode_stream(chunks: Iterable[np.ndarray], sample_rate: int, fmt: str) -> I
         parts = list(chunks)
         whole = np.concatenate(parts) if parts else np.zeros(0, np.float32)
         yield encode_audio(whole, sample_rate, fmt)
+
+
+def _aac(chunks: Iterable[np.ndarray], sample_rate: int) -> Iterator[bytes]:
+    """AAC-LC in ADTS frames (OpenAI's ``aac``), mono, by FFmpeg's encoder: the bytes each chunk
+    completes, then the rest at the end. A rate AAC has no table entry for is resampled to the
+    next one up."""
+    import av
+
+    rate = min((r for r in _AAC_RATES if r >= sample_rate), default=_AAC_RATES[-1])
+    buf = io.BytesIO()
+
+    def written() -> Iterator[bytes]:
+        if buf.tell():
+            yield buf.getvalue()
+            buf.seek(0)
+            buf.truncate()
+
+    with av.open(buf, mode="w", format="adts") as out:
+        stream = out.add_stream("aac", rate=rate)
+        stream.layout = "mono"
+        for x in chunks:  # one at a time, as the speech is made
+            x = resample(x, sample_rate, rate) if rate != sample_rate else x
+            frame = av.AudioFrame.from_ndarray(np.clip(x, -1.0, 1.0).astype(np.float32)[None, :], format="fltp",
+                                               layout="mono")
+            frame.sample_rate = rate
+            for packet in stream.encode(frame):
+                out.mux(packet)
+            yield from written()
+        for packet in stream.encode(None):
+            out.mux(packet)
+    yield from written()
 
 
 class Timed(Protocol):
