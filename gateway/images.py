@@ -63,9 +63,8 @@ class ImageGenerationRequest(_Body):
     negative_prompt: str | None = None
     num_inference_steps: int | None = Field(default=None, ge=1)
     guidance_scale: float = Field(default=7.0, ge=0, le=50)
-    # OpenAI fields accepted with the only values this server has
-    quality: Literal["auto", "standard"] | None = None
-    output_format: Literal["png", "jpeg", "webp"] | None = None
+    quality: Literal["auto", "standard"] | None = None  # OpenAI's field, with the only values this server has
+    output_format: Literal["png", "jpeg", "webp"] | None = None  # the pipelines' PNG, or encoded from it (``encoded``)
     output_compression: int | None = Field(default=None, ge=0, le=100)  # jpeg and webp: 0-100 (quality)
     background: Literal["auto", "opaque", "transparent"] | None = None  # transparent: a 400 (opaque images only)
     stream: bool = False  # previews while it denoises (partial_images of them), then the image: SSE events
