@@ -13,6 +13,7 @@ from typing import AsyncIterator, Sequence
 from starlette.applications import Starlette
 from starlette.exceptions import HTTPException
 from starlette.middleware import Middleware
+from starlette.middleware.cors import CORSMiddleware
 from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
 from starlette.routing import BaseRoute, Route
@@ -260,15 +261,16 @@ def create_app(services: Services, extra: Sequence[BaseRoute] = ()) -> Starlette
     (``app.state.responses``), chat completions (``app.state.completions``) and conversations
     (``app.state.conversations``), the drain
     (``app.state.drain``: readiness, refusing while draining, handing batch lines back), and
-    ``extra`` routes (benchmarks add probes). Middleware, outermost first: the request log, the
-    drain's gate, the body deadline."""
+    ``extra`` routes (benchmarks add probes). Middleware, outermost first: CORS when
+    ``server.cors_origins`` names any (``cors``), the request log, the drain's gate, the body
+    deadline, the keys' rate-limit headers."""
     drain = Drain(services.config.server.drain_timeout_s)
     app = Starlette(
         routes=routes() + list(extra),
         exception_handlers={APIError: _api_error, HTTPException: _http_error, ClientGone: _client_gone,
                             **dict.fromkeys(STORE_ERRORS, _store_down), Exception: _unexpected},
         lifespan=_lifespan,
-        middleware=[Middleware(RequestLog), Middleware(DrainGate, drain=drain),
+        middleware=[*cors(services.config.server.cors_origins), Middleware(RequestLog), Middleware(DrainGate, drain=drain),
                     Middleware(BodyDeadline, seconds=services.config.limits.body_timeout_s),
                     Middleware(KeyHeaders)],
     )
@@ -286,6 +288,23 @@ def create_app(services: Services, extra: Sequence[BaseRoute] = ()) -> Starlette
     drain.hooks.append(app.state.batches.hand_back)
     app.state.started = time.time()
     return app
+
+
+# What a page's script may read of an answer besides the CORS-safelisted headers
+EXPOSED_HEADERS = ["x-request-id", "x-tiergate-tier", "retry-after", "retry-after-ms",
+                   *(f"x-ratelimit-{what}-{dim}" for what in ("limit", "remaining", "reset") for dim in ("requests", "tokens"))]
+
+
+def cors(origins: list[str]) -> list[Middleware]:
+    """Starlette's CORS middleware for web pages on ``origins`` (``"*"``: any) that call the API
+    with a key in the Authorization header (no cookies, so no credentials mode): it answers
+    preflight requests before authentication and adds its headers to every answer, errors
+    included, so a page reads a 401 or a 429 as such. Nothing for no origins: no CORS headers,
+    no work per request."""
+    if not origins:
+        return []
+    return [Middleware(CORSMiddleware, allow_origins=origins, allow_methods=["GET", "POST", "PATCH", "DELETE"],
+                       allow_headers=["*"], expose_headers=EXPOSED_HEADERS, max_age=600)]
 
 
 async def _follow_stops(services: Services, state) -> None:

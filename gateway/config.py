@@ -252,9 +252,11 @@ class StoredCompletionsConfig(_Strict):
 
 
 class ServerConfig(_Strict):
-    """How the server stops (gateway/drain.py)."""
+    """How the server stops (gateway/drain.py), and which web pages may call it (CORS)."""
 
     drain_timeout_s: float = Field(default=30.0, ge=0)  # on SIGTERM: how long requests in flight may finish
+    # browser apps on these origins may call the API with their keys ("*": any origin); none: no CORS headers
+    cors_origins: list[Annotated[str, Field(pattern=r"^(\*|https?://[^/\s]+)$")]] = []
 
 
 WEBHOOK_EVENTS = ("response.completed", "response.incomplete", "response.failed", "response.cancelled",

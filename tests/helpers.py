@@ -6,6 +6,7 @@ import asyncio
 import contextlib
 import io
 import json
+import os
 import shutil
 import socket
 import subprocess
@@ -187,3 +188,25 @@ def recorded(fmt: str, codec: str, seconds: float, rate: int = 48000, freq: floa
         for packet in [*stream.encode(frame), *stream.encode(None)]:
             out.mux(packet)
     return buf.getvalue()
+
+
+CHROMIUM, CHROMEDRIVER = "/usr/bin/chromium", "/usr/bin/chromedriver"
+
+
+def chromium(tmp_path: Path):
+    """Debian's headless Chromium through Debian's chromedriver; nothing is ever downloaded."""
+    missing = [p for p in (CHROMIUM, CHROMEDRIVER) if not shutil.which(p)]
+    if missing:
+        pytest.fail(f"{' and '.join(missing)} missing: install Debian's chromium and chromium-driver "
+                    "(scripts/test does: scripts/install_system.sh)")
+    from selenium import webdriver
+    from selenium.webdriver.chrome.service import Service
+
+    os.environ["SE_OFFLINE"] = "true"  # Selenium Manager may not fetch a browser or a driver
+    options = webdriver.ChromeOptions()
+    options.binary_location = CHROMIUM
+    for flag in ("--headless", "--no-sandbox", "--disable-gpu", "--disable-quic", "--no-first-run",
+                 "--disable-background-networking", "--disable-component-update", "--disable-sync",
+                 "--disable-dev-shm-usage", "--window-size=1400,1300", f"--user-data-dir={tmp_path / 'profile'}"):
+        options.add_argument(flag)
+    return webdriver.Chrome(service=Service(CHROMEDRIVER), options=options)

@@ -24,10 +24,10 @@ import httpx
 import openai
 import pytest
 
-from tests.helpers import RunningServer, start_server, write_config
+from tests import helpers
+from tests.helpers import RunningServer, chromium, start_server, write_config
 
 ROOT = Path(__file__).resolve().parents[1]
-CHROMIUM, CHROMEDRIVER = "/usr/bin/chromium", "/usr/bin/chromedriver"
 GiB = 2**30
 
 
@@ -209,25 +209,6 @@ def test_a_reader_that_falls_behind_gets_a_fresh_state(server):
 # -- the page, in a real browser --------------------------------------------------------------------
 
 
-def chromium(tmp_path: Path):
-    """Debian's headless Chromium through Debian's chromedriver; nothing is ever downloaded."""
-    missing = [p for p in (CHROMIUM, CHROMEDRIVER) if not shutil.which(p)]
-    if missing:
-        pytest.fail(f"{' and '.join(missing)} missing: install Debian's chromium and chromium-driver "
-                    "(scripts/test does: scripts/install_system.sh)")
-    from selenium import webdriver
-    from selenium.webdriver.chrome.service import Service
-
-    os.environ["SE_OFFLINE"] = "true"  # Selenium Manager may not fetch a browser or a driver
-    options = webdriver.ChromeOptions()
-    options.binary_location = CHROMIUM
-    for flag in ("--headless", "--no-sandbox", "--disable-gpu", "--disable-quic", "--no-first-run",
-                 "--disable-background-networking", "--disable-component-update", "--disable-sync",
-                 "--disable-dev-shm-usage", "--window-size=1400,1300", f"--user-data-dir={tmp_path / 'profile'}"):
-        options.add_argument(flag)
-    return webdriver.Chrome(service=Service(CHROMEDRIVER), options=options)
-
-
 def test_the_page_shows_the_state_in_a_real_browser(server, tmp_path):
     from selenium.common.exceptions import StaleElementReferenceException
     from selenium.webdriver.common.by import By
@@ -335,6 +316,6 @@ def test_a_batch_store_that_does_not_answer_leaves_the_rest_of_the_state(server)
 
 def test_a_missing_browser_fails_the_browser_test_with_what_to_install(monkeypatch, tmp_path):
     """Not a skip: CI runs scripts/test, which installs Chromium, so a missing one is a failure."""
-    monkeypatch.setitem(globals(), "CHROMIUM", str(tmp_path / "no-chromium"))
+    monkeypatch.setattr(helpers, "CHROMIUM", str(tmp_path / "no-chromium"))
     with pytest.raises(pytest.fail.Exception, match="install Debian's chromium and chromium-driver"):
         chromium(tmp_path)
