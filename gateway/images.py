@@ -45,6 +45,10 @@ if TYPE_CHECKING:
 log = logging.getLogger("tiergate")
 
 DEFAULT_STEPS = 25
+# OpenAI's quality, as denoising steps when num_inference_steps is not given: a share of the default
+# (gpt-image-1's low/medium/high, dall-e-3's standard/hd; auto: the default)
+QUALITY_STEPS = {"low": 0.4, "medium": 0.7, "auto": 1.0, "standard": 1.0, "high": 1.5, "hd": 1.5}
+Quality = Literal["auto", "low", "medium", "high", "standard", "hd"]
 _SIZE = re.compile(r"^(\d{1,5})x(\d{1,5})$")
 MAX_SOURCE_PIXELS = 4096 * 4096  # an edit's uploaded image (and mask), checked before it is decoded
 SOURCE_FORMATS = ("PNG", "JPEG", "WEBP")
@@ -63,7 +67,7 @@ class ImageGenerationRequest(_Body):
     negative_prompt: str | None = None
     num_inference_steps: int | None = Field(default=None, ge=1)
     guidance_scale: float = Field(default=7.0, ge=0, le=50)
-    quality: Literal["auto", "standard"] | None = None  # OpenAI's field, with the only values this server has
+    quality: Quality | None = None  # the denoising steps, when num_inference_steps is not given (QUALITY_STEPS)
     output_format: Literal["png", "jpeg", "webp"] | None = None  # the pipelines' PNG, or encoded from it (``encoded``)
     output_compression: int | None = Field(default=None, ge=0, le=100)  # jpeg and webp: 0-100 (quality)
     background: Literal["auto", "opaque", "transparent"] | None = None  # transparent: a 400 (opaque images only)
@@ -93,7 +97,7 @@ class ImageEditForm(ImageVariationForm):
     """``/v1/images/edits``'s text fields (the image and the mask are file parts)."""
 
     prompt: str
-    quality: Literal["auto", "standard"] | None = None
+    quality: Quality | None = None
     output_format: Literal["png", "jpeg", "webp"] | None = None
     output_compression: int | None = Field(default=None, ge=0, le=100)
     background: Literal["auto", "opaque", "transparent"] | None = None
@@ -130,7 +134,8 @@ def _checked_steps(body: ImageGenerationRequest | ImageVariationForm, limits: Li
         _text(body.negative_prompt, "negative_prompt", limits.prompt_max_chars, required=False)
     if body.n > limits.image_max_n:
         raise bad_request(f"n is {body.n}, above this server's limit of {limits.image_max_n}", "n")
-    steps = body.num_inference_steps or min(DEFAULT_STEPS, limits.image_max_steps)
+    share = QUALITY_STEPS[getattr(body, "quality", None) or "auto"]
+    steps = body.num_inference_steps or min(max(1, round(DEFAULT_STEPS * share)), limits.image_max_steps)
     if steps > limits.image_max_steps:
         raise bad_request(f"num_inference_steps is {steps}, above this server's limit of {limits.image_max_steps}",
                           "num_inference_steps")

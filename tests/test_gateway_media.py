@@ -165,6 +165,27 @@ def test_image_output_formats_are_the_same_pixels_encoded_as_asked(media):
     assert c.images.generate(**ask, background="opaque").data[0].b64_json == base64.b64encode(png).decode()
 
 
+def test_quality_sets_the_denoising_steps(media):
+    """OpenAI's ``quality`` (gpt-image-1's low/medium/high, dall-e-3's standard/hd) as a share of the
+    default 25 denoising steps (UNet calls counted: one a step, the guidance batched in it), and
+    ``num_inference_steps`` over it when given."""
+    c = client(media)
+    worker = media.services.arbiter.workers.get("tiny-image")
+    if worker is None or getattr(worker, "pipe", None) is None:
+        c.images.generate(model="tiny-image", prompt="warm up", size="32x32", extra_body={"num_inference_steps": 1})
+        worker = media.services.arbiter.workers["tiny-image"]
+    counts = {}
+    for quality in ("low", "medium", "standard", "hd"):
+        with _Counter(worker.pipe.unet) as steps:
+            c.images.generate(model="tiny-image", prompt="a cat", size="32x32", quality=quality)
+        counts[quality] = steps.n
+    assert counts == {"low": 10, "medium": 18, "standard": 25, "hd": 38}
+    with _Counter(worker.pipe.unet) as steps:
+        c.images.generate(model="tiny-image", prompt="a cat", size="32x32", quality="high",
+                          extra_body={"num_inference_steps": 3})
+    assert steps.n == 3
+
+
 def test_image_store_expires_and_stays_bounded():
     now = [0.0]
     store = ImageStore(ttl_s=10, max_bytes=100, clock=lambda: now[0])
