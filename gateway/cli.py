@@ -29,6 +29,8 @@ def main(argv: list[str] | None = None) -> int:
                        help="when no API keys are set, make random ones for this run and print them")
     serve.add_argument("--log-format", choices=["text", "json"], default="text",
                        help="log lines (one per request among them) as plain text or as JSON objects")
+    serve.add_argument("--ssl-certfile", help="serve HTTPS with this certificate (PEM; its chain after it)")
+    serve.add_argument("--ssl-keyfile", help="the certificate's private key (PEM)")
     models = sub.add_parser("demo-models", help="build the tiny offline demo models")
     models.add_argument("--out", default="demo-models", help="folder to build them in")
     models.add_argument("--seed", type=int, default=0)
@@ -41,6 +43,8 @@ def main(argv: list[str] | None = None) -> int:
                          help="a running Ray cluster ('auto', or host:port of its head); default: start one here")
     cluster.add_argument("--demo", action="store_true", help="when no API keys are set, make random ones and print them")
     args = parser.parse_args(argv)
+    if args.command == "serve" and bool(args.ssl_certfile) != bool(args.ssl_keyfile):
+        serve.error("--ssl-certfile and --ssl-keyfile go together")
     if args.command == "cluster":
         from cluster.cli import run  # imports Ray: only this command does
 
@@ -102,6 +106,14 @@ def _serve(args: argparse.Namespace) -> int:
     except ConfigError as exc:
         print(f"tiergate: {exc}", file=sys.stderr)
         return 2
+    if args.ssl_certfile:  # read now, so a wrong file is one line, not uvicorn's traceback after the models load
+        import ssl
+
+        try:
+            ssl.create_default_context(ssl.Purpose.CLIENT_AUTH).load_cert_chain(args.ssl_certfile, args.ssl_keyfile)
+        except (OSError, ssl.SSLError) as exc:
+            print(f"tiergate: --ssl-certfile {args.ssl_certfile} / --ssl-keyfile {args.ssl_keyfile}: {exc}", file=sys.stderr)
+            return 2
     from gateway.app import build_services, create_app
     from gateway import collector
     from gateway.drain import DrainingServer
@@ -116,10 +128,12 @@ def _serve(args: argparse.Namespace) -> int:
         return 2
     collector.attach(services)  # the long-lived objects frozen out of the garbage collector's walks
     app = create_app(services)
+    scheme = "https" if args.ssl_certfile else "http"
     if made:
-        _print_demo_keys(made, args.host, args.port)
+        _print_demo_keys(made, args.host, args.port, scheme)
+    tls = {"ssl_certfile": args.ssl_certfile, "ssl_keyfile": args.ssl_keyfile} if args.ssl_certfile else {}
     # uvicorn logs through the handler configured above; the request log replaces its access log
-    config = server_config(app, args.host, args.port, log_config=None, access_log=False)
+    config = server_config(app, args.host, args.port, log_config=None, access_log=False, **tls)
     DrainingServer(config, app.state.drain).run()
     return 0
 
@@ -152,8 +166,8 @@ def server_config(app, host: str, port: int, log_level: str = "info", **options)
                           **options)
 
 
-def _print_demo_keys(made: dict[str, list[str]], host: str, port: int) -> None:
-    base = f"http://{host}:{port}/v1"
+def _print_demo_keys(made: dict[str, list[str]], host: str, port: int, scheme: str = "http") -> None:
+    base = f"{scheme}://{host}:{port}/v1"
     print("\ntiergate demo mode: random API keys for this run only", flush=True)
     for tier, keys in made.items():
         print(f"  {tier:<11} {keys[0]}")

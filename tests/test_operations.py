@@ -33,9 +33,9 @@ REQUEST_FIELDS = {"request_id", "method", "endpoint", "status", "reason", "key_i
 class Served:
     """``tiergate serve --log-format json`` in a subprocess, its output in a file."""
 
-    def __init__(self, config: Path) -> None:
+    def __init__(self, config: Path, *args: str, verify: str | bool = True) -> None:
         self.port = spare_port()
-        self.url = f"http://127.0.0.1:{self.port}"
+        self.url = f"{'https' if '--ssl-certfile' in args else 'http'}://127.0.0.1:{self.port}"
         self.log_path = config.parent / "serve.log"
         env = {k: v for k, v in os.environ.items() if not k.startswith(("TEST_KEYS_", "TIERGATE_KEYS_"))}
         env.update({f"TEST_KEYS_{t.upper()}": k for t, k in KEYS.items()}, PYTHONPATH=str(ROOT))  # this checkout's code
@@ -43,13 +43,13 @@ class Served:
         command = [str(tiergate)] if tiergate.exists() else [sys.executable, "-m", "gateway.cli"]
         with open(self.log_path, "w") as out:
             self.proc = subprocess.Popen(
-                [*command, "serve", "--config", str(config), "--port", str(self.port), "--log-format", "json"],
+                [*command, "serve", "--config", str(config), "--port", str(self.port), "--log-format", "json", *args],
                 env=env, stdout=out, stderr=subprocess.STDOUT)
         deadline = time.time() + 60
         while True:
             assert self.proc.poll() is None and time.time() < deadline, self.output()
             try:
-                if httpx.get(f"{self.url}/readyz", timeout=1).status_code == 200:
+                if httpx.get(f"{self.url}/readyz", timeout=1, verify=verify).status_code == 200:
                     break
             except httpx.TransportError:
                 pass
@@ -248,6 +248,62 @@ def backlog(store: Path, batch_id: str) -> list[tuple[str | None, int]]:
                               (batch_id,)).fetchall()
         except sqlite3.OperationalError:  # the schema is not there yet
             return []
+
+
+def self_signed(folder: Path) -> tuple[Path, Path]:
+    """A certificate for 127.0.0.1 (its own issuer) and its key, as PEM files."""
+    import datetime
+    import ipaddress
+
+    from cryptography import x509
+    from cryptography.hazmat.primitives import hashes, serialization
+    from cryptography.hazmat.primitives.asymmetric import ec
+    from cryptography.x509.oid import NameOID
+
+    key = ec.generate_private_key(ec.SECP256R1())
+    name = x509.Name([x509.NameAttribute(NameOID.COMMON_NAME, "tiergate test")])
+    now = datetime.datetime.now(datetime.timezone.utc)
+    cert = (x509.CertificateBuilder().subject_name(name).issuer_name(name).public_key(key.public_key())
+            .serial_number(x509.random_serial_number()).not_valid_before(now - datetime.timedelta(minutes=5))
+            .not_valid_after(now + datetime.timedelta(days=1))
+            .add_extension(x509.SubjectAlternativeName([x509.IPAddress(ipaddress.ip_address("127.0.0.1"))]), critical=False)
+            .add_extension(x509.BasicConstraints(ca=True, path_length=None), critical=True)
+            .sign(key, hashes.SHA256()))
+    cert_path, key_path = folder / "cert.pem", folder / "key.pem"
+    cert_path.write_bytes(cert.public_bytes(serialization.Encoding.PEM))
+    key_path.write_bytes(key.private_bytes(serialization.Encoding.PEM, serialization.PrivateFormat.PKCS8,
+                                           serialization.NoEncryption()))
+    return cert_path, key_path
+
+
+def test_serve_speaks_https_with_a_certificate_and_refuses_a_wrong_one(tiny_chat, tmp_path):
+    """``--ssl-certfile``/``--ssl-keyfile``: the SDK talks HTTPS to it, trusting that certificate
+    (and plain HTTP to the same port gets no answer); a certificate that does not load is one line
+    and exit 2 before the server starts; one flag without the other is a usage error."""
+    cert, key = self_signed(tmp_path)
+    config = write_config(tmp_path, {"tiny-chat": ("chat", tiny_chat)})
+    server = Served(config, "--ssl-certfile", str(cert), "--ssl-keyfile", str(key), verify=str(cert))
+    try:
+        assert server.url.startswith("https://")
+        client = openai.OpenAI(base_url=f"{server.url}/v1", api_key=KEYS["paid"], max_retries=0,
+                               http_client=httpx.Client(verify=str(cert)))
+        r = client.chat.completions.create(model="tiny-chat", messages=[{"role": "user", "content": "hi"}], max_tokens=2)
+        assert r.choices[0].finish_reason in ("length", "stop")
+        with pytest.raises(httpx.TransportError):
+            httpx.get(f"http://127.0.0.1:{server.port}/healthz", timeout=5)
+        with pytest.raises(httpx.ConnectError):  # not trusted without the certificate
+            httpx.get(f"{server.url}/healthz", timeout=5)
+    finally:
+        assert server.stop() == 0, server.output()[-3000:]
+    tiergate = Path(sys.executable).with_name("tiergate")
+    command = [str(tiergate)] if tiergate.exists() else [sys.executable, "-m", "gateway.cli"]
+    env = {**os.environ, **{f"TEST_KEYS_{t.upper()}": k for t, k in KEYS.items()}, "PYTHONPATH": str(ROOT)}
+    wrong = subprocess.run([*command, "serve", "--config", str(config), "--ssl-certfile", str(key), "--ssl-keyfile", str(key)],
+                           env=env, capture_output=True, text=True, timeout=120)
+    assert wrong.returncode == 2 and "tiergate: --ssl-certfile" in wrong.stderr, wrong.stderr[-2000:]
+    alone = subprocess.run([*command, "serve", "--ssl-certfile", str(cert)], env=env, capture_output=True, text=True,
+                           timeout=120)
+    assert alone.returncode == 2 and "--ssl-certfile and --ssl-keyfile go together" in alone.stderr
 
 
 def test_request_ids_are_printable_ascii_of_bounded_length():
