@@ -480,9 +480,9 @@ class Draft:
 
 
 def message_item(item_id: str, text: str, status: str, logprobs: list | None) -> dict[str, Any]:
-    part: dict[str, Any] = {"type": "output_text", "text": text, "annotations": []}
-    if logprobs is not None:
-        part["logprobs"] = logprobs
+    """An assistant message of output text; its ``logprobs`` are ``[]`` when none were asked for, as
+    OpenAI's (and as the streamed events already were)."""
+    part: dict[str, Any] = {"type": "output_text", "text": text, "annotations": [], "logprobs": logprobs or []}
     return {"id": item_id, "type": "message", "role": "assistant", "status": status, "content": [part]}
 
 

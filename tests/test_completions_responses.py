@@ -565,10 +565,10 @@ def test_top_logprobs_in_output_text(server):
 def test_include_output_text_logprobs_asks_for_them(server):
     """``include=["message.output_text.logprobs"]`` (OpenAI's way to ask): the output text's logprobs
     without alternatives, or with ``top_logprobs`` of them; the same tokens as top_logprobs alone
-    reads (greedy). Without either, none."""
+    reads (greedy). Without either, ``[]``, as OpenAI sends it, stored and read back the same."""
     c = client(server)
     plain = respond(c, "Probably", max_output_tokens=6)
-    assert not plain.output[0].content[0].logprobs
+    assert plain.output[0].content[0].logprobs == [] == c.responses.retrieve(plain.id).output[0].content[0].logprobs
     got = respond(c, "Probably", max_output_tokens=6, include=["message.output_text.logprobs"])
     entries = got.output[0].content[0].logprobs
     assert entries and all(e.logprob <= 0 and e.top_logprobs == [] for e in entries)
