@@ -96,9 +96,11 @@ def _decode_with_ffmpeg(data: bytes, max_seconds: float | None, why: str) -> tup
             stream = next((s for s in container.streams if s.type == "audio"), None)
             if stream is None:
                 raise ValueError(f"could not decode audio ({expected}): the file holds no audio stream")
-            rate = stream.codec_context.sample_rate
+            codec = stream.codec_context  # None: a codec this FFmpeg has no decoder for (or a damaged header)
+            rate = codec.sample_rate if codec is not None else 0
             if not rate:
-                raise ValueError(f"could not decode audio ({expected}): its audio stream has no sample rate")
+                raise ValueError(f"could not decode audio ({expected}): its audio stream has no codec or sample rate "
+                                 "FFmpeg can read")
             mono = av.AudioResampler(format="flt", layout="mono", rate=rate)
             cap = None if max_seconds is None else int((max_seconds + 1) * rate)
             got = 0
