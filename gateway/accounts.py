@@ -16,6 +16,14 @@ their key's limits were applied when the batch was created, and batch work only 
 GPU anyway. A batch line's caller carries its metering ids (``gateway.auth.Metering``), which the
 usage write passes on, so the store counts a line once however often it runs: the first
 delivery's usage is the one kept. HTTP requests have none.
+
+A usage write the store fails (Redis down, a full disk under the journal) is kept in this process
+(:class:`Unwritten`) under a metering id of its own, and so is every row after it until the store
+takes them back: the refresh loop writes them again once the store answers, before any usage read
+and at shutdown. The id makes a kept row count once however often it is written again; an HTTP
+request's first write has none, so one that Redis ran before its answer was lost (a timeout) counts
+twice. Past ``UNWRITTEN_MAX`` rows the newest are dropped and counted
+(``tiergate_usage_dropped_total``), as is what is still kept when the process stops.
 """
 
 from __future__ import annotations
@@ -30,6 +38,8 @@ import uuid
 from dataclasses import dataclass, field
 from typing import Any
 
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
+
 from accounts.config import Limits, Price, resolved_price
 from accounts.keys import PREFIX, KeyRecord, make_key, secret_hash
 from accounts.rates import Ask, Bucket, Limiter, Verdict, utc_day
@@ -43,6 +53,10 @@ from gateway.errors import APIError, store_unavailable
 from storage.redis import honour_cancel
 
 log = logging.getLogger("tiergate.accounts")
+UNWRITTEN_MAX = 100_000  # usage rows kept while the store fails (a few hundred bytes each); more are dropped
+WRITE_AGAIN_CHUNK = 256  # kept rows written at once
+STOP_WRITE_S = 5.0  # at shutdown, the last try to write the kept rows
+KEEP_ERRORS = (*STORE_ERRORS, OSError)  # a store that failed a write (OSError: the SQLite journal's file; timeouts)
 
 
 def store_for(config: Config) -> AccountStore:
@@ -70,6 +84,18 @@ class Admission:
     request_id: str = field(default_factory=lambda: uuid.uuid4().hex)
 
 
+@dataclass(frozen=True)
+class KeptRow:
+    """A usage write the store failed, kept to write again under ``metering_id``."""
+
+    day: str
+    key: str
+    model: str
+    tier: str
+    usage: Usage
+    metering_id: str
+
+
 class Accounts:
     def __init__(self, config: Config, store: AccountStore) -> None:
         self.tier_limits = config.accounts.limits
@@ -84,6 +110,9 @@ class Accounts:
         self._version = 0
         self._loop: asyncio.Task | None = None
         self.record_s: collections.deque[float] = collections.deque(maxlen=1000)  # recent usage writes' times
+        self.unwritten: collections.deque[KeptRow] = collections.deque()  # oldest first, written again in order
+        self.dropped = 0  # rows past UNWRITTEN_MAX, lost
+        self._writing_again: asyncio.Task | None = None
 
     @classmethod
     def from_config(cls, config: Config) -> "Accounts":
@@ -98,6 +127,15 @@ class Accounts:
         if self._loop is not None:
             self._loop.cancel()
             await asyncio.gather(self._loop, return_exceptions=True)
+        if self.unwritten:  # a last try; what the store still refuses is lost, and the log says whose
+            try:
+                async with asyncio.timeout(STOP_WRITE_S):
+                    await self.write_again()
+            except TimeoutError:
+                assert self._writing_again is not None
+                self._writing_again.cancel()
+                await asyncio.gather(self._writing_again, return_exceptions=True)
+            self._lose_unwritten()
         await self.limiter.close()
         await self.store.close()
 
@@ -121,6 +159,97 @@ class Accounts:
                 await self.refresh()
             except Exception:  # noqa: BLE001 - the store is down: keep what we know, try again
                 log.warning("could not refresh managed keys from the store", exc_info=True)
+            else:
+                if self.unwritten:  # it answers again: the usage kept meanwhile goes in
+                    await self.write_again()
+
+    # -- usage kept while the store fails
+    async def _record(self, day: str, key: str, model: str, tier: str, usage: Usage, metering_id: str | None) -> None:
+        """A request's usage into the store, durable on return; kept in this process instead when
+        the store fails it, or while rows kept before it still wait (so no request waits on a
+        store that is down, and the rows go in in order)."""
+        if self.unwritten:
+            self._keep(KeptRow(day, key, model, tier, usage, metering_id or _kept_id()))
+            return
+        try:
+            await self.store.record(day, key, model, tier, usage, metering_id)
+        except KEEP_ERRORS as exc:  # the store failed it: kept, written again when it answers
+            log.error("usage of a request on %s could not be written, kept to write again: %r", model, exc)
+            self._keep(KeptRow(day, key, model, tier, usage, metering_id or _kept_id()))
+        except asyncio.CancelledError:  # this task's own cancel (a shutdown cutting it: it ends right after)
+            # or a group commit the store cancelled. A row with a metering id is kept (it counts
+            # once however often it lands); one without most likely landed (Redis runs a script in
+            # well under a millisecond; on SQLite it was in the journal before the await), and is
+            # not kept, so it does not count twice
+            if metering_id is not None:
+                self._keep(KeptRow(day, key, model, tier, usage, metering_id))
+            else:
+                log.error("usage of a request on %s was cut while it was written", model)
+        except Exception as exc:  # noqa: BLE001 - not the store's failure: writing it again would fail again
+            log.error("usage of a request on %s could not be written: %r", model, exc)
+
+    def _keep(self, row: KeptRow) -> None:
+        if len(self.unwritten) >= UNWRITTEN_MAX:
+            self.dropped += 1
+            if self.dropped in (1, 10, 100) or self.dropped % 1000 == 0:
+                log.error("usage kept while the store fails is over %d rows: %d dropped so far", UNWRITTEN_MAX,
+                          self.dropped)
+            return
+        self.unwritten.append(row)
+
+    async def write_again(self) -> None:
+        """Write the usage kept while the store failed, oldest first, each under its metering id
+        (a row that lands twice counts once); rows the store still fails stay kept, in order.
+        Concurrent callers share one pass."""
+        if self._writing_again is None or self._writing_again.done():
+            self._writing_again = asyncio.create_task(self._write_kept(), name="accounts-write-again")
+        await asyncio.shield(self._writing_again)
+
+    async def _write_kept(self) -> None:
+        written = 0
+        while self.unwritten:
+            chunk = [self.unwritten.popleft() for _ in range(min(WRITE_AGAIN_CHUNK, len(self.unwritten)))]
+            try:
+                results = await asyncio.gather(*(self.store.record(r.day, r.key, r.model, r.tier, r.usage,
+                                                                   r.metering_id) for r in chunk), return_exceptions=True)
+            except asyncio.CancelledError:  # stop's time ran out: the chunk is kept again, in order
+                self.unwritten.extendleft(reversed(chunk))
+                raise
+            again = (*KEEP_ERRORS, asyncio.CancelledError)  # (a group commit the store cancelled: kept too)
+            failed = [r for r, result in zip(chunk, results) if isinstance(result, again)]
+            for r, result in zip(chunk, results):
+                if isinstance(result, BaseException) and not isinstance(result, again):  # not the store's
+                    self.dropped += 1  # failure: trying again would fail again, and hold up every row after it
+                    log.error("usage of a request on %s could not be written: %r", r.model, result)
+            written += sum(not isinstance(result, BaseException) for result in results)
+            if failed:
+                self.unwritten.extendleft(reversed(failed))
+                log.warning("usage kept while the store failed: %d rows written, %d still wait (%r)", written,
+                            len(self.unwritten), next(r for r in results if isinstance(r, again)))
+                return
+        log.info("usage kept while the store failed: %d rows written", written)
+
+    def _lose_unwritten(self) -> None:
+        """At shutdown, with the store still failing: the kept usage is lost; the log keeps its sums
+        per key, model, tier and day, to bill by hand."""
+        if not self.unwritten:
+            return
+        sums: dict[tuple[str, str, str, str], Usage] = {}
+        for r in self.unwritten:
+            sums.setdefault((r.day, r.key, r.model, r.tier), Usage()).add(r.usage)
+        log.error("usage of %d requests could not be written before shutdown and is lost: %s", len(self.unwritten),
+                  json.dumps([{"day": d, "key": k, "model": m, "tier": t, **{n: v for n, v in vars(u).items() if v}}
+                              for (d, k, m, t), u in sorted(sums.items())]))
+        self.dropped += len(self.unwritten)
+        self.unwritten.clear()
+
+    def collect(self):
+        """The metrics registry's view: usage kept in this process, and usage lost."""
+        yield GaugeMetricFamily("tiergate_usage_unwritten",
+                                "Usage rows kept in this process while the store fails, to write again",
+                                value=len(self.unwritten))
+        yield CounterMetricFamily("tiergate_usage_dropped", "Usage rows lost: past the kept rows' cap, or at "
+                                  "shutdown with the store still failing", value=self.dropped)
 
     # -- keys
     def lookup(self, token: str) -> Caller | None:
@@ -204,18 +333,12 @@ class Accounts:
         metering_id = caller.metering.next_id() if caller.metering is not None and usage is not None else None
         if held is None:  # the common case (a key without limits): the row alone, no task for gather
             if usage is not None:
-                try:
-                    await self.store.record(utc_day(time.time()), caller.key_id, model, caller.tier, usage,
-                                            metering_id)
-                except (Exception, asyncio.CancelledError) as exc:  # a group commit the store cancelled, or
-                    # this task's own cancel (a shutdown cutting it: it ends right after). On SQLite the row is
-                    # already in the journal or its group by then; on Redis the cut write may be lost
-                    log.error("usage of a request on %s could not be written: %r", model, exc)
+                await self._record(utc_day(time.time()), caller.key_id, model, caller.tier, usage, metering_id)
         else:
             writes = []
             if usage is not None:
-                writes.append(self.store.record(utc_day(time.time()), caller.key_id, model, caller.tier, usage,
-                                                metering_id))
+                writes.append(self._record(utc_day(time.time()), caller.key_id, model, caller.tier, usage,
+                                           metering_id))
             used = Ask() if usage is None else Ask(
                 1.0, usage.input_tokens + usage.output_tokens + usage.embedding_tokens, usage.images,
                 usage.audio_in_seconds + usage.audio_out_seconds)
@@ -238,6 +361,11 @@ class Accounts:
 
 
 _NO_LIMITS = Limits()
+
+
+def _kept_id() -> str:
+    """The metering id of an HTTP request's usage kept to write again (its first write had none)."""
+    return f"kept:{uuid.uuid4().hex}"
 
 
 def refused(verdict: Verdict) -> APIError:

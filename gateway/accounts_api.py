@@ -147,6 +147,8 @@ async def _usage(request: Request, accounts: Accounts, key: str | None, groups: 
     fmt = q.get("format", "json")
     if fmt not in ("json", "csv"):
         raise bad_request("format must be json or csv", "format")
+    if accounts.unwritten:  # usage kept while the store failed goes in first (a store still down: 503)
+        await accounts.write_again()
     rows = await accounts.store.usage(key, q.get("model"), since, until)
     items = group(rows, by, accounts.prices)  # type: ignore[arg-type]
     if fmt == "csv":

@@ -140,15 +140,17 @@ def adapters_yaml(demo_dir: Path) -> str:
 
 
 @contextlib.contextmanager
-def redis_server(folder: Path, port: int | None = None) -> Iterator[str]:
-    """A throwaway redis-server on 127.0.0.1 (no persistence, on ``port`` or a spare one); yields
-    its URL."""
+def redis_server(folder: Path, port: int | None = None, persist: bool = False) -> Iterator[str]:
+    """A throwaway redis-server on 127.0.0.1 (on ``port`` or a spare one); yields its URL. No
+    persistence, unless ``persist``: then every write is in ``folder``'s append-only file before
+    it is answered, and a server started again on ``folder`` has the data back."""
     exe = shutil.which("redis-server")
     if exe is None:
         pytest.skip("redis-server is not installed (Debian: apt-get install -y redis-server); "
                     "the Redis store tests need the real server")
     port = port or spare_port()
-    proc = subprocess.Popen([exe, "--port", str(port), "--bind", "127.0.0.1", "--save", "", "--appendonly", "no",
+    durable = ["--appendonly", "yes", "--appendfsync", "always"] if persist else ["--appendonly", "no"]
+    proc = subprocess.Popen([exe, "--port", str(port), "--bind", "127.0.0.1", "--save", "", *durable,
                              "--dir", str(folder)], stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
     import redis
 

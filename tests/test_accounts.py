@@ -401,3 +401,117 @@ def test_a_limited_key_gets_503_while_its_store_is_down_and_is_served_again_afte
     finally:
         c.close()
         s.stop()
+
+
+def test_usage_of_a_key_without_limits_served_while_redis_is_down_is_written_when_it_is_back(tiny_chat, tmp_path):
+    """A key without limits is served while Redis is down; its usage is kept in the process
+    (``tiergate_usage_unwritten``) and written once Redis answers again, so the day's row holds
+    every request, before the outage and during it. Redis keeps its data across the restart
+    (an append-only file): the rows add up to what each answer's usage said."""
+    from tests.helpers import redis_server, spare_port
+
+    port = spare_port()
+    (tmp_path / "redis").mkdir()
+    body = {"model": "tiny-chat", "messages": HI, "max_tokens": 3, "temperature": 0}
+    admin = {"Authorization": "Bearer key-admin"}
+    with redis_server(tmp_path / "redis", port, persist=True) as url:
+        s = start_server(write_config(tmp_path, {"tiny-chat": ("chat", tiny_chat)}, f"batch:\n  store: {url}\n"))
+        c = httpx.Client(base_url=s.url, timeout=60)
+        made = c.post("/admin/keys", json={"name": "t", "tier": "free"}, headers=admin)
+        assert made.status_code == 201, made.text
+        key_id, key = made.json()["id"], {"Authorization": f"Bearer {made.json()['value']}"}
+        served = [c.post("/v1/chat/completions", json=body, headers=key)]
+        assert served[0].status_code == 200, served[0].text
+    try:
+        for _ in range(3):
+            served.append(c.post("/v1/chat/completions", json=body, headers=key))
+            assert served[-1].status_code == 200, served[-1].text
+        assert metric(c, "tiergate_usage_unwritten") == 3
+        assert c.get("/admin/usage", params={"key": key_id}, headers=admin).status_code == 503
+        with redis_server(tmp_path / "redis", port, persist=True):
+            deadline = time.monotonic() + 10  # the refresh loop writes them within refresh_s of Redis answering
+            while metric(c, "tiergate_usage_unwritten") and time.monotonic() < deadline:
+                time.sleep(0.1)
+            assert metric(c, "tiergate_usage_unwritten") == 0
+            rows = c.get("/admin/usage", params={"key": key_id}, headers=admin).json()["data"]
+        assert metric(c, "tiergate_usage_dropped_total") == 0
+    finally:
+        c.close()
+        s.stop()
+    assert len(rows) == 1 and rows[0]["requests"] == 4, rows
+    assert rows[0]["output_tokens"] == sum(r.json()["usage"]["completion_tokens"] for r in served)
+    assert rows[0]["input_tokens"] == sum(r.json()["usage"]["prompt_tokens"] for r in served)
+
+
+def metric(client: httpx.Client, name: str) -> float:
+    """One unlabelled sample of /metrics."""
+    text = client.get("/metrics").text
+    values = [float(line.split()[1]) for line in text.splitlines() if line.startswith(name + " ")]
+    assert len(values) == 1, f"{name} not in /metrics"
+    return values[0]
+
+
+class FlakyStore:
+    """A real SQLite account store whose ``record`` fails while ``down`` (``landed``: after the
+    row went in, as a Redis write whose answer was lost), counting the calls that reached it."""
+
+    def __init__(self, real) -> None:
+        self.real, self.down, self.landed, self.calls = real, False, False, 0
+
+    def __getattr__(self, name):
+        return getattr(self.real, name)
+
+    async def record(self, *args) -> None:
+        self.calls += 1
+        if self.down and not self.landed:
+            raise ConnectionError("the store is down")
+        await self.real.record(*args)
+        if self.down:
+            raise TimeoutError("the answer was lost")
+
+
+def test_kept_usage_is_written_in_order_once_each_however_often_it_is_written_again(tmp_path, monkeypatch, caplog):
+    """The kept rows, unit by unit on a real SQLite store: a failed write is kept under a metering
+    id of its own; rows after it are kept without asking the store; a pass that lands but fails
+    (answers lost) and the next pass count each row once; past the cap rows are dropped and
+    counted; at shutdown with the store still failing, the log keeps the lost sums."""
+    from accounts.usage import Usage
+    from gateway import accounts as accounts_module
+    from gateway.auth import Caller
+    from gateway.config import load_config
+
+    config = load_config(write_config(tmp_path, {"m": ("chat", tmp_path)}))
+    caller = Caller(tier="free", key_id="k1")
+
+    async def go() -> tuple:
+        accounts = accounts_module.Accounts.from_config(config)
+        store = accounts.store = FlakyStore(accounts.store)
+        await store.open()  # no refresh loop: each pass here is the test's own
+        store.down = True
+        for tokens in (1, 2, 3):
+            await accounts.finish(caller, "m", None, Usage(requests=1, output_tokens=tokens))
+        assert store.calls == 1  # the first failed; the two after it were kept without a try
+        assert [r.usage.output_tokens for r in accounts.unwritten] == [1, 2, 3]
+        assert len({r.metering_id for r in accounts.unwritten}) == 3
+        store.landed = True  # the next pass writes them all, but every answer is lost
+        await accounts.write_again()
+        assert len(accounts.unwritten) == 3
+        store.down = False
+        await accounts.write_again()
+        assert not accounts.unwritten
+        rows = await accounts.store.usage("k1", None, None, None)
+        monkeypatch.setattr(accounts_module, "UNWRITTEN_MAX", 2)
+        store.down, store.landed = True, False
+        for tokens in (10, 20, 30):
+            await accounts.finish(caller, "m", None, Usage(requests=1, output_tokens=tokens))
+        dropped = accounts.dropped
+        await accounts.stop()
+        return rows, dropped, accounts.dropped
+
+    with caplog.at_level(logging.ERROR, logger="tiergate.accounts"):
+        rows, dropped, lost = asyncio.run(go())
+    assert len(rows) == 1 and (rows[0].usage.requests, rows[0].usage.output_tokens) == (3, 6)
+    assert (dropped, lost) == (1, 3)  # the third past the cap of 2; then the two kept at shutdown
+    line = next(r.getMessage() for r in caplog.records if "lost" in r.getMessage())
+    summed = json.loads(line.split(": ", 1)[1])
+    assert [(s["key"], s["requests"], s["output_tokens"]) for s in summed] == [("k1", 2, 30)]
