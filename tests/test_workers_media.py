@@ -798,6 +798,20 @@ def test_a_damaged_recording_is_a_value_error_never_another(fmt, codec):
         assert sr > 0 and x.dtype == np.float32
 
 
+@pytest.mark.parametrize("fmt", ["FLAC", "OGG"])
+def test_libsndfile_decodes_no_more_than_it_may_use(fmt):
+    """Ten minutes of FLAC (or Ogg Vorbis) silence, a few kilobytes that would decode to 38 MB of
+    float32 at 16 kHz, stop a second past ``max_seconds``; without a cap, the whole."""
+    buf = io.BytesIO()
+    with sf.SoundFile(buf, "w", 16000, 1, format=fmt) as f:
+        for _ in range(600):  # a second at a time: libsndfile's Vorbis encoder crashes on one 10-minute write
+            f.write(np.zeros(16000, np.float32))
+    assert buf.tell() < 200_000
+    x, sr = audio.decode_audio(buf.getvalue(), max_seconds=10)
+    assert sr == 16000 and len(x) == 11 * sr
+    assert len(audio.decode_audio(buf.getvalue())[0]) == 600 * sr
+
+
 def test_ffmpeg_decodes_no_more_than_it_may_use():
     """A few kilobytes of WebM silence that would decode to 90 s stop a second past
     ``max_seconds``; a container that is not audio is refused by name, not decoded."""

@@ -66,12 +66,14 @@ def decode_audio(data: bytes, max_seconds: float | None = None) -> tuple[np.ndar
     """Decode an uploaded file to float32 mono: wav, flac, ogg (and mp3 where libsndfile has it)
     through libsndfile; webm, mp4, m4a and aac (and what libsndfile turned down) through FFmpeg.
 
-    Stereo and multi-channel audio is mixed down. FFmpeg decodes at most ``max_seconds`` plus a
-    second (a small file of a long silence is not decoded whole: the caller sees it is too long).
-    Raises ``ValueError`` for bytes that are not audio, are corrupt, or hold no samples.
+    Stereo and multi-channel audio is mixed down. Both decode at most ``max_seconds`` plus a
+    second (a small FLAC or WebM file of a long silence is not decoded whole: the caller sees it is
+    too long). Raises ``ValueError`` for bytes that are not audio, are corrupt, or hold no samples.
     """
     try:
-        x, sr = sf.read(io.BytesIO(data), dtype="float32", always_2d=True)
+        with sf.SoundFile(io.BytesIO(data)) as f:
+            sr = f.samplerate
+            x = f.read(-1 if max_seconds is None else int((max_seconds + 1) * sr), dtype="float32", always_2d=True)
     except (sf.LibsndfileError, RuntimeError, TypeError) as e:
         why = getattr(e, "error_string", None) or str(e)  # libsndfile's own words, not "Error opening <BytesIO at 0x...>"
         mono, sr = _decode_with_ffmpeg(data, max_seconds, why)
