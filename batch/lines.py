@@ -59,3 +59,23 @@ def response_line(line: Line, status: int, body: Any, request_id: str) -> Outcom
     return Outcome(line.index, 200 <= status < 300, {
         "id": f"batch_req_{uuid.uuid4().hex}", "custom_id": line.custom_id,
         "response": {"status_code": status, "request_id": request_id, "body": body}, "error": None})
+
+
+def total_usage(outcomes: list[Outcome]) -> dict[str, Any]:
+    """A batch's ``usage`` (OpenAI's ``BatchUsage``): the tokens of every response in its output
+    file, each line once. Chat and completions count ``prompt_tokens`` / ``completion_tokens``,
+    responses ``input_tokens`` / ``output_tokens``, embeddings their ``prompt_tokens``; images and
+    speech count none."""
+    inp = out = cached = reasoning = 0
+    for o in outcomes:
+        body = (o.line.get("response") or {}).get("body") if o.ok else None
+        u = body.get("usage") if isinstance(body, dict) else None
+        if not isinstance(u, dict):
+            continue
+        inp += int(u.get("input_tokens", u.get("prompt_tokens")) or 0)
+        out += int(u.get("output_tokens", u.get("completion_tokens")) or 0)
+        cached += int((u.get("input_tokens_details") or u.get("prompt_tokens_details") or {}).get("cached_tokens") or 0)
+        reasoning += int((u.get("output_tokens_details") or u.get("completion_tokens_details") or {})
+                         .get("reasoning_tokens") or 0)
+    return {"input_tokens": inp, "input_tokens_details": {"cached_tokens": cached}, "output_tokens": out,
+            "output_tokens_details": {"reasoning_tokens": reasoning}, "total_tokens": inp + out}

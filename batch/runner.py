@@ -46,7 +46,7 @@ from dataclasses import replace
 from typing import Any, Awaitable, Literal
 
 from batch.endpoints import ENDPOINTS, Endpoint, line_body
-from batch.lines import error_line, parse_input, response_line
+from batch.lines import error_line, parse_input, response_line, total_usage
 from batch.redis_store import RedisStore
 from batch.shapes import model_of, shape_of, width
 from batch.sqlite_store import SQLiteStore
@@ -344,6 +344,9 @@ class Runner:
             return False
         if not await self.store.start(batch_id, lines, invalid, int(time.time())):
             return False
+        models = {ln.body.get("model") for ln in lines}
+        if len(models) == 1 and isinstance(model := models.pop(), str):  # several: none (OpenAI's take one)
+            await self.store.set_status(batch_id, ["in_progress"], "in_progress", model=model)
         self._wake.set()
         return not lines
 
@@ -391,7 +394,7 @@ class Runner:
         elif batch.status != "finalizing":
             return
         outcomes = await self.store.outcomes(batch_id)
-        fields: dict[str, Any] = {"output_file_id": None, "error_file_id": None}
+        fields: dict[str, Any] = {"output_file_id": None, "error_file_id": None, "usage": total_usage(outcomes)}
         for ok, key, suffix in ((True, "output_file_id", "output"), (False, "error_file_id", "error")):
             chosen = [o.line for o in outcomes if o.ok is ok]
             if chosen:

@@ -37,7 +37,7 @@ from typing import Any, Callable, Iterable
 TERMINAL = frozenset({"failed", "completed", "expired", "cancelled"})
 # Batch fields that change after creation (besides status and counts); every store keeps them as JSON.
 MUTABLE = ("errors", "output_file_id", "error_file_id", "in_progress_at", "finalizing_at", "completed_at",
-           "failed_at", "expired_at", "cancelling_at", "cancelled_at")
+           "failed_at", "expired_at", "cancelling_at", "cancelled_at", "model", "usage")
 
 
 @dataclass(frozen=True)
@@ -94,7 +94,7 @@ class BatchInfo:
                "finalizing_at": None, "completed_at": None, "failed_at": None, "expired_at": None,
                "cancelling_at": None, "cancelled_at": None,
                "request_counts": {"total": self.total, "completed": self.completed, "failed": self.failed},
-               "metadata": self.metadata}
+               "metadata": self.metadata, "model": None, "usage": None}
         out.update(self.fields)
         return out
 

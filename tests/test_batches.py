@@ -122,6 +122,8 @@ def test_sdk_round_trip(server):
         assert x["response"]["status_code"] == 200 and x["response"]["request_id"]
         assert x["response"]["body"]["object"] == "chat.completion"
         assert x["response"]["body"]["usage"]["completion_tokens"] <= 2
+    assert_usage_totals(done, out)
+    assert b.model is None and b.usage is None  # known once it is validated, and once it ends
     meta = c.files.retrieve(done.output_file_id)
     assert meta.purpose == "batch_output" and meta.bytes == len(c.files.content(done.output_file_id).content)
     assert b.id in [x.id for x in c.batches.list(limit=100)]
@@ -147,7 +149,10 @@ def test_bad_lines_go_to_the_error_file_and_the_rest_runs(server):
     done = wait(c, submit(c, jsonl(rows)).id)
     assert done.status == "completed"
     assert (done.request_counts.total, done.request_counts.completed, done.request_counts.failed) == (12, 2, 10)
-    assert [x["custom_id"] for x in lines_of(c, done.output_file_id)] == ["req-0", "req-12"]
+    out = lines_of(c, done.output_file_id)
+    assert [x["custom_id"] for x in out] == ["req-0", "req-12"]
+    assert done.model is None  # its lines name two models
+    assert done.usage.input_tokens == sum(x["response"]["body"]["usage"]["prompt_tokens"] for x in out) > 0
     errors = lines_of(c, done.error_file_id)
     got = [(x["custom_id"], (x["error"] or {}).get("code") or x["response"]["status_code"]) for x in errors]
     assert got == [(None, "invalid_json"), (None, "invalid_json"), (None, "missing_custom_id"),
@@ -580,6 +585,19 @@ def check_exactly_once(client: openai.OpenAI, batch_id: str, n: int) -> None:
     assert len(ids) == n and sorted(ids) == sorted(f"req-{i}" for i in range(n))
     assert all(x["response"]["status_code"] == 200 for x in out)
     assert done.error_file_id is None
+    assert_usage_totals(done, out)
+
+
+def assert_usage_totals(batch, out: list[dict]) -> None:
+    """The batch's model and ``usage``: the sums of its output lines' usage, each line once."""
+    assert batch.model == "tiny-chat"
+    prompt = sum(x["response"]["body"]["usage"]["prompt_tokens"] for x in out)
+    completion = sum(x["response"]["body"]["usage"]["completion_tokens"] for x in out)
+    assert prompt > 0 and completion > 0
+    assert (batch.usage.input_tokens, batch.usage.output_tokens, batch.usage.total_tokens) == (
+        prompt, completion, prompt + completion)
+    assert batch.usage.input_tokens_details.cached_tokens == 0
+    assert batch.usage.output_tokens_details.reasoning_tokens == 0
 
 
 @pytest.mark.parametrize("store", ["redis", "sqlite"])  # sqlite: one file shared on one machine
@@ -668,3 +686,33 @@ def test_a_runner_stops_when_its_store_swallows_the_cancel(tiny_chat, tmp_path, 
         return stopping in done
 
     assert asyncio.run(go()), "the runner's stop() did not return: a loop went on after its store swallowed the cancel"
+
+
+def test_total_usage_reads_each_endpoints_usage_and_counts_only_the_output_file():
+    """``batch.lines.total_usage`` over a table of output and error lines: chat and completions'
+    prompt/completion tokens, responses' input/output tokens with their details, embeddings'
+    prompt tokens; speech (no usage), an error line with a body and a line that never ran add
+    nothing."""
+    from batch.lines import error_line, total_usage
+    from batch.store import Outcome
+
+    def ran(i: int, body, ok: bool = True) -> Outcome:
+        return Outcome(i, ok, {"custom_id": f"r{i}", "response": {"status_code": 200 if ok else 400, "body": body},
+                               "error": None})
+
+    outcomes = [
+        ran(0, {"object": "chat.completion", "usage": {"prompt_tokens": 7, "completion_tokens": 3, "total_tokens": 10,
+                                                        "prompt_tokens_details": {"cached_tokens": 2}}}),
+        ran(1, {"object": "text_completion", "usage": {"prompt_tokens": 5, "completion_tokens": 4, "total_tokens": 9}}),
+        ran(2, {"object": "response", "usage": {"input_tokens": 11, "output_tokens": 6, "total_tokens": 17,
+                                                "input_tokens_details": {"cached_tokens": 1},
+                                                "output_tokens_details": {"reasoning_tokens": 2}}}),
+        ran(3, {"object": "list", "usage": {"prompt_tokens": 13, "total_tokens": 13}}),
+        ran(4, {"type": "binary", "content_type": "audio/wav", "data": "UklGRg=="}),
+        ran(5, {"error": {"message": "no", "usage": {"prompt_tokens": 100}}, "usage": {"prompt_tokens": 100}}, ok=False),
+        error_line(6, "r6", "batch_expired", "the batch expired before this request ran"),
+    ]
+    assert total_usage(outcomes) == {"input_tokens": 36, "input_tokens_details": {"cached_tokens": 3},
+                                     "output_tokens": 13, "output_tokens_details": {"reasoning_tokens": 2},
+                                     "total_tokens": 49}
+    assert total_usage([])["total_tokens"] == 0
