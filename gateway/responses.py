@@ -89,6 +89,14 @@ class FunctionChoice(_Body):
     name: str = Field(min_length=1)
 
 
+class AllowedToolsChoice(_Body):
+    """Responses' flat form: ``{"type": "allowed_tools", "mode", "tools": [{"type": "function", "name"}]}``."""
+
+    type: Literal["allowed_tools"]
+    mode: Literal["auto", "required"]
+    tools: list[FunctionChoice] = Field(min_length=1)
+
+
 class TextFormat(_Body):
     type: Literal["text", "json_object", "json_schema"]
     name: str | None = Field(default=None, pattern=TOOL_NAME)  # json_schema
@@ -119,7 +127,7 @@ class ResponsesRequest(EndUser):
     top_p: float = Field(default=1.0, gt=0, le=1)
     top_logprobs: int | None = Field(default=None, ge=0, le=20)
     tools: list[FunctionTool] | None = Field(default=None, max_length=MAX_TOOLS)
-    tool_choice: Literal["none", "auto", "required"] | FunctionChoice | None = None
+    tool_choice: Literal["none", "auto", "required"] | FunctionChoice | AllowedToolsChoice | None = None
     parallel_tool_calls: bool | None = None
     text: TextConfig | None = None
     store: bool = True
@@ -279,6 +287,10 @@ def chat_body(body: ResponsesRequest, messages: list[dict[str, Any]]) -> dict[st
                          for t in body.tools]
     if isinstance(body.tool_choice, FunctionChoice):
         chat["tool_choice"] = {"type": "function", "function": {"name": body.tool_choice.name}}
+    elif isinstance(body.tool_choice, AllowedToolsChoice):
+        chat["tool_choice"] = {"type": "allowed_tools", "allowed_tools": {
+            "mode": body.tool_choice.mode,
+            "tools": [{"type": "function", "function": {"name": t.name}} for t in body.tool_choice.tools]}}
     elif body.tool_choice is not None:
         chat["tool_choice"] = body.tool_choice
     if body.parallel_tool_calls is not None:
@@ -433,7 +445,7 @@ class Draft:
         if body.text and body.text.format:
             fmt = body.text.format.model_dump(by_alias=True, exclude_none=True)
         choice = body.tool_choice or "auto"
-        if isinstance(choice, FunctionChoice):
+        if isinstance(choice, (FunctionChoice, AllowedToolsChoice)):
             choice = choice.model_dump()
         return {
             "id": self.id, "object": "response", "created_at": self.created_at, "status": status,

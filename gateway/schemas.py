@@ -133,6 +133,19 @@ class NamedToolChoice(_Body):
     function: FunctionName
 
 
+class AllowedTools(_Body):
+    mode: Literal["auto", "required"]
+    tools: list[NamedToolChoice] = Field(min_length=1)
+
+
+class AllowedToolsChoice(_Body):
+    """``tool_choice: {"type": "allowed_tools", ...}``: only these tools may be called (``mode``
+    ``auto``: or none; ``required``: one or more)."""
+
+    type: Literal["allowed_tools"]
+    allowed_tools: AllowedTools
+
+
 class JsonSchemaFormat(_Body):
     name: str = Field(pattern=TOOL_NAME)
     description: str | None = None
@@ -212,7 +225,7 @@ class ChatCompletionRequest(EndUser):
     frequency_penalty: float = Field(default=0.0, ge=-2, le=2)
     logit_bias: dict[str, float] | None = None  # token id (as a string) -> bias in -100..100
     tools: list[Tool] | None = Field(default=None, max_length=MAX_TOOLS)
-    tool_choice: Literal["none", "auto", "required"] | NamedToolChoice | None = None
+    tool_choice: Literal["none", "auto", "required"] | NamedToolChoice | AllowedToolsChoice | None = None
     parallel_tool_calls: bool | None = None
     response_format: ResponseFormat | None = None
     service_tier: str | None = None  # auto | default | flex | priority, or a tier's name

@@ -8,6 +8,8 @@ Modes (:func:`plan_tools`)
       block; ``hermes`` by default) reads them: ``<tool_call>{"name": ..., "arguments": {...}}
       </tool_call>`` blocks, with any other text as content. A block that does not parse as a
       call of a declared tool stays content.
+    * ``allowed_tools`` (``{"type": "allowed_tools", "allowed_tools": {"mode", "tools"}}``) is
+      ``auto`` or ``required`` over the tools it lists: the others are neither rendered nor callable.
     * ``forced`` (``required``, or a named function): decoding is constrained to a JSON array of
       calls, ``[{"name": "<tool>", "arguments": {...}}, ...]`` (one call for a named function or
       with ``parallel_tool_calls: false``), whose arguments follow each tool's ``parameters``
@@ -28,7 +30,7 @@ from dataclasses import dataclass, field
 from typing import Any, Literal, Protocol
 
 from gateway.errors import bad_request
-from gateway.schemas import NamedToolChoice, Tool
+from gateway.schemas import AllowedToolsChoice, NamedToolChoice, Tool
 from workers.base import JsonGrammar
 from workers.grammar import schema_error
 
@@ -62,8 +64,8 @@ class ToolPlan:
 NO_TOOLS = ToolPlan()
 
 
-def plan_tools(tools: list[Tool] | None, choice: str | NamedToolChoice | None, parallel: bool | None,
-               parser: str = "hermes") -> ToolPlan:
+def plan_tools(tools: list[Tool] | None, choice: str | NamedToolChoice | AllowedToolsChoice | None,
+               parallel: bool | None, parser: str = "hermes") -> ToolPlan:
     """The plan for a request's tool fields; 400 naming the field for a tool schema that does not
     compile, a choice naming a missing tool, or a choice without tools."""
     if not tools and choice is None:
@@ -81,6 +83,15 @@ def plan_tools(tools: list[Tool] | None, choice: str | NamedToolChoice | None, p
         choice = "auto" if tools else "none"
     if choice != "none" and not tools:
         raise bad_request("tool_choice is only allowed when tools are given", "tool_choice")
+    if isinstance(choice, AllowedToolsChoice):
+        for i, ref in enumerate(choice.allowed_tools.tools):
+            if ref.function.name not in names:
+                raise bad_request(f"tool_choice.allowed_tools names the function '{ref.function.name}', which is "
+                                  f"not among the tools ({', '.join(names)})", f"tool_choice.allowed_tools.tools[{i}]")
+        allowed_names = {ref.function.name for ref in choice.allowed_tools.tools}
+        tools = [t for t in tools if t.function.name in allowed_names]
+        names = [t.function.name for t in tools]
+        choice = choice.allowed_tools.mode
     if choice == "none":
         return ToolPlan("none", tuple(tools))
     if choice == "auto":

@@ -158,6 +158,29 @@ def test_required_tool_choice_whole_and_streamed(server):
     models[calls[0]["name"]].model_validate_json(calls[0]["arguments"])
 
 
+def test_allowed_tools_render_and_allow_only_the_tools_they_list(server):
+    """``tool_choice: {"type": "allowed_tools", ...}``: the prompt holds the listed tools alone
+    (the server's prompt tokens are the template's with that one tool), and ``required`` calls
+    only them."""
+    from workers.chat_prompt import encode
+
+    def allowed(mode: str, name: str) -> dict:
+        return {"type": "allowed_tools", "allowed_tools": {"mode": mode, "tools": [{"type": "function", "function": {"name": name}}]}}
+
+    only_alarm = len(encode(tokenizer(server), ASK, [TOOLS[1]]))
+    assert only_alarm != len(encode(tokenizer(server), ASK, TOOLS))
+    for seed in range(3):
+        r = client(server).chat.completions.create(model="tiny-chat", messages=ASK, tools=TOOLS, max_tokens=128, seed=seed,
+                                                   tool_choice=allowed("required", "SetAlarm"), parallel_tool_calls=False)
+        assert r.choices[0].finish_reason == "tool_calls" and r.usage.prompt_tokens == only_alarm
+        for call in r.choices[0].message.tool_calls:
+            assert call.function.name == "SetAlarm"
+            SetAlarm.model_validate_json(call.function.arguments)
+    r = client(server).chat.completions.create(model="tiny-chat", messages=ASK, tools=TOOLS, max_tokens=4, seed=0,
+                                               tool_choice=allowed("auto", "SetAlarm"))
+    assert r.usage.prompt_tokens == only_alarm
+
+
 def test_tool_round_trip_renders_calls_and_results(server):
     from workers.chat_prompt import encode
 
@@ -344,6 +367,10 @@ GOOD = {"model": "tiny-chat", "messages": ASK, "max_tokens": 4}
      "tools[0].function.parameters"),
     ({"tools": TOOLS, "tool_choice": {"type": "function", "function": {"name": "Missing"}}}, "tool_choice"),
     ({"tool_choice": "required"}, "tool_choice"),
+    ({"tools": TOOLS, "tool_choice": {"type": "allowed_tools", "allowed_tools": {
+        "mode": "auto", "tools": [{"type": "function", "function": {"name": "Missing"}}]}}}, "tool_choice.allowed_tools.tools[0]"),
+    ({"tools": TOOLS, "tool_choice": {"type": "allowed_tools", "allowed_tools": {"mode": "any", "tools": TOOLS}}},
+     "tool_choice"),
     ({"n": 5}, "n"),
     ({"logprobs": True, "top_logprobs": 21}, "top_logprobs"),
     ({"top_logprobs": 2}, "top_logprobs"),

@@ -640,6 +640,24 @@ def test_required_tool_call_and_its_output(server):
     assert after.output_text == spelt.output_text
 
 
+def test_allowed_tools_choice_calls_only_the_listed_tools(server):
+    """Responses' flat ``allowed_tools`` choice: ``required`` over one of two tools calls it, the
+    other is not in the prompt, and the response echoes the choice as asked."""
+    c = client(server)
+    alarm = {"type": "function", "name": "set_alarm", "parameters": {
+        "type": "object", "properties": {"hour": {"type": "integer", "enum": [6, 7]}}, "required": ["hour"],
+        "additionalProperties": False}, "strict": True}
+    choice = {"type": "allowed_tools", "mode": "required", "tools": [{"type": "function", "name": "set_alarm"}]}
+    r = respond(c, "Wake me", tools=[*TOOLS, alarm], tool_choice=choice, parallel_tool_calls=False,
+                max_output_tokens=64)
+    assert [(o.type, o.name) for o in r.output] == [("function_call", "set_alarm")]
+    assert json.loads(r.output[0].arguments)["hour"] in (6, 7)
+    assert r.tool_choice.type == "allowed_tools" and r.tool_choice.mode == "required"
+    assert [t["name"] for t in r.tool_choice.tools] == ["set_alarm"]
+    alone = respond(c, "Wake me", tools=[alarm], tool_choice="required", parallel_tool_calls=False, max_output_tokens=64)
+    assert r.usage.input_tokens == alone.usage.input_tokens  # get_weather was not rendered
+
+
 def test_a_call_cut_by_max_output_tokens_is_incomplete(server):
     c = client(server)
     whole = respond(c, "Weather?", tools=TOOLS, tool_choice="required", max_output_tokens=64)

@@ -104,6 +104,13 @@ FORMAT = st.fixed_dictionaries({"type": st.sampled_from(["text", "json_object", 
                                                                   "strict": st.booleans()}) | ANY_JSON})
 TOOL_CHOICE = (st.sampled_from(["none", "auto", "required", "any"])
                | st.fixed_dictionaries({"type": st.just("function"), "function": st.fixed_dictionaries({"name": TOOL_NAME})})
+               | st.fixed_dictionaries({"type": st.just("allowed_tools"), "allowed_tools": st.fixed_dictionaries(
+                   {"mode": st.sampled_from(["auto", "required", "none"]),
+                    "tools": st.lists(st.fixed_dictionaries({"type": st.just("function"), "function": st.fixed_dictionaries(
+                        {"name": TOOL_NAME})}), max_size=2)})})
+               | st.fixed_dictionaries({"type": st.just("allowed_tools"), "mode": st.sampled_from(["auto", "required"]),
+                                        "tools": st.lists(st.fixed_dictionaries({"type": st.just("function"),
+                                                                                 "name": TOOL_NAME}), max_size=2)})
                | ANY_JSON)
 ADAPTERS = st.lists(st.fixed_dictionaries({"name": TEXT}, optional={"weight": EDGE_FLOATS | ANY_JSON}), max_size=3)
 SAMPLING = {"temperature": EDGE_FLOATS, "top_p": EDGE_FLOATS, "seed": EDGE_INTS, "n": EDGE_INTS,
