@@ -47,8 +47,9 @@ async def chat(svc: Services, caller: Caller, data: dict) -> Result:
     body = parse(ChatCompletionRequest, data)
     if body.stream:
         raise bad_request("stream is not supported in a batch", "stream")
-    replies, tier = await collect(serve_chat(svc, caller, plan_chat(svc, body), None))
-    return completion(f"chatcmpl-{uuid.uuid4().hex}", body.model, replies, tier, svc)
+    job = plan_chat(svc, body)
+    replies, tier = await collect(serve_chat(svc, caller, job, None))
+    return completion(f"chatcmpl-{uuid.uuid4().hex}", body.model, replies, tier, svc, job.tools.legacy)
 
 
 async def images(svc: Services, caller: Caller, data: dict) -> Result:

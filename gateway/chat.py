@@ -108,7 +108,7 @@ def plan_chat(svc: Services, body: ChatCompletionRequest) -> ChatJob:
         raise bad_request(f"n is {body.n}, above this server's limit of {limits.max_n} choices", "n")
     if body.top_logprobs is not None and not body.logprobs:
         raise bad_request("top_logprobs needs logprobs: true", "top_logprobs")
-    tools = plan_tools(body.tools, body.tool_choice, body.parallel_tool_calls, _tool_parser(svc, spec.name))
+    tools = _plan_tools(body, _tool_parser(svc, spec.name))
     grammar = response_grammar(body.response_format)
     if grammar is not None and tools.mode == "forced":
         raise bad_request("response_format cannot constrain a reply that tool_choice already forces to be tool calls",
@@ -125,6 +125,25 @@ def plan_chat(svc: Services, body: ChatCompletionRequest) -> ChatJob:
     )
     return ChatJob(spec.name, body.messages_as_dicts(), params, stack, tools, body.n, body.service_tier,
                    stream=bool(body.stream))
+
+
+def _plan_tools(body: ChatCompletionRequest, parser: str) -> ToolPlan:
+    """The request's tool plan; the deprecated ``functions`` / ``function_call`` are planned as the
+    tools they stand for (one call at most), their errors named in their own terms."""
+    tools, choice, parallel = body.tool_fields()
+    if body.functions is None:
+        return plan_tools(tools, choice, parallel, parser)
+    try:
+        plan = plan_tools(tools, choice, parallel, parser)
+    except APIError as exc:
+        param = exc.param or ""
+        if param.startswith("tools["):
+            exc.param = "functions" + param.removeprefix("tools").replace(".function.", ".", 1)
+        elif param.startswith("tool_choice"):
+            exc.param = "function_call"
+        exc.message = exc.message.replace("tool_choice", "function_call").replace("tool ", "function ")
+        raise
+    return dataclasses.replace(plan, legacy=True)
 
 
 def _tool_parser(svc: Services, model: str) -> str:
@@ -181,7 +200,10 @@ async def _serve_choice(svc: Services, caller: Caller, job: ChatJob, index: int,
     # the slot is free and the service time learned before the last delta goes out
     last = _read(index, None, parser)
     calls = parser is not None and parser.calls > 0
-    last.finish_reason = "tool_calls" if calls and event.finish_reason == "stop" else event.finish_reason
+    if calls and event.finish_reason == "stop":
+        last.finish_reason = "function_call" if job.tools.legacy else "tool_calls"
+    else:
+        last.finish_reason = event.finish_reason
     last.finished, last.tier = event, caller.tier
     yield last
 
@@ -279,10 +301,13 @@ class Reply:
         if delta.finish_reason is not None:
             self.finish_reason, self.finished = delta.finish_reason, delta.finished
 
-    def message(self) -> dict:
+    def message(self, legacy: bool = False) -> dict:
+        """The choice's message; ``legacy`` (asked as ``functions``): its first call as ``function_call``."""
         text = "".join(self.content)
         message: dict = {"role": "assistant", "content": text if text or not self.calls.calls else None}
-        if self.calls.calls:
+        if self.calls.calls and legacy:
+            message["function_call"] = self.calls.calls[0]["function"]
+        elif self.calls.calls:
             message["tool_calls"] = self.calls.calls
         return message
 
@@ -303,11 +328,12 @@ async def collect(deltas: AsyncGenerator[ChoiceDelta, None]) -> tuple[list[Reply
 
 
 def completion(cid: str, model: str, replies: list[Reply], tier: str, svc: Services | None = None,
-               logprobs: bool | None = None) -> dict:
-    """The ``chat.completion`` object of ``replies`` served at ``tier``."""
+               legacy: bool = False) -> dict:
+    """The ``chat.completion`` object of ``replies`` served at ``tier`` (``legacy``: a call is a
+    ``function_call``, as the deprecated ``functions`` asked)."""
     body = {
         "id": cid, "object": "chat.completion", "created": int(time.time()), "model": model,
-        "choices": [{"index": r.index, "message": r.message(), "finish_reason": r.finish_reason,
+        "choices": [{"index": r.index, "message": r.message(legacy), "finish_reason": r.finish_reason,
                      "logprobs": chat_logprobs(r.logprobs)} for r in replies],
         "usage": _usage([r.finished for r in replies]),
     }
@@ -344,7 +370,7 @@ async def chat_completions(request: Request) -> Response:
         deltas = serve_chat(svc, caller, job, gone)
         if not body.stream:
             replies, tier = await collect(deltas)
-            answer = completion(completion_id, body.model, replies, tier, svc)
+            answer = completion(completion_id, body.model, replies, tier, svc, job.tools.legacy)
             if body.store:
                 await stored_chat.keep(request.app.state.completions, caller.key_id, answer, body)
             return JSONResponse(answer, headers=headers)
@@ -355,15 +381,17 @@ async def chat_completions(request: Request) -> Response:
     if body.store:
         async def kept(answer: dict) -> None:
             await stored_chat.keep(request.app.state.completions, caller.key_id, answer, body)
-    sse = _sse(deltas, first, completion_id, body.model, job.n, body.logprobs, label, include_usage, kept)
+    sse = _sse(deltas, first, completion_id, body.model, job.n, body.logprobs, label, include_usage, kept,
+               job.tools.legacy)
     return Streamed(sse, "text/event-stream", headers=headers)
 
 
 async def _sse(deltas: AsyncIterator[ChoiceDelta], first: ChoiceDelta, cid: str, model: str, n: int,
                logprobs: bool, tier_label: str, include_usage: bool,
-               kept: Callable[[dict], Awaitable[None]] | None = None) -> AsyncIterator[str]:
+               kept: Callable[[dict], Awaitable[None]] | None = None, legacy: bool = False) -> AsyncIterator[str]:
     """The chunks of a streamed completion; with ``kept``, the whole completion is handed to it
-    once every choice finished (``store: true``), before the last chunk."""
+    once every choice finished (``store: true``), before the last chunk. ``legacy``: the first
+    call goes out as ``delta.function_call`` (name first, then argument fragments)."""
     created = int(time.time())
     replies: dict[int, Reply] = {}
 
@@ -378,7 +406,13 @@ async def _sse(deltas: AsyncIterator[ChoiceDelta], first: ChoiceDelta, cid: str,
         delta: dict = {}
         if d.content:
             delta["content"] = d.content
-        if d.calls:
+        if d.calls and legacy:
+            first = [c for c in d.calls if c.index == 0]  # the functions API makes one call
+            if first:
+                delta["function_call"] = {"arguments": "".join(c.arguments for c in first)}
+                if first[0].name is not None:
+                    delta["function_call"] = {"name": first[0].name, **delta["function_call"]}
+        elif d.calls:
             delta["tool_calls"] = [c.as_openai() for c in d.calls]
         lp = {"content": chat_content(d.logprobs or []), "refusal": None} if logprobs else None
         return {"index": d.index, "delta": delta, "finish_reason": d.finish_reason, "logprobs": lp}
@@ -399,7 +433,7 @@ async def _sse(deltas: AsyncIterator[ChoiceDelta], first: ChoiceDelta, cid: str,
                     break
             delta = await deltas.__anext__()
         if kept is not None:
-            whole = completion(cid, model, [replies[i] for i in sorted(replies)], "", None)
+            whole = completion(cid, model, [replies[i] for i in sorted(replies)], "", None, legacy)
             await kept({**whole, "created": created, "service_tier": tier_label})
         if include_usage:
             yield chunk([], _usage(finished))

@@ -84,10 +84,11 @@ class Message(_Body):
     """One chat message. Which fields a role needs (content, tool_calls, tool_call_id) is checked
     by :meth:`ChatCompletionRequest.message_problem`, so the error names the field."""
 
-    role: Literal["system", "developer", "user", "assistant", "tool"]
+    role: Literal["system", "developer", "user", "assistant", "tool", "function"]  # function: the old functions API's
     content: str | list[TextPart] | None = None
     name: str | None = None
     tool_calls: list[ToolCall] | None = None  # assistant
+    function_call: FunctionCall | None = None  # assistant, the old functions API's one call
     tool_call_id: str | None = None  # tool
     refusal: str | None = None  # assistant: accepted, not rendered
 
@@ -227,6 +228,8 @@ class ChatCompletionRequest(EndUser):
     tools: list[Tool] | None = Field(default=None, max_length=MAX_TOOLS)
     tool_choice: Literal["none", "auto", "required"] | NamedToolChoice | AllowedToolsChoice | None = None
     parallel_tool_calls: bool | None = None
+    functions: list[FunctionDef] | None = Field(default=None, min_length=1, max_length=MAX_TOOLS)  # deprecated: tools
+    function_call: Literal["none", "auto"] | FunctionName | None = None  # deprecated: tool_choice
     response_format: ResponseFormat | None = None
     service_tier: str | None = None  # auto | default | flex | priority, or a tier's name
     metadata: Metadata = None
@@ -267,20 +270,47 @@ class ChatCompletionRequest(EndUser):
                 return f"tool_call_id is only for tool messages, not {m.role}", f"{where}.tool_call_id"
             if m.role != "assistant" and m.tool_calls is not None:
                 return f"tool_calls is only for assistant messages, not {m.role}", f"{where}.tool_calls"
-            if m.content is None and not (m.role == "assistant" and m.tool_calls):
+            if m.role != "assistant" and m.function_call is not None:
+                return f"function_call is only for assistant messages, not {m.role}", f"{where}.function_call"
+            if m.tool_calls and m.function_call is not None:
+                return "an assistant message has tool_calls or function_call, not both", f"{where}.function_call"
+            if m.role == "function" and not m.name:
+                return f"missing required parameter: {where}.name (the function's)", f"{where}.name"
+            if m.content is None and not (m.role == "assistant" and (m.tool_calls or m.function_call)):
                 return f"missing required parameter: {where}.content", f"{where}.content"
+        if self.functions is not None and (self.tools is not None or self.tool_choice is not None):
+            return "functions is the deprecated form of tools: send one or the other", "functions"
+        if self.function_call is not None and self.functions is None:
+            return "function_call is only allowed when functions are given", "function_call"
         return None
+
+    def tool_fields(self) -> tuple[list[Tool] | None, Any, bool | None]:
+        """``tools``, ``tool_choice`` and ``parallel_tool_calls``, or what the deprecated
+        ``functions`` / ``function_call`` mean in their terms (one call at most)."""
+        if self.functions is None:
+            return self.tools, self.tool_choice, self.parallel_tool_calls
+        tools = [Tool(type="function", function=f) for f in self.functions]
+        choice = self.function_call
+        if isinstance(choice, FunctionName):
+            choice = NamedToolChoice(type="function", function=choice)
+        return tools, choice, False
 
     def messages_as_dicts(self) -> list[dict[str, Any]]:
         """The messages as the chat template takes them (developer becomes system)."""
-        role = {"developer": "system"}
+        role = {"developer": "system", "function": "tool"}
         out = []
-        for m in self.messages:
+        legacy_call = ""  # the id given to the last assistant function_call, which a function message answers
+        for i, m in enumerate(self.messages):
             d: dict[str, Any] = {"role": role.get(m.role, m.role), "content": m.text()}
             if m.tool_calls:
                 d["tool_calls"] = [c.model_dump() for c in m.tool_calls]
+            if m.function_call is not None:  # the old functions API: the same call, as the template takes calls
+                legacy_call = f"call_fn_{i}"
+                d["tool_calls"] = [{"id": legacy_call, "type": "function", "function": m.function_call.model_dump()}]
             if m.tool_call_id is not None:
                 d["tool_call_id"] = m.tool_call_id
+            if m.role == "function":
+                d.update(tool_call_id=legacy_call or f"call_fn_{i}", name=m.name)
             out.append(d)
         return out
 

@@ -46,6 +46,7 @@ class ToolPlan:
     names: tuple[str, ...] = ()  # the tools a call may name
     parser: str = "hermes"  # auto mode's format
     grammar: JsonGrammar | None = None  # forced mode's array of calls
+    legacy: bool = False  # asked as the deprecated functions: one call, answered as message.function_call
 
     def template_tools(self) -> list[dict] | None:
         """The tools as the chat template takes them (None: render none)."""

@@ -181,6 +181,62 @@ def test_allowed_tools_render_and_allow_only_the_tools_they_list(server):
     assert r.usage.prompt_tokens == only_alarm
 
 
+def test_deprecated_functions_whole_streamed_and_in_a_round_trip(server):
+    """The old functions API (``functions``, ``function_call``; LangChain's and the SDK's 2023
+    code): a named ``function_call`` is answered as ``message.function_call`` with
+    ``finish_reason: "function_call"`` (no ``tool_calls``), streamed as ``delta.function_call``
+    (the name first, then argument fragments), and an assistant ``function_call`` with its
+    ``role: "function"`` result renders as the same call and result in tools' terms."""
+    from workers.chat_prompt import encode
+
+    functions = [t["function"] for t in TOOLS]
+    kw = dict(model="tiny-chat", messages=ASK, functions=functions, function_call={"name": "GetWeather"},
+              max_tokens=128, seed=3)
+    r = client(server).chat.completions.create(**kw)
+    c = r.choices[0]
+    assert c.finish_reason == "function_call" and c.message.tool_calls is None and c.message.content is None
+    assert c.message.function_call.name == "GetWeather"
+    GetWeather.model_validate_json(c.message.function_call.arguments)
+    assert r.usage.prompt_tokens == len(encode(tokenizer(server), ASK, TOOLS))
+
+    chunks = list(client(server).chat.completions.create(**kw, stream=True))
+    calls = [ch.choices[0].delta.function_call for ch in chunks if ch.choices and ch.choices[0].delta.function_call]
+    assert calls[0].name == "GetWeather" and all(f.name is None for f in calls[1:])
+    assert "".join(f.arguments or "" for f in calls) == c.message.function_call.arguments  # same seed, same call
+    assert [ch.choices[0].finish_reason for ch in chunks if ch.choices and ch.choices[0].finish_reason] == ["function_call"]
+    assert all(ch.choices[0].delta.tool_calls is None for ch in chunks if ch.choices)
+
+    args = '{"city": "oslo", "celsius": true}'
+    legacy = ASK + [{"role": "assistant", "content": None, "function_call": {"name": "GetWeather", "arguments": args}},
+                    {"role": "function", "name": "GetWeather", "content": "sunny, 21 C"}]
+    r = client(server).chat.completions.create(model="tiny-chat", messages=legacy, functions=functions, max_tokens=4)
+    spelt = ASK + [{"role": "assistant", "content": None, "tool_calls": [
+        {"id": "call_1", "type": "function", "function": {"name": "GetWeather", "arguments": args}}]},
+        {"role": "tool", "tool_call_id": "call_1", "content": "sunny, 21 C"}]
+    text = tokenizer(server).decode(encode(tokenizer(server), spelt, TOOLS))
+    assert "<tool_response>sunny, 21 C</tool_response>" in text
+    assert r.usage.prompt_tokens == len(encode(tokenizer(server), spelt, TOOLS))
+
+
+def test_a_function_message_answers_the_call_before_it_by_id():
+    """What the template gets for the old functions API: each assistant ``function_call`` is a
+    tool call with an id, and the ``role: "function"`` message after it is a tool message that
+    names that id (templates such as Mistral's match them) and the function."""
+    from gateway.schemas import ChatCompletionRequest
+
+    body = ChatCompletionRequest.model_validate({"model": "m", "messages": [
+        {"role": "user", "content": "hi"},
+        {"role": "assistant", "content": None, "function_call": {"name": "a", "arguments": "{}"}},
+        {"role": "function", "name": "a", "content": "1"},
+        {"role": "assistant", "content": "", "function_call": {"name": "b", "arguments": "{\"x\": 1}"}},
+        {"role": "function", "name": "b", "content": "2"}]})
+    m = body.messages_as_dicts()
+    assert [d["role"] for d in m] == ["user", "assistant", "tool", "assistant", "tool"]
+    assert m[1]["tool_calls"] == [{"id": m[2]["tool_call_id"], "type": "function", "function": {"name": "a", "arguments": "{}"}}]
+    assert m[3]["tool_calls"][0]["id"] == m[4]["tool_call_id"] != m[2]["tool_call_id"]
+    assert (m[2]["name"], m[4]["name"], m[4]["content"]) == ("a", "b", "2")
+
+
 def test_tool_round_trip_renders_calls_and_results(server):
     from workers.chat_prompt import encode
 
@@ -367,6 +423,13 @@ GOOD = {"model": "tiny-chat", "messages": ASK, "max_tokens": 4}
      "tools[0].function.parameters"),
     ({"tools": TOOLS, "tool_choice": {"type": "function", "function": {"name": "Missing"}}}, "tool_choice"),
     ({"tool_choice": "required"}, "tool_choice"),
+    ({"functions": [t["function"] for t in TOOLS], "tools": TOOLS}, "functions"),
+    ({"function_call": "auto"}, "function_call"),
+    ({"functions": [t["function"] for t in TOOLS], "function_call": {"name": "Missing"}}, "function_call"),
+    ({"functions": [{"name": "f", "parameters": {"type": "bogus"}}]}, "functions[0].parameters"),
+    ({"messages": [{"role": "function", "content": "x"}]}, "messages[0].name"),
+    ({"messages": [{"role": "user", "content": "x", "function_call": {"name": "f", "arguments": "{}"}}]},
+     "messages[0].function_call"),
     ({"tools": TOOLS, "tool_choice": {"type": "allowed_tools", "allowed_tools": {
         "mode": "auto", "tools": [{"type": "function", "function": {"name": "Missing"}}]}}}, "tool_choice.allowed_tools.tools[0]"),
     ({"tools": TOOLS, "tool_choice": {"type": "allowed_tools", "allowed_tools": {"mode": "any", "tools": TOOLS}}},
