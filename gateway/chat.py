@@ -32,6 +32,7 @@ from gateway.auth import Caller
 from gateway.errors import APIError, bad_request
 from gateway.http import Streamed, disconnect_signal
 from gateway.logprobs import chat_content, chat_logprobs
+from gateway.reasoning import ReasoningParser, ThinkSplitter
 from gateway.request_log import new_id
 from gateway.schemas import ChatCompletionRequest, parse, read_json
 from gateway.service import Services
@@ -69,6 +70,9 @@ class ChatJob:
     service_tier: str | None = None
     prompt_ids: list[int] | None = None  # a raw prompt (legacy completions): no chat template
     stream: bool = True  # False: the reply is read whole (the engine may hand it over in fewer pieces)
+    template_kwargs: dict | None = None  # the chat template's own variables (enable_thinking, ...)
+    reasoning: ReasoningParser = "none"  # the model's reasoning_parser: where its thinking is in the reply
+    include_reasoning: bool = True  # False: the thinking is left out of the answer
 
 
 @dataclass
@@ -84,10 +88,12 @@ class ChoiceDelta:
     finished: ChatFinished | None = None
     tier: str | None = None
     prompt_logprobs: list[TokenLogprob | None] | None = None  # ``ChatParams.prompt_logprobs``, in the first delta
+    reasoning: str = ""  # a reasoning model's thinking (``gateway.reasoning``)
 
     @property
     def empty(self) -> bool:
-        return not (self.content or self.calls or self.logprobs or self.finish_reason or self.prompt_logprobs)
+        return not (self.content or self.calls or self.reasoning or self.logprobs or self.finish_reason
+                    or self.prompt_logprobs)
 
 
 def plan_chat(svc: Services, body: ChatCompletionRequest) -> ChatJob:
@@ -108,7 +114,7 @@ def plan_chat(svc: Services, body: ChatCompletionRequest) -> ChatJob:
         raise bad_request(f"n is {body.n}, above this server's limit of {limits.max_n} choices", "n")
     if body.top_logprobs is not None and not body.logprobs:
         raise bad_request("top_logprobs needs logprobs: true", "top_logprobs")
-    tools = _plan_tools(body, _tool_parser(svc, spec.name))
+    tools = _plan_tools(body, _engine_setting(svc, spec.name, "tool_parser", "hermes"))
     grammar = response_grammar(body.response_format)
     if grammar is not None and tools.mode == "forced":
         raise bad_request("response_format cannot constrain a reply that tool_choice already forces to be tool calls",
@@ -124,7 +130,9 @@ def plan_chat(svc: Services, body: ChatCompletionRequest) -> ChatJob:
         grammar=grammar or tools.grammar,
     )
     return ChatJob(spec.name, body.messages_as_dicts(), params, stack, tools, body.n, body.service_tier,
-                   stream=bool(body.stream))
+                   stream=bool(body.stream), template_kwargs=body.template_kwargs(),
+                   reasoning=_engine_setting(svc, spec.name, "reasoning_parser", "none"),
+                   include_reasoning=body.include_reasoning)
 
 
 def _plan_tools(body: ChatCompletionRequest, parser: str) -> ToolPlan:
@@ -146,10 +154,10 @@ def _plan_tools(body: ChatCompletionRequest, parser: str) -> ToolPlan:
     return dataclasses.replace(plan, legacy=True)
 
 
-def _tool_parser(svc: Services, model: str) -> str:
+def _engine_setting(svc: Services, model: str, name: str, default: str) -> str:
+    """A chat model's ``engine:`` setting (``tool_parser``, ``reasoning_parser``)."""
     entry = next((m for m in svc.config.models if m.name == model), None)
-    engine = getattr(entry, "engine", None)
-    return getattr(engine, "tool_parser", "hermes")
+    return getattr(getattr(entry, "engine", None), name, default)
 
 
 def served_caller(svc: Services, caller: Caller, job: ChatJob) -> Caller:
@@ -183,6 +191,7 @@ async def _serve_choice(svc: Services, caller: Caller, job: ChatJob, index: int,
     if index and params.seed is not None:
         params = dataclasses.replace(params, seed=params.seed + index)
     parser = job.tools.parser_for_reply()
+    thinking = ThinkSplitter(job.reasoning) if job.reasoning != "none" else None
     ask = _ask(svc, caller, job, params)
     adapters = tuple(adapter.name for adapter, _ in job.stack)
     async with Serving(svc, caller, job.model, params.max_tokens, "chat", gone, ask, adapters) as serving:
@@ -190,7 +199,7 @@ async def _serve_choice(svc: Services, caller: Caller, job: ChatJob, index: int,
         svc.metrics.observe(svc.metrics.ttft, serving.first_token(), caller.tier)
         try:
             while not isinstance(event, ChatFinished):
-                delta = _read(index, event, parser)
+                delta = _read(index, event, parser, thinking, job.include_reasoning)
                 if not delta.empty:
                     yield delta
                 event = await serving.until_gone(events.__anext__())
@@ -198,7 +207,7 @@ async def _serve_choice(svc: Services, caller: Caller, job: ChatJob, index: int,
         finally:
             await events.aclose()
     # the slot is free and the service time learned before the last delta goes out
-    last = _read(index, None, parser)
+    last = _read(index, None, parser, thinking, job.include_reasoning)
     calls = parser is not None and parser.calls > 0
     if calls and event.finish_reason == "stop":
         last.finish_reason = "function_call" if job.tools.legacy else "tool_calls"
@@ -208,19 +217,30 @@ async def _serve_choice(svc: Services, caller: Caller, job: ChatJob, index: int,
     yield last
 
 
-def _read(index: int, event: ChatEvent | None, parser: CallParser | None) -> ChoiceDelta:
-    """A text event (None: the end of the text) as a choice delta, through the tool-call parser."""
-    if parser is None:  # no tools: the text as it is
+def _read(index: int, event: ChatEvent | None, parser: CallParser | None, thinking: ThinkSplitter | None = None,
+          include_reasoning: bool = True) -> ChoiceDelta:
+    """A text event (None: the end of the text) as a choice delta: a reasoning model's thinking
+    split off first, then the answer through the tool-call parser."""
+    if thinking is None and parser is None:  # the common case: the text as it is
         return ChoiceDelta(index) if event is None else \
             ChoiceDelta(index, event.text, [], event.logprobs, prompt_logprobs=event.prompt_logprobs)
-    if event is None:
-        return _delta(index, parser.finish(), None)
-    return _delta(index, parser.feed(event.text), event.logprobs)
-
-
-def _delta(index: int, pieces: list, logprobs: list[TokenLogprob] | None) -> ChoiceDelta:
-    return ChoiceDelta(index, "".join(p for p in pieces if isinstance(p, str)),
-                       [p for p in pieces if isinstance(p, CallDelta)], logprobs)
+    if thinking is None:
+        reasoning, text = "", event.text if event is not None else ""
+    else:
+        reasoning, text = thinking.feed(event.text) if event is not None else thinking.finish()
+    if not include_reasoning:
+        reasoning = ""
+    if parser is None:
+        delta = ChoiceDelta(index, text, [], None, reasoning=reasoning)
+    else:
+        pieces = parser.feed(text) if text else []
+        if event is None:
+            pieces += parser.finish()
+        delta = ChoiceDelta(index, "".join(p for p in pieces if isinstance(p, str)),
+                            [p for p in pieces if isinstance(p, CallDelta)], None, reasoning=reasoning)
+    if event is not None:
+        delta.logprobs, delta.prompt_logprobs = event.logprobs, event.prompt_logprobs
+    return delta
 
 
 async def interleave(choices: list[AsyncGenerator[ChoiceDelta, None]]) -> AsyncGenerator[ChoiceDelta, None]:
@@ -257,7 +277,8 @@ async def _first_event(serving: Serving, job: ChatJob, params: ChatParams,
     """Submit the request and wait for its first event, so that errors found on submission
     become API errors rather than a broken stream."""
     req = ChatRequest(job.messages, params, priority=serving.rank, ctx=ctx, adapters=job.stack,
-                      tools=job.tools.template_tools(), prompt_ids=job.prompt_ids, stream=job.stream)
+                      tools=job.tools.template_tools(), template_kwargs=job.template_kwargs,
+                      prompt_ids=job.prompt_ids, stream=job.stream)
     events = serving.worker.chat(req)
     try:
         return events, await events.__anext__()
@@ -284,6 +305,7 @@ class Reply:
 
     index: int
     content: list[str] = field(default_factory=list)
+    reasoning: list[str] = field(default_factory=list)
     calls: ToolCalls = field(default_factory=ToolCalls)
     logprobs: list[TokenLogprob] | None = None
     finish_reason: str | None = None
@@ -292,6 +314,8 @@ class Reply:
 
     def add(self, delta: ChoiceDelta) -> None:
         self.content.append(delta.content)
+        if delta.reasoning:
+            self.reasoning.append(delta.reasoning)
         if delta.prompt_logprobs is not None:
             self.prompt_logprobs = delta.prompt_logprobs
         for call in delta.calls:
@@ -304,11 +328,14 @@ class Reply:
     def message(self, legacy: bool = False) -> dict:
         """The choice's message; ``legacy`` (asked as ``functions``): its first call as ``function_call``."""
         text = "".join(self.content)
-        message: dict = {"role": "assistant", "content": text if text or not self.calls.calls else None}
+        message: dict = {"role": "assistant",
+                         "content": text if text or not (self.calls.calls or self.reasoning) else None}
         if self.calls.calls and legacy:
             message["function_call"] = self.calls.calls[0]["function"]
         elif self.calls.calls:
             message["tool_calls"] = self.calls.calls
+        if self.reasoning:  # DeepSeek's field, which most clients read, and vLLM's
+            message["reasoning_content"] = message["reasoning"] = "".join(self.reasoning)
         return message
 
 
@@ -404,6 +431,8 @@ async def _sse(deltas: AsyncIterator[ChoiceDelta], first: ChoiceDelta, cid: str,
 
     def choice(d: ChoiceDelta) -> dict:
         delta: dict = {}
+        if d.reasoning:
+            delta["reasoning_content"] = delta["reasoning"] = d.reasoning
         if d.content:
             delta["content"] = d.content
         if d.calls and legacy:

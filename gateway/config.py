@@ -71,6 +71,7 @@ class EngineConfig(_Strict):
     max_lora_rank: Literal[8, 16, 32, 64, 128, 256, 320, 512] = 64  # vLLM: the largest stack rank served
     stack_loras: int = Field(default=32, ge=1)  # vLLM: stacks' LoRAs kept written on disk (LRU beyond)
     tool_parser: Literal["hermes"] = "hermes"  # how tool calls are read from the model's text (tool_choice auto)
+    reasoning_parser: Literal["none", "qwen3", "deepseek_r1"] = "none"  # where a reasoning model's <think> is
 
 
 def _engine_block(value: Any) -> Any:

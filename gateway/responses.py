@@ -66,6 +66,7 @@ from gateway.schemas import (MAX_STACK, MAX_TOOLS, TOOL_NAME, AdapterChoice, Cha
                              _Body, parse)
 from gateway.service import Services
 from gateway.tools import CallDelta
+from workers.base import InvalidParam
 from workers.chat_prompt import encode
 from workers.registry import describe
 
@@ -87,6 +88,14 @@ class FunctionTool(_Body):
 class FunctionChoice(_Body):
     type: Literal["function"]
     name: str = Field(min_length=1)
+
+
+class ReasoningOptions(_Body):
+    """``reasoning``: its ``effort`` goes to the chat template as chat's ``reasoning_effort`` does;
+    no summary is written (the thinking itself is left out of the output)."""
+
+    effort: Literal["none", "minimal", "low", "medium", "high", "xhigh"] | None = None
+    summary: None = None
 
 
 class AllowedToolsChoice(_Body):
@@ -141,7 +150,7 @@ class ResponsesRequest(EndUser):
     stream_options: ResponseStreamOptions | None = None
     truncation: Literal["disabled", "auto"] | None = None  # auto: the oldest turns dropped until it fits
     background: bool = False
-    reasoning: None = None
+    reasoning: ReasoningOptions | None = None
     adapters: list[AdapterChoice] | None = Field(default=None, max_length=MAX_STACK)  # extension: LoRA stack
 
 
@@ -295,6 +304,8 @@ def chat_body(body: ResponsesRequest, messages: list[dict[str, Any]]) -> dict[st
         chat["tool_choice"] = body.tool_choice
     if body.parallel_tool_calls is not None:
         chat["parallel_tool_calls"] = body.parallel_tool_calls
+    if body.reasoning is not None and body.reasoning.effort is not None:
+        chat["reasoning_effort"] = body.reasoning.effort
     fmt = body.text.format if body.text else None
     if fmt is not None and fmt.type == "json_schema":
         if fmt.name is None:
@@ -371,8 +382,11 @@ async def fitting(svc: Services, job: ChatJob, system: list[dict[str, Any]],
         return conversation
     tokenizer, tools = await tokenizer_of(spec.path), job.tools.template_tools()
 
-    def fits(start: int) -> bool:
-        return len(encode(tokenizer, system + conversation[start:], tools)) <= room
+    def fits(start: int) -> bool:  # (a template that refuses the messages: the engine says so, a 400, after)
+        try:
+            return len(encode(tokenizer, system + conversation[start:], tools, job.template_kwargs)) <= room
+        except InvalidParam:
+            return True
 
     def first_fitting() -> int:
         if fits(0):
@@ -453,7 +467,7 @@ class Draft:
             "incomplete_details": {"reason": "max_output_tokens"} if status == "incomplete" else None,
             "instructions": body.instructions, "max_output_tokens": body.max_output_tokens, "model": body.model,
             "output": [_visible(item) for item in self.output], "parallel_tool_calls": body.parallel_tool_calls is not False,
-            "previous_response_id": body.previous_response_id, "reasoning": {"effort": None, "summary": None},
+            "previous_response_id": body.previous_response_id, "reasoning": {"effort": body.reasoning.effort if body.reasoning else None, "summary": None},
             "service_tier": self.tier_label, "store": body.store, "temperature": body.temperature,
             "conversation": {"id": self.job.conversation_id} if self.job.conversation_id else None,
             "text": {"format": fmt}, "tool_choice": choice,

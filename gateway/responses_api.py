@@ -31,6 +31,7 @@ from gateway.responses import (RUNNING, Draft, InputTokensRequest, ResponseEvent
                                whole_output)
 from gateway.schemas import is_count, parse, read_json
 from gateway.service import Services
+from workers.base import InvalidParam
 from workers.chat_prompt import encode
 
 log = logging.getLogger("tiergate.responses")
@@ -97,7 +98,11 @@ async def count_input_tokens(request: Request) -> Response:
     if svc.accounts is not None and not svc.accounts.allows(caller, job.chat.model):
         raise not_found(f"the model '{body.model}' does not exist", "model", "model_not_found")
     tokenizer = await tokenizer_of(svc.spec(job.chat.model, "chat").path)
-    ids = await asyncio.to_thread(encode, tokenizer, job.chat.messages, job.chat.tools.template_tools())
+    try:
+        ids = await asyncio.to_thread(encode, tokenizer, job.chat.messages, job.chat.tools.template_tools(),
+                                      job.chat.template_kwargs)
+    except InvalidParam as exc:  # the chat template refused the input
+        raise bad_request(str(exc), "input") from None
     return JSONResponse({"object": "response.input_tokens", "input_tokens": len(ids)})
 
 

@@ -91,6 +91,8 @@ class Message(_Body):
     function_call: FunctionCall | None = None  # assistant, the old functions API's one call
     tool_call_id: str | None = None  # tool
     refusal: str | None = None  # assistant: accepted, not rendered
+    reasoning_content: str | None = None  # assistant, a reasoning model's thinking (both names): accepted, not
+    reasoning: str | None = None  # rendered (templates drop past thinking), so a reply can go back as history
 
     @field_validator("content", mode="before")
     @classmethod
@@ -110,6 +112,10 @@ class Message(_Body):
 
 
 TOOL_NAME = r"^[a-zA-Z0-9_-]{1,64}$"
+# apply_chat_template's own arguments, which chat_template_kwargs may not set
+TEMPLATE_ARGUMENTS = frozenset({"conversation", "messages", "tools", "documents", "chat_template", "add_generation_prompt",
+                                "continue_final_message", "tokenize", "padding", "truncation", "max_length",
+                                "return_tensors", "return_dict", "return_assistant_tokens_mask", "tokenizer_kwargs"})
 MAX_TOOLS = 128
 
 
@@ -236,6 +242,9 @@ class ChatCompletionRequest(EndUser):
     store: bool | None = None  # true: kept for the stored-completions API (gateway/stored_chat.py)
     verbosity: Literal["low", "medium", "high"] | None = None  # accepted; the model decides
     modalities: list[str] | None = None  # ["text"]: no audio output is served
+    reasoning_effort: Literal["none", "minimal", "low", "medium", "high", "xhigh"] | None = None  # to the template
+    chat_template_kwargs: dict[str, Any] | None = None  # vLLM's extension: the chat template's own variables
+    include_reasoning: bool = True  # vLLM's extension: false leaves a reasoning model's thinking out
     adapters: list[AdapterChoice] | None = Field(default=None, max_length=MAX_STACK)  # extension: LoRA stack
 
     @field_validator("stop")
@@ -252,6 +261,23 @@ class ChatCompletionRequest(EndUser):
     @classmethod
     def _bias(cls, v: dict[str, float] | None) -> dict[str, float] | None:
         return checked_logit_bias(v)
+
+    @field_validator("chat_template_kwargs")
+    @classmethod
+    def _template_variables(cls, v: dict[str, Any] | None) -> dict[str, Any] | None:
+        taken = sorted(set(v or ()) & TEMPLATE_ARGUMENTS)
+        if taken:
+            raise ValueError(f"{taken[0]!r} is set by the server, not by chat_template_kwargs")
+        return v
+
+    def template_kwargs(self) -> dict[str, Any] | None:
+        """The chat template's variables: ``chat_template_kwargs``, and ``reasoning_effort`` as
+        vLLM passes it (itself, and ``enable_thinking`` false for ``none``, true otherwise,
+        unless ``chat_template_kwargs`` sets it); None when neither is given."""
+        if self.reasoning_effort is None:
+            return self.chat_template_kwargs or None
+        return {"reasoning_effort": self.reasoning_effort, "enable_thinking": self.reasoning_effort != "none",
+                **(self.chat_template_kwargs or {})}
 
     @field_validator("modalities")
     @classmethod
@@ -276,7 +302,8 @@ class ChatCompletionRequest(EndUser):
                 return "an assistant message has tool_calls or function_call, not both", f"{where}.function_call"
             if m.role == "function" and not m.name:
                 return f"missing required parameter: {where}.name (the function's)", f"{where}.name"
-            if m.content is None and not (m.role == "assistant" and (m.tool_calls or m.function_call)):
+            if m.content is None and not (m.role == "assistant" and (m.tool_calls or m.function_call or m.reasoning_content
+                                                                      or m.reasoning)):
                 return f"missing required parameter: {where}.content", f"{where}.content"
         if self.functions is not None and (self.tools is not None or self.tool_choice is not None):
             return "functions is the deprecated form of tools: send one or the other", "functions"
@@ -311,6 +338,8 @@ class ChatCompletionRequest(EndUser):
                 d["tool_call_id"] = m.tool_call_id
             if m.role == "function":
                 d.update(tool_call_id=legacy_call or f"call_fn_{i}", name=m.name)
+            if d["content"] is None and "tool_calls" not in d:  # a reply that only thought: templates take a string
+                d["content"] = ""
             out.append(d)
         return out
 

@@ -279,7 +279,7 @@ class HermesCalls:
         while self._buf:
             start = self._buf.find(OPEN)
             if start < 0:
-                keep = _partial_suffix(self._buf, OPEN)
+                keep = partial_suffix(self._buf, OPEN)
                 if len(self._buf) > keep:
                     out.append(self._buf[: len(self._buf) - keep])
                     self._buf = self._buf[len(self._buf) - keep:]
@@ -311,7 +311,7 @@ class HermesCalls:
         return [rest] if rest else []
 
 
-def _partial_suffix(text: str, marker: str) -> int:
+def partial_suffix(text: str, marker: str) -> int:
     """The length of the longest end of ``text`` that begins ``marker``."""
     for k in range(min(len(marker) - 1, len(text)), 0, -1):
         if text.endswith(marker[:k]):

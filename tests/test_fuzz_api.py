@@ -97,7 +97,7 @@ MESSAGE = st.fixed_dictionaries(
     optional={"content": TEXT | st.lists(PART, max_size=3) | st.none() | ANY_JSON, "name": TEXT | ANY_JSON,
               "tool_calls": st.lists(TOOL_CALL, max_size=2) | ANY_JSON, "tool_call_id": TEXT | ANY_JSON,
               "function_call": st.fixed_dictionaries({"name": TOOL_NAME, "arguments": TEXT}) | ANY_JSON,
-              "refusal": TEXT})
+              "refusal": TEXT, "reasoning_content": TEXT | ANY_JSON})
 TOKEN_IDS = st.lists(EDGE_INTS | st.integers(-5, 300), max_size=4)
 FORMAT = st.fixed_dictionaries({"type": st.sampled_from(["text", "json_object", "json_schema", "xml"]) | ANY_JSON},
                                optional={"json_schema": st.fixed_dictionaries(
@@ -133,6 +133,9 @@ ENDPOINTS = {
          "max_completion_tokens": EDGE_INTS, "logprobs": st.booleans(), "top_logprobs": EDGE_INTS,
          "tools": st.lists(TOOL, max_size=3), "tool_choice": TOOL_CHOICE, "parallel_tool_calls": st.booleans(),
          "functions": st.lists(TOOL.map(lambda t: t.get("function")), max_size=3),
+         "reasoning_effort": st.sampled_from(["none", "low", "high", "extreme"]), "include_reasoning": st.booleans(),
+         "chat_template_kwargs": st.dictionaries(st.sampled_from(["enable_thinking", "tools", "x", "tokenize"]),
+                                                 ANY_JSON, max_size=2),
          "function_call": st.sampled_from(["none", "auto", "required"]) | st.fixed_dictionaries({"name": TOOL_NAME}),
          "response_format": FORMAT, "adapters": ADAPTERS, "store": st.booleans(), **END_USER,
          "verbosity": st.sampled_from(["low", "high", "max"]), "modalities": st.lists(st.sampled_from(["text", "audio"]), max_size=2),

@@ -156,6 +156,7 @@ class ChatRequest:
     ctx: StepContext = field(default_factory=StepContext)
     adapters: AdapterStackSpec = ()  # the adapter stack this request runs with; () = the base model
     tools: list[dict] | None = None  # function tools, rendered by the chat template
+    template_kwargs: dict[str, Any] | None = None  # the chat template's own variables (enable_thinking, ...)
     prompt_ids: list[int] | None = None  # a raw prompt (legacy completions): these ids, no chat template
     stream: bool = True  # False: only the whole reply is read (a batch line, a non-streamed response), so an
     # engine may hold its text back after the first delta (which times the first token) until the end
