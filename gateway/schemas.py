@@ -67,6 +67,13 @@ class TextPart(_Body):
     text: str
 
 
+class RefusalPart(_Body):
+    """An assistant message's refusal, sent back as history: accepted, not rendered."""
+
+    type: Literal["refusal"]
+    refusal: str
+
+
 class FunctionCall(_Body):
     name: str = Field(min_length=1)
     arguments: str  # JSON text, as the model wrote it
@@ -85,7 +92,7 @@ class Message(_Body):
     by :meth:`ChatCompletionRequest.message_problem`, so the error names the field."""
 
     role: Literal["system", "developer", "user", "assistant", "tool", "function"]  # function: the old functions API's
-    content: str | list[TextPart] | None = None
+    content: str | list[Annotated[TextPart | RefusalPart, Field(discriminator="type")]] | None = None
     name: str | None = None
     tool_calls: list[ToolCall] | None = None  # assistant
     function_call: FunctionCall | None = None  # assistant, the old functions API's one call
@@ -100,7 +107,7 @@ class Message(_Body):
         """An image, audio or file part is named as such, not as "not a valid string"."""
         for part in value if isinstance(value, list) else ():
             kind = part.get("type", "text") if isinstance(part, dict) else "text"
-            if kind != "text":
+            if kind not in ("text", "refusal"):
                 raise ValueError(f"content parts of type {str(kind)[:40]!r} are not supported: the chat models "
                                  "here take text only (parts of type 'text')")
         return value
@@ -108,7 +115,7 @@ class Message(_Body):
     def text(self) -> str | None:
         if self.content is None or isinstance(self.content, str):
             return self.content
-        return "".join(p.text for p in self.content)
+        return "".join(p.text for p in self.content if isinstance(p, TextPart))
 
 
 TOOL_NAME = r"^[a-zA-Z0-9_-]{1,64}$"
@@ -296,6 +303,8 @@ class ChatCompletionRequest(EndUser):
                 return f"tool_call_id is only for tool messages, not {m.role}", f"{where}.tool_call_id"
             if m.role != "assistant" and m.tool_calls is not None:
                 return f"tool_calls is only for assistant messages, not {m.role}", f"{where}.tool_calls"
+            if m.role != "assistant" and isinstance(m.content, list) and any(isinstance(p, RefusalPart) for p in m.content):
+                return f"content parts of type 'refusal' are only for assistant messages, not {m.role}", f"{where}.content"
             if m.role != "assistant" and m.function_call is not None:
                 return f"function_call is only for assistant messages, not {m.role}", f"{where}.function_call"
             if m.tool_calls and m.function_call is not None:

@@ -133,6 +133,24 @@ def test_a_part_the_chat_models_cannot_read_is_named(chat_server):
     assert ok.status_code == 200, ok.text
 
 
+def test_an_assistant_refusal_part_goes_back_as_history_unrendered(chat_server):
+    """OpenAI's assistant content may hold ``refusal`` parts (a refusal sent back as history):
+    accepted and not rendered (the prompt is that of the text parts alone); in a user message
+    it is a 400 on that message's content."""
+    def turn(parts: list) -> list:
+        return [{"role": "user", "content": "hi"}, {"role": "assistant", "content": parts},
+                {"role": "user", "content": "why?"}]
+
+    refused = _post(chat_server, {**GOOD, "messages": turn([{"type": "text", "text": "No."},
+                                                              {"type": "refusal", "refusal": "I can't help with that."}])})
+    plain = _post(chat_server, {**GOOD, "messages": turn([{"type": "text", "text": "No."}])})
+    assert refused.status_code == plain.status_code == 200, refused.text
+    assert refused.json()["usage"]["prompt_tokens"] == plain.json()["usage"]["prompt_tokens"]
+    err = _error(_post(chat_server, {**GOOD, "messages": [{"role": "user", "content": [{"type": "refusal", "refusal": "x"}]}]}),
+                 400, "invalid_value", "messages[0].content")
+    assert "only for assistant messages" in err["message"]
+
+
 def test_context_too_long_is_400(chat_server):
     body = {**GOOD, "messages": [{"role": "user", "content": "word " * 600}], "max_tokens": 8}
     _error(_post(chat_server, body), 400, "context_length_exceeded", "messages")
