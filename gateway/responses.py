@@ -180,6 +180,9 @@ _ITEM_KEYS = {
     "message": {"type", "role", "content", "id", "status", "phase"},
     "function_call": {"type", "call_id", "name", "arguments", "id", "status"},
     "function_call_output": {"type", "call_id", "output", "id", "status"},
+    # a reasoning model's thinking from an earlier turn (OpenAI's output, sent back as the Agents SDK
+    # does): accepted, not rendered, as reasoning models' templates drop past thinking
+    "reasoning": {"type", "id", "summary", "content", "encrypted_content", "status"},
 }
 
 
@@ -196,12 +199,15 @@ def input_messages(items: str | list[dict[str, Any]], name: str = "input") -> li
         kind = item.get("type", "message")
         if kind not in _ITEM_KEYS:
             raise bad_request(f"input items of type {str(kind)[:40]!r} are not supported (message, function_call, "
-                              "function_call_output)", f"{where}.type")
+                              "function_call_output, reasoning)", f"{where}.type")
         extra = sorted(set(item) - _ITEM_KEYS[kind])
         if extra:
             raise bad_request(f"unrecognized field of a {kind} item: {extra[0]}", f"{where}.{extra[0]}",
                               "unknown_parameter")
-        if kind == "message":
+        if kind == "reasoning":
+            if not isinstance(item.get("summary", []), list) or not isinstance(item.get("content", []), list):
+                raise bad_request("a reasoning item's summary and content are lists", f"{where}.summary", "invalid_type")
+        elif kind == "message":
             out.append({"role": _role(item, where), "content": _text(item.get("content"), f"{where}.content")})
         elif kind == "function_call":
             call = {"id": _string(item, "call_id", where), "type": "function",
@@ -425,7 +431,7 @@ def given_items(given: str | list[dict[str, Any]] | None) -> list[dict[str, Any]
     return out
 
 
-_ID_PREFIX = {"message": "msg", "function_call": "fc", "function_call_output": "fco"}
+_ID_PREFIX = {"message": "msg", "function_call": "fc", "function_call_output": "fco", "reasoning": "rs"}
 
 
 # -- the response object ------------------------------------------------------------------------------

@@ -506,6 +506,24 @@ def test_previous_response_id_continues_the_conversation(server):
     assert second.output_text == spelt.output_text
 
 
+def test_a_reasoning_item_in_the_input_is_kept_as_given_and_not_rendered(server):
+    """A reasoning item from an earlier turn (as OpenAI wrote it; the Agents SDK sends them back)
+    is accepted: the prompt is the one without it, and ``input_items`` lists it as sent."""
+    c = client(server)
+    thought = {"type": "reasoning", "id": "rs_1", "summary": [{"type": "summary_text", "text": "thought about it"}],
+               "encrypted_content": "gAAAA"}
+    turn = [{"role": "user", "content": "Hi"}, thought, {"role": "assistant", "content": "Hello"},
+            {"role": "user", "content": "More?"}]
+    with_it = respond(c, turn, store=True)
+    without = respond(c, [item for item in turn if item is not thought])
+    assert with_it.usage.input_tokens == without.usage.input_tokens
+    listed = list(c.responses.input_items.list(with_it.id, order="asc"))
+    assert [(i.type, i.id) for i in listed][1] == ("reasoning", "rs_1")
+    with pytest.raises(openai.BadRequestError) as bad:
+        respond(c, [{"type": "reasoning", "summary": "text"}, {"role": "user", "content": "Hi"}])
+    assert bad.value.body["param"] == "input[0].summary"
+
+
 def test_input_items_list_what_a_response_was_made_from(server):
     """``responses.input_items.list``: a continued response's items are the previous one's input
     and output items, ids unchanged, then its own input as sent (no instructions, not its own
