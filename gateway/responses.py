@@ -13,7 +13,8 @@ the chat planner (``gateway.chat.plan_chat``: tools, structured outputs, the tok
 response runs through the same serving core, gate, arbiter and engines as chat; a 400 names the
 Responses field (``text.format``, ``max_output_tokens``, ``input``...).
 
-The reply is a list of output items: a ``message`` with one ``output_text`` part, and a
+The reply is a list of output items: a reasoning model's thinking as a ``reasoning`` item (its
+text as ``reasoning_text`` content), a ``message`` with one ``output_text`` part, and a
 ``function_call`` item per tool call. ``status`` is ``completed``, or ``incomplete`` (with
 ``incomplete_details.reason: max_output_tokens``) when the reply hit the limit. With ``store``
 (the default) the response and its conversation are kept in the durable store
@@ -24,6 +25,7 @@ Streaming sends OpenAI's events, each ``event: <type>`` plus ``data`` with ``typ
 ``response.output_item.added``, for a message ``response.content_part.added``,
 ``response.output_text.delta``..., ``response.output_text.done``, ``response.content_part.done``,
 for a call ``response.function_call_arguments.delta``..., ``response.function_call_arguments.done``,
+for thinking ``response.reasoning_text.delta``..., ``response.reasoning_text.done``,
 then ``response.output_item.done``; last ``response.completed`` (or ``response.incomplete``).
 
 A stored response's input items (``input_items``) are what it was made from, kept with it: a
@@ -92,7 +94,7 @@ class FunctionChoice(_Body):
 
 class ReasoningOptions(_Body):
     """``reasoning``: its ``effort`` goes to the chat template as chat's ``reasoning_effort`` does;
-    no summary is written (the thinking itself is left out of the output)."""
+    no summary is written (the thinking itself is a ``reasoning`` output item)."""
 
     effort: Literal["none", "minimal", "low", "medium", "high", "xhigh"] | None = None
     summary: None = None
@@ -180,8 +182,8 @@ _ITEM_KEYS = {
     "message": {"type", "role", "content", "id", "status", "phase"},
     "function_call": {"type", "call_id", "name", "arguments", "id", "status"},
     "function_call_output": {"type", "call_id", "output", "id", "status"},
-    # a reasoning model's thinking from an earlier turn (OpenAI's output, sent back as the Agents SDK
-    # does): accepted, not rendered, as reasoning models' templates drop past thinking
+    # a reasoning model's thinking from an earlier turn (sent back as the Agents SDK does): its text
+    # goes to the template as the next assistant message's reasoning_content
     "reasoning": {"type", "id", "summary", "content", "encrypted_content", "status"},
 }
 
@@ -194,6 +196,7 @@ def input_messages(items: str | list[dict[str, Any]], name: str = "input") -> li
     if not items:
         raise bad_request(f"{name} must not be an empty list", name)
     out: list[dict[str, Any]] = []
+    thought: str | None = None  # a reasoning item's text, for the assistant message after it
     for i, item in enumerate(items):
         where = f"{name}[{i}]"
         kind = item.get("type", "message")
@@ -207,7 +210,10 @@ def input_messages(items: str | list[dict[str, Any]], name: str = "input") -> li
         if kind == "reasoning":
             if not isinstance(item.get("summary", []), list) or not isinstance(item.get("content", []), list):
                 raise bad_request("a reasoning item's summary and content are lists", f"{where}.summary", "invalid_type")
-        elif kind == "message":
+            thought = "".join(p.get("text", "") for p in item.get("content") or [] if isinstance(p, dict)
+                              and isinstance(p.get("text"), str))
+            continue
+        if kind == "message":
             out.append({"role": _role(item, where), "content": _text(item.get("content"), f"{where}.content")})
         elif kind == "function_call":
             call = {"id": _string(item, "call_id", where), "type": "function",
@@ -219,6 +225,11 @@ def input_messages(items: str | list[dict[str, Any]], name: str = "input") -> li
         else:
             out.append({"role": "tool", "tool_call_id": _string(item, "call_id", where),
                         "content": _text(item.get("output"), f"{where}.output")})
+        if thought and out[-1]["role"] == "assistant":  # the thinking that led to this reply or call
+            out[-1]["reasoning_content"] = thought
+        thought = None
+    if not out and name == "input":  # (a conversation's items may be anything so far)
+        raise bad_request(f"{name} holds reasoning items only: no message to answer", name)
     return out
 
 
@@ -518,8 +529,17 @@ def message_item(item_id: str, text: str, status: str, logprobs: list | None) ->
     return {"id": item_id, "type": "message", "role": "assistant", "status": status, "content": [part]}
 
 
+def reasoning_item(item_id: str, text: str, status: str) -> dict[str, Any]:
+    """A reasoning model's thinking (``gateway.reasoning``), as OpenAI's open-weight models give
+    it: the text itself as ``reasoning_text`` content, no summary."""
+    return {"id": item_id, "type": "reasoning", "summary": [], "content": [{"type": "reasoning_text", "text": text}],
+            "status": status}
+
+
 def _visible(item: dict[str, Any]) -> dict[str, Any]:
-    """An output item as shown: a message still being streamed with its text so far."""
+    """An output item as shown: a message (or reasoning) still being streamed with its text so far."""
+    if "_thought" in item:
+        return reasoning_item(item["id"], "".join(item["_thought"]), item["status"])
     if "_text" not in item:
         return item
     return message_item(item["id"], "".join(item["_text"]), item["status"], item.get("_logprobs"))
@@ -535,12 +555,15 @@ def new_item_id(prefix: str) -> str:
 
 
 def whole_output(draft: Draft) -> list[dict[str, Any]]:
-    """The output items of a finished reply: its message (when it has text or no calls), then
-    its calls; all ``incomplete`` when the reply stopped at ``max_output_tokens``."""
+    """The output items of a finished reply: a reasoning model's thinking, its message (when it
+    has text, or neither calls nor thinking), then its calls; all ``incomplete`` when the reply
+    stopped at ``max_output_tokens``."""
     r, status = draft.reply, draft.status
     text = "".join(r.content)
     logprobs = chat_content(r.logprobs) if r.logprobs is not None else None
-    items = [message_item(new_item_id("msg"), text, status, logprobs)] if text or not r.calls.calls else []
+    items = [reasoning_item(new_item_id("rs"), "".join(r.reasoning), status)] if r.reasoning else []
+    if text or not (r.calls.calls or r.reasoning):
+        items.append(message_item(new_item_id("msg"), text, status, logprobs))
     return items + [call_item(new_item_id("fc"), c, status) for c in r.calls.calls]
 
 
@@ -671,6 +694,7 @@ class ResponseEvents:
         self.seq = 0
         self.text: dict[str, Any] | None = None  # the open message item
         self.call: dict[str, Any] | None = None  # the open function call item
+        self.thought: dict[str, Any] | None = None  # the open reasoning item
 
     def event(self, kind: str, **data: Any) -> str:
         return sse_event(kind, self.next(), **data)
@@ -703,6 +727,21 @@ class ResponseEvents:
         return out + [self.event("response.output_text.delta", item_id=item["id"], output_index=self.index,
                                  content_index=0, delta=text, logprobs=logprobs or [])]
 
+    def add_reasoning(self, text: str) -> list[str]:
+        out: list[str] = []
+        if self.thought is None:
+            out = self.close()
+            item = reasoning_item(new_item_id("rs"), "", "in_progress")
+            self.thought = item
+            self.draft.output.append(item)
+            item["_thought"] = []
+            out += [self.event("response.output_item.added", output_index=self.index, item=dict(item, content=[])),
+                    self.event("response.content_part.added", item_id=item["id"], output_index=self.index,
+                               content_index=0, part={"type": "reasoning_text", "text": ""})]
+        self.thought["_thought"].append(text)
+        return out + [self.event("response.reasoning_text.delta", item_id=self.thought["id"], output_index=self.index,
+                                 content_index=0, delta=text)]
+
     def add_call(self, delta: CallDelta) -> list[str]:
         out = []
         if delta.id is not None:
@@ -721,6 +760,17 @@ class ResponseEvents:
     def close(self, status: str = "completed") -> list[str]:
         """End the open item (if any) with its done events and ``status``."""
         out: list[str] = []
+        if self.thought is not None:
+            item, self.thought = self.thought, None
+            final = reasoning_item(item["id"], "".join(item.pop("_thought")), status)
+            item.clear()
+            item.update(final)
+            part = final["content"][0]
+            out += [self.event("response.reasoning_text.done", item_id=item["id"], output_index=self.index,
+                               content_index=0, text=part["text"]),
+                    self.event("response.content_part.done", item_id=item["id"], output_index=self.index,
+                               content_index=0, part=part),
+                    self.event("response.output_item.done", output_index=self.index, item=final)]
         if self.text is not None:
             item, self.text = self.text, None
             text = "".join(item.pop("_text", []))
@@ -747,6 +797,8 @@ def delta_events(s: ResponseEvents, delta: ChoiceDelta) -> list[str]:
     """The events of one delta of the reply (which it is added to)."""
     s.draft.reply.add(delta)
     out: list[str] = []
+    if delta.reasoning:
+        out += s.add_reasoning(delta.reasoning)
     if delta.content or (delta.logprobs and s.text is not None):
         out += s.add_text(delta.content, chat_content(delta.logprobs) if delta.logprobs is not None else None)
     for call in delta.calls:

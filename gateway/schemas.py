@@ -98,8 +98,8 @@ class Message(_Body):
     function_call: FunctionCall | None = None  # assistant, the old functions API's one call
     tool_call_id: str | None = None  # tool
     refusal: str | None = None  # assistant: accepted, not rendered
-    reasoning_content: str | None = None  # assistant, a reasoning model's thinking (both names): accepted, not
-    reasoning: str | None = None  # rendered (templates drop past thinking), so a reply can go back as history
+    reasoning_content: str | None = None  # assistant, a reasoning model's thinking (both names), handed to the
+    reasoning: str | None = None  # template as reasoning_content (Qwen3's renders it within a tool-calling turn)
 
     @field_validator("content", mode="before")
     @classmethod
@@ -347,6 +347,8 @@ class ChatCompletionRequest(EndUser):
                 d["tool_call_id"] = m.tool_call_id
             if m.role == "function":
                 d.update(tool_call_id=legacy_call or f"call_fn_{i}", name=m.name)
+            if m.reasoning_content is not None or m.reasoning is not None:
+                d["reasoning_content"] = m.reasoning_content if m.reasoning_content is not None else m.reasoning
             if d["content"] is None and "tool_calls" not in d:  # a reply that only thought: templates take a string
                 d["content"] = ""
             out.append(d)

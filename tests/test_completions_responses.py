@@ -506,9 +506,11 @@ def test_previous_response_id_continues_the_conversation(server):
     assert second.output_text == spelt.output_text
 
 
-def test_a_reasoning_item_in_the_input_is_kept_as_given_and_not_rendered(server):
+def test_a_reasoning_item_in_the_input_is_accepted_and_listed_as_given(server):
     """A reasoning item from an earlier turn (as OpenAI wrote it; the Agents SDK sends them back)
-    is accepted: the prompt is the one without it, and ``input_items`` lists it as sent."""
+    is accepted and ``input_items`` lists it as sent. Its text goes to the template with the
+    assistant message after it (tests/test_reasoning.py); tiny-chat's template does not read it,
+    so the prompt is the one without it."""
     c = client(server)
     thought = {"type": "reasoning", "id": "rs_1", "summary": [{"type": "summary_text", "text": "thought about it"}],
                "encrypted_content": "gAAAA"}
@@ -522,6 +524,9 @@ def test_a_reasoning_item_in_the_input_is_kept_as_given_and_not_rendered(server)
     with pytest.raises(openai.BadRequestError) as bad:
         respond(c, [{"type": "reasoning", "summary": "text"}, {"role": "user", "content": "Hi"}])
     assert bad.value.body["param"] == "input[0].summary"
+    with pytest.raises(openai.BadRequestError) as bad:
+        respond(c, [thought])
+    assert bad.value.body["param"] == "input" and "no message to answer" in bad.value.body["message"]
 
 
 def test_input_items_list_what_a_response_was_made_from(server):
@@ -711,7 +716,8 @@ def test_streamed_function_call_arguments(server):
     ({"input": [{"role": "user", "content": [{"type": "input_image", "image_url": "x"}]}]}, "input[0].content[0].type"),
     ({"input": [{"role": "robot", "content": "x"}]}, "input[0].role"),
     ({"input": [{"type": "function_call_output", "output": "x"}]}, "input[0].call_id"),
-    ({"input": [{"type": "reasoning", "summary": []}]}, "input[0].type"),
+    ({"input": [{"type": "web_search_call", "id": "ws_1"}]}, "input[0].type"),
+    ({"input": [{"type": "reasoning", "summary": []}]}, "input"),  # thinking alone: no message to answer
     ({"input": "x", "max_output_tokens": 65}, "max_output_tokens"),
     ({"input": "x", "text": {"format": {"type": "json_schema", "name": "a", "schema": {"type": "strng"}}}}, "text.format"),
     ({"input": "x", "text": {"format": {"type": "json_schema", "schema": CLOSED}}}, "text.format.name"),

@@ -126,7 +126,7 @@ def test_a_response_that_fails_adds_nothing_and_bad_references_are_refused(serve
 @pytest.mark.parametrize("path, body, param", [
     ("/conversations", {"items": [{"type": "message", "role": "user", "content": "x"}] * 21}, "items"),
     ("/conversations", {"items": [{"type": "message", "role": "robot", "content": "x"}]}, "items[0].role"),
-    ("/conversations", {"items": [{"type": "reasoning"}]}, "items[0].type"),
+    ("/conversations", {"items": [{"type": "web_search_call"}]}, "items[0].type"),
     ("/conversations", {"items": [{"role": "user", "content": "x", "id": "a"}, {"role": "user", "content": "y", "id": "a"}]},
      "items[1].id"),
     ("/conversations", {"metadata": {"k": "v" * 513}}, "metadata"),

@@ -151,7 +151,10 @@ ENDPOINTS = {
         {"input": TEXT | st.lists(MESSAGE | st.fixed_dictionaries(
             {"type": st.sampled_from(["message", "function_call", "function_call_output", "reasoning", "nope"])},
             optional={"role": TEXT, "content": TEXT | st.lists(PART, max_size=2) | ANY_JSON, "call_id": TEXT,
-                      "name": TOOL_NAME, "arguments": TEXT, "output": TEXT | ANY_JSON}), max_size=4),
+                      "name": TOOL_NAME, "arguments": TEXT, "output": TEXT | ANY_JSON,
+                      "summary": st.lists(PART, max_size=2) | ANY_JSON, "encrypted_content": TEXT}), max_size=4),
+         "reasoning": st.fixed_dictionaries({}, optional={"effort": st.sampled_from(["none", "low", "max"]) | ANY_JSON,
+                                                          "summary": st.sampled_from(["auto", "detailed"]) | st.none()}),
          "instructions": TEXT, "max_output_tokens": EDGE_INTS, "temperature": EDGE_FLOATS, "top_p": EDGE_FLOATS,
          "top_logprobs": EDGE_INTS, "stream": st.booleans(), "store": st.booleans(), "background": st.booleans(),
          **END_USER, "max_tool_calls": EDGE_INTS,
@@ -198,7 +201,7 @@ ENDPOINTS = {
     "/v1/conversations": (
         {"items": [{"type": "message", "role": "user", "content": "hi"}], "metadata": {"a": "b"}},
         {"items": st.lists(MESSAGE | st.fixed_dictionaries(
-            {"type": st.sampled_from(["message", "function_call", "function_call_output", "nope"])},
+            {"type": st.sampled_from(["message", "function_call", "function_call_output", "reasoning", "nope"])},
             optional={"role": TEXT, "content": TEXT | st.lists(PART, max_size=2) | ANY_JSON, "call_id": TEXT,
                       "id": TEXT, "name": TOOL_NAME, "arguments": TEXT, "output": TEXT | ANY_JSON}), max_size=22),
          "metadata": st.dictionaries(TEXT, TEXT | ANY_JSON, max_size=18)}),

@@ -46,14 +46,20 @@ def test_think_splitter_whole_and_a_character_at_a_time(parser, pieces, thinking
             assert all(not t for t, _ in out[first_answer + 1:])
 
 
-def _model(tiny_chat, folder, generation_prompt: str):
+ASSISTANT = "<|assistant|>{{ m['content'] or '' }}"
+THINKING_ASSISTANT = ("<|assistant|>{% if m.get('reasoning_content') %}<think>{{ m['reasoning_content'] }}</think>"
+                      "{% endif %}{{ m['content'] or '' }}")  # as Qwen3's renders a tool-calling turn's thinking
+
+
+def _model(tiny_chat, folder, generation_prompt: str, assistant: str = ASSISTANT):
     folder.mkdir()
     for f in tiny_chat.iterdir():
         (folder / f.name).symlink_to(f)
     template = (tiny_chat / "chat_template.jinja").read_text()
-    assert PLAIN_PROMPT in template
+    assert PLAIN_PROMPT in template and ASSISTANT in template
     (folder / "chat_template.jinja").unlink()
-    (folder / "chat_template.jinja").write_text(template.replace(PLAIN_PROMPT, generation_prompt))
+    (folder / "chat_template.jinja").write_text(template.replace(PLAIN_PROMPT, generation_prompt)
+                                                .replace(ASSISTANT, assistant))
     return folder
 
 
@@ -61,7 +67,7 @@ def _model(tiny_chat, folder, generation_prompt: str):
 def server(tiny_chat, tmp_path_factory):
     root = tmp_path_factory.mktemp("reasoning")
     r1 = _model(tiny_chat, root / "r1", R1_PROMPT)
-    qwen3 = _model(tiny_chat, root / "qwen3", QWEN3_PROMPT)
+    qwen3 = _model(tiny_chat, root / "qwen3", QWEN3_PROMPT, THINKING_ASSISTANT)
     models = {"r1-raw": ("chat", r1), "r1": ("chat", r1), "qwen3": ("chat", qwen3)}
     text = write_config(root, models, "limits:\n  max_chat_tokens: 64\n").read_text()
     for name, parser in (("r1", "deepseek_r1"), ("qwen3", "qwen3")):
@@ -148,17 +154,33 @@ def test_the_engine_block_takes_a_reasoning_parser_and_refuses_another(tmp_path,
         load_config(tmp_path / "bad.yaml")
 
 
-def test_responses_reasoning_effort_reaches_the_template_and_the_thinking_stays_out(server):
+def test_responses_reasoning_effort_and_the_thinking_as_a_reasoning_item(server):
     """Responses' ``reasoning.effort`` is chat's ``reasoning_effort``: ``none`` writes Qwen3's
-    empty thinking block into the prompt; on a template that opens the thinking, the output text
-    leaves the thinking out (all of it, on random weights) and the response echoes the effort."""
+    empty thinking block into the prompt. On a template that opens the thinking, the thinking (all
+    of the reply, on random weights) is a ``reasoning`` item with ``reasoning_text`` content, out
+    of ``output_text``, whole and streamed (``response.reasoning_text.delta`` events), and goes
+    back as input without being rendered."""
     c = client(server)
     default = c.responses.create(model="qwen3", input="hi", max_output_tokens=2)
     quiet = c.responses.create(model="qwen3", input="hi", max_output_tokens=2, reasoning={"effort": "none"})
     assert quiet.usage.input_tokens > default.usage.input_tokens and quiet.reasoning.effort == "none"
-    r1 = c.responses.create(model="r1", input="hi", max_output_tokens=6, reasoning={"effort": "high"})
+    kw = dict(input="hi", max_output_tokens=6, temperature=0)
+    raw = c.responses.create(model="r1-raw", **kw).output_text
+    r1 = c.responses.create(model="r1", reasoning={"effort": "high"}, store=True, **kw)
     assert r1.output_text == "" and r1.usage.output_tokens == 6 and r1.reasoning.effort == "high"
-    assert c.responses.create(model="r1-raw", input="hi", max_output_tokens=6).output_text
+    assert [(o.type, o.status) for o in r1.output] == [("reasoning", "incomplete")]
+    assert raw and [p.text for p in r1.output[0].content] == [raw] and r1.output[0].summary == []
+    with c.responses.stream(model="r1", **kw) as stream:
+        events = list(stream)
+    final = events[-1].response  # response.incomplete: cut by max_output_tokens
+    assert events[-1].type == "response.incomplete"
+    assert "".join(e.delta for e in events if e.type == "response.reasoning_text.delta") == raw
+    done = next(e for e in events if e.type == "response.reasoning_text.done")
+    assert done.text == raw and final.output[0].content[0].text == raw and final.output_text == ""
+    follow = c.responses.create(model="r1", input="and?", previous_response_id=r1.id, max_output_tokens=2)
+    spelt = c.responses.create(model="r1", max_output_tokens=2, input=[
+        {"role": "user", "content": "hi"}, {"role": "assistant", "content": ""}, {"role": "user", "content": "and?"}])
+    assert follow.usage.input_tokens == spelt.usage.input_tokens  # the thinking went back unrendered
 
 
 def test_a_template_that_refuses_the_messages_is_a_400_naming_them(server):
@@ -183,3 +205,23 @@ def test_responses_input_tokens_count_with_the_template_variables_and_a_refusal_
     with pytest.raises(openai.BadRequestError) as refused:
         c.responses.input_tokens.count(model="r1", input="hi", instructions="be brief")
     assert refused.value.body["param"] == "input" and "System role" in refused.value.body["message"]
+
+
+def test_past_thinking_reaches_a_template_that_reads_it(server):
+    """An assistant message's ``reasoning_content`` (or vLLM's ``reasoning``) and a Responses
+    ``reasoning`` item go to the chat template as ``reasoning_content`` of the assistant message
+    they belong to: a template that renders it (as Qwen3's does within a tool-calling turn) gets
+    it; tiny-chat's, which does not, is unchanged (the other tests)."""
+    def prompt(history_reply: dict) -> int:
+        messages = [*ASK, {"role": "assistant", "content": "Light.", **history_reply}, {"role": "user", "content": "and?"}]
+        return client(server).chat.completions.create(model="qwen3", messages=messages, max_tokens=1).usage.prompt_tokens
+
+    bare = prompt({})
+    thought = prompt({"reasoning_content": "because of scattering"})
+    assert thought > bare and prompt({"reasoning": "because of scattering"}) == thought
+    items = [{"role": "user", "content": ASK[0]["content"]},
+             {"type": "reasoning", "id": "rs_1", "summary": [],
+              "content": [{"type": "reasoning_text", "text": "because of scattering"}]},
+             {"role": "assistant", "content": "Light."}, {"role": "user", "content": "and?"}]
+    c = client(server)
+    assert c.responses.input_tokens.count(model="qwen3", input=items).input_tokens == thought
