@@ -191,11 +191,12 @@ async def _serve_choice(svc: Services, caller: Caller, job: ChatJob, index: int,
     if index and params.seed is not None:
         params = dataclasses.replace(params, seed=params.seed + index)
     parser = job.tools.parser_for_reply()
-    thinking = ThinkSplitter(job.reasoning) if job.reasoning != "none" else None
     ask = _ask(svc, caller, job, params)
     adapters = tuple(adapter.name for adapter, _ in job.stack)
     async with Serving(svc, caller, job.model, params.max_tokens, "chat", gone, ask, adapters) as serving:
-        events, event = await serving.step(lambda ctx: _first_event(serving, job, params, ctx), "running")
+        events, event, ctx = await serving.step(lambda ctx: _first_event(serving, job, params, ctx), "running")
+        # (after the first event: the engine has rendered the prompt, and noted its thinking marker)
+        thinking = ThinkSplitter(job.reasoning, ctx.prompt_thinking) if job.reasoning != "none" else None
         svc.metrics.observe(svc.metrics.ttft, serving.first_token(), caller.tier)
         try:
             while not isinstance(event, ChatFinished):
@@ -273,7 +274,7 @@ async def interleave(choices: list[AsyncGenerator[ChoiceDelta, None]]) -> AsyncG
 
 
 async def _first_event(serving: Serving, job: ChatJob, params: ChatParams,
-                       ctx: StepContext) -> tuple[AsyncIterator[ChatEvent], ChatEvent]:
+                       ctx: StepContext) -> tuple[AsyncIterator[ChatEvent], ChatEvent, StepContext]:
     """Submit the request and wait for its first event, so that errors found on submission
     become API errors rather than a broken stream."""
     req = ChatRequest(job.messages, params, priority=serving.rank, ctx=ctx, adapters=job.stack,
@@ -281,7 +282,7 @@ async def _first_event(serving: Serving, job: ChatJob, params: ChatParams,
                       prompt_ids=job.prompt_ids, stream=job.stream)
     events = serving.worker.chat(req)
     try:
-        return events, await events.__anext__()
+        return events, await events.__anext__(), ctx
     except ContextTooLong as exc:
         await events.aclose()
         raise bad_request(str(exc), "messages", "context_length_exceeded") from None

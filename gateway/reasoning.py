@@ -1,14 +1,19 @@
 """Reasoning models on chat: the reply's thinking split from its answer.
 
 A reasoning model writes its thinking between ``<think>`` and ``</think>`` before the answer.
-The model's ``reasoning_parser`` (tiers.yaml, engine block) says where the thinking starts:
+Where the thinking starts is read from the rendered prompt (the chat engine notes its last
+marker, ``StepContext.prompt_thinking``) and from the reply, as the model's ``reasoning_parser``
+(tiers.yaml, engine block) says:
 
-* ``qwen3``: the model opens it itself. A reply that begins with ``<think>`` thinks until
-  ``</think>``; one that does not (Qwen3 asked with ``enable_thinking: false``) is all answer.
-* ``deepseek_r1``: the chat template opens it (its generation prompt ends with ``<think>``, as
-  DeepSeek-R1's, QwQ's and Qwen3's thinking-only models' do), so the reply thinks from its first
-  token until ``</think>`` (a ``<think>`` the model writes again first is dropped). A reply cut
-  before ``</think>`` is all thinking.
+* ``qwen3``: a reply thinks when it begins with ``<think>`` (Qwen3 opens it itself) or when the
+  prompt ends inside a ``<think>`` the template opened (Qwen3's thinking-only models); a reply to
+  a prompt that closed it (``enable_thinking: false`` writes an empty block) is all answer.
+* ``deepseek_r1``: the reply thinks from its first token unless the prompt closed the thinking
+  (DeepSeek-V3.1's template writes ``</think>`` for no thinking), as R1 sometimes leaves out the
+  ``<think>`` its template did not write.
+
+Either way the thinking runs until ``</think>`` (a ``<think>`` the model writes first is dropped),
+and a reply cut before it is all thinking.
 
 :class:`ThinkSplitter` takes the reply's text piece by piece and gives back each piece's
 thinking and answer, holding back only the few characters that could be the start of a marker,
@@ -26,10 +31,11 @@ OPEN, CLOSE = "<think>", "</think>"
 
 
 class ThinkSplitter:
-    def __init__(self, parser: ReasoningParser) -> None:
+    def __init__(self, parser: ReasoningParser, prompt_thinking: str = "none") -> None:
         # start: a leading <think> may still come; thinking: until </think>; answer: the rest
         self.state = "start"
-        self.opened = parser == "deepseek_r1"  # the prompt opened the thinking
+        # the reply starts inside the thinking (``prompt_thinking``: the prompt's last marker)
+        self.opened = prompt_thinking == "open" or (parser == "deepseek_r1" and prompt_thinking != "closed")
         self.held = ""
 
     def feed(self, text: str) -> tuple[str, str]:

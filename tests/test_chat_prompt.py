@@ -6,7 +6,8 @@ from __future__ import annotations
 
 import pytest
 
-from workers.chat_prompt import ContextTooLong, check_context, encode, encode_within
+from workers.base import ChatParams, ChatRequest
+from workers.chat_prompt import ContextTooLong, check_context, encode, request_ids, thinking_marker
 
 CONVERSATIONS = {
     "system+user": [{"role": "system", "content": "You are terse."}, {"role": "user", "content": "Hello world!"}],
@@ -65,9 +66,23 @@ def test_context_check_allows_an_exact_fit_and_refuses_one_more():
         check_context(100, 413, 512)
 
 
-def test_encode_within_refuses_a_prompt_over_the_context(tokenizer):
+def test_request_ids_refuse_a_prompt_over_the_context(tokenizer):
     messages = CONVERSATIONS["multi-turn"]
     n = len(encode(tokenizer, messages))
-    assert encode_within(tokenizer, messages, 512 - n, 512) == encode(tokenizer, messages)
+
+    def request(max_tokens: int) -> ChatRequest:
+        return ChatRequest(messages, ChatParams(max_tokens, 1.0, 1.0, [], None))
+
+    fits = request(512 - n)
+    assert request_ids(tokenizer, fits, 512) == encode(tokenizer, messages)
+    assert fits.ctx.prompt_thinking == "none"  # tiny-chat's template writes no <think>
     with pytest.raises(ContextTooLong):
-        encode_within(tokenizer, messages, 513 - n, 512)
+        request_ids(tokenizer, request(513 - n), 512)
+
+
+@pytest.mark.parametrize("text, marker", [
+    ("<|assistant|>", "none"), ("<|assistant|><think>\n", "open"), ("<think>\n\n</think>\n\n", "closed"),
+    ("<think>a</think>b<|user|>c<|assistant|><think>", "open"), ("<|assistant|></think>", "closed"),
+])
+def test_the_prompts_last_thinking_marker(text, marker):
+    assert thinking_marker(text) == marker

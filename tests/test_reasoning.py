@@ -20,6 +20,8 @@ R1_PROMPT = ("{%- if messages[0]['role'] == 'system' %}{{ raise_exception('Syste
              "{%- if add_generation_prompt %}<|assistant|><think>\n{% endif %}")
 QWEN3_PROMPT = ("{%- if add_generation_prompt %}<|assistant|>{% if enable_thinking is defined and not enable_thinking %}"
                 "<think>\n\n</think>\n\n{% endif %}{% endif %}")
+V31_PROMPT = ("{%- if add_generation_prompt %}<|assistant|>{% if enable_thinking is defined and not enable_thinking %}"
+              "</think>{% else %}<think>{% endif %}{% endif %}")  # DeepSeek-V3.1's: it opens or closes the thinking
 
 
 @pytest.mark.parametrize("parser, pieces, thinking, answer", [
@@ -33,12 +35,20 @@ QWEN3_PROMPT = ("{%- if add_generation_prompt %}<|assistant|>{% if enable_thinki
     ("deepseek_r1", ["no end, cut by max_tokens </thi"], "no end, cut by max_tokens </thi", ""),
     ("deepseek_r1", ["</think>"], "", ""),
     ("deepseek_r1", ["a</think>b</think>c"], "a", "b</think>c"),  # only the first ends the thinking
+    # what the prompt's last marker changes: a template that opened the thinking, or closed it
+    ("qwen3/open", ["rain</think>Light."], "rain", "Light."),
+    ("qwen3/closed", ["Light.</think>"], "", "Light.</think>"),
+    ("deepseek_r1/closed", ["Light."], "", "Light."),
+    ("deepseek_r1/closed", ["<think>a</think>b"], "a", "b"),  # the model opened it all the same
+    ("deepseek_r1/open", ["a</think>b"], "a", "b"),
 ])
 def test_think_splitter_whole_and_a_character_at_a_time(parser, pieces, thinking, answer):
-    """The split of a table of replies, fed in the pieces given and one character at a time: the
-    same thinking and answer either way (a marker split across pieces is held, never leaked)."""
+    """The split of a table of replies (``parser/prompt``: the prompt's last thinking marker,
+    ``none`` when not given), fed in the pieces given and one character at a time: the same
+    thinking and answer either way (a marker split across pieces is held, never leaked)."""
+    parser, _, prompt = parser.partition("/")
     for feed in (pieces, list("".join(pieces))):
-        s = ThinkSplitter(parser)
+        s = ThinkSplitter(parser, prompt or "none")
         out = [s.feed(p) for p in feed] + [s.finish()]
         assert ("".join(t for t, _ in out), "".join(a for _, a in out)) == (thinking, answer), feed
         if parser == "qwen3" and thinking:  # no piece of the answer before the thinking ended
@@ -68,9 +78,10 @@ def server(tiny_chat, tmp_path_factory):
     root = tmp_path_factory.mktemp("reasoning")
     r1 = _model(tiny_chat, root / "r1", R1_PROMPT)
     qwen3 = _model(tiny_chat, root / "qwen3", QWEN3_PROMPT, THINKING_ASSISTANT)
-    models = {"r1-raw": ("chat", r1), "r1": ("chat", r1), "qwen3": ("chat", qwen3)}
+    v31 = _model(tiny_chat, root / "v31", V31_PROMPT)
+    models = {"r1-raw": ("chat", r1), "r1": ("chat", r1), "qwen3": ("chat", qwen3), "v31": ("chat", v31)}
     text = write_config(root, models, "limits:\n  max_chat_tokens: 64\n").read_text()
-    for name, parser in (("r1", "deepseek_r1"), ("qwen3", "qwen3")):
+    for name, parser in (("r1", "deepseek_r1"), ("qwen3", "qwen3"), ("v31", "deepseek_r1")):
         text = text.replace(f"  - name: {name}\n    kind: chat\n    path: {models[name][1]}\n    engine: transformers",
                             f"  - name: {name}\n    kind: chat\n    path: {models[name][1]}\n"
                             f"    engine: {{name: transformers, reasoning_parser: {parser}}}")
@@ -225,3 +236,16 @@ def test_past_thinking_reaches_a_template_that_reads_it(server):
              {"role": "assistant", "content": "Light."}, {"role": "user", "content": "and?"}]
     c = client(server)
     assert c.responses.input_tokens.count(model="qwen3", input=items).input_tokens == thought
+
+
+def test_a_template_that_closes_the_thinking_is_answered_without_it(server):
+    """DeepSeek-V3.1's template opens the thinking (``<think>``) or, asked for none, closes it
+    (``</think>``): under ``deepseek_r1`` the same reply (seeded) is all thinking in the first
+    case and all answer in the second, as the rendered prompt's last marker says."""
+    def reply(**kw):
+        return client(server).chat.completions.create(model="v31", messages=ASK, max_tokens=6, seed=2, **kw).choices[0].message
+
+    thought = reply()
+    assert thought.content is None and thought.reasoning_content
+    answered = reply(reasoning_effort="none")
+    assert answered.content and getattr(answered, "reasoning_content", None) is None

@@ -48,7 +48,8 @@ class StepContext:
     engine): each step's time shared among its rows; None means the work's service time is its
     device time. ``prompt_tokens`` and ``completion_tokens`` are a chat engine's running count of
     the request's tokens (the prompt once it is tokenized, every token sampled so far): what a
-    reply cut before its end is metered by.
+    reply cut before its end is metered by. ``prompt_thinking`` says whether the rendered chat
+    prompt left a reasoning model's ``<think>`` open (``gateway.reasoning``).
     """
 
     def __init__(
@@ -63,6 +64,9 @@ class StepContext:
         self.gpu_s: float | None = None  # device seconds an engine that shares steps among rows charged this work
         self.prompt_tokens = 0  # a chat engine's running count of this request's tokens
         self.completion_tokens = 0
+        # the rendered chat prompt's last thinking marker (set when a chat engine renders it): "open"
+        # (<think>: the reply starts thinking), "closed" (</think>) or "none"
+        self.prompt_thinking = "none"
         self.paused = False
         self._paused_s = 0.0
         self._paused_since: float | None = None

@@ -20,20 +20,36 @@ class ContextTooLong(ValueError):
     """The prompt plus max_tokens does not fit the model's context window (HTTP 400)."""
 
 
-def encode(tokenizer: Any, messages: list[dict], tools: list[dict] | None = None,
-           template_kwargs: dict[str, Any] | None = None) -> list[int]:
-    """Prompt token ids: ``messages`` (with their tool calls and tool results) and ``tools``
+def render(tokenizer: Any, messages: list[dict], tools: list[dict] | None = None,
+           template_kwargs: dict[str, Any] | None = None) -> str:
+    """The prompt's text: ``messages`` (with their tool calls and tool results) and ``tools``
     through the tokenizer's chat template, generation prompt on; ``template_kwargs`` are the
     template's own variables (``enable_thinking``, ``reasoning_effort``, ...)."""
     import jinja2
 
     try:
-        text = tokenizer.apply_chat_template(messages, tools=tools or None, add_generation_prompt=True, tokenize=False,
+        return tokenizer.apply_chat_template(messages, tools=tools or None, add_generation_prompt=True, tokenize=False,
                                              **(template_kwargs or {}))
     except jinja2.TemplateError as exc:  # the template's own raise_exception ("roles must alternate"), or a
         # variable it cannot use: the request's, not the server's fault
         raise InvalidParam(f"the model's chat template refused the request: {exc}", "messages") from None
+
+
+def encode(tokenizer: Any, messages: list[dict], tools: list[dict] | None = None,
+           template_kwargs: dict[str, Any] | None = None) -> list[int]:
+    """Prompt token ids of :func:`render`'s text."""
+    return _ids(tokenizer, render(tokenizer, messages, tools, template_kwargs))
+
+
+def _ids(tokenizer: Any, text: str) -> list[int]:
     return list(tokenizer(text, add_special_tokens=False)["input_ids"])
+
+
+def thinking_marker(text: str) -> str:
+    """Whether the prompt ``text`` ends inside a ``<think>`` block (``open``: the template opened
+    the reply's thinking), after a ``</think>`` (``closed``: it asked for none), or has neither."""
+    opened, closed = text.rfind("<think>"), text.rfind("</think>")
+    return "none" if opened < 0 and closed < 0 else "open" if opened > closed else "closed"
 
 
 def check_context(prompt_len: int, max_tokens: int, context_length: int) -> None:
@@ -45,20 +61,16 @@ def check_context(prompt_len: int, max_tokens: int, context_length: int) -> None
         )
 
 
-def encode_within(tokenizer: Any, messages: list[dict], max_tokens: int, context_length: int,
-                  tools: list[dict] | None = None, template_kwargs: dict[str, Any] | None = None) -> list[int]:
-    """:func:`encode`, refused with :class:`ContextTooLong` when the reply cannot fit."""
-    ids = encode(tokenizer, messages, tools, template_kwargs)
-    check_context(len(ids), max_tokens, context_length)
-    return ids
-
-
 def request_ids(tokenizer: Any, req: ChatRequest, context_length: int) -> list[int]:
     """The prompt of ``req``: its raw ``prompt_ids`` when it has them (legacy completions, no
     template), else its messages and tools through :func:`encode`; refused with
-    :class:`ContextTooLong` when the reply cannot fit."""
+    :class:`ContextTooLong` when the reply cannot fit. The rendered prompt's last thinking marker
+    goes to ``req.ctx.prompt_thinking``."""
     if req.prompt_ids is None:
-        return encode_within(tokenizer, req.messages, req.params.max_tokens, context_length, req.tools,
-                             req.template_kwargs)
+        text = render(tokenizer, req.messages, req.tools, req.template_kwargs)
+        ids = _ids(tokenizer, text)
+        check_context(len(ids), req.params.max_tokens, context_length)
+        req.ctx.prompt_thinking = thinking_marker(text)
+        return ids
     check_context(len(req.prompt_ids), req.params.max_tokens, context_length)
     return list(req.prompt_ids)
