@@ -114,7 +114,8 @@ def plan_chat(svc: Services, body: ChatCompletionRequest) -> ChatJob:
         raise bad_request(f"n is {body.n}, above this server's limit of {limits.max_n} choices", "n")
     if body.top_logprobs is not None and not body.logprobs:
         raise bad_request("top_logprobs needs logprobs: true", "top_logprobs")
-    tools = _plan_tools(body, _engine_setting(svc, spec.name, "tool_parser", "hermes"))
+    engine = _engine(svc, spec.name)
+    tools = _plan_tools(body, getattr(engine, "tool_parser", "hermes"))
     grammar = response_grammar(body.response_format)
     if grammar is not None and tools.mode == "forced":
         raise bad_request("response_format cannot constrain a reply that tool_choice already forces to be tool calls",
@@ -131,7 +132,7 @@ def plan_chat(svc: Services, body: ChatCompletionRequest) -> ChatJob:
     )
     return ChatJob(spec.name, body.messages_as_dicts(), params, stack, tools, body.n, body.service_tier,
                    stream=bool(body.stream), template_kwargs=body.template_kwargs(),
-                   reasoning=_engine_setting(svc, spec.name, "reasoning_parser", "none"),
+                   reasoning=getattr(engine, "reasoning_parser", "none"),
                    include_reasoning=body.include_reasoning)
 
 
@@ -154,10 +155,10 @@ def _plan_tools(body: ChatCompletionRequest, parser: str) -> ToolPlan:
     return dataclasses.replace(plan, legacy=True)
 
 
-def _engine_setting(svc: Services, model: str, name: str, default: str) -> str:
-    """A chat model's ``engine:`` setting (``tool_parser``, ``reasoning_parser``)."""
+def _engine(svc: Services, model: str):
+    """A chat model's ``engine:`` block (its ``tool_parser``, ``reasoning_parser``), looked up once per request."""
     entry = next((m for m in svc.config.models if m.name == model), None)
-    return getattr(getattr(entry, "engine", None), name, default)
+    return getattr(entry, "engine", None)
 
 
 def served_caller(svc: Services, caller: Caller, job: ChatJob) -> Caller:
