@@ -89,6 +89,7 @@ class ChoiceDelta:
     tier: str | None = None
     prompt_logprobs: list[TokenLogprob | None] | None = None  # ``ChatParams.prompt_logprobs``, in the first delta
     reasoning: str = ""  # a reasoning model's thinking (``gateway.reasoning``)
+    reasoning_tokens: int = 0  # the last delta: the completion tokens the choice spent thinking
 
     @property
     def empty(self) -> bool:
@@ -216,6 +217,8 @@ async def _serve_choice(svc: Services, caller: Caller, job: ChatJob, index: int,
     else:
         last.finish_reason = event.finish_reason
     last.finished, last.tier = event, caller.tier
+    if thinking is not None:
+        last.reasoning_tokens = thinking.reasoning_tokens(event)
     yield last
 
 
@@ -280,7 +283,7 @@ async def _first_event(serving: Serving, job: ChatJob, params: ChatParams,
     become API errors rather than a broken stream."""
     req = ChatRequest(job.messages, params, priority=serving.rank, ctx=ctx, adapters=job.stack,
                       tools=job.tools.template_tools(), template_kwargs=job.template_kwargs,
-                      prompt_ids=job.prompt_ids, stream=job.stream)
+                      prompt_ids=job.prompt_ids, stream=job.stream, count_thinking=job.reasoning != "none")
     events = serving.worker.chat(req)
     try:
         return events, await events.__anext__(), ctx
@@ -313,6 +316,7 @@ class Reply:
     finish_reason: str | None = None
     finished: ChatFinished | None = None
     prompt_logprobs: list[TokenLogprob | None] | None = None
+    reasoning_tokens: int = 0
 
     def add(self, delta: ChoiceDelta) -> None:
         self.content.append(delta.content)
@@ -326,6 +330,7 @@ class Reply:
             self.logprobs = (self.logprobs or []) + delta.logprobs
         if delta.finish_reason is not None:
             self.finish_reason, self.finished = delta.finish_reason, delta.finished
+            self.reasoning_tokens = delta.reasoning_tokens
 
     def message(self, legacy: bool = False) -> dict:
         """The choice's message; ``legacy`` (asked as ``functions``): its first call as ``function_call``."""
@@ -364,7 +369,7 @@ def completion(cid: str, model: str, replies: list[Reply], tier: str, svc: Servi
         "id": cid, "object": "chat.completion", "created": int(time.time()), "model": model,
         "choices": [{"index": r.index, "message": r.message(legacy), "finish_reason": r.finish_reason,
                      "logprobs": chat_logprobs(r.logprobs)} for r in replies],
-        "usage": _usage([r.finished for r in replies]),
+        "usage": _usage(replies),
     }
     return _with_tier(body, tier, svc)
 
@@ -375,11 +380,15 @@ def _with_tier(body: dict, tier: str, svc: Services | None) -> dict:
     return body
 
 
-def _usage(finished: list[ChatFinished]) -> dict:
+def _usage(choices: list[Reply] | list[ChoiceDelta]) -> dict:
+    """The usage of a completion's finished ``choices`` (whole, or their last deltas): the prompt
+    once, every choice's completion tokens, and of them those spent thinking."""
+    finished = [c.finished for c in choices if c.finished is not None]
     prompt = finished[0].prompt_tokens if finished else 0
     completion_tokens = sum(f.completion_tokens for f in finished)
     return {"prompt_tokens": prompt, "completion_tokens": completion_tokens,
-            "total_tokens": prompt + completion_tokens}
+            "total_tokens": prompt + completion_tokens,
+            "completion_tokens_details": {"reasoning_tokens": sum(c.reasoning_tokens for c in choices)}}
 
 
 # -- HTTP -------------------------------------------------------------------------------------------
@@ -448,7 +457,7 @@ async def _sse(deltas: AsyncIterator[ChoiceDelta], first: ChoiceDelta, cid: str,
         lp = {"content": chat_content(d.logprobs or []), "refusal": None} if logprobs else None
         return {"index": d.index, "delta": delta, "finish_reason": d.finish_reason, "logprobs": lp}
 
-    finished: list[ChatFinished] = []
+    finished: list[ChoiceDelta] = []  # each choice's last delta
     try:
         for i in range(n):
             yield chunk([{"index": i, "delta": {"role": "assistant", "content": ""}, "finish_reason": None,
@@ -459,7 +468,7 @@ async def _sse(deltas: AsyncIterator[ChoiceDelta], first: ChoiceDelta, cid: str,
             if kept is not None:
                 replies.setdefault(delta.index, Reply(delta.index)).add(delta)
             if delta.finished is not None:
-                finished.append(delta.finished)
+                finished.append(delta)
                 if len(finished) == n:
                     break
             delta = await deltas.__anext__()

@@ -18,6 +18,8 @@ and a reply cut before it is all thinking.
 :class:`ThinkSplitter` takes the reply's text piece by piece and gives back each piece's
 thinking and answer, holding back only the few characters that could be the start of a marker,
 so a stream sends thinking as it is written. The answer then goes on to the tool-call parser.
+The reply's reasoning tokens (``usage``'s ``reasoning_tokens``) are those the engine generated
+through the first ``</think>`` (``ChatRequest.count_thinking``), counted on the reply's ids.
 """
 
 from __future__ import annotations
@@ -25,6 +27,7 @@ from __future__ import annotations
 from typing import Literal
 
 from gateway.tools import partial_suffix
+from workers.base import ChatFinished
 
 ReasoningParser = Literal["none", "qwen3", "deepseek_r1"]
 OPEN, CLOSE = "<think>", "</think>"
@@ -34,6 +37,7 @@ class ThinkSplitter:
     def __init__(self, parser: ReasoningParser, prompt_thinking: str = "none") -> None:
         # start: a leading <think> may still come; thinking: until </think>; answer: the rest
         self.state = "start"
+        self.thought = False  # the reply thought (its reasoning tokens are counted)
         # the reply starts inside the thinking (``prompt_thinking``: the prompt's last marker)
         self.opened = prompt_thinking == "open" or (parser == "deepseek_r1" and prompt_thinking != "closed")
         self.held = ""
@@ -56,6 +60,7 @@ class ThinkSplitter:
                 self.state = "answer"
         if self.state == "answer":
             return "", text
+        self.thought = True
         end = text.find(CLOSE)
         if end >= 0:
             self.state = "answer"
@@ -64,10 +69,20 @@ class ThinkSplitter:
         self.held = text[len(text) - keep:] if keep else ""
         return text[:len(text) - keep], ""
 
+    def reasoning_tokens(self, finished: ChatFinished) -> int:
+        """The completion tokens the reply spent thinking: through its ``</think>`` (the engine's
+        ``think_tokens``), all of them when it was cut before it, none when it did not think."""
+        if not self.thought:
+            return 0
+        if finished.think_tokens is None:
+            return finished.completion_tokens
+        return min(finished.think_tokens, finished.completion_tokens)
+
     def finish(self) -> tuple[str, str]:
         """What was held back, at the end of the reply."""
         held, self.held = self.held, ""
         if self.state == "thinking" or (self.state == "start" and self.opened):
+            self.thought = True
             return held, ""
         return "", held
 

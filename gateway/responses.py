@@ -470,7 +470,7 @@ class Draft:
         usage = None
         if f is not None:
             usage = {"input_tokens": f.prompt_tokens, "input_tokens_details": {"cached_tokens": 0},
-                     "output_tokens": f.completion_tokens, "output_tokens_details": {"reasoning_tokens": 0},
+                     "output_tokens": f.completion_tokens, "output_tokens_details": {"reasoning_tokens": self.reply.reasoning_tokens},
                      "total_tokens": f.prompt_tokens + f.completion_tokens}
         fmt = {"type": "text"}
         if body.text and body.text.format:

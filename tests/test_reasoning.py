@@ -73,15 +73,34 @@ def _model(tiny_chat, folder, generation_prompt: str, assistant: str = ASSISTANT
     return folder
 
 
+def _marker_model(tiny_chat, folder):
+    """tiny-chat with ``<think>`` and ``</think>`` added to its vocabulary, one token each as in
+    Qwen3's and DeepSeek's (tiny-chat's byte-level BPE spells them in several), and R1's
+    generation prompt; its new rows are random like the rest."""
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    tok = AutoTokenizer.from_pretrained(tiny_chat)
+    tok.add_tokens(["<think>", "</think>"])
+    model = AutoModelForCausalLM.from_pretrained(tiny_chat)
+    model.resize_token_embeddings(len(tok))
+    model.save_pretrained(folder)
+    tok.save_pretrained(folder)
+    template = folder / "chat_template.jinja"
+    template.write_text((tiny_chat / "chat_template.jinja").read_text().replace(PLAIN_PROMPT, R1_PROMPT))
+    return folder
+
+
 @pytest.fixture(scope="module")
 def server(tiny_chat, tmp_path_factory):
     root = tmp_path_factory.mktemp("reasoning")
     r1 = _model(tiny_chat, root / "r1", R1_PROMPT)
     qwen3 = _model(tiny_chat, root / "qwen3", QWEN3_PROMPT, THINKING_ASSISTANT)
     v31 = _model(tiny_chat, root / "v31", V31_PROMPT)
-    models = {"r1-raw": ("chat", r1), "r1": ("chat", r1), "qwen3": ("chat", qwen3), "v31": ("chat", v31)}
+    marked = _marker_model(tiny_chat, root / "marked")
+    models = {"r1-raw": ("chat", r1), "r1": ("chat", r1), "qwen3": ("chat", qwen3), "v31": ("chat", v31),
+              "marked": ("chat", marked)}
     text = write_config(root, models, "limits:\n  max_chat_tokens: 64\n").read_text()
-    for name, parser in (("r1", "deepseek_r1"), ("qwen3", "qwen3"), ("v31", "deepseek_r1")):
+    for name, parser in (("r1", "deepseek_r1"), ("qwen3", "qwen3"), ("v31", "deepseek_r1"), ("marked", "deepseek_r1")):
         text = text.replace(f"  - name: {name}\n    kind: chat\n    path: {models[name][1]}\n    engine: transformers",
                             f"  - name: {name}\n    kind: chat\n    path: {models[name][1]}\n"
                             f"    engine: {{name: transformers, reasoning_parser: {parser}}}")
@@ -249,3 +268,107 @@ def test_a_template_that_closes_the_thinking_is_answered_without_it(server):
     assert thought.content is None and thought.reasoning_content
     answered = reply(reasoning_effort="none")
     assert answered.content and getattr(answered, "reasoning_content", None) is None
+
+
+@pytest.mark.parametrize("parser, pieces, think_tokens, completion, expected", [
+    ("deepseek_r1", ["a</think>b"], 3, 5, 3),  # through the marker
+    ("deepseek_r1", ["cut before the end"], None, 7, 7),  # never closed: all of it
+    ("deepseek_r1/closed", ["Light.</think>"], 4, 6, 0),  # the prompt closed it: a marker in the answer is not thinking
+    ("qwen3", ["Light."], None, 3, 0),
+    ("qwen3", ["<think>x</think>y"], 4, 6, 4),
+    ("qwen3", ["<thi"], None, 2, 0),  # cut inside the marker: an answer
+    ("qwen3/open", [""], None, 0, 0),
+    ("deepseek_r1", ["</think>"], 9, 5, 5),  # never more than were generated (a stop cut the text)
+])
+def test_reasoning_tokens_of_a_table_of_replies(parser, pieces, think_tokens, completion, expected):
+    """The reasoning tokens of a reply: the engine's count through its first ``</think>`` when it
+    thought, every completion token when it was cut while thinking, none when it did not think."""
+    from workers.base import ChatFinished
+
+    parser, _, prompt = parser.partition("/")
+    s = ThinkSplitter(parser, prompt or "none")
+    for p in pieces:
+        s.feed(p)
+    s.finish()
+    assert s.reasoning_tokens(ChatFinished("stop", 10, completion, think_tokens)) == expected
+
+
+def test_tokens_through_the_first_think_end_on_real_tokenizers(tiny_chat, tmp_path):
+    """``tokens_through_think_end``: the fewest of a reply's ids whose text holds ``</think>``, on
+    tiny-chat's tokenizer (which spells the marker in several tokens) and on one that has it as a
+    single token; the vLLM engine's ChatFinished carries the same count."""
+    from types import SimpleNamespace
+
+    from transformers import AutoTokenizer
+
+    from workers.chat_prompt import tokens_through_think_end
+    from workers.chat_vllm import VllmChatEngine
+
+    spelt = AutoTokenizer.from_pretrained(tiny_chat)
+    single = AutoTokenizer.from_pretrained(tiny_chat)
+    single.add_tokens(["<think>", "</think>"])
+    for tok in (spelt, single):
+        def decode(ids):
+            return tok.decode(ids, skip_special_tokens=True)
+
+        for text in ("rain and bow</think>Light.", "</think>x", "x</think>", "a</think>b</think>c"):
+            ids = tok(text, add_special_tokens=False)["input_ids"]
+            n = tokens_through_think_end(decode, ids)
+            assert "</think>" in decode(ids[:n]) and "</think>" not in decode(ids[:n - 1]), (text, n)
+        assert tokens_through_think_end(decode, tok("no marker </thi", add_special_tokens=False)["input_ids"]) is None
+        assert tokens_through_think_end(decode, []) is None
+    ids = single("ab</think>cd", add_special_tokens=False)["input_ids"]
+    assert tokens_through_think_end(lambda i: single.decode(i), ids) == ids.index(single.convert_tokens_to_ids("</think>")) + 1
+    engine = SimpleNamespace(tokenizer=single)
+    asked = SimpleNamespace(count_thinking=True)
+    finished = VllmChatEngine._finished(engine, "stop", asked, [1, 2, 3], ids)
+    assert (finished.prompt_tokens, finished.completion_tokens, finished.think_tokens) == (3, len(ids), ids.index(
+        single.convert_tokens_to_ids("</think>")) + 1)
+    assert VllmChatEngine._finished(engine, "stop", SimpleNamespace(count_thinking=False), [1], ids).think_tokens is None
+
+
+def test_usage_counts_the_reasoning_tokens(server):
+    """``usage.completion_tokens_details.reasoning_tokens`` (chat, whole and in a stream's usage
+    chunk, summed over ``n``) and Responses' ``output_tokens_details.reasoning_tokens``: every
+    token of a reply that thought to the end (random weights never close it), none of a reply
+    without thinking, and thinking left out of the answer still counted."""
+    c = client(server)
+    kw = dict(messages=ASK, max_tokens=12, seed=5)
+    r = c.chat.completions.create(model="r1", **kw)
+    assert r.usage.completion_tokens == 12 and r.usage.completion_tokens_details.reasoning_tokens == 12
+    left_out = c.chat.completions.create(model="r1", extra_body={"include_reasoning": False}, **kw)
+    assert left_out.usage.completion_tokens_details.reasoning_tokens == 12
+    two = c.chat.completions.create(model="r1", n=2, **kw)
+    assert two.usage.completion_tokens == 24 and two.usage.completion_tokens_details.reasoning_tokens == 24
+    chunks = list(c.chat.completions.create(model="r1", stream=True, stream_options={"include_usage": True}, **kw))
+    assert chunks[-1].usage.completion_tokens_details.reasoning_tokens == 12
+    for plain in ("r1-raw", "qwen3"):
+        assert c.chat.completions.create(model=plain, **kw).usage.completion_tokens_details.reasoning_tokens == 0
+    resp = c.responses.create(model="r1", input="hi", max_output_tokens=6, temperature=0)
+    assert resp.usage.output_tokens_details.reasoning_tokens == resp.usage.output_tokens == 6
+    assert c.responses.create(model="qwen3", input="hi", max_output_tokens=6).usage.output_tokens_details.reasoning_tokens == 0
+
+
+def test_reasoning_tokens_end_at_the_marker_the_model_wrote(server):
+    """On a model whose vocabulary has ``</think>`` as one token, a bias makes the model write it
+    part-way through a sampled reply: the reasoning tokens are the tokens through it, as the
+    reply's own logprobs list them, and the text after it is the answer."""
+    from transformers import AutoTokenizer
+
+    tok = AutoTokenizer.from_pretrained(next(m.path for m in server.services.config.models if m.name == "marked"))
+    end = tok.convert_tokens_to_ids("</think>")
+    seen = []
+    for seed in range(40):
+        r = client(server).chat.completions.create(
+            model="marked", messages=ASK, max_tokens=16, seed=seed, temperature=1.0, logprobs=True,
+            logit_bias={str(end): 4})
+        tokens = [t.token for t in r.choices[0].logprobs.content]
+        if "</think>" not in tokens or tokens.index("</think>") == 0:
+            continue
+        at = tokens.index("</think>")
+        assert r.usage.completion_tokens_details.reasoning_tokens == at + 1, (tokens, r.usage)
+        assert r.choices[0].message.reasoning_content and "</think>" not in r.choices[0].message.reasoning_content
+        seen.append(at)
+        if len(seen) == 3:
+            break
+    assert len(seen) == 3, "the bias should put </think> part-way through some of 40 seeded replies"

@@ -164,6 +164,7 @@ class ChatRequest:
     prompt_ids: list[int] | None = None  # a raw prompt (legacy completions): these ids, no chat template
     stream: bool = True  # False: only the whole reply is read (a batch line, a non-streamed response), so an
     # engine may hold its text back after the first delta (which times the first token) until the end
+    count_thinking: bool = False  # a reasoning model's reply: report the tokens through its first </think>
 
 
 @dataclass(frozen=True)
@@ -190,6 +191,9 @@ class ChatFinished:
     finish_reason: Literal["stop", "length"]
     prompt_tokens: int
     completion_tokens: int
+    # ``ChatRequest.count_thinking``: how many generated tokens it took to write the first
+    # ``</think>`` (None: not written, or not asked); the gateway counts the reasoning tokens from it
+    think_tokens: int | None = None
 
 
 ChatEvent = TextDelta | ChatFinished

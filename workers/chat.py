@@ -491,8 +491,12 @@ class ChatWorker(ThreadWorker):
         if seq.logprobs:  # tokens whose text was held back or dropped still report theirs
             seq.emit(TextDelta("", seq.take_logprobs()))
         seq.done = True
-        seq.emit(ChatFinished(reason, seq.prompt_len, len(gen)))
+        think = chat_prompt.tokens_through_think_end(self._decode, gen) if seq.req.count_thinking else None
+        seq.emit(ChatFinished(reason, seq.prompt_len, len(gen), think))
         return True
+
+    def _decode(self, ids: list[int]) -> str:
+        return self.tokenizer.decode(ids, skip_special_tokens=True)
 
     def _prompt_logprobs(self, logits: torch.Tensor, ids: list[int], top: int) -> list[TokenLogprob | None]:
         """Each prompt token's log probability given the tokens before it (the model's raw

@@ -11,7 +11,7 @@ chat path does (``renderer.render_messages`` then ``default_chat_tok_params``, w
 
 from __future__ import annotations
 
-from typing import Any
+from typing import Any, Callable
 
 from workers.base import ChatRequest, InvalidParam
 
@@ -50,6 +50,22 @@ def thinking_marker(text: str) -> str:
     the reply's thinking), after a ``</think>`` (``closed``: it asked for none), or has neither."""
     opened, closed = text.rfind("<think>"), text.rfind("</think>")
     return "none" if opened < 0 and closed < 0 else "open" if opened > closed else "closed"
+
+
+def tokens_through_think_end(decode: Callable[[list[int]], str], ids: list[int]) -> int | None:
+    """How many of a reply's ``ids`` it took to write its first ``</think>`` (None: it did not):
+    the fewest whose text holds it, found by halving, so a long reply costs a dozen decodes, once
+    at its end (the marker is one token in Qwen3's and DeepSeek's vocabularies, several in others)."""
+    if "</think>" not in decode(ids):
+        return None
+    low, high = 1, len(ids)
+    while low < high:
+        mid = (low + high) // 2
+        if "</think>" in decode(ids[:mid]):
+            high = mid
+        else:
+            low = mid + 1
+    return low
 
 
 def check_context(prompt_len: int, max_tokens: int, context_length: int) -> None:

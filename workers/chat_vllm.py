@@ -528,7 +528,7 @@ class VllmChatEngine(Worker):
                                 outcome = "stopped"  # vLLM's request is aborted on the way out
                                 if text or logprobs:
                                     yield TextDelta(text, logprobs)
-                                yield ChatFinished("stop", len(prompt_ids), len(generated))
+                                yield self._finished("stop", req, prompt_ids, generated)
                                 return
                         elif replay is not None:
                             text = replay.cut(text)
@@ -544,7 +544,7 @@ class VllmChatEngine(Worker):
                                 outcome = "paused"
                                 break
                             reason = "length" if c.finish_reason == "length" else "stop"
-                            yield ChatFinished(reason, len(prompt_ids), len(generated))
+                            yield self._finished(reason, req, prompt_ids, generated)
                             return
                         if ctx.cancelled:
                             raise Cancelled()
@@ -568,11 +568,18 @@ class VllmChatEngine(Worker):
                 if ctx.cancelled:
                     raise Cancelled()
                 if len(generated) >= p.max_tokens and p.max_tokens:  # a prompt to score (0) is submitted again
-                    yield ChatFinished("length", len(prompt_ids), len(generated))
+                    yield self._finished("length", req, prompt_ids, generated)
                     return
         finally:
             if lora is not None and held == self._residency:
                 await self._release_lora(lora[0])
+
+    def _finished(self, reason: str, req: ChatRequest, prompt_ids: list[int], generated: list[int]) -> ChatFinished:
+        think = None
+        if req.count_thinking:
+            think = chat_prompt.tokens_through_think_end(
+                lambda ids: self.tokenizer.decode(ids, skip_special_tokens=True), generated)
+        return ChatFinished(reason, len(prompt_ids), len(generated), think)  # type: ignore[arg-type]
 
     def _logprobs(self, c, k: int) -> list[TokenLogprob]:
         """vLLM's logprobs of the tokens in one delta output (``k`` alternatives each), the
