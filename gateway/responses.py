@@ -214,7 +214,8 @@ def input_messages(items: str | list[dict[str, Any]], name: str = "input") -> li
                               and isinstance(p.get("text"), str))
             continue
         if kind == "message":
-            out.append({"role": _role(item, where), "content": _text(item.get("content"), f"{where}.content")})
+            role = _role(item, where)
+            out.append({"role": role, "content": _text(item.get("content"), f"{where}.content", role == "assistant")})
         elif kind == "function_call":
             call = {"id": _string(item, "call_id", where), "type": "function",
                     "function": {"name": _string(item, "name", where), "arguments": _string(item, "arguments", where)}}
@@ -249,8 +250,9 @@ def _string(item: dict[str, Any], key: str, where: str) -> str:
     return value
 
 
-def _text(content: Any, where: str) -> str:
-    """The text of a content field: a string, or text parts (other parts are refused)."""
+def _text(content: Any, where: str, assistant: bool = False) -> str:
+    """The text of a content field: a string, or text parts (other parts are refused). An
+    assistant's ``refusal`` parts are history, accepted and not rendered, as chat takes them."""
     if isinstance(content, str):
         return content
     if not isinstance(content, list):
@@ -261,10 +263,13 @@ def _text(content: Any, where: str) -> str:
         if kind not in _TEXT_PARTS and kind != "refusal":
             raise bad_request(f"content parts of type {str(kind)[:40]!r} are not supported (input_text, output_text)",
                               f"{where}[{j}].type")
+        if kind == "refusal" and not assistant:
+            raise bad_request("content parts of type 'refusal' are only for assistant messages", f"{where}[{j}].type")
         text = part.get("refusal" if kind == "refusal" else "text")
         if not isinstance(text, str):
             raise bad_request(f"a {kind} part needs its text as a string", f"{where}[{j}]", "invalid_type")
-        texts.append(text)
+        if kind != "refusal":
+            texts.append(text)
     return "".join(texts)
 
 

@@ -1491,6 +1491,26 @@ def test_input_tokens_are_counted_as_the_response_counts_them(server):
         assert r.status_code == status and r.json()["error"]["param"] == param, (body, r.text)
 
 
+def test_an_assistant_refusal_part_is_history_not_rendered(server):
+    """An assistant item's ``refusal`` content part (OpenAI's refusal, sent back as input) is
+    accepted and not rendered, as chat takes it: the prompt is that of its text parts alone; in a
+    user message it is a 400 naming the part."""
+    c = client(server)
+
+    def turn(parts: list) -> list:
+        return [{"role": "user", "content": "hi"}, {"type": "message", "role": "assistant", "content": parts},
+                {"role": "user", "content": "why?"}]
+
+    text = {"type": "output_text", "text": "No.", "annotations": []}
+    refused = c.responses.input_tokens.count(model="tiny-chat", input=turn([text, {"type": "refusal", "refusal": "I can't."}]))
+    assert refused.input_tokens == c.responses.input_tokens.count(model="tiny-chat", input=turn([text])).input_tokens
+    assert respond(c, max_output_tokens=1, input=turn([{"type": "refusal", "refusal": "I can't."}])).status == "incomplete"
+    r = post(server, "/responses", {"model": "tiny-chat", "input": [
+        {"role": "user", "content": [{"type": "refusal", "refusal": "x"}]}]})
+    assert r.status_code == 400 and r.json()["error"]["param"] == "input[0].content[0].type", r.text
+    assert "only for assistant messages" in r.json()["error"]["message"]
+
+
 def test_truncation_auto_drops_the_oldest_turns_until_it_fits(server):
     """A conversation past the context: a 400 naming input without truncation; with ``auto`` the
     fewest whole turns are dropped from the start (the reply and its input tokens are those of the
