@@ -109,6 +109,8 @@ class ChatModel(_Model):
         options: dict = {"max_num_seqs": engine.max_num_seqs}
         if engine.name == "vllm":
             options.update(kv_cache_bytes=engine.kv_cache, max_model_len=engine.max_model_len)
+            if engine.reasoning_parser != "none":  # constrained replies think first (vLLM's structured outputs)
+                options.update(reasoning_parser=engine.reasoning_parser)
             if with_adapters:  # unmerged multi-LoRA: a request's stack is served as one LoRA
                 options.update(enable_lora=True, max_loras=engine.lora_slots, max_lora_rank=engine.max_lora_rank,
                                max_stack_loras=engine.stack_loras)

@@ -19,7 +19,7 @@ and a reply cut before it is all thinking.
 thinking and answer, holding back only the few characters that could be the start of a marker,
 so a stream sends thinking as it is written. The answer then goes on to the tool-call parser.
 The reply's reasoning tokens (``usage``'s ``reasoning_tokens``) are those the engine generated
-through the first ``</think>`` (``ChatRequest.count_thinking``), counted on the reply's ids.
+through the first ``</think>`` (``ChatRequest.reasoning``), counted on the reply's ids.
 """
 
 from __future__ import annotations

@@ -320,11 +320,11 @@ def test_tokens_through_the_first_think_end_on_real_tokenizers(tiny_chat, tmp_pa
     ids = single("ab</think>cd", add_special_tokens=False)["input_ids"]
     assert tokens_through_think_end(lambda i: single.decode(i), ids) == ids.index(single.convert_tokens_to_ids("</think>")) + 1
     engine = SimpleNamespace(tokenizer=single)
-    asked = SimpleNamespace(count_thinking=True)
+    asked = SimpleNamespace(reasoning=True)
     finished = VllmChatEngine._finished(engine, "stop", asked, [1, 2, 3], ids)
     assert (finished.prompt_tokens, finished.completion_tokens, finished.think_tokens) == (3, len(ids), ids.index(
         single.convert_tokens_to_ids("</think>")) + 1)
-    assert VllmChatEngine._finished(engine, "stop", SimpleNamespace(count_thinking=False), [1], ids).think_tokens is None
+    assert VllmChatEngine._finished(engine, "stop", SimpleNamespace(reasoning=False), [1], ids).think_tokens is None
 
 
 def test_usage_counts_the_reasoning_tokens(server):
@@ -372,3 +372,67 @@ def test_reasoning_tokens_end_at_the_marker_the_model_wrote(server):
         if len(seen) == 3:
             break
     assert len(seen) == 3, "the bias should put </think> part-way through some of 40 seeded replies"
+
+
+FLAG = {"type": "json_schema", "json_schema": {"name": "flag", "strict": True, "schema": {
+    "type": "object", "properties": {"ok": {"type": "boolean"}}, "required": ["ok"], "additionalProperties": False}}}
+
+
+def test_a_constrained_reply_thinks_first_then_answers_in_the_format(server):
+    """With ``response_format``, a reasoning model thinks freely and its answer, after the first
+    ``</think>``, is constrained (as vLLM's structured outputs with a reasoning parser do): on the
+    model with ``</think>`` as a token, biased so that it ends its thinking part-way, the thinking
+    is free text and the answer is the schema's JSON. A prompt that closed the thinking (V3.1's
+    template, ``reasoning_effort: none``) is constrained from the first token; a reply cut while
+    thinking (R1's template on random weights never closes it) has no answer."""
+    import json
+
+    from transformers import AutoTokenizer
+
+    tok = AutoTokenizer.from_pretrained(next(m.path for m in server.services.config.models if m.name == "marked"))
+    end = tok.convert_tokens_to_ids("</think>")
+    answered = 0
+    for seed in range(40):
+        r = client(server).chat.completions.create(
+            model="marked", messages=ASK, max_tokens=48, seed=seed, temperature=1.0, logit_bias={str(end): 4},
+            response_format=FLAG)
+        m = r.choices[0].message
+        if not m.reasoning_content or r.choices[0].finish_reason != "stop":
+            continue
+        assert set(json.loads(m.content)) == {"ok"} and isinstance(json.loads(m.content)["ok"], bool), m
+        answered += 1
+        if answered == 2:
+            break
+    assert answered == 2, "some of 40 seeded replies should think, close the thinking and answer"
+    closed = client(server).chat.completions.create(model="v31", messages=ASK, max_tokens=48, seed=1,
+                                                    reasoning_effort="none", response_format=FLAG)
+    assert closed.choices[0].finish_reason == "stop" and set(json.loads(closed.choices[0].message.content)) == {"ok"}
+    cut = client(server).chat.completions.create(model="r1", messages=ASK, max_tokens=12, seed=1, response_format=FLAG)
+    assert cut.choices[0].message.content is None and cut.choices[0].finish_reason == "length"
+    assert cut.usage.completion_tokens_details.reasoning_tokens == 12
+
+
+def test_the_vllm_engine_gates_its_structured_outputs_on_the_thinking(tiny_chat, tmp_path):
+    """A vLLM-engine model with a ``reasoning_parser`` starts vLLM's structured outputs with a
+    reasoning parser (so the grammar applies after ``</think>``), where its tokenizer has both
+    markers as tokens (vLLM's parsers find them by id); otherwise, and without a parser, none."""
+    from types import SimpleNamespace
+
+    from transformers import AutoTokenizer
+
+    from gateway.config import load_config
+    from workers.chat_vllm import VllmChatEngine
+
+    path = write_config(tmp_path, {"m": ("chat", tiny_chat)}, engine="{name: vllm, reasoning_parser: qwen3}")
+    spec = load_config(path).models[0].spec()
+    assert spec.options["reasoning_parser"] == "qwen3"
+    assert "reasoning_parser" not in load_config(write_config(tmp_path, {"m": ("chat", tiny_chat)}, engine="vllm")).models[0].spec().options
+    marked = AutoTokenizer.from_pretrained(tiny_chat)
+    marked.add_tokens(["<think>", "</think>"])
+    spelt = AutoTokenizer.from_pretrained(tiny_chat)
+    for parser, tok, gate in (("qwen3", marked, "deepseek_r1"), ("deepseek_r1", marked, "deepseek_r1"),
+                              ("deepseek_r1", spelt, ""), ("none", marked, "")):
+        assert VllmChatEngine._thinking_gate(SimpleNamespace(reasoning_parser=parser, tokenizer=tok)) == gate
+    engine = VllmChatEngine(spec, **spec.options)
+    engine.tokenizer = marked
+    assert engine.engine_args().structured_outputs_config.reasoning_parser == "deepseek_r1"

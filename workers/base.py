@@ -164,7 +164,10 @@ class ChatRequest:
     prompt_ids: list[int] | None = None  # a raw prompt (legacy completions): these ids, no chat template
     stream: bool = True  # False: only the whole reply is read (a batch line, a non-streamed response), so an
     # engine may hold its text back after the first delta (which times the first token) until the end
-    count_thinking: bool = False  # a reasoning model's reply: report the tokens through its first </think>
+    # a reasoning model's reply (its model has a reasoning_parser): the engine reports the tokens
+    # through its first </think> (ChatFinished.think_tokens), and a constrained reply (``params.grammar``)
+    # thinks first: the grammar applies after that </think>, unless the prompt closed the thinking
+    reasoning: bool = False
 
 
 @dataclass(frozen=True)
@@ -191,7 +194,7 @@ class ChatFinished:
     finish_reason: Literal["stop", "length"]
     prompt_tokens: int
     completion_tokens: int
-    # ``ChatRequest.count_thinking``: how many generated tokens it took to write the first
+    # ``ChatRequest.reasoning``: how many generated tokens it took to write the first
     # ``</think>`` (None: not written, or not asked); the gateway counts the reasoning tokens from it
     think_tokens: int | None = None
 

@@ -9,7 +9,8 @@ any step, so concurrent requests share forward passes instead of queueing one be
 
 Sampling, per row: the logits get the row's ``logit_bias`` and presence/frequency penalties, then
 its grammar's mask when it is constrained (``workers.grammar``: a matcher per row, advanced by
-each sampled token); logprobs are the log-softmax of these processed logits, before temperature.
+each sampled token; a reasoning model's row thinks unconstrained first, and its grammar applies
+from the token after its first ``</think>`` unless the prompt closed the thinking); logprobs are the log-softmax of these processed logits, before temperature.
 A prompt's own logprobs (``ChatParams.prompt_logprobs``: legacy completions' ``echo``) come from
 its prefill's logits at every place, raw, as vLLM's do, in one event before the first text.
 
@@ -106,6 +107,7 @@ class _Seq:
     emitted_chars: int = 0
     done: bool = False
     grammar: RowGrammar | None = None  # the row's matcher when its reply is constrained
+    thinking: bool = False  # a reasoning reply's grammar waits: it applies after the first </think>
     logprobs: list[TokenLogprob] = field(default_factory=list)  # sampled, not yet emitted
 
     @property
@@ -250,6 +252,7 @@ class ChatWorker(ThreadWorker):
             generator=gen,
             arrival=next(self._arrivals),
             grammar=grammar,
+            thinking=grammar is not None and req.reasoning and req.ctx.prompt_thinking != "closed",
         )
         self._inbox.put(seq)
         try:
@@ -466,10 +469,12 @@ class ChatWorker(ThreadWorker):
         """Sample one token, emit the new text; True when the sequence has finished."""
         logits = _process(logits.float().clone(), seq)
         token = _sample(logits, seq.params, seq.generator)
-        if seq.grammar is not None:
+        if seq.grammar is not None and not seq.thinking:
             seq.grammar.accept(token)
         seq.ids.append(token)
         gen = seq.generated
+        if seq.thinking and "</think>" in self._decode(gen[-len("</think>"):]):  # a token holds a byte or more
+            seq.thinking = False  # the answer starts: constrained from the next token
         seq.req.ctx.completion_tokens = len(gen)  # read from the loop if the reply is cut (an int: no lock)
         eos = token in self._eos
         if seq.params.logprobs is not None and not eos:
@@ -491,7 +496,7 @@ class ChatWorker(ThreadWorker):
         if seq.logprobs:  # tokens whose text was held back or dropped still report theirs
             seq.emit(TextDelta("", seq.take_logprobs()))
         seq.done = True
-        think = chat_prompt.tokens_through_think_end(self._decode, gen) if seq.req.count_thinking else None
+        think = chat_prompt.tokens_through_think_end(self._decode, gen) if seq.req.reasoning else None
         seq.emit(ChatFinished(reason, seq.prompt_len, len(gen), think))
         return True
 
@@ -558,7 +563,7 @@ def _process(logits: torch.Tensor, seq: _Seq) -> torch.Tensor:
         counts = torch.bincount(torch.tensor(seq.generated), minlength=logits.numel())[: logits.numel()]
         counts = counts.to(logits.device, logits.dtype)
         logits -= p.frequency_penalty * counts + p.presence_penalty * (counts > 0).to(logits.dtype)
-    if seq.grammar is not None:
+    if seq.grammar is not None and not seq.thinking:
         seq.grammar.mask(logits)
     return logits
 

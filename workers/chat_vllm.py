@@ -23,7 +23,9 @@ Where vLLM differs from the transformers worker (``workers.chat``):
   stop's start is sent. A greedy reply paused at any of its tokens streams the unpaused text.
 * Constrained replies (``params.grammar``) go to vLLM's structured outputs (xgrammar, no free
   whitespace: the engine starts with ``disable_any_whitespace``, which vLLM 0.32 reads per
-  engine, not per request), like the transformers engine's own matcher. A
+  engine, not per request), like the transformers engine's own matcher; a reasoning model's
+  engine also gets vLLM's reasoning parser there, so its replies think before the grammar
+  applies (``_thinking_gate``). A
   resubmission restarts the grammar from its beginning, so a constrained request is paused only
   before it has produced a token; after that it runs to its end (it stays bounded by max_tokens).
 * Logprobs are vLLM's (``SamplingParams(logprobs=k)``): by default the model's raw log
@@ -180,6 +182,7 @@ class VllmChatEngine(Worker):
         max_lora_rank: int = 16,
         max_stack_loras: int = 32,
         seed: int = 0,
+        reasoning_parser: str = "none",
         engine_args: dict[str, Any] | None = None,
     ) -> None:
         """``kv_cache_bytes``: KV-cache budget (``None``: vLLM's own sizing from
@@ -188,6 +191,7 @@ class VllmChatEngine(Worker):
         default elsewhere. ``max_loras``: adapters resident at once (vLLM gets one slot more,
         see the module doc). ``max_stack_loras``: stack LoRAs kept written on disk; the least
         recently used one that no request holds is deleted beyond it (see ``stack_lora``).
+        ``reasoning_parser``: the model's (tiers.yaml), so that a constrained reply thinks first.
         ``engine_args``: further ``AsyncEngineArgs`` fields, verbatim."""
         if spec.kind != "chat":
             raise ValueError(f"{spec.name}: a vLLM engine serves chat models, not {spec.kind}")
@@ -196,6 +200,7 @@ class VllmChatEngine(Worker):
         if max_stack_loras < 1:
             raise ValueError("max_stack_loras must be >= 1")
         self.spec = spec
+        self.reasoning_parser = reasoning_parser
         self.max_model_len = max_model_len
         self.kv_cache_bytes = kv_cache_bytes
         self.gpu_memory_utilization = gpu_memory_utilization
@@ -259,7 +264,8 @@ class VllmChatEngine(Worker):
         from vllm.config import StructuredOutputsConfig
 
         # compact JSON for every constrained reply (a random model wanders in free whitespace)
-        kwargs["structured_outputs_config"] = StructuredOutputsConfig(backend="xgrammar", disable_any_whitespace=True)
+        kwargs["structured_outputs_config"] = StructuredOutputsConfig(
+            backend="xgrammar", disable_any_whitespace=True, reasoning_parser=self._thinking_gate())
         if self.kv_cache_bytes is not None:
             kwargs["kv_cache_memory_bytes"] = int(self.kv_cache_bytes)
         if self.gpu_memory_utilization is not None:
@@ -273,6 +279,18 @@ class VllmChatEngine(Worker):
             )
         kwargs.update(self.extra_engine_args)
         return AsyncEngineArgs(**kwargs)
+
+    def _thinking_gate(self) -> str:
+        """vLLM's reasoning parser for its structured outputs: with it, a reasoning model's
+        constrained reply is constrained after its first ``</think>``, unless the prompt's last
+        marker closed the thinking (as the transformers engine does). vLLM's parsers find the
+        markers by their token ids: a tokenizer without both as tokens (every real reasoning model
+        has them) gets none, and its constrained replies are constrained from the first token."""
+        if self.reasoning_parser == "none" or self.tokenizer is None:
+            return ""
+        vocab = self.tokenizer.get_vocab()
+        # deepseek_r1's gate for both parsers: the last marker in the prompt, then the first </think>
+        return "deepseek_r1" if "<think>" in vocab and "</think>" in vocab else ""
 
     async def start(self) -> None:
         if self._llm is not None:
@@ -576,7 +594,7 @@ class VllmChatEngine(Worker):
 
     def _finished(self, reason: str, req: ChatRequest, prompt_ids: list[int], generated: list[int]) -> ChatFinished:
         think = None
-        if req.count_thinking:
+        if req.reasoning:
             think = chat_prompt.tokens_through_think_end(
                 lambda ids: self.tokenizer.decode(ids, skip_special_tokens=True), generated)
         return ChatFinished(reason, len(prompt_ids), len(generated), think)  # type: ignore[arg-type]

@@ -14,6 +14,9 @@ declares (what the output may contain narrows; everything it does contain valida
   vocabulary and a compile cache) and one :class:`RowGrammar` per constrained row: before each
   sample the row's logits are masked to the tokens the grammar allows next, and the sampled token
   advances the row's matcher. Rows of one batch each have their own matcher.
+* A reasoning model's reply (``ChatRequest.reasoning``) is constrained after its thinking, on
+  both engines: from the token after its first ``</think>``, or from the first token when the
+  prompt closed the thinking.
 """
 
 from __future__ import annotations
