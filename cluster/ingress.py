@@ -20,6 +20,10 @@ before a model is needed, then the call to the replica the router picks, streame
   OpenAI SDK raises as an ``APIError``; any other body is cut short.
 * ``GET /metrics``: the cluster's scrape target, every replica's metrics with a ``replica`` label
   plus this ingress's own (``cluster.scrape``).
+* CORS (``server.cors_origins``): Starlette's middleware, as ``tiergate serve`` runs it, answers a
+  browser's preflight before authentication and puts its headers on the answers the ingress
+  makes itself (its refusals, ``/healthz``, ``/metrics``); a replica's answers carry their own, as
+  the replicas run the same app.
 
 The replica's serving core still admits each request against its key's limits (atomically, on a
 shared Redis across processes) and meters its usage, as in ``tiergate serve``: the early refusal
@@ -42,6 +46,7 @@ from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 from prometheus_client.metrics_core import Metric
 from ray import serve
 from ray.exceptions import RayError
+from starlette.middleware import Middleware
 from starlette.requests import Request
 from starlette.responses import JSONResponse, Response, StreamingResponse
 
@@ -51,6 +56,7 @@ from cluster.scrape import merged
 from cluster.settings import in_effect
 from accounts.store import STORE_ERRORS
 from gateway.accounts import Accounts
+from gateway.cors import cors
 from gateway.auth import Caller, KeyRing, bearer_token
 from gateway.config import load_config
 from gateway.errors import APIError, store_unavailable
@@ -81,21 +87,28 @@ class Ingress:
         self.answered: Counter[tuple[str, str, int]] = Counter()  # (tier, where, status) -> responses
         self.id = serve.get_replica_context().replica_id.unique_id
         self.redirects = 0
+        self.cors = cors(self.config.server.cors_origins)  # [] when no origins are listed
 
     async def __call__(self, request: Request) -> Response:
+        if self.cors and request.method == "OPTIONS" and "access-control-request-method" in request.headers:
+            return self._own(Response())  # a preflight: the CORS middleware answers it, before authentication
         path = _app_path(request.scope)
         if path == "/healthz":
-            return JSONResponse({"status": "ok"})
+            return self._own(JSONResponse({"status": "ok"}))
         if path == "/metrics" and request.method == "GET":
-            return Response(await self._scrape(), media_type="text/plain; version=0.0.4")
+            return self._own(Response(await self._scrape(), media_type="text/plain; version=0.0.4"))
         tier = "-"
         try:
             caller = await self._caller(request)
             tier = caller.tier
-            return await self._serve(request, path, caller)
+            return await self._serve(request, path, caller)  # the replica's answer, its CORS headers in it
         except APIError as exc:
             self.answered[(tier, "ingress", exc.status)] += 1
-            return exc.response()
+            return self._own(exc.response())
+
+    def _own(self, response: Response) -> Response:
+        """An answer the ingress makes itself, through the CORS middleware when there is one."""
+        return _WithCors(response, self.cors[0]) if self.cors else response
 
     def serve_settings(self) -> dict:
         """The Serve settings in this ingress's process (``cluster.settings``) and how its calls to
@@ -268,6 +281,20 @@ class Ingress:
         if not isinstance(name, str) or name not in self.base:
             raise APIError(404, f"the model '{name}' does not exist", "model_not_found", "model")
         return self.base[name], streamed
+
+
+class _WithCors(Response):
+    """``response`` sent through Starlette's CORS middleware (Serve sends a returned response by
+    calling it with the request's scope), which answers a preflight without it."""
+
+    def __init__(self, response: Response, middleware: Middleware) -> None:
+        self.response, self.middleware = response, middleware
+        self.status_code = response.status_code
+        self.background = None
+
+    async def __call__(self, scope, receive, send) -> None:
+        mw = self.middleware
+        await mw.cls(self.response, *mw.args, **mw.kwargs)(scope, receive, send)
 
 
 @dataclass(frozen=True)

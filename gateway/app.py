@@ -13,7 +13,6 @@ from typing import AsyncIterator, Sequence
 from starlette.applications import Starlette
 from starlette.exceptions import HTTPException
 from starlette.middleware import Middleware
-from starlette.middleware.cors import CORSMiddleware
 from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
 from starlette.routing import BaseRoute, Route
@@ -35,6 +34,7 @@ from gateway.admission import Gate, TierPolicy
 from gateway.auth import Caller, KeyRing
 from gateway.body_deadline import BodyDeadline
 from gateway.config import Config
+from gateway.cors import cors
 from gateway.background import Background
 from gateway.drain import Drain, DrainGate, readyz
 from gateway.errors import APIError, store_unavailable
@@ -289,23 +289,6 @@ def create_app(services: Services, extra: Sequence[BaseRoute] = ()) -> Starlette
     drain.hooks.append(app.state.batches.hand_back)
     app.state.started = time.time()
     return app
-
-
-# What a page's script may read of an answer besides the CORS-safelisted headers
-EXPOSED_HEADERS = ["x-request-id", "x-tiergate-tier", "retry-after", "retry-after-ms",
-                   *(f"x-ratelimit-{what}-{dim}" for what in ("limit", "remaining", "reset") for dim in ("requests", "tokens"))]
-
-
-def cors(origins: list[str]) -> list[Middleware]:
-    """Starlette's CORS middleware for web pages on ``origins`` (``"*"``: any) that call the API
-    with a key in the Authorization header (no cookies, so no credentials mode): it answers
-    preflight requests before authentication and adds its headers to every answer, errors
-    included, so a page reads a 401 or a 429 as such. Nothing for no origins: no CORS headers,
-    no work per request."""
-    if not origins:
-        return []
-    return [Middleware(CORSMiddleware, allow_origins=origins, allow_methods=["GET", "POST", "PATCH", "DELETE"],
-                       allow_headers=["*"], expose_headers=EXPOSED_HEADERS, max_age=600)]
 
 
 async def _follow_stops(services: Services, state) -> None:

@@ -36,6 +36,9 @@ WINDOW_S = 30  # protect_window_s
 RECLAIM_S = 2.0  # batch.reclaim_after_s: a dead replica's batch lines run elsewhere after this
 
 
+PAGE = "http://page.example"  # the web page origin the clusters allow (server.cors_origins)
+
+
 def config_text(models: dict[str, Path], period: float, redis_url: str | None = None, replicas: tuple[int, int] = (2, 1),
                 paid_target_s: float = 600, slots: int = 8, max_copies: str = "{}", small: Path | None = None) -> str:
     lines = ["tiers:"]
@@ -54,6 +57,7 @@ def config_text(models: dict[str, Path], period: float, redis_url: str | None = 
               f"eviction:\n  protect_window_s: {WINDOW_S}",
               f"gate:\n  slots: {slots}",
               "limits:\n  max_chat_tokens: 512",
+              f"server:\n  cors_origins: [{PAGE}]",
               f"batch:\n  reclaim_after_s: {RECLAIM_S}\n  concurrency: 1",
               "cluster:", f"  nodes: {nodes}", f"  replicas_per_node: {per_node}", "  devices: cpu",
               f"  replica_cpus: {0.5 if nodes * per_node <= 2 else 0.25}",
@@ -235,6 +239,29 @@ def test_other_endpoints_and_one_request_id(cluster):
     bad = httpx.post(f"{cluster.url}/v1/chat/completions", headers={"authorization": "Bearer key-paid"},
                      content=b"{not json", timeout=30)
     assert bad.status_code == 400 and bad.json()["error"]["code"] == "invalid_json"
+
+
+def test_cors_through_the_ingress(cluster):
+    """``server.cors_origins`` in cluster mode: the ingress answers a browser's preflight (which
+    carries no key) and puts the CORS headers on its own refusals, so a page reads a 401 as such; a
+    replica's answer carries them once; another origin's preflight is refused."""
+    page = {"origin": PAGE}
+    pre = httpx.options(f"{cluster.url}/v1/chat/completions", timeout=30, headers={
+        **page, "access-control-request-method": "POST", "access-control-request-headers": "authorization, content-type"})
+    assert pre.status_code == 200 and pre.headers["access-control-allow-origin"] == PAGE, (pre.status_code, pre.headers)
+    assert "authorization" in pre.headers["access-control-allow-headers"].lower()
+    body = {"model": "c", "messages": [{"role": "user", "content": "hi"}], "max_tokens": 2}
+    refused = httpx.post(f"{cluster.url}/v1/chat/completions", headers={**page, "authorization": "Bearer nobody"},
+                         json=body, timeout=30)
+    assert refused.status_code == 401 and refused.headers["access-control-allow-origin"] == PAGE
+    assert "x-request-id" in refused.headers["access-control-expose-headers"]
+    ok = httpx.post(f"{cluster.url}/v1/chat/completions", headers={**page, "authorization": "Bearer key-paid"},
+                    json=body, timeout=60)
+    assert ok.status_code == 200 and ok.headers.get_list("access-control-allow-origin") == [PAGE]
+    assert "retry-after" in ok.headers["access-control-expose-headers"]
+    other = httpx.options(f"{cluster.url}/v1/chat/completions", timeout=30, headers={
+        "origin": "http://elsewhere.example", "access-control-request-method": "POST"})
+    assert other.status_code == 400 and "access-control-allow-origin" not in other.headers
 
 
 def test_ingress_refuses_before_any_replica(cluster):
