@@ -221,16 +221,19 @@ async def _continued(svc: Services, caller: Caller, draft: Draft, text: str,
     """The deltas of a reply that goes on after ``text`` (a resumed stream's text so far): the
     chat model is given its prompt and that text's tokens as a raw prompt, and what is left of
     ``max_tokens``; the last delta's token counts are the whole reply's (the text's tokens are
-    output, not input). None left: the reply ends there, at its length."""
+    output, not input). None left: the reply ends there, at its length. The prompt is rendered with
+    the request's template variables (``reasoning.effort``); a reasoning model's text so far is its
+    answer (a reply that thought began with a reasoning item, and is not resumed), so the rest is
+    answer too."""
     job = draft.job.chat
     tok = await tokenizer_of(svc.spec(job.model, "chat").path)
-    prompt = await asyncio.to_thread(encode, tok, job.messages, None)
+    prompt = await asyncio.to_thread(encode, tok, job.messages, None, job.template_kwargs)
     said = list(tok(text, add_special_tokens=False)["input_ids"])
     left = job.params.max_tokens - len(said)
     if left <= 0:
         ended = ChatFinished("length", len(prompt) + len(said), 0)  # as the engine counts: the text in the prompt
         return _counted(_one(ChoiceDelta(0, finish_reason="length", finished=ended)), len(said))
-    job = replace(job, prompt_ids=prompt + said, params=replace(job.params, max_tokens=left))
+    job = replace(job, prompt_ids=prompt + said, params=replace(job.params, max_tokens=left), reasoning="none")
     return _counted(serve_chat(svc, caller, job, gone), len(said))
 
 

@@ -1004,7 +1004,8 @@ def test_a_streamed_response_whose_stored_events_ended_its_item_reads_failed(tin
 
 
 def check_a_response_goes_on_from_its_text(s, tiny_chat: Path, sent: int | None, stale_s: float,
-                                           reclaim_now: bool = False) -> None:
+                                           reclaim_now: bool = False, model: str = "tiny-chat",
+                                           extra: dict | None = None, template_kwargs: dict | None = None) -> None:
     """A dead process's streamed background response, its events stored up to part of its text
     (the first ``sent`` tokens of the reply, all of it for None), is claimed by server ``s`` (by
     its reclaimer, or at once with ``reclaim_now``). A follower sees one stream: numbered on, no
@@ -1012,14 +1013,15 @@ def check_a_response_goes_on_from_its_text(s, tiny_chat: Path, sent: int | None,
     whole text. What it adds is what the model makes from the prompt and that text's tokens (the
     same raw prompt through ``/v1/completions``, greedy, with what is left of
     ``max_output_tokens``), and the text's tokens count as output. With the whole reply sent,
-    nothing is left to make: it ends at its length with that text."""
+    nothing is left to make: it ends at its length with that text. ``model`` takes the request's
+    ``extra`` fields, which render its prompt with ``template_kwargs``."""
     import gateway.response_runs as runs
     from workers.chat_prompt import encode
 
     c, store, owner = client(s), s.app.state.responses, key_id(s.keys["paid"])
-    ask = dict(model="tiny-chat", input="Tell me a story", max_output_tokens=24, temperature=0)
+    ask = dict(model=model, input="Tell me a story", max_output_tokens=24, temperature=0, **(extra or {}))
     alone = c.responses.create(**ask)
-    tok = AutoTokenizer.from_pretrained(tiny_chat)
+    tok = AutoTokenizer.from_pretrained(next(m.path for m in s.services.config.models if m.name == model))
     ids = tok(alone.output_text, add_special_tokens=False)["input_ids"]
     text = tok.decode(ids[:sent])
     said = tok(text, add_special_tokens=False)["input_ids"]
@@ -1027,8 +1029,8 @@ def check_a_response_goes_on_from_its_text(s, tiny_chat: Path, sent: int | None,
     assert (left > 0) == (sent is not None)
     added = ""
     if left > 0:
-        prompt = encode(tok, [{"role": "user", "content": "Tell me a story"}]) + said
-        added = c.completions.create(model="tiny-chat", prompt=prompt, max_tokens=left, temperature=0).choices[0].text
+        prompt = encode(tok, [{"role": "user", "content": "Tell me a story"}], None, template_kwargs) + said
+        added = c.completions.create(model=model, prompt=prompt, max_tokens=left, temperature=0).choices[0].text
     record = s.wait(store.get(wait_until_done(c, c.responses.create(**ask, background=True).id).id, owner))
     rid = f"resp_deadmid{sent}"
     dead = replace(record, id=rid, beat=time.time(), runner="a-dead-process",

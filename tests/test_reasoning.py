@@ -436,3 +436,16 @@ def test_the_vllm_engine_gates_its_structured_outputs_on_the_thinking(tiny_chat,
     engine = VllmChatEngine(spec, **spec.options)
     engine.tokenizer = marked
     assert engine.engine_args().structured_outputs_config.reasoning_parser == "deepseek_r1"
+
+
+def test_a_resumed_stream_renders_its_prompt_with_the_template_variables(server, tiny_chat):
+    """A dead process's streamed background response on DeepSeek-V3.1's template asked for no
+    thinking (``reasoning.effort: none``: the prompt closes it), resumed from part of its answer by
+    another process: its prompt is rendered with the template variables as the first run's was
+    (the same input tokens), and what it adds stays answer (no reasoning item appears mid-stream),
+    as the whole run's did (``check_a_response_goes_on_from_its_text``)."""
+    from tests.test_completions_responses import check_a_response_goes_on_from_its_text
+
+    check_a_response_goes_on_from_its_text(server, tiny_chat, 5, 30.0, reclaim_now=True, model="v31",
+                                           extra={"reasoning": {"effort": "none"}},
+                                           template_kwargs={"reasoning_effort": "none", "enable_thinking": False})
