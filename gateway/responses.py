@@ -93,11 +93,14 @@ class FunctionChoice(_Body):
 
 
 class ReasoningOptions(_Body):
-    """``reasoning``: its ``effort`` goes to the chat template as chat's ``reasoning_effort`` does;
-    no summary is written (the thinking itself is a ``reasoning`` output item)."""
+    """``reasoning``: its ``effort`` goes to the chat template as chat's ``reasoning_effort`` does.
+    ``summary`` is taken and shown (the Agents SDK and Codex send ``auto``), but no summary is
+    written: no summarizer runs here, and the reasoning item holds the whole thinking instead, as
+    vLLM serves open-weight models. (``generate_summary`` is its deprecated name.)"""
 
     effort: Literal["none", "minimal", "low", "medium", "high", "xhigh"] | None = None
-    summary: None = None
+    summary: Literal["auto", "concise", "detailed"] | None = None
+    generate_summary: Literal["auto", "concise", "detailed"] | None = None
 
 
 class AllowedToolsChoice(_Body):
@@ -489,7 +492,9 @@ class Draft:
             "incomplete_details": {"reason": "max_output_tokens"} if status == "incomplete" else None,
             "instructions": body.instructions, "max_output_tokens": body.max_output_tokens, "model": body.model,
             "output": [_visible(item) for item in self.output], "parallel_tool_calls": body.parallel_tool_calls is not False,
-            "previous_response_id": body.previous_response_id, "reasoning": {"effort": body.reasoning.effort if body.reasoning else None, "summary": None},
+            "previous_response_id": body.previous_response_id,
+            "reasoning": {"effort": body.reasoning.effort, "summary": body.reasoning.summary or body.reasoning.generate_summary}
+            if body.reasoning else {"effort": None, "summary": None},
             "service_tier": self.tier_label, "store": body.store, "temperature": body.temperature,
             "conversation": {"id": self.job.conversation_id} if self.job.conversation_id else None,
             "text": {"format": fmt}, "tool_choice": choice,

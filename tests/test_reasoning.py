@@ -196,8 +196,12 @@ def test_responses_reasoning_effort_and_the_thinking_as_a_reasoning_item(server)
     assert quiet.usage.input_tokens > default.usage.input_tokens and quiet.reasoning.effort == "none"
     kw = dict(input="hi", max_output_tokens=6, temperature=0)
     raw = c.responses.create(model="r1-raw", **kw).output_text
-    r1 = c.responses.create(model="r1", reasoning={"effort": "high"}, store=True, **kw)
+    r1 = c.responses.create(model="r1", reasoning={"effort": "high", "summary": "auto"}, store=True, **kw)
     assert r1.output_text == "" and r1.usage.output_tokens == 6 and r1.reasoning.effort == "high"
+    assert r1.reasoning.summary == "auto"  # accepted and shown; no summary is written (below: summary == [])
+    with pytest.raises(openai.BadRequestError) as bad:
+        c.responses.create(model="r1", reasoning={"summary": "brief"}, **kw)
+    assert bad.value.body["param"] == "reasoning.summary"
     assert [(o.type, o.status) for o in r1.output] == [("reasoning", "incomplete")]
     assert raw and [p.text for p in r1.output[0].content] == [raw] and r1.output[0].summary == []
     with c.responses.stream(model="r1", **kw) as stream:
