@@ -13,7 +13,8 @@ looks for those (``reclaim``) and one claims it and runs it again from its kept 
 shutdown is handed back the same way. A streamed one runs again with its stored events going on
 (``StoredEvents.resumed``): one still queued from the start; one whose followers saw part of its
 text (``resumable``: a plain text reply) from that text, the chat model given the prompt and the
-text so far as its raw prompt (``_continued``). One that cannot run again (streamed past ``queued``
+text so far as its raw prompt (``_continued``); a reasoning model's from its thinking so far, or
+from its whole thinking and the answer so far. One that cannot run again (streamed past ``queued``
 with tools, a JSON format or logprobs: its followers saw output that cannot be continued; or run
 RECLAIM_TRIES times) is shown ``failed`` (``server_error``). Only a ``completed`` or ``incomplete``
 response can be continued with ``previous_response_id``.
@@ -46,12 +47,12 @@ from gateway.conversation_store import ConversationStore
 from gateway.errors import APIError
 from gateway.response_store import ResponseStore, StoredResponse
 from gateway.responses import (CONTINUABLE, RUNNING, Draft, ResponseEvents, ResponsesRequest, Sent, closing_events,
-                               delta_events, message_item, plan_response, reclaimable, responses_names, resumable,
-                               shown, sse_event, whole_output)
+                               delta_events, message_item, plan_response, reasoning_item, reclaimable, responses_names,
+                               resumable, shown, sse_event, whole_output)
 from gateway.service import ClientGone, Services
 from gateway.serving import Gone
 from workers.base import ChatFinished
-from workers.chat_prompt import encode
+from workers.chat_prompt import render, thinking_marker
 
 log = logging.getLogger("tiergate.responses")
 
@@ -69,8 +70,8 @@ async def run_in_background(svc: Services, caller: Caller, draft: Draft, store: 
     status, error, shut_down = "failed", None, False
     try:
         with responses_names():
-            if events is not None and events.sent.text:
-                deltas = await _continued(svc, caller, draft, events.sent.text, gone)
+            if events is not None and events.sent.output:
+                deltas = await _continued(svc, caller, draft, events.sent, gone)
             else:
                 deltas = serve_chat(svc, caller, draft.job.chat, gone)
             first = await deltas.__anext__()
@@ -154,6 +155,13 @@ class StoredEvents:
         events = cls(store, draft, ResponseEvents(draft), sent)
         events.log.add(before)
         events.stored = events.s.seq = len(before)
+        if sent.thought_id is not None and not sent.closed:  # the reasoning item: open, or ended
+            item = reasoning_item(sent.thought_id, sent.thought, "completed" if sent.thought_done else "in_progress")
+            draft.output.append(item)
+            if not sent.thought_done:
+                item.update(content=[], _thought=[sent.thought])
+                events.s.thought = item
+            draft.reply.reasoning.append(sent.thought)
         if sent.item_id is not None and not sent.closed:
             item = message_item(sent.item_id, "", "in_progress", None)
             item.update(content=[], _text=[sent.text])
@@ -216,34 +224,48 @@ async def reclaim(svc: Services, store: ResponseStore, conversations: Conversati
     return taken
 
 
-async def _continued(svc: Services, caller: Caller, draft: Draft, text: str,
+async def _continued(svc: Services, caller: Caller, draft: Draft, sent: Sent,
                      gone: Gone) -> AsyncIterator[ChoiceDelta]:
-    """The deltas of a reply that goes on after ``text`` (a resumed stream's text so far): the
-    chat model is given its prompt and that text's tokens as a raw prompt, and what is left of
-    ``max_tokens``; the last delta's token counts are the whole reply's (the text's tokens are
-    output, not input). None left: the reply ends there, at its length. The prompt is rendered with
-    the request's template variables (``reasoning.effort``); a reasoning model's text so far is its
-    answer (a reply that thought began with a reasoning item, and is not resumed), so the rest is
-    answer too."""
+    """The deltas of a reply that goes on after what a resumed stream's followers saw (``sent``):
+    the chat model is given its prompt (rendered with the request's template variables, as the
+    first run's was) and the reply so far as a raw prompt, and what is left of ``max_tokens``; the
+    last delta's token counts are the whole reply's (the reply so far is output, not input). None
+    left: the reply ends there, at its length.
+
+    The reply so far is its text, or a reasoning model's thinking (after ``<think>``, unless the
+    prompt opened it) and, once the thinking ended, ``</think>`` and the answer's text. Cut while
+    thinking, it goes on thinking (the raw prompt's last marker is open), then answers; cut in the
+    answer (or with no thinking at all), the rest is answer."""
     job = draft.job.chat
     tok = await tokenizer_of(svc.spec(job.model, "chat").path)
-    prompt = await asyncio.to_thread(encode, tok, job.messages, None, job.template_kwargs)
-    said = list(tok(text, add_special_tokens=False)["input_ids"])
+    rendered = await asyncio.to_thread(render, tok, job.messages, None, job.template_kwargs)
+    prompt = list(tok(rendered, add_special_tokens=False)["input_ids"])
+    so_far, thought = sent.text, ""
+    if sent.thought_id is not None:
+        thought = ("" if thinking_marker(rendered) == "open" else "<think>") + sent.thought
+        so_far = thought + ("</think>" + sent.text if sent.thought_done else "")
+    said = list(tok(so_far, add_special_tokens=False)["input_ids"])
+    # the reasoning tokens said: all of them while thinking, else those through </think>
+    thinking = 0 if not thought else len(said) if not sent.thought_done else len(
+        tok(thought + "</think>", add_special_tokens=False)["input_ids"])
     left = job.params.max_tokens - len(said)
     if left <= 0:
         ended = ChatFinished("length", len(prompt) + len(said), 0)  # as the engine counts: the text in the prompt
-        return _counted(_one(ChoiceDelta(0, finish_reason="length", finished=ended)), len(said))
-    job = replace(job, prompt_ids=prompt + said, params=replace(job.params, max_tokens=left), reasoning="none")
-    return _counted(serve_chat(svc, caller, job, gone), len(said))
+        return _counted(_one(ChoiceDelta(0, finish_reason="length", finished=ended)), len(said), thinking)
+    still_thinking = sent.thought_id is not None and not sent.thought_done
+    job = replace(job, prompt_ids=prompt + said, params=replace(job.params, max_tokens=left),
+                  reasoning=job.reasoning if still_thinking else "none")
+    return _counted(serve_chat(svc, caller, job, gone), len(said), thinking)
 
 
-async def _counted(deltas: AsyncGenerator[ChoiceDelta, None], said: int) -> AsyncIterator[ChoiceDelta]:
+async def _counted(deltas: AsyncGenerator[ChoiceDelta, None], said: int, thinking: int) -> AsyncIterator[ChoiceDelta]:
     async with contextlib.aclosing(deltas):
         async for delta in deltas:
             if delta.finished is not None:
                 f = delta.finished
                 delta = replace(delta, finished=replace(f, prompt_tokens=f.prompt_tokens - said,
-                                                        completion_tokens=f.completion_tokens + said))
+                                                        completion_tokens=f.completion_tokens + said),
+                                reasoning_tokens=delta.reasoning_tokens + thinking)
             yield delta
 
 

@@ -624,8 +624,9 @@ def resumable(body: dict[str, Any]) -> bool:
 @dataclass
 class Sent:
     """What a streamed response's stored events show of its output: how many there are, whether
-    ``response.in_progress`` is among them, and the message item begun (its id and text so far),
-    or ``closed`` when an item was ended or one that is not a message begun (then it cannot go on
+    ``response.in_progress`` is among them, a reasoning model's reasoning item (its id, its
+    thinking so far, ``thought_done`` once it ended), and the message item begun after it (its id
+    and text so far); or ``closed`` when anything else was begun or ended (then it cannot go on
     from there)."""
 
     count: int = 0
@@ -633,6 +634,9 @@ class Sent:
     item_id: str | None = None
     text: str = ""
     closed: bool = False
+    thought_id: str | None = None
+    thought: str = ""
+    thought_done: bool = False
 
     @classmethod
     def of(cls, events: list[str]) -> "Sent":
@@ -643,14 +647,28 @@ class Sent:
             if kind == "response.in_progress":
                 sent.began = True
             elif kind == "response.output_item.added":
-                if data["item"]["type"] != "message" or sent.item_id is not None:
+                item = data["item"]
+                if item["type"] == "reasoning" and sent.thought_id is None and sent.item_id is None:
+                    sent.thought_id = item["id"]
+                    continue
+                if item["type"] != "message" or sent.item_id is not None or (sent.thought_id and not sent.thought_done):
                     sent.closed = True
-                sent.item_id = data["item"]["id"]
+                sent.item_id = item["id"]
             elif kind == "response.output_text.delta":
                 sent.text += data["delta"]
+            elif kind == "response.reasoning_text.delta":
+                sent.thought += data["delta"]
+            elif kind.endswith(".done") and sent.item_id is None and sent.thought_id is not None \
+                    and (data.get("item_id") or (data.get("item") or {}).get("id")) == sent.thought_id:
+                sent.thought_done = True  # the reasoning item's done events: the answer comes next
             elif kind.endswith(".done") or kind in ("response.completed", "response.incomplete", "response.failed"):
                 sent.closed = True
         return sent
+
+    @property
+    def output(self) -> bool:
+        """Some of the reply's output was seen (it goes on from there, ``response_runs._continued``)."""
+        return bool(self.text or self.thought)
 
 
 def shown(record: StoredResponse, stale_s: float) -> dict[str, Any]:

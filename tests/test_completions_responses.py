@@ -1081,6 +1081,22 @@ def test_what_stored_events_show_of_the_output():
     assert Sent.of(opened + texts + [ev("response.output_text.done", text="Hello there")]).closed
     assert Sent.of(opened[:2] + [ev("response.output_item.added", item={"id": "fc_1", "type": "function_call"})]).closed
     assert Sent.of(opened + [ev("response.output_item.added", item={"id": "msg_2", "type": "message"})]).closed
+    # a reasoning model's thinking: its item open, then ended and followed by the answer's message
+    rs = {"id": "rs_1", "type": "reasoning"}
+    thinking = opened[:2] + [ev("response.output_item.added", item=rs), ev("response.content_part.added", item_id="rs_1"),
+                             ev("response.reasoning_text.delta", item_id="rs_1", delta="hm"),
+                             ev("response.reasoning_text.delta", item_id="rs_1", delta="m")]
+    assert Sent.of(thinking) == Sent(6, True, thought_id="rs_1", thought="hmm")
+    ended = thinking + [ev("response.reasoning_text.done", item_id="rs_1", text="hmm"),
+                        ev("response.content_part.done", item_id="rs_1"), ev("response.output_item.done", item=rs)]
+    assert Sent.of(ended) == Sent(9, True, thought_id="rs_1", thought="hmm", thought_done=True)
+    answered = Sent.of(ended + [ev("response.output_item.added", item=message)] + texts)
+    assert answered == Sent(13, True, "msg_1", "Hello there", thought_id="rs_1", thought="hmm", thought_done=True)
+    assert answered.output and Sent.of(thinking).output and not Sent.of(opened).output
+    assert Sent.of(ended + [ev("response.output_item.added", item=message)] + texts + [ev("response.output_text.done")]).closed
+    assert Sent.of(thinking + [ev("response.output_item.added", item=message)]).closed  # the thinking never ended
+    assert Sent.of(ended + [ev("response.output_item.added", item={"id": "rs_2", "type": "reasoning"})]).closed
+    assert Sent.of(opened + [ev("response.output_item.added", item=rs)]).closed  # thinking after the answer
 
 
 def test_no_follower_sees_an_event_before_it_is_stored():

@@ -453,3 +453,100 @@ def test_a_resumed_stream_renders_its_prompt_with_the_template_variables(server,
     check_a_response_goes_on_from_its_text(server, tiny_chat, 5, 30.0, reclaim_now=True, model="v31",
                                            extra={"reasoning": {"effort": "none"}},
                                            template_kwargs={"reasoning_effort": "none", "enable_thinking": False})
+
+
+def _dead_stream(server, model: str, output_events) -> tuple[str, list[str]]:
+    """A streamed background response on ``model`` (48 tokens at most) whose process died after storing its opening
+    events and ``output_events(at)`` (a function of the event number to start at), stale now."""
+    import time
+    from dataclasses import replace
+
+    from gateway.auth import key_id
+    from gateway.responses import sse_event
+    from tests.test_completions_responses import wait_until_done
+
+    c, store = client(server), server.app.state.responses
+    ask = dict(model=model, input="Tell me a story", max_output_tokens=48, temperature=0)
+    done = wait_until_done(c, c.responses.create(**ask, background=True).id)
+    record = server.wait(store.get(done.id, key_id(server.keys["paid"])))
+    rid = f"resp_deadthought{time.monotonic_ns()}"
+    dead = replace(record, id=rid, beat=time.time(), runner="a-dead-process",
+                   request={**record.request, "body": {**record.request["body"], "stream": True}},
+                   response={**record.response, "id": rid, "status": "in_progress", "output": []})
+    server.wait(store.put(dead))
+    before = [sse_event(kind, n, response=dead.response)
+              for n, kind in enumerate(["response.created", "response.queued", "response.in_progress"])]
+    before += output_events(len(before))
+    server.wait(store.add_events(rid, dead.created_at, 0, before))
+    assert server.wait(store.update_running(replace(dead, beat=time.time() - 60)))
+    return rid, before
+
+
+def _reasoning_events(at: int, thought: list[str], done: bool, text: list[str] = ()) -> list[str]:
+    """A reasoning item's stored events, numbered from ``at``: begun, its ``thought`` pieces, and
+    when ``done`` its end and a message begun with the ``text`` pieces."""
+    from gateway.responses import sse_event
+
+    rs = {"id": "rs_before", "type": "reasoning", "summary": [], "content": [], "status": "in_progress"}
+    at_rs = dict(item_id="rs_before", output_index=0, content_index=0)
+    out = [("response.output_item.added", dict(output_index=0, item=rs)),
+           ("response.content_part.added", dict(part={"type": "reasoning_text", "text": ""}, **at_rs))]
+    out += [("response.reasoning_text.delta", dict(delta=d, **at_rs)) for d in thought]
+    if done:
+        whole = {"type": "reasoning_text", "text": "".join(thought)}
+        msg = {"id": "msg_before", "type": "message", "role": "assistant", "status": "in_progress", "content": []}
+        at_msg = dict(item_id="msg_before", output_index=1, content_index=0)
+        out += [("response.reasoning_text.done", dict(text=whole["text"], **at_rs)),
+                ("response.content_part.done", dict(part=whole, **at_rs)),
+                ("response.output_item.done", dict(output_index=0, item={**rs, "content": [whole], "status": "completed"})),
+                ("response.output_item.added", dict(output_index=1, item=msg)),
+                ("response.content_part.added", dict(part={"type": "output_text", "text": "", "annotations": []}, **at_msg))]
+        out += [("response.output_text.delta", dict(delta=d, logprobs=[], **at_msg)) for d in text]
+    return [sse_event(kind, at + n, **data) for n, (kind, data) in enumerate(out)]
+
+
+@pytest.mark.parametrize("model, done", [("r1", False), ("r1", True), ("qwen3", False)],
+                         ids=["r1-cut-while-thinking", "r1-cut-in-the-answer", "qwen3-cut-while-thinking"])
+def test_a_resumed_stream_goes_on_from_its_thinking(server, model, done):
+    """A reasoning model's streamed background response whose process died part-way through its
+    thinking (or, once the thinking ended, part-way through its answer) is run again by another
+    process from there: a follower sees one stream, numbered on, no item begun again; the same
+    reasoning item goes on thinking (or is kept whole, and the same message goes on answering).
+    What it adds is what the model makes from the prompt, ``<think>``-opened by R1's template (or,
+    on Qwen3's, by the model: ``<think>`` is put back), and the reply so far (``</think>`` and the
+    answer so far when the thinking ended) as a raw prompt,
+    greedy, with what is left of ``max_output_tokens``; the reply so far counts as output, and as
+    reasoning tokens as far as the thinking went."""
+    import gateway.response_runs as runs
+    from transformers import AutoTokenizer
+
+    from workers.chat_prompt import encode
+
+    thought, text = ["The sky ", "scatters blue"], ["Because of ", "Rayleigh"]
+    rid, before = _dead_stream(server, model, lambda at: _reasoning_events(at, thought, done, text))
+    state = server.app.state
+    assert rid in server.wait(runs.reclaim(server.services, state.responses, state.conversations, state.background))
+    c = client(server)
+    events = list(c.responses.retrieve(rid, stream=True))
+    assert [e.sequence_number for e in events] == list(range(len(events)))
+    after = [e.type for e in events[len(before):]]
+    assert "response.in_progress" not in after and "response.output_item.added" not in after, after
+    tok = AutoTokenizer.from_pretrained(next(m.path for m in server.services.config.models if m.name == model))
+    so_far = ("<think>" if model == "qwen3" else "") + "".join(thought) + ("</think>" + "".join(text) if done else "")
+    prompt = encode(tok, [{"role": "user", "content": "Tell me a story"}]) + tok(so_far, add_special_tokens=False)["input_ids"]
+    said = len(prompt) - len(encode(tok, [{"role": "user", "content": "Tell me a story"}]))
+    assert 0 < said < 48
+    added = c.completions.create(model=model, prompt=prompt, max_tokens=48 - said, temperature=0).choices[0].text
+    final = c.responses.retrieve(rid)
+    assert final.status == "incomplete" and final.output[0].id == "rs_before"
+    if done:  # the thinking kept whole, the answer goes on
+        assert [(o.type, o.id) for o in final.output] == [("reasoning", "rs_before"), ("message", "msg_before")]
+        assert final.output[0].content[0].text == "".join(thought) and final.output_text == "".join(text) + added
+        assert after[0] == "response.output_text.delta"
+        thinking = len(tok("".join(thought) + "</think>", add_special_tokens=False)["input_ids"])
+    else:  # it goes on thinking (random weights never close it)
+        assert [o.type for o in final.output] == ["reasoning"]
+        assert final.output[0].content[0].text == "".join(thought) + added and added
+        assert after[0] == "response.reasoning_text.delta" and "response.output_text.delta" not in after
+        thinking = 48
+    assert final.usage.output_tokens == 48 and final.usage.output_tokens_details.reasoning_tokens == thinking

@@ -81,7 +81,8 @@ def request_ids(tokenizer: Any, req: ChatRequest, context_length: int) -> list[i
     """The prompt of ``req``: its raw ``prompt_ids`` when it has them (legacy completions, no
     template), else its messages and tools through :func:`encode`; refused with
     :class:`ContextTooLong` when the reply cannot fit. The rendered prompt's last thinking marker
-    goes to ``req.ctx.prompt_thinking``."""
+    goes to ``req.ctx.prompt_thinking`` (a raw prompt's too, for a reasoning model: a background
+    response resumed part-way through its thinking)."""
     if req.prompt_ids is None:
         text = render(tokenizer, req.messages, req.tools, req.template_kwargs)
         ids = _ids(tokenizer, text)
@@ -89,4 +90,6 @@ def request_ids(tokenizer: Any, req: ChatRequest, context_length: int) -> list[i
         req.ctx.prompt_thinking = thinking_marker(text)
         return ids
     check_context(len(req.prompt_ids), req.params.max_tokens, context_length)
+    if req.reasoning:
+        req.ctx.prompt_thinking = thinking_marker(tokenizer.decode(req.prompt_ids, skip_special_tokens=False))
     return list(req.prompt_ids)
