@@ -536,23 +536,28 @@ def test_a_hot_model_loads_a_second_copy_and_no_more_than_max_copies(cluster, ti
     assert len(set().union(*seen)) == 2  # a second copy loaded, and never a third
 
 
-def test_a_replica_killed_mid_batch(cluster):
+def test_a_replica_killed_mid_batch(cluster, tiny_chat):
     """Both replicas pull a batch's lines from Redis (one at a time each); the actor of one that
     holds a claimed line is killed (``ray.kill``) after the first lines are done. After
     ``batch.reclaim_after_s`` the other replica (or the replacement Serve starts) reclaims the dead
     one's line: every line has exactly one result, none failed, and the engines completed exactly
     as many executions as there are lines (the usage metered in Redis, batch tier). It starts
     once Serve runs two replicas again (the one it started after the mid-stream kill may have had
-    no request yet: it pulls lines all the same)."""
+    no request yet: it pulls lines all the same). Each line writes all its 256 tokens (its end of
+    text barred by ``logit_bias``), so that both replicas are seen holding one: 48 tokens with an
+    early end of text made the whole batch a fraction of a second on a fast machine."""
+    from transformers import AutoTokenizer
+
+    no_end = {str(AutoTokenizer.from_pretrained(tiny_chat).eos_token_id): -100}
     deadline = time.monotonic() + 300
-    while running_replicas("tiergate") < 2:
+    while len(live_replicas("tiergate")) < 2:  # (Serve's status says RUNNING for a while after a kill)
         assert time.monotonic() < deadline, "Serve did not replace the replica the mid-stream test killed"
         time.sleep(0.5)
     n = 6
     client = openai.OpenAI(base_url=f"{cluster.url}/v1", api_key="key-paid", max_retries=0)
     rows = [{"custom_id": f"line-{i}", "method": "POST", "url": "/v1/chat/completions",
-             "body": {"model": "s", "messages": [{"role": "user", "content": f"count {i}"}], "max_tokens": 48,
-                      "temperature": 0}} for i in range(n)]
+             "body": {"model": "s", "messages": [{"role": "user", "content": f"count {i}"}], "max_tokens": 256,
+                      "temperature": 0, "logit_bias": no_end}} for i in range(n)]
     content = "".join(json.dumps(r) + "\n" for r in rows).encode()
     file = client.files.create(file=("in.jsonl", io.BytesIO(content)), purpose="batch")
     batch = client.batches.create(input_file_id=file.id, endpoint="/v1/chat/completions", completion_window="24h")
@@ -580,10 +585,15 @@ def test_a_replica_killed_mid_batch(cluster):
     print(f"finished {time.monotonic() - killed:.1f} s after the kill")
 
 
-def running_replicas(app: str) -> int:
-    """How many of the application's ``replica`` deployment's replicas Serve reports running."""
-    states = serve.status().applications[app].deployments["replica"].replica_states
-    return states.get("RUNNING", 0)
+def live_replicas(app: str) -> set[int]:
+    """The pids of the application's ``replica`` replicas that Serve reports running and Ray
+    reports alive: Serve's own status goes on counting a killed replica until its controller
+    notices, so a test that needs the replacement waits for it here."""
+    details = serve.context._get_global_client().get_serve_details()
+    running = {r["pid"] for r in details["applications"][app]["deployments"]["replica"]["replicas"]
+               if r["state"] == "RUNNING"}
+    alive = {a["Pid"] for a in ray._private.state.actors(actor_state_name="ALIVE").values()}
+    return running & alive
 
 
 async def claimed_by(redis_url: str) -> list[int]:
