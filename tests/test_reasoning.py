@@ -550,3 +550,19 @@ def test_a_resumed_stream_goes_on_from_its_thinking(server, model, done):
         assert after[0] == "response.reasoning_text.delta" and "response.output_text.delta" not in after
         thinking = 48
     assert final.usage.output_tokens == 48 and final.usage.output_tokens_details.reasoning_tokens == thinking
+
+
+@pytest.mark.parametrize("constrained, generated, thinking, may", [
+    (False, True, False, True),  # a free reply pauses at any token
+    (True, False, False, True),  # a constrained one before its first token
+    (True, True, True, True),  # ... or while a reasoning reply still thinks (its grammar has seen nothing)
+    (True, True, False, False),  # not once its grammar has seen a token: a resubmission would restart it
+])
+def test_when_a_vllm_request_may_pause(constrained, generated, thinking, may):
+    """The vLLM engine resubmits a paused request, which restarts its grammar: a constrained
+    reply may pause only before the grammar has seen a token. Checked by hand on the engine (a
+    seeded constrained reply on a tiny-chat copy with ``</think>`` as a token, paused at its
+    second delta: two passes and valid JSON after the thinking; paused after ``</think>``: one)."""
+    from workers.chat_vllm import _may_pause
+
+    assert _may_pause(constrained, generated, thinking) is may

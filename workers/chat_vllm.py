@@ -27,7 +27,9 @@ Where vLLM differs from the transformers worker (``workers.chat``):
   engine also gets vLLM's reasoning parser there, so its replies think before the grammar
   applies (``_thinking_gate``). A
   resubmission restarts the grammar from its beginning, so a constrained request is paused only
-  before it has produced a token; after that it runs to its end (it stays bounded by max_tokens).
+  before the grammar has seen a token (before its first token, or while a reasoning model still
+  thinks: the resubmitted prompt ends inside the thinking, so vLLM's gate waits again); after that
+  it runs to its end (it stays bounded by max_tokens).
 * Logprobs are vLLM's (``SamplingParams(logprobs=k)``): by default the model's raw log
   probabilities, before penalties, bias and the grammar's mask. So are the prompt's
   (``SamplingParams(prompt_logprobs=k)``, asked of the first pass only: a resubmission's prompt
@@ -72,7 +74,7 @@ import weakref
 from collections import OrderedDict
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, AsyncIterator, Sequence
+from typing import Any, AsyncIterator, Callable, Sequence
 
 from workers.base import (
     AdapterStackSpec,
@@ -216,6 +218,7 @@ class VllmChatEngine(Worker):
 
         self.tokenizer = None
         self._llm = None  # vllm AsyncLLM
+        self._think_end: int | None = None  # ``_thinking_gate``'s </think> token id (set at start)
         self._ids = itertools.count()
         self._tag = uuid.uuid4().hex[:8]
         self._inflight: set[str] = set()
@@ -303,6 +306,8 @@ class VllmChatEngine(Worker):
         self._check_head_size()
         self._lora_cond = asyncio.Condition()
         self.tokenizer = await asyncio.to_thread(AutoTokenizer.from_pretrained, str(self.spec.path))
+        # the token that ends a reasoning reply's thinking, where vLLM gates its grammar on it
+        self._think_end = self.tokenizer.convert_tokens_to_ids("</think>") if self._thinking_gate() else None
         args = self.engine_args()
         # Blocking for the whole start-up (engine core spawn, weights, KV allocation): keep it
         # off the event loop. Its processes start out of this process's group (a Ctrl+C reaches
@@ -522,9 +527,12 @@ class VllmChatEngine(Worker):
                     prompt_text = prompt_text or self.tokenizer.decode(prompt_ids, skip_special_tokens=True)
                     replay = _Replay(_complete_text(self.tokenizer.decode(prompt_ids + generated, skip_special_tokens=True)),
                                      prompt_text, sent)
-                # a constrained reply cannot resume mid-way (see the module doc): no pause once it began
-                pausable = p.grammar is None or not generated
-                watcher = asyncio.create_task(self._watch(ctx, rid, pausable))
+                # a constrained reply cannot resume mid-way (see the module doc): no pause once the
+                # grammar has seen a token (a reasoning reply's thinking is not constrained)
+                thinking = self._think_end is not None and ctx.prompt_thinking != "closed" \
+                    and self._think_end not in generated
+                pausable = _may_pause(p.grammar is not None, bool(generated), thinking)
+                watcher = asyncio.create_task(self._watch(ctx, rid, lambda: pausable))
                 try:
                     async for out in stream:
                         if prompt_logprobs is not None and out.prompt_logprobs is not None:
@@ -535,6 +543,9 @@ class VllmChatEngine(Worker):
                             return
                         c = out.outputs[0]
                         generated.extend(c.token_ids)
+                        if thinking and self._think_end in c.token_ids:
+                            thinking = False  # the answer began: the grammar holds it from here
+                            pausable = _may_pause(p.grammar is not None, True, False)
                         ctx.completion_tokens = len(generated)
                         ctx.steps += 1
                         logprobs = self._logprobs(c, p.logprobs) if p.logprobs is not None else None
@@ -611,12 +622,12 @@ class VllmChatEngine(Worker):
         first, the prompt token's and the ``k`` best by rank) as the engines' shape."""
         return [None] + [_token_logprob(token, at, k) for token, at in zip(ids[1:], entries[1:])]
 
-    async def _watch(self, ctx, rid: str, pausable: bool = True) -> None:
-        """Abort ``rid`` when its context is cancelled or (when ``pausable``) asks to pause while
+    async def _watch(self, ctx, rid: str, pausable: Callable[[], bool] = lambda: True) -> None:
+        """Abort ``rid`` when its context is cancelled or (while ``pausable()``) asks to pause while
         it yields no output (queued behind others, or a long prefill)."""
         while True:
             await asyncio.sleep(_CANCEL_POLL_S)
-            if ctx.cancelled or (pausable and ctx.must_pause()):
+            if ctx.cancelled or (pausable() and ctx.must_pause()):
                 if self._llm is not None:
                     await self._llm.abort(rid)
                 return
@@ -823,6 +834,13 @@ def _without_replay(text: str, repeated: str, prompt_text: str, sent: str) -> st
             return text[at + len(sent):]
         at = text.find(sent, at + 1)
     return text
+
+
+def _may_pause(constrained: bool, generated: bool, thinking: bool) -> bool:
+    """Whether a request may leave the engine to be resubmitted later: a free reply always; a
+    constrained one (its grammar restarts on a resubmission) before its first token, or while a
+    reasoning reply still thinks (its grammar has seen nothing yet)."""
+    return not constrained or not generated or thinking
 
 
 def _sampling_extras(p: ChatParams) -> dict[str, Any]:
