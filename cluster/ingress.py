@@ -288,9 +288,8 @@ class _WithCors(Response):
     calling it with the request's scope), which answers a preflight without it."""
 
     def __init__(self, response: Response, middleware: Middleware) -> None:
+        super().__init__(status_code=response.status_code)  # (what is sent is ``response``)
         self.response, self.middleware = response, middleware
-        self.status_code = response.status_code
-        self.background = None
 
     async def __call__(self, scope, receive, send) -> None:
         mw = self.middleware
