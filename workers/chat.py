@@ -10,7 +10,8 @@ any step, so concurrent requests share forward passes instead of queueing one be
 Sampling, per row: the logits get the row's ``logit_bias`` and presence/frequency penalties, then
 its grammar's mask when it is constrained (``workers.grammar``: a matcher per row, advanced by
 each sampled token; a reasoning model's row thinks unconstrained first, and its grammar applies
-from the token after its first ``</think>`` unless the prompt closed the thinking); logprobs are the log-softmax of these processed logits, before temperature.
+from the token after its first ``</think>`` unless the prompt closed the thinking); logprobs are
+the log-softmax of these processed logits, before temperature.
 A prompt's own logprobs (``ChatParams.prompt_logprobs``: legacy completions' ``echo``) come from
 its prefill's logits at every place, raw, as vLLM's do, in one event before the first text.
 
