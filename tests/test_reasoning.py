@@ -305,7 +305,7 @@ def test_tokens_through_the_first_think_end_on_real_tokenizers(tiny_chat, tmp_pa
 
     from transformers import AutoTokenizer
 
-    from workers.chat_prompt import tokens_through_think_end
+    from workers.chat_prompt import think_end_id, tokens_through_think_end
     from workers.chat_vllm import VllmChatEngine
 
     spelt = AutoTokenizer.from_pretrained(tiny_chat)
@@ -319,11 +319,19 @@ def test_tokens_through_the_first_think_end_on_real_tokenizers(tiny_chat, tmp_pa
             ids = tok(text, add_special_tokens=False)["input_ids"]
             n = tokens_through_think_end(decode, ids)
             assert "</think>" in decode(ids[:n]) and "</think>" not in decode(ids[:n - 1]), (text, n)
-        assert tokens_through_think_end(decode, tok("no marker </thi", add_special_tokens=False)["input_ids"]) is None
-        assert tokens_through_think_end(decode, []) is None
+            assert tokens_through_think_end(decode, ids, think_end_id(tok)) == n  # the one-token path agrees
+        for end in (None, think_end_id(tok)):
+            assert tokens_through_think_end(decode, tok("no marker </thi", add_special_tokens=False)["input_ids"], end) is None
+            assert tokens_through_think_end(decode, [], end) is None
+    assert think_end_id(spelt) is None and think_end_id(single) == single.convert_tokens_to_ids("</think>")
+    # the marker spelt in pieces before the one token: the pieces' place, which the text shows first
+    pieces = spelt("a</think>b", add_special_tokens=False)["input_ids"]
+    both = pieces + [think_end_id(single)] + pieces
+    first = tokens_through_think_end(lambda i: spelt.decode(i), pieces)
+    assert tokens_through_think_end(lambda i: single.decode(i), both, think_end_id(single)) == first
     ids = single("ab</think>cd", add_special_tokens=False)["input_ids"]
     assert tokens_through_think_end(lambda i: single.decode(i), ids) == ids.index(single.convert_tokens_to_ids("</think>")) + 1
-    engine = SimpleNamespace(tokenizer=single)
+    engine = SimpleNamespace(tokenizer=single, _think_end_token=single.convert_tokens_to_ids("</think>"))
     asked = SimpleNamespace(reasoning=True)
     finished = VllmChatEngine._finished(engine, "stop", asked, [1, 2, 3], ids)
     assert (finished.prompt_tokens, finished.completion_tokens, finished.think_tokens) == (3, len(ids), ids.index(

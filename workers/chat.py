@@ -194,6 +194,7 @@ class ChatWorker(ThreadWorker):
         self._last_logits = {"logits_to_keep": 1} if "logits_to_keep" in inspect.signature(model.forward).parameters \
             else {}
         self._eos = _eos_ids(self.model, self.tokenizer)
+        self._think_end = chat_prompt.think_end_id(self.tokenizer)
         self.context_length = int(getattr(self.model.config, "max_position_embeddings", 2048))
         self.vocab_size = int(self.model.config.get_text_config().vocab_size)
         self._grammars = None
@@ -497,7 +498,7 @@ class ChatWorker(ThreadWorker):
         if seq.logprobs:  # tokens whose text was held back or dropped still report theirs
             seq.emit(TextDelta("", seq.take_logprobs()))
         seq.done = True
-        think = chat_prompt.tokens_through_think_end(self._decode, gen) if seq.req.reasoning else None
+        think = chat_prompt.tokens_through_think_end(self._decode, gen, self._think_end) if seq.req.reasoning else None
         seq.emit(ChatFinished(reason, seq.prompt_len, len(gen), think))
         return True
 

@@ -52,13 +52,27 @@ def thinking_marker(text: str) -> str:
     return "none" if opened < 0 and closed < 0 else "open" if opened > closed else "closed"
 
 
-def tokens_through_think_end(decode: Callable[[list[int]], str], ids: list[int]) -> int | None:
+def think_end_id(tokenizer: Any) -> int | None:
+    """The id of ``</think>`` where the vocabulary has it as one token (Qwen3's, DeepSeek's)."""
+    return tokenizer.get_vocab().get("</think>")
+
+
+def tokens_through_think_end(decode: Callable[[list[int]], str], ids: list[int], end_id: int | None = None) -> int | None:
     """How many of a reply's ``ids`` it took to write its first ``</think>`` (None: it did not):
-    the fewest whose text holds it, found by halving, so a long reply costs a dozen decodes, once
-    at its end (the marker is one token in Qwen3's and DeepSeek's vocabularies, several in others)."""
-    if "</think>" not in decode(ids):
+    the fewest whose text holds it. Where the marker is one token (``end_id``) that is its first
+    place, checked with one decode of the text before it; else (or when that text already holds
+    the marker, spelt in pieces) it is found by halving, a dozen decodes for a long reply, once at
+    its end."""
+    if end_id is not None and end_id in ids:
+        at = ids.index(end_id) + 1
+        if "</think>" not in decode(ids[:at - 1]):
+            return at
+        high = at - 1
+    elif "</think>" not in decode(ids):
         return None
-    low, high = 1, len(ids)
+    else:
+        high = len(ids)
+    low = 1
     while low < high:
         mid = (low + high) // 2
         if "</think>" in decode(ids[:mid]):

@@ -218,7 +218,8 @@ class VllmChatEngine(Worker):
 
         self.tokenizer = None
         self._llm = None  # vllm AsyncLLM
-        self._think_end: int | None = None  # ``_thinking_gate``'s </think> token id (set at start)
+        self._think_end_token: int | None = None  # </think>'s id where it is one token (set at start)
+        self._think_end: int | None = None  # the same where ``_thinking_gate`` gates the grammar on it
         self._ids = itertools.count()
         self._tag = uuid.uuid4().hex[:8]
         self._inflight: set[str] = set()
@@ -306,8 +307,9 @@ class VllmChatEngine(Worker):
         self._check_head_size()
         self._lora_cond = asyncio.Condition()
         self.tokenizer = await asyncio.to_thread(AutoTokenizer.from_pretrained, str(self.spec.path))
+        self._think_end_token = chat_prompt.think_end_id(self.tokenizer)
         # the token that ends a reasoning reply's thinking, where vLLM gates its grammar on it
-        self._think_end = self.tokenizer.convert_tokens_to_ids("</think>") if self._thinking_gate() else None
+        self._think_end = self._think_end_token if self._thinking_gate() else None
         args = self.engine_args()
         # Blocking for the whole start-up (engine core spawn, weights, KV allocation): keep it
         # off the event loop. Its processes start out of this process's group (a Ctrl+C reaches
@@ -607,7 +609,7 @@ class VllmChatEngine(Worker):
         think = None
         if req.reasoning:
             think = chat_prompt.tokens_through_think_end(
-                lambda ids: self.tokenizer.decode(ids, skip_special_tokens=True), generated)
+                lambda ids: self.tokenizer.decode(ids, skip_special_tokens=True), generated, self._think_end_token)
         return ChatFinished(reason, len(prompt_ids), len(generated), think)  # type: ignore[arg-type]
 
     def _logprobs(self, c, k: int) -> list[TokenLogprob]:
