@@ -199,6 +199,7 @@ def test_responses_reasoning_effort_and_the_thinking_as_a_reasoning_item(server)
     r1 = c.responses.create(model="r1", reasoning={"effort": "high", "summary": "auto"}, store=True, **kw)
     assert r1.output_text == "" and r1.usage.output_tokens == 6 and r1.reasoning.effort == "high"
     assert r1.reasoning.summary == "auto"  # accepted and shown; no summary is written (below: summary == [])
+    assert c.responses.create(model="r1", reasoning={"generate_summary": "concise"}, **kw).reasoning.summary == "concise"
     with pytest.raises(openai.BadRequestError) as bad:
         c.responses.create(model="r1", reasoning={"summary": "brief"}, **kw)
     assert bad.value.body["param"] == "reasoning.summary"
@@ -422,6 +423,9 @@ def test_a_constrained_reply_thinks_first_then_answers_in_the_format(server):
     cut = client(server).chat.completions.create(model="r1", messages=ASK, max_tokens=12, seed=1, response_format=FLAG)
     assert cut.choices[0].message.content is None and cut.choices[0].finish_reason == "length"
     assert cut.usage.completion_tokens_details.reasoning_tokens == 12
+    # the limit the README states: under qwen3, a reply that never opens <think> is never constrained
+    free = client(server).chat.completions.create(model="qwen3", messages=ASK, max_tokens=12, seed=1, response_format=FLAG)
+    assert free.choices[0].finish_reason == "length" and not free.choices[0].message.content.startswith('{"ok":')
 
 
 def test_the_vllm_engine_gates_its_structured_outputs_on_the_thinking(tiny_chat, tmp_path):
