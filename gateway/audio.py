@@ -33,7 +33,7 @@ from gateway.service import ClientGone, Services
 from gateway.serving import Finished, Gone, Serving, in_thread, relayed
 from workers import audio as sound
 from workers.base import Cancelled, ModelSpec, StepContext
-from workers.stt import Transcript, TranscriptionError, TranscriptionRequest
+from workers.stt import ServerVad, Transcript, TranscriptionError, TranscriptionRequest
 from workers.tts import MAX_SPEED, MIN_SPEED, SpeechRequest, TTSWorker
 
 log = logging.getLogger("tiergate")
@@ -232,7 +232,44 @@ class TranscriptionForm(TranslationForm):
     timestamp_granularities: list[Literal["segment", "word"]] | None = None  # verbose_json's segments and/or words
     stream: bool = False  # the text as it is decoded: transcript.text.delta events, then transcript.text.done
     include: list[Literal["logprobs"]] | None = None  # include[]=logprobs: the text's tokens' logprobs (json only)
-    chunking_strategy: Literal["auto"] | None = None  # auto: the server's own cuts (STTWorker's quiet points), as always
+    chunking_strategy: Literal["auto"] | None = None  # auto: the server's own cuts (STTWorker's quiet points); server_vad: _chunking
+
+
+class _ServerVadForm(_Form):
+    """``chunking_strategy: {"type": "server_vad", ...}``, OpenAI's fields and defaults (ServerVad)."""
+
+    type: Literal["server_vad"]
+    threshold: float = Field(default=ServerVad.threshold, ge=0, le=1)
+    prefix_padding_ms: int = Field(default=ServerVad.prefix_padding_ms, ge=0, le=10_000)
+    silence_duration_ms: int = Field(default=ServerVad.silence_duration_ms, ge=0, le=10_000)
+
+
+class _Chunking(_Form):
+    chunking_strategy: _ServerVadForm
+
+
+def _chunking(fields: dict) -> ServerVad | None:
+    """The ``server_vad`` chunking strategy, taken out of ``fields``, or None (``auto`` or none
+    stays in ``fields``). The SDK sends the object's fields as ``chunking_strategy[type]``,
+    ``chunking_strategy[threshold]``, ...; a client may also send the object as one JSON field."""
+    name = "chunking_strategy"
+    vad = {key[len(name) + 1:-1]: fields.pop(key) for key in list(fields)
+           if key.startswith(f"{name}[") and key.endswith("]")}
+    value = fields.get(name)
+    if isinstance(value, str) and value.lstrip().startswith("{"):
+        try:
+            vad = json.loads(value)
+        except ValueError:
+            raise bad_request(f"invalid value for {name}: not a JSON object", name, "invalid_value") from None
+        if not isinstance(vad, dict):
+            raise bad_request(f"invalid value for {name}: not a JSON object", name, "invalid_value")
+        del fields[name]
+    if not vad:
+        return None
+    if name in fields:
+        raise bad_request(f"{name} was given twice: as a value and as an object's fields", name)
+    got = parse(_Chunking, {name: vad}).chunking_strategy
+    return ServerVad(got.threshold, got.prefix_padding_ms, got.silence_duration_ms)
 
 
 @dataclass(frozen=True)
@@ -303,9 +340,7 @@ async def _speech_to_text(request: Request, form_type: type[TranslationForm], ta
     limits = svc.config.limits
     async with Multipart(request, limits.transcription_max_bytes, "the audio in a 'file' part", "file") as form:
         fields = text_fields(form, ("file",))
-        if form_type is TranscriptionForm and any(k.startswith("chunking_strategy[") for k in fields):
-            raise bad_request("chunking_strategy server_vad is not served: this server cuts long audio at its quiet "
-                              "points within the model's windows; send auto or leave it out", "chunking_strategy")
+        vad = _chunking(fields) if form_type is TranscriptionForm else None
         body = parse(form_type, fields)
         spec = svc.spec(body.model, "stt")
         if body.prompt is not None and len(body.prompt) > limits.prompt_max_chars:
@@ -323,7 +358,7 @@ async def _speech_to_text(request: Request, form_type: type[TranslationForm], ta
     job = TranscriptionJob(spec.name, audio, rate, TranscriptionRequest(language, body.prompt or None, body.temperature,
                                                                        task, words,
                                                                        details=body.response_format == "verbose_json",
-                                                                       logprobs=logprobs))
+                                                                       logprobs=logprobs, vad=vad))
     if getattr(body, "stream", False):
         if body.response_format not in ("json", "text"):
             raise bad_request(f"a streamed transcription is text events: response_format json or text, "

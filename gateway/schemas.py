@@ -469,7 +469,8 @@ def parse(model: type[M], data: dict[str, Any]) -> M:
     except ValidationError as exc:
         err = exc.errors()[0]
         param = _param(err["loc"])
-        if err["type"] == "extra_forbidden":
+        if err["type"] == "extra_forbidden":  # the last place is the unknown key itself, whatever it looks like
+            param = ".".join(p for p in (_param(err["loc"][:-1]), str(err["loc"][-1])) if p)
             raise bad_request(f"unrecognized request argument: {param}", param, "unknown_parameter") from None
         if err["type"] == "missing":
             raise bad_request(f"missing required parameter: {param}", param, "missing_required_parameter") from None

@@ -3,7 +3,8 @@
 # Debian in one apt-get call; sourced by scripts/test, and runnable on its own. What it installs
 # system-wide, each only when its program is not on PATH:
 #   redis-server                  the Batch API and account tests against a real Redis;
-#   chromium and chromium-driver  the dashboard's test in a real (headless) browser.
+#   chromium and chromium-driver  the dashboard's test in a real (headless) browser;
+#   espeak-ng                     real speech, made offline, for the voice activity detector's tests.
 # It runs apt-get as root or through `sudo -n` (never a password prompt). With neither, or
 # without apt-get, it prints what to install by hand and fails.
 #
@@ -12,7 +13,7 @@
 # them all (a green CI once hid exactly that).
 
 # program on PATH:the Debian package that provides it
-SYSTEM_PACKAGES=(redis-server:redis-server chromium:chromium chromedriver:chromium-driver)
+SYSTEM_PACKAGES=(redis-server:redis-server chromium:chromium chromedriver:chromium-driver espeak-ng:espeak-ng)
 
 install_system() {
   local -a missing=() as_root=()
@@ -33,7 +34,7 @@ install_system() {
     fi
   fi
   if ! command -v apt-get >/dev/null 2>&1; then
-    echo "tiergate: ${missing[*]} missing and there is no apt-get here: install them (Redis 7 or newer; Chromium with its matching chromedriver) with this system's package manager, then run scripts/test again" >&2
+    echo "tiergate: ${missing[*]} missing and there is no apt-get here: install them (Redis 7 or newer; Chromium with its matching chromedriver; espeak-ng) with this system's package manager, then run scripts/test again" >&2
     return 1
   fi
   echo "tiergate: installing ${missing[*]} (Debian) for the tests" >&2

@@ -16,6 +16,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Iterator
 
+import numpy as np
 import pytest
 import uvicorn
 
@@ -176,7 +177,6 @@ def redis_server(folder: Path, port: int | None = None, persist: bool = False) -
 def recorded(fmt: str, codec: str, seconds: float, rate: int = 48000, freq: float = 440.0, channels: int = 2) -> bytes:
     """A tone (or silence, at ``freq`` 0) as browsers and phones record: encoded by FFmpeg (PyAV)."""
     import av
-    import numpy as np
 
     layout = "stereo" if channels == 2 else "mono"
     t = np.arange(int(seconds * rate)) / rate
@@ -212,3 +212,20 @@ def chromium(tmp_path: Path):
                  "--disable-dev-shm-usage", "--window-size=1400,1300", f"--user-data-dir={tmp_path / 'profile'}"):
         options.add_argument(flag)
     return webdriver.Chrome(service=Service(CHROMEDRIVER), options=options)
+
+
+def spoken(text: str, rate: int = 16000) -> np.ndarray:
+    """``text`` spoken by Debian's espeak-ng (float32 mono at ``rate``), trimmed to its sound: real
+    speech for the voice activity detector, made offline."""
+    import soundfile as sf
+
+    from workers.audio import resample
+
+    exe = shutil.which("espeak-ng")
+    if exe is None:
+        pytest.fail("espeak-ng missing: install Debian's espeak-ng (scripts/test does: scripts/install_system.sh)")
+    wav = subprocess.run([exe, "--stdout", text], check=True, capture_output=True).stdout
+    x, sr = sf.read(io.BytesIO(wav), dtype="float32")
+    x = resample(x, sr, rate)
+    loud = np.flatnonzero(np.abs(x) > 0.01)
+    return x[loud[0]: loud[-1] + 1]

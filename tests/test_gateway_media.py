@@ -20,7 +20,7 @@ import soundfile as sf
 from PIL import Image
 
 from gateway.image_store import ImageStore
-from tests.helpers import RunningServer, recorded, start_server, write_config
+from tests.helpers import RunningServer, recorded, spoken, start_server, write_config
 from workers.audio import decode_audio, supported_speech_formats
 from workers.base import ModelSpec
 from workers.tts import TTSWorker
@@ -722,18 +722,73 @@ def test_a_browser_or_phone_recording_is_transcribed(media, name, fmt, codec, mi
 
 def test_chunking_strategy_auto_is_the_servers_own_cutting(media):
     """``chunking_strategy="auto"`` (the server chooses the cuts): the same transcript as without
-    it; a ``server_vad`` object (the SDK sends its fields as ``chunking_strategy[...]``) is a 400
-    naming ``chunking_strategy``; translations have no such field."""
+    it; translations have no such field."""
     c = client(media)
     wav = tone_file(3.0, 16000, 1, "WAV")
     ask = dict(model="tiny-stt", file=("tone.wav", wav, "audio/wav"), language="en", temperature=0)
     assert c.audio.transcriptions.create(**ask, chunking_strategy="auto").text == c.audio.transcriptions.create(**ask).text
-    with pytest.raises(openai.BadRequestError) as caught:
-        c.audio.transcriptions.create(**ask, chunking_strategy={"type": "server_vad", "threshold": 0.5})
-    assert caught.value.body["param"] == "chunking_strategy" and "server_vad" in caught.value.body["message"]
-    r = httpx.post(f"{media.base_url}/audio/translations", headers=auth(media), files={"file": ("a.wav", WAV)},
-                   data={"model": "tiny-stt", "chunking_strategy": "auto"})
-    error(r, 400, "chunking_strategy", "unknown_parameter")
+    for name, value in (("chunking_strategy", "auto"), ("chunking_strategy[type]", "server_vad")):
+        r = httpx.post(f"{media.base_url}/audio/translations", headers=auth(media), files={"file": ("a.wav", WAV)},
+                       data={"model": "tiny-stt", name: value})
+        error(r, 400, name, "unknown_parameter")
+
+
+def _wav(x: np.ndarray, rate: int = 16000) -> bytes:
+    buf = io.BytesIO()
+    sf.write(buf, x, rate, format="WAV")
+    return buf.getvalue()
+
+
+def test_chunking_strategy_server_vad_transcribes_only_the_speech(media):
+    """A ``server_vad`` object, as the SDK sends it (``chunking_strategy[...]`` fields) or as one
+    JSON field: the one window starts at the speech (1.5 s of silence, then espeak-ng's sentence;
+    verbose_json's ``seek`` is the window's start in 10 ms frames), where without it the window
+    starts at 0; audio with no speech is an empty transcript of its full duration, whole or
+    streamed."""
+    c = client(media)
+    speech = _wav(np.concatenate([np.zeros(24000, np.float32), spoken("Testing the voice detector."),
+                                  np.zeros(16000, np.float32)]))
+    ask = dict(model="tiny-stt", file=("speech.wav", speech, "audio/wav"), language="en", temperature=0,
+               response_format="verbose_json")
+    vad = {"type": "server_vad", "threshold": 0.5, "prefix_padding_ms": 300, "silence_duration_ms": 200}
+    heard = c.audio.transcriptions.create(**ask, chunking_strategy=vad)
+    assert heard.segments and all(115 <= s.seek <= 135 for s in heard.segments), [s.seek for s in heard.segments]
+    assert heard.segments[0].start >= 1.15
+    assert {s.seek for s in c.audio.transcriptions.create(**ask).segments} == {0}
+    as_json = _transcribe(media, {"file": ("speech.wav", speech)},
+                          {"language": "en", "temperature": "0", "response_format": "verbose_json",
+                           "chunking_strategy": json.dumps({"type": "server_vad"})})
+    assert as_json.status_code == 200 and as_json.json()["text"] == heard.text
+    assert [s["seek"] for s in as_json.json()["segments"]] == [s.seek for s in heard.segments]
+
+    silence = ("silence.wav", _wav(np.zeros(4 * 16000, np.float32)), "audio/wav")
+    quiet = c.audio.transcriptions.create(model="tiny-stt", file=silence, response_format="verbose_json",
+                                          chunking_strategy={"type": "server_vad"})
+    assert (quiet.text, quiet.segments, quiet.duration) == ("", [], 4.0)
+    assert c.audio.transcriptions.create(model="tiny-stt", file=silence, chunking_strategy={"type": "server_vad"}).text == ""
+    events = list(c.audio.transcriptions.create(model="tiny-stt", file=silence, stream=True,
+                                                chunking_strategy={"type": "server_vad"}))
+    assert [(e.type, e.text) for e in events] == [("transcript.text.done", "")]
+    assert c.audio.transcriptions.create(model="tiny-stt", file=silence).text != ""  # the random model, without VAD
+
+
+@pytest.mark.parametrize("data, param, code", [
+    ({"chunking_strategy[type]": "server_vad", "chunking_strategy[threshold]": "2"}, "chunking_strategy.threshold",
+     "invalid_value"),
+    ({"chunking_strategy[type]": "server_vad", "chunking_strategy[prefix_padding_ms]": "-1"},
+     "chunking_strategy.prefix_padding_ms", "invalid_value"),
+    ({"chunking_strategy[type]": "server_vad", "chunking_strategy[silence_duration_ms]": "soon"},
+     "chunking_strategy.silence_duration_ms", None),
+    ({"chunking_strategy[type]": "semantic_vad"}, "chunking_strategy.type", "invalid_value"),
+    ({"chunking_strategy[threshold]": "0.5"}, "chunking_strategy.type", "missing_required_parameter"),
+    ({"chunking_strategy[type]": "server_vad", "chunking_strategy[eagerness]": "low"}, "chunking_strategy.eagerness",
+     "unknown_parameter"),
+    ({"chunking_strategy": '{"type": "server_vad", "threshold": -0.1}'}, "chunking_strategy.threshold", "invalid_value"),
+    ({"chunking_strategy": "{not json"}, "chunking_strategy", "invalid_value"),
+    ({"chunking_strategy": "auto", "chunking_strategy[type]": "server_vad"}, "chunking_strategy", None),
+])
+def test_a_bad_server_vad_names_its_field(media, data, param, code):
+    error(_transcribe(media, {"file": ("a.wav", WAV)}, data), 400, param, code)
 
 
 def test_a_streamed_transcription_sends_the_text_as_it_is_decoded(media):

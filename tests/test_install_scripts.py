@@ -3,8 +3,8 @@
 CI runs on a machine where earlier sessions installed things by hand, so a broken install line
 can pass there: `scripts/test` once ran `$SUDO DEBIAN_FRONTEND=noninteractive apt-get ...` with
 an empty SUDO, which is "command not found" on every machine without redis-server. These tests run
-scripts/install_system.sh with a PATH that lacks redis-server, chromium and chromedriver (or
-some of them) and a recording apt-get (and id, sudo), so the path a fresh machine takes runs here
+scripts/install_system.sh with a PATH that lacks redis-server, chromium, chromedriver and espeak-ng
+(or some of them) and a recording apt-get (and id, sudo), so the path a fresh machine takes runs here
 whatever this machine has installed. They also run ShellCheck over every shell script in
 scripts/ and .ci/.
 """
@@ -23,13 +23,14 @@ ROOT = Path(__file__).resolve().parents[1]
 BASH = shutil.which("bash") or "/bin/bash"
 
 # Debian package -> the program it puts on PATH
-PROGRAMS = {"redis-server": "redis-server", "chromium": "chromium", "chromium-driver": "chromedriver"}
-EVERYTHING = "redis-server chromium chromium-driver"
+PROGRAMS = {"redis-server": "redis-server", "chromium": "chromium", "chromium-driver": "chromedriver",
+            "espeak-ng": "espeak-ng"}
+EVERYTHING = "redis-server chromium chromium-driver espeak-ng"
 
 FAKE_APT = """#!{bash}
 echo "apt-get $* DEBIAN_FRONTEND=${{DEBIAN_FRONTEND:-unset}}" >> "{log}"
 program() {{
-  case "$1" in redis-server) echo redis-server;; chromium) echo chromium;; chromium-driver) echo chromedriver;; esac
+  case "$1" in redis-server) echo redis-server;; chromium) echo chromium;; chromium-driver) echo chromedriver;; espeak-ng) echo espeak-ng;; esac
 }}
 if [ "$1" = install ]; then
   for a in "$@"; do
@@ -48,7 +49,7 @@ exec "$@"
 
 def fake_machine(tmp_path: Path, uid: int, sudo: bool, apt: bool = True) -> tuple[dict[str, str], Path, Path]:
     """A PATH of one folder with only what the script may use: env, true, id (reporting ``uid``),
-    apt-get and sudo fakes that record their calls. No redis-server, chromium or chromedriver."""
+    apt-get and sudo fakes that record their calls. No redis-server, chromium, chromedriver or espeak-ng."""
     bin_dir, log = tmp_path / "bin", tmp_path / "calls.log"
     bin_dir.mkdir()
     log.touch()
@@ -88,9 +89,9 @@ def test_root_on_a_fresh_machine_installs_everything_in_one_apt_call(tmp_path):
 
 
 def test_only_the_missing_browser_is_installed(tmp_path):
-    """A machine that has Redis but no Chromium (the case of every machine before the dashboard)."""
+    """A machine that has Redis and espeak-ng but no Chromium (the case of every machine before the dashboard)."""
     env, bin_dir, log = fake_machine(tmp_path, uid=0, sudo=False)
-    have(bin_dir, "redis-server")
+    have(bin_dir, "redis-server", "espeak-ng")
     result = run_install(env)
     assert result.returncode == 0, result.stderr
     assert log.read_text().splitlines()[-1] == "apt-get install -y -qq chromium chromium-driver DEBIAN_FRONTEND=noninteractive"
@@ -112,7 +113,7 @@ def test_user_without_sudo_is_told_what_to_install(tmp_path):
     have(bin_dir, "chromium")
     result = run_install(env)
     assert result.returncode != 0
-    assert "sudo apt-get install -y redis-server chromium-driver" in result.stderr
+    assert "sudo apt-get install -y redis-server chromium-driver espeak-ng" in result.stderr
     assert "neither root nor allowed sudo" in result.stderr
     assert "apt-get" not in log.read_text()
 

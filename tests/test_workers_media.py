@@ -18,7 +18,7 @@ import demo.image
 import demo.stt
 import demo.tts
 from workers import audio, image, stt, tts
-from tests.helpers import recorded
+from tests.helpers import recorded, spoken
 from workers.base import Cancelled, ModelSpec, StepContext
 
 CPU = torch.device("cpu")
@@ -744,6 +744,112 @@ def test_windows_cut_at_silence():
     (s0, e0), (s1, e1) = stt.split_windows(x, sr, 30.0)
     assert s0 == 0 and e0 == s1 and e1 == len(x)
     assert 27.0 <= e0 / sr <= 27.3
+
+
+# ---------------------------------------------------------------- server_vad: Silero VAD's windows
+
+SR = 16000
+
+
+@pytest.fixture(scope="module")
+def two_sentences() -> tuple[np.ndarray, list[tuple[float, float]]]:
+    """Two sentences spoken by espeak-ng, 1 s of silence before, 3 s between and 1 s after; with
+    where each one's sound is (seconds)."""
+    first, second = spoken("Hello there, this is a test of the detector."), spoken("And then a second sentence follows.")
+    gap = np.zeros(SR, np.float32)
+    x = np.concatenate([gap, first, gap, gap, gap, second, gap])
+    a0 = 1.0
+    a1 = a0 + len(first) / SR
+    b0 = a1 + 3.0
+    return x, [(a0, a1), (b0, b0 + len(second) / SR)]
+
+
+@pytest.mark.parametrize("spans, window_s, expected", [
+    ([], 30, []),
+    ([(1, 4), (7, 10)], 30, [(1, 10)]),  # neighbours that fit share a window
+    ([(1, 4), (7, 10)], 8, [(1, 4), (7, 10)]),  # 9 s together: two windows
+    ([(1, 4), (7, 10), (12, 14)], 9, [(1, 10), (12, 14)]),  # a window spans exactly window_s
+    ([(0, 5), (6, 30), (31, 33)], 30, [(0, 30), (31, 33)]),
+    ([(2, 40)], 30, "split"),  # one stretch longer than a window: cut at its quiet points
+])
+def test_speech_windows_merge_neighbours_that_fit(spans, window_s, expected):
+    sr = 100
+    x = np.random.default_rng(0).standard_normal(50 * sr).astype(np.float32)
+    x[28 * sr:29 * sr] = 0.0  # the quiet point inside the long stretch (in its first window's last 5 s)
+    got = stt.speech_windows([(a * sr, b * sr) for a, b in spans], x, sr, window_s)
+    if expected == "split":
+        assert len(got) == 2 and got[0][0] == 2 * sr and got[0][1] == got[1][0] and got[1][1] == 40 * sr
+        assert 28 * sr <= got[0][1] <= 29 * sr
+    else:
+        assert got == [(a * sr, b * sr) for a, b in expected]
+
+
+def test_silero_hears_where_the_speech_is(two_sentences):
+    """Silero VAD on real speech (espeak-ng): one stretch per sentence, each within its padding
+    of where the sentence sounds (its frames are 32 ms; 0.1 s of tolerance at a start, 0.2 s at an
+    end, where the detector waits for the probability to fall below threshold - 0.15);
+    ``prefix_padding_ms`` moves the edges, a ``silence_duration_ms`` longer than the 3 s gap joins
+    the two; silence, quiet noise and a steady tone are not speech. Torch's thread count is the
+    caller's afterwards (the package sets it to 1 when first imported)."""
+    x, truth = two_sentences
+    for pad in (300, 0):
+        got = stt.speech_spans(x, SR, stt.ServerVad(prefix_padding_ms=pad), 29.0)
+        assert len(got) == 2, (pad, got)
+        for (start, end), (t0, t1) in zip(got, truth):
+            assert t0 - pad / 1000 - 0.1 <= start / SR <= t0 + 0.1, (pad, start / SR, t0)
+            assert t1 - 0.2 <= end / SR <= t1 + pad / 1000 + 0.2, (pad, end / SR, t1)
+    joined = stt.speech_spans(x, SR, stt.ServerVad(silence_duration_ms=3500), 29.0)
+    assert len(joined) == 1 and joined[0][0] / SR < truth[0][0] and joined[0][1] / SR > truth[1][1] - 0.25
+    assert stt.speech_spans(x, SR, stt.ServerVad(threshold=1.0), 29.0) == []  # nothing is "above" 1
+    rng = np.random.default_rng(1)
+    for quiet in (np.zeros(5 * SR, np.float32), 0.01 * rng.standard_normal(5 * SR).astype(np.float32),
+                  _tone(5.0, SR)[:, 0]):
+        assert stt.speech_spans(quiet, SR, stt.ServerVad(), 29.0) == []
+    at_44k = audio.resample(x, SR, 44100)
+    assert [(round(a / 44100, 1), round(b / 44100, 1)) for a, b in stt.speech_spans(at_44k, 44100, stt.ServerVad(), 29.0)] \
+        == [(round(a / SR, 1), round(b / SR, 1)) for a, b in stt.speech_spans(x, SR, stt.ServerVad(), 29.0)]
+
+
+def test_loading_silero_keeps_the_callers_torch_threads():
+    import subprocess
+    import sys
+
+    code = ("import torch; torch.set_num_threads(3); from workers.stt import _load_vad; _load_vad(); "
+            "import silero_vad; print(torch.get_num_threads())")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True,
+                         cwd=Path(__file__).parent.parent).stdout
+    assert out.split() == ["3"]
+
+
+def test_stt_server_vad_decodes_only_the_speech(stt_worker, two_sentences):
+    """With ``vad`` the windows are the speech's: two sentences 40 s apart are two windows that
+    start at their speech (each segment's ``seek``, the window's start in 10 ms frames, and its
+    times inside it), not at 0 and 30 s; audio with no speech is an empty transcript, one step
+    boundary per second of audio heard and no window decoded."""
+    whole, truth = two_sentences
+    x = np.concatenate([whole[: int(truth[0][1] * SR) + SR], np.zeros(40 * SR, np.float32), whole[int(truth[1][0] * SR) - SR:]])
+    second_at = truth[0][1] + 1.0 + 40.0 + 1.0
+    req = stt.TranscriptionRequest(language="en", details=True, vad=stt.ServerVad())
+    result = stt_worker.transcribe(x, req, StepContext())
+    seeks = sorted({s.seek for s in result.segments})
+    assert len(seeks) == 2, seeks
+    assert abs(seeks[0] / 100 - (truth[0][0] - 0.3)) < 0.15 and abs(seeks[1] / 100 - (second_at - 0.3)) < 0.15, seeks
+    for s in result.segments:
+        assert s.seek / 100 - 0.01 <= s.start <= s.end <= len(x) / SR
+    assert result.duration == pytest.approx(len(x) / SR)
+    plain = stt_worker.transcribe(x, stt.TranscriptionRequest(language="en", details=True), StepContext())
+    assert sorted({s.seek for s in plain.segments})[0] == 0
+    ctx = StepContext()
+    silent = stt_worker.transcribe(np.zeros(10 * SR, np.float32), stt.TranscriptionRequest(vad=stt.ServerVad()), ctx)
+    assert (silent.text, silent.segments, silent.language, silent.duration) == ("", [], None, 10.0)
+    assert ctx.steps == 10
+
+
+def test_stt_server_vad_is_cancelled_while_it_listens(stt_worker):
+    ctx = cancel_at(4)
+    with pytest.raises(Cancelled):
+        stt_worker.transcribe(np.zeros(60 * SR, np.float32), stt.TranscriptionRequest(vad=stt.ServerVad()), ctx)
+    assert ctx.steps == 4
 
 
 @pytest.mark.parametrize("data", [b"", b"not audio at all", b"RIFF\x00\x00\x00\x00WAVEfmt junk"])

@@ -6,6 +6,14 @@ into windows, each cut placed at the quietest 20 ms inside the last 5 s of the w
 rarely split. Each window is transcribed separately (no conditioning on the previous window's
 text); its segments are shifted to the window's start time.
 
+With ``TranscriptionRequest.vad`` (OpenAI's ``chunking_strategy: server_vad``) the windows come
+from a voice activity detector instead: Silero VAD (the ``silero-vad`` package, whose wheel carries
+its model) finds the stretches of speech, each padded by ``prefix_padding_ms`` and ended by
+``silence_duration_ms`` of silence; neighbouring stretches share a window while they fit in one
+(as WhisperX merges them), and only those windows are decoded, so silence before, after and
+between them is never transcribed (nor hallucinated over), and audio with no speech has an
+empty transcript.
+
 Word timestamps (``TranscriptionRequest.words``) are Whisper's: dynamic time warping over the
 cross-attention of its alignment heads (transformers' ``return_token_timestamps``), each token's
 span read as transformers' ASR pipeline reads it, and tokens grouped into words by the Whisper
@@ -30,6 +38,9 @@ same scores as ``avg_logprob``'s, read from the decoding pass each segment came 
 from __future__ import annotations
 
 import contextlib
+import itertools
+import queue
+import warnings
 import zlib
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -41,11 +52,26 @@ from transformers import AutoModelForSpeechSeq2Seq, AutoProcessor
 from transformers.generation.streamers import BaseStreamer
 from transformers.models.whisper.tokenization_whisper import LANGUAGES, TO_LANGUAGE_CODE, _combine_tokens_into_words
 
+from workers.audio import resample
 from workers.base import ModelSpec, StepContext, TokenLogprob
 from workers.worker import ModelInfo, ThreadWorker
 
 _SEARCH_S = 5.0  # how far back from a window's end to look for a quiet cut
 _FRAME_S = 0.02
+_VAD_RATE = 16000  # Silero VAD hears 16 kHz (or 8 kHz) audio
+_VAD_FRAME = 512  # samples per speech probability at 16 kHz (32 ms)
+
+
+@dataclass(frozen=True)
+class ServerVad:
+    """OpenAI's ``chunking_strategy: {"type": "server_vad", ...}`` and its defaults: ``threshold``,
+    the speech probability above which a 32 ms frame is speech; ``prefix_padding_ms``, the audio
+    kept before each stretch of speech (Silero pads after it by as much); ``silence_duration_ms``,
+    the silence that ends a stretch."""
+
+    threshold: float = 0.5
+    prefix_padding_ms: int = 300
+    silence_duration_ms: int = 200
 
 
 @dataclass
@@ -66,6 +92,7 @@ class TranscriptionRequest:
     words: bool = False  # word timestamps too (Whisper only)
     details: bool = False  # each segment's confidence figures too (Whisper only; verbose_json)
     logprobs: bool = False  # each text token's log-probability too (Whisper only; include[]=logprobs)
+    vad: ServerVad | None = None  # windows at the silences a voice activity detector hears (module doc)
 
 
 class TranscriptionError(ValueError):
@@ -120,6 +147,70 @@ def split_windows(audio: np.ndarray, sample_rate: int, window_s: float) -> list[
         start = end
     bounds.append((start, len(audio)))
     return bounds
+
+
+def speech_windows(spans: list[tuple[int, int]], audio: np.ndarray, sample_rate: int,
+                   window_s: float) -> list[tuple[int, int]]:
+    """The windows to decode for stretches of speech (sample ranges, in order): neighbours share
+    a window while the window spans at most ``window_s``; a stretch longer than that alone is cut
+    at its quiet points (``split_windows``)."""
+    window = int(window_s * sample_rate)
+    merged: list[tuple[int, int]] = []
+    for start, end in spans:
+        if merged and end - merged[-1][0] <= window:
+            merged[-1] = (merged[-1][0], end)
+        else:
+            merged.append((start, end))
+    return [(start + a, start + b) for start, end in merged
+            for a, b in split_windows(audio[start:end], sample_rate, window_s)]
+
+
+_vad_models: queue.SimpleQueue = queue.SimpleQueue()  # idle Silero models (each keeps state while it runs)
+
+
+def speech_spans(audio: np.ndarray, sample_rate: int, vad: ServerVad, max_s: float,
+                 boundary: Callable[[], None] = lambda: None) -> list[tuple[int, int]]:
+    """The stretches of speech Silero VAD hears in float32 mono ``audio``, as sample ranges at
+    ``sample_rate``, padded as ``vad`` asks, none longer than ``max_s`` but for its padding (a
+    longer one is cut at its longest silence). ``boundary`` is called once per second of audio
+    heard (a work step's boundary: the detector runs ~100x real time on one CPU core)."""
+    try:
+        model = _vad_models.get_nowait()
+    except queue.Empty:
+        model = _load_vad()
+    from silero_vad import get_speech_timestamps
+
+    frames = itertools.count(1)
+    per_second = _VAD_RATE // _VAD_FRAME
+
+    def heard(_percent: float) -> None:
+        if next(frames) % per_second == 0:
+            boundary()
+
+    try:
+        with torch.inference_mode():
+            found = get_speech_timestamps(
+                torch.from_numpy(resample(audio, sample_rate, _VAD_RATE)), model, threshold=vad.threshold,
+                sampling_rate=_VAD_RATE, min_silence_duration_ms=vad.silence_duration_ms,
+                speech_pad_ms=vad.prefix_padding_ms, max_speech_duration_s=max_s, progress_tracking_callback=heard)
+    finally:
+        _vad_models.put(model)
+    scale = sample_rate / _VAD_RATE
+    return [(min(len(audio), round(f["start"] * scale)), min(len(audio), round(f["end"] * scale))) for f in found]
+
+
+def _load_vad() -> torch.nn.Module:
+    """A Silero VAD model from the package's own file (no hub), on the CPU. Importing the package
+    sets torch's threads to 1 for the whole process; the count is put back."""
+    threads = torch.get_num_threads()
+    try:
+        with warnings.catch_warnings():  # its loader's importlib and torch.jit deprecations
+            warnings.simplefilter("ignore", DeprecationWarning)
+            from silero_vad import load_silero_vad
+
+            return load_silero_vad()
+    finally:
+        torch.set_num_threads(threads)
 
 
 class STTWorker(ThreadWorker):
@@ -192,7 +283,13 @@ class STTWorker(ThreadWorker):
         words: list[Word] | None = [] if req.words else None
         logprobs: list[TokenLogprob] | None = [] if req.logprobs else None
         sent = ""  # what on_text was given
-        for start, end in split_windows(audio, sr, self.window_s):
+        if req.vad is None:
+            windows = split_windows(audio, sr, self.window_s)
+        else:
+            pad_s = req.vad.prefix_padding_ms / 1000
+            spans = speech_spans(audio, sr, req.vad, max(1.0, self.window_s - 2 * pad_s), ctx.boundary)
+            windows = speech_windows(spans, audio, sr, self.window_s)
+        for start, end in windows:
             ctx.boundary()
             features, frames = self._features(audio[start:end], req.words)
             if language is None:
