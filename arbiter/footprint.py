@@ -14,7 +14,7 @@ Footprint before loading
     ``estimate_footprint(path, kind, dtype_bytes=None, declared=None)``: a declared ``vram`` wins;
     otherwise ``checkpoint_bytes(path, dtype_bytes)`` plus the runtime margin of the kind
     (``RUNTIME_MARGIN``: chat +20% for KV cache and activations, image +30% for UNet/VAE
-    activations, tts/stt +15%, embed +25% for a padded batch's activations). ``checkpoint_bytes``
+    activations, tts/stt +15%, embed and moderation +25% for a padded batch's activations). ``checkpoint_bytes``
     reads only safetensors *headers* (8-byte little-endian length + JSON), summing numel * element
     size over every ``*.safetensors`` under ``path`` (recursively, so diffusers pipelines with
     unet/, vae/, text_encoder/... count fully;
@@ -76,7 +76,8 @@ def cuda_allocated(device: str | torch.device) -> int:
 
 # --- footprint before loading ------------------------------------------------------------------
 
-RUNTIME_MARGIN: dict[str, float] = {"chat": 0.20, "image": 0.30, "tts": 0.15, "stt": 0.15, "embed": 0.25}
+RUNTIME_MARGIN: dict[str, float] = {"chat": 0.20, "image": 0.30, "tts": 0.15, "stt": 0.15, "embed": 0.25,
+                                   "moderation": 0.25}
 
 # Bits per element of each safetensors dtype; sub-byte types are packed.
 _DTYPE_BITS: dict[str, int] = {

@@ -18,6 +18,7 @@ from gateway.completions import completion_result
 from gateway.embeddings import EmbeddingRequest, embedding_list, plan_embeddings, serve_embeddings
 from gateway.errors import bad_request
 from gateway.images import ImageGenerationRequest, b64_rows, encoded, plan_images, serve_images
+from gateway.moderations import ModerationRequest, moderation_results, plan_moderation, serve_moderation
 from gateway.responses import response_result
 from gateway.schemas import ChatCompletionRequest, parse
 from gateway.service import Services
@@ -81,6 +82,11 @@ async def embeddings(svc: Services, caller: Caller, data: dict) -> Result:
     return embedding_list(body.model, vectors, body.encoding_format, job.tokens)
 
 
+async def moderations(svc: Services, caller: Caller, data: dict) -> Result:
+    job = await plan_moderation(svc, parse(ModerationRequest, data))
+    return moderation_results(job, await serve_moderation(svc, caller, job, None))
+
+
 ENDPOINTS: dict[str, Endpoint] = {
     "/v1/chat/completions": chat,
     "/v1/completions": completion_result,  # legacy text completions
@@ -88,4 +94,5 @@ ENDPOINTS: dict[str, Endpoint] = {
     "/v1/images/generations": images,
     "/v1/audio/speech": speech,
     "/v1/embeddings": embeddings,
+    "/v1/moderations": moderations,
 }

@@ -23,16 +23,18 @@ from workers.base import stack_key
 
 # the kind of model each batch endpoint runs on
 ENDPOINT_KINDS = {"/v1/chat/completions": "chat", "/v1/images/generations": "image", "/v1/audio/speech": "tts",
-                  "/v1/embeddings": "embed"}
+                  "/v1/embeddings": "embed", "/v1/moderations": "moderation"}
 
 
 def shape_of(svc: Services, endpoint: str, body: dict[str, Any]) -> str:
     """The shape of a line calling ``endpoint`` with ``body``. A line whose model or adapters do
     not resolve gets the name it gave (it fails when it runs, with the endpoint's own error)."""
     model = body.get("model")
+    kind = ENDPOINT_KINDS.get(endpoint)
+    if model is None and kind == "moderation":  # optional: the first moderation model serves
+        model = next((name for name, spec in svc.arbiter.specs.items() if spec.kind == "moderation"), None)
     if not isinstance(model, str):
         return ""
-    kind = ENDPOINT_KINDS.get(endpoint)
     if kind not in ("chat", "image"):
         return model
     try:

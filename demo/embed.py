@@ -22,25 +22,11 @@ _CORPUS = [
 def build_demo(out_dir: Path, seed: int = 0) -> Path:
     """Save ``tiny-embed`` to ``out_dir``: encoder and tokenizer, ``modules.json`` (Transformer,
     Pooling, Normalize), ``1_Pooling/config.json`` (mean) and ``sentence_bert_config.json``."""
-    from tokenizers import Tokenizer, decoders, models, normalizers, pre_tokenizers, processors, trainers
-    from transformers import BertConfig, BertModel, PreTrainedTokenizerFast
+    from transformers import BertConfig, BertModel
 
     out_dir = Path(out_dir)
     out_dir.mkdir(parents=True, exist_ok=True)
-    specials = ["[PAD]", "[UNK]", "[CLS]", "[SEP]", "[MASK]"]
-    tok = Tokenizer(models.WordPiece(unk_token="[UNK]"))
-    tok.normalizer = normalizers.BertNormalizer(lowercase=True)
-    tok.pre_tokenizer = pre_tokenizers.BertPreTokenizer()
-    tok.decoder = decoders.WordPiece()
-    tok.train_from_iterator(_CORPUS, trainers.WordPieceTrainer(vocab_size=400, special_tokens=specials))
-    cls, sep = tok.token_to_id("[CLS]"), tok.token_to_id("[SEP]")
-    tok.post_processor = processors.TemplateProcessing(
-        single="[CLS] $A [SEP]", pair="[CLS] $A [SEP] $B:1 [SEP]:1", special_tokens=[("[CLS]", cls), ("[SEP]", sep)]
-    )
-    fast = PreTrainedTokenizerFast(
-        tokenizer_object=tok, unk_token="[UNK]", pad_token="[PAD]", cls_token="[CLS]", sep_token="[SEP]",
-        mask_token="[MASK]", model_max_length=CONTEXT,
-    )
+    fast = wordpiece_tokenizer()
     fast.save_pretrained(out_dir)
 
     torch.manual_seed(seed)
@@ -64,6 +50,28 @@ def build_demo(out_dir: Path, seed: int = 0) -> Path:
     (out_dir / "2_Normalize").mkdir(exist_ok=True)
     _write(out_dir / "sentence_bert_config.json", {"max_seq_length": CONTEXT, "do_lower_case": False})
     return out_dir
+
+
+def wordpiece_tokenizer(context: int = CONTEXT):
+    """A BERT-style WordPiece tokenizer (lowercased, [CLS] text [SEP]) trained offline on a small
+    corpus; ``context`` tokens per input."""
+    from tokenizers import Tokenizer, decoders, models, normalizers, pre_tokenizers, processors, trainers
+    from transformers import PreTrainedTokenizerFast
+
+    specials = ["[PAD]", "[UNK]", "[CLS]", "[SEP]", "[MASK]"]
+    tok = Tokenizer(models.WordPiece(unk_token="[UNK]"))
+    tok.normalizer = normalizers.BertNormalizer(lowercase=True)
+    tok.pre_tokenizer = pre_tokenizers.BertPreTokenizer()
+    tok.decoder = decoders.WordPiece()
+    tok.train_from_iterator(_CORPUS, trainers.WordPieceTrainer(vocab_size=400, special_tokens=specials))
+    cls, sep = tok.token_to_id("[CLS]"), tok.token_to_id("[SEP]")
+    tok.post_processor = processors.TemplateProcessing(
+        single="[CLS] $A [SEP]", pair="[CLS] $A [SEP] $B:1 [SEP]:1", special_tokens=[("[CLS]", cls), ("[SEP]", sep)]
+    )
+    return PreTrainedTokenizerFast(
+        tokenizer_object=tok, unk_token="[UNK]", pad_token="[PAD]", cls_token="[CLS]", sep_token="[SEP]",
+        mask_token="[MASK]", model_max_length=context,
+    )
 
 
 def _write(file: Path, data: object) -> None:

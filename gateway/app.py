@@ -23,8 +23,8 @@ from arbiter.residency import Arbiter, Refused, Unavailable
 from batch import api as batch_api
 from batch.runner import runner_for
 from batch.uploads import uploads_for
-from gateway import (audio, chat, completions, conversations, dashboard, embeddings, images, response_runs, responses_api,
-                     stored_chat)
+from gateway import (audio, chat, completions, conversations, dashboard, embeddings, images, moderations, response_runs,
+                     responses_api, stored_chat)
 from accounts.store import STORE_ERRORS
 from gateway.accounts import Accounts
 from gateway.accounts_api import KeyHeaders
@@ -197,6 +197,7 @@ def routes() -> list[BaseRoute]:
     return [
         Route("/v1/chat/completions", chat.chat_completions, methods=["POST"]),
         Route("/v1/embeddings", embeddings.embeddings, methods=["POST"]),
+        Route("/v1/moderations", moderations.moderations, methods=["POST"]),
         Route("/v1/completions", completions.completions, methods=["POST"]),
         Route("/v1/responses", responses_api.create_response, methods=["POST"]),
         Route("/v1/responses/input_tokens", responses_api.count_input_tokens, methods=["POST"]),

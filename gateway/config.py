@@ -138,8 +138,19 @@ class EmbedModel(_Model):
         return ModelSpec(self.name, self.kind, self.path, self.vram, options=options)
 
 
-ModelConfig = Annotated[Union[ChatModel, ImageModel, TTSModel, STTModel, EmbedModel], Field(discriminator="kind")]
-KINDS = ("chat", "image", "tts", "stt", "embed")
+class ModerationModel(_Model):
+    kind: Literal["moderation"]
+    threshold: float = Field(default=0.5, ge=0, le=1)  # a category is flagged at this score or more
+    max_batch_tokens: int = Field(default=16384, ge=1)  # padded tokens (rows x longest) in one forward pass
+
+    def spec(self, with_adapters: bool = False) -> ModelSpec:
+        options = {"threshold": self.threshold, "max_batch_tokens": self.max_batch_tokens}
+        return ModelSpec(self.name, self.kind, self.path, self.vram, options=options)
+
+
+ModelConfig = Annotated[Union[ChatModel, ImageModel, TTSModel, STTModel, EmbedModel, ModerationModel],
+                        Field(discriminator="kind")]
+KINDS = ("chat", "image", "tts", "stt", "embed", "moderation")
 ENGINE_FIELDS = ("engine", *EngineConfig.model_fields)  # engine settings: chat models only
 
 
@@ -225,6 +236,7 @@ class LimitsConfig(_Strict):
     transcription_max_bytes: Size = parse_size("25MiB")  # the uploaded file
     transcription_max_seconds: float = Field(default=1800.0, gt=0)  # of decoded audio
     embed_max_inputs: int = Field(default=256, ge=1)  # inputs in one /v1/embeddings request
+    moderation_max_inputs: int = Field(default=64, ge=1)  # texts in one /v1/moderations request
     body_timeout_s: float = Field(default=60.0, gt=0)  # a request body must arrive whole within this; else 408
 
 

@@ -27,6 +27,7 @@ if TYPE_CHECKING:
     from gateway.accounts import Accounts
     from gateway.webhooks import Webhooks
     from workers.embed import EmbedWorker
+    from workers.moderation import ModerationWorker
     from workers.tts import TTSWorker
 
 
@@ -80,7 +81,8 @@ class Services:
     images: ImageStore  # the PNGs behind image urls
     native_sizes: dict[str, tuple[int, int] | None] = field(default_factory=dict)  # image model -> size
     voices: dict[str, "TTSWorker"] = field(default_factory=dict)  # tts model -> its voices (no weights)
-    encoders: dict[str, "EmbedWorker"] = field(default_factory=dict)  # embed model -> its tokenizer (no weights)
+    # embed or moderation model -> its tokenizer and config (no weights)
+    encoders: dict[str, "EmbedWorker | ModerationWorker"] = field(default_factory=dict)
     on_startup: list[Callable[[], Awaitable[None]]] = field(default_factory=list)  # run by the app's lifespan
     on_shutdown: list[Callable[[], Awaitable[None]]] = field(default_factory=list)
     accounts: "Accounts | None" = None  # managed keys, per-key limits, usage (None: env keys only, unmetered)

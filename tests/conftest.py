@@ -113,6 +113,13 @@ def tiny_embed(demo_dir: Path) -> Path:
     return build_demo_models(demo_dir, names=["tiny-embed"])["tiny-embed"]
 
 
+@pytest.fixture(scope="session")
+def tiny_moderation(demo_dir: Path) -> Path:
+    from demo import build_demo_models
+
+    return build_demo_models(demo_dir, names=["tiny-moderation"])["tiny-moderation"]
+
+
 @pytest.fixture(scope="module")
 def chat_server(tiny_chat: Path, tmp_path_factory) -> RunningServer:
     folder = tmp_path_factory.mktemp("chat-server")

@@ -276,7 +276,7 @@ def test_upload_errors_are_openai_shaped(server):
 def test_create_errors_name_the_field(server):
     c = sdk(server)
     f = c.files.create(file=("in.jsonl", io.BytesIO(jsonl([chat_line(0)]))), purpose="batch")
-    cases = [({"completion_window": "48h"}, "completion_window"), ({"endpoint": "/v1/moderations"}, "endpoint"),
+    cases = [({"completion_window": "48h"}, "completion_window"), ({"endpoint": "/v1/audio/transcriptions"}, "endpoint"),
              ({"metadata": {f"k{i}": "v" for i in range(17)}}, "metadata"),
              ({"input_file_id": "file-nope"}, "input_file_id")]
     for change, param in cases:

@@ -36,10 +36,11 @@ FUZZ = settings(max_examples=EXAMPLES, deadline=None, derandomize=not os.environ
 
 
 @pytest.fixture(scope="module")
-def server(tiny_chat, tiny_embed, tiny_image, tiny_tts, tiny_stt, tmp_path_factory):
+def server(tiny_chat, tiny_embed, tiny_image, tiny_tts, tiny_stt, tiny_moderation, tmp_path_factory):
     folder = tmp_path_factory.mktemp("fuzz")
     models = {"tiny-chat": ("chat", tiny_chat), "tiny-embed": ("embed", tiny_embed),
-              "tiny-image": ("image", tiny_image), "tiny-tts": ("tts", tiny_tts), "tiny-stt": ("stt", tiny_stt)}
+              "tiny-image": ("image", tiny_image), "tiny-tts": ("tts", tiny_tts), "tiny-stt": ("stt", tiny_stt),
+              "tiny-moderation": ("moderation", tiny_moderation)}
     extra = ("limits:\n  max_chat_tokens: 6\n  max_n: 2\n  image_max_side: 64\n  image_max_steps: 2\n"
              "  image_max_n: 1\n  speech_max_chars: 80\n  embed_max_inputs: 4\n  prompt_max_chars: 200\n"
              f"  transcription_max_bytes: {MAX_UPLOAD}\n  transcription_max_seconds: 3\n"
@@ -175,6 +176,10 @@ ENDPOINTS = {
         {"input": TEXT | st.lists(TEXT, max_size=6) | TOKEN_IDS | st.lists(TOKEN_IDS, max_size=3) | st.just([[]]),
          "encoding_format": st.sampled_from(["float", "base64", "int8"]), "dimensions": EDGE_INTS,
          "model": st.sampled_from(["tiny-embed", "tiny-chat", "nope"])}),
+    "/v1/moderations": (
+        {"model": "tiny-moderation", "input": "hi"},
+        {"input": TEXT | st.lists(TEXT, max_size=6) | st.lists(PART, max_size=3) | TOKEN_IDS,
+         "model": st.sampled_from(["tiny-moderation", "tiny-embed", "nope"])}),
     "/v1/images/generations": (
         {"model": "tiny-image", "prompt": "a cat", "size": "32x32", "num_inference_steps": 1},
         {"prompt": TEXT, "n": EDGE_INTS, "seed": EDGE_INTS, "num_inference_steps": EDGE_INTS,
@@ -195,7 +200,7 @@ ENDPOINTS = {
          "stream_format": st.sampled_from(["audio", "sse"]), "model": st.sampled_from(["tiny-tts", "tiny-chat"])}),
     "/v1/batches": (
         {"input_file_id": "file-none", "endpoint": "/v1/chat/completions", "completion_window": "24h"},
-        {"input_file_id": TEXT, "endpoint": st.sampled_from(["/v1/chat/completions", "/v1/embeddings", "/v1/x"]),
+        {"input_file_id": TEXT, "endpoint": st.sampled_from(["/v1/chat/completions", "/v1/embeddings", "/v1/moderations", "/v1/x"]),
          "completion_window": st.sampled_from(["24h", "1h"]), "metadata": st.dictionaries(TEXT, TEXT | ANY_JSON),
          "output_expires_after": ANY_JSON}),
     "/v1/conversations": (

@@ -17,7 +17,7 @@ from typing import TYPE_CHECKING, Any, Callable, Literal, Mapping
 if TYPE_CHECKING:
     from lora_kernels import LoraAdapter
 
-ModelKind = Literal["chat", "image", "tts", "stt", "embed"]
+ModelKind = Literal["chat", "image", "tts", "stt", "embed", "moderation"]
 
 
 @dataclass(frozen=True)

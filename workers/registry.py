@@ -19,6 +19,7 @@ WORKERS: dict[tuple[str, str], str] = {
     ("tts", "transformers"): "workers.tts:TTSWorker",
     ("stt", "transformers"): "workers.stt:STTWorker",
     ("embed", "transformers"): "workers.embed:EmbedWorker",
+    ("moderation", "transformers"): "workers.moderation:ModerationWorker",
 }
 
 

@@ -1,0 +1,180 @@
+"""Moderations: ``plan_moderation`` checks a request and tokenizes its texts, ``serve_moderation``
+(the serving core, shared with batch lines) scores them on a moderation model, and
+``moderations`` (POST /v1/moderations) renders OpenAI's answer: one result per input string, or one
+for an array of content parts (moderated together, as OpenAI does).
+
+The model is optional, as OpenAI's is: without one the first moderation model of tiers.yaml
+serves. Image parts are refused: these models read text only."""
+
+from __future__ import annotations
+
+import asyncio
+from dataclasses import dataclass
+from typing import Annotated, Any, Literal, Union
+
+import numpy as np
+from pydantic import Discriminator, Field, Tag, field_validator
+from starlette.requests import Request
+from starlette.responses import JSONResponse, Response
+
+from accounts.rates import Ask
+from gateway.auth import Caller
+from gateway.errors import APIError, bad_request, not_found
+from gateway.http import disconnect_signal
+from gateway.request_log import new_id
+from gateway.schemas import _Body, parse, read_json
+from gateway.service import Services
+from gateway.serving import Gone, Serving, in_thread
+from workers.base import ModelSpec
+from workers.embed import InputError
+from workers.moderation import ModerationWorker
+
+
+class _ImageUrl(_Body):
+    url: str
+
+
+class TextPart(_Body):
+    type: Literal["text"]
+    text: str
+
+
+class ImagePart(_Body):
+    type: Literal["image_url"]
+    image_url: _ImageUrl
+
+
+def _input_form(value: Any) -> str:
+    """Which of ``input``'s forms a value is meant as, so an error names that form's problem."""
+    if isinstance(value, list):
+        return "Parts" if value and isinstance(value[0], dict) else "Texts"
+    return "Text"
+
+
+Part = Annotated[Union[Annotated[TextPart, Tag("TextPart")], Annotated[ImagePart, Tag("ImagePart")]],
+                 Discriminator(lambda v: "ImagePart" if isinstance(v, dict) and v.get("type") == "image_url" else "TextPart")]
+Input = Annotated[Union[Annotated[str, Tag("Text")], Annotated[list[str], Tag("Texts")], Annotated[list[Part], Tag("Parts")]],
+                  Discriminator(_input_form)]  # the tags are capitalized: error places leave them out (schemas._param)
+
+
+class ModerationRequest(_Body):
+    input: Input  # a text, texts (a result each), or content parts (one result)
+    model: str | None = Field(default=None, min_length=1)
+
+    @field_validator("input", mode="before")
+    @classmethod
+    def _known_parts(cls, value: Any) -> Any:
+        """A part of another type is named as such, not as "not a valid string"."""
+        for part in value if isinstance(value, list) else ():
+            kind = part.get("type") if isinstance(part, dict) else "text"
+            if kind not in ("text", "image_url"):
+                raise ValueError(f"content parts of type {str(kind)[:40]!r} are not supported: moderation takes "
+                                 "parts of type 'text' (and 'image_url', which these models refuse)")
+        return value
+
+
+@dataclass(frozen=True)
+class ModerationJob:
+    """A checked request: the model, its categories and threshold, each text's pieces' token ids."""
+
+    model: str
+    categories: list[str]
+    threshold: float
+    pieces: list[list[list[int]]]
+
+    @property
+    def tokens(self) -> int:
+        return sum(len(piece) for text in self.pieces for piece in text)
+
+
+async def plan_moderation(svc: Services, body: ModerationRequest) -> ModerationJob:
+    """The job of ``body``; 404 for an unknown model (or none configured), 400 naming ``input``
+    for an empty text, an image part, or more inputs than ``limits.moderation_max_inputs``.
+    Needs no weights."""
+    spec = _model(svc, body.model)
+    texts = _texts(body.input)
+    cap = svc.config.limits.moderation_max_inputs
+    if len(texts) > cap:
+        raise bad_request(f"input has {len(texts)} items, above this server's limit of {cap} per request",
+                          "input", "too_many_inputs")
+    reader = await _reader(svc, spec)
+    try:
+        pieces = await asyncio.to_thread(reader.tokenize, texts)
+    except InputError as exc:
+        raise bad_request(str(exc), "input") from None
+    return ModerationJob(spec.name, reader.categories, reader.threshold, pieces)
+
+
+def _model(svc: Services, name: str | None) -> ModelSpec:
+    if name is not None:
+        return svc.spec(name, "moderation")
+    spec = next((s for s in svc.arbiter.specs.values() if s.kind == "moderation"), None)
+    if spec is None:
+        raise not_found("this server has no moderation model", "model", "model_not_found")
+    return spec
+
+
+def _texts(value: str | list[str] | list[TextPart | ImagePart]) -> list[str]:
+    """The texts to score: each string its own; an array of parts one text, its texts joined."""
+    if isinstance(value, str):
+        return [value]
+    if not value:
+        raise bad_request("input must not be an empty list", "input")
+    if isinstance(value[0], str):
+        return value
+    for i, part in enumerate(value):
+        if isinstance(part, ImagePart):
+            raise bad_request("this server's moderation models read text only: send the image's text, "
+                              "or leave the image out", f"input[{i}]", "image_not_supported")
+    return ["\n".join(part.text for part in value)]
+
+
+async def _reader(svc: Services, spec: ModelSpec) -> ModerationWorker:
+    """The model's tokenizer and labels without its weights (an unloaded ModerationWorker),
+    cached, so a bad input is refused before the request takes a slot or loads the model."""
+    cache = svc.encoders
+    if spec.name not in cache:
+        def read() -> ModerationWorker:
+            reader = ModerationWorker(spec, **spec.options)
+            reader.tokenizer  # noqa: B018 - read the tokenizer now, off the loop
+            return reader
+
+        try:
+            cache[spec.name] = await asyncio.to_thread(read)
+        except (OSError, ValueError, KeyError) as exc:  # the folder is not a classifier this worker runs
+            raise APIError(503, f"the model '{spec.name}' cannot be used: {exc}", "model_unavailable") from None
+    return cache[spec.name]
+
+
+async def serve_moderation(svc: Services, caller: Caller, job: ModerationJob, gone: Gone | None) -> np.ndarray:
+    """The serving core: each text's score per category. The gate counts the job's tokens."""
+    async with Serving(svc, caller, job.model, job.tokens, "moderations", gone, Ask(tokens=job.tokens)) as serving:
+        worker: ModerationWorker = serving.worker
+        return await serving.step(lambda ctx: in_thread(lambda: worker.classify(job.pieces, ctx), ctx),
+                                  "moderating with")
+
+
+def moderation_results(job: ModerationJob, scores: np.ndarray) -> dict:
+    """OpenAI's moderation object: per text, each category flagged at ``threshold`` or more, its
+    score, and the input types it was read from (text, always)."""
+    results = []
+    for row in scores:
+        flags = {c: bool(s >= job.threshold) for c, s in zip(job.categories, row.tolist())}
+        results.append({"flagged": any(flags.values()), "categories": flags,
+                        "category_scores": dict(zip(job.categories, row.tolist())),
+                        "category_applied_input_types": {c: ["text"] for c in job.categories}})
+    return {"id": f"modr-{new_id()}", "model": job.model, "results": results}
+
+
+# -- HTTP -------------------------------------------------------------------------------------------
+
+
+async def moderations(request: Request) -> Response:
+    """POST /v1/moderations."""
+    svc: Services = request.app.state.services
+    caller = svc.admit_caller(request)
+    body = parse(ModerationRequest, await read_json(request, svc.config.limits.max_body))
+    job = await plan_moderation(svc, body)
+    async with disconnect_signal(request) as gone:
+        scores = await serve_moderation(svc, caller, job, gone)
+    return JSONResponse(moderation_results(job, scores), headers=svc.gate.rate_headers(caller.tier))

@@ -1,0 +1,157 @@
+"""Moderation: a transformers sequence classifier (``AutoModelForSequenceClassification`` +
+``AutoTokenizer``) from its folder, scoring texts against the categories its config names.
+
+* The categories are the config's ``id2label`` values, in label order: a model trained on
+  OpenAI's category names (``harassment``, ``hate/threatening``, ``self-harm/intent``, ...)
+  answers in OpenAI's shape; any other model answers with its own names.
+* Scores are read as transformers' text-classification pipeline reads them: a config whose
+  ``problem_type`` is ``multi_label_classification`` scores each category on its own (a
+  sigmoid), any other one softmax over the categories (a text is one of them at most).
+* A category is flagged at a score of ``threshold`` or more (tiers.yaml, 0.5 by default).
+* A text longer than the model's context is scored in full, never truncated: cut into pieces of
+  the context (the tokenizer's special tokens added to each, neighbours overlapping by a quarter
+  of a piece so no phrase is only ever seen cut in two), each piece scored, and each category's
+  score the highest of its pieces, so what the end of a long text says is seen.
+
+Texts arrive as strings; ``tokenize`` (no weights needed) turns each into its pieces' token ids,
+and ``classify`` runs every piece of a request through the model in padded forward passes of at
+most ``max_batch_tokens`` tokens (``workers.embed.batches``), a step boundary between passes.
+"""
+
+from __future__ import annotations
+
+import threading
+from pathlib import Path
+
+import numpy as np
+import torch
+from transformers import AutoConfig, AutoModelForSequenceClassification, AutoTokenizer
+
+from workers.base import ModelSpec, StepContext
+from workers.embed import InputError, batches
+from workers.worker import ModelInfo, ThreadWorker
+
+_HUGE = 1_000_000  # tokenizers without a real limit say model_max_length = 1e30
+
+
+def context_length(config, tokenizer_limit: int | None) -> int:
+    """Tokens per piece, special tokens included: the smaller of the tokenizer's and the
+    position embeddings' limits."""
+    limits = [n for n in (tokenizer_limit, getattr(config, "max_position_embeddings", None)) if n and n < _HUGE]
+    if not limits:
+        raise ValueError("neither the tokenizer nor the config gives a context length")
+    return min(limits)
+
+
+def pieces(ids: list[int], width: int) -> list[list[int]]:
+    """``ids`` (without special tokens) cut into pieces of at most ``width`` tokens, each starting
+    a quarter of a piece before the previous one ends; one piece when they fit."""
+    if len(ids) <= width:
+        return [ids]
+    step = max(1, width - width // 4)
+    out = []
+    for start in range(0, len(ids), step):
+        out.append(ids[start:start + width])
+        if start + width >= len(ids):
+            break
+    return out
+
+
+def _special_tokens(tokenizer) -> tuple[list[int], list[int]]:
+    """The ids the tokenizer puts before and after one text's own (``[CLS]`` ... ``[SEP]``,
+    ``<s>`` ... ``</s>``, a BOS alone), read off its output for a one-word text."""
+    plain = tokenizer("moderation", add_special_tokens=False)["input_ids"]
+    full = tokenizer("moderation", add_special_tokens=True)["input_ids"]
+    at = next(i for i in range(len(full) - len(plain) + 1) if full[i:i + len(plain)] == plain)
+    return full[:at], full[at + len(plain):]
+
+
+class ModerationWorker(ThreadWorker):
+    """Runs one sequence classifier; reads its config at construction, its tokenizer at the first
+    ``tokenize`` and its weights at ``load``."""
+
+    kind = "moderation"
+
+    def __init__(self, spec: ModelSpec, threshold: float = 0.5, max_batch_tokens: int = 16384) -> None:
+        self.spec = spec
+        self.threshold = threshold
+        self.max_batch_tokens = max_batch_tokens
+        config = AutoConfig.from_pretrained(Path(spec.path))
+        labels = getattr(config, "id2label", None) or {}
+        self.categories: list[str] = [labels[i] for i in sorted(labels)]
+        if not self.categories:
+            raise ValueError("the config names no labels (id2label)")
+        self.multi_label = config.problem_type == "multi_label_classification"
+        self.config = config
+        self._tokenizer = None
+        self._tokenizing = threading.Lock()  # a fast tokenizer's call sets its state: one call at a time
+        self.model: torch.nn.Module | None = None
+
+    @classmethod
+    def describe(cls, spec: ModelSpec) -> ModelInfo:
+        return ModelInfo(context_length=getattr(AutoConfig.from_pretrained(Path(spec.path)),
+                                                "max_position_embeddings", None))
+
+    def load(self, device: torch.device) -> None:
+        """The classifier onto ``device`` (fp16 on CUDA, fp32 elsewhere)."""
+        dtype = torch.float16 if device.type == "cuda" else torch.float32
+        self.model = AutoModelForSequenceClassification.from_pretrained(Path(self.spec.path), dtype=dtype)
+        self.model = self.model.to(device).eval()
+        self.device = device
+
+    def unload(self) -> None:
+        self.model = None
+
+    def modules(self) -> list[torch.nn.Module]:
+        return [self.model] if self.model is not None else []
+
+    @property
+    def tokenizer(self):
+        """The model's tokenizer, read from its folder the first time it is asked for."""
+        with self._tokenizing:
+            if self._tokenizer is None:
+                self._tokenizer = AutoTokenizer.from_pretrained(Path(self.spec.path))
+            return self._tokenizer
+
+    def tokenize(self, texts: list[str]) -> list[list[list[int]]]:
+        """Each text's pieces as token ids, special tokens included (module doc). ``InputError``
+        for an empty text. Needs no weights, and may run on any thread."""
+        for i, text in enumerate(texts):
+            if not text.strip():
+                raise InputError(f"input[{i}] is an empty string")
+        tokenizer = self.tokenizer
+        with self._tokenizing:
+            ids = tokenizer(list(texts), add_special_tokens=False, verbose=False)["input_ids"]
+            head, tail = _special_tokens(tokenizer)
+        width = context_length(self.config, tokenizer.model_max_length) - len(head) - len(tail)
+        return [[head + piece + tail for piece in pieces(row, width)] for row in ids]
+
+    def classify(self, texts: list[list[list[int]]], ctx: StepContext) -> np.ndarray:
+        """Scores, one row per text and one column per category (``categories``), of tokenized
+        texts (``tokenize``): each category's highest over the text's pieces."""
+        if self.model is None:
+            raise RuntimeError(f"model {self.spec.name!r} is not loaded")
+        rows = [piece for text in texts for piece in text]
+        owner = np.repeat(np.arange(len(texts)), [len(text) for text in texts])
+        scores = np.empty((len(rows), len(self.categories)), dtype=np.float32)
+        for group in batches([len(row) for row in rows], self.max_batch_tokens):
+            ctx.boundary()
+            scores[group] = self._forward([rows[i] for i in group])
+        out = np.full((len(texts), len(self.categories)), -np.inf, dtype=np.float32)
+        np.maximum.at(out, owner, scores)
+        return out
+
+    def _forward(self, rows: list[list[int]]) -> np.ndarray:
+        """One padded forward pass over ``rows``: their scores."""
+        width = max(len(row) for row in rows)
+        pad = self.tokenizer.pad_token_id or 0
+        input_ids = torch.full((len(rows), width), pad, dtype=torch.long)
+        mask = torch.zeros((len(rows), width), dtype=torch.long)
+        for r, row in enumerate(rows):
+            input_ids[r, : len(row)] = torch.tensor(row)
+            mask[r, : len(row)] = 1
+        device = self.model.device
+        with torch.inference_mode():
+            logits = self.model(input_ids=input_ids.to(device), attention_mask=mask.to(device)).logits.float()
+            scores = torch.sigmoid(logits) if self.multi_label else torch.softmax(logits, dim=-1)
+        return scores.cpu().numpy()
