@@ -10,10 +10,10 @@ from __future__ import annotations
 
 import asyncio
 from dataclasses import dataclass
-from typing import Annotated, Any, Literal, Union
+from typing import Any, Literal
 
 import numpy as np
-from pydantic import Discriminator, Field, Tag, field_validator
+from pydantic import Field, field_validator
 from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
 
@@ -22,7 +22,7 @@ from gateway.auth import Caller
 from gateway.errors import APIError, bad_request, not_found
 from gateway.http import disconnect_signal
 from gateway.request_log import new_id
-from gateway.schemas import _Body, parse, read_json
+from gateway.schemas import TextPart, _Body, parse, part_type, read_json, tagged
 from gateway.service import Services
 from gateway.serving import Gone, Serving, in_thread
 from workers.base import ModelSpec
@@ -34,27 +34,14 @@ class _ImageUrl(_Body):
     url: str
 
 
-class TextPart(_Body):
-    type: Literal["text"]
-    text: str
-
-
 class ImagePart(_Body):
     type: Literal["image_url"]
     image_url: _ImageUrl
 
 
-def _input_form(value: Any) -> str:
-    """Which of ``input``'s forms a value is meant as, so an error names that form's problem."""
-    if isinstance(value, list):
-        return "Parts" if value and isinstance(value[0], dict) else "Texts"
-    return "Text"
-
-
-Part = Annotated[Union[Annotated[TextPart, Tag("TextPart")], Annotated[ImagePart, Tag("ImagePart")]],
-                 Discriminator(lambda v: "ImagePart" if isinstance(v, dict) and v.get("type") == "image_url" else "TextPart")]
-Input = Annotated[Union[Annotated[str, Tag("Text")], Annotated[list[str], Tag("Texts")], Annotated[list[Part], Tag("Parts")]],
-                  Discriminator(_input_form)]  # the tags are capitalized: error places leave them out (schemas._param)
+Part = tagged(("TextPart", TextPart), ("ImagePart", ImagePart), by=part_type({"image_url": "ImagePart"}, "TextPart"))
+Input = tagged(("Text", str), ("Texts", list[str]), ("Parts", list[Part]),
+               by=lambda v: ("Parts" if v and isinstance(v[0], dict) else "Texts") if isinstance(v, list) else "Text")
 
 
 class ModerationRequest(_Body):

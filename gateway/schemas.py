@@ -13,9 +13,9 @@ import hashlib
 import json
 import math
 import re
-from typing import Annotated, Any, Literal, TypeVar
+from typing import Annotated, Any, Callable, Literal, TypeVar, Union
 
-from pydantic import AfterValidator, BaseModel, ConfigDict, Field, ValidationError, field_validator
+from pydantic import AfterValidator, BaseModel, ConfigDict, Discriminator, Field, Tag, ValidationError, field_validator
 from starlette.requests import Request
 
 from gateway.errors import APIError, bad_request
@@ -87,12 +87,33 @@ class ToolCall(_Body):
     function: FunctionCall
 
 
+def tagged(*forms: tuple[str, Any], by: Callable[[Any], str]) -> Any:
+    """A union whose branch ``by(value)`` picks (a tag of ``forms``), so a bad value's error is
+    that branch's own, not the first branch's "Input should be a valid string". Tags are
+    capitalized: error places leave them out (``_param``)."""
+    return Annotated[Union[tuple(Annotated[form, Tag(tag)] for tag, form in forms)], Discriminator(by)]
+
+
+def part_type(parts: dict[str, str], default: str) -> Callable[[Any], str]:
+    """A content part's tag from its ``type`` (``default`` for an unknown or missing one)."""
+    return lambda value: parts.get(value.get("type"), default) if isinstance(value, dict) else default
+
+
+def text_or_parts(value: Any) -> str:
+    return "Parts" if isinstance(value, list) else "Text"
+
+
+ChatPart = tagged(("TextPart", TextPart), ("RefusalPart", RefusalPart),
+                  by=part_type({"refusal": "RefusalPart"}, "TextPart"))
+Content = tagged(("Text", str), ("Parts", list[ChatPart]), by=text_or_parts)
+
+
 class Message(_Body):
     """One chat message. Which fields a role needs (content, tool_calls, tool_call_id) is checked
     by :meth:`ChatCompletionRequest.message_problem`, so the error names the field."""
 
     role: Literal["system", "developer", "user", "assistant", "tool", "function"]  # function: the old functions API's
-    content: str | list[Annotated[TextPart | RefusalPart, Field(discriminator="type")]] | None = None
+    content: Content | None = None
     name: str | None = None
     tool_calls: list[ToolCall] | None = None  # assistant
     function_call: FunctionCall | None = None  # assistant, the old functions API's one call

@@ -112,6 +112,11 @@ GOOD = {"model": "tiny-chat", "messages": [{"role": "user", "content": "hi"}], "
     ({**GOOD, "messages": []}, "messages"),
     ({**GOOD, "messages": [{"role": "robot", "content": "x"}]}, "messages[0].role"),
     ({**GOOD, "messages": [{"role": "user"}]}, "messages[0].content"),
+    # a part's own problem, not the content's "not a valid string"
+    ({**GOOD, "messages": [{"role": "user", "content": [{"type": "text"}]}]}, "messages[0].content[0].text"),
+    ({**GOOD, "messages": [{"role": "user", "content": ["hi"]}]}, "messages[0].content[0]"),
+    ({**GOOD, "messages": [{"role": "assistant", "content": [{"type": "refusal", "refusal": 5}]},
+                           {"role": "user", "content": "hi"}]}, "messages[0].content[0].refusal"),
     ({**GOOD, "stop": ["a", "b", "c", "d", "e"]}, "stop"),
     ({**GOOD, "n": 5}, "n"),  # above limits.max_n (4)
     ({**GOOD, "bogus": 1}, "bogus"),
