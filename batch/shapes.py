@@ -35,6 +35,7 @@ def shape_of(svc: Services, endpoint: str, body: dict[str, Any]) -> str:
         model = next((name for name, spec in svc.arbiter.specs.items() if spec.kind == "moderation"), None)
     if not isinstance(model, str):
         return ""
+    model = svc.model_name(model)
     if kind not in ("chat", "image"):
         return model
     try:

@@ -80,7 +80,8 @@ class Ingress:
         self.by_model = {m: t for t, d in zip(self.deployments, deployments.values()) for m in d["models"]}
         self.default = self.deployments[0]  # the pool (first when there is one): requests that need no model
         self.rank = {t.name: i for i, t in enumerate(self.config.tiers)}
-        self.base = {m.name: m.name for m in self.config.models} | {a.name: a.model for a in self.config.adapters}
+        self.base = ({m.name: m.name for m in self.config.models} | {a.name: a.model for a in self.config.adapters}
+                     | self.config.aliases)
         replicas = sum(t.replicas for t in self.deployments)
         self.capacity = {t.name: replicas * (self.config.max_inflight(t) + t.max_queued) for t in self.config.tiers}
         self.inflight = {t.name: 0 for t in self.config.tiers}

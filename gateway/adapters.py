@@ -109,6 +109,7 @@ def resolve_request(svc: "Services", model: str, choices: Sequence[AdapterChoice
     """The base model's spec and the adapter stack of one request (errors as the API's 4xx; an
     unknown model is a 404 before anything is said about its adapters)."""
     adapters = svc.adapters
+    model = svc.model_name(model)
     if model not in adapters:
         svc.spec(model, kind)
     stack = adapters.stack(model, choices, kind)

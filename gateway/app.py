@@ -110,7 +110,7 @@ async def list_models(request: Request) -> Response:
 async def get_model(request: Request) -> Response:
     svc: Services = request.app.state.services
     caller = svc.authenticate(request)
-    name = request.path_params["model"]
+    name = svc.model_name(request.path_params["model"])
     for row in _model_rows(svc, caller):
         if row["id"] == name:
             return JSONResponse(row)
@@ -123,8 +123,10 @@ def _model_rows(svc: Services, caller: Caller | None = None) -> list[dict]:
     rows = []
     for r in svc.arbiter.table():
         last = r.pop("last_tier")
-        rows.append({"id": r.pop("id"), "object": "model", "created": 0, "owned_by": "tiergate",
-                     **r, "last_tier": tiers[last] if last is not None else None})
+        name = r.pop("id")
+        rows.append({"id": name, "object": "model", "created": 0, "owned_by": "tiergate",
+                     **r, "last_tier": tiers[last] if last is not None else None,
+                     "aliases": [alias for alias, model in svc.aliases.items() if model == name]})
     rows.extend(svc.adapters.rows())
     if caller is not None and svc.accounts is not None:
         rows = [r for r in rows if svc.accounts.allows(caller, r.get("parent") or r["id"])]
@@ -135,7 +137,7 @@ async def admin_model(request: Request) -> Response:
     """POST /admin/models/{model}/{action}: load, unload, pin or unpin a model."""
     svc: Services = request.app.state.services
     svc.require_admin(request)
-    name, action = request.path_params["model"], request.path_params["action"]
+    name, action = svc.model_name(request.path_params["model"]), request.path_params["action"]
     if name not in svc.arbiter.states:
         raise APIError(404, f"the model '{name}' does not exist", "model_not_found", "model")
     if action == "load":

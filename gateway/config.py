@@ -79,10 +79,16 @@ def _engine_block(value: Any) -> Any:
     return {"name": value} if isinstance(value, str) else value
 
 
+NAME = r"^[A-Za-z0-9][A-Za-z0-9._:-]*$"
+
+
 class _Model(_Strict):
-    name: str = Field(pattern=r"^[A-Za-z0-9][A-Za-z0-9._:-]*$")
+    name: str = Field(pattern=NAME)
     path: Path
     vram: Size | None = None
+    # other names requests may call it by (gpt-4o-mini, whisper-1, ...): resolved at the door, so
+    # a client written for OpenAI runs unchanged; everything after (leases, limits, metrics) sees `name`
+    aliases: list[Annotated[str, Field(pattern=NAME)]] = Field(default_factory=list)
 
     def spec(self, with_adapters: bool = False) -> ModelSpec:
         return ModelSpec(self.name, self.kind, self.path, self.vram)
@@ -358,6 +364,24 @@ class Config(_Strict):
             if m.name == model and isinstance(m, ChatModel) and m.fim is not None:
                 return m.fim.prefix, m.fim.suffix, m.fim.middle
         return None
+
+    @model_validator(mode="after")
+    def _aliases_name_nothing_else(self) -> "Config":
+        taken = {m.name for m in self.models} | {a.name for a in self.adapters}
+        seen: set[str] = set()
+        for i, m in enumerate(self.models):
+            for alias in m.aliases:
+                if alias in taken:
+                    raise ValueError(f"models[{i}].aliases: {alias!r} is the name of a model or adapter")
+                if alias in seen:
+                    raise ValueError(f"models[{i}].aliases: {alias!r} is another model's alias too")
+                seen.add(alias)
+        return self
+
+    @property
+    def aliases(self) -> dict[str, str]:
+        """Each alias -> the name of its model."""
+        return {alias: m.name for m in self.models for alias in m.aliases}
 
     @model_validator(mode="after")
     def _accounts_name_tiers_and_models(self) -> "Config":

@@ -92,6 +92,14 @@ class Services:
     def tier_rank(self) -> dict[str, int]:  # looked up per request: made once
         return {t.name: i for i, t in enumerate(self.config.tiers)}
 
+    @functools.cached_property
+    def aliases(self) -> dict[str, str]:  # tiers.yaml's model aliases -> model names; made once
+        return self.config.aliases
+
+    def model_name(self, name: str) -> str:
+        """The model ``name`` calls: the model itself, or the model an alias names."""
+        return self.aliases.get(name, name)
+
     def keep_open(self, store: S) -> S:
         """Open ``store`` when the app starts and close it when the app stops; returns it."""
         self.on_startup.append(store.open)
@@ -138,7 +146,8 @@ class Services:
         return caller
 
     def spec(self, name: str, kind: str) -> ModelSpec:
-        spec = self.arbiter.specs.get(name)
+        """The spec of the model ``name`` (or an alias) calls; 404 for none, 400 for one of another kind."""
+        spec = self.arbiter.specs.get(self.aliases.get(name, name))
         if spec is None:
             raise not_found(f"the model '{name}' does not exist", "model", "model_not_found")
         if spec.kind != kind:

@@ -49,7 +49,7 @@ def config_text(models: dict[str, Path], period: float, redis_url: str | None = 
     lines.append("models:")
     for name, path in models.items():
         lines += [f"  - name: {name}", "    kind: chat", f"    path: {path}", "    vram: 1536MiB",
-                  "    engine: transformers"]
+                  "    engine: transformers"] + (["    aliases: [gpt-4o-mini]"] if name == "c" else [])
     if small is not None:  # fits beside any one of the others
         lines += ["  - name: s", "    kind: chat", f"    path: {small}", "    vram: 256MiB", "    engine: transformers"]
     nodes, per_node = replicas
@@ -268,6 +268,8 @@ def test_ingress_refuses_before_any_replica(cluster):
     assert chat(cluster, "a", "nobody").status_code == 401
     missing = chat(cluster, "no-such-model", "paid")
     assert missing.status_code == 404 and missing.json()["error"]["code"] == "model_not_found"
+    aliased = chat(cluster, "gpt-4o-mini", "paid")  # routed as its model, c (tiers.yaml's aliases)
+    assert aliased.status_code == 200, aliased.text
 
 
 def test_multipart_uploads_route_by_their_model_part(cluster):
