@@ -51,6 +51,7 @@ class SpeechBody(_Body):
     speed: float = Field(default=1.0, ge=MIN_SPEED, le=MAX_SPEED)
     response_format: str | None = None  # checked against what this installation can encode
     stream_format: Literal["audio", "sse"] | None = None  # sse: base64 pieces as speech.audio.* events
+    instructions: str | None = None  # gpt-4o-mini-tts's voice directions: refused unless empty (plan_speech)
 
 
 def default_speech_format() -> str:
@@ -75,6 +76,9 @@ class SpeechJob:
 async def plan_speech(svc: Services, body: SpeechBody) -> SpeechJob:
     """The job of ``body``; an unknown voice is refused before the request takes a slot."""
     spec = svc.spec(body.model, "tts")
+    if body.instructions and body.instructions.strip():
+        raise bad_request(f"the model '{spec.name}' speaks as its voice is; it cannot follow instructions (as "
+                          "OpenAI's tts-1 cannot): leave instructions out", "instructions", "unsupported_parameter")
     fmt = _speech_format(body.response_format)
     _check_input(body.input, svc.config.limits.speech_max_chars)
     voices = await _voices(svc, spec)

@@ -382,12 +382,14 @@ def _with_tier(body: dict, tier: str, svc: Services | None) -> dict:
 
 def _usage(choices: list[Reply] | list[ChoiceDelta]) -> dict:
     """The usage of a completion's finished ``choices`` (whole, or their last deltas): the prompt
-    once, every choice's completion tokens, and of them those spent thinking."""
+    once (and of it what the engine's prefix cache held, as the first choice found it), every
+    choice's completion tokens, and of them those spent thinking."""
     finished = [c.finished for c in choices if c.finished is not None]
     prompt = finished[0].prompt_tokens if finished else 0
     completion_tokens = sum(f.completion_tokens for f in finished)
     return {"prompt_tokens": prompt, "completion_tokens": completion_tokens,
             "total_tokens": prompt + completion_tokens,
+            "prompt_tokens_details": {"cached_tokens": finished[0].cached_tokens if finished else 0},
             "completion_tokens_details": {"reasoning_tokens": sum(c.reasoning_tokens for c in choices)}}
 
 

@@ -346,11 +346,14 @@ def _prompt_entries(prompt: Prompt, entries: list | None) -> list[TokenLogprob |
 
 
 def completion_usage(job: CompletionJob, replies: list[Reply] | list[ChoiceDelta]) -> dict:
-    """Usage of a whole completion: each prompt counted once, every choice's tokens."""
+    """Usage of a whole completion: each prompt counted once (and of it what the engine's prefix
+    cache held, as the prompt's first choice found it), every choice's tokens."""
     finished = [r.finished for r in replies if r.finished is not None]
     prompt = sum(len(p.ids) for p in job.prompts)
     generated = sum(f.completion_tokens for f in finished)
-    return {"prompt_tokens": prompt, "completion_tokens": generated, "total_tokens": prompt + generated}
+    cached = sum(r.finished.cached_tokens for r in replies if r.finished is not None and r.index % job.n == 0)
+    return {"prompt_tokens": prompt, "completion_tokens": generated, "total_tokens": prompt + generated,
+            "prompt_tokens_details": {"cached_tokens": cached}}
 
 
 def text_completion(cid: str, model: str, job: CompletionJob, replies: list[Reply], tier_label: str) -> dict:

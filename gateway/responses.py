@@ -477,7 +477,7 @@ class Draft:
         f = self.reply.finished
         usage = None
         if f is not None:
-            usage = {"input_tokens": f.prompt_tokens, "input_tokens_details": {"cached_tokens": 0},
+            usage = {"input_tokens": f.prompt_tokens, "input_tokens_details": {"cached_tokens": f.cached_tokens},
                      "output_tokens": f.completion_tokens, "output_tokens_details": {"reasoning_tokens": self.reply.reasoning_tokens},
                      "total_tokens": f.prompt_tokens + f.completion_tokens}
         fmt = {"type": "text"}

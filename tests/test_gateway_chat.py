@@ -21,6 +21,9 @@ def test_sdk_chat_non_streaming(chat_server):
     assert r.usage.completion_tokens == 8
     assert r.usage.prompt_tokens > 0
     assert r.usage.total_tokens == r.usage.prompt_tokens + 8
+    again = client(chat_server).chat.completions.create(
+        model="tiny-chat", messages=[{"role": "user", "content": "Hello"}], max_tokens=8, seed=7)
+    assert again.usage.prompt_tokens_details.cached_tokens == 0  # the transformers engine keeps no prefix cache
 
 
 def test_sdk_chat_streaming_with_usage(chat_server):

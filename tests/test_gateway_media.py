@@ -599,6 +599,13 @@ def test_speech_speed_changes_the_length(media):
 SPEECH = {"model": "tiny-tts", "input": "Hello.", "voice": "alloy", "response_format": "wav"}
 
 
+def test_empty_speech_instructions_are_no_instructions(media):
+    """``instructions`` left empty (a client that always sends the field) asks nothing: spoken."""
+    for extra in ({"instructions": ""}, {"instructions": "  "}):
+        r = httpx.post(f"{media.base_url}/audio/speech", headers=auth(media), json={**SPEECH, **extra}, timeout=60)
+        assert r.status_code == 200 and r.content.startswith(b"RIFF"), r.text
+
+
 @pytest.mark.parametrize("change,param,needle", [
     ({"input": ""}, "input", None),
     ({"input": " \n "}, "input", None),
@@ -611,6 +618,7 @@ SPEECH = {"model": "tiny-tts", "input": "Hello.", "voice": "alloy", "response_fo
     ({"stream_format": "events"}, "stream_format", None),
     ({"voice": None}, "voice", None),
     ({"model": "tiny-image"}, "model", None),
+    ({"instructions": "Speak in a cheerful tone."}, "instructions", "cannot follow instructions"),
 ])
 def test_bad_speech_requests_are_400_naming_the_param(media, change, param, needle):
     body = {k: v for k, v in {**SPEECH, **change}.items() if v is not None}

@@ -334,10 +334,10 @@ def test_tokens_through_the_first_think_end_on_real_tokenizers(tiny_chat, tmp_pa
     assert tokens_through_think_end(lambda i: single.decode(i), ids) == ids.index(single.convert_tokens_to_ids("</think>")) + 1
     engine = SimpleNamespace(tokenizer=single, _think_end_token=single.convert_tokens_to_ids("</think>"))
     asked = SimpleNamespace(reasoning=True)
-    finished = VllmChatEngine._finished(engine, "stop", asked, [1, 2, 3], ids)
-    assert (finished.prompt_tokens, finished.completion_tokens, finished.think_tokens) == (3, len(ids), ids.index(
-        single.convert_tokens_to_ids("</think>")) + 1)
-    assert VllmChatEngine._finished(engine, "stop", SimpleNamespace(reasoning=False), [1], ids).think_tokens is None
+    finished = VllmChatEngine._finished(engine, "stop", asked, [1, 2, 3], ids, 2)
+    assert (finished.prompt_tokens, finished.completion_tokens, finished.think_tokens, finished.cached_tokens) == (
+        3, len(ids), ids.index(single.convert_tokens_to_ids("</think>")) + 1, 2)
+    assert VllmChatEngine._finished(engine, "stop", SimpleNamespace(reasoning=False), [1], ids, 0).think_tokens is None
 
 
 def test_usage_counts_the_reasoning_tokens(server):

@@ -107,6 +107,32 @@ def test_vllm_completions(vllm_server, tokenizer):
     assert "".join(ch.choices[0].text for ch in chunks) == "The cat" + texts[0]
 
 
+def test_a_repeated_prompt_reports_its_cached_tokens(vllm_server, tokenizer):
+    """vLLM's prefix cache (on in the engine): a long prompt no test sent before reads nothing
+    from it the first time and its full blocks the second, and the usage says so:
+    ``prompt_tokens_details.cached_tokens`` on chat and completions (each prompt of a list counted
+    once, whatever its ``n``), ``input_tokens_details.cached_tokens`` on Responses."""
+    import secrets
+
+    c = client(vllm_server)
+    text = " ".join(f"w{secrets.token_hex(2)}" for _ in range(55))  # ~280 tokens: two or more full blocks
+    messages = [{"role": "user", "content": text}]
+    chat = [c.chat.completions.create(model="tiny-chat", messages=messages, max_tokens=2, temperature=0).usage
+            for _ in range(2)]
+    assert chat[0].prompt_tokens_details.cached_tokens == 0
+    assert 0 < chat[1].prompt_tokens_details.cached_tokens < chat[1].prompt_tokens == chat[0].prompt_tokens
+    streamed = list(c.chat.completions.create(model="tiny-chat", messages=messages, max_tokens=2, temperature=0,
+                                              stream=True, stream_options={"include_usage": True}))[-1].usage
+    assert streamed.prompt_tokens_details.cached_tokens == chat[1].prompt_tokens_details.cached_tokens
+    prompt = text[::-1]  # another prompt, new to the cache
+    done = [greedy(sdk_client(vllm_server), [prompt, "A dog"], max_tokens=2, n=n).usage for n in (1, 2)]
+    cached = [u.prompt_tokens_details.cached_tokens for u in done]
+    assert cached[0] == 0 and 0 < cached[1] < len(tokenizer(prompt)["input_ids"])  # "A dog": under a block
+    said = text.upper()
+    answers = [respond(sdk_client(vllm_server), said).usage for _ in range(2)]
+    assert answers[0].input_tokens_details.cached_tokens == 0 < answers[1].input_tokens_details.cached_tokens
+
+
 def test_vllm_echo_with_logprobs_gives_the_prompts_logprobs(vllm_server, tokenizer, tiny_chat):
     """vLLM's prompt logprobs (float32 on CPU, its own attention kernels) against the same plain
     torch reference as the transformers engine's, within 1e-3 nats."""

@@ -197,6 +197,9 @@ class ChatFinished:
     # ``ChatRequest.reasoning``: how many generated tokens it took to write the first
     # ``</think>`` (None: not written, or not asked); the gateway counts the reasoning tokens from it
     think_tokens: int | None = None
+    # prompt tokens the engine read from its prefix cache instead of computing them (vLLM's
+    # num_cached_tokens, of the request's first pass); 0 on the transformers engine, which keeps none
+    cached_tokens: int = 0
 
 
 ChatEvent = TextDelta | ChatFinished

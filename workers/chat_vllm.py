@@ -483,6 +483,7 @@ class VllmChatEngine(Worker):
         sent = ""  # the reply's text delivered so far, over every pass
         prompt_text = ""  # the prompt's text as vLLM's detokenizer renders it (made at the first resumption)
         prompt_logprobs = p.prompt_logprobs  # asked of the first pass that delivers output, then not again
+        cached = 0  # the first pass's prompt tokens from the prefix cache (a resumed pass's count the reply's too)
         try:
             while True:  # one pass per submission; a pause ends a pass and resubmits
                 if lora is not None and held != self._residency:
@@ -540,8 +541,10 @@ class VllmChatEngine(Worker):
                         if prompt_logprobs is not None and out.prompt_logprobs is not None:
                             yield TextDelta("", None, self._prompt_logprobs(prompt_ids, out.prompt_logprobs, prompt_logprobs))
                             prompt_logprobs = None
+                        if not generated and out.num_cached_tokens:
+                            cached = min(out.num_cached_tokens, len(prompt_ids))
                         if p.max_tokens == 0:  # the prompt scored: the token vLLM sampled is not delivered
-                            yield ChatFinished("length", len(prompt_ids), 0)
+                            yield ChatFinished("length", len(prompt_ids), 0, cached_tokens=cached)
                             return
                         c = out.outputs[0]
                         generated.extend(c.token_ids)
@@ -559,7 +562,7 @@ class VllmChatEngine(Worker):
                                 outcome = "stopped"  # vLLM's request is aborted on the way out
                                 if text or logprobs:
                                     yield TextDelta(text, logprobs)
-                                yield self._finished("stop", req, prompt_ids, generated)
+                                yield self._finished("stop", req, prompt_ids, generated, cached)
                                 return
                         elif replay is not None:
                             text = replay.cut(text)
@@ -575,7 +578,7 @@ class VllmChatEngine(Worker):
                                 outcome = "paused"
                                 break
                             reason = "length" if c.finish_reason == "length" else "stop"
-                            yield self._finished(reason, req, prompt_ids, generated)
+                            yield self._finished(reason, req, prompt_ids, generated, cached)
                             return
                         if ctx.cancelled:
                             raise Cancelled()
@@ -599,18 +602,19 @@ class VllmChatEngine(Worker):
                 if ctx.cancelled:
                     raise Cancelled()
                 if len(generated) >= p.max_tokens and p.max_tokens:  # a prompt to score (0) is submitted again
-                    yield self._finished("length", req, prompt_ids, generated)
+                    yield self._finished("length", req, prompt_ids, generated, cached)
                     return
         finally:
             if lora is not None and held == self._residency:
                 await self._release_lora(lora[0])
 
-    def _finished(self, reason: str, req: ChatRequest, prompt_ids: list[int], generated: list[int]) -> ChatFinished:
+    def _finished(self, reason: str, req: ChatRequest, prompt_ids: list[int], generated: list[int],
+                  cached: int) -> ChatFinished:
         think = None
         if req.reasoning:
             think = chat_prompt.tokens_through_think_end(
                 lambda ids: self.tokenizer.decode(ids, skip_special_tokens=True), generated, self._think_end_token)
-        return ChatFinished(reason, len(prompt_ids), len(generated), think)  # type: ignore[arg-type]
+        return ChatFinished(reason, len(prompt_ids), len(generated), think, cached)  # type: ignore[arg-type]
 
     def _logprobs(self, c, k: int) -> list[TokenLogprob]:
         """vLLM's logprobs of the tokens in one delta output (``k`` alternatives each), the
