@@ -45,6 +45,7 @@ class Price(_Strict):
     like: str | None = None
     factor: float = Field(default=1.0, ge=0)
     input_tokens_per_1m: float = Field(default=0.0, ge=0)
+    cached_input_tokens_per_1m: float | None = Field(default=None, ge=0)  # input the prefix cache served; None: as input
     output_tokens_per_1m: float = Field(default=0.0, ge=0)
     embedding_tokens_per_1m: float = Field(default=0.0, ge=0)
     image: float = Field(default=0.0, ge=0)  # per image
@@ -78,5 +79,5 @@ def resolved_price(prices: dict[str, Price], tier: str) -> Price | None:
     if price is None or price.like is None:
         return price
     base = prices[price.like].model_dump(exclude={"like", "factor"})
-    return Price(**{k: v * price.factor for k, v in base.items()})
+    return Price(**{k: None if v is None else v * price.factor for k, v in base.items()})
 

@@ -27,8 +27,9 @@ once. A segment's instance deletes it once it is written whole and folded, then 
 offset; the segments of an instance whose process died are folded and deleted by the next process
 that opens the store.
 
-A line is positional (``accounts.usage.COUNTERS``' order). A line of another width, as a process of
-a version with other counters would have left behind, is logged and skipped, not guessed at.
+A line is positional (``accounts.usage.COUNTERS``' order). New counters are added last, so a shorter
+line, written by an older version before an upgrade, is read with its missing counters at 0 (down
+to ``FIRST_COUNTERS``); a line of any other width is logged and skipped, not guessed at.
 """
 
 from __future__ import annotations
@@ -165,10 +166,12 @@ def _lockable(path: Path) -> bool:
         os.close(fd)
 
 
-def read_whole_lines(path: Path, start: int, counters: int) -> tuple[list[tuple], int, int]:
+def read_whole_lines(path: Path, start: int, counters: int, fewest: int | None = None) -> tuple[list[tuple], int, int]:
     """The rows (four names, then ``counters`` numbers) of ``path``'s whole lines from byte
     ``start``, the bytes those lines take, and how many lines were not such rows (the caller logs
-    them; they are skipped). Raises ``FileNotFoundError``."""
+    them; they are skipped). A row of ``fewest`` to ``counters`` numbers (an older version's) gets
+    zeros for the rest. Raises ``FileNotFoundError``."""
+    widths = range(4 + (counters if fewest is None else fewest), 4 + counters + 1)
     with open(path, "rb") as f:
         f.seek(start)
         data = f.read()
@@ -180,9 +183,9 @@ def read_whole_lines(path: Path, start: int, counters: int) -> tuple[list[tuple]
         except ValueError:
             bad += 1
             continue
-        if (isinstance(row, list) and len(row) == 4 + counters and all(isinstance(v, str) for v in row[:4])
+        if (isinstance(row, list) and len(row) in widths and all(isinstance(v, str) for v in row[:4])
                 and all(isinstance(v, (int, float)) and not isinstance(v, bool) for v in row[4:])):
-            rows.append(tuple(row))
+            rows.append(tuple(row) + (0,) * (4 + counters - len(row)))
         else:
             bad += 1
     return rows, end, bad

@@ -20,7 +20,7 @@ from typing import Any
 from accounts.journal import Journal, read_whole_lines
 from accounts.keys import KeyRecord
 from accounts.store import METERED_KEEP_S, AccountStore
-from accounts.usage import COUNTERS, Usage, UsageRow
+from accounts.usage import COUNTERS, FIRST_COUNTERS, Usage, UsageRow
 from storage.sqlite import SQLiteFile
 
 _SCHEMA = f"""
@@ -69,6 +69,13 @@ class SQLiteAccounts(SQLiteFile, AccountStore):
         self._drained: asyncio.Future[None] | None = None  # done when no group is left (close)
         self._journal = Journal(self.path.with_name(self.path.name + ".usage"))
         self._folding: asyncio.Task | None = None
+
+    def _migrate(self, db: sqlite3.Connection) -> None:
+        """A usage table from before a counter existed gets its column (0 for the rows it has)."""
+        have = {row[1] for row in db.execute("PRAGMA table_info(usage)")}
+        for counter in COUNTERS:
+            if counter not in have:
+                db.execute(f"ALTER TABLE usage ADD COLUMN {counter} REAL NOT NULL DEFAULT 0")
 
     async def open(self) -> None:
         await super().open()
@@ -127,7 +134,7 @@ class SQLiteAccounts(SQLiteFile, AccountStore):
             row = db.execute("SELECT folded FROM journal WHERE segment = ?", (name,)).fetchone()
             start = row[0] if row else 0
             try:
-                rows, taken, bad = read_whole_lines(segment, start, len(COUNTERS))
+                rows, taken, bad = read_whole_lines(segment, start, len(COUNTERS), FIRST_COUNTERS)
             except FileNotFoundError:  # deleted after its last fold (which then stored its offset)
                 return
             if bad:

@@ -30,13 +30,18 @@ class Usage:
     audio_out_seconds: float = 0.0  # spoken
     gpu_seconds: float = 0.0  # the model's service time; a batched step's time shared among its rows
     swap_seconds: float = 0.0  # the model load (and the evictions before it) this request triggered
+    # of input_tokens, those the engine's prefix cache served (vLLM); new counters go last: a
+    # usage journal line written before one existed is read with it at 0 (accounts.journal)
+    cached_input_tokens: int = 0
 
     def add(self, other: "Usage") -> None:
         for f in COUNTERS:
             setattr(self, f, getattr(self, f) + getattr(other, f))
 
     def cost(self, price: Price) -> float:
-        return (self.input_tokens * price.input_tokens_per_1m / 1e6
+        cached = price.input_tokens_per_1m if price.cached_input_tokens_per_1m is None else price.cached_input_tokens_per_1m
+        return ((self.input_tokens - self.cached_input_tokens) * price.input_tokens_per_1m / 1e6
+                + self.cached_input_tokens * cached / 1e6
                 + self.output_tokens * price.output_tokens_per_1m / 1e6
                 + self.embedding_tokens * price.embedding_tokens_per_1m / 1e6
                 + self.images * price.image
@@ -46,6 +51,7 @@ class Usage:
 
 
 COUNTERS = tuple(f.name for f in fields(Usage))
+FIRST_COUNTERS = 10  # the counters of the first version (through swap_seconds): the shortest row a journal may hold
 INTEGER_COUNTERS = frozenset(f.name for f in fields(Usage) if f.type == "int")
 
 

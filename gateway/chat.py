@@ -206,7 +206,7 @@ async def _serve_choice(svc: Services, caller: Caller, job: ChatJob, index: int,
                 if not delta.empty:
                     yield delta
                 event = await serving.until_gone(events.__anext__())
-            serving.count_tokens(event.prompt_tokens, event.completion_tokens)
+            serving.count_tokens(event.prompt_tokens, event.completion_tokens, event.cached_tokens)
         finally:
             await events.aclose()
     # the slot is free and the service time learned before the last delta goes out

@@ -105,11 +105,12 @@ class Serving:
     def paused(self) -> bool:
         return any(ctx.paused for ctx in self.contexts)
 
-    def count_tokens(self, prompt: int, completion: int) -> None:
+    def count_tokens(self, prompt: int, completion: int, cached: int = 0) -> None:
         """The request's tokens, for its usage and the request log (completions add up over a
-        request's blocks)."""
+        request's blocks); ``cached``, of the prompt's, those the engine's prefix cache served."""
         self._counted = True
         self.usage.input_tokens = prompt
+        self.usage.cached_input_tokens = cached
         self.usage.output_tokens += completion
         if self.record is not None:
             self.record.prompt_tokens = prompt

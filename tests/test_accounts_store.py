@@ -405,3 +405,50 @@ def test_sqlite_usage_journal_that_cannot_be_folded_at_close_is_folded_by_the_ne
         assert _raw_rows(path) == [("k", 3, 3)] and _journal_files(path) == []
 
     run(go())
+
+
+def test_cached_input_is_priced_at_its_own_rate_or_as_input():
+    """``cached_input_tokens`` (of ``input_tokens``, what a prefix cache served) at
+    ``cached_input_tokens_per_1m``; without that price, as input; ``like``'s factor applies to it."""
+    used = Usage(requests=1, input_tokens=1_000_000, cached_input_tokens=400_000, output_tokens=0)
+    assert used.cost(Price(input_tokens_per_1m=2.0, cached_input_tokens_per_1m=0.5)) == pytest.approx(0.6 * 2 + 0.4 * 0.5)
+    assert used.cost(Price(input_tokens_per_1m=2.0)) == pytest.approx(2.0)
+    prices = {"paid": Price(input_tokens_per_1m=2.0, cached_input_tokens_per_1m=0.5), "batch": Price(like="paid", factor=0.5),
+              "free": Price(input_tokens_per_1m=1.0)}
+    assert resolved_price(prices, "batch").cached_input_tokens_per_1m == 0.25
+    assert used.cost(resolved_price(prices, "batch")) == pytest.approx(0.6 + 0.1)
+
+
+def test_sqlite_usage_from_before_cached_input_tokens_is_read_with_it_at_0(tmp_path):
+    """An upgrade: a database whose usage table has no ``cached_input_tokens`` column gets it (its
+    rows at 0), and a journal line an older process wrote (one counter fewer) is folded with it at 0
+    where a line of another width is skipped."""
+    import json
+    import sqlite3
+
+    from accounts.usage import COUNTERS, FIRST_COUNTERS
+
+    old = COUNTERS[:FIRST_COUNTERS]
+    assert "cached_input_tokens" not in old and COUNTERS[FIRST_COUNTERS:] == ("cached_input_tokens",)
+    path = tmp_path / "accounts.sqlite3"
+    with sqlite3.connect(path) as db:  # the first version's table, with a row
+        db.execute(f"CREATE TABLE usage (day TEXT NOT NULL, key TEXT NOT NULL, model TEXT NOT NULL, tier TEXT NOT NULL, "
+                   f"{', '.join(f'{c} REAL NOT NULL DEFAULT 0' for c in old)}, PRIMARY KEY (day, key, model, tier)) WITHOUT ROWID")
+        db.execute("INSERT INTO usage (day, key, model, tier, requests, input_tokens) VALUES ('2025-01-01', 'k', 'm', 'paid', 2, 20)")
+    journal = path.with_name(path.name + ".usage")
+    journal.mkdir()
+    lines = [["2025-01-01", "k", "m", "paid", 1, 5] + [0] * (FIRST_COUNTERS - 2),  # an older process's row
+             ["2025-01-01", "k", "m", "paid", 1, 7] + [0] * (FIRST_COUNTERS - 3)]  # too short: skipped
+    (journal / "0123456789abcdef-000000.rows").write_text("".join(json.dumps(x) + "\n" for x in lines))
+
+    async def go():
+        s = SQLiteAccounts(path)
+        await s.open()
+        try:
+            s.record("2025-01-01", "k", "m", "paid", Usage(requests=1, input_tokens=9, cached_input_tokens=4))
+            [row] = await s.usage("k", None, None, None)
+            assert (row.usage.requests, row.usage.input_tokens, row.usage.cached_input_tokens) == (4, 34, 4)
+        finally:
+            await s.close()
+
+    run(go())

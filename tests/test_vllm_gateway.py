@@ -114,7 +114,13 @@ def test_a_repeated_prompt_reports_its_cached_tokens(vllm_server, tokenizer):
     once, whatever its ``n``), ``input_tokens_details.cached_tokens`` on Responses."""
     import secrets
 
+    def metered() -> tuple[int, int]:  # the paid key's input and cached input tokens on tiny-chat (GET /v1/usage)
+        rows = httpx.get(f"{vllm_server.base_url}/usage", params={"group_by": "model"},
+                         headers={"Authorization": f"Bearer {vllm_server.keys['paid']}"}).json()["data"]
+        return next(((r["input_tokens"], r["cached_input_tokens"]) for r in rows if r["model"] == "tiny-chat"), (0, 0))
+
     c = client(vllm_server)
+    before = metered()
     text = " ".join(f"w{secrets.token_hex(2)}" for _ in range(55))  # ~280 tokens: two or more full blocks
     messages = [{"role": "user", "content": text}]
     chat = [c.chat.completions.create(model="tiny-chat", messages=messages, max_tokens=2, temperature=0).usage
@@ -124,6 +130,12 @@ def test_a_repeated_prompt_reports_its_cached_tokens(vllm_server, tokenizer):
     streamed = list(c.chat.completions.create(model="tiny-chat", messages=messages, max_tokens=2, temperature=0,
                                               stream=True, stream_options={"include_usage": True}))[-1].usage
     assert streamed.prompt_tokens_details.cached_tokens == chat[1].prompt_tokens_details.cached_tokens
+    # metered per key: the usage rows count them (written just after each answer)
+    want = (before[0] + 3 * chat[0].prompt_tokens, before[1] + 2 * chat[1].prompt_tokens_details.cached_tokens)
+    deadline = time.time() + 10
+    while (got := metered()) != want and time.time() < deadline:
+        time.sleep(0.05)
+    assert got == want
     prompt = text[::-1]  # another prompt, new to the cache
     done = [greedy(sdk_client(vllm_server), [prompt, "A dog"], max_tokens=2, n=n).usage for n in (1, 2)]
     cached = [u.prompt_tokens_details.cached_tokens for u in done]
