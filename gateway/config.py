@@ -72,6 +72,41 @@ class EngineConfig(_Strict):
     stack_loras: int = Field(default=32, ge=1)  # vLLM: stacks' LoRAs kept written on disk (LRU beyond)
     tool_parser: Literal["hermes"] = "hermes"  # how tool calls are read from the model's text (tool_choice auto)
     reasoning_parser: Literal["none", "qwen3", "deepseek_r1"] = "none"  # where a reasoning model's <think> is
+    # vLLM: further AsyncEngineArgs fields, verbatim (quantization, max_num_batched_tokens, ...);
+    # checked against vLLM's own list at load, except those tiergate sets (VLLM_OWNED_ARGS)
+    vllm_args: dict[str, Any] = Field(default_factory=dict)
+
+
+# AsyncEngineArgs fields tiergate sets itself (workers/chat_vllm.py): where to say what instead
+VLLM_OWNED_ARGS = {
+    "model": "the model's path", "tokenizer": "the model's path", "served_model_name": "the model's name",
+    "max_model_len": "engine.max_model_len", "max_num_seqs": "engine.max_num_seqs",
+    "kv_cache_memory_bytes": "engine.kv_cache", "gpu_memory_utilization": "engine.kv_cache (a size, counted in the budget)",
+    "enable_sleep_mode": "nothing: the arbiter's warm place needs it", "scheduling_policy": "nothing: tiers are priorities",
+    "enable_prefix_caching": "nothing: a paused row resumes from the cache", "seed": "nothing: requests carry seeds",
+    "enable_lora": "adapters: in tiers.yaml", "max_loras": "engine.lora_slots", "max_cpu_loras": "engine.lora_slots",
+    "max_lora_rank": "engine.max_lora_rank", "structured_outputs_config": "nothing: tools and response_format use it",
+    "generation_config": "nothing: a request's sampling is its own", "enable_log_requests": "nothing: the request log",
+    "tensor_parallel_size": "cluster.tensor_parallel (docs/CLUSTER.md)",
+    "pipeline_parallel_size": "cluster.tensor_parallel (docs/CLUSTER.md)",
+}
+
+
+def check_vllm_args(args: dict[str, Any]) -> str | None:
+    """What is wrong with ``engine.vllm_args`` (None: nothing): a field tiergate sets, or one
+    vLLM's AsyncEngineArgs does not have (imports vLLM; not checked where it is not installed)."""
+    for name in args:
+        if name in VLLM_OWNED_ARGS:
+            return f"{name!r} is set by tiergate; use {VLLM_OWNED_ARGS[name]}"
+    if importlib.util.find_spec("vllm") is None:
+        return None
+    import dataclasses
+
+    from vllm.engine.arg_utils import AsyncEngineArgs
+
+    known = {f.name for f in dataclasses.fields(AsyncEngineArgs)}
+    unknown = sorted(set(args) - known)
+    return f"{unknown[0]!r} is not an argument of vLLM's AsyncEngineArgs" if unknown else None
 
 
 def _engine_block(value: Any) -> Any:
@@ -117,6 +152,8 @@ class ChatModel(_Model):
             options.update(kv_cache_bytes=engine.kv_cache, max_model_len=engine.max_model_len)
             if engine.reasoning_parser != "none":  # constrained replies think first (vLLM's structured outputs)
                 options.update(reasoning_parser=engine.reasoning_parser)
+            if engine.vllm_args:
+                options.update(engine_args=dict(engine.vllm_args))
             if with_adapters:  # unmerged multi-LoRA: a request's stack is served as one LoRA
                 options.update(enable_lora=True, max_loras=engine.lora_slots, max_lora_rank=engine.max_lora_rank,
                                max_stack_loras=engine.stack_loras)
@@ -474,8 +511,17 @@ def load_config(path: str | Path, check_paths: bool = True) -> Config:
             raise ConfigError(f"{path}: models[{i}].path: no such folder: {resolved}")
         m = m.model_copy(update={"path": resolved})
         if isinstance(m, ChatModel):
+            explicit = m.engine.name
             m, why = resolve_engine(m)
             log.info("%s: chat engine %s (%s)", m.name, m.engine.name, why)
+            if m.engine.vllm_args:
+                if m.engine.name != "vllm" and explicit == "transformers":
+                    raise ConfigError(f"{path}: models[{i}].engine.vllm_args: for engine vllm, not transformers")
+                problem = check_vllm_args(m.engine.vllm_args) if m.engine.name == "vllm" else None
+                if problem:
+                    raise ConfigError(f"{path}: models[{i}].engine.vllm_args: {problem}")
+                if m.engine.name != "vllm":
+                    log.warning("%s: engine.vllm_args left unused: the engine is transformers (%s)", m.name, why)
         models.append(m)
     adapters = [_check_adapter(path, i, a, models, check_paths) for i, a in enumerate(config.adapters)]
     return config.model_copy(update={"models": models, "adapters": adapters})

@@ -54,6 +54,17 @@ def test_good_config_loads(tmp_path):
      "unknown field; engine settings go in the engine block"),
     (BASE.replace("kind: chat", "kind: chat, engine: {name: tgi}"), "models[0].engine.name", "Input should be"),
     (BASE.replace("kind: chat", "kind: chat, engine: {kv_cache: lots}"), "models[0].engine.kv_cache", "not a size"),
+    # vllm_args: vLLM's own arguments, but none that tiergate sets, and only for engine vllm
+    (BASE.replace("kind: chat", "kind: chat, engine: {name: vllm, vllm_args: {max_num_seqs: 4}}"),
+     "models[0].engine.vllm_args", "'max_num_seqs' is set by tiergate; use engine.max_num_seqs"),
+    (BASE.replace("kind: chat", "kind: chat, engine: {name: vllm, vllm_args: {gpu_memory_utilization: 0.5}}"),
+     "models[0].engine.vllm_args", "use engine.kv_cache"),
+    (BASE.replace("kind: chat", "kind: chat, engine: {name: vllm, vllm_args: {tensor_parallel_size: 2}}"),
+     "models[0].engine.vllm_args", "cluster.tensor_parallel"),
+    (BASE.replace("kind: chat", "kind: chat, engine: {name: vllm, vllm_args: {max_num_batched_tokenz: 512}}"),
+     "models[0].engine.vllm_args", "'max_num_batched_tokenz' is not an argument of vLLM's AsyncEngineArgs"),
+    (BASE.replace("kind: chat", "kind: chat, engine: {name: transformers, vllm_args: {quantization: fp8}}"),
+     "models[0].engine.vllm_args", "for engine vllm, not transformers"),
     # the batch tier: marked, one, last
     (BASE.replace(", batch: true}", "}"), "tiers[1]", "must say batch: true"),
     (BASE.replace("{name: paid, keys_env: K_PAID}", "{name: paid, keys_env: K_PAID, batch: true}"), "tiers",
@@ -80,6 +91,24 @@ def test_bad_config_is_one_line_naming_file_field_problem(tmp_path, text, field,
     assert "\n" not in msg
     assert msg.startswith(f"{path}: {field}")
     assert problem in msg
+
+
+def test_vllm_args_reach_the_engines_arguments(tmp_path):
+    """``engine.vllm_args`` go to vLLM's ``AsyncEngineArgs`` verbatim, beside what tiergate sets
+    (built without starting the engine)."""
+    pytest.importorskip("vllm", reason="vllm is not installed in this environment (scripts/test installs it)")
+    from workers.registry import make_worker
+
+    text = BASE.replace("vram: 6GiB}", "vram: 6GiB, engine: {name: vllm, kv_cache: 1GiB, vllm_args: "
+                        "{max_num_batched_tokens: 1024, enable_chunked_prefill: true, quantization: fp8}}}")
+    [spec] = load_config(write(tmp_path, text)).model_specs()
+    assert spec.options["engine_args"] == {"max_num_batched_tokens": 1024, "enable_chunked_prefill": True,
+                                           "quantization": "fp8"}
+    args = make_worker(spec).engine_args()
+    assert (args.max_num_batched_tokens, args.enable_chunked_prefill, args.quantization) == (1024, True, "fp8")
+    assert args.kv_cache_memory_bytes == 2**30 and args.scheduling_policy == "priority"  # tiergate's own, kept
+    [plain] = load_config(write(tmp_path, BASE.replace("vram: 6GiB}", "vram: 6GiB, engine: vllm}"))).model_specs()
+    assert "engine_args" not in plain.options
 
 
 def test_engine_block_shorthand_and_settings_reach_the_spec(tmp_path):
