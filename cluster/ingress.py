@@ -119,7 +119,7 @@ class Ingress:
 
     async def _serve(self, request: Request, path: str, caller: Caller) -> Response:
         body = await request.body()
-        model, streamed = self._model(request, body)
+        model, streamed, affinity = self._model(request, body)
         if model is not None and not self.accounts.allows(caller, model):
             raise APIError(404, f"the model '{model}' does not exist", "model_not_found", "model")
         tier = caller.tier
@@ -132,7 +132,7 @@ class Ingress:
                      "headers": _with_request_id(request.headers.raw), "body": body}
         self.inflight[tier] += 1
         try:
-            head, rest, redirects = await self._call(forwarded, model, self.rank[tier], streamed)
+            head, rest, redirects = await self._call(forwarded, model, self.rank[tier], streamed, affinity)
         except BaseException:
             self.inflight[tier] -= 1
             raise
@@ -181,7 +181,7 @@ class Ingress:
             raise APIError(401, "missing or incorrect API key", "invalid_api_key")
         return caller
 
-    async def _call(self, forwarded: dict, model: str | None, tier: int, streamed: bool):
+    async def _call(self, forwarded: dict, model: str | None, tier: int, streamed: bool, affinity: str | None = None):
         """The first reply of the replica that takes the request (``{"status", "headers"}``, with
         ``"body"`` when it is the whole answer), the rest of a streamed one, and the redirects.
         A request that did not ask for a stream is one plain call (``answer``), cheaper in Ray
@@ -192,10 +192,10 @@ class Ingress:
             stream = None
             try:
                 if streamed:
-                    stream = target.forward.remote(forwarded, model=model, tier=tier, avoid=avoid)
+                    stream = target.forward.remote(forwarded, model=model, tier=tier, avoid=avoid, affinity=affinity)
                     first = await stream.__anext__()
                 else:
-                    first = await target.answer.remote(forwarded, model=model, tier=tier, avoid=avoid)
+                    first = await target.answer.remote(forwarded, model=model, tier=tier, avoid=avoid, affinity=affinity)
             except RayError as exc:  # died before answering: Serve stops routing to it
                 log.warning("replica failed before answering: %s", type(exc).__name__)
                 if stream is None and model is None:  # a file, a batch, a key: it may have been made
@@ -256,12 +256,13 @@ class Ingress:
         redirects.add_metric([me], self.redirects)
         return [answered, inflight, redirects]
 
-    def _model(self, request: Request, body: bytes) -> tuple[str | None, bool]:
-        """The base model the request needs (None for endpoints that need none), and whether its
-        answer may come as a stream (asked for one, or not a JSON POST: a file's content, a form);
-        400/404 on bad input."""
+    def _model(self, request: Request, body: bytes) -> tuple[str | None, bool, str | None]:
+        """The base model the request needs (None for endpoints that need none), whether its
+        answer may come as a stream (asked for one, or not a JSON POST: a file's content, a form),
+        and its affinity for the router (``affinity``); 400/404 on bad input."""
+        affinity = None
         if request.method != "POST" or not body:
-            return None, request.method != "POST"
+            return None, request.method != "POST", None
         kind = request.headers.get("content-type", "")
         streamed = True
         if kind.startswith("multipart/"):
@@ -274,14 +275,28 @@ class Ingress:
                 raise APIError(400, "the body is not valid JSON", "invalid_json") from None
             parsed = parsed if isinstance(parsed, dict) else {}
             name = parsed.get("model")
+            affinity = affinity_of(parsed)
             streamed = parsed.get("stream") is True or parsed.get("stream_format") == "sse"
         else:
-            return None, True
+            return None, True, None
         if name is None:
-            return None, streamed
+            return None, streamed, None
         if not isinstance(name, str) or name not in self.base:
             raise APIError(404, f"the model '{name}' does not exist", "model_not_found", "model")
-        return self.base[name], streamed
+        return self.base[name], streamed, affinity
+
+
+def affinity_of(body: dict) -> str | None:
+    """What keeps a request beside others that share its prompt's start (the router's affinity):
+    its ``prompt_cache_key`` (OpenAI's field for exactly this), else the response or conversation
+    it continues (its prompt is that one's, and more); scoped to nothing else, so two keys' equal
+    cache keys meet on one replica, which only shares a cache, never an answer."""
+    for value in (body.get("prompt_cache_key"), body.get("previous_response_id"), body.get("conversation")):
+        if isinstance(value, dict):
+            value = value.get("id")
+        if isinstance(value, str) and value:
+            return value[:256]
+    return None
 
 
 class _WithCors(Response):

@@ -40,7 +40,7 @@ class TierRouter(RequestRouter):
         reports = [ReplicaStats.from_dict(r.routing_stats) for r in candidate_replicas if r.routing_stats]
         silent = [r for r in usable if not r.routing_stats]
         choice = choose(reports, model, kwargs.get("tier", 0), time.time(), self.paid_target_s,
-                        self.max_copies.get(model, 1), avoid)
+                        self.max_copies.get(model, 1), avoid, kwargs.get("affinity"))
         kwargs["verdict"] = None
         if isinstance(choice, Route):
             return [[by_id[choice.replica]]] + ([silent] if silent else [])

@@ -108,11 +108,12 @@ class TierReplica:
         return replica_stats(self.id, self.services.arbiter, self.services.gate).to_dict()
 
     async def forward(self, request: dict, model: str | None = None, tier: int = 0,
-                      avoid: list[str] | None = None, verdict: dict | None = None) -> AsyncIterator[dict | bytes]:
+                      avoid: list[str] | None = None, verdict: dict | None = None,
+                      affinity: str | None = None) -> AsyncIterator[dict | bytes]:
         """Serve one forwarded request: yield ``{"status", "headers", "body"}`` for a whole answer
         (one message back, the common case), or ``{"status", "headers"}`` then body chunks for a
         stream (SSE, or a body past ``WHOLE_BODY_BYTES``), or ``{"redirect": replica}`` when this
-        replica's arbiter would refuse the request now."""
+        replica's arbiter would refuse the request now. ``affinity`` is the router's (read there)."""
         await self._start()
         arbiter = self.services.arbiter
         known = model is not None and model in arbiter.states
@@ -151,7 +152,8 @@ class TierReplica:
             yield {**head, "body": b"".join(held)}
 
     async def answer(self, request: dict, model: str | None = None, tier: int = 0,
-                     avoid: list[str] | None = None, verdict: dict | None = None) -> dict:
+                     avoid: list[str] | None = None, verdict: dict | None = None,
+                     affinity: str | None = None) -> dict:
         """``forward`` as one reply, for a request that asked for no stream: ``{"redirect"}``, or
         ``{"status", "headers", "body"}`` with the whole body."""
         head: dict = {}

@@ -12,7 +12,12 @@ request would need there, and each tier's predicted wait at its gate) and ranks 
     or 503 (``Unplaceable``) when no replica could ever hold it.
 
 Ties go to the shortest predicted wait for the request's tier (then the replica's name, only to
-be deterministic). A model resident on some replicas goes to one of them, except that a hot model
+be deterministic). A request with an **affinity** (its ``prompt_cache_key``, or the response or
+conversation it continues) that finds its model on several replicas goes to the same one as the
+other requests of that affinity, where the prompts share their start and vLLM's prefix cache
+holds it: the replica that rendezvous hashing picks for the affinity among those holding the
+model whose wait for the tier is within ``AFFINITY_SLACK`` of paid's target of the shortest (so a
+busy replica is left for a free one, and a replica leaving moves only its own affinities). A model resident on some replicas goes to one of them, except that a hot model
 may load one more copy (up to ``max_copies``) when every replica holding it predicts a wait for the
 highest tier (paid, rank 0) beyond that tier's latency target: then the best replica where it could
 be loaded now (ranks 2-4) takes it.
@@ -24,6 +29,7 @@ refusal whose Retry-After has passed since its report counts as ``evict``: that 
 
 from __future__ import annotations
 
+import hashlib
 from collections.abc import Collection, Sequence
 from dataclasses import dataclass
 
@@ -32,6 +38,7 @@ from cluster.stats import Need, Option, ReplicaStats
 
 RANK: dict[Need, int] = {"resident": 1, "warm": 2, "fits": 3, "evict": 4, "wait": 5}
 LOAD_NOW: frozenset[Need] = frozenset({"warm", "fits", "evict"})  # a second copy may start with these
+AFFINITY_SLACK = 0.25  # of paid's latency target: how much longer a wait an affinity may accept
 
 
 @dataclass(frozen=True)
@@ -68,6 +75,15 @@ def _best(candidates: list[tuple[ReplicaStats, Option]], tier: int) -> Route:
     return Route(s.replica, o.need, s.wait_s.get(tier, 0.0))
 
 
+def _affine(holding: list[tuple[ReplicaStats, Option]], tier: int, affinity: str, slack_s: float) -> Route:
+    """Among replicas holding the model, the one rendezvous hashing gives ``affinity``, of those
+    whose wait for ``tier`` is within ``slack_s`` of the shortest."""
+    shortest = min(s.wait_s.get(tier, 0.0) for s, _ in holding)
+    near = [(s, o) for s, o in holding if s.wait_s.get(tier, 0.0) <= shortest + slack_s]
+    s, o = max(near, key=lambda c: hashlib.blake2b(f"{affinity}\0{c[0].replica}".encode(), digest_size=8).digest())
+    return Route(s.replica, o.need, s.wait_s.get(tier, 0.0))
+
+
 def choose(
     stats: Sequence[ReplicaStats],
     model: str,
@@ -76,8 +92,10 @@ def choose(
     paid_target_s: float,
     max_copies: int = 1,
     avoid: Collection[str] = (),
+    affinity: str | None = None,
 ) -> Choice:
-    """The replica for a request of ``tier`` (rank; 0 is paid) for ``model`` at wall time ``now``."""
+    """The replica for a request of ``tier`` (rank; 0 is paid) for ``model`` at wall time ``now``;
+    ``affinity`` keeps requests that share a prompt's start on one replica (module doc)."""
     options = [(s, o) for s in stats if (o := _option(s, model, tier)) is not None]
     if not options:
         return Unplaceable(f"no replica serves the model '{model}'")
@@ -90,6 +108,8 @@ def choose(
         spare = [(s, o) for s, o in usable if o.need in LOAD_NOW]
         if hot and copies < max_copies and spare:
             return _best(spare, tier)
+        if affinity and len(holding) > 1:
+            return _affine(holding, tier, affinity, AFFINITY_SLACK * paid_target_s)
         return _best(holding, tier)
     if usable:
         return _best(usable, tier)

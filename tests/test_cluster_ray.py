@@ -530,12 +530,22 @@ def test_a_hot_model_loads_a_second_copy_and_no_more_than_max_copies(cluster, ti
 
     try:
         seen, answered = asyncio.run(scenario(6.0, 40.0, 3.0))
+        time.sleep(1.0)  # the replies have ended and the reports say so: every wait is 0 again
+        by_key: dict[str, set[str]] = {}
+        for i in range(24):  # the prompt_cache_key's replica, of the two holding a (the router's affinity)
+            key = f"conversation-{i % 8}"
+            r = chat(cluster, "a", "paid", "/copies", prompt_cache_key=key)
+            assert r.status_code == 200, r.text
+            by_key.setdefault(key, set()).add(replica(r))
     finally:
         serve.delete("copies")
     print("replicas holding a, scraped every 0.5 s:", [len(h) for h in seen], "answers:", dict(answered))
     assert answered[200] >= 2
     assert all(len(h) <= 2 for h in seen)
     assert len(set().union(*seen)) == 2  # a second copy loaded, and never a third
+    print("replicas by prompt_cache_key:", by_key)
+    assert all(len(where) == 1 for where in by_key.values())  # each key kept to one replica
+    assert len(set().union(*by_key.values())) == 2  # the keys spread over both copies
 
 
 def test_a_replica_killed_mid_batch(cluster, tiny_chat):

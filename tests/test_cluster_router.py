@@ -37,8 +37,8 @@ def r(name, needs, wait=None, at=NOW) -> ReplicaStats:
     return ReplicaStats(name, at, options, {t: 0.0 for t in range(4)} | (wait or {}))
 
 
-def pick(*replicas, model="m", tier=PAID, max_copies=1, avoid=(), now=NOW):
-    return choose(replicas, model, tier, now, TARGET, max_copies, avoid)
+def pick(*replicas, model="m", tier=PAID, max_copies=1, avoid=(), now=NOW, affinity=None):
+    return choose(replicas, model, tier, now, TARGET, max_copies, avoid, affinity)
 
 
 # Each row: the replicas' needs for model "m" (and their waits for the tier), then the expected
@@ -106,6 +106,45 @@ def test_avoid_skips_the_replica_that_redirected():
     assert pick(a, avoid={"A"}) == Refusal(1, pick(a, avoid={"A"}).reason)
     # others protected: their protection end
     assert pick(a, r("B", {"m": ("refuse", 12)}), avoid={"A"}).retry_after == 12
+
+
+# --- affinity: requests sharing a prompt's start stay on one replica ----------------------------
+
+def test_an_affinity_keeps_to_one_replica_of_those_holding_the_model():
+    """Each affinity always gets the same replica of three holding the model (not always the one
+    with the shortest wait, which a request without one gets), the affinities spread over all
+    three, and a replica leaving moves only its own affinities (rendezvous hashing)."""
+    reps = [r(n, {"m": "resident"}, {PAID: w}) for n, w in (("A", 0.3), ("B", 0.0), ("C", 0.6))]
+    keys = [f"user-{i}" for i in range(60)]
+    chosen = {k: pick(*reps, affinity=k).replica for k in keys}
+    assert chosen == {k: pick(*reversed(reps), affinity=k).replica for k in keys}  # the order of reports: no matter
+    assert set(chosen.values()) == {"A", "B", "C"}
+    assert pick(*reps).replica == "B"  # no affinity: the shortest wait
+    without_c = {k: pick(*reps[:2], affinity=k).replica for k in keys}
+    assert all(without_c[k] == chosen[k] for k in keys if chosen[k] != "C")
+
+
+def test_an_affinity_leaves_a_replica_whose_wait_is_past_the_slack():
+    """A wait longer than the shortest by more than a quarter of paid's target is not worth the
+    cache: the affinity's replica is skipped; within it, kept. Only resident copies take part."""
+    from cluster.router import AFFINITY_SLACK
+
+    keys = [f"k{i}" for i in range(40)]
+    near = [r("A", {"m": "resident"}, {PAID: 0.0}), r("B", {"m": "resident"}, {PAID: AFFINITY_SLACK * TARGET})]
+    far = [near[0], r("B", {"m": "resident"}, {PAID: AFFINITY_SLACK * TARGET + 0.01})]
+    assert {pick(*near, affinity=k).replica for k in keys} == {"A", "B"}
+    assert {pick(*far, affinity=k).replica for k in keys} == {"A"}
+    warm = [r("A", {"m": "resident"}), r("B", {"m": "warm"})]
+    assert {pick(*warm, affinity=k).replica for k in keys} == {"A"}
+
+
+def test_affinity_of_a_request_body():
+    from cluster.ingress import affinity_of
+
+    assert affinity_of({"prompt_cache_key": "pk", "previous_response_id": "resp_1"}) == "pk"
+    assert affinity_of({"previous_response_id": "resp_1", "conversation": "conv_1"}) == "resp_1"
+    assert affinity_of({"conversation": {"id": "conv_1"}}) == "conv_1"
+    assert affinity_of({"prompt_cache_key": 5, "user": "u"}) is None and affinity_of({}) is None
 
 
 # --- max_copies: a hot model loads a second copy -------------------------------------------------
