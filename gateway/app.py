@@ -110,7 +110,7 @@ async def list_models(request: Request) -> Response:
 async def get_model(request: Request) -> Response:
     svc: Services = request.app.state.services
     caller = svc.authenticate(request)
-    name = svc.model_name(request.path_params["model"])
+    name = request.path_params["model"]
     for row in _model_rows(svc, caller):
         if row["id"] == name:
             return JSONResponse(row)
@@ -118,18 +118,23 @@ async def get_model(request: Request) -> Response:
 
 
 def _model_rows(svc: Services, caller: Caller | None = None) -> list[dict]:
-    """Every model and adapter; for ``caller``, only those its key's allow-list lets it see."""
+    """Every model, alias and adapter; for ``caller``, only those its key's allow-list lets it
+    see. An alias is a row of its own (clients check a name against this list, as they would
+    OpenAI's), naming its model in ``alias_of`` and nothing more (its model's row has the facts)."""
     tiers = svc.config.tier_names
-    rows = []
+    rows, aliases = [], []
     for r in svc.arbiter.table():
         last = r.pop("last_tier")
         name = r.pop("id")
+        own = [alias for alias, model in svc.aliases.items() if model == name]
         rows.append({"id": name, "object": "model", "created": 0, "owned_by": "tiergate",
-                     **r, "last_tier": tiers[last] if last is not None else None,
-                     "aliases": [alias for alias, model in svc.aliases.items() if model == name]})
+                     **r, "last_tier": tiers[last] if last is not None else None, "aliases": own})
+        aliases += [{"id": alias, "object": "model", "created": 0, "owned_by": "tiergate", "alias_of": name}
+                    for alias in own]
+    rows += aliases
     rows.extend(svc.adapters.rows())
     if caller is not None and svc.accounts is not None:
-        rows = [r for r in rows if svc.accounts.allows(caller, r.get("parent") or r["id"])]
+        rows = [r for r in rows if svc.accounts.allows(caller, r.get("parent") or r.get("alias_of") or r["id"])]
     return rows
 
 

@@ -76,13 +76,23 @@ def test_an_alias_calls_its_model_on_every_endpoint(server):
     assert caught.value.body["code"] == "model_not_supported"
 
 
-def test_models_list_their_aliases_and_an_alias_reads_its_model(server):
+def test_models_list_their_aliases_and_each_alias_as_a_model(server):
+    """A client checking a name against the model list finds an alias there: a row of its own
+    naming its model (``alias_of``), as ``GET /v1/models/{alias}`` answers; the model's row lists
+    its aliases. A key limited to some models sees their aliases only."""
     c = client(server)
     rows = {m.id: m.model_extra for m in c.models.list().data}
     assert rows["tiny-chat"]["aliases"] == ["gpt-4o-mini", "gpt-4.1"] and rows["tiny-stt"]["aliases"] == ["whisper-1"]
-    assert c.models.retrieve("whisper-1").id == "tiny-stt"
+    assert rows["gpt-4o-mini"] == rows["gpt-4.1"] == {"alias_of": "tiny-chat"}
+    assert rows["whisper-1"] == {"alias_of": "tiny-stt"} and "text-embedding-3-small" in rows
+    whisper = c.models.retrieve("whisper-1")
+    assert (whisper.id, whisper.model_extra["alias_of"]) == ("whisper-1", "tiny-stt")
     with pytest.raises(openai.NotFoundError):
         c.models.retrieve("whisper-2")
+    admin = httpx.Client(base_url=server.url, headers={"Authorization": f"Bearer {server.keys['admin']}"}, timeout=30)
+    with admin:
+        secret = admin.post("/admin/keys", json={"name": "stt", "tier": "paid", "models": ["tiny-stt"]}).json()["value"]
+    assert sorted(m.id for m in client(server, secret).models.list().data) == ["tiny-stt", "whisper-1"]
 
 
 def test_a_keys_allow_list_covers_its_models_aliases(server):
