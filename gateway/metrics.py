@@ -14,6 +14,10 @@ these per model server, i.e. per device: one gate and one arbiter) is served und
   labels ``max_lora`` (the largest ``lora_slots`` of the chat engines), ``running_lora_adapters``
   and ``waiting_lora_adapters`` (the adapters of running and of queued requests, comma-separated);
 * ``tiergate_model_resident{model}``: 1 resident, 0.5 warm in host memory, 0 cold (or loading).
+
+``tiergate_tokens_total{model, tier, type}`` counts the tokens requests used, as their usage rows
+do: ``prompt`` (chat, completions and responses; cached ones included), ``cached`` (of those, what
+vLLM's prefix cache served: the hit ratio is cached over prompt), ``completion``, ``embedding``.
 """
 
 from __future__ import annotations
@@ -56,6 +60,19 @@ class LoraActivity:
             if dst is not None:
                 dst[name] += 1
         self.updated = self.clock()
+
+
+class _TokenCollector(Collector):
+    def __init__(self, tokens: Counter[tuple[str, str, str]]) -> None:
+        self.tokens = tokens
+
+    def collect(self):
+        family = CounterMetricFamily("tiergate_tokens", "Tokens requests used, by model, tier and type "
+                                     "(prompt, cached: of the prompt's, what the prefix cache served; "
+                                     "completion; embedding)", labels=["model", "tier", "type"])
+        for labels, n in sorted(self.tokens.items()):
+            family.add_metric(list(labels), n)
+        yield family
 
 
 class _StateCollector(Collector):
@@ -181,6 +198,8 @@ class Metrics:
         self.registry = CollectorRegistry()
         self.lora = LoraActivity()  # the serving core moves each request's adapters through it
         self.registry.register(_StateCollector(gate, arbiter, self.lora))
+        self.tokens: Counter[tuple[str, str, str]] = Counter()  # (model, tier, type) -> tokens
+        self.registry.register(_TokenCollector(self.tokens))
         self.latency = Histogram(
             "tiergate_request_seconds", "Request latency from arrival to the last byte",
             ["tier", "endpoint"], buckets=_BUCKETS, registry=self.registry,
@@ -193,6 +212,12 @@ class Metrics:
             "tiergate_time_to_first_token_seconds", "Chat: arrival to the first token",
             ["tier"], buckets=_BUCKETS, registry=self.registry,
         )
+
+    def count_tokens(self, model: str, tier: str, prompt: int, cached: int, completion: int, embedding: int) -> None:
+        """A finished request's tokens into ``tiergate_tokens_total``."""
+        for kind, n in (("prompt", prompt), ("cached", cached), ("completion", completion), ("embedding", embedding)):
+            if n:
+                self.tokens[(model, tier, kind)] += n
 
     @staticmethod
     def observe(histogram: Histogram, value: float, *labels: str) -> None:

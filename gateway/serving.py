@@ -179,6 +179,9 @@ class Serving:
         if completed and not self._latency_reported:
             self._latency_reported = True
             self.svc.gate.observe_latency(self.caller.tier, latency)
+        u = self.usage
+        self.svc.metrics.count_tokens(self.model, self.caller.tier, u.input_tokens, u.cached_input_tokens,
+                                      u.output_tokens, u.embedding_tokens)
         tokens = self.usage.output_tokens
         if completed and self._first_at is not None and tokens > 1:  # its mean time per later token
             self.svc.gate.observe_token_latency(self.caller.tier, (time.monotonic() - self._first_at) / (tokens - 1))

@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import json
 
+import time
+
 import httpx
 import openai
 import pytest
@@ -207,3 +209,27 @@ def test_healthz_and_metrics(chat_server):
         assert name in text
     admitted = [ln for ln in text.splitlines() if ln.startswith('tiergate_admitted_total{tier="subscriber"}')]
     assert admitted and float(admitted[0].split()[-1]) >= 1
+
+
+def test_tokens_are_counted_in_metrics_as_in_usage(chat_server):
+    """``tiergate_tokens_total{model, tier, type}`` grows by each request's prompt and completion
+    tokens (its usage); no cached tokens on the transformers engine, so no such series grows."""
+    from prometheus_client.parser import text_string_to_metric_families
+
+    def tokens() -> dict[tuple[str, str, str], float]:
+        text = httpx.get(f"{chat_server.url}/metrics").text
+        [family] = [f for f in text_string_to_metric_families(text) if f.name == "tiergate_tokens"]
+        return {(s.labels["model"], s.labels["tier"], s.labels["type"]): s.value for s in family.samples
+                if s.name == "tiergate_tokens_total"}
+
+    before = tokens()
+    used = [_post(chat_server, {**GOOD, "max_tokens": n}, key="free").json()["usage"] for n in (2, 3)]
+    want = {"prompt": sum(u["prompt_tokens"] for u in used), "completion": sum(u["completion_tokens"] for u in used)}
+    deadline = time.time() + 10  # counted as the request's slot is given back, just after its answer
+    while True:
+        after = tokens()
+        grew = {k[2]: after.get(k, 0) - before.get(k, 0) for k in after if k[:2] == ("tiny-chat", "free")}
+        if {k: v for k, v in grew.items() if v} == want or time.time() > deadline:
+            break
+        time.sleep(0.05)
+    assert {k: v for k, v in grew.items() if v} == want

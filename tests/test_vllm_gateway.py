@@ -114,10 +114,13 @@ def test_a_repeated_prompt_reports_its_cached_tokens(vllm_server, tokenizer):
     once, whatever its ``n``), ``input_tokens_details.cached_tokens`` on Responses."""
     import secrets
 
-    def metered() -> tuple[int, int]:  # the paid key's input and cached input tokens on tiny-chat (GET /v1/usage)
-        rows = httpx.get(f"{vllm_server.base_url}/usage", params={"group_by": "model"},
+    def metered() -> tuple[int, int, float]:  # the paid key's input and cached input tokens on tiny-chat
+        rows = httpx.get(f"{vllm_server.base_url}/usage", params={"group_by": "model"},  # GET /v1/usage
                          headers={"Authorization": f"Bearer {vllm_server.keys['paid']}"}).json()["data"]
-        return next(((r["input_tokens"], r["cached_input_tokens"]) for r in rows if r["model"] == "tiny-chat"), (0, 0))
+        got = next(((r["input_tokens"], r["cached_input_tokens"]) for r in rows if r["model"] == "tiny-chat"), (0, 0))
+        line = 'tiergate_tokens_total{model="tiny-chat",tier="paid",type="cached"} '  # and /metrics
+        scraped = [ln for ln in httpx.get(f"{vllm_server.url}/metrics").text.splitlines() if ln.startswith(line)]
+        return (*got, float(scraped[0].split()[-1]) if scraped else 0.0)
 
     c = client(vllm_server)
     before = metered()
@@ -131,7 +134,8 @@ def test_a_repeated_prompt_reports_its_cached_tokens(vllm_server, tokenizer):
                                               stream=True, stream_options={"include_usage": True}))[-1].usage
     assert streamed.prompt_tokens_details.cached_tokens == chat[1].prompt_tokens_details.cached_tokens
     # metered per key: the usage rows count them (written just after each answer)
-    want = (before[0] + 3 * chat[0].prompt_tokens, before[1] + 2 * chat[1].prompt_tokens_details.cached_tokens)
+    cached = 2 * chat[1].prompt_tokens_details.cached_tokens
+    want = (before[0] + 3 * chat[0].prompt_tokens, before[1] + cached, before[2] + cached)
     deadline = time.time() + 10
     while (got := metered()) != want and time.time() < deadline:
         time.sleep(0.05)
