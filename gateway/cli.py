@@ -1,6 +1,6 @@
 """The ``tiergate`` command: ``serve`` (logs as text or JSON lines; SIGTERM drains, see
-``gateway.drain``), ``cluster`` (the same tiers on Ray Serve: ``cluster.cli``), ``demo-models`` (a progress bar in a terminal) and ``keys`` (managed API keys,
-``gateway.keys_cli``)."""
+``gateway.drain``), ``cluster`` (the same tiers on Ray Serve: ``cluster.cli``), ``demo-models`` (a progress bar in a terminal), ``keys`` (managed API keys,
+``gateway.keys_cli``) and ``check`` (tiers.yaml read as ``serve`` reads it, and whether its models fit)."""
 
 from __future__ import annotations
 
@@ -36,6 +36,9 @@ def main(argv: list[str] | None = None) -> int:
     models.add_argument("--seed", type=int, default=0)
     models.add_argument("--force", action="store_true", help="rebuild models that exist")
     keys_cli.add_parser(sub)
+    check = sub.add_parser("check", help="read tiers.yaml as serve does: each model's folder, engine, footprint "
+                                         "and whether it fits the budget (exit 1 when one cannot be served)")
+    check.add_argument("--config", default="tiers.yaml", help="path to tiers.yaml")
     cluster = sub.add_parser("cluster", help="run the same tiers on a Ray cluster, one replica per device "
                                              "(needs tiergate[cluster]; docs/CLUSTER.md)")
     cluster.add_argument("--config", default="tiers.yaml", help="path to tiers.yaml (its cluster: section)")
@@ -56,11 +59,68 @@ def main(argv: list[str] | None = None) -> int:
             print(f"tiergate: {exc}", file=sys.stderr)
             return 2
         return keys_cli.run(args, config)
+    if args.command == "check":
+        return _check(args.config)
     if args.command == "demo-models":
         for name, folder in _build_demo_models(Path(args.out), args.seed, args.force).items():
             print(f"{name}: {folder}")
         return 0
     return _serve(args)
+
+
+def _check(config_path: str) -> int:
+    """``tiergate check``: the config as ``serve`` reads it (2 when it cannot be read), then each
+    model's kind, engine, aliases and footprint against the device budget, what the gateway reads
+    of its folder before loading it, and whether all fit at once; 1 when a model's folder cannot
+    be read or a model can never fit. Loads no weights."""
+    from arbiter.footprint import default_device, device_budget
+    from arbiter.residency import _estimate
+    from gateway.adapters import load_adapters
+    from workers.registry import describe
+
+    try:
+        config = load_config(config_path)
+        adapters = load_adapters(config)
+    except ConfigError as exc:
+        print(f"tiergate: {exc}", file=sys.stderr)
+        return 2
+    import torch
+
+    device = default_device() if config.gpu.device == "auto" else torch.device(config.gpu.device)
+    budget = device_budget(device, config.gpu.vram_budget, config.gpu.reserve)
+    specs = config.model_specs()
+    aliases = config.aliases
+    print(f"{config.source}: {len(specs)} models, {len(adapters.adapters)} adapters; device {device}, "
+          f"budget {_size(budget)}{' (gpu.vram_budget)' if config.gpu.vram_budget else ''}")
+    print(f"{'model':<24} {'kind':<10} {'engine':<12} {'footprint':>10}  {'from':<9} {'fits':<5} aliases / problem")
+    failed, total = 0, 0
+    for spec in specs:
+        footprint, fits = 0, False
+        try:
+            footprint = _estimate(spec)  # as the arbiter starts from it: the weights' headers, no load
+            fits = footprint <= budget
+            describe(spec)  # what the gateway reads of the folder before loading it
+            problem = "" if fits else f"never fits: {_size(footprint)} > the budget"
+        except Exception as exc:  # noqa: BLE001 - what serve would meet when it reads the folder
+            problem = f"its folder cannot be read: {type(exc).__name__}: {str(exc).splitlines()[0][:160]}"
+        failed += bool(problem)
+        total += footprint
+        named = ", ".join(a for a, m in aliases.items() if m == spec.name)
+        print(f"{spec.name:<24} {spec.kind:<10} {spec.engine:<12} {_size(footprint):>10}  "
+              f"{'declared' if spec.vram is not None else 'estimated':<9} {'yes' if fits else 'NO':<5} {problem or named}")
+    together = "every model can be resident at once" if total <= budget else \
+        "not all at once: the arbiter loads and evicts them by tier (README, Arbitration)"
+    print(f"all models: {_size(total)} of {_size(budget)}: {together}")
+    if failed:
+        print(f"tiergate: {failed} model(s) cannot be served as configured", file=sys.stderr)
+    return 1 if failed else 0
+
+
+def _size(n: int) -> str:
+    for unit, scale in (("GiB", 2**30), ("MiB", 2**20), ("KiB", 2**10)):
+        if n >= scale:
+            return f"{n / scale:.1f} {unit}"
+    return f"{n} B"
 
 
 def _build_demo_models(out: Path, seed: int, force: bool) -> dict[str, Path]:
@@ -123,8 +183,9 @@ def _serve(args: argparse.Namespace) -> int:
     except ConfigError as exc:  # an adapter that cannot be served
         print(f"tiergate: {exc}", file=sys.stderr)
         return 2
-    except (ValueError, RuntimeError) as exc:
-        print(f"tiergate: {config.source}: gpu: {exc}", file=sys.stderr)
+    except (ValueError, RuntimeError) as exc:  # a model folder without weights, or the device's budget
+        where = "models" if str(exc).startswith("model '") else "gpu"
+        print(f"tiergate: {config.source}: {where}: {exc}", file=sys.stderr)
         return 2
     collector.attach(services)  # the long-lived objects frozen out of the garbage collector's walks
     app = create_app(services)

@@ -194,3 +194,37 @@ def test_stored_responses_are_kept_30_days_unless_set():
 
     assert ResponsesConfig().retention_days == 30
     assert ResponsesConfig(retention_days=None).retention_days is None  # kept until deleted
+
+
+def test_tiergate_check_reads_every_model_and_its_fit(tiny_chat, tiny_embed, tmp_path, capsys):
+    """``tiergate check``: a row per model (kind, engine, footprint, whether it fits, aliases) and
+    whether all fit at once, exit 0; a model declared bigger than the budget, or a folder that is
+    not the model its kind reads, exit 1 naming it; a config that cannot be read, exit 2."""
+    from gateway.cli import main
+
+    def check(models: str) -> tuple[int, str, str]:
+        path = tmp_path / "tiers.yaml"
+        path.write_text("tiers:\n  - {name: paid, keys_env: K_PAID}\nmodels:\n" + models
+                        + "gpu: {device: cpu, vram_budget: 1GiB}\n")
+        code = main(["check", "--config", str(path)])
+        out = capsys.readouterr()
+        return code, out.out, out.err
+
+    good = (f"  - {{name: chat, kind: chat, path: {tiny_chat}, engine: transformers, aliases: [gpt-4o-mini]}}\n"
+            f"  - {{name: vectors, kind: embed, path: {tiny_embed}}}\n")
+    code, out, _ = check(good)
+    assert code == 0, out
+    rows = {line.split()[0]: line.split() for line in out.splitlines()[2:-1]}
+    assert rows["chat"][1:3] == ["chat", "transformers"] and rows["chat"][-2:] == ["yes", "gpt-4o-mini"]
+    assert rows["vectors"][1] == "embed" and "estimated" in rows["vectors"]
+    assert out.splitlines()[-1].endswith("every model can be resident at once")
+    code, out, err = check(good + f"  - {{name: big, kind: embed, path: {tiny_embed}, vram: 3GiB}}\n")
+    assert code == 1 and "never fits: 3.0 GiB > the budget" in out and "1 model(s) cannot be served" in err
+    assert "not all at once" in out.splitlines()[-1]
+    (tmp_path / "empty").mkdir()
+    code, out, _ = check(good + f"  - {{name: hollow, kind: chat, path: {tmp_path / 'empty'}, engine: transformers}}\n")
+    assert code == 1 and "hollow" in out and "its folder cannot be read" in out
+    assert main(["serve", "--config", str(tmp_path / "tiers.yaml"), "--demo"]) == 2  # serve refuses it too, naming it
+    assert "tiers.yaml: models: model 'hollow': no weights" in capsys.readouterr().err
+    code, _, err = check("  - {name: chat, kind: video, path: /}\n")
+    assert code == 2 and "models[0].kind" in err
