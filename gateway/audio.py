@@ -30,9 +30,9 @@ from gateway.logprobs import token_entries
 from gateway.multipart import Multipart, text_fields
 from gateway.schemas import _Body, _Form, parse, read_json
 from gateway.service import ClientGone, Services
-from gateway.serving import Finished, Gone, Serving, in_thread, relayed
+from gateway.serving import Finished, Gone, Serving, in_thread, relayed, weightless
 from workers import audio as sound
-from workers.base import Cancelled, ModelSpec, StepContext
+from workers.base import Cancelled, StepContext
 from workers.stt import ServerVad, Transcript, TranscriptionError, TranscriptionRequest
 from workers.tts import MAX_SPEED, MIN_SPEED, SpeechRequest, TTSWorker
 
@@ -81,7 +81,7 @@ async def plan_speech(svc: Services, body: SpeechBody) -> SpeechJob:
                           "OpenAI's tts-1 cannot): leave instructions out", "instructions", "unsupported_parameter")
     fmt = _speech_format(body.response_format)
     _check_input(body.input, svc.config.limits.speech_max_chars)
-    voices = await _voices(svc, spec)
+    voices = await weightless(svc.voices, spec, TTSWorker)  # its voices, read from the folder
     try:
         voices.resolve_voice(body.voice)
     except ValueError as exc:
@@ -205,18 +205,6 @@ def _check_input(text: str, max_chars: int) -> None:
         raise bad_request("input must not be empty", "input")
     if len(text) > max_chars:
         raise bad_request(f"input is {len(text)} characters, above this server's limit of {max_chars}", "input")
-
-
-async def _voices(svc: Services, spec: ModelSpec) -> TTSWorker:
-    """The model's voices without its weights (a TTSWorker reads them from the folder), cached,
-    so an unknown voice is refused before the request takes a slot or loads the model."""
-    cache = svc.voices
-    if spec.name not in cache:
-        try:
-            cache[spec.name] = await anyio.to_thread.run_sync(TTSWorker, spec)
-        except (OSError, ValueError) as exc:  # the folder is not a TTS model this worker runs
-            raise APIError(503, f"the model '{spec.name}' cannot be used: {exc}", "model_unavailable") from None
-    return cache[spec.name]
 
 
 # ---------------------------------------------------------------- transcriptions

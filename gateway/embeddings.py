@@ -17,11 +17,11 @@ from starlette.responses import JSONResponse, Response
 
 from accounts.rates import Ask
 from gateway.auth import Caller
-from gateway.errors import APIError, bad_request
+from gateway.errors import bad_request
 from gateway.http import disconnect_signal
 from gateway.schemas import _Body, parse, read_json
 from gateway.service import Services
-from gateway.serving import Gone, Serving, in_thread
+from gateway.serving import Gone, Serving, in_thread, weightless
 from workers.base import ModelSpec
 from workers.embed import EmbedWorker, InputError
 
@@ -59,7 +59,7 @@ async def plan_embeddings(svc: Services, body: EmbeddingRequest) -> EmbedJob:
     if len(inputs) > cap:
         raise bad_request(f"input has {len(inputs)} items, above this server's limit of {cap} per request",
                           "input", "too_many_inputs")
-    encoder = await _encoder(svc, spec)
+    encoder = await weightless(svc.encoders, spec, _read_encoder)
     dimensions = body.dimensions
     if dimensions == encoder.config.dimensions:
         dimensions = None  # the full length is always allowed
@@ -86,21 +86,10 @@ def _inputs(value: str | list[str] | list[int] | list[list[int]]) -> list[str] |
     return value
 
 
-async def _encoder(svc: Services, spec: ModelSpec) -> EmbedWorker:
-    """The model's tokenizer and config without its weights (an unloaded EmbedWorker), cached, so
-    a bad input is refused before the request takes a slot or loads the model."""
-    cache = svc.encoders
-    if spec.name not in cache:
-        def read() -> EmbedWorker:
-            encoder = EmbedWorker(spec, **spec.options)
-            encoder.tokenizer  # noqa: B018 - read the tokenizer now, off the loop
-            return encoder
-
-        try:
-            cache[spec.name] = await asyncio.to_thread(read)
-        except (OSError, ValueError, KeyError) as exc:  # the folder is not an encoder this worker runs
-            raise APIError(503, f"the model '{spec.name}' cannot be used: {exc}", "model_unavailable") from None
-    return cache[spec.name]
+def _read_encoder(spec: ModelSpec) -> EmbedWorker:
+    encoder = EmbedWorker(spec, **spec.options)
+    encoder.tokenizer  # noqa: B018 - read the tokenizer now, off the loop
+    return encoder
 
 
 async def serve_embeddings(svc: Services, caller: Caller, job: EmbedJob, gone: Gone | None) -> np.ndarray:

@@ -19,12 +19,12 @@ from starlette.responses import JSONResponse, Response
 
 from accounts.rates import Ask
 from gateway.auth import Caller
-from gateway.errors import APIError, bad_request, not_found
+from gateway.errors import bad_request, not_found
 from gateway.http import disconnect_signal
 from gateway.request_log import new_id
 from gateway.schemas import TextPart, _Body, parse, part_type, read_json, tagged
 from gateway.service import Services
-from gateway.serving import Gone, Serving, in_thread
+from gateway.serving import Gone, Serving, in_thread, weightless
 from workers.base import ModelSpec
 from workers.embed import InputError
 from workers.moderation import ModerationWorker
@@ -84,7 +84,7 @@ async def plan_moderation(svc: Services, body: ModerationRequest) -> ModerationJ
     if len(texts) > cap:
         raise bad_request(f"input has {len(texts)} items, above this server's limit of {cap} per request",
                           "input", "too_many_inputs")
-    reader = await _reader(svc, spec)
+    reader = await weightless(svc.encoders, spec, _read_classifier)
     try:
         pieces = await asyncio.to_thread(reader.tokenize, texts)
     except InputError as exc:
@@ -116,21 +116,10 @@ def _texts(value: str | list[str] | list[TextPart | ImagePart]) -> list[str]:
     return ["\n".join(part.text for part in value)]
 
 
-async def _reader(svc: Services, spec: ModelSpec) -> ModerationWorker:
-    """The model's tokenizer and labels without its weights (an unloaded ModerationWorker),
-    cached, so a bad input is refused before the request takes a slot or loads the model."""
-    cache = svc.encoders
-    if spec.name not in cache:
-        def read() -> ModerationWorker:
-            reader = ModerationWorker(spec, **spec.options)
-            reader.tokenizer  # noqa: B018 - read the tokenizer now, off the loop
-            return reader
-
-        try:
-            cache[spec.name] = await asyncio.to_thread(read)
-        except (OSError, ValueError, KeyError) as exc:  # the folder is not a classifier this worker runs
-            raise APIError(503, f"the model '{spec.name}' cannot be used: {exc}", "model_unavailable") from None
-    return cache[spec.name]
+def _read_classifier(spec: ModelSpec) -> ModerationWorker:
+    reader = ModerationWorker(spec, **spec.options)
+    reader.tokenizer  # noqa: B018 - read the tokenizer now, off the loop
+    return reader
 
 
 async def serve_moderation(svc: Services, caller: Caller, job: ModerationJob, gone: Gone | None) -> np.ndarray:

@@ -48,7 +48,7 @@ from gateway.auth import Caller
 from gateway.errors import APIError
 from gateway.request_log import current as current_request
 from gateway.service import ClientGone, Held, Services
-from workers.base import Cancelled, StepContext
+from workers.base import Cancelled, ModelSpec, StepContext
 
 T = TypeVar("T")
 R = TypeVar("R")
@@ -344,3 +344,19 @@ async def relayed(serving: Serving, work: Callable[[StepContext, Callable[[T], N
                 running.exception()  # retrieved: raised above, or going nowhere
         yield Finished(result)
         return
+
+
+W = TypeVar("W")
+
+
+async def weightless(cache: dict[str, W], spec: ModelSpec, make: Callable[[ModelSpec], W]) -> W:
+    """``make(spec)``: a worker that reads its model's folder (config, tokenizer, voices) but no
+    weights, made once per model off the event loop and kept in ``cache``, so that a bad input is
+    refused before the request takes a slot or loads the model; 503 when the folder is not a
+    model that worker runs."""
+    if spec.name not in cache:
+        try:
+            cache[spec.name] = await asyncio.to_thread(make, spec)
+        except (OSError, ValueError, KeyError) as exc:
+            raise APIError(503, f"the model '{spec.name}' cannot be used: {exc}", "model_unavailable") from None
+    return cache[spec.name]

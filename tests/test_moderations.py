@@ -187,6 +187,25 @@ def test_bad_requests_name_their_field(server, body, status, param, code):
     assert (err["param"], err["code"]) == (param, code), err
 
 
+def test_a_folder_that_is_not_a_classifier_is_a_503_before_any_slot(tiny_moderation, tmp_path):
+    """A moderation entry whose folder has weights but no config: the request is answered 503
+    ``model_unavailable`` when its folder is read (before it takes a slot), and the server goes on."""
+    folder = tmp_path / "broken"
+    folder.mkdir()
+    shutil.copy(tiny_moderation / "model.safetensors", folder / "model.safetensors")
+    running = start_server(write_config(tmp_path, {"broken": ("moderation", folder),
+                                                   "tiny-moderation": ("moderation", tiny_moderation)}))
+    try:
+        for _ in range(2):  # not cached: asked again, read again
+            r = post(running, {"model": "broken", "input": "hi"})
+            assert r.status_code == 503 and r.json()["error"]["code"] == "model_unavailable", r.text
+            assert "'broken' cannot be used" in r.json()["error"]["message"]
+        assert post(running, {"model": "tiny-moderation", "input": "hi"}).status_code == 200
+        assert running.services.gate.admitted["paid"] == 1  # the refused ones never took a slot
+    finally:
+        running.stop()
+
+
 def test_without_a_moderation_model_it_is_a_404(tiny_embed, tmp_path):
     running = start_server(write_config(tmp_path, {"tiny-embed": ("embed", tiny_embed)}))
     try:

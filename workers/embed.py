@@ -168,28 +168,25 @@ def batches(lengths: list[int], max_tokens: int) -> list[list[int]]:
     return groups
 
 
-class EmbedWorker(ThreadWorker):
-    """Runs one encoder; reads its config at construction, its tokenizer at the first
-    ``tokenize`` and its weights at ``load`` (``embed`` takes token ids: the gateway tokenizes)."""
+class EncoderWorker(ThreadWorker):
+    """A transformers encoder (``auto_class``: ``AutoModel``, or a head such as a sequence
+    classifier) with its tokenizer, read at the first use of ``tokenizer``, and its weights at
+    ``load``; inputs arrive as token ids in padded passes (``padded``). Embeddings and
+    moderation run on it."""
 
-    kind = "embed"
+    auto_class = AutoModel
 
     def __init__(self, spec: ModelSpec, max_batch_tokens: int = 16384) -> None:
         self.spec = spec
         self.max_batch_tokens = max_batch_tokens
-        self.config = read_config(Path(spec.path))
         self._tokenizer = None
         self._tokenizing = threading.Lock()  # a fast tokenizer's call sets its state: one call at a time
         self.model: torch.nn.Module | None = None
 
-    @classmethod
-    def describe(cls, spec: ModelSpec) -> ModelInfo:
-        return ModelInfo(context_length=read_config(Path(spec.path)).context_length)
-
     def load(self, device: torch.device) -> None:
-        """The encoder onto ``device`` (fp16 on CUDA, fp32 elsewhere)."""
+        """The model onto ``device`` (fp16 on CUDA, fp32 elsewhere)."""
         dtype = torch.float16 if device.type == "cuda" else torch.float32
-        self.model = AutoModel.from_pretrained(Path(self.spec.path), dtype=dtype).to(device).eval()
+        self.model = self.auto_class.from_pretrained(Path(self.spec.path), dtype=dtype).to(device).eval()
         self.device = device
 
     def unload(self) -> None:
@@ -205,6 +202,32 @@ class EmbedWorker(ThreadWorker):
             if self._tokenizer is None:
                 self._tokenizer = AutoTokenizer.from_pretrained(Path(self.spec.path))
             return self._tokenizer
+
+    def padded(self, rows: list[list[int]], pad_id: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """``rows`` padded on the right into one batch and its attention mask, on the model's device."""
+        width = max(len(row) for row in rows)
+        input_ids = torch.full((len(rows), width), pad_id, dtype=torch.long)
+        mask = torch.zeros((len(rows), width), dtype=torch.long)
+        for r, row in enumerate(rows):
+            input_ids[r, : len(row)] = torch.tensor(row)
+            mask[r, : len(row)] = 1
+        device = self.model.device
+        return input_ids.to(device), mask.to(device)
+
+
+class EmbedWorker(EncoderWorker):
+    """Runs one encoder; reads its config at construction, its tokenizer at the first
+    ``tokenize`` and its weights at ``load`` (``embed`` takes token ids: the gateway tokenizes)."""
+
+    kind = "embed"
+
+    def __init__(self, spec: ModelSpec, max_batch_tokens: int = 16384) -> None:
+        super().__init__(spec, max_batch_tokens)
+        self.config = read_config(Path(spec.path))
+
+    @classmethod
+    def describe(cls, spec: ModelSpec) -> ModelInfo:
+        return ModelInfo(context_length=read_config(Path(spec.path)).context_length)
 
     def tokenize(self, inputs: list[str] | list[list[int]]) -> list[list[int]]:
         """Token ids of each input: strings through the tokenizer (with its special tokens), token
@@ -242,14 +265,7 @@ class EmbedWorker(ThreadWorker):
 
     def _forward(self, rows: list[list[int]], dimensions: int | None) -> np.ndarray:
         """One padded forward pass over ``rows``."""
-        width = max(len(row) for row in rows)
-        input_ids = torch.full((len(rows), width), self.config.pad_id, dtype=torch.long)
-        mask = torch.zeros((len(rows), width), dtype=torch.long)
-        for r, row in enumerate(rows):
-            input_ids[r, : len(row)] = torch.tensor(row)
-            mask[r, : len(row)] = 1
-        device = self.model.device
-        input_ids, mask = input_ids.to(device), mask.to(device)
+        input_ids, mask = self.padded(rows, self.config.pad_id)
         with torch.inference_mode():
             hidden = self.model(input_ids=input_ids, attention_mask=mask).last_hidden_state
             vectors = finish(pool(hidden, mask, self.config.pooling), dimensions, self.config.normalize)

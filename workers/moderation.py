@@ -20,16 +20,15 @@ most ``max_batch_tokens`` tokens (``workers.embed.batches``), a step boundary be
 
 from __future__ import annotations
 
-import threading
 from pathlib import Path
 
 import numpy as np
 import torch
-from transformers import AutoConfig, AutoModelForSequenceClassification, AutoTokenizer
+from transformers import AutoConfig, AutoModelForSequenceClassification
 
 from workers.base import ModelSpec, StepContext
-from workers.embed import InputError, batches
-from workers.worker import ModelInfo, ThreadWorker
+from workers.embed import EncoderWorker, InputError, batches
+from workers.worker import ModelInfo
 
 _HUGE = 1_000_000  # tokenizers without a real limit say model_max_length = 1e30
 
@@ -66,16 +65,16 @@ def _special_tokens(tokenizer) -> tuple[list[int], list[int]]:
     return full[:at], full[at + len(plain):]
 
 
-class ModerationWorker(ThreadWorker):
+class ModerationWorker(EncoderWorker):
     """Runs one sequence classifier; reads its config at construction, its tokenizer at the first
     ``tokenize`` and its weights at ``load``."""
 
     kind = "moderation"
+    auto_class = AutoModelForSequenceClassification
 
     def __init__(self, spec: ModelSpec, threshold: float = 0.5, max_batch_tokens: int = 16384) -> None:
-        self.spec = spec
+        super().__init__(spec, max_batch_tokens)
         self.threshold = threshold
-        self.max_batch_tokens = max_batch_tokens
         config = AutoConfig.from_pretrained(Path(spec.path))
         labels = getattr(config, "id2label", None) or {}
         self.categories: list[str] = [labels[i] for i in sorted(labels)]
@@ -83,35 +82,11 @@ class ModerationWorker(ThreadWorker):
             raise ValueError("the config names no labels (id2label)")
         self.multi_label = config.problem_type == "multi_label_classification"
         self.config = config
-        self._tokenizer = None
-        self._tokenizing = threading.Lock()  # a fast tokenizer's call sets its state: one call at a time
-        self.model: torch.nn.Module | None = None
 
     @classmethod
     def describe(cls, spec: ModelSpec) -> ModelInfo:
         return ModelInfo(context_length=getattr(AutoConfig.from_pretrained(Path(spec.path)),
                                                 "max_position_embeddings", None))
-
-    def load(self, device: torch.device) -> None:
-        """The classifier onto ``device`` (fp16 on CUDA, fp32 elsewhere)."""
-        dtype = torch.float16 if device.type == "cuda" else torch.float32
-        self.model = AutoModelForSequenceClassification.from_pretrained(Path(self.spec.path), dtype=dtype)
-        self.model = self.model.to(device).eval()
-        self.device = device
-
-    def unload(self) -> None:
-        self.model = None
-
-    def modules(self) -> list[torch.nn.Module]:
-        return [self.model] if self.model is not None else []
-
-    @property
-    def tokenizer(self):
-        """The model's tokenizer, read from its folder the first time it is asked for."""
-        with self._tokenizing:
-            if self._tokenizer is None:
-                self._tokenizer = AutoTokenizer.from_pretrained(Path(self.spec.path))
-            return self._tokenizer
 
     def tokenize(self, texts: list[str]) -> list[list[list[int]]]:
         """Each text's pieces as token ids, special tokens included (module doc). ``InputError``
@@ -143,15 +118,8 @@ class ModerationWorker(ThreadWorker):
 
     def _forward(self, rows: list[list[int]]) -> np.ndarray:
         """One padded forward pass over ``rows``: their scores."""
-        width = max(len(row) for row in rows)
-        pad = self.tokenizer.pad_token_id or 0
-        input_ids = torch.full((len(rows), width), pad, dtype=torch.long)
-        mask = torch.zeros((len(rows), width), dtype=torch.long)
-        for r, row in enumerate(rows):
-            input_ids[r, : len(row)] = torch.tensor(row)
-            mask[r, : len(row)] = 1
-        device = self.model.device
+        input_ids, mask = self.padded(rows, self.tokenizer.pad_token_id or 0)
         with torch.inference_mode():
-            logits = self.model(input_ids=input_ids.to(device), attention_mask=mask.to(device)).logits.float()
+            logits = self.model(input_ids=input_ids, attention_mask=mask).logits.float()
             scores = torch.sigmoid(logits) if self.multi_label else torch.softmax(logits, dim=-1)
         return scores.cpu().numpy()
