@@ -229,3 +229,16 @@ def spoken(text: str, rate: int = 16000) -> np.ndarray:
     x = resample(x, sr, rate)
     loud = np.flatnonzero(np.abs(x) > 0.01)
     return x[loud[0]: loud[-1] + 1]
+
+
+def run_batch(client, endpoint: str, lines: list[dict], timeout: float = 60):
+    """``lines`` as a Batch API input file, run on ``endpoint`` through the openai SDK: the batch
+    once it has ended (failing the test past ``timeout`` seconds)."""
+    content = "".join(json.dumps(x) + "\n" for x in lines).encode()
+    upload = client.files.create(file=("in.jsonl", io.BytesIO(content)), purpose="batch")
+    batch = client.batches.create(input_file_id=upload.id, endpoint=endpoint, completion_window="24h")
+    deadline = time.time() + timeout
+    while (batch := client.batches.retrieve(batch.id)).status not in ("completed", "failed", "expired", "cancelled"):
+        assert time.time() < deadline, batch.status
+        time.sleep(0.05)
+    return batch

@@ -5,10 +5,8 @@ by a higher tier; and the worker's pooling, batching and folder reading."""
 from __future__ import annotations
 
 import base64
-import io
 import json
 import shutil
-import time
 from pathlib import Path
 
 import httpx
@@ -17,7 +15,7 @@ import openai
 import pytest
 import torch
 
-from tests.helpers import RunningServer, start_server, write_config
+from tests.helpers import run_batch, RunningServer, start_server, write_config
 from workers.base import ModelSpec, StepContext
 from workers.embed import EmbedWorker, batches, pool, read_config
 
@@ -228,13 +226,7 @@ def test_a_batch_line_runs_through_the_batch_api(server):
              for i, text in enumerate(TEXTS[:2])]
     lines.append({"custom_id": "bad", "method": "POST", "url": "/v1/embeddings",
                   "body": {"model": "tiny-embed", "input": "hi", "dimensions": 8}})
-    upload = c.files.create(file=("in.jsonl", io.BytesIO("".join(json.dumps(x) + "\n" for x in lines).encode())),
-                            purpose="batch")
-    batch = c.batches.create(input_file_id=upload.id, endpoint="/v1/embeddings", completion_window="24h")
-    deadline = time.time() + 60
-    while (batch := c.batches.retrieve(batch.id)).status not in ("completed", "failed", "expired", "cancelled"):
-        assert time.time() < deadline, batch.status
-        time.sleep(0.05)
+    batch = run_batch(c, "/v1/embeddings", lines)
     assert batch.status == "completed" and batch.request_counts.completed == 2 and batch.request_counts.failed == 1
     out = {x["custom_id"]: x for x in map(json.loads, c.files.content(batch.output_file_id).text.splitlines())}
     live = vectors(c.embeddings.create(model="tiny-embed", input=TEXTS[:2], encoding_format="float"))

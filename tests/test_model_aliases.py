@@ -7,7 +7,6 @@ from __future__ import annotations
 
 import io
 import json
-import time
 
 import httpx
 import numpy as np
@@ -15,7 +14,7 @@ import openai
 import pytest
 
 from gateway.config import ConfigError, load_config
-from tests.helpers import adapters_yaml, start_server, write_config
+from tests.helpers import run_batch, adapters_yaml, start_server, write_config
 
 ALIASES = {"tiny-chat": ["gpt-4o-mini", "gpt-4.1"], "tiny-embed": ["text-embedding-3-small"],
            "tiny-moderation": ["omni-moderation-latest"], "tiny-stt": ["whisper-1"]}
@@ -111,13 +110,7 @@ def test_a_batch_line_may_name_an_alias(server):
     lines = [{"custom_id": f"r{i}", "method": "POST", "url": "/v1/chat/completions",
               "body": {"model": model, "messages": [{"role": "user", "content": "hi"}], "max_tokens": 6, "temperature": 0}}
              for i, model in enumerate(["gpt-4o-mini", "tiny-chat"])]
-    upload = c.files.create(file=("in.jsonl", io.BytesIO("".join(json.dumps(x) + "\n" for x in lines).encode())),
-                            purpose="batch")
-    batch = c.batches.create(input_file_id=upload.id, endpoint="/v1/chat/completions", completion_window="24h")
-    deadline = time.time() + 60
-    while (batch := c.batches.retrieve(batch.id)).status not in ("completed", "failed", "expired", "cancelled"):
-        assert time.time() < deadline, batch.status
-        time.sleep(0.05)
+    batch = run_batch(c, "/v1/chat/completions", lines)
     assert (batch.status, batch.request_counts.completed) == ("completed", 2)
     out = {x["custom_id"]: x["response"]["body"] for x in map(json.loads, c.files.content(batch.output_file_id).text.splitlines())}
     assert out["r0"]["choices"][0]["message"]["content"] == out["r1"]["choices"][0]["message"]["content"]

@@ -5,10 +5,8 @@ against transformers' own text-classification pipeline, long texts scored in pie
 
 from __future__ import annotations
 
-import io
 import json
 import shutil
-import time
 from pathlib import Path
 
 import httpx
@@ -19,7 +17,7 @@ import torch
 from transformers import AutoModelForSequenceClassification, AutoTokenizer, pipeline
 
 from demo.moderation import CATEGORIES
-from tests.helpers import RunningServer, start_server, write_config
+from tests.helpers import run_batch, RunningServer, start_server, write_config
 from workers.base import ModelSpec, StepContext
 from workers.moderation import ModerationWorker, pieces
 
@@ -224,13 +222,7 @@ def test_a_batch_line_runs_through_the_batch_api(server):
               "body": {"model": "tiny-moderation", "input": TEXTS[0]}},
              {"custom_id": "default", "method": "POST", "url": "/v1/moderations", "body": {"input": TEXTS[:2]}},
              {"custom_id": "bad", "method": "POST", "url": "/v1/moderations", "body": {"input": ""}}]
-    upload = c.files.create(file=("in.jsonl", io.BytesIO("".join(json.dumps(x) + "\n" for x in lines).encode())),
-                            purpose="batch")
-    batch = c.batches.create(input_file_id=upload.id, endpoint="/v1/moderations", completion_window="24h")
-    deadline = time.time() + 60
-    while (batch := c.batches.retrieve(batch.id)).status not in ("completed", "failed", "expired", "cancelled"):
-        assert time.time() < deadline, batch.status
-        time.sleep(0.05)
+    batch = run_batch(c, "/v1/moderations", lines)
     assert (batch.status, batch.request_counts.completed, batch.request_counts.failed) == ("completed", 2, 1)
     out = {x["custom_id"]: x["response"]["body"] for x in map(json.loads, c.files.content(batch.output_file_id).text.splitlines())}
     live = [scores(r) for r in c.moderations.create(input=TEXTS[:2]).results]
