@@ -289,8 +289,8 @@ class Ingress:
 def affinity_of(body: dict) -> str | None:
     """What keeps a request beside others that share its prompt's start (the router's affinity):
     its ``prompt_cache_key`` (OpenAI's field for exactly this), else the response or conversation
-    it continues (its prompt is that one's, and more); scoped to nothing else, so two keys' equal
-    cache keys meet on one replica, which only shares a cache, never an answer."""
+    it continues (its prompt is that one's, and more). Two API keys' equal cache keys meet on one
+    replica, whose prefix cache still keeps their blocks apart (``server.prefix_cache``)."""
     for value in (body.get("prompt_cache_key"), body.get("previous_response_id"), body.get("conversation")):
         if isinstance(value, dict):
             value = value.get("id")

@@ -283,7 +283,8 @@ async def _first_event(serving: Serving, job: ChatJob, params: ChatParams,
     become API errors rather than a broken stream."""
     req = ChatRequest(job.messages, params, priority=serving.rank, ctx=ctx, adapters=job.stack,
                       tools=job.tools.template_tools(), template_kwargs=job.template_kwargs,
-                      prompt_ids=job.prompt_ids, stream=job.stream, reasoning=job.reasoning != "none")
+                      prompt_ids=job.prompt_ids, stream=job.stream, reasoning=job.reasoning != "none",
+                      cache_salt=serving.caller.key_id if serving.svc.config.server.prefix_cache == "per_key" else None)
     events = serving.worker.chat(req)
     try:
         return events, await events.__anext__(), ctx

@@ -315,6 +315,9 @@ class ServerConfig(_Strict):
     drain_timeout_s: float = Field(default=30.0, ge=0)  # on SIGTERM: how long requests in flight may finish
     # browser apps on these origins may call the API with their keys ("*": any origin); none: no CORS headers
     cors_origins: list[Annotated[str, Field(pattern=r"^(\*|https?://[^/\s]+)$")]] = []
+    # vLLM's prefix cache: per_key, a key's requests reuse only their own key's cached prompt blocks
+    # (another key cannot learn from a cache hit's speed what prompts it was sent); shared: any key's
+    prefix_cache: Literal["per_key", "shared"] = "per_key"
 
 
 WEBHOOK_EVENTS = ("response.completed", "response.incomplete", "response.failed", "response.cancelled",

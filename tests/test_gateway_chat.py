@@ -211,6 +211,23 @@ def test_healthz_and_metrics(chat_server):
     assert admitted and float(admitted[0].split()[-1]) >= 1
 
 
+def test_the_prefix_cache_salt_is_the_callers_key_unless_shared(chat_server, monkeypatch):
+    """``ChatRequest.cache_salt`` (what vLLM scopes its prefix cache by) is the calling key's id
+    with ``server.prefix_cache: per_key`` (the default), and None with ``shared``."""
+    from gateway.auth import key_id
+
+    assert _post(chat_server, GOOD).status_code == 200  # the model resident, its worker made
+    worker = chat_server.services.arbiter.workers["tiny-chat"]
+    salts, chat = [], worker.chat
+    monkeypatch.setattr(worker, "chat", lambda req: salts.append(req.cache_salt) or chat(req))
+    assert _post(chat_server, GOOD, key="free").status_code == 200
+    config = chat_server.services.config
+    monkeypatch.setattr(chat_server.services, "config", config.model_copy(
+        update={"server": config.server.model_copy(update={"prefix_cache": "shared"})}))
+    assert _post(chat_server, GOOD, key="free").status_code == 200
+    assert salts == [key_id(chat_server.keys["free"]), None]
+
+
 def test_tokens_are_counted_in_metrics_as_in_usage(chat_server):
     """``tiergate_tokens_total{model, tier, type}`` grows by each request's prompt and completion
     tokens (its usage); no cached tokens on the transformers engine, so no such series grows."""

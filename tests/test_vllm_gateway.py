@@ -140,6 +140,11 @@ def test_a_repeated_prompt_reports_its_cached_tokens(vllm_server, tokenizer):
     while (got := metered()) != want and time.time() < deadline:
         time.sleep(0.05)
     assert got == want
+    # per key (server.prefix_cache: per_key, the default): another key sending the same prompt
+    # reads nothing of this key's blocks, then its own
+    theirs = [client(vllm_server, "subscriber").chat.completions.create(
+        model="tiny-chat", messages=messages, max_tokens=2, temperature=0).usage for _ in range(2)]
+    assert theirs[0].prompt_tokens_details.cached_tokens == 0 < theirs[1].prompt_tokens_details.cached_tokens
     prompt = text[::-1]  # another prompt, new to the cache
     done = [greedy(sdk_client(vllm_server), [prompt, "A dog"], max_tokens=2, n=n).usage for n in (1, 2)]
     cached = [u.prompt_tokens_details.cached_tokens for u in done]

@@ -168,6 +168,9 @@ class ChatRequest:
     # through its first </think> (ChatFinished.think_tokens), and a constrained reply (``params.grammar``)
     # thinks first: the grammar applies after that </think>, unless the prompt closed the thinking
     reasoning: bool = False
+    # vLLM's prefix cache: blocks are reused only among requests with the same salt (the caller's
+    # key, unless tiers.yaml's server.prefix_cache is shared); None: shared with every request
+    cache_salt: str | None = None
 
 
 @dataclass(frozen=True)

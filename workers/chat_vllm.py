@@ -512,8 +512,11 @@ class VllmChatEngine(Worker):
                 )
                 rid = f"{self._tag}-{next(self._ids)}"
                 outcome = None  # "finished" | "paused"
+                prompt: dict[str, Any] = {"prompt_token_ids": prompt_ids + generated}
+                if req.cache_salt is not None:  # its prefix-cache blocks are reused only under this salt
+                    prompt["cache_salt"] = req.cache_salt
                 stream = self._llm.generate(
-                    {"prompt_token_ids": prompt_ids + generated},
+                    prompt,
                     sp,
                     rid,
                     lora_request=lora_request,
