@@ -78,6 +78,7 @@ MODEL_SMOKES = {
     "bench_tiers.py": ("--models-dir", "{demo}"),
     "bench_overhead.py": ("--models-dir", "{demo}"),
     "bench_batch.py": ("--models-dir", "{demo}"),
+    "bench_encoders.py": ("--models-dir", "{demo}"),
 }
 
 

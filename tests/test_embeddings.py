@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import base64
 import json
+import time
 import shutil
 from pathlib import Path
 
@@ -285,6 +286,77 @@ def test_many_inputs_share_one_forward_pass_split_only_at_the_token_cap(tiny_emb
     mixed = worker.embed([long, *ids], None, StepContext())
     assert [p[0] for p in passes] == [1, 4]
     assert np.abs(mixed[1:] - together).max() < BATCH_TOLERANCE
+
+
+def test_concurrent_requests_share_forward_passes(tiny_embed_mrl):
+    """Requests that arrive while a pass runs share the next one: twelve at once, the first held in
+    its pass until the other eleven wait, take two passes, not twelve. Each gets what it gets
+    alone (within ``BATCH_TOLERANCE``), at its own ``dimensions`` in the same pass; the pass's
+    time is charged to its requests equally (one row each); a request cancelled while it waited
+    leaves (``Cancelled``) and the others are served."""
+    import threading
+    from concurrent.futures import ThreadPoolExecutor
+
+    from workers.base import Cancelled
+
+    worker = EmbedWorker(ModelSpec("e", "embed", tiny_embed_mrl))
+    worker.load(torch.device("cpu"))
+    ids = worker.tokenize([f"text number {i} " * (1 + i % 4) for i in range(12)])
+    dims = [(None, 16, 32)[i % 3] for i in range(12)]
+    alone = [worker.embed([row], d, StepContext()) for row, d in zip(ids, dims)]
+    held, release = threading.Event(), threading.Event()
+
+    def hold(module, args):
+        held.set()
+        release.wait(10)
+
+    hook = worker.model.register_forward_pre_hook(hold)
+    contexts = [StepContext() for _ in ids]
+    before = worker.passes
+    try:
+        with ThreadPoolExecutor(12) as pool:
+            first = pool.submit(worker.embed, [ids[0]], dims[0], contexts[0])
+            assert held.wait(10)  # the first request's pass is running
+            rest = [pool.submit(worker.embed, [row], d, ctx) for row, d, ctx in zip(ids[1:], dims[1:], contexts[1:])]
+            deadline = time.time() + 10
+            while len(worker._waiting) < 11 and time.time() < deadline:
+                time.sleep(0.01)
+            contexts[5].cancel()  # waiting: it leaves at its boundary
+            release.set()
+            got = [first.result(), *[f.result() if i != 4 else None for i, f in enumerate(rest)]]
+            with pytest.raises(Cancelled):
+                rest[4].result()
+    finally:
+        hook.remove()
+    assert worker.passes - before == 2
+    for i, (a, g) in enumerate(zip(alone, got)):
+        if i != 5:
+            assert g.shape == a.shape == (1, dims[i] or 64) and np.abs(a - g).max() < BATCH_TOLERANCE, i
+    shared = [contexts[i].gpu_s for i in range(1, 12) if i != 5]
+    assert all(s > 0 for s in shared) and max(shared) - min(shared) < 1e-12  # one pass, a row each
+
+
+def test_batch_tier_work_runs_alone_on_its_own_thread(tiny_embed):
+    """Work with a pause gate (the batch tier, which yields between passes) is not queued with
+    others: while another caller's pass runs (as if), it runs its own at once, on its thread;
+    a request without one would wait for that pass."""
+    import threading
+
+    worker = EmbedWorker(ModelSpec("e", "embed", tiny_embed))
+    worker.load(torch.device("cpu"))
+    ids = worker.tokenize(["hello"])
+    worker._leading = True  # someone's pass is running
+    ctx = StepContext(pause_gate=lambda c: None)
+    assert worker.embed(ids, None, ctx).shape == (1, 64) and ctx.steps == 1 and worker.passes == 1
+    waiting = threading.Thread(target=worker.embed, args=(ids, None, StepContext()), daemon=True)
+    waiting.start()
+    waiting.join(0.5)
+    assert waiting.is_alive() and len(worker._waiting) == 1  # an interactive request waits its turn
+    with worker._turn:
+        worker._leading = False
+        worker._turn.notify_all()
+    waiting.join(10)
+    assert not waiting.is_alive() and worker.passes == 2
 
 
 def test_pooling_modes_over_right_padding():

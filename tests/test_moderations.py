@@ -121,6 +121,23 @@ def test_a_long_text_is_scored_in_full(tiny_moderation):
     assert ctx.steps == 1  # all the pieces in one forward pass
 
 
+def test_concurrent_texts_share_passes_and_score_as_alone(tiny_moderation):
+    """Moderation runs on the encoders' shared passes (``EncoderWorker.run_rows``, whose sharing
+    tests/test_embeddings.py pins down): eight requests at once, long texts' pieces among them,
+    score as each does alone."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    worker = ModerationWorker(ModelSpec("m", "moderation", tiny_moderation))
+    worker.load(torch.device("cpu"))
+    texts = [TEXTS[i % 3] * (1 + 40 * (i % 2)) for i in range(8)]  # every other one in several pieces
+    cut = [worker.tokenize([t]) for t in texts]
+    alone = [worker.classify(c, StepContext()) for c in cut]
+    with ThreadPoolExecutor(8) as pool:
+        got = list(pool.map(lambda c: worker.classify(c, StepContext()), cut))
+    for a, g in zip(alone, got):
+        assert np.abs(a - g).max() < TOLERANCE
+
+
 # -- over HTTP ----------------------------------------------------------------------------------------
 
 

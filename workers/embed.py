@@ -21,14 +21,19 @@ Inputs arrive as token ids (``tokenize`` turns strings into ids with the tokeniz
 tokens; token-id inputs are used as given). ``embed`` pads them on the right into one batch and
 runs one forward pass; it splits the batch only where one pass would exceed ``max_batch_tokens``
 padded tokens (inputs sorted by length, so each pass pads little), with a step boundary between
-passes.
+passes. **Requests that arrive together share passes** (``EncoderWorker.run_rows``): the caller
+that finds no pass running takes every request waiting and runs their rows as one batch, so
+concurrent requests cost a forward pass between them instead of one each (scripts/bench_encoders.py);
+each pass's time is charged to its requests by their rows in it. Batch-tier work, which must
+yield between passes, runs alone.
 """
 
 from __future__ import annotations
 
 import json
 import threading
-from dataclasses import dataclass
+import time
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Literal
 
@@ -36,7 +41,7 @@ import numpy as np
 import torch
 from transformers import AutoModel, AutoTokenizer
 
-from workers.base import ModelSpec, StepContext
+from workers.base import Cancelled, ModelSpec, StepContext
 from workers.worker import ModelInfo, ThreadWorker
 
 PoolingMode = Literal["mean", "cls", "max", "lasttoken"]
@@ -168,11 +173,23 @@ def batches(lengths: list[int], max_tokens: int) -> list[list[int]]:
     return groups
 
 
+@dataclass(eq=False)
+class _Job:
+    """One request's rows waiting for, or in, shared passes."""
+
+    rows: list[list[int]]
+    ctx: StepContext
+    done: threading.Event = field(default_factory=threading.Event)
+    parts: list[np.ndarray | None] = field(default_factory=list)
+    gpu_s: float = 0.0
+    error: BaseException | None = None
+
+
 class EncoderWorker(ThreadWorker):
     """A transformers encoder (``auto_class``: ``AutoModel``, or a head such as a sequence
     classifier) with its tokenizer, read at the first use of ``tokenizer``, and its weights at
-    ``load``; inputs arrive as token ids in padded passes (``padded``). Embeddings and
-    moderation run on it."""
+    ``load``; inputs arrive as token ids, and ``run_rows`` runs them in padded passes shared
+    with the other requests waiting (the module doc). Embeddings and moderation run on it."""
 
     auto_class = AutoModel
 
@@ -182,6 +199,84 @@ class EncoderWorker(ThreadWorker):
         self._tokenizer = None
         self._tokenizing = threading.Lock()  # a fast tokenizer's call sets its state: one call at a time
         self.model: torch.nn.Module | None = None
+        self._turn = threading.Condition()  # guards _waiting and _leading
+        self._waiting: list[_Job] = []  # jobs no pass has taken yet
+        self._leading = False  # a caller is running passes for the jobs it took
+        self.passes = 0  # forward passes run (shared ones once)
+        self.share_passes = True  # False: each request its own passes (scripts/bench_encoders.py's baseline)
+
+    def _rows_out(self, rows: list[list[int]]) -> np.ndarray:
+        """One padded forward pass: an output row per input row (the subclass's)."""
+        raise NotImplementedError
+
+    def run_rows(self, rows: list[list[int]], ctx: StepContext) -> np.ndarray:
+        """``_rows_out`` of every row, in order, in passes shared with the requests waiting then;
+        batch-tier work (a pause gate: it yields between passes) alone. No thread of its own:
+        the caller that finds no pass running runs one, on its own thread, for every request
+        waiting then (its own among them), and hands on; the others wait. So a request alone
+        costs no hand-over, and requests that come while a pass runs share the next. Returns when
+        the rows are done or the work was cancelled (``Cancelled``, at a pass's boundary), never
+        while a pass still holds them."""
+        if self.model is None:
+            raise RuntimeError(f"model {self.spec.name!r} is not loaded")
+        job = _Job(rows, ctx)
+        if not self.share_passes or ctx.pause_gate is not None or ctx.pause_check is not None:
+            self._passes([job])
+        else:
+            self._join(job)
+        if job.error is not None:
+            raise job.error
+        ctx.gpu_s = (ctx.gpu_s or 0.0) + job.gpu_s
+        return np.stack(job.parts)
+
+    def _join(self, job: _Job) -> None:
+        """Wait for ``job``'s passes, running them (with every job waiting) when no one else is."""
+        with self._turn:
+            self._waiting.append(job)
+            while not job.done.is_set():
+                if self._leading:
+                    self._turn.wait()
+                    continue
+                self._leading = True
+                jobs, self._waiting = self._waiting, []
+                self._turn.release()
+                try:
+                    self._passes(jobs)
+                except BaseException as exc:  # noqa: BLE001 - delivered to every job of the pass
+                    for other in jobs:
+                        other.error = other.error or exc
+                finally:
+                    for other in jobs:
+                        other.done.set()
+                    self._turn.acquire()
+                    self._leading = False
+                    self._turn.notify_all()  # the next waiting job's caller leads
+
+    def _passes(self, jobs: list[_Job]) -> None:
+        """Every job's rows in padded passes of at most ``max_batch_tokens``, longest first; each
+        job's step boundary before a pass holds its rows (a cancelled job leaves the batch, the
+        others go on); each pass's time shared among its jobs by their rows in it."""
+        flat = [(job, i) for job in jobs for i in range(len(job.rows))]
+        for job in jobs:
+            job.parts = [None] * len(job.rows)
+        for group in batches([len(job.rows[i]) for job, i in flat], self.max_batch_tokens):
+            members = [flat[k] for k in group]
+            for job in dict.fromkeys(job for job, _ in members):
+                if job.error is None:
+                    try:
+                        job.ctx.boundary()
+                    except Cancelled as exc:
+                        job.error = exc
+            members = [(job, i) for job, i in members if job.error is None]
+            if not members:
+                continue
+            started = time.perf_counter()
+            out = self._rows_out([job.rows[i] for job, i in members])
+            share = (time.perf_counter() - started) / len(members)
+            self.passes += 1
+            for (job, i), row in zip(members, out):
+                job.parts[i] = row
+                job.gpu_s += share
 
     def load(self, device: torch.device) -> None:
         """The model onto ``device`` (fp16 on CUDA, fp32 elsewhere)."""
@@ -254,19 +349,14 @@ class EmbedWorker(EncoderWorker):
         return ids
 
     def embed(self, ids: list[list[int]], dimensions: int | None, ctx: StepContext) -> np.ndarray:
-        """float32 vectors (one row per input, in order) of checked token ids (``tokenize``)."""
-        if self.model is None:
-            raise RuntimeError(f"model {self.spec.name!r} is not loaded")
-        out = np.empty((len(ids), dimensions or self.config.dimensions), dtype=np.float32)
-        for group in batches([len(row) for row in ids], self.max_batch_tokens):
-            ctx.boundary()
-            out[group] = self._forward([ids[i] for i in group], dimensions)
-        return out
+        """float32 vectors (one row per input, in order) of checked token ids (``tokenize``),
+        cut to ``dimensions`` (when given) before they are normalized."""
+        pooled = torch.from_numpy(self.run_rows(ids, ctx))
+        return finish(pooled, dimensions, self.config.normalize).numpy()
 
-    def _forward(self, rows: list[list[int]], dimensions: int | None) -> np.ndarray:
-        """One padded forward pass over ``rows``."""
+    def _rows_out(self, rows: list[list[int]]) -> np.ndarray:
+        """One padded forward pass over ``rows``: each row's pooled vector (float32, full length)."""
         input_ids, mask = self.padded(rows, self.config.pad_id)
         with torch.inference_mode():
             hidden = self.model(input_ids=input_ids, attention_mask=mask).last_hidden_state
-            vectors = finish(pool(hidden, mask, self.config.pooling), dimensions, self.config.normalize)
-        return vectors.cpu().numpy()
+            return pool(hidden, mask, self.config.pooling).float().cpu().numpy()

@@ -27,7 +27,7 @@ import torch
 from transformers import AutoConfig, AutoModelForSequenceClassification
 
 from workers.base import ModelSpec, StepContext
-from workers.embed import EncoderWorker, InputError, batches
+from workers.embed import EncoderWorker, InputError
 from workers.worker import ModelInfo
 
 _HUGE = 1_000_000  # tokenizers without a real limit say model_max_length = 1e30
@@ -104,19 +104,14 @@ class ModerationWorker(EncoderWorker):
     def classify(self, texts: list[list[list[int]]], ctx: StepContext) -> np.ndarray:
         """Scores, one row per text and one column per category (``categories``), of tokenized
         texts (``tokenize``): each category's highest over the text's pieces."""
-        if self.model is None:
-            raise RuntimeError(f"model {self.spec.name!r} is not loaded")
         rows = [piece for text in texts for piece in text]
         owner = np.repeat(np.arange(len(texts)), [len(text) for text in texts])
-        scores = np.empty((len(rows), len(self.categories)), dtype=np.float32)
-        for group in batches([len(row) for row in rows], self.max_batch_tokens):
-            ctx.boundary()
-            scores[group] = self._forward([rows[i] for i in group])
+        scores = self.run_rows(rows, ctx)  # in passes shared with the other requests waiting
         out = np.full((len(texts), len(self.categories)), -np.inf, dtype=np.float32)
         np.maximum.at(out, owner, scores)
         return out
 
-    def _forward(self, rows: list[list[int]]) -> np.ndarray:
+    def _rows_out(self, rows: list[list[int]]) -> np.ndarray:
         """One padded forward pass over ``rows``: their scores."""
         input_ids, mask = self.padded(rows, self.tokenizer.pad_token_id or 0)
         with torch.inference_mode():
