@@ -90,11 +90,20 @@ def config_text(chat: Path) -> str:
 
 
 def spare_port() -> int:
+    """A port free now, below the kernel's range for ephemeral ports (32768-60999 on Linux by
+    default), so that no other process's ``bind(0)`` takes it before Ray binds it (a CI run once
+    lost the ingress's port that way, to a test server beside it)."""
+    import random
     import socket
 
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+    while True:
+        port = random.randrange(20000, 32000)
+        with socket.socket() as s:
+            try:
+                s.bind(("127.0.0.1", port))
+            except OSError:
+                continue
+            return port
 
 
 def ask(client, url: str, model: str, tier: str):
