@@ -22,7 +22,6 @@ from gateway.http import disconnect_signal
 from gateway.schemas import _Body, parse, read_json
 from gateway.service import Services
 from gateway.serving import Gone, Serving, in_thread, weightless
-from workers.base import ModelSpec
 from workers.embed import EmbedWorker, InputError
 
 EncodingFormat = Literal["float", "base64"]
@@ -59,7 +58,7 @@ async def plan_embeddings(svc: Services, body: EmbeddingRequest) -> EmbedJob:
     if len(inputs) > cap:
         raise bad_request(f"input has {len(inputs)} items, above this server's limit of {cap} per request",
                           "input", "too_many_inputs")
-    encoder = await weightless(svc.encoders, spec, _read_encoder)
+    encoder = await weightless(svc.encoders, spec, EmbedWorker.reader)
     dimensions = body.dimensions
     if dimensions == encoder.config.dimensions:
         dimensions = None  # the full length is always allowed
@@ -84,12 +83,6 @@ def _inputs(value: str | list[str] | list[int] | list[list[int]]) -> list[str] |
     if isinstance(value[0], int):
         return [value]  # one token array
     return value
-
-
-def _read_encoder(spec: ModelSpec) -> EmbedWorker:
-    encoder = EmbedWorker(spec, **spec.options)
-    encoder.tokenizer  # noqa: B018 - read the tokenizer now, off the loop
-    return encoder
 
 
 async def serve_embeddings(svc: Services, caller: Caller, job: EmbedJob, gone: Gone | None) -> np.ndarray:

@@ -84,7 +84,7 @@ async def plan_moderation(svc: Services, body: ModerationRequest) -> ModerationJ
     if len(texts) > cap:
         raise bad_request(f"input has {len(texts)} items, above this server's limit of {cap} per request",
                           "input", "too_many_inputs")
-    reader = await weightless(svc.encoders, spec, _read_classifier)
+    reader = await weightless(svc.encoders, spec, ModerationWorker.reader)
     try:
         pieces = await asyncio.to_thread(reader.tokenize, texts)
     except InputError as exc:
@@ -114,12 +114,6 @@ def _texts(value: str | list[str] | list[TextPart | ImagePart]) -> list[str]:
             raise bad_request("this server's moderation models read text only: send the image's text, "
                               "or leave the image out", f"input[{i}]", "image_not_supported")
     return ["\n".join(part.text for part in value)]
-
-
-def _read_classifier(spec: ModelSpec) -> ModerationWorker:
-    reader = ModerationWorker(spec, **spec.options)
-    reader.tokenizer  # noqa: B018 - read the tokenizer now, off the loop
-    return reader
 
 
 async def serve_moderation(svc: Services, caller: Caller, job: ModerationJob, gone: Gone | None) -> np.ndarray:

@@ -205,6 +205,14 @@ class EncoderWorker(ThreadWorker):
         self.passes = 0  # forward passes run (shared ones once)
         self.share_passes = True  # False: each request its own passes (scripts/bench_encoders.py's baseline)
 
+    @classmethod
+    def reader(cls, spec: ModelSpec) -> "EncoderWorker":
+        """A worker for ``spec`` (its options from tiers.yaml) with its config and tokenizer read
+        and no weights: what the gateway checks and tokenizes requests with before they take a slot."""
+        worker = cls(spec, **spec.options)
+        worker.tokenizer  # noqa: B018 - read now, on the caller's thread (off the event loop)
+        return worker
+
     def _rows_out(self, rows: list[list[int]]) -> np.ndarray:
         """One padded forward pass: an output row per input row (the subclass's)."""
         raise NotImplementedError
