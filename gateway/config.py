@@ -280,6 +280,8 @@ class LimitsConfig(_Strict):
     transcription_max_seconds: float = Field(default=1800.0, gt=0)  # of decoded audio
     embed_max_inputs: int = Field(default=256, ge=1)  # inputs in one /v1/embeddings request
     moderation_max_inputs: int = Field(default=64, ge=1)  # texts in one /v1/moderations request
+    # tokens in one /v1/moderations request, all texts together (long texts are scored in full: this bounds the work)
+    moderation_max_tokens: int = Field(default=32768, ge=1)
     body_timeout_s: float = Field(default=60.0, gt=0)  # a request body must arrive whole within this; else 408
 
 

@@ -76,20 +76,28 @@ class ModerationJob:
 
 async def plan_moderation(svc: Services, body: ModerationRequest) -> ModerationJob:
     """The job of ``body``; 404 for an unknown model (or none configured), 400 naming ``input``
-    for an empty text, an image part, or more inputs than ``limits.moderation_max_inputs``.
+    for an empty text, an image part, more inputs than ``limits.moderation_max_inputs`` or more
+    tokens than ``limits.moderation_max_tokens`` (refused unread above 32 characters a token).
     Needs no weights."""
     spec = _model(svc, body.model)
     texts = _texts(body.input)
-    cap = svc.config.limits.moderation_max_inputs
-    if len(texts) > cap:
-        raise bad_request(f"input has {len(texts)} items, above this server's limit of {cap} per request",
-                          "input", "too_many_inputs")
+    limits = svc.config.limits
+    if len(texts) > limits.moderation_max_inputs:
+        raise bad_request(f"input has {len(texts)} items, above this server's limit of "
+                          f"{limits.moderation_max_inputs} per request", "input", "too_many_inputs")
+    too_long = f"above this server's limit of {limits.moderation_max_tokens} tokens per moderation request"
+    chars = sum(len(t) for t in texts)
+    if chars > 32 * limits.moderation_max_tokens:
+        raise bad_request(f"input is {chars} characters, {too_long}", "input", "too_many_tokens")
     reader = await weightless(svc.encoders, spec, ModerationWorker.reader)
     try:
         pieces = await asyncio.to_thread(reader.tokenize, texts)
     except InputError as exc:
         raise bad_request(str(exc), "input") from None
-    return ModerationJob(spec.name, reader.categories, reader.threshold, pieces)
+    job = ModerationJob(spec.name, reader.categories, reader.threshold, pieces)
+    if job.tokens > limits.moderation_max_tokens:
+        raise bad_request(f"input is {job.tokens} tokens, {too_long}", "input", "too_many_tokens")
+    return job
 
 
 def _model(svc: Services, name: str | None) -> ModelSpec:

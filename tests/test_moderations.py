@@ -41,7 +41,7 @@ def server(tiny_moderation: Path, tiny_softmax: Path, tiny_embed: Path, tmp_path
     folder = tmp_path_factory.mktemp("moderation-server")
     models = {"tiny-moderation": ("moderation", tiny_moderation), "tiny-moderation-softmax": ("moderation", tiny_softmax),
               "tiny-embed": ("embed", tiny_embed)}
-    config = write_config(folder, models, "limits:\n  moderation_max_inputs: 4\n")
+    config = write_config(folder, models, "limits:\n  moderation_max_inputs: 4\n  moderation_max_tokens: 400\n")
     text = config.read_text().replace("    path: " + str(tiny_softmax), "    path: " + str(tiny_softmax) + "\n    threshold: 0.1")
     config.write_text(text)
     running = start_server(config)
@@ -184,6 +184,8 @@ def test_the_models_threshold_is_the_configs(server):
     ({"input": []}, 400, "input", "invalid_value"),
     ({"input": ["ok", "  "]}, 400, "input", "invalid_value"),
     ({"input": ["a", "b", "c", "d", "e"]}, 400, "input", "too_many_inputs"),
+    ({"input": "the dog ran " * 150}, 400, "input", "too_many_tokens"),  # ~450 tokens, in pieces
+    ({"input": ["x" * 6400, "y" * 6401]}, 400, "input", "too_many_tokens"),  # refused unread: 32 chars a token
     ({"input": [{"type": "text", "text": "hi"}, {"type": "image_url", "image_url": {"url": "https://x/y.png"}}]},
      400, "input[1]", "image_not_supported"),
     ({"input": [{"type": "audio", "text": "hi"}]}, 400, "input", "invalid_value"),
