@@ -16,8 +16,9 @@ be deterministic). A request with an **affinity** (its ``prompt_cache_key``, or 
 conversation it continues) that finds its model on several replicas goes to the same one as the
 other requests of that affinity, where the prompts share their start and vLLM's prefix cache
 holds it: the replica that rendezvous hashing picks for the affinity among those holding the
-model whose wait for the tier is within ``AFFINITY_SLACK`` of paid's target of the shortest (so a
-busy replica is left for a free one, and a replica leaving moves only its own affinities). A model resident on some replicas goes to one of them, except that a hot model
+model whose wait for the tier is within ``AFFINITY_SLACK`` of paid's target (at least
+``AFFINITY_MIN_SLACK_S``) of the shortest (so a busy replica is left for a free one, and a
+replica leaving moves only its own affinities). A model resident on some replicas goes to one of them, except that a hot model
 may load one more copy (up to ``max_copies``) when every replica holding it predicts a wait for the
 highest tier (paid, rank 0) beyond that tier's latency target: then the best replica where it could
 be loaded now (ranks 2-4) takes it.
@@ -39,6 +40,7 @@ from cluster.stats import Need, Option, ReplicaStats
 RANK: dict[Need, int] = {"resident": 1, "warm": 2, "fits": 3, "evict": 4, "wait": 5}
 LOAD_NOW: frozenset[Need] = frozenset({"warm", "fits", "evict"})  # a second copy may start with these
 AFFINITY_SLACK = 0.25  # of paid's latency target: how much longer a wait an affinity may accept
+AFFINITY_MIN_SLACK_S = 0.05  # and at least this: a cached prompt saves a prefill, tens of ms
 
 
 @dataclass(frozen=True)
@@ -109,7 +111,7 @@ def choose(
         if hot and copies < max_copies and spare:
             return _best(spare, tier)
         if affinity and len(holding) > 1:
-            return _affine(holding, tier, affinity, AFFINITY_SLACK * paid_target_s)
+            return _affine(holding, tier, affinity, max(AFFINITY_SLACK * paid_target_s, AFFINITY_MIN_SLACK_S))
         return _best(holding, tier)
     if usable:
         return _best(usable, tier)

@@ -136,6 +136,13 @@ def test_an_affinity_leaves_a_replica_whose_wait_is_past_the_slack():
     assert {pick(*far, affinity=k).replica for k in keys} == {"A"}
     warm = [r("A", {"m": "resident"}), r("B", {"m": "warm"})]
     assert {pick(*warm, affinity=k).replica for k in keys} == {"A"}
+    # a short target: the slack is still 50 ms (a wait a request in flight leaves in a report)
+    from cluster.router import AFFINITY_MIN_SLACK_S
+
+    busy = [near[0], r("B", {"m": "resident"}, {PAID: AFFINITY_MIN_SLACK_S - 0.01})]
+    assert {choose(busy, "m", PAID, NOW, 0.001, 1, (), k).replica for k in keys} == {"A", "B"}
+    busier = [near[0], r("B", {"m": "resident"}, {PAID: AFFINITY_MIN_SLACK_S + 0.01})]
+    assert {choose(busier, "m", PAID, NOW, 0.001, 1, (), k).replica for k in keys} == {"A"}
 
 
 def test_affinity_of_a_request_body():
