@@ -1,0 +1,226 @@
+#!/usr/bin/env python
+"""ONE prepared GPU check of the workers: each modality's worker loaded on CUDA, one real request
+through its public call, compared with the same worker on CPU (no gateway, vLLM or network needed:
+torch, transformers, diffusers, peft, soundfile and the demo models are):
+
+    python scripts/gpu_check_workers.py [--models demo-models] [--device cuda] [--out DIR]
+
+Per worker: where its weights are after ``load`` (all on the device, in the dtype the worker picks
+there: bf16 chat, fp16 image, fp32 otherwise), the seconds of a second (warm) call on the device,
+and how far the device's result is from the CPU's:
+
+  chat        logits of one prompt (rel. max error), and a greedy reply streamed by ``chat``
+              with and without an adapter stack (pirate 0.5 + poet -0.7, merged by
+              lora_kernels: Triton on CUDA); equal replies are reported, not required (bf16)
+  image       3 denoising steps at 32x32, seed 1, with and without the sketch adapter: max
+              pixel difference (diffusers draws the noise on the CPU generator, so it is the same)
+  tts         one sentence: samples and loudness (RMS) of each (VITS draws noise: no sample match)
+  stt         a 3 s tone: the text and language, equal or not
+  embed       cosine similarity of the vectors (min over the inputs)
+  moderation  max |score difference|
+
+Checks that must hold (exit 1 otherwise): every weight on the device, every call completes and
+returns a well-formed result, embeddings' cosine >= 0.999 and moderation scores within 1e-3
+(fp32 on both sides), chat logits within 5% of their scale (bf16 against fp32). Writes
+workers.json to --out. ``--device cpu`` runs the same path on CPU against CPU (a dry run).
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import io
+import json
+import os
+import sys
+import time
+import traceback
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+os.environ.setdefault("TRANSFORMERS_VERBOSITY", "error")
+os.environ.setdefault("DIFFUSERS_VERBOSITY", "error")
+os.environ.setdefault("HF_HUB_DISABLE_PROGRESS_BARS", "1")
+
+import numpy as np  # noqa: E402
+import torch  # noqa: E402
+
+from workers.base import ChatFinished, ChatParams, ChatRequest, ModelSpec, StepContext, TextDelta  # noqa: E402
+
+CPU = torch.device("cpu")
+
+
+def on_device(worker, device: torch.device) -> tuple[bool, list[str]]:
+    tensors = [t for m in worker.modules() for t in (*m.parameters(), *m.buffers())]
+    dtypes = sorted({str(t.dtype).removeprefix("torch.") for t in tensors if t.is_floating_point()})
+    return bool(tensors) and all(t.device.type == device.type for t in tensors), dtypes
+
+
+def timed(fn):
+    fn()  # first call: kernels, caches
+    if torch.cuda.is_available():
+        torch.cuda.synchronize()
+    start = time.perf_counter()
+    out = fn()
+    if torch.cuda.is_available():
+        torch.cuda.synchronize()
+    return out, time.perf_counter() - start
+
+
+def pair(cls, spec: ModelSpec, device: torch.device, **kw):
+    cpu, dev = cls(spec, **kw), cls(spec, **kw)
+    cpu.load(CPU)
+    dev.load(device)
+    return cpu, dev
+
+
+async def _reply(worker, content: str, adapters=()) -> str:
+    req = ChatRequest([{"role": "user", "content": content}], ChatParams(max_tokens=12, temperature=0),
+                      ctx=StepContext(), adapters=adapters)
+    parts, fin = [], None
+    async for ev in worker.chat(req):
+        if isinstance(ev, TextDelta):
+            parts.append(ev.text)
+        elif isinstance(ev, ChatFinished):
+            fin = ev
+    assert fin is not None and fin.completion_tokens > 0, f"no finish or no tokens: {fin}"
+    return "".join(parts)
+
+
+def check_chat(models: Path, device: torch.device) -> dict:
+    from lora_kernels import load_peft_adapter
+    from workers.chat import ChatWorker
+
+    cpu, dev = pair(ChatWorker, ModelSpec("tiny-chat", "chat", models / "tiny-chat"), device)
+    placed, dtypes = on_device(dev, device)
+    ids = cpu.encode([{"role": "user", "content": "Tell me about the sea."}])
+    with torch.inference_mode():
+        ref = cpu.model(torch.tensor([ids])).logits.float()
+        got = dev.model(torch.tensor([ids], device=device)).logits.float().cpu()
+    rel = float((got - ref).abs().max() / ref.abs().max())
+    stack = ((load_peft_adapter(models / "adapters" / "tiny-chat-pirate"), 0.5),
+             (load_peft_adapter(models / "adapters" / "tiny-chat-poet"), -0.7))
+    replies = {}
+    for label, adapters in (("base", ()), ("stack", stack)):
+        want = asyncio.run(_reply(cpu, "Tell me about the sea.", adapters))
+        got_text, seconds = timed(lambda: asyncio.run(_reply(dev, "Tell me about the sea.", adapters)))
+        replies[label] = {"equal": got_text == want, "seconds": seconds, "chars": len(got_text)}
+    return {"placed": placed, "dtypes": dtypes, "logits_rel_err": rel, "replies": replies,
+            "ok": placed and rel <= 0.05 and all(r["chars"] > 0 for r in replies.values())}
+
+
+def check_image(models: Path, device: torch.device) -> dict:
+    from PIL import Image
+
+    from lora_kernels import load_diffusers_lora
+    from workers.image import ImageRequest, ImageWorker
+
+    cpu, dev = pair(ImageWorker, ModelSpec("tiny-image", "image", models / "tiny-image"), device)
+    placed, dtypes = on_device(dev, device)
+    sketch = load_diffusers_lora(models / "adapters" / "tiny-image-sketch")
+    out = {"placed": placed, "dtypes": dtypes}
+    ok = placed
+    for label, adapters in (("base", ()), ("sketch", ((sketch, 0.8),))):
+        req = ImageRequest("a lighthouse at night", width=32, height=32, seed=1, num_inference_steps=3,
+                           adapters=adapters)
+        (want,) = cpu.generate(req, StepContext())
+        (got,), seconds = timed(lambda: dev.generate(req, StepContext()))
+        a, b = (np.asarray(Image.open(io.BytesIO(p)).convert("RGB"), dtype=np.int16) for p in (want, got))
+        ok &= a.shape == b.shape == (32, 32, 3)
+        out[label] = {"max_pixel_diff": int(np.abs(a - b).max()), "mean_pixel_diff": float(np.abs(a - b).mean()),
+                      "seconds": seconds}
+    out["ok"] = bool(ok)
+    return out
+
+
+def check_tts(models: Path, device: torch.device) -> dict:
+    from workers.tts import SpeechRequest, TTSWorker
+
+    cpu, dev = pair(TTSWorker, ModelSpec("tiny-tts", "tts", models / "tiny-tts"), device)
+    placed, dtypes = on_device(dev, device)
+    req = SpeechRequest("Hello from the device.")
+    want = np.concatenate(list(cpu.synthesize(req, StepContext())))
+    got, seconds = timed(lambda: np.concatenate(list(dev.synthesize(req, StepContext()))))
+    rms = [float(np.sqrt(np.mean(np.square(a)))) for a in (want, got)]  # VITS samples its noise: no sample-wise match
+    return {"placed": placed, "dtypes": dtypes, "samples": [len(want), len(got)], "rms": rms,
+            "seconds": seconds, "ok": placed and len(got) > 0 and bool(np.isfinite(got).all())}
+
+
+def check_stt(models: Path, device: torch.device) -> dict:
+    from workers.stt import STTWorker, TranscriptionRequest
+
+    cpu, dev = pair(STTWorker, ModelSpec("tiny-stt", "stt", models / "tiny-stt"), device)
+    placed, dtypes = on_device(dev, device)
+    t = np.arange(3 * cpu.sample_rate) / cpu.sample_rate
+    x = (0.3 * np.sin(2 * np.pi * 440 * t)).astype(np.float32)
+    want = cpu.transcribe(x, TranscriptionRequest(language="en"), StepContext())
+    got, seconds = timed(lambda: dev.transcribe(x, TranscriptionRequest(language="en"), StepContext()))
+    return {"placed": placed, "dtypes": dtypes, "text_equal": got.text == want.text, "language": got.language,
+            "seconds": seconds, "ok": placed and isinstance(got.text, str) and got.duration > 2.9}
+
+
+def check_embed(models: Path, device: torch.device) -> dict:
+    from workers.embed import EmbedWorker
+
+    cpu, dev = pair(EmbedWorker, ModelSpec("tiny-embed", "embed", models / "tiny-embed"), device)
+    placed, dtypes = on_device(dev, device)
+    ids = cpu.tokenize(["a b", "one two three four", "hi", "the dog " * 30])
+    want = cpu.embed(ids, None, StepContext())
+    got, seconds = timed(lambda: dev.embed(ids, None, StepContext()))
+    cos = (want * got).sum(1) / (np.linalg.norm(want, axis=1) * np.linalg.norm(got, axis=1))
+    return {"placed": placed, "dtypes": dtypes, "min_cosine": float(cos.min()), "seconds": seconds,
+            "ok": placed and got.shape == want.shape and float(cos.min()) >= 0.999}
+
+
+def check_moderation(models: Path, device: torch.device) -> dict:
+    from workers.moderation import ModerationWorker
+
+    cpu, dev = pair(ModerationWorker, ModelSpec("tiny-moderation", "moderation", models / "tiny-moderation"), device)
+    placed, dtypes = on_device(dev, device)
+    texts = cpu.tokenize(["a calm sentence", "another one, longer than the first " * 10])
+    want = cpu.classify(texts, StepContext())
+    got, seconds = timed(lambda: dev.classify(texts, StepContext()))
+    diff = float(np.abs(got - want).max())
+    return {"placed": placed, "dtypes": dtypes, "max_abs_diff": diff, "seconds": seconds,
+            "ok": placed and got.shape == want.shape and diff <= 1e-3}
+
+
+CHECKS = {"chat": check_chat, "image": check_image, "tts": check_tts, "stt": check_stt, "embed": check_embed,
+          "moderation": check_moderation}
+
+
+def main() -> int:
+    p = argparse.ArgumentParser(description="the workers on a CUDA device against CPU")
+    p.add_argument("--models", type=Path, default=ROOT / "demo-models")
+    p.add_argument("--device", default="cuda")
+    p.add_argument("--out", type=Path, default=ROOT / "bench-results")
+    p.add_argument("--kinds", nargs="+", default=list(CHECKS), choices=list(CHECKS))
+    args = p.parse_args()
+    device = torch.device(args.device)
+    if device.type == "cuda" and not torch.cuda.is_available():
+        print("no CUDA device: nothing to check")
+        return 2
+    results, ok = {}, True
+    for kind in args.kinds:
+        start = time.perf_counter()
+        try:
+            res = CHECKS[kind](args.models, device)
+        except Exception as e:  # one modality's failure must not hide the others' results
+            res = {"ok": False, "error": f"{type(e).__name__}: {e}", "trace": traceback.format_exc()[-2000:]}
+        res["wall_s"] = round(time.perf_counter() - start, 2)
+        results[kind] = res
+        ok &= bool(res["ok"])
+        shown = {k: v for k, v in res.items() if k != "trace"}
+        print(f"{kind:<11} {'ok' if res['ok'] else 'FAIL':<5} {json.dumps(shown, default=str)}", flush=True)
+        if "trace" in res:
+            print(res["trace"], flush=True)
+    args.out.mkdir(parents=True, exist_ok=True)
+    (args.out / "workers.json").write_text(json.dumps(results, indent=2, default=str))
+    print(f"verdict: {'PASS' if ok else 'FAIL'} (every worker on {device.type}, results within the stated bounds)")
+    return 0 if ok else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())
