@@ -15,6 +15,7 @@
 set -u
 OUT=${1:-bench-results/gpu}
 PY=${PY:-python3}
+STEPS=${STEPS:-kernels lora workers swap}  # a subset reruns only those
 SIZED_HIDDEN=${SIZED_HIDDEN:-2048}  # 16 layers of this width: 0.82 B parameters, 1.6 GB in bf16
 mkdir -p "$OUT"
 LOG="$OUT/all.log"
@@ -27,6 +28,7 @@ failed=0
 step() {  # step NAME SECONDS COMMAND...
     local name=$1 limit=$2 start rc
     shift 2
+    case " $STEPS " in *" ${name%%-*} "*) ;; *) return 0 ;; esac
     start=$(date +%s)
     echo "=== $name: $*" | tee -a "$LOG"
     timeout "$limit" "$@" 2>&1 | grep -v -e '^Loading' | tee -a "$LOG"
@@ -47,7 +49,8 @@ step workers 90 "$PY" scripts/gpu_check_workers.py --out "$OUT"
 step swap-demo 90 "$PY" scripts/bench_swap.py --models-dir demo-models --chat-engine transformers
 
 SIZED=/tmp/tiergate-sized
-timeout 90 "$PY" - "$SIZED" "$SIZED_HIDDEN" <<'EOF' 2>&1 | tee -a "$LOG"
+case " $STEPS " in *" swap "*) ;; *) SIZED_HIDDEN=0 ;; esac
+[ "$SIZED_HIDDEN" = 0 ] || timeout 90 "$PY" - "$SIZED" "$SIZED_HIDDEN" <<'EOF' 2>&1 | tee -a "$LOG"
 import shutil, sys, torch
 from pathlib import Path
 from transformers import LlamaConfig, LlamaForCausalLM

@@ -13,7 +13,9 @@ and how far the device's result is from the CPU's:
               with and without an adapter stack (pirate 0.5 + poet -0.7, merged by
               lora_kernels: Triton on CUDA); equal replies are reported, not required (bf16)
   image       3 denoising steps at 32x32, seed 1, with and without the sketch adapter: max
-              pixel difference (diffusers draws the noise on the CPU generator, so it is the same)
+              pixel difference (the worker draws the noise on a CPU generator, so it is the
+              same); then the bare pipeline in fp32 and in fp16 on both devices, to tell a
+              difference of dtype from one of device kernels
   tts         one sentence: samples and loudness (RMS) of each (VITS draws noise: no sample match)
   stt         a 3 s tone: the text and language, equal or not
   embed       cosine similarity of the vectors (min over the inputs)
@@ -131,8 +133,26 @@ def check_image(models: Path, device: torch.device) -> dict:
         ok &= a.shape == b.shape == (32, 32, 3)
         out[label] = {"max_pixel_diff": int(np.abs(a - b).max()), "mean_pixel_diff": float(np.abs(a - b).mean()),
                       "seconds": seconds}
+    # where a difference comes from: the same pipeline call on both devices in one dtype
+    for dtype in (torch.float32, torch.float16):
+        a, b = (_pipeline_pixels(models / "tiny-image", d, dtype) for d in (CPU, device))
+        out[f"same_dtype_{str(dtype).removeprefix('torch.')}"] = {"max_pixel_diff": float(np.abs(a - b).max()),
+                                                                  "mean_pixel_diff": float(np.abs(a - b).mean())}
     out["ok"] = bool(ok)
     return out
+
+
+def _pipeline_pixels(path: Path, device: torch.device, dtype: torch.dtype) -> np.ndarray:
+    """The worker's pipeline call (3 steps, 32x32, guidance 7, a CPU generator seeded 1) in
+    ``dtype`` on ``device``: pixels 0-255 as floats."""
+    from diffusers import DiffusionPipeline
+
+    pipe = DiffusionPipeline.from_pretrained(path, dtype=dtype).to(device)
+    pipe.set_progress_bar_config(disable=True)
+    with torch.inference_mode():
+        img = pipe("a lighthouse at night", height=32, width=32, num_inference_steps=3, guidance_scale=7.0,
+                   generator=torch.Generator("cpu").manual_seed(1), output_type="np").images[0]
+    return img.astype(np.float64) * 255
 
 
 def check_tts(models: Path, device: torch.device) -> dict:

@@ -28,6 +28,28 @@ from lora_kernels import triton_merge  # noqa: E402
 from tests.lora_cases import grouped_check, make_case, run_triton_case  # noqa: E402
 
 
+def fix_interpreter_index() -> bool:
+    """Triton's interpreter before 3.7 turns a runtime scalar (the kernel's K in ``range``) into
+    an int with ``int()`` of a one-element array, which numpy 2.4 and later refuse ("only
+    0-dimensional arrays can be converted to Python scalars"). Seen with triton 3.6 (torch 2.11's)
+    and numpy 2.4. This applies upstream's fix (triton-lang/triton#9171: squeeze first) where the
+    interpreter lacks it; True when it did."""
+    import inspect
+
+    from triton.runtime import interpreter
+
+    original = interpreter._patch_lang_tensor
+    if "int(self.handle.data))" not in inspect.getsource(original):
+        return False
+
+    def patched(tensor, scope) -> None:
+        original(tensor, scope)
+        scope.set_attr(tensor, "__index__", lambda self: int(self.handle.data.squeeze()))
+
+    interpreter._patch_lang_tensor = patched
+    return True
+
+
 def tuner_check() -> dict:
     """The CUDA tuner times candidates on a scratch output: the weight must stay untouched."""
     w, factors = make_case("1000x77_r3-8-16", "fp32")
@@ -42,6 +64,7 @@ def tuner_check() -> dict:
 
 
 def main(cases_path: str, out_path: str) -> None:
+    fix_interpreter_index()
     results = {}
     for case in json.loads(Path(cases_path).read_text()):
         results[f"{case['shape']}/{case['dtype']}/{case['mode']}"] = run_triton_case(**case, device="cpu")
