@@ -20,8 +20,9 @@ SIZED_HIDDEN=${SIZED_HIDDEN:-2048}  # 16 layers of this width: 0.82 B parameters
 mkdir -p "$OUT"
 LOG="$OUT/all.log"
 export HF_HUB_OFFLINE=1 PYTHONUNBUFFERED=1 TRANSFORMERS_VERBOSITY=error HF_HUB_DISABLE_PROGRESS_BARS=1
-if [ -d .whl ] && ls .whl/*.whl > /dev/null 2>&1; then
-    "$PY" -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl \
+WHEELS=${WHEELS:-.whl}  # wheels for what the machine lacks (installed into /tmp/site, first on PYTHONPATH)
+if [ -d "$WHEELS" ] && ls "$WHEELS"/*.whl > /dev/null 2>&1; then
+    "$PY" -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site "$WHEELS"/*.whl \
         && export PYTHONPATH=/tmp/site${PYTHONPATH:+:$PYTHONPATH}
 fi
 failed=0
