@@ -15,7 +15,7 @@ from starlette.exceptions import HTTPException
 from starlette.middleware import Middleware
 from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
-from starlette.routing import BaseRoute, Route
+from starlette.routing import BaseRoute, Route, WebSocketRoute
 
 from arbiter.events import EventLog
 from arbiter.footprint import default_device, device_budget
@@ -23,8 +23,8 @@ from arbiter.residency import Arbiter, Refused, Unavailable
 from batch import api as batch_api
 from batch.runner import runner_for
 from batch.uploads import uploads_for
-from gateway import (audio, chat, completions, conversations, dashboard, embeddings, images, moderations, response_runs,
-                     responses_api, stored_chat)
+from gateway import (audio, chat, completions, conversations, dashboard, embeddings, images, moderations, realtime,
+                     response_runs, responses_api, stored_chat)
 from accounts.store import STORE_ERRORS
 from gateway.accounts import Accounts
 from gateway.accounts_api import KeyHeaders
@@ -237,6 +237,7 @@ def routes() -> list[BaseRoute]:
         Route("/v1/audio/speech", audio.speech, methods=["POST"]),
         Route("/v1/audio/transcriptions", audio.transcriptions, methods=["POST"]),
         Route("/v1/audio/translations", audio.translations, methods=["POST"]),
+        WebSocketRoute("/v1/realtime", realtime.realtime),
         Route("/v1/files", batch_api.upload_file, methods=["POST"]),
         Route("/v1/files", batch_api.list_files, methods=["GET"]),
         Route("/v1/files/{file_id}", batch_api.get_file, methods=["GET"]),

@@ -39,6 +39,7 @@ from __future__ import annotations
 
 import contextlib
 import itertools
+import math
 import queue
 import warnings
 import zlib
@@ -197,6 +198,60 @@ def speech_spans(audio: np.ndarray, sample_rate: int, vad: ServerVad, max_s: flo
         _vad_models.put(model)
     scale = sample_rate / _VAD_RATE
     return [(min(len(audio), round(f["start"] * scale)), min(len(audio), round(f["end"] * scale))) for f in found]
+
+
+class TurnDetector:
+    """Turn detection on a live stream (the Realtime API's ``server_vad``): feed it audio as it
+    arrives; it says where speech started and where it stopped, as sample indices of the stream
+    at its own rate. Silero VAD heard frame by frame (``silero_vad.VADIterator``), so each sample
+    is heard once however long the stream: a start comes ``prefix_padding_ms`` early, a stop
+    once ``silence_duration_ms`` of silence has followed the speech (padded after by as much as
+    before). Holds one of the pooled VAD models until ``close``; not thread-safe (one stream)."""
+
+    def __init__(self, vad: ServerVad, rate: int) -> None:
+        from silero_vad import VADIterator
+
+        try:
+            self._model = _vad_models.get_nowait()
+        except queue.Empty:
+            self._model = _load_vad()
+        self.rate = rate
+        self._iterator = VADIterator(self._model, threshold=vad.threshold, sampling_rate=_VAD_RATE,
+                                     min_silence_duration_ms=vad.silence_duration_ms, speech_pad_ms=vad.prefix_padding_ms)
+        self._raw = np.zeros(0, np.float32)  # at ``rate``: not yet resampled (a whole number of resampling periods)
+        self._heard = np.zeros(0, np.float32)  # at 16 kHz: less than a frame, not yet heard
+        self._period = rate // math.gcd(rate, _VAD_RATE)  # input samples per whole resampling period
+
+    def feed(self, audio: np.ndarray) -> list[tuple[str, int]]:
+        """Hear float32 mono ``audio`` (the stream's next samples): ``("start", i)`` and
+        ``("end", i)`` for the turns' edges found in it, ``i`` a sample index of the stream."""
+        self._raw = np.concatenate([self._raw, audio.astype(np.float32, copy=False)])
+        whole = len(self._raw) - len(self._raw) % self._period
+        if whole:
+            self._heard = np.concatenate([self._heard, resample(self._raw[:whole], self.rate, _VAD_RATE)])
+            self._raw = self._raw[whole:]
+        frames = len(self._heard) // _VAD_FRAME
+        edges = []
+        with torch.inference_mode():
+            for f in range(frames):
+                found = self._iterator(torch.from_numpy(self._heard[f * _VAD_FRAME:(f + 1) * _VAD_FRAME].copy()))
+                for kind, at in (found or {}).items():
+                    edges.append((kind, round(max(0, at) * self.rate / _VAD_RATE)))
+        self._heard = self._heard[frames * _VAD_FRAME:]
+        return edges
+
+    def reset(self) -> None:
+        """Forget the stream heard so far (a commit or clear by the client): the next sample fed
+        is heard as a new stream's first, whatever was speaking before."""
+        self._iterator.reset_states()
+        self._raw = np.zeros(0, np.float32)
+        self._heard = np.zeros(0, np.float32)
+
+    def close(self) -> None:
+        if self._model is not None:
+            self._model.reset_states()
+            _vad_models.put(self._model)
+            self._model = None
 
 
 def _load_vad() -> torch.nn.Module:

@@ -1,0 +1,421 @@
+"""The Realtime API's transcription sessions: ``/v1/realtime``, a WebSocket. Audio streams in,
+text streams out, one utterance at a time, through the serving core of
+``/v1/audio/transcriptions`` (``gateway.audio.stream_transcription``).
+
+The protocol is OpenAI's for a session of ``type: "transcription"`` (the SDK's
+``client.realtime.connect``): the server opens with ``session.created``; the client may send
+``session.update`` (``session.audio.input``: ``format`` 24 kHz PCM16, ``transcription`` {model,
+language, prompt}, ``turn_detection`` ``server_vad`` or null), then streams
+``input_audio_buffer.append`` (base64 PCM16, little-endian, mono, 24 kHz) and ends each utterance
+with ``input_audio_buffer.commit``, or lets ``server_vad`` end it at a silence
+(``input_audio_buffer.speech_started`` / ``speech_stopped``). For each utterance the server sends
+``input_audio_buffer.committed``, ``conversation.item.input_audio_transcription.delta`` events as
+the model decodes, then ``...completed`` (the transcript and its usage in seconds) or ``...failed``
+(the error: a full gate, a quota, a language the model lacks). A bad client event gets an
+``error`` event naming it and its ``param``; the session stays open and nothing accepted is lost.
+
+Each committed utterance is one request of the caller's tier: it waits for a gate slot and a
+lease on the model like any other request, is metered by its audio seconds, and the session's
+utterances are transcribed in order. The key is checked once, at the handshake (the
+``Authorization`` header; a refused one gets an HTTP error before the upgrade).
+
+Not served (each refused with an error naming it): conversation sessions (``type: "realtime"``, a
+speech-to-speech model), ``semantic_vad``, noise reduction, logprobs, and audio formats other
+than 24 kHz PCM16.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import base64
+import binascii
+import contextlib
+import json
+import secrets
+from dataclasses import dataclass, replace
+
+import numpy as np
+from starlette.websockets import WebSocket, WebSocketDisconnect, WebSocketState
+
+from gateway.audio import TranscriptionJob, stream_transcription
+from gateway.auth import Caller
+from gateway.errors import APIError, bad_request, not_found
+from gateway.service import ClientGone, Services
+from gateway.serving import Gone
+from workers.stt import ServerVad, TranscriptionRequest, Transcript, TurnDetector
+
+RATE = 24_000  # the only input rate OpenAI's realtime transcription takes (PCM16 mono)
+MIN_COMMIT_S = 0.1  # a shorter buffer is refused at commit, as OpenAI's is
+DEFAULT_VAD = ServerVad(threshold=0.5, prefix_padding_ms=300, silence_duration_ms=500)  # OpenAI's session defaults
+_UNSERVED_INPUT = ("noise_reduction",)
+
+
+@dataclass(frozen=True)
+class SessionConfig:
+    """What a session transcribes with; ``vad`` None: the client commits each utterance."""
+
+    model: str
+    language: str | None = None
+    prompt: str = ""
+    vad: ServerVad | None = DEFAULT_VAD
+
+    def as_event(self, session_id: str) -> dict:
+        vad = None if self.vad is None else {"type": "server_vad", "threshold": self.vad.threshold,
+                                             "prefix_padding_ms": self.vad.prefix_padding_ms,
+                                             "silence_duration_ms": self.vad.silence_duration_ms}
+        return {"type": "transcription", "id": session_id, "object": "realtime.transcription_session",
+                "audio": {"input": {"format": {"type": "audio/pcm", "rate": RATE},
+                                    "transcription": {"model": self.model, "language": self.language,
+                                                      "prompt": self.prompt},
+                                    "turn_detection": vad, "noise_reduction": None}},
+                "include": []}
+
+
+def _object(value: object, param: str) -> dict:
+    if not isinstance(value, dict):
+        raise bad_request(f"{param} must be an object", param, "invalid_type")
+    return value
+
+
+def updated(config: SessionConfig, session: object, svc: Services, limits_prompt: int) -> SessionConfig:
+    """``config`` with a ``session.update``'s ``session`` applied (``APIError`` naming the field)."""
+    session = _object(session, "session")
+    kind = session.get("type", "transcription")
+    if kind != "transcription":
+        raise bad_request(f"only transcription sessions are served here, not type {kind!r} (a speech-to-speech "
+                          "conversation needs a realtime model, which this server does not run)",
+                          "session.type", "unsupported_session_type")
+    for key in session:
+        if key not in ("type", "audio", "include", "id", "object"):
+            raise bad_request(f"unknown or unsupported session field {key!r} for a transcription session",
+                              f"session.{key}", "unknown_parameter")
+    if session.get("include"):
+        raise bad_request("include (logprobs) is not served on realtime transcription sessions", "session.include",
+                          "unsupported_parameter")
+    audio = _object(session.get("audio", {}), "session.audio")
+    for key in audio:
+        if key != "input":
+            raise bad_request(f"a transcription session has no audio.{key}", f"session.audio.{key}", "unknown_parameter")
+    given = _object(audio.get("input", {}), "session.audio.input")
+    for key in given:
+        if key not in ("format", "transcription", "turn_detection", *_UNSERVED_INPUT):
+            raise bad_request(f"unknown field audio.input.{key}", f"session.audio.input.{key}", "unknown_parameter")
+    if given.get("noise_reduction") is not None:
+        raise bad_request("noise reduction is not served: set it to null", "session.audio.input.noise_reduction",
+                          "unsupported_parameter")
+    if "format" in given:
+        fmt = _object(given["format"], "session.audio.input.format")
+        if fmt.get("type", "audio/pcm") != "audio/pcm":
+            raise bad_request(f"audio format {fmt.get('type')!r} is not served: send audio/pcm (PCM16 at 24 kHz)",
+                              "session.audio.input.format.type", "unsupported_format")
+        if fmt.get("rate", RATE) != RATE:
+            raise bad_request(f"PCM audio is taken at {RATE} Hz only, not {fmt.get('rate')!r}",
+                              "session.audio.input.format.rate", "unsupported_format")
+    if "transcription" in given:
+        config = _transcription(config, given["transcription"], svc, limits_prompt)
+    if "turn_detection" in given:
+        config = replace(config, vad=_turn_detection(given["turn_detection"]))
+    return config
+
+
+def _transcription(config: SessionConfig, value: object, svc: Services, limits_prompt: int) -> SessionConfig:
+    param = "session.audio.input.transcription"
+    value = _object(value, param)
+    for key in value:
+        if key not in ("model", "language", "prompt"):
+            raise bad_request(f"unknown field transcription.{key}", f"{param}.{key}", "unknown_parameter")
+    model = value.get("model", config.model)
+    if not isinstance(model, str):
+        raise bad_request("model must be a string", f"{param}.model", "invalid_type")
+    try:
+        model = svc.spec(model, "stt").name
+    except APIError as exc:
+        raise APIError(exc.status, exc.message, exc.code, f"{param}.model") from None
+    language, prompt = value.get("language", config.language), value.get("prompt", config.prompt)
+    if language is not None and not isinstance(language, str):
+        raise bad_request("language must be a string or null", f"{param}.language", "invalid_type")
+    if prompt is None:
+        prompt = ""
+    if not isinstance(prompt, str):
+        raise bad_request("prompt must be a string", f"{param}.prompt", "invalid_type")
+    if len(prompt) > limits_prompt:
+        raise bad_request(f"prompt is {len(prompt)} characters, above this server's limit of {limits_prompt}",
+                          f"{param}.prompt")
+    return replace(config, model=model, language=language or None, prompt=prompt)
+
+
+def _turn_detection(value: object) -> ServerVad | None:
+    param = "session.audio.input.turn_detection"
+    if value is None:
+        return None
+    value = _object(value, param)
+    kind = value.get("type")
+    if kind != "server_vad":
+        raise bad_request(f"turn detection {kind!r} is not served: use server_vad, or null to commit yourself",
+                          f"{param}.type", "unsupported_parameter")
+    for key in value:
+        if key not in ("type", "threshold", "prefix_padding_ms", "silence_duration_ms", "create_response",
+                       "interrupt_response", "idle_timeout_ms"):
+            raise bad_request(f"unknown field turn_detection.{key}", f"{param}.{key}", "unknown_parameter")
+    if value.get("idle_timeout_ms") is not None:
+        raise bad_request("idle_timeout_ms is not served", f"{param}.idle_timeout_ms", "unsupported_parameter")
+    threshold = value.get("threshold", DEFAULT_VAD.threshold)
+    if isinstance(threshold, bool) or not isinstance(threshold, (int, float)) or not 0 <= threshold <= 1:
+        raise bad_request("threshold must be a number from 0 to 1", f"{param}.threshold")
+    out = {}
+    for key in ("prefix_padding_ms", "silence_duration_ms"):
+        ms = value.get(key, getattr(DEFAULT_VAD, key))
+        if isinstance(ms, bool) or not isinstance(ms, int) or not 0 <= ms <= 10_000:
+            raise bad_request(f"{key} must be a whole number of milliseconds from 0 to 10000", f"{param}.{key}")
+        out[key] = ms
+    return ServerVad(float(threshold), out["prefix_padding_ms"], out["silence_duration_ms"])
+
+
+def _pcm16(value: object) -> np.ndarray:
+    """An append's ``audio``: base64 PCM16 (little-endian) as int16 samples."""
+    if not isinstance(value, str):
+        raise bad_request("audio must be a base64 string of PCM16 audio", "audio", "invalid_type")
+    try:
+        raw = base64.b64decode(value, validate=True)
+    except (binascii.Error, ValueError):
+        raise bad_request("audio is not valid base64", "audio", "invalid_value") from None
+    if len(raw) % 2:
+        raise bad_request("audio has an odd number of bytes: PCM16 samples are 2 bytes each", "audio")
+    return np.frombuffer(raw, dtype="<i2")
+
+
+def _new_id(prefix: str) -> str:
+    return f"{prefix}_{secrets.token_hex(12)}"
+
+
+class TranscriptionSession:
+    """One WebSocket's session: the reader (client events, in order) and a transcriber task
+    (committed utterances, in order), with one send lock between them."""
+
+    def __init__(self, ws: WebSocket, svc: Services, caller: Caller, config: SessionConfig) -> None:
+        self.ws, self.svc, self.caller, self.config = ws, svc, caller, config
+        self.id = _new_id("sess")
+        self.limits = svc.config.limits
+        self.gone = Gone()  # set when the socket closes: a waiting or running utterance stops
+        self._send_lock = asyncio.Lock()
+        self._buffer: list[np.ndarray] = []  # int16 at RATE, not yet committed
+        self._buffered = 0  # samples in _buffer
+        self._start = 0  # the stream's sample index of the buffer's first sample
+        self._detector: TurnDetector | None = None  # server_vad's, made at the first append
+        self._vad_origin = 0  # the stream's sample index that the detector's own index 0 stands for
+        self._speech: tuple[str, int] | None = None  # (item id, start sample) while server_vad hears speech
+        self._previous: str | None = None  # the last committed item
+        self._queued_s = 0.0  # audio committed and not yet transcribed
+        self._utterances: asyncio.Queue[tuple[str, np.ndarray, SessionConfig] | None] = asyncio.Queue()
+
+    async def run(self) -> None:
+        await self.send({"type": "session.created", "session": self.config.as_event(self.id)})
+        transcriber = asyncio.create_task(self._transcribe_all())
+        try:
+            await self._read()
+        finally:
+            self.gone.set()
+            transcriber.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await transcriber
+            if self._detector is not None:
+                self._detector.close()
+
+    async def send(self, event: dict) -> None:
+        event = {"event_id": _new_id("event"), **event}
+        async with self._send_lock:
+            if self.ws.application_state == WebSocketState.CONNECTED:
+                with contextlib.suppress(WebSocketDisconnect, RuntimeError):  # the client left meanwhile
+                    await self.ws.send_text(json.dumps(event))
+
+    async def error(self, exc: APIError, event_id: str | None) -> None:
+        await self.send({"type": "error", "error": {"type": exc.type, "code": exc.code, "message": exc.message,
+                                                   "param": exc.param, "event_id": event_id}})
+
+    # -- client events ----------------------------------------------------------------------------
+
+    async def _read(self) -> None:
+        while True:
+            message = await self.ws.receive()
+            if message["type"] == "websocket.disconnect":
+                return
+            text = message.get("text")
+            event_id = None
+            try:
+                if text is None:
+                    raise bad_request("client events are JSON text frames, not binary ones", None, "invalid_event")
+                try:
+                    event = json.loads(text)
+                except ValueError:
+                    raise bad_request("the client event is not valid JSON", None, "invalid_json") from None
+                if not isinstance(event, dict) or not isinstance(event.get("type"), str):
+                    raise bad_request("a client event is a JSON object with a string 'type'", "type", "invalid_event")
+                event_id = event.get("event_id") if isinstance(event.get("event_id"), str) else None
+                await self._handle(event)
+            except APIError as exc:
+                await self.error(exc, event_id)
+
+    async def _handle(self, event: dict) -> None:
+        kind = event["type"]
+        if kind == "session.update":
+            config = updated(self.config, event.get("session"), self.svc, self.limits.prompt_max_chars)
+            if config.vad != self.config.vad and self._detector is not None:  # a new one hears what comes next
+                self._detector.close()
+                self._detector, self._speech = None, None
+                self._vad_origin = self._start + self._buffered
+            self.config = config
+            await self.send({"type": "session.updated", "session": config.as_event(self.id)})
+        elif kind == "input_audio_buffer.append":
+            await self._append(_pcm16(event.get("audio")))
+        elif kind == "input_audio_buffer.commit":
+            if self._buffered < MIN_COMMIT_S * RATE:
+                raise bad_request(f"buffer too small: {self._buffered / RATE * 1000:.0f} ms of audio, at least "
+                                  f"{MIN_COMMIT_S * 1000:.0f} ms are needed", None, "input_audio_buffer_commit_empty")
+            item = self._speech[0] if self._speech else _new_id("item")
+            await self._commit(item, self._start + self._buffered)
+        elif kind == "input_audio_buffer.clear":
+            self._drop(self._start + self._buffered)
+            await self.send({"type": "input_audio_buffer.cleared"})
+        else:
+            raise bad_request(f"unknown or unsupported client event type {kind!r} on a transcription session",
+                              "type", "invalid_event")
+
+    async def _append(self, samples: np.ndarray) -> None:
+        if not len(samples):
+            return
+        if (self._buffered + len(samples)) / RATE > self.limits.transcription_max_seconds:
+            raise bad_request(f"the audio buffer would pass this server's limit of "
+                              f"{self.limits.transcription_max_seconds:g} s: commit or clear it first", "audio",
+                              "input_audio_buffer_too_long")
+        self._buffer.append(samples)
+        self._buffered += len(samples)
+        if self.config.vad is None:
+            return
+        if self._detector is None:  # loading the detector's model reads a file: off the event loop
+            self._detector = await asyncio.to_thread(TurnDetector, self.config.vad, RATE)
+        edges = await asyncio.to_thread(self._detector.feed, samples.astype(np.float32) / 32768.0)
+        for kind, at in edges:
+            at += self._vad_origin
+            if kind == "start" and self._speech is None:
+                item, start = _new_id("item"), max(self._start, at)
+                self._speech = (item, start)
+                await self.send({"type": "input_audio_buffer.speech_started", "item_id": item,
+                                 "audio_start_ms": round(start / RATE * 1000)})
+            elif kind == "end" and self._speech is not None:
+                item, start = self._speech
+                end = min(max(at, start), self._start + self._buffered)
+                await self.send({"type": "input_audio_buffer.speech_stopped", "item_id": item,
+                                 "audio_end_ms": round(end / RATE * 1000)})
+                self._drop(start)  # the silence before the speech is not transcribed
+                await self._commit(item, end)
+
+    async def _commit(self, item: str, end: int) -> None:
+        """Commit the buffer up to the stream's sample ``end`` as utterance ``item``."""
+        audio = self._take(end)
+        seconds = len(audio) / RATE
+        if self._queued_s + seconds > self.limits.transcription_max_seconds:
+            self._buffer.insert(0, audio)  # nothing accepted is lost: it stays in the buffer
+            self._buffered += len(audio)
+            self._start -= len(audio)
+            raise APIError(429, "this session's committed audio waits to be transcribed beyond the server's limit "
+                                f"of {self.limits.transcription_max_seconds:g} s: commit again later",
+                           "too_much_pending_audio")
+        self._queued_s += seconds
+        await self.send({"type": "input_audio_buffer.committed", "item_id": item, "previous_item_id": self._previous})
+        self._previous = item
+        self._speech = None
+        self._restart_detector()
+        self._utterances.put_nowait((item, audio, self.config))
+
+    def _take(self, end: int) -> np.ndarray:
+        """The buffered samples before the stream's index ``end``; the rest stays buffered."""
+        whole = np.concatenate(self._buffer) if self._buffer else np.zeros(0, np.int16)
+        cut = max(0, min(len(whole), end - self._start))
+        taken, rest = whole[:cut], whole[cut:]
+        self._buffer = [rest] if len(rest) else []
+        self._buffered = len(rest)
+        self._start += cut
+        return taken
+
+    def _drop(self, end: int) -> None:
+        """Forget the buffered samples before ``end`` (a clear: all of them; then the detector too)."""
+        self._take(end)
+        if not self._buffered:
+            self._speech = None
+            self._restart_detector()
+
+    def _restart_detector(self) -> None:
+        """The detector hears the stream afresh from the buffer's end (after a commit or a clear)."""
+        if self._detector is not None:
+            self._detector.reset()
+        self._vad_origin = self._start + self._buffered
+
+    # -- committed utterances -------------------------------------------------------------------
+
+    async def _transcribe_all(self) -> None:
+        while True:
+            item, audio, config = await self._utterances.get()
+            try:
+                await self._transcribe(item, audio, config)
+            finally:
+                self._queued_s -= len(audio) / RATE
+
+    async def _transcribe(self, item: str, samples: np.ndarray, config: SessionConfig) -> None:
+        audio = samples.astype(np.float32) / 32768.0
+        job = TranscriptionJob(config.model, audio, RATE, TranscriptionRequest(config.language, config.prompt or None))
+        base = {"item_id": item, "content_index": 0}
+        pieces = stream_transcription(self.svc, self.caller, job, self.gone)
+        try:
+            async for piece in pieces:
+                if isinstance(piece, Transcript):
+                    await self.send({"type": "conversation.item.input_audio_transcription.completed", **base,
+                                     "transcript": piece.text,
+                                     "usage": {"type": "duration", "seconds": round(job.duration, 3)}})
+                elif piece:
+                    await self.send({"type": "conversation.item.input_audio_transcription.delta", **base, "delta": piece})
+        except APIError as exc:
+            await self.send({"type": "conversation.item.input_audio_transcription.failed", **base,
+                             "error": {"type": exc.type, "code": exc.code, "message": exc.message, "param": exc.param}})
+        except ClientGone:
+            return
+        finally:
+            await pieces.aclose()
+
+
+def _default_model(svc: Services) -> str:
+    spec = next((s for s in svc.arbiter.specs.values() if s.kind == "stt"), None)
+    if spec is None:
+        raise not_found("this server has no transcription (stt) model for realtime sessions", "model", "model_not_found")
+    return spec.name
+
+
+def _opening(ws: WebSocket, svc: Services) -> tuple[Caller, SessionConfig]:
+    """The handshake's checks: the key, the drain, the model the URL names (``?model=``)."""
+    caller = svc.authenticate(ws)
+    if ws.app.state.drain.draining:
+        raise APIError(503, "the server is draining: open the session on another one", "draining")
+    model = ws.query_params.get("model")
+    if model:
+        try:
+            model = svc.spec(model, "stt").name
+        except APIError as exc:
+            if exc.status == 400:  # a model of another kind
+                raise bad_request(f"{exc.message}; realtime sessions here transcribe speech (no speech-to-speech "
+                                  "model is served)", "model", "unsupported_model") from None
+            raise
+    return caller, SessionConfig(model or _default_model(svc))
+
+
+async def realtime(ws: WebSocket) -> None:
+    """``/v1/realtime``: a transcription session (module doc)."""
+    svc: Services = ws.app.state.services
+    try:
+        caller, config = _opening(ws, svc)
+    except APIError as exc:
+        try:
+            await ws.send_denial_response(exc.response())
+        except RuntimeError:  # a server without the denial extension: a policy close
+            await ws.close(code=1008, reason=exc.message[:120])
+        return
+    await ws.accept()
+    await TranscriptionSession(ws, svc, caller, config).run()

@@ -1,0 +1,265 @@
+"""The Realtime API's transcription sessions (``/v1/realtime``) through the openai SDK's own
+realtime client: committed by the client and by ``server_vad``, errors as ``error`` events that
+leave the session open, the handshake's refusals, and each utterance metered as a request of the
+caller's tier. Speech from Debian's espeak-ng (``tests.helpers.spoken``)."""
+
+from __future__ import annotations
+
+import asyncio
+import base64
+import re
+
+import httpx
+import numpy as np
+import pytest
+import websockets
+from openai import AsyncOpenAI, OpenAI
+
+from tests.helpers import RunningServer, spoken, start_server, write_config
+
+RATE = 24000
+
+
+@pytest.fixture(scope="module")
+def server(tiny_stt, tiny_chat, tmp_path_factory) -> RunningServer:
+    folder = tmp_path_factory.mktemp("realtime-server")
+    running = start_server(write_config(folder, {"tiny-stt": ("stt", tiny_stt), "tiny-chat": ("chat", tiny_chat)}))
+    yield running
+    running.stop()
+
+
+def client(server: RunningServer, tier: str = "paid") -> AsyncOpenAI:
+    return AsyncOpenAI(base_url=server.base_url, api_key=server.keys[tier], max_retries=0)
+
+
+def pcm16(x: np.ndarray) -> bytes:
+    return (np.clip(x, -1, 1) * 32767).astype("<i2").tobytes()
+
+
+def b64(x: np.ndarray) -> str:
+    return base64.b64encode(pcm16(x)).decode()
+
+
+async def events_until(conn, last: str, timeout: float = 60) -> list:
+    """Server events up to and including the first of type ``last``."""
+    out = []
+    async with asyncio.timeout(timeout):
+        async for event in conn:
+            out.append(event)
+            if event.type == last:
+                return out
+    raise AssertionError(f"the session ended before {last}: {[e.type for e in out]}")
+
+
+MANUAL = {"type": "transcription", "audio": {"input": {"format": {"type": "audio/pcm", "rate": RATE},
+                                                        "transcription": {"model": "tiny-stt", "language": "en"},
+                                                        "turn_detection": None}}}
+
+
+def test_a_committed_utterance_streams_the_text_the_http_endpoint_gives(server):
+    speech = spoken("Hello from the realtime session.", rate=RATE)
+    http = OpenAI(base_url=server.base_url, api_key=server.keys["paid"], max_retries=0)
+    import io
+
+    import soundfile as sf
+
+    wav = io.BytesIO()
+    sf.write(wav, np.frombuffer(pcm16(speech), "<i2").astype(np.float32) / 32768, RATE, format="WAV")
+    expected = http.audio.transcriptions.create(model="tiny-stt", file=("a.wav", wav.getvalue()), language="en").text
+
+    async def run():
+        async with client(server).realtime.connect(extra_query={"intent": "transcription"}) as conn:
+            created = await events_until(conn, "session.created")
+            assert created[-1].session.type == "transcription"
+            await conn.session.update(session=MANUAL)
+            updated = await events_until(conn, "session.updated")
+            assert updated[-1].session.audio.input.turn_detection is None
+            for i in range(0, len(speech), 4800):  # 200 ms chunks
+                await conn.input_audio_buffer.append(audio=b64(speech[i:i + 4800]))
+            await conn.input_audio_buffer.commit()
+            return await events_until(conn, "conversation.item.input_audio_transcription.completed")
+
+    events = asyncio.run(run())
+    committed = next(e for e in events if e.type == "input_audio_buffer.committed")
+    deltas = [e for e in events if e.type == "conversation.item.input_audio_transcription.delta"]
+    done = events[-1]
+    assert {e.item_id for e in deltas} <= {committed.item_id} and done.item_id == committed.item_id
+    assert done.transcript == expected == "".join(e.delta for e in deltas)
+    assert done.usage.type == "duration" and done.usage.seconds == pytest.approx(len(speech) / RATE, abs=1e-3)
+
+
+def test_server_vad_ends_each_utterance_at_a_silence(server):
+    """Two sentences with a second of silence between them and after: two turns, each started,
+    stopped, committed and transcribed without a client commit, in order."""
+    silence = np.zeros(RATE, np.float32)
+    stream = np.concatenate([silence, spoken("The first sentence is here.", rate=RATE), silence,
+                             spoken("And now the second one.", rate=RATE), silence])
+
+    async def run():
+        async with client(server).realtime.connect(extra_query={"intent": "transcription"}) as conn:
+            await events_until(conn, "session.created")  # server_vad is the default
+            for i in range(0, len(stream), 960):  # 40 ms chunks, as a microphone sends them
+                await conn.input_audio_buffer.append(audio=b64(stream[i:i + 960]))
+            first = await events_until(conn, "conversation.item.input_audio_transcription.completed")
+            second = await events_until(conn, "conversation.item.input_audio_transcription.completed")
+            return first + second
+
+    events = asyncio.run(run())
+    kinds = [e.type for e in events if e.type.startswith("input_audio_buffer.")]
+    assert kinds == ["input_audio_buffer.speech_started", "input_audio_buffer.speech_stopped",
+                     "input_audio_buffer.committed"] * 2
+    starts = [e for e in events if e.type == "input_audio_buffer.speech_started"]
+    stops = [e for e in events if e.type == "input_audio_buffer.speech_stopped"]
+    committed = [e for e in events if e.type == "input_audio_buffer.committed"]
+    done = [e for e in events if e.type == "conversation.item.input_audio_transcription.completed"]
+    assert [e.item_id for e in starts] == [e.item_id for e in stops] == [e.item_id for e in committed] \
+        == [e.item_id for e in done]
+    assert committed[0].previous_item_id is None and committed[1].previous_item_id == committed[0].item_id
+    # where the speech is, in the stream (ms), and what each turn may add to it: the prefix padding
+    # before (300 ms), as much after, and a 32 ms frame of the detector either side
+    lengths = [len(spoken(t, rate=RATE)) / RATE * 1000 for t in ("The first sentence is here.", "And now the second one.")]
+    speech = [(1000, 1000 + lengths[0]), (2000 + lengths[0], 2000 + lengths[0] + lengths[1])]
+    for (begin, end), start, stop, d in zip(speech, starts, stops, done):
+        assert begin - 400 <= start.audio_start_ms <= begin - 200
+        assert end + 200 <= stop.audio_end_ms <= end + 450
+        # the turn's audio only: the silences between the turns are not transcribed
+        assert d.usage.seconds == pytest.approx((stop.audio_end_ms - start.audio_start_ms) / 1000, abs=0.002)
+
+
+@pytest.mark.parametrize("event, param, code", [
+    ({"type": "input_audio_buffer.append", "audio": "not base64!"}, "audio", "invalid_value"),
+    ({"type": "input_audio_buffer.append", "audio": base64.b64encode(b"abc").decode()}, "audio", "invalid_value"),
+    ({"type": "input_audio_buffer.commit"}, None, "input_audio_buffer_commit_empty"),
+    ({"type": "response.create"}, "type", "invalid_event"),
+    ({"type": "session.update", "session": {"type": "realtime"}}, "session.type", "unsupported_session_type"),
+    ({"type": "session.update", "session": {"type": "transcription", "audio": {"input": {
+        "format": {"type": "audio/pcmu"}}}}}, "session.audio.input.format.type", "unsupported_format"),
+    ({"type": "session.update", "session": {"type": "transcription", "audio": {"input": {
+        "format": {"type": "audio/pcm", "rate": 16000}}}}}, "session.audio.input.format.rate", "unsupported_format"),
+    ({"type": "session.update", "session": {"type": "transcription", "audio": {"input": {
+        "transcription": {"model": "nope"}}}}}, "session.audio.input.transcription.model", "model_not_found"),
+    ({"type": "session.update", "session": {"type": "transcription", "audio": {"input": {
+        "transcription": {"model": "tiny-chat"}}}}}, "session.audio.input.transcription.model", None),
+    ({"type": "session.update", "session": {"type": "transcription", "audio": {"input": {
+        "turn_detection": {"type": "semantic_vad"}}}}}, "session.audio.input.turn_detection.type", "unsupported_parameter"),
+    ({"type": "session.update", "session": {"type": "transcription", "audio": {"input": {
+        "turn_detection": {"type": "server_vad", "threshold": 2}}}}}, "session.audio.input.turn_detection.threshold",
+     "invalid_value"),
+    ({"type": "session.update", "session": {"type": "transcription", "audio": {"input": {
+        "noise_reduction": {"type": "near_field"}}}}}, "session.audio.input.noise_reduction", "unsupported_parameter"),
+])
+def test_a_bad_client_event_is_an_error_event_and_the_session_goes_on(server, event, param, code):
+    speech = spoken("Still here.", rate=RATE)
+
+    async def run():
+        async with websockets.connect(server.url.replace("http", "ws") + "/v1/realtime",
+                                      additional_headers={"Authorization": f"Bearer {server.keys['paid']}"}) as ws:
+            import json
+
+            async def until(kind):
+                while True:
+                    got = json.loads(await asyncio.wait_for(ws.recv(), 60))
+                    if got["type"] == kind:
+                        return got
+
+            await until("session.created")
+            await ws.send(json.dumps({**event, "event_id": "evt_1"}))
+            error = await until("error")
+            # the session is still usable, and still as it was: a manual commit transcribes
+            await ws.send(json.dumps({"type": "session.update", "session": MANUAL}))
+            await until("session.updated")
+            await ws.send(json.dumps({"type": "input_audio_buffer.append", "audio": b64(speech)}))
+            await ws.send(json.dumps({"type": "input_audio_buffer.commit"}))
+            done = await until("conversation.item.input_audio_transcription.completed")
+            return error, done
+
+    error, done = asyncio.run(run())
+    assert error["error"]["param"] == param and error["error"]["event_id"] == "evt_1"
+    assert error["error"]["type"] == ("not_found_error" if code == "model_not_found" else "invalid_request_error")
+    assert error["error"]["message"]
+    if code is not None:
+        assert error["error"]["code"] == code
+    assert isinstance(done["transcript"], str) and done["usage"]["seconds"] == pytest.approx(len(speech) / RATE, abs=1e-3)
+
+
+@pytest.mark.parametrize("headers, query, status", [
+    ({}, "", 401),
+    ({"Authorization": "Bearer wrong"}, "", 401),
+    (None, "?model=nope", 404),
+    (None, "?model=tiny-chat", 400),
+])
+def test_the_handshake_refuses_with_an_http_error(server, headers, query, status):
+    headers = {"Authorization": f"Bearer {server.keys['paid']}"} if headers is None else headers
+
+    async def run():
+        with pytest.raises(websockets.exceptions.InvalidStatus) as refused:
+            async with websockets.connect(server.url.replace("http", "ws") + "/v1/realtime" + query,
+                                          additional_headers=headers):
+                pass
+        return refused.value.response
+
+    response = asyncio.run(run())
+    assert response.status_code == status
+    import json
+
+    assert json.loads(response.body)["error"]["message"]
+
+
+def test_each_utterance_is_metered_and_timed_as_a_request_of_the_tier(server):
+    """Two utterances of a free key's session: two free transcription requests in /metrics, and
+    their audio seconds in the key's usage."""
+    speech = spoken("Count me.", rate=RATE)
+
+    def requests_seen() -> float:
+        text = httpx.get(f"{server.url}/metrics").text
+        found = re.search(r'^tiergate_request_seconds_count\{(?=[^}]*tier="free")(?=[^}]*endpoint="transcriptions")[^}]*\}'
+                          r" (\S+)$", text, re.M)
+        return float(found.group(1)) if found else 0.0
+
+    def audio_seconds() -> float:
+        r = httpx.get(f"{server.url}/admin/usage", params={"group_by": "tier"},
+                      headers={"Authorization": f"Bearer {server.keys['admin']}"})
+        assert r.status_code == 200, r.text
+        return sum(row.get("audio_in_seconds", 0) for row in r.json()["data"] if row.get("tier") == "free")
+
+    before = requests_seen(), audio_seconds()
+
+    async def run():
+        async with client(server, "free").realtime.connect(extra_query={"intent": "transcription"}) as conn:
+            await events_until(conn, "session.created")
+            await conn.session.update(session=MANUAL)
+            for _ in range(2):
+                await conn.input_audio_buffer.append(audio=b64(speech))
+                await conn.input_audio_buffer.commit()
+                await events_until(conn, "conversation.item.input_audio_transcription.completed")
+
+    asyncio.run(run())
+    assert requests_seen() == before[0] + 2
+    assert audio_seconds() == pytest.approx(before[1] + 2 * len(speech) / RATE, abs=0.01)
+
+
+def test_a_session_that_closes_gives_back_its_slot_and_its_detector(server):
+    """The client leaves right after a commit, with server_vad on: the utterance's gate slot is
+    given back (whether its transcription had started or not) and the turn detector's model goes
+    back to the pool."""
+    from workers import stt
+
+    speech = spoken("Leaving now, goodbye.", rate=RATE)
+    pooled = stt._vad_models.qsize()
+
+    async def run():
+        async with client(server).realtime.connect(extra_query={"intent": "transcription"}) as conn:
+            await events_until(conn, "session.created")
+            await conn.input_audio_buffer.append(audio=b64(np.concatenate([speech] * 8)))
+            await conn.input_audio_buffer.commit()
+            await events_until(conn, "input_audio_buffer.committed")
+
+    asyncio.run(run())
+
+    async def settled():
+        async with asyncio.timeout(20):
+            while server.services.gate.total_inflight or stt._vad_models.qsize() < max(pooled, 1):
+                await asyncio.sleep(0.05)
+
+    asyncio.run(settled())
+    assert server.services.gate.total_inflight == 0 and stt._vad_models.qsize() >= max(pooled, 1)
