@@ -263,3 +263,23 @@ def test_a_session_that_closes_gives_back_its_slot_and_its_detector(server):
 
     asyncio.run(settled())
     assert server.services.gate.total_inflight == 0 and stt._vad_models.qsize() >= max(pooled, 1)
+
+
+@pytest.mark.parametrize("frame, code", [(b"\x00\x01binary", "invalid_event"), ("{not json", "invalid_json"),
+                                         ('["a list"]', "invalid_event"), ('{"type": 5}', "invalid_event")])
+def test_a_frame_that_is_no_client_event_is_an_error_event(server, frame, code):
+    import json
+
+    async def run():
+        async with websockets.connect(server.url.replace("http", "ws") + "/v1/realtime",
+                                      additional_headers={"Authorization": f"Bearer {server.keys['paid']}"}) as ws:
+            assert json.loads(await ws.recv())["type"] == "session.created"
+            await ws.send(frame)
+            first = json.loads(await asyncio.wait_for(ws.recv(), 30))
+            await ws.send(json.dumps({"type": "input_audio_buffer.clear"}))  # still answering
+            second = json.loads(await asyncio.wait_for(ws.recv(), 30))
+            return first, second
+
+    error, cleared = asyncio.run(run())
+    assert error["type"] == "error" and error["error"]["code"] == code and error["error"]["event_id"] is None
+    assert cleared["type"] == "input_audio_buffer.cleared"
