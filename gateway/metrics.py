@@ -75,6 +75,18 @@ class _TokenCollector(Collector):
         yield family
 
 
+class _SessionCollector(Collector):
+    def __init__(self, sessions: Counter[str]) -> None:
+        self.sessions = sessions
+
+    def collect(self):
+        family = GaugeMetricFamily("tiergate_realtime_sessions", "Realtime API sessions (WebSockets) open, by tier",
+                                   labels=["tier"])
+        for tier, n in sorted(self.sessions.items()):
+            family.add_metric([tier], n)
+        yield family
+
+
 class _StateCollector(Collector):
     def __init__(self, gate: Gate, arbiter: Arbiter, lora: LoraActivity) -> None:
         self.gate = gate
@@ -200,6 +212,8 @@ class Metrics:
         self.registry.register(_StateCollector(gate, arbiter, self.lora))
         self.tokens: Counter[tuple[str, str, str]] = Counter()  # (model, tier, type) -> tokens
         self.registry.register(_TokenCollector(self.tokens))
+        self.realtime_sessions: Counter[str] = Counter()  # tier -> open sessions (gateway.realtime)
+        self.registry.register(_SessionCollector(self.realtime_sessions))
         self.latency = Histogram(
             "tiergate_request_seconds", "Request latency from arrival to the last byte",
             ["tier", "endpoint"], buckets=_BUCKETS, registry=self.registry,

@@ -17,11 +17,14 @@ the model decodes, then ``...completed`` (the transcript and its usage in second
 Each committed utterance is one request of the caller's tier: it waits for a gate slot and a
 lease on the model like any other request, is metered by its audio seconds, and the session's
 utterances are transcribed in order. The key is checked once, at the handshake (the
-``Authorization`` header; a refused one gets an HTTP error before the upgrade).
+``Authorization`` header, or for a browser, which cannot set one, the subprotocol
+``openai-insecure-api-key.<key>``, as OpenAI takes it; a refused key gets an HTTP error before the
+upgrade). ``tiergate_realtime_sessions{tier}`` counts the sessions open.
 
 Not served (each refused with an error naming it): conversation sessions (``type: "realtime"``, a
 speech-to-speech model), ``semantic_vad``, noise reduction, logprobs, and audio formats other
-than 24 kHz PCM16.
+than 24 kHz PCM16. Ephemeral client secrets (``/v1/realtime/client_secrets``) are not issued:
+a browser sends a key of its own, so give it a key with limits of its own (docs/ACCOUNTS.md).
 """
 
 from __future__ import annotations
@@ -46,6 +49,7 @@ from workers.stt import ServerVad, TranscriptionRequest, Transcript, TurnDetecto
 
 RATE = 24_000  # the only input rate OpenAI's realtime transcription takes (PCM16 mono)
 MIN_COMMIT_S = 0.1  # a shorter buffer is refused at commit, as OpenAI's is
+KEY_SUBPROTOCOL = "openai-insecure-api-key."  # a browser's way to send its key (OpenAI's name for it)
 DEFAULT_VAD = ServerVad(threshold=0.5, prefix_padding_ms=300, silence_duration_ms=500)  # OpenAI's session defaults
 _UNSERVED_INPUT = ("noise_reduction",)
 
@@ -389,9 +393,18 @@ def _default_model(svc: Services) -> str:
     return spec.name
 
 
+def _subprotocol_key(ws: WebSocket) -> str | None:
+    """The key a browser sends as a subprotocol (it cannot set headers on a WebSocket), as
+    OpenAI's: ``openai-insecure-api-key.<key>``."""
+    for offered in ws.scope.get("subprotocols", ()):
+        if offered.startswith(KEY_SUBPROTOCOL):
+            return offered[len(KEY_SUBPROTOCOL):]
+    return None
+
+
 def _opening(ws: WebSocket, svc: Services) -> tuple[Caller, SessionConfig]:
     """The handshake's checks: the key, the drain, the model the URL names (``?model=``)."""
-    caller = svc.authenticate(ws)
+    caller = svc.authenticate(ws, _subprotocol_key(ws))
     if ws.app.state.drain.draining:
         raise APIError(503, "the server is draining: open the session on another one", "draining")
     model = ws.query_params.get("model")
@@ -417,5 +430,12 @@ async def realtime(ws: WebSocket) -> None:
         except RuntimeError:  # a server without the denial extension: a policy close
             await ws.close(code=1008, reason=exc.message[:120])
         return
-    await ws.accept()
-    await TranscriptionSession(ws, svc, caller, config).run()
+    # a client that offers subprotocols (a browser's "realtime" and its key) fails unless one is
+    # chosen; the key is never echoed
+    await ws.accept(subprotocol="realtime" if "realtime" in ws.scope.get("subprotocols", ()) else None)
+    sessions = svc.metrics.realtime_sessions
+    sessions[caller.tier] += 1
+    try:
+        await TranscriptionSession(ws, svc, caller, config).run()
+    finally:
+        sessions[caller.tier] -= 1

@@ -10,7 +10,7 @@ import time
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Awaitable, Callable, Protocol, TypeVar
 
-from starlette.requests import Request
+from starlette.requests import HTTPConnection, Request
 
 from arbiter.residency import Arbiter, Lease, Refused, Unavailable
 from gateway.adapters import AdapterRegistry
@@ -106,8 +106,10 @@ class Services:
         self.on_shutdown.append(store.close)
         return store
 
-    def authenticate(self, request: Request) -> Caller:
-        token = bearer_token(request.headers.get("authorization"))
+    def authenticate(self, request: HTTPConnection, token: str | None = None) -> Caller:
+        """The caller of ``request``'s key: its ``Authorization: Bearer`` header's, or ``token``
+        (a WebSocket's key, sent another way) when there is no header."""
+        token = bearer_token(request.headers.get("authorization")) or token
         if token is None:
             raise APIError(401, "missing API key: send 'Authorization: Bearer <key>'", "missing_api_key")
         caller = self.keys.lookup(token)

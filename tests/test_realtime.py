@@ -283,3 +283,43 @@ def test_a_frame_that_is_no_client_event_is_an_error_event(server, frame, code):
     error, cleared = asyncio.run(run())
     assert error["type"] == "error" and error["error"]["code"] == code and error["error"]["event_id"] is None
     assert cleared["type"] == "input_audio_buffer.cleared"
+
+
+def test_a_browser_sends_its_key_as_a_subprotocol_and_sessions_are_counted(server):
+    """A browser cannot set headers on a WebSocket: OpenAI's ``openai-insecure-api-key.<key>``
+    subprotocol carries the key, ``realtime`` is the one chosen (never the key), and
+    ``tiergate_realtime_sessions{tier}`` counts the session while it is open."""
+    import json
+
+    def open_sessions() -> float:
+        text = httpx.get(f"{server.url}/metrics").text
+        found = re.search(r'^tiergate_realtime_sessions\{tier="subscriber"\} (\S+)$', text, re.M)
+        return float(found.group(1)) if found else 0.0
+
+    url = server.url.replace("http", "ws") + "/v1/realtime"
+
+    async def run():
+        key = "openai-insecure-api-key." + server.keys["subscriber"]
+        async with websockets.connect(url, subprotocols=["realtime", key]) as ws:
+            created = json.loads(await ws.recv())
+            during = await asyncio.to_thread(open_sessions)
+            return ws.subprotocol, created, during
+
+    chosen, created, during = asyncio.run(run())
+    assert chosen == "realtime" and created["type"] == "session.created"
+    assert during == 1
+
+    async def gone():
+        async with asyncio.timeout(10):
+            while await asyncio.to_thread(open_sessions):
+                await asyncio.sleep(0.05)
+
+    asyncio.run(gone())
+
+    async def wrong():
+        with pytest.raises(websockets.exceptions.InvalidStatus) as refused:
+            async with websockets.connect(url, subprotocols=["realtime", "openai-insecure-api-key.wrong"]):
+                pass
+        return refused.value.response.status_code
+
+    assert asyncio.run(wrong()) == 401
