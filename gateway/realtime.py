@@ -22,8 +22,8 @@ utterances are transcribed in order. The key is checked once, at the handshake (
 upgrade). ``tiergate_realtime_sessions{tier}`` counts the sessions open.
 
 Not served (each refused with an error naming it): conversation sessions (``type: "realtime"``, a
-speech-to-speech model), ``semantic_vad``, noise reduction, logprobs, and audio formats other
-than 24 kHz PCM16. Ephemeral client secrets (``/v1/realtime/client_secrets``) are not issued:
+speech-to-speech model), ``semantic_vad``, noise reduction, and audio formats other than 24 kHz
+PCM16. Ephemeral client secrets (``/v1/realtime/client_secrets``) are not issued:
 a browser sends a key of its own, so give it a key with limits of its own (docs/ACCOUNTS.md).
 """
 
@@ -34,6 +34,7 @@ import base64
 import binascii
 import contextlib
 import json
+import logging
 import secrets
 from dataclasses import dataclass, replace
 
@@ -43,12 +44,16 @@ from starlette.websockets import WebSocket, WebSocketDisconnect, WebSocketState
 from gateway.audio import TranscriptionJob, stream_transcription
 from gateway.auth import Caller
 from gateway.errors import APIError, bad_request, not_found
+from gateway.logprobs import token_entries
 from gateway.service import ClientGone, Services
 from gateway.serving import Gone
 from workers.stt import ServerVad, TranscriptionRequest, Transcript, TurnDetector
 
+log = logging.getLogger("tiergate.realtime")
+
 RATE = 24_000  # the only input rate OpenAI's realtime transcription takes (PCM16 mono)
 MIN_COMMIT_S = 0.1  # a shorter buffer is refused at commit, as OpenAI's is
+LOGPROBS = "item.input_audio_transcription.logprobs"  # the one thing a transcription session may include
 KEY_SUBPROTOCOL = "openai-insecure-api-key."  # a browser's way to send its key (OpenAI's name for it)
 DEFAULT_VAD = ServerVad(threshold=0.5, prefix_padding_ms=300, silence_duration_ms=500)  # OpenAI's session defaults
 _UNSERVED_INPUT = ("noise_reduction",)
@@ -62,6 +67,7 @@ class SessionConfig:
     language: str | None = None
     prompt: str = ""
     vad: ServerVad | None = DEFAULT_VAD
+    logprobs: bool = False  # include: ["item.input_audio_transcription.logprobs"]
 
     def as_event(self, session_id: str) -> dict:
         vad = None if self.vad is None else {"type": "server_vad", "threshold": self.vad.threshold,
@@ -72,7 +78,7 @@ class SessionConfig:
                                     "transcription": {"model": self.model, "language": self.language,
                                                       "prompt": self.prompt},
                                     "turn_detection": vad, "noise_reduction": None}},
-                "include": []}
+                "include": [LOGPROBS] if self.logprobs else []}
 
 
 def _object(value: object, param: str) -> dict:
@@ -93,9 +99,11 @@ def updated(config: SessionConfig, session: object, svc: Services, limits_prompt
         if key not in ("type", "audio", "include", "id", "object"):
             raise bad_request(f"unknown or unsupported session field {key!r} for a transcription session",
                               f"session.{key}", "unknown_parameter")
-    if session.get("include"):
-        raise bad_request("include (logprobs) is not served on realtime transcription sessions", "session.include",
-                          "unsupported_parameter")
+    if "include" in session:
+        include = session["include"] or []
+        if not isinstance(include, list) or any(x != LOGPROBS for x in include):
+            raise bad_request(f"include may list only {LOGPROBS!r}", "session.include", "invalid_value")
+        config = replace(config, logprobs=bool(include))
     audio = _object(session.get("audio", {}), "session.audio")
     for key in audio:
         if key != "input":
@@ -366,24 +374,34 @@ class TranscriptionSession:
 
     async def _transcribe(self, item: str, samples: np.ndarray, config: SessionConfig) -> None:
         audio = samples.astype(np.float32) / 32768.0
-        job = TranscriptionJob(config.model, audio, RATE, TranscriptionRequest(config.language, config.prompt or None))
+        job = TranscriptionJob(config.model, audio, RATE, TranscriptionRequest(config.language, config.prompt or None,
+                                                                              logprobs=config.logprobs))
         base = {"item_id": item, "content_index": 0}
-        pieces = stream_transcription(self.svc, self.caller, job, self.gone)
+        pieces = None
         try:
+            pieces = stream_transcription(self.svc, self.caller, job, self.gone)
             async for piece in pieces:
                 if isinstance(piece, Transcript):
+                    logprobs = {} if piece.logprobs is None else {"logprobs": token_entries(piece.logprobs)}
                     await self.send({"type": "conversation.item.input_audio_transcription.completed", **base,
-                                     "transcript": piece.text,
+                                     "transcript": piece.text, **logprobs,
                                      "usage": {"type": "duration", "seconds": round(job.duration, 3)}})
                 elif piece:
                     await self.send({"type": "conversation.item.input_audio_transcription.delta", **base, "delta": piece})
         except APIError as exc:
-            await self.send({"type": "conversation.item.input_audio_transcription.failed", **base,
-                             "error": {"type": exc.type, "code": exc.code, "message": exc.message, "param": exc.param}})
+            await self.failed(base, {"type": exc.type, "code": exc.code, "message": exc.message, "param": exc.param})
         except ClientGone:
             return
+        except Exception:  # noqa: BLE001 - this utterance fails; the session and its next utterances go on
+            log.exception("realtime transcription failed")
+            await self.failed(base, {"type": "server_error", "code": "server_error", "message": "the transcription failed",
+                                     "param": None})
         finally:
-            await pieces.aclose()
+            if pieces is not None:
+                await pieces.aclose()
+
+    async def failed(self, base: dict, error: dict) -> None:
+        await self.send({"type": "conversation.item.input_audio_transcription.failed", **base, "error": error})
 
 
 def _default_model(svc: Services) -> str:

@@ -147,6 +147,8 @@ def test_server_vad_ends_each_utterance_at_a_silence(server):
      "invalid_value"),
     ({"type": "session.update", "session": {"type": "transcription", "audio": {"input": {
         "noise_reduction": {"type": "near_field"}}}}}, "session.audio.input.noise_reduction", "unsupported_parameter"),
+    ({"type": "session.update", "session": {"type": "transcription", "include": ["item.audio"]}}, "session.include",
+     "invalid_value"),
 ])
 def test_a_bad_client_event_is_an_error_event_and_the_session_goes_on(server, event, param, code):
     speech = spoken("Still here.", rate=RATE)
@@ -323,3 +325,55 @@ def test_a_browser_sends_its_key_as_a_subprotocol_and_sessions_are_counted(serve
         return refused.value.response.status_code
 
     assert asyncio.run(wrong()) == 401
+
+
+def test_logprobs_when_the_session_includes_them_and_a_failing_utterance_does_not_end_the_session(server, monkeypatch):
+    """``include: [item.input_audio_transcription.logprobs]``: the completed event carries each
+    token's log-probability, as the HTTP endpoint's json does. An utterance whose transcription
+    breaks unexpectedly gets a ``failed`` event (server_error), and the next one is transcribed."""
+    from gateway import realtime
+
+    speech = spoken("Log these probabilities.", rate=RATE)
+    real = realtime.stream_transcription
+    calls = []
+
+    def flaky(*args, **kwargs):
+        calls.append(1)
+        if len(calls) == 1:
+            raise RuntimeError("a bug")
+        return real(*args, **kwargs)
+
+    monkeypatch.setattr(realtime, "stream_transcription", flaky)
+
+    async def run():
+        async with client(server).realtime.connect(extra_query={"intent": "transcription"}) as conn:
+            await events_until(conn, "session.created")
+            await conn.session.update(session={**MANUAL, "include": ["item.input_audio_transcription.logprobs"]})
+            updated = await events_until(conn, "session.updated")
+            for _ in range(2):
+                await conn.input_audio_buffer.append(audio=b64(speech))
+                await conn.input_audio_buffer.commit()
+            events = await events_until(conn, "conversation.item.input_audio_transcription.completed")
+            return updated[-1], events
+
+    updated, events = asyncio.run(run())
+    committed = [e for e in events if e.type == "input_audio_buffer.committed"]
+    (failed,) = [e for e in events if e.type == "conversation.item.input_audio_transcription.failed"]
+    done = events[-1]
+    assert updated.session.include == ["item.input_audio_transcription.logprobs"]
+    assert failed.item_id == committed[0].item_id and failed.error.code == "server_error"
+    assert done.item_id == committed[1].item_id
+    # the same as the HTTP endpoint's for the same audio (json, include[]=logprobs)
+    import io
+
+    import soundfile as sf
+
+    wav = io.BytesIO()
+    sf.write(wav, np.frombuffer(pcm16(speech), "<i2").astype(np.float32) / 32768, RATE, format="WAV")
+    http = httpx.post(f"{server.base_url}/audio/transcriptions", headers={"Authorization": f"Bearer {server.keys['paid']}"},
+                      files={"file": ("a.wav", wav.getvalue())},
+                      data={"model": "tiny-stt", "language": "en", "include[]": "logprobs"}, timeout=60).json()
+    assert http["text"] == done.transcript and len(http["logprobs"]) == len(done.logprobs) > 0
+    for mine, theirs in zip(done.logprobs, http["logprobs"]):
+        assert mine.token == theirs["token"] and mine.bytes == theirs["bytes"]
+        assert mine.logprob == pytest.approx(theirs["logprob"], abs=1e-4)
