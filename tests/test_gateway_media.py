@@ -807,7 +807,12 @@ def test_a_streamed_transcription_sends_the_text_as_it_is_decoded(media):
     wav = tone_file(3.0, 16000, 1, "WAV")
     ask = dict(model="tiny-stt", file=("tone.wav", wav, "audio/wav"), language="en", temperature=0)
     plain = c.audio.transcriptions.create(**ask)
-    events = list(c.audio.transcriptions.create(**ask, stream=True))
+    worker = media.services.arbiter.workers["tiny-stt"]
+    worker.stream_every_s = 0.0  # the text read at every token (the demo decodes a window in ~20 ms)
+    try:
+        events = list(c.audio.transcriptions.create(**ask, stream=True))
+    finally:
+        del worker.stream_every_s  # the class's default again
     deltas = [e.delta for e in events if e.type == "transcript.text.delta"]
     done = events[-1]
     assert len(deltas) >= 2 and len(events) == len(deltas) + 1  # more than one piece: streamed as decoded
@@ -829,9 +834,9 @@ def test_leaving_a_streamed_transcription_stops_the_decoding_and_frees_the_slot(
     c.audio.transcriptions.create(model="tiny-stt", file=("w.wav", wav, "audio/wav"), language="en")  # loaded
     worker = media.services.arbiter.workers["tiny-stt"]
     decoder = worker.model.get_decoder()
-    whole = c.audio.transcriptions.create(model="tiny-stt", file=("w.wav", wav, "audio/wav"), language="en", stream=True)
-    with _Counter(decoder) as full:
-        list(whole)
+    with _Counter(decoder) as full:  # counting from before the request: it may decode before create() returns
+        list(c.audio.transcriptions.create(model="tiny-stt", file=("w.wav", wav, "audio/wav"), language="en",
+                                           stream=True))
     slow = decoder.register_forward_pre_hook(lambda *_: time.sleep(0.05))  # a token every 50 ms
     try:
         with _Counter(decoder) as decoded:

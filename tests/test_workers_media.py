@@ -5,6 +5,7 @@ from __future__ import annotations
 import io
 import json
 import re
+import time
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
@@ -462,9 +463,11 @@ def test_stt_transcribes_a_44k_stereo_wav(stt_worker):
 
 
 @pytest.mark.parametrize("seconds, temperature", [(45.0, 0.0), (4.0, 0.8)])
-def test_stt_streamed_pieces_join_to_the_transcript(stt_worker, seconds, temperature):
-    """``on_text`` across two windows (45 s) and sampled (0.8): the pieces join to the text, a
-    step boundary at every token; greedy, the same text as unstreamed."""
+def test_stt_streamed_pieces_join_to_the_transcript(stt_worker, seconds, temperature, monkeypatch):
+    """``on_text`` across two windows (45 s) and sampled (0.8), the text read at every token
+    (``stream_every_s`` 0): the pieces join to the text, a step boundary at every token; greedy,
+    the same text as unstreamed."""
+    monkeypatch.setattr(stt_worker, "stream_every_s", 0.0)
     x = _tone(seconds, 16000)[:, 0]
     req = stt.TranscriptionRequest(language="en", temperature=temperature)
     pieces: list[str] = []
@@ -475,6 +478,38 @@ def test_stt_streamed_pieces_join_to_the_transcript(stt_worker, seconds, tempera
     assert ctx.steps > windows * 3  # one per window, and one per token decoded
     if temperature == 0:
         assert stt_worker.transcribe(x, req, StepContext()).text == streamed.text
+
+
+def test_stt_streamed_text_is_read_at_most_every_stream_every_s(stt_worker, monkeypatch):
+    """A decoder slowed to a token every 20 ms: with ``stream_every_s`` 0 the window's text is
+    read again (``_segments``) at every token; at most every 0.1 s, several times less often,
+    with the pieces joined to the same text and a step boundary still at every token."""
+    x = _tone(4.0, 16000)[:, 0]
+    req = stt.TranscriptionRequest(language="en")
+    real = stt_worker._segments
+    reads = []
+
+    def counted(*args, **kwargs):
+        reads.append(1)
+        return real(*args, **kwargs)
+
+    monkeypatch.setattr(stt_worker, "_segments", counted)
+    slow = stt_worker.model.get_decoder().register_forward_pre_hook(lambda *_: time.sleep(0.02))
+    try:
+        runs = {}
+        for every in (0.0, 0.1):
+            monkeypatch.setattr(stt_worker, "stream_every_s", every)
+            pieces: list[str] = []
+            ctx = StepContext()
+            reads.clear()
+            text = stt_worker.transcribe(x, req, ctx, pieces.append).text
+            runs[every] = (pieces, ctx.steps, text, len(reads))
+    finally:
+        slow.remove()
+    (each, steps_each, text_each, reads_each), (few, steps_few, text_few, reads_few) = runs[0.0], runs[0.1]
+    assert "".join(each) == text_each == text_few == "".join(few) and few
+    assert steps_each == steps_few > 10  # every token is a step boundary either way
+    assert 2 <= reads_few <= reads_each / 2.5, (reads_few, reads_each)
 
 
 def test_stt_options(stt_worker):

@@ -41,6 +41,7 @@ import contextlib
 import itertools
 import math
 import queue
+import time
 import warnings
 import zlib
 from dataclasses import dataclass, field
@@ -272,6 +273,8 @@ class STTWorker(ThreadWorker):
     """Runs one speech seq2seq model (Whisper-style) with its processor."""
 
     kind = "stt"
+    # a streamed transcription reads its text again at most this often (``_Tokens``); 0: at every token
+    stream_every_s = 0.05
 
     def __init__(self, spec: ModelSpec) -> None:
         self.spec = spec
@@ -361,7 +364,7 @@ class STTWorker(ThreadWorker):
                         on_text(so_far[len(sent):])
                         sent = so_far
 
-                streamer = _Tokens(ctx, grown)
+                streamer = _Tokens(ctx, grown, self.stream_every_s)
             window = self._window(features, language, prompt_ids, req.temperature, t1 - t0, req.task, streamer,
                                   frames=frames, details=req.details and self._whisper_timestamps(),
                                   logprobs=req.logprobs)
@@ -662,12 +665,19 @@ class _Tokens(BaseStreamer):
     50-440 tokens on this CPU, up to ~0.26 s over a full 30 s window. Decoding only the open
     segment was tried and dropped: Whisper's generate trims what it streamed (tokens after its
     last timestamp), so text sent from the open segment was later not in the transcript, where
-    reading the finished segments as ``_segments`` does stays a prefix of it."""
+    reading the finished segments as ``_segments`` does stays a prefix of it.
 
-    def __init__(self, ctx: StepContext, grown: Callable[[list[int]], None]) -> None:
-        self.ctx, self.grown = ctx, grown
+    So the text is read again at most every ``every_s`` (the first token's at once): a fast model
+    decodes many tokens in that time, and each read costs what the tokens so far cost. Whatever
+    the last read missed goes out when the window ends (``transcribe`` sends the rest). Measured
+    on the demo's tiny Whisper (docs/BENCHMARKS.md, "Live transcription"): a streamed 2 s
+    utterance took +11 ms over the unstreamed one when every token was read."""
+
+    def __init__(self, ctx: StepContext, grown: Callable[[list[int]], None], every_s: float = 0.05) -> None:
+        self.ctx, self.grown, self.every_s = ctx, grown, every_s
         self.ids: list[int] = []
         self.prompted = False
+        self._read_at = -math.inf
 
     def put(self, value: torch.Tensor) -> None:
         if not self.prompted:
@@ -675,7 +685,10 @@ class _Tokens(BaseStreamer):
             return
         self.ids.extend(value.reshape(-1).tolist())
         self.ctx.boundary()
-        self.grown(self.ids)
+        now = time.monotonic()
+        if now - self._read_at >= self.every_s:
+            self._read_at = now
+            self.grown(self.ids)
 
     def end(self) -> None:
         pass
