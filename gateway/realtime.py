@@ -218,7 +218,7 @@ class TranscriptionSession:
         self._speech: tuple[str, int] | None = None  # (item id, start sample) while server_vad hears speech
         self._previous: str | None = None  # the last committed item
         self._queued_s = 0.0  # audio committed and not yet transcribed
-        self._utterances: asyncio.Queue[tuple[str, np.ndarray, SessionConfig] | None] = asyncio.Queue()
+        self._utterances: asyncio.Queue[tuple[str, np.ndarray, SessionConfig]] = asyncio.Queue()
 
     async def run(self) -> None:
         await self.send({"type": "session.created", "session": self.config.as_event(self.id)})
@@ -274,7 +274,6 @@ class TranscriptionSession:
             if config.vad != self.config.vad and self._detector is not None:  # a new one hears what comes next
                 self._detector.close()
                 self._detector, self._speech = None, None
-                self._vad_origin = self._start + self._buffered
             self.config = config
             await self.send({"type": "session.updated", "session": config.as_event(self.id)})
         elif kind == "input_audio_buffer.append":
@@ -305,6 +304,7 @@ class TranscriptionSession:
             return
         if self._detector is None:  # loading the detector's model reads a file: off the event loop
             self._detector = await asyncio.to_thread(TurnDetector, self.config.vad, RATE)
+            self._vad_origin = self._start + self._buffered - len(samples)  # it hears from these samples on
         edges = await asyncio.to_thread(self._detector.feed, samples.astype(np.float32) / 32768.0)
         for kind, at in edges:
             at += self._vad_origin

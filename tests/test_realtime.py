@@ -377,3 +377,31 @@ def test_logprobs_when_the_session_includes_them_and_a_failing_utterance_does_no
     for mine, theirs in zip(done.logprobs, http["logprobs"]):
         assert mine.token == theirs["token"] and mine.bytes == theirs["bytes"]
         assert mine.logprob == pytest.approx(theirs["logprob"], abs=1e-4)
+
+
+def test_server_vad_turned_on_mid_session_times_turns_in_the_session_s_audio(server):
+    """Audio buffered without turn detection, then ``server_vad`` switched on: the detector hears
+    what comes after, and its turn's times count from the session's first sample."""
+    silence = np.zeros(RATE, np.float32)
+    speech = spoken("Switched on late.", rate=RATE)
+
+    async def run():
+        async with client(server).realtime.connect(extra_query={"intent": "transcription"}) as conn:
+            await events_until(conn, "session.created")
+            await conn.session.update(session=MANUAL)
+            await events_until(conn, "session.updated")
+            await conn.input_audio_buffer.append(audio=b64(silence))  # 1 s, not committed
+            await conn.session.update(session={"type": "transcription", "audio": {"input": {
+                "turn_detection": {"type": "server_vad", "silence_duration_ms": 500}}}})
+            await events_until(conn, "session.updated")
+            stream = np.concatenate([silence, speech, silence])
+            for i in range(0, len(stream), 960):
+                await conn.input_audio_buffer.append(audio=b64(stream[i:i + 960]))
+            return await events_until(conn, "conversation.item.input_audio_transcription.completed")
+
+    events = asyncio.run(run())
+    (start,) = [e for e in events if e.type == "input_audio_buffer.speech_started"]
+    (stop,) = [e for e in events if e.type == "input_audio_buffer.speech_stopped"]
+    begin, end = 2000, 2000 + len(speech) / RATE * 1000  # the speech, in the session's audio
+    assert begin - 400 <= start.audio_start_ms <= begin - 200 and end + 200 <= stop.audio_end_ms <= end + 450
+    assert events[-1].usage.seconds == pytest.approx((stop.audio_end_ms - start.audio_start_ms) / 1000, abs=0.002)
