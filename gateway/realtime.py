@@ -196,6 +196,12 @@ def _pcm16(value: object) -> np.ndarray:
     return np.frombuffer(raw, dtype="<i2")
 
 
+def _kept_silence(vad: ServerVad) -> int:
+    """Samples of silence ``server_vad`` keeps buffered: a turn's start reaches back its prefix
+    padding, plus a second for the frames the detector hears before it decides."""
+    return round((vad.prefix_padding_ms / 1000 + 1.0) * RATE)
+
+
 def _new_id(prefix: str) -> str:
     return f"{prefix}_{secrets.token_hex(12)}"
 
@@ -320,6 +326,8 @@ class TranscriptionSession:
                                  "audio_end_ms": round(end / RATE * 1000)})
                 self._drop(start)  # the silence before the speech is not transcribed
                 await self._commit(item, end)
+        if self._speech is None:  # silence is kept only as far back as a turn's start may reach
+            self._take(self._start + self._buffered - _kept_silence(self.config.vad))
 
     async def _commit(self, item: str, end: int) -> None:
         """Commit the buffer up to the stream's sample ``end`` as utterance ``item``."""

@@ -405,3 +405,21 @@ def test_server_vad_turned_on_mid_session_times_turns_in_the_session_s_audio(ser
     begin, end = 2000, 2000 + len(speech) / RATE * 1000  # the speech, in the session's audio
     assert begin - 400 <= start.audio_start_ms <= begin - 200 and end + 200 <= stop.audio_end_ms <= end + 450
     assert events[-1].usage.seconds == pytest.approx((stop.audio_end_ms - start.audio_start_ms) / 1000, abs=0.002)
+
+
+def test_server_vad_keeps_no_more_silence_than_a_turn_may_reach_back(server):
+    """Minutes of silence must not fill the buffer: with ``server_vad`` and no speech heard, only
+    the last prefix padding plus a second stay buffered (what a manual commit then takes)."""
+    silence = np.zeros(4 * RATE, np.float32)
+
+    async def run():
+        async with client(server).realtime.connect(extra_query={"intent": "transcription"}) as conn:
+            await events_until(conn, "session.created")  # server_vad, 300 ms of prefix padding
+            for i in range(0, len(silence), 4800):
+                await conn.input_audio_buffer.append(audio=b64(silence[i:i + 4800]))
+            await conn.input_audio_buffer.commit()
+            return await events_until(conn, "conversation.item.input_audio_transcription.completed")
+
+    events = asyncio.run(run())
+    assert not [e for e in events if e.type.startswith("input_audio_buffer.speech")]
+    assert events[-1].usage.seconds == pytest.approx(1.3, abs=0.01)
