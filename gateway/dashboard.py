@@ -84,6 +84,7 @@ def _tier_row(svc: Services, name: str) -> dict[str, Any]:
         "admitted_per_min": figures.admitted_per_min, "refused_per_min": figures.refused_per_min,
         "refused_by_reason_per_min": figures.refused_by_reason_per_min,
         "latency_samples": figures.latency_samples, "p50_s": figures.p50_s, "p99_s": figures.p99_s,
+        "realtime_sessions": svc.metrics.realtime_sessions.get(name, 0),
     }
 
 

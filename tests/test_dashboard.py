@@ -121,7 +121,7 @@ def test_state_reports_a_load_an_eviction_by_a_higher_tier_and_a_refusal(server)
     assert tiers["paid"]["admitted_per_min"] == 1 and tiers["paid"]["refused_per_min"] == 0
     assert tiers["free"]["latency_samples"] == 2 and tiers["paid"]["latency_samples"] == 1
     assert 0 < tiers["paid"]["p50_s"] <= tiers["paid"]["p99_s"] < 120
-    assert tiers["free"]["in_flight"] == 0 and tiers["free"]["limit"] == 4
+    assert tiers["free"]["in_flight"] == 0 and tiers["free"]["limit"] == 4 and tiers["free"]["realtime_sessions"] == 0
 
     events = state["events"]
     assert [e["id"] for e in events] == sorted(e["id"] for e in events)
@@ -253,6 +253,7 @@ def test_the_page_shows_the_state_in_a_real_browser(server, tmp_path):
         free = '#tiers tr[data-tier="free"]'
         assert read(f'{free} [data-field="refused_per_min"]') == "1"
         assert read(f'{free} [data-field="admitted_per_min"]') == "3"
+        assert read(f'{free} [data-field="realtime_sessions"]') == "0"  # no Realtime API session open
 
         assert "evicted tiny-chat to warm by a paid request for tiny-image" in read('#events li[data-kind="eviction"]')
         assert "refused free for tiny-image: model_protected" in read('#events li[data-kind="refusal"]')

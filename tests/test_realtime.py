@@ -300,16 +300,20 @@ def test_a_browser_sends_its_key_as_a_subprotocol_and_sessions_are_counted(serve
 
     url = server.url.replace("http", "ws") + "/v1/realtime"
 
+    def dashboard_sessions() -> int:
+        state = httpx.get(f"{server.url}/admin/state", headers={"Authorization": f"Bearer {server.keys['admin']}"}).json()
+        return next(t["realtime_sessions"] for t in state["tiers"] if t["name"] == "subscriber")
+
     async def run():
         key = "openai-insecure-api-key." + server.keys["subscriber"]
         async with websockets.connect(url, subprotocols=["realtime", key]) as ws:
             created = json.loads(await ws.recv())
-            during = await asyncio.to_thread(open_sessions)
+            during = await asyncio.to_thread(open_sessions), await asyncio.to_thread(dashboard_sessions)
             return ws.subprotocol, created, during
 
     chosen, created, during = asyncio.run(run())
     assert chosen == "realtime" and created["type"] == "session.created"
-    assert during == 1
+    assert during == (1, 1)  # in /metrics and on the dashboard's state
 
     async def gone():
         async with asyncio.timeout(10):

@@ -245,6 +245,7 @@ function renderTiers() {
       el("td", {}, t.name, t.batch ? el("span", { class: "muted" }, " batch") : ""),
       el("td", { class: "num", "data-field": "in_flight" }, `${t.in_flight} / ${t.max_inflight}${limit}`),
       el("td", { class: "num", "data-field": "queued" }, `${t.queued} / ${t.max_queued}`),
+      el("td", { class: "num", "data-field": "realtime_sessions" }, t.realtime_sessions),
       el("td", { class: "num", "data-field": "admitted_per_min" }, t.admitted_per_min),
       el("td", { class: `num ${t.refused_per_min ? "refused" : ""}`, "data-field": "refused_per_min", title: reasons },
         t.refused_per_min),
