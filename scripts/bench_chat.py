@@ -34,7 +34,6 @@ import dataclasses
 import json
 import os
 import signal
-import socket
 import statistics
 import subprocess
 import sys
@@ -47,7 +46,7 @@ import openai
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-from benchlib import OTHER_LOAD_LIMIT, OtherLoad, Target, at_least, judge  # noqa: E402
+from benchlib import OTHER_LOAD_LIMIT, OtherLoad, Target, at_least, judge, spare_port  # noqa: E402
 
 KEY = "bench-key"
 MIN_RUNS = 5
@@ -77,12 +76,6 @@ def build_medium(folder: Path) -> Path:
     tok.save_pretrained(folder)
     model.save_pretrained(folder)
     return folder
-
-
-def spare_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 # -- (a) the sequential baseline ------------------------------------------------------------------

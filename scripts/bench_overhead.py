@@ -72,7 +72,6 @@ import os
 import resource
 import secrets
 import signal
-import socket
 import statistics
 import subprocess
 import sys
@@ -85,7 +84,7 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
 from benchlib import (OTHER_LOAD_LIMIT, OtherLoad, Target, http_head, judge, read_response,  # noqa: E402
-                      tree_cpu_s)
+                      spare_port, tree_cpu_s)
 
 TIERS = ["paid", "subscriber", "free", "batch"]
 CHAT, EMBED = "tiny-chat", "tiny-embed"
@@ -286,12 +285,6 @@ class Server:
             except subprocess.TimeoutExpired:
                 self.proc.kill()
                 self.proc.wait(10)
-
-
-def spare_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def start_server(kind: str, config: Path, folder: Path, threads: int, models: list[str],

@@ -32,7 +32,6 @@ import io
 import json
 import os
 import secrets
-import socket
 import statistics
 import subprocess
 import sys
@@ -48,7 +47,7 @@ import httpx  # noqa: E402
 import numpy as np  # noqa: E402
 import websockets  # noqa: E402
 
-from benchlib import OTHER_LOAD_LIMIT, OtherLoad, Target, judge  # noqa: E402
+from benchlib import OTHER_LOAD_LIMIT, OtherLoad, Target, judge, spare_port  # noqa: E402
 
 RATE = 24000
 TARGET = 1.1
@@ -62,12 +61,6 @@ def utterance(seconds: float = 2.0) -> np.ndarray:
     pitch = 140 + 60 * np.sin(2 * np.pi * 0.7 * t)
     envelope = 0.5 + 0.5 * np.sin(2 * np.pi * 4 * t) ** 2
     return (0.3 * envelope * np.sin(2 * np.pi * np.cumsum(pitch) / RATE)).astype(np.float32)
-
-
-def spare_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def start_server(folder: Path, model: Path) -> tuple[subprocess.Popen, str, str]:

@@ -72,7 +72,6 @@ import os
 import re
 import secrets
 import signal
-import socket
 import statistics
 import subprocess
 import sys
@@ -88,7 +87,7 @@ import httpx
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-from benchlib import OTHER_LOAD_LIMIT, OtherLoad, Target, http_head, judge, read_response  # noqa: E402
+from benchlib import OTHER_LOAD_LIMIT, OtherLoad, Target, http_head, judge, read_response, spare_port  # noqa: E402
 
 TIERS = ["paid", "subscriber", "free", "batch"]
 BATCH_RANK = TIERS.index("batch")
@@ -265,12 +264,6 @@ def write_config(folder: Path, model_path: Path, args: argparse.Namespace, guard
     path = folder / "tiers.yaml"
     path.write_text("\n".join(lines) + "\n")
     return path
-
-
-def spare_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 @dataclass

@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import os
 import re
+import socket
 import threading
 import time
 from dataclasses import dataclass
@@ -206,3 +207,10 @@ async def read_response(reader) -> tuple[int, bytes]:
         chunks.append(await reader.readexactly(size + 2))
         if size == 0:
             return status, b"".join(c[:-2] for c in chunks)
+
+
+def spare_port() -> int:
+    """A TCP port on 127.0.0.1 free now, for a benchmark's server."""
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
