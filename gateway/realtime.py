@@ -57,6 +57,7 @@ LOGPROBS = "item.input_audio_transcription.logprobs"  # the one thing a transcri
 KEY_SUBPROTOCOL = "openai-insecure-api-key."  # a browser's way to send its key (OpenAI's name for it)
 DEFAULT_VAD = ServerVad(threshold=0.5, prefix_padding_ms=300, silence_duration_ms=500)  # OpenAI's session defaults
 _UNSERVED_INPUT = ("noise_reduction",)
+_SESSION_PARAMS = ("model", "language", "prompt")  # the HTTP fields a session sets in audio.input.transcription
 
 
 @dataclass(frozen=True)
@@ -396,8 +397,9 @@ class TranscriptionSession:
                                      "usage": {"type": "duration", "seconds": round(job.duration, 3)}})
                 elif piece:
                     await self.send({"type": "conversation.item.input_audio_transcription.delta", **base, "delta": piece})
-        except APIError as exc:
-            await self.failed(base, {"type": exc.type, "code": exc.code, "message": exc.message, "param": exc.param})
+        except APIError as exc:  # a setting the serving core refused is named as the session has it
+            param = f"session.audio.input.transcription.{exc.param}" if exc.param in _SESSION_PARAMS else exc.param
+            await self.failed(base, {"type": exc.type, "code": exc.code, "message": exc.message, "param": param})
         except ClientGone:
             return
         except Exception:  # noqa: BLE001 - this utterance fails; the session and its next utterances go on

@@ -7,11 +7,14 @@ from __future__ import annotations
 
 import asyncio
 import base64
+import io
+import json
 import re
 
 import httpx
 import numpy as np
 import pytest
+import soundfile as sf
 import websockets
 from openai import AsyncOpenAI, OpenAI
 
@@ -40,6 +43,13 @@ def b64(x: np.ndarray) -> str:
     return base64.b64encode(pcm16(x)).decode()
 
 
+def wav_of(x: np.ndarray) -> bytes:
+    """``x`` as the session hears it (PCM16), in a WAV file for the HTTP endpoint."""
+    out = io.BytesIO()
+    sf.write(out, np.frombuffer(pcm16(x), "<i2").astype(np.float32) / 32768, RATE, format="WAV")
+    return out.getvalue()
+
+
 async def events_until(conn, last: str, timeout: float = 60) -> list:
     """Server events up to and including the first of type ``last``."""
     out = []
@@ -59,13 +69,7 @@ MANUAL = {"type": "transcription", "audio": {"input": {"format": {"type": "audio
 def test_a_committed_utterance_streams_the_text_the_http_endpoint_gives(server):
     speech = spoken("Hello from the realtime session.", rate=RATE)
     http = OpenAI(base_url=server.base_url, api_key=server.keys["paid"], max_retries=0)
-    import io
-
-    import soundfile as sf
-
-    wav = io.BytesIO()
-    sf.write(wav, np.frombuffer(pcm16(speech), "<i2").astype(np.float32) / 32768, RATE, format="WAV")
-    expected = http.audio.transcriptions.create(model="tiny-stt", file=("a.wav", wav.getvalue()), language="en").text
+    expected = http.audio.transcriptions.create(model="tiny-stt", file=("a.wav", wav_of(speech)), language="en").text
 
     async def run():
         async with client(server).realtime.connect(extra_query={"intent": "transcription"}) as conn:
@@ -156,8 +160,6 @@ def test_a_bad_client_event_is_an_error_event_and_the_session_goes_on(server, ev
     async def run():
         async with websockets.connect(server.url.replace("http", "ws") + "/v1/realtime",
                                       additional_headers={"Authorization": f"Bearer {server.keys['paid']}"}) as ws:
-            import json
-
             async def until(kind):
                 while True:
                     got = json.loads(await asyncio.wait_for(ws.recv(), 60))
@@ -202,8 +204,6 @@ def test_the_handshake_refuses_with_an_http_error(server, headers, query, status
 
     response = asyncio.run(run())
     assert response.status_code == status
-    import json
-
     assert json.loads(response.body)["error"]["message"]
 
 
@@ -270,8 +270,6 @@ def test_a_session_that_closes_gives_back_its_slot_and_its_detector(server):
 @pytest.mark.parametrize("frame, code", [(b"\x00\x01binary", "invalid_event"), ("{not json", "invalid_json"),
                                          ('["a list"]', "invalid_event"), ('{"type": 5}', "invalid_event")])
 def test_a_frame_that_is_no_client_event_is_an_error_event(server, frame, code):
-    import json
-
     async def run():
         async with websockets.connect(server.url.replace("http", "ws") + "/v1/realtime",
                                       additional_headers={"Authorization": f"Bearer {server.keys['paid']}"}) as ws:
@@ -291,8 +289,6 @@ def test_a_browser_sends_its_key_as_a_subprotocol_and_sessions_are_counted(serve
     """A browser cannot set headers on a WebSocket: OpenAI's ``openai-insecure-api-key.<key>``
     subprotocol carries the key, ``realtime`` is the one chosen (never the key), and
     ``tiergate_realtime_sessions{tier}`` counts the session while it is open."""
-    import json
-
     def open_sessions() -> float:
         text = httpx.get(f"{server.url}/metrics").text
         found = re.search(r'^tiergate_realtime_sessions\{tier="subscriber"\} (\S+)$', text, re.M)
@@ -368,14 +364,8 @@ def test_logprobs_when_the_session_includes_them_and_a_failing_utterance_does_no
     assert failed.item_id == committed[0].item_id and failed.error.code == "server_error"
     assert done.item_id == committed[1].item_id
     # the same as the HTTP endpoint's for the same audio (json, include[]=logprobs)
-    import io
-
-    import soundfile as sf
-
-    wav = io.BytesIO()
-    sf.write(wav, np.frombuffer(pcm16(speech), "<i2").astype(np.float32) / 32768, RATE, format="WAV")
     http = httpx.post(f"{server.base_url}/audio/transcriptions", headers={"Authorization": f"Bearer {server.keys['paid']}"},
-                      files={"file": ("a.wav", wav.getvalue())},
+                      files={"file": ("a.wav", wav_of(speech))},
                       data={"model": "tiny-stt", "language": "en", "include[]": "logprobs"}, timeout=60).json()
     assert http["text"] == done.transcript and len(http["logprobs"]) == len(done.logprobs) > 0
     for mine, theirs in zip(done.logprobs, http["logprobs"]):
@@ -427,3 +417,30 @@ def test_server_vad_keeps_no_more_silence_than_a_turn_may_reach_back(server):
     events = asyncio.run(run())
     assert not [e for e in events if e.type.startswith("input_audio_buffer.speech")]
     assert events[-1].usage.seconds == pytest.approx(1.3, abs=0.01)
+
+
+def test_a_setting_the_model_refuses_fails_its_utterance_naming_the_session_field(server):
+    """A language the model does not know is accepted by ``session.update`` (the model decides)
+    and refused when an utterance is transcribed: ``failed`` names the session's field. The audio
+    was taken; a corrected setting transcribes the next utterance."""
+    speech = spoken("Which language is this?", rate=RATE)
+
+    async def run():
+        async with client(server).realtime.connect(extra_query={"intent": "transcription"}) as conn:
+            await events_until(conn, "session.created")
+            await conn.session.update(session={**MANUAL, "audio": {"input": {
+                **MANUAL["audio"]["input"], "transcription": {"model": "tiny-stt", "language": "klingon"}}}})
+            await events_until(conn, "session.updated")
+            await conn.input_audio_buffer.append(audio=b64(speech))
+            await conn.input_audio_buffer.commit()
+            failed = await events_until(conn, "conversation.item.input_audio_transcription.failed")
+            await conn.session.update(session=MANUAL)
+            await events_until(conn, "session.updated")
+            await conn.input_audio_buffer.append(audio=b64(speech))
+            await conn.input_audio_buffer.commit()
+            done = await events_until(conn, "conversation.item.input_audio_transcription.completed")
+            return failed[-1], done[-1]
+
+    failed, done = asyncio.run(run())
+    assert failed.error.param == "session.audio.input.transcription.language" and failed.error.type == "invalid_request_error"
+    assert "klingon" in failed.error.message and done.transcript is not None
