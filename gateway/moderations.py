@@ -19,7 +19,7 @@ from starlette.responses import JSONResponse, Response
 
 from accounts.rates import Ask
 from gateway.auth import Caller
-from gateway.errors import bad_request, not_found
+from gateway.errors import bad_request
 from gateway.http import disconnect_signal
 from gateway.request_log import new_id
 from gateway.schemas import TextPart, _Body, parse, part_type, read_json, tagged
@@ -103,10 +103,7 @@ async def plan_moderation(svc: Services, body: ModerationRequest) -> ModerationJ
 def _model(svc: Services, name: str | None) -> ModelSpec:
     if name is not None:
         return svc.spec(name, "moderation")
-    spec = next((s for s in svc.arbiter.specs.values() if s.kind == "moderation"), None)
-    if spec is None:
-        raise not_found("this server has no moderation model", "model", "model_not_found")
-    return spec
+    return svc.first_spec("moderation", "moderation model")
 
 
 def _texts(value: str | list[str] | list[TextPart | ImagePart]) -> list[str]:

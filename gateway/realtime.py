@@ -43,7 +43,7 @@ from starlette.websockets import WebSocket, WebSocketDisconnect, WebSocketState
 
 from gateway.audio import TranscriptionJob, stream_transcription
 from gateway.auth import Caller
-from gateway.errors import APIError, bad_request, not_found
+from gateway.errors import APIError, bad_request
 from gateway.logprobs import token_entries
 from gateway.service import ClientGone, Services
 from gateway.serving import Gone
@@ -414,13 +414,6 @@ class TranscriptionSession:
         await self.send({"type": "conversation.item.input_audio_transcription.failed", **base, "error": error})
 
 
-def _default_model(svc: Services) -> str:
-    spec = next((s for s in svc.arbiter.specs.values() if s.kind == "stt"), None)
-    if spec is None:
-        raise not_found("this server has no transcription (stt) model for realtime sessions", "model", "model_not_found")
-    return spec.name
-
-
 def _subprotocol_key(ws: WebSocket) -> str | None:
     """The key a browser sends as a subprotocol (it cannot set headers on a WebSocket), as
     OpenAI's: ``openai-insecure-api-key.<key>``."""
@@ -444,7 +437,7 @@ def _opening(ws: WebSocket, svc: Services) -> tuple[Caller, SessionConfig]:
                 raise bad_request(f"{exc.message}; realtime sessions here transcribe speech (no speech-to-speech "
                                   "model is served)", "model", "unsupported_model") from None
             raise
-    return caller, SessionConfig(model or _default_model(svc))
+    return caller, SessionConfig(model or svc.first_spec("stt", "transcription (stt) model for realtime sessions").name)
 
 
 async def realtime(ws: WebSocket) -> None:

@@ -156,6 +156,14 @@ class Services:
             raise bad_request(f"the model '{name}' is a {spec.kind} model, not {kind}", "model", "model_not_supported")
         return spec
 
+    def first_spec(self, kind: str, what: str) -> ModelSpec:
+        """The first model of ``kind`` in tiers.yaml: an endpoint's default when a request names
+        none; 404 naming ``what`` (e.g. "moderation model") when the server has none."""
+        spec = next((s for s in self.arbiter.specs.values() if s.kind == kind), None)
+        if spec is None:
+            raise not_found(f"this server has no {what}", "model", "model_not_found")
+        return spec
+
     async def hold(self, tier: str, model: str, units: float) -> Held:
         """Admission then residency; 429 / 503 as OpenAI-shaped errors with Retry-After."""
         arrived = time.monotonic()

@@ -444,3 +444,20 @@ def test_a_setting_the_model_refuses_fails_its_utterance_naming_the_session_fiel
     failed, done = asyncio.run(run())
     assert failed.error.param == "session.audio.input.transcription.language" and failed.error.type == "invalid_request_error"
     assert "klingon" in failed.error.message and done.transcript is not None
+
+
+def test_a_server_without_a_transcription_model_refuses_the_handshake(tiny_chat, tmp_path):
+    running = start_server(write_config(tmp_path, {"tiny-chat": ("chat", tiny_chat)}))
+    try:
+        async def run():
+            with pytest.raises(websockets.exceptions.InvalidStatus) as refused:
+                async with websockets.connect(running.url.replace("http", "ws") + "/v1/realtime",
+                                              additional_headers={"Authorization": f"Bearer {running.keys['paid']}"}):
+                    pass
+            return refused.value.response
+
+        response = asyncio.run(run())
+    finally:
+        running.stop()
+    error = json.loads(response.body)["error"]
+    assert response.status_code == 404 and error["code"] == "model_not_found" and "no transcription" in error["message"]
