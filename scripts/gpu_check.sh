@@ -11,11 +11,16 @@
 #   workers  scripts/gpu_check_workers.py: every modality's worker on CUDA against CPU
 #   swap     scripts/bench_swap.py on the demo models, then on a 1.6 GB chat model built here
 #            from a config (random bf16 weights): cold load vs warm reload, judged on CUDA
+#   decode   scripts/bench_decode.py: the chat engine's decode step with cuDNN out of attention
+#            (as tiergate places models) against torch's own order (cuDNN first)
+#   serving  only when named (STEPS=serving, ~8 min): scripts/bench_tiers.py and
+#            scripts/bench_batch.py with the demo chat model on CUDA and the machine's cores,
+#            where the load generators do not share two cores with the server
 # Exit status: the number of steps that failed.
 set -u
 OUT=${1:-bench-results/gpu}
 PY=${PY:-python3}
-STEPS=${STEPS:-kernels lora workers swap}  # a subset reruns only those
+STEPS=${STEPS:-kernels lora workers swap decode}  # a subset reruns only those
 SIZED_HIDDEN=${SIZED_HIDDEN:-2048}  # 16 layers of this width: 0.82 B parameters, 1.6 GB in bf16
 mkdir -p "$OUT"
 LOG="$OUT/all.log"
@@ -39,6 +44,7 @@ step() {  # step NAME SECONDS COMMAND...
 }
 
 { nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader 2>&1
+  echo "cores: $(nproc)"
   "$PY" -c "import sys, torch, triton, transformers, peft, diffusers
 print('python', sys.version.split()[0], 'torch', torch.__version__, 'triton', triton.__version__, 'transformers',
       transformers.__version__, 'peft', peft.__version__, 'diffusers', diffusers.__version__, 'cuda', torch.cuda.is_available())"
@@ -74,5 +80,8 @@ models:
 """)
 EOF
 step swap-sized 90 "$PY" scripts/bench_swap.py --config "$SIZED/tiers.yaml" --kinds chat --reps 5
+step decode 120 "$PY" scripts/bench_decode.py
+step serving-tiers 330 "$PY" scripts/bench_tiers.py
+step serving-batch 200 "$PY" scripts/bench_batch.py
 echo "gpu_check: $failed step(s) failed" | tee -a "$LOG"
 exit "$failed"

@@ -80,6 +80,7 @@ MODEL_SMOKES = {
     "bench_batch.py": ("--models-dir", "{demo}"),
     "bench_encoders.py": ("--models-dir", "{demo}"),
     "bench_realtime.py": ("--models-dir", "{demo}"),
+    "bench_decode.py": ("--model", "{chat}"),
 }
 
 

@@ -40,4 +40,5 @@ def test_driver_runs_only_the_steps_asked_and_counts_failures(tmp_path):
     assert out.returncode == 1, out.stdout + out.stderr
     assert "no CUDA device" in log and "=== workers: rc=2" in log
     assert "=== kernels" not in log and "=== lora" not in log and "sized chat model" not in log
+    assert "=== serving" not in log and "=== decode" not in log
     assert log.strip().splitlines()[-1] == "gpu_check: 1 step(s) failed"

@@ -63,3 +63,42 @@ def test_a_thread_worker_moves_through_every_place(tiny_chat):
         await worker.release()
 
     asyncio.run(cycle())
+
+
+class _Recording(ThreadWorker):
+    """A thread worker whose load only records what torch's attention flag said when it ran."""
+
+    kind = "chat"
+
+    def __init__(self) -> None:
+        self.cudnn_at_load: list[bool] = []
+
+    @classmethod
+    def describe(cls, spec):
+        return ModelInfo()
+
+    def load(self, device):
+        self.cudnn_at_load.append(torch.backends.cuda.cudnn_sdp_enabled())
+        self.device = device
+
+    def unload(self) -> None:
+        pass
+
+    def modules(self):
+        return []
+
+
+def test_placing_on_cuda_takes_cudnn_out_of_attention_first():
+    """cuDNN builds an attention plan per shape, so a decode step whose key length grows paid one
+    every step on a Hopper GPU (docs/BENCHMARKS.md): a worker placed on CUDA finds it switched
+    off for the process before its load; placing on the CPU leaves torch's order alone."""
+    before = torch.backends.cuda.cudnn_sdp_enabled()
+    torch.backends.cuda.enable_cudnn_sdp(True)
+    try:
+        worker = _Recording()
+        asyncio.run(worker.place(CPU))
+        assert worker.cudnn_at_load == [True] and torch.backends.cuda.cudnn_sdp_enabled()
+        asyncio.run(worker.place(torch.device("cuda", 0)))  # the recording load touches no device
+        assert worker.cudnn_at_load == [True, False] and not torch.backends.cuda.cudnn_sdp_enabled()
+    finally:
+        torch.backends.cuda.enable_cudnn_sdp(before)

@@ -77,6 +77,23 @@ class Worker(ABC):
         return []
 
 
+def keep_cudnn_out_of_attention() -> None:
+    """Take cuDNN out of torch's attention kernels (``scaled_dot_product_attention``), for the
+    whole process, before a model is placed on CUDA.
+
+    torch (2.11 here) tries cuDNN first for attention with a mask on Hopper and newer GPUs, and
+    cuDNN builds an execution plan for every new shape (tens of ms each, then cached). A chat
+    engine's key length grows by one every decode step, so every step paid a build: on an H200
+    the transformers engine took 27.8 ms a step for 8 rows of tiny-chat with cuDNN and 2.85 ms
+    without (docs/BENCHMARKS.md, "On a GPU"; the same finding: pytorch's order on sm_100 in
+    modelscope/FunASR#3704). Without it torch picks flash, memory-efficient or math kernels, which
+    need no plan. The switch is process-wide (torch keeps one flag, not one per thread), so it is
+    set here, once, and never set back."""
+    import torch
+
+    torch.backends.cuda.enable_cudnn_sdp(False)
+
+
 class ThreadWorker(Worker):
     """A worker whose model lives in this process: ``load(device)`` and ``unload()`` are
     synchronous (they run in a worker thread, off the loop), ``modules()`` lists the weights."""
@@ -95,6 +112,8 @@ class ThreadWorker(Worker):
     def modules(self) -> list[torch.nn.Module]: ...
 
     async def place(self, device: torch.device) -> None:
+        if device.type == "cuda":
+            keep_cudnn_out_of_attention()
         await asyncio.to_thread(self.load, device)
 
     async def to_host(self, pin: bool) -> bool:
