@@ -53,8 +53,11 @@ def model_of(shape: str) -> str:
 
 
 def width(svc: Services, model: str) -> int:
-    """How many requests ``model``'s engine serves together: a chat engine's ``max_num_seqs``;
-    1 for the others (an image, speech, transcription or embedding worker runs one request at a
-    time, batching only inside it), and for a model this server does not have."""
+    """How many requests ``model``'s engine serves together: a chat engine's ``max_num_seqs``; an
+    embedding or moderation model's ``batch_width`` (its lines share forward passes,
+    ``workers.embed``); 1 for the others (an image, speech or transcription worker runs one
+    request at a time, batching only inside it), and for a model this server does not have."""
     spec = svc.arbiter.specs.get(model)
-    return int(spec.options.get("max_num_seqs", 1)) if spec is not None else 1
+    if spec is None:
+        return 1
+    return int(spec.options.get("max_num_seqs", spec.options.get("batch_width", 1)))

@@ -175,9 +175,10 @@ class STTModel(_Model):
 class EmbedModel(_Model):
     kind: Literal["embed"]
     max_batch_tokens: int = Field(default=16384, ge=1)  # padded tokens (rows x longest) in one forward pass
+    batch_width: int = Field(default=16, ge=1)  # Batch API lines run together, sharing passes
 
     def spec(self, with_adapters: bool = False) -> ModelSpec:
-        options = {"max_batch_tokens": self.max_batch_tokens}
+        options = {"max_batch_tokens": self.max_batch_tokens, "batch_width": self.batch_width}
         return ModelSpec(self.name, self.kind, self.path, self.vram, options=options)
 
 
@@ -185,9 +186,11 @@ class ModerationModel(_Model):
     kind: Literal["moderation"]
     threshold: float = Field(default=0.5, ge=0, le=1)  # a category is flagged at this score or more
     max_batch_tokens: int = Field(default=16384, ge=1)  # padded tokens (rows x longest) in one forward pass
+    batch_width: int = Field(default=16, ge=1)  # Batch API lines run together, sharing passes
 
     def spec(self, with_adapters: bool = False) -> ModelSpec:
-        options = {"threshold": self.threshold, "max_batch_tokens": self.max_batch_tokens}
+        options = {"threshold": self.threshold, "max_batch_tokens": self.max_batch_tokens,
+                   "batch_width": self.batch_width}
         return ModelSpec(self.name, self.kind, self.path, self.vram, options=options)
 
 
@@ -470,13 +473,16 @@ class Config(_Strict):
 
     def max_inflight(self, tier: TierConfig) -> int:
         """The tier's slots: as set, else 8; the batch tier's default is room to fill every
-        model's engine at once (its ``max_num_seqs``, 1 for models without one), so batch work is
-        held back only by the other tiers' demand, never by its own limit."""
+        model's engine at once (its ``max_num_seqs``, an encoder's ``batch_width``, 1 for models
+        without one), so batch work is held back only by the other tiers' demand, never by its own
+        limit."""
         if tier.max_inflight is not None:
             return tier.max_inflight
         if not tier.batch:
             return 8
-        return max(1, sum(m.engine.max_num_seqs if isinstance(m, ChatModel) else 1 for m in self.models))
+        return max(1, sum(m.engine.max_num_seqs if isinstance(m, ChatModel)
+                          else m.batch_width if isinstance(m, (EmbedModel, ModerationModel)) else 1
+                          for m in self.models))
 
     def model_specs(self) -> list[ModelSpec]:
         with_adapters = {a.model for a in self.adapters}

@@ -239,6 +239,41 @@ def test_a_batch_line_runs_through_the_batch_api(server):
     assert [e["response"]["body"]["error"]["param"] for e in errors] == ["dimensions"]
 
 
+def test_batch_lines_run_together_and_share_passes(tiny_embed, tmp_path):
+    """An embedding model's ``batch_width`` (16 by default) lines run at once (the batch tier's
+    default ``max_inflight`` counts it), and lines that come while a pass runs share the next: 32
+    lines with each pass held 20 ms take a few passes, not 32 (the path before ran one line at a
+    time, a pass each), and each line gets what it gets alone."""
+    config = write_config(tmp_path, {"tiny-embed": ("embed", tiny_embed)})
+    text = config.read_text()
+    at = text.index("name: batch")
+    config.write_text(text[:at] + text[at:].replace("    max_inflight: 4\n", "", 1))  # the default: the widths
+    srv = start_server(config)
+    try:
+        assert srv.services.gate.tiers["batch"].max_inflight == 16
+        c = client(srv)
+        texts = [f"line {i} " * (1 + i % 3) for i in range(32)]
+        live = vectors(c.embeddings.create(model="tiny-embed", input=texts[:8], encoding_format="float"))  # loads it
+        worker = srv.services.arbiter.workers["tiny-embed"]
+        assert worker.batch_width == 16
+        hook = worker.model.register_forward_pre_hook(lambda module, args: time.sleep(0.02))
+        before = worker.passes
+        try:
+            batch = run_batch(c, "/v1/embeddings", [
+                {"custom_id": f"e{i}", "method": "POST", "url": "/v1/embeddings",
+                 "body": {"model": "tiny-embed", "input": t, "encoding_format": "float"}} for i, t in enumerate(texts)])
+        finally:
+            hook.remove()
+        assert batch.status == "completed" and batch.request_counts.completed == 32
+        assert worker.passes - before <= 8, worker.passes - before
+        out = {x["custom_id"]: x for x in map(json.loads, c.files.content(batch.output_file_id).text.splitlines())}
+        for i in range(8):
+            got = np.array(out[f"e{i}"]["response"]["body"]["data"][0]["embedding"])
+            assert np.abs(got - live[i]).max() < BATCH_TOLERANCE
+    finally:
+        srv.stop()
+
+
 def test_a_higher_tier_evicts_the_embed_model(tiny_embed, tiny_embed_mrl, tmp_path):
     """A budget with room for one of the two: paid takes the device from free's model, and free
     cannot take it back while paid's model is protected."""
@@ -319,7 +354,7 @@ def test_concurrent_requests_share_forward_passes(tiny_embed_mrl):
             assert held.wait(10)  # the first request's pass is running
             rest = [pool.submit(worker.embed, [row], d, ctx) for row, d, ctx in zip(ids[1:], dims[1:], contexts[1:])]
             deadline = time.time() + 10
-            while len(worker._waiting) < 11 and time.time() < deadline:
+            while len(worker._interactive.waiting) < 11 and time.time() < deadline:
                 time.sleep(0.01)
             contexts[5].cancel()  # waiting: it leaves at its boundary
             release.set()
@@ -336,27 +371,67 @@ def test_concurrent_requests_share_forward_passes(tiny_embed_mrl):
     assert all(s > 0 for s in shared) and max(shared) - min(shared) < 1e-12  # one pass, a row each
 
 
-def test_batch_tier_work_runs_alone_on_its_own_thread(tiny_embed):
-    """Work with a pause gate (the batch tier, which yields between passes) is not queued with
-    others: while another caller's pass runs (as if), it runs its own at once, on its thread;
-    a request without one would wait for that pass."""
+def test_batch_tier_work_shares_passes_in_a_lane_of_its_own(tiny_embed):
+    """Work with a pause gate (the batch tier, which yields between passes) shares passes with
+    batch work only: while an interactive pass runs it runs at once, on its own thread; batch
+    jobs that come while a batch pass is paused share the next pass, get what they get alone and
+    count the time they waited behind the pause as paused; an interactive request meanwhile runs
+    its own pass, not held by the paused lane."""
     import threading
+    from concurrent.futures import ThreadPoolExecutor
 
     worker = EmbedWorker(ModelSpec("e", "embed", tiny_embed))
     worker.load(torch.device("cpu"))
-    ids = worker.tokenize(["hello"])
-    worker._leading = True  # someone's pass is running
-    ctx = StepContext(pause_gate=lambda c: None)
-    assert worker.embed(ids, None, ctx).shape == (1, 64) and ctx.steps == 1 and worker.passes == 1
-    waiting = threading.Thread(target=worker.embed, args=(ids, None, StepContext()), daemon=True)
-    waiting.start()
-    waiting.join(0.5)
-    assert waiting.is_alive() and len(worker._waiting) == 1  # an interactive request waits its turn
-    with worker._turn:
-        worker._leading = False
-        worker._turn.notify_all()
-    waiting.join(10)
-    assert not waiting.is_alive() and worker.passes == 2
+    ids = worker.tokenize(["hello", "one two three", "the dog ran"])
+    alone = [worker.embed([row], None, StepContext()) for row in ids]
+    may_run = threading.Event()
+    may_run.set()
+
+    def gate(ctx):
+        assert may_run.wait(10)
+
+    def batch_ctx():
+        return StepContext(pause_gate=gate, pause_check=lambda: not may_run.is_set())
+
+    worker._interactive.leading = True  # someone's interactive pass is running
+    ctx = batch_ctx()
+    before = worker.passes
+    assert worker.embed(ids[:1], None, ctx).shape == (1, 64) and ctx.steps == 1 and worker.passes == before + 1
+    worker._interactive.leading = False
+
+    may_run.clear()  # the lane must yield: the first batch job's pass waits at its gate
+    contexts = [batch_ctx() for _ in ids]
+    with ThreadPoolExecutor(4) as pool:
+        first = pool.submit(worker.embed, [ids[0]], None, contexts[0])
+        deadline = time.time() + 10
+        while not (worker._batch.leading and contexts[0].paused) and time.time() < deadline:
+            time.sleep(0.01)
+        rest = [pool.submit(worker.embed, [row], None, c) for row, c in zip(ids[1:], contexts[1:])]
+        while len(worker._batch.waiting) < 2 and time.time() < deadline:
+            time.sleep(0.01)
+        assert len(worker._batch.waiting) == 2 and not first.done()
+        passes = worker.passes
+        interactive = pool.submit(worker.embed, [ids[2]], None, StepContext())
+        assert np.abs(interactive.result(10) - alone[2]).max() < BATCH_TOLERANCE  # not held by the pause
+        assert worker.passes == passes + 1
+        time.sleep(0.05)
+        may_run.set()
+        got = [first.result(10), *[f.result(10) for f in rest]]
+    assert worker.passes == passes + 3  # the paused job's pass, then one pass for the two that waited
+    for a, g in zip(alone, got):
+        assert np.abs(a - g).max() < BATCH_TOLERANCE
+    assert all(c.paused for c in contexts)
+    assert contexts[1].paused_s >= 0.05 and contexts[2].paused_s >= 0.05  # waited behind the first one's pause
+    shared = [contexts[1].gpu_s, contexts[2].gpu_s]
+    assert max(shared) - min(shared) < 1e-12  # one pass, a row each
+
+    from workers.embed import _Job
+
+    may_run.clear()  # a pause ordered just before a shared pass: every job in it waits, and is paused
+    pair = [batch_ctx(), batch_ctx()]
+    threading.Timer(0.05, may_run.set).start()
+    worker._passes([_Job([ids[0]], pair[0]), _Job([ids[1]], pair[1])])
+    assert all(c.paused and c.paused_s >= 0.05 for c in pair)
 
 
 def test_pooling_modes_over_right_padding():

@@ -25,7 +25,8 @@ passes. **Requests that arrive together share passes** (``EncoderWorker.run_rows
 that finds no pass running takes every request waiting and runs their rows as one batch, so
 concurrent requests cost a forward pass between them instead of one each (scripts/bench_encoders.py);
 each pass's time is charged to its requests by their rows in it. Batch-tier work, which must
-yield between passes, runs alone.
+yield between passes, shares passes only with batch-tier work (a lane of its own): a pass whose
+rows wait at a pause holds no interactive request, and interactive passes run beside it.
 """
 
 from __future__ import annotations
@@ -174,6 +175,14 @@ def batches(lengths: list[int], max_tokens: int) -> list[list[int]]:
 
 
 @dataclass(eq=False)
+class _Lane:
+    """Requests that share passes: those waiting for one, and whether a caller is running one."""
+
+    waiting: list["_Job"] = field(default_factory=list)
+    leading: bool = False
+
+
+@dataclass(eq=False)
 class _Job:
     """One request's rows waiting for, or in, shared passes."""
 
@@ -193,15 +202,15 @@ class EncoderWorker(ThreadWorker):
 
     auto_class = AutoModel
 
-    def __init__(self, spec: ModelSpec, max_batch_tokens: int = 16384) -> None:
+    def __init__(self, spec: ModelSpec, max_batch_tokens: int = 16384, batch_width: int = 16) -> None:
         self.spec = spec
         self.max_batch_tokens = max_batch_tokens
+        self.batch_width = batch_width  # Batch API lines run together (batch.shapes.width); they share passes
         self._tokenizer = None
         self._tokenizing = threading.Lock()  # a fast tokenizer's call sets its state: one call at a time
         self.model: torch.nn.Module | None = None
-        self._turn = threading.Condition()  # guards _waiting and _leading
-        self._waiting: list[_Job] = []  # jobs no pass has taken yet
-        self._leading = False  # a caller is running passes for the jobs it took
+        self._turn = threading.Condition()  # guards both lanes
+        self._interactive, self._batch = _Lane(), _Lane()  # batch: work that yields between passes
         self.passes = 0  # forward passes run (shared ones once)
         self.share_passes = True  # False: each request its own passes (scripts/bench_encoders.py's baseline)
 
@@ -224,29 +233,33 @@ class EncoderWorker(ThreadWorker):
         waiting then (its own among them), and hands on; the others wait. So a request alone
         costs no hand-over, and requests that come while a pass runs share the next. Returns when
         the rows are done or the work was cancelled (``Cancelled``, at a pass's boundary), never
-        while a pass still holds them."""
+        while a pass still holds them. Batch-tier work (a pause gate) shares passes in a lane of
+        its own, so that no interactive request waits behind a pass paused for it."""
         if self.model is None:
             raise RuntimeError(f"model {self.spec.name!r} is not loaded")
         job = _Job(rows, ctx)
-        if not self.share_passes or ctx.pause_gate is not None or ctx.pause_check is not None:
+        if not self.share_passes:
             self._passes([job])
         else:
-            self._join(job)
+            pausable = ctx.pause_gate is not None or ctx.pause_check is not None
+            self._join(job, self._batch if pausable else self._interactive)
         if job.error is not None:
             raise job.error
         ctx.gpu_s = (ctx.gpu_s or 0.0) + job.gpu_s
         return np.stack(job.parts)
 
-    def _join(self, job: _Job) -> None:
-        """Wait for ``job``'s passes, running them (with every job waiting) when no one else is."""
+    def _join(self, job: _Job, lane: _Lane) -> None:
+        """Wait for ``job``'s passes, running them (with every job waiting in ``lane``) when no one
+        else in the lane is."""
         with self._turn:
-            self._waiting.append(job)
+            lane.waiting.append(job)
             while not job.done.is_set():
-                if self._leading:
+                if lane.leading:
+                    job.ctx.must_pause()  # batch work waiting behind a paused pass is paused too
                     self._turn.wait()
                     continue
-                self._leading = True
-                jobs, self._waiting = self._waiting, []
+                lane.leading = True
+                jobs, lane.waiting = lane.waiting, []
                 self._turn.release()
                 try:
                     self._passes(jobs)
@@ -257,19 +270,25 @@ class EncoderWorker(ThreadWorker):
                     for other in jobs:
                         other.done.set()
                     self._turn.acquire()
-                    self._leading = False
+                    lane.leading = False
                     self._turn.notify_all()  # the next waiting job's caller leads
 
     def _passes(self, jobs: list[_Job]) -> None:
         """Every job's rows in padded passes of at most ``max_batch_tokens``, longest first; each
         job's step boundary before a pass holds its rows (a cancelled job leaves the batch, the
-        others go on); each pass's time shared among its jobs by their rows in it."""
+        others go on); each pass's time shared among its jobs by their rows in it. Batch jobs
+        pause together: each asks whether it must yield before any waits at its gate, so one
+        that waits behind another's pause counts that time as paused too (not service time)."""
         flat = [(job, i) for job in jobs for i in range(len(job.rows))]
         for job in jobs:
             job.parts = [None] * len(job.rows)
         for group in batches([len(job.rows[i]) for job, i in flat], self.max_batch_tokens):
             members = [flat[k] for k in group]
-            for job in dict.fromkeys(job for job, _ in members):
+            holders = [job for job in dict.fromkeys(job for job, _ in members) if job.error is None]
+            if len(holders) > 1:
+                for job in holders:
+                    job.ctx.must_pause()  # starts its paused clock now if the lane must yield
+            for job in holders:
                 if job.error is None:
                     try:
                         job.ctx.boundary()
@@ -324,8 +343,8 @@ class EmbedWorker(EncoderWorker):
 
     kind = "embed"
 
-    def __init__(self, spec: ModelSpec, max_batch_tokens: int = 16384) -> None:
-        super().__init__(spec, max_batch_tokens)
+    def __init__(self, spec: ModelSpec, max_batch_tokens: int = 16384, batch_width: int = 16) -> None:
+        super().__init__(spec, max_batch_tokens, batch_width)
         self.config = read_config(Path(spec.path))
 
     @classmethod

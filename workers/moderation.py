@@ -72,8 +72,9 @@ class ModerationWorker(EncoderWorker):
     kind = "moderation"
     auto_class = AutoModelForSequenceClassification
 
-    def __init__(self, spec: ModelSpec, threshold: float = 0.5, max_batch_tokens: int = 16384) -> None:
-        super().__init__(spec, max_batch_tokens)
+    def __init__(self, spec: ModelSpec, threshold: float = 0.5, max_batch_tokens: int = 16384,
+                 batch_width: int = 16) -> None:
+        super().__init__(spec, max_batch_tokens, batch_width)
         self.threshold = threshold
         config = AutoConfig.from_pretrained(Path(spec.path))
         labels = getattr(config, "id2label", None) or {}
