@@ -271,14 +271,19 @@ except ImportError:  # pragma: no cover - another anyio layout
 
 # Model work gets its own threads: on asyncio's default executor, long generations could starve
 # the arbiter's loads and evictions (which run there) and deadlock the requests waiting on them.
+# Batch work (a pause gate) gets threads apart from the others': a batch line holds its thread
+# while it waits at a pause, or in an encoder's batch lane (16 lines of each embedding and
+# moderation model), and the work it yields to must never wait for a thread behind it.
 _MODEL_THREADS = ThreadPoolExecutor(max_workers=64, thread_name_prefix="tiergate-model")
+_BATCH_THREADS = ThreadPoolExecutor(max_workers=256, thread_name_prefix="tiergate-batch")
 
 
 async def in_thread(work: Callable[[], T], ctx: StepContext) -> T:
-    """Run blocking model ``work`` on a model thread. If the awaiting task is cancelled (client
-    gone), cancel ``ctx`` so the work stops at its next step boundary, and wait for the thread to
-    end before re-raising: nothing may release the model while a thread still runs on it."""
-    running = _MODEL_THREADS.submit(work)
+    """Run blocking model ``work`` on a model thread (batch work, whose ``ctx`` has a pause gate,
+    on one of the batch threads). If the awaiting task is cancelled (client gone), cancel ``ctx``
+    so the work stops at its next step boundary, and wait for the thread to end before
+    re-raising: nothing may release the model while a thread still runs on it."""
+    running = (_MODEL_THREADS if ctx.pause_gate is None else _BATCH_THREADS).submit(work)
     done = asyncio.wrap_future(running)
     try:
         return await asyncio.shield(done)

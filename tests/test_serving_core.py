@@ -332,3 +332,26 @@ def test_the_usage_write_is_shielded_only_inside_a_cancel_scope():
         return seen
 
     assert asyncio.run(main()) == [False, True, True, True, False]
+
+
+def test_batch_work_waiting_at_a_pause_takes_no_thread_the_others_need():
+    """Batch work (a pause gate) runs on threads apart from the model threads: with 64 batch jobs
+    holding their threads (waiting at a pause, as a paused batch lane does), work of another tier
+    still gets a thread at once; the paused jobs then go on."""
+    from gateway.serving import in_thread
+    from workers.base import StepContext
+
+    may_run = threading.Event()
+
+    async def main() -> tuple[str, list[str]]:
+        paused = [asyncio.ensure_future(in_thread(lambda: (may_run.wait(30), threading.current_thread().name)[1],
+                                                  StepContext(pause_gate=lambda c: None))) for _ in range(64)]
+        await asyncio.sleep(0.1)
+        try:
+            name = await asyncio.wait_for(in_thread(lambda: threading.current_thread().name, StepContext()), 10)
+        finally:
+            may_run.set()
+        return name, await asyncio.gather(*paused)
+
+    name, batch = asyncio.run(main())
+    assert name.startswith("tiergate-model") and all(n.startswith("tiergate-batch") for n in batch)
