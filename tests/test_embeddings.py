@@ -429,7 +429,15 @@ def test_batch_tier_work_shares_passes_in_a_lane_of_its_own(tiny_embed):
 
     may_run.clear()  # a pause ordered just before a shared pass: every job in it waits, and is paused
     pair = [batch_ctx(), batch_ctx()]
-    threading.Timer(0.05, may_run.set).start()
+
+    def lift() -> None:  # 50 ms after both jobs saw the pause
+        deadline = time.time() + 10
+        while not (pair[0].paused and pair[1].paused) and time.time() < deadline:
+            time.sleep(0.005)
+        time.sleep(0.05)
+        may_run.set()
+
+    threading.Thread(target=lift, daemon=True).start()
     worker._passes([_Job([ids[0]], pair[0]), _Job([ids[1]], pair[1])])
     assert all(c.paused and c.paused_s >= 0.05 for c in pair)
 
