@@ -442,6 +442,41 @@ def test_batch_tier_work_shares_passes_in_a_lane_of_its_own(tiny_embed):
     assert all(c.paused and c.paused_s >= 0.05 for c in pair)
 
 
+def test_a_batch_job_waiting_behind_a_paused_pass_leaves_when_cancelled(tiny_embed):
+    """Cancelled while it waits behind another batch job's paused pass, a batch job leaves within
+    the pause gate's poll (Cancelled), not when the pause lifts; the paused one then goes on."""
+    import threading
+    from concurrent.futures import ThreadPoolExecutor
+
+    from workers.base import Cancelled
+
+    worker = EmbedWorker(ModelSpec("e", "embed", tiny_embed))
+    worker.load(torch.device("cpu"))
+    ids = worker.tokenize(["hello", "the dog ran"])
+    may_run = threading.Event()
+
+    def batch_ctx():
+        return StepContext(pause_gate=lambda c: may_run.wait(10), pause_check=lambda: not may_run.is_set())
+
+    first_ctx, second_ctx = batch_ctx(), batch_ctx()
+    with ThreadPoolExecutor(2) as pool:
+        first = pool.submit(worker.embed, ids[:1], None, first_ctx)
+        deadline = time.time() + 10
+        while not (worker._batch.leading and first_ctx.paused) and time.time() < deadline:
+            time.sleep(0.01)
+        second = pool.submit(worker.embed, ids[1:], None, second_ctx)
+        while len(worker._batch.waiting) < 1 and time.time() < deadline:
+            time.sleep(0.01)
+        second_ctx.cancel()
+        started = time.time()
+        with pytest.raises(Cancelled):
+            second.result(5)
+        assert time.time() - started < 1 and not first.done()  # the pause still holds the first
+        may_run.set()
+        assert first.result(10).shape == (1, 64)
+    assert worker._batch.waiting == [] and not worker._batch.leading
+
+
 def test_pooling_modes_over_right_padding():
     hidden = torch.tensor([[[1.0, 2.0], [3.0, 6.0], [9.0, 9.0]],
                            [[4.0, 0.0], [0.0, 8.0], [5.0, 4.0]]])

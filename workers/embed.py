@@ -174,6 +174,9 @@ def batches(lengths: list[int], max_tokens: int) -> list[list[int]]:
     return groups
 
 
+_CANCEL_POLL_S = 0.05  # a batch job waiting behind a paused pass sees its cancellation this soon (the pause gate's poll)
+
+
 @dataclass(eq=False)
 class _Lane:
     """Requests that share passes: those waiting for one, and whether a caller is running one."""
@@ -256,7 +259,11 @@ class EncoderWorker(ThreadWorker):
             while not job.done.is_set():
                 if lane.leading:
                     job.ctx.must_pause()  # batch work waiting behind a paused pass is paused too
-                    self._turn.wait()
+                    self._turn.wait(_CANCEL_POLL_S if lane is self._batch else None)
+                    if job.ctx.cancelled and job in lane.waiting:  # not taken yet: leave now, not after the pause
+                        lane.waiting.remove(job)
+                        job.error = Cancelled()
+                        job.done.set()
                     continue
                 lane.leading = True
                 jobs, lane.waiting = lane.waiting, []
