@@ -80,6 +80,8 @@ def test_good_config_loads(tmp_path):
     (BASE.replace("path: model", "path: nowhere"), "models[0].path", "no such folder"),
     (BASE.replace("keys_env: K_PAID}", "keys_env: K_PAID, max_inflight: 0}"), "tiers[0].max_inflight", "greater than"),
     ("tiers: []\n", "tiers", "at least 1"),
+    (BASE.replace("kind: chat, path: model, vram: 6GiB", "kind: embed, path: model, batch_width: 0"),
+     "models[0].batch_width", "greater than or equal to 1"),
     (BASE + "responses: {retention_days: 0}\n", "responses.retention_days", "greater than 0"),
     ("tiers: [\n", "", "not valid YAML"),
 ])
@@ -228,3 +230,16 @@ def test_tiergate_check_reads_every_model_and_its_fit(tiny_chat, tiny_embed, tmp
     assert "tiers.yaml: models: model 'hollow': no weights" in capsys.readouterr().err
     code, _, err = check("  - {name: chat, kind: video, path: /}\n")
     assert code == 2 and "models[0].kind" in err
+
+
+def test_the_batch_tiers_default_room_counts_each_engines_width(tmp_path):
+    """Left out, the batch tier's max_inflight is every model's width together: a chat model's
+    max_num_seqs, an embedding or moderation model's batch_width (16 unless set), 1 for others."""
+    text = BASE.replace("  - {name: m, kind: chat, path: model, vram: 6GiB}\n",
+                        "  - {name: c, kind: chat, path: model, engine: {name: transformers, max_num_seqs: 4}}\n"
+                        "  - {name: e, kind: embed, path: model}\n"
+                        "  - {name: d, kind: moderation, path: model, batch_width: 3}\n"
+                        "  - {name: s, kind: stt, path: model}\n")
+    config = load_config(write(tmp_path, text))
+    assert config.max_inflight(config.tiers[-1]) == 4 + 16 + 3 + 1
+    assert {s.name: s.options.get("batch_width") for s in config.model_specs()} == {"c": None, "e": 16, "d": 3, "s": None}
