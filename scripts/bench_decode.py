@@ -6,6 +6,7 @@ same worker and model, in one process.
 
     python scripts/bench_decode.py                  # on a CUDA machine, about a minute
     python scripts/bench_decode.py --rows 4 --tokens 300 --model demo-models/tiny-chat
+    python scripts/bench_decode.py --stream --tokens 400   # streamed replies: their text every step
     python scripts/bench_decode.py --smoke          # tiny counts, any device: the code path, no verdict
 
 The transformers engine (``workers.chat.ChatWorker``, placed with ``Worker.place`` as the arbiter
@@ -43,14 +44,15 @@ from benchlib import Target, judge  # noqa: E402
 CHAT = "tiny-chat"
 
 
-async def run(worker, rows: int, tokens: int, words: int) -> tuple[float, int]:
-    """``rows`` concurrent greedy requests of ``tokens`` each, their prompts ``words`` words long:
-    (seconds, decode steps the engine ran)."""
+async def run(worker, rows: int, tokens: int, words: int, stream: bool = False) -> tuple[float, int]:
+    """``rows`` concurrent greedy requests of ``tokens`` each, their prompts ``words`` words long,
+    streamed or read whole: (seconds, decode steps the engine ran)."""
     from workers.base import ChatParams, ChatRequest
 
     async def one(n: int) -> None:
         prompt = " ".join(["story"] * words) + f" {n}"
-        request = ChatRequest([{"role": "user", "content": prompt}], ChatParams(max_tokens=tokens, temperature=0))
+        request = ChatRequest([{"role": "user", "content": prompt}], ChatParams(max_tokens=tokens, temperature=0),
+                              stream=stream)
         async for _event in worker.chat(request):
             pass
 
@@ -73,12 +75,12 @@ async def measure(args: argparse.Namespace, device) -> dict[str, float]:
 
     async def timed(label: str, words: int, cudnn: bool) -> None:
         torch.backends.cuda.enable_cudnn_sdp(cudnn if cuda else shipped)
-        seconds, steps = await run(worker, args.rows, args.tokens, words)
+        seconds, steps = await run(worker, args.rows, args.tokens, words, args.stream)
         ms.setdefault(label, []).append(seconds / max(steps, 1) * 1e3)
         print(f"  {label:<26} {steps:>5} steps in {seconds:6.2f} s", flush=True)
 
     try:
-        await run(worker, args.rows, args.tokens, 4)  # warm: the engine's first steps and allocations
+        await run(worker, args.rows, args.tokens, 4, args.stream)  # warm: the engine's first steps and allocations
         await timed("shipped", 4, shipped)
         await timed("torch order, new shapes", 4, True)  # cuDNN's first run: no shape planned yet
         await timed("torch order, same again", 4, True)
@@ -95,6 +97,8 @@ def main() -> int:
     ap.add_argument("--rows", type=int, default=8, help="concurrent requests (the engine's width)")
     ap.add_argument("--tokens", type=int, default=150, help="tokens per request")
     ap.add_argument("--device", default="auto", help="auto (CUDA where it exists), cuda or cpu")
+    ap.add_argument("--stream", action="store_true", help="streamed requests (their text decoded every step), "
+                    "not replies read whole (decoded at their end)")
     ap.add_argument("--smoke", action="store_true", help="2 rows x 6 tokens; no verdict")
     args = ap.parse_args()
     if args.smoke:
@@ -110,7 +114,8 @@ def main() -> int:
 
         build_demo_models(args.model.parent, names=[CHAT])
     where = torch.cuda.get_device_name(device) if device.type == "cuda" else "CPU (no cuDNN: both orders are the same code)"
-    print(f"chat engine decode step: {args.model.name}, {args.rows} rows x {args.tokens} tokens, greedy; "
+    print(f"chat engine decode step: {args.model.name}, {args.rows} rows x {args.tokens} tokens, greedy, "
+          f"{'streamed' if args.stream else 'read whole'}; "
           f"device {device} ({where}); torch {torch.__version__}")
     result = asyncio.run(measure(args, device))
     base = result["torch order, new shapes"]

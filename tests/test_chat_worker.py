@@ -398,3 +398,41 @@ def test_a_prefill_stopped_between_layers_sends_the_prompts_logprobs_once(worker
     assert len(sent) == 1 and sent[0] == straight[0].prompt_logprobs and sent[0][1] is not None
     texts = ["".join(ev.text for ev in evs if isinstance(ev, TextDelta)) for evs in (straight, resumed)]
     assert texts[0] == texts[1]
+
+
+def test_a_replys_text_is_decoded_one_token_at_a_time_as_the_whole_decode_reads(worker):
+    """``_text`` feeds each new token to tokenizers' DecodeStream once (the whole reply was decoded
+    again every step: O(n) a step): at every length its text is the whole decode's, less a
+    character whose bytes have not all come (multi-byte characters split across tokens here)."""
+    from types import SimpleNamespace
+
+    text = "héllo 👋 wörld, ça va? <tool_call>{\"a\": 1}</tool_call> ok"
+    ids = worker.tokenizer(text, add_special_tokens=False)["input_ids"]
+    seq = SimpleNamespace(generated=ids, detok=None, decoded=0, text="")
+    assert worker._streams
+    for n in range(1, len(ids) + 1):
+        assert worker._text(seq, n) == worker._decode(ids[:n]).rstrip("\ufffd"), n
+    assert seq.text == text and seq.decoded == len(ids)
+    held = SimpleNamespace(generated=ids, detok=None, decoded=0, text="")  # a held reply: decoded at its end, at once
+    assert worker._text(held, len(ids)) == text
+
+
+def test_a_streamed_reply_decodes_no_whole_text_per_step_and_reads_as_the_whole_decode(worker, monkeypatch):
+    prompts = ["hi", "one two three four five six"]
+
+    async def reply(p, stream):
+        parts = []
+        req = ChatRequest([{"role": "user", "content": p}], ChatParams(max_tokens=40, temperature=0), stream=stream)
+        async for ev in worker.chat(req):
+            if isinstance(ev, TextDelta):
+                parts.append(ev.text)
+        return "".join(parts)
+
+    whole = []
+    real = worker.tokenizer.decode
+    monkeypatch.setattr(worker.tokenizer, "decode", lambda *a, **k: whole.append(1) or real(*a, **k))
+    streamed = [asyncio.run(reply(p, True)) for p in prompts]
+    assert len(whole) == 0  # the old path decoded the whole reply at each of its 80 tokens
+    for p, text in zip(prompts, streamed):
+        assert text == real(reference_ids(worker, p, 40), skip_special_tokens=True).rstrip("\ufffd")
+        assert asyncio.run(reply(p, False)) == text
