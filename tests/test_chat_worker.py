@@ -436,3 +436,27 @@ def test_a_streamed_reply_decodes_no_whole_text_per_step_and_reads_as_the_whole_
     for p, text in zip(prompts, streamed):
         assert text == real(reference_ids(worker, p, 40), skip_special_tokens=True).rstrip("\ufffd")
         assert asyncio.run(reply(p, False)) == text
+
+
+def test_a_decode_steps_events_reach_the_loop_in_one_wake_up(worker):
+    """Four streamed rows decode together: the engine wakes the event loop once per decode step
+    for all of the step's text (plus once per prefill), not once per row per step."""
+    async def main():
+        loop = asyncio.get_running_loop()
+        wakes = []
+        real = loop.call_soon_threadsafe
+        loop.call_soon_threadsafe = lambda *a, **k: wakes.append(1) or real(*a, **k)
+        steps = worker.steps
+        try:
+            async def reply(p):
+                req = ChatRequest([{"role": "user", "content": p}], ChatParams(max_tokens=24, temperature=0))
+                return [ev async for ev in worker.chat(req)]
+            events = await asyncio.gather(*(reply(f"row {i}") for i in range(4)))
+        finally:
+            del loop.call_soon_threadsafe
+        return len(wakes), worker.steps - steps, events
+
+    wakes, steps, events = asyncio.run(main())
+    assert all(isinstance(ev[-1], ChatFinished) and ev[-1].completion_tokens == 24 for ev in events)
+    assert sum(len(ev) for ev in events) > 2 * wakes  # texts arrived several to a wake-up
+    assert wakes <= steps + 4  # a wake-up per step, and one per prefill's first token

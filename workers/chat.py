@@ -188,6 +188,7 @@ class ChatWorker(ThreadWorker):
         self._last_logits: dict[str, int] = {}  # the forward's argument that keeps the last place's logits only
         self._texts: dict[int, str] = {}
         self._streams = False  # set at load (``_text``)
+        self._step_events: dict | None = None  # a decode step's events by loop, sent at its end (``_send``)
 
     # -- residency -------------------------------------------------------------------------
     def load(self, device: torch.device) -> None:
@@ -261,7 +262,7 @@ class ChatWorker(ThreadWorker):
             ids=ids,
             prompt_len=len(ids),
             params=req.params,
-            emit=lambda ev: loop.call_soon_threadsafe(events.put_nowait, ev),
+            emit=lambda ev: self._send(loop, events, ev),
             req=req,
             generator=gen,
             arrival=next(self._arrivals),
@@ -404,8 +405,26 @@ class ChatWorker(ThreadWorker):
             ctx = seq.req.ctx
             ctx.gpu_s = (ctx.gpu_s or 0.0) + share
 
+    def _send(self, loop: asyncio.AbstractEventLoop, events: asyncio.Queue, ev: object) -> None:
+        """(engine thread) Hand ``ev`` to its request's loop: at once, or with the rest of a decode
+        step's events (``_decode_step``), one wake-up of the loop for them all."""
+        if self._step_events is None:
+            loop.call_soon_threadsafe(events.put_nowait, ev)
+        else:
+            self._step_events.setdefault(loop, []).append((events, ev))
+
     @torch.inference_mode()
     def _decode_step(self, batch: _Batch) -> None:
+        """One decode step of the batch; the rows' events go to the loop together at its end."""
+        self._step_events = {}
+        try:
+            self._decode_rows(batch)
+        finally:
+            held, self._step_events = self._step_events, None
+            for loop, items in held.items():
+                loop.call_soon_threadsafe(_deliver, items)
+
+    def _decode_rows(self, batch: _Batch) -> None:
         rows = len(batch.seqs)
         self.max_rows_seen = max(self.max_rows_seen, rows)
         last = torch.tensor([[s.ids[-1]] for s in batch.seqs], device=self.device)
@@ -630,6 +649,12 @@ def _sample(logits: torch.Tensor, params: ChatParams, generator: torch.Generator
 def _eos_ids(model: torch.nn.Module, tokenizer) -> set[int]:
     ids = getattr(model.generation_config, "eos_token_id", None) or tokenizer.eos_token_id
     return set(ids) if isinstance(ids, list) else {ids}
+
+
+def _deliver(items: list[tuple[asyncio.Queue, object]]) -> None:
+    """(event loop) A decode step's events, each to its request's queue, in the order sent."""
+    for events, ev in items:
+        events.put_nowait(ev)
 
 
 def _first_stop(text: str, stops: list[str]) -> int | None:
