@@ -417,6 +417,27 @@ def test_a_replys_text_is_decoded_one_token_at_a_time_as_the_whole_decode_reads(
     assert worker._text(held, len(ids)) == text
 
 
+def test_a_reply_whose_stream_refuses_a_step_or_a_tokenizer_that_cleans_spaces_is_decoded_whole(worker, monkeypatch):
+    """Where the incremental decode cannot stand for the whole one (a tokenizer that cleans up
+    spaces, or a step the stream refuses: its decode did not extend what it had decoded), the
+    reply's text is the whole decode of its tokens, and stays so for that row."""
+    from types import SimpleNamespace
+
+    ids = worker.tokenizer("héllo wörld, ça va?", add_special_tokens=False)["input_ids"]
+    whole = worker._decode(ids)
+
+    class Refusing:
+        def step(self, tokenizer, token):
+            raise Exception("Invalid prefix encountered")
+
+    seq = SimpleNamespace(generated=ids, detok=Refusing(), decoded=0, text="")
+    assert worker._text(seq, len(ids)) == whole and seq.detok is None
+    assert worker._text(seq, len(ids)) == whole  # decoded whole from then on
+    monkeypatch.setattr(worker, "_streams", False)
+    plain = SimpleNamespace(generated=ids, detok=None, decoded=0, text="")
+    assert worker._text(plain, 3) == worker._decode(ids[:3]) and plain.detok is None and plain.decoded == 0
+
+
 def test_a_streamed_reply_decodes_no_whole_text_per_step_and_reads_as_the_whole_decode(worker, monkeypatch):
     prompts = ["hi", "one two three four five six"]
 

@@ -296,11 +296,10 @@ class EncoderWorker(ThreadWorker):
                 for job in holders:
                     job.ctx.must_pause()  # starts its paused clock now if the lane must yield
             for job in holders:
-                if job.error is None:
-                    try:
-                        job.ctx.boundary()
-                    except Cancelled as exc:
-                        job.error = exc
+                try:
+                    job.ctx.boundary()
+                except Cancelled as exc:
+                    job.error = exc
             members = [(job, i) for job, i in members if job.error is None]
             if not members:
                 continue
