@@ -48,11 +48,25 @@ _CORPUS = [
 def build_demo(out_dir: Path, seed: int = 0) -> Path:
     """Build ``tiny-chat``: a 2-layer Llama with a byte-level BPE tokenizer, offline, from a seed.
     head_dim is 32 because vLLM's CPU attention has no kernel for smaller heads."""
-    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
-    from transformers import LlamaConfig, LlamaForCausalLM, PreTrainedTokenizerFast
+    from transformers import LlamaForCausalLM
 
     out_dir = Path(out_dir)
     out_dir.mkdir(parents=True, exist_ok=True)
+    fast = build_tokenizer()
+    fast.save_pretrained(out_dir)
+
+    torch.manual_seed(seed)
+    model = LlamaForCausalLM(text_config(fast))
+    model.generation_config.eos_token_id = fast.eos_token_id
+    model.save_pretrained(out_dir)
+    return out_dir
+
+
+def build_tokenizer(chat_template: str = _CHAT_TEMPLATE):
+    """tiny-chat's tokenizer: byte-level BPE trained on a small corpus, with the chat template."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+    from transformers import PreTrainedTokenizerFast
+
     specials = ["<pad>", "<s>", "</s>", "<|system|>", "<|user|>", "<|assistant|>"]
     tok = Tokenizer(models.BPE())
     tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
@@ -66,20 +80,20 @@ def build_demo(out_dir: Path, seed: int = 0) -> Path:
         additional_special_tokens=specials[3:],
     )
     fast.add_tokens(_TOOL_TOKENS)
-    fast.chat_template = _CHAT_TEMPLATE
-    fast.save_pretrained(out_dir)
+    fast.chat_template = chat_template
+    return fast
 
-    torch.manual_seed(seed)
-    config = LlamaConfig(
-        vocab_size=len(fast), hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+
+def text_config(tokenizer):
+    """tiny-chat's Llama configuration for ``tokenizer``."""
+    from transformers import LlamaConfig
+
+    return LlamaConfig(
+        vocab_size=len(tokenizer), hidden_size=64, intermediate_size=128, num_hidden_layers=2,
         num_attention_heads=4, num_key_value_heads=2, head_dim=32, max_position_embeddings=512,
-        bos_token_id=fast.bos_token_id, eos_token_id=fast.eos_token_id,
-        pad_token_id=fast.pad_token_id, tie_word_embeddings=False,
+        bos_token_id=tokenizer.bos_token_id, eos_token_id=tokenizer.eos_token_id,
+        pad_token_id=tokenizer.pad_token_id, tie_word_embeddings=False,
     )
-    model = LlamaForCausalLM(config)
-    model.generation_config.eos_token_id = fast.eos_token_id
-    model.save_pretrained(out_dir)
-    return out_dir
 
 
 

@@ -39,6 +39,7 @@ from gateway.service import Services
 from gateway.serving import Gone, Serving
 from gateway.structured import response_grammar
 from gateway.tools import CallDelta, CallParser, ToolCalls, ToolPlan, plan_tools
+from gateway.vision import request_images
 from workers.base import (
     AdapterStackSpec,
     ChatEvent,
@@ -73,6 +74,7 @@ class ChatJob:
     template_kwargs: dict | None = None  # the chat template's own variables (enable_thinking, ...)
     reasoning: ReasoningParser = "none"  # the model's reasoning_parser: where its thinking is in the reply
     include_reasoning: bool = True  # False: the thinking is left out of the answer
+    images: tuple[bytes, ...] = ()  # the messages' image parts, in order, as encoded files (``gateway.vision``)
 
 
 @dataclass
@@ -107,6 +109,7 @@ def plan_chat(svc: Services, body: ChatCompletionRequest) -> ChatJob:
         raise bad_request(problem[0], problem[1], "missing_required_parameter" if "missing" in problem[0] else "invalid_value")
     spec, stack = resolve_request(svc, body.model, body.adapters, "chat")
     limits = svc.config.limits
+    images = request_images(body, spec, limits)
     max_tokens = body.max_completion_tokens or body.max_tokens or min(DEFAULT_MAX_TOKENS, limits.max_chat_tokens)
     if max_tokens > limits.max_chat_tokens:
         param = "max_completion_tokens" if body.max_completion_tokens else "max_tokens"
@@ -134,7 +137,7 @@ def plan_chat(svc: Services, body: ChatCompletionRequest) -> ChatJob:
     return ChatJob(spec.name, body.messages_as_dicts(), params, stack, tools, body.n, body.service_tier,
                    stream=bool(body.stream), template_kwargs=body.template_kwargs(),
                    reasoning=getattr(engine, "reasoning_parser", "none"),
-                   include_reasoning=body.include_reasoning)
+                   include_reasoning=body.include_reasoning, images=images)
 
 
 def _plan_tools(body: ChatCompletionRequest, parser: str) -> ToolPlan:
@@ -283,7 +286,7 @@ async def _first_event(serving: Serving, job: ChatJob, params: ChatParams,
     become API errors rather than a broken stream."""
     req = ChatRequest(job.messages, params, priority=serving.rank, ctx=ctx, adapters=job.stack,
                       tools=job.tools.template_tools(), template_kwargs=job.template_kwargs,
-                      prompt_ids=job.prompt_ids, stream=job.stream, reasoning=job.reasoning != "none",
+                      prompt_ids=job.prompt_ids, stream=job.stream, reasoning=job.reasoning != "none", images=job.images,
                       cache_salt=serving.caller.key_id if serving.svc.config.server.prefix_cache == "per_key" else None)
     events = serving.worker.chat(req)
     try:

@@ -271,6 +271,7 @@ class LimitsConfig(_Strict):
     max_body: Size = parse_size("25MiB")
     max_chat_tokens: int = Field(default=1024, ge=1)
     max_n: int = Field(default=4, ge=1)  # chat choices per request (n); each takes its own gate slot
+    chat_max_images: int = Field(default=8, ge=1)  # image parts in one chat request, for a model that reads images
     prompt_max_chars: int = Field(default=4000, ge=1)  # image prompts (and negative prompts), transcription prompts
     image_max_n: int = Field(default=4, ge=1)
     image_max_side: int = Field(default=1024, ge=8)  # pixels, either side

@@ -60,6 +60,7 @@ from gateway import service_tier
 from gateway.auth import Caller
 from gateway.chat import ChatJob, ChoiceDelta, Reply, collect, plan_chat, serve_chat
 from gateway.completions import tokenizer_of
+from gateway.adapters import resolve_request
 from gateway.conversation_store import ConversationStore
 from gateway.errors import APIError, bad_request, not_found
 from gateway.logprobs import chat_content
@@ -68,6 +69,7 @@ from gateway.schemas import (MAX_STACK, MAX_TOOLS, TOOL_NAME, AdapterChoice, Cha
                              _Body, parse)
 from gateway.service import Services
 from gateway.tools import CallDelta
+from gateway.vision import check_reads_images, read_image_url
 from workers.base import InvalidParam
 from workers.chat_prompt import encode
 from workers.registry import describe
@@ -218,7 +220,8 @@ def input_messages(items: str | list[dict[str, Any]], name: str = "input") -> li
             continue
         if kind == "message":
             role = _role(item, where)
-            out.append({"role": role, "content": _text(item.get("content"), f"{where}.content", role == "assistant")})
+            out.append({"role": role, "content": _text(item.get("content"), f"{where}.content", role == "assistant",
+                                                       images=role == "user")})
         elif kind == "function_call":
             call = {"id": _string(item, "call_id", where), "type": "function",
                     "function": {"name": _string(item, "name", where), "arguments": _string(item, "arguments", where)}}
@@ -253,19 +256,25 @@ def _string(item: dict[str, Any], key: str, where: str) -> str:
     return value
 
 
-def _text(content: Any, where: str, assistant: bool = False) -> str:
+def _text(content: Any, where: str, assistant: bool = False, images: bool = False) -> str | list[dict[str, Any]]:
     """The text of a content field: a string, or text parts (other parts are refused). An
-    assistant's ``refusal`` parts are history, accepted and not rendered, as chat takes them."""
+    assistant's ``refusal`` parts are history, accepted and not rendered, as chat takes them.
+    With ``images`` (a user message) ``input_image`` parts are taken too: such content becomes
+    chat's parts, text and ``image_url`` in order (``gateway.vision`` reads them)."""
     if isinstance(content, str):
         return content
     if not isinstance(content, list):
         raise bad_request(f"{where} must be a string or a list of text parts", where, "invalid_type")
+    if images and any(isinstance(part, dict) and part.get("type") == "input_image" for part in content):
+        return _chat_parts(content, where)
     texts = []
     for j, part in enumerate(content):
         kind = part.get("type") if isinstance(part, dict) else None
+        if kind == "input_image":
+            raise bad_request("content parts of type 'input_image' are only for user messages", f"{where}[{j}].type")
         if kind not in _TEXT_PARTS and kind != "refusal":
-            raise bad_request(f"content parts of type {str(kind)[:40]!r} are not supported (input_text, output_text)",
-                              f"{where}[{j}].type")
+            raise bad_request(f"content parts of type {str(kind)[:40]!r} are not supported (input_text, output_text, "
+                              "input_image)", f"{where}[{j}].type")
         if kind == "refusal" and not assistant:
             raise bad_request("content parts of type 'refusal' are only for assistant messages", f"{where}[{j}].type")
         text = part.get("refusal" if kind == "refusal" else "text")
@@ -274,6 +283,40 @@ def _text(content: Any, where: str, assistant: bool = False) -> str:
         if kind != "refusal":
             texts.append(text)
     return "".join(texts)
+
+
+def _first_image(items: str | list[dict[str, Any]] | None) -> str | None:
+    """The place of the first ``input_image`` part of ``input`` (``input[i].content[j].type``)."""
+    for i, item in enumerate(items if isinstance(items, list) else ()):
+        content = item.get("content") if isinstance(item, dict) else None
+        for j, part in enumerate(content if isinstance(content, list) else ()):
+            if isinstance(part, dict) and part.get("type") == "input_image":
+                return f"input[{i}].content[{j}].type"
+    return None
+
+
+def _chat_parts(content: list[Any], where: str) -> list[dict[str, Any]]:
+    """A user message's text and ``input_image`` parts as chat's ``text`` and ``image_url`` parts."""
+    parts: list[dict[str, Any]] = []
+    for j, part in enumerate(content):
+        kind = part.get("type") if isinstance(part, dict) else None
+        if kind == "input_image":
+            if part.get("file_id") is not None and part.get("image_url") is None:
+                raise bad_request("input_image by file_id is not served here: send image_url as a data: URL",
+                                  f"{where}[{j}].file_id", "unsupported_value")
+            url = part.get("image_url")
+            if not isinstance(url, str):
+                raise bad_request("an input_image part needs image_url as a string", f"{where}[{j}].image_url",
+                                  "missing_required_parameter" if url is None else "invalid_type")
+            read_image_url(url, f"{where}[{j}].image_url")  # its 400 named here: chat's would name a message
+            detail = part.get("detail")
+            parts.append({"type": "image_url", "image_url": {"url": url, **({"detail": detail} if detail else {})}})
+        elif kind in _TEXT_PARTS and isinstance(part.get("text"), str):
+            parts.append({"type": "text", "text": part["text"]})
+        else:
+            raise bad_request(f"content parts of type {str(kind)[:40]!r} are not supported in a user message (input_text, "
+                              "input_image)", f"{where}[{j}].type")
+    return parts
 
 
 # -- planning -----------------------------------------------------------------------------------------
@@ -375,6 +418,9 @@ async def plan_response(svc: Services, caller: Caller, store: ResponseStore | No
                               "response can be continued", "previous_response_id")
         history = previous.conversation
         items = input_items(previous) + previous.response.get("output", [])
+    image = _first_image(body.input)
+    if image is not None:  # named here as an input item: chat's check would name a message
+        check_reads_images(resolve_request(svc, body.model, body.adapters, "chat")[0], image)
     conversation = history + (input_messages(body.input) if body.input is not None else [])
     system = [{"role": "system", "content": body.instructions}] if body.instructions else []
     with responses_names():

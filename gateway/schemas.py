@@ -67,6 +67,18 @@ class TextPart(_Body):
     text: str
 
 
+class ImageURL(_Body):
+    url: str  # a data: URL (data:image/png;base64,...), or http(s) where the server fetches them
+    detail: Literal["auto", "low", "high"] | None = None  # accepted; the model's processor sets the resolution
+
+
+class ImagePart(_Body):
+    """An image in a user message, for a model that reads images (``gateway.vision``)."""
+
+    type: Literal["image_url"]
+    image_url: ImageURL
+
+
 class RefusalPart(_Body):
     """An assistant message's refusal, sent back as history: accepted, not rendered."""
 
@@ -103,8 +115,8 @@ def text_or_parts(value: Any) -> str:
     return "Parts" if isinstance(value, list) else "Text"
 
 
-ChatPart = tagged(("TextPart", TextPart), ("RefusalPart", RefusalPart),
-                  by=part_type({"refusal": "RefusalPart"}, "TextPart"))
+ChatPart = tagged(("TextPart", TextPart), ("RefusalPart", RefusalPart), ("ImagePart", ImagePart),
+                  by=part_type({"refusal": "RefusalPart", "image_url": "ImagePart"}, "TextPart"))
 Content = tagged(("Text", str), ("Parts", list[ChatPart]), by=text_or_parts)
 
 
@@ -124,19 +136,25 @@ class Message(_Body):
 
     @field_validator("content", mode="before")
     @classmethod
-    def _text_parts_only(cls, value: Any) -> Any:
-        """An image, audio or file part is named as such, not as "not a valid string"."""
+    def _known_parts_only(cls, value: Any) -> Any:
+        """An audio or file part is named as such, not as "not a valid string"."""
         for part in value if isinstance(value, list) else ():
             kind = part.get("type", "text") if isinstance(part, dict) else "text"
-            if kind not in ("text", "refusal"):
+            if kind not in ("text", "refusal", "image_url"):
                 raise ValueError(f"content parts of type {str(kind)[:40]!r} are not supported: the chat models "
-                                 "here take text only (parts of type 'text')")
+                                 "here take parts of type 'text' and, where the model reads images, 'image_url'")
         return value
 
     def text(self) -> str | None:
         if self.content is None or isinstance(self.content, str):
             return self.content
         return "".join(p.text for p in self.content if isinstance(p, TextPart))
+
+    def image_parts(self) -> list[tuple[int, ImagePart]]:
+        """The message's image parts, with their places in ``content``."""
+        if not isinstance(self.content, list):
+            return []
+        return [(j, p) for j, p in enumerate(self.content) if isinstance(p, ImagePart)]
 
 
 TOOL_NAME = r"^[a-zA-Z0-9_-]{1,64}$"
@@ -326,6 +344,9 @@ class ChatCompletionRequest(EndUser):
                 return f"tool_calls is only for assistant messages, not {m.role}", f"{where}.tool_calls"
             if m.role != "assistant" and isinstance(m.content, list) and any(isinstance(p, RefusalPart) for p in m.content):
                 return f"content parts of type 'refusal' are only for assistant messages, not {m.role}", f"{where}.content"
+            if m.role != "user" and m.image_parts():
+                j = m.image_parts()[0][0]
+                return f"content parts of type 'image_url' are only for user messages, not {m.role}", f"{where}.content[{j}].type"
             if m.role != "assistant" and m.function_call is not None:
                 return f"function_call is only for assistant messages, not {m.role}", f"{where}.function_call"
             if m.tool_calls and m.function_call is not None:
@@ -359,6 +380,9 @@ class ChatCompletionRequest(EndUser):
         legacy_call = ""  # the id given to the last assistant function_call, which a function message answers
         for i, m in enumerate(self.messages):
             d: dict[str, Any] = {"role": role.get(m.role, m.role), "content": m.text()}
+            if m.image_parts():  # the template's parts, in order: text as given, each image as {"type": "image"}
+                d["content"] = [{"type": "image"} if isinstance(p, ImagePart) else {"type": "text", "text": p.text}
+                                for p in m.content if isinstance(p, (ImagePart, TextPart))]
             if m.tool_calls:
                 d["tool_calls"] = [c.model_dump() for c in m.tool_calls]
             if m.function_call is not None:  # the old functions API: the same call, as the template takes calls

@@ -12,6 +12,8 @@ and how far the device's result is from the CPU's:
   chat        logits of one prompt (rel. max error), and a greedy reply streamed by ``chat``
               with and without an adapter stack (pirate 0.5 + poet -0.7, merged by
               lora_kernels: Triton on CUDA); equal replies are reported, not required (bf16)
+  vision      tiny-vlm (LLaVA): logits of one prompt with an image (rel. max error), its pixels
+              in the model's dtype on the device, and a greedy reply to it streamed by ``chat``
   image       3 denoising steps at 32x32, seed 1, with and without the sketch adapter: max
               pixel difference (the worker draws the noise on a CPU generator, so it is the
               same); then the bare pipeline in fp32 and in fp16 on both devices, to tell a
@@ -23,7 +25,7 @@ and how far the device's result is from the CPU's:
 
 Checks that must hold (exit 1 otherwise): every weight on the device, every call completes and
 returns a well-formed result, embeddings' cosine >= 0.999 and moderation scores within 1e-3
-(fp32 on both sides), chat logits within 5% of their scale (bf16 against fp32). Writes
+(fp32 on both sides), chat and vision logits within 5% of their scale (bf16 against fp32). Writes
 workers.json to --out. ``--device cpu`` runs the same path on CPU against CPU (a dry run).
 """
 
@@ -111,6 +113,40 @@ def check_chat(models: Path, device: torch.device) -> dict:
         replies[label] = {"equal": got_text == want, "seconds": seconds, "chars": len(got_text)}
     return {"placed": placed, "dtypes": dtypes, "logits_rel_err": rel, "replies": replies,
             "ok": placed and rel <= 0.05 and all(r["chars"] > 0 for r in replies.values())}
+
+
+def check_vision(models: Path, device: torch.device) -> dict:
+    from PIL import Image
+
+    from workers import chat_prompt
+    from workers.chat import ChatWorker
+
+    cpu, dev = pair(ChatWorker, ModelSpec("tiny-vlm", "chat", models / "tiny-vlm"), device)
+    placed, dtypes = on_device(dev, device)
+    rng = np.random.default_rng(0)
+    png = io.BytesIO()
+    Image.fromarray((rng.random((40, 50, 3)) * 255).astype("uint8")).save(png, "PNG")
+
+    def req() -> ChatRequest:
+        return ChatRequest([{"role": "user", "content": [{"type": "image"}, {"type": "text", "text": "What is this?"}]}],
+                           ChatParams(max_tokens=12, temperature=0), ctx=StepContext(), images=(png.getvalue(),))
+
+    ids, vision = chat_prompt.vision_inputs(cpu.processor, req(), cpu.context_length)
+    with torch.inference_mode():
+        ref = cpu.model(input_ids=torch.tensor([ids]), **vision).logits.float()
+        seq = type("Row", (), {"vision": vision})()  # what ChatWorker._vision reads of a row
+        got = dev.model(input_ids=torch.tensor([ids], device=device), **dev._vision(seq)).logits.float().cpu()
+    rel = float((got - ref).abs().max() / ref.abs().max())
+
+    async def reply(worker) -> str:
+        parts = [ev.text async for ev in worker.chat(req()) if isinstance(ev, TextDelta)]
+        return "".join(parts)
+
+    want = asyncio.run(reply(cpu))
+    got_text, seconds = timed(lambda: asyncio.run(reply(dev)))
+    return {"placed": placed, "dtypes": dtypes, "logits_rel_err": rel,
+            "reply": {"equal": got_text == want, "seconds": seconds, "chars": len(got_text)},
+            "ok": placed and rel <= 0.05 and len(got_text) > 0}
 
 
 def check_image(models: Path, device: torch.device) -> dict:
@@ -207,7 +243,7 @@ def check_moderation(models: Path, device: torch.device) -> dict:
             "ok": placed and got.shape == want.shape and diff <= 1e-3}
 
 
-CHECKS = {"chat": check_chat, "image": check_image, "tts": check_tts, "stt": check_stt, "embed": check_embed,
+CHECKS = {"chat": check_chat, "vision": check_vision, "image": check_image, "tts": check_tts, "stt": check_stt, "embed": check_embed,
           "moderation": check_moderation}
 
 

@@ -120,6 +120,13 @@ def tiny_moderation(demo_dir: Path) -> Path:
     return build_demo_models(demo_dir, names=["tiny-moderation"])["tiny-moderation"]
 
 
+@pytest.fixture(scope="session")
+def tiny_vlm(demo_dir: Path) -> Path:
+    from demo import build_demo_models
+
+    return build_demo_models(demo_dir, names=["tiny-vlm"])["tiny-vlm"]
+
+
 @pytest.fixture(scope="module")
 def chat_server(tiny_chat: Path, tmp_path_factory) -> RunningServer:
     folder = tmp_path_factory.mktemp("chat-server")

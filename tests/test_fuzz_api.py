@@ -36,7 +36,7 @@ FUZZ = settings(max_examples=EXAMPLES, deadline=None, derandomize=not os.environ
 
 
 @pytest.fixture(scope="module")
-def server(tiny_chat, tiny_embed, tiny_image, tiny_tts, tiny_stt, tiny_moderation, tmp_path_factory):
+def server(tiny_chat, tiny_embed, tiny_image, tiny_tts, tiny_stt, tiny_moderation, tiny_vlm, tmp_path_factory):
     folder = tmp_path_factory.mktemp("fuzz")
     models = {"tiny-chat": ("chat", tiny_chat), "tiny-embed": ("embed", tiny_embed),
               "tiny-image": ("image", tiny_image), "tiny-tts": ("tts", tiny_tts), "tiny-stt": ("stt", tiny_stt),
@@ -49,6 +49,7 @@ def server(tiny_chat, tiny_embed, tiny_image, tiny_tts, tiny_stt, tiny_moderatio
              "accounts:\n  limits:\n    free: {requests_per_min: 100000}\n")
     if ENGINE == "transformers":  # suffix on a model with FIM tokens (its chat roles, named in tiers.yaml)
         models["tiny-chat-fim"] = ("chat", tiny_chat)
+        models["tiny-vlm"] = ("chat", tiny_vlm)  # images in chat: the transformers engine only
     config = write_config(folder, models, extra, engine=ENGINE)
     entry = f"  - name: tiny-chat-fim\n    kind: chat\n    path: {tiny_chat}\n"
     config.write_text(config.read_text().replace(
@@ -91,8 +92,22 @@ TOOL = st.fixed_dictionaries({"type": st.sampled_from(["function", "code"]) | AN
 TOOL_CALL = st.fixed_dictionaries({}, optional={
     "id": TEXT, "type": st.just("function") | ANY_JSON,
     "function": st.fixed_dictionaries({}, optional={"name": TOOL_NAME, "arguments": TEXT | st.just('{"a": 1}') | ANY_JSON})})
+def _png_url() -> str:
+    import base64
+    import io
+
+    from PIL import Image
+
+    out = io.BytesIO()
+    Image.new("RGB", (5, 3), (200, 10, 10)).save(out, "PNG")
+    return "data:image/png;base64," + base64.b64encode(out.getvalue()).decode()
+
+
+IMAGE_URL = st.fixed_dictionaries({"url": st.sampled_from([_png_url(), _png_url()[:-8], "data:image/png;base64,",
+                                                           "https://example.com/a.png", "data:,x"]) | TEXT | ANY_JSON},
+                                  optional={"detail": st.sampled_from(["auto", "low", "high", "max"]) | ANY_JSON})
 PART = st.fixed_dictionaries({"type": st.sampled_from(["text", "image_url", "input_audio", "refusal"]) | ANY_JSON},
-                             optional={"text": TEXT | ANY_JSON, "image_url": ANY_JSON})
+                             optional={"text": TEXT | ANY_JSON, "image_url": IMAGE_URL | ANY_JSON})
 MESSAGE = st.fixed_dictionaries(
     {"role": st.sampled_from(["system", "developer", "user", "assistant", "tool", "function", "robot"])},
     optional={"content": TEXT | st.lists(PART, max_size=3) | st.none() | ANY_JSON, "name": TEXT | ANY_JSON,
@@ -140,7 +155,7 @@ ENDPOINTS = {
          "function_call": st.sampled_from(["none", "auto", "required"]) | st.fixed_dictionaries({"name": TOOL_NAME}),
          "response_format": FORMAT, "adapters": ADAPTERS, "store": st.booleans(), **END_USER,
          "verbosity": st.sampled_from(["low", "high", "max"]), "modalities": st.lists(st.sampled_from(["text", "audio"]), max_size=2),
-         "model": st.sampled_from(["tiny-chat", "tiny-embed", "tiny-image", "nope", ""])}),
+         "model": st.sampled_from(["tiny-chat", "tiny-vlm", "tiny-embed", "tiny-image", "nope", ""])}),
     "/v1/completions": (
         {"model": "tiny-chat", "prompt": "hi", "max_tokens": 2},
         {**SAMPLING, "prompt": TEXT | st.lists(TEXT, max_size=3) | TOKEN_IDS | st.lists(TOKEN_IDS, max_size=3),

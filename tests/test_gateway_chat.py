@@ -132,13 +132,19 @@ def test_bad_fields_are_400_with_param(chat_server, body, param):
 
 
 def test_a_part_the_chat_models_cannot_read_is_named(chat_server):
-    """An image (or audio, or file) part in a message: a 400 naming the part's type, where pydantic
-    alone would say the content is "not a valid string"; text parts are read as before."""
-    for kind in ("image_url", "input_audio", "file"):
+    """An audio or file part in a message: a 400 naming the part's type, where pydantic alone
+    would say the content is "not a valid string"; an image part for this text-only model names
+    the part and says the model reads text (tests/test_vision.py has the models that read them);
+    text parts are read as before."""
+    for kind in ("input_audio", "file"):
         content = [{"type": "text", "text": "what is this?"}, {"type": kind, kind: {"url": "data:,x"}}]
         err = _error(_post(chat_server, {**GOOD, "messages": [{"role": "user", "content": content}]}), 400,
                      "invalid_value", "messages[0].content")
         assert f"content parts of type '{kind}' are not supported" in err["message"]
+    content = [{"type": "text", "text": "what is this?"}, {"type": "image_url", "image_url": {"url": "data:,x"}}]
+    err = _error(_post(chat_server, {**GOOD, "messages": [{"role": "user", "content": content}]}), 400,
+                 "image_input_not_supported", "messages[0].content[1].type")
+    assert "reads text only" in err["message"]
     ok = _post(chat_server, {**GOOD, "messages": [{"role": "user", "content": [{"type": "text", "text": "hi"}]}]})
     assert ok.status_code == 200, ok.text
 

@@ -162,6 +162,9 @@ class ChatRequest:
     tools: list[dict] | None = None  # function tools, rendered by the chat template
     template_kwargs: dict[str, Any] | None = None  # the chat template's own variables (enable_thinking, ...)
     prompt_ids: list[int] | None = None  # a raw prompt (legacy completions): these ids, no chat template
+    # the images of the messages' image parts (``{"type": "image"}`` in ``messages``), in order: each an
+    # encoded file (PNG, JPEG, WebP, GIF) the gateway has checked; for a model that reads images only
+    images: tuple[bytes, ...] = ()
     stream: bool = True  # False: only the whole reply is read (a batch line, a non-streamed response), so an
     # engine may hold its text back after the first delta (which times the first token) until the end
     # a reasoning model's reply (its model has a reasoning_parser): the engine reports the tokens

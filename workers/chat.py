@@ -32,6 +32,12 @@ and a row with no stop strings is not even detokenized between the two.
 Which rows join, leave and wait, and when the adapter stack changes, is decided before every
 step by a pure function, ``workers.chat_schedule.plan_step``; this module carries its plans out.
 
+Images. A folder with a vision tower (``vision_config``: LLaVA and the like) loads with its
+processor and ``AutoModelForImageTextToText``; a request's images become its prompt's image tokens
+and the vision tower's inputs (``chat_prompt.vision_inputs``, off the loop), which every prefill of
+the row passes to the model (a re-prefill after a pause too). Decode steps read the cache only, so
+image rows and text rows share them.
+
 Adapter stacks. Rows of one forward pass share the weights, so a batch serves ONE adapter stack
 (``ChatRequest.adapters``, merged into the weights by ``lora_kernels.AdapterStack``). When the
 plan says so (the batch has drained and the best ready row wants another stack) the engine thread
@@ -118,6 +124,7 @@ class _Seq:
     detok: object | None = None  # its tokens' text decoded one token at a time (``ChatWorker._text``)
     decoded: int = 0  # generated tokens fed to ``detok`` so far
     text: str = ""  # their text: every complete character so far
+    vision: dict | None = None  # a prompt with images: the vision tower's inputs (``pixel_values``), for every prefill
 
     @property
     def holds_text(self) -> bool:
@@ -168,6 +175,7 @@ class ChatWorker(ThreadWorker):
         self.max_num_seqs = max_num_seqs  # rows decoded together in one step (vLLM's name)
         self.model: torch.nn.Module | None = None
         self.tokenizer = None
+        self.processor = None  # a vision-language model's (images and text into prompt ids and pixel values)
         self.device = torch.device("cpu")
         self._inbox: queue.Queue[_Seq | None] = queue.Queue()
         self._thread: threading.Thread | None = None
@@ -192,12 +200,18 @@ class ChatWorker(ThreadWorker):
 
     # -- residency -------------------------------------------------------------------------
     def load(self, device: torch.device) -> None:
-        from transformers import AutoModelForCausalLM, AutoTokenizer
+        from transformers import AutoModelForCausalLM, AutoModelForImageTextToText, AutoProcessor, AutoTokenizer
 
         self.device = device
-        self.tokenizer = AutoTokenizer.from_pretrained(self.spec.path)
         dtype = torch.float32 if device.type == "cpu" else torch.bfloat16
-        model = AutoModelForCausalLM.from_pretrained(self.spec.path, dtype=dtype)
+        if folder_reads_images(self.spec.path):  # a vision-language model: its processor, and the image-text class
+            self.processor = AutoProcessor.from_pretrained(self.spec.path)
+            self.tokenizer = self.processor.tokenizer
+            model = AutoModelForImageTextToText.from_pretrained(self.spec.path, dtype=dtype)
+        else:
+            self.processor = None
+            self.tokenizer = AutoTokenizer.from_pretrained(self.spec.path)
+            model = AutoModelForCausalLM.from_pretrained(self.spec.path, dtype=dtype)
         self.model = model.to(device).eval()
         # a prefill needs the logits of its last place only (but for prompt logprobs): on a model
         # that can keep just those, the LM head skips the others, a prompt x vocabulary product
@@ -205,7 +219,7 @@ class ChatWorker(ThreadWorker):
             else {}
         self._eos = _eos_ids(self.model, self.tokenizer)
         self._think_end = chat_prompt.think_end_id(self.tokenizer)
-        self.context_length = int(getattr(self.model.config, "max_position_embeddings", 2048))
+        self.context_length = int(getattr(self.model.config.get_text_config(), "max_position_embeddings", 2048))
         self.vocab_size = int(self.model.config.get_text_config().vocab_size)
         self._grammars = None
         self._texts: dict[int, str] = {}  # token id -> its text (``_token_text``), for this tokenizer
@@ -234,7 +248,7 @@ class ChatWorker(ThreadWorker):
 
     @classmethod
     def describe(cls, spec: ModelSpec) -> ModelInfo:
-        return ModelInfo(context_length=folder_context_length(spec.path))
+        return ModelInfo(context_length=folder_context_length(spec.path), images=folder_reads_images(spec.path))
 
     # -- requests ----------------------------------------------------------------------------
     def encode(self, messages: list[dict], tools: list[dict] | None = None) -> list[int]:
@@ -249,7 +263,13 @@ class ChatWorker(ThreadWorker):
 
     async def chat(self, req: ChatRequest) -> AsyncIterator[ChatEvent]:
         """Stream the reply to ``req``. Closing the iterator cancels the work."""
-        ids = chat_prompt.request_ids(self.tokenizer, req, self.context_length)
+        vision = None
+        if not req.images:
+            ids = chat_prompt.request_ids(self.tokenizer, req, self.context_length)
+        elif self.processor is None:
+            raise InvalidParam(f"the model {self.spec.name} reads text only: it takes no image parts", "messages")
+        else:  # decoding the images and running the processor take a while: off the loop
+            ids, vision = await asyncio.to_thread(chat_prompt.vision_inputs, self.processor, req, self.context_length)
         check_logit_bias(req.params.logit_bias, self.vocab_size)
         req.ctx.prompt_tokens = len(ids)
         # compiling a grammar may take a while (off the loop); most requests have none
@@ -268,6 +288,7 @@ class ChatWorker(ThreadWorker):
             arrival=next(self._arrivals),
             grammar=grammar,
             thinking=grammar is not None and req.reasoning and req.ctx.prompt_thinking != "closed",
+            vision=vision,
         )
         self._inbox.put(seq)
         try:
@@ -375,7 +396,7 @@ class ChatWorker(ThreadWorker):
         started = _clock()
         every_place = not seq.generated and seq.params.prompt_logprobs is not None
         try:
-            out = self.model(input_ids=ids, past_key_values=cache, use_cache=True,
+            out = self.model(input_ids=ids, past_key_values=cache, use_cache=True, **self._vision(seq),
                              **({} if every_place else self._last_logits))
         except _Yield:
             self._charge([seq], started)
@@ -394,6 +415,16 @@ class ChatWorker(ThreadWorker):
             if self._sample_or_fail(seq, out.logits[0, -1]):
                 return
         _merge(batch, seq, out.past_key_values, len(fresh), self.device)
+
+    def _vision(self, seq: _Seq) -> dict[str, torch.Tensor]:
+        """The vision tower's inputs of ``seq``'s prompt on the model's device (pixels in its
+        dtype): every prefill of the row takes them, a re-prefill after a pause too, since its
+        image tokens are in the prompt again; {} for a text-only prompt."""
+        if seq.vision is None:
+            return {}
+        dtype = self.model.dtype
+        return {k: v.to(self.device, dtype=dtype) if v.is_floating_point() else v.to(self.device)
+                for k, v in seq.vision.items()}
 
     def _charge(self, seqs: list[_Seq], started: float) -> None:
         """Share the forward pass that began at ``started`` among the rows it computed, before any
@@ -621,6 +652,12 @@ def _process(logits: torch.Tensor, seq: _Seq) -> torch.Tensor:
     if seq.grammar is not None and not seq.thinking:
         seq.grammar.mask(logits)
     return logits
+
+
+def folder_reads_images(path: Path) -> bool:
+    """Whether a model folder holds a vision-language model: its ``config.json`` has a vision
+    tower (``vision_config``: LLaVA, Qwen2-VL, Gemma 3, ...), loaded with its processor."""
+    return "vision_config" in json.loads((Path(path) / "config.json").read_text())
 
 
 def folder_context_length(path: Path) -> int:

@@ -7,10 +7,16 @@ chat path does (``renderer.render_messages`` then ``default_chat_tok_params``, w
 ``add_special_tokens=False``), so a prompt gives the same ids on the transformers engine, through
 ``VllmChatEngine`` and under ``vllm serve``. A legacy completion's raw prompt
 (``ChatRequest.prompt_ids``) skips the template: :func:`request_ids` takes its ids as they are.
+
+A request with images (``ChatRequest.images``, for a vision-language model) renders the same way,
+its image parts as the template writes them (LLaVA's ``<image>``), and then goes through the
+model's processor (:func:`vision_inputs`): it expands each placeholder into the image's tokens and
+makes the vision tower's inputs (``pixel_values``), which the engine hands to the prefill.
 """
 
 from __future__ import annotations
 
+import io
 from typing import Any, Callable
 
 from workers.base import ChatRequest, InvalidParam
@@ -107,3 +113,28 @@ def request_ids(tokenizer: Any, req: ChatRequest, context_length: int) -> list[i
     if req.reasoning:
         req.ctx.prompt_thinking = thinking_marker(tokenizer.decode(req.prompt_ids, skip_special_tokens=False))
     return list(req.prompt_ids)
+
+
+def vision_inputs(processor: Any, req: ChatRequest, context_length: int) -> tuple[list[int], dict[str, Any]]:
+    """The prompt ids of ``req`` (messages with image parts, ``req.images`` in order) and the
+    vision tower's inputs for them (``pixel_values``, and what else the processor makes: tensors,
+    batch of one), through the model's processor; checked as :func:`request_ids` checks a prompt.
+    Runs off the event loop: it decodes every image."""
+    from PIL import Image
+
+    images = []
+    for i, data in enumerate(req.images):
+        try:
+            with Image.open(io.BytesIO(data)) as image:
+                images.append(image.convert("RGB"))
+        except Exception:  # noqa: BLE001 - the gateway read the header; the pixels themselves may be damaged
+            raise InvalidParam(f"image {i + 1} of the request cannot be decoded (damaged or cut short)", "messages") from None
+    text = render(processor.tokenizer, req.messages, req.tools, req.template_kwargs)
+    try:
+        enc = processor(text=[text], images=images, return_tensors="pt", add_special_tokens=False)
+    except ValueError as exc:  # placeholders and images do not pair up (a template that drops image parts)
+        raise InvalidParam(f"the model's processor refused the request's images: {exc}", "messages") from None
+    ids = enc["input_ids"][0].tolist()
+    check_context(len(ids), req.params.max_tokens, context_length)
+    req.ctx.prompt_thinking = thinking_marker(text)
+    return ids, {k: v for k, v in enc.items() if k not in ("input_ids", "attention_mask")}

@@ -83,6 +83,7 @@ from workers.base import (
     ChatFinished,
     ChatParams,
     ChatRequest,
+    InvalidParam,
     ModelSpec,
     StackKey,
     TextDelta,
@@ -470,6 +471,9 @@ class VllmChatEngine(Worker):
         from workers.chat import check_logit_bias
 
         p = req.params
+        if req.images:  # the gateway refuses them first (``gateway.vision``): vLLM's multimodal inputs are not wired here
+            raise InvalidParam(f"the model {self.spec.name} runs on the vllm engine, which takes no image parts here",
+                               "messages")
         prompt_ids = chat_prompt.request_ids(self.tokenizer, req, self.max_model_len)
         check_logit_bias(p.logit_bias, self._llm.model_config.get_vocab_size())
         ctx = req.ctx

@@ -41,6 +41,7 @@ class ModelInfo:
     context_length: int | None = None  # chat: prompt plus completion tokens
     native_size: tuple[int, int] | None = None  # image: (width, height) when the folder says
     voices: tuple[str, ...] = ()  # tts: the model's own voice names, in order
+    images: bool = False  # chat: the model reads images in its messages (a vision-language model)
 
 
 class Worker(ABC):

@@ -1,0 +1,296 @@
+"""Images in chat: a vision-language model (the demo's tiny LLaVA) reads ``image_url`` parts.
+
+The engine's replies are checked against plain full forward passes of the same model with the
+same pixels (no cache, no batching), through a pause and its re-prefill, beside text rows; the
+gateway's checks (which model, which URL, which file) each with its 400; and the whole path
+through the openai SDK: chat completions, streamed, the Responses API and a Batch API line.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import base64
+import io
+import threading
+
+import numpy as np
+import openai
+import pytest
+import torch
+from PIL import Image
+
+from demo.vision import IMAGE_SIDE, PATCH
+from tests.helpers import run_batch, start_server, write_config
+from tests.test_chat_worker import GREEDY_MARGIN, run
+from workers.base import ChatParams, ChatRequest, InvalidParam, ModelSpec, StepContext
+from workers.chat import ChatWorker
+from workers.registry import describe
+
+IMAGE_TOKENS = (IMAGE_SIDE // PATCH) ** 2  # per image: one per patch, the CLS token left out
+
+
+def picture(seed: int, size: tuple[int, int] = (50, 40), fmt: str = "PNG") -> bytes:
+    """A noise image of ``size`` (width, height), encoded as ``fmt``."""
+    rng = np.random.default_rng(seed)
+    out = io.BytesIO()
+    Image.fromarray((rng.random((size[1], size[0], 3)) * 255).astype("uint8")).save(out, fmt)
+    return out.getvalue()
+
+
+def data_url(data: bytes, media: str = "image/png") -> str:
+    return f"data:{media};base64,{base64.b64encode(data).decode()}"
+
+
+def asking(images: list[bytes], text: str = "What is in the picture?", max_tokens: int = 8,
+           ctx: StepContext | None = None, logprobs: int | None = None) -> ChatRequest:
+    content = [{"type": "image"} for _ in images] + [{"type": "text", "text": text}]
+    return ChatRequest([{"role": "user", "content": content}],
+                       ChatParams(max_tokens=max_tokens, temperature=0, logprobs=logprobs),
+                       ctx=ctx or StepContext(), images=tuple(images))
+
+
+@pytest.fixture(scope="module")
+def vlm(tiny_vlm):
+    w = ChatWorker(ModelSpec("tiny-vlm", "chat", tiny_vlm), max_num_seqs=8)
+    w.load(torch.device("cpu"))
+    yield w
+    w.unload()
+
+
+def reference(worker: ChatWorker, req: ChatRequest, n: int) -> str:
+    """Greedy text by full forward passes over the whole sequence, pixels given each time."""
+    images = [Image.open(io.BytesIO(b)).convert("RGB") for b in req.images]
+    text = worker.tokenizer.apply_chat_template(req.messages, add_generation_prompt=True, tokenize=False)
+    enc = worker.processor(text=[text], images=images, return_tensors="pt", add_special_tokens=False)
+    ids, out = enc["input_ids"][0].tolist(), []
+    with torch.no_grad():
+        for _ in range(n):
+            logits = worker.model(input_ids=torch.tensor([ids + out]), pixel_values=enc["pixel_values"]).logits[0, -1]
+            best, runner_up = logits.topk(2).values.tolist()
+            assert best - runner_up > GREEDY_MARGIN, f"a near tie at token {len(out)}: pick another image"
+            out.append(int(logits.argmax()))
+    return worker.tokenizer.decode(out, skip_special_tokens=True).rstrip("\ufffd")
+
+
+def test_a_folder_with_a_vision_tower_reads_images_and_a_plain_lm_does_not(tiny_vlm, tiny_chat):
+    assert describe(ModelSpec("v", "chat", tiny_vlm)).images
+    assert not describe(ModelSpec("c", "chat", tiny_chat)).images
+    assert not describe(ModelSpec("v", "chat", tiny_vlm, engine="vllm")).images  # not wired on vLLM
+
+
+def test_the_reply_is_the_models_on_those_pixels_and_counts_the_image_tokens(vlm):
+    """Each image becomes IMAGE_TOKENS prompt tokens; the reply equals full forward passes with
+    the same pixels, and another picture gives other logprobs."""
+    one, two = picture(1), picture(2)
+    text_only = len(vlm.encode([{"role": "user", "content": "What is in the picture?"}]))
+
+    async def main():
+        return await asyncio.gather(run(vlm, asking([one])), run(vlm, asking([two])), run(vlm, asking([one, two])),
+                                    run(vlm, asking([one], logprobs=0)), run(vlm, asking([two], logprobs=0)))
+
+    (a, fa), (b, _), (ab, fab), _, _ = results = asyncio.run(main())
+    assert a == reference(vlm, asking([one]), 8)
+    assert b == reference(vlm, asking([two]), 8)
+    assert ab == reference(vlm, asking([one, two]), 8)
+    assert fa.prompt_tokens == text_only + IMAGE_TOKENS
+    assert fab.prompt_tokens == text_only + 2 * IMAGE_TOKENS
+
+    async def first_logprob(image: bytes) -> float:
+        async for ev in vlm.chat(asking([image], max_tokens=1, logprobs=0)):
+            return ev.logprobs[0].logprob
+    assert asyncio.run(first_logprob(one)) != asyncio.run(first_logprob(two))
+    assert len(results) == 5
+
+
+def test_image_rows_share_steps_with_text_rows_and_each_reads_as_alone(vlm):
+    def prompts() -> list[ChatRequest]:  # new each time: a request's context is cancelled when it ends
+        return [asking([picture(3)]), ChatRequest([{"role": "user", "content": "hello there"}],
+                                                  ChatParams(max_tokens=8, temperature=0)), asking([picture(4)])]
+    alone = [asyncio.run(run(vlm, r))[0] for r in prompts()]
+    vlm.max_rows_seen = 0
+
+    async def together():
+        return await asyncio.gather(*[run(vlm, r) for r in prompts()])
+
+    assert [text for text, _ in asyncio.run(together())] == alone
+    assert vlm.max_rows_seen >= 2
+
+
+def test_a_paused_image_row_re_prefills_with_its_pixels(vlm):
+    """A batch row paused mid-reply re-prefills prompt + tokens with the image's pixels again:
+    without them its image tokens would read as the placeholder's embedding."""
+    go = threading.Event()
+    go.set()
+    ctx = StepContext(pause_check=lambda: not go.is_set())
+    image = picture(5)
+
+    async def main():
+        async def pauser():
+            while ctx.steps < 4:
+                await asyncio.sleep(0.002)
+            go.clear()
+            await asyncio.sleep(0.2)
+            go.set()
+
+        p = asyncio.create_task(pauser())
+        got = await run(vlm, asking([image], max_tokens=16, ctx=ctx))
+        await p
+        return got
+
+    text, fin = asyncio.run(main())
+    assert ctx.paused
+    assert fin.completion_tokens == 16
+    assert text == reference(vlm, asking([image]), 16)
+
+
+def test_images_for_a_text_model_or_pixels_that_do_not_decode_are_refused(vlm, tiny_chat):
+    plain = ChatWorker(ModelSpec("tiny-chat", "chat", tiny_chat))
+    plain.load(torch.device("cpu"))
+    try:
+        with pytest.raises(InvalidParam, match="reads text only"):
+            asyncio.run(run(plain, asking([picture(1)])))
+    finally:
+        plain.unload()
+    cut = picture(6)[:200]  # a PNG header with its pixels cut short
+    with pytest.raises(InvalidParam, match="cannot be decoded") as caught:
+        asyncio.run(run(vlm, asking([cut])))
+    assert caught.value.param == "messages"
+
+
+# -- over HTTP ----------------------------------------------------------------------------------------
+
+@pytest.fixture(scope="module")
+def server(tiny_vlm, tiny_chat, tmp_path_factory):
+    folder = tmp_path_factory.mktemp("vision-server")
+    extra = "limits:\n  max_chat_tokens: 64\n  chat_max_images: 2\n"
+    s = start_server(write_config(folder, {"tiny-vlm": ("chat", tiny_vlm), "tiny-chat": ("chat", tiny_chat)}, extra))
+    yield s
+    s.stop()
+
+
+def client(server, tier: str = "paid") -> openai.OpenAI:
+    return openai.OpenAI(base_url=server.base_url, api_key=server.keys[tier], max_retries=0)
+
+
+def user(*parts: dict) -> list[dict]:
+    return [{"role": "user", "content": list(parts)}]
+
+
+def image_part(url: str) -> dict:
+    return {"type": "image_url", "image_url": {"url": url, "detail": "low"}}
+
+
+TEXT = {"type": "text", "text": "What is in the picture?"}
+
+
+def test_the_openai_sdk_sends_an_image_and_gets_the_models_reply(server, vlm):
+    image = picture(7)
+    c = client(server)
+    got = c.chat.completions.create(model="tiny-vlm", messages=user(image_part(data_url(image)), TEXT),
+                                    max_tokens=8, temperature=0)
+    expected = asking([image])
+    expected.messages = [{"role": "user", "content": [{"type": "image"}, {"type": "text", "text": TEXT["text"]}]}]
+    assert got.choices[0].message.content == reference(vlm, expected, 8)
+    text_only = len(vlm.encode([{"role": "user", "content": TEXT["text"]}]))
+    assert got.usage.prompt_tokens == text_only + IMAGE_TOKENS
+    streamed = c.chat.completions.create(model="tiny-vlm", messages=user(image_part(data_url(image)), TEXT),
+                                         max_tokens=8, temperature=0, stream=True)
+    assert "".join(ch.choices[0].delta.content or "" for ch in streamed if ch.choices) == got.choices[0].message.content
+    jpeg = c.chat.completions.create(model="tiny-vlm", max_tokens=2, temperature=0,
+                                     messages=user(image_part(data_url(picture(7, fmt="JPEG"), "image/jpeg")), TEXT))
+    assert jpeg.usage.prompt_tokens == text_only + IMAGE_TOKENS
+
+
+def test_the_responses_api_takes_input_image_parts(server, vlm):
+    image = picture(8)
+    c = client(server)
+    got = c.responses.create(model="tiny-vlm", max_output_tokens=8, temperature=0, input=[
+        {"role": "user", "content": [{"type": "input_image", "image_url": data_url(image), "detail": "auto"},
+                                     {"type": "input_text", "text": TEXT["text"]}]}])
+    assert got.output_text == reference(vlm, asking([image]), 8)
+    with pytest.raises(openai.BadRequestError) as caught:
+        c.responses.create(model="tiny-vlm", input=[{"role": "user", "content": [
+            {"type": "input_image", "file_id": "file-abc"}, {"type": "input_text", "text": "x"}]}])
+    assert caught.value.body["param"] == "input[0].content[0].file_id"
+    for content, param, code in [
+        ([{"type": "input_text", "text": "x"}, {"type": "input_image", "image_url": "https://example.com/a.png"}],
+         "input[0].content[1].image_url", "image_url_not_fetched"),
+        ([{"type": "input_image", "image_url": data_url(b"GIF89a")}], "input[0].content[0].image_url", "invalid_image")]:
+        with pytest.raises(openai.BadRequestError) as caught:
+            c.responses.create(model="tiny-vlm", input=[{"role": "user", "content": content}])
+        assert (caught.value.body["param"], caught.value.body["code"]) == (param, code)
+    with pytest.raises(openai.BadRequestError) as caught:  # a text-only model: named at the input item
+        c.responses.create(model="tiny-chat", input=[{"role": "user", "content": [
+            {"type": "input_text", "text": "x"}, {"type": "input_image", "image_url": data_url(image)}]}])
+    assert (caught.value.body["param"], caught.value.body["code"]) == ("input[0].content[1].type",
+                                                                       "image_input_not_supported")
+
+
+def test_a_batch_line_with_an_image_is_answered_as_the_endpoint_answers(server):
+    c = client(server, "batch")
+    body = {"model": "tiny-vlm", "messages": user(image_part(data_url(picture(9))), TEXT), "max_tokens": 6,
+            "temperature": 0}
+    direct = client(server).chat.completions.create(**body).choices[0].message.content
+    batch = run_batch(c, "/v1/chat/completions", [{"custom_id": "a", "method": "POST", "url": "/v1/chat/completions",
+                                                   "body": body}])
+    assert batch.status == "completed" and batch.request_counts.completed == 1
+    line = c.files.content(batch.output_file_id).text.strip()
+    import json
+    assert json.loads(line)["response"]["body"]["choices"][0]["message"]["content"] == direct
+
+
+def _gif(frames: int) -> bytes:
+    out = io.BytesIO()
+    images = [Image.new("RGB", (8, 8), (80 * i, 0, 0)) for i in range(frames)]
+    images[0].save(out, "GIF", save_all=True, append_images=images[1:])
+    return out.getvalue()
+
+
+@pytest.mark.parametrize("model, messages, status, param, code", [
+    ("tiny-chat", user(TEXT, image_part(data_url(picture(1)))), 400, "messages[0].content[1].type",
+     "image_input_not_supported"),
+    ("tiny-vlm", user(image_part("https://example.com/cat.png"), TEXT), 400, "messages[0].content[0].image_url.url",
+     "image_url_not_fetched"),
+    ("tiny-vlm", user(image_part("data:image/png;base64,@@@"), TEXT), 400, "messages[0].content[0].image_url.url",
+     "invalid_image_url"),
+    ("tiny-vlm", user(image_part("data:text/plain;base64,aGk="), TEXT), 400, "messages[0].content[0].image_url.url",
+     "invalid_image_url"),
+    ("tiny-vlm", user(image_part("/tmp/cat.png"), TEXT), 400, "messages[0].content[0].image_url.url", "invalid_image_url"),
+    ("tiny-vlm", user(image_part(data_url(b"not an image at all")), TEXT), 400,
+     "messages[0].content[0].image_url.url", "invalid_image"),
+    ("tiny-vlm", user(image_part(data_url(picture(1, fmt="BMP"), "image/bmp")), TEXT), 400,
+     "messages[0].content[0].image_url.url", "invalid_image_format"),
+    ("tiny-vlm", user(image_part(data_url(_gif(3), "image/gif")), TEXT), 400, "messages[0].content[0].image_url.url",
+     "invalid_image_format"),
+    ("tiny-vlm", user(TEXT, *[image_part(data_url(picture(i))) for i in range(3)]), 400, "messages[0].content[3]",
+     "too_many_images"),
+    ("tiny-vlm", [{"role": "system", "content": [image_part(data_url(picture(1)))]}, {"role": "user", "content": "hi"}],
+     400, "messages[0].content[0].type", "invalid_value"),
+    ("tiny-vlm", user({"type": "input_audio", "input_audio": {"data": "", "format": "wav"}}), 400, "messages[0].content",
+     None),
+])
+def test_what_cannot_be_read_as_an_image_gets_a_400_naming_the_part(server, model, messages, status, param, code):
+    with pytest.raises(openai.APIStatusError) as caught:
+        client(server).chat.completions.create(model=model, messages=messages, max_tokens=2)
+    assert caught.value.status_code == status
+    err = caught.value.body
+    assert err["param"] == param, err
+    if code is not None:
+        assert err["code"] == code, err
+    assert isinstance(err["message"], str) and err["message"]
+
+
+def test_a_single_frame_gif_is_read(server):
+    got = client(server).chat.completions.create(model="tiny-vlm", max_tokens=2,
+                                                 messages=user(image_part(data_url(_gif(1), "image/gif")), TEXT))
+    assert got.usage.completion_tokens == 2
+
+
+def test_a_stored_completion_lists_its_image_part(server):
+    c = client(server)
+    url = data_url(picture(10))
+    done = c.chat.completions.create(model="tiny-vlm", messages=user(image_part(url), TEXT), max_tokens=2, store=True)
+    listed = c.chat.completions.messages.list(done.id)
+    parts = listed.data[0].content_parts
+    assert [p.type for p in parts] == ["image_url", "text"]
+    assert parts[0].image_url.url == url
