@@ -143,6 +143,17 @@ async def tokenizer_of(path: Path) -> Any:
     return tok
 
 
+async def processor_of(path: Path) -> Any:
+    """The processor of a vision-language chat model's folder (images and text into prompt ids; no
+    weights), loaded once per process."""
+    proc = _TOKENIZERS.get(path / "processor")
+    if proc is None:
+        from transformers import AutoProcessor
+
+        proc = _TOKENIZERS[path / "processor"] = await asyncio.to_thread(AutoProcessor.from_pretrained, str(path))
+    return proc
+
+
 # Fill-in-the-middle tokens (prefix, suffix, middle) as code models' tokenizers name them, each
 # trained on <prefix>{prefix}<suffix>{suffix}<middle>: Qwen2.5-Coder, Qwen3-Coder and CodeGemma;
 # StarCoder, StarCoder2, SantaCoder and Granite Code; DeepSeek-Coder; older BigCode models.

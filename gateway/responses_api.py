@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import sys
 import time
 from dataclasses import replace
 from typing import AsyncGenerator, AsyncIterator
@@ -19,7 +20,7 @@ from starlette.responses import JSONResponse, Response
 from gateway import service_tier
 from gateway.background import Background, EventLog
 from gateway.chat import ChoiceDelta, collect, served_caller, serve_chat
-from gateway.completions import tokenizer_of
+from gateway.completions import processor_of, tokenizer_of
 from gateway.conversation_store import ConversationStore
 from gateway.errors import bad_request, not_found
 from gateway.http import Streamed, disconnect_signal
@@ -31,8 +32,8 @@ from gateway.responses import (RUNNING, Draft, InputTokensRequest, ResponseEvent
                                whole_output)
 from gateway.schemas import is_count, parse, read_json
 from gateway.service import Services
-from workers.base import InvalidParam
-from workers.chat_prompt import encode
+from workers.base import ChatParams, ChatRequest, InvalidParam
+from workers.chat_prompt import encode, vision_inputs
 
 log = logging.getLogger("tiergate.responses")
 
@@ -97,11 +98,16 @@ async def count_input_tokens(request: Request) -> Response:
     job = await plan_response(svc, caller, _store(request), body, request.app.state.conversations)
     if svc.accounts is not None and not svc.accounts.allows(caller, job.chat.model):
         raise not_found(f"the model '{body.model}' does not exist", "model", "model_not_found")
-    tokenizer = await tokenizer_of(svc.spec(job.chat.model, "chat").path)
+    spec = svc.spec(job.chat.model, "chat")
     try:
-        ids = await asyncio.to_thread(encode, tokenizer, job.chat.messages, job.chat.tools.template_tools(),
-                                      job.chat.template_kwargs)
-    except InvalidParam as exc:  # the chat template refused the input
+        if job.chat.images:  # each image counts as the tokens the model's processor expands it to
+            req = ChatRequest(job.chat.messages, ChatParams(max_tokens=0), tools=job.chat.tools.template_tools(),
+                              template_kwargs=job.chat.template_kwargs, images=job.chat.images)
+            ids, _ = await asyncio.to_thread(vision_inputs, await processor_of(spec.path), req, sys.maxsize)
+        else:
+            ids = await asyncio.to_thread(encode, await tokenizer_of(spec.path), job.chat.messages,
+                                          job.chat.tools.template_tools(), job.chat.template_kwargs)
+    except InvalidParam as exc:  # the chat template refused the input, or an image did not decode
         raise bad_request(str(exc), "input") from None
     return JSONResponse({"object": "response.input_tokens", "input_tokens": len(ids)})
 

@@ -208,6 +208,11 @@ def test_the_responses_api_takes_input_image_parts(server, vlm):
         {"role": "user", "content": [{"type": "input_image", "image_url": data_url(image), "detail": "auto"},
                                      {"type": "input_text", "text": TEXT["text"]}]}])
     assert got.output_text == reference(vlm, asking([image]), 8)
+    counted = c.responses.input_tokens.count(model="tiny-vlm", input=[
+        {"role": "user", "content": [{"type": "input_image", "image_url": data_url(image)},
+                                     {"type": "input_text", "text": TEXT["text"]}]}])
+    assert counted.input_tokens == got.usage.input_tokens == len(vlm.encode([
+        {"role": "user", "content": TEXT["text"]}])) + IMAGE_TOKENS
     with pytest.raises(openai.BadRequestError) as caught:
         c.responses.create(model="tiny-vlm", input=[{"role": "user", "content": [
             {"type": "input_image", "file_id": "file-abc"}, {"type": "input_text", "text": "x"}]}])
