@@ -13,7 +13,7 @@ from typing import Any, Awaitable, Callable
 
 from gateway.audio import SpeechBody, plan_speech, serve_speech
 from gateway.auth import Caller
-from gateway.chat import collect, completion, plan_chat, serve_chat
+from gateway.chat import collect, completion, plan_chat, serve_chat, with_images
 from gateway.completions import completion_result
 from gateway.embeddings import EmbeddingRequest, embedding_list, plan_embeddings, serve_embeddings
 from gateway.errors import bad_request
@@ -48,7 +48,7 @@ async def chat(svc: Services, caller: Caller, data: dict) -> Result:
     body = parse(ChatCompletionRequest, data)
     if body.stream:
         raise bad_request("stream is not supported in a batch", "stream")
-    job = plan_chat(svc, body)
+    job = await with_images(svc, plan_chat(svc, body))
     replies, tier = await collect(serve_chat(svc, caller, job, None))
     return completion(f"chatcmpl-{uuid.uuid4().hex}", body.model, replies, tier, svc, job.tools.legacy)
 

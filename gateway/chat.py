@@ -39,7 +39,7 @@ from gateway.service import Services
 from gateway.serving import Gone, Serving
 from gateway.structured import response_grammar
 from gateway.tools import CallDelta, CallParser, ToolCalls, ToolPlan, plan_tools
-from gateway.vision import request_images
+from gateway.vision import RemoteImage, fetch_images, request_images
 from workers.base import (
     AdapterStackSpec,
     ChatEvent,
@@ -74,7 +74,9 @@ class ChatJob:
     template_kwargs: dict | None = None  # the chat template's own variables (enable_thinking, ...)
     reasoning: ReasoningParser = "none"  # the model's reasoning_parser: where its thinking is in the reply
     include_reasoning: bool = True  # False: the thinking is left out of the answer
-    images: tuple[bytes, ...] = ()  # the messages' image parts, in order, as encoded files (``gateway.vision``)
+    # the messages' image parts, in order, as encoded files (``gateway.vision``); a remote one is
+    # fetched by ``with_images`` before the job is served
+    images: tuple[bytes | RemoteImage, ...] = ()
 
 
 @dataclass
@@ -109,7 +111,7 @@ def plan_chat(svc: Services, body: ChatCompletionRequest) -> ChatJob:
         raise bad_request(problem[0], problem[1], "missing_required_parameter" if "missing" in problem[0] else "invalid_value")
     spec, stack = resolve_request(svc, body.model, body.adapters, "chat")
     limits = svc.config.limits
-    images = request_images(body, spec, limits)
+    images = request_images(body, spec, svc.config)
     max_tokens = body.max_completion_tokens or body.max_tokens or min(DEFAULT_MAX_TOKENS, limits.max_chat_tokens)
     if max_tokens > limits.max_chat_tokens:
         param = "max_completion_tokens" if body.max_completion_tokens else "max_tokens"
@@ -138,6 +140,13 @@ def plan_chat(svc: Services, body: ChatCompletionRequest) -> ChatJob:
                    stream=bool(body.stream), template_kwargs=body.template_kwargs(),
                    reasoning=getattr(engine, "reasoning_parser", "none"),
                    include_reasoning=body.include_reasoning, images=images)
+
+
+async def with_images(svc: Services, job: ChatJob) -> ChatJob:
+    """``job`` with its remote images fetched (400 naming the part when one fails), before it
+    asks for a slot: no slot or model waits on the network."""
+    images = await fetch_images(job.images, svc.config.limits)
+    return job if images is job.images else dataclasses.replace(job, images=images)
 
 
 def _plan_tools(body: ChatCompletionRequest, parser: str) -> ToolPlan:
@@ -284,6 +293,8 @@ async def _first_event(serving: Serving, job: ChatJob, params: ChatParams,
                        ctx: StepContext) -> tuple[AsyncIterator[ChatEvent], ChatEvent, StepContext]:
     """Submit the request and wait for its first event, so that errors found on submission
     become API errors rather than a broken stream."""
+    if any(isinstance(image, RemoteImage) for image in job.images):
+        raise RuntimeError("a chat job's remote images must be fetched (with_images) before it is served")
     req = ChatRequest(job.messages, params, priority=serving.rank, ctx=ctx, adapters=job.stack,
                       tools=job.tools.template_tools(), template_kwargs=job.template_kwargs,
                       prompt_ids=job.prompt_ids, stream=job.stream, reasoning=job.reasoning != "none", images=job.images,
@@ -404,7 +415,7 @@ async def chat_completions(request: Request) -> Response:
     svc: Services = request.app.state.services
     caller = svc.admit_caller(request)
     body = parse(ChatCompletionRequest, await read_json(request, svc.config.limits.max_body))
-    job = plan_chat(svc, body)
+    job = await with_images(svc, plan_chat(svc, body))
     served = served_caller(svc, caller, job)
     if (end_user := body.end_user(caller.key_id)) is not None:
         log.info("chat request: key %s, user %s, tier %s", caller.key_id, end_user, served.tier)

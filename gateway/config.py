@@ -272,6 +272,8 @@ class LimitsConfig(_Strict):
     max_chat_tokens: int = Field(default=1024, ge=1)
     max_n: int = Field(default=4, ge=1)  # chat choices per request (n); each takes its own gate slot
     chat_max_images: int = Field(default=8, ge=1)  # image parts in one chat request, for a model that reads images
+    image_fetch_timeout_s: float = Field(default=10.0, gt=0)  # an image URL on server.image_url_hosts: the whole fetch
+    image_fetch_max_bytes: Size = parse_size("20MiB")  # and its file
     prompt_max_chars: int = Field(default=4000, ge=1)  # image prompts (and negative prompts), transcription prompts
     image_max_n: int = Field(default=4, ge=1)
     image_max_side: int = Field(default=1024, ge=8)  # pixels, either side
@@ -324,6 +326,9 @@ class ServerConfig(_Strict):
     # vLLM's prefix cache: per_key, a key's requests reuse only their own key's cached prompt blocks
     # (another key cannot learn from a cache hit's speed what prompts it was sent); shared: any key's
     prefix_cache: Literal["per_key", "shared"] = "per_key"
+    # hosts whose http(s) image URLs chat requests may name, fetched by the gateway: exact names, or
+    # "*.example.com" for its subdomains; none: images come inline as data: URLs only (gateway/vision.py)
+    image_url_hosts: list[Annotated[str, Field(pattern=r"^(\*\.)?[A-Za-z0-9.-]+$")]] = []
 
 
 WEBHOOK_EVENTS = ("response.completed", "response.incomplete", "response.failed", "response.cancelled",

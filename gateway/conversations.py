@@ -50,10 +50,11 @@ class ItemsCreate(_Body):
     items: list[dict[str, Any]] = Field(min_length=1, max_length=MAX_ITEMS)
 
 
-def checked_items(items: list[dict[str, Any]], taken: set[str]) -> list[dict[str, Any]]:
+def checked_items(items: list[dict[str, Any]], taken: set[str], hosts: list[str]) -> list[dict[str, Any]]:
     """``items`` as the conversation lists them; 400 naming ``items[i]...`` for one that cannot be
-    an input item, or whose id is in ``taken`` (or twice in ``items``)."""
-    input_messages(items, "items")
+    an input item, or whose id is in ``taken`` (or twice in ``items``). ``hosts``: where image
+    URLs may point (``server.image_url_hosts``)."""
+    input_messages(items, "items", hosts)
     listed = given_items(items)
     seen = set(taken)
     for i, item in enumerate(listed):
@@ -80,7 +81,7 @@ def _missing(conversation_id: str) -> Exception:
 async def create_conversation(request: Request) -> Response:
     owner, svc = _owner(request)
     body = parse(ConversationCreate, await read_json(request, svc.config.limits.max_body))
-    items = checked_items(body.items, set()) if body.items else []
+    items = checked_items(body.items, set(), svc.config.server.image_url_hosts) if body.items else []
     conversation = Conversation(f"conv_{uuid.uuid4().hex}", owner, int(time.time()), body.metadata or {})
     await _store(request).create(conversation, items)
     return JSONResponse(conversation.public())
@@ -128,7 +129,7 @@ async def add_items(request: Request) -> Response:
     owner, conversation_id, items = await _items(request)
     svc: Services = request.app.state.services
     body = parse(ItemsCreate, await read_json(request, svc.config.limits.max_body))
-    added = checked_items(body.items, {item["id"] for item in items})
+    added = checked_items(body.items, {item["id"] for item in items}, svc.config.server.image_url_hosts)
     if not await _store(request).add_items(conversation_id, owner, added):
         raise _missing(conversation_id)  # deleted meanwhile
     return JSONResponse(listing(added, False))

@@ -58,7 +58,7 @@ from pydantic import Field
 
 from gateway import service_tier
 from gateway.auth import Caller
-from gateway.chat import ChatJob, ChoiceDelta, Reply, collect, plan_chat, serve_chat
+from gateway.chat import ChatJob, ChoiceDelta, Reply, collect, plan_chat, serve_chat, with_images
 from gateway.completions import tokenizer_of
 from gateway.adapters import resolve_request
 from gateway.conversation_store import ConversationStore
@@ -193,9 +193,10 @@ _ITEM_KEYS = {
 }
 
 
-def input_messages(items: str | list[dict[str, Any]], name: str = "input") -> list[dict[str, Any]]:
+def input_messages(items: str | list[dict[str, Any]], name: str = "input", hosts: list[str] = ()) -> list[dict[str, Any]]:
     """Chat messages of ``input`` (or items called ``name``); 400 naming the item (``input[i]...``)
-    that cannot be one. Function calls join the assistant message before them (or start one)."""
+    that cannot be one. Function calls join the assistant message before them (or start one).
+    ``hosts``: where image URLs may point (``server.image_url_hosts``)."""
     if isinstance(items, str):
         return [{"role": "user", "content": items}]
     if not items:
@@ -221,7 +222,7 @@ def input_messages(items: str | list[dict[str, Any]], name: str = "input") -> li
         if kind == "message":
             role = _role(item, where)
             out.append({"role": role, "content": _text(item.get("content"), f"{where}.content", role == "assistant",
-                                                       images=role == "user")})
+                                                       images=hosts if role == "user" else None)})
         elif kind == "function_call":
             call = {"id": _string(item, "call_id", where), "type": "function",
                     "function": {"name": _string(item, "name", where), "arguments": _string(item, "arguments", where)}}
@@ -256,17 +257,19 @@ def _string(item: dict[str, Any], key: str, where: str) -> str:
     return value
 
 
-def _text(content: Any, where: str, assistant: bool = False, images: bool = False) -> str | list[dict[str, Any]]:
+def _text(content: Any, where: str, assistant: bool = False,
+          images: list[str] | None = None) -> str | list[dict[str, Any]]:
     """The text of a content field: a string, or text parts (other parts are refused). An
     assistant's ``refusal`` parts are history, accepted and not rendered, as chat takes them.
-    With ``images`` (a user message) ``input_image`` parts are taken too: such content becomes
-    chat's parts, text and ``image_url`` in order (``gateway.vision`` reads them)."""
+    With ``images`` (a user message: the hosts its image URLs may name) ``input_image`` parts are
+    taken too: such content becomes chat's parts, text and ``image_url`` in order
+    (``gateway.vision`` reads them)."""
     if isinstance(content, str):
         return content
     if not isinstance(content, list):
         raise bad_request(f"{where} must be a string or a list of text parts", where, "invalid_type")
-    if images and any(isinstance(part, dict) and part.get("type") == "input_image" for part in content):
-        return _chat_parts(content, where)
+    if images is not None and any(isinstance(part, dict) and part.get("type") == "input_image" for part in content):
+        return _chat_parts(content, where, images)
     texts = []
     for j, part in enumerate(content):
         kind = part.get("type") if isinstance(part, dict) else None
@@ -295,7 +298,7 @@ def _first_image(items: str | list[dict[str, Any]] | None) -> str | None:
     return None
 
 
-def _chat_parts(content: list[Any], where: str) -> list[dict[str, Any]]:
+def _chat_parts(content: list[Any], where: str, hosts: list[str]) -> list[dict[str, Any]]:
     """A user message's text and ``input_image`` parts as chat's ``text`` and ``image_url`` parts."""
     parts: list[dict[str, Any]] = []
     for j, part in enumerate(content):
@@ -308,7 +311,7 @@ def _chat_parts(content: list[Any], where: str) -> list[dict[str, Any]]:
             if not isinstance(url, str):
                 raise bad_request("an input_image part needs image_url as a string", f"{where}[{j}].image_url",
                                   "missing_required_parameter" if url is None else "invalid_type")
-            read_image_url(url, f"{where}[{j}].image_url")  # its 400 named here: chat's would name a message
+            read_image_url(url, f"{where}[{j}].image_url", hosts)  # its 400 named here: chat's would name a message
             detail = part.get("detail")
             parts.append({"type": "image_url", "image_url": {"url": url, **({"detail": detail} if detail else {})}})
         elif kind in _TEXT_PARTS and isinstance(part.get("text"), str):
@@ -407,7 +410,7 @@ async def plan_response(svc: Services, caller: Caller, store: ResponseStore | No
         found = await conversations.items(conversation_id, caller.key_id) if conversations is not None else None
         if found is None:
             raise not_found(f"no conversation with id '{conversation_id}'", "conversation")
-        history, items = (input_messages(found, "conversation") if found else []), found
+        history, items = (input_messages(found, "conversation", svc.config.server.image_url_hosts) if found else []), found
     if body.previous_response_id is not None:
         previous = await store.get(body.previous_response_id, caller.key_id) if store is not None else None
         if previous is None:
@@ -421,7 +424,8 @@ async def plan_response(svc: Services, caller: Caller, store: ResponseStore | No
     image = _first_image(body.input)
     if image is not None:  # named here as an input item: chat's check would name a message
         check_reads_images(resolve_request(svc, body.model, body.adapters, "chat")[0], image)
-    conversation = history + (input_messages(body.input) if body.input is not None else [])
+    conversation = history + (input_messages(body.input, hosts=svc.config.server.image_url_hosts)
+                              if body.input is not None else [])
     system = [{"role": "system", "content": body.instructions}] if body.instructions else []
     with responses_names():
         chat = parse(ChatCompletionRequest, chat_body(body, system + conversation))
@@ -430,6 +434,7 @@ async def plan_response(svc: Services, caller: Caller, store: ResponseStore | No
             kept = await fitting(svc, job, system, conversation)
             if len(kept) < len(conversation):
                 job = plan_chat(svc, parse(ChatCompletionRequest, chat_body(body, system + kept)))
+        job = await with_images(svc, job)
     given = given_items(body.input)
     seen = {item["id"] for item in items}
     for i, item in enumerate(given):  # an id names one item: a page's cursor must find one place

@@ -8,19 +8,27 @@ them, for a model whose folder has a vision tower (``ModelInfo.images``). Each r
 naming the part (``messages[i].content[j].image_url.url``). The pixels are decoded later, off the
 event loop, by the engine (``workers.chat_prompt.vision_inputs``).
 
-Remote ``http(s)`` URLs are refused with a 400 that says so: this server does not fetch from the
-network on a caller's behalf (a gateway that did would let any key make it request internal
-addresses); the client sends the bytes.
+Remote ``http(s)`` URLs are fetched only from the hosts tiers.yaml names
+(``server.image_url_hosts``: exact names, or ``*.example.com`` for its subdomains); any other is a
+400 that says so. A gateway that fetched any URL would let every key make it request addresses on
+its own network. A fetch (:func:`fetch_images`, before admission, so no slot or model waits on the
+network) follows no redirect (it could leave the listed hosts), gives up after
+``limits.image_fetch_timeout_s`` and past ``limits.image_fetch_max_bytes``, and its file is checked
+as a data: URL's is; each failure is a 400 naming the part (``image_url_fetch_failed``).
 """
 
 from __future__ import annotations
 
+import asyncio
 import base64
 import binascii
+import fnmatch
 import io
 import re
+from dataclasses import dataclass
+from urllib.parse import urlsplit
 
-from gateway.config import LimitsConfig
+from gateway.config import Config, LimitsConfig
 from gateway.errors import APIError, bad_request
 from gateway.schemas import ChatCompletionRequest
 from workers.base import ModelSpec
@@ -31,19 +39,74 @@ MAX_PIXELS = 4096 * 4096  # an image's width x height, from its header, before i
 _DATA_URL = re.compile(r"data:(?P<media>[^;,]*)(;[^;,]*)*?;base64,", re.IGNORECASE)
 
 
-def request_images(body: ChatCompletionRequest, spec: ModelSpec, limits: LimitsConfig) -> tuple[bytes, ...]:
-    """The images of ``body``'s image parts, in order, as encoded files; () without any. 400 for a
-    model that reads no images, too many images, or one that is not an image this server reads."""
+@dataclass(frozen=True)
+class RemoteImage:
+    """An image part's http(s) URL on a listed host, not fetched yet (:func:`fetch_images`)."""
+
+    url: str
+    param: str  # the part, for a failed fetch's 400
+
+
+def request_images(body: ChatCompletionRequest, spec: ModelSpec, config: Config) -> tuple[bytes | RemoteImage, ...]:
+    """The images of ``body``'s image parts, in order: encoded files, and the remote ones still to
+    fetch; () without any. 400 for a model that reads no images, too many images, or one that is
+    not an image this server reads or fetches."""
     places = [(i, j, part) for i, m in enumerate(body.messages) for j, part in m.image_parts()]
     if not places:
         return ()
     i, j, _ = places[0]
     check_reads_images(spec, f"messages[{i}].content[{j}].type")
+    limits = config.limits
     if len(places) > limits.chat_max_images:
         i, j, _ = places[limits.chat_max_images]
         raise bad_request(f"the request has {len(places)} images, above this server's limit of {limits.chat_max_images}",
                           f"messages[{i}].content[{j}]", "too_many_images")
-    return tuple(read_image_url(part.image_url.url, f"messages[{i}].content[{j}].image_url.url") for i, j, part in places)
+    return tuple(read_image_url(part.image_url.url, f"messages[{i}].content[{j}].image_url.url",
+                                config.server.image_url_hosts) for i, j, part in places)
+
+
+async def fetch_images(images: tuple[bytes | RemoteImage, ...], limits: LimitsConfig) -> tuple[bytes, ...]:
+    """``images`` with every remote one fetched (at the same time) and checked."""
+    if not any(isinstance(image, RemoteImage) for image in images):
+        return images  # type: ignore[return-value]
+    import httpx
+
+    timeout = httpx.Timeout(limits.image_fetch_timeout_s)
+    async with httpx.AsyncClient(timeout=timeout, follow_redirects=False, trust_env=False) as client:
+        return tuple(await asyncio.gather(*(_fetch(client, image, limits) if isinstance(image, RemoteImage)
+                                            else _same(image) for image in images)))
+
+
+async def _same(image: bytes) -> bytes:
+    return image
+
+
+async def _fetch(client, image: RemoteImage, limits: LimitsConfig) -> bytes:
+    import httpx
+
+    def failed(why: str) -> Exception:
+        return bad_request(f"the image at {image.url[:200]} could not be fetched: {why}", image.param,
+                           "image_url_fetch_failed")
+
+    try:
+        async with asyncio.timeout(limits.image_fetch_timeout_s):  # the whole fetch, not each read
+            async with client.stream("GET", image.url) as response:
+                if response.is_redirect:
+                    raise failed(f"it answered {response.status_code}, a redirect, which is not followed")
+                if response.status_code != 200:
+                    raise failed(f"it answered {response.status_code}")
+                data = bytearray()
+                async for chunk in response.aiter_bytes():
+                    data += chunk
+                    if len(data) > limits.image_fetch_max_bytes:
+                        raise bad_request(f"the image at {image.url[:200]} is larger than this server's limit of "
+                                          f"{limits.image_fetch_max_bytes} bytes", image.param, "image_too_large")
+    except TimeoutError:
+        raise failed(f"no whole answer within {limits.image_fetch_timeout_s:g} s") from None
+    except httpx.HTTPError as exc:
+        raise failed(type(exc).__name__) from None
+    _check_header(bytes(data), image.param)
+    return bytes(data)
 
 
 def check_reads_images(spec: ModelSpec, param: str) -> None:
@@ -58,12 +121,15 @@ def check_reads_images(spec: ModelSpec, param: str) -> None:
     raise bad_request(message, param, "image_input_not_supported")
 
 
-def read_image_url(url: str, param: str) -> bytes:
-    """The bytes of an image given as a ``data:`` URL, checked from its header; 400 naming
-    ``param`` otherwise."""
+def read_image_url(url: str, param: str, hosts: list[str] = ()) -> bytes | RemoteImage:
+    """The bytes of an image given as a ``data:`` URL, checked from its header, or an http(s)
+    URL on one of ``hosts`` to fetch; 400 naming ``param`` otherwise."""
     if url.startswith(("http://", "https://")):
-        raise bad_request("this server does not fetch images from URLs: send the image inline as a data: URL "
-                          "(data:image/png;base64,...)", param, "image_url_not_fetched")
+        host = urlsplit(url).hostname or ""
+        if any(fnmatch.fnmatchcase(host, pattern.lower()) for pattern in hosts):
+            return RemoteImage(url, param)
+        raise bad_request(f"this server does not fetch images from {host or 'that URL'}: send the image inline as a "
+                          "data: URL (data:image/png;base64,...)", param, "image_url_not_fetched")
     found = _DATA_URL.match(url)
     if found is None:
         raise bad_request("an image_url must be a data: URL with base64 data (data:image/png;base64,...)", param,

@@ -299,3 +299,122 @@ def test_a_stored_completion_lists_its_image_part(server):
     parts = listed.data[0].content_parts
     assert [p.type for p in parts] == ["image_url", "text"]
     assert parts[0].image_url.url == url
+
+
+# -- image URLs on listed hosts -----------------------------------------------------------------------
+
+def test_only_listed_hosts_are_fetched_and_a_star_covers_subdomains():
+    from gateway.errors import APIError
+    from gateway.vision import RemoteImage, read_image_url
+
+    hosts = ["*.example.com", "images.test"]
+    for url in ("https://a.example.com/x.png", "http://b.a.example.com:8080/x.png", "https://IMAGES.test/y.jpg"):
+        assert read_image_url(url, "p", hosts) == RemoteImage(url, "p")
+    for url in ("https://example.com/x.png", "https://evil.test/a.example.com/x.png", "https://images.test.evil/x",
+                "https://a.example.com.evil/x.png", "https://a.example.com@evil.test/x.png"):
+        with pytest.raises(APIError) as caught:
+            read_image_url(url, "p", hosts)
+        assert caught.value.code == "image_url_not_fetched", url
+
+
+class _Images:
+    """A local HTTP server of images and of what can go wrong fetching one."""
+
+    def __init__(self) -> None:
+        from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+
+        files = {"/cat.png": picture(11), "/big.png": picture(12, size=(400, 400)), "/text": b"hello"}
+
+        class Handler(BaseHTTPRequestHandler):
+            def do_GET(self):  # noqa: N802 - http.server's name
+                if self.path == "/moved":
+                    self.send_response(302)
+                    self.send_header("Location", "/cat.png")
+                    self.end_headers()
+                    return
+                if self.path == "/slow":
+                    import time
+                    time.sleep(3)
+                data = files["/cat.png"] if self.path == "/slow" else files.get(self.path)
+                if data is None:
+                    self.send_error(404)
+                    return
+                try:
+                    self.send_response(200)
+                    self.send_header("Content-Length", str(len(data)))
+                    self.end_headers()
+                    self.wfile.write(data)
+                except (BrokenPipeError, ConnectionResetError):  # /slow: the gateway gave up first
+                    pass
+
+            def log_message(self, *args):  # quiet
+                pass
+
+        self.files = files
+        self.httpd = ThreadingHTTPServer(("127.0.0.1", 0), Handler)
+        self.url = f"http://127.0.0.1:{self.httpd.server_address[1]}"
+        threading.Thread(target=self.httpd.serve_forever, daemon=True).start()
+
+
+@pytest.fixture(scope="module")
+def fetching(tiny_vlm, tmp_path_factory):
+    images = _Images()
+    folder = tmp_path_factory.mktemp("vision-fetching")
+    extra = ("limits:\n  max_chat_tokens: 64\n  image_fetch_timeout_s: 1\n  image_fetch_max_bytes: 64KiB\n"
+             "server:\n  image_url_hosts: ['127.0.0.1']\n")
+    s = start_server(write_config(folder, {"tiny-vlm": ("chat", tiny_vlm)}, extra))
+    yield s, images
+    s.stop()
+    images.httpd.shutdown()
+
+
+def test_an_image_url_on_a_listed_host_is_fetched_and_read_as_the_same_bytes_inline(fetching):
+    s, images = fetching
+    c = client(s)
+
+    def ask(url: str) -> str:
+        return c.chat.completions.create(model="tiny-vlm", messages=user(image_part(url), TEXT), max_tokens=6,
+                                         temperature=0).choices[0].message.content
+
+    assert ask(f"{images.url}/cat.png") == ask(data_url(images.files["/cat.png"]))
+    got = c.responses.create(model="tiny-vlm", max_output_tokens=6, temperature=0, input=[
+        {"role": "user", "content": [{"type": "input_image", "image_url": f"{images.url}/cat.png"},
+                                     {"type": "input_text", "text": TEXT["text"]}]}])
+    assert got.output_text == ask(f"{images.url}/cat.png")
+
+
+@pytest.mark.parametrize("path, code, says", [
+    ("/missing.png", "image_url_fetch_failed", "answered 404"),
+    ("/moved", "image_url_fetch_failed", "redirect"),
+    ("/slow", "image_url_fetch_failed", "within 1 s"),
+    ("/big.png", "image_too_large", "larger than"),
+    ("/text", "invalid_image", "image"),
+])
+def test_a_fetch_that_fails_is_a_400_naming_the_part(fetching, path, code, says):
+    s, images = fetching
+    with pytest.raises(openai.BadRequestError) as caught:
+        client(s).chat.completions.create(model="tiny-vlm", max_tokens=2,
+                                          messages=user(TEXT, image_part(images.url + path)))
+    err = caught.value.body
+    assert (err["param"], err["code"]) == ("messages[0].content[1].image_url.url", code), err
+    assert says in err["message"]
+
+
+def test_a_host_not_listed_is_not_fetched(fetching):
+    s, images = fetching
+    with pytest.raises(openai.BadRequestError) as caught:
+        client(s).chat.completions.create(model="tiny-vlm", max_tokens=2, messages=user(
+            image_part(images.url.replace("127.0.0.1", "localhost") + "/cat.png"), TEXT))
+    assert caught.value.body["code"] == "image_url_not_fetched"
+
+
+def test_an_image_kept_in_a_conversation_is_read_again_by_the_next_response(server, vlm):
+    c = client(server)
+    image = [{"type": "input_image", "image_url": data_url(picture(13))}, {"type": "input_text", "text": "Look."}]
+    conversation = c.conversations.create(items=[{"type": "message", "role": "user", "content": image}])
+    got = c.responses.create(model="tiny-vlm", conversation=conversation.id, input="And now?", max_output_tokens=2)
+    without = c.responses.create(model="tiny-vlm", input=[{"role": "user", "content": "Look."},
+                                                          {"role": "user", "content": "And now?"}], max_output_tokens=2)
+    assert got.usage.input_tokens == without.usage.input_tokens + IMAGE_TOKENS
+    listed = c.conversations.items.list(conversation.id, order="asc").data
+    assert listed[0].content[0].type == "input_image"
