@@ -39,7 +39,7 @@ from gateway.service import Services
 from gateway.serving import Gone, Serving
 from gateway.structured import response_grammar
 from gateway.tools import CallDelta, CallParser, ToolCalls, ToolPlan, plan_tools
-from gateway.vision import RemoteImage, fetch_images, request_images
+from gateway.vision import PendingImage, request_images, resolve_images
 from workers.base import (
     AdapterStackSpec,
     ChatEvent,
@@ -74,9 +74,9 @@ class ChatJob:
     template_kwargs: dict | None = None  # the chat template's own variables (enable_thinking, ...)
     reasoning: ReasoningParser = "none"  # the model's reasoning_parser: where its thinking is in the reply
     include_reasoning: bool = True  # False: the thinking is left out of the answer
-    # the messages' image parts, in order, as encoded files (``gateway.vision``); a remote one is
-    # fetched by ``with_images`` before the job is served
-    images: tuple[bytes | RemoteImage, ...] = ()
+    # the messages' image parts, in order, as encoded files (``gateway.vision``); one still to read
+    # (an image URL, a long data: URL) is read by ``with_images`` before the job is served
+    images: tuple[bytes | PendingImage, ...] = ()
 
 
 @dataclass
@@ -143,9 +143,9 @@ def plan_chat(svc: Services, body: ChatCompletionRequest) -> ChatJob:
 
 
 async def with_images(svc: Services, job: ChatJob) -> ChatJob:
-    """``job`` with its remote images fetched (400 naming the part when one fails), before it
-    asks for a slot: no slot or model waits on the network."""
-    images = await fetch_images(job.images, svc.config.limits)
+    """``job`` with its pending images read (fetched, or decoded on a thread; a 400 naming the part
+    when one fails), before it asks for a slot: no slot or model waits on the network."""
+    images = await resolve_images(job.images, svc.config.limits)
     return job if images is job.images else dataclasses.replace(job, images=images)
 
 
@@ -293,8 +293,8 @@ async def _first_event(serving: Serving, job: ChatJob, params: ChatParams,
                        ctx: StepContext) -> tuple[AsyncIterator[ChatEvent], ChatEvent, StepContext]:
     """Submit the request and wait for its first event, so that errors found on submission
     become API errors rather than a broken stream."""
-    if any(isinstance(image, RemoteImage) for image in job.images):
-        raise RuntimeError("a chat job's remote images must be fetched (with_images) before it is served")
+    if any(isinstance(image, PendingImage) for image in job.images):
+        raise RuntimeError("a chat job's pending images must be read (with_images) before it is served")
     req = ChatRequest(job.messages, params, priority=serving.rank, ctx=ctx, adapters=job.stack,
                       tools=job.tools.template_tools(), template_kwargs=job.template_kwargs,
                       prompt_ids=job.prompt_ids, stream=job.stream, reasoning=job.reasoning != "none", images=job.images,

@@ -2,7 +2,9 @@
 
 An ``image_url`` content part (chat completions; the Responses API's ``input_image`` becomes one)
 carries its image inline as a ``data:`` URL, ``data:image/png;base64,...``. The gateway reads each
-into the file's bytes and checks what its header says, before the request is admitted: a PNG,
+into the file's bytes and checks what its header says, before the request is admitted (a payload
+over ``INLINE_DECODE`` is decoded on a thread, in :func:`resolve_images`: 10 MiB of base64 takes
+~27 ms, which the event loop would otherwise not spend on anyone else): a PNG,
 JPEG, WebP or single-frame GIF of at most ``MAX_PIXELS``, at most ``limits.chat_max_images`` of
 them, for a model whose folder has a vision tower (``ModelInfo.images``). Each refusal is a 400
 naming the part (``messages[i].content[j].image_url.url``). The pixels are decoded later, off the
@@ -11,7 +13,7 @@ event loop, by the engine (``workers.chat_prompt.vision_inputs``).
 Remote ``http(s)`` URLs are fetched only from the hosts tiers.yaml names
 (``server.image_url_hosts``: exact names, or ``*.example.com`` for its subdomains); any other is a
 400 that says so. A gateway that fetched any URL would let every key make it request addresses on
-its own network. A fetch (:func:`fetch_images`, before admission, so no slot or model waits on the
+its own network. A fetch (:func:`resolve_images`, before admission, so no slot or model waits on the
 network) follows no redirect (it could leave the listed hosts), gives up after
 ``limits.image_fetch_timeout_s`` and past ``limits.image_fetch_max_bytes``, and its file is checked
 as a data: URL's is; each failure is a 400 naming the part (``image_url_fetch_failed``).
@@ -37,20 +39,26 @@ from workers.registry import describe
 FORMATS = ("PNG", "JPEG", "WEBP", "GIF")  # OpenAI's list for image inputs
 MAX_PIXELS = 4096 * 4096  # an image's width x height, from its header, before its pixels are decoded
 _DATA_URL = re.compile(r"data:(?P<media>[^;,]*)(;[^;,]*)*?;base64,", re.IGNORECASE)
+INLINE_DECODE = 64 * 1024  # base64 characters a data: URL may have to be decoded on the event loop
 
 
 @dataclass(frozen=True)
-class RemoteImage:
-    """An image part's http(s) URL on a listed host, not fetched yet (:func:`fetch_images`)."""
+class PendingImage:
+    """An image part not read yet (:func:`resolve_images`): an http(s) URL on a listed host, or a
+    data: URL too long to decode on the event loop."""
 
     url: str
-    param: str  # the part, for a failed fetch's 400
+    param: str  # the part, for a 400
+
+    @property
+    def remote(self) -> bool:
+        return self.url.startswith(("http://", "https://"))
 
 
-def request_images(body: ChatCompletionRequest, spec: ModelSpec, config: Config) -> tuple[bytes | RemoteImage, ...]:
-    """The images of ``body``'s image parts, in order: encoded files, and the remote ones still to
-    fetch; () without any. 400 for a model that reads no images, too many images, or one that is
-    not an image this server reads or fetches."""
+def request_images(body: ChatCompletionRequest, spec: ModelSpec, config: Config) -> tuple[bytes | PendingImage, ...]:
+    """The images of ``body``'s image parts, in order: encoded files, and those still to read;
+    () without any. 400 for a model that reads no images, too many images, or one that is not
+    an image this server reads or fetches."""
     places = [(i, j, part) for i, m in enumerate(body.messages) for j, part in m.image_parts()]
     if not places:
         return ()
@@ -65,23 +73,27 @@ def request_images(body: ChatCompletionRequest, spec: ModelSpec, config: Config)
                                 config.server.image_url_hosts) for i, j, part in places)
 
 
-async def fetch_images(images: tuple[bytes | RemoteImage, ...], limits: LimitsConfig) -> tuple[bytes, ...]:
-    """``images`` with every remote one fetched (at the same time) and checked."""
-    if not any(isinstance(image, RemoteImage) for image in images):
+async def resolve_images(images: tuple[bytes | PendingImage, ...], limits: LimitsConfig) -> tuple[bytes, ...]:
+    """``images`` with every pending one read (at the same time) and checked: fetched, or decoded
+    on a thread."""
+    if not any(isinstance(image, PendingImage) for image in images):
         return images  # type: ignore[return-value]
     import httpx
 
     timeout = httpx.Timeout(limits.image_fetch_timeout_s)
     async with httpx.AsyncClient(timeout=timeout, follow_redirects=False, trust_env=False) as client:
-        return tuple(await asyncio.gather(*(_fetch(client, image, limits) if isinstance(image, RemoteImage)
-                                            else _same(image) for image in images)))
+        return tuple(await asyncio.gather(*(_read(client, image, limits) for image in images)))
 
 
-async def _same(image: bytes) -> bytes:
-    return image
+async def _read(client, image: bytes | PendingImage, limits: LimitsConfig) -> bytes:
+    if not isinstance(image, PendingImage):
+        return image
+    if image.remote:
+        return await _fetch(client, image, limits)
+    return await asyncio.to_thread(_decode, image.url, _DATA_URL.match(image.url).end(), image.param)
 
 
-async def _fetch(client, image: RemoteImage, limits: LimitsConfig) -> bytes:
+async def _fetch(client, image: PendingImage, limits: LimitsConfig) -> bytes:
     import httpx
 
     def failed(why: str) -> Exception:
@@ -121,13 +133,14 @@ def check_reads_images(spec: ModelSpec, param: str) -> None:
     raise bad_request(message, param, "image_input_not_supported")
 
 
-def read_image_url(url: str, param: str, hosts: list[str] = ()) -> bytes | RemoteImage:
-    """The bytes of an image given as a ``data:`` URL, checked from its header, or an http(s)
-    URL on one of ``hosts`` to fetch; 400 naming ``param`` otherwise."""
+def read_image_url(url: str, param: str, hosts: list[str] = ()) -> bytes | PendingImage:
+    """The bytes of an image given as a ``data:`` URL, checked from its header (pending when its
+    data is longer than INLINE_DECODE), or an http(s) URL on one of ``hosts``, pending; 400 naming
+    ``param`` otherwise."""
     if url.startswith(("http://", "https://")):
         host = urlsplit(url).hostname or ""
         if any(fnmatch.fnmatchcase(host, pattern.lower()) for pattern in hosts):
-            return RemoteImage(url, param)
+            return PendingImage(url, param)
         raise bad_request(f"this server does not fetch images from {host or 'that URL'}: send the image inline as a "
                           "data: URL (data:image/png;base64,...)", param, "image_url_not_fetched")
     found = _DATA_URL.match(url)
@@ -137,8 +150,15 @@ def read_image_url(url: str, param: str, hosts: list[str] = ()) -> bytes | Remot
     if not found["media"].lower().startswith("image/"):
         raise bad_request(f"the data: URL holds {found['media'] or 'no media type'!r}, not an image", param,
                           "invalid_image_url")
+    if len(url) - found.end() > INLINE_DECODE:
+        return PendingImage(url, param)
+    return _decode(url, found.end(), param)
+
+
+def _decode(url: str, start: int, param: str) -> bytes:
+    """A data: URL's file from its base64 data at ``start``, checked from its header."""
     try:
-        data = base64.b64decode(url[found.end():], validate=True)
+        data = base64.b64decode(url[start:], validate=True)
     except (binascii.Error, ValueError):
         raise bad_request("the data: URL's base64 data is not valid base64", param, "invalid_image_url") from None
     _check_header(data, param)

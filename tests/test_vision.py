@@ -305,11 +305,11 @@ def test_a_stored_completion_lists_its_image_part(server):
 
 def test_only_listed_hosts_are_fetched_and_a_star_covers_subdomains():
     from gateway.errors import APIError
-    from gateway.vision import RemoteImage, read_image_url
+    from gateway.vision import PendingImage, read_image_url
 
     hosts = ["*.example.com", "images.test"]
     for url in ("https://a.example.com/x.png", "http://b.a.example.com:8080/x.png", "https://IMAGES.test/y.jpg"):
-        assert read_image_url(url, "p", hosts) == RemoteImage(url, "p")
+        assert read_image_url(url, "p", hosts) == PendingImage(url, "p")
     for url in ("https://example.com/x.png", "https://evil.test/a.example.com/x.png", "https://images.test.evil/x",
                 "https://a.example.com.evil/x.png", "https://a.example.com@evil.test/x.png"):
         with pytest.raises(APIError) as caught:
@@ -418,3 +418,39 @@ def test_an_image_kept_in_a_conversation_is_read_again_by_the_next_response(serv
     assert got.usage.input_tokens == without.usage.input_tokens + IMAGE_TOKENS
     listed = c.conversations.items.list(conversation.id, order="asc").data
     assert listed[0].content[0].type == "input_image"
+
+
+def test_a_long_data_url_is_decoded_off_the_event_loop_and_read_the_same(server):
+    """Past INLINE_DECODE characters of base64 the URL is left pending (decoded on a thread
+    before admission): the reply is the same as for the same pixels in a short file, and bad
+    base64 deep in it is still a 400 naming the part."""
+    from gateway.vision import INLINE_DECODE, PendingImage, read_image_url
+
+    small = picture(14, size=(32, 32))
+    pixels = Image.open(io.BytesIO(small))
+    big = io.BytesIO()
+    pixels.save(big, "PNG", compress_level=0, pnginfo=_padding(INLINE_DECODE))  # the same pixels, a longer file
+    long_url = data_url(big.getvalue())
+    assert len(long_url) > INLINE_DECODE
+    assert isinstance(read_image_url(long_url, "p"), PendingImage)
+    assert isinstance(read_image_url(data_url(small), "p"), bytes)
+    c = client(server)
+
+    def ask(url: str) -> str:
+        return c.chat.completions.create(model="tiny-vlm", messages=user(image_part(url), TEXT), max_tokens=6,
+                                         temperature=0).choices[0].message.content
+
+    assert ask(long_url) == ask(data_url(small))
+    broken = long_url[:-100] + "!" + long_url[-99:]
+    with pytest.raises(openai.BadRequestError) as caught:
+        ask(broken)
+    assert (caught.value.body["param"], caught.value.body["code"]) == ("messages[0].content[0].image_url.url",
+                                                                       "invalid_image_url")
+
+
+def _padding(size: int):
+    from PIL.PngImagePlugin import PngInfo
+
+    info = PngInfo()
+    info.add_text("padding", "x" * size)
+    return info
