@@ -454,3 +454,18 @@ def _padding(size: int):
     info = PngInfo()
     info.add_text("padding", "x" * size)
     return info
+
+
+def test_langchains_chat_openai_sends_an_image_message(server):
+    """LangChain's ChatOpenAI with a content-block message (how applications send images)."""
+    from langchain_core.messages import HumanMessage
+    from langchain_openai import ChatOpenAI
+
+    url = data_url(picture(15))
+    llm = ChatOpenAI(model="tiny-vlm", base_url=server.base_url, api_key=server.keys["paid"], max_tokens=6,
+                     temperature=0, max_retries=0)
+    got = llm.invoke([HumanMessage(content=[TEXT, {"type": "image_url", "image_url": {"url": url}}])])
+    direct = client(server).chat.completions.create(model="tiny-vlm", messages=user(TEXT, image_part(url)),
+                                                    max_tokens=6, temperature=0)
+    assert got.content == direct.choices[0].message.content
+    assert got.usage_metadata["input_tokens"] == direct.usage.prompt_tokens
