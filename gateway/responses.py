@@ -49,9 +49,10 @@ import contextlib
 import json
 import logging
 import re
+import sys
 import time
 import uuid
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any, Literal
 
 from pydantic import Field
@@ -59,7 +60,7 @@ from pydantic import Field
 from gateway import service_tier
 from gateway.auth import Caller
 from gateway.chat import ChatJob, ChoiceDelta, Reply, collect, plan_chat, serve_chat, with_images
-from gateway.completions import tokenizer_of
+from gateway.completions import processor_of, tokenizer_of
 from gateway.adapters import resolve_request
 from gateway.conversation_store import ConversationStore
 from gateway.errors import APIError, bad_request, not_found
@@ -70,8 +71,8 @@ from gateway.schemas import (MAX_STACK, MAX_TOOLS, TOOL_NAME, AdapterChoice, Cha
 from gateway.service import Services
 from gateway.tools import CallDelta
 from gateway.vision import check_reads_images, read_image_url
-from workers.base import InvalidParam
-from workers.chat_prompt import encode
+from workers.base import ChatParams, ChatRequest, InvalidParam
+from workers.chat_prompt import encode, vision_inputs
 from workers.registry import describe
 
 log = logging.getLogger("tiergate.responses")
@@ -429,12 +430,13 @@ async def plan_response(svc: Services, caller: Caller, store: ResponseStore | No
     system = [{"role": "system", "content": body.instructions}] if body.instructions else []
     with responses_names():
         chat = parse(ChatCompletionRequest, chat_body(body, system + conversation))
-        job = plan_chat(svc, chat)
+        job = await with_images(svc, plan_chat(svc, chat))
         if body.truncation == "auto":
             kept = await fitting(svc, job, system, conversation)
             if len(kept) < len(conversation):
-                job = plan_chat(svc, parse(ChatCompletionRequest, chat_body(body, system + kept)))
-        job = await with_images(svc, job)
+                shorter = plan_chat(svc, parse(ChatCompletionRequest, chat_body(body, system + kept)))
+                # the images of the turns kept, as read already (a suffix: images go in message order)
+                job = replace(shorter, images=job.images[len(job.images) - len(shorter.images):])
     given = given_items(body.input)
     seen = {item["id"] for item in items}
     for i, item in enumerate(given):  # an id names one item: a page's cursor must find one place
@@ -450,17 +452,23 @@ async def fitting(svc: Services, job: ChatJob, system: list[dict[str, Any]],
     """``truncation: auto``: the end of ``conversation`` that fits the model's context with room
     for the reply, dropping whole turns from the start (a turn begins at a user message, so roles
     still alternate); the last turn is always kept (when it alone does not fit, the engine
-    refuses it as it would without truncation). Counted with the model's tokenizer, off the loop."""
+    refuses it as it would without truncation). Counted with the model's tokenizer, off the loop;
+    an image as the tokens its processor expands it to (``job.images``, read already)."""
     spec = svc.spec(job.model, "chat")
     room = describe(spec).context_length - job.params.max_tokens
     starts = [i for i, m in enumerate(conversation) if m["role"] == "user" and i > 0]
     if not starts:
         return conversation
     tokenizer, tools = await tokenizer_of(spec.path), job.tools.template_tools()
+    extra = await asyncio.to_thread(_image_tokens, await processor_of(spec.path), job.images) if job.images else []
+    messages = [_template_form(m) for m in system + conversation]
+    images_from = [sum(_image_count(m) for m in messages[i:]) for i in range(len(messages) + 1)]
 
     def fits(start: int) -> bool:  # (a template that refuses the messages: the engine says so, a 400, after)
+        kept = len(system) + start
+        added = sum(extra[len(extra) - images_from[kept]:]) if images_from[kept] else 0
         try:
-            return len(encode(tokenizer, system + conversation[start:], tools, job.template_kwargs)) <= room
+            return len(encode(tokenizer, system + messages[kept:], tools, job.template_kwargs)) + added <= room
         except InvalidParam:
             return True
 
@@ -477,6 +485,28 @@ async def fitting(svc: Services, job: ChatJob, system: list[dict[str, Any]],
         return starts[lo]
 
     return conversation[await asyncio.to_thread(first_fitting):]
+
+
+def _template_form(message: dict[str, Any]) -> dict[str, Any]:
+    """A chat message as the template takes it (``ChatCompletionRequest.messages_as_dicts``): an
+    ``image_url`` part as ``{"type": "image"}``."""
+    content = message.get("content")
+    if not isinstance(content, list):
+        return message
+    return {**message, "content": [{"type": "image"} if p.get("type") == "image_url" else p for p in content]}
+
+
+def _image_count(message: dict[str, Any]) -> int:
+    content = message.get("content")
+    return sum(p.get("type") == "image" for p in content) if isinstance(content, list) else 0
+
+
+def _image_tokens(processor: Any, images: tuple[bytes, ...]) -> list[int]:
+    """Per image, the tokens its processor adds to the prompt beyond its placeholder's."""
+    one = [{"role": "user", "content": [{"type": "image"}]}]
+    placeholder = len(encode(processor.tokenizer, one))
+    return [len(vision_inputs(processor, ChatRequest(one, ChatParams(max_tokens=0), images=(image,)), sys.maxsize)[0])
+            - placeholder for image in images]
 
 
 def given_items(given: str | list[dict[str, Any]] | None) -> list[dict[str, Any]]:

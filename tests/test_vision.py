@@ -469,3 +469,44 @@ def test_langchains_chat_openai_sends_an_image_message(server):
                                                     max_tokens=6, temperature=0)
     assert got.content == direct.choices[0].message.content
     assert got.usage_metadata["input_tokens"] == direct.usage.prompt_tokens
+
+
+def test_truncation_auto_counts_each_image_as_its_tokens(fetching, vlm):
+    """Eight turns with an image each, whose text alone fits the context and whose images do not:
+    without truncation the engine refuses it; with ``auto`` the oldest turns go until the images'
+    tokens fit too."""
+    s, _ = fetching
+    c = client(s)
+    room = vlm.context_length - 8  # max_output_tokens 8
+
+    def turns(words: int) -> list[dict]:
+        items = []
+        for t in range(8):
+            text = "x " * words if t == 0 else "One, two, three, four, five, six, seven, eight, nine, ten. " * 3
+            items.append({"role": "user", "content": [{"type": "input_image", "image_url": data_url(picture(20 + t))},
+                                                      {"type": "input_text", "text": text}]})
+            if t < 7:
+                items.append({"role": "assistant", "content": "ok"})
+        return items
+
+    def placeholders(items: list[dict]) -> int:  # the prompt's tokens with each image as its one placeholder
+        return len(vlm.encode([{"role": m["role"], "content": m["content"] if isinstance(m["content"], str) else [
+            {"type": "image"} if p["type"] == "input_image" else {"type": "text", "text": p["text"]}
+            for p in m["content"]]} for m in items]))
+
+    words = 1
+    while placeholders(turns(words)) + 8 * (IMAGE_TOKENS - 1) <= room:
+        words += 1
+    items = turns(words)
+    assert placeholders(items) <= room < placeholders(items) + 8 * (IMAGE_TOKENS - 1)
+    with pytest.raises(openai.BadRequestError) as caught:
+        c.responses.create(model="tiny-vlm", input=items, max_output_tokens=8)
+    assert caught.value.body["code"] == "context_length_exceeded"
+    cut = c.responses.create(model="tiny-vlm", input=items, max_output_tokens=8, truncation="auto", temperature=0)
+    assert cut.status in ("completed", "incomplete") and cut.usage.input_tokens <= room
+    kept = next(items[k:] for k in range(2, len(items), 2)  # the turns it kept: the same prompt, its images too
+                if placeholders(items[k:]) + (len(items[k:]) + 1) // 2 * (IMAGE_TOKENS - 1) == cut.usage.input_tokens)
+    alone = c.responses.create(model="tiny-vlm", input=kept, max_output_tokens=8, temperature=0)
+    assert (alone.output_text, alone.usage.input_tokens) == (cut.output_text, cut.usage.input_tokens)
+    assert c.responses.input_tokens.count(model="tiny-vlm", input=items, truncation="auto").input_tokens \
+        == cut.usage.input_tokens
