@@ -510,3 +510,18 @@ def test_truncation_auto_counts_each_image_as_its_tokens(fetching, vlm):
     assert (alone.output_text, alone.usage.input_tokens) == (cut.output_text, cut.usage.input_tokens)
     assert c.responses.input_tokens.count(model="tiny-vlm", input=items, truncation="auto").input_tokens \
         == cut.usage.input_tokens
+
+
+def test_a_vision_model_with_image_dependent_positions_is_refused_at_load(tiny_vlm, tmp_path):
+    """M-RoPE (Qwen2-VL's positions from the image's grid) would be wrong in the engine's decode
+    steps, which count positions by tokens: such a folder does not load, with a message saying why."""
+    import json
+    import shutil
+
+    folder = tmp_path / "mrope"
+    shutil.copytree(tiny_vlm, folder)
+    config = json.loads((folder / "config.json").read_text())
+    config["text_config"]["rope_parameters"] = {"rope_type": "default", "mrope_section": [2, 7, 7]}
+    (folder / "config.json").write_text(json.dumps(config))
+    with pytest.raises(ValueError, match="M-RoPE"):
+        ChatWorker(ModelSpec("mrope", "chat", folder)).load(torch.device("cpu"))

@@ -205,6 +205,9 @@ class ChatWorker(ThreadWorker):
         self.device = device
         dtype = torch.float32 if device.type == "cpu" else torch.bfloat16
         if folder_reads_images(self.spec.path):  # a vision-language model: its processor, and the image-text class
+            if _uses_mrope(json.loads((Path(self.spec.path) / "config.json").read_text())):
+                raise ValueError(f"{self.spec.name}: its positions depend on its images (M-RoPE, as Qwen2-VL's), "
+                                 "which this engine's decode steps do not compute; serve it with another engine")
             self.processor = AutoProcessor.from_pretrained(self.spec.path)
             self.tokenizer = self.processor.tokenizer
             model = AutoModelForImageTextToText.from_pretrained(self.spec.path, dtype=dtype)
@@ -656,8 +659,17 @@ def _process(logits: torch.Tensor, seq: _Seq) -> torch.Tensor:
 
 def folder_reads_images(path: Path) -> bool:
     """Whether a model folder holds a vision-language model: its ``config.json`` has a vision
-    tower (``vision_config``: LLaVA, Qwen2-VL, Gemma 3, ...), loaded with its processor."""
+    tower (``vision_config``: LLaVA and the like), loaded with its processor. Tested here on LLaVA
+    (the demo's tiny-vlm); a model whose positions depend on the image (M-RoPE: Qwen2-VL and its
+    successors) is refused at load, since the engine's decode steps count positions by tokens."""
     return "vision_config" in json.loads((Path(path) / "config.json").read_text())
+
+
+def _uses_mrope(config: object) -> bool:
+    """Whether a model's config (as JSON) has multimodal rotary positions (``mrope_section``)."""
+    if isinstance(config, dict):
+        return "mrope_section" in config or any(_uses_mrope(v) for v in config.values())
+    return isinstance(config, list) and any(_uses_mrope(v) for v in config)
 
 
 def folder_context_length(path: Path) -> int:
