@@ -17,7 +17,7 @@ import re
 import time
 from collections.abc import AsyncGenerator, AsyncIterator
 from dataclasses import dataclass, replace
-from typing import TYPE_CHECKING, Literal
+from typing import TYPE_CHECKING, Callable, Literal, TypeVar
 
 import anyio
 from pydantic import Field
@@ -212,25 +212,36 @@ def decode_edit(image: bytes, mask: bytes | None, size: str | None, max_side: in
 def _open_image(data: bytes, param: str) -> Image:
     """``data`` decoded by Pillow, as RGBA when it has an alpha channel (a palette or colour-key
     transparency counts as one) and RGB otherwise; a 400 naming ``param`` for anything else than a
-    PNG, JPEG or WebP image of at most MAX_SOURCE_PIXELS (checked from its header, before the
-    pixels are decoded)."""
+    PNG, JPEG or WebP image of at most MAX_SOURCE_PIXELS (:func:`read_image`)."""
+    return read_image(data, param, SOURCE_FORMATS, MAX_SOURCE_PIXELS,
+                      lambda img: img.convert("RGBA" if "A" in img.getbands() or "transparency" in img.info else "RGB"))
+
+
+T = TypeVar("T")
+
+
+def read_image(data: bytes, param: str, formats: tuple[str, ...], max_pixels: int, use: Callable[[Image], T]) -> T:
+    """``use(image)`` of ``data`` opened by Pillow; a 400 naming ``param`` when it is not one of
+    ``formats`` (Pillow's names) of at most ``max_pixels``, both read from its header before any
+    pixel is decoded, or when Pillow cannot read it (then or in ``use``)."""
     from PIL import Image as PILImage
 
+    shown = [{"WEBP": "WebP"}.get(f, f) for f in formats]
+    names = ", ".join(shown[:-1]) + " or " + shown[-1]
     try:
-        img = PILImage.open(io.BytesIO(data))
-        if img.format not in SOURCE_FORMATS:
-            raise bad_request(f"{param} is a {img.format} image; this endpoint takes PNG, JPEG or WebP", param,
-                              "invalid_image_format")
-        if img.width * img.height > MAX_SOURCE_PIXELS:
-            raise bad_request(f"{param} is {img.width}x{img.height}, above this server's limit of "
-                              f"{MAX_SOURCE_PIXELS} pixels", param, "image_too_large")
-        alpha = "A" in img.getbands() or "transparency" in img.info
-        return img.convert("RGBA" if alpha else "RGB")
+        with PILImage.open(io.BytesIO(data)) as img:
+            if img.format not in formats:
+                raise bad_request(f"{param} is a {img.format} image; this endpoint takes {names}", param,
+                                  "invalid_image_format")
+            if img.width * img.height > max_pixels:
+                raise bad_request(f"{param} is {img.width}x{img.height}, above this server's limit of "
+                                  f"{max_pixels} pixels", param, "image_too_large")
+            return use(img)
     except APIError:
         raise
     except Exception:  # Pillow's decoders raise many kinds on a damaged or hostile file (OSError, ValueError,
         # SyntaxError, EOFError, zlib's error...), and their messages may quote our buffer's repr
-        raise bad_request(f"{param} is not a PNG, JPEG or WebP image this server can read (empty, cut short, damaged "
+        raise bad_request(f"{param} is not a {names} image this server can read (empty, cut short, damaged "
                           "or an unsupported pixel format)", param, "invalid_image") from None
 
 

@@ -25,13 +25,13 @@ import asyncio
 import base64
 import binascii
 import fnmatch
-import io
 import re
 from dataclasses import dataclass
 from urllib.parse import urlsplit
 
 from gateway.config import Config, LimitsConfig
-from gateway.errors import APIError, bad_request
+from gateway.errors import bad_request
+from gateway.images import read_image
 from gateway.schemas import ChatCompletionRequest
 from workers.base import ModelSpec
 from workers.registry import describe
@@ -166,20 +166,8 @@ def _decode(url: str, start: int, param: str) -> bytes:
 
 
 def _check_header(data: bytes, param: str) -> None:
-    from PIL import Image
+    def one_frame(image) -> None:
+        if getattr(image, "n_frames", 1) > 1:
+            raise bad_request(f"{param} is an animated GIF: send one frame", param, "invalid_image_format")
 
-    try:
-        with Image.open(io.BytesIO(data)) as image:
-            if image.format not in FORMATS:
-                raise bad_request(f"the image is a {image.format} file; images are PNG, JPEG, WebP or GIF", param,
-                                  "invalid_image_format")
-            if image.width * image.height > MAX_PIXELS:
-                raise bad_request(f"the image is {image.width}x{image.height}, above this server's limit of "
-                                  f"{MAX_PIXELS} pixels", param, "image_too_large")
-            if getattr(image, "n_frames", 1) > 1:
-                raise bad_request("the image is an animated GIF: send one frame", param, "invalid_image_format")
-    except APIError:
-        raise
-    except Exception:  # Pillow raises many kinds on a damaged or hostile header; their messages may quote the buffer
-        raise bad_request("the data: URL does not hold an image this server can read (PNG, JPEG, WebP or GIF)", param,
-                          "invalid_image") from None
+    read_image(data, param, FORMATS, MAX_PIXELS, one_frame)
