@@ -525,3 +525,27 @@ def test_a_vision_model_with_image_dependent_positions_is_refused_at_load(tiny_v
     (folder / "config.json").write_text(json.dumps(config))
     with pytest.raises(ValueError, match="M-RoPE"):
         ChatWorker(ModelSpec("mrope", "chat", folder)).load(torch.device("cpu"))
+
+
+def test_the_n_choices_of_a_request_share_one_preparation_of_its_images(server, vlm, monkeypatch):
+    """n choices are n rows of the engine: they decode the images and run the processor once,
+    and each reads as a request of one choice does."""
+    from workers import chat_prompt
+
+    calls = []
+    real = chat_prompt.vision_inputs
+
+    def counted(*args):
+        calls.append(1)
+        return real(*args)
+
+    monkeypatch.setattr(chat_prompt, "vision_inputs", counted)
+    body = {"model": "tiny-vlm", "messages": user(image_part(data_url(picture(16))), TEXT), "max_tokens": 6,
+            "temperature": 0}
+    c = client(server)
+    three = c.chat.completions.create(**body, n=3)
+    assert len(calls) == 1
+    one = c.chat.completions.create(**body)
+    assert len(calls) == 2  # a new request prepares its own: nothing is kept after the choices have it
+    assert [ch.message.content for ch in three.choices] == [one.choices[0].message.content] * 3
+    assert three.usage.prompt_tokens == one.usage.prompt_tokens
