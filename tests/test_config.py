@@ -83,6 +83,8 @@ def test_good_config_loads(tmp_path):
     (BASE.replace("kind: chat, path: model, vram: 6GiB", "kind: embed, path: model, batch_width: 0"),
      "models[0].batch_width", "greater than or equal to 1"),
     (BASE + "responses: {retention_days: 0}\n", "responses.retention_days", "greater than 0"),
+    (BASE + "server: {image_url_hosts: ['https://images.example.com']}\n", "server.image_url_hosts[0]",
+     "should match pattern"),  # a host name, not a URL
     ("tiers: [\n", "", "not valid YAML"),
 ])
 def test_bad_config_is_one_line_naming_file_field_problem(tmp_path, text, field, problem):
