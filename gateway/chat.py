@@ -145,6 +145,8 @@ def plan_chat(svc: Services, body: ChatCompletionRequest) -> ChatJob:
 async def with_images(svc: Services, job: ChatJob) -> ChatJob:
     """``job`` with its pending images read (fetched, or decoded on a thread; a 400 naming the part
     when one fails), before it asks for a slot: no slot or model waits on the network."""
+    if not job.images:  # nearly every request: nothing to read
+        return job
     images = await resolve_images(job.images, svc.config.limits)
     return job if images is job.images else dataclasses.replace(job, images=images)
 
@@ -293,7 +295,7 @@ async def _first_event(serving: Serving, job: ChatJob, params: ChatParams,
                        ctx: StepContext) -> tuple[AsyncIterator[ChatEvent], ChatEvent, StepContext]:
     """Submit the request and wait for its first event, so that errors found on submission
     become API errors rather than a broken stream."""
-    if any(isinstance(image, PendingImage) for image in job.images):
+    if job.images and any(isinstance(image, PendingImage) for image in job.images):
         raise RuntimeError("a chat job's pending images must be read (with_images) before it is served")
     req = ChatRequest(job.messages, params, priority=serving.rank, ctx=ctx, adapters=job.stack,
                       tools=job.tools.template_tools(), template_kwargs=job.template_kwargs,
