@@ -380,7 +380,8 @@ class ChatCompletionRequest(EndUser):
         legacy_call = ""  # the id given to the last assistant function_call, which a function message answers
         for i, m in enumerate(self.messages):
             d: dict[str, Any] = {"role": role.get(m.role, m.role), "content": m.text()}
-            if m.image_parts():  # the template's parts, in order: text as given, each image as {"type": "image"}
+            if isinstance(m.content, list) and m.image_parts():  # the template's parts, in order: text as
+                # given, each image as {"type": "image"}
                 d["content"] = [{"type": "image"} if isinstance(p, ImagePart) else {"type": "text", "text": p.text}
                                 for p in m.content if isinstance(p, (ImagePart, TextPart))]
             if m.tool_calls:

@@ -59,6 +59,11 @@ def request_images(body: ChatCompletionRequest, spec: ModelSpec, config: Config)
     """The images of ``body``'s image parts, in order: encoded files, and those still to read;
     () without any. 400 for a model that reads no images, too many images, or one that is not
     an image this server reads or fetches."""
+    for m in body.messages:
+        if isinstance(m.content, list):
+            break
+    else:  # all text (nearly every request): nothing to look for
+        return ()
     places = [(i, j, part) for i, m in enumerate(body.messages) for j, part in m.image_parts()]
     if not places:
         return ()
