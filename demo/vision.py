@@ -25,8 +25,12 @@ CHAT_TEMPLATE = _PARTS + (_CHAT_TEMPLATE.replace("{{ messages[0]['content'] }}",
 
 
 def build_demo(out_dir: Path, seed: int = 0) -> Path:
+    import transformers
     from transformers import CLIPVisionConfig, LlavaConfig, LlavaForConditionalGeneration, LlavaProcessor
-    from transformers import CLIPImageProcessorPil  # the PIL backend: torchvision does not load beside CPU torch
+
+    # the PIL backend by name where transformers has one (torchvision does not load beside CPU torch); the
+    # saved config names CLIPImageProcessor either way
+    CLIPImageProcessorPil = getattr(transformers, "CLIPImageProcessorPil", transformers.CLIPImageProcessor)
 
     out_dir = Path(out_dir)
     out_dir.mkdir(parents=True, exist_ok=True)

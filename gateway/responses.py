@@ -315,7 +315,9 @@ def _chat_parts(content: list[Any], where: str, hosts: list[str]) -> list[dict[s
             read_image_url(url, f"{where}[{j}].image_url", hosts)  # its 400 named here: chat's would name a message
             detail = part.get("detail")
             parts.append({"type": "image_url", "image_url": {"url": url, **({"detail": detail} if detail else {})}})
-        elif kind in _TEXT_PARTS and isinstance(part.get("text"), str):
+        elif kind in _TEXT_PARTS:
+            if not isinstance(part.get("text"), str):
+                raise bad_request(f"a {kind} part needs its text as a string", f"{where}[{j}]", "invalid_type")
             parts.append({"type": "text", "text": part["text"]})
         else:
             raise bad_request(f"content parts of type {str(kind)[:40]!r} are not supported in a user message (input_text, "
@@ -462,7 +464,9 @@ async def fitting(svc: Services, job: ChatJob, system: list[dict[str, Any]],
     tokenizer, tools = await tokenizer_of(spec.path), job.tools.template_tools()
     extra = await asyncio.to_thread(_image_tokens, await processor_of(spec.path), job.images) if job.images else []
     messages = [_template_form(m) for m in system + conversation]
-    images_from = [sum(_image_count(m) for m in messages[i:]) for i in range(len(messages) + 1)]
+    images_from = [0] * (len(messages) + 1)  # images in messages[i:]
+    for i in range(len(messages) - 1, -1, -1):
+        images_from[i] = images_from[i + 1] + _image_count(messages[i])
 
     def fits(start: int) -> bool:  # (a template that refuses the messages: the engine says so, a 400, after)
         kept = len(system) + start

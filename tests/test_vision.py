@@ -85,10 +85,9 @@ def test_the_reply_is_the_models_on_those_pixels_and_counts_the_image_tokens(vlm
     text_only = len(vlm.encode([{"role": "user", "content": "What is in the picture?"}]))
 
     async def main():
-        return await asyncio.gather(run(vlm, asking([one])), run(vlm, asking([two])), run(vlm, asking([one, two])),
-                                    run(vlm, asking([one], logprobs=0)), run(vlm, asking([two], logprobs=0)))
+        return await asyncio.gather(run(vlm, asking([one])), run(vlm, asking([two])), run(vlm, asking([one, two])))
 
-    (a, fa), (b, _), (ab, fab), _, _ = results = asyncio.run(main())
+    (a, fa), (b, _), (ab, fab) = asyncio.run(main())
     assert a == reference(vlm, asking([one]), 8)
     assert b == reference(vlm, asking([two]), 8)
     assert ab == reference(vlm, asking([one, two]), 8)
@@ -99,7 +98,6 @@ def test_the_reply_is_the_models_on_those_pixels_and_counts_the_image_tokens(vlm
         async for ev in vlm.chat(asking([image], max_tokens=1, logprobs=0)):
             return ev.logprobs[0].logprob
     assert asyncio.run(first_logprob(one)) != asyncio.run(first_logprob(two))
-    assert len(results) == 5
 
 
 def test_image_rows_share_steps_with_text_rows_and_each_reads_as_alone(vlm):
@@ -220,7 +218,9 @@ def test_the_responses_api_takes_input_image_parts(server, vlm):
     for content, param, code in [
         ([{"type": "input_text", "text": "x"}, {"type": "input_image", "image_url": "https://example.com/a.png"}],
          "input[0].content[1].image_url", "image_url_not_fetched"),
-        ([{"type": "input_image", "image_url": data_url(b"GIF89a")}], "input[0].content[0].image_url", "invalid_image")]:
+        ([{"type": "input_image", "image_url": data_url(b"GIF89a")}], "input[0].content[0].image_url", "invalid_image"),
+        ([{"type": "input_image", "image_url": data_url(image)}, {"type": "input_text", "text": 5}], "input[0].content[1]",
+         "invalid_type")]:
         with pytest.raises(openai.BadRequestError) as caught:
             c.responses.create(model="tiny-vlm", input=[{"role": "user", "content": content}])
         assert (caught.value.body["param"], caught.value.body["code"]) == (param, code)
