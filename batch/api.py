@@ -29,6 +29,7 @@ from gateway.service import Services
 
 BATCH_ENDPOINTS = tuple(ENDPOINTS)  # the urls a batch's lines may call
 WINDOW_S = 24 * 3600
+PURPOSES = ("batch", "assistants", "user_data")  # a batch's input, or a document for vector stores
 _FORM_SLACK = 64 * 1024  # multipart framing on top of the file itself
 
 
@@ -40,7 +41,8 @@ def _context(request: Request) -> tuple[Services, Runner, Caller]:
 
 
 async def upload_file(request: Request) -> Response:
-    """POST /v1/files: multipart ``file`` (JSONL) and ``purpose=batch``."""
+    """POST /v1/files: multipart ``file`` and ``purpose``: ``batch`` (JSONL, a batch's input) or a
+    document for vector stores (``assistants``, ``user_data``: read when a vector store adds it)."""
     svc, runner, caller = _context(request)
     cfg = svc.config.batch
     if not request.headers.get("content-type", "").startswith("multipart/form-data"):
@@ -58,8 +60,8 @@ async def upload_file(request: Request) -> Response:
         purpose, upload = form.get("purpose"), form.get("file")
         if purpose is None:
             raise bad_request("missing required parameter: purpose", "purpose", "missing_required_parameter")
-        if purpose != "batch":
-            raise bad_request(f"purpose is {purpose!r}; this server takes only 'batch' files", "purpose")
+        if purpose not in PURPOSES:
+            raise bad_request(f"purpose is {purpose!r}; this server takes {', '.join(map(repr, PURPOSES))} files", "purpose")
         if not isinstance(upload, UploadFile):
             raise bad_request("missing required parameter: file (a file part)", "file", "missing_required_parameter")
         content = await upload.read(cfg.max_file_bytes + 1)
@@ -69,14 +71,25 @@ async def upload_file(request: Request) -> Response:
         await form.close()
     if len(content) > cfg.max_file_bytes:
         raise too_big
-    info = await _new_file(svc, runner, caller, filename, content, expires_after.seconds if expires_after else None)
+    info = await _new_file(svc, runner, caller, filename, content, expires_after.seconds if expires_after else None,
+                           purpose=purpose)
     return JSONResponse(info.public())
 
 
 async def _new_file(svc: Services, runner: Runner, caller: Caller, filename: str, content: bytes,
-                    expires_after_s: int | None, param: str = "file") -> FileInfo:
-    """A batch input file made of ``content`` (UTF-8 JSON lines, at most ``batch.max_lines``)
-    and stored; a 400 naming ``param`` when the content is not one."""
+                    expires_after_s: int | None, param: str = "file", purpose: str = "batch") -> FileInfo:
+    """A file of ``purpose`` made of ``content`` and stored. A batch input must be UTF-8 JSON lines,
+    at most ``batch.max_lines`` (a 400 naming ``param`` otherwise); a document is kept as sent."""
+    if purpose == "batch":
+        _check_lines(svc, content, param)
+    now = int(time.time())
+    info = FileInfo(f"file-{time.time_ns():016x}{secrets.token_hex(8)}",  # ids sort by time, as batches' do
+                    caller.key_id, purpose, filename, len(content), now, now + expires_after_s if expires_after_s else None)
+    await runner.store.put_file(info, content)
+    return info
+
+
+def _check_lines(svc: Services, content: bytes, param: str) -> None:
     limit = svc.config.batch.max_lines
     try:
         text = content.decode("utf-8")
@@ -85,11 +98,6 @@ async def _new_file(svc: Services, runner: Runner, caller: Caller, filename: str
     n = sum(1 for ln in text.splitlines() if ln.strip())
     if n > limit:
         raise bad_request(f"the file has {n} requests; at most {limit} are allowed", param, "too_many_lines")
-    now = int(time.time())
-    info = FileInfo(f"file-{time.time_ns():016x}{secrets.token_hex(8)}",  # ids sort by time, as batches' do
-                    caller.key_id, "batch", filename, len(content), now, now + expires_after_s if expires_after_s else None)
-    await runner.store.put_file(info, content)
-    return info
 
 
 class ExpiresAfter(BaseModel):

@@ -44,7 +44,7 @@ MUTABLE = ("errors", "output_file_id", "error_file_id", "in_progress_at", "final
 class FileInfo:
     id: str
     owner: str  # key_id of the key that uploaded it (or of the batch's owner, for outputs)
-    purpose: str  # "batch" (uploaded) | "batch_output" (written by a batch)
+    purpose: str  # "batch" (uploaded) | "batch_output" (written by a batch) | "assistants" / "user_data" (documents)
     filename: str
     bytes: int
     created_at: int

@@ -24,7 +24,7 @@ from batch import api as batch_api
 from batch.runner import runner_for
 from batch.uploads import uploads_for
 from gateway import (audio, chat, completions, conversations, dashboard, embeddings, images, moderations, realtime,
-                     response_runs, responses_api, stored_chat)
+                     response_runs, responses_api, stored_chat, vector_stores)
 from accounts.store import STORE_ERRORS
 from gateway.accounts import Accounts
 from gateway.accounts_api import KeyHeaders
@@ -43,6 +43,7 @@ from gateway.metrics import Metrics
 from gateway.request_log import RequestLog, note, request_id_of
 from gateway.completion_store import completions_for
 from gateway.conversation_store import conversations_for
+from gateway.vector_store import vector_stores_for
 from gateway.response_store import responses_for
 from gateway.webhooks import webhooks_for
 from gateway.service import ClientGone, Services
@@ -225,6 +226,18 @@ def routes() -> list[BaseRoute]:
         Route("/v1/conversations/{conversation_id}/items", conversations.list_items, methods=["GET"]),
         Route("/v1/conversations/{conversation_id}/items/{item_id}", conversations.get_item, methods=["GET"]),
         Route("/v1/conversations/{conversation_id}/items/{item_id}", conversations.delete_item, methods=["DELETE"]),
+        Route("/v1/vector_stores/{vector_store_id}/search", vector_stores.search, methods=["POST"]),
+        Route("/v1/vector_stores", vector_stores.create_store, methods=["POST"]),
+        Route("/v1/vector_stores", vector_stores.list_stores, methods=["GET"]),
+        Route("/v1/vector_stores/{vector_store_id}", vector_stores.get_store, methods=["GET"]),
+        Route("/v1/vector_stores/{vector_store_id}", vector_stores.update_store, methods=["POST"]),
+        Route("/v1/vector_stores/{vector_store_id}", vector_stores.delete_store, methods=["DELETE"]),
+        Route("/v1/vector_stores/{vector_store_id}/files", vector_stores.add_file, methods=["POST"]),
+        Route("/v1/vector_stores/{vector_store_id}/files", vector_stores.list_files, methods=["GET"]),
+        Route("/v1/vector_stores/{vector_store_id}/files/{file_id}", vector_stores.get_file, methods=["GET"]),
+        Route("/v1/vector_stores/{vector_store_id}/files/{file_id}", vector_stores.update_file, methods=["POST"]),
+        Route("/v1/vector_stores/{vector_store_id}/files/{file_id}", vector_stores.delete_file, methods=["DELETE"]),
+        Route("/v1/vector_stores/{vector_store_id}/files/{file_id}/content", vector_stores.file_content, methods=["GET"]),
         Route("/v1/chat/completions", stored_chat.list_completions, methods=["GET"]),
         Route("/v1/chat/completions/{completion_id}", stored_chat.get_completion, methods=["GET"]),
         Route("/v1/chat/completions/{completion_id}", stored_chat.update_completion, methods=["POST"]),
@@ -268,8 +281,9 @@ def routes() -> list[BaseRoute]:
 
 def create_app(services: Services, extra: Sequence[BaseRoute] = ()) -> Starlette:
     """The ASGI app: every route, the batch runner (``app.state.batches``), the stored responses
-    (``app.state.responses``), chat completions (``app.state.completions``) and conversations
-    (``app.state.conversations``), the drain
+    (``app.state.responses``), chat completions (``app.state.completions``), conversations
+    (``app.state.conversations``), vector stores (``app.state.vector_stores``, read by
+    ``app.state.indexer``), the drain
     (``app.state.drain``: readiness, refusing while draining, handing batch lines back), and
     ``extra`` routes (benchmarks add probes). Middleware, outermost first: CORS when
     ``server.cors_origins`` names any (``cors``), the request log, the drain's gate, the body
@@ -290,6 +304,8 @@ def create_app(services: Services, extra: Sequence[BaseRoute] = ()) -> Starlette
     app.state.responses = responses_for(services)
     app.state.completions = completions_for(services)  # stored chat completions
     app.state.conversations = conversations_for(services)
+    app.state.vector_stores = vector_stores_for(services)
+    app.state.indexer = vector_stores.indexer_for(services, app.state.vector_stores, app.state.batches.store)
     app.state.background = Background(drain)  # background responses: stopped at shutdown before the store closes
     services.on_startup.append(lambda: _follow_stops(services, app.state))
     services.on_shutdown.append(app.state.background.stop)

@@ -161,6 +161,21 @@ def finish(pooled: torch.Tensor, dimensions: int | None, normalize: bool) -> tor
     return out
 
 
+def windows(n: int, size: int, overlap: int) -> list[tuple[int, int]]:
+    """The token ranges ``[start, end)`` that cut ``n`` tokens into chunks of at most ``size``,
+    each starting ``size - overlap`` after the one before (``0 <= overlap < size``), the last
+    ending at ``n``; none for no tokens."""
+    spans: list[tuple[int, int]] = []
+    start = 0
+    while start < n:
+        end = min(start + size, n)
+        spans.append((start, end))
+        if end == n:
+            break
+        start += size - overlap
+    return spans
+
+
 def batches(lengths: list[int], max_tokens: int) -> list[list[int]]:
     """Indices of the inputs, longest first, in groups whose padded size (rows x longest) stays
     within ``max_tokens``; one group whenever they all fit."""
@@ -380,6 +395,28 @@ class EmbedWorker(EncoderWorker):
             if bad is not None:
                 raise InputError(f"input[{i}] has token id {bad}, outside this model's vocabulary (0 to {vocab - 1})")
         return ids
+
+    @property
+    def chunk_room(self) -> int:
+        """The most tokens of text one input can hold: the context less the special tokens."""
+        return self.config.context_length - self.tokenizer.num_special_tokens_to_add(pair=False)
+
+    def cut(self, text: str, size: int, overlap: int) -> tuple[list[str], list[list[int]]]:
+        """``text`` cut into chunks of at most ``size`` tokens (``chunk_room`` at most), each
+        starting ``size - overlap`` tokens after the one before: each chunk's text (the span of
+        ``text`` its tokens came from, as written) and its ids with the model's special tokens.
+        Needs a fast tokenizer (offsets) and no weights; may run on any thread."""
+        tokenizer = self.tokenizer
+        with self._tokenizing:
+            encoded = tokenizer(text, add_special_tokens=True, return_offsets_mapping=True,
+                                return_special_tokens_mask=True, verbose=False)
+        ids, offsets, special = encoded["input_ids"], encoded["offset_mapping"], encoded["special_tokens_mask"]
+        head = special.index(0) if 0 in special else len(ids)  # the special tokens before the text, and after it
+        tail = len(ids) - (special[::-1].index(0) if 0 in special else 0)
+        prefix, body, suffix, offsets = ids[:head], ids[head:tail], ids[tail:], offsets[head:tail]
+        spans = windows(len(body), size, overlap)
+        return ([text[offsets[s][0]:offsets[e - 1][1]] for s, e in spans],
+                [prefix + body[s:e] + suffix for s, e in spans])
 
     def embed(self, ids: list[list[int]], dimensions: int | None, ctx: StepContext) -> np.ndarray:
         """float32 vectors (one row per input, in order) of checked token ids (``tokenize``),

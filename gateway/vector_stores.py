@@ -1,0 +1,567 @@
+"""Vector stores: OpenAI's ``/v1/vector_stores`` API over an embedding model of tiers.yaml.
+
+* ``POST /v1/vector_stores`` (``name``, ``description``, ``file_ids``, ``metadata``,
+  ``expires_after``, ``chunking_strategy``; extension ``model``: the embedding model, the first
+  ``embed`` model of tiers.yaml unless named), ``GET`` (a cursor list), ``GET``/``POST``/``DELETE
+  /v1/vector_stores/{id}``;
+* ``POST /v1/vector_stores/{id}/files`` (``file_id``: a file uploaded with purpose ``assistants``
+  or ``user_data``, ``attributes``, ``chunking_strategy``), ``GET`` (a cursor list, ``filter`` by
+  status), ``GET``/``POST`` (``attributes``)/``DELETE /v1/vector_stores/{id}/files/{file_id}``, and
+  ``GET .../files/{file_id}/content`` (its chunks' texts);
+* ``POST /v1/vector_stores/{id}/search`` (``query``: a string or strings, ``max_num_results``
+  1..50, ``filters`` on the files' attributes, ``ranking_options.score_threshold``).
+
+A file is added ``in_progress`` and read in the background by the :class:`Indexer`: decoded as
+UTF-8 text, cut into chunks of the strategy's tokens (the embedding model's tokenizer; ``auto`` is
+OpenAI's 800 tokens overlapping by 400, or the model's context if that is smaller), and each chunk
+embedded as a request of the key that added the file, at its tier, through the gate (its tokens
+count in that key's usage, as ``/v1/embeddings`` tokens). A search embeds its queries the same way,
+then ranks every chunk of the store by cosine similarity (the best over the queries), reported as
+``score = (1 + cosine) / 2``, in 0..1. Only the key that made a store sees it (a 404 otherwise).
+Kept in ``gateway.vector_store``, until deleted or expired.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import secrets
+import time
+from dataclasses import replace
+from typing import Annotated, Any, Literal
+
+import numpy as np
+from pydantic import AfterValidator, Field
+from starlette.requests import Request
+from starlette.responses import JSONResponse, Response
+
+from batch.store import Store as BatchStore
+from gateway.auth import Caller
+from gateway.embeddings import EmbedJob, serve_embeddings
+from gateway.errors import APIError, bad_request, not_found
+from gateway.pages import cursor_page, page_query
+from gateway.schemas import Metadata, _Body, parse, read_json
+from gateway.service import Services
+from gateway.serving import weightless
+from gateway.vector_store import Chunks, StoreFile, VectorStore, VectorStoreStore
+from workers.embed import EmbedWorker
+
+log = logging.getLogger("tiergate.vector_stores")
+DOCUMENT_PURPOSES = ("assistants", "user_data")
+AUTO_CHUNK, AUTO_OVERLAP = 800, 400  # OpenAI's auto strategy, in tokens
+LEASE_S = 60.0  # a file being read is another process's to take once its lease is this old
+POLL_S = 2.0  # how often an idle indexer looks for files other processes added or left
+GROUP = 64  # chunks embedded in one request
+
+
+def _checked_attributes(value: dict[str, Any] | None) -> dict[str, Any] | None:
+    if value is None:
+        return None
+    if len(value) > 16:
+        raise ValueError("at most 16 attributes")
+    for key, item in value.items():
+        if len(key) > 64:
+            raise ValueError(f"attribute key {key[:80]!r} is longer than 64 characters")
+        if isinstance(item, str) and len(item) > 512:
+            raise ValueError(f"attribute {key!r} is longer than 512 characters")
+    return value
+
+
+Attributes = Annotated[dict[str, str | bool | int | float] | None, AfterValidator(_checked_attributes)]
+
+
+class StaticChunking(_Body):
+    max_chunk_size_tokens: int = Field(ge=100, le=4096)
+    chunk_overlap_tokens: int = Field(ge=0)
+
+
+class ChunkingStrategy(_Body):
+    type: Literal["auto", "static"]
+    static: StaticChunking | None = None
+
+
+class StoreExpiry(_Body):
+    anchor: Literal["last_active_at"]
+    days: int = Field(ge=1, le=365)
+
+
+class StoreCreate(_Body):
+    name: str | None = Field(default=None, max_length=256)
+    description: str | None = Field(default=None, max_length=512)
+    file_ids: list[str] = Field(default_factory=list, max_length=500)
+    metadata: Metadata = None
+    expires_after: StoreExpiry | None = None
+    chunking_strategy: ChunkingStrategy | None = None
+    model: str | None = None  # extension: the embedding model (tiers.yaml's first by default)
+
+
+class StoreUpdate(_Body):
+    name: str | None = Field(default=None, max_length=256)
+    metadata: Metadata = None
+    expires_after: StoreExpiry | None = None
+
+
+class FileCreate(_Body):
+    file_id: str = Field(min_length=1)
+    attributes: Attributes = None
+    chunking_strategy: ChunkingStrategy | None = None
+
+
+class FileUpdate(_Body):
+    attributes: Attributes
+
+
+class RankingOptions(_Body):
+    ranker: Literal["auto", "none", "default-2024-11-15"] = "auto"
+    score_threshold: float = Field(default=0.0, ge=0.0, le=1.0)
+
+
+class SearchBody(_Body):
+    query: str | list[str]
+    max_num_results: int = Field(default=10, ge=1, le=50)
+    filters: dict[str, Any] | None = None
+    ranking_options: RankingOptions | None = None
+    rewrite_query: bool = False
+
+
+# -- the decisions: chunk sizes, filters, ranking (pure) ---------------------------------------------
+
+
+def chunk_sizes(strategy: ChunkingStrategy | None, room: int, param: str) -> tuple[int, int]:
+    """(tokens per chunk, overlap) of ``strategy`` for a model whose inputs hold ``room`` tokens of
+    text: ``auto`` is 800 overlapping by 400, scaled down to ``room``; a ``static`` size over
+    ``room``, or an overlap over half the size, is a 400 naming ``param``."""
+    if strategy is None or strategy.type == "auto":
+        if strategy is not None and strategy.static is not None:
+            raise bad_request("an 'auto' chunking strategy takes no 'static'", f"{param}.static")
+        size = min(AUTO_CHUNK, room)
+        return size, size * AUTO_OVERLAP // AUTO_CHUNK
+    if strategy.static is None:
+        raise bad_request("a 'static' chunking strategy needs 'static'", f"{param}.static", "missing_required_parameter")
+    size, overlap = strategy.static.max_chunk_size_tokens, strategy.static.chunk_overlap_tokens
+    if size > room:
+        raise bad_request(f"max_chunk_size_tokens is {size}; this store's embedding model reads at most {room} tokens "
+                          "of text per chunk", f"{param}.static.max_chunk_size_tokens", "chunk_too_large")
+    if overlap > size // 2:
+        raise bad_request(f"chunk_overlap_tokens is {overlap}; at most half of max_chunk_size_tokens ({size // 2})",
+                          f"{param}.static.chunk_overlap_tokens")
+    return size, overlap
+
+
+_COMPARISONS = ("eq", "ne", "gt", "gte", "lt", "lte", "in", "nin")
+
+
+def check_filter(f: Any, param: str = "filters") -> None:
+    """A 400 naming the part of ``f`` that is not a comparison (``{"type": "eq", "key", "value"}``,
+    ``ne``, ``gt``, ``gte``, ``lt``, ``lte``; ``in``/``nin`` with a list) or a compound filter
+    (``{"type": "and"|"or", "filters": [...]}``)."""
+    if not isinstance(f, dict) or not isinstance(f.get("type"), str):
+        raise bad_request("a filter is an object with a 'type'", param, "invalid_filter")
+    kind = f["type"]
+    if kind in ("and", "or"):
+        if set(f) != {"type", "filters"} or not isinstance(f["filters"], list) or not f["filters"]:
+            raise bad_request(f"an '{kind}' filter has 'type' and a non-empty list 'filters'", param, "invalid_filter")
+        for i, inner in enumerate(f["filters"]):
+            check_filter(inner, f"{param}.filters[{i}]")
+        return
+    if kind not in _COMPARISONS:
+        raise bad_request(f"unknown filter type {kind[:40]!r}: one of and, or, {', '.join(_COMPARISONS)}",
+                          f"{param}.type", "invalid_filter")
+    if set(f) != {"type", "key", "value"} or not isinstance(f["key"], str):
+        raise bad_request(f"a '{kind}' filter has 'type', 'key' (a string) and 'value'", param, "invalid_filter")
+    scalars = (str, int, float, bool)
+    value = f["value"]
+    ok = (isinstance(value, list) and all(isinstance(v, scalars) for v in value)) if kind in ("in", "nin") \
+        else isinstance(value, scalars)
+    if not ok:
+        raise bad_request(f"the value of a '{kind}' filter is {'a list of ' if kind in ('in', 'nin') else 'a '}"
+                          "string, number or boolean", f"{param}.value", "invalid_filter")
+
+
+def _same_kind(a: Any, b: Any) -> bool:
+    """Whether two attribute values compare: both strings, both booleans or both numbers."""
+    if isinstance(a, bool) or isinstance(b, bool):
+        return isinstance(a, bool) and isinstance(b, bool)
+    return isinstance(a, str) == isinstance(b, str)
+
+
+def matches(f: dict[str, Any], attributes: dict[str, Any]) -> bool:
+    """Whether a file's ``attributes`` pass the (checked) filter ``f``. A comparison on a key the
+    file lacks, or on a value of another kind (a string against a number), is false (``ne`` and
+    ``nin`` too)."""
+    kind = f["type"]
+    if kind == "and":
+        return all(matches(inner, attributes) for inner in f["filters"])
+    if kind == "or":
+        return any(matches(inner, attributes) for inner in f["filters"])
+    if f["key"] not in attributes:
+        return False
+    have, want = attributes[f["key"]], f["value"]
+    if kind in ("in", "nin"):
+        found = any(_same_kind(have, v) and have == v for v in want)
+        return found if kind == "in" else not found and all(_same_kind(have, v) for v in want)
+    if not _same_kind(have, want):
+        return False
+    return {"eq": have == want, "ne": have != want, "gt": have > want, "gte": have >= want,
+            "lt": have < want, "lte": have <= want}[kind]
+
+
+def rank(files: list[Chunks], queries: np.ndarray, filters: dict[str, Any] | None, limit: int,
+         threshold: float) -> list[tuple[float, StoreFile, str]]:
+    """The best ``limit`` chunks of ``files`` for ``queries`` (one vector per query), best first:
+    (score, file, text). A chunk's score is ``(1 + cosine) / 2`` with the query closest to it; files
+    whose attributes fail ``filters`` are left out, and so are scores under ``threshold``."""
+    q = _unit(queries)
+    found: list[tuple[float, StoreFile, str]] = []
+    for chunks in files:
+        if not chunks.texts or (filters is not None and not matches(filters, chunks.file.attributes)):
+            continue
+        scores = ((1.0 + (_unit(chunks.vectors) @ q.T).max(axis=1)) / 2.0).clip(0.0, 1.0)
+        found += [(float(s), chunks.file, text) for s, text in zip(scores, chunks.texts) if s >= threshold]
+    found.sort(key=lambda hit: -hit[0])  # stable: ties keep the files' and chunks' order
+    return found[:limit]
+
+
+def _unit(m: np.ndarray) -> np.ndarray:
+    m = m.astype(np.float32, copy=False)
+    norms = np.linalg.norm(m, axis=1, keepdims=True)
+    return m / np.where(norms == 0, 1.0, norms)
+
+
+# -- the indexer: files read, cut and embedded in the background -------------------------------------
+
+
+class _Refused(Exception):
+    def __init__(self, code: str, message: str) -> None:
+        super().__init__(message)
+        self.code, self.message = code, message
+
+
+class _Dropped(Exception):
+    """The file was removed, added again or its store deleted while it was read: leave it."""
+
+
+class Indexer:
+    """Reads the files added to vector stores, one at a time, in the order added. One task owns
+    the work: it claims waiting files (its own, other processes', and those whose process died:
+    their lease ended), reads each, and finishes or fails it; it sleeps until a file is added here
+    (``wake``) or ``POLL_S`` passes. A file's chunks are embedded ``GROUP`` at a time, each group
+    one request of the key that added the file, at its tier, waiting its turn at the gate as any
+    request does (a 429 there is waited out, not a failure); the lease is renewed after each group.
+    Stopped at shutdown: a file half read is taken again, whole, by the next process to claim it."""
+
+    def __init__(self, svc: Services, store: VectorStoreStore, files: BatchStore) -> None:
+        self.svc, self.store, self.files = svc, store, files
+        self._wake = asyncio.Event()
+        self._task: asyncio.Task | None = None
+
+    async def start(self) -> None:
+        self._task = asyncio.get_running_loop().create_task(self._run())
+
+    async def stop(self) -> None:
+        if self._task is not None:
+            self._task.cancel()
+            await asyncio.gather(self._task, return_exceptions=True)
+            self._task = None
+
+    def wake(self) -> None:
+        self._wake.set()
+
+    async def _run(self) -> None:
+        while True:
+            self._wake.clear()
+            try:
+                taken = await self.store.claim(time.time(), LEASE_S, 4)
+            except Exception:  # noqa: BLE001 - the store is down: the next turn tries again
+                log.exception("vector stores: claiming files failed")
+                taken = []
+            for file in taken:
+                await self._index(file)
+            if not taken:
+                try:
+                    await asyncio.wait_for(self._wake.wait(), POLL_S)
+                except TimeoutError:
+                    pass
+
+    async def _index(self, file: StoreFile) -> None:
+        try:
+            texts, vectors = await self._read(file)
+            await self.store.finish(file, texts, vectors)
+        except _Refused as refused:
+            await self.store.fail(file, refused.code, refused.message)
+        except _Dropped:
+            pass
+        except asyncio.CancelledError:
+            raise
+        except Exception as exc:  # noqa: BLE001 - recorded on the file; the indexer goes on
+            log.exception("vector stores: reading %s into %s failed", file.id, file.vector_store_id)
+            message = exc.message if isinstance(exc, APIError) else "the server failed while reading the file"
+            await self.store.fail(file, "server_error", message)
+
+    async def _read(self, file: StoreFile) -> tuple[list[str], np.ndarray]:
+        """The file's chunks and their vectors; ``_Refused`` for a file that is not text."""
+        store = await self.store.get(file.vector_store_id, file.owner)
+        if store is None:
+            raise _Dropped
+        content = await self.files.file_content(file.id)
+        if content is None:
+            raise _Refused("invalid_file", "the file was deleted before it was read")
+        try:
+            text = content.decode("utf-8").removeprefix("\ufeff")
+        except UnicodeDecodeError:
+            raise _Refused("unsupported_file", "the file is not UTF-8 text; this server reads text files "
+                                               "(Markdown, code, JSON, HTML as text), not PDF or Office files") from None
+        encoder = await weightless(self.svc.encoders, self.svc.arbiter.specs[store.model], EmbedWorker.reader)
+        texts, rows = await asyncio.to_thread(encoder.cut, text, file.chunk_tokens, file.overlap_tokens)
+        if not rows:
+            raise _Refused("invalid_file", "the file has no text")
+        caller = Caller(file.tier, file.owner)
+        parts = []
+        for start in range(0, len(rows), GROUP):
+            parts.append(await self._embed(file, caller, store.model, rows[start:start + GROUP]))
+            if not await self.store.hold(file, time.time() + LEASE_S):
+                raise _Dropped
+        return texts, np.concatenate(parts)
+
+    async def _embed(self, file: StoreFile, caller: Caller, model: str, rows: list[list[int]]) -> np.ndarray:
+        while True:
+            try:
+                return await serve_embeddings(self.svc, caller, EmbedJob(model, rows, None), None)
+            except APIError as exc:
+                if exc.status != 429:
+                    raise
+                wait = exc.headers.get("retry-after", "1")
+                await asyncio.sleep(min(30.0, max(0.5, float(wait) if wait.isdigit() else 1.0)))
+                if not await self.store.hold(file, time.time() + LEASE_S):
+                    raise _Dropped from None
+
+
+def indexer_for(svc: Services, store: VectorStoreStore, files: BatchStore) -> Indexer:
+    """The process's indexer, started once the stores are open and stopped before they close."""
+    indexer = Indexer(svc, store, files)
+    svc.on_startup.append(indexer.start)
+    svc.on_shutdown.append(indexer.stop)
+    return indexer
+
+
+# -- HTTP -----------------------------------------------------------------------------------------------
+
+
+def _store(request: Request) -> VectorStoreStore:
+    return request.app.state.vector_stores
+
+
+def _owner(request: Request) -> tuple[str, Services]:
+    svc: Services = request.app.state.services
+    return svc.authenticate(request).key_id, svc  # records take no slot: no gate
+
+
+def _missing(store_id: str) -> Exception:
+    return not_found(f"no vector store with id '{store_id}'", "vector_store_id", "vector_store_not_found")
+
+
+async def _owned(request: Request, owner: str) -> VectorStore:
+    store_id = request.path_params["vector_store_id"]
+    found = await _store(request).get(store_id, owner)
+    if found is None:
+        raise _missing(store_id)
+    return found
+
+
+async def _shown(request: Request, store: VectorStore) -> dict[str, Any]:
+    return store.public(await _store(request).files(store.id), time.time())
+
+
+def _embedding_model(svc: Services, name: str | None) -> str:
+    if name is not None:
+        return svc.spec(name, "embed").name
+    for spec in svc.arbiter.specs.values():
+        if spec.kind == "embed":
+            return spec.name
+    raise bad_request("this server has no embedding model to make a vector store with (tiers.yaml: kind: embed)",
+                      "model", "no_embedding_model")
+
+
+async def _room(svc: Services, model: str) -> int:
+    encoder = await weightless(svc.encoders, svc.arbiter.specs[model], EmbedWorker.reader)
+    return await asyncio.to_thread(lambda: encoder.chunk_room)
+
+
+async def _add(request: Request, caller: Caller, store: VectorStore, file_id: str, attributes: dict | None,
+               sizes: tuple[int, int], param: str) -> StoreFile:
+    """Add the caller's document ``file_id`` to ``store`` (a 404 naming ``param`` for a file it
+    cannot see, a 400 for one that is not a document) and wake the indexer."""
+    info = await request.app.state.batches.store.get_file(file_id)
+    if info is None or info.expired(time.time()) or not (caller.admin or info.owner == caller.key_id):
+        raise not_found(f"no such file: '{file_id[:80]}'", param, "file_not_found")
+    if info.purpose not in DOCUMENT_PURPOSES:
+        raise bad_request(f"the file's purpose is {info.purpose!r}; a vector store reads files uploaded with purpose "
+                          "'assistants' or 'user_data'", param, "invalid_file_purpose")
+    file = StoreFile(store.id, file_id, secrets.token_hex(8), store.owner, caller.tier, int(time.time()),
+                     info.filename, *sizes, attributes=attributes or {})
+    if not await _store(request).add_file(file):
+        raise _missing(store.id)
+    request.app.state.indexer.wake()
+    return file
+
+
+async def create_store(request: Request) -> Response:
+    svc: Services = request.app.state.services
+    caller = svc.authenticate(request)
+    body = parse(StoreCreate, await read_json(request, svc.config.limits.max_body))
+    model = _embedding_model(svc, body.model)
+    sizes = chunk_sizes(body.chunking_strategy, await _room(svc, model), "chunking_strategy")
+    now = int(time.time())
+    store = VectorStore(f"vs_{secrets.token_hex(12)}", caller.key_id, now, body.name or "", model,
+                        body.metadata or {}, body.description, body.expires_after.days if body.expires_after else None, now)
+    await _store(request).create(store)
+    try:
+        for i, file_id in enumerate(body.file_ids):
+            await _add(request, caller, store, file_id, None, sizes, f"file_ids[{i}]")
+    except APIError:
+        await _store(request).delete(store.id, caller.key_id)  # all or nothing: no half-made store left behind
+        raise
+    return JSONResponse(await _shown(request, store))
+
+
+async def list_stores(request: Request) -> Response:
+    owner, _ = _owner(request)
+    q = request.query_params
+    limit, order = page_query(q, "desc")
+    stores = await _store(request).list(owner)
+    shown = [await _shown(request, s) for s in stores]
+    return JSONResponse(cursor_page(shown, order, limit, q.get("after") or None, q.get("before") or None))
+
+
+async def get_store(request: Request) -> Response:
+    owner, _ = _owner(request)
+    return JSONResponse(await _shown(request, await _owned(request, owner)))
+
+
+async def update_store(request: Request) -> Response:
+    owner, svc = _owner(request)
+    store = await _owned(request, owner)
+    raw = await read_json(request, svc.config.limits.max_body)
+    body = parse(StoreUpdate, raw)
+    changed = store
+    if "name" in raw:
+        changed = replace(changed, name=body.name or "")
+    if "metadata" in raw:
+        changed = replace(changed, metadata=body.metadata or {})
+    if "expires_after" in raw:
+        changed = replace(changed, expires_days=body.expires_after.days if body.expires_after else None)
+    if not await _store(request).update(changed):
+        raise _missing(store.id)
+    return JSONResponse(await _shown(request, changed))
+
+
+async def delete_store(request: Request) -> Response:
+    owner, _ = _owner(request)
+    store_id = request.path_params["vector_store_id"]
+    if not await _store(request).delete(store_id, owner):
+        raise _missing(store_id)
+    return JSONResponse({"id": store_id, "object": "vector_store.deleted", "deleted": True})
+
+
+async def add_file(request: Request) -> Response:
+    svc: Services = request.app.state.services
+    caller = svc.authenticate(request)
+    store = await _owned(request, caller.key_id)
+    body = parse(FileCreate, await read_json(request, svc.config.limits.max_body))
+    if store.expired(time.time()):
+        raise _expired(store)
+    sizes = chunk_sizes(body.chunking_strategy, await _room(svc, store.model), "chunking_strategy")
+    file = await _add(request, caller, store, body.file_id, body.attributes, sizes, "file_id")
+    return JSONResponse(file.public())
+
+
+async def list_files(request: Request) -> Response:
+    owner, _ = _owner(request)
+    store = await _owned(request, owner)
+    q = request.query_params
+    limit, order = page_query(q, "desc")
+    status = q.get("filter")
+    if status is not None and status not in ("in_progress", "completed", "failed", "cancelled"):
+        raise bad_request("filter must be one of in_progress, completed, failed, cancelled", "filter")
+    files = [f.public() for f in await _store(request).files(store.id) if status is None or f.status == status]
+    return JSONResponse(cursor_page(files, order, limit, q.get("after") or None, q.get("before") or None))
+
+
+async def _owned_file(request: Request) -> tuple[VectorStore, StoreFile]:
+    owner, _ = _owner(request)
+    store = await _owned(request, owner)
+    file_id = request.path_params["file_id"]
+    file = await _store(request).file(store.id, file_id)
+    if file is None:
+        raise not_found(f"no file '{file_id[:80]}' in this vector store", "file_id", "file_not_found")
+    return store, file
+
+
+async def get_file(request: Request) -> Response:
+    _, file = await _owned_file(request)
+    return JSONResponse(file.public())
+
+
+async def update_file(request: Request) -> Response:
+    store, file = await _owned_file(request)
+    svc: Services = request.app.state.services
+    body = parse(FileUpdate, await read_json(request, svc.config.limits.max_body))
+    changed = await _store(request).set_attributes(store.id, file.id, body.attributes or {})
+    if changed is None:
+        raise not_found(f"no file '{file.id}' in this vector store", "file_id", "file_not_found")
+    return JSONResponse(changed.public())
+
+
+async def delete_file(request: Request) -> Response:
+    store, file = await _owned_file(request)
+    if not await _store(request).delete_file(store.id, file.id):
+        raise not_found(f"no file '{file.id}' in this vector store", "file_id", "file_not_found")
+    return JSONResponse({"id": file.id, "object": "vector_store.file.deleted", "deleted": True})
+
+
+async def file_content(request: Request) -> Response:
+    store, file = await _owned_file(request)
+    texts = await _store(request).file_texts(store.id, file.id) or []
+    return JSONResponse({"object": "vector_store.file_content.page", "data": [{"type": "text", "text": t} for t in texts],
+                         "has_more": False, "next_page": None})
+
+
+def _expired(store: VectorStore) -> APIError:
+    return bad_request(f"the vector store '{store.id}' expired at {store.expires_at}", "vector_store_id",
+                       "vector_store_expired")
+
+
+async def search(request: Request) -> Response:
+    svc: Services = request.app.state.services
+    caller = svc.admit_caller(request)  # the queries are embedded: a model request
+    store = await _owned(request, caller.key_id)
+    body = parse(SearchBody, await read_json(request, svc.config.limits.max_body))
+    queries = [body.query] if isinstance(body.query, str) else body.query
+    if not queries or len(queries) > 10:
+        raise bad_request("query is a string or a list of 1 to 10 strings", "query")
+    for i, text in enumerate(queries):
+        if not text.strip():
+            raise bad_request("a query must not be empty", "query" if isinstance(body.query, str) else f"query[{i}]")
+    if body.filters is not None:
+        check_filter(body.filters)
+    if body.rewrite_query:
+        raise bad_request("rewrite_query is not supported here: the query is searched as written", "rewrite_query",
+                          "unsupported_parameter")
+    now = time.time()
+    if store.expired(now):
+        raise _expired(store)
+    encoder = await weightless(svc.encoders, svc.arbiter.specs[store.model], EmbedWorker.reader)
+    try:
+        ids = await asyncio.to_thread(encoder.tokenize, queries)
+    except ValueError as exc:
+        raise bad_request(str(exc).replace("input", "query"), "query", "context_length_exceeded") from None
+    job = EmbedJob(store.model, ids, None)
+    vectors = await serve_embeddings(svc, caller, job, None)
+    hits = rank(await _store(request).chunks(store.id), vectors, body.filters, body.max_num_results,
+                body.ranking_options.score_threshold if body.ranking_options else 0.0)
+    await _store(request).update(replace(store, last_active_at=int(now)))
+    return JSONResponse({"object": "vector_store.search_results.page", "search_query": queries,
+                         "data": [{"file_id": f.id, "filename": f.filename, "score": score, "attributes": f.attributes,
+                                   "content": [{"type": "text", "text": text}]} for score, f, text in hits],
+                         "has_more": False, "next_page": None},
+                        headers=svc.gate.rate_headers(caller.tier))

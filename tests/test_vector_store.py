@@ -1,0 +1,107 @@
+"""The vector store store (``gateway.vector_store``) on both backends, SQLite and a real Redis
+server: one contract, run against each."""
+
+from __future__ import annotations
+
+import asyncio
+
+import numpy as np
+
+from gateway.vector_store import RedisVectorStores, SQLiteVectorStores, StoreFile, VectorStore, VectorStoreStore
+from tests.helpers import redis_server
+
+
+def _file(store_id: str, file_id: str, token: str, **kw) -> StoreFile:
+    return StoreFile(store_id, file_id, token, "k", "paid", 100, f"{file_id}.txt", 80, 40, **kw)
+
+
+async def _contract(store: VectorStoreStore) -> None:
+    await store.open()
+    try:
+        a = VectorStore("vs_a", "k", 10, "a", "tiny-embed", {"m": "1"}, "about a", 7, 10)
+        b = VectorStore("vs_b", "k", 11, "b", "tiny-embed")
+        await store.create(a)
+        await store.create(b)
+        await store.create(VectorStore("vs_c", "other", 12, "c", "tiny-embed"))
+        assert await store.get("vs_a", "k") == a
+        assert await store.get("vs_a", "other") is None and await store.get("vs_x", "k") is None
+        assert [s.id for s in await store.list("k")] == ["vs_a", "vs_b"]
+        renamed = VectorStore("vs_a", "k", 10, "a2", "tiny-embed", {}, None, None, 50)
+        assert await store.update(renamed) and await store.get("vs_a", "k") == renamed
+        assert not await store.update(VectorStore("vs_a", "other", 10, "x", "tiny-embed"))  # not the owner's
+
+        # files: added, listed in order, a second addition replaces the first
+        f1, f2 = _file("vs_a", "file-1", "t1", attributes={"lang": "en"}), _file("vs_a", "file-2", "t2")
+        assert await store.add_file(f1) and await store.add_file(f2)
+        assert not await store.add_file(_file("vs_gone", "file-1", "t9"))
+        assert [f.id for f in await store.files("vs_a")] == ["file-1", "file-2"]
+        assert await store.file("vs_a", "file-1") == f1 and await store.file("vs_b", "file-1") is None
+
+        # claims: each waiting file once per lease, taken again once its lease ends
+        taken = await store.claim(1000.0, 30.0, 10)
+        assert [(f.id, f.lease_until) for f in taken] == [("file-1", 1030.0), ("file-2", 1030.0)]
+        assert await store.claim(1010.0, 30.0, 10) == []
+        assert await store.hold(taken[0], 1100.0)
+        assert [f.id for f in await store.claim(1040.0, 30.0, 10)] == ["file-2"]  # file-1 held
+        assert (await store.claim(1200.0, 30.0, 1))[0].id == "file-1"  # the limit, in order
+
+        # finishing: chunks and counts; only the addition that was claimed
+        vectors = np.arange(6, dtype=np.float32).reshape(2, 3)
+        assert await store.finish(taken[0], ["hello", "wörld"], vectors)
+        done = await store.file("vs_a", "file-1")
+        assert (done.status, done.chunks, done.usage_bytes, done.lease_until) == ("completed", 2, 11, 0.0)
+        assert done.attributes == {"lang": "en"}
+        assert not await store.finish(taken[0], ["again"], vectors[:1])  # no longer waiting
+        assert not await store.hold(taken[0], 2000.0)
+        assert await store.file_texts("vs_a", "file-1") == ["hello", "wörld"]
+        assert await store.file_texts("vs_a", "file-2") == [] and await store.file_texts("vs_a", "nope") is None
+        [chunks] = await store.chunks("vs_a")
+        assert chunks.file.id == "file-1" and chunks.texts == ["hello", "wörld"]
+        assert chunks.vectors.dtype == np.float32 and np.array_equal(chunks.vectors, vectors)
+
+        # attributes change without touching chunks or status
+        changed = await store.set_attributes("vs_a", "file-1", {"lang": "de", "n": 2})
+        assert changed.attributes == {"lang": "de", "n": 2} and changed.status == "completed"
+        assert (await store.chunks("vs_a"))[0].file.attributes == {"lang": "de", "n": 2}
+        assert await store.set_attributes("vs_a", "nope", {}) is None
+
+        # an addition replaced meanwhile: the old claim finishes nothing; the new one waits
+        old = (await store.claim(2000.0, 30.0, 10))[0]
+        assert old.id == "file-2"
+        again = _file("vs_a", "file-2", "t3")
+        assert await store.add_file(again)
+        assert [f.id for f in await store.files("vs_a")] == ["file-1", "file-2"]
+        assert not await store.finish(old, ["x"], vectors[:1]) and not await store.fail(old, "server_error", "x")
+        [new] = await store.claim(2000.0, 30.0, 10)
+        assert new.token == "t3"
+        assert await store.fail(new, "unsupported_file", "not text")
+        failed = await store.file("vs_a", "file-2")
+        assert failed.status == "failed" and failed.last_error == {"code": "unsupported_file", "message": "not text"}
+        assert await store.claim(5000.0, 30.0, 10) == []
+
+        # adding a completed file again drops its chunks until it is read again
+        assert await store.add_file(_file("vs_a", "file-1", "t4"))
+        assert await store.chunks("vs_a") == []
+        [re] = await store.claim(6000.0, 30.0, 10)
+        assert await store.finish(re, ["only"], vectors[:1])
+
+        # deleting a file, then the store: chunks and waiting files go with them
+        assert await store.delete_file("vs_a", "file-2") and not await store.delete_file("vs_a", "file-2")
+        assert [f.id for f in await store.files("vs_a")] == ["file-1"]
+        assert await store.add_file(_file("vs_b", "file-9", "t5"))
+        assert not await store.delete("vs_b", "other")
+        assert await store.delete("vs_b", "k") and not await store.delete("vs_b", "k")
+        assert await store.files("vs_b") == [] and await store.claim(9000.0, 30.0, 10) == []
+        assert [s.id for s in await store.list("k")] == ["vs_a"]
+        assert [c.texts for c in await store.chunks("vs_a")] == [["only"]]
+    finally:
+        await store.close()
+
+
+def test_sqlite_store(tmp_path):
+    asyncio.run(_contract(SQLiteVectorStores(tmp_path / "batches.sqlite3")))
+
+
+def test_redis_store(tmp_path):
+    with redis_server(tmp_path) as url:
+        asyncio.run(_contract(RedisVectorStores(url)))

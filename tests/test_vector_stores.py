@@ -1,0 +1,310 @@
+"""Vector stores through the openai SDK against a real server on tiny-embed: files read, cut and
+embedded in the background, searched (scores checked against /v1/embeddings' own vectors),
+filtered, refused with OpenAI-shaped errors; a file a dead process left half read is read again;
+and the pure parts (windows, chunk sizes, filters, ranking) over tables."""
+
+from __future__ import annotations
+
+import asyncio
+import time
+
+import httpx
+import numpy as np
+import openai
+import pytest
+from transformers import AutoTokenizer
+
+from gateway.errors import APIError
+from gateway.vector_store import Chunks, SQLiteVectorStores, StoreFile
+from gateway.vector_stores import ChunkingStrategy, check_filter, chunk_sizes, matches, rank
+from tests.helpers import start_server, write_config
+from workers.embed import windows
+
+LEASE = 4.5  # the dead process's lease, in seconds
+DOC_A = ("Tiergate serves chat, images, speech and transcription from one shared GPU. "
+         "Paid requests come first; batch work yields at the next step boundary. ") * 6
+DOC_B = "The quick brown fox jumps over the lazy dog. Foxes are quick and dogs are lazy. " * 10
+
+
+@pytest.fixture(scope="module")
+def server(tiny_embed, tiny_chat, tmp_path_factory):
+    folder = tmp_path_factory.mktemp("vector_stores")
+    s = start_server(write_config(folder, {"tiny-embed": ("embed", tiny_embed), "tiny-chat": ("chat", tiny_chat)}))
+    yield s
+    s.stop()
+
+
+def client(server, tier="paid") -> openai.OpenAI:
+    return openai.OpenAI(base_url=server.base_url, api_key=server.keys[tier], max_retries=0, timeout=120)
+
+
+def upload(c, name: str, content: bytes | str, purpose="assistants") -> str:
+    data = content.encode() if isinstance(content, str) else content
+    return c.files.create(file=(name, data), purpose=purpose).id
+
+
+def poll(c, store_id: str, file_id: str):
+    deadline = time.time() + 60
+    while True:
+        f = c.vector_stores.files.retrieve(file_id, vector_store_id=store_id)
+        if f.status != "in_progress" or time.time() > deadline:
+            return f
+        time.sleep(0.1)
+
+
+def cosine(a, b) -> float:
+    a, b = np.asarray(a, np.float64), np.asarray(b, np.float64)
+    return float(a @ b / np.linalg.norm(a) / np.linalg.norm(b))
+
+
+def test_files_are_read_and_search_ranks_their_chunks(server, tiny_embed):
+    c = client(server)
+    a, b = upload(c, "a.md", DOC_A), upload(c, "b.txt", DOC_B)
+    store = c.vector_stores.create(name="docs", file_ids=[a], metadata={"team": "x"})
+    assert store.object == "vector_store" and store.name == "docs" and store.metadata == {"team": "x"}
+    assert store.file_counts.total == 1
+    fb = c.vector_stores.files.create_and_poll(file_id=b, vector_store_id=store.id, attributes={"kind": "animals"},
+                                              chunking_strategy={"type": "static", "static": {
+                                                  "max_chunk_size_tokens": 100, "chunk_overlap_tokens": 20}})
+    fa = poll(c, store.id, a)
+    assert (fa.status, fb.status) == ("completed", "completed"), (fa.last_error, fb.last_error)
+    assert fb.chunking_strategy.static.max_chunk_size_tokens == 100 and fb.attributes == {"kind": "animals"}
+    assert fa.chunking_strategy.static.max_chunk_size_tokens == 126  # auto: the model's room (128 - [CLS], [SEP])
+    assert fa.chunking_strategy.static.chunk_overlap_tokens == 63
+
+    # the chunks are the windows of the tokenizer's tokens, each the text as written
+    tok = AutoTokenizer.from_pretrained(tiny_embed)
+    for doc, fid, size, overlap in ((DOC_A, a, 126, 63), (DOC_B, b, 100, 20)):
+        texts = [p.text for p in c.vector_stores.files.content(fid, vector_store_id=store.id)]
+        n = len(tok(doc, add_special_tokens=False)["input_ids"])
+        assert len(texts) == len(windows(n, size, overlap)) > 1
+        assert doc.startswith(texts[0]) and doc.rstrip().endswith(texts[-1]) and all(t in doc for t in texts)
+
+    got = c.vector_stores.retrieve(store.id)
+    assert got.status == "completed" and got.file_counts.completed == 2 and got.file_counts.total == 2
+    assert got.usage_bytes > 0
+
+    # search: scores are (1 + cosine) / 2 of the model's own vectors of each window's ids, best first
+    query = "a lazy dog and a quick fox"
+    page = c.vector_stores.search(store.id, query=query, max_num_results=50)
+    rows = []
+    for doc, size, overlap in ((DOC_A, 126, 63), (DOC_B, 100, 20)):
+        ids = tok(doc, add_special_tokens=False)["input_ids"]
+        rows += [[tok.cls_token_id, *ids[s:e], tok.sep_token_id] for s, e in windows(len(ids), size, overlap)]
+    vectors = [d.embedding for d in c.embeddings.create(model="tiny-embed", input=rows).data]
+    q = c.embeddings.create(model="tiny-embed", input=query).data[0].embedding
+    want = sorted(((1 + cosine(q, v)) / 2 for v in vectors), reverse=True)
+    assert len(page.data) == len(rows)
+    assert [hit.score for hit in page.data] == pytest.approx(want, abs=1e-5)
+    top = page.data[0]
+    assert top.filename in ("a.md", "b.txt") and top.content[0].type == "text"
+
+    # a chunk's own text finds it first, at a score of 1
+    target = c.vector_stores.files.content(b, vector_store_id=store.id).data[0].text
+    hit = c.vector_stores.search(store.id, query=target, max_num_results=1).data[0]
+    assert hit.content[0].text == target and hit.file_id == b and hit.score == pytest.approx(1.0, abs=1e-5)
+    assert hit.attributes == {"kind": "animals"}
+
+    # filters on attributes, a threshold, several queries (each chunk scored by its best)
+    only_a = c.vector_stores.search(store.id, query=query, filters={"type": "ne", "key": "kind", "value": "animals"})
+    assert only_a.data == []  # a has no attributes: 'ne' on a missing key is false
+    c.vector_stores.files.update(a, vector_store_id=store.id, attributes={"kind": "product", "year": 2026})
+    years = c.vector_stores.search(store.id, query=query, filters={"type": "and", "filters": [
+        {"type": "gte", "key": "year", "value": 2025}, {"type": "in", "key": "kind", "value": ["product", "x"]}]})
+    assert years.data and {h.file_id for h in years.data} == {a}
+    high = c.vector_stores.search(store.id, query=query, ranking_options={"score_threshold": want[2]})
+    assert [h.score for h in high.data] == pytest.approx(want[:3], abs=1e-5)
+    two = c.vector_stores.search(store.id, query=[query, target], max_num_results=1)
+    assert two.data[0].content[0].text == target
+
+    # listed, filtered by status, deleted
+    assert [f.id for f in c.vector_stores.files.list(store.id, order="asc")] == [a, b]
+    assert [f.id for f in c.vector_stores.files.list(store.id, filter="failed")] == []
+    assert c.vector_stores.files.delete(b, vector_store_id=store.id).deleted
+    assert {h.file_id for h in c.vector_stores.search(store.id, query=target).data} == {a}
+    assert store.id in [s.id for s in c.vector_stores.list()]
+    assert c.vector_stores.update(store.id, name="renamed").name == "renamed"
+    assert c.vector_stores.delete(store.id).deleted
+    with pytest.raises(openai.NotFoundError):
+        c.vector_stores.search(store.id, query=query)
+
+
+def test_what_cannot_be_read_fails_with_its_reason(server):
+    c = client(server)
+    store = c.vector_stores.create(name="bad")
+    binary = upload(c, "x.pdf", b"%PDF-1.7\n\xff\xfe\x00\x01binary")
+    empty = upload(c, "empty.txt", "   \n")
+    gone = upload(c, "gone.txt", "soon deleted")
+    for fid in (binary, empty):
+        c.vector_stores.files.create(vector_store_id=store.id, file_id=fid)
+    f = poll(c, store.id, binary)
+    assert f.status == "failed" and f.last_error.code == "unsupported_file"
+    assert poll(c, store.id, empty).last_error.code == "invalid_file"
+    c.files.delete(gone)
+    with pytest.raises(openai.NotFoundError) as e:
+        c.vector_stores.files.create(vector_store_id=store.id, file_id=gone)
+    assert e.value.body["param"] == "file_id"
+    counts = c.vector_stores.retrieve(store.id).file_counts
+    assert (counts.failed, counts.completed, counts.total) == (2, 0, 2)
+    assert [x.id for x in c.vector_stores.files.list(store.id, filter="failed", order="asc")] == [binary, empty]
+
+
+def _error(r: httpx.Response) -> dict:
+    body = r.json()["error"]
+    assert set(body) == {"message", "type", "param", "code"} and (body["code"] is None or isinstance(body["code"], str))
+    return body
+
+
+@pytest.mark.parametrize("path, body, status, param", [
+    ("", {"chunking_strategy": {"type": "static", "static": {"max_chunk_size_tokens": 500, "chunk_overlap_tokens": 0}}},
+     400, "chunking_strategy.static.max_chunk_size_tokens"),
+    ("", {"chunking_strategy": {"type": "static", "static": {"max_chunk_size_tokens": 100, "chunk_overlap_tokens": 60}}},
+     400, "chunking_strategy.static.chunk_overlap_tokens"),
+    ("", {"chunking_strategy": {"type": "static"}}, 400, "chunking_strategy.static"),
+    ("", {"model": "tiny-chat"}, 400, "model"),
+    ("", {"model": "nope"}, 404, "model"),
+    ("", {"file_ids": ["file-nope"]}, 404, "file_ids[0]"),
+    ("", {"expires_after": {"anchor": "created_at", "days": 1}}, 400, "expires_after.anchor"),
+    ("/search", {"query": ""}, 400, "query"),
+    ("/search", {"query": ["ok", " "]}, 400, "query[1]"),
+    ("/search", {"query": "x", "max_num_results": 51}, 400, "max_num_results"),
+    ("/search", {"query": "x", "filters": {"type": "eq", "key": "k"}}, 400, "filters"),
+    ("/search", {"query": "x", "filters": {"type": "or", "filters": [{"type": "like", "key": "k", "value": 1}]}},
+     400, "filters.filters[0].type"),
+    ("/search", {"query": "x", "filters": {"type": "in", "key": "k", "value": 3}}, 400, "filters.value"),
+    ("/search", {"query": "x", "rewrite_query": True}, 400, "rewrite_query"),
+    ("/search", {"query": "word " * 200}, 400, "query"),
+    ("/files", {"file_id": "file-nope"}, 404, "file_id"),
+    ("/files", {"file_id": "x", "attributes": {"k" * 65: 1}}, 400, "attributes"),
+])
+def test_bad_requests_are_openai_errors_naming_the_field(server, path, body, status, param):
+    c = client(server)
+    store = c.vector_stores.create(name="errors")
+    url = server.base_url + ("/vector_stores" if not path else f"/vector_stores/{store.id}{path}")
+    r = httpx.post(url, json=body, headers={"Authorization": f"Bearer {server.keys['paid']}"}, timeout=60)
+    assert r.status_code == status, r.text
+    assert _error(r)["param"] == param
+
+
+def test_only_documents_and_only_the_owner(server):
+    c, other = client(server), client(server, "free")
+    batch_file = upload(c, "in.jsonl", "", purpose="batch")
+    store = c.vector_stores.create(name="mine")
+    with pytest.raises(openai.BadRequestError) as e:
+        c.vector_stores.files.create(vector_store_id=store.id, file_id=batch_file)
+    assert e.value.body["code"] == "invalid_file_purpose"
+    doc = upload(other, "theirs.txt", "another key's text")
+    with pytest.raises(openai.NotFoundError):  # another key's file
+        c.vector_stores.files.create(vector_store_id=store.id, file_id=doc)
+    for call in (lambda: other.vector_stores.retrieve(store.id), lambda: other.vector_stores.search(store.id, query="x"),
+                 lambda: other.vector_stores.delete(store.id)):
+        with pytest.raises(openai.NotFoundError):
+            call()
+    assert store.id not in [s.id for s in other.vector_stores.list()]
+    with pytest.raises(openai.BadRequestError):
+        c.files.create(file=("x.txt", b"x"), purpose="fine-tune")
+
+
+def test_a_file_a_dead_process_held_is_read_again(server):
+    """Another process claimed the file and died: once its lease ends, this server's indexer takes
+    the file and reads it (nothing accepted is lost), not before (the lease outlasts two of the
+    indexer's polls)."""
+    c = client(server)
+    doc = upload(c, "late.txt", DOC_B)
+    store = c.vector_stores.create(name="resumed")
+
+    async def add_and_claim_as_a_dead_process() -> float | None:
+        other = SQLiteVectorStores(server.services.config.data_dir() / "batches.sqlite3")
+        await other.open()
+        try:
+            owner = (await other.list(server.services.keys.lookup(server.keys["paid"]).key_id))[0].owner
+            await other.add_file(StoreFile(store.id, doc, "dead", owner, "paid", int(time.time()), "late.txt", 100, 20))
+            now = time.time()
+            taken = await other.claim(now, LEASE, 10)
+            return now + LEASE if [t.id for t in taken] == [doc] else None  # None: this server's indexer was first
+        finally:
+            await other.close()
+
+    until = None
+    for _ in range(5):  # the server's indexer polls every 2 s: claiming first almost always wins
+        until = asyncio.run(add_and_claim_as_a_dead_process())
+        if until is not None:
+            break
+    assert until is not None
+    assert c.vector_stores.files.retrieve(doc, vector_store_id=store.id).status == "in_progress"
+    f = poll(c, store.id, doc)
+    assert f.status == "completed" and time.time() >= until
+    assert len(c.vector_stores.files.content(doc, vector_store_id=store.id).data) > 1
+
+
+# -- the pure parts ------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("n, size, overlap, want", [
+    (0, 4, 2, []), (3, 4, 2, [(0, 3)]), (4, 4, 0, [(0, 4)]), (8, 4, 0, [(0, 4), (4, 8)]),
+    (10, 4, 2, [(0, 4), (2, 6), (4, 8), (6, 10)]), (9, 4, 1, [(0, 4), (3, 7), (6, 9)]),
+])
+def test_windows(n, size, overlap, want):
+    assert windows(n, size, overlap) == want
+
+
+@pytest.mark.parametrize("strategy, room, want", [
+    (None, 510, (510, 255)), (None, 8190, (800, 400)), ({"type": "auto"}, 126, (126, 63)),
+    ({"type": "static", "static": {"max_chunk_size_tokens": 100, "chunk_overlap_tokens": 50}}, 126, (100, 50)),
+])
+def test_chunk_sizes(strategy, room, want):
+    assert chunk_sizes(ChunkingStrategy(**strategy) if strategy else None, room, "c") == want
+
+
+def test_chunk_sizes_refuse_what_the_model_cannot_read():
+    big = ChunkingStrategy(**{"type": "static", "static": {"max_chunk_size_tokens": 200, "chunk_overlap_tokens": 0}})
+    with pytest.raises(APIError) as e:
+        chunk_sizes(big, 126, "c")
+    assert e.value.param == "c.static.max_chunk_size_tokens" and e.value.code == "chunk_too_large"
+
+
+ATTRS = {"lang": "en", "year": 2024, "score": 0.5, "draft": False}
+
+
+@pytest.mark.parametrize("f, want", [
+    ({"type": "eq", "key": "lang", "value": "en"}, True),
+    ({"type": "eq", "key": "lang", "value": "de"}, False),
+    ({"type": "ne", "key": "lang", "value": "de"}, True),
+    ({"type": "ne", "key": "missing", "value": "de"}, False),
+    ({"type": "gt", "key": "year", "value": 2023}, True),
+    ({"type": "gt", "key": "year", "value": 2024}, False),
+    ({"type": "gte", "key": "year", "value": 2024}, True),
+    ({"type": "lt", "key": "score", "value": 0.75}, True),
+    ({"type": "lte", "key": "score", "value": 0.25}, False),
+    ({"type": "gt", "key": "lang", "value": 3}, False),  # a string against a number
+    ({"type": "eq", "key": "draft", "value": False}, True),
+    ({"type": "eq", "key": "draft", "value": 0}, False),  # a boolean is not a number
+    ({"type": "in", "key": "lang", "value": ["de", "en"]}, True),
+    ({"type": "nin", "key": "lang", "value": ["de", "en"]}, False),
+    ({"type": "nin", "key": "lang", "value": ["de"]}, True),
+    ({"type": "and", "filters": [{"type": "eq", "key": "lang", "value": "en"},
+                                 {"type": "lt", "key": "year", "value": 2000}]}, False),
+    ({"type": "or", "filters": [{"type": "eq", "key": "lang", "value": "fr"},
+                                {"type": "and", "filters": [{"type": "gte", "key": "year", "value": 2024},
+                                                            {"type": "eq", "key": "draft", "value": False}]}]}, True),
+])
+def test_filters(f, want):
+    check_filter(f)
+    assert matches(f, ATTRS) is want
+
+
+def _chunks(file_id: str, texts: list[str], vectors: list[list[float]], **attrs) -> Chunks:
+    f = StoreFile("vs", file_id, "t", "k", "paid", 0, f"{file_id}.txt", 100, 0, attributes=attrs)
+    return Chunks(f, texts, np.array(vectors, np.float32))
+
+
+def test_rank_orders_by_the_best_query_and_filters_and_cuts():
+    files = [_chunks("f1", ["east", "north"], [[1, 0], [0, 2]], lang="en"),
+             _chunks("f2", ["west", "south"], [[-3, 0], [0, -1]], lang="de")]
+    one = rank(files, np.array([[1, 0]], np.float32), None, 10, 0.0)
+    assert [(t, s) for s, _, t in one] == [("east", 1.0), ("north", 0.5), ("south", 0.5), ("west", 0.0)]
+    two = rank(files, np.array([[1, 0], [0, -1]], np.float32), None, 2, 0.0)
+    assert [t for _, _, t in two] == ["east", "south"]  # each chunk by its best query; then cut to 2
+    assert [t for _, _, t in rank(files, np.array([[1, 0]], np.float32), {"type": "eq", "key": "lang", "value": "de"},
+                                  10, 0.0)] == ["south", "west"]
+    assert [t for _, _, t in rank(files, np.array([[1, 0]], np.float32), None, 10, 0.6)] == ["east"]
