@@ -11,8 +11,8 @@
 * ``POST /v1/vector_stores/{id}/search`` (``query``: a string or strings, ``max_num_results``
   1..50, ``filters`` on the files' attributes, ``ranking_options.score_threshold``).
 
-A file is added ``in_progress`` and read in the background by the :class:`Indexer`: decoded as
-UTF-8 text, cut into chunks of the strategy's tokens (the embedding model's tokenizer; ``auto`` is
+A file is added ``in_progress`` and read in the background by the :class:`Indexer`: a PDF's text
+(pypdf) or UTF-8 text, cut into chunks of the strategy's tokens (the embedding model's tokenizer; ``auto`` is
 OpenAI's 800 tokens overlapping by 400, or the model's context if that is smaller), and each chunk
 embedded as a request of the key that added the file, at its tier, through the gate (its tokens
 count in that key's usage, as ``/v1/embeddings`` tokens). A search embeds its queries the same way,
@@ -24,6 +24,7 @@ Kept in ``gateway.vector_store``, until deleted or expired.
 from __future__ import annotations
 
 import asyncio
+import io
 import logging
 import secrets
 import time
@@ -31,7 +32,9 @@ from dataclasses import replace
 from typing import Annotated, Any, Literal
 
 import numpy as np
+import pypdf
 from pydantic import AfterValidator, Field
+from pypdf.errors import PdfReadError
 from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
 
@@ -241,6 +244,25 @@ class _Dropped(Exception):
     """The file was removed, added again or its store deleted while it was read: leave it."""
 
 
+def document_text(content: bytes) -> str:
+    """The text of a document: a PDF's pages' text (pypdf), one after another, or UTF-8 text as
+    it is (without a byte-order mark). ``_Refused`` for anything else: an encrypted or broken PDF,
+    bytes that are not UTF-8 (Office files among them)."""
+    if content.startswith(b"%PDF-"):
+        try:
+            reader = pypdf.PdfReader(io.BytesIO(content))
+            if reader.is_encrypted:
+                raise _Refused("unsupported_file", "the PDF is encrypted")
+            return "\n\n".join(page.extract_text() for page in reader.pages)
+        except PdfReadError as exc:
+            raise _Refused("invalid_file", f"the PDF cannot be read: {exc}") from None
+    try:
+        return content.decode("utf-8").removeprefix("\ufeff")
+    except UnicodeDecodeError:
+        raise _Refused("unsupported_file", "the file is neither a PDF nor UTF-8 text (Markdown, code, JSON, HTML); "
+                                           "Office files and images are not read") from None
+
+
 class Indexer:
     """Reads the files added to vector stores, one at a time, in the order added. One task owns
     the work: it claims waiting files (its own, other processes', and those whose process died:
@@ -306,11 +328,7 @@ class Indexer:
         content = await self.files.file_content(file.id)
         if content is None:
             raise _Refused("invalid_file", "the file was deleted before it was read")
-        try:
-            text = content.decode("utf-8").removeprefix("\ufeff")
-        except UnicodeDecodeError:
-            raise _Refused("unsupported_file", "the file is not UTF-8 text; this server reads text files "
-                                               "(Markdown, code, JSON, HTML as text), not PDF or Office files") from None
+        text = await asyncio.to_thread(document_text, content)
         encoder = await weightless(self.svc.encoders, self.svc.arbiter.specs[store.model], EmbedWorker.reader)
         texts, rows = await asyncio.to_thread(encoder.cut, text, file.chunk_tokens, file.overlap_tokens)
         if not rows:

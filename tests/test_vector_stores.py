@@ -132,21 +132,53 @@ def test_files_are_read_and_search_ranks_their_chunks(server, tiny_embed):
 def test_what_cannot_be_read_fails_with_its_reason(server):
     c = client(server)
     store = c.vector_stores.create(name="bad")
-    binary = upload(c, "x.pdf", b"%PDF-1.7\n\xff\xfe\x00\x01binary")
+    binary = upload(c, "x.png", b"\x89PNG\r\n\x1a\n\xff\xfe\x00\x01binary")
     empty = upload(c, "empty.txt", "   \n")
+    broken = upload(c, "broken.pdf", b"%PDF-1.7\n\xff\xfe\x00\x01 not a PDF after all")
     gone = upload(c, "gone.txt", "soon deleted")
-    for fid in (binary, empty):
+    for fid in (binary, empty, broken):
         c.vector_stores.files.create(vector_store_id=store.id, file_id=fid)
     f = poll(c, store.id, binary)
     assert f.status == "failed" and f.last_error.code == "unsupported_file"
     assert poll(c, store.id, empty).last_error.code == "invalid_file"
+    assert poll(c, store.id, broken).last_error.code == "invalid_file"
     c.files.delete(gone)
     with pytest.raises(openai.NotFoundError) as e:
         c.vector_stores.files.create(vector_store_id=store.id, file_id=gone)
     assert e.value.body["param"] == "file_id"
     counts = c.vector_stores.retrieve(store.id).file_counts
-    assert (counts.failed, counts.completed, counts.total) == (2, 0, 2)
-    assert [x.id for x in c.vector_stores.files.list(store.id, filter="failed", order="asc")] == [binary, empty]
+    assert (counts.failed, counts.completed, counts.total) == (3, 0, 3)
+    assert [x.id for x in c.vector_stores.files.list(store.id, filter="failed", order="asc")] == [binary, empty, broken]
+
+
+def tiny_pdf(pages: list[str]) -> bytes:
+    """A PDF with one line of Helvetica text per page, written by hand (its xref's offsets counted)."""
+    objs = ["<< /Type /Catalog /Pages 2 0 R >>",
+            "<< /Type /Pages /Kids [" + " ".join(f"{4 + 2 * i} 0 R" for i in range(len(pages))) + f"] /Count {len(pages)} >>",
+            "<< /Type /Font /Subtype /Type1 /BaseFont /Helvetica >>"]
+    for i, text in enumerate(pages):
+        stream = f"BT /F1 12 Tf 72 720 Td ({text}) Tj ET"
+        objs += [f"<< /Type /Page /Parent 2 0 R /MediaBox [0 0 612 792] /Resources << /Font << /F1 3 0 R >> >> "
+                 f"/Contents {5 + 2 * i} 0 R >>", f"<< /Length {len(stream)} >>\nstream\n{stream}\nendstream"]
+    out, offsets = b"%PDF-1.4\n", []
+    for i, body in enumerate(objs, 1):
+        offsets.append(len(out))
+        out += f"{i} 0 obj\n{body}\nendobj\n".encode()
+    xref = len(out)
+    out += f"xref\n0 {len(objs) + 1}\n0000000000 65535 f \n".encode() + "".join(f"{o:010d} 00000 n \n" for o in offsets).encode()
+    return out + f"trailer\n<< /Size {len(objs) + 1} /Root 1 0 R >>\nstartxref\n{xref}\n%%EOF\n".encode()
+
+
+def test_a_pdf_is_read_as_its_pages_text(server):
+    c = client(server)
+    pages = ["The gateway admits paid requests first.", "Batch work yields to everyone else."]
+    doc = upload(c, "guide.pdf", tiny_pdf(pages))
+    store = c.vector_stores.create(name="pdf", file_ids=[doc])
+    f = poll(c, store.id, doc)
+    assert f.status == "completed", f.last_error
+    assert [p.text for p in c.vector_stores.files.content(doc, vector_store_id=store.id)] == ["\n\n".join(pages)]
+    hit = c.vector_stores.search(store.id, query="Batch work yields").data[0]
+    assert hit.filename == "guide.pdf" and "paid requests" in hit.content[0].text
 
 
 def _error(r: httpx.Response) -> dict:
