@@ -97,6 +97,7 @@ class StoreFile:
     chunks: int = 0
     last_error: dict[str, str] | None = None
     lease_until: float = 0.0  # in_progress: a process works on it until then
+    batch_id: str | None = None  # the file batch it was added in
 
     def public(self) -> dict[str, Any]:
         return {"id": self.id, "object": "vector_store.file", "created_at": self.created_at,
@@ -191,6 +192,10 @@ class VectorStoreStore(abc.ABC):
     @abc.abstractmethod
     async def fail(self, file: StoreFile, code: str, message: str) -> bool:
         """``failed`` with ``last_error`` if this addition of the file is still waiting."""
+
+    @abc.abstractmethod
+    async def cancel(self, file: StoreFile) -> bool:
+        """``cancelled`` if this addition of the file is still waiting: it will not be read."""
 
     @abc.abstractmethod
     async def chunks(self, store_id: str) -> list[Chunks]:
@@ -333,6 +338,15 @@ class SQLiteVectorStores(SQLiteFile, VectorStoreStore):
                 return False
             self._put(db, replace(self._file(file.vector_store_id, file.id), status="failed", lease_until=0.0,
                                   last_error={"code": code, "message": message}))
+            return True
+
+        return await self._call(self._tx, write)
+
+    async def cancel(self, file: StoreFile) -> bool:
+        def write(db: sqlite3.Connection) -> bool:
+            if not self._waiting(file):
+                return False
+            self._put(db, replace(self._file(file.vector_store_id, file.id), status="cancelled", lease_until=0.0))
             return True
 
         return await self._call(self._tx, write)
@@ -549,6 +563,9 @@ class RedisVectorStores(RedisKeys, VectorStoreStore):
     async def fail(self, file: StoreFile, code: str, message: str) -> bool:
         return await self._change_waiting(file, lambda f: replace(f, status="failed", lease_until=0.0,
                                                                   last_error={"code": code, "message": message}))
+
+    async def cancel(self, file: StoreFile) -> bool:
+        return await self._change_waiting(file, lambda f: replace(f, status="cancelled", lease_until=0.0))
 
     async def chunks(self, store_id: str) -> list[Chunks]:
         async with self._r.pipeline(transaction=True) as tx:

@@ -8,6 +8,8 @@
   or ``user_data``, ``attributes``, ``chunking_strategy``), ``GET`` (a cursor list, ``filter`` by
   status), ``GET``/``POST`` (``attributes``)/``DELETE /v1/vector_stores/{id}/files/{file_id}``, and
   ``GET .../files/{file_id}/content`` (its chunks' texts);
+* ``POST /v1/vector_stores/{id}/file_batches`` (``file_ids`` or ``files``), ``GET .../{batch_id}``,
+  ``POST .../{batch_id}/cancel`` and ``GET .../{batch_id}/files``: files added together;
 * ``POST /v1/vector_stores/{id}/search`` (``query``: a string or strings, ``max_num_results``
   1..50, ``filters`` on the files' attributes, ``ranking_options.score_threshold``).
 
@@ -38,6 +40,7 @@ from pypdf.errors import PdfReadError
 from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
 
+from batch.store import FileInfo
 from batch.store import Store as BatchStore
 from gateway.auth import Caller
 from gateway.embeddings import EmbedJob, serve_embeddings
@@ -55,6 +58,7 @@ AUTO_CHUNK, AUTO_OVERLAP = 800, 400  # OpenAI's auto strategy, in tokens
 LEASE_S = 60.0  # a file being read is another process's to take once its lease is this old
 POLL_S = 2.0  # how often an idle indexer looks for files other processes added or left
 GROUP = 64  # chunks embedded in one request
+MAX_BATCH = 2000  # files in one file batch, as OpenAI allows
 
 
 def _checked_attributes(value: dict[str, Any] | None) -> dict[str, Any] | None:
@@ -112,6 +116,19 @@ class FileCreate(_Body):
 
 class FileUpdate(_Body):
     attributes: Attributes
+
+
+class BatchFile(_Body):
+    file_id: str = Field(min_length=1)
+    attributes: Attributes = None
+    chunking_strategy: ChunkingStrategy | None = None
+
+
+class BatchCreate(_Body):
+    file_ids: list[str] | None = Field(default=None, min_length=1, max_length=MAX_BATCH)
+    files: list[BatchFile] | None = Field(default=None, min_length=1, max_length=MAX_BATCH)
+    attributes: Attributes = None
+    chunking_strategy: ChunkingStrategy | None = None
 
 
 class RankingOptions(_Body):
@@ -405,18 +422,23 @@ async def _room(svc: Services, model: str) -> int:
     return await asyncio.to_thread(lambda: encoder.chunk_room)
 
 
-async def _add(request: Request, caller: Caller, store: VectorStore, file_id: str, attributes: dict | None,
-               sizes: tuple[int, int], param: str) -> StoreFile:
-    """Add the caller's document ``file_id`` to ``store`` (a 404 naming ``param`` for a file it
-    cannot see, a 400 for one that is not a document) and wake the indexer."""
+async def _document(request: Request, caller: Caller, file_id: str, param: str) -> FileInfo:
+    """The caller's document ``file_id``: a 404 naming ``param`` for a file it cannot see, a 400 for
+    one that is not a document."""
     info = await request.app.state.batches.store.get_file(file_id)
     if info is None or info.expired(time.time()) or not (caller.admin or info.owner == caller.key_id):
         raise not_found(f"no such file: '{file_id[:80]}'", param, "file_not_found")
     if info.purpose not in DOCUMENT_PURPOSES:
         raise bad_request(f"the file's purpose is {info.purpose!r}; a vector store reads files uploaded with purpose "
                           "'assistants' or 'user_data'", param, "invalid_file_purpose")
-    file = StoreFile(store.id, file_id, secrets.token_hex(8), store.owner, caller.tier, int(time.time()),
-                     info.filename, *sizes, attributes=attributes or {})
+    return info
+
+
+async def _add(request: Request, caller: Caller, store: VectorStore, info: FileInfo, attributes: dict | None,
+               sizes: tuple[int, int], batch_id: str | None = None) -> StoreFile:
+    """Add the (checked) document to ``store`` and wake the indexer."""
+    file = StoreFile(store.id, info.id, secrets.token_hex(8), store.owner, caller.tier, int(time.time()),
+                     info.filename, *sizes, attributes=attributes or {}, batch_id=batch_id)
     if not await _store(request).add_file(file):
         raise _missing(store.id)
     request.app.state.indexer.wake()
@@ -435,7 +457,7 @@ async def create_store(request: Request) -> Response:
     await _store(request).create(store)
     try:
         for i, file_id in enumerate(body.file_ids):
-            await _add(request, caller, store, file_id, None, sizes, f"file_ids[{i}]")
+            await _add(request, caller, store, await _document(request, caller, file_id, f"file_ids[{i}]"), None, sizes)
     except APIError:
         await _store(request).delete(store.id, caller.key_id)  # all or nothing: no half-made store left behind
         raise
@@ -489,20 +511,24 @@ async def add_file(request: Request) -> Response:
     if store.expired(time.time()):
         raise _expired(store)
     sizes = chunk_sizes(body.chunking_strategy, await _room(svc, store.model), "chunking_strategy")
-    file = await _add(request, caller, store, body.file_id, body.attributes, sizes, "file_id")
-    return JSONResponse(file.public())
+    info = await _document(request, caller, body.file_id, "file_id")
+    return JSONResponse((await _add(request, caller, store, info, body.attributes, sizes)).public())
 
 
 async def list_files(request: Request) -> Response:
     owner, _ = _owner(request)
     store = await _owned(request, owner)
+    return _file_page(request, await _store(request).files(store.id))
+
+
+def _file_page(request: Request, files: list[StoreFile]) -> Response:
     q = request.query_params
     limit, order = page_query(q, "desc")
     status = q.get("filter")
     if status is not None and status not in ("in_progress", "completed", "failed", "cancelled"):
         raise bad_request("filter must be one of in_progress, completed, failed, cancelled", "filter")
-    files = [f.public() for f in await _store(request).files(store.id) if status is None or f.status == status]
-    return JSONResponse(cursor_page(files, order, limit, q.get("after") or None, q.get("before") or None))
+    shown = [f.public() for f in files if status is None or f.status == status]
+    return JSONResponse(cursor_page(shown, order, limit, q.get("after") or None, q.get("before") or None))
 
 
 async def _owned_file(request: Request) -> tuple[VectorStore, StoreFile]:
@@ -583,3 +609,80 @@ async def search(request: Request) -> Response:
                                    "content": [{"type": "text", "text": text}]} for score, f, text in hits],
                          "has_more": False, "next_page": None},
                         headers=svc.gate.rate_headers(caller.tier))
+
+
+# -- file batches: files added together, followed and cancelled together ----------------------------
+
+
+def batch_public(store_id: str, batch_id: str, files: list[StoreFile]) -> dict[str, Any]:
+    """A file batch as OpenAI shows it, made from its files: ``in_progress`` while any is,
+    ``cancelled`` if any was cancelled, ``failed`` if every file failed, ``completed`` otherwise."""
+    counts = {s: sum(f.status == s for f in files) for s in ("in_progress", "completed", "failed", "cancelled")}
+    status = ("in_progress" if counts["in_progress"] else "cancelled" if counts["cancelled"]
+              else "failed" if counts["failed"] == len(files) else "completed")
+    return {"id": batch_id, "object": "vector_store.files_batch", "created_at": min(f.created_at for f in files),
+            "vector_store_id": store_id, "status": status, "file_counts": {**counts, "total": len(files)}}
+
+
+async def create_batch(request: Request) -> Response:
+    """POST /v1/vector_stores/{id}/file_batches: ``file_ids`` (with one ``attributes`` and
+    ``chunking_strategy`` for all) or ``files`` (each with its own); every file is checked before
+    any is added."""
+    svc: Services = request.app.state.services
+    caller = svc.authenticate(request)
+    store = await _owned(request, caller.key_id)
+    body = parse(BatchCreate, await read_json(request, svc.config.limits.max_body))
+    if (body.file_ids is None) == (body.files is None):
+        raise bad_request("give either file_ids or files", "file_ids")
+    if store.expired(time.time()):
+        raise _expired(store)
+    room = await _room(svc, store.model)
+    if body.file_ids is not None:
+        sizes = chunk_sizes(body.chunking_strategy, room, "chunking_strategy")
+        wanted = [(fid, body.attributes, sizes, f"file_ids[{i}]") for i, fid in enumerate(body.file_ids)]
+    else:
+        if body.attributes is not None or body.chunking_strategy is not None:
+            raise bad_request("with files, give attributes and chunking_strategy for each file", "files")
+        wanted = [(f.file_id, f.attributes, chunk_sizes(f.chunking_strategy, room, f"files[{i}].chunking_strategy"),
+                   f"files[{i}].file_id") for i, f in enumerate(body.files)]
+    seen: set[str] = set()
+    checked = []
+    for file_id, attributes, sizes, param in wanted:
+        if file_id in seen:
+            raise bad_request(f"the file '{file_id[:80]}' is in the batch twice", param, "duplicate_file")
+        seen.add(file_id)
+        checked.append((await _document(request, caller, file_id, param), attributes, sizes))
+    batch_id = f"vsfb_{secrets.token_hex(12)}"
+    added = [await _add(request, caller, store, info, attributes, sizes, batch_id) for info, attributes, sizes in checked]
+    return JSONResponse(batch_public(store.id, batch_id, added))
+
+
+async def _batch(request: Request) -> tuple[VectorStore, str, list[StoreFile]]:
+    owner, _ = _owner(request)
+    store = await _owned(request, owner)
+    batch_id = request.path_params["batch_id"]
+    files = [f for f in await _store(request).files(store.id) if f.batch_id == batch_id]
+    if not files:
+        raise not_found(f"no file batch '{batch_id[:80]}' in this vector store", "batch_id", "batch_not_found")
+    return store, batch_id, files
+
+
+async def get_batch(request: Request) -> Response:
+    store, batch_id, files = await _batch(request)
+    return JSONResponse(batch_public(store.id, batch_id, files))
+
+
+async def cancel_batch(request: Request) -> Response:
+    """POST .../file_batches/{batch_id}/cancel: its files not read yet are ``cancelled`` (and not
+    read); those read keep their chunks."""
+    store, batch_id, files = await _batch(request)
+    for f in files:
+        if f.status == "in_progress":
+            await _store(request).cancel(f)
+    now = [f for f in await _store(request).files(store.id) if f.batch_id == batch_id]
+    return JSONResponse(batch_public(store.id, batch_id, now or files))
+
+
+async def list_batch_files(request: Request) -> Response:
+    _, _, files = await _batch(request)
+    return _file_page(request, files)

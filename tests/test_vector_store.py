@@ -79,6 +79,15 @@ async def _contract(store: VectorStoreStore) -> None:
         assert failed.status == "failed" and failed.last_error == {"code": "unsupported_file", "message": "not text"}
         assert await store.claim(5000.0, 30.0, 10) == []
 
+        # a cancelled file is not waiting any more: no claim, hold or finish
+        third = _file("vs_a", "file-3", "t6", batch_id="vsfb_1")
+        assert await store.add_file(third) and (await store.file("vs_a", "file-3")).batch_id == "vsfb_1"
+        [held] = await store.claim(5000.0, 30.0, 10)
+        assert await store.cancel(held) and not await store.cancel(held)
+        assert (await store.file("vs_a", "file-3")).status == "cancelled"
+        assert not await store.hold(held, 6000.0) and not await store.finish(held, ["x"], vectors[:1])
+        assert await store.claim(9000.0, 30.0, 10) == [] and await store.delete_file("vs_a", "file-3")
+
         # adding a completed file again drops its chunks until it is read again
         assert await store.add_file(_file("vs_a", "file-1", "t4"))
         assert await store.chunks("vs_a") == []

@@ -237,6 +237,72 @@ def test_only_documents_and_only_the_owner(server):
         c.files.create(file=("x.txt", b"x"), purpose="fine-tune")
 
 
+def test_file_batches_are_added_followed_and_cancelled_together(server):
+    c = client(server)
+    store = c.vector_stores.create(name="batches")
+    batch = c.vector_stores.file_batches.upload_and_poll(
+        store.id, files=[("one.txt", DOC_A.encode()), ("two.md", DOC_B.encode())], poll_interval_ms=100)
+    assert batch.object == "vector_store.files_batch" and batch.status == "completed"
+    assert (batch.file_counts.completed, batch.file_counts.total) == (2, 2)
+    listed = c.vector_stores.file_batches.list_files(batch.id, vector_store_id=store.id, order="asc")
+    assert [f.status for f in listed] == ["completed", "completed"]
+    assert {h.file_id for h in c.vector_stores.search(store.id, query="fox", max_num_results=50).data} == \
+        {f.id for f in listed}
+
+    # files with their own attributes; the indexer stopped, so the cancel finds them all waiting
+    a, b = upload(c, "a.txt", DOC_A), upload(c, "b.txt", DOC_B)
+    indexer = server.app.state.indexer
+    server.wait(indexer.stop())
+    try:
+        second = c.vector_stores.file_batches.create(store.id, files=[
+            {"file_id": a, "attributes": {"n": 1}},
+            {"file_id": b, "chunking_strategy": {"type": "static", "static": {"max_chunk_size_tokens": 100,
+                                                                              "chunk_overlap_tokens": 0}}}])
+        assert second.status == "in_progress" and second.file_counts.in_progress == 2
+        cancelled = c.vector_stores.file_batches.cancel(second.id, vector_store_id=store.id)
+        assert cancelled.status == "cancelled" and cancelled.file_counts.cancelled == 2
+    finally:
+        server.wait(indexer.start())
+    time.sleep(2.5)  # more than a poll: a cancelled file is never read
+    got = c.vector_stores.file_batches.retrieve(second.id, vector_store_id=store.id)
+    assert got.status == "cancelled" and got.file_counts.cancelled == 2
+    assert c.vector_stores.files.retrieve(a, vector_store_id=store.id).attributes == {"n": 1}
+    assert c.vector_stores.files.content(a, vector_store_id=store.id).data == []
+
+    # added again on its own, the file is read
+    assert c.vector_stores.files.create_and_poll(file_id=a, vector_store_id=store.id).status == "completed"
+    with pytest.raises(openai.NotFoundError) as e:
+        c.vector_stores.file_batches.retrieve("vsfb_nope", vector_store_id=store.id)
+    assert e.value.body["param"] == "batch_id"
+
+
+@pytest.mark.parametrize("body, param", [
+    ({}, "file_ids"),
+    ({"file_ids": ["x"], "files": [{"file_id": "x"}]}, "file_ids"),
+    ({"files": [{"file_id": "x"}], "attributes": {"a": 1}}, "files"),
+    ({"file_ids": []}, "file_ids"),
+    ({"files": [{"file_id": "x", "chunking_strategy": {"type": "static", "static": {
+        "max_chunk_size_tokens": 4000, "chunk_overlap_tokens": 0}}}]}, "files[0].chunking_strategy.static.max_chunk_size_tokens"),
+])
+def test_bad_file_batches_are_400s(server, body, param):
+    c = client(server)
+    store = c.vector_stores.create(name="bad batches")
+    r = httpx.post(f"{server.base_url}/vector_stores/{store.id}/file_batches", json=body,
+                   headers={"Authorization": f"Bearer {server.keys['paid']}"}, timeout=60)
+    assert r.status_code == 400 and _error(r)["param"] == param, r.text
+
+
+def test_a_batch_adds_nothing_unless_every_file_can_be_added(server):
+    c = client(server)
+    store = c.vector_stores.create(name="all or nothing")
+    good = upload(c, "good.txt", DOC_A)
+    for file_ids, param in (([good, "file-missing"], "file_ids[1]"), ([good, good], "file_ids[1]")):
+        with pytest.raises(openai.APIStatusError) as e:
+            c.vector_stores.file_batches.create(store.id, file_ids=file_ids)
+        assert e.value.body["param"] == param
+    assert c.vector_stores.retrieve(store.id).file_counts.total == 0
+
+
 def test_a_file_a_dead_process_held_is_read_again(server):
     """Another process claimed the file and died: once its lease ends, this server's indexer takes
     the file and reads it (nothing accepted is lost), not before (the lease outlasts two of the
