@@ -84,7 +84,8 @@ async def run_in_background(svc: Services, caller: Caller, draft: Draft, store: 
                 draft.output = whole_output(draft)
             else:
                 if not events.sent.began:
-                    await events.add([events.s.event("response.in_progress", response=draft.public("in_progress"))])
+                    await events.add([events.s.event("response.in_progress", response=draft.public("in_progress")),
+                                      *events.s.searched()])
                 async with contextlib.aclosing(_after(first, deltas)) as each:
                     async for delta in each:
                         await events.add(delta_events(events.s, delta))

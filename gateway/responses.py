@@ -53,9 +53,9 @@ import sys
 import time
 import uuid
 from dataclasses import dataclass, field, replace
-from typing import Any, Literal
+from typing import Annotated, Any, Literal
 
-from pydantic import Field
+from pydantic import Discriminator, Field, Tag
 
 from gateway import service_tier
 from gateway.auth import Caller
@@ -70,6 +70,7 @@ from gateway.schemas import (MAX_STACK, MAX_TOOLS, TOOL_NAME, AdapterChoice, Cha
                              _Body, parse)
 from gateway.service import Services
 from gateway.tools import CallDelta
+from gateway.vector_stores import RankingOptions, check_filter, expired_error, search_stores
 from gateway.vision import check_reads_images, read_image_url
 from workers.base import ChatParams, ChatRequest, InvalidParam
 from workers.chat_prompt import encode, vision_inputs
@@ -90,9 +91,28 @@ class FunctionTool(_Body):
     strict: bool | None = None
 
 
+class FileSearchTool(_Body):
+    """The built-in file search over the caller's vector stores (``gateway.vector_stores``)."""
+
+    type: Literal["file_search"]
+    vector_store_ids: list[str] = Field(min_length=1, max_length=16)
+    max_num_results: int = Field(default=10, ge=1, le=50)
+    filters: dict[str, Any] | None = None
+    ranking_options: RankingOptions | None = None
+
+
+Tool = Annotated[Annotated[FunctionTool, Tag("FunctionTool")] | Annotated[FileSearchTool, Tag("FileSearchTool")],
+                 Discriminator(lambda t: "FileSearchTool" if isinstance(t, dict) and t.get("type") == "file_search"
+                               or isinstance(t, FileSearchTool) else "FunctionTool")]
+
+
 class FunctionChoice(_Body):
     type: Literal["function"]
     name: str = Field(min_length=1)
+
+
+class FileSearchChoice(_Body):
+    type: Literal["file_search"]
 
 
 class ReasoningOptions(_Body):
@@ -143,8 +163,8 @@ class ResponsesRequest(EndUser):
     temperature: float = Field(default=1.0, ge=0, le=2)
     top_p: float = Field(default=1.0, gt=0, le=1)
     top_logprobs: int | None = Field(default=None, ge=0, le=20)
-    tools: list[FunctionTool] | None = Field(default=None, max_length=MAX_TOOLS)
-    tool_choice: Literal["none", "auto", "required"] | FunctionChoice | AllowedToolsChoice | None = None
+    tools: list[Tool] | None = Field(default=None, max_length=MAX_TOOLS)
+    tool_choice: Literal["none", "auto", "required"] | FunctionChoice | FileSearchChoice | AllowedToolsChoice | None = None
     parallel_tool_calls: bool | None = None
     text: TextConfig | None = None
     store: bool = True
@@ -178,6 +198,7 @@ class ResponseJob:
     items: list[dict[str, Any]]  # the same as the Responses API's input items (``input_items``)
     conversation_id: str | None = None  # the conversation it continues and adds its items to
     added: list[dict[str, Any]] = field(default_factory=list)  # its own input's items
+    searched: dict[str, Any] | None = None  # its file_search_call output item, when it searched
 
 
 # -- input items as chat messages ---------------------------------------------------------------------
@@ -191,6 +212,9 @@ _ITEM_KEYS = {
     # a reasoning model's thinking from an earlier turn (sent back as the Agents SDK does): its text
     # goes to the template as the next assistant message's reasoning_content
     "reasoning": {"type", "id", "summary", "content", "encrypted_content", "status"},
+    # an earlier response's file search, sent back as the Agents SDK sends every output item: listed,
+    # not rendered (a response searches again with its own input)
+    "file_search_call": {"type", "id", "queries", "status", "results"},
 }
 
 
@@ -209,11 +233,13 @@ def input_messages(items: str | list[dict[str, Any]], name: str = "input", hosts
         kind = item.get("type", "message")
         if kind not in _ITEM_KEYS:
             raise bad_request(f"input items of type {str(kind)[:40]!r} are not supported (message, function_call, "
-                              "function_call_output, reasoning)", f"{where}.type")
+                              "function_call_output, reasoning, file_search_call)", f"{where}.type")
         extra = sorted(set(item) - _ITEM_KEYS[kind])
         if extra:
             raise bad_request(f"unrecognized field of a {kind} item: {extra[0]}", f"{where}.{extra[0]}",
                               "unknown_parameter")
+        if kind == "file_search_call":
+            continue
         if kind == "reasoning":
             if not isinstance(item.get("summary", []), list) or not isinstance(item.get("content", []), list):
                 raise bad_request("a reasoning item's summary and content are lists", f"{where}.summary", "invalid_type")
@@ -365,10 +391,13 @@ def chat_body(body: ResponsesRequest, messages: list[dict[str, Any]]) -> dict[st
         chat["max_completion_tokens"] = body.max_output_tokens
     if body.top_logprobs is not None or LOGPROBS in (body.include or ()):
         chat.update(logprobs=True, top_logprobs=body.top_logprobs or 0)
-    if body.tools:
+    functions = [t for t in body.tools or [] if isinstance(t, FunctionTool)]
+    if functions:
         chat["tools"] = [{"type": "function", "function": t.model_dump(exclude={"type"}, exclude_none=True)}
-                         for t in body.tools]
-    if isinstance(body.tool_choice, FunctionChoice):
+                         for t in functions]
+    if isinstance(body.tool_choice, FileSearchChoice) or (body.tool_choice == "required" and not functions):
+        pass  # the file search is what is asked for: it runs before the model (``file_search``)
+    elif isinstance(body.tool_choice, FunctionChoice):
         chat["tool_choice"] = {"type": "function", "function": {"name": body.tool_choice.name}}
     elif isinstance(body.tool_choice, AllowedToolsChoice):
         chat["tool_choice"] = {"type": "allowed_tools", "allowed_tools": {
@@ -433,6 +462,11 @@ async def plan_response(svc: Services, caller: Caller, store: ResponseStore | No
     with responses_names():
         chat = parse(ChatCompletionRequest, chat_body(body, system + conversation))
         job = await with_images(svc, plan_chat(svc, chat))
+        searched, found = await file_search(svc, caller, body, conversation)
+        if searched is not None:  # the model reads what was found after the instructions
+            system = [{"role": "system", "content": "\n\n".join(filter(None, [body.instructions, found]))}]
+            read = plan_chat(svc, parse(ChatCompletionRequest, chat_body(body, system + conversation)))
+            job = replace(read, images=job.images)
         if body.truncation == "auto":
             kept = await fitting(svc, job, system, conversation)
             if len(kept) < len(conversation):
@@ -446,7 +480,89 @@ async def plan_response(svc: Services, caller: Caller, store: ResponseStore | No
             raise bad_request(f"duplicate item id '{item['id'][:80]}' (in this input or the conversation it continues)",
                               f"input[{i}].id", "duplicate_item_id")
         seen.add(item["id"])
-    return ResponseJob(job, conversation, body, items + given, conversation_id, given)
+    return ResponseJob(job, conversation, body, items + given, conversation_id, given, searched)
+
+
+FILE_SEARCH_RESULTS = "file_search_call.results"  # include: the results in the file_search_call item
+
+
+async def file_search(svc: Services, caller: Caller, body: ResponsesRequest,
+                      conversation: list[dict[str, Any]]) -> tuple[dict[str, Any] | None, str]:
+    """A ``file_search`` tool's search, run before the model answers: its ``file_search_call``
+    output item and the text the model reads of what it found; (None, "") when the request has no
+    such tool, ``tool_choice`` is ``none``, or there is no user text to search for.
+
+    The query is the latest user message's text, searched in the tool's vector stores (each the
+    caller's: a 404 naming ``tools[i].vector_store_ids[j]`` otherwise) as ``POST
+    /v1/vector_stores/{id}/search`` searches. The model does not choose the query: the search
+    runs whatever the model, tool-calling or not, and costs no extra turn. What it found is read
+    best first, up to half the chat model's context."""
+    tools = [(i, t) for i, t in enumerate(body.tools or []) if isinstance(t, FileSearchTool)]
+    if not tools:
+        return None, ""
+    if len(tools) > 1:
+        raise bad_request("at most one file_search tool", f"tools[{tools[1][0]}]")
+    i, tool = tools[0]
+    if svc.vector_stores is None:
+        raise bad_request("this server keeps no vector stores", f"tools[{i}]")
+    now = time.time()
+    found = []
+    for j, store_id in enumerate(tool.vector_store_ids):
+        param = f"tools[{i}].vector_store_ids[{j}]"
+        store = await svc.vector_stores.get(store_id, caller.key_id)
+        if store is None:
+            raise not_found(f"no vector store with id '{store_id[:80]}'", param, "vector_store_not_found")
+        if store.expired(now):
+            raise expired_error(store, param)
+        found.append(store)
+    if tool.filters is not None:
+        check_filter(tool.filters, f"tools[{i}].filters")
+    query = _last_user_text(conversation)
+    if body.tool_choice == "none" or not query.strip():
+        return None, ""
+    threshold = tool.ranking_options.score_threshold if tool.ranking_options else 0.0
+    hits = await search_stores(svc, svc.vector_stores, caller, found, [query], tool.filters, tool.max_num_results,
+                               threshold, "input")
+    hits = await _readable(svc, body.model, hits)
+    results = [{"file_id": f.id, "filename": f.filename, "score": score, "text": text, "attributes": f.attributes}
+               for score, f, text in hits]
+    item = {"id": new_item_id("fs"), "type": "file_search_call", "status": "completed", "queries": [query],
+            "results": results if FILE_SEARCH_RESULTS in (body.include or ()) else None}
+    return item, _results_text(query, results)
+
+
+def _last_user_text(conversation: list[dict[str, Any]]) -> str:
+    for message in reversed(conversation):
+        if message["role"] == "user":
+            content = message["content"]
+            if isinstance(content, str):
+                return content
+            return "\n".join(p["text"] for p in content or [] if isinstance(p, dict) and isinstance(p.get("text"), str))
+    return ""
+
+
+async def _readable(svc: Services, model: str, hits: list) -> list:
+    """The best of ``hits`` whose texts fit in half of the chat model's context, in its tokens."""
+    spec = resolve_request(svc, model, None, "chat")[0]
+    budget = describe(spec).context_length // 2
+    tokenizer = await tokenizer_of(spec.path)
+    sizes = await asyncio.to_thread(lambda: [len(tokenizer(text, add_special_tokens=False)["input_ids"])
+                                             for _, _, text in hits])
+    kept, used = [], 0
+    for hit, size in zip(hits, sizes):
+        if used + size > budget:
+            break
+        kept.append(hit)
+        used += size
+    return kept
+
+
+def _results_text(query: str, results: list[dict[str, Any]]) -> str:
+    if not results:
+        return f"A search of the user's files for \"{query}\" found nothing."
+    found = "\n\n".join(f"[{k}] {r['filename']}:\n{r['text']}" for k, r in enumerate(results, 1))
+    return (f"A search of the user's files for \"{query}\" found these excerpts, the most relevant first. "
+            f"Answer from them where they help, naming the file you use.\n\n{found}")
 
 
 async def fitting(svc: Services, job: ChatJob, system: list[dict[str, Any]],
@@ -535,7 +651,8 @@ def given_items(given: str | list[dict[str, Any]] | None) -> list[dict[str, Any]
     return out
 
 
-_ID_PREFIX = {"message": "msg", "function_call": "fc", "function_call_output": "fco", "reasoning": "rs"}
+_ID_PREFIX = {"message": "msg", "function_call": "fc", "function_call_output": "fco", "reasoning": "rs",
+              "file_search_call": "fs"}
 
 
 # -- the response object ------------------------------------------------------------------------------
@@ -569,7 +686,7 @@ class Draft:
         if body.text and body.text.format:
             fmt = body.text.format.model_dump(by_alias=True, exclude_none=True)
         choice = body.tool_choice or "auto"
-        if isinstance(choice, (FunctionChoice, AllowedToolsChoice)):
+        if isinstance(choice, (FunctionChoice, FileSearchChoice, AllowedToolsChoice)):
             choice = choice.model_dump()
         return {
             "id": self.id, "object": "response", "created_at": self.created_at, "status": status,
@@ -650,13 +767,14 @@ def new_item_id(prefix: str) -> str:
 
 
 def whole_output(draft: Draft) -> list[dict[str, Any]]:
-    """The output items of a finished reply: a reasoning model's thinking, its message (when it
-    has text, or neither calls nor thinking), then its calls; all ``incomplete`` when the reply
-    stopped at ``max_output_tokens``."""
+    """The output items of a finished reply: its file search (if it searched), a reasoning model's
+    thinking, its message (when it has text, or neither calls nor thinking), then its calls; all
+    but the search ``incomplete`` when the reply stopped at ``max_output_tokens``."""
     r, status = draft.reply, draft.status
     text = "".join(r.content)
     logprobs = chat_content(r.logprobs) if r.logprobs is not None else None
-    items = [reasoning_item(new_item_id("rs"), "".join(r.reasoning), status)] if r.reasoning else []
+    items = [draft.job.searched] if draft.job.searched else []
+    items += [reasoning_item(new_item_id("rs"), "".join(r.reasoning), status)] if r.reasoning else []
     if text or not (r.calls.calls or r.reasoning):
         items.append(message_item(new_item_id("msg"), text, status, logprobs))
     return items + [call_item(new_item_id("fc"), c, status) for c in r.calls.calls]
@@ -821,6 +939,19 @@ class ResponseEvents:
     def index(self) -> int:
         return len(self.draft.output) - 1
 
+    def searched(self) -> list[str]:
+        """The file search's events (it ran before the reply: all at once, first)."""
+        item = self.draft.job.searched
+        if item is None:
+            return []
+        self.draft.output.append(item)
+        at = {"output_index": self.index, "item_id": item["id"]}
+        return [self.event("response.output_item.added", output_index=self.index, item={**item, "status": "in_progress"}),
+                self.event("response.file_search_call.in_progress", **at),
+                self.event("response.file_search_call.searching", **at),
+                self.event("response.file_search_call.completed", **at),
+                self.event("response.output_item.done", output_index=self.index, item=item)]
+
     def open_text(self) -> list[str]:
         item = message_item(new_item_id("msg"), "", "in_progress", None)
         item["content"] = []
@@ -921,6 +1052,7 @@ def delta_events(s: ResponseEvents, delta: ChoiceDelta) -> list[str]:
 
 def closing_events(s: ResponseEvents) -> list[str]:
     """The events that end a finished reply's items (an empty reply is still one, empty, message)."""
-    return (s.open_text() if not s.draft.output else []) + s.close(s.draft.status)
+    replied = any(item["type"] != "file_search_call" for item in s.draft.output)
+    return (s.open_text() if not replied else []) + s.close(s.draft.status)
 
 

@@ -193,6 +193,8 @@ async def live_events(deltas: AsyncGenerator[ChoiceDelta, None], first: ChoiceDe
     try:
         yield s.event("response.created", response=draft.public("in_progress"))
         yield s.event("response.in_progress", response=draft.public("in_progress"))
+        for line in s.searched():
+            yield line
         delta = first
         while True:
             for line in delta_events(s, delta):

@@ -25,6 +25,7 @@ from workers.base import ModelSpec
 
 if TYPE_CHECKING:
     from gateway.accounts import Accounts
+    from gateway.vector_store import VectorStoreStore
     from gateway.webhooks import Webhooks
     from workers.embed import EmbedWorker
     from workers.moderation import ModerationWorker
@@ -86,6 +87,7 @@ class Services:
     on_startup: list[Callable[[], Awaitable[None]]] = field(default_factory=list)  # run by the app's lifespan
     on_shutdown: list[Callable[[], Awaitable[None]]] = field(default_factory=list)
     accounts: "Accounts | None" = None  # managed keys, per-key limits, usage (None: env keys only, unmetered)
+    vector_stores: "VectorStoreStore | None" = None  # what file_search searches (gateway/vector_store.py)
     webhooks: "Webhooks | None" = None  # signed events when background work ends (gateway/webhooks.py)
 
     @functools.cached_property

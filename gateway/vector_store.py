@@ -600,5 +600,7 @@ def open_vector_stores(spec: str, data_dir: Path) -> VectorStoreStore:
 
 
 def vector_stores_for(svc: Services) -> VectorStoreStore:
-    """The process's vector store store on the configured backend, opened and closed with the app."""
-    return svc.keep_open(open_vector_stores(svc.config.batch.store, svc.config.data_dir()))
+    """The process's vector store store on the configured backend, opened and closed with the app
+    (``svc.vector_stores``: the Responses API's file search reads it)."""
+    svc.vector_stores = svc.keep_open(open_vector_stores(svc.config.batch.store, svc.config.data_dir()))
+    return svc.vector_stores

@@ -509,7 +509,7 @@ async def add_file(request: Request) -> Response:
     store = await _owned(request, caller.key_id)
     body = parse(FileCreate, await read_json(request, svc.config.limits.max_body))
     if store.expired(time.time()):
-        raise _expired(store)
+        raise expired_error(store)
     sizes = chunk_sizes(body.chunking_strategy, await _room(svc, store.model), "chunking_strategy")
     info = await _document(request, caller, body.file_id, "file_id")
     return JSONResponse((await _add(request, caller, store, info, body.attributes, sizes)).public())
@@ -570,9 +570,33 @@ async def file_content(request: Request) -> Response:
                          "has_more": False, "next_page": None})
 
 
-def _expired(store: VectorStore) -> APIError:
-    return bad_request(f"the vector store '{store.id}' expired at {store.expires_at}", "vector_store_id",
-                       "vector_store_expired")
+def expired_error(store: VectorStore, param: str = "vector_store_id") -> APIError:
+    return bad_request(f"the vector store '{store.id}' expired at {store.expires_at}", param, "vector_store_expired")
+
+
+async def search_stores(svc: Services, stores: VectorStoreStore, caller: Caller, found: list[VectorStore],
+                        queries: list[str], filters: dict[str, Any] | None, limit: int, threshold: float,
+                        param: str = "query") -> list[tuple[float, StoreFile, str]]:
+    """The best ``limit`` chunks of the vector stores ``found`` for ``queries`` (``rank``), best
+    first. The queries are embedded with each store's model as one request of ``caller``, through
+    the gate; one over the model's context is a 400 naming ``param``. Each store searched is
+    active now (its expiry counts from here)."""
+    hits: list[tuple[float, StoreFile, str]] = []
+    for model in dict.fromkeys(store.model for store in found):
+        encoder = await weightless(svc.encoders, svc.arbiter.specs[model], EmbedWorker.reader)
+        try:
+            ids = await asyncio.to_thread(encoder.tokenize, queries)
+        except ValueError as exc:
+            raise bad_request(str(exc).replace("input", "query"), param, "context_length_exceeded") from None
+        vectors = await serve_embeddings(svc, caller, EmbedJob(model, ids, None), None)
+        for store in found:
+            if store.model == model:
+                hits += rank(await stores.chunks(store.id), vectors, filters, limit, threshold)
+    now = int(time.time())
+    for store in found:
+        await stores.update(replace(store, last_active_at=now))
+    hits.sort(key=lambda hit: -hit[0])
+    return hits[:limit]
 
 
 async def search(request: Request) -> Response:
@@ -591,19 +615,10 @@ async def search(request: Request) -> Response:
     if body.rewrite_query:
         raise bad_request("rewrite_query is not supported here: the query is searched as written", "rewrite_query",
                           "unsupported_parameter")
-    now = time.time()
-    if store.expired(now):
-        raise _expired(store)
-    encoder = await weightless(svc.encoders, svc.arbiter.specs[store.model], EmbedWorker.reader)
-    try:
-        ids = await asyncio.to_thread(encoder.tokenize, queries)
-    except ValueError as exc:
-        raise bad_request(str(exc).replace("input", "query"), "query", "context_length_exceeded") from None
-    job = EmbedJob(store.model, ids, None)
-    vectors = await serve_embeddings(svc, caller, job, None)
-    hits = rank(await _store(request).chunks(store.id), vectors, body.filters, body.max_num_results,
-                body.ranking_options.score_threshold if body.ranking_options else 0.0)
-    await _store(request).update(replace(store, last_active_at=int(now)))
+    if store.expired(time.time()):
+        raise expired_error(store)
+    hits = await search_stores(svc, _store(request), caller, [store], queries, body.filters, body.max_num_results,
+                               body.ranking_options.score_threshold if body.ranking_options else 0.0)
     return JSONResponse({"object": "vector_store.search_results.page", "search_query": queries,
                          "data": [{"file_id": f.id, "filename": f.filename, "score": score, "attributes": f.attributes,
                                    "content": [{"type": "text", "text": text}]} for score, f, text in hits],
@@ -635,7 +650,7 @@ async def create_batch(request: Request) -> Response:
     if (body.file_ids is None) == (body.files is None):
         raise bad_request("give either file_ids or files", "file_ids")
     if store.expired(time.time()):
-        raise _expired(store)
+        raise expired_error(store)
     room = await _room(svc, store.model)
     if body.file_ids is not None:
         sizes = chunk_sizes(body.chunking_strategy, room, "chunking_strategy")
