@@ -129,6 +129,17 @@ TOOL_CHOICE = (st.sampled_from(["none", "auto", "required", "any"])
                                         "tools": st.lists(st.fixed_dictionaries({"type": st.just("function"),
                                                                                  "name": TOOL_NAME}), max_size=2)})
                | ANY_JSON)
+FILTER = st.recursive(
+    st.fixed_dictionaries({"type": st.sampled_from(["eq", "ne", "gt", "gte", "lt", "lte", "in", "nin", "like"]) | ANY_JSON},
+                          optional={"key": TEXT | ANY_JSON, "value": TEXT | EDGE_INTS | EDGE_FLOATS | st.booleans()
+                                    | st.lists(TEXT | EDGE_INTS, max_size=3) | ANY_JSON}),
+    lambda inner: st.fixed_dictionaries({"type": st.sampled_from(["and", "or", "xor"])},
+                                        optional={"filters": st.lists(inner, max_size=3) | ANY_JSON}), max_leaves=6)
+CHUNKING = st.fixed_dictionaries({"type": st.sampled_from(["auto", "static", "other"]) | ANY_JSON}, optional={
+    "static": st.fixed_dictionaries({}, optional={"max_chunk_size_tokens": EDGE_INTS | st.sampled_from([100, 126, 127]),
+                                                  "chunk_overlap_tokens": EDGE_INTS | st.sampled_from([0, 50, 51])})
+    | ANY_JSON})
+ATTRIBUTES = st.dictionaries(TEXT, TEXT | EDGE_INTS | EDGE_FLOATS | st.booleans() | ANY_JSON, max_size=18)
 ADAPTERS = st.lists(st.fixed_dictionaries({"name": TEXT}, optional={"weight": EDGE_FLOATS | ANY_JSON}), max_size=3)
 SAMPLING = {"temperature": EDGE_FLOATS, "top_p": EDGE_FLOATS, "seed": EDGE_INTS, "n": EDGE_INTS,
             "presence_penalty": EDGE_FLOATS, "frequency_penalty": EDGE_FLOATS,
@@ -176,7 +187,11 @@ ENDPOINTS = {
          **END_USER, "max_tool_calls": EDGE_INTS,
          "stream_options": st.fixed_dictionaries({}, optional={"include_obfuscation": st.booleans() | ANY_JSON}),
          "tools": st.lists(st.fixed_dictionaries({"type": st.just("function"), "name": TOOL_NAME},
-                                                 optional={"parameters": JSON_SCHEMA, "strict": st.booleans()}),
+                                                 optional={"parameters": JSON_SCHEMA, "strict": st.booleans()})
+                           | st.fixed_dictionaries({"type": st.just("file_search")}, optional={
+                               "vector_store_ids": st.lists(TEXT | st.just("vs_0"), max_size=3) | ANY_JSON,
+                               "max_num_results": EDGE_INTS, "filters": FILTER,
+                               "ranking_options": st.fixed_dictionaries({}, optional={"score_threshold": EDGE_FLOATS})}),
                            max_size=2),
          "tool_choice": TOOL_CHOICE, "previous_response_id": TEXT | st.just("resp_0"),
          "conversation": TEXT | st.just("conv_0") | st.fixed_dictionaries({"id": TEXT}) | ANY_JSON,
@@ -225,6 +240,13 @@ ENDPOINTS = {
             optional={"role": TEXT, "content": TEXT | st.lists(PART, max_size=2) | ANY_JSON, "call_id": TEXT,
                       "id": TEXT, "name": TOOL_NAME, "arguments": TEXT, "output": TEXT | ANY_JSON}), max_size=22),
          "metadata": st.dictionaries(TEXT, TEXT | ANY_JSON, max_size=18)}),
+    "/v1/vector_stores": (
+        {"name": "fuzz"},
+        {"name": TEXT, "description": TEXT, "file_ids": st.lists(TEXT | st.just("file-0"), max_size=3) | ANY_JSON,
+         "metadata": st.dictionaries(TEXT, TEXT | ANY_JSON, max_size=18),
+         "expires_after": st.fixed_dictionaries({"anchor": st.sampled_from(["last_active_at", "created_at"]),
+                                                 "days": EDGE_INTS}) | ANY_JSON,
+         "chunking_strategy": CHUNKING, "model": st.sampled_from(["tiny-embed", "tiny-chat", "nope"]) | TEXT}),
     "/v1/uploads": (
         {"bytes": 10, "filename": "x.jsonl", "mime_type": "application/jsonl", "purpose": "batch"},
         {"bytes": EDGE_INTS, "filename": TEXT, "mime_type": st.sampled_from(["text/plain", "image/png", ""]) | TEXT,
@@ -248,6 +270,22 @@ ON_STORED = {
     "/v1/conversations/{conversation}": ({"metadata": {"a": "b"}}, {"metadata": METADATA}),
     "/v1/conversations/{conversation}/items": ({"items": [{"type": "message", "role": "user", "content": "hi"}]},
                                                {"items": ENDPOINTS["/v1/conversations"][1]["items"]}),
+    "/v1/vector_stores/{vector_store}": ({"name": "renamed"}, {"name": TEXT, "metadata": METADATA,
+                                                                "expires_after": ANY_JSON}),
+    "/v1/vector_stores/{vector_store}/search": (
+        {"query": "hi"},
+        {"query": TEXT | st.lists(TEXT, max_size=12), "filters": FILTER, "max_num_results": EDGE_INTS,
+         "ranking_options": st.fixed_dictionaries({}, optional={"ranker": st.sampled_from(["auto", "none", "best"]),
+                                                                "score_threshold": EDGE_FLOATS}),
+         "rewrite_query": st.booleans()}),
+    "/v1/vector_stores/{vector_store}/files": (
+        {"file_id": "file-0"}, {"file_id": TEXT, "attributes": ATTRIBUTES, "chunking_strategy": CHUNKING}),
+    "/v1/vector_stores/{vector_store}/file_batches": (
+        {"file_ids": ["file-0"]},
+        {"file_ids": st.lists(TEXT, max_size=3) | ANY_JSON, "attributes": ATTRIBUTES, "chunking_strategy": CHUNKING,
+         "files": st.lists(st.fixed_dictionaries({"file_id": TEXT}, optional={"attributes": ATTRIBUTES,
+                                                                             "chunking_strategy": CHUNKING}),
+                           max_size=3) | ANY_JSON}),
     "/v1/uploads/{upload}/complete": ({"part_ids": []}, {"part_ids": st.lists(TEXT, max_size=3) | ANY_JSON, "md5": TEXT | ANY_JSON}),
 }
 
@@ -322,6 +360,7 @@ def test_generated_updates_of_stored_objects_get_a_success_or_a_clean_4xx(server
     ids = {"completion": c.chat.completions.create(model="tiny-chat", messages=[{"role": "user", "content": "hi"}],
                                                    max_tokens=1, store=True).id,
            "conversation": c.conversations.create().id,
+           "vector_store": c.vector_stores.create(name="fuzz").id,
            "upload": c.uploads.create(bytes=3, filename="x.jsonl", mime_type="text/plain", purpose="batch").id}
     target = path.format(**ids)
 
@@ -333,6 +372,7 @@ def test_generated_updates_of_stored_objects_get_a_success_or_a_clean_4xx(server
     run()
     assert c.chat.completions.retrieve(ids["completion"]).id == ids["completion"]  # still there, still readable
     assert c.conversations.items.list(ids["conversation"]).object == "list"
+    assert c.vector_stores.retrieve(ids["vector_store"]).object == "vector_store"
     assert c.uploads.cancel(ids["upload"]).status in ("cancelled", "completed")  # (completed: a generated body made it)
 
 
@@ -356,11 +396,14 @@ READS = ["/v1/batches", "/v1/files", "/v1/usage", "/admin/usage", "/admin/keys",
          "/v1/files/{}", "/v1/files/{}/content", "/v1/batches/{}", "/v1/responses/{}", "/v1/responses/{}/input_items", "/v1/responses/{}/cancel", "/admin/keys/{}",
          "/v1/chat/completions", "/v1/chat/completions/{}", "/v1/chat/completions/{}/messages",
          "/v1/conversations/{}", "/v1/conversations/{}/items", "/v1/conversations/conv_0/items/{}",
-         "/v1/images/files/{}.png", "/v1/uploads/{}/cancel", "/v1/uploads/{}/parts"]
+         "/v1/images/files/{}.png", "/v1/uploads/{}/cancel", "/v1/uploads/{}/parts",
+         "/v1/vector_stores", "/v1/vector_stores/{}", "/v1/vector_stores/{}/files", "/v1/vector_stores/vs_0/files/{}",
+         "/v1/vector_stores/vs_0/files/{}/content", "/v1/vector_stores/vs_0/file_batches/{}",
+         "/v1/vector_stores/vs_0/file_batches/{}/files", "/v1/vector_stores/{}/file_batches/x/cancel"]
 QUERY = st.dictionaries(
     st.sampled_from(["limit", "after", "key", "model", "start_date", "end_date", "group_by", "format", "stream",
                      "starting_after", "include[]", "since", "order", "purpose", "before", "nope", "metadata[g]",
-                     "metadata"]),
+                     "metadata", "filter"]),
     st.sampled_from(["", "0", "-1", "20", "101", "1e3", "abc", "2026-01-01", "2026-13-45", "0000-00-00", "csv", "json",
                      "day", "key", "tier", "true", "asc", "batch_output", "\x00", "../etc/passwd", "²"]) | TEXT, max_size=4)
 ID = st.sampled_from(["x", "file-0", "batch_0", "resp_0", "key_0", "chatcmpl-0", "tiny-chat", "..", "%2e%2e", "a/b"]) | TEXT

@@ -458,6 +458,9 @@ def test_file_search_runs_before_the_model_which_reads_what_it_found(server, sea
     assert message.content[0].text == chat.choices[0].message.content
     plain = c.responses.create(model="tiny-chat", input=QUESTION, max_output_tokens=6, temperature=0)
     assert r.usage.input_tokens > plain.usage.input_tokens + 50  # the excerpts, read
+    counted = c.responses.input_tokens.count(model="tiny-chat", input=QUESTION, tools=[
+        {"type": "file_search", "vector_store_ids": [searchable], "max_num_results": 3}])
+    assert counted.input_tokens == r.usage.input_tokens  # input_tokens searches too
 
     # without include the results are not shown; tool_choice none does not search
     assert respond(c, searchable).output[0].results is None
