@@ -30,7 +30,8 @@ import io
 import logging
 import secrets
 import time
-from dataclasses import replace
+from collections import OrderedDict
+from dataclasses import dataclass, replace
 from typing import Annotated, Any, Literal
 
 import numpy as np
@@ -226,20 +227,78 @@ def matches(f: dict[str, Any], attributes: dict[str, Any]) -> bool:
             "lt": have < want, "lte": have <= want}[kind]
 
 
-def rank(files: list[Chunks], queries: np.ndarray, filters: dict[str, Any] | None, limit: int,
+@dataclass(frozen=True)
+class Matrix:
+    """A vector store's completed files' chunks, loaded for search: every chunk's vector as one
+    row (unit length), the rows of file ``k`` from ``starts[k]``, its chunks' texts, and ``key``,
+    which additions of which files it holds."""
+
+    key: tuple[tuple[str, str], ...]
+    vectors: np.ndarray
+    starts: np.ndarray
+    ids: list[str]
+    texts: list[list[str]]
+
+    @classmethod
+    def of(cls, chunks: list[Chunks]) -> "Matrix":
+        parts = [c.vectors for c in chunks if c.texts]
+        vectors = _unit(np.concatenate(parts)) if parts else np.zeros((0, 1), np.float32)
+        sizes = [len(c.texts) for c in chunks]
+        return cls(tuple((c.file.id, c.file.token) for c in chunks), vectors,
+                   np.cumsum([0, *sizes[:-1]], dtype=np.int64), [c.file.id for c in chunks], [c.texts for c in chunks])
+
+
+def rank(m: Matrix, files: dict[str, StoreFile], queries: np.ndarray, filters: dict[str, Any] | None, limit: int,
          threshold: float) -> list[tuple[float, StoreFile, str]]:
-    """The best ``limit`` chunks of ``files`` for ``queries`` (one vector per query), best first:
-    (score, file, text). A chunk's score is ``(1 + cosine) / 2`` with the query closest to it; files
-    whose attributes fail ``filters`` are left out, and so are scores under ``threshold``."""
-    q = _unit(queries)
-    found: list[tuple[float, StoreFile, str]] = []
-    for chunks in files:
-        if not chunks.texts or (filters is not None and not matches(filters, chunks.file.attributes)):
-            continue
-        scores = ((1.0 + (_unit(chunks.vectors) @ q.T).max(axis=1)) / 2.0).clip(0.0, 1.0)
-        found += [(float(s), chunks.file, text) for s, text in zip(scores, chunks.texts) if s >= threshold]
-    found.sort(key=lambda hit: -hit[0])  # stable: ties keep the files' and chunks' order
-    return found[:limit]
+    """The best ``limit`` chunks of ``m`` for ``queries`` (one vector per query), best first:
+    (score, file, text), the file as ``files`` has it now (its attributes). A chunk's score is
+    ``(1 + cosine) / 2`` with the query closest to it; chunks of files no longer in ``files`` or
+    whose attributes fail ``filters`` are left out, and so are scores under ``threshold``. Ties
+    keep the files' and chunks' order."""
+    if not m.ids or not len(m.vectors):
+        return []
+    scores = ((1.0 + (m.vectors @ _unit(queries).T).max(axis=1)) / 2.0).clip(0.0, 1.0)
+    ends = [*m.starts[1:], len(scores)]
+    for k, file_id in enumerate(m.ids):
+        f = files.get(file_id)
+        if f is None or (filters is not None and not matches(filters, f.attributes)):
+            scores[m.starts[k]:ends[k]] = -1.0
+    order = np.argsort(-scores, kind="stable")[:limit]
+    hits = []
+    for row in order:
+        if scores[row] < max(threshold, 0.0):
+            break
+        k = int(np.searchsorted(m.starts, row, side="right")) - 1
+        hits.append((float(scores[row]), files[m.ids[k]], m.texts[k][row - m.starts[k]]))
+    return hits
+
+
+class Shelf:
+    """The vector stores this process has loaded for search (``Matrix``), the least recently
+    searched dropped past ``budget`` bytes of vectors. A store is loaded again when its completed
+    files changed (a file added, read again or removed): each search reads only its files' records
+    to tell. One per process (``SHELF``); any process may change a store (Redis), so none trusts
+    its copy without that check."""
+
+    def __init__(self, budget: int) -> None:
+        self.budget = budget
+        self._kept: OrderedDict[tuple[int, str], Matrix] = OrderedDict()
+
+    async def load(self, stores: VectorStoreStore, store_id: str) -> tuple[Matrix, dict[str, StoreFile]]:
+        files = await stores.files(store_id)
+        key = tuple((f.id, f.token) for f in files if f.status == "completed")
+        place = (id(stores), store_id)
+        m = self._kept.get(place)
+        if m is None or m.key != key:
+            m = Matrix.of(await stores.chunks(store_id))
+            self._kept[place] = m
+        self._kept.move_to_end(place)
+        while sum(kept.vectors.nbytes for kept in self._kept.values()) > self.budget and len(self._kept) > 1:
+            self._kept.popitem(last=False)
+        return m, {f.id: f for f in files if f.status == "completed"}
+
+
+SHELF = Shelf(1 << 30)
 
 
 def _unit(m: np.ndarray) -> np.ndarray:
@@ -591,7 +650,8 @@ async def search_stores(svc: Services, stores: VectorStoreStore, caller: Caller,
         vectors = await serve_embeddings(svc, caller, EmbedJob(model, ids, None), None)
         for store in found:
             if store.model == model:
-                hits += rank(await stores.chunks(store.id), vectors, filters, limit, threshold)
+                m, files = await SHELF.load(stores, store.id)
+                hits += rank(m, files, vectors, filters, limit, threshold)
     now = int(time.time())
     for store in found:
         await stores.update(replace(store, last_active_at=now))

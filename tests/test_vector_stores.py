@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import asyncio
 import time
+from dataclasses import replace
 
 import httpx
 import numpy as np
@@ -15,8 +16,8 @@ import pytest
 from transformers import AutoTokenizer
 
 from gateway.errors import APIError
-from gateway.vector_store import Chunks, SQLiteVectorStores, StoreFile
-from gateway.vector_stores import ChunkingStrategy, check_filter, chunk_sizes, matches, rank
+from gateway.vector_store import Chunks, SQLiteVectorStores, StoreFile, VectorStore
+from gateway.vector_stores import ChunkingStrategy, Matrix, Shelf, check_filter, chunk_sizes, matches, rank
 from tests.helpers import start_server, write_config
 from workers.embed import windows
 
@@ -398,15 +399,65 @@ def _chunks(file_id: str, texts: list[str], vectors: list[list[float]], **attrs)
 
 
 def test_rank_orders_by_the_best_query_and_filters_and_cuts():
-    files = [_chunks("f1", ["east", "north"], [[1, 0], [0, 2]], lang="en"),
-             _chunks("f2", ["west", "south"], [[-3, 0], [0, -1]], lang="de")]
-    one = rank(files, np.array([[1, 0]], np.float32), None, 10, 0.0)
-    assert [(t, s) for s, _, t in one] == [("east", 1.0), ("north", 0.5), ("south", 0.5), ("west", 0.0)]
-    two = rank(files, np.array([[1, 0], [0, -1]], np.float32), None, 2, 0.0)
-    assert [t for _, _, t in two] == ["east", "south"]  # each chunk by its best query; then cut to 2
-    assert [t for _, _, t in rank(files, np.array([[1, 0]], np.float32), {"type": "eq", "key": "lang", "value": "de"},
-                                  10, 0.0)] == ["south", "west"]
-    assert [t for _, _, t in rank(files, np.array([[1, 0]], np.float32), None, 10, 0.6)] == ["east"]
+    chunks = [_chunks("f1", ["east", "north"], [[1, 0], [0, 2]], lang="en"),
+              _chunks("f2", ["west", "south"], [[-3, 0], [0, -1]], lang="de"), _chunks("f3", [], [])]
+    m, files = Matrix.of(chunks), {c.file.id: c.file for c in chunks}
+
+    def texts(queries, filters=None, limit=10, threshold=0.0, files=files):
+        return [(t, s) for s, _, t in rank(m, files, np.array(queries, np.float32), filters, limit, threshold)]
+
+    assert texts([[1, 0]]) == [("east", 1.0), ("north", 0.5), ("south", 0.5), ("west", 0.0)]
+    assert [t for t, _ in texts([[1, 0], [0, -1]], limit=2)] == ["east", "south"]  # each by its best query; cut to 2
+    assert [t for t, _ in texts([[1, 0]], {"type": "eq", "key": "lang", "value": "de"})] == ["south", "west"]
+    assert [t for t, _ in texts([[1, 0]], threshold=0.6)] == ["east"]
+    assert [t for t, _ in texts([[1, 0]], files={"f2": files["f2"]})] == ["south", "west"]  # f1 removed since loaded
+    changed = {**files, "f1": replace(files["f1"], attributes={"lang": "de"})}  # the attributes now, not as loaded
+    assert [t for t, _ in texts([[1, 0]], {"type": "eq", "key": "lang", "value": "de"}, files=changed)] == \
+        ["east", "north", "south", "west"]
+    assert rank(Matrix.of([]), {}, np.array([[1, 0]], np.float32), None, 10, 0.0) == []
+
+
+def test_the_shelf_loads_a_store_again_only_when_its_files_changed(tmp_path):
+    async def run():
+        store = SQLiteVectorStores(tmp_path / "x.sqlite3")
+        await store.open()
+        loads = []
+        real = store.chunks
+
+        async def counted(store_id):
+            loads.append(store_id)
+            return await real(store_id)
+
+        store.chunks = counted
+        try:
+            await store.create(VectorStore("vs", "k", 0, "n", "m"))
+            for fid in ("f1", "f2"):
+                await store.add_file(StoreFile("vs", fid, "t", "k", "paid", 0, "x", 100, 0))
+            f1, f2 = await store.claim(1.0, 60, 10)
+            await store.finish(f1, ["a", "b"], np.eye(2, dtype=np.float32))
+            shelf = Shelf(1 << 20)
+            m, files = await shelf.load(store, "vs")
+            assert m.ids == ["f1"] and set(files) == {"f1"} and len(loads) == 1
+            assert (await shelf.load(store, "vs"))[0] is m and len(loads) == 1  # unchanged: kept
+            await store.set_attributes("vs", "f1", {"x": 1})  # attributes come fresh, the matrix stays
+            m2, files = await shelf.load(store, "vs")
+            assert m2 is m and files["f1"].attributes == {"x": 1} and len(loads) == 1
+            await store.finish(f2, ["c"], np.ones((1, 2), np.float32))  # a file read: loaded again
+            m3, _ = await shelf.load(store, "vs")
+            assert m3.ids == ["f1", "f2"] and len(loads) == 2
+            assert np.allclose(np.linalg.norm(m3.vectors, axis=1), 1.0)
+            await store.create(VectorStore("vs2", "k", 0, "n", "m"))
+            await store.add_file(StoreFile("vs2", "g", "t", "k", "paid", 0, "x", 100, 0))
+            [g] = await store.claim(2.0, 60, 10)
+            await store.finish(g, ["d"] * 100, np.ones((100, 2), np.float32))
+            small = Shelf(m3.vectors.nbytes + 10)  # room for one store: the least recent goes
+            await small.load(store, "vs")
+            await small.load(store, "vs2")
+            assert [k[1] for k in small._kept] == ["vs2"]
+        finally:
+            await store.close()
+
+    asyncio.run(run())
 
 
 # -- file_search in the Responses API ------------------------------------------------------------------
