@@ -341,8 +341,8 @@ def document_text(content: bytes) -> str:
 
 class Indexer:
     """Reads the files added to vector stores, one at a time, in the order added. One task owns
-    the work: it claims waiting files (its own, other processes', and those whose process died:
-    their lease ended), reads each, and finishes or fails it; it sleeps until a file is added here
+    the work: it claims a waiting file (its own, another process's, or one whose process died: its
+    lease ended), reads it, and finishes or fails it; it sleeps until a file is added here
     (``wake``) or ``POLL_S`` passes. A file's chunks are embedded ``GROUP`` at a time, each group
     one request of the key that added the file, at its tier, waiting its turn at the gate as any
     request does (a 429 there is waited out, not a failure); the lease is renewed after each group.
@@ -368,13 +368,13 @@ class Indexer:
     async def _run(self) -> None:
         while True:
             self._wake.clear()
-            try:
-                taken = await self.store.claim(time.time(), LEASE_S, 4)
-            except Exception:  # noqa: BLE001 - the store is down: the next turn tries again
-                log.exception("vector stores: claiming files failed")
-                taken = []
-            for file in taken:
-                await self._index(file)
+            taken: list[StoreFile] = []
+            try:  # one at a time: a second file claimed now would wait under a lease nobody renews
+                taken = await self.store.claim(time.time(), LEASE_S, 1)
+                for file in taken:
+                    await self._index(file)
+            except Exception:  # noqa: BLE001 - the store is down: the file's lease ends, and it is taken again
+                log.exception("vector stores: claiming or recording a file failed")
             if not taken:
                 try:
                     await asyncio.wait_for(self._wake.wait(), POLL_S)

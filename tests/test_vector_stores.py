@@ -305,6 +305,27 @@ def test_a_batch_adds_nothing_unless_every_file_can_be_added(server):
     assert c.vector_stores.retrieve(store.id).file_counts.total == 0
 
 
+def test_the_indexer_outlives_a_store_that_fails(server):
+    """A claim that raises (the store down) is logged and tried again at the next turn."""
+    store = server.app.state.vector_stores
+    real, failures = store.claim, []
+
+    async def failing(*args):
+        if len(failures) < 2:
+            failures.append(args)
+            raise OSError("the store is down")
+        return await real(*args)
+
+    store.claim = failing
+    try:
+        c = client(server)
+        doc = upload(c, "after.txt", DOC_B)
+        vs = c.vector_stores.create(name="outlived", file_ids=[doc])
+        assert poll(c, vs.id, doc).status == "completed" and len(failures) == 2
+    finally:
+        del store.claim
+
+
 def test_a_file_a_dead_process_held_is_read_again(server):
     """Another process claimed the file and died: once its lease ends, this server's indexer takes
     the file and reads it (nothing accepted is lost), not before (the lease outlasts two of the
