@@ -30,12 +30,14 @@ import io
 import logging
 import secrets
 import time
-from collections import OrderedDict
+from collections import Counter, OrderedDict
 from dataclasses import dataclass, replace
 from typing import Annotated, Any, Literal
 
 import numpy as np
 import pypdf
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
+from prometheus_client.registry import Collector
 from pydantic import AfterValidator, Field
 from pypdf.errors import PdfReadError
 from starlette.requests import Request
@@ -339,19 +341,36 @@ def document_text(content: bytes) -> str:
                                            "Office files and images are not read") from None
 
 
-class Indexer:
+class Indexer(Collector):
     """Reads the files added to vector stores, one at a time, in the order added. One task owns
     the work: it claims a waiting file (its own, another process's, or one whose process died: its
     lease ended), reads it, and finishes or fails it; it sleeps until a file is added here
     (``wake``) or ``POLL_S`` passes. A file's chunks are embedded ``GROUP`` at a time, each group
     one request of the key that added the file, at its tier, waiting its turn at the gate as any
     request does (a 429 there is waited out, not a failure); the lease is renewed after each group.
-    Stopped at shutdown: a file half read is taken again, whole, by the next process to claim it."""
+    Stopped at shutdown: a file half read is taken again, whole, by the next process to claim it.
+    ``/metrics`` shows the files this process read by how they ended, the chunks it embedded and
+    whether it is reading one now (``collect``)."""
 
     def __init__(self, svc: Services, store: VectorStoreStore, files: BatchStore) -> None:
         self.svc, self.store, self.files = svc, store, files
         self._wake = asyncio.Event()
         self._task: asyncio.Task | None = None
+        self.ended: Counter[str] = Counter()  # completed, failed, dropped (removed or added again meanwhile)
+        self.chunks = 0
+        self.reading = False
+
+    def collect(self):
+        files = CounterMetricFamily("tiergate_vector_store_files_read", "Files this process read into vector stores, "
+                                    "by outcome (completed, failed, dropped: removed or added again meanwhile)",
+                                    labels=["outcome"])
+        for outcome in ("completed", "failed", "dropped"):
+            files.add_metric([outcome], self.ended[outcome])
+        yield files
+        yield CounterMetricFamily("tiergate_vector_store_chunks", "Chunks this process embedded into vector stores",
+                                  value=self.chunks)
+        yield GaugeMetricFamily("tiergate_vector_store_reading", "1 while this process reads a file into a vector store",
+                                value=int(self.reading))
 
     async def start(self) -> None:
         self._task = asyncio.get_running_loop().create_task(self._run())
@@ -382,19 +401,24 @@ class Indexer:
                     pass
 
     async def _index(self, file: StoreFile) -> None:
+        self.reading = True
         try:
             texts, vectors = await self._read(file)
-            await self.store.finish(file, texts, vectors)
+            ended = "completed" if await self.store.finish(file, texts, vectors) else "dropped"
+            self.chunks += len(texts) if ended == "completed" else 0
         except _Refused as refused:
-            await self.store.fail(file, refused.code, refused.message)
+            ended = "failed" if await self.store.fail(file, refused.code, refused.message) else "dropped"
         except _Dropped:
-            pass
+            ended = "dropped"
         except asyncio.CancelledError:
             raise
         except Exception as exc:  # noqa: BLE001 - recorded on the file; the indexer goes on
             log.exception("vector stores: reading %s into %s failed", file.id, file.vector_store_id)
             message = exc.message if isinstance(exc, APIError) else "the server failed while reading the file"
-            await self.store.fail(file, "server_error", message)
+            ended = "failed" if await self.store.fail(file, "server_error", message) else "dropped"
+        finally:
+            self.reading = False
+        self.ended[ended] += 1
 
     async def _read(self, file: StoreFile) -> tuple[list[str], np.ndarray]:
         """The file's chunks and their vectors; ``_Refused`` for a file that is not text."""
@@ -435,6 +459,7 @@ def indexer_for(svc: Services, store: VectorStoreStore, files: BatchStore) -> In
     indexer = Indexer(svc, store, files)
     svc.on_startup.append(indexer.start)
     svc.on_shutdown.append(indexer.stop)
+    svc.metrics.registry.register(indexer)
     return indexer
 
 

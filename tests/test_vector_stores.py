@@ -150,6 +150,9 @@ def test_what_cannot_be_read_fails_with_its_reason(server):
     assert e.value.body["param"] == "file_id"
     counts = c.vector_stores.retrieve(store.id).file_counts
     assert (counts.failed, counts.completed, counts.total) == (3, 0, 3)
+    metrics = httpx.get(f"{server.url}/metrics", timeout=30).text
+    failed = next(line for line in metrics.splitlines() if line.startswith('tiergate_vector_store_files_read_total{outcome="failed"}'))
+    assert float(failed.split()[-1]) >= 3 and "tiergate_vector_store_chunks_total" in metrics
     assert [x.id for x in c.vector_stores.files.list(store.id, filter="failed", order="asc")] == [binary, empty, broken]
 
 
