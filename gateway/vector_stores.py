@@ -26,6 +26,7 @@ Kept in ``gateway.vector_store``, until deleted or expired.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import io
 import logging
 import secrets
@@ -395,10 +396,9 @@ class Indexer(Collector):
             except Exception:  # noqa: BLE001 - the store is down: the file's lease ends, and it is taken again
                 log.exception("vector stores: claiming or recording a file failed")
             if not taken:
-                try:
-                    await asyncio.wait_for(self._wake.wait(), POLL_S)
-                except TimeoutError:
-                    pass
+                with contextlib.suppress(TimeoutError):
+                    async with asyncio.timeout(POLL_S):
+                        await self._wake.wait()
 
     async def _index(self, file: StoreFile) -> None:
         self.reading = True
