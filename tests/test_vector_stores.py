@@ -361,6 +361,31 @@ def test_a_file_a_dead_process_held_is_read_again(server):
     assert len(c.vector_stores.files.content(doc, vector_store_id=store.id).data) > 1
 
 
+def test_two_processes_on_redis_share_the_stores(tiny_embed, tmp_path, redis_url):
+    """Two servers on one Redis: a store made and filled through one is read by either indexer,
+    once, and searched through the other (its own copy loaded from Redis, then again once a file
+    is added through the first)."""
+    config = write_config(tmp_path, {"tiny-embed": ("embed", tiny_embed)}, f"batch:\n  store: {redis_url}\n")
+    a, b = start_server(config), start_server(config)
+    try:
+        ca, cb = client(a), client(b)
+        first = upload(ca, "first.txt", DOC_B)
+        store = ca.vector_stores.create(name="shared", file_ids=[first])
+        assert poll(cb, store.id, first).status == "completed"
+        hit = cb.vector_stores.search(store.id, query="lazy dog").data[0]
+        assert hit.file_id == first
+        second = upload(ca, "second.md", DOC_A)
+        cb.vector_stores.files.create(vector_store_id=store.id, file_id=second)  # the file is a's key's: same key
+        assert poll(ca, store.id, second).status == "completed"
+        target = ca.vector_stores.files.content(second, vector_store_id=store.id).data[0].text
+        assert cb.vector_stores.search(store.id, query=target, max_num_results=1).data[0].file_id == second
+        read = [a.app.state.indexer.ended["completed"], b.app.state.indexer.ended["completed"]]
+        assert sum(read) == 2  # each file read once, by one of them
+    finally:
+        a.stop()
+        b.stop()
+
+
 # -- the pure parts ------------------------------------------------------------------------------------
 
 
