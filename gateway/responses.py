@@ -518,11 +518,12 @@ async def file_search(svc: Services, caller: Caller, body: ResponsesRequest,
     if tool.filters is not None:
         check_filter(tool.filters, f"tools[{i}].filters")
     query = _last_user_text(conversation)
+    options = tool.ranking_options or RankingOptions()
+    hybrid = options.weights(f"tools[{i}].ranking_options")
     if body.tool_choice == "none" or not query.strip():
         return None, ""
-    threshold = tool.ranking_options.score_threshold if tool.ranking_options else 0.0
     hits = await search_stores(svc, svc.vector_stores, caller, found, [query], tool.filters, tool.max_num_results,
-                               threshold, "input")
+                               options.score_threshold, "input", hybrid)
     hits = await _readable(svc, body.model, hits)
     results = [{"file_id": f.id, "filename": f.filename, "score": score, "text": text, "attributes": f.attributes}
                for score, f, text in hits]

@@ -27,8 +27,10 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import functools
 import io
 import logging
+import re
 import secrets
 import time
 from collections import Counter, OrderedDict
@@ -135,9 +137,24 @@ class BatchCreate(_Body):
     chunking_strategy: ChunkingStrategy | None = None
 
 
+class HybridSearch(_Body):
+    embedding_weight: float = Field(ge=0)
+    text_weight: float = Field(ge=0)
+
+
 class RankingOptions(_Body):
     ranker: Literal["auto", "none", "default-2024-11-15"] = "auto"
     score_threshold: float = Field(default=0.0, ge=0.0, le=1.0)
+    hybrid_search: HybridSearch | None = None
+
+    def weights(self, param: str) -> tuple[float, float] | None:
+        """(embedding, text) weights of a hybrid search, or None; both 0 is a 400 naming ``param``."""
+        h = self.hybrid_search
+        if h is None:
+            return None
+        if h.embedding_weight + h.text_weight <= 0:
+            raise bad_request("hybrid_search needs a weight above 0", f"{param}.hybrid_search")
+        return h.embedding_weight, h.text_weight
 
 
 class SearchBody(_Body):
@@ -230,6 +247,48 @@ def matches(f: dict[str, Any], attributes: dict[str, Any]) -> bool:
             "lt": have < want, "lte": have <= want}[kind]
 
 
+_WORD = re.compile(r"\w+")
+RRF_K = 60  # reciprocal rank fusion's constant, as in its paper (Cormack et al., 2009)
+
+
+@dataclass(frozen=True)
+class Words:
+    """The words of a matrix's chunks, for BM25 (Robertson's, k1 1.2, b 0.75): each word's rows
+    and counts in them, and each chunk's length in words. Words are ``\\w+`` runs, lowercased."""
+
+    postings: dict[str, tuple[np.ndarray, np.ndarray]]
+    lengths: np.ndarray
+
+    @classmethod
+    def of(cls, texts: list[str]) -> "Words":
+        found: dict[str, tuple[list[int], list[int]]] = {}
+        lengths = []
+        for row, text in enumerate(texts):
+            counts = Counter(_WORD.findall(text.lower()))
+            lengths.append(sum(counts.values()))
+            for word, n in counts.items():
+                rows, tfs = found.setdefault(word, ([], []))
+                rows.append(row)
+                tfs.append(n)
+        return cls({w: (np.array(r, np.int64), np.array(t, np.float32)) for w, (r, t) in found.items()},
+                   np.array(lengths, np.float32))
+
+    def scores(self, query: str, k1: float = 1.2, b: float = 0.75) -> np.ndarray:
+        """Each chunk's BM25 score for ``query`` (0 where it has none of its words)."""
+        n = len(self.lengths)
+        out = np.zeros(n, np.float32)
+        if n == 0:
+            return out
+        mean = max(float(self.lengths.mean()), 1.0)
+        for word in set(_WORD.findall(query.lower())):
+            if word not in self.postings:
+                continue
+            rows, tf = self.postings[word]
+            idf = np.log(1.0 + (n - len(rows) + 0.5) / (len(rows) + 0.5))
+            out[rows] += idf * tf * (k1 + 1) / (tf + k1 * (1 - b + b * self.lengths[rows] / mean))
+        return out
+
+
 @dataclass(frozen=True)
 class Matrix:
     """A vector store's completed files' chunks, loaded for search: every chunk's vector as one
@@ -250,22 +309,38 @@ class Matrix:
         return cls(tuple((c.file.id, c.file.token) for c in chunks), vectors,
                    np.cumsum([0, *sizes[:-1]], dtype=np.int64), [c.file.id for c in chunks], [c.texts for c in chunks])
 
+    @functools.cached_property
+    def words(self) -> Words:
+        """Its chunks' words, made the first time a hybrid search needs them."""
+        return Words.of([text for texts in self.texts for text in texts])
+
 
 def rank(m: Matrix, files: dict[str, StoreFile], queries: np.ndarray, filters: dict[str, Any] | None, limit: int,
-         threshold: float) -> list[tuple[float, StoreFile, str]]:
+         threshold: float, hybrid: tuple[float, float] | None = None,
+         texts: list[str] = ()) -> list[tuple[float, StoreFile, str]]:
     """The best ``limit`` chunks of ``m`` for ``queries`` (one vector per query), best first:
     (score, file, text), the file as ``files`` has it now (its attributes). A chunk's score is
     ``(1 + cosine) / 2`` with the query closest to it; chunks of files no longer in ``files`` or
     whose attributes fail ``filters`` are left out, and so are scores under ``threshold``. Ties
-    keep the files' and chunks' order."""
+    keep the files' and chunks' order.
+
+    ``hybrid`` (embedding, text weights): the chunks ranked twice, by that score and by BM25 for
+    the query ``texts`` (the best over them; a chunk without a query word is not in the second
+    ranking), then fused by reciprocal rank, ``sum(weight / (60 + rank))``, scaled so that first
+    in both is 1."""
     if not m.ids or not len(m.vectors):
         return []
     scores = ((1.0 + (m.vectors @ _unit(queries).T).max(axis=1)) / 2.0).clip(0.0, 1.0)
     ends = [*m.starts[1:], len(scores)]
+    allowed = np.ones(len(scores), bool)
     for k, file_id in enumerate(m.ids):
         f = files.get(file_id)
         if f is None or (filters is not None and not matches(filters, f.attributes)):
-            scores[m.starts[k]:ends[k]] = -1.0
+            allowed[m.starts[k]:ends[k]] = False
+    if hybrid is not None:
+        words = np.max([m.words.scores(t) for t in texts], axis=0) if texts else np.zeros_like(scores)
+        scores = _fused(scores, words, allowed, *hybrid)
+    scores[~allowed] = -1.0
     order = np.argsort(-scores, kind="stable")[:limit]
     hits = []
     for row in order:
@@ -274,6 +349,18 @@ def rank(m: Matrix, files: dict[str, StoreFile], queries: np.ndarray, filters: d
         k = int(np.searchsorted(m.starts, row, side="right")) - 1
         hits.append((float(scores[row]), files[m.ids[k]], m.texts[k][row - m.starts[k]]))
     return hits
+
+
+def _fused(semantic: np.ndarray, words: np.ndarray, allowed: np.ndarray, w_embed: float, w_text: float) -> np.ndarray:
+    """Reciprocal rank fusion of the allowed rows' two rankings, in 0..1 (1: first in both)."""
+    fused = np.zeros(len(semantic), np.float64)
+    rows = np.flatnonzero(allowed)
+    by_meaning = rows[np.argsort(-semantic[rows], kind="stable")]
+    fused[by_meaning] += w_embed / (RRF_K + 1 + np.arange(len(by_meaning)))
+    worded = rows[words[rows] > 0]
+    by_words = worded[np.argsort(-words[worded], kind="stable")]
+    fused[by_words] += w_text / (RRF_K + 1 + np.arange(len(by_words)))
+    return (fused / ((w_embed + w_text) / (RRF_K + 1))).astype(np.float32)
 
 
 class Shelf:
@@ -660,11 +747,11 @@ def expired_error(store: VectorStore, param: str = "vector_store_id") -> APIErro
 
 async def search_stores(svc: Services, stores: VectorStoreStore, caller: Caller, found: list[VectorStore],
                         queries: list[str], filters: dict[str, Any] | None, limit: int, threshold: float,
-                        param: str = "query") -> list[tuple[float, StoreFile, str]]:
-    """The best ``limit`` chunks of the vector stores ``found`` for ``queries`` (``rank``), best
-    first. The queries are embedded with each store's model as one request of ``caller``, through
-    the gate; one over the model's context is a 400 naming ``param``. Each store searched is
-    active now (its expiry counts from here)."""
+                        param: str = "query", hybrid: tuple[float, float] | None = None) -> list[tuple[float, StoreFile, str]]:
+    """The best ``limit`` chunks of the vector stores ``found`` for ``queries`` (``rank``, off the
+    event loop), best first. The queries are embedded with each store's model as one request of
+    ``caller``, through the gate; one over the model's context is a 400 naming ``param``. Each
+    store searched is active now (its expiry counts from here)."""
     hits: list[tuple[float, StoreFile, str]] = []
     for model in dict.fromkeys(store.model for store in found):
         encoder = await weightless(svc.encoders, svc.arbiter.specs[model], EmbedWorker.reader)
@@ -676,7 +763,7 @@ async def search_stores(svc: Services, stores: VectorStoreStore, caller: Caller,
         for store in found:
             if store.model == model:
                 m, files = await SHELF.load(stores, store.id)
-                hits += rank(m, files, vectors, filters, limit, threshold)
+                hits += await asyncio.to_thread(rank, m, files, vectors, filters, limit, threshold, hybrid, queries)
     now = int(time.time())
     for store in found:
         await stores.update(replace(store, last_active_at=now))
@@ -702,8 +789,9 @@ async def search(request: Request) -> Response:
                           "unsupported_parameter")
     if store.expired(time.time()):
         raise expired_error(store)
+    options = body.ranking_options or RankingOptions()
     hits = await search_stores(svc, _store(request), caller, [store], queries, body.filters, body.max_num_results,
-                               body.ranking_options.score_threshold if body.ranking_options else 0.0)
+                               options.score_threshold, hybrid=options.weights("ranking_options"))
     return JSONResponse({"object": "vector_store.search_results.page", "search_query": queries,
                          "data": [{"file_id": f.id, "filename": f.filename, "score": score, "attributes": f.attributes,
                                    "content": [{"type": "text", "text": text}]} for score, f, text in hits],

@@ -17,7 +17,7 @@ from transformers import AutoTokenizer
 
 from gateway.errors import APIError
 from gateway.vector_store import Chunks, SQLiteVectorStores, StoreFile, VectorStore
-from gateway.vector_stores import ChunkingStrategy, Matrix, Shelf, check_filter, chunk_sizes, matches, rank
+from gateway.vector_stores import ChunkingStrategy, Matrix, Shelf, Words, check_filter, chunk_sizes, matches, rank
 from tests.helpers import start_server, write_config
 from workers.embed import windows
 
@@ -118,6 +118,10 @@ def test_files_are_read_and_search_ranks_their_chunks(server, tiny_embed):
     assert [h.score for h in high.data] == pytest.approx(want[:k], abs=1e-5)
     two = c.vector_stores.search(store.id, query=[query, target], max_num_results=1)
     assert two.data[0].content[0].text == target
+    # by words alone (hybrid_search, text weight only): a chunk with the query's words first
+    worded = c.vector_stores.search(store.id, query="foxes", max_num_results=3, ranking_options={
+        "hybrid_search": {"embedding_weight": 0, "text_weight": 1}})
+    assert worded.data[0].score == 1.0 and "Foxes" in worded.data[0].content[0].text
 
     # listed, filtered by status, deleted
     assert [f.id for f in c.vector_stores.files.list(store.id, order="asc")] == [a, b]
@@ -466,6 +470,56 @@ def test_rank_orders_by_the_best_query_and_filters_and_cuts():
     assert rank(Matrix.of([]), {}, np.array([[1, 0]], np.float32), None, 10, 0.0) == []
 
 
+def _bm25(texts: list[str], query: str, k1=1.2, b=0.75) -> list[float]:
+    """BM25 written out plainly (Robertson's idf with +1, as Lucene's)."""
+    import math
+    import re
+
+    docs = [re.findall(r"\w+", t.lower()) for t in texts]
+    mean = max(sum(map(len, docs)) / len(docs), 1.0)
+    out = []
+    for d in docs:
+        score = 0.0
+        for word in set(re.findall(r"\w+", query.lower())):
+            df = sum(word in other for other in docs)
+            if df:
+                tf = d.count(word)
+                score += math.log(1 + (len(docs) - df + 0.5) / (df + 0.5)) * tf * (k1 + 1) / (
+                    tf + k1 * (1 - b + b * len(d) / mean))
+        out.append(score)
+    return out
+
+
+@pytest.mark.parametrize("query", ["fox", "the lazy Dog", "Über naïve", "absent words", "dog dog fox"])
+def test_words_score_as_bm25(query):
+    texts = ["The quick brown fox", "the lazy dog sleeps; the DOG dreams", "über naïve café", "", "fox and dog, fox"]
+    assert Words.of(texts).scores(query).tolist() == pytest.approx(_bm25(texts, query), rel=1e-5)
+
+
+def test_hybrid_rank_fuses_both_rankings():
+    chunks = [_chunks("f1", ["apple pie", "banana split"], [[1, 0], [0.9, 0.1]]),
+              _chunks("f2", ["cherry apple", "durian"], [[0, 1], [0.5, 0.5]])]
+    m, files = Matrix.of(chunks), {c.file.id: c.file for c in chunks}
+    q = np.array([[1, 0]], np.float32)
+
+    def order(weights, threshold=0.0):
+        return [(t, round(s, 6)) for s, _, t in rank(m, files, q, None, 10, threshold, weights, ["apple"])]
+
+    by_meaning = [t for t, _ in order(None)]
+    assert by_meaning == ["apple pie", "banana split", "durian", "cherry apple"]
+    assert [t for t, _ in order((1, 0))] == by_meaning  # text weight 0: the semantic order
+    top = order((1, 1))
+    assert top[0] == ("apple pie", 1.0)  # first in both rankings
+    # cherry apple: last by meaning (4th) but a word match (2nd): above the two without the word
+    assert [t for t, _ in top] == ["apple pie", "cherry apple", "banana split", "durian"]
+    k = 60
+    assert dict(top)["cherry apple"] == pytest.approx((1 / (k + 4) + 1 / (k + 2)) / (2 / (k + 1)), abs=1e-6)
+    assert [t for t, _ in order((0, 1))][:2] == ["apple pie", "cherry apple"]
+    assert [t for t, _ in order((0, 1), threshold=0.01)] == ["apple pie", "cherry apple"]  # no word, no text score
+    two = rank(m, files, np.array([[1, 0], [0, 1]], np.float32), None, 10, 0.01, (0, 1), ["apple", "durian"])
+    assert {t for _, _, t in two} == {"apple pie", "cherry apple", "durian"}  # each chunk by its best query
+
+
 def test_the_shelf_loads_a_store_again_only_when_its_files_changed(tmp_path):
     async def run():
         store = SQLiteVectorStores(tmp_path / "x.sqlite3")
@@ -567,6 +621,10 @@ def test_file_search_runs_before_the_model_which_reads_what_it_found(server, sea
     assert [i.type for i in respond(c, searchable, tool_choice="none").output] == ["message"]
     forced = respond(c, searchable, tool_choice={"type": "file_search"})
     assert forced.output[0].type == "file_search_call" and forced.tool_choice.type == "file_search"
+    hybrid = respond(c, searchable, include=["file_search_call.results"], tools=[
+        {"type": "file_search", "vector_store_ids": [searchable], "max_num_results": 1,
+         "ranking_options": {"hybrid_search": {"embedding_weight": 0, "text_weight": 1}}}])
+    assert hybrid.output[0].results[0].score == 1.0 and "lazy dog" in hybrid.output[0].results[0].text
 
 
 def test_file_search_streams_its_events_first(server, searchable):
@@ -617,6 +675,8 @@ def test_file_search_in_background_and_continued(server, searchable):
     ([{"type": "file_search", "vector_store_ids": ["STORE"], "filters": {"type": "eq"}}], "tools[0].filters", 400),
     ([{"type": "file_search", "vector_store_ids": ["STORE"], "max_num_results": 0}], "tools[0].max_num_results", 400),
     ([{"type": "file_search", "vector_store_ids": ["STORE"], "bogus": 1}], "tools[0].bogus", 400),
+    ([{"type": "file_search", "vector_store_ids": ["STORE"], "ranking_options": {"hybrid_search": {
+        "embedding_weight": 0, "text_weight": 0}}}], "tools[0].ranking_options.hybrid_search", 400),
     ([{"type": "function", "name": "f"}, {"type": "file_search", "vector_store_ids": ["STORE"]},
       {"type": "file_search", "vector_store_ids": ["STORE"]}], "tools[2]", 400),
 ])
