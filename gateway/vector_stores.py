@@ -516,7 +516,7 @@ class Indexer(Collector):
         if content is None:
             raise _Refused("invalid_file", "the file was deleted before it was read")
         text = await asyncio.to_thread(document_text, content)
-        encoder = await weightless(self.svc.encoders, self.svc.arbiter.specs[store.model], EmbedWorker.reader)
+        encoder = await encoder_of(self.svc, store.model)
         texts, rows = await asyncio.to_thread(encoder.cut, text, file.chunk_tokens, file.overlap_tokens)
         if not rows:
             raise _Refused("invalid_file", "the file has no text")
@@ -588,8 +588,17 @@ def _embedding_model(svc: Services, name: str | None) -> str:
                       "model", "no_embedding_model")
 
 
+async def encoder_of(svc: Services, model: str) -> EmbedWorker:
+    """The embedding model ``model``'s reader (tokenizer, config; no weights); 503 when tiers.yaml
+    no longer has that model (a vector store keeps the model it was made with)."""
+    spec = svc.arbiter.specs.get(model)
+    if spec is None or spec.kind != "embed":
+        raise APIError(503, f"the vector store's embedding model '{model}' is not served here", "model_unavailable")
+    return await weightless(svc.encoders, spec, EmbedWorker.reader)
+
+
 async def _room(svc: Services, model: str) -> int:
-    encoder = await weightless(svc.encoders, svc.arbiter.specs[model], EmbedWorker.reader)
+    encoder = await encoder_of(svc, model)
     return await asyncio.to_thread(lambda: encoder.chunk_room)
 
 
@@ -622,16 +631,13 @@ async def create_store(request: Request) -> Response:
     body = parse(StoreCreate, await read_json(request, svc.config.limits.max_body))
     model = _embedding_model(svc, body.model)
     sizes = chunk_sizes(body.chunking_strategy, await _room(svc, model), "chunking_strategy")
+    documents = [await _document(request, caller, file_id, f"file_ids[{i}]") for i, file_id in enumerate(body.file_ids)]
     now = int(time.time())
     store = VectorStore(f"vs_{secrets.token_hex(12)}", caller.key_id, now, body.name or "", model,
                         body.metadata or {}, body.description, body.expires_after.days if body.expires_after else None, now)
     await _store(request).create(store)
-    try:
-        for i, file_id in enumerate(body.file_ids):
-            await _add(request, caller, store, await _document(request, caller, file_id, f"file_ids[{i}]"), None, sizes)
-    except APIError:
-        await _store(request).delete(store.id, caller.key_id)  # all or nothing: no half-made store left behind
-        raise
+    for info in dict((d.id, d) for d in documents).values():  # a file named twice is added once
+        await _add(request, caller, store, info, None, sizes)
     return JSONResponse(await _shown(request, store))
 
 
@@ -754,7 +760,7 @@ async def search_stores(svc: Services, stores: VectorStoreStore, caller: Caller,
     store searched is active now (its expiry counts from here)."""
     hits: list[tuple[float, StoreFile, str]] = []
     for model in dict.fromkeys(store.model for store in found):
-        encoder = await weightless(svc.encoders, svc.arbiter.specs[model], EmbedWorker.reader)
+        encoder = await encoder_of(svc, model)
         try:
             ids = await asyncio.to_thread(encoder.tokenize, queries)
         except ValueError as exc:

@@ -139,6 +139,8 @@ CHUNKING = st.fixed_dictionaries({"type": st.sampled_from(["auto", "static", "ot
     "static": st.fixed_dictionaries({}, optional={"max_chunk_size_tokens": EDGE_INTS | st.sampled_from([100, 126, 127]),
                                                   "chunk_overlap_tokens": EDGE_INTS | st.sampled_from([0, 50, 51])})
     | ANY_JSON})
+HYBRID = st.fixed_dictionaries({}, optional={"embedding_weight": EDGE_FLOATS | st.sampled_from([0, 1]),
+                                             "text_weight": EDGE_FLOATS | st.sampled_from([0, 1])}) | ANY_JSON
 ATTRIBUTES = st.dictionaries(TEXT, TEXT | EDGE_INTS | EDGE_FLOATS | st.booleans() | ANY_JSON, max_size=18)
 ADAPTERS = st.lists(st.fixed_dictionaries({"name": TEXT}, optional={"weight": EDGE_FLOATS | ANY_JSON}), max_size=3)
 SAMPLING = {"temperature": EDGE_FLOATS, "top_p": EDGE_FLOATS, "seed": EDGE_INTS, "n": EDGE_INTS,
@@ -191,7 +193,8 @@ ENDPOINTS = {
                            | st.fixed_dictionaries({"type": st.just("file_search")}, optional={
                                "vector_store_ids": st.lists(TEXT | st.just("vs_0"), max_size=3) | ANY_JSON,
                                "max_num_results": EDGE_INTS, "filters": FILTER,
-                               "ranking_options": st.fixed_dictionaries({}, optional={"score_threshold": EDGE_FLOATS})}),
+                               "ranking_options": st.fixed_dictionaries({}, optional={
+                                   "score_threshold": EDGE_FLOATS, "hybrid_search": HYBRID})}),
                            max_size=2),
          "tool_choice": TOOL_CHOICE, "previous_response_id": TEXT | st.just("resp_0"),
          "conversation": TEXT | st.just("conv_0") | st.fixed_dictionaries({"id": TEXT}) | ANY_JSON,
@@ -276,7 +279,7 @@ ON_STORED = {
         {"query": "hi"},
         {"query": TEXT | st.lists(TEXT, max_size=12), "filters": FILTER, "max_num_results": EDGE_INTS,
          "ranking_options": st.fixed_dictionaries({}, optional={"ranker": st.sampled_from(["auto", "none", "best"]),
-                                                                "score_threshold": EDGE_FLOATS}),
+                                                                "score_threshold": EDGE_FLOATS, "hybrid_search": HYBRID}),
          "rewrite_query": st.booleans()}),
     "/v1/vector_stores/{vector_store}/files": (
         {"file_id": "file-0"}, {"file_id": TEXT, "attributes": ATTRIBUTES, "chunking_strategy": CHUNKING}),

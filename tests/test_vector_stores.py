@@ -312,6 +312,19 @@ def test_a_batch_adds_nothing_unless_every_file_can_be_added(server):
     assert c.vector_stores.retrieve(store.id).file_counts.total == 0
 
 
+def test_a_store_whose_model_left_tiers_yaml_is_a_clean_503(server):
+    c = client(server)
+    owner = server.services.keys.lookup(server.keys["paid"]).key_id
+    orphan = VectorStore("vs_orphan", owner, int(time.time()), "orphan", "gone-embed")
+    server.wait(server.app.state.vector_stores.create(orphan))
+    with pytest.raises(openai.InternalServerError) as e:
+        c.vector_stores.search(orphan.id, query="x")
+    assert e.value.status_code == 503 and e.value.body["code"] == "model_unavailable"
+    with pytest.raises(openai.InternalServerError):  # its chunk sizes cannot be worked out either
+        c.vector_stores.files.create(vector_store_id=orphan.id, file_id=upload(c, "o.txt", DOC_B))
+    assert c.vector_stores.retrieve(orphan.id).file_counts.total == 0
+
+
 def test_the_indexer_outlives_a_store_that_fails(server):
     """A claim that raises (the store down) is logged and tried again at the next turn."""
     store = server.app.state.vector_stores
