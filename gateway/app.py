@@ -43,6 +43,7 @@ from gateway.metrics import Metrics
 from gateway.request_log import RequestLog, note, request_id_of
 from gateway.completion_store import completions_for
 from gateway.conversation_store import conversations_for
+from gateway.vector_indexer import indexer_for
 from gateway.vector_store import vector_stores_for
 from gateway.response_store import responses_for
 from gateway.webhooks import webhooks_for
@@ -311,7 +312,7 @@ def create_app(services: Services, extra: Sequence[BaseRoute] = ()) -> Starlette
     app.state.completions = completions_for(services)  # stored chat completions
     app.state.conversations = conversations_for(services)
     app.state.vector_stores = vector_stores_for(services)
-    app.state.indexer = vector_stores.indexer_for(services, app.state.vector_stores, app.state.batches.store)
+    app.state.indexer = indexer_for(services, app.state.vector_stores, app.state.batches.store)
     app.state.background = Background(drain)  # background responses: stopped at shutdown before the store closes
     services.on_startup.append(lambda: _follow_stops(services, app.state))
     services.on_shutdown.append(app.state.background.stop)

@@ -70,7 +70,8 @@ from gateway.schemas import (MAX_STACK, MAX_TOOLS, TOOL_NAME, AdapterChoice, Cha
                              _Body, parse)
 from gateway.service import Services
 from gateway.tools import CallDelta
-from gateway.vector_stores import RankingOptions, check_filter, expired_error, search_stores
+from gateway.vector_search import check_filter, search_stores
+from gateway.vector_stores import RankingOptions, expired_error
 from gateway.vision import check_reads_images, read_image_url
 from workers.base import ChatParams, ChatRequest, InvalidParam
 from workers.chat_prompt import encode, vision_inputs

@@ -13,57 +13,39 @@
 * ``POST /v1/vector_stores/{id}/search`` (``query``: a string or strings, ``max_num_results``
   1..50, ``filters`` on the files' attributes, ``ranking_options.score_threshold``).
 
-A file is added ``in_progress`` and read in the background by the :class:`Indexer`: a PDF's text
-(pypdf) or UTF-8 text, cut into chunks of the strategy's tokens (the embedding model's tokenizer; ``auto`` is
-OpenAI's 800 tokens overlapping by 400, or the model's context if that is smaller), and each chunk
-embedded as a request of the key that added the file, at its tier, through the gate (its tokens
-count in that key's usage, as ``/v1/embeddings`` tokens). A search embeds its queries the same way,
-then ranks every chunk of the store by cosine similarity (the best over the queries), reported as
-``score = (1 + cosine) / 2``, in 0..1. Only the key that made a store sees it (a 404 otherwise).
-Kept in ``gateway.vector_store``, until deleted or expired.
+A file is added ``in_progress`` and read in the background (``gateway.vector_indexer``): a PDF's
+text (pypdf) or UTF-8 text, cut into chunks of the strategy's tokens (the embedding model's
+tokenizer; ``auto`` is OpenAI's 800 tokens overlapping by 400, or the model's context if that is
+smaller), each chunk embedded as a request of the key that added the file, at its tier, through
+the gate (its tokens count in that key's usage, as ``/v1/embeddings`` tokens). A search embeds its
+queries the same way and ranks every chunk of the store (``gateway.vector_search``). Only the key
+that made a store sees it (a 404 otherwise). Kept in ``gateway.vector_store``, until deleted or
+expired.
 """
 
 from __future__ import annotations
 
 import asyncio
-import contextlib
-import functools
-import io
-import logging
-import re
 import secrets
 import time
-from collections import Counter, OrderedDict
-from dataclasses import dataclass, replace
+from dataclasses import replace
 from typing import Annotated, Any, Literal
 
-import numpy as np
-import pypdf
-from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
-from prometheus_client.registry import Collector
 from pydantic import AfterValidator, Field
-from pypdf.errors import PdfReadError
 from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
 
 from batch.store import FileInfo
-from batch.store import Store as BatchStore
 from gateway.auth import Caller
-from gateway.embeddings import EmbedJob, serve_embeddings
 from gateway.errors import APIError, bad_request, not_found
 from gateway.pages import cursor_page, page_query
 from gateway.schemas import Metadata, _Body, parse, read_json
 from gateway.service import Services
-from gateway.serving import weightless
-from gateway.vector_store import Chunks, StoreFile, VectorStore, VectorStoreStore
-from workers.embed import EmbedWorker
+from gateway.vector_search import check_filter, encoder_of, search_stores
+from gateway.vector_store import StoreFile, VectorStore, VectorStoreStore
 
-log = logging.getLogger("tiergate.vector_stores")
 DOCUMENT_PURPOSES = ("assistants", "user_data")
 AUTO_CHUNK, AUTO_OVERLAP = 800, 400  # OpenAI's auto strategy, in tokens
-LEASE_S = 60.0  # a file being read is another process's to take once its lease is this old
-POLL_S = 2.0  # how often an idle indexer looks for files other processes added or left
-GROUP = 64  # chunks embedded in one request
 MAX_BATCH = 2000  # files in one file batch, as OpenAI allows
 
 
@@ -165,7 +147,7 @@ class SearchBody(_Body):
     rewrite_query: bool = False
 
 
-# -- the decisions: chunk sizes, filters, ranking (pure) ---------------------------------------------
+# -- the decisions: chunk sizes (pure) -------------------------------------------------------------
 
 
 def chunk_sizes(strategy: ChunkingStrategy | None, room: int, param: str) -> tuple[int, int]:
@@ -187,367 +169,6 @@ def chunk_sizes(strategy: ChunkingStrategy | None, room: int, param: str) -> tup
         raise bad_request(f"chunk_overlap_tokens is {overlap}; at most half of max_chunk_size_tokens ({size // 2})",
                           f"{param}.static.chunk_overlap_tokens")
     return size, overlap
-
-
-_COMPARISONS = ("eq", "ne", "gt", "gte", "lt", "lte", "in", "nin")
-
-
-def check_filter(f: Any, param: str = "filters") -> None:
-    """A 400 naming the part of ``f`` that is not a comparison (``{"type": "eq", "key", "value"}``,
-    ``ne``, ``gt``, ``gte``, ``lt``, ``lte``; ``in``/``nin`` with a list) or a compound filter
-    (``{"type": "and"|"or", "filters": [...]}``)."""
-    if not isinstance(f, dict) or not isinstance(f.get("type"), str):
-        raise bad_request("a filter is an object with a 'type'", param, "invalid_filter")
-    kind = f["type"]
-    if kind in ("and", "or"):
-        if set(f) != {"type", "filters"} or not isinstance(f["filters"], list) or not f["filters"]:
-            raise bad_request(f"an '{kind}' filter has 'type' and a non-empty list 'filters'", param, "invalid_filter")
-        for i, inner in enumerate(f["filters"]):
-            check_filter(inner, f"{param}.filters[{i}]")
-        return
-    if kind not in _COMPARISONS:
-        raise bad_request(f"unknown filter type {kind[:40]!r}: one of and, or, {', '.join(_COMPARISONS)}",
-                          f"{param}.type", "invalid_filter")
-    if set(f) != {"type", "key", "value"} or not isinstance(f["key"], str):
-        raise bad_request(f"a '{kind}' filter has 'type', 'key' (a string) and 'value'", param, "invalid_filter")
-    scalars = (str, int, float, bool)
-    value = f["value"]
-    ok = (isinstance(value, list) and all(isinstance(v, scalars) for v in value)) if kind in ("in", "nin") \
-        else isinstance(value, scalars)
-    if not ok:
-        raise bad_request(f"the value of a '{kind}' filter is {'a list of ' if kind in ('in', 'nin') else 'a '}"
-                          "string, number or boolean", f"{param}.value", "invalid_filter")
-
-
-def _same_kind(a: Any, b: Any) -> bool:
-    """Whether two attribute values compare: both strings, both booleans or both numbers."""
-    if isinstance(a, bool) or isinstance(b, bool):
-        return isinstance(a, bool) and isinstance(b, bool)
-    return isinstance(a, str) == isinstance(b, str)
-
-
-def matches(f: dict[str, Any], attributes: dict[str, Any]) -> bool:
-    """Whether a file's ``attributes`` pass the (checked) filter ``f``. A comparison on a key the
-    file lacks, or on a value of another kind (a string against a number), is false (``ne`` and
-    ``nin`` too)."""
-    kind = f["type"]
-    if kind == "and":
-        return all(matches(inner, attributes) for inner in f["filters"])
-    if kind == "or":
-        return any(matches(inner, attributes) for inner in f["filters"])
-    if f["key"] not in attributes:
-        return False
-    have, want = attributes[f["key"]], f["value"]
-    if kind in ("in", "nin"):
-        found = any(_same_kind(have, v) and have == v for v in want)
-        return found if kind == "in" else not found and all(_same_kind(have, v) for v in want)
-    if not _same_kind(have, want):
-        return False
-    return {"eq": have == want, "ne": have != want, "gt": have > want, "gte": have >= want,
-            "lt": have < want, "lte": have <= want}[kind]
-
-
-_WORD = re.compile(r"\w+")
-RRF_K = 60  # reciprocal rank fusion's constant, as in its paper (Cormack et al., 2009)
-
-
-@dataclass(frozen=True)
-class Words:
-    """The words of a matrix's chunks, for BM25 (Robertson's, k1 1.2, b 0.75): each word's rows
-    and counts in them, and each chunk's length in words. Words are ``\\w+`` runs, lowercased."""
-
-    postings: dict[str, tuple[np.ndarray, np.ndarray]]
-    lengths: np.ndarray
-
-    @classmethod
-    def of(cls, texts: list[str]) -> "Words":
-        found: dict[str, tuple[list[int], list[int]]] = {}
-        lengths = []
-        for row, text in enumerate(texts):
-            counts = Counter(_WORD.findall(text.lower()))
-            lengths.append(sum(counts.values()))
-            for word, n in counts.items():
-                rows, tfs = found.setdefault(word, ([], []))
-                rows.append(row)
-                tfs.append(n)
-        return cls({w: (np.array(r, np.int64), np.array(t, np.float32)) for w, (r, t) in found.items()},
-                   np.array(lengths, np.float32))
-
-    def scores(self, query: str, k1: float = 1.2, b: float = 0.75) -> np.ndarray:
-        """Each chunk's BM25 score for ``query`` (0 where it has none of its words)."""
-        n = len(self.lengths)
-        out = np.zeros(n, np.float32)
-        if n == 0:
-            return out
-        mean = max(float(self.lengths.mean()), 1.0)
-        for word in set(_WORD.findall(query.lower())):
-            if word not in self.postings:
-                continue
-            rows, tf = self.postings[word]
-            idf = np.log(1.0 + (n - len(rows) + 0.5) / (len(rows) + 0.5))
-            out[rows] += idf * tf * (k1 + 1) / (tf + k1 * (1 - b + b * self.lengths[rows] / mean))
-        return out
-
-
-@dataclass(frozen=True)
-class Matrix:
-    """A vector store's completed files' chunks, loaded for search: every chunk's vector as one
-    row (unit length), the rows of file ``k`` from ``starts[k]``, its chunks' texts, and ``key``,
-    which additions of which files it holds."""
-
-    key: tuple[tuple[str, str], ...]
-    vectors: np.ndarray
-    starts: np.ndarray
-    ids: list[str]
-    texts: list[list[str]]
-
-    @classmethod
-    def of(cls, chunks: list[Chunks]) -> "Matrix":
-        parts = [c.vectors for c in chunks if c.texts]
-        vectors = _unit(np.concatenate(parts)) if parts else np.zeros((0, 1), np.float32)
-        sizes = [len(c.texts) for c in chunks]
-        return cls(tuple((c.file.id, c.file.token) for c in chunks), vectors,
-                   np.cumsum([0, *sizes[:-1]], dtype=np.int64), [c.file.id for c in chunks], [c.texts for c in chunks])
-
-    @functools.cached_property
-    def words(self) -> Words:
-        """Its chunks' words, made the first time a hybrid search needs them."""
-        return Words.of([text for texts in self.texts for text in texts])
-
-
-def rank(m: Matrix, files: dict[str, StoreFile], queries: np.ndarray, filters: dict[str, Any] | None, limit: int,
-         threshold: float, hybrid: tuple[float, float] | None = None,
-         texts: list[str] = ()) -> list[tuple[float, StoreFile, str]]:
-    """The best ``limit`` chunks of ``m`` for ``queries`` (one vector per query), best first:
-    (score, file, text), the file as ``files`` has it now (its attributes). A chunk's score is
-    ``(1 + cosine) / 2`` with the query closest to it; chunks of files no longer in ``files`` or
-    whose attributes fail ``filters`` are left out, and so are scores under ``threshold``. Ties
-    keep the files' and chunks' order.
-
-    ``hybrid`` (embedding, text weights): the chunks ranked twice, by that score and by BM25 for
-    the query ``texts`` (the best over them; a chunk without a query word is not in the second
-    ranking), then fused by reciprocal rank, ``sum(weight / (60 + rank))``, scaled so that first
-    in both is 1."""
-    if not m.ids or not len(m.vectors):
-        return []
-    scores = ((1.0 + (m.vectors @ _unit(queries).T).max(axis=1)) / 2.0).clip(0.0, 1.0)
-    ends = [*m.starts[1:], len(scores)]
-    allowed = np.ones(len(scores), bool)
-    for k, file_id in enumerate(m.ids):
-        f = files.get(file_id)
-        if f is None or (filters is not None and not matches(filters, f.attributes)):
-            allowed[m.starts[k]:ends[k]] = False
-    if hybrid is not None:
-        words = np.max([m.words.scores(t) for t in texts], axis=0) if texts else np.zeros_like(scores)
-        scores = _fused(scores, words, allowed, *hybrid)
-    scores[~allowed] = -1.0
-    order = np.argsort(-scores, kind="stable")[:limit]
-    hits = []
-    for row in order:
-        if scores[row] < max(threshold, 0.0):
-            break
-        k = int(np.searchsorted(m.starts, row, side="right")) - 1
-        hits.append((float(scores[row]), files[m.ids[k]], m.texts[k][row - m.starts[k]]))
-    return hits
-
-
-def _fused(semantic: np.ndarray, words: np.ndarray, allowed: np.ndarray, w_embed: float, w_text: float) -> np.ndarray:
-    """Reciprocal rank fusion of the allowed rows' two rankings, in 0..1 (1: first in both)."""
-    fused = np.zeros(len(semantic), np.float64)
-    rows = np.flatnonzero(allowed)
-    by_meaning = rows[np.argsort(-semantic[rows], kind="stable")]
-    fused[by_meaning] += w_embed / (RRF_K + 1 + np.arange(len(by_meaning)))
-    worded = rows[words[rows] > 0]
-    by_words = worded[np.argsort(-words[worded], kind="stable")]
-    fused[by_words] += w_text / (RRF_K + 1 + np.arange(len(by_words)))
-    return (fused / ((w_embed + w_text) / (RRF_K + 1))).astype(np.float32)
-
-
-class Shelf:
-    """The vector stores this process has loaded for search (``Matrix``), the least recently
-    searched dropped past ``budget`` bytes of vectors. A store is loaded again when its completed
-    files changed (a file added, read again or removed): each search reads only its files' records
-    to tell. One per process (``SHELF``); any process may change a store (Redis), so none trusts
-    its copy without that check."""
-
-    def __init__(self, budget: int) -> None:
-        self.budget = budget
-        self._kept: OrderedDict[tuple[int, str], Matrix] = OrderedDict()
-
-    async def load(self, stores: VectorStoreStore, store_id: str) -> tuple[Matrix, dict[str, StoreFile]]:
-        files = await stores.files(store_id)
-        key = tuple((f.id, f.token) for f in files if f.status == "completed")
-        place = (id(stores), store_id)
-        m = self._kept.get(place)
-        if m is None or m.key != key:
-            m = Matrix.of(await stores.chunks(store_id))
-            self._kept[place] = m
-        self._kept.move_to_end(place)
-        while sum(kept.vectors.nbytes for kept in self._kept.values()) > self.budget and len(self._kept) > 1:
-            self._kept.popitem(last=False)
-        return m, {f.id: f for f in files if f.status == "completed"}
-
-
-SHELF = Shelf(1 << 30)
-
-
-def _unit(m: np.ndarray) -> np.ndarray:
-    m = m.astype(np.float32, copy=False)
-    norms = np.linalg.norm(m, axis=1, keepdims=True)
-    return m / np.where(norms == 0, 1.0, norms)
-
-
-# -- the indexer: files read, cut and embedded in the background -------------------------------------
-
-
-class _Refused(Exception):
-    def __init__(self, code: str, message: str) -> None:
-        super().__init__(message)
-        self.code, self.message = code, message
-
-
-class _Dropped(Exception):
-    """The file was removed, added again or its store deleted while it was read: leave it."""
-
-
-def document_text(content: bytes) -> str:
-    """The text of a document: a PDF's pages' text (pypdf), one after another, or UTF-8 text as
-    it is (without a byte-order mark). ``_Refused`` for anything else: an encrypted or broken PDF,
-    bytes that are not UTF-8 (Office files among them)."""
-    if content.startswith(b"%PDF-"):
-        try:
-            reader = pypdf.PdfReader(io.BytesIO(content))
-            if reader.is_encrypted:
-                raise _Refused("unsupported_file", "the PDF is encrypted")
-            return "\n\n".join(page.extract_text() for page in reader.pages)
-        except PdfReadError as exc:
-            raise _Refused("invalid_file", f"the PDF cannot be read: {exc}") from None
-    try:
-        return content.decode("utf-8").removeprefix("\ufeff")
-    except UnicodeDecodeError:
-        raise _Refused("unsupported_file", "the file is neither a PDF nor UTF-8 text (Markdown, code, JSON, HTML); "
-                                           "Office files and images are not read") from None
-
-
-class Indexer(Collector):
-    """Reads the files added to vector stores, one at a time, in the order added. One task owns
-    the work: it claims a waiting file (its own, another process's, or one whose process died: its
-    lease ended), reads it, and finishes or fails it; it sleeps until a file is added here
-    (``wake``) or ``POLL_S`` passes. A file's chunks are embedded ``GROUP`` at a time, each group
-    one request of the key that added the file, at its tier, waiting its turn at the gate as any
-    request does (a 429 there is waited out, not a failure); the lease is renewed after each group.
-    Stopped at shutdown: a file half read is taken again, whole, by the next process to claim it.
-    ``/metrics`` shows the files this process read by how they ended, the chunks it embedded and
-    whether it is reading one now (``collect``)."""
-
-    def __init__(self, svc: Services, store: VectorStoreStore, files: BatchStore) -> None:
-        self.svc, self.store, self.files = svc, store, files
-        self._wake = asyncio.Event()
-        self._task: asyncio.Task | None = None
-        self.ended: Counter[str] = Counter()  # completed, failed, dropped (removed or added again meanwhile)
-        self.chunks = 0
-        self.reading = False
-
-    def collect(self):
-        files = CounterMetricFamily("tiergate_vector_store_files_read", "Files this process read into vector stores, "
-                                    "by outcome (completed, failed, dropped: removed or added again meanwhile)",
-                                    labels=["outcome"])
-        for outcome in ("completed", "failed", "dropped"):
-            files.add_metric([outcome], self.ended[outcome])
-        yield files
-        yield CounterMetricFamily("tiergate_vector_store_chunks", "Chunks this process embedded into vector stores",
-                                  value=self.chunks)
-        yield GaugeMetricFamily("tiergate_vector_store_reading", "1 while this process reads a file into a vector store",
-                                value=int(self.reading))
-
-    async def start(self) -> None:
-        self._task = asyncio.get_running_loop().create_task(self._run())
-
-    async def stop(self) -> None:
-        if self._task is not None:
-            self._task.cancel()
-            await asyncio.gather(self._task, return_exceptions=True)
-            self._task = None
-
-    def wake(self) -> None:
-        self._wake.set()
-
-    async def _run(self) -> None:
-        while True:
-            self._wake.clear()
-            taken: list[StoreFile] = []
-            try:  # one at a time: a second file claimed now would wait under a lease nobody renews
-                taken = await self.store.claim(time.time(), LEASE_S, 1)
-                for file in taken:
-                    await self._index(file)
-            except Exception:  # noqa: BLE001 - the store is down: the file's lease ends, and it is taken again
-                log.exception("vector stores: claiming or recording a file failed")
-            if not taken:
-                with contextlib.suppress(TimeoutError):
-                    async with asyncio.timeout(POLL_S):
-                        await self._wake.wait()
-
-    async def _index(self, file: StoreFile) -> None:
-        self.reading = True
-        try:
-            texts, vectors = await self._read(file)
-            ended = "completed" if await self.store.finish(file, texts, vectors) else "dropped"
-            self.chunks += len(texts) if ended == "completed" else 0
-        except _Refused as refused:
-            ended = "failed" if await self.store.fail(file, refused.code, refused.message) else "dropped"
-        except _Dropped:
-            ended = "dropped"
-        except asyncio.CancelledError:
-            raise
-        except Exception as exc:  # noqa: BLE001 - recorded on the file; the indexer goes on
-            log.exception("vector stores: reading %s into %s failed", file.id, file.vector_store_id)
-            message = exc.message if isinstance(exc, APIError) else "the server failed while reading the file"
-            ended = "failed" if await self.store.fail(file, "server_error", message) else "dropped"
-        finally:
-            self.reading = False
-        self.ended[ended] += 1
-
-    async def _read(self, file: StoreFile) -> tuple[list[str], np.ndarray]:
-        """The file's chunks and their vectors; ``_Refused`` for a file that is not text."""
-        store = await self.store.get(file.vector_store_id, file.owner)
-        if store is None:
-            raise _Dropped
-        content = await self.files.file_content(file.id)
-        if content is None:
-            raise _Refused("invalid_file", "the file was deleted before it was read")
-        text = await asyncio.to_thread(document_text, content)
-        encoder = await encoder_of(self.svc, store.model)
-        texts, rows = await asyncio.to_thread(encoder.cut, text, file.chunk_tokens, file.overlap_tokens)
-        if not rows:
-            raise _Refused("invalid_file", "the file has no text")
-        caller = Caller(file.tier, file.owner)
-        parts = []
-        for start in range(0, len(rows), GROUP):
-            parts.append(await self._embed(file, caller, store.model, rows[start:start + GROUP]))
-            if not await self.store.hold(file, time.time() + LEASE_S):
-                raise _Dropped
-        return texts, np.concatenate(parts)
-
-    async def _embed(self, file: StoreFile, caller: Caller, model: str, rows: list[list[int]]) -> np.ndarray:
-        while True:
-            try:
-                return await serve_embeddings(self.svc, caller, EmbedJob(model, rows, None), None)
-            except APIError as exc:
-                if exc.status != 429:
-                    raise
-                wait = exc.headers.get("retry-after", "1")
-                await asyncio.sleep(min(30.0, max(0.5, float(wait) if wait.isdigit() else 1.0)))
-                if not await self.store.hold(file, time.time() + LEASE_S):
-                    raise _Dropped from None
-
-
-def indexer_for(svc: Services, store: VectorStoreStore, files: BatchStore) -> Indexer:
-    """The process's indexer, started once the stores are open and stopped before they close."""
-    indexer = Indexer(svc, store, files)
-    svc.on_startup.append(indexer.start)
-    svc.on_shutdown.append(indexer.stop)
-    svc.metrics.registry.register(indexer)
-    return indexer
 
 
 # -- HTTP -----------------------------------------------------------------------------------------------
@@ -586,15 +207,6 @@ def _embedding_model(svc: Services, name: str | None) -> str:
             return spec.name
     raise bad_request("this server has no embedding model to make a vector store with (tiers.yaml: kind: embed)",
                       "model", "no_embedding_model")
-
-
-async def encoder_of(svc: Services, model: str) -> EmbedWorker:
-    """The embedding model ``model``'s reader (tokenizer, config; no weights); 503 when tiers.yaml
-    no longer has that model (a vector store keeps the model it was made with)."""
-    spec = svc.arbiter.specs.get(model)
-    if spec is None or spec.kind != "embed":
-        raise APIError(503, f"the vector store's embedding model '{model}' is not served here", "model_unavailable")
-    return await weightless(svc.encoders, spec, EmbedWorker.reader)
 
 
 async def _room(svc: Services, model: str) -> int:
@@ -749,32 +361,6 @@ async def file_content(request: Request) -> Response:
 
 def expired_error(store: VectorStore, param: str = "vector_store_id") -> APIError:
     return bad_request(f"the vector store '{store.id}' expired at {store.expires_at}", param, "vector_store_expired")
-
-
-async def search_stores(svc: Services, stores: VectorStoreStore, caller: Caller, found: list[VectorStore],
-                        queries: list[str], filters: dict[str, Any] | None, limit: int, threshold: float,
-                        param: str = "query", hybrid: tuple[float, float] | None = None) -> list[tuple[float, StoreFile, str]]:
-    """The best ``limit`` chunks of the vector stores ``found`` for ``queries`` (``rank``, off the
-    event loop), best first. The queries are embedded with each store's model as one request of
-    ``caller``, through the gate; one over the model's context is a 400 naming ``param``. Each
-    store searched is active now (its expiry counts from here)."""
-    hits: list[tuple[float, StoreFile, str]] = []
-    for model in dict.fromkeys(store.model for store in found):
-        encoder = await encoder_of(svc, model)
-        try:
-            ids = await asyncio.to_thread(encoder.tokenize, queries)
-        except ValueError as exc:
-            raise bad_request(str(exc).replace("input", "query"), param, "context_length_exceeded") from None
-        vectors = await serve_embeddings(svc, caller, EmbedJob(model, ids, None), None)
-        for store in found:
-            if store.model == model:
-                m, files = await SHELF.load(stores, store.id)
-                hits += await asyncio.to_thread(rank, m, files, vectors, filters, limit, threshold, hybrid, queries)
-    now = int(time.time())
-    for store in found:
-        await stores.update(replace(store, last_active_at=now))
-    hits.sort(key=lambda hit: -hit[0])
-    return hits[:limit]
 
 
 async def search(request: Request) -> Response:

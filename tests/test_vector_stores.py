@@ -17,7 +17,8 @@ from transformers import AutoTokenizer
 
 from gateway.errors import APIError
 from gateway.vector_store import Chunks, SQLiteVectorStores, StoreFile, VectorStore
-from gateway.vector_stores import ChunkingStrategy, Matrix, Shelf, Words, check_filter, chunk_sizes, matches, rank
+from gateway.vector_search import Matrix, Shelf, Words, check_filter, matches, rank
+from gateway.vector_stores import ChunkingStrategy, chunk_sizes
 from tests.helpers import start_server, write_config
 from workers.embed import windows
 

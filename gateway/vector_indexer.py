@@ -1,0 +1,187 @@
+"""The indexer: the files added to vector stores read in the background, one process at a time
+each, and never lost.
+
+A file is a PDF's text (pypdf) or UTF-8 text (``document_text``), cut into chunks of the
+embedding model's tokens (``EmbedWorker.cut``), each group of chunks embedded as a request of the
+key that added the file, at its tier, through the gate; then ``completed`` with its chunks, or
+``failed`` with the reason, in ``gateway.vector_store``. A process takes a file with a lease it
+renews as it goes; a file whose process died is taken again once its lease ends.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import io
+import logging
+import time
+from collections import Counter
+
+import numpy as np
+import pypdf
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
+from prometheus_client.registry import Collector
+from pypdf.errors import PdfReadError
+
+from batch.store import Store as BatchStore
+from gateway.auth import Caller
+from gateway.embeddings import EmbedJob, serve_embeddings
+from gateway.errors import APIError
+from gateway.service import Services
+from gateway.vector_search import encoder_of
+from gateway.vector_store import StoreFile, VectorStoreStore
+
+log = logging.getLogger("tiergate.vector_stores")
+LEASE_S = 60.0  # a file being read is another process's to take once its lease is this old
+POLL_S = 2.0  # how often an idle indexer looks for files other processes added or left
+GROUP = 64  # chunks embedded in one request
+
+
+class _Refused(Exception):
+    def __init__(self, code: str, message: str) -> None:
+        super().__init__(message)
+        self.code, self.message = code, message
+
+
+class _Dropped(Exception):
+    """The file was removed, added again or its store deleted while it was read: leave it."""
+
+
+def document_text(content: bytes) -> str:
+    """The text of a document: a PDF's pages' text (pypdf), one after another, or UTF-8 text as
+    it is (without a byte-order mark). ``_Refused`` for anything else: an encrypted or broken PDF,
+    bytes that are not UTF-8 (Office files among them)."""
+    if content.startswith(b"%PDF-"):
+        try:
+            reader = pypdf.PdfReader(io.BytesIO(content))
+            if reader.is_encrypted:
+                raise _Refused("unsupported_file", "the PDF is encrypted")
+            return "\n\n".join(page.extract_text() for page in reader.pages)
+        except PdfReadError as exc:
+            raise _Refused("invalid_file", f"the PDF cannot be read: {exc}") from None
+    try:
+        return content.decode("utf-8").removeprefix("\ufeff")
+    except UnicodeDecodeError:
+        raise _Refused("unsupported_file", "the file is neither a PDF nor UTF-8 text (Markdown, code, JSON, HTML); "
+                                           "Office files and images are not read") from None
+
+
+class Indexer(Collector):
+    """Reads the files added to vector stores, one at a time, in the order added. One task owns
+    the work: it claims a waiting file (its own, another process's, or one whose process died: its
+    lease ended), reads it, and finishes or fails it; it sleeps until a file is added here
+    (``wake``) or ``POLL_S`` passes. A file's chunks are embedded ``GROUP`` at a time, each group
+    one request of the key that added the file, at its tier, waiting its turn at the gate as any
+    request does (a 429 there is waited out, not a failure); the lease is renewed after each group.
+    Stopped at shutdown: a file half read is taken again, whole, by the next process to claim it.
+    ``/metrics`` shows the files this process read by how they ended, the chunks it embedded and
+    whether it is reading one now (``collect``)."""
+
+    def __init__(self, svc: Services, store: VectorStoreStore, files: BatchStore) -> None:
+        self.svc, self.store, self.files = svc, store, files
+        self._wake = asyncio.Event()
+        self._task: asyncio.Task | None = None
+        self.ended: Counter[str] = Counter()  # completed, failed, dropped (removed or added again meanwhile)
+        self.chunks = 0
+        self.reading = False
+
+    def collect(self):
+        files = CounterMetricFamily("tiergate_vector_store_files_read", "Files this process read into vector stores, "
+                                    "by outcome (completed, failed, dropped: removed or added again meanwhile)",
+                                    labels=["outcome"])
+        for outcome in ("completed", "failed", "dropped"):
+            files.add_metric([outcome], self.ended[outcome])
+        yield files
+        yield CounterMetricFamily("tiergate_vector_store_chunks", "Chunks this process embedded into vector stores",
+                                  value=self.chunks)
+        yield GaugeMetricFamily("tiergate_vector_store_reading", "1 while this process reads a file into a vector store",
+                                value=int(self.reading))
+
+    async def start(self) -> None:
+        self._task = asyncio.get_running_loop().create_task(self._run())
+
+    async def stop(self) -> None:
+        if self._task is not None:
+            self._task.cancel()
+            await asyncio.gather(self._task, return_exceptions=True)
+            self._task = None
+
+    def wake(self) -> None:
+        self._wake.set()
+
+    async def _run(self) -> None:
+        while True:
+            self._wake.clear()
+            taken: list[StoreFile] = []
+            try:  # one at a time: a second file claimed now would wait under a lease nobody renews
+                taken = await self.store.claim(time.time(), LEASE_S, 1)
+                for file in taken:
+                    await self._index(file)
+            except Exception:  # noqa: BLE001 - the store is down: the file's lease ends, and it is taken again
+                log.exception("vector stores: claiming or recording a file failed")
+            if not taken:
+                with contextlib.suppress(TimeoutError):
+                    async with asyncio.timeout(POLL_S):
+                        await self._wake.wait()
+
+    async def _index(self, file: StoreFile) -> None:
+        self.reading = True
+        try:
+            texts, vectors = await self._read(file)
+            ended = "completed" if await self.store.finish(file, texts, vectors) else "dropped"
+            self.chunks += len(texts) if ended == "completed" else 0
+        except _Refused as refused:
+            ended = "failed" if await self.store.fail(file, refused.code, refused.message) else "dropped"
+        except _Dropped:
+            ended = "dropped"
+        except asyncio.CancelledError:
+            raise
+        except Exception as exc:  # noqa: BLE001 - recorded on the file; the indexer goes on
+            log.exception("vector stores: reading %s into %s failed", file.id, file.vector_store_id)
+            message = exc.message if isinstance(exc, APIError) else "the server failed while reading the file"
+            ended = "failed" if await self.store.fail(file, "server_error", message) else "dropped"
+        finally:
+            self.reading = False
+        self.ended[ended] += 1
+
+    async def _read(self, file: StoreFile) -> tuple[list[str], np.ndarray]:
+        """The file's chunks and their vectors; ``_Refused`` for a file that is not text."""
+        store = await self.store.get(file.vector_store_id, file.owner)
+        if store is None:
+            raise _Dropped
+        content = await self.files.file_content(file.id)
+        if content is None:
+            raise _Refused("invalid_file", "the file was deleted before it was read")
+        text = await asyncio.to_thread(document_text, content)
+        encoder = await encoder_of(self.svc, store.model)
+        texts, rows = await asyncio.to_thread(encoder.cut, text, file.chunk_tokens, file.overlap_tokens)
+        if not rows:
+            raise _Refused("invalid_file", "the file has no text")
+        caller = Caller(file.tier, file.owner)
+        parts = []
+        for start in range(0, len(rows), GROUP):
+            parts.append(await self._embed(file, caller, store.model, rows[start:start + GROUP]))
+            if not await self.store.hold(file, time.time() + LEASE_S):
+                raise _Dropped
+        return texts, np.concatenate(parts)
+
+    async def _embed(self, file: StoreFile, caller: Caller, model: str, rows: list[list[int]]) -> np.ndarray:
+        while True:
+            try:
+                return await serve_embeddings(self.svc, caller, EmbedJob(model, rows, None), None)
+            except APIError as exc:
+                if exc.status != 429:
+                    raise
+                wait = exc.headers.get("retry-after", "1")
+                await asyncio.sleep(min(30.0, max(0.5, float(wait) if wait.isdigit() else 1.0)))
+                if not await self.store.hold(file, time.time() + LEASE_S):
+                    raise _Dropped from None
+
+
+def indexer_for(svc: Services, store: VectorStoreStore, files: BatchStore) -> Indexer:
+    """The process's indexer, started once the stores are open and stopped before they close."""
+    indexer = Indexer(svc, store, files)
+    svc.on_startup.append(indexer.start)
+    svc.on_shutdown.append(indexer.stop)
+    svc.metrics.registry.register(indexer)
+    return indexer
