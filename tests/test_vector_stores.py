@@ -683,6 +683,28 @@ def test_file_search_in_background_and_continued(server, searchable):
     assert [i.type for i in items] == ["message", "file_search_call", "message", "message"]
 
 
+def test_file_search_in_a_batch_line(server, searchable):
+    """A /v1/responses line of the Batch API searches too (at the batch tier, as the line runs)."""
+    import io
+    import json
+
+    c = client(server)
+    line = {"custom_id": "q1", "method": "POST", "url": "/v1/responses",
+            "body": {"model": "tiny-chat", "input": QUESTION, "max_output_tokens": 3, "temperature": 0,
+                     "include": ["file_search_call.results"],
+                     "tools": [{"type": "file_search", "vector_store_ids": [searchable], "max_num_results": 1}]}}
+    f = c.files.create(file=("in.jsonl", io.BytesIO((json.dumps(line) + "\n").encode())), purpose="batch")
+    batch = c.batches.create(input_file_id=f.id, endpoint="/v1/responses", completion_window="24h")
+    deadline = time.time() + 60
+    while (batch := c.batches.retrieve(batch.id)).status not in ("completed", "failed", "expired", "cancelled"):
+        assert time.time() < deadline
+        time.sleep(0.2)
+    assert batch.status == "completed" and batch.request_counts.completed == 1
+    out = json.loads(c.files.content(batch.output_file_id).text)
+    search = out["response"]["body"]["output"][0]
+    assert search["type"] == "file_search_call" and search["queries"] == [QUESTION] and search["results"]
+
+
 @pytest.mark.parametrize("tools, param, status", [
     ([{"type": "file_search", "vector_store_ids": ["vs_nope"]}], "tools[0].vector_store_ids[0]", 404),
     ([{"type": "file_search", "vector_store_ids": []}], "tools[0].vector_store_ids", 400),
