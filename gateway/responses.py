@@ -396,7 +396,10 @@ def chat_body(body: ResponsesRequest, messages: list[dict[str, Any]]) -> dict[st
     if functions:
         chat["tools"] = [{"type": "function", "function": t.model_dump(exclude={"type"}, exclude_none=True)}
                          for t in functions]
-    if isinstance(body.tool_choice, FileSearchChoice) or (body.tool_choice == "required" and not functions):
+    searches = any(isinstance(t, FileSearchTool) for t in body.tools or [])
+    if isinstance(body.tool_choice, FileSearchChoice) and not searches:
+        raise bad_request("tool_choice is file_search, and tools has no file_search tool", "tool_choice")
+    if isinstance(body.tool_choice, FileSearchChoice) or (body.tool_choice == "required" and searches and not functions):
         pass  # the file search is what is asked for: it runs before the model (``file_search``)
     elif isinstance(body.tool_choice, FunctionChoice):
         chat["tool_choice"] = {"type": "function", "function": {"name": body.tool_choice.name}}

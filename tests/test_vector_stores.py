@@ -724,6 +724,14 @@ def test_bad_file_search_tools_are_named(server, searchable, tools, param, statu
     assert r.status_code == status and _error(r)["param"] == param, r.text
 
 
+@pytest.mark.parametrize("body", [{"tool_choice": "required"}, {"tool_choice": {"type": "file_search"}},
+                                  {"tool_choice": {"type": "file_search"}, "tools": [{"type": "function", "name": "f"}]}])
+def test_a_file_search_choice_without_the_tool_is_a_400(server, body):
+    r = httpx.post(f"{server.base_url}/responses", json={"model": "tiny-chat", "input": "hi", **body},
+                   headers={"Authorization": f"Bearer {server.keys['paid']}"}, timeout=60)
+    assert r.status_code == 400 and _error(r)["param"] == "tool_choice", r.text
+
+
 def test_another_keys_store_cannot_be_searched(server, searchable):
     with pytest.raises(openai.NotFoundError) as e:
         respond(client(server, "free"), searchable)
