@@ -199,14 +199,23 @@ async def _shown(request: Request, store: VectorStore) -> dict[str, Any]:
     return store.public(await _store(request).files(store.id), time.time())
 
 
-def _embedding_model(svc: Services, name: str | None) -> str:
+def _embedding_model(svc: Services, caller: Caller, name: str | None) -> str:
+    """The model a new store embeds with: ``name``, or the first ``embed`` model of tiers.yaml that
+    the caller's key may use (a managed key's allow-list; a model it may not use is a 404, as on
+    every endpoint)."""
+    def allowed(model: str) -> bool:
+        return svc.accounts is None or svc.accounts.allows(caller, model)
+
     if name is not None:
-        return svc.spec(name, "embed").name
+        model = svc.spec(name, "embed").name
+        if not allowed(model):
+            raise not_found(f"the model '{name}' does not exist", "model", "model_not_found")
+        return model
     for spec in svc.arbiter.specs.values():
-        if spec.kind == "embed":
+        if spec.kind == "embed" and allowed(spec.name):
             return spec.name
-    raise bad_request("this server has no embedding model to make a vector store with (tiers.yaml: kind: embed)",
-                      "model", "no_embedding_model")
+    raise bad_request("this server has no embedding model this key may use to make a vector store with "
+                      "(tiers.yaml: kind: embed)", "model", "no_embedding_model")
 
 
 async def _room(svc: Services, model: str) -> int:
@@ -241,7 +250,7 @@ async def create_store(request: Request) -> Response:
     svc: Services = request.app.state.services
     caller = svc.authenticate(request)
     body = parse(StoreCreate, await read_json(request, svc.config.limits.max_body))
-    model = _embedding_model(svc, body.model)
+    model = _embedding_model(svc, caller, body.model)
     sizes = chunk_sizes(body.chunking_strategy, await _room(svc, model), "chunking_strategy")
     documents = [await _document(request, caller, file_id, f"file_ids[{i}]") for i, file_id in enumerate(body.file_ids)]
     now = int(time.time())

@@ -313,6 +313,23 @@ def test_a_batch_adds_nothing_unless_every_file_can_be_added(server):
     assert c.vector_stores.retrieve(store.id).file_counts.total == 0
 
 
+def test_a_managed_key_makes_stores_with_the_embedding_models_it_may_use(server):
+    with httpx.Client(base_url=server.url, headers={"Authorization": f"Bearer {server.keys['admin']}"}, timeout=30) as a:
+        chat_only = a.post("/admin/keys", json={"name": "chat only", "tier": "paid", "models": ["tiny-chat"]}).json()
+        embedder = a.post("/admin/keys", json={"name": "embedder", "tier": "paid", "models": ["tiny-embed"]}).json()
+    limited = openai.OpenAI(base_url=server.base_url, api_key=chat_only["value"], max_retries=0, timeout=60)
+    with pytest.raises(openai.BadRequestError) as e:
+        limited.vector_stores.create(name="x")
+    assert e.value.body["code"] == "no_embedding_model"
+    with pytest.raises(openai.NotFoundError) as e:
+        limited.vector_stores.create(name="x", extra_body={"model": "tiny-embed"})
+    assert e.value.body["param"] == "model"
+    allowed = openai.OpenAI(base_url=server.base_url, api_key=embedder["value"], max_retries=0, timeout=60)
+    store = allowed.vector_stores.create(name="ok", file_ids=[upload(allowed, "k.txt", DOC_B)])
+    assert store.model_extra["model"] == "tiny-embed"
+    assert poll(allowed, store.id, allowed.vector_stores.files.list(store.id).data[0].id).status == "completed"
+
+
 def test_a_store_whose_model_left_tiers_yaml_is_a_clean_503(server):
     c = client(server)
     owner = server.services.keys.lookup(server.keys["paid"]).key_id
