@@ -722,6 +722,19 @@ def test_file_search_in_a_batch_line(server, searchable):
     assert search["type"] == "file_search_call" and search["queries"] == [QUESTION] and search["results"]
 
 
+def test_langchain_binds_the_file_search_tool(server, searchable):
+    """LangChain's ChatOpenAI on the Responses API with the built-in tool bound, as its docs show."""
+    from langchain_openai import ChatOpenAI
+
+    llm = ChatOpenAI(model="tiny-chat", base_url=server.base_url, api_key=server.keys["paid"], max_tokens=6,
+                     temperature=0, use_responses_api=True, max_retries=0, timeout=60)
+    bound = llm.bind_tools([{"type": "file_search", "vector_store_ids": [searchable], "max_num_results": 2}])
+    reply = bound.invoke(QUESTION)
+    search, text = reply.content  # LangChain's content blocks: the search, then the answer
+    assert search["type"] == "file_search_call" and search["queries"] == [QUESTION], reply
+    assert text["type"] == "text" and reply.text == text["text"]
+
+
 @pytest.mark.parametrize("tools, param, status", [
     ([{"type": "file_search", "vector_store_ids": ["vs_nope"]}], "tools[0].vector_store_ids[0]", 404),
     ([{"type": "file_search", "vector_store_ids": []}], "tools[0].vector_store_ids", 400),
