@@ -330,6 +330,30 @@ def test_a_managed_key_makes_stores_with_the_embedding_models_it_may_use(server)
     assert poll(allowed, store.id, allowed.vector_stores.files.list(store.id).data[0].id).status == "completed"
 
 
+def test_an_expired_store_is_shown_expired_and_refuses_search_and_files(server):
+    c = client(server)
+    made = c.vector_stores.create(name="short", expires_after={"anchor": "last_active_at", "days": 1})
+    assert made.expires_after.days == 1 and made.expires_at == made.last_active_at + 86400
+    c.vector_stores.search(made.id, query="x")  # a search makes it active: its expiry counts from now
+    active = c.vector_stores.retrieve(made.id)
+    assert active.last_active_at >= made.last_active_at and active.status == "completed"
+    owner = server.services.keys.lookup(server.keys["paid"]).key_id
+    stored = server.wait(server.app.state.vector_stores.get(made.id, owner))
+    server.wait(server.app.state.vector_stores.update(replace(stored, last_active_at=stored.last_active_at - 2 * 86400)))
+    assert c.vector_stores.retrieve(made.id).status == "expired"
+    for call in (lambda: c.vector_stores.search(made.id, query="x"),
+                 lambda: c.vector_stores.files.create(vector_store_id=made.id, file_id=upload(c, "e.txt", DOC_B)),
+                 lambda: c.vector_stores.file_batches.create(made.id, file_ids=[upload(c, "f.txt", DOC_B)])):
+        with pytest.raises(openai.BadRequestError) as e:
+            call()
+        assert e.value.body["code"] == "vector_store_expired"
+    with pytest.raises(openai.BadRequestError) as e:
+        respond(c, made.id)
+    assert e.value.body["param"] == "tools[0].vector_store_ids[0]"
+    assert c.vector_stores.update(made.id, expires_after=None).status == "completed"  # no expiry any more
+    assert c.vector_stores.search(made.id, query="x").data == []
+
+
 def test_a_store_whose_model_left_tiers_yaml_is_a_clean_503(server):
     c = client(server)
     owner = server.services.keys.lookup(server.keys["paid"]).key_id
