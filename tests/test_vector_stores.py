@@ -130,7 +130,10 @@ def test_files_are_read_and_search_ranks_their_chunks(server, tiny_embed):
     assert c.vector_stores.files.delete(b, vector_store_id=store.id).deleted
     assert {h.file_id for h in c.vector_stores.search(store.id, query=target).data} == {a}
     assert store.id in [s.id for s in c.vector_stores.list()]
-    assert c.vector_stores.update(store.id, name="renamed").name == "renamed"
+    renamed = c.vector_stores.update(store.id, name="renamed")
+    assert renamed.name == "renamed" and renamed.metadata == {"team": "x"}  # what is not sent is kept
+    assert c.vector_stores.update(store.id, metadata={"team": "y"}).model_dump(include={"name", "metadata"}) == \
+        {"name": "renamed", "metadata": {"team": "y"}}
     assert c.vector_stores.delete(store.id).deleted
     with pytest.raises(openai.NotFoundError):
         c.vector_stores.search(store.id, query=query)
