@@ -434,6 +434,9 @@ return 1
 """
 
 
+CLAIM_WINDOW = 64  # the due files a Redis claim reads to find the earliest added
+
+
 class RedisVectorStores(RedisKeys, VectorStoreStore):
     """Per store a JSON doc and hashes (by file id) of its files' docs, chunk texts and vectors; a
     sorted set of its file ids by a global addition counter gives the files' order, and one sorted
@@ -535,7 +538,11 @@ class RedisVectorStores(RedisKeys, VectorStoreStore):
         return bool(await self._delete_file(keys=keys, args=[file_id, self._member(store_id, file_id)]))
 
     async def claim(self, now: float, lease_s: float, limit: int) -> list[StoreFile]:
-        due = [m.decode().split("\n", 1) for m in await self._r.zrangebyscore(self._pending, "-inf", f"({float(now)!r}")]
+        """The due files in the order added, among the first ``CLAIM_WINDOW`` (or ``limit``, if more)
+        by lease end: a backlog of thousands costs a claim no more than that."""
+        window = max(limit, CLAIM_WINDOW)
+        due = [m.decode().split("\n", 1)
+               for m in await self._r.zrangebyscore(self._pending, "-inf", f"({float(now)!r}", start=0, num=window)]
         async with self._r.pipeline(transaction=False) as p:
             for store_id, file_id in due:
                 p.zscore(self.k("vs-order", store_id), file_id)

@@ -107,10 +107,28 @@ async def _contract(store: VectorStoreStore) -> None:
         await store.close()
 
 
+async def _backlog(store: VectorStoreStore) -> None:
+    """A backlog past Redis's claim window: claimed one at a time, every file once, none twice."""
+    await store.open()
+    try:
+        await store.create(VectorStore("vs_big", "k", 0, "big", "tiny-embed"))
+        for i in range(150):
+            assert await store.add_file(_file("vs_big", f"file-{i:04d}", f"t{i}"))
+        taken = []
+        for _ in range(160):
+            taken += [f.id for f in await store.claim(100.0, 30.0, 1)]
+        assert sorted(taken) == [f"file-{i:04d}" for i in range(150)]
+        assert taken[:3] == ["file-0000", "file-0001", "file-0002"]  # the earliest added first
+    finally:
+        await store.close()
+
+
 def test_sqlite_store(tmp_path):
     asyncio.run(_contract(SQLiteVectorStores(tmp_path / "batches.sqlite3")))
+    asyncio.run(_backlog(SQLiteVectorStores(tmp_path / "backlog.sqlite3")))
 
 
 def test_redis_store(tmp_path):
     with redis_server(tmp_path) as url:
         asyncio.run(_contract(RedisVectorStores(url)))
+        asyncio.run(_backlog(RedisVectorStores(url)))
