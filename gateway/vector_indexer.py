@@ -13,6 +13,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import io
+import itertools
 import logging
 import time
 from collections import Counter
@@ -30,11 +31,13 @@ from gateway.errors import APIError
 from gateway.service import Services
 from gateway.vector_search import encoder_of
 from gateway.vector_store import StoreFile, VectorStoreStore
+from workers.embed import InputError
 
 log = logging.getLogger("tiergate.vector_stores")
 LEASE_S = 60.0  # a file being read is another process's to take once its lease is this old
 POLL_S = 2.0  # how often an idle indexer looks for files other processes added or left
 GROUP = 64  # chunks embedded in one request
+MAX_FILE_TOKENS = 5_000_000  # tokens of text one file may have, as OpenAI's file search allows
 
 
 class _Refused(Exception):
@@ -154,15 +157,24 @@ class Indexer(Collector):
             raise _Refused("invalid_file", "the file was deleted before it was read")
         text = await asyncio.to_thread(document_text, content)
         encoder = await encoder_of(self.svc, store.model)
-        texts, rows = await asyncio.to_thread(encoder.cut, text, file.chunk_tokens, file.overlap_tokens)
-        if not rows:
-            raise _Refused("invalid_file", "the file has no text")
+        chunks = encoder.cut(text, file.chunk_tokens, file.overlap_tokens, MAX_FILE_TOKENS)
         caller = Caller(file.tier, file.owner)
+        texts: list[str] = []
         parts = []
-        for start in range(0, len(rows), GROUP):
-            parts.append(await self._embed(file, caller, store.model, rows[start:start + GROUP]))
+        while True:  # a group cut (off the loop), then embedded: the file's tokens are never all in memory
+            try:
+                group = await asyncio.to_thread(lambda: list(itertools.islice(chunks, GROUP)))
+            except InputError:
+                raise _Refused("invalid_file", f"the file has more than {MAX_FILE_TOKENS:,} tokens of text, "
+                                               "the most one file may have") from None
+            if not group:
+                break
+            texts += [t for t, _ in group]
+            parts.append(await self._embed(file, caller, store.model, [row for _, row in group]))
             if not await self.store.hold(file, time.time() + LEASE_S):
                 raise _Dropped
+        if not texts:
+            raise _Refused("invalid_file", "the file has no text")
         return texts, np.concatenate(parts)
 
     async def _embed(self, file: StoreFile, caller: Caller, model: str, rows: list[list[int]]) -> np.ndarray:

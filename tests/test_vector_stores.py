@@ -459,6 +459,50 @@ def test_windows(n, size, overlap, want):
     assert windows(n, size, overlap) == want
 
 
+def _cut_whole(tok, text: str, size: int, overlap: int) -> list[tuple[str, list[int]]]:
+    """The reference: the whole text tokenized at once, then windowed."""
+    enc = tok(text, add_special_tokens=False, return_offsets_mapping=True)
+    ids, offsets = enc["input_ids"], enc["offset_mapping"]
+    return [(text[offsets[s][0]:offsets[e - 1][1]], [tok.cls_token_id, *ids[s:e], tok.sep_token_id])
+            for s, e in windows(len(ids), size, overlap)]
+
+
+@pytest.mark.parametrize("text", [
+    DOC_A, DOC_B * 3, "  leading and trailing spaces  ", "ünïcödé wörds, and\ttabs\nand newlines " * 40,
+    "nowhitespaceatallinthisverylongrunofletters" * 30 + " then words " * 20, "", "   ", "one"])
+@pytest.mark.parametrize("size, overlap", [(8, 3), (126, 63), (100, 0), (5, 2)])
+def test_cutting_piece_by_piece_is_cutting_the_whole(tiny_embed, text, size, overlap):
+    """A long text is tokenized in pieces (to bound memory): the chunks are the whole text's."""
+    from workers.base import ModelSpec
+    from workers.embed import EmbedWorker
+
+    encoder = EmbedWorker.reader(ModelSpec("tiny-embed", "embed", tiny_embed))
+    want = _cut_whole(AutoTokenizer.from_pretrained(tiny_embed), text, size, overlap)
+    for piece in (16, 37, 1 << 16):
+        assert list(encoder.cut(text, size, overlap, segment=piece)) == want, piece
+
+
+def test_cutting_stops_past_the_token_limit(tiny_embed):
+    from workers.base import ModelSpec
+    from workers.embed import EmbedWorker, InputError
+
+    encoder = EmbedWorker.reader(ModelSpec("tiny-embed", "embed", tiny_embed))
+    assert len(list(encoder.cut(DOC_B, 8, 0, max_tokens=10_000))) > 1
+    with pytest.raises(InputError):
+        list(encoder.cut(DOC_B * 10, 8, 0, max_tokens=100, segment=64))
+
+
+def test_a_file_past_the_token_limit_fails(server, monkeypatch):
+    import gateway.vector_indexer
+
+    monkeypatch.setattr(gateway.vector_indexer, "MAX_FILE_TOKENS", 50)
+    c = client(server)
+    doc = upload(c, "long.txt", DOC_A)
+    store = c.vector_stores.create(name="long", file_ids=[doc])
+    f = poll(c, store.id, doc)
+    assert f.status == "failed" and f.last_error.code == "invalid_file" and "50" in f.last_error.message
+
+
 @pytest.mark.parametrize("strategy, room, want", [
     (None, 510, (510, 255)), (None, 8190, (800, 400)), ({"type": "auto"}, 126, (126, 63)),
     ({"type": "static", "static": {"max_chunk_size_tokens": 100, "chunk_overlap_tokens": 50}}, 126, (100, 50)),

@@ -36,7 +36,7 @@ import threading
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Literal
+from typing import Iterator, Literal
 
 import numpy as np
 import torch
@@ -159,6 +159,26 @@ def finish(pooled: torch.Tensor, dimensions: int | None, normalize: bool) -> tor
     if normalize:
         out = torch.nn.functional.normalize(out, p=2, dim=-1)
     return out
+
+
+SEGMENT_CHARS = 1 << 16  # ``EmbedWorker.cut`` tokenizes a long text this many characters at a time
+
+
+def _pieces(text: str, length: int) -> Iterator[tuple[int, int]]:
+    """``text`` as consecutive ``[start, end)`` pieces of about ``length`` characters, each but the
+    last ending just before a whitespace character (so the whitespace begins the next piece, as
+    tokenizers that fold a leading space into a token expect); a run without whitespace is one
+    piece, however long."""
+    start = 0
+    while start < len(text):
+        end = start + length
+        if end >= len(text):
+            end = len(text)
+        else:
+            while end < len(text) and not text[end].isspace():
+                end += 1
+        yield start, end
+        start = end
 
 
 def windows(n: int, size: int, overlap: int) -> list[tuple[int, int]]:
@@ -401,22 +421,48 @@ class EmbedWorker(EncoderWorker):
         """The most tokens of text one input can hold: the context less the special tokens."""
         return self.config.context_length - self.tokenizer.num_special_tokens_to_add(pair=False)
 
-    def cut(self, text: str, size: int, overlap: int) -> tuple[list[str], list[list[int]]]:
+    def cut(self, text: str, size: int, overlap: int, max_tokens: int | None = None,
+            segment: int = SEGMENT_CHARS) -> Iterator[tuple[str, list[int]]]:
         """``text`` cut into chunks of at most ``size`` tokens (``chunk_room`` at most), each
-        starting ``size - overlap`` tokens after the one before: each chunk's text (the span of
-        ``text`` its tokens came from, as written) and its ids with the model's special tokens.
-        Needs a fast tokenizer (offsets) and no weights; may run on any thread."""
+        starting ``size - overlap`` tokens after the one before (``windows``): each chunk's text
+        (the span of ``text`` its tokens came from, as written) and its ids with the model's
+        special tokens, made as they are asked for. The text is tokenized ``segment`` characters
+        at a time, each piece ending before whitespace (tokens do not cross it), so memory follows
+        a piece and not the whole; past ``max_tokens`` tokens of text, ``InputError``. Needs a
+        fast tokenizer (offsets) and no weights; may run on any thread."""
+        prefix: list[int] | None = None
+        suffix: list[int] = []
+        ids: list[int] = []  # the tokens from the next chunk's start on, and where each is in ``text``
+        spans: list[tuple[int, int]] = []
+        seen = 0
+        for start, end in _pieces(text, segment):
+            piece_prefix, piece_ids, piece_suffix, offsets = self._tokens(text[start:end])
+            if prefix is None:
+                prefix, suffix = piece_prefix, piece_suffix
+            ids += piece_ids
+            spans += [(a + start, b + start) for a, b in offsets]
+            seen += len(piece_ids)
+            if max_tokens is not None and seen > max_tokens:
+                raise InputError(f"the text has more than {max_tokens} tokens", too_long=True)
+            at = 0
+            while len(ids) - at > size:  # more tokens follow: this chunk is not the last
+                yield text[spans[at][0]:spans[at + size - 1][1]], prefix + ids[at:at + size] + suffix
+                at += size - overlap
+            del ids[:at], spans[:at]
+        for s, e in windows(len(ids), size, overlap):
+            yield text[spans[s][0]:spans[e - 1][1]], (prefix or []) + ids[s:e] + suffix
+
+    def _tokens(self, piece: str) -> tuple[list[int], list[int], list[int], list[tuple[int, int]]]:
+        """``piece``'s special tokens before its text, its text's tokens, those after, and where each
+        text token is in ``piece``."""
         tokenizer = self.tokenizer
         with self._tokenizing:
-            encoded = tokenizer(text, add_special_tokens=True, return_offsets_mapping=True,
+            encoded = tokenizer(piece, add_special_tokens=True, return_offsets_mapping=True,
                                 return_special_tokens_mask=True, verbose=False)
         ids, offsets, special = encoded["input_ids"], encoded["offset_mapping"], encoded["special_tokens_mask"]
-        head = special.index(0) if 0 in special else len(ids)  # the special tokens before the text, and after it
+        head = special.index(0) if 0 in special else len(ids)
         tail = len(ids) - (special[::-1].index(0) if 0 in special else 0)
-        prefix, body, suffix, offsets = ids[:head], ids[head:tail], ids[tail:], offsets[head:tail]
-        spans = windows(len(body), size, overlap)
-        return ([text[offsets[s][0]:offsets[e - 1][1]] for s, e in spans],
-                [prefix + body[s:e] + suffix for s, e in spans])
+        return ids[:head], ids[head:tail], ids[tail:], offsets[head:tail]
 
     def embed(self, ids: list[list[int]], dimensions: int | None, ctx: StepContext) -> np.ndarray:
         """float32 vectors (one row per input, in order) of checked token ids (``tokenize``),
