@@ -467,13 +467,14 @@ async def plan_response(svc: Services, caller: Caller, store: ResponseStore | No
         chat = parse(ChatCompletionRequest, chat_body(body, system + conversation))
         job = await with_images(svc, plan_chat(svc, chat))
         searched, found = await file_search(svc, caller, body, conversation)
-        if searched is not None:  # the model reads what was found after the instructions
-            system = [{"role": "system", "content": "\n\n".join(filter(None, [body.instructions, found]))}]
-            read = plan_chat(svc, parse(ChatCompletionRequest, chat_body(body, system + conversation)))
+        prompt = conversation  # what the model reads: with what the search found, after the question
+        if searched is not None:
+            prompt = _with_excerpts(conversation, found)
+            read = plan_chat(svc, parse(ChatCompletionRequest, chat_body(body, system + prompt)))
             job = replace(read, images=job.images)
         if body.truncation == "auto":
-            kept = await fitting(svc, job, system, conversation)
-            if len(kept) < len(conversation):
+            kept = await fitting(svc, job, system, prompt)
+            if len(kept) < len(prompt):
                 shorter = plan_chat(svc, parse(ChatCompletionRequest, chat_body(body, system + kept)))
                 # the images of the turns kept, as read already (a suffix: images go in message order)
                 job = replace(shorter, images=job.images[len(job.images) - len(shorter.images):])
@@ -500,7 +501,8 @@ async def file_search(svc: Services, caller: Caller, body: ResponsesRequest,
     caller's: a 404 naming ``tools[i].vector_store_ids[j]`` otherwise) as ``POST
     /v1/vector_stores/{id}/search`` searches. The model does not choose the query: the search
     runs whatever the model, tool-calling or not, and costs no extra turn. What it found is read
-    best first, up to half the chat model's context."""
+    best first, up to half the chat model's context, after the latest user message's text
+    (``_with_excerpts``)."""
     tools = [(i, t) for i, t in enumerate(body.tools or []) if isinstance(t, FileSearchTool)]
     if not tools:
         return None, ""
@@ -533,7 +535,22 @@ async def file_search(svc: Services, caller: Caller, body: ResponsesRequest,
                for score, f, text in hits]
     item = {"id": new_item_id("fs"), "type": "file_search_call", "status": "completed", "queries": [query],
             "results": results if FILE_SEARCH_RESULTS in (body.include or ()) else None}
-    return item, _results_text(query, results)
+    return item, _results_text(results)
+
+
+def _with_excerpts(conversation: list[dict[str, Any]], found: str) -> list[dict[str, Any]]:
+    """``conversation`` with ``found`` after the text of its latest user message: the excerpts are
+    read as the user's material, with the question they answer, not with the instructions'
+    authority (a document cannot instruct the model as the system does), and the roles still
+    alternate as chat templates require. The conversation kept for a later turn is unchanged."""
+    at = max(i for i, m in enumerate(conversation) if m["role"] == "user")
+    message = dict(conversation[at])
+    content = message["content"]
+    if isinstance(content, str):
+        message["content"] = f"{content}\n\n{found}"
+    else:
+        message["content"] = [*content, {"type": "text", "text": f"\n\n{found}"}]
+    return [*conversation[:at], message, *conversation[at + 1:]]
 
 
 def _last_user_text(conversation: list[dict[str, Any]]) -> str:
@@ -562,12 +579,12 @@ async def _readable(svc: Services, model: str, hits: list) -> list:
     return kept
 
 
-def _results_text(query: str, results: list[dict[str, Any]]) -> str:
+def _results_text(results: list[dict[str, Any]]) -> str:
     if not results:
-        return f"A search of the user's files for \"{query}\" found nothing."
+        return "(A search of my files for this found nothing.)"
     found = "\n\n".join(f"[{k}] {r['filename']}:\n{r['text']}" for k, r in enumerate(results, 1))
-    return (f"A search of the user's files for \"{query}\" found these excerpts, the most relevant first. "
-            f"Answer from them where they help, naming the file you use.\n\n{found}")
+    return (f"Excerpts from my files that a search for this found, the most relevant first. Answer from "
+            f"them where they help, naming the file you use.\n\n{found}")
 
 
 async def fitting(svc: Services, job: ChatJob, system: list[dict[str, Any]],

@@ -685,7 +685,8 @@ QUESTION = "Where does the lazy dog sleep?"
 
 def respond(c, store_id, **kw):
     kw.setdefault("tools", [{"type": "file_search", "vector_store_ids": [store_id], "max_num_results": 3}])
-    return c.responses.create(model="tiny-chat", input=QUESTION, max_output_tokens=6, temperature=0, **kw)
+    kw.setdefault("input", QUESTION)
+    return c.responses.create(model="tiny-chat", max_output_tokens=6, temperature=0, **kw)
 
 
 def test_file_search_runs_before_the_model_which_reads_what_it_found(server, searchable, tiny_chat):
@@ -706,10 +707,10 @@ def test_file_search_runs_before_the_model_which_reads_what_it_found(server, sea
     assert [h.score for h in search.results] == pytest.approx([w.score for w in want][:fit], abs=1e-6)
     assert {h.filename for h in search.results} <= {"a.md", "b.txt"}
 
-    # what the model read: exactly the chat it would read with the excerpts as its system message
+    # what the model read: exactly the chat it would read with the excerpts after the question
     results = [h.model_dump() for h in search.results]
     chat = c.chat.completions.create(model="tiny-chat", temperature=0, max_tokens=6, messages=[
-        {"role": "system", "content": _results_text(QUESTION, results)}, {"role": "user", "content": QUESTION}])
+        {"role": "user", "content": f"{QUESTION}\n\n{_results_text(results)}"}])
     assert r.usage.input_tokens == chat.usage.prompt_tokens
     assert message.content[0].text == chat.choices[0].message.content
     plain = c.responses.create(model="tiny-chat", input=QUESTION, max_output_tokens=6, temperature=0)
@@ -717,6 +718,17 @@ def test_file_search_runs_before_the_model_which_reads_what_it_found(server, sea
     counted = c.responses.input_tokens.count(model="tiny-chat", input=QUESTION, tools=[
         {"type": "file_search", "vector_store_ids": [searchable], "max_num_results": 3}])
     assert counted.input_tokens == r.usage.input_tokens  # input_tokens searches too
+
+    # the excerpts are read with this turn only: a continued response reads the conversation as it was
+    nxt = c.responses.input_tokens.count(model="tiny-chat", input="And then?", previous_response_id=r.id)
+    again = c.chat.completions.create(model="tiny-chat", temperature=0, max_tokens=1, messages=[
+        {"role": "user", "content": QUESTION}, {"role": "assistant", "content": message.content[0].text},
+        {"role": "user", "content": "And then?"}])
+    assert nxt.input_tokens == again.usage.prompt_tokens
+    # instructions stay the system message's; text parts get the excerpts as one more part
+    parts = respond(c, searchable, instructions="Be brief.", input=[
+        {"role": "user", "content": [{"type": "input_text", "text": QUESTION}]}])
+    assert parts.usage.input_tokens > plain.usage.input_tokens + 50
 
     # without include the results are not shown; tool_choice none does not search
     assert respond(c, searchable).output[0].results is None
