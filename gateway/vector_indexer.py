@@ -57,11 +57,15 @@ def document_text(content: bytes) -> str:
     if content.startswith(b"%PDF-"):
         try:
             reader = pypdf.PdfReader(io.BytesIO(content))
-            if reader.is_encrypted:
-                raise _Refused("unsupported_file", "the PDF is encrypted")
-            return "\n\n".join(page.extract_text() for page in reader.pages)
+            encrypted = reader.is_encrypted
+            text = "" if encrypted else "\n\n".join(page.extract_text() for page in reader.pages)
         except PdfReadError as exc:
             raise _Refused("invalid_file", f"the PDF cannot be read: {exc}") from None
+        except Exception as exc:  # noqa: BLE001 - a malformed PDF trips pypdf in many ways: the file's fault
+            raise _Refused("invalid_file", f"the PDF cannot be read ({type(exc).__name__})") from None
+        if encrypted:
+            raise _Refused("unsupported_file", "the PDF is encrypted")
+        return text
     try:
         return content.decode("utf-8").removeprefix("\ufeff")
     except UnicodeDecodeError:

@@ -146,8 +146,13 @@ def test_what_cannot_be_read_fails_with_its_reason(server):
     empty = upload(c, "empty.txt", "   \n")
     broken = upload(c, "broken.pdf", b"%PDF-1.7\n\xff\xfe\x00\x01 not a PDF after all")
     gone = upload(c, "gone.txt", "soon deleted")
-    for fid in (binary, empty, broken):
+    locked = upload(c, "locked.pdf", _encrypted_pdf())
+    cut_short = upload(c, "short.pdf", tiny_pdf(["a page"])[:-60])
+    for fid in (binary, empty, broken, locked, cut_short):
         c.vector_stores.files.create(vector_store_id=store.id, file_id=fid)
+    assert poll(c, store.id, locked).last_error.code == "unsupported_file"
+    short = poll(c, store.id, cut_short)  # pypdf may mend a lost trailer; if not, it is the file's fault
+    assert short.status == "completed" or short.last_error.code == "invalid_file", short.last_error
     f = poll(c, store.id, binary)
     assert f.status == "failed" and f.last_error.code == "unsupported_file"
     assert poll(c, store.id, empty).last_error.code == "invalid_file"
@@ -157,11 +162,25 @@ def test_what_cannot_be_read_fails_with_its_reason(server):
         c.vector_stores.files.create(vector_store_id=store.id, file_id=gone)
     assert e.value.body["param"] == "file_id"
     counts = c.vector_stores.retrieve(store.id).file_counts
-    assert (counts.failed, counts.completed, counts.total) == (3, 0, 3)
+    assert (counts.failed, counts.total) == (4 + (short.status == "failed"), 5)
     metrics = httpx.get(f"{server.url}/metrics", timeout=30).text
     failed = next(line for line in metrics.splitlines() if line.startswith('tiergate_vector_store_files_read_total{outcome="failed"}'))
     assert float(failed.split()[-1]) >= 3 and "tiergate_vector_store_chunks_total" in metrics
-    assert [x.id for x in c.vector_stores.files.list(store.id, filter="failed", order="asc")] == [binary, empty, broken]
+    assert [x.id for x in c.vector_stores.files.list(store.id, filter="failed", order="asc")][:4] == \
+        [binary, empty, broken, locked]
+
+
+def _encrypted_pdf() -> bytes:
+    import io
+
+    from pypdf import PdfWriter
+
+    writer = PdfWriter()
+    writer.add_blank_page(72, 72)
+    writer.encrypt("secret", algorithm="RC4-128")
+    out = io.BytesIO()
+    writer.write(out)
+    return out.getvalue()
 
 
 def tiny_pdf(pages: list[str]) -> bytes:
