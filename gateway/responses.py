@@ -200,6 +200,7 @@ class ResponseJob:
     conversation_id: str | None = None  # the conversation it continues and adds its items to
     added: list[dict[str, Any]] = field(default_factory=list)  # its own input's items
     searched: dict[str, Any] | None = None  # its file_search_call output item, when it searched
+    sources: tuple[tuple[str, str], ...] = ()  # the files the search found (id, name), the best first
 
 
 # -- input items as chat messages ---------------------------------------------------------------------
@@ -466,7 +467,7 @@ async def plan_response(svc: Services, caller: Caller, store: ResponseStore | No
     with responses_names():
         chat = parse(ChatCompletionRequest, chat_body(body, system + conversation))
         job = await with_images(svc, plan_chat(svc, chat))
-        searched, found = await file_search(svc, caller, body, conversation)
+        searched, found, sources = await file_search(svc, caller, body, conversation)
         prompt = conversation  # what the model reads: with what the search found, after the question
         if searched is not None:
             prompt = _with_excerpts(conversation, found)
@@ -485,17 +486,18 @@ async def plan_response(svc: Services, caller: Caller, store: ResponseStore | No
             raise bad_request(f"duplicate item id '{item['id'][:80]}' (in this input or the conversation it continues)",
                               f"input[{i}].id", "duplicate_item_id")
         seen.add(item["id"])
-    return ResponseJob(job, conversation, body, items + given, conversation_id, given, searched)
+    return ResponseJob(job, conversation, body, items + given, conversation_id, given, searched, sources)
 
 
 FILE_SEARCH_RESULTS = "file_search_call.results"  # include: the results in the file_search_call item
 
 
-async def file_search(svc: Services, caller: Caller, body: ResponsesRequest,
-                      conversation: list[dict[str, Any]]) -> tuple[dict[str, Any] | None, str]:
+async def file_search(svc: Services, caller: Caller, body: ResponsesRequest, conversation: list[dict[str, Any]]
+                      ) -> tuple[dict[str, Any] | None, str, tuple[tuple[str, str], ...]]:
     """A ``file_search`` tool's search, run before the model answers: its ``file_search_call``
-    output item and the text the model reads of what it found; (None, "") when the request has no
-    such tool, ``tool_choice`` is ``none``, or there is no user text to search for.
+    output item, the text the model reads of what it found, and the files found (id, name; what
+    the answer may cite); (None, "", ()) when the request has no such tool, ``tool_choice`` is
+    ``none``, or there is no user text to search for.
 
     The query is the latest user message's text, searched in the tool's vector stores (each the
     caller's: a 404 naming ``tools[i].vector_store_ids[j]`` otherwise) as ``POST
@@ -505,7 +507,7 @@ async def file_search(svc: Services, caller: Caller, body: ResponsesRequest,
     (``_with_excerpts``)."""
     tools = [(i, t) for i, t in enumerate(body.tools or []) if isinstance(t, FileSearchTool)]
     if not tools:
-        return None, ""
+        return None, "", ()
     if len(tools) > 1:
         raise bad_request("at most one file_search tool", f"tools[{tools[1][0]}]")
     i, tool = tools[0]
@@ -527,7 +529,7 @@ async def file_search(svc: Services, caller: Caller, body: ResponsesRequest,
     options = tool.ranking_options or RankingOptions()
     hybrid = options.weights(f"tools[{i}].ranking_options")
     if body.tool_choice == "none" or not query.strip():
-        return None, ""
+        return None, "", ()
     hits = await search_stores(svc, svc.vector_stores, caller, found, [query], tool.filters, tool.max_num_results,
                                options.score_threshold, "input", hybrid)
     hits = await _readable(svc, body.model, hits)
@@ -535,7 +537,7 @@ async def file_search(svc: Services, caller: Caller, body: ResponsesRequest,
                for score, f, text in hits]
     item = {"id": new_item_id("fs"), "type": "file_search_call", "status": "completed", "queries": [query],
             "results": results if FILE_SEARCH_RESULTS in (body.include or ()) else None}
-    return item, _results_text(results)
+    return item, _results_text(results), tuple(dict.fromkeys((r["file_id"], r["filename"]) for r in results))
 
 
 def _with_excerpts(conversation: list[dict[str, Any]], found: str) -> list[dict[str, Any]]:
@@ -756,11 +758,25 @@ class Draft:
                               self.job.items, time.time() if self.background else None, self.request, self.runner)
 
 
-def message_item(item_id: str, text: str, status: str, logprobs: list | None) -> dict[str, Any]:
+def message_item(item_id: str, text: str, status: str, logprobs: list | None,
+                 annotations: list[dict[str, Any]] = ()) -> dict[str, Any]:
     """An assistant message of output text; its ``logprobs`` are ``[]`` when none were asked for, as
     OpenAI's (and as the streamed events already were)."""
-    part: dict[str, Any] = {"type": "output_text", "text": text, "annotations": [], "logprobs": logprobs or []}
+    part: dict[str, Any] = {"type": "output_text", "text": text, "annotations": list(annotations),
+                            "logprobs": logprobs or []}
     return {"id": item_id, "type": "message", "role": "assistant", "status": status, "content": [part]}
+
+
+def citations(text: str, sources: tuple[tuple[str, str], ...]) -> list[dict[str, Any]]:
+    """The ``file_citation`` annotations of an answer: one per file the search found whose name the
+    answer writes (ignoring case), at the end of its first mention, in the text's order. Only what
+    the text says: an answer that uses a file without naming it cites nothing."""
+    found = []
+    for file_id, filename in sources:
+        mention = re.search(re.escape(filename), text, re.IGNORECASE) if filename else None
+        if mention is not None:
+            found.append({"type": "file_citation", "index": mention.end(), "file_id": file_id, "filename": filename})
+    return sorted(found, key=lambda a: a["index"])
 
 
 def reasoning_item(item_id: str, text: str, status: str) -> dict[str, Any]:
@@ -798,7 +814,7 @@ def whole_output(draft: Draft) -> list[dict[str, Any]]:
     items = [draft.job.searched] if draft.job.searched else []
     items += [reasoning_item(new_item_id("rs"), "".join(r.reasoning), status)] if r.reasoning else []
     if text or not (r.calls.calls or r.reasoning):
-        items.append(message_item(new_item_id("msg"), text, status, logprobs))
+        items.append(message_item(new_item_id("msg"), text, status, logprobs, citations(text, draft.job.sources)))
     return items + [call_item(new_item_id("fc"), c, status) for c in r.calls.calls]
 
 
@@ -1041,10 +1057,13 @@ class ResponseEvents:
             item, self.text = self.text, None
             text = "".join(item.pop("_text", []))
             logprobs = item.pop("_logprobs", None)
-            final = message_item(item["id"], text, status, logprobs)
+            cited = citations(text, self.draft.job.sources)
+            final = message_item(item["id"], text, status, logprobs, cited)
             item.clear()
             item.update(final)
             part = final["content"][0]
+            out += [self.event("response.output_text.annotation.added", item_id=item["id"], output_index=self.index,
+                               content_index=0, annotation_index=k, annotation=a) for k, a in enumerate(cited)]
             out += [self.event("response.output_text.done", item_id=item["id"], output_index=self.index,
                                content_index=0, text=text, logprobs=logprobs or []),
                     self.event("response.content_part.done", item_id=item["id"], output_index=self.index,

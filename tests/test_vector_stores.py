@@ -837,6 +837,50 @@ def test_langchain_binds_the_file_search_tool(server, searchable):
     assert text["type"] == "text" and reply.text == text["text"]
 
 
+SOURCES = (("file-1", "handbook.md"), ("file-2", "FAQ (v2).pdf"), ("file-3", "notes.txt"))
+
+
+@pytest.mark.parametrize("text, want", [
+    ("See handbook.md.", [("file-1", 15)]),
+    ("Per the HANDBOOK.MD and faq (v2).pdf: yes", [("file-1", 19), ("file-2", 36)]),
+    ("faq (v2).pdf first, then handbook.md, then handbook.md again", [("file-2", 12), ("file-1", 36)]),
+    ("No file named here (handbook without its extension)", []),
+    ("", []),
+])
+def test_citations_are_the_files_the_answer_names(text, want):
+    from gateway.responses import citations
+
+    got = citations(text, SOURCES)
+    assert [(a["file_id"], a["index"]) for a in got] == want
+    assert all(a["type"] == "file_citation" and text[:a["index"]].lower().endswith(a["filename"].lower()) for a in got)
+
+
+def test_an_answer_naming_a_file_carries_its_citation_whole_and_streamed():
+    """whole_output and the streamed events put the same annotations on the message (no model: a
+    reply that names a file the search found, and one it did not)."""
+    import json
+
+    from gateway.chat import Reply
+    from gateway.responses import Draft, ResponseEvents, ResponseJob, ResponsesRequest, whole_output
+
+    job = ResponseJob(None, [], ResponsesRequest(model="tiny-chat", input="q"), [], sources=SOURCES)
+    whole = Draft("resp_x", job, "default", reply=Reply(0, content=["Read ", "notes.txt and other.md"],
+                                                        finish_reason="stop"))
+    [message] = whole_output(whole)
+    assert message["content"][0]["annotations"] == [
+        {"type": "file_citation", "index": 14, "file_id": "file-3", "filename": "notes.txt"}]
+
+    streamed = Draft("resp_y", job, "default")
+    s = ResponseEvents(streamed)
+    events = s.add_text("Read notes", None) + s.add_text(".txt and other.md", None) + s.close()
+    kinds = [json.loads(e.split("data: ", 1)[1]) for e in events]
+    added = [k for k in kinds if k["type"] == "response.output_text.annotation.added"]
+    assert [a["annotation"] for a in added] == message["content"][0]["annotations"]
+    assert added[0]["annotation_index"] == 0 and kinds.index(added[0]) < [k["type"] for k in kinds].index(
+        "response.output_text.done")
+    assert streamed.output[0]["content"][0]["annotations"] == message["content"][0]["annotations"]
+
+
 @pytest.mark.parametrize("tools, param, status", [
     ([{"type": "file_search", "vector_store_ids": ["vs_nope"]}], "tools[0].vector_store_ids[0]", 404),
     ([{"type": "file_search", "vector_store_ids": []}], "tools[0].vector_store_ids", 400),
