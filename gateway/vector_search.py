@@ -207,29 +207,39 @@ def _fused(semantic: np.ndarray, words: np.ndarray, allowed: np.ndarray, w_embed
     return (fused / ((w_embed + w_text) / (RRF_K + 1))).astype(np.float32)
 
 
+@dataclass
+class _Kept:
+    version: int  # the store's version when ``files`` was read
+    matrix: Matrix
+    files: dict[str, StoreFile]  # its completed files, as read then
+
+
 class Shelf:
     """The vector stores this process has loaded for search (``Matrix``), the least recently
-    searched dropped past ``budget`` bytes of vectors. A store is loaded again when its completed
-    files changed (a file added, read again or removed): each search reads only its files' records
-    to tell. One per process (``SHELF``); any process may change a store (Redis), so none trusts
-    its copy without that check."""
+    searched dropped past ``budget`` bytes of vectors. Any process may change a store (Redis), so
+    each search reads the store's version (one read): while it holds, the copy is current; when it
+    moved, the files' records are read, and the chunks only if the completed files changed (a file
+    added, read again or removed; new attributes need only the records). One per process
+    (``SHELF``)."""
 
     def __init__(self, budget: int) -> None:
         self.budget = budget
-        self._kept: OrderedDict[tuple[int, str], Matrix] = OrderedDict()
+        self._kept: OrderedDict[tuple[int, str], _Kept] = OrderedDict()
 
     async def load(self, stores: VectorStoreStore, store_id: str) -> tuple[Matrix, dict[str, StoreFile]]:
-        files = await stores.files(store_id)
-        key = tuple((f.id, f.token) for f in files if f.status == "completed")
         place = (id(stores), store_id)
-        m = self._kept.get(place)
-        if m is None or m.key != key:
-            m = Matrix.of(await stores.chunks(store_id))
-            self._kept[place] = m
+        version = await stores.version(store_id)
+        kept = self._kept.get(place)
+        if kept is None or version is None or kept.version != version:
+            files = [f for f in await stores.files(store_id) if f.status == "completed"]
+            key = tuple((f.id, f.token) for f in files)
+            m = kept.matrix if kept is not None and kept.matrix.key == key else Matrix.of(await stores.chunks(store_id))
+            kept = _Kept(version if version is not None else -1, m, {f.id: f for f in files})
+            self._kept[place] = kept
         self._kept.move_to_end(place)
-        while sum(kept.vectors.nbytes for kept in self._kept.values()) > self.budget and len(self._kept) > 1:
+        while sum(k.matrix.vectors.nbytes for k in self._kept.values()) > self.budget and len(self._kept) > 1:
             self._kept.popitem(last=False)
-        return m, {f.id: f for f in files if f.status == "completed"}
+        return kept.matrix, kept.files
 
 
 SHELF = Shelf(1 << 30)

@@ -5,7 +5,8 @@
   SQLite file; a file's chunks (their texts, and their vectors as one float32 matrix) in its row.
 * ``redis://...``: ``tg:vs:{id}`` holds a vector store, ``tg:vs-files:{id}`` (a hash by file id) its
   files, ``tg:vs-texts:{id}`` and ``tg:vs-vectors:{id}`` (hashes by file id) their chunks,
-  ``tg:vs-owned:{owner}`` (a set) a key's stores, ``tg:vs-order:{id}`` (a sorted set, by the
+  ``tg:vs-owned:{owner}`` (a set) a key's stores, ``tg:vs-version:{id}`` a counter of its files'
+  changes, ``tg:vs-order:{id}`` (a sorted set, by the
   counter ``tg:vs-seq``) the order its files were added in, and ``tg:vs-pending`` (a sorted set, by
   lease end) the files waiting to be read (``gateway.vector_store_redis``).
 
@@ -33,7 +34,8 @@ from gateway.service import Services
 from storage.redis import RedisKeys
 from storage.sqlite import SQLiteFile
 
-_SCHEMA = """CREATE TABLE IF NOT EXISTS vector_stores (id TEXT PRIMARY KEY, owner TEXT NOT NULL, doc TEXT NOT NULL);
+_SCHEMA = """CREATE TABLE IF NOT EXISTS vector_stores (
+    id TEXT PRIMARY KEY, owner TEXT NOT NULL, doc TEXT NOT NULL, version INTEGER NOT NULL DEFAULT 0);
 CREATE TABLE IF NOT EXISTS vector_store_files (
     vector_store_id TEXT NOT NULL, file_id TEXT NOT NULL, status TEXT NOT NULL, lease_until REAL NOT NULL,
     doc TEXT NOT NULL, texts TEXT, vectors BLOB, UNIQUE (vector_store_id, file_id));
@@ -198,6 +200,11 @@ class VectorStoreStore(abc.ABC):
         """``cancelled`` if this addition of the file is still waiting: it will not be read."""
 
     @abc.abstractmethod
+    async def version(self, store_id: str) -> int | None:
+        """A number that changes whenever the store's files do (added, changed, read, removed);
+        None when the store is gone. A search's copy of the store is current while it holds."""
+
+    @abc.abstractmethod
     async def chunks(self, store_id: str) -> list[Chunks]:
         """Every completed file's chunks, in the order of ``files``."""
 
@@ -266,6 +273,7 @@ class SQLiteVectorStores(SQLiteFile, VectorStoreStore):
                        (file.vector_store_id, file.id))  # then a new rowid: the files' order is the order added
             db.execute("INSERT INTO vector_store_files (vector_store_id, file_id, status, lease_until, doc) "
                        "VALUES (?, ?, ?, ?, ?)", (file.vector_store_id, file.id, file.status, file.lease_until, file.doc()))
+            self._changed(db, file.vector_store_id)
             return True
 
         return await self._call(self._tx, write)
@@ -286,6 +294,18 @@ class SQLiteVectorStores(SQLiteFile, VectorStoreStore):
         db.execute(f"UPDATE vector_store_files SET status = ?, lease_until = ?, doc = ?{sets} "
                    "WHERE vector_store_id = ? AND file_id = ?",
                    (file.status, file.lease_until, file.doc(), *chunks, file.vector_store_id, file.id))
+        self._changed(db, file.vector_store_id)
+
+    @staticmethod
+    def _changed(db: sqlite3.Connection, store_id: str) -> None:
+        db.execute("UPDATE vector_stores SET version = version + 1 WHERE id = ?", (store_id,))
+
+    async def version(self, store_id: str) -> int | None:
+        def read() -> int | None:
+            row = self._db.execute("SELECT version FROM vector_stores WHERE id = ?", (store_id,)).fetchone()
+            return row[0] if row else None
+
+        return await self._call(read)
 
     async def set_attributes(self, store_id: str, file_id: str, attributes: dict[str, Any]) -> StoreFile | None:
         def write(db: sqlite3.Connection) -> StoreFile | None:
@@ -299,8 +319,14 @@ class SQLiteVectorStores(SQLiteFile, VectorStoreStore):
         return await self._call(self._tx, write)
 
     async def delete_file(self, store_id: str, file_id: str) -> bool:
-        return await self._call(self._tx, lambda db: db.execute(
-            "DELETE FROM vector_store_files WHERE vector_store_id = ? AND file_id = ?", (store_id, file_id)).rowcount == 1)
+        def write(db: sqlite3.Connection) -> bool:
+            if db.execute("DELETE FROM vector_store_files WHERE vector_store_id = ? AND file_id = ?",
+                          (store_id, file_id)).rowcount != 1:
+                return False
+            self._changed(db, store_id)
+            return True
+
+        return await self._call(self._tx, write)
 
     async def claim(self, now: float, lease_s: float, limit: int) -> list[StoreFile]:
         def write(db: sqlite3.Connection) -> list[StoreFile]:
@@ -387,21 +413,22 @@ redis.call('SET', KEYS[1], ARGV[2])
 return 1
 """
 
-# KEYS store, owned, files, texts, vectors, order, pending; ARGV owner, store id: the owner's store
-# with its files, chunks and waiting files
+# KEYS store, owned, files, texts, vectors, order, pending, version; ARGV owner, store id: the owner's
+# store with its files, chunks and waiting files
 _DELETE = """
 local doc = redis.call('GET', KEYS[1])
 if not doc or cjson.decode(doc)['owner'] ~= ARGV[1] then return 0 end
 for _, file_id in ipairs(redis.call('HKEYS', KEYS[3])) do redis.call('ZREM', KEYS[7], ARGV[2] .. '\\n' .. file_id) end
-redis.call('DEL', KEYS[1], KEYS[3], KEYS[4], KEYS[5], KEYS[6])
+redis.call('DEL', KEYS[1], KEYS[3], KEYS[4], KEYS[5], KEYS[6], KEYS[8])
 redis.call('SREM', KEYS[2], ARGV[2])
 return 1
 """
 
-# KEYS store, files, texts, vectors, order, pending, seq; ARGV file id, doc, pending member, lease
-# ('' when not waiting): the file, last in the store's order, without chunks, while the store exists
+# KEYS store, files, texts, vectors, order, pending, seq, version; ARGV file id, doc, pending member,
+# lease ('' when not waiting): the file, last in the store's order, without chunks, while the store exists
 _ADD_FILE = """
 if redis.call('EXISTS', KEYS[1]) == 0 then return 0 end
+redis.call('INCR', KEYS[8])
 redis.call('HSET', KEYS[2], ARGV[1], ARGV[2])
 redis.call('HDEL', KEYS[3], ARGV[1])
 redis.call('HDEL', KEYS[4], ARGV[1])
@@ -410,9 +437,10 @@ if ARGV[4] == '' then redis.call('ZREM', KEYS[6], ARGV[3]) else redis.call('ZADD
 return 1
 """
 
-# KEYS files, texts, vectors, order, pending; ARGV file id, pending member
+# KEYS files, texts, vectors, order, pending, version; ARGV file id, pending member
 _DELETE_FILE = """
 if redis.call('HDEL', KEYS[1], ARGV[1]) == 0 then return 0 end
+redis.call('INCR', KEYS[6])
 redis.call('HDEL', KEYS[2], ARGV[1])
 redis.call('HDEL', KEYS[3], ARGV[1])
 redis.call('ZREM', KEYS[4], ARGV[1])
@@ -420,11 +448,12 @@ redis.call('ZREM', KEYS[5], ARGV[2])
 return 1
 """
 
-# KEYS files, pending, texts, vectors; ARGV file id, the doc read, the new doc, pending member, lease
-# ('' when not waiting)[, texts, vectors]: the new doc (and chunks) if the doc is still the one read
+# KEYS files, pending, texts, vectors, version; ARGV file id, the doc read, the new doc, pending member,
+# lease ('' when not waiting)[, texts, vectors]: the new doc (and chunks) if the doc is still the one read
 _SWAP = """
 if redis.call('HGET', KEYS[1], ARGV[1]) ~= ARGV[2] then return 0 end
 redis.call('HSET', KEYS[1], ARGV[1], ARGV[3])
+redis.call('INCR', KEYS[5])
 if ARGV[5] == '' then redis.call('ZREM', KEYS[2], ARGV[4]) else redis.call('ZADD', KEYS[2], ARGV[5], ARGV[4]) end
 if #ARGV > 5 then
   redis.call('HSET', KEYS[3], ARGV[1], ARGV[6])
@@ -489,12 +518,14 @@ class RedisVectorStores(RedisKeys, VectorStoreStore):
 
     async def delete(self, store_id: str, owner: str) -> bool:
         keys = [self.k("vs", store_id), self.k("vs-owned", owner),
-                *self._of(store_id, "vs-files", "vs-texts", "vs-vectors", "vs-order"), self._pending]
+                *self._of(store_id, "vs-files", "vs-texts", "vs-vectors", "vs-order"), self._pending,
+                self.k("vs-version", store_id)]
         return bool(await self._delete(keys=keys, args=[owner, store_id]))
 
     async def add_file(self, file: StoreFile) -> bool:
         s = file.vector_store_id
-        keys = [*self._of(s, "vs", "vs-files", "vs-texts", "vs-vectors", "vs-order"), self._pending, self.k("vs-seq")]
+        keys = [*self._of(s, "vs", "vs-files", "vs-texts", "vs-vectors", "vs-order"), self._pending, self.k("vs-seq"),
+                self.k("vs-version", s)]
         return bool(await self._add_file(keys=keys, args=[file.id, file.doc(), self._member(s, file.id), self._lease(file)]))
 
     async def files(self, store_id: str) -> list[StoreFile]:
@@ -513,7 +544,7 @@ class RedisVectorStores(RedisKeys, VectorStoreStore):
         """The file's doc replaced by ``change(doc)`` (with ``chunks``: its texts and vectors); None
         when the file is not there or ``change`` returns None. When another write lands between the
         read and the write, it is read and changed again: each lost round is another call's write."""
-        keys = [self.k("vs-files", store_id), self._pending, *self._of(store_id, "vs-texts", "vs-vectors")]
+        keys = [self.k("vs-files", store_id), self._pending, *self._of(store_id, "vs-texts", "vs-vectors", "vs-version")]
         while True:
             raw = await self._r.hget(keys[0], file_id)
             changed = change(StoreFile.of(raw)) if raw else None
@@ -534,8 +565,16 @@ class RedisVectorStores(RedisKeys, VectorStoreStore):
         return await self._change(store_id, file_id, lambda f: replace(f, attributes=attributes))
 
     async def delete_file(self, store_id: str, file_id: str) -> bool:
-        keys = [*self._of(store_id, "vs-files", "vs-texts", "vs-vectors", "vs-order"), self._pending]
+        keys = [*self._of(store_id, "vs-files", "vs-texts", "vs-vectors", "vs-order"), self._pending,
+                self.k("vs-version", store_id)]
         return bool(await self._delete_file(keys=keys, args=[file_id, self._member(store_id, file_id)]))
+
+    async def version(self, store_id: str) -> int | None:
+        async with self._r.pipeline(transaction=True) as tx:
+            tx.exists(self.k("vs", store_id))
+            tx.get(self.k("vs-version", store_id))
+            there, version = await tx.execute()
+        return int(version or 0) if there else None
 
     async def claim(self, now: float, lease_s: float, limit: int) -> list[StoreFile]:
         """The due files in the order added, among the first ``CLAIM_WINDOW`` (or ``limit``, if more)

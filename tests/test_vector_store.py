@@ -32,7 +32,11 @@ async def _contract(store: VectorStoreStore) -> None:
 
         # files: added, listed in order, a second addition replaces the first
         f1, f2 = _file("vs_a", "file-1", "t1", attributes={"lang": "en"}), _file("vs_a", "file-2", "t2")
+        v0 = await store.version("vs_a")
+        assert v0 is not None and await store.version("vs_x") is None
         assert await store.add_file(f1) and await store.add_file(f2)
+        v1 = await store.version("vs_a")
+        assert v1 != v0 and await store.version("vs_b") == await store.version("vs_b")
         assert not await store.add_file(_file("vs_gone", "file-1", "t9"))
         assert [f.id for f in await store.files("vs_a")] == ["file-1", "file-2"]
         assert await store.file("vs_a", "file-1") == f1 and await store.file("vs_b", "file-1") is None
@@ -47,7 +51,13 @@ async def _contract(store: VectorStoreStore) -> None:
 
         # finishing: chunks and counts; only the addition that was claimed
         vectors = np.arange(6, dtype=np.float32).reshape(2, 3)
+        before = await store.version("vs_a")
         assert await store.finish(taken[0], ["hello", "wörld"], vectors)
+        assert await store.version("vs_a") != before
+        unchanged = await store.version("vs_a")
+        assert await store.update(VectorStore("vs_a", "k", 10, "a2", "tiny-embed", {}, None, None, 60))
+        assert await store.version("vs_a") == unchanged  # the store's own fields are not its files'
+        assert not await store.finish(taken[0], ["again"], vectors[:1]) and await store.version("vs_a") == unchanged
         done = await store.file("vs_a", "file-1")
         assert (done.status, done.chunks, done.usage_bytes, done.lease_until) == ("completed", 2, 11, 0.0)
         assert done.attributes == {"lang": "en"}
@@ -60,7 +70,9 @@ async def _contract(store: VectorStoreStore) -> None:
         assert chunks.vectors.dtype == np.float32 and np.array_equal(chunks.vectors, vectors)
 
         # attributes change without touching chunks or status
+        before = await store.version("vs_a")
         changed = await store.set_attributes("vs_a", "file-1", {"lang": "de", "n": 2})
+        assert await store.version("vs_a") != before
         assert changed.attributes == {"lang": "de", "n": 2} and changed.status == "completed"
         assert (await store.chunks("vs_a"))[0].file.attributes == {"lang": "de", "n": 2}
         assert await store.set_attributes("vs_a", "nope", {}) is None
@@ -95,11 +107,14 @@ async def _contract(store: VectorStoreStore) -> None:
         assert await store.finish(re, ["only"], vectors[:1])
 
         # deleting a file, then the store: chunks and waiting files go with them
+        before = await store.version("vs_a")
         assert await store.delete_file("vs_a", "file-2") and not await store.delete_file("vs_a", "file-2")
+        assert await store.version("vs_a") != before
         assert [f.id for f in await store.files("vs_a")] == ["file-1"]
         assert await store.add_file(_file("vs_b", "file-9", "t5"))
         assert not await store.delete("vs_b", "other")
         assert await store.delete("vs_b", "k") and not await store.delete("vs_b", "k")
+        assert await store.version("vs_b") is None
         assert await store.files("vs_b") == [] and await store.claim(9000.0, 30.0, 10) == []
         assert [s.id for s in await store.list("k")] == ["vs_a"]
         assert [c.texts for c in await store.chunks("vs_a")] == [["only"]]

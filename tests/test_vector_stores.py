@@ -645,14 +645,18 @@ def test_the_shelf_loads_a_store_again_only_when_its_files_changed(tmp_path):
     async def run():
         store = SQLiteVectorStores(tmp_path / "x.sqlite3")
         await store.open()
-        loads = []
-        real = store.chunks
+        loads, reads = [], []
+        real_chunks, real_files = store.chunks, store.files
 
         async def counted(store_id):
             loads.append(store_id)
-            return await real(store_id)
+            return await real_chunks(store_id)
 
-        store.chunks = counted
+        async def read(store_id):
+            reads.append(store_id)
+            return await real_files(store_id)
+
+        store.chunks, store.files = counted, read
         try:
             await store.create(VectorStore("vs", "k", 0, "n", "m"))
             for fid in ("f1", "f2"):
@@ -662,10 +666,12 @@ def test_the_shelf_loads_a_store_again_only_when_its_files_changed(tmp_path):
             shelf = Shelf(1 << 20)
             m, files = await shelf.load(store, "vs")
             assert m.ids == ["f1"] and set(files) == {"f1"} and len(loads) == 1
-            assert (await shelf.load(store, "vs"))[0] is m and len(loads) == 1  # unchanged: kept
+            assert (await shelf.load(store, "vs"))[0] is m and (len(loads), len(reads)) == (1, 1)  # one version read
             await store.set_attributes("vs", "f1", {"x": 1})  # attributes come fresh, the matrix stays
             m2, files = await shelf.load(store, "vs")
-            assert m2 is m and files["f1"].attributes == {"x": 1} and len(loads) == 1
+            assert m2 is m and files["f1"].attributes == {"x": 1} and (len(loads), len(reads)) == (1, 2)
+            await store.update(VectorStore("vs", "k", 0, "renamed", "m", last_active_at=5))  # not its files
+            assert (await shelf.load(store, "vs"))[0] is m and (len(loads), len(reads)) == (1, 2)
             await store.finish(f2, ["c"], np.ones((1, 2), np.float32))  # a file read: loaded again
             m3, _ = await shelf.load(store, "vs")
             assert m3.ids == ["f1", "f2"] and len(loads) == 2
