@@ -830,6 +830,28 @@ def test_file_search_in_a_batch_line(server, searchable):
     assert search["type"] == "file_search_call" and search["queries"] == [QUESTION] and search["results"]
 
 
+def test_the_demo_script_runs_end_to_end(server, tmp_path):
+    """scripts/file_search_demo.py (the README's way to try it) against a real server, on a text
+    file and a PDF."""
+    import re
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    (tmp_path / "animals.txt").write_text(DOC_B)
+    (tmp_path / "guide.pdf").write_bytes(tiny_pdf(["The gateway admits paid requests first."]))
+    script = Path(__file__).resolve().parent.parent / "scripts" / "file_search_demo.py"
+    run = subprocess.run([sys.executable, str(script), "--base-url", server.base_url, "--api-key", server.keys["paid"],
+                          "--question", "Where is the lazy dog?", str(tmp_path / "animals.txt"),
+                          str(tmp_path / "guide.pdf")], capture_output=True, text=True, timeout=120)
+    assert run.returncode == 0, run.stderr
+    assert "read 2 of 2 files" in run.stdout and "search: Where is the lazy dog?" in run.stdout
+    assert "animals.txt:" in run.stdout and re.search(r"tiny-chat read [1-3] excerpts and answered", run.stdout), run.stdout
+    store_id = run.stdout.split()[2]
+    with pytest.raises(openai.NotFoundError):  # deleted at the end
+        client(server).vector_stores.retrieve(store_id)
+
+
 def test_langchain_binds_the_file_search_tool(server, searchable):
     """LangChain's ChatOpenAI on the Responses API with the built-in tool bound, as its docs show."""
     from langchain_openai import ChatOpenAI
