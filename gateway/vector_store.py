@@ -225,6 +225,10 @@ class SQLiteVectorStores(SQLiteFile, VectorStoreStore):
     def __init__(self, path: Path) -> None:
         super().__init__(path, _SCHEMA, "tiergate-vector-stores")
 
+    def _migrate(self, db: sqlite3.Connection) -> None:
+        if "version" not in {row[1] for row in db.execute("PRAGMA table_info(vector_stores)")}:
+            db.execute("ALTER TABLE vector_stores ADD COLUMN version INTEGER NOT NULL DEFAULT 0")  # a file from before it
+
     def _get(self, store_id: str, owner: str) -> VectorStore | None:
         row = self._db.execute("SELECT doc FROM vector_stores WHERE id = ? AND owner = ?", (store_id, owner)).fetchone()
         return VectorStore.of(row[0]) if row else None

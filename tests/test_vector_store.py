@@ -138,6 +138,29 @@ async def _backlog(store: VectorStoreStore) -> None:
         await store.close()
 
 
+def test_a_sqlite_file_from_before_versions_is_brought_up_to_date(tmp_path):
+    import sqlite3
+
+    path = tmp_path / "old.sqlite3"
+    db = sqlite3.connect(path)
+    db.execute("CREATE TABLE vector_stores (id TEXT PRIMARY KEY, owner TEXT NOT NULL, doc TEXT NOT NULL)")
+    db.execute("INSERT INTO vector_stores VALUES ('vs_old', 'k', ?)", (VectorStore("vs_old", "k", 1, "old", "m").doc(),))
+    db.commit()
+    db.close()
+
+    async def run() -> None:
+        store = SQLiteVectorStores(path)
+        await store.open()
+        try:
+            assert await store.version("vs_old") == 0 and (await store.get("vs_old", "k")).name == "old"
+            assert await store.add_file(_file("vs_old", "file-1", "t1"))
+            assert await store.version("vs_old") == 1
+        finally:
+            await store.close()
+
+    asyncio.run(run())
+
+
 def test_sqlite_store(tmp_path):
     asyncio.run(_contract(SQLiteVectorStores(tmp_path / "batches.sqlite3")))
     asyncio.run(_backlog(SQLiteVectorStores(tmp_path / "backlog.sqlite3")))
