@@ -54,6 +54,7 @@ from batch.store import BatchInfo, FileInfo, Job, Line, Outcome, Store
 from gateway.auth import Caller, Metering
 from gateway.errors import APIError
 from gateway.service import Services
+from storage import on_backend
 from storage.redis import honour_cancel
 
 log = logging.getLogger("tiergate.batches")
@@ -74,12 +75,9 @@ def runner_for(svc: Services) -> Runner:
 
 
 def open_store(spec: str, data_dir: Path) -> Store:
-    """``"sqlite"`` -> a file in ``data_dir``; ``redis://...`` -> Redis at that URL."""
-    if spec == "sqlite":
-        return SQLiteStore(data_dir / "batches.sqlite3")
-    if spec.startswith(("redis://", "rediss://")):
-        return RedisStore(spec)
-    raise ValueError(f"unknown batch store {spec!r}: use 'sqlite' or a redis:// URL")
+    """The batch store on ``spec``'s backend (``storage.on_backend``): the batch store's SQLite file in
+    ``data_dir``, or Redis at that URL."""
+    return on_backend(spec, lambda: SQLiteStore(data_dir / "batches.sqlite3"), RedisStore)
 
 
 class Runner:

@@ -25,6 +25,7 @@ from dataclasses import asdict, dataclass, replace
 from pathlib import Path
 from typing import Any
 
+from storage import on_backend
 from storage.redis import RedisKeys
 from storage.sqlite import SweptFile
 
@@ -243,12 +244,9 @@ class RedisUploads(RedisKeys, UploadStore):
 
 
 def open_uploads(spec: str, data_dir: Path) -> UploadStore:
-    """``"sqlite"`` -> the batch store's file in ``data_dir``; ``redis://...`` -> Redis at that URL."""
-    if spec == "sqlite":
-        return SQLiteUploads(data_dir / "batches.sqlite3")
-    if spec.startswith(("redis://", "rediss://")):
-        return RedisUploads(spec, "tg:")
-    raise ValueError(f"unknown store {spec!r}: use 'sqlite' or a redis:// URL")
+    """The uploads on ``spec``'s backend (``storage.on_backend``): the batch store's SQLite file in
+    ``data_dir``, or Redis at that URL."""
+    return on_backend(spec, lambda: SQLiteUploads(data_dir / "batches.sqlite3"), lambda url: RedisUploads(url, "tg:"))
 
 
 def uploads_for(svc: Any) -> UploadStore:

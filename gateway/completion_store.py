@@ -27,6 +27,7 @@ from pathlib import Path
 from typing import Any
 
 from gateway.service import Services
+from storage import on_backend
 from storage.retention import Retained
 from storage.sqlite import SweptFile
 
@@ -268,12 +269,9 @@ class RedisCompletions(CompletionStore):
 
 
 def open_completions(spec: str, data_dir: Path, retention_s: float | None = None) -> CompletionStore:
-    """``"sqlite"`` -> the batch store's file in ``data_dir``; ``redis://...`` -> Redis at that URL."""
-    if spec == "sqlite":
-        return SQLiteCompletions(data_dir / "batches.sqlite3", retention_s)
-    if spec.startswith(("redis://", "rediss://")):
-        return RedisCompletions(spec, retention_s=retention_s)
-    raise ValueError(f"unknown store {spec!r}: use 'sqlite' or a redis:// URL")
+    """The stored chat completions on ``spec``'s backend (``storage.on_backend``): the batch store's SQLite file in
+    ``data_dir``, or Redis at that URL."""
+    return on_backend(spec, lambda: SQLiteCompletions(data_dir / "batches.sqlite3", retention_s), lambda url: RedisCompletions(url, retention_s=retention_s))
 
 
 def completions_for(svc: Services) -> CompletionStore:

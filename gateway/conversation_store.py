@@ -22,6 +22,7 @@ from pathlib import Path
 from typing import Any
 
 from gateway.service import Services
+from storage import on_backend
 from storage.sqlite import SQLiteFile
 
 _SCHEMA = """CREATE TABLE IF NOT EXISTS conversations (
@@ -244,12 +245,9 @@ class RedisConversations(ConversationStore):
 
 
 def open_conversations(spec: str, data_dir: Path) -> ConversationStore:
-    """``"sqlite"`` -> the batch store's file in ``data_dir``; ``redis://...`` -> Redis at that URL."""
-    if spec == "sqlite":
-        return SQLiteConversations(data_dir / "batches.sqlite3")
-    if spec.startswith(("redis://", "rediss://")):
-        return RedisConversations(spec)
-    raise ValueError(f"unknown store {spec!r}: use 'sqlite' or a redis:// URL")
+    """The conversations on ``spec``'s backend (``storage.on_backend``): the batch store's SQLite file in
+    ``data_dir``, or Redis at that URL."""
+    return on_backend(spec, lambda: SQLiteConversations(data_dir / "batches.sqlite3"), RedisConversations)
 
 
 def conversations_for(svc: Services) -> ConversationStore:

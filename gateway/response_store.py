@@ -47,6 +47,7 @@ from typing import Any, AsyncIterator
 from redis.exceptions import RedisError
 
 from gateway.service import Services
+from storage import on_backend
 from storage.redis import honour_cancel
 from storage.retention import Retained
 from storage.sqlite import SweptFile
@@ -392,12 +393,9 @@ class RedisResponses(ResponseStore):
 
 
 def open_responses(spec: str, data_dir: Path, retention_s: float | None = None) -> ResponseStore:
-    """``"sqlite"`` -> the batch store's file in ``data_dir``; ``redis://...`` -> Redis at that URL."""
-    if spec == "sqlite":
-        return SQLiteResponses(data_dir / "batches.sqlite3", retention_s)
-    if spec.startswith(("redis://", "rediss://")):
-        return RedisResponses(spec, retention_s=retention_s)
-    raise ValueError(f"unknown store {spec!r}: use 'sqlite' or a redis:// URL")
+    """The stored responses on ``spec``'s backend (``storage.on_backend``): the batch store's SQLite file in
+    ``data_dir``, or Redis at that URL."""
+    return on_backend(spec, lambda: SQLiteResponses(data_dir / "batches.sqlite3", retention_s), lambda url: RedisResponses(url, retention_s=retention_s))
 
 
 def responses_for(svc: Services) -> ResponseStore:

@@ -22,6 +22,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from storage import on_backend
 from storage.redis import RedisKeys
 from storage.sqlite import SQLiteFile
 
@@ -204,9 +205,6 @@ class RedisOutbox(RedisKeys, Outbox):
 
 
 def open_outbox(spec: str, data_dir: Path, window_s: float) -> Outbox:
-    """``"sqlite"`` -> the batch store's file in ``data_dir``; ``redis://...`` -> Redis at that URL."""
-    if spec == "sqlite":
-        return SQLiteOutbox(data_dir / "batches.sqlite3")
-    if spec.startswith(("redis://", "rediss://")):
-        return RedisOutbox(spec, window_s)
-    raise ValueError(f"unknown store {spec!r}: use 'sqlite' or a redis:// URL")
+    """The webhook outbox on ``spec``'s backend (``storage.on_backend``): the batch store's SQLite file in
+    ``data_dir``, or Redis at that URL."""
+    return on_backend(spec, lambda: SQLiteOutbox(data_dir / "batches.sqlite3"), lambda url: RedisOutbox(url, window_s))
