@@ -92,6 +92,7 @@ def matches(f: dict[str, Any], attributes: dict[str, Any]) -> bool:
 
 
 _WORD = re.compile(r"\w+")
+ACTIVE_EVERY_S = 60  # how stale a store's last_active_at may be before a search writes it
 RRF_K = 60  # reciprocal rank fusion's constant, as in its paper (Cormack et al., 2009)
 
 
@@ -257,7 +258,8 @@ async def search_stores(svc: Services, stores: VectorStoreStore, caller: Caller,
     """The best ``limit`` chunks of the vector stores ``found`` for ``queries`` (``rank``, off the
     event loop), best first. The queries are embedded with each store's model as one request of
     ``caller``, through the gate; one over the model's context is a 400 naming ``param``. Each
-    store searched is active now (its expiry counts from here)."""
+    store searched is active now: its expiry counts from here (``last_active_at`` is written when
+    it is ``ACTIVE_EVERY_S`` old or more)."""
     hits: list[tuple[float, StoreFile, str]] = []
     for model in dict.fromkeys(store.model for store in found):
         encoder = await encoder_of(svc, model)
@@ -271,8 +273,9 @@ async def search_stores(svc: Services, stores: VectorStoreStore, caller: Caller,
                 m, files = await SHELF.load(stores, store.id)
                 hits += await asyncio.to_thread(rank, m, files, vectors, filters, limit, threshold, hybrid, queries)
     now = int(time.time())
-    for store in found:
-        await stores.update(replace(store, last_active_at=now))
+    for store in found:  # expiry is in days: a store searched all day is written once a minute, not per search
+        if now - store.last_active_at >= ACTIVE_EVERY_S:
+            await stores.update(replace(store, last_active_at=now))
     hits.sort(key=lambda hit: -hit[0])
     return hits[:limit]
 

@@ -26,11 +26,12 @@ import json
 import sqlite3
 from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
-from typing import Any, Callable
+from typing import Any, Callable, Self
 
 import numpy as np
 
 from gateway.service import Services
+from storage import on_backend
 from storage.redis import RedisKeys
 from storage.sqlite import SQLiteFile
 
@@ -42,8 +43,19 @@ CREATE TABLE IF NOT EXISTS vector_store_files (
 CREATE INDEX IF NOT EXISTS vector_store_files_waiting ON vector_store_files (status, lease_until);"""
 
 
+class _Kept:
+    """A record kept as one JSON document of its fields (a SQLite column, a Redis value)."""
+
+    def doc(self) -> str:
+        return json.dumps(asdict(self))
+
+    @classmethod
+    def of(cls, doc: str | bytes) -> Self:
+        return cls(**json.loads(doc))
+
+
 @dataclass(frozen=True)
-class VectorStore:
+class VectorStore(_Kept):
     id: str
     owner: str
     created_at: int
@@ -71,16 +83,10 @@ class VectorStore:
                 "expires_at": self.expires_at, "last_active_at": self.last_active_at, "metadata": self.metadata,
                 "model": self.model}
 
-    def doc(self) -> str:
-        return json.dumps(asdict(self))
-
-    @classmethod
-    def of(cls, doc: str | bytes) -> "VectorStore":
-        return cls(**json.loads(doc))
 
 
 @dataclass(frozen=True)
-class StoreFile:
+class StoreFile(_Kept):
     """A file in a vector store: which addition of it (``token``), who added it at which tier (its
     chunks are embedded as that key's requests), how it is cut, and how far it got."""
 
@@ -108,12 +114,6 @@ class StoreFile:
                 "chunking_strategy": {"type": "static", "static": {"max_chunk_size_tokens": self.chunk_tokens,
                                                                    "chunk_overlap_tokens": self.overlap_tokens}}}
 
-    def doc(self) -> str:
-        return json.dumps(asdict(self))
-
-    @classmethod
-    def of(cls, doc: str | bytes) -> "StoreFile":
-        return cls(**json.loads(doc))
 
 
 @dataclass(frozen=True)
@@ -641,12 +641,9 @@ class RedisVectorStores(RedisKeys, VectorStoreStore):
 
 
 def open_vector_stores(spec: str, data_dir: Path) -> VectorStoreStore:
-    """``"sqlite"`` -> the batch store's file in ``data_dir``; ``redis://...`` -> Redis at that URL."""
-    if spec == "sqlite":
-        return SQLiteVectorStores(data_dir / "batches.sqlite3")
-    if spec.startswith(("redis://", "rediss://")):
-        return RedisVectorStores(spec)
-    raise ValueError(f"unknown store {spec!r}: use 'sqlite' or a redis:// URL")
+    """The vector stores on ``spec``'s backend (``storage.on_backend``): the batch store's SQLite file in
+    ``data_dir``, or Redis at that URL."""
+    return on_backend(spec, lambda: SQLiteVectorStores(data_dir / "batches.sqlite3"), RedisVectorStores)
 
 
 def vector_stores_for(svc: Services) -> VectorStoreStore:

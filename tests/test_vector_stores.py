@@ -356,11 +356,16 @@ def test_an_expired_store_is_shown_expired_and_refuses_search_and_files(server):
     c = client(server)
     made = c.vector_stores.create(name="short", expires_after={"anchor": "last_active_at", "days": 1})
     assert made.expires_after.days == 1 and made.expires_at == made.last_active_at + 86400
+    owner = server.services.keys.lookup(server.keys["paid"]).key_id
+    stores = server.app.state.vector_stores
+    stored = server.wait(stores.get(made.id, owner))
+    server.wait(stores.update(replace(stored, last_active_at=stored.last_active_at - 3600)))  # idle an hour
     c.vector_stores.search(made.id, query="x")  # a search makes it active: its expiry counts from now
     active = c.vector_stores.retrieve(made.id)
-    assert active.last_active_at >= made.last_active_at and active.status == "completed"
-    owner = server.services.keys.lookup(server.keys["paid"]).key_id
-    stored = server.wait(server.app.state.vector_stores.get(made.id, owner))
+    assert active.last_active_at >= time.time() - 5 and active.status == "completed"
+    c.vector_stores.search(made.id, query="y")  # again within the minute: not written again
+    assert c.vector_stores.retrieve(made.id).last_active_at == active.last_active_at
+    stored = server.wait(stores.get(made.id, owner))
     server.wait(server.app.state.vector_stores.update(replace(stored, last_active_at=stored.last_active_at - 2 * 86400)))
     assert c.vector_stores.retrieve(made.id).status == "expired"
     for call in (lambda: c.vector_stores.search(made.id, query="x"),
