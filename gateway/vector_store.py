@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import abc
 import json
+import re
 import sqlite3
 from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
@@ -40,7 +41,8 @@ _SCHEMA = """CREATE TABLE IF NOT EXISTS vector_stores (
 CREATE TABLE IF NOT EXISTS vector_store_files (
     vector_store_id TEXT NOT NULL, file_id TEXT NOT NULL, status TEXT NOT NULL, lease_until REAL NOT NULL,
     doc TEXT NOT NULL, texts TEXT, vectors BLOB, UNIQUE (vector_store_id, file_id));
-CREATE INDEX IF NOT EXISTS vector_store_files_waiting ON vector_store_files (status, lease_until);"""
+CREATE INDEX IF NOT EXISTS vector_store_files_waiting ON vector_store_files (status, lease_until);
+CREATE INDEX IF NOT EXISTS vector_store_files_by_file ON vector_store_files (file_id);"""
 
 
 class _Kept:
@@ -175,6 +177,15 @@ class VectorStoreStore(abc.ABC):
     @abc.abstractmethod
     async def delete_file(self, store_id: str, file_id: str) -> bool:
         """Remove the file and its chunks from the store; False when it is not there."""
+
+    @abc.abstractmethod
+    async def holding(self, file_id: str) -> list[str]:
+        """The ids of every store (of any owner) the file is in."""
+
+    async def remove_everywhere(self, file_id: str) -> list[str]:
+        """Remove the file and its chunks from every store it is in (the file itself is being
+        deleted: nothing of its text may stay searchable); the ids of the stores it left."""
+        return [store_id for store_id in await self.holding(file_id) if await self.delete_file(store_id, file_id)]
 
     @abc.abstractmethod
     async def claim(self, now: float, lease_s: float, limit: int) -> list[StoreFile]:
@@ -331,6 +342,14 @@ class SQLiteVectorStores(SQLiteFile, VectorStoreStore):
             return True
 
         return await self._call(self._tx, write)
+
+    async def holding(self, file_id: str) -> list[str]:
+        def read() -> list[str]:
+            rows = self._db.execute("SELECT vector_store_id FROM vector_store_files WHERE file_id = ? ORDER BY vector_store_id",
+                                    (file_id,))
+            return [row[0] for row in rows]
+
+        return await self._call(read)
 
     async def claim(self, now: float, lease_s: float, limit: int) -> list[StoreFile]:
         def write(db: sqlite3.Connection) -> list[StoreFile]:
@@ -572,6 +591,17 @@ class RedisVectorStores(RedisKeys, VectorStoreStore):
         keys = [*self._of(store_id, "vs-files", "vs-texts", "vs-vectors", "vs-order"), self._pending,
                 self.k("vs-version", store_id)]
         return bool(await self._delete_file(keys=keys, args=[file_id, self._member(store_id, file_id)]))
+
+    async def holding(self, file_id: str) -> list[str]:
+        """A scan of every store's file hash (files are deleted rarely; no reverse index to keep)."""
+        files_of = self.k("vs-files", "")
+        pattern = re.sub(r"([*?\[\]\\])", r"\\\1", files_of) + "*"  # the prefix matched as written
+        ids = sorted([key.decode().removeprefix(files_of) async for key in self._r.scan_iter(match=pattern, count=1000)])
+        async with self._r.pipeline(transaction=False) as p:
+            for store_id in ids:
+                p.hexists(self.k("vs-files", store_id), file_id)
+            there = await p.execute() if ids else []
+        return [store_id for store_id, held in zip(ids, there) if held]
 
     async def version(self, store_id: str) -> int | None:
         async with self._r.pipeline(transaction=True) as tx:

@@ -11,8 +11,8 @@ from gateway.vector_store import RedisVectorStores, SQLiteVectorStores, StoreFil
 from tests.helpers import redis_server
 
 
-def _file(store_id: str, file_id: str, token: str, **kw) -> StoreFile:
-    return StoreFile(store_id, file_id, token, "k", "paid", 100, f"{file_id}.txt", 80, 40, **kw)
+def _file(store_id: str, file_id: str, token: str, owner: str = "k", **kw) -> StoreFile:
+    return StoreFile(store_id, file_id, token, owner, "paid", 100, f"{file_id}.txt", 80, 40, **kw)
 
 
 async def _contract(store: VectorStoreStore) -> None:
@@ -118,6 +118,18 @@ async def _contract(store: VectorStoreStore) -> None:
         assert await store.files("vs_b") == [] and await store.claim(9000.0, 30.0, 10) == []
         assert [s.id for s in await store.list("k")] == ["vs_a"]
         assert [c.texts for c in await store.chunks("vs_a")] == [["only"]]
+
+        # a file deleted from /v1/files leaves every store it is in, of any owner, with its chunks
+        assert await store.add_file(_file("vs_c", "file-1", "t7", owner="other"))
+        assert await store.add_file(_file("vs_c", "file-5", "t8", owner="other"))
+        assert await store.holding("file-1") == ["vs_a", "vs_c"] and await store.holding("nope") == []
+        before = await store.version("vs_a")
+        assert await store.remove_everywhere("file-1") == ["vs_a", "vs_c"]
+        assert await store.holding("file-1") == [] and await store.chunks("vs_a") == []
+        assert await store.version("vs_a") != before
+        assert [f.id for f in await store.files("vs_c")] == ["file-5"]  # the other files stay
+        assert await store.remove_everywhere("file-1") == []
+        assert await store.delete("vs_c", "other") and await store.holding("file-5") == []
     finally:
         await store.close()
 

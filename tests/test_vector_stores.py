@@ -269,6 +269,24 @@ def test_only_documents_and_only_the_owner(server):
         c.files.create(file=("x.txt", b"x"), purpose="fine-tune")
 
 
+def test_deleting_a_file_takes_its_text_out_of_every_store(server):
+    c = client(server)
+    secret, kept = upload(c, "secret.txt", "The vault code is swordfish. " * 8), upload(c, "kept.txt", DOC_B)
+    one = c.vector_stores.create(name="one", file_ids=[secret, kept])
+    two = c.vector_stores.create(name="two", file_ids=[secret])
+    assert {poll(c, s.id, f).status for s, f in ((one, secret), (one, kept), (two, secret))} == {"completed"}
+    assert secret in {h.file_id for h in c.vector_stores.search(two.id, query="vault code").data}
+
+    assert c.files.delete(secret).deleted
+    assert [f.id for f in c.vector_stores.files.list(one.id)] == [kept]
+    assert list(c.vector_stores.files.list(two.id)) == []
+    for store in (one, two):
+        assert secret not in {h.file_id for h in c.vector_stores.search(store.id, query="vault code", max_num_results=50).data}
+    assert c.vector_stores.retrieve(two.id).file_counts.total == 0
+    with pytest.raises(openai.NotFoundError):
+        c.vector_stores.files.content(secret, vector_store_id=one.id)
+
+
 def test_file_batches_are_added_followed_and_cancelled_together(server):
     c = client(server)
     store = c.vector_stores.create(name="batches")
