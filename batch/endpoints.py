@@ -48,6 +48,7 @@ async def chat(svc: Services, caller: Caller, data: dict) -> Result:
     body = parse(ChatCompletionRequest, data)
     if body.stream:
         raise bad_request("stream is not supported in a batch", "stream")
+    await svc.adapters.ready(body.model, body.adapters)
     job = await with_images(svc, plan_chat(svc, body))
     replies, tier = await collect(serve_chat(svc, caller, job, None))
     return completion(f"chatcmpl-{uuid.uuid4().hex}", body.model, replies, tier, svc, job.tools.legacy)
@@ -57,6 +58,7 @@ async def images(svc: Services, caller: Caller, data: dict) -> Result:
     body = parse(ImageGenerationRequest, data)
     if body.stream:
         raise bad_request("stream is not supported in a batch (a line's output is the image)", "stream")
+    await svc.adapters.ready(body.model, body.adapters)
     job = plan_images(svc, body)
     if body.response_format == "url":  # a url is served to a live request's key for minutes
         raise bad_request("response_format 'url' is only for live requests; use b64_json", "response_format")

@@ -65,7 +65,8 @@ def serving_only(config: Config, models: list[str] | None, pinned: bool) -> Conf
         return config
     keep = set(models)
     update: dict = {"models": [m for m in config.models if m.name in keep],
-                    "adapters": [a for a in config.adapters if a.model in keep]}
+                    "adapters": [a for a in config.adapters if a.model in keep],
+                    "adapter_dirs": [d for d in config.adapter_dirs if d.model in keep]}
     if pinned:
         budget = sum(m.vram or 0 for m in update["models"])
         update["gpu"] = config.gpu.model_copy(update={"vram_budget": budget})

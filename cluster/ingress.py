@@ -281,9 +281,12 @@ class Ingress:
             return None, True, None
         if name is None:
             return None, streamed, None
-        if not isinstance(name, str) or name not in self.base:
+        base = self.base.get(name) if isinstance(name, str) else None
+        if base is None and isinstance(name, str):
+            base = self.config.folder_adapter_base(name)  # an adapter_dirs adapter: its replica reads and checks it
+        if base is None:
             raise APIError(404, f"the model '{name}' does not exist", "model_not_found", "model")
-        return self.base[name], streamed, affinity
+        return base, streamed, affinity
 
 
 def affinity_of(body: dict) -> str | None:

@@ -11,19 +11,33 @@ Adapter names map to folders only through the config, so no request reaches a pa
 An adapter is read, checked against its format's rules (DoRA and other variants are refused) and
 against the base model's checkpoint (every targeted module exists with a fitting shape) before the
 server starts; any problem is a one-line :class:`ConfigError` naming the adapter.
+
+``adapter_dirs:`` add adapters without a restart (an army of them, more than host memory holds):
+each subfolder of such a folder, named as an adapter may be, is an adapter of the folder's base
+model. It is read and checked the first time a request names it (off the event loop:
+:meth:`AdapterRegistry.ready`), kept in host memory while the ``gpu.adapter_cache_budget`` has
+room (least recently used dropped first), and read again when its files change (a per-request
+listing of its folder: size, mtime and inode of each file). A folder that is gone is an adapter that is
+gone. Names resolve in this order: models and aliases, configured adapters, then the folders in
+the order listed. A subfolder that is not a LoRA that fits its model is a 400 ``adapter_invalid``
+for the requests that name it, and is read again only once its files change.
 """
 
 from __future__ import annotations
 
+import asyncio
+import logging
 import math
+import os
+from collections import OrderedDict
 from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Iterable, Sequence
 
 from safetensors import safe_open
 
-from gateway.config import AdapterConfig, Config, ConfigError
-from gateway.errors import bad_request, not_found
+from gateway.config import ADAPTER_NAME, AdapterConfig, Config, ConfigError
+from gateway.errors import APIError, bad_request, not_found
 from gateway.schemas import MAX_STACK, AdapterChoice
 from lora_kernels import AdapterFormatError, LoraAdapter, load_diffusers_lora, load_peft_adapter
 from lora_kernels.adapters import DIFFUSERS_WEIGHTS, PEFT_CONFIG
@@ -36,65 +50,231 @@ if TYPE_CHECKING:
 DENOISERS = ("unet", "transformer")  # the pipeline component a diffusers LoRA may target
 
 
+log = logging.getLogger("tiergate.adapters")
+NAME = ADAPTER_NAME
+Signature = tuple[tuple[str, int, int, int], ...]  # a folder's files: (name, size, mtime_ns, inode)
+
+
 @dataclass(frozen=True)
 class ServedAdapter:
-    """One configured adapter, loaded (factors in host memory)."""
+    """One adapter, loaded (factors in host memory): configured in tiers.yaml, or read from an
+    ``adapter_dirs`` folder."""
 
     name: str
     model: str  # the base model
     kind: str  # the base model's kind: chat or image
     format: str  # peft or diffusers
     path: Path
-    adapter: LoraAdapter
+    adapter: LoraAdapter  # its ``name`` is the served name, or ``name@N`` for the N-th content read under it
+    source: str = "config"  # or "folder"
+    signature: Signature = ()  # a folder adapter's files when read
 
     @property
     def rank(self) -> int:
         return max(m.rank for m in self.adapter.modules.values())
 
+    @property
+    def nbytes(self) -> int:
+        return sum(t.numel() * t.element_size() for m in self.adapter.modules.values() for t in (m.up, m.down))
+
     def row(self) -> dict[str, Any]:
         """Its /v1/models entry."""
         return {"id": self.name, "object": "model", "created": 0, "owned_by": "tiergate", "kind": "adapter",
                 "parent": self.model, "root": self.model, "base_kind": self.kind, "format": self.format,
-                "rank": self.rank, "modules": len(self.adapter.modules)}
+                "rank": self.rank, "modules": len(self.adapter.modules), "source": self.source}
+
+
+@dataclass(frozen=True)
+class AdapterDir:
+    """An ``adapter_dirs`` folder: its base model's name, kind and checkpoint folder."""
+
+    model: str
+    kind: str
+    path: Path
+    model_path: Path
+    format: str | None = None
+
+
+def signature(folder: Path) -> Signature | None:
+    """The files of ``folder`` as (name, size, mtime_ns, inode): a file written again or replaced
+    changes it. None when it is not a folder."""
+    try:
+        with os.scandir(folder) as entries:
+            return tuple(sorted((e.name, (st := e.stat()).st_size, st.st_mtime_ns, st.st_ino) for e in entries if e.is_file()))
+    except (FileNotFoundError, NotADirectoryError):
+        return None
 
 
 class AdapterRegistry:
-    """The configured adapters by name."""
+    """The adapters requests may select: the configured ones (always held) and those read from the
+    ``adapter_dirs`` folders (held while ``cache_bytes`` has room)."""
 
-    def __init__(self, adapters: Iterable[ServedAdapter] = ()) -> None:
+    def __init__(self, adapters: Iterable[ServedAdapter] = (), dirs: Sequence[AdapterDir] = (),
+                 models: Iterable[str] = (), cache_bytes: int = 2 << 30) -> None:
         self.adapters = {a.name: a for a in adapters}
+        self.dirs = tuple(dirs)
+        self.models = frozenset(models)  # never looked for on disk
+        self.cache_bytes = cache_bytes
+        self.cached: OrderedDict[str, ServedAdapter] = OrderedDict()  # folder adapters, least recently used first
+        self._refused: dict[tuple[Path, Signature], str] = {}  # a folder's files -> why they are no adapter
+        self._reads: dict[tuple[Path, Signature], asyncio.Task] = {}  # folder reads under way (``ready``)
+        self._seen: dict[str, tuple[Signature, int]] = {}  # a name's latest files and how many contents it had
+        self._shapes: dict[Path, dict[str, tuple[int, ...]]] = {}  # a base checkpoint's weight shapes
 
     def __contains__(self, name: str) -> bool:
-        return name in self.adapters
+        return self.get(name) is not None
+
+    def get(self, name: str) -> ServedAdapter | None:
+        """The adapter ``name`` names: configured, or a folder's (read here, on the calling thread,
+        if ``ready`` has not read it); None when there is none. 400 ``adapter_invalid`` for a
+        folder that is no LoRA fitting its model."""
+        served = self.adapters.get(name)
+        if served is not None or not self.dirs or name in self.models or not NAME.fullmatch(name):
+            return served
+        found = self._find(name)
+        if found is None:
+            return None
+        d, folder, files = found
+        held = self.cached.get(name)
+        if held is not None and held.path == folder and held.signature == files:
+            self.cached.move_to_end(name)
+            return held
+        self._check_refused(name, folder, files)
+        try:
+            served = self._read(name, d, folder, files, self._version(name, files))
+        except _NotAnAdapter as exc:
+            self._refused[(folder, files)] = str(exc)
+            self._check_refused(name, folder, files)
+        return self._keep(served)
+
+    async def ready(self, model: str, choices: Sequence[AdapterChoice] | None) -> None:
+        """Read, in a worker thread, the folder adapters among ``model`` and ``choices`` not held
+        yet (once for every request that waits for the same files), so that ``get`` finds them
+        without reading on the event loop."""
+        if not self.dirs:
+            return
+        for name in (model, *(c.name for c in choices or ())):
+            if name in self.adapters or name in self.models or not NAME.fullmatch(name):
+                continue
+            found = self._find(name)
+            if found is None:
+                continue
+            d, folder, files = found
+            held = self.cached.get(name)
+            if (held is not None and held.path == folder and held.signature == files) or (folder, files) in self._refused:
+                continue
+            key = (folder, files)
+            read = self._reads.get(key)
+            if read is None:
+                read = self._reads[key] = asyncio.create_task(self._read_off_loop(name, d, folder, files))
+                read.add_done_callback(lambda t: t.cancelled() or t.exception())  # those who waited may be gone
+            await asyncio.shield(read)
+
+    async def _read_off_loop(self, name: str, d: AdapterDir, folder: Path, files: Signature) -> None:
+        try:
+            served = await asyncio.to_thread(self._read, name, d, folder, files, self._version(name, files))
+            self._keep(served)
+        except _NotAnAdapter as exc:
+            self._refused[(folder, files)] = str(exc)
+        finally:
+            del self._reads[(folder, files)]
+
+    def _find(self, name: str) -> tuple[AdapterDir, Path, Signature] | None:
+        for d in self.dirs:
+            files = signature(d.path / name)
+            if files is not None:
+                return d, d.path / name, files
+        return None
+
+    def _check_refused(self, name: str, folder: Path, files: Signature) -> None:
+        why = self._refused.get((folder, files))
+        if why is not None:
+            raise APIError(400, f"the adapter '{name}' cannot be served: {why}", "adapter_invalid", "model")
+
+    def _version(self, name: str, files: Signature) -> str:
+        """The name the adapter's content is known by inside the engines (stacks are keyed by it):
+        ``name``, then ``name@2``, ``name@3``... each time its files change."""
+        seen = self._seen.get(name)
+        n = 1 if seen is None else seen[1] if seen[0] == files else seen[1] + 1
+        self._seen[name] = (files, n)
+        return name if n == 1 else f"{name}@{n}"
+
+    def _read(self, name: str, d: AdapterDir, folder: Path, files: Signature, version: str) -> ServedAdapter:
+        """(any thread) The folder's adapter, read and checked against its base model."""
+        try:
+            shapes = self._shapes.get(d.model_path)
+            if shapes is None:
+                shapes = self._shapes[d.model_path] = checkpoint_shapes(d.model_path, d.kind)
+            served = read_adapter(AdapterConfig(name=name, model=d.model, path=folder, format=d.format), d.kind,
+                                  shapes, version)
+        except (AdapterFormatError, OSError, ValueError, KeyError) as exc:
+            why = " ".join(str(exc).strip("'\"").split())
+            log.warning("adapter_dirs: %s is not an adapter tiergate can serve: %s", folder, why)
+            # the client is told why, not where: the server's paths stay the operator's
+            raise _NotAnAdapter(why.replace(str(folder), name).replace(str(d.path), "the folder")) from None
+        return ServedAdapter(name, d.model, d.kind, served.format, folder, served.adapter, "folder", files)
+
+    def _keep(self, served: ServedAdapter) -> ServedAdapter:
+        """Hold ``served`` (the most recently used), dropping the least recently used folder
+        adapters beyond the budget (never the one just read: a request is waiting for it)."""
+        self.cached[served.name] = served
+        self.cached.move_to_end(served.name)
+        total = sum(a.nbytes for a in self.cached.values())
+        while total > self.cache_bytes and len(self.cached) > 1:
+            _, dropped = self.cached.popitem(last=False)
+            total -= dropped.nbytes
+        return served
 
     def rows(self) -> list[dict[str, Any]]:
-        return [a.row() for a in self.adapters.values()]
+        """The configured adapters' /v1/models entries, then every folder adapter's (one listing of
+        each folder: call it off the event loop when folders are configured)."""
+        rows = [a.row() for a in self.adapters.values()]
+        shown = set(self.adapters) | self.models
+        for d in self.dirs:
+            try:
+                names = sorted(e.name for e in os.scandir(d.path) if e.is_dir() and NAME.fullmatch(e.name))
+            except OSError:
+                continue
+            for name in names:
+                if name in shown:
+                    continue
+                shown.add(name)
+                held = self.cached.get(name)
+                rows.append(held.row() if held is not None and held.path == d.path / name else
+                            {"id": name, "object": "model", "created": 0, "owned_by": "tiergate", "kind": "adapter",
+                             "parent": d.model, "root": d.model, "base_kind": d.kind, "format": d.format,
+                             "rank": None, "modules": None, "source": "folder"})
+        return rows
 
     def base_model(self, model: str) -> str:
         """The model a request runs on: the adapter's base when ``model`` names an adapter."""
-        served = self.adapters.get(model)
+        served = self.get(model)
         return served.model if served is not None else model
 
     def stack(self, model: str, choices: Sequence[AdapterChoice] | None, kind: str) -> AdapterStackSpec:
         """The adapter stack of a request for ``model`` (a base model or an adapter) plus ``choices``:
         404 for an unknown adapter, 400 for one of another base model or kind, or a repeated one."""
-        base = self.base_model(model)
+        return self.stack_on(self.get(model), model, choices, kind)
+
+    def stack_on(self, own: ServedAdapter | None, model: str, choices: Sequence[AdapterChoice] | None,
+                 kind: str) -> AdapterStackSpec:
+        """``stack`` with ``own`` = ``get(model)`` already looked up."""
+        base = own.model if own is not None else model
         stack: list[tuple[LoraAdapter, float]] = []
-        own = self.adapters.get(model)
         if own is not None:
             if own.kind != kind:
                 raise bad_request(f"'{model}' is an adapter of the {own.kind} model '{base}', not of a {kind} model",
                                   "model", "model_not_supported")
             stack.append((own.adapter, 1.0))
         for choice in choices or ():
-            served = self.adapters.get(choice.name)
+            served = self.get(choice.name)
             if served is None:
                 raise not_found(f"the adapter '{choice.name}' does not exist", "adapters", "adapter_not_found")
             if served.model != base:
                 raise bad_request(f"the adapter '{choice.name}' is for the model '{served.model}', not '{base}'",
                                   "adapters", "adapter_model_mismatch")
             stack.append((served.adapter, choice.weight))
-        names = [a.name for a, _ in stack]
+        names = [a.name.split("@", 1)[0] for a, _ in stack]
         repeated = sorted({n for n in names if names.count(n) > 1})
         if repeated:
             raise bad_request(f"the adapter '{repeated[0]}' is selected more than once", "adapters")
@@ -104,23 +284,29 @@ class AdapterRegistry:
         return tuple(stack)
 
 
+class _NotAnAdapter(Exception):
+    """A folder's files are not a LoRA that fits its base model (the message says why)."""
+
+
 def resolve_request(svc: "Services", model: str, choices: Sequence[AdapterChoice] | None,
                     kind: str) -> tuple[ModelSpec, AdapterStackSpec]:
     """The base model's spec and the adapter stack of one request (errors as the API's 4xx; an
     unknown model is a 404 before anything is said about its adapters)."""
     adapters = svc.adapters
     model = svc.model_name(model)
-    if model not in adapters:
+    own = adapters.get(model)
+    if own is None:
         svc.spec(model, kind)
-    stack = adapters.stack(model, choices, kind)
-    return svc.spec(adapters.base_model(model), kind), stack
+    stack = adapters.stack_on(own, model, choices, kind)
+    return svc.spec(own.model if own is not None else model, kind), stack
 
 
 # -- start-up: reading and checking the configured adapters -----------------------------------------
 
 
 def load_adapters(config: Config) -> AdapterRegistry:
-    """Read every adapter of ``config`` and check it against its base model's checkpoint."""
+    """Read every configured adapter of ``config`` and check it against its base model's
+    checkpoint; the ``adapter_dirs`` folders are read as requests name their adapters."""
     models = {m.name: m for m in config.models}
     served = []
     for i, entry in enumerate(config.adapters):
@@ -130,16 +316,24 @@ def load_adapters(config: Config) -> AdapterRegistry:
         except (AdapterFormatError, OSError, ValueError, KeyError) as exc:
             message = " ".join(str(exc).strip("'\"").split())
             raise ConfigError(f"{config.source}: adapters[{i}] ({entry.name}): {message}") from None
-    return AdapterRegistry(served)
+    dirs = [AdapterDir(d.model, models[d.model].kind, d.path, models[d.model].path, d.format) for d in config.adapter_dirs]
+    return AdapterRegistry(served, dirs, [*models, *config.aliases], config.gpu.adapter_cache_budget)
 
 
 def load_adapter(entry: AdapterConfig, kind: str, model_path: Path) -> ServedAdapter:
+    return read_adapter(entry, kind, checkpoint_shapes(model_path, kind))
+
+
+def read_adapter(entry: AdapterConfig, kind: str, shapes: dict[str, tuple[int, ...]], version: str | None = None) -> ServedAdapter:
+    """``entry``'s adapter, checked against its base model's weight ``shapes``; ``version``: the
+    name its content is known by inside the engines (default: its name)."""
     fmt = entry.format or detect_format(entry.path)
+    internal = version or entry.name
     if fmt == "peft":
-        adapter = load_peft_adapter(entry.path, name=entry.name)
+        adapter = load_peft_adapter(entry.path, name=internal)
     else:
-        adapter = load_diffusers_lora(entry.path, component=_denoiser(entry.path), name=entry.name)
-    check_fits(adapter, checkpoint_shapes(model_path, kind), entry.model)
+        adapter = load_diffusers_lora(entry.path, component=_denoiser(entry.path), name=internal)
+    check_fits(adapter, shapes, entry.model)
     return ServedAdapter(entry.name, entry.model, kind, fmt, entry.path, adapter)
 
 

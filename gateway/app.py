@@ -5,6 +5,8 @@ serving core, never this module."""
 
 from __future__ import annotations
 
+import asyncio
+
 import contextlib
 import logging
 import time
@@ -106,20 +108,25 @@ async def metrics(request: Request) -> Response:
 async def list_models(request: Request) -> Response:
     svc: Services = request.app.state.services
     caller = svc.authenticate(request)
-    return JSONResponse({"object": "list", "data": _model_rows(svc, caller)})
+    return JSONResponse({"object": "list", "data": _model_rows(svc, caller, await _adapter_rows(svc))})
 
 
 async def get_model(request: Request) -> Response:
     svc: Services = request.app.state.services
     caller = svc.authenticate(request)
     name = request.path_params["model"]
-    for row in _model_rows(svc, caller):
+    for row in _model_rows(svc, caller, await _adapter_rows(svc)):
         if row["id"] == name:
             return JSONResponse(row)
     raise APIError(404, f"the model '{name}' does not exist", "model_not_found", "model")
 
 
-def _model_rows(svc: Services, caller: Caller | None = None) -> list[dict]:
+async def _adapter_rows(svc: Services) -> list[dict]:
+    """The adapters' rows: with ``adapter_dirs``, their folders are listed in a worker thread."""
+    return await asyncio.to_thread(svc.adapters.rows) if svc.adapters.dirs else svc.adapters.rows()
+
+
+def _model_rows(svc: Services, caller: Caller | None = None, adapters: list[dict] | None = None) -> list[dict]:
     """Every model, alias and adapter; for ``caller``, only those its key's allow-list lets it
     see. An alias is a row of its own (clients check a name against this list, as they would
     OpenAI's), naming its model in ``alias_of`` and nothing more (its model's row has the facts)."""
@@ -134,7 +141,7 @@ def _model_rows(svc: Services, caller: Caller | None = None) -> list[dict]:
         aliases += [{"id": alias, "object": "model", "created": 0, "owned_by": "tiergate", "alias_of": name}
                     for alias in own]
     rows += aliases
-    rows.extend(svc.adapters.rows())
+    rows.extend(svc.adapters.rows() if adapters is None else adapters)
     if caller is not None and svc.accounts is not None:
         rows = [r for r in rows if svc.accounts.allows(caller, r.get("parent") or r.get("alias_of") or r["id"])]
     return rows

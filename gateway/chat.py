@@ -417,6 +417,7 @@ async def chat_completions(request: Request) -> Response:
     svc: Services = request.app.state.services
     caller = svc.admit_caller(request)
     body = parse(ChatCompletionRequest, await read_json(request, svc.config.limits.max_body))
+    await svc.adapters.ready(body.model, body.adapters)
     job = await with_images(svc, plan_chat(svc, body))
     served = served_caller(svc, caller, job)
     if (end_user := body.end_user(caller.key_id)) is not None:

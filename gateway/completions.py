@@ -223,6 +223,7 @@ def encode_prompts(tok: Any, prompts: list[str | TokenIds], suffix: str | None =
 
 async def plan_completion(svc: Services, body: CompletionRequest) -> CompletionJob:
     """The job of ``body``; 404 for an unknown model or adapter, 400 naming the field."""
+    await svc.adapters.ready(body.model, body.adapters)
     spec, stack = resolve_request(svc, body.model, body.adapters, "chat")
     limits = svc.config.limits
     max_tokens = min(DEFAULT_MAX_TOKENS, limits.max_chat_tokens) if body.max_tokens is None else body.max_tokens

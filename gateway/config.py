@@ -16,6 +16,7 @@ from __future__ import annotations
 import importlib.util
 import logging
 import os
+import re
 from pathlib import Path
 from typing import Annotated, Any, Literal, Union
 
@@ -220,11 +221,24 @@ class AdapterConfig(_Strict):
     format: Literal["peft", "diffusers"] | None = None  # None = detect from the folder
 
 
+ADAPTER_NAME = re.compile(r"[A-Za-z0-9][A-Za-z0-9._:-]{0,127}")  # a folder adapter's name: no path separator, no dot first
+
+
+class AdapterDirConfig(_Strict):
+    """A folder of LoRA adapters for one base model: each subfolder whose name is a valid adapter
+    name is an adapter of that name, read when a request first names it (gateway/adapters.py)."""
+
+    model: str  # the base model (a chat or image entry of ``models:``) every adapter in it was trained on
+    path: Path  # relative to this file
+    format: Literal["peft", "diffusers"] | None = None  # None = detect from each subfolder
+
+
 class GpuConfig(_Strict):
     device: Literal["auto", "cuda", "cpu"] = "auto"
     vram_budget: Size | None = None  # required on CPU: the simulated budget
     reserve: Size = parse_size("1GiB")  # CUDA: left free when the budget is the free memory
     host_cache_budget: Size = parse_size("8GiB")
+    adapter_cache_budget: Size = parse_size("2GiB")  # host memory for adapters read from adapter_dirs (LRU)
 
     @model_validator(mode="before")
     @classmethod
@@ -390,6 +404,7 @@ class Config(_Strict):
     tiers: list[TierConfig] = Field(min_length=1)
     models: list[ModelConfig] = Field(default_factory=list)
     adapters: list[AdapterConfig] = Field(default_factory=list)
+    adapter_dirs: list[AdapterDirConfig] = Field(default_factory=list)
     gpu: GpuConfig = GpuConfig()
     eviction: EvictionConfig = EvictionConfig()
     gate: GateConfig = GateConfig()
@@ -403,6 +418,13 @@ class Config(_Strict):
     accounts: AccountsConfig = AccountsConfig()  # per-tier default limits of each key (docs/ACCOUNTS.md)
     prices: dict[str, Price] = Field(default_factory=dict)  # tier -> what usage costs there
     source: Path = Path("tiers.yaml")
+
+    def folder_adapter_base(self, name: str) -> str | None:
+        """The base model of the ``adapter_dirs`` folder that holds an adapter named ``name`` (the
+        first that does), by its folder alone: its files are read and checked where it is served."""
+        if not ADAPTER_NAME.fullmatch(name):
+            return None
+        return next((d.model for d in self.adapter_dirs if (d.path / name).is_dir()), None)
 
     def data_dir(self) -> Path:
         """``batch.data_dir``, a relative one taken from this file's folder: where the SQLite stores live."""
@@ -491,7 +513,7 @@ class Config(_Strict):
                           for m in self.models))
 
     def model_specs(self) -> list[ModelSpec]:
-        with_adapters = {a.model for a in self.adapters}
+        with_adapters = {a.model for a in self.adapters} | {d.model for d in self.adapter_dirs}
         return [m.spec(m.name in with_adapters) for m in self.models]
 
 
@@ -541,7 +563,27 @@ def load_config(path: str | Path, check_paths: bool = True) -> Config:
                     log.warning("%s: engine.vllm_args left unused: the engine is transformers (%s)", m.name, why)
         models.append(m)
     adapters = [_check_adapter(path, i, a, models, check_paths) for i, a in enumerate(config.adapters)]
-    return config.model_copy(update={"models": models, "adapters": adapters})
+    dirs = [_check_adapter_dir(path, i, d, models, check_paths) for i, d in enumerate(config.adapter_dirs)]
+    return config.model_copy(update={"models": models, "adapters": adapters, "adapter_dirs": dirs})
+
+
+def _adapter_base(where: str, model: str, models: list[ModelConfig]) -> None:
+    base = next((m for m in models if m.name == model), None)
+    if base is None:
+        raise ConfigError(f"{where}.model: no model named {model!r} in models")
+    if base.kind not in ("chat", "image"):
+        raise ConfigError(f"{where}.model: {model!r} is a {base.kind} model; adapters are for chat and image models")
+
+
+def _check_adapter_dir(path: Path, i: int, d: AdapterDirConfig, models: list[ModelConfig], check_paths: bool) -> AdapterDirConfig:
+    """The folder with its path resolved; its base must be a chat or image model and it must be a
+    folder. What is in it is read when requests name it."""
+    where = f"{path}: adapter_dirs[{i}]"
+    _adapter_base(where, d.model, models)
+    resolved = d.path if d.path.is_absolute() else (path.parent / d.path)
+    if check_paths and not resolved.is_dir():
+        raise ConfigError(f"{where}.path: no such folder: {resolved}")
+    return d.model_copy(update={"path": resolved})
 
 
 def _check_adapter(path: Path, i: int, a: AdapterConfig, models: list[ModelConfig], check_paths: bool) -> AdapterConfig:
@@ -549,14 +591,9 @@ def _check_adapter(path: Path, i: int, a: AdapterConfig, models: list[ModelConfi
     or image model, and its folder must exist. Its files are read at start-up
     (gateway/adapters.py)."""
     where = f"{path}: adapters[{i}]"
-    bases = {m.name: m for m in models}
-    if a.name in bases:
+    if any(m.name == a.name for m in models):
         raise ConfigError(f"{where}.name: {a.name!r} is also a model's name")
-    base = bases.get(a.model)
-    if base is None:
-        raise ConfigError(f"{where}.model: no model named {a.model!r} in models")
-    if base.kind not in ("chat", "image"):
-        raise ConfigError(f"{where}.model: {a.model!r} is a {base.kind} model; adapters are for chat and image models")
+    _adapter_base(where, a.model, models)
     resolved = a.path if a.path.is_absolute() else (path.parent / a.path)
     if check_paths and not resolved.exists():
         raise ConfigError(f"{where}.path: no such folder: {resolved}")

@@ -372,6 +372,7 @@ async def generations(request: Request) -> Response:
     svc: Services = request.app.state.services
     caller = svc.admit_caller(request)
     body = parse(ImageGenerationRequest, await read_json(request, svc.config.limits.max_body))
+    await svc.adapters.ready(body.model, body.adapters)
     job = plan_images(svc, body)
     if body.stream:
         return await _streamed(request, svc, caller, job, body, "image_generation")
@@ -464,6 +465,7 @@ async def _from_image(request: Request, form_type: type[ImageVariationForm], fil
                          max_files=3) as form:
         body = parse(form_type, text_fields(form, files))
         image, mask = await _uploads(form, limits.image_edit_max_bytes)
+    await svc.adapters.ready(body.model, _adapters(body.adapters))
     spec, stack = resolve_request(svc, body.model, _adapters(body.adapters), "image")
     steps = _checked_steps(body, limits)  # the fields' 400s before the pixels are decoded
     source, repaint = await anyio.to_thread.run_sync(decode_edit, image, mask, body.size, limits.image_max_side,

@@ -458,6 +458,7 @@ async def plan_response(svc: Services, caller: Caller, store: ResponseStore | No
                               "response can be continued", "previous_response_id")
         history = previous.conversation
         items = input_items(previous) + previous.response.get("output", [])
+    await svc.adapters.ready(body.model, body.adapters)
     image = _first_image(body.input)
     if image is not None:  # named here as an input item: chat's check would name a message
         check_reads_images(resolve_request(svc, body.model, body.adapters, "chat")[0], image)

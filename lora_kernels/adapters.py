@@ -230,6 +230,8 @@ def load_peft_adapter(folder: str | Path, name: str | None = None, dtype: torch.
     if not config_path.is_file() or not weights_path.is_file():
         raise AdapterFormatError(f"adapter {name!r} ({folder}): needs {PEFT_CONFIG} and {PEFT_WEIGHTS}")
     config = json.loads(config_path.read_text())
+    if not isinstance(config, dict):
+        raise AdapterFormatError(f"adapter {name!r} ({folder}): {PEFT_CONFIG} is not a JSON object")
     _refuse(name, str(folder), _refusals(config))
     if "r" not in config:
         raise AdapterFormatError(f"adapter {name!r} ({folder}): {PEFT_CONFIG} has no 'r'")

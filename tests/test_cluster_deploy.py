@@ -85,6 +85,16 @@ def test_a_tensor_parallel_replica_serves_its_model_alone_pinned_with_its_size_a
     assert [m.name for m in pool.models] == ["m1", "m2"] and pool.gpu.vram_budget == 80 * 2**30
 
 
+def test_a_replica_keeps_the_adapter_folders_of_its_models(tmp_path):
+    (tmp_path / "for-big").mkdir()
+    (tmp_path / "for-m1").mkdir()
+    path = tiers_yaml(tmp_path, CUDA_TWO_NODES + "  tensor_parallel: {big: 2}\n")
+    path.write_text(path.read_text() + "adapter_dirs:\n  - {model: big, path: for-big}\n  - {model: m1, path: for-m1}\n")
+    config = load_config(path)
+    assert [d.model for d in serving_only(config, ["big"], pinned=True).adapter_dirs] == ["big"]
+    assert [d.path.name for d in serving_only(config, ["m1", "m2"], pinned=False).adapter_dirs] == ["for-m1"]
+
+
 @pytest.mark.parametrize("cluster,message", [
     ("  tensor_parallel: {nope: 2}\n", "cluster.tensor_parallel: no model named 'nope'"),
     ("  max_copies: {nope: 2}\n", "cluster.max_copies: no model named 'nope'"),

@@ -50,3 +50,22 @@ def test_the_ingress_waits_for_its_key_store_and_recovers_with_it(tmp_path, tiny
 
     (tmp_path / "redis").mkdir()
     asyncio.run(scenario())
+
+
+def test_a_folder_adapter_goes_to_its_base_models_replicas(tmp_path, tiny_chat):
+    """An ``adapter_dirs`` adapter is routed by its folder's base model (its replica reads and
+    checks the files); a name no folder holds, or one reaching outside them, is the ingress's 404."""
+    (tmp_path / "dir" / "sailor").mkdir(parents=True)
+    (tmp_path / "outside").mkdir()
+    config = load_config(write_config(tmp_path, {"m": ("chat", tiny_chat)},
+                                      f"adapter_dirs:\n  - {{model: m, path: {tmp_path / 'dir'}}}\n"))
+    ingress = object.__new__(Ingress)
+    ingress.config, ingress.base = config, {"m": "m"}
+    post = Request({"type": "http", "method": "POST", "path": "/v1/chat/completions", "query_string": b"",
+                    "headers": [(b"content-type", b"application/json")]})
+    assert ingress._model(post, b'{"model": "sailor"}')[0] == "m"
+    assert ingress._model(post, b'{"model": "m"}')[0] == "m"
+    for name in ("nobody", "../outside", "../dir/sailor"):
+        with pytest.raises(APIError) as e:
+            ingress._model(post, b'{"model": "%s"}' % name.encode())
+        assert e.value.status == 404 and e.value.code == "model_not_found"

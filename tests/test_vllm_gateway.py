@@ -318,3 +318,18 @@ def test_lora_per_request_in_mixed_batches_matches_merged_weights(vllm_server, m
         assert text == expected[k], k
     engine = vllm_server.services.arbiter.workers["tiny-chat"]
     assert engine.enable_lora and len(engine.resident_loras()) <= engine.max_loras
+
+
+def test_a_folder_adapter_on_vllm_is_its_files_and_their_replacement(vllm_server, demo_dir):
+    """An ``adapter_dirs`` adapter dropped in while vLLM runs answers as the same files configured
+    do; replaced, it answers as the new files (a new LoRA id: vLLM does not serve its cached old one)."""
+    from demo import build_demo_models
+    from tests.test_adapter_dirs import put
+
+    built = build_demo_models(demo_dir, names=["tiny-chat-pirate", "tiny-chat-poet"])
+    folder = vllm_server.services.config.adapter_dirs[0].path
+    put(built["tiny-chat-pirate"], folder, "sailor")
+    assert ask(vllm_server, "sailor", None) == ask(vllm_server, "tiny-chat-pirate", None)
+    put(built["tiny-chat-poet"], folder, "sailor")
+    assert ask(vllm_server, "sailor", None) == ask(vllm_server, "tiny-chat-poet", None)
+    assert ask(vllm_server, "tiny-chat", [{"name": "sailor", "weight": 1.0}]) == ask(vllm_server, "tiny-chat-poet", None)

@@ -1,0 +1,258 @@
+"""Adapters from ``adapter_dirs`` folders, against a real server with the openai SDK: a folder
+dropped in while the server runs is an adapter at once (its replies the same as the same files
+configured in tiers.yaml), its files replaced are read again, a folder removed is a 404, a broken
+one a 400 until it is fixed; names cannot reach outside the folder; /v1/models lists them. And the
+registry on its own: least recently used dropped past the budget, one read for many waiters,
+models never looked for on disk; and the config's errors."""
+
+from __future__ import annotations
+
+import asyncio
+import base64
+import shutil
+from pathlib import Path
+
+import openai
+import pytest
+
+from gateway.adapters import AdapterDir, AdapterRegistry
+from gateway.config import ConfigError, load_config
+from gateway.errors import APIError
+from gateway.schemas import AdapterChoice
+from tests.helpers import start_server, write_config
+
+PIRATE, POET, SKETCH = "tiny-chat-pirate", "tiny-chat-poet", "tiny-image-sketch"
+
+
+@pytest.fixture(scope="module")
+def demo_adapters(demo_dir: Path, tiny_chat: Path, tiny_image: Path) -> dict[str, Path]:
+    from demo import build_demo_models
+
+    return build_demo_models(demo_dir, names=[PIRATE, POET, SKETCH])
+
+
+@pytest.fixture(scope="module")
+def folders(tmp_path_factory) -> dict[str, Path]:
+    root = tmp_path_factory.mktemp("adapter-dirs")
+    made = {"chat": root / "chat", "chat2": root / "chat2", "image": root / "image"}
+    for folder in made.values():
+        folder.mkdir()
+    return made
+
+
+@pytest.fixture(scope="module")
+def server(demo_adapters, folders, tiny_chat, tiny_image, tmp_path_factory):
+    folder = tmp_path_factory.mktemp("adapter-dirs-server")
+    models = {"tiny-chat": ("chat", tiny_chat), "tiny-image": ("image", tiny_image)}
+    extra = (f"limits:\n  max_chat_tokens: 64\n"
+             f"adapters:\n  - {{name: {PIRATE}, model: tiny-chat, path: {demo_adapters[PIRATE]}}}\n"
+             f"  - {{name: {POET}, model: tiny-chat, path: {demo_adapters[POET]}}}\n"
+             f"adapter_dirs:\n  - {{model: tiny-chat, path: {folders['chat']}}}\n"
+             f"  - {{model: tiny-chat, path: {folders['chat2']}}}\n"
+             f"  - {{model: tiny-image, path: {folders['image']}}}\n")
+    running = start_server(write_config(folder, models, extra))
+    yield running
+    running.stop()
+
+
+def client(server, tier="paid") -> openai.OpenAI:
+    return openai.OpenAI(base_url=server.base_url, api_key=server.keys[tier], max_retries=0, timeout=60)
+
+
+def chat(server, model="tiny-chat", adapters=None) -> str:
+    r = client(server).chat.completions.create(model=model, messages=[{"role": "user", "content": "Hello there"}],
+                                               max_tokens=12, temperature=0,
+                                               extra_body={"adapters": adapters} if adapters is not None else None)
+    return r.choices[0].message.content
+
+
+def put(source: Path, folder: Path, name: str) -> Path:
+    """``source``'s files as the adapter ``name`` of ``folder``, written beside it and renamed into
+    place (as an operator should: a reader never sees half the files)."""
+    staged = folder.parent / f".staged-{folder.name}-{name}"
+    shutil.rmtree(staged, ignore_errors=True)
+    shutil.copytree(source, staged)
+    target = folder / name
+    if target.exists():
+        shutil.rmtree(target)
+    staged.rename(target)
+    return target
+
+
+def test_a_folder_dropped_in_is_an_adapter_at_once(server, folders, demo_adapters):
+    base, pirate, poet = chat(server), chat(server, PIRATE), chat(server, POET)
+    assert len({base, pirate, poet}) == 3  # the demo adapters change the reply
+    with pytest.raises(openai.NotFoundError) as e:
+        chat(server, "sailor")
+    assert e.value.body["code"] == "model_not_found"
+
+    put(demo_adapters[PIRATE], folders["chat"], "sailor")
+    assert chat(server, "sailor") == pirate  # the same files as the configured adapter: the same reply
+    assert chat(server, adapters=[{"name": "sailor", "weight": 1.0}]) == pirate
+    assert chat(server, POET, adapters=[{"name": "sailor", "weight": 0.0}]) == poet  # a stack of both kinds
+    listed = {m.id: m for m in client(server).models.list()}
+    assert listed["sailor"].model_extra["source"] == "folder" and listed["sailor"].model_extra["parent"] == "tiny-chat"
+    assert listed["sailor"].model_extra["rank"] == listed[PIRATE].model_extra["rank"]
+    assert listed[PIRATE].model_extra["source"] == "config"
+
+    # its files replaced (renamed into place): read again, and merged again though the engine still
+    # holds the old files' merge (its stacks are keyed by the name the content is known by)
+    assert chat(server, "sailor") == pirate
+    put(demo_adapters[POET], folders["chat"], "sailor")
+    assert chat(server, "sailor") == poet
+    assert server.services.adapters.get("sailor").adapter.name == "sailor@2"  # the engines' key moved too
+    # removed: gone
+    shutil.rmtree(folders["chat"] / "sailor")
+    with pytest.raises(openai.NotFoundError):
+        chat(server, "sailor")
+    assert "sailor" not in {m.id for m in client(server).models.list()}
+
+
+def test_folders_resolve_in_order_after_models_and_configured_adapters(server, folders, demo_adapters):
+    pirate, poet = chat(server, PIRATE), chat(server, POET)
+    put(demo_adapters[POET], folders["chat"], "twice")
+    put(demo_adapters[PIRATE], folders["chat2"], "twice")
+    assert chat(server, "twice") == poet  # the first folder listed
+    put(demo_adapters[POET], folders["chat"], PIRATE)  # a configured adapter's name: the configured one
+    assert chat(server, PIRATE) == pirate
+    put(demo_adapters[POET], folders["chat"], "tiny-chat")  # a model's name: the model
+    assert chat(server) == chat(server, adapters=[])
+    rows = [m.id for m in client(server).models.list()]
+    assert rows.count("twice") == 1 and rows.count(PIRATE) == 1 and rows.count("tiny-chat") == 1
+    assert client(server).models.retrieve("twice").model_extra["parent"] == "tiny-chat"
+
+
+def test_a_broken_folder_is_a_400_until_it_is_fixed(server, folders, demo_adapters):
+    target = put(demo_adapters[PIRATE], folders["chat"], "broken")
+    (target / "adapter_config.json").write_text("{not json")
+    for _ in range(2):  # refused, and remembered as refused (not read again) while the files stay
+        with pytest.raises(openai.BadRequestError) as e:
+            chat(server, "broken")
+        assert e.value.body["code"] == "adapter_invalid" and e.value.body["param"] == "model"
+        assert "broken" in e.value.body["message"] and str(folders["chat"]) not in e.value.body["message"]
+    put(demo_adapters[SKETCH], folders["chat"], "broken")  # an image model's LoRA in the chat folder
+    with pytest.raises(openai.BadRequestError) as e:
+        chat(server, "broken")
+    assert e.value.body["code"] == "adapter_invalid"
+    put(demo_adapters[POET], folders["chat"], "broken")
+    assert chat(server, "broken") == chat(server, POET)
+
+
+@pytest.mark.parametrize("name", ["../chat2/reached", "chat2/../reached", ".hidden", "/etc", "a" * 129])
+def test_names_cannot_reach_outside_their_folder(server, folders, demo_adapters, name):
+    put(demo_adapters[PIRATE], folders["chat2"], "reached")
+    put(demo_adapters[PIRATE], folders["chat"], ".hidden")
+    with pytest.raises(openai.NotFoundError):
+        chat(server, name)
+    with pytest.raises(openai.NotFoundError):
+        chat(server, adapters=[{"name": name, "weight": 1.0}])
+
+
+def test_image_folders(server, folders, demo_adapters):
+    def picture(model, adapters=None) -> bytes:
+        extra = {"num_inference_steps": 2, "seed": 3, **({"adapters": adapters} if adapters is not None else {})}
+        r = client(server).images.generate(model=model, prompt="a cat", size="32x32", extra_body=extra)
+        return base64.b64decode(r.data[0].b64_json)
+
+    put(demo_adapters[SKETCH], folders["image"], "inked")
+    plain, inked = picture("tiny-image"), picture("inked")
+    assert inked != plain and picture("tiny-image", [{"name": "inked", "weight": 1.0}]) == inked
+    with pytest.raises(openai.BadRequestError) as e:  # an image adapter asked of a chat model
+        chat(server, "inked")
+    assert e.value.body["code"] == "model_not_supported"
+
+
+# -- the registry on its own ---------------------------------------------------------------------------
+
+
+def _registry(tiny_chat: Path, folder: Path, cache_bytes: int = 1 << 30) -> AdapterRegistry:
+    return AdapterRegistry((), [AdapterDir("tiny-chat", "chat", folder, tiny_chat)], ["tiny-chat", "alias"], cache_bytes)
+
+
+def test_the_least_recently_used_is_dropped_past_the_budget(tiny_chat, demo_adapters, tmp_path):
+    for name in "abc":
+        put(demo_adapters[PIRATE], tmp_path, name)
+    one = _registry(tiny_chat, tmp_path).get("a").nbytes
+    registry = _registry(tiny_chat, tmp_path, cache_bytes=2 * one)
+    first = registry.get("a")
+    registry.get("b")
+    assert registry.get("a") is first  # held: not read again
+    registry.get("c")  # past the budget: b, the least recently used, goes
+    assert list(registry.cached) == ["a", "c"]
+    tiny = _registry(tiny_chat, tmp_path, cache_bytes=1)
+    assert tiny.get("a") is not None and tiny.get("b") is not None and list(tiny.cached) == ["b"]  # the latest stays
+
+
+def test_many_waiters_read_a_folder_once_off_the_loop(tiny_chat, demo_adapters, tmp_path, monkeypatch):
+    put(demo_adapters[PIRATE], tmp_path, "a")
+    registry = _registry(tiny_chat, tmp_path)
+    reads: list[str] = []
+    real = registry._read
+
+    def counted(name, *args):
+        reads.append(name)
+        return real(name, *args)
+
+    monkeypatch.setattr(registry, "_read", counted)
+
+    async def run() -> None:
+        await asyncio.gather(*(registry.ready("tiny-chat", [AdapterChoice(name="a", weight=1.0)]) for _ in range(8)))
+        await registry.ready("a", None)
+
+    asyncio.run(run())
+    assert reads == ["a"] and registry.get("a") is not None and reads == ["a"]
+
+
+def test_files_changed_are_read_again(tiny_chat, demo_adapters, tmp_path):
+    put(demo_adapters[PIRATE], tmp_path, "a")
+    registry = _registry(tiny_chat, tmp_path)
+    first = registry.get("a")
+    assert registry.get("a") is first and first.adapter.name == "a"
+    put(demo_adapters[PIRATE], tmp_path, "a")  # the same bytes, new files
+    second = registry.get("a")
+    assert second is not first and second.adapter.name == "a@2" and registry.get("a") is second
+    (tmp_path / "a" / "adapter_config.json").touch()
+    assert registry.get("a").adapter.name == "a@3"
+
+
+def test_models_and_aliases_are_never_looked_for_on_disk(tiny_chat, demo_adapters, tmp_path, monkeypatch):
+    put(demo_adapters[PIRATE], tmp_path, "a")
+    registry = _registry(tiny_chat, tmp_path)
+    looked: list[str] = []
+    monkeypatch.setattr("gateway.adapters.signature", lambda folder: looked.append(folder.name))
+    for name in ("tiny-chat", "alias"):
+        assert registry.get(name) is None and registry.base_model(name) == name
+        assert registry.stack(name, None, "chat") == ()
+    asyncio.run(registry.ready("tiny-chat", None))
+    assert looked == []
+    registry.get("other")
+    assert looked == ["other"]
+
+
+def test_a_refused_folder_is_not_read_again_until_its_files_change(tiny_chat, demo_adapters, tmp_path, monkeypatch):
+    target = put(demo_adapters[PIRATE], tmp_path, "a")
+    (target / "adapter_config.json").write_text("[]")
+    registry = _registry(tiny_chat, tmp_path)
+    reads: list[str] = []
+    real = registry._read
+    monkeypatch.setattr(registry, "_read", lambda name, *args: reads.append(name) or real(name, *args))
+    for _ in range(3):
+        with pytest.raises(APIError) as e:
+            registry.get("a")
+        assert e.value.status == 400 and e.value.code == "adapter_invalid"
+    assert reads == ["a"]
+    put(demo_adapters[PIRATE], tmp_path, "a")
+    assert registry.get("a").adapter.name == "a@2" and reads == ["a", "a"]
+
+
+@pytest.mark.parametrize("entry, error", [
+    ("{model: nope, path: .}", "adapter_dirs[0].model: no model named 'nope'"),
+    ("{model: tiny-embed, path: .}", "'tiny-embed' is a embed model; adapters are for chat and image models"),
+    ("{model: tiny-chat, path: missing}", "adapter_dirs[0].path: no such folder"),
+])
+def test_config_errors(tiny_chat, tmp_path, entry, error):
+    path = write_config(tmp_path, {"tiny-chat": ("chat", tiny_chat), "tiny-embed": ("embed", tiny_chat)},
+                        f"adapter_dirs:\n  - {entry}\n")
+    with pytest.raises(ConfigError) as e:
+        load_config(path)
+    assert error in str(e.value)
