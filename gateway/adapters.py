@@ -274,7 +274,7 @@ class AdapterRegistry:
                 raise bad_request(f"the adapter '{choice.name}' is for the model '{served.model}', not '{base}'",
                                   "adapters", "adapter_model_mismatch")
             stack.append((served.adapter, choice.weight))
-        names = [a.name.split("@", 1)[0] for a, _ in stack]
+        names = list(served_names(tuple(stack)))
         repeated = sorted({n for n in names if names.count(n) > 1})
         if repeated:
             raise bad_request(f"the adapter '{repeated[0]}' is selected more than once", "adapters")
@@ -286,6 +286,12 @@ class AdapterRegistry:
 
 class _NotAnAdapter(Exception):
     """A folder's files are not a LoRA that fits its base model (the message says why)."""
+
+
+def served_names(stack: AdapterStackSpec) -> tuple[str, ...]:
+    """The names requests know a stack's adapters by (``vllm:lora_requests_info``'s labels): a
+    folder adapter's, not the name its current content has inside the engines (``name@2``)."""
+    return tuple(adapter.name.split("@", 1)[0] for adapter, _ in stack)
 
 
 def resolve_request(svc: "Services", model: str, choices: Sequence[AdapterChoice] | None,

@@ -25,7 +25,7 @@ from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
 
 from gateway import service_tier, stored_chat
-from gateway.adapters import resolve_request
+from gateway.adapters import resolve_request, served_names
 from accounts.rates import Ask
 from gateway.accounts import estimate_tokens
 from gateway.auth import Caller
@@ -208,7 +208,7 @@ async def _serve_choice(svc: Services, caller: Caller, job: ChatJob, index: int,
         params = dataclasses.replace(params, seed=params.seed + index)
     parser = job.tools.parser_for_reply()
     ask = _ask(svc, caller, job, params)
-    adapters = tuple(adapter.name for adapter, _ in job.stack)
+    adapters = served_names(job.stack)
     async with Serving(svc, caller, job.model, params.max_tokens, "chat", gone, ask, adapters) as serving:
         events, event, ctx = await serving.step(lambda ctx: _first_event(serving, job, params, ctx), "running")
         # (after the first event: the engine has rendered the prompt, and noted its thinking marker)

@@ -90,7 +90,8 @@ def _check(config_path: str) -> int:
     budget = device_budget(device, config.gpu.vram_budget, config.gpu.reserve)
     specs = config.model_specs()
     aliases = config.aliases
-    print(f"{config.source}: {len(specs)} models, {len(adapters.adapters)} adapters; device {device}, "
+    folders = f" (and {len(adapters.dirs)} adapter folders, read as requests name them)" if adapters.dirs else ""
+    print(f"{config.source}: {len(specs)} models, {len(adapters.adapters)} adapters{folders}; device {device}, "
           f"budget {_size(budget)}{' (gpu.vram_budget)' if config.gpu.vram_budget else ''}")
     print(f"{'model':<24} {'kind':<10} {'engine':<12} {'footprint':>10}  {'from':<9} {'fits':<5} aliases / problem")
     failed, total = 0, 0

@@ -15,7 +15,7 @@ from pathlib import Path
 import openai
 import pytest
 
-from gateway.adapters import AdapterDir, AdapterRegistry
+from gateway.adapters import AdapterDir, AdapterRegistry, served_names
 from gateway.config import ConfigError, load_config
 from gateway.errors import APIError
 from gateway.schemas import AdapterChoice
@@ -213,6 +213,7 @@ def test_files_changed_are_read_again(tiny_chat, demo_adapters, tmp_path):
     assert second is not first and second.adapter.name == "a@2" and registry.get("a") is second
     (tmp_path / "a" / "adapter_config.json").touch()
     assert registry.get("a").adapter.name == "a@3"
+    assert served_names(registry.stack("tiny-chat", [AdapterChoice(name="a", weight=0.5)], "chat")) == ("a",)
 
 
 def test_models_and_aliases_are_never_looked_for_on_disk(tiny_chat, demo_adapters, tmp_path, monkeypatch):
