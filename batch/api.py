@@ -193,7 +193,7 @@ async def delete_file(request: Request) -> Response:
     info = await _owned_file(runner, caller, request.path_params["file_id"])
     stores = getattr(request.app.state, "vector_stores", None)
     if stores is not None:  # first, so that a failure leaves the file there to delete again
-        await stores.remove_everywhere(info.id)
+        await stores.remove_everywhere([info.id])
     deleted = await runner.store.delete_file(info.id)
     return JSONResponse({"id": info.id, "object": "file", "deleted": deleted})
 

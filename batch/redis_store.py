@@ -199,17 +199,19 @@ class RedisStore(RedisKeys, Store):
             await self._r.zrem(index, *gone)
         return found[:limit]
 
-    async def delete_expired_files(self, now: float) -> int:
+    async def delete_expired_files(self, now: float) -> list[str]:
         """Redis deletes each file's keys at its ``expires_at``; this drops them from the listings."""
         due = await self._r.zrangebyscore(self.k("files", "expiry"), "-inf", now)
         if not due:
-            return 0
+            return []
+        gone = []
         async with self._r.pipeline(transaction=True) as p:
             for member in due:
                 file_id, owner = member.decode().split(" ", 1)
                 self._unlist_file(p, file_id, owner)
+                gone.append(file_id)
             await p.execute()
-        return len(due)
+        return gone
 
     async def _index_in_background(self) -> None:
         try:

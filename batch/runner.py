@@ -246,7 +246,9 @@ class Runner:
 
     async def _sweep(self) -> None:
         now = int(time.time())
-        await self.store.delete_expired_files(now)
+        gone = await self.store.delete_expired_files(now)
+        if gone and self.svc.vector_stores is not None:  # an expired document's text leaves the stores too
+            await self.svc.vector_stores.remove_everywhere(gone)
         for batch_id in await self.store.open_batches():
             batch = await self.store.get_batch(batch_id)
             if batch is None:

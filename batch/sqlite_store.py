@@ -112,14 +112,14 @@ class SQLiteStore(SQLiteFile, Store):
 
         return await self._call(get)
 
-    async def delete_expired_files(self, now: float) -> int:
+    async def delete_expired_files(self, now: float) -> list[str]:
         def due() -> bool:  # a read first: the sweep runs every few seconds, the write lock only when one is due
             return self._db.execute("SELECT 1 FROM files WHERE expires_at <= ? LIMIT 1", (now,)).fetchone() is not None
 
         if not await self._call(due):
-            return 0
-        return await self._call(self._tx, lambda db: db.execute(
-            "DELETE FROM files WHERE expires_at <= ?", (now,)).rowcount)
+            return []
+        return await self._call(self._tx, lambda db: [row[0] for row in db.execute(
+            "DELETE FROM files WHERE expires_at <= ? RETURNING id", (now,))])
 
     # -- batches
     async def create_batch(self, batch: BatchInfo) -> None:

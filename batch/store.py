@@ -165,9 +165,9 @@ class Store(abc.ABC):
         ``owner``'s (one deleted or expired since: the caller starts again)."""
 
     @abc.abstractmethod
-    async def delete_expired_files(self, now: float) -> int:
+    async def delete_expired_files(self, now: float) -> list[str]:
         """Delete the files whose ``expires_at`` has come (``get_file`` and ``file_content``
-        already find none of them); how many went."""
+        already find none of them); the ids of those that went."""
 
     # -- batches ------------------------------------------------------------------------------
     @abc.abstractmethod

@@ -27,7 +27,7 @@ import re
 import sqlite3
 from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
-from typing import Any, Callable, Self
+from typing import Any, Callable, Self, Sequence
 
 import numpy as np
 
@@ -179,13 +179,14 @@ class VectorStoreStore(abc.ABC):
         """Remove the file and its chunks from the store; False when it is not there."""
 
     @abc.abstractmethod
-    async def holding(self, file_id: str) -> list[str]:
-        """The ids of every store (of any owner) the file is in."""
+    async def holding(self, file_ids: Sequence[str]) -> list[tuple[str, str]]:
+        """(store id, file id) for each of ``file_ids`` in each store (of any owner) it is in, sorted."""
 
-    async def remove_everywhere(self, file_id: str) -> list[str]:
-        """Remove the file and its chunks from every store it is in (the file itself is being
-        deleted: nothing of its text may stay searchable); the ids of the stores it left."""
-        return [store_id for store_id in await self.holding(file_id) if await self.delete_file(store_id, file_id)]
+    async def remove_everywhere(self, file_ids: Sequence[str]) -> list[tuple[str, str]]:
+        """Remove the files and their chunks from every store they are in (the files themselves
+        are deleted or expired: nothing of their text may stay searchable); the (store id, file id)
+        pairs removed."""
+        return [pair for pair in await self.holding(file_ids) if await self.delete_file(*pair)]
 
     @abc.abstractmethod
     async def claim(self, now: float, lease_s: float, limit: int) -> list[StoreFile]:
@@ -343,13 +344,17 @@ class SQLiteVectorStores(SQLiteFile, VectorStoreStore):
 
         return await self._call(self._tx, write)
 
-    async def holding(self, file_id: str) -> list[str]:
-        def read() -> list[str]:
-            rows = self._db.execute("SELECT vector_store_id FROM vector_store_files WHERE file_id = ? ORDER BY vector_store_id",
-                                    (file_id,))
-            return [row[0] for row in rows]
+    async def holding(self, file_ids: Sequence[str]) -> list[tuple[str, str]]:
+        def read() -> list[tuple[str, str]]:
+            pairs: list[tuple[str, str]] = []
+            ids = list(dict.fromkeys(file_ids))
+            for start in range(0, len(ids), 500):  # under SQLite's limit on bound values
+                part = ids[start:start + 500]
+                pairs += self._db.execute("SELECT vector_store_id, file_id FROM vector_store_files WHERE file_id IN "
+                                          f"({', '.join('?' * len(part))})", part).fetchall()
+            return sorted(pairs)
 
-        return await self._call(read)
+        return await self._call(read) if file_ids else []
 
     async def claim(self, now: float, lease_s: float, limit: int) -> list[StoreFile]:
         def write(db: sqlite3.Connection) -> list[StoreFile]:
@@ -592,16 +597,19 @@ class RedisVectorStores(RedisKeys, VectorStoreStore):
                 self.k("vs-version", store_id)]
         return bool(await self._delete_file(keys=keys, args=[file_id, self._member(store_id, file_id)]))
 
-    async def holding(self, file_id: str) -> list[str]:
-        """A scan of every store's file hash (files are deleted rarely; no reverse index to keep)."""
+    async def holding(self, file_ids: Sequence[str]) -> list[tuple[str, str]]:
+        """One scan of the stores' file hashes (files are deleted rarely; no reverse index to keep)."""
+        ids = list(dict.fromkeys(file_ids))
+        if not ids:
+            return []
         files_of = self.k("vs-files", "")
         pattern = re.sub(r"([*?\[\]\\])", r"\\\1", files_of) + "*"  # the prefix matched as written
-        ids = sorted([key.decode().removeprefix(files_of) async for key in self._r.scan_iter(match=pattern, count=1000)])
+        stores = sorted([key.decode().removeprefix(files_of) async for key in self._r.scan_iter(match=pattern, count=1000)])
         async with self._r.pipeline(transaction=False) as p:
-            for store_id in ids:
-                p.hexists(self.k("vs-files", store_id), file_id)
-            there = await p.execute() if ids else []
-        return [store_id for store_id, held in zip(ids, there) if held]
+            for store_id in stores:
+                p.hmget(self.k("vs-files", store_id), ids)
+            found = await p.execute() if stores else []
+        return [(store_id, file_id) for store_id, docs in zip(stores, found) for file_id, doc in zip(ids, docs) if doc]
 
     async def version(self, store_id: str) -> int | None:
         async with self._r.pipeline(transaction=True) as tx:

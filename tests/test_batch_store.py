@@ -129,7 +129,7 @@ def test_a_sqlite_file_from_before_expiry_is_migrated(tmp_path):
         await s.open()
         assert await s.get_file("file-old") == FileInfo("file-old", "o", "batch", "in.jsonl", 1, 5)
         await s.put_file(FileInfo("file-new", "o", "batch", "in.jsonl", 1, 5, 6), b"b")
-        assert await s.get_file("file-new") is None and await s.delete_expired_files(time.time()) == 1
+        assert await s.get_file("file-new") is None and await s.delete_expired_files(time.time()) == ["file-new"]
         assert await s.file_content("file-old") == b"a"
         await s.close()
 
@@ -173,7 +173,8 @@ def test_files_list_by_owner_purpose_and_time_in_either_order_with_cursor(make_s
         assert (await s.list_files("a", None, None, 1, False)) == [soon]
         await asyncio.sleep(max(0.0, now + 1 - time.time()) + 0.05)
         assert "file-soon" not in [f.id for f in await s.list_files("a", None, None, 10, False)]
-        assert await s.delete_expired_files(time.time()) == 1
+        assert await s.delete_expired_files(time.time()) == ["file-soon"]
+        assert await s.delete_expired_files(time.time()) == []
         if isinstance(s, RedisStore):  # unlisted everywhere, not only hidden
             for index in (s.k("files"), s.k("files", "a")):
                 assert await s._r.zscore(index, "file-soon") is None

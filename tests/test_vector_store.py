@@ -122,14 +122,15 @@ async def _contract(store: VectorStoreStore) -> None:
         # a file deleted from /v1/files leaves every store it is in, of any owner, with its chunks
         assert await store.add_file(_file("vs_c", "file-1", "t7", owner="other"))
         assert await store.add_file(_file("vs_c", "file-5", "t8", owner="other"))
-        assert await store.holding("file-1") == ["vs_a", "vs_c"] and await store.holding("nope") == []
+        assert await store.holding(["file-1"]) == [("vs_a", "file-1"), ("vs_c", "file-1")]
+        assert await store.holding(["nope"]) == [] and await store.holding([]) == []
         before = await store.version("vs_a")
-        assert await store.remove_everywhere("file-1") == ["vs_a", "vs_c"]
-        assert await store.holding("file-1") == [] and await store.chunks("vs_a") == []
+        assert await store.remove_everywhere(["nope", "file-1"]) == [("vs_a", "file-1"), ("vs_c", "file-1")]
+        assert await store.holding(["file-1", "file-5"]) == [("vs_c", "file-5")] and await store.chunks("vs_a") == []
         assert await store.version("vs_a") != before
         assert [f.id for f in await store.files("vs_c")] == ["file-5"]  # the other files stay
-        assert await store.remove_everywhere("file-1") == []
-        assert await store.delete("vs_c", "other") and await store.holding("file-5") == []
+        assert await store.remove_everywhere(["file-1"]) == []
+        assert await store.delete("vs_c", "other") and await store.holding(["file-5"]) == []
     finally:
         await store.close()
 

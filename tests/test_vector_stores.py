@@ -6,6 +6,7 @@ and the pure parts (windows, chunk sizes, filters, ranking) over tables."""
 from __future__ import annotations
 
 import asyncio
+import sqlite3
 import time
 from dataclasses import replace
 
@@ -285,6 +286,23 @@ def test_deleting_a_file_takes_its_text_out_of_every_store(server):
     assert c.vector_stores.retrieve(two.id).file_counts.total == 0
     with pytest.raises(openai.NotFoundError):
         c.vector_stores.files.content(secret, vector_store_id=one.id)
+
+
+def test_an_expired_document_leaves_every_store(server):
+    c = client(server)
+    doc = c.files.create(file=("soon.txt", b"The launch code is tangerine. " * 8), purpose="assistants",
+                         expires_after={"anchor": "created_at", "seconds": 3600}).id
+    store = c.vector_stores.create(name="expiring", file_ids=[doc])
+    assert poll(c, store.id, doc).status == "completed"
+    db = sqlite3.connect(server.services.config.data_dir() / "batches.sqlite3")
+    with db:  # an hour on: the runner's sweep (every few seconds) deletes the file
+        db.execute("UPDATE files SET expires_at = ? WHERE id = ?", (int(time.time()) - 1, doc))
+    db.close()
+    deadline = time.time() + 30
+    while list(c.vector_stores.files.list(store.id)) and time.time() < deadline:
+        time.sleep(0.2)
+    assert list(c.vector_stores.files.list(store.id)) == []
+    assert c.vector_stores.search(store.id, query="launch code").data == []
 
 
 def test_file_batches_are_added_followed_and_cancelled_together(server):
