@@ -266,9 +266,10 @@ async def list_stores(request: Request) -> Response:
     owner, _ = _owner(request)
     q = request.query_params
     limit, order = page_query(q, "desc")
-    stores = await _store(request).list(owner)
-    shown = [await _shown(request, s) for s in stores]
-    return JSONResponse(cursor_page(shown, order, limit, q.get("after") or None, q.get("before") or None))
+    stores = {s.id: s for s in await _store(request).list(owner)}
+    page = cursor_page([{"id": i} for i in stores], order, limit, q.get("after") or None, q.get("before") or None)
+    page["data"] = [await _shown(request, stores[row["id"]]) for row in page["data"]]  # only the page's files are read
+    return JSONResponse(page)
 
 
 async def get_store(request: Request) -> Response:

@@ -270,6 +270,27 @@ def test_only_documents_and_only_the_owner(server):
         c.files.create(file=("x.txt", b"x"), purpose="fine-tune")
 
 
+def test_listing_stores_pages_them_and_reads_only_the_pages_files(server, monkeypatch):
+    c = client(server, "subscriber")
+    made = [c.vector_stores.create(name=f"s{i}").id for i in range(5)]
+    store = server.app.state.vector_stores
+    read: list[str] = []
+    real = store.files
+
+    async def files(store_id):
+        read.append(store_id)
+        return await real(store_id)
+
+    monkeypatch.setattr(store, "files", files)
+    page = c.vector_stores.list(limit=2, order="asc")
+    assert [s.id for s in page.data] == made[:2] and page.has_more and sorted(read) == sorted(made[:2])
+    after = c.vector_stores.list(limit=2, order="asc", after=made[1])
+    assert [s.id for s in after.data] == made[2:4] and after.data[0].file_counts.total == 0
+    assert [s.id for s in c.vector_stores.list(order="desc")] == made[::-1]  # the SDK follows the pages
+    with pytest.raises(openai.BadRequestError):
+        c.vector_stores.list(after="vs_nobody")
+
+
 def test_deleting_a_file_takes_its_text_out_of_every_store(server):
     c = client(server)
     secret, kept = upload(c, "secret.txt", "The vault code is swordfish. " * 8), upload(c, "kept.txt", DOC_B)
