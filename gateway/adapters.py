@@ -34,7 +34,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Iterable, Sequence
 
-from safetensors import safe_open
+from safetensors import SafetensorError, safe_open
 
 from gateway.config import ADAPTER_NAME, AdapterConfig, Config, ConfigError
 from gateway.errors import APIError, bad_request, not_found
@@ -102,6 +102,9 @@ def signature(folder: Path) -> Signature | None:
         with os.scandir(folder) as entries:
             return tuple(sorted((e.name, (st := e.stat()).st_size, st.st_mtime_ns, st.st_ino) for e in entries if e.is_file()))
     except (FileNotFoundError, NotADirectoryError):
+        return None
+    except OSError as exc:  # unreadable (permissions): as if absent, and the operator is told
+        log.warning("adapter_dirs: cannot read %s: %s", folder, exc)
         return None
 
 
@@ -207,7 +210,7 @@ class AdapterRegistry:
                 shapes = self._shapes[d.model_path] = checkpoint_shapes(d.model_path, d.kind)
             served = read_adapter(AdapterConfig(name=name, model=d.model, path=folder, format=d.format), d.kind,
                                   shapes, version)
-        except (AdapterFormatError, OSError, ValueError, KeyError) as exc:
+        except Exception as exc:  # noqa: BLE001 - reading files: whatever fails (safetensors' own error too) is the folder's
             why = " ".join(str(exc).strip("'\"").split())
             log.warning("adapter_dirs: %s is not an adapter tiergate can serve: %s", folder, why)
             # the client is told why, not where: the server's paths stay the operator's
@@ -319,7 +322,7 @@ def load_adapters(config: Config) -> AdapterRegistry:
         base = models[entry.model]
         try:
             served.append(load_adapter(entry, base.kind, base.path))
-        except (AdapterFormatError, OSError, ValueError, KeyError) as exc:
+        except Exception as exc:  # noqa: BLE001 - reading files: whatever fails (safetensors' own error too) is the adapter's
             message = " ".join(str(exc).strip("'\"").split())
             raise ConfigError(f"{config.source}: adapters[{i}] ({entry.name}): {message}") from None
     dirs = [AdapterDir(d.model, models[d.model].kind, d.path, models[d.model].path, d.format) for d in config.adapter_dirs]
@@ -356,8 +359,11 @@ def _denoiser(path: Path) -> str:
     """The component a diffusers LoRA file targets; LoRA on other components (text encoders) is
     refused rather than silently left out."""
     file = path / DIFFUSERS_WEIGHTS if path.is_dir() else path
-    with safe_open(str(file), framework="pt") as f:
-        prefixes = {k.split(".", 1)[0] for k in f.keys()}
+    try:
+        with safe_open(str(file), framework="pt") as f:
+            prefixes = {k.split(".", 1)[0] for k in f.keys()}
+    except SafetensorError as exc:
+        raise AdapterFormatError(f"{file} is not a readable safetensors file ({exc})") from None
     named = {p for p in prefixes if p in DENOISERS or p.startswith("text_encoder")}
     others = sorted(p for p in named if p not in DENOISERS)
     if others:

@@ -15,7 +15,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 import torch
-from safetensors import safe_open
+from safetensors import SafetensorError, safe_open
 from safetensors.torch import save_file
 from torch import Tensor
 
@@ -229,14 +229,21 @@ def load_peft_adapter(folder: str | Path, name: str | None = None, dtype: torch.
     config_path, weights_path = folder / PEFT_CONFIG, folder / PEFT_WEIGHTS
     if not config_path.is_file() or not weights_path.is_file():
         raise AdapterFormatError(f"adapter {name!r} ({folder}): needs {PEFT_CONFIG} and {PEFT_WEIGHTS}")
-    config = json.loads(config_path.read_text())
+    try:
+        config = json.loads(config_path.read_text())
+    except (ValueError, UnicodeDecodeError) as exc:
+        raise AdapterFormatError(f"adapter {name!r} ({folder}): {PEFT_CONFIG} is not valid JSON ({exc})") from None
     if not isinstance(config, dict):
         raise AdapterFormatError(f"adapter {name!r} ({folder}): {PEFT_CONFIG} is not a JSON object")
     _refuse(name, str(folder), _refusals(config))
     if "r" not in config:
         raise AdapterFormatError(f"adapter {name!r} ({folder}): {PEFT_CONFIG} has no 'r'")
-    with safe_open(str(weights_path), framework="pt") as f:
-        tensors = {k.removeprefix(PEFT_PREFIX): f.get_tensor(k) for k in f.keys()}
+    try:
+        with safe_open(str(weights_path), framework="pt") as f:
+            tensors = {k.removeprefix(PEFT_PREFIX): f.get_tensor(k) for k in f.keys()}
+    except SafetensorError as exc:
+        raise AdapterFormatError(f"adapter {name!r} ({folder}): {PEFT_WEIGHTS} is not a readable safetensors file "
+                                 f"({exc})") from None
     factors, alphas = _parse_tensors(tensors, name, str(folder))
     return LoraAdapter(name, _build_modules(factors, alphas, config, name, str(folder), dtype), config, str(folder))
 
@@ -258,12 +265,15 @@ def load_diffusers_lora(
     if not file.is_file():
         raise AdapterFormatError(f"adapter {name!r}: no file {file}")
     prefix = f"{component}."
-    with safe_open(str(file), framework="pt") as f:
-        metadata = f.metadata() or {}
-        keys = list(f.keys())
-        if any(k.startswith(prefix) for k in keys):
-            keys = [k for k in keys if k.startswith(prefix)]
-        tensors = {k.removeprefix(prefix).removeprefix(PEFT_PREFIX): f.get_tensor(k) for k in keys}
+    try:
+        with safe_open(str(file), framework="pt") as f:
+            metadata = f.metadata() or {}
+            keys = list(f.keys())
+            if any(k.startswith(prefix) for k in keys):
+                keys = [k for k in keys if k.startswith(prefix)]
+            tensors = {k.removeprefix(prefix).removeprefix(PEFT_PREFIX): f.get_tensor(k) for k in keys}
+    except SafetensorError as exc:
+        raise AdapterFormatError(f"adapter {name!r}: {file} is not a readable safetensors file ({exc})") from None
     config = {}
     if DIFFUSERS_METADATA_KEY in metadata:
         packed = json.loads(metadata[DIFFUSERS_METADATA_KEY])

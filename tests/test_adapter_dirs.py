@@ -129,7 +129,14 @@ def test_a_broken_folder_is_a_400_until_it_is_fixed(server, folders, demo_adapte
         with pytest.raises(openai.BadRequestError) as e:
             chat(server, "broken")
         assert e.value.body["code"] == "adapter_invalid" and e.value.body["param"] == "model"
-        assert "broken" in e.value.body["message"] and str(folders["chat"]) not in e.value.body["message"]
+        message = e.value.body["message"]
+        assert "broken" in message and "adapter_config.json is not valid JSON" in message
+        assert str(folders["chat"]) not in message
+    target = put(demo_adapters[PIRATE], folders["chat"], "broken")
+    (target / "adapter_model.safetensors").write_bytes(b"not safetensors")  # safetensors' own error
+    with pytest.raises(openai.BadRequestError) as e:
+        chat(server, "broken")
+    assert e.value.body["code"] == "adapter_invalid" and "not a readable safetensors file" in e.value.body["message"]
     put(demo_adapters[SKETCH], folders["chat"], "broken")  # an image model's LoRA in the chat folder
     with pytest.raises(openai.BadRequestError) as e:
         chat(server, "broken")

@@ -291,7 +291,10 @@ def test_bad_adapter_config_is_one_line(tmp_path, demo_adapters, tiny_chat, tiny
 
 def test_refused_or_unfitting_adapters_stop_start_up(tmp_path, demo_adapters, tiny_chat, tiny_image, capsys):
     dora = dora_copy(demo_adapters, tmp_path)
+    corrupt = shutil.copytree(demo_adapters[PIRATE], tmp_path / "corrupt")
+    (corrupt / "adapter_model.safetensors").write_bytes(b"not safetensors")
     cases = {
+        "corrupt weights": (f"  - {{name: shiny, model: tiny-chat, path: {corrupt}}}\n", "adapter_model.safetensors"),
         "DoRA": (f"  - {{name: shiny, model: tiny-chat, path: {dora}}}\n", "use_dora"),
         "chat LoRA on the image model": (f"  - {{name: shiny, model: tiny-image, path: {demo_adapters[POET]}}}\n",
                                          "does not fit model 'tiny-image'"),
