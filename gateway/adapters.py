@@ -29,11 +29,12 @@ import asyncio
 import logging
 import math
 import os
-from collections import OrderedDict
+from collections import Counter, OrderedDict
 from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Iterable, Sequence
 
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 from safetensors import SafetensorError, safe_open
 
 from gateway.config import ADAPTER_NAME, AdapterConfig, Config, ConfigError
@@ -123,6 +124,8 @@ class AdapterRegistry:
         self._reads: dict[tuple[Path, Signature], asyncio.Task] = {}  # folder reads under way (``ready``)
         self._seen: dict[str, tuple[Signature, int]] = {}  # a name's latest files and how many contents it had
         self._shapes: dict[Path, dict[str, tuple[int, ...]]] = {}  # a base checkpoint's weight shapes
+        self.reads: Counter[str] = Counter()  # folder reads by outcome (read, refused), counted on the loop
+        self.dropped = 0  # folder adapters dropped from host memory past the budget
 
     def __contains__(self, name: str) -> bool:
         return self.get(name) is not None
@@ -146,7 +149,7 @@ class AdapterRegistry:
         try:
             served = self._read(name, d, folder, files, self._version(name, files))
         except _NotAnAdapter as exc:
-            self._refused[(folder, files)] = str(exc)
+            self._refuse(folder, files, str(exc))
             self._check_refused(name, folder, files)
         return self._keep(served)
 
@@ -178,7 +181,7 @@ class AdapterRegistry:
             served = await asyncio.to_thread(self._read, name, d, folder, files, self._version(name, files))
             self._keep(served)
         except _NotAnAdapter as exc:
-            self._refused[(folder, files)] = str(exc)
+            self._refuse(folder, files, str(exc))
         finally:
             del self._reads[(folder, files)]
 
@@ -188,6 +191,10 @@ class AdapterRegistry:
             if files is not None:
                 return d, d.path / name, files
         return None
+
+    def _refuse(self, folder: Path, files: Signature, why: str) -> None:
+        self._refused[(folder, files)] = why
+        self.reads["refused"] += 1
 
     def _check_refused(self, name: str, folder: Path, files: Signature) -> None:
         why = self._refused.get((folder, files))
@@ -222,11 +229,27 @@ class AdapterRegistry:
         adapters beyond the budget (never the one just read: a request is waiting for it)."""
         self.cached[served.name] = served
         self.cached.move_to_end(served.name)
+        self.reads["read"] += 1
         total = sum(a.nbytes for a in self.cached.values())
         while total > self.cache_bytes and len(self.cached) > 1:
             _, dropped = self.cached.popitem(last=False)
             total -= dropped.nbytes
+            self.dropped += 1
         return served
+
+    def collect(self):
+        """Prometheus: the folder adapters read, refused, held and dropped by this process."""
+        reads = CounterMetricFamily("tiergate_adapter_folder_reads", "adapter_dirs adapters read by this process, by "
+                                    "outcome (read; refused: not a LoRA fitting its model)", labels=["outcome"])
+        for outcome in ("read", "refused"):
+            reads.add_metric([outcome], self.reads[outcome])
+        yield reads
+        yield CounterMetricFamily("tiergate_adapter_folder_dropped", "adapter_dirs adapters dropped from host memory "
+                                  "past gpu.adapter_cache_budget (read again when asked for)", value=self.dropped)
+        held = list(self.cached.values())
+        yield GaugeMetricFamily("tiergate_adapter_folder_held", "adapter_dirs adapters held in host memory", value=len(held))
+        yield GaugeMetricFamily("tiergate_adapter_folder_held_bytes", "Host memory the held adapter_dirs adapters take "
+                                "(their LoRA factors)", value=sum(a.nbytes for a in held))
 
     def rows(self) -> list[dict[str, Any]]:
         """The configured adapters' /v1/models entries, then every folder adapter's (one listing of

@@ -83,6 +83,7 @@ def build_services(config: Config, keys: KeyRing) -> Services:
                         accounts=Accounts.from_config(config))  # beside the batch store
     services.on_startup.append(services.accounts.start)
     services.on_shutdown.append(services.accounts.stop)
+    services.metrics.registry.register(services.adapters)  # folder adapters read, held, dropped
     services.metrics.registry.register(services.accounts)  # usage kept while the store fails, and lost
     services.webhooks = webhooks_for(services)  # ConfigError for an endpoint whose secret is not set
     return services

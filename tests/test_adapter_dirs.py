@@ -9,9 +9,11 @@ from __future__ import annotations
 
 import asyncio
 import base64
+import re
 import shutil
 from pathlib import Path
 
+import httpx
 import openai
 import pytest
 
@@ -143,6 +145,9 @@ def test_a_broken_folder_is_a_400_until_it_is_fixed(server, folders, demo_adapte
     assert e.value.body["code"] == "adapter_invalid"
     put(demo_adapters[POET], folders["chat"], "broken")
     assert chat(server, "broken") == chat(server, POET)
+    scraped = httpx.get(f"{server.url}/metrics").text
+    refused = re.search(r'^tiergate_adapter_folder_reads_total\{outcome="refused"\} (\S+)$', scraped, re.M)
+    assert refused and float(refused.group(1)) >= 3 and "tiergate_adapter_folder_held_bytes" in scraped
 
 
 @pytest.mark.parametrize("name", ["../chat2/reached", "chat2/../reached", ".hidden", "/etc", "a" * 129])
@@ -186,6 +191,12 @@ def test_the_least_recently_used_is_dropped_past_the_budget(tiny_chat, demo_adap
     assert registry.get("a") is first  # held: not read again
     registry.get("c")  # past the budget: b, the least recently used, goes
     assert list(registry.cached) == ["a", "c"]
+    metrics = {m.name: m.samples for m in registry.collect()}
+    assert [(s.labels, s.value) for s in metrics["tiergate_adapter_folder_reads"]] == [
+        ({"outcome": "read"}, 3), ({"outcome": "refused"}, 0)]
+    assert metrics["tiergate_adapter_folder_dropped"][0].value == 1
+    assert metrics["tiergate_adapter_folder_held"][0].value == 2
+    assert metrics["tiergate_adapter_folder_held_bytes"][0].value == 2 * one
     tiny = _registry(tiny_chat, tmp_path, cache_bytes=1)
     assert tiny.get("a") is not None and tiny.get("b") is not None and list(tiny.cached) == ["b"]  # the latest stays
 
