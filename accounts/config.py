@@ -3,6 +3,7 @@
 
 from __future__ import annotations
 
+import fnmatch
 import functools
 
 from pydantic import BaseModel, ConfigDict, Field
@@ -24,6 +25,11 @@ class Limits(_Strict):
     audio_seconds_per_min: float | None = Field(default=None, gt=0)  # speech made plus audio transcribed
     gpu_seconds_per_day: float | None = Field(default=None, gt=0)  # per UTC day
     models: tuple[str, ...] | None = None  # allow-list of model names; None: every model
+    adapters: tuple[str, ...] | None = None  # allow-list of adapter names, shell-style patterns; None: every adapter
+
+    def allows_adapter(self, name: str) -> bool:
+        """Whether the adapter ``name`` (of a model this key may use) is in the adapter allow-list."""
+        return self.adapters is None or any(fnmatch.fnmatchcase(name, pattern) for pattern in self.adapters)
 
     @functools.cached_property
     def limited(self) -> bool:

@@ -46,6 +46,7 @@ class KeyRecord:
     created_at: int
     limits: dict[str, Any] = field(default_factory=dict)
     models: tuple[str, ...] | None = None
+    adapters: tuple[str, ...] | None = None  # adapter patterns; None: the tier's allow-list
     revoked_at: int | None = None
     version: int = 0  # the store's change counter when this record last changed
 
@@ -57,26 +58,29 @@ class KeyRecord:
         """The record as stored (hash included)."""
         d = asdict(self)
         d["models"] = list(self.models) if self.models is not None else None
+        d["adapters"] = list(self.adapters) if self.adapters is not None else None
         d.pop("version")
         return d
 
     @classmethod
     def of(cls, doc: dict[str, Any], version: int = 0) -> "KeyRecord":
-        models = doc.get("models")
-        return cls(**{**doc, "models": tuple(models) if models is not None else None, "version": version})
+        models, adapters = doc.get("models"), doc.get("adapters")
+        return cls(**{**doc, "models": tuple(models) if models is not None else None,
+                      "adapters": tuple(adapters) if adapters is not None else None, "version": version})
 
     def public(self) -> dict[str, Any]:
         """What the admin API shows: never the hash."""
         return {"id": self.id, "object": "api_key", "name": self.name, "tier": self.tier,
                 "redacted_value": f"{PREFIX}...{self.hint}", "created_at": self.created_at,
                 "limits": dict(self.limits), "models": list(self.models) if self.models is not None else None,
+                "adapters": list(self.adapters) if self.adapters is not None else None,
                 "revoked_at": self.revoked_at, "status": "active" if self.active else "revoked"}
 
 
 def make_key(name: str, tier: str, limits: dict[str, Any] | None = None,
-             models: tuple[str, ...] | None = None) -> tuple[KeyRecord, str]:
+             models: tuple[str, ...] | None = None, adapters: tuple[str, ...] | None = None) -> tuple[KeyRecord, str]:
     """A new record and its secret (to show once)."""
     secret = new_secret()
     record = KeyRecord(new_key_id(), name, tier, secret_hash(secret), secret[-4:], int(time.time()),
-                       dict(limits or {}), models)
+                       dict(limits or {}), models, adapters)
     return record, secret

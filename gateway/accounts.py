@@ -281,6 +281,8 @@ class Accounts:
         limits = self.tier_limits.get(record.tier, Limits()).over(record.limits)
         if record.models is not None:
             limits = limits.model_copy(update={"models": record.models})
+        if record.adapters is not None:
+            limits = limits.model_copy(update={"adapters": record.adapters})
         self._limits[key_id] = (record, limits)
         return limits
 
@@ -288,8 +290,12 @@ class Accounts:
         allowed = self.limits(caller.key_id, caller.tier).models
         return allowed is None or model in allowed
 
-    async def create_key(self, name: str, tier: str, limits: dict[str, Any], models: tuple[str, ...] | None) -> tuple[KeyRecord, str]:
-        record, secret = make_key(name, tier, limits, models)
+    def allows_adapter(self, caller: Caller, adapter: str) -> bool:
+        return self.limits(caller.key_id, caller.tier).allows_adapter(adapter)
+
+    async def create_key(self, name: str, tier: str, limits: dict[str, Any], models: tuple[str, ...] | None,
+                         adapters: tuple[str, ...] | None = None) -> tuple[KeyRecord, str]:
+        record, secret = make_key(name, tier, limits, models, adapters)
         record = await self.store.create_key(record)
         self._learn(record)
         return record, secret
@@ -301,12 +307,19 @@ class Accounts:
         return record
 
     # -- requests
-    async def admit(self, caller: Caller, model: str, ask: Ask) -> Admission | None:
-        """Before a request takes a slot: 404 for a model outside the key's allow-list; for HTTP
-        requests, 429 over a limit. Returns the hold to give back in ``finish`` (None: nothing held)."""
+    async def admit(self, caller: Caller, model: str, ask: Ask, adapters: tuple[str, ...] = (),
+                    own_adapter: bool = False) -> Admission | None:
+        """Before a request takes a slot: 404 for a model, or an adapter of its stack, outside the
+        key's allow-lists (as for one that does not exist); for HTTP requests, 429 over a limit.
+        Returns the hold to give back in ``finish`` (None: nothing held)."""
         limits = self.limits(caller.key_id, caller.tier)
         if limits.models is not None and model not in limits.models:
             raise APIError(404, f"the model '{model}' does not exist", "model_not_found", "model")
+        for i, adapter in enumerate(adapters):  # refused as the registry refuses one that does not exist
+            if not limits.allows_adapter(adapter):
+                if i == 0 and own_adapter:
+                    raise APIError(404, f"the model '{adapter}' does not exist", "model_not_found", "model")
+                raise APIError(404, f"the adapter '{adapter}' does not exist", "adapter_not_found", "adapters")
         if caller.rate is None or not limits.limited:
             return None
         spent = 0.0

@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import re
 import time
-from typing import Any
+from typing import Annotated, Any
 
 from pydantic import Field, create_model
 from starlette.requests import Request
@@ -24,9 +24,11 @@ from gateway.service import Services
 MAX_BODY = 64 * 1024
 _DAY = re.compile(r"^\d{4}-\d{2}-\d{2}$")
 
-# A key's own limits as the API takes them: Limits' numbers, strictly typed (the allow-list is ``models``).
+# A key's own limits as the API takes them: Limits' numbers, strictly typed (the allow-lists are
+# ``models`` and ``adapters``).
 KeyLimits = create_model("KeyLimits", __base__=_Body,
-                         **{n: (f.annotation, f) for n, f in Limits.model_fields.items() if n != "models"})
+                         **{n: (f.annotation, f) for n, f in Limits.model_fields.items() if n not in ("models", "adapters")})
+Pattern = Annotated[str, Field(min_length=1, max_length=256)]  # an adapter name, or a shell-style pattern of names
 
 
 class NewKey(_Body):
@@ -34,6 +36,7 @@ class NewKey(_Body):
     tier: str
     limits: KeyLimits | None = None  # type: ignore[valid-type]
     models: list[str] | None = None
+    adapters: list[Pattern] | None = None
 
 
 class KeyChange(_Body):
@@ -41,6 +44,7 @@ class KeyChange(_Body):
     tier: str | None = None
     limits: KeyLimits | None = None  # type: ignore[valid-type]  # replaces the key's own limits
     models: list[str] | None = None  # null: back to its tier's allow-list
+    adapters: list[Pattern] | None = None  # null: back to its tier's adapter allow-list
 
 
 def _accounts(request: Request) -> tuple[Services, Accounts]:
@@ -74,7 +78,8 @@ async def create_key(request: Request) -> Response:
     body = parse(NewKey, await read_json(request, MAX_BODY))
     models = _checked(svc, body.tier, body.models)
     limits = body.limits.model_dump(exclude_unset=True) if body.limits is not None else {}
-    record, secret = await accounts.create_key(body.name, body.tier, limits, models)
+    adapters = tuple(body.adapters) if body.adapters is not None else None
+    record, secret = await accounts.create_key(body.name, body.tier, limits, models, adapters)
     return JSONResponse({**record.public(), "value": secret}, status_code=201)
 
 
@@ -92,7 +97,7 @@ async def get_key(request: Request) -> Response:
 
 
 async def change_key(request: Request) -> Response:
-    """PATCH /admin/keys/{id}: name, tier, limits (replacing the key's own) or models."""
+    """PATCH /admin/keys/{id}: name, tier, limits (replacing the key's own), models or adapters."""
     svc, accounts = _accounts(request)
     svc.require_admin(request)
     body = parse(KeyChange, await read_json(request, MAX_BODY))
@@ -109,6 +114,8 @@ async def change_key(request: Request) -> Response:
         changes["limits"] = body.limits.model_dump(exclude_unset=True) if body.limits is not None else {}
     if "models" in given:
         changes["models"] = _checked(svc, None, body.models)
+    if "adapters" in given:
+        changes["adapters"] = tuple(body.adapters) if body.adapters is not None else None
     return JSONResponse(_found(await accounts.update_key(request.path_params["key_id"], **changes)).public())
 
 

@@ -320,6 +320,12 @@ def served_names(stack: AdapterStackSpec) -> tuple[str, ...]:
     return tuple(adapter.name.split("@", 1)[0] for adapter, _ in stack)
 
 
+def names_own(model: str, stack: AdapterStackSpec) -> bool:
+    """Whether a request's ``model`` names the first adapter of its ``stack`` (its own adapter:
+    an adapter is never a model's or an alias's name, and one selected twice is refused)."""
+    return bool(stack) and served_names(stack[:1])[0] == model
+
+
 def resolve_request(svc: "Services", model: str, choices: Sequence[AdapterChoice] | None,
                     kind: str) -> tuple[ModelSpec, AdapterStackSpec]:
     """The base model's spec and the adapter stack of one request (errors as the API's 4xx; an

@@ -144,7 +144,8 @@ def _model_rows(svc: Services, caller: Caller | None = None, adapters: list[dict
     rows += aliases
     rows.extend(svc.adapters.rows() if adapters is None else adapters)
     if caller is not None and svc.accounts is not None:
-        rows = [r for r in rows if svc.accounts.allows(caller, r.get("parent") or r.get("alias_of") or r["id"])]
+        rows = [r for r in rows if svc.accounts.allows(caller, r.get("parent") or r.get("alias_of") or r["id"])
+                and (r.get("kind") != "adapter" or svc.accounts.allows_adapter(caller, r["id"]))]
     return rows
 
 

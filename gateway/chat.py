@@ -25,7 +25,7 @@ from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
 
 from gateway import service_tier, stored_chat
-from gateway.adapters import resolve_request, served_names
+from gateway.adapters import names_own, resolve_request, served_names
 from accounts.rates import Ask
 from gateway.accounts import estimate_tokens
 from gateway.auth import Caller
@@ -77,6 +77,7 @@ class ChatJob:
     # the messages' image parts, in order, as encoded files (``gateway.vision``); one still to read
     # (an image URL, a long data: URL) is read by ``with_images`` before the job is served
     images: tuple[bytes | PendingImage, ...] = ()
+    own_adapter: bool = False  # ``model`` named the stack's first adapter (whose refusal names ``model``)
 
 
 @dataclass
@@ -139,7 +140,7 @@ def plan_chat(svc: Services, body: ChatCompletionRequest) -> ChatJob:
     return ChatJob(spec.name, body.messages_as_dicts(), params, stack, tools, body.n, body.service_tier,
                    stream=bool(body.stream), template_kwargs=body.template_kwargs(),
                    reasoning=getattr(engine, "reasoning_parser", "none"),
-                   include_reasoning=body.include_reasoning, images=images)
+                   include_reasoning=body.include_reasoning, images=images, own_adapter=names_own(body.model, stack))
 
 
 async def with_images(svc: Services, job: ChatJob) -> ChatJob:
@@ -209,7 +210,7 @@ async def _serve_choice(svc: Services, caller: Caller, job: ChatJob, index: int,
     parser = job.tools.parser_for_reply()
     ask = _ask(svc, caller, job, params)
     adapters = served_names(job.stack)
-    async with Serving(svc, caller, job.model, params.max_tokens, "chat", gone, ask, adapters) as serving:
+    async with Serving(svc, caller, job.model, params.max_tokens, "chat", gone, ask, adapters, job.own_adapter) as serving:
         events, event, ctx = await serving.step(lambda ctx: _first_event(serving, job, params, ctx), "running")
         # (after the first event: the engine has rendered the prompt, and noted its thinking marker)
         thinking = ThinkSplitter(job.reasoning, ctx.prompt_thinking) if job.reasoning != "none" else None

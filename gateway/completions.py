@@ -44,7 +44,7 @@ from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
 
 from gateway import service_tier
-from gateway.adapters import resolve_request
+from gateway.adapters import names_own, resolve_request
 from gateway.auth import Caller
 from gateway.chat import ChatJob, ChoiceDelta, Reply, collect, served_caller, serve_chat
 from gateway.errors import APIError, bad_request
@@ -269,8 +269,8 @@ async def plan_completion(svc: Services, body: CompletionRequest) -> CompletionJ
         logit_bias={int(k): v for k, v in (body.logit_bias or {}).items()},
         prompt_logprobs=body.logprobs if body.echo else None,
     )
-    jobs = [ChatJob(spec.name, [], params, stack, n=made, service_tier=body.service_tier, prompt_ids=p.ids)
-            for p in prompts]
+    jobs = [ChatJob(spec.name, [], params, stack, n=made, service_tier=body.service_tier, prompt_ids=p.ids,
+                    own_adapter=names_own(body.model, stack)) for p in prompts]
     return CompletionJob(jobs, prompts, made, body.echo, body.logprobs, keep=body.n if ranked else None)
 
 

@@ -26,7 +26,7 @@ from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
 
 from accounts.rates import Ask
-from gateway.adapters import resolve_request
+from gateway.adapters import names_own, resolve_request, served_names
 from gateway.auth import Caller
 from gateway.config import LimitsConfig
 from gateway.errors import APIError, bad_request, not_found
@@ -112,6 +112,7 @@ class Plan:
     request: ImageRequest
     units: float
     model: str = ""  # the base model (set by plan_images)
+    own_adapter: bool = False  # ``model`` named the stack's first adapter (whose refusal names ``model``)
 
 
 def plan(body: ImageGenerationRequest, limits: LimitsConfig, native: tuple[int, int] | None) -> Plan:
@@ -286,7 +287,8 @@ def plan_edit(body: ImageVariationForm, steps: int, image: Image, mask: Image | 
 
 async def serve_images(svc: Services, caller: Caller, job: Plan, gone: Gone | None) -> list[bytes]:
     """The serving core: one generation's PNGs."""
-    async with Serving(svc, caller, job.model, job.units, "images", gone, Ask(images=job.request.n)) as serving:
+    async with Serving(svc, caller, job.model, job.units, "images", gone, Ask(images=job.request.n),
+                       served_names(job.request.adapters), job.own_adapter) as serving:
         worker = serving.worker
         try:
             pngs = await serving.step(lambda ctx: in_thread(lambda: worker.generate(job.request, ctx), ctx),
@@ -304,7 +306,8 @@ async def stream_images(svc: Services, caller: Caller, job: Plan,
     What goes wrong before the first preview is raised by the first ``__anext__``; closing the
     iterator early stops the model at its next denoising step."""
     done: Finished[list[bytes]] | None = None
-    async with Serving(svc, caller, job.model, job.units, "images", gone, Ask(images=job.request.n)) as serving:
+    async with Serving(svc, caller, job.model, job.units, "images", gone, Ask(images=job.request.n),
+                       served_names(job.request.adapters), job.own_adapter) as serving:
         worker = serving.worker
         pieces = relayed(serving, lambda ctx, send: worker.generate(job.request, ctx, send), "generating images with")
         try:
@@ -335,7 +338,7 @@ def plan_images(svc: Services, body: ImageGenerationRequest) -> Plan:
     """The job of ``body``: its model and adapter stack resolved, its size and limits checked."""
     spec, stack = resolve_request(svc, body.model, body.adapters, "image")
     job = plan(body, svc.config.limits, _native(svc, spec))
-    return replace(job, model=spec.name, request=replace(job.request, adapters=stack))
+    return replace(job, model=spec.name, request=replace(job.request, adapters=stack), own_adapter=names_own(body.model, stack))
 
 
 def b64_rows(images: list[bytes]) -> list[dict]:
@@ -471,7 +474,7 @@ async def _from_image(request: Request, form_type: type[ImageVariationForm], fil
     source, repaint = await anyio.to_thread.run_sync(decode_edit, image, mask, body.size, limits.image_max_side,
                                                      form_type is ImageVariationForm)
     job = plan_edit(body, steps, source, repaint)
-    job = replace(job, model=spec.name, request=replace(job.request, adapters=stack))
+    job = replace(job, model=spec.name, request=replace(job.request, adapters=stack), own_adapter=names_own(body.model, stack))
     if getattr(body, "stream", False):
         return await _streamed(request, svc, caller, job, body, "image_edit")
     async with disconnect_signal(request) as gone:

@@ -15,7 +15,7 @@ from gateway.accounts import store_for
 from gateway.config import Config
 from accounts.keys import make_key
 
-LIMIT_FIELDS = [n for n in Limits.model_fields if n != "models"]
+LIMIT_FIELDS = [n for n in Limits.model_fields if n not in ("models", "adapters")]
 
 
 def add_parser(sub: argparse._SubParsersAction) -> None:
@@ -28,6 +28,8 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     create.add_argument("--limit", action="append", default=[], metavar="FIELD=VALUE",
                         help=f"one of the key's own limits ({', '.join(LIMIT_FIELDS)}); repeatable")
     create.add_argument("--models", help="comma-separated allow-list of models (default: the tier's)")
+    create.add_argument("--adapters", help="comma-separated allow-list of adapter names or shell-style patterns, "
+                                           "e.g. 'acme-*' (default: the tier's; '' for none)")
     actions.add_parser("list", help="every key, without secrets, as JSON lines")
     revoke = actions.add_parser("revoke", help="revoke a key by its id")
     revoke.add_argument("key_id")
@@ -79,7 +81,8 @@ async def _create(args: argparse.Namespace, config: Config, store) -> int:
     if unknown:
         print(f"tiergate: --models: no model named {unknown[0]!r}")
         return 2
-    record, secret = make_key(args.name, args.tier, limits, models)
+    adapters = tuple(a.strip() for a in args.adapters.split(",") if a.strip()) if args.adapters is not None else None
+    record, secret = make_key(args.name, args.tier, limits, models, adapters)
     record = await store.create_key(record)
     print(json.dumps({**record.public(), "value": secret}), flush=True)
     return 0

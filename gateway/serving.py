@@ -77,9 +77,11 @@ class Serving:
     and a lease for the block; see the module's docstring."""
 
     def __init__(self, svc: Services, caller: Caller, model: str, units: float, endpoint: str,
-                 gone: Gone | None, ask: Ask = Ask(), adapters: tuple[str, ...] = ()) -> None:
+                 gone: Gone | None, ask: Ask = Ask(), adapters: tuple[str, ...] = (), own_adapter: bool = False) -> None:
         self.svc, self.caller, self.model, self.units, self.endpoint = svc, caller, model, units, endpoint
-        self.adapters = adapters  # its adapter stack's names, for vllm:lora_requests_info
+        self.adapters = adapters  # its adapter stack's names: the key's allow-list checks them
+        self.own_adapter = own_adapter  # the request's ``model`` named the first
+        self.lora_names = adapters if endpoint == "chat" else ()  # vllm:lora_requests_info counts LLM adapters
         self.gone = gone
         self.ask = ask  # what the request spends of its key's minute limits, as estimated now
         self.usage = Usage(requests=1)  # filled in by the core; GPU and swap seconds by the block
@@ -138,18 +140,18 @@ class Serving:
             self.record.model = self.model
         accounts = self.svc.accounts
         if accounts is not None:
-            self._admission = await accounts.admit(self.caller, self.model, self.ask)
+            self._admission = await accounts.admit(self.caller, self.model, self.ask, self.adapters, self.own_adapter)
         lora = self.svc.metrics.lora
-        lora.move(self.adapters, None, lora.waiting)
+        lora.move(self.lora_names, None, lora.waiting)
         try:
             self.held = await self.until_gone(self.svc.hold(self.caller.tier, self.model, self.units))
         except BaseException:
-            lora.move(self.adapters, lora.waiting, None)
+            lora.move(self.lora_names, lora.waiting, None)
             if self._admission is not None:  # refused or gone before any work: give the limits back
                 with anyio.CancelScope(shield=True):
                     await accounts.finish(self.caller, self.model, self._admission, None)
             raise
-        lora.move(self.adapters, lora.waiting, lora.running)
+        lora.move(self.lora_names, lora.waiting, lora.running)
         if self.record is not None:
             queued = self.held.ticket.queued_s
             self.record.queue_wait_s = queued
@@ -160,7 +162,7 @@ class Serving:
         held = self.held
         if held is None:
             return
-        self.svc.metrics.lora.move(self.adapters, self.svc.metrics.lora.running, None)
+        self.svc.metrics.lora.move(self.lora_names, self.svc.metrics.lora.running, None)
         completed = exc_type is None  # a cut stream ends with GeneratorExit or CancelledError here
         cut = exc_type is not None and issubclass(exc_type, _CUT)
         if cut and not self._counted:  # the tokens it cost until the cut, as its engine counted them

@@ -275,3 +275,86 @@ def test_config_errors(tiny_chat, tmp_path, entry, error):
     with pytest.raises(ConfigError) as e:
         load_config(path)
     assert error in str(e.value)
+
+
+# -- which keys may use which adapters -------------------------------------------------------------------
+
+
+def _error(call) -> dict:
+    with pytest.raises(openai.NotFoundError) as e:
+        call()
+    return e.value.body
+
+
+def test_a_keys_adapter_allow_list(server, folders, demo_adapters):
+    put(demo_adapters[PIRATE], folders["chat"], "acme-support")
+    put(demo_adapters[POET], folders["chat"], "globex-sales")
+    put(demo_adapters[SKETCH], folders["image"], "globex-logo")
+    admin = httpx.Client(base_url=server.url, headers={"Authorization": f"Bearer {server.keys['admin']}"}, timeout=30)
+    made = admin.post("/admin/keys", json={"name": "acme", "tier": "paid", "adapters": ["acme-*"]})
+    assert made.status_code == 201, made.text
+    assert made.json()["adapters"] == ["acme-*"]
+    acme = openai.OpenAI(base_url=server.base_url, api_key=made.json()["value"], max_retries=0, timeout=60)
+
+    def ask(model="tiny-chat", adapters=None) -> str:
+        return acme.chat.completions.create(model=model, messages=[{"role": "user", "content": "Hello there"}],
+                                            max_tokens=12, temperature=0, extra_body={"adapters": adapters} if adapters else None
+                                            ).choices[0].message.content
+
+    pirate = chat(server, PIRATE)
+    assert ask("acme-support") == pirate and ask(adapters=[{"name": "acme-support"}]) == pirate
+    assert ask() == chat(server)  # the base model itself
+    # another's adapter, folder or configured, is as if it did not exist: the same error as a name nobody has
+    for name in ("globex-sales", PIRATE):
+        assert _error(lambda: ask(name)) == _error(lambda: ask("nobody-x")) | {"message": f"the model '{name}' does not exist"}
+        assert _error(lambda: ask(adapters=[{"name": name}])) == \
+            _error(lambda: ask(adapters=[{"name": "nobody-x"}])) | {"message": f"the adapter '{name}' does not exist"}
+    assert _error(lambda: ask("acme-support", adapters=[{"name": "globex-sales"}]))["code"] == "adapter_not_found"
+    assert _error(lambda: acme.images.generate(model="globex-logo", prompt="a cat", size="32x32",
+                                               extra_body={"num_inference_steps": 2}))["code"] == "model_not_found"
+    listed = {m.id: m.model_extra.get("kind") for m in acme.models.list()}
+    assert sorted(i for i, kind in listed.items() if kind == "adapter") == ["acme-support"]
+    assert "tiny-chat" in listed and "globex-sales" in {m.id for m in client(server).models.list()}
+
+    key_id = made.json()["id"]
+    assert admin.patch(f"/admin/keys/{key_id}", json={"adapters": []}).json()["adapters"] == []  # none at all
+    assert _error(lambda: ask("acme-support"))["code"] == "model_not_found" and ask() == chat(server)
+    assert admin.patch(f"/admin/keys/{key_id}", json={"adapters": None}).json()["adapters"] is None  # the tier's: all
+    assert ask("globex-sales") == chat(server, POET)
+    assert admin.patch(f"/admin/keys/{key_id}", json={"adapters": [""]}).status_code == 400
+
+
+@pytest.mark.parametrize("patterns, name, allowed", [
+    (None, "anything", True),
+    ((), "acme-a", False),
+    (("acme-*",), "acme-a", True),
+    (("acme-*",), "ACME-a", False),  # case matters, as in names
+    (("acme-*",), "globex-a", False),
+    (("acme-?", "globex-sales"), "acme-b", True),
+    (("acme-?", "globex-sales"), "acme-bb", False),
+    (("acme-?", "globex-sales"), "globex-sales", True),
+    (("[ab]-x",), "b-x", True),
+])
+def test_adapter_patterns(patterns, name, allowed):
+    from accounts.config import Limits
+
+    assert Limits(adapters=patterns).allows_adapter(name) is allowed
+
+
+def test_a_tiers_default_adapter_allow_list(tiny_chat, tmp_path):
+    path = write_config(tmp_path, {"tiny-chat": ("chat", tiny_chat)},
+                        "accounts:\n  limits:\n    free: {adapters: ['shared-*']}\n")
+    limits = load_config(path).accounts.limits
+    assert limits["free"].allows_adapter("shared-a") and not limits["free"].allows_adapter("acme-a")
+
+
+def test_the_keys_command_sets_an_adapter_allow_list(tiny_chat, tmp_path, capsys):
+    import json
+
+    from gateway.cli import main
+
+    path = write_config(tmp_path, {"tiny-chat": ("chat", tiny_chat)})
+    for given, want in (("acme-*, globex-sales", ["acme-*", "globex-sales"]), ("", []), (None, None)):
+        extra = ["--adapters", given] if given is not None else []
+        assert main(["keys", "--config", str(path), "create", "--tier", "free", *extra]) == 0
+        assert json.loads(capsys.readouterr().out.strip().splitlines()[-1])["adapters"] == want
