@@ -251,6 +251,33 @@ class AdapterRegistry:
         yield GaugeMetricFamily("tiergate_adapter_folder_held_bytes", "Host memory the held adapter_dirs adapters take "
                                 "(their LoRA factors)", value=sum(a.nbytes for a in held))
 
+    def survey(self) -> list[tuple[AdapterDir, str, str]]:
+        """Every subfolder of every folder, read and checked now (``tiergate check``), without
+        holding any: (folder, name, problem), the problem empty for an adapter that serves.
+        Subfolders whose names start with a dot (a copy being staged) are left out."""
+        found: list[tuple[AdapterDir, str, str]] = []
+        taken = set(self.adapters) | self.models
+        for d in self.dirs:
+            try:
+                names = sorted(e.name for e in os.scandir(d.path) if e.is_dir() and not e.name.startswith("."))
+            except OSError as exc:
+                found.append((d, "", f"the folder cannot be listed: {exc}"))
+                continue
+            for name in names:
+                if not NAME.fullmatch(name):
+                    problem = f"no request can name it: a name is {NAME.pattern}"
+                elif name in taken:
+                    problem = "not served: a model, a configured adapter or an earlier folder has this name"
+                else:
+                    taken.add(name)
+                    try:
+                        self._read(name, d, d.path / name, (), name)
+                        problem = ""
+                    except _NotAnAdapter as exc:
+                        problem = f"refused: {exc}"
+                found.append((d, name, problem))
+        return found
+
     def rows(self) -> list[dict[str, Any]]:
         """The configured adapters' /v1/models entries, then every folder adapter's (one listing of
         each folder: call it off the event loop when folders are configured)."""

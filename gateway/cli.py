@@ -114,7 +114,23 @@ def _check(config_path: str) -> int:
     print(f"all models: {_size(total)} of {_size(budget)}: {together}")
     if failed:
         print(f"tiergate: {failed} model(s) cannot be served as configured", file=sys.stderr)
-    return 1 if failed else 0
+    refused = _check_adapter_folders(adapters)
+    if refused:
+        print(f"tiergate: {refused} adapter(s) in adapter_dirs cannot be served", file=sys.stderr)
+    return 1 if failed or refused else 0
+
+
+def _check_adapter_folders(adapters) -> int:
+    """Each ``adapter_dirs`` folder's adapters read and checked as a request would; the problems
+    printed, one line each; how many there are."""
+    surveyed = adapters.survey()
+    for d in adapters.dirs:
+        mine = [(name, problem) for folder, name, problem in surveyed if folder is d]
+        bad = [(name, problem) for name, problem in mine if problem]
+        print(f"adapter folder {d.path} ({d.model}): {len(mine) - len(bad)} adapters serve, {len(bad)} cannot")
+        for name, problem in bad:
+            print(f"  {name or '(the folder)':<32} {problem}")
+    return sum(bool(problem) for _, _, problem in surveyed)
 
 
 def _size(n: int) -> str:

@@ -358,3 +358,33 @@ def test_the_keys_command_sets_an_adapter_allow_list(tiny_chat, tmp_path, capsys
         extra = ["--adapters", given] if given is not None else []
         assert main(["keys", "--config", str(path), "create", "--tier", "free", *extra]) == 0
         assert json.loads(capsys.readouterr().out.strip().splitlines()[-1])["adapters"] == want
+
+
+def test_tiergate_check_reads_every_folder_adapter(tiny_chat, demo_adapters, tmp_path, capsys):
+    from gateway.cli import main
+
+    folder = tmp_path / "dir"
+    folder.mkdir()
+    put(demo_adapters[PIRATE], folder, "good")
+    (put(demo_adapters[PIRATE], folder, "broken") / "adapter_config.json").write_text("{")
+    put(demo_adapters[SKETCH], folder, "misfit")  # an image model's LoRA for the chat model
+    put(demo_adapters[PIRATE], folder, "tiny-chat")  # a model's name
+    put(demo_adapters[PIRATE], folder, "bad name")
+    put(demo_adapters[PIRATE], folder, ".staged")  # being copied in: not listed
+    path = write_config(tmp_path, {"tiny-chat": ("chat", tiny_chat)},
+                        f"adapter_dirs:\n  - {{model: tiny-chat, path: {folder}}}\n")
+    code = main(["check", "--config", str(path)])
+    out, err = capsys.readouterr()
+    assert code == 1 and "4 adapter(s) in adapter_dirs cannot be served" in err
+    lines = out[out.index(f"adapter folder {folder}"):].splitlines()
+    assert lines[0] == f"adapter folder {folder} (tiny-chat): 1 adapters serve, 4 cannot"
+    problems = {line.split()[0]: line for line in lines[1:]}
+    assert set(problems) == {"broken", "misfit", "tiny-chat", "bad"}
+    assert "adapter_config.json is not valid JSON" in problems["broken"]
+    assert "does not fit model 'tiny-chat'" in problems["misfit"] and "a model" in problems["tiny-chat"]
+    assert "no request can name it" in problems["bad"] and ".staged" not in out
+
+    for name in ("broken", "misfit", "tiny-chat", "bad name"):
+        shutil.rmtree(folder / name)
+    assert main(["check", "--config", str(path)]) == 0
+    assert f"adapter folder {folder} (tiny-chat): 1 adapters serve, 0 cannot" in capsys.readouterr()[0]
