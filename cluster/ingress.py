@@ -102,6 +102,9 @@ class Ingress:
         try:
             caller = await self._caller(request)
             tier = caller.tier
+            if path in RUNTIME_LORA_PATHS:  # one replica would know the adapter, and this ingress none
+                raise APIError(400, f"{path} changes one process's adapters: in a cluster, put adapters in the "
+                               "adapter_dirs folders every node reads (README, Adapter folders)", "unsupported_in_cluster")
             return await self._serve(request, path, caller)  # the replica's answer, its CORS headers in it
         except APIError as exc:
             self.answered[(tier, "ingress", exc.status)] += 1
@@ -287,6 +290,9 @@ class Ingress:
         if base is None:
             raise APIError(404, f"the model '{name}' does not exist", "model_not_found", "model")
         return base, streamed, affinity
+
+
+RUNTIME_LORA_PATHS = ("/v1/load_lora_adapter", "/v1/unload_lora_adapter")
 
 
 def affinity_of(body: dict) -> str | None:

@@ -18,8 +18,9 @@ model. It is read and checked the first time a request names it (off the event l
 :meth:`AdapterRegistry.ready`), kept in host memory while the ``gpu.adapter_cache_budget`` has
 room (least recently used dropped first), and read again when its files change (a per-request
 listing of its folder: size, mtime and inode of each file). A folder that is gone is an adapter that is
-gone. Names resolve in this order: models and aliases, configured adapters, then the folders in
-the order listed. A subfolder that is not a LoRA that fits its model is a 400 ``adapter_invalid``
+gone. Names resolve in this order: models and aliases, configured adapters, adapters loaded at
+run time (vLLM's ``POST /v1/load_lora_adapter``, admin keys, this process only), then the folders
+in the order listed. A subfolder that is not a LoRA that fits its model is a 400 ``adapter_invalid``
 for the requests that name it, and is read again only once its files change.
 """
 
@@ -30,16 +31,19 @@ import logging
 import math
 import os
 from collections import Counter, OrderedDict
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Iterable, Sequence
 
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
+from pydantic import Field
 from safetensors import SafetensorError, safe_open
+from starlette.requests import Request
+from starlette.responses import PlainTextResponse, Response
 
 from gateway.config import ADAPTER_NAME, AdapterConfig, Config, ConfigError
 from gateway.errors import APIError, bad_request, not_found
-from gateway.schemas import MAX_STACK, AdapterChoice
+from gateway.schemas import MAX_STACK, AdapterChoice, _Body, parse, read_json
 from lora_kernels import AdapterFormatError, LoraAdapter, load_diffusers_lora, load_peft_adapter
 from lora_kernels.adapters import DIFFUSERS_WEIGHTS, PEFT_CONFIG
 from lora_kernels.stack import resolve_module
@@ -67,7 +71,7 @@ class ServedAdapter:
     format: str  # peft or diffusers
     path: Path
     adapter: LoraAdapter  # its ``name`` is the served name, or ``name@N`` for the N-th content read under it
-    source: str = "config"  # or "folder"
+    source: str = "config"  # or "folder", or "runtime" (POST /v1/load_lora_adapter)
     signature: Signature = ()  # a folder adapter's files when read
 
     @property
@@ -116,6 +120,7 @@ class AdapterRegistry:
     def __init__(self, adapters: Iterable[ServedAdapter] = (), dirs: Sequence[AdapterDir] = (),
                  models: Iterable[str] = (), cache_bytes: int = 2 << 30) -> None:
         self.adapters = {a.name: a for a in adapters}
+        self.loaded: dict[str, ServedAdapter] = {}  # by POST /v1/load_lora_adapter: held until unloaded
         self.dirs = tuple(dirs)
         self.models = frozenset(models)  # never looked for on disk
         self.cache_bytes = cache_bytes
@@ -134,7 +139,7 @@ class AdapterRegistry:
         """The adapter ``name`` names: configured, or a folder's (read here, on the calling thread,
         if ``ready`` has not read it); None when there is none. 400 ``adapter_invalid`` for a
         folder that is no LoRA fitting its model."""
-        served = self.adapters.get(name)
+        served = self.adapters.get(name) or self.loaded.get(name)
         if served is not None or not self.dirs or name in self.models or not NAME.fullmatch(name):
             return served
         found = self._find(name)
@@ -160,7 +165,7 @@ class AdapterRegistry:
         if not self.dirs:
             return
         for name in (model, *(c.name for c in choices or ())):
-            if name in self.adapters or name in self.models or not NAME.fullmatch(name):
+            if name in self.adapters or name in self.loaded or name in self.models or not NAME.fullmatch(name):
                 continue
             found = self._find(name)
             if found is None:
@@ -251,6 +256,40 @@ class AdapterRegistry:
         yield GaugeMetricFamily("tiergate_adapter_folder_held_bytes", "Host memory the held adapter_dirs adapters take "
                                 "(their LoRA factors)", value=sum(a.nbytes for a in held))
 
+    async def load(self, name: str, path: Path, base: AdapterDir, in_place: bool) -> ServedAdapter:
+        """``POST /v1/load_lora_adapter``: the adapter at ``path`` served as ``name`` on ``base``'s
+        model from now until it is unloaded (this process only; a restart forgets it), read and
+        checked in a worker thread. 400 for a name a model, a configured or folder adapter has,
+        or one loaded already (unless ``in_place``: read again, replacing it), and for files that
+        are not a LoRA fitting the model."""
+        if not NAME.fullmatch(name):
+            raise bad_request(f"'{name[:80]}' cannot be an adapter's name: a name is {NAME.pattern}", "lora_name")
+        if name in self.models:
+            raise bad_request(f"the lora adapter '{name}' conflicts with a served base model", "lora_name")
+        if name in self.adapters or (name not in self.loaded and self.get(name) is not None):
+            raise bad_request(f"the lora adapter '{name}' is already served (tiers.yaml adapters or adapter_dirs)",
+                              "lora_name")
+        if name in self.loaded and not in_place:
+            raise bad_request(f"the lora adapter '{name}' has already been loaded; to load it again, set "
+                              "'load_inplace' to true", "lora_name")
+        files = signature(path) if path.is_dir() else ()
+        try:
+            served = await asyncio.to_thread(self._read, name, base, path, files, self._version(name, files))
+        except _NotAnAdapter as exc:
+            raise bad_request(f"the lora adapter '{name}' cannot be served: {exc}", "lora_path", "adapter_invalid") from None
+        self.loaded[name] = served = replace(served, source="runtime")
+        return served
+
+    def unload(self, name: str) -> None:
+        """``POST /v1/unload_lora_adapter``: 404 for a name not loaded at run time (a configured or
+        folder adapter is changed in tiers.yaml or its folder instead: 400)."""
+        if self.loaded.pop(name, None) is not None:
+            return
+        if name in self.adapters or self.get(name) is not None:
+            raise bad_request(f"the lora adapter '{name}' was not loaded at run time: it is served from tiers.yaml "
+                              "or adapter_dirs", "lora_name")
+        raise not_found(f"the lora adapter '{name}' cannot be found", "lora_name", "adapter_not_found")
+
     def survey(self) -> list[tuple[AdapterDir, str, str]]:
         """Every subfolder of every folder, read and checked now (``tiergate check``), without
         holding any: (folder, name, problem), the problem empty for an adapter that serves.
@@ -281,8 +320,8 @@ class AdapterRegistry:
     def rows(self) -> list[dict[str, Any]]:
         """The configured adapters' /v1/models entries, then every folder adapter's (one listing of
         each folder: call it off the event loop when folders are configured)."""
-        rows = [a.row() for a in self.adapters.values()]
-        shown = set(self.adapters) | self.models
+        rows = [a.row() for a in (*self.adapters.values(), *self.loaded.values())]
+        shown = set(self.adapters) | set(self.loaded) | self.models
         for d in self.dirs:
             try:
                 names = sorted(e.name for e in os.scandir(d.path) if e.is_dir() and NAME.fullmatch(e.name))
@@ -457,3 +496,71 @@ def check_fits(adapter: LoraAdapter, shapes: dict[str, tuple[int, ...]], model: 
         if flat not in ((rows, cols), (cols, rows)):
             raise AdapterFormatError(f"does not fit model '{model}': module {name!r} is {list(shape)}, "
                                      f"the adapter's delta {rows}x{cols}")
+
+
+# -- HTTP: vLLM's runtime LoRA endpoints ---------------------------------------------------------------
+
+
+class LoadLoraAdapter(_Body):
+    """``POST /v1/load_lora_adapter``'s body: vLLM's fields, and which model the adapter is for."""
+
+    lora_name: str = Field(min_length=1)
+    lora_path: str = Field(min_length=1)
+    load_inplace: bool = False
+    is_3d_lora_weight: bool = False
+    base_model: str | None = None  # extension: the chat or image model; default: the only chat model
+
+
+class UnloadLoraAdapter(_Body):
+    lora_name: str = Field(min_length=1)
+    lora_int_id: int | None = None  # vLLM's; names are unique here, so it is not needed
+
+
+async def load_lora_adapter(request: Request) -> Response:
+    """``POST /v1/load_lora_adapter`` (admin keys): vLLM's endpoint for adding an adapter to a
+    running server (the Gateway API Inference Extension's LoRA syncer calls it), answered as vLLM
+    answers: 200 with a line of text, or an error."""
+    svc: Services = request.app.state.services
+    svc.require_admin(request)
+    body = parse(LoadLoraAdapter, await read_json(request, svc.config.limits.max_body))
+    if body.is_3d_lora_weight:
+        raise bad_request("3-D LoRA weights (mixture-of-experts) are not supported", "is_3d_lora_weight")
+    spec = _base_for(svc, body.base_model)
+    if spec.engine == "vllm" and not spec.options.get("enable_lora"):
+        raise bad_request(f"the model '{spec.name}' runs on vLLM started without LoRA: give it an adapter_dirs entry "
+                          "(or an adapter) in tiers.yaml so that its engine starts with LoRA", "base_model")
+    path = Path(body.lora_path)
+    try:
+        there = path.exists()
+    except (OSError, ValueError):  # a name too long for the filesystem
+        there = False
+    if not there:
+        raise not_found(f"no LoRA adapter at '{body.lora_path[:200]}'", "lora_path", "adapter_not_found")
+    base = AdapterDir(spec.name, spec.kind, path.parent, spec.path)
+    await svc.adapters.load(body.lora_name, path, base, body.load_inplace)
+    return PlainTextResponse(f"Success: LoRA adapter '{body.lora_name}' added successfully.")
+
+
+async def unload_lora_adapter(request: Request) -> Response:
+    """``POST /v1/unload_lora_adapter`` (admin keys): forget an adapter loaded at run time."""
+    svc: Services = request.app.state.services
+    svc.require_admin(request)
+    body = parse(UnloadLoraAdapter, await read_json(request, svc.config.limits.max_body))
+    svc.adapters.unload(body.lora_name)
+    return PlainTextResponse(f"Success: LoRA adapter '{body.lora_name}' removed successfully.")
+
+
+def _base_for(svc: "Services", name: str | None) -> ModelSpec:
+    if name is not None:
+        spec = svc.arbiter.specs.get(svc.model_name(name))
+        if spec is None:
+            raise not_found(f"the model '{name}' does not exist", "base_model", "model_not_found")
+        if spec.kind not in ("chat", "image"):
+            raise bad_request(f"the model '{name}' is a {spec.kind} model; adapters are for chat and image models",
+                              "base_model")
+        return spec
+    chats = [s for s in svc.arbiter.specs.values() if s.kind == "chat"]
+    if len(chats) != 1:
+        raise bad_request(f"this server has {len(chats)} chat models: name the adapter's model in 'base_model'",
+                          "base_model")
+    return chats[0]

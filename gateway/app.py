@@ -25,8 +25,8 @@ from arbiter.residency import Arbiter, Refused, Unavailable
 from batch import api as batch_api
 from batch.runner import runner_for
 from batch.uploads import uploads_for
-from gateway import (audio, chat, completions, conversations, dashboard, embeddings, images, moderations, realtime,
-                     response_runs, responses_api, stored_chat, vector_stores)
+from gateway import (adapters, audio, chat, completions, conversations, dashboard, embeddings, images, moderations,
+                     realtime, response_runs, responses_api, stored_chat, vector_stores)
 from accounts.store import STORE_ERRORS
 from gateway.accounts import Accounts
 from gateway.accounts_api import KeyHeaders
@@ -127,7 +127,7 @@ async def _adapter_rows(svc: Services) -> list[dict]:
     return await asyncio.to_thread(svc.adapters.rows) if svc.adapters.dirs else svc.adapters.rows()
 
 
-def _model_rows(svc: Services, caller: Caller | None = None, adapters: list[dict] | None = None) -> list[dict]:
+def _model_rows(svc: Services, caller: Caller | None = None, adapter_rows: list[dict] | None = None) -> list[dict]:
     """Every model, alias and adapter; for ``caller``, only those its key's allow-list lets it
     see. An alias is a row of its own (clients check a name against this list, as they would
     OpenAI's), naming its model in ``alias_of`` and nothing more (its model's row has the facts)."""
@@ -142,7 +142,7 @@ def _model_rows(svc: Services, caller: Caller | None = None, adapters: list[dict
         aliases += [{"id": alias, "object": "model", "created": 0, "owned_by": "tiergate", "alias_of": name}
                     for alias in own]
     rows += aliases
-    rows.extend(svc.adapters.rows() if adapters is None else adapters)
+    rows.extend(svc.adapters.rows() if adapter_rows is None else adapter_rows)
     if caller is not None and svc.accounts is not None:
         rows = [r for r in rows if svc.accounts.allows(caller, r.get("parent") or r.get("alias_of") or r["id"])
                 and (r.get("kind") != "adapter" or svc.accounts.allows_adapter(caller, r["id"]))]
@@ -280,6 +280,8 @@ def routes() -> list[BaseRoute]:
         Route("/v1/batches", batch_api.list_batches, methods=["GET"]),
         Route("/v1/batches/{batch_id}", batch_api.get_batch, methods=["GET"]),
         Route("/v1/batches/{batch_id}/cancel", batch_api.cancel_batch, methods=["POST"]),
+        Route("/v1/load_lora_adapter", adapters.load_lora_adapter, methods=["POST"]),
+        Route("/v1/unload_lora_adapter", adapters.unload_lora_adapter, methods=["POST"]),
         Route("/admin/models/{model}/{action}", admin_model, methods=["POST"]),
         Route("/admin/keys", accounts_api.create_key, methods=["POST"]),
         Route("/admin/keys", accounts_api.list_keys, methods=["GET"]),

@@ -388,3 +388,52 @@ def test_tiergate_check_reads_every_folder_adapter(tiny_chat, demo_adapters, tmp
         shutil.rmtree(folder / name)
     assert main(["check", "--config", str(path)]) == 0
     assert f"adapter folder {folder} (tiny-chat): 1 adapters serve, 0 cannot" in capsys.readouterr()[0]
+
+
+# -- vLLM's runtime LoRA endpoints ----------------------------------------------------------------------
+
+
+def test_load_and_unload_lora_adapter_as_vllm_does(server, folders, demo_adapters, tmp_path):
+    admin = httpx.Client(base_url=server.url, headers={"Authorization": f"Bearer {server.keys['admin']}"}, timeout=30)
+    source = put(demo_adapters[PIRATE], tmp_path, "pirate-copy")
+    loaded = admin.post("/v1/load_lora_adapter", json={"lora_name": "hotswap", "lora_path": str(source)})
+    assert (loaded.status_code, loaded.text) == (200, "Success: LoRA adapter 'hotswap' added successfully.")
+    pirate, poet = chat(server, PIRATE), chat(server, POET)
+    assert chat(server, adapters=[{"name": "hotswap", "weight": 1.0}]) == pirate
+    assert chat(server, "hotswap") == pirate  # the engine holds this merge now
+    row = client(server).models.retrieve("hotswap").model_extra
+    assert row["source"] == "runtime" and row["parent"] == "tiny-chat"
+
+    def refused(path: str, body: dict, status: int = 400) -> dict:
+        r = admin.post(path, json=body)
+        assert r.status_code == status, r.text
+        return r.json()["error"]
+
+    again = {"lora_name": "hotswap", "lora_path": str(put(demo_adapters[POET], tmp_path, "poet-copy"))}
+    assert "load_inplace" in refused("/v1/load_lora_adapter", again)["message"]
+    assert admin.post("/v1/load_lora_adapter", json={**again, "load_inplace": True}).status_code == 200
+    assert chat(server, "hotswap") == poet  # read again: merged again, though the engine held the old merge
+    assert refused("/v1/load_lora_adapter", {"lora_name": "tiny-chat", "lora_path": str(source)})["param"] == "lora_name"
+    assert "already served" in refused("/v1/load_lora_adapter", {"lora_name": PIRATE, "lora_path": str(source)})["message"]
+    for nowhere in (str(tmp_path / "nowhere"), "/" + "a" * 5000, "\x00"):
+        assert refused("/v1/load_lora_adapter", {"lora_name": "x", "lora_path": nowhere}, 404)["code"] == \
+            "adapter_not_found"
+    broken = put(demo_adapters[PIRATE], tmp_path, "broken-copy")
+    (broken / "adapter_config.json").write_text("[]")
+    assert refused("/v1/load_lora_adapter", {"lora_name": "x", "lora_path": str(broken)})["code"] == "adapter_invalid"
+    sketch = {"lora_name": "y", "lora_path": str(demo_adapters[SKETCH])}
+    assert "does not fit" in refused("/v1/load_lora_adapter", sketch)["message"]  # the only chat model by default
+    assert admin.post("/v1/load_lora_adapter", json={**sketch, "base_model": "tiny-image"}).status_code == 200
+    assert refused("/v1/load_lora_adapter", {"lora_name": "z", "lora_path": str(source), "base_model": "nope"},
+                   404)["param"] == "base_model"
+    not_admin = httpx.post(f"{server.url}/v1/load_lora_adapter", json={"lora_name": "w", "lora_path": str(source)},
+                           headers={"Authorization": f"Bearer {server.keys['paid']}"})
+    assert not_admin.status_code in (401, 403) and not_admin.json()["error"]
+
+    unloaded = admin.post("/v1/unload_lora_adapter", json={"lora_name": "hotswap"})
+    assert (unloaded.status_code, unloaded.text) == (200, "Success: LoRA adapter 'hotswap' removed successfully.")
+    with pytest.raises(openai.NotFoundError):
+        chat(server, "hotswap")
+    assert refused("/v1/unload_lora_adapter", {"lora_name": "hotswap"}, 404)["code"] == "adapter_not_found"
+    assert "not loaded at run time" in refused("/v1/unload_lora_adapter", {"lora_name": PIRATE})["message"]
+    assert admin.post("/v1/unload_lora_adapter", json={"lora_name": "y"}).status_code == 200

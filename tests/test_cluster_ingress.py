@@ -5,6 +5,8 @@ fails and a request gets a clean 503, and both try again, so the ingress recover
 from __future__ import annotations
 
 import asyncio
+import json
+from collections import Counter
 
 import pytest
 from starlette.requests import Request
@@ -69,3 +71,26 @@ def test_a_folder_adapter_goes_to_its_base_models_replicas(tmp_path, tiny_chat):
         with pytest.raises(APIError) as e:
             ingress._model(post, b'{"model": "%s"}' % name.encode())
         assert e.value.status == 404 and e.value.code == "model_not_found"
+
+
+def test_runtime_lora_loading_is_refused_in_a_cluster(tmp_path, tiny_chat):
+    """vLLM's load/unload endpoints change one process's adapters: through the ingress they would
+    reach one replica, and the ingress would not route the name. A clear 400 points to adapter_dirs."""
+    config = load_config(write_config(tmp_path, {"m": ("chat", tiny_chat)}))
+    ingress = object.__new__(Ingress)
+    ingress.config, ingress.base, ingress.cors = config, {"m": "m"}, []
+    ingress.keys = KeyRing({"paid": ["key-paid"]}, ["key-admin"])
+    ingress.accounts, ingress._accounts_started = None, None
+    ingress.answered = Counter()
+
+    async def accounts_ready() -> None:
+        return None
+
+    ingress._accounts = accounts_ready
+    ingress._serve = None  # never reached
+    for path in ("/v1/load_lora_adapter", "/v1/unload_lora_adapter"):
+        request = Request({"type": "http", "method": "POST", "path": path, "query_string": b"",
+                           "headers": [(b"authorization", b"Bearer key-admin"), (b"content-type", b"application/json")]})
+        answer = asyncio.run(ingress(request))
+        assert answer.status_code == 400
+        assert json.loads(answer.body)["error"]["code"] == "unsupported_in_cluster"

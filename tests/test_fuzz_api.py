@@ -257,11 +257,19 @@ ENDPOINTS = {
     "/admin/keys": (
         {"name": "fuzz", "tier": "free"},
         {"name": TEXT, "tier": st.sampled_from(["paid", "free", "batch", "gold", ""]),
-         "models": st.lists(TEXT, max_size=3),
+         "models": st.lists(TEXT, max_size=3), "adapters": st.lists(TEXT, max_size=3) | ANY_JSON,
          "limits": st.dictionaries(st.sampled_from(["requests_per_min", "tokens_per_min", "gpu_seconds_per_day",
                                                     "max_inflight", "nope"]), EDGE_INTS | EDGE_FLOATS | ANY_JSON,
                                    max_size=3)}),
+    "/v1/load_lora_adapter": (
+        {"lora_name": "fuzz", "lora_path": "/nonexistent"},
+        {"lora_name": TEXT, "lora_path": TEXT | st.sampled_from(["/", "/etc/passwd", "", ".", "/proc/self", "\x00",
+                                                                        "/" + "a" * 5000]),
+         "load_inplace": st.booleans() | ANY_JSON, "is_3d_lora_weight": st.booleans(),
+         "base_model": st.sampled_from(["tiny-chat", "tiny-embed", "nope"]) | TEXT}),
+    "/v1/unload_lora_adapter": ({"lora_name": "fuzz"}, {"lora_name": TEXT, "lora_int_id": EDGE_INTS | ANY_JSON}),
 }
+ADMIN_ONLY = ("/admin", "/v1/load_lora_adapter", "/v1/unload_lora_adapter")
 
 
 ENDPOINTS["/v1/responses/input_tokens"] = ENDPOINTS["/v1/responses"]  # what a response would be made from
@@ -344,7 +352,7 @@ def check_stream(lines, body) -> None:
 
 
 def post(server, path: str, body) -> None:
-    headers = {"Authorization": f"Bearer {server.keys['admin' if path.startswith('/admin') else 'paid']}"}
+    headers = {"Authorization": f"Bearer {server.keys['admin' if path.startswith(ADMIN_ONLY) else 'paid']}"}
     with httpx.stream("POST", f"{server.url}{path}", content=json.dumps(body).encode(), timeout=30,
                       headers={**headers, "Content-Type": "application/json"}) as r:
         assert r.status_code < 500 or r.status_code == 503, (r.status_code, r.read()[:500], body)

@@ -333,3 +333,17 @@ def test_a_folder_adapter_on_vllm_is_its_files_and_their_replacement(vllm_server
     put(built["tiny-chat-poet"], folder, "sailor")
     assert ask(vllm_server, "sailor", None) == ask(vllm_server, "tiny-chat-poet", None)
     assert ask(vllm_server, "tiny-chat", [{"name": "sailor", "weight": 1.0}]) == ask(vllm_server, "tiny-chat-poet", None)
+
+
+def test_an_adapter_loaded_at_run_time_on_vllm(vllm_server, demo_dir):
+    """``POST /v1/load_lora_adapter`` as vLLM's own server takes it, then the adapter by name."""
+    from demo import build_demo_models
+
+    built = build_demo_models(demo_dir, names=["tiny-chat-poet"])
+    admin = {"Authorization": f"Bearer {vllm_server.keys['admin']}"}
+    r = httpx.post(f"{vllm_server.url}/v1/load_lora_adapter", headers=admin,
+                   json={"lora_name": "runtime-poet", "lora_path": str(built["tiny-chat-poet"])})
+    assert r.status_code == 200, r.text
+    assert ask(vllm_server, "runtime-poet", None) == ask(vllm_server, "tiny-chat-poet", None)
+    assert httpx.post(f"{vllm_server.url}/v1/unload_lora_adapter", headers=admin,
+                      json={"lora_name": "runtime-poet"}).status_code == 200
