@@ -113,6 +113,12 @@ def signature(folder: Path) -> Signature | None:
         return None
 
 
+def _file_signature(file: Path) -> Signature:
+    """One file's (name, size, mtime_ns, inode): a diffusers LoRA given as its file."""
+    st = file.stat()
+    return ((file.name, st.st_size, st.st_mtime_ns, st.st_ino),)
+
+
 class AdapterRegistry:
     """The adapters requests may select: the configured ones (always held) and those read from the
     ``adapter_dirs`` folders (held while ``cache_bytes`` has room)."""
@@ -224,7 +230,7 @@ class AdapterRegistry:
                                   shapes, version)
         except Exception as exc:  # noqa: BLE001 - reading files: whatever fails (safetensors' own error too) is the folder's
             why = " ".join(str(exc).strip("'\"").split())
-            log.warning("adapter_dirs: %s is not an adapter tiergate can serve: %s", folder, why)
+            log.warning("adapter '%s' at %s cannot be served: %s", name, folder, why)
             # the client is told why, not where: the server's paths stay the operator's
             raise _NotAnAdapter(why.replace(str(folder), name).replace(str(d.path), "the folder")) from None
         return ServedAdapter(name, d.model, d.kind, served.format, folder, served.adapter, "folder", files)
@@ -266,13 +272,13 @@ class AdapterRegistry:
             raise bad_request(f"'{name[:80]}' cannot be an adapter's name: a name is {NAME.pattern}", "lora_name")
         if name in self.models:
             raise bad_request(f"the lora adapter '{name}' conflicts with a served base model", "lora_name")
-        if name in self.adapters or (name not in self.loaded and self.get(name) is not None):
+        if name in self.adapters or (name not in self.loaded and self._find(name) is not None):
             raise bad_request(f"the lora adapter '{name}' is already served (tiers.yaml adapters or adapter_dirs)",
                               "lora_name")
         if name in self.loaded and not in_place:
             raise bad_request(f"the lora adapter '{name}' has already been loaded; to load it again, set "
                               "'load_inplace' to true", "lora_name")
-        files = signature(path) if path.is_dir() else ()
+        files = signature(path) if path.is_dir() else _file_signature(path)
         try:
             served = await asyncio.to_thread(self._read, name, base, path, files, self._version(name, files))
         except _NotAnAdapter as exc:
@@ -285,7 +291,7 @@ class AdapterRegistry:
         folder adapter is changed in tiers.yaml or its folder instead: 400)."""
         if self.loaded.pop(name, None) is not None:
             return
-        if name in self.adapters or self.get(name) is not None:
+        if name in self.adapters or self._find(name) is not None:
             raise bad_request(f"the lora adapter '{name}' was not loaded at run time: it is served from tiers.yaml "
                               "or adapter_dirs", "lora_name")
         raise not_found(f"the lora adapter '{name}' cannot be found", "lora_name", "adapter_not_found")

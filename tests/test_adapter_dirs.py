@@ -424,6 +424,15 @@ def test_load_and_unload_lora_adapter_as_vllm_does(server, folders, demo_adapter
     sketch = {"lora_name": "y", "lora_path": str(demo_adapters[SKETCH])}
     assert "does not fit" in refused("/v1/load_lora_adapter", sketch)["message"]  # the only chat model by default
     assert admin.post("/v1/load_lora_adapter", json={**sketch, "base_model": "tiny-image"}).status_code == 200
+    held = server.services.adapters.get("y")
+    assert held.source == "runtime" and held.adapter.name.startswith("y")
+    file = put(demo_adapters[SKETCH], tmp_path, "sketch-copy") / "pytorch_lora_weights.safetensors"
+    as_file = {"lora_name": "y", "lora_path": str(file), "base_model": "tiny-image", "load_inplace": True}
+    assert admin.post("/v1/load_lora_adapter", json=as_file).status_code == 200  # a diffusers LoRA as its file
+    file.write_bytes(file.read_bytes())  # the same bytes, written again: a new content name all the same
+    first = server.services.adapters.get("y").adapter.name
+    assert admin.post("/v1/load_lora_adapter", json=as_file).status_code == 200
+    assert server.services.adapters.get("y").adapter.name != first
     assert refused("/v1/load_lora_adapter", {"lora_name": "z", "lora_path": str(source), "base_model": "nope"},
                    404)["param"] == "base_model"
     not_admin = httpx.post(f"{server.url}/v1/load_lora_adapter", json={"lora_name": "w", "lora_path": str(source)},
