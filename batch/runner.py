@@ -318,6 +318,20 @@ class Runner:
             return response_line(line, status, body, request_id)
 
     # -- whole batches
+    async def _ready_adapters(self, lines: list[Line]) -> None:
+        """The folder adapters the lines name, each read once in a worker thread (``adapters.ready``),
+        before the lines' shapes are worked out on the event loop."""
+        names: set[str] = set()
+        for ln in lines:
+            model, stack = ln.body.get("model"), ln.body.get("adapters")
+            if isinstance(model, str):
+                names.add(model)
+            for choice in stack if isinstance(stack, list) else ():
+                if isinstance(choice, dict) and isinstance(choice.get("name"), str):
+                    names.add(choice["name"])
+        for name in sorted(names):
+            await self.svc.adapters.ready(name, None)
+
     async def _validate(self, batch_id: str) -> None:
         if not await self.store.lock(batch_id, self.name, self.reclaim_after_s):
             return  # another process is on it
@@ -338,6 +352,7 @@ class Runner:
             await self._fail(batch, "file_not_found", f"the input file {batch.input_file_id} was deleted")
             return False
         lines, invalid = await asyncio.to_thread(parse_input, content, batch.endpoint)
+        await self._ready_adapters(lines)
         lines = [replace(ln, shape=shape_of(self.svc, batch.endpoint, ln.body)) for ln in lines]
         if not lines and not invalid:
             await self._fail(batch, "empty_file", "the input file has no requests")

@@ -11,6 +11,7 @@ import asyncio
 import base64
 import re
 import shutil
+import time
 from pathlib import Path
 
 import httpx
@@ -446,3 +447,37 @@ def test_load_and_unload_lora_adapter_as_vllm_does(server, folders, demo_adapter
     assert refused("/v1/unload_lora_adapter", {"lora_name": "hotswap"}, 404)["code"] == "adapter_not_found"
     assert "not loaded at run time" in refused("/v1/unload_lora_adapter", {"lora_name": PIRATE})["message"]
     assert admin.post("/v1/unload_lora_adapter", json={"lora_name": "y"}).status_code == 200
+
+
+def test_a_batch_naming_folder_adapters_reads_each_once_before_its_lines_run(server, folders, demo_adapters,
+                                                                               monkeypatch):
+    import json
+
+    put(demo_adapters[PIRATE], folders["chat"], "batch-sailor")
+    registry = server.services.adapters
+    on_loop: list[str] = []
+    real_get = registry.get
+
+    def get(name):  # a folder adapter read by get() itself would be read on the event loop
+        if name == "batch-sailor" and registry.cached.get(name) is None:
+            on_loop.append(name)
+        return real_get(name)
+
+    monkeypatch.setattr(registry, "get", get)
+    c = client(server)
+    lines = [{"custom_id": f"r{i}", "method": "POST", "url": "/v1/chat/completions",
+              "body": {"model": "tiny-chat", "messages": [{"role": "user", "content": "Hello there"}], "max_tokens": 12,
+                       "temperature": 0, **({"adapters": [{"name": "batch-sailor"}]} if i % 2 else {})}}
+             for i in range(4)]
+    lines[0]["body"]["model"] = "batch-sailor"
+    file = c.files.create(file=("in.jsonl", "\n".join(json.dumps(x) for x in lines).encode()), purpose="batch")
+    batch = c.batches.create(input_file_id=file.id, endpoint="/v1/chat/completions", completion_window="24h")
+    deadline = time.time() + 120
+    while (batch := c.batches.retrieve(batch.id)).status not in ("completed", "failed") and time.time() < deadline:
+        time.sleep(0.2)
+    assert batch.status == "completed" and batch.request_counts.completed == 4, batch
+    out = {json.loads(x)["custom_id"]: json.loads(x)["response"]["body"]["choices"][0]["message"]["content"]
+           for x in c.files.content(batch.output_file_id).text.splitlines()}
+    pirate, base = chat(server, PIRATE), chat(server)
+    assert out == {"r0": pirate, "r1": pirate, "r2": base, "r3": pirate}
+    assert on_loop == []
