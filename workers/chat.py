@@ -89,7 +89,6 @@ except ImportError:  # pragma: no cover - an older tokenizers: the whole text is
     DecodeStream = None
 
 
-_clock = time.perf_counter  # times forward passes for GPU-seconds (tests replace it)
 _STEP_LOG = 20_000  # decode steps kept in step_log (read by tests and benchmarks; copy it with list())
 _PROMPT_CHUNK = 256  # prompt positions whose log-softmax is taken at once (``params.prompt_logprobs``)
 _PAUSED_POLL_S = 0.005  # while every row is paused, how often the engine looks whether their pause lifted
@@ -192,6 +191,7 @@ class ChatWorker(ThreadWorker):
         self.tokenizer = None
         self.processor = None  # a vision-language model's (images and text into prompt ids and pixel values)
         self.device = torch.device("cpu")
+        self.clock = time.perf_counter  # times forward passes for GPU-seconds (a test gives its worker its own)
         self._inbox: queue.Queue[_Seq | None] = queue.Queue()
         self._thread: threading.Thread | None = None
         self._waiting: list[_Seq] = []  # new sequences, and paused ones with their tokens
@@ -435,7 +435,7 @@ class ChatWorker(ThreadWorker):
         cache = DynamicCache()
         ids = torch.tensor([fresh], device=self.device)
         self._yielding = [seq] if seq.req.ctx.pause_check is not None else None
-        started = _clock()
+        started = self.clock()
         every_place = not seq.generated and seq.params.prompt_logprobs is not None
         try:
             out = self.model(input_ids=ids, past_key_values=cache, use_cache=True, **self._vision(seq),
@@ -473,7 +473,7 @@ class ChatWorker(ThreadWorker):
         of them can finish (their GPU-seconds are read when they do)."""
         if self.device.type == "cuda":
             torch.cuda.synchronize(self.device)
-        share = (_clock() - started) / len(seqs)
+        share = (self.clock() - started) / len(seqs)
         for seq in seqs:
             ctx = seq.req.ctx
             ctx.gpu_s = (ctx.gpu_s or 0.0) + share
@@ -506,7 +506,7 @@ class ChatWorker(ThreadWorker):
         # a step of rows that all may pause (batch work) stops where a pause order finds it
         pausable = all(s.req.ctx.pause_check is not None for s in batch.seqs)
         self._yielding = batch.seqs if pausable else None
-        started = _clock()
+        started = self.clock()
         try:
             out = self.model(
                 input_ids=last,
