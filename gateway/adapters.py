@@ -91,13 +91,48 @@ class ServedAdapter:
 
 @dataclass(frozen=True)
 class AdapterDir:
-    """An ``adapter_dirs`` folder: its base model's name, kind and checkpoint folder."""
+    """An ``adapter_dirs`` folder: its base model's name, kind and checkpoint folder. Its adapters
+    are its subfolders, and for an image model also its ``<name>.safetensors`` files (a diffusers
+    LoRA is often one file); a subfolder comes before a file of the same name."""
 
     model: str
     kind: str
     path: Path
     model_path: Path
     format: str | None = None
+
+    def locate(self, name: str) -> tuple[Path, Signature] | None:
+        """Where the adapter ``name`` is in this folder, with its files' signature; None if nowhere."""
+        folder = self.path / name
+        files = signature(folder)
+        if files is not None:
+            return folder, files
+        if self.kind == "image":
+            file = self.path / f"{name}{LORA_FILE}"
+            try:
+                return file, _file_signature(file)
+            except (FileNotFoundError, NotADirectoryError):
+                return None
+            except OSError as exc:
+                log.warning("adapter_dirs: cannot read %s: %s", file, exc)
+        return None
+
+    def entries(self) -> list[str]:
+        """The names of the adapters in this folder, sorted, those starting with a dot left out (a
+        copy being staged). Raises OSError when the folder cannot be listed."""
+        names = set()
+        with os.scandir(self.path) as found:
+            for e in found:
+                if e.name.startswith("."):
+                    continue
+                if e.is_dir():
+                    names.add(e.name)
+                elif self.kind == "image" and e.name.endswith(LORA_FILE) and e.is_file():
+                    names.add(e.name.removesuffix(LORA_FILE))
+        return sorted(names)
+
+
+LORA_FILE = ".safetensors"  # an image model's adapter as one file in its folder
 
 
 def signature(folder: Path) -> Signature | None:
@@ -198,9 +233,9 @@ class AdapterRegistry:
 
     def _find(self, name: str) -> tuple[AdapterDir, Path, Signature] | None:
         for d in self.dirs:
-            files = signature(d.path / name)
-            if files is not None:
-                return d, d.path / name, files
+            found = d.locate(name)
+            if found is not None:
+                return d, *found
         return None
 
     def _refuse(self, folder: Path, files: Signature, why: str) -> None:
@@ -304,7 +339,7 @@ class AdapterRegistry:
         taken = set(self.adapters) | self.models
         for d in self.dirs:
             try:
-                names = sorted(e.name for e in os.scandir(d.path) if e.is_dir() and not e.name.startswith("."))
+                names = d.entries()
             except OSError as exc:
                 found.append((d, "", f"the folder cannot be listed: {exc}"))
                 continue
@@ -315,8 +350,11 @@ class AdapterRegistry:
                     problem = "not served: a model, a configured adapter or an earlier folder has this name"
                 else:
                     taken.add(name)
+                    where = d.locate(name)
                     try:
-                        self._read(name, d, d.path / name, (), name)
+                        if where is None:
+                            raise _NotAnAdapter("gone while it was read")
+                        self._read(name, d, where[0], where[1], name)
                         problem = ""
                     except _NotAnAdapter as exc:
                         problem = f"refused: {exc}"
@@ -330,7 +368,7 @@ class AdapterRegistry:
         shown = set(self.adapters) | set(self.loaded) | self.models
         for d in self.dirs:
             try:
-                names = sorted(e.name for e in os.scandir(d.path) if e.is_dir() and NAME.fullmatch(e.name))
+                names = [name for name in d.entries() if NAME.fullmatch(name)]
             except OSError:
                 continue
             for name in names:
@@ -338,7 +376,7 @@ class AdapterRegistry:
                     continue
                 shown.add(name)
                 held = self.cached.get(name)
-                rows.append(held.row() if held is not None and held.path == d.path / name else
+                rows.append(held.row() if held is not None and held.path.parent == d.path else
                             {"id": name, "object": "model", "created": 0, "owned_by": "tiergate", "kind": "adapter",
                              "parent": d.model, "root": d.model, "base_kind": d.kind, "format": d.format,
                              "rank": None, "modules": None, "source": "folder"})

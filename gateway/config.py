@@ -421,10 +421,12 @@ class Config(_Strict):
 
     def folder_adapter_base(self, name: str) -> str | None:
         """The base model of the ``adapter_dirs`` folder that holds an adapter named ``name`` (the
-        first that does), by its folder alone: its files are read and checked where it is served."""
+        first that does: a subfolder, or an image LoRA's file), by its place alone: its files are
+        read and checked where it is served."""
         if not ADAPTER_NAME.fullmatch(name):
             return None
-        return next((d.model for d in self.adapter_dirs if (d.path / name).is_dir()), None)
+        return next((d.model for d in self.adapter_dirs
+                     if (d.path / name).is_dir() or (d.path / f"{name}.safetensors").is_file()), None)
 
     def data_dir(self) -> Path:
         """``batch.data_dir``, a relative one taken from this file's folder: where the SQLite stores live."""

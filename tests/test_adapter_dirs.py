@@ -170,6 +170,14 @@ def test_image_folders(server, folders, demo_adapters):
     put(demo_adapters[SKETCH], folders["image"], "inked")
     plain, inked = picture("tiny-image"), picture("inked")
     assert inked != plain and picture("tiny-image", [{"name": "inked", "weight": 1.0}]) == inked
+    # an image LoRA as one file in the folder, named by its stem
+    shutil.copy(demo_adapters[SKETCH] / "pytorch_lora_weights.safetensors", folders["image"] / "inked-file.safetensors")
+    assert picture("inked-file") == inked
+    listed = {m.id: m.model_extra for m in client(server).models.list()}
+    assert listed["inked-file"]["parent"] == "tiny-image" and listed["inked-file"]["source"] == "folder"
+    (folders["image"] / "inked-file.safetensors").write_bytes(b"not safetensors")  # changed: read again, refused
+    with pytest.raises(openai.BadRequestError):
+        picture("inked-file")
     with pytest.raises(openai.BadRequestError) as e:  # an image adapter asked of a chat model
         chat(server, "inked")
     assert e.value.body["code"] == "model_not_supported"
@@ -481,3 +489,20 @@ def test_a_batch_naming_folder_adapters_reads_each_once_before_its_lines_run(ser
     pirate, base = chat(server, PIRATE), chat(server)
     assert out == {"r0": pirate, "r1": pirate, "r2": base, "r3": pirate}
     assert on_loop == []
+
+
+def test_an_image_folder_lists_its_lora_files_and_a_subfolder_comes_first(tiny_image, demo_adapters, tmp_path):
+    weights = demo_adapters[SKETCH] / "pytorch_lora_weights.safetensors"
+    shutil.copy(weights, tmp_path / "a.safetensors")
+    shutil.copy(weights, tmp_path / ".staged.safetensors")
+    (tmp_path / "b.safetensors").write_bytes(b"broken")
+    put(demo_adapters[SKETCH], tmp_path, "a")  # a subfolder and a file named alike: the subfolder
+    (tmp_path / "notes.txt").write_text("not an adapter")
+    registry = AdapterRegistry((), [AdapterDir("tiny-image", "image", tmp_path, tiny_image)], ["tiny-image"])
+    assert [(name, problem.split(":")[0]) for _, name, problem in registry.survey()] == [("a", ""), ("b", "refused")]
+    assert registry.get("a").path == tmp_path / "a"
+    shutil.rmtree(tmp_path / "a")
+    assert registry.get("a").path == tmp_path / "a.safetensors"
+    assert [r["id"] for r in registry.rows()] == ["a", "b"]
+    chat_dir = AdapterRegistry((), [AdapterDir("tiny-chat", "chat", tmp_path, tiny_image)], ["tiny-chat"])
+    assert chat_dir.get("a") is None and chat_dir.rows() == []  # a chat model's adapters are folders only

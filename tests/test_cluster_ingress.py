@@ -58,6 +58,7 @@ def test_a_folder_adapter_goes_to_its_base_models_replicas(tmp_path, tiny_chat):
     """An ``adapter_dirs`` adapter is routed by its folder's base model (its replica reads and
     checks the files); a name no folder holds, or one reaching outside them, is the ingress's 404."""
     (tmp_path / "dir" / "sailor").mkdir(parents=True)
+    (tmp_path / "dir" / "inked.safetensors").write_bytes(b"")  # an image LoRA as one file
     (tmp_path / "outside").mkdir()
     config = load_config(write_config(tmp_path, {"m": ("chat", tiny_chat)},
                                       f"adapter_dirs:\n  - {{model: m, path: {tmp_path / 'dir'}}}\n"))
@@ -66,6 +67,7 @@ def test_a_folder_adapter_goes_to_its_base_models_replicas(tmp_path, tiny_chat):
     post = Request({"type": "http", "method": "POST", "path": "/v1/chat/completions", "query_string": b"",
                     "headers": [(b"content-type", b"application/json")]})
     assert ingress._model(post, b'{"model": "sailor"}')[0] == "m"
+    assert ingress._model(post, b'{"model": "inked"}')[0] == "m"
     assert ingress._model(post, b'{"model": "m"}')[0] == "m"
     for name in ("nobody", "../outside", "../dir/sailor"):
         with pytest.raises(APIError) as e:
