@@ -95,7 +95,7 @@ def model_smokes(request, demo_dir: Path, tiny_chat: Path, tiny_embed: Path) -> 
                for script, args in MODEL_SMOKES.items() if script in wanted}
 
 
-@pytest.mark.parametrize("script", ["bench_admission.py", "bench_lora_merge.py"])
+@pytest.mark.parametrize("script", ["bench_admission.py", "bench_lora_merge.py", "bench_adapters.py"])
 def test_smoke_without_models(script: str) -> None:
     assert check_verdict(run_smoke(script)) == f"verdict: n/a {SMOKE}"
 
