@@ -173,9 +173,6 @@ class AdapterRegistry:
         self.reads: Counter[str] = Counter()  # folder reads by outcome (read, refused), counted on the loop
         self.dropped = 0  # folder adapters dropped from host memory past the budget
 
-    def __contains__(self, name: str) -> bool:
-        return self.get(name) is not None
-
     def get(self, name: str) -> ServedAdapter | None:
         """The adapter ``name`` names: configured, or a folder's (read here, on the calling thread,
         if ``ready`` has not read it); None when there is none. 400 ``adapter_invalid`` for a

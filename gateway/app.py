@@ -6,7 +6,6 @@ serving core, never this module."""
 from __future__ import annotations
 
 import asyncio
-
 import contextlib
 import logging
 import time

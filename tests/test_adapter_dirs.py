@@ -353,8 +353,29 @@ def test_adapter_patterns(patterns, name, allowed):
 def test_a_tiers_default_adapter_allow_list(tiny_chat, tmp_path):
     path = write_config(tmp_path, {"tiny-chat": ("chat", tiny_chat)},
                         "accounts:\n  limits:\n    free: {adapters: ['shared-*']}\n")
-    limits = load_config(path).accounts.limits
+    config = load_config(path)
+    limits = config.accounts.limits
     assert limits["free"].allows_adapter("shared-a") and not limits["free"].allows_adapter("acme-a")
+
+    # enforced at admission for the tier's keys (an environment key here), the rest untouched
+    from accounts.rates import Ask
+    from gateway.accounts import Accounts
+    from gateway.auth import Caller
+
+    accounts = Accounts.from_config(config)
+    free, paid = Caller("free", "key-free"), Caller("paid", "key-paid")
+
+    async def admit(caller, adapters, own=False):
+        return await accounts.admit(caller, "tiny-chat", Ask(), adapters, own)
+
+    assert asyncio.run(admit(free, ("shared-a",))) is None
+    for own, code in ((True, "model_not_found"), (False, "adapter_not_found")):
+        with pytest.raises(APIError) as e:
+            asyncio.run(admit(free, ("acme-a",), own))
+        assert (e.value.status, e.value.code) == (404, code)
+    with pytest.raises(APIError):
+        asyncio.run(admit(free, ("shared-a", "acme-a")))  # every adapter of the stack, not only the first
+    assert asyncio.run(admit(paid, ("acme-a",))) is None
 
 
 def test_the_keys_command_sets_an_adapter_allow_list(tiny_chat, tmp_path, capsys):
