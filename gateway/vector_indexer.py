@@ -1,7 +1,7 @@
 """The indexer: the files added to vector stores read in the background, one process at a time
 each, and never lost.
 
-A file is a PDF's text (pypdf) or UTF-8 text (``document_text``), cut into chunks of the
+A file's text (``gateway.documents``: PDF, Word, PowerPoint, HTML or UTF-8 text) is cut into chunks of the
 embedding model's tokens (``EmbedWorker.cut``), each group of chunks embedded as a request of the
 key that added the file, at its tier, through the gate; then ``completed`` with its chunks, or
 ``failed`` with the reason, in ``gateway.vector_store``. A process takes a file with a lease it
@@ -12,20 +12,18 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import io
 import itertools
 import logging
 import time
 from collections import Counter
 
 import numpy as np
-import pypdf
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 from prometheus_client.registry import Collector
-from pypdf.errors import PdfReadError
 
 from batch.store import Store as BatchStore
 from gateway.auth import Caller
+from gateway.documents import Unreadable, document_text
 from gateway.embeddings import EmbedJob, serve_embeddings
 from gateway.errors import APIError
 from gateway.service import Services
@@ -40,37 +38,8 @@ GROUP = 64  # chunks embedded in one request
 MAX_FILE_TOKENS = 5_000_000  # tokens of text one file may have, as OpenAI's file search allows
 
 
-class _Refused(Exception):
-    def __init__(self, code: str, message: str) -> None:
-        super().__init__(message)
-        self.code, self.message = code, message
-
-
 class _Dropped(Exception):
     """The file was removed, added again or its store deleted while it was read: leave it."""
-
-
-def document_text(content: bytes) -> str:
-    """The text of a document: a PDF's pages' text (pypdf), one after another, or UTF-8 text as
-    it is (without a byte-order mark). ``_Refused`` for anything else: an encrypted or broken PDF,
-    bytes that are not UTF-8 (Office files among them)."""
-    if content.startswith(b"%PDF-"):
-        try:
-            reader = pypdf.PdfReader(io.BytesIO(content))
-            encrypted = reader.is_encrypted
-            text = "" if encrypted else "\n\n".join(page.extract_text() for page in reader.pages)
-        except PdfReadError as exc:
-            raise _Refused("invalid_file", f"the PDF cannot be read: {exc}") from None
-        except Exception as exc:  # noqa: BLE001 - a malformed PDF trips pypdf in many ways: the file's fault
-            raise _Refused("invalid_file", f"the PDF cannot be read ({type(exc).__name__})") from None
-        if encrypted:
-            raise _Refused("unsupported_file", "the PDF is encrypted")
-        return text
-    try:
-        return content.decode("utf-8").removeprefix("\ufeff")
-    except UnicodeDecodeError:
-        raise _Refused("unsupported_file", "the file is neither a PDF nor UTF-8 text (Markdown, code, JSON, HTML); "
-                                           "Office files and images are not read") from None
 
 
 class Indexer(Collector):
@@ -137,7 +106,7 @@ class Indexer(Collector):
             texts, vectors = await self._read(file)
             ended = "completed" if await self.store.finish(file, texts, vectors) else "dropped"
             self.chunks += len(texts) if ended == "completed" else 0
-        except _Refused as refused:
+        except Unreadable as refused:
             ended = "failed" if await self.store.fail(file, refused.code, refused.message) else "dropped"
         except _Dropped:
             ended = "dropped"
@@ -152,14 +121,14 @@ class Indexer(Collector):
         self.ended[ended] += 1
 
     async def _read(self, file: StoreFile) -> tuple[list[str], np.ndarray]:
-        """The file's chunks and their vectors; ``_Refused`` for a file that is not text."""
+        """The file's chunks and their vectors; ``Unreadable`` for a file that is not text."""
         store = await self.store.get(file.vector_store_id, file.owner)
         if store is None:
             raise _Dropped
         content = await self.files.file_content(file.id)
         if content is None:
-            raise _Refused("invalid_file", "the file was deleted before it was read")
-        text = await asyncio.to_thread(document_text, content)
+            raise Unreadable("invalid_file", "the file was deleted before it was read")
+        text = await asyncio.to_thread(document_text, content, file.filename)
         encoder = await encoder_of(self.svc, store.model)
         chunks = encoder.cut(text, file.chunk_tokens, file.overlap_tokens, MAX_FILE_TOKENS)
         caller = Caller(file.tier, file.owner)
@@ -169,7 +138,7 @@ class Indexer(Collector):
             try:
                 group = await asyncio.to_thread(lambda: list(itertools.islice(chunks, GROUP)))
             except InputError:
-                raise _Refused("invalid_file", f"the file has more than {MAX_FILE_TOKENS:,} tokens of text, "
+                raise Unreadable("invalid_file", f"the file has more than {MAX_FILE_TOKENS:,} tokens of text, "
                                                "the most one file may have") from None
             if not group:
                 break
@@ -178,7 +147,7 @@ class Indexer(Collector):
             if not await self.store.hold(file, time.time() + LEASE_S):
                 raise _Dropped
         if not texts:
-            raise _Refused("invalid_file", "the file has no text")
+            raise Unreadable("invalid_file", "the file has no text")
         return texts, np.concatenate(parts)
 
     async def _embed(self, file: StoreFile, caller: Caller, model: str, rows: list[list[int]]) -> np.ndarray:

@@ -13,8 +13,8 @@
 * ``POST /v1/vector_stores/{id}/search`` (``query``: a string or strings, ``max_num_results``
   1..50, ``filters`` on the files' attributes, ``ranking_options.score_threshold``).
 
-A file is added ``in_progress`` and read in the background (``gateway.vector_indexer``): a PDF's
-text (pypdf) or UTF-8 text, cut into chunks of the strategy's tokens (the embedding model's
+A file is added ``in_progress`` and read in the background (``gateway.vector_indexer``): its text
+(``gateway.documents``: PDF, Word, PowerPoint, HTML or UTF-8 text), cut into chunks of the strategy's tokens (the embedding model's
 tokenizer; ``auto`` is OpenAI's 800 tokens overlapping by 400, or the model's context if that is
 smaller), each chunk embedded as a request of the key that added the file, at its tier, through
 the gate (its tokens count in that key's usage, as ``/v1/embeddings`` tokens). A search embeds its

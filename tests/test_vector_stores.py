@@ -214,6 +214,27 @@ def test_a_pdf_is_read_as_its_pages_text(server):
     assert hit.filename == "guide.pdf" and "paid requests" in hit.content[0].text
 
 
+def test_word_powerpoint_and_html_files_are_read_as_their_text(server):
+    """Through the SDK, as an app uploads them: each file's chunks are gateway.documents' text of it
+    (the units' tests check that text), and a search finds them by it."""
+    from tests.test_documents import PAGE, slides_file, word_file
+
+    c = client(server)
+    files = {upload(c, name, content): name for name, content in
+             (("policy.docx", word_file()), ("deck.pptx", slides_file()), ("refunds.html", PAGE))}
+    store = c.vector_stores.create(name="office", file_ids=list(files))
+    texts = {}
+    for fid, name in files.items():
+        f = poll(c, store.id, fid)
+        assert f.status == "completed", (name, f.last_error)
+        texts[name] = "".join(p.text for p in c.vector_stores.files.content(fid, vector_store_id=store.id))
+    assert texts["policy.docx"].startswith("# Refund policy") and "paid | yes | 30" in texts["policy.docx"]
+    assert "Notes: Say it slowly." in texts["deck.pptx"] and "<" not in texts["refunds.html"]
+    assert "never read" not in texts["refunds.html"] and "naïve" in texts["refunds.html"]
+    hits = c.vector_stores.search(store.id, query="Refund policy", max_num_results=10).data
+    assert {h.filename for h in hits} == set(files.values())
+
+
 def _error(r: httpx.Response) -> dict:
     body = r.json()["error"]
     assert set(body) == {"message", "type", "param", "code"} and (body["code"] is None or isinstance(body["code"], str))
