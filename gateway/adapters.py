@@ -21,7 +21,10 @@ listing of its folder: size, mtime and inode of each file). A folder that is gon
 gone. Names resolve in this order: models and aliases, configured adapters, adapters loaded at
 run time (vLLM's ``POST /v1/load_lora_adapter``, admin keys, this process only), then the folders
 in the order listed. A subfolder that is not a LoRA that fits its model is a 400 ``adapter_invalid``
-for the requests that name it, and is read again only once its files change.
+for the requests that name it, and is read again only once its files change. Files still being
+written (a copy under way) are not taken for a broken adapter, nor served half read: a read during
+which the files changed, or that failed on files younger than ``SETTLE_S``, is a 503
+``adapter_changing`` with ``Retry-After``, and the next request reads the folder again.
 """
 
 from __future__ import annotations
@@ -30,6 +33,7 @@ import asyncio
 import logging
 import math
 import os
+import time
 from collections import Counter, OrderedDict
 from dataclasses import dataclass, replace
 from pathlib import Path
@@ -58,6 +62,7 @@ DENOISERS = ("unet", "transformer")  # the pipeline component a diffusers LoRA m
 log = logging.getLogger("tiergate.adapters")
 NAME = ADAPTER_NAME
 Signature = tuple[tuple[str, int, int, int], ...]  # a folder's files: (name, size, mtime_ns, inode)
+SETTLE_S = 2.0  # a read that fails on files younger than this may have met a copy under way
 
 
 @dataclass(frozen=True)
@@ -154,6 +159,17 @@ def _file_signature(file: Path) -> Signature:
     return ((file.name, st.st_size, st.st_mtime_ns, st.st_ino),)
 
 
+def _files_now(path: Path) -> Signature | None:
+    """The signature of an adapter's folder or file as it is now (None: gone)."""
+    found = signature(path)
+    if found is None:
+        try:
+            return _file_signature(path)
+        except OSError:
+            return None
+    return found
+
+
 class AdapterRegistry:
     """The adapters requests may select: the configured ones (always held) and those read from the
     ``adapter_dirs`` folders (held while ``cache_bytes`` has room)."""
@@ -170,7 +186,7 @@ class AdapterRegistry:
         self._reads: dict[tuple[Path, Signature], asyncio.Task] = {}  # folder reads under way (``ready``)
         self._seen: dict[str, tuple[Signature, int]] = {}  # a name's latest files and how many contents it had
         self._shapes: dict[Path, dict[str, tuple[int, ...]]] = {}  # a base checkpoint's weight shapes
-        self.reads: Counter[str] = Counter()  # folder reads by outcome (read, refused), counted on the loop
+        self.reads: Counter[str] = Counter()  # folder reads by outcome (read, refused, changing), counted on the loop
         self.dropped = 0  # folder adapters dropped from host memory past the budget
 
     def get(self, name: str) -> ServedAdapter | None:
@@ -192,8 +208,12 @@ class AdapterRegistry:
         try:
             served = self._read(name, d, folder, files, self._version(name, files))
         except _NotAnAdapter as exc:
+            if _young(files):  # a copy may still be writing them: not remembered as broken
+                raise self._changing(name) from None
             self._refuse(folder, files, str(exc))
             self._check_refused(name, folder, files)
+        except _Changing:
+            raise self._changing(name) from None
         return self._keep(served)
 
     async def ready(self, model: str, choices: Sequence[AdapterChoice] | None) -> None:
@@ -224,7 +244,11 @@ class AdapterRegistry:
             served = await asyncio.to_thread(self._read, name, d, folder, files, self._version(name, files))
             self._keep(served)
         except _NotAnAdapter as exc:
+            if _young(files):  # a copy may still be writing them: not remembered as broken
+                raise self._changing(name) from None
             self._refuse(folder, files, str(exc))
+        except _Changing:
+            raise self._changing(name) from None
         finally:
             del self._reads[(folder, files)]
 
@@ -238,6 +262,13 @@ class AdapterRegistry:
     def _refuse(self, folder: Path, files: Signature, why: str) -> None:
         self._refused[(folder, files)] = why
         self.reads["refused"] += 1
+
+    def _changing(self, name: str) -> APIError:
+        """The 503 for a read that met files being written; the next request reads them again."""
+        self.reads["changing"] += 1
+        return APIError(503, f"the adapter '{name}' is being written (its files changed while they were read, or "
+                        f"are under {SETTLE_S:g} s old and not yet an adapter); try again shortly", "adapter_changing",
+                        "model", headers={"retry-after": "1"})
 
     def _check_refused(self, name: str, folder: Path, files: Signature) -> None:
         why = self._refused.get((folder, files))
@@ -253,7 +284,8 @@ class AdapterRegistry:
         return name if n == 1 else f"{name}@{n}"
 
     def _read(self, name: str, d: AdapterDir, folder: Path, files: Signature, version: str) -> ServedAdapter:
-        """(any thread) The folder's adapter, read and checked against its base model."""
+        """(any thread) The folder's adapter, read and checked against its base model; ``_Changing``
+        when its files changed while they were read."""
         try:
             shapes = self._shapes.get(d.model_path)
             if shapes is None:
@@ -261,10 +293,14 @@ class AdapterRegistry:
             served = read_adapter(AdapterConfig(name=name, model=d.model, path=folder, format=d.format), d.kind,
                                   shapes, version)
         except Exception as exc:  # noqa: BLE001 - reading files: whatever fails (safetensors' own error too) is the folder's
+            if _files_now(folder) != files:
+                raise _Changing from None
             why = " ".join(str(exc).strip("'\"").split())
             log.warning("adapter '%s' at %s cannot be served: %s", name, folder, why)
             # the client is told why, not where: the server's paths stay the operator's
             raise _NotAnAdapter(why.replace(str(folder), name).replace(str(d.path), "the folder")) from None
+        if _files_now(folder) != files:  # written to meanwhile: what was read may be half of it
+            raise _Changing
         return ServedAdapter(name, d.model, d.kind, served.format, folder, served.adapter, "folder", files)
 
     def _keep(self, served: ServedAdapter) -> ServedAdapter:
@@ -283,8 +319,10 @@ class AdapterRegistry:
     def collect(self):
         """Prometheus: the folder adapters read, refused, held and dropped by this process."""
         reads = CounterMetricFamily("tiergate_adapter_folder_reads", "adapter_dirs adapters read by this process, by "
-                                    "outcome (read; refused: not a LoRA fitting its model)", labels=["outcome"])
-        for outcome in ("read", "refused"):
+                                    "outcome (read; refused: not a LoRA fitting its model; changing: its files "
+                                    "changed while read, or a read failed on files still being written)",
+                                    labels=["outcome"])
+        for outcome in ("read", "refused", "changing"):
             reads.add_metric([outcome], self.reads[outcome])
         yield reads
         yield CounterMetricFamily("tiergate_adapter_folder_dropped", "adapter_dirs adapters dropped from host memory "
@@ -315,6 +353,9 @@ class AdapterRegistry:
             served = await asyncio.to_thread(self._read, name, base, path, files, self._version(name, files))
         except _NotAnAdapter as exc:
             raise bad_request(f"the lora adapter '{name}' cannot be served: {exc}", "lora_path", "adapter_invalid") from None
+        except _Changing:
+            raise APIError(503, f"the files of the lora adapter '{name}' changed while they were read; try again shortly",
+                           "adapter_changing", "lora_path", headers={"retry-after": "1"}) from None
         self.loaded[name] = served = replace(served, source="runtime")
         return served
 
@@ -355,6 +396,8 @@ class AdapterRegistry:
                         problem = ""
                     except _NotAnAdapter as exc:
                         problem = f"refused: {exc}"
+                    except _Changing:
+                        problem = "its files changed while they were read (a copy under way?): check again"
                 found.append((d, name, problem))
         return found
 
@@ -415,6 +458,15 @@ class AdapterRegistry:
             raise bad_request(f"{len(stack)} adapters in one stack, above this server's limit of {MAX_STACK}",
                               "adapters")
         return tuple(stack)
+
+
+def _young(files: Signature) -> bool:
+    """Whether a file of ``files`` was written less than ``SETTLE_S`` ago."""
+    return bool(files) and time.time_ns() - max(mtime for _, _, mtime, _ in files) < SETTLE_S * 1e9
+
+
+class _Changing(Exception):
+    """An adapter's files changed while they were read, or may still be being written."""
 
 
 class _NotAnAdapter(Exception):

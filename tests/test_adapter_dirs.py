@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import asyncio
 import base64
+import os
 import re
 import shutil
 import time
@@ -18,7 +19,8 @@ import httpx
 import openai
 import pytest
 
-from gateway.adapters import AdapterDir, AdapterRegistry, served_names
+from gateway import adapters as adapters_module
+from gateway.adapters import SETTLE_S, AdapterDir, AdapterRegistry, served_names
 from gateway.config import ConfigError, load_config
 from gateway.errors import APIError
 from gateway.schemas import AdapterChoice
@@ -82,6 +84,15 @@ def put(source: Path, folder: Path, name: str) -> Path:
     return target
 
 
+def settled(path: Path) -> Path:
+    """``path``'s files dated 10 s back: no longer young enough to be a copy under way, so a broken
+    one reads as broken (a 400) rather than as being written (a 503)."""
+    then = time.time() - 10
+    for file in [path] if path.is_file() else path.iterdir():
+        os.utime(file, (then, then))
+    return path
+
+
 def test_a_folder_dropped_in_is_an_adapter_at_once(server, folders, demo_adapters):
     base, pirate, poet = chat(server), chat(server, PIRATE), chat(server, POET)
     assert len({base, pirate, poet}) == 3  # the demo adapters change the reply
@@ -128,6 +139,11 @@ def test_folders_resolve_in_order_after_models_and_configured_adapters(server, f
 def test_a_broken_folder_is_a_400_until_it_is_fixed(server, folders, demo_adapters):
     target = put(demo_adapters[PIRATE], folders["chat"], "broken")
     (target / "adapter_config.json").write_text("{not json")
+    # just written: it may be a copy under way, so a 503 to try again, not a 400 remembered
+    r = httpx.post(f"{server.base_url}/chat/completions", headers={"authorization": f"Bearer {server.keys['paid']}"},
+                   json={"model": "broken", "messages": [{"role": "user", "content": "hi"}], "max_tokens": 1})
+    assert r.status_code == 503 and r.json()["error"]["code"] == "adapter_changing" and r.headers["retry-after"] == "1"
+    settled(target)
     for _ in range(2):  # refused, and remembered as refused (not read again) while the files stay
         with pytest.raises(openai.BadRequestError) as e:
             chat(server, "broken")
@@ -137,10 +153,11 @@ def test_a_broken_folder_is_a_400_until_it_is_fixed(server, folders, demo_adapte
         assert str(folders["chat"]) not in message
     target = put(demo_adapters[PIRATE], folders["chat"], "broken")
     (target / "adapter_model.safetensors").write_bytes(b"not safetensors")  # safetensors' own error
+    settled(target)
     with pytest.raises(openai.BadRequestError) as e:
         chat(server, "broken")
     assert e.value.body["code"] == "adapter_invalid" and "not a readable safetensors file" in e.value.body["message"]
-    put(demo_adapters[SKETCH], folders["chat"], "broken")  # an image model's LoRA in the chat folder
+    settled(put(demo_adapters[SKETCH], folders["chat"], "broken"))  # an image model's LoRA in the chat folder
     with pytest.raises(openai.BadRequestError) as e:
         chat(server, "broken")
     assert e.value.body["code"] == "adapter_invalid"
@@ -176,6 +193,7 @@ def test_image_folders(server, folders, demo_adapters):
     listed = {m.id: m.model_extra for m in client(server).models.list()}
     assert listed["inked-file"]["parent"] == "tiny-image" and listed["inked-file"]["source"] == "folder"
     (folders["image"] / "inked-file.safetensors").write_bytes(b"not safetensors")  # changed: read again, refused
+    settled(folders["image"] / "inked-file.safetensors")
     with pytest.raises(openai.BadRequestError):
         picture("inked-file")
     with pytest.raises(openai.BadRequestError) as e:  # an image adapter asked of a chat model
@@ -202,7 +220,7 @@ def test_the_least_recently_used_is_dropped_past_the_budget(tiny_chat, demo_adap
     assert list(registry.cached) == ["a", "c"]
     metrics = {m.name: m.samples for m in registry.collect()}
     assert [(s.labels, s.value) for s in metrics["tiergate_adapter_folder_reads"]] == [
-        ({"outcome": "read"}, 3), ({"outcome": "refused"}, 0)]
+        ({"outcome": "read"}, 3), ({"outcome": "refused"}, 0), ({"outcome": "changing"}, 0)]
     assert metrics["tiergate_adapter_folder_dropped"][0].value == 1
     assert metrics["tiergate_adapter_folder_held"][0].value == 2
     assert metrics["tiergate_adapter_folder_held_bytes"][0].value == 2 * one
@@ -260,6 +278,7 @@ def test_models_and_aliases_are_never_looked_for_on_disk(tiny_chat, demo_adapter
 def test_a_refused_folder_is_not_read_again_until_its_files_change(tiny_chat, demo_adapters, tmp_path, monkeypatch):
     target = put(demo_adapters[PIRATE], tmp_path, "a")
     (target / "adapter_config.json").write_text("[]")
+    settled(target)
     registry = _registry(tiny_chat, tmp_path)
     reads: list[str] = []
     real = registry._read
@@ -271,6 +290,57 @@ def test_a_refused_folder_is_not_read_again_until_its_files_change(tiny_chat, de
     assert reads == ["a"]
     put(demo_adapters[PIRATE], tmp_path, "a")
     assert registry.get("a").adapter.name == "a@2" and reads == ["a", "a"]
+
+
+def test_files_being_written_are_neither_served_half_read_nor_remembered_as_broken(tiny_chat, demo_adapters,
+                                                                                  tmp_path, monkeypatch):
+    """A copy under way: files that change while they are read give a 503 ``adapter_changing``
+    (what was read may be half of them), and a read that fails on files younger than SETTLE_S
+    is not remembered as broken; the next request reads again and gets the adapter, or, once
+    the files have settled, the 400."""
+    target = put(demo_adapters[PIRATE], tmp_path, "a")
+    registry = _registry(tiny_chat, tmp_path)
+    real = adapters_module.read_adapter
+    writes = iter([True])
+
+    def read_while_written(*args, **kwargs):
+        served = real(*args, **kwargs)
+        if next(writes, False):  # the copy writes the file again while it is being read
+            (target / "adapter_model.safetensors").write_bytes((target / "adapter_model.safetensors").read_bytes())
+        return served
+
+    monkeypatch.setattr(adapters_module, "read_adapter", read_while_written)
+    with pytest.raises(APIError) as e:
+        registry.get("a")
+    assert (e.value.status, e.value.code, e.value.headers) == (503, "adapter_changing", {"retry-after": "1"})
+    assert "a" not in registry.cached and registry.reads["changing"] == 1
+    assert registry.get("a").signature == adapters_module.signature(target)  # settled: read, and held
+
+    (target / "adapter_config.json").write_text("{")  # the config written first, the rest still to come
+    for _ in range(2):  # young: a 503 each time, read each time (not remembered)
+        with pytest.raises(APIError) as e:
+            registry.get("a")
+        assert e.value.code == "adapter_changing"
+    assert registry.reads["refused"] == 0 and registry.reads["changing"] == 3
+    settled(target)
+    with pytest.raises(APIError) as e:  # settled and still broken: the 400, remembered
+        registry.get("a")
+    assert e.value.code == "adapter_invalid" and registry.reads["refused"] == 1
+
+    async def off_the_loop() -> None:  # the same rules where requests read, in a worker thread
+        put(demo_adapters[POET], tmp_path, "b")
+        (tmp_path / "b" / "adapter_config.json").write_text("[]")
+        with pytest.raises(APIError) as e:
+            await registry.ready("b", None)
+        assert e.value.code == "adapter_changing" and not registry._refused.get((tmp_path / "b", registry._find("b")[2]))
+        settled(tmp_path / "b")
+        await registry.ready("b", None)  # refused now, and remembered: get() answers without reading
+        with pytest.raises(APIError) as e:
+            registry.get("b")
+        assert e.value.code == "adapter_invalid"
+
+    asyncio.run(off_the_loop())
+    assert SETTLE_S <= 5  # the test dates files 10 s back
 
 
 @pytest.mark.parametrize("entry, error", [
