@@ -320,7 +320,8 @@ class Runner:
     # -- whole batches
     async def _ready_adapters(self, lines: list[Line]) -> None:
         """The folder adapters the lines name, each read once in a worker thread (``adapters.ready``),
-        before the lines' shapes are worked out on the event loop."""
+        before the lines' shapes are worked out on the event loop. One whose files are being written
+        is left for its lines to read when they run."""
         names: set[str] = set()
         for ln in lines:
             model, stack = ln.body.get("model"), ln.body.get("adapters")
@@ -330,7 +331,11 @@ class Runner:
                 if isinstance(choice, dict) and isinstance(choice.get("name"), str):
                     names.add(choice["name"])
         for name in sorted(names):
-            await self.svc.adapters.ready(name, None)
+            try:
+                await self.svc.adapters.ready(name, None)
+            except APIError as exc:  # its files are being written: its lines read it again when they run
+                if exc.code != "adapter_changing":
+                    raise
 
     async def _validate(self, batch_id: str) -> None:
         if not await self.store.lock(batch_id, self.name, self.reclaim_after_s):

@@ -582,6 +582,29 @@ def test_a_batch_naming_folder_adapters_reads_each_once_before_its_lines_run(ser
     assert on_loop == []
 
 
+def test_a_batch_whose_adapter_is_being_written_still_validates(server, monkeypatch):
+    """Reading a batch's adapters before its lines are shaped: one being written (a 503
+    ``adapter_changing``) is left for its lines to read when they run (where a 503 is retried),
+    and the rest are read; any other error is not swallowed."""
+    from batch.store import Line
+
+    asked: list[str] = []
+
+    async def ready(name, choices):
+        asked.append(name)
+        if name == "copying":
+            raise APIError(503, "being written", "adapter_changing", "model")
+        if name == "broken-store":
+            raise APIError(503, "the store is down", "store_unavailable")
+
+    monkeypatch.setattr(server.batches.svc.adapters, "ready", ready)
+    lines = [Line(0, "a", {"model": "copying"}), Line(1, "b", {"model": "tiny-chat", "adapters": [{"name": "x"}]})]
+    asyncio.run(server.batches._ready_adapters(lines))
+    assert asked == ["copying", "tiny-chat", "x"]
+    with pytest.raises(APIError):
+        asyncio.run(server.batches._ready_adapters([Line(0, "a", {"model": "broken-store"})]))
+
+
 def test_an_image_folder_lists_its_lora_files_and_a_subfolder_comes_first(tiny_image, demo_adapters, tmp_path):
     weights = demo_adapters[SKETCH] / "pytorch_lora_weights.safetensors"
     shutil.copy(weights, tmp_path / "a.safetensors")
