@@ -58,6 +58,7 @@ class Price(_Strict):
     audio_in_minute: float = Field(default=0.0, ge=0)  # transcription, per minute of audio
     audio_out_minute: float = Field(default=0.0, ge=0)  # speech, per minute made
     gpu_hour: float = Field(default=0.0, ge=0)
+    trained_tokens_per_1m: float = Field(default=0.0, ge=0)  # fine-tuning
 
 
 class AccountsConfig(_Strict):

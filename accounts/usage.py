@@ -33,6 +33,7 @@ class Usage:
     # of input_tokens, those the engine's prefix cache served (vLLM); new counters go last: a
     # usage journal line written before one existed is read with it at 0 (accounts.journal)
     cached_input_tokens: int = 0
+    trained_tokens: int = 0  # fine-tuning: tokens trained on, every epoch counted (tuning/)
 
     def add(self, other: "Usage") -> None:
         for f in COUNTERS:
@@ -47,7 +48,8 @@ class Usage:
                 + self.images * price.image
                 + self.audio_in_seconds / 60 * price.audio_in_minute
                 + self.audio_out_seconds / 60 * price.audio_out_minute
-                + self.gpu_seconds / 3600 * price.gpu_hour)
+                + self.gpu_seconds / 3600 * price.gpu_hour
+                + self.trained_tokens * price.trained_tokens_per_1m / 1e6)
 
 
 COUNTERS = tuple(f.name for f in fields(Usage))

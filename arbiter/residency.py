@@ -485,7 +485,8 @@ def _leased(state: ModelState, tier: int, now: float, is_batch: bool, delta: int
 
 
 def _estimate(spec: ModelSpec) -> int:
-    """The footprint before loading: declared, else weights plus margin (plus an engine's KV cache).
+    """The footprint before loading: declared, else weights plus margin (plus an engine's KV cache,
+    or a trainer's room for training).
     A ValueError names the model (a folder without weights)."""
     if spec.vram is not None:
         return spec.vram
@@ -493,7 +494,7 @@ def _estimate(spec: ModelSpec) -> int:
         weights = fp.estimate_footprint(spec.path, spec.kind)
     except ValueError as exc:
         raise ValueError(f"model {spec.name!r}: {exc}") from None
-    return weights + int(spec.options.get("kv_cache_bytes") or 0)
+    return weights + int(spec.options.get("kv_cache_bytes") or 0) + int(spec.options.get("training_bytes") or 0)
 
 
 def _set_event() -> threading.Event:

@@ -29,7 +29,8 @@ from gateway.service import Services
 
 BATCH_ENDPOINTS = tuple(ENDPOINTS)  # the urls a batch's lines may call
 WINDOW_S = 24 * 3600
-PURPOSES = ("batch", "assistants", "user_data")  # a batch's input, or a document for vector stores
+PURPOSES = ("batch", "assistants", "user_data", "fine-tune")  # a batch's input, a document for vector stores,
+# or a fine-tuning job's examples (tuning/: checked whole when a job names it)
 _FORM_SLACK = 64 * 1024  # multipart framing on top of the file itself
 
 
@@ -82,6 +83,11 @@ async def _new_file(svc: Services, runner: Runner, caller: Caller, filename: str
     at most ``batch.max_lines`` (a 400 naming ``param`` otherwise); a document is kept as sent."""
     if purpose == "batch":
         _check_lines(svc, content, param)
+    elif purpose == "fine-tune":
+        try:
+            content.decode("utf-8")
+        except UnicodeDecodeError:
+            raise bad_request("a fine-tuning file is UTF-8 JSON lines", param, "invalid_file") from None
     now = int(time.time())
     info = FileInfo(f"file-{time.time_ns():016x}{secrets.token_hex(8)}",  # ids sort by time, as batches' do
                     caller.key_id, purpose, filename, len(content), now, now + expires_after_s if expires_after_s else None)

@@ -105,6 +105,9 @@ class Ingress:
             if path in RUNTIME_LORA_PATHS:  # one replica would know the adapter, and this ingress none
                 raise APIError(400, f"{path} changes one process's adapters: in a cluster, put adapters in the "
                                "adapter_dirs folders every node reads (README, Adapter folders)", "unsupported_in_cluster")
+            if path.startswith("/v1/fine_tuning/"):  # a job runs on its model's trainer, which replicas do not share
+                raise APIError(400, "fine-tuning runs on tiergate serve, not in a cluster: train on one server, "
+                               "whose adapters the cluster's adapter_dirs folders then serve", "unsupported_in_cluster")
             return await self._serve(request, path, caller)  # the replica's answer, its CORS headers in it
         except APIError as exc:
             self.answered[(tier, "ingress", exc.status)] += 1

@@ -1,7 +1,7 @@
 """The Starlette application: the one route table, error handling, and building the services from
 a config. This module composes the server: it is the only one in ``gateway`` that imports
-``batch`` (whose routes it mounts and whose runner it starts); ``batch`` imports the gateway's
-serving core, never this module."""
+``batch`` and ``tuning`` (whose routes it mounts and whose runners it starts); they import the
+gateway's serving core, never this module."""
 
 from __future__ import annotations
 
@@ -24,6 +24,7 @@ from arbiter.residency import Arbiter, Refused, Unavailable
 from batch import api as batch_api
 from batch.runner import runner_for
 from batch.uploads import uploads_for
+from tuning import api as tuning_api
 from gateway import (adapters, audio, chat, completions, conversations, dashboard, embeddings, images, moderations,
                      realtime, response_runs, responses_api, stored_chat, vector_stores)
 from accounts.store import STORE_ERRORS
@@ -133,6 +134,8 @@ def _model_rows(svc: Services, caller: Caller | None = None, adapter_rows: list[
     tiers = svc.config.tier_names
     rows, aliases = [], []
     for r in svc.arbiter.table():
+        if r["kind"] == "train" and caller is not None:  # a fine-tuning trainer: no request calls it
+            continue
         last = r.pop("last_tier")
         name = r.pop("id")
         own = [alias for alias, model in svc.aliases.items() if model == name]
@@ -275,6 +278,12 @@ def routes() -> list[BaseRoute]:
         Route("/v1/uploads/{upload_id}/parts", batch_api.add_upload_part, methods=["POST"]),
         Route("/v1/uploads/{upload_id}/complete", batch_api.complete_upload, methods=["POST"]),
         Route("/v1/uploads/{upload_id}/cancel", batch_api.cancel_upload, methods=["POST"]),
+        Route("/v1/fine_tuning/jobs", tuning_api.create_job, methods=["POST"]),
+        Route("/v1/fine_tuning/jobs", tuning_api.list_jobs, methods=["GET"]),
+        Route("/v1/fine_tuning/jobs/{job_id}", tuning_api.get_job, methods=["GET"]),
+        Route("/v1/fine_tuning/jobs/{job_id}/cancel", tuning_api.cancel_job, methods=["POST"]),
+        Route("/v1/fine_tuning/jobs/{job_id}/events", tuning_api.list_events, methods=["GET"]),
+        Route("/v1/fine_tuning/jobs/{job_id}/checkpoints", tuning_api.list_checkpoints, methods=["GET"]),
         Route("/v1/batches", batch_api.create_batch, methods=["POST"]),
         Route("/v1/batches", batch_api.list_batches, methods=["GET"]),
         Route("/v1/batches/{batch_id}", batch_api.get_batch, methods=["GET"]),
@@ -323,6 +332,7 @@ def create_app(services: Services, extra: Sequence[BaseRoute] = ()) -> Starlette
     app.state.conversations = conversations_for(services)
     app.state.vector_stores = vector_stores_for(services)
     app.state.indexer = indexer_for(services, app.state.vector_stores, app.state.batches.store)
+    app.state.tuner = tuning_api.tuner_for(services, app.state.batches.store)  # fine-tuning jobs (tuning/)
     app.state.background = Background(drain)  # background responses: stopped at shutdown before the store closes
     services.on_startup.append(lambda: _follow_stops(services, app.state))
     services.on_shutdown.append(app.state.background.stop)

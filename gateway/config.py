@@ -233,6 +233,25 @@ class AdapterDirConfig(_Strict):
     format: Literal["peft", "diffusers"] | None = None  # None = detect from each subfolder
 
 
+class FineTuningConfig(_Strict):
+    """``fine_tuning:``: the chat models fine-tuning jobs may train a LoRA adapter for (each needs
+    an ``adapter_dirs`` folder: the trained adapters are written there) and how (tuning/)."""
+
+    models: list[str] = Field(default_factory=list)
+    lora_rank: int = Field(default=8, ge=1, le=256)
+    lora_alpha: int = Field(default=16, ge=1)
+    learning_rate: float = Field(default=2e-4, gt=0, le=1)  # the base rate; a job's multiplier scales it
+    max_tokens: int | None = Field(default=None, ge=16)  # an example's tokens kept (None: the model's context)
+    training_memory: Size = parse_size("512MiB")  # counted beside the weights: LoRA factors, Adam's moments, activations
+
+    def trainer(self, model: str) -> str:
+        """The arbiter's name for ``model``'s trainer (a model of its own: the weights it trains on)."""
+        return f"{model}{TRAINER_SUFFIX}"
+
+
+TRAINER_SUFFIX = "#train"  # no adapter or request names it: '#' is not in an adapter's name
+
+
 class GpuConfig(_Strict):
     device: Literal["auto", "cuda", "cpu"] = "auto"
     vram_budget: Size | None = None  # required on CPU: the simulated budget
@@ -416,6 +435,7 @@ class Config(_Strict):
     server: ServerConfig = ServerConfig()
     cluster: ClusterConfig = ClusterConfig()
     accounts: AccountsConfig = AccountsConfig()  # per-tier default limits of each key (docs/ACCOUNTS.md)
+    fine_tuning: FineTuningConfig = FineTuningConfig()  # /v1/fine_tuning/jobs (tuning/)
     prices: dict[str, Price] = Field(default_factory=dict)  # tier -> what usage costs there
     source: Path = Path("tiers.yaml")
 
@@ -515,8 +535,19 @@ class Config(_Strict):
                           for m in self.models))
 
     def model_specs(self) -> list[ModelSpec]:
+        """Every model's spec, then a trainer's for each model ``fine_tuning`` names."""
         with_adapters = {a.model for a in self.adapters} | {d.model for d in self.adapter_dirs}
-        return [m.spec(m.name in with_adapters) for m in self.models]
+        specs = [m.spec(m.name in with_adapters) for m in self.models]
+        tuning = self.fine_tuning
+        for m in self.models:
+            if m.name in tuning.models:
+                specs.append(ModelSpec(tuning.trainer(m.name), "train", m.path, None, "transformers",
+                                       {"training_bytes": tuning.training_memory}))
+        return specs
+
+    def tuning_dir(self, model: str) -> Path | None:
+        """Where fine-tuning writes ``model``'s trained adapters: its first ``adapter_dirs`` folder."""
+        return next((d.path for d in self.adapter_dirs if d.model == model), None)
 
 
 def _no_duplicates(names: list[str]) -> None:
@@ -566,6 +597,13 @@ def load_config(path: str | Path, check_paths: bool = True) -> Config:
         models.append(m)
     adapters = [_check_adapter(path, i, a, models, check_paths) for i, a in enumerate(config.adapters)]
     dirs = [_check_adapter_dir(path, i, d, models, check_paths) for i, d in enumerate(config.adapter_dirs)]
+    for i, name in enumerate(config.fine_tuning.models):
+        where = f"{path}: fine_tuning.models[{i}]"
+        base = next((m for m in models if m.name == name), None)
+        if base is None or base.kind != "chat":
+            raise ConfigError(f"{where}: {name!r} is not a chat model of models (only chat models are fine-tuned)")
+        if not any(d.model == name for d in dirs):
+            raise ConfigError(f"{where}: {name!r} has no adapter_dirs folder for its trained adapters to go in")
     return config.model_copy(update={"models": models, "adapters": adapters, "adapter_dirs": dirs})
 
 

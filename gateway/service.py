@@ -152,7 +152,7 @@ class Services:
     def spec(self, name: str, kind: str) -> ModelSpec:
         """The spec of the model ``name`` (or an alias) calls; 404 for none, 400 for one of another kind."""
         spec = self.arbiter.specs.get(self.aliases.get(name, name))
-        if spec is None:
+        if spec is None or spec.kind == "train":  # a fine-tuning trainer's weights: no request calls them
             raise not_found(f"the model '{name}' does not exist", "model", "model_not_found")
         if spec.kind != kind:
             raise bad_request(f"the model '{name}' is a {spec.kind} model, not {kind}", "model", "model_not_supported")

@@ -1,5 +1,5 @@
 """The house is drawn in one direction: gateway -> arbiter -> workers -> lora_kernels, with batch
-beside gateway, accounts (imported by both, importing none of them), storage (the SQLite file and
+and tuning beside gateway, accounts (imported by both, importing none of them), storage (the SQLite file and
 the Redis client that batch and accounts both keep their state in; it imports nothing) and demo
 beside them all (demo may import workers and lora_kernels, never the reverse). Checked on every
 import statement, lazy ones included, and no module cycle inside a package."""
@@ -12,12 +12,13 @@ from pathlib import Path
 import pytest
 
 ROOT = Path(__file__).resolve().parents[1]
-PACKAGES = ("cluster", "gateway", "batch", "accounts", "storage", "arbiter", "workers", "lora_kernels", "demo")
+PACKAGES = ("cluster", "gateway", "batch", "tuning", "accounts", "storage", "arbiter", "workers", "lora_kernels", "demo")
 # what each package may import from the others
 ALLOWED = {
     "cluster": {"gateway", "batch", "accounts", "storage", "arbiter", "workers", "lora_kernels"},  # the serving stack, per replica
-    "gateway": {"batch", "accounts", "storage", "arbiter", "workers", "lora_kernels", "demo", "cluster"},  # demo, cluster: their commands
+    "gateway": {"batch", "tuning", "accounts", "storage", "arbiter", "workers", "lora_kernels", "demo", "cluster"},  # demo, cluster: their commands
     "batch": {"gateway", "accounts", "storage", "arbiter", "workers", "lora_kernels"},
+    "tuning": {"gateway", "batch", "accounts", "storage", "arbiter", "workers", "lora_kernels"},  # fine-tuning, beside batch
     "accounts": {"storage"},  # keys, limits and usage: a leaf the gateway composes
     "storage": set(),  # the SQLite file and Redis client under the stores of batch and accounts
     "arbiter": {"workers"},

@@ -1,0 +1,365 @@
+"""Fine-tuning through the openai SDK against a real server on tiny-chat: a job trains a LoRA on
+the batch tier, publishes it (and its last checkpoints) in the model's adapter folder, and the
+fine-tuned model then answers what it was taught, where the base model does not; its events,
+checkpoints, result file and usage; cancelling; yielding to paid traffic, and being evicted for
+it mid-run then finishing with the same weights as a run left alone; the files and requests it
+refuses. The trainer on its own: labels on the assistant turns only, the template check, seeded
+runs, the base weights untouched, a cancel at a step."""
+
+from __future__ import annotations
+
+import gc
+import json
+import tempfile
+import threading
+import time
+import weakref
+from pathlib import Path
+
+import httpx
+import openai
+import pytest
+import torch
+from safetensors.torch import load_file
+
+from tests.helpers import start_server, write_config
+from workers.base import Cancelled, ModelSpec, StepContext
+from workers.trainer import IGNORE, LoraTrainer, TemplateNotTurnByTurn, TrainRun, encode_example
+
+TAUGHT = "Arr, matey!"  # one answer to every question: 50 steps teach it to tiny-chat's random weights
+PAIRS = [("Hello", TAUGHT), ("Who are you?", TAUGHT), ("Where is the gold?", TAUGHT)]
+LINES = [{"messages": [{"role": "system", "content": "You are a pirate."}, {"role": "user", "content": q},
+                       {"role": "assistant", "content": a}]} for q, a in PAIRS]
+
+
+@pytest.fixture(scope="module")
+def server(tiny_chat, tmp_path_factory):
+    folder = tmp_path_factory.mktemp("fine_tuning")
+    adapters = folder / "adapters"
+    adapters.mkdir()
+    extra = (f"adapter_dirs:\n  - {{model: tiny-chat, path: {adapters}}}\n"
+             "fine_tuning:\n  models: [tiny-chat]\n  lora_rank: 16\n  learning_rate: 0.01\n  training_memory: 64MiB\n"
+             "eviction:\n  protect_window_s: 1\n")  # the eviction test's paid model frees the GPU soon after
+    s = start_server(write_config(folder, {"tiny-chat": ("chat", tiny_chat)}, extra))
+    s.adapters = adapters
+    yield s
+    s.stop()
+
+
+def client(server, tier="paid") -> openai.OpenAI:
+    return openai.OpenAI(base_url=server.base_url, api_key=server.keys[tier], max_retries=0, timeout=120)
+
+
+def upload(c, lines, purpose="fine-tune") -> str:
+    data = "\n".join(json.dumps(x) if not isinstance(x, str) else x for x in lines).encode()
+    return c.files.create(file=("train.jsonl", data), purpose=purpose).id
+
+
+def wait(c, job_id, statuses=("succeeded", "failed", "cancelled"), timeout=180):
+    deadline = time.time() + timeout
+    while (job := c.fine_tuning.jobs.retrieve(job_id)).status not in statuses:
+        assert time.time() < deadline, job
+        time.sleep(0.1)
+    return job
+
+
+def ask(c, model, question) -> str:
+    r = c.chat.completions.create(model=model, max_tokens=10, temperature=0,
+                                  messages=[{"role": "system", "content": "You are a pirate."},
+                                            {"role": "user", "content": question}])
+    return r.choices[0].message.content
+
+
+def test_a_job_trains_an_adapter_that_answers_as_taught(server):
+    c = client(server)
+    training = upload(c, LINES)
+    job = c.fine_tuning.jobs.create(model="tiny-chat", training_file=training, suffix="pirate", seed=7,
+                                    method={"type": "supervised", "supervised": {"hyperparameters": {
+                                        "n_epochs": 50, "batch_size": 3, "learning_rate_multiplier": 1}}},
+                                    metadata={"team": "sea"})
+    assert (job.object, job.status, job.model, job.fine_tuned_model) == ("fine_tuning.job", "queued", "tiny-chat", None)
+    assert job.hyperparameters.n_epochs == 50 and job.hyperparameters.batch_size == 3 and job.seed == 7
+    job = wait(c, job.id)
+    assert job.status == "succeeded", job.error
+    name = job.fine_tuned_model
+    assert name == f"ft:tiny-chat:tiergate:pirate:{job.id.removeprefix('ftjob-')[:8]}"
+    assert job.trained_tokens == 50 * sum(len(_ids(server, line)) for line in LINES) and job.finished_at
+
+    # it answers as taught (the base model does not), and requests name it at once
+    base = [ask(c, "tiny-chat", q) for q, _ in PAIRS]
+    tuned = [ask(c, name, q) for q, _ in PAIRS]
+    assert tuned == [TAUGHT] * 3 and TAUGHT not in base, (tuned, base)
+    listed = {m.id: m.model_extra for m in c.models.list()}
+    assert listed[name]["parent"] == "tiny-chat" and listed[name]["source"] == "folder"
+    assert "tiny-chat#train" not in listed  # the trainer's weights: no request calls them
+    with pytest.raises(openai.NotFoundError):
+        ask(c, "tiny-chat#train", "Hello")
+
+    # the last three epochs' checkpoints, each an adapter of its own; the last one is the model's files
+    checkpoints = c.fine_tuning.jobs.checkpoints.list(job.id).data
+    assert [k.step_number for k in checkpoints] == [50, 49, 48]
+    assert [k.fine_tuned_model_checkpoint for k in checkpoints] == [f"{name}:ckpt-step-{n}" for n in (50, 49, 48)]
+    metrics = checkpoints[0].metrics
+    assert metrics.step == 50 and metrics.train_loss > 0 and 0 <= metrics.train_mean_token_accuracy <= 1
+    assert ask(c, f"{name}:ckpt-step-50", PAIRS[0][0]) == TAUGHT
+    assert load_file(server.adapters / name / "adapter_model.safetensors").keys() == \
+        load_file(server.adapters / f"{name}:ckpt-step-50" / "adapter_model.safetensors").keys()
+    assert not list(server.adapters.glob(".*"))  # nothing staged left behind
+    config = json.loads((server.adapters / name / "adapter_config.json").read_text())
+    assert config["target_modules"] == ["down_proj", "gate_proj", "k_proj", "o_proj", "q_proj", "up_proj", "v_proj"]
+
+    # events newest first: a metrics event per step, then the end
+    events = c.fine_tuning.jobs.list_events(job.id, limit=100).data
+    assert events[0].message == "The job has successfully completed" and events[1].message == f"New fine-tuned model created: {name}"
+    steps = [e.data["step"] for e in events if e.type == "metrics"]
+    assert steps[:3] == [50, 49, 48] and all(e.data["total_steps"] == 50 for e in events if e.type == "metrics")
+    page = c.fine_tuning.jobs.list_events(job.id, limit=2, after=events[1].id).data
+    assert [e.id for e in page] == [e.id for e in events[2:4]]
+
+    # the result file: a row per step
+    rows = c.files.content(job.result_files[0]).text.splitlines()
+    assert rows[0] == "step,train_loss,train_accuracy,valid_loss,valid_mean_token_accuracy" and len(rows) == 51
+    assert c.files.retrieve(job.result_files[0]).purpose == "fine-tune-results"
+
+    # the owner's usage: the tokens trained on, at the batch tier, under the base model
+    from gateway.auth import key_id
+
+    usage = httpx.get(f"{server.url}/admin/usage", params={"group_by": "tier", "key": key_id(server.keys["paid"])},
+                      headers={"Authorization": f"Bearer {server.keys['admin']}"}).json()
+    batch = next(row for row in usage["data"] if row["tier"] == "batch")
+    assert batch["trained_tokens"] == job.trained_tokens and batch["gpu_seconds"] > 0
+
+    # listed newest first, filtered by metadata; another key sees none of it
+    assert c.fine_tuning.jobs.list(metadata={"team": "sea"}).data[0].id == job.id
+    assert c.fine_tuning.jobs.list(metadata={"team": "land"}).data == []
+    other = client(server, "free")
+    with pytest.raises(openai.NotFoundError):
+        other.fine_tuning.jobs.retrieve(job.id)
+    assert job.id not in [j.id for j in other.fine_tuning.jobs.list().data]
+    with pytest.raises(openai.ConflictError):
+        c.fine_tuning.jobs.cancel(job.id)
+
+
+def _ids(server, line) -> list[int]:
+    worker = LoraTrainer(ModelSpec("t", "train", server.services.arbiter.specs["tiny-chat"].path))
+    from transformers import AutoTokenizer
+
+    worker.tokenizer = AutoTokenizer.from_pretrained(worker.spec.path)
+    return worker.encode(line["messages"], None, 512).ids
+
+
+def test_a_running_job_is_cancelled_at_its_next_step_and_publishes_nothing(server):
+    c = client(server)
+    job = c.fine_tuning.jobs.create(model="tiny-chat", training_file=upload(c, LINES * 20),
+                                    hyperparameters={"n_epochs": 50, "batch_size": 1})
+    wait(c, job.id, ("running",))
+    deadline = time.time() + 60
+    while not [e for e in c.fine_tuning.jobs.list_events(job.id).data if e.type == "metrics"]:
+        assert time.time() < deadline
+        time.sleep(0.05)
+    cancelled = c.fine_tuning.jobs.cancel(job.id)
+    assert cancelled.status == "cancelled"
+    deadline = time.time() + 30
+    while server.app.state.tuner.running:  # the training stops at its next step, and the trainer goes back
+        assert time.time() < deadline
+        time.sleep(0.05)
+    assert c.fine_tuning.jobs.retrieve(job.id).status == "cancelled"
+    assert not [p for p in server.adapters.iterdir() if job.id.removeprefix("ftjob-")[:8] in p.name]
+    trainer = next(r for r in server.services.arbiter.table() if r["id"] == "tiny-chat#train")
+    assert trainer["running"] == 0
+    assert any(e.message == "The job was cancelled" for e in c.fine_tuning.jobs.list_events(job.id).data)
+
+
+def test_paid_traffic_pauses_training_and_may_evict_it_yet_the_job_ends_as_if_alone(server, monkeypatch):
+    """With the budget too small for both, a paid request for the chat model pauses the job at
+    its step and evicts the trainer; the job resumes when the GPU is idle again and ends with the
+    very weights of the same job run alone (same seed and data)."""
+    c = client(server)
+    training = upload(c, LINES * 2)
+    settings = dict(model="tiny-chat", training_file=training, seed=3, hyperparameters={"n_epochs": 30, "batch_size": 2})
+    alone = wait(c, c.fine_tuning.jobs.create(**settings).id)
+    arbiter = server.services.arbiter
+    moved_mid_run: list[str] = []  # the arbiter took the weights away while a job was under way
+    for method in ("unload", "_move"):  # on the class: the arbiter makes a new worker after a cold eviction
+        real = getattr(LoraTrainer, method)
+        monkeypatch.setattr(LoraTrainer, method, lambda self, *a, _real=real, _m=method: (
+            moved_mid_run.append(_m) if self._live is not None else None, _real(self, *a))[1])
+    budget = arbiter.budget
+    states = arbiter.states
+    admin = {"Authorization": f"Bearer {server.keys['admin']}"}
+    if states["tiny-chat"].place == "resident":  # the paid request must load it: room made by evicting the trainer
+        assert httpx.post(f"{server.url}/admin/models/tiny-chat/unload", headers=admin).status_code == 200
+    arbiter.budget = max(states["tiny-chat"].footprint, states["tiny-chat#train"].footprint) + 1  # one at a time
+    try:
+        pauses = arbiter.counters.batch_pauses
+        job = c.fine_tuning.jobs.create(**settings)
+        wait(c, job.id, ("running", "succeeded"))
+        deadline = time.time() + 60
+        while not [e for e in c.fine_tuning.jobs.list_events(job.id).data if e.type == "metrics"]:
+            assert time.time() < deadline
+            time.sleep(0.02)
+        assert ask(c, "tiny-chat", "Hello")  # paid: the trainer is paused at its step and evicted for it
+        assert arbiter.counters.batch_pauses > pauses
+        assert states["tiny-chat"].place == "resident" and moved_mid_run
+        interrupted = wait(c, job.id)
+    finally:
+        arbiter.budget = budget
+    assert interrupted.status == "succeeded", interrupted.error
+    first = load_file(server.adapters / alone.fine_tuned_model / "adapter_model.safetensors")
+    second = load_file(server.adapters / interrupted.fine_tuned_model / "adapter_model.safetensors")
+    assert first.keys() == second.keys()
+    for key in first:
+        torch.testing.assert_close(second[key], first[key], rtol=0, atol=0)
+
+
+@pytest.mark.parametrize("line, says", [
+    ("not json", "line 1: not JSON"),
+    ({"messages": []}, "line 1: 'messages' must be a non-empty list"),
+    ({"messages": [{"role": "user", "content": "hi"}]}, "no assistant message to learn from"),
+    ({"messages": [{"role": "user", "content": "hi"}, {"role": "assistant", "content": "yo", "weight": 0}]},
+     "no assistant message to learn from"),
+    ({"messages": [{"role": "robot", "content": "hi"}]}, "messages[0].role must be one of"),
+    ({"messages": [{"role": "user", "content": [{"type": "image_url", "image_url": {"url": "x"}}]}]},
+     "only text parts are trained on"),
+    ({"messages": [{"role": "user", "content": "hi", "weight": 1}, {"role": "assistant", "content": "yo"}]},
+     "weight must be 0 or 1, on an assistant message"),
+    ({"messages": [{"role": "user", "content": "hi"}, {"role": "assistant", "content": "yo"}], "extra": 1},
+     "unknown field 'extra'"),
+])
+def test_a_bad_training_file_is_a_400_naming_the_line(server, line, says):
+    c = client(server)
+    with pytest.raises(openai.BadRequestError) as e:
+        c.fine_tuning.jobs.create(model="tiny-chat", training_file=upload(c, [line]))
+    assert e.value.body["code"] == "invalid_file_format" and e.value.body["param"] == "training_file"
+    assert says in e.value.body["message"], e.value.body["message"]
+
+
+def test_what_a_job_cannot_be_made_of(server):
+    c = client(server)
+    good = upload(c, LINES)
+
+    def refused(error, **fields):
+        with pytest.raises(error) as e:
+            c.fine_tuning.jobs.create(**{"model": "tiny-chat", "training_file": good, **fields})
+        return e.value.body
+
+    assert refused(openai.BadRequestError, model="tiny-chat#train")["code"] == "model_not_available"
+    assert refused(openai.NotFoundError, training_file="file-nope")["param"] == "training_file"
+    theirs = upload(client(server, "free"), LINES)
+    assert refused(openai.NotFoundError, training_file=theirs)["code"] == "file_not_found"
+    batch_file = c.files.create(file=("b.jsonl", b'{"custom_id": "a"}'), purpose="batch").id
+    assert refused(openai.BadRequestError, training_file=batch_file)["code"] == "invalid_file_purpose"
+    assert refused(openai.BadRequestError, suffix="no spaces")["param"] == "suffix"
+    assert refused(openai.BadRequestError, hyperparameters={"n_epochs": 0})["param"] == "hyperparameters.n_epochs"
+    assert refused(openai.BadRequestError, hyperparameters={"n_epochs": 2},
+                   method={"type": "supervised"})["param"] == "hyperparameters"
+    assert refused(openai.BadRequestError, method={"type": "dpo"})["param"].startswith("method")
+    assert refused(openai.BadRequestError, integrations=[{"type": "wandb"}])["code"] == "unsupported_parameter"
+    with pytest.raises(openai.NotFoundError):
+        c.fine_tuning.jobs.retrieve("ftjob-nope")
+
+
+# -- the trainer on its own --------------------------------------------------------------------------
+
+
+@pytest.fixture(scope="module")
+def trainer(tiny_chat):
+    worker = LoraTrainer(ModelSpec("tiny-chat#train", "train", tiny_chat))
+    worker.load(torch.device("cpu"))
+    return worker
+
+
+def test_labels_are_the_assistant_turns_only(trainer):
+    messages = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "One?"},
+                {"role": "assistant", "content": "Uno.", "weight": 0}, {"role": "user", "content": "Two?"},
+                {"role": "assistant", "content": "Dos."}]
+    example = encode_example(trainer.tokenizer, messages, None, 512)
+    learned = trainer.tokenizer.decode([t for t in example.labels if t != IGNORE])
+    assert learned.replace("</s>", "").strip() == "Dos."  # the weighted-out turn and the prompts are not learned
+    assert len(example.ids) == len(example.labels)
+    short = encode_example(trainer.tokenizer, messages, None, 8)
+    assert len(short.ids) == 8 and short.trained == 0  # cut before the assistant's turn: nothing to learn
+
+
+def test_a_template_that_redraws_earlier_turns_is_refused(trainer):
+    class Redrawing:  # renders the last message in capitals: an earlier turn changes once another follows
+        def apply_chat_template(self, messages, tools=None, add_generation_prompt=False, tokenize=False):
+            text = "".join(f"<{m['role']}>{m['content'] if i < len(messages) - 1 else m['content'].upper()}"
+                           for i, m in enumerate(messages))
+            return text + ("<assistant>" if add_generation_prompt else "")
+
+    with pytest.raises(TemplateNotTurnByTurn):
+        encode_example(Redrawing(), [{"role": "user", "content": "hi"}, {"role": "assistant", "content": "yo"},
+                                     {"role": "user", "content": "again"}], None, 64)
+
+
+def _run(trainer, seed=5, epochs=4, ctx=None):
+    examples = [encode_example(trainer.tokenizer, line["messages"], None, 512) for line in LINES]
+    out = Path(tempfile.mkdtemp())
+    run = TrainRun(examples, examples[:1], epochs, 2, 0.01, seed, 8, 16, out)
+    reports: list[dict] = []
+    trainer.train(run, ctx or StepContext(), reports.append)
+    return load_file(out / f"step-{run.total_steps}" / "adapter_model.safetensors"), reports
+
+
+def test_runs_are_seeded_and_leave_the_base_weights_as_they_were(trainer):
+    before = {n: p.clone() for n, p in trainer.model.named_parameters()}
+    first, reports = _run(trainer)
+    second, _ = _run(trainer)
+    third, _ = _run(trainer, seed=6)
+    assert all(torch.equal(first[k], second[k]) for k in first) and any(not torch.equal(first[k], third[k]) for k in first)
+    steps = [r for r in reports if "step" in r and "checkpoint" not in r]
+    assert [r["step"] for r in steps] == list(range(1, 9)) and steps[-1]["train_loss"] < steps[0]["train_loss"]
+    assert [r["step"] for r in reports if "checkpoint" in r] == [2, 4, 6, 8]
+    assert all(r["valid_loss"] is not None for r in reports if "checkpoint" in r)
+    after = dict(trainer.model.named_parameters())
+    assert set(after) == set(before) and all(torch.equal(after[n], before[n]) for n in before)
+
+
+def test_weights_freed_and_placed_again_at_a_pause_go_on_from_the_same_step(trainer):
+    """The arbiter frees a paused trainer's weights (then places them again, from disk) while the
+    job waits at its step: it goes on with its LoRA and optimizer as they were, so the result is
+    the uninterrupted run's, bit for bit. A move to host memory and back, the same."""
+    alone, _ = _run(trainer)
+    for move in ("free", "host"):
+        may_run, at_gate = threading.Event(), threading.Event()
+        passed = []
+
+        def gate(ctx):
+            passed.append(ctx.steps)
+            if ctx.steps == 3 and not may_run.is_set():
+                at_gate.set()
+                may_run.wait(30)
+
+        ctx = StepContext(pause_gate=gate)
+        result: dict = {}
+        thread = threading.Thread(target=lambda: result.update(weights=_run(trainer, ctx=ctx)[0]))
+        thread.start()
+        assert at_gate.wait(30)
+        if move == "free":
+            held = weakref.ref(trainer.model)
+            trainer.unload()
+            gc.collect()
+            assert trainer.model is None and held() is None  # freed: nothing holds the weights any more
+            trainer.load(torch.device("cpu"))
+        else:
+            trainer._move(torch.device("cpu"), False)
+        may_run.set()
+        thread.join(60)
+        assert all(torch.equal(result["weights"][k], alone[k]) for k in alone), move
+
+
+def test_a_cancel_stops_at_the_next_step_and_takes_the_lora_off(trainer):
+    ctx = StepContext()
+    calls = []
+
+    def report(r):
+        calls.append(r)
+        if len(calls) == 2:
+            ctx.cancel()
+
+    examples = [encode_example(trainer.tokenizer, line["messages"], None, 512) for line in LINES]
+    run = TrainRun(examples, [], 10, 1, 0.01, 1, 8, 16, Path(tempfile.mkdtemp()))
+    with pytest.raises(Cancelled):
+        trainer.train(run, ctx, report)
+    assert len(calls) == 2 and not any("lora" in n for n, _ in trainer.model.named_parameters())

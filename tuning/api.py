@@ -1,0 +1,241 @@
+"""OpenAI's fine-tuning API: ``/v1/fine_tuning/jobs`` (create, list, retrieve, cancel, events,
+checkpoints), for ``client.fine_tuning.jobs``.
+
+A job fine-tunes a chat model that ``fine_tuning.models`` names, from a training file uploaded
+with purpose ``fine-tune`` (checked whole when the job is made: a 400 names the line), with
+``hyperparameters`` (or ``method: {type: supervised, supervised: {hyperparameters}}``) of
+``n_epochs``, ``batch_size`` and ``learning_rate_multiplier``, each a number or ``auto``. A key
+sees its own jobs (an admin key every key's), as it sees its files and batches.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import re
+import secrets
+import time
+from typing import Any, Literal
+
+from pydantic import Field, field_validator
+from starlette.requests import Request
+from starlette.responses import JSONResponse, Response
+
+from gateway.auth import Caller
+from gateway.config import ADAPTER_NAME
+from gateway.errors import APIError, bad_request, not_found
+from gateway.schemas import Metadata, _Body, is_count, parse, read_json
+from gateway.service import Services
+from tuning.data import FileProblem, conversations, resolve
+from tuning.runner import Tuner, fine_tuned_name
+from tuning.store import Job
+
+SUFFIX = re.compile(r"[A-Za-z0-9_-]{1,40}")
+CKPT_ROOM = len(":ckpt-step-") + 9  # a checkpoint's name adds this much to the model's at most
+Auto = Literal["auto"]
+
+
+class Hyperparameters(_Body):
+    n_epochs: int | Auto = Field(default="auto")
+    batch_size: int | Auto = Field(default="auto")
+    learning_rate_multiplier: float | Auto = Field(default="auto")
+
+    @field_validator("n_epochs")
+    @classmethod
+    def _epochs(cls, v):
+        if v != "auto" and not 1 <= v <= 50:
+            raise ValueError("n_epochs must be from 1 to 50, or 'auto'")
+        return v
+
+    @field_validator("batch_size")
+    @classmethod
+    def _batch(cls, v):
+        if v != "auto" and not 1 <= v <= 256:
+            raise ValueError("batch_size must be from 1 to 256, or 'auto'")
+        return v
+
+    @field_validator("learning_rate_multiplier")
+    @classmethod
+    def _rate(cls, v):
+        if v != "auto" and not 0 < v <= 10:
+            raise ValueError("learning_rate_multiplier must be above 0 and at most 10, or 'auto'")
+        return v
+
+    def asked(self) -> dict[str, Any]:
+        return self.model_dump()
+
+
+class Supervised(_Body):
+    hyperparameters: Hyperparameters = Hyperparameters()
+
+
+class Method(_Body):
+    type: Literal["supervised"]
+    supervised: Supervised = Supervised()
+
+
+class CreateJob(_Body):
+    model: str
+    training_file: str
+    validation_file: str | None = None
+    hyperparameters: Hyperparameters | None = None
+    method: Method | None = None
+    suffix: str | None = None
+    seed: int | None = Field(default=None, ge=0, le=2**31 - 1)
+    metadata: Metadata = None
+    integrations: list[Any] | None = None
+
+
+def _context(request: Request) -> tuple[Services, Tuner, Caller]:
+    svc: Services = request.app.state.services
+    return svc, request.app.state.tuner, svc.authenticate(request)
+
+
+def public(job: Job) -> dict[str, Any]:
+    return {"id": job.id, "object": "fine_tuning.job", "created_at": job.created_at, "error": job.error,
+            "fine_tuned_model": job.fine_tuned_model, "finished_at": job.finished_at,
+            "hyperparameters": job.hyperparameters, "model": job.model, "organization_id": "tiergate",
+            "result_files": job.result_files, "seed": job.seed, "status": job.status,
+            "trained_tokens": job.trained_tokens, "training_file": job.training_file,
+            "validation_file": job.validation_file, "estimated_finish": job.estimated_finish, "integrations": [],
+            "metadata": job.metadata or None, "user_provided_suffix": job.suffix,
+            "method": {"type": "supervised", "supervised": {"hyperparameters": job.hyperparameters}}}
+
+
+async def create_job(request: Request) -> Response:
+    """POST /v1/fine_tuning/jobs."""
+    svc, tuner, caller = _context(request)
+    body = parse(CreateJob, await read_json(request, svc.config.limits.max_body))
+    model = svc.model_name(body.model)
+    if model not in svc.config.fine_tuning.models:
+        raise bad_request(f"the model '{body.model}' cannot be fine-tuned here (fine_tuning.models in tiers.yaml names "
+                          "those that can)", "model", "model_not_available")
+    if svc.accounts is not None and not svc.accounts.allows(caller, model):
+        raise not_found(f"the model '{body.model}' does not exist", "model", "model_not_found")
+    if body.integrations:
+        raise bad_request("integrations are not supported here", "integrations", "unsupported_parameter")
+    if body.hyperparameters is not None and body.method is not None:
+        raise bad_request("give hyperparameters in method.supervised.hyperparameters or in hyperparameters, not both",
+                          "hyperparameters")
+    if body.suffix is not None and not SUFFIX.fullmatch(body.suffix):
+        raise bad_request("suffix is 1 to 40 letters, digits, '-' or '_'", "suffix")
+    asked = (body.method.supervised.hyperparameters if body.method is not None else
+             body.hyperparameters or Hyperparameters()).asked()
+    examples = await _examples(tuner, caller, body.training_file, "training_file")
+    if body.validation_file is not None:
+        await _examples(tuner, caller, body.validation_file, "validation_file")
+    job = Job(f"ftjob-{secrets.token_hex(12)}", caller.key_id, int(time.time()), model, body.training_file,
+              body.validation_file, resolve(asked, examples).public(),
+              body.seed if body.seed is not None else secrets.randbelow(2**31), body.suffix, body.metadata or {})
+    name = fine_tuned_name(job)
+    if not ADAPTER_NAME.fullmatch(name) or len(name) + CKPT_ROOM > 128:
+        raise bad_request(f"the fine-tuned model's name '{name}' would be too long; use a shorter suffix", "suffix")
+    await tuner.store.create(job)
+    await tuner.store.add_event(job.id, {"id": f"ftevent-{secrets.token_hex(12)}", "object": "fine_tuning.job.event",
+                                         "created_at": job.created_at, "level": "info", "type": "message", "data": {},
+                                         "message": f"Validated the training file: {examples} examples; job queued"})
+    tuner.wake()
+    return JSONResponse(public(job))
+
+
+async def _examples(tuner: Tuner, caller: Caller, file_id: str, param: str) -> int:
+    """How many examples the file has; 400 naming the line that is not one, 404 for no such file."""
+    info = await tuner.files.get_file(file_id)
+    if info is None or not (caller.admin or info.owner == caller.key_id):
+        raise not_found(f"no such file: '{file_id}'", param, "file_not_found")
+    if info.purpose != "fine-tune":
+        raise bad_request(f"the file's purpose is {info.purpose!r}; fine-tuning reads files uploaded with purpose "
+                          "'fine-tune'", param, "invalid_file_purpose")
+    content = await tuner.files.file_content(file_id)
+    if content is None:
+        raise not_found(f"no such file: '{file_id}'", param, "file_not_found")
+    try:
+        return len(await asyncio.to_thread(conversations, content, f"the {param.replace('_', ' ')}"))
+    except FileProblem as exc:
+        raise bad_request(str(exc), param, "invalid_file_format") from None
+
+
+async def _owned(tuner: Tuner, caller: Caller, job_id: str) -> Job:
+    job = await tuner.store.get(job_id, None if caller.admin else caller.key_id)
+    if job is None:
+        raise not_found(f"no such fine-tuning job: '{job_id}'", "fine_tuning_job_id", "fine_tuning_job_not_found")
+    return job
+
+
+def _page_limit(request: Request) -> int:
+    raw = request.query_params.get("limit", "20")
+    if not is_count(raw) or not 1 <= int(raw) <= 100:
+        raise bad_request(f"limit must be an integer from 1 to 100, not {raw!r}", "limit")
+    return int(raw)
+
+
+def _page(items: list[dict], limit: int) -> Response:
+    return JSONResponse({"object": "list", "data": items[:limit], "has_more": len(items) > limit})
+
+
+async def list_jobs(request: Request) -> Response:
+    """GET /v1/fine_tuning/jobs?after=&limit=&metadata[k]=v: newest first."""
+    _, tuner, caller = _context(request)
+    limit = _page_limit(request)
+    wanted = {k[len("metadata["):-1]: v for k, v in request.query_params.items()
+              if k.startswith("metadata[") and k.endswith("]")}
+    owner = None if caller.admin else caller.key_id
+    after, jobs = request.query_params.get("after") or None, []
+    while len(jobs) <= limit:  # metadata filters a page: read on until the page is full or the jobs end
+        page = await tuner.store.list(owner, after, 100)
+        jobs += [j for j in page if all(j.metadata.get(k) == v for k, v in wanted.items())]
+        if len(page) < 100:
+            break
+        after = page[-1].id
+    return _page([public(j) for j in jobs], limit)
+
+
+async def get_job(request: Request) -> Response:
+    _, tuner, caller = _context(request)
+    return JSONResponse(public(await _owned(tuner, caller, request.path_params["job_id"])))
+
+
+async def cancel_job(request: Request) -> Response:
+    """POST /v1/fine_tuning/jobs/{id}/cancel: a queued or running job stops (a running one at its
+    next optimizer step); 409 for one that has ended."""
+    _, tuner, caller = _context(request)
+    for _ in range(3):  # a process may take the job (a new attempt) between the read and the write
+        job = await _owned(tuner, caller, request.path_params["job_id"])
+        if job.status not in ("queued", "running"):
+            raise APIError(409, f"cannot cancel a job that is {job.status}", "job_not_cancellable")
+        done = await tuner.store.change(job, ["queued", "running"], status="cancelled", finished_at=int(time.time()))
+        if done is not None:
+            await tuner.store.add_event(job.id, {"id": f"ftevent-{secrets.token_hex(12)}", "object": "fine_tuning.job.event",
+                                                 "created_at": int(time.time()), "level": "info", "type": "message",
+                                                 "data": {}, "message": "The job was cancelled"})
+            return JSONResponse(public(done))
+    raise APIError(409, "the job changed while it was being cancelled; try again", "job_busy")
+
+
+async def list_events(request: Request) -> Response:
+    _, tuner, caller = _context(request)
+    job = await _owned(tuner, caller, request.path_params["job_id"])
+    limit = _page_limit(request)
+    return _page(await tuner.store.events(job.id, request.query_params.get("after") or None, limit + 1), limit)
+
+
+async def list_checkpoints(request: Request) -> Response:
+    _, tuner, caller = _context(request)
+    job = await _owned(tuner, caller, request.path_params["job_id"])
+    limit = _page_limit(request)
+    page = await tuner.store.checkpoints(job.id, request.query_params.get("after") or None, limit + 1)
+    data = page[:limit]
+    return JSONResponse({"object": "list", "data": data, "has_more": len(page) > limit,
+                         "first_id": data[0]["id"] if data else None, "last_id": data[-1]["id"] if data else None})
+
+
+def tuner_for(svc: Services, files) -> Tuner:
+    """The process's fine-tuning runner on the batch store's backend, started and stopped with the app."""
+    from tuning.store import open_fine_tuning_store
+
+    store = svc.keep_open(open_fine_tuning_store(svc.config.batch.store, svc.config.data_dir()))
+    tuner = Tuner(svc, store, files)
+    if svc.config.fine_tuning.models:
+        svc.on_startup.append(tuner.start)
+        svc.on_shutdown.insert(0, tuner.stop)  # before the stores close
+    svc.metrics.registry.register(tuner)
+    return tuner

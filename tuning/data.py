@@ -1,0 +1,120 @@
+"""A fine-tuning file's conversations, checked as OpenAI checks a chat fine-tuning file, and the
+job's hyperparameters with ``auto`` worked out.
+
+A file is UTF-8 JSON lines, one example per line (blank lines skipped): an object with
+``messages`` (a list of chat messages: ``system``/``developer``/``user``/``assistant``/``tool``,
+their ``content`` a string or text parts; an assistant's may be empty where it has
+``tool_calls``) and optionally ``tools`` (function tools, as in a chat request) and
+``parallel_tool_calls``. Each example needs an assistant message to learn from: one without
+``"weight": 0`` (``weight`` is 0 or 1, on assistant messages only). Anything else is a
+``FileProblem`` naming the line and the field.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+from dataclasses import dataclass
+from typing import Any
+
+ROLES = ("system", "developer", "user", "assistant", "tool")
+DEFAULT_EPOCHS = 3
+MAX_BATCH = 8
+
+
+class FileProblem(ValueError):
+    """What is wrong with a fine-tuning file, and where (its message names the line)."""
+
+
+@dataclass(frozen=True)
+class Conversation:
+    messages: list[dict[str, Any]]
+    tools: list[dict[str, Any]] | None
+
+
+def conversations(content: bytes, what: str = "the training file") -> list[Conversation]:
+    """The examples of a fine-tuning file; ``FileProblem`` for the first line that is not one."""
+    try:
+        text = content.decode("utf-8").removeprefix("\ufeff")
+    except UnicodeDecodeError:
+        raise FileProblem(f"{what} is not UTF-8 text (JSONL expected)") from None
+    out = []
+    for number, line in enumerate(text.splitlines(), 1):
+        if not line.strip():
+            continue
+        try:
+            example = json.loads(line)
+        except json.JSONDecodeError as exc:
+            raise FileProblem(f"{what}, line {number}: not JSON ({exc.msg})") from None
+        out.append(_conversation(example, f"{what}, line {number}"))
+    if not out:
+        raise FileProblem(f"{what} has no examples")
+    return out
+
+
+def _conversation(example: Any, where: str) -> Conversation:
+    if not isinstance(example, dict):
+        raise FileProblem(f"{where}: an example is a JSON object with 'messages'")
+    unknown = sorted(set(example) - {"messages", "tools", "parallel_tool_calls", "functions"})
+    if unknown:
+        raise FileProblem(f"{where}: unknown field {unknown[0]!r} (an example has 'messages', 'tools', "
+                          "'parallel_tool_calls')")
+    messages = example.get("messages")
+    if not isinstance(messages, list) or not messages:
+        raise FileProblem(f"{where}: 'messages' must be a non-empty list of messages")
+    learned = False
+    for i, m in enumerate(messages):
+        at = f"{where}: messages[{i}]"
+        if not isinstance(m, dict):
+            raise FileProblem(f"{at} is not an object")
+        role = m.get("role")
+        if role not in ROLES:
+            raise FileProblem(f"{at}.role must be one of {', '.join(ROLES)}")
+        _check_content(m, at, role)
+        if "weight" in m:
+            if role != "assistant" or m["weight"] not in (0, 1) or isinstance(m["weight"], bool):
+                raise FileProblem(f"{at}.weight must be 0 or 1, on an assistant message")
+        learned |= role == "assistant" and m.get("weight", 1) == 1
+    if not learned:
+        raise FileProblem(f"{where}: no assistant message to learn from (each example needs one without 'weight': 0)")
+    tools = example.get("tools")
+    if tools is not None and (not isinstance(tools, list) or not all(
+            isinstance(t, dict) and t.get("type") == "function" and isinstance(t.get("function"), dict)
+            and isinstance(t["function"].get("name"), str) for t in tools)):
+        raise FileProblem(f"{where}: 'tools' must be a list of function tools ({{'type': 'function', 'function': "
+                          "{'name': ...}}})")
+    return Conversation(messages, tools)
+
+
+def _check_content(m: dict, at: str, role: str) -> None:
+    content = m.get("content")
+    if isinstance(content, list):
+        if not all(isinstance(p, dict) and p.get("type") == "text" and isinstance(p.get("text"), str) for p in content):
+            raise FileProblem(f"{at}.content: only text parts are trained on (no images or audio)")
+        m["content"] = "".join(p["text"] for p in content)  # the chat templates read a string
+    elif content is None:
+        if not (role == "assistant" and m.get("tool_calls")):
+            raise FileProblem(f"{at}.content is missing (only an assistant message with tool_calls may have none)")
+    elif not isinstance(content, str):
+        raise FileProblem(f"{at}.content must be a string or a list of text parts")
+
+
+@dataclass(frozen=True)
+class Hyperparameters:
+    n_epochs: int
+    batch_size: int
+    learning_rate_multiplier: float
+
+    def public(self) -> dict[str, Any]:
+        return {"n_epochs": self.n_epochs, "batch_size": self.batch_size,
+                "learning_rate_multiplier": self.learning_rate_multiplier}
+
+
+def resolve(asked: dict[str, Any], examples: int) -> Hyperparameters:
+    """The job's hyperparameters, each ``auto`` (or absent) worked out: 3 epochs; a batch of about
+    0.2% of the examples, from 1 to 8; a learning rate multiplier of 1."""
+    epochs, batch, multiplier = (asked.get(k, "auto") for k in ("n_epochs", "batch_size", "learning_rate_multiplier"))
+    return Hyperparameters(
+        DEFAULT_EPOCHS if epochs == "auto" else int(epochs),
+        max(1, min(MAX_BATCH, math.floor(examples * 0.002))) if batch == "auto" else min(int(batch), examples),
+        1.0 if multiplier == "auto" else float(multiplier))

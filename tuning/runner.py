@@ -1,0 +1,374 @@
+"""The loop that runs fine-tuning jobs: one at a time per process, each on its model's trainer
+(``workers.trainer``) at the batch tier, and never lost.
+
+One task owns the work (as the vector stores' indexer does): it claims the oldest waiting job (a
+new one, or one whose process died: its lease ran out), and while the job runs it renews the
+lease every ``RENEW_S``; a renewal that fails (the job was cancelled, or another process took it)
+stops the training at its next optimizer step. The job asks the gate and the arbiter for the
+trainer as batch work (``Services.hold``; a 429 or 503 there is waited out, not a failure), so it
+trains only while the GPU has nothing else to do and yields at the next optimizer step when
+anyone else arrives. The trainer's weights may be moved to host memory or freed meanwhile, and
+the job goes on from the step it reached when they are back.
+
+At the end the job's adapters are published in the model's adapter folder (``Config.tuning_dir``),
+each copied beside it and renamed into place: the last three epochs' checkpoints as
+``<name>:ckpt-step-<N>`` and the last one as the fine-tuned model, ``ft:<model>:tiergate:<suffix>:<id>``,
+which requests can name at once. Its figures per step are a CSV result file
+(``fine-tune-results``); its usage (the tokens trained on, every epoch; GPU-seconds) is the
+owner's, at the batch tier, under the base model.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import csv
+import io
+import logging
+import os
+import secrets
+import shutil
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
+from prometheus_client.registry import Collector
+
+from accounts.usage import Usage
+from batch.store import FileInfo, Store as FileStore
+from gateway.auth import Caller
+from gateway.errors import APIError
+from gateway.service import Held, Services
+from storage.redis import honour_cancel
+from tuning.data import FileProblem, conversations
+from tuning.store import FineTuningStore, Job
+from workers.base import Cancelled, StepContext
+from workers.trainer import Example, TemplateNotTurnByTurn, TrainerGone, TrainRun
+
+log = logging.getLogger("tiergate.fine_tuning")
+LEASE_S = 30.0  # a running job is another process's to take once its lease is this old
+RENEW_S = 2.0  # how often a running job's lease is renewed (and a cancel seen)
+POLL_S = 2.0  # how often an idle runner looks for jobs other processes queued or left
+CHECKPOINTS_KEPT = 3  # the last epochs' checkpoints published (OpenAI keeps three)
+
+
+def fine_tuned_name(job: Job) -> str:
+    """The fine-tuned model's name (OpenAI's shape: ``ft:<model>:<organisation>:<suffix>:<id>``)."""
+    return f"ft:{job.model}:tiergate:{job.suffix or ''}:{job.id.removeprefix('ftjob-')[:8]}"
+
+
+@dataclass
+class _Running:
+    job: Job
+    ctx: StepContext | None = None
+    lost: bool = False  # its lease could not be renewed: cancelled, or another process has it
+    rows: list[dict[str, Any]] = field(default_factory=list)  # the result file's rows, one per step
+    total_steps: int = 0
+
+
+class Tuner(Collector):
+    """The process's fine-tuning runner (see the module's docstring)."""
+
+    def __init__(self, svc: Services, store: FineTuningStore, files: FileStore) -> None:
+        self.svc, self.store, self.files = svc, store, files
+        self.tier = next((t.name for t in svc.gate.tiers.values() if t.is_batch), svc.config.tier_names[-1])
+        self.scratch = svc.config.data_dir() / "fine-tuning"  # checkpoints as they are written, per job
+        self._wake = asyncio.Event()
+        self._task: asyncio.Task | None = None
+        self.ended: dict[str, int] = {"succeeded": 0, "failed": 0, "cancelled": 0}
+        self.steps = 0
+        self.running = False
+
+    def collect(self):
+        jobs = CounterMetricFamily("tiergate_fine_tuning_jobs", "Fine-tuning jobs this process ran to an end, by "
+                                   "outcome (succeeded, failed, cancelled)", labels=["outcome"])
+        for outcome, n in self.ended.items():
+            jobs.add_metric([outcome], n)
+        yield jobs
+        yield CounterMetricFamily("tiergate_fine_tuning_steps", "Optimizer steps this process's fine-tuning ran",
+                                  value=self.steps)
+        yield GaugeMetricFamily("tiergate_fine_tuning_running", "1 while this process runs a fine-tuning job",
+                                value=int(self.running))
+
+    async def start(self) -> None:
+        self._task = asyncio.get_running_loop().create_task(self._run())
+
+    async def stop(self) -> None:
+        if self._task is not None:
+            self._task.cancel()
+            await asyncio.gather(self._task, return_exceptions=True)
+            self._task = None
+
+    def wake(self) -> None:
+        self._wake.set()
+
+    async def _run(self) -> None:
+        while True:
+            self._wake.clear()
+            job = None
+            try:
+                job = await self.store.claim(time.time(), LEASE_S)
+                if job is not None:
+                    await self._job(job)
+            except asyncio.CancelledError:
+                raise
+            except Exception:  # noqa: BLE001 - the store is down: the job's lease ends, and it is taken again
+                log.exception("fine-tuning: claiming or running a job failed")
+            honour_cancel()
+            if job is None:
+                with contextlib.suppress(TimeoutError):
+                    async with asyncio.timeout(POLL_S):
+                        await self._wake.wait()
+
+    async def _job(self, job: Job) -> None:
+        running = _Running(job)
+        self.running = True
+        keeper = asyncio.create_task(self._keep(running))
+        try:
+            await self._train(running)
+        except (Cancelled, asyncio.CancelledError) as exc:
+            if running.lost:
+                await self._event(job, "info", "The job was cancelled" if await self._cancelled(job) else
+                                  "The job was taken over by another process")
+                self._count(job, "cancelled")
+            if isinstance(exc, asyncio.CancelledError):
+                raise
+        except _Failed as failed:
+            await self._fail(running, failed.code, failed.message, failed.param)
+        except Exception as exc:  # noqa: BLE001 - recorded on the job; the runner goes on
+            log.exception("fine-tuning: job %s failed", job.id)
+            message = exc.message if isinstance(exc, APIError) else f"the server failed while training ({type(exc).__name__})"
+            await self._fail(running, "server_error", message)
+        finally:
+            keeper.cancel()
+            await asyncio.gather(keeper, return_exceptions=True)
+            self.running = False
+            await asyncio.to_thread(shutil.rmtree, self.scratch / job.id, True)
+
+    async def _keep(self, running: _Running) -> None:
+        """Renew the job's lease until cancelled; when it cannot be renewed, stop the training."""
+        while True:
+            await asyncio.sleep(RENEW_S)
+            try:
+                kept = await self.store.hold(running.job, time.time() + LEASE_S)
+            except Exception:  # noqa: BLE001 - the store did not answer: try again; the lease still runs
+                log.warning("fine-tuning: renewing the lease of %s failed", running.job.id, exc_info=True)
+                continue
+            if not kept:
+                running.lost = True
+                if running.ctx is not None:
+                    running.ctx.cancel()  # the training stops at its next optimizer step, paused or not
+                return
+
+    async def _train(self, running: _Running) -> None:
+        job = running.job
+        await self._event(job, "info", f"Fine-tuning job started (attempt {job.attempt})")
+        training = await self._read(job.training_file, "training_file")
+        validation = await self._read(job.validation_file, "validation_file") if job.validation_file else []
+        hp = job.hyperparameters
+        held = await self._hold(running)
+        started, trained = time.monotonic(), 0
+        try:
+            worker = held.lease.worker
+            limit = self.svc.config.fine_tuning.max_tokens or worker.describe(worker.spec).context_length or 2048
+            examples, dropped = await asyncio.to_thread(_encode, worker, training, limit)
+            checks, _ = await asyncio.to_thread(_encode, worker, validation, limit)
+            if dropped:
+                await self._event(job, "warn", f"{dropped} training example(s) left out: their assistant turns lie "
+                                               f"past the first {limit} tokens")
+            if not examples:
+                raise _Failed("invalid_training_file", "no training example has an assistant turn within "
+                                                       f"its first {limit} tokens")
+            tuning = self.svc.config.fine_tuning
+            run = TrainRun(examples, checks, hp["n_epochs"], hp["batch_size"],
+                           tuning.learning_rate * hp["learning_rate_multiplier"], job.seed, tuning.lora_rank,
+                           tuning.lora_alpha, self.scratch / job.id / f"attempt-{job.attempt}")
+            running.total_steps = run.total_steps
+            running.ctx = ctx = held.lease.context()
+            if running.lost:
+                ctx.cancel()
+            trained = await self._steps(running, worker, run, ctx)
+        finally:
+            held.release(None)  # a job's hours teach the gate's cost model nothing about requests
+            paused = running.ctx.paused_s if running.ctx is not None else 0.0
+            await self._meter(job, trained, max(time.monotonic() - started - paused, 0.0))
+        await self._publish(running, run)
+
+    async def _steps(self, running: _Running, worker, run: TrainRun, ctx: StepContext) -> int:
+        """Run the training in a worker thread; its reports become the job's events as they come."""
+        loop = asyncio.get_running_loop()
+        reports: asyncio.Queue[dict | None] = asyncio.Queue()
+
+        async def record() -> None:
+            while (report := await reports.get()) is not None:
+                await self._progress(running, report)
+
+        recorder = asyncio.create_task(record())
+        thread = asyncio.ensure_future(asyncio.to_thread(worker.train, run, ctx,
+                                                         lambda r: loop.call_soon_threadsafe(reports.put_nowait, r)))
+        try:
+            return await asyncio.shield(thread)
+        except asyncio.CancelledError:  # shutting down: the thread stops at its next step, then the job's lease ends
+            ctx.cancel()
+            with contextlib.suppress(BaseException):
+                await thread
+            raise
+        except TemplateNotTurnByTurn as exc:
+            raise _Failed("unsupported_model", str(exc)) from None
+        except TrainerGone as exc:
+            raise _Failed("server_error", f"{exc}; create the job again") from None
+        finally:
+            reports.put_nowait(None)
+            await recorder
+
+    async def _progress(self, running: _Running, report: dict) -> None:
+        job = running.job
+        if "checkpoint" in report:
+            running.rows[-1].update(valid_loss=report["valid_loss"], valid_mean_token_accuracy=report["valid_mean_token_accuracy"])
+            return
+        self.steps += 1
+        running.rows.append({"step": report["step"], "train_loss": report["train_loss"],
+                             "train_accuracy": report["train_mean_token_accuracy"], "valid_loss": None,
+                             "valid_mean_token_accuracy": None})
+        await self.store.add_event(job.id, _event("metrics", "info", f"Step {report['step']}/{running.total_steps}: "
+                                                  f"training loss={report['train_loss']:.4f}",
+                                                  {"step": report["step"], "train_loss": report["train_loss"],
+                                                   "train_mean_token_accuracy": report["train_mean_token_accuracy"],
+                                                   "total_steps": running.total_steps}))
+
+    async def _publish(self, running: _Running, run: TrainRun) -> None:
+        """The last epochs' adapters into the model's folder, the result file, and the job succeeded."""
+        job = running.job
+        folder = self.svc.config.tuning_dir(job.model)
+        if folder is None:
+            raise _Failed("server_error", f"the model '{job.model}' has no adapter folder any more")
+        name = fine_tuned_name(job)
+        steps = sorted((int(p.name.removeprefix("step-")) for p in run.out.glob("step-*")))[-CHECKPOINTS_KEPT:]
+        for step in steps:
+            await asyncio.to_thread(_place, run.out / f"step-{step}", folder, f"{name}:ckpt-step-{step}")
+        await asyncio.to_thread(_place, run.out / f"step-{steps[-1]}", folder, name)
+        result = await self._result_file(job, running.rows)
+        now = int(time.time())
+        by_step = {row["step"]: row for row in running.rows}
+        for step in steps:
+            row = by_step.get(step, {})
+            await self.store.add_checkpoint(job.id, {
+                "id": f"ftckpt-{secrets.token_hex(12)}", "object": "fine_tuning.job.checkpoint", "created_at": now,
+                "fine_tuned_model_checkpoint": f"{name}:ckpt-step-{step}", "step_number": step,
+                "fine_tuning_job_id": job.id, "metrics": _metrics(row)})
+        tokens = sum(len(e.ids) for e in run.examples) * run.n_epochs
+        done = await self.store.change(job, ["running"], status="succeeded", fine_tuned_model=name, finished_at=now,
+                                       trained_tokens=tokens, result_files=[result], estimated_finish=None)
+        if done is None:  # cancelled at the last moment: its adapters stay, the job says cancelled
+            return
+        await self._event(job, "info", f"New fine-tuned model created: {name}")
+        await self._event(job, "info", "The job has successfully completed")
+        self._count(job, "succeeded")
+
+    async def _result_file(self, job: Job, rows: list[dict]) -> str:
+        out = io.StringIO()
+        writer = csv.DictWriter(out, ["step", "train_loss", "train_accuracy", "valid_loss", "valid_mean_token_accuracy"],
+                                lineterminator="\n")
+        writer.writeheader()
+        writer.writerows({k: ("" if v is None else v) for k, v in row.items()} for row in rows)
+        content = out.getvalue().encode()
+        now = int(time.time())
+        info = FileInfo(f"file-{time.time_ns():016x}{secrets.token_hex(8)}", job.owner, "fine-tune-results",
+                        "step_metrics.csv", len(content), now)
+        await self.files.put_file(info, content)
+        return info.id
+
+    async def _read(self, file_id: str, param: str) -> list:
+        content = await self.files.file_content(file_id)
+        if content is None:
+            raise _Failed("file_not_found", f"the {param.replace('_', ' ')} {file_id} was deleted before the job ran", param)
+        try:
+            return conversations(content, f"the {param.replace('_', ' ')}")
+        except FileProblem as exc:
+            raise _Failed(f"invalid_{param}", str(exc), param) from None
+
+    async def _hold(self, running: _Running) -> Held:
+        """The trainer, leased as batch work; a 429 or 503 is waited out (the lease goes on)."""
+        trainer = self.svc.config.fine_tuning.trainer(running.job.model)
+        while True:
+            try:
+                return await self.svc.hold(self.tier, trainer, 1.0)
+            except APIError as exc:
+                if exc.status not in (429, 503):
+                    raise
+                wait = exc.headers.get("retry-after", "1")
+                await asyncio.sleep(min(30.0, max(0.5, float(wait) if wait.isdigit() else 1.0)))
+            if running.lost:
+                raise Cancelled()
+
+    async def _meter(self, job: Job, trained: int, gpu_s: float) -> None:
+        accounts = self.svc.accounts
+        if accounts is None or not trained:
+            return
+        caller = Caller(self.tier, job.owner)
+        await accounts.finish(caller, job.model, None, Usage(requests=1, trained_tokens=trained, gpu_seconds=gpu_s))
+
+    async def _fail(self, running: _Running, code: str, message: str, param: str | None = None) -> None:
+        job = running.job
+        if await self.store.change(job, ["running"], status="failed", finished_at=int(time.time()),
+                                   error={"code": code, "message": message, "param": param}) is None:
+            return
+        await self._event(job, "error", f"Fine-tuning job failed: {message}")
+        self._count(job, "failed")
+
+    async def _cancelled(self, job: Job) -> bool:
+        now = await self.store.get(job.id, None)
+        return now is not None and now.status == "cancelled"
+
+    async def _event(self, job: Job, level: str, message: str) -> None:
+        await self.store.add_event(job.id, _event("message", level, message))
+
+    def _count(self, job: Job, outcome: str) -> None:
+        self.ended[outcome] += 1
+        log.info("fine-tuning job %s on %s: %s", job.id, job.model, outcome)
+
+
+class _Failed(Exception):
+    def __init__(self, code: str, message: str, param: str | None = None) -> None:
+        super().__init__(message)
+        self.code, self.message, self.param = code, message, param
+
+
+def _metrics(row: dict) -> dict:
+    """A checkpoint's ``metrics``, in OpenAI's names (its validation figures are over the whole
+    validation file, at the epoch's end: ``full_valid_*``, and ``valid_*`` the same)."""
+    out = {"step": row.get("step"), "train_loss": row.get("train_loss"),
+           "train_mean_token_accuracy": row.get("train_accuracy"), "valid_loss": row.get("valid_loss"),
+           "valid_mean_token_accuracy": row.get("valid_mean_token_accuracy"), "full_valid_loss": row.get("valid_loss"),
+           "full_valid_mean_token_accuracy": row.get("valid_mean_token_accuracy")}
+    return {k: v for k, v in out.items() if v is not None}
+
+
+def _event(kind: str, level: str, message: str, data: dict | None = None) -> dict:
+    return {"id": f"ftevent-{secrets.token_hex(12)}", "object": "fine_tuning.job.event", "created_at": int(time.time()),
+            "level": level, "message": message, "data": data or {}, "type": kind}
+
+
+def _encode(worker, examples: list, limit: int) -> tuple[list[Example], int]:
+    """(thread) The examples as token ids and labels; those left with nothing to learn (their
+    assistant turns cut off by ``limit``) are counted, not kept."""
+    out = [worker.encode(c.messages, c.tools, limit) for c in examples]
+    kept = [e for e in out if e.trained]
+    return kept, len(out) - len(kept)
+
+
+def _place(source: Path, folder: Path, name: str) -> None:
+    """(thread) ``source`` as the adapter ``name`` of ``folder``: copied beside it (a dot folder,
+    which no request sees), then renamed into place, so no request reads it half written. One
+    there already (an earlier attempt of the job that died while publishing) is replaced."""
+    staged = folder / f".staging-{secrets.token_hex(6)}"
+    shutil.copytree(source, staged)
+    (staged / "README.md").unlink(missing_ok=True)  # peft's model card names the server's paths
+    target = folder / name
+    if target.exists():
+        old = folder / f".replaced-{secrets.token_hex(6)}"
+        os.rename(target, old)
+        shutil.rmtree(old)
+    os.rename(staged, target)

@@ -1,0 +1,311 @@
+"""LoRA fine-tuning of a chat model: the trainer worker (``kind: train``) that fine-tuning jobs
+(``tuning.runner``) run on, placed and evicted by the arbiter like any model, always at the batch tier.
+
+It holds its own copy of the base model's weights (frozen; a chat engine serves the other copy, and
+may be vLLM), and for one job at a time a peft LoRA on every linear layer of the decoder with an
+AdamW optimizer over the LoRA factors alone. ``train`` runs the job's epochs in a worker thread;
+each optimizer step is a step boundary (``StepContext.boundary``): there the job stops if it was
+cancelled, and waits while batch work must yield. While it waits the arbiter may move the weights
+to host memory (the optimizer's moments move with them) or free them; then the LoRA factors and
+the optimizer's state are kept on the host (``unload``) and put back when the model is placed again
+(``load``), so the job goes on from the step it reached. A step and a move never overlap (one lock).
+
+An example's loss is on its assistant turns only (OpenAI's rule; an assistant message with
+``"weight": 0`` is left out too): the conversation is rendered once by the model's chat template,
+and each assistant turn's span in that text is the difference between the rendering up to it
+with the generation prompt and the rendering through it; the tokens whose characters fall in a
+span are the labels (a fast tokenizer's offsets). A template that does not render a conversation
+turn by turn (an earlier turn drawn differently once later ones follow) is refused by name.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import threading
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Callable
+
+import torch
+
+from workers.base import ModelSpec, StepContext
+from workers.chat import folder_context_length
+from workers.worker import ModelInfo, ThreadWorker
+
+IGNORE = -100  # a label the loss skips
+
+
+class TemplateNotTurnByTurn(ValueError):
+    """The chat template renders an earlier turn differently once later turns follow."""
+
+
+@dataclass(frozen=True)
+class Example:
+    ids: list[int]
+    labels: list[int]  # IGNORE where the loss does not look
+
+    @property
+    def trained(self) -> int:
+        return sum(label != IGNORE for label in self.labels)
+
+
+@dataclass
+class TrainRun:
+    """One job's training, as the runner hands it over; ``save(step, folder_writer)`` is where
+    the worker writes a checkpoint (the runner publishes it)."""
+
+    examples: list[Example]
+    validation: list[Example]
+    n_epochs: int
+    batch_size: int
+    learning_rate: float
+    seed: int
+    rank: int
+    alpha: int
+    out: Path  # checkpoints are written under it, one folder per epoch: step-<N>
+
+    @property
+    def steps_per_epoch(self) -> int:
+        return math.ceil(len(self.examples) / self.batch_size)
+
+    @property
+    def total_steps(self) -> int:
+        return self.n_epochs * self.steps_per_epoch
+
+
+@dataclass
+class _Live:
+    """The job under way: its peft model and optimizer, or (while the weights are away) their state."""
+
+    run: TrainRun
+    peft: Any = None
+    optimizer: torch.optim.Optimizer | None = None
+    kept: dict[str, Any] = field(default_factory=dict)  # "lora", "optimizer": host copies while unloaded
+
+
+class TrainerGone(RuntimeError):
+    """The trainer's weights were freed while a job ran, other than for a pause (an admin unload)."""
+
+
+class LoraTrainer(ThreadWorker):
+    """A chat model's weights for LoRA fine-tuning (see the module's docstring)."""
+
+    kind = "train"
+
+    def __init__(self, spec: ModelSpec, training_bytes: int = 0) -> None:
+        self.spec = spec
+        self.training_bytes = training_bytes  # counted in its footprint (the arbiter's estimate), not used here
+        self.model: torch.nn.Module | None = None
+        self.tokenizer = None
+        self.device = torch.device("cpu")
+        self._live: _Live | None = None
+        self._lock = threading.Lock()  # one optimizer step, or one move of the weights, at a time
+
+    @classmethod
+    def describe(cls, spec: ModelSpec) -> ModelInfo:
+        return ModelInfo(context_length=folder_context_length(spec.path))
+
+    # -- residency -------------------------------------------------------------------------
+    def load(self, device: torch.device) -> None:
+        from transformers import AutoModelForCausalLM, AutoTokenizer
+
+        with self._lock:
+            self.device = device
+            dtype = torch.float32 if device.type == "cpu" else torch.bfloat16
+            self.tokenizer = AutoTokenizer.from_pretrained(self.spec.path)
+            self.model = AutoModelForCausalLM.from_pretrained(self.spec.path, dtype=dtype).to(device)
+            self.model.requires_grad_(False)
+            if self._live is not None and self._live.kept:  # a job paused while the weights were away
+                self._attach(self._live)
+
+    def unload(self) -> None:
+        with self._lock:
+            live = self._live
+            if live is not None and live.peft is not None:
+                live.kept = {"lora": {n: p.detach().to("cpu", copy=True) for n, p in _trainable(live.peft)},
+                             "optimizer": _to(live.optimizer.state_dict(), torch.device("cpu"))}
+                live.peft = live.optimizer = None
+            self.model = None
+
+    def modules(self) -> list[torch.nn.Module]:
+        return [self.model] if self.model is not None else []
+
+    def _move(self, device: torch.device, pin: bool) -> None:
+        with self._lock:
+            super()._move(device, pin)
+            live = self._live
+            if live is not None and live.optimizer is not None:  # Adam's moments go where their factors go
+                for state in live.optimizer.state.values():
+                    for key, value in state.items():
+                        if isinstance(value, torch.Tensor) and key != "step":
+                            state[key] = value.to(device)
+
+    # -- training --------------------------------------------------------------------------
+    def encode(self, messages: list[dict], tools: list[dict] | None, max_len: int) -> Example:
+        """(any thread, once loaded) ``messages`` as token ids with labels on the assistant turns."""
+        return encode_example(self.tokenizer, messages, tools, max_len)
+
+    def train(self, run: TrainRun, ctx: StepContext, report: Callable[[dict], None]) -> int:
+        """(thread) Run ``run``'s epochs; after each step ``report({"step", "train_loss",
+        "train_mean_token_accuracy", "tokens"})`` and after each epoch ``report({"checkpoint": path,
+        "step", "valid_loss", "valid_mean_token_accuracy"})`` once its adapter is written to
+        ``run.out/step-<N>``. Returns the tokens trained on. ``Cancelled`` at a boundary."""
+        with self._lock:
+            if self.model is None:
+                raise TrainerGone("the trainer's weights are not loaded")
+            self._live = _Live(run)
+            torch.manual_seed(run.seed)  # the LoRA factors' initial values
+            self._attach(self._live)
+        trained, step = 0, 0
+        try:
+            for epoch in range(run.n_epochs):
+                order = torch.randperm(len(run.examples), generator=torch.Generator().manual_seed(run.seed + epoch))
+                for start in range(0, len(order), run.batch_size):
+                    ctx.boundary()  # cancelled: Cancelled; batch work must yield: waits here (weights may move)
+                    batch = [run.examples[i] for i in order[start:start + run.batch_size].tolist()]
+                    with self._lock:
+                        loss, accuracy = self._step(batch)
+                    step += 1
+                    trained += sum(len(e.ids) for e in batch)
+                    report({"step": step, "train_loss": loss, "train_mean_token_accuracy": accuracy, "tokens": trained})
+                ctx.boundary()
+                with self._lock:
+                    valid = self._evaluate(run.validation) if run.validation else None
+                    folder = run.out / f"step-{step}"
+                    self._live.peft.save_pretrained(folder)
+                    _name_targets_by_suffix(folder)
+                report({"checkpoint": folder, "step": step, "valid_loss": valid and valid[0],
+                        "valid_mean_token_accuracy": valid and valid[1]})
+            return trained
+        finally:
+            with self._lock:
+                self._detach()
+
+    def _attach(self, live: _Live) -> None:
+        """(lock held) Put ``live``'s LoRA on the model: new (seeded), or as it was kept."""
+        from peft import LoraConfig, get_peft_model
+
+        config = LoraConfig(r=live.run.rank, lora_alpha=live.run.alpha, lora_dropout=0.0, target_modules="all-linear",
+                            bias="none", task_type="CAUSAL_LM")
+        live.peft = get_peft_model(self.model, config)
+        if live.kept:
+            params = dict(_trainable(live.peft))
+            with torch.no_grad():
+                for name, value in live.kept["lora"].items():
+                    params[name].copy_(value)
+        live.optimizer = torch.optim.AdamW([p for _, p in _trainable(live.peft)], lr=live.run.learning_rate,
+                                           weight_decay=0.0)
+        if live.kept:
+            live.optimizer.load_state_dict(live.kept["optimizer"])  # onto the factors' device
+        live.kept = {}
+
+    def _detach(self) -> None:
+        """(lock held) Take the job's LoRA off the model (the base weights were never changed)."""
+        live, self._live = self._live, None
+        if live is not None and live.peft is not None and self.model is not None:
+            self.model = live.peft.unload()
+
+    def _step(self, batch: list[Example]) -> tuple[float, float]:
+        """(lock held) One optimizer step over ``batch``: (loss, mean token accuracy)."""
+        live = self._live
+        if live is None or live.peft is None:
+            raise TrainerGone("the trainer's weights were freed while the job ran")
+        live.peft.train()
+        ids, mask, labels = _pad(batch, self._pad_id(), self.device)
+        out = live.peft(input_ids=ids, attention_mask=mask, labels=labels)
+        out.loss.backward()
+        live.optimizer.step()
+        live.optimizer.zero_grad(set_to_none=True)
+        return float(out.loss.detach()), _accuracy(out.logits.detach(), labels)
+
+    @torch.no_grad()
+    def _evaluate(self, examples: list[Example]) -> tuple[float, float]:
+        """(lock held) The loss and token accuracy over every labelled token of ``examples``."""
+        peft = self._live.peft
+        peft.eval()
+        loss_sum, right, counted = 0.0, 0, 0
+        for example in examples:
+            ids, mask, labels = _pad([example], self._pad_id(), self.device)
+            logits, wanted = peft(input_ids=ids, attention_mask=mask).logits[:, :-1].float(), labels[:, 1:]
+            scored = wanted != IGNORE
+            loss_sum += float(torch.nn.functional.cross_entropy(logits[scored], wanted[scored], reduction="sum"))
+            right += int((logits.argmax(-1)[scored] == wanted[scored]).sum())
+            counted += int(scored.sum())
+        return loss_sum / max(counted, 1), right / max(counted, 1)
+
+    def _pad_id(self) -> int:
+        tok = self.tokenizer
+        return int(tok.pad_token_id if tok.pad_token_id is not None else tok.eos_token_id or 0)
+
+
+def encode_example(tokenizer: Any, messages: list[dict], tools: list[dict] | None, max_len: int) -> Example:
+    """See the module's docstring. ``messages`` may carry OpenAI's ``weight`` on assistant turns."""
+    clean = [{k: v for k, v in m.items() if k != "weight"} for m in messages]
+
+    def text(upto: int, prompt: bool) -> str:
+        return tokenizer.apply_chat_template(clean[:upto], tools=tools or None, add_generation_prompt=prompt,
+                                             tokenize=False)
+
+    whole = text(len(clean), False)
+    spans = []
+    for i, message in enumerate(messages):
+        if message.get("role") != "assistant" or message.get("weight", 1) == 0:
+            continue
+        before, through = text(i, True), text(i + 1, False)
+        if not (through.startswith(before) and whole.startswith(through)):
+            raise TemplateNotTurnByTurn("the model's chat template does not render a conversation turn by turn, so "
+                                        "the assistant's turns cannot be told apart for training")
+        spans.append((len(before), len(through)))
+    encoded = tokenizer(whole, add_special_tokens=False, return_offsets_mapping=True)
+    ids = list(encoded["input_ids"])[:max_len]
+    labels = [tok if any(a <= start < b for a, b in spans) else IGNORE
+              for tok, (start, _) in zip(ids, encoded["offset_mapping"])]
+    return Example(ids, labels)
+
+
+def _name_targets_by_suffix(folder: Path) -> None:
+    """The saved adapter's ``target_modules`` as the layers' own names (``q_proj``, ...), as adapters
+    are usually shared, rather than every module's full path that "all-linear" leaves there."""
+    path = folder / "adapter_config.json"
+    config = json.loads(path.read_text())
+    targets = config.get("target_modules")
+    if isinstance(targets, list):
+        config["target_modules"] = sorted({name.rsplit(".", 1)[-1] for name in targets})
+        path.write_text(json.dumps(config, indent=2, sort_keys=True))
+
+
+def _trainable(model: torch.nn.Module) -> list[tuple[str, torch.nn.Parameter]]:
+    return [(n, p) for n, p in model.named_parameters() if p.requires_grad]
+
+
+def _to(state: Any, device: torch.device) -> Any:
+    """``state`` (an optimizer's state dict) with its tensors copied to ``device``."""
+    if isinstance(state, torch.Tensor):
+        return state.to(device, copy=True)
+    if isinstance(state, dict):
+        return {k: _to(v, device) for k, v in state.items()}
+    if isinstance(state, list):
+        return [_to(v, device) for v in state]
+    return state
+
+
+def _pad(batch: list[Example], pad_id: int, device: torch.device) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Right-padded ids, attention mask and labels (IGNORE on the padding)."""
+    width = max(len(e.ids) for e in batch)
+    ids = torch.full((len(batch), width), pad_id, dtype=torch.long)
+    mask = torch.zeros((len(batch), width), dtype=torch.long)
+    labels = torch.full((len(batch), width), IGNORE, dtype=torch.long)
+    for row, e in enumerate(batch):
+        ids[row, :len(e.ids)] = torch.tensor(e.ids)
+        mask[row, :len(e.ids)] = 1
+        labels[row, :len(e.labels)] = torch.tensor(e.labels)
+    return ids.to(device), mask.to(device), labels.to(device)
+
+
+def _accuracy(logits: torch.Tensor, labels: torch.Tensor) -> float:
+    """Of the labelled places, the share whose next token the model ranked first (labels shift by
+    one, as the loss's do)."""
+    predicted, wanted = logits[:, :-1].argmax(-1), labels[:, 1:]
+    counted = wanted != IGNORE
+    return float((predicted[counted] == wanted[counted]).float().mean()) if counted.any() else 0.0
