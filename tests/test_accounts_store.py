@@ -429,7 +429,7 @@ def test_sqlite_usage_from_before_cached_input_tokens_is_read_with_it_at_0(tmp_p
     from accounts.usage import COUNTERS, FIRST_COUNTERS
 
     old = COUNTERS[:FIRST_COUNTERS]
-    assert "cached_input_tokens" not in old and COUNTERS[FIRST_COUNTERS:] == ("cached_input_tokens",)
+    assert "cached_input_tokens" not in old and COUNTERS[FIRST_COUNTERS:] == ("cached_input_tokens", "trained_tokens")
     path = tmp_path / "accounts.sqlite3"
     with sqlite3.connect(path) as db:  # the first version's table, with a row
         db.execute(f"CREATE TABLE usage (day TEXT NOT NULL, key TEXT NOT NULL, model TEXT NOT NULL, tier TEXT NOT NULL, "

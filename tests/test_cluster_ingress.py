@@ -75,9 +75,10 @@ def test_a_folder_adapter_goes_to_its_base_models_replicas(tmp_path, tiny_chat):
         assert e.value.status == 404 and e.value.code == "model_not_found"
 
 
-def test_runtime_lora_loading_is_refused_in_a_cluster(tmp_path, tiny_chat):
+def test_runtime_lora_loading_and_fine_tuning_are_refused_in_a_cluster(tmp_path, tiny_chat):
     """vLLM's load/unload endpoints change one process's adapters: through the ingress they would
-    reach one replica, and the ingress would not route the name. A clear 400 points to adapter_dirs."""
+    reach one replica, and the ingress would not route the name. A clear 400 points to adapter_dirs.
+    Fine-tuning jobs, likewise: a job runs on a trainer that the replicas' arbiters do not share."""
     config = load_config(write_config(tmp_path, {"m": ("chat", tiny_chat)}))
     ingress = object.__new__(Ingress)
     ingress.config, ingress.base, ingress.cors = config, {"m": "m"}, []
@@ -90,7 +91,7 @@ def test_runtime_lora_loading_is_refused_in_a_cluster(tmp_path, tiny_chat):
 
     ingress._accounts = accounts_ready
     ingress._serve = None  # never reached
-    for path in ("/v1/load_lora_adapter", "/v1/unload_lora_adapter"):
+    for path in ("/v1/load_lora_adapter", "/v1/unload_lora_adapter", "/v1/fine_tuning/jobs", "/v1/fine_tuning/jobs/x"):
         request = Request({"type": "http", "method": "POST", "path": path, "query_string": b"",
                            "headers": [(b"authorization", b"Bearer key-admin"), (b"content-type", b"application/json")]})
         answer = asyncio.run(ingress(request))

@@ -46,7 +46,10 @@ def server(tiny_chat, tiny_embed, tiny_image, tiny_tts, tiny_stt, tiny_moderatio
              f"  transcription_max_bytes: {MAX_UPLOAD}\n  transcription_max_seconds: 3\n"
              f"  image_edit_max_bytes: {MAX_UPLOAD}\n"
              f"batch:\n  store: sqlite\n  max_file_bytes: {MAX_UPLOAD}\n  max_lines: 8\n"
-             "accounts:\n  limits:\n    free: {requests_per_min: 100000}\n")
+             "accounts:\n  limits:\n    free: {requests_per_min: 100000}\n"
+             f"adapter_dirs:\n  - {{model: tiny-chat, path: {folder / 'adapters'}}}\n"
+             "fine_tuning:\n  models: [tiny-chat]\n")  # jobs made by the fuzz name no file that exists: none runs
+    (folder / "adapters").mkdir()
     if ENGINE == "transformers":  # suffix on a model with FIM tokens (its chat roles, named in tiers.yaml)
         models["tiny-chat-fim"] = ("chat", tiny_chat)
         models["tiny-vlm"] = ("chat", tiny_vlm)  # images in chat: the transformers engine only
@@ -236,6 +239,15 @@ ENDPOINTS = {
         {"input_file_id": TEXT, "endpoint": st.sampled_from(["/v1/chat/completions", "/v1/embeddings", "/v1/moderations", "/v1/x"]),
          "completion_window": st.sampled_from(["24h", "1h"]), "metadata": st.dictionaries(TEXT, TEXT | ANY_JSON),
          "output_expires_after": ANY_JSON}),
+    "/v1/fine_tuning/jobs": (
+        {"model": "tiny-chat", "training_file": "file-none"},
+        {"model": st.sampled_from(["tiny-chat", "tiny-embed", "tiny-chat#train"]) | TEXT, "training_file": TEXT,
+         "validation_file": TEXT | ANY_JSON, "suffix": TEXT | ANY_JSON, "seed": EDGE_INTS | ANY_JSON,
+         "hyperparameters": st.fixed_dictionaries({}, optional={
+             "n_epochs": EDGE_INTS | st.just("auto") | ANY_JSON, "batch_size": EDGE_INTS | st.just("auto"),
+             "learning_rate_multiplier": EDGE_FLOATS | st.just("auto") | ANY_JSON}) | ANY_JSON,
+         "method": st.fixed_dictionaries({"type": st.sampled_from(["supervised", "dpo", ""]) | TEXT}) | ANY_JSON,
+         "metadata": st.dictionaries(TEXT, TEXT | ANY_JSON), "integrations": ANY_JSON}),
     "/v1/conversations": (
         {"items": [{"type": "message", "role": "user", "content": "hi"}], "metadata": {"a": "b"}},
         {"items": st.lists(MESSAGE | st.fixed_dictionaries(
@@ -410,6 +422,8 @@ READS = ["/v1/batches", "/v1/files", "/v1/usage", "/admin/usage", "/admin/keys",
          "/v1/images/files/{}.png", "/v1/uploads/{}/cancel", "/v1/uploads/{}/parts",
          "/v1/vector_stores", "/v1/vector_stores/{}", "/v1/vector_stores/{}/files", "/v1/vector_stores/vs_0/files/{}",
          "/v1/vector_stores/vs_0/files/{}/content", "/v1/vector_stores/vs_0/file_batches/{}",
+         "/v1/fine_tuning/jobs", "/v1/fine_tuning/jobs/{}", "/v1/fine_tuning/jobs/{}/events",
+         "/v1/fine_tuning/jobs/{}/checkpoints", "/v1/fine_tuning/jobs/{}/cancel",
          "/v1/vector_stores/vs_0/file_batches/{}/files", "/v1/vector_stores/{}/file_batches/x/cancel"]
 QUERY = st.dictionaries(
     st.sampled_from(["limit", "after", "key", "model", "start_date", "end_date", "group_by", "format", "stream",

@@ -288,7 +288,7 @@ def test_only_documents_and_only_the_owner(server):
             call()
     assert store.id not in [s.id for s in other.vector_stores.list()]
     with pytest.raises(openai.BadRequestError):
-        c.files.create(file=("x.txt", b"x"), purpose="fine-tune")
+        c.files.create(file=("x.txt", b"x"), purpose="vision")
 
 
 def test_listing_stores_pages_them_and_reads_only_the_pages_files(server, monkeypatch):
