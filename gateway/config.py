@@ -604,6 +604,10 @@ def load_config(path: str | Path, check_paths: bool = True) -> Config:
             raise ConfigError(f"{where}: {name!r} is not a chat model of models (only chat models are fine-tuned)")
         if not any(d.model == name for d in dirs):
             raise ConfigError(f"{where}: {name!r} has no adapter_dirs folder for its trained adapters to go in")
+        rank = config.fine_tuning.lora_rank
+        if base.engine.name == "vllm" and rank > base.engine.max_lora_rank:
+            raise ConfigError(f"{where}: fine_tuning.lora_rank {rank} is above {name!r}'s engine.max_lora_rank "
+                              f"{base.engine.max_lora_rank}: vLLM would refuse its fine-tuned adapters")
     return config.model_copy(update={"models": models, "adapters": adapters, "adapter_dirs": dirs})
 
 

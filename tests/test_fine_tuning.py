@@ -363,3 +363,33 @@ def test_a_cancel_stops_at_the_next_step_and_takes_the_lora_off(trainer):
     with pytest.raises(Cancelled):
         trainer.train(run, ctx, report)
     assert len(calls) == 2 and not any("lora" in n for n, _ in trainer.model.named_parameters())
+
+
+@pytest.mark.parametrize("extra, error", [
+    ("fine_tuning:\n  models: [nope]\n", "fine_tuning.models[0]: 'nope' is not a chat model of models"),
+    ("fine_tuning:\n  models: [tiny-embed]\n", "'tiny-embed' is not a chat model"),
+    ("fine_tuning:\n  models: [tiny-chat]\n", "'tiny-chat' has no adapter_dirs folder for its trained adapters"),
+    ("adapter_dirs:\n  - {model: tiny-chat, path: .}\nfine_tuning:\n  models: [tiny-chat]\n  lora_rank: 0\n",
+     "fine_tuning.lora_rank"),
+])
+def test_fine_tuning_config_errors(tiny_chat, tiny_embed, tmp_path, extra, error):
+    from gateway.config import ConfigError, load_config
+
+    path = write_config(tmp_path, {"tiny-chat": ("chat", tiny_chat), "tiny-embed": ("embed", tiny_embed)}, extra)
+    with pytest.raises(ConfigError) as e:
+        load_config(path)
+    assert error in str(e.value)
+
+
+def test_a_vllm_model_s_rank_limit_applies_to_its_fine_tuned_adapters(tiny_chat, tmp_path):
+    from gateway.config import ConfigError, load_config
+
+    extra = "adapter_dirs:\n  - {model: tiny-chat, path: .}\nfine_tuning:\n  models: [tiny-chat]\n  lora_rank: 32\n"
+    path = write_config(tmp_path, {"tiny-chat": ("chat", tiny_chat)}, extra, engine="vllm")
+    path.write_text(path.read_text().replace("engine: vllm", "engine: {name: vllm, max_lora_rank: 16}"))
+    with pytest.raises(ConfigError, match="above 'tiny-chat'.s engine.max_lora_rank 16"):
+        load_config(path)
+    path.write_text(path.read_text().replace("lora_rank: 32", "lora_rank: 16"))
+    specs = {s.name: s for s in load_config(path).model_specs()}
+    assert specs["tiny-chat#train"].kind == "train" and specs["tiny-chat#train"].path == specs["tiny-chat"].path
+    assert specs["tiny-chat#train"].engine == "transformers"  # whatever serves the model, the trainer is torch

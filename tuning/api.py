@@ -236,6 +236,6 @@ def tuner_for(svc: Services, files) -> Tuner:
     tuner = Tuner(svc, store, files)
     if svc.config.fine_tuning.models:
         svc.on_startup.append(tuner.start)
-        svc.on_shutdown.insert(0, tuner.stop)  # before the stores close
+        svc.on_shutdown.append(tuner.stop)  # run in reverse: before its store (opened above) closes
     svc.metrics.registry.register(tuner)
     return tuner

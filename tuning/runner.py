@@ -164,6 +164,8 @@ class Tuner(Collector):
 
     async def _train(self, running: _Running) -> None:
         job = running.job
+        if job.model not in self.svc.config.fine_tuning.models:  # tiers.yaml changed since the job was made
+            raise _Failed("model_not_available", f"the model '{job.model}' is no longer one fine_tuning.models names")
         await self._event(job, "info", f"Fine-tuning job started (attempt {job.attempt})")
         training = await self._read(job.training_file, "training_file")
         validation = await self._read(job.validation_file, "validation_file") if job.validation_file else []
