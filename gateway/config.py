@@ -249,7 +249,7 @@ class FineTuningConfig(_Strict):
         return f"{model}{TRAINER_SUFFIX}"
 
 
-TRAINER_SUFFIX = "#train"  # no adapter or request names it: '#' is not in an adapter's name
+TRAINER_SUFFIX = "~train"  # no model, alias or adapter has such a name ('~' is in none), and URLs need not escape it
 
 
 class GpuConfig(_Strict):

@@ -91,9 +91,9 @@ def test_a_job_trains_an_adapter_that_answers_as_taught(server):
     assert tuned == [TAUGHT] * 3 and TAUGHT not in base, (tuned, base)
     listed = {m.id: m.model_extra for m in c.models.list()}
     assert listed[name]["parent"] == "tiny-chat" and listed[name]["source"] == "folder"
-    assert "tiny-chat#train" not in listed  # the trainer's weights: no request calls them
+    assert "tiny-chat~train" not in listed  # the trainer's weights: no request calls them
     with pytest.raises(openai.NotFoundError):
-        ask(c, "tiny-chat#train", "Hello")
+        ask(c, "tiny-chat~train", "Hello")
 
     # the last three epochs' checkpoints, each an adapter of its own; the last one is the model's files
     checkpoints = c.fine_tuning.jobs.checkpoints.list(job.id).data
@@ -165,7 +165,7 @@ def test_a_running_job_is_cancelled_at_its_next_step_and_publishes_nothing(serve
         time.sleep(0.05)
     assert c.fine_tuning.jobs.retrieve(job.id).status == "cancelled"
     assert not [p for p in server.adapters.iterdir() if job.id.removeprefix("ftjob-")[:8] in p.name]
-    trainer = next(r for r in server.services.arbiter.table() if r["id"] == "tiny-chat#train")
+    trainer = next(r for r in server.services.arbiter.table() if r["id"] == "tiny-chat~train")
     assert trainer["running"] == 0
     assert any(e.message == "The job was cancelled" for e in c.fine_tuning.jobs.list_events(job.id).data)
 
@@ -189,7 +189,7 @@ def test_paid_traffic_pauses_training_and_may_evict_it_yet_the_job_ends_as_if_al
     admin = {"Authorization": f"Bearer {server.keys['admin']}"}
     if states["tiny-chat"].place == "resident":  # the paid request must load it: room made by evicting the trainer
         assert httpx.post(f"{server.url}/admin/models/tiny-chat/unload", headers=admin).status_code == 200
-    arbiter.budget = max(states["tiny-chat"].footprint, states["tiny-chat#train"].footprint) + 1  # one at a time
+    arbiter.budget = max(states["tiny-chat"].footprint, states["tiny-chat~train"].footprint) + 1  # one at a time
     try:
         pauses = arbiter.counters.batch_pauses
         job = c.fine_tuning.jobs.create(**settings)
@@ -243,7 +243,7 @@ def test_what_a_job_cannot_be_made_of(server):
             c.fine_tuning.jobs.create(**{"model": "tiny-chat", "training_file": good, **fields})
         return e.value.body
 
-    assert refused(openai.BadRequestError, model="tiny-chat#train")["code"] == "model_not_available"
+    assert refused(openai.BadRequestError, model="tiny-chat~train")["code"] == "model_not_available"
     assert refused(openai.NotFoundError, training_file="file-nope")["param"] == "training_file"
     theirs = upload(client(server, "free"), LINES)
     assert refused(openai.NotFoundError, training_file=theirs)["code"] == "file_not_found"
@@ -264,7 +264,7 @@ def test_what_a_job_cannot_be_made_of(server):
 
 @pytest.fixture(scope="module")
 def trainer(tiny_chat):
-    worker = LoraTrainer(ModelSpec("tiny-chat#train", "train", tiny_chat))
+    worker = LoraTrainer(ModelSpec("tiny-chat~train", "train", tiny_chat))
     worker.load(torch.device("cpu"))
     return worker
 
@@ -371,11 +371,13 @@ def test_a_cancel_stops_at_the_next_step_and_takes_the_lora_off(trainer):
     ("fine_tuning:\n  models: [tiny-chat]\n", "'tiny-chat' has no adapter_dirs folder for its trained adapters"),
     ("adapter_dirs:\n  - {model: tiny-chat, path: .}\nfine_tuning:\n  models: [tiny-chat]\n  lora_rank: 0\n",
      "fine_tuning.lora_rank"),
+    ("", "models[1].name: String should match pattern"),  # '~' is in no model's name: a trainer's is its own
 ])
 def test_fine_tuning_config_errors(tiny_chat, tiny_embed, tmp_path, extra, error):
     from gateway.config import ConfigError, load_config
 
-    path = write_config(tmp_path, {"tiny-chat": ("chat", tiny_chat), "tiny-embed": ("embed", tiny_embed)}, extra)
+    embed = "tiny-embed" if extra else "tiny-embed~train"
+    path = write_config(tmp_path, {"tiny-chat": ("chat", tiny_chat), embed: ("embed", tiny_embed)}, extra)
     with pytest.raises(ConfigError) as e:
         load_config(path)
     assert error in str(e.value)
@@ -391,5 +393,5 @@ def test_a_vllm_model_s_rank_limit_applies_to_its_fine_tuned_adapters(tiny_chat,
         load_config(path)
     path.write_text(path.read_text().replace("lora_rank: 32", "lora_rank: 16"))
     specs = {s.name: s for s in load_config(path).model_specs()}
-    assert specs["tiny-chat#train"].kind == "train" and specs["tiny-chat#train"].path == specs["tiny-chat"].path
-    assert specs["tiny-chat#train"].engine == "transformers"  # whatever serves the model, the trainer is torch
+    assert specs["tiny-chat~train"].kind == "train" and specs["tiny-chat~train"].path == specs["tiny-chat"].path
+    assert specs["tiny-chat~train"].engine == "transformers"  # whatever serves the model, the trainer is torch

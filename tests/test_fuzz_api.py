@@ -241,7 +241,7 @@ ENDPOINTS = {
          "output_expires_after": ANY_JSON}),
     "/v1/fine_tuning/jobs": (
         {"model": "tiny-chat", "training_file": "file-none"},
-        {"model": st.sampled_from(["tiny-chat", "tiny-embed", "tiny-chat#train"]) | TEXT, "training_file": TEXT,
+        {"model": st.sampled_from(["tiny-chat", "tiny-embed", "tiny-chat~train"]) | TEXT, "training_file": TEXT,
          "validation_file": TEXT | ANY_JSON, "suffix": TEXT | ANY_JSON, "seed": EDGE_INTS | ANY_JSON,
          "hyperparameters": st.fixed_dictionaries({}, optional={
              "n_epochs": EDGE_INTS | st.just("auto") | ANY_JSON, "batch_size": EDGE_INTS | st.just("auto"),
