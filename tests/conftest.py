@@ -139,13 +139,17 @@ def chat_server(tiny_chat: Path, tmp_path_factory) -> RunningServer:
 @pytest.fixture(scope="session")
 def vllm_chat_server(tiny_chat: Path, demo_dir: Path, tmp_path_factory) -> RunningServer:
     """tiny-chat on the vLLM engine with two adapters (so vLLM runs with LoRA), for
-    ``test_chat_api`` and ``test_vllm_gateway``; started once (see the module's docstring)."""
+    ``test_chat_api``, ``test_vllm_gateway`` and ``test_fine_tuning``; started once (see the
+    module's docstring)."""
     pytest.importorskip("vllm", reason="vllm is not installed in this environment (scripts/test installs it)")
     folder = tmp_path_factory.mktemp("vllm-chat-server")
     (folder / "adapter-dir").mkdir()  # empty: test_vllm_gateway drops adapters in
     cfg = write_config(folder, {"tiny-chat": ("chat", tiny_chat)},
                        adapters_yaml(demo_dir) + "limits:\n  max_chat_tokens: 256\n"
-                       f"adapter_dirs:\n  - {{model: tiny-chat, path: {folder / 'adapter-dir'}}}\n", engine="vllm")
+                       f"adapter_dirs:\n  - {{model: tiny-chat, path: {folder / 'adapter-dir'}}}\n"
+                       # test_fine_tuning: an adapter trained by peft, served by vLLM
+                       "fine_tuning:\n  models: [tiny-chat]\n  lora_rank: 16\n  learning_rate: 0.01\n"
+                       "  training_memory: 64MiB\n", engine="vllm")
     cfg.write_text(cfg.read_text().replace("    engine: vllm", "    engine: {name: vllm, kv_cache: 128MiB, max_num_seqs: 8}"))
     server = start_server(cfg)
     yield server

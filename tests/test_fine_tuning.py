@@ -140,6 +140,17 @@ def test_a_job_trains_an_adapter_that_answers_as_taught(server):
         c.fine_tuning.jobs.cancel(job.id)
 
 
+def test_an_adapter_trained_here_is_served_by_vllm(vllm_chat_server):
+    """Trained by peft on the trainer (a transformers copy of the weights), served by vLLM's LoRA
+    from the adapter folder: the same answer as taught."""
+    c = client(vllm_chat_server)
+    job = wait(c, c.fine_tuning.jobs.create(model="tiny-chat", training_file=upload(c, LINES), seed=7,
+                                            hyperparameters={"n_epochs": 50, "batch_size": 3}).id)
+    assert job.status == "succeeded", job.error
+    assert [ask(c, job.fine_tuned_model, q) for q, _ in PAIRS] == [TAUGHT] * 3
+    assert ask(c, "tiny-chat", PAIRS[0][0]) != TAUGHT
+
+
 def _ids(server, line) -> list[int]:
     worker = LoraTrainer(ModelSpec("t", "train", server.services.arbiter.specs["tiny-chat"].path))
     from transformers import AutoTokenizer
