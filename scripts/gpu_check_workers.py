@@ -22,10 +22,14 @@ and how far the device's result is from the CPU's:
   stt         a 3 s tone: the text and language, equal or not
   embed       cosine similarity of the vectors (min over the inputs)
   moderation  max |score difference|
+  train       the fine-tuning trainer: 30 optimizer steps teaching one answer (seed 1) on the
+              device (bf16 weights, fp32 LoRA factors) and on CPU; its first and last loss on
+              each, and the taught reply greedy through peft on the device
 
 Checks that must hold (exit 1 otherwise): every weight on the device, every call completes and
 returns a well-formed result, embeddings' cosine >= 0.999 and moderation scores within 1e-3
-(fp32 on both sides), chat and vision logits within 5% of their scale (bf16 against fp32). Writes
+(fp32 on both sides), chat and vision logits within 5% of their scale (bf16 against fp32), the
+trainer's last loss below its first on the device. Writes
 workers.json to --out. ``--device cpu`` runs the same path on CPU against CPU (a dry run).
 """
 
@@ -113,6 +117,34 @@ def check_chat(models: Path, device: torch.device) -> dict:
         replies[label] = {"equal": got_text == want, "seconds": seconds, "chars": len(got_text)}
     return {"placed": placed, "dtypes": dtypes, "logits_rel_err": rel, "replies": replies,
             "ok": placed and rel <= 0.05 and all(r["chars"] > 0 for r in replies.values())}
+
+
+def check_train(models: Path, device: torch.device) -> dict:
+    import tempfile
+
+    from peft import PeftModel
+    from workers.trainer import LoraTrainer, TrainRun, encode_example
+
+    spec = ModelSpec("tiny-chat~train", "train", models / "tiny-chat")
+    cpu, dev = pair(LoraTrainer, spec, device)
+    placed, dtypes = on_device(dev, device)
+    messages = [{"role": "user", "content": "Hello"}, {"role": "assistant", "content": "Arr, matey!"}]
+    losses = {}
+    for label, worker in (("cpu", cpu), ("device", dev)):
+        out = Path(tempfile.mkdtemp())
+        example = encode_example(worker.tokenizer, messages, None, 512)
+        reports: list[dict] = []
+        start = time.perf_counter()
+        worker.train(TrainRun([example] * 3, [], 30, 3, 0.01, 1, 16, 32, out), StepContext(), reports.append)
+        steps = [r["train_loss"] for r in reports if "checkpoint" not in r]
+        losses[label] = {"first": steps[0], "last": steps[-1], "seconds": time.perf_counter() - start}
+    tuned = PeftModel.from_pretrained(dev.model, out / "step-30").to(device)
+    ids = dev.tokenizer.apply_chat_template(messages[:1], add_generation_prompt=True, return_tensors="pt",
+                                            return_dict=True).to(device)
+    reply = dev.tokenizer.decode(tuned.generate(**ids, max_new_tokens=8, do_sample=False)[0, ids["input_ids"].shape[1]:],
+                                 skip_special_tokens=True)
+    return {"placed": placed, "dtypes": dtypes, "losses": losses, "reply": reply,
+            "ok": placed and losses["device"]["last"] < losses["device"]["first"]}
 
 
 def check_vision(models: Path, device: torch.device) -> dict:
@@ -244,7 +276,7 @@ def check_moderation(models: Path, device: torch.device) -> dict:
 
 
 CHECKS = {"chat": check_chat, "vision": check_vision, "image": check_image, "tts": check_tts, "stt": check_stt, "embed": check_embed,
-          "moderation": check_moderation}
+          "moderation": check_moderation, "train": check_train}
 
 
 def main() -> int:

@@ -20,15 +20,18 @@ def test_worker_check_runs_its_path_on_cpu(demo_dir, tmp_path):
     build_demo_models(demo_dir, names=["tiny-chat", "tiny-chat-pirate", "tiny-chat-poet", "tiny-embed",
                                        "tiny-moderation", "tiny-vlm"])
     out = subprocess.run([sys.executable, "scripts/gpu_check_workers.py", "--device", "cpu", "--models",
-                          str(demo_dir), "--out", str(tmp_path), "--kinds", "chat", "vision", "embed", "moderation"],
+                          str(demo_dir), "--out", str(tmp_path), "--kinds", "chat", "vision", "embed", "moderation",
+                          "train"],
                          cwd=ROOT, capture_output=True, text=True, timeout=240, env={**os.environ, "OMP_NUM_THREADS": "1"})
     assert out.returncode == 0, out.stdout + out.stderr
     assert out.stdout.strip().splitlines()[-1].startswith("verdict: PASS")
     results = json.loads((tmp_path / "workers.json").read_text())
-    assert set(results) == {"chat", "vision", "embed", "moderation"}
+    assert set(results) == {"chat", "vision", "embed", "moderation", "train"}
     assert results["chat"]["logits_rel_err"] == 0.0 and results["chat"]["replies"]["stack"]["equal"]
     assert results["vision"]["logits_rel_err"] == 0.0 and results["vision"]["reply"]["equal"]
     assert results["embed"]["min_cosine"] > 0.99999 and results["moderation"]["max_abs_diff"] == 0.0
+    assert results["train"]["losses"]["cpu"] == {**results["train"]["losses"]["device"],  # seeded: CPU twice, the same
+                                                 "seconds": results["train"]["losses"]["cpu"]["seconds"]}
 
 
 def test_driver_runs_only_the_steps_asked_and_counts_failures(tmp_path):
