@@ -39,6 +39,7 @@ def server(tiny_chat, tmp_path_factory):
     adapters.mkdir()
     extra = (f"adapter_dirs:\n  - {{model: tiny-chat, path: {adapters}}}\n"
              "fine_tuning:\n  models: [tiny-chat]\n  lora_rank: 16\n  learning_rate: 0.01\n  training_memory: 64MiB\n"
+             "  max_jobs_per_key: 2\n"
              "eviction:\n  protect_window_s: 1\n")  # the eviction test's paid model frees the GPU soon after
     s = start_server(write_config(folder, {"tiny-chat": ("chat", tiny_chat)}, extra))
     s.adapters = adapters
@@ -178,7 +179,29 @@ def test_a_running_job_is_cancelled_at_its_next_step_and_publishes_nothing(serve
     assert not [p for p in server.adapters.iterdir() if job.id.removeprefix("ftjob-")[:8] in p.name]
     trainer = next(r for r in server.services.arbiter.table() if r["id"] == "tiny-chat~train")
     assert trainer["running"] == 0
-    assert any(e.message == "The job was cancelled" for e in c.fine_tuning.jobs.list_events(job.id).data)
+    events = c.fine_tuning.jobs.list_events(job.id, limit=100).data
+    cancel = next(i for i, e in enumerate(events) if e.message == "The job was cancelled")
+    assert cancel <= 2  # in this process the cancel stops it at once: a step under way may still end after it
+
+
+def test_a_job_cancelled_by_another_process_stops_when_its_lease_is_renewed(server):
+    """A cancel written by another process (straight into the shared store here) reaches the
+    running job through its next lease renewal: the renewal is refused, and the training stops."""
+    from tuning.runner import RENEW_S
+
+    c = client(server)
+    job = c.fine_tuning.jobs.create(model="tiny-chat", training_file=upload(c, LINES * 20),
+                                    hyperparameters={"n_epochs": 50, "batch_size": 1})
+    wait(c, job.id, ("running",))
+    tuner = server.app.state.tuner
+    stored = server.wait(tuner.store.get(job.id, None))
+    assert server.wait(tuner.store.change(stored, ["running"], status="cancelled")) is not None
+    cancelled_at = time.time()
+    while tuner.running:
+        assert time.time() < cancelled_at + RENEW_S + 10
+        time.sleep(0.05)
+    assert c.fine_tuning.jobs.retrieve(job.id).status == "cancelled" and tuner.ended["cancelled"] >= 1
+    assert not [p for p in server.adapters.iterdir() if job.id.removeprefix("ftjob-")[:8] in p.name]
 
 
 def test_paid_traffic_pauses_training_and_may_evict_it_yet_the_job_ends_as_if_alone(server, monkeypatch):
@@ -221,6 +244,25 @@ def test_paid_traffic_pauses_training_and_may_evict_it_yet_the_job_ends_as_if_al
     assert first.keys() == second.keys()
     for key in first:
         torch.testing.assert_close(second[key], first[key], rtol=0, atol=0)
+
+
+def test_a_key_has_at_most_max_jobs_per_key_waiting(server):
+    c = client(server, "subscriber")
+    training = upload(c, LINES)
+
+    def create():
+        return c.fine_tuning.jobs.create(model="tiny-chat", training_file=training,
+                                         hyperparameters={"n_epochs": 50, "batch_size": 1})
+
+    jobs = [create(), create()]
+    with pytest.raises(openai.RateLimitError) as e:
+        create()
+    assert e.value.body["code"] == "too_many_jobs" and e.value.response.headers["retry-after"] == "60"
+    assert client(server).fine_tuning.jobs.list()  # another key's count is its own
+    c.fine_tuning.jobs.cancel(jobs[0].id)
+    jobs.append(create())  # a job that ended leaves room
+    for job in jobs[1:]:
+        c.fine_tuning.jobs.cancel(job.id)
 
 
 @pytest.mark.parametrize("line, says", [

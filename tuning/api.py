@@ -27,7 +27,7 @@ from gateway.schemas import Metadata, _Body, is_count, parse, read_json
 from gateway.service import Services
 from tuning.data import FileProblem, conversations, resolve
 from tuning.runner import Tuner, fine_tuned_name
-from tuning.store import Job
+from tuning.store import WAITING, Job
 
 SUFFIX = re.compile(r"[A-Za-z0-9_-]{1,40}")
 CKPT_ROOM = len(":ckpt-step-") + 9  # a checkpoint's name adds this much to the model's at most
@@ -120,6 +120,12 @@ async def create_job(request: Request) -> Response:
         raise bad_request("suffix is 1 to 40 letters, digits, '-' or '_'", "suffix")
     asked = (body.method.supervised.hyperparameters if body.method is not None else
              body.hyperparameters or Hyperparameters()).asked()
+    most = svc.config.fine_tuning.max_jobs_per_key
+    waiting = [j for j in await tuner.store.list(caller.key_id, None, 1000) if j.status in WAITING]
+    if len(waiting) >= most:
+        raise APIError(429, f"this key has {len(waiting)} fine-tuning jobs queued or running, the most it may have; "
+                       "wait for one to end, or cancel one", "too_many_jobs", headers={"retry-after": "60"},
+                       type="rate_limit_error")
     examples = await _examples(tuner, caller, body.training_file, "training_file")
     if body.validation_file is not None:
         await _examples(tuner, caller, body.validation_file, "validation_file")
@@ -196,7 +202,8 @@ async def get_job(request: Request) -> Response:
 
 async def cancel_job(request: Request) -> Response:
     """POST /v1/fine_tuning/jobs/{id}/cancel: a queued or running job stops (a running one at its
-    next optimizer step); 409 for one that has ended."""
+    next optimizer step: at once in this process, within ``RENEW_S`` in another); 409 for one that
+    has ended."""
     _, tuner, caller = _context(request)
     for _ in range(3):  # a process may take the job (a new attempt) between the read and the write
         job = await _owned(tuner, caller, request.path_params["job_id"])
@@ -204,6 +211,7 @@ async def cancel_job(request: Request) -> Response:
             raise APIError(409, f"cannot cancel a job that is {job.status}", "job_not_cancellable")
         done = await tuner.store.change(job, ["queued", "running"], status="cancelled", finished_at=int(time.time()))
         if done is not None:
+            tuner.stop_job(job.id)
             await tuner.store.add_event(job.id, {"id": f"ftevent-{secrets.token_hex(12)}", "object": "fine_tuning.job.event",
                                                  "created_at": int(time.time()), "level": "info", "type": "message",
                                                  "data": {}, "message": "The job was cancelled"})

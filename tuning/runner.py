@@ -79,7 +79,20 @@ class Tuner(Collector):
         self._task: asyncio.Task | None = None
         self.ended: dict[str, int] = {"succeeded": 0, "failed": 0, "cancelled": 0}
         self.steps = 0
-        self.running = False
+        self._current: _Running | None = None  # the job this process runs now
+
+    @property
+    def running(self) -> bool:
+        return self._current is not None
+
+    def stop_job(self, job_id: str) -> None:
+        """The job ``job_id`` was cancelled: if this process runs it, stop it at its next step now
+        (another process's notices when it next renews its lease)."""
+        running = self._current
+        if running is not None and running.job.id == job_id:
+            running.lost = True
+            if running.ctx is not None:
+                running.ctx.cancel()
 
     def collect(self):
         jobs = CounterMetricFamily("tiergate_fine_tuning_jobs", "Fine-tuning jobs this process ran to an end, by "
@@ -123,16 +136,15 @@ class Tuner(Collector):
                         await self._wake.wait()
 
     async def _job(self, job: Job) -> None:
-        running = _Running(job)
-        self.running = True
+        running = self._current = _Running(job)
         keeper = asyncio.create_task(self._keep(running))
         try:
             await self._train(running)
         except (Cancelled, asyncio.CancelledError) as exc:
-            if running.lost:
-                await self._event(job, "info", "The job was cancelled" if await self._cancelled(job) else
-                                  "The job was taken over by another process")
+            if running.lost and await self._cancelled(job):  # its cancel wrote the event
                 self._count(job, "cancelled")
+            elif running.lost:
+                await self._event(job, "info", "This process stopped the job: another process has taken it over")
             if isinstance(exc, asyncio.CancelledError):
                 raise
         except _Failed as failed:
@@ -144,7 +156,7 @@ class Tuner(Collector):
         finally:
             keeper.cancel()
             await asyncio.gather(keeper, return_exceptions=True)
-            self.running = False
+            self._current = None
             await asyncio.to_thread(shutil.rmtree, self.scratch / job.id, True)
 
     async def _keep(self, running: _Running) -> None:

@@ -155,8 +155,9 @@ class LoraTrainer(ThreadWorker):
             if self.model is None:
                 raise TrainerGone("the trainer's weights are not loaded")
             self._live = _Live(run)
-            torch.manual_seed(run.seed)  # the LoRA factors' initial values
-            self._attach(self._live)
+            with torch.random.fork_rng(devices=[self.device] if self.device.type == "cuda" else []):
+                torch.manual_seed(run.seed)  # the LoRA factors' initial values; the process's generator is left as it was
+                self._attach(self._live)
         trained, step = 0, 0
         try:
             for epoch in range(run.n_epochs):
