@@ -226,6 +226,7 @@ def routes() -> list[BaseRoute]:
         Route("/metrics", metrics, methods=["GET"]),
         Route("/v1/models", list_models, methods=["GET"]),
         Route("/v1/models/{model:path}", get_model, methods=["GET"]),
+        Route("/v1/models/{model:path}", tuning_api.delete_model, methods=["DELETE"]),  # fine-tuned models
         Route("/v1/responses/{response_id}", responses_api.get_response, methods=["GET"]),
         Route("/v1/responses/{response_id}/input_items", responses_api.list_input_items, methods=["GET"]),
         Route("/v1/responses/{response_id}", responses_api.delete_response, methods=["DELETE"]),

@@ -140,6 +140,28 @@ def test_a_job_trains_an_adapter_that_answers_as_taught(server):
     with pytest.raises(openai.ConflictError):
         c.fine_tuning.jobs.cancel(job.id)
 
+    # deleted by its owner (a checkpoint on its own, then the model); not by another key, and no
+    # other model is a key's to delete
+    with pytest.raises(openai.NotFoundError):
+        other.models.delete(name)
+    import shutil
+
+    shutil.copytree(server.adapters / f"{name}:ckpt-step-49", server.adapters / "plain-adapter")  # not a job's
+    for model in ("tiny-chat", "plain-adapter"):
+        with pytest.raises(openai.PermissionDeniedError) as e:
+            c.models.delete(model)
+        assert e.value.body["code"] == "model_not_deletable"
+    with pytest.raises(openai.NotFoundError):
+        c.models.delete("nope")
+    assert c.models.delete(f"{name}:ckpt-step-48").deleted
+    assert c.models.delete(name).deleted and not (server.adapters / name).exists()
+    with pytest.raises(openai.NotFoundError):
+        ask(c, name, "Hello")
+    with pytest.raises(openai.NotFoundError):
+        c.models.delete(name)
+    assert ask(c, f"{name}:ckpt-step-50", PAIRS[0][0]) == TAUGHT  # its other checkpoints stay
+    assert not list(server.adapters.glob(".*"))
+
 
 def test_an_adapter_trained_here_is_served_by_vllm(vllm_chat_server):
     """Trained by peft on the trainer (a transformers copy of the weights), served by vLLM's LoRA

@@ -236,6 +236,61 @@ async def list_checkpoints(request: Request) -> Response:
                          "first_id": data[0]["id"] if data else None, "last_id": data[-1]["id"] if data else None})
 
 
+async def delete_model(request: Request) -> Response:
+    """DELETE /v1/models/{model}: a fine-tuned model (or one of its checkpoints) of the caller's
+    jobs (an admin's: anyone's) is removed from its adapter folder: renamed out of sight first,
+    so no request reads it half removed, then deleted. Any other model is not the caller's to
+    delete (403); one that does not exist, or another key's, is a 404."""
+    svc, tuner, caller = _context(request)
+    name = request.path_params["model"]
+    job = await _job_of(tuner, caller, name)
+    if job is None:
+        spec = svc.arbiter.specs.get(svc.model_name(name))
+        served = ((spec is not None and spec.kind != "train") or name in svc.adapters.adapters
+                  or name in svc.adapters.loaded or svc.config.folder_adapter_base(name) is not None)
+        if name.startswith("ft:") or not served:  # another key's fine-tuned model is as good as none
+            raise not_found(f"the model '{name}' does not exist", "model", "model_not_found")
+        raise APIError(403, f"the model '{name}' is not a fine-tuned model of this key: it cannot be deleted",
+                       "model_not_deletable", "model", type="invalid_request_error")
+    folder = svc.config.tuning_dir(job.model)
+    if folder is None or not await asyncio.to_thread(_remove, folder, name):
+        raise not_found(f"the model '{name}' does not exist", "model", "model_not_found")
+    return JSONResponse({"id": name, "object": "model", "deleted": True})
+
+
+async def _job_of(tuner: Tuner, caller: Caller, name: str) -> Job | None:
+    """The caller's job whose fine-tuned model (or a checkpoint of it) is ``name``."""
+    if not name.startswith("ft:"):
+        return None
+    model = name.split(":ckpt-step-", 1)[0]
+    after = None
+    while True:
+        page = await tuner.store.list(None if caller.admin else caller.key_id, after, 100)
+        for job in page:
+            if job.fine_tuned_model == model:
+                return job
+        if len(page) < 100:
+            return None
+        after = page[-1].id
+
+
+def _remove(folder, name: str) -> bool:
+    """(thread) The adapter ``name`` out of ``folder``: renamed to a dot name (no request lists or
+    reads those), then deleted. False when it is not there."""
+    import shutil
+
+    target = folder / name
+    if not target.is_dir():
+        return False
+    gone = folder / f".deleted-{secrets.token_hex(6)}"
+    try:
+        target.rename(gone)
+    except FileNotFoundError:  # another request removed it meanwhile
+        return False
+    shutil.rmtree(gone, ignore_errors=True)
+    return True
+
+
 def tuner_for(svc: Services, files) -> Tuner:
     """The process's fine-tuning runner on the batch store's backend, started and stopped with the app."""
     from tuning.store import open_fine_tuning_store
