@@ -33,6 +33,7 @@ DEMO_ADAPTERS = {
     "tiny-image-sketch": ("tiny-image", "demo.image", 4),
 }
 ADAPTERS_DIR = "adapters"
+TRAINED_DIR = "trained"  # tiers.yaml's adapter folder for tiny-chat: where fine-tuning jobs write theirs
 # Bumped whenever a builder changes what it makes (e.g. tiny-chat's head_dim for vLLM, its tool-calling
 # chat template): folders built by an older version are rebuilt, with the adapters on them.
 DEMO_VERSION = "3"
@@ -63,6 +64,8 @@ def build_demo_models(out: Path, seed: int = 0, names: list[str] | None = None, 
                                 lambda tmp: importlib.import_module(module).build_demo_adapter(built[base], tmp,
                                                                                                adapter_seed, rank),
                                 force or base in rebuilt)
+    if "tiny-chat" in built:  # empty until a fine-tuning job writes an adapter; kept when tiny-chat is rebuilt
+        (out / TRAINED_DIR / "tiny-chat").mkdir(parents=True, exist_ok=True)
     return built
 
 

@@ -470,3 +470,21 @@ def test_a_vllm_model_s_rank_limit_applies_to_its_fine_tuned_adapters(tiny_chat,
     specs = {s.name: s for s in load_config(path).model_specs()}
     assert specs["tiny-chat~train"].kind == "train" and specs["tiny-chat~train"].path == specs["tiny-chat"].path
     assert specs["tiny-chat~train"].engine == "transformers"  # whatever serves the model, the trainer is torch
+
+
+def test_the_demo_script_runs_end_to_end(server):
+    """scripts/fine_tuning_demo.py (the README's way to try it) against a real server: the job,
+    its progress, the base and tuned replies side by side, and the model deleted at the end."""
+    import re
+    import subprocess
+    import sys
+
+    script = Path(__file__).resolve().parent.parent / "scripts" / "fine_tuning_demo.py"
+    run = subprocess.run([sys.executable, str(script), "--base-url", server.base_url, "--api-key", server.keys["paid"],
+                          "--answer", TAUGHT, "--epochs", "50"], capture_output=True, text=True, timeout=180)
+    assert run.returncode == 0, run.stdout + run.stderr
+    assert re.search(r"^fine-tuned model ft:tiny-chat:tiergate:demo:\w{8}: \d+ tokens trained on$", run.stdout, re.M)
+    assert "checkpoint at step 50" in run.stdout and "running: Step" in run.stdout
+    assert f"'Hello': base " in run.stdout and f"-> fine-tuned {TAUGHT!r}" in run.stdout
+    name = re.search(r"^deleted (\S+)", run.stdout, re.M).group(1)
+    assert not (server.adapters / name).exists()
