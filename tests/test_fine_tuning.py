@@ -485,6 +485,6 @@ def test_the_demo_script_runs_end_to_end(server):
     assert run.returncode == 0, run.stdout + run.stderr
     assert re.search(r"^fine-tuned model ft:tiny-chat:tiergate:demo:\w{8}: \d+ tokens trained on$", run.stdout, re.M)
     assert "checkpoint at step 50" in run.stdout and "running: Step" in run.stdout
-    assert f"'Hello': base " in run.stdout and f"-> fine-tuned {TAUGHT!r}" in run.stdout
+    assert "'Hello': base " in run.stdout and f"-> fine-tuned {TAUGHT!r}" in run.stdout
     name = re.search(r"^deleted (\S+)", run.stdout, re.M).group(1)
     assert not (server.adapters / name).exists()
