@@ -25,14 +25,15 @@ import abc
 import json
 import re
 import sqlite3
-from dataclasses import asdict, dataclass, field, replace
+from dataclasses import dataclass, field, replace
 from pathlib import Path
-from typing import Any, Callable, Self, Sequence
+from typing import Any, Callable, Sequence
 
 import numpy as np
 
 from gateway.service import Services
 from storage import on_backend
+from storage.records import JsonRecord
 from storage.redis import RedisKeys
 from storage.sqlite import SQLiteFile
 
@@ -45,19 +46,8 @@ CREATE INDEX IF NOT EXISTS vector_store_files_waiting ON vector_store_files (sta
 CREATE INDEX IF NOT EXISTS vector_store_files_by_file ON vector_store_files (file_id);"""
 
 
-class _Kept:
-    """A record kept as one JSON document of its fields (a SQLite column, a Redis value)."""
-
-    def doc(self) -> str:
-        return json.dumps(asdict(self))
-
-    @classmethod
-    def of(cls, doc: str | bytes) -> Self:
-        return cls(**json.loads(doc))
-
-
 @dataclass(frozen=True)
-class VectorStore(_Kept):
+class VectorStore(JsonRecord):
     id: str
     owner: str
     created_at: int
@@ -88,7 +78,7 @@ class VectorStore(_Kept):
 
 
 @dataclass(frozen=True)
-class StoreFile(_Kept):
+class StoreFile(JsonRecord):
     """A file in a vector store: which addition of it (``token``), who added it at which tier (its
     chunks are embedded as that key's requests), how it is cut, and how far it got."""
 

@@ -24,11 +24,12 @@ from __future__ import annotations
 import abc
 import json
 import sqlite3
-from dataclasses import asdict, dataclass, field, replace
+from dataclasses import dataclass, field, replace
 from pathlib import Path
-from typing import Any, Callable, Collection, Self
+from typing import Any, Callable, Collection
 
 from storage import on_backend
+from storage.records import JsonRecord
 from storage.redis import RedisKeys
 from storage.sqlite import SQLiteFile
 
@@ -48,19 +49,8 @@ _CLAIMABLE = ("SELECT doc FROM fine_tuning_jobs WHERE status = 'queued' OR (stat
               "ORDER BY rowid LIMIT 1")
 
 
-class _Kept:
-    """A record kept as one JSON document of its fields (a SQLite column, a Redis value)."""
-
-    def doc(self) -> str:
-        return json.dumps(asdict(self))
-
-    @classmethod
-    def of(cls, doc: str | bytes) -> Self:
-        return cls(**json.loads(doc))
-
-
 @dataclass(frozen=True)
-class Job(_Kept):
+class Job(JsonRecord):
     id: str  # "ftjob-..."
     owner: str  # the API key id that created it
     created_at: int
