@@ -191,6 +191,11 @@ def test_a_running_job_is_cancelled_at_its_next_step_and_publishes_nothing(serve
     while not [e for e in c.fine_tuning.jobs.list_events(job.id).data if e.type == "metrics"]:
         assert time.time() < deadline
         time.sleep(0.05)
+    deadline = time.time() + 60
+    while (running := c.fine_tuning.jobs.retrieve(job.id)).estimated_finish is None:  # after 10 steps
+        assert time.time() < deadline
+        time.sleep(0.05)
+    assert running.estimated_finish > time.time() - 1  # 3,000 steps to go: not yet reached
     cancelled = c.fine_tuning.jobs.cancel(job.id)
     assert cancelled.status == "cancelled"
     deadline = time.time() + 30

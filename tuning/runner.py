@@ -52,6 +52,7 @@ LEASE_S = 30.0  # a running job is another process's to take once its lease is t
 RENEW_S = 2.0  # how often a running job's lease is renewed (and a cancel seen)
 POLL_S = 2.0  # how often an idle runner looks for jobs other processes queued or left
 CHECKPOINTS_KEPT = 3  # the last epochs' checkpoints published (OpenAI keeps three)
+ESTIMATE_EVERY = 10  # steps between updates of a running job's ``estimated_finish``
 
 
 def fine_tuned_name(job: Job) -> str:
@@ -66,6 +67,7 @@ class _Running:
     lost: bool = False  # its lease could not be renewed: cancelled, or another process has it
     rows: list[dict[str, Any]] = field(default_factory=list)  # the result file's rows, one per step
     total_steps: int = 0
+    began: float = 0.0  # when its training started (monotonic), for ``estimated_finish``
 
 
 class Tuner(Collector):
@@ -199,7 +201,7 @@ class Tuner(Collector):
             run = TrainRun(examples, checks, hp["n_epochs"], hp["batch_size"],
                            tuning.learning_rate * hp["learning_rate_multiplier"], job.seed, tuning.lora_rank,
                            tuning.lora_alpha, self.scratch / job.id / f"attempt-{job.attempt}")
-            running.total_steps = run.total_steps
+            running.total_steps, running.began = run.total_steps, time.monotonic()
             running.ctx = ctx = held.lease.context()
             if running.lost:
                 ctx.cancel()
@@ -251,6 +253,11 @@ class Tuner(Collector):
                                                   {"step": report["step"], "train_loss": report["train_loss"],
                                                    "train_mean_token_accuracy": report["train_mean_token_accuracy"],
                                                    "total_steps": running.total_steps}))
+        step = report["step"]
+        if step % ESTIMATE_EVERY == 0 and step < running.total_steps:  # when it should end, at its pace so far
+            elapsed = time.monotonic() - running.began
+            finish = int(time.time() + elapsed / step * (running.total_steps - step))
+            await self.store.change(job, ["running"], estimated_finish=finish)
 
     async def _publish(self, running: _Running, run: TrainRun) -> None:
         """The last epochs' adapters into the model's folder, the result file, and the job succeeded."""
