@@ -95,16 +95,20 @@ def test_start_time_tells_the_same_process_from_a_reused_pid():
 
 def test_descendants_are_children_and_their_children():
     proc = subprocess.Popen(["bash", "-c", "sleep 30 & wait"])
+    own: list[int] = []
     try:
         deadline = time.monotonic() + 5
         while len(reaper.descendants(proc.pid)) < 1 and time.monotonic() < deadline:
             time.sleep(0.02)
-        (grandchild,) = reaper.descendants(proc.pid)
+        own = reaper.descendants(proc.pid)
+        (grandchild,) = own
         assert {proc.pid, grandchild} <= set(reaper.descendants(os.getpid()))
     finally:
         proc.kill()
         proc.wait()
-        cleanup(*reaper.descendants(os.getpid()))
+        # this test's own processes only: the worker's other children (a session's vLLM engine
+        # core, a redis-server) belong to other tests' fixtures, which killing them broke
+        cleanup(*own)
 
 
 def test_sigkill_of_the_server_ends_the_engine_processes_and_only_them(tmp_path):
