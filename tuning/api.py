@@ -26,7 +26,7 @@ from gateway.errors import APIError, bad_request, not_found
 from gateway.schemas import Metadata, _Body, is_count, parse, read_json
 from gateway.service import Services
 from tuning.data import FileProblem, conversations, resolve
-from tuning.runner import Tuner, fine_tuned_name
+from tuning.runner import Tuner, event, fine_tuned_name
 from tuning.store import WAITING, Job
 
 SUFFIX = re.compile(r"[A-Za-z0-9_-]{1,40}")
@@ -136,9 +136,8 @@ async def create_job(request: Request) -> Response:
     if not ADAPTER_NAME.fullmatch(name) or len(name) + CKPT_ROOM > 128:
         raise bad_request(f"the fine-tuned model's name '{name}' would be too long; use a shorter suffix", "suffix")
     await tuner.store.create(job)
-    await tuner.store.add_event(job.id, {"id": f"ftevent-{secrets.token_hex(12)}", "object": "fine_tuning.job.event",
-                                         "created_at": job.created_at, "level": "info", "type": "message", "data": {},
-                                         "message": f"Validated the training file: {examples} examples; job queued"})
+    await tuner.store.add_event(job.id, event("message", "info", f"Validated the training file: {examples} examples; "
+                                                                 "job queued"))
     tuner.wake()
     return JSONResponse(public(job))
 
@@ -212,9 +211,7 @@ async def cancel_job(request: Request) -> Response:
         done = await tuner.store.change(job, ["queued", "running"], status="cancelled", finished_at=int(time.time()))
         if done is not None:
             tuner.stop_job(job.id)
-            await tuner.store.add_event(job.id, {"id": f"ftevent-{secrets.token_hex(12)}", "object": "fine_tuning.job.event",
-                                                 "created_at": int(time.time()), "level": "info", "type": "message",
-                                                 "data": {}, "message": "The job was cancelled"})
+            await tuner.store.add_event(job.id, event("message", "info", "The job was cancelled"))
             return JSONResponse(public(done))
     raise APIError(409, "the job changed while it was being cancelled; try again", "job_busy")
 

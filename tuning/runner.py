@@ -248,7 +248,7 @@ class Tuner(Collector):
         running.rows.append({"step": report["step"], "train_loss": report["train_loss"],
                              "train_accuracy": report["train_mean_token_accuracy"], "valid_loss": None,
                              "valid_mean_token_accuracy": None})
-        await self.store.add_event(job.id, _event("metrics", "info", f"Step {report['step']}/{running.total_steps}: "
+        await self.store.add_event(job.id, event("metrics", "info", f"Step {report['step']}/{running.total_steps}: "
                                                   f"training loss={report['train_loss']:.4f}",
                                                   {"step": report["step"], "train_loss": report["train_loss"],
                                                    "train_mean_token_accuracy": report["train_mean_token_accuracy"],
@@ -344,7 +344,7 @@ class Tuner(Collector):
         return now is not None and now.status == "cancelled"
 
     async def _event(self, job: Job, level: str, message: str) -> None:
-        await self.store.add_event(job.id, _event("message", level, message))
+        await self.store.add_event(job.id, event("message", level, message))
 
     def _count(self, job: Job, outcome: str) -> None:
         self.ended[outcome] += 1
@@ -367,7 +367,8 @@ def _metrics(row: dict) -> dict:
     return {k: v for k, v in out.items() if v is not None}
 
 
-def _event(kind: str, level: str, message: str, data: dict | None = None) -> dict:
+def event(kind: str, level: str, message: str, data: dict | None = None) -> dict:
+    """A ``fine_tuning.job.event``: ``kind`` is ``message`` or ``metrics``."""
     return {"id": f"ftevent-{secrets.token_hex(12)}", "object": "fine_tuning.job.event", "created_at": int(time.time()),
             "level": level, "message": message, "data": data or {}, "type": kind}
 
