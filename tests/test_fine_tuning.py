@@ -83,7 +83,10 @@ def test_a_job_trains_an_adapter_that_answers_as_taught(server):
     job = wait(c, job.id)
     assert job.status == "succeeded", job.error
     name = job.fine_tuned_model
-    assert name == f"ft:tiny-chat:tiergate:pirate:{job.id.removeprefix('ftjob-')[:8]}"
+    from gateway.auth import key_id
+
+    owner = key_id(server.keys["paid"])  # the organisation's place: its key, whose allow-list can say ft:*:<id>:*
+    assert name == f"ft:tiny-chat:{owner}:pirate:{job.id.removeprefix('ftjob-')[:8]}" and job.organization_id == owner
     assert job.trained_tokens == 50 * sum(len(_ids(server, line)) for line in LINES) and job.finished_at
 
     # it answers as taught (the base model does not), and requests name it at once
@@ -123,8 +126,6 @@ def test_a_job_trains_an_adapter_that_answers_as_taught(server):
     assert c.files.retrieve(job.result_files[0]).purpose == "fine-tune-results"
 
     # the owner's usage: the tokens trained on, at the batch tier, under the base model
-    from gateway.auth import key_id
-
     usage = httpx.get(f"{server.url}/admin/usage", params={"group_by": "tier", "key": key_id(server.keys["paid"])},
                       headers={"Authorization": f"Bearer {server.keys['admin']}"}).json()
     batch = next(row for row in usage["data"] if row["tier"] == "batch")
@@ -330,6 +331,7 @@ def test_what_a_job_cannot_be_made_of(server):
     batch_file = c.files.create(file=("b.jsonl", b'{"custom_id": "a"}'), purpose="batch").id
     assert refused(openai.BadRequestError, training_file=batch_file)["code"] == "invalid_file_purpose"
     assert refused(openai.BadRequestError, suffix="no spaces")["param"] == "suffix"
+    assert refused(openai.BadRequestError, suffix="under_score")["message"] == "suffix is 1 to 40 letters, digits, '.' or '-'"
     assert refused(openai.BadRequestError, hyperparameters={"n_epochs": 0})["param"] == "hyperparameters.n_epochs"
     assert refused(openai.BadRequestError, hyperparameters={"n_epochs": 2},
                    method={"type": "supervised"})["param"] == "hyperparameters"
@@ -488,7 +490,7 @@ def test_the_demo_script_runs_end_to_end(server):
     run = subprocess.run([sys.executable, str(script), "--base-url", server.base_url, "--api-key", server.keys["paid"],
                           "--answer", TAUGHT, "--epochs", "50"], capture_output=True, text=True, timeout=180)
     assert run.returncode == 0, run.stdout + run.stderr
-    assert re.search(r"^fine-tuned model ft:tiny-chat:tiergate:demo:\w{8}: \d+ tokens trained on$", run.stdout, re.M)
+    assert re.search(r"^fine-tuned model ft:tiny-chat:[0-9a-f]{16}:demo:\w{8}: \d+ tokens trained on$", run.stdout, re.M)
     assert "checkpoint at step 50" in run.stdout and "running: Step" in run.stdout
     assert "'Hello': base " in run.stdout and f"-> fine-tuned {TAUGHT!r}" in run.stdout
     name = re.search(r"^deleted (\S+)", run.stdout, re.M).group(1)

@@ -26,10 +26,10 @@ from gateway.errors import APIError, bad_request, not_found
 from gateway.schemas import Metadata, _Body, is_count, parse, read_json
 from gateway.service import Services
 from tuning.data import FileProblem, conversations, resolve
-from tuning.runner import Tuner, event, fine_tuned_name
+from tuning.runner import Tuner, event, fine_tuned_name, owner_label
 from tuning.store import WAITING, Job
 
-SUFFIX = re.compile(r"[A-Za-z0-9_-]{1,40}")
+SUFFIX = re.compile(r"[A-Za-z0-9.-]{1,40}")  # within an adapter's name (no '_' or ':')
 CKPT_ROOM = len(":ckpt-step-") + 9  # a checkpoint's name adds this much to the model's at most
 Auto = Literal["auto"]
 
@@ -93,7 +93,7 @@ def _context(request: Request) -> tuple[Services, Tuner, Caller]:
 def public(job: Job) -> dict[str, Any]:
     return {"id": job.id, "object": "fine_tuning.job", "created_at": job.created_at, "error": job.error,
             "fine_tuned_model": job.fine_tuned_model, "finished_at": job.finished_at,
-            "hyperparameters": job.hyperparameters, "model": job.model, "organization_id": "tiergate",
+            "hyperparameters": job.hyperparameters, "model": job.model, "organization_id": owner_label(job.owner),
             "result_files": job.result_files, "seed": job.seed, "status": job.status,
             "trained_tokens": job.trained_tokens, "training_file": job.training_file,
             "validation_file": job.validation_file, "estimated_finish": job.estimated_finish, "integrations": [],
@@ -117,7 +117,7 @@ async def create_job(request: Request) -> Response:
         raise bad_request("give hyperparameters in method.supervised.hyperparameters or in hyperparameters, not both",
                           "hyperparameters")
     if body.suffix is not None and not SUFFIX.fullmatch(body.suffix):
-        raise bad_request("suffix is 1 to 40 letters, digits, '-' or '_'", "suffix")
+        raise bad_request("suffix is 1 to 40 letters, digits, '.' or '-'", "suffix")
     asked = (body.method.supervised.hyperparameters if body.method is not None else
              body.hyperparameters or Hyperparameters()).asked()
     most = svc.config.fine_tuning.max_jobs_per_key
@@ -133,7 +133,7 @@ async def create_job(request: Request) -> Response:
               body.validation_file, resolve(asked, examples).public(),
               body.seed if body.seed is not None else secrets.randbelow(2**31), body.suffix, body.metadata or {})
     name = fine_tuned_name(job)
-    if not ADAPTER_NAME.fullmatch(name) or len(name) + CKPT_ROOM > 128:
+    if not ADAPTER_NAME.fullmatch(name) or len(name) + CKPT_ROOM > 128:  # the suffix's characters are checked
         raise bad_request(f"the fine-tuned model's name '{name}' would be too long; use a shorter suffix", "suffix")
     await tuner.store.create(job)
     await tuner.store.add_event(job.id, event("message", "info", f"Validated the training file: {examples} examples; "

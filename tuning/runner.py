@@ -12,7 +12,7 @@ the job goes on from the step it reached when they are back.
 
 At the end the job's adapters are published in the model's adapter folder (``Config.tuning_dir``),
 each copied beside it and renamed into place: the last three epochs' checkpoints as
-``<name>:ckpt-step-<N>`` and the last one as the fine-tuned model, ``ft:<model>:tiergate:<suffix>:<id>``,
+``<name>:ckpt-step-<N>`` and the last one as the fine-tuned model, ``ft:<model>:<key id>:<suffix>:<id>``,
 which requests can name at once. Its figures per step are a CSV result file
 (``fine-tune-results``); its usage (the tokens trained on, every epoch; GPU-seconds) is the
 owner's, at the batch tier, under the base model.
@@ -56,8 +56,15 @@ ESTIMATE_EVERY = 10  # steps between updates of a running job's ``estimated_fini
 
 
 def fine_tuned_name(job: Job) -> str:
-    """The fine-tuned model's name (OpenAI's shape: ``ft:<model>:<organisation>:<suffix>:<id>``)."""
-    return f"ft:{job.model}:tiergate:{job.suffix or ''}:{job.id.removeprefix('ftjob-')[:8]}"
+    """The fine-tuned model's name, in OpenAI's shape ``ft:<model>:<organisation>:<suffix>:<id>``
+    with the owner's key id for the organisation, so that an adapter allow-list pattern
+    ``ft:*:<key id>:*`` admits one key's fine-tuned models and no other's."""
+    return f"ft:{job.model}:{owner_label(job.owner)}:{job.suffix or ''}:{job.id.removeprefix('ftjob-')[:8]}"
+
+
+def owner_label(key_id: str) -> str:
+    """A key's id as it stands in its fine-tuned models' names (``_`` is in no adapter's name)."""
+    return key_id.replace("_", "-")
 
 
 @dataclass
