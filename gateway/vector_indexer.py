@@ -11,7 +11,6 @@ renews as it goes; a file whose process died is taken again once its lease ends.
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import itertools
 import logging
 import time
@@ -23,6 +22,7 @@ from prometheus_client.registry import Collector
 
 from batch.store import Store as BatchStore
 from gateway.auth import Caller
+from gateway.claim_loop import ClaimLoop
 from gateway.documents import Unreadable, document_text
 from gateway.embeddings import EmbedJob, serve_embeddings
 from gateway.errors import APIError
@@ -33,7 +33,6 @@ from workers.embed import InputError
 
 log = logging.getLogger("tiergate.vector_stores")
 LEASE_S = 60.0  # a file being read is another process's to take once its lease is this old
-POLL_S = 2.0  # how often an idle indexer looks for files other processes added or left
 GROUP = 64  # chunks embedded in one request
 MAX_FILE_TOKENS = 5_000_000  # tokens of text one file may have, as OpenAI's file search allows
 
@@ -42,7 +41,7 @@ class _Dropped(Exception):
     """The file was removed, added again or its store deleted while it was read: leave it."""
 
 
-class Indexer(Collector):
+class Indexer(ClaimLoop[StoreFile], Collector):
     """Reads the files added to vector stores, one at a time, in the order added. One task owns
     the work: it claims a waiting file (its own, another process's, or one whose process died: its
     lease ended), reads it, and finishes or fails it; it sleeps until a file is added here
@@ -53,10 +52,12 @@ class Indexer(Collector):
     ``/metrics`` shows the files this process read by how they ended, the chunks it embedded and
     whether it is reading one now (``collect``)."""
 
+    log = log
+    failure = "vector stores: claiming or recording a file failed"
+
     def __init__(self, svc: Services, store: VectorStoreStore, files: BatchStore) -> None:
+        super().__init__()
         self.svc, self.store, self.files = svc, store, files
-        self._wake = asyncio.Event()
-        self._task: asyncio.Task | None = None
         self.ended: Counter[str] = Counter()  # completed, failed, dropped (removed or added again meanwhile)
         self.chunks = 0
         self.reading = False
@@ -73,32 +74,13 @@ class Indexer(Collector):
         yield GaugeMetricFamily("tiergate_vector_store_reading", "1 while this process reads a file into a vector store",
                                 value=int(self.reading))
 
-    async def start(self) -> None:
-        self._task = asyncio.get_running_loop().create_task(self._run())
+    async def _claim(self) -> StoreFile | None:
+        # one at a time: a second file claimed now would wait under a lease nobody renews
+        taken = await self.store.claim(time.time(), LEASE_S, 1)
+        return taken[0] if taken else None
 
-    async def stop(self) -> None:
-        if self._task is not None:
-            self._task.cancel()
-            await asyncio.gather(self._task, return_exceptions=True)
-            self._task = None
-
-    def wake(self) -> None:
-        self._wake.set()
-
-    async def _run(self) -> None:
-        while True:
-            self._wake.clear()
-            taken: list[StoreFile] = []
-            try:  # one at a time: a second file claimed now would wait under a lease nobody renews
-                taken = await self.store.claim(time.time(), LEASE_S, 1)
-                for file in taken:
-                    await self._index(file)
-            except Exception:  # noqa: BLE001 - the store is down: the file's lease ends, and it is taken again
-                log.exception("vector stores: claiming or recording a file failed")
-            if not taken:
-                with contextlib.suppress(TimeoutError):
-                    async with asyncio.timeout(POLL_S):
-                        await self._wake.wait()
+    async def _work(self, file: StoreFile) -> None:
+        await self._index(file)
 
     async def _index(self, file: StoreFile) -> None:
         self.reading = True

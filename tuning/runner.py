@@ -1,7 +1,7 @@
 """The loop that runs fine-tuning jobs: one at a time per process, each on its model's trainer
 (``workers.trainer``) at the batch tier, and never lost.
 
-One task owns the work (as the vector stores' indexer does): it claims the oldest waiting job (a
+One task owns the work (``gateway.claim_loop``, as the vector stores' indexer does): it claims the oldest waiting job (a
 new one, or one whose process died: its lease ran out), and while the job runs it renews the
 lease every ``RENEW_S``; a renewal that fails (the job was cancelled, or another process took it)
 stops the training at its next optimizer step. The job asks the gate and the arbiter for the
@@ -39,9 +39,9 @@ from prometheus_client.registry import Collector
 from accounts.usage import Usage
 from batch.store import FileInfo, Store as FileStore
 from gateway.auth import Caller
+from gateway.claim_loop import ClaimLoop
 from gateway.errors import APIError
 from gateway.service import Held, Services
-from storage.redis import honour_cancel
 from tuning.data import FileProblem, conversations
 from tuning.store import FineTuningStore, Job
 from workers.base import Cancelled, StepContext
@@ -50,7 +50,6 @@ from workers.trainer import Example, TemplateNotTurnByTurn, TrainerGone, TrainRu
 log = logging.getLogger("tiergate.fine_tuning")
 LEASE_S = 30.0  # a running job is another process's to take once its lease is this old
 RENEW_S = 2.0  # how often a running job's lease is renewed (and a cancel seen)
-POLL_S = 2.0  # how often an idle runner looks for jobs other processes queued or left
 CHECKPOINTS_KEPT = 3  # the last epochs' checkpoints published (OpenAI keeps three)
 ESTIMATE_EVERY = 10  # steps between updates of a running job's ``estimated_finish``
 
@@ -77,15 +76,17 @@ class _Running:
     began: float = 0.0  # when its training started (monotonic), for ``estimated_finish``
 
 
-class Tuner(Collector):
+class Tuner(ClaimLoop[Job], Collector):
     """The process's fine-tuning runner (see the module's docstring)."""
 
+    log = log
+    failure = "fine-tuning: claiming or running a job failed"
+
     def __init__(self, svc: Services, store: FineTuningStore, files: FileStore) -> None:
+        super().__init__()
         self.svc, self.store, self.files = svc, store, files
         self.tier = next((t.name for t in svc.gate.tiers.values() if t.is_batch), svc.config.tier_names[-1])
         self.scratch = svc.config.data_dir() / "fine-tuning"  # checkpoints as they are written, per job
-        self._wake = asyncio.Event()
-        self._task: asyncio.Task | None = None
         self.ended: dict[str, int] = {"succeeded": 0, "failed": 0, "cancelled": 0}
         self.steps = 0
         self._current: _Running | None = None  # the job this process runs now
@@ -114,35 +115,11 @@ class Tuner(Collector):
         yield GaugeMetricFamily("tiergate_fine_tuning_running", "1 while this process runs a fine-tuning job",
                                 value=int(self.running))
 
-    async def start(self) -> None:
-        self._task = asyncio.get_running_loop().create_task(self._run())
+    async def _claim(self) -> Job | None:
+        return await self.store.claim(time.time(), LEASE_S)
 
-    async def stop(self) -> None:
-        if self._task is not None:
-            self._task.cancel()
-            await asyncio.gather(self._task, return_exceptions=True)
-            self._task = None
-
-    def wake(self) -> None:
-        self._wake.set()
-
-    async def _run(self) -> None:
-        while True:
-            self._wake.clear()
-            job = None
-            try:
-                job = await self.store.claim(time.time(), LEASE_S)
-                if job is not None:
-                    await self._job(job)
-            except asyncio.CancelledError:
-                raise
-            except Exception:  # noqa: BLE001 - the store is down: the job's lease ends, and it is taken again
-                log.exception("fine-tuning: claiming or running a job failed")
-            honour_cancel()
-            if job is None:
-                with contextlib.suppress(TimeoutError):
-                    async with asyncio.timeout(POLL_S):
-                        await self._wake.wait()
+    async def _work(self, job: Job) -> None:
+        await self._job(job)
 
     async def _job(self, job: Job) -> None:
         running = self._current = _Running(job)
