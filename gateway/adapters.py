@@ -197,7 +197,8 @@ class AdapterRegistry:
         if served is not None or not self.dirs or name in self.models or not NAME.fullmatch(name):
             return served
         found = self._find(name)
-        if found is None:
+        if found is None:  # removed from its folder: not held any more either
+            self.cached.pop(name, None)
             return None
         d, folder, files = found
         held = self.cached.get(name)
@@ -227,6 +228,7 @@ class AdapterRegistry:
                 continue
             found = self._find(name)
             if found is None:
+                self.cached.pop(name, None)
                 continue
             d, folder, files = found
             held = self.cached.get(name)

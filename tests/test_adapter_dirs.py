@@ -119,6 +119,7 @@ def test_a_folder_dropped_in_is_an_adapter_at_once(server, folders, demo_adapter
     shutil.rmtree(folders["chat"] / "sailor")
     with pytest.raises(openai.NotFoundError):
         chat(server, "sailor")
+    assert "sailor" not in server.services.adapters.cached  # nor held in host memory any more
     assert "sailor" not in {m.id for m in client(server).models.list()}
 
 

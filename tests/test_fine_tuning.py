@@ -158,6 +158,7 @@ def test_a_job_trains_an_adapter_that_answers_as_taught(server):
     assert c.models.delete(name).deleted and not (server.adapters / name).exists()
     with pytest.raises(openai.NotFoundError):
         ask(c, name, "Hello")
+    assert name not in server.services.adapters.cached  # its factors no longer held
     with pytest.raises(openai.NotFoundError):
         c.models.delete(name)
     assert ask(c, f"{name}:ckpt-step-50", PAIRS[0][0]) == TAUGHT  # its other checkpoints stay
