@@ -123,19 +123,14 @@ def plan_chat(svc: Services, body: ChatCompletionRequest) -> ChatJob:
         raise bad_request("top_logprobs needs logprobs: true", "top_logprobs")
     engine = _engine(svc, spec.name)
     tools = _plan_tools(body, getattr(engine, "tool_parser", "hermes"))
-    grammar = response_grammar(body.response_format)
-    if grammar is not None and tools.mode == "forced":
-        raise bad_request("response_format cannot constrain a reply that tool_choice already forces to be tool calls",
-                          "response_format")
-    if grammar is not None and tools.mode == "auto":
-        tools = ToolPlan("none", tools.tools)  # the reply is the requested JSON, not calls
+    grammar = tools.reply_grammar(response_grammar(body.response_format))
     service_tier.check(svc.config, body.service_tier)
     params = ChatParams(
         max_tokens, body.temperature, body.top_p, body.stop or [], body.seed,
         logprobs=(body.top_logprobs or 0) if body.logprobs else None,
         presence_penalty=body.presence_penalty, frequency_penalty=body.frequency_penalty,
         logit_bias={int(k): v for k, v in (body.logit_bias or {}).items()},
-        grammar=grammar or tools.grammar,
+        grammar=grammar,
     )
     return ChatJob(spec.name, body.messages_as_dicts(), params, stack, tools, body.n, body.service_tier,
                    stream=bool(body.stream), template_kwargs=body.template_kwargs(),

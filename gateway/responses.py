@@ -67,7 +67,7 @@ from gateway.errors import APIError, bad_request, not_found
 from gateway.logprobs import chat_content
 from gateway.response_store import ResponseStore, StoredResponse
 from gateway.schemas import (MAX_STACK, MAX_TOOLS, TOOL_NAME, AdapterChoice, ChatCompletionRequest, EndUser, Metadata,
-                             _Body, parse)
+                             _Body, parse, served_tool_types)
 from gateway.service import Services
 from gateway.tools import CallDelta
 from gateway.vector_search import check_filter, search_stores
@@ -85,7 +85,7 @@ CONTINUABLE = ("completed", "incomplete")
 
 
 class FunctionTool(_Body):
-    type: Literal["function"]
+    type: Annotated[Literal["function"], served_tool_types("function", "file_search")]
     name: str = Field(pattern=TOOL_NAME)
     description: str | None = None
     parameters: dict[str, Any] | None = None

@@ -15,7 +15,7 @@ import math
 import re
 from typing import Annotated, Any, Callable, Literal, TypeVar, Union
 
-from pydantic import AfterValidator, BaseModel, ConfigDict, Discriminator, Field, Tag, ValidationError, field_validator
+from pydantic import AfterValidator, BaseModel, BeforeValidator, ConfigDict, Discriminator, Field, Tag, ValidationError, field_validator
 from starlette.requests import Request
 
 from gateway.errors import APIError, bad_request
@@ -172,8 +172,21 @@ class FunctionDef(_Body):
     strict: bool | None = None
 
 
+def served_tool_types(*served: str) -> BeforeValidator:
+    """A tool's ``type`` that names what is served here when it is another (a built-in tool such
+    as ``web_search``, or chat's ``custom`` tools), rather than pydantic's "Input should be ..."."""
+
+    def check(value: Any) -> Any:
+        if isinstance(value, str) and value not in served:
+            raise ValueError(f"tools of type '{value}' are not served here; this server serves "
+                             + " and ".join(f"'{t}'" for t in served) + " tools")
+        return value
+
+    return BeforeValidator(check)
+
+
 class Tool(_Body):
-    type: Literal["function"]
+    type: Annotated[Literal["function"], served_tool_types("function")]
     function: FunctionDef
 
 
@@ -251,7 +264,8 @@ class EndUser(_Body):
     user: str | None = None
     safety_identifier: str | None = Field(default=None, max_length=64)
     prompt_cache_key: str | None = None
-    prompt_cache_retention: Literal["in-memory", "24h"] | None = None
+    # "in_memory" as the openai SDK types it, "in-memory" as OpenAI's API reference spells it
+    prompt_cache_retention: Literal["in_memory", "in-memory", "24h"] | None = None
 
     def end_user(self, key_id: str) -> str | None:
         """Who the caller says it serves, as logged: a hash scoped to the key (the raw value may

@@ -31,8 +31,8 @@ from typing import Any, Literal, Protocol
 
 from gateway.errors import bad_request
 from gateway.schemas import AllowedToolsChoice, NamedToolChoice, Tool
-from workers.base import JsonGrammar
-from workers.grammar import schema_error
+from workers.base import Grammar, JsonGrammar
+from workers.grammar import reply_or_calls, schema_error
 
 EMPTY_PARAMETERS: dict[str, Any] = {"type": "object", "properties": {}}
 
@@ -47,6 +47,18 @@ class ToolPlan:
     parser: str = "hermes"  # auto mode's format
     grammar: JsonGrammar | None = None  # forced mode's array of calls
     legacy: bool = False  # asked as the deprecated functions: one call, answered as message.function_call
+    single: bool = False  # at most one call (parallel_tool_calls: false, a named function, functions)
+
+    def reply_grammar(self, reply: JsonGrammar | None) -> Grammar | None:
+        """What constrains the reply when the request also asks for the format ``reply`` (None:
+        free text). Forced calls keep their grammar (the format shapes text, and a forced reply has
+        none); in auto mode the reply is the format's JSON or the model's calls, as it chooses."""
+        if self.mode == "forced":
+            return self.grammar
+        if self.mode == "auto" and reply is not None:
+            call = JsonGrammar(json.dumps(call_schema([t for t in self.tools if t.function.name in self.names])))
+            return reply_or_calls(reply, call, OPEN, CLOSE, several=not self.single)
+        return reply
 
     def template_tools(self) -> list[dict] | None:
         """The tools as the chat template takes them (None: render none)."""
@@ -96,7 +108,7 @@ def plan_tools(tools: list[Tool] | None, choice: str | NamedToolChoice | Allowed
     if choice == "none":
         return ToolPlan("none", tuple(tools))
     if choice == "auto":
-        return ToolPlan("auto", tuple(tools), tuple(names), parser)
+        return ToolPlan("auto", tuple(tools), tuple(names), parser, single=parallel is False)
     if isinstance(choice, NamedToolChoice):
         if choice.function.name not in names:
             raise bad_request(f"tool_choice names the function '{choice.function.name}', which is not among "
@@ -106,20 +118,28 @@ def plan_tools(tools: list[Tool] | None, choice: str | NamedToolChoice | Allowed
     else:  # required
         allowed, single = names, parallel is False
     grammar = JsonGrammar(json.dumps(calls_schema([t for t in tools if t.function.name in allowed], single)))
-    return ToolPlan("forced", tuple(tools), tuple(allowed), parser, grammar)
+    return ToolPlan("forced", tuple(tools), tuple(allowed), parser, grammar, single=single)
 
 
-def calls_schema(tools: list[Tool], single: bool) -> dict:
-    """The JSON schema of a forced reply: an array of ``{"name", "arguments"}`` calls of
-    ``tools`` (exactly one when ``single``). Each tool's ``$defs`` move to the root, renamed."""
+def call_schema(tools: list[Tool]) -> dict:
+    """The JSON schema of one ``{"name", "arguments"}`` call of one of ``tools``. Each tool's
+    ``$defs`` move to the root, renamed."""
     defs: dict[str, Any] = {}
     items = []
     for i, tool in enumerate(tools):
         params = _hoist_defs(tool.function.parameters or EMPTY_PARAMETERS, f"tool{i}_", defs)
         items.append({"type": "object", "properties": {"name": {"const": tool.function.name}, "arguments": params},
                       "required": ["name", "arguments"], "additionalProperties": False})
-    schema: dict[str, Any] = {"type": "array", "items": items[0] if len(items) == 1 else {"anyOf": items},
-                              "minItems": 1}
+    schema: dict[str, Any] = items[0] if len(items) == 1 else {"anyOf": items}
+    return {**schema, "$defs": defs} if defs else schema
+
+
+def calls_schema(tools: list[Tool], single: bool) -> dict:
+    """The JSON schema of a forced reply: an array of calls of ``tools`` (exactly one when
+    ``single``), the calls' ``$defs`` at the root."""
+    call = call_schema(tools)
+    defs = call.pop("$defs", None)
+    schema: dict[str, Any] = {"type": "array", "items": call, "minItems": 1}
     if single:
         schema["maxItems"] = 1
     if defs:

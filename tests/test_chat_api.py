@@ -158,6 +158,51 @@ def test_required_tool_choice_whole_and_streamed(server):
     models[calls[0]["name"]].model_validate_json(calls[0]["arguments"])
 
 
+def test_auto_tools_beside_a_response_format_answer_with_the_json_or_calls(server):
+    """An agent's usual request: tools it may call and the shape of its final answer. Each reply
+    is either the format's JSON (``stop``) or valid calls (``tool_calls``), never text outside
+    both; across seeds the random model takes both ways, whole and streamed alike."""
+    models = {"GetWeather": GetWeather, "SetAlarm": SetAlarm}
+    fmt = {"type": "json_schema", "json_schema": {"name": "Answer", "schema": Answer.model_json_schema()}}
+    seen, calling_seed = set(), None
+    for seed in range(16):
+        r = client(server).chat.completions.create(model="tiny-chat", messages=ASK, tools=TOOLS, response_format=fmt,
+                                                   max_tokens=128, seed=seed)
+        c = r.choices[0]
+        if c.message.tool_calls:
+            assert c.finish_reason == "tool_calls" and not c.message.content, c
+            for call in c.message.tool_calls:
+                models[call.function.name].model_validate_json(call.function.arguments)
+            seen.add("calls")
+            calling_seed = seed
+        else:
+            assert c.finish_reason == "stop", c
+            Answer.model_validate_json(c.message.content)
+            seen.add("json")
+        if seen == {"calls", "json"}:
+            break
+    assert seen == {"calls", "json"}
+    whole = client(server).chat.completions.create(model="tiny-chat", messages=ASK, tools=TOOLS, response_format=fmt,
+                                                   max_tokens=128, seed=calling_seed)
+    stream = client(server).chat.completions.create(model="tiny-chat", messages=ASK, tools=TOOLS, response_format=fmt,
+                                                    max_tokens=128, seed=calling_seed, stream=True)
+    calls, finishes, _ = stream_calls(stream)
+    assert finishes == ["tool_calls"]
+    assert [(k["name"], json.loads(k["arguments"])) for k in calls] == [
+        (k.function.name, json.loads(k.function.arguments)) for k in whole.choices[0].message.tool_calls]
+
+
+def test_forced_tools_beside_a_response_format_are_calls(server):
+    """``tool_choice: "required"`` with a response format (the Agents SDK sends both on an
+    agent's first turn): the reply is calls, as OpenAI serves it; the format shapes a later
+    turn's text."""
+    fmt = {"type": "json_schema", "json_schema": {"name": "Answer", "schema": Answer.model_json_schema()}}
+    r = client(server).chat.completions.create(model="tiny-chat", messages=ASK, tools=TOOLS, tool_choice="required",
+                                               parallel_tool_calls=False, response_format=fmt, max_tokens=128, seed=2)
+    (call,) = r.choices[0].message.tool_calls
+    {"GetWeather": GetWeather, "SetAlarm": SetAlarm}[call.function.name].model_validate_json(call.function.arguments)
+
+
 def test_allowed_tools_render_and_allow_only_the_tools_they_list(server):
     """``tool_choice: {"type": "allowed_tools", ...}``: the prompt holds the listed tools alone
     (the server's prompt tokens are the template's with that one tool), and ``required`` calls
@@ -324,6 +369,9 @@ def test_the_end_user_and_prompt_cache_fields_are_accepted_and_logged_scoped(ser
                                        safety_identifier="bob@example.com", prompt_cache_key="app-1",
                                        prompt_cache_retention="24h", verbosity="low", modalities=["text"])
     assert tagged.choices[0].message.content == plain.choices[0].message.content
+    sdk_spelled = c.chat.completions.create(model="tiny-chat", messages=ASK, max_tokens=4, temperature=0,
+                                            prompt_cache_retention="in_memory")  # the openai SDK's literal
+    assert sdk_spelled.choices[0].message.content == plain.choices[0].message.content
     assert "bob@example.com" not in caplog.text
     assert EndUser(safety_identifier="bob@example.com").end_user(key_id(server.keys["paid"])) in caplog.text
     chunks = list(c.chat.completions.create(model="tiny-chat", messages=ASK, max_tokens=4, temperature=0, stream=True,
@@ -423,6 +471,7 @@ GOOD = {"model": "tiny-chat", "messages": ASK, "max_tokens": 4}
      "tools[0].function.parameters"),
     ({"tools": TOOLS, "tool_choice": {"type": "function", "function": {"name": "Missing"}}}, "tool_choice"),
     ({"tool_choice": "required"}, "tool_choice"),
+    ({"tools": [{"type": "custom", "custom": {"name": "grep"}}]}, "tools[0].type"),
     ({"functions": [t["function"] for t in TOOLS], "tools": TOOLS}, "functions"),
     ({"function_call": "auto"}, "function_call"),
     ({"functions": [t["function"] for t in TOOLS], "function_call": {"name": "Missing"}}, "function_call"),
@@ -450,3 +499,4 @@ def test_bad_fields_are_400_naming_the_param(server, extra, param):
     assert r.status_code == 400, r.text
     err = r.json()["error"]
     assert err["param"] == param and isinstance(err["code"], str) and err["message"]
+    assert param != "tools[0].type" or "'custom' are not served here" in err["message"]

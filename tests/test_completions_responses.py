@@ -726,11 +726,14 @@ def test_streamed_function_call_arguments(server):
     ({"input": "word " * 600}, "input"),
     ({"input": "x", "background": True, "store": False}, "background"),
     ({"input": "x", "frobnicate": 1}, "frobnicate"),
+    ({"input": "x", "tools": [{"type": "web_search"}]}, "tools[0].type"),  # the Agents SDK's WebSearchTool
 ])
 def test_bad_response_input_is_a_400_naming_the_param(server, body, param):
     r = post(server, "/responses", {"model": "tiny-chat", **body})
     assert r.status_code == 400, r.text
     assert r.json()["error"]["param"] == param
+    if param == "tools[0].type":
+        assert "'web_search' are not served here" in r.json()["error"]["message"]
 
 
 # -- background responses -----------------------------------------------------------------------------

@@ -155,7 +155,7 @@ SAMPLING = {"temperature": EDGE_FLOATS, "top_p": EDGE_FLOATS, "seed": EDGE_INTS,
             "service_tier": st.sampled_from(["auto", "default", "flex", "priority", "paid", "batch", "free", "gold"]),
             "user": TEXT, "metadata": st.dictionaries(TEXT, TEXT | ANY_JSON, max_size=3)}
 
-END_USER = {"safety_identifier": TEXT, "prompt_cache_key": TEXT, "prompt_cache_retention": st.sampled_from(["in-memory", "24h", "1h"])}
+END_USER = {"safety_identifier": TEXT, "prompt_cache_key": TEXT, "prompt_cache_retention": st.sampled_from(["in-memory", "in_memory", "24h", "1h"])}
 
 # each endpoint: a valid body, and a near-miss strategy per field (any field may also get ANY_JSON)
 ENDPOINTS = {

@@ -97,3 +97,57 @@ def test_bad_plans_are_400_naming_the_field(tools, choice, param):
     with pytest.raises(APIError) as err:
         plan_tools(tools, choice, None)
     assert err.value.status == 400 and err.value.param == param
+
+
+# -- auto tools beside a response format: the JSON or the model's calls ------------------------------------------------
+
+def matches(grammar, text: str) -> bool:
+    """Whether ``grammar`` (a JsonGrammar or an EbnfGrammar) takes ``text`` whole and may end
+    there: fed character by character to xgrammar over a one-character vocabulary, as the engines
+    feed it tokens."""
+    import xgrammar as xgr
+
+    from workers.grammar import Grammars
+
+    class OneCharacter:  # the part of a Hugging Face tokenizer that xgrammar reads
+        vocab = [chr(i) for i in range(128)] + ["</s>"]
+
+    info = xgr.TokenizerInfo(OneCharacter.vocab, stop_token_ids=[128])
+    grammars = Grammars.__new__(Grammars)
+    grammars.vocab_size, grammars._compiler = len(info.decoded_vocab), xgr.GrammarCompiler(info)
+    row = grammars.row(grammar)
+    try:
+        for ch in text:
+            row.accept(ord(ch))
+        row.accept(128)
+    except RuntimeError:
+        return False
+    return row.finished
+
+
+REPLY = {"type": "object", "properties": {"ok": {"type": "boolean"}}, "required": ["ok"], "additionalProperties": False}
+HOUR = {"type": "object", "properties": {"hour": {"type": "integer"}}, "required": ["hour"]}
+
+
+def test_a_response_format_beside_auto_tools_takes_the_json_or_calls_of_the_tools():
+    from workers.base import JsonGrammar
+
+    reply = JsonGrammar(json.dumps(REPLY))
+    several = plan_tools([tool("alarm", HOUR), tool("noop")], "auto", None).reply_grammar(reply)
+    call, other = '{"name":"alarm","arguments":{"hour":7}}', '{"name":"noop","arguments":{}}'
+    for text in ['{"ok":true}', f"<tool_call>{call}</tool_call>", f"<tool_call>\n{call}\n</tool_call>",
+                 f"<tool_call>{call}</tool_call>\n<tool_call>\n{other}</tool_call>"]:
+        assert matches(several, text), text
+    for text in ['{"ok":1}', '{"ok":true,"x":1}', "ok", f"{call}", '<tool_call>{"name":"rm","arguments":{}}</tool_call>',
+                 '<tool_call>{"name":"alarm","arguments":{"hour":"7"}}</tool_call>', f"<tool_call>{call}</tool_call> done",
+                 f'<tool_call>{call}</tool_call>{{"ok":true}}']:
+        assert not matches(several, text), text
+    single = plan_tools([tool("alarm", HOUR), tool("noop")], "auto", False).reply_grammar(reply)
+    assert matches(single, f"<tool_call>{call}</tool_call>")
+    assert not matches(single, f"<tool_call>{call}</tool_call>\n<tool_call>{other}</tool_call>")
+    # the reply's grammar alone without tools; a forced plan keeps its array of calls
+    assert plan_tools(None, None, None).reply_grammar(reply) is reply
+    assert plan_tools([tool("a")], "none", None).reply_grammar(reply) is reply
+    forced = plan_tools([tool("alarm", HOUR)], "required", None)
+    assert forced.reply_grammar(reply) is forced.grammar and matches(forced.grammar, f"[{call}]")
+    assert plan_tools([tool("alarm", HOUR)], "auto", None).reply_grammar(None) is None

@@ -129,6 +129,18 @@ class JsonGrammar:
     schema: str
 
 
+@dataclass(frozen=True)
+class EbnfGrammar:
+    """Constrained decoding by a grammar in xgrammar's EBNF (start rule ``root``): a reply that
+    may take one of several shapes, such as the requested JSON or the model's own tool calls
+    (``workers.grammar.reply_or_calls``)."""
+
+    ebnf: str
+
+
+Grammar = JsonGrammar | EbnfGrammar
+
+
 @dataclass
 class ChatParams:
     max_tokens: int = 256  # 0: nothing generated (a prompt scored for its ``prompt_logprobs``)
@@ -140,7 +152,7 @@ class ChatParams:
     presence_penalty: float = 0.0  # subtracted once from a token that was generated before
     frequency_penalty: float = 0.0  # subtracted per earlier generation of a token
     logit_bias: dict[int, float] = field(default_factory=dict)  # token id -> added to its logit
-    grammar: JsonGrammar | None = None
+    grammar: Grammar | None = None
     prompt_logprobs: int | None = None  # None: none; k: each prompt token's and the k most likely there
 
 

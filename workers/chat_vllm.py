@@ -83,7 +83,9 @@ from workers.base import (
     ChatFinished,
     ChatParams,
     ChatRequest,
+    EbnfGrammar,
     InvalidParam,
+    JsonGrammar,
     ModelSpec,
     StackKey,
     TextDelta,
@@ -864,10 +866,14 @@ def _sampling_extras(p: ChatParams) -> dict[str, Any]:
         "frequency_penalty": p.frequency_penalty,
         "logit_bias": dict(p.logit_bias) or None,
     }
-    if p.grammar is not None:
+    if isinstance(p.grammar, JsonGrammar):
         from vllm.sampling_params import StructuredOutputsParams
 
         extras["structured_outputs"] = StructuredOutputsParams(json=p.grammar.schema)
+    elif isinstance(p.grammar, EbnfGrammar):
+        from vllm.sampling_params import StructuredOutputsParams
+
+        extras["structured_outputs"] = StructuredOutputsParams(grammar=p.grammar.ebnf)
     return extras
 
 

@@ -17,6 +17,10 @@ declares (what the output may contain narrows; everything it does contain valida
 * A reasoning model's reply (``ChatRequest.reasoning``) is constrained after its thinking, on
   both engines: from the token after its first ``</think>``, or from the first token when the
   prompt closed the thinking.
+* A reply that may take either of two shapes is an :class:`~workers.base.EbnfGrammar`:
+  :func:`reply_or_calls` joins the requested JSON and the model's tool-call blocks (tools in
+  ``auto`` mode with a response format), each JSON part compact as above. vLLM takes its EBNF
+  text (``StructuredOutputsParams(grammar=...)``), the transformers engine compiles it.
 """
 
 from __future__ import annotations
@@ -25,7 +29,7 @@ import json
 
 import torch
 
-from workers.base import JsonGrammar
+from workers.base import EbnfGrammar, Grammar, JsonGrammar
 
 SEPARATORS = (",", ":")  # compact JSON, as vLLM's disable_any_whitespace compiles it
 
@@ -39,6 +43,27 @@ def schema_error(schema: dict | bool) -> str | None:
     except Exception as exc:  # noqa: BLE001 - xgrammar raises RuntimeError/ValueError with its reason
         return _reason(exc)
     return None
+
+
+def reply_or_calls(reply: JsonGrammar, call: JsonGrammar, begin: str, end: str, several: bool) -> EbnfGrammar:
+    """A reply that is either JSON valid against ``reply``, or tool calls: blocks of ``begin``,
+    a JSON call valid against ``call``, ``end`` (one block, or with ``several`` one or more a
+    newline apart). A newline may open and close a block's JSON, as templates differ on it
+    (hermes-style ``<tool_call>{...}</tool_call>`` and Qwen's ``<tool_call>\\n{...}\\n</tool_call>``).
+    Built as an xgrammar structural tag and given out as EBNF text, which both engines take."""
+    import xgrammar as xgr
+
+    def compact(g: JsonGrammar) -> dict:
+        ebnf = str(xgr.Grammar.from_json_schema(g.schema, any_whitespace=False, separators=SEPARATORS))
+        return {"type": "grammar", "grammar": ebnf}
+
+    newline = {"type": "grammar", "grammar": 'root ::= "" | "\\n"'}
+    block = {"type": "tag", "begin": begin, "end": end,
+             "content": {"type": "sequence", "elements": [newline, compact(call), newline]}}
+    calls = {"type": "tags_with_separator", "tags": [block], "separator": "\n", "at_least_one": True,
+             "stop_after_first": not several}
+    tag = {"type": "structural_tag", "format": {"type": "or", "elements": [compact(reply), calls]}}
+    return EbnfGrammar(str(xgr.Grammar.from_structural_tag(json.dumps(tag))))
 
 
 def _reason(exc: Exception) -> str:
@@ -57,9 +82,12 @@ class Grammars:
         info = xgr.TokenizerInfo.from_huggingface(tokenizer, vocab_size=vocab_size, stop_token_ids=stop_ids)
         self._compiler = xgr.GrammarCompiler(info, max_threads=2)
 
-    def row(self, grammar: JsonGrammar) -> "RowGrammar":
+    def row(self, grammar: Grammar) -> "RowGrammar":
         """A fresh matcher for one row constrained by ``grammar``."""
-        compiled = self._compiler.compile_json_schema(grammar.schema, any_whitespace=False, separators=SEPARATORS)
+        if isinstance(grammar, EbnfGrammar):
+            compiled = self._compiler.compile_grammar(grammar.ebnf)
+        else:
+            compiled = self._compiler.compile_json_schema(grammar.schema, any_whitespace=False, separators=SEPARATORS)
         return RowGrammar(compiled, self.vocab_size)
 
 
