@@ -1,0 +1,188 @@
+"""The OpenAI Agents SDK (``openai-agents``) against a real server on tiny-chat (random weights),
+through both of its model classes: ``OpenAIResponsesModel`` (the Responses API, its default) and
+``OpenAIChatCompletionsModel``. What an agent needs of the server: function tools called with
+valid arguments and their outputs read back, an ``output_type`` answered in its schema (beside
+the tools), handoffs, streamed runs, the server keeping the conversation
+(``previous_response_id``, ``conversation_id``), the hosted ``FileSearchTool``, and a clear 400 for
+a hosted tool that is not served. Chat runs on the transformers engine here; both engines'
+grammars (tools beside a response format) are tested in ``test_chat_api``.
+
+A random model may call tools for ever when it may choose; where a test needs the run to end,
+a run hook (the SDK's own extension point) turns tools off after the first call, so the next
+turn answers (``reset_tool_choice=False``, or the SDK would set ``tool_choice`` back to auto).
+Each test makes its clients inside one event loop (``asyncio.run``): an ``AsyncOpenAI`` client's
+connections belong to the loop that opened them."""
+
+from __future__ import annotations
+
+import asyncio
+from typing import Literal
+
+import openai
+import pytest
+from pydantic import BaseModel
+
+agents = pytest.importorskip("agents")
+from agents import (Agent, FileSearchTool, ModelSettings, OpenAIChatCompletionsModel,  # noqa: E402
+                    OpenAIResponsesModel, RunHooks, Runner, WebSearchTool, function_tool, set_tracing_disabled)
+
+from tests.helpers import start_server, write_config  # noqa: E402
+
+set_tracing_disabled(True)  # the SDK would otherwise send traces to api.openai.com
+
+MODELS = ["responses", "chat_completions"]
+
+
+class Answer(BaseModel):
+    color: Literal["red", "green", "blue"]
+    ok: bool
+
+
+@pytest.fixture(scope="module")
+def server(tiny_chat, tiny_embed, tmp_path_factory):
+    folder = tmp_path_factory.mktemp("agents")
+    s = start_server(write_config(folder, {"tiny-chat": ("chat", tiny_chat), "tiny-embed": ("embed", tiny_embed)},
+                                  "limits:\n  max_chat_tokens: 256\n"))
+    yield s
+    s.stop()
+
+
+def client(server) -> openai.AsyncOpenAI:
+    return openai.AsyncOpenAI(base_url=server.base_url, api_key=server.keys["paid"], max_retries=0, timeout=120)
+
+
+def model(server, api: str):
+    c = client(server)
+    return OpenAIResponsesModel("tiny-chat", c) if api == "responses" else OpenAIChatCompletionsModel("tiny-chat", c)
+
+
+class AnswerAfterOneCall(RunHooks):
+    """After the first tool call, the agent's tools are off (``tool_choice: "none"``): the next
+    turn is its answer in ``output_type``."""
+
+    async def on_tool_end(self, context, agent, tool, result) -> None:
+        agent.model_settings = agent.model_settings.resolve(ModelSettings(tool_choice="none"))
+
+
+def weather_tool(calls: list[str]):
+    @function_tool
+    def get_weather(city: Literal["paris", "oslo", "lima"]) -> str:
+        """The weather in a city."""
+        calls.append(city)
+        return f"WEATHER-REPORT: sunny in {city}"
+
+    return get_weather
+
+
+@pytest.mark.parametrize("api", MODELS)
+@pytest.mark.parametrize("streamed", [False, True], ids=["run", "run_streamed"])
+def test_an_agent_calls_its_tool_reads_the_output_and_answers_in_its_output_type(server, api, streamed):
+    calls: list[str] = []
+    agent = Agent(name="weather", instructions="Look the weather up, then answer.", model=model(server, api),
+                  tools=[weather_tool(calls)], output_type=Answer, reset_tool_choice=False,
+                  model_settings=ModelSettings(max_tokens=96, tool_choice="required", parallel_tool_calls=False))
+
+    chain = api == "responses" and not streamed  # each turn sends only what is new, after the one before
+
+    async def run():
+        if not streamed:
+            result, events = await Runner.run(agent, "Weather in Oslo?", hooks=AnswerAfterOneCall(), max_turns=4,
+                                              auto_previous_response_id=chain), []
+        else:
+            result = Runner.run_streamed(agent, "Weather in Oslo?", hooks=AnswerAfterOneCall(), max_turns=4)
+            events = [e async for e in result.stream_events()]
+        items, last = [], None
+        if api == "responses":
+            c = client(server)
+            items = [i async for i in c.responses.input_items.list(result.last_response_id, order="asc")]
+            last = await c.responses.retrieve(result.last_response_id)
+        return result, events, items, last
+
+    result, events, items, last = asyncio.run(run())
+    assert isinstance(result.final_output, Answer)
+    assert calls and calls[0] in ("paris", "oslo", "lima")
+    kinds = [item.type for item in result.new_items]
+    assert kinds == ["tool_call_item", "tool_call_output_item", "message_output_item"], kinds
+    assert result.new_items[1].output == f"WEATHER-REPORT: sunny in {calls[0]}"
+    if streamed:
+        names = [e.name for e in events if e.type == "run_item_stream_event"]
+        assert names == ["tool_called", "tool_output", "message_output_created"], names
+        assert any(e.type == "raw_response_event" for e in events)  # the text arrived as it was made
+    if api == "responses":  # the server read the tool's output as the second turn's input
+        # chained or sent whole, the same conversation (input_items lists a chain's earlier turns too)
+        assert [i.type for i in items] == ["message", "function_call", "function_call_output"]
+        assert items[-1].output == result.new_items[1].output
+        assert (last.previous_response_id is not None) == chain
+        assert last.usage.input_tokens > 0
+
+
+@pytest.mark.parametrize("api", MODELS)
+def test_a_handoff_passes_the_conversation_to_the_other_agent(server, api):
+    m = model(server, api)
+    specialist = Agent(name="colors", handoff_description="Knows colors", instructions="Pick a color.", model=m,
+                       output_type=Answer, model_settings=ModelSettings(max_tokens=64))
+    triage = Agent(name="triage", instructions="Hand the question off.", model=m, handoffs=[specialist],
+                   model_settings=ModelSettings(max_tokens=64, tool_choice="required", parallel_tool_calls=False))
+    result = asyncio.run(Runner.run(triage, "Which color?", max_turns=4))
+    assert result.last_agent is specialist
+    assert isinstance(result.final_output, Answer)
+    assert [item.type for item in result.new_items] == ["handoff_call_item", "handoff_output_item", "message_output_item"]
+
+
+def test_the_server_keeps_the_conversation_by_response_id_and_by_conversation(server):
+    """``previous_response_id`` sends only the new turn; the server adds the earlier ones.
+    ``conversation_id`` keeps every turn in a conversation. (``auto_previous_response_id``, which
+    chains the turns of one run, is in the tool test.)"""
+    async def run():
+        c = client(server)
+        agent = Agent(name="a", instructions="Pick.", model=OpenAIResponsesModel("tiny-chat", c), output_type=Answer,
+                      model_settings=ModelSettings(max_tokens=64))
+        first = await Runner.run(agent, "FIRST-QUESTION?")
+        second = await Runner.run(agent, "SECOND-QUESTION?", previous_response_id=first.last_response_id)
+        chained = [await c.responses.retrieve(r.last_response_id) for r in (first, second)]
+        conversation = await c.conversations.create()
+        await Runner.run(agent, "FIRST-QUESTION?", conversation_id=conversation.id)
+        await Runner.run(agent, "SECOND-QUESTION?", conversation_id=conversation.id)
+        return chained, [i async for i in c.conversations.items.list(conversation.id, order="asc")]
+
+    (first, second), items = asyncio.run(run())
+    assert second.previous_response_id == first.id
+    assert second.usage.input_tokens > first.usage.input_tokens  # the first turn was in the second prompt
+    said = [part.text for i in items if i.type == "message" and i.role == "user" for part in i.content]
+    assert said == ["FIRST-QUESTION?", "SECOND-QUESTION?"]
+    assert sum(i.type == "message" and i.role == "assistant" for i in items) == 2
+
+
+def test_the_hosted_file_search_tool_searches_the_callers_vector_store(server):
+    c = client(server)
+
+    async def run():
+        f = await c.files.create(file=("eviction.txt", b"The arbiter evicts the model a lower tier used last."),
+                                 purpose="assistants")
+        store = await c.vector_stores.create(name="docs", file_ids=[f.id])
+        for _ in range(300):
+            store = await c.vector_stores.retrieve(store.id)
+            if store.status == "completed":
+                break
+            await asyncio.sleep(0.2)
+        agent = Agent(name="docs", instructions="Answer from the files.", model=OpenAIResponsesModel("tiny-chat", c),
+                      tools=[FileSearchTool(vector_store_ids=[store.id], include_search_results=True)],
+                      output_type=Answer, model_settings=ModelSettings(max_tokens=64))
+        return f, await Runner.run(agent, "How are models evicted?")
+
+    f, result = asyncio.run(run())
+    search = result.new_items[0]
+    assert search.type == "tool_call_item" and search.raw_item.type == "file_search_call"
+    assert search.raw_item.queries == ["How are models evicted?"]
+    assert [r.file_id for r in search.raw_item.results] == [f.id]
+    assert isinstance(result.final_output, Answer)
+
+
+def test_a_hosted_tool_that_is_not_served_is_a_400_naming_it(server):
+    async def run():
+        agent = Agent(name="web", instructions="Search.", model=model(server, "responses"), tools=[WebSearchTool()])
+        return await Runner.run(agent, "News?")
+
+    with pytest.raises(openai.BadRequestError) as err:
+        asyncio.run(run())
+    assert err.value.body["param"] == "tools[0].type" and "'web_search'" in err.value.body["message"]
