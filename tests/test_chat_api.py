@@ -400,6 +400,22 @@ def test_langchain_structured_output_and_bind_tools(server):
     models = {"GetWeather": GetWeather, "SetAlarm": SetAlarm}
     for call in message.tool_calls:
         models[call["name"]].model_validate(call["args"])
+    # tools and a response format at once (LangChain's bind_tools(..., response_format=)): a call or the parsed answer
+    seen = set()
+    for seed in range(16):
+        llm = ChatOpenAI(model="tiny-chat", base_url=server.base_url, api_key=server.keys["paid"], max_tokens=128,
+                         max_retries=0, seed=seed)
+        message = llm.bind_tools([GetWeather, SetAlarm], response_format=Answer).invoke("Weather in Oslo?")
+        if message.tool_calls:
+            for call in message.tool_calls:
+                models[call["name"]].model_validate(call["args"])
+            seen.add("calls")
+        else:
+            assert isinstance(message.additional_kwargs["parsed"], Answer), message
+            seen.add("parsed")
+        if len(seen) == 2:
+            break
+    assert seen == {"calls", "parsed"}
 
 
 def test_instructor_tools_mode(server):

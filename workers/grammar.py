@@ -25,6 +25,7 @@ declares (what the output may contain narrows; everything it does contain valida
 
 from __future__ import annotations
 
+import functools
 import json
 
 import torch
@@ -50,11 +51,17 @@ def reply_or_calls(reply: JsonGrammar, call: JsonGrammar, begin: str, end: str, 
     a JSON call valid against ``call``, ``end`` (one block, or with ``several`` one or more a
     newline apart). A newline may open and close a block's JSON, as templates differ on it
     (hermes-style ``<tool_call>{...}</tool_call>`` and Qwen's ``<tool_call>\\n{...}\\n</tool_call>``).
-    Built as an xgrammar structural tag and given out as EBNF text, which both engines take."""
+    Built as an xgrammar structural tag and given out as EBNF text, which both engines take;
+    cached, as an agent sends the same tools and format every turn (~2 ms to build for 8 tools)."""
+    return EbnfGrammar(_reply_or_calls(reply.schema, call.schema, begin, end, several))
+
+
+@functools.lru_cache(maxsize=256)
+def _reply_or_calls(reply: str, call: str, begin: str, end: str, several: bool) -> str:
     import xgrammar as xgr
 
-    def compact(g: JsonGrammar) -> dict:
-        ebnf = str(xgr.Grammar.from_json_schema(g.schema, any_whitespace=False, separators=SEPARATORS))
+    def compact(schema: str) -> dict:
+        ebnf = str(xgr.Grammar.from_json_schema(schema, any_whitespace=False, separators=SEPARATORS))
         return {"type": "grammar", "grammar": ebnf}
 
     newline = {"type": "grammar", "grammar": 'root ::= "" | "\\n"'}
@@ -63,7 +70,7 @@ def reply_or_calls(reply: JsonGrammar, call: JsonGrammar, begin: str, end: str, 
     calls = {"type": "tags_with_separator", "tags": [block], "separator": "\n", "at_least_one": True,
              "stop_after_first": not several}
     tag = {"type": "structural_tag", "format": {"type": "or", "elements": [compact(reply), calls]}}
-    return EbnfGrammar(str(xgr.Grammar.from_structural_tag(json.dumps(tag))))
+    return str(xgr.Grammar.from_structural_tag(json.dumps(tag)))
 
 
 def _reason(exc: Exception) -> str:
