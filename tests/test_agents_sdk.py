@@ -5,7 +5,9 @@ valid arguments and their outputs read back, an ``output_type`` answered in its 
 the tools), handoffs, streamed runs, the server keeping the conversation
 (``previous_response_id``, ``conversation_id``), the hosted ``FileSearchTool``, and a clear 400 for
 a hosted tool that is not served. Chat runs on the transformers engine here; both engines'
-grammars (tools beside a response format) are tested in ``test_chat_api``.
+grammars (tools beside a response format) are tested in ``test_chat_api``. The SDK's voice
+pipeline runs speech to text, the agent and text to speech on one server, its streamed input
+through ``/v1/realtime``.
 
 A random model may call tools for ever when it may choose; where a test needs the run to end,
 a run hook (the SDK's own extension point) turns tools off after the first call, so the next
@@ -16,6 +18,7 @@ connections belong to the loop that opened them."""
 from __future__ import annotations
 
 import asyncio
+import json
 from typing import Literal
 
 import openai
@@ -39,10 +42,11 @@ class Answer(BaseModel):
 
 
 @pytest.fixture(scope="module")
-def server(tiny_chat, tiny_embed, tmp_path_factory):
+def server(tiny_chat, tiny_embed, tiny_stt, tiny_tts, tmp_path_factory):
     folder = tmp_path_factory.mktemp("agents")
-    s = start_server(write_config(folder, {"tiny-chat": ("chat", tiny_chat), "tiny-embed": ("embed", tiny_embed)},
-                                  "limits:\n  max_chat_tokens: 256\n"))
+    models = {"tiny-chat": ("chat", tiny_chat), "tiny-embed": ("embed", tiny_embed), "tiny-stt": ("stt", tiny_stt),
+              "tiny-tts": ("tts", tiny_tts)}
+    s = start_server(write_config(folder, models, "limits:\n  max_chat_tokens: 256\n"))
     yield s
     s.stop()
 
@@ -186,3 +190,61 @@ def test_a_hosted_tool_that_is_not_served_is_a_400_naming_it(server):
     with pytest.raises(openai.BadRequestError) as err:
         asyncio.run(run())
     assert err.value.body["param"] == "tools[0].type" and "'web_search'" in err.value.body["message"]
+
+
+@pytest.mark.parametrize("streamed", [False, True], ids=["AudioInput", "StreamedAudioInput"])
+def test_the_voice_pipeline_hears_answers_and_speaks_through_one_server(server, streamed):
+    """The SDK's ``VoicePipeline``: speech (espeak-ng's) to tiny-stt, its text to the agent on
+    tiny-chat, the agent's text to tiny-tts, back as PCM16 at 24 kHz. Whole audio goes to
+    ``/v1/audio/transcriptions``; streamed audio to a ``/v1/realtime`` transcription session that
+    ends the turn at the silence after it (``server_vad``). The settings the README gives: no TTS
+    ``instructions`` (the demo voice cannot follow directions) and ``server_vad`` (the SDK's default
+    ``semantic_vad`` is not served)."""
+    import httpx
+    import numpy as np
+    from agents.voice import (AudioInput, OpenAIVoiceModelProvider, SingleAgentVoiceWorkflow, StreamedAudioInput,
+                              STTModelSettings, TTSModelSettings, VoicePipeline, VoicePipelineConfig)
+
+    from tests.helpers import spoken
+
+    sent: list[tuple[str, bytes]] = []
+
+    async def record(request: httpx.Request) -> None:
+        sent.append((request.url.path, request.content if request.url.path != "/v1/audio/transcriptions" else b""))
+
+    async def run():
+        c = openai.AsyncOpenAI(base_url=server.base_url, api_key=server.keys["paid"], max_retries=0,
+                               http_client=httpx.AsyncClient(event_hooks={"request": [record]}, timeout=120))
+        agent = Agent(name="voice", instructions="Answer briefly.", model=OpenAIChatCompletionsModel("tiny-chat", c),
+                      model_settings=ModelSettings(max_tokens=16))
+        config = VoicePipelineConfig(model_provider=OpenAIVoiceModelProvider(openai_client=c),
+                                     stt_settings=STTModelSettings(turn_detection={"type": "server_vad"}),
+                                     tts_settings=TTSModelSettings(instructions=""))
+        pipeline = VoicePipeline(workflow=SingleAgentVoiceWorkflow(agent), stt_model="tiny-stt", tts_model="tiny-tts",
+                                 config=config)
+        speech = (spoken("what is the weather in oslo", rate=24000) * 32767).astype(np.int16)
+        if not streamed:
+            result = await pipeline.run(AudioInput(buffer=speech, frame_rate=24000))
+        else:
+            audio_in = StreamedAudioInput()
+            result = await pipeline.run(audio_in)
+            for i in range(0, len(speech), 2400):  # 100 ms at a time, then a second of silence
+                await audio_in.add_audio(speech[i:i + 2400])
+            await audio_in.add_audio(np.zeros(24000, dtype=np.int16))
+        events = []
+        async for event in result.stream():
+            events.append(event)
+            if streamed and event.type == "voice_stream_event_lifecycle" and event.event == "turn_ended":
+                break
+        return events
+
+    events = asyncio.run(asyncio.wait_for(run(), 120))
+    lifecycle = [e.event for e in events if e.type == "voice_stream_event_lifecycle"]
+    assert lifecycle[:1] == ["turn_started"] and "turn_ended" in lifecycle, lifecycle
+    audio = [e.data for e in events if e.type == "voice_stream_event_audio" and e.data is not None]
+    assert audio and all(a.dtype == np.int16 for a in audio) and sum(len(a) for a in audio) > 2400
+    paths = [path for path, _ in sent]
+    assert paths[0] == ("/v1/chat/completions" if streamed else "/v1/audio/transcriptions"), paths
+    assert "/v1/chat/completions" in paths and paths[-1] == "/v1/audio/speech", paths
+    chat = json.loads(next(body for path, body in sent if path == "/v1/chat/completions"))
+    assert chat["messages"][-1]["role"] == "user" and chat["messages"][-1]["content"].strip()  # the transcript
