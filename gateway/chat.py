@@ -121,7 +121,7 @@ def plan_chat(svc: Services, body: ChatCompletionRequest) -> ChatJob:
         raise bad_request(f"n is {body.n}, above this server's limit of {limits.max_n} choices", "n")
     if body.top_logprobs is not None and not body.logprobs:
         raise bad_request("top_logprobs needs logprobs: true", "top_logprobs")
-    engine = _engine(svc, spec.name)
+    engine = engine_config(svc, spec.name)
     tools = _plan_tools(body, getattr(engine, "tool_parser", "hermes"))
     grammar = tools.reply_grammar(response_grammar(body.response_format))
     service_tier.check(svc.config, body.service_tier)
@@ -166,8 +166,9 @@ def _plan_tools(body: ChatCompletionRequest, parser: str) -> ToolPlan:
     return dataclasses.replace(plan, legacy=True)
 
 
-def _engine(svc: Services, model: str):
-    """A chat model's ``engine:`` block (its ``tool_parser``, ``reasoning_parser``), looked up once per request."""
+def engine_config(svc: Services, model: str):
+    """A chat model's ``engine:`` block (its ``tool_parser``, ``reasoning_parser``, ``search_queries``),
+    looked up once per request; None for a model without one."""
     entry = next((m for m in svc.config.models if m.name == model), None)
     return getattr(entry, "engine", None)
 

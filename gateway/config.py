@@ -73,6 +73,9 @@ class EngineConfig(_Strict):
     stack_loras: int = Field(default=32, ge=1)  # vLLM: stacks' LoRAs kept written on disk (LRU beyond)
     tool_parser: Literal["hermes"] = "hermes"  # how tool calls are read from the model's text (tool_choice auto)
     reasoning_parser: Literal["none", "qwen3", "deepseek_r1"] = "none"  # where a reasoning model's <think> is
+    # the Responses API's file_search: what is searched for. "message": the latest user message's text;
+    # "model": queries the model writes first, in a forced call (gateway.responses.written_queries)
+    search_queries: Literal["message", "model"] = "message"
     # vLLM: further AsyncEngineArgs fields, verbatim (quantization, max_num_batched_tokens, ...);
     # checked against vLLM's own list at load, except those tiergate sets (VLLM_OWNED_ARGS)
     vllm_args: dict[str, Any] = Field(default_factory=dict)

@@ -59,7 +59,7 @@ from pydantic import Discriminator, Field, Tag
 
 from gateway import service_tier
 from gateway.auth import Caller
-from gateway.chat import ChatJob, ChoiceDelta, Reply, collect, plan_chat, serve_chat, with_images
+from gateway.chat import ChatJob, ChoiceDelta, Reply, collect, engine_config, plan_chat, serve_chat, with_images
 from gateway.completions import processor_of, tokenizer_of
 from gateway.adapters import resolve_request
 from gateway.conversation_store import ConversationStore
@@ -201,6 +201,7 @@ class ResponseJob:
     added: list[dict[str, Any]] = field(default_factory=list)  # its own input's items
     searched: dict[str, Any] | None = None  # its file_search_call output item, when it searched
     sources: tuple[tuple[str, str], ...] = ()  # the files the search found (id, name), the best first
+    query_usage: tuple[int, int] = (0, 0)  # prompt and completion tokens of the turn that wrote its queries
 
 
 # -- input items as chat messages ---------------------------------------------------------------------
@@ -433,10 +434,12 @@ def chat_body(body: ResponsesRequest, messages: list[dict[str, Any]]) -> dict[st
 
 
 async def plan_response(svc: Services, caller: Caller, store: ResponseStore | None,
-                        body: ResponsesRequest, conversations: ConversationStore | None = None) -> ResponseJob:
+                        body: ResponsesRequest, conversations: ConversationStore | None = None,
+                        write_queries: bool = True) -> ResponseJob:
     """The job of ``body``: its conversation (404 for a ``previous_response_id`` or a
     ``conversation`` this key cannot see) and its chat job (what ``plan_chat`` checks, errors named
-    as Responses fields)."""
+    as Responses fields). ``write_queries`` False: a file search searches for the latest user
+    message's text even where the model would write the queries (counting tokens runs no model)."""
     history: list[dict[str, Any]] = []
     items: list[dict[str, Any]] = []
     conversation_id = None
@@ -468,7 +471,8 @@ async def plan_response(svc: Services, caller: Caller, store: ResponseStore | No
     with responses_names():
         chat = parse(ChatCompletionRequest, chat_body(body, system + conversation))
         job = await with_images(svc, plan_chat(svc, chat))
-        searched, found, sources = await file_search(svc, caller, body, conversation)
+        searched, found, sources, query_usage = await file_search(svc, caller, body, system, conversation,
+                                                                  write_queries)
         prompt = conversation  # what the model reads: with what the search found, after the question
         if searched is not None:
             prompt = _with_excerpts(conversation, found)
@@ -487,28 +491,31 @@ async def plan_response(svc: Services, caller: Caller, store: ResponseStore | No
             raise bad_request(f"duplicate item id '{item['id'][:80]}' (in this input or the conversation it continues)",
                               f"input[{i}].id", "duplicate_item_id")
         seen.add(item["id"])
-    return ResponseJob(job, conversation, body, items + given, conversation_id, given, searched, sources)
+    return ResponseJob(job, conversation, body, items + given, conversation_id, given, searched, sources, query_usage)
 
 
 FILE_SEARCH_RESULTS = "file_search_call.results"  # include: the results in the file_search_call item
 
 
-async def file_search(svc: Services, caller: Caller, body: ResponsesRequest, conversation: list[dict[str, Any]]
-                      ) -> tuple[dict[str, Any] | None, str, tuple[tuple[str, str], ...]]:
+async def file_search(svc: Services, caller: Caller, body: ResponsesRequest, system: list[dict[str, Any]],
+                      conversation: list[dict[str, Any]], write_queries: bool = True
+                      ) -> tuple[dict[str, Any] | None, str, tuple[tuple[str, str], ...], tuple[int, int]]:
     """A ``file_search`` tool's search, run before the model answers: its ``file_search_call``
-    output item, the text the model reads of what it found, and the files found (id, name; what
-    the answer may cite); (None, "", ()) when the request has no such tool, ``tool_choice`` is
-    ``none``, or there is no user text to search for.
+    output item, the text the model reads of what it found, the files found (id, name; what the
+    answer may cite), and the tokens of the turn that wrote the queries; (None, "", (), usage) when
+    the request has no such tool, ``tool_choice`` is ``none``, or there is nothing to search for.
 
-    The query is the latest user message's text, searched in the tool's vector stores (each the
-    caller's: a 404 naming ``tools[i].vector_store_ids[j]`` otherwise) as ``POST
-    /v1/vector_stores/{id}/search`` searches. The model does not choose the query: the search
-    runs whatever the model, tool-calling or not, and costs no extra turn. What it found is read
-    best first, up to half the chat model's context, after the latest user message's text
-    (``_with_excerpts``)."""
+    What is searched for is the model's ``engine.search_queries``: ``message`` (the default), the
+    latest user message's text, whatever the model, tool-calling or not, at no extra turn;
+    ``model``, the queries the model writes in a turn of its own first (``written_queries``), so a
+    follow-up ("and the second one?") is searched for what it means, and none when it needs no
+    search. They are searched in the tool's vector stores (each the caller's: a 404 naming
+    ``tools[i].vector_store_ids[j]`` otherwise) as ``POST /v1/vector_stores/{id}/search`` searches.
+    What it found is read best first, up to half the chat model's context, after the latest user
+    message's text (``_with_excerpts``)."""
     tools = [(i, t) for i, t in enumerate(body.tools or []) if isinstance(t, FileSearchTool)]
     if not tools:
-        return None, "", ()
+        return None, "", (), (0, 0)
     if len(tools) > 1:
         raise bad_request("at most one file_search tool", f"tools[{tools[1][0]}]")
     i, tool = tools[0]
@@ -530,15 +537,80 @@ async def file_search(svc: Services, caller: Caller, body: ResponsesRequest, con
     options = tool.ranking_options or RankingOptions()
     hybrid = options.weights(f"tools[{i}].ranking_options")
     if body.tool_choice == "none" or not query.strip():
-        return None, "", ()
-    hits = await search_stores(svc, svc.vector_stores, caller, found, [query], tool.filters, tool.max_num_results,
+        return None, "", (), (0, 0)
+    queries, used = [query], (0, 0)
+    engine = engine_config(svc, resolve_request(svc, body.model, None, "chat")[0].name)
+    if write_queries and engine is not None and engine.search_queries == "model":
+        required = isinstance(body.tool_choice, FileSearchChoice) or body.tool_choice == "required"
+        written, used = await written_queries(svc, caller, body, system + conversation, required)
+        queries = queries if written is None else written
+        if not queries:
+            return None, "", (), used
+    hits = await search_stores(svc, svc.vector_stores, caller, found, queries, tool.filters, tool.max_num_results,
                                options.score_threshold, "input", hybrid)
     hits = await _readable(svc, body.model, hits)
     results = [{"file_id": f.id, "filename": f.filename, "score": score, "text": text, "attributes": f.attributes}
                for score, f, text in hits]
-    item = {"id": new_item_id("fs"), "type": "file_search_call", "status": "completed", "queries": [query],
+    item = {"id": new_item_id("fs"), "type": "file_search_call", "status": "completed", "queries": queries,
             "results": results if FILE_SEARCH_RESULTS in (body.include or ()) else None}
-    return item, _results_text(results), tuple(dict.fromkeys((r["file_id"], r["filename"]) for r in results))
+    return item, _results_text(results), tuple(dict.fromkeys((r["file_id"], r["filename"]) for r in results)), used
+
+
+MAX_QUERIES = 4  # the most search queries a model writes for one response
+QUERY_CHARS = 200  # each at most this long
+QUERY_TOKENS = 160  # the turn that writes them, at most (4 queries of ~25 words; a reasoning model's thinking included)
+SEARCH_FUNCTION = "file_search"
+SEARCH_DESCRIPTION = ("Search the user's files for passages that help answer the conversation's latest message. "
+                      "Write short search queries that stand on their own (say what 'it' or 'that' refers to), one "
+                      "per thing to look up; write none when the answer needs nothing from the files.")
+
+
+async def written_queries(svc: Services, caller: Caller, body: ResponsesRequest, messages: list[dict[str, Any]],
+                          required: bool) -> tuple[list[str] | None, tuple[int, int]]:
+    """The search queries the model writes for ``messages``, and the tokens that took: a turn of
+    its own, at temperature 0, in which it must call a ``file_search`` function whose arguments are
+    ``{"queries": [...]}`` (at most ``MAX_QUERIES``, each at most ``QUERY_CHARS`` characters; at
+    least one when ``required``, else possibly none). It is a chat request of the caller's tier
+    (gated, metered and logged as one), on the response's model and adapters. None when the call
+    was cut short at ``QUERY_TOKENS`` or the conversation leaves no room for them in the model's
+    context: then the latest message's text is searched for."""
+    parameters = {"type": "object", "additionalProperties": False, "required": ["queries"], "properties": {
+        "queries": {"type": "array", "minItems": 1 if required else 0, "maxItems": MAX_QUERIES,
+                    "items": {"type": "string", "minLength": 1, "maxLength": QUERY_CHARS}}}}
+    data: dict[str, Any] = {
+        "model": body.model, "messages": messages, "temperature": 0, "max_completion_tokens": QUERY_TOKENS,
+        "tools": [{"type": "function", "function": {"name": SEARCH_FUNCTION, "description": SEARCH_DESCRIPTION,
+                                                    "parameters": parameters}}],
+        "tool_choice": {"type": "function", "function": {"name": SEARCH_FUNCTION}}}
+    for key in ("service_tier", "user", "safety_identifier"):
+        if getattr(body, key) is not None:
+            data[key] = getattr(body, key)
+    if body.adapters:
+        data["adapters"] = [a.model_dump() for a in body.adapters]
+    job = await with_images(svc, plan_chat(svc, parse(ChatCompletionRequest, data)))
+    try:
+        replies, _ = await collect(serve_chat(svc, caller, job, None))
+    except APIError as exc:
+        if exc.code != "context_length_exceeded":
+            raise
+        return None, (0, 0)  # no room for the turn beside the conversation: the answer's own check tells
+    reply = replies[0]
+    used = (reply.finished.prompt_tokens, reply.finished.completion_tokens) if reply.finished else (0, 0)
+    if reply.finish_reason != "tool_calls" or not reply.calls.calls:
+        return None, used
+    try:  # (xgrammar 0.2 lets raw control characters into a length-bounded string: not strict JSON)
+        queries = json.loads(reply.calls.calls[0]["function"]["arguments"], strict=False)["queries"]
+    except (ValueError, KeyError, TypeError):
+        return None, used
+    return list(dict.fromkeys(q for q in map(_query, queries) if q)), used
+
+
+def _query(text: object) -> str:
+    """A written query as searched: its control characters as spaces, trimmed."""
+    return CONTROL.sub(" ", text).strip() if isinstance(text, str) else ""
+
+
+CONTROL = re.compile(r"[\x00-\x1f\x7f]")
 
 
 def _with_excerpts(conversation: list[dict[str, Any]], found: str) -> list[dict[str, Any]]:
@@ -703,10 +775,11 @@ class Draft:
         body = self.job.body
         f = self.reply.finished
         usage = None
-        if f is not None:
-            usage = {"input_tokens": f.prompt_tokens, "input_tokens_details": {"cached_tokens": f.cached_tokens},
-                     "output_tokens": f.completion_tokens, "output_tokens_details": {"reasoning_tokens": self.reply.reasoning_tokens},
-                     "total_tokens": f.prompt_tokens + f.completion_tokens}
+        if f is not None:  # with the turn that wrote the search queries, as OpenAI counts a tool's turns
+            prompt, completion = f.prompt_tokens + self.job.query_usage[0], f.completion_tokens + self.job.query_usage[1]
+            usage = {"input_tokens": prompt, "input_tokens_details": {"cached_tokens": f.cached_tokens},
+                     "output_tokens": completion, "output_tokens_details": {"reasoning_tokens": self.reply.reasoning_tokens},
+                     "total_tokens": prompt + completion}
         fmt = {"type": "text"}
         if body.text and body.text.format:
             fmt = body.text.format.model_dump(by_alias=True, exclude_none=True)

@@ -95,7 +95,7 @@ async def count_input_tokens(request: Request) -> Response:
     svc: Services = request.app.state.services
     caller = svc.authenticate(request)
     body = parse(InputTokensRequest, await read_json(request, svc.config.limits.max_body))
-    job = await plan_response(svc, caller, _store(request), body, request.app.state.conversations)
+    job = await plan_response(svc, caller, _store(request), body, request.app.state.conversations, write_queries=False)
     if svc.accounts is not None and not svc.accounts.allows(caller, job.chat.model):
         raise not_found(f"the model '{body.model}' does not exist", "model", "model_not_found")
     spec = svc.spec(job.chat.model, "chat")

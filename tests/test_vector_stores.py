@@ -6,6 +6,8 @@ and the pure parts (windows, chunk sizes, filters, ranking) over tables."""
 from __future__ import annotations
 
 import asyncio
+import json
+import re
 import sqlite3
 import time
 from dataclasses import replace
@@ -32,7 +34,15 @@ DOC_B = "The quick brown fox jumps over the lazy dog. Foxes are quick and dogs a
 @pytest.fixture(scope="module")
 def server(tiny_embed, tiny_chat, tmp_path_factory):
     folder = tmp_path_factory.mktemp("vector_stores")
-    s = start_server(write_config(folder, {"tiny-embed": ("embed", tiny_embed), "tiny-chat": ("chat", tiny_chat)}))
+    path = write_config(folder, {"tiny-embed": ("embed", tiny_embed), "tiny-chat": ("chat", tiny_chat),
+                                 "tiny-chat-queries": ("chat", tiny_chat)})
+    # the same weights, asked to write its own search queries (engine.search_queries: model)
+    text = path.read_text()
+    entry = f"  - name: tiny-chat-queries\n    kind: chat\n    path: {tiny_chat}\n    engine: transformers\n"
+    assert entry in text
+    path.write_text(text.replace(entry, entry.replace("engine: transformers",
+                                                      "engine: {name: transformers, search_queries: model}")))
+    s = start_server(path)
     yield s
     s.stop()
 
@@ -794,7 +804,8 @@ QUESTION = "Where does the lazy dog sleep?"
 def respond(c, store_id, **kw):
     kw.setdefault("tools", [{"type": "file_search", "vector_store_ids": [store_id], "max_num_results": 3}])
     kw.setdefault("input", QUESTION)
-    return c.responses.create(model="tiny-chat", max_output_tokens=6, temperature=0, **kw)
+    kw.setdefault("model", "tiny-chat")
+    return c.responses.create(max_output_tokens=6, temperature=0, **kw)
 
 
 def test_file_search_runs_before_the_model_which_reads_what_it_found(server, searchable, tiny_chat):
@@ -847,6 +858,48 @@ def test_file_search_runs_before_the_model_which_reads_what_it_found(server, sea
         {"type": "file_search", "vector_store_ids": [searchable], "max_num_results": 1,
          "ranking_options": {"hybrid_search": {"embedding_weight": 0, "text_weight": 1}}}])
     assert hybrid.output[0].results[0].score == 1.0 and "lazy dog" in hybrid.output[0].results[0].text
+
+
+def test_file_search_queries_written_by_the_model(server, searchable):
+    """``engine.search_queries: model``: the model writes the queries in a turn of its own (a
+    forced call of a ``file_search`` function, greedy), they are what is searched for, and the
+    response's usage counts both turns. Checked against the same two turns asked by hand."""
+    from gateway.responses import MAX_QUERIES, QUERY_CHARS, QUERY_TOKENS, SEARCH_DESCRIPTION, _results_text
+
+    c = client(server)
+    instructions = "Answer from the files."
+    r = respond(c, searchable, model="tiny-chat-queries", instructions=instructions, include=["file_search_call.results"],
+                tool_choice={"type": "file_search"})
+    search, message = r.output
+    assert search.type == "file_search_call" and 1 <= len(search.queries) <= MAX_QUERIES
+    assert all(q.strip() and len(q) <= QUERY_CHARS for q in search.queries) and search.queries != [QUESTION]
+
+    messages = [{"role": "system", "content": instructions}, {"role": "user", "content": QUESTION}]
+    queries_schema = {"type": "object", "additionalProperties": False, "required": ["queries"], "properties": {
+        "queries": {"type": "array", "minItems": 1, "maxItems": MAX_QUERIES,
+                    "items": {"type": "string", "minLength": 1, "maxLength": QUERY_CHARS}}}}
+    by_hand = c.chat.completions.create(
+        model="tiny-chat-queries", messages=messages, temperature=0, max_tokens=QUERY_TOKENS,
+        tools=[{"type": "function", "function": {"name": "file_search", "description": SEARCH_DESCRIPTION,
+                                                 "parameters": queries_schema}}],
+        tool_choice={"type": "function", "function": {"name": "file_search"}})
+    (call,) = by_hand.choices[0].message.tool_calls
+    # (a random model's queries may hold raw control characters: xgrammar 0.2 lets them into a bounded string)
+    written = [re.sub(r"[\x00-\x1f\x7f]", " ", q).strip() for q in json.loads(call.function.arguments, strict=False)["queries"]]
+    assert search.queries == list(dict.fromkeys(q for q in written if q))
+    want = c.vector_stores.search(searchable, query=search.queries, max_num_results=3).data
+    assert [h.file_id for h in search.results] == [w.file_id for w in want][:len(search.results)]
+    answer = c.chat.completions.create(model="tiny-chat-queries", temperature=0, max_tokens=6, messages=[
+        messages[0], {"role": "user", "content": f"{QUESTION}\n\n{_results_text([h.model_dump() for h in search.results])}"}])
+    assert message.content[0].text == answer.choices[0].message.content
+    assert r.usage.input_tokens == by_hand.usage.prompt_tokens + answer.usage.prompt_tokens
+    assert r.usage.output_tokens == by_hand.usage.completion_tokens + answer.usage.completion_tokens
+
+    # counting input tokens runs no model: it searches for the message's text
+    counted = c.responses.input_tokens.count(model="tiny-chat-queries", input=QUESTION, tools=[
+        {"type": "file_search", "vector_store_ids": [searchable], "max_num_results": 3}])
+    plain = respond(c, searchable, model="tiny-chat", include=["file_search_call.results"])
+    assert counted.input_tokens == plain.usage.input_tokens and plain.output[0].queries == [QUESTION]
 
 
 def test_file_search_streams_its_events_first(server, searchable):
