@@ -213,6 +213,31 @@ def test_a_running_job_is_cancelled_at_its_next_step_and_publishes_nothing(serve
     assert cancel <= 2  # in this process the cancel stops it at once: a step under way may still end after it
 
 
+def test_a_job_waiting_for_the_trainer_is_cancelled_at_once(server):
+    """Batch work waits while any other tier has work: a job whose trainer is not granted (a paid
+    lease held here) ends at its cancel, not when the GPU next goes idle."""
+    c = client(server)
+    tuner = server.app.state.tuner
+    paid = server.wait(server.services.hold("paid", "tiny-chat", 1.0))
+    try:
+        job = c.fine_tuning.jobs.create(model="tiny-chat", training_file=upload(c, LINES),
+                                        hyperparameters={"n_epochs": 1, "batch_size": 1})
+        wait(c, job.id, ("running",))
+        time.sleep(1.0)  # it reads its file and asks for the trainer, which the paid lease keeps from it
+        assert tuner.running and not [e for e in c.fine_tuning.jobs.list_events(job.id).data if e.type == "metrics"]
+        assert c.fine_tuning.jobs.cancel(job.id).status == "cancelled"
+        deadline = time.time() + 5
+        while tuner.running:  # the paid lease is still held
+            assert time.time() < deadline, "the cancel waited for the trainer"
+            time.sleep(0.05)
+        assert tuner.ended["cancelled"] >= 1
+    finally:
+        server.call(paid.release, None)
+    assert c.fine_tuning.jobs.retrieve(job.id).status == "cancelled"
+    trainer = next(r for r in server.services.arbiter.table() if r["id"] == "tiny-chat~train")
+    assert trainer["running"] == 0  # no lease left behind by the wait it gave up
+
+
 def test_a_job_cancelled_by_another_process_stops_when_its_lease_is_renewed(server):
     """A cancel written by another process (straight into the shared store here) reaches the
     running job through its next lease renewal: the renewal is refused, and the training stops."""

@@ -74,6 +74,14 @@ class _Running:
     rows: list[dict[str, Any]] = field(default_factory=list)  # the result file's rows, one per step
     total_steps: int = 0
     began: float = 0.0  # when its training started (monotonic), for ``estimated_finish``
+    stopped: asyncio.Event = field(default_factory=asyncio.Event)  # set with ``lost``: ends a wait for the trainer
+
+    def stop(self) -> None:
+        """Stop the job: a wait for the trainer ends now, a training at its next step."""
+        self.lost = True
+        self.stopped.set()
+        if self.ctx is not None:
+            self.ctx.cancel()  # the training stops at its next optimizer step, paused or not
 
 
 class Tuner(ClaimLoop[Job], Collector):
@@ -100,9 +108,7 @@ class Tuner(ClaimLoop[Job], Collector):
         (another process's notices when it next renews its lease)."""
         running = self._current
         if running is not None and running.job.id == job_id:
-            running.lost = True
-            if running.ctx is not None:
-                running.ctx.cancel()
+            running.stop()
 
     def collect(self):
         jobs = CounterMetricFamily("tiergate_fine_tuning_jobs", "Fine-tuning jobs this process ran to an end, by "
@@ -155,9 +161,7 @@ class Tuner(ClaimLoop[Job], Collector):
                 log.warning("fine-tuning: renewing the lease of %s failed", running.job.id, exc_info=True)
                 continue
             if not kept:
-                running.lost = True
-                if running.ctx is not None:
-                    running.ctx.cancel()  # the training stops at its next optimizer step, paused or not
+                running.stop()
                 return
 
     async def _train(self, running: _Running) -> None:
@@ -295,18 +299,31 @@ class Tuner(ClaimLoop[Job], Collector):
             raise _Failed(f"invalid_{param}", str(exc), param) from None
 
     async def _hold(self, running: _Running) -> Held:
-        """The trainer, leased as batch work; a 429 or 503 is waited out (the lease goes on)."""
+        """The trainer, leased as batch work; a 429 or 503 is waited out (the lease goes on). A
+        stop (a cancel) ends the wait at once: batch work may wait for hours on a busy GPU."""
         trainer = self.svc.config.fine_tuning.trainer(running.job.model)
-        while True:
+        while not running.lost:
+            hold = asyncio.ensure_future(self.svc.hold(self.tier, trainer, 1.0))
+            stop = asyncio.ensure_future(running.stopped.wait())
             try:
-                return await self.svc.hold(self.tier, trainer, 1.0)
+                await asyncio.wait({hold, stop}, return_when=asyncio.FIRST_COMPLETED)
+            finally:
+                stop.cancel()
+                if not hold.done():  # stopped, or this task was cancelled: the wait in the gate ends
+                    hold.cancel()
+                    await asyncio.gather(hold, return_exceptions=True)
+            if hold.cancelled():
+                break
+            try:
+                return hold.result()  # granted as the stop came: the training sees ``lost`` and stops
             except APIError as exc:
                 if exc.status not in (429, 503):
                     raise
                 wait = exc.headers.get("retry-after", "1")
-                await asyncio.sleep(min(30.0, max(0.5, float(wait) if wait.isdigit() else 1.0)))
-            if running.lost:
-                raise Cancelled()
+                with contextlib.suppress(asyncio.TimeoutError):  # a stop ends this wait too
+                    async with asyncio.timeout(min(30.0, max(0.5, float(wait) if wait.isdigit() else 1.0))):
+                        await running.stopped.wait()
+        raise Cancelled()
 
     async def _meter(self, job: Job, trained: int, gpu_s: float) -> None:
         accounts = self.svc.accounts
