@@ -300,6 +300,46 @@ def test_paid_traffic_pauses_training_and_may_evict_it_yet_the_job_ends_as_if_al
         torch.testing.assert_close(second[key], first[key], rtol=0, atol=0)
 
 
+def test_a_job_whose_process_stopped_goes_on_from_its_last_epoch_to_the_same_weights(server):
+    """The runner stops mid-job (as at a restart) after an epoch has ended; when it runs again and
+    takes the job back (its lease run out), the job goes on after that epoch and ends with the
+    very weights of the same job run without a stop; its result file has each step once."""
+    c = client(server)
+    tuner = server.app.state.tuner
+    settings = dict(model="tiny-chat", training_file=upload(c, LINES * 2), seed=5,
+                    hyperparameters={"n_epochs": 12, "batch_size": 2})  # 3 steps an epoch
+    alone = wait(c, c.fine_tuning.jobs.create(**settings).id)
+    job = c.fine_tuning.jobs.create(**settings)
+    resume = tuner.scratch / job.id / "resume.pt"
+    deadline = time.time() + 60
+    while not resume.exists():  # an epoch has ended
+        assert time.time() < deadline and c.fine_tuning.jobs.retrieve(job.id).status in ("validating_files", "queued", "running")
+        time.sleep(0.01)
+    server.wait(tuner.stop())  # as at a shutdown: the job stays running under its lease, its folder kept
+    stopped = server.wait(tuner.store.get(job.id, None))
+    assert stopped.status == "running" and resume.exists()
+    assert server.wait(tuner.store.hold(stopped, time.time() - 1))  # its lease runs out now rather than in 30 s
+    server.wait(tuner.start())
+    resumed = wait(c, job.id)
+    assert resumed.status == "succeeded", resumed.error
+    events = [e.message for e in c.fine_tuning.jobs.list_events(job.id, limit=100)]  # every page
+    went_on = [m for m in events if m.startswith("Going on from step ")]
+    assert len(went_on) == 1 and int(went_on[0].split()[4]) % 3 == 0 and int(went_on[0].split()[4]) > 0
+    first = load_file(server.adapters / alone.fine_tuned_model / "adapter_model.safetensors")
+    second = load_file(server.adapters / resumed.fine_tuned_model / "adapter_model.safetensors")
+    assert first.keys() == second.keys()
+    for key in first:
+        torch.testing.assert_close(second[key], first[key], rtol=0, atol=0)
+    rows = c.files.content(resumed.result_files[0]).text.splitlines()[1:]
+    assert [int(r.split(",")[0]) for r in rows] == list(range(1, 37))
+    assert not (tuner.scratch / job.id).exists()  # the job ended: its folder went with it
+    # folders of jobs that ended while another process ran them (or that are gone) go at the next start
+    for name in (alone.id, "ftjob-gone"):
+        (tuner.scratch / name / "step-3").mkdir(parents=True)
+    server.wait(tuner._sweep())
+    assert not (tuner.scratch / alone.id).exists() and not (tuner.scratch / "ftjob-gone").exists()
+
+
 def test_a_key_has_at_most_max_jobs_per_key_waiting(server):
     c = client(server, "subscriber")
     training = upload(c, LINES)

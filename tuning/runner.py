@@ -8,7 +8,10 @@ stops the training at its next optimizer step. The job asks the gate and the arb
 trainer as batch work (``Services.hold``; a 429 or 503 there is waited out, not a failure), so it
 trains only while the GPU has nothing else to do and yields at the next optimizer step when
 anyone else arrives. The trainer's weights may be moved to host memory or freed meanwhile, and
-the job goes on from the step it reached when they are back.
+the job goes on from the step it reached when they are back. Each job's epochs are written to its
+folder in the data directory (``<data>/fine-tuning/<job id>``) with the state to go on from
+(``TrainRun.resume``): a job whose process stopped (a restart, a crash) and that this process takes
+again goes on after its last finished epoch; a job that ended takes its folder with it.
 
 At the end the job's adapters are published in the model's adapter folder (``Config.tuning_dir``),
 each copied beside it and renamed into place: the last three epochs' checkpoints as
@@ -74,6 +77,7 @@ class _Running:
     rows: list[dict[str, Any]] = field(default_factory=list)  # the result file's rows, one per step
     total_steps: int = 0
     began: float = 0.0  # when its training started (monotonic), for ``estimated_finish``
+    first_step: int = 0  # the step it started from: an earlier start's last epoch's, or 0
     stopped: asyncio.Event = field(default_factory=asyncio.Event)  # set with ``lost``: ends a wait for the trainer
 
     def stop(self) -> None:
@@ -98,6 +102,7 @@ class Tuner(ClaimLoop[Job], Collector):
         self.ended: dict[str, int] = {"succeeded": 0, "failed": 0, "cancelled": 0}
         self.steps = 0
         self._current: _Running | None = None  # the job this process runs now
+        self._swept = False  # the folders of jobs that ended elsewhere, removed at the first claim
 
     @property
     def running(self) -> bool:
@@ -122,7 +127,20 @@ class Tuner(ClaimLoop[Job], Collector):
                                 value=int(self.running))
 
     async def _claim(self) -> Job | None:
+        if not self._swept:
+            await self._sweep()
+            self._swept = True
         return await self.store.claim(time.time(), LEASE_S)
+
+    async def _sweep(self) -> None:
+        """Remove the folders of jobs that ended (or are gone) while another process ran them, or
+        while this one was down: kept folders are those a job may go on from."""
+        folders = await asyncio.to_thread(lambda: [p for p in self.scratch.iterdir() if p.is_dir()]
+                                          if self.scratch.is_dir() else [])
+        for folder in folders:
+            job = await self.store.get(folder.name, None)
+            if job is None or job.status in ("succeeded", "failed", "cancelled"):
+                await asyncio.to_thread(shutil.rmtree, folder, True)
 
     async def _work(self, job: Job) -> None:
         await self._job(job)
@@ -130,13 +148,16 @@ class Tuner(ClaimLoop[Job], Collector):
     async def _job(self, job: Job) -> None:
         running = self._current = _Running(job)
         keeper = asyncio.create_task(self._keep(running))
+        ended = True  # False: its folder stays, to go on from (this process stops, or another has the job)
         try:
             await self._train(running)
         except (Cancelled, asyncio.CancelledError) as exc:
             if running.lost and await self._cancelled(job):  # its cancel wrote the event
                 self._count(job, "cancelled")
-            elif running.lost:
-                await self._event(job, "info", "This process stopped the job: another process has taken it over")
+            else:
+                ended = False
+                if running.lost:
+                    await self._event(job, "info", "This process stopped the job: another process has taken it over")
             if isinstance(exc, asyncio.CancelledError):
                 raise
         except _Failed as failed:
@@ -149,7 +170,8 @@ class Tuner(ClaimLoop[Job], Collector):
             keeper.cancel()
             await asyncio.gather(keeper, return_exceptions=True)
             self._current = None
-            await asyncio.to_thread(shutil.rmtree, self.scratch / job.id, True)
+            if ended:
+                await asyncio.to_thread(shutil.rmtree, self.scratch / job.id, True)
 
     async def _keep(self, running: _Running) -> None:
         """Renew the job's lease until cancelled; when it cannot be renewed, stop the training."""
@@ -188,7 +210,7 @@ class Tuner(ClaimLoop[Job], Collector):
             tuning = self.svc.config.fine_tuning
             run = TrainRun(examples, checks, hp["n_epochs"], hp["batch_size"],
                            tuning.learning_rate * hp["learning_rate_multiplier"], job.seed, tuning.lora_rank,
-                           tuning.lora_alpha, self.scratch / job.id / f"attempt-{job.attempt}")
+                           tuning.lora_alpha, self.scratch / job.id, self.scratch / job.id / "resume.pt")
             running.total_steps, running.began = run.total_steps, time.monotonic()
             running.ctx = ctx = held.lease.context()
             if running.lost:
@@ -229,6 +251,9 @@ class Tuner(ClaimLoop[Job], Collector):
 
     async def _progress(self, running: _Running, report: dict) -> None:
         job = running.job
+        if "resumed" in report:
+            await self._resumed(running, report)
+            return
         if "checkpoint" in report:
             running.rows[-1].update(valid_loss=report["valid_loss"], valid_mean_token_accuracy=report["valid_mean_token_accuracy"])
             return
@@ -242,10 +267,34 @@ class Tuner(ClaimLoop[Job], Collector):
                                                    "train_mean_token_accuracy": report["train_mean_token_accuracy"],
                                                    "total_steps": running.total_steps}))
         step = report["step"]
-        if step % ESTIMATE_EVERY == 0 and step < running.total_steps:  # when it should end, at its pace so far
+        done = step - running.first_step  # in this start
+        if done % ESTIMATE_EVERY == 0 and done and step < running.total_steps:  # when it should end, at its pace so far
             elapsed = time.monotonic() - running.began
-            finish = int(time.time() + elapsed / step * (running.total_steps - step))
+            finish = int(time.time() + elapsed / done * (running.total_steps - step))
             await self.store.change(job, ["running"], estimated_finish=finish)
+
+    async def _resumed(self, running: _Running, report: dict) -> None:
+        """The trainer goes on from an earlier start's last epoch: the result file's rows up to it
+        are the metrics events that start recorded (the latest of each step), with its epochs'
+        validation scores."""
+        job, step = running.job, report["resumed"]
+        running.first_step = step
+        recorded: dict[int, dict] = {}
+        after = None
+        while page := await self.store.events(job.id, after, 1000):  # newest first
+            for e in page:
+                data = e.get("data") or {}
+                if e.get("type") == "metrics" and data.get("step", step + 1) <= step:
+                    recorded.setdefault(data["step"], data)
+            after = page[-1]["id"]
+        running.rows = []
+        for n in sorted(recorded):
+            valid = report["valid"].get(n)
+            running.rows.append({"step": n, "train_loss": recorded[n]["train_loss"],
+                                 "train_accuracy": recorded[n]["train_mean_token_accuracy"],
+                                 "valid_loss": valid and valid[0], "valid_mean_token_accuracy": valid and valid[1]})
+        await self._event(job, "info", f"Going on from step {step} (epoch {report['epochs']} of "
+                                       f"{job.hyperparameters['n_epochs']}), where an earlier start of the job stopped")
 
     async def _publish(self, running: _Running, run: TrainRun) -> None:
         """The last epochs' adapters into the model's folder, the result file, and the job succeeded."""

@@ -9,6 +9,10 @@ cancelled, and waits while batch work must yield. While it waits the arbiter may
 to host memory (the optimizer's moments move with them) or free them; then the LoRA factors and
 the optimizer's state are kept on the host (``unload``) and put back when the model is placed again
 (``load``), so the job goes on from the step it reached. A step and a move never overlap (one lock).
+At each epoch's end the LoRA factors and the optimizer's state are also written to a file
+(``TrainRun.resume``): a job whose process stopped (a restart, a crash) goes on from the last epoch
+it finished, to the very weights it would have reached without the stop (the data order is seeded
+per epoch, and there is no dropout).
 
 An example's loss is on its assistant turns only (OpenAI's rule; an assistant message with
 ``"weight": 0`` is left out too): the conversation is rendered once by the model's chat template,
@@ -64,6 +68,7 @@ class TrainRun:
     rank: int
     alpha: int
     out: Path  # checkpoints are written under it, one folder per epoch: step-<N>
+    resume: Path | None = None  # the state at the last epoch's end: written at each, read at the start
 
     @property
     def steps_per_epoch(self) -> int:
@@ -150,17 +155,24 @@ class LoraTrainer(ThreadWorker):
         """(thread) Run ``run``'s epochs; after each step ``report({"step", "train_loss",
         "train_mean_token_accuracy", "tokens"})`` and after each epoch ``report({"checkpoint": path,
         "step", "valid_loss", "valid_mean_token_accuracy"})`` once its adapter is written to
-        ``run.out/step-<N>``. Returns the tokens trained on. ``Cancelled`` at a boundary."""
+        ``run.out/step-<N>``. With a ``run.resume`` file from an earlier start, it goes on after
+        the epoch that file holds, having first reported ``{"resumed": step, "epochs": n,
+        "valid": {step: (loss, accuracy) or None}}``. Returns the tokens trained on by this call.
+        ``Cancelled`` at a boundary."""
+        saved = _read_resume(run.resume)
         with self._lock:
             if self.model is None:
                 raise TrainerGone("the trainer's weights are not loaded")
-            self._live = _Live(run)
+            self._live = _Live(run, kept={"lora": saved["lora"], "optimizer": saved["optimizer"]} if saved else {})
             with torch.random.fork_rng(devices=[self.device] if self.device.type == "cuda" else []):
                 torch.manual_seed(run.seed)  # the LoRA factors' initial values; the process's generator is left as it was
                 self._attach(self._live)
-        trained, step = 0, 0
+        trained, step, first, scores = 0, 0, 0, {}
+        if saved:
+            step, first, scores = saved["step"], saved["epochs"], dict(saved["valid"])
+            report({"resumed": step, "epochs": first, "valid": dict(scores)})
         try:
-            for epoch in range(run.n_epochs):
+            for epoch in range(first, run.n_epochs):
                 order = torch.randperm(len(run.examples), generator=torch.Generator().manual_seed(run.seed + epoch))
                 for start in range(0, len(order), run.batch_size):
                     ctx.boundary()  # cancelled: Cancelled; batch work must yield: waits here (weights may move)
@@ -172,10 +184,12 @@ class LoraTrainer(ThreadWorker):
                     report({"step": step, "train_loss": loss, "train_mean_token_accuracy": accuracy, "tokens": trained})
                 ctx.boundary()
                 with self._lock:
-                    valid = self._evaluate(run.validation) if run.validation else None
+                    valid = scores[step] = self._evaluate(run.validation) if run.validation else None
                     folder = run.out / f"step-{step}"
                     self._live.peft.save_pretrained(folder)
                     _name_targets_by_suffix(folder)
+                    if run.resume is not None:
+                        _write_resume(run.resume, self._live, step, epoch + 1, scores)
                 report({"checkpoint": folder, "step": step, "valid_loss": valid and valid[0],
                         "valid_mean_token_accuracy": valid and valid[1]})
             return trained
@@ -263,6 +277,28 @@ def encode_example(tokenizer: Any, messages: list[dict], tools: list[dict] | Non
     labels = [tok if any(a <= start < b for a, b in spans) else IGNORE
               for tok, (start, _) in zip(ids, encoded["offset_mapping"])]
     return Example(ids, labels)
+
+
+def _write_resume(path: Path, live: _Live, step: int, epochs: int, scores: dict) -> None:
+    """(lock held) The job's state after ``epochs`` epochs (``step`` steps), written beside and
+    renamed into place: a file is whole or absent."""
+    state = {"step": step, "epochs": epochs, "valid": scores,
+             "lora": {n: p.detach().to("cpu", copy=True) for n, p in _trainable(live.peft)},
+             "optimizer": _to(live.optimizer.state_dict(), torch.device("cpu"))}
+    path.parent.mkdir(parents=True, exist_ok=True)
+    partial = path.with_name(path.name + ".partial")
+    torch.save(state, partial)
+    partial.replace(path)
+
+
+def _read_resume(path: Path | None) -> dict | None:
+    """The state ``_write_resume`` left, or None (none, or not readable: the job starts over)."""
+    if path is None or not path.exists():
+        return None
+    try:
+        return torch.load(path, map_location="cpu", weights_only=True)
+    except Exception:  # noqa: BLE001 - a file cut short or from another version: start from the first step
+        return None
 
 
 def _name_targets_by_suffix(folder: Path) -> None:
