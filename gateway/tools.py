@@ -57,7 +57,11 @@ class ToolPlan:
             return self.grammar
         if self.mode == "auto" and reply is not None:
             call = JsonGrammar(json.dumps(call_schema([t for t in self.tools if t.function.name in self.names])))
-            return reply_or_calls(reply, call, OPEN, CLOSE, several=not self.single)
+            try:
+                return reply_or_calls(reply, call, OPEN, CLOSE, several=not self.single)
+            except Exception as exc:  # noqa: BLE001 - each compiled alone; xgrammar's reason for the pair
+                raise bad_request(f"the response format and the tools' calls cannot be joined in one grammar: {exc}",
+                                  "response_format", "invalid_schema") from None
         return reply
 
     def template_tools(self) -> list[dict] | None:
