@@ -151,3 +151,16 @@ def test_a_response_format_beside_auto_tools_takes_the_json_or_calls_of_the_tool
     forced = plan_tools([tool("alarm", HOUR)], "required", None)
     assert forced.reply_grammar(reply) is forced.grammar and matches(forced.grammar, f"[{call}]")
     assert plan_tools([tool("alarm", HOUR)], "auto", None).reply_grammar(None) is None
+
+
+def test_a_format_that_cannot_be_joined_with_the_calls_is_a_400(monkeypatch):
+    import gateway.tools
+    from workers.base import JsonGrammar
+
+    def refuse(*args, **kwargs):
+        raise RuntimeError("rule conflict")
+
+    monkeypatch.setattr(gateway.tools, "reply_or_calls", refuse)
+    with pytest.raises(APIError) as err:
+        plan_tools([tool("a")], "auto", None).reply_grammar(JsonGrammar(json.dumps(REPLY)))
+    assert err.value.status == 400 and err.value.param == "response_format" and "rule conflict" in err.value.message
