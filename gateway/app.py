@@ -283,6 +283,8 @@ def routes() -> list[BaseRoute]:
         Route("/v1/fine_tuning/jobs", tuning_api.list_jobs, methods=["GET"]),
         Route("/v1/fine_tuning/jobs/{job_id}", tuning_api.get_job, methods=["GET"]),
         Route("/v1/fine_tuning/jobs/{job_id}/cancel", tuning_api.cancel_job, methods=["POST"]),
+        Route("/v1/fine_tuning/jobs/{job_id}/pause", tuning_api.pause_job, methods=["POST"]),
+        Route("/v1/fine_tuning/jobs/{job_id}/resume", tuning_api.resume_job, methods=["POST"]),
         Route("/v1/fine_tuning/jobs/{job_id}/events", tuning_api.list_events, methods=["GET"]),
         Route("/v1/fine_tuning/jobs/{job_id}/checkpoints", tuning_api.list_checkpoints, methods=["GET"]),
         Route("/v1/batches", batch_api.create_batch, methods=["POST"]),

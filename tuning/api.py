@@ -1,5 +1,5 @@
-"""OpenAI's fine-tuning API: ``/v1/fine_tuning/jobs`` (create, list, retrieve, cancel, events,
-checkpoints), for ``client.fine_tuning.jobs``.
+"""OpenAI's fine-tuning API: ``/v1/fine_tuning/jobs`` (create, list, retrieve, cancel, pause,
+resume, events, checkpoints), for ``client.fine_tuning.jobs``.
 
 A job fine-tunes a chat model that ``fine_tuning.models`` names, from a training file uploaded
 with purpose ``fine-tune`` (checked whole when the job is made: a 400 names the line), with
@@ -13,7 +13,9 @@ from __future__ import annotations
 import asyncio
 import re
 import secrets
+import shutil
 import time
+from dataclasses import dataclass
 from typing import Any, Literal
 
 from pydantic import Field, field_validator
@@ -121,10 +123,10 @@ async def create_job(request: Request) -> Response:
     asked = (body.method.supervised.hyperparameters if body.method is not None else
              body.hyperparameters or Hyperparameters()).asked()
     most = svc.config.fine_tuning.max_jobs_per_key
-    waiting = [j for j in await tuner.store.list(caller.key_id, None, 1000) if j.status in WAITING]
+    waiting = [j for j in await tuner.store.list(caller.key_id, None, 1000) if j.status in (*WAITING, "paused")]
     if len(waiting) >= most:
-        raise APIError(429, f"this key has {len(waiting)} fine-tuning jobs queued or running, the most it may have; "
-                       "wait for one to end, or cancel one", "too_many_jobs", headers={"retry-after": "60"},
+        raise APIError(429, f"this key has {len(waiting)} fine-tuning jobs queued, running or paused, the most it may "
+                       "have; wait for one to end, or cancel one", "too_many_jobs", headers={"retry-after": "60"},
                        type="rate_limit_error")
     examples = await _examples(tuner, caller, body.training_file, "training_file")
     if body.validation_file is not None:
@@ -200,20 +202,62 @@ async def get_job(request: Request) -> Response:
 
 
 async def cancel_job(request: Request) -> Response:
-    """POST /v1/fine_tuning/jobs/{id}/cancel: a queued or running job stops (a running one at its
-    next optimizer step: at once in this process, within ``RENEW_S`` in another); 409 for one that
-    has ended."""
+    """POST /v1/fine_tuning/jobs/{id}/cancel: a queued, running or paused job stops (a running one
+    at its next optimizer step: at once in this process, within ``RENEW_S`` in another); 409 for
+    one that has ended."""
+    done = await _stop(request, ("queued", "running", "paused"), "job_not_cancellable", status="cancelled",
+                       finished_at=int(time.time()))
+    if done.previous == "paused":  # no process runs it: its folder here goes now (others' at their next start)
+        _, tuner, _ = _context(request)
+        await asyncio.to_thread(shutil.rmtree, tuner.scratch / done.job.id, True)
+    return JSONResponse(public(done.job))
+
+
+async def pause_job(request: Request) -> Response:
+    """POST /v1/fine_tuning/jobs/{id}/pause: a queued or running job waits ``paused`` until it is
+    resumed (a running one stops at its next optimizer step, as a cancel stops it, its LoRA and
+    optimizer's state kept in its folder); 409 otherwise."""
+    done = await _stop(request, ("queued", "running"), "job_not_pausable", status="paused", estimated_finish=None)
+    return JSONResponse(public(done.job))
+
+
+async def resume_job(request: Request) -> Response:
+    """POST /v1/fine_tuning/jobs/{id}/resume: a paused job waits ``queued`` again, and goes on from
+    the step it was paused at in a process that has its folder (another starts it over); 409 for
+    a job that is not paused."""
+    _, tuner, caller = _context(request)
+    job = await _owned(tuner, caller, request.path_params["job_id"])
+    if job.status != "paused":
+        raise APIError(409, f"cannot resume a job that is {job.status}: only a paused one", "job_not_paused")
+    done = await tuner.store.change(job, ["paused"], status="queued")
+    if done is None:
+        raise APIError(409, "the job changed while it was being resumed; try again", "job_busy")
+    await tuner.store.add_event(job.id, event("message", "info", "The job was resumed"))
+    tuner.wake()
+    return JSONResponse(public(done))
+
+
+@dataclass(frozen=True)
+class _Stopped:
+    job: Job
+    previous: str  # its status before
+
+
+async def _stop(request: Request, allowed: tuple[str, ...], refused: str, **changes: Any) -> _Stopped:
+    """The caller's job with ``changes`` written, from one of the ``allowed`` statuses, and its
+    work in this process stopped; the event says so. 409 (code ``refused``) from another status."""
     _, tuner, caller = _context(request)
     for _ in range(3):  # a process may take the job (a new attempt) between the read and the write
         job = await _owned(tuner, caller, request.path_params["job_id"])
-        if job.status not in ("queued", "running"):
-            raise APIError(409, f"cannot cancel a job that is {job.status}", "job_not_cancellable")
-        done = await tuner.store.change(job, ["queued", "running"], status="cancelled", finished_at=int(time.time()))
+        if job.status not in allowed:
+            verb = {"cancelled": "cancel", "paused": "pause"}[changes["status"]]
+            raise APIError(409, f"cannot {verb} a job that is {job.status}", refused)
+        done = await tuner.store.change(job, allowed, **changes)
         if done is not None:
             tuner.stop_job(job.id)
-            await tuner.store.add_event(job.id, event("message", "info", "The job was cancelled"))
-            return JSONResponse(public(done))
-    raise APIError(409, "the job changed while it was being cancelled; try again", "job_busy")
+            await tuner.store.add_event(job.id, event("message", "info", f"The job was {changes['status']}"))
+            return _Stopped(done, job.status)
+    raise APIError(409, f"the job changed while it was being {changes['status']}; try again", "job_busy")
 
 
 async def list_events(request: Request) -> Response:

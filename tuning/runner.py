@@ -109,8 +109,8 @@ class Tuner(ClaimLoop[Job], Collector):
         return self._current is not None
 
     def stop_job(self, job_id: str) -> None:
-        """The job ``job_id`` was cancelled: if this process runs it, stop it at its next step now
-        (another process's notices when it next renews its lease)."""
+        """The job ``job_id`` was cancelled or paused: if this process runs it, stop it at its next
+        step now (another process's notices when it next renews its lease)."""
         running = self._current
         if running is not None and running.job.id == job_id:
             running.stop()
@@ -152,11 +152,12 @@ class Tuner(ClaimLoop[Job], Collector):
         try:
             await self._train(running)
         except (Cancelled, asyncio.CancelledError) as exc:
-            if running.lost and await self._cancelled(job):  # its cancel wrote the event
+            status = await self._status(job) if running.lost else None
+            if status == "cancelled":  # its cancel wrote the event
                 self._count(job, "cancelled")
-            else:
+            else:  # paused (its pause wrote the event), this process stops, or another has the job
                 ended = False
-                if running.lost:
+                if running.lost and status != "paused":
                     await self._event(job, "info", "This process stopped the job: another process has taken it over")
             if isinstance(exc, asyncio.CancelledError):
                 raise
@@ -293,8 +294,8 @@ class Tuner(ClaimLoop[Job], Collector):
             running.rows.append({"step": n, "train_loss": recorded[n]["train_loss"],
                                  "train_accuracy": recorded[n]["train_mean_token_accuracy"],
                                  "valid_loss": valid and valid[0], "valid_mean_token_accuracy": valid and valid[1]})
-        await self._event(job, "info", f"Going on from step {step} (epoch {report['epochs']} of "
-                                       f"{job.hyperparameters['n_epochs']}), where an earlier start of the job stopped")
+        await self._event(job, "info", f"Going on from step {step} of {running.total_steps}, where an earlier start "
+                                       "of the job stopped")
 
     async def _publish(self, running: _Running, run: TrainRun) -> None:
         """The last epochs' adapters into the model's folder, the result file, and the job succeeded."""
@@ -389,9 +390,9 @@ class Tuner(ClaimLoop[Job], Collector):
         await self._event(job, "error", f"Fine-tuning job failed: {message}")
         self._count(job, "failed")
 
-    async def _cancelled(self, job: Job) -> bool:
+    async def _status(self, job: Job) -> str | None:
         now = await self.store.get(job.id, None)
-        return now is not None and now.status == "cancelled"
+        return now.status if now is not None else None
 
     async def _event(self, job: Job, level: str, message: str) -> None:
         await self.store.add_event(job.id, event("message", level, message))

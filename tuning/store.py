@@ -61,7 +61,7 @@ class Job(JsonRecord):
     seed: int
     suffix: str | None = None
     metadata: dict[str, str] = field(default_factory=dict)
-    status: str = "queued"  # queued, running, succeeded, failed, cancelled
+    status: str = "queued"  # queued, running, paused, succeeded, failed, cancelled
     fine_tuned_model: str | None = None
     finished_at: int | None = None
     trained_tokens: int | None = None

@@ -9,10 +9,11 @@ cancelled, and waits while batch work must yield. While it waits the arbiter may
 to host memory (the optimizer's moments move with them) or free them; then the LoRA factors and
 the optimizer's state are kept on the host (``unload``) and put back when the model is placed again
 (``load``), so the job goes on from the step it reached. A step and a move never overlap (one lock).
-At each epoch's end the LoRA factors and the optimizer's state are also written to a file
-(``TrainRun.resume``): a job whose process stopped (a restart, a crash) goes on from the last epoch
-it finished, to the very weights it would have reached without the stop (the data order is seeded
-per epoch, and there is no dropout).
+At each epoch's end, and where a stop ends the training (a pause, a shutdown), the LoRA factors
+and the optimizer's state are also written to a file (``TrainRun.resume``): a job whose process
+stopped goes on from that step (after a crash: from its last finished epoch), to the very weights
+it would have reached without the stop (the data order is seeded per epoch, and there is no
+dropout).
 
 An example's loss is on its assistant turns only (OpenAI's rule; an assistant message with
 ``"weight": 0`` is left out too): the conversation is rendered once by the model's chat template,
@@ -33,7 +34,7 @@ from typing import Any, Callable
 
 import torch
 
-from workers.base import ModelSpec, StepContext
+from workers.base import Cancelled, ModelSpec, StepContext
 from workers.chat import folder_context_length
 from workers.worker import ModelInfo, ThreadWorker
 
@@ -155,10 +156,11 @@ class LoraTrainer(ThreadWorker):
         """(thread) Run ``run``'s epochs; after each step ``report({"step", "train_loss",
         "train_mean_token_accuracy", "tokens"})`` and after each epoch ``report({"checkpoint": path,
         "step", "valid_loss", "valid_mean_token_accuracy"})`` once its adapter is written to
-        ``run.out/step-<N>``. With a ``run.resume`` file from an earlier start, it goes on after
-        the epoch that file holds, having first reported ``{"resumed": step, "epochs": n,
-        "valid": {step: (loss, accuracy) or None}}``. Returns the tokens trained on by this call.
-        ``Cancelled`` at a boundary."""
+        ``run.out/step-<N>``. With a ``run.resume`` file from an earlier start, it goes on from the
+        step that file holds, having first reported ``{"resumed": step, "valid": {step: (loss,
+        accuracy) or None}}``; the file is written at each epoch's end and where a stop (a pause,
+        a shutdown) ends the training. Returns the tokens trained on by this call. ``Cancelled``
+        at a boundary."""
         saved = _read_resume(run.resume)
         with self._lock:
             if self.model is None:
@@ -170,11 +172,13 @@ class LoraTrainer(ThreadWorker):
         trained, step, first, scores = 0, 0, 0, {}
         if saved:
             step, first, scores = saved["step"], saved["epochs"], dict(saved["valid"])
-            report({"resumed": step, "epochs": first, "valid": dict(scores)})
+            report({"resumed": step, "valid": dict(scores)})
+        epoch = first
         try:
             for epoch in range(first, run.n_epochs):
                 order = torch.randperm(len(run.examples), generator=torch.Generator().manual_seed(run.seed + epoch))
-                for start in range(0, len(order), run.batch_size):
+                done = step - epoch * run.steps_per_epoch  # of this epoch's steps: all but the first's are 0
+                for start in range(done * run.batch_size, len(order), run.batch_size):
                     ctx.boundary()  # cancelled: Cancelled; batch work must yield: waits here (weights may move)
                     batch = [run.examples[i] for i in order[start:start + run.batch_size].tolist()]
                     with self._lock:
@@ -193,6 +197,11 @@ class LoraTrainer(ThreadWorker):
                 report({"checkpoint": folder, "step": step, "valid_loss": valid and valid[0],
                         "valid_mean_token_accuracy": valid and valid[1]})
             return trained
+        except Cancelled:  # stopped between steps: the next start goes on from this one
+            if run.resume is not None:
+                with self._lock:
+                    _write_resume(run.resume, self._live, step, epoch, scores)
+            raise
         finally:
             with self._lock:
                 self._detach()
@@ -280,11 +289,15 @@ def encode_example(tokenizer: Any, messages: list[dict], tools: list[dict] | Non
 
 
 def _write_resume(path: Path, live: _Live, step: int, epochs: int, scores: dict) -> None:
-    """(lock held) The job's state after ``epochs`` epochs (``step`` steps), written beside and
-    renamed into place: a file is whole or absent."""
-    state = {"step": step, "epochs": epochs, "valid": scores,
-             "lora": {n: p.detach().to("cpu", copy=True) for n, p in _trainable(live.peft)},
-             "optimizer": _to(live.optimizer.state_dict(), torch.device("cpu"))}
+    """(lock held) The job's state after ``step`` steps, ``epochs`` of its epochs checkpointed,
+    written beside and renamed into place: a file is whole or absent. The LoRA and the optimizer's
+    state as they are on the model, or as ``unload`` kept them while the weights are away."""
+    if live.peft is not None:
+        lora = {n: p.detach().to("cpu", copy=True) for n, p in _trainable(live.peft)}
+        optimizer = _to(live.optimizer.state_dict(), torch.device("cpu"))
+    else:
+        lora, optimizer = live.kept["lora"], live.kept["optimizer"]
+    state = {"step": step, "epochs": epochs, "valid": scores, "lora": lora, "optimizer": optimizer}
     path.parent.mkdir(parents=True, exist_ok=True)
     partial = path.with_name(path.name + ".partial")
     torch.save(state, partial)
