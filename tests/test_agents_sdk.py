@@ -157,6 +157,39 @@ def test_the_server_keeps_the_conversation_by_response_id_and_by_conversation(se
     assert sum(i.type == "message" and i.role == "assistant" for i in items) == 2
 
 
+def test_an_openai_conversations_session_keeps_the_turns_on_the_server(server):
+    """The SDK's ``OpenAIConversationsSession``: the session's items live in a conversation of the
+    Conversations API here (created, added to, read back, an item popped, deleted), so the second
+    run's prompt holds the first turn. (Through the Responses model: SDK 0.24 strips the ids of
+    the assistant messages it reads back, which its own Chat Completions converter then refuses,
+    whatever the server.)"""
+    from agents import OpenAIConversationsSession
+
+    async def run():
+        c = client(server)
+        agent = Agent(name="a", instructions="Pick.", model=OpenAIResponsesModel("tiny-chat", c), output_type=Answer,
+                      model_settings=ModelSettings(max_tokens=64))
+        session = OpenAIConversationsSession(openai_client=c)
+        first = await Runner.run(agent, "FIRST-QUESTION?", session=session)
+        second = await Runner.run(agent, "SECOND-QUESTION?", session=session)
+        conversation = await session._get_session_id()
+        items = [i async for i in c.conversations.items.list(conversation, order="asc")]
+        popped = await session.pop_item()
+        left = await session.get_items()
+        await session.clear_session()
+        with pytest.raises(openai.NotFoundError):
+            await c.conversations.retrieve(conversation)
+        return first, second, items, popped, left
+
+    first, second, items, popped, left = asyncio.run(run())
+    assert isinstance(first.final_output, Answer) and isinstance(second.final_output, Answer)
+    said = [part.text for i in items if i.type == "message" and i.role == "user" for part in i.content]
+    assert said == ["FIRST-QUESTION?", "SECOND-QUESTION?"]
+    assert [i.type == "message" and i.role for i in items] == ["user", "assistant", "user", "assistant"]
+    assert popped["role"] == "assistant" and len(left) == 3
+    assert second.context_wrapper.usage.input_tokens > first.context_wrapper.usage.input_tokens  # the first turn, read
+
+
 def test_the_hosted_file_search_tool_searches_the_callers_vector_store(server):
     c = client(server)
 
