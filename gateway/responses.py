@@ -547,7 +547,7 @@ async def file_search(svc: Services, caller: Caller, body: ResponsesRequest, sys
         if not queries:
             return None, "", (), used
     hits = await search_stores(svc, svc.vector_stores, caller, found, queries, tool.filters, tool.max_num_results,
-                               options.score_threshold, "input", hybrid)
+                               options.score_threshold, "input", hybrid, cut=queries != [query])
     hits = await _readable(svc, body.model, hits)
     results = [{"file_id": f.id, "filename": f.filename, "score": score, "text": text, "attributes": f.attributes}
                for score, f, text in hits]
@@ -598,19 +598,8 @@ async def written_queries(svc: Services, caller: Caller, body: ResponsesRequest,
     used = (reply.finished.prompt_tokens, reply.finished.completion_tokens) if reply.finished else (0, 0)
     if reply.finish_reason != "tool_calls" or not reply.calls.calls:
         return None, used
-    try:  # (xgrammar 0.2 lets raw control characters into a length-bounded string: not strict JSON)
-        queries = json.loads(reply.calls.calls[0]["function"]["arguments"], strict=False)["queries"]
-    except (ValueError, KeyError, TypeError):
-        return None, used
-    return list(dict.fromkeys(q for q in map(_query, queries) if q)), used
-
-
-def _query(text: object) -> str:
-    """A written query as searched: its control characters as spaces, trimmed."""
-    return CONTROL.sub(" ", text).strip() if isinstance(text, str) else ""
-
-
-CONTROL = re.compile(r"[\x00-\x1f\x7f]")
+    queries = json.loads(reply.calls.calls[0]["function"]["arguments"])["queries"]  # as the grammar made it
+    return list(dict.fromkeys(q.strip() for q in queries if q.strip())), used
 
 
 def _with_excerpts(conversation: list[dict[str, Any]], found: str) -> list[dict[str, Any]]:

@@ -254,17 +254,19 @@ def _unit(m: np.ndarray) -> np.ndarray:
 
 async def search_stores(svc: Services, stores: VectorStoreStore, caller: Caller, found: list[VectorStore],
                         queries: list[str], filters: dict[str, Any] | None, limit: int, threshold: float,
-                        param: str = "query", hybrid: tuple[float, float] | None = None) -> list[tuple[float, StoreFile, str]]:
+                        param: str = "query", hybrid: tuple[float, float] | None = None,
+                        cut: bool = False) -> list[tuple[float, StoreFile, str]]:
     """The best ``limit`` chunks of the vector stores ``found`` for ``queries`` (``rank``, off the
     event loop), best first. The queries are embedded with each store's model as one request of
-    ``caller``, through the gate; one over the model's context is a 400 naming ``param``. Each
-    store searched is active now: its expiry counts from here (``last_active_at`` is written when
-    it is ``ACTIVE_EVERY_S`` old or more)."""
+    ``caller``, through the gate; one over the model's context is a 400 naming ``param``, or with
+    ``cut`` (queries a model wrote) embedded as far as the context goes. Each store searched is
+    active now: its expiry counts from here (``last_active_at`` is written when it is
+    ``ACTIVE_EVERY_S`` old or more)."""
     hits: list[tuple[float, StoreFile, str]] = []
     for model in dict.fromkeys(store.model for store in found):
         encoder = await encoder_of(svc, model)
         try:
-            ids = await asyncio.to_thread(encoder.tokenize, queries)
+            ids = await asyncio.to_thread(_query_ids, encoder, queries, cut)
         except ValueError as exc:
             raise bad_request(str(exc).replace("input", "query"), param, "context_length_exceeded") from None
         vectors = await serve_embeddings(svc, caller, EmbedJob(model, ids, None), None)
@@ -278,6 +280,17 @@ async def search_stores(svc: Services, stores: VectorStoreStore, caller: Caller,
             await stores.update(replace(store, last_active_at=now))
     hits.sort(key=lambda hit: -hit[0])
     return hits[:limit]
+
+
+def _query_ids(encoder: EmbedWorker, queries: list[str], cut: bool) -> list[list[int]]:
+    """(thread) The queries' token ids (``EmbedWorker.tokenize``); with ``cut``, each cut to the
+    model's context (its special tokens kept) rather than refused."""
+    if cut and all(queries):
+        tokenizer = encoder.tokenizer  # (read under the reader's lock, which the call below takes too)
+        with encoder._tokenizing:
+            queries = tokenizer(list(queries), add_special_tokens=True, truncation=True,
+                                max_length=encoder.config.context_length)["input_ids"]
+    return encoder.tokenize(queries)
 
 
 async def encoder_of(svc: Services, model: str) -> EmbedWorker:

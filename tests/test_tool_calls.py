@@ -164,3 +164,22 @@ def test_a_format_that_cannot_be_joined_with_the_calls_is_a_400(monkeypatch):
     with pytest.raises(APIError) as err:
         plan_tools([tool("a")], "auto", None).reply_grammar(JsonGrammar(json.dumps(REPLY)))
     assert err.value.status == 400 and err.value.param == "response_format" and "rule conflict" in err.value.message
+
+
+def test_a_length_bounded_string_is_a_json_string():
+    """xgrammar 0.2 draws a string with minLength/maxLength as any characters but quote, backslash,
+    CR and LF: raw control characters in, escapes out. Mended (``workers.grammar.json_ebnf``): each
+    character is a JSON string's character or one escape, and the bounds count them so."""
+    from workers.base import JsonGrammar
+    from workers.grammar import BOUNDED_CHARACTER, JSON_CHARACTER, json_ebnf
+
+    schema = json.dumps({"type": "object", "properties": {"title": {"type": "string", "minLength": 2, "maxLength": 5}},
+                         "required": ["title"], "additionalProperties": False})
+    assert JSON_CHARACTER in json_ebnf(schema) and BOUNDED_CHARACTER not in json_ebnf(schema)
+    title = JsonGrammar(schema)
+    for text in ['{"title":"ab"}', '{"title":"a\\"b"}', '{"title":"\\\\\\n\\t"}', '{"title":"abcd\\u00e9"}']:
+        assert matches(title, text), text
+        json.loads(text)  # strict JSON, as every text the grammar takes
+    for text in ['{"title":"a\tb"}', '{"title":"a\x1cb"}', '{"title":"a"}', '{"title":"abcdef"}', '{"title":"abcde\\n"}',
+                 '{"title":"a\\qb"}']:
+        assert not matches(title, text), repr(text)

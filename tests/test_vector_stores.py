@@ -7,7 +7,6 @@ from __future__ import annotations
 
 import asyncio
 import json
-import re
 import sqlite3
 import time
 from dataclasses import replace
@@ -884,11 +883,17 @@ def test_file_search_queries_written_by_the_model(server, searchable):
                                                  "parameters": queries_schema}}],
         tool_choice={"type": "function", "function": {"name": "file_search"}})
     (call,) = by_hand.choices[0].message.tool_calls
-    # (a random model's queries may hold raw control characters: xgrammar 0.2 lets them into a bounded string)
-    written = [re.sub(r"[\x00-\x1f\x7f]", " ", q).strip() for q in json.loads(call.function.arguments, strict=False)["queries"]]
-    assert search.queries == list(dict.fromkeys(q for q in written if q))
-    want = c.vector_stores.search(searchable, query=search.queries, max_num_results=3).data
-    assert [h.file_id for h in search.results] == [w.file_id for w in want][:len(search.results)]
+    written = json.loads(call.function.arguments)["queries"]  # strict JSON (workers.grammar mends bounded strings)
+    assert search.queries == list(dict.fromkeys(q.strip() for q in written if q.strip()))
+    # what they found, as the server's own search finds it for them (each cut to the embedding model's
+    # context: a random model's queries run long, which the search endpoint would refuse)
+    from gateway.auth import Caller, key_id
+    from gateway.vector_search import search_stores
+    owner = key_id(server.keys["paid"])
+    store = server.wait(server.services.vector_stores.get(searchable, owner))
+    want = server.wait(search_stores(server.services, server.services.vector_stores, Caller("paid", owner), [store],
+                                     search.queries, None, 3, 0.0, cut=True))
+    assert search.results and [(h.file_id, h.text) for h in search.results] == [(f.id, t) for _, f, t in want][:len(search.results)]
     answer = c.chat.completions.create(model="tiny-chat-queries", temperature=0, max_tokens=6, messages=[
         messages[0], {"role": "user", "content": f"{QUESTION}\n\n{_results_text([h.model_dump() for h in search.results])}"}])
     assert message.content[0].text == answer.choices[0].message.content
@@ -900,6 +905,28 @@ def test_file_search_queries_written_by_the_model(server, searchable):
         {"type": "file_search", "vector_store_ids": [searchable], "max_num_results": 3}])
     plain = respond(c, searchable, model="tiny-chat", include=["file_search_call.results"])
     assert counted.input_tokens == plain.usage.input_tokens and plain.output[0].queries == [QUESTION]
+
+
+def test_a_query_over_the_embedding_models_context_is_refused_or_cut(server, searchable):
+    """``POST /v1/vector_stores/{id}/search`` refuses a query the embedding model cannot read
+    whole (400 naming it); the queries a chat model wrote for a ``file_search`` are cut to fit."""
+    from gateway.auth import Caller, key_id
+    from gateway.errors import APIError
+    from gateway.vector_search import search_stores
+
+    c = client(server)
+    long = "fox " * 200  # tiny-embed reads 128 tokens
+    with pytest.raises(openai.BadRequestError) as err:
+        c.vector_stores.search(searchable, query=long)
+    assert err.value.body["code"] == "context_length_exceeded"
+    owner = key_id(server.keys["paid"])
+    store = server.wait(server.services.vector_stores.get(searchable, owner))
+    args = (server.services, server.services.vector_stores, Caller("paid", owner), [store], [long], None, 3, 0.0)
+    with pytest.raises(APIError):
+        server.wait(search_stores(*args))
+    cut = server.wait(search_stores(*args, cut=True))
+    shorter = c.vector_stores.search(searchable, query="fox " * 100, max_num_results=3).data  # a cut within the run of foxes
+    assert [(f.id, t) for _, f, t in cut] == [(w.file_id, w.content[0].text) for w in shorter]
 
 
 def test_file_search_streams_its_events_first(server, searchable):

@@ -21,9 +21,9 @@ Where vLLM differs from the transformers worker (``workers.chat``):
   the whole reply's text, as the transformers worker does (``_resumed_text``), so that a stop
   string split across the pause ends the reply and the tail vLLM was holding back as a possible
   stop's start is sent. A greedy reply paused at any of its tokens streams the unpaused text.
-* Constrained replies (``params.grammar``) go to vLLM's structured outputs (xgrammar, no free
-  whitespace: the engine starts with ``disable_any_whitespace``, which vLLM 0.32 reads per
-  engine, not per request), like the transformers engine's own matcher; a reasoning model's
+* Constrained replies (``params.grammar``) go to vLLM's structured outputs as the same EBNF text
+  the transformers engine's own matcher compiles (``workers.grammar.grammar_text``; the engine
+  also starts with ``disable_any_whitespace``, which vLLM 0.32 reads per engine); a reasoning model's
   engine also gets vLLM's reasoning parser there, so its replies think before the grammar
   applies (``_thinking_gate``). A
   resubmission restarts the grammar from its beginning, so a constrained request is paused only
@@ -83,9 +83,7 @@ from workers.base import (
     ChatFinished,
     ChatParams,
     ChatRequest,
-    EbnfGrammar,
     InvalidParam,
-    JsonGrammar,
     ModelSpec,
     StackKey,
     TextDelta,
@@ -93,6 +91,7 @@ from workers.base import (
     stack_key,
 )
 from workers import chat_prompt, reaper
+from workers.grammar import grammar_text
 from workers.worker import ModelInfo, Worker
 from workers.chat_prompt import ContextTooLong
 
@@ -866,14 +865,10 @@ def _sampling_extras(p: ChatParams) -> dict[str, Any]:
         "frequency_penalty": p.frequency_penalty,
         "logit_bias": dict(p.logit_bias) or None,
     }
-    if isinstance(p.grammar, JsonGrammar):
+    if p.grammar is not None:  # as EBNF: a JSON schema's grammar mended as the transformers engine's is
         from vllm.sampling_params import StructuredOutputsParams
 
-        extras["structured_outputs"] = StructuredOutputsParams(json=p.grammar.schema)
-    elif isinstance(p.grammar, EbnfGrammar):
-        from vllm.sampling_params import StructuredOutputsParams
-
-        extras["structured_outputs"] = StructuredOutputsParams(grammar=p.grammar.ebnf)
+        extras["structured_outputs"] = StructuredOutputsParams(grammar=grammar_text(p.grammar))
     return extras
 
 

@@ -17,16 +17,22 @@ declares (what the output may contain narrows; everything it does contain valida
 * A reasoning model's reply (``ChatRequest.reasoning``) is constrained after its thinking, on
   both engines: from the token after its first ``</think>``, or from the first token when the
   prompt closed the thinking.
+* Both engines are handed EBNF text (:func:`grammar_text`): a JSON schema's grammar as xgrammar
+  writes it, with one mend. xgrammar 0.2 draws a string with ``minLength``/``maxLength`` as
+  characters other than ``"``, ``\\``, CR and LF, so such a string could hold raw control
+  characters (a tab), which strict JSON parsers refuse, and could never hold an escape (a quote
+  in a title); here each of its characters is a JSON string's character or escape, as an
+  unbounded string's are.
 * A reply that may take either of two shapes is an :class:`~workers.base.EbnfGrammar`:
   :func:`reply_or_calls` joins the requested JSON and the model's tool-call blocks (tools in
-  ``auto`` mode with a response format), each JSON part compact as above. vLLM takes its EBNF
-  text (``StructuredOutputsParams(grammar=...)``), the transformers engine compiles it.
+  ``auto`` mode with a response format), each JSON part compact as above.
 """
 
 from __future__ import annotations
 
 import functools
 import json
+import re
 
 import torch
 
@@ -46,6 +52,27 @@ def schema_error(schema: dict | bool) -> str | None:
     return None
 
 
+# xgrammar 0.2's rule for one character of a length-bounded string, and what it should be: a JSON
+# string's character (no control character, quote or backslash) or escape
+BOUNDED_CHARACTER = r'(([^\"\\\r\n]))'
+JSON_CHARACTER = r'(([^\0-\x1f\"\\]) | ("\\" ([\"\\/bfnrt] | ("u" [A-Fa-f0-9] [A-Fa-f0-9] [A-Fa-f0-9] [A-Fa-f0-9]))))'
+_CHARACTER_RULE = re.compile(r"^(\S+_characters ::= )" + re.escape(BOUNDED_CHARACTER) + "$", re.M)
+
+
+def grammar_text(grammar: Grammar) -> str:
+    """The EBNF text both engines compile for ``grammar``."""
+    return grammar.ebnf if isinstance(grammar, EbnfGrammar) else json_ebnf(grammar.schema)
+
+
+@functools.lru_cache(maxsize=512)
+def json_ebnf(schema: str) -> str:
+    """The compact grammar of a JSON schema as EBNF, its length-bounded strings mended (above)."""
+    import xgrammar as xgr
+
+    text = str(xgr.Grammar.from_json_schema(schema, any_whitespace=False, separators=SEPARATORS))
+    return _CHARACTER_RULE.sub(lambda m: m.group(1) + JSON_CHARACTER, text)
+
+
 def reply_or_calls(reply: JsonGrammar, call: JsonGrammar, begin: str, end: str, several: bool) -> EbnfGrammar:
     """A reply that is either JSON valid against ``reply``, or tool calls: blocks of ``begin``,
     a JSON call valid against ``call``, ``end`` (one block, or with ``several`` one or more a
@@ -61,8 +88,7 @@ def _reply_or_calls(reply: str, call: str, begin: str, end: str, several: bool) 
     import xgrammar as xgr
 
     def compact(schema: str) -> dict:
-        ebnf = str(xgr.Grammar.from_json_schema(schema, any_whitespace=False, separators=SEPARATORS))
-        return {"type": "grammar", "grammar": ebnf}
+        return {"type": "grammar", "grammar": json_ebnf(schema)}
 
     newline = {"type": "grammar", "grammar": 'root ::= "" | "\\n"'}
     block = {"type": "tag", "begin": begin, "end": end,
@@ -91,11 +117,7 @@ class Grammars:
 
     def row(self, grammar: Grammar) -> "RowGrammar":
         """A fresh matcher for one row constrained by ``grammar``."""
-        if isinstance(grammar, EbnfGrammar):
-            compiled = self._compiler.compile_grammar(grammar.ebnf)
-        else:
-            compiled = self._compiler.compile_json_schema(grammar.schema, any_whitespace=False, separators=SEPARATORS)
-        return RowGrammar(compiled, self.vocab_size)
+        return RowGrammar(self._compiler.compile_grammar(grammar_text(grammar)), self.vocab_size)
 
 
 class RowGrammar:
