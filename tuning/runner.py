@@ -10,8 +10,10 @@ trains only while the GPU has nothing else to do and yields at the next optimize
 anyone else arrives. The trainer's weights may be moved to host memory or freed meanwhile, and
 the job goes on from the step it reached when they are back. Each job's epochs are written to its
 folder in the data directory (``<data>/fine-tuning/<job id>``) with the state to go on from
-(``TrainRun.resume``): a job whose process stopped (a restart, a crash) and that this process takes
-again goes on after its last finished epoch; a job that ended takes its folder with it.
+(``TrainRun.resume``, written at each epoch's end and where a pause or a shutdown stops it): a job
+paused and resumed, or whose process stopped, goes on from that step when a process with the
+folder takes it again (after a crash: from its last finished epoch); a job that ended takes its
+folder with it. A pause (``stop_job``) stops a job as a cancel does and leaves it ``paused``.
 
 At the end the job's adapters are published in the model's adapter folder (``Config.tuning_dir``),
 each copied beside it and renamed into place: the last three epochs' checkpoints as
@@ -77,7 +79,7 @@ class _Running:
     rows: list[dict[str, Any]] = field(default_factory=list)  # the result file's rows, one per step
     total_steps: int = 0
     began: float = 0.0  # when its training started (monotonic), for ``estimated_finish``
-    first_step: int = 0  # the step it started from: an earlier start's last epoch's, or 0
+    first_step: int = 0  # the step it started from: where an earlier start stopped, or 0
     stopped: asyncio.Event = field(default_factory=asyncio.Event)  # set with ``lost``: ends a wait for the trainer
 
     def stop(self) -> None:
@@ -275,9 +277,9 @@ class Tuner(ClaimLoop[Job], Collector):
             await self.store.change(job, ["running"], estimated_finish=finish)
 
     async def _resumed(self, running: _Running, report: dict) -> None:
-        """The trainer goes on from an earlier start's last epoch: the result file's rows up to it
-        are the metrics events that start recorded (the latest of each step), with its epochs'
-        validation scores."""
+        """The trainer goes on from where an earlier start stopped: the result file's rows up to
+        there are the metrics events the earlier starts recorded (the latest of each step), with
+        their epochs' validation scores."""
         job, step = running.job, report["resumed"]
         running.first_step = step
         recorded: dict[int, dict] = {}
@@ -350,7 +352,7 @@ class Tuner(ClaimLoop[Job], Collector):
 
     async def _hold(self, running: _Running) -> Held:
         """The trainer, leased as batch work; a 429 or 503 is waited out (the lease goes on). A
-        stop (a cancel) ends the wait at once: batch work may wait for hours on a busy GPU."""
+        stop (a cancel, a pause) ends the wait at once: batch work may wait for hours on a busy GPU."""
         trainer = self.svc.config.fine_tuning.trainer(running.job.model)
         while not running.lost:
             hold = asyncio.ensure_future(self.svc.hold(self.tier, trainer, 1.0))
