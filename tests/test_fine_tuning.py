@@ -24,7 +24,7 @@ from safetensors.torch import load_file
 
 from tests.helpers import start_server, write_config
 from workers.base import Cancelled, ModelSpec, StepContext
-from workers.trainer import IGNORE, LoraTrainer, TemplateNotTurnByTurn, TrainRun, encode_example
+from workers.trainer import IGNORE, LoraTrainer, Pair, TemplateNotTurnByTurn, TrainRun, encode_example
 
 TAUGHT = "Arr, matey!"  # one answer to every question: 50 steps teach it to tiny-chat's random weights
 PAIRS = [("Hello", TAUGHT), ("Who are you?", TAUGHT), ("Where is the gold?", TAUGHT)]
@@ -394,6 +394,54 @@ def test_a_paused_job_keeps_its_state_and_resumes_to_the_same_weights(server):
     assert not (tuner.scratch / other.id).exists()  # no process would take it again: its folder went
 
 
+def test_a_dpo_job_makes_the_served_model_favour_the_preferred_answers(server, trainer):
+    """``method: {type: dpo}`` through the API on a preference file: the job runs, is shown with its
+    method and beta, and the model it publishes, asked through /v1/completions to score each
+    answer (echo, logprobs), favours the preferred answer over the other by more than the base
+    model does, on every question."""
+    c = client(server)
+    lines = [{"input": {"messages": [{"role": "user", "content": q}]},
+              "preferred_output": [{"role": "assistant", "content": PREFERRED}],
+              "non_preferred_output": [{"role": "assistant", "content": NON_PREFERRED}]} for q, _ in PAIRS]
+    job = c.fine_tuning.jobs.create(model="tiny-chat", training_file=upload(c, lines * 2), seed=3, method={
+        "type": "dpo", "dpo": {"hyperparameters": {"n_epochs": 8, "batch_size": 3, "beta": 0.5}}})
+    assert job.method.type == "dpo" and job.method.dpo.hyperparameters.beta == 0.5
+    done = wait(c, job.id)
+    assert done.status == "succeeded", done.error
+    assert done.trained_tokens == sum(p.tokens for p in _pairs(trainer)) * 2 * 8
+
+    def preference(model: str) -> list[float]:
+        """Per question: log p(preferred answer) - log p(other answer), as the server scores them."""
+        out = []
+        for pair in _pairs(trainer):
+            scored = []
+            for example in (pair.preferred, pair.non_preferred):
+                r = c.completions.create(model=model, prompt=example.ids, echo=True, logprobs=0, max_tokens=0)
+                logps = r.choices[0].logprobs.token_logprobs
+                scored.append(sum(logps[i] for i, t in enumerate(example.labels) if t != IGNORE))
+            out.append(scored[0] - scored[1])
+        return out
+
+    base, tuned = preference("tiny-chat"), preference(done.fine_tuned_model)
+    assert all(t > b for t, b in zip(tuned, base)), (tuned, base)
+
+
+@pytest.mark.parametrize("line, says", [
+    ({"input": {"messages": [{"role": "user", "content": "Hi"}]}, "preferred_output": [{"role": "assistant", "content": "a"}]},
+     "'non_preferred_output' must be a list of one assistant message"),
+    ({"input": {"messages": [{"role": "user", "content": "Hi"}, {"role": "assistant", "content": "x"}]},
+      "preferred_output": [{"role": "assistant", "content": "a"}], "non_preferred_output": [{"role": "assistant", "content": "b"}]},
+     "must end with a user message"),
+    ({"messages": [{"role": "user", "content": "Hi"}, {"role": "assistant", "content": "x"}]}, "unknown field 'messages'"),
+])
+def test_a_bad_preference_file_is_a_400_naming_the_line(server, line, says):
+    c = client(server)
+    with pytest.raises(openai.BadRequestError) as err:
+        c.fine_tuning.jobs.create(model="tiny-chat", training_file=upload(c, [line]), method={"type": "dpo"})
+    assert err.value.body["param"] == "training_file" and "line 1" in err.value.body["message"]
+    assert says in err.value.body["message"], err.value.body["message"]
+
+
 def test_a_key_has_at_most_max_jobs_per_key_waiting(server):
     c = client(server, "subscriber")
     training = upload(c, LINES)
@@ -455,7 +503,11 @@ def test_what_a_job_cannot_be_made_of(server):
     assert refused(openai.BadRequestError, hyperparameters={"n_epochs": 0})["param"] == "hyperparameters.n_epochs"
     assert refused(openai.BadRequestError, hyperparameters={"n_epochs": 2},
                    method={"type": "supervised"})["param"] == "hyperparameters"
-    assert refused(openai.BadRequestError, method={"type": "dpo"})["param"].startswith("method")
+    assert refused(openai.BadRequestError, method={"type": "reinforcement"})["param"].startswith("method")
+    assert refused(openai.BadRequestError, method={"type": "dpo"})["param"] == "training_file"  # not preferences
+    assert refused(openai.BadRequestError, method={"type": "dpo", "supervised": {}})["param"] == "method.supervised"
+    assert refused(openai.BadRequestError, method={"type": "dpo", "dpo": {"hyperparameters": {"beta": 3}}})["param"] \
+        == "method.dpo.hyperparameters.beta"
     assert refused(openai.BadRequestError, integrations=[{"type": "wandb"}])["code"] == "unsupported_parameter"
     with pytest.raises(openai.NotFoundError):
         c.fine_tuning.jobs.retrieve("ftjob-nope")
@@ -502,6 +554,50 @@ def _run(trainer, seed=5, epochs=4, ctx=None):
     reports: list[dict] = []
     trainer.train(run, ctx or StepContext(), reports.append)
     return load_file(out / f"step-{run.total_steps}" / "adapter_model.safetensors"), reports
+
+
+PREFERRED, NON_PREFERRED = TAUGHT, "Good day to you."
+
+
+def _pairs(trainer) -> list[Pair]:
+    return [Pair(*(encode_example(trainer.tokenizer, [{"role": "user", "content": q}, {"role": "assistant", "content": a}],
+                                  None, 512) for a in (PREFERRED, NON_PREFERRED))) for q, _ in PAIRS]
+
+
+def test_dpo_moves_the_model_towards_the_preferred_answers_as_its_loss_says(trainer):
+    """DPO on the trainer: the first step's loss is log 2 (the LoRA starts at zero, so the tuned
+    model is the reference: every margin 0); after training, each pair's margin computed here by
+    hand (plain torch: the base model, and it with the published adapter through peft, the answer's
+    summed log-probabilities) is above 0, and the validation loss the trainer reported is the mean
+    of -log sigmoid(margin) over them (to 1e-4)."""
+    import math
+
+    from peft import PeftModel
+    from transformers import AutoModelForCausalLM
+
+    pairs, beta = _pairs(trainer), 0.5
+    out = Path(tempfile.mkdtemp())
+    run = TrainRun(pairs, pairs, 10, 3, 0.01, 3, 8, 16, out, beta=beta)
+    reports: list[dict] = []
+    trainer.train(run, StepContext(), reports.append)
+    steps = [r for r in reports if "train_loss" in r]
+    assert steps[0]["train_loss"] == pytest.approx(math.log(2), abs=1e-6) and steps[-1]["train_loss"] < math.log(2)
+
+    def answer_logp(model, example) -> float:
+        logits = model(input_ids=torch.tensor([example.ids])).logits[0, :-1].double()
+        logps = torch.log_softmax(logits, -1)
+        return sum(float(logps[i, t]) for i, t in enumerate(example.labels[1:]) if t != IGNORE)
+
+    base = AutoModelForCausalLM.from_pretrained(trainer.spec.path, dtype=torch.float32)
+    with torch.no_grad():
+        reference = [[answer_logp(base, e) for e in (p.preferred, p.non_preferred)] for p in pairs]
+        tuned_model = PeftModel.from_pretrained(base, out / f"step-{run.total_steps}")
+        tuned = [[answer_logp(tuned_model, e) for e in (p.preferred, p.non_preferred)] for p in pairs]
+    margins = [beta * ((t[0] - r[0]) - (t[1] - r[1])) for t, r in zip(tuned, reference)]
+    assert all(m > 0 for m in margins), margins
+    last = [r for r in reports if "checkpoint" in r][-1]
+    want = sum(-math.log(1 / (1 + math.exp(-m))) for m in margins) / len(margins)
+    assert last["valid_loss"] == pytest.approx(want, abs=1e-4) and last["valid_mean_token_accuracy"] == 1.0
 
 
 def test_runs_are_seeded_and_leave_the_base_weights_as_they_were(trainer):

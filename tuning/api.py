@@ -4,7 +4,9 @@ resume, events, checkpoints), for ``client.fine_tuning.jobs``.
 A job fine-tunes a chat model that ``fine_tuning.models`` names, from a training file uploaded
 with purpose ``fine-tune`` (checked whole when the job is made: a 400 names the line), with
 ``hyperparameters`` (or ``method: {type: supervised, supervised: {hyperparameters}}``) of
-``n_epochs``, ``batch_size`` and ``learning_rate_multiplier``, each a number or ``auto``. A key
+``n_epochs``, ``batch_size`` and ``learning_rate_multiplier``, each a number or ``auto``; or, with
+``method: {type: dpo, dpo: {hyperparameters}}`` (``beta`` too), from a file of preferences
+(``tuning.data.preferences``). A key
 sees its own jobs (an admin key every key's), as it sees its files and batches.
 """
 
@@ -27,7 +29,7 @@ from gateway.config import ADAPTER_NAME
 from gateway.errors import APIError, bad_request, not_found
 from gateway.schemas import Metadata, _Body, is_count, parse, read_json
 from gateway.service import Services
-from tuning.data import FileProblem, conversations, resolve
+from tuning.data import FileProblem, conversations, preferences, resolve
 from tuning.runner import Tuner, event, fine_tuned_name, owner_label
 from tuning.store import WAITING, Job
 
@@ -66,13 +68,38 @@ class Hyperparameters(_Body):
         return self.model_dump()
 
 
+class DpoHyperparameters(Hyperparameters):
+    beta: float | Auto = Field(default="auto")
+
+    @field_validator("beta")
+    @classmethod
+    def _beta(cls, v):
+        if v != "auto" and not 0 < v <= 2:
+            raise ValueError("beta must be above 0 and at most 2, or 'auto'")
+        return v
+
+
 class Supervised(_Body):
     hyperparameters: Hyperparameters = Hyperparameters()
 
 
+class Dpo(_Body):
+    hyperparameters: DpoHyperparameters = DpoHyperparameters()
+
+
 class Method(_Body):
-    type: Literal["supervised"]
-    supervised: Supervised = Supervised()
+    type: Literal["supervised", "dpo"]
+    supervised: Supervised | None = None
+    dpo: Dpo | None = None
+
+    def asked(self) -> dict[str, Any]:
+        if self.type == "dpo":
+            if self.supervised is not None:
+                raise bad_request("a dpo method takes method.dpo, not method.supervised", "method.supervised")
+            return (self.dpo or Dpo()).hyperparameters.asked()
+        if self.dpo is not None:
+            raise bad_request("a supervised method takes method.supervised, not method.dpo", "method.dpo")
+        return (self.supervised or Supervised()).hyperparameters.asked()
 
 
 class CreateJob(_Body):
@@ -100,7 +127,7 @@ def public(job: Job) -> dict[str, Any]:
             "trained_tokens": job.trained_tokens, "training_file": job.training_file,
             "validation_file": job.validation_file, "estimated_finish": job.estimated_finish, "integrations": [],
             "metadata": job.metadata or None, "user_provided_suffix": job.suffix,
-            "method": {"type": "supervised", "supervised": {"hyperparameters": job.hyperparameters}}}
+            "method": {"type": job.method, job.method: {"hyperparameters": job.hyperparameters}}}
 
 
 async def create_job(request: Request) -> Response:
@@ -120,20 +147,21 @@ async def create_job(request: Request) -> Response:
                           "hyperparameters")
     if body.suffix is not None and not SUFFIX.fullmatch(body.suffix):
         raise bad_request("suffix is 1 to 40 letters, digits, '.' or '-'", "suffix")
-    asked = (body.method.supervised.hyperparameters if body.method is not None else
-             body.hyperparameters or Hyperparameters()).asked()
+    method = body.method.type if body.method is not None else "supervised"
+    asked = body.method.asked() if body.method is not None else (body.hyperparameters or Hyperparameters()).asked()
     most = svc.config.fine_tuning.max_jobs_per_key
     waiting = [j for j in await tuner.store.list(caller.key_id, None, 1000) if j.status in (*WAITING, "paused")]
     if len(waiting) >= most:
         raise APIError(429, f"this key has {len(waiting)} fine-tuning jobs queued, running or paused, the most it may "
                        "have; wait for one to end, or cancel one", "too_many_jobs", headers={"retry-after": "60"},
                        type="rate_limit_error")
-    examples = await _examples(tuner, caller, body.training_file, "training_file")
+    examples = await _examples(tuner, caller, body.training_file, "training_file", method)
     if body.validation_file is not None:
-        await _examples(tuner, caller, body.validation_file, "validation_file")
+        await _examples(tuner, caller, body.validation_file, "validation_file", method)
     job = Job(f"ftjob-{secrets.token_hex(12)}", caller.key_id, int(time.time()), model, body.training_file,
-              body.validation_file, resolve(asked, examples).public(),
-              body.seed if body.seed is not None else secrets.randbelow(2**31), body.suffix, body.metadata or {})
+              body.validation_file, resolve(asked, examples, method).public(),
+              body.seed if body.seed is not None else secrets.randbelow(2**31), body.suffix, body.metadata or {},
+              method=method)
     name = fine_tuned_name(job)
     if not ADAPTER_NAME.fullmatch(name) or len(name) + CKPT_ROOM > 128:  # the suffix's characters are checked
         raise bad_request(f"the fine-tuned model's name '{name}' would be too long; use a shorter suffix", "suffix")
@@ -144,8 +172,9 @@ async def create_job(request: Request) -> Response:
     return JSONResponse(public(job))
 
 
-async def _examples(tuner: Tuner, caller: Caller, file_id: str, param: str) -> int:
-    """How many examples the file has; 400 naming the line that is not one, 404 for no such file."""
+async def _examples(tuner: Tuner, caller: Caller, file_id: str, param: str, method: str) -> int:
+    """How many examples the file has (conversations, or for ``dpo`` preferences); 400 naming the
+    line that is not one, 404 for no such file."""
     info = await tuner.files.get_file(file_id)
     if info is None or not (caller.admin or info.owner == caller.key_id):
         raise not_found(f"no such file: '{file_id}'", param, "file_not_found")
@@ -156,7 +185,8 @@ async def _examples(tuner: Tuner, caller: Caller, file_id: str, param: str) -> i
     if content is None:
         raise not_found(f"no such file: '{file_id}'", param, "file_not_found")
     try:
-        return len(await asyncio.to_thread(conversations, content, f"the {param.replace('_', ' ')}"))
+        read = preferences if method == "dpo" else conversations
+        return len(await asyncio.to_thread(read, content, f"the {param.replace('_', ' ')}"))
     except FileProblem as exc:
         raise bad_request(str(exc), param, "invalid_file_format") from None
 

@@ -8,6 +8,11 @@ their ``content`` a string or text parts; an assistant's may be empty where it h
 ``parallel_tool_calls``. Each example needs an assistant message to learn from: one without
 ``"weight": 0`` (``weight`` is 0 or 1, on assistant messages only). Anything else is a
 ``FileProblem`` naming the line and the field.
+
+A preference file (``method: dpo``) has on each line ``input`` (``messages`` ending with a user
+message, optionally ``tools`` and ``parallel_tool_calls``), ``preferred_output`` and
+``non_preferred_output``: each a list of one assistant message, the answer to prefer and the one
+to prefer less (OpenAI's format).
 """
 
 from __future__ import annotations
@@ -20,6 +25,7 @@ from typing import Any
 ROLES = ("system", "developer", "user", "assistant", "tool")
 DEFAULT_EPOCHS = 3
 MAX_BATCH = 8
+DEFAULT_BETA = 0.1  # DPO's usual beta (the paper's and TRL's default)
 
 
 class FileProblem(ValueError):
@@ -32,8 +38,28 @@ class Conversation:
     tools: list[dict[str, Any]] | None
 
 
+@dataclass(frozen=True)
+class Preference:
+    """A DPO example: a conversation (its assistant turns are context, not learned) and two answers."""
+
+    messages: list[dict[str, Any]]
+    tools: list[dict[str, Any]] | None
+    preferred: dict[str, Any]
+    non_preferred: dict[str, Any]
+
+
 def conversations(content: bytes, what: str = "the training file") -> list[Conversation]:
     """The examples of a fine-tuning file; ``FileProblem`` for the first line that is not one."""
+    return [_conversation(example, where) for example, where in _lines(content, what)]
+
+
+def preferences(content: bytes, what: str = "the training file") -> list[Preference]:
+    """The examples of a preference (DPO) file; ``FileProblem`` for the first line that is not one."""
+    return [_preference(example, where) for example, where in _lines(content, what)]
+
+
+def _lines(content: bytes, what: str) -> list[tuple[Any, str]]:
+    """Each line's JSON value and where it is; ``FileProblem`` for text that is not JSON lines."""
     try:
         text = content.decode("utf-8").removeprefix("\ufeff")
     except UnicodeDecodeError:
@@ -43,13 +69,39 @@ def conversations(content: bytes, what: str = "the training file") -> list[Conve
         if not line.strip():
             continue
         try:
-            example = json.loads(line)
+            out.append((json.loads(line), f"{what}, line {number}"))
         except json.JSONDecodeError as exc:
             raise FileProblem(f"{what}, line {number}: not JSON ({exc.msg})") from None
-        out.append(_conversation(example, f"{what}, line {number}"))
     if not out:
         raise FileProblem(f"{what} has no examples")
     return out
+
+
+def _preference(example: Any, where: str) -> Preference:
+    if not isinstance(example, dict):
+        raise FileProblem(f"{where}: a preference example is a JSON object with 'input', 'preferred_output' and "
+                          "'non_preferred_output'")
+    unknown = sorted(set(example) - {"input", "preferred_output", "non_preferred_output"})
+    if unknown:
+        raise FileProblem(f"{where}: unknown field {unknown[0]!r} (a preference example has 'input', "
+                          "'preferred_output', 'non_preferred_output')")
+    given = example.get("input")
+    if not isinstance(given, dict):
+        raise FileProblem(f"{where}: 'input' must be an object with 'messages'")
+    context = _conversation({**given, "messages": [*(given.get("messages") or [None]), {"role": "assistant", "content": ""}]}
+                            if isinstance(given.get("messages"), list) and given["messages"] else given, f"{where}: input")
+    messages = [{**m, "weight": 0} if m["role"] == "assistant" else m for m in context.messages[:-1]]
+    if messages[-1]["role"] != "user":
+        raise FileProblem(f"{where}: input.messages must end with a user message (the one both outputs answer)")
+    answers = []
+    for key in ("preferred_output", "non_preferred_output"):
+        output = example.get(key)
+        if not (isinstance(output, list) and len(output) == 1 and isinstance(output[0], dict)
+                and output[0].get("role") == "assistant"):
+            raise FileProblem(f"{where}: '{key}' must be a list of one assistant message")
+        _check_content(output[0], f"{where}: {key}[0]", "assistant")
+        answers.append({k: v for k, v in output[0].items() if k != "weight"})
+    return Preference(messages, context.tools, answers[0], answers[1])
 
 
 def _conversation(example: Any, where: str) -> Conversation:
@@ -104,17 +156,23 @@ class Hyperparameters:
     n_epochs: int
     batch_size: int
     learning_rate_multiplier: float
+    beta: float | None = None  # DPO's: how far the tuned model may move from the base (None: supervised)
 
     def public(self) -> dict[str, Any]:
-        return {"n_epochs": self.n_epochs, "batch_size": self.batch_size,
-                "learning_rate_multiplier": self.learning_rate_multiplier}
+        out: dict[str, Any] = {"n_epochs": self.n_epochs, "batch_size": self.batch_size,
+                               "learning_rate_multiplier": self.learning_rate_multiplier}
+        if self.beta is not None:
+            out["beta"] = self.beta
+        return out
 
 
-def resolve(asked: dict[str, Any], examples: int) -> Hyperparameters:
+def resolve(asked: dict[str, Any], examples: int, method: str = "supervised") -> Hyperparameters:
     """The job's hyperparameters, each ``auto`` (or absent) worked out: 3 epochs; a batch of about
-    0.2% of the examples, from 1 to 8; a learning rate multiplier of 1."""
+    0.2% of the examples, from 1 to 8; a learning rate multiplier of 1; for DPO a beta of 0.1."""
     epochs, batch, multiplier = (asked.get(k, "auto") for k in ("n_epochs", "batch_size", "learning_rate_multiplier"))
+    beta = asked.get("beta", "auto")
     return Hyperparameters(
         DEFAULT_EPOCHS if epochs == "auto" else int(epochs),
         max(1, min(MAX_BATCH, math.floor(examples * 0.002))) if batch == "auto" else min(int(batch), examples),
-        1.0 if multiplier == "auto" else float(multiplier))
+        1.0 if multiplier == "auto" else float(multiplier),
+        None if method != "dpo" else DEFAULT_BETA if beta == "auto" else float(beta))

@@ -47,10 +47,10 @@ from gateway.auth import Caller
 from gateway.claim_loop import ClaimLoop
 from gateway.errors import APIError
 from gateway.service import Held, Services
-from tuning.data import FileProblem, conversations
+from tuning.data import FileProblem, Preference, conversations, preferences
 from tuning.store import FineTuningStore, Job
 from workers.base import Cancelled, StepContext
-from workers.trainer import Example, TemplateNotTurnByTurn, TrainerGone, TrainRun
+from workers.trainer import Example, Pair, TemplateNotTurnByTurn, TrainerGone, TrainRun
 
 log = logging.getLogger("tiergate.fine_tuning")
 LEASE_S = 30.0  # a running job is another process's to take once its lease is this old
@@ -194,8 +194,8 @@ class Tuner(ClaimLoop[Job], Collector):
         if job.model not in self.svc.config.fine_tuning.models:  # tiers.yaml changed since the job was made
             raise _Failed("model_not_available", f"the model '{job.model}' is no longer one fine_tuning.models names")
         await self._event(job, "info", f"Fine-tuning job started (attempt {job.attempt})")
-        training = await self._read(job.training_file, "training_file")
-        validation = await self._read(job.validation_file, "validation_file") if job.validation_file else []
+        training = await self._read(job.training_file, "training_file", job.method)
+        validation = await self._read(job.validation_file, "validation_file", job.method) if job.validation_file else []
         hp = job.hyperparameters
         held = await self._hold(running)
         started, trained = time.monotonic(), 0
@@ -213,7 +213,8 @@ class Tuner(ClaimLoop[Job], Collector):
             tuning = self.svc.config.fine_tuning
             run = TrainRun(examples, checks, hp["n_epochs"], hp["batch_size"],
                            tuning.learning_rate * hp["learning_rate_multiplier"], job.seed, tuning.lora_rank,
-                           tuning.lora_alpha, self.scratch / job.id, self.scratch / job.id / "resume.pt")
+                           tuning.lora_alpha, self.scratch / job.id, self.scratch / job.id / "resume.pt",
+                           hp.get("beta") if job.method == "dpo" else None)
             running.total_steps, running.began = run.total_steps, time.monotonic()
             running.ctx = ctx = held.lease.context()
             if running.lost:
@@ -319,7 +320,7 @@ class Tuner(ClaimLoop[Job], Collector):
                 "id": f"ftckpt-{secrets.token_hex(12)}", "object": "fine_tuning.job.checkpoint", "created_at": now,
                 "fine_tuned_model_checkpoint": f"{name}:ckpt-step-{step}", "step_number": step,
                 "fine_tuning_job_id": job.id, "metrics": _metrics(row)})
-        tokens = sum(len(e.ids) for e in run.examples) * run.n_epochs
+        tokens = sum(e.tokens for e in run.examples) * run.n_epochs
         done = await self.store.change(job, ["running"], status="succeeded", fine_tuned_model=name, finished_at=now,
                                        trained_tokens=tokens, result_files=[result], estimated_finish=None)
         if done is None:  # cancelled at the last moment: its adapters stay, the job says cancelled
@@ -341,12 +342,12 @@ class Tuner(ClaimLoop[Job], Collector):
         await self.files.put_file(info, content)
         return info.id
 
-    async def _read(self, file_id: str, param: str) -> list:
+    async def _read(self, file_id: str, param: str, method: str) -> list:
         content = await self.files.file_content(file_id)
         if content is None:
             raise _Failed("file_not_found", f"the {param.replace('_', ' ')} {file_id} was deleted before the job ran", param)
         try:
-            return conversations(content, f"the {param.replace('_', ' ')}")
+            return (preferences if method == "dpo" else conversations)(content, f"the {param.replace('_', ' ')}")
         except FileProblem as exc:
             raise _Failed(f"invalid_{param}", str(exc), param) from None
 
@@ -426,10 +427,13 @@ def event(kind: str, level: str, message: str, data: dict | None = None) -> dict
             "level": level, "message": message, "data": data or {}, "type": kind}
 
 
-def _encode(worker, examples: list, limit: int) -> tuple[list[Example], int]:
-    """(thread) The examples as token ids and labels; those left with nothing to learn (their
-    assistant turns cut off by ``limit``) are counted, not kept."""
-    out = [worker.encode(c.messages, c.tools, limit) for c in examples]
+def _encode(worker, examples: list, limit: int) -> tuple[list[Example] | list[Pair], int]:
+    """(thread) The examples as token ids and labels (a preference's as a ``Pair``, each answer
+    labelled alone); those left with nothing to learn (their assistant turns cut off by ``limit``)
+    are counted, not kept."""
+    out = [Pair(worker.encode([*e.messages, e.preferred], e.tools, limit),
+                worker.encode([*e.messages, e.non_preferred], e.tools, limit)) if isinstance(e, Preference)
+           else worker.encode(e.messages, e.tools, limit) for e in examples]
     kept = [e for e in out if e.trained]
     return kept, len(out) - len(kept)
 

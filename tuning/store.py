@@ -57,10 +57,11 @@ class Job(JsonRecord):
     model: str  # the base model
     training_file: str
     validation_file: str | None
-    hyperparameters: dict  # {"n_epochs": int, "batch_size": int, "learning_rate_multiplier": float}
+    hyperparameters: dict  # {"n_epochs": int, "batch_size": int, "learning_rate_multiplier": float[, "beta": float]}
     seed: int
     suffix: str | None = None
     metadata: dict[str, str] = field(default_factory=dict)
+    method: str = "supervised"  # or "dpo": the training file is preferences
     status: str = "queued"  # queued, running, paused, succeeded, failed, cancelled
     fine_tuned_model: str | None = None
     finished_at: int | None = None

@@ -21,6 +21,11 @@ and each assistant turn's span in that text is the difference between the render
 with the generation prompt and the rendering through it; the tokens whose characters fall in a
 span are the labels (a fast tokenizer's offsets). A template that does not render a conversation
 turn by turn (an earlier turn drawn differently once later ones follow) is refused by name.
+
+With ``TrainRun.beta`` the examples are preference ``Pair``s and the loss is DPO's (``_dpo``): both
+answers of each pair in one batch, through the model with the LoRA (with gradients) and without it
+(the reference, the base weights: no second copy), each scored by its answer's summed
+log-probabilities.
 """
 
 from __future__ import annotations
@@ -54,14 +59,35 @@ class Example:
     def trained(self) -> int:
         return sum(label != IGNORE for label in self.labels)
 
+    @property
+    def tokens(self) -> int:
+        return len(self.ids)
+
+
+@dataclass(frozen=True)
+class Pair:
+    """A DPO example: the same conversation with the answer to prefer and the one to prefer less,
+    each labelled on its answer alone."""
+
+    preferred: Example
+    non_preferred: Example
+
+    @property
+    def trained(self) -> int:
+        return min(self.preferred.trained, self.non_preferred.trained)
+
+    @property
+    def tokens(self) -> int:
+        return self.preferred.tokens + self.non_preferred.tokens
+
 
 @dataclass
 class TrainRun:
     """One job's training, as the runner hands it over; ``save(step, folder_writer)`` is where
     the worker writes a checkpoint (the runner publishes it)."""
 
-    examples: list[Example]
-    validation: list[Example]
+    examples: list[Example] | list[Pair]
+    validation: list[Example] | list[Pair]
     n_epochs: int
     batch_size: int
     learning_rate: float
@@ -70,6 +96,7 @@ class TrainRun:
     alpha: int
     out: Path  # checkpoints are written under it, one folder per epoch: step-<N>
     resume: Path | None = None  # the state at the last epoch's end: written at each, read at the start
+    beta: float | None = None  # DPO's (the examples are Pairs); None: supervised
 
     @property
     def steps_per_epoch(self) -> int:
@@ -184,7 +211,7 @@ class LoraTrainer(ThreadWorker):
                     with self._lock:
                         loss, accuracy = self._step(batch)
                     step += 1
-                    trained += sum(len(e.ids) for e in batch)
+                    trained += sum(e.tokens for e in batch)
                     report({"step": step, "train_loss": loss, "train_mean_token_accuracy": accuracy, "tokens": trained})
                 ctx.boundary()
                 with self._lock:
@@ -230,24 +257,48 @@ class LoraTrainer(ThreadWorker):
         if live is not None and live.peft is not None and self.model is not None:
             self.model = live.peft.unload()
 
-    def _step(self, batch: list[Example]) -> tuple[float, float]:
-        """(lock held) One optimizer step over ``batch``: (loss, mean token accuracy)."""
+    def _step(self, batch: list[Example] | list[Pair]) -> tuple[float, float]:
+        """(lock held) One optimizer step over ``batch``: (loss, accuracy): the mean token accuracy,
+        or for DPO the share of pairs whose preferred answer the tuned model now favours more than
+        the base does."""
         live = self._live
         if live is None or live.peft is None:
             raise TrainerGone("the trainer's weights were freed while the job ran")
         live.peft.train()
-        ids, mask, labels = _pad(batch, self._pad_id(), self.device)
-        out = live.peft(input_ids=ids, attention_mask=mask, labels=labels)
-        out.loss.backward()
+        if live.run.beta is not None:
+            loss, accuracy = self._dpo(batch, live.run.beta)
+        else:
+            ids, mask, labels = _pad(batch, self._pad_id(), self.device)
+            out = live.peft(input_ids=ids, attention_mask=mask, labels=labels)
+            loss, accuracy = out.loss, _accuracy(out.logits.detach(), labels)
+        loss.backward()
         live.optimizer.step()
         live.optimizer.zero_grad(set_to_none=True)
-        return float(out.loss.detach()), _accuracy(out.logits.detach(), labels)
+        return float(loss.detach()), accuracy
+
+    def _dpo(self, pairs: list[Pair], beta: float) -> tuple[torch.Tensor, float]:
+        """(lock held) DPO's loss over ``pairs`` (Rafailov et al. 2023, eq. 7): the mean of
+        -log sigmoid(beta * ((log pi(preferred) - log ref(preferred)) - (log pi(non) - log ref(non)))),
+        each log-probability the sum over the answer's tokens; the reference is the base model
+        (the LoRA off), without gradients. And the share of pairs whose margin is above 0."""
+        peft, n = self._live.peft, len(pairs)
+        ids, mask, labels = _pad([p.preferred for p in pairs] + [p.non_preferred for p in pairs], self._pad_id(),
+                                 self.device)
+        policy = _answer_logps(peft(input_ids=ids, attention_mask=mask).logits, labels)
+        with torch.no_grad(), peft.disable_adapter():
+            reference = _answer_logps(peft(input_ids=ids, attention_mask=mask).logits, labels)
+        margin = beta * ((policy[:n] - reference[:n]) - (policy[n:] - reference[n:]))
+        return -torch.nn.functional.logsigmoid(margin).mean(), float((margin.detach() > 0).float().mean())
 
     @torch.no_grad()
-    def _evaluate(self, examples: list[Example]) -> tuple[float, float]:
-        """(lock held) The loss and token accuracy over every labelled token of ``examples``."""
+    def _evaluate(self, examples: list[Example] | list[Pair]) -> tuple[float, float]:
+        """(lock held) The loss and accuracy over ``examples``: every labelled token's (the mean
+        token accuracy), or for DPO each pair's (the share it favours)."""
         peft = self._live.peft
         peft.eval()
+        if self._live.run.beta is not None:
+            scores = [self._dpo([pair], self._live.run.beta) for pair in examples]
+            return sum(float(loss) for loss, _ in scores) / len(scores), sum(a for _, a in scores) / len(scores)
         loss_sum, right, counted = 0.0, 0, 0
         for example in examples:
             ids, mask, labels = _pad([example], self._pad_id(), self.device)
@@ -351,6 +402,15 @@ def _pad(batch: list[Example], pad_id: int, device: torch.device) -> tuple[torch
         mask[row, :len(e.ids)] = 1
         labels[row, :len(e.labels)] = torch.tensor(e.labels)
     return ids.to(device), mask.to(device), labels.to(device)
+
+
+def _answer_logps(logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
+    """Each row's summed log-probability of its labelled tokens (labels shift by one, as the loss's do)."""
+    logps = torch.log_softmax(logits[:, :-1].float(), dim=-1)
+    wanted = labels[:, 1:]
+    scored = wanted != IGNORE
+    picked = logps.gather(-1, wanted.clamp(min=0).unsqueeze(-1)).squeeze(-1)
+    return (picked * scored).sum(-1)
 
 
 def _accuracy(logits: torch.Tensor, labels: torch.Tensor) -> float:
