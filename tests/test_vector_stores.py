@@ -900,9 +900,16 @@ def test_file_search_queries_written_by_the_model(server, searchable):
     assert r.usage.input_tokens == by_hand.usage.prompt_tokens + answer.usage.prompt_tokens
     assert r.usage.output_tokens == by_hand.usage.completion_tokens + answer.usage.completion_tokens
 
-    # counting input tokens runs no model: it searches for the message's text
+    # counting input tokens runs no model (no prompt tokens metered): it searches for the message's text
+    def prompt_tokens() -> float:
+        text = httpx.get(f"{server.url}/metrics", timeout=30).text
+        return sum(float(line.rsplit(" ", 1)[1]) for line in text.splitlines() if line.startswith("tiergate_tokens_total")
+                   and 'model="tiny-chat-queries"' in line and 'type="prompt"' in line)
+
+    before = prompt_tokens()
     counted = c.responses.input_tokens.count(model="tiny-chat-queries", input=QUESTION, tools=[
         {"type": "file_search", "vector_store_ids": [searchable], "max_num_results": 3}])
+    assert prompt_tokens() == before > 0
     plain = respond(c, searchable, model="tiny-chat", include=["file_search_call.results"])
     assert counted.input_tokens == plain.usage.input_tokens and plain.output[0].queries == [QUESTION]
 
