@@ -24,12 +24,14 @@ and how far the device's result is from the CPU's:
   moderation  max |score difference|
   train       the fine-tuning trainer: 30 optimizer steps teaching one answer (seed 1) on the
               device (bf16 weights, fp32 LoRA factors) and on CPU; its first and last loss on
-              each, and the taught reply greedy through peft on the device
+              each, and the taught reply greedy through peft on the device; then 10 DPO steps
+              (beta 0.5) on the device preferring that answer to another: first and last loss
 
 Checks that must hold (exit 1 otherwise): every weight on the device, every call completes and
 returns a well-formed result, embeddings' cosine >= 0.999 and moderation scores within 1e-3
 (fp32 on both sides), chat and vision logits within 5% of their scale (bf16 against fp32), the
-trainer's last loss below its first on the device. Writes
+trainer's last loss below its first on the device, DPO's too, its first log 2 (the LoRA starts at
+zero: the tuned model is the reference). Writes
 workers.json to --out. ``--device cpu`` runs the same path on CPU against CPU (a dry run).
 """
 
@@ -38,6 +40,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import io
+import math
 import json
 import os
 import sys
@@ -123,7 +126,7 @@ def check_train(models: Path, device: torch.device) -> dict:
     import tempfile
 
     from peft import PeftModel
-    from workers.trainer import LoraTrainer, TrainRun, encode_example
+    from workers.trainer import LoraTrainer, Pair, TrainRun, encode_example
 
     spec = ModelSpec("tiny-chat~train", "train", models / "tiny-chat")
     cpu, dev = pair(LoraTrainer, spec, device)
@@ -143,8 +146,17 @@ def check_train(models: Path, device: torch.device) -> dict:
                                             return_dict=True).to(device)
     reply = dev.tokenizer.decode(tuned.generate(**ids, max_new_tokens=8, do_sample=False)[0, ids["input_ids"].shape[1]:],
                                  skip_special_tokens=True)
+    tuned.unload()  # the trainer's weights as they were, for DPO
+    pair_ = Pair(*(encode_example(dev.tokenizer, [messages[0], {"role": "assistant", "content": a}], None, 512)
+                   for a in ("Arr, matey!", "Hello there.")))
+    reports = []
+    dev.train(TrainRun([pair_] * 3, [], 10, 3, 0.01, 1, 16, 32, Path(tempfile.mkdtemp()), beta=0.5), StepContext(),
+              reports.append)
+    dpo = [r["train_loss"] for r in reports if "checkpoint" not in r]
     return {"placed": placed, "dtypes": dtypes, "losses": losses, "reply": reply,
-            "ok": placed and losses["device"]["last"] < losses["device"]["first"]}
+            "dpo": {"first": dpo[0], "last": dpo[-1]},
+            "ok": placed and losses["device"]["last"] < losses["device"]["first"]
+            and abs(dpo[0] - math.log(2)) < 1e-3 and dpo[-1] < dpo[0]}
 
 
 def check_vision(models: Path, device: torch.device) -> dict:

@@ -32,6 +32,8 @@ def test_worker_check_runs_its_path_on_cpu(demo_dir, tmp_path):
     assert results["embed"]["min_cosine"] > 0.99999 and results["moderation"]["max_abs_diff"] == 0.0
     assert results["train"]["losses"]["cpu"] == {**results["train"]["losses"]["device"],  # seeded: CPU twice, the same
                                                  "seconds": results["train"]["losses"]["cpu"]["seconds"]}
+    dpo = results["train"]["dpo"]
+    assert abs(dpo["first"] - 0.6931472) < 1e-6 and dpo["last"] < dpo["first"]
 
 
 def test_driver_runs_only_the_steps_asked_and_counts_failures(tmp_path):
