@@ -45,7 +45,7 @@ _PAGE_HEADERS = {
 }
 
 
-async def snapshot(svc: Services, batch_store: Any) -> dict[str, Any]:
+async def snapshot(svc: Services, batch_store: Any, tuner: Any = None) -> dict[str, Any]:
     """Everything the dashboard shows, as documented in docs/DASHBOARD.md."""
     arbiter = svc.arbiter
     view = arbiter.view()
@@ -68,6 +68,7 @@ async def snapshot(svc: Services, batch_store: Any) -> dict[str, Any]:
         "models": models,
         "tiers": [_tier_row(svc, name) for name in tiers],
         **await _batches(batch_store),
+        **await _fine_tuning(tuner),
         "events": [e.public() for e in arbiter.events.since(0, RECENT_EVENTS)],
     }
 
@@ -103,6 +104,24 @@ async def _batches(store: Any) -> dict[str, Any]:
                          "progress": round(b.done / b.total, 4) if b.total else 0.0} for b in jobs]}
 
 
+async def _fine_tuning(tuner: Any) -> dict[str, Any]:
+    """The most recent fine-tuning jobs, newest first, the one this process trains with its steps
+    (``Tuner.progress``); when the store does not answer, none and why, as for batches."""
+    if tuner is None:
+        return {"fine_tuning": []}
+    try:
+        async with asyncio.timeout(STORE_TIMEOUT_S):
+            jobs = await tuner.store.list(None, None, RECENT_BATCHES)
+    except Exception as exc:  # noqa: BLE001 - Redis down, store closed while stopping, timeout
+        return {"fine_tuning": [], "fine_tuning_error": f"the fine-tuning store did not answer: {type(exc).__name__}: {exc}"}
+    here = tuner.progress()
+    return {"fine_tuning": [{"id": j.id, "model": j.model, "method": j.method, "status": j.status,
+                             "created_at": j.created_at, "estimated_finish": j.estimated_finish,
+                             "fine_tuned_model": j.fine_tuned_model,
+                             "step": here[1] if here and here[0] == j.id else None,
+                             "total_steps": here[2] if here and here[0] == j.id else None} for j in jobs]}
+
+
 def _services(request: Request) -> Services:
     svc: Services = request.app.state.services
     svc.require_admin(request)
@@ -114,18 +133,23 @@ def _store(request: Request) -> Any:
     return runner.store if runner is not None else None
 
 
+def _tuner(request: Request) -> Any:
+    return getattr(request.app.state, "tuner", None)
+
+
 async def admin_state(request: Request) -> Response:
-    return JSONResponse(await snapshot(_services(request), _store(request)))
+    return JSONResponse(await snapshot(_services(request), _store(request), _tuner(request)))
 
 
 async def admin_events(request: Request) -> Response:
     svc = _services(request)
     drain = getattr(request.app.state, "drain", None)
     draining = (lambda: drain.draining) if drain is not None else (lambda: False)
-    return Streamed(_stream(svc, _store(request), draining), "text/event-stream", {"x-accel-buffering": "no"})
+    return Streamed(_stream(svc, _store(request), _tuner(request), draining), "text/event-stream",
+                    {"x-accel-buffering": "no"})
 
 
-async def _stream(svc: Services, store: Any, draining: Callable[[], bool]) -> AsyncIterator[str]:
+async def _stream(svc: Services, store: Any, tuner: Any, draining: Callable[[], bool]) -> AsyncIterator[str]:
     events = svc.arbiter.events
     sub = events.subscribe()  # before the snapshot: nothing falls between the two
     try:
@@ -134,7 +158,7 @@ async def _stream(svc: Services, store: Any, draining: Callable[[], bool]) -> As
         while not draining():
             now = time.monotonic()
             if now >= next_state:
-                yield _sse("state", await snapshot(svc, store))
+                yield _sse("state", await snapshot(svc, store, tuner))
                 next_state = now + STATE_EVERY_S
             if now >= next_beat:
                 yield ": heartbeat\n\n"

@@ -442,6 +442,60 @@ def test_a_bad_preference_file_is_a_400_naming_the_line(server, line, says):
     assert says in err.value.body["message"], err.value.body["message"]
 
 
+def test_the_dashboard_shows_the_jobs_and_the_steps_of_the_one_training(server, tmp_path):
+    """``/admin/state``'s ``fine_tuning`` lists the jobs, the one this process trains with its steps;
+    the dashboard page shows them in a real browser, live."""
+    from selenium.webdriver.common.by import By
+    from selenium.webdriver.support.ui import WebDriverWait
+
+    from tests.helpers import chromium
+
+    c = client(server)
+    job = c.fine_tuning.jobs.create(model="tiny-chat", training_file=upload(c, LINES * 20),
+                                    hyperparameters={"n_epochs": 50, "batch_size": 1})
+    admin = {"Authorization": f"Bearer {server.keys['admin']}"}
+
+    def row() -> dict:
+        state = httpx.get(f"{server.url}/admin/state", headers=admin, timeout=30).json()
+        return next(j for j in state["fine_tuning"] if j["id"] == job.id)
+
+    deadline = time.time() + 60
+    while not (row()["step"] or 0) > 0:
+        assert time.time() < deadline
+        time.sleep(0.05)
+    seen = row()
+    assert seen["status"] == "running" and seen["model"] == "tiny-chat" and seen["method"] == "supervised"
+    assert 0 < seen["step"] < seen["total_steps"] == 3000
+    driver = chromium(tmp_path)
+    try:
+        wait = WebDriverWait(driver, 20)
+        driver.get(server.url + "/dashboard")
+        wait.until(lambda d: d.find_element(By.ID, "key").is_displayed())
+        driver.find_element(By.ID, "key").send_keys(server.keys["admin"])
+        driver.find_element(By.ID, "connect").click()
+        css = f'#fine-tuning tr[data-job="{job.id}"]'
+        text = lambda: driver.execute_script("const e = document.querySelector(arguments[0]); return e && e.innerText;", css)
+        wait.until(lambda d: text() and "/ 3000" in text())
+        assert "running" in text() and "tiny-chat" in text()
+        c.fine_tuning.jobs.cancel(job.id)
+        wait.until(lambda d: driver.execute_script(
+            "const e = document.querySelector(arguments[0]); return e && e.dataset.status;", css) == "cancelled")
+    finally:
+        driver.quit()
+
+    store = server.app.state.tuner.store  # a store that does not answer leaves the rest of the state
+
+    async def broken(*args):
+        raise ConnectionError("connection refused")
+
+    original, store.list = store.list, broken
+    try:
+        state = httpx.get(f"{server.url}/admin/state", headers=admin, timeout=30).json()
+    finally:
+        store.list = original
+    assert state["fine_tuning"] == [] and "connection refused" in state["fine_tuning_error"] and state["models"]
+
+
 def test_a_key_has_at_most_max_jobs_per_key_waiting(server):
     c = client(server, "subscriber")
     training = upload(c, LINES)

@@ -80,6 +80,7 @@ class _Running:
     total_steps: int = 0
     began: float = 0.0  # when its training started (monotonic), for ``estimated_finish``
     first_step: int = 0  # the step it started from: where an earlier start stopped, or 0
+    step: int = 0  # the last step it ended
     stopped: asyncio.Event = field(default_factory=asyncio.Event)  # set with ``lost``: ends a wait for the trainer
 
     def stop(self) -> None:
@@ -109,6 +110,11 @@ class Tuner(ClaimLoop[Job], Collector):
     @property
     def running(self) -> bool:
         return self._current is not None
+
+    def progress(self) -> tuple[str, int, int] | None:
+        """The job this process trains now: its id, the steps it has ended and its steps in all."""
+        running = self._current
+        return None if running is None else (running.job.id, running.step, running.total_steps)
 
     def stop_job(self, job_id: str) -> None:
         """The job ``job_id`` was cancelled or paused: if this process runs it, stop it at its next
@@ -262,6 +268,7 @@ class Tuner(ClaimLoop[Job], Collector):
             running.rows[-1].update(valid_loss=report["valid_loss"], valid_mean_token_accuracy=report["valid_mean_token_accuracy"])
             return
         self.steps += 1
+        running.step = report["step"]
         running.rows.append({"step": report["step"], "train_loss": report["train_loss"],
                              "train_accuracy": report["train_mean_token_accuracy"], "valid_loss": None,
                              "valid_mean_token_accuracy": None})
@@ -282,7 +289,7 @@ class Tuner(ClaimLoop[Job], Collector):
         there are the metrics events the earlier starts recorded (the latest of each step), with
         their epochs' validation scores."""
         job, step = running.job, report["resumed"]
-        running.first_step = step
+        running.first_step = running.step = step
         recorded: dict[int, dict] = {}
         after = None
         while page := await self.store.events(job.id, after, 1000):  # newest first

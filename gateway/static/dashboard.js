@@ -170,6 +170,7 @@ function render() {
   renderTiers();
   renderEvents();
   renderBatches();
+  renderFineTuning();
 }
 
 function elapsed() {
@@ -323,6 +324,29 @@ function renderBatches() {
   $("batches").tBodies[0].replaceChildren(...rows);
   $("no-batches").hidden = rows.length > 0;
   $("no-batches").textContent = state.batches_error || "No batch jobs.";
+}
+
+function renderFineTuning() {
+  const rows = (state.fine_tuning || []).map((j) => {
+    let progress = j.fine_tuned_model || "";
+    if (j.total_steps) {
+      const bar = el("div", { class: "progress" });
+      const ok = el("span", { class: "ok" });
+      ok.style.width = `${(j.step / j.total_steps) * 100}%`;
+      bar.append(ok);
+      progress = [bar, `step ${j.step} / ${j.total_steps}`];
+    } else if (j.status === "running") {
+      progress = "waiting for the trainer, or running in another process";
+    }
+    return el("tr", { "data-job": j.id, "data-status": j.status },
+      el("td", {}, j.id),
+      el("td", {}, j.method === "dpo" ? `${j.model} (DPO)` : j.model),
+      el("td", {}, j.status),
+      el("td", {}, ...[].concat(progress)));
+  });
+  $("fine-tuning").tBodies[0].replaceChildren(...rows);
+  $("no-fine-tuning").hidden = rows.length > 0;
+  $("no-fine-tuning").textContent = state.fine_tuning_error || "No fine-tuning jobs.";
 }
 
 // -- start --------------------------------------------------------------------------------------
