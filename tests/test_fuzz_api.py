@@ -246,7 +246,10 @@ ENDPOINTS = {
          "hyperparameters": st.fixed_dictionaries({}, optional={
              "n_epochs": EDGE_INTS | st.just("auto") | ANY_JSON, "batch_size": EDGE_INTS | st.just("auto"),
              "learning_rate_multiplier": EDGE_FLOATS | st.just("auto") | ANY_JSON}) | ANY_JSON,
-         "method": st.fixed_dictionaries({"type": st.sampled_from(["supervised", "dpo", ""]) | TEXT}) | ANY_JSON,
+         "method": st.fixed_dictionaries({"type": st.sampled_from(["supervised", "dpo", ""]) | TEXT}, optional={
+             "dpo": st.fixed_dictionaries({}, optional={"hyperparameters": st.fixed_dictionaries({}, optional={
+                 "beta": EDGE_FLOATS | st.just("auto") | ANY_JSON, "n_epochs": EDGE_INTS})}) | ANY_JSON,
+             "supervised": ANY_JSON}) | ANY_JSON,
          "metadata": st.dictionaries(TEXT, TEXT | ANY_JSON), "integrations": ANY_JSON}),
     "/v1/conversations": (
         {"items": [{"type": "message", "role": "user", "content": "hi"}], "metadata": {"a": "b"}},
@@ -423,7 +426,8 @@ READS = ["/v1/batches", "/v1/files", "/v1/usage", "/admin/usage", "/admin/keys",
          "/v1/vector_stores", "/v1/vector_stores/{}", "/v1/vector_stores/{}/files", "/v1/vector_stores/vs_0/files/{}",
          "/v1/vector_stores/vs_0/files/{}/content", "/v1/vector_stores/vs_0/file_batches/{}",
          "/v1/fine_tuning/jobs", "/v1/fine_tuning/jobs/{}", "/v1/fine_tuning/jobs/{}/events",
-         "/v1/fine_tuning/jobs/{}/checkpoints", "/v1/fine_tuning/jobs/{}/cancel",
+         "/v1/fine_tuning/jobs/{}/checkpoints", "/v1/fine_tuning/jobs/{}/cancel", "/v1/fine_tuning/jobs/{}/pause",
+         "/v1/fine_tuning/jobs/{}/resume",
          "/v1/vector_stores/vs_0/file_batches/{}/files", "/v1/vector_stores/{}/file_batches/x/cancel"]
 QUERY = st.dictionaries(
     st.sampled_from(["limit", "after", "key", "model", "start_date", "end_date", "group_by", "format", "stream",

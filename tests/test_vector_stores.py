@@ -932,8 +932,15 @@ def test_a_query_over_the_embedding_models_context_is_refused_or_cut(server, sea
     with pytest.raises(APIError):
         server.wait(search_stores(*args))
     cut = server.wait(search_stores(*args, cut=True))
-    shorter = c.vector_stores.search(searchable, query="fox " * 100, max_num_results=3).data  # a cut within the run of foxes
-    assert [(f.id, t) for _, f, t in cut] == [(w.file_id, w.content[0].text) for w in shorter]
+    # the same as searching for the foxes that fit: the query cut to the model's context, as text
+    from gateway.vector_search import encoder_of
+    encoder = server.wait(encoder_of(server.services, store.model))
+    kept = encoder.tokenizer(long, truncation=True, max_length=encoder.config.context_length)["input_ids"]
+    fitting = encoder.tokenizer.decode(kept, skip_special_tokens=True)
+    assert 0 < fitting.count("fox") < 200
+    whole = server.wait(search_stores(*args[:4], [fitting], *args[5:]))
+    assert [(f.id, t) for _, f, t in cut] == [(f.id, t) for _, f, t in whole]
+    assert [score for score, _, _ in cut] == pytest.approx([score for score, _, _ in whole], abs=1e-6)
 
 
 def test_file_search_streams_its_events_first(server, searchable):
