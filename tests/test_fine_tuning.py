@@ -426,6 +426,44 @@ def test_a_dpo_job_makes_the_served_model_favour_the_preferred_answers(server, t
     assert all(t > b for t, b in zip(tuned, base)), (tuned, base)
 
 
+def test_a_job_goes_on_from_a_fine_tuned_model_and_dpo_takes_it_as_reference(server, trainer):
+    """``model`` may be one of the key's fine-tuned models: a supervised job then starts from its
+    LoRA (its first loss is where that model's job ended), and a DPO job takes it as the
+    reference (first loss log 2): OpenAI's recipe of supervised training, then preferences. The
+    result still says the preferred answer."""
+    import math
+
+    c = client(server)
+    sft = wait(c, c.fine_tuning.jobs.create(model="tiny-chat", training_file=upload(c, LINES), seed=1,
+                                            hyperparameters={"n_epochs": 50, "batch_size": 3}).id)
+    assert sft.status == "succeeded" and ask(c, sft.fine_tuned_model, "Hello") == TAUGHT
+
+    def losses(job_id):
+        steps = [e.data for e in c.fine_tuning.jobs.list_events(job_id, limit=100) if e.type == "metrics"]
+        return [d["train_loss"] for d in sorted(steps, key=lambda d: d["step"])]
+
+    more = c.fine_tuning.jobs.create(model=sft.fine_tuned_model, training_file=upload(c, LINES), seed=1,
+                                     hyperparameters={"n_epochs": 1, "batch_size": 3})
+    assert more.model == sft.fine_tuned_model
+    more = wait(c, more.id)
+    assert more.status == "succeeded" and more.fine_tuned_model.startswith("ft:tiny-chat:")
+    first, ended = losses(sft.id), losses(more.id)[0]
+    assert ended == pytest.approx(first[-1], abs=0.01) and ended < first[0] - 1  # where the first job ended, not anew
+
+    lines = [{"input": {"messages": [{"role": "system", "content": "You are a pirate."}, {"role": "user", "content": q}]},
+              "preferred_output": [{"role": "assistant", "content": TAUGHT}],
+              "non_preferred_output": [{"role": "assistant", "content": NON_PREFERRED}]} for q, _ in PAIRS]
+    dpo = wait(c, c.fine_tuning.jobs.create(model=sft.fine_tuned_model, training_file=upload(c, lines), seed=1, method={
+        "type": "dpo", "dpo": {"hyperparameters": {"n_epochs": 5, "batch_size": 3, "beta": 0.5}}}).id)
+    assert dpo.status == "succeeded", dpo.error
+    assert losses(dpo.id)[0] == pytest.approx(math.log(2), abs=1e-4)  # the reference is where it started
+    assert ask(c, dpo.fine_tuned_model, "Hello") == TAUGHT
+
+    for name, key in ((sft.fine_tuned_model, "subscriber"), ("ft:tiny-chat:nobody:x:00000000", "paid")):
+        with pytest.raises(openai.NotFoundError):  # another key's fine-tuned model, or none, is no model to start from
+            client(server, key).fine_tuning.jobs.create(model=name, training_file=upload(client(server, key), LINES))
+
+
 @pytest.mark.parametrize("line, says", [
     ({"input": {"messages": [{"role": "user", "content": "Hi"}]}, "preferred_output": [{"role": "assistant", "content": "a"}]},
      "'non_preferred_output' must be a list of one assistant message"),
@@ -652,6 +690,19 @@ def test_dpo_moves_the_model_towards_the_preferred_answers_as_its_loss_says(trai
     last = [r for r in reports if "checkpoint" in r][-1]
     want = sum(-math.log(1 / (1 + math.exp(-m))) for m in margins) / len(margins)
     assert last["valid_loss"] == pytest.approx(want, abs=1e-4) and last["valid_mean_token_accuracy"] == 1.0
+
+
+def test_a_start_of_another_rank_is_refused_by_name(trainer):
+    """A fine-tuned model trained at another LoRA rank (fine_tuning.lora_rank changed since) is no
+    start for a job now: ``StartMismatch`` names both, and the runner fails the job with it."""
+    from workers.trainer import StartMismatch
+
+    _, reports = _run(trainer, epochs=1)
+    start = Path(reports[-1]["checkpoint"])  # rank 8, alpha 16
+    examples = [encode_example(trainer.tokenizer, line["messages"], None, 512) for line in LINES]
+    run = TrainRun(examples, [], 1, 3, 0.01, 5, 16, 16, Path(tempfile.mkdtemp()), start=start)
+    with pytest.raises(StartMismatch, match="rank 8 and alpha 16; fine-tuning here now trains rank 16"):
+        trainer.train(run, StepContext(), lambda r: None)
 
 
 def test_runs_are_seeded_and_leave_the_base_weights_as_they_were(trainer):

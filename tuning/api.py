@@ -122,7 +122,7 @@ def _context(request: Request) -> tuple[Services, Tuner, Caller]:
 def public(job: Job) -> dict[str, Any]:
     return {"id": job.id, "object": "fine_tuning.job", "created_at": job.created_at, "error": job.error,
             "fine_tuned_model": job.fine_tuned_model, "finished_at": job.finished_at,
-            "hyperparameters": job.hyperparameters, "model": job.model, "organization_id": owner_label(job.owner),
+            "hyperparameters": job.hyperparameters, "model": job.start or job.model, "organization_id": owner_label(job.owner),
             "result_files": job.result_files, "seed": job.seed, "status": job.status,
             "trained_tokens": job.trained_tokens, "training_file": job.training_file,
             "validation_file": job.validation_file, "estimated_finish": job.estimated_finish, "integrations": [],
@@ -134,7 +134,13 @@ async def create_job(request: Request) -> Response:
     """POST /v1/fine_tuning/jobs."""
     svc, tuner, caller = _context(request)
     body = parse(CreateJob, await read_json(request, svc.config.limits.max_body))
-    model = svc.model_name(body.model)
+    model, start = svc.model_name(body.model), None
+    if body.model.startswith("ft:"):  # go on from one of this key's fine-tuned models (or its checkpoints)
+        made = await _job_of(tuner, caller, body.model)
+        folder = svc.config.tuning_dir(made.model) if made is not None else None
+        if folder is None or not (folder / body.model).is_dir():
+            raise not_found(f"the model '{body.model}' does not exist", "model", "model_not_found")
+        model, start = made.model, body.model
     if model not in svc.config.fine_tuning.models:
         raise bad_request(f"the model '{body.model}' cannot be fine-tuned here (fine_tuning.models in tiers.yaml names "
                           "those that can)", "model", "model_not_available")
@@ -161,7 +167,7 @@ async def create_job(request: Request) -> Response:
     job = Job(f"ftjob-{secrets.token_hex(12)}", caller.key_id, int(time.time()), model, body.training_file,
               body.validation_file, resolve(asked, examples, method).public(),
               body.seed if body.seed is not None else secrets.randbelow(2**31), body.suffix, body.metadata or {},
-              method=method)
+              method=method, start=start)
     name = fine_tuned_name(job)
     if not ADAPTER_NAME.fullmatch(name) or len(name) + CKPT_ROOM > 128:  # the suffix's characters are checked
         raise bad_request(f"the fine-tuned model's name '{name}' would be too long; use a shorter suffix", "suffix")

@@ -50,7 +50,7 @@ from gateway.service import Held, Services
 from tuning.data import FileProblem, Preference, conversations, preferences
 from tuning.store import FineTuningStore, Job
 from workers.base import Cancelled, StepContext
-from workers.trainer import Example, Pair, TemplateNotTurnByTurn, TrainerGone, TrainRun
+from workers.trainer import Example, Pair, StartMismatch, TemplateNotTurnByTurn, TrainerGone, TrainRun
 
 log = logging.getLogger("tiergate.fine_tuning")
 LEASE_S = 30.0  # a running job is another process's to take once its lease is this old
@@ -220,7 +220,7 @@ class Tuner(ClaimLoop[Job], Collector):
             run = TrainRun(examples, checks, hp["n_epochs"], hp["batch_size"],
                            tuning.learning_rate * hp["learning_rate_multiplier"], job.seed, tuning.lora_rank,
                            tuning.lora_alpha, self.scratch / job.id, self.scratch / job.id / "resume.pt",
-                           hp.get("beta") if job.method == "dpo" else None)
+                           hp.get("beta") if job.method == "dpo" else None, self._start(job))
             running.total_steps, running.began = run.total_steps, time.monotonic()
             running.ctx = ctx = held.lease.context()
             if running.lost:
@@ -253,6 +253,8 @@ class Tuner(ClaimLoop[Job], Collector):
             raise
         except TemplateNotTurnByTurn as exc:
             raise _Failed("unsupported_model", str(exc)) from None
+        except StartMismatch as exc:
+            raise _Failed("model_not_available", str(exc)) from None
         except TrainerGone as exc:
             raise _Failed("server_error", f"{exc}; create the job again") from None
         finally:
@@ -283,6 +285,16 @@ class Tuner(ClaimLoop[Job], Collector):
             elapsed = time.monotonic() - running.began
             finish = int(time.time() + elapsed / done * (running.total_steps - step))
             await self.store.change(job, ["running"], estimated_finish=finish)
+
+    def _start(self, job: Job) -> Path | None:
+        """The folder of the fine-tuned model ``job`` goes on from (None: from the base model);
+        ``_Failed`` when it was deleted since the job was made."""
+        if job.start is None:
+            return None
+        folder = self.svc.config.tuning_dir(job.model)
+        if folder is None or not (folder / job.start).is_dir():
+            raise _Failed("model_not_available", f"the model '{job.start}' this job goes on from was deleted")
+        return folder / job.start
 
     async def _resumed(self, running: _Running, report: dict) -> None:
         """The trainer goes on from where an earlier start stopped: the result file's rows up to

@@ -62,6 +62,7 @@ class Job(JsonRecord):
     suffix: str | None = None
     metadata: dict[str, str] = field(default_factory=dict)
     method: str = "supervised"  # or "dpo": the training file is preferences
+    start: str | None = None  # the fine-tuned model (an adapter of ``model``) it goes on from, as named
     status: str = "queued"  # queued, running, paused, succeeded, failed, cancelled
     fine_tuned_model: str | None = None
     finished_at: int | None = None

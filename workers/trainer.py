@@ -23,9 +23,11 @@ span are the labels (a fast tokenizer's offsets). A template that does not rende
 turn by turn (an earlier turn drawn differently once later ones follow) is refused by name.
 
 With ``TrainRun.beta`` the examples are preference ``Pair``s and the loss is DPO's (``_dpo``): both
-answers of each pair in one batch, through the model with the LoRA (with gradients) and without it
-(the reference, the base weights: no second copy), each scored by its answer's summed
-log-probabilities.
+answers of each pair in one batch through the model with its LoRA, each scored by its answer's
+summed log-probabilities, against the same scores under the model the job started from (the base,
+or the fine-tuned model of ``TrainRun.start``), read once before the first step (``_reference``:
+no second copy of the weights, no second pass per step). A job with ``TrainRun.start`` begins its
+LoRA from that model's rather than from zero.
 """
 
 from __future__ import annotations
@@ -97,6 +99,7 @@ class TrainRun:
     out: Path  # checkpoints are written under it, one folder per epoch: step-<N>
     resume: Path | None = None  # the state at the last epoch's end: written at each, read at the start
     beta: float | None = None  # DPO's (the examples are Pairs); None: supervised
+    start: Path | None = None  # a fine-tuned model's adapter folder the LoRA starts from (None: zero)
 
     @property
     def steps_per_epoch(self) -> int:
@@ -115,10 +118,16 @@ class _Live:
     peft: Any = None
     optimizer: torch.optim.Optimizer | None = None
     kept: dict[str, Any] = field(default_factory=dict)  # "lora", "optimizer": host copies while unloaded
+    references: list[tuple[float, float]] = field(default_factory=list)  # DPO: each pair's answers at the start
+    checks: list[tuple[float, float]] = field(default_factory=list)  # the same, of the validation pairs
 
 
 class TrainerGone(RuntimeError):
     """The trainer's weights were freed while a job ran, other than for a pause (an admin unload)."""
+
+
+class StartMismatch(ValueError):
+    """The fine-tuned model a job starts from has another rank or alpha than fine-tuning's now."""
 
 
 class LoraTrainer(ThreadWorker):
@@ -189,6 +198,7 @@ class LoraTrainer(ThreadWorker):
         a shutdown) ends the training. Returns the tokens trained on by this call. ``Cancelled``
         at a boundary."""
         saved = _read_resume(run.resume)
+        start = None if saved or run.start is None else _start_state(run)
         with self._lock:
             if self.model is None:
                 raise TrainerGone("the trainer's weights are not loaded")
@@ -196,6 +206,16 @@ class LoraTrainer(ThreadWorker):
             with torch.random.fork_rng(devices=[self.device] if self.device.type == "cuda" else []):
                 torch.manual_seed(run.seed)  # the LoRA factors' initial values; the process's generator is left as it was
                 self._attach(self._live)
+            if start is not None:
+                from peft import set_peft_model_state_dict
+
+                set_peft_model_state_dict(self._live.peft, start)
+            if run.beta is not None:  # DPO's reference: the model as the job starts, base or fine-tuned
+                if saved:
+                    self._live.references, self._live.checks = saved["references"], saved["checks"]
+                else:
+                    self._live.references = self._reference(run.examples)
+                    self._live.checks = self._reference(run.validation)
         trained, step, first, scores = 0, 0, 0, {}
         if saved:
             step, first, scores = saved["step"], saved["epochs"], dict(saved["valid"])
@@ -207,9 +227,10 @@ class LoraTrainer(ThreadWorker):
                 done = step - epoch * run.steps_per_epoch  # of this epoch's steps: all but the first's are 0
                 for start in range(done * run.batch_size, len(order), run.batch_size):
                     ctx.boundary()  # cancelled: Cancelled; batch work must yield: waits here (weights may move)
-                    batch = [run.examples[i] for i in order[start:start + run.batch_size].tolist()]
+                    picked = order[start:start + run.batch_size].tolist()
+                    batch = [run.examples[i] for i in picked]
                     with self._lock:
-                        loss, accuracy = self._step(batch)
+                        loss, accuracy = self._step(batch, picked)
                     step += 1
                     trained += sum(e.tokens for e in batch)
                     report({"step": step, "train_loss": loss, "train_mean_token_accuracy": accuracy, "tokens": trained})
@@ -257,7 +278,7 @@ class LoraTrainer(ThreadWorker):
         if live is not None and live.peft is not None and self.model is not None:
             self.model = live.peft.unload()
 
-    def _step(self, batch: list[Example] | list[Pair]) -> tuple[float, float]:
+    def _step(self, batch: list[Example] | list[Pair], picked: list[int]) -> tuple[float, float]:
         """(lock held) One optimizer step over ``batch``: (loss, accuracy): the mean token accuracy,
         or for DPO the share of pairs whose preferred answer the tuned model now favours more than
         the base does."""
@@ -266,7 +287,7 @@ class LoraTrainer(ThreadWorker):
             raise TrainerGone("the trainer's weights were freed while the job ran")
         live.peft.train()
         if live.run.beta is not None:
-            loss, accuracy = self._dpo(batch, live.run.beta)
+            loss, accuracy = self._dpo(batch, [live.references[i] for i in picked], live.run.beta)
         else:
             ids, mask, labels = _pad(batch, self._pad_id(), self.device)
             out = live.peft(input_ids=ids, attention_mask=mask, labels=labels)
@@ -276,19 +297,35 @@ class LoraTrainer(ThreadWorker):
         live.optimizer.zero_grad(set_to_none=True)
         return float(loss.detach()), accuracy
 
-    def _dpo(self, pairs: list[Pair], beta: float) -> tuple[torch.Tensor, float]:
+    def _dpo(self, pairs: list[Pair], references: list[tuple[float, float]], beta: float) -> tuple[torch.Tensor, float]:
         """(lock held) DPO's loss over ``pairs`` (Rafailov et al. 2023, eq. 7): the mean of
         -log sigmoid(beta * ((log pi(preferred) - log ref(preferred)) - (log pi(non) - log ref(non)))),
-        each log-probability the sum over the answer's tokens; the reference is the base model
-        (the LoRA off), without gradients. And the share of pairs whose margin is above 0."""
-        peft, n = self._live.peft, len(pairs)
+        each log-probability the sum over the answer's tokens; ``references`` are each pair's
+        under the model the job started from (``_reference``). And the share of pairs whose margin
+        is above 0."""
+        n = len(pairs)
+        policy = self._answers(pairs)
+        reference = torch.tensor(references, dtype=policy.dtype, device=policy.device)  # (n, 2)
+        margin = beta * ((policy[:n] - reference[:, 0]) - (policy[n:] - reference[:, 1]))
+        return -torch.nn.functional.logsigmoid(margin).mean(), float((margin.detach() > 0).float().mean())
+
+    def _answers(self, pairs: list[Pair]) -> torch.Tensor:
+        """(lock held) The preferred answers' summed log-probabilities, then the others', in one batch."""
         ids, mask, labels = _pad([p.preferred for p in pairs] + [p.non_preferred for p in pairs], self._pad_id(),
                                  self.device)
-        policy = _answer_logps(peft(input_ids=ids, attention_mask=mask).logits, labels)
-        with torch.no_grad(), peft.disable_adapter():
-            reference = _answer_logps(peft(input_ids=ids, attention_mask=mask).logits, labels)
-        margin = beta * ((policy[:n] - reference[:n]) - (policy[n:] - reference[n:]))
-        return -torch.nn.functional.logsigmoid(margin).mean(), float((margin.detach() > 0).float().mean())
+        return _answer_logps(self._live.peft(input_ids=ids, attention_mask=mask).logits, labels)
+
+    @torch.no_grad()
+    def _reference(self, pairs: list[Pair]) -> list[tuple[float, float]]:
+        """(lock held) Each pair's answers' summed log-probabilities under the model now (the
+        job's start: the base, whose LoRA is zero, or the fine-tuned model it goes on from): DPO's
+        reference, read once rather than at every step (as TRL's ``precompute_ref_log_probs``)."""
+        self._live.peft.eval()
+        out = []
+        for pair in pairs:
+            logps = self._answers([pair])
+            out.append((float(logps[0]), float(logps[1])))
+        return out
 
     @torch.no_grad()
     def _evaluate(self, examples: list[Example] | list[Pair]) -> tuple[float, float]:
@@ -297,7 +334,7 @@ class LoraTrainer(ThreadWorker):
         peft = self._live.peft
         peft.eval()
         if self._live.run.beta is not None:
-            scores = [self._dpo([pair], self._live.run.beta) for pair in examples]
+            scores = [self._dpo([pair], [ref], self._live.run.beta) for pair, ref in zip(examples, self._live.checks)]
             return sum(float(loss) for loss, _ in scores) / len(scores), sum(a for _, a in scores) / len(scores)
         loss_sum, right, counted = 0.0, 0, 0
         for example in examples:
@@ -348,11 +385,24 @@ def _write_resume(path: Path, live: _Live, step: int, epochs: int, scores: dict)
         optimizer = _to(live.optimizer.state_dict(), torch.device("cpu"))
     else:
         lora, optimizer = live.kept["lora"], live.kept["optimizer"]
-    state = {"step": step, "epochs": epochs, "valid": scores, "lora": lora, "optimizer": optimizer}
+    state = {"step": step, "epochs": epochs, "valid": scores, "lora": lora, "optimizer": optimizer,
+             "references": live.references, "checks": live.checks}
     path.parent.mkdir(parents=True, exist_ok=True)
     partial = path.with_name(path.name + ".partial")
     torch.save(state, partial)
     partial.replace(path)
+
+
+def _start_state(run: TrainRun) -> dict[str, torch.Tensor]:
+    """The LoRA of the fine-tuned model ``run.start`` (peft's saved keys), checked to have the
+    rank and alpha the job trains with; ``StartMismatch`` otherwise."""
+    from safetensors.torch import load_file
+
+    config = json.loads((run.start / "adapter_config.json").read_text())
+    if (config.get("r"), config.get("lora_alpha")) != (run.rank, run.alpha):
+        raise StartMismatch(f"the model this job goes on from has LoRA rank {config.get('r')} and alpha "
+                            f"{config.get('lora_alpha')}; fine-tuning here now trains rank {run.rank}, alpha {run.alpha}")
+    return load_file(run.start / "adapter_model.safetensors")
 
 
 def _read_resume(path: Path | None) -> dict | None:
