@@ -198,7 +198,7 @@ class LoraTrainer(ThreadWorker):
         a shutdown) ends the training. Returns the tokens trained on by this call. ``Cancelled``
         at a boundary."""
         saved = _read_resume(run.resume)
-        start = None if saved or run.start is None else _start_state(run)
+        initial = None if saved or run.start is None else _start_state(run)  # a fine-tuned model's LoRA
         with self._lock:
             if self.model is None:
                 raise TrainerGone("the trainer's weights are not loaded")
@@ -206,10 +206,10 @@ class LoraTrainer(ThreadWorker):
             with torch.random.fork_rng(devices=[self.device] if self.device.type == "cuda" else []):
                 torch.manual_seed(run.seed)  # the LoRA factors' initial values; the process's generator is left as it was
                 self._attach(self._live)
-            if start is not None:
+            if initial is not None:
                 from peft import set_peft_model_state_dict
 
-                set_peft_model_state_dict(self._live.peft, start)
+                set_peft_model_state_dict(self._live.peft, initial)
             if run.beta is not None:  # DPO's reference: the model as the job starts, base or fine-tuned
                 if saved:
                     self._live.references, self._live.checks = saved["references"], saved["checks"]
