@@ -12,9 +12,10 @@ import socket
 import subprocess
 import threading
 import time
+import uuid
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Iterator
+from typing import Any, Callable, Iterator, TypeVar
 
 import numpy as np
 import pytest
@@ -138,6 +139,29 @@ def adapters_yaml(demo_dir: Path) -> str:
 
     built = build_demo_models(demo_dir, names=CHAT_ADAPTERS)
     return "adapters:\n" + "".join(f"  - {{name: {a}, model: tiny-chat, path: {built[a]}}}\n" for a in CHAT_ADAPTERS)
+
+
+S = TypeVar("S")
+
+
+def shared_store(request, folder: Path, sqlite: Callable[[Path], S], redis: Callable[[str, str], S]) -> Callable[[], S]:
+    """For a fixture parametrized ``["sqlite", "redis"]``: a factory of (unopened) store instances
+    that share one backing store, as processes do: ``sqlite(<folder>/batches.sqlite3)``, or
+    ``redis(url, prefix)`` on the session's Redis with a key prefix of the test's own."""
+    if request.param == "sqlite":
+        return lambda: sqlite(folder / "batches.sqlite3")
+    url, prefix = request.getfixturevalue("redis_url"), f"t{uuid.uuid4().hex[:8]}:"
+    return lambda: redis(url, prefix)
+
+
+def opened(make: Callable[[], S]) -> Callable[[], Any]:
+    """An async factory of ``make``'s stores, each opened (the test closes those it opened)."""
+    async def factory() -> S:
+        store = make()
+        await store.open()
+        return store
+
+    return factory
 
 
 @contextlib.contextmanager

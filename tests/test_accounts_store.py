@@ -15,14 +15,12 @@ from accounts.rates import Ask, LocalLimiter
 from accounts.redis_store import RedisAccounts
 from accounts.sqlite_store import SQLiteAccounts
 from accounts.usage import Usage, group, to_csv
+from tests.helpers import shared_store
 
 
 @pytest.fixture(params=["sqlite", "redis"])
 def store_factory(request, tmp_path):
-    if request.param == "sqlite":
-        return lambda: SQLiteAccounts(tmp_path / "accounts.sqlite3")
-    url, prefix = request.getfixturevalue("redis_url"), f"t{uuid.uuid4().hex[:8]}:"
-    return lambda: RedisAccounts(url, prefix)
+    return shared_store(request, tmp_path, lambda path: SQLiteAccounts(path.with_name("accounts.sqlite3")), RedisAccounts)  # the tests read that file
 
 
 def run(coro):

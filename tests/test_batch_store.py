@@ -18,28 +18,14 @@ import pytest
 from batch.redis_store import RedisStore
 from batch.sqlite_store import SQLiteStore
 from batch.store import BatchInfo, FileInfo, Line, Outcome, Store
-from tests.helpers import redis_server, spare_port  # noqa: F401 - redis_server: where other modules import it from
+from tests.helpers import opened, redis_server, shared_store, spare_port  # noqa: F401 - redis_server: where other modules import it from
 
 
 @pytest.fixture(params=["sqlite", "redis"])
 def make_store(request, tmp_path):
-    """A factory of store instances that share one backing store (like processes do). Each test
-    runs in its own event loop and closes the stores it opened."""
-    if request.param == "sqlite":
-        def make() -> Store:
-            return SQLiteStore(tmp_path / "batches.sqlite3")
-    else:
-        url, prefix = request.getfixturevalue("redis_url"), f"t{uuid.uuid4().hex[:8]}:"
-
-        def make() -> Store:
-            return RedisStore(url, prefix)
-
-    async def factory() -> Store:
-        store = make()
-        await store.open()
-        return store
-
-    return factory
+    """A factory of opened store instances that share one backing store (like processes do); each
+    test runs in its own event loop and closes the stores it opened."""
+    return opened(shared_store(request, tmp_path, SQLiteStore, RedisStore))
 
 
 def run(coro):

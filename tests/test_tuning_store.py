@@ -8,11 +8,11 @@ from __future__ import annotations
 
 import asyncio
 import sqlite3
-import uuid
 from dataclasses import replace
 
 import pytest
 
+from tests.helpers import opened, shared_store
 from tuning.store import (FineTuningStore, Job, RedisFineTuning, SQLiteFineTuning, _CLAIMABLE, _SCHEMA,
                           open_fine_tuning_store)
 
@@ -22,22 +22,8 @@ HYPER = {"n_epochs": 3, "batch_size": 4, "learning_rate_multiplier": 2.0}
 @pytest.fixture(params=["sqlite", "redis"])
 def make_store(request, tmp_path):
     """A factory of opened store instances that share one backing store (like processes do); each
-    test runs in its own event loop and closes the stores it opened. Redis: a prefix of the test's own."""
-    if request.param == "sqlite":
-        def make() -> FineTuningStore:
-            return SQLiteFineTuning(tmp_path / "batches.sqlite3")
-    else:
-        url, prefix = request.getfixturevalue("redis_url"), f"t{uuid.uuid4().hex[:8]}:"
-
-        def make() -> FineTuningStore:
-            return RedisFineTuning(url, prefix)
-
-    async def factory() -> FineTuningStore:
-        store = make()
-        await store.open()
-        return store
-
-    return factory
+    test runs in its own event loop and closes the stores it opened."""
+    return opened(shared_store(request, tmp_path, SQLiteFineTuning, RedisFineTuning))
 
 
 def run(coro):

@@ -16,7 +16,7 @@ import openai
 import pytest
 
 from batch.uploads import PartRefused, RedisUploads, SQLiteUploads, UploadInfo
-from tests.helpers import start_server, write_config
+from tests.helpers import start_server, write_config, shared_store
 from tests.test_batches import chat_line, jsonl, sdk, wait
 
 
@@ -119,10 +119,7 @@ def test_refusals(server, monkeypatch):
 @pytest.fixture(params=["sqlite", "redis"])
 def stores(request, tmp_path):
     """A factory of upload stores that share one backing store, as processes do."""
-    if request.param == "sqlite":
-        return lambda: SQLiteUploads(tmp_path / "batches.sqlite3")
-    url, prefix = request.getfixturevalue("redis_url"), f"t{uuid.uuid4().hex[:8]}:"
-    return lambda: RedisUploads(url, prefix)
+    return shared_store(request, tmp_path, SQLiteUploads, RedisUploads)
 
 
 def _upload(n: int, created_at: int | None = None) -> UploadInfo:

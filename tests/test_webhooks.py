@@ -12,7 +12,6 @@ import os
 import queue
 import threading
 import time
-import uuid
 from dataclasses import replace
 
 import httpx
@@ -23,7 +22,7 @@ from gateway.auth import key_id
 from gateway.config import ConfigError, load_config
 from gateway.webhook_outbox import Delivery, RedisOutbox, SQLiteOutbox
 from gateway.webhooks import endpoints_of, sign
-from tests.helpers import spare_port, start_server, write_config
+from tests.helpers import shared_store, spare_port, start_server, write_config
 
 SECRET = "whsec_" + base64.b64encode(b"a test secret of 32 bytes length").decode()
 SDK = openai.OpenAI(api_key="unused", base_url="http://127.0.0.1:9")  # only its webhooks.unwrap is used
@@ -206,10 +205,7 @@ def test_a_delivery_whose_retry_window_ends_is_dropped(hooked, monkeypatch):
 @pytest.fixture(params=["sqlite", "redis"])
 def outbox_factory(request, tmp_path):
     """Outboxes that share one store, as the processes on one store do."""
-    if request.param == "sqlite":
-        return lambda: SQLiteOutbox(tmp_path / "batches.sqlite3")
-    url, prefix = request.getfixturevalue("redis_url"), f"t{uuid.uuid4().hex[:8]}:"
-    return lambda: RedisOutbox(url, 3600.0, prefix)
+    return shared_store(request, tmp_path, SQLiteOutbox, lambda url, prefix: RedisOutbox(url, 3600.0, prefix))
 
 
 def test_the_outbox_gives_a_delivery_to_one_claimant_at_a_time(outbox_factory):
