@@ -291,11 +291,17 @@ OPEN, CLOSE = "<tool_call>", "</tool_call>"
 class HermesCalls:
     """Reads ``<tool_call>{"name": ..., "arguments": {...}}</tool_call>`` blocks out of free text.
     Text outside blocks is content (a possible start of ``<tool_call>`` is held back); a block is
-    given out whole once closed: a call when it parses as one of ``names``, else as content."""
+    given out whole once closed: a call when it parses as one of ``names``, else as content.
+    Whitespace beside a call (before it, between calls, after the last) is not content: a reply of
+    calls a newline apart has no content, as OpenAI's has none (the openai SDK's ``parse()`` would
+    read a ``"\n"`` as the answer's JSON). So a text's trailing whitespace is held back until what
+    follows it is known."""
 
     names: tuple[str, ...]
     calls: int = 0
     _buf: str = ""
+    _space: str = ""  # whitespace held back: content only if text follows it
+    _after_call: bool = False  # the last piece given out was a call
 
     def feed(self, text: str) -> list[Piece]:
         self._buf += text
@@ -305,18 +311,32 @@ class HermesCalls:
             if start < 0:
                 keep = partial_suffix(self._buf, OPEN)
                 if len(self._buf) > keep:
-                    out.append(self._buf[: len(self._buf) - keep])
+                    out.extend(self._text(self._buf[: len(self._buf) - keep]))
                     self._buf = self._buf[len(self._buf) - keep:]
                 break
             if start:
-                out.append(self._buf[:start])
+                out.extend(self._text(self._buf[:start]))
                 self._buf = self._buf[start:]
             end = self._buf.find(CLOSE)
             if end < 0:
                 break
             block, self._buf = self._buf[: end + len(CLOSE)], self._buf[end + len(CLOSE):]
-            out.extend(self._block(block))
+            pieces = self._block(block)
+            if isinstance(pieces[0], CallDelta):
+                self._space, self._after_call = "", True
+                out.extend(pieces)
+            else:
+                out.extend(self._text(block))
         return out
+
+    def _text(self, text: str) -> list[Piece]:
+        """Content, less its trailing whitespace (held back) and with what was held before it."""
+        body = text.rstrip()
+        if not body:
+            self._space += text
+            return []
+        out, self._space, self._after_call = self._space + body, text[len(body):], False
+        return [out]
 
     def _block(self, block: str) -> list[Piece]:
         try:
@@ -332,7 +352,11 @@ class HermesCalls:
 
     def finish(self) -> list[Piece]:
         rest, self._buf = self._buf, ""
-        return [rest] if rest else []
+        out = self._text(rest)
+        if self._space and not self._after_call:  # a reply's own trailing whitespace stays
+            out.append(self._space)
+        self._space = ""
+        return out
 
 
 def partial_suffix(text: str, marker: str) -> int:

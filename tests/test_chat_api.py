@@ -161,16 +161,18 @@ def test_required_tool_choice_whole_and_streamed(server):
 def test_auto_tools_beside_a_response_format_answer_with_the_json_or_calls(server):
     """An agent's usual request: tools it may call and the shape of its final answer. Each reply
     is either the format's JSON (``stop``) or valid calls (``tool_calls``), never text outside
-    both; across seeds the random model takes both ways, whole and streamed alike."""
+    both; across seeds the random model takes both ways, whole and streamed alike. One call at
+    most (``parallel_tool_calls: false``), so that a reply fits in max_tokens: at temperature 1
+    the random model may write call after call (each ~50 of its tokens) until cut."""
     models = {"GetWeather": GetWeather, "SetAlarm": SetAlarm}
     fmt = {"type": "json_schema", "json_schema": {"name": "Answer", "schema": Answer.model_json_schema()}}
     seen, calling_seed = set(), None
     for seed in range(16):
         r = client(server).chat.completions.create(model="tiny-chat", messages=ASK, tools=TOOLS, response_format=fmt,
-                                                   max_tokens=128, seed=seed)
+                                                   parallel_tool_calls=False, max_tokens=128, seed=seed)
         c = r.choices[0]
         if c.message.tool_calls:
-            assert c.finish_reason == "tool_calls" and not c.message.content, c
+            assert c.finish_reason == "tool_calls" and not c.message.content and len(c.message.tool_calls) == 1, c
             for call in c.message.tool_calls:
                 models[call.function.name].model_validate_json(call.function.arguments)
             seen.add("calls")
@@ -183,9 +185,9 @@ def test_auto_tools_beside_a_response_format_answer_with_the_json_or_calls(serve
             break
     assert seen == {"calls", "json"}
     whole = client(server).chat.completions.create(model="tiny-chat", messages=ASK, tools=TOOLS, response_format=fmt,
-                                                   max_tokens=128, seed=calling_seed)
+                                                   parallel_tool_calls=False, max_tokens=128, seed=calling_seed)
     stream = client(server).chat.completions.create(model="tiny-chat", messages=ASK, tools=TOOLS, response_format=fmt,
-                                                    max_tokens=128, seed=calling_seed, stream=True)
+                                                    parallel_tool_calls=False, max_tokens=128, seed=calling_seed, stream=True)
     calls, finishes, _ = stream_calls(stream)
     assert finishes == ["tool_calls"]
     assert [(k["name"], json.loads(k["arguments"])) for k in calls] == [

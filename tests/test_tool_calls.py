@@ -51,9 +51,23 @@ HERMES = 'Let me check. <tool_call>{"name": "get_weather", "arguments": {"city":
 def test_hermes_calls_in_any_split(cut):
     pieces = feed_split(HermesCalls(("get_weather",)), HERMES, cut)
     content, calls = assemble(pieces)
-    assert content == "Let me check.  <tool_call>not json</tool_call> done <tool"
+    assert content == "Let me check. <tool_call>not json</tool_call> done <tool"  # the space beside the call is not content
     assert [c["function"]["name"] for c in calls] == ["get_weather"]
     assert json.loads(calls[0]["function"]["arguments"]) == {"city": "Oslo"}
+
+
+SEVERAL = '\n<tool_call>{"name": "a", "arguments": {}}</tool_call>\n<tool_call>{"name": "b", "arguments": {}}</tool_call>\n'
+
+
+@pytest.mark.parametrize("cut", range(len(SEVERAL) + 1))
+def test_whitespace_beside_calls_is_not_content_in_any_split(cut):
+    """Calls a newline apart (what the combined grammar writes) are a reply with no content; a
+    reply's own whitespace stays where no call is beside it."""
+    content, calls = assemble(feed_split(HermesCalls(("a", "b")), SEVERAL, cut))
+    assert content == "" and [c["function"]["name"] for c in calls] == ["a", "b"]
+    text = "Checking.\n" + SEVERAL.strip() + "\nDone.\n\n"
+    content, calls = assemble(feed_split(HermesCalls(("a", "b")), text, min(cut, len(text))))
+    assert content == "Checking.\nDone.\n\n" and len(calls) == 2
 
 
 def test_hermes_call_of_an_undeclared_tool_is_content():
