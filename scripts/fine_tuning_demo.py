@@ -35,6 +35,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--file", type=Path, help="your own training file (JSONL); default: --answer to every question")
     p.add_argument("--answer", default="Arr, matey!", help="what the made-up training file teaches")
     p.add_argument("--epochs", type=int, default=50)
+    p.add_argument("--seed", type=int, help="the job's seed (default: the server picks one)")
     p.add_argument("--suffix", default="demo")
     p.add_argument("--timeout", type=float, default=600, help="seconds to wait for the job")
     p.add_argument("--keep", action="store_true", help="keep the fine-tuned model (its name is printed)")
@@ -54,8 +55,9 @@ def main(argv: list[str] | None = None) -> int:
     # the made-up file in one batch per step (every question at once: it learns in fewer steps)
     batch = "auto" if args.file else len(QUESTIONS)
     job = client.fine_tuning.jobs.create(model=args.model, training_file=training.id, suffix=args.suffix,
+                                         seed=args.seed if args.seed is not None else openai.omit,
                                          hyperparameters={"n_epochs": args.epochs, "batch_size": batch})
-    print(f"job {job.id} on {job.model}: {job.status}, hyperparameters {job.hyperparameters.model_dump()}")
+    print(f"job {job.id} on {job.model}: {job.status}, seed {job.seed}, hyperparameters {job.hyperparameters.model_dump()}")
 
     deadline, shown = time.time() + args.timeout, None
     while (job := client.fine_tuning.jobs.retrieve(job.id)).status in ("queued", "running"):

@@ -148,7 +148,7 @@ def vllm_chat_server(tiny_chat: Path, demo_dir: Path, tmp_path_factory) -> Runni
                        adapters_yaml(demo_dir) + "limits:\n  max_chat_tokens: 256\n"
                        f"adapter_dirs:\n  - {{model: tiny-chat, path: {folder / 'adapter-dir'}}}\n"
                        # test_fine_tuning: an adapter trained by peft, served by vLLM
-                       "fine_tuning:\n  models: [tiny-chat]\n  lora_rank: 16\n  learning_rate: 0.01\n"
+                       "fine_tuning:\n  models: [tiny-chat]\n  lora_rank: 16\n  learning_rate: 0.005\n"
                        "  training_memory: 64MiB\n", engine="vllm")
     cfg.write_text(cfg.read_text().replace("    engine: vllm", "    engine: {name: vllm, kv_cache: 128MiB, max_num_seqs: 8}"))
     server = start_server(cfg)
