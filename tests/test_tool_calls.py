@@ -183,7 +183,8 @@ def test_a_format_that_cannot_be_joined_with_the_calls_is_a_400(monkeypatch):
 def test_a_length_bounded_string_is_a_json_string():
     """xgrammar 0.2 draws a string with minLength/maxLength as any characters but quote, backslash,
     CR and LF: raw control characters in, escapes out. Mended (``workers.grammar.json_ebnf``): each
-    character is a JSON string's character or one escape, and the bounds count them so."""
+    character is a JSON string's character or one escape, and the bounds count them so: an escaped
+    surrogate pair is one character, a lone surrogate none."""
     from workers.base import JsonGrammar
     from workers.grammar import BOUNDED_CHARACTER, JSON_CHARACTER, json_ebnf
 
@@ -191,9 +192,12 @@ def test_a_length_bounded_string_is_a_json_string():
                          "required": ["title"], "additionalProperties": False})
     assert JSON_CHARACTER in json_ebnf(schema) and BOUNDED_CHARACTER not in json_ebnf(schema)
     title = JsonGrammar(schema)
-    for text in ['{"title":"ab"}', '{"title":"a\\"b"}', '{"title":"\\\\\\n\\t"}', '{"title":"abcd\\u00e9"}']:
+    pair = "\\ud83d\\ude00"  # one character (U+1F600) as JSON escapes it: two escapes, one of JSON Schema's characters
+    for text in ['{"title":"ab"}', '{"title":"a\\"b"}', '{"title":"\\\\\\n\\t"}', '{"title":"abcd\\u00e9"}',
+                 f'{{"title":"a{pair}"}}', f'{{"title":"abcd{pair}"}}', '{"title":"a\\ud7ff"}']:
         assert matches(title, text), text
-        json.loads(text)  # strict JSON, as every text the grammar takes
+        assert 2 <= len(json.loads(text)["title"]) <= 5  # strict JSON, its length in code points within the bounds
     for text in ['{"title":"a\tb"}', '{"title":"a\x1cb"}', '{"title":"a"}', '{"title":"abcdef"}', '{"title":"abcde\\n"}',
-                 '{"title":"a\\qb"}']:
+                 '{"title":"a\\qb"}', f'{{"title":"{pair}"}}', f'{{"title":"abcde{pair}"}}', '{"title":"a\\ud83db"}',
+                 '{"title":"a\\ude00b"}', '{"title":"\\ude00\\ud83d"}']:
         assert not matches(title, text), repr(text)

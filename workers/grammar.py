@@ -22,7 +22,7 @@ declares (what the output may contain narrows; everything it does contain valida
   characters other than ``"``, ``\\``, CR and LF, so such a string could hold raw control
   characters (a tab), which strict JSON parsers refuse, and could never hold an escape (a quote
   in a title); here each of its characters is a JSON string's character or escape, as an
-  unbounded string's are.
+  unbounded string's are, and an escaped surrogate pair counts as the one character it is.
 * A reply that may take either of two shapes is an :class:`~workers.base.EbnfGrammar`:
   :func:`reply_or_calls` joins the requested JSON and the model's tool-call blocks (tools in
   ``auto`` mode with a response format), each JSON part compact as above.
@@ -53,9 +53,14 @@ def schema_error(schema: dict | bool) -> str | None:
 
 
 # xgrammar 0.2's rule for one character of a length-bounded string, and what it should be: a JSON
-# string's character (no control character, quote or backslash) or escape
+# string's character (no control character, quote or backslash) or escape. As JSON Schema counts
+# characters (code points), a character beyond U+FFFF written as an escaped surrogate pair
+# (\ud83d\ude00) is one, and a lone surrogate (no character at all) is refused.
 BOUNDED_CHARACTER = r'(([^\"\\\r\n]))'
-JSON_CHARACTER = r'(([^\0-\x1f\"\\]) | ("\\" ([\"\\/bfnrt] | ("u" [A-Fa-f0-9] [A-Fa-f0-9] [A-Fa-f0-9] [A-Fa-f0-9]))))'
+_HEX = "[A-Fa-f0-9]"
+JSON_CHARACTER = (r'(([^\0-\x1f\"\\]) | ("\\" ([\"\\/bfnrt] | ("u" ('
+                  rf'([0-9A-Ca-cE-Fe-f] {_HEX} {_HEX} {_HEX}) | ([Dd] [0-7] {_HEX} {_HEX}) | '
+                  rf'([Dd] [89ABab] {_HEX} {_HEX} "\\u" [Dd] [C-Fc-f] {_HEX} {_HEX}))))))')
 _CHARACTER_RULE = re.compile(r"^(\S+_characters ::= )" + re.escape(BOUNDED_CHARACTER) + "$", re.M)
 
 
