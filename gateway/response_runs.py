@@ -47,8 +47,8 @@ from gateway.conversation_store import ConversationStore
 from gateway.errors import APIError
 from gateway.response_store import ResponseStore, StoredResponse
 from gateway.responses import (CONTINUABLE, RUNNING, Draft, ResponseEvents, ResponsesRequest, Sent, closing_events,
-                               delta_events, message_item, plan_response, reasoning_item, reclaimable, responses_names,
-                               resumable, shown, sse_event, whole_output)
+                               delta_events, message_item, plan_response, prepared, reasoning_item, reclaimable,
+                               responses_names, resumable, shown, sse_event, whole_output)
 from gateway.service import ClientGone, Services
 from gateway.serving import Gone
 from workers.base import ChatFinished
@@ -70,6 +70,7 @@ async def run_in_background(svc: Services, caller: Caller, draft: Draft, store: 
     status, error, shut_down = "failed", None, False
     try:
         with responses_names():
+            draft.job = await prepared(svc, caller, draft.job, gone=gone)  # searched here, not when it was asked
             if events is not None and events.sent.output:
                 deltas = await _continued(svc, caller, draft, events.sent, gone)
             else:
@@ -205,7 +206,7 @@ async def reclaim(svc: Services, store: ResponseStore, conversations: Conversati
         caller = Caller(asked["tier"], record.owner)
         body = ResponsesRequest.model_validate(asked["body"])
         try:
-            job = await plan_response(svc, caller, store, body, conversations)
+            job = await plan_response(svc, caller, store, body, conversations, prepare=False)
         except APIError as exc:  # what it continued is gone, say
             await store.update_running(replace(claimed, response={**claimed.response, "status": "failed",
                                                                    "error": {"code": exc.code, "message": exc.message}}))

@@ -69,6 +69,7 @@ from gateway.response_store import ResponseStore, StoredResponse
 from gateway.schemas import (MAX_STACK, MAX_TOOLS, TOOL_NAME, AdapterChoice, ChatCompletionRequest, EndUser, Metadata,
                              _Body, parse, served_tool_types)
 from gateway.service import Services
+from gateway.serving import Gone
 from gateway.tools import CallDelta
 from gateway.vector_search import check_filter, search_stores
 from gateway.vector_stores import RankingOptions, expired_error
@@ -202,6 +203,8 @@ class ResponseJob:
     searched: dict[str, Any] | None = None  # its file_search_call output item, when it searched
     sources: tuple[tuple[str, str], ...] = ()  # the files the search found (id, name), the best first
     query_usage: tuple[int, int] = (0, 0)  # prompt and completion tokens of the turn that wrote its queries
+    system: list[dict[str, Any]] = field(default_factory=list)  # the instructions, as a system message
+    ready: bool = False  # ``prepared``: searched, and its prompt cut to the context (truncation auto)
 
 
 # -- input items as chat messages ---------------------------------------------------------------------
@@ -435,11 +438,14 @@ def chat_body(body: ResponsesRequest, messages: list[dict[str, Any]]) -> dict[st
 
 async def plan_response(svc: Services, caller: Caller, store: ResponseStore | None,
                         body: ResponsesRequest, conversations: ConversationStore | None = None,
-                        write_queries: bool = True) -> ResponseJob:
+                        write_queries: bool = True, prepare: bool = True) -> ResponseJob:
     """The job of ``body``: its conversation (404 for a ``previous_response_id`` or a
     ``conversation`` this key cannot see) and its chat job (what ``plan_chat`` checks, errors named
-    as Responses fields). ``write_queries`` False: a file search searches for the latest user
-    message's text even where the model would write the queries (counting tokens runs no model)."""
+    as Responses fields), then ``prepared`` (its file search run, its prompt fitted to the
+    context). ``prepare`` False: checked only (a file search's stores too), to be prepared where it
+    runs (a background response, in its run: answered ``queued`` before any model writes its
+    search queries). ``write_queries`` False: a file search searches for the latest user message's
+    text even where the model would write the queries (counting tokens runs no model)."""
     history: list[dict[str, Any]] = []
     items: list[dict[str, Any]] = []
     conversation_id = None
@@ -471,8 +477,33 @@ async def plan_response(svc: Services, caller: Caller, store: ResponseStore | No
     with responses_names():
         chat = parse(ChatCompletionRequest, chat_body(body, system + conversation))
         job = await with_images(svc, plan_chat(svc, chat))
-        searched, found, sources, query_usage = await file_search(svc, caller, body, system, conversation,
-                                                                  write_queries)
+        if not prepare:  # checked now, searched when it runs (``prepared`` looks its stores up again then)
+            await search_plan(svc, caller, body, conversation)
+    given = given_items(body.input)
+    seen = {item["id"] for item in items}
+    for i, item in enumerate(given):  # an id names one item: a page's cursor must find one place
+        if item["id"] in seen:
+            raise bad_request(f"duplicate item id '{item['id'][:80]}' (in this input or the conversation it continues)",
+                              f"input[{i}].id", "duplicate_item_id")
+        seen.add(item["id"])
+    planned = ResponseJob(job, conversation, body, items + given, conversation_id, given, system=system)
+    return await prepared(svc, caller, planned, write_queries) if prepare else planned
+
+
+async def prepared(svc: Services, caller: Caller, planned: ResponseJob, write_queries: bool = True,
+                   gone: Gone | None = None) -> ResponseJob:
+    """``planned`` ready to serve: its file search run (``file_search``; the model may write the
+    queries first, stopped by ``gone``), what it found read after the question, and with
+    ``truncation: auto`` its prompt cut to the model's context. A job already prepared is
+    returned as it is."""
+    if planned.ready:
+        return planned
+    body, system, conversation, job = planned.body, planned.system, planned.conversation, planned.chat
+    with responses_names():
+        search = await search_plan(svc, caller, body, conversation)
+        searched, found, sources, query_usage = (await file_search(svc, caller, body, system, conversation, search,
+                                                                   write_queries, gone)
+                                                 if search is not None else (None, "", (), (0, 0)))
         prompt = conversation  # what the model reads: with what the search found, after the question
         if searched is not None:
             prompt = _with_excerpts(conversation, found)
@@ -484,38 +515,32 @@ async def plan_response(svc: Services, caller: Caller, store: ResponseStore | No
                 shorter = plan_chat(svc, parse(ChatCompletionRequest, chat_body(body, system + kept)))
                 # the images of the turns kept, as read already (a suffix: images go in message order)
                 job = replace(shorter, images=job.images[len(job.images) - len(shorter.images):])
-    given = given_items(body.input)
-    seen = {item["id"] for item in items}
-    for i, item in enumerate(given):  # an id names one item: a page's cursor must find one place
-        if item["id"] in seen:
-            raise bad_request(f"duplicate item id '{item['id'][:80]}' (in this input or the conversation it continues)",
-                              f"input[{i}].id", "duplicate_item_id")
-        seen.add(item["id"])
-    return ResponseJob(job, conversation, body, items + given, conversation_id, given, searched, sources, query_usage)
+    return replace(planned, chat=job, searched=searched, sources=sources, query_usage=query_usage, ready=True)
 
 
 FILE_SEARCH_RESULTS = "file_search_call.results"  # include: the results in the file_search_call item
 
 
-async def file_search(svc: Services, caller: Caller, body: ResponsesRequest, system: list[dict[str, Any]],
-                      conversation: list[dict[str, Any]], write_queries: bool = True
-                      ) -> tuple[dict[str, Any] | None, str, tuple[tuple[str, str], ...], tuple[int, int]]:
-    """A ``file_search`` tool's search, run before the model answers: its ``file_search_call``
-    output item, the text the model reads of what it found, the files found (id, name; what the
-    answer may cite), and the tokens of the turn that wrote the queries; (None, "", (), usage) when
-    the request has no such tool, ``tool_choice`` is ``none``, or there is nothing to search for.
+@dataclass(frozen=True)
+class SearchPlan:
+    """A request's ``file_search`` tool, checked: its place in ``tools``, the vector stores it
+    searches (the caller's, unexpired) and the latest user message's text."""
 
-    What is searched for is the model's ``engine.search_queries``: ``message`` (the default), the
-    latest user message's text, whatever the model, tool-calling or not, at no extra turn;
-    ``model``, the queries the model writes in a turn of its own first (``written_queries``), so a
-    follow-up ("and the second one?") is searched for what it means, and none when it needs no
-    search. They are searched in the tool's vector stores (each the caller's: a 404 naming
-    ``tools[i].vector_store_ids[j]`` otherwise) as ``POST /v1/vector_stores/{id}/search`` searches.
-    What it found is read best first, up to half the chat model's context, after the latest user
-    message's text (``_with_excerpts``)."""
+    index: int
+    tool: FileSearchTool
+    stores: tuple[Any, ...]
+    query: str
+
+
+async def search_plan(svc: Services, caller: Caller, body: ResponsesRequest,
+                      conversation: list[dict[str, Any]]) -> SearchPlan | None:
+    """The request's ``file_search`` tool checked (None when it has none, ``tool_choice`` is
+    ``none``, or there is nothing to search for): its vector stores each the caller's (a 404
+    naming ``tools[i].vector_store_ids[j]`` otherwise) and unexpired, its filters and ranking
+    options valid. Checked when the request is made, searched when it runs."""
     tools = [(i, t) for i, t in enumerate(body.tools or []) if isinstance(t, FileSearchTool)]
     if not tools:
-        return None, "", (), (0, 0)
+        return None
     if len(tools) > 1:
         raise bad_request("at most one file_search tool", f"tools[{tools[1][0]}]")
     i, tool = tools[0]
@@ -533,20 +558,40 @@ async def file_search(svc: Services, caller: Caller, body: ResponsesRequest, sys
         found.append(store)
     if tool.filters is not None:
         check_filter(tool.filters, f"tools[{i}].filters")
+    (tool.ranking_options or RankingOptions()).weights(f"tools[{i}].ranking_options")
     query = _last_user_text(conversation)
-    options = tool.ranking_options or RankingOptions()
-    hybrid = options.weights(f"tools[{i}].ranking_options")
     if body.tool_choice == "none" or not query.strip():
-        return None, "", (), (0, 0)
+        return None
+    return SearchPlan(i, tool, tuple(found), query)
+
+
+async def file_search(svc: Services, caller: Caller, body: ResponsesRequest, system: list[dict[str, Any]],
+                      conversation: list[dict[str, Any]], plan: SearchPlan, write_queries: bool = True,
+                      gone: Gone | None = None) -> tuple[dict[str, Any] | None, str, tuple[tuple[str, str], ...], tuple[int, int]]:
+    """The search of ``plan`` (``search_plan``), run before the model answers: its
+    ``file_search_call`` output item, the text the model reads of what it found, the files found
+    (id, name; what the answer may cite), and the tokens of the turn that wrote the queries;
+    (None, "", (), usage) when the model wrote no query.
+
+    What is searched for is the model's ``engine.search_queries``: ``message`` (the default), the
+    latest user message's text, whatever the model, tool-calling or not, at no extra turn;
+    ``model``, the queries the model writes in a turn of its own first (``written_queries``), so a
+    follow-up ("and the second one?") is searched for what it means, and none when it needs no
+    search. They are searched in the tool's vector stores as ``POST
+    /v1/vector_stores/{id}/search`` searches. What it found is read best first, up to half the chat
+    model's context, after the latest user message's text (``_with_excerpts``)."""
+    tool, query = plan.tool, plan.query
+    options = tool.ranking_options or RankingOptions()
+    hybrid = options.weights(f"tools[{plan.index}].ranking_options")
     queries, used = [query], (0, 0)
     engine = engine_config(svc, resolve_request(svc, body.model, None, "chat")[0].name)
     if write_queries and engine is not None and engine.search_queries == "model":
         required = isinstance(body.tool_choice, FileSearchChoice) or body.tool_choice == "required"
-        written, used = await written_queries(svc, caller, body, system + conversation, required)
+        written, used = await written_queries(svc, caller, body, system + conversation, required, gone)
         queries = queries if written is None else written
         if not queries:
             return None, "", (), used
-    hits = await search_stores(svc, svc.vector_stores, caller, found, queries, tool.filters, tool.max_num_results,
+    hits = await search_stores(svc, svc.vector_stores, caller, list(plan.stores), queries, tool.filters, tool.max_num_results,
                                options.score_threshold, "input", hybrid, cut=queries != [query])
     hits = await _readable(svc, body.model, hits)
     results = [{"file_id": f.id, "filename": f.filename, "score": score, "text": text, "attributes": f.attributes}
@@ -566,7 +611,7 @@ SEARCH_DESCRIPTION = ("Search the user's files for passages that help answer the
 
 
 async def written_queries(svc: Services, caller: Caller, body: ResponsesRequest, messages: list[dict[str, Any]],
-                          required: bool) -> tuple[list[str] | None, tuple[int, int]]:
+                          required: bool, gone: Gone | None = None) -> tuple[list[str] | None, tuple[int, int]]:
     """The search queries the model writes for ``messages``, and the tokens that took: a turn of
     its own, at temperature 0, in which it must call a ``file_search`` function whose arguments are
     ``{"queries": [...]}`` (at most ``MAX_QUERIES``, each at most ``QUERY_CHARS`` characters; at
@@ -589,7 +634,7 @@ async def written_queries(svc: Services, caller: Caller, body: ResponsesRequest,
         data["adapters"] = [a.model_dump() for a in body.adapters]
     job = await with_images(svc, plan_chat(svc, parse(ChatCompletionRequest, data)))
     try:
-        replies, _ = await collect(serve_chat(svc, caller, job, None))
+        replies, _ = await collect(serve_chat(svc, caller, job, gone))
     except APIError as exc:
         if exc.code != "context_length_exceeded":
             raise

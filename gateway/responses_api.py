@@ -49,7 +49,9 @@ async def create_response(request: Request) -> Response:
     caller = svc.admit_caller(request)
     body = parse(ResponsesRequest, await read_json(request, svc.config.limits.max_body))
     store, conversations = _store(request), request.app.state.conversations
-    job = await plan_response(svc, caller, store, body, conversations)
+    # a background response is answered queued at once: its file search (and the turn in which a
+    # model writes the queries) runs in its run
+    job = await plan_response(svc, caller, store, body, conversations, prepare=not body.background)
     served = served_caller(svc, caller, job.chat)
     if (end_user := body.end_user(caller.key_id)) is not None:
         log.info("response request: key %s, user %s, tier %s", caller.key_id, end_user, served.tier)

@@ -914,6 +914,43 @@ def test_file_search_queries_written_by_the_model(server, searchable):
     assert counted.input_tokens == plain.usage.input_tokens and plain.output[0].queries == [QUESTION]
 
 
+def test_a_background_response_is_queued_before_the_model_writes_its_queries(server, searchable, monkeypatch):
+    """A background response is answered ``queued`` at once: the turn in which the model writes
+    its search queries runs in the response's run, not in the request (here held until the
+    response is answered). What cannot be searched is still refused when it is asked."""
+    import threading
+
+    import gateway.responses
+
+    c = client(server)
+    release, started = threading.Event(), threading.Event()
+    written = gateway.responses.written_queries
+
+    async def held(*args, **kwargs):
+        started.set()
+        await asyncio.to_thread(release.wait, 60)
+        return await written(*args, **kwargs)
+
+    monkeypatch.setattr(gateway.responses, "written_queries", held)
+    try:
+        r = respond(c.with_options(timeout=20), searchable, model="tiny-chat-queries", background=True,
+                    instructions="Answer from the files.", tool_choice={"type": "file_search"})
+        assert r.status == "queued" and not release.is_set()
+    finally:
+        release.set()
+    assert started.wait(30)  # its run did write them
+    deadline = time.time() + 60
+    while r.status in ("queued", "in_progress"):
+        assert time.time() < deadline
+        time.sleep(0.1)
+        r = c.responses.retrieve(r.id)
+    search = r.output[0]
+    assert r.status in ("completed", "incomplete") and search.type == "file_search_call" and search.queries != [QUESTION]
+    with pytest.raises(openai.NotFoundError) as err:  # checked when asked, as a response in the foreground is
+        respond(c, "vs_nope", model="tiny-chat-queries", background=True)
+    assert err.value.body["param"] == "tools[0].vector_store_ids[0]"
+
+
 def test_a_query_over_the_embedding_models_context_is_refused_or_cut(server, searchable):
     """``POST /v1/vector_stores/{id}/search`` refuses a query the embedding model cannot read
     whole (400 naming it); the queries a chat model wrote for a ``file_search`` are cut to fit."""
