@@ -26,11 +26,13 @@ from gateway.auth import Caller
 from gateway.errors import APIError, bad_request, not_found
 from gateway.schemas import is_count, parse, read_json
 from gateway.service import Services
+from gateway.vision import image_type
 
 BATCH_ENDPOINTS = tuple(ENDPOINTS)  # the urls a batch's lines may call
 WINDOW_S = 24 * 3600
-PURPOSES = ("batch", "assistants", "user_data", "fine-tune")  # a batch's input, a document for vector stores,
-# or a fine-tuning job's examples (tuning/: checked whole when a job names it)
+PURPOSES = ("batch", "assistants", "user_data", "fine-tune", "vision")  # a batch's input, a document for vector
+# stores, a fine-tuning job's examples (tuning/: checked whole when a job names it), or an image a response reads
+# (an input_image's file_id: gateway/responses.py; user_data files may be images too)
 _FORM_SLACK = 64 * 1024  # multipart framing on top of the file itself
 
 
@@ -88,6 +90,8 @@ async def _new_file(svc: Services, runner: Runner, caller: Caller, filename: str
             content.decode("utf-8")
         except UnicodeDecodeError:
             raise bad_request("a fine-tuning file is UTF-8 JSON lines", param, "invalid_file") from None
+    elif purpose == "vision" and image_type(content) is None:
+        raise bad_request("a vision file is an image (PNG, JPEG, WebP or GIF)", param, "invalid_file")
     now = int(time.time())
     info = FileInfo(f"file-{time.time_ns():016x}{secrets.token_hex(8)}",  # ids sort by time, as batches' do
                     caller.key_id, purpose, filename, len(content), now, now + expires_after_s if expires_after_s else None)

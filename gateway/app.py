@@ -329,6 +329,7 @@ def create_app(services: Services, extra: Sequence[BaseRoute] = ()) -> Starlette
     )
     app.state.services = services
     app.state.batches = runner_for(services)
+    services.files = app.state.batches.store
     app.state.uploads = uploads_for(services)  # input files sent in parts (batch/api.py)
     app.state.responses = responses_for(services)
     app.state.completions = completions_for(services)  # stored chat completions

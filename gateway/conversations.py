@@ -27,10 +27,11 @@ from pydantic import Field
 from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
 
+from gateway.auth import Caller
 from gateway.conversation_store import Conversation, ConversationStore
 from gateway.errors import bad_request, not_found
 from gateway.pages import cursor_page, listing, page_query
-from gateway.responses import given_items, input_messages
+from gateway.responses import file_images, given_items, input_messages
 from gateway.schemas import Metadata, _Body, parse, read_json
 from gateway.service import Services
 
@@ -50,11 +51,12 @@ class ItemsCreate(_Body):
     items: list[dict[str, Any]] = Field(min_length=1, max_length=MAX_ITEMS)
 
 
-def checked_items(items: list[dict[str, Any]], taken: set[str], hosts: list[str]) -> list[dict[str, Any]]:
+async def checked_items(svc: Services, caller: Caller, items: list[dict[str, Any]],
+                        taken: set[str]) -> list[dict[str, Any]]:
     """``items`` as the conversation lists them; 400 naming ``items[i]...`` for one that cannot be
-    an input item, or whose id is in ``taken`` (or twice in ``items``). ``hosts``: where image
-    URLs may point (``server.image_url_hosts``)."""
-    input_messages(items, "items", hosts)
+    an input item (an image URL on no host of ``server.image_url_hosts``, a file that is not the
+    caller's image...), or whose id is in ``taken`` (or twice in ``items``)."""
+    input_messages(await file_images(svc, caller, items, "items"), "items", svc.config.server.image_url_hosts)
     listed = given_items(items)
     seen = set(taken)
     for i, item in enumerate(listed):
@@ -79,10 +81,11 @@ def _missing(conversation_id: str) -> Exception:
 
 
 async def create_conversation(request: Request) -> Response:
-    owner, svc = _owner(request)
+    svc: Services = request.app.state.services
+    caller = svc.authenticate(request)
     body = parse(ConversationCreate, await read_json(request, svc.config.limits.max_body))
-    items = checked_items(body.items, set(), svc.config.server.image_url_hosts) if body.items else []
-    conversation = Conversation(f"conv_{uuid.uuid4().hex}", owner, int(time.time()), body.metadata or {})
+    items = await checked_items(svc, caller, body.items, set()) if body.items else []
+    conversation = Conversation(f"conv_{uuid.uuid4().hex}", caller.key_id, int(time.time()), body.metadata or {})
     await _store(request).create(conversation, items)
     return JSONResponse(conversation.public())
 
@@ -129,7 +132,7 @@ async def add_items(request: Request) -> Response:
     owner, conversation_id, items = await _items(request)
     svc: Services = request.app.state.services
     body = parse(ItemsCreate, await read_json(request, svc.config.limits.max_body))
-    added = checked_items(body.items, {item["id"] for item in items}, svc.config.server.image_url_hosts)
+    added = await checked_items(svc, svc.authenticate(request), body.items, {item["id"] for item in items})
     if not await _store(request).add_items(conversation_id, owner, added):
         raise _missing(conversation_id)  # deleted meanwhile
     return JSONResponse(listing(added, False))

@@ -24,6 +24,7 @@ from gateway.request_log import note
 from workers.base import ModelSpec
 
 if TYPE_CHECKING:
+    from batch.store import Store as FileStore
     from gateway.accounts import Accounts
     from gateway.vector_store import VectorStoreStore
     from gateway.webhooks import Webhooks
@@ -88,6 +89,7 @@ class Services:
     on_shutdown: list[Callable[[], Awaitable[None]]] = field(default_factory=list)
     accounts: "Accounts | None" = None  # managed keys, per-key limits, usage (None: env keys only, unmetered)
     vector_stores: "VectorStoreStore | None" = None  # what file_search searches (gateway/vector_store.py)
+    files: "FileStore | None" = None  # /v1/files' uploads (batch/store.py): what an input_image's file_id reads
     webhooks: "Webhooks | None" = None  # signed events when background work ends (gateway/webhooks.py)
 
     @functools.cached_property

@@ -10,6 +10,10 @@ them, for a model whose folder has a vision tower (``ModelInfo.images``). Each r
 naming the part (``messages[i].content[j].image_url.url``). The pixels are decoded later, off the
 event loop, by the engine (``workers.chat_prompt.vision_inputs``).
 
+The Responses API's ``input_image`` may name an uploaded file instead (``file_id``: the caller's
+file of purpose ``vision`` or ``user_data``), read as that file's data: URL
+(``gateway.responses.file_images``).
+
 Remote ``http(s)`` URLs are fetched only from the hosts tiers.yaml names
 (``server.image_url_hosts``: exact names, or ``*.example.com`` for its subdomains); any other is a
 400 that says so. A gateway that fetched any URL would let every key make it request addresses on
@@ -158,6 +162,21 @@ def read_image_url(url: str, param: str, hosts: list[str] = ()) -> bytes | Pendi
     if len(url) - found.end() > INLINE_DECODE:
         return PendingImage(url, param)
     return _decode(url, found.end(), param)
+
+
+def image_type(data: bytes) -> str | None:
+    """The media type of an image file in one of ``FORMATS`` (``image/png``...), from its header;
+    None for anything else."""
+    import io
+
+    from PIL import Image, UnidentifiedImageError
+
+    try:
+        with Image.open(io.BytesIO(data)) as image:
+            kind = image.format
+    except (UnidentifiedImageError, OSError, ValueError):
+        return None
+    return f"image/{kind.lower()}" if kind in FORMATS else None
 
 
 def _decode(url: str, start: int, param: str) -> bytes:

@@ -254,8 +254,10 @@ def test_upload_errors_are_openai_shaped(server):
 
     status, err = post(json={"purpose": "batch"})
     assert status == 415 and err["code"] == "unsupported_media_type"
-    status, err = post(files={"file": ("a.jsonl", b"{}\n")}, data={"purpose": "vision"})
+    status, err = post(files={"file": ("a.jsonl", b"{}\n")}, data={"purpose": "evals"})
     assert (status, err["param"]) == (400, "purpose")
+    status, err = post(files={"file": ("a.png", b"{}\n")}, data={"purpose": "vision"})
+    assert (status, err["param"], err["code"]) == (400, "file", "invalid_file")  # a vision file is an image
     status, err = post(files={"file": ("a.jsonl", b"\xff\xfe{}")}, data={"purpose": "fine-tune"})
     assert (status, err["param"], err["code"]) == (400, "file", "invalid_file")  # fine-tuning files are UTF-8 JSONL
     status, err = post(data={"purpose": "batch", "x": "1"}, files={"other": ("a", b"")})

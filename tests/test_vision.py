@@ -211,10 +211,10 @@ def test_the_responses_api_takes_input_image_parts(server, vlm):
                                      {"type": "input_text", "text": TEXT["text"]}]}])
     assert counted.input_tokens == got.usage.input_tokens == len(vlm.encode([
         {"role": "user", "content": TEXT["text"]}])) + IMAGE_TOKENS
-    with pytest.raises(openai.BadRequestError) as caught:
+    with pytest.raises(openai.NotFoundError) as caught:
         c.responses.create(model="tiny-vlm", input=[{"role": "user", "content": [
             {"type": "input_image", "file_id": "file-abc"}, {"type": "input_text", "text": "x"}]}])
-    assert caught.value.body["param"] == "input[0].content[0].file_id"
+    assert (caught.value.body["param"], caught.value.body["code"]) == ("input[0].content[0].file_id", "file_not_found")
     for content, param, code in [
         ([{"type": "input_text", "text": "x"}, {"type": "input_image", "image_url": "https://example.com/a.png"}],
          "input[0].content[1].image_url", "image_url_not_fetched"),
@@ -229,6 +229,62 @@ def test_the_responses_api_takes_input_image_parts(server, vlm):
             {"type": "input_text", "text": "x"}, {"type": "input_image", "image_url": data_url(image)}]}])
     assert (caught.value.body["param"], caught.value.body["code"]) == ("input[0].content[1].type",
                                                                        "image_input_not_supported")
+
+
+def test_an_input_image_may_name_an_uploaded_file(server, vlm):
+    """``{"type": "input_image", "file_id": ...}``: the caller's file of purpose ``vision`` (or
+    ``user_data``) is read as the same image sent inline; the input items keep the file's id; a
+    conversation's items may name one too. Another key's file, a file of another purpose, or one
+    that is not an image is refused naming the part."""
+    image = picture(8)
+    c = client(server)
+    f = c.files.create(file=("cat.png", io.BytesIO(image)), purpose="vision")
+
+    def ask(part: dict, key=c, **kw):
+        return key.responses.create(model="tiny-vlm", max_output_tokens=8, temperature=0, **kw, input=[
+            {"role": "user", "content": [part, {"type": "input_text", "text": TEXT["text"]}]}])
+
+    got = ask({"type": "input_image", "file_id": f.id, "detail": "auto"})
+    inline = ask({"type": "input_image", "image_url": data_url(image)})
+    assert got.output_text == inline.output_text == reference(vlm, asking([image]), 8)
+    assert got.usage.input_tokens == inline.usage.input_tokens
+    (item,) = c.responses.input_items.list(got.id).data
+    assert item.content[0].file_id == f.id and item.content[0].image_url is None  # listed as it was sent
+    later, later_inline = (c.responses.create(model="tiny-vlm", previous_response_id=r.id, input="And now?",
+                                              max_output_tokens=1) for r in (got, inline))
+    assert later.usage.input_tokens == later_inline.usage.input_tokens  # the image read again, as the inline one is
+
+    jpeg = picture(7, fmt="JPEG")
+    user_data = c.files.create(file=("cat.jpg", io.BytesIO(jpeg)), purpose="user_data")
+    assert ask({"type": "input_image", "file_id": user_data.id}).output_text == \
+        ask({"type": "input_image", "image_url": data_url(jpeg, "image/jpeg")}).output_text
+    def in_conversation(part: dict):
+        conversation = c.conversations.create(items=[{"type": "message", "role": "user", "content": [
+            part, {"type": "input_text", "text": TEXT["text"]}]}])
+        return c.responses.create(model="tiny-vlm", conversation=conversation.id, input="And now?", max_output_tokens=3,
+                                  temperature=0)
+
+    kept, kept_inline = in_conversation({"type": "input_image", "file_id": f.id}), \
+        in_conversation({"type": "input_image", "image_url": data_url(image)})
+    assert (kept.usage.input_tokens, kept.output_text) == (kept_inline.usage.input_tokens, kept_inline.output_text)
+
+    text = c.files.create(file=("notes.txt", io.BytesIO(b"not a picture")), purpose="user_data")
+    tune = c.files.create(file=("t.jsonl", io.BytesIO(b'{"messages": []}')), purpose="fine-tune")
+    for key, file_id, error, code in [
+        (client(server, "free"), f.id, openai.NotFoundError, "file_not_found"),  # another key's file: not found
+        (c, text.id, openai.BadRequestError, "invalid_image_format"),
+        (c, tune.id, openai.BadRequestError, "invalid_file_purpose"),
+    ]:
+        with pytest.raises(error) as caught:
+            ask({"type": "input_image", "file_id": file_id}, key)
+        assert (caught.value.body["param"], caught.value.body["code"]) == ("input[0].content[0].file_id", code)
+    with pytest.raises(openai.NotFoundError) as caught:  # a conversation's items are checked when added
+        client(server, "free").conversations.create(items=[{"type": "message", "role": "user", "content": [
+            {"type": "input_image", "file_id": f.id}]}])
+    assert caught.value.body["param"] == "items[0].content[0].file_id"
+    with pytest.raises(openai.BadRequestError) as caught:  # a vision file is an image
+        c.files.create(file=("notes.txt", io.BytesIO(b"not a picture")), purpose="vision")
+    assert caught.value.body["code"] == "invalid_file"
 
 
 def test_a_batch_line_with_an_image_is_answered_as_the_endpoint_answers(server):
