@@ -31,7 +31,8 @@ from gateway.auth import Caller
 from gateway.conversation_store import Conversation, ConversationStore
 from gateway.errors import bad_request, not_found
 from gateway.pages import cursor_page, listing, page_query
-from gateway.responses import file_images, given_items, input_messages
+from gateway.input_files import read_files
+from gateway.responses import given_items, input_messages
 from gateway.schemas import Metadata, _Body, parse, read_json
 from gateway.service import Services
 
@@ -56,7 +57,7 @@ async def checked_items(svc: Services, caller: Caller, items: list[dict[str, Any
     """``items`` as the conversation lists them; 400 naming ``items[i]...`` for one that cannot be
     an input item (an image URL on no host of ``server.image_url_hosts``, a file that is not the
     caller's image...), or whose id is in ``taken`` (or twice in ``items``)."""
-    input_messages(await file_images(svc, caller, items, "items"), "items", svc.config.server.image_url_hosts)
+    input_messages(await read_files(svc, caller, items, "items"), "items", svc.config.server.image_url_hosts)
     listed = given_items(items)
     seen = set(taken)
     for i, item in enumerate(listed):

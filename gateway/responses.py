@@ -45,7 +45,6 @@ The HTTP handlers are in ``gateway.responses_api``; background responses run in
 from __future__ import annotations
 
 import asyncio
-import base64
 import contextlib
 import json
 import logging
@@ -65,6 +64,7 @@ from gateway.completions import processor_of, tokenizer_of
 from gateway.adapters import resolve_request
 from gateway.conversation_store import ConversationStore
 from gateway.errors import APIError, bad_request, not_found
+from gateway.input_files import read_files
 from gateway.logprobs import chat_content
 from gateway.response_store import ResponseStore, StoredResponse
 from gateway.schemas import (MAX_STACK, MAX_TOOLS, TOOL_NAME, AdapterChoice, ChatCompletionRequest, EndUser, Metadata,
@@ -74,7 +74,7 @@ from gateway.serving import Gone
 from gateway.tools import CallDelta
 from gateway.vector_search import check_filter, search_stores
 from gateway.vector_stores import RankingOptions, expired_error
-from gateway.vision import check_reads_images, image_type, read_image_url
+from gateway.vision import check_reads_images, read_image_url
 from workers.base import ChatParams, ChatRequest, InvalidParam
 from workers.chat_prompt import encode, vision_inputs
 from workers.registry import describe
@@ -322,58 +322,6 @@ def _text(content: Any, where: str, assistant: bool = False,
     return "".join(texts)
 
 
-IMAGE_PURPOSES = ("vision", "user_data")  # the files an input_image's file_id may name
-
-
-def _names_file(part: Any) -> bool:
-    return (isinstance(part, dict) and part.get("type") == "input_image" and part.get("file_id") is not None
-            and part.get("image_url") is None)
-
-
-async def file_images(svc: Services, caller: Caller, items: str | list[dict[str, Any]] | None,
-                      name: str = "input") -> str | list[dict[str, Any]] | None:
-    """``items`` with each ``input_image`` part that names an uploaded file (``file_id``, no
-    ``image_url``) given that file as a data: URL, to be read as any other (``input_messages``);
-    ``items`` themselves are left as they are (what is stored and listed keeps the file's id).
-    The file is the caller's (404 ``file_not_found`` naming ``{name}[i].content[j].file_id``
-    otherwise, as for a file it cannot see), of purpose ``vision`` or ``user_data``, and an image
-    (400s naming the part)."""
-    if isinstance(items, str) or not items or svc.files is None:
-        return items
-    out = []
-    for i, item in enumerate(items):
-        content = item.get("content") if isinstance(item, dict) else None
-        if not isinstance(content, list) or not any(_names_file(part) for part in content):
-            out.append(item)
-            continue
-        parts = []
-        for j, part in enumerate(content):
-            if _names_file(part):
-                url = await _file_image(svc, caller, part["file_id"], f"{name}[{i}].content[{j}].file_id")
-                part = {**{k: v for k, v in part.items() if k != "file_id"}, "image_url": url}
-            parts.append(part)
-        out.append({**item, "content": parts})
-    return out
-
-
-async def _file_image(svc: Services, caller: Caller, file_id: Any, param: str) -> str:
-    if not isinstance(file_id, str):
-        raise bad_request("file_id must be a string", param, "invalid_type")
-    info = await svc.files.get_file(file_id)
-    if info is None or info.expired(time.time()) or not (caller.admin or info.owner == caller.key_id):
-        raise not_found(f"no such file: '{file_id[:80]}'", param, "file_not_found")
-    if info.purpose not in IMAGE_PURPOSES:
-        raise bad_request(f"the file's purpose is {info.purpose!r}; an input_image reads a file uploaded with purpose "
-                          "'vision' or 'user_data'", param, "invalid_file_purpose")
-    data = await svc.files.file_content(file_id)
-    if data is None:
-        raise not_found(f"no such file: '{file_id[:80]}'", param, "file_not_found")
-    media = image_type(data)
-    if media is None:
-        raise bad_request("the file is not an image (PNG, JPEG, WebP or GIF)", param, "invalid_image_format")
-    return f"data:{media};base64,{base64.b64encode(data).decode()}"
-
-
 def _first_image(items: str | list[dict[str, Any]] | None) -> str | None:
     """The place of the first ``input_image`` part of ``input`` (``input[i].content[j].type``)."""
     for i, item in enumerate(items if isinstance(items, list) else ()):
@@ -390,7 +338,7 @@ def _chat_parts(content: list[Any], where: str, hosts: list[str]) -> list[dict[s
     for j, part in enumerate(content):
         kind = part.get("type") if isinstance(part, dict) else None
         if kind == "input_image":
-            if part.get("file_id") is not None and part.get("image_url") is None:  # (``file_images`` reads them)
+            if part.get("file_id") is not None and part.get("image_url") is None:  # (``read_files`` reads them)
                 raise bad_request("input_image by file_id is not read here: send image_url as a data: URL",
                                   f"{where}[{j}].file_id", "unsupported_value")
             url = part.get("image_url")
@@ -406,7 +354,7 @@ def _chat_parts(content: list[Any], where: str, hosts: list[str]) -> list[dict[s
             parts.append({"type": "text", "text": part["text"]})
         else:
             raise bad_request(f"content parts of type {str(kind)[:40]!r} are not supported in a user message (input_text, "
-                              "input_image)", f"{where}[{j}].type")
+                              "input_image, input_file)", f"{where}[{j}].type")
     return parts
 
 
@@ -509,7 +457,7 @@ async def plan_response(svc: Services, caller: Caller, store: ResponseStore | No
         found = await conversations.items(conversation_id, caller.key_id) if conversations is not None else None
         if found is None:
             raise not_found(f"no conversation with id '{conversation_id}'", "conversation")
-        history = input_messages(await file_images(svc, caller, found, "conversation"), "conversation",
+        history = input_messages(await read_files(svc, caller, found, "conversation"), "conversation",
                                  svc.config.server.image_url_hosts) if found else []
         items = found
     if body.previous_response_id is not None:
@@ -526,7 +474,7 @@ async def plan_response(svc: Services, caller: Caller, store: ResponseStore | No
     image = _first_image(body.input)
     if image is not None:  # named here as an input item: chat's check would name a message
         check_reads_images(resolve_request(svc, body.model, body.adapters, "chat")[0], image)
-    conversation = history + (input_messages(await file_images(svc, caller, body.input),
+    conversation = history + (input_messages(await read_files(svc, caller, body.input),
                                              hosts=svc.config.server.image_url_hosts)
                               if body.input is not None else [])
     system = [{"role": "system", "content": body.instructions}] if body.instructions else []

@@ -87,7 +87,7 @@ def test_text_that_is_not_html_stays_as_written():
 
 
 def test_a_pdf_is_its_pages_text():
-    from tests.test_vector_stores import tiny_pdf
+    from tests.helpers import tiny_pdf
 
     assert document_text(tiny_pdf(["first page", "second page"]), "a.pdf") == "first page\n\nsecond page"
 

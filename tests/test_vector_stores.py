@@ -21,7 +21,7 @@ from gateway.errors import APIError
 from gateway.vector_store import Chunks, SQLiteVectorStores, StoreFile, VectorStore
 from gateway.vector_search import Matrix, Shelf, Words, check_filter, matches, rank
 from gateway.vector_stores import ChunkingStrategy, chunk_sizes
-from tests.helpers import start_server, write_config
+from tests.helpers import start_server, tiny_pdf, write_config
 from workers.embed import windows
 
 LEASE = 4.5  # the dead process's lease, in seconds
@@ -191,24 +191,6 @@ def _encrypted_pdf() -> bytes:
     out = io.BytesIO()
     writer.write(out)
     return out.getvalue()
-
-
-def tiny_pdf(pages: list[str]) -> bytes:
-    """A PDF with one line of Helvetica text per page, written by hand (its xref's offsets counted)."""
-    objs = ["<< /Type /Catalog /Pages 2 0 R >>",
-            "<< /Type /Pages /Kids [" + " ".join(f"{4 + 2 * i} 0 R" for i in range(len(pages))) + f"] /Count {len(pages)} >>",
-            "<< /Type /Font /Subtype /Type1 /BaseFont /Helvetica >>"]
-    for i, text in enumerate(pages):
-        stream = f"BT /F1 12 Tf 72 720 Td ({text}) Tj ET"
-        objs += [f"<< /Type /Page /Parent 2 0 R /MediaBox [0 0 612 792] /Resources << /Font << /F1 3 0 R >> >> "
-                 f"/Contents {5 + 2 * i} 0 R >>", f"<< /Length {len(stream)} >>\nstream\n{stream}\nendstream"]
-    out, offsets = b"%PDF-1.4\n", []
-    for i, body in enumerate(objs, 1):
-        offsets.append(len(out))
-        out += f"{i} 0 obj\n{body}\nendobj\n".encode()
-    xref = len(out)
-    out += f"xref\n0 {len(objs) + 1}\n0000000000 65535 f \n".encode() + "".join(f"{o:010d} 00000 n \n" for o in offsets).encode()
-    return out + f"trailer\n<< /Size {len(objs) + 1} /Root 1 0 R >>\nstartxref\n{xref}\n%%EOF\n".encode()
 
 
 def test_a_pdf_is_read_as_its_pages_text(server):

@@ -1,0 +1,158 @@
+"""Documents in a Responses request (gateway/input_files.py): an ``input_file`` part, by an
+uploaded file's id or inline as base64, is read as its text (gateway/documents.py), headed by its
+name. Each case is checked against the same request with that text sent as an ``input_text``
+part: the same reply, the same prompt tokens."""
+
+from __future__ import annotations
+
+import base64
+import io
+import json
+
+import openai
+import pytest
+
+from gateway.documents import document_text
+from gateway.input_files import FILE_HEAD
+from tests.helpers import run_batch, start_server, tiny_pdf, write_config
+
+GOLD = ["The gold is under the palm tree.", "The map is in the captain's boot."]
+QUESTION = {"type": "input_text", "text": "Where is the gold?"}
+
+
+@pytest.fixture(scope="module")
+def server(tiny_chat, tmp_path_factory):
+    running = start_server(write_config(tmp_path_factory.mktemp("input-files"), {"tiny-chat": ("chat", tiny_chat)}))
+    yield running
+    running.stop()
+
+
+def client(server, tier="paid") -> openai.OpenAI:
+    return openai.OpenAI(base_url=server.base_url, api_key=server.keys[tier], max_retries=0, timeout=120)
+
+
+def ask(c: openai.OpenAI, part: dict, **kw):
+    return c.responses.create(model="tiny-chat", max_output_tokens=6, temperature=0, **kw,
+                              input=[{"role": "user", "content": [part, QUESTION]}])
+
+
+def as_text(content: bytes, name: str) -> dict:
+    return {"type": "input_text", "text": FILE_HEAD.format(name=name) + document_text(content, name)}
+
+
+def same(got, want) -> None:
+    assert (got.output_text, got.usage.input_tokens) == (want.output_text, want.usage.input_tokens)
+
+
+def test_a_document_is_read_as_its_text_by_file_id_or_inline(server):
+    c = client(server)
+    pdf = tiny_pdf(GOLD)
+    upload = c.files.create(file=("treasure.pdf", io.BytesIO(pdf)), purpose="user_data")
+    want = ask(c, as_text(pdf, "treasure.pdf"))
+    assert "palm tree" in as_text(pdf, "treasure.pdf")["text"]  # the pages' text, not the PDF's bytes
+    by_id = ask(c, {"type": "input_file", "file_id": upload.id})
+    same(by_id, want)
+    b64 = base64.b64encode(pdf).decode()
+    same(ask(c, {"type": "input_file", "filename": "treasure.pdf", "file_data": f"data:application/pdf;base64,{b64}"}),
+         want)
+    same(ask(c, {"type": "input_file", "filename": "treasure.pdf", "file_data": b64}), want)
+    # the input items keep the file as it was named, not its text
+    (item,) = c.responses.input_items.list(by_id.id).data
+    assert item.content[0].type == "input_file" and item.content[0].file_id == upload.id
+    # read again by a response that continues it, and counted the same by input_tokens
+    later = c.responses.create(model="tiny-chat", previous_response_id=by_id.id, input="And the map?", max_output_tokens=1)
+    again = c.responses.create(model="tiny-chat", previous_response_id=want.id, input="And the map?", max_output_tokens=1)
+    assert later.usage.input_tokens == again.usage.input_tokens
+    counted = c.responses.input_tokens.count(model="tiny-chat", input=[
+        {"role": "user", "content": [{"type": "input_file", "file_id": upload.id}, QUESTION]}])
+    assert counted.input_tokens == by_id.usage.input_tokens
+    # a Markdown file (assistants purpose) is its text as it is; a name given with a file_id heads it
+    notes = b"# Notes\n\nThe parrot knows the way."
+    md = c.files.create(file=("notes.md", io.BytesIO(notes)), purpose="assistants")
+    same(ask(c, {"type": "input_file", "file_id": md.id, "filename": "parrot.md"}), ask(c, as_text(notes, "parrot.md")))
+
+
+def test_a_conversation_may_hold_a_document(server):
+    c = client(server)
+    pdf = tiny_pdf(GOLD)
+    upload = c.files.create(file=("treasure.pdf", io.BytesIO(pdf)), purpose="user_data")
+
+    def in_conversation(part: dict):
+        conversation = c.conversations.create(items=[{"type": "message", "role": "user", "content": [part, QUESTION]}])
+        return c.responses.create(model="tiny-chat", conversation=conversation.id, input="Say it.", max_output_tokens=4,
+                                  temperature=0)
+
+    same(in_conversation({"type": "input_file", "file_id": upload.id}), in_conversation(as_text(pdf, "treasure.pdf")))
+
+
+def test_what_cannot_be_read_is_refused_naming_the_part(server):
+    c = client(server)
+    pdf = tiny_pdf(GOLD)
+    mine = c.files.create(file=("treasure.pdf", io.BytesIO(pdf)), purpose="user_data")
+    batch = c.files.create(file=("b.jsonl", io.BytesIO(b"{}\n")), purpose="batch")
+    picture = c.files.create(file=("p.png", io.BytesIO(b"\x89PNG\r\n\x1a\n" + bytes(64))), purpose="user_data")
+    b64 = base64.b64encode(pdf).decode()
+    part = "input[0].content[0]"
+    for key, given, error, param, code in [
+        ("free", {"file_id": mine.id}, openai.NotFoundError, f"{part}.file_id", "file_not_found"),  # another key's
+        ("paid", {"file_id": "file-nope"}, openai.NotFoundError, f"{part}.file_id", "file_not_found"),
+        ("paid", {"file_id": batch.id}, openai.BadRequestError, f"{part}.file_id", "invalid_file_purpose"),
+        ("paid", {"file_id": picture.id}, openai.BadRequestError, f"{part}.file_id", "unsupported_file"),
+        ("paid", {"file_url": "https://example.com/a.pdf"}, openai.BadRequestError, f"{part}.file_url",
+         "file_url_not_fetched"),
+        ("paid", {}, openai.BadRequestError, f"{part}.file_id", "missing_required_parameter"),
+        ("paid", {"file_id": mine.id, "file_data": b64, "filename": "a.pdf"}, openai.BadRequestError,
+         f"{part}.file_data", "invalid_value"),
+        ("paid", {"file_data": b64}, openai.BadRequestError, f"{part}.filename", "missing_required_parameter"),
+        ("paid", {"file_data": "not base64!", "filename": "a.pdf"}, openai.BadRequestError, f"{part}.file_data",
+         "invalid_value"),
+        ("paid", {"file_data": base64.b64encode(b"%PDF-1.4 broken").decode(), "filename": "a.pdf"},
+         openai.BadRequestError, f"{part}.file_data", "invalid_file"),
+        ("paid", {"file_data": base64.b64encode(b"   ").decode(), "filename": "a.txt"}, openai.BadRequestError,
+         f"{part}.file_data", "invalid_file"),
+        ("paid", {"file_id": mine.id, "pages": 1}, openai.BadRequestError, f"{part}.pages", "unknown_parameter"),
+    ]:
+        with pytest.raises(error) as caught:
+            ask(client(server, key), {"type": "input_file", **given})
+        assert (caught.value.body["param"], caught.value.body["code"]) == (param, code), given
+    with pytest.raises(openai.NotFoundError) as caught:  # a conversation's items are checked when they are added
+        client(server, "free").conversations.create(items=[{"type": "message", "role": "user", "content": [
+            {"type": "input_file", "file_id": mine.id}]}])
+    assert caught.value.body["param"] == "items[0].content[0].file_id"
+
+
+def test_chat_completions_read_a_file_part_as_its_text(server):
+    """Chat Completions' ``{"type": "file", "file": {...}}`` part: the same document, as a text
+    part; in a Batch API line too."""
+    c = client(server)
+    pdf = tiny_pdf(GOLD)
+    upload = c.files.create(file=("treasure.pdf", io.BytesIO(pdf)), purpose="user_data")
+    text = FILE_HEAD.format(name="treasure.pdf") + document_text(pdf, "treasure.pdf")
+
+    def chat(part: dict, key=c):
+        return key.chat.completions.create(model="tiny-chat", max_tokens=6, temperature=0, messages=[
+            {"role": "user", "content": [part, {"type": "text", "text": QUESTION["text"]}]}])
+
+    want = chat({"type": "text", "text": text})
+    for file in ({"file_id": upload.id},
+                 {"filename": "treasure.pdf", "file_data": "data:application/pdf;base64," + base64.b64encode(pdf).decode()}):
+        got = chat({"type": "file", "file": file})
+        assert (got.choices[0].message.content, got.usage.prompt_tokens) == \
+            (want.choices[0].message.content, want.usage.prompt_tokens)
+    body = {"model": "tiny-chat", "max_tokens": 6, "temperature": 0, "messages": [
+        {"role": "user", "content": [{"type": "file", "file": {"file_id": upload.id}}, {"type": "text", "text": QUESTION["text"]}]}]}
+    batch = run_batch(c, "/v1/chat/completions", [{"custom_id": "a", "method": "POST", "url": "/v1/chat/completions",
+                                                   "body": body}])
+    assert batch.status == "completed" and batch.request_counts.completed == 1
+    line = json.loads(c.files.content(batch.output_file_id).text)
+    assert line["response"]["body"]["choices"][0]["message"]["content"] == want.choices[0].message.content
+    for key, part, error, param, code in [
+        ("free", {"type": "file", "file": {"file_id": upload.id}}, openai.NotFoundError,
+         "messages[0].content[0].file.file_id", "file_not_found"),
+        ("paid", {"type": "file", "file": "nope"}, openai.BadRequestError, "messages[0].content[0].file", "invalid_value"),
+        ("paid", {"type": "file", "file": {"file_data": "eA=="}}, openai.BadRequestError,
+         "messages[0].content[0].file.filename", "missing_required_parameter"),
+    ]:
+        with pytest.raises(error) as caught:
+            chat(part, client(server, key))
+        assert (caught.value.body["param"], caught.value.body["code"]) == (param, code), part
