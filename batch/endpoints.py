@@ -18,6 +18,7 @@ from gateway.completions import completion_result
 from gateway.embeddings import EmbeddingRequest, embedding_list, plan_embeddings, serve_embeddings
 from gateway.errors import bad_request
 from gateway.images import ImageGenerationRequest, b64_rows, encoded, plan_images, serve_images
+from gateway.input_audio import chat_audio
 from gateway.input_files import chat_files
 from gateway.moderations import ModerationRequest, moderation_results, plan_moderation, serve_moderation
 from gateway.responses import response_result
@@ -46,7 +47,7 @@ def line_body(result: Result) -> Any:
 
 
 async def chat(svc: Services, caller: Caller, data: dict) -> Result:
-    body = parse(ChatCompletionRequest, await chat_files(svc, caller, data))
+    body = parse(ChatCompletionRequest, await chat_audio(svc, caller, await chat_files(svc, caller, data)))
     if body.stream:
         raise bad_request("stream is not supported in a batch", "stream")
     await svc.adapters.ready(body.model, body.adapters)

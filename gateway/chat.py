@@ -31,6 +31,7 @@ from gateway.accounts import estimate_tokens
 from gateway.auth import Caller
 from gateway.errors import APIError, bad_request
 from gateway.http import Streamed, disconnect_signal
+from gateway.input_audio import chat_audio
 from gateway.input_files import chat_files
 from gateway.logprobs import chat_content, chat_logprobs
 from gateway.reasoning import ReasoningParser, ThinkSplitter
@@ -414,7 +415,8 @@ def _usage(choices: list[Reply] | list[ChoiceDelta]) -> dict:
 async def chat_completions(request: Request) -> Response:
     svc: Services = request.app.state.services
     caller = svc.admit_caller(request)
-    body = parse(ChatCompletionRequest, await chat_files(svc, caller, await read_json(request, svc.config.limits.max_body)))
+    data = await chat_files(svc, caller, await read_json(request, svc.config.limits.max_body))
+    body = parse(ChatCompletionRequest, await chat_audio(svc, caller, data))
     await svc.adapters.ready(body.model, body.adapters)
     job = await with_images(svc, plan_chat(svc, body))
     served = served_caller(svc, caller, job)

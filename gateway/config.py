@@ -76,6 +76,8 @@ class EngineConfig(_Strict):
     # the Responses API's file_search: what is searched for. "message": the latest user message's text;
     # "model": queries the model writes first, in a forced call (gateway.responses.written_queries)
     search_queries: Literal["message", "model"] = "message"
+    # chat's input_audio parts: the speech-to-text model that hears them (gateway.input_audio); None: refused
+    audio_input: str | None = None
     # vLLM: further AsyncEngineArgs fields, verbatim (quantization, max_num_batched_tokens, ...);
     # checked against vLLM's own list at load, except those tiergate sets (VLLM_OWNED_ARGS)
     vllm_args: dict[str, Any] = Field(default_factory=dict)
@@ -481,6 +483,16 @@ class Config(_Strict):
     def aliases(self) -> dict[str, str]:
         """Each alias -> the name of its model."""
         return {alias: m.name for m in self.models for alias in m.aliases}
+
+    @model_validator(mode="after")
+    def _audio_input_names_a_speech_model(self) -> "Config":
+        stt = {m.name for m in self.models if m.kind == "stt"}
+        for i, m in enumerate(self.models):
+            heard = m.engine.audio_input if isinstance(m, ChatModel) else None
+            if heard is not None and heard not in stt:
+                raise ValueError(f"models[{i}].engine.audio_input: {heard!r} is not a speech-to-text model "
+                                 f"(kind: stt) here{': ' + ', '.join(sorted(stt)) if stt else ''}")
+        return self
 
     @model_validator(mode="after")
     def _accounts_name_tiers_and_models(self) -> "Config":

@@ -142,8 +142,9 @@ class Message(_Body):
             kind = part.get("type", "text") if isinstance(part, dict) else "text"
             if kind not in ("text", "refusal", "image_url"):
                 raise ValueError(f"content parts of type {str(kind)[:40]!r} are not supported: the chat models "
-                                 "here take parts of type 'text', 'file' (a document, read as its text) and, "
-                                 "where the model reads images, 'image_url'")
+                                 "here take parts of type 'text', 'file' (a document, read as its text), where "
+                                 "the model reads images 'image_url', and where tiers.yaml names a model to "
+                                 "hear it (engine.audio_input) 'input_audio'")
         return value
 
     def text(self) -> str | None:

@@ -132,15 +132,20 @@ def test_bad_fields_are_400_with_param(chat_server, body, param):
 
 
 def test_a_part_the_chat_models_cannot_read_is_named(chat_server):
-    """An audio or file part in a message: a 400 naming the part's type, where pydantic alone
-    would say the content is "not a valid string"; an image part for this text-only model names
-    the part and says the model reads text (tests/test_vision.py has the models that read them);
-    text parts are read as before."""
-    for kind in ("input_audio", "file"):
+    """A part of a type no chat model here reads: a 400 naming the part's type, where pydantic
+    alone would say the content is "not a valid string"; audio for a model that has no model to
+    hear it (tests/test_input_audio.py has one that has), a file part with a URL (documents are
+    sent, not fetched: tests/test_input_files.py), and an image part for this text-only model
+    (tests/test_vision.py has the models that read them) are each named; text parts are read as
+    before."""
+    content = [{"type": "text", "text": "what is this?"}, {"type": "input_video", "input_video": {"url": "data:,x"}}]
+    err = _error(_post(chat_server, {**GOOD, "messages": [{"role": "user", "content": content}]}), 400,
+                 "invalid_value", "messages[0].content")
+    assert "content parts of type 'input_video' are not supported" in err["message"]
+    for kind, code, param in [("input_audio", "audio_input_not_supported", "messages[0].content"),
+                              ("file", "unknown_parameter", "messages[0].content[1].file.url")]:
         content = [{"type": "text", "text": "what is this?"}, {"type": kind, kind: {"url": "data:,x"}}]
-        err = _error(_post(chat_server, {**GOOD, "messages": [{"role": "user", "content": content}]}), 400,
-                     "invalid_value", "messages[0].content")
-        assert f"content parts of type '{kind}' are not supported" in err["message"]
+        _error(_post(chat_server, {**GOOD, "messages": [{"role": "user", "content": content}]}), 400, code, param)
     content = [{"type": "text", "text": "what is this?"}, {"type": "image_url", "image_url": {"url": "data:,x"}}]
     err = _error(_post(chat_server, {**GOOD, "messages": [{"role": "user", "content": content}]}), 400,
                  "image_input_not_supported", "messages[0].content[1].type")

@@ -1,0 +1,112 @@
+"""Audio in a chat message, heard through a speech-to-text model.
+
+Chat Completions' ``{"type": "input_audio", "input_audio": {"data": <base64>, "format": "wav" |
+"mp3"}}`` part (what OpenAI's audio models take) is served for a chat model whose tiers.yaml
+entry names a speech-to-text model, ``engine: {audio_input: <stt model>}``: the audio is
+transcribed by that model (a request of the caller's tier, gated, metered and logged as a
+transcription is) and the transcript becomes a ``text`` part where the audio was, which the chat
+model reads. The chat model hears the words, not the voice: tone and other sounds are lost, as
+they are in the Realtime API's turns here. For a model without ``audio_input`` the part is a 400
+naming it (``audio_input_not_supported``).
+
+:func:`chat_audio` works on the request's JSON before it is parsed (as ``gateway.input_files``
+does for documents), so a stored completion keeps the transcript, not the audio.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import base64
+import binascii
+from typing import Any
+
+from gateway.adapters import resolve_request
+from gateway.audio import TranscriptionJob, serve_transcription
+from gateway.auth import Caller
+from gateway.errors import bad_request
+from gateway.service import Services
+from workers import audio as sound
+from workers.stt import TranscriptionRequest
+
+FORMATS = ("wav", "mp3")  # OpenAI's input_audio formats
+
+
+def _has_audio(message: Any) -> bool:
+    content = message.get("content") if isinstance(message, dict) else None
+    return isinstance(content, list) and any(isinstance(p, dict) and p.get("type") == "input_audio" for p in content)
+
+
+async def chat_audio(svc: Services, caller: Caller, data: Any) -> Any:
+    """A chat request's JSON with each ``input_audio`` part of its user messages a ``text`` part of
+    its transcript; ``data`` as it is when none has one. 400s name the part
+    (``messages[i].content[j].input_audio...``)."""
+    messages = data.get("messages") if isinstance(data, dict) else None
+    if not isinstance(messages, list) or not any(_has_audio(m) for m in messages):
+        return data
+    stt = _hearing_model(svc, data.get("model"))
+    out = []
+    for i, message in enumerate(messages):
+        if not _has_audio(message):
+            out.append(message)
+            continue
+        where = f"messages[{i}]"
+        if message.get("role") != "user":
+            raise bad_request(f"content parts of type 'input_audio' are only for user messages, not "
+                              f"{str(message.get('role'))[:20]}", f"{where}.role")
+        if stt is None:
+            raise bad_request(f"the model '{data.get('model')}' takes no audio here (tiers.yaml names no "
+                              "engine.audio_input for it): send text, or transcribe with /v1/audio/transcriptions",
+                              f"{where}.content", "audio_input_not_supported")
+        parts = []
+        for j, part in enumerate(message["content"]):
+            if isinstance(part, dict) and part.get("type") == "input_audio":
+                part = {"type": "text", "text": await _heard(svc, caller, stt, part, f"{where}.content[{j}]")}
+            parts.append(part)
+        out.append({**message, "content": parts})
+    return {**data, "messages": out}
+
+
+def _hearing_model(svc: Services, model: Any) -> str | None:
+    """The speech-to-text model tiers.yaml names for the chat model ``model`` (None: none); the
+    usual 404 for a model that is not served (named ``model``, as chat's own check names it)."""
+    if not isinstance(model, str):
+        return None  # (chat's own check refuses it)
+    name = resolve_request(svc, model, None, "chat")[0].name
+    entry = next((m for m in svc.config.models if m.name == name), None)
+    engine = getattr(entry, "engine", None)
+    return getattr(engine, "audio_input", None)
+
+
+async def _heard(svc: Services, caller: Caller, stt: str, part: dict[str, Any], where: str) -> str:
+    """The transcript of one ``input_audio`` part."""
+    audio = part.get("input_audio")
+    if not isinstance(audio, dict) or set(part) - {"type", "input_audio"}:
+        raise bad_request('an input_audio part is {"type": "input_audio", "input_audio": {"data": <base64>, '
+                          '"format": "wav" or "mp3"}}', where, "invalid_value")
+    extra = sorted(set(audio) - {"data", "format"})
+    if extra:
+        raise bad_request(f"unrecognized field of input_audio: {extra[0]}", f"{where}.input_audio.{extra[0]}",
+                          "unknown_parameter")
+    if audio.get("format") not in FORMATS:
+        raise bad_request(f"input_audio.format is {str(audio.get('format'))[:20]!r}; it is one of "
+                          f"{', '.join(FORMATS)}", f"{where}.input_audio.format", "invalid_value")
+    if not isinstance(audio.get("data"), str):
+        raise bad_request("input_audio.data is the audio file as base64", f"{where}.input_audio.data",
+                          "missing_required_parameter" if audio.get("data") is None else "invalid_type")
+    limits = svc.config.limits
+    try:
+        raw = base64.b64decode(audio["data"], validate=True)
+    except (binascii.Error, ValueError):
+        raise bad_request("input_audio.data is not valid base64", f"{where}.input_audio.data", "invalid_value") from None
+    if len(raw) > limits.transcription_max_bytes:
+        raise bad_request(f"the audio is larger than {limits.transcription_max_bytes} bytes",
+                          f"{where}.input_audio.data", "audio_too_large")
+    try:
+        samples, rate = await asyncio.to_thread(sound.decode_audio, raw, limits.transcription_max_seconds)
+    except ValueError as exc:
+        raise bad_request(f"input_audio.data: {exc}", f"{where}.input_audio.data", "invalid_value") from None
+    if len(samples) / rate > limits.transcription_max_seconds:
+        raise bad_request(f"the audio is longer than this server's limit of {limits.transcription_max_seconds:g} s",
+                          f"{where}.input_audio.data", "audio_too_long")
+    job = TranscriptionJob(svc.spec(stt, "stt").name, samples, rate, TranscriptionRequest())
+    return (await serve_transcription(svc, caller, job, None)).text.strip()

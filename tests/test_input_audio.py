@@ -1,0 +1,106 @@
+"""Audio in a chat message (gateway/input_audio.py): an ``input_audio`` part is heard by the
+speech-to-text model tiers.yaml names for the chat model (``engine.audio_input``), and its
+transcript read where the audio was. Checked against /v1/audio/transcriptions of the same file
+and the same chat request with that transcript as text."""
+
+from __future__ import annotations
+
+import base64
+import io
+import json
+
+import numpy as np
+import openai
+import pytest
+import soundfile as sf
+
+from tests.helpers import run_batch, spoken, start_server, write_config
+
+SAID = "Where is the gold?"
+
+
+@pytest.fixture(scope="module")
+def server(tiny_chat, tiny_stt, tmp_path_factory):
+    config = write_config(tmp_path_factory.mktemp("input-audio"), {
+        "tiny-chat": ("chat", tiny_chat), "tiny-chat-deaf": ("chat", tiny_chat), "tiny-stt": ("stt", tiny_stt)})
+    hearing(config, tiny_chat, "tiny-stt")
+    running = start_server(config)
+    yield running
+    running.stop()
+
+
+def hearing(config, tiny_chat, stt: str) -> None:
+    """tiny-chat's entry in ``config`` given ``engine.audio_input: stt``."""
+    entry = f"  - name: tiny-chat\n    kind: chat\n    path: {tiny_chat}\n    engine: transformers\n"
+    assert entry in config.read_text()
+    config.write_text(config.read_text().replace(entry, entry.replace(
+        "engine: transformers", f"engine: {{name: transformers, audio_input: {stt}}}")))
+
+
+def client(server, tier="paid") -> openai.OpenAI:
+    return openai.OpenAI(base_url=server.base_url, api_key=server.keys[tier], max_retries=0, timeout=120)
+
+
+def wav(samples: np.ndarray, rate: int = 16000) -> bytes:
+    out = io.BytesIO()
+    sf.write(out, samples, rate, format="WAV", subtype="PCM_16")
+    return out.getvalue()
+
+
+def audio_part(data: bytes, fmt: str = "wav") -> dict:
+    return {"type": "input_audio", "input_audio": {"data": base64.b64encode(data).decode(), "format": fmt}}
+
+
+def test_an_input_audio_part_is_read_as_its_transcript(server):
+    c = client(server)
+    speech = wav(spoken(SAID))
+    heard = c.audio.transcriptions.create(model="tiny-stt", file=("said.wav", io.BytesIO(speech))).text.strip()
+    assert heard  # the random model hears something; what, the test takes from the endpoint
+
+    def chat(part: dict, model: str = "tiny-chat", key=c):
+        return key.chat.completions.create(model=model, max_tokens=6, temperature=0, messages=[
+            {"role": "system", "content": "Answer briefly."},
+            {"role": "user", "content": [{"type": "text", "text": "Listen:"}, part]}])
+
+    got = chat(audio_part(speech))
+    want = chat({"type": "text", "text": heard})
+    assert (got.choices[0].message.content, got.usage.prompt_tokens) == \
+        (want.choices[0].message.content, want.usage.prompt_tokens)
+    # in a Batch API line too
+    body = {"model": "tiny-chat", "max_tokens": 6, "temperature": 0, "messages": [
+        {"role": "system", "content": "Answer briefly."},
+        {"role": "user", "content": [{"type": "text", "text": "Listen:"}, audio_part(speech)]}]}
+    batch = run_batch(c, "/v1/chat/completions", [{"custom_id": "a", "method": "POST", "url": "/v1/chat/completions",
+                                                   "body": body}])
+    assert batch.request_counts.completed == 1
+    line = json.loads(c.files.content(batch.output_file_id).text)
+    assert line["response"]["body"]["choices"][0]["message"]["content"] == want.choices[0].message.content
+
+    deaf = "messages[1].content"
+    part = "messages[1].content[1]"
+    for model, given, param, code in [
+        ("tiny-chat-deaf", audio_part(speech), deaf, "audio_input_not_supported"),
+        ("tiny-chat", audio_part(speech, "flac"), f"{part}.input_audio.format", "invalid_value"),
+        ("tiny-chat", {"type": "input_audio", "input_audio": {"data": "not base64!", "format": "wav"}},
+         f"{part}.input_audio.data", "invalid_value"),
+        ("tiny-chat", audio_part(b"RIFF not a wave file"), f"{part}.input_audio.data", "invalid_value"),
+        ("tiny-chat", {"type": "input_audio", "input_audio": {"format": "wav"}}, f"{part}.input_audio.data",
+         "missing_required_parameter"),
+        ("tiny-chat", {"type": "input_audio", "input_audio": "x"}, part, "invalid_value"),
+    ]:
+        with pytest.raises(openai.BadRequestError) as caught:
+            chat(given, model)
+        assert (caught.value.body["param"], caught.value.body["code"]) == (param, code), given
+    with pytest.raises(openai.BadRequestError) as caught:  # audio is the user's
+        c.chat.completions.create(model="tiny-chat", max_tokens=2, messages=[
+            {"role": "system", "content": [audio_part(speech)]}, {"role": "user", "content": "hi"}])
+    assert caught.value.body["param"] == "messages[0].role"
+
+
+def test_audio_input_must_name_a_speech_to_text_model(tiny_chat, tiny_stt, tmp_path):
+    from gateway.config import ConfigError, load_config
+
+    config = write_config(tmp_path, {"tiny-chat": ("chat", tiny_chat), "tiny-stt": ("stt", tiny_stt)})
+    hearing(config, tiny_chat, "tiny-chat")
+    with pytest.raises(ConfigError, match=r"models\[0\].engine.audio_input: 'tiny-chat' is not a speech-to-text model"):
+        load_config(config)
