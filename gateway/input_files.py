@@ -42,7 +42,7 @@ if TYPE_CHECKING:
     from gateway.service import Services
 
 IMAGE_PURPOSES = ("vision", "user_data")  # the uploads an input_image's file_id may name
-DOCUMENT_PURPOSES = ("user_data", "assistants")  # ... and an input_file's
+DOCUMENT_PURPOSES = ("assistants", "user_data")  # ... and an input_file's, and what a vector store reads
 FILE_HEAD = "[file: {name}]\n"  # what comes before a document's text in the message
 _DATA_HEAD = re.compile(r"data:[^;,]*(;[^;,]*)*?;base64,", re.IGNORECASE)
 
@@ -73,8 +73,8 @@ async def read_files(svc: Services, caller: Caller, items: str | list[dict[str, 
         for j, part in enumerate(content):
             where = f"{name}[{i}].content[{j}]"
             if _names_image(part):
-                _, data = await _upload(svc, caller, part["file_id"], f"{where}.file_id", IMAGE_PURPOSES,
-                                        "an input_image")
+                data = await _content(svc, part["file_id"], f"{where}.file_id", await owned_file(
+                    svc, caller, part["file_id"], f"{where}.file_id", IMAGE_PURPOSES, "an input_image"))
                 media = image_type(data)
                 if media is None:
                     raise bad_request("the file is not an image (PNG, JPEG, WebP or GIF)", f"{where}.file_id",
@@ -138,7 +138,8 @@ async def _document(svc: Services, caller: Caller, part: dict[str, Any], where: 
         raise bad_request("filename must be a string", f"{where}.filename", "invalid_type")
     if file_id is not None:
         param = f"{where}.file_id"
-        info, content = await _upload(svc, caller, file_id, param, DOCUMENT_PURPOSES, "an input_file")
+        info = await owned_file(svc, caller, file_id, param, DOCUMENT_PURPOSES, "an input_file")
+        content = await _content(svc, file_id, param, info)
         filename = filename or info.filename
     else:
         param = f"{where}.file_data"
@@ -164,18 +165,24 @@ async def _document(svc: Services, caller: Caller, part: dict[str, Any], where: 
     return FILE_HEAD.format(name=filename) + text
 
 
-async def _upload(svc: Services, caller: Caller, file_id: Any, param: str, purposes: tuple[str, ...],
-                  what: str) -> tuple[FileInfo, bytes]:
-    """The caller's upload ``file_id``, of one of ``purposes``, and its bytes."""
+async def owned_file(svc: Services, caller: Caller, file_id: Any, param: str, purposes: tuple[str, ...],
+                     what: str) -> FileInfo:
+    """The caller's unexpired upload ``file_id`` (an admin key's: anyone's), of one of ``purposes``
+    (what ``what`` reads): a 404 ``file_not_found`` naming ``param`` for a file it cannot see, a
+    400 for another purpose."""
     if not isinstance(file_id, str):
         raise bad_request("file_id must be a string", param, "invalid_type")
     info = await svc.files.get_file(file_id) if svc.files is not None else None
     if info is None or info.expired(time.time()) or not (caller.admin or info.owner == caller.key_id):
         raise not_found(f"no such file: '{file_id[:80]}'", param, "file_not_found")
     if info.purpose not in purposes:
-        raise bad_request(f"the file's purpose is {info.purpose!r}; {what} reads a file uploaded with purpose "
+        raise bad_request(f"the file's purpose is {info.purpose!r}; {what} reads files uploaded with purpose "
                           f"{' or '.join(map(repr, purposes))}", param, "invalid_file_purpose")
-    data = await svc.files.file_content(file_id)
-    if data is None:
+    return info
+
+
+async def _content(svc: Services, file_id: str, param: str, info: FileInfo) -> bytes:
+    data = await svc.files.file_content(info.id)
+    if data is None:  # deleted since it was looked up
         raise not_found(f"no such file: '{file_id[:80]}'", param, "file_not_found")
-    return info, data
+    return data

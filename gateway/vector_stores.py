@@ -38,13 +38,13 @@ from starlette.responses import JSONResponse, Response
 from batch.store import FileInfo
 from gateway.auth import Caller
 from gateway.errors import APIError, bad_request, not_found
+from gateway.input_files import DOCUMENT_PURPOSES, owned_file
 from gateway.pages import cursor_page, page_query
 from gateway.schemas import Metadata, _Body, parse, read_json
 from gateway.service import Services
 from gateway.vector_search import check_filter, encoder_of, search_stores
 from gateway.vector_store import StoreFile, VectorStore, VectorStoreStore
 
-DOCUMENT_PURPOSES = ("assistants", "user_data")
 AUTO_CHUNK, AUTO_OVERLAP = 800, 400  # OpenAI's auto strategy, in tokens
 MAX_BATCH = 2000  # files in one file batch, as OpenAI allows
 
@@ -226,13 +226,7 @@ async def _room(svc: Services, model: str) -> int:
 async def _document(request: Request, caller: Caller, file_id: str, param: str) -> FileInfo:
     """The caller's document ``file_id``: a 404 naming ``param`` for a file it cannot see, a 400 for
     one that is not a document."""
-    info = await request.app.state.batches.store.get_file(file_id)
-    if info is None or info.expired(time.time()) or not (caller.admin or info.owner == caller.key_id):
-        raise not_found(f"no such file: '{file_id[:80]}'", param, "file_not_found")
-    if info.purpose not in DOCUMENT_PURPOSES:
-        raise bad_request(f"the file's purpose is {info.purpose!r}; a vector store reads files uploaded with purpose "
-                          "'assistants' or 'user_data'", param, "invalid_file_purpose")
-    return info
+    return await owned_file(request.app.state.services, caller, file_id, param, DOCUMENT_PURPOSES, "a vector store")
 
 
 async def _add(request: Request, caller: Caller, store: VectorStore, info: FileInfo, attributes: dict | None,
