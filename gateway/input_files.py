@@ -11,7 +11,9 @@ Three parts of a message's ``content`` name a file rather than carry what the mo
   ``data:<type>;base64,`` head) with its ``filename``. Its text, as the vector stores read it
   (``gateway.documents``: PDF, Word, PowerPoint, HTML, UTF-8 text), becomes an ``input_text``
   part headed by the file's name (``FILE_HEAD``); the model reads the text, not the pages'
-  images. ``file_url`` is refused: this server fetches no documents.
+  images. ``file_url`` is refused: this server fetches no documents. A document's text is read
+  once and kept (``TEXT_CACHE_CHARS``, the least recently read out first): an upload's by its id
+  (an upload does not change), inline data's by its SHA-256.
 * Chat Completions' ``{"type": "file", "file": {"file_id" | "file_data", "filename"}}``: the
   same document, as a ``text`` part (:func:`chat_files`, on the request's JSON before it is
   parsed; a stored completion keeps that text).
@@ -28,9 +30,13 @@ from __future__ import annotations
 import asyncio
 import base64
 import binascii
+import contextlib
+import hashlib
 import re
 import time
 from typing import TYPE_CHECKING, Any
+
+from cachetools import LRUCache
 
 from gateway.auth import Caller
 from gateway.documents import Unreadable, document_text
@@ -44,6 +50,8 @@ if TYPE_CHECKING:
 IMAGE_PURPOSES = ("vision", "user_data")  # the uploads an input_image's file_id may name
 DOCUMENT_PURPOSES = ("assistants", "user_data")  # ... and an input_file's, and what a vector store reads
 FILE_HEAD = "[file: {name}]\n"  # what comes before a document's text in the message
+TEXT_CACHE_CHARS = 64 * 2**20  # documents' text kept (the least recently read goes first), in characters
+_TEXTS: LRUCache = LRUCache(maxsize=TEXT_CACHE_CHARS, getsizeof=len)  # (kind, upload id or digest, name) -> text
 _DATA_HEAD = re.compile(r"data:[^;,]*(;[^;,]*)*?;base64,", re.IGNORECASE)
 
 
@@ -139,8 +147,10 @@ async def _document(svc: Services, caller: Caller, part: dict[str, Any], where: 
     if file_id is not None:
         param = f"{where}.file_id"
         info = await owned_file(svc, caller, file_id, param, DOCUMENT_PURPOSES, "an input_file")
-        content = await _content(svc, file_id, param, info)
         filename = filename or info.filename
+        key = ("upload", info.id, filename)  # an upload does not change: its id names its bytes
+        content = None if key in _TEXTS else await _content(svc, file_id, param, info)  # (None: kept; no await
+        # comes between this look and ``_text``'s, so it is still there)
     else:
         param = f"{where}.file_data"
         if not isinstance(data, str):
@@ -148,21 +158,39 @@ async def _document(svc: Services, caller: Caller, part: dict[str, Any], where: 
         if not filename:
             raise bad_request("an input_file sent as file_data needs its filename", f"{where}.filename",
                               "missing_required_parameter")
-        head = _DATA_HEAD.match(data)
         try:
-            content = base64.b64decode(data[head.end() if head else 0:], validate=True)
+            content, digest = await asyncio.to_thread(_decoded, data)
         except (binascii.Error, ValueError):
             raise bad_request("file_data is not valid base64", param, "invalid_value") from None
         if len(content) > svc.config.batch.max_file_bytes:
             raise bad_request(f"the file is larger than {svc.config.batch.max_file_bytes} bytes", param,
                               "file_too_large")
+        key = ("inline", digest, filename)
+    return FILE_HEAD.format(name=filename) + await _text(key, content, filename, param)
+
+
+def _decoded(data: str) -> tuple[bytes, str]:
+    """``file_data``'s bytes (a ``data:`` head or none) and their SHA-256, off the event loop."""
+    head = _DATA_HEAD.match(data)
+    content = base64.b64decode(data[head.end() if head else 0:], validate=True)
+    return content, hashlib.sha256(content).hexdigest()
+
+
+async def _text(key: tuple[str, str, str], content: bytes | None, filename: str, param: str) -> str:
+    """The document's text: read once (``document_text``, on a thread) and kept in ``_TEXTS``, so
+    a conversation over a report does not read the PDF again at every turn."""
+    text = _TEXTS.get(key)
+    if text is not None:
+        return text
     try:
         text = await asyncio.to_thread(document_text, content, filename)
     except Unreadable as exc:
         raise bad_request(exc.message, param, exc.code) from None
     if not text.strip():
         raise bad_request("the file has no text to read (a scanned PDF's pages are images)", param, "invalid_file")
-    return FILE_HEAD.format(name=filename) + text
+    with contextlib.suppress(ValueError):  # (a text longer than the whole cache is not kept)
+        _TEXTS[key] = text
+    return text
 
 
 async def owned_file(svc: Services, caller: Caller, file_id: Any, param: str, purposes: tuple[str, ...],

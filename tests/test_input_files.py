@@ -156,3 +156,34 @@ def test_chat_completions_read_a_file_part_as_its_text(server):
         with pytest.raises(error) as caught:
             chat(part, client(server, key))
         assert (caught.value.body["param"], caught.value.body["code"]) == (param, code), part
+
+
+def test_a_document_is_read_once_and_kept(server, monkeypatch):
+    """A conversation over a report reads its text once: by the upload's id (uploads do not
+    change), or inline by the bytes' digest; another name may read it otherwise (HTML by its
+    name), so it is read again. A text larger than the whole cache is read each time, not kept."""
+    import gateway.input_files as input_files
+    from cachetools import LRUCache
+
+    reads: list[str] = []
+
+    def counted(content: bytes, filename: str = "") -> str:
+        reads.append(filename)
+        return document_text(content, filename)
+
+    monkeypatch.setattr(input_files, "document_text", counted)
+    monkeypatch.setattr(input_files, "_TEXTS", LRUCache(maxsize=input_files.TEXT_CACHE_CHARS, getsizeof=len))
+    c = client(server)
+    pdf = tiny_pdf(GOLD)
+    upload = c.files.create(file=("treasure.pdf", io.BytesIO(pdf)), purpose="user_data")
+    first = ask(c, {"type": "input_file", "file_id": upload.id})
+    later = c.responses.create(model="tiny-chat", previous_response_id=first.id, input="And the map?", max_output_tokens=1)
+    assert later.status in ("completed", "incomplete") and reads == ["treasure.pdf"]
+    ask(c, {"type": "input_file", "file_id": upload.id, "filename": "report.pdf"})
+    assert reads == ["treasure.pdf", "report.pdf"]
+    inline = {"type": "input_file", "filename": "treasure.pdf", "file_data": base64.b64encode(pdf).decode()}
+    same(ask(c, inline), ask(c, inline))
+    assert reads == ["treasure.pdf", "report.pdf", "treasure.pdf"]
+    monkeypatch.setattr(input_files, "_TEXTS", LRUCache(maxsize=8, getsizeof=len))
+    ask(c, inline), ask(c, inline)
+    assert reads[3:] == ["treasure.pdf", "treasure.pdf"]
