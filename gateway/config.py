@@ -313,6 +313,8 @@ class LimitsConfig(_Strict):
     chat_max_images: int = Field(default=8, ge=1)  # image parts in one chat request, for a model that reads images
     image_fetch_timeout_s: float = Field(default=10.0, gt=0)  # an image URL on server.image_url_hosts: the whole fetch
     image_fetch_max_bytes: Size = parse_size("20MiB")  # and its file
+    file_fetch_timeout_s: float = Field(default=30.0, gt=0)  # a document URL on server.file_url_hosts: the whole fetch
+    file_fetch_max_bytes: Size = parse_size("50MiB")  # and its file
     prompt_max_chars: int = Field(default=4000, ge=1)  # image prompts (and negative prompts), transcription prompts
     image_max_n: int = Field(default=4, ge=1)
     image_max_side: int = Field(default=1024, ge=8)  # pixels, either side
@@ -368,6 +370,9 @@ class ServerConfig(_Strict):
     # hosts whose http(s) image URLs chat requests may name, fetched by the gateway: exact names, or
     # "*.example.com" for its subdomains; none: images come inline as data: URLs only (gateway/vision.py)
     image_url_hosts: list[Annotated[str, Field(pattern=r"^(\*\.)?[A-Za-z0-9.-]+$")]] = []
+    # hosts whose http(s) document URLs (input_file's file_url) requests may name, fetched as above;
+    # none: documents come inline or as uploads (gateway/input_files.py)
+    file_url_hosts: list[Annotated[str, Field(pattern=r"^(\*\.)?[A-Za-z0-9.-]+$")]] = []
 
 
 WEBHOOK_EVENTS = ("response.completed", "response.incomplete", "response.failed", "response.cancelled",

@@ -11,7 +11,9 @@ Three parts of a message's ``content`` name a file rather than carry what the mo
   ``data:<type>;base64,`` head) with its ``filename``. Its text, as the vector stores read it
   (``gateway.documents``: PDF, Word, PowerPoint, HTML, UTF-8 text), becomes an ``input_text``
   part headed by the file's name (``FILE_HEAD``); the model reads the text, not the pages'
-  images. ``file_url`` is refused: this server fetches no documents. A document's text is read
+  images. ``file_url`` is fetched only from a host on ``server.file_url_hosts`` (none by
+  default: ``gateway.fetching``); its name is the URL's last path segment unless ``filename``
+  says. A document's text is read
   once and kept (``TEXT_CACHE_CHARS``, the least recently read out first): an upload's by its id
   (an upload does not change), inline data's by its SHA-256.
 * Chat Completions' ``{"type": "file", "file": {"file_id" | "file_data", "filename"}}``: the
@@ -35,12 +37,14 @@ import hashlib
 import re
 import time
 from typing import TYPE_CHECKING, Any
+from urllib.parse import unquote, urlsplit
 
 from cachetools import LRUCache
 
 from gateway.auth import Caller
 from gateway.documents import Unreadable, document_text
 from gateway.errors import bad_request, not_found
+from gateway.fetching import client, fetch, host_of, is_remote, listed
 from gateway.vision import image_type
 
 if TYPE_CHECKING:
@@ -132,19 +136,22 @@ async def _document(svc: Services, caller: Caller, part: dict[str, Any], where: 
     if extra:
         raise bad_request(f"unrecognized field of an input_file part: {extra[0]}", f"{where}.{extra[0]}",
                           "unknown_parameter")
-    if part.get("file_url") is not None:
-        raise bad_request("this server fetches no files: send the file as file_data (base64) or upload it and "
-                          "send its file_id", f"{where}.file_url", "file_url_not_fetched")
-    file_id, data, filename = part.get("file_id"), part.get("file_data"), part.get("filename")
-    if file_id is None and data is None:
-        raise bad_request("an input_file part needs file_id or file_data", f"{where}.file_id",
+    file_id, data, url, filename = (part.get(k) for k in ("file_id", "file_data", "file_url", "filename"))
+    given = [k for k, v in (("file_id", file_id), ("file_data", data), ("file_url", url)) if v is not None]
+    if not given:
+        raise bad_request("an input_file part needs file_id, file_data or file_url", f"{where}.file_id",
                           "missing_required_parameter")
-    if file_id is not None and data is not None:
-        raise bad_request("an input_file part takes file_id or file_data, not both", f"{where}.file_data",
-                          "invalid_value")
+    if len(given) > 1:
+        raise bad_request(f"an input_file part takes one of file_id, file_data and file_url, not {' and '.join(given)}",
+                          f"{where}.{given[1]}", "invalid_value")
     if filename is not None and not isinstance(filename, str):
         raise bad_request("filename must be a string", f"{where}.filename", "invalid_type")
-    if file_id is not None:
+    if url is not None:
+        param = f"{where}.file_url"
+        content = await _fetched(svc, url, param)
+        filename = filename or unquote(urlsplit(url).path.rsplit("/", 1)[-1]) or "document"
+        key = ("inline", await asyncio.to_thread(lambda: hashlib.sha256(content).hexdigest()), filename)
+    elif file_id is not None:
         param = f"{where}.file_id"
         info = await owned_file(svc, caller, file_id, param, DOCUMENT_PURPOSES, "an input_file")
         filename = filename or info.filename
@@ -167,6 +174,20 @@ async def _document(svc: Services, caller: Caller, part: dict[str, Any], where: 
                               "file_too_large")
         key = ("inline", digest, filename)
     return FILE_HEAD.format(name=filename) + await _text(key, content, filename, param)
+
+
+async def _fetched(svc: Services, url: Any, param: str) -> bytes:
+    """The document at ``url``, fetched from a host on ``server.file_url_hosts`` (a 400 naming
+    ``param`` for any other, and for a fetch that fails)."""
+    if not isinstance(url, str) or not is_remote(url):
+        raise bad_request("file_url is an http(s) URL", param, "invalid_value")
+    if not listed(url, svc.config.server.file_url_hosts):
+        raise bad_request(f"this server does not fetch files from {host_of(url) or 'that URL'}: send the file as "
+                          "file_data (base64) or upload it and send its file_id", param, "file_url_not_fetched")
+    limits = svc.config.limits
+    async with client(limits.file_fetch_timeout_s) as http:
+        return await fetch(http, url, param, limits.file_fetch_timeout_s, limits.file_fetch_max_bytes, "file",
+                           "file_url_fetch_failed", "file_too_large")
 
 
 def _decoded(data: str) -> tuple[bytes, str]:

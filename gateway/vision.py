@@ -28,13 +28,12 @@ from __future__ import annotations
 import asyncio
 import base64
 import binascii
-import fnmatch
 import re
 from dataclasses import dataclass
-from urllib.parse import urlsplit
 
 from gateway.config import Config, LimitsConfig
 from gateway.errors import bad_request
+from gateway.fetching import client, fetch, host_of, is_remote, listed
 from gateway.images import read_image
 from gateway.schemas import ChatCompletionRequest
 from workers.base import ModelSpec
@@ -56,7 +55,7 @@ class PendingImage:
 
     @property
     def remote(self) -> bool:
-        return self.url.startswith(("http://", "https://"))
+        return is_remote(self.url)
 
 
 def request_images(body: ChatCompletionRequest, spec: ModelSpec, config: Config) -> tuple[bytes | PendingImage, ...]:
@@ -87,47 +86,23 @@ async def resolve_images(images: tuple[bytes | PendingImage, ...], limits: Limit
     on a thread."""
     if not any(isinstance(image, PendingImage) for image in images):
         return images  # type: ignore[return-value]
-    import httpx
-
-    timeout = httpx.Timeout(limits.image_fetch_timeout_s)
-    async with httpx.AsyncClient(timeout=timeout, follow_redirects=False, trust_env=False) as client:
-        return tuple(await asyncio.gather(*(_read(client, image, limits) for image in images)))
+    async with client(limits.image_fetch_timeout_s) as http:
+        return tuple(await asyncio.gather(*(_read(http, image, limits) for image in images)))
 
 
-async def _read(client, image: bytes | PendingImage, limits: LimitsConfig) -> bytes:
+async def _read(http, image: bytes | PendingImage, limits: LimitsConfig) -> bytes:
     if not isinstance(image, PendingImage):
         return image
     if image.remote:
-        return await _fetch(client, image, limits)
+        return await _fetch(http, image, limits)
     return await asyncio.to_thread(_decode, image.url, _DATA_URL.match(image.url).end(), image.param)
 
 
-async def _fetch(client, image: PendingImage, limits: LimitsConfig) -> bytes:
-    import httpx
-
-    def failed(why: str) -> Exception:
-        return bad_request(f"the image at {image.url[:200]} could not be fetched: {why}", image.param,
-                           "image_url_fetch_failed")
-
-    try:
-        async with asyncio.timeout(limits.image_fetch_timeout_s):  # the whole fetch, not each read
-            async with client.stream("GET", image.url) as response:
-                if response.is_redirect:
-                    raise failed(f"it answered {response.status_code}, a redirect, which is not followed")
-                if response.status_code != 200:
-                    raise failed(f"it answered {response.status_code}")
-                data = bytearray()
-                async for chunk in response.aiter_bytes():
-                    data += chunk
-                    if len(data) > limits.image_fetch_max_bytes:
-                        raise bad_request(f"the image at {image.url[:200]} is larger than this server's limit of "
-                                          f"{limits.image_fetch_max_bytes} bytes", image.param, "image_too_large")
-    except TimeoutError:
-        raise failed(f"no whole answer within {limits.image_fetch_timeout_s:g} s") from None
-    except httpx.HTTPError as exc:
-        raise failed(type(exc).__name__) from None
-    _check_header(bytes(data), image.param)
-    return bytes(data)
+async def _fetch(http, image: PendingImage, limits: LimitsConfig) -> bytes:
+    data = await fetch(http, image.url, image.param, limits.image_fetch_timeout_s, limits.image_fetch_max_bytes,
+                       "image", "image_url_fetch_failed", "image_too_large")
+    _check_header(data, image.param)
+    return data
 
 
 def check_reads_images(spec: ModelSpec, param: str) -> None:
@@ -146,11 +121,10 @@ def read_image_url(url: str, param: str, hosts: list[str] = ()) -> bytes | Pendi
     """The bytes of an image given as a ``data:`` URL, checked from its header (pending when its
     data is longer than INLINE_DECODE), or an http(s) URL on one of ``hosts``, pending; 400 naming
     ``param`` otherwise."""
-    if url.startswith(("http://", "https://")):
-        host = urlsplit(url).hostname or ""
-        if any(fnmatch.fnmatchcase(host, pattern.lower()) for pattern in hosts):
+    if is_remote(url):
+        if listed(url, hosts):
             return PendingImage(url, param)
-        raise bad_request(f"this server does not fetch images from {host or 'that URL'}: send the image inline as a "
+        raise bad_request(f"this server does not fetch images from {host_of(url) or 'that URL'}: send the image inline as a "
                           "data: URL (data:image/png;base64,...)", param, "image_url_not_fetched")
     found = _DATA_URL.match(url)
     if found is None:

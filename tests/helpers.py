@@ -284,3 +284,42 @@ def tiny_pdf(pages: list[str]) -> bytes:
     xref = len(out)
     out += f"xref\n0 {len(objs) + 1}\n0000000000 65535 f \n".encode() + "".join(f"{o:010d} 00000 n \n" for o in offsets).encode()
     return out + f"trailer\n<< /Size {len(objs) + 1} /Root 1 0 R >>\nstartxref\n{xref}\n%%EOF\n".encode()
+
+
+class FileServer:
+    """A local HTTP server of ``files`` (path -> bytes) and of what can go wrong fetching one:
+    ``/moved`` redirects to the first file, ``/slow`` sends it after 3 s, anything else is a 404."""
+
+    def __init__(self, files: dict[str, bytes]) -> None:
+        from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+
+        first = next(iter(files))
+
+        class Handler(BaseHTTPRequestHandler):
+            def do_GET(self):  # noqa: N802 - http.server's name
+                if self.path == "/moved":
+                    self.send_response(302)
+                    self.send_header("Location", first)
+                    self.end_headers()
+                    return
+                if self.path == "/slow":
+                    time.sleep(3)
+                data = files[first] if self.path == "/slow" else files.get(self.path)
+                if data is None:
+                    self.send_error(404)
+                    return
+                try:
+                    self.send_response(200)
+                    self.send_header("Content-Length", str(len(data)))
+                    self.end_headers()
+                    self.wfile.write(data)
+                except (BrokenPipeError, ConnectionResetError):  # /slow: the gateway gave up first
+                    pass
+
+            def log_message(self, *args):  # quiet
+                pass
+
+        self.files = files
+        self.httpd = ThreadingHTTPServer(("127.0.0.1", 0), Handler)
+        self.url = f"http://127.0.0.1:{self.httpd.server_address[1]}"
+        threading.Thread(target=self.httpd.serve_forever, daemon=True).start()

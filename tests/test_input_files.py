@@ -14,15 +14,23 @@ import pytest
 
 from gateway.documents import document_text
 from gateway.input_files import FILE_HEAD
-from tests.helpers import run_batch, start_server, tiny_pdf, write_config
+from tests.helpers import FileServer, run_batch, start_server, tiny_pdf, write_config
 
 GOLD = ["The gold is under the palm tree.", "The map is in the captain's boot."]
 QUESTION = {"type": "input_text", "text": "Where is the gold?"}
 
 
 @pytest.fixture(scope="module")
+def documents():
+    files = FileServer({"/reports/treasure%20map.pdf": tiny_pdf(GOLD), "/big.pdf": tiny_pdf(GOLD * 2000)})
+    yield files
+    files.httpd.shutdown()
+
+
+@pytest.fixture(scope="module")
 def server(tiny_chat, tmp_path_factory):
-    running = start_server(write_config(tmp_path_factory.mktemp("input-files"), {"tiny-chat": ("chat", tiny_chat)}))
+    extra = "server:\n  file_url_hosts: ['127.0.0.1']\nlimits:\n  file_fetch_timeout_s: 1\n  file_fetch_max_bytes: 64KiB\n"
+    running = start_server(write_config(tmp_path_factory.mktemp("input-files"), {"tiny-chat": ("chat", tiny_chat)}, extra))
     yield running
     running.stop()
 
@@ -99,7 +107,7 @@ def test_what_cannot_be_read_is_refused_naming_the_part(server):
         ("paid", {"file_id": batch.id}, openai.BadRequestError, f"{part}.file_id", "invalid_file_purpose"),
         ("paid", {"file_id": picture.id}, openai.BadRequestError, f"{part}.file_id", "unsupported_file"),
         ("paid", {"file_url": "https://example.com/a.pdf"}, openai.BadRequestError, f"{part}.file_url",
-         "file_url_not_fetched"),
+         "file_url_not_fetched"),  # a host tiers.yaml does not list
         ("paid", {}, openai.BadRequestError, f"{part}.file_id", "missing_required_parameter"),
         ("paid", {"file_id": mine.id, "file_data": b64, "filename": "a.pdf"}, openai.BadRequestError,
          f"{part}.file_data", "invalid_value"),
@@ -187,3 +195,21 @@ def test_a_document_is_read_once_and_kept(server, monkeypatch):
     monkeypatch.setattr(input_files, "_TEXTS", LRUCache(maxsize=8, getsizeof=len))
     ask(c, inline), ask(c, inline)
     assert reads[3:] == ["treasure.pdf", "treasure.pdf"]
+
+
+def test_a_document_url_on_a_listed_host_is_fetched_and_read_as_the_same_bytes_inline(server, documents):
+    """``file_url`` on a host of ``server.file_url_hosts``: fetched (no redirect followed, within
+    ``limits.file_fetch_timeout_s`` and ``file_fetch_max_bytes``), named by the URL's last segment,
+    and read as the same file sent inline; another host, or a fetch that fails, a 400."""
+    c = client(server)
+    pdf = documents.files["/reports/treasure%20map.pdf"]
+    inline = {"type": "input_file", "filename": "treasure map.pdf", "file_data": base64.b64encode(pdf).decode()}
+    same(ask(c, {"type": "input_file", "file_url": f"{documents.url}/reports/treasure%20map.pdf"}), ask(c, inline))
+    part = "input[0].content[0].file_url"
+    for url, code in [(f"{documents.url}/moved", "file_url_fetch_failed"), (f"{documents.url}/slow", "file_url_fetch_failed"),
+                      (f"{documents.url}/missing.pdf", "file_url_fetch_failed"), (f"{documents.url}/big.pdf", "file_too_large"),
+                      (documents.url.replace("127.0.0.1", "localhost") + "/big.pdf", "file_url_not_fetched"),
+                      ("ftp://127.0.0.1/a.pdf", "invalid_value")]:
+        with pytest.raises(openai.BadRequestError) as caught:
+            ask(c, {"type": "input_file", "file_url": url})
+        assert (caught.value.body["param"], caught.value.body["code"]) == (part, code), url

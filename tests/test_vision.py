@@ -20,7 +20,7 @@ import torch
 from PIL import Image
 
 from demo.vision import IMAGE_SIDE, PATCH
-from tests.helpers import run_batch, start_server, write_config
+from tests.helpers import FileServer, run_batch, start_server, write_config
 from tests.test_chat_worker import GREEDY_MARGIN, run
 from workers.base import ChatParams, ChatRequest, InvalidParam, ModelSpec, StepContext
 from workers.chat import ChatWorker
@@ -373,48 +373,9 @@ def test_only_listed_hosts_are_fetched_and_a_star_covers_subdomains():
         assert caught.value.code == "image_url_not_fetched", url
 
 
-class _Images:
-    """A local HTTP server of images and of what can go wrong fetching one."""
-
-    def __init__(self) -> None:
-        from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
-
-        files = {"/cat.png": picture(11), "/big.png": picture(12, size=(400, 400)), "/text": b"hello"}
-
-        class Handler(BaseHTTPRequestHandler):
-            def do_GET(self):  # noqa: N802 - http.server's name
-                if self.path == "/moved":
-                    self.send_response(302)
-                    self.send_header("Location", "/cat.png")
-                    self.end_headers()
-                    return
-                if self.path == "/slow":
-                    import time
-                    time.sleep(3)
-                data = files["/cat.png"] if self.path == "/slow" else files.get(self.path)
-                if data is None:
-                    self.send_error(404)
-                    return
-                try:
-                    self.send_response(200)
-                    self.send_header("Content-Length", str(len(data)))
-                    self.end_headers()
-                    self.wfile.write(data)
-                except (BrokenPipeError, ConnectionResetError):  # /slow: the gateway gave up first
-                    pass
-
-            def log_message(self, *args):  # quiet
-                pass
-
-        self.files = files
-        self.httpd = ThreadingHTTPServer(("127.0.0.1", 0), Handler)
-        self.url = f"http://127.0.0.1:{self.httpd.server_address[1]}"
-        threading.Thread(target=self.httpd.serve_forever, daemon=True).start()
-
-
 @pytest.fixture(scope="module")
 def fetching(tiny_vlm, tmp_path_factory):
-    images = _Images()
+    images = FileServer({"/cat.png": picture(11), "/big.png": picture(12, size=(400, 400)), "/text": b"hello"})
     folder = tmp_path_factory.mktemp("vision-fetching")
     extra = ("limits:\n  max_chat_tokens: 64\n  image_fetch_timeout_s: 1\n  image_fetch_max_bytes: 64KiB\n"
              "server:\n  image_url_hosts: ['127.0.0.1']\n")
