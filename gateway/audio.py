@@ -396,14 +396,21 @@ async def _decode(form: FormData, max_seconds: float) -> tuple[np.ndarray, int]:
     upload = files[0]
     if not isinstance(upload, UploadFile):
         raise bad_request("file must be an uploaded audio file (multipart file part), not a text field", "file")
-    data = await upload.read()
+    return await decoded_audio(await upload.read(), max_seconds, "file", upload.filename or "file", "invalid_file")
+
+
+async def decoded_audio(data: bytes, max_seconds: float, param: str, name: str,
+                        code: str) -> tuple[np.ndarray, int]:
+    """An audio file's samples (float32 mono) and rate, decoded on a thread; a 400 naming
+    ``param`` (``code``, the message headed ``name``) for one that is not audio, and
+    ``audio_too_long`` past ``max_seconds``."""
     try:
         audio, rate = await anyio.to_thread.run_sync(sound.decode_audio, data, max_seconds)
     except ValueError as exc:
-        raise bad_request(f"{upload.filename or 'file'}: {exc}", "file", "invalid_file") from None
+        raise bad_request(f"{name}: {exc}", param, code) from None
     if len(audio) / rate > max_seconds:  # decoded up to a second past the limit (compressed audio)
         raise bad_request(f"the audio is longer than this server's limit of {max_seconds:g} s "
-                          f"({len(audio) / rate:.1f} s or more)", "file", "audio_too_long")
+                          f"({len(audio) / rate:.1f} s or more)", param, "audio_too_long")
     return audio, rate
 
 

@@ -358,6 +358,9 @@ class StoredCompletionsConfig(_Strict):
     retention_days: float | None = Field(default=30, gt=0)  # as OpenAI keeps them; null: until deleted
 
 
+Host = Annotated[str, Field(pattern=r"^(\*\.)?[A-Za-z0-9.-]+$")]  # a host name, or *.example.com for its subdomains
+
+
 class ServerConfig(_Strict):
     """How the server stops (gateway/drain.py), and which web pages may call it (CORS)."""
 
@@ -369,10 +372,10 @@ class ServerConfig(_Strict):
     prefix_cache: Literal["per_key", "shared"] = "per_key"
     # hosts whose http(s) image URLs chat requests may name, fetched by the gateway: exact names, or
     # "*.example.com" for its subdomains; none: images come inline as data: URLs only (gateway/vision.py)
-    image_url_hosts: list[Annotated[str, Field(pattern=r"^(\*\.)?[A-Za-z0-9.-]+$")]] = []
+    image_url_hosts: list[Host] = []
     # hosts whose http(s) document URLs (input_file's file_url) requests may name, fetched as above;
     # none: documents come inline or as uploads (gateway/input_files.py)
-    file_url_hosts: list[Annotated[str, Field(pattern=r"^(\*\.)?[A-Za-z0-9.-]+$")]] = []
+    file_url_hosts: list[Host] = []
 
 
 WEBHOOK_EVENTS = ("response.completed", "response.incomplete", "response.failed", "response.cancelled",

@@ -15,17 +15,15 @@ does for documents), so a stored completion keeps the transcript, not the audio.
 
 from __future__ import annotations
 
-import asyncio
 import base64
 import binascii
 from typing import Any
 
 from gateway.adapters import resolve_request
-from gateway.audio import TranscriptionJob, serve_transcription
+from gateway.audio import TranscriptionJob, decoded_audio, serve_transcription
 from gateway.auth import Caller
 from gateway.errors import bad_request
 from gateway.service import Services
-from workers import audio as sound
 from workers.stt import TranscriptionRequest
 
 FORMATS = ("wav", "mp3")  # OpenAI's input_audio formats
@@ -101,12 +99,7 @@ async def _heard(svc: Services, caller: Caller, stt: str, part: dict[str, Any], 
     if len(raw) > limits.transcription_max_bytes:
         raise bad_request(f"the audio is larger than {limits.transcription_max_bytes} bytes",
                           f"{where}.input_audio.data", "audio_too_large")
-    try:
-        samples, rate = await asyncio.to_thread(sound.decode_audio, raw, limits.transcription_max_seconds)
-    except ValueError as exc:
-        raise bad_request(f"input_audio.data: {exc}", f"{where}.input_audio.data", "invalid_value") from None
-    if len(samples) / rate > limits.transcription_max_seconds:
-        raise bad_request(f"the audio is longer than this server's limit of {limits.transcription_max_seconds:g} s",
-                          f"{where}.input_audio.data", "audio_too_long")
+    samples, rate = await decoded_audio(raw, limits.transcription_max_seconds, f"{where}.input_audio.data",
+                                        "input_audio.data", "invalid_value")
     job = TranscriptionJob(svc.spec(stt, "stt").name, samples, rate, TranscriptionRequest())
     return (await serve_transcription(svc, caller, job, None)).text.strip()
