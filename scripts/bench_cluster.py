@@ -24,8 +24,8 @@ Measured, sequential requests (chat, ``max_tokens`` 1, not streamed) over HTTP o
   1,000 requests are counted as the misses per 1,000.
 * overhead: ``--requests`` requests for ``a`` through the cluster's ingress and the same through
   ``tiergate serve``; the difference of their p50 and of their p99.
-* the flood: ``--requests`` paid requests for ``a`` on each side while eight free clients ask for
-  ``a`` back to back (16 tokens each).
+* the flood: ``--requests`` paid requests for ``a`` on each side while eight free clients (a process
+  of their own, ``benchlib.flood``) ask for ``a`` back to back (16 tokens each).
 
 Both servers run side by side, and the overhead and flood samples are taken in ``--rounds``
 interleaved rounds (alone on each side, then the flood on each; the side that goes first alternates)
@@ -50,7 +50,9 @@ printed beside it. n/a under load like the latency targets.
 from __future__ import annotations
 
 import argparse
+import asyncio
 import contextlib
+import json
 import os
 import random
 import statistics
@@ -66,7 +68,7 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 sys.path.insert(0, str(ROOT / "scripts"))
 
-from benchlib import OTHER_LOAD_LIMIT, OtherLoad, Target, at_least, judge  # noqa: E402
+from benchlib import OTHER_LOAD_LIMIT, OtherLoad, Target, at_least, flood, http_head, judge  # noqa: E402
 from benchlib import tree_cpu_s  # noqa: E402  (CPU seconds of a process tree, by process)
 
 TIERS = ["paid", "subscriber", "free", "batch"]
@@ -120,30 +122,41 @@ def pct(values: list[float], q: float) -> float:
 
 def under_flood(url: str, n: int, clients: int = 8) -> list[float]:
     """Paid latencies of ``n`` sequential requests for a while ``clients`` free-tier clients keep
-    asking for a (16 tokens each) as fast as they are answered."""
-    import threading
+    asking for a (16 tokens each) as fast as they are answered. The free clients are a process of
+    their own (``benchlib.flood``), as a real flood's clients are elsewhere: as threads of this
+    process (until 2026-12-05) they took the interpreter lock from the thread timing paid's
+    requests, so paid's times held the flood's client too."""
+    import multiprocessing as mp
 
     import httpx
 
-    stop = threading.Event()
-
-    def flood() -> None:
-        with httpx.Client(timeout=120) as client:
-            while not stop.is_set():
-                client.post(f"{url}/v1/chat/completions", headers={"authorization": f"Bearer {KEYS['free']}"},
-                            json={"model": "a", "messages": [{"role": "user", "content": "go"}], "max_tokens": 16})
-
-    threads = [threading.Thread(target=flood, daemon=True) for _ in range(clients)]
-    for t in threads:
-        t.start()
+    ctx = mp.get_context("spawn")
+    stop, ready, results = ctx.Event(), ctx.Event(), ctx.Queue()
+    message = http_head("POST", "/v1/chat/completions", KEYS["free"], json.dumps(
+        {"model": "a", "messages": [{"role": "user", "content": "go"}], "max_tokens": 16}).encode())
+    proc = ctx.Process(target=flood_main, args=(int(url.rsplit(":", 1)[1]), message, clients, 0.2, stop, ready, results),
+                       daemon=True)
+    proc.start()
     try:
+        if not ready.wait(60):
+            raise RuntimeError("the flood process did not start")
         time.sleep(1.0)
         with httpx.Client(timeout=120) as client:
-            return [ask(client, url, "a", "paid")[1] for _ in range(n)]
+            times = [ask(client, url, "a", "paid")[1] for _ in range(n)]
+        stop.set()
+        outcome = results.get(True, 120)
+        proc.join(30)
     finally:
         stop.set()
-        for t in threads:
-            t.join(60)
+        if proc.is_alive():
+            proc.terminate()
+    if not outcome["outcomes"].get("ok"):
+        raise RuntimeError(f"the free flood was not served: {outcome['outcomes']}")
+    return times
+
+
+def flood_main(port: int, message: bytes, clients: int, backoff: float, stop, ready, results) -> None:
+    asyncio.run(flood(port, message, clients, backoff, stop, ready, results))
 
 
 ROLES = {"ProxyActor": "Serve proxy", "ServeReplica:bench:ingress": "ingress", "ServeReplica:bench:replica": "replica"}

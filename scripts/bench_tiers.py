@@ -87,7 +87,7 @@ import httpx
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-from benchlib import OTHER_LOAD_LIMIT, OtherLoad, Target, http_head, judge, read_response, spare_port  # noqa: E402
+from benchlib import OTHER_LOAD_LIMIT, OtherLoad, Target, flood, http_head, judge, spare_port  # noqa: E402
 
 TIERS = ["paid", "subscriber", "free", "batch"]
 BATCH_RANK = TIERS.index("batch")
@@ -519,53 +519,8 @@ async def wait_streaming(streams: list[BatchStream], n_tokens: int, timeout: flo
 
 
 def flood_main(url: str, key: str, clients: int, tokens: int, backoff: float, stop, ready, results) -> None:
-    asyncio.run(_flood(url, key, clients, tokens, backoff, stop, ready, results))
-
-
-async def _flood(url, key, clients, tokens, backoff, stop, ready, results) -> None:
-    """Each client: one keep-alive connection (benchlib's minimal HTTP/1.1 client: the flood's
-    own CPU shares the server's cores, and httpx spent ~4x more per request), a request, and
-    after a refusal ``backoff`` seconds before the next."""
-    outcomes: Counter = Counter()
-    latencies: list[float] = []
-    port = int(url.rsplit(":", 1)[1])
     message = http_head("POST", "/v1/chat/completions", key, json.dumps(body(FREE_PROMPT, tokens)).encode())
-
-    async def worker() -> None:
-        conn = None
-        while not stop.is_set():
-            t0 = time.monotonic()
-            try:
-                if conn is None:
-                    conn = await asyncio.open_connection("127.0.0.1", port)
-                conn[1].write(message)
-                status, answer = await read_response(conn[0])
-            except (OSError, asyncio.IncompleteReadError) as exc:
-                outcomes[f"error {type(exc).__name__}"] += 1
-                conn = None
-                await asyncio.sleep(backoff)
-                continue
-            if status == 200:
-                outcomes["ok"] += 1
-                latencies.append(time.monotonic() - t0)
-                continue
-            try:
-                code = json.loads(answer)["error"]["code"]
-            except Exception:  # noqa: BLE001
-                code = "?"
-            outcomes[f"{status} {code}"] += 1
-            await asyncio.sleep(backoff)
-        if conn is not None:
-            conn[1].close()
-
-    start = time.monotonic()
-    tasks = [asyncio.create_task(worker()) for _ in range(clients)]
-    ready.set()
-    while not stop.is_set():
-        await asyncio.sleep(0.02)
-    await asyncio.gather(*tasks)
-    results.put({"outcomes": dict(outcomes), "latencies": latencies, "seconds": time.monotonic() - start,
-                 "cpu": time.process_time()})
+    asyncio.run(flood(int(url.rsplit(":", 1)[1]), message, clients, backoff, stop, ready, results))
 
 
 # -- the phases ------------------------------------------------------------------------------------

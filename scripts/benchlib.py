@@ -209,6 +209,57 @@ async def read_response(reader) -> tuple[int, bytes]:
             return status, b"".join(c[:-2] for c in chunks)
 
 
+async def flood(port: int, message: bytes, clients: int, backoff: float, stop, ready, results) -> None:
+    """A load generator's flood, run in a process of its own (``multiprocessing``'s spawn context;
+    ``stop`` and ``ready`` its events, ``results`` its queue) so that its CPU is not the timing
+    client's: ``clients`` keep-alive connections on 127.0.0.1:``port``, each sending ``message``
+    (``http_head``'s bytes) again as soon as it is answered, and waiting ``backoff`` seconds after a
+    refusal or a broken connection. Puts its outcomes (``ok``, ``<status> <error code>``), the
+    latencies of the answered ones, its length in seconds and its process's CPU seconds."""
+    import asyncio
+    import json
+    from collections import Counter
+
+    outcomes: Counter = Counter()
+    latencies: list[float] = []
+
+    async def worker() -> None:
+        conn = None
+        while not stop.is_set():
+            t0 = time.monotonic()
+            try:
+                if conn is None:
+                    conn = await asyncio.open_connection("127.0.0.1", port)
+                conn[1].write(message)
+                status, answer = await read_response(conn[0])
+            except (OSError, asyncio.IncompleteReadError) as exc:
+                outcomes[f"error {type(exc).__name__}"] += 1
+                conn = None
+                await asyncio.sleep(backoff)
+                continue
+            if status == 200:
+                outcomes["ok"] += 1
+                latencies.append(time.monotonic() - t0)
+                continue
+            try:
+                code = json.loads(answer)["error"]["code"]
+            except Exception:  # noqa: BLE001
+                code = "?"
+            outcomes[f"{status} {code}"] += 1
+            await asyncio.sleep(backoff)
+        if conn is not None:
+            conn[1].close()
+
+    start = time.monotonic()
+    tasks = [asyncio.create_task(worker()) for _ in range(clients)]
+    ready.set()
+    while not stop.is_set():
+        await asyncio.sleep(0.02)
+    await asyncio.gather(*tasks)
+    results.put({"outcomes": dict(outcomes), "latencies": latencies, "seconds": time.monotonic() - start,
+                 "cpu": time.process_time()})
+
+
 def spare_port() -> int:
     """A TCP port on 127.0.0.1 free now, for a benchmark's server."""
     with socket.socket() as sock:
