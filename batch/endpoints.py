@@ -19,6 +19,7 @@ from gateway.embeddings import EmbeddingRequest, embedding_list, plan_embeddings
 from gateway.errors import bad_request
 from gateway.images import ImageGenerationRequest, b64_rows, encoded, plan_images, serve_images
 from gateway.input_audio import chat_audio
+from gateway.output_audio import heard_replies, plan_voice, say_replies
 from gateway.input_files import chat_files
 from gateway.moderations import ModerationRequest, moderation_results, plan_moderation, serve_moderation
 from gateway.responses import response_result
@@ -47,12 +48,16 @@ def line_body(result: Result) -> Any:
 
 
 async def chat(svc: Services, caller: Caller, data: dict) -> Result:
-    body = parse(ChatCompletionRequest, await chat_audio(svc, caller, await chat_files(svc, caller, data)))
+    heard = await chat_audio(svc, caller, await chat_files(svc, caller, data))
+    body = parse(ChatCompletionRequest, heard_replies(svc, caller, heard))
     if body.stream:
         raise bad_request("stream is not supported in a batch", "stream")
     await svc.adapters.ready(body.model, body.adapters)
     job = await with_images(svc, plan_chat(svc, body))
+    voice = await plan_voice(svc, body)
     replies, tier = await collect(serve_chat(svc, caller, job, None))
+    if voice is not None:
+        await say_replies(svc, caller, voice, replies, None)
     return completion(f"chatcmpl-{uuid.uuid4().hex}", body.model, replies, tier, svc, job.tools.legacy)
 
 

@@ -42,6 +42,7 @@ from gateway.drain import Drain, DrainGate, readyz
 from gateway.errors import APIError, store_unavailable
 from gateway.image_store import ImageStore
 from gateway.metrics import Metrics
+from gateway.output_audio import SpokenReplies
 from gateway.request_log import RequestLog, note, request_id_of
 from gateway.completion_store import completions_for
 from gateway.conversation_store import conversations_for
@@ -86,6 +87,7 @@ def build_services(config: Config, keys: KeyRing) -> Services:
     services.metrics.registry.register(services.adapters)  # folder adapters read, held, dropped
     services.metrics.registry.register(services.accounts)  # usage kept while the store fails, and lost
     services.webhooks = webhooks_for(services)  # ConfigError for an endpoint whose secret is not set
+    services.spoken = SpokenReplies()
     return services
 
 

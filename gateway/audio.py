@@ -61,12 +61,17 @@ def default_speech_format() -> str:
 
 @dataclass(frozen=True)
 class SpeechJob:
-    """A checked speech request: its model, what the worker gets, and the audio's encoding."""
+    """A checked speech request: its model, what the worker gets, and the audio's encoding.
+    ``out_rate``: the rate the audio is encoded at, when not the model's own ``sample_rate``
+    (chat's pcm16 is 24 kHz); ``quiet``: a text with nothing the model can say is no audio, not a
+    400 (a chat reply's, which was already written)."""
 
     model: str
     request: SpeechRequest
     format: str
     sample_rate: int
+    out_rate: int | None = None
+    quiet: bool = False
 
     @property
     def media_type(self) -> str:
@@ -89,22 +94,28 @@ async def plan_speech(svc: Services, body: SpeechBody) -> SpeechJob:
     return SpeechJob(spec.name, SpeechRequest(body.input, body.voice, body.speed), fmt, voices.sample_rate)
 
 
-async def serve_speech(svc: Services, caller: Caller, job: SpeechJob,
-                       gone: Gone | None, read: list[int] | None = None) -> AsyncGenerator[bytes, None]:
+async def serve_speech(svc: Services, caller: Caller, job: SpeechJob, gone: Gone | None,
+                       read: list[int] | None = None, recorded: bool = True) -> AsyncGenerator[bytes, None]:
     """The serving core: the encoded audio, a sentence a piece for wav and pcm, whole for the
     others. What goes wrong before the first sentence is made (429/503, out of memory after
     relief) is raised by the first ``__anext__``; closing the iterator early stops the worker at
     its next sentence. ``read``, when given, gets the number of tokens the model reads (its
-    tokenizer's, for the whole input)."""
+    tokenizer's, for the whole input). ``recorded`` False: the HTTP request's log line is not
+    this speech's (a chat reply's, said after the reply was written)."""
     last: bytes | None = None  # each piece waits for the next, so the last goes out after the usage is written
     ask = Ask(audio_seconds=len(job.request.input) / SPOKEN_CHARS_PER_S)  # corrected by what was made
-    async with Serving(svc, caller, job.model, float(len(job.request.input)), "speech", gone, ask) as serving:
+    async with Serving(svc, caller, job.model, float(len(job.request.input)), "speech", gone, ask,
+                       recorded=recorded) as serving:
         worker = serving.worker
         ctx, chunks, first = await serving.step(lambda ctx: _first_sentence(worker, job, ctx), "speaking with")
         if read is not None:
             read.append(len(worker.tokenizer(job.request.input)["input_ids"]))
         rest = itertools.chain([first], chunks) if first is not None else iter(())
-        encoded = sound.encode_stream(_timed(rest, worker.sample_rate, serving.usage), worker.sample_rate, job.format)
+        made = _timed(rest, worker.sample_rate, serving.usage)
+        rate = job.out_rate or worker.sample_rate
+        if rate != worker.sample_rate:
+            made = (sound.resample(chunk, worker.sample_rate, rate) for chunk in made)
+        encoded = sound.encode_stream(made, rate, job.format)
         try:
             while (piece := await serving.until_gone(in_thread(lambda: next(encoded, None), ctx))) is not None:
                 if last is not None:
@@ -131,6 +142,8 @@ async def _first_sentence(worker: TTSWorker, job: SpeechJob,
     try:
         chunks = worker.synthesize(job.request, ctx)
     except ValueError as exc:  # nothing speakable in the input
+        if job.quiet:
+            return ctx, iter(()), None
         raise bad_request(str(exc), "input") from None
     return ctx, chunks, await in_thread(lambda: next(chunks, None), ctx)
 

@@ -13,6 +13,7 @@ grammar in ``gateway.structured`` and ``service_tier`` picks the tier served
 from __future__ import annotations
 
 import asyncio
+import base64
 import contextlib
 import dataclasses
 import json
@@ -34,6 +35,7 @@ from gateway.http import Streamed, disconnect_signal
 from gateway.input_audio import chat_audio
 from gateway.input_files import chat_files
 from gateway.logprobs import chat_content, chat_logprobs
+from gateway.output_audio import SpokenReplies, heard_replies, plan_voice, say, say_replies
 from gateway.reasoning import ReasoningParser, ThinkSplitter
 from gateway.request_log import new_id
 from gateway.schemas import ChatCompletionRequest, parse, read_json
@@ -333,6 +335,7 @@ class Reply:
     finished: ChatFinished | None = None
     prompt_logprobs: list[TokenLogprob | None] | None = None
     reasoning_tokens: int = 0
+    audio: dict | None = None  # a spoken reply's (gateway.output_audio): then ``content`` is null
 
     def add(self, delta: ChoiceDelta) -> None:
         self.content.append(delta.content)
@@ -359,6 +362,9 @@ class Reply:
             message["tool_calls"] = self.calls.calls
         if self.reasoning:  # DeepSeek's field, which most clients read, and vLLM's
             message["reasoning_content"] = message["reasoning"] = "".join(self.reasoning)
+        if self.audio is not None:  # the text is the audio's transcript, as OpenAI's audio models answer
+            message["content"] = None
+            message["audio"] = self.audio
         return message
 
 
@@ -416,9 +422,10 @@ async def chat_completions(request: Request) -> Response:
     svc: Services = request.app.state.services
     caller = svc.admit_caller(request)
     data = await chat_files(svc, caller, await read_json(request, svc.config.limits.max_body))
-    body = parse(ChatCompletionRequest, await chat_audio(svc, caller, data))
+    body = parse(ChatCompletionRequest, heard_replies(svc, caller, await chat_audio(svc, caller, data)))
     await svc.adapters.ready(body.model, body.adapters)
     job = await with_images(svc, plan_chat(svc, body))
+    voice = await plan_voice(svc, body)
     served = served_caller(svc, caller, job)
     if (end_user := body.end_user(caller.key_id)) is not None:
         log.info("chat request: key %s, user %s, tier %s", caller.key_id, end_user, served.tier)
@@ -428,9 +435,11 @@ async def chat_completions(request: Request) -> Response:
         deltas = serve_chat(svc, caller, job, gone)
         if not body.stream:
             replies, tier = await collect(deltas)
+            if voice is not None:
+                await say_replies(svc, caller, voice, replies, gone)
             answer = completion(completion_id, body.model, replies, tier, svc, job.tools.legacy)
             if body.store:
-                await stored_chat.keep(request.app.state.completions, caller.key_id, answer, body)
+                await stored_chat.keep(request.app.state.completions, caller.key_id, _unsaid(answer), body)
             return JSONResponse(answer, headers=headers)
         first = await deltas.__anext__()
     include_usage = bool(body.stream_options and body.stream_options.include_usage)
@@ -438,20 +447,42 @@ async def chat_completions(request: Request) -> Response:
     kept = None
     if body.store:
         async def kept(answer: dict) -> None:
-            await stored_chat.keep(request.app.state.completions, caller.key_id, answer, body)
+            await stored_chat.keep(request.app.state.completions, caller.key_id, _unsaid(answer), body)
+    speaker = None
+    if voice is not None:
+        def speaker(text: str) -> AsyncIterator[bytes]:  # the client leaving closes the stream, and the speech with it
+            return say(svc, caller, voice, text, None)
     sse = _sse(deltas, first, completion_id, body.model, job.n, body.logprobs, label, include_usage, kept,
-               job.tools.legacy)
+               job.tools.legacy, speaker, svc.spoken, caller.key_id)
     return Streamed(sse, "text/event-stream", headers=headers)
+
+
+def _unsaid(answer: dict) -> dict:
+    """A completion as it is stored: a spoken reply's transcript and id, not its audio file."""
+    if not any(c["message"].get("audio") for c in answer["choices"]):
+        return answer
+    choices = [{**c, "message": {**c["message"], "audio": {k: v for k, v in c["message"]["audio"].items()
+                                                            if k != "data"}}}
+               if c["message"].get("audio") else c for c in answer["choices"]]
+    return {**answer, "choices": choices}
 
 
 async def _sse(deltas: AsyncIterator[ChoiceDelta], first: ChoiceDelta, cid: str, model: str, n: int,
                logprobs: bool, tier_label: str, include_usage: bool,
-               kept: Callable[[dict], Awaitable[None]] | None = None, legacy: bool = False) -> AsyncIterator[str]:
+               kept: Callable[[dict], Awaitable[None]] | None = None, legacy: bool = False,
+               speaker: Callable[[str], AsyncIterator[bytes]] | None = None, spoken: SpokenReplies | None = None,
+               owner: str = "") -> AsyncIterator[str]:
     """The chunks of a streamed completion; with ``kept``, the whole completion is handed to it
     once every choice finished (``store: true``), before the last chunk. ``legacy``: the first
-    call goes out as ``delta.function_call`` (name first, then argument fragments)."""
+    call goes out as ``delta.function_call`` (name first, then argument fragments). ``speaker``:
+    the replies are spoken (gateway.output_audio): each choice's text goes out as
+    ``delta.audio.transcript``, and once the choice is written its speech as ``delta.audio.data``,
+    then its audio id and ``expires_at`` with the finish reason; ``spoken`` keeps its transcript
+    for ``owner``."""
     created = int(time.time())
     replies: dict[int, Reply] = {}
+    said: dict[int, list[str]] = {i: [] for i in range(n)}  # a spoken choice's text so far
+    audio_ids = {i: SpokenReplies.new_id() for i in range(n)} if speaker is not None else {}
 
     def chunk(choices: list[dict], usage: dict | None = None) -> str:
         body = {"id": cid, "object": "chat.completion.chunk", "created": created, "model": model,
@@ -464,7 +495,10 @@ async def _sse(deltas: AsyncIterator[ChoiceDelta], first: ChoiceDelta, cid: str,
         delta: dict = {}
         if d.reasoning:
             delta["reasoning_content"] = delta["reasoning"] = d.reasoning
-        if d.content:
+        if d.content and speaker is not None:
+            said[d.index].append(d.content)
+            delta["audio"] = {"transcript": d.content}
+        elif d.content:
             delta["content"] = d.content
         if d.calls and legacy:
             first = [c for c in d.calls if c.index == 0]  # the functions API makes one call
@@ -477,16 +511,40 @@ async def _sse(deltas: AsyncIterator[ChoiceDelta], first: ChoiceDelta, cid: str,
         lp = {"content": chat_content(d.logprobs or []), "refusal": None} if logprobs else None
         return {"index": d.index, "delta": delta, "finish_reason": d.finish_reason, "logprobs": lp}
 
+    async def audio(d: ChoiceDelta, last: dict) -> AsyncIterator[str]:
+        """A spoken choice's end: its speech (when it wrote text), then its id with ``last``, the
+        chunk that carries the finish reason."""
+        text = "".join(said[d.index])
+        if text:
+            async with contextlib.aclosing(speaker(text)) as pieces:
+                async for piece in pieces:
+                    yield chunk([{"index": d.index, "delta": {"audio": {"data": base64.b64encode(piece).decode()}},
+                                  "finish_reason": None, "logprobs": None}])
+            expires_at = spoken.put(owner, audio_ids[d.index], text)
+            last = {**last, "delta": {**last["delta"], "audio": {"id": audio_ids[d.index], "expires_at": expires_at}}}
+            if kept is not None:
+                replies[d.index].audio = {"id": audio_ids[d.index], "expires_at": expires_at, "transcript": text}
+        yield chunk([last])
+
     finished: list[ChoiceDelta] = []  # each choice's last delta
     try:
         for i in range(n):
-            yield chunk([{"index": i, "delta": {"role": "assistant", "content": ""}, "finish_reason": None,
-                          "logprobs": None}])
+            opening = {"role": "assistant", "content": ""}
+            if speaker is not None:
+                opening = {"role": "assistant", "content": None, "audio": {"id": audio_ids[i], "transcript": ""}}
+            yield chunk([{"index": i, "delta": opening, "finish_reason": None, "logprobs": None}])
         delta = first
         while True:
-            yield chunk([choice(delta)])
             if kept is not None:
                 replies.setdefault(delta.index, Reply(delta.index)).add(delta)
+            if speaker is not None and delta.finished is not None:  # the finish reason goes with the audio's id
+                body = choice(delta)
+                yield chunk([{**body, "finish_reason": None}])
+                async for piece in audio(delta, {"index": delta.index, "delta": {}, "finish_reason": body["finish_reason"],
+                                                 "logprobs": None}):
+                    yield piece
+            else:
+                yield chunk([choice(delta)])
             if delta.finished is not None:
                 finished.append(delta)
                 if len(finished) == n:
@@ -498,7 +556,9 @@ async def _sse(deltas: AsyncIterator[ChoiceDelta], first: ChoiceDelta, cid: str,
         if include_usage:
             yield chunk([], _usage(finished))
     except Exception as exc:  # noqa: BLE001 - the stream has started: report in-band
-        err = APIError(500, f"generation failed: {type(exc).__name__}", "generation_failed")
+        # a refusal met after the start (a spoken reply's speech model: 429, 503) says itself
+        err = exc if isinstance(exc, APIError) else APIError(500, f"generation failed: {type(exc).__name__}",
+                                                             "generation_failed")
         yield f"data: {json.dumps(err.body())}\n\n"
     finally:
         await deltas.aclose()

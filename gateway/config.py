@@ -78,6 +78,9 @@ class EngineConfig(_Strict):
     search_queries: Literal["message", "model"] = "message"
     # chat's input_audio parts: the speech-to-text model that hears them (gateway.input_audio); None: refused
     audio_input: str | None = None
+    # chat's spoken replies (modalities ["text", "audio"]): the text-to-speech model that says them
+    # (gateway.output_audio); None: refused
+    audio_output: str | None = None
     # vLLM: further AsyncEngineArgs fields, verbatim (quantization, max_num_batched_tokens, ...);
     # checked against vLLM's own list at load, except those tiergate sets (VLLM_OWNED_ARGS)
     vllm_args: dict[str, Any] = Field(default_factory=dict)
@@ -493,13 +496,14 @@ class Config(_Strict):
         return {alias: m.name for m in self.models for alias in m.aliases}
 
     @model_validator(mode="after")
-    def _audio_input_names_a_speech_model(self) -> "Config":
-        stt = {m.name for m in self.models if m.kind == "stt"}
-        for i, m in enumerate(self.models):
-            heard = m.engine.audio_input if isinstance(m, ChatModel) else None
-            if heard is not None and heard not in stt:
-                raise ValueError(f"models[{i}].engine.audio_input: {heard!r} is not a speech-to-text model "
-                                 f"(kind: stt) here{': ' + ', '.join(sorted(stt)) if stt else ''}")
+    def _audio_models_are_speech_models(self) -> "Config":
+        for field, kind, what in (("audio_input", "stt", "speech-to-text"), ("audio_output", "tts", "text-to-speech")):
+            named = {m.name for m in self.models if m.kind == kind}
+            for i, m in enumerate(self.models):
+                chosen = getattr(m.engine, field) if isinstance(m, ChatModel) else None
+                if chosen is not None and chosen not in named:
+                    raise ValueError(f"models[{i}].engine.{field}: {chosen!r} is not a {what} model "
+                                     f"(kind: {kind}) here{': ' + ', '.join(sorted(named)) if named else ''}")
         return self
 
     @model_validator(mode="after")

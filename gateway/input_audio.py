@@ -22,6 +22,7 @@ from typing import Any
 from gateway.adapters import resolve_request
 from gateway.audio import TranscriptionJob, decoded_audio, serve_transcription
 from gateway.auth import Caller
+from gateway.config import EngineConfig
 from gateway.errors import bad_request
 from gateway.service import Services
 from workers.stt import TranscriptionRequest
@@ -64,15 +65,21 @@ async def chat_audio(svc: Services, caller: Caller, data: Any) -> Any:
     return {**data, "messages": out}
 
 
-def _hearing_model(svc: Services, model: Any) -> str | None:
-    """The speech-to-text model tiers.yaml names for the chat model ``model`` (None: none); the
-    usual 404 for a model that is not served (named ``model``, as chat's own check names it)."""
+def chat_engine(svc: Services, model: Any) -> EngineConfig | None:
+    """The engine settings tiers.yaml gives the chat model ``model`` calls (an alias or an
+    adapter's name calls its base model); None where ``model`` is not a string. The usual 404 for
+    a model that is not served (named ``model``, as chat's own check names it)."""
     if not isinstance(model, str):
         return None  # (chat's own check refuses it)
     name = resolve_request(svc, model, None, "chat")[0].name
     entry = next((m for m in svc.config.models if m.name == name), None)
-    engine = getattr(entry, "engine", None)
-    return getattr(engine, "audio_input", None)
+    return getattr(entry, "engine", None)
+
+
+def _hearing_model(svc: Services, model: Any) -> str | None:
+    """The speech-to-text model tiers.yaml names for the chat model ``model`` (None: none)."""
+    engine = chat_engine(svc, model)
+    return engine.audio_input if engine is not None else None
 
 
 async def _heard(svc: Services, caller: Caller, stt: str, part: dict[str, Any], where: str) -> str:

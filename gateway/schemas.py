@@ -231,6 +231,14 @@ class StreamOptions(_Body):
     include_obfuscation: bool | None = None  # accepted; no padding field is added to the chunks
 
 
+class SpokenReply(_Body):
+    """``audio``: how a reply asked for with ``modalities: ["text", "audio"]`` is said
+    (gateway/output_audio.py)."""
+
+    voice: str = Field(min_length=1)  # an OpenAI voice name or one of the speech model's own
+    format: Literal["wav", "aac", "mp3", "flac", "opus", "pcm16"]
+
+
 MAX_STACK = 8  # adapters in one request's stack
 
 
@@ -303,7 +311,8 @@ class ChatCompletionRequest(EndUser):
     metadata: Metadata = None
     store: bool | None = None  # true: kept for the stored-completions API (gateway/stored_chat.py)
     verbosity: Literal["low", "medium", "high"] | None = None  # accepted; the model decides
-    modalities: list[str] | None = None  # ["text"]: no audio output is served
+    modalities: list[str] | None = None  # ["text"], or ["text", "audio"]: a spoken reply (gateway/output_audio.py)
+    audio: SpokenReply | None = None  # the spoken reply's voice and format
     reasoning_effort: Literal["none", "minimal", "low", "medium", "high", "xhigh"] | None = None  # to the template
     chat_template_kwargs: dict[str, Any] | None = None  # vLLM's extension: the chat template's own variables
     include_reasoning: bool = True  # vLLM's extension: false leaves a reasoning model's thinking out
@@ -343,10 +352,15 @@ class ChatCompletionRequest(EndUser):
 
     @field_validator("modalities")
     @classmethod
-    def _text_only(cls, v: list[str] | None) -> list[str] | None:
-        if v is not None and set(v) != {"text"}:
-            raise ValueError("this server answers in text only: modalities must be [\"text\"]")
+    def _text_or_spoken(cls, v: list[str] | None) -> list[str] | None:
+        if v is not None and (sorted(v) not in (["text"], ["audio", "text"])):
+            raise ValueError('modalities is ["text"], or ["text", "audio"] for a reply that is also spoken')
         return v
+
+    @property
+    def spoken(self) -> bool:
+        """Whether the reply is to be said as well as written (``modalities`` has ``audio``)."""
+        return "audio" in (self.modalities or ())
 
     def message_problem(self) -> tuple[str, str] | None:
         """(message, param) for the first message whose role lacks (or must not have) a field."""

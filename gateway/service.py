@@ -25,6 +25,7 @@ from workers.base import ModelSpec
 
 if TYPE_CHECKING:
     from batch.store import Store as FileStore
+    from gateway.output_audio import SpokenReplies
     from gateway.accounts import Accounts
     from gateway.vector_store import VectorStoreStore
     from gateway.webhooks import Webhooks
@@ -91,6 +92,7 @@ class Services:
     vector_stores: "VectorStoreStore | None" = None  # what file_search searches (gateway/vector_store.py)
     files: "FileStore | None" = None  # /v1/files' uploads (batch/store.py): what an input_image's file_id reads
     webhooks: "Webhooks | None" = None  # signed events when background work ends (gateway/webhooks.py)
+    spoken: "SpokenReplies | None" = None  # spoken chat replies' transcripts by audio id (gateway/output_audio.py)
 
     @functools.cached_property
     def tier_rank(self) -> dict[str, int]:  # looked up per request: made once

@@ -77,7 +77,8 @@ class Serving:
     and a lease for the block; see the module's docstring."""
 
     def __init__(self, svc: Services, caller: Caller, model: str, units: float, endpoint: str,
-                 gone: Gone | None, ask: Ask = Ask(), adapters: tuple[str, ...] = (), own_adapter: bool = False) -> None:
+                 gone: Gone | None, ask: Ask = Ask(), adapters: tuple[str, ...] = (), own_adapter: bool = False,
+                 recorded: bool = True) -> None:
         self.svc, self.caller, self.model, self.units, self.endpoint = svc, caller, model, units, endpoint
         self.adapters = adapters  # its adapter stack's names: the key's allow-list checks them
         self.own_adapter = own_adapter  # the request's ``model`` named the first
@@ -92,7 +93,9 @@ class Serving:
         self.contexts: list[StepContext] = []
         self._admission = None
         self._counted = False  # the core counted the reply's tokens (it ran to its end)
-        self.record = current_request()  # the HTTP request's log record; None for a batch line
+        # the HTTP request's log record; None for a batch line, and for work done for a request's reply
+        # after its own (``recorded`` False: a chat reply's speech), whose figures are not the request's
+        self.record = current_request() if recorded else None
 
     @property
     def rank(self) -> int:

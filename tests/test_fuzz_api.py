@@ -59,6 +59,13 @@ def server(tiny_chat, tiny_embed, tiny_image, tiny_tts, tiny_stt, tiny_moderatio
         entry, entry + '    fim: {prefix: "<|user|>", suffix: "<|system|>", middle: "<|assistant|>"}\n'))
     if ENGINE == "vllm":  # a small engine, as tests/test_vllm_gateway.py starts it
         config.write_text(config.read_text().replace("    engine: vllm", "    engine: {name: vllm, kv_cache: 128MiB, max_num_seqs: 4}"))
+    chat_entry = f"  - name: tiny-chat\n    kind: chat\n    path: {tiny_chat}\n    engine: "
+    text = config.read_text()
+    assert chat_entry in text
+    engine_at = text.index(chat_entry) + len(chat_entry)  # tiny-chat speaks its replies (modalities ["text", "audio"])
+    engine = text[engine_at:text.index("\n", engine_at)]
+    spoken = "{audio_output: tiny-tts, " + engine[1:] if engine.startswith("{") else f"{{name: {engine}, audio_output: tiny-tts}}"
+    config.write_text(text[:engine_at] + spoken + text[engine_at + len(engine):])
     running = start_server(config)
     r = httpx.post(f"{running.base_url}/chat/completions", timeout=300,  # the chat engine loads (a vLLM start: ~30 s)
                    json={"model": "tiny-chat", "messages": [{"role": "user", "content": "hi"}], "max_tokens": 1},
@@ -116,7 +123,8 @@ MESSAGE = st.fixed_dictionaries(
     optional={"content": TEXT | st.lists(PART, max_size=3) | st.none() | ANY_JSON, "name": TEXT | ANY_JSON,
               "tool_calls": st.lists(TOOL_CALL, max_size=2) | ANY_JSON, "tool_call_id": TEXT | ANY_JSON,
               "function_call": st.fixed_dictionaries({"name": TOOL_NAME, "arguments": TEXT}) | ANY_JSON,
-              "refusal": TEXT, "reasoning_content": TEXT | ANY_JSON})
+              "refusal": TEXT, "reasoning_content": TEXT | ANY_JSON,
+              "audio": st.fixed_dictionaries({"id": TEXT | st.just("audio_0") | ANY_JSON}) | st.none() | ANY_JSON})
 TOKEN_IDS = st.lists(EDGE_INTS | st.integers(-5, 300), max_size=4)
 FORMAT = st.fixed_dictionaries({"type": st.sampled_from(["text", "json_object", "json_schema", "xml"]) | ANY_JSON},
                                optional={"json_schema": st.fixed_dictionaries(
@@ -171,6 +179,8 @@ ENDPOINTS = {
          "function_call": st.sampled_from(["none", "auto", "required"]) | st.fixed_dictionaries({"name": TOOL_NAME}),
          "response_format": FORMAT, "adapters": ADAPTERS, "store": st.booleans(), **END_USER,
          "verbosity": st.sampled_from(["low", "high", "max"]), "modalities": st.lists(st.sampled_from(["text", "audio"]), max_size=2),
+         "audio": st.fixed_dictionaries({}, optional={"voice": st.sampled_from(["alloy", "amy", "nobody", ""]) | ANY_JSON,
+                                                      "format": st.sampled_from(["wav", "pcm16", "mp3", "ogg"]) | ANY_JSON}),
          "model": st.sampled_from(["tiny-chat", "tiny-vlm", "tiny-embed", "tiny-image", "nope", ""])}),
     "/v1/completions": (
         {"model": "tiny-chat", "prompt": "hi", "max_tokens": 2},

@@ -182,6 +182,14 @@ def wav_stream_header(sample_rate: int) -> bytes:
     return struct.pack("<4sI4s", b"RIFF", unknown, b"WAVE") + fmt_chunk + struct.pack("<4sI", b"data", unknown)
 
 
+def sized_wav(streamed: bytes) -> bytes:
+    """A whole WAV streamed after ``wav_stream_header`` with its sizes written in, as a file
+    made in one piece has them."""
+    header = len(wav_stream_header(0))
+    return (streamed[:4] + struct.pack("<I", len(streamed) - 8) + streamed[8:header - 4]
+            + struct.pack("<I", len(streamed) - header) + streamed[header:])
+
+
 def encode_stream(chunks: Iterable[np.ndarray], sample_rate: int, fmt: str) -> Iterator[bytes]:
     """Encode speech chunks as they arrive.
 

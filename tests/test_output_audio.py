@@ -1,0 +1,264 @@
+"""Spoken chat replies (gateway/output_audio.py): ``modalities: ["text", "audio"]`` writes the reply,
+then the text-to-speech model tiers.yaml names for the chat model (``engine.audio_output``) says it.
+Checked against the same request without audio (the transcript is that reply's text) and against
+/v1/audio/speech of that text (the audio's length: the demo VITS' durations are deterministic, its
+waveform is not), through the openai SDK."""
+
+from __future__ import annotations
+
+import base64
+import dataclasses
+import io
+import json
+import math
+import re
+
+import av
+import httpx
+import numpy as np
+import openai
+import pytest
+import soundfile as sf
+
+from gateway.output_audio import PCM16_RATE, SpokenReplies
+from tests.helpers import run_batch, start_server, write_config
+
+ASK = [{"role": "system", "content": "Answer briefly."}, {"role": "user", "content": "Tell me about the sea."}]
+SPOKEN = {"modalities": ["text", "audio"], "audio": {"voice": "alloy", "format": "wav"}}
+
+
+@pytest.fixture(scope="module")
+def server(tiny_chat, tiny_tts, tmp_path_factory):
+    config = write_config(tmp_path_factory.mktemp("output-audio"), {
+        "tiny-chat": ("chat", tiny_chat), "tiny-chat-mute": ("chat", tiny_chat), "tiny-tts": ("tts", tiny_tts)})
+    speaking(config, tiny_chat, "tiny-tts")
+    running = start_server(config)
+    yield running
+    running.stop()
+
+
+def speaking(config, tiny_chat, tts: str) -> None:
+    """tiny-chat's entry in ``config`` given ``engine.audio_output: tts``."""
+    entry = f"  - name: tiny-chat\n    kind: chat\n    path: {tiny_chat}\n    engine: transformers\n"
+    assert entry in config.read_text()
+    config.write_text(config.read_text().replace(entry, entry.replace(
+        "engine: transformers", f"engine: {{name: transformers, audio_output: {tts}}}")))
+
+
+def client(server, tier="paid") -> openai.OpenAI:
+    return openai.OpenAI(base_url=server.base_url, api_key=server.keys[tier], max_retries=0, timeout=120)
+
+
+def chat(c: openai.OpenAI, messages=ASK, model="tiny-chat", **kw):
+    return c.chat.completions.create(model=model, messages=messages, max_tokens=12, temperature=0, **kw)
+
+
+def speech_samples(c: openai.OpenAI, text: str) -> tuple[int, int]:
+    """(samples, rate) of /v1/audio/speech saying ``text`` in alloy's voice, as wav."""
+    x, rate = sf.read(io.BytesIO(c.audio.speech.create(model="tiny-tts", voice="alloy", input=text,
+                                                       response_format="wav").content))
+    return len(x), rate
+
+
+def test_a_spoken_reply_is_the_written_reply_said(server):
+    c = client(server)
+    written = chat(c).choices[0].message.content
+    assert written  # the random model writes something; what, the test takes from the text reply
+    reply = chat(c, **SPOKEN)
+    message = reply.choices[0].message
+    assert message.content is None
+    assert message.audio.transcript == written
+    assert message.audio.id.startswith("audio_") and message.audio.expires_at > reply.created + 3500
+    data = base64.b64decode(message.audio.data)
+    assert data[:4] == b"RIFF" and int.from_bytes(data[4:8], "little") == len(data) - 8  # a whole file's sizes
+    x, rate = sf.read(io.BytesIO(data))
+    assert (len(x), rate) == speech_samples(c, written)
+    assert np.abs(x).max() > 0.001  # sound, not silence
+    assert reply.usage.completion_tokens == chat(c).usage.completion_tokens
+
+
+def test_the_request_log_line_is_the_chats(server, caplog):
+    """The speech is metered and gated as its own request, but the HTTP request's log line keeps
+    the chat's model, waits and tokens."""
+    caplog.set_level("INFO", logger="tiergate.requests")
+    reply = client(server).chat.completions.with_raw_response.create(
+        model="tiny-chat", messages=ASK, max_tokens=12, temperature=0, extra_headers={"x-request-id": "spoken-1"},
+        **SPOKEN).parse()
+    line = next(r.request for r in caplog.records if getattr(r, "request", {}).get("request_id") == "spoken-1")
+    assert (line["model"], line["completion_tokens"], line["status"]) == \
+        ("tiny-chat", reply.usage.completion_tokens, 200)
+
+
+def test_the_speech_is_metered_as_a_speech_request_of_the_tier(server):
+    """A subscriber's spoken reply: one subscriber speech request in /metrics, and the audio's
+    seconds in the key's usage (on the speech model)."""
+    def seen() -> tuple[float, float]:
+        text = httpx.get(f"{server.url}/metrics").text
+        found = re.search(r'^tiergate_request_seconds_count\{(?=[^}]*tier="subscriber")(?=[^}]*endpoint="speech")[^}]*\}'
+                          r" (\S+)$", text, re.M)
+        r = httpx.get(f"{server.url}/admin/usage", params={"group_by": "tier", "model": "tiny-tts"},
+                      headers={"Authorization": f"Bearer {server.keys['admin']}"})
+        assert r.status_code == 200, r.text
+        said = sum(row.get("audio_out_seconds", 0) for row in r.json()["data"] if row.get("tier") == "subscriber")
+        return float(found.group(1)) if found else 0.0, said
+
+    before = seen()
+    message = chat(client(server, "subscriber"), **SPOKEN).choices[0].message
+    x, rate = sf.read(io.BytesIO(base64.b64decode(message.audio.data)))
+    after = seen()
+    assert after[0] == before[0] + 1
+    assert after[1] == pytest.approx(before[1] + len(x) / rate, abs=0.01)
+
+
+@pytest.mark.parametrize("fmt", ["mp3", "flac", "opus", "aac"])
+def test_every_format_decodes_to_the_same_speech(server, fmt):
+    from workers.audio import supported_speech_formats
+
+    if fmt not in supported_speech_formats():
+        pytest.skip(f"this libsndfile cannot write {fmt}")
+    c = client(server)
+    message = chat(c, modalities=["text", "audio"], audio={"voice": "alloy", "format": fmt}).choices[0].message
+    data = base64.b64decode(message.audio.data)
+    samples, rate = speech_samples(c, message.audio.transcript)
+    if fmt == "aac":
+        with av.open(io.BytesIO(data)) as f:
+            decoded = np.concatenate([frame.to_ndarray().ravel() for frame in f.decode(audio=0)])
+            seconds = len(decoded) / f.streams.audio[0].rate
+    else:
+        x, got = sf.read(io.BytesIO(data))
+        seconds = len(x) / got
+    assert abs(seconds - samples / rate) < 0.1  # encoders pad to their frames and may resample
+
+
+def test_a_streamed_spoken_reply_sends_the_transcript_then_pcm16_at_24khz(server):
+    c = client(server)
+    whole = chat(c, **SPOKEN).choices[0].message.audio.transcript
+    chunks = list(chat(c, stream=True, modalities=["text", "audio"], audio={"voice": "alloy", "format": "pcm16"}))
+    deltas = [(ch.choices[0].delta.model_extra or {}).get("audio") for ch in chunks if ch.choices]
+    opening, final = deltas[0], deltas[-1]
+    assert opening["transcript"] == "" and opening["id"].startswith("audio_")
+    assert chunks[0].choices[0].delta.content is None
+    transcript = "".join(d.get("transcript", "") for d in deltas if d)
+    assert transcript == whole
+    first_data = next(i for i, d in enumerate(deltas) if d and "data" in d)
+    assert all(not (d and "transcript" in d) for d in deltas[first_data:])  # the words, then their sound
+    pcm = b"".join(base64.b64decode(d["data"]) for d in deltas if d and "data" in d)
+    assert len(pcm) % 2 == 0
+    samples, rate = speech_samples(c, whole)
+    sentences = whole.count(".") + whole.count("!") + whole.count("?") + 1  # each resampled apart: rounding
+    assert abs(len(pcm) // 2 - samples * PCM16_RATE / rate) <= sentences
+    assert final == {"id": opening["id"], "expires_at": final["expires_at"]}
+    assert chunks[-1].choices[0].finish_reason == "length"
+    assert all(ch.choices[0].finish_reason is None for ch in chunks[:-1] if ch.choices)
+    # and the id reads back as the transcript in the next turn
+    back = chat(c, messages=[*ASK, {"role": "assistant", "audio": {"id": opening["id"]}},
+                             {"role": "user", "content": "And?"}])
+    said = chat(c, messages=[*ASK, {"role": "assistant", "content": whole}, {"role": "user", "content": "And?"}])
+    assert back.usage.prompt_tokens == said.usage.prompt_tokens
+
+
+def test_a_later_turn_sends_the_reply_back_by_its_audio_id(server):
+    c = client(server)
+    message = chat(c, **SPOKEN).choices[0].message
+    turn = [*ASK, {"role": "assistant", "audio": {"id": message.audio.id}}, {"role": "user", "content": "More?"}]
+    written = [*ASK, {"role": "assistant", "content": message.audio.transcript}, {"role": "user", "content": "More?"}]
+    assert (chat(c, messages=turn).choices[0].message.content, chat(c, messages=turn).usage.prompt_tokens) == \
+        (chat(c, messages=written).choices[0].message.content, chat(c, messages=written).usage.prompt_tokens)
+    # another key's reply, an id never made, and audio on a user message are 400s naming the field
+    for key, sent, param in [
+        (client(server, "free"), {"role": "assistant", "audio": {"id": message.audio.id}}, "messages[2].audio.id"),
+        (c, {"role": "assistant", "audio": {"id": "audio_nope"}}, "messages[2].audio.id"),
+        (c, {"role": "assistant", "audio": {"id": message.audio.id, "data": "x"}}, "messages[2].audio"),
+        (c, {"role": "user", "audio": {"id": message.audio.id}}, "messages[2].audio"),
+    ]:
+        with pytest.raises(openai.BadRequestError) as caught:
+            chat(key, messages=[*ASK, sent, {"role": "user", "content": "More?"}])
+        assert caught.value.body["param"] == param, sent
+
+
+def test_what_cannot_be_spoken_is_refused_before_anything_is_written(server):
+    c = client(server)
+    for kw, param, code in [
+        ({"model": "tiny-chat-mute", **SPOKEN}, "modalities", "audio_output_not_supported"),
+        ({"modalities": ["text", "audio"]}, "audio", "missing_required_parameter"),
+        ({"audio": SPOKEN["audio"]}, "audio", "invalid_value"),
+        ({"modalities": ["audio"], "audio": SPOKEN["audio"]}, "modalities", "invalid_value"),
+        ({**SPOKEN, "audio": {"voice": "nobody", "format": "wav"}}, "audio.voice", "invalid_value"),
+        ({**SPOKEN, "audio": {"voice": "alloy", "format": "ogg"}}, "audio.format", "invalid_value"),
+        ({**SPOKEN, "stream": True}, "audio.format", "invalid_value"),
+    ]:
+        with pytest.raises(openai.BadRequestError) as caught:
+            chat(c, **kw)
+        assert (caught.value.body["param"], caught.value.body["code"]) == (param, code), kw
+
+
+def test_a_reply_with_only_tool_calls_is_not_said(server):
+    c = client(server)
+    tool = {"type": "function", "function": {"name": "lookup", "parameters": {"type": "object", "properties": {
+        "q": {"type": "string", "maxLength": 4}}, "required": ["q"], "additionalProperties": False}}}
+    reply = c.chat.completions.create(model="tiny-chat", messages=ASK, max_tokens=40, temperature=0, tools=[tool],
+                                      tool_choice="required", **SPOKEN)
+    message = reply.choices[0].message
+    assert message.tool_calls and message.audio is None and message.content is None
+
+
+def test_a_batch_line_and_a_stored_completion(server):
+    c = client(server)
+    body = {"model": "tiny-chat", "messages": ASK, "max_tokens": 12, "temperature": 0, **SPOKEN}
+    batch = run_batch(c, "/v1/chat/completions", [{"custom_id": "a", "method": "POST", "url": "/v1/chat/completions",
+                                                   "body": body}])
+    assert batch.request_counts.completed == 1
+    line = json.loads(c.files.content(batch.output_file_id).text)
+    audio = line["response"]["body"]["choices"][0]["message"]["audio"]
+    assert audio["transcript"] == chat(c).choices[0].message.content
+    assert sf.read(io.BytesIO(base64.b64decode(audio["data"])))[0].size > 0
+    # stored: the transcript and the id, not the file
+    reply = chat(c, store=True, **SPOKEN)
+    stored = c.chat.completions.retrieve(reply.id).choices[0].message
+    assert stored.audio.transcript == reply.choices[0].message.audio.transcript
+    assert stored.audio.id == reply.choices[0].message.audio.id and not stored.audio.data
+
+
+def test_audio_output_must_name_a_text_to_speech_model(tiny_chat, tiny_tts, tmp_path):
+    from gateway.config import ConfigError, load_config
+
+    config = write_config(tmp_path, {"tiny-chat": ("chat", tiny_chat), "tiny-tts": ("tts", tiny_tts)})
+    speaking(config, tiny_chat, "tiny-chat")
+    with pytest.raises(ConfigError, match=r"models\[0\].engine.audio_output: 'tiny-chat' is not a text-to-speech model"):
+        load_config(config)
+
+
+def test_spoken_replies_are_kept_for_their_key_until_they_expire():
+    now = [1000.0]
+    kept = SpokenReplies(kept_s=60, max_items=2, clock=lambda: now[0])
+    assert kept.put("k1", "audio_a", "one") == 1060
+    kept.put("k1", "audio_b", "two")
+    assert (kept.get("k1", "audio_a"), kept.get("k2", "audio_a"), kept.get("k1", "audio_z")) == ("one", None, None)
+    kept.put("k2", "audio_c", "three")  # past max_items: the oldest goes
+    assert (kept.get("k1", "audio_a"), kept.get("k1", "audio_b"), kept.get("k2", "audio_c")) == (None, "two", "three")
+    now[0] = 1060.0
+    assert kept.get("k1", "audio_b") is None and kept.get("k2", "audio_c") is None
+    assert math.isclose(kept.put("k1", "audio_d", "four"), 1120)
+
+
+def test_a_reply_the_speech_model_cannot_say_is_no_audio_not_an_error():
+    """A written reply of only characters the speech model does not know (emoji, for VITS'
+    character vocabulary) was already sent to the engine and paid for: it is said as nothing
+    (``SpeechJob.quiet``), where /v1/audio/speech answers such an input with a 400."""
+    import asyncio
+
+    from gateway.audio import _first_sentence
+    from gateway.errors import APIError
+    from gateway.output_audio import Voice
+    from workers.base import StepContext
+
+    class Unspeaking:
+        def synthesize(self, request, ctx):
+            raise ValueError("input has no speakable text")
+
+    voice = Voice("tiny-tts", "alloy", "wav", None, 16000)
+    ctx, chunks, first = asyncio.run(_first_sentence(Unspeaking(), voice.job("💥💥"), StepContext()))
+    assert (list(chunks), first) == ([], None)
+    with pytest.raises(APIError) as caught:
+        asyncio.run(_first_sentence(Unspeaking(), dataclasses.replace(voice.job("💥💥"), quiet=False), StepContext()))
+    assert (caught.value.status, caught.value.param) == (400, "input")
