@@ -12,6 +12,7 @@ import io
 import json
 import math
 import re
+import time
 
 import av
 import httpx
@@ -50,7 +51,7 @@ def client(server, tier="paid") -> openai.OpenAI:
 
 
 def chat(c: openai.OpenAI, messages=ASK, model="tiny-chat", **kw):
-    return c.chat.completions.create(model=model, messages=messages, max_tokens=12, temperature=0, **kw)
+    return c.chat.completions.create(**{"model": model, "messages": messages, "max_tokens": 12, "temperature": 0, **kw})
 
 
 def speech_samples(c: openai.OpenAI, text: str) -> tuple[int, int]:
@@ -84,7 +85,11 @@ def test_the_request_log_line_is_the_chats(server, caplog):
     reply = client(server).chat.completions.with_raw_response.create(
         model="tiny-chat", messages=ASK, max_tokens=12, temperature=0, extra_headers={"x-request-id": "spoken-1"},
         **SPOKEN).parse()
-    line = next(r.request for r in caplog.records if getattr(r, "request", {}).get("request_id") == "spoken-1")
+    deadline = time.monotonic() + 10  # the line is logged once the response's last byte has gone out
+    while not (lines := [r.request for r in caplog.records if getattr(r, "request", {}).get("request_id") == "spoken-1"]):
+        assert time.monotonic() < deadline, "no request log line"
+        time.sleep(0.01)
+    line = lines[0]
     assert (line["model"], line["completion_tokens"], line["status"]) == \
         ("tiny-chat", reply.usage.completion_tokens, 200)
 
@@ -262,3 +267,22 @@ def test_a_reply_the_speech_model_cannot_say_is_no_audio_not_an_error():
     with pytest.raises(APIError) as caught:
         asyncio.run(_first_sentence(Unspeaking(), dataclasses.replace(voice.job("💥💥"), quiet=False), StepContext()))
     assert (caught.value.status, caught.value.param) == (400, "input")
+
+
+def test_each_choice_is_said_apart(server):
+    c = client(server)
+    whole = chat(c, n=2, seed=5, temperature=1.0, **SPOKEN)
+    chunks = list(chat(c, n=2, seed=5, temperature=1.0, stream=True, modalities=["text", "audio"],
+                       audio={"voice": "alloy", "format": "pcm16"}))
+    by_choice: dict[int, list[dict]] = {0: [], 1: []}
+    for ch in chunks:
+        for choice in ch.choices:
+            if (choice.delta.model_extra or {}).get("audio"):
+                by_choice[choice.index].append(choice.delta.model_extra["audio"])
+    ids = set()
+    for i, deltas in by_choice.items():
+        assert "".join(d.get("transcript", "") for d in deltas) == whole.choices[i].message.audio.transcript
+        assert b"".join(base64.b64decode(d["data"]) for d in deltas if "data" in d)
+        ids.add(deltas[-1]["id"])
+        assert deltas[-1]["id"] == deltas[0]["id"] and deltas[-1]["expires_at"]
+    assert len(ids) == 2 and ids.isdisjoint({c.message.audio.id for c in whole.choices})
