@@ -211,6 +211,9 @@ async def delete_file(request: Request) -> Response:
 # -- uploads (a file in parts: client.uploads.upload_file_chunked) ------------------------------
 
 UPLOAD_MIME_TYPES = ("application/jsonl", "application/x-ndjson", "application/json", "text/jsonl", "text/plain")
+IMAGE_MIME_TYPES = ("image/png", "image/jpeg", "image/webp", "image/gif")
+# what an upload of each purpose may declare itself to be (documents: any type; their text is read when used)
+MIME_TYPES_BY_PURPOSE = {"batch": UPLOAD_MIME_TYPES, "fine-tune": UPLOAD_MIME_TYPES, "vision": IMAGE_MIME_TYPES}
 
 
 class UploadCreate(BaseModel):
@@ -253,13 +256,17 @@ async def _shown(runner: Runner, upload: UploadInfo) -> dict:
 
 
 async def create_upload(request: Request) -> Response:
-    """POST /v1/uploads: an upload that takes parts for an hour, then ``complete`` makes the file."""
+    """POST /v1/uploads: an upload that takes parts for an hour, then ``complete`` makes the file, of
+    any purpose ``POST /v1/files`` takes (a batch's lines, a document for a vector store, ...)."""
     svc, _, caller = _context(request)
     body = parse(UploadCreate, await read_json(request, svc.config.limits.max_body))
-    if body.purpose != "batch":
-        raise bad_request(f"purpose is {body.purpose!r}; this server takes only 'batch' files", "purpose")
-    if body.mime_type not in UPLOAD_MIME_TYPES:
-        raise bad_request(f"mime_type is {body.mime_type!r}; a batch file is JSON lines: one of {', '.join(UPLOAD_MIME_TYPES)}",
+    if body.purpose not in PURPOSES:
+        raise bad_request(f"purpose is {body.purpose!r}; this server takes {', '.join(map(repr, PURPOSES))} files",
+                          "purpose")
+    allowed = MIME_TYPES_BY_PURPOSE.get(body.purpose)
+    if allowed is not None and body.mime_type not in allowed:
+        what = "an image" if body.purpose == "vision" else "JSON lines"
+        raise bad_request(f"mime_type is {body.mime_type!r}; a {body.purpose} file is {what}: one of {', '.join(allowed)}",
                           "mime_type", "unsupported_mime_type")
     if body.bytes > svc.config.batch.max_file_bytes:
         raise bad_request(f"bytes is {body.bytes}; this server takes files of at most {svc.config.batch.max_file_bytes} bytes",
@@ -330,7 +337,8 @@ async def complete_upload(request: Request) -> Response:
                           "part_ids", "bytes_mismatch")
     if body.md5 is not None and await asyncio.to_thread(lambda: hashlib.md5(content).hexdigest()) != body.md5.lower():
         raise bad_request("the parts' md5 is not the one given", "md5", "md5_mismatch")
-    info = await _new_file(svc, runner, caller, upload.filename, content, upload.file_expires_after_s, "part_ids")
+    info = await _new_file(svc, runner, caller, upload.filename, content, upload.file_expires_after_s, "part_ids",
+                           upload.purpose)
     ended = await _uploads(request).end(upload.id, "completed", info.id, time.time())
     if ended is None:  # another call completed or cancelled it meanwhile (or it expired): one file only
         await runner.store.delete_file(info.id)

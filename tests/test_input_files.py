@@ -52,6 +52,21 @@ def same(got, want) -> None:
     assert (got.output_text, got.usage.input_tokens) == (want.output_text, want.usage.input_tokens)
 
 
+def test_a_document_uploaded_in_parts_is_read_as_one_sent_whole(server, tmp_path):
+    """The Uploads API makes a file of any purpose the Files API takes: a PDF sent in parts
+    (``upload_file_chunked``, as a client sends one too large for one request) is a user_data
+    file that reads as the same text."""
+    c = client(server)
+    pdf = tiny_pdf(GOLD * 3)  # ~1 KiB: three parts, and a prompt within the model's context
+    path = tmp_path / "treasure.pdf"
+    path.write_bytes(pdf)
+    upload = c.uploads.upload_file_chunked(file=path, mime_type="application/pdf", purpose="user_data",
+                                           part_size=len(pdf) // 3 + 1)
+    assert (upload.status, upload.file.purpose, upload.file.bytes) == ("completed", "user_data", len(pdf))
+    assert c.files.content(upload.file.id).content == pdf
+    same(ask(c, {"type": "input_file", "file_id": upload.file.id}), ask(c, as_text(pdf, "treasure.pdf")))
+
+
 def test_a_document_is_read_as_its_text_by_file_id_or_inline(server):
     c = client(server)
     pdf = tiny_pdf(GOLD)

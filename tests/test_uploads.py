@@ -1,4 +1,4 @@
-"""The Uploads API (a batch input file sent in parts): the openai SDK's ``upload_file_chunked`` to
+"""The Uploads API (a file sent in parts; here a batch input): the openai SDK's ``upload_file_chunked`` to
 a batch that runs from the file it made, every refusal over HTTP, and the store's contract on
 SQLite and Redis (parts never past the declared bytes, even sent at once; one end only)."""
 
@@ -79,8 +79,12 @@ def test_refusals(server, monkeypatch):
         return c.uploads.create(**{"bytes": 10, "filename": "x.jsonl", "mime_type": "application/jsonl",
                                    "purpose": "batch", **kw})
 
-    assert refusal(lambda: create(purpose="fine-tune"))["param"] == "purpose"
-    assert refusal(lambda: create(mime_type="image/png"))["code"] == "unsupported_mime_type"
+    assert refusal(lambda: create(purpose="nope"))["param"] == "purpose"
+    assert refusal(lambda: create(mime_type="image/png"))["code"] == "unsupported_mime_type"  # batch lines
+    assert refusal(lambda: create(purpose="vision", mime_type="application/jsonl"))["code"] == "unsupported_mime_type"
+    picture = create(purpose="vision", mime_type="image/png")  # what it holds is checked when it is completed
+    not_png = refusal(lambda: c.uploads.complete(upload_id=picture.id, part_ids=parts_of(c, picture.id, b"0123456789")))
+    assert (not_png["code"], not_png["param"]) == ("invalid_file", "part_ids")
     assert refusal(lambda: create(bytes=65 * 1024))["code"] == "file_too_large"  # max_file_bytes: 64KiB
     assert refusal(lambda: create(bytes=-1))["param"] == "bytes"
     upload = create()
