@@ -82,6 +82,7 @@ class ChatJob:
     # (an image URL, a long data: URL) is read by ``with_images`` before the job is served
     images: tuple[bytes | PendingImage, ...] = ()
     own_adapter: bool = False  # ``model`` named the stack's first adapter (whose refusal names ``model``)
+    prediction: str | None = None  # Predicted Outputs' text (``ChatRequest.prediction``)
 
 
 @dataclass
@@ -139,7 +140,8 @@ def plan_chat(svc: Services, body: ChatCompletionRequest) -> ChatJob:
     return ChatJob(spec.name, body.messages_as_dicts(), params, stack, tools, body.n, body.service_tier,
                    stream=bool(body.stream), template_kwargs=body.template_kwargs(),
                    reasoning=getattr(engine, "reasoning_parser", "none"),
-                   include_reasoning=body.include_reasoning, images=images, own_adapter=names_own(body.model, stack))
+                   include_reasoning=body.include_reasoning, images=images, own_adapter=names_own(body.model, stack),
+                   prediction=body.prediction.text() if body.prediction is not None else None)
 
 
 async def with_images(svc: Services, job: ChatJob) -> ChatJob:
@@ -301,7 +303,8 @@ async def _first_event(serving: Serving, job: ChatJob, params: ChatParams,
     req = ChatRequest(job.messages, params, priority=serving.rank, ctx=ctx, adapters=job.stack,
                       tools=job.tools.template_tools(), template_kwargs=job.template_kwargs,
                       prompt_ids=job.prompt_ids, stream=job.stream, reasoning=job.reasoning != "none", images=job.images,
-                      cache_salt=serving.caller.key_id if serving.svc.config.server.prefix_cache == "per_key" else None)
+                      cache_salt=serving.caller.key_id if serving.svc.config.server.prefix_cache == "per_key" else None,
+                      prediction=job.prediction)
     events = serving.worker.chat(req)
     try:
         return events, await events.__anext__(), ctx
@@ -412,7 +415,10 @@ def _usage(choices: list[Reply] | list[ChoiceDelta]) -> dict:
     return {"prompt_tokens": prompt, "completion_tokens": completion_tokens,
             "total_tokens": prompt + completion_tokens,
             "prompt_tokens_details": {"cached_tokens": finished[0].cached_tokens if finished else 0},
-            "completion_tokens_details": {"reasoning_tokens": sum(c.reasoning_tokens for c in choices)}}
+            "completion_tokens_details": {
+                "reasoning_tokens": sum(c.reasoning_tokens for c in choices),
+                "accepted_prediction_tokens": sum(f.accepted_prediction_tokens for f in finished),
+                "rejected_prediction_tokens": sum(f.rejected_prediction_tokens for f in finished)}}
 
 
 # -- HTTP -------------------------------------------------------------------------------------------

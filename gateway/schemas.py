@@ -231,6 +231,18 @@ class StreamOptions(_Body):
     include_obfuscation: bool | None = None  # accepted; no padding field is added to the chunks
 
 
+class Prediction(_Body):
+    """``prediction``: Predicted Outputs, text the reply is expected to repeat (a file being
+    edited): an engine that checks it writes what matches it in one pass. The reply is the same
+    with it or without it."""
+
+    type: Literal["content"]
+    content: str | list[TextPart]
+
+    def text(self) -> str:
+        return self.content if isinstance(self.content, str) else "".join(p.text for p in self.content)
+
+
 class SpokenReply(_Body):
     """``audio``: how a reply asked for with ``modalities: ["text", "audio"]`` is said
     (gateway/output_audio.py)."""
@@ -313,6 +325,7 @@ class ChatCompletionRequest(EndUser):
     verbosity: Literal["low", "medium", "high"] | None = None  # accepted; the model decides
     modalities: list[str] | None = None  # ["text"], or ["text", "audio"]: a spoken reply (gateway/output_audio.py)
     audio: SpokenReply | None = None  # the spoken reply's voice and format
+    prediction: Prediction | None = None  # Predicted Outputs
     reasoning_effort: Literal["none", "minimal", "low", "medium", "high", "xhigh"] | None = None  # to the template
     chat_template_kwargs: dict[str, Any] | None = None  # vLLM's extension: the chat template's own variables
     include_reasoning: bool = True  # vLLM's extension: false leaves a reasoning model's thinking out

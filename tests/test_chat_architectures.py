@@ -123,3 +123,20 @@ def test_a_lora_on_every_linear_layer_matches_peft_merged(server, families, adap
     assert styled.choices[0].message.content == expected
     assert [e.logprob for e in styled.choices[0].logprobs.content] == pytest.approx(logprobs, abs=LOGPROB_ATOL)
     assert reference(families[family])[1] != pytest.approx(logprobs, abs=LOGPROB_ATOL)  # the adapter changes it
+
+
+@pytest.mark.parametrize("family", list(CONFIGS))
+def test_a_prediction_checked_in_the_prefill_leaves_the_answer_as_generate_gives_it(server, families, family):
+    """Predicted Outputs on each family's cache (Gemma's sliding-window layers among them): the
+    prediction, the reference answer with its second half changed, is checked in the prefill's one
+    pass and cut back where the answer leaves it; the answer and its log probabilities stay
+    generate's."""
+    c = openai.OpenAI(base_url=server.base_url, api_key=server.keys["paid"], max_retries=0, timeout=120)
+    expected, logprobs = reference(families[family])
+    prediction = expected[: len(expected) // 2] + "#~#~#~"
+    got = c.chat.completions.create(model=family, messages=MESSAGES, max_tokens=TOKENS, temperature=0, logprobs=True,
+                                    prediction={"type": "content", "content": prediction})
+    assert got.choices[0].message.content == expected
+    assert [e.logprob for e in got.choices[0].logprobs.content] == pytest.approx(logprobs, abs=LOGPROB_ATOL)
+    details = got.usage.completion_tokens_details
+    assert details.accepted_prediction_tokens + details.rejected_prediction_tokens > 0

@@ -179,6 +179,8 @@ ENDPOINTS = {
          "function_call": st.sampled_from(["none", "auto", "required"]) | st.fixed_dictionaries({"name": TOOL_NAME}),
          "response_format": FORMAT, "adapters": ADAPTERS, "store": st.booleans(), **END_USER,
          "verbosity": st.sampled_from(["low", "high", "max"]), "modalities": st.lists(st.sampled_from(["text", "audio"]), max_size=2),
+         "prediction": st.fixed_dictionaries({"type": st.sampled_from(["content", "text"]) | ANY_JSON},
+                                             optional={"content": TEXT | st.lists(PART, max_size=2) | ANY_JSON}),
          "audio": st.fixed_dictionaries({}, optional={"voice": st.sampled_from(["alloy", "amy", "nobody", ""]) | ANY_JSON,
                                                       "format": st.sampled_from(["wav", "pcm16", "mp3", "ogg"]) | ANY_JSON}),
          "model": st.sampled_from(["tiny-chat", "tiny-vlm", "tiny-embed", "tiny-image", "nope", ""])}),

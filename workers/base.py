@@ -186,6 +186,10 @@ class ChatRequest:
     # vLLM's prefix cache: blocks are reused only among requests with the same salt (the caller's
     # key, unless tiers.yaml's server.prefix_cache is shared); None: shared with every request
     cache_salt: str | None = None
+    # Predicted Outputs: text the reply is expected to repeat. The transformers engine checks it in the
+    # prefill's one pass and keeps the tokens the reply would have had anyway (the reply is the same
+    # with or without it); other engines may ignore it
+    prediction: str | None = None
 
 
 @dataclass(frozen=True)
@@ -218,6 +222,10 @@ class ChatFinished:
     # prompt tokens the engine read from its prefix cache instead of computing them (vLLM's
     # num_cached_tokens, of the request's first pass); 0 on the transformers engine, which keeps none
     cached_tokens: int = 0
+    # ``ChatRequest.prediction``, as an engine that checked it counts it: the predicted tokens the reply
+    # kept, and those it did not (both 0 where the prediction was not checked)
+    accepted_prediction_tokens: int = 0
+    rejected_prediction_tokens: int = 0
 
 
 ChatEvent = TextDelta | ChatFinished

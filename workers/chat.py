@@ -124,6 +124,16 @@ class _Seq:
     decoded: int = 0  # generated tokens fed to ``detok`` so far
     text: str = ""  # their text: every complete character so far
     vision: dict | None = None  # a prompt with images: the vision tower's inputs (``pixel_values``), for every prefill
+    draft: list[int] = field(default_factory=list)  # the prediction's tokens, checked in the first prefill
+
+    def prediction_counts(self) -> tuple[int, int]:
+        """(accepted, rejected) tokens of the prediction: those the reply begins with, and the rest."""
+        accepted = 0
+        for made, predicted in zip(self.generated, self.draft):
+            if made != predicted:
+                break
+            accepted += 1
+        return accepted, len(self.draft) - accepted
 
     @property
     def holds_text(self) -> bool:
@@ -331,6 +341,7 @@ class ChatWorker(ThreadWorker):
             grammar=grammar,
             thinking=grammar is not None and req.reasoning and req.ctx.prompt_thinking != "closed",
             vision=vision,
+            draft=self._draft(req, len(ids)),
         )
         self._inbox.put(seq)
         try:
@@ -343,6 +354,14 @@ class ChatWorker(ThreadWorker):
                     return
         finally:
             req.ctx.cancel()  # no-op when finished; stops the row when the consumer left early
+
+    def _draft(self, req: ChatRequest, prompt_len: int) -> list[int]:
+        """The prediction's tokens the first prefill checks: no more than the reply may have, and
+        within the context after the prompt (none for a prompt whose every place is scored)."""
+        if not req.prediction or req.params.prompt_logprobs is not None:
+            return []
+        room = min(req.params.max_tokens, self.context_length - prompt_len) - 1  # the pass samples one more
+        return self.tokenizer.encode(req.prediction, add_special_tokens=False)[: max(room, 0)]
 
     # -- engine thread -----------------------------------------------------------------------
     def _run(self) -> None:
@@ -432,14 +451,16 @@ class ChatWorker(ThreadWorker):
         from transformers import DynamicCache
 
         fresh = seq.ids[:-1] if seq.generated else list(seq.ids)
+        draft = [] if seq.generated else seq.draft  # a new sequence's prediction rides its prefill
         cache = DynamicCache()
-        ids = torch.tensor([fresh], device=self.device)
+        ids = torch.tensor([fresh + draft], device=self.device)
         self._yielding = [seq] if seq.req.ctx.pause_check is not None else None
         started = self.clock()
         every_place = not seq.generated and seq.params.prompt_logprobs is not None
+        kept = {name: len(draft) + 1 for name in self._last_logits}  # the places whose next token is sampled
         try:
             out = self.model(input_ids=ids, past_key_values=cache, use_cache=True, **self._vision(seq),
-                             **({} if every_place else self._last_logits))
+                             **({} if every_place else kept))
         except _Yield:
             self._charge([seq], started)
             return
@@ -447,6 +468,7 @@ class ChatWorker(ThreadWorker):
             self._yielding = None
         self._charge([seq], started)
         self._waiting.remove(seq)
+        cached = len(fresh)
         if not seq.generated:  # a new sequence: its first token comes from the prefill
             if every_place:
                 seq.emit(TextDelta("", None, self._prompt_logprobs(out.logits[0], fresh, seq.params.prompt_logprobs)))
@@ -454,9 +476,20 @@ class ChatWorker(ThreadWorker):
                 seq.done = True
                 seq.emit(ChatFinished("length", seq.prompt_len, 0))
                 return
-            if self._sample_or_fail(seq, out.logits[0, -1]):
-                return
-        _merge(batch, seq, out.past_key_values, len(fresh), self.device)
+            logits = out.logits[0, -(len(draft) + 1):]
+            for place, predicted in enumerate([*draft, None]):
+                # the token sampled here is the reply's own: sampling place by place, each given the
+                # tokens before it, is sampling the reply. While it is the predicted one, the next
+                # place's logits (computed with it) are the reply's next; the first other token
+                # ends the check, and the cache keeps the places before it
+                if self._sample_or_fail(seq, logits[place]):
+                    return
+                if seq.ids[-1] != predicted:
+                    break
+                cached += 1
+            if cached < len(fresh) + len(draft):  # the places after the first other token go
+                out.past_key_values.crop(cached - len(fresh) - len(draft))
+        _merge(batch, seq, out.past_key_values, cached, self.device)
 
     def _vision(self, seq: _Seq) -> dict[str, torch.Tensor]:
         """The vision tower's inputs of ``seq``'s prompt on the model's device (pixels in its
@@ -603,7 +636,7 @@ class ChatWorker(ThreadWorker):
             seq.emit(TextDelta("", seq.take_logprobs()))
         seq.done = True
         think = chat_prompt.tokens_through_think_end(self._decode, gen, self._think_end) if seq.req.reasoning else None
-        seq.emit(ChatFinished(reason, seq.prompt_len, len(gen), think))
+        seq.emit(ChatFinished(reason, seq.prompt_len, len(gen), think, 0, *seq.prediction_counts()))
         return True
 
     def _decode(self, ids: list[int]) -> str:
