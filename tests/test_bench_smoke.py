@@ -81,6 +81,7 @@ MODEL_SMOKES = {
     "bench_encoders.py": ("--models-dir", "{demo}"),
     "bench_realtime.py": ("--models-dir", "{demo}"),
     "bench_decode.py": ("--model", "{chat}"),
+    "bench_prediction.py": ("--model", "{chat}"),
     "bench_tuning.py": ("--models-dir", "{demo}"),
 }
 
