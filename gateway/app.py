@@ -223,6 +223,7 @@ def routes() -> list[BaseRoute]:
         Route("/v1/completions", completions.completions, methods=["POST"]),
         Route("/v1/responses", responses_api.create_response, methods=["POST"]),
         Route("/v1/responses/input_tokens", responses_api.count_input_tokens, methods=["POST"]),
+        Route("/v1/responses/compact", responses_api.compact_response, methods=["POST"]),
         Route("/healthz", healthz, methods=["GET"]),
         Route("/readyz", readyz, methods=["GET"]),
         Route("/metrics", metrics, methods=["GET"]),

@@ -45,6 +45,7 @@ The HTTP handlers are in ``gateway.responses_api``; background responses run in
 from __future__ import annotations
 
 import asyncio
+import base64
 import contextlib
 import json
 import logging
@@ -222,7 +223,30 @@ _ITEM_KEYS = {
     # an earlier response's file search, sent back as the Agents SDK sends every output item: listed,
     # not rendered (a response searches again with its own input)
     "file_search_call": {"type", "id", "queries", "status", "results"},
+    # what POST /v1/responses/compact made of a conversation's earlier turns: read as their summary
+    "compaction": {"type", "id", "encrypted_content", "created_by", "status"},
 }
+COMPACTED = "A summary of the conversation before this point, which you wrote:\n"  # how a compaction item reads
+
+
+def compaction_item(summary: str) -> dict[str, Any]:
+    """The item that stands for a conversation's compacted turns. Its ``encrypted_content`` is
+    opaque to a client but not encrypted: the summary, as base64 of a small JSON document, so that
+    any server process reads it back (nothing is kept for it)."""
+    content = base64.urlsafe_b64encode(json.dumps({"v": 1, "summary": summary}).encode()).decode()
+    return {"id": new_item_id("cmp"), "type": "compaction", "encrypted_content": content}
+
+
+def _compacted(item: dict[str, Any], where: str) -> str:
+    """The summary a compaction item holds; 400 naming its ``encrypted_content`` when it holds none."""
+    try:
+        doc = json.loads(base64.urlsafe_b64decode(item["encrypted_content"].encode()))
+        if isinstance(doc, dict) and doc.get("v") == 1 and isinstance(doc.get("summary"), str):
+            return doc["summary"]
+    except (KeyError, AttributeError, TypeError, ValueError):
+        pass
+    raise bad_request("a compaction item's encrypted_content is what POST /v1/responses/compact made, as it made it",
+                      f"{where}.encrypted_content", "invalid_value")
 
 
 def input_messages(items: str | list[dict[str, Any]], name: str = "input", hosts: list[str] = ()) -> list[dict[str, Any]]:
@@ -240,12 +264,15 @@ def input_messages(items: str | list[dict[str, Any]], name: str = "input", hosts
         kind = item.get("type", "message")
         if kind not in _ITEM_KEYS:
             raise bad_request(f"input items of type {str(kind)[:40]!r} are not supported (message, function_call, "
-                              "function_call_output, reasoning, file_search_call)", f"{where}.type")
+                              "function_call_output, reasoning, file_search_call, compaction)", f"{where}.type")
         extra = sorted(set(item) - _ITEM_KEYS[kind])
         if extra:
             raise bad_request(f"unrecognized field of a {kind} item: {extra[0]}", f"{where}.{extra[0]}",
                               "unknown_parameter")
         if kind == "file_search_call":
+            continue
+        if kind == "compaction":
+            out.append({"role": "system", "content": COMPACTED + _compacted(item, where)})
             continue
         if kind == "reasoning":
             if not isinstance(item.get("summary", []), list) or not isinstance(item.get("content", []), list):
@@ -787,7 +814,7 @@ def given_items(given: str | list[dict[str, Any]] | None) -> list[dict[str, Any]
 
 
 _ID_PREFIX = {"message": "msg", "function_call": "fc", "function_call_output": "fco", "reasoning": "rs",
-              "file_search_call": "fs"}
+              "file_search_call": "fs", "compaction": "cmp"}
 
 
 # -- the response object ------------------------------------------------------------------------------

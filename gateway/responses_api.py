@@ -1,7 +1,9 @@
 """The Responses API's routes: ``POST /v1/responses``, ``GET`` and ``DELETE /v1/responses/{id}``
 (``GET`` with ``stream=true`` follows a streamed background response again),
 ``GET /v1/responses/{id}/input_items``, ``POST /v1/responses/{id}/cancel`` and
-``POST /v1/responses/input_tokens`` (the prompt's tokens, counted without running the model). The
+``POST /v1/responses/input_tokens`` (the prompt's tokens, counted without running the model),
+``POST /v1/responses/compact`` (a conversation's window compacted to its user messages and a
+summary). The
 model is ``gateway.responses``; background work runs in ``gateway.response_runs``.
 """
 
@@ -12,14 +14,16 @@ import logging
 import sys
 import time
 from dataclasses import replace
-from typing import AsyncGenerator, AsyncIterator
+from typing import Any, AsyncGenerator, AsyncIterator
+
+from pydantic import Field
 
 from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
 
 from gateway import service_tier
 from gateway.background import Background, EventLog
-from gateway.chat import ChoiceDelta, collect, served_caller, serve_chat
+from gateway.chat import ChoiceDelta, collect, plan_chat, served_caller, serve_chat
 from gateway.completions import processor_of, tokenizer_of
 from gateway.conversation_store import ConversationStore
 from gateway.errors import bad_request, not_found
@@ -28,9 +32,9 @@ from gateway.pages import cursor_page, page_query
 from gateway.response_runs import StoredEvents, replay, run_in_background
 from gateway.response_store import ResponseStore
 from gateway.responses import (RUNNING, Draft, InputTokensRequest, ResponseEvents, ResponsesRequest, closing_events,
-                               delta_events, input_items, new_item_id, plan_response, responses_names, shown,
-                               whole_output)
-from gateway.schemas import is_count, parse, read_json
+                               compaction_item, delta_events, input_items, new_item_id, plan_response, responses_names,
+                               shown, whole_output)
+from gateway.schemas import ChatCompletionRequest, EndUser, is_count, parse, read_json
 from gateway.service import Services
 from workers.base import ChatParams, ChatRequest, InvalidParam
 from workers.chat_prompt import encode, vision_inputs
@@ -112,6 +116,58 @@ async def count_input_tokens(request: Request) -> Response:
     except InvalidParam as exc:  # the chat template refused the input, or an image did not decode
         raise bad_request(str(exc), "input") from None
     return JSONResponse({"object": "response.input_tokens", "input_tokens": len(ids)})
+
+
+COMPACT_ASK = ("Write a summary of the conversation above for your own later use, in place of its turns: what was "
+               "asked, what you answered or did (your tool calls and what they returned), and what is still open. "
+               "Write only the summary.")
+
+
+class CompactRequest(EndUser):
+    """``POST /v1/responses/compact``: the conversation to compact, given as a response's would be."""
+
+    model: str = Field(min_length=1)
+    input: str | list[dict[str, Any]] | None = None
+    previous_response_id: str | None = Field(default=None, min_length=1)
+    instructions: str | None = None  # the compaction turn's own (not carried into the compacted window)
+    service_tier: str | None = None
+    prompt_cache_options: dict[str, Any] | None = None  # accepted, as prompt_cache_key is
+
+
+async def compact_response(request: Request) -> Response:
+    """POST /v1/responses/compact: a conversation's window compacted, as OpenAI's compaction makes
+    it: every user message as it was, then one ``compaction`` item that stands for the rest (the
+    assistant's turns, tool calls and their results), which a later response's input reads as a
+    summary the model wrote of them. The summary is one greedy turn of the model over the whole
+    window (gated, metered and limited as a response is), at most ``limits.max_chat_tokens``."""
+    svc: Services = request.app.state.services
+    caller = svc.admit_caller(request)
+    body = parse(CompactRequest, await read_json(request, svc.config.limits.max_body))
+    if body.input is None and body.previous_response_id is None:
+        raise bad_request("missing required parameter: input (or previous_response_id: the conversation to compact)",
+                          "input", "missing_required_parameter")
+    window = InputTokensRequest(model=body.model, input=body.input, previous_response_id=body.previous_response_id,
+                                service_tier=body.service_tier, store=False)
+    job = await plan_response(svc, caller, _store(request), window, request.app.state.conversations, write_queries=False)
+    system = [{"role": "system", "content": body.instructions}] if body.instructions else []
+    ask = {"model": body.model, "temperature": 0, "service_tier": body.service_tier,
+           "max_completion_tokens": svc.config.limits.max_chat_tokens,
+           "messages": system + job.conversation + [{"role": "user", "content": COMPACT_ASK}]}
+    with responses_names():
+        summary_job = plan_chat(svc, parse(ChatCompletionRequest, ask))
+        async with disconnect_signal(request) as gone:
+            (reply,), _ = await collect(serve_chat(svc, caller, replace(summary_job, images=job.chat.images), gone))
+    summary = "".join(reply.content).strip()
+    kept = [item for item in job.items if item.get("type", "message") == "message" and item.get("role") == "user"]
+    usage = reply.finished
+    return JSONResponse({
+        "id": new_item_id("resp"), "object": "response.compaction", "created_at": int(time.time()),
+        "output": kept + [compaction_item(summary)],
+        "usage": {"input_tokens": usage.prompt_tokens, "input_tokens_details": {"cached_tokens": usage.cached_tokens},
+                  "output_tokens": usage.completion_tokens,
+                  "output_tokens_details": {"reasoning_tokens": reply.reasoning_tokens},
+                  "total_tokens": usage.prompt_tokens + usage.completion_tokens}},
+        headers={"x-tiergate-tier": served_caller(svc, caller, summary_job).tier})
 
 
 async def get_response(request: Request) -> Response:

@@ -300,6 +300,13 @@ ADMIN_ONLY = ("/admin", "/v1/load_lora_adapter", "/v1/unload_lora_adapter")
 
 
 ENDPOINTS["/v1/responses/input_tokens"] = ENDPOINTS["/v1/responses"]  # what a response would be made from
+ENDPOINTS["/v1/responses/compact"] = (  # a window compacted: a response's input, and a compaction item's content
+    {"model": "tiny-chat", "input": "hi"},
+    {**{k: v for k, v in ENDPOINTS["/v1/responses"][1].items()
+        if k in ("input", "instructions", "previous_response_id", "service_tier", "model")},
+     "input": ENDPOINTS["/v1/responses"][1]["input"] | st.lists(st.fixed_dictionaries(
+         {"type": st.just("compaction")}, optional={"encrypted_content": TEXT | ANY_JSON, "id": TEXT}), max_size=2),
+     "prompt_cache_options": ANY_JSON})
 
 # the updates of stored objects: their paths name a real one, made when the test starts
 METADATA = st.dictionaries(TEXT, TEXT | ANY_JSON, max_size=18) | st.none()
