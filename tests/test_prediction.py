@@ -126,3 +126,33 @@ def test_a_malformed_prediction_is_a_400(server):
         with pytest.raises(openai.BadRequestError) as caught:
             client(server).chat.completions.create(model="tiny-chat", messages=ASK, max_tokens=2, prediction=bad)
         assert caught.value.body["param"].startswith(param), (bad, caught.value.body)
+
+
+@pytest.mark.parametrize("shaped", ["json_schema", "tools", "penalties", "logprobs"])
+def test_a_constrained_or_penalized_reply_is_the_same_with_its_own_text_predicted(server, shaped):
+    """What changes the sampling place by place (a grammar, tool-call parsing, penalties on the
+    tokens so far, logprobs) sees the predicted places in order, as it sees decode steps."""
+    kw = {"json_schema": {"response_format": {"type": "json_schema", "json_schema": {"name": "x", "schema": {
+              "type": "object", "properties": {"a": {"type": "string", "maxLength": 8}, "b": {"type": "boolean"}},
+              "required": ["a", "b"], "additionalProperties": False}}}},
+          "tools": {"tools": [{"type": "function", "function": {"name": "look", "parameters": {
+              "type": "object", "properties": {"q": {"type": "string", "maxLength": 6}}, "required": ["q"]}}}],
+                    "tool_choice": "required", "parallel_tool_calls": False},
+          "penalties": {"presence_penalty": 1.5, "frequency_penalty": 1.0, "temperature": 0.8, "seed": 3},
+          "logprobs": {"logprobs": True, "top_logprobs": 2}}[shaped]
+    plain, steps = reply(server, **kw)
+    message = plain.choices[0].message
+    text = message.content if message.content is not None else message.tool_calls[0].function.arguments
+    got, ran = reply(server, text, **kw)
+
+    def said(m):  # a call's id is new each time
+        return m.content, [(call.function.name, call.function.arguments) for call in m.tool_calls or []]
+
+    assert said(got.choices[0].message) == said(message)
+    if shaped != "tools":  # (a call's raw text is its <tool_call> markup, which the arguments do not begin)
+        assert got.usage.completion_tokens_details.accepted_prediction_tokens > 0  # the places were checked
+    if shaped == "logprobs":  # one pass and many steps sum in other orders: within fp32's reach
+        assert [e.token for e in got.choices[0].logprobs.content] == [e.token for e in plain.choices[0].logprobs.content]
+        assert [e.logprob for e in got.choices[0].logprobs.content] == \
+            pytest.approx([e.logprob for e in plain.choices[0].logprobs.content], abs=1e-4)
+    assert ran == steps - got.usage.completion_tokens_details.accepted_prediction_tokens
