@@ -21,9 +21,9 @@ utterances are transcribed in order. The key is checked once, at the handshake (
 ``openai-insecure-api-key.<key>``, as OpenAI takes it; a refused key gets an HTTP error before the
 upgrade). ``tiergate_realtime_sessions{tier}`` counts the sessions open.
 
-Not served (each refused with an error naming it): conversation sessions (``type: "realtime"``, a
-speech-to-speech model), ``semantic_vad``, noise reduction, and audio formats other than 24 kHz
-PCM16. Ephemeral client secrets (``/v1/realtime/client_secrets``) are not issued:
+A session opened on a chat model is a conversation instead (``gateway.realtime_conversation``,
+which builds on this one). Not served (each refused with an error naming it): ``semantic_vad``,
+noise reduction, and audio formats other than 24 kHz PCM16. Ephemeral client secrets (``/v1/realtime/client_secrets``) are not issued:
 a browser sends a key of its own, so give it a key with limits of its own (docs/ACCOUNTS.md).
 """
 
@@ -37,6 +37,7 @@ import json
 import logging
 import secrets
 from dataclasses import dataclass, replace
+from typing import Callable
 
 import numpy as np
 from starlette.websockets import WebSocket, WebSocketDisconnect, WebSocketState
@@ -93,9 +94,8 @@ def updated(config: SessionConfig, session: object, svc: Services, limits_prompt
     session = _object(session, "session")
     kind = session.get("type", "transcription")
     if kind != "transcription":
-        raise bad_request(f"only transcription sessions are served here, not type {kind!r} (a speech-to-speech "
-                          "conversation needs a realtime model, which this server does not run)",
-                          "session.type", "unsupported_session_type")
+        raise bad_request(f"this is a transcription session, not type {kind!r}: a conversation is a session opened "
+                          "on a chat model (/v1/realtime?model=<chat model>)", "session.type", "unsupported_session_type")
     for key in session:
         if key not in ("type", "audio", "include", "id", "object"):
             raise bad_request(f"unknown or unsupported session field {key!r} for a transcription session",
@@ -387,10 +387,12 @@ class TranscriptionSession:
                                                                               logprobs=config.logprobs))
         base = {"item_id": item, "content_index": 0}
         pieces = None
+        heard: str | None = None
         try:
             pieces = stream_transcription(self.svc, self.caller, job, self.gone)
             async for piece in pieces:
                 if isinstance(piece, Transcript):
+                    heard = piece.text
                     logprobs = {} if piece.logprobs is None else {"logprobs": token_entries(piece.logprobs)}
                     await self.send({"type": "conversation.item.input_audio_transcription.completed", **base,
                                      "transcript": piece.text, **logprobs,
@@ -409,6 +411,11 @@ class TranscriptionSession:
         finally:
             if pieces is not None:
                 await pieces.aclose()
+            await self.transcribed(item, heard)
+
+    async def transcribed(self, item: str, transcript: str | None) -> None:
+        """An utterance's transcription ended: its transcript, None when it failed (a conversation
+        session adds it to its user item)."""
 
     async def failed(self, base: dict, error: dict) -> None:
         await self.send({"type": "conversation.item.input_audio_transcription.failed", **base, "error": error})
@@ -423,28 +430,42 @@ def _subprotocol_key(ws: WebSocket) -> str | None:
     return None
 
 
-def _opening(ws: WebSocket, svc: Services) -> tuple[Caller, SessionConfig]:
-    """The handshake's checks: the key, the drain, the model the URL names (``?model=``)."""
+async def _opening(ws: WebSocket, svc: Services) -> tuple[Caller, Callable[[], TranscriptionSession]]:
+    """The handshake's checks: the key, the drain, the model the URL names (``?model=``): a
+    speech-to-text model (or none) opens a transcription session, a chat model a conversation
+    (``gateway.realtime_conversation``) unless ``?intent=transcription`` asks for the other."""
+    from gateway.realtime_conversation import ConversationSession, opening
+
     caller = svc.authenticate(ws, _subprotocol_key(ws))
     if ws.app.state.drain.draining:
         raise APIError(503, "the server is draining: open the session on another one", "draining")
     model = ws.query_params.get("model")
+    transcribing = ws.query_params.get("intent") == "transcription"
     if model:
         try:
             model = svc.spec(model, "stt").name
         except APIError as exc:
-            if exc.status == 400:  # a model of another kind
-                raise bad_request(f"{exc.message}; realtime sessions here transcribe speech (no speech-to-speech "
-                                  "model is served)", "model", "unsupported_model") from None
-            raise
-    return caller, SessionConfig(model or svc.first_spec("stt", "transcription (stt) model for realtime sessions").name)
+            if exc.status != 400:
+                raise
+            if transcribing:
+                raise bad_request(f"{exc.message}; a transcription session's model is a speech-to-text model",
+                                  "model", "unsupported_model") from None
+            try:
+                config, conversing = await opening(svc, model)
+            except APIError as other:  # not a chat model either
+                raise bad_request(f"{other.message}; a realtime session's model is a chat model (a conversation) or "
+                                  "a speech-to-text model (a transcription)", "model", "unsupported_model") from None
+            return caller, lambda: ConversationSession(ws, svc, caller, config, conversing)
+    config = SessionConfig(model or svc.first_spec("stt", "transcription (stt) model for realtime sessions").name)
+    return caller, lambda: TranscriptionSession(ws, svc, caller, config)
 
 
 async def realtime(ws: WebSocket) -> None:
-    """``/v1/realtime``: a transcription session (module doc)."""
+    """``/v1/realtime``: a transcription session (module doc) or a conversation
+    (``gateway.realtime_conversation``)."""
     svc: Services = ws.app.state.services
     try:
-        caller, config = _opening(ws, svc)
+        caller, session = await _opening(ws, svc)
     except APIError as exc:
         try:
             await ws.send_denial_response(exc.response())
@@ -457,6 +478,6 @@ async def realtime(ws: WebSocket) -> None:
     sessions = svc.metrics.realtime_sessions
     sessions[caller.tier] += 1
     try:
-        await TranscriptionSession(ws, svc, caller, config).run()
+        await session().run()
     finally:
         sessions[caller.tier] -= 1

@@ -1,0 +1,416 @@
+"""The Realtime API's conversation sessions (``/v1/realtime?model=<chat model>``, a session of
+``type: "realtime"``): a voice agent as a cascade of the models this server runs. Speech streams
+in and is transcribed (as a transcription session's is, ``gateway.realtime``), the chat model
+answers the conversation so far, and its reply is said by a text-to-speech model, streamed back
+as 24 kHz PCM16 with its transcript. OpenAI's protocol, as its SDK speaks it:
+
+* ``session.update`` (``type: "realtime"``): ``instructions``, ``output_modalities`` (``["audio"]``,
+  the default, or ``["text"]``), ``max_output_tokens``, ``audio.input`` (``format``, 24 kHz PCM16
+  only; ``transcription.model``, a speech-to-text model; ``turn_detection``, ``server_vad`` or null,
+  with ``create_response``) and ``audio.output`` (``format``, 24 kHz PCM16 only; ``voice``).
+* Turns: ``input_audio_buffer.append`` / ``commit`` / ``clear`` (or ``server_vad``), each committed
+  utterance a user item whose transcript comes as ``conversation.item.input_audio_transcription.*``;
+  ``conversation.item.create`` adds a user or system message as text.
+* ``response.create`` (or ``server_vad``'s end of a turn, with ``create_response``, the default;
+  its start, with ``interrupt_response``, the default, cancels a response in progress) answers: ``response.created``, the assistant item's ``response.output_item.added`` and
+  ``conversation.item.added``, ``response.content_part.added``, the reply's text as
+  ``response.output_audio_transcript.delta`` events as it is written, then its speech a sentence at
+  a time as ``response.output_audio.delta`` (``response.output_text.delta`` with text output), the
+  ``.done`` events in reverse order, and ``response.done`` with its usage. One response at a time;
+  ``response.cancel`` stops it (``response.done`` with ``status: "cancelled"``).
+
+The three models are the session's: the chat model the URL names, its tiers.yaml
+``engine.audio_input`` (else the first speech-to-text model) and ``engine.audio_output`` (else the
+first text-to-speech model). Each transcription, reply and speech is a request of the caller's tier:
+gated, metered and limited as its endpoint's. The reply is greedy (the session has no temperature);
+the words are heard, not the voice, as chat's ``input_audio`` hears them.
+
+Not served (an ``error`` event naming it): function tools, items other than messages,
+``conversation.item.delete`` / ``truncate`` / ``retrieve``, out-of-band responses
+(``response.conversation: "none"``), ``semantic_vad``, noise reduction, other audio formats.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import base64
+import contextlib
+import logging
+from dataclasses import dataclass, field, replace
+from typing import Any
+
+from gateway.auth import Caller
+from gateway.chat import plan_chat, serve_chat
+from gateway.errors import APIError, bad_request
+from gateway.input_audio import chat_engine
+from gateway.output_audio import PCM16_RATE, Voice, say
+from gateway.realtime import RATE, SessionConfig, TranscriptionSession, _new_id, _object, updated
+from gateway.schemas import ChatCompletionRequest, parse
+from gateway.service import ClientGone, Services
+from gateway.serving import weightless
+from workers.tts import TTSWorker
+
+log = logging.getLogger("tiergate.realtime")
+
+PCM = {"type": "audio/pcm", "rate": RATE}
+
+
+@dataclass(frozen=True)
+class Conversing:
+    """What a conversation session answers with, beside its transcription (``SessionConfig``)."""
+
+    model: str  # the chat model
+    voice: Voice | None  # None: no text-to-speech model here, so text output only
+    instructions: str = ""
+    modalities: tuple[str, ...] = ("audio",)
+    max_output_tokens: int | None = None  # None: "inf", as long as a chat completion without max_tokens
+    create_response: bool = True  # server_vad's end of a turn starts a response
+    interrupt_response: bool = True  # server_vad's start of a turn cancels the response in progress
+
+
+@dataclass
+class _Response:
+    id: str
+    task: asyncio.Task | None = None
+    cancelled: bool = False
+    items: list[dict[str, Any]] = field(default_factory=list)
+
+
+async def opening(svc: Services, model: str) -> tuple[SessionConfig, Conversing]:
+    """The session's models, from the chat model the URL names (``APIError`` naming ``model``)."""
+    engine = chat_engine(svc, model)
+    heard = engine.audio_input if engine is not None and engine.audio_input else \
+        svc.first_spec("stt", "speech-to-text model for a conversation session's audio").name
+    spoken = engine.audio_output if engine is not None and engine.audio_output else next(
+        (s.name for s in svc.arbiter.specs.values() if s.kind == "tts"), None)
+    voice = None
+    if spoken is not None:
+        spec = svc.spec(spoken, "tts")
+        voices = await weightless(svc.voices, spec, TTSWorker)
+        voice = Voice(spec.name, "alloy", "pcm", PCM16_RATE, voices.sample_rate)
+    modalities = ("audio",) if voice is not None else ("text",)
+    return SessionConfig(heard), Conversing(svc.spec(model, "chat").name, voice, modalities=modalities)
+
+
+class ConversationSession(TranscriptionSession):
+    """A transcription session that also answers (the module's doc)."""
+
+    def __init__(self, ws, svc: Services, caller: Caller, config: SessionConfig, conversing: Conversing) -> None:
+        super().__init__(ws, svc, caller, config)
+        self.conversing = conversing
+        self.items: list[dict[str, Any]] = []  # the conversation: messages, with their text once known
+        self._heard: dict[str, asyncio.Event] = {}  # a committed utterance's item: set once transcribed
+        self._response: _Response | None = None
+
+    def session_event(self) -> dict:
+        c, vad = self.conversing, self.config.vad
+        detection = None if vad is None else {
+            "type": "server_vad", "threshold": vad.threshold, "prefix_padding_ms": vad.prefix_padding_ms,
+            "silence_duration_ms": vad.silence_duration_ms, "create_response": c.create_response,
+            "interrupt_response": c.interrupt_response}
+        return {"type": "realtime", "object": "realtime.session", "id": self.id, "model": c.model,
+                "output_modalities": list(c.modalities), "instructions": c.instructions,
+                "max_output_tokens": "inf" if c.max_output_tokens is None else c.max_output_tokens,
+                "tools": [], "tool_choice": "auto",
+                "audio": {"input": {"format": PCM, "transcription": {"model": self.config.model},
+                                    "turn_detection": detection, "noise_reduction": None},
+                          "output": {"format": PCM, "voice": c.voice.voice if c.voice else None, "speed": 1.0}}}
+
+    async def run(self) -> None:
+        try:
+            await super().run()
+        finally:
+            if self._response is not None and self._response.task is not None:
+                self._response.task.cancel()
+                with contextlib.suppress(asyncio.CancelledError):
+                    await self._response.task
+
+    async def send(self, event: dict) -> None:
+        if event.get("type") == "session.created":  # the transcription session's own opening, as a conversation's
+            event = {**event, "session": self.session_event()}
+        await super().send(event)
+
+    # -- client events ----------------------------------------------------------------------------
+
+    async def _handle(self, event: dict) -> None:
+        kind = event["type"]
+        if kind == "session.update":
+            await self._update(event.get("session"))
+        elif kind == "conversation.item.create":
+            await self._create_item(event.get("item"))
+        elif kind == "response.create":
+            response = _object(event.get("response", {}) or {}, "response")
+            unknown = sorted(set(response) - {"instructions", "output_modalities", "max_output_tokens", "metadata"})
+            if unknown:
+                raise bad_request(f"response.{unknown[0]} is not served here", f"response.{unknown[0]}",
+                                  "unsupported_parameter")
+            await self._start_response(self._settings(response, "response"))
+        elif kind == "response.cancel":
+            if self._response is None:
+                raise bad_request("no response is in progress to cancel", None, "response_cancel_not_active")
+            self._response.cancelled = True
+            if self._response.task is not None:
+                self._response.task.cancel()
+        else:
+            await super()._handle(event)
+
+    async def _update(self, session: object) -> None:
+        session = dict(_object(session, "session"))
+        if session.pop("type", "realtime") != "realtime":
+            raise bad_request("this is a conversation session: session.type is 'realtime' (open a transcription "
+                              "session with ?intent=transcription)", "session.type", "unsupported_session_type")
+        conversing = self._settings(session, "session")
+        audio = dict(_object(session.pop("audio", {}) or {}, "session.audio"))
+        output = _object(audio.pop("output", {}) or {}, "session.audio.output")
+        for key in set(audio) - {"input"}:
+            raise bad_request(f"unknown field audio.{key}", f"session.audio.{key}", "unknown_parameter")
+        for key in output:
+            if key not in ("format", "voice", "speed"):
+                raise bad_request(f"unknown field audio.output.{key}", f"session.audio.output.{key}", "unknown_parameter")
+        if output.get("format", PCM) != PCM:
+            raise bad_request(f"speech goes out as audio/pcm at {RATE} Hz only", "session.audio.output.format",
+                              "unsupported_format")
+        if output.get("speed", 1.0) != 1.0:
+            raise bad_request("speed is not served: leave it at 1.0", "session.audio.output.speed", "unsupported_parameter")
+        if "voice" in output:
+            conversing = replace(conversing, voice=await self._voice(output["voice"]))
+        given_input = dict(_object(audio.get("input", {}) or {}, "session.audio.input"))
+        detection = given_input.get("turn_detection")
+        for flag in ("create_response", "interrupt_response"):
+            if isinstance(detection, dict) and flag in detection:
+                if not isinstance(detection[flag], bool):
+                    raise bad_request(f"{flag} is true or false", f"session.audio.input.turn_detection.{flag}",
+                                      "invalid_type")
+                conversing = replace(conversing, **{flag: detection[flag]})
+        model = session.pop("model", None)
+        if model is not None and model != conversing.model and self.svc.model_name(str(model)) != conversing.model:
+            raise bad_request(f"the session's model is {conversing.model!r}, the one it was opened on",
+                              "session.model", "invalid_value")
+        if session.get("tools") == [] or session.get("tools") is None:  # function tools are not served
+            session.pop("tools", None)
+        if session.get("tool_choice") in ("auto", "none", None):
+            session.pop("tool_choice", None)
+        for key in ("id", "object", "tracing"):
+            session.pop(key, None)
+        if session:
+            key = sorted(session)[0]
+            raise bad_request(f"unknown or unsupported session field {key!r} for a conversation session",
+                              f"session.{key}", "unknown_parameter")
+        transcription = {"type": "transcription", "audio": {"input": given_input}} if given_input else {}
+        config = updated(self.config, transcription, self.svc, self.limits.prompt_max_chars) if transcription \
+            else self.config
+        if config.vad != self.config.vad and self._detector is not None:
+            self._detector.close()
+            self._detector, self._speech = None, None
+        self.config, self.conversing = config, conversing
+        await self.send({"type": "session.updated", "session": self.session_event()})
+
+    def _settings(self, given: dict, where: str) -> Conversing:
+        """``instructions``, ``output_modalities`` and ``max_output_tokens`` of a session update or
+        a response's settings, taken out of ``given`` (checked, named ``where.field``)."""
+        c = self.conversing
+        if "instructions" in given:
+            instructions = given.pop("instructions")
+            if not isinstance(instructions, str):
+                raise bad_request("instructions must be a string", f"{where}.instructions", "invalid_type")
+            c = replace(c, instructions=instructions)
+        if "output_modalities" in given:
+            modalities = given.pop("output_modalities")
+            if modalities not in (["audio"], ["text"]):
+                raise bad_request('output_modalities is ["audio"] or ["text"]', f"{where}.output_modalities")
+            if modalities == ["audio"] and c.voice is None:
+                raise bad_request("this server has no text-to-speech model to speak with: ask for [\"text\"]",
+                                  f"{where}.output_modalities", "audio_output_not_supported")
+            c = replace(c, modalities=tuple(modalities))
+        if "max_output_tokens" in given:
+            limit = given.pop("max_output_tokens")
+            if limit != "inf" and (isinstance(limit, bool) or not isinstance(limit, int) or limit < 1):
+                raise bad_request('max_output_tokens is a whole number from 1, or "inf"', f"{where}.max_output_tokens")
+            c = replace(c, max_output_tokens=None if limit == "inf" else limit)
+        given.pop("metadata", None)
+        return c
+
+    async def _voice(self, name: object) -> Voice:
+        if self.conversing.voice is None:
+            raise bad_request("this server has no text-to-speech model to speak with", "session.audio.output.voice",
+                              "audio_output_not_supported")
+        if not isinstance(name, str) or not name:
+            raise bad_request("voice is a voice's name", "session.audio.output.voice", "invalid_type")
+        voices = await weightless(self.svc.voices, self.svc.spec(self.conversing.voice.model, "tts"), TTSWorker)
+        try:
+            voices.resolve_voice(name)
+        except ValueError as exc:
+            raise bad_request(str(exc), "session.audio.output.voice", "invalid_value") from None
+        return replace(self.conversing.voice, voice=name)
+
+    async def _create_item(self, item: object) -> None:
+        item = _object(item, "item")
+        if item.get("type", "message") != "message":
+            raise bad_request(f"items of type {str(item.get('type'))[:40]!r} are not served here: a conversation "
+                              "session takes messages", "item.type", "unsupported_item_type")
+        role = item.get("role")
+        if role not in ("user", "system"):
+            raise bad_request("a message item's role is user or system here", "item.role", "invalid_value")
+        content = item.get("content")
+        if not isinstance(content, list) or not content or any(
+                not isinstance(p, dict) or p.get("type") != "input_text" or not isinstance(p.get("text"), str)
+                for p in content):
+            raise bad_request("a message's content is a list of input_text parts here (speech comes through the "
+                              "audio buffer)", "item.content", "invalid_value")
+        added = {"id": item.get("id") if isinstance(item.get("id"), str) else _new_id("item"), "type": "message",
+                 "object": "realtime.item", "status": "completed", "role": role, "content": content}
+        await self._add(added)
+        await self.send({"type": "conversation.item.done", "item": added})
+
+    async def _add(self, item: dict) -> None:
+        previous = self.items[-1]["id"] if self.items else None
+        self.items.append(item)
+        await self.send({"type": "conversation.item.added", "previous_item_id": previous, "item": item})
+
+    # -- committed utterances: user items ----------------------------------------------------------
+
+    async def _append(self, samples) -> None:
+        """As a transcription session appends; with ``server_vad`` and ``interrupt_response``, the
+        start of the user's turn cancels the response in progress (what it wrote stays, as its
+        transcript so far)."""
+        before = self._speech
+        await super()._append(samples)
+        if before is None and self._speech is not None and self.conversing.interrupt_response \
+                and self._response is not None and self._response.task is not None:
+            self._response.cancelled = True
+            self._response.task.cancel()
+
+    async def _commit(self, item: str, end: int) -> None:
+        self._heard[item] = asyncio.Event()
+        try:
+            await super()._commit(item, end)
+        except APIError:
+            del self._heard[item]
+            raise
+        await self._add({"id": item, "type": "message", "object": "realtime.item", "status": "completed",
+                         "role": "user", "content": [{"type": "input_audio", "transcript": None}]})
+
+    async def transcribed(self, item: str, transcript: str | None) -> None:
+        """The user item of a committed utterance gets its transcript; with ``server_vad`` and
+        ``create_response``, a response to it starts."""
+        for entry in self.items:
+            if entry["id"] == item:
+                entry["content"] = [{"type": "input_audio", "transcript": transcript}]
+                await self.send({"type": "conversation.item.done", "item": entry})
+        heard = self._heard.pop(item, None)
+        if heard is not None:
+            heard.set()
+        if transcript is not None and not self.gone.is_set and self.config.vad is not None \
+                and self.conversing.create_response and self._response is None:
+            await self._start_response(self.conversing)
+
+    # -- responses --------------------------------------------------------------------------------
+
+    async def _start_response(self, settings: Conversing) -> None:
+        if self._response is not None:
+            raise bad_request("the conversation has a response in progress: wait for its response.done, or cancel "
+                              "it", None, "conversation_already_has_active_response")
+        response = self._response = _Response(_new_id("resp"))
+        response.task = asyncio.create_task(self._respond(response, settings))
+
+    def _shown(self, response: _Response, status: str, usage: dict | None = None, error: dict | None = None) -> dict:
+        details = None if error is None else {"type": "failed", "error": error}
+        if status == "cancelled":
+            details = {"type": "cancelled", "reason": "client_cancelled"}
+        return {"object": "realtime.response", "id": response.id, "status": status, "status_details": details,
+                "output": response.items, "conversation_id": self.id, "output_modalities": list(self.conversing.modalities),
+                "usage": usage}
+
+    async def _respond(self, response: _Response, settings: Conversing) -> None:
+        await self.send({"type": "response.created", "response": self._shown(response, "in_progress")})
+        try:
+            usage = await self._answer(response, settings)
+        except (asyncio.CancelledError, ClientGone):
+            if not response.cancelled:  # the session closed
+                raise
+            await self.send({"type": "response.done", "response": self._shown(response, "cancelled")})
+        except APIError as exc:
+            error = {"type": exc.type, "code": exc.code, "message": exc.message, "param": exc.param}
+            await self.send({"type": "error", "error": {**error, "event_id": None}})
+            await self.send({"type": "response.done", "response": self._shown(response, "failed", error=error)})
+        except Exception:  # noqa: BLE001 - this response fails; the session goes on
+            log.exception("realtime response failed")
+            error = {"type": "server_error", "code": "server_error", "message": "the response failed", "param": None}
+            await self.send({"type": "response.done", "response": self._shown(response, "failed", error=error)})
+        else:
+            await self.send({"type": "response.done", "response": self._shown(response, "completed", usage)})
+        finally:
+            self._response = None
+
+    def _messages(self, settings: Conversing) -> list[dict]:
+        out = [{"role": "system", "content": settings.instructions}] if settings.instructions else []
+        for item in self.items:
+            text = "".join(p.get("text") or p.get("transcript") or "" for p in item["content"])
+            if text:
+                out.append({"role": item["role"], "content": text})
+        return out
+
+    async def _answer(self, response: _Response, settings: Conversing) -> dict:
+        for heard in list(self._heard.values()):  # the turns committed before it, transcribed
+            await heard.wait()
+        asked = {"model": settings.model, "messages": self._messages(settings) or [{"role": "user", "content": ""}],
+                 "temperature": 0}
+        if settings.max_output_tokens is not None:  # "inf": as long as a chat completion's default (gateway.chat)
+            asked["max_completion_tokens"] = min(settings.max_output_tokens, self.limits.max_chat_tokens)
+        job = plan_chat(self.svc, parse(ChatCompletionRequest, asked))
+        audio = "audio" in settings.modalities
+        part_type = "output_audio" if audio else "output_text"
+        item = {"id": _new_id("item"), "type": "message", "object": "realtime.item", "status": "in_progress",
+                "role": "assistant", "content": []}
+        response.items.append(item)
+        base = {"response_id": response.id, "item_id": item["id"], "output_index": 0, "content_index": 0}
+        await self.send({"type": "response.output_item.added", "response_id": response.id, "output_index": 0,
+                         "item": item})
+        await self._add(item)
+        # a content part event names its part "audio" or "text"; the item's content, "output_audio" or "output_text"
+        event_part = "audio" if audio else "text"
+        empty = {"type": event_part, "transcript": ""} if audio else {"type": event_part, "text": ""}
+        await self.send({"type": "response.content_part.added", **base, "part": empty})
+        text_delta = "response.output_audio_transcript.delta" if audio else "response.output_text.delta"
+        written: list[str] = []
+        finished = None
+        try:
+            async with contextlib.aclosing(serve_chat(self.svc, self.caller, job, self.gone)) as deltas:
+                async for delta in deltas:
+                    if delta.content:
+                        written.append(delta.content)
+                        await self.send({"type": text_delta, **base, "delta": delta.content})
+                    if delta.finished is not None:
+                        finished = delta.finished
+        except BaseException:  # cut: the conversation keeps what was written
+            item.update(status="incomplete", content=[{"type": part_type, ("transcript" if audio else "text"):
+                                                       "".join(written)}])
+            raise
+        text = "".join(written)
+        item["content"] = [{"type": part_type, ("transcript" if audio else "text"): text}]
+        if audio:
+            try:
+                if text:
+                    async with contextlib.aclosing(say(self.svc, self.caller, settings.voice, text, self.gone)) as pieces:
+                        async for piece in pieces:
+                            await self.send({"type": "response.output_audio.delta", **base,
+                                             "delta": base64.b64encode(piece).decode()})
+            except BaseException:  # cut while it spoke: the words were all written
+                item["status"] = "incomplete"
+                raise
+            await self.send({"type": "response.output_audio.done", **base})
+            await self.send({"type": "response.output_audio_transcript.done", **base, "transcript": text})
+            part = {"type": part_type, "transcript": text}
+        else:
+            await self.send({"type": "response.output_text.done", **base, "text": text})
+            part = {"type": part_type, "text": text}
+        await self.send({"type": "response.content_part.done", **base, "part": {**part, "type": event_part}})
+        item.update(status="completed", content=[part])
+        await self.send({"type": "response.output_item.done", "response_id": response.id, "output_index": 0,
+                         "item": item})
+        await self.send({"type": "conversation.item.done", "item": item})
+        prompt = finished.prompt_tokens if finished else 0
+        completion = finished.completion_tokens if finished else 0
+        return {"total_tokens": prompt + completion, "input_tokens": prompt, "output_tokens": completion,
+                "input_token_details": {"text_tokens": prompt, "audio_tokens": 0, "cached_tokens": 0},
+                "output_token_details": {"text_tokens": completion, "audio_tokens": 0}}

@@ -1,0 +1,243 @@
+"""The Realtime API's conversation sessions (gateway/realtime_conversation.py) through the openai
+SDK's realtime client: a voice agent as a cascade of the server's models. Each turn is checked
+against the endpoints it is made of: the user's speech against /v1/audio/transcriptions of the
+same audio, the reply against a greedy chat completion over the same conversation, and its speech
+against /v1/audio/speech of the reply (its length: the demo VITS' durations are deterministic).
+Speech from Debian's espeak-ng (``tests.helpers.spoken``)."""
+
+from __future__ import annotations
+
+import asyncio
+import base64
+
+import numpy as np
+import pytest
+from openai import AsyncOpenAI, OpenAI
+
+from tests.helpers import RunningServer, spoken, start_server, write_config
+from tests.test_realtime import RATE, b64, events_until, wav_of
+
+ASK = "Where is the gold?"
+MANUAL = {"type": "realtime", "instructions": "Answer briefly.", "max_output_tokens": 12,
+          "audio": {"input": {"turn_detection": None}}}
+
+
+@pytest.fixture(scope="module")
+def server(tiny_stt, tiny_chat, tiny_tts, tmp_path_factory) -> RunningServer:
+    folder = tmp_path_factory.mktemp("realtime-conversation")
+    running = start_server(write_config(folder, {"tiny-chat": ("chat", tiny_chat), "tiny-stt": ("stt", tiny_stt),
+                                                 "tiny-tts": ("tts", tiny_tts)}))
+    yield running
+    running.stop()
+
+
+def client(server: RunningServer, tier: str = "paid") -> AsyncOpenAI:
+    return AsyncOpenAI(base_url=server.base_url, api_key=server.keys[tier], max_retries=0)
+
+
+def http(server: RunningServer) -> OpenAI:
+    return OpenAI(base_url=server.base_url, api_key=server.keys["paid"], max_retries=0)
+
+
+def answer(server: RunningServer, messages: list[dict]) -> tuple[str, int]:
+    """The reply a greedy chat completion gives the same conversation, and its tokens."""
+    r = http(server).chat.completions.create(model="tiny-chat", temperature=0, max_tokens=12,
+                                             messages=[{"role": "system", "content": "Answer briefly."}, *messages])
+    return r.choices[0].message.content, r.usage.completion_tokens
+
+
+def speech_seconds(server: RunningServer, text: str) -> float:
+    import io
+
+    import soundfile as sf
+
+    x, rate = sf.read(io.BytesIO(http(server).audio.speech.create(model="tiny-tts", voice="alloy", input=text,
+                                                                response_format="wav").content))
+    return len(x) / rate
+
+
+def said(events) -> tuple[str, bytes]:
+    transcript = "".join(e.delta for e in events if e.type == "response.output_audio_transcript.delta")
+    audio = b"".join(base64.b64decode(e.delta) for e in events if e.type == "response.output_audio.delta")
+    return transcript, audio
+
+
+def test_a_text_turn_is_answered_in_speech_with_its_transcript(server):
+    async def run():
+        async with client(server).realtime.connect(model="tiny-chat") as conn:
+            created = await events_until(conn, "session.created")
+            await conn.session.update(session=MANUAL)
+            updated = await events_until(conn, "session.updated")
+            await conn.conversation.item.create(item={"type": "message", "role": "user",
+                                                      "content": [{"type": "input_text", "text": ASK}]})
+            await conn.response.create()
+            return created[-1], updated[-1], await events_until(conn, "response.done")
+
+    created, updated, events = asyncio.run(run())
+    assert created.session.type == "realtime" and created.session.model == "tiny-chat"
+    assert updated.session.instructions == "Answer briefly." and updated.session.audio.input.turn_detection is None
+    kinds = [e.type for e in events]
+    order = ["conversation.item.added", "conversation.item.done", "response.created", "response.output_item.added",
+             "conversation.item.added", "response.content_part.added", "response.output_audio_transcript.delta",
+             "response.output_audio.delta", "response.output_audio.done", "response.output_audio_transcript.done",
+             "response.content_part.done", "response.output_item.done", "conversation.item.done", "response.done"]
+    assert [k for k in dict.fromkeys(kinds)] == list(dict.fromkeys(order))  # each kind first where the protocol has it
+    transcript, audio = said(events)
+    expected, tokens = answer(server, [{"role": "user", "content": ASK}])
+    assert transcript == expected == next(e for e in events if e.type == "response.output_audio_transcript.done").transcript
+    assert len(audio) % 2 == 0 and abs(len(audio) / 2 / 24000 - speech_seconds(server, expected)) < 0.1
+    done = events[-1].response
+    assert done.status == "completed" and done.usage.output_tokens == tokens
+    assert done.output[0].content[0].transcript == expected
+
+
+def test_speech_in_is_heard_then_answered(server):
+    speech = spoken("Where is the gold hidden?", rate=RATE)
+    heard = http(server).audio.transcriptions.create(model="tiny-stt", file=("a.wav", wav_of(speech))).text
+
+    async def run():
+        async with client(server).realtime.connect(model="tiny-chat") as conn:
+            await events_until(conn, "session.created")
+            await conn.session.update(session=MANUAL)
+            await events_until(conn, "session.updated")
+            await conn.input_audio_buffer.append(audio=b64(speech))
+            await conn.input_audio_buffer.commit()
+            await conn.response.create()  # it waits for the turn's transcript
+            return await events_until(conn, "response.done")
+
+    events = asyncio.run(run())
+    user = next(e.item for e in events if e.type == "conversation.item.done" and e.item.role == "user")
+    assert user.content[0].transcript == heard
+    transcript, audio = said(events)
+    assert transcript == answer(server, [{"role": "user", "content": heard}])[0] and audio
+    kinds = [e.type for e in events]
+    assert kinds.index("conversation.item.input_audio_transcription.completed") < kinds.index("response.output_item.added")
+
+
+def test_server_vad_answers_when_a_turn_ends_and_the_conversation_goes_on(server):
+    speech = spoken("Tell me about the sea.", rate=RATE)
+    silence = np.zeros(RATE, np.float32)
+
+    async def run():
+        async with client(server).realtime.connect(model="tiny-chat") as conn:
+            await events_until(conn, "session.created")  # server_vad and create_response: the defaults
+            await conn.session.update(session={"type": "realtime", "instructions": "Answer briefly.",
+                                               "max_output_tokens": 12})
+            await events_until(conn, "session.updated")
+            await conn.input_audio_buffer.append(audio=b64(np.concatenate([speech, silence])))
+            first = await events_until(conn, "response.done")
+            await conn.conversation.item.create(item={"type": "message", "role": "user",
+                                                      "content": [{"type": "input_text", "text": "And then?"}]})
+            await conn.response.create()
+            return first, await events_until(conn, "response.done")
+
+    first, second = asyncio.run(run())
+    kinds = [e.type for e in first]
+    assert kinds.index("input_audio_buffer.speech_stopped") < kinds.index("input_audio_buffer.committed") < \
+        kinds.index("response.created")
+    heard = next(e.transcript for e in first if e.type == "conversation.item.input_audio_transcription.completed")
+    reply = said(first)[0]
+    # the second turn reads the whole conversation: the heard turn, the spoken reply, the typed turn
+    assert said(second)[0] == answer(server, [{"role": "user", "content": heard}, {"role": "assistant", "content": reply},
+                                              {"role": "user", "content": "And then?"}])[0]
+
+
+def test_text_output_cancel_and_refusals_leave_the_session_open(server):
+    async def run():
+        async with client(server).realtime.connect(model="tiny-chat") as conn:
+            await events_until(conn, "session.created")
+            await conn.session.update(session={**MANUAL, "output_modalities": ["text"]})
+            await events_until(conn, "session.updated")
+            await conn.conversation.item.create(item={"type": "message", "role": "user",
+                                                      "content": [{"type": "input_text", "text": ASK}]})
+            await conn.response.create()
+            text = await events_until(conn, "response.done")
+            refusals = []
+            for event in [{"type": "conversation.item.create", "item": {"type": "function_call_output",
+                                                                         "call_id": "c", "output": "x"}},
+                          {"type": "session.update", "session": {"type": "realtime", "tools": [{"type": "function",
+                                                                                                 "name": "f"}]}},
+                          {"type": "session.update", "session": {"type": "realtime",
+                                                                 "audio": {"output": {"voice": "nobody"}}}},
+                          {"type": "response.cancel"}]:
+                await conn.send(event)
+                refusals.append((await events_until(conn, "error"))[-1].error)
+            await conn.send({"type": "response.create", "response": {"max_output_tokens": 12}})
+            await conn.send({"type": "response.create"})
+            busy = (await events_until(conn, "error"))[-1].error
+            await conn.send({"type": "response.cancel"})
+            cancelled = await events_until(conn, "response.done")
+            return text, refusals, busy, cancelled
+
+    text, refusals, busy, cancelled = asyncio.run(run())
+    written = "".join(e.delta for e in text if e.type == "response.output_text.delta")
+    assert written == answer(server, [{"role": "user", "content": ASK}])[0]
+    assert not any(e.type.startswith("response.output_audio") for e in text)
+    assert [(r.param, r.code) for r in refusals] == [
+        ("item.type", "unsupported_item_type"), ("session.tools", "unknown_parameter"),
+        ("session.audio.output.voice", "invalid_value"), (None, "response_cancel_not_active")]
+    assert busy.code == "conversation_already_has_active_response"
+    assert cancelled[-1].response.status in ("cancelled", "completed")  # it may have ended before the cancel
+
+
+def test_the_user_speaking_interrupts_the_reply_and_the_conversation_keeps_what_was_written(server):
+    """server_vad with interrupt_response (the default): speech that starts while a reply is being
+    written or said cancels it; the conversation goes on with the words it had written."""
+    speech = spoken("Stop, and listen to me.", rate=RATE)
+
+    async def run():
+        async with client(server).realtime.connect(model="tiny-chat") as conn:
+            await events_until(conn, "session.created")
+            await conn.session.update(session={"type": "realtime", "instructions": "Answer briefly.",
+                                               "audio": {"input": {"turn_detection": {"type": "server_vad",
+                                                                                      "create_response": False}}}})
+            await events_until(conn, "session.updated")
+            await conn.conversation.item.create(item={"type": "message", "role": "user",
+                                                      "content": [{"type": "input_text", "text": ASK}]})
+            await conn.response.create()  # as long as the server's limit allows
+            await events_until(conn, "response.output_audio_transcript.delta")
+            await conn.input_audio_buffer.append(audio=b64(speech))
+            return await events_until(conn, "response.done")
+
+    events = asyncio.run(run())
+    kinds = [e.type for e in events]
+    assert "input_audio_buffer.speech_started" in kinds
+    done = events[-1].response
+    assert done.status == "cancelled" and done.status_details.reason == "client_cancelled"
+    assert done.output[0].status == "incomplete"
+
+
+def test_the_agents_sdk_realtime_runner_talks_to_the_session(server):
+    """The OpenAI Agents SDK's ``RealtimeRunner`` (its realtime voice agents) on this server: a
+    typed message in, the agent's spoken reply out, and the session's history holding both."""
+    pytest.importorskip("agents")
+    from agents import set_tracing_disabled
+    from agents.realtime import RealtimeAgent, RealtimeRunner
+
+    set_tracing_disabled(True)  # the SDK would otherwise send traces to api.openai.com
+
+    async def run():
+        agent = RealtimeAgent(name="pirate", instructions="Answer briefly.")
+        runner = RealtimeRunner(agent, config={"model_settings": {
+            "model_name": "tiny-chat", "voice": "alloy", "input_audio_transcription": {"model": "tiny-stt"},
+            "turn_detection": {"type": "server_vad"}, "max_output_tokens": 12}})
+        session = await runner.run(model_config={"url": server.url.replace("http", "ws") + "/v1/realtime?model=tiny-chat",
+                                                 "api_key": server.keys["paid"]})
+        kinds, audio = [], 0
+        async with session:
+            await session.send_message(ASK)
+            async with asyncio.timeout(60):
+                async for event in session:
+                    kinds.append(event.type)
+                    if event.type == "audio":
+                        audio += len(event.audio.data)
+                    if event.type in ("agent_end", "error"):
+                        break
+            return kinds, audio, list(session._history)
+
+    kinds, audio, history = asyncio.run(run())
+    assert "error" not in kinds and kinds[-1] == "agent_end" and audio > 0
+    user, reply = history[-2], history[-1]
+    assert user.role == "user" and user.content[0].text == ASK
+    expected = answer(server, [{"role": "user", "content": ASK}])[0]
+    assert reply.role == "assistant" and reply.content[0].transcript == expected
