@@ -86,6 +86,19 @@ def write_config(folder: Path, models: dict[str, tuple[str, Path]], extra: str =
     return path
 
 
+def engine_options(config: Path, model: str, path: Path, **options: str) -> None:
+    """The chat model ``model``'s entry (at ``path``) in a config ``write_config`` wrote, its
+    ``engine`` given ``options`` too (``audio_input="tiny-stt"``), in either of its forms."""
+    text = config.read_text()
+    head = f"  - name: {model}\n    kind: chat\n    path: {path}\n    engine: "
+    assert head in text, f"no chat model {model} at {path} in {config}"
+    at = text.index(head) + len(head)
+    end = text.index("\n", at)
+    engine, given = text[at:end], ", ".join(f"{k}: {v}" for k, v in options.items())
+    engine = f"{{{given}, {engine[1:]}" if engine.startswith("{") else f"{{name: {engine}, {given}}}"
+    config.write_text(text[:at] + engine + text[end:])
+
+
 def start_server(config_path: Path, admin: bool = True) -> RunningServer:
     config = load_config(config_path)
     keys = {t: f"key-{t}-{i}" for i, t in enumerate(config.tier_names)}

@@ -26,7 +26,7 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from tests.helpers import start_server, write_config
+from tests.helpers import engine_options, start_server, write_config
 
 MAX_UPLOAD = 96 * 1024  # both upload endpoints' caps in this server: a few generated files go past them
 ENGINE = os.environ.get("TIERGATE_FUZZ_ENGINE", "transformers")  # the chat engine behind the server; vllm by hand
@@ -59,13 +59,7 @@ def server(tiny_chat, tiny_embed, tiny_image, tiny_tts, tiny_stt, tiny_moderatio
         entry, entry + '    fim: {prefix: "<|user|>", suffix: "<|system|>", middle: "<|assistant|>"}\n'))
     if ENGINE == "vllm":  # a small engine, as tests/test_vllm_gateway.py starts it
         config.write_text(config.read_text().replace("    engine: vllm", "    engine: {name: vllm, kv_cache: 128MiB, max_num_seqs: 4}"))
-    chat_entry = f"  - name: tiny-chat\n    kind: chat\n    path: {tiny_chat}\n    engine: "
-    text = config.read_text()
-    assert chat_entry in text
-    engine_at = text.index(chat_entry) + len(chat_entry)  # tiny-chat speaks its replies (modalities ["text", "audio"])
-    engine = text[engine_at:text.index("\n", engine_at)]
-    spoken = "{audio_output: tiny-tts, " + engine[1:] if engine.startswith("{") else f"{{name: {engine}, audio_output: tiny-tts}}"
-    config.write_text(text[:engine_at] + spoken + text[engine_at + len(engine):])
+    engine_options(config, "tiny-chat", tiny_chat, audio_output="tiny-tts")  # spoken replies: modalities text, audio
     running = start_server(config)
     r = httpx.post(f"{running.base_url}/chat/completions", timeout=300,  # the chat engine loads (a vLLM start: ~30 s)
                    json={"model": "tiny-chat", "messages": [{"role": "user", "content": "hi"}], "max_tokens": 1},

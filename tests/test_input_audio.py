@@ -14,7 +14,7 @@ import openai
 import pytest
 import soundfile as sf
 
-from tests.helpers import run_batch, spoken, start_server, write_config
+from tests.helpers import engine_options, run_batch, spoken, start_server, write_config
 
 SAID = "Where is the gold?"
 
@@ -23,18 +23,10 @@ SAID = "Where is the gold?"
 def server(tiny_chat, tiny_stt, tmp_path_factory):
     config = write_config(tmp_path_factory.mktemp("input-audio"), {
         "tiny-chat": ("chat", tiny_chat), "tiny-chat-deaf": ("chat", tiny_chat), "tiny-stt": ("stt", tiny_stt)})
-    hearing(config, tiny_chat, "tiny-stt")
+    engine_options(config, "tiny-chat", tiny_chat, audio_input="tiny-stt")
     running = start_server(config)
     yield running
     running.stop()
-
-
-def hearing(config, tiny_chat, stt: str) -> None:
-    """tiny-chat's entry in ``config`` given ``engine.audio_input: stt``."""
-    entry = f"  - name: tiny-chat\n    kind: chat\n    path: {tiny_chat}\n    engine: transformers\n"
-    assert entry in config.read_text()
-    config.write_text(config.read_text().replace(entry, entry.replace(
-        "engine: transformers", f"engine: {{name: transformers, audio_input: {stt}}}")))
 
 
 def client(server, tier="paid") -> openai.OpenAI:
@@ -101,6 +93,6 @@ def test_audio_input_must_name_a_speech_to_text_model(tiny_chat, tiny_stt, tmp_p
     from gateway.config import ConfigError, load_config
 
     config = write_config(tmp_path, {"tiny-chat": ("chat", tiny_chat), "tiny-stt": ("stt", tiny_stt)})
-    hearing(config, tiny_chat, "tiny-chat")
+    engine_options(config, "tiny-chat", tiny_chat, audio_input="tiny-chat")
     with pytest.raises(ConfigError, match=r"models\[0\].engine.audio_input: 'tiny-chat' is not a speech-to-text model"):
         load_config(config)

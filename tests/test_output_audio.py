@@ -22,7 +22,7 @@ import pytest
 import soundfile as sf
 
 from gateway.output_audio import PCM16_RATE, SpokenReplies
-from tests.helpers import run_batch, start_server, write_config
+from tests.helpers import engine_options, run_batch, start_server, write_config
 
 ASK = [{"role": "system", "content": "Answer briefly."}, {"role": "user", "content": "Tell me about the sea."}]
 SPOKEN = {"modalities": ["text", "audio"], "audio": {"voice": "alloy", "format": "wav"}}
@@ -32,18 +32,10 @@ SPOKEN = {"modalities": ["text", "audio"], "audio": {"voice": "alloy", "format":
 def server(tiny_chat, tiny_tts, tmp_path_factory):
     config = write_config(tmp_path_factory.mktemp("output-audio"), {
         "tiny-chat": ("chat", tiny_chat), "tiny-chat-mute": ("chat", tiny_chat), "tiny-tts": ("tts", tiny_tts)})
-    speaking(config, tiny_chat, "tiny-tts")
+    engine_options(config, "tiny-chat", tiny_chat, audio_output="tiny-tts")
     running = start_server(config)
     yield running
     running.stop()
-
-
-def speaking(config, tiny_chat, tts: str) -> None:
-    """tiny-chat's entry in ``config`` given ``engine.audio_output: tts``."""
-    entry = f"  - name: tiny-chat\n    kind: chat\n    path: {tiny_chat}\n    engine: transformers\n"
-    assert entry in config.read_text()
-    config.write_text(config.read_text().replace(entry, entry.replace(
-        "engine: transformers", f"engine: {{name: transformers, audio_output: {tts}}}")))
 
 
 def client(server, tier="paid") -> openai.OpenAI:
@@ -228,7 +220,7 @@ def test_audio_output_must_name_a_text_to_speech_model(tiny_chat, tiny_tts, tmp_
     from gateway.config import ConfigError, load_config
 
     config = write_config(tmp_path, {"tiny-chat": ("chat", tiny_chat), "tiny-tts": ("tts", tiny_tts)})
-    speaking(config, tiny_chat, "tiny-chat")
+    engine_options(config, "tiny-chat", tiny_chat, audio_output="tiny-chat")
     with pytest.raises(ConfigError, match=r"models\[0\].engine.audio_output: 'tiny-chat' is not a text-to-speech model"):
         load_config(config)
 
