@@ -14,9 +14,9 @@ as 24 kHz PCM16 with its transcript. OpenAI's protocol, as its SDK speaks it:
 * ``response.create`` (or ``server_vad``'s end of a turn, with ``create_response``, the default;
   its start, with ``interrupt_response``, the default, cancels a response in progress) answers: ``response.created``, the assistant item's ``response.output_item.added`` and
   ``conversation.item.added``, ``response.content_part.added``, the reply's text as
-  ``response.output_audio_transcript.delta`` events as it is written, then its speech a sentence at
-  a time as ``response.output_audio.delta`` (``response.output_text.delta`` with text output), the
-  ``.done`` events in reverse order, and ``response.done`` with its usage. One response at a time;
+  ``response.output_audio_transcript.delta`` events as it is written, and its speech a phrase at a
+  time as ``response.output_audio.delta`` while the rest is written (``response.output_text.delta``
+  with text output), the ``.done`` events in reverse order, and ``response.done`` with its usage. One response at a time;
   ``response.cancel`` stops it (``response.done`` with ``status: "cancelled"``).
 
 The three models are the session's: the chat model the URL names, its tiers.yaml
@@ -36,6 +36,7 @@ import asyncio
 import base64
 import contextlib
 import logging
+import re
 from dataclasses import dataclass, field, replace
 from typing import Any
 
@@ -53,6 +54,18 @@ from workers.tts import TTSWorker
 log = logging.getLogger("tiergate.realtime")
 
 PCM = {"type": "audio/pcm", "rate": RATE}
+FIRST_WORDS_CHARS = 60  # a phrase without a sentence's end is said once this long, at a space
+_PHRASE_END = re.compile(r"(?<=[.!?;:,。！？…])\s+|\n+")
+
+
+def phrases_of(text: str) -> tuple[list[str], str]:
+    """The phrases of ``text`` that are whole, to be said now, and the rest, still being written:
+    a phrase ends at a sentence's or a clause's end followed by a space, or else, once the text
+    is ``FIRST_WORDS_CHARS`` long, at its last space."""
+    ends = [m.end() for m in _PHRASE_END.finditer(text)]
+    cut = ends[-1] if ends else (text.rfind(" ") + 1 if len(text) >= FIRST_WORDS_CHARS else 0)
+    whole = [p.strip() for p in _PHRASE_END.split(text[:cut]) if p.strip()]
+    return whole, text[cut:]
 
 
 @dataclass(frozen=True)
@@ -350,11 +363,20 @@ class ConversationSession(TranscriptionSession):
                 out.append({"role": item["role"], "content": text})
         return out
 
+    async def _say(self, phrases: asyncio.Queue, voice: Voice, base: dict) -> None:
+        """Say each phrase as it comes (None: the reply is written), in order, as
+        ``response.output_audio.delta`` events; each is a speech request of the caller's tier."""
+        while (phrase := await phrases.get()) is not None:
+            async with contextlib.aclosing(say(self.svc, self.caller, voice, phrase, self.gone)) as pieces:
+                async for piece in pieces:
+                    await self.send({"type": "response.output_audio.delta", **base,
+                                     "delta": base64.b64encode(piece).decode()})
+
     async def _answer(self, response: _Response, settings: Conversing) -> dict:
         for heard in list(self._heard.values()):  # the turns committed before it, transcribed
             await heard.wait()
         asked = {"model": settings.model, "messages": self._messages(settings) or [{"role": "user", "content": ""}],
-                 "temperature": 0}
+                 "temperature": 0, "stream": True}  # the text as it is written (an engine may hold a whole reply's)
         if settings.max_output_tokens is not None:  # "inf": as long as a chat completion's default (gateway.chat)
             asked["max_completion_tokens"] = min(settings.max_output_tokens, self.limits.max_chat_tokens)
         job = plan_chat(self.svc, parse(ChatCompletionRequest, asked))
@@ -374,30 +396,38 @@ class ConversationSession(TranscriptionSession):
         text_delta = "response.output_audio_transcript.delta" if audio else "response.output_text.delta"
         written: list[str] = []
         finished = None
+        # the speech follows the words a phrase at a time: a task says each phrase as soon as it is
+        # written, while the reply goes on; the writing never waits for the speech
+        phrases: asyncio.Queue[str | None] = asyncio.Queue()
+        speaking = asyncio.create_task(self._say(phrases, settings.voice, base)) if audio else None
         try:
+            pending = ""
             async with contextlib.aclosing(serve_chat(self.svc, self.caller, job, self.gone)) as deltas:
                 async for delta in deltas:
                     if delta.content:
                         written.append(delta.content)
                         await self.send({"type": text_delta, **base, "delta": delta.content})
+                        ready, pending = phrases_of(pending + delta.content)
+                        for phrase in ready:
+                            phrases.put_nowait(phrase)
                     if delta.finished is not None:
                         finished = delta.finished
+            item["content"] = [{"type": part_type, ("transcript" if audio else "text"): "".join(written)}]
+            if speaking is not None:
+                if pending.strip():
+                    phrases.put_nowait(pending)
+                phrases.put_nowait(None)
+                await speaking
         except BaseException:  # cut: the conversation keeps what was written
             item.update(status="incomplete", content=[{"type": part_type, ("transcript" if audio else "text"):
                                                        "".join(written)}])
+            if speaking is not None:
+                speaking.cancel()
+                with contextlib.suppress(asyncio.CancelledError, Exception):
+                    await speaking
             raise
         text = "".join(written)
-        item["content"] = [{"type": part_type, ("transcript" if audio else "text"): text}]
         if audio:
-            try:
-                if text:
-                    async with contextlib.aclosing(say(self.svc, self.caller, settings.voice, text, self.gone)) as pieces:
-                        async for piece in pieces:
-                            await self.send({"type": "response.output_audio.delta", **base,
-                                             "delta": base64.b64encode(piece).decode()})
-            except BaseException:  # cut while it spoke: the words were all written
-                item["status"] = "incomplete"
-                raise
             await self.send({"type": "response.output_audio.done", **base})
             await self.send({"type": "response.output_audio_transcript.done", **base, "transcript": text})
             part = {"type": part_type, "transcript": text}

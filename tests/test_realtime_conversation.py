@@ -241,3 +241,47 @@ def test_the_agents_sdk_realtime_runner_talks_to_the_session(server):
     assert user.role == "user" and user.content[0].text == ASK
     expected = answer(server, [{"role": "user", "content": ASK}])[0]
     assert reply.role == "assistant" and reply.content[0].transcript == expected
+
+
+def test_the_speech_follows_the_words_a_phrase_at_a_time(server):
+    """A longer reply is said a phrase at a time while it is still being written: its first sound
+    comes before its last words, and the sound is each phrase said apart, in order."""
+    from gateway.realtime_conversation import phrases_of
+
+    async def run():
+        async with client(server).realtime.connect(model="tiny-chat") as conn:
+            await events_until(conn, "session.created")
+            await conn.session.update(session={**MANUAL, "max_output_tokens": 64})
+            await events_until(conn, "session.updated")
+            await conn.conversation.item.create(item={"type": "message", "role": "user",
+                                                      "content": [{"type": "input_text", "text": ASK}]})
+            await conn.response.create()
+            return await events_until(conn, "response.done")
+
+    events = asyncio.run(run())
+    kinds = [e.type for e in events]
+    transcript, audio = said(events)
+    pending, phrases = "", []
+    for e in events:
+        if e.type == "response.output_audio_transcript.delta":
+            ready, pending = phrases_of(pending + e.delta)
+            phrases += ready
+    phrases += [pending] if pending.strip() else []
+    assert len(phrases) >= 2, transcript  # the premise: a reply of several phrases
+    last_words = len(kinds) - 1 - kinds[::-1].index("response.output_audio_transcript.delta")
+    assert kinds.index("response.output_audio.delta") < last_words
+    expected = sum(speech_seconds(server, p) for p in phrases)
+    assert abs(len(audio) / 2 / 24000 - expected) < 0.05 * len(phrases)
+
+
+@pytest.mark.parametrize("text, whole, rest", [
+    ("Hello there. How are", ["Hello there."], "How are"),
+    ("One, two; three: four", ["One,", "two;", "three:"], "four"),
+    ("no end yet", [], "no end yet"),
+    ("a" * 30 + " " + "b" * 30 + " cc", ["a" * 30 + " " + "b" * 30], "cc"),
+    ("Line one\nLine two", ["Line one"], "Line two"),
+])
+def test_phrases_are_said_once_whole(text, whole, rest):
+    from gateway.realtime_conversation import phrases_of
+
+    assert phrases_of(text) == (whole, rest)
