@@ -54,16 +54,19 @@ from workers.tts import TTSWorker
 log = logging.getLogger("tiergate.realtime")
 
 PCM = {"type": "audio/pcm", "rate": RATE}
-FIRST_WORDS_CHARS = 60  # a phrase without a sentence's end is said once this long, at a space
+FIRST_WORDS_CHARS = 60  # the first phrase without a sentence's end is said once this long, at a space
+LATER_WORDS_CHARS = 240  # later ones: fewer speech requests, each said while the next is written
 _PHRASE_END = re.compile(r"(?<=[.!?;:,。！？…])\s+|\n+")
 
 
-def phrases_of(text: str) -> tuple[list[str], str]:
+def phrases_of(text: str, first: bool = True) -> tuple[list[str], str]:
     """The phrases of ``text`` that are whole, to be said now, and the rest, still being written:
-    a phrase ends at a sentence's or a clause's end followed by a space, or else, once the text
-    is ``FIRST_WORDS_CHARS`` long, at its last space."""
+    a phrase ends at a sentence's or a clause's end followed by a space, or else, once the text is
+    ``FIRST_WORDS_CHARS`` long (the reply's ``first`` phrase: its first sound waits for no more) or
+    ``LATER_WORDS_CHARS`` long, at its last space."""
     ends = [m.end() for m in _PHRASE_END.finditer(text)]
-    cut = ends[-1] if ends else (text.rfind(" ") + 1 if len(text) >= FIRST_WORDS_CHARS else 0)
+    long = FIRST_WORDS_CHARS if first else LATER_WORDS_CHARS
+    cut = ends[-1] if ends else (text.rfind(" ") + 1 if len(text) >= long else 0)
     whole = [p.strip() for p in _PHRASE_END.split(text[:cut]) if p.strip()]
     return whole, text[cut:]
 
@@ -401,15 +404,16 @@ class ConversationSession(TranscriptionSession):
         phrases: asyncio.Queue[str | None] = asyncio.Queue()
         speaking = asyncio.create_task(self._say(phrases, settings.voice, base)) if audio else None
         try:
-            pending = ""
+            pending, spoken_any = "", False
             async with contextlib.aclosing(serve_chat(self.svc, self.caller, job, self.gone)) as deltas:
                 async for delta in deltas:
                     if delta.content:
                         written.append(delta.content)
                         await self.send({"type": text_delta, **base, "delta": delta.content})
-                        ready, pending = phrases_of(pending + delta.content)
+                        ready, pending = phrases_of(pending + delta.content, first=not spoken_any)
                         for phrase in ready:
                             phrases.put_nowait(phrase)
+                        spoken_any = spoken_any or bool(ready)
                     if delta.finished is not None:
                         finished = delta.finished
             item["content"] = [{"type": part_type, ("transcript" if audio else "text"): "".join(written)}]
