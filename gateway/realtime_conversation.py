@@ -144,7 +144,16 @@ class ConversationSession(TranscriptionSession):
     async def send(self, event: dict) -> None:
         if event.get("type") == "session.created":  # the transcription session's own opening, as a conversation's
             event = {**event, "session": self.session_event()}
+        elif event.get("type") == "input_audio_buffer.speech_started":
+            self._interrupt()
         await super().send(event)
+
+    def _interrupt(self) -> None:
+        """With ``interrupt_response``, the user's turn starting (server_vad) cancels the response in
+        progress; what it wrote stays, as its transcript so far."""
+        if self.conversing.interrupt_response and self._response is not None and self._response.task is not None:
+            self._response.cancelled = True
+            self._response.task.cancel()
 
     # -- client events ----------------------------------------------------------------------------
 
@@ -284,17 +293,6 @@ class ConversationSession(TranscriptionSession):
         await self.send({"type": "conversation.item.added", "previous_item_id": previous, "item": item})
 
     # -- committed utterances: user items ----------------------------------------------------------
-
-    async def _append(self, samples) -> None:
-        """As a transcription session appends; with ``server_vad`` and ``interrupt_response``, the
-        start of the user's turn cancels the response in progress (what it wrote stays, as its
-        transcript so far)."""
-        before = self._speech
-        await super()._append(samples)
-        if before is None and self._speech is not None and self.conversing.interrupt_response \
-                and self._response is not None and self._response.task is not None:
-            self._response.cancelled = True
-            self._response.task.cancel()
 
     async def _commit(self, item: str, end: int) -> None:
         self._heard[item] = asyncio.Event()
