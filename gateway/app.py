@@ -26,7 +26,7 @@ from batch.runner import runner_for
 from batch.uploads import uploads_for
 from tuning import api as tuning_api
 from gateway import (adapters, audio, chat, completions, conversations, dashboard, embeddings, images, moderations,
-                     realtime, response_runs, responses_api, stored_chat, vector_stores)
+                     realtime_conversation, response_runs, responses_api, stored_chat, vector_stores)
 from accounts.store import STORE_ERRORS
 from gateway.accounts import Accounts
 from gateway.accounts_api import KeyHeaders
@@ -272,7 +272,7 @@ def routes() -> list[BaseRoute]:
         Route("/v1/audio/speech", audio.speech, methods=["POST"]),
         Route("/v1/audio/transcriptions", audio.transcriptions, methods=["POST"]),
         Route("/v1/audio/translations", audio.translations, methods=["POST"]),
-        WebSocketRoute("/v1/realtime", realtime.realtime),
+        WebSocketRoute("/v1/realtime", realtime_conversation.realtime),  # a transcription or a conversation
         Route("/v1/files", batch_api.upload_file, methods=["POST"]),
         Route("/v1/files", batch_api.list_files, methods=["GET"]),
         Route("/v1/files/{file_id}", batch_api.get_file, methods=["GET"]),

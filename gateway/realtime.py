@@ -22,7 +22,7 @@ utterances are transcribed in order. The key is checked once, at the handshake (
 upgrade). ``tiergate_realtime_sessions{tier}`` counts the sessions open.
 
 A session opened on a chat model is a conversation instead (``gateway.realtime_conversation``,
-which builds on this one). Not served (each refused with an error naming it): ``semantic_vad``,
+which builds on this one and holds the ``/v1/realtime`` endpoint that opens either kind). Not served (each refused with an error naming it): ``semantic_vad``,
 noise reduction, and audio formats other than 24 kHz PCM16. Ephemeral client secrets (``/v1/realtime/client_secrets``) are not issued:
 a browser sends a key of its own, so give it a key with limits of its own (docs/ACCOUNTS.md).
 """
@@ -37,7 +37,6 @@ import json
 import logging
 import secrets
 from dataclasses import dataclass, replace
-from typing import Callable
 
 import numpy as np
 from starlette.websockets import WebSocket, WebSocketDisconnect, WebSocketState
@@ -428,56 +427,3 @@ def _subprotocol_key(ws: WebSocket) -> str | None:
         if offered.startswith(KEY_SUBPROTOCOL):
             return offered[len(KEY_SUBPROTOCOL):]
     return None
-
-
-async def _opening(ws: WebSocket, svc: Services) -> tuple[Caller, Callable[[], TranscriptionSession]]:
-    """The handshake's checks: the key, the drain, the model the URL names (``?model=``): a
-    speech-to-text model (or none) opens a transcription session, a chat model a conversation
-    (``gateway.realtime_conversation``) unless ``?intent=transcription`` asks for the other."""
-    from gateway.realtime_conversation import ConversationSession, opening
-
-    caller = svc.authenticate(ws, _subprotocol_key(ws))
-    if ws.app.state.drain.draining:
-        raise APIError(503, "the server is draining: open the session on another one", "draining")
-    model = ws.query_params.get("model")
-    transcribing = ws.query_params.get("intent") == "transcription"
-    if model:
-        try:
-            model = svc.spec(model, "stt").name
-        except APIError as exc:
-            if exc.status != 400:
-                raise
-            if transcribing:
-                raise bad_request(f"{exc.message}; a transcription session's model is a speech-to-text model",
-                                  "model", "unsupported_model") from None
-            try:
-                config, conversing = await opening(svc, model)
-            except APIError as other:  # not a chat model either
-                raise bad_request(f"{other.message}; a realtime session's model is a chat model (a conversation) or "
-                                  "a speech-to-text model (a transcription)", "model", "unsupported_model") from None
-            return caller, lambda: ConversationSession(ws, svc, caller, config, conversing)
-    config = SessionConfig(model or svc.first_spec("stt", "transcription (stt) model for realtime sessions").name)
-    return caller, lambda: TranscriptionSession(ws, svc, caller, config)
-
-
-async def realtime(ws: WebSocket) -> None:
-    """``/v1/realtime``: a transcription session (module doc) or a conversation
-    (``gateway.realtime_conversation``)."""
-    svc: Services = ws.app.state.services
-    try:
-        caller, session = await _opening(ws, svc)
-    except APIError as exc:
-        try:
-            await ws.send_denial_response(exc.response())
-        except RuntimeError:  # a server without the denial extension: a policy close
-            await ws.close(code=1008, reason=exc.message[:120])
-        return
-    # a client that offers subprotocols (a browser's "realtime" and its key) fails unless one is
-    # chosen; the key is never echoed
-    await ws.accept(subprotocol="realtime" if "realtime" in ws.scope.get("subprotocols", ()) else None)
-    sessions = svc.metrics.realtime_sessions
-    sessions[caller.tier] += 1
-    try:
-        await session().run()
-    finally:
-        sessions[caller.tier] -= 1

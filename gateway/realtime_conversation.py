@@ -38,14 +38,17 @@ import contextlib
 import logging
 import re
 from dataclasses import dataclass, field, replace
-from typing import Any
+from typing import Any, Callable
+
+from starlette.websockets import WebSocket
 
 from gateway.auth import Caller
 from gateway.chat import plan_chat, serve_chat
 from gateway.errors import APIError, bad_request
 from gateway.input_audio import chat_engine
 from gateway.output_audio import PCM16_RATE, Voice, say
-from gateway.realtime import RATE, SessionConfig, TranscriptionSession, _new_id, _object, updated
+from gateway.realtime import (RATE, SessionConfig, TranscriptionSession, _new_id, _object, _subprotocol_key,
+                              updated)
 from gateway.schemas import ChatCompletionRequest, parse
 from gateway.service import ClientGone, Services
 from gateway.serving import weightless
@@ -446,3 +449,57 @@ class ConversationSession(TranscriptionSession):
         return {"total_tokens": prompt + completion, "input_tokens": prompt, "output_tokens": completion,
                 "input_token_details": {"text_tokens": prompt, "audio_tokens": 0, "cached_tokens": 0},
                 "output_token_details": {"text_tokens": completion, "audio_tokens": 0}}
+
+
+# -- the endpoint: a transcription session or a conversation ------------------------------------
+
+
+async def _opening(ws: WebSocket, svc: Services) -> tuple[Caller, Callable[[], TranscriptionSession]]:
+    """The handshake's checks: the key, the drain, the model the URL names (``?model=``): a
+    speech-to-text model (or none) opens a transcription session, a chat model a conversation
+    (``gateway.realtime_conversation``) unless ``?intent=transcription`` asks for the other."""
+    caller = svc.authenticate(ws, _subprotocol_key(ws))
+    if ws.app.state.drain.draining:
+        raise APIError(503, "the server is draining: open the session on another one", "draining")
+    model = ws.query_params.get("model")
+    transcribing = ws.query_params.get("intent") == "transcription"
+    if model:
+        try:
+            model = svc.spec(model, "stt").name
+        except APIError as exc:
+            if exc.status != 400:
+                raise
+            if transcribing:
+                raise bad_request(f"{exc.message}; a transcription session's model is a speech-to-text model",
+                                  "model", "unsupported_model") from None
+            try:
+                config, conversing = await opening(svc, model)
+            except APIError as other:  # not a chat model either
+                raise bad_request(f"{other.message}; a realtime session's model is a chat model (a conversation) or "
+                                  "a speech-to-text model (a transcription)", "model", "unsupported_model") from None
+            return caller, lambda: ConversationSession(ws, svc, caller, config, conversing)
+    config = SessionConfig(model or svc.first_spec("stt", "transcription (stt) model for realtime sessions").name)
+    return caller, lambda: TranscriptionSession(ws, svc, caller, config)
+
+
+async def realtime(ws: WebSocket) -> None:
+    """``/v1/realtime``: a transcription session (``gateway.realtime``) or a conversation (this
+    module's doc), by the model the URL names."""
+    svc: Services = ws.app.state.services
+    try:
+        caller, session = await _opening(ws, svc)
+    except APIError as exc:
+        try:
+            await ws.send_denial_response(exc.response())
+        except RuntimeError:  # a server without the denial extension: a policy close
+            await ws.close(code=1008, reason=exc.message[:120])
+        return
+    # a client that offers subprotocols (a browser's "realtime" and its key) fails unless one is
+    # chosen; the key is never echoed
+    await ws.accept(subprotocol="realtime" if "realtime" in ws.scope.get("subprotocols", ()) else None)
+    sessions = svc.metrics.realtime_sessions
+    sessions[caller.tier] += 1
+    try:
+        await session().run()
+    finally:
+        sessions[caller.tier] -= 1
