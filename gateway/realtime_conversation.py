@@ -25,7 +25,12 @@ first text-to-speech model). Each transcription, reply and speech is a request o
 gated, metered and limited as its endpoint's. The reply is greedy (the session has no temperature);
 the words are heard, not the voice, as chat's ``input_audio`` hears them.
 
-Not served (an ``error`` event naming it): function tools, items other than messages,
+Function tools (``session.tools``, ``tool_choice``) are chat's: a reply of calls is
+``function_call`` items (arguments streamed as ``response.function_call_arguments.delta``), not
+said; the client's ``function_call_output`` item answers one, and the next reply reads both as chat
+reads a tool call and a tool message.
+
+Not served (an ``error`` event naming it): items other than messages and function call outputs,
 ``conversation.item.delete`` / ``truncate`` / ``retrieve``, out-of-band responses
 (``response.conversation: "none"``), ``semantic_vad``, noise reduction, other audio formats.
 """
@@ -62,6 +67,13 @@ LATER_WORDS_CHARS = 240  # later ones: fewer speech requests, each said while th
 _PHRASE_END = re.compile(r"(?<=[.!?;:,。！？…])\s+|\n+")
 
 
+def _choice_shown(choice: Any) -> Any:
+    """A tool choice as the Realtime API shows it (a named function flat, as it takes it)."""
+    if isinstance(choice, dict) and "function" in choice:
+        return {"type": "function", "name": choice["function"]["name"]}
+    return choice
+
+
 def phrases_of(text: str, first: bool = True) -> tuple[list[str], str]:
     """The phrases of ``text`` that are whole, to be said now, and the rest, still being written:
     a phrase ends at a sentence's or a clause's end followed by a space, or else, once the text is
@@ -85,6 +97,8 @@ class Conversing:
     max_output_tokens: int | None = None  # None: "inf", as long as a chat completion without max_tokens
     create_response: bool = True  # server_vad's end of a turn starts a response
     interrupt_response: bool = True  # server_vad's start of a turn cancels the response in progress
+    tools: tuple[dict, ...] = ()  # function tools, as chat takes them ({"type": "function", "function": {...}})
+    tool_choice: Any = "auto"  # as chat takes it
 
 
 @dataclass
@@ -130,7 +144,7 @@ class ConversationSession(TranscriptionSession):
         return {"type": "realtime", "object": "realtime.session", "id": self.id, "model": c.model,
                 "output_modalities": list(c.modalities), "instructions": c.instructions,
                 "max_output_tokens": "inf" if c.max_output_tokens is None else c.max_output_tokens,
-                "tools": [], "tool_choice": "auto",
+                "tools": [{"type": "function", **t["function"]} for t in c.tools], "tool_choice": _choice_shown(c.tool_choice),
                 "audio": {"input": {"format": PCM, "transcription": {"model": self.config.model},
                                     "turn_detection": detection, "noise_reduction": None},
                           "output": {"format": PCM, "voice": c.voice.voice if c.voice else None, "speed": 1.0}}}
@@ -214,10 +228,8 @@ class ConversationSession(TranscriptionSession):
         if model is not None and model != conversing.model and self.svc.model_name(str(model)) != conversing.model:
             raise bad_request(f"the session's model is {conversing.model!r}, the one it was opened on",
                               "session.model", "invalid_value")
-        if session.get("tools") == [] or session.get("tools") is None:  # function tools are not served
-            session.pop("tools", None)
-        if session.get("tool_choice") in ("auto", "none", None):
-            session.pop("tool_choice", None)
+        if "tools" in session or "tool_choice" in session:
+            conversing = self._tools(conversing, session.pop("tools", None), session.pop("tool_choice", None))
         for key in ("id", "object", "tracing"):
             session.pop(key, None)
         if session:
@@ -258,6 +270,34 @@ class ConversationSession(TranscriptionSession):
         given.pop("metadata", None)
         return c
 
+    def _tools(self, conversing: Conversing, tools: object, choice: object) -> Conversing:
+        """``conversing`` with a session update's function ``tools`` (the Realtime API's flat
+        shape: ``{"type": "function", "name", "description", "parameters"}``) and ``tool_choice``
+        (``auto``, ``none``, ``required`` or ``{"type": "function", "name"}``), checked as chat
+        checks them (errors named ``session.tools[i]...``)."""
+        given = list(conversing.tools) if tools is None else tools
+        if not isinstance(given, list):
+            raise bad_request("tools is a list of function tools", "session.tools", "invalid_type")
+        chat_tools = []
+        for i, tool in enumerate(given):
+            if isinstance(tool, dict) and "function" in tool:  # (kept from an earlier update: chat's shape)
+                chat_tools.append(tool)
+                continue
+            if not isinstance(tool, dict) or tool.get("type", "function") != "function":
+                raise bad_request("only function tools are served here", f"session.tools[{i}].type", "invalid_value")
+            chat_tools.append({"type": "function", "function": {k: v for k, v in tool.items() if k != "type"}})
+        choice = conversing.tool_choice if choice is None else choice
+        if isinstance(choice, dict) and choice.get("type") == "function" and "name" in choice:
+            choice = {"type": "function", "function": {"name": choice["name"]}}
+        try:
+            plan_chat(self.svc, parse(ChatCompletionRequest, {
+                "model": conversing.model, "messages": [{"role": "user", "content": "-"}],
+                **({"tools": chat_tools, "tool_choice": choice} if chat_tools else {})}))
+        except APIError as exc:
+            param = (exc.param or "tools").replace(".function.", ".").replace(".function", "")
+            raise APIError(exc.status, exc.message, exc.code, f"session.{param}") from None
+        return replace(conversing, tools=tuple(chat_tools), tool_choice=choice)
+
     async def _voice(self, name: object) -> Voice:
         if self.conversing.voice is None:
             raise bad_request("this server has no text-to-speech model to speak with", "session.audio.output.voice",
@@ -273,9 +313,23 @@ class ConversationSession(TranscriptionSession):
 
     async def _create_item(self, item: object) -> None:
         item = _object(item, "item")
-        if item.get("type", "message") != "message":
-            raise bad_request(f"items of type {str(item.get('type'))[:40]!r} are not served here: a conversation "
-                              "session takes messages", "item.type", "unsupported_item_type")
+        kind = item.get("type", "message")
+        if kind == "function_call_output":
+            if not isinstance(item.get("call_id"), str) or not isinstance(item.get("output"), str):
+                raise bad_request("a function_call_output item has the call's call_id and its output, both strings",
+                                  "item.call_id", "invalid_value")
+            if not any(i["type"] == "function_call" and i["call_id"] == item["call_id"] for i in self.items):
+                raise bad_request(f"no function call {item['call_id'][:64]!r} in this conversation", "item.call_id",
+                                  "invalid_value")
+            added = {"id": item.get("id") if isinstance(item.get("id"), str) else _new_id("item"),
+                     "type": "function_call_output", "object": "realtime.item", "status": "completed",
+                     "call_id": item["call_id"], "output": item["output"]}
+            await self._add(added)
+            await self.send({"type": "conversation.item.done", "item": added})
+            return
+        if kind != "message":
+            raise bad_request(f"items of type {str(kind)[:40]!r} are not served here: a conversation session takes "
+                              "messages and function_call_output", "item.type", "unsupported_item_type")
         role = item.get("role")
         if role not in ("user", "system"):
             raise bad_request("a message item's role is user or system here", "item.role", "invalid_value")
@@ -342,7 +396,10 @@ class ConversationSession(TranscriptionSession):
         await self.send({"type": "response.created", "response": self._shown(response, "in_progress")})
         try:
             usage = await self._answer(response, settings)
-        except (asyncio.CancelledError, ClientGone):
+        except ClientGone:  # the session closed: nobody to answer
+            if response.cancelled:
+                await self.send({"type": "response.done", "response": self._shown(response, "cancelled")})
+        except asyncio.CancelledError:
             if not response.cancelled:  # the session closed
                 raise
             await self.send({"type": "response.done", "response": self._shown(response, "cancelled")})
@@ -360,11 +417,23 @@ class ConversationSession(TranscriptionSession):
             self._response = None
 
     def _messages(self, settings: Conversing) -> list[dict]:
+        """The conversation as chat messages: a message's text (a spoken turn's transcript), a
+        function call as its assistant message's tool call, a call's output as a tool message."""
         out = [{"role": "system", "content": settings.instructions}] if settings.instructions else []
         for item in self.items:
-            text = "".join(p.get("text") or p.get("transcript") or "" for p in item["content"])
-            if text:
-                out.append({"role": item["role"], "content": text})
+            if item["type"] == "function_call":
+                call = {"id": item["call_id"], "type": "function",
+                        "function": {"name": item["name"], "arguments": item["arguments"]}}
+                if out and out[-1]["role"] == "assistant":
+                    out[-1].setdefault("tool_calls", []).append(call)
+                else:
+                    out.append({"role": "assistant", "content": None, "tool_calls": [call]})
+            elif item["type"] == "function_call_output":
+                out.append({"role": "tool", "tool_call_id": item["call_id"], "content": item["output"]})
+            else:
+                text = "".join(p.get("text") or p.get("transcript") or "" for p in item["content"])
+                if text:
+                    out.append({"role": item["role"], "content": text})
         return out
 
     async def _say(self, phrases: asyncio.Queue, voice: Voice, base: dict) -> None:
@@ -383,67 +452,107 @@ class ConversationSession(TranscriptionSession):
                  "temperature": 0, "stream": True}  # the text as it is written (an engine may hold a whole reply's)
         if settings.max_output_tokens is not None:  # "inf": as long as a chat completion's default (gateway.chat)
             asked["max_completion_tokens"] = min(settings.max_output_tokens, self.limits.max_chat_tokens)
+        if settings.tools:
+            asked.update(tools=list(settings.tools), tool_choice=settings.tool_choice)
         job = plan_chat(self.svc, parse(ChatCompletionRequest, asked))
         audio = "audio" in settings.modalities
-        part_type = "output_audio" if audio else "output_text"
-        item = {"id": _new_id("item"), "type": "message", "object": "realtime.item", "status": "in_progress",
-                "role": "assistant", "content": []}
-        response.items.append(item)
-        base = {"response_id": response.id, "item_id": item["id"], "output_index": 0, "content_index": 0}
-        await self.send({"type": "response.output_item.added", "response_id": response.id, "output_index": 0,
-                         "item": item})
-        await self._add(item)
         # a content part event names its part "audio" or "text"; the item's content, "output_audio" or "output_text"
-        event_part = "audio" if audio else "text"
-        empty = {"type": event_part, "transcript": ""} if audio else {"type": event_part, "text": ""}
-        await self.send({"type": "response.content_part.added", **base, "part": empty})
+        part_type, event_part, said_as = ("output_audio", "audio", "transcript") if audio else ("output_text", "text", "text")
         text_delta = "response.output_audio_transcript.delta" if audio else "response.output_text.delta"
+        message: dict | None = None  # the reply's message, made at its first words (a reply of calls has none)
+        base: dict = {}
+        calls: dict[int, tuple[dict, int]] = {}  # a tool call's index -> its function_call item, its output index
         written: list[str] = []
         finished = None
         # the speech follows the words a phrase at a time: a task says each phrase as soon as it is
         # written, while the reply goes on; the writing never waits for the speech
         phrases: asyncio.Queue[str | None] = asyncio.Queue()
-        speaking = asyncio.create_task(self._say(phrases, settings.voice, base)) if audio else None
+        speaking: asyncio.Task | None = None
+
+        async def output(item: dict) -> int:
+            index = len(response.items)
+            response.items.append(item)
+            await self.send({"type": "response.output_item.added", "response_id": response.id, "output_index": index,
+                             "item": item})
+            await self._add(item)
+            return index
+
+        async def open_message() -> None:
+            nonlocal message, base, speaking
+            message = {"id": _new_id("item"), "type": "message", "object": "realtime.item", "status": "in_progress",
+                       "role": "assistant", "content": []}
+            base = {"response_id": response.id, "item_id": message["id"], "output_index": await output(message),
+                    "content_index": 0}
+            await self.send({"type": "response.content_part.added", **base, "part": {"type": event_part, said_as: ""}})
+            if audio:
+                speaking = asyncio.create_task(self._say(phrases, settings.voice, base))
+
         try:
             pending, spoken_any = "", False
             async with contextlib.aclosing(serve_chat(self.svc, self.caller, job, self.gone)) as deltas:
                 async for delta in deltas:
                     if delta.content:
+                        if message is None:
+                            await open_message()
                         written.append(delta.content)
                         await self.send({"type": text_delta, **base, "delta": delta.content})
                         ready, pending = phrases_of(pending + delta.content, first=not spoken_any)
                         for phrase in ready:
                             phrases.put_nowait(phrase)
                         spoken_any = spoken_any or bool(ready)
+                    for call in delta.calls:
+                        if call.id is not None:  # its first piece
+                            item = {"id": _new_id("item"), "type": "function_call", "object": "realtime.item",
+                                    "status": "in_progress", "call_id": call.id, "name": call.name, "arguments": ""}
+                            calls[call.index] = (item, await output(item))
+                        item, index = calls[call.index]
+                        if call.arguments:
+                            item["arguments"] += call.arguments
+                            await self.send({"type": "response.function_call_arguments.delta", "response_id": response.id,
+                                             "item_id": item["id"], "output_index": index, "call_id": item["call_id"],
+                                             "delta": call.arguments})
                     if delta.finished is not None:
                         finished = delta.finished
-            item["content"] = [{"type": part_type, ("transcript" if audio else "text"): "".join(written)}]
+            if message is None and not calls:  # nothing written: an empty message, as a reply of no words
+                await open_message()
+            if message is not None:
+                message["content"] = [{"type": part_type, said_as: "".join(written)}]
             if speaking is not None:
                 if pending.strip():
                     phrases.put_nowait(pending)
                 phrases.put_nowait(None)
                 await speaking
         except BaseException:  # cut: the conversation keeps what was written
-            item.update(status="incomplete", content=[{"type": part_type, ("transcript" if audio else "text"):
-                                                       "".join(written)}])
+            if message is not None:
+                message.update(status="incomplete", content=[{"type": part_type, said_as: "".join(written)}])
+            for item, _ in calls.values():
+                item["status"] = "incomplete"
             if speaking is not None:
                 speaking.cancel()
                 with contextlib.suppress(asyncio.CancelledError, Exception):
                     await speaking
             raise
         text = "".join(written)
-        if audio:
-            await self.send({"type": "response.output_audio.done", **base})
-            await self.send({"type": "response.output_audio_transcript.done", **base, "transcript": text})
-            part = {"type": part_type, "transcript": text}
-        else:
-            await self.send({"type": "response.output_text.done", **base, "text": text})
-            part = {"type": part_type, "text": text}
-        await self.send({"type": "response.content_part.done", **base, "part": {**part, "type": event_part}})
-        item.update(status="completed", content=[part])
-        await self.send({"type": "response.output_item.done", "response_id": response.id, "output_index": 0,
-                         "item": item})
-        await self.send({"type": "conversation.item.done", "item": item})
+        if message is not None:
+            if audio:
+                await self.send({"type": "response.output_audio.done", **base})
+                await self.send({"type": "response.output_audio_transcript.done", **base, "transcript": text})
+            else:
+                await self.send({"type": "response.output_text.done", **base, "text": text})
+            part = {"type": part_type, said_as: text}
+            await self.send({"type": "response.content_part.done", **base, "part": {**part, "type": event_part}})
+            message.update(status="completed", content=[part])
+            await self.send({"type": "response.output_item.done", "response_id": response.id,
+                             "output_index": base["output_index"], "item": message})
+            await self.send({"type": "conversation.item.done", "item": message})
+        for item, index in calls.values():
+            item["status"] = "completed"
+            await self.send({"type": "response.function_call_arguments.done", "response_id": response.id,
+                             "item_id": item["id"], "output_index": index, "call_id": item["call_id"],
+                             "name": item["name"], "arguments": item["arguments"]})
+            await self.send({"type": "response.output_item.done", "response_id": response.id, "output_index": index,
+                             "item": item})
+            await self.send({"type": "conversation.item.done", "item": item})
         prompt = finished.prompt_tokens if finished else 0
         completion = finished.completion_tokens if finished else 0
         return {"total_tokens": prompt + completion, "input_tokens": prompt, "output_tokens": completion,

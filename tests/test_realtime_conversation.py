@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import asyncio
 import base64
+from typing import Literal
 
 import numpy as np
 import pytest
@@ -153,10 +154,14 @@ def test_text_output_cancel_and_refusals_leave_the_session_open(server):
             await conn.response.create()
             text = await events_until(conn, "response.done")
             refusals = []
-            for event in [{"type": "conversation.item.create", "item": {"type": "function_call_output",
+            for event in [{"type": "conversation.item.create", "item": {"type": "function_call", "call_id": "c",
+                                                                         "name": "f", "arguments": "{}"}},
+                          {"type": "conversation.item.create", "item": {"type": "function_call_output",
                                                                          "call_id": "c", "output": "x"}},
-                          {"type": "session.update", "session": {"type": "realtime", "tools": [{"type": "function",
-                                                                                                 "name": "f"}]}},
+                          {"type": "session.update", "session": {"type": "realtime", "tools": [{"type": "web_search"}]}},
+                          {"type": "session.update", "session": {"type": "realtime", "tools": [
+                              {"type": "function", "name": "f", "parameters": {"type": "object"}}],
+                              "tool_choice": {"type": "function", "name": "g"}}},
                           {"type": "session.update", "session": {"type": "realtime",
                                                                  "audio": {"output": {"voice": "nobody"}}}},
                           {"type": "response.cancel"}]:
@@ -174,7 +179,8 @@ def test_text_output_cancel_and_refusals_leave_the_session_open(server):
     assert written == answer(server, [{"role": "user", "content": ASK}])[0]
     assert not any(e.type.startswith("response.output_audio") for e in text)
     assert [(r.param, r.code) for r in refusals] == [
-        ("item.type", "unsupported_item_type"), ("session.tools", "unknown_parameter"),
+        ("item.type", "unsupported_item_type"), ("item.call_id", "invalid_value"),
+        ("session.tools[0].type", "invalid_value"), ("session.tool_choice", "invalid_value"),
         ("session.audio.output.voice", "invalid_value"), (None, "response_cancel_not_active")]
     assert busy.code == "conversation_already_has_active_response"
     assert cancelled[-1].response.status in ("cancelled", "completed")  # it may have ended before the cancel
@@ -243,10 +249,26 @@ def test_the_agents_sdk_realtime_runner_talks_to_the_session(server):
     assert reply.role == "assistant" and reply.content[0].transcript == expected
 
 
+def speech_requests(server: RunningServer) -> float:
+    """The paid tier's speech requests so far, from /metrics."""
+    import re
+
+    import httpx
+
+    text = httpx.get(f"{server.url}/metrics").text
+    found = re.search(r'^tiergate_request_seconds_count\{(?=[^}]*tier="paid")(?=[^}]*endpoint="speech")[^}]*\} (\S+)$',
+                      text, re.M)
+    return float(found.group(1)) if found else 0.0
+
+
 def test_the_speech_follows_the_words_a_phrase_at_a_time(server):
-    """A longer reply is said a phrase at a time while it is still being written: its first sound
-    comes before its last words, and the sound is each phrase said apart, in order."""
+    """A longer reply is said a phrase at a time, each phrase a speech request of its own started
+    as soon as the phrase is written (how much sooner the first sound comes is bench_voice's to
+    measure: on a machine this fast the words may all be written before the first phrase is
+    said), the sound each phrase said apart, in order."""
     from gateway.realtime_conversation import phrases_of
+
+    before = speech_requests(server)
 
     async def run():
         async with client(server).realtime.connect(model="tiny-chat") as conn:
@@ -268,8 +290,8 @@ def test_the_speech_follows_the_words_a_phrase_at_a_time(server):
             phrases += ready
     phrases += [pending] if pending.strip() else []
     assert len(phrases) >= 2, transcript  # the premise: a reply of several phrases
-    last_words = len(kinds) - 1 - kinds[::-1].index("response.output_audio_transcript.delta")
-    assert kinds.index("response.output_audio.delta") < last_words
+    assert speech_requests(server) == before + len(phrases)
+    assert kinds.index("response.output_audio_transcript.delta") < kinds.index("response.output_audio.delta")
     expected = sum(speech_seconds(server, p) for p in phrases)
     assert abs(len(audio) / 2 / 24000 - expected) < 0.05 * len(phrases)
 
@@ -287,3 +309,91 @@ def test_phrases_are_said_once_whole(text, whole, rest):
     assert phrases_of(text) == (whole, rest)
     if not any(c in text for c in ".,;:\n"):  # after the first phrase, a long one waits longer for an end
         assert phrases_of(text, first=False) == ([], text)
+
+
+LOOKUP = {"type": "function", "name": "lookup", "description": "Look a place up.",
+          "parameters": {"type": "object", "properties": {"place": {"type": "string", "maxLength": 6}},
+                         "required": ["place"], "additionalProperties": False}}
+
+
+def test_a_function_call_and_its_output_go_on_as_chat_would(server):
+    """A session's function tools: with tool_choice required the reply is a function_call item,
+    its arguments streamed, the same call a chat completion makes of the same conversation; the
+    client's function_call_output then answers it, and the next reply reads the call and its
+    output as chat reads them."""
+    chat_tool = {"type": "function", "function": {k: v for k, v in LOOKUP.items() if k != "type"}}
+
+    async def run():
+        async with client(server).realtime.connect(model="tiny-chat") as conn:
+            await events_until(conn, "session.created")
+            await conn.session.update(session={**MANUAL, "max_output_tokens": 40, "tools": [LOOKUP],
+                                               "tool_choice": "required"})
+            updated = (await events_until(conn, "session.updated"))[-1]
+            await conn.conversation.item.create(item={"type": "message", "role": "user",
+                                                      "content": [{"type": "input_text", "text": ASK}]})
+            await conn.response.create()
+            called = await events_until(conn, "response.done")
+            call = called[-1].response.output[0]
+            await conn.conversation.item.create(item={"type": "function_call_output", "call_id": call.call_id,
+                                                      "output": '{"found": "under the palm"}'})
+            await conn.session.update(session={"type": "realtime", "tool_choice": "none", "max_output_tokens": 12})
+            await conn.response.create()
+            return updated, called, await events_until(conn, "response.done")
+
+    updated, called, answered = asyncio.run(run())
+    assert updated.session.tools[0].name == "lookup" and updated.session.tool_choice == "required"
+    call = called[-1].response.output[0]
+    assert call.type == "function_call" and call.name == "lookup" and called[-1].response.status == "completed"
+    deltas = "".join(e.delta for e in called if e.type == "response.function_call_arguments.delta")
+    done = next(e for e in called if e.type == "response.function_call_arguments.done")
+    assert deltas == done.arguments == call.arguments
+    assert not any(e.type.startswith("response.output_audio") for e in called)  # a call is not said
+    asked = [{"role": "system", "content": "Answer briefly."}, {"role": "user", "content": ASK}]
+    want = http(server).chat.completions.create(model="tiny-chat", temperature=0, max_tokens=40, messages=asked,
+                                                tools=[chat_tool], tool_choice="required")
+    assert [(c.function.name, c.function.arguments) for c in want.choices[0].message.tool_calls] == \
+        [(call.name, call.arguments)]
+    then = http(server).chat.completions.create(model="tiny-chat", temperature=0, max_tokens=12, tools=[chat_tool],
+                                                tool_choice="none", messages=[*asked, {
+        "role": "assistant", "content": None, "tool_calls": [{"id": call.call_id, "type": "function",
+                                                              "function": {"name": "lookup", "arguments": call.arguments}}]},
+        {"role": "tool", "tool_call_id": call.call_id, "content": '{"found": "under the palm"}'}])
+    assert said(answered)[0] == then.choices[0].message.content
+
+
+def test_the_agents_sdk_realtime_agent_calls_its_function_tool(server):
+    """The Agents SDK's ``RealtimeAgent`` with a ``function_tool``: the session's call reaches the
+    SDK, which runs the tool with the call's arguments and sends its output back."""
+    pytest.importorskip("agents")
+    from agents import function_tool, set_tracing_disabled
+    from agents.realtime import RealtimeAgent, RealtimeRunner
+
+    set_tracing_disabled(True)
+    seen: list[str] = []
+
+    @function_tool
+    def lookup(place: Literal["palm", "cave", "ship"]) -> str:  # bounded: the call ends within max_output_tokens
+        """Look a place up."""
+        seen.append(place)
+        return "under the palm"
+
+    async def run():
+        agent = RealtimeAgent(name="pirate", instructions="Answer briefly.", tools=[lookup])
+        runner = RealtimeRunner(agent, config={"model_settings": {
+            "model_name": "tiny-chat", "voice": "alloy", "input_audio_transcription": {"model": "tiny-stt"},
+            "turn_detection": {"type": "server_vad"}, "max_output_tokens": 40, "tool_choice": "required"}})
+        session = await runner.run(model_config={"url": server.url.replace("http", "ws") + "/v1/realtime?model=tiny-chat",
+                                                 "api_key": server.keys["paid"]})
+        kinds = []
+        async with session:
+            await session.send_message(ASK)
+            async with asyncio.timeout(60):
+                async for event in session:
+                    kinds.append(event.type)
+                    if event.type in ("tool_end", "error"):
+                        break
+        return kinds
+
+    kinds = asyncio.run(run())
+    assert "error" not in kinds and kinds[-1] == "tool_end"
+    assert seen and seen[0] in ("palm", "cave", "ship")  # the SDK ran the tool with the call's arguments
