@@ -30,7 +30,6 @@ import asyncio
 import base64
 import io
 import json
-import os
 import secrets
 import statistics
 import subprocess
@@ -47,7 +46,7 @@ import httpx  # noqa: E402
 import numpy as np  # noqa: E402
 import websockets  # noqa: E402
 
-from benchlib import OTHER_LOAD_LIMIT, OtherLoad, Target, judge, spare_port  # noqa: E402
+from benchlib import OTHER_LOAD_LIMIT, OtherLoad, Target, judge, tiergate_serve  # noqa: E402
 
 RATE = 24000
 TARGET = 1.1
@@ -65,32 +64,14 @@ def utterance(seconds: float = 2.0) -> np.ndarray:
 
 def start_server(folder: Path, model: Path) -> tuple[subprocess.Popen, str, str]:
     key = f"tg-bench-{secrets.token_urlsafe(12)}"
-    config = folder / "tiers.yaml"
-    config.write_text(f"""tiers:
+    proc, url = tiergate_serve(folder, f"""tiers:
   - {{name: paid, keys_env: TIERGATE_BENCH_KEYS_PAID, max_inflight: 16, max_queued: 64, latency_target_s: 600}}
 models:
   - {{name: tiny-stt, kind: stt, path: {model}}}
 gpu: {{device: cpu, vram_budget: 4GiB}}
 gate: {{slots: 16}}
-""")
-    port = spare_port()
-    env = {**os.environ, "TIERGATE_BENCH_KEYS_PAID": key, "OMP_NUM_THREADS": "1"}
-    log = (folder / "server.log").open("w")
-    proc = subprocess.Popen([sys.executable, "-m", "gateway.cli", "serve", "--config", str(config), "--host",
-                             "127.0.0.1", "--port", str(port)], cwd=ROOT, env=env, stdout=log, stderr=subprocess.STDOUT)
-    url = f"http://127.0.0.1:{port}"
-    deadline = time.monotonic() + 120
-    while time.monotonic() < deadline:
-        if proc.poll() is not None:
-            raise RuntimeError(f"the server exited:\n{(folder / 'server.log').read_text()[-3000:]}")
-        try:
-            if httpx.get(f"{url}/healthz", timeout=1).status_code == 200:
-                return proc, url, key
-        except httpx.HTTPError:
-            pass
-        time.sleep(0.1)
-    proc.kill()
-    raise RuntimeError("the server did not come up")
+""", key)
+    return proc, url, key
 
 
 async def realtime_client(url: str, key: str, audio_b64: str, n: int, out: list[float]) -> None:

@@ -32,7 +32,6 @@ from __future__ import annotations
 import argparse
 import asyncio
 import json
-import os
 import secrets
 import statistics
 import subprocess
@@ -48,7 +47,7 @@ sys.path.insert(0, str(ROOT / "scripts"))
 import httpx  # noqa: E402
 import websockets  # noqa: E402
 
-from benchlib import OTHER_LOAD_LIMIT, OtherLoad, Target, judge, spare_port  # noqa: E402
+from benchlib import OTHER_LOAD_LIMIT, OtherLoad, Target, judge, tiergate_serve  # noqa: E402
 
 ASK = "Tell me about the harbour."
 MODES = ("realtime", "http")
@@ -57,8 +56,7 @@ FIRST, WHOLE = 0.8, 1.2
 
 def start_server(folder: Path, chat: Path, tts: Path, stt: Path) -> tuple[subprocess.Popen, str, str]:
     key = f"tg-bench-{secrets.token_urlsafe(12)}"
-    config = folder / "tiers.yaml"
-    config.write_text(f"""tiers:
+    proc, url = tiergate_serve(folder, f"""tiers:
   - {{name: paid, keys_env: TIERGATE_BENCH_KEYS_PAID, max_inflight: 16, max_queued: 64, latency_target_s: 600}}
 models:
   - {{name: tiny-chat, kind: chat, path: {chat}, engine: {{name: transformers, audio_output: tiny-tts}}}}
@@ -66,25 +64,8 @@ models:
   - {{name: tiny-stt, kind: stt, path: {stt}}}
 gpu: {{device: cpu, vram_budget: 4GiB}}
 gate: {{slots: 16}}
-""")
-    port = spare_port()
-    env = {**os.environ, "TIERGATE_BENCH_KEYS_PAID": key, "OMP_NUM_THREADS": "1"}
-    log = (folder / "server.log").open("w")
-    proc = subprocess.Popen([sys.executable, "-m", "gateway.cli", "serve", "--config", str(config), "--host",
-                             "127.0.0.1", "--port", str(port)], cwd=ROOT, env=env, stdout=log, stderr=subprocess.STDOUT)
-    url = f"http://127.0.0.1:{port}"
-    deadline = time.monotonic() + 120
-    while time.monotonic() < deadline:
-        if proc.poll() is not None:
-            raise RuntimeError(f"the server exited:\n{(folder / 'server.log').read_text()[-3000:]}")
-        try:
-            if httpx.get(f"{url}/healthz", timeout=1).status_code == 200:
-                return proc, url, key
-        except httpx.HTTPError:
-            pass
-        time.sleep(0.1)
-    proc.kill()
-    raise RuntimeError("the server did not come up")
+""", key)
+    return proc, url, key
 
 
 async def realtime_turns(url: str, key: str, tokens: int, n: int) -> list[tuple[float, float, str]]:

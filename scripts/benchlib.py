@@ -16,9 +16,12 @@ from __future__ import annotations
 import os
 import re
 import socket
+import subprocess
+import sys
 import threading
 import time
 from dataclasses import dataclass
+from pathlib import Path
 
 SMOKE = "(smoke run: counts too small to judge)"
 VERDICT_LINE = re.compile(r"^verdict: (?:(?P<judged>PASS|FAIL)(?: \(.+\))?|n/a \S.*)$")
@@ -258,6 +261,35 @@ async def flood(port: int, message: bytes, clients: int, backoff: float, stop, r
     await asyncio.gather(*tasks)
     results.put({"outcomes": dict(outcomes), "latencies": latencies, "seconds": time.monotonic() - start,
                  "cpu": time.process_time()})
+
+
+def tiergate_serve(folder: Path, config: str, key: str) -> tuple[subprocess.Popen, str]:
+    """``tiergate serve`` (its own process, as deployed, one torch thread) on the tiers.yaml text
+    ``config`` written in ``folder``, the paid key ``key`` in ``TIERGATE_BENCH_KEYS_PAID``; returns
+    once it answers /healthz: (the process, its URL). Its output goes to ``folder/server.log``."""
+    import httpx
+
+    root = Path(__file__).resolve().parents[1]
+    (folder / "tiers.yaml").write_text(config)
+    port = spare_port()
+    env = {**os.environ, "TIERGATE_BENCH_KEYS_PAID": key, "OMP_NUM_THREADS": "1"}
+    log = (folder / "server.log").open("w")
+    proc = subprocess.Popen([sys.executable, "-m", "gateway.cli", "serve", "--config", str(folder / "tiers.yaml"),
+                             "--host", "127.0.0.1", "--port", str(port)], cwd=root, env=env, stdout=log,
+                            stderr=subprocess.STDOUT)
+    url = f"http://127.0.0.1:{port}"
+    deadline = time.monotonic() + 120
+    while time.monotonic() < deadline:
+        if proc.poll() is not None:
+            raise RuntimeError(f"the server exited:\n{(folder / 'server.log').read_text()[-3000:]}")
+        try:
+            if httpx.get(f"{url}/healthz", timeout=1).status_code == 200:
+                return proc, url
+        except httpx.HTTPError:
+            pass
+        time.sleep(0.1)
+    proc.kill()
+    raise RuntimeError("the server did not come up")
 
 
 def spare_port() -> int:

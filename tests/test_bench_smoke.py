@@ -88,7 +88,9 @@ MODEL_SMOKES = {
 
 
 @pytest.fixture(scope="module")
-def model_smokes(request, demo_dir: Path, tiny_chat: Path, tiny_embed: Path) -> Iterator[dict[str, Future]]:
+def model_smokes(request, demo_dir: Path, tiny_chat: Path, tiny_embed: Path, tiny_stt: Path,
+                 tiny_tts: Path) -> Iterator[dict[str, Future]]:
+    # the models two smoke runs at once both use are built first: two builds of one folder would race
     wanted = {item.callspec.params["script"] for item in request.session.items
               if getattr(item, "originalname", "") == "test_smoke_with_models"}
     with ThreadPoolExecutor(max_workers=2) as pool:
