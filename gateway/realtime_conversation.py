@@ -105,8 +105,15 @@ class Conversing:
 class _Response:
     id: str
     task: asyncio.Task | None = None
+    started: bool = False  # its task has begun (a task cancelled before it begins never runs its cleanup)
     cancelled: bool = False
     items: list[dict[str, Any]] = field(default_factory=list)
+
+    def cancel(self) -> None:
+        """Stop it: at once when it has begun, else as it begins (it then ends cancelled)."""
+        self.cancelled = True
+        if self.started and self.task is not None:
+            self.task.cancel()
 
 
 async def opening(svc: Services, model: str) -> tuple[SessionConfig, Conversing]:
@@ -168,9 +175,8 @@ class ConversationSession(TranscriptionSession):
     def _interrupt(self) -> None:
         """With ``interrupt_response``, the user's turn starting (server_vad) cancels the response in
         progress; what it wrote stays, as its transcript so far."""
-        if self.conversing.interrupt_response and self._response is not None and self._response.task is not None:
-            self._response.cancelled = True
-            self._response.task.cancel()
+        if self.conversing.interrupt_response and self._response is not None:
+            self._response.cancel()
 
     # -- client events ----------------------------------------------------------------------------
 
@@ -190,9 +196,7 @@ class ConversationSession(TranscriptionSession):
         elif kind == "response.cancel":
             if self._response is None:
                 raise bad_request("no response is in progress to cancel", None, "response_cancel_not_active")
-            self._response.cancelled = True
-            if self._response.task is not None:
-                self._response.task.cancel()
+            self._response.cancel()
         else:
             await super()._handle(event)
 
@@ -393,8 +397,11 @@ class ConversationSession(TranscriptionSession):
                 "usage": usage}
 
     async def _respond(self, response: _Response, settings: Conversing) -> None:
-        await self.send({"type": "response.created", "response": self._shown(response, "in_progress")})
+        response.started = True
         try:
+            await self.send({"type": "response.created", "response": self._shown(response, "in_progress")})
+            if response.cancelled:  # before it began
+                raise asyncio.CancelledError()
             usage = await self._answer(response, settings)
         except ClientGone:  # the session closed: nobody to answer
             if response.cancelled:

@@ -397,3 +397,76 @@ def test_the_agents_sdk_realtime_agent_calls_its_function_tool(server):
     kinds = asyncio.run(run())
     assert "error" not in kinds and kinds[-1] == "tool_end"
     assert seen and seen[0] in ("palm", "cave", "ship")  # the SDK ran the tool with the call's arguments
+
+
+def test_a_cancel_right_after_a_create_ends_that_response_and_the_next_one_runs(server):
+    """A response cancelled before its task began (the two events sent back to back) still ends,
+    cancelled; it once stayed "in progress" for ever and refused every later response."""
+    async def run():
+        async with client(server).realtime.connect(model="tiny-chat") as conn:
+            await events_until(conn, "session.created")
+            await conn.session.update(session={**MANUAL, "output_modalities": ["text"]})
+            await events_until(conn, "session.updated")
+            await conn.conversation.item.create(item={"type": "message", "role": "user",
+                                                      "content": [{"type": "input_text", "text": ASK}]})
+            await conn.send({"type": "response.create"})
+            await conn.send({"type": "response.cancel"})
+            first = await events_until(conn, "response.done")
+            await conn.response.create()
+            return first, await events_until(conn, "response.done")
+
+    first, second = asyncio.run(run())
+    assert [e.type for e in first if e.type.startswith("response.")][0] == "response.created"
+    assert first[-1].response.status == "cancelled"
+    assert second[-1].response.status == "completed"
+
+
+@pytest.mark.parametrize("seed", range(3))
+def test_generated_client_events_leave_the_session_answering(server, seed):
+    """Random client events, well-formed and not (fields of the wrong type, unknown items, creates
+    and cancels back to back), each an error event or done; then a plain turn is answered."""
+    import json
+    import random
+
+    rng = random.Random(seed)
+    values = [None, 1, -1, "x", "", [], {}, True, 1e9, "inf", "auto", "required", ["audio"], ["text"], {"a": 1}]
+    events = []
+    for _ in range(30):
+        kind = rng.choice(["session.update", "conversation.item.create", "response.create", "response.cancel",
+                           "input_audio_buffer.append", "input_audio_buffer.commit", "input_audio_buffer.clear"])
+        event = {"type": kind}
+        if kind == "session.update":
+            event["session"] = {"type": "realtime", **{k: rng.choice(values) for k in rng.sample(
+                ["instructions", "output_modalities", "max_output_tokens", "audio", "tools", "tool_choice"], 2)}}
+        elif kind == "conversation.item.create":
+            event["item"] = rng.choice([{"type": "message", "role": "user", "content": [{"type": "input_text",
+                                                                                        "text": "hi"}]},
+                                        rng.choice(values), {"type": "function_call_output", "call_id": "c", "output": 1},
+                                        {"type": "message", "role": rng.choice(values), "content": rng.choice(values)}])
+        elif kind == "response.create":
+            event["response"] = rng.choice([{}, {"output_modalities": rng.choice(values)},
+                                            {"max_output_tokens": rng.choice(values)}])
+        elif kind == "input_audio_buffer.append":
+            event["audio"] = rng.choice(["AAAA" * 1200, rng.choice(values)])
+        events.append(event)
+
+    async def run():
+        async with client(server).realtime.connect(model="tiny-chat") as conn:
+            await events_until(conn, "session.created")
+            for event in events:
+                await conn.send(json.loads(json.dumps(event)))
+            await conn.send({"type": "response.cancel"})
+            await conn.session.update(session={"type": "realtime", "output_modalities": ["text"], "max_output_tokens": 4,
+                                               "tools": [], "tool_choice": "auto"})
+            await events_until(conn, "session.updated")
+            answered, seen = None, []
+            while answered is None:  # responses before the last one end first
+                await conn.send({"type": "response.create"})
+                seen += await events_until(conn, "response.done")
+                if seen[-1].response.status in ("completed", "failed") and seen[-1].response.output_modalities == ["text"]:
+                    answered = seen[-1].response
+            return seen, answered
+
+    seen, answered = asyncio.run(run())
+    assert answered.status == "completed"
+    assert not any(e.type == "error" and e.error.code == "server_error" for e in seen)
