@@ -63,6 +63,17 @@ def said(events) -> tuple[str, bytes]:
     return transcript, audio
 
 
+async def begin(conn, session: dict, text: str | None = ASK) -> None:
+    """A conversation's opening: the session made, updated with ``session``, and (unless None) the
+    user's ``text`` as its first item."""
+    await events_until(conn, "session.created")
+    await conn.session.update(session=session)
+    await events_until(conn, "session.updated")
+    if text is not None:
+        await conn.conversation.item.create(item={"type": "message", "role": "user",
+                                                  "content": [{"type": "input_text", "text": text}]})
+
+
 def test_a_text_turn_is_answered_in_speech_with_its_transcript(server):
     async def run():
         async with client(server).realtime.connect(model="tiny-chat") as conn:
@@ -146,11 +157,7 @@ def test_server_vad_answers_when_a_turn_ends_and_the_conversation_goes_on(server
 def test_text_output_cancel_and_refusals_leave_the_session_open(server):
     async def run():
         async with client(server).realtime.connect(model="tiny-chat") as conn:
-            await events_until(conn, "session.created")
-            await conn.session.update(session={**MANUAL, "output_modalities": ["text"]})
-            await events_until(conn, "session.updated")
-            await conn.conversation.item.create(item={"type": "message", "role": "user",
-                                                      "content": [{"type": "input_text", "text": ASK}]})
+            await begin(conn, {**MANUAL, "output_modalities": ["text"]})
             await conn.response.create()
             text = await events_until(conn, "response.done")
             refusals = []
@@ -193,13 +200,8 @@ def test_the_user_speaking_interrupts_the_reply_and_the_conversation_keeps_what_
 
     async def run():
         async with client(server).realtime.connect(model="tiny-chat") as conn:
-            await events_until(conn, "session.created")
-            await conn.session.update(session={"type": "realtime", "instructions": "Answer briefly.",
-                                               "audio": {"input": {"turn_detection": {"type": "server_vad",
-                                                                                      "create_response": False}}}})
-            await events_until(conn, "session.updated")
-            await conn.conversation.item.create(item={"type": "message", "role": "user",
-                                                      "content": [{"type": "input_text", "text": ASK}]})
+            await begin(conn, {"type": "realtime", "instructions": "Answer briefly.", "audio": {
+                "input": {"turn_detection": {"type": "server_vad", "create_response": False}}}})
             await conn.response.create()  # as long as the server's limit allows
             await events_until(conn, "response.output_audio_transcript.delta")
             await conn.input_audio_buffer.append(audio=b64(speech))
@@ -272,11 +274,7 @@ def test_the_speech_follows_the_words_a_phrase_at_a_time(server):
 
     async def run():
         async with client(server).realtime.connect(model="tiny-chat") as conn:
-            await events_until(conn, "session.created")
-            await conn.session.update(session={**MANUAL, "max_output_tokens": 64})
-            await events_until(conn, "session.updated")
-            await conn.conversation.item.create(item={"type": "message", "role": "user",
-                                                      "content": [{"type": "input_text", "text": ASK}]})
+            await begin(conn, {**MANUAL, "max_output_tokens": 64})
             await conn.response.create()
             return await events_until(conn, "response.done")
 
@@ -404,11 +402,7 @@ def test_a_cancel_right_after_a_create_ends_that_response_and_the_next_one_runs(
     cancelled; it once stayed "in progress" for ever and refused every later response."""
     async def run():
         async with client(server).realtime.connect(model="tiny-chat") as conn:
-            await events_until(conn, "session.created")
-            await conn.session.update(session={**MANUAL, "output_modalities": ["text"]})
-            await events_until(conn, "session.updated")
-            await conn.conversation.item.create(item={"type": "message", "role": "user",
-                                                      "content": [{"type": "input_text", "text": ASK}]})
+            await begin(conn, {**MANUAL, "output_modalities": ["text"]})
             await conn.send({"type": "response.create"})
             await conn.send({"type": "response.cancel"})
             first = await events_until(conn, "response.done")
