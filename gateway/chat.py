@@ -431,7 +431,7 @@ async def chat_completions(request: Request) -> Response:
     body = parse(ChatCompletionRequest, heard_replies(svc, caller, await chat_audio(svc, caller, data)))
     await svc.adapters.ready(body.model, body.adapters)
     job = await with_images(svc, plan_chat(svc, body))
-    voice = await plan_voice(svc, body)
+    voice = await plan_voice(svc, body) if body.spoken or body.audio is not None else None  # (no coroutine per plain request)
     served = served_caller(svc, caller, job)
     if (end_user := body.end_user(caller.key_id)) is not None:
         log.info("chat request: key %s, user %s, tier %s", caller.key_id, end_user, served.tier)
