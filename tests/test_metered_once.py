@@ -27,17 +27,16 @@ from batch.store import BatchInfo, FileInfo
 from gateway.app import build_services
 from gateway.auth import KeyRing
 from gateway.config import load_config
-from tests.helpers import TIERS, write_config
-from tests.test_accounts_store import store_factory  # noqa: F401 - a fixture (redis_url is conftest.py's)
+from tests.helpers import TIERS, shared_store, write_config
 from tests.test_batches import chat_line, jsonl
 
 DAY = "2025-01-01"
 
 
-@pytest.fixture
-def usage_store(store_factory):
+@pytest.fixture(params=["sqlite", "redis"])
+def usage_store(request, tmp_path):
     """A usage store on a fresh file or a fresh prefix of the test Redis (both, parametrized)."""
-    return store_factory()
+    return shared_store(request, tmp_path, SQLiteAccounts, RedisAccounts)()
 
 
 async def requests_of(store, key: str = "k") -> tuple[int, int]:
