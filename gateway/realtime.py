@@ -62,9 +62,10 @@ _SESSION_PARAMS = ("model", "language", "prompt")  # the HTTP fields a session s
 
 @dataclass(frozen=True)
 class SessionConfig:
-    """What a session transcribes with; ``vad`` None: the client commits each utterance."""
+    """What a session transcribes with; ``vad`` None: the client commits each utterance. ``model``
+    None: a conversation on a server with no speech-to-text model (text turns only)."""
 
-    model: str
+    model: str | None
     language: str | None = None
     prompt: str = ""
     vad: ServerVad | None = DEFAULT_VAD

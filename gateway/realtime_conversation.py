@@ -10,7 +10,14 @@ as 24 kHz PCM16 with its transcript. OpenAI's protocol, as its SDK speaks it:
   with ``create_response``) and ``audio.output`` (``format``, 24 kHz PCM16 only; ``voice``).
 * Turns: ``input_audio_buffer.append`` / ``commit`` / ``clear`` (or ``server_vad``), each committed
   utterance a user item whose transcript comes as ``conversation.item.input_audio_transcription.*``;
-  ``conversation.item.create`` adds a user or system message as text.
+  ``conversation.item.create`` adds a user or system message as text (last, or after its
+  ``previous_item_id``, or first with ``"root"``).
+* The conversation's items: ``conversation.item.retrieve`` (the item as kept: a spoken turn's
+  transcript, not its sound), ``conversation.item.delete``, and ``conversation.item.truncate``: the
+  client's playback of a spoken reply stopped at ``audio_end_ms`` (the user spoke over it), so the
+  reply's transcript, the text the next reply reads, becomes the words said by then (those of the
+  phrases said whole, and of the phrase cut, its words in proportion to the part of its sound
+  played: the speech model gives no word timings).
 * ``response.create`` (or ``server_vad``'s end of a turn, with ``create_response``, the default;
   its start, with ``interrupt_response``, the default, cancels a response in progress) answers: ``response.created``, the assistant item's ``response.output_item.added`` and
   ``conversation.item.added``, ``response.content_part.added``, the reply's text as
@@ -30,8 +37,11 @@ Function tools (``session.tools``, ``tool_choice``) are chat's: a reply of calls
 said; the client's ``function_call_output`` item answers one, and the next reply reads both as chat
 reads a tool call and a tool message.
 
+With no speech-to-text model on the server a session takes text turns only (no turn detection;
+the audio buffer's events are refused).
+
 Not served (an ``error`` event naming it): items other than messages and function call outputs,
-``conversation.item.delete`` / ``truncate`` / ``retrieve``, out-of-band responses
+out-of-band responses
 (``response.conversation: "none"``), ``semantic_vad``, noise reduction, other audio formats.
 """
 
@@ -52,7 +62,7 @@ from gateway.chat import plan_chat, serve_chat
 from gateway.errors import APIError, bad_request
 from gateway.input_audio import chat_engine
 from gateway.output_audio import PCM16_RATE, Voice, say
-from gateway.realtime import (RATE, SessionConfig, TranscriptionSession, _new_id, _object, _subprotocol_key,
+from gateway.realtime import (DEFAULT_VAD, RATE, SessionConfig, TranscriptionSession, _new_id, _object, _subprotocol_key,
                               updated)
 from gateway.schemas import ChatCompletionRequest, parse
 from gateway.service import ClientGone, Services
@@ -116,11 +126,39 @@ class _Response:
             self.task.cancel()
 
 
+@dataclass
+class _Said:
+    """An assistant message's speech as it went out: each phrase with the samples it spans, and,
+    once the client truncates the message (its playback stopped there), how much it heard."""
+
+    phrases: list[list] = field(default_factory=list)  # [first sample, end sample, phrase], in order
+    samples: int = 0  # sent so far
+    written: str = ""  # the message's whole text, once written
+    end_ms: int | None = None
+
+    @property
+    def ms(self) -> int:
+        return self.samples * 1000 // PCM16_RATE
+
+    def heard(self, text: str) -> str:
+        """``text`` as far as the client heard it: whole, or after a truncation its words up to
+        the phrases said by then and, of the phrase cut, its share of words in proportion to the
+        part of its sound played (an estimate: the speech model gives no word timings)."""
+        if self.end_ms is None:
+            return text
+        at, words = self.end_ms * PCM16_RATE / 1000, 0
+        for first, end, phrase in self.phrases:
+            count = len(phrase.split())
+            words += count if end <= at else int(count * (at - first) / (end - first)) if first < at else 0
+        found = list(re.finditer(r"\S+", text))
+        return text if words >= len(found) else text[:found[words - 1].end()] if words else ""
+
+
 async def opening(svc: Services, model: str) -> tuple[SessionConfig, Conversing]:
     """The session's models, from the chat model the URL names (``APIError`` naming ``model``)."""
     engine = chat_engine(svc, model)
-    heard = engine.audio_input if engine is not None and engine.audio_input else \
-        svc.first_spec("stt", "speech-to-text model for a conversation session's audio").name
+    heard = engine.audio_input if engine is not None and engine.audio_input else next(
+        (s.name for s in svc.arbiter.specs.values() if s.kind == "stt"), None)  # None: text turns only
     spoken = engine.audio_output if engine is not None and engine.audio_output else next(
         (s.name for s in svc.arbiter.specs.values() if s.kind == "tts"), None)
     voice = None
@@ -129,7 +167,7 @@ async def opening(svc: Services, model: str) -> tuple[SessionConfig, Conversing]
         voices = await weightless(svc.voices, spec, TTSWorker)
         voice = Voice(spec.name, "alloy", "pcm", PCM16_RATE, voices.sample_rate)
     modalities = ("audio",) if voice is not None else ("text",)
-    return SessionConfig(heard), Conversing(svc.spec(model, "chat").name, voice, modalities=modalities)
+    return SessionConfig(heard, vad=DEFAULT_VAD if heard else None), Conversing(svc.spec(model, "chat").name, voice, modalities=modalities)
 
 
 class ConversationSession(TranscriptionSession):
@@ -141,6 +179,7 @@ class ConversationSession(TranscriptionSession):
         self.items: list[dict[str, Any]] = []  # the conversation: messages, with their text once known
         self._heard: dict[str, asyncio.Event] = {}  # a committed utterance's item: set once transcribed
         self._response: _Response | None = None
+        self._said: dict[str, _Said] = {}  # a spoken assistant message's id -> its speech
 
     def session_event(self) -> dict:
         c, vad = self.conversing, self.config.vad
@@ -152,7 +191,8 @@ class ConversationSession(TranscriptionSession):
                 "output_modalities": list(c.modalities), "instructions": c.instructions,
                 "max_output_tokens": "inf" if c.max_output_tokens is None else c.max_output_tokens,
                 "tools": [{"type": "function", **t["function"]} for t in c.tools], "tool_choice": _choice_shown(c.tool_choice),
-                "audio": {"input": {"format": PCM, "transcription": {"model": self.config.model},
+                "audio": {"input": {"format": PCM,
+                                    "transcription": {"model": self.config.model} if self.config.model else None,
                                     "turn_detection": detection, "noise_reduction": None},
                           "output": {"format": PCM, "voice": c.voice.voice if c.voice else None, "speed": 1.0}}}
 
@@ -185,7 +225,19 @@ class ConversationSession(TranscriptionSession):
         if kind == "session.update":
             await self._update(event.get("session"))
         elif kind == "conversation.item.create":
-            await self._create_item(event.get("item"))
+            await self._create_item(event.get("item"), event.get("previous_item_id"))
+        elif kind == "conversation.item.retrieve":
+            await self.send({"type": "conversation.item.retrieved", "item": self._item(event.get("item_id"))})
+        elif kind == "conversation.item.delete":
+            item = self._item(event.get("item_id"))
+            self.items.remove(item)
+            self._said.pop(item["id"], None)
+            await self.send({"type": "conversation.item.deleted", "item_id": item["id"]})
+        elif kind == "conversation.item.truncate":
+            await self._truncate(event)
+        elif kind.startswith("input_audio_buffer.") and self.config.model is None:
+            raise bad_request("this server has no speech-to-text model to hear audio with: send text items",
+                              "type", "audio_input_not_supported")
         elif kind == "response.create":
             response = _object(event.get("response", {}) or {}, "response")
             unknown = sorted(set(response) - {"instructions", "output_modalities", "max_output_tokens", "metadata"})
@@ -315,9 +367,13 @@ class ConversationSession(TranscriptionSession):
             raise bad_request(str(exc), "session.audio.output.voice", "invalid_value") from None
         return replace(self.conversing.voice, voice=name)
 
-    async def _create_item(self, item: object) -> None:
+    async def _create_item(self, item: object, previous: object = None) -> None:
         item = _object(item, "item")
         kind = item.get("type", "message")
+        if previous is not None and previous != "root":
+            self._item(previous, "previous_item_id")
+        if isinstance(item.get("id"), str) and any(i["id"] == item["id"] for i in self.items):
+            raise bad_request(f"the conversation already has an item {item['id'][:64]!r}", "item.id", "invalid_value")
         if kind == "function_call_output":
             if not isinstance(item.get("call_id"), str) or not isinstance(item.get("output"), str):
                 raise bad_request("a function_call_output item has the call's call_id and its output, both strings",
@@ -328,7 +384,7 @@ class ConversationSession(TranscriptionSession):
             added = {"id": item.get("id") if isinstance(item.get("id"), str) else _new_id("item"),
                      "type": "function_call_output", "object": "realtime.item", "status": "completed",
                      "call_id": item["call_id"], "output": item["output"]}
-            await self._add(added)
+            await self._add(added, previous)
             await self.send({"type": "conversation.item.done", "item": added})
             return
         if kind != "message":
@@ -345,13 +401,46 @@ class ConversationSession(TranscriptionSession):
                               "audio buffer)", "item.content", "invalid_value")
         added = {"id": item.get("id") if isinstance(item.get("id"), str) else _new_id("item"), "type": "message",
                  "object": "realtime.item", "status": "completed", "role": role, "content": content}
-        await self._add(added)
+        await self._add(added, previous)
         await self.send({"type": "conversation.item.done", "item": added})
 
-    async def _add(self, item: dict) -> None:
-        previous = self.items[-1]["id"] if self.items else None
-        self.items.append(item)
-        await self.send({"type": "conversation.item.added", "previous_item_id": previous, "item": item})
+    async def _add(self, item: dict, previous: str | None = None) -> None:
+        """Add ``item`` after the item ``previous`` ("root": first; None: last)."""
+        at = len(self.items) if previous is None else 0 if previous == "root" else \
+            next(i for i, entry in enumerate(self.items) if entry["id"] == previous) + 1
+        self.items.insert(at, item)
+        await self.send({"type": "conversation.item.added", "previous_item_id": self.items[at - 1]["id"] if at else None,
+                         "item": item})
+
+    def _item(self, item_id: object, param: str = "item_id") -> dict:
+        """The conversation's item ``item_id`` (an error naming ``param`` when it has none)."""
+        found = next((i for i in self.items if i["id"] == item_id), None) if isinstance(item_id, str) else None
+        if found is None:
+            raise bad_request(f"the conversation has no item {str(item_id)[:64]!r}", param, "invalid_value")
+        return found
+
+    async def _truncate(self, event: dict) -> None:
+        """``conversation.item.truncate``: the client's playback of an assistant message stopped at
+        ``audio_end_ms``; the message's transcript becomes the words said by then (``_Said``), the
+        text the next reply reads."""
+        item = self._item(event.get("item_id"))
+        said = self._said.get(item["id"])
+        if said is None:
+            raise bad_request("only model output audio messages can be truncated", "item_id", "invalid_value")
+        if event.get("content_index", 0) != 0:
+            raise bad_request("a spoken message has one content part: content_index is 0", "content_index",
+                              "invalid_value")
+        end_ms = event.get("audio_end_ms")
+        if isinstance(end_ms, bool) or not isinstance(end_ms, int) or end_ms < 0:
+            raise bad_request("audio_end_ms is a whole number of milliseconds from 0", "audio_end_ms", "invalid_value")
+        if end_ms > said.ms:
+            raise bad_request(f"audio content of {said.ms} ms is already shorter than {end_ms} ms", "audio_end_ms",
+                              "invalid_value")
+        said.end_ms = end_ms
+        if item["status"] != "in_progress":  # (one in progress is cut as it ends)
+            item["content"] = [{**item["content"][0], "transcript": said.heard(said.written)}]
+        await self.send({"type": "conversation.item.truncated", "item_id": item["id"], "content_index": 0,
+                         "audio_end_ms": end_ms})
 
     # -- committed utterances: user items ----------------------------------------------------------
 
@@ -446,9 +535,13 @@ class ConversationSession(TranscriptionSession):
     async def _say(self, phrases: asyncio.Queue, voice: Voice, base: dict) -> None:
         """Say each phrase as it comes (None: the reply is written), in order, as
         ``response.output_audio.delta`` events; each is a speech request of the caller's tier."""
+        said = self._said[base["item_id"]]
         while (phrase := await phrases.get()) is not None:
+            said.phrases.append([said.samples, said.samples, phrase])
             async with contextlib.aclosing(say(self.svc, self.caller, voice, phrase, self.gone)) as pieces:
                 async for piece in pieces:
+                    said.samples += len(piece) // 2
+                    said.phrases[-1][1] = said.samples
                     await self.send({"type": "response.output_audio.delta", **base,
                                      "delta": base64.b64encode(piece).decode()})
 
@@ -476,6 +569,14 @@ class ConversationSession(TranscriptionSession):
         phrases: asyncio.Queue[str | None] = asyncio.Queue()
         speaking: asyncio.Task | None = None
 
+        def kept(text: str) -> str:
+            """The message's text as the conversation keeps it: as heard, once truncated."""
+            said = self._said.get(message["id"]) if message is not None else None
+            if said is None:
+                return text
+            said.written = text
+            return said.heard(text)
+
         async def output(item: dict) -> int:
             index = len(response.items)
             response.items.append(item)
@@ -492,6 +593,7 @@ class ConversationSession(TranscriptionSession):
                     "content_index": 0}
             await self.send({"type": "response.content_part.added", **base, "part": {"type": event_part, said_as: ""}})
             if audio:
+                self._said[message["id"]] = _Said()
                 speaking = asyncio.create_task(self._say(phrases, settings.voice, base))
 
         try:
@@ -522,7 +624,7 @@ class ConversationSession(TranscriptionSession):
                         finished = delta.finished
             if message is None and not calls:  # nothing written: an empty message, as a reply of no words
                 await open_message()
-            if message is not None:
+            if message is not None:  # (what a retrieve shows while the speech goes on)
                 message["content"] = [{"type": part_type, said_as: "".join(written)}]
             if speaking is not None:
                 if pending.strip():
@@ -531,7 +633,7 @@ class ConversationSession(TranscriptionSession):
                 await speaking
         except BaseException:  # cut: the conversation keeps what was written
             if message is not None:
-                message.update(status="incomplete", content=[{"type": part_type, said_as: "".join(written)}])
+                message.update(status="incomplete", content=[{"type": part_type, said_as: kept("".join(written))}])
             for item, _ in calls.values():
                 item["status"] = "incomplete"
             if speaking is not None:
@@ -539,7 +641,8 @@ class ConversationSession(TranscriptionSession):
                 with contextlib.suppress(asyncio.CancelledError, Exception):
                     await speaking
             raise
-        text = "".join(written)
+        whole = "".join(written)
+        text = kept(whole)
         if message is not None:
             if audio:
                 await self.send({"type": "response.output_audio.done", **base})
@@ -548,7 +651,7 @@ class ConversationSession(TranscriptionSession):
                 await self.send({"type": "response.output_text.done", **base, "text": text})
             part = {"type": part_type, said_as: text}
             await self.send({"type": "response.content_part.done", **base, "part": {**part, "type": event_part}})
-            message.update(status="completed", content=[part])
+            message.update(status="completed", content=[{**part, said_as: kept(whole)}])  # (a truncate meanwhile)
             await self.send({"type": "response.output_item.done", "response_id": response.id,
                              "output_index": base["output_index"], "item": message})
             await self.send({"type": "conversation.item.done", "item": message})

@@ -417,8 +417,8 @@ def test_a_cancel_right_after_a_create_ends_that_response_and_the_next_one_runs(
 
 @pytest.mark.parametrize("seed", range(3))
 def test_generated_client_events_leave_the_session_answering(server, seed):
-    """Random client events, well-formed and not (fields of the wrong type, unknown items, creates
-    and cancels back to back), each an error event or done; then a plain turn is answered."""
+    """Random client events, well-formed and not (fields of the wrong type, unknown items and item
+    ids, creates and cancels back to back), each an error event or done; then a plain turn is answered."""
     import json
     import random
 
@@ -427,8 +427,11 @@ def test_generated_client_events_leave_the_session_answering(server, seed):
     events = []
     for _ in range(30):
         kind = rng.choice(["session.update", "conversation.item.create", "response.create", "response.cancel",
-                           "input_audio_buffer.append", "input_audio_buffer.commit", "input_audio_buffer.clear"])
+                           "input_audio_buffer.append", "input_audio_buffer.commit", "input_audio_buffer.clear",
+                           "conversation.item.retrieve", "conversation.item.delete", "conversation.item.truncate"])
         event = {"type": kind}
+        if kind.startswith("conversation.item.") and kind != "conversation.item.create":
+            event.update(item_id=rng.choice(values), content_index=rng.choice(values), audio_end_ms=rng.choice(values))
         if kind == "session.update":
             event["session"] = {"type": "realtime", **{k: rng.choice(values) for k in rng.sample(
                 ["instructions", "output_modalities", "max_output_tokens", "audio", "tools", "tool_choice"], 2)}}
@@ -464,3 +467,175 @@ def test_generated_client_events_leave_the_session_answering(server, seed):
     seen, answered = asyncio.run(run())
     assert answered.status == "completed"
     assert not any(e.type == "error" and e.error.code == "server_error" for e in seen)
+
+
+async def each(conn, kind: str, n: int) -> list:
+    """Server events up to and including the ``n``-th of type ``kind``."""
+    out = []
+    while sum(e.type == kind for e in out) < n:
+        out += await events_until(conn, kind)
+    return out
+
+
+def user(item_id: str, text: str) -> dict:
+    return {"id": item_id, "type": "message", "role": "user", "content": [{"type": "input_text", "text": text}]}
+
+
+def test_items_are_placed_retrieved_and_deleted_and_the_reply_reads_what_is_left(server):
+    """``previous_item_id`` places an item ("root": first), ``conversation.item.retrieve`` shows
+    it, ``conversation.item.delete`` takes it out of what the next reply reads; an unknown or
+    reused id is an error event, and the session goes on."""
+    async def run():
+        async with client(server).realtime.connect(model="tiny-chat") as conn:
+            await begin(conn, {**MANUAL, "output_modalities": ["text"]}, text=None)
+            await conn.conversation.item.create(item=user("item_b", ASK))
+            await conn.conversation.item.create(item=user("item_a", "Ahoy."), previous_item_id="root")
+            await conn.conversation.item.create(item=user("item_x", "Forget this."), previous_item_id="item_a")
+            added = [e for e in await each(conn, "conversation.item.done", 3) if e.type == "conversation.item.added"]
+            await conn.conversation.item.retrieve(item_id="item_x")
+            retrieved = (await events_until(conn, "conversation.item.retrieved"))[-1]
+            await conn.conversation.item.delete(item_id="item_x")
+            deleted = (await events_until(conn, "conversation.item.deleted"))[-1]
+            errors = []
+            for event in [{"type": "conversation.item.retrieve", "item_id": "item_x"},
+                          {"type": "conversation.item.delete", "item_id": "item_x"},
+                          {"type": "conversation.item.create", "item": user("item_c", "x"), "previous_item_id": "nope"},
+                          {"type": "conversation.item.create", "item": user("item_a", "again")}]:
+                await conn.send(event)
+                errors.append((await events_until(conn, "error"))[-1].error)
+            await conn.response.create()
+            return added, retrieved, deleted, errors, await events_until(conn, "response.done")
+
+    added, retrieved, deleted, errors, reply = asyncio.run(run())
+    assert [(e.item.id, e.previous_item_id) for e in added] == [("item_b", None), ("item_a", None),
+                                                                 ("item_x", "item_a")]
+    assert retrieved.item.id == "item_x" and retrieved.item.content[0].text == "Forget this."
+    assert deleted.item_id == "item_x"
+    assert [(e.param, e.code) for e in errors] == [("item_id", "invalid_value"), ("item_id", "invalid_value"),
+                                                  ("previous_item_id", "invalid_value"), ("item.id", "invalid_value")]
+    written = "".join(e.delta for e in reply if e.type == "response.output_text.delta")
+    assert written == answer(server, [{"role": "user", "content": "Ahoy."}, {"role": "user", "content": ASK}])[0]
+
+
+def test_a_truncated_reply_keeps_the_words_said_by_then_and_the_next_reply_reads_them(server):
+    """``conversation.item.truncate``: the client stopped playing a spoken reply partway through its
+    second phrase, so the reply keeps its first phrase's words and, of the second, the share of
+    words its sound had reached (each phrase's length from /v1/audio/speech of that phrase: the
+    demo VITS' durations are deterministic); the next reply reads that, as chat would. A cut past
+    the sound, or of a message never spoken, is an error."""
+    from gateway.realtime_conversation import phrases_of
+
+    async def run():
+        async with client(server).realtime.connect(model="tiny-chat") as conn:
+            await begin(conn, {**MANUAL, "max_output_tokens": 64})
+            await conn.response.create()
+            first = await events_until(conn, "response.done")
+            text, audio = said(first)
+            pending, phrases = "", []
+            for e in first:
+                if e.type == "response.output_audio_transcript.delta":
+                    ready, pending = phrases_of(pending + e.delta, first=not phrases)
+                    phrases += ready
+            phrases += [pending] if pending.strip() else []
+            assert len(phrases) >= 2, text  # the premise: a reply of several phrases
+            seconds = [await asyncio.to_thread(speech_seconds, server, p) for p in phrases[:2]]
+            words = len(phrases[1].split())
+            kept = words // 2  # a cut halfway between two words' shares, so that no rounding moves it
+            end_ms = int((seconds[0] + seconds[1] * (kept + 0.5) / words) * 1000)
+            reply = first[-1].response.output[0]
+            errors = []
+            for event in [{"type": "conversation.item.truncate", "item_id": reply.id, "content_index": 0,
+                           "audio_end_ms": len(audio) // 48 + 50},
+                          {"type": "conversation.item.truncate", "item_id": first[0].item.id, "content_index": 0,
+                           "audio_end_ms": 0}]:
+                await conn.send(event)
+                errors.append((await events_until(conn, "error"))[-1].error)
+            await conn.conversation.item.truncate(item_id=reply.id, content_index=0, audio_end_ms=end_ms)
+            truncated = (await events_until(conn, "conversation.item.truncated"))[-1]
+            await conn.conversation.item.retrieve(item_id=reply.id)
+            retrieved = (await events_until(conn, "conversation.item.retrieved"))[-1]
+            await conn.conversation.item.create(item=user("item_then", "And then?"))
+            await conn.response.create(response={"max_output_tokens": 12})
+            second = await events_until(conn, "response.done")
+            return text, phrases, kept, errors, truncated, retrieved, second, end_ms
+
+    text, phrases, kept, errors, truncated, retrieved, second, end_ms = asyncio.run(run())
+    assert "already shorter than" in errors[0].message and errors[0].param == "audio_end_ms"
+    assert errors[1].param == "item_id" and "truncated" in errors[1].message
+    assert truncated.audio_end_ms == end_ms and truncated.content_index == 0
+    heard = " ".join(phrases[0].split() + phrases[1].split()[:kept])
+    assert " ".join(retrieved.item.content[0].transcript.split()) == heard
+    assert text.startswith(retrieved.item.content[0].transcript) and len(heard) < len(" ".join(text.split()))
+    assert said(second)[0] == answer(server, [{"role": "user", "content": ASK},
+                                              {"role": "assistant", "content": retrieved.item.content[0].transcript},
+                                              {"role": "user", "content": "And then?"}])[0]
+
+
+def test_the_agents_sdk_speaks_a_turn_after_a_spoken_reply_without_errors(server):
+    """The Agents SDK retrieves its last spoken reply after each transcription and truncates it
+    when the user speaks over it: a spoken turn after a spoken reply raises no error event, and
+    the SDK's history has the turn as /v1/audio/transcriptions hears it."""
+    pytest.importorskip("agents")
+    from agents import set_tracing_disabled
+    from agents.realtime import RealtimeAgent, RealtimeRunner
+
+    from tests.test_realtime import pcm16
+
+    set_tracing_disabled(True)
+    speech = spoken("Where is the gold hidden?", rate=RATE)
+    heard = http(server).audio.transcriptions.create(model="tiny-stt", file=("a.wav", wav_of(speech))).text
+
+    async def run():
+        agent = RealtimeAgent(name="pirate", instructions="Answer briefly.")
+        runner = RealtimeRunner(agent, config={"model_settings": {
+            "model_name": "tiny-chat", "voice": "alloy", "input_audio_transcription": {"model": "tiny-stt"},
+            "turn_detection": {"type": "server_vad"}, "max_output_tokens": 12}})
+        session = await runner.run(model_config={"url": server.url.replace("http", "ws") + "/v1/realtime?model=tiny-chat",
+                                                 "api_key": server.keys["paid"]})
+        kinds, ends = [], 0
+        async with session:
+            await session.send_message(ASK)
+            async with asyncio.timeout(90):
+                async for event in session:
+                    kinds.append(event.type)
+                    if event.type == "agent_end":
+                        ends += 1
+                        if ends == 1:
+                            await session.send_audio(pcm16(np.concatenate([speech, np.zeros(RATE, np.float32)])))
+                    if ends == 2 or event.type == "error":
+                        break
+            return kinds, list(session._history)
+
+    kinds, history = asyncio.run(run())
+    assert "error" not in kinds and kinds.count("agent_end") == 2
+    turns = [h for h in history if h.role == "user"]
+    assert [t.content[0].transcript if t.content[0].type == "input_audio" else t.content[0].text for t in turns] == \
+        [ASK, heard]
+
+
+@pytest.fixture(scope="module")
+def text_only_server(tiny_chat, tiny_tts, tmp_path_factory) -> RunningServer:
+    folder = tmp_path_factory.mktemp("realtime-no-stt")
+    running = start_server(write_config(folder, {"tiny-chat": ("chat", tiny_chat), "tiny-tts": ("tts", tiny_tts)}))
+    yield running
+    running.stop()
+
+
+def test_a_server_without_speech_to_text_serves_text_turns_and_refuses_audio(text_only_server):
+    server = text_only_server
+
+    async def run():
+        async with client(server).realtime.connect(model="tiny-chat") as conn:
+            created = (await events_until(conn, "session.created"))[-1]
+            await conn.input_audio_buffer.append(audio=b64(np.zeros(RATE, np.float32)))
+            refused = (await events_until(conn, "error"))[-1].error
+            await conn.session.update(session=MANUAL)
+            await events_until(conn, "session.updated")
+            await conn.conversation.item.create(item=user("item_q", ASK))
+            await conn.response.create()
+            return created, refused, await events_until(conn, "response.done")
+
+    created, refused, reply = asyncio.run(run())
+    assert created.session.audio.input.transcription is None and created.session.audio.input.turn_detection is None
+    assert refused.code == "audio_input_not_supported"
+    assert said(reply)[0] == answer(server, [{"role": "user", "content": ASK}])[0] and said(reply)[1]
