@@ -35,7 +35,7 @@ from gateway.http import Streamed, disconnect_signal
 from gateway.input_audio import chat_audio
 from gateway.input_files import chat_files
 from gateway.logprobs import chat_content, chat_logprobs
-from gateway.output_audio import SpokenReplies, heard_replies, plan_voice, say, say_replies
+from gateway.output_audio import SpokenReplies, SpokenStream, heard_replies, plan_voice, say, say_replies
 from gateway.reasoning import ReasoningParser, ThinkSplitter
 from gateway.request_log import new_id
 from gateway.schemas import ChatCompletionRequest, parse, read_json
@@ -482,12 +482,13 @@ async def _sse(deltas: AsyncIterator[ChoiceDelta], first: ChoiceDelta, cid: str,
     once every choice finished (``store: true``), before the last chunk. ``legacy``: the first
     call goes out as ``delta.function_call`` (name first, then argument fragments). ``speaker``:
     the replies are spoken (gateway.output_audio): each choice's text goes out as
-    ``delta.audio.transcript``, and once the choice is written its speech as ``delta.audio.data``,
-    then its audio id and ``expires_at`` with the finish reason; ``spoken`` keeps its transcript
+    ``delta.audio.transcript``, its speech as ``delta.audio.data`` a phrase at a time as the
+    phrases are written (``SpokenStream``), then its audio id and ``expires_at`` with the finish
+    reason; ``spoken`` keeps its transcript
     for ``owner``."""
     created = int(time.time())
     replies: dict[int, Reply] = {}
-    said: dict[int, list[str]] = {i: [] for i in range(n)}  # a spoken choice's text so far
+    voicing = SpokenStream(speaker, n) if speaker is not None else None
     audio_ids = {i: SpokenReplies.new_id() for i in range(n)} if speaker is not None else {}
 
     def chunk(choices: list[dict], usage: dict | None = None) -> str:
@@ -501,8 +502,8 @@ async def _sse(deltas: AsyncIterator[ChoiceDelta], first: ChoiceDelta, cid: str,
         delta: dict = {}
         if d.reasoning:
             delta["reasoning_content"] = delta["reasoning"] = d.reasoning
-        if d.content and speaker is not None:
-            said[d.index].append(d.content)
+        if d.content and voicing is not None:
+            voicing.write(d.index, d.content)
             delta["audio"] = {"transcript": d.content}
         elif d.content:
             delta["content"] = d.content
@@ -517,15 +518,17 @@ async def _sse(deltas: AsyncIterator[ChoiceDelta], first: ChoiceDelta, cid: str,
         lp = {"content": chat_content(d.logprobs or []), "refusal": None} if logprobs else None
         return {"index": d.index, "delta": delta, "finish_reason": d.finish_reason, "logprobs": lp}
 
+    def sound(index: int, piece: bytes) -> str:
+        return chunk([{"index": index, "delta": {"audio": {"data": base64.b64encode(piece).decode()}},
+                       "finish_reason": None, "logprobs": None}])
+
     async def audio(d: ChoiceDelta, last: dict) -> AsyncIterator[str]:
-        """A spoken choice's end: its speech (when it wrote text), then its id with ``last``, the
-        chunk that carries the finish reason."""
-        text = "".join(said[d.index])
+        """A spoken choice's end: the rest of its speech (when it wrote text), then its id with
+        ``last``, the chunk that carries the finish reason."""
+        async for index, piece in voicing.rest(d.index):
+            yield sound(index, piece)
+        text = "".join(voicing.text[d.index])
         if text:
-            async with contextlib.aclosing(speaker(text)) as pieces:
-                async for piece in pieces:
-                    yield chunk([{"index": d.index, "delta": {"audio": {"data": base64.b64encode(piece).decode()}},
-                                  "finish_reason": None, "logprobs": None}])
             expires_at = spoken.put(owner, audio_ids[d.index], text)
             last = {**last, "delta": {**last["delta"], "audio": {"id": audio_ids[d.index], "expires_at": expires_at}}}
             if kept is not None:
@@ -551,6 +554,8 @@ async def _sse(deltas: AsyncIterator[ChoiceDelta], first: ChoiceDelta, cid: str,
                     yield piece
             else:
                 yield chunk([choice(delta)])
+            for index, piece in voicing.ready() if voicing is not None else ():  # the phrases said meanwhile
+                yield sound(index, piece)
             if delta.finished is not None:
                 finished.append(delta)
                 if len(finished) == n:
@@ -567,5 +572,7 @@ async def _sse(deltas: AsyncIterator[ChoiceDelta], first: ChoiceDelta, cid: str,
                                                              "generation_failed")
         yield f"data: {json.dumps(err.body())}\n\n"
     finally:
+        if voicing is not None:
+            await voicing.aclose()
         await deltas.aclose()
     yield "data: [DONE]\n\n"

@@ -6,8 +6,9 @@ chat model (``engine: {audio_output: <tts model>}``), as a request of the caller
 metered and limited as /v1/audio/speech is, but not the HTTP request's log line, which stays the
 chat's. The message's ``content`` is then null and its ``audio`` is ``{"id", "data" (the file,
 base64), "expires_at", "transcript"}``. Streamed (``format: "pcm16"`` only, as OpenAI's), each
-choice's transcript goes out as its text is written (``delta.audio.transcript``), then its speech a
-sentence at a time (``delta.audio.data``: 16-bit mono PCM at 24 kHz), then ``delta.audio: {"id",
+choice's transcript goes out as its text is written (``delta.audio.transcript``), and its speech a
+phrase at a time as soon as the phrase is written (``delta.audio.data``: 16-bit mono PCM at 24 kHz;
+``SpokenStream``, each phrase a speech request of its own), then ``delta.audio: {"id",
 "expires_at"}`` with the finish reason. A reply with no text (only tool calls) is not said.
 
 A later turn may send the reply back as ``{"role": "assistant", "audio": {"id": ...}}``: it is read
@@ -18,7 +19,10 @@ is the speech model's, not the chat model's.
 
 from __future__ import annotations
 
+import asyncio
 import base64
+import contextlib
+import re
 import secrets
 import time
 from collections import OrderedDict
@@ -41,6 +45,9 @@ if TYPE_CHECKING:
 
 FORMATS = {"wav": "wav", "mp3": "mp3", "flac": "flac", "opus": "opus", "aac": "aac", "pcm16": "pcm"}  # OpenAI's -> ours
 PCM16_RATE = 24_000  # OpenAI's pcm16: 16-bit little-endian mono at 24 kHz
+FIRST_WORDS_CHARS = 60  # the first phrase without a sentence's end is said once this long, at a space
+LATER_WORDS_CHARS = 240  # later ones: fewer speech requests, each said while the next is written
+_PHRASE_END = re.compile(r"(?<=[.!?;:,。！？…])\s+|\n+")
 KEPT_S = 3600.0  # how long a reply's audio id is read back (OpenAI's expires_at: an hour)
 
 
@@ -134,12 +141,103 @@ async def plan_voice(svc: Services, body: ChatCompletionRequest) -> Voice | None
     return Voice(spec.name, body.audio.voice, fmt, PCM16_RATE if fmt == "pcm" else None, voices.sample_rate)
 
 
+def phrases_of(text: str, first: bool = True) -> tuple[list[str], str]:
+    """The phrases of ``text`` that are whole, to be said now, and the rest, still being written:
+    a phrase ends at a sentence's or a clause's end followed by a space, or else, once the text is
+    ``FIRST_WORDS_CHARS`` long (the reply's ``first`` phrase: its first sound waits for no more) or
+    ``LATER_WORDS_CHARS`` long, at its last space."""
+    ends = [m.end() for m in _PHRASE_END.finditer(text)]
+    long = FIRST_WORDS_CHARS if first else LATER_WORDS_CHARS
+    cut = ends[-1] if ends else (text.rfind(" ") + 1 if len(text) >= long else 0)
+    whole = [p.strip() for p in _PHRASE_END.split(text[:cut]) if p.strip()]
+    return whole, text[cut:]
+
+
 async def say(svc: Services, caller: Caller, voice: Voice, text: str, gone: Gone | None) -> AsyncIterator[bytes]:
     """``text`` said in ``voice``, encoded, a sentence a piece for pcm16 and wav (whose first piece
     is a header of unknown length), whole for the others; nothing said for a text the model
     cannot say."""
     async for piece in serve_speech(svc, caller, voice.job(text), gone, recorded=False):
         yield piece
+
+
+class SpokenStream:
+    """The speech of a streamed reply's choices, a phrase at a time while the rest is written
+    (``phrases_of``): each choice's phrases are said in order by a task of its own, each phrase a
+    speech request, and the sound waits in one queue for the stream to send it."""
+
+    def __init__(self, speaker: Callable[[str], AsyncIterator[bytes]], n: int) -> None:
+        self.speaker = speaker
+        self.text: dict[int, list[str]] = {i: [] for i in range(n)}  # each choice's words so far
+        self._pending = {i: "" for i in range(n)}  # written, not yet a whole phrase
+        self._phrases: dict[int, asyncio.Queue[str | None]] = {}
+        self._tasks: dict[int, asyncio.Task] = {}
+        self._ended: set[int] = set()
+        self._sound: asyncio.Queue[tuple[int, bytes | Exception | None]] = asyncio.Queue()  # None: a choice's end
+
+    def write(self, index: int, text: str) -> None:
+        """Choice ``index`` wrote ``text``: the phrases it completes start to be said."""
+        self.text[index].append(text)
+        ready, self._pending[index] = phrases_of(self._pending[index] + text, first=index not in self._tasks)
+        for phrase in ready:
+            self._say(index, phrase)
+
+    def ready(self) -> list[tuple[int, bytes]]:
+        """The sound said so far and not yet taken, as (choice, PCM piece); a failed speech
+        request raises its error."""
+        out = []
+        while not self._sound.empty():
+            piece = self._take(self._sound.get_nowait())
+            if piece is not None:
+                out.append(piece)
+        return out
+
+    async def rest(self, index: int) -> AsyncIterator[tuple[int, bytes]]:
+        """Choice ``index`` is written: its last words said, the sound (of any choice) as it comes
+        until that choice's speech has ended."""
+        if self._pending[index].strip():
+            self._say(index, self._pending[index])
+        self._pending[index] = ""
+        if index not in self._tasks:
+            return
+        self._phrases[index].put_nowait(None)
+        while index not in self._ended:
+            piece = self._take(await self._sound.get())
+            if piece is not None:
+                yield piece
+
+    async def aclose(self) -> None:
+        for task in self._tasks.values():
+            task.cancel()
+        for task in self._tasks.values():
+            with contextlib.suppress(asyncio.CancelledError):
+                await task
+
+    def _say(self, index: int, phrase: str) -> None:
+        if index not in self._tasks:
+            self._phrases[index] = asyncio.Queue()
+            self._tasks[index] = asyncio.create_task(self._speak(index))
+        self._phrases[index].put_nowait(phrase)
+
+    async def _speak(self, index: int) -> None:
+        try:
+            while (phrase := await self._phrases[index].get()) is not None:
+                async with contextlib.aclosing(self.speaker(phrase)) as pieces:
+                    async for piece in pieces:
+                        self._sound.put_nowait((index, piece))
+        except Exception as exc:  # noqa: BLE001 - the stream reports it (a 429 from the speech model's gate)
+            self._sound.put_nowait((index, exc))
+        else:
+            self._sound.put_nowait((index, None))
+
+    def _take(self, item: tuple[int, bytes | Exception | None]) -> tuple[int, bytes] | None:
+        index, piece = item
+        if isinstance(piece, Exception):
+            raise piece
+        if piece is None:
+            self._ended.add(index)
+            return None
+        return index, piece
 
 
 async def say_replies(svc: Services, caller: Caller, voice: Voice, replies: list["Reply"], gone: Gone | None) -> None:

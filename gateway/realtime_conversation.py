@@ -61,7 +61,7 @@ from gateway.auth import Caller
 from gateway.chat import plan_chat, serve_chat
 from gateway.errors import APIError, bad_request
 from gateway.input_audio import chat_engine
-from gateway.output_audio import PCM16_RATE, Voice, say
+from gateway.output_audio import PCM16_RATE, Voice, phrases_of, say
 from gateway.realtime import (DEFAULT_VAD, RATE, SessionConfig, TranscriptionSession, _new_id, _object, _subprotocol_key,
                               updated)
 from gateway.schemas import ChatCompletionRequest, parse
@@ -72,9 +72,7 @@ from workers.tts import TTSWorker
 log = logging.getLogger("tiergate.realtime")
 
 PCM = {"type": "audio/pcm", "rate": RATE}
-FIRST_WORDS_CHARS = 60  # the first phrase without a sentence's end is said once this long, at a space
-LATER_WORDS_CHARS = 240  # later ones: fewer speech requests, each said while the next is written
-_PHRASE_END = re.compile(r"(?<=[.!?;:,。！？…])\s+|\n+")
+
 
 
 def _choice_shown(choice: Any) -> Any:
@@ -82,18 +80,6 @@ def _choice_shown(choice: Any) -> Any:
     if isinstance(choice, dict) and "function" in choice:
         return {"type": "function", "name": choice["function"]["name"]}
     return choice
-
-
-def phrases_of(text: str, first: bool = True) -> tuple[list[str], str]:
-    """The phrases of ``text`` that are whole, to be said now, and the rest, still being written:
-    a phrase ends at a sentence's or a clause's end followed by a space, or else, once the text is
-    ``FIRST_WORDS_CHARS`` long (the reply's ``first`` phrase: its first sound waits for no more) or
-    ``LATER_WORDS_CHARS`` long, at its last space."""
-    ends = [m.end() for m in _PHRASE_END.finditer(text)]
-    long = FIRST_WORDS_CHARS if first else LATER_WORDS_CHARS
-    cut = ends[-1] if ends else (text.rfind(" ") + 1 if len(text) >= long else 0)
-    whole = [p.strip() for p in _PHRASE_END.split(text[:cut]) if p.strip()]
-    return whole, text[cut:]
 
 
 @dataclass(frozen=True)

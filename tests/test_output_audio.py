@@ -6,6 +6,7 @@ waveform is not), through the openai SDK."""
 
 from __future__ import annotations
 
+import asyncio
 import base64
 import dataclasses
 import io
@@ -127,23 +128,43 @@ def test_every_format_decodes_to_the_same_speech(server, fmt):
     assert abs(seconds - samples / rate) < 0.1  # encoders pad to their frames and may resample
 
 
-def test_a_streamed_spoken_reply_sends_the_transcript_then_pcm16_at_24khz(server):
+def test_a_streamed_spoken_reply_sends_its_speech_a_phrase_at_a_time_in_pcm16_at_24khz(server):
+    """Streamed, the transcript goes out as it is written and the speech a phrase at a time, each
+    phrase a speech request of its own (counted in /metrics) started as soon as it is written (how
+    much sooner the first sound comes is bench_voice's to measure, on the realtime path that shares
+    the phrasing), its sound the phrases' sound said apart, in order."""
+    from gateway.output_audio import phrases_of
+    from tests.test_realtime_conversation import speech_requests
+
     c = client(server)
-    whole = chat(c, **SPOKEN).choices[0].message.audio.transcript
-    chunks = list(chat(c, stream=True, modalities=["text", "audio"], audio={"voice": "alloy", "format": "pcm16"}))
+    whole = chat(c, max_tokens=64, **SPOKEN).choices[0].message.audio.transcript
+    before = speech_requests(server)
+    chunks = list(chat(c, max_tokens=64, stream=True, modalities=["text", "audio"],
+                       audio={"voice": "alloy", "format": "pcm16"}))
     deltas = [(ch.choices[0].delta.model_extra or {}).get("audio") for ch in chunks if ch.choices]
     opening, final = deltas[0], deltas[-1]
     assert opening["transcript"] == "" and opening["id"].startswith("audio_")
     assert chunks[0].choices[0].delta.content is None
     transcript = "".join(d.get("transcript", "") for d in deltas if d)
     assert transcript == whole
+    pending, phrases = "", []
+    for d in deltas:
+        if d and d.get("transcript"):
+            ready, pending = phrases_of(pending + d["transcript"], first=not phrases)
+            phrases += ready
+    phrases += [pending] if pending.strip() else []
+    assert len(phrases) >= 2, whole  # the premise: a reply of several phrases
+    assert speech_requests(server) == before + len(phrases)
     first_data = next(i for i, d in enumerate(deltas) if d and "data" in d)
-    assert all(not (d and "transcript" in d) for d in deltas[first_data:])  # the words, then their sound
+    assert any(d and d.get("transcript") for d in deltas[1:first_data])  # a phrase is written before it is said
     pcm = b"".join(base64.b64decode(d["data"]) for d in deltas if d and "data" in d)
     assert len(pcm) % 2 == 0
-    samples, rate = speech_samples(c, whole)
-    sentences = whole.count(".") + whole.count("!") + whole.count("?") + 1  # each resampled apart: rounding
-    assert abs(len(pcm) // 2 - samples * PCM16_RATE / rate) <= sentences
+    expected, rounding = 0.0, 0
+    for phrase in phrases:
+        samples, rate = speech_samples(c, phrase)
+        expected += samples * PCM16_RATE / rate
+        rounding += phrase.count(".") + phrase.count("!") + phrase.count("?") + 1  # each sentence resampled apart
+    assert abs(len(pcm) // 2 - expected) <= rounding
     assert final == {"id": opening["id"], "expires_at": final["expires_at"]}
     assert chunks[-1].choices[0].finish_reason == "length"
     assert all(ch.choices[0].finish_reason is None for ch in chunks[:-1] if ch.choices)
@@ -242,7 +263,6 @@ def test_a_reply_the_speech_model_cannot_say_is_no_audio_not_an_error():
     """A written reply of only characters the speech model does not know (emoji, for VITS'
     character vocabulary) was already sent to the engine and paid for: it is said as nothing
     (``SpeechJob.quiet``), where /v1/audio/speech answers such an input with a 400."""
-    import asyncio
 
     from gateway.audio import _first_sentence
     from gateway.errors import APIError
@@ -278,3 +298,42 @@ def test_each_choice_is_said_apart(server):
         ids.add(deltas[-1]["id"])
         assert deltas[-1]["id"] == deltas[0]["id"] and deltas[-1]["expires_at"]
     assert len(ids) == 2 and ids.isdisjoint({c.message.audio.id for c in whole.choices})
+
+
+def test_a_spoken_stream_says_each_phrase_once_written_in_order_and_raises_a_refusal():
+    """``SpokenStream`` (a streamed reply's speech): a phrase is said as soon as it is written, the
+    rest once the choice is written, each choice's pieces in order; a speech request refused
+    mid-stream (a 429 from the speech model's gate) raises where the stream takes its sound."""
+    from gateway.errors import APIError
+    from gateway.output_audio import SpokenStream
+
+    asked: list[str] = []
+
+    async def speaker(text: str):
+        asked.append(text)
+        if text.startswith("Refused"):
+            raise APIError(429, "the speech model is busy", "rate_limit_exceeded")
+        for word in text.split():
+            await asyncio.sleep(0)
+            yield word.encode()
+
+    async def run():
+        stream = SpokenStream(speaker, 2)
+        stream.write(0, "Hello there. How")
+        await asyncio.sleep(0.05)
+        early = stream.ready()
+        stream.write(0, " are you")
+        rest = [piece async for piece in stream.rest(0)]
+        stream.write(1, "Refused, at once. More")
+        with pytest.raises(APIError) as caught:
+            for _ in range(100):
+                stream.ready()
+                await asyncio.sleep(0.01)
+        await stream.aclose()
+        return early, rest, caught.value
+
+    early, rest, refusal = asyncio.run(run())
+    assert early == [(0, b"Hello"), (0, b"there.")]  # said before the choice was written
+    assert rest == [(0, b"How"), (0, b"are"), (0, b"you")]
+    assert asked == ["Hello there.", "How are you", "Refused,"]
+    assert (refusal.status, refusal.code) == (429, "rate_limit_exceeded")

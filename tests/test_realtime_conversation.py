@@ -268,7 +268,7 @@ def test_the_speech_follows_the_words_a_phrase_at_a_time(server):
     as soon as the phrase is written (how much sooner the first sound comes is bench_voice's to
     measure: on a machine this fast the words may all be written before the first phrase is
     said), the sound each phrase said apart, in order."""
-    from gateway.realtime_conversation import phrases_of
+    from gateway.output_audio import phrases_of
 
     before = speech_requests(server)
 
@@ -302,7 +302,7 @@ def test_the_speech_follows_the_words_a_phrase_at_a_time(server):
     ("Line one\nLine two", ["Line one"], "Line two"),
 ])
 def test_phrases_are_said_once_whole(text, whole, rest):
-    from gateway.realtime_conversation import phrases_of
+    from gateway.output_audio import phrases_of
 
     assert phrases_of(text) == (whole, rest)
     if not any(c in text for c in ".,;:\n"):  # after the first phrase, a long one waits longer for an end
@@ -523,7 +523,7 @@ def test_a_truncated_reply_keeps_the_words_said_by_then_and_the_next_reply_reads
     words its sound had reached (each phrase's length from /v1/audio/speech of that phrase: the
     demo VITS' durations are deterministic); the next reply reads that, as chat would. A cut past
     the sound, or of a message never spoken, is an error."""
-    from gateway.realtime_conversation import phrases_of
+    from gateway.output_audio import phrases_of
 
     async def run():
         async with client(server).realtime.connect(model="tiny-chat") as conn:
