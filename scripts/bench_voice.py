@@ -1,7 +1,8 @@
 #!/usr/bin/env python
 """Voice conversations: how soon a spoken reply starts to sound in a Realtime API conversation
-session (``/v1/realtime?model=tiny-chat``) against the cascade a client would run itself over
-HTTP on the same server: a chat completion, then ``/v1/audio/speech`` of its text, streamed as PCM.
+session (``/v1/realtime?model=tiny-chat``) and in a streamed spoken chat completion, against the
+cascade a client would run itself over HTTP on the same server: a chat completion, then
+``/v1/audio/speech`` of its text, streamed as PCM.
 
 One ``tiergate serve`` process (its own process, as deployed) on the demo models (tiny-chat on
 the transformers engine, tiny-tts), one client at a time; each turn asks the same question with
@@ -9,6 +10,9 @@ the transformers engine, tiny-tts), one client at a time; each turn asks the sam
 
   realtime  a text item and ``response.create``: timed from ``response.create``'s send to the
             first ``response.output_audio.delta`` (first sound) and to ``response.done`` (whole);
+  spoken    ``POST /v1/chat/completions`` streamed with ``modalities: ["text", "audio"]`` and
+            ``audio: {"format": "pcm16"}``: timed from the send to the first ``delta.audio.data``
+            and to ``[DONE]``;
   http      ``POST /v1/chat/completions`` streamed (the words shown as they are written, as the
             session sends them), then ``POST /v1/audio/speech`` of the whole text
             (``response_format: pcm``, streamed): timed from the chat request's send to the first
@@ -16,12 +20,13 @@ the transformers engine, tiny-tts), one client at a time; each turn asks the sam
             64 tokens streamed cost ~8 ms more than the same reply read whole, over SSE and over
             the session's WebSocket alike.)
 
-The session says the reply a phrase at a time while it is still written, so its first sound waits
-for the first phrase, not the last word. Modes alternate within each round; medians.
+The session and the spoken chat completion say the reply a phrase at a time while it is still
+written, so their first sound waits for the first phrase, not the last word. Modes alternate
+within each round; medians.
 
-Judged: the session's first sound at most 0.8x the HTTP cascade's, and the whole reply at most
-1.2x (its phrases are several speech requests, where the cascade makes one); ``n/a`` when other
-processes used more than half a core meanwhile.
+Judged, for the session and for the spoken chat completion each: its first sound at most 0.8x the
+HTTP cascade's, and the whole reply at most 1.2x (its phrases are several speech requests, where
+the cascade makes one); ``n/a`` when other processes used more than half a core meanwhile.
 
     python scripts/bench_voice.py            # ~1 min on 2 quiet cores
     python scripts/bench_voice.py --smoke    # a few turns; no verdict
@@ -50,7 +55,7 @@ import websockets  # noqa: E402
 from benchlib import OTHER_LOAD_LIMIT, OtherLoad, Target, judge, tiergate_serve  # noqa: E402
 
 ASK = "Tell me about the harbour."
-MODES = ("realtime", "http")
+MODES = ("realtime", "spoken", "http")
 FIRST, WHOLE = 0.8, 1.2
 
 
@@ -97,6 +102,31 @@ async def realtime_turns(url: str, key: str, tokens: int, n: int) -> list[tuple[
     return out
 
 
+async def spoken_turns(url: str, key: str, tokens: int, n: int) -> list[tuple[float, float, str]]:
+    out = []
+    async with httpx.AsyncClient(base_url=url, timeout=120, headers={"Authorization": f"Bearer {key}"}) as client:
+        for _ in range(n):
+            start, first, words = time.perf_counter(), None, []
+            async with client.stream("POST", "/v1/chat/completions", json={
+                    "model": "tiny-chat", "messages": [{"role": "user", "content": ASK}], "max_tokens": tokens,
+                    "temperature": 0, "stream": True, "modalities": ["text", "audio"],
+                    "audio": {"voice": "alloy", "format": "pcm16"}}) as chat:
+                chat.raise_for_status()
+                async for line in chat.aiter_lines():
+                    if not line.startswith("data: {"):
+                        continue
+                    event = json.loads(line[6:])
+                    if "error" in event:
+                        raise RuntimeError(f"spoken: {event}")
+                    for c in event["choices"]:
+                        audio = c["delta"].get("audio") or {}
+                        words.append(audio.get("transcript") or "")
+                        if audio.get("data") and first is None:
+                            first = time.perf_counter() - start
+            out.append((first, time.perf_counter() - start, "".join(words)))
+    return out
+
+
 async def http_turns(url: str, key: str, tokens: int, n: int) -> list[tuple[float, float, str]]:
     out = []
     async with httpx.AsyncClient(base_url=url, timeout=120, headers={"Authorization": f"Bearer {key}"}) as client:
@@ -121,7 +151,7 @@ async def http_turns(url: str, key: str, tokens: int, n: int) -> list[tuple[floa
 
 
 def run(mode: str, url: str, key: str, tokens: int, n: int) -> list[tuple[float, float, str]]:
-    turns = realtime_turns if mode == "realtime" else http_turns
+    turns = {"realtime": realtime_turns, "spoken": spoken_turns, "http": http_turns}[mode]
     return asyncio.run(turns(url, key, tokens, n))
 
 
@@ -153,7 +183,7 @@ def main() -> int:
         proc.wait(30)
     said = {t[2] for rounds in results.values() for turns in rounds for t in turns}
     if len(said) != 1:
-        raise AssertionError(f"the two paths said different words: {sorted(said)[:2]}")
+        raise AssertionError(f"the paths said different words: {sorted(said)[:2]}")
     print(f"tiny-chat (transformers engine) and tiny-tts on the CPU, one tiergate serve process, one client; "
           f"{args.tokens}-token greedy replies ({len(next(iter(said)))} characters); {args.rounds} rounds alternated, "
           f"{args.turns} turns each, medians; other processes used "
@@ -166,12 +196,13 @@ def main() -> int:
         print(f"{mode:<9} {statistics.median(first[mode]) * 1e3:>15.1f} {statistics.median(whole[mode]) * 1e3:>15.1f}")
     why_not = other.why_not(OTHER_LOAD_LIMIT)
     targets = []
-    for name, values, limit in (("first sound", first, FIRST), ("whole reply", whole, WHOLE)):
-        ratios = [a / b for a, b in zip(values["realtime"], values["http"])]
-        print(f"{name}, realtime/http per round: " + " ".join(f"{x:.2f}x" for x in ratios))
-        value = statistics.median(ratios)
-        targets.append(Target(f"realtime session / HTTP cascade, {name} <= {limit:g}x", f"{value:.2f}x",
-                              None if why_not else value <= limit, why_not))
+    for mode, label in (("realtime", "realtime session"), ("spoken", "spoken chat completion")):
+        for name, values, limit in (("first sound", first, FIRST), ("whole reply", whole, WHOLE)):
+            ratios = [a / b for a, b in zip(values[mode], values["http"])]
+            print(f"{name}, {mode}/http per round: " + " ".join(f"{x:.2f}x" for x in ratios))
+            value = statistics.median(ratios)
+            targets.append(Target(f"{label} / HTTP cascade, {name} <= {limit:g}x", f"{value:.2f}x",
+                                  None if why_not else value <= limit, why_not))
     return judge(targets, smoke=args.smoke, note="a voice conversation's spoken reply")
 
 
