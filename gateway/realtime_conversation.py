@@ -25,6 +25,11 @@ as 24 kHz PCM16 with its transcript. OpenAI's protocol, as its SDK speaks it:
   time as ``response.output_audio.delta`` while the rest is written (``response.output_text.delta``
   with text output), the ``.done`` events in reverse order, and ``response.done`` with its usage. One response at a time;
   ``response.cancel`` stops it (``response.done`` with ``status: "cancelled"``).
+* Out-of-band responses: ``response.create`` with ``conversation: "none"`` answers beside the
+  conversation (its items are not added to it, its ``conversation_id`` is null), as many at once
+  as the client asks, each cancelled by its ``response_id``; ``input`` (item references and text
+  messages) gives any response a context of its own instead of the conversation; ``metadata``
+  comes back in its ``response`` so that the client can tell the responses apart.
 
 The three models are the session's: the chat model the URL names, its tiers.yaml
 ``engine.audio_input`` (else the first speech-to-text model) and ``engine.audio_output`` (else the
@@ -41,8 +46,7 @@ With no speech-to-text model on the server a session takes text turns only (no t
 the audio buffer's events are refused).
 
 Not served (an ``error`` event naming it): items other than messages and function call outputs,
-out-of-band responses
-(``response.conversation: "none"``), ``semantic_vad``, noise reduction, other audio formats.
+``semantic_vad``, noise reduction, other audio formats.
 """
 
 from __future__ import annotations
@@ -100,6 +104,10 @@ class Conversing:
 @dataclass
 class _Response:
     id: str
+    settings: Conversing
+    conversation: bool = True  # False: out of band ("conversation": "none"), its items not the conversation's
+    context: list[dict[str, Any]] | None = None  # the items it answers ("input"); None: the conversation's
+    metadata: dict | None = None
     task: asyncio.Task | None = None
     started: bool = False  # its task has begun (a task cancelled before it begins never runs its cleanup)
     cancelled: bool = False
@@ -164,7 +172,8 @@ class ConversationSession(TranscriptionSession):
         self.conversing = conversing
         self.items: list[dict[str, Any]] = []  # the conversation: messages, with their text once known
         self._heard: dict[str, asyncio.Event] = {}  # a committed utterance's item: set once transcribed
-        self._response: _Response | None = None
+        self._response: _Response | None = None  # the conversation's, in progress
+        self._side: dict[str, _Response] = {}  # out-of-band responses in progress, by id
         self._said: dict[str, _Said] = {}  # a spoken assistant message's id -> its speech
 
     def session_event(self) -> dict:
@@ -186,10 +195,11 @@ class ConversationSession(TranscriptionSession):
         try:
             await super().run()
         finally:
-            if self._response is not None and self._response.task is not None:
-                self._response.task.cancel()
-                with contextlib.suppress(asyncio.CancelledError):
-                    await self._response.task
+            for response in [self._response, *self._side.values()]:
+                if response is not None and response.task is not None:
+                    response.task.cancel()
+                    with contextlib.suppress(asyncio.CancelledError):
+                        await response.task
 
     async def send(self, event: dict) -> None:
         if event.get("type") == "session.created":  # the transcription session's own opening, as a conversation's
@@ -225,16 +235,16 @@ class ConversationSession(TranscriptionSession):
             raise bad_request("this server has no speech-to-text model to hear audio with: send text items",
                               "type", "audio_input_not_supported")
         elif kind == "response.create":
-            response = _object(event.get("response", {}) or {}, "response")
-            unknown = sorted(set(response) - {"instructions", "output_modalities", "max_output_tokens", "metadata"})
-            if unknown:
-                raise bad_request(f"response.{unknown[0]} is not served here", f"response.{unknown[0]}",
-                                  "unsupported_parameter")
-            await self._start_response(self._settings(response, "response"))
+            await self._start_response(**self._response_fields(event.get("response", {}) or {}))
         elif kind == "response.cancel":
-            if self._response is None:
-                raise bad_request("no response is in progress to cancel", None, "response_cancel_not_active")
-            self._response.cancel()
+            wanted = event.get("response_id")
+            response = self._response if wanted is None else self._side.get(wanted) if isinstance(wanted, str) and (
+                self._response is None or self._response.id != wanted) else self._response
+            if response is None:
+                raise bad_request("no response is in progress to cancel" if wanted is None else
+                                  f"no response {str(wanted)[:64]!r} is in progress", None if wanted is None else
+                                  "response_id", "response_cancel_not_active")
+            response.cancel()
         else:
             await super()._handle(event)
 
@@ -456,11 +466,66 @@ class ConversationSession(TranscriptionSession):
 
     # -- responses --------------------------------------------------------------------------------
 
-    async def _start_response(self, settings: Conversing) -> None:
-        if self._response is not None:
+    def _response_fields(self, given: object) -> dict:
+        """A ``response.create``'s ``response``: its settings (``_settings``), ``conversation``
+        ("auto", or "none": out of band), ``input`` (the items it answers: item references and
+        messages; absent, the conversation's) and ``metadata``."""
+        given = dict(_object(given, "response"))
+        unknown = sorted(set(given) - {"instructions", "output_modalities", "max_output_tokens", "metadata",
+                                       "conversation", "input"})
+        if unknown:
+            raise bad_request(f"response.{unknown[0]} is not served here", f"response.{unknown[0]}",
+                              "unsupported_parameter")
+        conversation = given.pop("conversation", "auto")
+        if conversation not in ("auto", "none"):
+            raise bad_request('conversation is "auto" (the session\'s) or "none" (out of band)', "response.conversation",
+                              "invalid_value")
+        metadata = given.get("metadata")
+        if metadata is not None and (not isinstance(metadata, dict) or len(metadata) > 16 or any(
+                not isinstance(k, str) or not isinstance(v, str) or len(k) > 64 or len(v) > 512
+                for k, v in metadata.items())):
+            raise bad_request("metadata is up to 16 string pairs (keys up to 64 characters, values up to 512)",
+                              "response.metadata", "invalid_value")
+        context = None
+        if "input" in given:
+            context = self._context(given.pop("input"))
+        return {"settings": self._settings(given, "response"), "conversation": conversation == "auto",
+                "context": context, "metadata": metadata}
+
+    def _context(self, given: object) -> list[dict]:
+        """A response's ``input``: item references (the conversation's items) and messages (user,
+        system or assistant, their text parts)."""
+        if not isinstance(given, list):
+            raise bad_request("input is a list of items", "response.input", "invalid_type")
+        out = []
+        for i, item in enumerate(given):
+            param = f"response.input[{i}]"
+            item = _object(item, param)
+            if item.get("type") == "item_reference":
+                out.append(self._item(item.get("id"), f"{param}.id"))
+                continue
+            if item.get("type", "message") != "message" or item.get("role") not in ("user", "system", "assistant"):
+                raise bad_request("an input item is an item_reference or a user, system or assistant message",
+                                  param, "invalid_value")
+            content = item.get("content")
+            if not isinstance(content, list) or any(
+                    not isinstance(p, dict) or p.get("type") not in ("input_text", "output_text", "text")
+                    or not isinstance(p.get("text"), str) for p in content):
+                raise bad_request("a message's content is a list of text parts here", f"{param}.content", "invalid_value")
+            out.append({"type": "message", "role": item["role"], "content": content})
+        return out
+
+    async def _start_response(self, settings: Conversing, conversation: bool = True,
+                              context: list[dict] | None = None, metadata: dict | None = None) -> None:
+        if conversation and self._response is not None:
             raise bad_request("the conversation has a response in progress: wait for its response.done, or cancel "
-                              "it", None, "conversation_already_has_active_response")
-        response = self._response = _Response(_new_id("resp"))
+                              "it (an out-of-band response, conversation: \"none\", may run beside it)", None,
+                              "conversation_already_has_active_response")
+        response = _Response(_new_id("resp"), settings, conversation, context, metadata)
+        if conversation:
+            self._response = response
+        else:
+            self._side[response.id] = response
         response.task = asyncio.create_task(self._respond(response, settings))
 
     def _shown(self, response: _Response, status: str, usage: dict | None = None, error: dict | None = None) -> dict:
@@ -468,7 +533,8 @@ class ConversationSession(TranscriptionSession):
         if status == "cancelled":
             details = {"type": "cancelled", "reason": "client_cancelled"}
         return {"object": "realtime.response", "id": response.id, "status": status, "status_details": details,
-                "output": response.items, "conversation_id": self.id, "output_modalities": list(self.conversing.modalities),
+                "output": response.items, "conversation_id": self.id if response.conversation else None,
+                "output_modalities": list(response.settings.modalities), "metadata": response.metadata,
                 "usage": usage}
 
     async def _respond(self, response: _Response, settings: Conversing) -> None:
@@ -496,13 +562,15 @@ class ConversationSession(TranscriptionSession):
         else:
             await self.send({"type": "response.done", "response": self._shown(response, "completed", usage)})
         finally:
-            self._response = None
+            if self._response is response:
+                self._response = None
+            self._side.pop(response.id, None)
 
-    def _messages(self, settings: Conversing) -> list[dict]:
-        """The conversation as chat messages: a message's text (a spoken turn's transcript), a
+    def _messages(self, settings: Conversing, items: list[dict]) -> list[dict]:
+        """Conversation items as chat messages: a message's text (a spoken turn's transcript), a
         function call as its assistant message's tool call, a call's output as a tool message."""
         out = [{"role": "system", "content": settings.instructions}] if settings.instructions else []
-        for item in self.items:
+        for item in items:
             if item["type"] == "function_call":
                 call = {"id": item["call_id"], "type": "function",
                         "function": {"name": item["name"], "arguments": item["arguments"]}}
@@ -518,10 +586,9 @@ class ConversationSession(TranscriptionSession):
                     out.append({"role": item["role"], "content": text})
         return out
 
-    async def _say(self, phrases: asyncio.Queue, voice: Voice, base: dict) -> None:
+    async def _say(self, phrases: asyncio.Queue, voice: Voice, base: dict, said: _Said) -> None:
         """Say each phrase as it comes (None: the reply is written), in order, as
         ``response.output_audio.delta`` events; each is a speech request of the caller's tier."""
-        said = self._said[base["item_id"]]
         while (phrase := await phrases.get()) is not None:
             said.phrases.append([said.samples, said.samples, phrase])
             async with contextlib.aclosing(say(self.svc, self.caller, voice, phrase, self.gone)) as pieces:
@@ -532,9 +599,11 @@ class ConversationSession(TranscriptionSession):
                                      "delta": base64.b64encode(piece).decode()})
 
     async def _answer(self, response: _Response, settings: Conversing) -> dict:
-        for heard in list(self._heard.values()):  # the turns committed before it, transcribed
-            await heard.wait()
-        asked = {"model": settings.model, "messages": self._messages(settings) or [{"role": "user", "content": ""}],
+        if response.context is None:
+            for heard in list(self._heard.values()):  # the turns committed before it, transcribed
+                await heard.wait()
+        items = self.items if response.context is None else response.context
+        asked = {"model": settings.model, "messages": self._messages(settings, items) or [{"role": "user", "content": ""}],
                  "temperature": 0, "stream": True}  # the text as it is written (an engine may hold a whole reply's)
         if settings.max_output_tokens is not None:  # "inf": as long as a chat completion's default (gateway.chat)
             asked["max_completion_tokens"] = min(settings.max_output_tokens, self.limits.max_chat_tokens)
@@ -568,7 +637,8 @@ class ConversationSession(TranscriptionSession):
             response.items.append(item)
             await self.send({"type": "response.output_item.added", "response_id": response.id, "output_index": index,
                              "item": item})
-            await self._add(item)
+            if response.conversation:
+                await self._add(item)
             return index
 
         async def open_message() -> None:
@@ -579,8 +649,10 @@ class ConversationSession(TranscriptionSession):
                     "content_index": 0}
             await self.send({"type": "response.content_part.added", **base, "part": {"type": event_part, said_as: ""}})
             if audio:
-                self._said[message["id"]] = _Said()
-                speaking = asyncio.create_task(self._say(phrases, settings.voice, base))
+                said = _Said()
+                if response.conversation:  # (its transcript may be truncated)
+                    self._said[message["id"]] = said
+                speaking = asyncio.create_task(self._say(phrases, settings.voice, base, said))
 
         try:
             pending, spoken_any = "", False
@@ -640,7 +712,8 @@ class ConversationSession(TranscriptionSession):
             message.update(status="completed", content=[{**part, said_as: kept(whole)}])  # (a truncate meanwhile)
             await self.send({"type": "response.output_item.done", "response_id": response.id,
                              "output_index": base["output_index"], "item": message})
-            await self.send({"type": "conversation.item.done", "item": message})
+            if response.conversation:
+                await self.send({"type": "conversation.item.done", "item": message})
         for item, index in calls.values():
             item["status"] = "completed"
             await self.send({"type": "response.function_call_arguments.done", "response_id": response.id,
@@ -648,7 +721,8 @@ class ConversationSession(TranscriptionSession):
                              "name": item["name"], "arguments": item["arguments"]})
             await self.send({"type": "response.output_item.done", "response_id": response.id, "output_index": index,
                              "item": item})
-            await self.send({"type": "conversation.item.done", "item": item})
+            if response.conversation:
+                await self.send({"type": "conversation.item.done", "item": item})
         prompt = finished.prompt_tokens if finished else 0
         completion = finished.completion_tokens if finished else 0
         return {"total_tokens": prompt + completion, "input_tokens": prompt, "output_tokens": completion,

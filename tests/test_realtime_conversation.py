@@ -442,7 +442,9 @@ def test_generated_client_events_leave_the_session_answering(server, seed):
                                         {"type": "message", "role": rng.choice(values), "content": rng.choice(values)}])
         elif kind == "response.create":
             event["response"] = rng.choice([{}, {"output_modalities": rng.choice(values)},
-                                            {"max_output_tokens": rng.choice(values)}])
+                                            {"max_output_tokens": rng.choice(values)},
+                                            {"conversation": rng.choice(["none", *values]), "input": rng.choice(values),
+                                             "metadata": rng.choice(values)}])
         elif kind == "input_audio_buffer.append":
             event["audio"] = rng.choice(["AAAA" * 1200, rng.choice(values)])
         events.append(event)
@@ -639,3 +641,51 @@ def test_a_server_without_speech_to_text_serves_text_turns_and_refuses_audio(tex
     assert created.session.audio.input.transcription is None and created.session.audio.input.turn_detection is None
     assert refused.code == "audio_input_not_supported"
     assert said(reply)[0] == answer(server, [{"role": "user", "content": ASK}])[0] and said(reply)[1]
+
+
+def test_an_out_of_band_response_answers_beside_the_conversation_and_leaves_it_as_it_was(server):
+    """``conversation: "none"`` with an ``input`` of its own: a text response runs beside the
+    conversation's spoken one, answers its own context as chat would, comes back with its
+    ``metadata`` and no conversation, and adds nothing to the conversation; one cancelled by its
+    ``response_id`` ends cancelled while the other goes on."""
+    side = {"conversation": "none", "output_modalities": ["text"], "max_output_tokens": 12,
+            "metadata": {"purpose": "classify"},
+            "input": [{"type": "item_reference", "id": "item_ask"},
+                      {"type": "message", "role": "user", "content": [{"type": "input_text", "text": "Is that a question?"}]}]}
+
+    async def run():
+        async with client(server).realtime.connect(model="tiny-chat") as conn:
+            await begin(conn, MANUAL, text=None)
+            await conn.conversation.item.create(item=user("item_ask", ASK))
+            await conn.response.create()
+            await conn.send({"type": "response.create", "response": side})
+            both = await each(conn, "response.done", 2)
+            oob = next(e.response for e in both if e.type == "response.done" and e.response.conversation_id is None)
+            await conn.conversation.item.retrieve(item_id=oob.output[0].id)
+            missing = (await events_until(conn, "error"))[-1].error
+            await conn.send({"type": "response.cancel", "response_id": "resp_nobody"})
+            unknown = (await events_until(conn, "error"))[-1].error
+            await conn.send({"type": "response.create", "response": {**side, "max_output_tokens": "inf", "input": []}})
+            created = (await events_until(conn, "response.created"))[-1].response
+            await conn.send({"type": "response.cancel", "response_id": created.id})
+            cancelled = (await events_until(conn, "response.done"))[-1].response
+            await conn.conversation.item.create(item=user("item_then", "And then?"))
+            await conn.response.create(response={"max_output_tokens": 12})
+            return both, missing, unknown, cancelled, await events_until(conn, "response.done")
+
+    both, missing, unknown, cancelled, then = asyncio.run(run())
+    done = {("side" if e.response.conversation_id is None else "main"): e.response for e in both
+            if e.type == "response.done"}
+    assert done["side"].metadata == {"purpose": "classify"} and done["side"].output_modalities == ["text"]
+    assert done["main"].conversation_id and done["main"].status == done["side"].status == "completed"
+    side_text = "".join(e.delta for e in both if e.type == "response.output_text.delta")
+    assert side_text == answer(server, [{"role": "user", "content": ASK},
+                                        {"role": "user", "content": "Is that a question?"}])[0]
+    reply = said([e for e in both if getattr(e, "response_id", None) == done["main"].id])[0]
+    assert reply == answer(server, [{"role": "user", "content": ASK}])[0]
+    added = [e.item.id for e in both if e.type == "conversation.item.added"]
+    assert done["main"].output[0].id in added and done["side"].output[0].id not in added
+    assert missing.param == "item_id" and (unknown.param, unknown.code) == ("response_id", "response_cancel_not_active")
+    assert cancelled.status == "cancelled" and cancelled.conversation_id is None
+    assert said(then)[0] == answer(server, [{"role": "user", "content": ASK}, {"role": "assistant", "content": reply},
+                                            {"role": "user", "content": "And then?"}])[0]
