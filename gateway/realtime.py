@@ -4,7 +4,7 @@ text streams out, one utterance at a time, through the serving core of
 
 The protocol is OpenAI's for a session of ``type: "transcription"`` (the SDK's
 ``client.realtime.connect``): the server opens with ``session.created``; the client may send
-``session.update`` (``session.audio.input``: ``format`` 24 kHz PCM16, ``transcription`` {model,
+``session.update`` (``session.audio.input``: ``format``, ``transcription`` {model,
 language, prompt}, ``turn_detection`` ``server_vad`` or null), then streams
 ``input_audio_buffer.append`` (base64 PCM16, little-endian, mono, 24 kHz) and ends each utterance
 with ``input_audio_buffer.commit``, or lets ``server_vad`` end it at a silence
@@ -21,9 +21,15 @@ utterances are transcribed in order. The key is checked once, at the handshake (
 ``openai-insecure-api-key.<key>``, as OpenAI takes it; a refused key gets an HTTP error before the
 upgrade). ``tiergate_realtime_sessions{tier}`` counts the sessions open.
 
+Audio formats, as OpenAI names them: ``{"type": "audio/pcm", "rate": 24000}`` (16-bit mono
+little-endian, the default), and telephone audio, ``{"type": "audio/pcmu"}`` (G.711 mu-law) or
+``{"type": "audio/pcma"}`` (A-law), 8 kHz, as a phone network's media stream carries it (Twilio's,
+for one): decoded and resampled to 24 kHz as it streams in (``workers.audio.G711Stream``), so the
+turn detection, the limits and the ``audio_*_ms`` fields are the same for every format.
+
 A session opened on a chat model is a conversation instead (``gateway.realtime_conversation``,
 which builds on this one and holds the ``/v1/realtime`` endpoint that opens either kind). Not served (each refused with an error naming it): ``semantic_vad``,
-noise reduction, and audio formats other than 24 kHz PCM16. Ephemeral client secrets (``/v1/realtime/client_secrets``) are not issued:
+noise reduction. Ephemeral client secrets (``/v1/realtime/client_secrets``) are not issued:
 a browser sends a key of its own, so give it a key with limits of its own (docs/ACCOUNTS.md).
 """
 
@@ -47,11 +53,13 @@ from gateway.errors import APIError, bad_request
 from gateway.logprobs import token_entries
 from gateway.service import ClientGone, Services
 from gateway.serving import Gone
+from workers.audio import G711_RATE, G711Stream
 from workers.stt import ServerVad, TranscriptionRequest, Transcript, TurnDetector
 
 log = logging.getLogger("tiergate.realtime")
 
-RATE = 24_000  # the only input rate OpenAI's realtime transcription takes (PCM16 mono)
+RATE = 24_000  # PCM16 mono: the rate audio/pcm is taken and said at, and that telephone audio is heard at
+FORMATS = {"pcm": {"type": "audio/pcm", "rate": RATE}, "pcmu": {"type": "audio/pcmu"}, "pcma": {"type": "audio/pcma"}}
 MIN_COMMIT_S = 0.1  # a shorter buffer is refused at commit, as OpenAI's is
 LOGPROBS = "item.input_audio_transcription.logprobs"  # the one thing a transcription session may include
 KEY_SUBPROTOCOL = "openai-insecure-api-key."  # a browser's way to send its key (OpenAI's name for it)
@@ -70,13 +78,14 @@ class SessionConfig:
     prompt: str = ""
     vad: ServerVad | None = DEFAULT_VAD
     logprobs: bool = False  # include: ["item.input_audio_transcription.logprobs"]
+    codec: str = "pcm"  # the audio it is sent in: a key of FORMATS
 
     def as_event(self, session_id: str) -> dict:
         vad = None if self.vad is None else {"type": "server_vad", "threshold": self.vad.threshold,
                                              "prefix_padding_ms": self.vad.prefix_padding_ms,
                                              "silence_duration_ms": self.vad.silence_duration_ms}
         return {"type": "transcription", "id": session_id, "object": "realtime.transcription_session",
-                "audio": {"input": {"format": {"type": "audio/pcm", "rate": RATE},
+                "audio": {"input": {"format": FORMATS[self.codec],
                                     "transcription": {"model": self.model, "language": self.language,
                                                       "prompt": self.prompt},
                                     "turn_detection": vad, "noise_reduction": None}},
@@ -117,18 +126,27 @@ def updated(config: SessionConfig, session: object, svc: Services, limits_prompt
         raise bad_request("noise reduction is not served: set it to null", "session.audio.input.noise_reduction",
                           "unsupported_parameter")
     if "format" in given:
-        fmt = _object(given["format"], "session.audio.input.format")
-        if fmt.get("type", "audio/pcm") != "audio/pcm":
-            raise bad_request(f"audio format {fmt.get('type')!r} is not served: send audio/pcm (PCM16 at 24 kHz)",
-                              "session.audio.input.format.type", "unsupported_format")
-        if fmt.get("rate", RATE) != RATE:
-            raise bad_request(f"PCM audio is taken at {RATE} Hz only, not {fmt.get('rate')!r}",
-                              "session.audio.input.format.rate", "unsupported_format")
+        config = replace(config, codec=audio_format(given["format"], "session.audio.input.format"))
     if "transcription" in given:
         config = _transcription(config, given["transcription"], svc, limits_prompt)
     if "turn_detection" in given:
         config = replace(config, vad=_turn_detection(given["turn_detection"]))
     return config
+
+
+def audio_format(value: object, param: str) -> str:
+    """A session's audio ``format`` (``FORMATS``' values) as its key (``APIError`` naming ``param``)."""
+    fmt = _object(value, param)
+    kind = fmt.get("type", "audio/pcm")
+    codec = next((k for k, v in FORMATS.items() if v["type"] == kind), None)
+    if codec is None:
+        raise bad_request(f"audio format {str(kind)[:40]!r} is not served: audio/pcm (PCM16 at {RATE} Hz), audio/pcmu "
+                          "or audio/pcma (G.711 at 8 kHz)", f"{param}.type", "unsupported_format")
+    rate = RATE if codec == "pcm" else G711_RATE
+    if fmt.get("rate", rate) != rate:
+        raise bad_request(f"{kind} audio is at {rate} Hz, not {str(fmt.get('rate'))[:20]}", f"{param}.rate",
+                          "unsupported_format")
+    return codec
 
 
 def _transcription(config: SessionConfig, value: object, svc: Services, limits_prompt: int) -> SessionConfig:
@@ -184,17 +202,14 @@ def _turn_detection(value: object) -> ServerVad | None:
     return ServerVad(float(threshold), out["prefix_padding_ms"], out["silence_duration_ms"])
 
 
-def _pcm16(value: object) -> np.ndarray:
-    """An append's ``audio``: base64 PCM16 (little-endian) as int16 samples."""
+def _audio_bytes(value: object) -> bytes:
+    """An append's ``audio``: base64 bytes."""
     if not isinstance(value, str):
-        raise bad_request("audio must be a base64 string of PCM16 audio", "audio", "invalid_type")
+        raise bad_request("audio must be a base64 string of audio in the session's format", "audio", "invalid_type")
     try:
-        raw = base64.b64decode(value, validate=True)
+        return base64.b64decode(value, validate=True)
     except (binascii.Error, ValueError):
         raise bad_request("audio is not valid base64", "audio", "invalid_value") from None
-    if len(raw) % 2:
-        raise bad_request("audio has an odd number of bytes: PCM16 samples are 2 bytes each", "audio")
-    return np.frombuffer(raw, dtype="<i2")
 
 
 def _kept_silence(vad: ServerVad) -> int:
@@ -226,6 +241,7 @@ class TranscriptionSession:
         self._previous: str | None = None  # the last committed item
         self._queued_s = 0.0  # audio committed and not yet transcribed
         self._utterances: asyncio.Queue[tuple[str, np.ndarray, SessionConfig]] = asyncio.Queue()
+        self._telephone: tuple[str, G711Stream] | None = None  # G.711 in: its decoder, which keeps its state
 
     async def run(self) -> None:
         await self.send({"type": "session.created", "session": self.config.as_event(self.id)})
@@ -284,7 +300,7 @@ class TranscriptionSession:
             self.config = config
             await self.send({"type": "session.updated", "session": config.as_event(self.id)})
         elif kind == "input_audio_buffer.append":
-            await self._append(_pcm16(event.get("audio")))
+            await self._append(self._samples(_audio_bytes(event.get("audio"))))
         elif kind == "input_audio_buffer.commit":
             if self._buffered < MIN_COMMIT_S * RATE:
                 raise bad_request(f"buffer too small: {self._buffered / RATE * 1000:.0f} ms of audio, at least "
@@ -297,6 +313,17 @@ class TranscriptionSession:
         else:
             raise bad_request(f"unknown or unsupported client event type {kind!r} on a transcription session",
                               "type", "invalid_event")
+
+    def _samples(self, raw: bytes) -> np.ndarray:
+        """An append's bytes, in the session's format, as int16 samples at ``RATE``."""
+        codec = self.config.codec
+        if codec == "pcm":
+            if len(raw) % 2:
+                raise bad_request("audio has an odd number of bytes: PCM16 samples are 2 bytes each", "audio")
+            return np.frombuffer(raw, dtype="<i2")
+        if self._telephone is None or self._telephone[0] != codec:
+            self._telephone = (codec, G711Stream(codec, RATE, encode=False))
+        return np.frombuffer(self._telephone[1].feed(raw), dtype="<i2")
 
     async def _append(self, samples: np.ndarray) -> None:
         if not len(samples):

@@ -5,9 +5,11 @@ answers the conversation so far, and its reply is said by a text-to-speech model
 as 24 kHz PCM16 with its transcript. OpenAI's protocol, as its SDK speaks it:
 
 * ``session.update`` (``type: "realtime"``): ``instructions``, ``output_modalities`` (``["audio"]``,
-  the default, or ``["text"]``), ``max_output_tokens``, ``audio.input`` (``format``, 24 kHz PCM16
-  only; ``transcription.model``, a speech-to-text model; ``turn_detection``, ``server_vad`` or null,
-  with ``create_response``) and ``audio.output`` (``format``, 24 kHz PCM16 only; ``voice``).
+  the default, or ``["text"]``), ``max_output_tokens``, ``audio.input`` (``format``: 24 kHz PCM16,
+  or G.711 telephone audio, as ``gateway.realtime`` takes it; ``transcription.model``, a
+  speech-to-text model; ``turn_detection``, ``server_vad`` or null, with ``create_response``) and
+  ``audio.output`` (``format``: the same three, the speech resampled to 8 kHz and encoded as it
+  streams for G.711; ``voice``).
 * Turns: ``input_audio_buffer.append`` / ``commit`` / ``clear`` (or ``server_vad``), each committed
   utterance a user item whose transcript comes as ``conversation.item.input_audio_transcription.*``;
   ``conversation.item.create`` adds a user or system message as text (last, or after its
@@ -46,7 +48,7 @@ With no speech-to-text model on the server a session takes text turns only (no t
 the audio buffer's events are refused).
 
 Not served (an ``error`` event naming it): items other than messages and function call outputs,
-``semantic_vad``, noise reduction, other audio formats.
+``semantic_vad``, noise reduction.
 """
 
 from __future__ import annotations
@@ -66,16 +68,16 @@ from gateway.chat import plan_chat, serve_chat
 from gateway.errors import APIError, bad_request
 from gateway.input_audio import chat_engine
 from gateway.output_audio import PCM16_RATE, Voice, phrases_of, say
-from gateway.realtime import (DEFAULT_VAD, RATE, SessionConfig, TranscriptionSession, _new_id, _object, _subprotocol_key,
-                              updated)
+from gateway.realtime import (DEFAULT_VAD, FORMATS, SessionConfig, TranscriptionSession, _new_id, _object,
+                              _subprotocol_key, audio_format, updated)
 from gateway.schemas import ChatCompletionRequest, parse
 from gateway.service import ClientGone, Services
 from gateway.serving import weightless
+from workers.audio import G711Stream
 from workers.tts import TTSWorker
 
 log = logging.getLogger("tiergate.realtime")
 
-PCM = {"type": "audio/pcm", "rate": RATE}
 
 
 
@@ -99,6 +101,7 @@ class Conversing:
     interrupt_response: bool = True  # server_vad's start of a turn cancels the response in progress
     tools: tuple[dict, ...] = ()  # function tools, as chat takes them ({"type": "function", "function": {...}})
     tool_choice: Any = "auto"  # as chat takes it
+    codec: str = "pcm"  # the speech's format: a key of gateway.realtime.FORMATS
 
 
 @dataclass
@@ -186,10 +189,11 @@ class ConversationSession(TranscriptionSession):
                 "output_modalities": list(c.modalities), "instructions": c.instructions,
                 "max_output_tokens": "inf" if c.max_output_tokens is None else c.max_output_tokens,
                 "tools": [{"type": "function", **t["function"]} for t in c.tools], "tool_choice": _choice_shown(c.tool_choice),
-                "audio": {"input": {"format": PCM,
+                "audio": {"input": {"format": FORMATS[self.config.codec],
                                     "transcription": {"model": self.config.model} if self.config.model else None,
                                     "turn_detection": detection, "noise_reduction": None},
-                          "output": {"format": PCM, "voice": c.voice.voice if c.voice else None, "speed": 1.0}}}
+                          "output": {"format": FORMATS[c.codec], "voice": c.voice.voice if c.voice else None,
+                                     "speed": 1.0}}}
 
     async def run(self) -> None:
         try:
@@ -261,9 +265,8 @@ class ConversationSession(TranscriptionSession):
         for key in output:
             if key not in ("format", "voice", "speed"):
                 raise bad_request(f"unknown field audio.output.{key}", f"session.audio.output.{key}", "unknown_parameter")
-        if output.get("format", PCM) != PCM:
-            raise bad_request(f"speech goes out as audio/pcm at {RATE} Hz only", "session.audio.output.format",
-                              "unsupported_format")
+        if "format" in output:
+            conversing = replace(conversing, codec=audio_format(output["format"], "session.audio.output.format"))
         if output.get("speed", 1.0) != 1.0:
             raise bad_request("speed is not served: leave it at 1.0", "session.audio.output.speed", "unsupported_parameter")
         if "voice" in output:
@@ -586,17 +589,25 @@ class ConversationSession(TranscriptionSession):
                     out.append({"role": item["role"], "content": text})
         return out
 
-    async def _say(self, phrases: asyncio.Queue, voice: Voice, base: dict, said: _Said) -> None:
+    async def _say(self, phrases: asyncio.Queue, voice: Voice, base: dict, said: _Said, codec: str) -> None:
         """Say each phrase as it comes (None: the reply is written), in order, as
-        ``response.output_audio.delta`` events; each is a speech request of the caller's tier."""
+        ``response.output_audio.delta`` events in ``codec``; each is a speech request of the
+        caller's tier."""
+        telephone = G711Stream(codec, PCM16_RATE, encode=True) if codec != "pcm" else None
+
+        async def send(data: bytes) -> None:
+            if data:
+                await self.send({"type": "response.output_audio.delta", **base, "delta": base64.b64encode(data).decode()})
+
         while (phrase := await phrases.get()) is not None:
             said.phrases.append([said.samples, said.samples, phrase])
             async with contextlib.aclosing(say(self.svc, self.caller, voice, phrase, self.gone)) as pieces:
                 async for piece in pieces:
                     said.samples += len(piece) // 2
                     said.phrases[-1][1] = said.samples
-                    await self.send({"type": "response.output_audio.delta", **base,
-                                     "delta": base64.b64encode(piece).decode()})
+                    await send(telephone.feed(piece) if telephone is not None else piece)
+        if telephone is not None:
+            await send(telephone.flush())
 
     async def _answer(self, response: _Response, settings: Conversing) -> dict:
         if response.context is None:
@@ -652,7 +663,7 @@ class ConversationSession(TranscriptionSession):
                 said = _Said()
                 if response.conversation:  # (its transcript may be truncated)
                     self._said[message["id"]] = said
-                speaking = asyncio.create_task(self._say(phrases, settings.voice, base, said))
+                speaking = asyncio.create_task(self._say(phrases, settings.voice, base, said, settings.codec))
 
         try:
             pending, spoken_any = "", False

@@ -137,7 +137,9 @@ def test_server_vad_ends_each_utterance_at_a_silence(server):
     ({"type": "response.create"}, "type", "invalid_event"),
     ({"type": "session.update", "session": {"type": "realtime"}}, "session.type", "unsupported_session_type"),
     ({"type": "session.update", "session": {"type": "transcription", "audio": {"input": {
-        "format": {"type": "audio/pcmu"}}}}}, "session.audio.input.format.type", "unsupported_format"),
+        "format": {"type": "audio/wav"}}}}}, "session.audio.input.format.type", "unsupported_format"),
+    ({"type": "session.update", "session": {"type": "transcription", "audio": {"input": {
+        "format": {"type": "audio/pcmu", "rate": 16000}}}}}, "session.audio.input.format.rate", "unsupported_format"),
     ({"type": "session.update", "session": {"type": "transcription", "audio": {"input": {
         "format": {"type": "audio/pcm", "rate": 16000}}}}}, "session.audio.input.format.rate", "unsupported_format"),
     ({"type": "session.update", "session": {"type": "transcription", "audio": {"input": {
@@ -461,3 +463,36 @@ def test_a_server_without_a_transcription_model_refuses_the_handshake(tiny_chat,
         running.stop()
     error = json.loads(response.body)["error"]
     assert response.status_code == 404 and error["code"] == "model_not_found" and "no transcription" in error["message"]
+
+
+@pytest.mark.parametrize("law", ["pcmu", "pcma"])
+def test_telephone_audio_is_heard_as_the_same_sound_at_24khz(server, law):
+    """A phone network's media stream (G.711 at 8 kHz, sent in 20 ms frames, as Twilio's is):
+    the utterance is transcribed as /v1/audio/transcriptions transcribes the same bytes decoded and
+    resampled to 24 kHz, and its seconds are the call's."""
+    from workers.audio import G711Stream
+
+    speech = spoken("Hello from the telephone.", rate=8000)
+    encoder = G711Stream(law, 8000, encode=True)
+    call = encoder.feed(pcm16(speech)) + encoder.flush()
+    heard = np.frombuffer(G711Stream(law, RATE, encode=False).feed(call), "<i2").astype(np.float32) / 32768
+    http = OpenAI(base_url=server.base_url, api_key=server.keys["paid"], max_retries=0)
+    expected = http.audio.transcriptions.create(model="tiny-stt", file=("a.wav", wav_of(heard)), language="en").text
+
+    async def run():
+        async with client(server).realtime.connect(extra_query={"intent": "transcription"}) as conn:
+            await events_until(conn, "session.created")
+            await conn.session.update(session={**MANUAL, "audio": {"input": {**MANUAL["audio"]["input"],
+                                                                              "format": {"type": f"audio/{law}"}}}})
+            updated = (await events_until(conn, "session.updated"))[-1]
+            for i in range(0, len(call), 160):  # 20 ms frames
+                await conn.input_audio_buffer.append(audio=base64.b64encode(call[i:i + 160]).decode())
+            await conn.input_audio_buffer.commit()
+            return updated, await events_until(conn, "conversation.item.input_audio_transcription.completed")
+
+    updated, events = asyncio.run(run())
+    assert updated.session.audio.input.format.type == f"audio/{law}"
+    done = events[-1]
+    assert done.transcript == expected
+    assert done.usage.seconds == pytest.approx(len(heard) / RATE, abs=1e-3)
+    assert abs(len(heard) / RATE - len(speech) / 8000) < 0.005  # (the resampler holds back a few ms)

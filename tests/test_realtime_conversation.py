@@ -689,3 +689,32 @@ def test_an_out_of_band_response_answers_beside_the_conversation_and_leaves_it_a
     assert cancelled.status == "cancelled" and cancelled.conversation_id is None
     assert said(then)[0] == answer(server, [{"role": "user", "content": ASK}, {"role": "assistant", "content": reply},
                                             {"role": "user", "content": "And then?"}])[0]
+
+
+@pytest.mark.parametrize("law", ["pcmu", "pcma"])
+def test_a_reply_to_a_phone_call_is_said_in_g711_at_8khz(server, law):
+    """``audio.output.format`` audio/pcmu or audio/pcma (a phone network's): the reply's speech,
+    resampled to 8 kHz and encoded as it streams, is byte for byte the 24 kHz reply the same
+    conversation gets in PCM, encoded at once (the speech model samples its noise from torch's
+    generator, seeded alike before each reply; this server runs in the test's process); the
+    session reports the format it took."""
+    import torch
+
+    from workers.audio import G711Stream
+
+    async def reply(fmt: dict):
+        async with client(server).realtime.connect(model="tiny-chat") as conn:
+            await begin(conn, {**MANUAL, "max_output_tokens": 24, "audio": {**MANUAL["audio"], "output": {"format": fmt}}})
+            torch.manual_seed(2024)
+            await conn.response.create()
+            events = await events_until(conn, "response.done")
+            await conn.session.update(session={"type": "realtime"})
+            return (await events_until(conn, "session.updated"))[-1].session, said(events)
+
+    speech_seconds(server, "Ahoy.")  # the speech model loaded before the seed (a load draws from the generator)
+    _, (text, pcm) = asyncio.run(reply({"type": "audio/pcm", "rate": RATE}))
+    session, (phoned, g711) = asyncio.run(reply({"type": f"audio/{law}"}))
+    assert session.audio.output.format.type == f"audio/{law}" and phoned == text
+    assert abs(len(g711) * 3 - len(pcm) // 2) <= 3  # a byte a sample at 8 kHz: a third of 24 kHz's samples
+    encoder = G711Stream(law, RATE, encode=True)
+    assert g711 == encoder.feed(pcm) + encoder.flush()

@@ -1,5 +1,6 @@
 """Audio in and out for the speech and transcription workers: decoding uploads, resampling,
-time-stretching, encoding speech (whole or streamed), and subtitle formatting.
+time-stretching, encoding speech (whole or streamed), telephone audio (G.711, streamed both ways)
+and subtitle formatting.
 
 Everything here is float32 mono numpy in [-1, 1] plus a sample rate; files go through soundfile
 (libsndfile), so which compressed formats exist depends on the installed libsndfile and is probed
@@ -128,6 +129,52 @@ def resample(x: np.ndarray, sr_from: int, sr_to: int) -> np.ndarray:
 
     g = math.gcd(sr_from, sr_to)
     return resample_poly(x, sr_to // g, sr_from // g).astype(np.float32)
+
+
+G711_CODECS = {"pcmu": "pcm_mulaw", "pcma": "pcm_alaw"}  # G.711 mu-law and A-law: telephone audio
+G711_RATE = 8000
+
+
+class G711Stream:
+    """Telephone audio streamed to or from 16-bit PCM at ``rate``: G.711 mu-law (``"pcmu"``) or
+    A-law (``"pcma"``) at 8 kHz, a byte a sample. ``encode`` False: G.711 bytes in, PCM16 bytes out;
+    True: the other way. FFmpeg's codec and resampler, through PyAV; the resampler keeps its
+    filter's state from one piece to the next, so pieces as short as a phone network's 20 ms frames
+    join without seams (it holds back a few milliseconds, which ``flush`` returns)."""
+
+    def __init__(self, law: str, rate: int, encode: bool) -> None:
+        import av
+
+        self._av, self.encode = av, encode
+        self._codec = av.CodecContext.create(G711_CODECS[law], "w" if encode else "r")
+        self._codec.sample_rate, self._codec.layout = G711_RATE, "mono"
+        if encode:
+            self._codec.format = "s16"
+        self._rate = rate
+        self._resampler = av.AudioResampler(format="s16", layout="mono", rate=G711_RATE if encode else rate)
+
+    def feed(self, data: bytes) -> bytes:
+        """The next piece: G.711 bytes (to decode) or PCM16 bytes, little-endian (to encode)."""
+        if not data:
+            return b""
+        if not self.encode:
+            return b"".join(self._pcm(self._resampler.resample(f)) for f in self._codec.decode(self._av.Packet(data)))
+        frame = self._av.AudioFrame.from_ndarray(np.frombuffer(data, "<i2").astype(np.int16)[None, :], format="s16",
+                                                 layout="mono")
+        frame.sample_rate = self._rate
+        return self._g711(self._resampler.resample(frame))
+
+    def flush(self) -> bytes:
+        """What the resampler held back: the stream's end."""
+        frames = self._resampler.resample(None)
+        return self._g711(frames) if self.encode else self._pcm(frames)
+
+    def _g711(self, frames: list) -> bytes:
+        return b"".join(bytes(packet) for frame in frames for packet in self._codec.encode(frame))
+
+    @staticmethod
+    def _pcm(frames: list) -> bytes:
+        return b"".join(frame.to_ndarray().reshape(-1).astype("<i2").tobytes() for frame in frames)
 
 
 def time_stretch(x: np.ndarray, rate: float, n_fft: int = 512, hop: int = 128) -> np.ndarray:
