@@ -12,8 +12,11 @@ as 24 kHz PCM16 with its transcript. OpenAI's protocol, as its SDK speaks it:
   streams for G.711; ``voice``).
 * Turns: ``input_audio_buffer.append`` / ``commit`` / ``clear`` (or ``server_vad``), each committed
   utterance a user item whose transcript comes as ``conversation.item.input_audio_transcription.*``;
-  ``conversation.item.create`` adds a user or system message as text (last, or after its
-  ``previous_item_id``, or first with ``"root"``).
+  ``conversation.item.create`` adds a message (last, or after its ``previous_item_id``, or first
+  with ``"root"``): a user or system message's text, an assistant's (a restored history: its
+  text, or a spoken part's transcript), or a user message of one ``input_audio`` part with its
+  ``audio`` in the session's input format, transcribed in turn as a committed utterance is (it
+  starts no response of its own).
 * The conversation's items: ``conversation.item.retrieve`` (the item as kept: a spoken turn's
   transcript, not its sound), ``conversation.item.delete``, and ``conversation.item.truncate``: the
   client's playback of a spoken reply stopped at ``audio_end_ms`` (the user spoke over it), so the
@@ -59,6 +62,8 @@ import contextlib
 import logging
 import re
 from dataclasses import dataclass, field, replace
+
+import numpy as np
 from typing import Any, Callable
 
 from starlette.websockets import WebSocket
@@ -68,8 +73,8 @@ from gateway.chat import plan_chat, serve_chat
 from gateway.errors import APIError, bad_request
 from gateway.input_audio import chat_engine
 from gateway.output_audio import PCM16_RATE, Voice, phrases_of, say
-from gateway.realtime import (DEFAULT_VAD, FORMATS, SessionConfig, TranscriptionSession, _new_id, _object,
-                              _subprotocol_key, audio_format, updated)
+from gateway.realtime import (DEFAULT_VAD, FORMATS, MIN_COMMIT_S, RATE, SessionConfig, TranscriptionSession, _audio_bytes,
+                              _new_id, _object, _subprotocol_key, audio_format, updated)
 from gateway.schemas import ChatCompletionRequest, parse
 from gateway.service import ClientGone, Services
 from gateway.serving import weightless
@@ -178,6 +183,7 @@ class ConversationSession(TranscriptionSession):
         self._response: _Response | None = None  # the conversation's, in progress
         self._side: dict[str, _Response] = {}  # out-of-band responses in progress, by id
         self._said: dict[str, _Said] = {}  # a spoken assistant message's id -> its speech
+        self._typed_audio: set[str] = set()  # user items created with audio (no response of their own)
 
     def session_event(self) -> dict:
         c, vad = self.conversing, self.config.vad
@@ -390,18 +396,62 @@ class ConversationSession(TranscriptionSession):
             raise bad_request(f"items of type {str(kind)[:40]!r} are not served here: a conversation session takes "
                               "messages and function_call_output", "item.type", "unsupported_item_type")
         role = item.get("role")
-        if role not in ("user", "system"):
-            raise bad_request("a message item's role is user or system here", "item.role", "invalid_value")
+        if role not in ("user", "system", "assistant"):
+            raise bad_request("a message item's role is user, system or assistant", "item.role", "invalid_value")
         content = item.get("content")
-        if not isinstance(content, list) or not content or any(
-                not isinstance(p, dict) or p.get("type") != "input_text" or not isinstance(p.get("text"), str)
-                for p in content):
-            raise bad_request("a message's content is a list of input_text parts here (speech comes through the "
-                              "audio buffer)", "item.content", "invalid_value")
-        added = {"id": item.get("id") if isinstance(item.get("id"), str) else _new_id("item"), "type": "message",
-                 "object": "realtime.item", "status": "completed", "role": role, "content": content}
+        if not isinstance(content, list) or not content or not all(isinstance(p, dict) for p in content):
+            raise bad_request("a message's content is a list of parts", "item.content", "invalid_value")
+        item_id = item.get("id") if isinstance(item.get("id"), str) else _new_id("item")
+        if any(p.get("type") == "input_audio" and p.get("audio") is not None for p in content) and role == "user":
+            await self._spoken_item(item_id, content, previous)
+            return
+        kinds = {"user": ("input_text", "input_audio"), "system": ("input_text",),
+                 "assistant": ("output_text", "output_audio", "text", "audio")}[role]
+        said_as = {"input_text": "text", "output_text": "text", "text": "text"}
+        for i, part in enumerate(content):
+            kind, field = part.get("type"), said_as.get(part.get("type"), "transcript")
+            if kind not in kinds or not isinstance(part.get(field), str):
+                raise bad_request(f"a {role} message's parts here are {' or '.join(kinds)}, each with its {field} "
+                                  "(spoken parts: their transcript)", f"item.content[{i}]", "invalid_value")
+        content = [{"type": p["type"], said_as.get(p["type"], "transcript"): p[said_as.get(p["type"], "transcript")]}
+                   for p in content]  # (the words: a spoken part's sound is not kept)
+        added = {"id": item_id, "type": "message", "object": "realtime.item", "status": "completed", "role": role,
+                 "content": content}
         await self._add(added, previous)
         await self.send({"type": "conversation.item.done", "item": added})
+
+    async def _spoken_item(self, item_id: str, content: list[dict], previous: str | None) -> None:
+        """A user message of one ``input_audio`` part with its ``audio`` (base64, in the session's
+        input format): added at once, and transcribed as a committed utterance is, in turn after
+        them; it starts no response of its own."""
+        if len(content) != 1:
+            raise bad_request("a message with audio has that one input_audio part: send text as an item of its own",
+                              "item.content", "invalid_value")
+        if self.config.model is None:
+            raise bad_request("this server has no speech-to-text model to hear audio with: send text items",
+                              "item.content[0].audio", "audio_input_not_supported")
+        raw = _audio_bytes(content[0]["audio"])
+        if self.config.codec == "pcm":
+            if len(raw) % 2:
+                raise bad_request("audio has an odd number of bytes: PCM16 samples are 2 bytes each",
+                                  "item.content[0].audio", "invalid_value")
+            samples = np.frombuffer(raw, dtype="<i2")
+        else:
+            telephone = G711Stream(self.config.codec, RATE, encode=False)
+            samples = np.frombuffer(telephone.feed(raw) + telephone.flush(), dtype="<i2")
+        seconds = len(samples) / RATE
+        if seconds < MIN_COMMIT_S:
+            raise bad_request(f"the audio is {seconds * 1000:.0f} ms: at least {MIN_COMMIT_S * 1000:.0f} ms are needed",
+                              "item.content[0].audio", "invalid_value")
+        if self._queued_s + seconds > self.limits.transcription_max_seconds:
+            raise APIError(429, "this session's audio waits to be transcribed beyond the server's limit of "
+                                f"{self.limits.transcription_max_seconds:g} s: send it again later", "too_much_pending_audio")
+        self._queued_s += seconds
+        self._heard[item_id] = asyncio.Event()
+        self._typed_audio.add(item_id)
+        await self._add({"id": item_id, "type": "message", "object": "realtime.item", "status": "completed",
+                         "role": "user", "content": [{"type": "input_audio", "transcript": None}]}, previous)
+        self._utterances.put_nowait((item_id, samples, self.config))
 
     async def _add(self, item: dict, previous: str | None = None) -> None:
         """Add ``item`` after the item ``previous`` ("root": first; None: last)."""
@@ -454,8 +504,9 @@ class ConversationSession(TranscriptionSession):
                          "role": "user", "content": [{"type": "input_audio", "transcript": None}]})
 
     async def transcribed(self, item: str, transcript: str | None) -> None:
-        """The user item of a committed utterance gets its transcript; with ``server_vad`` and
-        ``create_response``, a response to it starts."""
+        """The user item of a committed utterance (or of a message created with audio) gets its
+        transcript; after a committed one, with ``server_vad`` and ``create_response``, a response
+        to it starts."""
         for entry in self.items:
             if entry["id"] == item:
                 entry["content"] = [{"type": "input_audio", "transcript": transcript}]
@@ -463,6 +514,9 @@ class ConversationSession(TranscriptionSession):
         heard = self._heard.pop(item, None)
         if heard is not None:
             heard.set()
+        if item in self._typed_audio:
+            self._typed_audio.discard(item)
+            return
         if transcript is not None and not self.gone.is_set and self.config.vad is not None \
                 and self.conversing.create_response and self._response is None:
             await self._start_response(self.conversing)

@@ -718,3 +718,40 @@ def test_a_reply_to_a_phone_call_is_said_in_g711_at_8khz(server, law):
     assert abs(len(g711) * 3 - len(pcm) // 2) <= 3  # a byte a sample at 8 kHz: a third of 24 kHz's samples
     encoder = G711Stream(law, RATE, encode=True)
     assert g711 == encoder.feed(pcm) + encoder.flush()
+
+
+def test_a_message_may_carry_its_audio_or_be_the_assistant_s_and_the_reply_reads_both(server):
+    """``conversation.item.create`` with a user message of one ``input_audio`` part with its audio
+    (the session's input format): transcribed as /v1/audio/transcriptions hears it, in turn, and
+    no response of its own (server_vad is on); an assistant message (a restored history) is read
+    as the assistant's words. The next reply reads both as chat would."""
+    speech = spoken("Where is the gold hidden?", rate=RATE)
+    heard = http(server).audio.transcriptions.create(model="tiny-stt", file=("a.wav", wav_of(speech))).text
+
+    async def run():
+        async with client(server).realtime.connect(model="tiny-chat") as conn:
+            await begin(conn, {"type": "realtime", "instructions": "Answer briefly.", "max_output_tokens": 12},
+                        text=None)
+            await conn.conversation.item.create(item={"type": "message", "role": "assistant", "content": [
+                {"type": "output_text", "text": "Ahoy, I am the captain."}]})
+            await conn.conversation.item.create(item={"id": "item_said", "type": "message", "role": "user",
+                                                      "content": [{"type": "input_audio", "audio": b64(speech)}]})
+            transcribed = await events_until(conn, "conversation.item.input_audio_transcription.completed")
+            done = await events_until(conn, "conversation.item.done")
+            errors = []
+            for item in [{"type": "message", "role": "user", "content": [{"type": "input_audio", "audio": b64(speech)},
+                                                                          {"type": "input_text", "text": "and?"}]},
+                         {"type": "message", "role": "system", "content": [{"type": "input_audio", "transcript": "x"}]},
+                         {"type": "message", "role": "assistant", "content": [{"type": "output_audio"}]}]:
+                await conn.send({"type": "conversation.item.create", "item": item})
+                errors.append((await events_until(conn, "error"))[-1].error)
+            await conn.response.create()
+            return transcribed, done, errors, await events_until(conn, "response.done")
+
+    transcribed, done, errors, reply = asyncio.run(run())
+    assert not any(e.type == "response.created" for e in transcribed + done)  # no response of its own
+    assert transcribed[-1].item_id == "item_said" and transcribed[-1].transcript == heard
+    assert done[-1].item.id == "item_said" and done[-1].item.content[0].transcript == heard
+    assert [e.param for e in errors] == ["item.content", "item.content[0]", "item.content[0]"]
+    assert said(reply)[0] == answer(server, [{"role": "assistant", "content": "Ahoy, I am the captain."},
+                                             {"role": "user", "content": heard}])[0]
