@@ -84,7 +84,14 @@ def server(families, adapters, tmp_path_factory):
 LOGPROB_ATOL = 1e-4  # fp32 on both sides; the engine's batched step and generate's differ in summation order
 
 
-def reference(path: Path, adapter: Path | None = None) -> tuple[str, list[float]]:
+def reference_ids(path: Path, tokens: int) -> list[int]:
+    """transformers' greedy answer as token ids."""
+    tok, model = AutoTokenizer.from_pretrained(path), AutoModelForCausalLM.from_pretrained(path)
+    prompt = tok.apply_chat_template(MESSAGES, add_generation_prompt=True, return_tensors="pt", return_dict=True)
+    return model.generate(**prompt, max_new_tokens=tokens, do_sample=False)[0][prompt["input_ids"].shape[1]:].tolist()
+
+
+def reference(path: Path, adapter: Path | None = None, tokens: int = TOKENS) -> tuple[str, list[float]]:
     """transformers' greedy answer (its text, without a last character cut in half, which the
     engine holds back at a length stop as vLLM's detokenizer does) and each token's log probability;
     with ``adapter``, of the model peft merged it into."""
@@ -94,7 +101,7 @@ def reference(path: Path, adapter: Path | None = None) -> tuple[str, list[float]
 
         model = peft.PeftModel.from_pretrained(model, adapter).merge_and_unload()
     prompt = tok.apply_chat_template(MESSAGES, add_generation_prompt=True, return_tensors="pt", return_dict=True)
-    out = model.generate(**prompt, max_new_tokens=TOKENS, do_sample=False, output_logits=True,
+    out = model.generate(**prompt, max_new_tokens=tokens, do_sample=False, output_logits=True,
                          return_dict_in_generate=True)
     ids = out.sequences[0][prompt["input_ids"].shape[1]:]
     logprobs = [torch.log_softmax(step[0].float(), -1)[i].item() for step, i in zip(out.logits, ids)]
@@ -140,3 +147,36 @@ def test_a_prediction_checked_in_the_prefill_leaves_the_answer_as_generate_gives
     assert [e.logprob for e in got.choices[0].logprobs.content] == pytest.approx(logprobs, abs=LOGPROB_ATOL)
     details = got.usage.completion_tokens_details
     assert details.accepted_prediction_tokens + details.rejected_prediction_tokens > 0
+
+
+RESYNC_TOKENS = 24
+
+
+@pytest.mark.parametrize("family", list(CONFIGS))
+def test_a_prediction_picked_up_again_after_an_edit_leaves_the_answer_as_generate_gives_it(server, families, family):
+    """The re-sync on each family's cache: the prediction is generate's own tokens with one token
+    changed in the middle (set as tokens on the engine, since these random models write words in
+    other pieces than their tokenizers make of the text). The prefill's check keeps the tokens
+    before the change; three tokens after it, the reply is a run of the prediction again and the
+    rest is checked in one pass of the row's own (its cache taken out of the batch, cut, merged
+    back). The answer and its log probabilities stay generate's."""
+    c = openai.OpenAI(base_url=server.base_url, api_key=server.keys["paid"], max_retries=0, timeout=120)
+    expected, logprobs = reference(families[family], tokens=RESYNC_TOKENS)
+    ids = reference_ids(families[family], RESYNC_TOKENS)
+    c.chat.completions.create(model=family, messages=MESSAGES, max_tokens=1)  # loaded: its engine to set
+    worker = server.services.arbiter.workers[family]
+    edit = len(ids) // 3
+    other = next(t for t in range(100, 10_000) if t not in ids)
+    draft = [*ids[:edit], other, *ids[edit + 1:]][: RESYNC_TOKENS - 1]
+    checks = worker.checks
+    worker._draft = lambda req, prompt_len: list(draft)
+    try:
+        got = c.chat.completions.create(model=family, messages=MESSAGES, max_tokens=RESYNC_TOKENS, temperature=0,
+                                        logprobs=True, prediction={"type": "content", "content": "(set on the engine)"})
+    finally:
+        del worker._draft
+    assert got.choices[0].message.content == expected
+    assert [e.logprob for e in got.choices[0].logprobs.content] == pytest.approx(logprobs, abs=LOGPROB_ATOL)
+    details = got.usage.completion_tokens_details
+    assert worker.checks > checks  # a re-sync pass ran
+    assert details.accepted_prediction_tokens > edit  # more than the prefill's check kept

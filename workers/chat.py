@@ -98,6 +98,10 @@ _PAUSED_POLL_S = 0.005  # while every row is paused, how often the engine looks 
 _SWITCH_INTERVAL_S = 0.0005
 
 
+RESYNC_GRAM = 3  # the reply's last tokens that must be a run of the prediction to pick it up again
+RESYNC_MAX = 128  # predicted tokens checked in one re-sync pass (a pass that fails early wastes the rest)
+
+
 class _Yield(Exception):
     """Raised between decoder layers: a pause order came for every row of the forward pass."""
 
@@ -124,16 +128,34 @@ class _Seq:
     decoded: int = 0  # generated tokens fed to ``detok`` so far
     text: str = ""  # their text: every complete character so far
     vision: dict | None = None  # a prompt with images: the vision tower's inputs (``pixel_values``), for every prefill
-    draft: list[int] = field(default_factory=list)  # the prediction's tokens, checked in the first prefill
+    draft: list[int] = field(default_factory=list)  # the prediction's tokens: the first prefill checks them
+    accepted: int = 0  # predicted tokens the reply kept (each a decode step not run)
+    aligned: int = 0  # the prediction's place where the reply may pick it up again
+    checking: list[int] = field(default_factory=list)  # predicted tokens to check after this step (a re-sync)
+    grams: dict[tuple[int, ...], list[int]] | None = None  # the prediction's RESYNC_GRAM-token runs -> their places
 
     def prediction_counts(self) -> tuple[int, int]:
-        """(accepted, rejected) tokens of the prediction: those the reply begins with, and the rest."""
-        accepted = 0
-        for made, predicted in zip(self.generated, self.draft):
-            if made != predicted:
-                break
-            accepted += 1
-        return accepted, len(self.draft) - accepted
+        """(accepted, rejected) tokens of the prediction: those the reply kept, and the rest."""
+        return self.accepted, len(self.draft) - self.accepted
+
+    def resync(self, room: int) -> None:
+        """After the reply left the prediction: when its last ``RESYNC_GRAM`` tokens are a run of the
+        prediction that ends at or after ``aligned``, the predicted tokens after that run (at most ``room``,
+        and ``RESYNC_MAX`` a pass) are to be checked, as OpenAI's predicted outputs pick the
+        prediction up again after an edit."""
+        gen = self.generated
+        if not self.draft or self.checking or len(gen) < RESYNC_GRAM or room < 2:
+            return
+        if self.grams is None:
+            self.grams = {}
+            for at in range(len(self.draft) - RESYNC_GRAM + 1):
+                self.grams.setdefault(tuple(self.draft[at:at + RESYNC_GRAM]), []).append(at)
+        places = self.grams.get(tuple(gen[-RESYNC_GRAM:]), ())
+        at = next((a for a in places if a + RESYNC_GRAM > self.aligned), None)  # (a run may end past the last check)
+        if at is None or at + RESYNC_GRAM >= len(self.draft):
+            return
+        self.aligned = at + RESYNC_GRAM
+        self.checking = self.draft[self.aligned:self.aligned + min(room, RESYNC_MAX)]
 
     @property
     def holds_text(self) -> bool:
@@ -206,6 +228,7 @@ class ChatWorker(ThreadWorker):
         self._thread: threading.Thread | None = None
         self._waiting: list[_Seq] = []  # new sequences, and paused ones with their tokens
         self.steps = 0  # decode steps run (forward passes over the batch)
+        self.checks = 0  # re-sync passes run (a row's predicted tokens checked after its reply left them)
         self.max_rows_seen = 0  # widest batch decoded in one step
         self.step_log: list[tuple[int, ...]] = []  # recent decode steps: the tier rank of each row in it
         self._arrivals = itertools.count()
@@ -487,6 +510,8 @@ class ChatWorker(ThreadWorker):
                 if seq.ids[-1] != predicted:
                     break
                 cached += 1
+                seq.accepted += 1
+            seq.aligned = seq.accepted
             if cached < len(fresh) + len(draft):  # the places after the first other token go
                 out.past_key_values.crop(cached - len(fresh) - len(draft))
         _merge(batch, seq, out.past_key_values, cached, self.device)
@@ -525,6 +550,7 @@ class ChatWorker(ThreadWorker):
         self._step_events = {}
         try:
             self._decode_rows(batch)
+            self._check_predictions(batch)
         finally:
             held, self._step_events = self._step_events, None
             for loop, items in held.items():
@@ -571,9 +597,50 @@ class ChatWorker(ThreadWorker):
                 continue
             if self._sample_or_fail(seq, out.logits[i, -1]):
                 continue
+            if seq.draft:
+                seq.resync(min(seq.params.max_tokens - len(seq.generated), self.context_length - len(seq.ids)) - 1)
             keep.append(i)
         if len(keep) < rows:
             _select(batch, keep)
+
+    def _check_predictions(self, batch: _Batch) -> None:
+        """Each row whose reply picked its prediction up again (``_Seq.resync``) checks the
+        predicted tokens in one pass of its own: its cache taken out of the batch, its last token
+        and the predicted ones fed, sampled place by place as the prefill's check does (each kept
+        token a decode step not run), the cache cut after the first other token, and the row
+        merged back. A batch row whose pause is ordered does not check (it yields first)."""
+        from transformers import DynamicCache
+
+        for seq in [s for s in batch.seqs if s.checking]:
+            draft, seq.checking = seq.checking, []
+            if seq.req.ctx.cancelled or (seq.req.ctx.pause_check is not None and _must_yield([seq])):
+                continue
+            i = batch.seqs.index(seq)
+            first = int(batch.mask[i].nonzero()[0])  # the row's left padding ends here
+            cache = DynamicCache()
+            for n, layer in enumerate(_layers(batch.cache)):
+                cache.update(layer.keys[i:i + 1, :, first:], layer.values[i:i + 1, :, first:], n)
+            length = batch.mask.shape[1] - first
+            _select(batch, [j for j in range(len(batch.seqs)) if j != i])
+            ids = torch.tensor([[seq.ids[-1], *draft]], device=self.device)
+            started = self.clock()
+            out = self.model(input_ids=ids, past_key_values=cache, use_cache=True,
+                             attention_mask=torch.ones(1, length + len(ids[0]), dtype=torch.long, device=self.device),
+                             position_ids=torch.arange(length, length + len(ids[0]), device=self.device)[None])
+            self._charge([seq], started)
+            self.checks += 1
+            cached = length + 1  # the last token is in the cache now
+            for place, predicted in enumerate([*draft, None]):
+                if self._sample_or_fail(seq, out.logits[0, place]):
+                    break
+                if seq.ids[-1] != predicted:
+                    if cached < length + 1 + len(draft):  # the places after the first other token go
+                        out.past_key_values.crop(cached - length - 1 - len(draft))
+                    _merge(batch, seq, out.past_key_values, cached, self.device)
+                    break
+                cached += 1
+                seq.accepted += 1
+                seq.aligned += 1
 
     def _yielded(self, batch: _Batch) -> bool:
         """Pause the whole batch if it is batch work whose pause was ordered after the plan (while
