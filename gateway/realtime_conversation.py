@@ -23,7 +23,9 @@ as 24 kHz PCM16 with its transcript. OpenAI's protocol, as its SDK speaks it:
   reply's transcript, the text the next reply reads, becomes the words said by then (those of the
   phrases said whole, and of the phrase cut, its words in proportion to the part of its sound
   played: the speech model gives no word timings).
-* ``response.create`` (or ``server_vad``'s end of a turn, with ``create_response``, the default;
+* ``response.create`` (its ``response`` may set ``instructions``, ``output_modalities``,
+  ``max_output_tokens``, ``tools``, ``tool_choice`` and ``audio.output`` for itself; or
+  ``server_vad``'s end of a turn, with ``create_response``, the default;
   its start, with ``interrupt_response``, the default, cancels a response in progress) answers: ``response.created``, the assistant item's ``response.output_item.added`` and
   ``conversation.item.added``, ``response.content_part.added``, the reply's text as
   ``response.output_audio_transcript.delta`` events as it is written, and its speech a phrase at a
@@ -245,7 +247,7 @@ class ConversationSession(TranscriptionSession):
             raise bad_request("this server has no speech-to-text model to hear audio with: send text items",
                               "type", "audio_input_not_supported")
         elif kind == "response.create":
-            await self._start_response(**self._response_fields(event.get("response", {}) or {}))
+            await self._start_response(**await self._response_fields(event.get("response", {}) or {}))
         elif kind == "response.cancel":
             wanted = event.get("response_id")
             response = self._response if wanted is None else self._side.get(wanted) if isinstance(wanted, str) and (
@@ -268,15 +270,7 @@ class ConversationSession(TranscriptionSession):
         output = _object(audio.pop("output", {}) or {}, "session.audio.output")
         for key in set(audio) - {"input"}:
             raise bad_request(f"unknown field audio.{key}", f"session.audio.{key}", "unknown_parameter")
-        for key in output:
-            if key not in ("format", "voice", "speed"):
-                raise bad_request(f"unknown field audio.output.{key}", f"session.audio.output.{key}", "unknown_parameter")
-        if "format" in output:
-            conversing = replace(conversing, codec=audio_format(output["format"], "session.audio.output.format"))
-        if output.get("speed", 1.0) != 1.0:
-            raise bad_request("speed is not served: leave it at 1.0", "session.audio.output.speed", "unsupported_parameter")
-        if "voice" in output:
-            conversing = replace(conversing, voice=await self._voice(output["voice"]))
+        conversing = await self._output(conversing, output, "session")
         given_input = dict(_object(audio.get("input", {}) or {}, "session.audio.input"))
         detection = given_input.get("turn_detection")
         for flag in ("create_response", "interrupt_response"):
@@ -290,7 +284,7 @@ class ConversationSession(TranscriptionSession):
             raise bad_request(f"the session's model is {conversing.model!r}, the one it was opened on",
                               "session.model", "invalid_value")
         if "tools" in session or "tool_choice" in session:
-            conversing = self._tools(conversing, session.pop("tools", None), session.pop("tool_choice", None))
+            conversing = self._tools(conversing, session.pop("tools", None), session.pop("tool_choice", None), "session")
         for key in ("id", "object", "tracing"):
             session.pop(key, None)
         if session:
@@ -331,21 +325,35 @@ class ConversationSession(TranscriptionSession):
         given.pop("metadata", None)
         return c
 
-    def _tools(self, conversing: Conversing, tools: object, choice: object) -> Conversing:
-        """``conversing`` with a session update's function ``tools`` (the Realtime API's flat
-        shape: ``{"type": "function", "name", "description", "parameters"}``) and ``tool_choice``
-        (``auto``, ``none``, ``required`` or ``{"type": "function", "name"}``), checked as chat
-        checks them (errors named ``session.tools[i]...``)."""
+    async def _output(self, conversing: Conversing, output: dict, where: str) -> Conversing:
+        """``conversing`` with a session's or a response's ``audio.output`` (``format``, ``voice``;
+        ``speed`` 1.0 only), errors named ``where.audio.output...``."""
+        for key in output:
+            if key not in ("format", "voice", "speed"):
+                raise bad_request(f"unknown field audio.output.{key}", f"{where}.audio.output.{key}", "unknown_parameter")
+        if "format" in output:
+            conversing = replace(conversing, codec=audio_format(output["format"], f"{where}.audio.output.format"))
+        if output.get("speed", 1.0) != 1.0:
+            raise bad_request("speed is not served: leave it at 1.0", f"{where}.audio.output.speed", "unsupported_parameter")
+        if "voice" in output:
+            conversing = replace(conversing, voice=await self._voice(output["voice"], f"{where}.audio.output.voice"))
+        return conversing
+
+    def _tools(self, conversing: Conversing, tools: object, choice: object, where: str) -> Conversing:
+        """``conversing`` with a session update's (or a response's) function ``tools`` (the
+        Realtime API's flat shape: ``{"type": "function", "name", "description", "parameters"}``)
+        and ``tool_choice`` (``auto``, ``none``, ``required`` or ``{"type": "function", "name"}``),
+        checked as chat checks them (errors named ``where.tools[i]...``)."""
         given = list(conversing.tools) if tools is None else tools
         if not isinstance(given, list):
-            raise bad_request("tools is a list of function tools", "session.tools", "invalid_type")
+            raise bad_request("tools is a list of function tools", f"{where}.tools", "invalid_type")
         chat_tools = []
         for i, tool in enumerate(given):
             if isinstance(tool, dict) and "function" in tool:  # (kept from an earlier update: chat's shape)
                 chat_tools.append(tool)
                 continue
             if not isinstance(tool, dict) or tool.get("type", "function") != "function":
-                raise bad_request("only function tools are served here", f"session.tools[{i}].type", "invalid_value")
+                raise bad_request("only function tools are served here", f"{where}.tools[{i}].type", "invalid_value")
             chat_tools.append({"type": "function", "function": {k: v for k, v in tool.items() if k != "type"}})
         choice = conversing.tool_choice if choice is None else choice
         if isinstance(choice, dict) and choice.get("type") == "function" and "name" in choice:
@@ -356,20 +364,20 @@ class ConversationSession(TranscriptionSession):
                 **({"tools": chat_tools, "tool_choice": choice} if chat_tools else {})}))
         except APIError as exc:
             param = (exc.param or "tools").replace(".function.", ".").replace(".function", "")
-            raise APIError(exc.status, exc.message, exc.code, f"session.{param}") from None
+            raise APIError(exc.status, exc.message, exc.code, f"{where}.{param}") from None
         return replace(conversing, tools=tuple(chat_tools), tool_choice=choice)
 
-    async def _voice(self, name: object) -> Voice:
+    async def _voice(self, name: object, param: str) -> Voice:
         if self.conversing.voice is None:
-            raise bad_request("this server has no text-to-speech model to speak with", "session.audio.output.voice",
+            raise bad_request("this server has no text-to-speech model to speak with", param,
                               "audio_output_not_supported")
         if not isinstance(name, str) or not name:
-            raise bad_request("voice is a voice's name", "session.audio.output.voice", "invalid_type")
+            raise bad_request("voice is a voice's name", param, "invalid_type")
         voices = await weightless(self.svc.voices, self.svc.spec(self.conversing.voice.model, "tts"), TTSWorker)
         try:
             voices.resolve_voice(name)
         except ValueError as exc:
-            raise bad_request(str(exc), "session.audio.output.voice", "invalid_value") from None
+            raise bad_request(str(exc), param, "invalid_value") from None
         return replace(self.conversing.voice, voice=name)
 
     async def _create_item(self, item: object, previous: object = None) -> None:
@@ -523,13 +531,14 @@ class ConversationSession(TranscriptionSession):
 
     # -- responses --------------------------------------------------------------------------------
 
-    def _response_fields(self, given: object) -> dict:
-        """A ``response.create``'s ``response``: its settings (``_settings``), ``conversation``
-        ("auto", or "none": out of band), ``input`` (the items it answers: item references and
-        messages; absent, the conversation's) and ``metadata``."""
+    async def _response_fields(self, given: object) -> dict:
+        """A ``response.create``'s ``response``: its settings (``_settings``; ``tools`` and
+        ``tool_choice``; ``audio.output``), ``conversation`` ("auto", or "none": out of band),
+        ``input`` (the items it answers: item references and messages; absent, the conversation's)
+        and ``metadata``. What it sets is this response's only; the session's stay."""
         given = dict(_object(given, "response"))
         unknown = sorted(set(given) - {"instructions", "output_modalities", "max_output_tokens", "metadata",
-                                       "conversation", "input"})
+                                       "conversation", "input", "tools", "tool_choice", "audio"})
         if unknown:
             raise bad_request(f"response.{unknown[0]} is not served here", f"response.{unknown[0]}",
                               "unsupported_parameter")
@@ -546,8 +555,16 @@ class ConversationSession(TranscriptionSession):
         context = None
         if "input" in given:
             context = self._context(given.pop("input"))
-        return {"settings": self._settings(given, "response"), "conversation": conversation == "auto",
-                "context": context, "metadata": metadata}
+        settings = self._settings(given, "response")
+        if "tools" in given or "tool_choice" in given:
+            settings = self._tools(settings, given.pop("tools", None), given.pop("tool_choice", None), "response")
+        if "audio" in given:
+            audio = _object(given.pop("audio") or {}, "response.audio")
+            for key in set(audio) - {"output"}:
+                raise bad_request(f"a response has no audio.{key}", f"response.audio.{key}", "unknown_parameter")
+            settings = await self._output(settings, _object(audio.get("output") or {}, "response.audio.output"),
+                                          "response")
+        return {"settings": settings, "conversation": conversation == "auto", "context": context, "metadata": metadata}
 
     def _context(self, given: object) -> list[dict]:
         """A response's ``input``: item references (the conversation's items) and messages (user,

@@ -755,3 +755,39 @@ def test_a_message_may_carry_its_audio_or_be_the_assistant_s_and_the_reply_reads
     assert [e.param for e in errors] == ["item.content", "item.content[0]", "item.content[0]"]
     assert said(reply)[0] == answer(server, [{"role": "assistant", "content": "Ahoy, I am the captain."},
                                              {"role": "user", "content": heard}])[0]
+
+
+def test_a_response_may_bring_its_own_tools_and_audio_and_the_session_keeps_its_own(server):
+    """``response.create`` with ``tools`` / ``tool_choice`` and ``audio.output``: that response
+    calls the function (as chat does with the same tools) and speaks in G.711; the session's own
+    settings (no tools, PCM) stay, and a bad per-response tool is an error named ``response.*``."""
+    chat_tool = {"type": "function", "function": {k: v for k, v in LOOKUP.items() if k != "type"}}
+
+    async def run():
+        async with client(server).realtime.connect(model="tiny-chat") as conn:
+            await begin(conn, MANUAL)
+            await conn.send({"type": "response.create", "response": {"tools": [{"type": "web_search"}]}})
+            refused = (await events_until(conn, "error"))[-1].error
+            await conn.send({"type": "response.create", "response": {"tools": [LOOKUP], "tool_choice": "required",
+                                                                     "max_output_tokens": 40}})
+            called = await events_until(conn, "response.done")
+            call = called[-1].response.output[0]
+            await conn.conversation.item.create(item={"type": "function_call_output", "call_id": call.call_id,
+                                                      "output": '{"found": "under the palm"}'})
+            await conn.send({"type": "response.create", "response": {"audio": {"output": {"format": {"type": "audio/pcmu"}}},
+                                                                     "tool_choice": "none", "tools": [LOOKUP]}})
+            phoned = await events_until(conn, "response.done")
+            await conn.session.update(session={"type": "realtime"})
+            return refused, called, phoned, (await events_until(conn, "session.updated"))[-1].session
+
+    refused, called, phoned, session = asyncio.run(run())
+    assert refused.param == "response.tools[0].type"
+    call = called[-1].response.output[0]
+    asked = [{"role": "system", "content": "Answer briefly."}, {"role": "user", "content": ASK}]
+    want = http(server).chat.completions.create(model="tiny-chat", temperature=0, max_tokens=40, messages=asked,
+                                                tools=[chat_tool], tool_choice="required")
+    assert [(c.function.name, c.function.arguments) for c in want.choices[0].message.tool_calls] == \
+        [(call.name, call.arguments)]
+    text, g711 = said(phoned)
+    assert text and abs(len(g711) * 3 / 24000 - speech_seconds(server, text)) < 0.05 * (text.count(" ") + 1)
+    assert session.tools == [] and session.audio.output.format.type == "audio/pcm"
