@@ -250,8 +250,10 @@ class ConversationSession(TranscriptionSession):
             await self._start_response(**await self._response_fields(event.get("response", {}) or {}))
         elif kind == "response.cancel":
             wanted = event.get("response_id")
-            response = self._response if wanted is None else self._side.get(wanted) if isinstance(wanted, str) and (
-                self._response is None or self._response.id != wanted) else self._response
+            if wanted is not None and not isinstance(wanted, str):
+                raise bad_request("response_id is a response's id", "response_id", "invalid_type")
+            response = self._response if wanted is None or (self._response and self._response.id == wanted) else \
+                self._side.get(wanted)
             if response is None:
                 raise bad_request("no response is in progress to cancel" if wanted is None else
                                   f"no response {str(wanted)[:64]!r} is in progress", None if wanted is None else

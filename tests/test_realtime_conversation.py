@@ -447,6 +447,8 @@ def test_generated_client_events_leave_the_session_answering(server, seed):
                                              "metadata": rng.choice(values)}])
         elif kind == "input_audio_buffer.append":
             event["audio"] = rng.choice(["AAAA" * 1200, rng.choice(values)])
+        elif kind == "response.cancel" and rng.random() < 0.5:
+            event["response_id"] = rng.choice(values)
         events.append(event)
 
     async def run():
