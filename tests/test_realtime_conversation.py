@@ -215,22 +215,31 @@ def test_the_user_speaking_interrupts_the_reply_and_the_conversation_keeps_what_
     assert done.output[0].status == "incomplete"
 
 
+async def sdk_session(server: RunningServer, agent, **settings):
+    """The Agents SDK's ``RealtimeRunner`` session for ``agent`` on this server's conversation
+    session, with the model settings it needs here (its defaults name OpenAI's models and
+    ``semantic_vad``); ``settings`` override them."""
+    from agents.realtime import RealtimeRunner
+
+    runner = RealtimeRunner(agent, config={"model_settings": {
+        "model_name": "tiny-chat", "voice": "alloy", "input_audio_transcription": {"model": "tiny-stt"},
+        "turn_detection": {"type": "server_vad"}, "max_output_tokens": 12, **settings}})
+    return await runner.run(model_config={"url": server.url.replace("http", "ws") + "/v1/realtime?model=tiny-chat",
+                                          "api_key": server.keys["paid"]})
+
+
 def test_the_agents_sdk_realtime_runner_talks_to_the_session(server):
     """The OpenAI Agents SDK's ``RealtimeRunner`` (its realtime voice agents) on this server: a
     typed message in, the agent's spoken reply out, and the session's history holding both."""
     pytest.importorskip("agents")
     from agents import set_tracing_disabled
-    from agents.realtime import RealtimeAgent, RealtimeRunner
+    from agents.realtime import RealtimeAgent
 
     set_tracing_disabled(True)  # the SDK would otherwise send traces to api.openai.com
 
     async def run():
         agent = RealtimeAgent(name="pirate", instructions="Answer briefly.")
-        runner = RealtimeRunner(agent, config={"model_settings": {
-            "model_name": "tiny-chat", "voice": "alloy", "input_audio_transcription": {"model": "tiny-stt"},
-            "turn_detection": {"type": "server_vad"}, "max_output_tokens": 12}})
-        session = await runner.run(model_config={"url": server.url.replace("http", "ws") + "/v1/realtime?model=tiny-chat",
-                                                 "api_key": server.keys["paid"]})
+        session = await sdk_session(server, agent)
         kinds, audio = [], 0
         async with session:
             await session.send_message(ASK)
@@ -364,7 +373,7 @@ def test_the_agents_sdk_realtime_agent_calls_its_function_tool(server):
     SDK, which runs the tool with the call's arguments and sends its output back."""
     pytest.importorskip("agents")
     from agents import function_tool, set_tracing_disabled
-    from agents.realtime import RealtimeAgent, RealtimeRunner
+    from agents.realtime import RealtimeAgent
 
     set_tracing_disabled(True)
     seen: list[str] = []
@@ -377,11 +386,7 @@ def test_the_agents_sdk_realtime_agent_calls_its_function_tool(server):
 
     async def run():
         agent = RealtimeAgent(name="pirate", instructions="Answer briefly.", tools=[lookup])
-        runner = RealtimeRunner(agent, config={"model_settings": {
-            "model_name": "tiny-chat", "voice": "alloy", "input_audio_transcription": {"model": "tiny-stt"},
-            "turn_detection": {"type": "server_vad"}, "max_output_tokens": 40, "tool_choice": "required"}})
-        session = await runner.run(model_config={"url": server.url.replace("http", "ws") + "/v1/realtime?model=tiny-chat",
-                                                 "api_key": server.keys["paid"]})
+        session = await sdk_session(server, agent, max_output_tokens=40, tool_choice="required")
         kinds = []
         async with session:
             await session.send_message(ASK)
@@ -581,7 +586,7 @@ def test_the_agents_sdk_speaks_a_turn_after_a_spoken_reply_without_errors(server
     the SDK's history has the turn as /v1/audio/transcriptions hears it."""
     pytest.importorskip("agents")
     from agents import set_tracing_disabled
-    from agents.realtime import RealtimeAgent, RealtimeRunner
+    from agents.realtime import RealtimeAgent
 
     from tests.test_realtime import pcm16
 
@@ -591,11 +596,7 @@ def test_the_agents_sdk_speaks_a_turn_after_a_spoken_reply_without_errors(server
 
     async def run():
         agent = RealtimeAgent(name="pirate", instructions="Answer briefly.")
-        runner = RealtimeRunner(agent, config={"model_settings": {
-            "model_name": "tiny-chat", "voice": "alloy", "input_audio_transcription": {"model": "tiny-stt"},
-            "turn_detection": {"type": "server_vad"}, "max_output_tokens": 12}})
-        session = await runner.run(model_config={"url": server.url.replace("http", "ws") + "/v1/realtime?model=tiny-chat",
-                                                 "api_key": server.keys["paid"]})
+        session = await sdk_session(server, agent)
         kinds, ends = [], 0
         async with session:
             await session.send_message(ASK)
