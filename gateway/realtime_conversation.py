@@ -7,7 +7,8 @@ as 24 kHz PCM16 with its transcript. OpenAI's protocol, as its SDK speaks it:
 * ``session.update`` (``type: "realtime"``): ``instructions``, ``output_modalities`` (``["audio"]``,
   the default, or ``["text"]``), ``max_output_tokens``, ``audio.input`` (``format``: 24 kHz PCM16,
   or G.711 telephone audio, as ``gateway.realtime`` takes it; ``transcription.model``, a
-  speech-to-text model; ``turn_detection``, ``server_vad`` or null, with ``create_response``) and
+  speech-to-text model; ``turn_detection``, ``server_vad`` or null, with ``create_response``,
+  ``interrupt_response`` and ``idle_timeout_ms``) and
   ``audio.output`` (``format``: the same three, the speech resampled to 8 kHz and encoded as it
   streams for G.711; ``voice``).
 * Turns: ``input_audio_buffer.append`` / ``commit`` / ``clear`` (or ``server_vad``), each committed
@@ -109,6 +110,7 @@ class Conversing:
     tools: tuple[dict, ...] = ()  # function tools, as chat takes them ({"type": "function", "function": {...}})
     tool_choice: Any = "auto"  # as chat takes it
     codec: str = "pcm"  # the speech's format: a key of gateway.realtime.FORMATS
+    idle_timeout_ms: int | None = None  # server_vad: answer unprompted after this long a silence
 
 
 @dataclass
@@ -186,13 +188,14 @@ class ConversationSession(TranscriptionSession):
         self._side: dict[str, _Response] = {}  # out-of-band responses in progress, by id
         self._said: dict[str, _Said] = {}  # a spoken assistant message's id -> its speech
         self._typed_audio: set[str] = set()  # user items created with audio (no response of their own)
+        self._idle: asyncio.Task | None = None  # idle_timeout_ms's wait, after a reply has been heard
 
     def session_event(self) -> dict:
         c, vad = self.conversing, self.config.vad
         detection = None if vad is None else {
             "type": "server_vad", "threshold": vad.threshold, "prefix_padding_ms": vad.prefix_padding_ms,
             "silence_duration_ms": vad.silence_duration_ms, "create_response": c.create_response,
-            "interrupt_response": c.interrupt_response}
+            "interrupt_response": c.interrupt_response, "idle_timeout_ms": c.idle_timeout_ms}
         return {"type": "realtime", "object": "realtime.session", "id": self.id, "model": c.model,
                 "output_modalities": list(c.modalities), "instructions": c.instructions,
                 "max_output_tokens": "inf" if c.max_output_tokens is None else c.max_output_tokens,
@@ -207,6 +210,7 @@ class ConversationSession(TranscriptionSession):
         try:
             await super().run()
         finally:
+            self._not_idle()
             for response in [self._response, *self._side.values()]:
                 if response is not None and response.task is not None:
                     response.task.cancel()
@@ -217,6 +221,7 @@ class ConversationSession(TranscriptionSession):
         if event.get("type") == "session.created":  # the transcription session's own opening, as a conversation's
             event = {**event, "session": self.session_event()}
         elif event.get("type") == "input_audio_buffer.speech_started":
+            self._not_idle()
             self._interrupt()
         await super().send(event)
 
@@ -225,6 +230,24 @@ class ConversationSession(TranscriptionSession):
         progress; what it wrote stays, as its transcript so far."""
         if self.conversing.interrupt_response and self._response is not None:
             self._response.cancel()
+
+    def _not_idle(self) -> None:
+        if self._idle is not None:
+            self._idle.cancel()
+            self._idle = None
+
+    async def _idle_wait(self, seconds: float) -> None:
+        """``idle_timeout_ms``: the user said nothing for that long after the reply was heard (its
+        sound's length after its ``response.done``): ``input_audio_buffer.timeout_triggered``, and
+        a response that carries the conversation on, as if the user had asked for one."""
+        await asyncio.sleep(seconds)
+        self._idle = None
+        if self._response is not None or self.config.vad is None or self._speech is not None:
+            return
+        at = round((self._start + self._buffered) / RATE * 1000)
+        await self.send({"type": "input_audio_buffer.timeout_triggered", "item_id": _new_id("item"),
+                         "audio_start_ms": at, "audio_end_ms": at})
+        await self._start_response(self.conversing)
 
     # -- client events ----------------------------------------------------------------------------
 
@@ -281,6 +304,13 @@ class ConversationSession(TranscriptionSession):
                     raise bad_request(f"{flag} is true or false", f"session.audio.input.turn_detection.{flag}",
                                       "invalid_type")
                 conversing = replace(conversing, **{flag: detection[flag]})
+        if isinstance(detection, dict) and "idle_timeout_ms" in detection:
+            idle = detection["idle_timeout_ms"]
+            if idle is not None and (isinstance(idle, bool) or not isinstance(idle, int) or not 1_000 <= idle <= 60_000):
+                raise bad_request("idle_timeout_ms is a whole number of milliseconds from 1000 to 60000, or null",
+                                  "session.audio.input.turn_detection.idle_timeout_ms", "invalid_value")
+            conversing = replace(conversing, idle_timeout_ms=idle)
+            given_input["turn_detection"] = {k: v for k, v in detection.items() if k != "idle_timeout_ms"}
         model = session.pop("model", None)
         if model is not None and model != conversing.model and self.svc.model_name(str(model)) != conversing.model:
             raise bad_request(f"the session's model is {conversing.model!r}, the one it was opened on",
@@ -599,6 +629,7 @@ class ConversationSession(TranscriptionSession):
                               "conversation_already_has_active_response")
         response = _Response(_new_id("resp"), settings, conversation, context, metadata)
         if conversation:
+            self._not_idle()
             self._response = response
         else:
             self._side[response.id] = response
@@ -640,7 +671,18 @@ class ConversationSession(TranscriptionSession):
         finally:
             if self._response is response:
                 self._response = None
+                self._idle_after(response)
             self._side.pop(response.id, None)
+
+    def _idle_after(self, response: _Response) -> None:
+        """Start ``idle_timeout_ms``'s wait once the conversation's response is over: after its
+        sound has played (its length), then the timeout."""
+        idle = self.conversing.idle_timeout_ms
+        if idle is None or self.config.vad is None or self.gone.is_set or response.cancelled or self._speech is not None:
+            return  # (a reply cut by the user speaking: their turn is under way)
+        played = sum(self._said[i["id"]].ms for i in response.items if i["id"] in self._said)
+        self._not_idle()
+        self._idle = asyncio.create_task(self._idle_wait((played + idle) / 1000))
 
     def _messages(self, settings: Conversing, items: list[dict]) -> list[dict]:
         """Conversation items as chat messages: a message's text (a spoken turn's transcript), a

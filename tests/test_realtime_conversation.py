@@ -794,3 +794,34 @@ def test_a_response_may_bring_its_own_tools_and_audio_and_the_session_keeps_its_
     text, g711 = said(phoned)
     assert text and abs(len(g711) * 3 / 24000 - speech_seconds(server, text)) < 0.05 * (text.count(" ") + 1)
     assert session.tools == [] and session.audio.output.format.type == "audio/pcm"
+
+
+def test_idle_timeout_answers_a_silence_after_the_reply_has_been_heard(server):
+    """``server_vad`` with ``idle_timeout_ms`` (a phone agent's "are you still there?"): once the
+    reply's sound has had time to play and the user has said nothing for the timeout, the session
+    sends ``input_audio_buffer.timeout_triggered`` and answers again, unprompted; the wait counts
+    from the reply's end plus its sound's length."""
+    import time
+
+    async def run():
+        async with client(server).realtime.connect(model="tiny-chat") as conn:
+            await begin(conn, {"type": "realtime", "instructions": "Answer briefly.", "max_output_tokens": 12,
+                               "audio": {"input": {"turn_detection": {"type": "server_vad", "idle_timeout_ms": 1000}}}})
+            await conn.response.create()
+            first = await events_until(conn, "response.done")
+            done_at = time.monotonic()
+            idle = await events_until(conn, "input_audio_buffer.timeout_triggered", timeout=30)
+            waited = time.monotonic() - done_at
+            second = await events_until(conn, "response.done")
+            await conn.send({"type": "session.update", "session": {"type": "realtime", "audio": {"input": {
+                "turn_detection": {"type": "server_vad", "idle_timeout_ms": 5}}}}})
+            refused = (await events_until(conn, "error"))[-1].error
+            return first, waited, idle, second, refused
+
+    first, waited, idle, second, refused = asyncio.run(run())
+    played = len(said(first)[1]) / 2 / RATE
+    # the server starts the wait as it sends response.done, a little before this client reads it
+    assert played > 0.2 and played + 1.0 - 0.1 <= waited < played + 1.0 + 5  # (generous: a loaded machine)
+    assert idle[-1].type == "input_audio_buffer.timeout_triggered"
+    assert second[-1].response.status == "completed" and said(second)[0]
+    assert refused.param == "session.audio.input.turn_detection.idle_timeout_ms"
