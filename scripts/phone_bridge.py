@@ -7,7 +7,8 @@ conversation session, the port of OpenAI's own Twilio sample to this server.
 Point a Twilio number's voice webhook at ``https://<this host>/incoming-call``: it answers with
 TwiML that connects the call's audio to ``wss://<this host>/media-stream``. For each call the
 bridge opens ``/v1/realtime?model=<model>`` on tiergate with G.711 mu-law both ways (Twilio's own
-format: nothing is transcoded here), ``server_vad`` turns, and ``--instructions``, then:
+format: nothing is transcoded here), ``server_vad`` turns (with ``--idle-timeout-ms``, the agent
+speaks again when the caller stays silent that long after its reply), and ``--instructions``, then:
 
 * the caller's audio (Twilio ``media`` events, 20 ms of mu-law each) goes to
   ``input_audio_buffer.append``;
@@ -43,11 +44,11 @@ log = logging.getLogger("phone_bridge")
 MULAW_BYTES_PER_MS = 8  # G.711 at 8 kHz: a byte a sample
 
 
-def session_settings(instructions: str, voice: str) -> dict:
+def session_settings(instructions: str, voice: str, idle_timeout_ms: int | None = None) -> dict:
     mulaw = {"type": "audio/pcmu"}
+    turns = {"type": "server_vad", "idle_timeout_ms": idle_timeout_ms}
     return {"type": "realtime", "instructions": instructions, "output_modalities": ["audio"],
-            "audio": {"input": {"format": mulaw, "turn_detection": {"type": "server_vad"}},
-                      "output": {"format": mulaw, "voice": voice}}}
+            "audio": {"input": {"format": mulaw, "turn_detection": turns}, "output": {"format": mulaw, "voice": voice}}}
 
 
 class Call:
@@ -110,7 +111,8 @@ class Call:
         self.reply_item, self.reply_started_ms = None, None
 
 
-def create_app(tiergate: str, key: str, model: str, instructions: str, voice: str) -> Starlette:
+def create_app(tiergate: str, key: str, model: str, instructions: str, voice: str,
+               idle_timeout_ms: int | None = None) -> Starlette:
     realtime = tiergate.rstrip("/").replace("http", "ws", 1) + f"/v1/realtime?model={model}"
 
     async def incoming_call(request: Request) -> Response:
@@ -121,7 +123,8 @@ def create_app(tiergate: str, key: str, model: str, instructions: str, voice: st
     async def media_stream(twilio: WebSocket) -> None:
         await twilio.accept()
         async with websockets.connect(realtime, additional_headers={"Authorization": f"Bearer {key}"}) as agent:
-            await agent.send(json.dumps({"type": "session.update", "session": session_settings(instructions, voice)}))
+            await agent.send(json.dumps({"type": "session.update",
+                                         "session": session_settings(instructions, voice, idle_timeout_ms)}))
             call = Call(twilio, agent)
             listening = asyncio.create_task(call.from_agent())
             try:
@@ -143,6 +146,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--model", default="tiny-chat", help="the chat model that answers the phone")
     p.add_argument("--instructions", default="You answer the phone. Be brief and friendly.")
     p.add_argument("--voice", default="alloy")
+    p.add_argument("--idle-timeout-ms", type=int, default=None,
+                   help="after the agent's reply has played, this long a silence makes it speak again")
     p.add_argument("--host", default="0.0.0.0")
     p.add_argument("--port", type=int, default=5050)
     args = p.parse_args(argv)
@@ -150,7 +155,8 @@ def main(argv: list[str] | None = None) -> int:
     if not key:
         p.error("set TIERGATE_KEY to a tiergate API key")
     logging.basicConfig(level=logging.INFO)
-    uvicorn.run(create_app(args.tiergate, key, args.model, args.instructions, args.voice), host=args.host, port=args.port)
+    app = create_app(args.tiergate, key, args.model, args.instructions, args.voice, args.idle_timeout_ms)
+    uvicorn.run(app, host=args.host, port=args.port)
     return 0
 
 
