@@ -43,6 +43,7 @@ from gateway.errors import APIError, store_unavailable
 from gateway.image_store import ImageStore
 from gateway.metrics import Metrics
 from gateway.output_audio import SpokenReplies
+from gateway.realtime_secrets import ClientSecrets
 from gateway.request_log import RequestLog, note, request_id_of
 from gateway.completion_store import completions_for
 from gateway.conversation_store import conversations_for
@@ -88,6 +89,7 @@ def build_services(config: Config, keys: KeyRing) -> Services:
     services.metrics.registry.register(services.accounts)  # usage kept while the store fails, and lost
     services.webhooks = webhooks_for(services)  # ConfigError for an endpoint whose secret is not set
     services.spoken = SpokenReplies()
+    services.client_secrets = ClientSecrets()
     return services
 
 
@@ -273,6 +275,7 @@ def routes() -> list[BaseRoute]:
         Route("/v1/audio/transcriptions", audio.transcriptions, methods=["POST"]),
         Route("/v1/audio/translations", audio.translations, methods=["POST"]),
         WebSocketRoute("/v1/realtime", realtime_conversation.realtime),  # a transcription or a conversation
+        Route("/v1/realtime/client_secrets", realtime_conversation.client_secrets, methods=["POST"]),
         Route("/v1/files", batch_api.upload_file, methods=["POST"]),
         Route("/v1/files", batch_api.list_files, methods=["GET"]),
         Route("/v1/files/{file_id}", batch_api.get_file, methods=["GET"]),

@@ -29,8 +29,8 @@ turn detection, the limits and the ``audio_*_ms`` fields are the same for every 
 
 A session opened on a chat model is a conversation instead (``gateway.realtime_conversation``,
 which builds on this one and holds the ``/v1/realtime`` endpoint that opens either kind). Not served (each refused with an error naming it): ``semantic_vad``,
-noise reduction. Ephemeral client secrets (``/v1/realtime/client_secrets``) are not issued:
-a browser sends a key of its own, so give it a key with limits of its own (docs/ACCOUNTS.md).
+noise reduction. A browser may open a session with a client secret instead of a key
+(``/v1/realtime/client_secrets``, ``gateway.realtime_secrets``).
 """
 
 from __future__ import annotations

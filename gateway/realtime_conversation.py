@@ -69,16 +69,20 @@ from dataclasses import dataclass, field, replace
 import numpy as np
 from typing import Any, Callable
 
+from starlette.requests import Request
+from starlette.responses import JSONResponse
 from starlette.websockets import WebSocket
 
-from gateway.auth import Caller
+from gateway import realtime_secrets
+from gateway.auth import Caller, bearer_token
 from gateway.chat import plan_chat, serve_chat
 from gateway.errors import APIError, bad_request
 from gateway.input_audio import chat_engine
 from gateway.output_audio import PCM16_RATE, Voice, phrases_of, say
 from gateway.realtime import (DEFAULT_VAD, FORMATS, MIN_COMMIT_S, RATE, SessionConfig, TranscriptionSession, _audio_bytes,
                               _new_id, _object, _subprotocol_key, audio_format, updated)
-from gateway.schemas import ChatCompletionRequest, parse
+from gateway.request_log import note
+from gateway.schemas import ChatCompletionRequest, parse, read_json
 from gateway.service import ClientGone, Services
 from gateway.serving import weightless
 from workers.audio import G711Stream
@@ -286,6 +290,16 @@ class ConversationSession(TranscriptionSession):
             await super()._handle(event)
 
     async def _update(self, session: object) -> None:
+        config, conversing = await self.applied(session)
+        if config.vad != self.config.vad and self._detector is not None:
+            self._detector.close()
+            self._detector, self._speech = None, None
+        self.config, self.conversing = config, conversing
+        await self.send({"type": "session.updated", "session": self.session_event()})
+
+    async def applied(self, session: object) -> tuple[SessionConfig, Conversing]:
+        """The session's settings with a ``session.update``'s ``session`` applied (``APIError``
+        naming the field); nothing is changed or sent (a client secret's session is checked so)."""
         session = dict(_object(session, "session"))
         if session.pop("type", "realtime") != "realtime":
             raise bad_request("this is a conversation session: session.type is 'realtime' (open a transcription "
@@ -326,11 +340,7 @@ class ConversationSession(TranscriptionSession):
         transcription = {"type": "transcription", "audio": {"input": given_input}} if given_input else {}
         config = updated(self.config, transcription, self.svc, self.limits.prompt_max_chars) if transcription \
             else self.config
-        if config.vad != self.config.vad and self._detector is not None:
-            self._detector.close()
-            self._detector, self._speech = None, None
-        self.config, self.conversing = config, conversing
-        await self.send({"type": "session.updated", "session": self.session_event()})
+        return config, conversing
 
     def _settings(self, given: dict, where: str) -> Conversing:
         """``instructions``, ``output_modalities`` and ``max_output_tokens`` of a session update or
@@ -859,13 +869,75 @@ class ConversationSession(TranscriptionSession):
 # -- the endpoint: a transcription session or a conversation ------------------------------------
 
 
+async def client_secrets(request: Request) -> JSONResponse:
+    """``POST /v1/realtime/client_secrets`` (``gateway.realtime_secrets``): a short-lived key for a
+    browser, standing for the caller's key, that opens sessions with ``session``'s settings
+    (checked now, as a ``session.update`` checks them; ``type`` "realtime", the default, with its
+    chat ``model``, or "transcription") until ``expires_after.seconds`` (10 to 7200, 600 by
+    default) have passed."""
+    svc: Services = request.app.state.services
+    caller = svc.authenticate(request)
+    body = await read_json(request, svc.config.limits.max_body)
+    for key in sorted(set(body) - {"expires_after", "session"}):
+        raise bad_request(f"unknown parameter {key!r}", key, "unknown_parameter")
+    expires = _object(body.get("expires_after") or {}, "expires_after")
+    if expires.get("anchor", "created_at") != "created_at":
+        raise bad_request('expires_after.anchor is "created_at"', "expires_after.anchor", "invalid_value")
+    seconds = expires.get("seconds", realtime_secrets.DEFAULT_S)
+    if isinstance(seconds, bool) or not isinstance(seconds, int) or \
+            not realtime_secrets.MIN_S <= seconds <= realtime_secrets.MAX_S:
+        raise bad_request(f"expires_after.seconds is a whole number from {realtime_secrets.MIN_S} to "
+                          f"{realtime_secrets.MAX_S}", "expires_after.seconds", "invalid_value")
+    session = dict(_object(body.get("session") or {"type": "realtime"}, "session"))
+    if session.get("type", "realtime") == "transcription":
+        first = svc.first_spec("stt", "transcription (stt) model for realtime sessions").name
+        config = updated(SessionConfig(first), session, svc, svc.config.limits.prompt_max_chars)
+        opened, shown = ("transcription", config, None), config.as_event(_new_id("sess"))
+    else:
+        if not isinstance(session.get("model"), str):
+            raise bad_request("a realtime session's client secret names its chat model", "session.model", "missing_required_parameter")
+        try:
+            config, conversing = await opening(svc, session["model"])
+        except APIError as exc:
+            raise APIError(exc.status, exc.message, exc.code, "session.model") from None
+        detached = ConversationSession(None, svc, caller, config, conversing)  # no socket: its checks only
+        config, conversing = await detached.applied(session)
+        opened = ("realtime", config, conversing)
+        shown = ConversationSession(None, svc, caller, config, conversing).session_event()
+    value, secret = svc.client_secrets.issue(caller, seconds, opened)
+    return JSONResponse({"value": value, "expires_at": int(secret.expires_at), "session": shown})
+
+
+def _redeemed(ws: WebSocket, svc: Services, value: str) -> tuple[Caller, Callable[[], TranscriptionSession]]:
+    """A session opened with a client secret: its key's caller and the settings it was made with
+    (a model the URL names must be the secret's)."""
+    secret = svc.client_secrets.redeem(value)
+    if secret is None:
+        raise APIError(401, "the client secret is unknown or has expired", "invalid_api_key")
+    kind, config, conversing = secret.session
+    named = ws.query_params.get("model")
+    model = conversing.model if conversing is not None else config.model
+    if named and named != model and svc.model_name(named) != model:
+        raise bad_request(f"this client secret opens sessions on {model!r}", "model", "invalid_value")
+    caller = secret.caller
+    note(key_id=caller.key_id, tier=caller.tier)
+    if kind == "transcription":
+        return caller, lambda: TranscriptionSession(ws, svc, caller, config)
+    return caller, lambda: ConversationSession(ws, svc, caller, config, conversing)
+
+
 async def _opening(ws: WebSocket, svc: Services) -> tuple[Caller, Callable[[], TranscriptionSession]]:
-    """The handshake's checks: the key, the drain, the model the URL names (``?model=``): a
-    speech-to-text model (or none) opens a transcription session, a chat model a conversation
-    (``gateway.realtime_conversation``) unless ``?intent=transcription`` asks for the other."""
-    caller = svc.authenticate(ws, _subprotocol_key(ws))
+    """The handshake's checks: the key (or a client secret, ``client_secrets``), the drain, the
+    model the URL names (``?model=``): a speech-to-text model (or none) opens a transcription
+    session, a chat model a conversation (``gateway.realtime_conversation``) unless
+    ``?intent=transcription`` asks for the other."""
+    presented = bearer_token(ws.headers.get("authorization")) or _subprotocol_key(ws)
+    secret = presented is not None and presented.startswith(realtime_secrets.PREFIX)
+    caller, session = _redeemed(ws, svc, presented) if secret else (svc.authenticate(ws, _subprotocol_key(ws)), None)
     if ws.app.state.drain.draining:
         raise APIError(503, "the server is draining: open the session on another one", "draining")
+    if session is not None:
+        return caller, session
     model = ws.query_params.get("model")
     transcribing = ws.query_params.get("intent") == "transcription"
     if model:

@@ -26,6 +26,7 @@ from workers.base import ModelSpec
 if TYPE_CHECKING:
     from batch.store import Store as FileStore
     from gateway.output_audio import SpokenReplies
+    from gateway.realtime_secrets import ClientSecrets
     from gateway.accounts import Accounts
     from gateway.vector_store import VectorStoreStore
     from gateway.webhooks import Webhooks
@@ -93,6 +94,7 @@ class Services:
     files: "FileStore | None" = None  # /v1/files' uploads (batch/store.py): what an input_image's file_id reads
     webhooks: "Webhooks | None" = None  # signed events when background work ends (gateway/webhooks.py)
     spoken: "SpokenReplies | None" = None  # spoken chat replies' transcripts by audio id (gateway/output_audio.py)
+    client_secrets: "ClientSecrets | None" = None  # the Realtime API's short-lived keys (gateway/realtime_secrets.py)
 
     @functools.cached_property
     def tier_rank(self) -> dict[str, int]:  # looked up per request: made once

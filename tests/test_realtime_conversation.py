@@ -9,6 +9,8 @@ from __future__ import annotations
 
 import asyncio
 import base64
+import json
+import time
 from typing import Literal
 
 import numpy as np
@@ -424,7 +426,6 @@ def test_a_cancel_right_after_a_create_ends_that_response_and_the_next_one_runs(
 def test_generated_client_events_leave_the_session_answering(server, seed):
     """Random client events, well-formed and not (fields of the wrong type, unknown items and item
     ids, creates and cancels back to back), each an error event or done; then a plain turn is answered."""
-    import json
     import random
 
     rng = random.Random(seed)
@@ -801,7 +802,6 @@ def test_idle_timeout_answers_a_silence_after_the_reply_has_been_heard(server):
     reply's sound has had time to play and the user has said nothing for the timeout, the session
     sends ``input_audio_buffer.timeout_triggered`` and answers again, unprompted; the wait counts
     from the reply's end plus its sound's length."""
-    import time
 
     async def run():
         async with client(server).realtime.connect(model="tiny-chat") as conn:
@@ -825,3 +825,74 @@ def test_idle_timeout_answers_a_silence_after_the_reply_has_been_heard(server):
     assert idle[-1].type == "input_audio_buffer.timeout_triggered"
     assert second[-1].response.status == "completed" and said(second)[0]
     assert refused.param == "session.audio.input.turn_detection.idle_timeout_ms"
+
+
+def test_a_client_secret_opens_sessions_with_its_settings_and_nothing_else(server):
+    """``POST /v1/realtime/client_secrets`` (the SDK's ``realtime.client_secrets.create``): a
+    short-lived ``ek_`` key for a browser. It opens a conversation already set as the secret says
+    (through the SDK, and as a browser sends it: a subprotocol), answered and metered as its key's;
+    it opens nothing else (an HTTP endpoint answers 401), a bad setting is a 400 when the secret is
+    made, and an unknown secret is refused at the handshake."""
+    import httpx
+    import websockets
+
+    made = http(server).realtime.client_secrets.create(
+        expires_after={"anchor": "created_at", "seconds": 60},
+        session={"type": "realtime", "model": "tiny-chat", **{k: v for k, v in MANUAL.items() if k != "type"},
+                 "output_modalities": ["text"]})
+    assert made.value.startswith("ek_") and abs(made.expires_at - (time.time() + 60)) < 5
+    assert made.session.instructions == "Answer briefly." and made.session.output_modalities == ["text"]
+    ws_url = server.url.replace("http", "ws") + "/v1/realtime"
+
+    async def run():
+        async with AsyncOpenAI(base_url=server.base_url, api_key=made.value, max_retries=0).realtime.connect(
+                model="tiny-chat") as conn:
+            created = (await events_until(conn, "session.created"))[-1]
+            await conn.conversation.item.create(item=user("item_q", ASK))
+            await conn.response.create()
+            reply = await events_until(conn, "response.done")
+        async with websockets.connect(ws_url, subprotocols=["realtime", "openai-insecure-api-key." + made.value]) as ws:
+            browser = json.loads(await ws.recv())
+        try:
+            async with websockets.connect(ws_url, subprotocols=["realtime", "openai-insecure-api-key.ek_nobody"]):
+                pass
+        except websockets.InvalidStatus as exc:
+            unknown = exc.response.status_code
+        return created, reply, browser, unknown
+
+    created, reply, browser, unknown = asyncio.run(run())
+    assert created.session.instructions == "Answer briefly." and created.session.audio.input.turn_detection is None
+    written = "".join(e.delta for e in reply if e.type == "response.output_text.delta")
+    assert written == answer(server, [{"role": "user", "content": ASK}])[0]
+    assert browser["type"] == "session.created" and browser["session"]["output_modalities"] == ["text"]
+    assert unknown == 401
+    assert httpx.get(f"{server.base_url}/models", headers={"Authorization": f"Bearer {made.value}"}).status_code == 401
+    for body, param in [({"expires_after": {"seconds": 5}}, "expires_after.seconds"),
+                        ({"session": {"type": "realtime"}}, "session.model"),
+                        ({"session": {"type": "realtime", "model": "tiny-chat", "tools": [{"type": "web_search"}]}},
+                         "session.tools[0].type")]:
+        r = httpx.post(f"{server.base_url}/realtime/client_secrets", json=body,
+                       headers={"Authorization": f"Bearer {server.keys['paid']}"})
+        assert r.status_code == 400 and r.json()["error"]["param"] == param, r.text
+    transcribing = http(server).realtime.client_secrets.create(session={"type": "transcription"})
+
+    async def transcription():
+        async with websockets.connect(ws_url, additional_headers={"Authorization": f"Bearer {transcribing.value}"}) as ws:
+            return json.loads(await ws.recv())
+
+    assert asyncio.run(transcription())["session"]["type"] == "transcription"
+
+
+def test_a_client_secret_expires():
+    from gateway.auth import Caller
+    from gateway.realtime_secrets import ClientSecrets
+
+    now = [1000.0]
+    store = ClientSecrets(clock=lambda: now[0])
+    caller = Caller("paid", "k1")
+    value, secret = store.issue(caller, 10, "settings")
+    assert store.redeem(value) is secret and store.redeem(value + "x") is None
+    now[0] += 9.9
+    assert store.redeem(value) is secret
+    now[0] += 0.2
+    assert store.redeem(value) is None
