@@ -261,6 +261,12 @@ class Accounts:
             return None
         return Caller(tier=record.tier, key_id=record.id)
 
+    def revoked(self, key_id: str) -> bool:
+        """Whether ``key_id`` is a managed key that has been revoked (what it made, a realtime
+        client secret, stops with it)."""
+        record = self._by_id.get(key_id)
+        return record is not None and not record.active
+
     def for_http(self, caller: Caller) -> Caller:
         """The caller of one HTTP request, with the holder its rate-limit headers go in. A key
         without a requests or tokens minute limit has no such headers: its holder starts empty, so

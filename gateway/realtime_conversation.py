@@ -914,6 +914,8 @@ def _redeemed(ws: WebSocket, svc: Services, value: str) -> tuple[Caller, Callabl
     secret = svc.client_secrets.redeem(value)
     if secret is None:
         raise APIError(401, "the client secret is unknown or has expired", "invalid_api_key")
+    if svc.accounts is not None and svc.accounts.revoked(secret.caller.key_id):
+        raise APIError(401, "the key that made this client secret has been revoked", "invalid_api_key")
     kind, config, conversing = secret.session
     named = ws.query_params.get("model")
     model = conversing.model if conversing is not None else config.model

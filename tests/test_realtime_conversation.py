@@ -883,6 +883,29 @@ def test_a_client_secret_opens_sessions_with_its_settings_and_nothing_else(serve
     assert asyncio.run(transcription())["session"]["type"] == "transcription"
 
 
+def test_a_client_secret_stops_with_the_key_that_made_it(server):
+    """A managed key revoked: the client secrets it made open no more sessions."""
+    import httpx
+    import websockets
+
+    admin = {"Authorization": "Bearer key-admin"}
+    key = httpx.post(f"{server.url}/admin/keys", json={"tier": "subscriber", "name": "browser-app"}, headers=admin).json()
+    made = OpenAI(base_url=server.base_url, api_key=key["value"], max_retries=0).realtime.client_secrets.create(
+        session={"type": "realtime", "model": "tiny-chat"})
+    ws_url = server.url.replace("http", "ws") + "/v1/realtime"
+
+    async def opened() -> str:
+        try:
+            async with websockets.connect(ws_url, additional_headers={"Authorization": f"Bearer {made.value}"}) as ws:
+                return json.loads(await ws.recv())["type"]
+        except websockets.InvalidStatus as exc:
+            return str(exc.response.status_code)
+
+    assert asyncio.run(opened()) == "session.created"
+    assert httpx.delete(f"{server.url}/admin/keys/{key['id']}", headers=admin).status_code == 200
+    assert asyncio.run(opened()) == "401"
+
+
 def test_a_client_secret_expires():
     from gateway.auth import Caller
     from gateway.realtime_secrets import ClientSecrets
