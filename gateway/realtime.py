@@ -314,13 +314,18 @@ class TranscriptionSession:
             raise bad_request(f"unknown or unsupported client event type {kind!r} on a transcription session",
                               "type", "invalid_event")
 
-    def _samples(self, raw: bytes) -> np.ndarray:
-        """An append's bytes, in the session's format, as int16 samples at ``RATE``."""
+    def _samples(self, raw: bytes, whole: bool = False, param: str = "audio") -> np.ndarray:
+        """Bytes in the session's format as int16 samples at ``RATE``: an append's, the next piece
+        of the stream (G.711's decoder keeps its state from one to the next), or with ``whole``, a
+        recording of its own, to its end (errors name ``param``)."""
         codec = self.config.codec
         if codec == "pcm":
             if len(raw) % 2:
-                raise bad_request("audio has an odd number of bytes: PCM16 samples are 2 bytes each", "audio")
+                raise bad_request("audio has an odd number of bytes: PCM16 samples are 2 bytes each", param)
             return np.frombuffer(raw, dtype="<i2")
+        if whole:
+            telephone = G711Stream(codec, RATE, encode=False)
+            return np.frombuffer(telephone.feed(raw) + telephone.flush(), dtype="<i2")
         if self._telephone is None or self._telephone[0] != codec:
             self._telephone = (codec, G711Stream(codec, RATE, encode=False))
         return np.frombuffer(self._telephone[1].feed(raw), dtype="<i2")
@@ -360,19 +365,30 @@ class TranscriptionSession:
     async def _commit(self, item: str, end: int) -> None:
         """Commit the buffer up to the stream's sample ``end`` as utterance ``item``."""
         audio = self._take(end)
-        seconds = len(audio) / RATE
-        if self._queued_s + seconds > self.limits.transcription_max_seconds:
+        try:
+            self._room_for(len(audio) / RATE)
+        except APIError:
             self._buffer.insert(0, audio)  # nothing accepted is lost: it stays in the buffer
             self._buffered += len(audio)
             self._start -= len(audio)
-            raise APIError(429, "this session's committed audio waits to be transcribed beyond the server's limit "
-                                f"of {self.limits.transcription_max_seconds:g} s: commit again later",
-                           "too_much_pending_audio")
-        self._queued_s += seconds
+            raise
         await self.send({"type": "input_audio_buffer.committed", "item_id": item, "previous_item_id": self._previous})
         self._previous = item
         self._speech = None
         self._restart_detector()
+        self._transcribe_later(item, audio)
+
+    def _room_for(self, seconds: float) -> None:
+        """429 when ``seconds`` more audio would pass what a session may have waiting to be
+        transcribed (``limits.transcription_max_seconds``)."""
+        if self._queued_s + seconds > self.limits.transcription_max_seconds:
+            raise APIError(429, "this session's audio waits to be transcribed beyond the server's limit of "
+                                f"{self.limits.transcription_max_seconds:g} s: send it again later",
+                           "too_much_pending_audio")
+
+    def _transcribe_later(self, item: str, audio: np.ndarray) -> None:
+        """Queue ``audio`` as utterance ``item``, transcribed after those before it."""
+        self._queued_s += len(audio) / RATE
         self._utterances.put_nowait((item, audio, self.config))
 
     def _take(self, end: int) -> np.ndarray:

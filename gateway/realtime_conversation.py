@@ -65,8 +65,6 @@ import contextlib
 import logging
 import re
 from dataclasses import dataclass, field, replace
-
-import numpy as np
 from typing import Any, Callable
 
 from starlette.requests import Request
@@ -89,9 +87,6 @@ from workers.audio import G711Stream
 from workers.tts import TTSWorker
 
 log = logging.getLogger("tiergate.realtime")
-
-
-
 
 def _choice_shown(choice: Any) -> Any:
     """A tool choice as the Realtime API shows it (a named function flat, as it takes it)."""
@@ -480,28 +475,17 @@ class ConversationSession(TranscriptionSession):
         if self.config.model is None:
             raise bad_request("this server has no speech-to-text model to hear audio with: send text items",
                               "item.content[0].audio", "audio_input_not_supported")
-        raw = _audio_bytes(content[0]["audio"])
-        if self.config.codec == "pcm":
-            if len(raw) % 2:
-                raise bad_request("audio has an odd number of bytes: PCM16 samples are 2 bytes each",
-                                  "item.content[0].audio", "invalid_value")
-            samples = np.frombuffer(raw, dtype="<i2")
-        else:
-            telephone = G711Stream(self.config.codec, RATE, encode=False)
-            samples = np.frombuffer(telephone.feed(raw) + telephone.flush(), dtype="<i2")
+        samples = self._samples(_audio_bytes(content[0]["audio"]), whole=True, param="item.content[0].audio")
         seconds = len(samples) / RATE
         if seconds < MIN_COMMIT_S:
             raise bad_request(f"the audio is {seconds * 1000:.0f} ms: at least {MIN_COMMIT_S * 1000:.0f} ms are needed",
                               "item.content[0].audio", "invalid_value")
-        if self._queued_s + seconds > self.limits.transcription_max_seconds:
-            raise APIError(429, "this session's audio waits to be transcribed beyond the server's limit of "
-                                f"{self.limits.transcription_max_seconds:g} s: send it again later", "too_much_pending_audio")
-        self._queued_s += seconds
+        self._room_for(seconds)
         self._heard[item_id] = asyncio.Event()
         self._typed_audio.add(item_id)
         await self._add({"id": item_id, "type": "message", "object": "realtime.item", "status": "completed",
                          "role": "user", "content": [{"type": "input_audio", "transcript": None}]}, previous)
-        self._utterances.put_nowait((item_id, samples, self.config))
+        self._transcribe_later(item_id, samples)
 
     async def _add(self, item: dict, previous: str | None = None) -> None:
         """Add ``item`` after the item ``previous`` ("root": first; None: last)."""

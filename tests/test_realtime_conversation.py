@@ -853,6 +853,7 @@ def test_a_client_secret_opens_sessions_with_its_settings_and_nothing_else(serve
             reply = await events_until(conn, "response.done")
         async with websockets.connect(ws_url, subprotocols=["realtime", "openai-insecure-api-key." + made.value]) as ws:
             browser = json.loads(await ws.recv())
+        unknown = None
         try:
             async with websockets.connect(ws_url, subprotocols=["realtime", "openai-insecure-api-key.ek_nobody"]):
                 pass

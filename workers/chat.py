@@ -550,7 +550,8 @@ class ChatWorker(ThreadWorker):
         self._step_events = {}
         try:
             self._decode_rows(batch)
-            self._check_predictions(batch)
+            if any(s.checking for s in batch.seqs):  # (a re-sync: rare; most steps skip it)
+                self._check_predictions(batch)
         finally:
             held, self._step_events = self._step_events, None
             for loop, items in held.items():
