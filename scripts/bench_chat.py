@@ -46,7 +46,7 @@ import openai
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-from benchlib import OTHER_LOAD_LIMIT, OtherLoad, Target, at_least, judge, spare_port  # noqa: E402
+from benchlib import OTHER_LOAD_LIMIT, OtherLoad, Target, at_least, judge, pct, spare_port  # noqa: E402
 
 KEY = "bench-key"
 MIN_RUNS = 5
@@ -280,14 +280,6 @@ async def measure(base: str, streams: int, tokens: int, rounds: int) -> dict:
     ttfts = [x[0] for x in results]
     tpots = [x[1] for x in results if x[1] is not None]
     return {"tok_s": sum(x[2] for x in results) / wall, "ttft": ttfts, "tpot": tpots}
-
-
-def pct(xs: list[float], q: int) -> float:
-    if not xs:
-        return float("nan")
-    if len(xs) == 1:
-        return xs[0]
-    return statistics.quantiles(xs, n=100, method="inclusive")[q - 1]
 
 
 def stop(proc: subprocess.Popen) -> None:

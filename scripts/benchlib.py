@@ -16,6 +16,7 @@ from __future__ import annotations
 import os
 import re
 import socket
+import statistics
 import subprocess
 import sys
 import threading
@@ -25,6 +26,15 @@ from pathlib import Path
 
 SMOKE = "(smoke run: counts too small to judge)"
 VERDICT_LINE = re.compile(r"^verdict: (?:(?P<judged>PASS|FAIL)(?: \(.+\))?|n/a \S.*)$")
+
+
+def pct(xs: list[float], q: float) -> float:
+    """The ``q``-th percentile (1-99) of ``xs``, interpolated between samples; nan for none."""
+    if not xs:
+        return float("nan")
+    if len(xs) == 1:
+        return xs[0]
+    return statistics.quantiles(xs, n=100, method="inclusive")[int(q) - 1]
 
 
 @dataclass(frozen=True)
