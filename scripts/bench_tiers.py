@@ -87,7 +87,7 @@ import httpx
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-from benchlib import OTHER_LOAD_LIMIT, OtherLoad, Target, flood, http_head, judge, spare_port  # noqa: E402
+from benchlib import OTHER_LOAD_LIMIT, OtherLoad, Target, flood, http_head, judge, pct, spare_port  # noqa: E402
 
 TIERS = ["paid", "subscriber", "free", "batch"]
 BATCH_RANK = TIERS.index("batch")
@@ -167,7 +167,7 @@ class Recorder:
         if not hasattr(worker, "_decode_step"):
             return True
         self.steps_recorded = True
-        decode, prefill = worker._decode_step, worker._prefill_into
+        decode, prefill, together = worker._decode_step, worker._prefill_into, worker._prefill_together
 
         def timed_decode(batch) -> None:
             self.threads["engine"] = threading.get_native_id()
@@ -184,7 +184,13 @@ class Recorder:
             prefill(batch, seq)
             self.prefill.append((start, time.monotonic(), seq.req.priority, len(seq.ids), resumed))
 
-        worker._decode_step, worker._prefill_into = timed_decode, timed_prefill
+        def timed_together(batch, seqs) -> None:  # new plain rows prefilled in one pass: a record each
+            start = time.monotonic()
+            together(batch, seqs)
+            end = time.monotonic()
+            self.prefill.extend((start, end, seq.req.priority, len(seq.ids), False) for seq in seqs)
+
+        worker._decode_step, worker._prefill_into, worker._prefill_together = timed_decode, timed_prefill, timed_together
         return True
 
     def routes(self) -> list:
@@ -526,11 +532,6 @@ def flood_main(url: str, key: str, clients: int, tokens: int, backoff: float, st
 # -- the phases ------------------------------------------------------------------------------------
 
 
-def pct(xs: list[float], q: float) -> float:
-    if len(xs) == 1:
-        return xs[0]
-    return statistics.quantiles(xs, n=100, method="inclusive")[int(q) - 1]
-
 
 @dataclass
 class FloodPhase:
@@ -678,7 +679,7 @@ def engine_summary(rec: dict, windows: list[tuple[float, float]]) -> dict:
         "by_rows": {n: statistics.median(d[1] - d[0] for d in decode if sum(d[2]) == n) * 1e3
                     for n in sorted({sum(d[2]) for d in decode})},
         "busy_decode": sum(d[1] - d[0] for d in decode) / wall,
-        "busy_prefill": sum(p[1] - p[0] for p in prefill) / wall,
+        "busy_prefill": sum(end - start for start, end in {(p[0], p[1]) for p in prefill}) / wall,  # a shared pass once
         "wall": wall,
     }
 

@@ -270,17 +270,20 @@ def test_secrets_never_in_logs_nor_stored_in_clear(server, caplog, capfd):
 
 def test_gpu_seconds_of_one_batched_step_are_shared_by_its_rows(tiny_chat, monkeypatch):
     """Every forward pass 'takes' exactly 1 s (a fake clock): a prefill is its row's alone, a
-    decode step is shared equally by the rows in it; nothing is lost or counted twice."""
+    prefill of several rows together and a decode step are shared equally by the rows in them;
+    nothing is lost or counted twice."""
     import workers.chat as engine
 
     ticks = iter(range(10**9))
     worker = engine.ChatWorker(ModelSpec("tiny-chat", "chat", tiny_chat), max_num_seqs=8)
     worker.clock = lambda: float(next(ticks))  # this worker's only: another server's engine in this process keeps time
     worker.load(torch.device("cpu"))
-    steps, prefills = [], []
-    decode, prefill = worker._decode_step, worker._prefill_into
-    monkeypatch.setattr(worker, "_decode_step", lambda b: (steps.append([s.req.ctx for s in b.seqs]), decode(b))[1])
-    monkeypatch.setattr(worker, "_prefill_into", lambda b, s: (prefills.append(s.req.ctx), prefill(b, s))[1])
+    passes = []  # each forward pass: the rows it computed
+    decode, prefill, together = worker._decode_step, worker._prefill_into, worker._prefill_together
+    monkeypatch.setattr(worker, "_decode_step", lambda b: (passes.append([s.req.ctx for s in b.seqs]), decode(b))[1])
+    monkeypatch.setattr(worker, "_prefill_into", lambda b, s: (passes.append([s.req.ctx]), prefill(b, s))[1])
+    monkeypatch.setattr(worker, "_prefill_together",
+                        lambda b, seqs: (passes.append([s.req.ctx for s in seqs]), together(b, seqs))[1])
     try:
         contexts = [StepContext() for _ in range(3)]
 
@@ -294,14 +297,11 @@ def test_gpu_seconds_of_one_batched_step_are_shared_by_its_rows(tiny_chat, monke
         asyncio.run(main())
     finally:
         worker.unload()
-    assert max(len(rows) for rows in steps) >= 2, "the rows never shared a step"
+    assert max(len(rows) for rows in passes) >= 2, "the rows never shared a pass"
     for ctx in contexts:
-        expected = float(prefills.count(ctx))
-        for rows in steps:
-            if ctx in rows:
-                expected += 1.0 / len(rows)
+        expected = sum(1.0 / len(rows) for rows in passes if ctx in rows)
         assert ctx.gpu_s == pytest.approx(expected, rel=1e-12)
-    assert sum(ctx.gpu_s for ctx in contexts) == pytest.approx(len(prefills) + len(steps), rel=1e-12)
+    assert sum(ctx.gpu_s for ctx in contexts) == pytest.approx(len(passes), rel=1e-12)
 
 
 def test_a_chat_request_works_out_its_token_ask_only_for_a_key_with_limits(tmp_path, tiny_chat, monkeypatch):

@@ -82,6 +82,7 @@ MODEL_SMOKES = {
     "bench_realtime.py": ("--models-dir", "{demo}"),
     "bench_decode.py": ("--model", "{chat}"),
     "bench_prediction.py": ("--model", "{chat}"),
+    "bench_prefill.py": ("--model", "{chat}"),
     "bench_voice.py": ("--models-dir", "{demo}"),
     "bench_tuning.py": ("--models-dir", "{demo}"),
 }

@@ -91,7 +91,8 @@ def reference_ids(path: Path, tokens: int) -> list[int]:
     return model.generate(**prompt, max_new_tokens=tokens, do_sample=False)[0][prompt["input_ids"].shape[1]:].tolist()
 
 
-def reference(path: Path, adapter: Path | None = None, tokens: int = TOKENS) -> tuple[str, list[float]]:
+def reference(path: Path, adapter: Path | None = None, tokens: int = TOKENS,
+              messages: list[dict] = MESSAGES) -> tuple[str, list[float]]:
     """transformers' greedy answer (its text, without a last character cut in half, which the
     engine holds back at a length stop as vLLM's detokenizer does) and each token's log probability;
     with ``adapter``, of the model peft merged it into."""
@@ -100,7 +101,7 @@ def reference(path: Path, adapter: Path | None = None, tokens: int = TOKENS) -> 
         import peft
 
         model = peft.PeftModel.from_pretrained(model, adapter).merge_and_unload()
-    prompt = tok.apply_chat_template(MESSAGES, add_generation_prompt=True, return_tensors="pt", return_dict=True)
+    prompt = tok.apply_chat_template(messages, add_generation_prompt=True, return_tensors="pt", return_dict=True)
     out = model.generate(**prompt, max_new_tokens=tokens, do_sample=False, output_logits=True,
                          return_dict_in_generate=True)
     ids = out.sequences[0][prompt["input_ids"].shape[1]:]
@@ -119,6 +120,35 @@ def test_greedy_chat_matches_transformers_generate(server, families, family):
     assert whole.usage.completion_tokens == len(logprobs)
     got = [entry.logprob for entry in whole.choices[0].logprobs.content]
     assert got == pytest.approx(logprobs, abs=LOGPROB_ATOL)
+
+
+TOGETHER = ["Hello there", "Tell me about the sea and its ships", "Hi"]
+
+
+@pytest.mark.parametrize("family", list(CONFIGS))
+def test_prompts_prefilled_in_one_pass_answer_as_generate_answers_each(server, families, family):
+    """Three prompts of different lengths admitted together are prefilled in one forward pass,
+    left-padded to the longest, on each family's attention and cache (Gemma's sliding-window
+    layers among them): each answer and its log probabilities are generate's for that prompt alone."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    from tests.test_chat_worker import AdmittedTogether
+
+    c = openai.OpenAI(base_url=server.base_url, api_key=server.keys["paid"], max_retries=0, timeout=120)
+    c.chat.completions.create(model=family, messages=MESSAGES, max_tokens=1)  # loaded: its engine to hold
+    worker = server.services.arbiter.workers[family]
+
+    def ask(text: str):
+        return c.chat.completions.create(model=family, messages=[{"role": "user", "content": text}],
+                                         max_tokens=TOKENS, temperature=0, logprobs=True)
+
+    with AdmittedTogether(worker, len(TOGETHER)) as passes, ThreadPoolExecutor(len(TOGETHER)) as pool:
+        answers = list(pool.map(ask, TOGETHER))
+    assert sorted(passes[0][1]) == sorted(TOGETHER) and passes[0][0] == "together"
+    for text, got in zip(TOGETHER, answers):
+        expected, logprobs = reference(families[family], messages=[{"role": "user", "content": text}])
+        assert got.choices[0].message.content == expected
+        assert [e.logprob for e in got.choices[0].logprobs.content] == pytest.approx(logprobs, abs=LOGPROB_ATOL)
 
 
 @pytest.mark.parametrize("family", list(CONFIGS))

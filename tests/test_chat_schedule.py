@@ -10,7 +10,7 @@ import random
 
 import pytest
 
-from workers.chat_schedule import EngineView, Row, StepPlan, plan_step
+from workers.chat_schedule import EngineView, Prefill, Row, StepPlan, plan_step, prefill_passes
 
 PAID, FREE, BATCH = 0, 2, 3
 BASE: tuple = ()
@@ -124,3 +124,44 @@ def test_invariants_over_random_snapshots(seed):
     if staying:  # nobody overtakes a ready row of another stack while a batch runs
         others = [row.rank for row in ready if row.stack != stack]
         assert all(waiting[a].rank < min(others) for a in plan.admit) if others else True
+
+
+# -- prefills together (prefill_passes): rows named by arrival, (arrival, prompt length, plain)
+def p(arrival, length, plain=True) -> Prefill:
+    return Prefill(arrival, length, plain)
+
+
+PREFILLS = {
+    "nothing admitted, no pass": ([], 64, []),
+    "a lone row is a pass of its own": ([p(0, 10)], 64, [(0,)]),
+    "plain rows of like lengths share one pass": ([p(0, 10), p(1, 12), p(2, 9)], 64, [(0, 1, 2)]),
+    "a row that is not plain is alone and splits the run": (
+        [p(0, 10), p(1, 10), p(2, 10, plain=False), p(3, 10), p(4, 10)], 64, [(0, 1), (2,), (3, 4)]),
+    "rows not plain are never together": ([p(0, 10, False), p(1, 10, False)], 64, [(0,), (1,)]),
+    "the budget counts rows times the longest": ([p(0, 10), p(1, 10), p(2, 10), p(3, 10)], 30, [(0, 1, 2), (3,)]),
+    "a row too long for the budget is alone": ([p(0, 10), p(1, 100), p(2, 10)], 64, [(0,), (1,), (2,)]),
+    "a pass is at most half padding": ([p(0, 4), p(1, 4), p(2, 30)], 256, [(0, 1), (2,)]),
+    "exactly half padding still shares": ([p(0, 5), p(1, 15)], 64, [(0, 1)]),
+    "short rows join long ones while the pass stays half real": (
+        [p(0, 30), p(1, 30), p(2, 2), p(3, 2), p(4, 2)], 256, [(0, 1, 2, 3), (4,)]),
+}
+
+
+@pytest.mark.parametrize("rows, budget, passes", PREFILLS.values(), ids=list(PREFILLS))
+def test_prefill_passes(rows, budget, passes):
+    assert prefill_passes(rows, budget) == passes
+
+
+def test_prefill_passes_keep_the_order_and_every_row_once():
+    rng = random.Random(7)
+    for _ in range(500):
+        rows = [p(i, rng.randint(1, 80), rng.random() < 0.8) for i in range(rng.randint(0, 12))]
+        budget = rng.choice([16, 64, 256])
+        passes = prefill_passes(rows, budget)
+        assert [a for group in passes for a in group] == [r.arrival for r in rows]
+        by = {r.arrival: r for r in rows}
+        for group in passes:
+            if len(group) > 1:
+                lengths = [by[a].length for a in group]
+                assert all(by[a].plain for a in group)
+                assert max(lengths) * len(group) <= min(budget, 2 * sum(lengths))

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import asyncio
 import threading
+import time
 
 import pytest
 import torch
@@ -72,6 +73,73 @@ def test_batched_rows_match_unbatched_reference(worker):
         ref = worker.tokenizer.decode(reference_ids(worker, p, 6 + 3 * i), skip_special_tokens=True)
         assert text == ref.rstrip("\ufffd"), p  # at the end an undecodable tail is dropped, as vLLM does
         assert fin.completion_tokens == 6 + 3 * i
+
+
+class AdmittedTogether:
+    """``with AdmittedTogether(worker, n) as passes``: the engine's first admission waits until
+    ``n`` rows wait (so that they are admitted in one plan), and ``passes`` records each prefill
+    pass: ("together", its rows' prompts) or ("alone", a prompt)."""
+
+    def __init__(self, worker, n: int) -> None:
+        self.worker, self.n, self.passes = worker, n, []
+
+    def __enter__(self) -> list:
+        worker, admit, together, alone = self.worker, self.worker._admit, self.worker._prefill_together, self.worker._prefill_into
+        held = threading.Event()
+
+        def hold(batch):
+            deadline = time.monotonic() + 30
+            while not held.is_set() and worker._inbox.qsize() + len(worker._waiting) < self.n and time.monotonic() < deadline:
+                time.sleep(0.002)
+            held.set()
+            admit(batch)
+
+        def prompt(seq) -> str:
+            return seq.req.messages[-1]["content"]
+
+        worker._admit = hold
+        worker._prefill_together = lambda b, seqs: (self.passes.append(("together", [prompt(s) for s in seqs])), together(b, seqs))[1]
+        worker._prefill_into = lambda b, seq: (self.passes.append(("alone", prompt(seq))), alone(b, seq))[1]
+        return self.passes
+
+    def __exit__(self, *exc) -> None:
+        del self.worker._admit, self.worker._prefill_together, self.worker._prefill_into  # the class's again
+
+
+def test_rows_admitted_together_share_prefill_passes_and_answer_as_each_alone(worker):
+    """Six requests admitted in one plan: the plain ones are prefilled in shared passes, left-padded
+    to the longest; one that scores its prompt is a pass of its own between them; one finishes in
+    its prefill while the rest decode on. Each reply, its log probabilities and its prompt's
+    are what the request gets alone (within 1e-4: a padded pass sums in another order)."""
+    def request(content: str, **params) -> ChatRequest:
+        return ChatRequest([{"role": "user", "content": content}],
+                           ChatParams(**{"max_tokens": 6, "temperature": 0, "logprobs": 2, **params}), ctx=StepContext())
+
+    asks = [("hi", {}), ("tell me about the ships", {}), ("x", {"max_tokens": 1}), ("score me", {"prompt_logprobs": 1}),
+            ("two plus two", {}), ("where is the gold, friend?", {})]
+
+    async def answer(req: ChatRequest) -> tuple[list, list[float], ChatFinished]:
+        texts, logprobs, finished = [], [], None
+        async for ev in worker.chat(req):
+            if isinstance(ev, ChatFinished):
+                finished = ev
+                continue
+            texts.append(ev.text)
+            logprobs += [e.logprob for e in ev.logprobs or []] + [e.logprob for e in ev.prompt_logprobs or [] if e]
+        return texts, logprobs, finished
+
+    async def all_at_once() -> list:
+        async with asyncio.timeout(60):
+            return await asyncio.gather(*(answer(request(c, **kw)) for c, kw in asks))
+
+    alone = [asyncio.run(answer(request(c, **kw))) for c, kw in asks]
+    with AdmittedTogether(worker, len(asks)) as passes:
+        together = asyncio.run(all_at_once())
+    assert passes == [("together", ["hi", "tell me about the ships", "x"]), ("alone", "score me"),
+                      ("together", ["two plus two", "where is the gold, friend?"])]
+    for (texts, logprobs, finished), (texts_alone, logprobs_alone, finished_alone) in zip(together, alone):
+        assert texts == texts_alone and finished == finished_alone
+        assert logprobs == pytest.approx(logprobs_alone, abs=1e-4) and logprobs
 
 
 def test_concurrent_requests_share_forward_passes(worker):

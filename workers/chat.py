@@ -81,7 +81,7 @@ from workers.base import (
 from workers.grammar import Grammars, RowGrammar
 from workers.worker import ModelInfo, ThreadWorker
 from workers.chat_prompt import ContextTooLong  # noqa: F401 - the chat engines' 400, importable here
-from workers.chat_schedule import EngineView, Row, plan_step
+from workers.chat_schedule import EngineView, Prefill, Row, plan_step, prefill_passes
 
 try:  # tokenizers >= 0.21
     from tokenizers.decoders import DecodeStream
@@ -432,8 +432,12 @@ class ChatWorker(ThreadWorker):
             if not self._switch_stack(target):
                 return
         waiting = {seq.arrival: seq for seq in self._waiting}
-        for arrival in plan.admit:
-            seq = waiting[arrival]
+        admitted = [waiting[arrival] for arrival in plan.admit]
+        for rows in prefill_passes([Prefill(s.arrival, len(s.ids), _plain(s)) for s in admitted]):
+            if len(rows) > 1:  # plain rows: none has a pause check
+                self._prefill_together(batch, [waiting[arrival] for arrival in rows])
+                continue
+            seq = waiting[rows[0]]
             if seq.req.ctx.must_pause():  # ordered while earlier rows prefilled: it holds the rest
                 continue
             self._prefill_into(batch, seq)
@@ -514,7 +518,37 @@ class ChatWorker(ThreadWorker):
             seq.aligned = seq.accepted
             if cached < len(fresh) + len(draft):  # the places after the first other token go
                 out.past_key_values.crop(cached - len(fresh) - len(draft))
-        _merge(batch, seq, out.past_key_values, cached, self.device)
+        _merge(batch, _row(seq, out.past_key_values, cached, self.device))
+
+    @torch.inference_mode()
+    def _prefill_together(self, batch: _Batch, seqs: list[_Seq]) -> None:
+        """Prefill plain rows (``_plain``: new prompts of text, nothing to check or score, no pause
+        check) in one forward pass, left-padded to the longest as a decode step's rows are, and
+        append those whose reply goes on to the batch; their first tokens go to the loop together."""
+        from transformers import DynamicCache
+
+        width = max(len(s.ids) for s in seqs)
+        ids = torch.tensor([[0] * (width - len(s.ids)) + s.ids for s in seqs], device=self.device)
+        mask = torch.tensor([[0] * (width - len(s.ids)) + [1] * len(s.ids) for s in seqs], device=self.device)
+        positions = (mask.cumsum(1) - 1).clamp(min=0)
+        started = self.clock()
+        out = self.model(input_ids=ids, attention_mask=mask, position_ids=positions, past_key_values=DynamicCache(),
+                         use_cache=True, **{name: 1 for name in self._last_logits})
+        self._charge(seqs, started)
+        for seq in seqs:
+            self._waiting.remove(seq)
+        self._step_events = {}
+        try:
+            going = [i for i, seq in enumerate(seqs) if not self._sample_or_fail(seq, out.logits[i, -1])]
+        finally:
+            held, self._step_events = self._step_events, None
+            for loop, items in held.items():
+                loop.call_soon_threadsafe(_deliver, items)
+        if going:
+            group = _Batch(list(seqs), out.past_key_values, mask)
+            if len(going) < len(seqs):
+                _select(group, going)
+            _merge(batch, group)
 
     def _vision(self, seq: _Seq) -> dict[str, torch.Tensor]:
         """The vision tower's inputs of ``seq``'s prompt on the model's device (pixels in its
@@ -637,7 +671,7 @@ class ChatWorker(ThreadWorker):
                 if seq.ids[-1] != predicted:
                     if cached < length + 1 + len(draft):  # the places after the first other token go
                         out.past_key_values.crop(cached - length - 1 - len(draft))
-                    _merge(batch, seq, out.past_key_values, cached, self.device)
+                    _merge(batch, _row(seq, out.past_key_values, cached, self.device))
                     break
                 cached += 1
                 seq.accepted += 1
@@ -880,19 +914,31 @@ def _layers(cache) -> list:
     return list(cache.layers)
 
 
-def _merge(batch: _Batch, seq: _Seq, cache, length: int, device: torch.device) -> None:
-    """Append one prefilled sequence to the batch, left-padding whichever side is shorter."""
-    new_mask = torch.ones(1, length, dtype=torch.long, device=device)
+def _plain(seq: _Seq) -> bool:
+    """Whether ``seq``'s prefill may share a forward pass with others (``chat_schedule``): a new
+    prompt of text alone, to be answered, with no prediction to check, no prompt to score and no
+    pause check (a row that may stop between two layers stops alone)."""
+    return (not seq.generated and not seq.draft and seq.vision is None and seq.params.max_tokens > 0
+            and seq.params.prompt_logprobs is None and seq.req.ctx.pause_check is None)
+
+
+def _row(seq: _Seq, cache, length: int, device: torch.device) -> _Batch:
+    """One prefilled row with its cache, ``length`` places, none of them padding."""
+    return _Batch([seq], cache, torch.ones(1, length, dtype=torch.long, device=device))
+
+
+def _merge(batch: _Batch, rows: _Batch) -> None:
+    """Append prefilled rows (their own cache and mask) to the batch, left-padding whichever side
+    is shorter."""
     if not batch.seqs:
-        batch.seqs, batch.cache, batch.mask = [seq], cache, new_mask
+        batch.seqs, batch.cache, batch.mask = list(rows.seqs), rows.cache, rows.mask
         return
-    old_len = batch.mask.shape[1]
-    width = max(old_len, length)
-    for old, new in zip(_layers(batch.cache), _layers(cache)):
+    width = max(batch.mask.shape[1], rows.mask.shape[1])
+    for old, new in zip(_layers(batch.cache), _layers(rows.cache)):
         old.keys = torch.cat([_pad_left(old.keys, width), _pad_left(new.keys, width)], 0)
         old.values = torch.cat([_pad_left(old.values, width), _pad_left(new.values, width)], 0)
-    batch.mask = torch.cat([_pad_left_2d(batch.mask, width), _pad_left_2d(new_mask, width)], 0)
-    batch.seqs.append(seq)
+    batch.mask = torch.cat([_pad_left_2d(batch.mask, width), _pad_left_2d(rows.mask, width)], 0)
+    batch.seqs += rows.seqs
 
 
 def _pad_left(t: torch.Tensor, width: int) -> torch.Tensor:

@@ -33,10 +33,20 @@ Rules
 The plan is a snapshot: the owner checks a row's pause flag again right before its prefill, so
 a pause ordered while earlier rows prefill (a paid arrival while paused batch rows resume) holds
 the rows not yet prefilled.
+
+Prefills together (:func:`prefill_passes`). The admitted rows are prefilled in the plan's order,
+and consecutive *plain* rows (a new prompt of text alone: nothing generated yet, no prediction to
+check, no images, no prompt log probabilities, no pause check) share one forward pass, left-padded
+to the longest, as a decode step's rows do: a burst of short requests costs about one pass, not one
+each. A pass holds at most ``PREFILL_TOKENS`` places (rows times the longest prompt) and is at
+most half padding; a row that would break either starts the next pass. Every other row is a pass
+of its own, since its prefill does something for that row alone (checks its prediction, scores its
+prompt, reads its images, or stops at a pause order between two layers).
 """
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass
 
 from workers.base import StackKey
@@ -66,6 +76,9 @@ class EngineView:
     waiting: tuple[Row, ...] = ()  # new rows and paused ones
     max_num_seqs: int = 8
     resume_chunk: int = 4  # rows holding tokens admitted per step
+
+
+PREFILL_TOKENS = 2048  # places (rows x the longest prompt) in one prefill pass of several rows
 
 
 @dataclass(frozen=True)
@@ -103,3 +116,39 @@ def plan_step(view: EngineView) -> StepPlan:
             resumed += 1
         admit.append(row.arrival)
     return StepPlan(forget, pause, switch_to, tuple(admit))
+
+
+@dataclass(frozen=True)
+class Prefill:
+    """An admitted row as its prefill sees it: ``length`` its prompt's tokens, ``plain`` whether it
+    may share a pass (module docstring)."""
+
+    arrival: int
+    length: int
+    plain: bool
+
+
+def prefill_passes(rows: Sequence[Prefill], budget: int = PREFILL_TOKENS) -> list[tuple[int, ...]]:
+    """The forward passes that prefill ``rows``, in their order: runs of plain rows together while
+    the pass stays within ``budget`` places and at most half padding, every other row alone."""
+    passes: list[tuple[int, ...]] = []
+    run: list[Prefill] = []
+
+    def close() -> None:
+        if run:
+            passes.append(tuple(r.arrival for r in run))
+            run.clear()
+
+    for row in rows:
+        if not row.plain:
+            close()
+            passes.append((row.arrival,))
+            continue
+        if run:
+            longest = max(row.length, *(r.length for r in run))
+            places = longest * (len(run) + 1)
+            if places > budget or places > 2 * (row.length + sum(r.length for r in run)):
+                close()
+        run.append(row)
+    close()
+    return passes
