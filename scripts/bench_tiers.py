@@ -184,11 +184,12 @@ class Recorder:
             prefill(batch, seq)
             self.prefill.append((start, time.monotonic(), seq.req.priority, len(seq.ids), resumed))
 
-        def timed_together(batch, seqs) -> None:  # new plain rows prefilled in one pass: a record each
+        def timed_together(batch, seqs) -> None:  # rows prefilled in one pass: a record each
+            resumed = [bool(seq.generated) for seq in seqs]
             start = time.monotonic()
             together(batch, seqs)
             end = time.monotonic()
-            self.prefill.extend((start, end, seq.req.priority, len(seq.ids), False) for seq in seqs)
+            self.prefill.extend((start, end, seq.req.priority, len(seq.ids), r) for seq, r in zip(seqs, resumed))
 
         worker._decode_step, worker._prefill_into, worker._prefill_together = timed_decode, timed_prefill, timed_together
         return True
@@ -717,7 +718,8 @@ def pause_analysis(rec: dict, probes: list[dict]) -> dict:
         resumes = [t for t, busy in rec["gate"] if not busy and t > order]
         resume = resumes[0] if resumes else p["t1"]
         batch_decode = [d for d in rec["decode"] if d[2][BATCH_RANK] and d[0] < resume and d[1] > order]
-        batch_prefill = [x for x in rec["prefill"] if x[2] == BATCH_RANK and x[0] < resume and x[1] > order]
+        batch_prefill = list({(x[0], x[1]): x for x in rec["prefill"]  # a pass shared by rows: once
+                              if x[2] == BATCH_RANK and x[0] < resume and x[1] > order}.values())
         started_after = [d for d in batch_decode if d[0] >= order]
         prefills_after = [x for x in batch_prefill if x[0] >= order]
         ends = [d[1] for d in batch_decode] + [x[1] for x in batch_prefill]

@@ -218,8 +218,9 @@ def test_prompt_over_context_is_refused(worker):
 
 
 def test_pause_ordered_during_admission_holds_the_rows_not_yet_prefilled(worker):
-    """A paid arrival while paused batch rows resume: the pause takes effect between two resume
-    prefills, not after every waiting row has been prefilled."""
+    """A paid arrival while batch rows are prefilled a pass each (here each scores its prompt, so
+    none shares a pass): the pause takes effect between two prefills, not after every admitted row
+    has been prefilled."""
     from workers.chat import _Batch, _Seq
 
     paused = {"now": False}
@@ -227,7 +228,7 @@ def test_pause_ordered_during_admission_holds_the_rows_not_yet_prefilled(worker)
     for i in range(3):
         ctx = StepContext(pause_check=lambda: paused["now"])
         ids = worker.encode([{"role": "user", "content": f"row {i}"}])
-        rows.append(_Seq(ids=ids, prompt_len=len(ids), params=ChatParams(max_tokens=4, temperature=0),
+        rows.append(_Seq(ids=ids, prompt_len=len(ids), params=ChatParams(max_tokens=4, temperature=0, prompt_logprobs=1),
                          emit=lambda ev: None, req=ChatRequest([], ChatParams(), ctx=ctx),
                          generator=torch.Generator(), arrival=i))
     real_prefill = worker._prefill_into
@@ -248,6 +249,65 @@ def test_pause_ordered_during_admission_holds_the_rows_not_yet_prefilled(worker)
     finally:
         worker._prefill_into = real_prefill
         worker._waiting = saved
+
+
+def test_batch_rows_prefilled_together_stop_between_layers_and_resume_together(worker):
+    """Three batch rows admitted together share their prefill pass; paused after a few steps, they
+    leave the batch and resume in one shared pass of their tokens; a pause ordered while that pass
+    runs stops it between two layers, every row waiting with its tokens; each reply then ends as an
+    uninterrupted run's."""
+    from workers.chat import _decoder_layers
+
+    prompts = ["the first batch line", "a second one", "and the third batch line of all"]
+    first, second = _decoder_layers(worker.model)[:2]
+    paused = threading.Event()
+    contexts = [StepContext(pause_check=paused.is_set) for _ in prompts]
+    state = {"armed": False, "ordered": None, "passes": 0, "reached": []}
+
+    def after_first(module, args, kwargs, output):
+        hidden = args[0] if args else kwargs["hidden_states"]
+        if hidden.shape[0] == len(prompts) and hidden.shape[1] > 1:  # a prefill pass of the three
+            state["passes"] += 1
+            if state["armed"] and state["ordered"] is None:
+                state["ordered"] = state["passes"]
+                paused.set()  # ordered while this pass runs, between its first and second layer
+
+    def before_second(module, args):
+        if args[0].shape[0] == len(prompts) and args[0].shape[1] > 1:
+            state["reached"].append(state["passes"])
+
+    async def pauses():
+        while min(c.steps for c in contexts) < 3:
+            await asyncio.sleep(0.002)
+        paused.set()  # the rows leave the batch keeping their tokens
+        await asyncio.sleep(0.1)
+        state["armed"] = True
+        paused.clear()  # they resume together; the order comes while their shared pass runs
+        while state["ordered"] is None:
+            await asyncio.sleep(0.002)
+        await asyncio.sleep(0.1)
+        paused.clear()
+
+    async def main():
+        async with asyncio.timeout(60):
+            paused_ = asyncio.create_task(pauses())
+            replies = await asyncio.gather(*(run(worker, greedy(p, 12, c)) for p, c in zip(prompts, contexts)))
+            await paused_
+            return replies
+
+    straight = [asyncio.run(run(worker, greedy(p, 12))) for p in prompts]
+    hooks = [first.register_forward_hook(after_first, with_kwargs=True), second.register_forward_pre_hook(before_second)]
+    try:
+        with AdmittedTogether(worker, len(prompts)) as passes:
+            replies = asyncio.run(main())
+    finally:
+        for h in hooks:
+            h.remove()
+    assert replies == straight
+    assert all(c.paused for c in contexts)
+    # first prefill, the resume the order stopped, the resume after it: each one pass of the three
+    assert [p for p in passes if p[0] == "together"] == [("together", prompts)] * 3 and len(passes) == 3
+    assert state["ordered"] == 2 and state["reached"] == [1, 3]  # the stopped pass never reached the second layer
 
 
 def whole(req: ChatRequest) -> ChatRequest:

@@ -434,13 +434,12 @@ class ChatWorker(ThreadWorker):
         waiting = {seq.arrival: seq for seq in self._waiting}
         admitted = [waiting[arrival] for arrival in plan.admit]
         for rows in prefill_passes([Prefill(s.arrival, len(s.ids), _plain(s)) for s in admitted]):
-            if len(rows) > 1:  # plain rows: none has a pause check
-                self._prefill_together(batch, [waiting[arrival] for arrival in rows])
-                continue
-            seq = waiting[rows[0]]
-            if seq.req.ctx.must_pause():  # ordered while earlier rows prefilled: it holds the rest
-                continue
-            self._prefill_into(batch, seq)
+            # a pause ordered while earlier rows prefilled holds the rows it reaches
+            going = [waiting[arrival] for arrival in rows if not waiting[arrival].req.ctx.must_pause()]
+            if len(going) > 1:
+                self._prefill_together(batch, going)
+            elif going:
+                self._prefill_into(batch, going[0])
 
     def _drain_inbox(self) -> None:
         while True:
@@ -522,24 +521,36 @@ class ChatWorker(ThreadWorker):
 
     @torch.inference_mode()
     def _prefill_together(self, batch: _Batch, seqs: list[_Seq]) -> None:
-        """Prefill plain rows (``_plain``: new prompts of text, nothing to check or score, no pause
-        check) in one forward pass, left-padded to the longest as a decode step's rows are, and
-        append those whose reply goes on to the batch; their first tokens go to the loop together."""
+        """Prefill rows that may share a pass (``_plain``) in one forward pass, left-padded to the
+        longest as a decode step's rows are, and append to the batch those whose reply goes on: a
+        new row's first token is sampled (the rows' first tokens go to the loop together), a row
+        resuming after a pause re-prefills its tokens but the last, as alone. A pass of rows that
+        all may pause stops between two layers at a pause order, as such a decode step does, and
+        every row stays waiting."""
         from transformers import DynamicCache
 
-        width = max(len(s.ids) for s in seqs)
-        ids = torch.tensor([[0] * (width - len(s.ids)) + s.ids for s in seqs], device=self.device)
-        mask = torch.tensor([[0] * (width - len(s.ids)) + [1] * len(s.ids) for s in seqs], device=self.device)
+        fresh = [s.ids[:-1] if s.generated else s.ids for s in seqs]
+        new = [not s.generated for s in seqs]
+        width = max(map(len, fresh))
+        ids = torch.tensor([[0] * (width - len(f)) + f for f in fresh], device=self.device)
+        mask = torch.tensor([[0] * (width - len(f)) + [1] * len(f) for f in fresh], device=self.device)
         positions = (mask.cumsum(1) - 1).clamp(min=0)
+        self._yielding = seqs if all(s.req.ctx.pause_check is not None for s in seqs) else None
         started = self.clock()
-        out = self.model(input_ids=ids, attention_mask=mask, position_ids=positions, past_key_values=DynamicCache(),
-                         use_cache=True, **{name: 1 for name in self._last_logits})
+        try:
+            out = self.model(input_ids=ids, attention_mask=mask, position_ids=positions,
+                             past_key_values=DynamicCache(), use_cache=True, **{name: 1 for name in self._last_logits})
+        except _Yield:
+            self._charge(seqs, started)
+            return
+        finally:
+            self._yielding = None
         self._charge(seqs, started)
         for seq in seqs:
             self._waiting.remove(seq)
         self._step_events = {}
         try:
-            going = [i for i, seq in enumerate(seqs) if not self._sample_or_fail(seq, out.logits[i, -1])]
+            going = [i for i, seq in enumerate(seqs) if not new[i] or not self._sample_or_fail(seq, out.logits[i, -1])]
         finally:
             held, self._step_events = self._step_events, None
             for loop, items in held.items():
@@ -915,11 +926,12 @@ def _layers(cache) -> list:
 
 
 def _plain(seq: _Seq) -> bool:
-    """Whether ``seq``'s prefill may share a forward pass with others (``chat_schedule``): a new
-    prompt of text alone, to be answered, with no prediction to check, no prompt to score and no
-    pause check (a row that may stop between two layers stops alone)."""
-    return (not seq.generated and not seq.draft and seq.vision is None and seq.params.max_tokens > 0
-            and seq.params.prompt_logprobs is None and seq.req.ctx.pause_check is None)
+    """Whether ``seq``'s prefill may share a forward pass with others (``chat_schedule``): a prompt
+    of text alone, new (to be answered, with no prediction to check and no prompt to score) or
+    resuming after a pause (its tokens re-prefilled)."""
+    if seq.vision is not None:
+        return False
+    return bool(seq.generated) or (not seq.draft and seq.params.max_tokens > 0 and seq.params.prompt_logprobs is None)
 
 
 def _row(seq: _Seq, cache, length: int, device: torch.device) -> _Batch:

@@ -35,13 +35,15 @@ a pause ordered while earlier rows prefill (a paid arrival while paused batch ro
 the rows not yet prefilled.
 
 Prefills together (:func:`prefill_passes`). The admitted rows are prefilled in the plan's order,
-and consecutive *plain* rows (a new prompt of text alone: nothing generated yet, no prediction to
-check, no images, no prompt log probabilities, no pause check) share one forward pass, left-padded
-to the longest, as a decode step's rows do: a burst of short requests costs about one pass, not one
-each. A pass holds at most ``PREFILL_TOKENS`` places (rows times the longest prompt) and is at
-most half padding; a row that would break either starts the next pass. Every other row is a pass
-of its own, since its prefill does something for that row alone (checks its prediction, scores its
-prompt, reads its images, or stops at a pause order between two layers).
+and consecutive *plain* rows (a prompt of text alone, either new, with no prediction to check and
+no prompt log probabilities to score, or resuming after a pause) share one forward pass,
+left-padded to the longest, as a decode step's rows do: a burst of short requests, or a chunk of
+batch rows resuming, costs about one pass, not one each. A pass holds at most ``PREFILL_TOKENS``
+places (rows times the longest prompt) and is at most half padding; a row that would break either
+starts the next pass. Every other row is a pass of its own, since its prefill does something for
+that row alone (checks its prediction, scores its prompt, reads its images). A pass of rows that
+all may pause (batch work) stops between two layers at a pause order, as a decode step of such
+rows does; one with any row that may not pause runs to its end.
 """
 
 from __future__ import annotations
