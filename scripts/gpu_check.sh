@@ -12,7 +12,8 @@
 #   swap     scripts/bench_swap.py on the demo models, then on a 1.6 GB chat model built here
 #            from a config (random bf16 weights): cold load vs warm reload, judged on CUDA
 #   decode   scripts/bench_decode.py: the chat engine's decode step with cuDNN out of attention
-#            (as tiergate places models) against torch's own order (cuDNN first)
+#            (as tiergate places models) against torch's own order (cuDNN first); then
+#            scripts/bench_prefill.py: new prompts sharing prefill passes against a pass each
 #   serving  only when named (STEPS=serving, ~8 min): scripts/bench_tiers.py and
 #            scripts/bench_batch.py with the demo chat model on CUDA and the machine's cores,
 #            where the load generators do not share two cores with the server
@@ -81,6 +82,7 @@ models:
 EOF
 step swap-sized 90 "$PY" scripts/bench_swap.py --config "$SIZED/tiers.yaml" --kinds chat --reps 5
 step decode 120 "$PY" scripts/bench_decode.py
+step decode-prefill 120 "$PY" scripts/bench_prefill.py --device cuda
 step serving-tiers 330 "$PY" scripts/bench_tiers.py
 step serving-batch 200 "$PY" scripts/bench_batch.py
 echo "gpu_check: $failed step(s) failed" | tee -a "$LOG"
