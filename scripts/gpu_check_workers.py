@@ -11,7 +11,11 @@ and how far the device's result is from the CPU's:
 
   chat        logits of one prompt (rel. max error), and a greedy reply streamed by ``chat``
               with and without an adapter stack (pirate 0.5 + poet -0.7, merged by
-              lora_kernels: Triton on CUDA); equal replies are reported, not required (bf16)
+              lora_kernels: Triton on CUDA); equal replies are reported, not required (bf16);
+              then three prompts of different lengths prefilled in one shared, left-padded pass
+              (the engine's ``_prefill_together``): the cache it leaves must be finite (a padded
+              place that attends to nothing must not put NaN in it), and each first token is
+              compared with the prompt's own pass on the device (equal ones reported)
   vision      tiny-vlm (LLaVA): logits of one prompt with an image (rel. max error), its pixels
               in the model's dtype on the device, and a greedy reply to it streamed by ``chat``
   image       3 denoising steps at 32x32, seed 1, with and without the sketch adapter: max
@@ -118,8 +122,37 @@ def check_chat(models: Path, device: torch.device) -> dict:
         want = asyncio.run(_reply(cpu, "Tell me about the sea.", adapters))
         got_text, seconds = timed(lambda: asyncio.run(_reply(dev, "Tell me about the sea.", adapters)))
         replies[label] = {"equal": got_text == want, "seconds": seconds, "chars": len(got_text)}
-    return {"placed": placed, "dtypes": dtypes, "logits_rel_err": rel, "replies": replies,
-            "ok": placed and rel <= 0.05 and all(r["chars"] > 0 for r in replies.values())}
+    together = _prefilled_together(dev, ["Tell me about the sea.", "Hi", "Where do the ships go in winter, captain?"])
+    return {"placed": placed, "dtypes": dtypes, "logits_rel_err": rel, "replies": replies, "together": together,
+            "ok": placed and rel <= 0.05 and all(r["chars"] > 0 for r in replies.values()) and together["finite"]}
+
+
+def _prefilled_together(worker, prompts: list[str]) -> dict:
+    """Prompts prefilled in one shared pass by the engine's own ``_prefill_together`` (called from
+    here while its thread waits for work, as tests/test_chat_worker.py calls ``_admit``): whether
+    the batch cache it leaves is finite, and how many first tokens equal the prompt's own pass."""
+    from workers.chat import _Batch, _Seq
+
+    seqs = []
+    for i, text in enumerate(prompts):
+        ids = worker.encode([{"role": "user", "content": text}])
+        seqs.append(_Seq(ids=ids, prompt_len=len(ids), params=ChatParams(max_tokens=4, temperature=0),
+                         emit=lambda ev: None, req=ChatRequest([], ChatParams(), ctx=StepContext()),
+                         generator=torch.Generator(), arrival=i))
+    alone = []
+    with torch.inference_mode():
+        for seq in seqs:
+            alone.append(int(worker.model(torch.tensor([seq.ids], device=worker.device)).logits[0, -1].argmax()))
+    saved, worker._waiting = worker._waiting, list(seqs)
+    batch = _Batch()
+    try:
+        worker._prefill_together(batch, seqs)
+    finally:
+        worker._waiting = saved
+    layers = list(batch.cache.layers) if batch.cache is not None else []
+    finite = bool(layers) and all(bool(torch.isfinite(x.keys).all() and torch.isfinite(x.values).all()) for x in layers)
+    return {"rows": len(batch.seqs), "finite": finite,
+            "first_tokens_equal": sum(seq.ids[seq.prompt_len] == a for seq, a in zip(seqs, alone))}
 
 
 def check_train(models: Path, device: torch.device) -> dict:

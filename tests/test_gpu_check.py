@@ -28,6 +28,7 @@ def test_worker_check_runs_its_path_on_cpu(demo_dir, tmp_path):
     results = json.loads((tmp_path / "workers.json").read_text())
     assert set(results) == {"chat", "vision", "embed", "moderation", "train"}
     assert results["chat"]["logits_rel_err"] == 0.0 and results["chat"]["replies"]["stack"]["equal"]
+    assert results["chat"]["together"] == {"rows": 3, "finite": True, "first_tokens_equal": 3}
     assert results["vision"]["logits_rel_err"] == 0.0 and results["vision"]["reply"]["equal"]
     assert results["embed"]["min_cosine"] > 0.99999 and results["moderation"]["max_abs_diff"] == 0.0
     assert results["train"]["losses"]["cpu"] == {**results["train"]["losses"]["device"],  # seeded: CPU twice, the same
