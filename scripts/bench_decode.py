@@ -39,7 +39,7 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 sys.path.insert(0, str(ROOT / "scripts"))
 
-from benchlib import Target, judge  # noqa: E402
+from benchlib import Target, demo_chat_model, judge  # noqa: E402
 
 CHAT = "tiny-chat"
 
@@ -109,10 +109,7 @@ def main() -> int:
     from arbiter.footprint import default_device
 
     device = default_device() if args.device == "auto" else torch.device(args.device)
-    if args.model == ROOT / "demo-models" / CHAT:
-        from demo import build_demo_models
-
-        build_demo_models(args.model.parent, names=[CHAT])
+    demo_chat_model(args.model)
     where = torch.cuda.get_device_name(device) if device.type == "cuda" else "CPU (no cuDNN: both orders are the same code)"
     print(f"chat engine decode step: {args.model.name}, {args.rows} rows x {args.tokens} tokens, greedy, "
           f"{'streamed' if args.stream else 'read whole'}; "

@@ -43,7 +43,7 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 sys.path.insert(0, str(ROOT / "scripts"))
 
-from benchlib import Target, at_least, judge  # noqa: E402
+from benchlib import Target, at_least, demo_chat_model, judge  # noqa: E402
 
 CHAT = "tiny-chat"
 PROMPT = [{"role": "user", "content": "Copy this file."}]
@@ -106,10 +106,7 @@ def main() -> int:
     import torch
 
     torch.set_num_threads(1)  # one engine thread's work, as on a shared machine (bench_tiers' reason)
-    if args.model == ROOT / "demo-models" / CHAT:
-        from demo import build_demo_models
-
-        build_demo_models(args.model.parent, names=[CHAT])
+    demo_chat_model(args.model)
     print(f"predicted outputs: {args.model.name} on the transformers engine, CPU, 1 torch thread; one greedy reply "
           f"of {args.tokens} tokens at a time, {args.rounds} rounds, medians")
     result = asyncio.run(measure(args))

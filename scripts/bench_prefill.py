@@ -36,7 +36,7 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 sys.path.insert(0, str(ROOT / "scripts"))
 
-from benchlib import at_least, judge, pct  # noqa: E402
+from benchlib import at_least, demo_chat_model, judge, pct  # noqa: E402
 
 CHAT = "tiny-chat"
 WORDS = "the harbour master counts boats at dawn and writes their names in a ledger by the quay".split()
@@ -136,10 +136,7 @@ def main() -> int:
     import torch
 
     torch.set_num_threads(1)  # one engine thread's work, as on a shared machine (bench_tiers' reason)
-    if args.model == ROOT / "demo-models" / CHAT:
-        from demo import build_demo_models
-
-        build_demo_models(args.model.parent, names=[CHAT])
+    demo_chat_model(args.model)
     print(f"prefills together: {args.model.name} on the transformers engine, {args.device}, 1 torch thread; "
           f"{args.clients} clients, {args.requests} greedy replies per run, {args.rounds} rounds, medians")
     result = asyncio.run(measure(args))

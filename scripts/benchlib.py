@@ -37,6 +37,16 @@ def pct(xs: list[float], q: float) -> float:
     return statistics.quantiles(xs, n=100, method="inclusive")[int(q) - 1]
 
 
+def demo_chat_model(model: Path) -> None:
+    """Build the demo chat model when ``model`` is its folder (``demo-models/tiny-chat``), as the
+    worker-level chat benchmarks' default; any other chat model folder is taken as it is."""
+    root = Path(__file__).resolve().parents[1]
+    if Path(model).resolve() == (root / "demo-models" / "tiny-chat").resolve():
+        from demo import build_demo_models
+
+        build_demo_models(root / "demo-models", names=["tiny-chat"])
+
+
 @dataclass(frozen=True)
 class Target:
     claim: str  # what must hold, e.g. "tiergate/broadcast throughput at 1000 waiters >= 10x"
