@@ -114,6 +114,31 @@ def test_image_rows_share_steps_with_text_rows_and_each_reads_as_alone(vlm):
     assert vlm.max_rows_seen >= 2
 
 
+def test_text_rows_on_a_vision_model_share_a_prefill_pass_and_image_rows_keep_their_own(vlm):
+    """Prompts admitted together on the vision-language model: the text rows share a prefill pass
+    (the language model's, left-padded), each image row has its own (its pixels go to the vision
+    tower), and each reply is what the request gets alone."""
+    from tests.test_chat_worker import AdmittedTogether
+
+    def text(content: str) -> ChatRequest:
+        return ChatRequest([{"role": "user", "content": content}], ChatParams(max_tokens=8, temperature=0))
+
+    def prompts() -> list[ChatRequest]:  # new each time: a request's context is cancelled when it ends
+        return [text("hello there"), text("what now, friend?"), asking([picture(5)]), text("hi"), asking([picture(6)])]
+
+    alone = [asyncio.run(run(vlm, r))[0] for r in prompts()]
+
+    async def together():
+        return await asyncio.gather(*[run(vlm, r) for r in prompts()])
+
+    with AdmittedTogether(vlm, 5) as passes:
+        replies = [reply for reply, _ in asyncio.run(together())]
+    # the image rows wait for their pixels to be prepared, so they are admitted after the text rows
+    image = [{"type": "image"}, {"type": "text", "text": "What is in the picture?"}]
+    assert passes == [("together", ["hello there", "what now, friend?", "hi"]), ("alone", image), ("alone", image)]
+    assert replies == alone
+
+
 def test_a_paused_image_row_re_prefills_with_its_pixels(vlm):
     """A batch row paused mid-reply re-prefills prompt + tokens with the image's pixels again:
     without them its image tokens would read as the placeholder's embedding."""
