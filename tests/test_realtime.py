@@ -465,6 +465,62 @@ def test_a_server_without_a_transcription_model_refuses_the_handshake(tiny_chat,
     assert response.status_code == 404 and error["code"] == "model_not_found" and "no transcription" in error["message"]
 
 
+def test_audio_waiting_past_the_limit_is_a_429_and_stays_in_the_buffer_to_commit_later(tiny_stt, tmp_path, monkeypatch):
+    """A session may have at most ``limits.transcription_max_seconds`` of committed audio waiting
+    to be transcribed: a commit past it is an ``error`` event (429 ``too_much_pending_audio``), and
+    its audio stays in the buffer, so that once the earlier utterance is transcribed the same
+    commit goes through and is heard as the HTTP endpoint hears that audio."""
+    import threading
+
+    from gateway import realtime
+
+    running = start_server(write_config(tmp_path, {"tiny-stt": ("stt", tiny_stt)},
+                                        "limits:\n  transcription_max_seconds: 2\n"))
+    release, real = threading.Event(), realtime.stream_transcription
+
+    def held(*args, **kwargs):  # the first utterance is transcribed only once the test lets it
+        async def pieces():
+            while not release.is_set():
+                await asyncio.sleep(0.01)
+            async for piece in real(*args, **kwargs):
+                yield piece
+        return pieces()
+
+    monkeypatch.setattr(realtime, "stream_transcription", held)
+    speech = spoken("Wait for the first one.", rate=RATE)
+    first, second = speech[: int(1.5 * RATE)], speech[-RATE:]  # 1.5 s waiting, then 1 s more: past 2 s
+
+    async def run():
+        async with client(running).realtime.connect(extra_query={"intent": "transcription"}) as conn:
+            await events_until(conn, "session.created")
+            await conn.session.update(session=MANUAL)
+            await events_until(conn, "session.updated")
+            await conn.input_audio_buffer.append(audio=b64(first))
+            await conn.input_audio_buffer.commit()
+            committed = await events_until(conn, "input_audio_buffer.committed")
+            await conn.input_audio_buffer.append(audio=b64(second))
+            await conn.input_audio_buffer.commit()
+            refused = await events_until(conn, "error")
+            release.set()
+            done = await events_until(conn, "conversation.item.input_audio_transcription.completed")
+            await conn.input_audio_buffer.commit()  # the refused audio, still buffered
+            later = await events_until(conn, "conversation.item.input_audio_transcription.completed")
+            return committed[-1], refused[-1], done[-1], later
+
+    try:
+        committed, refused, done, later = asyncio.run(run())
+        http = OpenAI(base_url=running.base_url, api_key=running.keys["paid"], max_retries=0)
+        expected = http.audio.transcriptions.create(model="tiny-stt", file=("a.wav", wav_of(second)), language="en").text
+    finally:
+        running.stop()
+    assert refused.error.code == "too_much_pending_audio" and "2 s" in refused.error.message
+    assert done.item_id == committed.item_id
+    (again,) = [e for e in later if e.type == "input_audio_buffer.committed"]
+    assert later[-1].item_id == again.item_id != committed.item_id
+    assert later[-1].usage.seconds == pytest.approx(1.0, abs=1e-3)  # all of it: nothing was dropped
+    assert later[-1].transcript == expected
+
+
 @pytest.mark.parametrize("law", ["pcmu", "pcma"])
 def test_telephone_audio_is_heard_as_the_same_sound_at_24khz(server, law):
     """A phone network's media stream (G.711 at 8 kHz, sent in 20 ms frames, as Twilio's is):
