@@ -2,8 +2,9 @@
 continuous-batching loop.
 
 One engine thread per loaded model owns the model and a batch of live sequences. Each loop
-iteration admits newly arrived sequences (one prefill each, then their KV cache is merged into the
-batch's cache with left padding), runs ONE forward pass that decodes a token for every live
+iteration admits newly arrived sequences (prefilled together, left-padded, where they may share a
+pass, else one prefill each: ``chat_schedule.prefill_passes``; then their KV cache is merged into
+the batch's cache with left padding), runs ONE forward pass that decodes a token for every live
 sequence, and hands each sequence's new text to its asyncio consumer. Sequences join and leave at
 any step, so concurrent requests share forward passes instead of queueing one behind another.
 
@@ -18,7 +19,7 @@ its prefill's logits at every place, raw, as vLLM's do, in one event before the 
 A decode step is the step boundary: a cancelled sequence (client gone) leaves the batch there;
 a sequence whose context asks it to pause (batch work yielding to another tier) leaves the batch
 keeping its tokens, and rejoins later by re-prefilling prompt + generated tokens. A forward pass
-over batch work alone (a decode step of batch rows, a batch row's prefill) need not finish: a pause
+over batch work alone (a decode step of batch rows, a prefill of batch rows) need not finish: a pause
 order stops it at the next decoder layer (a forward pre-hook), or between two rows' sampling, and
 its rows leave with the tokens they had (the half-stepped cache goes: they re-prefill anyway), so
 the request they yield to waits for a layer rather than a step. With every row paused, the engine
