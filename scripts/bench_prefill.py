@@ -56,7 +56,7 @@ class Engines:
     def __init__(self, worker) -> None:
         import workers.chat as engine
 
-        self.module, self.shipped, self.worker = engine, engine.prefill_passes, worker
+        self.module, self.shipped = engine, engine.prefill_passes
         self.passes = 0
         together, alone = worker._prefill_together, worker._prefill_into
         worker._prefill_together = lambda b, seqs: (self._count(), together(b, seqs))[1]

@@ -533,7 +533,6 @@ def flood_main(url: str, key: str, clients: int, tokens: int, backoff: float, st
 # -- the phases ------------------------------------------------------------------------------------
 
 
-
 @dataclass
 class FloodPhase:
     paid: PaidRun = field(default_factory=PaidRun)
