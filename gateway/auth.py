@@ -78,6 +78,18 @@ def demo_keys(tiers: list[str]) -> dict[str, list[str]]:
     return {t: [f"tg-{t}-{secrets.token_urlsafe(18)}"] for t in tiers}
 
 
+KEY_SUBPROTOCOL = "openai-insecure-api-key."  # a browser's way to send its key (OpenAI's name for it)
+
+
+def subprotocol_key(scope: dict) -> str | None:
+    """The key a browser sends as a WebSocket subprotocol (it cannot set headers on one), as
+    OpenAI's: ``openai-insecure-api-key.<key>``."""
+    for offered in scope.get("subprotocols", ()):
+        if offered.startswith(KEY_SUBPROTOCOL):
+            return offered[len(KEY_SUBPROTOCOL):]
+    return None
+
+
 def bearer_token(authorization: str | None) -> str | None:
     if not authorization:
         return None

@@ -62,7 +62,6 @@ RATE = 24_000  # PCM16 mono: the rate audio/pcm is taken and said at, and that t
 FORMATS = {"pcm": {"type": "audio/pcm", "rate": RATE}, "pcmu": {"type": "audio/pcmu"}, "pcma": {"type": "audio/pcma"}}
 MIN_COMMIT_S = 0.1  # a shorter buffer is refused at commit, as OpenAI's is
 LOGPROBS = "item.input_audio_transcription.logprobs"  # the one thing a transcription session may include
-KEY_SUBPROTOCOL = "openai-insecure-api-key."  # a browser's way to send its key (OpenAI's name for it)
 DEFAULT_VAD = ServerVad(threshold=0.5, prefix_padding_ms=300, silence_duration_ms=500)  # OpenAI's session defaults
 _UNSERVED_INPUT = ("noise_reduction",)
 _SESSION_PARAMS = ("model", "language", "prompt")  # the HTTP fields a session sets in audio.input.transcription
@@ -462,12 +461,3 @@ class TranscriptionSession:
 
     async def failed(self, base: dict, error: dict) -> None:
         await self.send({"type": "conversation.item.input_audio_transcription.failed", **base, "error": error})
-
-
-def _subprotocol_key(ws: WebSocket) -> str | None:
-    """The key a browser sends as a subprotocol (it cannot set headers on a WebSocket), as
-    OpenAI's: ``openai-insecure-api-key.<key>``."""
-    for offered in ws.scope.get("subprotocols", ()):
-        if offered.startswith(KEY_SUBPROTOCOL):
-            return offered[len(KEY_SUBPROTOCOL):]
-    return None

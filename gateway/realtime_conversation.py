@@ -72,13 +72,13 @@ from starlette.responses import JSONResponse
 from starlette.websockets import WebSocket
 
 from gateway import realtime_secrets
-from gateway.auth import Caller, bearer_token
+from gateway.auth import Caller, bearer_token, subprotocol_key
 from gateway.chat import plan_chat, serve_chat
 from gateway.errors import APIError, bad_request
 from gateway.input_audio import chat_engine
 from gateway.output_audio import PCM16_RATE, Voice, phrases_of, say
 from gateway.realtime import (DEFAULT_VAD, FORMATS, MIN_COMMIT_S, RATE, SessionConfig, TranscriptionSession, _audio_bytes,
-                              _new_id, _object, _subprotocol_key, audio_format, updated)
+                              _new_id, _object, audio_format, updated)
 from gateway.request_log import note
 from gateway.schemas import ChatCompletionRequest, parse, read_json
 from gateway.service import ClientGone, Services
@@ -917,9 +917,9 @@ async def _opening(ws: WebSocket, svc: Services) -> tuple[Caller, Callable[[], T
     model the URL names (``?model=``): a speech-to-text model (or none) opens a transcription
     session, a chat model a conversation (``gateway.realtime_conversation``) unless
     ``?intent=transcription`` asks for the other."""
-    presented = bearer_token(ws.headers.get("authorization")) or _subprotocol_key(ws)
+    presented = bearer_token(ws.headers.get("authorization")) or subprotocol_key(ws.scope)
     secret = presented is not None and presented.startswith(realtime_secrets.PREFIX)
-    caller, session = _redeemed(ws, svc, presented) if secret else (svc.authenticate(ws, _subprotocol_key(ws)), None)
+    caller, session = _redeemed(ws, svc, presented) if secret else (svc.authenticate(ws, subprotocol_key(ws.scope)), None)
     if ws.app.state.drain.draining:
         raise APIError(503, "the server is draining: open the session on another one", "draining")
     if session is not None:
