@@ -11,12 +11,13 @@ from ray import serve
 from ray.serve.config import RequestRouterConfig
 
 from cluster.deployments import Deployment, deployments
-from cluster.ingress import Ingress
+from cluster.ingress import Dispatch, Ingress
 from cluster.replica import TierReplica
 from cluster.settings import SERVE_LOGGING, ingress_settings, serve_settings
 from gateway.config import Config
 
 ROOT = Path(__file__).resolve().parents[1]  # on every worker's path, for a source checkout
+REALTIME_SESSIONS = 256  # realtime sessions a replica may hold open beside its gate's requests
 
 
 def runtime_env(ingress_port: int | None = None, ports: int = 1) -> dict:
@@ -42,7 +43,7 @@ def build(config: Config, keys: dict[str, list[str]], admin_keys: list[str]) -> 
         handles[d.name] = {"models": list(d.models), "replicas": d.num_replicas,
                            "handle": _replica(d, gate_capacity, router).bind(source, keys, admin_keys, list(d.models),
                                                                              d.pinned)}
-    ingress = serve.deployment(Ingress).options(
+    ingress = serve.deployment(serve.ingress(Dispatch())(Ingress)).options(
         name="ingress", num_replicas=cluster.nodes, max_replicas_per_node=1, max_ongoing_requests=10_000,
         ray_actor_options={"num_cpus": 0.1, "runtime_env": {"env_vars": ingress_settings()}},
         logging_config=SERVE_LOGGING,
@@ -55,7 +56,9 @@ def _replica(d: Deployment, gate_capacity: int, router: RequestRouterConfig):
         name=d.name,
         num_replicas=d.num_replicas,
         max_replicas_per_node=d.max_replicas_per_node,  # so they spread over the nodes' devices
-        max_ongoing_requests=gate_capacity + 16,  # above what the gate holds: Ray never queues, the gate does
+        # above what the gate holds (Ray never queues, the gate does), and the realtime sessions
+        # open there: each holds one call for its whole life, its utterances queue in the gate
+        max_ongoing_requests=gate_capacity + 16 + REALTIME_SESSIONS,
         ray_actor_options={"num_cpus": d.num_cpus, "num_gpus": d.num_gpus},
         request_router_config=router, logging_config=SERVE_LOGGING,
     )

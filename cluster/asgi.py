@@ -1,5 +1,6 @@
 """Calling a Starlette app in-process, as a stream: the replica serves a forwarded HTTP request
-through the very app ``tiergate serve`` runs (every endpoint, SSE included), with its lifespan."""
+through the very app ``tiergate serve`` runs (every endpoint, SSE included), with its lifespan, and
+a forwarded WebSocket (the Realtime API) as a session whose client messages arrive in a queue."""
 
 from __future__ import annotations
 
@@ -72,6 +73,62 @@ async def call(app, request: Forwarded) -> AsyncIterator[Head | bytes]:
         gone.set()
         if not task.done():
             try:  # not wait_for: it can swallow a cancel on 3.11 (gh-86296)
+                async with asyncio.timeout(5):
+                    await asyncio.shield(task)
+            except Exception:  # noqa: BLE001 - TimeoutError, or the app's own error: it is over
+                task.cancel()
+
+
+@dataclass
+class Opening:
+    """A WebSocket handshake as the ingress forwards it (plain data: it crosses processes)."""
+
+    path: str
+    query: bytes = b""
+    headers: list[tuple[bytes, bytes]] = field(default_factory=list)
+    subprotocols: list[str] = field(default_factory=list)
+    denial: bool = False  # the client's server can answer the handshake with an HTTP response
+
+
+ENDS = {"websocket.close", "websocket.http.response.body"}  # the app's last message (a body without more_body)
+
+
+async def session(app, opening: Opening, inbox: asyncio.Queue) -> AsyncIterator[dict[str, Any]]:
+    """Run the WebSocket ``opening`` through ``app``: the app receives the handshake, then what
+    is put in ``inbox`` (ASGI ``websocket.receive`` and ``websocket.disconnect`` messages); yield
+    every message it sends (``websocket.accept``, ``.send``, ``.close``, or its HTTP denial), until
+    its last. Closing the iterator early is the client gone (the app sees ``websocket.disconnect``)."""
+    out: asyncio.Queue = asyncio.Queue()
+    connected = False
+
+    async def receive() -> dict[str, Any]:
+        nonlocal connected
+        if not connected:
+            connected = True
+            return {"type": "websocket.connect"}
+        return await inbox.get()
+
+    scope = {
+        "type": "websocket", "asgi": {"version": "3.0"}, "http_version": "1.1", "scheme": "ws",
+        "path": opening.path, "raw_path": opening.path.encode(), "query_string": opening.query, "root_path": "",
+        "headers": opening.headers, "subprotocols": list(opening.subprotocols),
+        "client": ("127.0.0.1", 0), "server": ("127.0.0.1", 80),
+        "extensions": {"websocket.http.response": {}} if opening.denial else {},
+    }
+    task = asyncio.ensure_future(app(scope, receive, out.put))
+    task.add_done_callback(lambda t: out.put_nowait(None))
+    try:
+        while (message := await out.get()) is not None:
+            message = {k: bytes(v) if isinstance(v, (bytearray, memoryview)) else v for k, v in message.items()}
+            yield message
+            if message["type"] in ENDS and not message.get("more_body", False):
+                return
+        if task.exception() is not None:
+            raise task.exception()
+    finally:
+        if not task.done():
+            inbox.put_nowait({"type": "websocket.disconnect", "code": 1001})
+            try:  # not wait_for (see ``call``)
                 async with asyncio.timeout(5):
                     await asyncio.shield(task)
             except Exception:  # noqa: BLE001 - TimeoutError, or the app's own error: it is over

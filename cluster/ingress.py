@@ -1,5 +1,6 @@
-"""The cluster's HTTP entry point, behind Ray Serve's proxy (one per node): what the gateway does
-before a model is needed, then the call to the replica the router picks, streamed back.
+"""The cluster's HTTP entry point, behind Ray Serve's proxy (one per node; an ASGI app for Serve,
+``Dispatch``): what the gateway does before a model is needed, then the call to the replica the
+router picks, streamed back.
 
 * authentication with the tiers' keys and the managed keys (``gateway.accounts``: the store is
   ``cluster.redis_url``'s Redis when set, shared with every replica, read at Serve's first health
@@ -18,6 +19,10 @@ before a model is needed, then the call to the replica the router picks, streame
   answering is tried once more (Serve drops it from the router's candidates).
 * a replica that dies mid-answer: a stream (SSE) ends with an OpenAI-shaped error event, which the
   OpenAI SDK raises as an ``APIError``; any other body is cut short.
+* the Realtime API's WebSocket (``/v1/realtime``): the key, the model's access and the key's
+  limits checked at the handshake, then the session runs on the replica the router picks for its
+  model, its messages relayed both ways (``_realtime``; docs/CLUSTER.md, Realtime sessions);
+  client secrets (``ek_``) are refused, as a secret is redeemed only by the process that made it;
 * ``GET /metrics``: the cluster's scrape target, every replica's metrics with a ``replica`` label
   plus this ingress's own (``cluster.scrape``).
 * CORS (``server.cors_origins``): Starlette's middleware, as ``tiergate serve`` runs it, answers a
@@ -33,9 +38,11 @@ only reads, so it spends nothing twice (docs/CLUSTER.md).
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
 import logging
 import re
+import uuid
 from collections import Counter
 from collections.abc import AsyncIterator
 from dataclasses import dataclass
@@ -47,7 +54,7 @@ from prometheus_client.metrics_core import Metric
 from ray import serve
 from ray.exceptions import RayError
 from starlette.middleware import Middleware
-from starlette.requests import Request
+from starlette.requests import HTTPConnection, Request
 from starlette.responses import JSONResponse, Response, StreamingResponse
 
 from cluster.quota import early_refusal
@@ -57,7 +64,7 @@ from cluster.settings import in_effect
 from accounts.store import STORE_ERRORS
 from gateway.accounts import Accounts
 from gateway.cors import cors
-from gateway.auth import Caller, KeyRing, bearer_token
+from gateway.auth import Caller, KeyRing, bearer_token, subprotocol_key
 from gateway.config import load_config
 from gateway.errors import APIError, store_unavailable
 
@@ -85,12 +92,25 @@ class Ingress:
         replicas = sum(t.replicas for t in self.deployments)
         self.capacity = {t.name: replicas * (self.config.max_inflight(t) + t.max_queued) for t in self.config.tiers}
         self.inflight = {t.name: 0 for t in self.config.tiers}
+        self.sessions = {t.name: 0 for t in self.config.tiers}  # realtime sessions open through this ingress
         self.answered: Counter[tuple[str, str, int]] = Counter()  # (tier, where, status) -> responses
         self.id = serve.get_replica_context().replica_id.unique_id
         self.redirects = 0
         self.cors = cors(self.config.server.cors_origins)  # [] when no origins are listed
 
-    async def __call__(self, request: Request) -> Response:
+    async def asgi(self, scope: dict, receive, send) -> None:
+        """An HTTP request or a WebSocket (the Realtime API), as Serve hands it over (``Dispatch``)."""
+        if scope["type"] == "websocket":
+            await self._realtime(scope, receive, send)
+            return
+        try:
+            response = await self.handle(Request(scope, receive, send))
+        except Exception:  # noqa: BLE001 - a bug here: a clean 500, as Serve gave one
+            log.exception("the ingress failed on a request")
+            response = APIError(500, "the ingress failed on this request", "internal_error").response()
+        await response(scope, receive, send)
+
+    async def handle(self, request: Request) -> Response:
         if self.cors and request.method == "OPTIONS" and "access-control-request-method" in request.headers:
             return self._own(Response())  # a preflight: the CORS middleware answers it, before authentication
         path = _app_path(request.scope)
@@ -105,6 +125,10 @@ class Ingress:
             if path in RUNTIME_LORA_PATHS:  # one replica would know the adapter, and this ingress none
                 raise APIError(400, f"{path} changes one process's adapters: in a cluster, put adapters in the "
                                "adapter_dirs folders every node reads (README, Adapter folders)", "unsupported_in_cluster")
+            if path == "/v1/realtime/client_secrets":  # a secret lives in the process that made it
+                raise APIError(400, "client secrets are made and redeemed by one process: in a cluster, a browser's "
+                               "server opens the realtime session for it, or the browser uses tiergate serve",
+                               "unsupported_in_cluster")
             if path.startswith("/v1/fine_tuning/"):  # a job runs on its model's trainer, which replicas do not share
                 raise APIError(400, "fine-tuning runs on tiergate serve, not in a cluster: train on one server, "
                                "whose adapters the cluster's adapter_dirs folders then serve", "unsupported_in_cluster")
@@ -175,30 +199,35 @@ class Ingress:
                 await self.accounts.store.close()  # the next start opens it again
             raise
 
-    async def _caller(self, request: Request) -> Caller:
+    async def _caller(self, request: HTTPConnection, token: str | None = None) -> Caller:
+        """The key's caller (``token``, when given, is the key a browser's WebSocket offers as a
+        subprotocol); 401 without a valid key, 503 while the key store does not answer."""
         try:
             await self._accounts()
         except STORE_ERRORS as exc:  # Redis down: a clean 503, and the next caller tries again
             log.warning("the key store did not answer: %s: %s", type(exc).__name__, exc)
             raise store_unavailable() from exc
-        token = bearer_token(request.headers.get("authorization"))
+        token = bearer_token(request.headers.get("authorization")) or token
         caller = (self.keys.lookup(token) or self.accounts.lookup(token)) if token else None
         if caller is None:
             raise APIError(401, "missing or incorrect API key", "invalid_api_key")
         return caller
 
-    async def _call(self, forwarded: dict, model: str | None, tier: int, streamed: bool, affinity: str | None = None):
+    async def _call(self, forwarded: dict, model: str | None, tier: int, streamed: bool, affinity: str | None = None,
+                    method: str = ""):
         """The first reply of the replica that takes the request (``{"status", "headers"}``, with
         ``"body"`` when it is the whole answer), the rest of a streamed one, and the redirects.
         A request that did not ask for a stream is one plain call (``answer``), cheaper in Ray
-        than a streaming call."""
-        target = self.by_model.get(model, self.default) if model is not None else self.default
+        than a streaming call. ``method="realtime"``: a realtime session's opening (the first
+        reply is ``{"replica"}`` or a refusal)."""
+        target = self.target(model)
         avoid: list[str] = []
         for _ in range(max(2, target.replicas)):  # until a replica takes it or the router refuses
             stream = None
             try:
                 if streamed:
-                    stream = target.forward.remote(forwarded, model=model, tier=tier, avoid=avoid, affinity=affinity)
+                    call = target.realtime if method == "realtime" else target.forward
+                    stream = call.remote(forwarded, model=model, tier=tier, avoid=avoid, affinity=affinity)
                     first = await stream.__anext__()
                 else:
                     first = await target.answer.remote(forwarded, model=model, tier=tier, avoid=avoid, affinity=affinity)
@@ -214,6 +243,93 @@ class Ingress:
                        "model_protected" if avoid else "replica_unavailable",
                        headers={"retry-after": "1", "retry-after-ms": "1000"},
                        type="rate_limit_error" if avoid else None)
+
+    async def _realtime(self, scope: dict, receive, send) -> None:
+        """A Realtime API session (``/v1/realtime``, a WebSocket): the key is checked here (a
+        header, or a browser's subprotocol), then the session runs on the replica the router picks
+        for its model, as ``tiergate serve`` runs it (``TierReplica.realtime``), with its messages
+        relayed both ways. A refusal before the session is the handshake's HTTP answer where the
+        client's server can send one, else a policy close (1008), as in ``tiergate serve``."""
+        denial = "websocket.http.response" in scope.get("extensions", {})
+        tier = "-"
+        try:
+            if (await receive())["type"] != "websocket.connect":
+                return
+            connection = HTTPConnection(scope)
+            path = _app_path(scope)
+            if path != "/v1/realtime":
+                raise APIError(404, f"no WebSocket at {path}: the Realtime API is /v1/realtime", "not_found")
+            presented = bearer_token(connection.headers.get("authorization")) or subprotocol_key(scope)
+            if presented is not None and presented.startswith(CLIENT_SECRET_PREFIX):
+                raise APIError(400, "client secrets are made and redeemed by one process: in a cluster, open the "
+                               "session with an API key", "unsupported_in_cluster")
+            caller = await self._caller(connection, subprotocol_key(scope))
+            tier = caller.tier
+            model = self._session_model(connection.query_params.get("model"))
+            if model is not None and not self.accounts.allows(caller, model):
+                raise APIError(404, f"the model '{model}' does not exist", "model_not_found", "model")
+            if model is not None and (early := await early_refusal(self.accounts, caller)) is not None:
+                raise early
+            opening = {"session": uuid.uuid4().hex, "path": path, "query": scope.get("query_string", b""),
+                       "headers": _with_request_id(list(scope.get("headers", []))),
+                       "subprotocols": list(scope.get("subprotocols", [])), "denial": denial}
+            first, rest, _ = await self._call(opening, model, self.rank[tier], True, method="realtime")
+        except APIError as exc:
+            self.answered[(tier, "ingress", exc.status)] += 1
+            response = exc.response()
+            await _deny(send, response.status_code, response.raw_headers, bytes(response.body), denial)
+            return
+        if "replica" not in first:  # the cluster-wide refusal, delivered by a replica
+            self.answered[(tier, "replica", first["status"])] += 1
+            await _deny(send, first["status"], first["headers"], first["body"], denial)
+            return
+        self.sessions[tier] += 1
+        try:
+            await self._relay(rest, self.target(model), opening["session"], first["replica"], receive, send, denial)
+        finally:
+            self.sessions[tier] -= 1
+
+    async def _relay(self, rest, target: "_Target", session: str, replica: str, receive, send, denial: bool) -> None:
+        """The session's messages, both ways, until one side ends it: the replica's as they come,
+        the client's in order, one call at a time (``realtime_input``, pinned to the replica),
+        each carrying all that arrived while the one before was under way."""
+        pump: asyncio.Task | None = None
+        try:
+            async for message in rest:
+                if message["type"] == "websocket.accept":
+                    pump = asyncio.ensure_future(_pump(receive, target, session, replica))
+                await send(message)
+        except RayError as exc:  # the replica died: a clean error, as a stream gets one
+            log.warning("replica failed mid-session: %s", type(exc).__name__)
+            error = APIError(502, "the replica serving this session failed; open a new session", "replica_failed")
+            if pump is None:
+                response = error.response()
+                await _deny(send, response.status_code, response.raw_headers, bytes(response.body), denial)
+                return
+            with contextlib.suppress(Exception):  # the client may have left too
+                await send({"type": "websocket.send", "text": json.dumps(
+                    {"type": "error", "event_id": f"event_{uuid.uuid4().hex[:24]}", "error": error.body()["error"]})})
+                await send({"type": "websocket.close", "code": 1011, "reason": "the replica failed"})
+        except OSError:  # the client's connection broke while a message was sent to it
+            pass
+        finally:
+            if pump is not None:
+                pump.cancel()
+                with contextlib.suppress(asyncio.CancelledError, Exception):
+                    await pump
+
+    def _session_model(self, name: str | None) -> str | None:
+        """The model a realtime session is routed by: the chat model of a conversation, or the
+        speech-to-text model of a transcription (the first one configured when the URL names
+        none); None for a name the cluster does not know (the replica refuses it as
+        ``tiergate serve`` does)."""
+        if name:
+            return self.base.get(name)
+        return next((m.name for m in self.config.models if m.kind == "stt"), None)
+
+    def target(self, model: str | None) -> "_Target":
+        """The deployment that serves ``model`` (the pool for requests that need none)."""
+        return self.by_model.get(model, self.default) if model is not None else self.default
 
     async def _body(self, rest, tier: str, sse: bool) -> AsyncIterator[bytes]:
         try:
@@ -257,10 +373,14 @@ class Ingress:
                                      labels=["ingress", "tier"])
         for tier, n in self.inflight.items():
             inflight.add_metric([me, tier], n)
+        sessions = GaugeMetricFamily("tiergate_ingress_realtime_sessions", "Realtime API sessions open through "
+                                     "this ingress", labels=["ingress", "tier"])
+        for tier, n in self.sessions.items():
+            sessions.add_metric([me, tier], n)
         redirects = CounterMetricFamily("tiergate_ingress_redirects", "Replicas that answered redirect (stale stats)",
                                         labels=["ingress"])
         redirects.add_metric([me], self.redirects)
-        return [answered, inflight, redirects]
+        return [answered, inflight, sessions, redirects]
 
     def _model(self, request: Request, body: bytes) -> tuple[str | None, bool, str | None]:
         """The base model the request needs (None for endpoints that need none), whether its
@@ -296,6 +416,65 @@ class Ingress:
 
 
 RUNTIME_LORA_PATHS = ("/v1/load_lora_adapter", "/v1/unload_lora_adapter")
+CLIENT_SECRET_PREFIX = "ek_"  # gateway.realtime_secrets.PREFIX (that module is not imported here)
+
+
+async def _pump(receive, target: "_Target", session: str, replica: str) -> None:
+    """A realtime client's messages to its session's replica (``Ingress._relay``), until the
+    client leaves or the session is no longer there."""
+    arrived: asyncio.Queue = asyncio.Queue()
+
+    async def read() -> None:
+        while True:
+            message = await receive()
+            arrived.put_nowait(message)
+            if message["type"] == "websocket.disconnect":
+                return
+
+    reader = asyncio.ensure_future(read())
+    try:
+        while True:
+            batch = [await arrived.get()]
+            while not arrived.empty():
+                batch.append(arrived.get_nowait())
+            if not await target.realtime_input.remote(session, batch, replica=replica):
+                return  # the session ended there, or its replica died (the relay says so)
+            if batch[-1]["type"] == "websocket.disconnect":
+                return
+    except RayError:
+        return  # the replica died: the relay's stream fails too and tells the client
+    finally:
+        reader.cancel()
+
+
+async def _deny(send, status: int, headers: list[tuple[bytes, bytes]], body: bytes, denial: bool) -> None:
+    """Refuse a WebSocket's handshake: with an HTTP answer where the server can send one (ASGI's
+    ``websocket.http.response``), else with a policy close naming the reason."""
+    if denial:
+        kept = [(k, v) for k, v in headers if k.lower() != b"content-length"]
+        await send({"type": "websocket.http.response.start", "status": status,
+                    "headers": kept + [(b"content-length", str(len(body)).encode())]})
+        await send({"type": "websocket.http.response.body", "body": body})
+        return
+    try:
+        reason = json.loads(body)["error"]["message"][:120]
+    except (ValueError, KeyError, TypeError):
+        reason = ""
+    await send({"type": "websocket.close", "code": 1008, "reason": reason})
+
+
+class Dispatch:
+    """The ingress's ASGI app for Serve (``serve.ingress``): HTTP requests and WebSockets go to the
+    replica's ``Ingress``; the lifespan is the ingress's own (it starts at Serve's health check)."""
+
+    async def __call__(self, scope: dict, receive, send) -> None:
+        if scope["type"] == "lifespan":
+            while True:
+                message = await receive()
+                await send({"type": message["type"] + ".complete"})
+                if message["type"] == "lifespan.shutdown":
+                    return
+        await serve.get_replica_context().servable_object.asgi(scope, receive, send)
 
 
 def affinity_of(body: dict) -> str | None:
@@ -332,6 +511,8 @@ class _Target:
     forward: Any  # streamed
     answer: Any
     metrics: Any
+    realtime: Any  # streamed: a realtime session's messages from the replica
+    realtime_input: Any  # the client's, to it
     replicas: int
 
     @classmethod
@@ -340,7 +521,8 @@ class _Target:
         its calls go over gRPC when this process's Serve says so (``cluster.settings``)."""
         handle = handle.options(_by_reference=not in_effect()["RAY_SERVE_USE_GRPC_BY_DEFAULT"])
         return cls(handle.options(method_name="forward", stream=True), handle.options(method_name="answer"),
-                   handle.options(method_name="metrics"), replicas)
+                   handle.options(method_name="metrics"), handle.options(method_name="realtime", stream=True),
+                   handle.options(method_name="realtime_input"), replicas)
 
 
 def _app_path(scope: dict) -> str:

@@ -2,7 +2,9 @@
 batch runner of ``tiergate serve``, built from the same tiers.yaml by ``gateway.app``.
 
 The ingress forwards each request (``forward``); the replica runs it through its own Starlette app
-in-process (``cluster.asgi``), so every endpoint and SSE behave exactly as in ``tiergate serve``.
+in-process (``cluster.asgi``), so every endpoint and SSE behave exactly as in ``tiergate serve``;
+a realtime session (``realtime``) runs the same way, its client's messages arriving through
+``realtime_input``.
 Before that it re-checks the router's choice on its fresh stats: a request its arbiter would refuse
 is answered "redirect", and the ingress tries elsewhere; a cluster-wide 429 or 503 verdict that
 travels with the request is answered as such unless this replica can take the request after all
@@ -19,7 +21,7 @@ from collections.abc import AsyncIterator
 from dataclasses import replace
 from pathlib import Path
 
-from cluster.asgi import Forwarded, Head, Lifespan, call
+from cluster.asgi import Forwarded, Head, Lifespan, Opening, call, session
 from cluster.deployments import serving_only, shared_store
 from cluster.router import RANK
 from cluster.settings import in_effect
@@ -67,6 +69,7 @@ class TierReplica:
         self.id = replica_id()
         self.node = node_id()
         self._lifespan = Lifespan(self.app)
+        self._sessions: dict[str, asyncio.Queue] = {}  # realtime sessions: their client messages
         self._started: asyncio.Future | None = None
 
     async def check_health(self) -> None:
@@ -115,20 +118,8 @@ class TierReplica:
         stream (SSE, or a body past ``WHOLE_BODY_BYTES``), or ``{"redirect": replica}`` when this
         replica's arbiter would refuse the request now. ``affinity`` is the router's (read there)."""
         await self._start()
-        arbiter = self.services.arbiter
-        known = model is not None and model in arbiter.states
-        takes = known and option(arbiter.view(), model, tier, arbiter.batch_rank).need in RANK
-        if verdict is not None and takes:
-            verdict = None  # the reports were stale: this replica can take it now
-        if verdict is not None:  # the router found no replica: answer for the cluster
-            error = APIError(verdict["status"], verdict["message"], verdict["code"],
-                             headers=_retry(verdict.get("retry_after")), type=verdict.get("type"))
-            response = error.response()
-            yield {"status": response.status_code, "headers": self._headers(response.raw_headers),
-                   "body": bytes(response.body)}
-            return
-        if known and not takes:
-            yield {"redirect": self.id}
+        if (refused := self._routed(model, tier, verdict)) is not None:
+            yield refused
             return
         head: dict | None = None
         held: list[bytes] = []
@@ -166,6 +157,60 @@ class TierReplica:
             else:
                 chunks.append(item)
         return {**head, "body": b"".join(chunks)}
+
+    async def realtime(self, opening: dict, model: str | None = None, tier: int = 0,
+                       avoid: list[str] | None = None, verdict: dict | None = None,
+                       affinity: str | None = None) -> AsyncIterator[dict]:
+        """Serve one Realtime API session (``/v1/realtime``, a WebSocket) through the app, as
+        ``tiergate serve`` does: yield ``{"replica"}`` (where the ingress sends the client's
+        messages: ``realtime_input``), then every ASGI message the app sends, its handshake
+        answer first (``websocket.accept``, with this replica's headers, or its HTTP denial),
+        until it closes; or, before any of that, ``{"redirect"}`` or a cluster-wide refusal
+        (``{"status", "headers", "body"}``) as ``forward`` answers them. ``opening["session"]``
+        names the session for ``realtime_input``; closing the stream is the client gone."""
+        await self._start()
+        if (refused := self._routed(model, tier, verdict)) is not None:
+            yield refused
+            return
+        name = opening.pop("session")
+        inbox: asyncio.Queue = asyncio.Queue()
+        self._sessions[name] = inbox
+        try:
+            yield {"replica": self.id}
+            async for message in session(self.app, Opening(**opening), inbox):
+                if message["type"] in ("websocket.accept", "websocket.http.response.start"):
+                    message = {**message, "headers": self._headers(list(message.get("headers") or []))}
+                yield message
+        finally:
+            del self._sessions[name]
+
+    async def realtime_input(self, session: str, messages: list[dict], replica: str | None = None) -> bool:
+        """The client's messages for a session this replica serves (``replica`` pins the call
+        here: the router reads it); False when the session is not here (it ended, or this is not
+        the replica it was on: that one died)."""
+        inbox = self._sessions.get(session)
+        if inbox is None:
+            return False
+        for message in messages:
+            inbox.put_nowait(message)
+        return True
+
+    def _routed(self, model: str | None, tier: int, verdict: dict | None) -> dict | None:
+        """None when this replica takes the request; else its answer: ``{"redirect"}`` when its
+        arbiter would refuse now, or the cluster-wide refusal the router's ``verdict`` carries
+        (unless this replica can take it after all: the reports were stale)."""
+        arbiter = self.services.arbiter
+        known = model is not None and model in arbiter.states
+        takes = known and option(arbiter.view(), model, tier, arbiter.batch_rank).need in RANK
+        if verdict is not None and not takes:  # the router found no replica: answer for the cluster
+            error = APIError(verdict["status"], verdict["message"], verdict["code"],
+                             headers=_retry(verdict.get("retry_after")), type=verdict.get("type"))
+            response = error.response()
+            return {"status": response.status_code, "headers": self._headers(response.raw_headers),
+                    "body": bytes(response.body)}
+        if known and not takes:
+            return {"redirect": self.id}
+        return None
 
     def _headers(self, headers: list[tuple[bytes, bytes]]) -> list[tuple[bytes, bytes]]:
         return [*headers, (REPLICA_HEADER, self.id.encode()), (NODE_HEADER, self.node.encode())]

@@ -78,7 +78,8 @@ def test_a_folder_adapter_goes_to_its_base_models_replicas(tmp_path, tiny_chat):
 def test_runtime_lora_loading_and_fine_tuning_are_refused_in_a_cluster(tmp_path, tiny_chat):
     """vLLM's load/unload endpoints change one process's adapters: through the ingress they would
     reach one replica, and the ingress would not route the name. A clear 400 points to adapter_dirs.
-    Fine-tuning jobs, likewise: a job runs on a trainer that the replicas' arbiters do not share."""
+    Fine-tuning jobs, likewise: a job runs on a trainer that the replicas' arbiters do not share.
+    And realtime client secrets: one is redeemed only by the process that made it."""
     config = load_config(write_config(tmp_path, {"m": ("chat", tiny_chat)}))
     ingress = object.__new__(Ingress)
     ingress.config, ingress.base, ingress.cors = config, {"m": "m"}, []
@@ -91,9 +92,69 @@ def test_runtime_lora_loading_and_fine_tuning_are_refused_in_a_cluster(tmp_path,
 
     ingress._accounts = accounts_ready
     ingress._serve = None  # never reached
-    for path in ("/v1/load_lora_adapter", "/v1/unload_lora_adapter", "/v1/fine_tuning/jobs", "/v1/fine_tuning/jobs/x"):
+    for path in ("/v1/load_lora_adapter", "/v1/unload_lora_adapter", "/v1/fine_tuning/jobs", "/v1/fine_tuning/jobs/x",
+                 "/v1/realtime/client_secrets"):
         request = Request({"type": "http", "method": "POST", "path": path, "query_string": b"",
                            "headers": [(b"authorization", b"Bearer key-admin"), (b"content-type", b"application/json")]})
-        answer = asyncio.run(ingress(request))
+        answer = asyncio.run(ingress.handle(request))
         assert answer.status_code == 400
         assert json.loads(answer.body)["error"]["code"] == "unsupported_in_cluster"
+
+
+def test_a_websocket_runs_through_an_app_in_process_as_a_replica_serves_a_realtime_session():
+    """``cluster.asgi.session``: the app gets the handshake, then what the inbox holds, in order;
+    every message it sends comes out (its accept's subprotocol and headers, its frames, its close)
+    and the stream ends at its close. A refusal is its HTTP answer when the client's server can send
+    one, and a policy close when it cannot. A stream closed early is the client gone."""
+    from starlette.applications import Starlette
+    from starlette.responses import PlainTextResponse
+    from starlette.routing import WebSocketRoute
+    from starlette.websockets import WebSocket, WebSocketDisconnect
+
+    from cluster.asgi import Opening, session
+
+    left: list[int] = []
+
+    async def echo(ws: WebSocket) -> None:
+        if ws.query_params.get("key") != "good":
+            try:
+                await ws.send_denial_response(PlainTextResponse("no", status_code=401))
+            except RuntimeError:  # no denial extension
+                await ws.close(code=1008, reason="no")
+            return
+        await ws.accept(subprotocol="realtime", headers=[(b"x-made-by", b"echo")])
+        try:
+            while (text := await ws.receive_text()) != "bye":
+                await ws.send_text(text.upper())
+        except WebSocketDisconnect as gone:
+            left.append(gone.code)
+            return
+        await ws.close(code=1000)
+
+    app = Starlette(routes=[WebSocketRoute("/ws", echo)])
+
+    async def run(query: bytes, said: list[str], denial: bool = True, take: int | None = None) -> list[dict]:
+        inbox: asyncio.Queue = asyncio.Queue()
+        for text in said:
+            inbox.put_nowait({"type": "websocket.receive", "text": text})
+        out = []
+        stream = session(app, Opening("/ws", query, [], ["realtime"], denial), inbox)
+        async for message in stream:
+            out.append(message)
+            if take is not None and len(out) == take:
+                break
+        await stream.aclose()
+        return out
+
+    talk = asyncio.run(run(b"key=good", ["hi", "there", "bye", "never read"]))
+    assert [m["type"] for m in talk] == ["websocket.accept", "websocket.send", "websocket.send", "websocket.close"]
+    assert talk[0]["subprotocol"] == "realtime" and (b"x-made-by", b"echo") in talk[0]["headers"]
+    assert [m["text"] for m in talk[1:3]] == ["HI", "THERE"] and talk[3]["code"] == 1000
+    denied = asyncio.run(run(b"key=bad", []))
+    assert [m["type"] for m in denied] == ["websocket.http.response.start", "websocket.http.response.body"]
+    assert denied[0]["status"] == 401 and denied[1]["body"] == b"no"
+    closed = asyncio.run(run(b"key=bad", [], denial=False))
+    assert [(m["type"], m["code"]) for m in closed] == [("websocket.close", 1008)]
+    assert left == []
+    early = asyncio.run(run(b"key=good", ["hi"], take=2))  # the client gone after the first answer
+    assert [m["type"] for m in early] == ["websocket.accept", "websocket.send"] and left == [1001]

@@ -181,6 +181,66 @@ def test_sse_streaming_through_the_ingress_with_the_openai_sdk(cluster):
     assert "".join(c.choices[0].delta.content or "" for c in chunks if c.choices)
 
 
+def ws_url(cluster, query: str = "?model=c") -> str:
+    return cluster.url.replace("http", "ws") + "/v1/realtime" + query
+
+
+def test_a_realtime_conversation_through_the_ingress(cluster):
+    """The Realtime API's WebSocket through the ingress, with the openai SDK's realtime client: a
+    text turn on c is answered as a greedy chat completion over the same conversation answers it
+    (the cluster has no speech models: text turns only), on the replica where c is resident; the
+    ingress counts the session while it is open; the key is checked at the ingress."""
+    import websockets
+
+    from tests.test_realtime import events_until
+
+    turn = [{"role": "system", "content": "Answer briefly."}, {"role": "user", "content": "Where is the gold?"}]
+    expected = openai.OpenAI(base_url=f"{cluster.url}/v1", api_key="key-paid", max_retries=0).chat.completions.create(
+        model="c", messages=turn, max_tokens=12, temperature=0)
+    holder = replica(chat(cluster, "c", "paid"))
+
+    async def conversation():
+        client = openai.AsyncOpenAI(base_url=f"{cluster.url}/v1", api_key="key-paid", max_retries=0)
+        async with client.realtime.connect(model="c") as conn:
+            created = (await events_until(conn, "session.created"))[-1]
+            await conn.session.update(session={"type": "realtime", "instructions": turn[0]["content"],
+                                               "max_output_tokens": 12, "output_modalities": ["text"]})
+            await events_until(conn, "session.updated")
+            await conn.conversation.item.create(item={"type": "message", "role": "user",
+                                                      "content": [{"type": "input_text", "text": turn[1]["content"]}]})
+            await conn.response.create()
+            return created, await events_until(conn, "response.done")
+
+    async def raw():
+        async with websockets.connect(ws_url(cluster), additional_headers={"Authorization": "Bearer key-subscriber"}) as ws:
+            assert json.loads(await ws.recv())["type"] == "session.created"
+            during = await asyncio.to_thread(scrape, cluster)
+            return ws.response.headers, during
+
+    async def refused(headers: dict, query: str = "?model=c"):
+        with pytest.raises(websockets.exceptions.InvalidStatus) as denied:
+            async with websockets.connect(ws_url(cluster, query), additional_headers=headers):
+                pass
+        return denied.value.response
+
+    created, reply = asyncio.run(conversation())
+    assert created.session.model == "c"
+    text = "".join(e.delta for e in reply if e.type == "response.output_text.delta")
+    assert reply[-1].response.status == "completed"
+    assert text == expected.choices[0].message.content
+    headers, during = asyncio.run(raw())
+    assert headers["x-tiergate-replica"] == holder  # the session ran where c is resident
+    open_now = {s.labels["tier"]: s.value for s in during["tiergate_ingress_realtime_sessions"]}
+    assert open_now["subscriber"] == 1 and open_now["paid"] == 0
+    assert {s.labels["tier"]: s.value for s in scrape(cluster)["tiergate_ingress_realtime_sessions"]}["subscriber"] == 0
+    nobody = asyncio.run(refused({"Authorization": "Bearer key-nobody"}))
+    assert nobody.status_code == 401 and json.loads(nobody.body)["error"]["code"] == "invalid_api_key"
+    secret = asyncio.run(refused({"Authorization": "Bearer ek_made-elsewhere"}))
+    assert secret.status_code == 400 and json.loads(secret.body)["error"]["code"] == "unsupported_in_cluster"
+    unknown = asyncio.run(refused({"Authorization": "Bearer key-paid"}, "?model=no-such-model"))
+    assert unknown.status_code == 404 and json.loads(unknown.body)["error"]["param"] == "model"  # a replica's answer
+
+
 def test_serve_settings_reach_the_replicas(cluster):
     """tiergate's Ray Serve settings (``cluster.settings``) travel in the job's runtime_env and are
     what Serve read in each replica's and ingress's process, not Serve's defaults; the ingress calls
@@ -457,8 +517,9 @@ def test_stale_stats_redirect(cluster):
 
 
 def test_a_replica_killed_mid_stream(cluster):
-    """The client gets a clean error (the SDK raises it), and the next request is served by a
-    replica that is alive (reported: how long after the kill). Serve starts a replica in the dead
+    """The client gets a clean error (the SDK raises it; a realtime session on that replica gets an
+    error event and a close), and the next request is served by a replica that is alive (reported:
+    how long after the kill). Serve starts a replica in the dead
     one's place while the next test deploys its application: the last test waits for it."""
     client = openai.OpenAI(base_url=f"{cluster.url}/v1", api_key="key-paid", max_retries=0)
     long = dict(model="c", messages=[{"role": "user", "content": "tell me"}], max_tokens=480, temperature=0)
@@ -467,11 +528,33 @@ def test_a_replica_killed_mid_stream(cluster):
     victim = stream.response.headers["x-tiergate-replica"]
     chunks = iter(stream)
     next(chunks)
-    killed = time.monotonic()
-    ray.kill(ray.get_actor(f"SERVE_REPLICA::tiergate#replica#{victim}", namespace="serve"), no_restart=True)
-    with pytest.raises(openai.APIError, match="replica serving this request failed"):
-        for _ in chunks:
-            pass
+
+    def kill() -> float:
+        killed = time.monotonic()
+        ray.kill(ray.get_actor(f"SERVE_REPLICA::tiergate#replica#{victim}", namespace="serve"), no_restart=True)
+        with pytest.raises(openai.APIError, match="replica serving this request failed"):
+            for _ in chunks:
+                pass
+        return killed
+
+    async def a_realtime_session_through_the_kill():
+        """A realtime session open on the same replica: an error event, then a close (1011)."""
+        import websockets
+
+        async with websockets.connect(ws_url(cluster), additional_headers={"Authorization": "Bearer key-paid"}) as ws:
+            assert json.loads(await ws.recv())["type"] == "session.created"
+            where = ws.response.headers["x-tiergate-replica"]
+            killed = await asyncio.to_thread(kill)
+            events = []
+            with pytest.raises(websockets.exceptions.ConnectionClosedError) as closed:
+                async with asyncio.timeout(30):
+                    while True:
+                        events.append(json.loads(await ws.recv()))
+            return killed, where, events, closed.value.rcvd.code
+
+    killed, where, events, code = asyncio.run(a_realtime_session_through_the_kill())
+    assert where == victim
+    assert [e["error"]["code"] for e in events if e["type"] == "error"] == ["replica_failed"] and code == 1011
     for attempt in range(20):
         after = chat(cluster, "c", "paid")
         if after.status_code == 200:
