@@ -22,7 +22,9 @@ router picks, streamed back.
 * the Realtime API's WebSocket (``/v1/realtime``): the key, the model's access and the key's
   limits checked at the handshake, then the session runs on the replica the router picks for its
   model, its messages relayed both ways (``_realtime``; docs/CLUSTER.md, Realtime sessions);
-  client secrets (``ek_``) are refused, as a secret is redeemed only by the process that made it;
+* what one replica keeps in memory goes back to it: a client secret's session, an image url's
+  file, a chat that sends a spoken reply back by its audio id go to the replica whose id is in
+  theirs (``gateway.origin``), which checks them as ``tiergate serve`` does;
 * ``GET /metrics``: the cluster's scrape target, every replica's metrics with a ``replica`` label
   plus this ingress's own (``cluster.scrape``).
 * CORS (``server.cors_origins``): Starlette's middleware, as ``tiergate serve`` runs it, answers a
@@ -67,6 +69,7 @@ from gateway.cors import cors
 from gateway.auth import Caller, KeyRing, bearer_token, subprotocol_key
 from gateway.config import load_config
 from gateway.errors import APIError, store_unavailable
+from gateway.origin import origin_of
 
 log = logging.getLogger("tiergate.cluster")
 _DROPPED = {b"x-request-id", b"content-length"}  # the proxy writes the same id; the length is set here
@@ -125,10 +128,6 @@ class Ingress:
             if path in RUNTIME_LORA_PATHS:  # one replica would know the adapter, and this ingress none
                 raise APIError(400, f"{path} changes one process's adapters: in a cluster, put adapters in the "
                                "adapter_dirs folders every node reads (README, Adapter folders)", "unsupported_in_cluster")
-            if path == "/v1/realtime/client_secrets":  # a secret lives in the process that made it
-                raise APIError(400, "client secrets are made and redeemed by one process: in a cluster, a browser's "
-                               "server opens the realtime session for it, or the browser uses tiergate serve",
-                               "unsupported_in_cluster")
             if path.startswith("/v1/fine_tuning/"):  # a job runs on its model's trainer, which replicas do not share
                 raise APIError(400, "fine-tuning runs on tiergate serve, not in a cluster: train on one server, "
                                "whose adapters the cluster's adapter_dirs folders then serve", "unsupported_in_cluster")
@@ -149,7 +148,7 @@ class Ingress:
 
     async def _serve(self, request: Request, path: str, caller: Caller) -> Response:
         body = await request.body()
-        model, streamed, affinity = self._model(request, body)
+        model, streamed, affinity, origin = self._model(request, body, path)
         if model is not None and not self.accounts.allows(caller, model):
             raise APIError(404, f"the model '{model}' does not exist", "model_not_found", "model")
         tier = caller.tier
@@ -162,7 +161,7 @@ class Ingress:
                      "headers": _with_request_id(request.headers.raw), "body": body}
         self.inflight[tier] += 1
         try:
-            head, rest, redirects = await self._call(forwarded, model, self.rank[tier], streamed, affinity)
+            head, rest, redirects = await self._call(forwarded, model, self.rank[tier], streamed, affinity, origin=origin)
         except BaseException:
             self.inflight[tier] -= 1
             raise
@@ -214,23 +213,26 @@ class Ingress:
         return caller
 
     async def _call(self, forwarded: dict, model: str | None, tier: int, streamed: bool, affinity: str | None = None,
-                    method: str = ""):
+                    method: str = "", origin: str | None = None):
         """The first reply of the replica that takes the request (``{"status", "headers"}``, with
         ``"body"`` when it is the whole answer), the rest of a streamed one, and the redirects.
         A request that did not ask for a stream is one plain call (``answer``), cheaper in Ray
         than a streaming call. ``method="realtime"``: a realtime session's opening (the first
-        reply is ``{"replica"}`` or a refusal)."""
+        reply is ``{"replica"}`` or a refusal). ``origin``: the replica that made an id the
+        request names (``gateway.origin``), asked first (unless it answered "redirect")."""
         target = self.target(model)
         avoid: list[str] = []
         for _ in range(max(2, target.replicas)):  # until a replica takes it or the router refuses
             stream = None
+            pin = origin if origin not in avoid else None
             try:
                 if streamed:
                     call = target.realtime if method == "realtime" else target.forward
-                    stream = call.remote(forwarded, model=model, tier=tier, avoid=avoid, affinity=affinity)
+                    stream = call.remote(forwarded, model=model, tier=tier, avoid=avoid, affinity=affinity, replica=pin)
                     first = await stream.__anext__()
                 else:
-                    first = await target.answer.remote(forwarded, model=model, tier=tier, avoid=avoid, affinity=affinity)
+                    first = await target.answer.remote(forwarded, model=model, tier=tier, avoid=avoid, affinity=affinity,
+                                                       replica=pin)
             except RayError as exc:  # died before answering: Serve stops routing to it
                 log.warning("replica failed before answering: %s", type(exc).__name__)
                 if stream is None and model is None:  # a file, a batch, a key: it may have been made
@@ -248,7 +250,8 @@ class Ingress:
         """A Realtime API session (``/v1/realtime``, a WebSocket): the key is checked here (a
         header, or a browser's subprotocol), then the session runs on the replica the router picks
         for its model, as ``tiergate serve`` runs it (``TierReplica.realtime``), with its messages
-        relayed both ways. A refusal before the session is the handshake's HTTP answer where the
+        relayed both ways. A client secret (``ek_``) is checked by the replica that made it, where
+        its session runs. A refusal before the session is the handshake's HTTP answer where the
         client's server can send one, else a policy close (1008), as in ``tiergate serve``."""
         denial = "websocket.http.response" in scope.get("extensions", {})
         tier = "-"
@@ -260,20 +263,20 @@ class Ingress:
             if path != "/v1/realtime":
                 raise APIError(404, f"no WebSocket at {path}: the Realtime API is /v1/realtime", "not_found")
             presented = bearer_token(connection.headers.get("authorization")) or subprotocol_key(scope)
-            if presented is not None and presented.startswith(CLIENT_SECRET_PREFIX):
-                raise APIError(400, "client secrets are made and redeemed by one process: in a cluster, open the "
-                               "session with an API key", "unsupported_in_cluster")
-            caller = await self._caller(connection, subprotocol_key(scope))
-            tier = caller.tier
-            model = self._session_model(connection.query_params.get("model"))
-            if model is not None and not self.accounts.allows(caller, model):
-                raise APIError(404, f"the model '{model}' does not exist", "model_not_found", "model")
-            if model is not None and (early := await early_refusal(self.accounts, caller)) is not None:
-                raise early
+            origin = origin_of(presented, CLIENT_SECRET_PREFIX)
+            model, rank = None, len(self.rank) - 1
+            if presented is None or not presented.startswith(CLIENT_SECRET_PREFIX):
+                caller = await self._caller(connection, subprotocol_key(scope))
+                tier, rank = caller.tier, self.rank[caller.tier]
+                model = self._session_model(connection.query_params.get("model"))
+                if model is not None and not self.accounts.allows(caller, model):
+                    raise APIError(404, f"the model '{model}' does not exist", "model_not_found", "model")
+                if model is not None and (early := await early_refusal(self.accounts, caller)) is not None:
+                    raise early
             opening = {"session": uuid.uuid4().hex, "path": path, "query": scope.get("query_string", b""),
                        "headers": _with_request_id(list(scope.get("headers", []))),
                        "subprotocols": list(scope.get("subprotocols", [])), "denial": denial}
-            first, rest, _ = await self._call(opening, model, self.rank[tier], True, method="realtime")
+            first, rest, _ = await self._call(opening, model, rank, True, method="realtime", origin=origin)
         except APIError as exc:
             self.answered[(tier, "ingress", exc.status)] += 1
             response = exc.response()
@@ -283,7 +286,7 @@ class Ingress:
             self.answered[(tier, "replica", first["status"])] += 1
             await _deny(send, first["status"], first["headers"], first["body"], denial)
             return
-        self.sessions[tier] += 1
+        self.sessions[tier] = self.sessions.get(tier, 0) + 1  # "-": opened with a client secret
         try:
             await self._relay(rest, self.target(model), opening["session"], first["replica"], receive, send, denial)
         finally:
@@ -382,13 +385,16 @@ class Ingress:
         redirects.add_metric([me], self.redirects)
         return [answered, inflight, sessions, redirects]
 
-    def _model(self, request: Request, body: bytes) -> tuple[str | None, bool, str | None]:
+    def _model(self, request: Request, body: bytes, path: str = "") -> tuple[str | None, bool, str | None, str | None]:
         """The base model the request needs (None for endpoints that need none), whether its
         answer may come as a stream (asked for one, or not a JSON POST: a file's content, a form),
-        and its affinity for the router (``affinity``); 400/404 on bad input."""
-        affinity = None
+        its affinity for the router (``affinity``), and the replica that made an id it names (an
+        image url's file, a spoken reply's audio id: ``gateway.origin``); 400/404 on bad input."""
+        affinity = origin = None
         if request.method != "POST" or not body:
-            return None, request.method != "POST", None
+            if path.startswith(IMAGE_FILES):
+                origin = origin_of(path[len(IMAGE_FILES):], IMAGE_PREFIX)
+            return None, request.method != "POST", None, origin
         kind = request.headers.get("content-type", "")
         streamed = True
         if kind.startswith("multipart/"):
@@ -400,23 +406,31 @@ class Ingress:
             except ValueError:
                 raise APIError(400, "the body is not valid JSON", "invalid_json") from None
             parsed = parsed if isinstance(parsed, dict) else {}
+            if path == CLIENT_SECRETS:  # made where its sessions' chat model is best placed: they run there
+                session = parsed.get("session")
+                name = session.get("model") if isinstance(session, dict) else None
+                return self.base.get(name) if isinstance(name, str) else None, False, None, None
             name = parsed.get("model")
             affinity = affinity_of(parsed)
+            origin = spoken_origin(parsed.get("messages"))
             streamed = parsed.get("stream") is True or parsed.get("stream_format") == "sse"
         else:
-            return None, True, None
+            return None, True, None, None
         if name is None:
-            return None, streamed, None
+            return None, streamed, None, origin
         base = self.base.get(name) if isinstance(name, str) else None
         if base is None and isinstance(name, str):
             base = self.config.folder_adapter_base(name)  # an adapter_dirs adapter: its replica reads and checks it
         if base is None:
             raise APIError(404, f"the model '{name}' does not exist", "model_not_found", "model")
-        return base, streamed, affinity
+        return base, streamed, affinity, origin
 
 
 RUNTIME_LORA_PATHS = ("/v1/load_lora_adapter", "/v1/unload_lora_adapter")
 CLIENT_SECRET_PREFIX = "ek_"  # gateway.realtime_secrets.PREFIX (that module is not imported here)
+IMAGE_FILES = "/v1/images/files/"
+CLIENT_SECRETS = "/v1/realtime/client_secrets"
+IMAGE_PREFIX, AUDIO_PREFIX = "img-", "audio_"  # gateway.image_store's, gateway.output_audio's
 
 
 async def _pump(receive, target: "_Target", session: str, replica: str) -> None:
@@ -487,6 +501,17 @@ def affinity_of(body: dict) -> str | None:
             value = value.get("id")
         if isinstance(value, str) and value:
             return value[:256]
+    return None
+
+
+def spoken_origin(messages: object) -> str | None:
+    """The replica that made the first spoken reply a chat's messages send back by its audio id."""
+    if not isinstance(messages, list):
+        return None
+    for message in messages:
+        if isinstance(message, dict) and isinstance(audio := message.get("audio"), dict):
+            if (origin := origin_of(audio.get("id"), AUDIO_PREFIX)) is not None:
+                return origin
     return None
 
 

@@ -7,7 +7,8 @@ can take the request the verdict (429 with Retry-After, or 503) travels in the r
 ``verdict`` argument to a replica, which answers it without touching a model (unless its live state
 can take the request after all: the reports were stale), so the client gets the cluster-wide
 answer through the same path as every other response. A call with a ``replica`` argument (a
-realtime session's client messages) goes to that replica while it lives.
+realtime session's client messages, or a request that names an id that replica made:
+``gateway.origin``) goes to that replica while it lives.
 """
 
 from __future__ import annotations
@@ -32,8 +33,10 @@ class TierRouter(RequestRouter):
         if pending_request is None or not candidate_replicas:
             return [candidate_replicas]
         kwargs = pending_request.kwargs
-        if (pinned := kwargs.get("replica")) is not None:  # a realtime session's messages: its replica's
-            return [[r for r in candidate_replicas if r.replica_id.unique_id == pinned] or candidate_replicas]
+        if (pinned := kwargs.get("replica")) is not None:  # a realtime session's messages, an id it made
+            held = [r for r in candidate_replicas if r.replica_id.unique_id == pinned]
+            if held:
+                return [held]  # (gone: routed as any other call, and answered there)
         avoid = set(kwargs.get("avoid") or ())
         usable = [r for r in candidate_replicas if r.replica_id.unique_id not in avoid] or candidate_replicas
         model = kwargs.get("model")

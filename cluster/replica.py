@@ -59,14 +59,14 @@ class TierReplica:
 
         config = shared_store(load_config(Path(config_path)))
         self.config = serving_only(config, models, pinned)
-        self.services = build_services(self.config, KeyRing(keys, admin_keys))
+        self.id = replica_id()
+        self.services = build_services(self.config, KeyRing(keys, admin_keys), origin=self.id)  # its ids name it
         if pinned:  # a tensor-parallel deployment: its model spans the replica's devices, never swapped
             for name in self.config.cluster.tensor_parallel.keys() & set(self.services.arbiter.specs):
                 _span(self.services.arbiter, name, self.config.cluster.tensor_parallel[name])
         self.collector = collector.attach(self.services)  # as tiergate serve: long-lived objects out of gc's walks
         self.app = create_app(self.services)
         self.rank = {t.name: i for i, t in enumerate(self.config.tiers)}
-        self.id = replica_id()
         self.node = node_id()
         self._lifespan = Lifespan(self.app)
         self._sessions: dict[str, asyncio.Queue] = {}  # realtime sessions: their client messages
@@ -112,7 +112,7 @@ class TierReplica:
 
     async def forward(self, request: dict, model: str | None = None, tier: int = 0,
                       avoid: list[str] | None = None, verdict: dict | None = None,
-                      affinity: str | None = None) -> AsyncIterator[dict | bytes]:
+                      affinity: str | None = None, replica: str | None = None) -> AsyncIterator[dict | bytes]:
         """Serve one forwarded request: yield ``{"status", "headers", "body"}`` for a whole answer
         (one message back, the common case), or ``{"status", "headers"}`` then body chunks for a
         stream (SSE, or a body past ``WHOLE_BODY_BYTES``), or ``{"redirect": replica}`` when this
@@ -144,7 +144,7 @@ class TierReplica:
 
     async def answer(self, request: dict, model: str | None = None, tier: int = 0,
                      avoid: list[str] | None = None, verdict: dict | None = None,
-                     affinity: str | None = None) -> dict:
+                     affinity: str | None = None, replica: str | None = None) -> dict:
         """``forward`` as one reply, for a request that asked for no stream: ``{"redirect"}``, or
         ``{"status", "headers", "body"}`` with the whole body."""
         head: dict = {}
@@ -160,7 +160,7 @@ class TierReplica:
 
     async def realtime(self, opening: dict, model: str | None = None, tier: int = 0,
                        avoid: list[str] | None = None, verdict: dict | None = None,
-                       affinity: str | None = None) -> AsyncIterator[dict]:
+                       affinity: str | None = None, replica: str | None = None) -> AsyncIterator[dict]:
         """Serve one Realtime API session (``/v1/realtime``, a WebSocket) through the app, as
         ``tiergate serve`` does: yield ``{"replica"}`` (where the ingress sends the client's
         messages: ``realtime_input``), then every ASGI message the app sends, its handshake

@@ -58,7 +58,9 @@ log = logging.getLogger("tiergate")
 _STATUS_CODES = {404: "not_found", 405: "method_not_allowed", 413: "request_too_large"}
 
 
-def build_services(config: Config, keys: KeyRing) -> Services:
+def build_services(config: Config, keys: KeyRing, origin: str = "") -> Services:
+    """Everything one server process serves with. ``origin``: a cluster replica's id, in the ids
+    of what this process keeps in memory (``gateway.origin``)."""
     policies = [
         TierPolicy(t.name, i, config.max_inflight(t), t.max_queued, t.latency_target_s, is_batch=t.batch,
                    token_latency_target_s=t.token_latency_target_s)
@@ -81,15 +83,15 @@ def build_services(config: Config, keys: KeyRing) -> Services:
     limits = config.limits
     services = Services(config, keys, gate, arbiter, Metrics(gate, arbiter),
                         adapters=load_adapters(config),  # ConfigError for a bad adapter
-                        images=ImageStore(limits.image_url_ttl_s, limits.image_url_store),
+                        images=ImageStore(limits.image_url_ttl_s, limits.image_url_store, origin=origin),
                         accounts=Accounts.from_config(config))  # beside the batch store
     services.on_startup.append(services.accounts.start)
     services.on_shutdown.append(services.accounts.stop)
     services.metrics.registry.register(services.adapters)  # folder adapters read, held, dropped
     services.metrics.registry.register(services.accounts)  # usage kept while the store fails, and lost
     services.webhooks = webhooks_for(services)  # ConfigError for an endpoint whose secret is not set
-    services.spoken = SpokenReplies()
-    services.client_secrets = ClientSecrets()
+    services.spoken = SpokenReplies(origin=origin)
+    services.client_secrets = ClientSecrets(origin=origin)
     return services
 
 

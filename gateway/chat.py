@@ -489,7 +489,7 @@ async def _sse(deltas: AsyncIterator[ChoiceDelta], first: ChoiceDelta, cid: str,
     created = int(time.time())
     replies: dict[int, Reply] = {}
     voicing = SpokenStream(speaker, n) if speaker is not None else None
-    audio_ids = {i: SpokenReplies.new_id() for i in range(n)} if speaker is not None else {}
+    audio_ids = {i: spoken.new_id() for i in range(n)} if speaker is not None and spoken is not None else {}
 
     def chunk(choices: list[dict], usage: dict | None = None) -> str:
         body = {"id": cid, "object": "chat.completion.chunk", "created": created, "model": model,

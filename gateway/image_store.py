@@ -8,14 +8,20 @@ import time
 from collections import OrderedDict
 from typing import Callable
 
+from gateway.origin import tagged
+
+PREFIX = "img-"
+
 
 class ImageStore:
     """Images behind ``response_format: "url"``: owner key id, format (the url's extension) and
     bytes, expiring after ``ttl_s``, at most ``max_bytes`` in all (the oldest go first).
     Insertion order is expiry order."""
 
-    def __init__(self, ttl_s: float, max_bytes: int, clock: Callable[[], float] = time.monotonic) -> None:
-        self.ttl_s, self.max_bytes, self.clock = ttl_s, max_bytes, clock
+    def __init__(self, ttl_s: float, max_bytes: int, clock: Callable[[], float] = time.monotonic,
+                 origin: str = "") -> None:
+        """``origin``: the cluster replica that makes the ids (``gateway.origin``)."""
+        self.ttl_s, self.max_bytes, self.clock, self.origin = ttl_s, max_bytes, clock, origin
         self._items: OrderedDict[str, tuple[str, float, str, bytes]] = OrderedDict()  # id -> (owner, expires, format, bytes)
         self.bytes = 0
 
@@ -23,7 +29,7 @@ class ImageStore:
         self._expire()
         while self._items and self.bytes + len(data) > self.max_bytes:
             self._drop(next(iter(self._items)))
-        image_id = f"img-{secrets.token_urlsafe(18)}"
+        image_id = tagged(PREFIX, self.origin, secrets.token_urlsafe(18))
         self._items[image_id] = (owner, self.clock() + self.ttl_s, fmt, data)
         self.bytes += len(data)
         return image_id

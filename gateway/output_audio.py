@@ -34,6 +34,7 @@ from gateway.audio import SpeechJob, serve_speech
 from gateway.auth import Caller
 from gateway.errors import bad_request
 from gateway.input_audio import chat_engine
+from gateway.origin import tagged
 from gateway.schemas import ChatCompletionRequest
 from gateway.service import Services
 from gateway.serving import Gone, weightless
@@ -48,6 +49,7 @@ PCM16_RATE = 24_000  # OpenAI's pcm16: 16-bit little-endian mono at 24 kHz
 FIRST_WORDS_CHARS = 60  # the first phrase without a sentence's end is said once this long, at a space
 LATER_WORDS_CHARS = 240  # later ones: fewer speech requests, each said while the next is written
 _PHRASE_END = re.compile(r"(?<=[.!?;:,。！？…])\s+|\n+")
+AUDIO_ID_PREFIX = "audio_"
 KEPT_S = 3600.0  # how long a reply's audio id is read back (OpenAI's expires_at: an hour)
 
 
@@ -71,13 +73,14 @@ class SpokenReplies:
     """The transcripts of spoken replies by audio id, with the key that asked for each, for
     ``kept_s`` (at most ``max_items``, the oldest dropped first). Insertion order is expiry order."""
 
-    def __init__(self, kept_s: float = KEPT_S, max_items: int = 100_000, clock: Callable[[], float] = time.time) -> None:
-        self.kept_s, self.max_items, self.clock = kept_s, max_items, clock
+    def __init__(self, kept_s: float = KEPT_S, max_items: int = 100_000, clock: Callable[[], float] = time.time,
+                 origin: str = "") -> None:
+        """``origin``: the cluster replica that makes the ids (``gateway.origin``)."""
+        self.kept_s, self.max_items, self.clock, self.origin = kept_s, max_items, clock, origin
         self._items: OrderedDict[str, tuple[str, float, str]] = OrderedDict()  # id -> (owner, expires_at, transcript)
 
-    @staticmethod
-    def new_id() -> str:
-        return f"audio_{secrets.token_hex(16)}"
+    def new_id(self) -> str:
+        return tagged(AUDIO_ID_PREFIX, self.origin, secrets.token_hex(16))
 
     def put(self, owner: str, audio_id: str, transcript: str) -> int:
         """Keep ``transcript`` as ``audio_id``'s; returns its ``expires_at`` (Unix seconds)."""
@@ -249,7 +252,7 @@ async def say_replies(svc: Services, caller: Caller, voice: Voice, replies: list
         data = b"".join([piece async for piece in say(svc, caller, voice, text, gone)])
         if voice.format == "wav":
             data = sound.sized_wav(data)
-        audio_id = SpokenReplies.new_id()
+        audio_id = _kept(svc).new_id()
         expires_at = _kept(svc).put(caller.key_id, audio_id, text)
         reply.audio = {"id": audio_id, "data": base64.b64encode(data).decode(), "expires_at": expires_at,
                        "transcript": text}

@@ -21,6 +21,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from gateway.auth import Caller
+from gateway.origin import tagged
 
 PREFIX = "ek_"
 DEFAULT_S, MIN_S, MAX_S = 600, 10, 7200
@@ -37,15 +38,16 @@ class ClientSecrets:
     """The secrets issued by this process, until they expire (at most ``max_items``, the oldest
     dropped first)."""
 
-    def __init__(self, clock: Callable[[], float] = time.time, max_items: int = 100_000) -> None:
-        self.clock, self.max_items = clock, max_items
+    def __init__(self, clock: Callable[[], float] = time.time, max_items: int = 100_000, origin: str = "") -> None:
+        """``origin``: the cluster replica that makes the secrets (``gateway.origin``)."""
+        self.clock, self.max_items, self.origin = clock, max_items, origin
         self._by_hash: dict[bytes, Secret] = {}  # insertion order is issue order
 
     def issue(self, caller: Caller, seconds: int, session: Any) -> tuple[str, Secret]:
         self._expire()
         while len(self._by_hash) >= self.max_items:
             del self._by_hash[next(iter(self._by_hash))]
-        value = PREFIX + secrets.token_urlsafe(32)
+        value = tagged(PREFIX, self.origin, secrets.token_urlsafe(32))
         secret = Secret(caller, self.clock() + seconds, session)
         self._by_hash[_hash(value)] = secret
         return value, secret

@@ -75,11 +75,50 @@ def test_a_folder_adapter_goes_to_its_base_models_replicas(tmp_path, tiny_chat):
         assert e.value.status == 404 and e.value.code == "model_not_found"
 
 
+def test_a_request_naming_an_id_a_replica_made_goes_to_that_replica(tmp_path, tiny_chat):
+    """What one replica keeps in memory is named by ids with its origin (``gateway.origin``): an
+    image url's file, and the first spoken reply a chat sends back by its audio id, are routed to
+    the replica in them; an id made without one (``tiergate serve``'s) or by no replica routes as
+    before. The stores make such ids when they have an origin, and the old ones when not."""
+    from gateway.auth import Caller
+    from gateway.image_store import ImageStore
+    from gateway.output_audio import SpokenReplies
+    from gateway.realtime_secrets import ClientSecrets
+
+    config = load_config(write_config(tmp_path, {"m": ("chat", tiny_chat)}))
+    ingress = object.__new__(Ingress)
+    ingress.config, ingress.base = config, {"m": "m"}
+    made = {"image": ImageStore(60, 1 << 20, origin="r1").put("key", b"png"),
+            "audio": SpokenReplies(origin="r2").new_id(),
+            "secret": ClientSecrets(origin="r3").issue(Caller("paid", "k"), 60, None)[0]}
+    plain = {"image": ImageStore(60, 1 << 20).put("key", b"png"), "audio": SpokenReplies().new_id(),
+             "secret": ClientSecrets().issue(Caller("paid", "k"), 60, None)[0]}
+    assert made["image"].startswith("img-r1~") and made["audio"].startswith("audio_r2~") and made["secret"].startswith("ek_r3~")
+    assert "~" not in "".join(plain.values())
+
+    def origin(method: str, path: str, body: bytes = b"") -> str | None:
+        request = Request({"type": "http", "method": method, "path": path, "query_string": b"",
+                           "headers": [(b"content-type", b"application/json")]})
+        return ingress._model(request, body, path)[3]
+
+    assert origin("GET", f"/v1/images/files/{made['image']}.png") == "r1"
+    assert origin("GET", f"/v1/images/files/{plain['image']}.png") is None
+    assert origin("GET", "/v1/models") is None
+
+    def chat(*messages: dict) -> bytes:
+        return json.dumps({"model": "m", "messages": [{"role": "user", "content": "hi"}, *messages]}).encode()
+
+    assert origin("POST", "/v1/chat/completions", chat({"role": "assistant", "audio": {"id": made["audio"]}})) == "r2"
+    assert origin("POST", "/v1/chat/completions", chat({"role": "assistant", "audio": {"id": plain["audio"]}},
+                                                       {"role": "assistant", "audio": {"id": made["audio"]}})) == "r2"
+    assert origin("POST", "/v1/chat/completions", chat({"role": "assistant", "audio": {"id": plain["audio"]}})) is None
+    assert origin("POST", "/v1/chat/completions", chat({"role": "assistant", "audio": "odd"})) is None
+
+
 def test_runtime_lora_loading_and_fine_tuning_are_refused_in_a_cluster(tmp_path, tiny_chat):
     """vLLM's load/unload endpoints change one process's adapters: through the ingress they would
     reach one replica, and the ingress would not route the name. A clear 400 points to adapter_dirs.
-    Fine-tuning jobs, likewise: a job runs on a trainer that the replicas' arbiters do not share.
-    And realtime client secrets: one is redeemed only by the process that made it."""
+    Fine-tuning jobs, likewise: a job runs on a trainer that the replicas' arbiters do not share."""
     config = load_config(write_config(tmp_path, {"m": ("chat", tiny_chat)}))
     ingress = object.__new__(Ingress)
     ingress.config, ingress.base, ingress.cors = config, {"m": "m"}, []
@@ -92,8 +131,7 @@ def test_runtime_lora_loading_and_fine_tuning_are_refused_in_a_cluster(tmp_path,
 
     ingress._accounts = accounts_ready
     ingress._serve = None  # never reached
-    for path in ("/v1/load_lora_adapter", "/v1/unload_lora_adapter", "/v1/fine_tuning/jobs", "/v1/fine_tuning/jobs/x",
-                 "/v1/realtime/client_secrets"):
+    for path in ("/v1/load_lora_adapter", "/v1/unload_lora_adapter", "/v1/fine_tuning/jobs", "/v1/fine_tuning/jobs/x"):
         request = Request({"type": "http", "method": "POST", "path": path, "query_string": b"",
                            "headers": [(b"authorization", b"Bearer key-admin"), (b"content-type", b"application/json")]})
         answer = asyncio.run(ingress.handle(request))

@@ -40,7 +40,8 @@ PAGE = "http://page.example"  # the web page origin the clusters allow (server.c
 
 
 def config_text(models: dict[str, Path], period: float, redis_url: str | None = None, replicas: tuple[int, int] = (2, 1),
-                paid_target_s: float = 600, slots: int = 8, max_copies: str = "{}", small: Path | None = None) -> str:
+                paid_target_s: float = 600, slots: int = 8, max_copies: str = "{}", small: Path | None = None,
+                image: Path | None = None) -> str:
     lines = ["tiers:"]
     for t in TIERS:
         target = paid_target_s if t == "paid" else 600
@@ -52,6 +53,8 @@ def config_text(models: dict[str, Path], period: float, redis_url: str | None = 
                   "    engine: transformers"] + (["    aliases: [gpt-4o-mini]"] if name == "c" else [])
     if small is not None:  # fits beside any one of the others
         lines += ["  - name: s", "    kind: chat", f"    path: {small}", "    vram: 256MiB", "    engine: transformers"]
+    if image is not None:  # fits beside one of the big ones and s
+        lines += ["  - name: img", "    kind: image", f"    path: {image}", "    vram: 128MiB"]
     nodes, per_node = replicas
     lines += ["gpu:", "  device: cpu", "  vram_budget: 2GiB", "  host_cache_budget: 4GiB",
               f"eviction:\n  protect_window_s: {WINDOW_S}",
@@ -71,7 +74,7 @@ INGRESS_PORTS = 8  # both simulated nodes are this machine: each app's ingress r
 
 
 @pytest.fixture(scope="module")
-def cluster(tiny_chat, tmp_path_factory):
+def cluster(tiny_chat, tiny_image, tmp_path_factory):
     """Two simulated nodes, the main application at ``url`` (its ingress's own port: Serve's direct
     ingress, as ``tiergate cluster`` runs it) and the others under a prefix of Serve's proxy."""
     ingress_port = spare_port_range(INGRESS_PORTS)
@@ -91,7 +94,7 @@ def cluster(tiny_chat, tmp_path_factory):
             path.write_text(config_text({"a": tiny_chat, "b": tiny_chat, "c": tiny_chat}, **kw))
             serve.run(build(load_config(path), KEYS, [ADMIN]), name=name, route_prefix=prefix)
 
-        deploy("tiergate", "/", period=PERIOD_S, redis_url=redis_url, small=tiny_chat)
+        deploy("tiergate", "/", period=PERIOD_S, redis_url=redis_url, small=tiny_chat, image=tiny_image)
         # the redirect test's: its replicas report as they start, then an hour apart (a minute
         # apart could bring a fresh report between that test's two requests: ~2 s in 60)
         deploy("stale", "/stale", period=3600.0)
@@ -235,10 +238,42 @@ def test_a_realtime_conversation_through_the_ingress(cluster):
     assert {s.labels["tier"]: s.value for s in scrape(cluster)["tiergate_ingress_realtime_sessions"]}["subscriber"] == 0
     nobody = asyncio.run(refused({"Authorization": "Bearer key-nobody"}))
     assert nobody.status_code == 401 and json.loads(nobody.body)["error"]["code"] == "invalid_api_key"
-    secret = asyncio.run(refused({"Authorization": "Bearer ek_made-elsewhere"}))
-    assert secret.status_code == 400 and json.loads(secret.body)["error"]["code"] == "unsupported_in_cluster"
+    secret = asyncio.run(refused({"Authorization": "Bearer ek_made-by-no-replica"}))  # a replica's answer
+    assert secret.status_code == 401 and "client secret" in json.loads(secret.body)["error"]["message"]
     unknown = asyncio.run(refused({"Authorization": "Bearer key-paid"}, "?model=no-such-model"))
     assert unknown.status_code == 404 and json.loads(unknown.body)["error"]["param"] == "model"  # a replica's answer
+
+
+def test_a_client_secret_opens_sessions_on_the_replica_that_made_it(cluster):
+    """A client secret lives in the memory of the replica that made it: every session it opens,
+    through the ingress, goes there (its id names it: ``gateway.origin``) and starts with its
+    settings. The secret is made where its session's model is resident, and the test picks a
+    model resident on the replica that Serve does not give calls that need no model (the first
+    test left a big model resident on each), so its sessions, routed as such a call, would fail."""
+    import websockets
+
+    default = replica(httpx.get(f"{cluster.url}/v1/models", headers={"authorization": "Bearer key-paid"}, timeout=30))
+    holders = {s.labels["model"]: s.labels["replica"] for s in scrape(cluster)["tiergate_model_resident"] if s.value == 1}
+    model = next(m for m, where in sorted(holders.items()) if where != default)
+    made = httpx.post(f"{cluster.url}/v1/realtime/client_secrets", headers={"authorization": "Bearer key-paid"}, timeout=60,
+                      json={"session": {"type": "realtime", "model": model, "instructions": "Be brief.",
+                                        "output_modalities": ["text"]}})
+    assert made.status_code == 200, made.text
+    value, maker = made.json()["value"], replica(made)
+    assert maker == holders[model] != default
+
+    async def sessions(n: int) -> list[tuple[str, dict]]:
+        out = []
+        for i in range(n):  # as a browser sends it (a subprotocol), and as a header
+            how = {"subprotocols": ["realtime", f"openai-insecure-api-key.{value}"]} if i % 2 else \
+                {"additional_headers": {"Authorization": f"Bearer {value}"}}
+            async with websockets.connect(ws_url(cluster), **how) as ws:
+                out.append((ws.response.headers["x-tiergate-replica"], json.loads(await ws.recv())))
+        return out
+
+    opened = asyncio.run(sessions(6))
+    assert [where for where, _ in opened] == [maker] * 6
+    assert all(e["type"] == "session.created" and e["session"]["instructions"] == "Be brief." for _, e in opened)
 
 
 def test_serve_settings_reach_the_replicas(cluster):
@@ -450,6 +485,21 @@ def test_one_metrics_target_for_the_whole_cluster(cluster):
     ingress = {s.labels["ingress"] for s in families["tiergate_ingress_in_flight"]}
     assert len(ingress) == 1  # the answering ingress's own (one ingress per node: each counts its own)
     assert {s.labels["tier"] for s in families["tiergate_ingress_in_flight"]} == set(TIERS)
+
+
+def test_an_image_url_is_read_back_from_the_replica_that_made_it(cluster):
+    """An image url's file is kept by the replica that made it: every fetch through the ingress
+    goes there (its id names it), and another key still gets a 404. (After the metrics test,
+    which counts the models resident.)"""
+    client = openai.OpenAI(base_url=f"{cluster.url}/v1", api_key="key-paid", max_retries=0)
+    made = client.images.with_raw_response.generate(model="img", prompt="a cat", size="32x32", response_format="url",
+                                                    extra_body={"num_inference_steps": 2, "seed": 3})
+    url, maker = made.parse().data[0].url, made.headers["x-tiergate-replica"]
+    assert url.startswith(f"{cluster.url}/v1/images/files/img-{maker}~")
+    fetched = [httpx.get(url, headers={"authorization": "Bearer key-paid"}, timeout=30) for _ in range(6)]
+    assert [(r.status_code, replica(r)) for r in fetched] == [(200, maker)] * 6
+    assert len({r.content for r in fetched}) == 1 and fetched[0].headers["content-type"] == "image/png"
+    assert httpx.get(url, headers={"authorization": "Bearer key-free"}, timeout=30).status_code == 404
 
 
 def admitted(cluster) -> float:
