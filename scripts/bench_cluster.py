@@ -26,6 +26,9 @@ Measured, sequential requests (chat, ``max_tokens`` 1, not streamed) over HTTP o
   ``tiergate serve``; the difference of their p50 and of their p99.
 * the flood: ``--requests`` paid requests for ``a`` on each side while eight free clients (a process
   of their own, ``benchlib.flood``) ask for ``a`` back to back (16 tokens each).
+* realtime: ``--requests`` round trips of a Realtime API session's message on each side (one
+  session on ``a`` per round, paid; ``session.update`` answered by ``session.updated``, which needs
+  no model), the relay's own cost: through the cluster each goes ingress -> replica -> ingress.
 
 Both servers run side by side, and the overhead and flood samples are taken in ``--rounds``
 interleaved rounds (alone on each side, then the flood on each; the side that goes first alternates)
@@ -35,7 +38,8 @@ and pooled per side, so a machine that drifts during the run moves both sides al
 
 Judged (issue 16): >= 99% of requests land where their model is resident; 0 loads per 1,000
 requests in steady state; the cluster adds <= 5 ms at p50 and <= 20 ms at p99 (n/a when the load
-average exceeds the cores at the start or the end: the figures then measure the machine); in
+average exceeds the cores at the start or the end: the figures then measure the machine), to a
+request and to a realtime message's round trip (the same target, for the WebSocket); in
 randomized runs with stale stats (2 s reports), 0 protection violations and 0 wrong 429s. Those runs
 (``stale_runs``) drive the real router, the replicas' re-check and the arbiter's policy over
 simulated replica states and time, not the Ray deployment. And paid p99 under a free flood (eight
@@ -267,6 +271,7 @@ class Side:
     alone: list[float] = field(default_factory=list)
     flood: list[float] = field(default_factory=list)
     cpu: dict[str, float] = field(default_factory=dict)
+    realtime: list[float] = field(default_factory=list)  # a realtime message's round trips
 
 
 def measure(sides: dict[str, Side], serve_pid: int, n: int, rounds: int) -> None:
@@ -293,8 +298,28 @@ def measure(sides: dict[str, Side], serve_pid: int, n: int, rounds: int) -> None
                 used = cpu_by_role({k: v for k, v in before.items() if k not in skip}, after)
             for role, cpu in used.items():
                 side.cpu[role] = side.cpu.get(role, 0.0) + cpu
+            side.realtime += round_trips(side.url, share)
         for name in names:
             sides[name].flood += under_flood(sides[name].url, share)
+
+
+def round_trips(url: str, n: int) -> list[float]:
+    """``n`` round trips on one realtime session (a conversation on ``a``, paid): a
+    ``session.update`` sent, its ``session.updated`` read (no model is asked)."""
+    from websockets.sync.client import connect
+
+    update = json.dumps({"type": "session.update", "session": {"type": "realtime", "instructions": "Be brief."}})
+    times = []
+    with connect(url.replace("http", "ws", 1) + "/v1/realtime?model=a",
+                 additional_headers={"Authorization": f"Bearer {KEYS['paid']}"}) as ws:
+        assert json.loads(ws.recv(timeout=60))["type"] == "session.created"
+        for _ in range(n):
+            start = time.perf_counter()
+            ws.send(update)
+            while json.loads(ws.recv(timeout=60))["type"] != "session.updated":
+                pass
+            times.append(time.perf_counter() - start)
+    return times
 
 
 def overhead(claim: str, value: float, limit: float, why_not: str, unit: str = " ms") -> Target:
@@ -435,6 +460,12 @@ def main() -> int:
     print(f"landed where resident: {hits}/{total} ({landed:.2f}%); loads per 1,000: {loads:.1f}")
     print(f"tiergate serve: p50 {statistics.median(single) * 1000:.1f} ms, p99 {pct(single, 0.99) * 1000:.1f} ms")
     print(f"cluster:        p50 {statistics.median(through) * 1000:.1f} ms, p99 {pct(through, 0.99) * 1000:.1f} ms")
+    rt_single, rt_through = sides["tiergate serve"].realtime, sides["cluster"].realtime
+    rt_p50 = (statistics.median(rt_through) - statistics.median(rt_single)) * 1000
+    rt_p99 = (pct(rt_through, 0.99) - pct(rt_single, 0.99)) * 1000
+    print(f"realtime message round trip: tiergate serve p50 {statistics.median(rt_single) * 1000:.1f} ms, p99 "
+          f"{pct(rt_single, 0.99) * 1000:.1f} ms; cluster p50 {statistics.median(rt_through) * 1000:.1f} ms, p99 "
+          f"{pct(rt_through, 0.99) * 1000:.1f} ms")
     print(f"CPU per request: tiergate serve {single_cpu * 1000:.1f} ms; cluster "
           + ", ".join(f"{role} {cpu * 1000:.1f} ms" for role, cpu in sorted(roles.items(), key=lambda r: -r[1])))
     targets = [
@@ -442,6 +473,8 @@ def main() -> int:
         Target("loads per 1,000 requests in steady state <= 0", f"{loads:.1f}", loads <= 0),
         overhead("added latency at p50 <= 5 ms", p50, 5, why_not),
         overhead("added latency at p99 <= 20 ms", p99, 20, why_not),
+        overhead("realtime round trip added at p50 <= 5 ms", rt_p50, 5, why_not),
+        overhead("realtime round trip added at p99 <= 20 ms", rt_p99, 20, why_not),
         overhead("paid p99 flood/alone within 10% of tiergate serve's", flood_pct, 10, why_not, unit="%"),
         Target("protection violations with stale stats == 0", str(stale["violations"]), stale["violations"] == 0),
         Target("wrong 429s with stale stats == 0", str(stale["wrong_429"]), stale["wrong_429"] == 0),
