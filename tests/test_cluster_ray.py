@@ -233,6 +233,13 @@ def test_a_realtime_conversation_through_the_ingress(cluster):
     assert text == expected.choices[0].message.content
     headers, during = asyncio.run(raw())
     assert headers["x-tiergate-replica"] == holder  # the session ran where c is resident
+
+    async def through_the_proxy():  # Serve's HTTP proxy (the fallback port) hands it to an ingress the same way
+        async with websockets.connect(cluster.proxy.replace("http", "ws") + "/v1/realtime?model=c",
+                                      additional_headers={"Authorization": "Bearer key-paid"}) as ws:
+            return ws.response.headers["x-tiergate-replica"], json.loads(await ws.recv())["type"]
+
+    assert asyncio.run(through_the_proxy()) == (holder, "session.created")
     open_now = {s.labels["tier"]: s.value for s in during["tiergate_ingress_realtime_sessions"]}
     assert open_now["subscriber"] == 1 and open_now["paid"] == 0
     assert {s.labels["tier"]: s.value for s in scrape(cluster)["tiergate_ingress_realtime_sessions"]}["subscriber"] == 0
