@@ -1,8 +1,9 @@
 """tiergate on a local two-node Ray cluster (``ray.cluster_utils.Cluster``): two replicas, one per node (fractional CPU, a simulated 2 GiB budget each,
 real arbiters and gates, the tiny demo chat model under three names of 1.5 GiB declared each, so a
-replica holds one at a time, and once more as a small model ``s`` for batch lines), the tier-aware
-router and the ingress, through Ray Serve's HTTP proxy with the openai SDK, keys, quotas and the
-batch backlog in a real Redis. The cluster starts once for the module; the scenarios run in order.
+replica holds one at a time, and once more as a small model ``s`` for batch lines; a tiny image
+model and a tiny speech-to-text model, small beside them), the tier-aware router and the ingress,
+through Ray Serve's HTTP proxy with the openai SDK (realtime sessions included), keys, quotas and
+the batch backlog in a real Redis. The cluster starts once for the module; the scenarios run in order.
 """
 
 from __future__ import annotations
@@ -41,7 +42,7 @@ PAGE = "http://page.example"  # the web page origin the clusters allow (server.c
 
 def config_text(models: dict[str, Path], period: float, redis_url: str | None = None, replicas: tuple[int, int] = (2, 1),
                 paid_target_s: float = 600, slots: int = 8, max_copies: str = "{}", small: Path | None = None,
-                image: Path | None = None) -> str:
+                image: Path | None = None, stt: Path | None = None) -> str:
     lines = ["tiers:"]
     for t in TIERS:
         target = paid_target_s if t == "paid" else 600
@@ -55,6 +56,8 @@ def config_text(models: dict[str, Path], period: float, redis_url: str | None = 
         lines += ["  - name: s", "    kind: chat", f"    path: {small}", "    vram: 256MiB", "    engine: transformers"]
     if image is not None:  # fits beside one of the big ones and s
         lines += ["  - name: img", "    kind: image", f"    path: {image}", "    vram: 128MiB"]
+    if stt is not None:
+        lines += ["  - name: stt", "    kind: stt", f"    path: {stt}", "    vram: 64MiB"]
     nodes, per_node = replicas
     lines += ["gpu:", "  device: cpu", "  vram_budget: 2GiB", "  host_cache_budget: 4GiB",
               f"eviction:\n  protect_window_s: {WINDOW_S}",
@@ -74,7 +77,7 @@ INGRESS_PORTS = 8  # both simulated nodes are this machine: each app's ingress r
 
 
 @pytest.fixture(scope="module")
-def cluster(tiny_chat, tiny_image, tmp_path_factory):
+def cluster(tiny_chat, tiny_image, tiny_stt, tmp_path_factory):
     """Two simulated nodes, the main application at ``url`` (its ingress's own port: Serve's direct
     ingress, as ``tiergate cluster`` runs it) and the others under a prefix of Serve's proxy."""
     ingress_port = spare_port_range(INGRESS_PORTS)
@@ -94,7 +97,7 @@ def cluster(tiny_chat, tiny_image, tmp_path_factory):
             path.write_text(config_text({"a": tiny_chat, "b": tiny_chat, "c": tiny_chat}, **kw))
             serve.run(build(load_config(path), KEYS, [ADMIN]), name=name, route_prefix=prefix)
 
-        deploy("tiergate", "/", period=PERIOD_S, redis_url=redis_url, small=tiny_chat, image=tiny_image)
+        deploy("tiergate", "/", period=PERIOD_S, redis_url=redis_url, small=tiny_chat, image=tiny_image, stt=tiny_stt)
         # the redirect test's: its replicas report as they start, then an hour apart (a minute
         # apart could bring a fresh report between that test's two requests: ~2 s in 60)
         deploy("stale", "/stale", period=3600.0)
@@ -261,7 +264,7 @@ def test_a_client_secret_opens_sessions_on_the_replica_that_made_it(cluster):
 
     default = replica(httpx.get(f"{cluster.url}/v1/models", headers={"authorization": "Bearer key-paid"}, timeout=30))
     holders = {s.labels["model"]: s.labels["replica"] for s in scrape(cluster)["tiergate_model_resident"] if s.value == 1}
-    model = next(m for m, where in sorted(holders.items()) if where != default)
+    model = next(m for m, where in sorted(holders.items()) if where != default and m in ("a", "b", "c"))
     made = httpx.post(f"{cluster.url}/v1/realtime/client_secrets", headers={"authorization": "Bearer key-paid"}, timeout=60,
                       json={"session": {"type": "realtime", "model": model, "instructions": "Be brief.",
                                         "output_modalities": ["text"]}})
@@ -274,7 +277,7 @@ def test_a_client_secret_opens_sessions_on_the_replica_that_made_it(cluster):
         for i in range(n):  # as a browser sends it (a subprotocol), and as a header
             how = {"subprotocols": ["realtime", f"openai-insecure-api-key.{value}"]} if i % 2 else \
                 {"additional_headers": {"Authorization": f"Bearer {value}"}}
-            async with websockets.connect(ws_url(cluster), **how) as ws:
+            async with websockets.connect(ws_url(cluster, f"?model={model}"), **how) as ws:
                 out.append((ws.response.headers["x-tiergate-replica"], json.loads(await ws.recv())))
         return out
 
@@ -507,6 +510,39 @@ def test_an_image_url_is_read_back_from_the_replica_that_made_it(cluster):
     assert [(r.status_code, replica(r)) for r in fetched] == [(200, maker)] * 6
     assert len({r.content for r in fetched}) == 1 and fetched[0].headers["content-type"] == "image/png"
     assert httpx.get(url, headers={"authorization": "Bearer key-free"}, timeout=30).status_code == 404
+
+
+def test_a_transcription_session_through_the_ingress(cluster):
+    """A transcription session (the URL names no model: the first speech-to-text model) fed as a
+    microphone feeds it (40 ms frames: many client messages per call to the replica), then
+    committed: transcribed as /v1/audio/transcriptions transcribes the same audio through the
+    cluster. (After the metrics test.)"""
+    import numpy as np
+
+    from tests.helpers import spoken
+    from tests.test_realtime import RATE, b64, events_until, wav_of
+
+    speech = np.concatenate([np.zeros(RATE // 4, np.float32), spoken("Hello from the cluster.", rate=RATE)])
+    manual = {"type": "transcription", "audio": {"input": {"transcription": {"model": "stt", "language": "en"},
+                                                           "turn_detection": None}}}
+
+    async def run():
+        client = openai.AsyncOpenAI(base_url=f"{cluster.url}/v1", api_key="key-subscriber", max_retries=0)
+        async with client.realtime.connect(extra_query={"intent": "transcription"}) as conn:
+            created = (await events_until(conn, "session.created"))[-1]
+            await conn.session.update(session=manual)
+            await events_until(conn, "session.updated")
+            for i in range(0, len(speech), 960):
+                await conn.input_audio_buffer.append(audio=b64(speech[i:i + 960]))
+            await conn.input_audio_buffer.commit()
+            return created, await events_until(conn, "conversation.item.input_audio_transcription.completed")
+
+    created, events = asyncio.run(run())
+    assert created.session.type == "transcription" and created.session.audio.input.transcription.model == "stt"
+    http = openai.OpenAI(base_url=f"{cluster.url}/v1", api_key="key-subscriber", max_retries=0)
+    expected = http.audio.transcriptions.create(model="stt", file=("a.wav", wav_of(speech)), language="en").text
+    assert events[-1].transcript == expected and expected
+    assert events[-1].usage.seconds == pytest.approx(len(speech) / RATE, abs=1e-3)  # every frame arrived (and in order: the text)
 
 
 def admitted(cluster) -> float:
