@@ -295,14 +295,19 @@ class Ingress:
     async def _relay(self, rest, target: "_Target", session: str, replica: str, receive, send, denial: bool) -> None:
         """The session's messages, both ways, until one side ends it: the replica's as they come,
         the client's in order, one call at a time (``realtime_input``, pinned to the replica),
-        each carrying all that arrived while the one before was under way."""
+        each carrying all that arrived while the one before was under way. Left any other way
+        than by the session's end (this task cancelled, the client's connection broken), the
+        replica's stream is cancelled, which the replica's app sees as the client gone."""
         pump: asyncio.Task | None = None
+        ended = False
         try:
             async for message in rest:
                 if message["type"] == "websocket.accept":
                     pump = asyncio.ensure_future(_pump(receive, target, session, replica))
                 await send(message)
-        except RayError as exc:  # the replica died: a clean error, as a stream gets one
+            ended = True
+        except RayError as exc:
+            ended = True  # the replica died: a clean error, as a stream gets one
             log.warning("replica failed mid-session: %s", type(exc).__name__)
             error = APIError(502, "the replica serving this session failed; open a new session", "replica_failed")
             if pump is None:
@@ -316,6 +321,8 @@ class Ingress:
         except OSError:  # the client's connection broke while a message was sent to it
             pass
         finally:
+            if not ended:
+                rest.cancel()
             if pump is not None:
                 pump.cancel()
                 with contextlib.suppress(asyncio.CancelledError, Exception):

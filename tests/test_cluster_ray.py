@@ -194,8 +194,10 @@ def ws_url(cluster, query: str = "?model=c") -> str:
 def test_a_realtime_conversation_through_the_ingress(cluster):
     """The Realtime API's WebSocket through the ingress, with the openai SDK's realtime client: a
     text turn on c is answered as a greedy chat completion over the same conversation answers it
-    (the cluster has no speech models: text turns only), on the replica where c is resident; the
-    ingress counts the session while it is open; the key is checked at the ingress."""
+    (the cluster has no speech-out model: text replies only), on the replica where c is
+    resident, through the ingress's port and Serve's proxy alike; the replica and the ingress count
+    the session while it is open, and neither once its client is gone without a close; the key is
+    checked at the ingress."""
     import websockets
 
     from tests.test_realtime import events_until
@@ -236,6 +238,26 @@ def test_a_realtime_conversation_through_the_ingress(cluster):
     assert text == expected.choices[0].message.content
     headers, during = asyncio.run(raw())
     assert headers["x-tiergate-replica"] == holder  # the session ran where c is resident
+    assert sum(s.value for s in during["tiergate_realtime_sessions"] if s.labels["tier"] == "subscriber") == 1
+    open_now = {s.labels["tier"]: s.value for s in during["tiergate_ingress_realtime_sessions"]}
+    assert open_now["subscriber"] == 1 and open_now["paid"] == 0
+
+    async def dropped():  # a client that vanishes without a close: its session ends on the replica too
+        ws = await websockets.connect(ws_url(cluster), additional_headers={"Authorization": "Bearer key-subscriber"})
+        assert json.loads(await ws.recv())["type"] == "session.created"
+        ws.transport.abort()
+
+    def open_sessions() -> tuple[float, float]:
+        families = scrape(cluster)
+        return (sum(s.value for s in families["tiergate_realtime_sessions"] if s.labels["tier"] == "subscriber"),
+                sum(s.value for s in families["tiergate_ingress_realtime_sessions"] if s.labels["tier"] == "subscriber"))
+
+    asyncio.run(dropped())
+    for _ in range(50):
+        if open_sessions() == (0, 0):
+            break
+        time.sleep(0.1)
+    assert open_sessions() == (0, 0)  # on the replica, and through the ingress
 
     async def through_the_proxy():  # Serve's HTTP proxy (the fallback port) hands it to an ingress the same way
         async with websockets.connect(cluster.proxy.replace("http", "ws") + "/v1/realtime?model=c",
@@ -243,9 +265,6 @@ def test_a_realtime_conversation_through_the_ingress(cluster):
             return ws.response.headers["x-tiergate-replica"], json.loads(await ws.recv())["type"]
 
     assert asyncio.run(through_the_proxy()) == (holder, "session.created")
-    open_now = {s.labels["tier"]: s.value for s in during["tiergate_ingress_realtime_sessions"]}
-    assert open_now["subscriber"] == 1 and open_now["paid"] == 0
-    assert {s.labels["tier"]: s.value for s in scrape(cluster)["tiergate_ingress_realtime_sessions"]}["subscriber"] == 0
     nobody = asyncio.run(refused({"Authorization": "Bearer key-nobody"}))
     assert nobody.status_code == 401 and json.loads(nobody.body)["error"]["code"] == "invalid_api_key"
     secret = asyncio.run(refused({"Authorization": "Bearer ek_made-by-no-replica"}))  # a replica's answer
