@@ -172,12 +172,12 @@ class TierReplica:
         if (refused := self._routed(model, tier, verdict)) is not None:
             yield refused
             return
-        name = opening.pop("session")
+        name = opening["session"]
         inbox: asyncio.Queue = asyncio.Queue()
         self._sessions[name] = inbox
         try:
             yield {"replica": self.id}
-            async for message in session(self.app, Opening(**opening), inbox):
+            async for message in session(self.app, Opening(**{k: v for k, v in opening.items() if k != "session"}), inbox):
                 if message["type"] in ("websocket.accept", "websocket.http.response.start"):
                     message = {**message, "headers": self._headers(list(message.get("headers") or []))}
                 yield message
