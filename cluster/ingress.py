@@ -213,14 +213,15 @@ class Ingress:
         return caller
 
     async def _call(self, forwarded: dict, model: str | None, tier: int, streamed: bool, affinity: str | None = None,
-                    method: str = "", origin: str | None = None):
+                    method: str = "", origin: str | None = None, via: "_Target | None" = None):
         """The first reply of the replica that takes the request (``{"status", "headers"}``, with
         ``"body"`` when it is the whole answer), the rest of a streamed one, and the redirects.
         A request that did not ask for a stream is one plain call (``answer``), cheaper in Ray
         than a streaming call. ``method="realtime"``: a realtime session's opening (the first
         reply is ``{"replica"}`` or a refusal). ``origin``: the replica that made an id the
-        request names (``gateway.origin``), asked first (unless it answered "redirect")."""
-        target = self.target(model)
+        request names (``gateway.origin``), asked first (unless it answered "redirect"); ``via``:
+        the deployment to call when it is not ``model``'s."""
+        target = via or self.target(model)
         avoid: list[str] = []
         for _ in range(max(2, target.replicas)):  # until a replica takes it or the router refuses
             stream = None
@@ -265,10 +266,13 @@ class Ingress:
             presented = bearer_token(connection.headers.get("authorization")) or subprotocol_key(scope)
             origin = origin_of(presented, CLIENT_SECRET_PREFIX)
             model, rank = None, len(self.rank) - 1
+            # a client secret's session: to the replica that made it, in the deployment of the model
+            # the URL names (a tensor-parallel model's own), which checks the secret
+            via = self.target(self._session_model(connection.query_params.get("model")))
             if presented is None or not presented.startswith(CLIENT_SECRET_PREFIX):
                 caller = await self._caller(connection, subprotocol_key(scope))
                 tier, rank = caller.tier, self.rank[caller.tier]
-                model = self._session_model(connection.query_params.get("model"))
+                model, via = self._session_model(connection.query_params.get("model")), None
                 if model is not None and not self.accounts.allows(caller, model):
                     raise APIError(404, f"the model '{model}' does not exist", "model_not_found", "model")
                 if model is not None and (early := await early_refusal(self.accounts, caller)) is not None:
@@ -276,7 +280,7 @@ class Ingress:
             opening = {"session": uuid.uuid4().hex, "path": path, "query": scope.get("query_string", b""),
                        "headers": _with_request_id(list(scope.get("headers", []))),
                        "subprotocols": list(scope.get("subprotocols", [])), "denial": denial}
-            first, rest, _ = await self._call(opening, model, rank, True, method="realtime", origin=origin)
+            first, rest, _ = await self._call(opening, model, rank, True, method="realtime", origin=origin, via=via)
         except APIError as exc:
             self.answered[(tier, "ingress", exc.status)] += 1
             response = exc.response()
@@ -288,7 +292,7 @@ class Ingress:
             return
         self.sessions[tier] = self.sessions.get(tier, 0) + 1  # "-": opened with a client secret
         try:
-            await self._relay(rest, self.target(model), opening["session"], first["replica"], receive, send, denial)
+            await self._relay(rest, via or self.target(model), opening["session"], first["replica"], receive, send, denial)
         finally:
             self.sessions[tier] -= 1
 

@@ -196,3 +196,69 @@ def test_a_websocket_runs_through_an_app_in_process_as_a_replica_serves_a_realti
     assert left == []
     early = asyncio.run(run(b"key=good", ["hi"], take=2))  # the client gone after the first answer
     assert [m["type"] for m in early] == ["websocket.accept", "websocket.send"] and left == [1001]
+
+
+def test_a_client_secret_s_session_goes_to_its_replica_in_the_deployment_of_its_model(tmp_path, tiny_chat):
+    """A session opened with a client secret goes to the replica in the secret (``gateway.origin``)
+    among the replicas of the deployment that serves the model the URL names (here a tensor-parallel
+    model's own, not the pool), with no model for the router to rank by: that replica checks the
+    secret. Serve's calls are stand-ins here that record what they were asked; the relay is the
+    ingress's own (the Ray tests run it through Serve)."""
+    from cluster.ingress import _Target
+
+    config = load_config(write_config(tmp_path, {"m": ("chat", tiny_chat), "big": ("chat", tiny_chat)}))
+    calls: list[tuple[str, dict]] = []
+
+    class Stream:  # a streaming call's reply, as Serve's generator hands it over
+        def __init__(self, items: list[dict]) -> None:
+            self.items = items
+
+        def __aiter__(self):
+            return self
+
+        async def __anext__(self) -> dict:
+            if not self.items:
+                raise StopAsyncIteration
+            return self.items.pop(0)
+
+        def cancel(self) -> None:
+            pass
+
+    class Call:
+        def __init__(self, name: str, reply) -> None:
+            self.name, self.reply = name, reply
+
+        def remote(self, *args, **kwargs):
+            calls.append((self.name, kwargs))
+            return self.reply()
+
+    async def taken() -> bool:
+        return True
+
+    def deployment(name: str) -> _Target:
+        session = [{"replica": "r9"}, {"type": "websocket.accept", "headers": []}, {"type": "websocket.close", "code": 1000}]
+        return _Target(None, None, None, Call(name, lambda: Stream(list(session))), Call(f"{name} input", taken), 2)
+
+    pool, tensor_parallel = deployment("pool"), deployment("tp")
+    ingress = object.__new__(Ingress)
+    ingress.config, ingress.base = config, {"m": "m", "big": "big"}
+    ingress.deployments, ingress.default, ingress.by_model = [pool, tensor_parallel], pool, {"m": pool, "big": tensor_parallel}
+    ingress.rank = {t.name: i for i, t in enumerate(config.tiers)}
+    ingress.answered, ingress.sessions = Counter(), {}
+    scope = {"type": "websocket", "path": "/v1/realtime", "query_string": b"model=big", "subprotocols": [],
+             "headers": [(b"authorization", b"Bearer ek_r9~made-there")]}
+    arriving = [{"type": "websocket.connect"}]
+    sent: list[dict] = []
+
+    async def receive() -> dict:
+        if arriving:
+            return arriving.pop(0)
+        await asyncio.sleep(3600)  # the client says nothing more
+
+    async def send(message: dict) -> None:
+        sent.append(message)
+
+    asyncio.run(ingress.asgi(scope, receive, send))
+    opened = [(name, kw["replica"], kw["model"]) for name, kw in calls if not name.endswith("input")]
+    assert opened == [("tp", "r9", None)]
+    assert [m["type"] for m in sent] == ["websocket.accept", "websocket.close"] and ingress.sessions == {"-": 0}
