@@ -69,7 +69,7 @@ from gateway.cors import cors
 from gateway.auth import Caller, KeyRing, bearer_token, subprotocol_key
 from gateway.config import load_config
 from gateway.errors import APIError, store_unavailable
-from gateway.origin import origin_of
+from gateway.origin import AUDIO, CLIENT_SECRET, IMAGE, origin_of
 
 log = logging.getLogger("tiergate.cluster")
 _DROPPED = {b"x-request-id", b"content-length"}  # the proxy writes the same id; the length is set here
@@ -264,12 +264,12 @@ class Ingress:
             if path != "/v1/realtime":
                 raise APIError(404, f"no WebSocket at {path}: the Realtime API is /v1/realtime", "not_found")
             presented = bearer_token(connection.headers.get("authorization")) or subprotocol_key(scope)
-            origin = origin_of(presented, CLIENT_SECRET_PREFIX)
+            origin = origin_of(presented, CLIENT_SECRET)
             model, rank = None, len(self.rank) - 1
             # a client secret's session: to the replica that made it, in the deployment of the model
             # the URL names (a tensor-parallel model's own), which checks the secret
             via = self.target(self._session_model(connection.query_params.get("model")))
-            if presented is None or not presented.startswith(CLIENT_SECRET_PREFIX):
+            if presented is None or not presented.startswith(CLIENT_SECRET):
                 caller = await self._caller(connection, subprotocol_key(scope))
                 tier, rank = caller.tier, self.rank[caller.tier]
                 model, via = self._session_model(connection.query_params.get("model")), None
@@ -404,7 +404,7 @@ class Ingress:
         affinity = origin = None
         if request.method != "POST" or not body:
             if path.startswith(IMAGE_FILES):
-                origin = origin_of(path[len(IMAGE_FILES):], IMAGE_PREFIX)
+                origin = origin_of(path[len(IMAGE_FILES):], IMAGE)
             return None, request.method != "POST", None, origin
         kind = request.headers.get("content-type", "")
         streamed = True
@@ -438,10 +438,8 @@ class Ingress:
 
 
 RUNTIME_LORA_PATHS = ("/v1/load_lora_adapter", "/v1/unload_lora_adapter")
-CLIENT_SECRET_PREFIX = "ek_"  # gateway.realtime_secrets.PREFIX (that module is not imported here)
 IMAGE_FILES = "/v1/images/files/"
 CLIENT_SECRETS = "/v1/realtime/client_secrets"
-IMAGE_PREFIX, AUDIO_PREFIX = "img-", "audio_"  # gateway.image_store's, gateway.output_audio's
 
 
 async def _pump(receive, target: "_Target", session: str, replica: str) -> None:
@@ -521,7 +519,7 @@ def spoken_origin(messages: object) -> str | None:
         return None
     for message in messages:
         if isinstance(message, dict) and isinstance(audio := message.get("audio"), dict):
-            if (origin := origin_of(audio.get("id"), AUDIO_PREFIX)) is not None:
+            if (origin := origin_of(audio.get("id"), AUDIO)) is not None:
                 return origin
     return None
 

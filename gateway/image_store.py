@@ -8,9 +8,7 @@ import time
 from collections import OrderedDict
 from typing import Callable
 
-from gateway.origin import tagged
-
-PREFIX = "img-"
+from gateway.origin import IMAGE, tagged
 
 
 class ImageStore:
@@ -29,7 +27,7 @@ class ImageStore:
         self._expire()
         while self._items and self.bytes + len(data) > self.max_bytes:
             self._drop(next(iter(self._items)))
-        image_id = tagged(PREFIX, self.origin, secrets.token_urlsafe(18))
+        image_id = tagged(IMAGE, self.origin, secrets.token_urlsafe(18))
         self._items[image_id] = (owner, self.clock() + self.ttl_s, fmt, data)
         self.bytes += len(data)
         return image_id

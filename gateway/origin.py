@@ -10,6 +10,7 @@ them without one, as before. ``~`` is in neither a url-safe base64 token nor a h
 from __future__ import annotations
 
 SEP = "~"
+IMAGE, AUDIO, CLIENT_SECRET = "img-", "audio_", "ek_"  # the prefixes of the three kinds of id
 
 
 def tagged(prefix: str, origin: str, token: str) -> str:

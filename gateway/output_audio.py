@@ -34,7 +34,7 @@ from gateway.audio import SpeechJob, serve_speech
 from gateway.auth import Caller
 from gateway.errors import bad_request
 from gateway.input_audio import chat_engine
-from gateway.origin import tagged
+from gateway.origin import AUDIO, tagged
 from gateway.schemas import ChatCompletionRequest
 from gateway.service import Services
 from gateway.serving import Gone, weightless
@@ -49,7 +49,6 @@ PCM16_RATE = 24_000  # OpenAI's pcm16: 16-bit little-endian mono at 24 kHz
 FIRST_WORDS_CHARS = 60  # the first phrase without a sentence's end is said once this long, at a space
 LATER_WORDS_CHARS = 240  # later ones: fewer speech requests, each said while the next is written
 _PHRASE_END = re.compile(r"(?<=[.!?;:,。！？…])\s+|\n+")
-AUDIO_ID_PREFIX = "audio_"
 KEPT_S = 3600.0  # how long a reply's audio id is read back (OpenAI's expires_at: an hour)
 
 
@@ -80,7 +79,7 @@ class SpokenReplies:
         self._items: OrderedDict[str, tuple[str, float, str]] = OrderedDict()  # id -> (owner, expires_at, transcript)
 
     def new_id(self) -> str:
-        return tagged(AUDIO_ID_PREFIX, self.origin, secrets.token_hex(16))
+        return tagged(AUDIO, self.origin, secrets.token_hex(16))
 
     def put(self, owner: str, audio_id: str, transcript: str) -> int:
         """Keep ``transcript`` as ``audio_id``'s; returns its ``expires_at`` (Unix seconds)."""

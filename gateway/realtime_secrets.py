@@ -21,9 +21,9 @@ from dataclasses import dataclass
 from typing import Any
 
 from gateway.auth import Caller
-from gateway.origin import tagged
+from gateway.origin import CLIENT_SECRET, tagged
 
-PREFIX = "ek_"
+PREFIX = CLIENT_SECRET
 DEFAULT_S, MIN_S, MAX_S = 600, 10, 7200
 
 
