@@ -5,10 +5,11 @@ text streams out, one utterance at a time, through the serving core of
 The protocol is OpenAI's for a session of ``type: "transcription"`` (the SDK's
 ``client.realtime.connect``): the server opens with ``session.created``; the client may send
 ``session.update`` (``session.audio.input``: ``format``, ``transcription`` {model,
-language, prompt}, ``turn_detection`` ``server_vad`` or null), then streams
+language, prompt}, ``turn_detection`` ``server_vad``, ``semantic_vad`` or null), then streams
 ``input_audio_buffer.append`` (base64 PCM16, little-endian, mono, 24 kHz) and ends each utterance
-with ``input_audio_buffer.commit``, or lets ``server_vad`` end it at a silence
-(``input_audio_buffer.speech_started`` / ``speech_stopped``). For each utterance the server sends
+with ``input_audio_buffer.commit``, or lets ``server_vad`` end it at a silence, or ``semantic_vad``
+at a silence as long as a model's judgement that the user has finished asks for
+(``gateway.turn_end``; both send ``input_audio_buffer.speech_started`` / ``speech_stopped``). For each utterance the server sends
 ``input_audio_buffer.committed``, ``conversation.item.input_audio_transcription.delta`` events as
 the model decodes, then ``...completed`` (the transcript and its usage in seconds) or ``...failed``
 (the error: a full gate, a quota, a language the model lacks). A bad client event gets an
@@ -28,7 +29,7 @@ for one): decoded and resampled to 24 kHz as it streams in (``workers.audio.G711
 turn detection, the limits and the ``audio_*_ms`` fields are the same for every format.
 
 A session opened on a chat model is a conversation instead (``gateway.realtime_conversation``,
-which builds on this one and holds the ``/v1/realtime`` endpoint that opens either kind). Not served (each refused with an error naming it): ``semantic_vad``,
+which builds on this one and holds the ``/v1/realtime`` endpoint that opens either kind). Not served (refused with an error naming it):
 noise reduction. A browser may open a session with a client secret instead of a key
 (``/v1/realtime/client_secrets``, ``gateway.realtime_secrets``).
 """
@@ -53,6 +54,7 @@ from gateway.errors import APIError, bad_request
 from gateway.logprobs import token_entries
 from gateway.service import ClientGone, Services
 from gateway.serving import Gone
+from gateway.turn_end import EAGERNESS_MAX_MS, SemanticVad, end_probability, transcript_of, turn_wait_ms
 from workers.audio import G711_RATE, G711Stream
 from workers.stt import ServerVad, TranscriptionRequest, Transcript, TurnDetector
 
@@ -75,20 +77,27 @@ class SessionConfig:
     model: str | None
     language: str | None = None
     prompt: str = ""
-    vad: ServerVad | None = DEFAULT_VAD
+    vad: ServerVad | SemanticVad | None = DEFAULT_VAD
     logprobs: bool = False  # include: ["item.input_audio_transcription.logprobs"]
     codec: str = "pcm"  # the audio it is sent in: a key of FORMATS
 
     def as_event(self, session_id: str) -> dict:
-        vad = None if self.vad is None else {"type": "server_vad", "threshold": self.vad.threshold,
-                                             "prefix_padding_ms": self.vad.prefix_padding_ms,
-                                             "silence_duration_ms": self.vad.silence_duration_ms}
         return {"type": "transcription", "id": session_id, "object": "realtime.transcription_session",
                 "audio": {"input": {"format": FORMATS[self.codec],
                                     "transcription": {"model": self.model, "language": self.language,
                                                       "prompt": self.prompt},
-                                    "turn_detection": vad, "noise_reduction": None}},
+                                    "turn_detection": detection_event(self.vad), "noise_reduction": None}},
                 "include": [LOGPROBS] if self.logprobs else []}
+
+
+def detection_event(vad: ServerVad | SemanticVad | None) -> dict | None:
+    """A session's ``turn_detection`` as its events show it."""
+    if vad is None:
+        return None
+    if isinstance(vad, SemanticVad):
+        return {"type": "semantic_vad", "eagerness": vad.eagerness}
+    return {"type": "server_vad", "threshold": vad.threshold, "prefix_padding_ms": vad.prefix_padding_ms,
+            "silence_duration_ms": vad.silence_duration_ms}
 
 
 def _object(value: object, param: str) -> dict:
@@ -130,7 +139,15 @@ def updated(config: SessionConfig, session: object, svc: Services, limits_prompt
         config = _transcription(config, given["transcription"], svc, limits_prompt)
     if "turn_detection" in given:
         config = replace(config, vad=_turn_detection(given["turn_detection"]))
+        if isinstance(config.vad, SemanticVad) and judge_of(svc) is None:
+            raise bad_request("semantic_vad asks a chat model whether the user has finished, and this server has none: "
+                              "use server_vad", "session.audio.input.turn_detection.type", "unsupported_parameter")
     return config
+
+
+def judge_of(svc: Services) -> str | None:
+    """The chat model that judges a transcription session's turns (``semantic_vad``): the first."""
+    return next((s.name for s in svc.arbiter.specs.values() if s.kind == "chat"), None)
 
 
 def audio_format(value: object, param: str) -> str:
@@ -174,15 +191,17 @@ def _transcription(config: SessionConfig, value: object, svc: Services, limits_p
     return replace(config, model=model, language=language or None, prompt=prompt)
 
 
-def _turn_detection(value: object) -> ServerVad | None:
+def _turn_detection(value: object) -> ServerVad | SemanticVad | None:
     param = "session.audio.input.turn_detection"
     if value is None:
         return None
     value = _object(value, param)
     kind = value.get("type")
+    if kind == "semantic_vad":
+        return _semantic(value, param)
     if kind != "server_vad":
-        raise bad_request(f"turn detection {kind!r} is not served: use server_vad, or null to commit yourself",
-                          f"{param}.type", "unsupported_parameter")
+        raise bad_request(f"turn detection {kind!r} is not served: use server_vad or semantic_vad, or null to commit "
+                          "yourself", f"{param}.type", "unsupported_parameter")
     for key in value:
         if key not in ("type", "threshold", "prefix_padding_ms", "silence_duration_ms", "create_response",
                        "interrupt_response", "idle_timeout_ms"):
@@ -201,6 +220,16 @@ def _turn_detection(value: object) -> ServerVad | None:
     return ServerVad(float(threshold), out["prefix_padding_ms"], out["silence_duration_ms"])
 
 
+def _semantic(value: dict, param: str) -> SemanticVad:
+    for key in value:
+        if key not in ("type", "eagerness", "create_response", "interrupt_response"):
+            raise bad_request(f"unknown field turn_detection.{key} for semantic_vad", f"{param}.{key}", "unknown_parameter")
+    eagerness = value.get("eagerness", "auto")
+    if eagerness not in EAGERNESS_MAX_MS:
+        raise bad_request(f"eagerness is one of {', '.join(EAGERNESS_MAX_MS)}", f"{param}.eagerness", "invalid_value")
+    return SemanticVad(eagerness)
+
+
 def _audio_bytes(value: object) -> bytes:
     """An append's ``audio``: base64 bytes."""
     if not isinstance(value, str):
@@ -211,7 +240,7 @@ def _audio_bytes(value: object) -> bytes:
         raise bad_request("audio is not valid base64", "audio", "invalid_value") from None
 
 
-def _kept_silence(vad: ServerVad) -> int:
+def _kept_silence(vad: ServerVad | SemanticVad) -> int:
     """Samples of silence ``server_vad`` keeps buffered: a turn's start reaches back its prefix
     padding, plus a second for the frames the detector hears before it decides."""
     return round((vad.prefix_padding_ms / 1000 + 1.0) * RATE)
@@ -219,6 +248,19 @@ def _kept_silence(vad: ServerVad) -> int:
 
 def _new_id(prefix: str) -> str:
     return f"{prefix}_{secrets.token_hex(12)}"
+
+
+@dataclass
+class _Pause:
+    """semantic_vad: a pause in the turn's speech, while its judgement is made and its wait runs.
+    ``end``: where the turn's audio would end (the detector's end of speech, padded);
+    ``silent_from``: where the silence began; ``p``: the judgement, once made (None: none could be had)."""
+
+    end: int
+    silent_from: int
+    judge: asyncio.Task | None = None
+    judged: bool = False
+    p: float | None = None
 
 
 class TranscriptionSession:
@@ -237,6 +279,7 @@ class TranscriptionSession:
         self._detector: TurnDetector | None = None  # server_vad's, made at the first append
         self._vad_origin = 0  # the stream's sample index that the detector's own index 0 stands for
         self._speech: tuple[str, int] | None = None  # (item id, start sample) while server_vad hears speech
+        self._pause: _Pause | None = None  # semantic_vad: a pause in that speech, being judged
         self._previous: str | None = None  # the last committed item
         self._queued_s = 0.0  # audio committed and not yet transcribed
         self._utterances: asyncio.Queue[tuple[str, np.ndarray, SessionConfig]] = asyncio.Queue()
@@ -249,6 +292,7 @@ class TranscriptionSession:
             await self._read()
         finally:
             self.gone.set()
+            self._forget_pause()
             transcriber.cancel()
             with contextlib.suppress(asyncio.CancelledError):
                 await transcriber
@@ -293,9 +337,8 @@ class TranscriptionSession:
         kind = event["type"]
         if kind == "session.update":
             config = updated(self.config, event.get("session"), self.svc, self.limits.prompt_max_chars)
-            if config.vad != self.config.vad and self._detector is not None:  # a new one hears what comes next
-                self._detector.close()
-                self._detector, self._speech = None, None
+            if config.vad != self.config.vad:  # a new detector hears what comes next
+                self.new_detection()
             self.config = config
             await self.send({"type": "session.updated", "session": config.as_event(self.id)})
         elif kind == "input_audio_buffer.append":
@@ -351,15 +394,82 @@ class TranscriptionSession:
                 self._speech = (item, start)
                 await self.send({"type": "input_audio_buffer.speech_started", "item_id": item,
                                  "audio_start_ms": round(start / RATE * 1000)})
-            elif kind == "end" and self._speech is not None:
-                item, start = self._speech
-                end = min(max(at, start), self._start + self._buffered)
-                await self.send({"type": "input_audio_buffer.speech_stopped", "item_id": item,
-                                 "audio_end_ms": round(end / RATE * 1000)})
-                self._drop(start)  # the silence before the speech is not transcribed
-                await self._commit(item, end)
+            elif kind == "start" and self._pause is not None:  # speech again within the wait: the same turn
+                self._forget_pause()
+            elif kind == "end" and self._speech is not None and self._pause is None:
+                end = min(max(at, self._speech[1]), self._start + self._buffered)
+                if isinstance(self.config.vad, SemanticVad):
+                    silent_from = at - round(self.config.vad.prefix_padding_ms / 1000 * RATE)
+                    self._pause = _Pause(end, max(self._speech[1], silent_from))
+                    self._pause.judge = asyncio.create_task(self._judge(self._pause))
+                else:
+                    await self._end_turn(end)
+        await self._turn_over()
         if self._speech is None:  # silence is kept only as far back as a turn's start may reach
             self._take(self._start + self._buffered - _kept_silence(self.config.vad))
+
+    async def _end_turn(self, end: int) -> None:
+        """The turn detection's end of the turn in progress: its audio, to the stream's ``end``, is committed."""
+        item, start = self._speech
+        await self.send({"type": "input_audio_buffer.speech_stopped", "item_id": item,
+                         "audio_end_ms": round(end / RATE * 1000)})
+        self._drop(start)  # the silence before the speech is not transcribed
+        await self._commit(item, end)
+
+    # -- semantic_vad -------------------------------------------------------------------------------
+
+    def judge_model(self) -> str | None:
+        """The chat model that judges this session's turns."""
+        return judge_of(self.svc)
+
+    async def _judge(self, pause: _Pause) -> None:
+        """Transcribe the turn so far and ask the judge whether it is over; then end it if the
+        silence heard meanwhile is already long enough."""
+        if self._speech is None or self._pause is not pause:  # the turn ended before this task began
+            return
+        start = self._speech[1]
+        whole = np.concatenate(self._buffer) if self._buffer else np.zeros(0, np.int16)
+        audio = whole[max(0, start - self._start):max(0, pause.end - self._start)]
+        config, judge = self.config, self.judge_model()
+        try:
+            text = await transcript_of(self.svc, self.caller, config.model, audio, RATE, config.language,
+                                       config.prompt or None, self.gone)
+            if text.strip() and judge is not None:
+                pause.p = await end_probability(self.svc, self.caller, judge, text)
+        except ClientGone:
+            return
+        except APIError as exc:  # a full gate, a quota, a key that may not use the judge: the longest wait
+            log.info("semantic_vad: no judgement (%s): the turn waits the longest", exc.code)
+        except Exception:  # noqa: BLE001 - the session goes on; the turn waits the longest
+            log.exception("semantic_vad: the judgement failed")
+        pause.judged = True
+        try:
+            await self._turn_over()
+        except APIError as exc:  # the commit's own refusal (too much audio waiting): as at a client's commit
+            await self.error(exc, None)
+
+    async def _turn_over(self) -> None:
+        """semantic_vad: end the turn once the silence since its pause reaches the wait its judgement asks for."""
+        pause, vad = self._pause, self.config.vad
+        if pause is None or not isinstance(vad, SemanticVad):
+            return
+        wait = turn_wait_ms(pause.p, vad.eagerness) if pause.judged else EAGERNESS_MAX_MS[vad.eagerness]
+        if (self._start + self._buffered - pause.silent_from) / RATE * 1000 < wait:
+            return
+        self._forget_pause()
+        await self._end_turn(pause.end)
+
+    def _forget_pause(self) -> None:
+        pause, self._pause = self._pause, None
+        if pause is not None and pause.judge is not None and pause.judge is not asyncio.current_task():
+            pause.judge.cancel()
+
+    def new_detection(self) -> None:
+        """The turn detection changed: the turn in progress is forgotten, and a new detector hears what comes next."""
+        self._forget_pause()
+        if self._detector is not None:
+            self._detector.close()
+            self._detector, self._speech = None, None
 
     async def _commit(self, item: str, end: int) -> None:
         """Commit the buffer up to the stream's sample ``end`` as utterance ``item``."""
@@ -409,6 +519,7 @@ class TranscriptionSession:
 
     def _restart_detector(self) -> None:
         """The detector hears the stream afresh from the buffer's end (after a commit or a clear)."""
+        self._forget_pause()
         if self._detector is not None:
             self._detector.reset()
         self._vad_origin = self._start + self._buffered

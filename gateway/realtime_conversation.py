@@ -7,11 +7,12 @@ as 24 kHz PCM16 with its transcript. OpenAI's protocol, as its SDK speaks it:
 * ``session.update`` (``type: "realtime"``): ``instructions``, ``output_modalities`` (``["audio"]``,
   the default, or ``["text"]``), ``max_output_tokens``, ``audio.input`` (``format``: 24 kHz PCM16,
   or G.711 telephone audio, as ``gateway.realtime`` takes it; ``transcription.model``, a
-  speech-to-text model; ``turn_detection``, ``server_vad`` or null, with ``create_response``,
-  ``interrupt_response`` and ``idle_timeout_ms``) and
+  speech-to-text model; ``turn_detection``, ``server_vad``, ``semantic_vad`` (judged by the
+  session's own chat model: ``gateway.turn_end``) or null, with ``create_response``,
+  ``interrupt_response`` and, for ``server_vad``, ``idle_timeout_ms``) and
   ``audio.output`` (``format``: the same three, the speech resampled to 8 kHz and encoded as it
   streams for G.711; ``voice``).
-* Turns: ``input_audio_buffer.append`` / ``commit`` / ``clear`` (or ``server_vad``), each committed
+* Turns: ``input_audio_buffer.append`` / ``commit`` / ``clear`` (or the turn detection), each committed
   utterance a user item whose transcript comes as ``conversation.item.input_audio_transcription.*``;
   ``conversation.item.create`` adds a message (last, or after its ``previous_item_id``, or first
   with ``"root"``): a user or system message's text, an assistant's (a restored history: its
@@ -54,7 +55,7 @@ With no speech-to-text model on the server a session takes text turns only (no t
 the audio buffer's events are refused).
 
 Not served (an ``error`` event naming it): items other than messages and function call outputs,
-``semantic_vad``, noise reduction.
+noise reduction.
 """
 
 from __future__ import annotations
@@ -78,8 +79,9 @@ from gateway.errors import APIError, bad_request
 from gateway.input_audio import chat_engine
 from gateway.output_audio import PCM16_RATE, Voice, phrases_of, say
 from gateway.realtime import (DEFAULT_VAD, FORMATS, MIN_COMMIT_S, RATE, SessionConfig, TranscriptionSession, _audio_bytes,
-                              _new_id, _object, audio_format, updated)
+                              _new_id, _object, audio_format, detection_event, updated)
 from gateway.request_log import note
+from gateway.turn_end import SemanticVad
 from gateway.schemas import ChatCompletionRequest, parse, read_json
 from gateway.service import ClientGone, Services
 from gateway.serving import weightless
@@ -190,11 +192,11 @@ class ConversationSession(TranscriptionSession):
         self._idle: asyncio.Task | None = None  # idle_timeout_ms's wait, after a reply has been heard
 
     def session_event(self) -> dict:
-        c, vad = self.conversing, self.config.vad
-        detection = None if vad is None else {
-            "type": "server_vad", "threshold": vad.threshold, "prefix_padding_ms": vad.prefix_padding_ms,
-            "silence_duration_ms": vad.silence_duration_ms, "create_response": c.create_response,
-            "interrupt_response": c.interrupt_response, "idle_timeout_ms": c.idle_timeout_ms}
+        c, detection = self.conversing, detection_event(self.config.vad)
+        if detection is not None:
+            detection.update(create_response=c.create_response, interrupt_response=c.interrupt_response)
+            if detection["type"] == "server_vad":
+                detection["idle_timeout_ms"] = c.idle_timeout_ms
         return {"type": "realtime", "object": "realtime.session", "id": self.id, "model": c.model,
                 "output_modalities": list(c.modalities), "instructions": c.instructions,
                 "max_output_tokens": "inf" if c.max_output_tokens is None else c.max_output_tokens,
@@ -223,6 +225,10 @@ class ConversationSession(TranscriptionSession):
             self._not_idle()
             self._interrupt()
         await super().send(event)
+
+    def judge_model(self) -> str:
+        """semantic_vad's judge in a conversation: the session's own chat model."""
+        return self.conversing.model
 
     def _interrupt(self) -> None:
         """With ``interrupt_response``, the user's turn starting (server_vad) cancels the response in
@@ -286,9 +292,8 @@ class ConversationSession(TranscriptionSession):
 
     async def _update(self, session: object) -> None:
         config, conversing = await self.applied(session)
-        if config.vad != self.config.vad and self._detector is not None:
-            self._detector.close()
-            self._detector, self._speech = None, None
+        if config.vad != self.config.vad:
+            self.new_detection()
         self.config, self.conversing = config, conversing
         await self.send({"type": "session.updated", "session": self.session_event()})
 
@@ -314,6 +319,9 @@ class ConversationSession(TranscriptionSession):
                                       "invalid_type")
                 conversing = replace(conversing, **{flag: detection[flag]})
         if isinstance(detection, dict) and "idle_timeout_ms" in detection:
+            if detection.get("type") == "semantic_vad" and detection["idle_timeout_ms"] is not None:
+                raise bad_request("idle_timeout_ms is server_vad's: semantic_vad has none",
+                                  "session.audio.input.turn_detection.idle_timeout_ms", "unknown_parameter")
             idle = detection["idle_timeout_ms"]
             if idle is not None and (isinstance(idle, bool) or not isinstance(idle, int) or not 1_000 <= idle <= 60_000):
                 raise bad_request("idle_timeout_ms is a whole number of milliseconds from 1000 to 60000, or null",
@@ -335,6 +343,8 @@ class ConversationSession(TranscriptionSession):
         transcription = {"type": "transcription", "audio": {"input": given_input}} if given_input else {}
         config = updated(self.config, transcription, self.svc, self.limits.prompt_max_chars) if transcription \
             else self.config
+        if isinstance(config.vad, SemanticVad):  # idle_timeout_ms is server_vad's
+            conversing = replace(conversing, idle_timeout_ms=None)
         return config, conversing
 
     def _settings(self, given: dict, where: str) -> Conversing:

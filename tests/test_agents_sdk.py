@@ -232,7 +232,8 @@ def test_the_voice_pipeline_hears_answers_and_speaks_through_one_server(server, 
     ``/v1/audio/transcriptions``; streamed audio to a ``/v1/realtime`` transcription session that
     ends the turn at the silence after it (``server_vad``). The settings the README gives: no TTS
     ``instructions`` (the demo voice cannot follow directions) and ``server_vad`` (the SDK's default
-    ``semantic_vad`` is not served)."""
+    ``semantic_vad`` is served, but tiny-chat's random weights doubt every turn's end: it would
+    wait 4 s)."""
     import httpx
     import numpy as np
     from agents.voice import (AudioInput, OpenAIVoiceModelProvider, SingleAgentVoiceWorkflow, StreamedAudioInput,

@@ -10,6 +10,7 @@ import base64
 import io
 import json
 import re
+from pathlib import Path
 
 import httpx
 import numpy as np
@@ -147,7 +148,13 @@ def test_server_vad_ends_each_utterance_at_a_silence(server):
     ({"type": "session.update", "session": {"type": "transcription", "audio": {"input": {
         "transcription": {"model": "tiny-chat"}}}}}, "session.audio.input.transcription.model", None),
     ({"type": "session.update", "session": {"type": "transcription", "audio": {"input": {
-        "turn_detection": {"type": "semantic_vad"}}}}}, "session.audio.input.turn_detection.type", "unsupported_parameter"),
+        "turn_detection": {"type": "semantic_vad", "eagerness": "sometimes"}}}}},
+     "session.audio.input.turn_detection.eagerness", "invalid_value"),
+    ({"type": "session.update", "session": {"type": "transcription", "audio": {"input": {
+        "turn_detection": {"type": "semantic_vad", "silence_duration_ms": 100}}}}},
+     "session.audio.input.turn_detection.silence_duration_ms", "unknown_parameter"),
+    ({"type": "session.update", "session": {"type": "transcription", "audio": {"input": {
+        "turn_detection": {"type": "vad_by_mood"}}}}}, "session.audio.input.turn_detection.type", "unsupported_parameter"),
     ({"type": "session.update", "session": {"type": "transcription", "audio": {"input": {
         "turn_detection": {"type": "server_vad", "threshold": 2}}}}}, "session.audio.input.turn_detection.threshold",
      "invalid_value"),
@@ -552,3 +559,166 @@ def test_telephone_audio_is_heard_as_the_same_sound_at_24khz(server, law):
     assert done.transcript == expected
     assert done.usage.seconds == pytest.approx(len(heard) / RATE, abs=1e-3)
     assert abs(len(heard) / RATE - len(speech) / 8000) < 0.005  # (the resampler holds back a few ms)
+
+
+# -- semantic_vad (gateway.turn_end) ----------------------------------------------------------------
+
+SEMANTIC = {"type": "transcription", "audio": {"input": {"transcription": {"model": "tiny-stt", "language": "en"}}}}
+
+
+def semantic(eagerness: str) -> dict:
+    session = json.loads(json.dumps(SEMANTIC))
+    session["audio"]["input"]["turn_detection"] = {"type": "semantic_vad", "eagerness": eagerness}
+    return session
+
+
+def requests_of(server: RunningServer, endpoint: str) -> float:
+    text = httpx.get(f"{server.url}/metrics").text
+    found = re.findall(rf'^tiergate_request_seconds_count\{{(?=[^}}]*endpoint="{endpoint}")[^}}]*\}} (\S+)$', text, re.M)
+    return sum(float(x) for x in found)
+
+
+async def turns_of(server: RunningServer, session: dict, stream: np.ndarray, turns: int) -> list:
+    """The events of a transcription session with ``session`` fed ``stream`` in 40 ms chunks,
+    until ``turns`` transcriptions have completed."""
+    async with client(server).realtime.connect(extra_query={"intent": "transcription"}) as conn:
+        await events_until(conn, "session.created")
+        await conn.session.update(session=session)
+        updated = await events_until(conn, "session.updated")
+        for i in range(0, len(stream), 960):
+            await conn.input_audio_buffer.append(audio=b64(stream[i:i + 960]))
+        out = updated
+        for _ in range(turns):
+            out += await events_until(conn, "conversation.item.input_audio_transcription.completed")
+        return out
+
+
+def test_semantic_vad_keeps_a_short_pause_in_the_turn_and_waits_its_eagerness_for_a_doubtful_judge(server):
+    """``eagerness: high`` (2 s at most): two phrases 300 ms apart, less than any turn's wait, then
+    2.5 s of silence. One turn, started once and stopped once, holding both phrases. tiny-chat
+    (random weights) judges: its end-of-message probability is ~1/568, so the turn waits about the
+    longest (the audio comes faster than real time here, so the 2 s may pass before a judgement:
+    then the turn ends unjudged, as it would with p = 0)."""
+    silence, gap = np.zeros(RATE, np.float32), np.zeros(int(0.3 * RATE), np.float32)
+    first, second = spoken("The first part is here", rate=RATE), spoken("and the rest of it.", rate=RATE)
+    stream = np.concatenate([silence, first, gap, second, np.zeros(int(2.5 * RATE), np.float32)])
+    events = asyncio.run(turns_of(server, semantic("high"), stream, 1))
+    assert events[0].session.audio.input.turn_detection.type == "semantic_vad"
+    assert events[0].session.audio.input.turn_detection.eagerness == "high"
+    kinds = [e.type for e in events if e.type.startswith("input_audio_buffer.")]
+    assert kinds == ["input_audio_buffer.speech_started", "input_audio_buffer.speech_stopped",
+                     "input_audio_buffer.committed"]
+    start = next(e for e in events if e.type == "input_audio_buffer.speech_started")
+    stop = next(e for e in events if e.type == "input_audio_buffer.speech_stopped")
+    end_of_speech = (len(silence) + len(first) + len(gap) + len(second)) / RATE * 1000
+    assert 600 <= start.audio_start_ms <= 800 and end_of_speech <= stop.audio_end_ms <= end_of_speech + 450
+
+
+def test_semantic_vad_waits_the_longest_while_the_judge_doubts(server):
+    """``eagerness: low`` (8 s at most) and the same doubtful judge: 2.5 s of silence after the
+    speech ends no turn, even once the pause has been judged (a transcription and a completion of
+    the caller's tier, seen in /metrics); a client's commit then takes the whole turn."""
+    stream = np.concatenate([np.zeros(RATE // 2, np.float32), spoken("Wait for me.", rate=RATE),
+                             np.zeros(int(2.5 * RATE), np.float32)])
+
+    async def run():
+        async with client(server).realtime.connect(extra_query={"intent": "transcription"}) as conn:
+            await events_until(conn, "session.created")
+            await conn.session.update(session=semantic("low"))
+            await events_until(conn, "session.updated")
+            before = requests_of(server, "chat"), requests_of(server, "transcriptions")
+            for i in range(0, len(stream), 960):
+                await conn.input_audio_buffer.append(audio=b64(stream[i:i + 960]))
+            async with asyncio.timeout(60):  # the judgement: a completion (served, and timed, as chat)
+                while requests_of(server, "chat") < before[0] + 1:
+                    await asyncio.sleep(0.1)
+            assert requests_of(server, "transcriptions") == before[1] + 1  # the judge's transcription
+            await conn.input_audio_buffer.commit()
+            return await events_until(conn, "conversation.item.input_audio_transcription.completed")
+
+    events = asyncio.run(run())
+    kinds = [e.type for e in events if e.type.startswith("input_audio_buffer.")]
+    assert kinds == ["input_audio_buffer.speech_started", "input_audio_buffer.committed"]  # no speech_stopped
+
+
+def sure_judge(tiny_chat: Path, out: Path) -> Path:
+    """tiny-chat with weights set so that it is sure every user message has ended: the layers add
+    nothing to the residual stream, every token's embedding has a positive first dimension, the
+    final norm keeps only that dimension and the LM head maps it to the end-of-message token
+    (``</s>`` in tiny-chat's template) alone. Saved with ``save_pretrained``, its tokenizer beside it."""
+    import torch
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    tok = AutoTokenizer.from_pretrained(tiny_chat)
+    assert tok.apply_chat_template([{"role": "user", "content": "x"}], tokenize=False).endswith("x</s>")
+    end = tok.convert_tokens_to_ids("</s>")
+    model = AutoModelForCausalLM.from_pretrained(tiny_chat)
+    with torch.no_grad():
+        for layer in model.model.layers:
+            layer.self_attn.o_proj.weight.zero_()
+            layer.mlp.down_proj.weight.zero_()
+        model.model.embed_tokens.weight[:, 0] = 4.0
+        model.model.norm.weight.zero_()
+        model.model.norm.weight[0] = 1.0
+        model.lm_head.weight.zero_()
+        model.lm_head.weight[end, 0] = 50.0
+    model.save_pretrained(out)
+    tok.save_pretrained(out)
+    return out
+
+
+def test_semantic_vad_ends_a_turn_the_judge_is_sure_of_after_the_shortest_wait(tiny_stt, tiny_chat, tmp_path):
+    """A judge sure that the user has finished (``sure_judge``, the server's first chat model):
+    with ``eagerness: low`` the turn ends after 1.2 s of silence, not 8 s: the wait is the
+    judgement's (500 ms for p = 1). The judge's probability is checked against the model's own
+    softmax, computed here with transformers."""
+    import torch
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    from gateway.turn_end import EndOfMessage, prompt_ids, turn_wait_ms
+
+    judge = sure_judge(tiny_chat, tmp_path / "sure-chat")
+    tok, model = AutoTokenizer.from_pretrained(judge), AutoModelForCausalLM.from_pretrained(judge)
+    ids = prompt_ids(tok, EndOfMessage("<|user|>", tok.convert_tokens_to_ids("</s>")), "and then we")
+    with torch.no_grad():
+        p = torch.softmax(model(torch.tensor([ids[:-1]])).logits[0, -1], -1)[ids[-1]].item()
+    assert p > 0.999 and turn_wait_ms(p, "low") < 600
+    running = start_server(write_config(tmp_path, {"sure-chat": ("chat", judge), "tiny-stt": ("stt", tiny_stt)}))
+    try:
+        stream = np.concatenate([np.zeros(RATE // 2, np.float32), spoken("Done already.", rate=RATE),
+                                 np.zeros(int(1.2 * RATE), np.float32)])
+        events = asyncio.run(turns_of(running, semantic("low"), stream, 1))
+    finally:
+        running.stop()
+    kinds = [e.type for e in events if e.type.startswith("input_audio_buffer.")]
+    assert kinds == ["input_audio_buffer.speech_started", "input_audio_buffer.speech_stopped",
+                     "input_audio_buffer.committed"]
+
+
+def test_the_judge_reads_the_end_of_message_token_of_the_model_s_own_template(server, tiny_chat):
+    """``end_of_message`` from tiny-chat's template (``<|user|>{content}</s>``); the judge's prompt
+    keeps the transcript's last 128 tokens; and the completion the judge asks for (its body
+    as ``end_probability`` sends it) gives the model's own softmax of the end token, computed here
+    with transformers (fp32 on both sides: within 1e-4)."""
+    import math
+
+    import torch
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    from gateway.turn_end import TRANSCRIPT_TOKENS, end_of_message, prompt_ids
+
+    end = asyncio.run(end_of_message(tiny_chat))
+    tok = AutoTokenizer.from_pretrained(tiny_chat)
+    assert end.head == "<|user|>" and end.end_id == tok.convert_tokens_to_ids("</s>")
+    ids = prompt_ids(tok, end, "x" * 3000 + " is it over")
+    head = tok.encode("<|user|>", add_special_tokens=False)
+    assert ids[:len(head)] == head and ids[-1] == end.end_id and len(ids) == len(head) + TRANSCRIPT_TOKENS + 1
+    assert tok.decode(ids[len(head):-1]).endswith(" is it over")
+    r = httpx.post(f"{server.url}/v1/completions", headers={"Authorization": f"Bearer {server.keys['paid']}"},
+                   json={"model": "tiny-chat", "prompt": ids, "max_tokens": 0, "echo": True, "logprobs": 0}, timeout=60)
+    assert r.status_code == 200, r.text
+    served = r.json()["choices"][0]["logprobs"]["token_logprobs"][-1]
+    model = AutoModelForCausalLM.from_pretrained(tiny_chat)
+    with torch.no_grad():
+        reference = torch.log_softmax(model(torch.tensor([ids[:-1]])).logits[0, -1], -1)[ids[-1]].item()
+    assert math.exp(served) == pytest.approx(math.exp(reference), rel=1e-4)

@@ -219,20 +219,22 @@ def test_the_user_speaking_interrupts_the_reply_and_the_conversation_keeps_what_
 
 async def sdk_session(server: RunningServer, agent, **settings):
     """The Agents SDK's ``RealtimeRunner`` session for ``agent`` on this server's conversation
-    session, with the model settings it needs here (its defaults name OpenAI's models and
-    ``semantic_vad``); ``settings`` override them."""
+    session, with the model settings it needs here (its defaults name OpenAI's models, and its
+    ``semantic_vad`` would wait seconds on tiny-chat's doubtful judgement); ``settings`` override
+    them, and a setting given as None is left to the SDK's default."""
     from agents.realtime import RealtimeRunner
 
-    runner = RealtimeRunner(agent, config={"model_settings": {
-        "model_name": "tiny-chat", "voice": "alloy", "input_audio_transcription": {"model": "tiny-stt"},
-        "turn_detection": {"type": "server_vad"}, "max_output_tokens": 12, **settings}})
+    settings = {"model_name": "tiny-chat", "voice": "alloy", "input_audio_transcription": {"model": "tiny-stt"},
+                "turn_detection": {"type": "server_vad"}, "max_output_tokens": 12, **settings}
+    runner = RealtimeRunner(agent, config={"model_settings": {k: v for k, v in settings.items() if v is not None}})
     return await runner.run(model_config={"url": server.url.replace("http", "ws") + "/v1/realtime?model=tiny-chat",
                                           "api_key": server.keys["paid"]})
 
 
 def test_the_agents_sdk_realtime_runner_talks_to_the_session(server):
-    """The OpenAI Agents SDK's ``RealtimeRunner`` (its realtime voice agents) on this server: a
-    typed message in, the agent's spoken reply out, and the session's history holding both."""
+    """The OpenAI Agents SDK's ``RealtimeRunner`` (its realtime voice agents) on this server, with
+    the SDK's own turn detection (``semantic_vad``, judged by the session's chat model): a typed
+    message in, the agent's spoken reply out, and the session's history holding both."""
     pytest.importorskip("agents")
     from agents import set_tracing_disabled
     from agents.realtime import RealtimeAgent
@@ -241,7 +243,7 @@ def test_the_agents_sdk_realtime_runner_talks_to_the_session(server):
 
     async def run():
         agent = RealtimeAgent(name="pirate", instructions="Answer briefly.")
-        session = await sdk_session(server, agent)
+        session = await sdk_session(server, agent, turn_detection=None)
         kinds, audio = [], 0
         async with session:
             await session.send_message(ASK)
@@ -252,9 +254,10 @@ def test_the_agents_sdk_realtime_runner_talks_to_the_session(server):
                         audio += len(event.audio.data)
                     if event.type in ("agent_end", "error"):
                         break
-            return kinds, audio, list(session._history)
+            return kinds, audio, list(session._history), session._model._created_session
 
-    kinds, audio, history = asyncio.run(run())
+    kinds, audio, history, created = asyncio.run(run())
+    assert created.audio.input.turn_detection.type == "semantic_vad"  # the SDK's default, as the server took it
     assert "error" not in kinds and kinds[-1] == "agent_end" and audio > 0
     user, reply = history[-2], history[-1]
     assert user.role == "user" and user.content[0].text == ASK
@@ -816,15 +819,20 @@ def test_idle_timeout_answers_a_silence_after_the_reply_has_been_heard(server):
             await conn.send({"type": "session.update", "session": {"type": "realtime", "audio": {"input": {
                 "turn_detection": {"type": "server_vad", "idle_timeout_ms": 5}}}}})
             refused = (await events_until(conn, "error"))[-1].error
-            return first, waited, idle, second, refused
+            await conn.send({"type": "session.update", "session": {"type": "realtime", "audio": {"input": {
+                "turn_detection": {"type": "semantic_vad", "idle_timeout_ms": 2000}}}}})
+            semantic = (await events_until(conn, "error"))[-1].error
+            return first, waited, idle, second, refused, semantic
 
-    first, waited, idle, second, refused = asyncio.run(run())
+    first, waited, idle, second, refused, semantic = asyncio.run(run())
     played = len(said(first)[1]) / 2 / RATE
     # the server starts the wait as it sends response.done, a little before this client reads it
     assert played > 0.2 and played + 1.0 - 0.1 <= waited < played + 1.0 + 5  # (generous: a loaded machine)
     assert idle[-1].type == "input_audio_buffer.timeout_triggered"
     assert second[-1].response.status == "completed" and said(second)[0]
     assert refused.param == "session.audio.input.turn_detection.idle_timeout_ms"
+    # idle_timeout_ms is server_vad's: semantic_vad has none (OpenAI's)
+    assert semantic.param == "session.audio.input.turn_detection.idle_timeout_ms" and semantic.code == "unknown_parameter"
 
 
 def test_a_client_secret_opens_sessions_with_its_settings_and_nothing_else(server):
