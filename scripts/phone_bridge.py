@@ -41,7 +41,6 @@ from starlette.routing import Route, WebSocketRoute
 from starlette.websockets import WebSocket, WebSocketDisconnect
 
 log = logging.getLogger("phone_bridge")
-MULAW_BYTES_PER_MS = 8  # G.711 at 8 kHz: a byte a sample
 
 
 def session_settings(instructions: str, voice: str, idle_timeout_ms: int | None = None) -> dict:

@@ -722,3 +722,24 @@ def test_the_judge_reads_the_end_of_message_token_of_the_model_s_own_template(se
     with torch.no_grad():
         reference = torch.log_softmax(model(torch.tensor([ids[:-1]])).logits[0, -1], -1)[ids[-1]].item()
     assert math.exp(served) == pytest.approx(math.exp(reference), rel=1e-4)
+
+
+def test_semantic_vad_on_a_server_without_a_chat_model_is_an_error_event_and_server_vad_stays(tiny_stt, tmp_path):
+    """No chat model to judge with: ``semantic_vad`` is refused naming ``turn_detection.type``, and
+    the session keeps the turn detection it had."""
+    running = start_server(write_config(tmp_path, {"tiny-stt": ("stt", tiny_stt)}))
+    try:
+        async def run():
+            async with client(running).realtime.connect(extra_query={"intent": "transcription"}) as conn:
+                await events_until(conn, "session.created")
+                await conn.session.update(session=semantic("auto"))
+                refused = (await events_until(conn, "error"))[-1].error
+                await conn.session.update(session=SEMANTIC)  # a change of nothing else: the session as it was
+                kept = (await events_until(conn, "session.updated"))[-1].session
+                return refused, kept
+
+        refused, kept = asyncio.run(run())
+    finally:
+        running.stop()
+    assert refused.param == "session.audio.input.turn_detection.type" and refused.code == "unsupported_parameter"
+    assert "no" in refused.message and kept.audio.input.turn_detection.type == "server_vad"
