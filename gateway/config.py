@@ -179,6 +179,9 @@ class TTSModel(_Model):
 
 class STTModel(_Model):
     kind: Literal["stt"]
+    # the chat model that judges realtime turns heard by this model (semantic_vad: gateway.turn_end);
+    # None: a conversation's own chat model, or in a transcription session the first chat model
+    turn_model: str | None = None
 
 
 class EmbedModel(_Model):
@@ -504,6 +507,11 @@ class Config(_Strict):
                 if chosen is not None and chosen not in named:
                     raise ValueError(f"models[{i}].engine.{field}: {chosen!r} is not a {what} model "
                                      f"(kind: {kind}) here{': ' + ', '.join(sorted(named)) if named else ''}")
+        chats = {m.name for m in self.models if m.kind == "chat"}
+        for i, m in enumerate(self.models):
+            if isinstance(m, STTModel) and m.turn_model is not None and m.turn_model not in chats:
+                raise ValueError(f"models[{i}].turn_model: {m.turn_model!r} is not a chat model here"
+                                 f"{': ' + ', '.join(sorted(chats)) if chats else ''}")
         return self
 
     @model_validator(mode="after")

@@ -139,15 +139,18 @@ def updated(config: SessionConfig, session: object, svc: Services, limits_prompt
         config = _transcription(config, given["transcription"], svc, limits_prompt)
     if "turn_detection" in given:
         config = replace(config, vad=_turn_detection(given["turn_detection"]))
-        if isinstance(config.vad, SemanticVad) and judge_of(svc) is None:
+        if isinstance(config.vad, SemanticVad) and judge_of(svc, config.model) is None:
             raise bad_request("semantic_vad asks a chat model whether the user has finished, and this server has none: "
                               "use server_vad", "session.audio.input.turn_detection.type", "unsupported_parameter")
     return config
 
 
-def judge_of(svc: Services) -> str | None:
-    """The chat model that judges a transcription session's turns (``semantic_vad``): the first."""
-    return next((s.name for s in svc.arbiter.specs.values() if s.kind == "chat"), None)
+def judge_of(svc: Services, heard_by: str | None, chat: str | None = None) -> str | None:
+    """The chat model that judges turns (``semantic_vad``) heard by the speech model ``heard_by``:
+    its tiers.yaml ``turn_model``, else the conversation's chat model ``chat``, else the first."""
+    name = svc.model_name(heard_by) if heard_by else None
+    chosen = next((m.turn_model for m in svc.config.models if m.name == name and m.kind == "stt"), None) or chat
+    return chosen or next((s.name for s in svc.arbiter.specs.values() if s.kind == "chat"), None)
 
 
 def audio_format(value: object, param: str) -> str:
@@ -420,7 +423,7 @@ class TranscriptionSession:
 
     def judge_model(self) -> str | None:
         """The chat model that judges this session's turns."""
-        return judge_of(self.svc)
+        return judge_of(self.svc, self.config.model)
 
     async def _judge(self, pause: _Pause) -> None:
         """Transcribe the turn so far and ask the judge whether it is over; then end it if the

@@ -79,7 +79,7 @@ from gateway.errors import APIError, bad_request
 from gateway.input_audio import chat_engine
 from gateway.output_audio import PCM16_RATE, Voice, phrases_of, say
 from gateway.realtime import (DEFAULT_VAD, FORMATS, MIN_COMMIT_S, RATE, SessionConfig, TranscriptionSession, _audio_bytes,
-                              _new_id, _object, audio_format, detection_event, updated)
+                              _new_id, _object, audio_format, detection_event, judge_of, updated)
 from gateway.request_log import note
 from gateway.turn_end import SemanticVad
 from gateway.schemas import ChatCompletionRequest, parse, read_json
@@ -226,9 +226,9 @@ class ConversationSession(TranscriptionSession):
             self._interrupt()
         await super().send(event)
 
-    def judge_model(self) -> str:
-        """semantic_vad's judge in a conversation: the session's own chat model."""
-        return self.conversing.model
+    def judge_model(self) -> str | None:
+        """semantic_vad's judge in a conversation: the speech model's ``turn_model``, else the session's own chat model."""
+        return judge_of(self.svc, self.config.model, self.conversing.model)
 
     def _interrupt(self) -> None:
         """With ``interrupt_response``, the user's turn starting (server_vad) cancels the response in

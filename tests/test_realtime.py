@@ -667,11 +667,20 @@ def sure_judge(tiny_chat: Path, out: Path) -> Path:
     return out
 
 
+def with_turn_model(config: Path, stt: Path, judge: str) -> Path:
+    """``config`` (``write_config``'s) with the speech model at ``stt`` given ``turn_model: judge``."""
+    text = config.read_text()
+    entry = f"    kind: stt\n    path: {stt}\n"
+    assert entry in text
+    config.write_text(text.replace(entry, entry + f"    turn_model: {judge}\n"))
+    return config
+
+
 def test_semantic_vad_ends_a_turn_the_judge_is_sure_of_after_the_shortest_wait(tiny_stt, tiny_chat, tmp_path):
-    """A judge sure that the user has finished (``sure_judge``, the server's first chat model):
-    with ``eagerness: low`` the turn ends after 1.2 s of silence, not 8 s: the wait is the
-    judgement's (500 ms for p = 1). The judge's probability is checked against the model's own
-    softmax, computed here with transformers."""
+    """A judge sure that the user has finished (``sure_judge``), named by the speech model's
+    ``turn_model`` (the first chat model, tiny-chat, doubts): with ``eagerness: low`` the turn ends
+    after 1.2 s of silence, not 8 s: the wait is the judgement's (500 ms for p = 1). The judge's
+    probability is checked against the model's own softmax, computed here with transformers."""
     import torch
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
@@ -683,7 +692,9 @@ def test_semantic_vad_ends_a_turn_the_judge_is_sure_of_after_the_shortest_wait(t
     with torch.no_grad():
         p = torch.softmax(model(torch.tensor([ids[:-1]])).logits[0, -1], -1)[ids[-1]].item()
     assert p > 0.999 and turn_wait_ms(p, "low") < 600
-    running = start_server(write_config(tmp_path, {"sure-chat": ("chat", judge), "tiny-stt": ("stt", tiny_stt)}))
+    config = write_config(tmp_path, {"tiny-chat": ("chat", tiny_chat), "sure-chat": ("chat", judge),
+                                     "tiny-stt": ("stt", tiny_stt)})
+    running = start_server(with_turn_model(config, tiny_stt, "sure-chat"))
     try:
         stream = np.concatenate([np.zeros(RATE // 2, np.float32), spoken("Done already.", rate=RATE),
                                  np.zeros(int(1.2 * RATE), np.float32)])
@@ -743,3 +754,14 @@ def test_semantic_vad_on_a_server_without_a_chat_model_is_an_error_event_and_ser
         running.stop()
     assert refused.param == "session.audio.input.turn_detection.type" and refused.code == "unsupported_parameter"
     assert "no" in refused.message and kept.audio.input.turn_detection.type == "server_vad"
+
+
+def test_turn_model_must_name_a_chat_model(tiny_chat, tiny_stt, tmp_path):
+    from gateway.config import ConfigError, load_config
+
+    models = {"tiny-chat": ("chat", tiny_chat), "tiny-stt": ("stt", tiny_stt)}
+    (tmp_path / "bad").mkdir(), (tmp_path / "good").mkdir()
+    with pytest.raises(ConfigError, match=r"models\[1\].turn_model: 'tiny-stt' is not a chat model here: tiny-chat"):
+        load_config(with_turn_model(write_config(tmp_path / "bad", models), tiny_stt, "tiny-stt"))
+    good = load_config(with_turn_model(write_config(tmp_path / "good", models), tiny_stt, "tiny-chat"))
+    assert good.models[1].turn_model == "tiny-chat"
