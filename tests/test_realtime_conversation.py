@@ -128,16 +128,23 @@ def test_speech_in_is_heard_then_answered(server):
     assert kinds.index("conversation.item.input_audio_transcription.completed") < kinds.index("response.output_item.added")
 
 
-def test_server_vad_answers_when_a_turn_ends_and_the_conversation_goes_on(server):
+@pytest.mark.parametrize("detection", [None, {"type": "semantic_vad", "eagerness": "high"}], ids=["server_vad", "semantic_vad"])
+def test_the_turn_detection_answers_when_a_turn_ends_and_the_conversation_goes_on(server, detection):
+    """A spoken turn ended by the turn detection is answered (create_response). With
+    ``semantic_vad`` (``high``: 2 s at most) the judge is the session's own chat model, tiny-chat,
+    whose doubt waits about the longest: 2.5 s of silence ends the turn."""
     speech = spoken("Tell me about the sea.", rate=RATE)
-    silence = np.zeros(RATE, np.float32)
+    silence = np.zeros(RATE if detection is None else int(2.5 * RATE), np.float32)
+    settings = {} if detection is None else {"audio": {"input": {"turn_detection": detection}}}
 
     async def run():
         async with client(server).realtime.connect(model="tiny-chat") as conn:
             await events_until(conn, "session.created")  # server_vad and create_response: the defaults
             await conn.session.update(session={"type": "realtime", "instructions": "Answer briefly.",
-                                               "max_output_tokens": 12})
-            await events_until(conn, "session.updated")
+                                               "max_output_tokens": 12, **settings})
+            updated = (await events_until(conn, "session.updated"))[-1]
+            assert updated.session.audio.input.turn_detection.type == (detection or {"type": "server_vad"})["type"]
+            assert updated.session.audio.input.turn_detection.create_response is True
             await conn.input_audio_buffer.append(audio=b64(np.concatenate([speech, silence])))
             first = await events_until(conn, "response.done")
             await conn.conversation.item.create(item={"type": "message", "role": "user",
