@@ -134,3 +134,29 @@ def _sort_target_modules(config_file: Path) -> None:
     config = json.loads(config_file.read_text())
     config["target_modules"] = sorted(config["target_modules"])
     config_file.write_text(json.dumps(config, indent=2, sort_keys=True) + "\n")
+
+
+def build_sure_turn_judge(base_dir: Path, out_dir: Path) -> Path:
+    """``tiny-chat`` (at ``base_dir``) with weights set so that it is sure every user message has
+    ended: a judge for checking and timing ``semantic_vad``'s shortest wait (gateway.turn_end;
+    tests/test_realtime.py, scripts/bench_turns.py), not a model to chat with. The layers add
+    nothing to the residual stream, every token's embedding has a positive first dimension, the
+    final norm keeps only that dimension, and the LM head maps it to ``</s>`` (the end of a
+    message in tiny-chat's template) alone. Saved with ``save_pretrained``, the tokenizer beside it."""
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    tok = AutoTokenizer.from_pretrained(base_dir)
+    end = tok.convert_tokens_to_ids("</s>")
+    model = AutoModelForCausalLM.from_pretrained(base_dir)
+    with torch.no_grad():
+        for layer in model.model.layers:
+            layer.self_attn.o_proj.weight.zero_()
+            layer.mlp.down_proj.weight.zero_()
+        model.model.embed_tokens.weight[:, 0] = 4.0
+        model.model.norm.weight.zero_()
+        model.model.norm.weight[0] = 1.0
+        model.lm_head.weight.zero_()
+        model.lm_head.weight[end, 0] = 50.0
+    model.save_pretrained(out_dir)
+    tok.save_pretrained(out_dir)
+    return out_dir

@@ -249,6 +249,13 @@ def _kept_silence(vad: ServerVad | SemanticVad) -> int:
     return round((vad.prefix_padding_ms / 1000 + 1.0) * RATE)
 
 
+async def _told(transcript: Transcript):
+    """A transcript already made, as ``stream_transcription`` gives one: its text, then itself."""
+    if transcript.text:
+        yield transcript.text
+    yield transcript
+
+
 def _new_id(prefix: str) -> str:
     return f"{prefix}_{secrets.token_hex(12)}"
 
@@ -264,6 +271,7 @@ class _Pause:
     judge: asyncio.Task | None = None
     judged: bool = False
     p: float | None = None
+    heard: tuple[Transcript, int, SessionConfig] | None = None  # the judge's transcript, of so many samples, so made
 
 
 class TranscriptionSession:
@@ -283,6 +291,7 @@ class TranscriptionSession:
         self._vad_origin = 0  # the stream's sample index that the detector's own index 0 stands for
         self._speech: tuple[str, int] | None = None  # (item id, start sample) while server_vad hears speech
         self._pause: _Pause | None = None  # semantic_vad: a pause in that speech, being judged
+        self._known: dict[str, tuple[Transcript, int, SessionConfig]] = {}  # items the judge transcribed already
         self._previous: str | None = None  # the last committed item
         self._queued_s = 0.0  # audio committed and not yet transcribed
         self._utterances: asyncio.Queue[tuple[str, np.ndarray, SessionConfig]] = asyncio.Queue()
@@ -435,10 +444,13 @@ class TranscriptionSession:
         audio = whole[max(0, start - self._start):max(0, pause.end - self._start)]
         config, judge = self.config, self.judge_model()
         try:
-            text = await transcript_of(self.svc, self.caller, config.model, audio, RATE, config.language,
-                                       config.prompt or None, self.gone)
-            if text.strip() and judge is not None:
-                pause.p = await end_probability(self.svc, self.caller, judge, text)
+            heard = await transcript_of(self.svc, self.caller, config.model, audio, RATE,
+                                        TranscriptionRequest(config.language, config.prompt or None,
+                                                             logprobs=config.logprobs), self.gone)
+            if heard is not None:
+                pause.heard = (heard, len(audio), config)
+                if heard.text.strip() and judge is not None:
+                    pause.p = await end_probability(self.svc, self.caller, judge, heard.text)
         except ClientGone:
             return
         except APIError as exc:  # a full gate, a quota, a key that may not use the judge: the longest wait
@@ -460,6 +472,8 @@ class TranscriptionSession:
         if (self._start + self._buffered - pause.silent_from) / RATE * 1000 < wait:
             return
         self._forget_pause()
+        if pause.heard is not None and self._speech is not None:  # the turn's audio is what the judge heard
+            self._known[self._speech[0]] = pause.heard
         await self._end_turn(pause.end)
 
     def _forget_pause(self) -> None:
@@ -544,8 +558,11 @@ class TranscriptionSession:
         base = {"item_id": item, "content_index": 0}
         pieces = None
         heard: str | None = None
+        known = self._known.pop(item, None)
+        known = known[0] if known is not None and known[1:] == (len(samples), config) else None
         try:
-            pieces = stream_transcription(self.svc, self.caller, job, self.gone)
+            # a turn semantic_vad ended where it was judged: its transcript is the judge's (made, and metered, once)
+            pieces = _told(known) if known is not None else stream_transcription(self.svc, self.caller, job, self.gone)
             async for piece in pieces:
                 if isinstance(piece, Transcript):
                     heard = piece.text

@@ -17,7 +17,8 @@ The judge is the session's own chat model in a conversation, and the server's fi
 of the caller's tier, gated and metered as ``/v1/audio/transcriptions`` and ``/v1/completions``
 are (the scoring is a completion of ``max_tokens: 0`` that reads its prompt's last log-probability).
 A judgement that cannot be had (a 429, a key that may not use the judge) waits the longest, as
-``p = 0`` would.
+``p = 0`` would. A turn that ends where it was judged keeps the judge's transcript as its own
+(``gateway.realtime``): its audio is transcribed, and metered, once.
 """
 
 from __future__ import annotations
@@ -108,14 +109,14 @@ async def end_probability(svc: Services, caller: Caller, model: str, transcript:
 
 
 async def transcript_of(svc: Services, caller: Caller, model: str, audio: np.ndarray, rate: int,
-                        language: str | None, prompt: str | None, gone: Gone) -> str:
+                        request: TranscriptionRequest, gone: Gone) -> Transcript | None:
     """The turn so far as text (``audio``: int16 samples at ``rate``), by the session's speech model."""
-    job = TranscriptionJob(model, audio.astype(np.float32) / 32768.0, rate, TranscriptionRequest(language, prompt))
+    job = TranscriptionJob(model, audio.astype(np.float32) / 32768.0, rate, request)
     pieces = stream_transcription(svc, caller, job, gone)
     try:
         async for piece in pieces:
             if isinstance(piece, Transcript):
-                return piece.text
+                return piece
     finally:
         await pieces.aclose()
-    return ""
+    return None

@@ -85,6 +85,7 @@ MODEL_SMOKES = {
     "bench_prefill.py": ("--model", "{chat}"),
     "bench_voice.py": ("--models-dir", "{demo}"),
     "bench_tuning.py": ("--models-dir", "{demo}"),
+    "bench_turns.py": ("--models-dir", "{demo}"),
 }
 
 

@@ -641,32 +641,6 @@ def test_semantic_vad_waits_the_longest_while_the_judge_doubts(server):
     assert kinds == ["input_audio_buffer.speech_started", "input_audio_buffer.committed"]  # no speech_stopped
 
 
-def sure_judge(tiny_chat: Path, out: Path) -> Path:
-    """tiny-chat with weights set so that it is sure every user message has ended: the layers add
-    nothing to the residual stream, every token's embedding has a positive first dimension, the
-    final norm keeps only that dimension and the LM head maps it to the end-of-message token
-    (``</s>`` in tiny-chat's template) alone. Saved with ``save_pretrained``, its tokenizer beside it."""
-    import torch
-    from transformers import AutoModelForCausalLM, AutoTokenizer
-
-    tok = AutoTokenizer.from_pretrained(tiny_chat)
-    assert tok.apply_chat_template([{"role": "user", "content": "x"}], tokenize=False).endswith("x</s>")
-    end = tok.convert_tokens_to_ids("</s>")
-    model = AutoModelForCausalLM.from_pretrained(tiny_chat)
-    with torch.no_grad():
-        for layer in model.model.layers:
-            layer.self_attn.o_proj.weight.zero_()
-            layer.mlp.down_proj.weight.zero_()
-        model.model.embed_tokens.weight[:, 0] = 4.0
-        model.model.norm.weight.zero_()
-        model.model.norm.weight[0] = 1.0
-        model.lm_head.weight.zero_()
-        model.lm_head.weight[end, 0] = 50.0
-    model.save_pretrained(out)
-    tok.save_pretrained(out)
-    return out
-
-
 def with_turn_model(config: Path, stt: Path, judge: str) -> Path:
     """``config`` (``write_config``'s) with the speech model at ``stt`` given ``turn_model: judge``."""
     text = config.read_text()
@@ -677,16 +651,20 @@ def with_turn_model(config: Path, stt: Path, judge: str) -> Path:
 
 
 def test_semantic_vad_ends_a_turn_the_judge_is_sure_of_after_the_shortest_wait(tiny_stt, tiny_chat, tmp_path):
-    """A judge sure that the user has finished (``sure_judge``), named by the speech model's
+    """A judge sure that the user has finished (``demo.chat.build_sure_turn_judge``), named by the speech model's
     ``turn_model`` (the first chat model, tiny-chat, doubts): with ``eagerness: low`` the turn ends
     after 1.2 s of silence, not 8 s: the wait is the judgement's (500 ms for p = 1). The judge's
-    probability is checked against the model's own softmax, computed here with transformers."""
+    probability is checked against the model's own softmax, computed here with transformers. The
+    turn ended where it was judged, so its transcript is the judge's: one transcription request in
+    all, not two."""
     import torch
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     from gateway.turn_end import EndOfMessage, prompt_ids, turn_wait_ms
 
-    judge = sure_judge(tiny_chat, tmp_path / "sure-chat")
+    from demo.chat import build_sure_turn_judge
+
+    judge = build_sure_turn_judge(tiny_chat, tmp_path / "sure-chat")
     tok, model = AutoTokenizer.from_pretrained(judge), AutoModelForCausalLM.from_pretrained(judge)
     ids = prompt_ids(tok, EndOfMessage("<|user|>", tok.convert_tokens_to_ids("</s>")), "and then we")
     with torch.no_grad():
@@ -698,9 +676,15 @@ def test_semantic_vad_ends_a_turn_the_judge_is_sure_of_after_the_shortest_wait(t
     try:
         stream = np.concatenate([np.zeros(RATE // 2, np.float32), spoken("Done already.", rate=RATE),
                                  np.zeros(int(1.2 * RATE), np.float32)])
+        before = requests_of(running, "transcriptions")
         events = asyncio.run(turns_of(running, semantic("low"), stream, 1))
+        transcriptions = requests_of(running, "transcriptions") - before
     finally:
         running.stop()
+    assert transcriptions == 1
+    done = [e for e in events if e.type == "conversation.item.input_audio_transcription.completed"]
+    deltas = "".join(e.delta for e in events if e.type == "conversation.item.input_audio_transcription.delta")
+    assert len(done) == 1 and done[0].transcript == deltas
     kinds = [e.type for e in events if e.type.startswith("input_audio_buffer.")]
     assert kinds == ["input_audio_buffer.speech_started", "input_audio_buffer.speech_stopped",
                      "input_audio_buffer.committed"]
