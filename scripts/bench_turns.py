@@ -21,7 +21,7 @@ Judged: semantic_vad/server_vad p50 <= 1.2x at 1 and at ``--sessions`` sessions 
 processes outside this benchmark used more than half a core meanwhile).
 
     python scripts/bench_turns.py            # ~2.5 min (the audio is real time)
-    python scripts/bench_turns.py --smoke    # one turn a mode; no verdict
+    python scripts/bench_turns.py --smoke    # one turn a mode, sent as fast as it goes; no verdict
 """
 
 from __future__ import annotations
@@ -94,6 +94,9 @@ gate: {{slots: 16}}
 LEAD_S, TAIL_S = 0.4, 1.5
 
 
+PACE = 1.0  # seconds of sending per second of audio (the smoke run: 0, as fast as it goes)
+
+
 async def session(url: str, key: str, mode: str, voice: np.ndarray, turns: int, out: list[float],
                   delay: float = 0.0) -> None:
     """One transcription session speaking ``turns`` turns in real time, the first ``delay`` s
@@ -122,7 +125,7 @@ async def session(url: str, key: str, mode: str, voice: np.ndarray, turns: int, 
             for _ in range(turns):
                 start = time.perf_counter()
                 for i in range(0, len(pcm), CHUNK):
-                    await asyncio.sleep(max(0.0, start + i / RATE - time.perf_counter()))  # real time
+                    await asyncio.sleep(max(0.0, start + PACE * i / RATE - time.perf_counter()))  # real time
                     await ws.send(json.dumps({"type": "input_audio_buffer.append",
                                               "audio": base64.b64encode(pcm[i:i + CHUNK].tobytes()).decode()}))
                     if i // CHUNK == last_chunk:
@@ -168,7 +171,8 @@ def main() -> int:
     ap.add_argument("--smoke", action="store_true", help="1 session, 1 turn a mode, 1 round; no verdict")
     args = ap.parse_args()
     if args.smoke:
-        args.sessions, args.turns, args.rounds = 1, 1, 1
+        global PACE
+        args.sessions, args.turns, args.rounds, PACE = 1, 1, 1, 0.0
     folder = Path(tempfile.mkdtemp(prefix="bench-turns-"))
     voice = speech()
     proc, url, key = start_server(folder, args.models_dir or folder)
