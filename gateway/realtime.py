@@ -227,8 +227,8 @@ def _semantic(value: dict, param: str) -> SemanticVad:
     for key in value:
         if key not in ("type", "eagerness", "create_response", "interrupt_response"):
             raise bad_request(f"unknown field turn_detection.{key} for semantic_vad", f"{param}.{key}", "unknown_parameter")
-    eagerness = value.get("eagerness", "auto")
-    if eagerness not in EAGERNESS_MAX_MS:
+    eagerness = "auto" if value.get("eagerness") is None else value["eagerness"]  # null: the default, as OpenAI's
+    if not isinstance(eagerness, str) or eagerness not in EAGERNESS_MAX_MS:
         raise bad_request(f"eagerness is one of {', '.join(EAGERNESS_MAX_MS)}", f"{param}.eagerness", "invalid_value")
     return SemanticVad(eagerness)
 

@@ -47,7 +47,7 @@ sys.path.insert(0, str(ROOT / "scripts"))
 import numpy as np  # noqa: E402
 import websockets  # noqa: E402
 
-from benchlib import OTHER_LOAD_LIMIT, OtherLoad, Target, judge, pct, tiergate_serve  # noqa: E402
+from benchlib import OTHER_LOAD_LIMIT, OtherLoad, judge, pct, ratio_at_most, tiergate_serve  # noqa: E402
 
 RATE = 24000
 CHUNK = 960  # 40 ms
@@ -210,14 +210,10 @@ def main() -> int:
               f"{statistics.median(pct(x, 99) * 1000 for x in rounds):>8.1f} "
               f"{served[(mode, n)]['transcriptions'] / turns:>9.2f} {served[(mode, n)]['chat'] / turns:>10.2f}")
     why_not = other.why_not(OTHER_LOAD_LIMIT)
-    targets = []
-    for n in levels:
-        ratios = [a / b for a, b in zip(p50[("semantic_vad", n)], p50[("server_vad", n)])]
-        print(f"semantic_vad/server_vad p50 at {n} session{'s' if n > 1 else ''}, per round: "
-              + " ".join(f"{x:.2f}x" for x in ratios))
-        value = statistics.median(ratios)
-        claim = f"semantic_vad/server_vad turn end p50 at {n} session{'s' if n > 1 else ''} <= {TARGET:g}x"
-        targets.append(Target(claim, f"{value:.2f}x", None if why_not else value <= TARGET, why_not))
+    sessions = {n: f"{n} session{'s' if n > 1 else ''}" for n in levels}
+    targets = [ratio_at_most(f"semantic_vad/server_vad turn end p50 at {sessions[n]}",
+                             f"semantic_vad/server_vad p50 at {sessions[n]}", p50[("semantic_vad", n)],
+                             p50[("server_vad", n)], TARGET, why_not) for n in levels]
     return judge(targets, smoke=args.smoke, note="what a judgement adds to a turn's end")
 
 

@@ -52,7 +52,7 @@ sys.path.insert(0, str(ROOT / "scripts"))
 import httpx  # noqa: E402
 import websockets  # noqa: E402
 
-from benchlib import OTHER_LOAD_LIMIT, OtherLoad, Target, judge, tiergate_serve  # noqa: E402
+from benchlib import OTHER_LOAD_LIMIT, OtherLoad, judge, ratio_at_most, tiergate_serve  # noqa: E402
 
 ASK = "Tell me about the harbour."
 MODES = ("realtime", "spoken", "http")
@@ -198,11 +198,8 @@ def main() -> int:
     targets = []
     for mode, label in (("realtime", "realtime session"), ("spoken", "spoken chat completion")):
         for name, values, limit in (("first sound", first, FIRST), ("whole reply", whole, WHOLE)):
-            ratios = [a / b for a, b in zip(values[mode], values["http"])]
-            print(f"{name}, {mode}/http per round: " + " ".join(f"{x:.2f}x" for x in ratios))
-            value = statistics.median(ratios)
-            targets.append(Target(f"{label} / HTTP cascade, {name} <= {limit:g}x", f"{value:.2f}x",
-                                  None if why_not else value <= limit, why_not))
+            targets.append(ratio_at_most(f"{label} / HTTP cascade, {name}", f"{name}, {mode}/http",
+                                         values[mode], values["http"], limit, why_not))
     return judge(targets, smoke=args.smoke, note="a voice conversation's spoken reply")
 
 

@@ -64,6 +64,16 @@ def at_least(claim: str, value: float | None, target: float, unit: str = "x", wh
     return Target(f"{claim} >= {target:g}{unit}", f"{value:.2f}{unit}", value >= target, judged=judged)
 
 
+def ratio_at_most(claim: str, label: str, ours: list[float], theirs: list[float], target: float,
+                  why_not: str = "") -> Target:
+    """Each round's ``ours / theirs`` printed as ``label, per round: ...``, judged on their median
+    (``<= target``; ``why_not``: n/a, the reason)."""
+    ratios = [a / b for a, b in zip(ours, theirs)]
+    print(f"{label}, per round: " + " ".join(f"{x:.2f}x" for x in ratios))
+    value = statistics.median(ratios)
+    return Target(f"{claim} <= {target:g}x", f"{value:.2f}x", None if why_not else value <= target, why_not)
+
+
 def verdict_of(targets: list[Target], smoke: bool = False) -> str:
     """The verdict line for ``targets`` (see the module docstring)."""
     if smoke:

@@ -18,7 +18,7 @@ import pytest
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT / "scripts"))
 
-from benchlib import SMOKE, VERDICT_LINE, Target, at_least, judge, verdict_of  # noqa: E402
+from benchlib import SMOKE, VERDICT_LINE, Target, at_least, judge, ratio_at_most, verdict_of  # noqa: E402
 
 
 def run_smoke(script: str, *args: str) -> subprocess.CompletedProcess:
@@ -163,6 +163,15 @@ def test_at_least() -> None:
     assert at_least("r", 1.5, 1.5).ok is True
     assert at_least("r", 1.49, 1.5).ok is False
     assert at_least("r", None, 1.5, why_not="(not measured)") == Target("r >= 1.5x", "n/a", None, "(not measured)")
+
+
+
+def test_ratio_at_most_judges_the_median_of_the_rounds_ratios(capsys) -> None:
+    met = ratio_at_most("a/b p50", "a/b", [1.0, 3.0, 1.1], [1.0, 1.0, 1.0], 1.2)
+    assert capsys.readouterr().out == "a/b, per round: 1.00x 3.00x 1.10x\n"
+    assert met == Target("a/b p50 <= 1.2x", "1.10x", True)  # the median, not the mean (1.70x) nor the worst
+    assert ratio_at_most("a/b p50", "a/b", [2.0, 2.6, 2.8], [2.0, 2.0, 2.0], 1.2).ok is False  # median 1.30x
+    assert ratio_at_most("a/b p50", "a/b", [1.0], [1.0], 1.2, "(busy)") == Target("a/b p50 <= 1.2x", "1.00x", None, "(busy)")
 
 
 @pytest.mark.parametrize("line", ["verdict: PASS!", "verdict: n/a", "verdict: FAIL (", "overall: PASS", "PASS"])

@@ -151,6 +151,9 @@ def test_server_vad_ends_each_utterance_at_a_silence(server):
         "turn_detection": {"type": "semantic_vad", "eagerness": "sometimes"}}}}},
      "session.audio.input.turn_detection.eagerness", "invalid_value"),
     ({"type": "session.update", "session": {"type": "transcription", "audio": {"input": {
+        "turn_detection": {"type": "semantic_vad", "eagerness": ["high"]}}}}},
+     "session.audio.input.turn_detection.eagerness", "invalid_value"),
+    ({"type": "session.update", "session": {"type": "transcription", "audio": {"input": {
         "turn_detection": {"type": "semantic_vad", "silence_duration_ms": 100}}}}},
      "session.audio.input.turn_detection.silence_duration_ms", "unknown_parameter"),
     ({"type": "session.update", "session": {"type": "transcription", "audio": {"input": {
