@@ -39,15 +39,10 @@ import httpx  # noqa: E402
 from accounts.redis_store import RedisAccounts  # noqa: E402
 from accounts.sqlite_store import SQLiteAccounts  # noqa: E402
 from accounts.usage import Usage  # noqa: E402
-from benchlib import OTHER_LOAD_LIMIT, OtherLoad, Target, judge  # noqa: E402
+from benchlib import OTHER_LOAD_LIMIT, OtherLoad, Target, judge, pct  # noqa: E402
 from gateway.accounts import Accounts  # noqa: E402
 from gateway.auth import Caller, KeyRing  # noqa: E402
 from gateway.config import load_config  # noqa: E402
-
-
-def pct(values: list[float], q: float) -> float:
-    ordered = sorted(values)
-    return ordered[min(len(ordered) - 1, int(q * len(ordered)))]
 
 
 async def time_writes(accounts: Accounts, n: int) -> list[float]:
@@ -129,7 +124,7 @@ def main() -> int:
             for name, store in stores.items():
                 with OtherLoad() as other:
                     took = asyncio.run(time_writes(Accounts(config, store), writes))
-                p50, p99 = pct(took, 0.5) * 1e3, pct(took, 0.99) * 1e3
+                p50, p99 = pct(took, 50) * 1e3, pct(took, 99) * 1e3
                 print(f"  {name:<7} p50 {p50:.3f} ms   p99 {p99:.3f} ms   (other processes: {cores(other)} cores)")
                 targets.append(Target(f"{name}: usage write p50 <= 0.5 ms", f"{p50:.3f} ms", p50 <= 0.5))
                 busy = other.why_not(OTHER_LOAD_LIMIT)

@@ -41,7 +41,7 @@ import anyio
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from benchlib import Target, at_least, judge  # noqa: E402
+from benchlib import Target, at_least, judge, pct  # noqa: E402
 from gateway.admission import Gate, TierPolicy  # noqa: E402
 
 TIERS = ["paid", "subscriber", "free"]
@@ -238,10 +238,6 @@ def settle_heap() -> None:
 
 IMPLS = [("tiergate", run_tiergate), ("tiergate bare", run_tiergate_bare), ("heap", run_heap),
          ("broadcast", run_broadcast), ("anyio", run_anyio)]
-
-
-def pct(xs: list[float], q: float) -> float:
-    return statistics.quantiles(xs, n=100)[q - 1] if len(xs) > 1 else xs[0]
 
 
 MIN_ROUNDS = 5  # the anyio targets are judged on the median of at least this many rounds

@@ -72,7 +72,7 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 sys.path.insert(0, str(ROOT / "scripts"))
 
-from benchlib import OTHER_LOAD_LIMIT, OtherLoad, Target, at_least, flood, http_head, judge  # noqa: E402
+from benchlib import OTHER_LOAD_LIMIT, OtherLoad, Target, at_least, flood, http_head, judge, pct  # noqa: E402
 from benchlib import tree_cpu_s  # noqa: E402  (CPU seconds of a process tree, by process)
 
 TIERS = ["paid", "subscriber", "free", "batch"]
@@ -117,11 +117,6 @@ def ask(client, url: str, model: str, tier: str):
     r = client.post(f"{url}/v1/chat/completions", headers={"authorization": f"Bearer {KEYS[tier]}"},
                     json={"model": model, "messages": [{"role": "user", "content": "hi"}], "max_tokens": 1})
     return r, time.perf_counter() - start
-
-
-def pct(values: list[float], q: float) -> float:
-    ordered = sorted(values)
-    return ordered[min(len(ordered) - 1, int(q * len(ordered)))]
 
 
 def under_flood(url: str, n: int, clients: int = 8) -> list[float]:
@@ -437,20 +432,20 @@ def main() -> int:
     print(f"stale stats ({PERIOD_S:g} s reports), {stale['requests']} simulated requests: {stale['refused']} refused "
           f"({stale['wrong_429']} while a replica had room), {stale['redirects']} redirects, "
           f"{stale['violations']} protection violations")
-    single_ratio = pct(single_flood, 0.99) / pct(single, 0.99)
-    cluster_ratio = pct(through_flood, 0.99) / pct(through, 0.99)
+    single_ratio = pct(single_flood, 99) / pct(single, 99)
+    cluster_ratio = pct(through_flood, 99) / pct(through, 99)
     flood_pct = 100.0 * (cluster_ratio / single_ratio - 1)
-    print(f"paid p99 under a free flood (8 clients) / alone: tiergate serve {pct(single_flood, 0.99) * 1000:.1f} / "
-          f"{pct(single, 0.99) * 1000:.1f} ms = {single_ratio:.2f}x, cluster {pct(through_flood, 0.99) * 1000:.1f} / "
-          f"{pct(through, 0.99) * 1000:.1f} ms = {cluster_ratio:.2f}x ({flood_pct:+.1f}%); info: the flood adds "
-          f"{(pct(single_flood, 0.99) - pct(single, 0.99)) * 1000:+.1f} ms to paid's p99 in tiergate serve, "
-          f"{(pct(through_flood, 0.99) - pct(through, 0.99)) * 1000:+.1f} ms in the cluster; absolute p99 under the "
+    print(f"paid p99 under a free flood (8 clients) / alone: tiergate serve {pct(single_flood, 99) * 1000:.1f} / "
+          f"{pct(single, 99) * 1000:.1f} ms = {single_ratio:.2f}x, cluster {pct(through_flood, 99) * 1000:.1f} / "
+          f"{pct(through, 99) * 1000:.1f} ms = {cluster_ratio:.2f}x ({flood_pct:+.1f}%); info: the flood adds "
+          f"{(pct(single_flood, 99) - pct(single, 99)) * 1000:+.1f} ms to paid's p99 in tiergate serve, "
+          f"{(pct(through_flood, 99) - pct(through, 99)) * 1000:+.1f} ms in the cluster; absolute p99 under the "
           f"flood, cluster against tiergate serve: "
-          f"{100.0 * (pct(through_flood, 0.99) / pct(single_flood, 0.99) - 1):+.1f}%")
+          f"{100.0 * (pct(through_flood, 99) / pct(single_flood, 99) - 1):+.1f}%")
     landed = 100.0 * hits / total
     loads = 1000.0 * (total - hits) / total
     p50 = (statistics.median(through) - statistics.median(single)) * 1000
-    p99 = (pct(through, 0.99) - pct(single, 0.99)) * 1000
+    p99 = (pct(through, 99) - pct(single, 99)) * 1000
     cores = os.cpu_count() or 1
     why_not = other.why_not(OTHER_LOAD_LIMIT)
     others = "n/a" if other.cores is None else f"{other.cores:.2f}"
@@ -458,14 +453,14 @@ def main() -> int:
           f"{load_start:.1f} at the start, {load_end:.1f} at the end, on {cores} cores; "
           f"other processes used {others} cores meanwhile")
     print(f"landed where resident: {hits}/{total} ({landed:.2f}%); loads per 1,000: {loads:.1f}")
-    print(f"tiergate serve: p50 {statistics.median(single) * 1000:.1f} ms, p99 {pct(single, 0.99) * 1000:.1f} ms")
-    print(f"cluster:        p50 {statistics.median(through) * 1000:.1f} ms, p99 {pct(through, 0.99) * 1000:.1f} ms")
+    print(f"tiergate serve: p50 {statistics.median(single) * 1000:.1f} ms, p99 {pct(single, 99) * 1000:.1f} ms")
+    print(f"cluster:        p50 {statistics.median(through) * 1000:.1f} ms, p99 {pct(through, 99) * 1000:.1f} ms")
     rt_single, rt_through = sides["tiergate serve"].realtime, sides["cluster"].realtime
     rt_p50 = (statistics.median(rt_through) - statistics.median(rt_single)) * 1000
-    rt_p99 = (pct(rt_through, 0.99) - pct(rt_single, 0.99)) * 1000
+    rt_p99 = (pct(rt_through, 99) - pct(rt_single, 99)) * 1000
     print(f"realtime message round trip: tiergate serve p50 {statistics.median(rt_single) * 1000:.1f} ms, p99 "
-          f"{pct(rt_single, 0.99) * 1000:.1f} ms; cluster p50 {statistics.median(rt_through) * 1000:.1f} ms, p99 "
-          f"{pct(rt_through, 0.99) * 1000:.1f} ms")
+          f"{pct(rt_single, 99) * 1000:.1f} ms; cluster p50 {statistics.median(rt_through) * 1000:.1f} ms, p99 "
+          f"{pct(rt_through, 99) * 1000:.1f} ms")
     print(f"CPU per request: tiergate serve {single_cpu * 1000:.1f} ms; cluster "
           + ", ".join(f"{role} {cpu * 1000:.1f} ms" for role, cpu in sorted(roles.items(), key=lambda r: -r[1])))
     targets = [

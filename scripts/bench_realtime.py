@@ -34,7 +34,6 @@ import secrets
 import statistics
 import subprocess
 import sys
-import tempfile
 import time
 from pathlib import Path
 
@@ -46,7 +45,7 @@ import httpx  # noqa: E402
 import numpy as np  # noqa: E402
 import websockets  # noqa: E402
 
-from benchlib import OTHER_LOAD_LIMIT, OtherLoad, judge, ratio_at_most, tiergate_serve  # noqa: E402
+from benchlib import OTHER_LOAD_LIMIT, OtherLoad, judge, pct, ratio_at_most, scratch_folder, tiergate_serve  # noqa: E402
 
 RATE = 24000
 TARGET = 1.1
@@ -110,11 +109,6 @@ async def run(mode: str, url: str, key: str, payload: str | bytes, clients: int,
     return out
 
 
-def pct(xs: list[float], q: float) -> float:
-    xs = sorted(xs)
-    return xs[min(len(xs) - 1, int(q * len(xs)))] * 1000
-
-
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--clients", type=int, default=8)
@@ -128,43 +122,43 @@ def main() -> int:
     from demo import build_demo_models
     import soundfile as sf
 
-    folder = Path(tempfile.mkdtemp(prefix="bench-realtime-"))
-    model = build_demo_models(args.models_dir or folder, names=["tiny-stt"])["tiny-stt"].resolve()
-    audio = utterance()
-    pcm = (audio * 32767).astype("<i2")
-    payloads = {"realtime": base64.b64encode(pcm.tobytes()).decode()}
-    wav = io.BytesIO()
-    sf.write(wav, pcm.astype(np.float32) / 32768, RATE, format="WAV", subtype="PCM_16")
-    payloads["http"] = wav.getvalue()
-    proc, url, key = start_server(folder, model)
-    results: dict[tuple[str, int], list[list[float]]] = {}
-    try:
-        for mode in MODES:  # warm-up: the model's load, the first session
-            asyncio.run(run(mode, url, key, payloads[mode], 1, 2))
-        with OtherLoad() as other:
-            for r in range(args.rounds):
-                for mode in (MODES if r % 2 == 0 else MODES[::-1]):
-                    for clients in (1, args.clients):
-                        per = args.utterances * (3 if clients == 1 else 1) if not args.smoke else args.utterances
-                        results.setdefault((mode, clients), []).append(
-                            asyncio.run(run(mode, url, key, payloads[mode], clients, per)))
-    finally:
-        proc.terminate()
-        proc.wait(30)
-    print(f"tiny-stt on the CPU, one tiergate serve process; {len(audio) / RATE:.1f} s utterances; {args.rounds} rounds "
-          f"alternated, medians over them; other processes used "
-          f"{other.cores if other.cores is not None else float('nan'):.2f} cores meanwhile")
-    print(f"{'mode':<9} {'clients':>7} {'utterances':>10} {'p50 ms':>8} {'p99 ms':>8}")
-    p50 = {}
-    for (mode, clients), rounds in sorted(results.items(), key=lambda kv: (kv[0][1], kv[0][0])):
-        p50[(mode, clients)] = [pct(x, 0.5) for x in rounds]
-        print(f"{mode:<9} {clients:>7} {sum(map(len, rounds)):>10} {statistics.median(p50[(mode, clients)]):>8.1f} "
-              f"{statistics.median(pct(x, 0.99) for x in rounds):>8.1f}")
-    why_not = other.why_not(OTHER_LOAD_LIMIT)
-    targets = [ratio_at_most(f"realtime/http p50 latency at {n} client{'s' if n > 1 else ''}",
-                             f"realtime/http p50 at {n} clients", p50[("realtime", n)], p50[("http", n)], TARGET,
-                             why_not) for n in (1, args.clients)]
-    return judge(targets, smoke=args.smoke, note="what a realtime session adds over an upload")
+    with scratch_folder("bench-realtime-") as folder:
+        model = build_demo_models(args.models_dir or folder, names=["tiny-stt"])["tiny-stt"].resolve()
+        audio = utterance()
+        pcm = (audio * 32767).astype("<i2")
+        payloads = {"realtime": base64.b64encode(pcm.tobytes()).decode()}
+        wav = io.BytesIO()
+        sf.write(wav, pcm.astype(np.float32) / 32768, RATE, format="WAV", subtype="PCM_16")
+        payloads["http"] = wav.getvalue()
+        proc, url, key = start_server(folder, model)
+        results: dict[tuple[str, int], list[list[float]]] = {}
+        try:
+            for mode in MODES:  # warm-up: the model's load, the first session
+                asyncio.run(run(mode, url, key, payloads[mode], 1, 2))
+            with OtherLoad() as other:
+                for r in range(args.rounds):
+                    for mode in (MODES if r % 2 == 0 else MODES[::-1]):
+                        for clients in (1, args.clients):
+                            per = args.utterances * (3 if clients == 1 else 1) if not args.smoke else args.utterances
+                            results.setdefault((mode, clients), []).append(
+                                asyncio.run(run(mode, url, key, payloads[mode], clients, per)))
+        finally:
+            proc.terminate()
+            proc.wait(30)
+        print(f"tiny-stt on the CPU, one tiergate serve process; {len(audio) / RATE:.1f} s utterances; {args.rounds} rounds "
+              f"alternated, medians over them; other processes used "
+              f"{other.cores if other.cores is not None else float('nan'):.2f} cores meanwhile")
+        print(f"{'mode':<9} {'clients':>7} {'utterances':>10} {'p50 ms':>8} {'p99 ms':>8}")
+        p50 = {}
+        for (mode, clients), rounds in sorted(results.items(), key=lambda kv: (kv[0][1], kv[0][0])):
+            p50[(mode, clients)] = [pct(x, 50) * 1000 for x in rounds]
+            print(f"{mode:<9} {clients:>7} {sum(map(len, rounds)):>10} {statistics.median(p50[(mode, clients)]):>8.1f} "
+                  f"{statistics.median(pct(x, 99) * 1000 for x in rounds):>8.1f}")
+        why_not = other.why_not(OTHER_LOAD_LIMIT)
+        targets = [ratio_at_most(f"realtime/http p50 latency at {n} client{'s' if n > 1 else ''}",
+                                 f"realtime/http p50 at {n} clients", p50[("realtime", n)], p50[("http", n)], TARGET,
+                                 why_not) for n in (1, args.clients)]
+        return judge(targets, smoke=args.smoke, note="what a realtime session adds over an upload")
 
 
 if __name__ == "__main__":

@@ -36,7 +36,6 @@ import shutil
 import statistics
 import subprocess
 import sys
-import tempfile
 import time
 from pathlib import Path
 
@@ -47,7 +46,7 @@ sys.path.insert(0, str(ROOT / "scripts"))
 import numpy as np  # noqa: E402
 import websockets  # noqa: E402
 
-from benchlib import OTHER_LOAD_LIMIT, OtherLoad, judge, pct, ratio_at_most, tiergate_serve  # noqa: E402
+from benchlib import OTHER_LOAD_LIMIT, OtherLoad, judge, pct, ratio_at_most, scratch_folder, tiergate_serve  # noqa: E402
 
 RATE = 24000
 CHUNK = 960  # 40 ms
@@ -173,48 +172,48 @@ def main() -> int:
     if args.smoke:
         global PACE
         args.sessions, args.turns, args.rounds, PACE = 1, 1, 1, 0.0
-    folder = Path(tempfile.mkdtemp(prefix="bench-turns-"))
-    voice = speech()
-    proc, url, key = start_server(folder, args.models_dir or folder)
-    levels = (1,) if args.smoke else (1, args.sessions)
-    results: dict[tuple[str, int], list[list[float]]] = {}
-    served: dict[tuple[str, int], dict[str, float]] = {}  # requests per turn, by endpoint
-    try:
-        for mode in MODES if not args.smoke else ():  # warm-up: the models' loads, the detectors
-            asyncio.run(run(url, key, mode, voice, 1, 1))
-        with OtherLoad() as other:
-            for r in range(args.rounds):
-                for mode in (list(MODES) if r % 2 == 0 else list(MODES)[::-1]):
-                    for n in levels:
-                        turns = args.turns * (3 if n == 1 and not args.smoke else 1)
-                        before = requests(url)
-                        results.setdefault((mode, n), []).append(asyncio.run(run(url, key, mode, voice, n, turns,
-                                                                                               args.in_step)))
-                        after = requests(url)
-                        for endpoint in ("transcriptions", "chat"):
-                            count = served.setdefault((mode, n), {})
-                            count[endpoint] = count.get(endpoint, 0.0) + after.get(endpoint, 0.0) - before.get(endpoint, 0.0)
-    finally:
-        proc.terminate()
-        proc.wait(30)
-    print(f"tiny-stt and a sure judge on the CPU, one tiergate serve process; {len(voice) / RATE:.1f} s of speech a "
-          f"turn, in real time, sessions {'in step' if args.in_step else 'spread'}; {args.rounds} rounds alternated, medians over them; other processes used "
-          f"{other.cores if other.cores is not None else float('nan'):.2f} cores meanwhile")
-    print(f"{'mode':<13} {'sessions':>8} {'turns':>6} {'p50 ms':>8} {'p99 ms':>8} {'stt/turn':>9} {'judge/turn':>10}"
-          "   (ms: speech's end to speech_stopped)")
-    p50 = {}
-    for (mode, n), rounds in sorted(results.items(), key=lambda kv: (kv[0][1], kv[0][0])):
-        p50[(mode, n)] = [pct(x, 50) * 1000 for x in rounds]
-        turns = sum(map(len, rounds))
-        print(f"{mode:<13} {n:>8} {turns:>6} {statistics.median(p50[(mode, n)]):>8.1f} "
-              f"{statistics.median(pct(x, 99) * 1000 for x in rounds):>8.1f} "
-              f"{served[(mode, n)]['transcriptions'] / turns:>9.2f} {served[(mode, n)]['chat'] / turns:>10.2f}")
-    why_not = other.why_not(OTHER_LOAD_LIMIT)
-    sessions = {n: f"{n} session{'s' if n > 1 else ''}" for n in levels}
-    targets = [ratio_at_most(f"semantic_vad/server_vad turn end p50 at {sessions[n]}",
-                             f"semantic_vad/server_vad p50 at {sessions[n]}", p50[("semantic_vad", n)],
-                             p50[("server_vad", n)], TARGET, why_not) for n in levels]
-    return judge(targets, smoke=args.smoke, note="what a judgement adds to a turn's end")
+    with scratch_folder("bench-turns-") as folder:
+        voice = speech()
+        proc, url, key = start_server(folder, args.models_dir or folder)
+        levels = (1,) if args.smoke else (1, args.sessions)
+        results: dict[tuple[str, int], list[list[float]]] = {}
+        served: dict[tuple[str, int], dict[str, float]] = {}  # requests per turn, by endpoint
+        try:
+            for mode in MODES if not args.smoke else ():  # warm-up: the models' loads, the detectors
+                asyncio.run(run(url, key, mode, voice, 1, 1))
+            with OtherLoad() as other:
+                for r in range(args.rounds):
+                    for mode in (list(MODES) if r % 2 == 0 else list(MODES)[::-1]):
+                        for n in levels:
+                            turns = args.turns * (3 if n == 1 and not args.smoke else 1)
+                            before = requests(url)
+                            results.setdefault((mode, n), []).append(asyncio.run(run(url, key, mode, voice, n, turns,
+                                                                                                   args.in_step)))
+                            after = requests(url)
+                            for endpoint in ("transcriptions", "chat"):
+                                count = served.setdefault((mode, n), {})
+                                count[endpoint] = count.get(endpoint, 0.0) + after.get(endpoint, 0.0) - before.get(endpoint, 0.0)
+        finally:
+            proc.terminate()
+            proc.wait(30)
+        print(f"tiny-stt and a sure judge on the CPU, one tiergate serve process; {len(voice) / RATE:.1f} s of speech a "
+              f"turn, in real time, sessions {'in step' if args.in_step else 'spread'}; {args.rounds} rounds alternated, medians over them; other processes used "
+              f"{other.cores if other.cores is not None else float('nan'):.2f} cores meanwhile")
+        print(f"{'mode':<13} {'sessions':>8} {'turns':>6} {'p50 ms':>8} {'p99 ms':>8} {'stt/turn':>9} {'judge/turn':>10}"
+              "   (ms: speech's end to speech_stopped)")
+        p50 = {}
+        for (mode, n), rounds in sorted(results.items(), key=lambda kv: (kv[0][1], kv[0][0])):
+            p50[(mode, n)] = [pct(x, 50) * 1000 for x in rounds]
+            turns = sum(map(len, rounds))
+            print(f"{mode:<13} {n:>8} {turns:>6} {statistics.median(p50[(mode, n)]):>8.1f} "
+                  f"{statistics.median(pct(x, 99) * 1000 for x in rounds):>8.1f} "
+                  f"{served[(mode, n)]['transcriptions'] / turns:>9.2f} {served[(mode, n)]['chat'] / turns:>10.2f}")
+        why_not = other.why_not(OTHER_LOAD_LIMIT)
+        sessions = {n: f"{n} session{'s' if n > 1 else ''}" for n in levels}
+        targets = [ratio_at_most(f"semantic_vad/server_vad turn end p50 at {sessions[n]}",
+                                 f"semantic_vad/server_vad p50 at {sessions[n]}", p50[("semantic_vad", n)],
+                                 p50[("server_vad", n)], TARGET, why_not) for n in levels]
+        return judge(targets, smoke=args.smoke, note="what a judgement adds to a turn's end")
 
 
 if __name__ == "__main__":

@@ -41,7 +41,6 @@ import secrets
 import statistics
 import subprocess
 import sys
-import tempfile
 import time
 from pathlib import Path
 
@@ -52,7 +51,7 @@ sys.path.insert(0, str(ROOT / "scripts"))
 import httpx  # noqa: E402
 import websockets  # noqa: E402
 
-from benchlib import OTHER_LOAD_LIMIT, OtherLoad, judge, ratio_at_most, tiergate_serve  # noqa: E402
+from benchlib import OTHER_LOAD_LIMIT, OtherLoad, judge, ratio_at_most, scratch_folder, tiergate_serve  # noqa: E402
 
 ASK = "Tell me about the harbour."
 MODES = ("realtime", "spoken", "http")
@@ -167,40 +166,40 @@ def main() -> int:
         args.turns, args.rounds, args.tokens = 2, 1, 12
     from demo import build_demo_models
 
-    folder = Path(tempfile.mkdtemp(prefix="bench-voice-"))
-    models = build_demo_models(args.models_dir or folder, names=["tiny-chat", "tiny-tts", "tiny-stt"])
-    proc, url, key = start_server(folder, *(models[n].resolve() for n in ("tiny-chat", "tiny-tts", "tiny-stt")))
-    results: dict[str, list[list[tuple[float, float, str]]]] = {m: [] for m in MODES}
-    try:
-        for mode in MODES:  # warm-up: the models' loads, the first session
-            run(mode, url, key, args.tokens, 1)
-        with OtherLoad() as other:
-            for r in range(args.rounds):
-                for mode in (MODES if r % 2 == 0 else MODES[::-1]):
-                    results[mode].append(run(mode, url, key, args.tokens, args.turns))
-    finally:
-        proc.terminate()
-        proc.wait(30)
-    said = {t[2] for rounds in results.values() for turns in rounds for t in turns}
-    if len(said) != 1:
-        raise AssertionError(f"the paths said different words: {sorted(said)[:2]}")
-    print(f"tiny-chat (transformers engine) and tiny-tts on the CPU, one tiergate serve process, one client; "
-          f"{args.tokens}-token greedy replies ({len(next(iter(said)))} characters); {args.rounds} rounds alternated, "
-          f"{args.turns} turns each, medians; other processes used "
-          f"{other.cores if other.cores is not None else float('nan'):.2f} cores meanwhile")
-    print(f"{'mode':<9} {'first sound ms':>15} {'whole reply ms':>15}")
-    first, whole = {}, {}
-    for mode in MODES:
-        first[mode] = [statistics.median(t[0] for t in turns) for turns in results[mode]]
-        whole[mode] = [statistics.median(t[1] for t in turns) for turns in results[mode]]
-        print(f"{mode:<9} {statistics.median(first[mode]) * 1e3:>15.1f} {statistics.median(whole[mode]) * 1e3:>15.1f}")
-    why_not = other.why_not(OTHER_LOAD_LIMIT)
-    targets = []
-    for mode, label in (("realtime", "realtime session"), ("spoken", "spoken chat completion")):
-        for name, values, limit in (("first sound", first, FIRST), ("whole reply", whole, WHOLE)):
-            targets.append(ratio_at_most(f"{label} / HTTP cascade, {name}", f"{name}, {mode}/http",
-                                         values[mode], values["http"], limit, why_not))
-    return judge(targets, smoke=args.smoke, note="a voice conversation's spoken reply")
+    with scratch_folder("bench-voice-") as folder:
+        models = build_demo_models(args.models_dir or folder, names=["tiny-chat", "tiny-tts", "tiny-stt"])
+        proc, url, key = start_server(folder, *(models[n].resolve() for n in ("tiny-chat", "tiny-tts", "tiny-stt")))
+        results: dict[str, list[list[tuple[float, float, str]]]] = {m: [] for m in MODES}
+        try:
+            for mode in MODES:  # warm-up: the models' loads, the first session
+                run(mode, url, key, args.tokens, 1)
+            with OtherLoad() as other:
+                for r in range(args.rounds):
+                    for mode in (MODES if r % 2 == 0 else MODES[::-1]):
+                        results[mode].append(run(mode, url, key, args.tokens, args.turns))
+        finally:
+            proc.terminate()
+            proc.wait(30)
+        said = {t[2] for rounds in results.values() for turns in rounds for t in turns}
+        if len(said) != 1:
+            raise AssertionError(f"the paths said different words: {sorted(said)[:2]}")
+        print(f"tiny-chat (transformers engine) and tiny-tts on the CPU, one tiergate serve process, one client; "
+              f"{args.tokens}-token greedy replies ({len(next(iter(said)))} characters); {args.rounds} rounds alternated, "
+              f"{args.turns} turns each, medians; other processes used "
+              f"{other.cores if other.cores is not None else float('nan'):.2f} cores meanwhile")
+        print(f"{'mode':<9} {'first sound ms':>15} {'whole reply ms':>15}")
+        first, whole = {}, {}
+        for mode in MODES:
+            first[mode] = [statistics.median(t[0] for t in turns) for turns in results[mode]]
+            whole[mode] = [statistics.median(t[1] for t in turns) for turns in results[mode]]
+            print(f"{mode:<9} {statistics.median(first[mode]) * 1e3:>15.1f} {statistics.median(whole[mode]) * 1e3:>15.1f}")
+        why_not = other.why_not(OTHER_LOAD_LIMIT)
+        targets = []
+        for mode, label in (("realtime", "realtime session"), ("spoken", "spoken chat completion")):
+            for name, values, limit in (("first sound", first, FIRST), ("whole reply", whole, WHOLE)):
+                targets.append(ratio_at_most(f"{label} / HTTP cascade, {name}", f"{name}, {mode}/http",
+                                             values[mode], values["http"], limit, why_not))
+        return judge(targets, smoke=args.smoke, note="a voice conversation's spoken reply")
 
 
 if __name__ == "__main__":

@@ -13,23 +13,31 @@ figure it would get so nobody has to compute it, but not part of the verdict.
 
 from __future__ import annotations
 
+import contextlib
 import os
 import re
+import shutil
 import socket
 import statistics
 import subprocess
 import sys
+import tempfile
 import threading
 import time
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Iterator
 
 SMOKE = "(smoke run: counts too small to judge)"
 VERDICT_LINE = re.compile(r"^verdict: (?:(?P<judged>PASS|FAIL)(?: \(.+\))?|n/a \S.*)$")
 
 
-def pct(xs: list[float], q: float) -> float:
-    """The ``q``-th percentile (1-99) of ``xs``, interpolated between samples; nan for none."""
+def pct(xs: list[float], q: int) -> float:
+    """The ``q``-th percentile (a whole number, 1-99) of ``xs``, interpolated between samples; nan
+    for none. A fraction (0.5 for the median) is refused: read as a percentile, it would index the
+    last quantile and report p99 as p50."""
+    if not (isinstance(q, int) and 1 <= q <= 99):
+        raise ValueError(f"a percentile is a whole number from 1 to 99, not {q!r}")
     if not xs:
         return float("nan")
     if len(xs) == 1:
@@ -291,6 +299,19 @@ async def flood(port: int, message: bytes, clients: int, backoff: float, stop, r
     await asyncio.gather(*tasks)
     results.put({"outcomes": dict(outcomes), "latencies": latencies, "seconds": time.monotonic() - start,
                  "cpu": time.process_time()})
+
+
+@contextlib.contextmanager
+def scratch_folder(prefix: str) -> Iterator[Path]:
+    """A folder for a benchmark's server config, log and built models, removed when the run ends
+    cleanly; kept (its path printed) when the run raises, for its ``server.log``."""
+    folder = Path(tempfile.mkdtemp(prefix=prefix))
+    try:
+        yield folder
+    except BaseException:
+        print(f"kept for its logs: {folder}", file=sys.stderr)
+        raise
+    shutil.rmtree(folder, ignore_errors=True)
 
 
 def tiergate_serve(folder: Path, config: str, key: str) -> tuple[subprocess.Popen, str]:

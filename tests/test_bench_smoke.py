@@ -18,7 +18,7 @@ import pytest
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT / "scripts"))
 
-from benchlib import SMOKE, VERDICT_LINE, Target, at_least, judge, ratio_at_most, verdict_of  # noqa: E402
+from benchlib import SMOKE, VERDICT_LINE, Target, at_least, judge, pct, ratio_at_most, scratch_folder, verdict_of  # noqa: E402
 
 
 def run_smoke(script: str, *args: str) -> subprocess.CompletedProcess:
@@ -164,6 +164,24 @@ def test_at_least() -> None:
     assert at_least("r", 1.49, 1.5).ok is False
     assert at_least("r", None, 1.5, why_not="(not measured)") == Target("r >= 1.5x", "n/a", None, "(not measured)")
 
+
+
+def test_pct_reads_whole_percentiles_and_refuses_fractions() -> None:
+    xs = [float(i) for i in range(1, 102)]  # 1..101: the q-th percentile is q + 1
+    assert (pct(xs, 50), pct(xs, 99), pct(xs, 1)) == (51.0, 100.0, 2.0)
+    for fraction in (0.5, 0.99, 50.5, 0, 100):  # 0.5 once read as the last quantile: p99 printed as p50
+        with pytest.raises(ValueError):
+            pct(xs, fraction)
+
+
+def test_a_scratch_folder_goes_when_the_run_ends_and_stays_when_it_raises(capsys) -> None:
+    with scratch_folder("bench-test-") as clean:
+        (clean / "server.log").write_text("ok")
+    assert not clean.exists()
+    with pytest.raises(RuntimeError), scratch_folder("bench-test-") as failed:
+        raise RuntimeError("the server exited")
+    assert failed.is_dir() and str(failed) in capsys.readouterr().err
+    failed.rmdir()
 
 
 def test_ratio_at_most_judges_the_median_of_the_rounds_ratios(capsys) -> None:
