@@ -49,7 +49,7 @@ from gateway.auth import Caller
 from gateway.chat import ChatJob, ChoiceDelta, Reply, collect, served_caller, serve_chat
 from gateway.errors import APIError, bad_request
 from gateway.http import Streamed, disconnect_signal
-from gateway.schemas import AdapterChoice, MAX_STACK, StreamOptions, _Body, checked_logit_bias, parse, read_json
+from gateway.schemas import AdapterChoice, MAX_STACK, StreamOptions, _Body, checked_logit_bias, checked_stops, parse, read_json
 from gateway.serving import Gone
 from gateway.service import Services
 from workers.base import ChatParams, TokenLogprob
@@ -57,7 +57,6 @@ from workers.base import ChatParams, TokenLogprob
 DEFAULT_MAX_TOKENS = 16  # as OpenAI's
 MAX_LOGPROBS = 5  # the legacy endpoint's cap on ``logprobs``
 MAX_CHOICES = 64  # prompts times n in one request (each choice takes a gate slot)
-MAX_STOPS = 4
 
 TokenIds = list[int]
 
@@ -86,13 +85,8 @@ class CompletionRequest(_Body):
 
     @field_validator("stop")
     @classmethod
-    def _stops(cls, v: str | list[str] | None) -> list[str] | None:
-        stops = [v] if isinstance(v, str) else v
-        if stops is not None and len(stops) > MAX_STOPS:
-            raise ValueError(f"at most {MAX_STOPS} stop sequences")
-        if stops and any(not s for s in stops):
-            raise ValueError("stop sequences must not be empty")
-        return stops
+    def _stops(cls, v: str | list[str] | None) -> list[str]:
+        return checked_stops(v)
 
     @field_validator("logit_bias")
     @classmethod

@@ -267,6 +267,19 @@ def is_count(text: str) -> bool:
     return text.isascii() and text.isdigit()
 
 
+MAX_STOPS = 4  # OpenAI's limit, on chat and completions alike
+
+
+def checked_stops(v: str | list[str] | None) -> list[str]:
+    """``stop`` as chat and completions take it: one string or up to four, none of them empty."""
+    stops = [v] if isinstance(v, str) else list(v or [])
+    if len(stops) > MAX_STOPS:
+        raise ValueError(f"at most {MAX_STOPS} stop sequences")
+    if any(not s for s in stops):
+        raise ValueError("stop sequences must not be empty")
+    return stops
+
+
 def checked_logit_bias(v: dict[str, float] | None) -> dict[str, float] | None:
     """``logit_bias`` as chat and completions take it: token-id keys, biases within -100..100."""
     for token, bias in (v or {}).items():
@@ -334,12 +347,7 @@ class ChatCompletionRequest(EndUser):
     @field_validator("stop")
     @classmethod
     def _stops(cls, v: str | list[str] | None) -> list[str]:
-        stops = [v] if isinstance(v, str) else list(v or [])
-        if len(stops) > 4:
-            raise ValueError("at most 4 stop sequences")
-        if any(not s for s in stops):
-            raise ValueError("stop sequences must not be empty")
-        return stops
+        return checked_stops(v)
 
     @field_validator("logit_bias")
     @classmethod

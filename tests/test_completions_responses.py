@@ -386,6 +386,7 @@ def test_a_tokenizer_s_bos_comes_before_the_fim_layout(tokenizer):
     ({"prompt": []}, "prompt"),
     ({"prompt": [[1], "x"]}, "prompt"),
     ({"prompt": "x", "stop": ["a", "b", "c", "d", "e"]}, "stop"),
+    ({"prompt": "x", "stop": ["a", ""]}, "stop"),
     ({"prompt": "x", "max_tokens": 65}, "max_tokens"),
     ({"prompt": "x", "max_tokens": 0}, "max_tokens"),  # scoring (0) needs echo and logprobs
     ({"prompt": "x", "max_tokens": 0, "echo": True}, "max_tokens"),

@@ -123,6 +123,7 @@ GOOD = {"model": "tiny-chat", "messages": [{"role": "user", "content": "hi"}], "
     ({**GOOD, "messages": [{"role": "assistant", "content": [{"type": "refusal", "refusal": 5}]},
                            {"role": "user", "content": "hi"}]}, "messages[0].content[0].refusal"),
     ({**GOOD, "stop": ["a", "b", "c", "d", "e"]}, "stop"),
+    ({**GOOD, "stop": ""}, "stop"),
     ({**GOOD, "n": 5}, "n"),  # above limits.max_n (4)
     ({**GOOD, "bogus": 1}, "bogus"),
     ({k: v for k, v in GOOD.items() if k != "model"}, "model"),
