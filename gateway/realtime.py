@@ -28,9 +28,13 @@ little-endian, the default), and telephone audio, ``{"type": "audio/pcmu"}`` (G.
 for one): decoded and resampled to 24 kHz as it streams in (``workers.audio.G711Stream``), so the
 turn detection, the limits and the ``audio_*_ms`` fields are the same for every format.
 
+``noise_reduction`` (``near_field`` or ``far_field``: one denoiser serves both) takes background
+noise out of each append before the buffer, the turn detection and the model hear it
+(``workers.audio.NoiseReducer``, RNNoise); the denoised stream is 20 ms late and as long as the
+audio sent.
+
 A session opened on a chat model is a conversation instead (``gateway.realtime_conversation``,
-which builds on this one and holds the ``/v1/realtime`` endpoint that opens either kind). Not served (refused with an error naming it):
-noise reduction. A browser may open a session with a client secret instead of a key
+which builds on this one and holds the ``/v1/realtime`` endpoint that opens either kind). A browser may open a session with a client secret instead of a key
 (``/v1/realtime/client_secrets``, ``gateway.realtime_secrets``).
 """
 
@@ -55,7 +59,7 @@ from gateway.logprobs import token_entries
 from gateway.service import ClientGone, Services
 from gateway.serving import Gone
 from gateway.turn_end import EAGERNESS_MAX_MS, SemanticVad, end_probability, transcript_of, turn_wait_ms
-from workers.audio import G711_RATE, G711Stream
+from workers.audio import G711_RATE, G711Stream, NoiseReducer
 from workers.stt import ServerVad, TranscriptionRequest, Transcript, TurnDetector
 
 log = logging.getLogger("tiergate.realtime")
@@ -65,7 +69,7 @@ FORMATS = {"pcm": {"type": "audio/pcm", "rate": RATE}, "pcmu": {"type": "audio/p
 MIN_COMMIT_S = 0.1  # a shorter buffer is refused at commit, as OpenAI's is
 LOGPROBS = "item.input_audio_transcription.logprobs"  # the one thing a transcription session may include
 DEFAULT_VAD = ServerVad(threshold=0.5, prefix_padding_ms=300, silence_duration_ms=500)  # OpenAI's session defaults
-_UNSERVED_INPUT = ("noise_reduction",)
+NOISE_REDUCTION = ("near_field", "far_field")  # OpenAI's types; both run the one denoiser (NoiseReducer)
 _SESSION_PARAMS = ("model", "language", "prompt")  # the HTTP fields a session sets in audio.input.transcription
 
 
@@ -80,13 +84,15 @@ class SessionConfig:
     vad: ServerVad | SemanticVad | None = DEFAULT_VAD
     logprobs: bool = False  # include: ["item.input_audio_transcription.logprobs"]
     codec: str = "pcm"  # the audio it is sent in: a key of FORMATS
+    noise_reduction: str | None = None  # a NOISE_REDUCTION type: the buffer's audio is denoised first
 
     def as_event(self, session_id: str) -> dict:
         return {"type": "transcription", "id": session_id, "object": "realtime.transcription_session",
                 "audio": {"input": {"format": FORMATS[self.codec],
                                     "transcription": {"model": self.model, "language": self.language,
                                                       "prompt": self.prompt},
-                                    "turn_detection": detection_event(self.vad), "noise_reduction": None}},
+                                    "turn_detection": detection_event(self.vad),
+                                    "noise_reduction": noise_event(self.noise_reduction)}},
                 "include": [LOGPROBS] if self.logprobs else []}
 
 
@@ -98,6 +104,26 @@ def detection_event(vad: ServerVad | SemanticVad | None) -> dict | None:
         return {"type": "semantic_vad", "eagerness": vad.eagerness}
     return {"type": "server_vad", "threshold": vad.threshold, "prefix_padding_ms": vad.prefix_padding_ms,
             "silence_duration_ms": vad.silence_duration_ms}
+
+
+def noise_event(kind: str | None) -> dict | None:
+    """A session's ``noise_reduction`` as its events show it."""
+    return None if kind is None else {"type": kind}
+
+
+def _noise_reduction(value: object) -> str | None:
+    param = "session.audio.input.noise_reduction"
+    if value is None:
+        return None
+    value = _object(value, param)
+    for key in value:
+        if key != "type":
+            raise bad_request(f"unknown field noise_reduction.{key}", f"{param}.{key}", "unknown_parameter")
+    kind = value.get("type")
+    if kind not in NOISE_REDUCTION:
+        raise bad_request(f"noise_reduction.type must be one of {', '.join(NOISE_REDUCTION)}, not {str(kind)[:40]!r}",
+                          f"{param}.type", "invalid_value")
+    return kind
 
 
 def _object(value: object, param: str) -> dict:
@@ -128,11 +154,10 @@ def updated(config: SessionConfig, session: object, svc: Services, limits_prompt
             raise bad_request(f"a transcription session has no audio.{key}", f"session.audio.{key}", "unknown_parameter")
     given = _object(audio.get("input", {}), "session.audio.input")
     for key in given:
-        if key not in ("format", "transcription", "turn_detection", *_UNSERVED_INPUT):
+        if key not in ("format", "transcription", "turn_detection", "noise_reduction"):
             raise bad_request(f"unknown field audio.input.{key}", f"session.audio.input.{key}", "unknown_parameter")
-    if given.get("noise_reduction") is not None:
-        raise bad_request("noise reduction is not served: set it to null", "session.audio.input.noise_reduction",
-                          "unsupported_parameter")
+    if "noise_reduction" in given:
+        config = replace(config, noise_reduction=_noise_reduction(given["noise_reduction"]))
     if "format" in given:
         config = replace(config, codec=audio_format(given["format"], "session.audio.input.format"))
     if "transcription" in given:
@@ -296,6 +321,7 @@ class TranscriptionSession:
         self._queued_s = 0.0  # audio committed and not yet transcribed
         self._utterances: asyncio.Queue[tuple[str, np.ndarray, SessionConfig]] = asyncio.Queue()
         self._telephone: tuple[str, G711Stream] | None = None  # G.711 in: its decoder, which keeps its state
+        self._denoiser: NoiseReducer | None = None  # noise_reduction's, made at the first append it hears
 
     async def run(self) -> None:
         await self.send({"type": "session.created", "session": self.config.as_event(self.id)})
@@ -310,6 +336,7 @@ class TranscriptionSession:
                 await transcriber
             if self._detector is not None:
                 self._detector.close()
+            self._quiet(None)
 
     async def send(self, event: dict) -> None:
         event = {"event_id": _new_id("event"), **event}
@@ -351,6 +378,7 @@ class TranscriptionSession:
             config = updated(self.config, event.get("session"), self.svc, self.limits.prompt_max_chars)
             if config.vad != self.config.vad:  # a new detector hears what comes next
                 self.new_detection()
+            self._quiet(config.noise_reduction)
             self.config = config
             await self.send({"type": "session.updated", "session": config.as_event(self.id)})
         elif kind == "input_audio_buffer.append":
@@ -384,9 +412,19 @@ class TranscriptionSession:
             self._telephone = (codec, G711Stream(codec, RATE, encode=False))
         return np.frombuffer(self._telephone[1].feed(raw), dtype="<i2")
 
+    def _quiet(self, kind: str | None) -> None:
+        """Noise reduction set to ``kind``: a denoiser dropped when it goes off (its state freed)."""
+        if kind is None and self._denoiser is not None:
+            self._denoiser.close()
+            self._denoiser = None
+
     async def _append(self, samples: np.ndarray) -> None:
         if not len(samples):
             return
+        if self.config.noise_reduction is not None:  # before the buffer, the turn detection and the model hear it
+            if self._denoiser is None:  # loading RNNoise's library reads a file: off the event loop
+                self._denoiser = await asyncio.to_thread(NoiseReducer, RATE)
+            samples = await asyncio.to_thread(self._denoiser.feed, samples)
         if (self._buffered + len(samples)) / RATE > self.limits.transcription_max_seconds:
             raise bad_request(f"the audio buffer would pass this server's limit of "
                               f"{self.limits.transcription_max_seconds:g} s: commit or clear it first", "audio",

@@ -54,8 +54,7 @@ reads a tool call and a tool message.
 With no speech-to-text model on the server a session takes text turns only (no turn detection;
 the audio buffer's events are refused).
 
-Not served (an ``error`` event naming it): items other than messages and function call outputs,
-noise reduction.
+Not served (an ``error`` event naming it): items other than messages and function call outputs.
 """
 
 from __future__ import annotations
@@ -79,7 +78,7 @@ from gateway.errors import APIError, bad_request
 from gateway.input_audio import chat_engine
 from gateway.output_audio import PCM16_RATE, Voice, phrases_of, say
 from gateway.realtime import (DEFAULT_VAD, FORMATS, MIN_COMMIT_S, RATE, SessionConfig, TranscriptionSession, _audio_bytes,
-                              _new_id, _object, audio_format, detection_event, judge_of, updated)
+                              _new_id, _object, audio_format, detection_event, judge_of, noise_event, updated)
 from gateway.request_log import note
 from gateway.turn_end import SemanticVad
 from gateway.schemas import ChatCompletionRequest, parse, read_json
@@ -203,7 +202,8 @@ class ConversationSession(TranscriptionSession):
                 "tools": [{"type": "function", **t["function"]} for t in c.tools], "tool_choice": _choice_shown(c.tool_choice),
                 "audio": {"input": {"format": FORMATS[self.config.codec],
                                     "transcription": {"model": self.config.model} if self.config.model else None,
-                                    "turn_detection": detection, "noise_reduction": None},
+                                    "turn_detection": detection,
+                                    "noise_reduction": noise_event(self.config.noise_reduction)},
                           "output": {"format": FORMATS[c.codec], "voice": c.voice.voice if c.voice else None,
                                      "speed": 1.0}}}
 
@@ -294,6 +294,7 @@ class ConversationSession(TranscriptionSession):
         config, conversing = await self.applied(session)
         if config.vad != self.config.vad:
             self.new_detection()
+        self._quiet(config.noise_reduction)
         self.config, self.conversing = config, conversing
         await self.send({"type": "session.updated", "session": self.session_event()})
 

@@ -102,7 +102,7 @@ def model_smokes(request, demo_dir: Path, tiny_chat: Path, tiny_embed: Path, tin
                for script, args in MODEL_SMOKES.items() if script in wanted}
 
 
-@pytest.mark.parametrize("script", ["bench_admission.py", "bench_lora_merge.py", "bench_adapters.py"])
+@pytest.mark.parametrize("script", ["bench_admission.py", "bench_lora_merge.py", "bench_adapters.py", "bench_noise.py"])
 def test_smoke_without_models(script: str) -> None:
     assert check_verdict(run_smoke(script)) == f"verdict: n/a {SMOKE}"
 

@@ -93,6 +93,58 @@ def test_a_committed_utterance_streams_the_text_the_http_endpoint_gives(server):
     assert done.usage.type == "duration" and done.usage.seconds == pytest.approx(len(speech) / RATE, abs=1e-3)
 
 
+def test_noise_reduction_cleans_the_audio_before_the_buffer_and_goes_off_when_set_to_null(server):
+    """Speech under white noise, sent in 20 ms pieces with ``noise_reduction: near_field``: the
+    committed turn is the denoised stream, NoiseReducer's output (as long as the audio sent), not
+    the noisy one: its token log-probabilities are those the HTTP endpoint gives for that output
+    (tiny-stt's random weights say the same tokens for both, with slightly other confidence). Set
+    to null, the same audio is heard as sent. The SDK's session shows the setting each time."""
+    from workers.audio import NoiseReducer
+
+    speech = spoken("Hello from a noisy room.", rate=RATE)
+    noisy = np.concatenate([speech, np.zeros(RATE // 4, np.float32)])
+    noisy = noisy + np.random.default_rng(0).standard_normal(len(noisy)).astype(np.float32) * 0.05
+    pieces = [noisy[i:i + 480] for i in range(0, len(noisy), 480)]
+    reducer = NoiseReducer(RATE)
+    denoised = np.concatenate([reducer.feed(np.frombuffer(pcm16(x), "<i2")) for x in pieces]).astype(np.float32) / 32768
+    reducer.close()
+
+    def logprobs(x: np.ndarray) -> list[float]:
+        r = httpx.post(f"{server.base_url}/audio/transcriptions", headers={"Authorization": f"Bearer {server.keys['paid']}"},
+                       files={"file": ("a.wav", wav_of(x))},
+                       data={"model": "tiny-stt", "language": "en", "include[]": "logprobs"}, timeout=60)
+        assert r.status_code == 200, r.text
+        return [t["logprob"] for t in r.json()["logprobs"]]
+
+    expected = {"near_field": logprobs(denoised), None: logprobs(noisy)}
+    # tiny-stt's random weights hear little of any audio: the two differ by ~1e-4, which is some
+    # hundred times what float32 rounding could make of the same audio (the session and the
+    # endpoint run the same code on the same samples, so theirs agree to 1e-6)
+    assert max(abs(a - b) for a, b in zip(expected["near_field"], expected[None])) > 2e-5
+
+    async def run():
+        heard = {}
+        async with client(server).realtime.connect(extra_query={"intent": "transcription"}) as conn:
+            await events_until(conn, "session.created")
+            for kind in ("near_field", None):
+                await conn.session.update(session={**MANUAL, "include": ["item.input_audio_transcription.logprobs"],
+                                                   "audio": {"input": {**MANUAL["audio"]["input"],
+                                                                       "noise_reduction": kind and {"type": kind}}}})
+                updated = (await events_until(conn, "session.updated"))[-1]
+                shown = updated.session.audio.input.noise_reduction
+                assert (shown.type if shown else None) == kind
+                for x in pieces:
+                    await conn.input_audio_buffer.append(audio=b64(x))
+                await conn.input_audio_buffer.commit()
+                heard[kind] = (await events_until(conn, "conversation.item.input_audio_transcription.completed"))[-1]
+        return heard
+
+    heard = asyncio.run(run())
+    for kind, done in heard.items():
+        assert [t.logprob for t in done.logprobs] == pytest.approx(expected[kind], abs=1e-6), kind
+        assert done.usage.seconds == pytest.approx(len(noisy) / RATE, abs=1e-3)
+
+
 def test_server_vad_ends_each_utterance_at_a_silence(server):
     """Two sentences with a second of silence between them and after: two turns, each started,
     stopped, committed and transcribed without a client commit, in order."""
@@ -162,7 +214,12 @@ def test_server_vad_ends_each_utterance_at_a_silence(server):
         "turn_detection": {"type": "server_vad", "threshold": 2}}}}}, "session.audio.input.turn_detection.threshold",
      "invalid_value"),
     ({"type": "session.update", "session": {"type": "transcription", "audio": {"input": {
-        "noise_reduction": {"type": "near_field"}}}}}, "session.audio.input.noise_reduction", "unsupported_parameter"),
+        "noise_reduction": {"type": "studio"}}}}}, "session.audio.input.noise_reduction.type", "invalid_value"),
+    ({"type": "session.update", "session": {"type": "transcription", "audio": {"input": {
+        "noise_reduction": {"type": "near_field", "level": 3}}}}}, "session.audio.input.noise_reduction.level",
+     "unknown_parameter"),
+    ({"type": "session.update", "session": {"type": "transcription", "audio": {"input": {
+        "noise_reduction": "near_field"}}}}, "session.audio.input.noise_reduction", "invalid_type"),
     ({"type": "session.update", "session": {"type": "transcription", "include": ["item.audio"]}}, "session.include",
      "invalid_value"),
 ])

@@ -132,10 +132,12 @@ def test_speech_in_is_heard_then_answered(server):
 def test_the_turn_detection_answers_when_a_turn_ends_and_the_conversation_goes_on(server, detection):
     """A spoken turn ended by the turn detection is answered (create_response). With
     ``semantic_vad`` (``high``: 2 s at most) the judge is the session's own chat model, tiny-chat,
-    whose doubt waits about the longest: 2.5 s of silence ends the turn."""
+    whose doubt waits about the longest: 2.5 s of silence ends the turn. The ``server_vad`` case
+    hears its audio through ``noise_reduction`` (``far_field``), which the session shows."""
     speech = spoken("Tell me about the sea.", rate=RATE)
     silence = np.zeros(RATE if detection is None else int(2.5 * RATE), np.float32)
-    settings = {} if detection is None else {"audio": {"input": {"turn_detection": detection}}}
+    settings = {"audio": {"input": {"noise_reduction": {"type": "far_field"}} if detection is None else
+                          {"turn_detection": detection}}}
 
     async def run():
         async with client(server).realtime.connect(model="tiny-chat") as conn:
@@ -145,6 +147,8 @@ def test_the_turn_detection_answers_when_a_turn_ends_and_the_conversation_goes_o
             updated = (await events_until(conn, "session.updated"))[-1]
             assert updated.session.audio.input.turn_detection.type == (detection or {"type": "server_vad"})["type"]
             assert updated.session.audio.input.turn_detection.create_response is True
+            noise = updated.session.audio.input.noise_reduction
+            assert (noise.type if noise else None) == ("far_field" if detection is None else None)
             await conn.input_audio_buffer.append(audio=b64(np.concatenate([speech, silence])))
             first = await events_until(conn, "response.done")
             await conn.conversation.item.create(item={"type": "message", "role": "user",

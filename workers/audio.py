@@ -10,6 +10,7 @@ record) is decoded by FFmpeg through PyAV, the containers OpenAI lists only.
 
 from __future__ import annotations
 
+import ctypes
 import io
 import math
 import struct
@@ -18,6 +19,8 @@ from typing import Protocol
 
 import numpy as np
 import soundfile as sf
+
+_FLOAT_P = ctypes.POINTER(ctypes.c_float)
 
 # scipy.signal is imported where it is used: ~0.8 s at start that a server without audio skips
 
@@ -175,6 +178,85 @@ class G711Stream:
     @staticmethod
     def _pcm(frames: list) -> bytes:
         return b"".join(frame.to_ndarray().reshape(-1).astype("<i2").tobytes() for frame in frames)
+
+
+class NoiseReducer:
+    """Background noise taken out of streamed speech: RNNoise (Xiph's recurrent network for noise
+    suppression in speech, through the ``pyrnnoise`` wheel, which carries the library with its
+    weights) on 10 ms frames at 48 kHz. The stream's ``rate`` must divide 48 kHz (24 kHz in a
+    realtime session; 8 and 16 kHz too); it goes up and back down by that factor through a
+    windowed-sinc low-pass (scipy's ``firwin``; the samples it still needs from the last piece
+    kept), so nothing is held back but the part of a frame still waiting to be whole, and pieces
+    of any size give the same stream as one piece.
+
+    ``feed`` takes int16 samples at ``rate`` and returns as many: the denoised stream, ``delay``
+    samples (10 ms) later, which is a frame's wait; the speech in it is 31 ms later than in the
+    input, with RNNoise's own 20 ms and the two filters' half millisecond each."""
+
+    RATE = 48_000  # RNNoise's
+    TAPS = 49  # the low-pass's length at 48 kHz: 24 samples (0.5 ms) of delay each way
+
+    def __init__(self, rate: int) -> None:
+        from pyrnnoise import rnnoise
+        from scipy.signal import firwin
+
+        if self.RATE % rate:
+            raise ValueError(f"noise reduction runs at rates that divide {self.RATE} Hz, not {rate}")
+        self._lib, self._state, self._frame = rnnoise.lib, rnnoise.create(), rnnoise.FRAME_SIZE
+        self.rate, self._factor = rate, self.RATE // rate
+        self._lowpass = firwin(self.TAPS, 1 / self._factor) if self._factor > 1 else None
+        if self._lowpass is not None:  # the up phases, each as long as the first (zeros after), gain ``factor``
+            width = -(-self.TAPS // self._factor)
+            self._phases = [np.pad(self._lowpass[p::self._factor], (0, width - len(self._lowpass[p::self._factor])))
+                            * self._factor for p in range(self._factor)]
+            self._up_history, self._down_history = np.zeros(width - 1), np.zeros(self.TAPS - 1)
+        self.delay = self._frame // self._factor
+        self._held = np.zeros(0, np.float32)  # at 48 kHz: less than a frame, waiting for the rest
+        self._out = np.zeros(self.delay, np.int16)  # denoised at ``rate``, not yet returned
+
+    def feed(self, samples: np.ndarray) -> np.ndarray:
+        """The next piece (int16 at ``rate``), denoised and ``delay`` late: as many samples."""
+        wide = np.concatenate([self._held, self._up(samples.astype(np.float32))])
+        whole = len(wide) // self._frame * self._frame
+        self._held = wide[whole:]
+        clean = np.empty(whole, np.float32)
+        for at in range(0, whole, self._frame):  # in and out in int16's scale, as RNNoise takes them
+            frame = np.ascontiguousarray(wide[at:at + self._frame])
+            self._lib.rnnoise_process_frame(self._state, clean[at:].ctypes.data_as(_FLOAT_P),
+                                            frame.ctypes.data_as(_FLOAT_P))
+        down = np.clip(np.rint(self._down(clean)), -32768, 32767).astype(np.int16)
+        self._out = np.concatenate([self._out, down])
+        piece, self._out = self._out[:len(samples)], self._out[len(samples):]
+        return piece  # the frame held back is at most ``delay`` samples: never short
+
+    def _up(self, x: np.ndarray) -> np.ndarray:
+        """``x`` at ``factor`` times its rate: output sample ``p`` of each ``factor`` is ``x``
+        through the low-pass's phase ``p`` (polyphase: the zeros stuffed between samples skipped)."""
+        if self._lowpass is None or not len(x):
+            return x
+        wide = np.concatenate([self._up_history, x.astype(np.float64)])
+        self._up_history = wide[len(wide) - len(self._up_history):]
+        y = np.empty(len(x) * self._factor, np.float32)
+        for p, phase in enumerate(self._phases):
+            y[p::self._factor] = np.convolve(wide, phase, "valid")
+        return y
+
+    def _down(self, x: np.ndarray) -> np.ndarray:
+        """``x`` low-passed, then every ``factor``-th sample: a frame (480) is a whole number of
+        steps, so each piece starts on one."""
+        if self._lowpass is None or not len(x):
+            return x
+        wide = np.concatenate([self._down_history, x.astype(np.float64)])
+        self._down_history = wide[len(wide) - len(self._down_history):]
+        return np.convolve(wide, self._lowpass, "valid")[::self._factor]
+
+    def close(self) -> None:
+        """Free RNNoise's state (once; feeding after this is an error)."""
+        if self._state is not None:
+            from pyrnnoise import rnnoise
+
+            rnnoise.destroy(self._state)
+            self._state = None
 
 
 def time_stretch(x: np.ndarray, rate: float, n_fft: int = 512, hop: int = 128) -> np.ndarray:
