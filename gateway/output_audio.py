@@ -62,9 +62,10 @@ class Voice:
     format: str
     rate: int | None
     model_rate: int  # the model's own sample rate
+    speed: float = 1.0  # as /v1/audio/speech takes it (a realtime session's audio.output.speed)
 
     def job(self, text: str) -> SpeechJob:
-        return SpeechJob(self.model, SpeechRequest(text, self.voice, 1.0), self.format, self.model_rate,
+        return SpeechJob(self.model, SpeechRequest(text, self.voice, self.speed), self.format, self.model_rate,
                          out_rate=self.rate, quiet=True)
 
 

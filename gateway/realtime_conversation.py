@@ -11,7 +11,7 @@ as 24 kHz PCM16 with its transcript. OpenAI's protocol, as its SDK speaks it:
   session's own chat model: ``gateway.turn_end``) or null, with ``create_response``,
   ``interrupt_response`` and, for ``server_vad``, ``idle_timeout_ms``) and
   ``audio.output`` (``format``: the same three, the speech resampled to 8 kHz and encoded as it
-  streams for G.711; ``voice``).
+  streams for G.711; ``voice``; ``speed``, 0.25 to 1.5, as ``/v1/audio/speech`` says it).
 * Turns: ``input_audio_buffer.append`` / ``commit`` / ``clear`` (or the turn detection), each committed
   utterance a user item whose transcript comes as ``conversation.item.input_audio_transcription.*``;
   ``conversation.item.create`` adds a message (last, or after its ``previous_item_id``, or first
@@ -88,6 +88,17 @@ from workers.audio import G711Stream
 from workers.tts import TTSWorker
 
 log = logging.getLogger("tiergate.realtime")
+
+SPEED = (0.25, 1.5)  # audio.output.speed's range in the Realtime API (/v1/audio/speech allows up to 4.0)
+
+
+def _speed(value: object, param: str) -> float:
+    if isinstance(value, bool) or not isinstance(value, (int, float)):
+        raise bad_request("speed is a number", param, "invalid_type")
+    if not SPEED[0] <= value <= SPEED[1]:
+        raise bad_request(f"speed must be between {SPEED[0]} and {SPEED[1]}, not {value}", param, "invalid_value")
+    return float(value)
+
 
 def _choice_shown(choice: Any) -> Any:
     """A tool choice as the Realtime API shows it (a named function flat, as it takes it)."""
@@ -205,7 +216,7 @@ class ConversationSession(TranscriptionSession):
                                     "turn_detection": detection,
                                     "noise_reduction": noise_event(self.config.noise_reduction)},
                           "output": {"format": FORMATS[c.codec], "voice": c.voice.voice if c.voice else None,
-                                     "speed": 1.0}}}
+                                     "speed": c.voice.speed if c.voice else 1.0}}}
 
     async def run(self) -> None:
         try:
@@ -374,17 +385,23 @@ class ConversationSession(TranscriptionSession):
         return c
 
     async def _output(self, conversing: Conversing, output: dict, where: str) -> Conversing:
-        """``conversing`` with a session's or a response's ``audio.output`` (``format``, ``voice``;
-        ``speed`` 1.0 only), errors named ``where.audio.output...``."""
+        """``conversing`` with a session's or a response's ``audio.output`` (``format``, ``voice``,
+        ``speed``), errors named ``where.audio.output...``."""
         for key in output:
             if key not in ("format", "voice", "speed"):
                 raise bad_request(f"unknown field audio.output.{key}", f"{where}.audio.output.{key}", "unknown_parameter")
         if "format" in output:
             conversing = replace(conversing, codec=audio_format(output["format"], f"{where}.audio.output.format"))
-        if output.get("speed", 1.0) != 1.0:
-            raise bad_request("speed is not served: leave it at 1.0", f"{where}.audio.output.speed", "unsupported_parameter")
         if "voice" in output:
-            conversing = replace(conversing, voice=await self._voice(output["voice"], f"{where}.audio.output.voice"))
+            name = await self._voice(output["voice"], f"{where}.audio.output.voice")
+            conversing = replace(conversing, voice=replace(conversing.voice, voice=name))
+        if "speed" in output:
+            speed = _speed(output["speed"], f"{where}.audio.output.speed")
+            if conversing.voice is None and speed != 1.0:
+                raise bad_request("this server has no text-to-speech model to speak with", f"{where}.audio.output.speed",
+                                  "audio_output_not_supported")
+            if conversing.voice is not None:
+                conversing = replace(conversing, voice=replace(conversing.voice, speed=speed))
         return conversing
 
     def _tools(self, conversing: Conversing, tools: object, choice: object, where: str) -> Conversing:
@@ -415,7 +432,8 @@ class ConversationSession(TranscriptionSession):
             raise APIError(exc.status, exc.message, exc.code, f"{where}.{param}") from None
         return replace(conversing, tools=tuple(chat_tools), tool_choice=choice)
 
-    async def _voice(self, name: object, param: str) -> Voice:
+    async def _voice(self, name: object, param: str) -> str:
+        """A voice the session's speech model has (``APIError`` naming ``param``)."""
         if self.conversing.voice is None:
             raise bad_request("this server has no text-to-speech model to speak with", param,
                               "audio_output_not_supported")
@@ -426,7 +444,7 @@ class ConversationSession(TranscriptionSession):
             voices.resolve_voice(name)
         except ValueError as exc:
             raise bad_request(str(exc), param, "invalid_value") from None
-        return replace(self.conversing.voice, voice=name)
+        return name
 
     async def _create_item(self, item: object, previous: object = None) -> None:
         item = _object(item, "item")

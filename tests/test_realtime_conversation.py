@@ -775,6 +775,43 @@ def test_a_message_may_carry_its_audio_or_be_the_assistant_s_and_the_reply_reads
                                              {"role": "user", "content": heard}])[0]
 
 
+def test_audio_output_speed_is_said_as_the_speech_endpoint_says_it(server):
+    """``audio.output.speed`` 1.5 (the Realtime API's most): the reply sounds as long as
+    ``/v1/audio/speech`` makes its text at 1.5 (a phrase at a time: within 0.1 s), well under its
+    length at 1.0; the session shows the speed. A speed outside 0.25-1.5, or not a number, is an
+    ``error`` naming ``session.audio.output.speed``, and the speed stays as it was."""
+    import io
+
+    import soundfile as sf
+
+    async def run():
+        async with client(server).realtime.connect(model="tiny-chat") as conn:
+            await events_until(conn, "session.created")
+            await conn.session.update(session={**MANUAL, "audio": {**MANUAL["audio"], "output": {"speed": 1.5,
+                                                                                               "voice": "alloy"}}})
+            output = (await events_until(conn, "session.updated"))[-1].session.audio.output
+            shown = output.speed, output.voice
+            errors = []
+            for bad in (2.0, "fast", True):
+                await conn.send({"type": "session.update", "session": {"type": "realtime", "audio": {"output": {"speed": bad}}}})
+                errors.append((await events_until(conn, "error"))[-1].error)
+            await conn.conversation.item.create(item={"type": "message", "role": "user",
+                                                      "content": [{"type": "input_text", "text": ASK}]})
+            await conn.response.create()
+            return shown, errors, await events_until(conn, "response.done")
+
+    shown, errors, events = asyncio.run(run())
+    assert shown == (1.5, "alloy")  # a voice in the same update keeps the speed
+    assert [(e.param, e.code) for e in errors] == [("session.audio.output.speed", "invalid_value")] + \
+        [("session.audio.output.speed", "invalid_type")] * 2
+    text, audio = said(events)
+    fast = sf.read(io.BytesIO(http(server).audio.speech.create(model="tiny-tts", voice="alloy", input=text, speed=1.5,
+                                                               response_format="wav").content))
+    seconds = len(audio) / 2 / 24000
+    assert abs(seconds - len(fast[0]) / fast[1]) < 0.1
+    assert seconds < 0.8 * speech_seconds(server, text)
+
+
 def test_a_response_may_bring_its_own_tools_and_audio_and_the_session_keeps_its_own(server):
     """``response.create`` with ``tools`` / ``tool_choice`` and ``audio.output``: that response
     calls the function (as chat does with the same tools) and speaks in G.711; the session's own
