@@ -30,8 +30,8 @@ turn detection, the limits and the ``audio_*_ms`` fields are the same for every 
 
 ``noise_reduction`` (``near_field`` or ``far_field``: one denoiser serves both) takes background
 noise out of each append before the buffer, the turn detection and the model hear it
-(``workers.audio.NoiseReducer``, RNNoise); the denoised stream is 20 ms late and as long as the
-audio sent.
+(``workers.audio.NoiseReducer``, RNNoise); the denoised stream is as long as the audio sent,
+its speech 31 ms later.
 
 A session opened on a chat model is a conversation instead (``gateway.realtime_conversation``,
 which builds on this one and holds the ``/v1/realtime`` endpoint that opens either kind). A browser may open a session with a client secret instead of a key
@@ -421,14 +421,14 @@ class TranscriptionSession:
     async def _append(self, samples: np.ndarray) -> None:
         if not len(samples):
             return
-        if self.config.noise_reduction is not None:  # before the buffer, the turn detection and the model hear it
-            if self._denoiser is None:  # loading RNNoise's library reads a file: off the event loop
-                self._denoiser = await asyncio.to_thread(NoiseReducer, RATE)
-            samples = await asyncio.to_thread(self._denoiser.feed, samples)
         if (self._buffered + len(samples)) / RATE > self.limits.transcription_max_seconds:
             raise bad_request(f"the audio buffer would pass this server's limit of "
                               f"{self.limits.transcription_max_seconds:g} s: commit or clear it first", "audio",
                               "input_audio_buffer_too_long")
+        if self.config.noise_reduction is not None:  # before the buffer, the turn detection and the model hear it
+            if self._denoiser is None:  # loading RNNoise's library reads a file: off the event loop
+                self._denoiser = await asyncio.to_thread(NoiseReducer, RATE)
+            samples = await asyncio.to_thread(self._denoiser.feed, samples)  # as many samples: the check holds
         self._buffer.append(samples)
         self._buffered += len(samples)
         if self.config.vad is None:

@@ -1096,6 +1096,17 @@ def test_noise_reduction_streamed_in_any_pieces_is_the_same_stream_and_as_long()
     with pytest.raises(ValueError):  # the rate must divide RNNoise's 48 kHz
         audio.NoiseReducer(44100)
     assert not at_once[:whole.delay].any()  # the delay: zeros first
+    # a session closes its reducer (on the event loop) while a feed may still run on a worker
+    # thread: the close waits for that feed, which returns whole, and RNNoise's state goes after
+    long = np.tile(noisy, 4)
+    with ThreadPoolExecutor(1) as pool:
+        feeding = pool.submit(reducer.feed, long)
+        while not reducer._using.locked():  # the feed has begun
+            time.sleep(0.001)
+        reducer.close()
+        assert feeding.done() and len(feeding.result()) == len(long)
+    with pytest.raises(RuntimeError, match="closed"):
+        reducer.feed(noisy[:10])
     whole.close()
     whole.close()  # once is enough; again is a no-op
 
@@ -1116,3 +1127,26 @@ def test_noise_reduction_takes_out_white_noise_and_keeps_the_speech(rate):
     corr = [float(np.dot(clean[speech], out[speech.start + k:speech.stop + k])) for k in lags]
     lag = int(lags[int(np.argmax(corr))])
     assert reducer.delay == rate // 100 and lag == round(0.031 * rate), lag / rate
+
+
+def test_a_turn_detector_closed_during_a_feed_hands_its_model_back_after_it():
+    """A realtime session closes its detector on the event loop while a feed may still run on a
+    worker thread: the close waits, so the pooled Silero model is not handed to another session
+    mid-feed; the feed finds the speech; a feed after the close raises."""
+    rate = 24000
+    speech = np.concatenate([np.zeros(rate // 2, np.float32), spoken("Are you still there?", rate),
+                             np.zeros(rate, np.float32)])
+    detector = stt.TurnDetector(stt.ServerVad(), rate)
+    model = detector._model
+    with ThreadPoolExecutor(1) as pool:
+        feeding = pool.submit(detector.feed, np.tile(speech, 3))
+        while not detector._using.locked():  # the feed has begun
+            time.sleep(0.001)
+        detector.close()
+        assert feeding.done()  # the close came back only after the feed
+        assert [kind for kind, _ in feeding.result()][:2] == ["start", "end"]
+    with pytest.raises(RuntimeError, match="closed"):
+        detector.feed(speech[:100])
+    again = stt.TurnDetector(stt.ServerVad(), rate)
+    assert again._model is model  # back in the pool once, not twice
+    again.close()

@@ -14,6 +14,7 @@ import ctypes
 import io
 import math
 import struct
+import threading
 from collections.abc import Iterable, Iterator, Sequence
 from typing import Protocol
 
@@ -213,9 +214,16 @@ class NoiseReducer:
         self.delay = self._frame // self._factor
         self._held = np.zeros(0, np.float32)  # at 48 kHz: less than a frame, waiting for the rest
         self._out = np.zeros(self.delay, np.int16)  # denoised at ``rate``, not yet returned
+        self._using = threading.Lock()  # a feed (on a worker thread) and close: RNNoise's state freed after, not during
 
     def feed(self, samples: np.ndarray) -> np.ndarray:
         """The next piece (int16 at ``rate``), denoised and ``delay`` late: as many samples."""
+        with self._using:
+            if self._state is None:
+                raise RuntimeError("this noise reducer is closed")
+            return self._feed(samples)
+
+    def _feed(self, samples: np.ndarray) -> np.ndarray:
         wide = np.concatenate([self._held, self._up(samples.astype(np.float32))])
         whole = len(wide) // self._frame * self._frame
         self._held = wide[whole:]
@@ -251,12 +259,14 @@ class NoiseReducer:
         return np.convolve(wide, self._lowpass, "valid")[::self._factor]
 
     def close(self) -> None:
-        """Free RNNoise's state (once; feeding after this is an error)."""
-        if self._state is not None:
-            from pyrnnoise import rnnoise
+        """Free RNNoise's state, once a feed in progress has ended (again: nothing; a feed after it
+        raises)."""
+        with self._using:
+            if self._state is not None:
+                from pyrnnoise import rnnoise
 
-            rnnoise.destroy(self._state)
-            self._state = None
+                rnnoise.destroy(self._state)
+                self._state = None
 
 
 def time_stretch(x: np.ndarray, rate: float, n_fft: int = 512, hop: int = 128) -> np.ndarray:

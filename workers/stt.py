@@ -41,6 +41,7 @@ import contextlib
 import itertools
 import math
 import queue
+import threading
 import time
 import warnings
 import zlib
@@ -207,7 +208,9 @@ class TurnDetector:
     at its own rate. Silero VAD heard frame by frame (``silero_vad.VADIterator``), so each sample
     is heard once however long the stream: a start comes ``prefix_padding_ms`` early, a stop
     once ``silence_duration_ms`` of silence has followed the speech (padded after by as much as
-    before). Holds one of the pooled VAD models until ``close``; not thread-safe (one stream)."""
+    before). Holds one of the pooled VAD models until ``close``, which waits for a feed in
+    progress (a session's feed runs on a worker thread, and a closing session must not hand the
+    model to another while it is still in use); otherwise one stream, one caller at a time."""
 
     def __init__(self, vad: ServerVad, rate: int) -> None:
         from silero_vad import VADIterator
@@ -222,10 +225,17 @@ class TurnDetector:
         self._raw = np.zeros(0, np.float32)  # at ``rate``: not yet resampled (a whole number of resampling periods)
         self._heard = np.zeros(0, np.float32)  # at 16 kHz: less than a frame, not yet heard
         self._period = rate // math.gcd(rate, _VAD_RATE)  # input samples per whole resampling period
+        self._using = threading.Lock()
 
     def feed(self, audio: np.ndarray) -> list[tuple[str, int]]:
         """Hear float32 mono ``audio`` (the stream's next samples): ``("start", i)`` and
         ``("end", i)`` for the turns' edges found in it, ``i`` a sample index of the stream."""
+        with self._using:
+            if self._model is None:
+                raise RuntimeError("this turn detector is closed")
+            return self._feed(audio)
+
+    def _feed(self, audio: np.ndarray) -> list[tuple[str, int]]:
         self._raw = np.concatenate([self._raw, audio.astype(np.float32, copy=False)])
         whole = len(self._raw) - len(self._raw) % self._period
         if whole:
@@ -249,10 +259,12 @@ class TurnDetector:
         self._heard = np.zeros(0, np.float32)
 
     def close(self) -> None:
-        if self._model is not None:
-            self._model.reset_states()
-            _vad_models.put(self._model)
-            self._model = None
+        """Hand the model back to the pool (once a feed in progress has ended)."""
+        with self._using:
+            if self._model is not None:
+                self._model.reset_states()
+                _vad_models.put(self._model)
+                self._model = None
 
 
 def _load_vad() -> torch.nn.Module:
