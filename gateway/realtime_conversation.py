@@ -93,6 +93,8 @@ SPEED = (0.25, 1.5)  # audio.output.speed's range in the Realtime API (/v1/audio
 
 
 def _speed(value: object, param: str) -> float:
+    if value is None:  # as OpenAI's: the default
+        return 1.0
     if isinstance(value, bool) or not isinstance(value, (int, float)):
         raise bad_request("speed is a number", param, "invalid_type")
     if not SPEED[0] <= value <= SPEED[1]:

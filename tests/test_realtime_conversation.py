@@ -779,7 +779,7 @@ def test_audio_output_speed_is_said_as_the_speech_endpoint_says_it(server):
     """``audio.output.speed`` 1.5 (the Realtime API's most): the reply sounds as long as
     ``/v1/audio/speech`` makes its text at 1.5 (a phrase at a time: within 0.1 s), well under its
     length at 1.0; the session shows the speed. A speed outside 0.25-1.5, or not a number, is an
-    ``error`` naming ``session.audio.output.speed``, and the speed stays as it was."""
+    ``error`` naming ``session.audio.output.speed``, and the speed stays as it was; null is 1.0."""
     import io
 
     import soundfile as sf
@@ -798,10 +798,14 @@ def test_audio_output_speed_is_said_as_the_speech_endpoint_says_it(server):
             await conn.conversation.item.create(item={"type": "message", "role": "user",
                                                       "content": [{"type": "input_text", "text": ASK}]})
             await conn.response.create()
-            return shown, errors, await events_until(conn, "response.done")
+            replied = await events_until(conn, "response.done")
+            await conn.send({"type": "session.update", "session": {"type": "realtime", "audio": {"output": {"speed": None}}}})
+            reset = (await events_until(conn, "session.updated"))[-1].session.audio.output.speed
+            return shown, errors, replied, reset
 
-    shown, errors, events = asyncio.run(run())
+    shown, errors, events, reset = asyncio.run(run())
     assert shown == (1.5, "alloy")  # a voice in the same update keeps the speed
+    assert reset == 1.0  # null: the default
     assert [(e.param, e.code) for e in errors] == [("session.audio.output.speed", "invalid_value")] + \
         [("session.audio.output.speed", "invalid_type")] * 2
     text, audio = said(events)
