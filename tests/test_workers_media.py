@@ -5,6 +5,7 @@ from __future__ import annotations
 import io
 import json
 import re
+import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
@@ -510,6 +511,101 @@ def test_stt_streamed_text_is_read_at_most_every_stream_every_s(stt_worker, monk
     assert "".join(each) == text_each == text_few == "".join(few) and few
     assert steps_each == steps_few > 10  # every token is a step boundary either way
     assert 2 <= reads_few <= reads_each / 2.5, (reads_few, reads_each)
+
+
+def _queued(worker: stt.STTWorker, calls: list, lane: str = "_interactive") -> list:
+    """Run each ``(audio, request, ctx, on_text)`` of ``calls`` on a thread of its own, all queued
+    at once behind a decode held running (the lane's ``leading`` set), then let go together: the
+    first caller to lead takes them all. Returns each call's transcript, or what it raised."""
+    held = getattr(worker, lane)
+    with worker._turn:
+        held.leading = True
+    with ThreadPoolExecutor(len(calls)) as pool:
+        futures = [pool.submit(worker.transcribe, *call) for call in calls]
+        deadline = time.monotonic() + 30
+        while len(held.waiting) < len(calls):
+            assert time.monotonic() < deadline, "the calls did not all queue"
+            time.sleep(0.01)
+        with worker._turn:
+            held.leading = False
+            worker._turn.notify_all()
+        return [f.exception() or f.result() for f in futures]
+
+
+def test_stt_concurrent_requests_share_decodes_and_read_as_each_alone(stt_worker):
+    """Five requests queued together: three that decode alike (a 3 s clip, a 45 s file of two
+    windows, a streamed 2 s clip) share one ``generate`` of four windows; two that ask for
+    ``details`` share another (their settings differ from the first three's). Each reads as it
+    does alone: the same text and segments (greedy), the streamed pieces joined to it, each
+    window's own figures within 1e-5 (``no_speech_prob`` is read per row)."""
+    en = stt.TranscriptionRequest(language="en")
+    detailed = stt.TranscriptionRequest(language="en", details=True)
+    calls = [(_tone(3.0, 16000)[:, 0], en), (_tone(45.0, 16000)[:, 0], en), (_tone(2.0, 16000)[:, 0], en),
+             (_tone(4.0, 16000)[:, 0], detailed), (np.random.default_rng(0).normal(0, 0.1, 96000).astype(np.float32), detailed)]
+    alone = [stt_worker.transcribe(x, req, StepContext()) for x, req in calls]
+    pieces: list[str] = []
+    before = stt_worker.decodes
+    got = _queued(stt_worker, [(x, req, StepContext(), pieces.append if n == 2 else None) for n, (x, req) in enumerate(calls)])
+    assert stt_worker.decodes - before == 2
+    for mine, theirs in zip(got, alone):
+        assert mine.text == theirs.text and mine.language == theirs.language
+        assert [(s.start, s.end, s.text, s.seek, s.tokens) for s in mine.segments] == \
+            [(s.start, s.end, s.text, s.seek, s.tokens) for s in theirs.segments]
+    assert "".join(pieces) == got[2].text and pieces
+    figures = [(s.avg_logprob, s.no_speech_prob) for t in alone[3:] for s in t.segments[:1]]
+    assert figures[0] != figures[1]
+    assert [x for t in got[3:] for s in t.segments[:1] for x in (s.avg_logprob, s.no_speech_prob)] == pytest.approx(
+        [x for pair in figures for x in pair], rel=1e-5)
+
+
+def test_stt_a_long_file_decodes_batch_windows_at_a_time(stt_worker, monkeypatch):
+    """A file of five windows decodes in ``batch_windows``-sized ``generate`` calls (2: three
+    calls), one step boundary per window, and reads as one window at a time did."""
+    x = _tone(130.0, 16000)[:, 0]
+    req = stt.TranscriptionRequest(language="en", words=True)
+    assert len(stt.split_windows(x, 16000, stt_worker.window_s)) == 5
+    monkeypatch.setattr(stt_worker, "share_decodes", False)
+    one_by_one = stt_worker.transcribe(x, req, StepContext())
+    monkeypatch.setattr(stt_worker, "share_decodes", True)
+    monkeypatch.setattr(stt_worker, "batch_windows", 2)
+    before, ctx = stt_worker.decodes, StepContext()
+    batched = stt_worker.transcribe(x, req, ctx)
+    assert stt_worker.decodes - before == 3 and ctx.steps == 5
+    assert batched.segments == one_by_one.segments and batched.words == one_by_one.words
+
+
+def test_stt_a_cancelled_request_stops_its_decode_or_leaves_it_to_the_others(stt_worker):
+    """A decoder slowed to a token every 20 ms. A request alone in its decode, cancelled
+    mid-decode, stops within a token or two, where before it ran to its window's end; cancelled
+    in a decode shared with another request, it raises ``Cancelled`` once the decode ends, and
+    the other reads as alone."""
+    x = _tone(4.0, 16000)[:, 0]
+    req = stt.TranscriptionRequest(language="en")
+    alone = stt_worker.transcribe(x, req, StepContext())
+    calls = []
+
+    def slowly(*_) -> None:
+        calls.append(1)
+        time.sleep(0.02)
+
+    slow = stt_worker.model.get_decoder().register_forward_pre_hook(slowly)
+    try:
+        full = len(calls), stt_worker.transcribe(x, req, StepContext()), len(calls)
+        tokens = full[2] - full[0]
+        ctx = StepContext()
+        timer = threading.Timer(0.1, ctx.cancel)
+        calls.clear()
+        timer.start()
+        with pytest.raises(Cancelled):
+            stt_worker.transcribe(x, req, ctx)
+        assert len(calls) <= 0.1 / 0.02 + 3 < tokens, (len(calls), tokens)
+        ctx = StepContext()
+        timer = threading.Timer(0.1, ctx.cancel)
+        timer.start()
+        kept, gone = _queued(stt_worker, [(x, req, StepContext(), None), (x, req, ctx, None)])
+    finally:
+        slow.remove()
+    assert isinstance(gone, Cancelled) and kept.text == alone.text
 
 
 def test_stt_options(stt_worker):

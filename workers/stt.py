@@ -38,6 +38,7 @@ same scores as ``avg_logprob``'s, read from the decoding pass each segment came 
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import itertools
 import math
 import queue
@@ -52,17 +53,19 @@ from typing import Callable, Literal
 import numpy as np
 import torch
 from transformers import AutoModelForSpeechSeq2Seq, AutoProcessor
+from transformers.generation.stopping_criteria import StoppingCriteria, StoppingCriteriaList
 from transformers.generation.streamers import BaseStreamer
 from transformers.models.whisper.tokenization_whisper import LANGUAGES, TO_LANGUAGE_CODE, _combine_tokens_into_words
 
 from workers.audio import resample
-from workers.base import ModelSpec, StepContext, TokenLogprob
+from workers.base import Cancelled, ModelSpec, StepContext, TokenLogprob
 from workers.worker import ModelInfo, ThreadWorker
 
 _SEARCH_S = 5.0  # how far back from a window's end to look for a quiet cut
 _FRAME_S = 0.02
 _VAD_RATE = 16000  # Silero VAD hears 16 kHz (or 8 kHz) audio
 _VAD_FRAME = 512  # samples per speech probability at 16 kHz (32 ms)
+_CANCEL_POLL_S = 0.05  # a request waiting for a shared decode sees its cancellation this soon
 
 
 @dataclass(frozen=True)
@@ -288,10 +291,16 @@ class STTWorker(ThreadWorker):
     # a streamed transcription reads its text again at most this often (``_Tokens``); 0: at every token
     stream_every_s = 0.05
 
-    def __init__(self, spec: ModelSpec) -> None:
+    def __init__(self, spec: ModelSpec, batch_windows: int = 8, batch_width: int = 8) -> None:
         self.spec = spec
+        self.batch_windows = batch_windows  # windows decoded together in one ``generate`` at most
+        self.batch_width = batch_width  # Batch API lines run together (batch.shapes.width); they share decodes
         self.model: torch.nn.Module | None = None
         self.processor = None
+        self._turn = threading.Condition()  # guards both lanes
+        self._interactive, self._batch = _Lane(), _Lane()  # batch: work that may be paused between decodes
+        self.decodes = 0  # ``generate`` calls run (a shared one once)
+        self.share_decodes = True  # False: each request decodes its own windows, one at a time (the baseline)
 
     @classmethod
     def describe(cls, spec: ModelSpec) -> ModelInfo:
@@ -359,27 +368,35 @@ class STTWorker(ThreadWorker):
             pad_s = req.vad.prefix_padding_ms / 1000
             spans = speech_spans(audio, sr, req.vad, max(1.0, self.window_s - 2 * pad_s), ctx.boundary)
             windows = speech_windows(spans, audio, sr, self.window_s)
-        for start, end in windows:
-            ctx.boundary()
-            features, frames = self._features(audio[start:end], req.words)
-            if language is None:
-                language = self._detect_language(features)
-            t0, t1 = start / sr, end / sr
-            streamer = None
+        job = _Job(_Decode(language, None if prompt_ids is None else tuple(prompt_ids.tolist()), req.temperature,
+                           req.task, req.words, req.details and self._whisper_timestamps(), req.logprobs), ctx)
+        rows: list[_Row] = []
+        step = 1 if on_text is not None else self.batch_windows  # a streamed window's text goes out before the next's
+        for at in range(0, len(windows), step):
+            chunk = [self._row(job, audio[start:end], start / sr, end / sr) for start, end in windows[at:at + step]]
+            if job.decode.language is None:  # heard in the first window, then asked for in every window
+                began = time.perf_counter()
+                language = self._detect_language(chunk[0].features.to(self.model.device, self.model.dtype))
+                job.gpu_s += time.perf_counter() - began
+                job.decode = dataclasses.replace(job.decode, language=language)
             if on_text is not None:
-                done = _joined(s.text for s in segments)
+                row = chunk[0]
+                done = _joined(text for r in rows for _, _, text in r.window.segments)
 
-                def grown(ids: list[int], done: str = done, length_s: float = t1 - t0) -> None:
+                def grown(ids: list[int], done: str = done, length_s: float = row.length_s) -> None:
                     nonlocal sent
                     so_far = _joined([done, _joined(t for _, _, t in self._segments(ids, length_s))])
                     if so_far.startswith(sent) and len(so_far) > len(sent):
                         on_text(so_far[len(sent):])
                         sent = so_far
 
-                streamer = _Tokens(ctx, grown, self.stream_every_s)
-            window = self._window(features, language, prompt_ids, req.temperature, t1 - t0, req.task, streamer,
-                                  frames=frames, details=req.details and self._whisper_timestamps(),
-                                  logprobs=req.logprobs)
+                row.tokens = _Tokens(ctx, grown, self.stream_every_s, self._end_ids())
+            self._run(job, chunk)
+            rows += chunk
+        ctx.gpu_s = (ctx.gpu_s or 0.0) + job.gpu_s
+        for row in rows:
+            window = row.window
+            t0 = row.t0
             figures = {}
             if window.avg_logprob is not None:
                 said = _joined(text for _, _, text in window.segments).encode()
@@ -401,11 +418,126 @@ class STTWorker(ThreadWorker):
 
     def _features(self, audio: np.ndarray, frames: bool = False) -> tuple[torch.Tensor, torch.Tensor | None]:
         """The window's input features, and with ``frames`` the mask of its (padded) feature
-        frames that hold audio, for the word alignment to stop at the audio's end."""
+        frames that hold audio, for the word alignment to stop at the audio's end (on the CPU)."""
         out = self.processor.feature_extractor(audio, sampling_rate=self.sample_rate, return_tensors="pt",
                                                return_attention_mask=frames)
-        mask = out.attention_mask.to(self.model.device) if frames else None
-        return out.input_features.to(self.model.device, self.model.dtype), mask
+        return out.input_features, out.attention_mask if frames else None
+
+    def _row(self, job: "_Job", audio: np.ndarray, t0: float, t1: float) -> "_Row":
+        features, frames = self._features(audio, job.decode.words)
+        return _Row(job, features, frames, t0, t1 - t0)
+
+    # -- decodes shared among requests -------------------------------------------------------------
+
+    def _run(self, job: "_Job", rows: list["_Row"]) -> None:
+        """Decode ``rows`` (windows of ``job``'s request), each ``row.window`` set on return, in
+        ``generate`` calls shared with the windows of the requests waiting then that decode as
+        this one does (``_Decode``), ``batch_windows`` at most in one. No thread of its own: the
+        caller that finds no decode running runs one, on its own thread, taking a window from
+        each request waiting in turn, and hands on; the others wait. So a request alone costs no
+        hand-over, a long file does not hold the next request back by more than one decode, and
+        requests that come while a decode runs share the next. Batch-tier work (a pause gate)
+        shares decodes in a lane of its own, so that no interactive request waits behind a
+        decode paused for it. Raises what ended the job (``Cancelled`` at a step boundary), never
+        while a decode still holds its windows."""
+        if self.model is None:
+            raise RuntimeError(f"model {self.spec.name!r} is not loaded")
+        if not self.share_decodes:
+            for row in rows:
+                self._decode_group(job.decode, [row])
+        else:
+            pausable = job.ctx.pause_gate is not None or job.ctx.pause_check is not None
+            lane = self._batch if pausable else self._interactive
+            with self._turn:
+                job.pending = list(rows)
+                job.done.clear()
+                lane.waiting.append(job)
+                while not job.done.is_set():
+                    if lane.leading:
+                        if lane is self._batch:
+                            job.ctx.must_pause()  # batch work waiting behind a paused decode is paused too
+                        self._turn.wait(_CANCEL_POLL_S)
+                        if job.ctx.cancelled and not job.running and not job.done.is_set():
+                            job.error = job.error or Cancelled()  # not in a decode: leave now, not after it
+                            self._settle(lane)
+                        continue
+                    decode, taken = self._take(lane)
+                    if not taken:
+                        self._settle(lane)
+                        continue
+                    lane.leading = True
+                    self._turn.release()
+                    try:
+                        self._decode_group(decode, taken)
+                    except BaseException as exc:  # noqa: BLE001 - delivered to every request of the decode
+                        for row in taken:
+                            row.job.error = row.job.error or exc
+                    finally:
+                        self._turn.acquire()
+                        for row in taken:
+                            row.job.running -= 1
+                        lane.leading = False
+                        self._settle(lane)
+                        self._turn.notify_all()  # the next waiting request's caller leads
+        if job.error is not None:
+            raise job.error
+
+    def _take(self, lane: "_Lane") -> tuple["_Decode | None", list["_Row"]]:
+        """The windows of the next decode: the oldest waiting request's settings, and a window
+        from each waiting request with those settings in turn, up to ``batch_windows``."""
+        jobs = [job for job in lane.waiting if job.pending and job.error is None]
+        if not jobs:
+            return None, []
+        decode, taken = jobs[0].decode, []
+        while len(taken) < self.batch_windows:
+            before = len(taken)
+            for job in jobs:
+                if job.decode == decode and job.pending and len(taken) < self.batch_windows:
+                    taken.append(job.pending.pop(0))
+                    job.running += 1
+            if len(taken) == before:
+                break
+        return decode, taken
+
+    @staticmethod
+    def _settle(lane: "_Lane") -> None:
+        """(under the lane's lock) Let go the requests whose windows are all decoded, or that failed."""
+        for job in list(lane.waiting):
+            if not job.running and (job.error is not None or not job.pending):
+                job.pending.clear()
+                lane.waiting.remove(job)
+                job.done.set()
+
+    def _decode_group(self, decode: "_Decode", rows: list["_Row"]) -> None:
+        """One ``generate`` over ``rows`` (all decoded as ``decode`` says): each request's step
+        boundary first, once per window (a request cancelled there leaves the decode, the others
+        go on); the decode's time shared among its windows. Batch requests pause together: each
+        asks whether it must yield before any waits at its gate, so one that waits behind
+        another's pause counts that time as paused too (not service time)."""
+        jobs = list(dict.fromkeys(row.job for row in rows))
+        if len(jobs) > 1:
+            for job in jobs:
+                job.ctx.must_pause()
+        live = []
+        for row in rows:
+            if row.job.error is None:
+                try:
+                    row.job.ctx.boundary()
+                except Cancelled as exc:
+                    row.job.error = exc
+            if row.job.error is None:
+                live.append(row)
+        if not live:
+            return
+        started = time.perf_counter()
+        windows = self._windows(decode, live)
+        share = (time.perf_counter() - started) / len(live)
+        self.decodes += 1
+        for row, window in zip(live, windows):
+            row.job.gpu_s += share
+            if row.job.error is None and row.job.ctx.cancelled:  # cancelled during a decode others wanted
+                row.job.error = Cancelled()
+            row.window = window
 
     @property
     def _gen(self):
@@ -452,52 +584,60 @@ class STTWorker(ThreadWorker):
             ids = torch.cat([ids[:1], ids[len(ids) - budget + 1 :]])
         return ids.to(self.model.device)
 
-    def _window(
-        self, features: torch.Tensor, language: str | None, prompt_ids: torch.Tensor | None, temperature: float, length_s: float,
-        task: str = "transcribe", streamer: BaseStreamer | None = None, frames: torch.Tensor | None = None,
-        details: bool = False, logprobs: bool = False,
-    ) -> "_Window":
-        """One window decoded: its segments; its words when ``frames`` (the audio's mask, from
-        ``_features``) asks for word timestamps; its confidence figures with ``details``; its text
-        tokens' log-probabilities with ``logprobs``. Times relative to the window's start.
+    def _windows(self, decode: "_Decode", rows: list["_Row"]) -> list["_Window"]:
+        """``rows`` decoded in one ``generate``, each row's window read as ``_read`` says; the
+        decode stops at its next token once every row's request is cancelled (``_Unwanted``: a
+        request cancelled while others go on is told so when the decode ends), and a streamed
+        row's tokens go to its ``_Tokens`` as they come (``_Streams``).
 
         Lengths come from the model's generation config (``max_new_tokens`` or ``max_length``).
         """
-        kwargs: dict = {"do_sample": temperature > 0}
-        if temperature > 0:
-            kwargs["temperature"] = temperature
+        device, dtype = self.model.device, self.model.dtype
+        features = torch.cat([row.features for row in rows]).to(device, dtype)
+        kwargs: dict = {"do_sample": decode.temperature > 0,
+                        "stopping_criteria": StoppingCriteriaList([_Unwanted(rows)])}
+        if decode.temperature > 0:
+            kwargs["temperature"] = decode.temperature
         if self._multilingual():
-            kwargs.update(language=language, task=task)
-        if prompt_ids is not None:
-            kwargs["prompt_ids"] = prompt_ids
+            kwargs.update(language=decode.language, task=decode.task)
+        if decode.prompt is not None:
+            kwargs["prompt_ids"] = torch.tensor(decode.prompt, device=device)
         if self._timestamps():
             kwargs["return_timestamps"] = True
-        if streamer is not None:
-            kwargs["streamer"] = streamer
-        if frames is not None:
-            kwargs.update(attention_mask=frames, return_token_timestamps=True, return_segments=True)
-        if details or logprobs:
+        if any(row.tokens is not None for row in rows):
+            kwargs["streamer"] = _Streams(rows)
+        if decode.words:
+            kwargs.update(attention_mask=torch.cat([row.frames for row in rows]).to(device),
+                          return_token_timestamps=True, return_segments=True)
+        if decode.details or decode.logprobs:
             kwargs.update(return_segments=True, return_dict_in_generate=True, output_scores=True)
         with torch.inference_mode(), _NoSpeech(self.model, self._gen.decoder_start_token_id, self._no_speech_id()) \
-                if details else contextlib.nullcontext() as no_speech:
+                if decode.details else contextlib.nullcontext() as no_speech:
             out = self.model.generate(features, **kwargs)
-        if frames is None and not details and not logprobs:
-            return _Window(self._segments(out[0].tolist(), length_s))
-        window = _Window(self._segments(out["sequences"][0].tolist(), length_s))
-        if details:
-            window.tokens = self._segment_tokens(out["sequences"][0].tolist(), len(window.segments))
-        # generate's segments, each with the decoding pass it came from (``result``)
-        passes = out["segments"][0]
-        if frames is not None:
+        if not (decode.words or decode.details or decode.logprobs):
+            return [_Window(self._segments(ids.tolist(), row.length_s)) for ids, row in zip(out, rows)]
+        return [self._read(decode, row, out["sequences"][i].tolist(), out["segments"][i],
+                           no_speech.first[i] if decode.details else None) for i, row in enumerate(rows)]
+
+    def _read(self, decode: "_Decode", row: "_Row", ids: list[int], passes: list[dict],
+              no_speech: float | None) -> "_Window":
+        """One decoded window: its segments; its words when the decode asked for word timestamps;
+        its confidence figures with ``details``; its text tokens' log-probabilities with
+        ``logprobs``. Times relative to the window's start. ``passes`` are generate's segments for
+        the row, each with the decoding pass it came from (``result``)."""
+        window = _Window(self._segments(ids, row.length_s))
+        if decode.details:
+            window.tokens = self._segment_tokens(ids, len(window.segments))
+        if decode.words:
             # Each segment has its tokens' times from the start of the window; the flat
             # ``token_timestamps`` beside ``sequences`` count each decoding pass from its own start.
-            ids = [i for s in passes for i in s["tokens"].tolist()]
+            flat = [i for s in passes for i in s["tokens"].tolist()]
             times = [t for s in passes for t in s["token_timestamps"].tolist()]
-            window.words = self._words(ids, times, language, length_s)
-        if details:
+            window.words = self._words(flat, times, decode.language, row.length_s)
+        if decode.details:
             window.avg_logprob = _mean_logprob(list({id(s["result"]): s["result"] for s in passes}.values()))
-            window.no_speech_prob = no_speech.first
-        if logprobs:
+            window.no_speech_prob = no_speech
+        if decode.logprobs:
             window.logprobs = self._token_logprobs(passes)
         return window
 
@@ -519,6 +659,11 @@ class STTWorker(ThreadWorker):
                     logprob = torch.log_softmax(scores[at - first].float().reshape(-1), -1)[token]
                     out.append(TokenLogprob(tok.decode([token]), float(logprob)))
         return out
+
+    def _end_ids(self) -> frozenset[int]:
+        """The generation config's end-of-text ids (one id or a list of them)."""
+        eos = self._gen.eos_token_id
+        return frozenset(eos if isinstance(eos, list) else [] if eos is None else [eos])
 
     def _no_speech_id(self) -> int | None:
         """``<|nospeech|>``'s id (``<|nocaptions|>`` in the first Whisper tokenizers); None for a
@@ -610,7 +755,7 @@ class STTWorker(ThreadWorker):
 
 @dataclass
 class _Window:
-    """What ``STTWorker._window`` read from one window (times from its start)."""
+    """What ``STTWorker._read`` read from one window (times from its start)."""
 
     segments: list[tuple[float, float, str]]
     tokens: list[list[int]] | None = None  # each segment's, with ``details``
@@ -620,27 +765,120 @@ class _Window:
     logprobs: list[TokenLogprob] = field(default_factory=list)  # with ``logprobs``
 
 
+@dataclass(frozen=True)
+class _Decode:
+    """What the windows decoded in one ``generate`` share: every setting its arguments are made
+    of. Only windows of requests that agree on all of them are decoded together."""
+
+    language: str | None
+    prompt: tuple[int, ...] | None  # Whisper prompt ids
+    temperature: float
+    task: str
+    words: bool
+    details: bool
+    logprobs: bool
+
+
+@dataclass(eq=False)
+class _Job:
+    """One request's windows waiting for a decode (``pending``), and how many are in one."""
+
+    decode: _Decode
+    ctx: StepContext
+    pending: list["_Row"] = field(default_factory=list)
+    running: int = 0
+    error: BaseException | None = None
+    done: threading.Event = field(default_factory=threading.Event)
+    gpu_s: float = 0.0  # its share of the decodes it was in
+
+
+@dataclass(eq=False)
+class _Row:
+    """One window of a request: its features (on the CPU until its decode) and what was read."""
+
+    job: _Job
+    features: torch.Tensor  # (1, mel bins, frames)
+    frames: torch.Tensor | None  # (1, frames): which frames hold audio, for word timestamps
+    t0: float  # the window's start in the audio, seconds
+    length_s: float
+    tokens: "_Tokens | None" = None  # a streamed window's tokens as they come
+    window: _Window | None = None
+
+
+@dataclass(eq=False)
+class _Lane:
+    """Requests that share decodes: those waiting, and whether a caller is running one."""
+
+    waiting: list[_Job] = field(default_factory=list)
+    leading: bool = False
+
+
+class _Unwanted(StoppingCriteria):
+    """Ends a ``generate`` at its next token once no row's request wants it any more (each was
+    cancelled or failed): ``Cancelled`` is raised out of it. A row alone cannot be ended: Whisper
+    decodes a window in passes of a shrinking batch whose rows it does not name, and a row
+    stopped short would be decoded again from its last timestamp in the next pass."""
+
+    def __init__(self, rows: list[_Row]) -> None:
+        self.rows = rows
+
+    def __call__(self, input_ids: torch.Tensor, scores: torch.Tensor, **kwargs) -> torch.Tensor:
+        if all(row.job.error is not None or row.job.ctx.cancelled for row in self.rows):
+            raise Cancelled()
+        return torch.zeros(input_ids.shape[0], dtype=torch.bool, device=input_ids.device)
+
+
+class _Streams(BaseStreamer):
+    """``generate``'s tokens, a row's at each step to that row's ``_Tokens`` (streamed rows
+    only; the first ``put``, the decoders' prompt, skipped). What a row's reading raises ends
+    that row's request (``_Unwanted`` stops it), not the shared decode."""
+
+    def __init__(self, rows: list[_Row]) -> None:
+        self.rows = rows
+        self.prompted = False
+
+    def put(self, value: torch.Tensor) -> None:
+        if not self.prompted:
+            self.prompted = True
+            return
+        for row, token in zip(self.rows, value.reshape(-1).tolist()):
+            if row.tokens is not None and row.job.error is None and not row.tokens.ended:
+                try:
+                    row.tokens.take(token)
+                except Exception as exc:  # noqa: BLE001 - Cancelled, or the request's own callback
+                    row.job.error = exc
+
+    def end(self) -> None:
+        pass
+
+
 class _NoSpeech:
     """Reads, during ``generate``, the probability of ``<|nospeech|>`` after
-    ``<|startoftranscript|>`` in the first decoding pass: the decoder's first call (its prompt's
-    prefill) is seen by a pre-hook (its ids: where the start token is) and the LM head's output
-    for that call by a hook."""
+    ``<|startoftranscript|>`` in the first decoding pass, for each row: the decoder's first call
+    (its prompt's prefill; every row's prompt is the same) is seen by a pre-hook (its ids: where
+    the start token is) and the LM head's output for that call by a hook. Calls from other
+    threads (another request's language detection) are not this decode's and are ignored."""
 
     def __init__(self, model: torch.nn.Module, start: int, no_speech: int | None) -> None:
         self.model, self.start, self.no_speech = model, start, no_speech
         self.ids: list[int] | None = None
-        self.first: float | None = None
+        self.first: list[float | None] | None = None
+        self.thread = threading.get_ident()
 
     def __enter__(self) -> "_NoSpeech":
         def prompt(module, args, kwargs) -> None:
-            if self.ids is None:
+            if self.ids is None and threading.get_ident() == self.thread:
                 ids = kwargs.get("input_ids")
                 self.ids = (ids if ids is not None else args[0])[0].tolist()
 
         def logits(module, args, out: torch.Tensor) -> None:
-            if self.first is None and self.no_speech is not None and self.ids is not None and self.start in self.ids:
+            if threading.get_ident() != self.thread or self.first is not None or self.ids is None:
+                return
+            if self.no_speech is not None and self.start in self.ids:
                 at = self.ids.index(self.start)
-                self.first = float(out[0, at].float().softmax(-1)[self.no_speech])
+                self.first = [float(p) for p in out[:, at].float().softmax(-1)[:, self.no_speech]]
+            else:
+                self.first = [None] * len(out)
 
         self.hooks = [self.model.get_decoder().register_forward_pre_hook(prompt, with_kwargs=True),
                       self.model.get_output_embeddings().register_forward_hook(logits)]
@@ -669,9 +907,9 @@ def _joined(texts) -> str:
     return " ".join(t for t in texts if t)
 
 
-class _Tokens(BaseStreamer):
-    """``generate``'s tokens as they come: the first ``put`` is the decoder's prompt (skipped);
-    each after it is one token, a step boundary, and ``grown`` is told all tokens so far.
+class _Tokens:
+    """A streamed window's tokens as they come (``_Streams`` hands them on): each is a step
+    boundary, and ``grown`` is told all tokens so far; none after the window's end of text.
 
     ``grown`` reads all of them again (``_segments``, offsets and all): 0.3-0.9 ms a token at
     50-440 tokens on this CPU, up to ~0.26 s over a full 30 s window. Decoding only the open
@@ -685,25 +923,21 @@ class _Tokens(BaseStreamer):
     on the demo's tiny Whisper (docs/BENCHMARKS.md, "Live transcription"): a streamed 2 s
     utterance took +11 ms over the unstreamed one when every token was read."""
 
-    def __init__(self, ctx: StepContext, grown: Callable[[list[int]], None], every_s: float = 0.05) -> None:
-        self.ctx, self.grown, self.every_s = ctx, grown, every_s
+    def __init__(self, ctx: StepContext, grown: Callable[[list[int]], None], every_s: float = 0.05,
+                 end_ids: frozenset[int] = frozenset()) -> None:
+        self.ctx, self.grown, self.every_s, self.end_ids = ctx, grown, every_s, end_ids
         self.ids: list[int] = []
-        self.prompted = False
+        self.ended = False
         self._read_at = -math.inf
 
-    def put(self, value: torch.Tensor) -> None:
-        if not self.prompted:
-            self.prompted = True
-            return
-        self.ids.extend(value.reshape(-1).tolist())
+    def take(self, token: int) -> None:
+        self.ids.append(token)
+        self.ended = token in self.end_ids  # what comes after it in a shared decode is padding
         self.ctx.boundary()
         now = time.monotonic()
         if now - self._read_at >= self.every_s:
             self._read_at = now
             self.grown(self.ids)
-
-    def end(self) -> None:
-        pass
 
 
 def _clean_offsets(offsets: list[dict], length_s: float) -> list[tuple[float, float, str]]:
