@@ -79,6 +79,7 @@ MODEL_SMOKES = {
     "bench_overhead.py": ("--models-dir", "{demo}"),
     "bench_batch.py": ("--models-dir", "{demo}"),
     "bench_encoders.py": ("--models-dir", "{demo}"),
+    "bench_transcribe.py": ("--models-dir", "{demo}"),
     "bench_realtime.py": ("--models-dir", "{demo}"),
     "bench_decode.py": ("--model", "{chat}"),
     "bench_prediction.py": ("--model", "{chat}"),
