@@ -513,21 +513,23 @@ def test_stt_streamed_text_is_read_at_most_every_stream_every_s(stt_worker, monk
     assert 2 <= reads_few <= reads_each / 2.5, (reads_few, reads_each)
 
 
-def _queued(worker: stt.STTWorker, calls: list, lane: str = "_interactive") -> list:
+def _queued(worker: stt.STTWorker, calls: list) -> list:
     """Run each ``(audio, request, ctx, on_text)`` of ``calls`` on a thread of its own, all queued
-    at once behind a decode held running (the lane's ``leading`` set), then let go together: the
-    first caller to lead takes them all. Returns each call's transcript, or what it raised."""
-    held = getattr(worker, lane)
+    at once behind decodes held running (both lanes' ``leading`` set), then let go together: the
+    first caller to lead in a lane takes them all. Returns each call's transcript, or what it raised."""
+    lanes = (worker._interactive, worker._batch)
     with worker._turn:
-        held.leading = True
+        for lane in lanes:
+            lane.leading = True
     with ThreadPoolExecutor(len(calls)) as pool:
         futures = [pool.submit(worker.transcribe, *call) for call in calls]
         deadline = time.monotonic() + 30
-        while len(held.waiting) < len(calls):
+        while sum(len(lane.waiting) for lane in lanes) < len(calls):
             assert time.monotonic() < deadline, "the calls did not all queue"
             time.sleep(0.01)
         with worker._turn:
-            held.leading = False
+            for lane in lanes:
+                lane.leading = False
             worker._turn.notify_all()
         return [f.exception() or f.result() for f in futures]
 
@@ -556,6 +558,23 @@ def test_stt_concurrent_requests_share_decodes_and_read_as_each_alone(stt_worker
     assert figures[0] != figures[1]
     assert [x for t in got[3:] for s in t.segments[:1] for x in (s.avg_logprob, s.no_speech_prob)] == pytest.approx(
         [x for pair in figures for x in pair], rel=1e-5)
+
+
+def test_stt_batch_tier_requests_share_decodes_apart_from_interactive_ones(stt_worker):
+    """Two requests with a pause gate (Batch API lines) and one without, all decoded alike: the
+    batch pair shares a decode in its own lane, the interactive one decodes apart, so that it
+    never waits behind a decode paused for other tiers. Each reads as alone."""
+    x = _tone(3.0, 16000)[:, 0]
+    req = stt.TranscriptionRequest(language="en")
+    alone = stt_worker.transcribe(x, req, StepContext())
+
+    def batch_ctx() -> StepContext:
+        return StepContext(pause_gate=lambda ctx: None, pause_check=lambda: False)
+
+    before = stt_worker.decodes
+    got = _queued(stt_worker, [(x, req, batch_ctx(), None), (x, req, StepContext(), None), (x, req, batch_ctx(), None)])
+    assert stt_worker.decodes - before == 2
+    assert [t.text for t in got] == [alone.text] * 3
 
 
 def test_stt_a_long_file_decodes_batch_windows_at_a_time(stt_worker, monkeypatch):
