@@ -55,9 +55,8 @@ def model_of(shape: str) -> str:
 def width(svc: Services, model: str) -> int:
     """How many requests ``model``'s engine serves together: a chat engine's ``max_num_seqs``; an
     embedding or moderation model's ``batch_width`` (its lines share forward passes,
-    ``workers.embed``), and a transcription model's (its lines share decodes, ``workers.stt``);
-    1 for the others (an image or speech worker runs one request at a time, batching only
-    inside it), and for a model this server does not have."""
+    ``workers.embed``); 1 for the others (an image, speech or transcription worker runs one
+    request at a time, batching only inside it), and for a model this server does not have."""
     spec = svc.arbiter.specs.get(model)
     if spec is None:
         return 1

@@ -183,10 +183,9 @@ class STTModel(_Model):
     # None: a conversation's own chat model, or in a transcription session the first chat model
     turn_model: str | None = None
     batch_windows: int = Field(default=8, ge=1)  # 30 s windows decoded together in one generate, at most
-    batch_width: int = Field(default=8, ge=1)  # Batch API lines run together, sharing decodes
 
     def spec(self, with_adapters: bool = False) -> ModelSpec:
-        options = {"batch_windows": self.batch_windows, "batch_width": self.batch_width}
+        options = {"batch_windows": self.batch_windows}
         return ModelSpec(self.name, self.kind, self.path, self.vram, options=options)
 
 
@@ -565,15 +564,15 @@ class Config(_Strict):
 
     def max_inflight(self, tier: TierConfig) -> int:
         """The tier's slots: as set, else 8; the batch tier's default is room to fill every
-        model's engine at once (its ``max_num_seqs``, an encoder's or a speech-to-text model's
-        ``batch_width``, 1 for models without one), so batch work is held back only by the other
-        tiers' demand, never by its own limit."""
+        model's engine at once (its ``max_num_seqs``, an encoder's ``batch_width``, 1 for models
+        without one), so batch work is held back only by the other tiers' demand, never by its own
+        limit."""
         if tier.max_inflight is not None:
             return tier.max_inflight
         if not tier.batch:
             return 8
         return max(1, sum(m.engine.max_num_seqs if isinstance(m, ChatModel)
-                          else m.batch_width if isinstance(m, (EmbedModel, ModerationModel, STTModel)) else 1
+                          else m.batch_width if isinstance(m, (EmbedModel, ModerationModel)) else 1
                           for m in self.models))
 
     def model_specs(self) -> list[ModelSpec]:

@@ -238,18 +238,18 @@ def test_tiergate_check_reads_every_model_and_its_fit(tiny_chat, tiny_embed, tmp
 
 def test_the_batch_tiers_default_room_counts_each_engines_width(tmp_path):
     """Left out, the batch tier's max_inflight is every model's width together: a chat model's
-    max_num_seqs, an embedding or moderation model's batch_width (16 unless set), a
-    transcription model's (8 unless set), 1 for others; a transcription model's batch_windows
-    (8 unless set) reaches its worker's options."""
+    max_num_seqs, an embedding or moderation model's batch_width (16 unless set), 1 for others
+    (the Batch API takes no transcriptions); a transcription model's batch_windows (8 unless set)
+    reaches its worker's options."""
     text = BASE.replace("  - {name: m, kind: chat, path: model, vram: 6GiB}\n",
                         "  - {name: c, kind: chat, path: model, engine: {name: transformers, max_num_seqs: 4}}\n"
                         "  - {name: e, kind: embed, path: model}\n"
                         "  - {name: d, kind: moderation, path: model, batch_width: 3}\n"
                         "  - {name: s, kind: stt, path: model}\n"
-                        "  - {name: t, kind: stt, path: model, batch_width: 2, batch_windows: 5}\n"
+                        "  - {name: t, kind: stt, path: model, batch_windows: 5}\n"
                         "  - {name: v, kind: tts, path: model}\n")
     config = load_config(write(tmp_path, text))
-    assert config.max_inflight(config.tiers[-1]) == 4 + 16 + 3 + 8 + 2 + 1
+    assert config.max_inflight(config.tiers[-1]) == 4 + 16 + 3 + 1 + 1 + 1
     assert {s.name: s.options.get("batch_width") for s in config.model_specs()} == {
-        "c": None, "e": 16, "d": 3, "s": 8, "t": 2, "v": None}
+        "c": None, "e": 16, "d": 3, "s": None, "t": None, "v": None}
     assert {s.name: s.options.get("batch_windows") for s in config.model_specs() if s.kind == "stt"} == {"s": 8, "t": 5}

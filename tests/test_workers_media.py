@@ -561,7 +561,7 @@ def test_stt_concurrent_requests_share_decodes_and_read_as_each_alone(stt_worker
 
 
 def test_stt_batch_tier_requests_share_decodes_apart_from_interactive_ones(stt_worker):
-    """Two requests with a pause gate (Batch API lines) and one without, all decoded alike: the
+    """Two requests with a pause gate (the batch tier's) and one without, all decoded alike: the
     batch pair shares a decode in its own lane, the interactive one decodes apart, so that it
     never waits behind a decode paused for other tiers. Each reads as alone."""
     x = _tone(3.0, 16000)[:, 0]

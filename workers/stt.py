@@ -291,10 +291,9 @@ class STTWorker(ThreadWorker):
     # a streamed transcription reads its text again at most this often (``_Tokens``); 0: at every token
     stream_every_s = 0.05
 
-    def __init__(self, spec: ModelSpec, batch_windows: int = 8, batch_width: int = 8) -> None:
+    def __init__(self, spec: ModelSpec, batch_windows: int = 8) -> None:
         self.spec = spec
         self.batch_windows = batch_windows  # windows decoded together in one ``generate`` at most
-        self.batch_width = batch_width  # Batch API lines run together (batch.shapes.width); they share decodes
         self.model: torch.nn.Module | None = None
         self.processor = None
         self._turn = threading.Condition()  # guards both lanes
