@@ -799,6 +799,39 @@ def test_a_bad_server_vad_names_its_field(media, data, param, code):
     error(_transcribe(media, {"file": ("a.wav", WAV)}, data), 400, param, code)
 
 
+def test_concurrent_transcriptions_share_the_models_decodes(media):
+    """Four transcriptions sent at once through the SDK while the model is slowed (20 ms a
+    decoder step), one of them streamed: the worker decodes them in two ``generate`` calls or
+    fewer (the first request's, and one for the three that came meanwhile), and each answer is
+    what it is alone."""
+    import asyncio
+
+    sync = client(media)
+    clips = [tone_file(1.0 + n, 16000, 1, "WAV") for n in range(4)]
+    ask = dict(model="tiny-stt", language="en", temperature=0)
+    alone = [sync.audio.transcriptions.create(file=("t.wav", wav, "audio/wav"), **ask).text for wav in clips]
+    worker = media.services.arbiter.workers["tiny-stt"]
+
+    async def together() -> list[str]:
+        async with openai.AsyncOpenAI(base_url=media.base_url, api_key=media.keys["paid"], max_retries=0) as c:
+            async def streamed(wav: bytes) -> str:
+                events = [e async for e in await c.audio.transcriptions.create(file=("t.wav", wav, "audio/wav"), stream=True, **ask)]
+                return events[-1].text
+
+            plain = [c.audio.transcriptions.create(file=("t.wav", wav, "audio/wav"), **ask) for wav in clips[:3]]
+            done = await asyncio.gather(*plain, streamed(clips[3]))
+            return [t.text for t in done[:3]] + [done[3]]
+
+    slow = worker.model.get_decoder().register_forward_pre_hook(lambda *_: time.sleep(0.02) or None)
+    try:
+        before = worker.decodes
+        got = asyncio.run(together())
+    finally:
+        slow.remove()
+    assert got == alone
+    assert worker.decodes - before <= 2, worker.decodes - before
+
+
 def test_a_streamed_transcription_sends_the_text_as_it_is_decoded(media):
     """``stream: true`` through the SDK: ``transcript.text.delta`` events whose pieces join to
     the ``transcript.text.done`` text, the same text as the unstreamed answer (greedy); a request
