@@ -290,8 +290,14 @@ def check_stt(models: Path, device: torch.device) -> dict:
     x = (0.3 * np.sin(2 * np.pi * 440 * t)).astype(np.float32)
     want = cpu.transcribe(x, TranscriptionRequest(language="en"), StepContext())
     got, seconds = timed(lambda: dev.transcribe(x, TranscriptionRequest(language="en"), StepContext()))
+    # a 65 s file: its three 30 s windows in one shared decode on the device (workers.stt, Shared decodes)
+    long = np.tile(x, 22)[: 65 * cpu.sample_rate]
+    before = dev.decodes
+    windows, long_seconds = timed(lambda: dev.transcribe(long, TranscriptionRequest(language="en"), StepContext()))
+    decodes = (dev.decodes - before) / 2  # timed() runs it twice
     return {"placed": placed, "dtypes": dtypes, "text_equal": got.text == want.text, "language": got.language,
-            "seconds": seconds, "ok": placed and isinstance(got.text, str) and got.duration > 2.9}
+            "seconds": seconds, "long_decodes": decodes, "long_seconds": long_seconds,
+            "ok": placed and isinstance(got.text, str) and got.duration > 2.9 and decodes == 1 and windows.duration > 64.9}
 
 
 def check_embed(models: Path, device: torch.device) -> dict:
