@@ -1,7 +1,7 @@
 """``tiergate serve`` in processes of their own, forked from one that has already imported tiergate.
 
 The tests that need real server processes (``kill -9``, two processes on one store) start about a
-dozen of them. Each started as ``python -m gateway.cli serve`` spends ~8 s of CPU importing torch,
+dozen of them, and each benchmark's smoke run (``run_script``) is a process of its own too. Each started as ``python -m gateway.cli serve`` spends ~8 s of CPU importing torch,
 transformers and tiergate before it reads its config: most of those tests' cost on two cores.
 Here a server is forked from multiprocessing's *forkserver*, which imported all of that once (per
 test process), so it is ready in ~1 s. It is still a process of its own, with its own pid, memory,
@@ -90,6 +90,50 @@ def _serve(argv: list[str], env: dict[str, str], log: str, cwd: str) -> None:
         # ends its children with os._exit, which skips it
         atexit._run_exitfuncs()
     sys.exit(code)
+
+
+def run_script(script: Path, argv: list[str], cwd: Path, folder: Path, timeout: float) -> subprocess.CompletedProcess:
+    """What ``subprocess.run([sys.executable, script, *argv], cwd=cwd, capture_output=True,
+    text=True, timeout=timeout)`` gives, the script run in a process forked here (as
+    ``python script``: ``__main__``, its folder first on ``sys.path``, this environment), its
+    output through files in ``folder`` (a pipe nobody reads can fill)."""
+    out, err = folder / "stdout", folder / "stderr"
+    # not a daemon: a benchmark may start processes of its own (bench_tiers' flood client), which
+    # a daemon may not; it is joined or killed here either way
+    process = _CONTEXT.Process(target=_script, args=(str(script), argv, dict(os.environ), str(out), str(err), str(cwd)),
+                               name=f"python {script.name}")
+    process.start()
+    process.join(timeout)
+    if process.exitcode is None:
+        process.kill()
+        process.join()
+        raise subprocess.TimeoutExpired([sys.executable, str(script), *argv], timeout, out.read_text(), err.read_text())
+    return subprocess.CompletedProcess([sys.executable, str(script), *argv], process.exitcode, out.read_text(),
+                                       err.read_text())
+
+
+def _script(script: str, argv: list[str], env: dict[str, str], out: str, err: str, cwd: str) -> None:
+    """The forked process: ``python script argv`` once imported (see ``run_script``)."""
+    import runpy
+
+    for fd, path in ((1, out), (2, err)):
+        opened = os.open(path, os.O_WRONLY | os.O_TRUNC | os.O_CREAT, 0o644)
+        os.dup2(opened, fd)
+        os.close(opened)
+    os.chdir(cwd)
+    os.environ.clear()
+    os.environ.update(env)
+    sys.argv = [script, *argv]
+    sys.path.insert(0, os.path.dirname(script))
+    import torch
+
+    torch.set_num_threads(int(env.get("OMP_NUM_THREADS") or os.cpu_count() or 1))  # as in _serve
+    try:
+        runpy.run_path(script, run_name="__main__")
+    finally:
+        atexit._run_exitfuncs()
+        sys.stdout.flush()
+        sys.stderr.flush()
 
 
 def threads_and_imports(answers) -> None:

@@ -9,6 +9,7 @@ import os
 import re
 import subprocess
 import sys
+import tempfile
 from concurrent.futures import Future, ThreadPoolExecutor
 from pathlib import Path
 from typing import Iterator
@@ -19,11 +20,15 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT / "scripts"))
 
 from benchlib import SMOKE, VERDICT_LINE, Target, at_least, judge, pct, ratio_at_most, scratch_folder, verdict_of  # noqa: E402
+from tests.forked import run_script  # noqa: E402
 
 
 def run_smoke(script: str, *args: str) -> subprocess.CompletedProcess:
-    return subprocess.run([sys.executable, str(ROOT / "scripts" / script), "--smoke", *args], cwd=ROOT,
-                          capture_output=True, text=True, timeout=240)
+    """``python scripts/<script> --smoke args``, forked with the stack imported already
+    (``tests/forked.py``: ~5 s of CPU saved a run, the script's own code path unchanged; the
+    servers a benchmark starts are started its own way)."""
+    with tempfile.TemporaryDirectory(prefix=f"smoke-{script}-") as folder:
+        return run_script(ROOT / "scripts" / script, ["--smoke", *args], ROOT, Path(folder), 240)
 
 
 # Ray's driver prints errors the cluster reports ("(raylet) Task ServeController.graceful_shutdown

@@ -10,6 +10,8 @@ import subprocess
 import sys
 from pathlib import Path
 
+from tests.forked import run_script
+
 ROOT = Path(__file__).resolve().parents[1]
 
 
@@ -19,10 +21,9 @@ def test_worker_check_runs_its_path_on_cpu(demo_dir, tmp_path):
 
     build_demo_models(demo_dir, names=["tiny-chat", "tiny-chat-pirate", "tiny-chat-poet", "tiny-embed",
                                        "tiny-moderation", "tiny-vlm"])
-    out = subprocess.run([sys.executable, "scripts/gpu_check_workers.py", "--device", "cpu", "--models",
-                          str(demo_dir), "--out", str(tmp_path), "--kinds", "chat", "vision", "embed", "moderation",
-                          "train"],
-                         cwd=ROOT, capture_output=True, text=True, timeout=240, env={**os.environ, "OMP_NUM_THREADS": "1"})
+    out = run_script(ROOT / "scripts" / "gpu_check_workers.py",  # forked with the stack imported (tests/forked.py)
+                     ["--device", "cpu", "--models", str(demo_dir), "--out", str(tmp_path), "--kinds", "chat", "vision",
+                      "embed", "moderation", "train"], ROOT, tmp_path, 240)
     assert out.returncode == 0, out.stdout + out.stderr
     assert out.stdout.strip().splitlines()[-1].startswith("verdict: PASS")
     results = json.loads((tmp_path / "workers.json").read_text())
