@@ -260,13 +260,14 @@ def test_replica_stats_carry_the_gates_predicted_wait(tiny_chat):
 
 # --- tiergate serve stays free of Ray ------------------------------------------------------------
 
-def test_only_the_cluster_package_imports_ray():
+def test_only_the_cluster_package_imports_ray(tmp_path):
     """Every import statement outside cluster/ (lazy ones included), and what `tiergate serve`
-    imports at run time (every gateway module, in a fresh interpreter)."""
+    imports at run time (every gateway module, in a process forked from one that imported only
+    `tiergate serve`'s stack: tests/forked.py; had that stack pulled Ray in, the child has it too)."""
     import ast
-    import subprocess
-    import sys
     from pathlib import Path
+
+    from tests.forked import run_script
 
     root = Path(__file__).resolve().parents[1]
     offenders = []
@@ -281,7 +282,8 @@ def test_only_the_cluster_package_imports_ray():
             "for m in pkgutil.iter_modules(gateway.__path__): importlib.import_module('gateway.' + m.name)\n"
             "from gateway.cli import main\n"
             "print(sorted(n for n in sys.modules if n == 'ray' or n.startswith('ray.')))")
-    out = subprocess.run([sys.executable, "-c", code], cwd=root, capture_output=True, text=True, timeout=120)
+    (tmp_path / "imports.py").write_text(code)
+    out = run_script(tmp_path / "imports.py", [], root, tmp_path, 120)
     assert out.returncode == 0, out.stderr[-2000:]
     assert out.stdout.strip().splitlines()[-1] == "[]"
 
