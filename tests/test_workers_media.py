@@ -560,6 +560,20 @@ def test_stt_concurrent_requests_share_decodes_and_read_as_each_alone(stt_worker
         [x for pair in figures for x in pair], rel=1e-5)
 
 
+def test_stt_requests_in_other_languages_share_a_decode(stt_worker):
+    """Whisper takes a language per row: a French request, an English one and one whose language
+    is detected (its first window heard first) decode together, each as it does alone (its
+    language's token in its prompt: the texts differ by language)."""
+    x = _tone(3.0, 16000)[:, 0]
+    asks = [stt.TranscriptionRequest(language=code) for code in ("fr", "en", None)]
+    alone = [stt_worker.transcribe(x, req, StepContext()) for req in asks]
+    assert alone[0].text != alone[1].text
+    before = stt_worker.decodes
+    got = _queued(stt_worker, [(x, req, StepContext(), None) for req in asks])
+    assert stt_worker.decodes - before == 1
+    assert [(t.text, t.language) for t in got] == [(t.text, t.language) for t in alone]
+
+
 def test_stt_batch_tier_requests_share_decodes_apart_from_interactive_ones(stt_worker):
     """Two requests with a pause gate (the batch tier's) and one without, all decoded alike: the
     batch pair shares a decode in its own lane, the interactive one decodes apart, so that it

@@ -38,7 +38,6 @@ same scores as ``avg_logprob``'s, read from the decoding pass each segment came 
 from __future__ import annotations
 
 import contextlib
-import dataclasses
 import itertools
 import math
 import queue
@@ -367,17 +366,16 @@ class STTWorker(ThreadWorker):
             pad_s = req.vad.prefix_padding_ms / 1000
             spans = speech_spans(audio, sr, req.vad, max(1.0, self.window_s - 2 * pad_s), ctx.boundary)
             windows = speech_windows(spans, audio, sr, self.window_s)
-        job = _Job(_Decode(language, None if prompt_ids is None else tuple(prompt_ids.tolist()), req.temperature,
-                           req.task, req.words, req.details and self._whisper_timestamps(), req.logprobs), ctx)
+        job = _Job(_Decode(None if prompt_ids is None else tuple(prompt_ids.tolist()), req.temperature, req.task,
+                           req.words, req.details and self._whisper_timestamps(), req.logprobs), ctx, language)
         rows: list[_Row] = []
         step = 1 if on_text is not None else self.batch_windows  # a streamed window's text goes out before the next's
         for at in range(0, len(windows), step):
             chunk = [self._row(job, audio[start:end], start / sr, end / sr) for start, end in windows[at:at + step]]
-            if job.decode.language is None:  # heard in the first window, then asked for in every window
+            if job.language is None:  # heard in the first window, then asked for in every window
                 began = time.perf_counter()
-                language = self._detect_language(chunk[0].features.to(self.model.device, self.model.dtype))
+                language = job.language = self._detect_language(chunk[0].features.to(self.model.device, self.model.dtype))
                 job.gpu_s += time.perf_counter() - began
-                job.decode = dataclasses.replace(job.decode, language=language)
             if on_text is not None:
                 row = chunk[0]
                 done = _joined(text for r in rows for _, _, text in r.window.segments)
@@ -597,8 +595,9 @@ class STTWorker(ThreadWorker):
                         "stopping_criteria": StoppingCriteriaList([_Unwanted(rows)])}
         if decode.temperature > 0:
             kwargs["temperature"] = decode.temperature
-        if self._multilingual():
-            kwargs.update(language=decode.language, task=decode.task)
+        if self._multilingual():  # a language for each row (Whisper's prompt is per row), one when they agree
+            languages = [row.job.language for row in rows]
+            kwargs.update(language=languages[0] if len(set(languages)) == 1 else languages, task=decode.task)
         if decode.prompt is not None:
             kwargs["prompt_ids"] = torch.tensor(decode.prompt, device=device)
         if self._timestamps():
@@ -632,7 +631,7 @@ class STTWorker(ThreadWorker):
             # ``token_timestamps`` beside ``sequences`` count each decoding pass from its own start.
             flat = [i for s in passes for i in s["tokens"].tolist()]
             times = [t for s in passes for t in s["token_timestamps"].tolist()]
-            window.words = self._words(flat, times, decode.language, row.length_s)
+            window.words = self._words(flat, times, row.job.language, row.length_s)
         if decode.details:
             window.avg_logprob = _mean_logprob(list({id(s["result"]): s["result"] for s in passes}.values()))
             window.no_speech_prob = no_speech
@@ -767,9 +766,9 @@ class _Window:
 @dataclass(frozen=True)
 class _Decode:
     """What the windows decoded in one ``generate`` share: every setting its arguments are made
-    of. Only windows of requests that agree on all of them are decoded together."""
+    of but the language (Whisper takes one per row). Only windows of requests that agree on all
+    of them are decoded together."""
 
-    language: str | None
     prompt: tuple[int, ...] | None  # Whisper prompt ids
     temperature: float
     task: str
@@ -784,6 +783,7 @@ class _Job:
 
     decode: _Decode
     ctx: StepContext
+    language: str | None  # as asked or heard in its first window (None: a model that does not tell)
     pending: list["_Row"] = field(default_factory=list)
     running: int = 0
     error: BaseException | None = None
