@@ -27,15 +27,13 @@ from __future__ import annotations
 import argparse
 import statistics
 import sys
-import threading
-import time
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 import torch  # noqa: E402
 
-from benchlib import OTHER_LOAD_LIMIT, OtherLoad, at_least, judge, scratch_folder  # noqa: E402
+from benchlib import OTHER_LOAD_LIMIT, OtherLoad, at_least, closed_loop, judge, scratch_folder  # noqa: E402
 from workers.base import ModelSpec, StepContext  # noqa: E402
 from workers.embed import EmbedWorker  # noqa: E402
 
@@ -45,31 +43,13 @@ TARGET = 2.0
 def run(worker: EmbedWorker, ids: list[list[list[int]]], clients: int, requests: int, batch: bool = False) -> dict:
     """``requests`` requests by ``clients`` closed-loop threads: throughput, latencies, passes;
     ``batch``: each with a step context that has a pause gate (never paused), as batch lines'."""
-    latencies: list[float] = []
-    lock = threading.Lock()
-    left = iter(range(requests))
 
-    def client() -> None:
-        while True:
-            with lock:
-                i = next(left, None)
-            if i is None:
-                return
-            start = time.perf_counter()
-            ctx = StepContext(pause_gate=lambda c: None, pause_check=lambda: False) if batch else StepContext()
-            worker.embed(ids[i % len(ids)], None, ctx)
-            took = time.perf_counter() - start
-            with lock:
-                latencies.append(took)
+    def call(i: int) -> None:
+        ctx = StepContext(pause_gate=lambda c: None, pause_check=lambda: False) if batch else StepContext()
+        worker.embed(ids[i % len(ids)], None, ctx)
 
     passes = worker.passes
-    threads = [threading.Thread(target=client) for _ in range(clients)]
-    start = time.perf_counter()
-    for t in threads:
-        t.start()
-    for t in threads:
-        t.join()
-    wall = time.perf_counter() - start
+    wall, latencies = closed_loop(call, clients, requests)
     latencies.sort()
     return {"rps": requests / wall, "p50": statistics.median(latencies) * 1e3,
             "p99": latencies[min(len(latencies) - 1, int(0.99 * len(latencies)))] * 1e3,

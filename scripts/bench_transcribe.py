@@ -28,7 +28,6 @@ from __future__ import annotations
 import argparse
 import statistics
 import sys
-import threading
 import time
 from pathlib import Path
 
@@ -37,7 +36,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 import numpy as np  # noqa: E402
 import torch  # noqa: E402
 
-from benchlib import OTHER_LOAD_LIMIT, OtherLoad, at_least, judge, pct, scratch_folder  # noqa: E402
+from benchlib import OTHER_LOAD_LIMIT, OtherLoad, at_least, closed_loop, judge, pct, scratch_folder  # noqa: E402
 from workers.base import ModelSpec, StepContext  # noqa: E402
 from workers.stt import STTWorker, TranscriptionRequest  # noqa: E402
 
@@ -56,30 +55,9 @@ def clip(seconds: float, seed: int) -> np.ndarray:
 
 def run(worker: STTWorker, clips: list[np.ndarray], clients: int, requests: int) -> dict:
     """``requests`` transcriptions by ``clients`` closed-loop threads: throughput, latencies, decodes."""
-    latencies: list[float] = []
-    lock = threading.Lock()
-    left = iter(range(requests))
-
-    def client() -> None:
-        while True:
-            with lock:
-                i = next(left, None)
-            if i is None:
-                return
-            start = time.perf_counter()
-            worker.transcribe(clips[i % len(clips)], REQUEST, StepContext())
-            took = time.perf_counter() - start
-            with lock:
-                latencies.append(took)
-
     decodes = worker.decodes
-    threads = [threading.Thread(target=client) for _ in range(clients)]
-    start = time.perf_counter()
-    for t in threads:
-        t.start()
-    for t in threads:
-        t.join()
-    wall = time.perf_counter() - start
+    wall, latencies = closed_loop(lambda i: worker.transcribe(clips[i % len(clips)], REQUEST, StepContext()),
+                                  clients, requests)
     return {"rps": requests / wall, "p50": pct(latencies, 50) * 1e3, "p99": pct(latencies, 99) * 1e3,
             "decodes": (worker.decodes - decodes) / requests}
 

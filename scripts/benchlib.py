@@ -26,7 +26,7 @@ import threading
 import time
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Iterator
+from typing import Callable, Iterator
 
 SMOKE = "(smoke run: counts too small to judge)"
 VERDICT_LINE = re.compile(r"^verdict: (?:(?P<judged>PASS|FAIL)(?: \(.+\))?|n/a \S.*)$")
@@ -43,6 +43,34 @@ def pct(xs: list[float], q: int) -> float:
     if len(xs) == 1:
         return xs[0]
     return statistics.quantiles(xs, n=100, method="inclusive")[int(q) - 1]
+
+
+def closed_loop(call: Callable[[int], object], clients: int, requests: int) -> tuple[float, list[float]]:
+    """``call(0)`` .. ``call(requests - 1)`` by ``clients`` threads, each making its next call as
+    soon as its last returned (a closed loop): the wall time, and each call's latency (seconds)."""
+    latencies: list[float] = []
+    lock = threading.Lock()
+    left = iter(range(requests))
+
+    def client() -> None:
+        while True:
+            with lock:
+                i = next(left, None)
+            if i is None:
+                return
+            start = time.perf_counter()
+            call(i)
+            took = time.perf_counter() - start
+            with lock:
+                latencies.append(took)
+
+    threads = [threading.Thread(target=client) for _ in range(clients)]
+    start = time.perf_counter()
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    return time.perf_counter() - start, latencies
 
 
 def demo_chat_model(model: Path) -> None:
