@@ -574,6 +574,37 @@ def test_stt_requests_in_other_languages_share_a_decode(stt_worker):
     assert [(t.text, t.language) for t in got] == [(t.text, t.language) for t in alone]
 
 
+def test_stt_streamed_rows_read_their_own_tokens_of_the_first_pass():
+    """``_Streams`` between ``generate`` and each streamed row: a pass's prompts (2-D) are not
+    tokens; each step's tokens go to the rows in order, none after a row's end of text (padding
+    follows it); a further pass is not read as text (Whisper drops the last pass's tokens after
+    its last timestamp and goes on from there), but with every row in it, in order, each token
+    is still a step boundary of its row; with fewer rows (which ones Whisper does not say), none
+    is; a row whose reading raises ends its request alone."""
+    decode = stt._Decode(None, 0.0, "transcribe", False, False, False)
+    jobs = [stt._Job(decode, StepContext(), "en") for _ in range(3)]
+    taken: list[list[int]] = [[], [], []]
+    rows = []
+    for n, job in enumerate(jobs):
+        row = stt._Row(job, torch.zeros(1), None, 0.0, 1.0)
+        row.tokens = stt._Tokens(job.ctx, lambda ids, n=n: taken[n].__setitem__(slice(None), list(ids)), 0.0, frozenset({9}))
+        rows.append(row)
+    jobs[2].ctx.cancel()  # its reading raises Cancelled at its first token
+    streams = stt._Streams(rows)
+    streams.put(torch.tensor([[1, 2], [1, 2], [1, 2]]))
+    streams.put(torch.tensor([5, 6, 7]))
+    streams.put(torch.tensor([9, 8, 7]))  # row 0's end of text
+    streams.put(torch.tensor([9, 4, 7]))  # row 0's padding
+    assert taken[:2] == [[5, 9], [6, 8, 4]] and isinstance(jobs[2].error, Cancelled) and jobs[0].error is None
+    steps = [job.ctx.steps for job in jobs[:2]]
+    streams.put(torch.tensor([[1, 2], [1, 2], [1, 2]]))  # every row again: boundaries, no text
+    streams.put(torch.tensor([3, 3, 3]))
+    assert taken[:2] == [[5, 9], [6, 8, 4]] and [job.ctx.steps for job in jobs[:2]] == [s + 1 for s in steps]
+    streams.put(torch.tensor([[1, 2], [1, 2]]))  # two of the three: neither
+    streams.put(torch.tensor([2, 2]))
+    assert taken == [[5, 9], [6, 8, 4], []] and [job.ctx.steps for job in jobs[:2]] == [s + 1 for s in steps]
+
+
 def test_stt_batch_tier_requests_share_decodes_apart_from_interactive_ones(stt_worker):
     """Two requests with a pause gate (the batch tier's) and one without, all decoded alike: the
     batch pair shares a decode in its own lane, the interactive one decodes apart, so that it

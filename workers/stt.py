@@ -615,7 +615,8 @@ class STTWorker(ThreadWorker):
         if not (decode.words or decode.details or decode.logprobs):
             return [_Window(self._segments(ids.tolist(), row.length_s)) for ids, row in zip(out, rows)]
         return [self._read(decode, row, out["sequences"][i].tolist(), out["segments"][i],
-                           no_speech.first[i] if decode.details else None) for i, row in enumerate(rows)]
+                           no_speech.first[i] if decode.details and no_speech.first else None)
+                for i, row in enumerate(rows)]
 
     def _read(self, decode: "_Decode", row: "_Row", ids: list[int], passes: list[dict],
               no_speech: float | None) -> "_Window":
@@ -829,21 +830,34 @@ class _Unwanted(StoppingCriteria):
 
 class _Streams(BaseStreamer):
     """``generate``'s tokens, a row's at each step to that row's ``_Tokens`` (streamed rows
-    only; the first ``put``, the decoders' prompt, skipped). What a row's reading raises ends
-    that row's request (``_Unwanted`` stops it), not the shared decode."""
+    only). A decoding pass begins with its rows' prompts (one ``put`` of a row each), then a
+    token a row at each step. Only the first pass's tokens are read as text: Whisper runs a
+    further pass for the rows whose window the last one did not cover, from its last timestamp,
+    having dropped the tokens after it, which were already read (so what a further pass adds
+    goes out when the window ends, as ``transcribe`` sends what a read missed). A further pass of
+    every row, in the same order, still makes each token a step boundary of its row; of fewer
+    rows, which ones Whisper does not say, so none is. What a row's reading raises ends that
+    row's request, not the shared decode (which ends when no row's request wants it)."""
 
     def __init__(self, rows: list[_Row]) -> None:
         self.rows = rows
-        self.prompted = False
+        self.passes = 0
+        self.mapped = True  # this pass's rows are self.rows, in order
 
     def put(self, value: torch.Tensor) -> None:
-        if not self.prompted:
-            self.prompted = True
+        if value.dim() > 1:  # a pass's prompts
+            self.mapped = self.passes == 0 or value.shape[0] == len(self.rows)
+            self.passes += 1
             return
-        for row, token in zip(self.rows, value.reshape(-1).tolist()):
-            if row.tokens is not None and row.job.error is None and not row.tokens.ended:
+        if not self.mapped:
+            return
+        for row, token in zip(self.rows, value.tolist()):
+            if row.tokens is not None and row.job.error is None:
                 try:
-                    row.tokens.take(token)
+                    if self.passes == 1 and not row.tokens.ended:
+                        row.tokens.take(token)
+                    else:
+                        row.job.ctx.boundary()
                 except Exception as exc:  # noqa: BLE001 - Cancelled, or the request's own callback
                     row.job.error = exc
 
@@ -854,9 +868,10 @@ class _Streams(BaseStreamer):
 class _NoSpeech:
     """Reads, during ``generate``, the probability of ``<|nospeech|>`` after
     ``<|startoftranscript|>`` in the first decoding pass, for each row: the decoder's first call
-    (its prompt's prefill; every row's prompt is the same) is seen by a pre-hook (its ids: where
-    the start token is) and the LM head's output for that call by a hook. Calls from other
-    threads (another request's language detection) are not this decode's and are ignored."""
+    (its prompt's prefill; the rows' prompts differ at most in their language token, so the start
+    token is at one place in all) is seen by a pre-hook (its ids: where the start token is) and
+    the LM head's output for that call by a hook. Calls from other threads (another request's
+    language detection) are not this decode's and are ignored."""
 
     def __init__(self, model: torch.nn.Module, start: int, no_speech: int | None) -> None:
         self.model, self.start, self.no_speech = model, start, no_speech
