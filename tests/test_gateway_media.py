@@ -800,10 +800,10 @@ def test_a_bad_server_vad_names_its_field(media, data, param, code):
 
 
 def test_concurrent_transcriptions_share_the_models_decodes(media):
-    """Four transcriptions sent at once through the SDK while the model is slowed (20 ms a
-    decoder step), one of them streamed: the worker decodes them in two ``generate`` calls or
-    fewer (the first request's, and one for the three that came meanwhile), and each answer is
-    what it is alone."""
+    """Four transcriptions sent at once through the SDK, one of them streamed, while a decode is
+    held running (the worker's lane marked as led, so that on a loaded machine none comes after
+    the decode it could share): once let go, the worker decodes all four in one ``generate``,
+    and each answer is what it is alone."""
     import asyncio
 
     sync = client(media)
@@ -811,6 +811,7 @@ def test_concurrent_transcriptions_share_the_models_decodes(media):
     ask = dict(model="tiny-stt", language="en", temperature=0)
     alone = [sync.audio.transcriptions.create(file=("t.wav", wav, "audio/wav"), **ask).text for wav in clips]
     worker = media.services.arbiter.workers["tiny-stt"]
+    lane = worker._interactive
 
     async def together() -> list[str]:
         async with openai.AsyncOpenAI(base_url=media.base_url, api_key=media.keys["paid"], max_retries=0) as c:
@@ -818,18 +819,29 @@ def test_concurrent_transcriptions_share_the_models_decodes(media):
                 events = [e async for e in await c.audio.transcriptions.create(file=("t.wav", wav, "audio/wav"), stream=True, **ask)]
                 return events[-1].text
 
-            plain = [c.audio.transcriptions.create(file=("t.wav", wav, "audio/wav"), **ask) for wav in clips[:3]]
-            done = await asyncio.gather(*plain, streamed(clips[3]))
+            calls = [asyncio.ensure_future(c.audio.transcriptions.create(file=("t.wav", wav, "audio/wav"), **ask))
+                     for wav in clips[:3]] + [asyncio.ensure_future(streamed(clips[3]))]
+            deadline = time.monotonic() + 60
+            while len(lane.waiting) < 4:
+                assert time.monotonic() < deadline, "the four requests did not all reach the worker"
+                await asyncio.sleep(0.01)
+            with worker._turn:
+                lane.leading = False
+                worker._turn.notify_all()
+            done = await asyncio.gather(*calls)
             return [t.text for t in done[:3]] + [done[3]]
 
-    slow = worker.model.get_decoder().register_forward_pre_hook(lambda *_: time.sleep(0.02) or None)
+    before = worker.decodes
+    with worker._turn:
+        lane.leading = True
     try:
-        before = worker.decodes
         got = asyncio.run(together())
     finally:
-        slow.remove()
+        with worker._turn:
+            lane.leading = False
+            worker._turn.notify_all()
     assert got == alone
-    assert worker.decodes - before <= 2, worker.decodes - before
+    assert worker.decodes - before == 1, worker.decodes - before
 
 
 def test_a_streamed_transcription_sends_the_text_as_it_is_decoded(media):
