@@ -569,9 +569,14 @@ def test_stt_requests_in_other_languages_share_a_decode(stt_worker):
     alone = [stt_worker.transcribe(x, req, StepContext()) for req in asks]
     assert alone[0].text != alone[1].text
     before = stt_worker.decodes
-    got = _queued(stt_worker, [(x, req, StepContext(), None) for req in asks])
+    ctxs = [StepContext() for _ in asks]
+    started = time.perf_counter()
+    got = _queued(stt_worker, [(x, req, ctx, None) for req, ctx in zip(asks, ctxs)])
+    took = time.perf_counter() - started
     assert stt_worker.decodes - before == 1
     assert [(t.text, t.language) for t in got] == [(t.text, t.language) for t in alone]
+    # each is charged its share of the decode (gpu_seconds), so together no more than it took
+    assert all(ctx.gpu_s and ctx.gpu_s > 0 for ctx in ctxs) and sum(ctx.gpu_s for ctx in ctxs) <= took
 
 
 def test_stt_streamed_rows_read_their_own_tokens_of_the_first_pass():
