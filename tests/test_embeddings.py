@@ -354,7 +354,7 @@ def test_concurrent_requests_share_forward_passes(tiny_embed_mrl):
             assert held.wait(10)  # the first request's pass is running
             rest = [pool.submit(worker.embed, [row], d, ctx) for row, d, ctx in zip(ids[1:], dims[1:], contexts[1:])]
             deadline = time.time() + 10
-            while len(worker._interactive.waiting) < 11 and time.time() < deadline:
+            while len(worker.shared.interactive.queued()) < 11 and time.time() < deadline:
                 time.sleep(0.01)
             contexts[5].cancel()  # waiting: it leaves at its boundary
             release.set()
@@ -393,23 +393,23 @@ def test_batch_tier_work_shares_passes_in_a_lane_of_its_own(tiny_embed):
     def batch_ctx():
         return StepContext(pause_gate=gate, pause_check=lambda: not may_run.is_set())
 
-    worker._interactive.leading = True  # someone's interactive pass is running
+    worker.shared.interactive.leading = True  # someone's interactive pass is running
     ctx = batch_ctx()
     before = worker.passes
     assert worker.embed(ids[:1], None, ctx).shape == (1, 64) and ctx.steps == 1 and worker.passes == before + 1
-    worker._interactive.leading = False
+    worker.shared.interactive.leading = False
 
     may_run.clear()  # the lane must yield: the first batch job's pass waits at its gate
     contexts = [batch_ctx() for _ in ids]
     with ThreadPoolExecutor(4) as pool:
         first = pool.submit(worker.embed, [ids[0]], None, contexts[0])
         deadline = time.time() + 10
-        while not (worker._batch.leading and contexts[0].paused) and time.time() < deadline:
+        while not (worker.shared.batch.leading and contexts[0].paused) and time.time() < deadline:
             time.sleep(0.01)
         rest = [pool.submit(worker.embed, [row], None, c) for row, c in zip(ids[1:], contexts[1:])]
-        while len(worker._batch.waiting) < 2 and time.time() < deadline:
+        while len(worker.shared.batch.queued()) < 2 and time.time() < deadline:
             time.sleep(0.01)
-        assert len(worker._batch.waiting) == 2 and not first.done()
+        assert len(worker.shared.batch.queued()) == 2 and not first.done()
         passes = worker.passes
         interactive = pool.submit(worker.embed, [ids[2]], None, StepContext())
         assert np.abs(interactive.result(10) - alone[2]).max() < BATCH_TOLERANCE  # not held by the pause
@@ -438,7 +438,7 @@ def test_batch_tier_work_shares_passes_in_a_lane_of_its_own(tiny_embed):
         may_run.set()
 
     threading.Thread(target=lift, daemon=True).start()
-    worker._passes([_Job([ids[0]], pair[0]), _Job([ids[1]], pair[1])])
+    worker._passes([_Job(pair[0], rows=[ids[0]]), _Job(pair[1], rows=[ids[1]])])
     assert all(c.paused and c.paused_s >= 0.05 for c in pair)
 
 
@@ -462,10 +462,10 @@ def test_a_batch_job_waiting_behind_a_paused_pass_leaves_when_cancelled(tiny_emb
     with ThreadPoolExecutor(2) as pool:
         first = pool.submit(worker.embed, ids[:1], None, first_ctx)
         deadline = time.time() + 10
-        while not (worker._batch.leading and first_ctx.paused) and time.time() < deadline:
+        while not (worker.shared.batch.leading and first_ctx.paused) and time.time() < deadline:
             time.sleep(0.01)
         second = pool.submit(worker.embed, ids[1:], None, second_ctx)
-        while len(worker._batch.waiting) < 1 and time.time() < deadline:
+        while len(worker.shared.batch.queued()) < 1 and time.time() < deadline:
             time.sleep(0.01)
         second_ctx.cancel()
         started = time.time()
@@ -474,7 +474,7 @@ def test_a_batch_job_waiting_behind_a_paused_pass_leaves_when_cancelled(tiny_emb
         assert time.time() - started < 1 and not first.done()  # the pause still holds the first
         may_run.set()
         assert first.result(10).shape == (1, 64)
-    assert worker._batch.waiting == [] and not worker._batch.leading
+    assert worker.shared.batch.jobs == [] and not worker.shared.batch.leading
 
 
 def test_pooling_modes_over_right_padding():

@@ -811,7 +811,6 @@ def test_concurrent_transcriptions_share_the_models_decodes(media):
     ask = dict(model="tiny-stt", language="en", temperature=0)
     alone = [sync.audio.transcriptions.create(file=("t.wav", wav, "audio/wav"), **ask).text for wav in clips]
     worker = media.services.arbiter.workers["tiny-stt"]
-    lane = worker._interactive
 
     async def together() -> list[str]:
         async with openai.AsyncOpenAI(base_url=media.base_url, api_key=media.keys["paid"], max_retries=0) as c:
@@ -819,27 +818,18 @@ def test_concurrent_transcriptions_share_the_models_decodes(media):
                 events = [e async for e in await c.audio.transcriptions.create(file=("t.wav", wav, "audio/wav"), stream=True, **ask)]
                 return events[-1].text
 
-            calls = [asyncio.ensure_future(c.audio.transcriptions.create(file=("t.wav", wav, "audio/wav"), **ask))
-                     for wav in clips[:3]] + [asyncio.ensure_future(streamed(clips[3]))]
-            deadline = time.monotonic() + 60
-            while len(lane.waiting) < 4:
-                assert time.monotonic() < deadline, "the four requests did not all reach the worker"
-                await asyncio.sleep(0.01)
-            with worker._turn:
-                lane.leading = False
-                worker._turn.notify_all()
+            with worker.shared.held():
+                calls = [asyncio.ensure_future(c.audio.transcriptions.create(file=("t.wav", wav, "audio/wav"), **ask))
+                         for wav in clips[:3]] + [asyncio.ensure_future(streamed(clips[3]))]
+                deadline = time.monotonic() + 60
+                while len(worker.shared.interactive.queued()) < 4:
+                    assert time.monotonic() < deadline, "the four requests did not all reach the worker"
+                    await asyncio.sleep(0.01)
             done = await asyncio.gather(*calls)
             return [t.text for t in done[:3]] + [done[3]]
 
     before = worker.decodes
-    with worker._turn:
-        lane.leading = True
-    try:
-        got = asyncio.run(together())
-    finally:
-        with worker._turn:
-            lane.leading = False
-            worker._turn.notify_all()
+    got = asyncio.run(together())
     assert got == alone
     assert worker.decodes - before == 1, worker.decodes - before
 

@@ -515,22 +515,16 @@ def test_stt_streamed_text_is_read_at_most_every_stream_every_s(stt_worker, monk
 
 def _queued(worker: stt.STTWorker, calls: list) -> list:
     """Run each ``(audio, request, ctx, on_text)`` of ``calls`` on a thread of its own, all queued
-    at once behind decodes held running (both lanes' ``leading`` set), then let go together: the
+    at once behind decodes held running (``SharedRuns.held``), then let go together: the
     first caller to lead in a lane takes them all. Returns each call's transcript, or what it raised."""
-    lanes = (worker._interactive, worker._batch)
-    with worker._turn:
-        for lane in lanes:
-            lane.leading = True
+    lanes = (worker.shared.interactive, worker.shared.batch)
     with ThreadPoolExecutor(len(calls)) as pool:
-        futures = [pool.submit(worker.transcribe, *call) for call in calls]
-        deadline = time.monotonic() + 30
-        while sum(len(lane.waiting) for lane in lanes) < len(calls):
-            assert time.monotonic() < deadline, "the calls did not all queue"
-            time.sleep(0.01)
-        with worker._turn:
-            for lane in lanes:
-                lane.leading = False
-            worker._turn.notify_all()
+        with worker.shared.held():
+            futures = [pool.submit(worker.transcribe, *call) for call in calls]
+            deadline = time.monotonic() + 30
+            while sum(len(lane.queued()) for lane in lanes) < len(calls):
+                assert time.monotonic() < deadline, "the calls did not all queue"
+                time.sleep(0.01)
         return [f.exception() or f.result() for f in futures]
 
 
@@ -587,7 +581,7 @@ def test_stt_streamed_rows_read_their_own_tokens_of_the_first_pass():
     is still a step boundary of its row; with fewer rows (which ones Whisper does not say), none
     is; a row whose reading raises ends its request alone."""
     decode = stt._Decode(None, 0.0, "transcribe", False, False, False)
-    jobs = [stt._Job(decode, StepContext(), "en") for _ in range(3)]
+    jobs = [stt._Job(StepContext(), decode=decode, language="en") for _ in range(3)]
     taken: list[list[int]] = [[], [], []]
     rows = []
     for n, job in enumerate(jobs):

@@ -43,6 +43,7 @@ import torch
 from transformers import AutoModel, AutoTokenizer
 
 from workers.base import Cancelled, ModelSpec, StepContext
+from workers.sharing import SharedJob, SharedRuns
 from workers.worker import ModelInfo, ThreadWorker
 
 PoolingMode = Literal["mean", "cls", "max", "lasttoken"]
@@ -209,27 +210,12 @@ def batches(lengths: list[int], max_tokens: int) -> list[list[int]]:
     return groups
 
 
-_CANCEL_POLL_S = 0.05  # a batch job waiting behind a paused pass sees its cancellation this soon (the pause gate's poll)
-
-
 @dataclass(eq=False)
-class _Lane:
-    """Requests that share passes: those waiting for one, and whether a caller is running one."""
+class _Job(SharedJob):
+    """One request's rows waiting for, or in, shared passes (all its rows go in one run)."""
 
-    waiting: list["_Job"] = field(default_factory=list)
-    leading: bool = False
-
-
-@dataclass(eq=False)
-class _Job:
-    """One request's rows waiting for, or in, shared passes."""
-
-    rows: list[list[int]]
-    ctx: StepContext
-    done: threading.Event = field(default_factory=threading.Event)
+    rows: list[list[int]] = field(default_factory=list)
     parts: list[np.ndarray | None] = field(default_factory=list)
-    gpu_s: float = 0.0
-    error: BaseException | None = None
 
 
 class EncoderWorker(ThreadWorker):
@@ -247,8 +233,7 @@ class EncoderWorker(ThreadWorker):
         self._tokenizer = None
         self._tokenizing = threading.Lock()  # a fast tokenizer's call sets its state: one call at a time
         self.model: torch.nn.Module | None = None
-        self._turn = threading.Condition()  # guards both lanes
-        self._interactive, self._batch = _Lane(), _Lane()  # batch: work that yields between passes
+        self.shared: SharedRuns[_Job] = SharedRuns(self._take, self._passes)  # requests' passes, shared
         self.passes = 0  # forward passes run (shared ones once)
         self.share_passes = True  # False: each request its own passes (scripts/bench_encoders.py's baseline)
 
@@ -265,55 +250,29 @@ class EncoderWorker(ThreadWorker):
         raise NotImplementedError
 
     def run_rows(self, rows: list[list[int]], ctx: StepContext) -> np.ndarray:
-        """``_rows_out`` of every row, in order, in passes shared with the requests waiting then;
-        batch-tier work (a pause gate: it yields between passes) alone. No thread of its own:
-        the caller that finds no pass running runs one, on its own thread, for every request
-        waiting then (its own among them), and hands on; the others wait. So a request alone
-        costs no hand-over, and requests that come while a pass runs share the next. Returns when
-        the rows are done or the work was cancelled (``Cancelled``, at a pass's boundary), never
-        while a pass still holds them. Batch-tier work (a pause gate) shares passes in a lane of
-        its own, so that no interactive request waits behind a pass paused for it."""
+        """``_rows_out`` of every row, in order, in passes shared with the requests waiting then
+        (``workers.sharing``: the caller that finds no pass running runs one for every request
+        waiting, its own among them, and hands on), batch-tier work in a lane of its own.
+        Returns when the rows are done or the work was cancelled (``Cancelled``, at a pass's
+        boundary), never while a pass still holds them."""
         if self.model is None:
             raise RuntimeError(f"model {self.spec.name!r} is not loaded")
-        job = _Job(rows, ctx)
+        job = _Job(ctx, rows=rows)
         if not self.share_passes:
             self._passes([job])
+            if job.error is not None:
+                raise job.error
         else:
-            pausable = ctx.pause_gate is not None or ctx.pause_check is not None
-            self._join(job, self._batch if pausable else self._interactive)
-        if job.error is not None:
-            raise job.error
+            self.shared.join(job, [rows])
         ctx.gpu_s = (ctx.gpu_s or 0.0) + job.gpu_s
         return np.stack(job.parts)
 
-    def _join(self, job: _Job, lane: _Lane) -> None:
-        """Wait for ``job``'s passes, running them (with every job waiting in ``lane``) when no one
-        else in the lane is."""
-        with self._turn:
-            lane.waiting.append(job)
-            while not job.done.is_set():
-                if lane.leading:
-                    job.ctx.must_pause()  # batch work waiting behind a paused pass is paused too
-                    self._turn.wait(_CANCEL_POLL_S if lane is self._batch else None)
-                    if job.ctx.cancelled and job in lane.waiting:  # not taken yet: leave now, not after the pause
-                        lane.waiting.remove(job)
-                        job.error = Cancelled()
-                        job.done.set()
-                    continue
-                lane.leading = True
-                jobs, lane.waiting = lane.waiting, []
-                self._turn.release()
-                try:
-                    self._passes(jobs)
-                except BaseException as exc:  # noqa: BLE001 - delivered to every job of the pass
-                    for other in jobs:
-                        other.error = other.error or exc
-                finally:
-                    for other in jobs:
-                        other.done.set()
-                    self._turn.acquire()
-                    lane.leading = False
-                    self._turn.notify_all()  # the next waiting job's caller leads
+    @staticmethod
+    def _take(jobs: list[_Job]) -> tuple[list[_Job], list[_Job]]:
+        """The next run: every waiting job's rows."""
+        for job in jobs:
+            job.pending.clear()
+        return jobs, jobs
 
     def _passes(self, jobs: list[_Job]) -> None:
         """Every job's rows in padded passes of at most ``max_batch_tokens``, longest first; each

@@ -58,13 +58,13 @@ from transformers.models.whisper.tokenization_whisper import LANGUAGES, TO_LANGU
 
 from workers.audio import resample
 from workers.base import Cancelled, ModelSpec, StepContext, TokenLogprob
+from workers.sharing import SharedJob, SharedRuns
 from workers.worker import ModelInfo, ThreadWorker
 
 _SEARCH_S = 5.0  # how far back from a window's end to look for a quiet cut
 _FRAME_S = 0.02
 _VAD_RATE = 16000  # Silero VAD hears 16 kHz (or 8 kHz) audio
 _VAD_FRAME = 512  # samples per speech probability at 16 kHz (32 ms)
-_CANCEL_POLL_S = 0.05  # a request waiting for a shared decode sees its cancellation this soon
 
 
 @dataclass(frozen=True)
@@ -295,8 +295,7 @@ class STTWorker(ThreadWorker):
         self.batch_windows = batch_windows  # windows decoded together in one ``generate`` at most
         self.model: torch.nn.Module | None = None
         self.processor = None
-        self._turn = threading.Condition()  # guards both lanes
-        self._interactive, self._batch = _Lane(), _Lane()  # batch: work that may be paused between decodes
+        self.shared: SharedRuns[_Job] = SharedRuns(self._take, self._decode_taken)  # requests' decodes, shared
         self.decodes = 0  # ``generate`` calls run (a shared one once)
         self.share_decodes = True  # False: each request decodes its own windows, one at a time (the baseline)
 
@@ -366,8 +365,9 @@ class STTWorker(ThreadWorker):
             pad_s = req.vad.prefix_padding_ms / 1000
             spans = speech_spans(audio, sr, req.vad, max(1.0, self.window_s - 2 * pad_s), ctx.boundary)
             windows = speech_windows(spans, audio, sr, self.window_s)
-        job = _Job(_Decode(None if prompt_ids is None else tuple(prompt_ids.tolist()), req.temperature, req.task,
-                           req.words, req.details and self._whisper_timestamps(), req.logprobs), ctx, language)
+        job = _Job(ctx, decode=_Decode(None if prompt_ids is None else tuple(prompt_ids.tolist()), req.temperature,
+                                       req.task, req.words, req.details and self._whisper_timestamps(), req.logprobs),
+                   language=language)
         rows: list[_Row] = []
         step = 1 if on_text is not None else self.batch_windows  # a streamed window's text goes out before the next's
         for at in range(0, len(windows), step):
@@ -429,81 +429,36 @@ class STTWorker(ThreadWorker):
     def _run(self, job: "_Job", rows: list["_Row"]) -> None:
         """Decode ``rows`` (windows of ``job``'s request), each ``row.window`` set on return, in
         ``generate`` calls shared with the windows of the requests waiting then that decode as
-        this one does (``_Decode``), ``batch_windows`` at most in one. No thread of its own: the
-        caller that finds no decode running runs one, on its own thread, taking a window from
-        each request waiting in turn, and hands on; the others wait. So a request alone costs no
-        hand-over, a long file does not hold the next request back by more than one decode, and
-        requests that come while a decode runs share the next. Batch-tier work (a pause gate)
-        shares decodes in a lane of its own, so that no interactive request waits behind a
-        decode paused for it. Raises what ended the job (``Cancelled`` at a step boundary), never
+        this one does (``_Decode``), ``batch_windows`` at most in one (``workers.sharing``: the
+        caller that finds no decode running leads one, and hands on). A window is taken from
+        each waiting request in turn, so a long file does not hold the next request back by more
+        than one decode. Raises what ended the job (``Cancelled`` at a step boundary), never
         while a decode still holds its windows."""
         if self.model is None:
             raise RuntimeError(f"model {self.spec.name!r} is not loaded")
-        if not self.share_decodes:
-            for row in rows:
-                self._decode_group(job.decode, [row])
-        else:
-            pausable = job.ctx.pause_gate is not None or job.ctx.pause_check is not None
-            lane = self._batch if pausable else self._interactive
-            with self._turn:
-                job.pending = list(rows)
-                job.done.clear()
-                lane.waiting.append(job)
-                while not job.done.is_set():
-                    if lane.leading:
-                        if lane is self._batch:
-                            job.ctx.must_pause()  # batch work waiting behind a paused decode is paused too
-                        self._turn.wait(_CANCEL_POLL_S)
-                        if job.ctx.cancelled and not job.running and not job.done.is_set():
-                            job.error = job.error or Cancelled()  # not in a decode: leave now, not after it
-                            self._settle(lane)
-                        continue
-                    decode, taken = self._take(lane)
-                    if not taken:
-                        self._settle(lane)
-                        continue
-                    lane.leading = True
-                    self._turn.release()
-                    try:
-                        self._decode_group(decode, taken)
-                    except BaseException as exc:  # noqa: BLE001 - delivered to every request of the decode
-                        for row in taken:
-                            row.job.error = row.job.error or exc
-                    finally:
-                        self._turn.acquire()
-                        for row in taken:
-                            row.job.running -= 1
-                        lane.leading = False
-                        self._settle(lane)
-                        self._turn.notify_all()  # the next waiting request's caller leads
+        if self.share_decodes:
+            self.shared.join(job, rows)
+            return
+        for row in rows:
+            self._decode_group(job.decode, [row])
         if job.error is not None:
             raise job.error
 
-    def _take(self, lane: "_Lane") -> tuple["_Decode | None", list["_Row"]]:
-        """The windows of the next decode: the oldest waiting request's settings, and a window
-        from each waiting request with those settings in turn, up to ``batch_windows``."""
-        jobs = [job for job in lane.waiting if job.pending and job.error is None]
-        if not jobs:
-            return None, []
+    def _take(self, jobs: list["_Job"]) -> tuple[tuple["_Decode", list["_Row"]], list["_Job"]]:
+        """The next decode: the oldest waiting request's settings, and a window from each waiting
+        request with those settings in turn, up to ``batch_windows``."""
         decode, taken = jobs[0].decode, []
         while len(taken) < self.batch_windows:
             before = len(taken)
             for job in jobs:
                 if job.decode == decode and job.pending and len(taken) < self.batch_windows:
                     taken.append(job.pending.pop(0))
-                    job.running += 1
             if len(taken) == before:
                 break
-        return decode, taken
+        return (decode, taken), [row.job for row in taken]
 
-    @staticmethod
-    def _settle(lane: "_Lane") -> None:
-        """(under the lane's lock) Let go the requests whose windows are all decoded, or that failed."""
-        for job in list(lane.waiting):
-            if not job.running and (job.error is not None or not job.pending):
-                job.pending.clear()
-                lane.waiting.remove(job)
-                job.done.set()
+    def _decode_taken(self, work: tuple["_Decode", list["_Row"]]) -> None:
+        self._decode_group(*work)
 
     def _decode_group(self, decode: "_Decode", rows: list["_Row"]) -> None:
         """One ``generate`` over ``rows`` (all decoded as ``decode`` says): each request's step
@@ -778,18 +733,13 @@ class _Decode:
     logprobs: bool
 
 
-@dataclass(eq=False)
-class _Job:
-    """One request's windows waiting for a decode (``pending``), and how many are in one."""
+@dataclass(eq=False, kw_only=True)
+class _Job(SharedJob):
+    """One request's windows waiting for a decode (``pending``, ``_Row``s), how many are in one,
+    and how they are decoded."""
 
     decode: _Decode
-    ctx: StepContext
     language: str | None  # as asked or heard in its first window (None: a model that does not tell)
-    pending: list["_Row"] = field(default_factory=list)
-    running: int = 0
-    error: BaseException | None = None
-    done: threading.Event = field(default_factory=threading.Event)
-    gpu_s: float = 0.0  # its share of the decodes it was in
 
 
 @dataclass(eq=False)
@@ -803,14 +753,6 @@ class _Row:
     length_s: float
     tokens: "_Tokens | None" = None  # a streamed window's tokens as they come
     window: _Window | None = None
-
-
-@dataclass(eq=False)
-class _Lane:
-    """Requests that share decodes: those waiting, and whether a caller is running one."""
-
-    waiting: list[_Job] = field(default_factory=list)
-    leading: bool = False
 
 
 class _Unwanted(StoppingCriteria):
