@@ -21,20 +21,20 @@ from tests.helpers import RunningServer, adapters_yaml, redis_server, start_serv
 
 pytest_plugins = ["tests.timeout_tasks"]  # a timeout prints the unfinished asyncio tasks too
 
-# Modules that must run in the same test process (one unit of xdist's scheduling): they share a
-# session fixture that is costly to start.
-ONE_PROCESS = {"tests/test_chat_api.py": "vllm-chat-server", "tests/test_vllm_gateway.py": "vllm-chat-server"}
+# Modules that must run in the same test process, one after the other (one unit of xdist's
+# scheduling): the vLLM pair shares a session fixture that is costly to start; the Ray pair (the
+# cluster module and the smoke runs, bench_cluster's among them) must not run at the same time,
+# as two Ray clusters starve each other on 2 cores (a 3-replica deploy took 170 s with both up).
+ONE_PROCESS = {"tests/test_chat_api.py": "vllm-chat-server", "tests/test_vllm_gateway.py": "vllm-chat-server",
+               "tests/test_cluster_ray.py": "ray", "tests/test_bench_smoke.py": "ray"}
 
 
-# The modules that take longest (wall time in two processes on 2 cores: 230 s down to 30 s), in
-# that order, then the others in name order. The two Ray modules are apart, so that their clusters
-# do not run at the same time: the other process takes the vLLM server's pair, then the serve
-# script's test, and the one that ran test_cluster_ray (longer than the pair) takes the smoke runs
-# (bench_cluster's among them) after it. (With the smoke runs right after the pair, a starved Ray
-# cluster took 170 s to deploy an application.) xdist would otherwise order the files by their
-# number of tests (--loadscope-reorder, its default), which put these late and left one process
-# running alone.
-LONGEST_FIRST = ["test_cluster_ray", "test_chat_api", "test_vllm_gateway", "test_serve_script", "test_bench_smoke",
+# The modules that take longest (wall time in two processes on 2 cores: 280 s down to 30 s), in
+# that order, then the others in name order: the Ray pair goes to one process and the vLLM pair
+# to the other, and short modules fill in behind them so that both processes end together. xdist
+# would otherwise order the files by their number of tests (--loadscope-reorder, its default),
+# which put these late and left one process running alone.
+LONGEST_FIRST = ["test_cluster_ray", "test_bench_smoke", "test_chat_api", "test_vllm_gateway", "test_serve_script",
                  "test_vllm_engine", "test_reaper", "test_fuzz_api", "test_lora_kernels", "test_batches",
                  "test_install_scripts", "test_batch_fill", "test_request_log", "test_operations",
                  "test_fuzz_residency"]
@@ -48,7 +48,7 @@ def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
 @pytest.hookimpl(optionalhook=True)
 def pytest_xdist_make_scheduler(config, log):
     """``--dist loadfile`` with the modules of ``ONE_PROCESS`` as one unit each group, handed out
-    in the order collected (``LONGEST_FIRST``)."""
+    in the order collected (``LONGEST_FIRST``), a process's next unit when it has one test left."""
     if config.getvalue("dist") != "loadfile":
         return None
     from xdist.scheduler import LoadFileScheduling
@@ -57,6 +57,15 @@ def pytest_xdist_make_scheduler(config, log):
         def _split_scope(self, nodeid: str) -> str:
             module = super()._split_scope(nodeid)
             return ONE_PROCESS.get(module, module)
+
+        def _reschedule(self, node) -> None:
+            # xdist sends a process its next unit while two of its tests are left; a process
+            # waits for its next test before it runs the current one, so one left is soon
+            # enough, and a long next-to-last test (the Ray module's) no longer holds a unit
+            # that the other process could run
+            if not node.shutting_down and self.workqueue and self._pending_of(self.assigned_work[node]) > 1:
+                return
+            super()._reschedule(node)
 
     config.option.loadscopereorder = False
     return Grouped(config, log)
