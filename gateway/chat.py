@@ -265,29 +265,33 @@ def _read(index: int, event: ChatEvent | None, parser: CallParser | None, thinki
     return delta
 
 
-async def interleave(choices: list[AsyncGenerator[ChoiceDelta, None]]) -> AsyncGenerator[ChoiceDelta, None]:
-    """The deltas of several choices as they come, each choice run by its own task."""
-    queue: asyncio.Queue[ChoiceDelta | BaseException] = asyncio.Queue()
+async def interleave(streams: list[AsyncGenerator[ChoiceDelta, None]]) -> AsyncGenerator[ChoiceDelta, None]:
+    """The deltas of several streams (a completion's choices, or its prompts' choices) as they
+    come, each stream pumped by its own task, until every one has ended; the first error any
+    raises is raised here, and closing this closes them all."""
+    queue: asyncio.Queue[ChoiceDelta | BaseException | None] = asyncio.Queue()
 
-    async def pump(choice: AsyncGenerator[ChoiceDelta, None]) -> None:
+    async def pump(stream: AsyncGenerator[ChoiceDelta, None]) -> None:
         try:
-            async for delta in choice:
+            async for delta in stream:
                 queue.put_nowait(delta)
+            queue.put_nowait(None)
         except Exception as exc:  # noqa: BLE001 - handed to the consumer, which raises it
             queue.put_nowait(exc)
         finally:
-            await choice.aclose()
+            await stream.aclose()
 
-    tasks = [asyncio.create_task(pump(c)) for c in choices]
+    tasks = [asyncio.create_task(pump(s)) for s in streams]
     try:
-        running = len(choices)
+        running = len(streams)
         while running:
             item = await queue.get()
             if isinstance(item, BaseException):
                 raise item
-            if item.finish_reason is not None:
+            if item is None:
                 running -= 1
-            yield item
+            else:
+                yield item
     finally:
         for task in tasks:
             task.cancel()

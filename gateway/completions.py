@@ -46,7 +46,7 @@ from starlette.responses import JSONResponse, Response
 from gateway import service_tier
 from gateway.adapters import names_own, resolve_request
 from gateway.auth import Caller
-from gateway.chat import ChatJob, ChoiceDelta, Reply, collect, served_caller, serve_chat
+from gateway.chat import ChatJob, ChoiceDelta, Reply, collect, interleave, served_caller, serve_chat
 from gateway.errors import APIError, bad_request
 from gateway.http import Streamed, disconnect_signal
 from gateway.schemas import AdapterChoice, MAX_STACK, StreamOptions, _Body, checked_logit_bias, checked_stops, parse, read_json
@@ -273,38 +273,7 @@ def serve_completion(svc: Services, caller: Caller, job: CompletionJob,
     """Every choice's deltas, indexed across prompts (prompt ``p``'s choice ``i`` is ``p * n + i``);
     errors before the first delta come from the first ``__anext__``, as with chat."""
     streams = [_reindexed(serve_chat(svc, caller, j, gone), p * job.n) for p, j in enumerate(job.jobs)]
-    return streams[0] if len(streams) == 1 else _merge(streams)
-
-
-async def _merge(streams: list[AsyncGenerator[ChoiceDelta, None]]) -> AsyncGenerator[ChoiceDelta, None]:
-    """The deltas of several prompts as they come, each prompt's stream pumped by its own task."""
-    queue: asyncio.Queue[ChoiceDelta | BaseException | None] = asyncio.Queue()
-
-    async def pump(stream: AsyncGenerator[ChoiceDelta, None]) -> None:
-        try:
-            async for delta in stream:
-                queue.put_nowait(delta)
-            queue.put_nowait(None)
-        except Exception as exc:  # noqa: BLE001 - handed to the consumer, which raises it
-            queue.put_nowait(exc)
-        finally:
-            await stream.aclose()
-
-    tasks = [asyncio.create_task(pump(s)) for s in streams]
-    try:
-        running = len(streams)
-        while running:
-            item = await queue.get()
-            if isinstance(item, BaseException):
-                raise item
-            if item is None:
-                running -= 1
-            else:
-                yield item
-    finally:
-        for task in tasks:
-            task.cancel()
-        await asyncio.gather(*tasks, return_exceptions=True)
+    return streams[0] if len(streams) == 1 else interleave(streams)
 
 
 async def _reindexed(deltas: AsyncGenerator[ChoiceDelta, None], offset: int) -> AsyncGenerator[ChoiceDelta, None]:
