@@ -111,12 +111,14 @@ def test_an_exception_ends_every_job_in_the_run_and_no_other():
     assert rec.runs == [["a0", "b0"], ["c0"]]  # a's second piece is not run after its error
 
 
-def test_a_queued_job_leaves_when_cancelled_without_waiting_for_the_run():
-    """While a run holds a's first piece, b (queued) is cancelled: it leaves at once
-    (``Cancelled``, within the lane's poll), not when the run ends; a's runs go on."""
+@pytest.mark.parametrize("long_runs", [True, False])
+def test_a_queued_job_cancelled_leaves_at_once_where_runs_are_long_else_when_the_run_ends(long_runs):
+    """While a run holds a's first piece, b (queued) is cancelled. With ``long_runs`` (a decode)
+    b leaves at once (``Cancelled``, within the poll); without (a pass of milliseconds: no waiter
+    polls) it leaves when that run ends, never in a later one. a's runs go on either way."""
     rec = Recorder(width=1)
     rec.release.clear()
-    shared = SharedRuns(rec.take, rec.run)
+    shared = SharedRuns(rec.take, rec.run, long_runs=long_runs)
     a, b = SharedJob(StepContext()), SharedJob(StepContext())
     first = start(shared.join, a, ["a0", "a1"])
     assert rec.running.wait(10)
@@ -124,10 +126,17 @@ def test_a_queued_job_leaves_when_cancelled_without_waiting_for_the_run():
     queued(shared, 1)
     b.ctx.cancel()
     started = time.monotonic()
-    with pytest.raises(Cancelled):
-        second.result(5)
-    assert time.monotonic() - started < 1 and not first.done()
+    if long_runs:
+        with pytest.raises(Cancelled):
+            second.result(5)
+        assert time.monotonic() - started < 1
+    else:
+        time.sleep(0.3)
+        assert not second.done()
+    assert not first.done()
     rec.release.set()
+    with pytest.raises(Cancelled):
+        second.result(10)
     assert first.result(10) is None
     assert rec.runs == [["a0"], ["a1"]]
 

@@ -19,7 +19,7 @@ from typing import Any, Callable, Generic, Iterator, TypeVar
 
 from workers.base import Cancelled, StepContext
 
-_CANCEL_POLL_S = 0.05  # a request waiting for a run sees its cancellation this soon
+_CANCEL_POLL_S = 0.05  # a job waiting behind a run sees its cancellation this soon (the pause gate's poll)
 
 
 @dataclass(eq=False)
@@ -60,8 +60,14 @@ class SharedRuns(Generic[J]):
     a job's ``error`` where it leaves the run (cancelled at its step boundary). An exception out
     of ``run`` ends every job in the run."""
 
-    def __init__(self, take: Callable[[list[J]], tuple[Any, list[J]]], run: Callable[[Any], None]) -> None:
+    def __init__(self, take: Callable[[list[J]], tuple[Any, list[J]]], run: Callable[[Any], None],
+                 long_runs: bool = False) -> None:
         self._take, self._run = take, run
+        # how long an interactive job waits before it looks at its cancellation again: with
+        # ``long_runs`` (seconds: a decode) the poll's, else until the run going ends (a pass of
+        # milliseconds; many waiters polling would spend CPU). Batch jobs always poll: a run
+        # ahead of them may be paused for long.
+        self._interactive_poll_s = _CANCEL_POLL_S if long_runs else None
         self._turn = threading.Condition()  # guards both lanes
         self.interactive: Lane[J] = Lane()
         self.batch: Lane[J] = Lane()  # work that may be paused between runs
@@ -80,7 +86,7 @@ class SharedRuns(Generic[J]):
                 if lane.leading:
                     if lane is self.batch:
                         job.ctx.must_pause()  # batch work waiting behind a paused run is paused too
-                    self._turn.wait(_CANCEL_POLL_S)
+                    self._turn.wait(_CANCEL_POLL_S if lane is self.batch else self._interactive_poll_s)
                     if job.ctx.cancelled and not job.running and not job.done.is_set():
                         job.error = job.error or Cancelled()  # in no run: leave now, not after it
                         self._settle(lane)

@@ -295,7 +295,7 @@ class STTWorker(ThreadWorker):
         self.batch_windows = batch_windows  # windows decoded together in one ``generate`` at most
         self.model: torch.nn.Module | None = None
         self.processor = None
-        self.shared: SharedRuns[_Job] = SharedRuns(self._take, self._decode_taken)  # requests' decodes, shared
+        self.shared: SharedRuns[_Job] = SharedRuns(self._take, self._decode_taken, long_runs=True)  # requests' decodes, shared
         self.decodes = 0  # ``generate`` calls run (a shared one once)
         self.share_decodes = True  # False: each request decodes its own windows, one at a time (the baseline)
 
