@@ -100,7 +100,7 @@ def cluster(tiny_chat, tiny_image, tiny_stt, tmp_path_factory):
         deploy("tiergate", "/", period=PERIOD_S, redis_url=redis_url, small=tiny_chat, image=tiny_image, stt=tiny_stt)
         # the redirect test's: its replicas report as they start, then an hour apart (a minute
         # apart could bring a fresh report between that test's two requests: ~2 s in 60)
-        deploy("stale", "/stale", period=3600.0)
+        deploy("stale", "/stale", period=3600.0, replicas=(1, 2))  # one node: one ingress replica, not two
         time.sleep(2 * PERIOD_S + 0.5)  # the first reports
         main = ingress_ports("tiergate")
         assert len(main) == 2 and port not in main  # one ingress per node, each on its own port
