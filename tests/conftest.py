@@ -2,9 +2,9 @@
 one tiergate server on the vLLM engine shared by the modules that test chat through it.
 
 A vLLM engine start is three processes that each import vLLM: about 45 s of CPU on this 2-core
-machine. ``test_chat_api`` (its vLLM half) and ``test_vllm_gateway`` share one such server
-(``vllm_chat_server``, session-scoped), and when the suite runs in several processes
-(pytest-xdist, ``--dist loadfile``) the scheduler below sends both modules to the same process,
+machine. ``test_chat_api`` (its vLLM half), ``test_vllm_gateway`` and ``test_fine_tuning`` share
+one such server (``vllm_chat_server``, session-scoped), and when the suite runs in several processes
+(pytest-xdist, ``--dist loadfile``) the scheduler below sends the three modules to the same process,
 as one unit, so that the server starts once there too. The longest modules go first
 (``LONGEST_FIRST``), so that short ones fill in behind them and both processes end together.
 """
@@ -22,10 +22,12 @@ from tests.helpers import RunningServer, adapters_yaml, redis_server, start_serv
 pytest_plugins = ["tests.timeout_tasks"]  # a timeout prints the unfinished asyncio tasks too
 
 # Modules that must run in the same test process, one after the other (one unit of xdist's
-# scheduling): the vLLM pair shares a session fixture that is costly to start; the Ray pair (the
+# scheduling): the vLLM three share a session fixture that is costly to start (with
+# test_fine_tuning elsewhere, its process started a second vLLM server); the Ray pair (the
 # cluster module and the smoke runs, bench_cluster's among them) must not run at the same time,
 # as two Ray clusters starve each other on 2 cores (a 3-replica deploy took 170 s with both up).
 ONE_PROCESS = {"tests/test_chat_api.py": "vllm-chat-server", "tests/test_vllm_gateway.py": "vllm-chat-server",
+               "tests/test_fine_tuning.py": "vllm-chat-server",
                "tests/test_cluster_ray.py": "ray", "tests/test_bench_smoke.py": "ray"}
 
 
