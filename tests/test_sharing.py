@@ -159,3 +159,32 @@ def test_batch_tier_work_shares_runs_in_a_lane_of_its_own():
     rec.release.set()
     assert interactive.result(10) is None and other.result(10) is None
     assert sorted(map(tuple, rec.runs)) == [("b0",), ("i0",)]
+
+
+def test_held_waits_for_the_run_going_then_holds_the_next():
+    """``held`` entered while a's run is going waits for it to end (leaving then would start a
+    second run beside it); while held, b queues and runs only once the block ends."""
+    rec = Recorder()
+    rec.release.clear()
+    shared = SharedRuns(rec.take, rec.run)
+    first = start(shared.join, SharedJob(StepContext()), ["a0"])
+    assert rec.running.wait(10)
+    entered, leave = threading.Event(), threading.Event()
+
+    def hold() -> None:
+        with shared.held():
+            entered.set()
+            assert leave.wait(10)
+
+    holder = start(hold)
+    time.sleep(0.2)
+    assert not entered.is_set()  # a's run is still going
+    rec.release.set()
+    assert first.result(10) is None and entered.wait(10)
+    second = start(shared.join, SharedJob(StepContext()), ["b0"])
+    queued(shared, 1)
+    time.sleep(0.1)
+    assert rec.runs == [["a0"]] and not second.done()
+    leave.set()
+    assert holder.result(10) is None and second.result(10) is None
+    assert rec.runs == [["a0"], ["b0"]]

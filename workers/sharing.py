@@ -117,8 +117,11 @@ class SharedRuns(Generic[J]):
     @contextlib.contextmanager
     def held(self) -> Iterator[None]:
         """No run starts in either lane until the block ends: callers queue, as behind runs
-        going in both (how tests line requests up), and the first one then leads."""
+        going in both (how tests line requests up), and the first one then leads. It waits for
+        the runs going to end first, so that letting go never starts a second run beside one."""
         with self._turn:
+            while self.interactive.leading or self.batch.leading:
+                self._turn.wait()
             self.interactive.leading = self.batch.leading = True
         try:
             yield
