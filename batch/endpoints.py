@@ -58,7 +58,8 @@ async def chat(svc: Services, caller: Caller, data: dict) -> Result:
     replies, tier = await collect(serve_chat(svc, caller, job, None))
     if voice is not None:
         await say_replies(svc, caller, voice, replies, None)
-    return completion(f"chatcmpl-{uuid.uuid4().hex}", body.model, replies, tier, svc, job.tools.legacy)
+    return completion(f"chatcmpl-{uuid.uuid4().hex}", body.model, replies, tier, svc, job.tools.legacy,
+                      bool(body.logprobs))
 
 
 async def images(svc: Services, caller: Caller, data: dict) -> Result:

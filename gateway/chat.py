@@ -391,13 +391,14 @@ async def collect(deltas: AsyncGenerator[ChoiceDelta, None]) -> tuple[list[Reply
 
 
 def completion(cid: str, model: str, replies: list[Reply], tier: str, svc: Services | None = None,
-               legacy: bool = False) -> dict:
+               legacy: bool = False, logprobs: bool = False) -> dict:
     """The ``chat.completion`` object of ``replies`` served at ``tier`` (``legacy``: a call is a
-    ``function_call``, as the deprecated ``functions`` asked)."""
+    ``function_call``, as the deprecated ``functions`` asked; ``logprobs``: the request asked for
+    them, so every choice has its ``logprobs`` object)."""
     body = {
         "id": cid, "object": "chat.completion", "created": int(time.time()), "model": model,
         "choices": [{"index": r.index, "message": r.message(legacy), "finish_reason": r.finish_reason,
-                     "logprobs": chat_logprobs(r.logprobs)} for r in replies],
+                     "logprobs": chat_logprobs(r.logprobs, logprobs)} for r in replies],
         "usage": _usage(replies),
     }
     return _with_tier(body, tier, svc)
@@ -447,7 +448,7 @@ async def chat_completions(request: Request) -> Response:
             replies, tier = await collect(deltas)
             if voice is not None:
                 await say_replies(svc, caller, voice, replies, gone)
-            answer = completion(completion_id, body.model, replies, tier, svc, job.tools.legacy)
+            answer = completion(completion_id, body.model, replies, tier, svc, job.tools.legacy, bool(body.logprobs))
             if body.store:
                 await stored_chat.keep(request.app.state.completions, caller.key_id, _unsaid(answer), body)
             return JSONResponse(answer, headers=headers)
@@ -566,7 +567,7 @@ async def _sse(deltas: AsyncIterator[ChoiceDelta], first: ChoiceDelta, cid: str,
                     break
             delta = await deltas.__anext__()
         if kept is not None:
-            whole = completion(cid, model, [replies[i] for i in sorted(replies)], "", None, legacy)
+            whole = completion(cid, model, [replies[i] for i in sorted(replies)], "", None, legacy, logprobs)
             await kept({**whole, "created": created, "service_tier": tier_label})
         if include_usage:
             yield chunk([], _usage(finished))

@@ -28,8 +28,9 @@ def chat_content(entries: list[TokenLogprob]) -> list[dict]:
     return [{**_entry(e.token, e.logprob), "top_logprobs": [_entry(t, lp) for t, lp in e.top]} for e in entries]
 
 
-def chat_logprobs(entries: list[TokenLogprob] | None) -> dict | None:
-    """A chat choice's ``logprobs`` object; None when logprobs were not asked for."""
-    if entries is None:
+def chat_logprobs(entries: list[TokenLogprob] | None, asked: bool) -> dict | None:
+    """A chat choice's ``logprobs`` object; None when logprobs were not asked for. A reply with
+    no tokens to show (the model ended at once) has an empty ``content``, not a null object."""
+    if not asked:
         return None
-    return {"content": chat_content(entries), "refusal": None}
+    return {"content": chat_content(entries or []), "refusal": None}

@@ -320,6 +320,17 @@ def test_logprobs_whole_and_streamed(server):
     assert [e.logprob for e in streamed] == pytest.approx([e.logprob for e in entries], abs=1e-4)
 
 
+def test_logprobs_of_a_reply_that_ends_at_once(server):
+    """Asked for, a choice's logprobs are an object even when the model ends before any token
+    (OpenAI's shape: ``content`` empty, not ``logprobs: null``); not asked for, they are null."""
+    ends = {str(tokenizer(server).eos_token_id): 100}
+    kw = dict(model="tiny-chat", messages=ASK, max_tokens=4, logit_bias=ends)
+    r = client(server).chat.completions.create(**kw, logprobs=True, top_logprobs=2)
+    assert r.choices[0].finish_reason == "stop" and r.choices[0].message.content == ""
+    assert r.choices[0].logprobs is not None and r.choices[0].logprobs.content == []
+    assert client(server).chat.completions.create(**kw).choices[0].logprobs is None
+
+
 def test_n_choices_each_take_a_slot(server):
     gate = server.services.gate
     before = gate.admitted["paid"]
