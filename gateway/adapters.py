@@ -45,7 +45,7 @@ from safetensors import SafetensorError, safe_open
 from starlette.requests import Request
 from starlette.responses import PlainTextResponse, Response
 
-from gateway.config import ADAPTER_NAME, AdapterConfig, Config, ConfigError
+from gateway.config import ADAPTER_NAME, AdapterConfig, Config, ConfigError, a_kind
 from gateway.errors import APIError, bad_request, not_found
 from gateway.schemas import MAX_STACK, AdapterChoice, _Body, parse, read_json
 from lora_kernels import AdapterFormatError, LoraAdapter, load_diffusers_lora, load_peft_adapter
@@ -651,7 +651,7 @@ def _base_for(svc: "Services", name: str | None) -> ModelSpec:
         if spec is None:
             raise not_found(f"the model '{name}' does not exist", "base_model", "model_not_found")
         if spec.kind not in ("chat", "image"):
-            raise bad_request(f"the model '{name}' is a {spec.kind} model; adapters are for chat and image models",
+            raise bad_request(f"the model '{name}' is {a_kind(spec.kind)}; adapters are for chat and image models",
                               "base_model")
         return spec
     chats = [s for s in svc.arbiter.specs.values() if s.kind == "chat"]

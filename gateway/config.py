@@ -214,6 +214,11 @@ class ModerationModel(_Model):
 ModelConfig = Annotated[Union[ChatModel, ImageModel, TTSModel, STTModel, EmbedModel, ModerationModel],
                         Field(discriminator="kind")]
 KINDS = ("chat", "image", "tts", "stt", "embed", "moderation")
+
+
+def a_kind(kind: str) -> str:
+    """``kind`` with its article, for messages: "a chat model", "an embed model"."""
+    return f"{'an' if kind[0] in 'aeiou' else 'a'} {kind} model"
 ENGINE_FIELDS = ("engine", *EngineConfig.model_fields)  # engine settings: chat models only
 
 
@@ -657,7 +662,7 @@ def _adapter_base(where: str, model: str, models: list[ModelConfig]) -> None:
     if base is None:
         raise ConfigError(f"{where}.model: no model named {model!r} in models")
     if base.kind not in ("chat", "image"):
-        raise ConfigError(f"{where}.model: {model!r} is a {base.kind} model; adapters are for chat and image models")
+        raise ConfigError(f"{where}.model: {model!r} is {a_kind(base.kind)}; adapters are for chat and image models")
 
 
 def _check_adapter_dir(path: Path, i: int, d: AdapterDirConfig, models: list[ModelConfig], check_paths: bool) -> AdapterDirConfig:

@@ -16,7 +16,7 @@ from arbiter.residency import Arbiter, Lease, Refused, Unavailable
 from gateway.adapters import AdapterRegistry
 from gateway.admission import Arrival, Gate, Rejected, Ticket
 from gateway.auth import Caller, KeyRing, bearer_token
-from gateway.config import Config
+from gateway.config import Config, a_kind
 from gateway.errors import APIError, bad_request, not_found
 from gateway.image_store import ImageStore
 from gateway.metrics import Metrics
@@ -161,7 +161,7 @@ class Services:
         if spec is None or spec.kind == "train":  # a fine-tuning trainer's weights: no request calls them
             raise not_found(f"the model '{name}' does not exist", "model", "model_not_found")
         if spec.kind != kind:
-            raise bad_request(f"the model '{name}' is a {spec.kind} model, not {kind}", "model", "model_not_supported")
+            raise bad_request(f"the model '{name}' is {a_kind(spec.kind)}, not {a_kind(kind)}", "model", "model_not_supported")
         return spec
 
     def first_spec(self, kind: str, what: str) -> ModelSpec:

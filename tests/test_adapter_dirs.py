@@ -346,7 +346,7 @@ def test_files_being_written_are_neither_served_half_read_nor_remembered_as_brok
 
 @pytest.mark.parametrize("entry, error", [
     ("{model: nope, path: .}", "adapter_dirs[0].model: no model named 'nope'"),
-    ("{model: tiny-embed, path: .}", "'tiny-embed' is a embed model; adapters are for chat and image models"),
+    ("{model: tiny-embed, path: .}", "'tiny-embed' is an embed model; adapters are for chat and image models"),
     ("{model: tiny-chat, path: missing}", "adapter_dirs[0].path: no such folder"),
 ])
 def test_config_errors(tiny_chat, tmp_path, entry, error):

@@ -73,6 +73,7 @@ def test_an_alias_calls_its_model_on_every_endpoint(server):
     with pytest.raises(openai.BadRequestError) as caught:  # an alias of a chat model is not an embedding model
         c.embeddings.create(model="gpt-4o-mini", input="hello")
     assert caught.value.body["code"] == "model_not_supported"
+    assert caught.value.body["message"] == "the model 'gpt-4o-mini' is a chat model, not an embed model"
 
 
 def test_models_list_their_aliases_and_each_alias_as_a_model(server):
