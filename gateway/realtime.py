@@ -303,6 +303,8 @@ class TranscriptionSession:
     """One WebSocket's session: the reader (client events, in order) and a transcriber task
     (committed utterances, in order), with one send lock between them."""
 
+    kind = "transcription"  # the session's type, as errors name it
+
     def __init__(self, ws: WebSocket, svc: Services, caller: Caller, config: SessionConfig) -> None:
         self.ws, self.svc, self.caller, self.config = ws, svc, caller, config
         self.id = _new_id("sess")
@@ -393,7 +395,7 @@ class TranscriptionSession:
             self._drop(self._start + self._buffered)
             await self.send({"type": "input_audio_buffer.cleared"})
         else:
-            raise bad_request(f"unknown or unsupported client event type {kind!r} on a transcription session",
+            raise bad_request(f"unknown or unsupported client event type {kind!r} on a {self.kind} session",
                               "type", "invalid_event")
 
     def _samples(self, raw: bytes, whole: bool = False, param: str = "audio") -> np.ndarray:

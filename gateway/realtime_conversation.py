@@ -192,6 +192,8 @@ async def opening(svc: Services, model: str) -> tuple[SessionConfig, Conversing]
 class ConversationSession(TranscriptionSession):
     """A transcription session that also answers (the module's doc)."""
 
+    kind = "conversation"
+
     def __init__(self, ws, svc: Services, caller: Caller, config: SessionConfig, conversing: Conversing) -> None:
         super().__init__(ws, svc, caller, config)
         self.conversing = conversing

@@ -184,7 +184,7 @@ def test_text_output_cancel_and_refusals_leave_the_session_open(server):
                               "tool_choice": {"type": "function", "name": "g"}}},
                           {"type": "session.update", "session": {"type": "realtime",
                                                                  "audio": {"output": {"voice": "nobody"}}}},
-                          {"type": "response.cancel"}]:
+                          {"type": "response.cancel"}, {"type": "bogus.event"}]:
                 await conn.send(event)
                 refusals.append((await events_until(conn, "error"))[-1].error)
             await conn.send({"type": "response.create", "response": {"max_output_tokens": 12}})
@@ -201,7 +201,9 @@ def test_text_output_cancel_and_refusals_leave_the_session_open(server):
     assert [(r.param, r.code) for r in refusals] == [
         ("item.type", "unsupported_item_type"), ("item.call_id", "invalid_value"),
         ("session.tools[0].type", "invalid_value"), ("session.tool_choice", "invalid_value"),
-        ("session.audio.output.voice", "invalid_value"), (None, "response_cancel_not_active")]
+        ("session.audio.output.voice", "invalid_value"), (None, "response_cancel_not_active"),
+        ("type", "invalid_event")]
+    assert "'bogus.event' on a conversation session" in refusals[-1].message
     assert busy.code == "conversation_already_has_active_response"
     assert cancelled[-1].response.status in ("cancelled", "completed")  # it may have ended before the cancel
 
