@@ -301,13 +301,13 @@ def legacy_logprobs(entries: list[TokenLogprob], offset: int, prompt: tuple[Prom
             token = e.token if e is not None else prompt[0].first
             out["tokens"].append(token)
             out["token_logprobs"].append(None if e is None else e.logprob)
-            out["top_logprobs"].append(None if e is None else {e.token: e.logprob, **{t: lp for t, lp in e.top}})
+            out["top_logprobs"].append(None if e is None else {e.token: e.logprob, **{t.token: t.logprob for t in e.top}})
             out["text_offset"].append(at)
             at += len(token)
     for e in entries:
         out["tokens"].append(e.token)
         out["token_logprobs"].append(e.logprob)
-        out["top_logprobs"].append({e.token: e.logprob, **{t: lp for t, lp in e.top}})
+        out["top_logprobs"].append({e.token: e.logprob, **{t.token: t.logprob for t in e.top}})
         out["text_offset"].append(offset)
         offset += len(e.token)
     return out

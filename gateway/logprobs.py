@@ -4,8 +4,10 @@ Chat (``choices[].logprobs.content``): one entry per generated token, ``{"token"
 "bytes", "top_logprobs": [{"token", "logprob", "bytes"}, ...]}``, most likely alternative first;
 a streamed chunk carries the entries of the tokens behind its text. Transcriptions
 (``include[]=logprobs``): ``{"token", "logprob", "bytes"}`` per token of the text. ``bytes`` are the UTF-8 bytes
-of the token's text as decoded alone (a token that is part of a multi-byte character decodes to
-U+FFFD there).
+of the token itself, where the engine knows them (``TokenLogprob.raw``): a token that is part of a
+multi-byte character has that part's bytes (``[195]``), so joining the entries' bytes gives the
+reply's UTF-8, while its ``token`` text alone is U+FFFD (or empty, as vLLM gives it); otherwise
+the UTF-8 of its text.
 """
 
 from __future__ import annotations
@@ -13,19 +15,20 @@ from __future__ import annotations
 from workers.base import TokenLogprob
 
 
-def _entry(token: str, logprob: float) -> dict:
-    return {"token": token, "logprob": logprob, "bytes": list(token.encode("utf-8", "replace"))}
+def _entry(e: TokenLogprob) -> dict:
+    raw = e.raw if e.raw is not None else e.token.encode("utf-8", "replace")
+    return {"token": e.token, "logprob": e.logprob, "bytes": list(raw)}
 
 
 def token_entries(entries: list[TokenLogprob]) -> list[dict]:
     """A transcription's ``logprobs`` (and its done event's): ``{"token", "logprob", "bytes"}`` per
     token, without alternatives."""
-    return [_entry(e.token, e.logprob) for e in entries]
+    return [_entry(e) for e in entries]
 
 
 def chat_content(entries: list[TokenLogprob]) -> list[dict]:
     """The ``logprobs.content`` list of a chat choice (or chunk) for ``entries``."""
-    return [{**_entry(e.token, e.logprob), "top_logprobs": [_entry(t, lp) for t, lp in e.top]} for e in entries]
+    return [{**_entry(e), "top_logprobs": [_entry(t) for t in e.top]} for e in entries]
 
 
 def chat_logprobs(entries: list[TokenLogprob] | None, asked: bool) -> dict | None:

@@ -313,11 +313,31 @@ def test_logprobs_whole_and_streamed(server):
         tops = [t.logprob for t in e.top_logprobs]
         assert tops == sorted(tops, reverse=True)
         assert e.top_logprobs[0].token == e.token and e.top_logprobs[0].logprob == pytest.approx(e.logprob, abs=1e-4)
-        assert e.bytes == list(e.token.encode())
+        assert bytes(e.bytes).decode("utf-8", "replace") == e.token or e.token == ""  # its own bytes: see below
     chunks = list(client(server).chat.completions.create(**kw, stream=True))
     streamed = [e for c in chunks if c.choices and c.choices[0].logprobs for e in c.choices[0].logprobs.content]
     assert [e.token for e in streamed] == [e.token for e in entries]
     assert [e.logprob for e in streamed] == pytest.approx([e.logprob for e in entries], abs=1e-4)
+
+
+def test_logprobs_bytes_are_each_tokens_own(server):
+    """OpenAI's ``bytes`` let a client join the pieces of a character split over tokens: a token
+    that is the byte 0xC3 alone has ``bytes`` [0xC3] (its text alone is U+FFFD, or empty on vLLM),
+    not the UTF-8 of U+FFFD; and a reply's entries' bytes, joined, decode to its text."""
+    from transformers.convert_slow_tokenizer import bytes_to_unicode
+
+    tok = tokenizer(server)
+    piece = tok.convert_tokens_to_ids(bytes_to_unicode()[0xC3])  # the byte-level BPE token of that byte
+    assert tok.decode([piece]) == "\ufffd"
+    kw = dict(model="tiny-chat", messages=ASK, temperature=0, logprobs=True, top_logprobs=2)
+    forced = client(server).chat.completions.create(**kw, max_tokens=1, logit_bias={str(piece): 100})
+    assert forced.choices[0].logprobs.content[0].bytes == [0xC3]
+    r = client(server).chat.completions.create(**kw, max_tokens=24, logit_bias={str(tok.eos_token_id): -100})
+    entries = r.choices[0].logprobs.content
+    joined = b"".join(bytes(e.bytes) for e in entries).decode("utf-8", "replace")
+    assert joined.rstrip("\ufffd") == r.choices[0].message.content.rstrip("\ufffd")  # an unfinished last character: either way
+    for t in (t for e in entries for t in e.top_logprobs):
+        assert bytes(t.bytes).decode("utf-8", "replace") == t.token or t.token == ""
 
 
 def test_logprobs_of_a_reply_that_ends_at_once(server):

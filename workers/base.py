@@ -194,12 +194,15 @@ class ChatRequest:
 
 @dataclass(frozen=True)
 class TokenLogprob:
-    """One generated token's log probability, and the ``top`` most likely tokens at its step as
-    (token, logprob) pairs, most likely first."""
+    """One generated token's text and log probability, the ``top`` most likely tokens at its step
+    (most likely first; each without a ``top`` of its own), and ``raw``, the token's own bytes
+    where the engine knows them: a piece of a multi-byte character is that byte (b"\\xc3"), where
+    its text alone is U+FFFD or empty (``workers.grammar.Vocabulary``)."""
 
     token: str
     logprob: float
-    top: tuple[tuple[str, float], ...] = ()
+    top: tuple[TokenLogprob, ...] = ()
+    raw: bytes | None = None
 
 
 @dataclass

@@ -79,7 +79,7 @@ from workers.base import (
     TokenLogprob,
     stack_key,
 )
-from workers.grammar import Grammars, RowGrammar
+from workers.grammar import Grammars, RowGrammar, Vocabulary
 from workers.worker import ModelInfo, ThreadWorker
 from workers.chat_prompt import ContextTooLong  # noqa: F401 - the chat engines' 400, importable here
 from workers.chat_schedule import EngineView, Prefill, Row, plan_step, prefill_passes
@@ -243,7 +243,7 @@ class ChatWorker(ThreadWorker):
         self.context_length = 0
         self.vocab_size = 0
         self._last_logits: dict[str, int] = {}  # the forward's argument that keeps the last place's logits only
-        self._texts: dict[int, str] = {}
+        self._vocab: Vocabulary | None = None  # set at load
         self._streams = False  # set at load (``_text``)
         self._step_events: dict | None = None  # a decode step's events by loop, sent at its end (``_send``)
         # images being prepared, by the request's images and messages (``_vision_prompt``): the n choices
@@ -277,7 +277,7 @@ class ChatWorker(ThreadWorker):
         self.context_length = int(getattr(self.model.config.get_text_config(), "max_position_embeddings", 2048))
         self.vocab_size = int(self.model.config.get_text_config().vocab_size)
         self._grammars = None
-        self._texts: dict[int, str] = {}  # token id -> its text (``_token_text``), for this tokenizer
+        self._vocab = Vocabulary(self.tokenizer)  # each token's text and bytes, for logprobs
         # a reply's text decoded token by token (``_text``) where that gives the whole decode's text
         self._streams = (DecodeStream is not None and hasattr(self.tokenizer, "backend_tokenizer")
                          and not getattr(self.tokenizer, "clean_up_tokenization_spaces", False))
@@ -783,7 +783,7 @@ class ChatWorker(ThreadWorker):
         logits: no bias, penalty or grammar applies to a prompt), with the ``top`` most likely
         tokens at its place; None for the first, which nothing precedes. A chunk of positions at
         a time, so the float32 copy stays small beside the logits."""
-        decode = self._token_text
+        vocab = self._vocab
         out: list[TokenLogprob | None] = [None]
         for start in range(0, len(ids) - 1, _PROMPT_CHUNK):
             end = min(start + _PROMPT_CHUNK, len(ids) - 1)  # the places that predict ids[start + 1 : end + 1]
@@ -792,29 +792,21 @@ class ChatWorker(ThreadWorker):
             chosen = rows.gather(1, targets[:, None])[:, 0].tolist()
             best = torch.topk(rows, min(top, rows.shape[-1])) if top else None
             for i, token in enumerate(targets.tolist()):
-                pairs = () if best is None else tuple(
-                    (decode(t), v) for v, t in zip(best.values[i].tolist(), best.indices[i].tolist()))
-                out.append(TokenLogprob(decode(token), chosen[i], pairs))
+                alternatives = () if best is None else tuple(
+                    vocab.entry(t, v) for v, t in zip(best.values[i].tolist(), best.indices[i].tolist()))
+                out.append(vocab.entry(token, chosen[i], alternatives))
         return out
-
-    def _token_text(self, token: int) -> str:
-        """One token's text as logprobs show it (``decode([token])``), remembered: a long prompt's
-        logprobs decode thousands of tokens on the engine thread, most of them seen before."""
-        text = self._texts.get(token)
-        if text is None:
-            text = self._texts[token] = self.tokenizer.decode([token])
-        return text
 
     def _logprob(self, logits: torch.Tensor, token: int, top: int) -> TokenLogprob:
         """The sampled token's log probability under the processed logits, and the ``top`` most
         likely tokens' (those the grammar forbids are left out)."""
         logprobs = torch.log_softmax(logits, dim=-1)
-        decode = self._token_text
+        vocab = self._vocab
         best = []
         if top:
             values, ids = torch.topk(logprobs, min(top, logprobs.numel()))
-            best = [(decode(int(i)), float(v)) for v, i in zip(values, ids) if torch.isfinite(v)]
-        return TokenLogprob(decode(token), float(logprobs[token]), tuple(best))
+            best = [vocab.entry(int(i), float(v)) for v, i in zip(values, ids) if torch.isfinite(v)]
+        return vocab.entry(token, float(logprobs[token]), tuple(best))
 
 
 # -- helpers: sampling, stop strings, cache surgery ----------------------------------------------

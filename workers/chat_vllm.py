@@ -91,6 +91,7 @@ from workers.base import (
     stack_key,
 )
 from workers import chat_prompt, reaper
+from workers.grammar import Vocabulary
 from workers.grammar import grammar_text
 from workers.worker import ModelInfo, Worker
 from workers.chat_prompt import ContextTooLong
@@ -219,6 +220,7 @@ class VllmChatEngine(Worker):
         self.extra_engine_args = dict(engine_args or {})
 
         self.tokenizer = None
+        self._vocab: Vocabulary | None = None  # each token's bytes, for logprobs (set at start)
         self._llm = None  # vllm AsyncLLM
         self._think_end_token: int | None = None  # </think>'s id where it is one token (set at start)
         self._think_end: int | None = None  # the same where ``_thinking_gate`` gates the grammar on it
@@ -309,6 +311,7 @@ class VllmChatEngine(Worker):
         self._check_head_size()
         self._lora_cond = asyncio.Condition()
         self.tokenizer = await asyncio.to_thread(AutoTokenizer.from_pretrained, str(self.spec.path))
+        self._vocab = Vocabulary(self.tokenizer)
         self._think_end_token = chat_prompt.think_end_id(self.tokenizer)
         # the token that ends a reasoning reply's thinking, where vLLM gates its grammar on it
         self._think_end = self._think_end_token if self._thinking_gate() else None
@@ -628,13 +631,21 @@ class VllmChatEngine(Worker):
         """vLLM's logprobs of the tokens in one delta output (``k`` alternatives each), the
         end-of-sequence token left out."""
         eos = self.tokenizer.eos_token_id
-        return [_token_logprob(token, entries, k) for token, entries in zip(c.token_ids, c.logprobs or []) if token != eos]
+        return [self._token_logprob(token, entries, k) for token, entries in zip(c.token_ids, c.logprobs or [])
+                if token != eos]
 
-    @staticmethod
-    def _prompt_logprobs(ids: list[int], entries: list, k: int) -> list[TokenLogprob | None]:
+    def _prompt_logprobs(self, ids: list[int], entries: list, k: int) -> list[TokenLogprob | None]:
         """vLLM's prompt logprobs (``SamplingParams(prompt_logprobs=k)``: per position after the
         first, the prompt token's and the ``k`` best by rank) as the engines' shape."""
-        return [None] + [_token_logprob(token, at, k) for token, at in zip(ids[1:], entries[1:])]
+        return [None] + [self._token_logprob(token, at, k) for token, at in zip(ids[1:], entries[1:])]
+
+    def _token_logprob(self, token: int, entries: dict, k: int) -> TokenLogprob:
+        """One place of vLLM's logprobs (``{token id: Logprob}``: the token's and the ``k`` best by
+        rank) as the engines' shape: vLLM's text for each token, and its own bytes."""
+        top = sorted(((t, e) for t, e in entries.items() if e.rank is not None and e.rank <= k), key=lambda te: te[1].rank)
+        entry = self._vocab.entry
+        return entry(token, entries[token].logprob, tuple(entry(t, e.logprob, text=e.decoded_token or "") for t, e in top),
+                     text=entries[token].decoded_token or "")
 
     async def _watch(self, ctx, rid: str, pausable: Callable[[], bool] = lambda: True) -> None:
         """Abort ``rid`` when its context is cancelled or (while ``pausable()``) asks to pause while
@@ -786,14 +797,6 @@ class VllmChatEngine(Worker):
                 if res.users == 0:
                     # Few waiters, and any of them may be able to go: wake them all.
                     self._lora_cond.notify_all()
-
-
-def _token_logprob(token: int, entries: dict, k: int) -> TokenLogprob:
-    """One place of vLLM's logprobs (``{token id: Logprob}``: the token's and the ``k`` best by
-    rank) as the engines' shape."""
-    top = sorted((e for e in entries.values() if e.rank is not None and e.rank <= k), key=lambda e: e.rank)
-    chosen = entries[token]
-    return TokenLogprob(chosen.decoded_token or "", chosen.logprob, tuple((e.decoded_token or "", e.logprob) for e in top))
 
 
 def _complete_text(text: str) -> str:

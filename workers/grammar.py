@@ -1,4 +1,5 @@
-"""Grammar-constrained decoding with xgrammar, shared by both chat engines.
+"""xgrammar's view of a model's vocabulary, shared by the engines: grammar-constrained decoding,
+and each token's own bytes for logprobs (:class:`Vocabulary`).
 
 A :class:`~workers.base.JsonGrammar` (a JSON schema) is compiled with no free whitespace: the
 separators are ``","`` and ``":"`` and nothing else may be inserted (compact JSON), so a closed schema (enums, booleans, bounded integers) ends in a few dozen tokens even
@@ -36,7 +37,7 @@ import re
 
 import torch
 
-from workers.base import EbnfGrammar, Grammar, JsonGrammar
+from workers.base import EbnfGrammar, Grammar, JsonGrammar, TokenLogprob
 
 SEPARATORS = (",", ":")  # compact JSON, as vLLM's disable_any_whitespace compiles it
 
@@ -102,6 +103,47 @@ def _reply_or_calls(reply: str, call: str, begin: str, end: str, several: bool) 
              "stop_after_first": not several}
     tag = {"type": "structural_tag", "format": {"type": "or", "elements": [compact(reply), calls]}}
     return str(xgr.Grammar.from_structural_tag(json.dumps(tag)))
+
+
+class Vocabulary:
+    """One tokenizer's tokens as logprobs show them, remembered per id: the text a token decodes to
+    alone (``decode([id])``) and its own bytes. The bytes are xgrammar's decoded vocabulary, read on
+    first use: a byte-level or byte-fallback piece of a multi-byte character is that byte, where its
+    text alone is U+FFFD. OpenAI's ``bytes`` field exists so that a client can join such pieces into
+    the character; the UTF-8 of U+FFFD cannot be joined. Where xgrammar cannot read the tokenizer,
+    ``raw`` is None and ``bytes`` fall back to the text's UTF-8."""
+
+    def __init__(self, tokenizer) -> None:
+        self._tokenizer = tokenizer
+        self._texts: dict[int, str] = {}
+        self._raw: list[bytes] | None = None
+        self._read = False
+
+    def text(self, token: int) -> str:
+        text = self._texts.get(token)
+        if text is None:
+            text = self._texts[token] = self._tokenizer.decode([token])
+        return text
+
+    def raw(self, token: int) -> bytes | None:
+        if not self._read:
+            self._raw, self._read = _decoded_vocab(self._tokenizer), True
+        return self._raw[token] if self._raw is not None and 0 <= token < len(self._raw) else None
+
+    def entry(self, token: int, logprob: float, top: tuple[TokenLogprob, ...] = (),
+              text: str | None = None) -> TokenLogprob:
+        """``token``'s logprob entry; ``text``: the engine's own text for it (vLLM's), instead of
+        ``decode([token])``."""
+        return TokenLogprob(self.text(token) if text is None else text, logprob, top, self.raw(token))
+
+
+def _decoded_vocab(tokenizer) -> list[bytes] | None:
+    try:
+        import xgrammar as xgr
+
+        return list(xgr.TokenizerInfo.from_huggingface(tokenizer).decoded_vocab)
+    except Exception:  # noqa: BLE001 - a tokenizer xgrammar does not read: bytes from the text
+        return None
 
 
 def _reason(exc: Exception) -> str:

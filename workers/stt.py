@@ -58,6 +58,7 @@ from transformers.models.whisper.tokenization_whisper import LANGUAGES, TO_LANGU
 
 from workers.audio import resample
 from workers.base import Cancelled, ModelSpec, StepContext, TokenLogprob
+from workers.grammar import Vocabulary
 from workers.sharing import SharedJob, SharedRuns
 from workers.worker import ModelInfo, ThreadWorker
 
@@ -295,6 +296,7 @@ class STTWorker(ThreadWorker):
         self.batch_windows = batch_windows  # windows decoded together in one ``generate`` at most
         self.model: torch.nn.Module | None = None
         self.processor = None
+        self._vocab: Vocabulary | None = None  # each token's text and bytes, for logprobs (set at load)
         self.shared: SharedRuns[_Job] = SharedRuns(self._take, self._decode_taken, long_runs=True)  # requests' decodes, shared
         self.decodes = 0  # ``generate`` calls run (a shared one once)
         self.share_decodes = True  # False: each request decodes its own windows, one at a time (the baseline)
@@ -315,6 +317,7 @@ class STTWorker(ThreadWorker):
         """Load model and processor onto ``device`` (fp16 on CUDA, fp32 elsewhere)."""
         dtype = torch.float16 if device.type == "cuda" else torch.float32
         self.processor = AutoProcessor.from_pretrained(Path(self.spec.path))
+        self._vocab = Vocabulary(self.processor.tokenizer)
         self.model = AutoModelForSpeechSeq2Seq.from_pretrained(Path(self.spec.path), dtype=dtype).to(device).eval()
         config = self.model.config
         if config.model_type == "whisper" and not getattr(self._gen, "alignment_heads", None):
@@ -323,7 +326,7 @@ class STTWorker(ThreadWorker):
                                          for head in range(config.decoder_attention_heads)]
 
     def unload(self) -> None:
-        self.model = self.processor = None
+        self.model = self.processor = self._vocab = None
 
     def modules(self) -> list[torch.nn.Module]:
         return [self.model] if self.model is not None else []
@@ -611,7 +614,7 @@ class STTWorker(ThreadWorker):
                 token = int(sequence[at])
                 if token < tok.eos_token_id:
                     logprob = torch.log_softmax(scores[at - first].float().reshape(-1), -1)[token]
-                    out.append(TokenLogprob(tok.decode([token]), float(logprob)))
+                    out.append(self._vocab.entry(token, float(logprob)))
         return out
 
     def _end_ids(self) -> frozenset[int]:
