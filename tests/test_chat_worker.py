@@ -609,3 +609,37 @@ def test_a_decode_steps_events_reach_the_loop_in_one_wake_up(worker):
     assert all(isinstance(ev[-1], ChatFinished) and ev[-1].completion_tokens == 24 for ev in events)
     assert sum(len(ev) for ev in events) > 2 * wakes  # texts arrived several to a wake-up
     assert wakes <= steps + 4  # a wake-up per step, and one per prefill's first token
+
+
+def test_a_logprobs_request_reads_the_tokens_bytes_off_the_engine_thread_once(worker, monkeypatch):
+    """The tokens' own bytes (xgrammar reads the whole vocabulary: ~1 s for a real one on a slow
+    core) are read before a logprobs request reaches the engine, on a thread of their own: neither
+    the engine thread, whose other rows would wait, nor the event loop. They are kept per
+    tokenizer folder, so the model loaded again (a fresh ``Vocabulary``) does not read them again."""
+    import xgrammar
+
+    import workers.grammar as grammar
+
+    readers: list[str] = []
+    real = xgrammar.TokenizerInfo.from_huggingface
+
+    def counted(*args, **kwargs):
+        readers.append(threading.current_thread().name)
+        return real(*args, **kwargs)
+
+    monkeypatch.setattr(xgrammar.TokenizerInfo, "from_huggingface", counted)
+    monkeypatch.setattr(grammar, "_BYTES", {})
+    req = lambda: ChatRequest([{"role": "user", "content": "hello"}],  # noqa: E731
+                              ChatParams(max_tokens=4, temperature=0, logprobs=2), ctx=StepContext())
+
+    async def twice():
+        loop_thread = threading.current_thread().name
+        events = await events_of(worker, req())
+        monkeypatch.setattr(worker, "_vocab", grammar.Vocabulary(worker.tokenizer))  # as a reload makes it
+        await events_of(worker, req())
+        return loop_thread, events
+
+    loop_thread, events = asyncio.run(twice())
+    assert [lp.raw for e in events if isinstance(e, TextDelta) for lp in e.logprobs or []]  # bytes were given
+    assert len(readers) == 1, readers  # read once for the folder
+    assert readers[0] not in (loop_thread, f"chat:{worker.spec.name}")

@@ -350,6 +350,8 @@ class ChatWorker(ThreadWorker):
         req.ctx.prompt_tokens = len(ids)
         # compiling a grammar may take a while (off the loop); most requests have none
         grammar = None if req.params.grammar is None else await asyncio.to_thread(self._row_grammar, req)
+        if req.params.logprobs is not None or req.params.prompt_logprobs is not None:
+            await asyncio.to_thread(self._vocab.read)  # once per tokenizer: not on the engine thread
         loop = asyncio.get_running_loop()
         events: asyncio.Queue[ChatEvent | BaseException] = asyncio.Queue()
         gen = torch.Generator()

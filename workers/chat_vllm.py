@@ -480,6 +480,8 @@ class VllmChatEngine(Worker):
                                "messages")
         prompt_ids = chat_prompt.request_ids(self.tokenizer, req, self.max_model_len)
         check_logit_bias(p.logit_bias, self._llm.model_config.get_vocab_size())
+        if p.logprobs is not None or p.prompt_logprobs is not None:
+            await asyncio.to_thread(self._vocab.read)  # once per tokenizer: not on the event loop
         ctx = req.ctx
         if ctx.cancelled:
             raise Cancelled()

@@ -107,17 +107,27 @@ def _reply_or_calls(reply: str, call: str, begin: str, end: str, several: bool) 
 
 class Vocabulary:
     """One tokenizer's tokens as logprobs show them, remembered per id: the text a token decodes to
-    alone (``decode([id])``) and its own bytes. The bytes are xgrammar's decoded vocabulary, read on
-    first use: a byte-level or byte-fallback piece of a multi-byte character is that byte, where its
-    text alone is U+FFFD. OpenAI's ``bytes`` field exists so that a client can join such pieces into
-    the character; the UTF-8 of U+FFFD cannot be joined. Where xgrammar cannot read the tokenizer,
-    ``raw`` is None and ``bytes`` fall back to the text's UTF-8."""
+    alone (``decode([id])``) and its own bytes. The bytes are xgrammar's decoded vocabulary: a
+    byte-level or byte-fallback piece of a multi-byte character is that byte, where its text alone
+    is U+FFFD. OpenAI's ``bytes`` field exists so that a client can join such pieces into the
+    character; the UTF-8 of U+FFFD cannot be joined. Where xgrammar cannot read the tokenizer,
+    ``raw`` is None and ``bytes`` fall back to the text's UTF-8.
+
+    xgrammar reads the whole vocabulary at once (~1 s for 150,000 tokens on this machine's cores),
+    so an engine calls :meth:`read` off its engine thread and the event loop before a request that
+    asks for logprobs runs, and the table is kept per tokenizer folder (``_BYTES``): a model
+    loaded again after an eviction does not read it again."""
 
     def __init__(self, tokenizer) -> None:
         self._tokenizer = tokenizer
         self._texts: dict[int, str] = {}
         self._raw: list[bytes] | None = None
         self._read = False
+
+    def read(self) -> None:
+        """Read the tokens' bytes, once (``raw`` reads them itself otherwise)."""
+        if not self._read:
+            self._raw, self._read = _decoded_vocab(self._tokenizer), True
 
     def text(self, token: int) -> str:
         text = self._texts.get(token)
@@ -126,8 +136,7 @@ class Vocabulary:
         return text
 
     def raw(self, token: int) -> bytes | None:
-        if not self._read:
-            self._raw, self._read = _decoded_vocab(self._tokenizer), True
+        self.read()
         return self._raw[token] if self._raw is not None and 0 <= token < len(self._raw) else None
 
     def entry(self, token: int, logprob: float, top: tuple[TokenLogprob, ...] = (),
@@ -137,13 +146,26 @@ class Vocabulary:
         return TokenLogprob(self.text(token) if text is None else text, logprob, top, self.raw(token))
 
 
+_BYTES: dict[tuple[str, int], list[bytes] | None] = {}  # by tokenizer folder and size, the last few read
+_BYTES_KEPT = 8
+
+
 def _decoded_vocab(tokenizer) -> list[bytes] | None:
+    folder = str(getattr(tokenizer, "name_or_path", "") or "")
+    key = (folder, len(tokenizer))
+    if folder and key in _BYTES:
+        return _BYTES[key]
     try:
         import xgrammar as xgr
 
-        return list(xgr.TokenizerInfo.from_huggingface(tokenizer).decoded_vocab)
+        raw: list[bytes] | None = list(xgr.TokenizerInfo.from_huggingface(tokenizer).decoded_vocab)
     except Exception:  # noqa: BLE001 - a tokenizer xgrammar does not read: bytes from the text
-        return None
+        raw = None
+    if folder:
+        _BYTES[key] = raw
+        while len(_BYTES) > _BYTES_KEPT:
+            del _BYTES[next(iter(_BYTES))]
+    return raw
 
 
 def _reason(exc: Exception) -> str:

@@ -361,6 +361,8 @@ class STTWorker(ThreadWorker):
         segments: list[Segment] = []
         words: list[Word] | None = [] if req.words else None
         logprobs: list[TokenLogprob] | None = [] if req.logprobs else None
+        if req.logprobs:
+            self._vocab.read()  # once per tokenizer, on this request's thread, not in a decode shared with others
         sent = ""  # what on_text was given
         if req.vad is None:
             windows = split_windows(audio, sr, self.window_s)
