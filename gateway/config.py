@@ -219,6 +219,8 @@ KINDS = ("chat", "image", "tts", "stt", "embed", "moderation")
 def a_kind(kind: str) -> str:
     """``kind`` with its article, for messages: "a chat model", "an embed model"."""
     return f"{'an' if kind[0] in 'aeiou' else 'a'} {kind} model"
+
+
 ENGINE_FIELDS = ("engine", *EngineConfig.model_fields)  # engine settings: chat models only
 
 

@@ -91,8 +91,7 @@ from workers.base import (
     stack_key,
 )
 from workers import chat_prompt, reaper
-from workers.grammar import Vocabulary
-from workers.grammar import grammar_text
+from workers.grammar import Vocabulary, grammar_text
 from workers.worker import ModelInfo, Worker
 from workers.chat_prompt import ContextTooLong
 
