@@ -66,6 +66,7 @@ from cluster.settings import in_effect
 from accounts.store import STORE_ERRORS
 from gateway.accounts import Accounts
 from gateway.cors import cors
+from gateway.drain import LIVENESS
 from gateway.auth import Caller, KeyRing, bearer_token, subprotocol_key
 from gateway.config import load_config
 from gateway.errors import APIError, store_unavailable
@@ -117,7 +118,7 @@ class Ingress:
         if self.cors and request.method == "OPTIONS" and "access-control-request-method" in request.headers:
             return self._own(Response())  # a preflight: the CORS middleware answers it, before authentication
         path = _app_path(request.scope)
-        if path == "/healthz":
+        if path in LIVENESS:
             return self._own(JSONResponse({"status": "ok"}))
         if path == "/metrics" and request.method == "GET":
             return self._own(Response(await self._scrape(), media_type="text/plain; version=0.0.4"))

@@ -38,7 +38,7 @@ from gateway.body_deadline import BodyDeadline
 from gateway.config import Config
 from gateway.cors import cors
 from gateway.background import Background
-from gateway.drain import Drain, DrainGate, readyz
+from gateway.drain import LIVENESS, Drain, DrainGate, readyz
 from gateway.errors import APIError, store_unavailable
 from gateway.image_store import ImageStore
 from gateway.metrics import Metrics
@@ -228,7 +228,7 @@ def routes() -> list[BaseRoute]:
         Route("/v1/responses", responses_api.create_response, methods=["POST"]),
         Route("/v1/responses/input_tokens", responses_api.count_input_tokens, methods=["POST"]),
         Route("/v1/responses/compact", responses_api.compact_response, methods=["POST"]),
-        Route("/healthz", healthz, methods=["GET"]),
+        *(Route(path, healthz, methods=["GET"]) for path in LIVENESS),
         Route("/readyz", readyz, methods=["GET"]),
         Route("/metrics", metrics, methods=["GET"]),
         Route("/v1/models", list_models, methods=["GET"]),

@@ -37,7 +37,8 @@ from gateway.request_log import note
 
 log = logging.getLogger("tiergate.drain")
 
-PROBES = frozenset({"/healthz", "/readyz", "/metrics"})  # answered while draining
+LIVENESS = ("/healthz", "/health")  # "alive": /health is the path `vllm serve` answers, for probes written for it
+PROBES = frozenset({*LIVENESS, "/readyz", "/metrics"})  # answered while draining
 RETRY_AFTER_S = 5
 STORE_TIMEOUT_S = 2.0
 CUT_AFTER_S = 1.0  # past the drain timeout, how long uvicorn waits before cancelling what is left

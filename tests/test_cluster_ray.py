@@ -514,6 +514,8 @@ def test_one_metrics_target_for_the_whole_cluster(cluster):
     ingress = {s.labels["ingress"] for s in families["tiergate_ingress_in_flight"]}
     assert len(ingress) == 1  # the answering ingress's own (one ingress per node: each counts its own)
     assert {s.labels["tier"] for s in families["tiergate_ingress_in_flight"]} == set(TIERS)
+    for path in ("/healthz", "/health"):  # liveness, unauthenticated, as `tiergate serve` answers it
+        assert httpx.get(f"{cluster.url}{path}", timeout=30).json() == {"status": "ok"}, path
 
 
 def test_an_image_url_is_read_back_from_the_replica_that_made_it(cluster):

@@ -214,6 +214,7 @@ def test_keys_are_not_logged(chat_server, caplog):
 
 def test_healthz_and_metrics(chat_server):
     assert httpx.get(f"{chat_server.url}/healthz").json() == {"status": "ok"}
+    assert httpx.get(f"{chat_server.url}/health").json() == {"status": "ok"}  # where probes written for vLLM look
     _post(chat_server, GOOD, key="subscriber")
     text = httpx.get(f"{chat_server.url}/metrics").text
     for name in ("tiergate_admitted_total", "tiergate_rejected_total", "tiergate_queued", "tiergate_in_flight",
