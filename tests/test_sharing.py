@@ -188,3 +188,77 @@ def test_held_waits_for_the_run_going_then_holds_the_next():
     leave.set()
     assert holder.result(10) is None and second.result(10) is None
     assert rec.runs == [["a0"], ["b0"]]
+
+
+class CountedEvent(threading.Event):
+    """A job's ``done`` event that counts how often its caller looked at it: once per wake-up."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.looks = 0
+
+    def is_set(self) -> bool:
+        self.looks += 1
+        return super().is_set()
+
+
+def test_a_run_s_end_wakes_only_the_callers_it_concerns():
+    """Sixteen one-piece jobs behind ``held``, two a run: each run's end wakes the two callers
+    it finished and the one that leads next, not every waiting caller (which the condition's
+    notify_all did: the caller of the job run last woke at every one of the eight runs' ends).
+    Counted as each caller's looks at its ``done``: 2-3 each (40 in all), against 3-10 with
+    notify_all (104)."""
+    rec = Recorder(width=2)
+
+    def run(pieces: list[str]) -> None:  # a pass of a few ms, as the encoders' are: waiters get the CPU meanwhile
+        time.sleep(0.005)
+        rec.run(pieces)
+
+    shared = SharedRuns(rec.take, run)
+    jobs = [SharedJob(StepContext(), done=CountedEvent()) for _ in range(16)]
+    with shared.held():
+        futures = [start(shared.join, job, [f"p{i}"]) for i, job in enumerate(jobs)]
+        queued(shared, 16)
+    for f in futures:
+        assert f.result(10) is None
+    assert len(rec.runs) == 8 and sorted(p for run in rec.runs for p in run) == sorted(f"p{i}" for i in range(16))
+    looks = [job.done.looks for job in jobs]
+    assert sum(looks) <= 4 * len(jobs), looks
+
+
+class CancelledAsItWakes(threading.Event):
+    """A job's ``wake`` whose job is cancelled just as its caller wakes: the caller woken to lead
+    the next run leaves instead."""
+
+    def __init__(self, ctx: StepContext) -> None:
+        super().__init__()
+        self.ctx = ctx
+
+    def wait(self, timeout: float | None = None) -> bool:
+        woke = super().wait(timeout)
+        if woke:
+            self.ctx.cancel()
+        return woke
+
+
+def test_a_caller_woken_to_lead_that_leaves_cancelled_wakes_the_next():
+    """Where nothing polls (runs of milliseconds), a's run ends and wakes b, the oldest waiting,
+    to lead; b is cancelled as it wakes and leaves, and must wake c to lead in its place, or c
+    waits for ever."""
+    rec = Recorder(width=1)
+    rec.release.clear()
+    shared = SharedRuns(rec.take, rec.run)
+    b_ctx = StepContext()
+    a, b, c = SharedJob(StepContext()), SharedJob(b_ctx, wake=CancelledAsItWakes(b_ctx)), SharedJob(StepContext())
+    first = start(shared.join, a, ["a0"])
+    assert rec.running.wait(10)
+    second = start(shared.join, b, ["b0"])
+    queued(shared, 1)
+    third = start(shared.join, c, ["c0"])
+    queued(shared, 2)
+    rec.release.set()
+    assert first.result(10) is None
+    with pytest.raises(Cancelled):
+        second.result(10)
+    assert third.result(10) is None
+    assert rec.runs == [["a0"], ["c0"]]

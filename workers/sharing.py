@@ -4,7 +4,10 @@ of several requests' work, led by whichever request's caller finds no run going.
 No thread of its own. A request's caller adds its job to a lane; when no run is going there,
 it takes the next run's pieces (the worker's ``take`` says whose and how many), runs it on its
 own thread and hands on; the others wait for their jobs to be done. So a request alone costs no
-hand-over, and the requests that come while a run goes share the next. Batch-tier work (a
+hand-over, and the requests that come while a run goes share the next. Each waiting caller waits
+on its own job's event, and a run's end wakes only the callers it concerns (those it finished,
+the one that leads next, the cancelled): never every waiter, which with 64 callers behind a pass
+of milliseconds cost more wake-ups than passes. Batch-tier work (a
 pause gate: it may yield between runs) shares in a lane of its own, so that no interactive
 request waits behind a run paused for it. The embedding and moderation encoders
 (``workers.embed``) and speech-to-text (``workers.stt``) run on it.
@@ -33,6 +36,7 @@ class SharedJob:
     error: BaseException | None = None
     done: threading.Event = field(default_factory=threading.Event)
     gpu_s: float = 0.0  # its share of the runs it was in
+    wake: threading.Event = field(default_factory=threading.Event)  # its waiting caller looks again
 
 
 J = TypeVar("J", bound=SharedJob)
@@ -68,7 +72,7 @@ class SharedRuns(Generic[J]):
         # milliseconds; many waiters polling would spend CPU). Batch jobs always poll: a run
         # ahead of them may be paused for long.
         self._interactive_poll_s = _CANCEL_POLL_S if long_runs else None
-        self._turn = threading.Condition()  # guards both lanes
+        self._turn = threading.Condition()  # guards both lanes; ``held`` waits on it for runs to end
         self.interactive: Lane[J] = Lane()
         self.batch: Lane[J] = Lane()  # work that may be paused between runs
 
@@ -78,6 +82,7 @@ class SharedRuns(Generic[J]):
         (``Cancelled`` at a step boundary), never while a run still holds its pieces."""
         pausable = job.ctx.pause_gate is not None or job.ctx.pause_check is not None
         lane = self.batch if pausable else self.interactive
+        poll = _CANCEL_POLL_S if lane is self.batch else self._interactive_poll_s
         with self._turn:
             job.pending = list(pieces)
             job.done.clear()
@@ -86,10 +91,17 @@ class SharedRuns(Generic[J]):
                 if lane.leading:
                     if lane is self.batch:
                         job.ctx.must_pause()  # batch work waiting behind a paused run is paused too
-                    self._turn.wait(_CANCEL_POLL_S if lane is self.batch else self._interactive_poll_s)
+                    job.wake.clear()  # under the lock: a wake set after this is not lost
+                    self._turn.release()
+                    try:
+                        job.wake.wait(poll)
+                    finally:
+                        self._turn.acquire()
                     if job.ctx.cancelled and not job.running and not job.done.is_set():
                         job.error = job.error or Cancelled()  # in no run: leave now, not after it
                         self._settle(lane)
+                        if not lane.leading:
+                            self._wake_next(lane)  # it may have been woken to lead: another leads
                     continue
                 work, held = self._take([j for j in lane.jobs if j.pending and j.error is None])
                 if not held:
@@ -110,7 +122,8 @@ class SharedRuns(Generic[J]):
                         other.running -= 1
                     lane.leading = False
                     self._settle(lane)
-                    self._turn.notify_all()  # the next waiting job's caller leads
+                    self._wake_next(lane)
+                    self._turn.notify_all()  # ``held`` waiting for the runs to end (no job waits on it)
         if job.error is not None:
             raise job.error
 
@@ -128,6 +141,8 @@ class SharedRuns(Generic[J]):
         finally:
             with self._turn:
                 self.interactive.leading = self.batch.leading = False
+                self._wake_next(self.interactive)
+                self._wake_next(self.batch)
                 self._turn.notify_all()
 
     @staticmethod
@@ -138,3 +153,15 @@ class SharedRuns(Generic[J]):
                 job.pending.clear()
                 lane.jobs.remove(job)
                 job.done.set()
+                job.wake.set()
+
+    @staticmethod
+    def _wake_next(lane: Lane[J]) -> None:
+        """(under the lock, no run going in ``lane``) Wake the caller of the oldest job with pieces
+        to run, to lead the next run, and the callers of cancelled jobs, to leave."""
+        leader = next((job for job in lane.jobs if job.pending and job.error is None and not job.ctx.cancelled), None)
+        if leader is not None:
+            leader.wake.set()
+        for job in lane.jobs:
+            if job.ctx.cancelled and not job.running:
+                job.wake.set()
