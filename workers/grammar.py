@@ -34,6 +34,7 @@ from __future__ import annotations
 import functools
 import json
 import re
+import threading
 
 import torch
 
@@ -148,13 +149,15 @@ class Vocabulary:
 
 _BYTES: dict[tuple[str, int], list[bytes] | None] = {}  # by tokenizer folder and size, the last few read
 _BYTES_KEPT = 8
+_BYTES_LOCK = threading.Lock()  # engines read from threads of their own
 
 
 def _decoded_vocab(tokenizer) -> list[bytes] | None:
     folder = str(getattr(tokenizer, "name_or_path", "") or "")
     key = (folder, len(tokenizer))
-    if folder and key in _BYTES:
-        return _BYTES[key]
+    with _BYTES_LOCK:
+        if folder and key in _BYTES:
+            return _BYTES[key]
     try:
         import xgrammar as xgr
 
@@ -162,9 +165,10 @@ def _decoded_vocab(tokenizer) -> list[bytes] | None:
     except Exception:  # noqa: BLE001 - a tokenizer xgrammar does not read: bytes from the text
         raw = None
     if folder:
-        _BYTES[key] = raw
-        while len(_BYTES) > _BYTES_KEPT:
-            del _BYTES[next(iter(_BYTES))]
+        with _BYTES_LOCK:
+            _BYTES[key] = raw
+            while len(_BYTES) > _BYTES_KEPT:
+                del _BYTES[next(iter(_BYTES))]
     return raw
 
 
