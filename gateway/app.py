@@ -38,7 +38,7 @@ from gateway.body_deadline import BodyDeadline
 from gateway.config import Config
 from gateway.cors import cors
 from gateway.background import Background
-from gateway.drain import LIVENESS, Drain, DrainGate, readyz
+from gateway.drain import LIVENESS, Drain, DrainGate, Preload, readyz
 from gateway.errors import APIError, store_unavailable
 from gateway.image_store import ImageStore
 from gateway.metrics import Metrics
@@ -322,7 +322,7 @@ def create_app(services: Services, extra: Sequence[BaseRoute] = ()) -> Starlette
     (``app.state.conversations``), vector stores (``app.state.vector_stores``, read by
     ``app.state.indexer``), the drain
     (``app.state.drain``: readiness, refusing while draining, handing batch lines back), and
-    ``extra`` routes (benchmarks add probes). Middleware, outermost first: CORS when
+    ``extra`` routes (benchmarks add probes), and the models loaded at start (``app.state.preload``). Middleware, outermost first: CORS when
     ``server.cors_origins`` names any (``cors``), the request log, the drain's gate, the body
     deadline, the keys' rate-limit headers."""
     drain = Drain(services.config.server.drain_timeout_s)
@@ -351,6 +351,9 @@ def create_app(services: Services, extra: Sequence[BaseRoute] = ()) -> Starlette
     services.metrics.registry.register(app.state.background)
     app.state.drain = drain
     drain.hooks.append(app.state.batches.hand_back)
+    app.state.preload = Preload([m.name for m in services.config.models if m.preload])
+    services.on_startup.append(lambda: app.state.preload.start(services.arbiter.load))
+    services.on_shutdown.append(app.state.preload.stop)
     app.state.started = time.time()
     return app
 

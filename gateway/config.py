@@ -133,6 +133,9 @@ class _Model(_Strict):
     # other names requests may call it by (gpt-4o-mini, whisper-1, ...): resolved at the door, so
     # a client written for OpenAI runs unchanged; everything after (leases, limits, metrics) sees `name`
     aliases: list[Annotated[str, Field(pattern=NAME)]] = Field(default_factory=list)
+    # loaded when the server starts, in the order of models:, and /readyz says "loading" until then
+    # (otherwise a model loads at its first request, which then waits for it)
+    preload: bool = False
 
     def spec(self, with_adapters: bool = False) -> ModelSpec:
         return ModelSpec(self.name, self.kind, self.path, self.vram)

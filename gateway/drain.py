@@ -21,6 +21,7 @@ On SIGTERM (or the first Ctrl+C) :class:`DrainingServer` drains before uvicorn s
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
 import math
 import time
@@ -131,11 +132,48 @@ class DrainGate:
                 drain.streaming -= 1
 
 
+class Preload:
+    """The models tiers.yaml marks ``preload: true``, loaded one after another once the server has
+    started (a task of its own: ``/healthz`` answers meanwhile, ``/readyz`` says "loading"). One
+    that fails to load is logged and named by ``/readyz``, and the server serves the rest."""
+
+    def __init__(self, models: list[str]) -> None:
+        self.pending = list(models)
+        self.failed: dict[str, str] = {}
+        self._task: asyncio.Task | None = None
+
+    async def start(self, load: Callable[[str], Awaitable[None]]) -> None:
+        if self.pending:
+            self._task = asyncio.get_running_loop().create_task(self._run(load))
+
+    async def _run(self, load: Callable[[str], Awaitable[None]]) -> None:
+        while self.pending:
+            model = self.pending[0]
+            started = time.monotonic()
+            try:
+                await load(model)
+                log.info("preloaded %s in %.1f s", model, time.monotonic() - started)
+            except Exception as exc:  # noqa: BLE001 - the others still load; /readyz names it
+                self.failed[model] = f"{type(exc).__name__}: {exc}"[:300]
+                log.error("preloading %s failed: %s", model, self.failed[model])
+            self.pending.pop(0)
+
+    async def stop(self) -> None:
+        if self._task is not None and not self._task.done():
+            self._task.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await self._task
+
+
 async def readyz(request: Request) -> Response:
-    """200 when serving; 503 while draining or when the batch store does not answer."""
+    """200 when serving; 503 while draining, while the preloaded models load, or when the batch
+    store does not answer."""
     drain: Drain = request.app.state.drain
     if drain.draining:
         return JSONResponse({"status": "draining", "seconds_left": round(drain.left_s(), 1)}, status_code=503)
+    preload: Preload = request.app.state.preload
+    if preload.pending:
+        return JSONResponse({"status": "loading", "models": preload.pending}, status_code=503)
     store = request.app.state.batches.store
     try:
         async with asyncio.timeout(STORE_TIMEOUT_S):  # not wait_for: it can swallow a cancel on 3.11
@@ -143,8 +181,9 @@ async def readyz(request: Request) -> Response:
     except Exception as exc:  # noqa: BLE001 - any failure means not ready
         return JSONResponse({"status": "store_unavailable", "store": type(store).__name__,
                              "error": f"{type(exc).__name__}: {exc}"[:300]}, status_code=503)
+    failed = {"preload_failed": preload.failed} if preload.failed else {}
     return JSONResponse({"status": "ready", "config": str(request.app.state.services.config.source),
-                         "store": type(store).__name__})
+                         "store": type(store).__name__, **failed})
 
 
 class DrainingServer(uvicorn.Server):

@@ -5,6 +5,7 @@ and the process exits 0."""
 
 from __future__ import annotations
 
+import asyncio
 import io
 import json
 import os
@@ -342,3 +343,68 @@ def test_readyz_follows_the_batch_store(tiny_chat, tmp_path):
         assert httpx.get(f"{server.url}/healthz").status_code == 200  # alive, not ready
     finally:
         server.stop()
+
+
+def test_preloaded_models_are_resident_before_any_request_and_readyz_names_a_failure(tiny_chat, tmp_path):
+    """``preload: true``: the model is loaded when the server starts, not at its first request;
+    one that cannot load (declared bigger than the whole budget) is named by /readyz, which
+    still turns ready, and the server serves the rest."""
+    from tests.helpers import start_server
+
+    cfg = write_config(tmp_path, {"tiny-chat": ("chat", tiny_chat)})
+    text = cfg.read_text().replace(f"    path: {tiny_chat}\n", f"    path: {tiny_chat}\n    preload: true\n")
+    text = text.replace("models:\n", f"models:\n  - name: broken\n    kind: chat\n    path: {tiny_chat}\n"
+                                      "    engine: transformers\n    vram: 64GiB\n    preload: true\n")
+    cfg.write_text(text)
+    server = start_server(cfg)
+    try:
+        deadline = time.time() + 60
+        while (ready := httpx.get(f"{server.url}/readyz", timeout=10)).status_code != 200:
+            assert ready.json()["status"] == "loading" and time.time() < deadline, ready.text
+            time.sleep(0.05)
+        assert list(ready.json()["preload_failed"]) == ["broken"], ready.text
+        table = {row["id"]: row for row in server.services.arbiter.table()}
+        assert table["tiny-chat"]["place"] == "resident" and table["broken"]["place"] != "resident"
+        assert server.services.gate.admitted["paid"] == 0  # loaded by no request
+        r = httpx.post(f"{server.url}/v1/chat/completions", headers={"Authorization": f"Bearer {server.keys['paid']}"},
+                       json={"model": "tiny-chat", "messages": [{"role": "user", "content": "hi"}], "max_tokens": 2})
+        assert r.status_code == 200, r.text
+        server.app.state.preload.pending.append("tiny-chat")  # as while a load is going
+        loading = httpx.get(f"{server.url}/readyz", timeout=10)
+        assert loading.status_code == 503 and loading.json() == {"status": "loading", "models": ["tiny-chat"]}
+    finally:
+        server.stop()
+
+
+def test_preload_loads_one_model_after_another_and_keeps_going_past_a_failure():
+    """``Preload`` on its own: ``pending`` (what /readyz reports as loading) shrinks as each
+    load ends, in order; a failure is recorded and the next one still loads; stop cancels."""
+    from gateway.drain import Preload
+
+    async def main():
+        gates = {name: asyncio.Event() for name in ("a", "b", "c")}
+        loaded = []
+
+        async def load(name: str) -> None:
+            await gates[name].wait()
+            if name == "b":
+                raise RuntimeError("out of memory")
+            loaded.append(name)
+
+        preload = Preload(["a", "b", "c"])
+        await preload.start(load)
+        states = [list(preload.pending)]
+        for name in ("a", "b", "c"):
+            gates[name].set()
+            for _ in range(5):
+                await asyncio.sleep(0)
+            states.append(list(preload.pending))
+        stopped = Preload(["d"])
+        await stopped.start(lambda name: asyncio.sleep(3600))
+        await stopped.stop()
+        return states, loaded, preload.failed, stopped.pending
+
+    states, loaded, failed, stopped = asyncio.run(main())
+    assert states == [["a", "b", "c"], ["b", "c"], ["c"], []]
+    assert loaded == ["a", "c"] and failed == {"b": "RuntimeError: out of memory"}
+    assert stopped == ["d"]  # cancelled, not loaded
