@@ -40,6 +40,8 @@ import asyncio
 import contextlib
 import gc
 import logging
+import threading
+import time
 
 from arbiter.events import EventLog, Lagged, Subscription
 
@@ -48,10 +50,30 @@ log = logging.getLogger("tiergate.collector")
 YOUNG_THRESHOLD = 10_000
 
 
-def freeze() -> int:
+def freeze(wait_s: float = 5.0) -> int:
     """Collect, then move every object the collector tracks to the permanent generation; the
-    number of objects frozen so far."""
-    gc.collect()
+    number of objects frozen so far.
+
+    CPython runs one collection at a time: while another thread's is running (its finalizers
+    may let this thread run), ``gc.collect()`` returns at once without collecting, and freezing
+    then would freeze that moment's garbage for good. So this thread collects again until its
+    own full collection has run (seen through ``gc.callbacks``), for ``wait_s`` at most."""
+    me = threading.get_ident()
+    ran: list[bool] = []
+
+    def seen(phase: str, info: dict) -> None:
+        if phase == "stop" and info["generation"] == 2 and threading.get_ident() == me:
+            ran.append(True)
+
+    gc.callbacks.append(seen)
+    try:
+        deadline = time.monotonic() + wait_s
+        gc.collect()
+        while not ran and time.monotonic() < deadline:
+            time.sleep(0.005)
+            gc.collect()
+    finally:
+        gc.callbacks.remove(seen)
     gc.freeze()
     return gc.get_freeze_count()
 
