@@ -57,7 +57,9 @@ def freeze(wait_s: float = 5.0) -> int:
     CPython runs one collection at a time: while another thread's is running (its finalizers
     may let this thread run), ``gc.collect()`` returns at once without collecting, and freezing
     then would freeze that moment's garbage for good. So this thread collects again until its
-    own full collection has run (seen through ``gc.callbacks``), for ``wait_s`` at most."""
+    own full collection has run (seen through ``gc.callbacks``), for ``wait_s`` at most. The
+    :class:`Collector` calls it on the event loop, which that wait holds as long as the other
+    thread's collection lasts (milliseconds in practice; it happens only when two meet)."""
     me = threading.get_ident()
     ran: list[bool] = []
 

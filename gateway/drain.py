@@ -1,8 +1,9 @@
 """Readiness and graceful drain.
 
-``/readyz`` answers 200 once the server has started (its config loaded, the app's start-up done)
-and the batch store answers; 503 while draining or while the store does not answer. ``/healthz``
-stays the plain liveness probe.
+``/readyz`` answers 200 once the server has started (its config loaded, the app's start-up done),
+the models marked ``preload`` have loaded or failed (:class:`Preload`), and the batch store
+answers; 503 while draining, while they load, or while the store does not answer. ``/healthz``
+(and ``/health``) stays the plain liveness probe.
 
 On SIGTERM (or the first Ctrl+C) :class:`DrainingServer` drains before uvicorn shuts down:
 

@@ -44,6 +44,7 @@ def test_good_config_loads(tmp_path):
     (BASE.replace("vram: 6GiB", "vram: 6 gigs"), "models[0].vram", "not a size"),
     (BASE.replace("kind: chat", "kind: video"), "models[0].kind", "must be one of chat, image, tts, stt, embed, moderation, not 'video'"),
     (BASE.replace("kind: chat, ", ""), "models[0].kind", "missing: one of chat"),
+    (BASE.replace("vram: 6GiB", "vram: 6GiB, preload: sometimes"), "models[0].preload", "valid boolean"),
     # engine settings: a block on chat models only
     (BASE.replace("kind: chat", "kind: image, engine: vllm"), "models[0].engine",
      "engine settings are for chat models, not image models"),

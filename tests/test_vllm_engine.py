@@ -226,6 +226,39 @@ def test_a_logprobs_request_runs_eager_on_cpu(loop, engine):
         assert "torchinductor" not in maps, [line for line in maps.splitlines() if "torchinductor" in line]
 
 
+def test_the_tokens_bytes_are_read_off_the_event_loop_once_before_a_logprobs_request(loop, engine, monkeypatch):
+    """The table of each token's own bytes (``workers.grammar.Vocabulary``; xgrammar reads the
+    whole vocabulary, ~1 s for a real one here) is read on a thread of its own before a logprobs
+    request goes to vLLM: this engine's outputs are read on the event loop, which every request
+    shares. Read once per tokenizer folder, so a fresh ``Vocabulary`` (a restart) reads no more."""
+    import threading
+
+    import xgrammar
+
+    import workers.grammar as grammar
+
+    readers: list[str] = []
+    real = xgrammar.TokenizerInfo.from_huggingface
+
+    def counted(*args, **kwargs):
+        readers.append(threading.current_thread().name)
+        return real(*args, **kwargs)
+
+    monkeypatch.setattr(xgrammar.TokenizerInfo, "from_huggingface", counted)
+    monkeypatch.setattr(grammar, "_BYTES", {})
+    ask = lambda: ChatRequest(MSG, ChatParams(max_tokens=3, temperature=0.0, logprobs=1), ctx=StepContext())  # noqa: E731
+
+    async def twice():
+        first = [ev async for ev in engine.chat(ask(), None, ignore_eos=True) if isinstance(ev, TextDelta)]
+        monkeypatch.setattr(engine, "_vocab", grammar.Vocabulary(engine.tokenizer))
+        second = [ev async for ev in engine.chat(ask(), None, ignore_eos=True) if isinstance(ev, TextDelta)]
+        return threading.current_thread().name, first + second
+
+    loop_thread, deltas = loop.run_until_complete(twice())
+    assert all(lp.raw is not None for d in deltas for lp in d.logprobs or [])
+    assert len(readers) == 1 and readers[0] != loop_thread, (readers, loop_thread)
+
+
 def test_stop_string(loop, engine):
     full, _, _ = loop.run_until_complete(collect(engine, req(max_tokens=40)))
     assert len(full) > 16, full
