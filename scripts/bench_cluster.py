@@ -73,7 +73,7 @@ sys.path.insert(0, str(ROOT))
 sys.path.insert(0, str(ROOT / "scripts"))
 
 from benchlib import OTHER_LOAD_LIMIT, OtherLoad, Target, at_least, flood, http_head, judge, pct  # noqa: E402
-from benchlib import tree_cpu_s  # noqa: E402  (CPU seconds of a process tree, by process)
+from benchlib import spare_port, tree_cpu_s  # noqa: E402  (tree_cpu_s: CPU seconds of a process tree, by process)
 
 TIERS = ["paid", "subscriber", "free", "batch"]
 KEYS = {t: f"bench-{t}" for t in TIERS}
@@ -93,23 +93,6 @@ def config_text(chat: Path) -> str:
               "cluster:", "  replicas_per_node: 2", "  devices: cpu", "  replica_cpus: 0.5",
               f"  stats_period_s: {PERIOD_S}"]
     return "\n".join(lines) + "\n"
-
-
-def spare_port() -> int:
-    """A port free now, below the kernel's range for ephemeral ports (32768-60999 on Linux by
-    default), so that no other process's ``bind(0)`` takes it before Ray binds it (a CI run once
-    lost the ingress's port that way, to a test server beside it)."""
-    import random
-    import socket
-
-    while True:
-        port = random.randrange(20000, 32000)
-        with socket.socket() as s:
-            try:
-                s.bind(("127.0.0.1", port))
-            except OSError:
-                continue
-            return port
 
 
 def ask(client, url: str, model: str, tier: str):

@@ -372,7 +372,21 @@ def tiergate_serve(folder: Path, config: str, key: str) -> tuple[subprocess.Pope
 
 
 def spare_port() -> int:
-    """A TCP port on 127.0.0.1 free now, for a benchmark's server."""
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
+    """A TCP port on 127.0.0.1 free now, for a server in a process of its own, chosen below the
+    kernel's range for ephemeral ports (32768-60999 on Linux by default). A port from ``bind(0)``
+    is in that range: between its release and the server's bind, another process's ``bind(0)``
+    or outgoing connection can take it (CI lost a test server's port that way). A process that
+    binds in-process should bind port 0 itself and hand the socket over instead."""
+    import random
+
+    low = 32768
+    with contextlib.suppress(OSError, ValueError):
+        low = int(Path("/proc/sys/net/ipv4/ip_local_port_range").read_text().split()[0])
+    while True:
+        port = random.randrange(min(20000, low // 2), low)
+        with socket.socket() as sock:
+            try:
+                sock.bind(("127.0.0.1", port))
+            except OSError:
+                continue
+            return port

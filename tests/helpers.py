@@ -10,6 +10,7 @@ import os
 import shutil
 import socket
 import subprocess
+import sys
 import threading
 import time
 import uuid
@@ -29,10 +30,16 @@ from gateway.config import load_config
 from gateway.service import Services
 
 
-def spare_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "scripts"))
+from benchlib import spare_port  # noqa: E402,F401  (for servers in processes of their own)
+
+
+def bound_socket() -> socket.socket:
+    """A listening-to-be socket on 127.0.0.1, on a port the kernel chose: for a server in this
+    process, which is handed the socket itself, so no other process can take its port first."""
+    sock = socket.socket()
+    sock.bind(("127.0.0.1", 0))
+    return sock
 
 
 @dataclass
@@ -107,14 +114,15 @@ def start_server(config_path: Path, admin: bool = True) -> RunningServer:
     ring = KeyRing({t: [keys[t]] for t in config.tier_names}, [keys["admin"]] if admin else [])
     services = build_services(config, ring)
     app = create_app(services)
-    port = spare_port()
+    sock = bound_socket()
+    port = sock.getsockname()[1]
     server = uvicorn.Server(server_config(app, "127.0.0.1", port, log_level="warning"))
     holder: dict = {}
 
     def run() -> None:
         loop = asyncio.new_event_loop()
         holder["loop"] = loop
-        loop.run_until_complete(server.serve())
+        loop.run_until_complete(server.serve(sockets=[sock]))
 
     thread = threading.Thread(target=run, daemon=True)
     thread.start()

@@ -190,6 +190,18 @@ def test_a_scratch_folder_goes_when_the_run_ends_and_stays_when_it_raises(capsys
     failed.rmdir()
 
 
+def test_a_spare_port_is_free_and_below_the_ephemeral_range() -> None:
+    """Servers in processes of their own (tests' and benchmarks') get ports no ``bind(0)`` and no
+    outgoing connection of another process can take before they bind them: CI once lost a test
+    server's port, from ``bind(0)``, in the gap."""
+    from benchlib import spare_port
+
+    low = int(Path("/proc/sys/net/ipv4/ip_local_port_range").read_text().split()[0])
+    ports = {spare_port() for _ in range(20)}
+    assert all(p < low for p in ports), (sorted(ports), low)
+    assert len(ports) > 1  # chosen at random: two servers started together do not share one
+
+
 def test_ratio_at_most_judges_the_median_of_the_rounds_ratios(capsys) -> None:
     met = ratio_at_most("a/b p50", "a/b", [1.0, 3.0, 1.1], [1.0, 1.0, 1.0], 1.2)
     assert capsys.readouterr().out == "a/b, per round: 1.00x 3.00x 1.10x\n"

@@ -14,7 +14,7 @@ import httpx
 import pytest
 
 from gateway.config import ConfigError, load_config
-from tests.helpers import RunningServer, chromium, spare_port, start_server, write_config
+from tests.helpers import RunningServer, chromium, start_server, write_config
 
 CHAT = {"model": "tiny-chat", "messages": [{"role": "user", "content": "hi"}], "max_tokens": 2, "temperature": 0}
 
@@ -26,8 +26,8 @@ class _Pages:
         (folder / "index.html").write_text("<!doctype html><title>app</title>")
         handler = functools.partial(http.server.SimpleHTTPRequestHandler, directory=str(folder))
         handler.log_message = lambda *a: None
-        self.port = spare_port()
-        self.httpd = http.server.ThreadingHTTPServer(("127.0.0.1", self.port), handler)
+        self.httpd = http.server.ThreadingHTTPServer(("127.0.0.1", 0), handler)
+        self.port = self.httpd.server_address[1]
         threading.Thread(target=self.httpd.serve_forever, daemon=True).start()
         self.origin = f"http://127.0.0.1:{self.port}"
 

@@ -20,7 +20,7 @@ import pytest
 import uvicorn
 import websockets
 
-from tests.helpers import RunningServer, spare_port, spoken, start_server, write_config
+from tests.helpers import RunningServer, bound_socket, spoken, start_server, write_config
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "scripts"))
 import phone_bridge  # noqa: E402
@@ -40,9 +40,10 @@ def server(tiny_stt, tiny_chat, tiny_tts, tmp_path_factory) -> RunningServer:
 @pytest.fixture(scope="module")
 def bridge(server) -> str:
     app = phone_bridge.create_app(server.url, server.keys["paid"], "tiny-chat", "Answer briefly.", "alloy")
-    port = spare_port()
+    sock = bound_socket()
+    port = sock.getsockname()[1]
     running = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=port, log_level="warning"))
-    thread = threading.Thread(target=running.run, daemon=True)
+    thread = threading.Thread(target=running.run, kwargs={"sockets": [sock]}, daemon=True)
     thread.start()
     deadline = time.monotonic() + 30
     while not running.started:

@@ -22,7 +22,7 @@ from gateway.auth import key_id
 from gateway.config import ConfigError, load_config
 from gateway.webhook_outbox import Delivery, RedisOutbox, SQLiteOutbox
 from gateway.webhooks import endpoints_of, sign
-from tests.helpers import shared_store, spare_port, start_server, write_config
+from tests.helpers import shared_store, start_server, write_config
 
 SECRET = "whsec_" + base64.b64encode(b"a test secret of 32 bytes length").decode()
 SDK = openai.OpenAI(api_key="unused", base_url="http://127.0.0.1:9")  # only its webhooks.unwrap is used
@@ -53,8 +53,8 @@ class Receiver:
             def log_message(self, *args) -> None:
                 pass
 
-        self.port = spare_port()
-        self.http = http.server.ThreadingHTTPServer(("127.0.0.1", self.port), Handler)
+        self.http = http.server.ThreadingHTTPServer(("127.0.0.1", 0), Handler)
+        self.port = self.http.server_address[1]
         threading.Thread(target=self.http.serve_forever, daemon=True).start()
 
     def next(self, timeout: float = 30.0) -> tuple[bytes, dict[str, str]]:
