@@ -13,7 +13,6 @@ from typing import Literal
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator
 from starlette.datastructures import UploadFile
-from starlette.exceptions import HTTPException
 from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
 
@@ -24,6 +23,7 @@ from batch.uploads import MAX_PART_BYTES, PartRefused, UploadInfo, UploadStore
 from batch.uploads import TTL_S as UPLOAD_TTL_S
 from gateway.auth import Caller
 from gateway.errors import APIError, bad_request, not_found
+from gateway.multipart import FORM_SLACK, Multipart
 from gateway.schemas import is_count, parse, read_json
 from gateway.service import Services
 from gateway.vision import image_type
@@ -33,7 +33,6 @@ WINDOW_S = 24 * 3600
 PURPOSES = ("batch", "assistants", "user_data", "fine-tune", "vision")  # a batch's input, a document for vector
 # stores, a fine-tuning job's examples (tuning/: checked whole when a job names it), or an image a response reads
 # (an input_image's file_id: gateway/responses.py; user_data files may be images too)
-_FORM_SLACK = 64 * 1024  # multipart framing on top of the file itself
 
 
 # -- files -------------------------------------------------------------------------------------
@@ -48,18 +47,9 @@ async def upload_file(request: Request) -> Response:
     document for vector stores (``assistants``, ``user_data``: read when a vector store adds it)."""
     svc, runner, caller = _context(request)
     cfg = svc.config.batch
-    if not request.headers.get("content-type", "").startswith("multipart/form-data"):
-        raise APIError(415, "upload files as multipart/form-data with the fields 'file' and 'purpose'",
-                       "unsupported_media_type")
     too_big = APIError(413, f"the file is larger than {cfg.max_file_bytes} bytes", "file_too_large", "file")
-    declared = request.headers.get("content-length", "")
-    if is_count(declared) and int(declared) > cfg.max_file_bytes + _FORM_SLACK:
-        raise too_big
-    try:
-        form = await _capped(request, cfg.max_file_bytes + _FORM_SLACK, too_big).form(max_files=1, max_fields=8)
-    except HTTPException as exc:  # what Starlette's parser says of a malformed body (as /v1/audio/transcriptions)
-        raise bad_request(f"malformed multipart body: {exc.detail}", None, "invalid_multipart") from None
-    try:
+    async with Multipart(request, cfg.max_file_bytes, "the fields 'file' and 'purpose'", "file", max_fields=8,
+                         too_large=too_big) as form:
         purpose, upload = form.get("purpose"), form.get("file")
         if purpose is None:
             raise bad_request("missing required parameter: purpose", "purpose", "missing_required_parameter")
@@ -70,8 +60,6 @@ async def upload_file(request: Request) -> Response:
         content = await upload.read(cfg.max_file_bytes + 1)
         filename = upload.filename or "upload.jsonl"
         expires_after = _form_expires_after(form)
-    finally:
-        await form.close()
     if len(content) > cfg.max_file_bytes:
         raise too_big
     info = await _new_file(svc, runner, caller, filename, content, expires_after.seconds if expires_after else None,
@@ -131,21 +119,6 @@ def _form_expires_after(form) -> ExpiresAfter | None:
 
 class _Upload(BaseModel):
     expires_after: ExpiresAfter
-
-
-def _capped(request: Request, limit: int, error: APIError) -> Request:
-    """``request`` whose body raises ``error`` once more than ``limit`` bytes have arrived."""
-    seen = 0
-
-    async def receive() -> dict:
-        nonlocal seen
-        message = await request.receive()
-        seen += len(message.get("body", b""))
-        if seen > limit:
-            raise error
-        return message
-
-    return Request(request.scope, receive)
 
 
 def _sees(caller: Caller, owner: str) -> bool:
@@ -282,25 +255,17 @@ async def create_upload(request: Request) -> Response:
 async def add_upload_part(request: Request) -> Response:
     """POST /v1/uploads/{id}/parts: multipart ``data``, one part of at most 64 MiB."""
     svc, _, caller = _context(request)
-    if not request.headers.get("content-type", "").startswith("multipart/form-data"):
-        raise APIError(415, "send a part as multipart/form-data with the field 'data'", "unsupported_media_type")
     limit = min(MAX_PART_BYTES, svc.config.batch.max_file_bytes)
     too_big = APIError(413, f"a part is at most {limit} bytes", "part_too_large", "data")
     declared = request.headers.get("content-length", "")
-    if is_count(declared) and int(declared) > limit + _FORM_SLACK:
+    if is_count(declared) and int(declared) > limit + FORM_SLACK:  # before the upload is looked up, as before
         raise too_big
     upload = await _owned_upload(request, caller)
-    try:
-        form = await _capped(request, limit + _FORM_SLACK, too_big).form(max_files=1, max_fields=4)
-    except HTTPException as exc:
-        raise bad_request(f"malformed multipart body: {exc.detail}", None, "invalid_multipart") from None
-    try:
+    async with Multipart(request, limit, "the field 'data'", "data", max_fields=4, too_large=too_big) as form:
         part = form.get("data")
         if not isinstance(part, UploadFile):
             raise bad_request("missing required parameter: data (a file part)", "data", "missing_required_parameter")
         data = await part.read(limit + 1)
-    finally:
-        await form.close()
     if len(data) > limit:
         raise too_big
     part_id, now = f"part_{secrets.token_hex(12)}", time.time()

@@ -976,6 +976,37 @@ def test_transcription_upload_without_length_is_capped(media):
     error(r, 413, "file", "request_too_large")
 
 
+CUT_UPLOADS = {  # path: (text fields, the file part), each a whole upload the server takes
+    "/audio/transcriptions": ({"model": "tiny-stt"}, {"file": ("a.wav", WAV, "audio/wav")}),
+    "/images/edits": ({"model": "tiny-image", "prompt": "a cat"}, {"image": ("a.png", SRC, "image/png")}),
+    "/files": ({"purpose": "batch"}, {"file": ("in.jsonl", b'{"custom_id": "a"}\n' * 50, "application/jsonl")}),
+}
+
+
+@pytest.mark.parametrize("path", list(CUT_UPLOADS))
+def test_an_upload_cut_short_is_a_malformed_body_and_a_whole_one_in_small_chunks_is_not(media, path):
+    """A body that ends before its closing boundary (a client cut off with its Content-Length
+    honest about what it sent) is a 400 ``invalid_multipart`` saying so: Starlette's parser keeps
+    the parts that ended and says nothing, so the answer was "missing required parameter" for the
+    part that was cut. The same body whole, sent in 7-byte chunks so that the closing boundary
+    arrives split across them, is taken."""
+    data, files = CUT_UPLOADS[path]
+    whole = httpx.Request("POST", f"{media.base_url}{path}", data=data, files=files)
+    body, headers = whole.read(), {**auth(media), "content-type": whole.headers["content-type"]}
+    end = body.rindex(b"--\r\n")  # the closing boundary's end
+    for cut in (body[:end], body[:len(body) // 2]):  # no closing "--", and half the file
+        err = error(httpx.post(f"{media.base_url}{path}", content=cut, headers=headers, timeout=60), 400, None,
+                    "invalid_multipart")
+        assert "closing boundary" in err["message"], err
+
+    def chunks():
+        for i in range(0, len(body), 7):
+            yield body[i:i + 7]
+
+    r = httpx.post(f"{media.base_url}{path}", content=chunks(), headers=headers, timeout=120)
+    assert r.status_code == 200, r.text
+
+
 # ---------------------------------------------------------------- the client leaves
 
 
