@@ -33,7 +33,7 @@ from gateway.service import ClientGone, Services
 from gateway.serving import Finished, Gone, Serving, in_thread, relayed, weightless
 from workers import audio as sound
 from workers.base import Cancelled, StepContext
-from workers.stt import ServerVad, Transcript, TranscriptionError, TranscriptionRequest
+from workers.stt import ServerVad, TextDelta, Transcript, TranscriptionError, TranscriptionRequest
 from workers.tts import MAX_SPEED, MIN_SPEED, SpeechRequest, TTSWorker
 
 log = logging.getLogger("tiergate")
@@ -309,7 +309,7 @@ async def serve_transcription(svc: Services, caller: Caller, job: TranscriptionJ
 
 
 async def stream_transcription(svc: Services, caller: Caller, job: TranscriptionJob,
-                               gone: Gone | None) -> AsyncGenerator[str | Transcript, None]:
+                               gone: Gone | None) -> AsyncGenerator[TextDelta | Transcript, None]:
     """The serving core, streamed: each piece of the text as the model decodes it, then the
     whole ``Transcript`` (the pieces join to its text). What goes wrong before the first piece
     is raised by the first ``__anext__``; closing the iterator early stops the model at its next
@@ -377,11 +377,12 @@ async def _speech_to_text(request: Request, form_type: type[TranslationForm], ta
     return _transcript_response(transcript, body, task, svc.gate.rate_headers(caller.tier))
 
 
-async def _transcript_events(first: str | Transcript,
-                             pieces: AsyncGenerator[str | Transcript, None]) -> AsyncIterator[bytes]:
-    """``stream: true``: ``transcript.text.delta`` with each piece of the text, then
-    ``transcript.text.done`` with the whole and its usage (seconds of audio, as the unstreamed
-    answer's). A stream cut short by a failure ends with an ``error`` event and no done event."""
+async def _transcript_events(first: TextDelta | Transcript,
+                             pieces: AsyncGenerator[TextDelta | Transcript, None]) -> AsyncIterator[bytes]:
+    """``stream: true``: ``transcript.text.delta`` with each piece of the text (and, with
+    ``include[]=logprobs``, its tokens'), then ``transcript.text.done`` with the whole and its
+    usage (seconds of audio, as the unstreamed answer's). A stream cut short by a failure ends
+    with an ``error`` event and no done event."""
     try:
         item = first
         while True:
@@ -389,7 +390,7 @@ async def _transcript_events(first: str | Transcript,
                 usage = {"type": "duration", "seconds": int(np.ceil(item.duration))}
                 yield _event({"type": "transcript.text.done", "text": item.text, **_logprobs(item), "usage": usage})
                 return
-            yield _event({"type": "transcript.text.delta", "delta": item})
+            yield _event({"type": "transcript.text.delta", "delta": item.text, **_logprobs(item)})
             item = await pieces.__anext__()
     except APIError as exc:
         yield _event({"type": "error", "error": exc.body()["error"]})
@@ -427,8 +428,8 @@ async def decoded_audio(data: bytes, max_seconds: float, param: str, name: str,
     return audio, rate
 
 
-def _logprobs(t: Transcript) -> dict:
-    """``logprobs`` as OpenAI's transcriptions carry them, when asked for (else nothing)."""
+def _logprobs(t: Transcript | TextDelta) -> dict:
+    """``logprobs`` as OpenAI's transcriptions and their deltas carry them, when asked for (else nothing)."""
     return {} if t.logprobs is None else {"logprobs": token_entries(t.logprobs)}
 
 

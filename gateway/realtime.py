@@ -60,7 +60,7 @@ from gateway.service import ClientGone, Services
 from gateway.serving import Gone
 from gateway.turn_end import EAGERNESS_MAX_MS, SemanticVad, end_probability, transcript_of, turn_wait_ms
 from workers.audio import G711_RATE, G711Stream, NoiseReducer
-from workers.stt import ServerVad, TranscriptionRequest, Transcript, TurnDetector
+from workers.stt import ServerVad, TextDelta, TranscriptionRequest, Transcript, TurnDetector
 
 log = logging.getLogger("tiergate.realtime")
 
@@ -275,9 +275,9 @@ def _kept_silence(vad: ServerVad | SemanticVad) -> int:
 
 
 async def _told(transcript: Transcript):
-    """A transcript already made, as ``stream_transcription`` gives one: its text, then itself."""
+    """A transcript already made, as ``stream_transcription`` gives one: its text (and tokens), then itself."""
     if transcript.text:
-        yield transcript.text
+        yield TextDelta(transcript.text, transcript.logprobs)
     yield transcript
 
 
@@ -604,14 +604,15 @@ class TranscriptionSession:
             # a turn semantic_vad ended where it was judged: its transcript is the judge's (made, and metered, once)
             pieces = _told(known) if known is not None else stream_transcription(self.svc, self.caller, job, self.gone)
             async for piece in pieces:
+                logprobs = {} if piece.logprobs is None else {"logprobs": token_entries(piece.logprobs)}
                 if isinstance(piece, Transcript):
                     heard = piece.text
-                    logprobs = {} if piece.logprobs is None else {"logprobs": token_entries(piece.logprobs)}
                     await self.send({"type": "conversation.item.input_audio_transcription.completed", **base,
                                      "transcript": piece.text, **logprobs,
                                      "usage": {"type": "duration", "seconds": round(job.duration, 3)}})
-                elif piece:
-                    await self.send({"type": "conversation.item.input_audio_transcription.delta", **base, "delta": piece})
+                elif piece.text or piece.logprobs:
+                    await self.send({"type": "conversation.item.input_audio_transcription.delta", **base,
+                                     "delta": piece.text, **logprobs})
         except APIError as exc:  # a setting the serving core refused is named as the session has it
             param = f"session.audio.input.transcription.{exc.param}" if exc.param in _SESSION_PARAMS else exc.param
             await self.failed(base, {"type": exc.type, "code": exc.code, "message": exc.message, "param": param})

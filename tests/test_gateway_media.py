@@ -691,7 +691,8 @@ def test_transcription_token_logprobs_through_the_sdk(media):
     """``include=["logprobs"]`` (OpenAI's ``include[]`` form field) with ``response_format`` json:
     ``logprobs`` in OpenAI's shape (the SDK's ``Transcription.logprobs``), one per text token
     (the worker's tests check the values), the bytes the token's own; the text is the same as
-    without them, which has none. Streamed, the done event carries the same entries (greedy).
+    without them, which has none. Streamed, the done event carries the same entries (greedy), and
+    each delta those of its own tokens, which join to them.
     Any other response_format is a 400 naming ``include``; translations have no such field."""
     c = client(media)
     wav = tone_file(3.0, 16000, 1, "WAV")
@@ -703,9 +704,17 @@ def test_transcription_token_logprobs_through_the_sdk(media):
     assert all(e.logprob <= 0 and raw.decode("utf-8", "replace") == e.token for e, raw in zip(got.logprobs, own))
     # a token that is a piece of a character (its text alone U+FFFD) has that piece's bytes
     assert all(raw != "\ufffd".encode() for e, raw in zip(got.logprobs, own) if e.token == "\ufffd")
-    done = list(c.audio.transcriptions.create(**ask, include=["logprobs"], stream=True))[-1]
+    events = list(c.audio.transcriptions.create(**ask, include=["logprobs"], stream=True))
+    done, deltas = events[-1], events[:-1]
     assert done.type == "transcript.text.done" and done.text == got.text
     assert [(e.token, e.logprob) for e in done.logprobs] == [(e.token, e.logprob) for e in got.logprobs]
+    # each delta carries its own tokens (the SDK's TranscriptionTextDeltaEvent.logprobs): together, the done event's
+    assert deltas and all(d.type == "transcript.text.delta" and d.logprobs is not None for d in deltas)
+    joined = [e for d in deltas for e in d.logprobs]
+    assert [e.token for e in joined] == [e.token for e in done.logprobs]
+    assert [e.logprob for e in joined] == pytest.approx([e.logprob for e in done.logprobs], abs=1e-5)
+    assert all(d.logprobs is None for d in c.audio.transcriptions.create(**ask, stream=True)
+               if d.type == "transcript.text.delta")  # not asked for: none
     for fmt in ("text", "verbose_json", "srt"):
         r = _transcribe(media, {"file": ("a.wav", WAV)}, {"include[]": "logprobs", "response_format": fmt})
         err = error(r, 400, "include", "invalid_value")

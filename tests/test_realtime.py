@@ -398,8 +398,9 @@ def test_a_browser_sends_its_key_as_a_subprotocol_and_sessions_are_counted(serve
 
 def test_logprobs_when_the_session_includes_them_and_a_failing_utterance_does_not_end_the_session(server, monkeypatch):
     """``include: [item.input_audio_transcription.logprobs]``: the completed event carries each
-    token's log-probability, as the HTTP endpoint's json does. An utterance whose transcription
-    breaks unexpectedly gets a ``failed`` event (server_error), and the next one is transcribed."""
+    token's log-probability, as the HTTP endpoint's json does, and each delta event those of its
+    own tokens, which join to them. An utterance whose transcription breaks unexpectedly gets a
+    ``failed`` event (server_error), and the next one is transcribed."""
     from gateway import realtime
 
     speech = spoken("Log these probabilities.", rate=RATE)
@@ -440,6 +441,11 @@ def test_logprobs_when_the_session_includes_them_and_a_failing_utterance_does_no
     for mine, theirs in zip(done.logprobs, http["logprobs"]):
         assert mine.token == theirs["token"] and mine.bytes == theirs["bytes"]
         assert mine.logprob == pytest.approx(theirs["logprob"], abs=1e-4)
+    # the delta events of the second utterance carry its tokens as they are decoded: together, the completed event's
+    deltas = [e for e in events if e.type == "conversation.item.input_audio_transcription.delta"
+              and e.item_id == committed[1].item_id]
+    assert deltas and all(d.logprobs is not None for d in deltas)
+    assert [e.token for d in deltas for e in d.logprobs] == [e.token for e in done.logprobs]
 
 
 def test_server_vad_turned_on_mid_session_times_turns_in_the_session_s_audio(server):

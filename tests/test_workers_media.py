@@ -471,14 +471,37 @@ def test_stt_streamed_pieces_join_to_the_transcript(stt_worker, seconds, tempera
     monkeypatch.setattr(stt_worker, "stream_every_s", 0.0)
     x = _tone(seconds, 16000)[:, 0]
     req = stt.TranscriptionRequest(language="en", temperature=temperature)
-    pieces: list[str] = []
+    pieces: list[stt.TextDelta] = []
     ctx = StepContext()
     streamed = stt_worker.transcribe(x, req, ctx, pieces.append)
-    assert len(pieces) >= 2 and all(pieces) and "".join(pieces) == streamed.text
+    assert len(pieces) >= 2 and all(p.text and p.logprobs is None for p in pieces)
+    assert "".join(p.text for p in pieces) == streamed.text
     windows = len(stt.split_windows(x, 16000, stt_worker.window_s))
     assert ctx.steps > windows * 3  # one per window, and one per token decoded
     if temperature == 0:
         assert stt_worker.transcribe(x, req, StepContext()).text == streamed.text
+
+
+@pytest.mark.parametrize("every_s", [0.0, 10.0])
+def test_stt_streamed_pieces_carry_their_tokens_logprobs(stt_worker, every_s, monkeypatch):
+    """With ``logprobs`` each streamed piece carries the text tokens decoded since the piece
+    before, under the scores they were chosen from: read at every token (``stream_every_s`` 0)
+    and read once (10 s: the first token's read, then the rest when the window ends), they join
+    to the transcript's own tokens and log-probabilities (greedy, one window, one pass: the same
+    scores), and the same text as unstreamed."""
+    monkeypatch.setattr(stt_worker, "stream_every_s", every_s)
+    x = _tone(4.0, 16000)[:, 0]
+    req = stt.TranscriptionRequest(language="en", logprobs=True)
+    pieces: list[stt.TextDelta] = []
+    streamed = stt_worker.transcribe(x, req, StepContext(), pieces.append)
+    assert streamed.logprobs and all(p.logprobs is not None for p in pieces)
+    assert "".join(p.text for p in pieces) == streamed.text
+    joined = [e for p in pieces for e in p.logprobs]
+    assert [(e.token, e.raw) for e in joined] == [(e.token, e.raw) for e in streamed.logprobs]
+    assert [e.logprob for e in joined] == pytest.approx([e.logprob for e in streamed.logprobs], abs=1e-5)
+    if every_s == 0:
+        assert sum(1 for p in pieces if p.logprobs) >= 2  # spread over the pieces, not all on the last
+    assert stt_worker.transcribe(x, req, StepContext()).logprobs == streamed.logprobs
 
 
 def test_stt_streamed_text_is_read_at_most_every_stream_every_s(stt_worker, monkeypatch):
@@ -500,11 +523,11 @@ def test_stt_streamed_text_is_read_at_most_every_stream_every_s(stt_worker, monk
         runs = {}
         for every in (0.0, 0.1):
             monkeypatch.setattr(stt_worker, "stream_every_s", every)
-            pieces: list[str] = []
+            pieces: list[stt.TextDelta] = []
             ctx = StepContext()
             reads.clear()
             text = stt_worker.transcribe(x, req, ctx, pieces.append).text
-            runs[every] = (pieces, ctx.steps, text, len(reads))
+            runs[every] = ([p.text for p in pieces], ctx.steps, text, len(reads))
     finally:
         slow.remove()
     (each, steps_each, text_each, reads_each), (few, steps_few, text_few, reads_few) = runs[0.0], runs[0.1]
@@ -539,7 +562,7 @@ def test_stt_concurrent_requests_share_decodes_and_read_as_each_alone(stt_worker
     calls = [(_tone(3.0, 16000)[:, 0], en), (_tone(45.0, 16000)[:, 0], en), (_tone(2.0, 16000)[:, 0], en),
              (_tone(4.0, 16000)[:, 0], detailed), (np.random.default_rng(0).normal(0, 0.1, 96000).astype(np.float32), detailed)]
     alone = [stt_worker.transcribe(x, req, StepContext()) for x, req in calls]
-    pieces: list[str] = []
+    pieces: list[stt.TextDelta] = []
     before = stt_worker.decodes
     got = _queued(stt_worker, [(x, req, StepContext(), pieces.append if n == 2 else None) for n, (x, req) in enumerate(calls)])
     assert stt_worker.decodes - before == 2
@@ -547,7 +570,7 @@ def test_stt_concurrent_requests_share_decodes_and_read_as_each_alone(stt_worker
         assert mine.text == theirs.text and mine.language == theirs.language
         assert [(s.start, s.end, s.text, s.seek, s.tokens) for s in mine.segments] == \
             [(s.start, s.end, s.text, s.seek, s.tokens) for s in theirs.segments]
-    assert "".join(pieces) == got[2].text and pieces
+    assert "".join(p.text for p in pieces) == got[2].text and pieces
     figures = [(s.avg_logprob, s.no_speech_prob) for t in alone[3:] for s in t.segments[:1]]
     assert figures[0] != figures[1]
     assert [x for t in got[3:] for s in t.segments[:1] for x in (s.avg_logprob, s.no_speech_prob)] == pytest.approx(
@@ -586,7 +609,7 @@ def test_stt_streamed_rows_read_their_own_tokens_of_the_first_pass():
     rows = []
     for n, job in enumerate(jobs):
         row = stt._Row(job, torch.zeros(1), None, 0.0, 1.0)
-        row.tokens = stt._Tokens(job.ctx, lambda ids, n=n: taken[n].__setitem__(slice(None), list(ids)), 0.0, frozenset({9}))
+        row.tokens = stt._Tokens(job.ctx, lambda t, n=n: taken[n].__setitem__(slice(None), list(t.ids)), 0.0, frozenset({9}))
         rows.append(row)
     jobs[2].ctx.cancel()  # its reading raises Cancelled at its first token
     streams = stt._Streams(rows)

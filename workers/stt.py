@@ -32,7 +32,14 @@ window's text's UTF-8 length over its zlib-compressed length.
 
 Token log-probabilities (``TranscriptionRequest.logprobs``, Whisper only): each text token of the
 transcript, in order (timestamps and special tokens left out), with its log-probability under the
-same scores as ``avg_logprob``'s, read from the decoding pass each segment came from.
+same scores as ``avg_logprob``'s, read from the decoding pass each segment came from. Streamed,
+each ``TextDelta`` carries the text tokens decoded since the one before, under the scores the
+decoder chose them from as it chose them (the last logits processor keeps them: ``_StepScores``).
+The tokens a window's streamed pieces did not carry (those a further decoding pass of the window
+added, and those decoded after its last piece) go with the next piece, as the transcript has
+them. So the pieces' tokens join to the transcript's, but where Whisper decoded a window again
+from its last timestamp after some of the tokens it dropped went out (as with the streamed text,
+what went out stands).
 """
 
 from __future__ import annotations
@@ -52,6 +59,7 @@ from typing import Callable, Literal
 import numpy as np
 import torch
 from transformers import AutoModelForSpeechSeq2Seq, AutoProcessor
+from transformers.generation.logits_process import LogitsProcessor, LogitsProcessorList
 from transformers.generation.stopping_criteria import StoppingCriteria, StoppingCriteriaList
 from transformers.generation.streamers import BaseStreamer
 from transformers.models.whisper.tokenization_whisper import LANGUAGES, TO_LANGUAGE_CODE, _combine_tokens_into_words
@@ -127,6 +135,17 @@ class Word:
     word: str
     start: float  # seconds from the start of the audio
     end: float
+
+
+@dataclass(frozen=True)
+class TextDelta:
+    """A streamed transcription's piece of text; with ``logprobs`` asked for, the text tokens
+    decoded since the piece before, each with its log-probability (else None). A last piece may
+    carry only tokens, no text: those whose text went out before them (a word's first tokens
+    read as its whole)."""
+
+    text: str
+    logprobs: list[TokenLogprob] | None = None
 
 
 @dataclass
@@ -332,7 +351,7 @@ class STTWorker(ThreadWorker):
         return [self.model] if self.model is not None else []
 
     def transcribe(self, audio: np.ndarray, req: TranscriptionRequest, ctx: StepContext,
-                   on_text: Callable[[str], None] | None = None) -> Transcript:
+                   on_text: Callable[[TextDelta], None] | None = None) -> Transcript:
         """Transcribe float32 mono ``audio`` at ``sample_rate``; ``ctx.boundary()`` before each window.
 
         ``on_text`` (a streamed transcription) is called, on this thread, with each piece of the
@@ -340,7 +359,8 @@ class STTWorker(ThreadWorker):
         text so far is the windows done, then the current window's tokens read as its finished
         segments will be (``_segments``), and each call adds what that text grew by. The pieces
         join to ``Transcript.text``; in the rare case the finished window reads other than its
-        tokens so far did, what was already sent stands and the last piece is left out."""
+        tokens so far did, what was already sent stands and the last piece is left out. With
+        ``req.logprobs`` each piece carries the text tokens decoded since the last (module doc)."""
         if self.model is None:
             raise RuntimeError(f"model {self.spec.name!r} is not loaded")
         if req.temperature < 0:
@@ -364,6 +384,7 @@ class STTWorker(ThreadWorker):
         if req.logprobs:
             self._vocab.read()  # once per tokenizer, on this request's thread, not in a decode shared with others
         sent = ""  # what on_text was given
+        owed: list[TokenLogprob] = []  # streamed tokens decoded after the last piece of a window done
         if req.vad is None:
             windows = split_windows(audio, sr, self.window_s)
         else:
@@ -385,15 +406,19 @@ class STTWorker(ThreadWorker):
                 row = chunk[0]
                 done = _joined(text for r in rows for _, _, text in r.window.segments)
 
-                def grown(ids: list[int], done: str = done, length_s: float = row.length_s) -> None:
-                    nonlocal sent
-                    so_far = _joined([done, _joined(t for _, _, t in self._segments(ids, length_s))])
+                def grown(tokens: _Tokens, done: str = done, length_s: float = row.length_s) -> None:
+                    nonlocal sent, owed
+                    so_far = _joined([done, _joined(t for _, _, t in self._segments(tokens.ids, length_s))])
                     if so_far.startswith(sent) and len(so_far) > len(sent):
-                        on_text(so_far[len(sent):])
-                        sent = so_far
+                        on_text(TextDelta(so_far[len(sent):], owed + tokens.take_entries() if req.logprobs else None))
+                        sent, owed = so_far, []
 
-                row.tokens = _Tokens(ctx, grown, self.stream_every_s, self._end_ids())
+                scored = self._vocab.entry if req.logprobs else None
+                row.tokens = _Tokens(ctx, grown, self.stream_every_s, self._end_ids(), scored,
+                                     self.processor.tokenizer.eos_token_id)
             self._run(job, chunk)
+            if on_text is not None and req.logprobs:  # the window's tokens no piece carried yet, as the transcript has them
+                owed += chunk[0].window.logprobs[chunk[0].tokens.delivered:]
             rows += chunk
         ctx.gpu_s = (ctx.gpu_s or 0.0) + job.gpu_s
         for row in rows:
@@ -414,7 +439,9 @@ class STTWorker(ThreadWorker):
                 logprobs += window.logprobs
         text = _joined(s.text for s in segments)
         if on_text is not None and text.startswith(sent) and len(text) > len(sent):
-            on_text(text[len(sent):])
+            on_text(TextDelta(text[len(sent):], owed if req.logprobs else None))
+        elif on_text is not None and owed:
+            on_text(TextDelta("", owed))
         return Transcript(text=text, language=language, duration=len(audio) / sr, segments=segments, words=words,
                           logprobs=logprobs)
 
@@ -563,7 +590,9 @@ class STTWorker(ThreadWorker):
         if self._timestamps():
             kwargs["return_timestamps"] = True
         if any(row.tokens is not None for row in rows):
-            kwargs["streamer"] = _Streams(rows)
+            kwargs["streamer"] = streams = _Streams(rows)
+            if decode.logprobs:  # each streamed token's log-probability, from the scores it was chosen from
+                kwargs["logits_processor"] = LogitsProcessorList([_StepScores(streams)])
         if decode.words:
             kwargs.update(attention_mask=torch.cat([row.frames for row in rows]).to(device),
                           return_token_timestamps=True, return_segments=True)
@@ -790,6 +819,7 @@ class _Streams(BaseStreamer):
         self.rows = rows
         self.passes = 0
         self.mapped = True  # this pass's rows are self.rows, in order
+        self.scores: torch.Tensor | None = None  # this step's, (rows, vocabulary), with ``_StepScores``
 
     def put(self, value: torch.Tensor) -> None:
         if value.dim() > 1:  # a pass's prompts
@@ -798,11 +828,11 @@ class _Streams(BaseStreamer):
             return
         if not self.mapped:
             return
-        for row, token in zip(self.rows, value.tolist()):
+        for i, (row, token) in enumerate(zip(self.rows, value.tolist())):
             if row.tokens is not None and row.job.error is None:
                 try:
                     if self.passes == 1 and not row.tokens.ended:
-                        row.tokens.take(token)
+                        row.tokens.take(token, None if self.scores is None else self.scores[i])
                     else:
                         row.job.ctx.boundary()
                 except Exception as exc:  # noqa: BLE001 - Cancelled, or the request's own callback
@@ -810,6 +840,19 @@ class _Streams(BaseStreamer):
 
     def end(self) -> None:
         pass
+
+
+class _StepScores(LogitsProcessor):
+    """The last of ``generate``'s logits processors: keeps each step's scores, as the token is
+    chosen from them (and as ``output_scores`` keeps them), for ``_Streams`` to read the chosen
+    token's log-probability when it is put. Changes nothing."""
+
+    def __init__(self, streams: _Streams) -> None:
+        self.streams = streams
+
+    def __call__(self, input_ids: torch.Tensor, scores: torch.Tensor) -> torch.Tensor:
+        self.streams.scores = scores
+        return scores
 
 
 class _NoSpeech:
@@ -884,21 +927,33 @@ class _Tokens:
     on the demo's tiny Whisper (docs/BENCHMARKS.md, "Live transcription"): a streamed 2 s
     utterance took +11 ms over the unstreamed one when every token was read."""
 
-    def __init__(self, ctx: StepContext, grown: Callable[[list[int]], None], every_s: float = 0.05,
-                 end_ids: frozenset[int] = frozenset()) -> None:
+    def __init__(self, ctx: StepContext, grown: Callable[["_Tokens"], None], every_s: float = 0.05,
+                 end_ids: frozenset[int] = frozenset(),
+                 scored: Callable[[int, float], TokenLogprob] | None = None, text_below: int = 0) -> None:
         self.ctx, self.grown, self.every_s, self.end_ids = ctx, grown, every_s, end_ids
+        self.scored, self.text_below = scored, text_below  # logprobs: a text token's entry; text ids are below
         self.ids: list[int] = []
+        self.entries: list[TokenLogprob] = []  # with ``scored``: the text tokens not yet taken by a piece
+        self.delivered = 0  # text tokens taken by pieces
         self.ended = False
         self._read_at = -math.inf
 
-    def take(self, token: int) -> None:
+    def take(self, token: int, scores: torch.Tensor | None = None) -> None:
         self.ids.append(token)
         self.ended = token in self.end_ids  # what comes after it in a shared decode is padding
+        if self.scored is not None and scores is not None and token < self.text_below:
+            self.entries.append(self.scored(token, float(torch.log_softmax(scores.float(), -1)[token])))
         self.ctx.boundary()
         now = time.monotonic()
         if now - self._read_at >= self.every_s:
             self._read_at = now
-            self.grown(self.ids)
+            self.grown(self)
+
+    def take_entries(self) -> list[TokenLogprob]:
+        """The text tokens' entries since the last call, for a piece."""
+        taken, self.entries = self.entries, []
+        self.delivered += len(taken)
+        return taken
 
 
 def _clean_offsets(offsets: list[dict], length_s: float) -> list[tuple[float, float, str]]:
