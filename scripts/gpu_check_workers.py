@@ -295,9 +295,19 @@ def check_stt(models: Path, device: torch.device) -> dict:
     before = dev.decodes
     windows, long_seconds = timed(lambda: dev.transcribe(long, TranscriptionRequest(language="en"), StepContext()))
     decodes = (dev.decodes - before) / 2  # timed() runs it twice
+    # streamed with logprobs: each piece's tokens read from the device's scores as they are chosen, joined
+    # to the transcript's own (fp16 scores on CUDA: the same tensor either way)
+    asked = TranscriptionRequest(language="en", logprobs=True)
+    pieces: list = []
+    streamed = dev.transcribe(x, asked, StepContext(), pieces.append)
+    joined = [e for p in pieces for e in p.logprobs]
+    logprobs_match = [e.token for e in joined] == [e.token for e in streamed.logprobs] and all(
+        abs(a.logprob - b.logprob) < 1e-3 for a, b in zip(joined, streamed.logprobs))
     return {"placed": placed, "dtypes": dtypes, "text_equal": got.text == want.text, "language": got.language,
             "seconds": seconds, "long_decodes": decodes, "long_seconds": long_seconds,
-            "ok": placed and isinstance(got.text, str) and got.duration > 2.9 and decodes == 1 and windows.duration > 64.9}
+            "streamed_logprobs": [len(joined), len(streamed.logprobs)], "streamed_logprobs_match": logprobs_match,
+            "ok": placed and isinstance(got.text, str) and got.duration > 2.9 and decodes == 1 and windows.duration > 64.9
+            and logprobs_match}
 
 
 def check_embed(models: Path, device: torch.device) -> dict:
