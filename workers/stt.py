@@ -140,9 +140,9 @@ class Word:
 @dataclass(frozen=True)
 class TextDelta:
     """A streamed transcription's piece of text; with ``logprobs`` asked for, the text tokens
-    decoded since the piece before, each with its log-probability (else None). A last piece may
-    carry only tokens, no text: those whose text went out before them (a word's first tokens
-    read as its whole)."""
+    decoded since the piece before, each with its log-probability (else None). The last piece
+    may carry tokens and no text: the last window's tokens that no piece carried yet, when its
+    finished text adds nothing to what went out."""
 
     text: str
     logprobs: list[TokenLogprob] | None = None
