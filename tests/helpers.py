@@ -136,6 +136,26 @@ def start_server(config_path: Path, admin: bool = True) -> RunningServer:
     return running
 
 
+def vocabulary_reads(monkeypatch) -> list[str]:
+    """The names of the threads that read a tokenizer's table of token bytes from now on
+    (``workers.grammar.Vocabulary``: xgrammar reads the whole vocabulary), its per-folder cache
+    emptied first."""
+    import xgrammar
+
+    import workers.grammar as grammar
+
+    readers: list[str] = []
+    real = xgrammar.TokenizerInfo.from_huggingface
+
+    def counted(*args, **kwargs):
+        readers.append(threading.current_thread().name)
+        return real(*args, **kwargs)
+
+    monkeypatch.setattr(xgrammar.TokenizerInfo, "from_huggingface", counted)
+    monkeypatch.setattr(grammar, "_BYTES", {})
+    return readers
+
+
 CHAT_ADAPTERS = ["tiny-chat-pirate", "tiny-chat-poet"]
 
 

@@ -616,19 +616,10 @@ def test_a_logprobs_request_reads_the_tokens_bytes_off_the_engine_thread_once(wo
     core) are read before a logprobs request reaches the engine, on a thread of their own: neither
     the engine thread, whose other rows would wait, nor the event loop. They are kept per
     tokenizer folder, so the model loaded again (a fresh ``Vocabulary``) does not read them again."""
-    import xgrammar
-
     import workers.grammar as grammar
+    from tests.helpers import vocabulary_reads
 
-    readers: list[str] = []
-    real = xgrammar.TokenizerInfo.from_huggingface
-
-    def counted(*args, **kwargs):
-        readers.append(threading.current_thread().name)
-        return real(*args, **kwargs)
-
-    monkeypatch.setattr(xgrammar.TokenizerInfo, "from_huggingface", counted)
-    monkeypatch.setattr(grammar, "_BYTES", {})
+    readers = vocabulary_reads(monkeypatch)
     req = lambda: ChatRequest([{"role": "user", "content": "hello"}],  # noqa: E731
                               ChatParams(max_tokens=4, temperature=0, logprobs=2), ctx=StepContext())
 

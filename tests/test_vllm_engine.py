@@ -233,19 +233,10 @@ def test_the_tokens_bytes_are_read_off_the_event_loop_once_before_a_logprobs_req
     shares. Read once per tokenizer folder, so a fresh ``Vocabulary`` (a restart) reads no more."""
     import threading
 
-    import xgrammar
-
     import workers.grammar as grammar
+    from tests.helpers import vocabulary_reads
 
-    readers: list[str] = []
-    real = xgrammar.TokenizerInfo.from_huggingface
-
-    def counted(*args, **kwargs):
-        readers.append(threading.current_thread().name)
-        return real(*args, **kwargs)
-
-    monkeypatch.setattr(xgrammar.TokenizerInfo, "from_huggingface", counted)
-    monkeypatch.setattr(grammar, "_BYTES", {})
+    readers = vocabulary_reads(monkeypatch)
     ask = lambda: ChatRequest(MSG, ChatParams(max_tokens=3, temperature=0.0, logprobs=1), ctx=StepContext())  # noqa: E731
 
     async def twice():
