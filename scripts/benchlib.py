@@ -383,7 +383,7 @@ def spare_port() -> int:
     with contextlib.suppress(OSError, ValueError):
         low = int(Path("/proc/sys/net/ipv4/ip_local_port_range").read_text().split()[0])
     while True:
-        port = random.randrange(min(20000, low // 2), low)
+        port = random.randrange(low // 2, low)  # the upper half of the ports below it (16384-32767 by default)
         with socket.socket() as sock:
             try:
                 sock.bind(("127.0.0.1", port))
