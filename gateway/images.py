@@ -53,6 +53,9 @@ _SIZE = re.compile(r"^(\d{1,5})x(\d{1,5})$")
 MAX_SOURCE_PIXELS = 4096 * 4096  # an edit's uploaded image (and mask), checked before it is decoded
 SOURCE_FORMATS = ("PNG", "JPEG", "WEBP")
 IMG2IMG_STRENGTH = 0.8  # diffusers' image-to-image default: an edit without a mask, strength not given
+# an edit without a mask at ``input_fidelity: high`` (gpt-image-1's "match the input image more closely"), strength
+# not given: half the noise, so more of the source's shapes and colours survive (a choice of this server's)
+HIGH_FIDELITY_STRENGTH = 0.5
 MEDIA_TYPES = {"png": "image/png", "jpeg": "image/jpeg", "webp": "image/webp"}
 DEFAULT_COMPRESSION = 100  # OpenAI's default output_compression for jpeg and webp
 
@@ -71,6 +74,8 @@ class ImageGenerationRequest(_Body):
     output_format: Literal["png", "jpeg", "webp"] | None = None  # the pipelines' PNG, or encoded from it (``encoded``)
     output_compression: int | None = Field(default=None, ge=0, le=100)  # jpeg and webp: 0-100 (quality)
     background: Literal["auto", "opaque", "transparent"] | None = None  # transparent: a 400 (opaque images only)
+    # gpt-image-1's filter strictness: accepted, and both values are the same here (no filter runs on image prompts)
+    moderation: Literal["auto", "low"] | None = None
     stream: bool = False  # previews while it denoises (partial_images of them), then the image: SSE events
     partial_images: int | None = Field(default=None, ge=0, le=3)
     user: str | None = None
@@ -101,6 +106,7 @@ class ImageEditForm(ImageVariationForm):
     output_format: Literal["png", "jpeg", "webp"] | None = None
     output_compression: int | None = Field(default=None, ge=0, le=100)
     background: Literal["auto", "opaque", "transparent"] | None = None
+    input_fidelity: Literal["high", "low"] | None = None  # without a mask, strength not given: high keeps more
     stream: bool = False
     partial_images: int | None = Field(default=None, ge=0, le=3)
 
@@ -274,7 +280,7 @@ def plan_edit(body: ImageVariationForm, steps: int, image: Image, mask: Image | 
     (``steps`` from ``_checked_steps``), the decoded image and mask; its cost counts the steps
     diffusers runs (``strength`` of them)."""
     width, height = image.size
-    strength = body.strength if body.strength is not None else (1.0 if mask is not None else IMG2IMG_STRENGTH)
+    strength = body.strength if body.strength is not None else _default_strength(body, mask)
     runs = int(steps * strength)  # diffusers denoises the last int(steps x strength) of the steps
     if runs < 1:
         raise bad_request(f"num_inference_steps {steps} at strength {strength:g} runs no denoising step (an edit runs "
@@ -283,6 +289,15 @@ def plan_edit(body: ImageVariationForm, steps: int, image: Image, mask: Image | 
     req = ImageRequest(getattr(body, "prompt", ""), body.n, width, height, body.seed, body.negative_prompt or None,
                        steps, body.guidance_scale, image=image, mask=mask, strength=strength)
     return Plan(req, units=float(body.n * width * height * runs))
+
+
+def _default_strength(body: ImageVariationForm, mask: Image | None) -> float:
+    """An edit's strength when the request does not set one: a masked edit repaints the mask's
+    pixels from noise (and keeps the rest as they are); the whole image is repainted at diffusers'
+    default, or at half the noise for ``input_fidelity: high``."""
+    if mask is not None:
+        return 1.0
+    return HIGH_FIDELITY_STRENGTH if getattr(body, "input_fidelity", None) == "high" else IMG2IMG_STRENGTH
 
 
 async def serve_images(svc: Services, caller: Caller, job: Plan, gone: Gone | None) -> list[bytes]:

@@ -163,6 +163,8 @@ def test_image_output_formats_are_the_same_pixels_encoded_as_asked(media):
     assert [e.output_format for e in events] == ["webp", "webp"]
     assert all(Image.open(io.BytesIO(base64.b64decode(e.b64_json))).format == "WEBP" for e in events)
     assert c.images.generate(**ask, background="opaque").data[0].b64_json == base64.b64encode(png).decode()
+    for moderation in ("auto", "low"):  # gpt-image-1's filter strictness: no filter runs here, the same image
+        assert c.images.generate(**ask, moderation=moderation).data[0].b64_json == base64.b64encode(png).decode()
 
 
 def test_quality_sets_the_denoising_steps(media):
@@ -224,6 +226,7 @@ IMAGE = {"model": "tiny-image", "prompt": "a cat", "size": "32x32", "num_inferen
     ({"output_format": "png", "output_compression": 50}, "output_compression"),
     ({"output_format": "jpeg", "output_compression": 101}, "output_compression"),
     ({"background": "transparent"}, "background"),
+    ({"moderation": "strict"}, "moderation"),
     ({"model": "tiny-tts"}, "model"),
     ({"prompt": None}, "prompt"),
 ])
@@ -295,6 +298,7 @@ def test_image_edit_without_a_mask_uses_the_image_transparency(media):
 
     alone = edit(image=("a.png", png_of(rgba)))
     assert alone == edit(image=("a.png", png_of(rgba)), mask=("m.png", png_of(hole_mask(32, 32, (0, 16, 32, 32)))))
+    assert alone == edit(image=("a.png", png_of(rgba)), input_fidelity="high")  # a masked edit keeps the rest exactly
     top = pixels_of(alone)[:16]
     assert (top == np.asarray(rgba.convert("RGB"), dtype=np.int16)[:16]).all()
 
@@ -312,6 +316,11 @@ def test_image_edit_of_an_opaque_image_is_image_to_image(media):
 
     weak, again, strong = edit(strength=0.5), edit(strength=0.5), edit(strength=1.0)
     assert weak == again and weak != strong
+    # gpt-image-1's input_fidelity: high keeps more of the source (strength 0.5), low is the default 0.8 (at
+    # 10 steps these run 5 and 8 of them; at 2 both would run the last one and make the same image)
+    ten = {"num_inference_steps": 10}
+    high, low, default = edit(input_fidelity="high", **ten), edit(input_fidelity="low", **ten), edit(**ten)
+    assert high == edit(strength=0.5, **ten) and low == default != high
     assert png_size(weak) == (40, 24)
     assert png_size(edit(size="32x16")) == (32, 16)
 
@@ -364,6 +373,7 @@ SRC = png_of(noise_image(32, 32))
     ({"image": ("a.png", SRC)}, {"num_inference_steps": "401"}, 400, "num_inference_steps", None),
     ({"image": ("a.png", SRC)}, {"adapters": "not json"}, 400, "adapters", None),
     ({"image": ("a.png", SRC)}, {"style": "vivid"}, 400, "style", "unknown_parameter"),
+    ({"image": ("a.png", SRC)}, {"input_fidelity": "medium"}, 400, "input_fidelity", None),
     ({"image": ("a.png", SRC)}, {"model": "tiny-tts"}, 400, "model", "model_not_supported"),
     ({"image": ("a.png", SRC)}, {"model": "nope"}, 404, "model", None),
 ])
