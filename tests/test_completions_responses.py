@@ -649,6 +649,27 @@ def test_structured_output_completes_and_validates(server):
     assert json.loads(respond(c, "Answer", text=fmt, max_output_tokens=64).output_text).keys() == {"ok", "n"}
 
 
+def test_the_sdks_pydantic_helpers_parse_the_output(server):
+    """``client.responses.parse`` and ``client.responses.stream`` with ``text_format=`` a pydantic
+    model (how applications ask for structured outputs): the SDK turns the model into a strict JSON
+    schema, and the reply parses into it, whole and streamed."""
+    from typing import Literal
+
+    import pydantic
+
+    class Closed(pydantic.BaseModel):
+        ok: bool
+        n: Literal[1, 2, 3]
+
+    c = client(server)
+    parsed = c.responses.parse(model="tiny-chat", input="Answer", text_format=Closed, max_output_tokens=64)
+    assert parsed.status == "completed" and isinstance(parsed.output_parsed, Closed)
+    assert parsed.output_parsed == Closed.model_validate_json(parsed.output_text)
+    with c.responses.stream(model="tiny-chat", input="Answer", text_format=Closed, max_output_tokens=64) as stream:
+        final = stream.get_final_response()
+    assert final.status == "completed" and isinstance(final.output_parsed, Closed)
+
+
 def test_required_tool_call_and_its_output(server):
     c = client(server)
     r = respond(c, "Weather in Paris?", tools=TOOLS, tool_choice="required", max_output_tokens=64)
