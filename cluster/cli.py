@@ -3,11 +3,10 @@ by that command, so ``tiergate serve`` never imports Ray."""
 
 from __future__ import annotations
 
-import os
 import sys
 
 from gateway.auth import ADMIN_ENV, demo_keys
-from gateway.config import ConfigError, load_config, tier_keys
+from gateway.config import ConfigError, env_keys, load_config, tier_keys
 
 
 def run(config_path: str, address: str | None, demo: bool) -> int:
@@ -16,13 +15,16 @@ def run(config_path: str, address: str | None, demo: bool) -> int:
     except ConfigError as exc:
         print(f"tiergate: {exc}", file=sys.stderr)
         return 2
-    keys = tier_keys(config)
-    admin = [k.strip() for k in os.environ.get(ADMIN_ENV, "").split(",") if k.strip()]
+    try:
+        keys, admin = tier_keys(config), env_keys(ADMIN_ENV)
+    except ConfigError as exc:  # a key file that cannot be read
+        print(f"tiergate: {exc}", file=sys.stderr)
+        return 2
     if not any(keys.values()):
         if not demo:
             names = ", ".join(t.keys_env for t in config.tiers)
-            print(f"tiergate: {config.source}: tiers: no API keys are set (set {names}, or run with --demo)",
-                  file=sys.stderr)
+            print(f"tiergate: {config.source}: tiers: no API keys are set (set {names}, or each with _FILE "
+                  "naming a file of keys, or run with --demo)", file=sys.stderr)
             return 2
         made = demo_keys(config.tier_names + ["admin"])
         admin = made.pop("admin")

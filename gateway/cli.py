@@ -12,7 +12,7 @@ from typing import TYPE_CHECKING
 
 from gateway import keys_cli
 from gateway.auth import ADMIN_ENV, KeyRing, demo_keys
-from gateway.config import Config, ConfigError, load_config, tier_keys
+from gateway.config import Config, ConfigError, env_keys, load_config, tier_keys
 
 if TYPE_CHECKING:
     import uvicorn
@@ -159,12 +159,13 @@ def _build_demo_models(out: Path, seed: int, force: bool) -> dict[str, Path]:
 def resolve_keys(config: Config, demo: bool, environ=os.environ) -> tuple[KeyRing, dict[str, list[str]] | None]:
     """The key ring, and the demo keys if they were made up (to print once)."""
     keys = tier_keys(config, environ)
-    admin = [k.strip() for k in environ.get(ADMIN_ENV, "").split(",") if k.strip()]
+    admin = env_keys(ADMIN_ENV, environ)
     made = None
     if not any(keys.values()):
         if not demo:
             names = ", ".join(t.keys_env for t in config.tiers)
-            raise ConfigError(f"{config.source}: tiers: no API keys are set (set {names}, or run with --demo)")
+            raise ConfigError(f"{config.source}: tiers: no API keys are set (set {names}, or each with _FILE "
+                              "naming a file of keys, or run with --demo)")
         made = demo_keys(config.tier_names + ["admin"])
         admin = made.pop("admin")
         keys = made
@@ -204,6 +205,10 @@ def _serve(args: argparse.Namespace) -> int:
         where = "models" if str(exc).startswith("model '") else "gpu"
         print(f"tiergate: {config.source}: {where}: {exc}", file=sys.stderr)
         return 2
+    if not made:  # keys in files are read again when they change, and on SIGHUP
+        from gateway.key_files import watch_key_files
+
+        watch_key_files(services)
     collector.attach(services)  # the long-lived objects frozen out of the garbage collector's walks
     app = create_app(services)
     scheme = "https" if args.ssl_certfile else "http"

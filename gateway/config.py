@@ -25,6 +25,7 @@ from pydantic import BaseModel, BeforeValidator, ConfigDict, Field, ValidationEr
 
 from accounts.config import AccountsConfig, Price, check_tiers
 from arbiter.units import parse_size
+from gateway.auth import ADMIN_ENV
 from gateway.slo_guard import GuardSettings
 from workers.base import ModelSpec
 
@@ -721,10 +722,37 @@ def _message(err: dict[str, Any]) -> str:
     return msg.removeprefix("Value error, ")
 
 
+KEY_FILE_SUFFIX = "_FILE"  # TIERGATE_KEYS_PAID_FILE=/run/secrets/paid: the keys of TIERGATE_KEYS_PAID in a file
+
+
+def env_keys(var: str, environ: os._Environ[str] | dict[str, str] = os.environ) -> list[str]:
+    """The API keys of the environment variable ``var`` (comma-separated), and those in the file
+    that ``<var>_FILE`` names, if it is set (as Docker and Kubernetes mount secrets): one key a
+    line or comma-separated, blank lines and lines starting with ``#`` skipped. A file that
+    cannot be read is a :class:`ConfigError` naming the variable and the path, never a key."""
+    keys = _split_keys(environ.get(var, ""))
+    path = environ.get(var + KEY_FILE_SUFFIX)
+    if path:
+        try:
+            text = Path(path).read_text(encoding="utf-8")
+        except (OSError, UnicodeDecodeError) as exc:
+            reason = exc.strerror if isinstance(exc, OSError) and exc.strerror else "not UTF-8 text"
+            raise ConfigError(f"{var}{KEY_FILE_SUFFIX}: cannot read {path}: {reason}") from None
+        for line in text.splitlines():
+            if not line.lstrip().startswith("#"):
+                keys += _split_keys(line)
+    return keys
+
+
+def _split_keys(raw: str) -> list[str]:
+    return [k.strip() for k in raw.split(",") if k.strip()]
+
+
+def key_variables(config: Config) -> list[str]:
+    """The environment variables keys come from: each tier's ``keys_env`` and the admin keys'."""
+    return [t.keys_env for t in config.tiers] + [ADMIN_ENV]
+
+
 def tier_keys(config: Config, environ: os._Environ[str] | dict[str, str] = os.environ) -> dict[str, list[str]]:
-    """API keys per tier, read from each tier's environment variable (comma-separated)."""
-    out = {}
-    for tier in config.tiers:
-        raw = environ.get(tier.keys_env, "")
-        out[tier.name] = [k.strip() for k in raw.split(",") if k.strip()]
-    return out
+    """API keys per tier, read from each tier's environment variable and its file (``env_keys``)."""
+    return {tier.name: env_keys(tier.keys_env, environ) for tier in config.tiers}

@@ -9,7 +9,7 @@ from pathlib import Path
 import pytest
 
 from gateway.cli import resolve_keys
-from gateway.config import ConfigError, load_config
+from gateway.config import ConfigError, env_keys, load_config
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -174,6 +174,37 @@ def test_demo_mode_makes_fresh_keys_and_env_keys_win(tmp_path):
     assert made is None
     assert ring.lookup("b").tier == "paid" and ring.lookup("c").tier == "batch"
     assert ring.lookup("a, b") is None
+
+
+def test_keys_come_from_a_variable_and_the_file_its_FILE_variable_names(tmp_path):
+    """``K_PAID_FILE`` names a file of keys (a mounted secret): one a line or comma-separated,
+    blank lines and ``#`` comments skipped, beside the variable's own; the admin keys too."""
+    c = load_config(write(tmp_path, BASE))
+    paid = tmp_path / "paid-keys"
+    paid.write_text("# rotated 2026-12-06\nsk-file-1\n\n  sk-file-2 , sk-file-3\r\n")
+    admin = tmp_path / "admin-keys"
+    admin.write_text("sk-admin-file\n")
+    environ = {"K_PAID": "sk-env", "K_PAID_FILE": str(paid), "TIERGATE_KEYS_ADMIN_FILE": str(admin)}
+    assert env_keys("K_PAID", environ) == ["sk-env", "sk-file-1", "sk-file-2", "sk-file-3"]
+    ring, made = resolve_keys(c, demo=False, environ=environ)
+    assert made is None
+    assert {ring.lookup(k).tier for k in ("sk-env", "sk-file-1", "sk-file-3")} == {"paid"}
+    assert ring.lookup("# rotated 2026-12-06") is None and ring.lookup("sk-admin-file").admin
+    # only a file, with the variable unset, is enough to start
+    ring, _ = resolve_keys(c, demo=False, environ={"K_BATCH_FILE": str(paid)})
+    assert ring.lookup("sk-file-2").tier == "batch"
+
+
+@pytest.mark.parametrize("content", [None, b"\xff\xfe not text"])
+def test_a_key_file_that_cannot_be_read_stops_startup_naming_the_variable_and_path(tmp_path, content):
+    c = load_config(write(tmp_path, BASE))
+    path = tmp_path / "keys"
+    if content is not None:
+        path.write_bytes(content)
+    with pytest.raises(ConfigError) as exc:
+        resolve_keys(c, demo=True, environ={"K_PAID": "sk-secret-env", "K_PAID_FILE": str(path)})
+    message = str(exc.value)
+    assert message.startswith(f"K_PAID_FILE: cannot read {path}: ") and "sk-secret" not in message
 
 
 def test_shipped_tiers_yaml_is_valid():

@@ -34,12 +34,14 @@ REQUEST_FIELDS = {"request_id", "method", "endpoint", "status", "reason", "key_i
 class Served:
     """``tiergate serve --log-format json`` in a subprocess, its output in a file."""
 
-    def __init__(self, config: Path, *args: str, verify: str | bool = True) -> None:
+    def __init__(self, config: Path, *args: str, verify: str | bool = True, env: dict[str, str] | None = None) -> None:
         self.port = spare_port()
         self.url = f"{'https' if '--ssl-certfile' in args else 'http'}://127.0.0.1:{self.port}"
         self.log_path = config.parent / "serve.log"
+        extra = env or {}
         env = {k: v for k, v in os.environ.items() if not k.startswith(("TEST_KEYS_", "TIERGATE_KEYS_"))}
         env.update({f"TEST_KEYS_{t.upper()}": k for t, k in KEYS.items()}, PYTHONPATH=str(ROOT))  # this checkout's code
+        env.update(extra)
         tiergate = Path(sys.executable).with_name("tiergate")
         command = [str(tiergate)] if tiergate.exists() else [sys.executable, "-m", "gateway.cli"]
         with open(self.log_path, "w") as out:
@@ -146,6 +148,48 @@ def test_one_json_line_per_request_with_its_id_and_no_secret(served):
     # the garbage collector's freezes (gateway/collector.py): at startup, then after the first load of each worker class
     freezes = [ln["message"] for ln in served.lines() if ln["logger"] == "tiergate.collector"]
     assert [m.rsplit("(", 1)[1] for m in freezes] == ["startup)", "first load of ChatWorker)", "first load of EmbedWorker)"]
+
+
+def test_key_files_are_read_at_start_again_when_they_change_and_at_once_on_sighup(tiny_chat, tmp_path):
+    """``TEST_KEYS_PAID_FILE`` beside ``TEST_KEYS_PAID``: both keys serve; the file replaced (a new
+    file renamed over it, as a secret's update is) is read within a few seconds, the key taken out
+    refused from then on; the file changed in place and SIGHUP sent is read at once, and the
+    server goes on serving. The log names each reload's cause and holds no key."""
+    keys = tmp_path / "paid-keys"
+    keys.write_text("sk-file-first\n")
+    served = Served(write_config(tmp_path, {"tiny-chat": ("chat", tiny_chat)}), env={"TEST_KEYS_PAID_FILE": str(keys)})
+
+    def status(key: str) -> int:
+        return httpx.get(f"{served.url}/v1/models", headers={"Authorization": f"Bearer {key}"}, timeout=30).status_code
+
+    def reloads(cause: str) -> int:
+        return sum(ln["message"].startswith(f"API keys reloaded ({cause})") for ln in served.lines())
+
+    try:
+        assert status("sk-file-first") == 200 and status(KEYS["paid"]) == 200
+        fresh = tmp_path / "paid-keys.new"
+        fresh.write_text("sk-file-second\n")
+        os.replace(fresh, keys)
+        deadline = time.monotonic() + 30
+        while status("sk-file-second") != 200:
+            assert time.monotonic() < deadline, served.output()[-3000:]
+            time.sleep(0.2)
+        assert status("sk-file-first") == 401 and status(KEYS["paid"]) == 200
+        assert reloads("a key file changed") == 1
+        keys.write_text("sk-file-third\n")
+        served.proc.send_signal(signal.SIGHUP)
+        deadline = time.monotonic() + 30
+        while reloads("SIGHUP") < 1:
+            assert time.monotonic() < deadline and served.proc.poll() is None, served.output()[-3000:]
+            time.sleep(0.1)
+        assert status("sk-file-third") == 200 and status("sk-file-second") == 401
+        scrape = httpx.get(f"{served.url}/metrics").text
+        assert 'tiergate_key_reloads_total{outcome="reloaded"} 2.0' in scrape
+    finally:
+        assert served.stop() == 0
+    output = served.output()
+    assert_no_secret(output)
+    assert "sk-file" not in output
 
 
 def test_sigterm_drains_a_stream_refuses_new_work_hands_back_batch_lines_and_exits_0(tiny_chat, tiny_image, tmp_path):

@@ -1,0 +1,110 @@
+"""Key files read again while the server runs (``gateway.key_files``): a change is read once it
+has stayed for one more check, a read replaces the key ring whole, and a read that fails keeps
+the keys before. The same on a real ``tiergate serve``, with SIGHUP: tests/test_operations.py."""
+
+from __future__ import annotations
+
+import logging
+import os
+from pathlib import Path
+from types import SimpleNamespace
+
+import pytest
+
+from gateway.auth import KeyRing
+from gateway.config import load_config
+from gateway.key_files import KeyFiles
+from tests.helpers import write_config
+
+
+@pytest.fixture
+def setup(tmp_path: Path):
+    config = load_config(write_config(tmp_path, {"m": ("chat", tmp_path / "m")}), check_paths=False)
+    paid, admin = tmp_path / "paid", tmp_path / "admin"
+    paid.write_text("sk-old\n")
+    admin.write_text("sk-admin\n")
+    environ = {"TEST_KEYS_PAID_FILE": str(paid), "TEST_KEYS_FREE": "sk-free-env", "TIERGATE_KEYS_ADMIN_FILE": str(admin)}
+    services = SimpleNamespace(config=config, keys=KeyRing({"paid": ["sk-old"], "free": ["sk-free-env"]}, ["sk-admin"]))
+    return SimpleNamespace(files=KeyFiles(services, environ), services=services, paid=paid, admin=admin)
+
+
+def replace(path: Path, text: str) -> None:
+    """Write ``path`` as a secret's update does: a new file renamed over the old one."""
+    fresh = path.with_suffix(".new")
+    fresh.write_text(text)
+    os.replace(fresh, path)
+
+
+def tier_of(setup, key: str) -> str | None:
+    caller = setup.services.keys.lookup(key)
+    return caller and caller.tier
+
+
+def test_a_changed_file_is_read_once_it_has_stayed_for_one_more_check(setup):
+    assert setup.files.paths == [str(setup.paid), str(setup.admin)]
+    setup.files.check()
+    ring = setup.services.keys
+    replace(setup.paid, "sk-new-1\nsk-new-2\n")
+    setup.files.check()  # seen changed: not read yet (it may be half-written)
+    assert setup.services.keys is ring and tier_of(setup, "sk-new-1") is None
+    setup.files.check()  # the same as the last check: read
+    assert tier_of(setup, "sk-new-1") == tier_of(setup, "sk-new-2") == "paid"
+    assert tier_of(setup, "sk-old") is None  # taken out of the file: refused from now on
+    assert tier_of(setup, "sk-free-env") == "free" and setup.services.keys.lookup("sk-admin").admin
+    setup.files.check()
+    assert setup.files.outcomes == {"reloaded": 1, "failed": 0}  # once per change
+
+
+def test_a_file_rewritten_in_place_between_checks_is_read_when_it_settles(setup):
+    setup.paid.write_text("sk-half")
+    setup.files.check()
+    assert tier_of(setup, "sk-half") is None and tier_of(setup, "sk-old") == "paid"  # never read half-way
+    setup.paid.write_text("sk-half-written-then-whole\n")  # a longer write: another stamp
+    setup.files.check()
+    assert tier_of(setup, "sk-half") is None and tier_of(setup, "sk-old") == "paid"
+    setup.files.check()
+    assert tier_of(setup, "sk-half-written-then-whole") == "paid" and tier_of(setup, "sk-half") is None
+
+
+@pytest.mark.parametrize("change", ["remove the file", "empty every tier"])
+def test_a_read_that_fails_keeps_the_keys_before_and_says_why(setup, change, caplog):
+    ring = setup.services.keys
+    if change == "remove the file":
+        setup.paid.unlink()
+        reason = f"TEST_KEYS_PAID_FILE: cannot read {setup.paid}"
+    else:
+        setup.files.environ = {**setup.files.environ, "TEST_KEYS_FREE": ""}
+        setup.paid.write_text("# no keys now\n")
+        reason = "no tier has a key left"
+    with caplog.at_level(logging.ERROR, "tiergate"):
+        assert setup.files.reload("SIGHUP") is False
+    assert setup.services.keys is ring and tier_of(setup, "sk-old") == "paid"
+    assert setup.files.outcomes == {"reloaded": 0, "failed": 1}
+    assert reason in caplog.text and "the keys before stay" in caplog.text
+    setup.files.check()
+    setup.files.check()
+    assert setup.files.outcomes["failed"] == 1  # not tried again until the file changes again
+
+
+def test_the_log_and_the_metric_count_reloads_and_never_show_a_key(setup, caplog):
+    replace(setup.paid, "sk-secret-rotated\n")
+    with caplog.at_level(logging.INFO, "tiergate"):
+        assert setup.files.reload("SIGHUP")
+    assert "API keys reloaded (SIGHUP): paid 1, subscriber 0, free 1, batch 0, admin 1" in caplog.text
+    assert "sk-" not in caplog.text
+    [family] = setup.files.collect()
+    assert {(s.name, s.labels["outcome"], s.value) for s in family.samples} == {
+        ("tiergate_key_reloads_total", "reloaded", 1), ("tiergate_key_reloads_total", "failed", 0)}
+
+
+def test_tiergate_cluster_stops_at_a_key_file_it_cannot_read(tmp_path, monkeypatch, capsys):
+    """The cluster's driver reads the same variables and files (once, at start), before Ray."""
+    from cluster.cli import run
+
+    (tmp_path / "m").mkdir()
+    config = write_config(tmp_path, {"m": ("chat", tmp_path / "m")})
+    monkeypatch.setenv("TEST_KEYS_PAID", "sk-secret-env")
+    monkeypatch.setenv("TEST_KEYS_PAID_FILE", str(tmp_path / "missing"))
+    assert run(str(config), None, demo=False) == 2
+    err = capsys.readouterr().err
+    assert f"TEST_KEYS_PAID_FILE: cannot read {tmp_path / 'missing'}" in err and "sk-secret" not in err
