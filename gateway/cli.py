@@ -12,7 +12,7 @@ from typing import TYPE_CHECKING
 
 from gateway import keys_cli
 from gateway.auth import ADMIN_ENV, KeyRing, demo_keys
-from gateway.config import Config, ConfigError, env_keys, load_config, tier_keys
+from gateway.config import KEY_FILE_SUFFIX, Config, ConfigError, env_keys, load_config, tier_keys
 
 if TYPE_CHECKING:
     import uvicorn
@@ -71,8 +71,8 @@ def main(argv: list[str] | None = None) -> int:
 def _check(config_path: str) -> int:
     """``tiergate check``: the config as ``serve`` reads it (2 when it cannot be read), then each
     model's kind, engine, aliases and footprint against the device budget, what the gateway reads
-    of its folder before loading it, and whether all fit at once; 1 when a model's folder cannot
-    be read or a model can never fit. Loads no weights."""
+    of its folder before loading it, and whether all fit at once; each tier's key count; 1 when a
+    model's folder or a key file cannot be read or a model can never fit. Loads no weights."""
     from arbiter.footprint import default_device, device_budget
     from arbiter.residency import _estimate
     from gateway.adapters import load_adapters
@@ -114,10 +114,30 @@ def _check(config_path: str) -> int:
     print(f"all models: {_size(total)} of {_size(budget)}: {together}")
     if failed:
         print(f"tiergate: {failed} model(s) cannot be served as configured", file=sys.stderr)
+    unreadable = _check_keys(config)
     refused = _check_adapter_folders(adapters)
     if refused:
         print(f"tiergate: {refused} adapter(s) in adapter_dirs cannot be served", file=sys.stderr)
-    return 1 if failed or refused else 0
+    return 1 if failed or refused or unreadable else 0
+
+
+def _check_keys(config: Config, environ=os.environ) -> int:
+    """How many keys each tier and the admins have, from their variables and the files their
+    ``_FILE`` variables name (counts, never keys); how many of those files cannot be read."""
+    counts, tier_keys_seen, unreadable = [], 0, 0
+    for name, var in [*((t.name, t.keys_env) for t in config.tiers), ("admin", ADMIN_ENV)]:
+        try:
+            n = len(env_keys(var, environ))
+        except ConfigError as exc:
+            print(f"tiergate: {exc}", file=sys.stderr)
+            unreadable += 1
+            continue
+        tier_keys_seen += n if name != "admin" else 0
+        file = environ.get(var + KEY_FILE_SUFFIX)
+        counts.append(f"{name} {n}" + (f" ({var}{KEY_FILE_SUFFIX}: {file})" if file else ""))
+    none = "" if tier_keys_seen or unreadable else " (no tier key here: serve needs one, or --demo)"
+    print("keys: " + ", ".join(counts) + none)
+    return unreadable
 
 
 def _check_adapter_folders(adapters) -> int:

@@ -234,11 +234,14 @@ def test_stored_responses_are_kept_30_days_unless_set():
     assert ResponsesConfig(retention_days=None).retention_days is None  # kept until deleted
 
 
-def test_tiergate_check_reads_every_model_and_its_fit(tiny_chat, tiny_embed, tmp_path, capsys):
+def test_tiergate_check_reads_every_model_and_its_fit(tiny_chat, tiny_embed, tmp_path, capsys, monkeypatch):
     """``tiergate check``: a row per model (kind, engine, footprint, whether it fits, aliases) and
     whether all fit at once, exit 0; a model declared bigger than the budget, or a folder that is
     not the model its kind reads, exit 1 naming it; a config that cannot be read, exit 2."""
     from gateway.cli import main
+
+    for var in ("K_PAID", "K_PAID_FILE", "TIERGATE_KEYS_ADMIN", "TIERGATE_KEYS_ADMIN_FILE"):
+        monkeypatch.delenv(var, raising=False)
 
     def check(models: str) -> tuple[int, str, str]:
         path = tmp_path / "tiers.yaml"
@@ -248,17 +251,21 @@ def test_tiergate_check_reads_every_model_and_its_fit(tiny_chat, tiny_embed, tmp
         out = capsys.readouterr()
         return code, out.out, out.err
 
+    def line(out: str, start: str) -> str:
+        return next(ln for ln in out.splitlines() if ln.startswith(start))
+
     good = (f"  - {{name: chat, kind: chat, path: {tiny_chat}, engine: transformers, aliases: [gpt-4o-mini]}}\n"
             f"  - {{name: vectors, kind: embed, path: {tiny_embed}}}\n")
     code, out, _ = check(good)
     assert code == 0, out
-    rows = {line.split()[0]: line.split() for line in out.splitlines()[2:-1]}
+    rows = {ln.split()[0]: ln.split() for ln in out.splitlines()[2:4]}
     assert rows["chat"][1:3] == ["chat", "transformers"] and rows["chat"][-2:] == ["yes", "gpt-4o-mini"]
     assert rows["vectors"][1] == "embed" and "estimated" in rows["vectors"]
-    assert out.splitlines()[-1].endswith("every model can be resident at once")
+    assert line(out, "all models").endswith("every model can be resident at once")
+    assert line(out, "keys:") == "keys: paid 0, admin 0 (no tier key here: serve needs one, or --demo)"
     code, out, err = check(good + f"  - {{name: big, kind: embed, path: {tiny_embed}, vram: 3GiB}}\n")
     assert code == 1 and "never fits: 3.0 GiB > the budget" in out and "1 model(s) cannot be served" in err
-    assert "not all at once" in out.splitlines()[-1]
+    assert "not all at once" in line(out, "all models")
     (tmp_path / "empty").mkdir()
     code, out, _ = check(good + f"  - {{name: hollow, kind: chat, path: {tmp_path / 'empty'}, engine: transformers}}\n")
     assert code == 1 and "hollow" in out and "its folder cannot be read" in out
@@ -266,6 +273,31 @@ def test_tiergate_check_reads_every_model_and_its_fit(tiny_chat, tiny_embed, tmp
     assert "tiers.yaml: models: model 'hollow': no weights" in capsys.readouterr().err
     code, _, err = check("  - {name: chat, kind: video, path: /}\n")
     assert code == 2 and "models[0].kind" in err
+
+
+def test_tiergate_check_counts_each_tiers_keys_and_names_a_key_file_it_cannot_read(tiny_chat, tmp_path, capsys,
+                                                                                     monkeypatch):
+    """``tiergate check`` says how many keys each tier and the admins have and where the file ones
+    come from (counts, never keys); a ``_FILE`` that cannot be read is exit 1, naming it."""
+    from gateway.cli import main
+
+    path = tmp_path / "tiers.yaml"
+    path.write_text("tiers:\n  - {name: paid, keys_env: K_PAID}\n  - {name: free, keys_env: K_FREE}\nmodels:\n"
+                    f"  - {{name: chat, kind: chat, path: {tiny_chat}, engine: transformers}}\n"
+                    "gpu: {device: cpu, vram_budget: 1GiB}\n")
+    keys = tmp_path / "paid-keys"
+    keys.write_text("sk-secret-1\nsk-secret-2\n")
+    monkeypatch.setenv("K_PAID", "sk-secret-env")
+    monkeypatch.setenv("K_PAID_FILE", str(keys))
+    monkeypatch.setenv("TIERGATE_KEYS_ADMIN", "sk-secret-admin")
+    assert main(["check", "--config", str(path)]) == 0
+    out = capsys.readouterr().out
+    assert f"keys: paid 3 (K_PAID_FILE: {keys}), free 0, admin 1" in out.splitlines() and "sk-secret" not in out
+    monkeypatch.setenv("K_FREE_FILE", str(tmp_path / "missing"))
+    assert main(["check", "--config", str(path)]) == 1
+    captured = capsys.readouterr()
+    assert f"tiergate: K_FREE_FILE: cannot read {tmp_path / 'missing'}" in captured.err
+    assert "sk-secret" not in captured.out + captured.err
 
 
 def test_the_batch_tiers_default_room_counts_each_engines_width(tmp_path):
