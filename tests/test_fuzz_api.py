@@ -294,6 +294,16 @@ ADMIN_ONLY = ("/admin", "/v1/load_lora_adapter", "/v1/unload_lora_adapter")
 
 
 ENDPOINTS["/v1/responses/input_tokens"] = ENDPOINTS["/v1/responses"]  # what a response would be made from
+ENDPOINTS["/tokenize"] = (  # vLLM's: a text, or a chat as chat's messages and tools
+    {"model": "tiny-chat", "prompt": "hi"},
+    {"model": st.sampled_from(["tiny-chat", "tiny-embed", "tiny-tts", "nope"]) | TEXT, "prompt": TEXT | ANY_JSON,
+     "messages": ENDPOINTS["/v1/chat/completions"][1]["messages"], "tools": ENDPOINTS["/v1/chat/completions"][1]["tools"],
+     "chat_template_kwargs": ENDPOINTS["/v1/chat/completions"][1]["chat_template_kwargs"],
+     "add_generation_prompt": st.booleans() | ANY_JSON, "continue_final_message": st.booleans(),
+     "add_special_tokens": st.booleans(), "return_token_strs": st.booleans() | st.none()})
+ENDPOINTS["/detokenize"] = ({"model": "tiny-chat", "tokens": [1, 2]},
+                            {"model": st.sampled_from(["tiny-chat", "tiny-embed", "tiny-tts"]) | TEXT,
+                             "tokens": TOKEN_IDS | ANY_JSON})
 ENDPOINTS["/v1/responses/compact"] = (  # a window compacted: a response's input, and a compaction item's content
     {"model": "tiny-chat", "input": "hi"},
     {**{k: v for k, v in ENDPOINTS["/v1/responses"][1].items()

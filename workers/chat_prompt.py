@@ -27,14 +27,17 @@ class ContextTooLong(ValueError):
 
 
 def render(tokenizer: Any, messages: list[dict], tools: list[dict] | None = None,
-           template_kwargs: dict[str, Any] | None = None) -> str:
+           template_kwargs: dict[str, Any] | None = None, *, add_generation_prompt: bool = True,
+           continue_final_message: bool = False) -> str:
     """The prompt's text: ``messages`` (with their tool calls and tool results) and ``tools``
-    through the tokenizer's chat template, generation prompt on; ``template_kwargs`` are the
-    template's own variables (``enable_thinking``, ``reasoning_effort``, ...)."""
+    through the tokenizer's chat template, generation prompt on (a request's prompt; vLLM's
+    ``/tokenize`` may ask for it off, or for the last message left open); ``template_kwargs`` are
+    the template's own variables (``enable_thinking``, ``reasoning_effort``, ...)."""
     import jinja2
 
     try:
-        return tokenizer.apply_chat_template(messages, tools=tools or None, add_generation_prompt=True, tokenize=False,
+        return tokenizer.apply_chat_template(messages, tools=tools or None, add_generation_prompt=add_generation_prompt,
+                                             continue_final_message=continue_final_message, tokenize=False,
                                              **(template_kwargs or {}))
     except jinja2.TemplateError as exc:  # the template's own raise_exception ("roles must alternate"), or a
         # variable it cannot use: the request's, not the server's fault

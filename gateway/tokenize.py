@@ -1,0 +1,144 @@
+"""``POST /tokenize`` and ``POST /detokenize``: vLLM's tokenizer endpoints, at the paths and in the
+shapes ``vllm serve`` answers them (vllm/entrypoints/serve/tokenize/protocol.py), so that clients
+written for it count and read tokens here the same way.
+
+* ``/tokenize`` takes a text (``prompt``, special tokens added unless ``add_special_tokens`` is
+  false) or a chat (``messages``, with chat's message shapes and ``tools``, through the model's
+  chat template as a chat request's prompt is made: ``add_generation_prompt`` (true),
+  ``continue_final_message`` (false), ``chat_template_kwargs``; ``add_special_tokens`` false) and
+  answers ``{"count", "max_model_len", "tokens", "token_strs"}`` (``return_token_strs``: each
+  token as the vocabulary spells it).
+* ``/detokenize`` takes ``tokens`` and answers ``{"prompt"}``, the text they decode to (special
+  tokens kept, as vLLM's).
+
+Any model with a tokenizer: a chat model (either form), an embedding or moderation model (a text),
+an adapter (its base model's tokenizer); the model is required (a server here serves many). Any
+tier's key; a key's model allow-list applies. No model work, so no gate and no load: the
+tokenizer is read from the model's folder once (``gateway.completions.tokenizer_of``), as
+``/v1/responses/input_tokens`` reads it. A chat's image parts are not tokenized here (400): count
+them with ``/v1/responses/input_tokens``.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from typing import Any
+
+from pydantic import Field
+from starlette.requests import Request
+from starlette.responses import JSONResponse, Response
+
+from gateway.auth import Caller
+from gateway.chat import plan_chat
+from gateway.completions import tokenizer_of
+from gateway.errors import bad_request, not_found
+from gateway.schemas import ChatCompletionRequest, _Body, parse, read_json
+from gateway.service import Services
+from workers.base import InvalidParam, ModelSpec
+from workers.chat_prompt import render
+from workers.registry import describe
+
+TOKENIZED_KINDS = ("chat", "embed", "moderation")
+
+
+class TokenizeText(_Body):
+    model: str = Field(min_length=1)
+    prompt: str
+    add_special_tokens: bool = True
+    return_token_strs: bool | None = False
+
+
+class TokenizeChat(_Body):
+    """The chat form's own fields; ``messages``, ``tools`` and ``chat_template_kwargs`` are read
+    as a chat request's are."""
+
+    model: str = Field(min_length=1)
+    messages: list[Any]
+    tools: list[Any] | None = None
+    chat_template_kwargs: dict[str, Any] | None = None
+    add_generation_prompt: bool = True
+    continue_final_message: bool = False
+    add_special_tokens: bool = False
+    return_token_strs: bool | None = False
+
+
+class Detokenize(_Body):
+    model: str = Field(min_length=1)
+    tokens: list[int] = Field(max_length=1_000_000)
+
+
+async def tokenize(request: Request) -> Response:
+    svc: Services = request.app.state.services
+    caller = svc.authenticate(request)
+    raw = await read_json(request, svc.config.limits.max_body)
+    if "messages" in raw and "prompt" in raw:
+        raise bad_request("send prompt (a text) or messages (a chat), not both", "prompt")
+    if "messages" in raw:
+        body = parse(TokenizeChat, raw)
+        spec = _allowed(svc, caller, body.model)
+        if spec.kind != "chat":
+            raise bad_request(f"the model '{body.model}' is not a chat model: send it a prompt", "messages",
+                              "model_not_supported")
+        if body.add_generation_prompt and body.continue_final_message:
+            raise bad_request("continue_final_message leaves the last message open: set add_generation_prompt to "
+                              "false with it", "continue_final_message")
+        chat = {k: v for k, v in raw.items() if k in ("model", "messages", "tools", "chat_template_kwargs")}
+        job = plan_chat(svc, parse(ChatCompletionRequest, chat))
+        if job.images:
+            raise bad_request("a chat's image parts are not tokenized here: count them with "
+                              "POST /v1/responses/input_tokens", "messages")
+        tok = await tokenizer_of(spec.path)
+
+        def chat_ids() -> list[int]:
+            text = render(tok, job.messages, job.tools.template_tools(), job.template_kwargs,
+                          add_generation_prompt=body.add_generation_prompt,
+                          continue_final_message=body.continue_final_message)
+            return list(tok(text, add_special_tokens=body.add_special_tokens)["input_ids"])
+
+        try:
+            ids = await asyncio.to_thread(chat_ids)
+        except InvalidParam as exc:  # the chat template refused the messages
+            raise bad_request(str(exc), exc.param) from None
+        except ValueError as exc:  # transformers: a last message continue_final_message cannot leave open
+            raise bad_request(f"the chat template cannot continue the last message: {exc}",
+                              "continue_final_message") from None
+    elif "prompt" in raw:
+        body = parse(TokenizeText, raw)
+        spec = _allowed(svc, caller, body.model)
+        tok = await tokenizer_of(spec.path)
+        ids = list((await asyncio.to_thread(tok, body.prompt, add_special_tokens=body.add_special_tokens))["input_ids"])
+    else:
+        raise bad_request("send prompt (a text) or messages (a chat) to tokenize", "prompt", "missing_required_parameter")
+    info = await asyncio.to_thread(describe, spec)
+    return JSONResponse({"count": len(ids), "max_model_len": info.context_length, "tokens": ids,
+                         "token_strs": tok.convert_ids_to_tokens(ids) if body.return_token_strs else None})
+
+
+async def detokenize(request: Request) -> Response:
+    svc: Services = request.app.state.services
+    caller = svc.authenticate(request)
+    body = parse(Detokenize, await read_json(request, svc.config.limits.max_body))
+    spec = _allowed(svc, caller, body.model)
+    tok = await tokenizer_of(spec.path)
+    vocab = len(tok)
+    for i, token in enumerate(body.tokens):
+        if not 0 <= token < vocab:
+            raise bad_request(f"token {token} is not in this model's vocabulary (ids 0 to {vocab - 1})", f"tokens[{i}]")
+    return JSONResponse({"prompt": await asyncio.to_thread(tok.decode, body.tokens)})
+
+
+def _allowed(svc: Services, caller: Caller, name: str) -> ModelSpec:
+    """The model whose tokenizer ``name`` uses: a model (or alias) of a kind with a tokenizer, or
+    an adapter's base model; 404 for none, or for one the caller's key may not use (as if it did
+    not exist); 400 for a model without a tokenizer."""
+    model = svc.model_name(name)
+    adapter = svc.adapters.get(model)
+    spec = svc.arbiter.specs.get(adapter.model if adapter is not None else model)
+    hidden = svc.accounts is not None and spec is not None and not (
+        svc.accounts.allows(caller, spec.name) and (adapter is None or svc.accounts.allows_adapter(caller, model)))
+    if spec is None or spec.kind == "train" or hidden:
+        raise not_found(f"the model '{name}' does not exist", "model", "model_not_found")
+    if spec.kind not in TOKENIZED_KINDS:
+        raise bad_request(f"the model '{name}' has no tokenizer to use here (chat, embedding and moderation models "
+                          "have one)", "model", "model_not_supported")
+    return spec

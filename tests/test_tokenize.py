@@ -1,0 +1,130 @@
+"""vLLM's ``POST /tokenize`` and ``POST /detokenize`` (gateway/tokenize.py): the ids are the model's
+own tokenizer's, a chat's are the ids a chat request's prompt is made of (its usage counts them),
+and bad input is a 4xx naming its field."""
+
+from __future__ import annotations
+
+import httpx
+import pytest
+from transformers import AutoTokenizer
+
+from tests.helpers import start_server, write_config
+
+PIRATE = "tiny-chat-pirate"
+PNG = "data:image/png;base64,iVBORw0KGgoAAAANSUhEUgAAAAgAAAAIAQMAAAD+wSzIAAAABlBMVEX///+/v7+jQ3Y5AAAADklEQVQI12P4AQQKDKQAAB+4AeW6S5UjAAAAAElFTkSuQmCC"
+CHAT = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "Hello there, how are you?"}]
+
+
+@pytest.fixture(scope="module")
+def server(demo_dir, tiny_chat, tiny_embed, tiny_tts, tiny_vlm, tmp_path_factory):
+    from demo import build_demo_models
+
+    pirate = build_demo_models(demo_dir, names=[PIRATE])[PIRATE]
+    folder = tmp_path_factory.mktemp("tokenize")
+    models = {"tiny-chat": ("chat", tiny_chat), "tiny-embed": ("embed", tiny_embed), "tiny-tts": ("tts", tiny_tts),
+              "tiny-vlm": ("chat", tiny_vlm)}
+    extra = f"adapters:\n  - {{name: {PIRATE}, model: tiny-chat, path: {pirate}}}\n"
+    running = start_server(write_config(folder, models, extra))
+    yield running
+    running.stop()
+
+
+def post(server, path: str, body: dict, tier: str = "paid", key: str | None = None) -> httpx.Response:
+    root = server.base_url.removesuffix("/v1")
+    return httpx.post(f"{root}{path}", json=body, timeout=60,
+                      headers={"Authorization": f"Bearer {key or server.keys[tier]}"})
+
+
+def test_a_text_is_the_tokenizers_own_ids_and_detokenizes_back(server, tiny_chat, tiny_embed):
+    for model, path in (("tiny-chat", tiny_chat), ("tiny-embed", tiny_embed), (PIRATE, tiny_chat)):
+        tok = AutoTokenizer.from_pretrained(path)
+        text = "The quick brown fox, 42 times."
+        r = post(server, "/tokenize", {"model": model, "prompt": text, "return_token_strs": True})
+        assert r.status_code == 200, r.text
+        got = r.json()
+        assert got["tokens"] == tok(text)["input_ids"] and got["count"] == len(got["tokens"])
+        assert got["token_strs"] == tok.convert_ids_to_tokens(got["tokens"])
+        plain = post(server, "/tokenize", {"model": model, "prompt": text, "add_special_tokens": False}).json()
+        assert plain["tokens"] == tok(text, add_special_tokens=False)["input_ids"] and plain["token_strs"] is None
+        back = post(server, "/detokenize", {"model": model, "tokens": got["tokens"]})
+        assert back.status_code == 200 and back.json() == {"prompt": tok.decode(got["tokens"])}
+
+
+def test_a_chat_is_the_prompt_a_chat_request_is_made_of(server, tiny_chat):
+    """The chat form's ids are the chat template's (generation prompt on), and as many as a chat
+    completion of the same messages counts in its usage; the template's options change them as
+    ``apply_chat_template``'s do; tools go to the template."""
+    tok = AutoTokenizer.from_pretrained(tiny_chat)
+    r = post(server, "/tokenize", {"model": "tiny-chat", "messages": CHAT})
+    assert r.status_code == 200, r.text
+    ids = r.json()["tokens"]
+    assert ids == tok(tok.apply_chat_template(CHAT, add_generation_prompt=True, tokenize=False),
+                      add_special_tokens=False)["input_ids"]
+    completion = httpx.post(f"{server.base_url}/chat/completions", timeout=60,
+                            headers={"Authorization": f"Bearer {server.keys['paid']}"},
+                            json={"model": "tiny-chat", "messages": CHAT, "max_tokens": 1}).json()
+    assert completion["usage"]["prompt_tokens"] == len(ids)
+    closed = post(server, "/tokenize", {"model": "tiny-chat", "messages": CHAT, "add_generation_prompt": False}).json()
+    assert closed["tokens"] == tok(tok.apply_chat_template(CHAT, add_generation_prompt=False, tokenize=False),
+                                   add_special_tokens=False)["input_ids"] and len(closed["tokens"]) < len(ids)
+    prefill = CHAT + [{"role": "assistant", "content": "I am"}]
+    open_ = post(server, "/tokenize", {"model": "tiny-chat", "messages": prefill, "add_generation_prompt": False,
+                                       "continue_final_message": True}).json()
+    assert tok.decode(open_["tokens"]).endswith("I am")  # the reply left open, for the model to go on
+    tool = {"type": "function", "function": {"name": "get_weather", "description": "The weather in a city",
+                                             "parameters": {"type": "object", "properties": {"city": {"type": "string"}}}}}
+    with_tools = post(server, "/tokenize", {"model": "tiny-chat", "messages": CHAT, "tools": [tool]}).json()
+    assert "get_weather" in tok.decode(with_tools["tokens"]) and with_tools["count"] > len(ids)
+
+
+def test_max_model_len_is_the_models_context(server, tiny_chat, tiny_embed):
+    import json
+
+    chat = json.loads((tiny_chat / "config.json").read_text())["max_position_embeddings"]
+    assert post(server, "/tokenize", {"model": "tiny-chat", "prompt": "x"}).json()["max_model_len"] == chat
+    embed = post(server, "/tokenize", {"model": "tiny-embed", "prompt": "x"}).json()["max_model_len"]
+    assert embed == json.loads((tiny_embed / "config.json").read_text())["max_position_embeddings"]
+
+
+@pytest.mark.parametrize("path,body,status,param,code", [
+    ("/tokenize", {"prompt": "x"}, 400, "model", "missing_required_parameter"),
+    ("/tokenize", {"model": "tiny-chat"}, 400, "prompt", "missing_required_parameter"),
+    ("/tokenize", {"model": "tiny-chat", "prompt": "x", "messages": CHAT}, 400, "prompt", None),
+    ("/tokenize", {"model": "nope", "prompt": "x"}, 404, "model", "model_not_found"),
+    ("/tokenize", {"model": "tiny-tts", "prompt": "x"}, 400, "model", "model_not_supported"),
+    ("/tokenize", {"model": "tiny-embed", "messages": CHAT}, 400, "messages", "model_not_supported"),
+    ("/tokenize", {"model": "tiny-chat", "prompt": 7}, 400, "prompt", None),
+    ("/tokenize", {"model": "tiny-chat", "prompt": "x", "chat_template": "{{ x }}"}, 400, "chat_template",
+     "unknown_parameter"),
+    ("/tokenize", {"model": "tiny-chat", "messages": [{"role": "wizard", "content": "x"}]}, 400, "messages[0].role",
+     None),
+    ("/tokenize", {"model": "tiny-chat", "messages": CHAT, "continue_final_message": True}, 400,
+     "continue_final_message", None),
+    ("/tokenize", {"model": "tiny-vlm", "messages": [{"role": "user", "content": [
+        {"type": "text", "text": "what is this?"}, {"type": "image_url", "image_url": {"url": PNG}}]}]}, 400, "messages",
+     None),  # a model that reads images: counted by /v1/responses/input_tokens, not here
+    ("/detokenize", {"model": "tiny-chat", "tokens": [1, -1]}, 400, "tokens[1]", None),
+    ("/detokenize", {"model": "tiny-chat", "tokens": [10**9]}, 400, "tokens[0]", None),
+    ("/detokenize", {"model": "tiny-chat", "tokens": "1 2"}, 400, "tokens", None),
+    ("/detokenize", {"model": "tiny-tts", "tokens": [1]}, 400, "model", "model_not_supported"),
+])
+def test_bad_input_is_a_4xx_naming_its_field(server, path, body, status, param, code):
+    r = post(server, path, body)
+    assert r.status_code == status, r.text
+    error = r.json()["error"]
+    assert set(error) == {"message", "type", "param", "code"} and (param is None or error["param"] == param)
+    assert code is None or error["code"] == code
+
+
+def test_a_key_is_needed_and_its_model_list_applies(server):
+    assert post(server, "/tokenize", {"model": "tiny-chat", "prompt": "x"}, key="sk-nope").status_code == 401
+    admin = httpx.Client(base_url=server.base_url.removesuffix("/v1"), timeout=30,
+                         headers={"Authorization": f"Bearer {server.keys['admin']}"})
+    made = admin.post("/admin/keys", json={"name": "embed-only", "tier": "free", "models": ["tiny-embed"]})
+    assert made.status_code == 201, made.text
+    key = made.json()["value"]
+    assert post(server, "/tokenize", {"model": "tiny-embed", "prompt": "x"}, key=key).status_code == 200
+    for model in ("tiny-chat", PIRATE):  # as if it did not exist, an adapter of it too
+        hidden = post(server, "/tokenize", {"model": model, "prompt": "x"}, key=key)
+        assert hidden.status_code == 404 and hidden.json()["error"]["code"] == "model_not_found"
+    assert post(server, "/detokenize", {"model": "tiny-chat", "tokens": [1]}, key=key).status_code == 404
