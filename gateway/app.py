@@ -86,6 +86,7 @@ def build_services(config: Config, keys: KeyRing, origin: str = "") -> Services:
                         images=ImageStore(limits.image_url_ttl_s, limits.image_url_store, origin=origin),
                         accounts=Accounts.from_config(config))  # beside the batch store
     services.on_startup.append(services.accounts.start)
+    services.on_startup.append(services.read_context_lengths)  # /v1/models' max_model_len
     services.on_shutdown.append(services.accounts.stop)
     services.metrics.registry.register(services.adapters)  # folder adapters read, held, dropped
     services.metrics.registry.register(services.accounts)  # usage kept while the store fails, and lost
@@ -145,12 +146,15 @@ def _model_rows(svc: Services, caller: Caller | None = None, adapter_rows: list[
         last = r.pop("last_tier")
         name = r.pop("id")
         own = [alias for alias, model in svc.aliases.items() if model == name]
+        context = {"max_model_len": svc.context_lengths[name]} if name in svc.context_lengths else {}
         rows.append({"id": name, "object": "model", "created": 0, "owned_by": "tiergate",
-                     **r, "last_tier": tiers[last] if last is not None else None, "aliases": own})
+                     **r, "last_tier": tiers[last] if last is not None else None, "aliases": own, **context})
         aliases += [{"id": alias, "object": "model", "created": 0, "owned_by": "tiergate", "alias_of": name}
                     for alias in own]
     rows += aliases
-    rows.extend(svc.adapters.rows() if adapter_rows is None else adapter_rows)
+    for row in svc.adapters.rows() if adapter_rows is None else adapter_rows:  # an adapter reads its base's context
+        base = row.get("parent")
+        rows.append({**row, "max_model_len": svc.context_lengths[base]} if base in svc.context_lengths else row)
     if caller is not None and svc.accounts is not None:
         rows = [r for r in rows if svc.accounts.allows(caller, r.get("parent") or r.get("alias_of") or r["id"])
                 and (r.get("kind") != "adapter" or svc.accounts.allows_adapter(caller, r["id"]))]

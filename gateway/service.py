@@ -4,6 +4,7 @@ resident model, released together. The serving core (``gateway.serving``) builds
 
 from __future__ import annotations
 
+import asyncio
 import contextvars
 import functools
 import time
@@ -22,6 +23,9 @@ from gateway.image_store import ImageStore
 from gateway.metrics import Metrics
 from gateway.request_log import note
 from workers.base import ModelSpec
+from workers.registry import describe
+
+TEXT_KINDS = ("chat", "embed", "moderation")  # the models with a tokenizer and a context window
 
 if TYPE_CHECKING:
     from batch.store import Store as FileStore
@@ -95,6 +99,8 @@ class Services:
     webhooks: "Webhooks | None" = None  # signed events when background work ends (gateway/webhooks.py)
     spoken: "SpokenReplies | None" = None  # spoken chat replies' transcripts by audio id (gateway/output_audio.py)
     client_secrets: "ClientSecrets | None" = None  # the Realtime API's short-lived keys (gateway/realtime_secrets.py)
+    # text model -> its context window in tokens (/v1/models' max_model_len, vLLM's field), read as the app starts
+    context_lengths: dict[str, int] = field(default_factory=dict)
 
     @functools.cached_property
     def tier_rank(self) -> dict[str, int]:  # looked up per request: made once
@@ -107,6 +113,22 @@ class Services:
     def model_name(self, name: str) -> str:
         """The model ``name`` calls: the model itself, or the model an alias names."""
         return self.aliases.get(name, name)
+
+    async def read_context_lengths(self) -> None:
+        """Fill ``context_lengths`` from each chat, embedding and moderation model's folder (the
+        engine's ``max_model_len`` where set), off the event loop; a folder that cannot be read is
+        left out (its requests say why)."""
+        def read() -> dict[str, int]:
+            out = {}
+            for name, spec in self.arbiter.specs.items():
+                if spec.kind in TEXT_KINDS:
+                    try:
+                        out[name] = describe(spec).context_length
+                    except Exception:  # noqa: BLE001 - what the model's own requests would meet
+                        continue
+            return out
+
+        self.context_lengths.update(await asyncio.to_thread(read))
 
     def keep_open(self, store: S) -> S:
         """Open ``store`` when the app starts and close it when the app stops; returns it."""

@@ -33,12 +33,10 @@ from gateway.chat import plan_chat
 from gateway.completions import tokenizer_of
 from gateway.errors import bad_request, not_found
 from gateway.schemas import ChatCompletionRequest, _Body, parse, read_json
-from gateway.service import Services
+from gateway.service import TEXT_KINDS, Services
 from workers.base import InvalidParam, ModelSpec
 from workers.chat_prompt import render
 from workers.registry import describe
-
-TOKENIZED_KINDS = ("chat", "embed", "moderation")
 
 
 class TokenizeText(_Body):
@@ -109,8 +107,8 @@ async def tokenize(request: Request) -> Response:
         ids = list((await asyncio.to_thread(tok, body.prompt, add_special_tokens=body.add_special_tokens))["input_ids"])
     else:
         raise bad_request("send prompt (a text) or messages (a chat) to tokenize", "prompt", "missing_required_parameter")
-    info = await asyncio.to_thread(describe, spec)
-    return JSONResponse({"count": len(ids), "max_model_len": info.context_length, "tokens": ids,
+    context = svc.context_lengths.get(spec.name) or (await asyncio.to_thread(describe, spec)).context_length
+    return JSONResponse({"count": len(ids), "max_model_len": context, "tokens": ids,
                          "token_strs": tok.convert_ids_to_tokens(ids) if body.return_token_strs else None})
 
 
@@ -138,7 +136,7 @@ def _allowed(svc: Services, caller: Caller, name: str) -> ModelSpec:
         svc.accounts.allows(caller, spec.name) and (adapter is None or svc.accounts.allows_adapter(caller, model)))
     if spec is None or spec.kind == "train" or hidden:
         raise not_found(f"the model '{name}' does not exist", "model", "model_not_found")
-    if spec.kind not in TOKENIZED_KINDS:
+    if spec.kind not in TEXT_KINDS:
         raise bad_request(f"the model '{name}' has no tokenizer to use here (chat, embedding and moderation models "
                           "have one)", "model", "model_not_supported")
     return spec

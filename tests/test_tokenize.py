@@ -77,13 +77,20 @@ def test_a_chat_is_the_prompt_a_chat_request_is_made_of(server, tiny_chat):
     assert "get_weather" in tok.decode(with_tools["tokens"]) and with_tools["count"] > len(ids)
 
 
-def test_max_model_len_is_the_models_context(server, tiny_chat, tiny_embed):
+def test_max_model_len_is_the_models_context_here_and_in_the_models_list(server, tiny_chat, tiny_embed):
+    """vLLM's ``max_model_len``: each text model's context window, in ``/tokenize``'s answer and in
+    its ``/v1/models`` row (an adapter's is its base model's; a model without one has none)."""
     import json
 
     chat = json.loads((tiny_chat / "config.json").read_text())["max_position_embeddings"]
+    embed = json.loads((tiny_embed / "config.json").read_text())["max_position_embeddings"]
+    assert chat != embed
     assert post(server, "/tokenize", {"model": "tiny-chat", "prompt": "x"}).json()["max_model_len"] == chat
-    embed = post(server, "/tokenize", {"model": "tiny-embed", "prompt": "x"}).json()["max_model_len"]
-    assert embed == json.loads((tiny_embed / "config.json").read_text())["max_position_embeddings"]
+    assert post(server, "/tokenize", {"model": "tiny-embed", "prompt": "x"}).json()["max_model_len"] == embed
+    listed = httpx.get(f"{server.base_url}/models", headers={"Authorization": f"Bearer {server.keys['paid']}"}).json()
+    rows = {row["id"]: row for row in listed["data"]}
+    assert rows["tiny-chat"]["max_model_len"] == rows[PIRATE]["max_model_len"] == chat
+    assert rows["tiny-embed"]["max_model_len"] == embed and "max_model_len" not in rows["tiny-tts"]
 
 
 @pytest.mark.parametrize("path,body,status,param,code", [
