@@ -38,7 +38,7 @@ from gateway.logprobs import chat_content, chat_logprobs
 from gateway.output_audio import SpokenReplies, SpokenStream, heard_replies, plan_voice, say, say_replies
 from gateway.reasoning import ReasoningParser, ThinkSplitter
 from gateway.request_log import new_id
-from gateway.schemas import ChatCompletionRequest, parse, read_json
+from gateway.schemas import ChatCompletionRequest, parse, read_json, vllm_sampling
 from gateway.service import Services
 from gateway.serving import Gone, Serving
 from gateway.structured import response_grammar
@@ -135,7 +135,7 @@ def plan_chat(svc: Services, body: ChatCompletionRequest) -> ChatJob:
         logprobs=(body.top_logprobs or 0) if body.logprobs else None,
         presence_penalty=body.presence_penalty, frequency_penalty=body.frequency_penalty,
         logit_bias={int(k): v for k, v in (body.logit_bias or {}).items()},
-        grammar=grammar,
+        grammar=grammar, **vllm_sampling(body),
     )
     return ChatJob(spec.name, body.messages_as_dicts(), params, stack, tools, body.n, body.service_tier,
                    stream=bool(body.stream), template_kwargs=body.template_kwargs(),

@@ -49,7 +49,8 @@ from gateway.auth import Caller
 from gateway.chat import ChatJob, ChoiceDelta, Reply, collect, interleave, served_caller, serve_chat
 from gateway.errors import APIError, bad_request
 from gateway.http import Streamed, disconnect_signal
-from gateway.schemas import AdapterChoice, MAX_STACK, StreamOptions, _Body, checked_logit_bias, checked_stops, parse, read_json
+from gateway.schemas import (AdapterChoice, MAX_REPETITION_PENALTY, MAX_STACK, MIN_REPETITION_PENALTY, StreamOptions, _Body, checked_logit_bias,
+                             checked_stops, parse, read_json, vllm_sampling)
 from gateway.serving import Gone
 from gateway.service import Services
 from workers.base import ChatParams, TokenLogprob
@@ -77,6 +78,9 @@ class CompletionRequest(_Body):
     presence_penalty: float = Field(default=0.0, ge=-2, le=2)
     frequency_penalty: float = Field(default=0.0, ge=-2, le=2)
     logit_bias: dict[str, float] | None = None  # token id (as a string) -> bias in -100..100
+    top_k: int | None = Field(default=None, ge=-1)  # vLLM's sampling extensions, as chat's
+    min_p: float | None = Field(default=None, ge=0, le=1)
+    repetition_penalty: float | None = Field(default=None, ge=MIN_REPETITION_PENALTY, le=MAX_REPETITION_PENALTY)
     best_of: int | None = Field(default=None, ge=1)  # candidates per prompt, the best n answered (not streamed)
     suffix: str | None = None  # fill in the middle, on a model with FIM tokens
     user: str | None = None
@@ -261,7 +265,7 @@ async def plan_completion(svc: Services, body: CompletionRequest) -> CompletionJ
         logprobs=0 if ranked and body.logprobs is None else body.logprobs,
         presence_penalty=body.presence_penalty, frequency_penalty=body.frequency_penalty,
         logit_bias={int(k): v for k, v in (body.logit_bias or {}).items()},
-        prompt_logprobs=body.logprobs if body.echo else None,
+        prompt_logprobs=body.logprobs if body.echo else None, **vllm_sampling(body),
     )
     jobs = [ChatJob(spec.name, [], params, stack, n=made, service_tier=body.service_tier, prompt_ids=p.ids,
                     own_adapter=names_own(body.model, stack)) for p in prompts]

@@ -165,6 +165,9 @@ TEMPLATE_ARGUMENTS = frozenset({"conversation", "messages", "tools", "documents"
                                 "continue_final_message", "tokenize", "padding", "truncation", "max_length",
                                 "return_tensors", "return_dict", "return_assistant_tokens_mask", "tokenizer_kwargs"})
 MAX_TOOLS = 128
+# vLLM takes any positive penalty; a seen token's logit is divided by it (or multiplied), so past ~2 it is all but
+# barred, and a tiny one would make its logit infinite: 0.01..100 here
+MIN_REPETITION_PENALTY, MAX_REPETITION_PENALTY = 0.01, 100.0
 
 
 class FunctionDef(_Body):
@@ -326,6 +329,10 @@ class ChatCompletionRequest(EndUser):
     presence_penalty: float = Field(default=0.0, ge=-2, le=2)
     frequency_penalty: float = Field(default=0.0, ge=-2, le=2)
     logit_bias: dict[str, float] | None = None  # token id (as a string) -> bias in -100..100
+    # vLLM's sampling extensions (workers.base.ChatParams): 0 or -1 top_k and 0 min_p are off, 1 no penalty
+    top_k: int | None = Field(default=None, ge=-1)
+    min_p: float | None = Field(default=None, ge=0, le=1)
+    repetition_penalty: float | None = Field(default=None, ge=MIN_REPETITION_PENALTY, le=MAX_REPETITION_PENALTY)
     tools: list[Tool] | None = Field(default=None, max_length=MAX_TOOLS)
     tool_choice: Literal["none", "auto", "required"] | NamedToolChoice | AllowedToolsChoice | None = None
     parallel_tool_calls: bool | None = None
@@ -587,3 +594,10 @@ def _param(loc: tuple[Any, ...]) -> str:
         else:
             out += f".{part}" if out else str(part)
     return out
+
+
+def vllm_sampling(body: Any) -> dict[str, Any]:
+    """``ChatParams``' fields for vLLM's sampling extensions of a chat or completion request:
+    ``top_k`` (0 or -1: every token), ``min_p``, ``repetition_penalty`` (1: none)."""
+    return {"top_k": max(body.top_k or 0, 0), "min_p": body.min_p or 0.0,
+            "repetition_penalty": body.repetition_penalty if body.repetition_penalty is not None else 1.0}

@@ -380,6 +380,37 @@ def test_penalties_and_logit_bias(server):
     assert set(damped) == {"a", "b"}  # every "a" costs 2 more: "b" wins now and then
 
 
+def test_vllms_sampling_extensions_reach_the_engine(server):
+    """top_k, min_p and repetition_penalty, as clients written for vLLM send them (extra_body), on
+    both engines. Two tokens far above the rest (logit_bias 100 and 99.5; the model's own logits are
+    small next to that), so that a draw at temperature 1 mixes them; top_k 1 or min_p 0.9 leave the
+    likelier alone, so the draw is the greedy reply; a repetition penalty of 2 halves a seen token's
+    logit, so the other one wins the next step, where greedy repeats one."""
+    tok = tokenizer(server)
+    a, b = (tok.convert_tokens_to_ids(t) for t in ("a", "b"))
+    kw = dict(model="tiny-chat", messages=ASK, max_tokens=24, logit_bias={str(a): 100, str(b): 99.5})
+    c = client(server)
+
+    def reply(**extra) -> str:
+        return c.chat.completions.create(**kw, **extra).choices[0].message.content
+
+    greedy = reply(temperature=0)
+    assert greedy in ("a" * 24, "b" * 24)
+    assert set(reply(temperature=1, seed=5)) == {"a", "b"}  # a mix: 24 draws of near-even odds
+    assert reply(temperature=1, seed=5, extra_body={"top_k": 1}) == greedy
+    assert reply(temperature=1, seed=5, extra_body={"min_p": 0.9}) == greedy  # e^-0.5 = 0.61 < 0.9: one left
+    assert reply(temperature=1, seed=5, extra_body={"top_k": -1, "min_p": 0}) == reply(temperature=1, seed=5)  # off
+    penalized = reply(temperature=0, extra_body={"repetition_penalty": 2.0})
+    assert set(penalized) == {"a", "b"} and penalized[:2] in ("ab", "ba")
+    for field, value in (("top_k", -2), ("min_p", 1.5), ("repetition_penalty", 0), ("top_k", 1.5)):
+        with pytest.raises(openai.BadRequestError) as bad:
+            reply(temperature=1, extra_body={field: value})
+        assert bad.value.body["param"] == field
+    legacy = c.completions.create(model="tiny-chat", prompt="Say", max_tokens=24, temperature=1, seed=5,
+                                  logit_bias={str(a): 100, str(b): 99.5}, extra_body={"top_k": 1}).choices[0].text
+    assert len(set(legacy)) == 1  # the legacy completions take them too
+
+
 def test_user_is_logged_scoped_to_the_key(server, caplog):
     caplog.set_level("INFO", logger="tiergate")
     client(server).chat.completions.create(model="tiny-chat", messages=ASK, max_tokens=2, user="alice@example.com")

@@ -150,6 +150,7 @@ ATTRIBUTES = st.dictionaries(TEXT, TEXT | EDGE_INTS | EDGE_FLOATS | st.booleans(
 ADAPTERS = st.lists(st.fixed_dictionaries({"name": TEXT}, optional={"weight": EDGE_FLOATS | ANY_JSON}), max_size=3)
 SAMPLING = {"temperature": EDGE_FLOATS, "top_p": EDGE_FLOATS, "seed": EDGE_INTS, "n": EDGE_INTS,
             "presence_penalty": EDGE_FLOATS, "frequency_penalty": EDGE_FLOATS,
+            "top_k": EDGE_INTS | EDGE_FLOATS, "min_p": EDGE_FLOATS, "repetition_penalty": EDGE_FLOATS,
             "stop": TEXT | st.lists(TEXT, max_size=5), "stream": st.booleans(),
             "stream_options": st.fixed_dictionaries({}, optional={"include_usage": st.booleans() | ANY_JSON}),
             "logit_bias": st.dictionaries(st.sampled_from(["0", "1", "-1", "99999999", "abc", "1.5", " 2", "²"]),

@@ -152,6 +152,13 @@ class ChatParams:
     presence_penalty: float = 0.0  # subtracted once from a token that was generated before
     frequency_penalty: float = 0.0  # subtracted per earlier generation of a token
     logit_bias: dict[int, float] = field(default_factory=dict)  # token id -> added to its logit
+    # vLLM's sampling extensions, in vLLM's order: the repetition penalty with the other penalties
+    # (a token of the prompt or the reply: its logit divided by it if positive, else multiplied),
+    # then after the temperature min_p (tokens under min_p x the likeliest's probability out), top_k
+    # (the k likeliest kept), top_p; 0 min_p and 0 top_k are off, 1 is no penalty
+    top_k: int = 0
+    min_p: float = 0.0
+    repetition_penalty: float = 1.0
     grammar: Grammar | None = None
     prompt_logprobs: int | None = None  # None: none; k: each prompt token's and the k most likely there
 

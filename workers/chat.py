@@ -8,11 +8,12 @@ the batch's cache with left padding), runs ONE forward pass that decodes a token
 sequence, and hands each sequence's new text to its asyncio consumer. Sequences join and leave at
 any step, so concurrent requests share forward passes instead of queueing one behind another.
 
-Sampling, per row: the logits get the row's ``logit_bias`` and presence/frequency penalties, then
-its grammar's mask when it is constrained (``workers.grammar``: a matcher per row, advanced by
-each sampled token; a reasoning model's row thinks unconstrained first, and its grammar applies
-from the token after its first ``</think>`` unless the prompt closed the thinking); logprobs are
-the log-softmax of these processed logits, before temperature.
+Sampling, per row: the logits get the row's ``logit_bias`` and repetition, presence and frequency
+penalties, then its grammar's mask when it is constrained (``workers.grammar``: a matcher per row,
+advanced by each sampled token; a reasoning model's row thinks unconstrained first, and its grammar
+applies from the token after its first ``</think>`` unless the prompt closed the thinking); logprobs
+are the log-softmax of these processed logits, before temperature. Then the temperature, min_p,
+top_k and top_p, in vLLM's order (``_sample``).
 A prompt's own logprobs (``ChatParams.prompt_logprobs``: legacy completions' ``echo``) come from
 its prefill's logits at every place, raw, as vLLM's do, in one event before the first text.
 
@@ -828,6 +829,10 @@ def _process(logits: torch.Tensor, seq: _Seq) -> torch.Tensor:
     if p.logit_bias:
         ids = torch.tensor(list(p.logit_bias), device=logits.device)
         logits[ids] += torch.tensor(list(p.logit_bias.values()), device=logits.device, dtype=logits.dtype)
+    if p.repetition_penalty != 1.0:  # on the prompt's tokens and the reply's, as vLLM's (and transformers')
+        seen = torch.unique(torch.tensor(seq.ids, device=logits.device))
+        picked = logits[seen]
+        logits[seen] = torch.where(picked > 0, picked / p.repetition_penalty, picked * p.repetition_penalty)
     if (p.presence_penalty or p.frequency_penalty) and seq.generated:
         counts = torch.bincount(torch.tensor(seq.generated), minlength=logits.numel())[: logits.numel()]
         counts = counts.to(logits.device, logits.dtype)
@@ -864,15 +869,30 @@ _MIN_TEMPERATURE = 0.01  # a temperature above 0 and below this samples at this,
 
 
 def _sample(logits: torch.Tensor, params: ChatParams, generator: torch.Generator) -> int:
+    """One token from the processed ``logits``: the likeliest at temperature 0, else a draw from
+    ``_probs``."""
     if params.temperature <= 0:
         return int(torch.argmax(logits))
-    probs = torch.softmax(logits / max(params.temperature, _MIN_TEMPERATURE), dim=-1)
+    return int(torch.multinomial(_probs(logits, params).cpu(), 1, generator=generator))
+
+
+def _probs(logits: torch.Tensor, params: ChatParams) -> torch.Tensor:
+    """The distribution a token is drawn from: the logits after the temperature, then min_p,
+    top_k and top_p, in vLLM's order (each on what the one before left; the kept tokens'
+    probabilities in the proportions they had)."""
+    logits = logits / max(params.temperature, _MIN_TEMPERATURE)
+    if params.min_p > 0:
+        probs = torch.softmax(logits, dim=-1)
+        logits = logits.masked_fill(probs < params.min_p * probs.max(), float("-inf"))
+    if 0 < params.top_k < logits.numel():
+        logits = logits.masked_fill(logits < torch.topk(logits, params.top_k).values[-1], float("-inf"))
+    probs = torch.softmax(logits, dim=-1)
     if params.top_p < 1.0:
         sorted_p, order = torch.sort(probs, descending=True)
         keep = torch.cumsum(sorted_p, 0) - sorted_p < params.top_p
         keep[0] = True
         probs = torch.zeros_like(probs).scatter(0, order[keep], sorted_p[keep])
-    return int(torch.multinomial(probs.cpu(), 1, generator=generator))
+    return probs
 
 
 def _eos_ids(model: torch.nn.Module, tokenizer) -> set[int]:

@@ -862,12 +862,16 @@ def _may_pause(constrained: bool, generated: bool, thinking: bool) -> bool:
 
 
 def _sampling_extras(p: ChatParams) -> dict[str, Any]:
-    """SamplingParams fields for the request's logprobs, penalties, bias and grammar."""
+    """SamplingParams fields for the request's logprobs, penalties, bias, vLLM's own sampling
+    extensions (top_k, min_p, repetition_penalty) and grammar."""
     extras: dict[str, Any] = {
         "logprobs": p.logprobs,
         "presence_penalty": p.presence_penalty,
         "frequency_penalty": p.frequency_penalty,
         "logit_bias": dict(p.logit_bias) or None,
+        "top_k": p.top_k,
+        "min_p": p.min_p,
+        "repetition_penalty": p.repetition_penalty,
     }
     if p.grammar is not None:  # as EBNF: a JSON schema's grammar mended as the transformers engine's is
         from vllm.sampling_params import StructuredOutputsParams
