@@ -68,8 +68,8 @@ from gateway.errors import APIError, bad_request, not_found
 from gateway.input_files import read_files
 from gateway.logprobs import chat_content
 from gateway.response_store import ResponseStore, StoredResponse
-from gateway.schemas import (MAX_STACK, MAX_TOOLS, TOOL_NAME, AdapterChoice, ChatCompletionRequest, EndUser, Metadata,
-                             _Body, parse, served_tool_types)
+from gateway.schemas import (MAX_REPETITION_PENALTY, MAX_STACK, MAX_TOOLS, MIN_REPETITION_PENALTY, TOOL_NAME,
+                             AdapterChoice, ChatCompletionRequest, EndUser, Metadata, _Body, parse, served_tool_types)
 from gateway.service import Services
 from gateway.serving import Gone
 from gateway.tools import CallDelta
@@ -166,6 +166,9 @@ class ResponsesRequest(EndUser):
     max_output_tokens: int | None = Field(default=None, ge=1)
     temperature: float = Field(default=1.0, ge=0, le=2)
     top_p: float = Field(default=1.0, gt=0, le=1)
+    top_k: int | None = Field(default=None, ge=-1)  # vLLM's sampling extensions, as chat's
+    min_p: float | None = Field(default=None, ge=0, le=1)
+    repetition_penalty: float | None = Field(default=None, ge=MIN_REPETITION_PENALTY, le=MAX_REPETITION_PENALTY)
     top_logprobs: int | None = Field(default=None, ge=0, le=20)
     tools: list[Tool] | None = Field(default=None, max_length=MAX_TOOLS)
     tool_choice: Literal["none", "auto", "required"] | FunctionChoice | FileSearchChoice | AllowedToolsChoice | None = None
@@ -423,6 +426,7 @@ def chat_body(body: ResponsesRequest, messages: list[dict[str, Any]]) -> dict[st
                             "top_p": body.top_p}
     if body.max_output_tokens is not None:
         chat["max_completion_tokens"] = body.max_output_tokens
+    chat.update({k: v for k in ("top_k", "min_p", "repetition_penalty") if (v := getattr(body, k)) is not None})
     if body.top_logprobs is not None or LOGPROBS in (body.include or ()):
         chat.update(logprobs=True, top_logprobs=body.top_logprobs or 0)
     functions = [t for t in body.tools or [] if isinstance(t, FunctionTool)]

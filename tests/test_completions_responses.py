@@ -445,7 +445,28 @@ def test_completion_and_response_lines_in_a_batch(server):
 
 def respond(c, input, **kw):
     kw.setdefault("max_output_tokens", 8)
-    return c.responses.create(model="tiny-chat", input=input, temperature=0, **kw)
+    kw.setdefault("temperature", 0)
+    return c.responses.create(model="tiny-chat", input=input, **kw)
+
+
+def test_responses_take_vllms_sampling_extensions(server):
+    """top_k, min_p and repetition_penalty, as vLLM's Responses API takes them (extra_body): top_k
+    1 at temperature 1 leaves only the likeliest token, so the reply is the greedy one; a draw
+    without it is not (24 tokens of a random-weight model, whose tokens are near even odds); a
+    repetition penalty changes a greedy reply that repeats a token; bad values are 400s."""
+    c = client(server)
+    greedy = respond(c, "Hello", max_output_tokens=24)
+    assert respond(c, "Hello", max_output_tokens=24, temperature=1, extra_body={"top_k": 1}).output_text == greedy.output_text
+    assert respond(c, "Hello", max_output_tokens=24, temperature=1).output_text != greedy.output_text
+    tok = AutoTokenizer.from_pretrained(server.services.arbiter.specs["tiny-chat"].path)
+    ids = tok(greedy.output_text, add_special_tokens=False)["input_ids"]
+    assert len(set(ids)) < len(ids), f"the greedy reply repeats no token: pick another prompt ({greedy.output_text!r})"
+    penalized = respond(c, "Hello", max_output_tokens=24, extra_body={"repetition_penalty": 100})
+    assert penalized.output_text != greedy.output_text
+    for field, value in (("top_k", -2), ("min_p", 2), ("repetition_penalty", 0)):
+        with pytest.raises(openai.BadRequestError) as bad:
+            respond(c, "Hello", extra_body={field: value})
+        assert bad.value.body["param"] == field
 
 
 def test_the_end_user_and_cache_fields_are_accepted_echoed_and_logged_scoped(server, caplog):

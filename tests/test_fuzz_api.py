@@ -195,6 +195,7 @@ ENDPOINTS = {
          "reasoning": st.fixed_dictionaries({}, optional={"effort": st.sampled_from(["none", "low", "max"]) | ANY_JSON,
                                                           "summary": st.sampled_from(["auto", "detailed"]) | st.none()}),
          "instructions": TEXT, "max_output_tokens": EDGE_INTS, "temperature": EDGE_FLOATS, "top_p": EDGE_FLOATS,
+         "top_k": SAMPLING["top_k"], "min_p": EDGE_FLOATS, "repetition_penalty": EDGE_FLOATS,
          "top_logprobs": EDGE_INTS, "stream": st.booleans(), "store": st.booleans(), "background": st.booleans(),
          **END_USER, "max_tool_calls": EDGE_INTS,
          "stream_options": st.fixed_dictionaries({}, optional={"include_obfuscation": st.booleans() | ANY_JSON}),
