@@ -86,7 +86,7 @@ def build_services(config: Config, keys: KeyRing, origin: str = "") -> Services:
                         images=ImageStore(limits.image_url_ttl_s, limits.image_url_store, origin=origin),
                         accounts=Accounts.from_config(config))  # beside the batch store
     services.on_startup.append(services.accounts.start)
-    services.on_startup.append(services.read_context_lengths)  # /v1/models' max_model_len
+    services.on_startup.append(services.read_model_folders)  # /v1/models' max_model_len, sampling defaults
     services.on_shutdown.append(services.accounts.stop)
     services.metrics.registry.register(services.adapters)  # folder adapters read, held, dropped
     services.metrics.registry.register(services.accounts)  # usage kept while the store fails, and lost

@@ -38,7 +38,7 @@ from gateway.logprobs import chat_content, chat_logprobs
 from gateway.output_audio import SpokenReplies, SpokenStream, heard_replies, plan_voice, say, say_replies
 from gateway.reasoning import ReasoningParser, ThinkSplitter
 from gateway.request_log import new_id
-from gateway.schemas import ChatCompletionRequest, parse, read_json, vllm_sampling
+from gateway.schemas import ChatCompletionRequest, parse, read_json, sampling
 from gateway.service import Services
 from gateway.serving import Gone, Serving
 from gateway.structured import response_grammar
@@ -131,11 +131,10 @@ def plan_chat(svc: Services, body: ChatCompletionRequest) -> ChatJob:
     grammar = tools.reply_grammar(response_grammar(body.response_format))
     service_tier.check(svc.config, body.service_tier)
     params = ChatParams(
-        max_tokens, body.temperature, body.top_p, body.stop or [], body.seed,
+        max_tokens, stop=body.stop or [], seed=body.seed,
         logprobs=(body.top_logprobs or 0) if body.logprobs else None,
-        presence_penalty=body.presence_penalty, frequency_penalty=body.frequency_penalty,
         logit_bias={int(k): v for k, v in (body.logit_bias or {}).items()},
-        grammar=grammar, **vllm_sampling(body),
+        grammar=grammar, **sampling(body, svc.sampling_defaults.get(spec.name, {})),
     )
     return ChatJob(spec.name, body.messages_as_dicts(), params, stack, tools, body.n, body.service_tier,
                    stream=bool(body.stream), template_kwargs=body.template_kwargs(),

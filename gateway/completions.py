@@ -50,7 +50,7 @@ from gateway.chat import ChatJob, ChoiceDelta, Reply, collect, interleave, serve
 from gateway.errors import APIError, bad_request
 from gateway.http import Streamed, disconnect_signal
 from gateway.schemas import (AdapterChoice, MAX_REPETITION_PENALTY, MAX_STACK, MIN_REPETITION_PENALTY, StreamOptions, _Body, checked_logit_bias,
-                             checked_stops, parse, read_json, vllm_sampling)
+                             checked_stops, parse, read_json, sampling)
 from gateway.serving import Gone
 from gateway.service import Services
 from workers.base import ChatParams, TokenLogprob
@@ -261,11 +261,11 @@ async def plan_completion(svc: Services, body: CompletionRequest) -> CompletionJ
     prompts = await asyncio.to_thread(encode_prompts, tok, raw, body.suffix, fim)  # off the loop
     ranked = made > body.n  # best_of: each candidate's tokens' logprobs rank it
     params = ChatParams(
-        max_tokens, body.temperature, body.top_p, body.stop or [], body.seed,
+        max_tokens, stop=body.stop or [], seed=body.seed,
         logprobs=0 if ranked and body.logprobs is None else body.logprobs,
-        presence_penalty=body.presence_penalty, frequency_penalty=body.frequency_penalty,
         logit_bias={int(k): v for k, v in (body.logit_bias or {}).items()},
-        prompt_logprobs=body.logprobs if body.echo else None, **vllm_sampling(body),
+        prompt_logprobs=body.logprobs if body.echo else None,
+        **sampling(body, svc.sampling_defaults.get(spec.name, {})),
     )
     jobs = [ChatJob(spec.name, [], params, stack, n=made, service_tier=body.service_tier, prompt_ids=p.ids,
                     own_adapter=names_own(body.model, stack)) for p in prompts]

@@ -155,6 +155,9 @@ class ChatModel(_Model):
     kind: Literal["chat"]
     engine: Annotated[EngineConfig, BeforeValidator(_engine_block)] = EngineConfig()
     fim: FimTokens | None = None  # None: found in the tokenizer by their names (gateway.completions.FIM_LAYOUTS)
+    # what a request that leaves a sampling field out gets: "model", the folder's generation_config.json (as vllm
+    # serve's default --generation-config auto), then OpenAI's; "none": OpenAI's (vllm serve --generation-config vllm)
+    sampling_defaults: Literal["model", "none"] = "model"
 
     def spec(self, with_adapters: bool = False) -> ModelSpec:
         engine = self.engine

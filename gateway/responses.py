@@ -422,11 +422,12 @@ LOGPROBS = "message.output_text.logprobs"  # the include that asks for the outpu
 
 def chat_body(body: ResponsesRequest, messages: list[dict[str, Any]]) -> dict[str, Any]:
     """The chat completion request that ``body`` asks for, on ``messages``."""
-    chat: dict[str, Any] = {"model": body.model, "messages": messages, "temperature": body.temperature,
-                            "top_p": body.top_p}
+    chat: dict[str, Any] = {"model": body.model, "messages": messages}
     if body.max_output_tokens is not None:
         chat["max_completion_tokens"] = body.max_output_tokens
-    chat.update({k: v for k in ("top_k", "min_p", "repetition_penalty") if (v := getattr(body, k)) is not None})
+    # the sampling fields the request sets; the rest are the model's defaults, as chat's (``schemas.sampling``)
+    chat.update({k: getattr(body, k) for k in ("temperature", "top_p", "top_k", "min_p", "repetition_penalty")
+                 if k in body.model_fields_set and getattr(body, k) is not None})
     if body.top_logprobs is not None or LOGPROBS in (body.include or ()):
         chat.update(logprobs=True, top_logprobs=body.top_logprobs or 0)
     functions = [t for t in body.tools or [] if isinstance(t, FunctionTool)]

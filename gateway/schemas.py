@@ -596,8 +596,18 @@ def _param(loc: tuple[Any, ...]) -> str:
     return out
 
 
-def vllm_sampling(body: Any) -> dict[str, Any]:
-    """``ChatParams``' fields for vLLM's sampling extensions of a chat or completion request:
-    ``top_k`` (0 or -1: every token), ``min_p``, ``repetition_penalty`` (1: none)."""
-    return {"top_k": max(body.top_k or 0, 0), "min_p": body.min_p or 0.0,
-            "repetition_penalty": body.repetition_penalty if body.repetition_penalty is not None else 1.0}
+def sampling(body: Any, defaults: dict[str, Any]) -> dict[str, Any]:
+    """``ChatParams``' sampling fields of a chat or completion request: each as the request sets
+    it, else the model's default (``Services.sampling_defaults``: its generation_config.json, as
+    vllm serve reads it), else OpenAI's; vLLM's extensions ``top_k`` (0 or -1: every token),
+    ``min_p`` and ``repetition_penalty`` (1: none) off."""
+    given = body.model_fields_set
+
+    def pick(name: str, fallback: Any) -> Any:
+        value = getattr(body, name) if name in given else None
+        return value if value is not None else defaults.get(name, fallback)
+
+    return {"temperature": pick("temperature", 1.0), "top_p": pick("top_p", 1.0),
+            "presence_penalty": pick("presence_penalty", 0.0), "frequency_penalty": pick("frequency_penalty", 0.0),
+            "top_k": max(pick("top_k", 0), 0), "min_p": pick("min_p", 0.0),
+            "repetition_penalty": pick("repetition_penalty", 1.0)}

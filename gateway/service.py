@@ -6,10 +6,11 @@ from __future__ import annotations
 
 import asyncio
 import contextvars
+import logging
 import functools
 import time
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Awaitable, Callable, Protocol, TypeVar
+from typing import TYPE_CHECKING, Any, Awaitable, Callable, Protocol, TypeVar
 
 from starlette.requests import HTTPConnection, Request
 
@@ -24,6 +25,8 @@ from gateway.metrics import Metrics
 from gateway.request_log import note
 from workers.base import ModelSpec
 from workers.registry import describe
+
+log = logging.getLogger("tiergate")
 
 TEXT_KINDS = ("chat", "embed", "moderation")  # the models with a tokenizer and a context window
 
@@ -99,8 +102,10 @@ class Services:
     webhooks: "Webhooks | None" = None  # signed events when background work ends (gateway/webhooks.py)
     spoken: "SpokenReplies | None" = None  # spoken chat replies' transcripts by audio id (gateway/output_audio.py)
     client_secrets: "ClientSecrets | None" = None  # the Realtime API's short-lived keys (gateway/realtime_secrets.py)
-    # text model -> its context window in tokens (/v1/models' max_model_len, vLLM's field), read as the app starts
+    # read from the models' folders as the app starts (``read_model_folders``): each text model's context window in
+    # tokens (/v1/models' max_model_len, vLLM's field), each chat model's sampling defaults (its generation_config.json)
     context_lengths: dict[str, int] = field(default_factory=dict)
+    sampling_defaults: dict[str, dict[str, Any]] = field(default_factory=dict)
 
     @functools.cached_property
     def tier_rank(self) -> dict[str, int]:  # looked up per request: made once
@@ -114,21 +119,34 @@ class Services:
         """The model ``name`` calls: the model itself, or the model an alias names."""
         return self.aliases.get(name, name)
 
-    async def read_context_lengths(self) -> None:
-        """Fill ``context_lengths`` from each chat, embedding and moderation model's folder (the
-        engine's ``max_model_len`` where set), off the event loop; a folder that cannot be read is
-        left out (its requests say why)."""
-        def read() -> dict[str, int]:
-            out = {}
-            for name, spec in self.arbiter.specs.items():
-                if spec.kind in TEXT_KINDS:
-                    try:
-                        out[name] = describe(spec).context_length
-                    except Exception:  # noqa: BLE001 - what the model's own requests would meet
-                        continue
-            return out
+    async def read_model_folders(self) -> None:
+        """Fill ``context_lengths`` (each chat, embedding and moderation model's: the engine's
+        ``max_model_len`` where set, else its config's) and ``sampling_defaults`` (each chat
+        model's whose ``sampling_defaults`` is ``model``), off the event loop; a folder that cannot
+        be read is left out (its requests say why)."""
+        entries = {m.name: m for m in self.config.models}
 
-        self.context_lengths.update(await asyncio.to_thread(read))
+        def read() -> tuple[dict[str, int], dict[str, dict[str, Any]]]:
+            from workers.chat import folder_sampling_defaults
+
+            lengths, defaults = {}, {}
+            for name, spec in self.arbiter.specs.items():
+                try:
+                    if spec.kind in TEXT_KINDS:
+                        lengths[name] = describe(spec).context_length
+                    if spec.kind == "chat" and getattr(entries.get(name), "sampling_defaults", "none") == "model":
+                        defaults[name] = folder_sampling_defaults(spec.path)
+                except Exception:  # noqa: BLE001 - what the model's own requests would meet
+                    continue
+            return lengths, defaults
+
+        lengths, defaults = await asyncio.to_thread(read)
+        self.context_lengths.update(lengths)
+        self.sampling_defaults.update(defaults)
+        for name, chosen in defaults.items():
+            if chosen:
+                log.info("%s: requests that leave them out sample with its generation_config.json's %s", name,
+                         ", ".join(f"{k} {v}" for k, v in chosen.items()))
 
     def keep_open(self, store: S) -> S:
         """Open ``store`` when the app starts and close it when the app stops; returns it."""

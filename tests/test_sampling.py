@@ -74,3 +74,86 @@ def test_the_repetition_penalty_is_transformers_on_the_prompt_and_the_reply(pena
     assert torch.allclose(got, want, atol=0, rtol=0)
     untouched = [i for i in range(50) if i not in ids]
     assert torch.equal(got[untouched], logits[untouched])
+
+
+# -- the model's own sampling defaults (its generation_config.json), as vllm serve reads them --------
+
+
+def with_generation_config(tiny_chat, folder, **fields):
+    """tiny-chat's folder (its files linked) with ``fields`` in its generation_config.json, as a
+    model card's recommended settings are shipped."""
+    import json
+
+    for f in tiny_chat.iterdir():
+        if f.name != "generation_config.json":
+            (folder / f.name).symlink_to(f)
+    config = json.loads((tiny_chat / "generation_config.json").read_text())
+    (folder / "generation_config.json").write_text(json.dumps({**config, **fields}))
+    return folder
+
+
+@pytest.fixture(scope="module")
+def tuned_chat(tiny_chat, tmp_path_factory):
+    """top_k 1 and temperature 0.7 by default."""
+    return with_generation_config(tiny_chat, tmp_path_factory.mktemp("tuned-chat"), do_sample=True, top_k=1,
+                                  temperature=0.7)
+
+
+@pytest.fixture(scope="module")
+def cold_chat(tiny_chat, tmp_path_factory):
+    """temperature 0 by default: greedy unless a request asks otherwise."""
+    return with_generation_config(tiny_chat, tmp_path_factory.mktemp("cold-chat"), do_sample=False, temperature=0.0)
+
+
+def test_a_folders_sampling_defaults_are_what_its_generation_config_sets(tuned_chat, tiny_chat, tmp_path):
+    from workers.chat import folder_sampling_defaults
+
+    assert folder_sampling_defaults(tuned_chat) == {"temperature": 0.7, "top_k": 1}
+    assert folder_sampling_defaults(tiny_chat) == {}  # the demo's sets no sampling field
+    assert folder_sampling_defaults(tmp_path) == {}  # no generation_config.json
+
+
+@pytest.fixture(scope="module")
+def defaults_server(tuned_chat, cold_chat, tmp_path_factory):
+    from tests.helpers import start_server, write_config
+
+    folder = tmp_path_factory.mktemp("defaults-server")
+    config = write_config(folder, {"tuned": ("chat", tuned_chat), "plain": ("chat", tuned_chat),
+                                   "cold": ("chat", cold_chat)})
+    text = config.read_text().replace(f"  - name: plain\n    kind: chat\n    path: {tuned_chat}\n",
+                                      f"  - name: plain\n    kind: chat\n    path: {tuned_chat}\n    sampling_defaults: none\n")
+    config.write_text(text)
+    running = start_server(config)
+    yield running
+    running.stop()
+
+
+def test_a_request_that_leaves_a_field_out_gets_the_models_default(defaults_server):
+    """On ``tuned`` (top_k 1 by its generation_config.json) a request that sets no sampling field
+    samples from the likeliest token alone: the greedy reply, on chat, completions and responses. One
+    that sets ``top_k`` 0 samples freely, and so does every request to ``plain``, the same folder with
+    ``sampling_defaults: none`` (24 tokens of near-even odds: not the greedy reply)."""
+    import openai
+
+    c = openai.OpenAI(base_url=defaults_server.base_url, api_key=defaults_server.keys["paid"], max_retries=0)
+    ask = [{"role": "user", "content": "Tell me a story"}]
+
+    def chat(model: str, **kw) -> str:
+        return c.chat.completions.create(model=model, messages=ask, max_tokens=24, **kw).choices[0].message.content
+
+    greedy = chat("tuned", temperature=0)
+    assert chat("tuned") == greedy
+    assert chat("tuned", temperature=1, extra_body={"top_k": 0}) != greedy
+    assert chat("plain") != greedy and chat("plain", temperature=0) == greedy
+    legacy = c.completions.create(model="tuned", prompt="Once", max_tokens=24)
+    assert legacy.choices[0].text == c.completions.create(model="tuned", prompt="Once", max_tokens=24,
+                                                          temperature=0).choices[0].text
+    response = c.responses.create(model="tuned", input="Tell me a story", max_output_tokens=24)
+    assert response.output_text == c.responses.create(model="tuned", input="Tell me a story", max_output_tokens=24,
+                                                      temperature=0).output_text
+    # temperature 0 by default on ``cold``: greedy unless asked otherwise, on chat and on responses
+    assert chat("cold") == greedy and chat("cold", temperature=1) != greedy
+    story = c.responses.create(model="cold", input="Tell me a story", max_output_tokens=24).output_text
+    assert story == response.output_text
+    assert c.responses.create(model="cold", input="Tell me a story", max_output_tokens=24,
+                              temperature=1).output_text != story

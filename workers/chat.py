@@ -864,6 +864,24 @@ def folder_context_length(path: Path) -> int:
     return int(config.get("max_position_embeddings", 2048))
 
 
+SAMPLING_DEFAULT_KEYS = ("temperature", "top_p", "top_k", "min_p", "repetition_penalty", "presence_penalty",
+                         "frequency_penalty")
+
+
+def folder_sampling_defaults(path: Path) -> dict[str, float | int]:
+    """The sampling fields a model folder's ``generation_config.json`` sets away from
+    transformers' defaults, read as vLLM reads them (``ModelConfig.get_diff_sampling_param``
+    under ``--generation-config auto``): what a request that leaves one out gets (Qwen3's
+    temperature 0.6, top_k 20, ...). Empty without the file."""
+    from transformers import GenerationConfig
+
+    try:
+        diff = GenerationConfig.from_pretrained(path).to_diff_dict()
+    except OSError:  # no generation_config.json
+        return {}
+    return {k: diff[k] for k in SAMPLING_DEFAULT_KEYS if diff.get(k) is not None}
+
+
 _MIN_TEMPERATURE = 0.01  # a temperature above 0 and below this samples at this, as vLLM does (its
 # _MAX_TEMP): dividing by a tiny one overflows the logits (1e-45 is 0 in float32), and softmax gives NaN
 
