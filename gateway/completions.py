@@ -49,8 +49,8 @@ from gateway.auth import Caller
 from gateway.chat import ChatJob, ChoiceDelta, Reply, collect, interleave, served_caller, serve_chat
 from gateway.errors import APIError, bad_request
 from gateway.http import Streamed, disconnect_signal
-from gateway.schemas import (AdapterChoice, MAX_REPETITION_PENALTY, MAX_STACK, MIN_REPETITION_PENALTY, StreamOptions, _Body, checked_logit_bias,
-                             checked_stops, parse, read_json, sampling)
+from gateway.schemas import (MAX_REPETITION_PENALTY, MAX_STACK, MIN_REPETITION_PENALTY, AdapterChoice, StreamOptions,
+                             _Body, checked_logit_bias, checked_stops, parse, read_json, sampling)
 from gateway.serving import Gone
 from gateway.service import Services
 from workers.base import ChatParams, TokenLogprob

@@ -106,7 +106,8 @@ async def tokenize(request: Request) -> Response:
         tok = await tokenizer_of(spec.path)
         ids = list((await asyncio.to_thread(tok, body.prompt, add_special_tokens=body.add_special_tokens))["input_ids"])
     else:
-        raise bad_request("send prompt (a text) or messages (a chat) to tokenize", "prompt", "missing_required_parameter")
+        raise bad_request("send prompt (a text) or messages (a chat) to tokenize", "prompt",
+                          "missing_required_parameter")
     context = svc.context_lengths.get(spec.name) or (await asyncio.to_thread(describe, spec)).context_length
     return JSONResponse({"count": len(ids), "max_model_len": context, "tokens": ids,
                          "token_strs": tok.convert_ids_to_tokens(ids) if body.return_token_strs else None})
