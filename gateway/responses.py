@@ -856,6 +856,7 @@ class Draft:
         choice = body.tool_choice or "auto"
         if isinstance(choice, (FunctionChoice, FileSearchChoice, AllowedToolsChoice)):
             choice = choice.model_dump()
+        params = self.job.chat.params if self.job.chat is not None else None
         return {
             "id": self.id, "object": "response", "created_at": self.created_at, "status": status,
             "background": self.background, "error": error,
@@ -865,11 +866,12 @@ class Draft:
             "previous_response_id": body.previous_response_id,
             "reasoning": {"effort": body.reasoning.effort, "summary": body.reasoning.summary or body.reasoning.generate_summary}
             if body.reasoning else {"effort": None, "summary": None},
-            "service_tier": self.tier_label, "store": body.store, "temperature": body.temperature,
+            "service_tier": self.tier_label, "store": body.store,
+            "temperature": params.temperature if params else body.temperature,  # as sampled: the model's default too
             "conversation": {"id": self.job.conversation_id} if self.job.conversation_id else None,
             "text": {"format": fmt}, "tool_choice": choice,
             "tools": [t.model_dump(exclude_none=True) for t in body.tools or []],
-            "top_logprobs": body.top_logprobs, "top_p": body.top_p, "truncation": body.truncation or "disabled",
+            "top_logprobs": body.top_logprobs, "top_p": params.top_p if params else body.top_p, "truncation": body.truncation or "disabled",
             "usage": usage, "user": body.user, "metadata": body.metadata or {},
             "safety_identifier": body.safety_identifier, "prompt_cache_key": body.prompt_cache_key,
             "max_tool_calls": body.max_tool_calls,

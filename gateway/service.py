@@ -6,8 +6,8 @@ from __future__ import annotations
 
 import asyncio
 import contextvars
-import logging
 import functools
+import logging
 import time
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, Awaitable, Callable, Protocol, TypeVar

@@ -151,9 +151,11 @@ def test_a_request_that_leaves_a_field_out_gets_the_models_default(defaults_serv
     response = c.responses.create(model="tuned", input="Tell me a story", max_output_tokens=24)
     assert response.output_text == c.responses.create(model="tuned", input="Tell me a story", max_output_tokens=24,
                                                       temperature=0).output_text
-    # temperature 0 by default on ``cold``: greedy unless asked otherwise, on chat and on responses
+    # temperature 0 by default on ``cold``: greedy unless asked otherwise, on chat and on responses, whose
+    # object says the temperature it sampled at
     assert chat("cold") == greedy and chat("cold", temperature=1) != greedy
-    story = c.responses.create(model="cold", input="Tell me a story", max_output_tokens=24).output_text
-    assert story == response.output_text
+    cold = c.responses.create(model="cold", input="Tell me a story", max_output_tokens=24)
+    story = cold.output_text
+    assert story == response.output_text and cold.temperature == 0 and response.temperature == 0.7
     assert c.responses.create(model="cold", input="Tell me a story", max_output_tokens=24,
                               temperature=1).output_text != story
