@@ -49,8 +49,9 @@ from gateway.auth import Caller
 from gateway.chat import ChatJob, ChoiceDelta, Reply, collect, interleave, served_caller, serve_chat
 from gateway.errors import APIError, bad_request
 from gateway.http import Streamed, disconnect_signal
-from gateway.schemas import (MAX_REPETITION_PENALTY, MAX_STACK, MIN_REPETITION_PENALTY, AdapterChoice, StreamOptions,
-                             _Body, checked_logit_bias, checked_stops, parse, read_json, sampling)
+from gateway.schemas import (MAX_REPETITION_PENALTY, MAX_STACK, MAX_STOP_TOKEN_IDS, MIN_REPETITION_PENALTY, AdapterChoice,
+                             StreamOptions, _Body, checked_logit_bias, checked_stops, parse, read_json, reply_ends,
+                             sampling)
 from gateway.serving import Gone
 from gateway.service import Services
 from workers.base import ChatParams, TokenLogprob
@@ -81,6 +82,9 @@ class CompletionRequest(_Body):
     top_k: int | None = Field(default=None, ge=-1)  # vLLM's sampling extensions, as chat's
     min_p: float | None = Field(default=None, ge=0, le=1)
     repetition_penalty: float | None = Field(default=None, ge=MIN_REPETITION_PENALTY, le=MAX_REPETITION_PENALTY)
+    stop_token_ids: list[int] | None = Field(default=None, max_length=MAX_STOP_TOKEN_IDS)  # vLLM's, as chat's
+    min_tokens: int = Field(default=0, ge=0)
+    ignore_eos: bool = False
     best_of: int | None = Field(default=None, ge=1)  # candidates per prompt, the best n answered (not streamed)
     suffix: str | None = None  # fill in the middle, on a model with FIM tokens
     user: str | None = None
@@ -265,7 +269,7 @@ async def plan_completion(svc: Services, body: CompletionRequest) -> CompletionJ
         logprobs=0 if ranked and body.logprobs is None else body.logprobs,
         logit_bias={int(k): v for k, v in (body.logit_bias or {}).items()},
         prompt_logprobs=body.logprobs if body.echo else None,
-        **sampling(body, svc.sampling_defaults.get(spec.name, {})),
+        **sampling(body, svc.sampling_defaults.get(spec.name, {})), **reply_ends(body, max_tokens),
     )
     jobs = [ChatJob(spec.name, [], params, stack, n=made, service_tier=body.service_tier, prompt_ids=p.ids,
                     own_adapter=names_own(body.model, stack)) for p in prompts]

@@ -168,6 +168,7 @@ MAX_TOOLS = 128
 # vLLM takes any positive penalty; a seen token's logit is divided by it (or multiplied), so past ~2 it is all but
 # barred, and a tiny one would make its logit infinite: 0.01..100 here
 MIN_REPETITION_PENALTY, MAX_REPETITION_PENALTY = 0.01, 100.0
+MAX_STOP_TOKEN_IDS = 64
 
 
 class FunctionDef(_Body):
@@ -333,6 +334,10 @@ class ChatCompletionRequest(EndUser):
     top_k: int | None = Field(default=None, ge=-1)
     min_p: float | None = Field(default=None, ge=0, le=1)
     repetition_penalty: float | None = Field(default=None, ge=MIN_REPETITION_PENALTY, le=MAX_REPETITION_PENALTY)
+    # vLLM's ends of a reply (``reply_ends``)
+    stop_token_ids: list[int] | None = Field(default=None, max_length=MAX_STOP_TOKEN_IDS)
+    min_tokens: int = Field(default=0, ge=0)
+    ignore_eos: bool = False
     tools: list[Tool] | None = Field(default=None, max_length=MAX_TOOLS)
     tool_choice: Literal["none", "auto", "required"] | NamedToolChoice | AllowedToolsChoice | None = None
     parallel_tool_calls: bool | None = None
@@ -611,3 +616,14 @@ def sampling(body: Any, defaults: dict[str, Any]) -> dict[str, Any]:
             "presence_penalty": pick("presence_penalty", 0.0), "frequency_penalty": pick("frequency_penalty", 0.0),
             "top_k": max(pick("top_k", 0), 0), "min_p": pick("min_p", 0.0),
             "repetition_penalty": pick("repetition_penalty", 1.0)}
+
+
+def reply_ends(body: Any, max_tokens: int) -> dict[str, Any]:
+    """``ChatParams``' fields for vLLM's ends of a reply, of a chat or completion request:
+    ``stop_token_ids`` (tokens that end it besides the model's end of text; out of the vocabulary:
+    a 400 from the engine), ``min_tokens`` (at most ``max_tokens``: a 400 naming it otherwise),
+    ``ignore_eos``."""
+    if body.min_tokens > max_tokens:
+        raise bad_request(f"min_tokens is {body.min_tokens}, above max_tokens ({max_tokens})", "min_tokens")
+    return {"stop_token_ids": tuple(body.stop_token_ids or ()), "min_tokens": body.min_tokens,
+            "ignore_eos": body.ignore_eos}

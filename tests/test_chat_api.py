@@ -411,6 +411,39 @@ def test_vllms_sampling_extensions_reach_the_engine(server):
     assert len(set(legacy)) == 1  # the legacy completions take them too
 
 
+def test_vllms_ends_of_a_reply_reach_the_engine(server):
+    """stop_token_ids, min_tokens and ignore_eos, on both engines: with "a" biased far above the
+    rest, a stop token "a" ends the reply at its first token (not in the text); with the end of text
+    biased above everything, the reply ends at once, unless min_tokens holds it off (so many tokens,
+    then the end) or ignore_eos goes past it to max_tokens."""
+    tok = tokenizer(server)
+    a, eos = tok.convert_tokens_to_ids("a"), tok.eos_token_id
+    c = client(server)
+
+    def ask(bias: dict, **extra):
+        return c.chat.completions.create(model="tiny-chat", messages=ASK, max_tokens=12, temperature=0,
+                                         logit_bias={str(k): v for k, v in bias.items()}, extra_body=extra or None)
+
+    assert ask({a: 100}).choices[0].message.content == "a" * 12
+    stopped = ask({a: 100}, stop_token_ids=[a])
+    assert (stopped.choices[0].message.content, stopped.choices[0].finish_reason) == ("", "stop")
+    assert stopped.usage.completion_tokens == 1
+    ended = ask({eos: 100})
+    assert ended.choices[0].finish_reason == "stop" and ended.usage.completion_tokens == 1
+    held = ask({eos: 100}, min_tokens=5)
+    assert held.choices[0].finish_reason == "stop" and held.usage.completion_tokens == 6  # 5, then the end
+    past = ask({eos: 100}, ignore_eos=True)
+    assert past.choices[0].finish_reason == "length" and past.usage.completion_tokens == 12
+    legacy = c.completions.create(model="tiny-chat", prompt="Say", max_tokens=12, temperature=0,
+                                  logit_bias={str(a): 100}, extra_body={"stop_token_ids": [a]}).choices[0]
+    assert (legacy.text, legacy.finish_reason) == ("", "stop")
+    for extra, param in (({"min_tokens": 13}, "min_tokens"), ({"stop_token_ids": [10**6]}, "stop_token_ids"),
+                         ({"stop_token_ids": [-1]}, "stop_token_ids"), ({"ignore_eos": "yes"}, "ignore_eos")):
+        with pytest.raises(openai.BadRequestError) as bad:
+            ask({}, **extra)
+        assert bad.value.body["param"] == param
+
+
 def test_user_is_logged_scoped_to_the_key(server, caplog):
     caplog.set_level("INFO", logger="tiergate")
     client(server).chat.completions.create(model="tiny-chat", messages=ASK, max_tokens=2, user="alice@example.com")

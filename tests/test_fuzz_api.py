@@ -151,6 +151,7 @@ ADAPTERS = st.lists(st.fixed_dictionaries({"name": TEXT}, optional={"weight": ED
 SAMPLING = {"temperature": EDGE_FLOATS, "top_p": EDGE_FLOATS, "seed": EDGE_INTS, "n": EDGE_INTS,
             "presence_penalty": EDGE_FLOATS, "frequency_penalty": EDGE_FLOATS,
             "top_k": EDGE_INTS | EDGE_FLOATS, "min_p": EDGE_FLOATS, "repetition_penalty": EDGE_FLOATS,
+            "stop_token_ids": TOKEN_IDS | ANY_JSON, "min_tokens": EDGE_INTS, "ignore_eos": st.booleans() | ANY_JSON,
             "stop": TEXT | st.lists(TEXT, max_size=5), "stream": st.booleans(),
             "stream_options": st.fixed_dictionaries({}, optional={"include_usage": st.booleans() | ANY_JSON}),
             "logit_bias": st.dictionaries(st.sampled_from(["0", "1", "-1", "99999999", "abc", "1.5", " 2", "²"]),

@@ -159,6 +159,11 @@ class ChatParams:
     top_k: int = 0
     min_p: float = 0.0
     repetition_penalty: float = 1.0
+    # vLLM's ends of a reply: the tokens besides the model's end of text that end it (not in its text), how many
+    # tokens it has at least before any of them may (they are barred until then), and the end of text not ending it
+    stop_token_ids: tuple[int, ...] = ()
+    min_tokens: int = 0
+    ignore_eos: bool = False
     grammar: Grammar | None = None
     prompt_logprobs: int | None = None  # None: none; k: each prompt token's and the k most likely there
 

@@ -60,7 +60,7 @@ import threading
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import AsyncIterator, Callable
+from typing import AsyncIterator, Callable, Collection
 
 import torch
 
@@ -347,7 +347,7 @@ class ChatWorker(ThreadWorker):
             raise InvalidParam(f"the model {self.spec.name} reads text only: it takes no image parts", "messages")
         else:
             ids, vision = await self._vision_prompt(req)
-        check_logit_bias(req.params.logit_bias, self.vocab_size)
+        check_token_ids(req.params, self.vocab_size)
         req.ctx.prompt_tokens = len(ids)
         # compiling a grammar may take a while (off the loop); most requests have none
         grammar = None if req.params.grammar is None else await asyncio.to_thread(self._row_grammar, req)
@@ -723,8 +723,10 @@ class ChatWorker(ThreadWorker):
 
     def _sample_and_emit(self, seq: _Seq, logits: torch.Tensor) -> bool:
         """Sample one token, emit the new text; True when the sequence has finished."""
-        logits = _process(logits.float().clone(), seq)
-        token = _sample(logits, seq.params, seq.generator)
+        p = seq.params
+        ends = self._ends(p)
+        logits = _process(logits.float().clone(), seq, ends if len(seq.generated) < p.min_tokens else ())
+        token = _sample(logits, p, seq.generator)
         if seq.grammar is not None and not seq.thinking:
             seq.grammar.accept(token)
         seq.ids.append(token)
@@ -732,7 +734,7 @@ class ChatWorker(ThreadWorker):
         if seq.thinking and "</think>" in self._decode(gen[-len("</think>"):]):  # a token holds a byte or more
             seq.thinking = False  # the answer starts: constrained from the next token
         seq.req.ctx.completion_tokens = len(gen)  # read from the loop if the reply is cut (an int: no lock)
-        eos = token in self._eos
+        eos = token in ends
         if seq.params.logprobs is not None and not eos:
             seq.logprobs.append(self._logprob(logits, token, seq.params.logprobs))
         reason = "stop" if eos else "length" if len(gen) >= seq.params.max_tokens else None
@@ -758,6 +760,13 @@ class ChatWorker(ThreadWorker):
 
     def _decode(self, ids: list[int]) -> str:
         return self.tokenizer.decode(ids, skip_special_tokens=True)
+
+    def _ends(self, p: ChatParams) -> set[int] | frozenset[int]:
+        """The tokens that end a row's reply: the model's end of text (unless ``ignore_eos``) and
+        its ``stop_token_ids``."""
+        if not p.stop_token_ids and not p.ignore_eos:
+            return self._eos
+        return (frozenset() if p.ignore_eos else frozenset(self._eos)) | frozenset(p.stop_token_ids)
 
     def _text(self, seq: _Seq, upto: int) -> str:
         """The text of the reply's first ``upto`` tokens. Decoded incrementally, each token once
@@ -815,16 +824,19 @@ class ChatWorker(ThreadWorker):
 # -- helpers: sampling, stop strings, cache surgery ----------------------------------------------
 
 
-def check_logit_bias(bias: dict[int, float], vocab_size: int) -> None:
-    """Refuse a ``logit_bias`` naming a token outside the vocabulary (``InvalidParam``)."""
-    bad = [t for t in bias if not 0 <= t < vocab_size]
-    if bad:
-        raise InvalidParam(f"logit_bias names token {bad[0]}, outside this model's vocabulary "
-                           f"(0..{vocab_size - 1})", "logit_bias")
+def check_token_ids(p: ChatParams, vocab_size: int) -> None:
+    """Refuse a ``logit_bias`` or ``stop_token_ids`` naming a token outside the vocabulary
+    (``InvalidParam``)."""
+    for param, ids in (("logit_bias", p.logit_bias), ("stop_token_ids", p.stop_token_ids)):
+        bad = [t for t in ids if not 0 <= t < vocab_size]
+        if bad:
+            raise InvalidParam(f"{param} names token {bad[0]}, outside this model's vocabulary "
+                               f"(0..{vocab_size - 1})", param)
 
 
-def _process(logits: torch.Tensor, seq: _Seq) -> torch.Tensor:
-    """The row's logits after its logit bias, penalties and grammar mask (in place)."""
+def _process(logits: torch.Tensor, seq: _Seq, barred: Collection[int] = ()) -> torch.Tensor:
+    """The row's logits after its logit bias, penalties and grammar mask (in place); ``barred``:
+    tokens that may not come now (the ends of a reply shorter than its ``min_tokens``)."""
     p = seq.params
     if p.logit_bias:
         ids = torch.tensor(list(p.logit_bias), device=logits.device)
@@ -839,6 +851,8 @@ def _process(logits: torch.Tensor, seq: _Seq) -> torch.Tensor:
         logits -= p.frequency_penalty * counts + p.presence_penalty * (counts > 0).to(logits.dtype)
     if seq.grammar is not None and not seq.thinking:
         seq.grammar.mask(logits)
+    if barred:
+        logits[torch.tensor(sorted(barred), device=logits.device)] = float("-inf")
     return logits
 
 

@@ -471,14 +471,14 @@ class VllmChatEngine(Worker):
             raise ValueError(f"{self.spec.name}: LoRA requested but the engine has enable_lora=False")
         from vllm.sampling_params import RequestOutputKind, SamplingParams
 
-        from workers.chat import check_logit_bias
+        from workers.chat import check_token_ids
 
         p = req.params
         if req.images:  # the gateway refuses them first (``gateway.vision``): vLLM's multimodal inputs are not wired here
             raise InvalidParam(f"the model {self.spec.name} runs on the vllm engine, which takes no image parts here",
                                "messages")
         prompt_ids = chat_prompt.request_ids(self.tokenizer, req, self.max_model_len)
-        check_logit_bias(p.logit_bias, self._llm.model_config.get_vocab_size())
+        check_token_ids(p, self._llm.model_config.get_vocab_size())
         if p.logprobs is not None or p.prompt_logprobs is not None:
             await asyncio.to_thread(self._vocab.read)  # once per tokenizer: not on the event loop
         ctx = req.ctx
@@ -504,6 +504,7 @@ class VllmChatEngine(Worker):
                     lora_request = await self._acquire_lora(lora, ctx)
                     held = self._residency
                 remaining = p.max_tokens - len(generated)
+                still = max(p.min_tokens - len(generated), 0)  # a resumed pass: what the reply still needs
                 # A resumed pass with stop strings checks them itself, on the whole reply's text:
                 # vLLM's restarted detokenizer never saw the text before the pause (a stop string
                 # split across it), nor sent the tail it was holding back as a possible stop's start.
@@ -514,7 +515,9 @@ class VllmChatEngine(Worker):
                     top_p=p.top_p,
                     stop=None if own_stops else list(p.stop) or None,
                     seed=p.seed,
-                    ignore_eos=ignore_eos,
+                    ignore_eos=ignore_eos or p.ignore_eos,
+                    min_tokens=min(still, max(remaining, 1)),
+                    stop_token_ids=list(p.stop_token_ids) or None,
                     output_kind=RequestOutputKind.DELTA,
                     prompt_logprobs=prompt_logprobs,
                     **_sampling_extras(p),
