@@ -725,7 +725,8 @@ class ChatWorker(ThreadWorker):
         """Sample one token, emit the new text; True when the sequence has finished."""
         p = seq.params
         ends = self._ends(p)
-        logits = _process(logits.float().clone(), seq, ends if len(seq.generated) < p.min_tokens else ())
+        short = p.min_tokens and len(seq.ids) - seq.prompt_len < p.min_tokens  # no slice per step when off
+        logits = _process(logits.float().clone(), seq, ends if short else ())
         token = _sample(logits, p, seq.generator)
         if seq.grammar is not None and not seq.thinking:
             seq.grammar.accept(token)
