@@ -12,7 +12,7 @@ from typing import TYPE_CHECKING
 
 from gateway import keys_cli
 from gateway.auth import ADMIN_ENV, KeyRing, demo_keys
-from gateway.config import KEY_FILE_SUFFIX, Config, ConfigError, env_keys, load_config, tier_keys
+from gateway.config import KEY_FILE_SUFFIX, Config, ConfigError, env_keys, key_variables, load_config, tier_keys
 
 if TYPE_CHECKING:
     import uvicorn
@@ -125,7 +125,7 @@ def _check_keys(config: Config, environ=os.environ) -> int:
     """How many keys each tier and the admins have, from their variables and the files their
     ``_FILE`` variables name (counts, never keys); how many of those files cannot be read."""
     counts, tier_keys_seen, unreadable = [], 0, 0
-    for name, var in [*((t.name, t.keys_env) for t in config.tiers), ("admin", ADMIN_ENV)]:
+    for name, var in zip([*config.tier_names, "admin"], key_variables(config)):
         try:
             n = len(env_keys(var, environ))
         except ConfigError as exc:
