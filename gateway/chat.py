@@ -41,7 +41,7 @@ from gateway.request_log import new_id
 from gateway.schemas import ChatCompletionRequest, parse, read_json, reply_ends, sampling
 from gateway.service import Services
 from gateway.serving import Gone, Serving
-from gateway.structured import response_grammar
+from gateway.structured import request_grammar
 from gateway.tools import CallDelta, CallParser, ToolCalls, ToolPlan, plan_tools
 from gateway.vision import PendingImage, request_images, resolve_images
 from workers.base import (
@@ -128,7 +128,8 @@ def plan_chat(svc: Services, body: ChatCompletionRequest) -> ChatJob:
         raise bad_request("top_logprobs needs logprobs: true", "top_logprobs")
     engine = engine_config(svc, spec.name)
     tools = _plan_tools(body, getattr(engine, "tool_parser", "hermes"))
-    grammar = tools.reply_grammar(response_grammar(body.response_format))
+    grammar = tools.reply_grammar(request_grammar(body.response_format, body.structured_outputs),
+                                  "response_format" if body.structured_outputs is None else "structured_outputs")
     service_tier.check(svc.config, body.service_tier)
     params = ChatParams(
         max_tokens, stop=body.stop or [], seed=body.seed,

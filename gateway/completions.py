@@ -18,6 +18,9 @@ evaluation harnesses score a continuation by (``echo``, ``logprobs``, ``max_toke
 serve`` allows). The prompt tokens' ``text_offset`` counts their own text from 0, as vLLM's does: a
 special token the tokenizer adds (a BOS) has text that the echoed prompt does not.
 
+``response_format`` and vLLM's ``structured_outputs`` constrain each choice as they do a chat
+reply (``gateway.structured``).
+
 ``suffix`` asks for the text between the prompt and it (fill in the middle, what editors' code
 completion sends): a code model trained for it is given ``<prefix>`` prompt ``<suffix>`` suffix
 ``<middle>`` (its own three tokens, the prefix-suffix-middle order all of them were trained on) and
@@ -50,10 +53,11 @@ from gateway.chat import ChatJob, ChoiceDelta, Reply, collect, interleave, serve
 from gateway.errors import APIError, bad_request
 from gateway.http import Streamed, disconnect_signal
 from gateway.schemas import (MAX_REPETITION_PENALTY, MAX_STACK, MAX_STOP_TOKEN_IDS, MIN_REPETITION_PENALTY, AdapterChoice,
-                             StreamOptions, _Body, checked_logit_bias, checked_stops, parse, read_json, reply_ends,
-                             sampling)
+                             ResponseFormat, StreamOptions, StructuredOutputs, _Body, checked_logit_bias, checked_stops,
+                             parse, read_json, reply_ends, sampling)
 from gateway.serving import Gone
 from gateway.service import Services
+from gateway.structured import request_grammar
 from workers.base import ChatParams, TokenLogprob
 
 DEFAULT_MAX_TOKENS = 16  # as OpenAI's
@@ -85,6 +89,8 @@ class CompletionRequest(_Body):
     stop_token_ids: list[int] | None = Field(default=None, max_length=MAX_STOP_TOKEN_IDS)  # vLLM's, as chat's
     min_tokens: int = Field(default=0, ge=0)
     ignore_eos: bool = False
+    response_format: ResponseFormat | None = None  # as chat's, and vLLM's structured_outputs (gateway.structured)
+    structured_outputs: StructuredOutputs | None = None
     best_of: int | None = Field(default=None, ge=1)  # candidates per prompt, the best n answered (not streamed)
     suffix: str | None = None  # fill in the middle, on a model with FIM tokens
     user: str | None = None
@@ -269,6 +275,7 @@ async def plan_completion(svc: Services, body: CompletionRequest) -> CompletionJ
         logprobs=0 if ranked and body.logprobs is None else body.logprobs,
         logit_bias={int(k): v for k, v in (body.logit_bias or {}).items()},
         prompt_logprobs=body.logprobs if body.echo else None,
+        grammar=request_grammar(body.response_format, body.structured_outputs),
         **sampling(body, svc.sampling_defaults.get(spec.name, {})), **reply_ends(body, max_tokens),
     )
     jobs = [ChatJob(spec.name, [], params, stack, n=made, service_tier=body.service_tier, prompt_ids=p.ids,

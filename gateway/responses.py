@@ -69,7 +69,8 @@ from gateway.input_files import read_files
 from gateway.logprobs import chat_content
 from gateway.response_store import ResponseStore, StoredResponse
 from gateway.schemas import (MAX_REPETITION_PENALTY, MAX_STACK, MAX_TOOLS, MIN_REPETITION_PENALTY, TOOL_NAME,
-                             AdapterChoice, ChatCompletionRequest, EndUser, Metadata, _Body, parse, served_tool_types)
+                             AdapterChoice, ChatCompletionRequest, EndUser, Metadata, StructuredOutputs, _Body, parse,
+                             served_tool_types)
 from gateway.service import Services
 from gateway.serving import Gone
 from gateway.tools import CallDelta
@@ -169,6 +170,7 @@ class ResponsesRequest(EndUser):
     top_k: int | None = Field(default=None, ge=-1)  # vLLM's sampling extensions, as chat's
     min_p: float | None = Field(default=None, ge=0, le=1)
     repetition_penalty: float | None = Field(default=None, ge=MIN_REPETITION_PENALTY, le=MAX_REPETITION_PENALTY)
+    structured_outputs: StructuredOutputs | None = None  # vLLM's, as chat's; not with a text.format
     top_logprobs: int | None = Field(default=None, ge=0, le=20)
     tools: list[Tool] | None = Field(default=None, max_length=MAX_TOOLS)
     tool_choice: Literal["none", "auto", "required"] | FunctionChoice | FileSearchChoice | AllowedToolsChoice | None = None
@@ -461,6 +463,10 @@ def chat_body(body: ResponsesRequest, messages: list[dict[str, Any]]) -> dict[st
         chat["response_format"] = {"type": "json_schema", "json_schema": spec}
     elif fmt is not None:
         chat["response_format"] = {"type": fmt.type}
+    if body.structured_outputs is not None:
+        if fmt is not None and fmt.type != "text":
+            raise bad_request("set text.format or structured_outputs, not both", "structured_outputs")
+        chat["structured_outputs"] = body.structured_outputs.model_dump(by_alias=True, exclude_defaults=True)
     for key in ("service_tier", "user"):
         if getattr(body, key) is not None:
             chat[key] = getattr(body, key)

@@ -230,6 +230,28 @@ class ResponseFormat(_Body):
     json_schema: JsonSchemaFormat | None = None  # required with type json_schema
 
 
+MAX_CHOICE = 1024  # the strings of structured_outputs.choice
+
+
+class StructuredOutputs(_Body):
+    """vLLM's ``structured_outputs`` (``extra_body`` in the SDK): the reply constrained to one of
+    ``json`` (a JSON schema, or its text), ``json_object``, ``regex``, ``choice`` (one of these
+    strings) or ``grammar`` (EBNF with a ``root`` rule, or Lark with ``start``); see
+    ``gateway.structured``. ``disable_any_whitespace`` and ``disable_additional_properties`` are
+    accepted and change nothing: JSON is always compact, and objects take only their declared
+    properties. ``structural_tag`` and ``whitespace_pattern`` are refused."""
+
+    json_: dict[str, Any] | bool | str | None = Field(default=None, alias="json")
+    json_object: bool | None = None
+    regex: str | None = None
+    choice: list[str] | None = Field(default=None, min_length=1, max_length=MAX_CHOICE)
+    grammar: str | None = Field(default=None, min_length=1)
+    structural_tag: str | None = None
+    disable_any_whitespace: bool = False
+    disable_additional_properties: bool = False
+    whitespace_pattern: str | None = None
+
+
 class StreamOptions(_Body):
     include_usage: bool = False
     include_obfuscation: bool | None = None  # accepted; no padding field is added to the chunks
@@ -344,6 +366,7 @@ class ChatCompletionRequest(EndUser):
     functions: list[FunctionDef] | None = Field(default=None, min_length=1, max_length=MAX_TOOLS)  # deprecated: tools
     function_call: Literal["none", "auto"] | FunctionName | None = None  # deprecated: tool_choice
     response_format: ResponseFormat | None = None
+    structured_outputs: StructuredOutputs | None = None  # vLLM's extension: a regex, choice, grammar or schema
     service_tier: str | None = None  # auto | default | flex | priority, or a tier's name
     metadata: Metadata = None
     store: bool | None = None  # true: kept for the stored-completions API (gateway/stored_chat.py)

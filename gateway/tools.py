@@ -49,10 +49,11 @@ class ToolPlan:
     legacy: bool = False  # asked as the deprecated functions: one call, answered as message.function_call
     single: bool = False  # at most one call (parallel_tool_calls: false, a named function, functions)
 
-    def reply_grammar(self, reply: JsonGrammar | None) -> Grammar | None:
+    def reply_grammar(self, reply: Grammar | None, param: str = "response_format") -> Grammar | None:
         """What constrains the reply when the request also asks for the format ``reply`` (None:
-        free text). Forced calls keep their grammar (the format shapes text, and a forced reply has
-        none); in auto mode the reply is the format's JSON or the model's calls, as it chooses."""
+        free text), named ``param`` in errors. Forced calls keep their grammar (the format shapes
+        text, and a forced reply has none); in auto mode the reply is the format's text (JSON, or
+        a ``structured_outputs`` regex, choice or grammar) or the model's calls, as it chooses."""
         if self.mode == "forced":
             return self.grammar
         if self.mode == "auto" and reply is not None:
@@ -60,8 +61,8 @@ class ToolPlan:
             try:
                 return reply_or_calls(reply, call, OPEN, CLOSE, several=not self.single)
             except Exception as exc:  # noqa: BLE001 - each compiled alone; xgrammar's reason for the pair
-                raise bad_request(f"the response format and the tools' calls cannot be joined in one grammar: {exc}",
-                                  "response_format", "invalid_schema") from None
+                raise bad_request(f"the {param} and the tools' calls cannot be joined in one grammar: {exc}",
+                                  param, "invalid_schema") from None
         return reply
 
     def template_tools(self) -> list[dict] | None:

@@ -6,6 +6,7 @@ engines. The vLLM server is shared with test_vllm_gateway (conftest.py)."""
 from __future__ import annotations
 
 import json
+import re
 import threading
 from typing import Literal
 
@@ -102,6 +103,75 @@ def test_json_object_mode_starts_an_object(server):
     assert text.startswith("{")
     if r.choices[0].finish_reason == "stop":
         assert isinstance(json.loads(text), dict)
+
+
+def test_vllms_structured_outputs_constrain_the_reply(server):
+    """vLLM's ``structured_outputs`` (``extra_body``), on both engines: each constraint at
+    temperature 1 over seeds (random weights: only the grammar keeps the text in shape), whole and
+    streamed, on chat, completions and responses."""
+    c = client(server)
+
+    def reply(so: dict, seed: int, **kw) -> tuple[str, str]:
+        r = c.chat.completions.create(model="tiny-chat", messages=ASK, max_tokens=48, temperature=1, seed=seed,
+                                      extra_body={"structured_outputs": so}, **kw)
+        return r.choices[0].message.content, r.choices[0].finish_reason
+
+    choices = ["yes", "no", "maybe so", 'a "quoted"\nline']
+    picked = {reply({"choice": choices}, seed) for seed in range(6)}
+    assert {finish for _, finish in picked} == {"stop"} and {text for text, _ in picked} <= set(choices)
+    assert len({text for text, _ in picked}) > 1  # the model's draw, not a fixed answer
+    for seed in range(3):
+        text, finish = reply({"regex": r"[0-9]{3}-[a-z]{2}"}, seed)
+        assert finish == "stop" and re.fullmatch(r"[0-9]{3}-[a-z]{2}", text), text
+        text, _ = reply({"grammar": 'root ::= "id-" [0-9] [0-9] ("!" | "?")'}, seed)
+        assert re.fullmatch(r"id-[0-9]{2}[!?]", text), text
+        text, _ = reply({"grammar": 'start: "on" | "off"  // Lark, as vLLM tells it apart'}, seed)
+        assert text in ("on", "off")
+        text, finish = reply({"json": Answer.model_json_schema()}, seed)
+        assert finish == "stop"
+        Answer.model_validate_json(text)
+        text, _ = reply({"json": json.dumps(Answer.model_json_schema()), "disable_any_whitespace": True}, seed)
+        Answer.model_validate_json(text)
+    assert reply({"json_object": True}, 1)[0].startswith("{")
+    stream = c.chat.completions.create(model="tiny-chat", messages=ASK, max_tokens=48, temperature=1, seed=3,
+                                       stream=True, extra_body={"structured_outputs": {"choice": choices}})
+    assert "".join(ch.choices[0].delta.content or "" for ch in stream if ch.choices) == reply({"choice": choices}, 3)[0]
+    legacy = c.completions.create(model="tiny-chat", prompt="Code:", max_tokens=16, temperature=1, seed=2, n=2,
+                                  extra_body={"structured_outputs": {"regex": "[A-Z][0-9]{4}"}})
+    assert all(re.fullmatch("[A-Z][0-9]{4}", ch.text) for ch in legacy.choices), legacy
+    legacy = c.completions.create(model="tiny-chat", prompt="Code:", max_tokens=64, temperature=1, seed=2,
+                                  extra_body={"response_format": {"type": "json_schema", "json_schema": {
+                                      "name": "Answer", "schema": Answer.model_json_schema()}}})
+    Answer.model_validate_json(legacy.choices[0].text)
+    r = c.responses.create(model="tiny-chat", input="Well?", max_output_tokens=16, temperature=1,
+                           extra_body={"structured_outputs": {"choice": choices}})
+    assert r.output_text in choices
+    with pytest.raises(openai.BadRequestError) as bad:
+        c.responses.create(model="tiny-chat", input="Well?", text={"format": {"type": "json_object"}},
+                           extra_body={"structured_outputs": {"choice": choices}})
+    assert bad.value.body["param"] == "structured_outputs"
+
+
+def test_auto_tools_beside_structured_outputs_answer_with_its_text_or_calls(server):
+    """Tools in auto mode with a ``structured_outputs`` choice: the reply is one of the choices or
+    valid calls, as with a response format's JSON."""
+    models = {"GetWeather": GetWeather, "SetAlarm": SetAlarm}
+    seen = set()
+    for seed in range(16):
+        r = client(server).chat.completions.create(
+            model="tiny-chat", messages=ASK, tools=TOOLS, parallel_tool_calls=False, max_tokens=128, seed=seed,
+            extra_body={"structured_outputs": {"choice": ["sunny", "rainy"]}})
+        c = r.choices[0]
+        if c.message.tool_calls:
+            (call,) = c.message.tool_calls
+            models[call.function.name].model_validate_json(call.function.arguments)
+            seen.add("calls")
+        else:
+            assert (c.message.content, c.finish_reason) in (("sunny", "stop"), ("rainy", "stop")), c
+            seen.add("choice")
+        if seen == {"calls", "choice"}:
+            break
+    assert seen == {"calls", "choice"}
 
 
 # -- tools --------------------------------------------------------------------------------------------
@@ -605,6 +675,21 @@ GOOD = {"model": "tiny-chat", "messages": ASK, "max_tokens": 4}
     ({"service_tier": "gold"}, "service_tier"),
     ({"messages": [{"role": "tool", "content": "x"}]}, "messages[0].tool_call_id"),
     ({"messages": [{"role": "assistant"}]}, "messages[0].content"),
+    ({"structured_outputs": {}}, "structured_outputs"),
+    ({"structured_outputs": {"regex": "a", "choice": ["a"]}}, "structured_outputs"),
+    ({"structured_outputs": {"json_object": False}}, "structured_outputs"),
+    ({"structured_outputs": {"regex": "(a"}}, "structured_outputs.regex"),
+    ({"structured_outputs": {"regex": "a\x00"}}, "structured_outputs.regex"),
+    ({"structured_outputs": {"grammar": "root ::= "}}, "structured_outputs.grammar"),
+    ({"structured_outputs": {"grammar": "start: ("}}, "structured_outputs.grammar"),
+    ({"structured_outputs": {"json": "{not json"}}, "structured_outputs.json"),
+    ({"structured_outputs": {"json": {"type": "bogus"}}}, "structured_outputs.json"),
+    ({"structured_outputs": {"json": 3}}, "structured_outputs.json"),
+    ({"structured_outputs": {"choice": []}}, "structured_outputs.choice"),
+    ({"structured_outputs": {"structural_tag": "{}"}}, "structured_outputs.structural_tag"),
+    ({"structured_outputs": {"regex": "a", "whitespace_pattern": " *"}}, "structured_outputs.whitespace_pattern"),
+    ({"structured_outputs": {"regx": "a"}}, "structured_outputs.regx"),
+    ({"structured_outputs": {"regex": "a"}, "response_format": {"type": "json_object"}}, "structured_outputs"),
 ])
 def test_bad_fields_are_400_naming_the_param(server, extra, param):
     r = httpx.post(f"{server.base_url}/chat/completions", json={**GOOD, **extra}, timeout=60,

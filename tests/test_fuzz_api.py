@@ -148,11 +148,18 @@ HYBRID = st.fixed_dictionaries({}, optional={"embedding_weight": EDGE_FLOATS | s
                                              "text_weight": EDGE_FLOATS | st.sampled_from([0, 1])}) | ANY_JSON
 ATTRIBUTES = st.dictionaries(TEXT, TEXT | EDGE_INTS | EDGE_FLOATS | st.booleans() | ANY_JSON, max_size=18)
 ADAPTERS = st.lists(st.fixed_dictionaries({"name": TEXT}, optional={"weight": EDGE_FLOATS | ANY_JSON}), max_size=3)
+REGEX = st.sampled_from(["[0-9]+", "(a", "a{2,1}", "\\", "a\x00", "(?P<x>a)", "\\p{L}", ".*", "[z-a]", "a**", "(?=a)"]) | TEXT
+GRAMMAR = st.sampled_from(['root ::= "a"', 'start: "a"', "root ::= ", "start: (", 'x ::= "a"', 'root ::= root',
+                           'start: start', '%import common.WORD\nstart: WORD']) | TEXT
+STRUCTURED = st.fixed_dictionaries({}, optional={
+    "json": JSON_SCHEMA | TEXT | ANY_JSON, "json_object": st.booleans() | ANY_JSON, "regex": REGEX | ANY_JSON,
+    "choice": st.lists(TEXT, max_size=3) | ANY_JSON, "grammar": GRAMMAR | ANY_JSON, "structural_tag": TEXT,
+    "disable_any_whitespace": st.booleans(), "whitespace_pattern": TEXT}) | ANY_JSON
 SAMPLING = {"temperature": EDGE_FLOATS, "top_p": EDGE_FLOATS, "seed": EDGE_INTS, "n": EDGE_INTS,
             "presence_penalty": EDGE_FLOATS, "frequency_penalty": EDGE_FLOATS,
             "top_k": EDGE_INTS | EDGE_FLOATS, "min_p": EDGE_FLOATS, "repetition_penalty": EDGE_FLOATS,
             "stop_token_ids": TOKEN_IDS | ANY_JSON, "min_tokens": EDGE_INTS, "ignore_eos": st.booleans() | ANY_JSON,
-            "stop": TEXT | st.lists(TEXT, max_size=5), "stream": st.booleans(),
+            "structured_outputs": STRUCTURED, "stop": TEXT | st.lists(TEXT, max_size=5), "stream": st.booleans(),
             "stream_options": st.fixed_dictionaries({}, optional={"include_usage": st.booleans() | ANY_JSON}),
             "logit_bias": st.dictionaries(st.sampled_from(["0", "1", "-1", "99999999", "abc", "1.5", " 2", "²"]),
                                           EDGE_FLOATS | ANY_JSON, max_size=3),
@@ -184,6 +191,7 @@ ENDPOINTS = {
         {"model": "tiny-chat", "prompt": "hi", "max_tokens": 2},
         {**SAMPLING, "prompt": TEXT | st.lists(TEXT, max_size=3) | TOKEN_IDS | st.lists(TOKEN_IDS, max_size=3),
          "max_tokens": EDGE_INTS, "logprobs": EDGE_INTS, "echo": st.booleans(), "best_of": EDGE_INTS,
+         "response_format": FORMAT,
          "suffix": TEXT, "model": st.sampled_from(["tiny-chat", "tiny-tts", "nope"] +
                                                   (["tiny-chat-fim"] * 2 if ENGINE == "transformers" else []))}),
     "/v1/responses": (
@@ -197,7 +205,7 @@ ENDPOINTS = {
                                                           "summary": st.sampled_from(["auto", "detailed"]) | st.none()}),
          "instructions": TEXT, "max_output_tokens": EDGE_INTS, "temperature": EDGE_FLOATS, "top_p": EDGE_FLOATS,
          "top_k": SAMPLING["top_k"], "min_p": EDGE_FLOATS, "repetition_penalty": EDGE_FLOATS,
-         "top_logprobs": EDGE_INTS, "stream": st.booleans(), "store": st.booleans(), "background": st.booleans(),
+         "structured_outputs": STRUCTURED, "top_logprobs": EDGE_INTS, "stream": st.booleans(), "store": st.booleans(), "background": st.booleans(),
          **END_USER, "max_tool_calls": EDGE_INTS,
          "stream_options": st.fixed_dictionaries({}, optional={"include_obfuscation": st.booleans() | ANY_JSON}),
          "tools": st.lists(st.fixed_dictionaries({"type": st.just("function"), "name": TOOL_NAME},

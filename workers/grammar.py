@@ -25,8 +25,11 @@ declares (what the output may contain narrows; everything it does contain valida
   in a title); here each of its characters is a JSON string's character or escape, as an
   unbounded string's are, and an escaped surrogate pair counts as the one character it is.
 * A reply that may take either of two shapes is an :class:`~workers.base.EbnfGrammar`:
-  :func:`reply_or_calls` joins the requested JSON and the model's tool-call blocks (tools in
-  ``auto`` mode with a response format), each JSON part compact as above.
+  :func:`reply_or_calls` joins the requested JSON (or other grammar) and the model's tool-call
+  blocks (tools in ``auto`` mode with a response format), each JSON part compact as above.
+* vLLM's other constraints (``structured_outputs``: a regex, a choice, a grammar in EBNF or
+  Lark) are EBNF text as xgrammar writes it (:func:`regex_ebnf`, :func:`choice_ebnf`,
+  :func:`ebnf_text`), checked as the gateway plans the request.
 """
 
 from __future__ import annotations
@@ -80,14 +83,52 @@ def json_ebnf(schema: str) -> str:
     return _CHARACTER_RULE.sub(lambda m: m.group(1) + JSON_CHARACTER, text)
 
 
-def reply_or_calls(reply: JsonGrammar, call: JsonGrammar, begin: str, end: str, several: bool) -> EbnfGrammar:
-    """A reply that is either JSON valid against ``reply``, or tool calls: blocks of ``begin``,
-    a JSON call valid against ``call``, ``end`` (one block, or with ``several`` one or more a
-    newline apart). A newline may open and close a block's JSON, as templates differ on it
-    (hermes-style ``<tool_call>{...}</tool_call>`` and Qwen's ``<tool_call>\\n{...}\\n</tool_call>``).
-    Built as an xgrammar structural tag and given out as EBNF text, which both engines take;
-    cached, as an agent sends the same tools and format every turn (~2 ms to build for 8 tools)."""
-    return EbnfGrammar(_reply_or_calls(reply.schema, call.schema, begin, end, several))
+def regex_ebnf(pattern: str) -> str:
+    """The grammar of text matching the regular expression ``pattern`` (whole), as EBNF;
+    ValueError with xgrammar's reason when it cannot be built. xgrammar turns a regex into
+    grammar rules, not a DFA: nested quantifiers (``(a+)+``) cost nothing to build."""
+    import xgrammar as xgr
+
+    if "\x00" in pattern:  # vLLM refuses it too: xgrammar's converter reads a C string
+        raise ValueError("a regex must not contain a NUL character")
+    try:
+        return str(xgr.Grammar.from_regex(pattern))
+    except Exception as exc:  # noqa: BLE001 - RuntimeError with the position and reason
+        raise ValueError(_reason(exc)) from None
+
+
+def choice_ebnf(choices: list[str]) -> str:
+    """The grammar of exactly one of ``choices``, as vLLM writes it (``choice_as_grammar``)."""
+    escapes = {"\\": r"\\", '"': r"\"", "\n": r"\n", "\r": r"\r", "\t": r"\t"}
+
+    def literal(text: str) -> str:
+        return "".join(escapes.get(c) or (f"\\u{ord(c):04x}" if ord(c) < 0x20 or ord(c) == 0x7F else c) for c in text)
+
+    return ebnf_text("root ::= " + " | ".join(f'"{literal(c)}"' for c in choices))
+
+
+def ebnf_text(grammar: str) -> str:
+    """``grammar`` (xgrammar's EBNF, start rule ``root``, or Lark's syntax, start rule ``start``,
+    told apart as vLLM does: EBNF has a ``::=``) as EBNF text both engines compile; ValueError
+    with xgrammar's reason when it does not parse."""
+    import xgrammar as xgr
+
+    lark = not any("::=" in re.sub(r"(#|//).*$", "", line) for line in grammar.splitlines())
+    try:
+        return str(xgr.Grammar.from_lark(grammar) if lark else xgr.Grammar.from_ebnf(grammar))
+    except Exception as exc:  # noqa: BLE001 - RuntimeError with the line, column and reason
+        raise ValueError(_reason(exc)) from None
+
+
+def reply_or_calls(reply: Grammar, call: JsonGrammar, begin: str, end: str, several: bool) -> EbnfGrammar:
+    """A reply that is either text of the grammar ``reply`` (JSON, a regex's, a choice...), or
+    tool calls: blocks of ``begin``, a JSON call valid against ``call``, ``end`` (one block, or
+    with ``several`` one or more a newline apart). A newline may open and close a block's JSON,
+    as templates differ on it (hermes-style ``<tool_call>{...}</tool_call>`` and Qwen's
+    ``<tool_call>\\n{...}\\n</tool_call>``). Built as an xgrammar structural tag and given out as EBNF
+    text, which both engines take; cached, as an agent sends the same tools and format every turn
+    (~2 ms to build for 8 tools)."""
+    return EbnfGrammar(_reply_or_calls(grammar_text(reply), call.schema, begin, end, several))
 
 
 @functools.lru_cache(maxsize=256)
@@ -102,7 +143,8 @@ def _reply_or_calls(reply: str, call: str, begin: str, end: str, several: bool) 
              "content": {"type": "sequence", "elements": [newline, compact(call), newline]}}
     calls = {"type": "tags_with_separator", "tags": [block], "separator": "\n", "at_least_one": True,
              "stop_after_first": not several}
-    tag = {"type": "structural_tag", "format": {"type": "or", "elements": [compact(reply), calls]}}
+    answer = {"type": "grammar", "grammar": reply}
+    tag = {"type": "structural_tag", "format": {"type": "or", "elements": [answer, calls]}}
     return str(xgr.Grammar.from_structural_tag(json.dumps(tag)))
 
 
