@@ -77,7 +77,7 @@ def cuda_allocated(device: str | torch.device) -> int:
 # --- footprint before loading ------------------------------------------------------------------
 
 RUNTIME_MARGIN: dict[str, float] = {"chat": 0.20, "image": 0.30, "tts": 0.15, "stt": 0.15, "embed": 0.25,
-                                   "moderation": 0.25, "train": 0.0}  # train: its spec's training_bytes instead
+                                   "moderation": 0.25, "rerank": 0.25, "train": 0.0}  # train: its spec's training_bytes instead
 
 # Bits per element of each safetensors dtype; sub-byte types are packed.
 _DTYPE_BITS: dict[str, int] = {

@@ -4,7 +4,7 @@ folder is built in a temporary sibling and renamed when complete, so an interrup
 mistaken for a model.
 
 The builders live beside this module, one per kind (``demo.chat``, ``demo.image``, ``demo.tts``,
-``demo.stt``, ``demo.embed``, ``demo.moderation``,
+``demo.stt``, ``demo.embed``, ``demo.moderation``, ``demo.rerank``,
 ``demo.vision``); demo imports workers and lora_kernels, never the reverse."""
 
 from __future__ import annotations
@@ -22,6 +22,7 @@ DEMO_MODELS = {
     "tiny-stt": "demo.stt",
     "tiny-embed": "demo.embed",
     "tiny-moderation": "demo.moderation",
+    "tiny-rerank": "demo.rerank",
     "tiny-vlm": "demo.vision",
 }
 

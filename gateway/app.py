@@ -26,7 +26,7 @@ from batch.runner import runner_for
 from batch.uploads import uploads_for
 from tuning import api as tuning_api
 from gateway import (adapters, audio, chat, completions, conversations, dashboard, embeddings, images, moderations,
-                     realtime_conversation, response_runs, responses_api, stored_chat, tokenize, vector_stores)
+                     realtime_conversation, rerank, response_runs, responses_api, stored_chat, tokenize, vector_stores)
 from accounts.store import STORE_ERRORS
 from gateway.accounts import Accounts
 from gateway.accounts_api import KeyHeaders
@@ -234,6 +234,8 @@ def routes() -> list[BaseRoute]:
         Route("/v1/responses/compact", responses_api.compact_response, methods=["POST"]),
         Route("/tokenize", tokenize.tokenize, methods=["POST"]),  # vLLM's tokenizer endpoints, at its paths
         Route("/detokenize", tokenize.detokenize, methods=["POST"]),
+        *(Route(path, rerank.rerank, methods=["POST"]) for path in ("/v1/rerank", "/rerank", "/v2/rerank")),  # vLLM's
+        *(Route(path, rerank.score, methods=["POST"]) for path in ("/v1/score", "/score")),
         *(Route(path, healthz, methods=["GET"]) for path in LIVENESS),
         Route("/readyz", readyz, methods=["GET"]),
         Route("/metrics", metrics, methods=["GET"]),

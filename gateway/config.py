@@ -4,7 +4,7 @@
 message is one line naming the file, the field and the problem, e.g.
 ``tiers.yaml: models[1].vram: not a size: '6 gigs'``.
 
-A model entry is one of five shapes, chosen by its ``kind``; only ``chat`` takes an ``engine``
+A model entry is one of seven shapes, chosen by its ``kind``; only ``chat`` takes an ``engine``
 block (``engine: {name: vllm, kv_cache: 256MiB, ...}``, or just ``engine: vllm``). ``engine: auto``
 is resolved once, when the file is loaded, and the choice is logged with its reason. The batch
 tier is the one marked ``batch: true``, which must be the last. Reading the file imports no model
@@ -218,9 +218,19 @@ class ModerationModel(_Model):
         return ModelSpec(self.name, self.kind, self.path, self.vram, options=options)
 
 
-ModelConfig = Annotated[Union[ChatModel, ImageModel, TTSModel, STTModel, EmbedModel, ModerationModel],
+class RerankModel(_Model):
+    kind: Literal["rerank"]  # a cross-encoder: /v1/rerank and /v1/score (gateway/rerank.py)
+    max_batch_tokens: int = Field(default=16384, ge=1)  # padded tokens (rows x longest) in one forward pass
+    batch_width: int = Field(default=16, ge=1)  # Batch API lines run together, sharing passes
+
+    def spec(self, with_adapters: bool = False) -> ModelSpec:
+        options = {"max_batch_tokens": self.max_batch_tokens, "batch_width": self.batch_width}
+        return ModelSpec(self.name, self.kind, self.path, self.vram, options=options)
+
+
+ModelConfig = Annotated[Union[ChatModel, ImageModel, TTSModel, STTModel, EmbedModel, ModerationModel, RerankModel],
                         Field(discriminator="kind")]
-KINDS = ("chat", "image", "tts", "stt", "embed", "moderation")
+KINDS = ("chat", "image", "tts", "stt", "embed", "moderation", "rerank")
 
 
 def a_kind(kind: str) -> str:
@@ -352,6 +362,9 @@ class LimitsConfig(_Strict):
     transcription_max_seconds: float = Field(default=1800.0, gt=0)  # of decoded audio
     embed_max_inputs: int = Field(default=256, ge=1)  # inputs in one /v1/embeddings request
     moderation_max_inputs: int = Field(default=64, ge=1)  # texts in one /v1/moderations request
+    rerank_max_documents: int = Field(default=1000, ge=1)  # documents in one /v1/rerank (pairs in one /v1/score)
+    # tokens in one /v1/rerank or /v1/score request, every (query, document) piece together: this bounds the work
+    rerank_max_tokens: int = Field(default=262144, ge=1)
     # tokens in one /v1/moderations request, all texts together (long texts are scored in full: this bounds the work)
     moderation_max_tokens: int = Field(default=32768, ge=1)
     body_timeout_s: float = Field(default=60.0, gt=0)  # a request body must arrive whole within this; else 408

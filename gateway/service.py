@@ -28,7 +28,7 @@ from workers.registry import describe
 
 log = logging.getLogger("tiergate")
 
-TEXT_KINDS = ("chat", "embed", "moderation")  # the models with a tokenizer and a context window
+TEXT_KINDS = ("chat", "embed", "moderation", "rerank")  # the models with a tokenizer and a context window
 
 if TYPE_CHECKING:
     from batch.store import Store as FileStore
@@ -39,6 +39,7 @@ if TYPE_CHECKING:
     from gateway.webhooks import Webhooks
     from workers.embed import EmbedWorker
     from workers.moderation import ModerationWorker
+    from workers.rerank import RerankWorker
     from workers.tts import TTSWorker
 
 
@@ -92,8 +93,8 @@ class Services:
     images: ImageStore  # the PNGs behind image urls
     native_sizes: dict[str, tuple[int, int] | None] = field(default_factory=dict)  # image model -> size
     voices: dict[str, "TTSWorker"] = field(default_factory=dict)  # tts model -> its voices (no weights)
-    # embed or moderation model -> its tokenizer and config (no weights)
-    encoders: dict[str, "EmbedWorker | ModerationWorker"] = field(default_factory=dict)
+    # embed, moderation or rerank model -> its tokenizer and config (no weights)
+    encoders: dict[str, "EmbedWorker | ModerationWorker | RerankWorker"] = field(default_factory=dict)
     on_startup: list[Callable[[], Awaitable[None]]] = field(default_factory=list)  # run by the app's lifespan
     on_shutdown: list[Callable[[], Awaitable[None]]] = field(default_factory=list)
     accounts: "Accounts | None" = None  # managed keys, per-key limits, usage (None: env keys only, unmetered)
@@ -195,13 +196,16 @@ class Services:
             raise APIError(403, "this endpoint needs an admin key", "admin_only")
         return caller
 
-    def spec(self, name: str, kind: str) -> ModelSpec:
-        """The spec of the model ``name`` (or an alias) calls; 404 for none, 400 for one of another kind."""
+    def spec(self, name: str, kind: str | tuple[str, ...]) -> ModelSpec:
+        """The spec of the model ``name`` (or an alias) calls; 404 for none, 400 for one of another
+        kind (``kind``, or any of several)."""
         spec = self.arbiter.specs.get(self.aliases.get(name, name))
         if spec is None or spec.kind == "train":  # a fine-tuning trainer's weights: no request calls them
             raise not_found(f"the model '{name}' does not exist", "model", "model_not_found")
-        if spec.kind != kind:
-            raise bad_request(f"the model '{name}' is {a_kind(spec.kind)}, not {a_kind(kind)}", "model", "model_not_supported")
+        kinds = (kind,) if isinstance(kind, str) else kind
+        if spec.kind not in kinds:
+            wanted = " or ".join(a_kind(k) for k in kinds)
+            raise bad_request(f"the model '{name}' is {a_kind(spec.kind)}, not {wanted}", "model", "model_not_supported")
         return spec
 
     def first_spec(self, kind: str, what: str) -> ModelSpec:

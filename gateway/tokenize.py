@@ -11,7 +11,7 @@ written for it count and read tokens here the same way.
 * ``/detokenize`` takes ``tokens`` and answers ``{"prompt"}``, the text they decode to (special
   tokens kept, as vLLM's).
 
-Any model with a tokenizer: a chat model (either form), an embedding or moderation model (a text),
+Any model with a tokenizer: a chat model (either form), an embedding, moderation or rerank model (a text),
 an adapter (its base model's tokenizer); the model is required (a server here serves many). Any
 tier's key; a key's model allow-list applies. No model work, so no gate and no load: the
 tokenizer is read from the model's folder once (``gateway.completions.tokenizer_of``), as
@@ -138,6 +138,6 @@ def _allowed(svc: Services, caller: Caller, name: str) -> ModelSpec:
     if spec is None or spec.kind == "train" or hidden:
         raise not_found(f"the model '{name}' does not exist", "model", "model_not_found")
     if spec.kind not in TEXT_KINDS:
-        raise bad_request(f"the model '{name}' has no tokenizer to use here (chat, embedding and moderation models "
+        raise bad_request(f"the model '{name}' has no tokenizer to use here (chat, embedding, moderation and rerank models "
                           "have one)", "model", "model_not_supported")
     return spec

@@ -26,13 +26,14 @@ and how far the device's result is from the CPU's:
   stt         a 3 s tone: the text and language, equal or not
   embed       cosine similarity of the vectors (min over the inputs)
   moderation  max |score difference|
+  rerank      max |score difference| of (query, document) pairs, a long document in pieces among them
   train       the fine-tuning trainer: 30 optimizer steps teaching one answer (seed 1) on the
               device (bf16 weights, fp32 LoRA factors) and on CPU; its first and last loss on
               each, and the taught reply greedy through peft on the device; then 10 DPO steps
               (beta 0.5) on the device preferring that answer to another: first and last loss
 
 Checks that must hold (exit 1 otherwise): every weight on the device, every call completes and
-returns a well-formed result, embeddings' cosine >= 0.999 and moderation scores within 1e-3
+returns a well-formed result, embeddings' cosine >= 0.999, moderation and rerank scores within 1e-3
 (fp32 on both sides), chat and vision logits within 5% of their scale (bf16 against fp32), the
 trainer's last loss below its first on the device, DPO's too, its first log 2 (the LoRA starts at
 zero: the tuned model is the reference). Writes
@@ -336,8 +337,21 @@ def check_moderation(models: Path, device: torch.device) -> dict:
             "ok": placed and got.shape == want.shape and diff <= 1e-3}
 
 
+def check_rerank(models: Path, device: torch.device) -> dict:
+    from workers.rerank import RerankWorker
+
+    cpu, dev = pair(RerankWorker, ModelSpec("tiny-rerank", "rerank", models / "tiny-rerank"), device)
+    placed, dtypes = on_device(dev, device)
+    pieces = cpu.tokenize("which tier comes first?", ["paid comes first", "a fox", "batch waits for idle time " * 30])
+    want = cpu.score(pieces, StepContext())
+    got, seconds = timed(lambda: dev.score(pieces, StepContext()))
+    diff = float(np.abs(got - want).max())
+    return {"placed": placed, "dtypes": dtypes, "max_abs_diff": diff, "seconds": seconds,
+            "ok": placed and got.shape == want.shape and diff <= 1e-3}
+
+
 CHECKS = {"chat": check_chat, "vision": check_vision, "image": check_image, "tts": check_tts, "stt": check_stt, "embed": check_embed,
-          "moderation": check_moderation, "train": check_train}
+          "moderation": check_moderation, "rerank": check_rerank, "train": check_train}
 
 
 def main() -> int:

@@ -132,6 +132,13 @@ def tiny_moderation(demo_dir: Path) -> Path:
 
 
 @pytest.fixture(scope="session")
+def tiny_rerank(demo_dir: Path) -> Path:
+    from demo import build_demo_models
+
+    return build_demo_models(demo_dir, names=["tiny-rerank"])["tiny-rerank"]
+
+
+@pytest.fixture(scope="session")
 def tiny_vlm(demo_dir: Path) -> Path:
     from demo import build_demo_models
 

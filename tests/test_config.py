@@ -42,7 +42,7 @@ def test_good_config_loads(tmp_path):
 @pytest.mark.parametrize("text,field,problem", [
     (BASE.replace("gpu:", "gpux:"), "gpux", "unknown field"),
     (BASE.replace("vram: 6GiB", "vram: 6 gigs"), "models[0].vram", "not a size"),
-    (BASE.replace("kind: chat", "kind: video"), "models[0].kind", "must be one of chat, image, tts, stt, embed, moderation, not 'video'"),
+    (BASE.replace("kind: chat", "kind: video"), "models[0].kind", "must be one of chat, image, tts, stt, embed, moderation, rerank, not 'video'"),
     (BASE.replace("kind: chat, ", ""), "models[0].kind", "missing: one of chat"),
     (BASE.replace("vram: 6GiB", "vram: 6GiB, preload: sometimes"), "models[0].preload", "valid boolean"),
     # engine settings: a block on chat models only

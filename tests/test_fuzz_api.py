@@ -36,13 +36,15 @@ FUZZ = settings(max_examples=EXAMPLES, deadline=None, derandomize=not os.environ
 
 
 @pytest.fixture(scope="module")
-def server(tiny_chat, tiny_embed, tiny_image, tiny_tts, tiny_stt, tiny_moderation, tiny_vlm, tmp_path_factory):
+def server(tiny_chat, tiny_embed, tiny_image, tiny_tts, tiny_stt, tiny_moderation, tiny_rerank, tiny_vlm,
+           tmp_path_factory):
     folder = tmp_path_factory.mktemp("fuzz")
     models = {"tiny-chat": ("chat", tiny_chat), "tiny-embed": ("embed", tiny_embed),
               "tiny-image": ("image", tiny_image), "tiny-tts": ("tts", tiny_tts), "tiny-stt": ("stt", tiny_stt),
-              "tiny-moderation": ("moderation", tiny_moderation)}
+              "tiny-moderation": ("moderation", tiny_moderation), "tiny-rerank": ("rerank", tiny_rerank)}
     extra = ("limits:\n  max_chat_tokens: 6\n  max_n: 2\n  image_max_side: 64\n  image_max_steps: 2\n"
              "  image_max_n: 1\n  speech_max_chars: 80\n  embed_max_inputs: 4\n  prompt_max_chars: 200\n"
+             "  rerank_max_documents: 4\n  rerank_max_tokens: 2000\n"
              f"  transcription_max_bytes: {MAX_UPLOAD}\n  transcription_max_seconds: 3\n"
              f"  image_edit_max_bytes: {MAX_UPLOAD}\n"
              f"batch:\n  store: sqlite\n  max_file_bytes: {MAX_UPLOAD}\n  max_lines: 8\n"
@@ -233,6 +235,17 @@ ENDPOINTS = {
         {"model": "tiny-moderation", "input": "hi"},
         {"input": TEXT | st.lists(TEXT, max_size=6) | st.lists(PART, max_size=3) | TOKEN_IDS,
          "model": st.sampled_from(["tiny-moderation", "tiny-embed", "nope"])}),
+    "/v1/rerank": (
+        {"model": "tiny-rerank", "query": "q", "documents": ["a", "b"]},
+        {"query": TEXT, "documents": TEXT | st.lists(TEXT | st.fixed_dictionaries({"text": TEXT}), max_size=6),
+         "top_n": EDGE_INTS, "return_documents": st.booleans(), "max_tokens_per_doc": EDGE_INTS,
+         "use_activation": st.booleans() | st.none(), "model": st.sampled_from(["tiny-rerank", "tiny-embed", "tiny-chat", "nope"])}),
+    "/v1/score": (
+        {"model": "tiny-rerank", "text_1": "q", "text_2": ["a", "b"]},
+        {**{k: TEXT | st.lists(TEXT, max_size=5) for k in ("text_1", "text_2", "queries", "documents", "items", "data_1",
+                                                            "data_2")},
+         "max_tokens_per_doc": EDGE_INTS, "use_activation": st.booleans(),
+         "model": st.sampled_from(["tiny-rerank", "tiny-embed", "tiny-moderation", "nope"])}),
     "/v1/images/generations": (
         {"model": "tiny-image", "prompt": "a cat", "size": "32x32", "num_inference_steps": 1},
         {"prompt": TEXT, "n": EDGE_INTS, "seed": EDGE_INTS, "num_inference_steps": EDGE_INTS,

@@ -20,18 +20,19 @@ def test_worker_check_runs_its_path_on_cpu(demo_dir, tmp_path):
     from demo import build_demo_models
 
     build_demo_models(demo_dir, names=["tiny-chat", "tiny-chat-pirate", "tiny-chat-poet", "tiny-embed",
-                                       "tiny-moderation", "tiny-vlm"])
+                                       "tiny-moderation", "tiny-rerank", "tiny-vlm"])
     out = run_script(ROOT / "scripts" / "gpu_check_workers.py",  # forked with the stack imported (tests/forked.py)
                      ["--device", "cpu", "--models", str(demo_dir), "--out", str(tmp_path), "--kinds", "chat", "vision",
-                      "embed", "moderation", "train"], ROOT, tmp_path, 240)
+                      "embed", "moderation", "rerank", "train"], ROOT, tmp_path, 240)
     assert out.returncode == 0, out.stdout + out.stderr
     assert out.stdout.strip().splitlines()[-1].startswith("verdict: PASS")
     results = json.loads((tmp_path / "workers.json").read_text())
-    assert set(results) == {"chat", "vision", "embed", "moderation", "train"}
+    assert set(results) == {"chat", "vision", "embed", "moderation", "rerank", "train"}
     assert results["chat"]["logits_rel_err"] == 0.0 and results["chat"]["replies"]["stack"]["equal"]
     assert results["chat"]["together"] == {"rows": 3, "finite": True, "first_tokens_equal": 3}
     assert results["vision"]["logits_rel_err"] == 0.0 and results["vision"]["reply"]["equal"]
     assert results["embed"]["min_cosine"] > 0.99999 and results["moderation"]["max_abs_diff"] == 0.0
+    assert results["rerank"]["max_abs_diff"] == 0.0
     assert results["train"]["losses"]["cpu"] == {**results["train"]["losses"]["device"],  # seeded: CPU twice, the same
                                                  "seconds": results["train"]["losses"]["cpu"]["seconds"]}
     dpo = results["train"]["dpo"]

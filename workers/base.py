@@ -17,7 +17,7 @@ from typing import TYPE_CHECKING, Any, Callable, Literal, Mapping
 if TYPE_CHECKING:
     from lora_kernels import LoraAdapter
 
-ModelKind = Literal["chat", "image", "tts", "stt", "embed", "moderation", "train"]  # train: workers.trainer
+ModelKind = Literal["chat", "image", "tts", "stt", "embed", "moderation", "rerank", "train"]  # train: workers.trainer
 
 
 @dataclass(frozen=True)

@@ -20,6 +20,7 @@ WORKERS: dict[tuple[str, str], str] = {
     ("stt", "transformers"): "workers.stt:STTWorker",
     ("embed", "transformers"): "workers.embed:EmbedWorker",
     ("moderation", "transformers"): "workers.moderation:ModerationWorker",
+    ("rerank", "transformers"): "workers.rerank:RerankWorker",
     ("train", "transformers"): "workers.trainer:LoraTrainer",  # fine-tuning jobs' copy of a chat model
 }
 

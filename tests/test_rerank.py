@@ -1,0 +1,157 @@
+"""/v1/rerank and /v1/score (vLLM's shapes, Jina's and Cohere's paths) on a real server: a
+cross-encoder's scores checked against the model run by plain transformers, long documents,
+``max_tokens_per_doc``, an embedding model's cosine, and the 400s."""
+
+from __future__ import annotations
+
+import math
+
+import httpx
+import numpy as np
+import pytest
+import torch
+
+from tests.helpers import start_server, write_config
+
+QUERY = "which tier comes first?"
+DOCS = ["Paid requests come first, then subscribers.", "The quick brown fox jumps over the lazy dog.",
+        "Batch work waits for idle time.", "One, two, three, four, five."]
+
+
+@pytest.fixture(scope="module")
+def server(tiny_rerank, tiny_embed, tiny_chat, tmp_path_factory):
+    folder = tmp_path_factory.mktemp("rerank")
+    cfg = write_config(folder, {"tiny-rerank": ("rerank", tiny_rerank), "tiny-embed": ("embed", tiny_embed),
+                                "tiny-chat": ("chat", tiny_chat)},
+                       "limits:\n  rerank_max_documents: 8\n  rerank_max_tokens: 4000\n")
+    running = start_server(cfg)
+    yield running
+    running.stop()
+
+
+def post(server, path: str, body: dict) -> httpx.Response:
+    return httpx.post(f"{server.url}{path}", json=body, timeout=60,
+                      headers={"Authorization": f"Bearer {server.keys['paid']}"})
+
+
+def reference(folder, pairs: list[tuple[str, str]] | None = None, encoded: list[dict] | None = None) -> np.ndarray:
+    """The cross-encoder's logits by plain transformers: each pair encoded as the tokenizer pairs
+    texts (or each input of ``encoded``), one forward pass each (no padding), as
+    sentence-transformers' CrossEncoder runs it."""
+    from transformers import AutoModelForSequenceClassification, AutoTokenizer
+
+    tok = AutoTokenizer.from_pretrained(folder)
+    model = AutoModelForSequenceClassification.from_pretrained(folder).eval()
+    inputs = encoded or [tok(a, b, return_token_type_ids=True) for a, b in pairs]
+    with torch.no_grad():
+        return np.array([model(input_ids=torch.tensor([e["input_ids"]]),
+                               token_type_ids=torch.tensor([e["token_type_ids"]])).logits[0, 0].item() for e in inputs])
+
+
+def sigmoid(x: np.ndarray) -> np.ndarray:
+    return 1 / (1 + np.exp(-x))
+
+
+def test_rerank_orders_documents_by_the_cross_encoders_scores(server, tiny_rerank):
+    """Each relevance score is the model's sigmoid of its logit for (query, document) within
+    1e-5 (padded shared passes against one pass per pair), best first; ``top_n``,
+    ``return_documents`` and Cohere's ``{"text": ...}`` documents; the three paths answer alike."""
+    want = sigmoid(reference(tiny_rerank, [(QUERY, d) for d in DOCS]))
+    assert want.max() - want.min() > 0.05  # the model tells them apart: the order below means something
+    r = post(server, "/v1/rerank", {"model": "tiny-rerank", "query": QUERY, "documents": DOCS})
+    assert r.status_code == 200, r.text
+    body = r.json()
+    got = {x["index"]: x["relevance_score"] for x in body["results"]}
+    assert [x["index"] for x in body["results"]] == list(np.argsort(-want))
+    np.testing.assert_allclose([got[i] for i in range(len(DOCS))], want, atol=1e-5)
+    assert all(x["document"]["text"] == DOCS[x["index"]] for x in body["results"])
+    assert body["usage"]["total_tokens"] > 0 and body["model"] == "tiny-rerank" and body["id"].startswith("rerank-")
+    for path in ("/rerank", "/v2/rerank"):
+        top = post(server, path, {"model": "tiny-rerank", "query": QUERY, "top_n": 2, "return_documents": False,
+                                  "documents": [{"text": d} for d in DOCS]}).json()["results"]
+        assert [x["index"] for x in top] == list(np.argsort(-want)[:2]) and all("document" not in x for x in top)
+    raw = post(server, "/v1/rerank", {"model": "tiny-rerank", "query": QUERY, "documents": DOCS,
+                                      "use_activation": False}).json()["results"]
+    logits = reference(tiny_rerank, [(QUERY, d) for d in DOCS])
+    np.testing.assert_allclose([x["relevance_score"] for x in sorted(raw, key=lambda x: x["index"])], logits, atol=1e-4)
+
+
+def test_a_long_document_is_scored_in_pieces_and_max_tokens_per_doc_cuts_it(server, tiny_rerank):
+    """A document over the model's 128 tokens is scored, not refused: its score is its best
+    piece's (the pieces the tokenizer's overflow makes beside the query, neighbours overlapping
+    by a quarter of the document's room, each run alone by the reference), here not its first
+    piece's; with ``max_tokens_per_doc`` it is the reference on its first so many tokens."""
+    from transformers import AutoTokenizer
+
+    tok = AutoTokenizer.from_pretrained(tiny_rerank)
+    long = " ".join(DOCS[1:] * 12 + [DOCS[0]])
+    room = 128 - len(tok(QUERY, add_special_tokens=False)["input_ids"]) - tok.num_special_tokens_to_add(pair=True)
+    enc = tok(QUERY, long, truncation="only_second", max_length=128, stride=room // 4, return_overflowing_tokens=True,
+              return_token_type_ids=True)
+    each = sigmoid(reference(tiny_rerank, encoded=[{"input_ids": ids, "token_type_ids": types} for ids, types in
+                                                   zip(enc["input_ids"], enc["token_type_ids"])]))
+    assert len(each) > 2 and each.argmax() > 0, each  # the best is a later piece
+    r = post(server, "/v1/rerank", {"model": "tiny-rerank", "query": QUERY, "documents": [long, DOCS[0]]})
+    assert r.status_code == 200, r.text
+    scores = {x["index"]: x["relevance_score"] for x in r.json()["results"]}
+    assert math.isclose(scores[0], each.max(), abs_tol=1e-5)
+    assert r.json()["usage"]["total_tokens"] > 128 * 2  # every piece counted
+    words = tok(long, add_special_tokens=False, return_offsets_mapping=True)["offset_mapping"]
+    cut = post(server, "/v1/rerank", {"model": "tiny-rerank", "query": QUERY, "documents": [long],
+                                      "max_tokens_per_doc": 6}).json()["results"][0]["relevance_score"]
+    assert math.isclose(cut, sigmoid(reference(tiny_rerank, [(QUERY, long[: words[5][1]])]))[0], abs_tol=1e-5)
+
+
+def test_score_pairs_one_against_many_and_pairwise(server, tiny_rerank):
+    one = post(server, "/v1/score", {"model": "tiny-rerank", "text_1": QUERY, "text_2": DOCS})
+    assert one.status_code == 200, one.text
+    data = one.json()["data"]
+    assert [d["index"] for d in data] == list(range(len(DOCS))) and {d["object"] for d in data} == {"score"}
+    np.testing.assert_allclose([d["score"] for d in data], sigmoid(reference(tiny_rerank, [(QUERY, d) for d in DOCS])),
+                               atol=1e-5)
+    firsts = ["a question", "another one"]
+    pairwise = post(server, "/score", {"model": "tiny-rerank", "queries": firsts, "documents": DOCS[:2]}).json()
+    np.testing.assert_allclose([d["score"] for d in pairwise["data"]],
+                               sigmoid(reference(tiny_rerank, list(zip(firsts, DOCS[:2])))), atol=1e-5)
+
+
+def test_an_embedding_model_scores_by_cosine_similarity(server):
+    """On ``kind: embed`` both endpoints score by the cosine of the texts' embeddings, as vLLM
+    does: the same figures as /v1/embeddings' vectors give."""
+    embedded = post(server, "/v1/embeddings", {"model": "tiny-embed", "input": [QUERY, *DOCS]}).json()["data"]
+    vectors = np.array([e["embedding"] for e in embedded])
+    unit = vectors / np.linalg.norm(vectors, axis=1, keepdims=True)
+    want = unit[1:] @ unit[0]
+    r = post(server, "/v1/rerank", {"model": "tiny-embed", "query": QUERY, "documents": DOCS})
+    assert r.status_code == 200, r.text
+    got = {x["index"]: x["relevance_score"] for x in r.json()["results"]}
+    np.testing.assert_allclose([got[i] for i in range(len(DOCS))], want, atol=1e-5)
+    scored = post(server, "/v1/score", {"model": "tiny-embed", "data_1": QUERY, "data_2": DOCS}).json()["data"]
+    np.testing.assert_allclose([d["score"] for d in scored], want, atol=1e-5)
+
+
+@pytest.mark.parametrize("path,extra,status,param", [
+    ("/v1/rerank", {"documents": []}, 400, "documents"),
+    ("/v1/rerank", {"documents": ["ok", " "]}, 400, "documents"),
+    ("/v1/rerank", {"query": ""}, 400, "documents"),
+    ("/v1/rerank", {"query": "why " * 120}, 400, "documents"),  # no room left for a document
+    ("/v1/rerank", {"documents": ["d"] * 9}, 400, "documents"),  # rerank_max_documents: 8
+    ("/v1/rerank", {"documents": ["word " * 3000]}, 400, "documents"),  # rerank_max_tokens: 4000
+    ("/v1/rerank", {"model": "tiny-chat"}, 400, "model"),
+    ("/v1/rerank", {"model": "nope"}, 404, "model"),
+    ("/v1/rerank", {"top_n": -1}, 400, "top_n"),
+    ("/v1/rerank", {"max_tokens_per_doc": -1}, 400, "max_tokens_per_doc"),
+    ("/v1/rerank", {"documents": [{"txt": "x"}]}, 400, "documents"),
+    ("/v1/rerank", {"rank_fields": ["x"]}, 400, "rank_fields"),
+    ("/v1/score", {"query": None, "documents": None, "text_2": ["a"]}, 400, "text_1"),
+    ("/v1/score", {"query": None, "documents": None, "text_1": "a", "queries": "b", "text_2": "c"}, 400, "text_1"),
+    ("/v1/score", {"query": None, "documents": None, "text_1": ["a", "b"], "text_2": ["c"]}, 400, "text_1"),
+    ("/v1/score", {"query": None, "documents": None, "text_1": "a", "text_2": []}, 400, "text_2"),
+])
+def test_bad_requests_are_clean_errors_naming_the_field(server, path, extra, status, param):
+    body = {"model": "tiny-rerank", "query": QUERY, "documents": DOCS, **extra}
+    body = {k: v for k, v in body.items() if v is not None}
+    r = post(server, path, body)
+    assert r.status_code == status, r.text
+    err = r.json()["error"]
+    assert err["param"] == param and isinstance(err["code"], str) and err["message"]
