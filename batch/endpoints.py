@@ -22,6 +22,7 @@ from gateway.input_audio import chat_audio
 from gateway.output_audio import heard_replies, plan_voice, say_replies
 from gateway.input_files import chat_files
 from gateway.moderations import ModerationRequest, moderation_results, plan_moderation, serve_moderation
+from gateway.rerank import rerank_answer, score_answer
 from gateway.responses import response_result
 from gateway.schemas import ChatCompletionRequest, parse
 from gateway.service import Services
@@ -97,6 +98,14 @@ async def moderations(svc: Services, caller: Caller, data: dict) -> Result:
     return moderation_results(job, await serve_moderation(svc, caller, job, None))
 
 
+async def rerank(svc: Services, caller: Caller, data: dict) -> Result:
+    return await rerank_answer(svc, caller, data, None)
+
+
+async def score(svc: Services, caller: Caller, data: dict) -> Result:
+    return await score_answer(svc, caller, data, None)
+
+
 ENDPOINTS: dict[str, Endpoint] = {
     "/v1/chat/completions": chat,
     "/v1/completions": completion_result,  # legacy text completions
@@ -105,4 +114,6 @@ ENDPOINTS: dict[str, Endpoint] = {
     "/v1/audio/speech": speech,
     "/v1/embeddings": embeddings,
     "/v1/moderations": moderations,
+    "/v1/rerank": rerank,  # vLLM's batch runner takes these two too
+    "/v1/score": score,
 }

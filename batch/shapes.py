@@ -23,7 +23,7 @@ from workers.base import stack_key
 
 # the kind of model each batch endpoint runs on
 ENDPOINT_KINDS = {"/v1/chat/completions": "chat", "/v1/images/generations": "image", "/v1/audio/speech": "tts",
-                  "/v1/embeddings": "embed", "/v1/moderations": "moderation"}
+                  "/v1/embeddings": "embed", "/v1/moderations": "moderation", "/v1/rerank": "rerank", "/v1/score": "rerank"}
 
 
 def shape_of(svc: Services, endpoint: str, body: dict[str, Any]) -> str:
@@ -54,7 +54,7 @@ def model_of(shape: str) -> str:
 
 def width(svc: Services, model: str) -> int:
     """How many requests ``model``'s engine serves together: a chat engine's ``max_num_seqs``; an
-    embedding or moderation model's ``batch_width`` (its lines share forward passes,
+    embedding, moderation or rerank model's ``batch_width`` (its lines share forward passes,
     ``workers.embed``); 1 for the others (an image, speech or transcription worker runs one
     request at a time, batching only inside it), and for a model this server does not have."""
     spec = svc.arbiter.specs.get(model)

@@ -209,30 +209,40 @@ def score_list(model: str, scores: np.ndarray, tokens: int, created: int) -> dic
             "usage": {"prompt_tokens": tokens, "total_tokens": tokens, "completion_tokens": 0}}
 
 
+async def rerank_answer(svc: Services, caller: Caller, data: dict, gone: Gone | None) -> dict:
+    """The answer to a rerank request's JSON ``data`` (a live request's, or a batch line's)."""
+    body = parse(RerankRequest, data)
+    pairs = [(body.query, text) for text in body.texts()]
+    job = await plan_scores(svc, body.model, pairs, body.max_tokens_per_doc, body.use_activation, "documents")
+    return rerank_results(body, await serve_scores(svc, caller, job, "rerank", gone), job.tokens)
+
+
+async def score_answer(svc: Services, caller: Caller, data: dict, gone: Gone | None) -> dict:
+    """The answer to a score request's JSON ``data`` (a live request's, or a batch line's)."""
+    body = parse(ScoreRequest, data)
+    pairs = body.pairs()
+    second = next(n for n in SECOND if getattr(body, n) is not None)
+    job = await plan_scores(svc, body.model, pairs, body.max_tokens_per_doc, body.use_activation, second)
+    return score_list(body.model, await serve_scores(svc, caller, job, "score", gone), job.tokens, int(time.time()))
+
+
 # -- HTTP -------------------------------------------------------------------------------------------
 
 
 async def rerank(request: Request) -> Response:
     """POST /v1/rerank, /rerank, /v2/rerank."""
-    svc: Services = request.app.state.services
-    caller = svc.admit_caller(request)
-    body = parse(RerankRequest, await read_json(request, svc.config.limits.max_body))
-    pairs = [(body.query, text) for text in body.texts()]
-    job = await plan_scores(svc, body.model, pairs, body.max_tokens_per_doc, body.use_activation, "documents")
-    async with disconnect_signal(request) as gone:
-        scores = await serve_scores(svc, caller, job, "rerank", gone)
-    return JSONResponse(rerank_results(body, scores, job.tokens), headers=svc.gate.rate_headers(caller.tier))
+    return await _answer(request, rerank_answer)
 
 
 async def score(request: Request) -> Response:
     """POST /v1/score, /score."""
+    return await _answer(request, score_answer)
+
+
+async def _answer(request: Request, answer) -> Response:
     svc: Services = request.app.state.services
     caller = svc.admit_caller(request)
-    body = parse(ScoreRequest, await read_json(request, svc.config.limits.max_body))
-    pairs = body.pairs()
-    second = next(n for n in SECOND if getattr(body, n) is not None)
-    job = await plan_scores(svc, body.model, pairs, body.max_tokens_per_doc, body.use_activation, second)
+    data = await read_json(request, svc.config.limits.max_body)
     async with disconnect_signal(request) as gone:
-        scores = await serve_scores(svc, caller, job, "score", gone)
-    return JSONResponse(score_list(body.model, scores, job.tokens, int(time.time())),
-                        headers=svc.gate.rate_headers(caller.tier))
+        result = await answer(svc, caller, data, gone)
+    return JSONResponse(result, headers=svc.gate.rate_headers(caller.tier))

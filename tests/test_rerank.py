@@ -4,14 +4,16 @@ cross-encoder's scores checked against the model run by plain transformers, long
 
 from __future__ import annotations
 
+import json
 import math
 
 import httpx
 import numpy as np
+import openai
 import pytest
 import torch
 
-from tests.helpers import start_server, write_config
+from tests.helpers import run_batch, start_server, write_config
 
 QUERY = "which tier comes first?"
 DOCS = ["Paid requests come first, then subscribers.", "The quick brown fox jumps over the lazy dog.",
@@ -128,6 +130,28 @@ def test_an_embedding_model_scores_by_cosine_similarity(server):
     np.testing.assert_allclose([got[i] for i in range(len(DOCS))], want, atol=1e-5)
     scored = post(server, "/v1/score", {"model": "tiny-embed", "data_1": QUERY, "data_2": DOCS}).json()["data"]
     np.testing.assert_allclose([d["score"] for d in scored], want, atol=1e-5)
+
+
+def test_batch_lines_rerank_and_score_as_live_requests_do(server):
+    """The Batch API takes both endpoints (as vLLM's batch runner does): each line's answer has the
+    live request's scores; a bad line fails alone, naming its field."""
+    c = openai.OpenAI(base_url=server.base_url, api_key=server.keys["paid"], max_retries=0, timeout=60)
+    rerank = {"model": "tiny-rerank", "query": QUERY, "documents": DOCS}
+    score = {"model": "tiny-rerank", "queries": QUERY, "items": DOCS[:2]}
+    for endpoint, body, bad in (("/v1/rerank", rerank, {**rerank, "documents": []}),
+                                ("/v1/score", score, {"model": "tiny-rerank", "text_1": QUERY})):
+        lines = [{"custom_id": "good", "method": "POST", "url": endpoint, "body": body},
+                 {"custom_id": "bad", "method": "POST", "url": endpoint, "body": bad}]
+        batch = run_batch(c, endpoint, lines)
+        assert (batch.status, batch.request_counts.completed, batch.request_counts.failed) == ("completed", 1, 1)
+        (line,) = map(json.loads, c.files.content(batch.output_file_id).text.splitlines())
+        live = post(server, endpoint, body).json()
+        key, value = ("results", "relevance_score") if endpoint == "/v1/rerank" else ("data", "score")
+        got = line["response"]["body"][key]
+        assert [x["index"] for x in got] == [x["index"] for x in live[key]]  # padded with other rows or not: 1e-6
+        np.testing.assert_allclose([x[value] for x in got], [x[value] for x in live[key]], atol=1e-6)
+        (error,) = map(json.loads, c.files.content(batch.error_file_id).text.splitlines())
+        assert error["response"]["body"]["error"]["param"] == ("documents" if endpoint == "/v1/rerank" else "text_2")
 
 
 @pytest.mark.parametrize("path,extra,status,param", [
