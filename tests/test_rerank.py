@@ -78,6 +78,22 @@ def test_rerank_orders_documents_by_the_cross_encoders_scores(server, tiny_reran
     np.testing.assert_allclose([x["relevance_score"] for x in sorted(raw, key=lambda x: x["index"])], logits, atol=1e-4)
 
 
+def test_coheres_clients_rerank_through_v1_and_v2(server):
+    """Cohere's SDK pointed at the server (its v2 client calls /v2/rerank, its v1 client
+    /v1/rerank, with ``return_documents``): the same order and scores as the plain request."""
+    import cohere
+
+    want = post(server, "/v1/rerank", {"model": "tiny-rerank", "query": QUERY, "documents": DOCS, "top_n": 3}).json()
+    v2 = cohere.ClientV2(api_key=server.keys["paid"], base_url=server.url, timeout=60).rerank(
+        model="tiny-rerank", query=QUERY, documents=DOCS, top_n=3)
+    v1 = cohere.Client(api_key=server.keys["paid"], base_url=server.url, timeout=60).rerank(
+        model="tiny-rerank", query=QUERY, documents=DOCS, top_n=3, return_documents=True)
+    for got in (v2, v1):
+        assert [(r.index, round(r.relevance_score, 6)) for r in got.results] == [
+            (r["index"], round(r["relevance_score"], 6)) for r in want["results"]]
+    assert [r.document.text for r in v1.results] == [DOCS[r["index"]] for r in want["results"]]
+
+
 def test_a_long_document_is_scored_in_pieces_and_max_tokens_per_doc_cuts_it(server, tiny_rerank):
     """A document over the model's 128 tokens is scored, not refused: its score is its best
     piece's (the pieces the tokenizer's overflow makes beside the query, neighbours overlapping
