@@ -51,6 +51,7 @@ from workers.base import (
     ChatParams,
     ChatRequest,
     InvalidParam,
+    PromptEnd,
     StepContext,
     TokenLogprob,
 )
@@ -76,6 +77,7 @@ class ChatJob:
     prompt_ids: list[int] | None = None  # a raw prompt (legacy completions): no chat template
     stream: bool = True  # False: the reply is read whole (the engine may hand it over in fewer pieces)
     template_kwargs: dict | None = None  # the chat template's own variables (enable_thinking, ...)
+    prompt_end: PromptEnd = "generation"  # vLLM's add_generation_prompt / continue_final_message
     reasoning: ReasoningParser = "none"  # the model's reasoning_parser: where its thinking is in the reply
     include_reasoning: bool = True  # False: the thinking is left out of the answer
     # the messages' image parts, in order, as encoded files (``gateway.vision``); one still to read
@@ -138,7 +140,7 @@ def plan_chat(svc: Services, body: ChatCompletionRequest) -> ChatJob:
         grammar=grammar, **sampling(body, svc.sampling_defaults.get(spec.name, {})), **reply_ends(body, max_tokens),
     )
     return ChatJob(spec.name, body.messages_as_dicts(), params, stack, tools, body.n, body.service_tier,
-                   stream=bool(body.stream), template_kwargs=body.template_kwargs(),
+                   stream=bool(body.stream), template_kwargs=body.template_kwargs(), prompt_end=body.prompt_end(),
                    reasoning=getattr(engine, "reasoning_parser", "none"),
                    include_reasoning=body.include_reasoning, images=images, own_adapter=names_own(body.model, stack),
                    prediction=body.prediction.text() if body.prediction is not None else None)
@@ -306,7 +308,7 @@ async def _first_event(serving: Serving, job: ChatJob, params: ChatParams,
         raise RuntimeError("a chat job's pending images must be read (with_images) before it is served")
     req = ChatRequest(job.messages, params, priority=serving.rank, ctx=ctx, adapters=job.stack,
                       tools=job.tools.template_tools(), template_kwargs=job.template_kwargs,
-                      prompt_ids=job.prompt_ids, stream=job.stream, reasoning=job.reasoning != "none", images=job.images,
+                      prompt_end=job.prompt_end, prompt_ids=job.prompt_ids, stream=job.stream, reasoning=job.reasoning != "none", images=job.images,
                       cache_salt=serving.caller.key_id if serving.svc.config.server.prefix_cache == "per_key" else None,
                       prediction=job.prediction)
     events = serving.worker.chat(req)

@@ -19,6 +19,7 @@ from pydantic import AfterValidator, BaseModel, BeforeValidator, ConfigDict, Dis
 from starlette.requests import Request
 
 from gateway.errors import APIError, bad_request
+from workers.base import PromptEnd
 
 M = TypeVar("M", bound=BaseModel)
 
@@ -377,6 +378,9 @@ class ChatCompletionRequest(EndUser):
     reasoning_effort: Literal["none", "minimal", "low", "medium", "high", "xhigh"] | None = None  # to the template
     chat_template_kwargs: dict[str, Any] | None = None  # vLLM's extension: the chat template's own variables
     include_reasoning: bool = True  # vLLM's extension: false leaves a reasoning model's thinking out
+    # vLLM's: where the prompt ends (``prompt_end``); continue_final_message prefills the reply with the last message
+    add_generation_prompt: bool = True
+    continue_final_message: bool = False
     adapters: list[AdapterChoice] | None = Field(default=None, max_length=MAX_STACK)  # extension: LoRA stack
 
     @field_validator("stop")
@@ -396,6 +400,15 @@ class ChatCompletionRequest(EndUser):
         if taken:
             raise ValueError(f"{taken[0]!r} is set by the server, not by chat_template_kwargs")
         return v
+
+    def prompt_end(self) -> PromptEnd:
+        """Where the prompt ends: the assistant's turn opened (``add_generation_prompt``, the
+        default), the last message left open for the reply to continue (``continue_final_message``
+        with ``add_generation_prompt`` false, vLLM's rule), or closed after it (both false)."""
+        if self.continue_final_message and self.add_generation_prompt:
+            raise bad_request("continue_final_message leaves the last message open: set add_generation_prompt to "
+                              "false with it", "continue_final_message")
+        return "open" if self.continue_final_message else "generation" if self.add_generation_prompt else "closed"
 
     def template_kwargs(self) -> dict[str, Any] | None:
         """The chat template's variables: ``chat_template_kwargs``, and ``reasoning_effort`` as

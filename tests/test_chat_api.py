@@ -514,6 +514,38 @@ def test_vllms_ends_of_a_reply_reach_the_engine(server):
         assert bad.value.body["param"] == param
 
 
+def test_continue_final_message_prefills_the_reply_as_vllm_does(server):
+    """vLLM's ``continue_final_message`` (with ``add_generation_prompt`` false): the last message
+    is left open and the reply continues it, on both engines. Its greedy reply is a raw legacy
+    completion's of the same prompt (the template's text, left open), its prompt tokens those
+    ``/tokenize`` counts with the same fields; ``add_generation_prompt`` false alone closes the
+    last message; both true is a 400."""
+    tok = tokenizer(server)
+    c = client(server)
+    messages = [{"role": "user", "content": "Name a colour."}, {"role": "assistant", "content": "My favourite is"}]
+
+    def ids(**ends) -> list[int]:  # the template's text, encoded as both engines encode it
+        return tok(tok.apply_chat_template(messages, tokenize=False, **ends), add_special_tokens=False)["input_ids"]
+
+    open_ids = ids(continue_final_message=True, add_generation_prompt=False)
+    assert tok.decode(open_ids).endswith("My favourite is")
+    kw = dict(model="tiny-chat", messages=messages, max_tokens=8, temperature=0)
+    r = c.chat.completions.create(**kw, extra_body={"continue_final_message": True, "add_generation_prompt": False})
+    assert r.usage.prompt_tokens == len(open_ids)
+    raw = c.completions.create(model="tiny-chat", prompt=open_ids, max_tokens=8, temperature=0)
+    assert r.choices[0].message.content == raw.choices[0].text
+    assert r.choices[0].message.content != c.chat.completions.create(**kw).choices[0].message.content
+    counted = httpx.post(f"{server.url}/tokenize", timeout=60, headers={"Authorization": f"Bearer {server.keys['paid']}"},
+                         json={"model": "tiny-chat", "messages": messages, "continue_final_message": True,
+                               "add_generation_prompt": False}).json()
+    assert counted["count"] == len(open_ids)
+    closed = c.chat.completions.create(**kw, extra_body={"add_generation_prompt": False})
+    assert closed.usage.prompt_tokens == len(ids(add_generation_prompt=False)) != len(open_ids)
+    with pytest.raises(openai.BadRequestError) as bad:
+        c.chat.completions.create(**kw, extra_body={"continue_final_message": True})
+    assert bad.value.body["param"] == "continue_final_message"
+
+
 def test_user_is_logged_scoped_to_the_key(server, caplog):
     caplog.set_level("INFO", logger="tiergate")
     client(server).chat.completions.create(model="tiny-chat", messages=ASK, max_tokens=2, user="alice@example.com")

@@ -179,6 +179,7 @@ ENDPOINTS = {
          "tools": st.lists(TOOL, max_size=3), "tool_choice": TOOL_CHOICE, "parallel_tool_calls": st.booleans(),
          "functions": st.lists(TOOL.map(lambda t: t.get("function")), max_size=3),
          "reasoning_effort": st.sampled_from(["none", "low", "high", "extreme"]), "include_reasoning": st.booleans(),
+         "add_generation_prompt": st.booleans() | ANY_JSON, "continue_final_message": st.booleans() | ANY_JSON,
          "chat_template_kwargs": st.dictionaries(st.sampled_from(["enable_thinking", "tools", "x", "tokenize"]),
                                                  ANY_JSON, max_size=2),
          "function_call": st.sampled_from(["none", "auto", "required"]) | st.fixed_dictionaries({"name": TOOL_NAME}),

@@ -176,6 +176,12 @@ class InvalidParam(ValueError):
         self.param = param
 
 
+# where a chat prompt ends (vLLM's add_generation_prompt / continue_final_message): the assistant's turn
+# opened for the reply (the default); after the last message, closed; or inside the last message, left open
+# for the reply to continue it (a prefilled start)
+PromptEnd = Literal["generation", "closed", "open"]
+
+
 @dataclass
 class ChatRequest:
     messages: list[dict]  # OpenAI's shape: role, content, and tool_calls / tool_call_id where given
@@ -185,6 +191,7 @@ class ChatRequest:
     adapters: AdapterStackSpec = ()  # the adapter stack this request runs with; () = the base model
     tools: list[dict] | None = None  # function tools, rendered by the chat template
     template_kwargs: dict[str, Any] | None = None  # the chat template's own variables (enable_thinking, ...)
+    prompt_end: PromptEnd = "generation"  # where the rendered prompt ends
     prompt_ids: list[int] | None = None  # a raw prompt (legacy completions): these ids, no chat template
     # the images of the messages' image parts (``{"type": "image"}`` in ``messages``), in order: each an
     # encoded file (PNG, JPEG, WebP, GIF) the gateway has checked; for a model that reads images only

@@ -19,7 +19,7 @@ from __future__ import annotations
 import io
 from typing import Any, Callable
 
-from workers.base import ChatRequest, InvalidParam
+from workers.base import ChatRequest, InvalidParam, PromptEnd
 
 
 class ContextTooLong(ValueError):
@@ -42,6 +42,15 @@ def render(tokenizer: Any, messages: list[dict], tools: list[dict] | None = None
     except jinja2.TemplateError as exc:  # the template's own raise_exception ("roles must alternate"), or a
         # variable it cannot use: the request's, not the server's fault
         raise InvalidParam(f"the model's chat template refused the request: {exc}", "messages") from None
+    except ValueError as exc:  # transformers: a last message continue_final_message cannot leave open
+        if not continue_final_message:
+            raise
+        raise InvalidParam(f"the last message cannot be continued: {exc}", "continue_final_message") from None
+
+
+def end_kwargs(end: PromptEnd) -> dict[str, bool]:
+    """:func:`render`'s keyword arguments for a prompt that ends at ``end``."""
+    return {"add_generation_prompt": end == "generation", "continue_final_message": end == "open"}
 
 
 def encode(tokenizer: Any, messages: list[dict], tools: list[dict] | None = None,
@@ -107,7 +116,7 @@ def request_ids(tokenizer: Any, req: ChatRequest, context_length: int) -> list[i
     goes to ``req.ctx.prompt_thinking`` (a raw prompt's too, for a reasoning model: a background
     response resumed part-way through its thinking)."""
     if req.prompt_ids is None:
-        text = render(tokenizer, req.messages, req.tools, req.template_kwargs)
+        text = render(tokenizer, req.messages, req.tools, req.template_kwargs, **end_kwargs(req.prompt_end))
         ids = _ids(tokenizer, text)
         check_context(len(ids), req.params.max_tokens, context_length)
         req.ctx.prompt_thinking = thinking_marker(text)
@@ -132,7 +141,7 @@ def vision_inputs(processor: Any, req: ChatRequest, context_length: int) -> tupl
                 images.append(image.convert("RGB"))
         except Exception:  # noqa: BLE001 - the gateway read the header; the pixels themselves may be damaged
             raise InvalidParam(f"image {i + 1} of the request cannot be decoded (damaged or cut short)", "messages") from None
-    text = render(processor.tokenizer, req.messages, req.tools, req.template_kwargs)
+    text = render(processor.tokenizer, req.messages, req.tools, req.template_kwargs, **end_kwargs(req.prompt_end))
     try:
         enc = processor(text=[text], images=images, return_tensors="pt", add_special_tokens=False)
     except ValueError as exc:  # placeholders and images do not pair up (a template that drops image parts)
