@@ -38,7 +38,7 @@ from gateway.schemas import _Body, parse, read_json
 from gateway.service import Services
 from gateway.serving import Gone, Serving, in_thread, weightless
 from workers.embed import EmbedWorker, InputError
-from workers.rerank import PairRow, RerankWorker
+from workers.rerank import PairRow, QueryError, RerankWorker
 
 KINDS = ("rerank", "embed")
 
@@ -57,11 +57,23 @@ class RerankRequest(_Body):
     use_activation: bool | None = None
     user: str | None = None
 
-    def texts(self) -> list[str]:
+    def pairs(self) -> list[tuple[str, str]]:
+        """(query, document) for each document, in order; 400 naming the field otherwise."""
         docs = [self.documents] if isinstance(self.documents, str) else self.documents
         if not docs:
             raise bad_request("documents must not be an empty list", "documents")
-        return [d if isinstance(d, str) else d.text for d in docs]
+        texts = [d if isinstance(d, str) else d.text for d in docs]
+        _check_texts("query", [self.query], single=True)
+        _check_texts("documents", texts, single=isinstance(self.documents, str))
+        return [(self.query, text) for text in texts]
+
+
+def _check_texts(field: str, texts: list[str], single: bool) -> None:
+    """400 naming ``field`` (or its item) for an empty text: there is nothing to score."""
+    for i, text in enumerate(texts):
+        if not text.strip():
+            where = field if single else f"{field}[{i}]"
+            raise bad_request(f"{where} is an empty string", where)
 
 
 FIRST, SECOND = ("text_1", "queries", "data_1"), ("text_2", "documents", "items", "data_2")
@@ -89,10 +101,13 @@ class ScoreRequest(_Body):
                 raise bad_request(f"give one of {', '.join(names)}" + (f", not {len(given)}" if given else ""),
                                   names[0], "missing_required_parameter" if not given else "invalid_value")
             value = getattr(self, given[0])
-            sides.append((given[0], [value] if isinstance(value, str) else value))
+            texts = [value] if isinstance(value, str) else value
+            _check_texts(given[0], texts, single=isinstance(value, str))
+            sides.append((given[0], texts))
         (one, first), (two, second) = sides
         if not first or not second:
-            raise bad_request("must not be an empty list", one if not first else two)
+            empty = one if not first else two
+            raise bad_request(f"{empty} must not be an empty list", empty)
         if len(first) == 1:
             return [(first[0], text) for text in second]
         if len(first) != len(second):
@@ -116,11 +131,12 @@ class ScoreJob:
 
 
 async def plan_scores(svc: Services, model: str, pairs: list[tuple[str, str]], max_tokens_per_doc: int,
-                      activation: bool | None, param: str) -> ScoreJob:
+                      activation: bool | None, params: tuple[str, str]) -> ScoreJob:
     """The job of scoring ``pairs`` on ``model``; 404 for an unknown model, 400 for a model of
     another kind, more pairs than ``limits.rerank_max_documents``, more tokens than
-    ``limits.rerank_max_tokens``, an empty text or one too long (naming ``param``, the
-    documents' field). Needs no weights."""
+    ``limits.rerank_max_tokens``, or a text too long (naming ``params``: the fields of the
+    pairs' first and second texts). Needs no weights."""
+    first, param = params
     spec = svc.spec(model, KINDS)
     limits = svc.config.limits
     if len(pairs) > limits.rerank_max_documents:
@@ -136,7 +152,8 @@ async def plan_scores(svc: Services, model: str, pairs: list[tuple[str, str]], m
         else:
             job = await _plan_embedded(svc, spec, pairs)
     except InputError as exc:
-        raise bad_request(str(exc), param, "context_length_exceeded" if exc.too_long else "invalid_value") from None
+        raise bad_request(str(exc), first if isinstance(exc, QueryError) else param,
+                          "context_length_exceeded" if exc.too_long else "invalid_value") from None
     if job.tokens > limits.rerank_max_tokens:
         raise bad_request(f"the pairs are {job.tokens} tokens, {too_long}", param, "too_many_tokens")
     return job
@@ -146,13 +163,13 @@ async def _plan_pairs(svc: Services, spec, pairs: list[tuple[str, str]], max_tok
                       activation: bool | None) -> ScoreJob:
     reader = await weightless(svc.encoders, spec, RerankWorker.reader)
     groups: dict[str, list[int]] = {}  # the pairs of each first text: tokenized together
-    for i, (first, _) in enumerate(pairs):
-        groups.setdefault(first, []).append(i)
+    for i, (query, _) in enumerate(pairs):
+        groups.setdefault(query, []).append(i)
 
     def tokenize() -> list[list[PairRow]]:
         pieces: list[list[PairRow]] = [[] for _ in pairs]
-        for first, at in groups.items():
-            for i, doc in zip(at, reader.tokenize(first, [pairs[i][1] for i in at], max_tokens)):
+        for query, at in groups.items():
+            for i, doc in zip(at, reader.tokenize(query, [pairs[i][1] for i in at], max_tokens)):
                 pieces[i] = doc
         return pieces
 
@@ -161,13 +178,20 @@ async def _plan_pairs(svc: Services, spec, pairs: list[tuple[str, str]], max_tok
 
 
 async def _plan_embedded(svc: Services, spec, pairs: list[tuple[str, str]]) -> ScoreJob:
+    """Each distinct text embedded once; the firsts tokenized apart, so an error names their side."""
     encoder = await weightless(svc.encoders, spec, EmbedWorker.reader)
-    texts = list(dict.fromkeys(t for pair in pairs for t in pair))
-    where = {t: i for i, t in enumerate(texts)}
-    for t in texts:
-        if not t.strip():
-            raise InputError("a text is an empty string")
-    ids = await asyncio.to_thread(encoder.tokenize, texts)
+    firsts = list(dict.fromkeys(a for a, _ in pairs))
+    seconds = [t for t in dict.fromkeys(b for _, b in pairs) if t not in set(firsts)]
+
+    def tokenize() -> list[list[int]]:
+        try:
+            head = encoder.tokenize(firsts)
+        except InputError as exc:
+            raise QueryError(str(exc).replace("input", "text", 1), exc.too_long) from None
+        return head + (encoder.tokenize(seconds) if seconds else [])
+
+    ids = await asyncio.to_thread(tokenize)
+    where = {t: i for i, t in enumerate(firsts + seconds)}
     return ScoreJob(spec.name, "embed", sum(len(row) for row in ids), ids=ids,
                     pairs=[(where[a], where[b]) for a, b in pairs])
 
@@ -194,7 +218,7 @@ def cosines(vectors: np.ndarray, pairs: list[tuple[int, int]]) -> np.ndarray:
 
 def rerank_results(body: RerankRequest, scores: np.ndarray, tokens: int) -> dict:
     """vLLM's (and Jina's) rerank response: the documents best first, ``top_n`` of them."""
-    texts = body.texts()
+    texts = [doc for _, doc in body.pairs()]
     order = sorted(range(len(texts)), key=lambda i: -float(scores[i]))[: body.top_n or None]
     results = [{"index": i, "relevance_score": float(scores[i]),
                 **({"document": {"text": texts[i]}} if body.return_documents else {})} for i in order]
@@ -212,8 +236,8 @@ def score_list(model: str, scores: np.ndarray, tokens: int, created: int) -> dic
 async def rerank_answer(svc: Services, caller: Caller, data: dict, gone: Gone | None) -> dict:
     """The answer to a rerank request's JSON ``data`` (a live request's, or a batch line's)."""
     body = parse(RerankRequest, data)
-    pairs = [(body.query, text) for text in body.texts()]
-    job = await plan_scores(svc, body.model, pairs, body.max_tokens_per_doc, body.use_activation, "documents")
+    job = await plan_scores(svc, body.model, body.pairs(), body.max_tokens_per_doc, body.use_activation,
+                            ("query", "documents"))
     return rerank_results(body, await serve_scores(svc, caller, job, "rerank", gone), job.tokens)
 
 
@@ -221,8 +245,8 @@ async def score_answer(svc: Services, caller: Caller, data: dict, gone: Gone | N
     """The answer to a score request's JSON ``data`` (a live request's, or a batch line's)."""
     body = parse(ScoreRequest, data)
     pairs = body.pairs()
-    second = next(n for n in SECOND if getattr(body, n) is not None)
-    job = await plan_scores(svc, body.model, pairs, body.max_tokens_per_doc, body.use_activation, second)
+    sides = tuple(next(n for n in side if getattr(body, n) is not None) for side in (FIRST, SECOND))
+    job = await plan_scores(svc, body.model, pairs, body.max_tokens_per_doc, body.use_activation, sides)
     return score_list(body.model, await serve_scores(svc, caller, job, "score", gone), job.tokens, int(time.time()))
 
 

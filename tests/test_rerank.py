@@ -172,9 +172,11 @@ def test_batch_lines_rerank_and_score_as_live_requests_do(server):
 
 @pytest.mark.parametrize("path,extra,status,param", [
     ("/v1/rerank", {"documents": []}, 400, "documents"),
-    ("/v1/rerank", {"documents": ["ok", " "]}, 400, "documents"),
-    ("/v1/rerank", {"query": ""}, 400, "documents"),
-    ("/v1/rerank", {"query": "why " * 120}, 400, "documents"),  # no room left for a document
+    ("/v1/rerank", {"documents": ["ok", " "]}, 400, "documents[1]"),
+    ("/v1/rerank", {"documents": " "}, 400, "documents"),
+    ("/v1/rerank", {"query": ""}, 400, "query"),
+    ("/v1/rerank", {"query": "why " * 120}, 400, "query"),  # no room left for a document
+    ("/v1/rerank", {"model": "tiny-embed", "query": "why " * 200}, 400, "query"),  # over the encoder's context
     ("/v1/rerank", {"documents": ["d"] * 9}, 400, "documents"),  # rerank_max_documents: 8
     ("/v1/rerank", {"documents": ["word " * 3000]}, 400, "documents"),  # rerank_max_tokens: 4000
     ("/v1/rerank", {"model": "tiny-chat"}, 400, "model"),
@@ -187,6 +189,9 @@ def test_batch_lines_rerank_and_score_as_live_requests_do(server):
     ("/v1/score", {"query": None, "documents": None, "text_1": "a", "queries": "b", "text_2": "c"}, 400, "text_1"),
     ("/v1/score", {"query": None, "documents": None, "text_1": ["a", "b"], "text_2": ["c"]}, 400, "text_1"),
     ("/v1/score", {"query": None, "documents": None, "text_1": "a", "text_2": []}, 400, "text_2"),
+    ("/v1/score", {"query": None, "documents": None, "text_1": ["a", ""], "text_2": ["b", "c"]}, 400, "text_1[1]"),
+    ("/v1/score", {"query": None, "documents": None, "model": "tiny-embed", "data_1": "a", "data_2": ["b", "c " * 300]},
+     400, "data_2"),  # an embedding model does not read a text in pieces
 ])
 def test_bad_requests_are_clean_errors_naming_the_field(server, path, extra, status, param):
     body = {"model": "tiny-rerank", "query": QUERY, "documents": DOCS, **extra}

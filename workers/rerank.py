@@ -34,6 +34,10 @@ from workers.moderation import context_length
 from workers.worker import ModelInfo
 
 
+class QueryError(InputError):
+    """The query itself cannot be scored (empty, or too long to leave a document room)."""
+
+
 class PairRow(list):
     """One (query, document piece) input's token ids; ``types`` its token type ids."""
 
@@ -81,10 +85,10 @@ class RerankWorker(EncoderWorker):
         document to that many tokens first. ``InputError`` for an empty text, or a query that
         leaves a document less than a quarter of the context. Needs no weights; any thread."""
         if not query.strip():
-            raise InputError("the query is an empty string")
+            raise QueryError("the query is an empty string")
         for i, doc in enumerate(documents):
             if not doc.strip():
-                raise InputError(f"document {i} is an empty string")
+                raise InputError(f"document {i} is an empty string")  # its index among ``documents``
         tokenizer = self.tokenizer
         width = context_length(self.config, tokenizer.model_max_length)
         with self._tokenizing:
@@ -93,7 +97,7 @@ class RerankWorker(EncoderWorker):
             query_tokens = len(tokenizer(query, add_special_tokens=False)["input_ids"])
             room = width - query_tokens - tokenizer.num_special_tokens_to_add(pair=True)  # a document's tokens
             if room < width // 4:
-                raise InputError(f"the query leaves {max(room, 0)} of the model's {width} tokens for a document "
+                raise QueryError(f"the query leaves {max(room, 0)} of the model's {width} tokens for a document "
                                  f"(at least {width // 4} are needed)", too_long=True)
             enc = tokenizer([query] * len(documents), documents, truncation="only_second", max_length=width,
                             stride=room // 4, return_overflowing_tokens=True, return_token_type_ids=self.typed)
