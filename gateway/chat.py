@@ -400,6 +400,7 @@ def completion(cid: str, model: str, replies: list[Reply], tier: str, svc: Servi
     body = {
         "id": cid, "object": "chat.completion", "created": int(time.time()), "model": model,
         "choices": [{"index": r.index, "message": r.message(legacy), "finish_reason": r.finish_reason,
+                     "stop_reason": r.finished.stop_reason,  # vLLM's: the stop string or token that ended it
                      "logprobs": chat_logprobs(r.logprobs, logprobs)} for r in replies],
         "usage": _usage(replies),
     }
@@ -523,7 +524,10 @@ async def _sse(deltas: AsyncIterator[ChoiceDelta], first: ChoiceDelta, cid: str,
         elif d.calls:
             delta["tool_calls"] = [c.as_openai() for c in d.calls]
         lp = {"content": chat_content(d.logprobs or []), "refusal": None} if logprobs else None
-        return {"index": d.index, "delta": delta, "finish_reason": d.finish_reason, "logprobs": lp}
+        out = {"index": d.index, "delta": delta, "finish_reason": d.finish_reason, "logprobs": lp}
+        if d.finished is not None:  # vLLM's field, in the chunk that ends the choice
+            out["stop_reason"] = d.finished.stop_reason
+        return out
 
     def sound(index: int, piece: bytes) -> str:
         return chunk([{"index": index, "delta": {"audio": {"data": base64.b64encode(piece).decode()}},
@@ -555,9 +559,10 @@ async def _sse(deltas: AsyncIterator[ChoiceDelta], first: ChoiceDelta, cid: str,
                 replies.setdefault(delta.index, Reply(delta.index)).add(delta)
             if speaker is not None and delta.finished is not None:  # the finish reason goes with the audio's id
                 body = choice(delta)
+                stop_reason = body.pop("stop_reason")
                 yield chunk([{**body, "finish_reason": None}])
                 async for piece in audio(delta, {"index": delta.index, "delta": {}, "finish_reason": body["finish_reason"],
-                                                 "logprobs": None}):
+                                                 "stop_reason": stop_reason, "logprobs": None}):
                     yield piece
             else:
                 yield chunk([choice(delta)])

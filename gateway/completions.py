@@ -356,7 +356,7 @@ def text_completion(cid: str, model: str, job: CompletionJob, replies: list[Repl
         echoed = (prompt, r.prompt_logprobs) if job.echo else None
         lp = legacy_logprobs(r.logprobs or [], len(head), echoed) if job.logprobs is not None else None
         choices.append({"index": index, "text": head + "".join(r.content), "logprobs": lp,
-                        "finish_reason": r.finish_reason})
+                        "finish_reason": r.finish_reason, "stop_reason": r.finished.stop_reason})
     return {"id": cid, "object": "text_completion", "created": int(time.time()), "model": model,
             "choices": choices, "usage": completion_usage(job, replies), "service_tier": tier_label,
             "system_fingerprint": None}
@@ -450,7 +450,10 @@ async def _sse(deltas: AsyncIterator[ChoiceDelta], first: ChoiceDelta, cid: str,
             if delta.prompt_logprobs is not None and job.echo:
                 yield chunk([echoed(delta.index, delta.prompt_logprobs)])
             if delta.content or delta.logprobs or delta.finish_reason or delta.prompt_logprobs is None:
-                yield chunk([choice(delta.index, delta.content, delta.logprobs, delta.finish_reason)])
+                piece = choice(delta.index, delta.content, delta.logprobs, delta.finish_reason)
+                if delta.finished is not None:  # vLLM's field, in the chunk that ends the choice
+                    piece["stop_reason"] = delta.finished.stop_reason
+                yield chunk([piece])
             if delta.finished is not None:
                 done.append(delta)
                 if len(done) == total:

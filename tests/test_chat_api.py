@@ -514,6 +514,38 @@ def test_vllms_ends_of_a_reply_reach_the_engine(server):
         assert bad.value.body["param"] == param
 
 
+def test_stop_reason_names_what_ended_the_reply(server):
+    """vLLM's ``stop_reason``, on both engines, whole and streamed, chat and legacy completions:
+    the stop string or stop token id that ended the reply, None for the model's end of text or
+    max_tokens. "a" biased far above the rest makes each case certain."""
+    tok = tokenizer(server)
+    a, eos = tok.convert_tokens_to_ids("a"), tok.eos_token_id
+    c = client(server)
+
+    def ask(bias: dict, stream: bool = False, **extra):
+        kw = dict(model="tiny-chat", messages=ASK, max_tokens=12, temperature=0, stream=stream,
+                  logit_bias={str(k): v for k, v in bias.items()}, **extra)
+        if not stream:
+            choice = c.chat.completions.create(**kw).choices[0]
+            return choice.finish_reason, choice.model_extra["stop_reason"]
+        last = [ch.choices[0] for ch in c.chat.completions.create(**kw) if ch.choices and ch.choices[0].finish_reason]
+        return last[0].finish_reason, last[0].model_extra["stop_reason"]
+
+    for stream in (False, True):
+        assert ask({a: 100}, stream, stop=["zz", "aaa"]) == ("stop", "aaa")
+        assert ask({a: 100}, stream, extra_body={"stop_token_ids": [a]}) == ("stop", a)
+        assert ask({eos: 100}, stream) == ("stop", None)
+        assert ask({a: 100}, stream) == ("length", None)
+    legacy = c.completions.create(model="tiny-chat", prompt="Say", max_tokens=12, temperature=0, stop=["aa"],
+                                  logit_bias={str(a): 100}).choices[0]
+    assert (legacy.finish_reason, legacy.model_extra["stop_reason"]) == ("stop", "aa")
+    streamed = [ch.choices[0] for ch in c.completions.create(model="tiny-chat", prompt="Say", max_tokens=12, temperature=0,
+                                                             logit_bias={str(a): 100}, stream=True,
+                                                             extra_body={"stop_token_ids": [a]}) if ch.choices]
+    assert streamed[-1].model_extra["stop_reason"] == a
+    assert all("stop_reason" not in ch.model_extra for ch in streamed[:-1])  # only in the chunk that ends it
+
+
 def test_continue_final_message_prefills_the_reply_as_vllm_does(server):
     """vLLM's ``continue_final_message`` (with ``add_generation_prompt`` false): the last message
     is left open and the reply continues it, on both engines. Its greedy reply is a raw legacy

@@ -691,14 +691,15 @@ def test_the_replay_is_cut_from_the_first_delta_with_text(deltas, kept):
 
 
 @pytest.mark.parametrize(("whole", "sent", "stops", "final", "out"), [
-    ("abcE", "abc", ["END"], False, ("", False)),  # "E" may start END: held back
-    ("abcE", "ab", ["END"], True, ("cE", False)),  # at the end it goes out
-    ("abcdEND xyz", "ab", ["END"], False, ("cd", True)),  # the stop string ends the reply, itself not sent
-    ("abcEND", "a", ["END"], False, ("bc", True)),  # split by a pause after "E" (vLLM had sent "a"): found
-    ("xyEN", "", ["END", "Nope"], False, ("xy", False)),  # the longest possible start is held back
-    ("abc\ufffd", "ab", ["END"], False, ("c", False)),  # an incomplete character waits
-    ("abc\ufffd", "ab", ["END"], True, ("c", False)),  # and is never sent
-    ("abc", "abc", ["zz"], False, ("", False)),
+    ("abcE", "abc", ["END"], False, ("", None)),  # "E" may start END: held back
+    ("abcE", "ab", ["END"], True, ("cE", None)),  # at the end it goes out
+    ("abcdEND xyz", "ab", ["END"], False, ("cd", "END")),  # the stop string ends the reply, itself not sent
+    ("abcEND", "a", ["END"], False, ("bc", "END")),  # split by a pause after "E" (vLLM had sent "a"): found
+    ("abXYZ", "", ["YZ", "XY"], False, ("ab", "XY")),  # the earliest in the text ends it, and is named
+    ("xyEN", "", ["END", "Nope"], False, ("xy", None)),  # the longest possible start is held back
+    ("abc\ufffd", "ab", ["END"], False, ("c", None)),  # an incomplete character waits
+    ("abc\ufffd", "ab", ["END"], True, ("c", None)),  # and is never sent
+    ("abc", "abc", ["zz"], False, ("", None)),
 ])
 def test_a_resumed_pass_checks_its_stop_strings_on_the_whole_text(whole, sent, stops, final, out):
     from workers.chat_vllm import _resumed_text

@@ -248,6 +248,9 @@ class ChatFinished:
     # kept, and those it did not (both 0 where the prediction was not checked)
     accepted_prediction_tokens: int = 0
     rejected_prediction_tokens: int = 0
+    # vLLM's stop_reason: the stop string or stop token id (``ChatParams.stop_token_ids``) that ended the
+    # reply; None when it ended otherwise (the model's end of text, max_tokens)
+    stop_reason: int | str | None = None
 
 
 ChatEvent = TextDelta | ChatFinished

@@ -743,8 +743,9 @@ class ChatWorker(ThreadWorker):
             return False  # nothing to look for in the text, and none of it goes out before the end
         text = self._text(seq, len(gen) - 1 if eos else len(gen))
         cut = _first_stop(text, seq.params.stop)
+        stop_reason = token if eos and token in p.stop_token_ids else None
         if cut is not None:
-            text, reason = text[:cut], "stop"
+            text, reason, stop_reason = text[:cut], "stop", stop_string_at(text, p.stop, cut)
         # at the end, an undecodable tail is dropped rather than sent as U+FFFD, as vLLM does
         safe = len(text.rstrip("\ufffd")) if reason else _safe_prefix_len(text, seq.params.stop)
         if safe > seq.emitted_chars and (reason or not seq.holds_text):
@@ -756,7 +757,7 @@ class ChatWorker(ThreadWorker):
             seq.emit(TextDelta("", seq.take_logprobs()))
         seq.done = True
         think = chat_prompt.tokens_through_think_end(self._decode, gen, self._think_end) if seq.req.reasoning else None
-        seq.emit(ChatFinished(reason, seq.prompt_len, len(gen), think, 0, *seq.prediction_counts()))
+        seq.emit(ChatFinished(reason, seq.prompt_len, len(gen), think, 0, *seq.prediction_counts(), stop_reason=stop_reason))
         return True
 
     def _decode(self, ids: list[int]) -> str:
@@ -942,6 +943,11 @@ def _deliver(items: list[tuple[asyncio.Queue, object]]) -> None:
 def _first_stop(text: str, stops: list[str]) -> int | None:
     hits = [text.find(s) for s in stops if s and s in text]
     return min(hits) if hits else None
+
+
+def stop_string_at(text: str, stops: list[str], cut: int) -> str:
+    """The stop string that ``_first_stop`` found at ``cut`` (the first listed, where several start there)."""
+    return next(s for s in stops if s and text.startswith(s, cut))
 
 
 def _safe_prefix_len(text: str, stops: list[str]) -> int:

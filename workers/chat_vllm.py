@@ -573,11 +573,11 @@ class VllmChatEngine(Worker):
                         if own_stops:
                             whole = self.tokenizer.decode(generated, skip_special_tokens=True)
                             text, stopped = _resumed_text(whole, sent, p.stop, out.finished and c.finish_reason != "abort")
-                            if stopped:
+                            if stopped is not None:
                                 outcome = "stopped"  # vLLM's request is aborted on the way out
                                 if text or logprobs:
                                     yield TextDelta(text, logprobs)
-                                yield self._finished("stop", req, prompt_ids, generated, cached)
+                                yield self._finished("stop", req, prompt_ids, generated, cached, stopped)
                                 return
                         elif replay is not None:
                             text = replay.cut(text)
@@ -593,7 +593,7 @@ class VllmChatEngine(Worker):
                                 outcome = "paused"
                                 break
                             reason = "length" if c.finish_reason == "length" else "stop"
-                            yield self._finished(reason, req, prompt_ids, generated, cached)
+                            yield self._finished(reason, req, prompt_ids, generated, cached, c.stop_reason)
                             return
                         if ctx.cancelled:
                             raise Cancelled()
@@ -624,12 +624,13 @@ class VllmChatEngine(Worker):
                 await self._release_lora(lora[0])
 
     def _finished(self, reason: str, req: ChatRequest, prompt_ids: list[int], generated: list[int],
-                  cached: int) -> ChatFinished:
+                  cached: int, stop_reason: int | str | None = None) -> ChatFinished:
         think = None
         if req.reasoning:
             think = chat_prompt.tokens_through_think_end(
                 lambda ids: self.tokenizer.decode(ids, skip_special_tokens=True), generated, self._think_end_token)
-        return ChatFinished(reason, len(prompt_ids), len(generated), think, cached)  # type: ignore[arg-type]
+        return ChatFinished(reason, len(prompt_ids), len(generated), think, cached,  # type: ignore[arg-type]
+                            stop_reason=stop_reason)
 
     def _logprobs(self, c, k: int) -> list[TokenLogprob]:
         """vLLM's logprobs of the tokens in one delta output (``k`` alternatives each), the
@@ -808,18 +809,19 @@ def _complete_text(text: str) -> str:
     return text.rstrip("\ufffd")
 
 
-def _resumed_text(whole: str, sent: str, stops: Sequence[str], final: bool) -> tuple[str, bool]:
+def _resumed_text(whole: str, sent: str, stops: Sequence[str], final: bool) -> tuple[str, str | None]:
     """What a resumed pass with stop strings sends now, from the whole reply's text decoded from
-    its tokens (``whole``) and what the client has (``sent``), and whether a stop string ended
-    the reply; held back, as vLLM holds back: a tail that may start a stop string, and an
-    incomplete character (both sent at the end, but the incomplete character)."""
-    from workers.chat import _first_stop, _safe_prefix_len
+    its tokens (``whole``) and what the client has (``sent``), and the stop string that ended the
+    reply (None: none did); held back, as vLLM holds back: a tail that may start a stop string,
+    and an incomplete character (both sent at the end, but the incomplete character)."""
+    from workers.chat import _first_stop, _safe_prefix_len, stop_string_at
 
     cut = _first_stop(whole, list(stops))
+    stopped = None if cut is None else stop_string_at(whole, list(stops), cut)
     if cut is not None:
         whole = whole[:cut]
     end = len(whole.rstrip("\ufffd")) if cut is not None or final else _safe_prefix_len(whole, list(stops))
-    return whole[len(sent):end], cut is not None
+    return whole[len(sent):end], stopped
 
 
 class _Replay:
