@@ -539,9 +539,9 @@ def test_stop_reason_names_what_ended_the_reply(server):
     legacy = c.completions.create(model="tiny-chat", prompt="Say", max_tokens=12, temperature=0, stop=["aa"],
                                   logit_bias={str(a): 100}).choices[0]
     assert (legacy.finish_reason, legacy.model_extra["stop_reason"]) == ("stop", "aa")
-    streamed = [ch.choices[0] for ch in c.completions.create(model="tiny-chat", prompt="Say", max_tokens=12, temperature=0,
-                                                             logit_bias={str(a): 100}, stream=True,
-                                                             extra_body={"stop_token_ids": [a]}) if ch.choices]
+    chunks = c.completions.create(model="tiny-chat", prompt="Say", max_tokens=12, temperature=0, stream=True,
+                                  logit_bias={str(a): 100}, extra_body={"stop_token_ids": [a]})
+    streamed = [ch.choices[0] for ch in chunks if ch.choices]
     assert streamed[-1].model_extra["stop_reason"] == a
     assert all("stop_reason" not in ch.model_extra for ch in streamed[:-1])  # only in the chunk that ends it
 

@@ -757,7 +757,8 @@ class ChatWorker(ThreadWorker):
             seq.emit(TextDelta("", seq.take_logprobs()))
         seq.done = True
         think = chat_prompt.tokens_through_think_end(self._decode, gen, self._think_end) if seq.req.reasoning else None
-        seq.emit(ChatFinished(reason, seq.prompt_len, len(gen), think, 0, *seq.prediction_counts(), stop_reason=stop_reason))
+        seq.emit(ChatFinished(reason, seq.prompt_len, len(gen), think, 0, *seq.prediction_counts(),
+                              stop_reason=stop_reason))
         return True
 
     def _decode(self, ids: list[int]) -> str:
