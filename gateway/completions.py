@@ -89,6 +89,7 @@ class CompletionRequest(_Body):
     stop_token_ids: list[int] | None = Field(default=None, max_length=MAX_STOP_TOKEN_IDS)  # vLLM's, as chat's
     min_tokens: int = Field(default=0, ge=0)
     ignore_eos: bool = False
+    include_stop_str_in_output: bool = False
     response_format: ResponseFormat | None = None  # as chat's, and vLLM's structured_outputs (gateway.structured)
     structured_outputs: StructuredOutputs | None = None
     best_of: int | None = Field(default=None, ge=1)  # candidates per prompt, the best n answered (not streamed)

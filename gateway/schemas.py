@@ -361,6 +361,7 @@ class ChatCompletionRequest(EndUser):
     stop_token_ids: list[int] | None = Field(default=None, max_length=MAX_STOP_TOKEN_IDS)
     min_tokens: int = Field(default=0, ge=0)
     ignore_eos: bool = False
+    include_stop_str_in_output: bool = False
     tools: list[Tool] | None = Field(default=None, max_length=MAX_TOOLS)
     tool_choice: Literal["none", "auto", "required"] | NamedToolChoice | AllowedToolsChoice | None = None
     parallel_tool_calls: bool | None = None
@@ -658,8 +659,9 @@ def reply_ends(body: Any, max_tokens: int) -> dict[str, Any]:
     """``ChatParams``' fields for vLLM's ends of a reply, of a chat or completion request:
     ``stop_token_ids`` (tokens that end it besides the model's end of text; out of the vocabulary:
     a 400 from the engine), ``min_tokens`` (at most ``max_tokens``: a 400 naming it otherwise),
-    ``ignore_eos``."""
+    ``ignore_eos``, ``include_stop_str_in_output`` (the stop string that ended it kept in its
+    text)."""
     if body.min_tokens > max_tokens:
         raise bad_request(f"min_tokens is {body.min_tokens}, above max_tokens ({max_tokens})", "min_tokens")
     return {"stop_token_ids": tuple(body.stop_token_ids or ()), "min_tokens": body.min_tokens,
-            "ignore_eos": body.ignore_eos}
+            "ignore_eos": body.ignore_eos, "include_stop_str": body.include_stop_str_in_output}

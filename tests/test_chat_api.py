@@ -538,7 +538,13 @@ def test_stop_reason_names_what_ended_the_reply(server):
         assert ask({a: 100}, stream) == ("length", None)
     legacy = c.completions.create(model="tiny-chat", prompt="Say", max_tokens=12, temperature=0, stop=["aa"],
                                   logit_bias={str(a): 100}).choices[0]
-    assert (legacy.finish_reason, legacy.model_extra["stop_reason"]) == ("stop", "aa")
+    assert (legacy.text, legacy.finish_reason, legacy.model_extra["stop_reason"]) == ("", "stop", "aa")
+    kept = dict(model="tiny-chat", max_tokens=12, temperature=0, stop=["zz", "aaa"], logit_bias={str(a): 100},
+                extra_body={"include_stop_str_in_output": True})  # vLLM's: the stop string stays in the text
+    assert c.chat.completions.create(messages=ASK, **kept).choices[0].message.content == "aaa"
+    assert "".join(ch.choices[0].delta.content or "" for ch in c.chat.completions.create(messages=ASK, stream=True, **kept)
+                   if ch.choices) == "aaa"
+    assert c.completions.create(prompt="Say", **kept).choices[0].text == "aaa"
     chunks = c.completions.create(model="tiny-chat", prompt="Say", max_tokens=12, temperature=0, stream=True,
                                   logit_bias={str(a): 100}, extra_body={"stop_token_ids": [a]})
     streamed = [ch.choices[0] for ch in chunks if ch.choices]

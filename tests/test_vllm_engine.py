@@ -705,3 +705,5 @@ def test_a_resumed_pass_checks_its_stop_strings_on_the_whole_text(whole, sent, s
     from workers.chat_vllm import _resumed_text
 
     assert _resumed_text(whole, sent, stops, final) == out
+    if out[1] is not None:  # include_stop_str_in_output: the stop string goes out with the text
+        assert _resumed_text(whole, sent, stops, final, True) == (out[0] + out[1], out[1])

@@ -164,6 +164,7 @@ class ChatParams:
     stop_token_ids: tuple[int, ...] = ()
     min_tokens: int = 0
     ignore_eos: bool = False
+    include_stop_str: bool = False  # vLLM's include_stop_str_in_output: the stop string that ended it kept in its text
     grammar: Grammar | None = None
     prompt_logprobs: int | None = None  # None: none; k: each prompt token's and the k most likely there
 

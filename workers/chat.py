@@ -745,7 +745,8 @@ class ChatWorker(ThreadWorker):
         cut = _first_stop(text, seq.params.stop)
         stop_reason = token if eos and token in p.stop_token_ids else None
         if cut is not None:
-            text, reason, stop_reason = text[:cut], "stop", stop_string_at(text, p.stop, cut)
+            stop_reason = stop_string_at(text, p.stop, cut)
+            text, reason = text[:cut + len(stop_reason) * p.include_stop_str], "stop"
         # at the end, an undecodable tail is dropped rather than sent as U+FFFD, as vLLM does
         safe = len(text.rstrip("\ufffd")) if reason else _safe_prefix_len(text, seq.params.stop)
         if safe > seq.emitted_chars and (reason or not seq.holds_text):

@@ -518,6 +518,7 @@ class VllmChatEngine(Worker):
                     ignore_eos=ignore_eos or p.ignore_eos,
                     min_tokens=min(still, max(remaining, 1)),
                     stop_token_ids=list(p.stop_token_ids) or None,
+                    include_stop_str_in_output=p.include_stop_str,
                     output_kind=RequestOutputKind.DELTA,
                     prompt_logprobs=prompt_logprobs,
                     **_sampling_extras(p),
@@ -572,7 +573,8 @@ class VllmChatEngine(Worker):
                         text = c.text
                         if own_stops:
                             whole = self.tokenizer.decode(generated, skip_special_tokens=True)
-                            text, stopped = _resumed_text(whole, sent, p.stop, out.finished and c.finish_reason != "abort")
+                            text, stopped = _resumed_text(whole, sent, p.stop, out.finished and c.finish_reason != "abort",
+                                                          p.include_stop_str)
                             if stopped is not None:
                                 outcome = "stopped"  # vLLM's request is aborted on the way out
                                 if text or logprobs:
@@ -809,17 +811,19 @@ def _complete_text(text: str) -> str:
     return text.rstrip("\ufffd")
 
 
-def _resumed_text(whole: str, sent: str, stops: Sequence[str], final: bool) -> tuple[str, str | None]:
+def _resumed_text(whole: str, sent: str, stops: Sequence[str], final: bool,
+                  include_stop: bool = False) -> tuple[str, str | None]:
     """What a resumed pass with stop strings sends now, from the whole reply's text decoded from
     its tokens (``whole``) and what the client has (``sent``), and the stop string that ended the
-    reply (None: none did); held back, as vLLM holds back: a tail that may start a stop string,
-    and an incomplete character (both sent at the end, but the incomplete character)."""
+    reply (None: none did; kept in the text with ``include_stop``); held back, as vLLM holds back:
+    a tail that may start a stop string, and an incomplete character (both sent at the end, but
+    the incomplete character)."""
     from workers.chat import _first_stop, _safe_prefix_len, stop_string_at
 
     cut = _first_stop(whole, list(stops))
     stopped = None if cut is None else stop_string_at(whole, list(stops), cut)
     if cut is not None:
-        whole = whole[:cut]
+        whole = whole[:cut + len(stopped) * include_stop]
     end = len(whole.rstrip("\ufffd")) if cut is not None or final else _safe_prefix_len(whole, list(stops))
     return whole[len(sent):end], stopped
 
