@@ -33,6 +33,10 @@ class EmbeddingRequest(_Body):
     encoding_format: EncodingFormat = "float"
     dimensions: int | None = Field(default=None, ge=1)
     user: str | None = None
+    # vLLM's: keep at most this many tokens of each input (-1: the model's context), from its start
+    # (truncation_side right, the default) or its end (left), rather than refusing a longer one
+    truncate_prompt_tokens: int | None = Field(default=None, ge=-1)
+    truncation_side: Literal["left", "right"] | None = None
 
 
 @dataclass(frozen=True)
@@ -67,8 +71,16 @@ async def plan_embeddings(svc: Services, body: EmbeddingRequest) -> EmbedJob:
             encoder.config.check_dimensions(dimensions)
         except ValueError as exc:
             raise bad_request(str(exc), "dimensions", "dimensions_not_supported") from None
-    try:
-        ids = await asyncio.to_thread(encoder.tokenize, inputs)  # half anyio.to_thread's cost per request
+    truncate = body.truncate_prompt_tokens
+    if truncate is not None:
+        context = encoder.config.context_length
+        if truncate > context or truncate == 0:
+            raise bad_request(f"truncate_prompt_tokens is {truncate}: 1 to this model's context length of {context}, "
+                              "or -1 for all of it", "truncate_prompt_tokens")
+        truncate = context if truncate == -1 else truncate
+    side = body.truncation_side or "right"
+    try:  # to_thread: half anyio.to_thread's cost per request
+        ids = await asyncio.to_thread(encoder.tokenize, inputs, truncate, side)
     except InputError as exc:
         raise bad_request(str(exc), "input", "context_length_exceeded" if exc.too_long else "invalid_value") from None
     return EmbedJob(spec.name, ids, dimensions)

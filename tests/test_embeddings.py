@@ -176,6 +176,39 @@ def test_dimensions_where_the_model_allows_it(server):
     assert "matryoshka" in msg
 
 
+def test_truncate_prompt_tokens_keeps_the_start_or_the_end_as_vllm_does(server):
+    """vLLM's ``truncate_prompt_tokens`` (-1: the model's context) and ``truncation_side``: a text
+    over the context is embedded as the tokenizer truncates it (its special tokens kept; checked
+    by sending those ids), a token array is cut as given; without it the text is a 400."""
+    from transformers import AutoTokenizer
+
+    folder = server_folder(server)
+    context = read_config(folder).context_length
+    tok = AutoTokenizer.from_pretrained(folder)
+    text = "one two three four five six seven eight nine ten " * (context // 4)  # words of its vocabulary
+    refused(post(server, {"model": "tiny-embed", "input": text}), "input", "context_length_exceeded")
+    c = client(server)
+
+    def embed(**extra) -> np.ndarray:
+        return vectors(c.embeddings.create(model="tiny-embed", encoding_format="float", **extra))[0]
+
+    for side, k in (("right", -1), ("right", 10), ("left", 10), ("left", -1)):
+        tok.truncation_side = side
+        want = tok(text, truncation=True, max_length=context if k == -1 else k)["input_ids"]
+        assert want[0] == tok.cls_token_id and want[-1] == tok.sep_token_id and len(want) == (context if k == -1 else k)
+        got = embed(input=text, extra_body={"truncate_prompt_tokens": k, "truncation_side": side})
+        assert np.abs(got - embed(input=want)).max() < BATCH_TOLERANCE, (side, k)
+    head = embed(input=text, extra_body={"truncate_prompt_tokens": 10})  # right by default
+    assert np.abs(head - embed(input=text, extra_body={"truncate_prompt_tokens": 10, "truncation_side": "right"})).max() == 0
+    assert np.abs(head - embed(input=text, extra_body={"truncate_prompt_tokens": 10, "truncation_side": "left"})).max() > 1e-3
+    ids = list(range(5, 5 + context + 20))
+    assert np.abs(embed(input=ids, extra_body={"truncate_prompt_tokens": 7, "truncation_side": "left"})
+                  - embed(input=ids[-7:])).max() < BATCH_TOLERANCE
+    for k in (0, -2, context + 1):
+        refused(post(server, {"model": "tiny-embed", "input": "hi", "truncate_prompt_tokens": k}), "truncate_prompt_tokens")
+    refused(post(server, {"model": "tiny-embed", "input": "hi", "truncation_side": "middle"}), "truncation_side")
+
+
 def test_bad_input_is_a_400_naming_input(server):
     folder = server_folder(server)
     context = read_config(folder).context_length

@@ -232,6 +232,8 @@ ENDPOINTS = {
         {"model": "tiny-embed", "input": "hi"},
         {"input": TEXT | st.lists(TEXT, max_size=6) | TOKEN_IDS | st.lists(TOKEN_IDS, max_size=3) | st.just([[]]),
          "encoding_format": st.sampled_from(["float", "base64", "int8"]), "dimensions": EDGE_INTS,
+         "truncate_prompt_tokens": EDGE_INTS | st.sampled_from([-1, 1, 2, 127, 128, 129]),
+         "truncation_side": st.sampled_from(["left", "right", "middle"]),
          "model": st.sampled_from(["tiny-embed", "tiny-chat", "nope"])}),
     "/v1/moderations": (
         {"model": "tiny-moderation", "input": "hi"},

@@ -351,18 +351,28 @@ class EmbedWorker(EncoderWorker):
     def describe(cls, spec: ModelSpec) -> ModelInfo:
         return ModelInfo(context_length=read_config(Path(spec.path)).context_length)
 
-    def tokenize(self, inputs: list[str] | list[list[int]]) -> list[list[int]]:
+    def tokenize(self, inputs: list[str] | list[list[int]], truncate: int | None = None,
+                 side: str = "right") -> list[list[int]]:
         """Token ids of each input: strings through the tokenizer (with its special tokens), token
-        ids as given. ``InputError`` for an empty input, an unknown id, or one over the context.
-        Needs no weights, and may run on any thread."""
+        ids as given. ``truncate`` (vLLM's ``truncate_prompt_tokens``) keeps at most that many
+        tokens of each input, from its start (``side`` right) or its end (left): a string's
+        through the tokenizer's own truncation, its special tokens kept. ``InputError`` for an
+        empty input, an unknown id, or one over the context. Needs no weights; any thread."""
         if inputs and isinstance(inputs[0], str):
             if any(not text for text in inputs):
                 raise InputError(f"input[{next(i for i, t in enumerate(inputs) if not t)}] is an empty string")
             tokenizer = self.tokenizer
+            cut = {} if truncate is None else {"truncation": True, "max_length": truncate}
             with self._tokenizing:
-                ids = tokenizer(list(inputs), add_special_tokens=True)["input_ids"]
+                kept, tokenizer.truncation_side = tokenizer.truncation_side, side
+                try:
+                    ids = tokenizer(list(inputs), add_special_tokens=True, **cut)["input_ids"]
+                finally:
+                    tokenizer.truncation_side = kept
         else:
             ids = [list(row) for row in inputs]
+            if truncate is not None:
+                ids = [row[-truncate:] if side == "left" else row[:truncate] for row in ids]
         limit, vocab = self.config.context_length, self.config.vocab_size
         for i, row in enumerate(ids):
             if not row:
