@@ -170,6 +170,24 @@ def test_batch_lines_rerank_and_score_as_live_requests_do(server):
         assert error["response"]["body"]["error"]["param"] == ("documents" if endpoint == "/v1/rerank" else "text_2")
 
 
+def test_a_classifier_with_several_labels_is_not_taken_for_a_reranker(tiny_moderation, tmp_path, capsys, monkeypatch):
+    """A sequence classifier of many labels listed as ``kind: rerank``: ``tiergate check`` names
+    it (exit 1) before any request, and a request to it is a clean 503 saying why."""
+    from gateway.cli import main
+
+    monkeypatch.delenv("TEST_KEYS_PAID_FILE", raising=False)
+    cfg = write_config(tmp_path, {"wrong": ("rerank", tiny_moderation)})
+    assert main(["check", "--config", str(cfg)]) == 1
+    row = next(ln for ln in capsys.readouterr().out.splitlines() if ln.startswith("wrong"))
+    assert "a reranker scores with one label; this config has 13" in row
+    running = start_server(cfg)
+    try:
+        r = post(running, "/v1/rerank", {"model": "wrong", "query": QUERY, "documents": DOCS})
+        assert r.status_code == 503 and "one label" in r.json()["error"]["message"], r.text
+    finally:
+        running.stop()
+
+
 @pytest.mark.parametrize("path,extra,status,param", [
     ("/v1/rerank", {"documents": []}, 400, "documents"),
     ("/v1/rerank", {"documents": ["ok", " "]}, 400, "documents[1]"),

@@ -48,6 +48,16 @@ class PairRow(list):
         self.types = types
 
 
+def read_config(folder: Path):
+    """The folder's config, checked to be a reranker's: one label, an activation applied here
+    (``tiergate check`` reads it so, before any request)."""
+    config = AutoConfig.from_pretrained(folder)
+    if getattr(config, "num_labels", 0) != 1:
+        raise ValueError(f"a reranker scores with one label; this config has {getattr(config, 'num_labels', 0)}")
+    activation_of(config)
+    return config
+
+
 def activation_of(config) -> bool:
     """Whether the model's default activation is a sigmoid (False: the raw logit). A
     sentence-transformers cross-encoder names its own in its config (``sentence_transformers:
@@ -68,17 +78,14 @@ class RerankWorker(EncoderWorker):
 
     def __init__(self, spec: ModelSpec, max_batch_tokens: int = 16384, batch_width: int = 16) -> None:
         super().__init__(spec, max_batch_tokens, batch_width)
-        config = AutoConfig.from_pretrained(Path(spec.path))
-        if getattr(config, "num_labels", 0) != 1:
-            raise ValueError(f"a reranker scores with one label; this config has {getattr(config, 'num_labels', 0)}")
+        config = read_config(Path(spec.path))
         self.sigmoid = activation_of(config)
         self.typed = getattr(config, "type_vocab_size", 1) > 1  # BERT's segments: query 0, document 1
         self.config = config
 
     @classmethod
     def describe(cls, spec: ModelSpec) -> ModelInfo:
-        return ModelInfo(context_length=getattr(AutoConfig.from_pretrained(Path(spec.path)),
-                                                "max_position_embeddings", None))
+        return ModelInfo(context_length=getattr(read_config(Path(spec.path)), "max_position_embeddings", None))
 
     def tokenize(self, query: str, documents: list[str], max_tokens: int = 0) -> list[list[PairRow]]:
         """Each document's pieces beside ``query`` (module doc); ``max_tokens`` > 0 cuts each
