@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 from pathlib import Path
+from typing import Any
 
 import torch
 
@@ -50,6 +51,24 @@ def build_demo(out_dir: Path, seed: int = 0) -> Path:
     (out_dir / "2_Normalize").mkdir(exist_ok=True)
     _write(out_dir / "sentence_bert_config.json", {"max_seq_length": CONTEXT, "do_lower_case": False})
     return out_dir
+
+
+def bert_classifier(out_dir: Path, seed: int, **labels: Any) -> tuple[Any, Any]:
+    """A 2-layer random-weight BERT sequence classifier of tiny-embed's size, and tiny-embed's
+    tokenizer, saved in ``out_dir`` (the model is the caller's to adjust and save); ``labels``
+    are its config's (``id2label``, ``num_labels``, ``problem_type``...). Built from ``seed``."""
+    from transformers import BertConfig, BertForSequenceClassification
+
+    out_dir = Path(out_dir)
+    out_dir.mkdir(parents=True, exist_ok=True)
+    tokenizer = wordpiece_tokenizer()
+    tokenizer.save_pretrained(out_dir)
+    torch.manual_seed(seed)
+    config = BertConfig(
+        vocab_size=len(tokenizer), hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+        num_attention_heads=4, max_position_embeddings=CONTEXT, pad_token_id=tokenizer.pad_token_id, **labels,
+    )
+    return BertForSequenceClassification(config).eval(), tokenizer
 
 
 def wordpiece_tokenizer(context: int = CONTEXT):

@@ -8,7 +8,7 @@ from pathlib import Path
 
 import torch
 
-from demo.embed import CONTEXT, wordpiece_tokenizer
+from demo.embed import bert_classifier
 
 # OpenAI's omni-moderation categories, in the order its answers list them
 CATEGORIES = ["harassment", "harassment/threatening", "hate", "hate/threatening", "illicit", "illicit/violent",
@@ -18,20 +18,9 @@ CATEGORIES = ["harassment", "harassment/threatening", "hate", "hate/threatening"
 
 def build_demo(out_dir: Path, seed: int = 0) -> Path:
     """Save ``tiny-moderation`` to ``out_dir``: classifier (``save_pretrained``) and tokenizer."""
-    from transformers import BertConfig, BertForSequenceClassification
-
-    out_dir = Path(out_dir)
-    out_dir.mkdir(parents=True, exist_ok=True)
-    tokenizer = wordpiece_tokenizer()
-    tokenizer.save_pretrained(out_dir)
-    torch.manual_seed(seed)
-    config = BertConfig(
-        vocab_size=len(tokenizer), hidden_size=64, intermediate_size=128, num_hidden_layers=2,
-        num_attention_heads=4, max_position_embeddings=CONTEXT, pad_token_id=tokenizer.pad_token_id,
-        id2label=dict(enumerate(CATEGORIES)), label2id={c: i for i, c in enumerate(CATEGORIES)},
-        problem_type="multi_label_classification",
-    )
-    model = BertForSequenceClassification(config)
+    model, _ = bert_classifier(out_dir, seed, id2label=dict(enumerate(CATEGORIES)),
+                               label2id={c: i for i, c in enumerate(CATEGORIES)},
+                               problem_type="multi_label_classification")
     with torch.no_grad():  # spread the scores: some categories flagged at 0.5, some not, on any text
         model.classifier.weight.normal_(0.0, 1.0)
         model.classifier.bias.normal_(0.0, 1.0)

@@ -8,24 +8,13 @@ from pathlib import Path
 
 import torch
 
-from demo.embed import _CORPUS, CONTEXT, wordpiece_tokenizer
+from demo.embed import _CORPUS, bert_classifier
 
 
 def build_demo(out_dir: Path, seed: int = 0) -> Path:
     """Save ``tiny-rerank`` to ``out_dir``: cross-encoder (``save_pretrained``) and tokenizer."""
-    from transformers import BertConfig, BertForSequenceClassification
-
-    out_dir = Path(out_dir)
-    out_dir.mkdir(parents=True, exist_ok=True)
-    tokenizer = wordpiece_tokenizer()
-    tokenizer.save_pretrained(out_dir)
-    torch.manual_seed(seed)
-    config = BertConfig(
-        vocab_size=len(tokenizer), hidden_size=64, intermediate_size=128, num_hidden_layers=2,
-        num_attention_heads=4, max_position_embeddings=CONTEXT, pad_token_id=tokenizer.pad_token_id,
-        num_labels=1, sentence_transformers={"activation_fn": "torch.nn.modules.activation.Sigmoid"},
-    )
-    model = BertForSequenceClassification(config).eval()
+    model, tokenizer = bert_classifier(out_dir, seed, num_labels=1,
+                                       sentence_transformers={"activation_fn": "torch.nn.modules.activation.Sigmoid"})
     _spread(model, tokenizer)
     model.save_pretrained(out_dir)
     return out_dir
