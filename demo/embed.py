@@ -23,19 +23,10 @@ _CORPUS = [
 def build_demo(out_dir: Path, seed: int = 0) -> Path:
     """Save ``tiny-embed`` to ``out_dir``: encoder and tokenizer, ``modules.json`` (Transformer,
     Pooling, Normalize), ``1_Pooling/config.json`` (mean) and ``sentence_bert_config.json``."""
-    from transformers import BertConfig, BertModel
-
     out_dir = Path(out_dir)
-    out_dir.mkdir(parents=True, exist_ok=True)
-    fast = wordpiece_tokenizer()
-    fast.save_pretrained(out_dir)
-
-    torch.manual_seed(seed)
-    config = BertConfig(
-        vocab_size=len(fast), hidden_size=64, intermediate_size=128, num_hidden_layers=2,
-        num_attention_heads=4, max_position_embeddings=CONTEXT, pad_token_id=fast.pad_token_id,
-    )
-    BertModel(config).save_pretrained(out_dir)  # with its (unused) pooler, as real checkpoints ship it
+    model, _ = tiny_bert(out_dir, seed, "BertModel")
+    model.save_pretrained(out_dir)  # with its (unused) pooler, as real checkpoints ship it
+    config = model.config
 
     modules = [
         {"idx": 0, "name": "0", "path": "", "type": "sentence_transformers.models.Transformer"},
@@ -53,22 +44,23 @@ def build_demo(out_dir: Path, seed: int = 0) -> Path:
     return out_dir
 
 
-def bert_classifier(out_dir: Path, seed: int, **labels: Any) -> tuple[Any, Any]:
-    """A 2-layer random-weight BERT sequence classifier of tiny-embed's size, and tiny-embed's
-    tokenizer, saved in ``out_dir`` (the model is the caller's to adjust and save); ``labels``
-    are its config's (``id2label``, ``num_labels``, ``problem_type``...). Built from ``seed``."""
-    from transformers import BertConfig, BertForSequenceClassification
+def tiny_bert(out_dir: Path, seed: int, model_class: str = "BertForSequenceClassification",
+              **config: Any) -> tuple[Any, Any]:
+    """A 2-layer random-weight BERT (transformers' ``model_class``: the encoder, or a sequence
+    classifier whose labels ``config`` gives: ``id2label``, ``num_labels``, ``problem_type``...),
+    built from ``seed``, and the WordPiece tokenizer, which is saved in ``out_dir``; the model is
+    the caller's to adjust and save. tiny-embed, tiny-moderation and tiny-rerank are made so."""
+    import transformers
 
-    out_dir = Path(out_dir)
     out_dir.mkdir(parents=True, exist_ok=True)
     tokenizer = wordpiece_tokenizer()
     tokenizer.save_pretrained(out_dir)
     torch.manual_seed(seed)
-    config = BertConfig(
+    bert = transformers.BertConfig(
         vocab_size=len(tokenizer), hidden_size=64, intermediate_size=128, num_hidden_layers=2,
-        num_attention_heads=4, max_position_embeddings=CONTEXT, pad_token_id=tokenizer.pad_token_id, **labels,
+        num_attention_heads=4, max_position_embeddings=CONTEXT, pad_token_id=tokenizer.pad_token_id, **config,
     )
-    return BertForSequenceClassification(config).eval(), tokenizer
+    return getattr(transformers, model_class)(bert).eval(), tokenizer
 
 
 def wordpiece_tokenizer(context: int = CONTEXT):

@@ -8,7 +8,7 @@ from pathlib import Path
 
 import torch
 
-from demo.embed import bert_classifier
+from demo.embed import tiny_bert
 
 # OpenAI's omni-moderation categories, in the order its answers list them
 CATEGORIES = ["harassment", "harassment/threatening", "hate", "hate/threatening", "illicit", "illicit/violent",
@@ -18,9 +18,8 @@ CATEGORIES = ["harassment", "harassment/threatening", "hate", "hate/threatening"
 
 def build_demo(out_dir: Path, seed: int = 0) -> Path:
     """Save ``tiny-moderation`` to ``out_dir``: classifier (``save_pretrained``) and tokenizer."""
-    model, _ = bert_classifier(out_dir, seed, id2label=dict(enumerate(CATEGORIES)),
-                               label2id={c: i for i, c in enumerate(CATEGORIES)},
-                               problem_type="multi_label_classification")
+    model, _ = tiny_bert(Path(out_dir), seed, id2label=dict(enumerate(CATEGORIES)),
+                         label2id={c: i for i, c in enumerate(CATEGORIES)}, problem_type="multi_label_classification")
     with torch.no_grad():  # spread the scores: some categories flagged at 0.5, some not, on any text
         model.classifier.weight.normal_(0.0, 1.0)
         model.classifier.bias.normal_(0.0, 1.0)

@@ -8,12 +8,12 @@ from pathlib import Path
 
 import torch
 
-from demo.embed import _CORPUS, bert_classifier
+from demo.embed import _CORPUS, tiny_bert
 
 
 def build_demo(out_dir: Path, seed: int = 0) -> Path:
     """Save ``tiny-rerank`` to ``out_dir``: cross-encoder (``save_pretrained``) and tokenizer."""
-    model, tokenizer = bert_classifier(out_dir, seed, num_labels=1,
+    model, tokenizer = tiny_bert(Path(out_dir), seed, num_labels=1,
                                        sentence_transformers={"activation_fn": "torch.nn.modules.activation.Sigmoid"})
     _spread(model, tokenizer)
     model.save_pretrained(out_dir)
