@@ -15,12 +15,14 @@ the other requests waiting.
 * ``/v1/score``: a first side (``text_1``, ``queries`` or ``data_1``) and a second (``text_2``,
   ``documents``, ``items`` or ``data_2``), each a string or strings: one first text is scored
   against every second one, or the two lists pairwise when they are the same length.
-* ``use_activation`` (vLLM's): false gives a cross-encoder's raw logit instead of its sigmoid.
+* ``use_activation`` (vLLM's): false gives a cross-encoder's raw logit instead of its sigmoid (a
+  cosine has no activation). ``max_tokens_per_doc`` applies on either kind of model.
 """
 
 from __future__ import annotations
 
 import asyncio
+import re
 import time
 from dataclasses import dataclass
 
@@ -150,7 +152,7 @@ async def plan_scores(svc: Services, model: str, pairs: list[tuple[str, str]], m
         if spec.kind == "rerank":
             job = await _plan_pairs(svc, spec, pairs, max_tokens_per_doc, activation)
         else:
-            job = await _plan_embedded(svc, spec, pairs)
+            job = await _plan_embedded(svc, spec, pairs, max_tokens_per_doc)
     except InputError as exc:
         raise bad_request(str(exc), first if isinstance(exc, QueryError) else param,
                           "context_length_exceeded" if exc.too_long else "invalid_value") from None
@@ -177,23 +179,28 @@ async def _plan_pairs(svc: Services, spec, pairs: list[tuple[str, str]], max_tok
     return ScoreJob(spec.name, "rerank", sum(len(p) for doc in pieces for p in doc), activation, pieces=pieces)
 
 
-async def _plan_embedded(svc: Services, spec, pairs: list[tuple[str, str]]) -> ScoreJob:
-    """Each distinct text embedded once; the firsts tokenized apart, so an error names their side."""
+async def _plan_embedded(svc: Services, spec, pairs: list[tuple[str, str]], max_tokens: int) -> ScoreJob:
+    """Each distinct text embedded once (a second text cut to ``max_tokens`` when > 0); the two
+    sides tokenized apart, so that an error names its side (``QueryError``: the first)."""
     encoder = await weightless(svc.encoders, spec, EmbedWorker.reader)
     firsts = list(dict.fromkeys(a for a, _ in pairs))
-    seconds = [t for t in dict.fromkeys(b for _, b in pairs) if t not in set(firsts)]
+    seconds = list(dict.fromkeys(b for _, b in pairs))
 
-    def tokenize() -> list[list[int]]:
+    def tokenize(texts: list[str], error: type[InputError], truncate: int | None) -> list[list[int]]:
         try:
-            head = encoder.tokenize(firsts)
-        except InputError as exc:
-            raise QueryError(str(exc).replace("input", "text", 1), exc.too_long) from None
-        return head + (encoder.tokenize(seconds) if seconds else [])
+            return encoder.tokenize(texts, truncate)
+        except InputError as exc:  # "input[k] is ...": named by its text, k counts distinct texts
+            raise error(re.sub(r"^input\[(\d+)\]", lambda m: repr(texts[int(m.group(1))][:40]), str(exc)),
+                        exc.too_long) from None
 
-    ids = await asyncio.to_thread(tokenize)
-    where = {t: i for i, t in enumerate(firsts + seconds)}
+    def both() -> tuple[list[list[int]], list[list[int]]]:
+        return tokenize(firsts, QueryError, None), tokenize(seconds, InputError, max_tokens or None)
+
+    head, tail = await asyncio.to_thread(both)
+    at_first, at_second = {t: i for i, t in enumerate(firsts)}, {t: len(firsts) + i for i, t in enumerate(seconds)}
+    ids = head + tail
     return ScoreJob(spec.name, "embed", sum(len(row) for row in ids), ids=ids,
-                    pairs=[(where[a], where[b]) for a, b in pairs])
+                    pairs=[(at_first[a], at_second[b]) for a, b in pairs])
 
 
 async def serve_scores(svc: Services, caller: Caller, job: ScoreJob, endpoint: str, gone: Gone | None) -> np.ndarray:

@@ -146,6 +146,16 @@ def test_an_embedding_model_scores_by_cosine_similarity(server):
     np.testing.assert_allclose([got[i] for i in range(len(DOCS))], want, atol=1e-5)
     scored = post(server, "/v1/score", {"model": "tiny-embed", "data_1": QUERY, "data_2": DOCS}).json()["data"]
     np.testing.assert_allclose([d["score"] for d in scored], want, atol=1e-5)
+    from transformers import AutoTokenizer  # max_tokens_per_doc: each document's embedding of its first 4 tokens
+
+    tok = AutoTokenizer.from_pretrained(server.services.arbiter.specs["tiny-embed"].path)
+    cut = [tok(d, truncation=True, max_length=4)["input_ids"] for d in DOCS]
+    short = np.array([e["embedding"] for e in post(server, "/v1/embeddings", {"model": "tiny-embed", "input": cut})
+                      .json()["data"]])
+    want = (short / np.linalg.norm(short, axis=1, keepdims=True)) @ unit[0]
+    r = post(server, "/v1/rerank", {"model": "tiny-embed", "query": QUERY, "documents": DOCS, "max_tokens_per_doc": 4})
+    got = {x["index"]: x["relevance_score"] for x in r.json()["results"]}
+    np.testing.assert_allclose([got[i] for i in range(len(DOCS))], want, atol=1e-5)
 
 
 def test_batch_lines_rerank_and_score_as_live_requests_do(server):
@@ -210,6 +220,8 @@ def test_a_classifier_with_several_labels_is_not_taken_for_a_reranker(tiny_moder
     ("/v1/score", {"query": None, "documents": None, "text_1": ["a", ""], "text_2": ["b", "c"]}, 400, "text_1[1]"),
     ("/v1/score", {"query": None, "documents": None, "model": "tiny-embed", "data_1": "a", "data_2": ["b", "c " * 300]},
      400, "data_2"),  # an embedding model does not read a text in pieces
+    ("/v1/score", {"query": None, "documents": None, "model": "tiny-embed", "data_1": ["a " * 300], "data_2": "b"},
+     400, "data_1"),
 ])
 def test_bad_requests_are_clean_errors_naming_the_field(server, path, extra, status, param):
     body = {"model": "tiny-rerank", "query": QUERY, "documents": DOCS, **extra}
