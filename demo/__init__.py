@@ -36,8 +36,9 @@ DEMO_ADAPTERS = {
 ADAPTERS_DIR = "adapters"
 TRAINED_DIR = "trained"  # tiers.yaml's adapter folder for tiny-chat: where fine-tuning jobs write theirs
 # Bumped whenever a builder changes what it makes (e.g. tiny-chat's head_dim for vLLM, its tool-calling
-# chat template): folders built by an older version are rebuilt, with the adapters on them.
-DEMO_VERSION = "4"
+# chat template; 5: tiny-embed's tokenizer made, not trained): folders built by an older version are
+# rebuilt, with the adapters on them.
+DEMO_VERSION = "5"
 STAMP = ".tiergate-demo"
 
 

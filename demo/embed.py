@@ -1,4 +1,4 @@
-"""``tiny-embed``: a 2-layer random-weight BERT encoder with a WordPiece tokenizer trained offline,
+"""``tiny-embed``: a 2-layer random-weight BERT encoder with a WordPiece tokenizer made offline,
 saved in sentence-transformers' folder format (mean pooling, normalized), built from a seed."""
 
 from __future__ import annotations
@@ -64,17 +64,23 @@ def tiny_bert(out_dir: Path, seed: int, model_class: str = "BertForSequenceClass
 
 
 def wordpiece_tokenizer(context: int = CONTEXT):
-    """A BERT-style WordPiece tokenizer (lowercased, [CLS] text [SEP]) trained offline on a small
-    corpus; ``context`` tokens per input."""
-    from tokenizers import Tokenizer, decoders, models, normalizers, pre_tokenizers, processors, trainers
+    """A BERT-style WordPiece tokenizer (lowercased, [CLS] text [SEP]) over a vocabulary made
+    from a small corpus: its characters, alone and as word pieces (``##e``), and its words whole;
+    ``context`` tokens per input. Made, not trained: tokenizers' WordPiece trainer breaks ties
+    between merges as frequent as each other in hash order, so two builds had different
+    vocabularies (249 or 250 tokens, different ids), and so different models from one seed."""
+    from tokenizers import Tokenizer, decoders, models, normalizers, pre_tokenizers, processors
     from transformers import PreTrainedTokenizerFast
 
     specials = ["[PAD]", "[UNK]", "[CLS]", "[SEP]", "[MASK]"]
-    tok = Tokenizer(models.WordPiece(unk_token="[UNK]"))
-    tok.normalizer = normalizers.BertNormalizer(lowercase=True)
-    tok.pre_tokenizer = pre_tokenizers.BertPreTokenizer()
+    normalizer, splitter = normalizers.BertNormalizer(lowercase=True), pre_tokenizers.BertPreTokenizer()
+    words = sorted({w for line in _CORPUS for w, _ in splitter.pre_tokenize_str(normalizer.normalize_str(line))})
+    chars = sorted({c for w in words for c in w})
+    vocab = specials + chars + [f"##{c}" for c in chars] + [w for w in words if len(w) > 1]
+    tok = Tokenizer(models.WordPiece({t: i for i, t in enumerate(vocab)}, unk_token="[UNK]"))
+    tok.normalizer = normalizer
+    tok.pre_tokenizer = splitter
     tok.decoder = decoders.WordPiece()
-    tok.train_from_iterator(_CORPUS, trainers.WordPieceTrainer(vocab_size=400, special_tokens=specials))
     cls, sep = tok.token_to_id("[CLS]"), tok.token_to_id("[SEP]")
     tok.post_processor = processors.TemplateProcessing(
         single="[CLS] $A [SEP]", pair="[CLS] $A [SEP] $B:1 [SEP]:1", special_tokens=[("[CLS]", cls), ("[SEP]", sep)]
