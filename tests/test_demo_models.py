@@ -21,3 +21,14 @@ def test_models_found_current_import_no_builder(tiny_chat: Path, demo_dir: Path)
             "print(sorted(built), sorted(m for m in ('torch', 'transformers', 'diffusers', 'peft') if m in sys.modules))")
     out = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True, check=True).stdout
     assert out.strip() == "['tiny-chat', 'tiny-chat-pirate'] []"
+
+
+def test_the_embedders_tokenizer_is_the_same_in_every_process() -> None:
+    """One seed builds one model: tiny-embed's (and the classifiers') WordPiece vocabulary is made
+    the same in a fresh process as here (the trainer it replaced broke ties in hash order, which
+    Rust seeds per process: two builds differed nearly every time)."""
+    from demo.embed import wordpiece_tokenizer
+
+    code = "from demo.embed import wordpiece_tokenizer; print(sorted(wordpiece_tokenizer().get_vocab().items()))"
+    out = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True, check=True).stdout
+    assert out.strip() == str(sorted(wordpiece_tokenizer().get_vocab().items()))
