@@ -130,8 +130,8 @@ def plan_chat(svc: Services, body: ChatCompletionRequest) -> ChatJob:
         raise bad_request("top_logprobs needs logprobs: true", "top_logprobs")
     engine = engine_config(svc, spec.name)
     tools = _plan_tools(body, getattr(engine, "tool_parser", "hermes"))
-    grammar = tools.reply_grammar(request_grammar(body.response_format, body.structured_outputs),
-                                  "response_format" if body.structured_outputs is None else "structured_outputs")
+    asked = request_grammar(body.response_format, body.structured_outputs, limits.grammar_max_chars)
+    grammar = tools.reply_grammar(asked, "response_format" if body.structured_outputs is None else "structured_outputs")
     service_tier.check(svc.config, body.service_tier)
     params = ChatParams(
         max_tokens, stop=body.stop or [], seed=body.seed,

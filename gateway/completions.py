@@ -276,7 +276,7 @@ async def plan_completion(svc: Services, body: CompletionRequest) -> CompletionJ
         logprobs=0 if ranked and body.logprobs is None else body.logprobs,
         logit_bias={int(k): v for k, v in (body.logit_bias or {}).items()},
         prompt_logprobs=body.logprobs if body.echo else None,
-        grammar=request_grammar(body.response_format, body.structured_outputs),
+        grammar=request_grammar(body.response_format, body.structured_outputs, limits.grammar_max_chars),
         **sampling(body, svc.sampling_defaults.get(spec.name, {})), **reply_ends(body, max_tokens),
     )
     jobs = [ChatJob(spec.name, [], params, stack, n=made, service_tier=body.service_tier, prompt_ids=p.ids,

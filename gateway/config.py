@@ -362,6 +362,9 @@ class LimitsConfig(_Strict):
     transcription_max_seconds: float = Field(default=1800.0, gt=0)  # of decoded audio
     embed_max_inputs: int = Field(default=256, ge=1)  # inputs in one /v1/embeddings request
     moderation_max_inputs: int = Field(default=64, ge=1)  # texts in one /v1/moderations request
+    # characters of a structured_outputs regex, grammar or choices (all together): what xgrammar compiles
+    # against the vocabulary takes time with their length (1,024 choices of 1,000 characters: 250 s here)
+    grammar_max_chars: int = Field(default=8192, ge=1)
     rerank_max_documents: int = Field(default=1000, ge=1)  # documents in one /v1/rerank (pairs in one /v1/score)
     # tokens in one /v1/rerank or /v1/score request, every (query, document) piece together: this bounds the work
     rerank_max_tokens: int = Field(default=262144, ge=1)

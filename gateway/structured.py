@@ -48,7 +48,7 @@ def response_grammar(fmt: ResponseFormat | None, param: str = "response_format")
 CONSTRAINTS = ("json", "json_object", "regex", "choice", "grammar", "structural_tag")
 
 
-def request_grammar(fmt: ResponseFormat | None, outputs: StructuredOutputs | None,
+def request_grammar(fmt: ResponseFormat | None, outputs: StructuredOutputs | None, max_chars: int,
                     param: str = "response_format") -> Grammar | None:
     """The grammar a request asks for with ``response_format`` (named ``param``) or
     ``structured_outputs`` (None for free text); 400 naming the field when it cannot be built."""
@@ -56,11 +56,12 @@ def request_grammar(fmt: ResponseFormat | None, outputs: StructuredOutputs | Non
         return response_grammar(fmt, param)
     if fmt is not None and fmt.type != "text":
         raise bad_request(f"set {param} or structured_outputs, not both", "structured_outputs")
-    return outputs_grammar(outputs)
+    return outputs_grammar(outputs, max_chars)
 
 
-def outputs_grammar(so: StructuredOutputs) -> Grammar:
-    """The grammar of vLLM's ``structured_outputs``: exactly one constraint."""
+def outputs_grammar(so: StructuredOutputs, max_chars: int) -> Grammar:
+    """The grammar of vLLM's ``structured_outputs``: exactly one constraint; a regex, grammar or
+    choices longer than ``max_chars`` (``limits.grammar_max_chars``) all together is a 400."""
     given = [k for k in CONSTRAINTS if getattr(so, "json_" if k == "json" else k) not in (None, False)]
     if len(given) != 1:
         raise bad_request("structured_outputs takes exactly one of json, json_object, regex, choice and grammar"
@@ -88,6 +89,10 @@ def outputs_grammar(so: StructuredOutputs) -> Grammar:
         if problem:
             raise bad_request(f"the schema cannot be used for constrained decoding: {problem}", where, "invalid_schema")
         return JsonGrammar(json.dumps(schema))
+    chars = len(so.regex or "") + len(so.grammar or "") + sum(len(c) + 1 for c in so.choice or ())
+    if chars > max_chars:
+        raise bad_request(f"{where} is {chars} characters, above this server's limit of {max_chars} "
+                          "(limits.grammar_max_chars: compiling it takes time with its length)", where, "too_long")
     try:
         if kind == "regex":
             return EbnfGrammar(regex_ebnf(so.regex or ""))

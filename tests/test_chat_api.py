@@ -760,6 +760,8 @@ GOOD = {"model": "tiny-chat", "messages": ASK, "max_tokens": 4}
     ({"structured_outputs": {"regex": "a", "whitespace_pattern": " *"}}, "structured_outputs.whitespace_pattern"),
     ({"structured_outputs": {"regx": "a"}}, "structured_outputs.regx"),
     ({"structured_outputs": {"regex": "a"}, "response_format": {"type": "json_object"}}, "structured_outputs"),
+    ({"structured_outputs": {"choice": ["x" * 1000] * 9}}, "structured_outputs.choice"),  # limits.grammar_max_chars 8192
+    ({"structured_outputs": {"regex": "a" * 8193}}, "structured_outputs.regex"),
 ])
 def test_bad_fields_are_400_naming_the_param(server, extra, param):
     r = httpx.post(f"{server.base_url}/chat/completions", json={**GOOD, **extra}, timeout=60,

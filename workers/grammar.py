@@ -97,14 +97,15 @@ def regex_ebnf(pattern: str) -> str:
         raise ValueError(_reason(exc)) from None
 
 
+# an EBNF string literal's escapes, as vLLM writes them (``choice_as_grammar``): the quote, the
+# backslash, and every C0 control character and DEL
+_LITERAL = str.maketrans({**{c: f"\\u{c:04x}" for c in [*range(0x20), 0x7F]}, ord("\\"): r"\\", ord('"'): r'\"',
+                          ord("\n"): r"\n", ord("\r"): r"\r", ord("\t"): r"\t"})
+
+
 def choice_ebnf(choices: list[str]) -> str:
     """The grammar of exactly one of ``choices``, as vLLM writes it (``choice_as_grammar``)."""
-    escapes = {"\\": r"\\", '"': r"\"", "\n": r"\n", "\r": r"\r", "\t": r"\t"}
-
-    def literal(text: str) -> str:
-        return "".join(escapes.get(c) or (f"\\u{ord(c):04x}" if ord(c) < 0x20 or ord(c) == 0x7F else c) for c in text)
-
-    return ebnf_text("root ::= " + " | ".join(f'"{literal(c)}"' for c in choices))
+    return ebnf_text("root ::= " + " | ".join(f'"{c.translate(_LITERAL)}"' for c in choices))
 
 
 def ebnf_text(grammar: str) -> str:
