@@ -230,3 +230,43 @@ def test_bad_requests_are_clean_errors_naming_the_field(server, path, extra, sta
     assert r.status_code == status, r.text
     err = r.json()["error"]
     assert err["param"] == param and isinstance(err["code"], str) and err["message"]
+
+
+def test_concurrent_reranks_share_forward_passes(tiny_rerank):
+    """Requests that arrive while a pass runs share the next one (``workers.embed.EncoderWorker``,
+    as embeddings do): eight at once, the first held in its pass until the other seven wait,
+    take two passes, not eight, and each gets the scores it gets alone (within 1e-5)."""
+    import threading
+    import time
+    from concurrent.futures import ThreadPoolExecutor
+
+    from workers.base import ModelSpec, StepContext
+    from workers.rerank import RerankWorker
+
+    worker = RerankWorker(ModelSpec("r", "rerank", tiny_rerank))
+    worker.load(torch.device("cpu"))
+    requests = [worker.tokenize(f"question {i}", DOCS[: 1 + i % 4]) for i in range(8)]
+    alone = [worker.score(pieces, StepContext()) for pieces in requests]
+    held, release = threading.Event(), threading.Event()
+
+    def hold(module, args):
+        held.set()
+        release.wait(10)
+
+    hook = worker.model.register_forward_pre_hook(hold)
+    before = worker.passes
+    try:
+        with ThreadPoolExecutor(8) as pool:
+            first = pool.submit(worker.score, requests[0], StepContext())
+            assert held.wait(10)  # the first request's pass is running
+            rest = [pool.submit(worker.score, pieces, StepContext()) for pieces in requests[1:]]
+            deadline = time.time() + 10
+            while len(worker.shared.interactive.queued()) < 7 and time.time() < deadline:
+                time.sleep(0.01)
+            release.set()
+            got = [first.result(), *[f.result() for f in rest]]
+    finally:
+        hook.remove()
+    assert worker.passes - before == 2
+    for a, g in zip(alone, got):
+        np.testing.assert_allclose(g, a, atol=1e-5)
