@@ -762,6 +762,12 @@ GOOD = {"model": "tiny-chat", "messages": ASK, "max_tokens": 4}
     ({"structured_outputs": {"regex": "a"}, "response_format": {"type": "json_object"}}, "structured_outputs"),
     ({"structured_outputs": {"choice": ["x" * 1000] * 9}}, "structured_outputs.choice"),  # limits.grammar_max_chars 8192
     ({"structured_outputs": {"regex": "a" * 8193}}, "structured_outputs.regex"),
+    # OpenAI's limit on a schema's names, enum and const values (120,000 characters): what compiling it costs
+    ({"response_format": {"type": "json_schema", "json_schema": {"name": "x", "schema": {
+        "type": "object", "properties": {"a": {"enum": ["x" * 1000 + str(i) for i in range(121)]}}}}}}, "response_format"),
+    ({"structured_outputs": {"json": {"$defs": {"d" * 60_001: {}, "e" * 60_000: {}}}}}, "structured_outputs.json"),
+    ({"tools": [{"type": "function", "function": {"name": "f", "parameters": {"type": "object", "properties": {
+        "a": {"const": "c" * 120_001}}}}}]}, "tools[0].function.parameters"),
 ])
 def test_bad_fields_are_400_naming_the_param(server, extra, param):
     r = httpx.post(f"{server.base_url}/chat/completions", json={**GOOD, **extra}, timeout=60,

@@ -201,3 +201,19 @@ def test_a_length_bounded_string_is_a_json_string():
                  '{"title":"a\\qb"}', f'{{"title":"{pair}"}}', f'{{"title":"abcde{pair}"}}', '{"title":"a\\ud83db"}',
                  '{"title":"a\\ude00b"}', '{"title":"\\ude00\\ud83d"}']:
         assert not matches(title, text), repr(text)
+
+
+def test_a_schema_is_refused_past_openais_limit_on_its_names_enums_and_consts():
+    """OpenAI's count (property and definition names, string enum values and consts, at any
+    depth; descriptions and other strings not counted): at 120,000 characters a schema compiles,
+    one more is refused with the count."""
+    from workers.grammar import MAX_SCHEMA_STRINGS, schema_error, schema_strings
+
+    schema = {"type": "object", "description": "d" * 10_000, "$defs": {"ab": {"enum": ["xyz", 3, "q"]}},
+              "properties": {"p": {"anyOf": [{"const": "cc"}, {"type": "string", "pattern": "z" * 50}]}}}
+    assert schema_strings(schema) == 2 + 3 + 1 + 1 + 2
+    room = MAX_SCHEMA_STRINGS - schema_strings(schema)
+    at_limit = {**schema, "$defs": {**schema["$defs"], "e" * room: {}}}
+    assert schema_strings(at_limit) == MAX_SCHEMA_STRINGS and schema_error(at_limit) is None
+    over = {**schema, "$defs": {**schema["$defs"], "e" * (room + 1): {}}}
+    assert f"total {MAX_SCHEMA_STRINGS + 1} characters" in schema_error(over)

@@ -46,10 +46,43 @@ from workers.base import EbnfGrammar, Grammar, JsonGrammar, TokenLogprob
 SEPARATORS = (",", ":")  # compact JSON, as vLLM's disable_any_whitespace compiles it
 
 
+# OpenAI's limit for a Structured Outputs schema: "the total string length of all property names,
+# definition names, enum values, and const values cannot exceed 120,000 characters". Here it bounds
+# what a schema costs to compile against a vocabulary, which grows with its literals (100 KB of enum
+# values: 1.5 s for tiny-chat's 568 tokens; a 1 MB one would hold its request's slot for minutes).
+MAX_SCHEMA_STRINGS = 120_000
+_NAMED = ("properties", "patternProperties", "$defs", "definitions")
+
+
+def schema_strings(schema: object) -> int:
+    """The characters OpenAI's limit counts in ``schema``: property and definition names, string
+    enum values and string consts, at any depth."""
+    total, stack = 0, [schema]
+    while stack:
+        node = stack.pop()
+        if isinstance(node, list):
+            stack.extend(node)
+        elif isinstance(node, dict):
+            for key, value in node.items():
+                if key in _NAMED and isinstance(value, dict):
+                    total += sum(len(name) for name in value)
+                elif key == "enum" and isinstance(value, list):
+                    total += sum(len(v) for v in value if isinstance(v, str))
+                elif key == "const" and isinstance(value, str):
+                    total += len(value)
+                stack.append(value)
+    return total
+
+
 def schema_error(schema: dict | bool) -> str | None:
-    """Why xgrammar cannot compile ``schema``, or None when it can."""
+    """Why xgrammar cannot compile ``schema`` (or will not here: over ``MAX_SCHEMA_STRINGS``),
+    or None when it can."""
     import xgrammar as xgr
 
+    strings = schema_strings(schema)
+    if strings > MAX_SCHEMA_STRINGS:
+        return (f"its property names, definition names, enum and const values total {strings} characters, above "
+                f"{MAX_SCHEMA_STRINGS} (OpenAI's limit for structured outputs)")
     try:
         xgr.Grammar.from_json_schema(json.dumps(schema), any_whitespace=False, separators=SEPARATORS)
     except Exception as exc:  # noqa: BLE001 - xgrammar raises RuntimeError/ValueError with its reason
