@@ -768,6 +768,8 @@ GOOD = {"model": "tiny-chat", "messages": ASK, "max_tokens": 4}
     ({"structured_outputs": {"json": {"$defs": {"d" * 60_001: {}, "e" * 60_000: {}}}}}, "structured_outputs.json"),
     ({"tools": [{"type": "function", "function": {"name": "f", "parameters": {"type": "object", "properties": {
         "a": {"const": "c" * 120_001}}}}}]}, "tools[0].function.parameters"),
+    ({"tools": [{"type": "function", "function": {"name": f"f{i}", "parameters": {"type": "object", "properties": {
+        "a": {"const": "c" * 40_000}}}}} for i in range(3)]}, "tools"),  # each under it, together over
 ])
 def test_bad_fields_are_400_naming_the_param(server, extra, param):
     r = httpx.post(f"{server.base_url}/chat/completions", json={**GOOD, **extra}, timeout=60,
