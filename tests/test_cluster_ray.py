@@ -42,7 +42,8 @@ PAGE = "http://page.example"  # the web page origin the clusters allow (server.c
 
 def config_text(models: dict[str, Path], period: float, redis_url: str | None = None, replicas: tuple[int, int] = (2, 1),
                 paid_target_s: float = 600, slots: int = 8, max_copies: str = "{}", small: Path | None = None,
-                image: Path | None = None, stt: Path | None = None) -> str:
+                image: Path | None = None, stt: Path | None = None, embed: Path | None = None,
+                rerank: Path | None = None) -> str:
     lines = ["tiers:"]
     for t in TIERS:
         target = paid_target_s if t == "paid" else 600
@@ -58,6 +59,10 @@ def config_text(models: dict[str, Path], period: float, redis_url: str | None = 
         lines += ["  - name: img", "    kind: image", f"    path: {image}", "    vram: 128MiB"]
     if stt is not None:
         lines += ["  - name: stt", "    kind: stt", f"    path: {stt}", "    vram: 64MiB"]
+    if embed is not None:
+        lines += ["  - name: emb", "    kind: embed", f"    path: {embed}", "    vram: 16MiB"]
+    if rerank is not None:
+        lines += ["  - name: rr", "    kind: rerank", f"    path: {rerank}", "    vram: 16MiB"]
     nodes, per_node = replicas
     lines += ["gpu:", "  device: cpu", "  vram_budget: 2GiB", "  host_cache_budget: 4GiB",
               f"eviction:\n  protect_window_s: {WINDOW_S}",
@@ -77,7 +82,7 @@ INGRESS_PORTS = 8  # both simulated nodes are this machine: each app's ingress r
 
 
 @pytest.fixture(scope="module")
-def cluster(tiny_chat, tiny_image, tiny_stt, tmp_path_factory):
+def cluster(tiny_chat, tiny_image, tiny_stt, tiny_embed, tiny_rerank, tmp_path_factory):
     """Two simulated nodes, the main application at ``url`` (its ingress's own port: Serve's direct
     ingress, as ``tiergate cluster`` runs it) and the others under a prefix of Serve's proxy."""
     ingress_port = spare_port_range(INGRESS_PORTS)
@@ -97,7 +102,8 @@ def cluster(tiny_chat, tiny_image, tiny_stt, tmp_path_factory):
             path.write_text(config_text({"a": tiny_chat, "b": tiny_chat, "c": tiny_chat}, **kw))
             serve.run(build(load_config(path), KEYS, [ADMIN]), name=name, route_prefix=prefix)
 
-        deploy("tiergate", "/", period=PERIOD_S, redis_url=redis_url, small=tiny_chat, image=tiny_image, stt=tiny_stt)
+        deploy("tiergate", "/", period=PERIOD_S, redis_url=redis_url, small=tiny_chat, image=tiny_image, stt=tiny_stt,
+               embed=tiny_embed, rerank=tiny_rerank)
         # the redirect test's: its replicas report as they start, then an hour apart (a minute
         # apart could bring a fresh report between that test's two requests: ~2 s in 60)
         deploy("stale", "/stale", period=3600.0, replicas=(1, 2))  # one node: one ingress replica, not two
@@ -365,6 +371,40 @@ def test_other_endpoints_and_one_request_id(cluster):
     assert bad.status_code == 400 and bad.json()["error"]["code"] == "invalid_json"
 
 
+def test_embeddings_rerank_and_score_through_the_ingress(cluster):
+    """The encoders route by their body's model as chat does: the openai SDK's embeddings, a rerank
+    and a score, each answered by a replica, the same as one replica answers them alone; an unknown
+    encoder is the ingress's 404 and a bad document the replica's 400, both OpenAI-shaped."""
+    client = openai.OpenAI(base_url=f"{cluster.url}/v1", api_key="key-paid", max_retries=0)
+    vectors = client.embeddings.create(model="emb", input=["paid first", "batch waits"])
+    assert [len(d.embedding) for d in vectors.data] == [len(vectors.data[0].embedding)] * 2
+    assert vectors.usage.prompt_tokens > 0
+    auth = {"authorization": "Bearer key-paid"}
+    docs = ["Paid requests go first.", "A fox ran.", "Batch work waits for idle time."]
+    ranked = httpx.post(f"{cluster.url}/v1/rerank", headers=auth, timeout=60,
+                        json={"model": "rr", "query": "which tier comes first?", "documents": docs, "top_n": 2})
+    assert ranked.status_code == 200, ranked.text
+    results = ranked.json()["results"]
+    assert len(results) == 2 and results[0]["relevance_score"] >= results[1]["relevance_score"]
+    assert "x-tiergate-replica" in ranked.headers
+    scored = httpx.post(f"{cluster.url}/v1/score", headers=auth, timeout=60,
+                        json={"model": "rr", "text_1": "which tier comes first?", "text_2": docs})
+    assert scored.status_code == 200, scored.text
+    by_index = {r["index"]: r["relevance_score"] for r in results}
+    for item in scored.json()["data"]:  # the same pairs scored by either endpoint, on either replica
+        if item["index"] in by_index:
+            assert abs(item["score"] - by_index[item["index"]]) < 1e-5
+    cosine = httpx.post(f"{cluster.url}/v1/score", headers=auth, timeout=60,
+                        json={"model": "emb", "text_1": "paid first", "text_2": "paid first"})
+    assert cosine.status_code == 200 and abs(cosine.json()["data"][0]["score"] - 1) < 1e-4, cosine.text
+    missing = httpx.post(f"{cluster.url}/v1/rerank", headers=auth, timeout=30,
+                         json={"model": "no-such-reranker", "query": "q", "documents": ["d"]})
+    assert missing.status_code == 404 and missing.json()["error"]["code"] == "model_not_found"
+    bad = httpx.post(f"{cluster.url}/v1/rerank", headers=auth, timeout=30,
+                     json={"model": "rr", "query": "q", "documents": ["d", " "]})
+    assert bad.status_code == 400 and bad.json()["error"]["param"] == "documents[1]", bad.text
+
+
 def test_cors_through_the_ingress(cluster):
     """``server.cors_origins`` in cluster mode: the ingress answers a browser's preflight (which
     carries no key) and puts the CORS headers on its own refusals, so a page reads a 401 as such; a
@@ -508,7 +548,7 @@ def test_one_metrics_target_for_the_whole_cluster(cluster):
                  "tiergate_model_resident", "tiergate_admitted"):
         assert len({s.labels["replica"] for s in families[name]}) == 2, name
     resident = {(s.labels["replica"], s.labels["model"]): s.value for s in families["tiergate_model_resident"]}
-    assert sorted(m for (_, m), v in resident.items() if v == 1) == ["a", "c"]  # as test one left them
+    assert sorted(m for (_, m), v in resident.items() if v == 1) == ["a", "c", "emb", "rr"]  # as tests left them
     nodes = {s.labels["node"] for s in families["vllm:num_requests_running"]}
     assert len(nodes) == 2  # one replica per node
     ingress = {s.labels["ingress"] for s in families["tiergate_ingress_in_flight"]}
