@@ -60,7 +60,7 @@ async def chat(svc: Services, caller: Caller, data: dict) -> Result:
     if voice is not None:
         await say_replies(svc, caller, voice, replies, None)
     return completion(f"chatcmpl-{uuid.uuid4().hex}", body.model, replies, tier, svc, job.tools.legacy,
-                      bool(body.logprobs))
+                      bool(body.logprobs), job.token_ids)
 
 
 async def images(svc: Services, caller: Caller, data: dict) -> Result:

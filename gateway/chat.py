@@ -85,6 +85,7 @@ class ChatJob:
     images: tuple[bytes | PendingImage, ...] = ()
     own_adapter: bool = False  # ``model`` named the stack's first adapter (whose refusal names ``model``)
     prediction: str | None = None  # Predicted Outputs' text (``ChatRequest.prediction``)
+    token_ids: bool = False  # vLLM's return_token_ids (``ChatRequest.token_ids``)
 
 
 @dataclass
@@ -102,11 +103,13 @@ class ChoiceDelta:
     prompt_logprobs: list[TokenLogprob | None] | None = None  # ``ChatParams.prompt_logprobs``, in the first delta
     reasoning: str = ""  # a reasoning model's thinking (``gateway.reasoning``)
     reasoning_tokens: int = 0  # the last delta: the completion tokens the choice spent thinking
+    token_ids: list[int] | None = None  # ``ChatJob.token_ids``: the tokens generated since the last delta's
+    prompt_ids: list[int] | None = None  # ... and in the choice's first delta, the prompt's
 
     @property
     def empty(self) -> bool:
         return not (self.content or self.calls or self.reasoning or self.logprobs or self.finish_reason
-                    or self.prompt_logprobs)
+                    or self.prompt_logprobs or self.token_ids or self.prompt_ids)
 
 
 def plan_chat(svc: Services, body: ChatCompletionRequest) -> ChatJob:
@@ -143,7 +146,8 @@ def plan_chat(svc: Services, body: ChatCompletionRequest) -> ChatJob:
                    stream=bool(body.stream), template_kwargs=body.template_kwargs(), prompt_end=body.prompt_end(),
                    reasoning=getattr(engine, "reasoning_parser", "none"),
                    include_reasoning=body.include_reasoning, images=images, own_adapter=names_own(body.model, stack),
-                   prediction=body.prediction.text() if body.prediction is not None else None)
+                   prediction=body.prediction.text() if body.prediction is not None else None,
+                   token_ids=bool(body.return_token_ids))
 
 
 async def with_images(svc: Services, job: ChatJob) -> ChatJob:
@@ -247,7 +251,8 @@ def _read(index: int, event: ChatEvent | None, parser: CallParser | None, thinki
     split off first, then the answer through the tool-call parser."""
     if thinking is None and parser is None:  # the common case: the text as it is
         return ChoiceDelta(index) if event is None else \
-            ChoiceDelta(index, event.text, [], event.logprobs, prompt_logprobs=event.prompt_logprobs)
+            ChoiceDelta(index, event.text, [], event.logprobs, prompt_logprobs=event.prompt_logprobs,
+                        token_ids=event.token_ids, prompt_ids=event.prompt_ids)
     if thinking is None:
         reasoning, text = "", event.text if event is not None else ""
     else:
@@ -264,6 +269,8 @@ def _read(index: int, event: ChatEvent | None, parser: CallParser | None, thinki
                             [p for p in pieces if isinstance(p, CallDelta)], None, reasoning=reasoning)
     if event is not None:
         delta.logprobs, delta.prompt_logprobs = event.logprobs, event.prompt_logprobs
+        # the thinking left out of the answer: its tokens too, as vLLM leaves them out
+        delta.token_ids, delta.prompt_ids = event.token_ids if include_reasoning else None, event.prompt_ids
     return delta
 
 
@@ -310,7 +317,7 @@ async def _first_event(serving: Serving, job: ChatJob, params: ChatParams,
                       tools=job.tools.template_tools(), template_kwargs=job.template_kwargs,
                       prompt_end=job.prompt_end, prompt_ids=job.prompt_ids, stream=job.stream, reasoning=job.reasoning != "none", images=job.images,
                       cache_salt=serving.caller.key_id if serving.svc.config.server.prefix_cache == "per_key" else None,
-                      prediction=job.prediction)
+                      prediction=job.prediction, token_ids=job.token_ids)
     events = serving.worker.chat(req)
     try:
         return events, await events.__anext__(), ctx
@@ -345,9 +352,15 @@ class Reply:
     prompt_logprobs: list[TokenLogprob | None] | None = None
     reasoning_tokens: int = 0
     audio: dict | None = None  # a spoken reply's (gateway.output_audio): then ``content`` is null
+    token_ids: list[int] | None = None  # ``ChatJob.token_ids``: every generated token, and the prompt's
+    prompt_ids: list[int] | None = None
 
     def add(self, delta: ChoiceDelta) -> None:
         self.content.append(delta.content)
+        if delta.token_ids is not None:
+            self.token_ids = (self.token_ids or []) + delta.token_ids
+        if delta.prompt_ids is not None:
+            self.prompt_ids = delta.prompt_ids
         if delta.reasoning:
             self.reasoning.append(delta.reasoning)
         if delta.prompt_logprobs is not None:
@@ -393,10 +406,11 @@ async def collect(deltas: AsyncGenerator[ChoiceDelta, None]) -> tuple[list[Reply
 
 
 def completion(cid: str, model: str, replies: list[Reply], tier: str, svc: Services | None = None,
-               legacy: bool = False, logprobs: bool = False) -> dict:
+               legacy: bool = False, logprobs: bool = False, token_ids: bool = False) -> dict:
     """The ``chat.completion`` object of ``replies`` served at ``tier`` (``legacy``: a call is a
     ``function_call``, as the deprecated ``functions`` asked; ``logprobs``: the request asked for
-    them, so every choice has its ``logprobs`` object)."""
+    them, so every choice has its ``logprobs`` object; ``token_ids``: vLLM's return_token_ids, the
+    prompt's ids in ``prompt_token_ids`` and each choice's in its ``token_ids``)."""
     body = {
         "id": cid, "object": "chat.completion", "created": int(time.time()), "model": model,
         "choices": [{"index": r.index, "message": r.message(legacy), "finish_reason": r.finish_reason,
@@ -404,6 +418,10 @@ def completion(cid: str, model: str, replies: list[Reply], tier: str, svc: Servi
                      "logprobs": chat_logprobs(r.logprobs, logprobs)} for r in replies],
         "usage": _usage(replies),
     }
+    if token_ids:
+        for choice, r in zip(body["choices"], replies):
+            choice["token_ids"] = r.token_ids
+        body["prompt_token_ids"] = replies[0].prompt_ids if replies else None
     return _with_tier(body, tier, svc)
 
 
@@ -451,7 +469,8 @@ async def chat_completions(request: Request) -> Response:
             replies, tier = await collect(deltas)
             if voice is not None:
                 await say_replies(svc, caller, voice, replies, gone)
-            answer = completion(completion_id, body.model, replies, tier, svc, job.tools.legacy, bool(body.logprobs))
+            answer = completion(completion_id, body.model, replies, tier, svc, job.tools.legacy, bool(body.logprobs),
+                                job.token_ids)
             if body.store:
                 await stored_chat.keep(request.app.state.completions, caller.key_id, _unsaid(answer), body)
             return JSONResponse(answer, headers=headers)
@@ -467,7 +486,7 @@ async def chat_completions(request: Request) -> Response:
         def speaker(text: str) -> AsyncIterator[bytes]:  # the client leaving closes the stream, and the speech with it
             return say(svc, caller, voice, text, None)
     sse = _sse(deltas, first, completion_id, body.model, job.n, body.logprobs, label, include_usage, kept,
-               job.tools.legacy, speaker, svc.spoken, caller.key_id)
+               job.tools.legacy, speaker, svc.spoken, caller.key_id, job.token_ids)
     return Streamed(sse, "text/event-stream", headers=headers)
 
 
@@ -485,7 +504,7 @@ async def _sse(deltas: AsyncIterator[ChoiceDelta], first: ChoiceDelta, cid: str,
                logprobs: bool, tier_label: str, include_usage: bool,
                kept: Callable[[dict], Awaitable[None]] | None = None, legacy: bool = False,
                speaker: Callable[[str], AsyncIterator[bytes]] | None = None, spoken: SpokenReplies | None = None,
-               owner: str = "") -> AsyncIterator[str]:
+               owner: str = "", token_ids: bool = False) -> AsyncIterator[str]:
     """The chunks of a streamed completion; with ``kept``, the whole completion is handed to it
     once every choice finished (``store: true``), before the last chunk. ``legacy``: the first
     call goes out as ``delta.function_call`` (name first, then argument fragments). ``speaker``:
@@ -493,15 +512,16 @@ async def _sse(deltas: AsyncIterator[ChoiceDelta], first: ChoiceDelta, cid: str,
     ``delta.audio.transcript``, its speech as ``delta.audio.data`` a phrase at a time as the
     phrases are written (``SpokenStream``), then its audio id and ``expires_at`` with the finish
     reason; ``spoken`` keeps its transcript
-    for ``owner``."""
+    for ``owner``. ``token_ids`` (vLLM's return_token_ids): the prompt's ids in the first chunk's
+    ``prompt_token_ids``, and each chunk's generated ids in its choice's ``token_ids``."""
     created = int(time.time())
     replies: dict[int, Reply] = {}
     voicing = SpokenStream(speaker, n) if speaker is not None else None
     audio_ids = {i: spoken.new_id() for i in range(n)} if speaker is not None and spoken is not None else {}
 
-    def chunk(choices: list[dict], usage: dict | None = None) -> str:
+    def chunk(choices: list[dict], usage: dict | None = None, **extra: object) -> str:
         body = {"id": cid, "object": "chat.completion.chunk", "created": created, "model": model,
-                "service_tier": tier_label, "choices": choices}
+                "service_tier": tier_label, "choices": choices, **extra}
         if include_usage:
             body["usage"] = usage
         return f"data: {json.dumps(body)}\n\n"
@@ -525,6 +545,8 @@ async def _sse(deltas: AsyncIterator[ChoiceDelta], first: ChoiceDelta, cid: str,
             delta["tool_calls"] = [c.as_openai() for c in d.calls]
         lp = {"content": chat_content(d.logprobs or []), "refusal": None} if logprobs else None
         out = {"index": d.index, "delta": delta, "finish_reason": d.finish_reason, "logprobs": lp}
+        if token_ids:
+            out["token_ids"] = d.token_ids or []
         if d.finished is not None:  # vLLM's field, in the chunk that ends the choice
             out["stop_reason"] = d.finished.stop_reason
         return out
@@ -552,7 +574,9 @@ async def _sse(deltas: AsyncIterator[ChoiceDelta], first: ChoiceDelta, cid: str,
             opening = {"role": "assistant", "content": ""}
             if speaker is not None:
                 opening = {"role": "assistant", "content": None, "audio": {"id": audio_ids[i], "transcript": ""}}
-            yield chunk([{"index": i, "delta": opening, "finish_reason": None, "logprobs": None}])
+            # vLLM's return_token_ids: the prompt's in the first chunk
+            prompt = {"prompt_token_ids": first.prompt_ids} if token_ids and i == 0 else {}
+            yield chunk([{"index": i, "delta": opening, "finish_reason": None, "logprobs": None}], **prompt)
         delta = first
         while True:
             if kept is not None:
@@ -574,7 +598,7 @@ async def _sse(deltas: AsyncIterator[ChoiceDelta], first: ChoiceDelta, cid: str,
                     break
             delta = await deltas.__anext__()
         if kept is not None:
-            whole = completion(cid, model, [replies[i] for i in sorted(replies)], "", None, legacy, logprobs)
+            whole = completion(cid, model, [replies[i] for i in sorted(replies)], "", None, legacy, logprobs, token_ids)
             await kept({**whole, "created": created, "service_tier": tier_label})
         if include_usage:
             yield chunk([], _usage(finished))

@@ -90,6 +90,7 @@ class CompletionRequest(_Body):
     min_tokens: int = Field(default=0, ge=0)
     ignore_eos: bool = False
     include_stop_str_in_output: bool = False
+    return_token_ids: bool | None = None  # vLLM's: each choice's prompt and generated token ids
     response_format: ResponseFormat | None = None  # as chat's, and vLLM's structured_outputs (gateway.structured)
     structured_outputs: StructuredOutputs | None = None
     best_of: int | None = Field(default=None, ge=1)  # candidates per prompt, the best n answered (not streamed)
@@ -135,6 +136,7 @@ class CompletionJob:
     echo: bool
     logprobs: int | None
     keep: int | None = None  # best_of: choices answered per prompt, the best of the n made; None: all n
+    token_ids: bool = False  # vLLM's return_token_ids: each choice's prompt_token_ids and token_ids
 
 
 # -- the prompt's tokens ------------------------------------------------------------------------------
@@ -279,9 +281,11 @@ async def plan_completion(svc: Services, body: CompletionRequest) -> CompletionJ
         grammar=request_grammar(body.response_format, body.structured_outputs, limits.grammar_max_chars),
         **sampling(body, svc.sampling_defaults.get(spec.name, {})), **reply_ends(body, max_tokens),
     )
+    token_ids = bool(body.return_token_ids)
     jobs = [ChatJob(spec.name, [], params, stack, n=made, service_tier=body.service_tier, prompt_ids=p.ids,
-                    own_adapter=names_own(body.model, stack)) for p in prompts]
-    return CompletionJob(jobs, prompts, made, body.echo, body.logprobs, keep=body.n if ranked else None)
+                    own_adapter=names_own(body.model, stack), token_ids=token_ids) for p in prompts]
+    return CompletionJob(jobs, prompts, made, body.echo, body.logprobs, keep=body.n if ranked else None,
+                         token_ids=token_ids)
 
 
 def serve_completion(svc: Services, caller: Caller, job: CompletionJob,
@@ -358,6 +362,8 @@ def text_completion(cid: str, model: str, job: CompletionJob, replies: list[Repl
         lp = legacy_logprobs(r.logprobs or [], len(head), echoed) if job.logprobs is not None else None
         choices.append({"index": index, "text": head + "".join(r.content), "logprobs": lp,
                         "finish_reason": r.finish_reason, "stop_reason": r.finished.stop_reason})
+        if job.token_ids:  # vLLM's: the prompt's ids in each choice (a request may have several prompts)
+            choices[-1].update(prompt_token_ids=prompt.ids, token_ids=r.token_ids)
     return {"id": cid, "object": "text_completion", "created": int(time.time()), "model": model,
             "choices": choices, "usage": completion_usage(job, replies), "service_tier": tier_label,
             "system_fingerprint": None}
@@ -421,6 +427,7 @@ async def _sse(deltas: AsyncIterator[ChoiceDelta], first: ChoiceDelta, cid: str,
     created = int(time.time())
     total = len(job.prompts) * job.n
     offsets = [0] * total  # each choice's text sent so far, for text_offset
+    opened: set[int] = set()  # choices whose first chunk went out (``job.token_ids``)
 
     def chunk(choices: list[dict], usage: dict | None = None) -> str:
         body = {"id": cid, "object": "text_completion", "created": created, "model": model,
@@ -429,10 +436,17 @@ async def _sse(deltas: AsyncIterator[ChoiceDelta], first: ChoiceDelta, cid: str,
             body["usage"] = usage
         return f"data: {json.dumps(body)}\n\n"
 
-    def choice(index: int, text: str, entries: list[TokenLogprob] | None, finish: str | None) -> dict:
+    def choice(index: int, text: str, entries: list[TokenLogprob] | None, finish: str | None,
+               ids: list[int] | None = None) -> dict:
         lp = legacy_logprobs(entries or [], offsets[index]) if job.logprobs is not None else None
         offsets[index] += len(text)
-        return {"index": index, "text": text, "logprobs": lp, "finish_reason": finish}
+        out = {"index": index, "text": text, "logprobs": lp, "finish_reason": finish}
+        if job.token_ids:  # vLLM's: each chunk's generated ids, and the prompt's in the choice's first
+            out["token_ids"] = ids or []
+            if index not in opened:
+                opened.add(index)
+                out["prompt_token_ids"] = job.prompts[index // job.n].ids
+        return out
 
     def echoed(index: int, entries: list[TokenLogprob | None]) -> dict:
         """The prompt of choice ``index`` with its logprobs: sent when its engine gave them."""
@@ -451,7 +465,7 @@ async def _sse(deltas: AsyncIterator[ChoiceDelta], first: ChoiceDelta, cid: str,
             if delta.prompt_logprobs is not None and job.echo:
                 yield chunk([echoed(delta.index, delta.prompt_logprobs)])
             if delta.content or delta.logprobs or delta.finish_reason or delta.prompt_logprobs is None:
-                piece = choice(delta.index, delta.content, delta.logprobs, delta.finish_reason)
+                piece = choice(delta.index, delta.content, delta.logprobs, delta.finish_reason, delta.token_ids)
                 if delta.finished is not None:  # vLLM's field, in the chunk that ends the choice
                     piece["stop_reason"] = delta.finished.stop_reason
                 yield chunk([piece])

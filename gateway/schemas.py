@@ -362,6 +362,7 @@ class ChatCompletionRequest(EndUser):
     min_tokens: int = Field(default=0, ge=0)
     ignore_eos: bool = False
     include_stop_str_in_output: bool = False
+    return_token_ids: bool | None = None  # vLLM's: the prompt's and each choice's token ids in the answer
     tools: list[Tool] | None = Field(default=None, max_length=MAX_TOOLS)
     tool_choice: Literal["none", "auto", "required"] | NamedToolChoice | AllowedToolsChoice | None = None
     parallel_tool_calls: bool | None = None

@@ -584,6 +584,64 @@ def test_continue_final_message_prefills_the_reply_as_vllm_does(server):
     assert bad.value.body["param"] == "continue_final_message"
 
 
+def test_return_token_ids_as_vllm_answers_them(server):
+    """vLLM's ``return_token_ids``, on both engines: the prompt's ids (the template's text as the
+    engines encode it) and each choice's generated ids, whole and streamed (the chunks' ids joined
+    are the whole answer's), chat and legacy completions; the tokens of a stop string cut from the
+    text and the end of text are in them, as vLLM counts them; not asked, no such fields."""
+    tok = tokenizer(server)
+    a, eos = tok.convert_tokens_to_ids("a"), tok.eos_token_id
+    c = client(server)
+    prompt = tok(tok.apply_chat_template(ASK, tokenize=False, add_generation_prompt=True),
+                 add_special_tokens=False)["input_ids"]
+    kw = dict(model="tiny-chat", messages=ASK, max_tokens=10, temperature=0, extra_body={"return_token_ids": True})
+
+    whole = c.chat.completions.create(n=2, **kw)
+    assert whole.model_extra["prompt_token_ids"] == prompt and whole.usage.prompt_tokens == len(prompt)
+    ids = [ch.model_extra["token_ids"] for ch in whole.choices]
+    assert sum(map(len, ids)) == whole.usage.completion_tokens and ids[0] == ids[1]  # greedy: the same reply
+    text = whole.choices[0].message.content
+    assert tok.decode(ids[0], skip_special_tokens=True).rstrip("\ufffd") == text.rstrip("\ufffd")
+
+    chunks = [ch for ch in c.chat.completions.create(stream=True, **kw)]
+    assert chunks[0].model_extra["prompt_token_ids"] == prompt
+    assert all("prompt_token_ids" not in ch.model_extra for ch in chunks[1:])
+    assert "token_ids" not in chunks[0].choices[0].model_extra  # the role's chunk: no tokens, as vLLM's
+    assert [t for ch in chunks[1:] for t in ch.choices[0].model_extra["token_ids"]] == ids[0]
+    assert "".join(ch.choices[0].delta.content or "" for ch in chunks) == whole.choices[0].message.content
+
+    def ended(bias: dict, stream: bool, **extra) -> tuple[str, list[int]]:
+        asked = dict(kw, logit_bias={str(k): v for k, v in bias.items()}, **extra)
+        if not stream:
+            choice = c.chat.completions.create(**asked).choices[0]
+            return choice.message.content, choice.model_extra["token_ids"]
+        parts = [ch.choices[0] for ch in c.chat.completions.create(stream=True, **asked) if ch.choices][1:]
+        return "".join(p.delta.content or "" for p in parts), [t for p in parts for t in p.model_extra["token_ids"]]
+
+    for stream in (False, True):
+        assert ended({a: 100}, stream, stop=["aaa"]) == ("", [a, a, a])  # the text cut, its tokens reported
+        assert ended({eos: 100}, stream) == ("", [eos])
+
+    legacy = c.completions.create(model="tiny-chat", prompt=["Say", "Go on"], max_tokens=6, temperature=0,
+                                  extra_body={"return_token_ids": True})
+    for choice, text in zip(legacy.choices, ["Say", "Go on"]):
+        assert choice.model_extra["prompt_token_ids"] == tok(text)["input_ids"]
+        assert tok.decode(choice.model_extra["token_ids"], skip_special_tokens=True).rstrip("\ufffd") == \
+            choice.text.rstrip("\ufffd")  # (a character cut off at the end is dropped from the text)
+    assert sum(len(ch.model_extra["token_ids"]) for ch in legacy.choices) == legacy.usage.completion_tokens
+    streamed = [ch.choices[0] for ch in c.completions.create(model="tiny-chat", prompt="Say", max_tokens=6,
+                                                              temperature=0, stream=True,
+                                                              extra_body={"return_token_ids": True})]
+    assert streamed[0].model_extra["prompt_token_ids"] == tok("Say")["input_ids"]
+    assert [t for ch in streamed for t in ch.model_extra["token_ids"]] == legacy.choices[0].model_extra["token_ids"]
+
+    plain = c.chat.completions.create(model="tiny-chat", messages=ASK, max_tokens=4)
+    assert "prompt_token_ids" not in plain.model_extra and "token_ids" not in plain.choices[0].model_extra
+    with pytest.raises(openai.BadRequestError) as bad:
+        c.chat.completions.create(model="tiny-chat", messages=ASK, max_tokens=4, extra_body={"return_token_ids": "yes"})
+    assert bad.value.body["param"] == "return_token_ids"
+
+
 def test_user_is_logged_scoped_to_the_key(server, caplog):
     caplog.set_level("INFO", logger="tiergate")
     client(server).chat.completions.create(model="tiny-chat", messages=ASK, max_tokens=2, user="alice@example.com")

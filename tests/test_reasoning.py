@@ -138,6 +138,12 @@ def test_a_template_that_opens_the_thinking_answers_with_it_apart(server):
     assert not left_out.choices[0].message.content
     assert getattr(left_out.choices[0].message, "reasoning_content", None) is None
     assert left_out.usage.completion_tokens == r.usage.completion_tokens == 12
+    # vLLM's return_token_ids: the thinking's tokens too; left out with the thinking, as vLLM leaves them
+    told = client(server).chat.completions.create(model="r1", extra_body={"return_token_ids": True}, **kw)
+    assert len(told.choices[0].model_extra["token_ids"]) == 12 and told.model_extra["prompt_token_ids"]
+    hidden = client(server).chat.completions.create(model="r1", extra_body={"return_token_ids": True,
+                                                                             "include_reasoning": False}, **kw)
+    assert hidden.choices[0].model_extra["token_ids"] is None and hidden.model_extra["prompt_token_ids"]
 
 
 def test_template_variables_reach_the_template(server):

@@ -210,6 +210,10 @@ class ChatRequest:
     # prefill's one pass and keeps the tokens the reply would have had anyway (the reply is the same
     # with or without it); other engines may ignore it
     prediction: str | None = None
+    # vLLM's return_token_ids: each TextDelta carries the ids of the tokens generated since the last one's
+    # (``TextDelta.token_ids``), and the first the prompt's (``prompt_ids``); the tokens after the last
+    # text (the end of text, a held-back tail) come in a TextDelta of their own before ChatFinished
+    token_ids: bool = False
 
 
 @dataclass(frozen=True)
@@ -232,6 +236,29 @@ class TextDelta:
     # ``params.prompt_logprobs``: one entry per prompt token, the first None (nothing precedes it),
     # on the request's first event, before any text; the model's raw log probabilities
     prompt_logprobs: list[TokenLogprob | None] | None = None
+    # ``ChatRequest.token_ids``: the generated tokens behind this text (and any before it not yet
+    # reported), and on the request's first event the rendered prompt's; None when not asked
+    token_ids: list[int] | None = None
+    prompt_ids: list[int] | None = None
+
+
+class TokenReport:
+    """``ChatRequest.token_ids``: what an engine has reported of a request's tokens. ``ids[start:]``
+    are the generated tokens (a list the engine extends as it samples); ``attach`` puts those not yet
+    reported on a text event, and the prompt's on the first."""
+
+    def __init__(self, prompt: list[int], ids: list[int], start: int = 0) -> None:
+        self.prompt: list[int] | None = list(prompt)
+        self._ids, self._at = ids, start
+
+    def owed(self) -> bool:
+        """Tokens (or the prompt) not yet reported."""
+        return self.prompt is not None or len(self._ids) > self._at
+
+    def attach(self, delta: TextDelta) -> TextDelta:
+        delta.token_ids, self._at = self._ids[self._at:], len(self._ids)
+        delta.prompt_ids, self.prompt = self.prompt, None
+        return delta
 
 
 @dataclass

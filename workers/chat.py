@@ -78,6 +78,7 @@ from workers.base import (
     StackKey,
     TextDelta,
     TokenLogprob,
+    TokenReport,
     stack_key,
 )
 from workers.grammar import Grammars, RowGrammar, Vocabulary
@@ -370,6 +371,8 @@ class ChatWorker(ThreadWorker):
             vision=vision,
             draft=self._draft(req, len(ids)),
         )
+        if req.token_ids:
+            seq.emit = _reporting_ids(seq, seq.emit)
         self._inbox.put(seq)
         try:
             while True:
@@ -898,6 +901,24 @@ def folder_sampling_defaults(path: Path) -> dict[str, float | int]:
     except OSError:  # no generation_config.json
         return {}
     return {k: diff[k] for k in SAMPLING_DEFAULT_KEYS if diff.get(k) is not None}
+
+
+Emit = Callable[[ChatEvent | BaseException], None]
+
+
+def _reporting_ids(seq: _Seq, emit: Emit) -> Emit:
+    """(engine thread) ``emit`` for a row whose request asked for its token ids: each TextDelta
+    carries the generated tokens not yet reported, the first the prompt's too; tokens after the
+    last text (the end of text, a tail held back or cut by a stop string) go in one more before
+    ChatFinished."""
+    report = TokenReport(seq.ids[:seq.prompt_len], seq.ids, seq.prompt_len)
+
+    def send(ev: ChatEvent | BaseException) -> None:
+        if isinstance(ev, ChatFinished) and report.owed():
+            emit(report.attach(TextDelta("")))
+        emit(report.attach(ev) if isinstance(ev, TextDelta) else ev)
+
+    return send
 
 
 _MIN_TEMPERATURE = 0.01  # a temperature above 0 and below this samples at this, as vLLM does (its

@@ -88,6 +88,7 @@ from workers.base import (
     StackKey,
     TextDelta,
     TokenLogprob,
+    TokenReport,
     stack_key,
 )
 from workers import chat_prompt, reaper
@@ -493,6 +494,7 @@ class VllmChatEngine(Worker):
         prompt_text = ""  # the prompt's text as vLLM's detokenizer renders it (made at the first resumption)
         prompt_logprobs = p.prompt_logprobs  # asked of the first pass that delivers output, then not again
         cached = 0  # the first pass's prompt tokens from the prefix cache (a resumed pass's count the reply's too)
+        report = TokenReport(prompt_ids, generated) if req.token_ids else None
         try:
             while True:  # one pass per submission; a pause ends a pass and resubmits
                 if lora is not None and held != self._residency:
@@ -555,11 +557,15 @@ class VllmChatEngine(Worker):
                 try:
                     async for out in stream:
                         if prompt_logprobs is not None and out.prompt_logprobs is not None:
-                            yield TextDelta("", None, self._prompt_logprobs(prompt_ids, out.prompt_logprobs, prompt_logprobs))
+                            scored = TextDelta("", None,
+                                               self._prompt_logprobs(prompt_ids, out.prompt_logprobs, prompt_logprobs))
+                            yield report.attach(scored) if report is not None else scored
                             prompt_logprobs = None
                         if not generated and out.num_cached_tokens:
                             cached = min(out.num_cached_tokens, len(prompt_ids))
                         if p.max_tokens == 0:  # the prompt scored: the token vLLM sampled is not delivered
+                            if report is not None and report.owed():
+                                yield report.attach(TextDelta(""))
                             yield ChatFinished("length", len(prompt_ids), 0, cached_tokens=cached)
                             return
                         c = out.outputs[0]
@@ -577,15 +583,15 @@ class VllmChatEngine(Worker):
                                                           p.include_stop_str)
                             if stopped is not None:
                                 outcome = "stopped"  # vLLM's request is aborted on the way out
-                                if text or logprobs:
-                                    yield TextDelta(text, logprobs)
+                                if text or logprobs or (report is not None and report.owed()):
+                                    yield _reported(report, TextDelta(text, logprobs))
                                 yield self._finished("stop", req, prompt_ids, generated, cached, stopped)
                                 return
                         elif replay is not None:
                             text = replay.cut(text)
                         sent += text
-                        if text or logprobs:
-                            yield TextDelta(text, logprobs)
+                        if text or logprobs or (report is not None and report.owed()):
+                            yield _reported(report, TextDelta(text, logprobs))
                         if out.finished:
                             outcome = "finished"
                             if c.finish_reason == "abort" or ctx.cancelled:
@@ -619,6 +625,8 @@ class VllmChatEngine(Worker):
                 if ctx.cancelled:
                     raise Cancelled()
                 if len(generated) >= p.max_tokens and p.max_tokens:  # a prompt to score (0) is submitted again
+                    if report is not None and report.owed():
+                        yield report.attach(TextDelta(""))
                     yield self._finished("length", req, prompt_ids, generated, cached)
                     return
         finally:
@@ -804,6 +812,11 @@ class VllmChatEngine(Worker):
                 if res.users == 0:
                     # Few waiters, and any of them may be able to go: wake them all.
                     self._lora_cond.notify_all()
+
+
+def _reported(report: TokenReport | None, delta: TextDelta) -> TextDelta:
+    """``delta`` with the token ids it reports, where its request asked for them."""
+    return report.attach(delta) if report is not None else delta
 
 
 def _complete_text(text: str) -> str:
