@@ -38,7 +38,7 @@ from gateway.logprobs import chat_content, chat_logprobs
 from gateway.output_audio import SpokenReplies, SpokenStream, heard_replies, plan_voice, say, say_replies
 from gateway.reasoning import ReasoningParser, ThinkSplitter
 from gateway.request_log import new_id
-from gateway.schemas import ChatCompletionRequest, parse, read_json, reply_ends, sampling
+from gateway.schemas import ChatCompletionRequest, parse, read_json, reply_options, sampling
 from gateway.service import Services
 from gateway.serving import Gone, Serving
 from gateway.structured import request_grammar
@@ -140,7 +140,7 @@ def plan_chat(svc: Services, body: ChatCompletionRequest) -> ChatJob:
         max_tokens, stop=body.stop or [], seed=body.seed,
         logprobs=(body.top_logprobs or 0) if body.logprobs else None,
         logit_bias={int(k): v for k, v in (body.logit_bias or {}).items()},
-        grammar=grammar, **sampling(body, svc.sampling_defaults.get(spec.name, {})), **reply_ends(body, max_tokens),
+        grammar=grammar, **sampling(body, svc.sampling_defaults.get(spec.name, {})), **reply_options(body, max_tokens),
     )
     return ChatJob(spec.name, body.messages_as_dicts(), params, stack, tools, body.n, body.service_tier,
                    stream=bool(body.stream), template_kwargs=body.template_kwargs(), prompt_end=body.prompt_end(),

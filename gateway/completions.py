@@ -54,7 +54,7 @@ from gateway.errors import APIError, bad_request
 from gateway.http import Streamed, disconnect_signal
 from gateway.schemas import (MAX_REPETITION_PENALTY, MAX_STACK, MAX_STOP_TOKEN_IDS, MIN_REPETITION_PENALTY, AdapterChoice,
                              ResponseFormat, StreamOptions, StructuredOutputs, _Body, checked_logit_bias, checked_stops,
-                             parse, read_json, reply_ends, sampling)
+                             parse, read_json, reply_options, sampling)
 from gateway.serving import Gone
 from gateway.service import Services
 from gateway.structured import request_grammar
@@ -90,6 +90,8 @@ class CompletionRequest(_Body):
     min_tokens: int = Field(default=0, ge=0)
     ignore_eos: bool = False
     include_stop_str_in_output: bool = False
+    skip_special_tokens: bool = True  # vLLM's detokenizing options, as chat's
+    spaces_between_special_tokens: bool = True
     return_token_ids: bool | None = None  # vLLM's: each choice's prompt and generated token ids
     response_format: ResponseFormat | None = None  # as chat's, and vLLM's structured_outputs (gateway.structured)
     structured_outputs: StructuredOutputs | None = None
@@ -279,7 +281,7 @@ async def plan_completion(svc: Services, body: CompletionRequest) -> CompletionJ
         logit_bias={int(k): v for k, v in (body.logit_bias or {}).items()},
         prompt_logprobs=body.logprobs if body.echo else None,
         grammar=request_grammar(body.response_format, body.structured_outputs, limits.grammar_max_chars),
-        **sampling(body, svc.sampling_defaults.get(spec.name, {})), **reply_ends(body, max_tokens),
+        **sampling(body, svc.sampling_defaults.get(spec.name, {})), **reply_options(body, max_tokens),
     )
     token_ids = bool(body.return_token_ids)
     jobs = [ChatJob(spec.name, [], params, stack, n=made, service_tier=body.service_tier, prompt_ids=p.ids,

@@ -357,11 +357,13 @@ class ChatCompletionRequest(EndUser):
     top_k: int | None = Field(default=None, ge=-1)
     min_p: float | None = Field(default=None, ge=0, le=1)
     repetition_penalty: float | None = Field(default=None, ge=MIN_REPETITION_PENALTY, le=MAX_REPETITION_PENALTY)
-    # vLLM's ends of a reply (``reply_ends``)
+    # vLLM's ends of a reply and detokenizing options (``reply_options``)
     stop_token_ids: list[int] | None = Field(default=None, max_length=MAX_STOP_TOKEN_IDS)
     min_tokens: int = Field(default=0, ge=0)
     ignore_eos: bool = False
     include_stop_str_in_output: bool = False
+    skip_special_tokens: bool = True
+    spaces_between_special_tokens: bool = True
     return_token_ids: bool | None = None  # vLLM's: the prompt's and each choice's token ids in the answer
     tools: list[Tool] | None = Field(default=None, max_length=MAX_TOOLS)
     tool_choice: Literal["none", "auto", "required"] | NamedToolChoice | AllowedToolsChoice | None = None
@@ -656,13 +658,16 @@ def sampling(body: Any, defaults: dict[str, Any]) -> dict[str, Any]:
             "repetition_penalty": pick("repetition_penalty", 1.0)}
 
 
-def reply_ends(body: Any, max_tokens: int) -> dict[str, Any]:
+def reply_options(body: Any, max_tokens: int) -> dict[str, Any]:
     """``ChatParams``' fields for vLLM's ends of a reply, of a chat or completion request:
     ``stop_token_ids`` (tokens that end it besides the model's end of text; out of the vocabulary:
     a 400 from the engine), ``min_tokens`` (at most ``max_tokens``: a 400 naming it otherwise),
-    ``ignore_eos``, ``include_stop_str_in_output`` (the stop string that ended it kept in its
-    text)."""
+    ``ignore_eos``, ``include_stop_str_in_output`` (the stop string or token that ended it kept in
+    its text); and its detokenizing options ``skip_special_tokens`` and
+    ``spaces_between_special_tokens``."""
     if body.min_tokens > max_tokens:
         raise bad_request(f"min_tokens is {body.min_tokens}, above max_tokens ({max_tokens})", "min_tokens")
     return {"stop_token_ids": tuple(body.stop_token_ids or ()), "min_tokens": body.min_tokens,
-            "ignore_eos": body.ignore_eos, "include_stop_str": body.include_stop_str_in_output}
+            "ignore_eos": body.ignore_eos, "include_stop_str": body.include_stop_str_in_output,
+            "skip_special_tokens": body.skip_special_tokens,
+            "spaces_between_special_tokens": body.spaces_between_special_tokens}

@@ -552,6 +552,43 @@ def test_stop_reason_names_what_ended_the_reply(server):
     assert all("stop_reason" not in ch.model_extra for ch in streamed[:-1])  # only in the chunk that ends it
 
 
+def test_special_tokens_and_a_stop_tokens_text_as_vllm_decodes_them(server):
+    """vLLM's ``skip_special_tokens`` (default true) on both engines, whole and streamed, chat and
+    legacy: a special token ("<|user|>", biased far above the rest) is left out of the text, and
+    kept with false; ``include_stop_str_in_output`` keeps the text of the stop token that ended the
+    reply too (a ``stop_token_ids`` token's; the end of text's, which is empty unless special
+    tokens are kept), as vLLM's detokenizer does."""
+    tok = tokenizer(server)
+    a, eos, user = tok.convert_tokens_to_ids("a"), tok.eos_token_id, tok.convert_tokens_to_ids("<|user|>")
+    assert user in tok.all_special_ids and user != eos
+    c = client(server)
+
+    def text(bias: dict, stream: bool = False, **extra) -> str:
+        kw = dict(model="tiny-chat", messages=ASK, max_tokens=3, temperature=0, stream=stream,
+                  logit_bias={str(k): v for k, v in bias.items()}, extra_body=extra)
+        if not stream:
+            return c.chat.completions.create(**kw).choices[0].message.content
+        return "".join(ch.choices[0].delta.content or "" for ch in c.chat.completions.create(**kw) if ch.choices)
+
+    for stream in (False, True):
+        assert text({user: 100}, stream) == ""
+        assert text({user: 100}, stream, skip_special_tokens=False) == "<|user|>" * 3
+        kept = text({user: 100}, stream, skip_special_tokens=False, spaces_between_special_tokens=False)
+        assert kept == "<|user|>" * 3
+        assert text({a: 100}, stream, stop_token_ids=[a]) == ""
+        assert text({a: 100}, stream, stop_token_ids=[a], include_stop_str_in_output=True) == "a"
+        assert text({eos: 100}, stream, include_stop_str_in_output=True) == ""
+        assert text({eos: 100}, stream, include_stop_str_in_output=True, skip_special_tokens=False) == tok.eos_token
+        assert text({eos: 100}, stream, skip_special_tokens=False) == ""
+    legacy = dict(model="tiny-chat", prompt="Say", max_tokens=3, temperature=0, logit_bias={str(user): 100})
+    assert c.completions.create(**legacy).choices[0].text == ""
+    kept = c.completions.create(**legacy, extra_body={"skip_special_tokens": False}).choices[0].text
+    assert kept == "<|user|>" * 3
+    with pytest.raises(openai.BadRequestError) as bad:
+        text({}, skip_special_tokens="no")
+    assert bad.value.body["param"] == "skip_special_tokens"
+
+
 def test_continue_final_message_prefills_the_reply_as_vllm_does(server):
     """vLLM's ``continue_final_message`` (with ``add_generation_prompt`` false): the last message
     is left open and the reply continues it, on both engines. Its greedy reply is a raw legacy

@@ -536,12 +536,13 @@ def test_a_replys_text_is_decoded_one_token_at_a_time_as_the_whole_decode_reads(
 
     text = "héllo 👋 wörld, ça va? <tool_call>{\"a\": 1}</tool_call> ok"
     ids = worker.tokenizer(text, add_special_tokens=False)["input_ids"]
-    seq = SimpleNamespace(generated=ids, detok=None, decoded=0, text="")
+    seq = SimpleNamespace(generated=ids, detok=None, decoded=0, text="", params=ChatParams())
     assert worker._streams
     for n in range(1, len(ids) + 1):
         assert worker._text(seq, n) == worker._decode(ids[:n]).rstrip("\ufffd"), n
     assert seq.text == text and seq.decoded == len(ids)
-    held = SimpleNamespace(generated=ids, detok=None, decoded=0, text="")  # a held reply: decoded at its end, at once
+    # a held reply: decoded at its end, at once
+    held = SimpleNamespace(generated=ids, detok=None, decoded=0, text="", params=ChatParams())
     assert worker._text(held, len(ids)) == text
 
 
@@ -558,11 +559,11 @@ def test_a_reply_whose_stream_refuses_a_step_or_a_tokenizer_that_cleans_spaces_i
         def step(self, tokenizer, token):
             raise Exception("Invalid prefix encountered")
 
-    seq = SimpleNamespace(generated=ids, detok=Refusing(), decoded=0, text="")
+    seq = SimpleNamespace(generated=ids, detok=Refusing(), decoded=0, text="", params=ChatParams())
     assert worker._text(seq, len(ids)) == whole and seq.detok is None
     assert worker._text(seq, len(ids)) == whole  # decoded whole from then on
     monkeypatch.setattr(worker, "_streams", False)
-    plain = SimpleNamespace(generated=ids, detok=None, decoded=0, text="")
+    plain = SimpleNamespace(generated=ids, detok=None, decoded=0, text="", params=ChatParams())
     assert worker._text(plain, 3) == worker._decode(ids[:3]) and plain.detok is None and plain.decoded == 0
 
 

@@ -404,6 +404,38 @@ def test_pause_leaves_the_engine_and_resumes(loop, engine):
     assert text == ref  # greedy: resuming from prompt + generated tokens continues the same reply
 
 
+def test_a_resumed_pass_leaves_the_stop_tokens_text_out(loop, engine):
+    """A pass resumed after a pause checks its stop strings itself on the reply's whole text
+    (vLLM's restarted detokenizer never saw the text before the pause); the text of the stop token
+    that ends it ("a", a stop_token_ids token barred by min_tokens until then) is not the reply's,
+    as in the same request unpaused, where vLLM's detokenizer leaves it out."""
+    a = engine.tokenizer.convert_tokens_to_ids("a")
+    params = dict(max_tokens=40, temperature=0.0, stop=["zzzz"], stop_token_ids=(a,), min_tokens=12,
+                  logit_bias={a: 100.0})
+    paused = {"on": False}
+    ctx = StepContext(pause_check=lambda: paused["on"])
+
+    async def scenario():
+        ref, _, ref_fin = await collect(engine, ChatRequest(MSG, ChatParams(**params)), ignore_eos=False)
+        text, n, fin = "", 0, None
+        async for ev in engine.chat(ChatRequest(MSG, ChatParams(**params), ctx=ctx)):
+            if isinstance(ev, TextDelta):
+                text += ev.text
+                n += 1
+                if n == 5:
+                    paused["on"] = True
+                    loop.call_later(0.3, paused.update, {"on": False})
+                    await asyncio.sleep(0.1)
+            else:
+                fin = ev
+        return ref, ref_fin, text, fin
+
+    ref, ref_fin, text, fin = loop.run_until_complete(scenario())
+    assert (ref_fin.stop_reason, ref_fin.completion_tokens) == (a, 13)
+    assert (fin.stop_reason, fin.completion_tokens) == (a, 13)
+    assert text == ref and not ref.endswith("a")
+
+
 # -- LoRA ------------------------------------------------------------------------------------------
 def _references(model_dir, adapters, prompts: dict[str, list[int]], n: int) -> dict[tuple[str, str | None], str]:
     """Greedy replies as the engines send them: an undecodable tail at the end is dropped."""

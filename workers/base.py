@@ -164,7 +164,13 @@ class ChatParams:
     stop_token_ids: tuple[int, ...] = ()
     min_tokens: int = 0
     ignore_eos: bool = False
-    include_stop_str: bool = False  # vLLM's include_stop_str_in_output: the stop string that ended it kept in its text
+    # vLLM's include_stop_str_in_output: the stop string that ended it kept in its text, or the stop token's text
+    # (the end of text's too: empty unless special tokens are kept)
+    include_stop_str: bool = False
+    # vLLM's detokenizing options: special tokens (``<|im_end|>``, ...) left out of the reply's text, and a slow
+    # tokenizer's spaces between them (a fast tokenizer, as vLLM's fast detokenizer, puts none)
+    skip_special_tokens: bool = True
+    spaces_between_special_tokens: bool = True
     grammar: Grammar | None = None
     prompt_logprobs: int | None = None  # None: none; k: each prompt token's and the k most likely there
 

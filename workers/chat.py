@@ -744,7 +744,7 @@ class ChatWorker(ThreadWorker):
         reason = "stop" if eos else "length" if len(gen) >= seq.params.max_tokens else None
         if reason is None and seq.holds_text and not seq.params.stop:
             return False  # nothing to look for in the text, and none of it goes out before the end
-        text = self._text(seq, len(gen) - 1 if eos else len(gen))
+        text = self._text(seq, len(gen) - 1 if eos and not p.include_stop_str else len(gen))
         cut = _first_stop(text, seq.params.stop)
         stop_reason = token if eos and token in p.stop_token_ids else None
         if cut is not None:
@@ -768,6 +768,11 @@ class ChatWorker(ThreadWorker):
     def _decode(self, ids: list[int]) -> str:
         return self.tokenizer.decode(ids, skip_special_tokens=True)
 
+    def _reply_text(self, ids: list[int], p: ChatParams) -> str:
+        """The text of a reply's ``ids``, decoded whole, with the request's detokenizing options."""
+        return self.tokenizer.decode(ids, skip_special_tokens=p.skip_special_tokens,
+                                     spaces_between_special_tokens=p.spaces_between_special_tokens)
+
     def _ends(self, p: ChatParams) -> set[int] | frozenset[int]:
         """The tokens that end a row's reply: the model's end of text (unless ``ignore_eos``) and
         its ``stop_token_ids``."""
@@ -782,9 +787,9 @@ class ChatWorker(ThreadWorker):
         does not clean up spaces; the whole decode of every token so far each step (O(n) a
         step, 57 us for 400 tokens of tiny-chat) otherwise, or after the stream refuses a step."""
         if seq.detok is None and seq.decoded == 0 and self._streams:
-            seq.detok = DecodeStream(skip_special_tokens=True)
+            seq.detok = DecodeStream(skip_special_tokens=seq.params.skip_special_tokens)
         if seq.detok is None:
-            return self._decode(seq.generated[:upto])
+            return self._reply_text(seq.generated[:upto], seq.params)
         backend = self.tokenizer.backend_tokenizer
         try:
             for token in seq.generated[seq.decoded : upto]:
@@ -794,7 +799,7 @@ class ChatWorker(ThreadWorker):
                     seq.text += piece
         except Exception:  # noqa: BLE001 - a decode that does not extend its prefix: decode it whole from now on
             seq.detok = None
-            return self._decode(seq.generated[:upto])
+            return self._reply_text(seq.generated[:upto], seq.params)
         return seq.text
 
     def _prompt_logprobs(self, logits: torch.Tensor, ids: list[int], top: int) -> list[TokenLogprob | None]:

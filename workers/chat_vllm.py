@@ -545,9 +545,8 @@ class VllmChatEngine(Worker):
                 # reads no text of vLLM's: it needs none).
                 replay = None
                 if generated and not own_stops:
-                    prompt_text = prompt_text or self.tokenizer.decode(prompt_ids, skip_special_tokens=True)
-                    replay = _Replay(_complete_text(self.tokenizer.decode(prompt_ids + generated, skip_special_tokens=True)),
-                                     prompt_text, sent)
+                    prompt_text = prompt_text or self._text(prompt_ids, p)
+                    replay = _Replay(_complete_text(self._text(prompt_ids + generated, p)), prompt_text, sent)
                 # a constrained reply cannot resume mid-way (see the module doc): no pause once the
                 # grammar has seen a token (a reasoning reply's thinking is not constrained)
                 thinking = self._think_end is not None and ctx.prompt_thinking != "closed" \
@@ -578,7 +577,9 @@ class VllmChatEngine(Worker):
                         logprobs = self._logprobs(c, p.logprobs) if p.logprobs is not None else None
                         text = c.text
                         if own_stops:
-                            whole = self.tokenizer.decode(generated, skip_special_tokens=True)
+                            # (a stop token's text is the reply's only with include_stop_str_in_output, as vLLM's)
+                            by_token = out.finished and c.finish_reason == "stop" and not p.include_stop_str
+                            whole = self._text(generated[:-1] if by_token else generated, p)
                             text, stopped = _resumed_text(whole, sent, p.stop, out.finished and c.finish_reason != "abort",
                                                           p.include_stop_str)
                             if stopped is not None:
@@ -632,6 +633,11 @@ class VllmChatEngine(Worker):
         finally:
             if lora is not None and held == self._residency:
                 await self._release_lora(lora[0])
+
+    def _text(self, ids: list[int], p: ChatParams) -> str:
+        """``ids`` decoded whole as vLLM's detokenizer decodes a reply for ``p``."""
+        return self.tokenizer.decode(ids, skip_special_tokens=p.skip_special_tokens,
+                                     spaces_between_special_tokens=p.spaces_between_special_tokens)
 
     def _finished(self, reason: str, req: ChatRequest, prompt_ids: list[int], generated: list[int],
                   cached: int, stop_reason: int | str | None = None) -> ChatFinished:
@@ -894,6 +900,8 @@ def _sampling_extras(p: ChatParams) -> dict[str, Any]:
         "top_k": p.top_k,
         "min_p": p.min_p,
         "repetition_penalty": p.repetition_penalty,
+        "skip_special_tokens": p.skip_special_tokens,
+        "spaces_between_special_tokens": p.spaces_between_special_tokens,
     }
     if p.grammar is not None:  # as EBNF: a JSON schema's grammar mended as the transformers engine's is
         from vllm.sampling_params import StructuredOutputsParams
