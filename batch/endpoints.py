@@ -59,8 +59,7 @@ async def chat(svc: Services, caller: Caller, data: dict) -> Result:
     replies, tier = await collect(serve_chat(svc, caller, job, None))
     if voice is not None:
         await say_replies(svc, caller, voice, replies, None)
-    return completion(f"chatcmpl-{uuid.uuid4().hex}", body.model, replies, tier, svc, job.tools.legacy,
-                      bool(body.logprobs), job.token_ids)
+    return completion(f"chatcmpl-{uuid.uuid4().hex}", body.model, replies, tier, job, svc)
 
 
 async def images(svc: Services, caller: Caller, data: dict) -> Result:

@@ -86,6 +86,7 @@ class ChatJob:
     own_adapter: bool = False  # ``model`` named the stack's first adapter (whose refusal names ``model``)
     prediction: str | None = None  # Predicted Outputs' text (``ChatRequest.prediction``)
     token_ids: bool = False  # vLLM's return_token_ids (``ChatRequest.token_ids``)
+    tokens_as_ids: bool = False  # vLLM's return_tokens_as_token_ids: logprobs name each token "token_id:<id>"
 
 
 @dataclass
@@ -147,7 +148,7 @@ def plan_chat(svc: Services, body: ChatCompletionRequest) -> ChatJob:
                    reasoning=getattr(engine, "reasoning_parser", "none"),
                    include_reasoning=body.include_reasoning, images=images, own_adapter=names_own(body.model, stack),
                    prediction=body.prediction.text() if body.prediction is not None else None,
-                   token_ids=bool(body.return_token_ids))
+                   token_ids=bool(body.return_token_ids), tokens_as_ids=bool(body.return_tokens_as_token_ids))
 
 
 async def with_images(svc: Services, job: ChatJob) -> ChatJob:
@@ -405,20 +406,22 @@ async def collect(deltas: AsyncGenerator[ChoiceDelta, None]) -> tuple[list[Reply
     return out, tier
 
 
-def completion(cid: str, model: str, replies: list[Reply], tier: str, svc: Services | None = None,
-               legacy: bool = False, logprobs: bool = False, token_ids: bool = False) -> dict:
-    """The ``chat.completion`` object of ``replies`` served at ``tier`` (``legacy``: a call is a
-    ``function_call``, as the deprecated ``functions`` asked; ``logprobs``: the request asked for
-    them, so every choice has its ``logprobs`` object; ``token_ids``: vLLM's return_token_ids, the
-    prompt's ids in ``prompt_token_ids`` and each choice's in its ``token_ids``)."""
+def completion(cid: str, model: str, replies: list[Reply], tier: str, job: ChatJob,
+               svc: Services | None = None) -> dict:
+    """The ``chat.completion`` object of ``replies`` to ``job`` served at ``tier``: a call is a
+    ``function_call`` where the deprecated ``functions`` asked; where logprobs were asked for,
+    every choice has its ``logprobs`` object (with ``ChatJob.tokens_as_ids`` each token named by
+    its id); with ``ChatJob.token_ids`` (vLLM's return_token_ids) the prompt's ids are in
+    ``prompt_token_ids`` and each choice's in its ``token_ids``."""
+    legacy, logprobs = job.tools.legacy, job.params.logprobs is not None
     body = {
         "id": cid, "object": "chat.completion", "created": int(time.time()), "model": model,
         "choices": [{"index": r.index, "message": r.message(legacy), "finish_reason": r.finish_reason,
                      "stop_reason": r.finished.stop_reason,  # vLLM's: the stop string or token that ended it
-                     "logprobs": chat_logprobs(r.logprobs, logprobs)} for r in replies],
+                     "logprobs": chat_logprobs(r.logprobs, logprobs, job.tokens_as_ids)} for r in replies],
         "usage": _usage(replies),
     }
-    if token_ids:
+    if job.token_ids:
         for choice, r in zip(body["choices"], replies):
             choice["token_ids"] = r.token_ids
         body["prompt_token_ids"] = replies[0].prompt_ids if replies else None
@@ -469,8 +472,7 @@ async def chat_completions(request: Request) -> Response:
             replies, tier = await collect(deltas)
             if voice is not None:
                 await say_replies(svc, caller, voice, replies, gone)
-            answer = completion(completion_id, body.model, replies, tier, svc, job.tools.legacy, bool(body.logprobs),
-                                job.token_ids)
+            answer = completion(completion_id, body.model, replies, tier, job, svc)
             if body.store:
                 await stored_chat.keep(request.app.state.completions, caller.key_id, _unsaid(answer), body)
             return JSONResponse(answer, headers=headers)
@@ -485,8 +487,8 @@ async def chat_completions(request: Request) -> Response:
     if voice is not None:
         def speaker(text: str) -> AsyncIterator[bytes]:  # the client leaving closes the stream, and the speech with it
             return say(svc, caller, voice, text, None)
-    sse = _sse(deltas, first, completion_id, body.model, job.n, body.logprobs, label, include_usage, kept,
-               job.tools.legacy, speaker, svc.spoken, caller.key_id, job.token_ids)
+    sse = _sse(deltas, first, completion_id, body.model, job, label, include_usage, kept, speaker, svc.spoken,
+               caller.key_id)
     return Streamed(sse, "text/event-stream", headers=headers)
 
 
@@ -500,20 +502,22 @@ def _unsaid(answer: dict) -> dict:
     return {**answer, "choices": choices}
 
 
-async def _sse(deltas: AsyncIterator[ChoiceDelta], first: ChoiceDelta, cid: str, model: str, n: int,
-               logprobs: bool, tier_label: str, include_usage: bool,
-               kept: Callable[[dict], Awaitable[None]] | None = None, legacy: bool = False,
+async def _sse(deltas: AsyncIterator[ChoiceDelta], first: ChoiceDelta, cid: str, model: str, job: ChatJob,
+               tier_label: str, include_usage: bool, kept: Callable[[dict], Awaitable[None]] | None = None,
                speaker: Callable[[str], AsyncIterator[bytes]] | None = None, spoken: SpokenReplies | None = None,
-               owner: str = "", token_ids: bool = False) -> AsyncIterator[str]:
-    """The chunks of a streamed completion; with ``kept``, the whole completion is handed to it
-    once every choice finished (``store: true``), before the last chunk. ``legacy``: the first
-    call goes out as ``delta.function_call`` (name first, then argument fragments). ``speaker``:
+               owner: str = "") -> AsyncIterator[str]:
+    """The chunks of a streamed completion of ``job``; with ``kept``, the whole completion is
+    handed to it once every choice finished (``store: true``), before the last chunk. Where the
+    deprecated ``functions`` asked, the first call goes out as ``delta.function_call`` (name first,
+    then argument fragments). ``speaker``:
     the replies are spoken (gateway.output_audio): each choice's text goes out as
     ``delta.audio.transcript``, its speech as ``delta.audio.data`` a phrase at a time as the
     phrases are written (``SpokenStream``), then its audio id and ``expires_at`` with the finish
     reason; ``spoken`` keeps its transcript
-    for ``owner``. ``token_ids`` (vLLM's return_token_ids): the prompt's ids in the first chunk's
-    ``prompt_token_ids``, and each chunk's generated ids in its choice's ``token_ids``."""
+    for ``owner``. ``ChatJob.token_ids`` (vLLM's return_token_ids): the prompt's ids in the first
+    chunk's ``prompt_token_ids``, and each chunk's generated ids in its choice's ``token_ids``."""
+    n, legacy, token_ids = job.n, job.tools.legacy, job.token_ids
+    logprobs, as_ids = job.params.logprobs is not None, job.tokens_as_ids
     created = int(time.time())
     replies: dict[int, Reply] = {}
     voicing = SpokenStream(speaker, n) if speaker is not None else None
@@ -543,7 +547,7 @@ async def _sse(deltas: AsyncIterator[ChoiceDelta], first: ChoiceDelta, cid: str,
                     delta["function_call"] = {"name": first[0].name, **delta["function_call"]}
         elif d.calls:
             delta["tool_calls"] = [c.as_openai() for c in d.calls]
-        lp = {"content": chat_content(d.logprobs or []), "refusal": None} if logprobs else None
+        lp = {"content": chat_content(d.logprobs or [], as_ids), "refusal": None} if logprobs else None
         out = {"index": d.index, "delta": delta, "finish_reason": d.finish_reason, "logprobs": lp}
         if token_ids:
             out["token_ids"] = d.token_ids or []
@@ -598,7 +602,7 @@ async def _sse(deltas: AsyncIterator[ChoiceDelta], first: ChoiceDelta, cid: str,
                     break
             delta = await deltas.__anext__()
         if kept is not None:
-            whole = completion(cid, model, [replies[i] for i in sorted(replies)], "", None, legacy, logprobs, token_ids)
+            whole = completion(cid, model, [replies[i] for i in sorted(replies)], "", job)
             await kept({**whole, "created": created, "service_tier": tier_label})
         if include_usage:
             yield chunk([], _usage(finished))

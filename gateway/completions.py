@@ -52,6 +52,7 @@ from gateway.auth import Caller
 from gateway.chat import ChatJob, ChoiceDelta, Reply, collect, interleave, served_caller, serve_chat
 from gateway.errors import APIError, bad_request
 from gateway.http import Streamed, disconnect_signal
+from gateway.logprobs import token_name
 from gateway.schemas import (MAX_REPETITION_PENALTY, MAX_STACK, MAX_STOP_TOKEN_IDS, MIN_REPETITION_PENALTY, AdapterChoice,
                              ResponseFormat, StreamOptions, StructuredOutputs, _Body, checked_logit_bias, checked_stops,
                              parse, read_json, reply_options, sampling)
@@ -93,6 +94,7 @@ class CompletionRequest(_Body):
     skip_special_tokens: bool = True  # vLLM's detokenizing options, as chat's
     spaces_between_special_tokens: bool = True
     return_token_ids: bool | None = None  # vLLM's: each choice's prompt and generated token ids
+    return_tokens_as_token_ids: bool | None = None  # vLLM's: logprobs name each token "token_id:<id>"
     response_format: ResponseFormat | None = None  # as chat's, and vLLM's structured_outputs (gateway.structured)
     structured_outputs: StructuredOutputs | None = None
     best_of: int | None = Field(default=None, ge=1)  # candidates per prompt, the best n answered (not streamed)
@@ -139,6 +141,7 @@ class CompletionJob:
     logprobs: int | None
     keep: int | None = None  # best_of: choices answered per prompt, the best of the n made; None: all n
     token_ids: bool = False  # vLLM's return_token_ids: each choice's prompt_token_ids and token_ids
+    tokens_as_ids: bool = False  # vLLM's return_tokens_as_token_ids (``legacy_logprobs``)
 
 
 # -- the prompt's tokens ------------------------------------------------------------------------------
@@ -287,7 +290,7 @@ async def plan_completion(svc: Services, body: CompletionRequest) -> CompletionJ
     jobs = [ChatJob(spec.name, [], params, stack, n=made, service_tier=body.service_tier, prompt_ids=p.ids,
                     own_adapter=names_own(body.model, stack), token_ids=token_ids) for p in prompts]
     return CompletionJob(jobs, prompts, made, body.echo, body.logprobs, keep=body.n if ranked else None,
-                         token_ids=token_ids)
+                         token_ids=token_ids, tokens_as_ids=bool(body.return_tokens_as_token_ids))
 
 
 def serve_completion(svc: Services, caller: Caller, job: CompletionJob,
@@ -313,23 +316,31 @@ async def _reindexed(deltas: AsyncGenerator[ChoiceDelta, None], offset: int) -> 
 # -- the legacy shapes --------------------------------------------------------------------------------
 
 
-def legacy_logprobs(entries: list[TokenLogprob], offset: int, prompt: tuple[Prompt, list] | None = None) -> dict:
+def legacy_logprobs(entries: list[TokenLogprob], offset: int, prompt: tuple[Prompt, list] | None = None,
+                    as_ids: bool = False) -> dict:
     """``logprobs`` of a choice (or chunk) in the legacy shape, its text starting at ``offset``;
-    with ``prompt`` (echo: the prompt and its engine's prompt logprobs), the prompt's tokens first."""
+    with ``prompt`` (echo: the prompt and its engine's prompt logprobs), the prompt's tokens first.
+    ``as_ids`` (vLLM's return_tokens_as_token_ids): each token named ``token_id:<id>``; its
+    ``text_offset`` stays its place in the text (vLLM's counts the names' lengths)."""
     out: dict[str, list] = {"tokens": [], "token_logprobs": [], "top_logprobs": [], "text_offset": []}
+
+    def top(e: TokenLogprob) -> dict[str, float]:
+        return {token_name(e, as_ids): e.logprob, **{token_name(t, as_ids): t.logprob for t in e.top}}
+
     if prompt is not None:
         at = 0
         for e in _prompt_entries(*prompt):
-            token = e.token if e is not None else prompt[0].first
-            out["tokens"].append(token)
+            text = e.token if e is not None else prompt[0].first
+            out["tokens"].append(token_name(e, as_ids) if e is not None else
+                                 f"token_id:{prompt[0].ids[0]}" if as_ids else text)
             out["token_logprobs"].append(None if e is None else e.logprob)
-            out["top_logprobs"].append(None if e is None else {e.token: e.logprob, **{t.token: t.logprob for t in e.top}})
+            out["top_logprobs"].append(None if e is None else top(e))
             out["text_offset"].append(at)
-            at += len(token)
+            at += len(text)
     for e in entries:
-        out["tokens"].append(e.token)
+        out["tokens"].append(token_name(e, as_ids))
         out["token_logprobs"].append(e.logprob)
-        out["top_logprobs"].append({e.token: e.logprob, **{t.token: t.logprob for t in e.top}})
+        out["top_logprobs"].append(top(e))
         out["text_offset"].append(offset)
         offset += len(e.token)
     return out
@@ -361,7 +372,7 @@ def text_completion(cid: str, model: str, job: CompletionJob, replies: list[Repl
         prompt = job.prompts[r.index // job.n]
         head = prompt.text if job.echo else ""
         echoed = (prompt, r.prompt_logprobs) if job.echo else None
-        lp = legacy_logprobs(r.logprobs or [], len(head), echoed) if job.logprobs is not None else None
+        lp = None if job.logprobs is None else legacy_logprobs(r.logprobs or [], len(head), echoed, job.tokens_as_ids)
         choices.append({"index": index, "text": head + "".join(r.content), "logprobs": lp,
                         "finish_reason": r.finish_reason, "stop_reason": r.finished.stop_reason})
         if job.token_ids:  # vLLM's: the prompt's ids in each choice (a request may have several prompts)
@@ -440,7 +451,7 @@ async def _sse(deltas: AsyncIterator[ChoiceDelta], first: ChoiceDelta, cid: str,
 
     def choice(index: int, text: str, entries: list[TokenLogprob] | None, finish: str | None,
                ids: list[int] | None = None) -> dict:
-        lp = legacy_logprobs(entries or [], offsets[index]) if job.logprobs is not None else None
+        lp = None if job.logprobs is None else legacy_logprobs(entries or [], offsets[index], None, job.tokens_as_ids)
         offsets[index] += len(text)
         out = {"index": index, "text": text, "logprobs": lp, "finish_reason": finish}
         if job.token_ids:  # vLLM's: each chunk's generated ids, and the prompt's in the choice's first
@@ -454,7 +465,8 @@ async def _sse(deltas: AsyncIterator[ChoiceDelta], first: ChoiceDelta, cid: str,
         """The prompt of choice ``index`` with its logprobs: sent when its engine gave them."""
         prompt = job.prompts[index // job.n]
         offsets[index] = len(prompt.text)
-        return {"index": index, "text": prompt.text, "logprobs": legacy_logprobs([], 0, (prompt, entries)),
+        lp = legacy_logprobs([], 0, (prompt, entries), job.tokens_as_ids)
+        return {"index": index, "text": prompt.text, "logprobs": lp,
                 "finish_reason": None}
 
     done: list[ChoiceDelta] = []

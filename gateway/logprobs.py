@@ -15,9 +15,17 @@ from __future__ import annotations
 from workers.base import TokenLogprob
 
 
-def _entry(e: TokenLogprob) -> dict:
+def _entry(e: TokenLogprob, as_id: bool = False) -> dict:
+    if as_id:
+        return {"token": (name := token_name(e, True)), "logprob": e.logprob, "bytes": list(name.encode())}
     raw = e.raw if e.raw is not None else e.token.encode("utf-8", "replace")
     return {"token": e.token, "logprob": e.logprob, "bytes": list(raw)}
+
+
+def token_name(e: TokenLogprob, as_id: bool) -> str:
+    """How an entry names its token: its text, or (vLLM's return_tokens_as_token_ids) ``token_id:<id>``,
+    which any token, a piece of a character or a special one, can be told apart and read back by."""
+    return f"token_id:{e.id}" if as_id and e.id is not None else e.token
 
 
 def token_entries(entries: list[TokenLogprob]) -> list[dict]:
@@ -26,14 +34,15 @@ def token_entries(entries: list[TokenLogprob]) -> list[dict]:
     return [_entry(e) for e in entries]
 
 
-def chat_content(entries: list[TokenLogprob]) -> list[dict]:
-    """The ``logprobs.content`` list of a chat choice (or chunk) for ``entries``."""
-    return [{**_entry(e), "top_logprobs": [_entry(t) for t in e.top]} for e in entries]
+def chat_content(entries: list[TokenLogprob], as_ids: bool = False) -> list[dict]:
+    """The ``logprobs.content`` list of a chat choice (or chunk) for ``entries``; ``as_ids``: each
+    token named by its id (``token_name``), its ``bytes`` that name's, as vLLM answers them."""
+    return [{**_entry(e, as_ids), "top_logprobs": [_entry(t, as_ids) for t in e.top]} for e in entries]
 
 
-def chat_logprobs(entries: list[TokenLogprob] | None, asked: bool) -> dict | None:
+def chat_logprobs(entries: list[TokenLogprob] | None, asked: bool, as_ids: bool = False) -> dict | None:
     """A chat choice's ``logprobs`` object; None when logprobs were not asked for. A reply with
     no tokens to show (the model ended at once) has an empty ``content``, not a null object."""
     if not asked:
         return None
-    return {"content": chat_content(entries or []), "refusal": None}
+    return {"content": chat_content(entries or [], as_ids), "refusal": None}

@@ -365,6 +365,7 @@ class ChatCompletionRequest(EndUser):
     skip_special_tokens: bool = True
     spaces_between_special_tokens: bool = True
     return_token_ids: bool | None = None  # vLLM's: the prompt's and each choice's token ids in the answer
+    return_tokens_as_token_ids: bool | None = None  # vLLM's: logprobs name each token "token_id:<id>"
     tools: list[Tool] | None = Field(default=None, max_length=MAX_TOOLS)
     tool_choice: Literal["none", "auto", "required"] | NamedToolChoice | AllowedToolsChoice | None = None
     parallel_tool_calls: bool | None = None

@@ -552,6 +552,38 @@ def test_stop_reason_names_what_ended_the_reply(server):
     assert all("stop_reason" not in ch.model_extra for ch in streamed[:-1])  # only in the chunk that ends it
 
 
+def test_return_tokens_as_token_ids_names_each_logprob_by_its_id(server):
+    """vLLM's ``return_tokens_as_token_ids``, on both engines: each logprob entry and alternative
+    names its token ``token_id:<id>`` (its ``bytes`` that name's), the ids those ``return_token_ids``
+    gives, whole and streamed; the legacy shape too, echoed prompt included, its ``text_offset``
+    still places in the text. The log probabilities are those the plain names have."""
+    tok = tokenizer(server)
+    c = client(server)
+    named = re.compile(r"token_id:\d+")
+    kw = dict(model="tiny-chat", messages=ASK, max_tokens=6, temperature=0, logprobs=True, top_logprobs=2)
+    both = {"return_tokens_as_token_ids": True, "return_token_ids": True, "ignore_eos": True}
+    r = c.chat.completions.create(**kw, extra_body=both)
+    ids, content = r.choices[0].model_extra["token_ids"], r.choices[0].logprobs.content
+    assert len(ids) == 6 and [e.token for e in content] == [f"token_id:{i}" for i in ids]
+    assert all(e.bytes == list(e.token.encode()) for e in content)
+    assert all(len(e.top_logprobs) == 2 and all(named.fullmatch(t.token) for t in e.top_logprobs) for e in content)
+    plain = c.chat.completions.create(**kw, extra_body={"ignore_eos": True}).choices[0].logprobs.content
+    assert all(e.token in (tok.decode([i]), "") for e, i in zip(plain, ids))  # (vLLM's: "" for a piece of a character)
+    assert [e.logprob for e in plain] == pytest.approx([e.logprob for e in content], abs=1e-5)
+    chunks = c.chat.completions.create(**kw, stream=True, extra_body=both)
+    assert [e.token for ch in chunks if ch.choices and ch.choices[0].logprobs
+            for e in ch.choices[0].logprobs.content] == [e.token for e in content]
+
+    legacy = dict(model="tiny-chat", prompt="Say", max_tokens=4, temperature=0, logprobs=2, echo=True)
+    told = c.completions.create(**legacy, extra_body=both).choices[0]
+    prompt = tok("Say")["input_ids"]
+    assert told.logprobs.tokens == [f"token_id:{i}" for i in prompt + told.model_extra["token_ids"]]
+    assert told.logprobs.top_logprobs[0] is None and all(named.fullmatch(k) for t in told.logprobs.top_logprobs[1:]
+                                                            for k in t)
+    as_text = c.completions.create(**legacy, extra_body={"ignore_eos": True}).choices[0]
+    assert told.logprobs.text_offset == as_text.logprobs.text_offset and told.text == as_text.text
+
+
 def test_special_tokens_and_a_stop_tokens_text_as_vllm_decodes_them(server):
     """vLLM's ``skip_special_tokens`` (default true) on both engines, whole and streamed, chat and
     legacy: a special token ("<|user|>", biased far above the rest) is left out of the text, and

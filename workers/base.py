@@ -233,6 +233,7 @@ class TokenLogprob:
     logprob: float
     top: tuple[TokenLogprob, ...] = ()
     raw: bytes | None = None
+    id: int | None = None  # the token's id in the model's vocabulary
 
 
 @dataclass

@@ -220,7 +220,7 @@ class Vocabulary:
               text: str | None = None) -> TokenLogprob:
         """``token``'s logprob entry; ``text``: the engine's own text for it (vLLM's), instead of
         ``decode([token])``."""
-        return TokenLogprob(self.text(token) if text is None else text, logprob, top, self.raw(token))
+        return TokenLogprob(self.text(token) if text is None else text, logprob, top, self.raw(token), token)
 
 
 _BYTES: dict[tuple[str, int], list[bytes] | None] = {}  # by tokenizer folder and size, the last few read
