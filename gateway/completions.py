@@ -53,7 +53,8 @@ from gateway.chat import ChatJob, ChoiceDelta, Reply, collect, interleave, serve
 from gateway.errors import APIError, bad_request
 from gateway.http import Streamed, disconnect_signal
 from gateway.logprobs import token_name
-from gateway.schemas import (MAX_REPETITION_PENALTY, MAX_STACK, MAX_STOP_TOKEN_IDS, MIN_REPETITION_PENALTY, AdapterChoice,
+from gateway.schemas import (MAX_ALLOWED_TOKEN_IDS, MAX_BAD_WORDS, MAX_REPETITION_PENALTY, MAX_STACK,
+                             MAX_STOP_TOKEN_IDS, MIN_REPETITION_PENALTY, AdapterChoice, BadWord,
                              ResponseFormat, StreamOptions, StructuredOutputs, _Body, checked_logit_bias, checked_stops,
                              parse, read_json, reply_options, sampling)
 from gateway.serving import Gone
@@ -91,8 +92,10 @@ class CompletionRequest(_Body):
     min_tokens: int = Field(default=0, ge=0)
     ignore_eos: bool = False
     include_stop_str_in_output: bool = False
-    skip_special_tokens: bool = True  # vLLM's detokenizing options, as chat's
+    skip_special_tokens: bool = True  # vLLM's detokenizing options and token constraints, as chat's
     spaces_between_special_tokens: bool = True
+    allowed_token_ids: list[int] | None = Field(default=None, min_length=1, max_length=MAX_ALLOWED_TOKEN_IDS)
+    bad_words: list[BadWord] | None = Field(default=None, max_length=MAX_BAD_WORDS)
     return_token_ids: bool | None = None  # vLLM's: each choice's prompt and generated token ids
     return_tokens_as_token_ids: bool | None = None  # vLLM's: logprobs name each token "token_id:<id>"
     response_format: ResponseFormat | None = None  # as chat's, and vLLM's structured_outputs (gateway.structured)

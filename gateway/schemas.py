@@ -170,6 +170,9 @@ MAX_TOOLS = 128
 # barred, and a tiny one would make its logit infinite: 0.01..100 here
 MIN_REPETITION_PENALTY, MAX_REPETITION_PENALTY = 0.01, 100.0
 MAX_STOP_TOKEN_IDS = 64
+MAX_ALLOWED_TOKEN_IDS = 262_144  # more than any vocabulary has
+MAX_BAD_WORDS = 128  # vLLM's VLLM_MAX_NUM_BAD_WORDS (it counts them after tokenizing: workers.chat.bad_words_ids)
+BadWord = Annotated[str, Field(min_length=1, max_length=256)]
 
 
 class FunctionDef(_Body):
@@ -364,6 +367,8 @@ class ChatCompletionRequest(EndUser):
     include_stop_str_in_output: bool = False
     skip_special_tokens: bool = True
     spaces_between_special_tokens: bool = True
+    allowed_token_ids: list[int] | None = Field(default=None, min_length=1, max_length=MAX_ALLOWED_TOKEN_IDS)
+    bad_words: list[BadWord] | None = Field(default=None, max_length=MAX_BAD_WORDS)
     return_token_ids: bool | None = None  # vLLM's: the prompt's and each choice's token ids in the answer
     return_tokens_as_token_ids: bool | None = None  # vLLM's: logprobs name each token "token_id:<id>"
     tools: list[Tool] | None = Field(default=None, max_length=MAX_TOOLS)
@@ -664,11 +669,13 @@ def reply_options(body: Any, max_tokens: int) -> dict[str, Any]:
     ``stop_token_ids`` (tokens that end it besides the model's end of text; out of the vocabulary:
     a 400 from the engine), ``min_tokens`` (at most ``max_tokens``: a 400 naming it otherwise),
     ``ignore_eos``, ``include_stop_str_in_output`` (the stop string or token that ended it kept in
-    its text); and its detokenizing options ``skip_special_tokens`` and
-    ``spaces_between_special_tokens``."""
+    its text); its detokenizing options ``skip_special_tokens`` and
+    ``spaces_between_special_tokens``; and its token constraints ``allowed_token_ids`` (the only
+    tokens it may have) and ``bad_words`` (words it may not write)."""
     if body.min_tokens > max_tokens:
         raise bad_request(f"min_tokens is {body.min_tokens}, above max_tokens ({max_tokens})", "min_tokens")
     return {"stop_token_ids": tuple(body.stop_token_ids or ()), "min_tokens": body.min_tokens,
             "ignore_eos": body.ignore_eos, "include_stop_str": body.include_stop_str_in_output,
             "skip_special_tokens": body.skip_special_tokens,
-            "spaces_between_special_tokens": body.spaces_between_special_tokens}
+            "spaces_between_special_tokens": body.spaces_between_special_tokens,
+            "allowed_token_ids": tuple(body.allowed_token_ids or ()), "bad_words": tuple(body.bad_words or ())}

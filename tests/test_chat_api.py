@@ -584,6 +584,42 @@ def test_return_tokens_as_token_ids_names_each_logprob_by_its_id(server):
     assert told.logprobs.text_offset == as_text.logprobs.text_offset and told.text == as_text.text
 
 
+def test_allowed_token_ids_and_bad_words_constrain_the_reply_as_vllms(server):
+    """vLLM's ``allowed_token_ids`` (the only tokens a reply may have) and ``bad_words`` (a word's
+    last token barred where the reply ends with the rest of it, the word tokenized as it starts a
+    text and after a space), on both engines, chat and legacy, read back with ``return_token_ids``.
+    "a" biased to 100 and "b" to 50 make each reply certain: "aa" barred leaves a, b, a, b, ..."""
+    tok = tokenizer(server)
+    a, b, eos = (tok.convert_tokens_to_ids(t) for t in ("a", "b", tok.eos_token))
+    assert tok.encode("aa", add_special_tokens=False) == [a, a]
+    c = client(server)
+
+    def ids(bias: dict | None = None, temperature: float = 0, **extra) -> list[int]:
+        r = c.chat.completions.create(model="tiny-chat", messages=ASK, max_tokens=6, temperature=temperature, seed=3,
+                                      logit_bias={str(k): v for k, v in (bias or {}).items()},
+                                      extra_body={"return_token_ids": True, **extra})
+        return r.choices[0].model_extra["token_ids"]
+
+    drawn = ids(temperature=1.0, allowed_token_ids=[a, b, 300])
+    assert len(drawn) == 6 and set(drawn) <= {a, b, 300}
+    assert ids(allowed_token_ids=[eos]) == [eos]  # the only token allowed: the end of text, at once
+    assert ids({a: 100, b: 50}) == [a] * 6
+    assert ids({a: 100, b: 50}, bad_words=["aa"]) == [a, b] * 3
+    assert ids({a: 100, b: 50}, bad_words=["a"]) == [b] * 6
+    assert ids({a: 100, b: 50}, bad_words=["  a"]) == [b] * 6  # (its leading spaces dropped, as vLLM's)
+    legacy = c.completions.create(model="tiny-chat", prompt="Say", max_tokens=6, temperature=0,
+                                  logit_bias={str(a): 100, str(b): 50},
+                                  extra_body={"bad_words": ["aa"], "return_token_ids": True}).choices[0]
+    assert legacy.model_extra["token_ids"] == [a, b] * 3
+    for extra, param in (({"allowed_token_ids": []}, "allowed_token_ids"),
+                         ({"allowed_token_ids": [10**6]}, "allowed_token_ids"),
+                         ({"bad_words": [""]}, "bad_words[0]"), ({"bad_words": ["   "]}, "bad_words"),
+                         ({"bad_words": ["w"] * 129}, "bad_words"), ({"bad_words": "aa"}, "bad_words")):
+        with pytest.raises(openai.BadRequestError) as bad:
+            ids(**extra)
+        assert bad.value.body["param"] == param, extra
+
+
 def test_special_tokens_and_a_stop_tokens_text_as_vllm_decodes_them(server):
     """vLLM's ``skip_special_tokens`` (default true) on both engines, whole and streamed, chat and
     legacy: a special token ("<|user|>", biased far above the rest) is left out of the text, and

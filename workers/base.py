@@ -171,6 +171,10 @@ class ChatParams:
     # tokenizer's spaces between them (a fast tokenizer, as vLLM's fast detokenizer, puts none)
     skip_special_tokens: bool = True
     spaces_between_special_tokens: bool = True
+    # vLLM's token constraints: the only tokens the reply may have (empty: any), and words it may not write
+    # (``workers.chat.bad_words_ids``: a word's last token barred where the reply ends with the rest of it)
+    allowed_token_ids: tuple[int, ...] = ()
+    bad_words: tuple[str, ...] = ()
     grammar: Grammar | None = None
     prompt_logprobs: int | None = None  # None: none; k: each prompt token's and the k most likely there
 

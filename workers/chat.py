@@ -136,6 +136,8 @@ class _Seq:
     aligned: int = 0  # the prediction's place where the reply may pick it up again
     checking: list[int] = field(default_factory=list)  # predicted tokens to check after this step (a re-sync)
     grams: dict[tuple[int, ...], list[int]] | None = None  # the prediction's RESYNC_GRAM-token runs -> their places
+    outside: torch.Tensor | None = None  # allowed_token_ids: True for every token not allowed
+    bad_words: list[list[int]] = field(default_factory=list)  # ``bad_words_ids``
 
     def prediction_counts(self) -> tuple[int, int]:
         """(accepted, rejected) tokens of the prediction: those the reply kept, and the rest."""
@@ -370,6 +372,8 @@ class ChatWorker(ThreadWorker):
             thinking=grammar is not None and req.reasoning and req.ctx.prompt_thinking != "closed",
             vision=vision,
             draft=self._draft(req, len(ids)),
+            outside=self._outside(req.params),
+            bad_words=bad_words_ids(self.tokenizer, req.params.bad_words) if req.params.bad_words else [],
         )
         if req.token_ids:
             seq.emit = _reporting_ids(seq, seq.emit)
@@ -765,6 +769,14 @@ class ChatWorker(ThreadWorker):
                               stop_reason=stop_reason))
         return True
 
+    def _outside(self, p: ChatParams) -> torch.Tensor | None:
+        """``allowed_token_ids`` as the mask of every other token (None: any token)."""
+        if not p.allowed_token_ids:
+            return None
+        outside = torch.ones(self.vocab_size, dtype=torch.bool, device=self.device)
+        outside[list(p.allowed_token_ids)] = False
+        return outside
+
     def _decode(self, ids: list[int]) -> str:
         return self.tokenizer.decode(ids, skip_special_tokens=True)
 
@@ -837,18 +849,43 @@ class ChatWorker(ThreadWorker):
 
 
 def check_token_ids(p: ChatParams, vocab_size: int) -> None:
-    """Refuse a ``logit_bias`` or ``stop_token_ids`` naming a token outside the vocabulary
-    (``InvalidParam``)."""
-    for param, ids in (("logit_bias", p.logit_bias), ("stop_token_ids", p.stop_token_ids)):
+    """Refuse a ``logit_bias``, ``stop_token_ids`` or ``allowed_token_ids`` naming a token outside
+    the vocabulary (``InvalidParam``)."""
+    for param, ids in (("logit_bias", p.logit_bias), ("stop_token_ids", p.stop_token_ids),
+                       ("allowed_token_ids", p.allowed_token_ids)):
         bad = [t for t in ids if not 0 <= t < vocab_size]
         if bad:
             raise InvalidParam(f"{param} names token {bad[0]}, outside this model's vocabulary "
                                f"(0..{vocab_size - 1})", param)
 
 
+MAX_BAD_WORD_IDS = 128  # vLLM's VLLM_MAX_NUM_BAD_WORDS: token sequences after tokenizing
+
+
+def bad_words_ids(tokenizer, words: Collection[str]) -> list[list[int]]:
+    """The token sequences ``bad_words`` bars, as vLLM tokenizes them (``SamplingParams.
+    update_from_tokenizer``): each word as it starts a text and, where that tokenizes to a
+    different first token and as many tokens, after a space; a word that tokenizes to nothing, or
+    more than ``MAX_BAD_WORD_IDS`` sequences, is an ``InvalidParam``."""
+    out: list[list[int]] = []
+    for word in words:
+        for spaced in (False, True):
+            ids = tokenizer.encode((" " if spaced else "") + word.lstrip(), add_special_tokens=False)
+            if not ids:
+                if not spaced:
+                    raise InvalidParam(f"bad_words entry {word[:40]!r} tokenizes to no token", "bad_words")
+                continue
+            if not spaced or (ids[0] != out[-1][0] and len(ids) == len(out[-1])):
+                out.append(ids)
+    if len(out) > MAX_BAD_WORD_IDS:
+        raise InvalidParam(f"bad_words make {len(out)} token sequences, above {MAX_BAD_WORD_IDS}", "bad_words")
+    return out
+
+
 def _process(logits: torch.Tensor, seq: _Seq, barred: Collection[int] = ()) -> torch.Tensor:
-    """The row's logits after its logit bias, penalties and grammar mask (in place); ``barred``:
-    tokens that may not come now (the ends of a reply shorter than its ``min_tokens``)."""
+    """The row's logits after its logit bias, penalties, grammar mask and token constraints (in
+    place); ``barred``: tokens that may not come now (the ends of a reply shorter than its
+    ``min_tokens``)."""
     p = seq.params
     if p.logit_bias:
         ids = torch.tensor(list(p.logit_bias), device=logits.device)
@@ -863,6 +900,13 @@ def _process(logits: torch.Tensor, seq: _Seq, barred: Collection[int] = ()) -> t
         logits -= p.frequency_penalty * counts + p.presence_penalty * (counts > 0).to(logits.dtype)
     if seq.grammar is not None and not seq.thinking:
         seq.grammar.mask(logits)
+    if seq.outside is not None:  # allowed_token_ids: every other token barred
+        logits.masked_fill_(seq.outside, float("-inf"))
+    if seq.bad_words:
+        made = len(seq.ids) - seq.prompt_len
+        for *head, last in seq.bad_words:  # a word's last token, where the reply ends with the rest of it
+            if len(head) <= made and (not head or seq.ids[-len(head):] == head):
+                logits[last] = float("-inf")
     if barred:
         logits[torch.tensor(sorted(barred), device=logits.device)] = float("-inf")
     return logits

@@ -472,7 +472,7 @@ class VllmChatEngine(Worker):
             raise ValueError(f"{self.spec.name}: LoRA requested but the engine has enable_lora=False")
         from vllm.sampling_params import RequestOutputKind, SamplingParams
 
-        from workers.chat import check_token_ids
+        from workers.chat import bad_words_ids, check_token_ids
 
         p = req.params
         if req.images:  # the gateway refuses them first (``gateway.vision``): vLLM's multimodal inputs are not wired here
@@ -480,6 +480,8 @@ class VllmChatEngine(Worker):
                                "messages")
         prompt_ids = chat_prompt.request_ids(self.tokenizer, req, self.max_model_len)
         check_token_ids(p, self._llm.model_config.get_vocab_size())
+        if p.bad_words:  # refused here as a 400, as vLLM would refuse them in the stream
+            bad_words_ids(self.tokenizer, p.bad_words)
         if p.logprobs is not None or p.prompt_logprobs is not None:
             await asyncio.to_thread(self._vocab.read)  # once per tokenizer: not on the event loop
         ctx = req.ctx
@@ -902,6 +904,8 @@ def _sampling_extras(p: ChatParams) -> dict[str, Any]:
         "repetition_penalty": p.repetition_penalty,
         "skip_special_tokens": p.skip_special_tokens,
         "spaces_between_special_tokens": p.spaces_between_special_tokens,
+        "allowed_token_ids": list(p.allowed_token_ids) or None,
+        "bad_words": list(p.bad_words) or None,
     }
     if p.grammar is not None:  # as EBNF: a JSON schema's grammar mended as the transformers engine's is
         from vllm.sampling_params import StructuredOutputsParams
