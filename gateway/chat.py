@@ -87,6 +87,7 @@ class ChatJob:
     prediction: str | None = None  # Predicted Outputs' text (``ChatRequest.prediction``)
     token_ids: bool = False  # vLLM's return_token_ids (``ChatRequest.token_ids``)
     tokens_as_ids: bool = False  # vLLM's return_tokens_as_token_ids: logprobs name each token "token_id:<id>"
+    echo: str = ""  # vLLM's echo: the text each choice's content starts with (``ChatCompletionRequest.echoed``)
 
 
 @dataclass
@@ -148,7 +149,8 @@ def plan_chat(svc: Services, body: ChatCompletionRequest) -> ChatJob:
                    reasoning=getattr(engine, "reasoning_parser", "none"),
                    include_reasoning=body.include_reasoning, images=images, own_adapter=names_own(body.model, stack),
                    prediction=body.prediction.text() if body.prediction is not None else None,
-                   token_ids=bool(body.return_token_ids), tokens_as_ids=bool(body.return_tokens_as_token_ids))
+                   token_ids=bool(body.return_token_ids), tokens_as_ids=bool(body.return_tokens_as_token_ids),
+                   echo=body.echoed())
 
 
 async def with_images(svc: Services, job: ChatJob) -> ChatJob:
@@ -421,6 +423,9 @@ def completion(cid: str, model: str, replies: list[Reply], tier: str, job: ChatJ
                      "logprobs": chat_logprobs(r.logprobs, logprobs, job.tokens_as_ids)} for r in replies],
         "usage": _usage(replies),
     }
+    if job.echo:  # vLLM's: the last message's text first, before a reply's text or calls
+        for choice in body["choices"]:
+            choice["message"]["content"] = job.echo + (choice["message"]["content"] or "")
     if job.token_ids:
         for choice, r in zip(body["choices"], replies):
             choice["token_ids"] = r.token_ids
@@ -581,6 +586,8 @@ async def _sse(deltas: AsyncIterator[ChoiceDelta], first: ChoiceDelta, cid: str,
             # vLLM's return_token_ids: the prompt's in the first chunk
             prompt = {"prompt_token_ids": first.prompt_ids} if token_ids and i == 0 else {}
             yield chunk([{"index": i, "delta": opening, "finish_reason": None, "logprobs": None}], **prompt)
+        for i in range(n) if job.echo else ():  # vLLM's echo: the last message's text, a chunk per choice
+            yield chunk([{"index": i, "delta": {"content": job.echo}, "finish_reason": None, "logprobs": None}])
         delta = first
         while True:
             if kept is not None:

@@ -391,6 +391,7 @@ class ChatCompletionRequest(EndUser):
     # vLLM's: where the prompt ends (``prompt_end``); continue_final_message prefills the reply with the last message
     add_generation_prompt: bool = True
     continue_final_message: bool = False
+    echo: bool = False  # vLLM's: the reply prepended with the last message's text (``echoed``)
     adapters: list[AdapterChoice] | None = Field(default=None, max_length=MAX_STACK)  # extension: LoRA stack
 
     @field_validator("stop")
@@ -410,6 +411,18 @@ class ChatCompletionRequest(EndUser):
         if taken:
             raise ValueError(f"{taken[0]!r} is set by the server, not by chat_template_kwargs")
         return v
+
+    def echoed(self) -> str:
+        """vLLM's ``echo``: the last message's text, which the reply is prepended with where that
+        message has the reply's role (the assistant's; with ``add_generation_prompt`` false any
+        role, as vLLM's reply takes the last message's role then: a continued message comes whole);
+        empty otherwise. 400 with a spoken reply, whose text is its transcript."""
+        last = self.messages[-1] if self.messages else None
+        if not self.echo or last is None or (self.add_generation_prompt and last.role != "assistant"):
+            return ""
+        if self.spoken:
+            raise bad_request("echo is not supported with a spoken reply (modalities audio)", "echo")
+        return last.text() or ""
 
     def prompt_end(self) -> PromptEnd:
         """Where the prompt ends: the assistant's turn opened (``add_generation_prompt``, the

@@ -747,6 +747,35 @@ def test_return_token_ids_as_vllm_answers_them(server):
     assert bad.value.body["param"] == "return_token_ids"
 
 
+def test_echo_prepends_the_last_message_as_vllm_does(server):
+    """vLLM's chat ``echo``, on both engines, whole and streamed: a continued message
+    (``continue_final_message``) comes back whole, its text then the reply's; with the generation
+    prompt, a last message that is not the assistant's is not echoed; with ``add_generation_prompt``
+    false, any last message is (vLLM's reply takes its role then)."""
+    c = client(server)
+    messages = [{"role": "user", "content": "Name a colour."}, {"role": "assistant", "content": "My favourite is"}]
+    kw = dict(model="tiny-chat", messages=messages, max_tokens=6, temperature=0)
+    go_on = {"continue_final_message": True, "add_generation_prompt": False}
+    reply = c.chat.completions.create(**kw, extra_body=go_on)
+    echoed = c.chat.completions.create(**kw, extra_body={**go_on, "echo": True})
+    assert echoed.choices[0].message.content == "My favourite is" + reply.choices[0].message.content
+    assert echoed.usage.completion_tokens == reply.usage.completion_tokens
+    chunks = list(c.chat.completions.create(stream=True, n=2, **kw, extra_body={**go_on, "echo": True}))
+    for i in range(2):
+        text = "".join(ch.choices[0].delta.content or "" for ch in chunks if ch.choices and ch.choices[0].index == i)
+        assert text == echoed.choices[0].message.content, i
+    plain = dict(model="tiny-chat", messages=ASK, max_tokens=6, temperature=0)
+    assert c.chat.completions.create(**plain, extra_body={"echo": True}).choices[0].message.content == \
+        c.chat.completions.create(**plain).choices[0].message.content
+    closed = c.chat.completions.create(**plain, extra_body={"echo": True, "add_generation_prompt": False})
+    alone = c.chat.completions.create(**plain, extra_body={"add_generation_prompt": False})
+    assert closed.choices[0].message.content == ASK[-1]["content"] + alone.choices[0].message.content
+    with pytest.raises(openai.BadRequestError) as bad:
+        c.chat.completions.create(**kw, modalities=["text", "audio"], audio={"voice": "alloy", "format": "wav"},
+                                  extra_body={**go_on, "echo": True})
+    assert bad.value.body["param"] == "echo"
+
+
 def test_user_is_logged_scoped_to_the_key(server, caplog):
     caplog.set_level("INFO", logger="tiergate")
     client(server).chat.completions.create(model="tiny-chat", messages=ASK, max_tokens=2, user="alice@example.com")
