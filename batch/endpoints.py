@@ -22,6 +22,7 @@ from gateway.input_audio import chat_audio
 from gateway.output_audio import heard_replies, plan_voice, say_replies
 from gateway.input_files import chat_files
 from gateway.moderations import ModerationRequest, moderation_results, plan_moderation, serve_moderation
+from gateway.classify import classify_answer
 from gateway.rerank import rerank_answer, score_answer
 from gateway.responses import response_result
 from gateway.schemas import ChatCompletionRequest, parse
@@ -105,6 +106,10 @@ async def score(svc: Services, caller: Caller, data: dict) -> Result:
     return await score_answer(svc, caller, data, None)
 
 
+async def classify(svc: Services, caller: Caller, data: dict) -> Result:
+    return await classify_answer(svc, caller, data, None)
+
+
 ENDPOINTS: dict[str, Endpoint] = {
     "/v1/chat/completions": chat,
     "/v1/completions": completion_result,  # legacy text completions
@@ -115,4 +120,5 @@ ENDPOINTS: dict[str, Endpoint] = {
     "/v1/moderations": moderations,
     "/v1/rerank": rerank,  # vLLM's batch runner takes these two too
     "/v1/score": score,
+    "/v1/classify": classify,
 }

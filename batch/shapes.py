@@ -23,7 +23,8 @@ from workers.base import stack_key
 
 # the kind of model each batch endpoint runs on
 ENDPOINT_KINDS = {"/v1/chat/completions": "chat", "/v1/images/generations": "image", "/v1/audio/speech": "tts",
-                  "/v1/embeddings": "embed", "/v1/moderations": "moderation", "/v1/rerank": "rerank", "/v1/score": "rerank"}
+                  "/v1/embeddings": "embed", "/v1/moderations": "moderation", "/v1/rerank": "rerank",
+                  "/v1/score": "rerank", "/v1/classify": "moderation"}
 
 
 def shape_of(svc: Services, endpoint: str, body: dict[str, Any]) -> str:

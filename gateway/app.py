@@ -25,8 +25,9 @@ from batch import api as batch_api
 from batch.runner import runner_for
 from batch.uploads import uploads_for
 from tuning import api as tuning_api
-from gateway import (adapters, audio, chat, completions, conversations, dashboard, embeddings, images, moderations,
-                     realtime_conversation, rerank, response_runs, responses_api, stored_chat, tokenize, vector_stores)
+from gateway import (adapters, audio, chat, classify, completions, conversations, dashboard, embeddings, images,
+                     moderations, realtime_conversation, rerank, response_runs, responses_api, stored_chat, tokenize,
+                     vector_stores)
 from accounts.store import STORE_ERRORS
 from gateway.accounts import Accounts
 from gateway.accounts_api import KeyHeaders
@@ -236,6 +237,7 @@ def routes() -> list[BaseRoute]:
         Route("/detokenize", tokenize.detokenize, methods=["POST"]),
         *(Route(path, rerank.rerank, methods=["POST"]) for path in ("/v1/rerank", "/rerank", "/v2/rerank")),  # vLLM's
         *(Route(path, rerank.score, methods=["POST"]) for path in ("/v1/score", "/score")),
+        *(Route(path, classify.classify, methods=["POST"]) for path in ("/v1/classify", "/classify")),  # vLLM's
         *(Route(path, healthz, methods=["GET"]) for path in LIVENESS),
         Route("/readyz", readyz, methods=["GET"]),
         Route("/metrics", metrics, methods=["GET"]),

@@ -361,7 +361,7 @@ class LimitsConfig(_Strict):
     transcription_max_bytes: Size = parse_size("25MiB")  # the uploaded file
     transcription_max_seconds: float = Field(default=1800.0, gt=0)  # of decoded audio
     embed_max_inputs: int = Field(default=256, ge=1)  # inputs in one /v1/embeddings request
-    moderation_max_inputs: int = Field(default=64, ge=1)  # texts in one /v1/moderations request
+    moderation_max_inputs: int = Field(default=64, ge=1)  # texts in one /v1/moderations (or /classify) request
     # characters of a structured_outputs regex, grammar or choices (all together): what xgrammar compiles
     # against the vocabulary takes time with their length (1,024 choices of 1,000 characters: 250 s here)
     grammar_max_chars: int = Field(default=8192, ge=1)

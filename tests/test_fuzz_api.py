@@ -253,6 +253,12 @@ ENDPOINTS = {
                                                             "data_2")},
          "max_tokens_per_doc": EDGE_INTS, "use_activation": st.booleans(),
          "model": st.sampled_from(["tiny-rerank", "tiny-embed", "tiny-moderation", "nope"])}),
+    "/v1/classify": (
+        {"model": "tiny-moderation", "input": "hi"},
+        {"input": TEXT | st.lists(TEXT, max_size=6) | TOKEN_IDS | st.lists(TOKEN_IDS, max_size=3) | st.just([[]]),
+         "truncate_prompt_tokens": EDGE_INTS | st.sampled_from([-1, 1, 2, 127, 128, 129]),
+         "truncation_side": st.sampled_from(["left", "right", "middle"]), "use_activation": st.booleans() | st.none(),
+         "model": st.sampled_from(["tiny-moderation", "tiny-rerank", "tiny-embed", "nope"])}),
     "/v1/images/generations": (
         {"model": "tiny-image", "prompt": "a cat", "size": "32x32", "num_inference_steps": 1},
         {"prompt": TEXT, "n": EDGE_INTS, "seed": EDGE_INTS, "num_inference_steps": EDGE_INTS,

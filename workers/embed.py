@@ -325,6 +325,40 @@ class EncoderWorker(ThreadWorker):
                 self._tokenizer = AutoTokenizer.from_pretrained(Path(self.spec.path))
             return self._tokenizer
 
+    def whole_rows(self, inputs: list[str] | list[list[int]], truncate: int | None, side: str, limit: int,
+                   vocab: int) -> list[list[int]]:
+        """Token ids of each input: strings through the tokenizer (with its special tokens), token
+        ids as given. ``truncate`` (vLLM's ``truncate_prompt_tokens``) keeps at most that many
+        tokens of each input, from its start (``side`` right) or its end (left): a string's
+        through the tokenizer's own truncation, its special tokens kept. ``InputError`` for an
+        empty input, an id outside the ``vocab``, or one over ``limit`` tokens (the context).
+        Needs no weights; any thread."""
+        if inputs and isinstance(inputs[0], str):
+            if any(not text for text in inputs):
+                raise InputError(f"input[{next(i for i, t in enumerate(inputs) if not t)}] is an empty string")
+            tokenizer = self.tokenizer
+            cut = {} if truncate is None else {"truncation": True, "max_length": truncate}
+            with self._tokenizing:
+                kept, tokenizer.truncation_side = tokenizer.truncation_side, side
+                try:
+                    ids = tokenizer(list(inputs), add_special_tokens=True, **cut)["input_ids"]
+                finally:
+                    tokenizer.truncation_side = kept
+        else:
+            ids = [list(row) for row in inputs]
+            if truncate is not None:
+                ids = [row[-truncate:] if side == "left" else row[:truncate] for row in ids]
+        for i, row in enumerate(ids):
+            if not row:
+                raise InputError(f"input[{i}] has no tokens")
+            if len(row) > limit:
+                raise InputError(f"input[{i}] is {len(row)} tokens, above this model's context length of {limit}",
+                                 too_long=True)
+            bad = next((t for t in row if not 0 <= t < vocab), None)
+            if bad is not None:
+                raise InputError(f"input[{i}] has token id {bad}, outside this model's vocabulary (0 to {vocab - 1})")
+        return ids
+
     def padded(self, rows: list[list[int]], pad_id: int) -> tuple[torch.Tensor, torch.Tensor]:
         """``rows`` padded on the right into one batch and its attention mask, on the model's device."""
         width = max(len(row) for row in rows)
@@ -353,37 +387,8 @@ class EmbedWorker(EncoderWorker):
 
     def tokenize(self, inputs: list[str] | list[list[int]], truncate: int | None = None,
                  side: str = "right") -> list[list[int]]:
-        """Token ids of each input: strings through the tokenizer (with its special tokens), token
-        ids as given. ``truncate`` (vLLM's ``truncate_prompt_tokens``) keeps at most that many
-        tokens of each input, from its start (``side`` right) or its end (left): a string's
-        through the tokenizer's own truncation, its special tokens kept. ``InputError`` for an
-        empty input, an unknown id, or one over the context. Needs no weights; any thread."""
-        if inputs and isinstance(inputs[0], str):
-            if any(not text for text in inputs):
-                raise InputError(f"input[{next(i for i, t in enumerate(inputs) if not t)}] is an empty string")
-            tokenizer = self.tokenizer
-            cut = {} if truncate is None else {"truncation": True, "max_length": truncate}
-            with self._tokenizing:
-                kept, tokenizer.truncation_side = tokenizer.truncation_side, side
-                try:
-                    ids = tokenizer(list(inputs), add_special_tokens=True, **cut)["input_ids"]
-                finally:
-                    tokenizer.truncation_side = kept
-        else:
-            ids = [list(row) for row in inputs]
-            if truncate is not None:
-                ids = [row[-truncate:] if side == "left" else row[:truncate] for row in ids]
-        limit, vocab = self.config.context_length, self.config.vocab_size
-        for i, row in enumerate(ids):
-            if not row:
-                raise InputError(f"input[{i}] has no tokens")
-            if len(row) > limit:
-                raise InputError(f"input[{i}] is {len(row)} tokens, above this model's context length of {limit}",
-                                 too_long=True)
-            bad = next((t for t in row if not 0 <= t < vocab), None)
-            if bad is not None:
-                raise InputError(f"input[{i}] has token id {bad}, outside this model's vocabulary (0 to {vocab - 1})")
-        return ids
+        """``whole_rows`` within the model's context and vocabulary (``EmbedConfig``)."""
+        return self.whole_rows(inputs, truncate, side, self.config.context_length, self.config.vocab_size)
 
     @property
     def chunk_room(self) -> int:

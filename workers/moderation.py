@@ -5,8 +5,9 @@
   OpenAI's category names (``harassment``, ``hate/threatening``, ``self-harm/intent``, ...)
   answers in OpenAI's shape; any other model answers with its own names.
 * Scores are read as transformers' text-classification pipeline reads them: a config whose
-  ``problem_type`` is ``multi_label_classification`` scores each category on its own (a
-  sigmoid), any other one softmax over the categories (a text is one of them at most).
+  ``problem_type`` is ``multi_label_classification``, or that has one label, scores each
+  category on its own (a sigmoid), any other one softmax over the categories (a text is one of
+  them at most).
 * A category is flagged at a score of ``threshold`` or more (tiers.yaml, 0.5 by default).
 * A text longer than the model's context is scored in full, never truncated: cut into pieces of
   the context (the tokenizer's special tokens added to each, neighbours overlapping by a quarter
@@ -16,6 +17,10 @@
 Texts arrive as strings; ``tokenize`` (no weights needed) turns each into its pieces' token ids,
 and ``classify`` runs every piece of a request through the model in padded forward passes of at
 most ``max_batch_tokens`` tokens (``workers.embed.batches``), a step boundary between passes.
+
+vLLM's classification (``/v1/classify``) reads each input whole instead, as one distribution
+over the labels: ``rows`` tokenizes it (a text or token ids; over the context it is refused, or
+cut by ``truncate_prompt_tokens``), ``probs`` scores each row, or gives its raw logits.
 """
 
 from __future__ import annotations
@@ -81,7 +86,7 @@ class ModerationWorker(EncoderWorker):
         self.categories: list[str] = [labels[i] for i in sorted(labels)]
         if not self.categories:
             raise ValueError("the config names no labels (id2label)")
-        self.multi_label = config.problem_type == "multi_label_classification"
+        self.multi_label = config.problem_type == "multi_label_classification" or len(self.categories) == 1
         self.config = config
 
     @classmethod
@@ -99,23 +104,41 @@ class ModerationWorker(EncoderWorker):
         with self._tokenizing:
             ids = tokenizer(list(texts), add_special_tokens=False, verbose=False)["input_ids"]
             head, tail = _special_tokens(tokenizer)
-        width = context_length(self.config, tokenizer.model_max_length) - len(head) - len(tail)
+        width = self.context_length - len(head) - len(tail)
         return [[head + piece + tail for piece in pieces(row, width)] for row in ids]
+
+    @property
+    def context_length(self) -> int:
+        return context_length(self.config, self.tokenizer.model_max_length)
+
+    def rows(self, inputs: list[str] | list[list[int]], truncate: int | None = None,
+             side: str = "right") -> list[list[int]]:
+        """Each input whole as one row (``EncoderWorker.whole_rows``): a text with the tokenizer's
+        special tokens, token ids as given; ``InputError`` over the context unless ``truncate``."""
+        return self.whole_rows(inputs, truncate, side, self.context_length, self.config.vocab_size)
 
     def classify(self, texts: list[list[list[int]]], ctx: StepContext) -> np.ndarray:
         """Scores, one row per text and one column per category (``categories``), of tokenized
         texts (``tokenize``): each category's highest over the text's pieces."""
         rows = [piece for text in texts for piece in text]
         owner = np.repeat(np.arange(len(texts)), [len(text) for text in texts])
-        scores = self.run_rows(rows, ctx)  # in passes shared with the other requests waiting
+        scores = self._activated(self.run_rows(rows, ctx))  # in passes shared with the other requests waiting
         out = np.full((len(texts), len(self.categories)), -np.inf, dtype=np.float32)
         np.maximum.at(out, owner, scores)
         return out
 
+    def probs(self, rows: list[list[int]], ctx: StepContext, activation: bool = True) -> np.ndarray:
+        """Each row's scores per label (``rows``), or with ``activation`` false its raw logits."""
+        logits = self.run_rows(rows, ctx)
+        return self._activated(logits) if activation else logits
+
+    def _activated(self, logits: np.ndarray) -> np.ndarray:
+        t = torch.from_numpy(logits)
+        return (torch.sigmoid(t) if self.multi_label else torch.softmax(t, dim=-1)).numpy()
+
     def _rows_out(self, rows: list[list[int]]) -> np.ndarray:
-        """One padded forward pass over ``rows``: their scores."""
+        """One padded forward pass over ``rows``: their logits."""
         input_ids, mask = self.padded(rows, self.tokenizer.pad_token_id or 0)
         with torch.inference_mode():
             logits = self.model(input_ids=input_ids, attention_mask=mask).logits.float()
-            scores = torch.sigmoid(logits) if self.multi_label else torch.softmax(logits, dim=-1)
-        return scores.cpu().numpy()
+        return logits.cpu().numpy()
