@@ -125,7 +125,9 @@ def plan_chat(svc: Services, body: ChatCompletionRequest) -> ChatJob:
     spec, stack = resolve_request(svc, body.model, body.adapters, "chat")
     limits = svc.config.limits
     images = request_images(body, spec, svc.config)
-    max_tokens = body.max_completion_tokens or body.max_tokens or min(DEFAULT_MAX_TOKENS, limits.max_chat_tokens)
+    defaults = svc.sampling_defaults.get(spec.name, {})  # (its generation_config's max_new_tokens, as vLLM's)
+    max_tokens = body.max_completion_tokens or body.max_tokens or \
+        min(defaults.get("max_tokens", DEFAULT_MAX_TOKENS), limits.max_chat_tokens)
     if max_tokens > limits.max_chat_tokens:
         param = "max_completion_tokens" if body.max_completion_tokens else "max_tokens"
         raise bad_request(f"{param} is {max_tokens}, above this server's limit of {limits.max_chat_tokens}", param)
@@ -142,7 +144,7 @@ def plan_chat(svc: Services, body: ChatCompletionRequest) -> ChatJob:
         max_tokens, stop=body.stop or [], seed=body.seed,
         logprobs=(body.top_logprobs or 0) if body.logprobs else None,
         logit_bias={int(k): v for k, v in (body.logit_bias or {}).items()},
-        grammar=grammar, **sampling(body, svc.sampling_defaults.get(spec.name, {})), **reply_options(body, max_tokens),
+        grammar=grammar, **sampling(body, defaults), **reply_options(body, max_tokens),
     )
     return ChatJob(spec.name, body.messages_as_dicts(), params, stack, tools, body.n, body.service_tier,
                    stream=bool(body.stream), template_kwargs=body.template_kwargs(), prompt_end=body.prompt_end(),

@@ -245,7 +245,9 @@ async def plan_completion(svc: Services, body: CompletionRequest) -> CompletionJ
     await svc.adapters.ready(body.model, body.adapters)
     spec, stack = resolve_request(svc, body.model, body.adapters, "chat")
     limits = svc.config.limits
-    max_tokens = min(DEFAULT_MAX_TOKENS, limits.max_chat_tokens) if body.max_tokens is None else body.max_tokens
+    defaults = svc.sampling_defaults.get(spec.name, {})  # (its generation_config's max_new_tokens, as vLLM's)
+    max_tokens = body.max_tokens if body.max_tokens is not None else \
+        min(defaults.get("max_tokens", DEFAULT_MAX_TOKENS), limits.max_chat_tokens)
     if max_tokens == 0 and not (body.echo and body.logprobs is not None):
         raise bad_request("max_tokens 0 scores the prompt and generates nothing: it needs echo and logprobs",
                           "max_tokens")
@@ -287,7 +289,7 @@ async def plan_completion(svc: Services, body: CompletionRequest) -> CompletionJ
         logit_bias={int(k): v for k, v in (body.logit_bias or {}).items()},
         prompt_logprobs=body.logprobs if body.echo else None,
         grammar=request_grammar(body.response_format, body.structured_outputs, limits.grammar_max_chars),
-        **sampling(body, svc.sampling_defaults.get(spec.name, {})), **reply_options(body, max_tokens),
+        **sampling(body, defaults), **reply_options(body, max_tokens),
     )
     token_ids = bool(body.return_token_ids)
     jobs = [ChatJob(spec.name, [], params, stack, n=made, service_tier=body.service_tier, prompt_ids=p.ids,

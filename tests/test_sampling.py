@@ -68,7 +68,7 @@ def test_the_repetition_penalty_is_transformers_on_the_prompt_and_the_reply(pena
     logits = torch.randn(50, generator=gen) * 4
     ids = [3, 7, 7, 11, 3, 42, 0]
     seq = SimpleNamespace(params=ChatParams(repetition_penalty=penalty), ids=ids, generated=ids[4:], grammar=None,
-                          thinking=False)
+                          thinking=False, outside=None, bad_words=[])
     got = _process(logits.clone(), seq)
     want = RepetitionPenaltyLogitsProcessor(penalty)(torch.tensor([ids]), logits[None].clone())[0]
     assert torch.allclose(got, want, atol=0, rtol=0)
@@ -94,9 +94,9 @@ def with_generation_config(tiny_chat, folder, **fields):
 
 @pytest.fixture(scope="module")
 def tuned_chat(tiny_chat, tmp_path_factory):
-    """top_k 1 and temperature 0.7 by default."""
+    """top_k 1 and temperature 0.7 by default, and replies of 20 tokens where a request sets no length."""
     return with_generation_config(tiny_chat, tmp_path_factory.mktemp("tuned-chat"), do_sample=True, top_k=1,
-                                  temperature=0.7)
+                                  temperature=0.7, max_new_tokens=20)
 
 
 @pytest.fixture(scope="module")
@@ -108,7 +108,7 @@ def cold_chat(tiny_chat, tmp_path_factory):
 def test_a_folders_sampling_defaults_are_what_its_generation_config_sets(tuned_chat, tiny_chat, tmp_path):
     from workers.chat import folder_sampling_defaults
 
-    assert folder_sampling_defaults(tuned_chat) == {"temperature": 0.7, "top_k": 1}
+    assert folder_sampling_defaults(tuned_chat) == {"temperature": 0.7, "top_k": 1, "max_tokens": 20}
     assert folder_sampling_defaults(tiny_chat) == {}  # the demo's sets no sampling field
     assert folder_sampling_defaults(tmp_path) == {}  # no generation_config.json
 
@@ -159,3 +159,27 @@ def test_a_request_that_leaves_a_field_out_gets_the_models_default(defaults_serv
     assert story == response.output_text and cold.temperature == 0 and response.temperature == 0.7
     assert c.responses.create(model="cold", input="Tell me a story", max_output_tokens=24,
                               temperature=1).output_text != story
+
+
+def test_a_request_that_sets_no_length_gets_the_models_max_new_tokens(defaults_server):
+    """``tuned``'s generation_config.json sets ``max_new_tokens`` 20: chat, completions and
+    responses that set no length reply in 20 tokens (the end of text ignored), as vllm serve's
+    default max_tokens; a length the request sets wins; ``plain`` (``sampling_defaults: none``)
+    keeps the server's own defaults (chat 256 capped by limits.max_chat_tokens; completions 16)."""
+    import openai
+
+    c = openai.OpenAI(base_url=defaults_server.base_url, api_key=defaults_server.keys["paid"], max_retries=0)
+    ask, go_on = [{"role": "user", "content": "Tell me a story"}], {"ignore_eos": True}
+
+    def chat(model: str, **kw):
+        return c.chat.completions.create(model=model, messages=ask, extra_body=go_on, **kw)
+
+    first = chat("tuned")
+    assert (first.usage.completion_tokens, first.choices[0].finish_reason) == (20, "length")
+    assert chat("tuned", max_tokens=7).usage.completion_tokens == 7
+    assert chat("tuned", max_completion_tokens=30).usage.completion_tokens == 30
+    cap = defaults_server.services.config.limits.max_chat_tokens
+    assert chat("plain").usage.completion_tokens == min(256, cap) != 20
+    assert c.completions.create(model="tuned", prompt="Once", extra_body=go_on).usage.completion_tokens == 20
+    assert c.completions.create(model="plain", prompt="Once", extra_body=go_on).usage.completion_tokens == 16
+    assert c.responses.create(model="tuned", input="Tell me a story").usage.output_tokens <= 20

@@ -942,14 +942,18 @@ def folder_sampling_defaults(path: Path) -> dict[str, float | int]:
     """The sampling fields a model folder's ``generation_config.json`` sets away from
     transformers' defaults, read as vLLM reads them (``ModelConfig.get_diff_sampling_param``
     under ``--generation-config auto``): what a request that leaves one out gets (Qwen3's
-    temperature 0.6, top_k 20, ...). Empty without the file."""
+    temperature 0.6, top_k 20, ...), and its ``max_new_tokens`` as ``max_tokens``, the reply's
+    length where a request sets none. Empty without the file."""
     from transformers import GenerationConfig
 
     try:
         diff = GenerationConfig.from_pretrained(path).to_diff_dict()
     except OSError:  # no generation_config.json
         return {}
-    return {k: diff[k] for k in SAMPLING_DEFAULT_KEYS if diff.get(k) is not None}
+    out = {k: diff[k] for k in SAMPLING_DEFAULT_KEYS if diff.get(k) is not None}
+    if diff.get("max_new_tokens") is not None:
+        out["max_tokens"] = int(diff["max_new_tokens"])
+    return out
 
 
 Emit = Callable[[ChatEvent | BaseException], None]
