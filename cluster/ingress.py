@@ -207,7 +207,7 @@ class Ingress:
         except STORE_ERRORS as exc:  # Redis down: a clean 503, and the next caller tries again
             log.warning("the key store did not answer: %s: %s", type(exc).__name__, exc)
             raise store_unavailable() from exc
-        token = bearer_token(request.headers.get("authorization")) or token
+        token = bearer_token(request.headers.get("authorization")) or request.headers.get("x-api-key") or token
         caller = (self.keys.lookup(token) or self.accounts.lookup(token)) if token else None
         if caller is None:
             raise APIError(401, "missing or incorrect API key", "invalid_api_key")

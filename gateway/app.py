@@ -26,8 +26,8 @@ from batch.runner import runner_for
 from batch.uploads import uploads_for
 from tuning import api as tuning_api
 from gateway import (adapters, audio, chat, classify, completions, conversations, dashboard, embeddings, images,
-                     moderations, realtime_conversation, rerank, response_runs, responses_api, stored_chat, tokenize,
-                     vector_stores)
+                     messages, moderations, realtime_conversation, rerank, response_runs, responses_api, stored_chat,
+                     tokenize, vector_stores)
 from accounts.store import STORE_ERRORS
 from gateway.accounts import Accounts
 from gateway.accounts_api import KeyHeaders
@@ -57,6 +57,7 @@ from gateway.service import ClientGone, Services
 log = logging.getLogger("tiergate")
 
 _STATUS_CODES = {404: "not_found", 405: "method_not_allowed", 413: "request_too_large"}
+ANTHROPIC_PATHS = ("/v1/messages",)  # Anthropic's Messages API: its errors carry its "type" too (gateway.messages)
 
 
 def build_services(config: Config, keys: KeyRing, origin: str = "") -> Services:
@@ -190,7 +191,7 @@ async def admin_model(request: Request) -> Response:
 async def _api_error(request: Request, exc: APIError) -> Response:
     request.app.state.services.left_door()  # refused on its way to the gate: no longer demand
     note(reason=exc.code)
-    return exc.response()
+    return exc.response(anthropic=request.url.path.startswith(ANTHROPIC_PATHS))
 
 
 async def _http_error(request: Request, exc: HTTPException) -> Response:
@@ -238,6 +239,8 @@ def routes() -> list[BaseRoute]:
         *(Route(path, rerank.rerank, methods=["POST"]) for path in ("/v1/rerank", "/rerank", "/v2/rerank")),  # vLLM's
         *(Route(path, rerank.score, methods=["POST"]) for path in ("/v1/score", "/score")),
         *(Route(path, classify.classify, methods=["POST"]) for path in ("/v1/classify", "/classify")),  # vLLM's
+        Route("/v1/messages", messages.messages, methods=["POST"]),  # Anthropic's Messages API, as vLLM's
+        Route("/v1/messages/count_tokens", messages.count_tokens, methods=["POST"]),
         *(Route(path, healthz, methods=["GET"]) for path in LIVENESS),
         Route("/readyz", readyz, methods=["GET"]),
         Route("/metrics", metrics, methods=["GET"]),

@@ -45,8 +45,11 @@ class APIError(Exception):
     def body(self) -> dict:
         return {"error": {"message": self.message, "type": self.type, "param": self.param, "code": self.code}}
 
-    def response(self) -> JSONResponse:
-        return JSONResponse(self.body(), status_code=self.status, headers=self.headers)
+    def response(self, anthropic: bool = False) -> JSONResponse:
+        """The error as a response; ``anthropic`` (the Messages API's paths): with Anthropic's
+        ``"type": "error"`` beside the ``error`` object, which its SDK reads as well."""
+        body = {"type": "error", **self.body()} if anthropic else self.body()
+        return JSONResponse(body, status_code=self.status, headers=self.headers)
 
 
 def store_unavailable(what: str = "the key store") -> APIError:

@@ -23,7 +23,8 @@ from starlette.responses import JSONResponse, Response
 
 from gateway import service_tier
 from gateway.background import Background, EventLog
-from gateway.chat import ChoiceDelta, collect, plan_chat, served_caller, serve_chat
+from gateway.auth import Caller
+from gateway.chat import ChatJob, ChoiceDelta, collect, plan_chat, served_caller, serve_chat
 from gateway.completions import processor_of, tokenizer_of
 from gateway.conversation_store import ConversationStore
 from gateway.errors import bad_request, not_found
@@ -102,20 +103,28 @@ async def count_input_tokens(request: Request) -> Response:
     caller = svc.authenticate(request)
     body = parse(InputTokensRequest, await read_json(request, svc.config.limits.max_body))
     job = await plan_response(svc, caller, _store(request), body, request.app.state.conversations, write_queries=False)
-    if svc.accounts is not None and not svc.accounts.allows(caller, job.chat.model):
-        raise not_found(f"the model '{body.model}' does not exist", "model", "model_not_found")
-    spec = svc.spec(job.chat.model, "chat")
+    count = await prompt_token_count(svc, caller, job.chat, body.model, "input")
+    return JSONResponse({"object": "response.input_tokens", "input_tokens": count})
+
+
+async def prompt_token_count(svc: Services, caller: Caller, chat: ChatJob, model: str, param: str) -> int:
+    """The prompt tokens of a chat job, counted by the model's own tokenizer and chat template (its
+    images as the tokens the model's processor expands each to); 404 for a model the key may not use,
+    400 naming ``param`` where the template refuses the messages or an image does not decode."""
+    if svc.accounts is not None and not svc.accounts.allows(caller, chat.model):
+        raise not_found(f"the model '{model}' does not exist", "model", "model_not_found")
+    spec = svc.spec(chat.model, "chat")
     try:
-        if job.chat.images:  # each image counts as the tokens the model's processor expands it to
-            req = ChatRequest(job.chat.messages, ChatParams(max_tokens=0), tools=job.chat.tools.template_tools(),
-                              template_kwargs=job.chat.template_kwargs, images=job.chat.images)
+        if chat.images:
+            req = ChatRequest(chat.messages, ChatParams(max_tokens=0), tools=chat.tools.template_tools(),
+                              template_kwargs=chat.template_kwargs, images=chat.images)
             ids, _ = await asyncio.to_thread(vision_inputs, await processor_of(spec.path), req, sys.maxsize)
         else:
-            ids = await asyncio.to_thread(encode, await tokenizer_of(spec.path), job.chat.messages,
-                                          job.chat.tools.template_tools(), job.chat.template_kwargs)
+            ids = await asyncio.to_thread(encode, await tokenizer_of(spec.path), chat.messages,
+                                          chat.tools.template_tools(), chat.template_kwargs)
     except InvalidParam as exc:  # the chat template refused the input, or an image did not decode
-        raise bad_request(str(exc), "input") from None
-    return JSONResponse({"object": "response.input_tokens", "input_tokens": len(ids)})
+        raise bad_request(str(exc), param) from None
+    return len(ids)
 
 
 COMPACT_ASK = ("Write a summary of the conversation above for your own later use, in place of its turns: what was "

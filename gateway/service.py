@@ -156,9 +156,10 @@ class Services:
         return store
 
     def authenticate(self, request: HTTPConnection, token: str | None = None) -> Caller:
-        """The caller of ``request``'s key: its ``Authorization: Bearer`` header's, or ``token``
-        (a WebSocket's key, sent another way) when there is no header."""
-        token = bearer_token(request.headers.get("authorization")) or token
+        """The caller of ``request``'s key: its ``Authorization: Bearer`` header's, else its
+        ``x-api-key`` header's (as Anthropic's SDK sends it), else ``token`` (a WebSocket's key,
+        sent another way)."""
+        token = bearer_token(request.headers.get("authorization")) or request.headers.get("x-api-key") or token
         if token is None:
             raise APIError(401, "missing API key: send 'Authorization: Bearer <key>'", "missing_api_key")
         caller = self.keys.lookup(token)

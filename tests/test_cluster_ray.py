@@ -371,6 +371,25 @@ def test_other_endpoints_and_one_request_id(cluster):
     assert bad.status_code == 400 and bad.json()["error"]["code"] == "invalid_json"
 
 
+def test_anthropics_messages_through_the_ingress(cluster):
+    """The Messages API through the ingress with the anthropic SDK, which sends its key as
+    x-api-key: whole, streamed (Anthropic's events, relayed as they come), and a bad key refused
+    at the ingress."""
+    import anthropic
+
+    c = anthropic.Anthropic(base_url=cluster.url, api_key="key-paid", max_retries=0, timeout=60)
+    kw = dict(model="c", max_tokens=4, messages=[{"role": "user", "content": "hi"}], extra_body={"temperature": 0})
+    whole = c.messages.create(**kw)
+    assert whole.type == "message" and whole.usage.output_tokens == 4 and whole.stop_reason == "max_tokens"
+    with c.messages.stream(**kw) as stream:
+        kinds = [event.type for event in stream]
+        final = stream.get_final_message()
+    assert kinds[0] == "message_start" and kinds[-1] == "message_stop"
+    assert final.content[0].text == whole.content[0].text
+    with pytest.raises(anthropic.AuthenticationError):
+        anthropic.Anthropic(base_url=cluster.url, api_key="nobody", max_retries=0).messages.create(**kw)
+
+
 def test_embeddings_rerank_and_score_through_the_ingress(cluster):
     """The encoders route by their body's model as chat does: the openai SDK's embeddings, a rerank
     and a score, each answered by a replica, the same as one replica answers them alone; an unknown

@@ -174,6 +174,17 @@ SAMPLING = {"temperature": EDGE_FLOATS, "top_p": EDGE_FLOATS, "seed": EDGE_INTS,
 
 END_USER = {"safety_identifier": TEXT, "prompt_cache_key": TEXT, "prompt_cache_retention": st.sampled_from(["in-memory", "in_memory", "24h", "1h"])}
 
+# Anthropic's content blocks, near misses among them
+BLOCK = st.one_of(
+    st.fixed_dictionaries({"type": st.just("text"), "text": TEXT}),
+    st.fixed_dictionaries({"type": st.just("image"), "source": st.fixed_dictionaries(
+        {"type": st.sampled_from(["base64", "url", "file"])},
+        optional={"media_type": st.sampled_from(["image/png", "text/plain"]), "data": TEXT, "url": TEXT})}),
+    st.fixed_dictionaries({"type": st.just("tool_use"), "id": TEXT, "name": TEXT, "input": ANY_JSON}),
+    st.fixed_dictionaries({"type": st.just("tool_result"), "tool_use_id": TEXT},
+                          optional={"content": TEXT | ANY_JSON, "is_error": st.booleans()}),
+    st.fixed_dictionaries({"type": st.sampled_from(["thinking", "document", "x"]), "thinking": TEXT}))
+
 # each endpoint: a valid body, and a near-miss strategy per field (any field may also get ANY_JSON)
 ENDPOINTS = {
     "/v1/chat/completions": (
@@ -253,6 +264,25 @@ ENDPOINTS = {
                                                             "data_2")},
          "max_tokens_per_doc": EDGE_INTS, "use_activation": st.booleans(),
          "model": st.sampled_from(["tiny-rerank", "tiny-embed", "tiny-moderation", "nope"])}),
+    "/v1/messages": (
+        {"model": "tiny-chat", "max_tokens": 2, "messages": [{"role": "user", "content": "hi"}]},
+        {"messages": st.lists(st.fixed_dictionaries({"role": st.sampled_from(["user", "assistant", "system"]),
+                                                     "content": TEXT | st.lists(BLOCK, max_size=3)}), max_size=3),
+         "max_tokens": EDGE_INTS, "system": TEXT | st.lists(BLOCK, max_size=2), "stop_sequences": st.lists(TEXT, max_size=5),
+         "stream": st.booleans(), "temperature": EDGE_FLOATS, "top_p": EDGE_FLOATS, "top_k": EDGE_INTS,
+         "tools": st.lists(st.fixed_dictionaries({"name": TOOL_NAME, "input_schema": JSON_SCHEMA | ANY_JSON},
+                                                 optional={"description": TEXT}), max_size=2),
+         "tool_choice": st.fixed_dictionaries({"type": st.sampled_from(["auto", "any", "tool", "none", "x"])},
+                                              optional={"name": TOOL_NAME, "disable_parallel_tool_use": st.booleans()}),
+         "thinking": st.fixed_dictionaries({"type": st.sampled_from(["enabled", "disabled", "adaptive", "on"])},
+                                           optional={"budget_tokens": EDGE_INTS}),
+         "metadata": st.fixed_dictionaries({}, optional={"user_id": TEXT}),
+         "model": st.sampled_from(["tiny-chat", "tiny-vlm", "tiny-embed", "nope"])}),
+    "/v1/messages/count_tokens": (
+        {"model": "tiny-chat", "messages": [{"role": "user", "content": "hi"}]},
+        {"messages": st.lists(st.fixed_dictionaries({"role": st.sampled_from(["user", "assistant"]),
+                                                     "content": TEXT | st.lists(BLOCK, max_size=3)}), max_size=3),
+         "system": TEXT, "model": st.sampled_from(["tiny-chat", "tiny-embed", "nope"])}),
     "/v1/classify": (
         {"model": "tiny-moderation", "input": "hi"},
         {"input": TEXT | st.lists(TEXT, max_size=6) | TOKEN_IDS | st.lists(TOKEN_IDS, max_size=3) | st.just([[]]),

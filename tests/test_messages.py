@@ -1,0 +1,188 @@
+"""Anthropic's Messages API (``POST /v1/messages``, ``/v1/messages/count_tokens``) through the
+``anthropic`` SDK against a real server on tiny-chat (random weights, the transformers engine):
+each answer against the chat completion it stands for (same text, same token counts), stop
+reasons, streaming events, tool use and tool results, token counting, the key as the SDK sends it
+(``x-api-key``), and errors both SDKs read."""
+
+from __future__ import annotations
+
+import json
+
+import anthropic
+import httpx
+import openai
+import pytest
+
+from tests.helpers import start_server, write_config
+
+ASK = [{"role": "user", "content": "What is the weather?"}]
+GREEDY = {"temperature": 0}  # (the SDK no longer types the sampling fields; vLLM's endpoint, and this one, take them)
+WEATHER = {"name": "get_weather", "description": "Weather in a city.",
+           "input_schema": {"type": "object", "properties": {"city": {"enum": ["paris", "oslo", "lima"]},
+                                                             "celsius": {"type": "boolean"}},
+                            "required": ["city", "celsius"], "additionalProperties": False}}
+
+
+@pytest.fixture(scope="module")
+def server(tiny_chat, tiny_vlm, tmp_path_factory):
+    """tiny-chat, tiny-vlm (it reads images), and tiny-chat with a template that thinks unless
+    ``enable_thinking`` is false (Qwen3's rule)."""
+    from tests.test_reasoning import QWEN3_PROMPT, THINKING_ASSISTANT, _model
+
+    root = tmp_path_factory.mktemp("messages")
+    thinker = _model(tiny_chat, root / "thinker", QWEN3_PROMPT, THINKING_ASSISTANT)
+    running = start_server(write_config(root, {"tiny-chat": ("chat", tiny_chat), "tiny-vlm": ("chat", tiny_vlm),
+                                               "thinker": ("chat", thinker)}))
+    yield running
+    running.stop()
+
+
+def claude(server, tier: str = "paid") -> anthropic.Anthropic:
+    return anthropic.Anthropic(base_url=server.url, api_key=server.keys[tier], max_retries=0, timeout=120)
+
+
+def gpt(server) -> openai.OpenAI:
+    return openai.OpenAI(base_url=server.base_url, api_key=server.keys["paid"], max_retries=0, timeout=120)
+
+
+def tokenizer(server):
+    from transformers import AutoTokenizer
+
+    return AutoTokenizer.from_pretrained(str(server.services.arbiter.specs["tiny-chat"].path))
+
+
+def test_a_message_is_the_chat_completion_it_stands_for(server):
+    """The system prompt and the turns become the chat's messages: the reply, its token counts and
+    its stop reason are the chat completion's; the key goes as the SDK sends it (x-api-key)."""
+    system = "You answer briefly."
+    turns = [{"role": "user", "content": "Hi"}, {"role": "assistant", "content": [{"type": "text", "text": "Hello."}]},
+             {"role": "user", "content": [{"type": "text", "text": "What is the weather?"}]}]
+    m = claude(server).messages.create(model="tiny-chat", max_tokens=8, system=system, messages=turns,
+                                       extra_body=GREEDY)
+    chat = gpt(server).chat.completions.create(model="tiny-chat", max_tokens=8, temperature=0, messages=[
+        {"role": "system", "content": system}, {"role": "user", "content": "Hi"},
+        {"role": "assistant", "content": "Hello."}, {"role": "user", "content": "What is the weather?"}])
+    assert m.type == "message" and m.role == "assistant" and m.model == "tiny-chat" and m.id.startswith("msg_")
+    assert [b.type for b in m.content] == ["text"] and m.content[0].text == chat.choices[0].message.content
+    assert (m.usage.input_tokens, m.usage.output_tokens) == (chat.usage.prompt_tokens, chat.usage.completion_tokens)
+    assert m.stop_reason == ("max_tokens" if chat.choices[0].finish_reason == "length" else "end_turn")
+    counted = claude(server).messages.count_tokens(model="tiny-chat", system=system, messages=turns)
+    assert counted.input_tokens == m.usage.input_tokens
+
+
+def test_stop_reasons(server):
+    """``max_tokens``, and ``stop_sequences`` (the sequence that ended it named, the text cut
+    before it), on greedy replies."""
+    c = claude(server)
+
+    long = c.messages.create(model="tiny-chat", max_tokens=3, messages=ASK, extra_body=GREEDY)
+    assert long.stop_reason == "max_tokens" and long.usage.output_tokens == 3
+    text = c.messages.create(model="tiny-chat", max_tokens=12, messages=ASK, extra_body=GREEDY).content[0].text
+    cut = text[2:5]
+    ended = c.messages.create(model="tiny-chat", max_tokens=12, messages=ASK, stop_sequences=["zzz", cut],
+                              extra_body=GREEDY)
+    assert (ended.stop_reason, ended.stop_sequence) == ("stop_sequence", cut)
+    assert ended.content[0].text == text[:text.index(cut)]
+
+
+def test_a_streamed_message_is_the_whole_ones_in_anthropics_events(server):
+    """``messages.stream``: message_start first, a text block started, filled and stopped, then
+    message_delta (stop reason, usage) and message_stop; its text and usage are the whole answer's."""
+    c = claude(server)
+    kw = dict(model="tiny-chat", max_tokens=10, messages=ASK, extra_body=GREEDY)
+    whole = c.messages.create(**kw)
+    with c.messages.stream(**kw) as stream:
+        kinds = [event.type for event in stream]
+        final = stream.get_final_message()
+    assert kinds[0] == "message_start" and kinds[-1] == "message_stop" and kinds[-2] == "message_delta"
+    assert "content_block_start" in kinds and "content_block_stop" in kinds
+    assert final.content[0].text == whole.content[0].text and final.stop_reason == whole.stop_reason
+    assert (final.usage.input_tokens, final.usage.output_tokens) == (whole.usage.input_tokens, whole.usage.output_tokens)
+
+
+def test_tool_use_and_tool_results(server):
+    """A forced tool (``tool_choice`` by name): a ``tool_use`` block whose input is the schema's
+    (the call is constrained), ``stop_reason`` tool_use; streamed, its ``input_json_delta``
+    pieces join to the same input. The result goes back as a ``tool_result`` block: the next
+    turn's prompt holds the call and the result."""
+    c = claude(server)
+    kw = dict(model="tiny-chat", max_tokens=64, messages=ASK, tools=[WEATHER], extra_body=GREEDY,
+              tool_choice={"type": "tool", "name": "get_weather"})
+    m = c.messages.create(**kw)
+    (call,) = [b for b in m.content if b.type == "tool_use"]
+    assert m.stop_reason == "tool_use" and call.name == "get_weather" and call.id
+    assert set(call.input) == {"city", "celsius"} and call.input["city"] in ("paris", "oslo", "lima")
+    with c.messages.stream(**kw) as stream:
+        final = stream.get_final_message()
+    streamed = [b for b in final.content if b.type == "tool_use"]
+    assert [b.input for b in streamed] == [call.input] and final.stop_reason == "tool_use"
+    turns = ASK + [{"role": "assistant", "content": m.content},  # the SDK's own blocks, as clients send them back
+                   {"role": "user", "content": [{"type": "tool_result", "tool_use_id": call.id, "content": "18 degrees"},
+                                                {"type": "text", "text": "Thanks. And tomorrow?"}]}]
+    after = c.messages.count_tokens(model="tiny-chat", messages=turns, tools=[WEATHER])
+    before = c.messages.count_tokens(model="tiny-chat", messages=ASK, tools=[WEATHER])
+    assert after.input_tokens > before.input_tokens
+    reply = c.messages.create(model="tiny-chat", max_tokens=4, messages=turns, tools=[WEATHER])
+    assert reply.usage.input_tokens == after.input_tokens
+    rendered = httpx.post(f"{server.url}/tokenize", timeout=60, headers={"Authorization": f"Bearer {server.keys['paid']}"},
+                          json={"model": "tiny-chat", "return_token_strs": False, "messages": [
+                              *ASK, {"role": "assistant", "content": "",
+                                     "tool_calls": [{"id": call.id, "type": "function", "function": {
+                                         "name": "get_weather", "arguments": json.dumps(call.input)}}]},
+                              {"role": "tool", "tool_call_id": call.id, "content": "18 degrees"},
+                              {"role": "user", "content": "Thanks. And tomorrow?"}]}).json()
+    assert "18 degrees" in tokenizer(server).decode(rendered["tokens"])
+    # (with the tools the template renders them too, so only the count without them is the chat's)
+    assert c.messages.count_tokens(model="tiny-chat", messages=turns).input_tokens == rendered["count"]
+
+
+def test_image_blocks_and_thinking(server):
+    """An image block (base64, or a url as chat takes one) reaches a model that reads images: its
+    tokens count; a model that does not is a 400 naming the messages. ``thinking`` sets the chat
+    template's ``enable_thinking``: disabled, the template writes the empty thinking block."""
+    from tests.test_vision import data_url, picture
+
+    c = claude(server)
+    png = picture(1)
+    image = {"type": "image", "source": {"type": "base64", "media_type": "image/png",
+                                         "data": data_url(png).split(",", 1)[1]}}
+    asked = [{"role": "user", "content": [image, {"type": "text", "text": "What is in the picture?"}]}]
+    plain = [{"role": "user", "content": [{"type": "text", "text": "What is in the picture?"}]}]
+    seen = c.messages.count_tokens(model="tiny-vlm", messages=asked).input_tokens
+    assert seen > c.messages.count_tokens(model="tiny-vlm", messages=plain).input_tokens + 1
+    assert c.messages.create(model="tiny-vlm", max_tokens=4, messages=asked).usage.input_tokens == seen
+    with pytest.raises(anthropic.BadRequestError) as bad:
+        c.messages.create(model="tiny-chat", max_tokens=4, messages=asked)
+    assert bad.value.body["error"]["param"].startswith("messages")
+    thinking = c.messages.count_tokens(model="thinker", messages=ASK).input_tokens
+    quiet = c.messages.count_tokens(model="thinker", messages=ASK, thinking={"type": "disabled"}).input_tokens
+    on = c.messages.count_tokens(model="thinker", messages=ASK,
+                                 thinking={"type": "enabled", "budget_tokens": 1024}).input_tokens
+    assert quiet > thinking == on
+
+
+@pytest.mark.parametrize("body, status, param", [
+    ({"messages": ASK}, 400, "max_tokens"),  # required, as Anthropic's
+    ({"messages": ASK, "max_tokens": 4, "stop_sequences": ["a", "b", "c", "d", "e"]}, 400, "stop_sequences"),
+    ({"messages": [], "max_tokens": 4}, 400, "messages"),
+    ({"messages": [{"role": "assistant", "content": [{"type": "tool_result", "tool_use_id": "x", "content": "y"}]}],
+      "max_tokens": 4}, 400, "messages"),
+    ({"messages": ASK, "max_tokens": 4, "tool_choice": {"type": "tool", "name": "nope"}, "tools": [WEATHER]},
+     400, "tool_choice"),
+    ({"messages": ASK, "max_tokens": 4, "model": "nope"}, 404, "model"),
+    ({"messages": ASK, "max_tokens": 4, "logit_bias": {}}, 400, "logit_bias"),
+])
+def test_bad_requests_are_errors_both_sdks_read(server, body, status, param):
+    r = httpx.post(f"{server.url}/v1/messages", timeout=30, headers={"x-api-key": server.keys["paid"]},
+                   json={"model": "tiny-chat", **body})
+    assert r.status_code == status, r.text
+    err = r.json()
+    assert err["type"] == "error" and err["error"]["param"] == param and isinstance(err["error"]["code"], str)
+    assert err["error"]["message"]
+
+
+def test_a_bad_key_is_the_sdks_authentication_error(server):
+    with pytest.raises(anthropic.AuthenticationError) as bad:
+        anthropic.Anthropic(base_url=server.url, api_key="nobody", max_retries=0).messages.create(
+            model="tiny-chat", max_tokens=4, messages=ASK)
+    assert bad.value.status_code == 401 and bad.value.body["type"] == "error"
