@@ -9,7 +9,9 @@ engines as chat completions.
   history's reasoning); ``tools`` (``input_schema`` the parameters), ``tool_choice`` (``any`` is
   ``required``; ``disable_parallel_tool_use``), ``stop_sequences``, ``max_tokens``, sampling,
   ``metadata.user_id`` as the end user; ``thinking`` sets the chat template's ``enable_thinking``
-  (its ``budget_tokens`` is not enforced: ``max_tokens`` bounds the whole reply).
+  (its ``budget_tokens`` is not enforced: ``max_tokens`` bounds the whole reply);
+  ``output_config.format`` (a JSON schema) constrains the reply as chat's ``response_format``
+  does, and ``output_config.effort`` is chat's ``reasoning_effort`` (``max`` its ``xhigh``).
 * The answer is rendered from the chat deltas: whole, a ``message`` whose content is a
   ``thinking`` block (a reasoning model's), a ``text`` block and a ``tool_use`` block per call;
   streamed, Anthropic's events (``message_start``, ``content_block_start`` / ``_delta`` /
@@ -114,6 +116,16 @@ class Thinking(_Body):
     budget_tokens: int | None = Field(default=None, ge=1)
 
 
+class OutputFormat(_Body):
+    type: Literal["json_schema"]
+    schema_: dict[str, Any] = Field(alias="schema")
+
+
+class OutputConfig(_Body):
+    format: OutputFormat | None = None
+    effort: Literal["low", "medium", "high", "xhigh", "max"] | None = None
+
+
 class Metadata(_Body):
     user_id: str | None = None
 
@@ -132,6 +144,7 @@ class MessagesRequest(_Body):
     tool_choice: ToolChoice | None = None
     metadata: Metadata | None = None
     thinking: Thinking | None = None
+    output_config: OutputConfig | None = None
 
 
 class CountTokensRequest(_Body):
@@ -169,6 +182,12 @@ def chat_request(body: MessagesRequest | CountTokensRequest) -> dict[str, Any]:
         chat["chat_template_kwargs"] = {"enable_thinking": body.thinking.type != "disabled"}
     if isinstance(body, MessagesRequest):
         chat["max_tokens"] = body.max_tokens
+        output = body.output_config
+        if output is not None and output.format is not None:  # the reply is JSON the schema allows
+            chat["response_format"] = {"type": "json_schema", "json_schema": {"name": "output", "strict": True,
+                                                                             "schema": output.format.schema_}}
+        if output is not None and output.effort is not None:  # ("max" is the chat API's highest, "xhigh")
+            chat["reasoning_effort"] = "xhigh" if output.effort == "max" else output.effort
         for name in ("temperature", "top_p", "top_k"):
             if getattr(body, name) is not None:
                 chat[name] = getattr(body, name)
@@ -225,7 +244,8 @@ def _assistant(blocks: list) -> dict[str, Any]:
     return message
 
 
-_NAMES = {"stop": "stop_sequences", "max_completion_tokens": "max_tokens"}
+_NAMES = {"stop": "stop_sequences", "max_completion_tokens": "max_tokens", "response_format": "output_config",
+          "reasoning_effort": "output_config"}
 
 
 def _named(exc: APIError) -> APIError:

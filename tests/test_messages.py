@@ -136,6 +136,22 @@ def test_tool_use_and_tool_results(server):
     assert c.messages.count_tokens(model="tiny-chat", messages=turns).input_tokens == rendered["count"]
 
 
+def test_output_config_format_constrains_the_reply_to_its_schema(server):
+    """``output_config.format``: the reply's text is JSON the schema allows (constrained as chat's
+    response_format is), even on random weights; a schema that is not one is a 400 naming
+    ``output_config``."""
+    c = claude(server)
+    m = c.messages.create(model="tiny-chat", max_tokens=64, messages=ASK, extra_body=GREEDY,
+                          output_config={"format": {"type": "json_schema", "schema": WEATHER["input_schema"]}})
+    answer = json.loads(m.content[0].text)
+    assert set(answer) == {"city", "celsius"} and answer["city"] in ("paris", "oslo", "lima")
+    assert isinstance(answer["celsius"], bool) and m.stop_reason == "end_turn"
+    with pytest.raises(anthropic.BadRequestError) as bad:
+        c.messages.create(model="tiny-chat", max_tokens=8, messages=ASK,
+                          output_config={"format": {"type": "json_schema", "schema": {"type": "nonsense"}}})
+    assert bad.value.body["error"]["param"].startswith("output_config")
+
+
 def test_image_blocks_and_thinking(server):
     """An image block (base64, or a url as chat takes one) reaches a model that reads images: its
     tokens count; a model that does not is a 400 naming the messages. ``thinking`` sets the chat
