@@ -20,7 +20,7 @@ import json
 import logging
 import time
 from dataclasses import dataclass, field
-from typing import AsyncGenerator, AsyncIterator, Awaitable, Callable
+from typing import AsyncGenerator, AsyncIterator, Awaitable, Callable, Literal
 
 from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
@@ -88,6 +88,8 @@ class ChatJob:
     token_ids: bool = False  # vLLM's return_token_ids (``ChatRequest.token_ids``)
     tokens_as_ids: bool = False  # vLLM's return_tokens_as_token_ids: logprobs name each token "token_id:<id>"
     echo: str = ""  # vLLM's echo: the text each choice's content starts with (``ChatCompletionRequest.echoed``)
+    truncate: int | None = None  # vLLM's truncate_prompt_tokens and truncation_side (``ChatRequest.truncate``)
+    truncation_side: Literal["left", "right"] | None = None
 
 
 @dataclass
@@ -152,7 +154,19 @@ def plan_chat(svc: Services, body: ChatCompletionRequest) -> ChatJob:
                    include_reasoning=body.include_reasoning, images=images, own_adapter=names_own(body.model, stack),
                    prediction=body.prediction.text() if body.prediction is not None else None,
                    token_ids=bool(body.return_token_ids), tokens_as_ids=bool(body.return_tokens_as_token_ids),
-                   echo=body.echoed())
+                   echo=body.echoed(), truncate=_truncate(body.truncate_prompt_tokens, bool(images)),
+                   truncation_side=body.truncation_side)
+
+
+def _truncate(keep: int | None, images: bool) -> int | None:
+    """vLLM's ``truncate_prompt_tokens``, checked: 1 or more, or -1; not on a prompt with images,
+    whose image tokens a cut would split."""
+    if keep == 0:
+        raise bad_request("truncate_prompt_tokens is 0: 1 or more tokens to keep, or -1 for the context less one",
+                          "truncate_prompt_tokens")
+    if keep is not None and images:
+        raise bad_request("truncate_prompt_tokens cannot cut a prompt with images", "truncate_prompt_tokens")
+    return keep
 
 
 async def with_images(svc: Services, job: ChatJob) -> ChatJob:
@@ -322,7 +336,8 @@ async def _first_event(serving: Serving, job: ChatJob, params: ChatParams,
                       tools=job.tools.template_tools(), template_kwargs=job.template_kwargs,
                       prompt_end=job.prompt_end, prompt_ids=job.prompt_ids, stream=job.stream, reasoning=job.reasoning != "none", images=job.images,
                       cache_salt=serving.caller.key_id if serving.svc.config.server.prefix_cache == "per_key" else None,
-                      prediction=job.prediction, token_ids=job.token_ids)
+                      prediction=job.prediction, token_ids=job.token_ids, truncate=job.truncate,
+                      truncation_side=job.truncation_side)
     events = serving.worker.chat(req)
     try:
         return events, await events.__anext__(), ctx

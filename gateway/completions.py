@@ -40,7 +40,7 @@ import time
 import uuid
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, AsyncGenerator, AsyncIterator
+from typing import Any, AsyncGenerator, AsyncIterator, Literal
 
 from pydantic import Field, field_validator
 from starlette.requests import Request
@@ -60,7 +60,9 @@ from gateway.schemas import (MAX_ALLOWED_TOKEN_IDS, MAX_BAD_WORDS, MAX_REPETITIO
 from gateway.serving import Gone
 from gateway.service import Services
 from gateway.structured import request_grammar
-from workers.base import ChatParams, TokenLogprob
+from workers.base import ChatParams, ModelSpec, TokenLogprob
+from workers.chat_prompt import truncated
+from workers.registry import describe
 
 DEFAULT_MAX_TOKENS = 16  # as OpenAI's
 MAX_LOGPROBS = 5  # the legacy endpoint's cap on ``logprobs``
@@ -96,6 +98,8 @@ class CompletionRequest(_Body):
     spaces_between_special_tokens: bool = True
     allowed_token_ids: list[int] | None = Field(default=None, min_length=1, max_length=MAX_ALLOWED_TOKEN_IDS)
     bad_words: list[BadWord] | None = Field(default=None, max_length=MAX_BAD_WORDS)
+    truncate_prompt_tokens: int | None = Field(default=None, ge=-1)  # vLLM's: each prompt cut, as chat's
+    truncation_side: Literal["left", "right"] | None = None
     return_token_ids: bool | None = None  # vLLM's: each choice's prompt and generated token ids
     return_tokens_as_token_ids: bool | None = None  # vLLM's: logprobs name each token "token_id:<id>"
     response_format: ResponseFormat | None = None  # as chat's, and vLLM's structured_outputs (gateway.structured)
@@ -282,6 +286,8 @@ async def plan_completion(svc: Services, body: CompletionRequest) -> CompletionJ
                               "knows, and no fim: in tiers.yaml), so it cannot complete between a prompt and a suffix",
                               "suffix")
     prompts = await asyncio.to_thread(encode_prompts, tok, raw, body.suffix, fim)  # off the loop
+    if body.truncate_prompt_tokens is not None:
+        prompts = await _truncated(svc, spec, tok, prompts, body.truncate_prompt_tokens, body.truncation_side)
     ranked = made > body.n  # best_of: each candidate's tokens' logprobs rank it
     params = ChatParams(
         max_tokens, stop=body.stop or [], seed=body.seed,
@@ -356,6 +362,21 @@ def _prompt_entries(prompt: Prompt, entries: list | None) -> list[TokenLogprob |
         raise RuntimeError(f"the engine gave {None if entries is None else len(entries)} prompt logprobs "
                            f"for {len(prompt.ids)} prompt tokens")
     return entries
+
+
+async def _truncated(svc: Services, spec: ModelSpec, tok: Any, prompts: list[Prompt], keep: int,
+                     side: str | None) -> list[Prompt]:
+    """vLLM's ``truncate_prompt_tokens`` on each prompt (``workers.chat_prompt.truncated``); a cut one
+    echoes as the text of the tokens it kept."""
+    if keep == 0:
+        raise bad_request("truncate_prompt_tokens is 0: 1 or more tokens to keep, or -1 for the context less one",
+                          "truncate_prompt_tokens")
+    context = svc.context_lengths.get(spec.name) or (await asyncio.to_thread(describe, spec)).context_length
+    out = []
+    for p in prompts:
+        ids = truncated(tok, p.ids, keep, side, context)
+        out.append(p if ids is p.ids else Prompt(ids, tok.decode(ids), tok.decode(ids[:1])))
+    return out
 
 
 def completion_usage(job: CompletionJob, replies: list[Reply] | list[ChoiceDelta]) -> dict:

@@ -369,6 +369,10 @@ class ChatCompletionRequest(EndUser):
     spaces_between_special_tokens: bool = True
     allowed_token_ids: list[int] | None = Field(default=None, min_length=1, max_length=MAX_ALLOWED_TOKEN_IDS)
     bad_words: list[BadWord] | None = Field(default=None, max_length=MAX_BAD_WORDS)
+    # vLLM's: the rendered prompt cut to this many tokens (-1: the context less one), its start kept
+    # (truncation_side right) or its end (left; unset: the tokenizer's own side)
+    truncate_prompt_tokens: int | None = Field(default=None, ge=-1)
+    truncation_side: Literal["left", "right"] | None = None
     return_token_ids: bool | None = None  # vLLM's: the prompt's and each choice's token ids in the answer
     return_tokens_as_token_ids: bool | None = None  # vLLM's: logprobs name each token "token_id:<id>"
     tools: list[Tool] | None = Field(default=None, max_length=MAX_TOOLS)

@@ -776,6 +776,40 @@ def test_echo_prepends_the_last_message_as_vllm_does(server):
     assert bad.value.body["param"] == "echo"
 
 
+def test_truncate_prompt_tokens_cuts_the_prompt_as_vllm_does(server):
+    """vLLM's ``truncate_prompt_tokens`` with ``truncation_side``, on both engines: the rendered
+    prompt cut to its last (left) or first (right) tokens, the tokenizer's own side by default, -1
+    the context less one (here: nothing cut); the reply is a raw completion's of the kept ids. On
+    legacy completions each prompt is cut, and echoes as the kept tokens' text."""
+    tok = tokenizer(server)
+    c = client(server)
+    prompt = tok(tok.apply_chat_template(ASK, tokenize=False, add_generation_prompt=True),
+                 add_special_tokens=False)["input_ids"]
+    k = len(prompt) - 3
+
+    def chat(**extra):
+        return c.chat.completions.create(model="tiny-chat", messages=ASK, max_tokens=6, temperature=0,
+                                         extra_body={"return_token_ids": True, **extra})
+
+    for side, kept in (("left", prompt[-k:]), ("right", prompt[:k]), (None, prompt[:k] if
+                       tok.truncation_side == "right" else prompt[-k:])):
+        r = chat(truncate_prompt_tokens=k, **({"truncation_side": side} if side else {}))
+        assert r.usage.prompt_tokens == k and r.model_extra["prompt_token_ids"] == kept, side
+        raw = c.completions.create(model="tiny-chat", prompt=kept, max_tokens=6, temperature=0)
+        assert r.choices[0].message.content == raw.choices[0].text, side
+    assert chat(truncate_prompt_tokens=-1).model_extra["prompt_token_ids"] == prompt
+    said = tok("Say something nice about tiers")["input_ids"]
+    cut = c.completions.create(model="tiny-chat", prompt="Say something nice about tiers", max_tokens=2,
+                               temperature=0, echo=True,
+                               extra_body={"truncate_prompt_tokens": 3, "truncation_side": "left"})
+    assert cut.usage.prompt_tokens == 3 and cut.choices[0].text.startswith(tok.decode(said[-3:]))
+    for extra in ({"truncate_prompt_tokens": 0}, {"truncate_prompt_tokens": -2},
+                  {"truncate_prompt_tokens": 4, "truncation_side": "middle"}):
+        with pytest.raises(openai.BadRequestError) as bad:
+            chat(**extra)
+        assert bad.value.body["param"] in ("truncate_prompt_tokens", "truncation_side"), extra
+
+
 def test_user_is_logged_scoped_to_the_key(server, caplog):
     caplog.set_level("INFO", logger="tiergate")
     client(server).chat.completions.create(model="tiny-chat", messages=ASK, max_tokens=2, user="alice@example.com")

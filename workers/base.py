@@ -220,6 +220,10 @@ class ChatRequest:
     # prefill's one pass and keeps the tokens the reply would have had anyway (the reply is the same
     # with or without it); other engines may ignore it
     prediction: str | None = None
+    # vLLM's truncate_prompt_tokens: the rendered prompt cut to this many tokens (-1: the context less one), keeping
+    # its start (truncation_side "right") or its end ("left"; None: the tokenizer's own side)
+    truncate: int | None = None
+    truncation_side: Literal["left", "right"] | None = None
     # vLLM's return_token_ids: each TextDelta carries the ids of the tokens generated since the last one's
     # (``TextDelta.token_ids``), and the first the prompt's (``prompt_ids``); the tokens after the last
     # text (the end of text, a held-back tail) come in a TextDelta of their own before ChatFinished

@@ -109,6 +109,15 @@ def check_context(prompt_len: int, max_tokens: int, context_length: int) -> None
         )
 
 
+def truncated(tokenizer: Any, ids: list[int], keep: int, side: str | None, context_length: int) -> list[int]:
+    """vLLM's ``truncate_prompt_tokens``: ``ids`` cut to ``keep`` tokens (-1: the context less one,
+    which leaves a token of room for the reply), the first kept (``side`` right) or the last (left;
+    None: the tokenizer's own ``truncation_side``)."""
+    keep = context_length - 1 if keep == -1 else keep
+    side = side or getattr(tokenizer, "truncation_side", "right")
+    return ids if len(ids) <= keep else ids[-keep:] if side == "left" else ids[:keep]
+
+
 def request_ids(tokenizer: Any, req: ChatRequest, context_length: int) -> list[int]:
     """The prompt of ``req``: its raw ``prompt_ids`` when it has them (legacy completions, no
     template), else its messages and tools through :func:`encode`; refused with
@@ -118,6 +127,9 @@ def request_ids(tokenizer: Any, req: ChatRequest, context_length: int) -> list[i
     if req.prompt_ids is None:
         text = render(tokenizer, req.messages, req.tools, req.template_kwargs, **end_kwargs(req.prompt_end))
         ids = _ids(tokenizer, text)
+        if req.truncate is not None:
+            ids = truncated(tokenizer, ids, req.truncate, req.truncation_side, context_length)
+            text = tokenizer.decode(ids, skip_special_tokens=False)  # (its thinking marker: the kept part's)
         check_context(len(ids), req.params.max_tokens, context_length)
         req.ctx.prompt_thinking = thinking_marker(text)
         return ids
