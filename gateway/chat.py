@@ -109,6 +109,7 @@ class ChoiceDelta:
     reasoning_tokens: int = 0  # the last delta: the completion tokens the choice spent thinking
     token_ids: list[int] | None = None  # ``ChatJob.token_ids``: the tokens generated since the last delta's
     prompt_ids: list[int] | None = None  # ... and in the choice's first delta, the prompt's
+    prompt_tokens: int | None = None  # the choice's first delta: the prompt's length (the engine has rendered it)
 
     @property
     def empty(self) -> bool:
@@ -242,10 +243,12 @@ async def _serve_choice(svc: Services, caller: Caller, job: ChatJob, index: int,
         # (after the first event: the engine has rendered the prompt, and noted its thinking marker)
         thinking = ThinkSplitter(job.reasoning, ctx.prompt_thinking) if job.reasoning != "none" else None
         svc.metrics.observe(svc.metrics.ttft, serving.first_token(), caller.tier)
+        prompt_tokens: int | None = ctx.prompt_tokens  # told in the choice's first delta, then not again
         try:
             while not isinstance(event, ChatFinished):
                 delta = _read(index, event, parser, thinking, job.include_reasoning)
                 if not delta.empty:
+                    delta.prompt_tokens, prompt_tokens = prompt_tokens, None
                     yield delta
                 event = await serving.until_gone(events.__anext__())
             serving.count_tokens(event.prompt_tokens, event.completion_tokens, event.cached_tokens)
@@ -258,7 +261,7 @@ async def _serve_choice(svc: Services, caller: Caller, job: ChatJob, index: int,
         last.finish_reason = "function_call" if job.tools.legacy else "tool_calls"
     else:
         last.finish_reason = event.finish_reason
-    last.finished, last.tier = event, caller.tier
+    last.finished, last.tier, last.prompt_tokens = event, caller.tier, prompt_tokens
     if thinking is not None:
         last.reasoning_tokens = thinking.reasoning_tokens(event)
     yield last

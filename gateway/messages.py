@@ -314,7 +314,7 @@ async def _events(deltas: AsyncIterator[ChoiceDelta], first: ChoiceDelta, mid: s
     """The streamed message: a content block per kind of piece as they come (thinking, text, each
     tool call), each started, filled and stopped in order."""
     start = {"id": mid, "type": "message", "role": "assistant", "model": model, "content": [], "stop_reason": None,
-             "stop_sequence": None, "usage": {"input_tokens": 0, "output_tokens": 0}}
+             "stop_sequence": None, "usage": {"input_tokens": first.prompt_tokens or 0, "output_tokens": 0}}
     yield _event("message_start", message=start)
     index, open_kind = -1, None  # the block being written, and its kind ("thinking", "text", or a call's index)
 

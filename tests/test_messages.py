@@ -92,9 +92,11 @@ def test_a_streamed_message_is_the_whole_ones_in_anthropics_events(server):
     kw = dict(model="tiny-chat", max_tokens=10, messages=ASK, extra_body=GREEDY)
     whole = c.messages.create(**kw)
     with c.messages.stream(**kw) as stream:
-        kinds = [event.type for event in stream]
+        events = list(stream)
         final = stream.get_final_message()
+    kinds = [event.type for event in events]
     assert kinds[0] == "message_start" and kinds[-1] == "message_stop" and kinds[-2] == "message_delta"
+    assert events[0].message.usage.input_tokens == whole.usage.input_tokens > 0  # known when the stream starts
     assert "content_block_start" in kinds and "content_block_stop" in kinds
     assert final.content[0].text == whole.content[0].text and final.stop_reason == whole.stop_reason
     assert (final.usage.input_tokens, final.usage.output_tokens) == (whole.usage.input_tokens, whole.usage.output_tokens)
