@@ -23,17 +23,18 @@ from typing import Literal
 import numpy as np
 from pydantic import Field
 from starlette.requests import Request
-from starlette.responses import JSONResponse, Response
+from starlette.responses import Response
 
 from accounts.rates import Ask
 from gateway.auth import Caller
 from gateway.errors import bad_request
-from gateway.http import disconnect_signal
+from gateway.http import answered
 from gateway.request_log import new_id
-from gateway.schemas import _Body, parse, read_json
+from gateway.schemas import _Body, parse
 from gateway.service import Services
 from gateway.serving import Gone, Serving, in_thread, weightless
 from workers.embed import InputError
+from gateway.moderations import checked_size
 from workers.moderation import ModerationWorker
 
 
@@ -71,13 +72,7 @@ async def plan_classify(svc: Services, body: ClassifyRequest) -> ClassifyJob:
         svc.first_spec("moderation", "classification model (kind: moderation)")
     inputs = _inputs(body.input)
     limits = svc.config.limits
-    if len(inputs) > limits.moderation_max_inputs:
-        raise bad_request(f"input has {len(inputs)} items, above this server's limit of "
-                          f"{limits.moderation_max_inputs} per request", "input", "too_many_inputs")
-    too_long = f"above this server's limit of {limits.moderation_max_tokens} tokens per classification request"
-    chars = sum(len(t) if isinstance(t, str) else 0 for t in inputs)
-    if chars > 32 * limits.moderation_max_tokens:
-        raise bad_request(f"input is {chars} characters, {too_long}", "input", "too_many_tokens")
+    too_long = checked_size(limits, inputs, "classification")
     reader = await weightless(svc.encoders, spec, ModerationWorker.reader)
     truncate = body.truncate_prompt_tokens
     if truncate is not None:
@@ -134,9 +129,4 @@ async def classify_answer(svc: Services, caller: Caller, data: dict, gone: Gone 
 
 async def classify(request: Request) -> Response:
     """POST /classify, /v1/classify."""
-    svc: Services = request.app.state.services
-    caller = svc.admit_caller(request)
-    data = await read_json(request, svc.config.limits.max_body)
-    async with disconnect_signal(request) as gone:
-        result = await classify_answer(svc, caller, data, gone)
-    return JSONResponse(result, headers=svc.gate.rate_headers(caller.tier))
+    return await answered(request, classify_answer)

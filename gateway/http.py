@@ -1,16 +1,34 @@
 """What HTTP handlers share on top of the serving core: the client's disconnect as a signal for
-``Serving``, and a streamed response that closes its source however the stream ends."""
+``Serving``, a streamed response that closes its source however the stream ends, and a model
+request answered as JSON by the serving core a batch line shares (``answered``)."""
 
 from __future__ import annotations
 
 import asyncio
-from typing import AsyncIterator
+from typing import AsyncIterator, Awaitable, Callable
 
 from starlette.requests import Request
-from starlette.responses import StreamingResponse
+from starlette.responses import JSONResponse, Response, StreamingResponse
 
+from gateway.auth import Caller
 from gateway.deadlines import Deadline, Deadlines
+from gateway.schemas import read_json
+from gateway.service import Services
 from gateway.serving import Gone
+
+Answer = Callable[[Services, Caller, dict, "Gone | None"], Awaitable[dict]]
+
+
+async def answered(request: Request, answer: Answer) -> Response:
+    """A model request whose JSON body ``answer`` turns into its JSON answer (the serving core,
+    which batch lines call too): admitted (or refused at once), read, answered while the client
+    stays; the tier's rate headers on it."""
+    svc: Services = request.app.state.services
+    caller = svc.admit_caller(request)
+    data = await read_json(request, svc.config.limits.max_body)
+    async with disconnect_signal(request) as gone:
+        result = await answer(svc, caller, data, gone)
+    return JSONResponse(result, headers=svc.gate.rate_headers(caller.tier))
 
 
 WATCH_AFTER_S = 0.05  # a block that ends sooner never starts its watcher

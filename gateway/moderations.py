@@ -19,6 +19,7 @@ from starlette.responses import JSONResponse, Response
 
 from accounts.rates import Ask
 from gateway.auth import Caller
+from gateway.config import LimitsConfig
 from gateway.errors import bad_request
 from gateway.http import disconnect_signal
 from gateway.request_log import new_id
@@ -82,13 +83,7 @@ async def plan_moderation(svc: Services, body: ModerationRequest) -> ModerationJ
     spec = _model(svc, body.model)
     texts = _texts(body.input)
     limits = svc.config.limits
-    if len(texts) > limits.moderation_max_inputs:
-        raise bad_request(f"input has {len(texts)} items, above this server's limit of "
-                          f"{limits.moderation_max_inputs} per request", "input", "too_many_inputs")
-    too_long = f"above this server's limit of {limits.moderation_max_tokens} tokens per moderation request"
-    chars = sum(len(t) for t in texts)
-    if chars > 32 * limits.moderation_max_tokens:
-        raise bad_request(f"input is {chars} characters, {too_long}", "input", "too_many_tokens")
+    too_long = checked_size(limits, texts, "moderation")
     reader = await weightless(svc.encoders, spec, ModerationWorker.reader)
     try:
         pieces = await asyncio.to_thread(reader.tokenize, texts)
@@ -98,6 +93,20 @@ async def plan_moderation(svc: Services, body: ModerationRequest) -> ModerationJ
     if job.tokens > limits.moderation_max_tokens:
         raise bad_request(f"input is {job.tokens} tokens, {too_long}", "input", "too_many_tokens")
     return job
+
+
+def checked_size(limits: LimitsConfig, inputs: list[str] | list[list[int]], what: str) -> str:
+    """Refuse (400 naming ``input``) more inputs than ``limits.moderation_max_inputs``, or texts
+    longer than 32 characters a token allows under ``limits.moderation_max_tokens``, before any is
+    read; the words that refuse more tokens, once they are counted."""
+    if len(inputs) > limits.moderation_max_inputs:
+        raise bad_request(f"input has {len(inputs)} items, above this server's limit of "
+                          f"{limits.moderation_max_inputs} per request", "input", "too_many_inputs")
+    too_long = f"above this server's limit of {limits.moderation_max_tokens} tokens per {what} request"
+    chars = sum(len(t) for t in inputs if isinstance(t, str))
+    if chars > 32 * limits.moderation_max_tokens:
+        raise bad_request(f"input is {chars} characters, {too_long}", "input", "too_many_tokens")
+    return too_long
 
 
 def _model(svc: Services, name: str | None) -> ModelSpec:

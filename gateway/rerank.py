@@ -29,14 +29,14 @@ from dataclasses import dataclass
 import numpy as np
 from pydantic import Field
 from starlette.requests import Request
-from starlette.responses import JSONResponse, Response
+from starlette.responses import Response
 
 from accounts.rates import Ask
 from gateway.auth import Caller
 from gateway.errors import bad_request
-from gateway.http import disconnect_signal
+from gateway.http import answered
 from gateway.request_log import new_id
-from gateway.schemas import _Body, parse, read_json
+from gateway.schemas import _Body, parse
 from gateway.service import Services
 from gateway.serving import Gone, Serving, in_thread, weightless
 from workers.embed import EmbedWorker, InputError
@@ -262,18 +262,9 @@ async def score_answer(svc: Services, caller: Caller, data: dict, gone: Gone | N
 
 async def rerank(request: Request) -> Response:
     """POST /v1/rerank, /rerank, /v2/rerank."""
-    return await _answer(request, rerank_answer)
+    return await answered(request, rerank_answer)
 
 
 async def score(request: Request) -> Response:
     """POST /v1/score, /score."""
-    return await _answer(request, score_answer)
-
-
-async def _answer(request: Request, answer) -> Response:
-    svc: Services = request.app.state.services
-    caller = svc.admit_caller(request)
-    data = await read_json(request, svc.config.limits.max_body)
-    async with disconnect_signal(request) as gone:
-        result = await answer(svc, caller, data, gone)
-    return JSONResponse(result, headers=svc.gate.rate_headers(caller.tier))
+    return await answered(request, score_answer)

@@ -11,7 +11,9 @@ as one unit, so that the server starts once there too. The longest modules go fi
 
 from __future__ import annotations
 
+import json
 import logging
+import shutil
 from pathlib import Path
 from typing import Iterator
 
@@ -129,6 +131,16 @@ def tiny_moderation(demo_dir: Path) -> Path:
     from demo import build_demo_models
 
     return build_demo_models(demo_dir, names=["tiny-moderation"])["tiny-moderation"]
+
+
+@pytest.fixture(scope="session")
+def tiny_softmax(tiny_moderation: Path, tmp_path_factory) -> Path:
+    """tiny-moderation as a single-label classifier (a softmax over the categories)."""
+    folder = tmp_path_factory.mktemp("softmax") / "tiny-moderation-softmax"
+    shutil.copytree(tiny_moderation, folder)
+    config = json.loads((folder / "config.json").read_text())
+    (folder / "config.json").write_text(json.dumps({**config, "problem_type": "single_label_classification"}))
+    return folder
 
 
 @pytest.fixture(scope="session")

@@ -7,7 +7,6 @@ or cut by ``truncate_prompt_tokens``, bad input naming its field, and a Batch AP
 from __future__ import annotations
 
 import json
-import shutil
 from pathlib import Path
 
 import httpx
@@ -22,16 +21,6 @@ from tests.helpers import RunningServer, run_batch, start_server, write_config
 TOLERANCE = 1e-5  # a text alone and padded among longer ones differs by the padded attention's fp32 rounding
 TEXTS = ["I will find you.", "What a lovely day for a walk in the park with the dog.", "hello"]
 LONG = " ".join(f"word{i} the dog ran over the hill" for i in range(40))  # ~400 tokens: over the 128 of context
-
-
-@pytest.fixture(scope="module")
-def tiny_softmax(tiny_moderation: Path, tmp_path_factory) -> Path:
-    """tiny-moderation as a single-label classifier (a softmax over its labels)."""
-    folder = tmp_path_factory.mktemp("softmax") / "tiny-softmax"
-    shutil.copytree(tiny_moderation, folder)
-    config = json.loads((folder / "config.json").read_text())
-    (folder / "config.json").write_text(json.dumps({**config, "problem_type": "single_label_classification"}))
-    return folder
 
 
 @pytest.fixture(scope="module")

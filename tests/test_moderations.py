@@ -27,16 +27,6 @@ TEXTS = ["I will find you.", "What a lovely day for a walk in the park with the 
 
 
 @pytest.fixture(scope="module")
-def tiny_softmax(tiny_moderation: Path, tmp_path_factory) -> Path:
-    """tiny-moderation as a single-label classifier (a softmax over the categories)."""
-    folder = tmp_path_factory.mktemp("softmax") / "tiny-moderation-softmax"
-    shutil.copytree(tiny_moderation, folder)
-    config = json.loads((folder / "config.json").read_text())
-    (folder / "config.json").write_text(json.dumps({**config, "problem_type": "single_label_classification"}))
-    return folder
-
-
-@pytest.fixture(scope="module")
 def server(tiny_moderation: Path, tiny_softmax: Path, tiny_embed: Path, tmp_path_factory) -> RunningServer:
     folder = tmp_path_factory.mktemp("moderation-server")
     models = {"tiny-moderation": ("moderation", tiny_moderation), "tiny-moderation-softmax": ("moderation", tiny_softmax),
