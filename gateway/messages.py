@@ -18,7 +18,7 @@ engines as chat completions.
   ``_stop`` per block, ``message_delta`` with the stop reason and usage, ``message_stop``).
   ``stop_reason`` is ``end_turn``, ``max_tokens``, ``stop_sequence`` (with ``stop_sequence``) or
   ``tool_use``. A tool call whose arguments are not a JSON object is not a valid ``tool_use``:
-  whole, it is answered as text.
+  whole, its arguments as written are answered as text (streamed, they went out as they came).
 
 Keys may come as Anthropic's SDK sends them (``x-api-key``). Errors keep OpenAI's shape, with
 Anthropic's ``"type": "error"`` beside it, so either SDK reads them."""
@@ -34,7 +34,7 @@ from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
 
 from gateway.chat import ChatJob, ChoiceDelta, Reply, collect, plan_chat, serve_chat, with_images
-from gateway.errors import APIError
+from gateway.errors import APIError, bad_request
 from gateway.http import Streamed, disconnect_signal
 from gateway.request_log import new_id
 from gateway.schemas import ChatCompletionRequest, _Body, parse, part_type, read_json, tagged
@@ -220,8 +220,7 @@ def _user(blocks: list) -> list[dict[str, Any]]:
             url = src.url if src.type == "url" else f"data:{src.media_type};base64,{src.data}"
             parts.append({"type": "image_url", "image_url": {"url": url}})
         else:
-            raise APIError(400, f"a user message takes text, image and tool_result blocks, not {b.type}",
-                           "invalid_request_error", "messages")
+            raise bad_request(f"a user message takes text, image and tool_result blocks, not {b.type}", "messages")
     if parts:
         out.append({"role": "user", "content": parts})
     return out
@@ -239,8 +238,7 @@ def _assistant(blocks: list) -> dict[str, Any]:
     if thinking:
         message["reasoning_content"] = thinking
     if any(isinstance(b, (ImageBlock, ToolResultBlock)) for b in blocks):
-        raise APIError(400, "an assistant message takes text, tool_use and thinking blocks", "invalid_request_error",
-                       "messages")
+        raise bad_request("an assistant message takes text, tool_use and thinking blocks", "messages")
     return message
 
 
@@ -295,7 +293,7 @@ def message(mid: str, model: str, reply: Reply) -> dict[str, Any]:
             given = None
         if isinstance(given, dict):
             calls.append({"type": "tool_use", "id": call["id"], "name": call["function"]["name"], "input": given})
-        else:  # not a call Anthropic's clients can run: its text, as the model wrote it
+        else:  # not a call Anthropic's clients can run: its arguments, as written, are text
             text += arguments
     if text or not (content or calls):
         content.append({"type": "text", "text": text})
