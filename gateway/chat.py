@@ -34,7 +34,7 @@ from gateway.errors import APIError, bad_request
 from gateway.http import Streamed, disconnect_signal
 from gateway.input_audio import chat_audio
 from gateway.input_files import chat_files
-from gateway.logprobs import chat_content, chat_logprobs
+from gateway.logprobs import chat_content, chat_logprobs, prompt_logprob_dicts
 from gateway.output_audio import SpokenReplies, SpokenStream, heard_replies, plan_voice, say, say_replies
 from gateway.reasoning import ReasoningParser, ThinkSplitter
 from gateway.request_log import new_id
@@ -138,6 +138,8 @@ def plan_chat(svc: Services, body: ChatCompletionRequest) -> ChatJob:
         raise bad_request(f"n is {body.n}, above this server's limit of {limits.max_n} choices", "n")
     if body.top_logprobs is not None and not body.logprobs:
         raise bad_request("top_logprobs needs logprobs: true", "top_logprobs")
+    if body.prompt_logprobs is not None and body.stream:  # as vLLM's
+        raise bad_request("prompt_logprobs are not available when stream is true", "prompt_logprobs")
     engine = engine_config(svc, spec.name)
     tools = _plan_tools(body, getattr(engine, "tool_parser", "hermes"))
     asked = request_grammar(body.response_format, body.structured_outputs, limits.grammar_max_chars)
@@ -146,7 +148,7 @@ def plan_chat(svc: Services, body: ChatCompletionRequest) -> ChatJob:
     params = ChatParams(
         max_tokens, stop=body.stop or [], seed=body.seed,
         logprobs=(body.top_logprobs or 0) if body.logprobs else None,
-        logit_bias={int(k): v for k, v in (body.logit_bias or {}).items()},
+        logit_bias={int(k): v for k, v in (body.logit_bias or {}).items()}, prompt_logprobs=body.prompt_logprobs,
         grammar=grammar, **sampling(body, defaults), **reply_options(body, max_tokens),
     )
     return ChatJob(spec.name, body.messages_as_dicts(), params, stack, tools, body.n, body.service_tier,
@@ -446,6 +448,8 @@ def completion(cid: str, model: str, replies: list[Reply], tier: str, job: ChatJ
     if job.echo:  # vLLM's: the last message's text first, before a reply's text or calls
         for choice in body["choices"]:
             choice["message"]["content"] = job.echo + (choice["message"]["content"] or "")
+    if job.params.prompt_logprobs is not None:  # vLLM's: per prompt token after the first, by token id
+        body["prompt_logprobs"] = prompt_logprob_dicts(replies[0].prompt_logprobs if replies else None)
     if job.token_ids:
         for choice, r in zip(body["choices"], replies):
             choice["token_ids"] = r.token_ids

@@ -46,3 +46,16 @@ def chat_logprobs(entries: list[TokenLogprob] | None, asked: bool, as_ids: bool 
     if not asked:
         return None
     return {"content": chat_content(entries or [], as_ids), "refusal": None}
+
+
+def prompt_logprob_dicts(entries: list[TokenLogprob | None] | None) -> list[dict | None] | None:
+    """vLLM's ``prompt_logprobs`` of a chat completion: per prompt token (None for the first), its
+    own and the likeliest tokens' ``{"logprob", "rank", "decoded_token"}`` by token id; an
+    impossible token's -inf as vLLM writes it, -9999.0."""
+    if entries is None:
+        return None
+
+    def one(e: TokenLogprob) -> dict:
+        return {"logprob": max(e.logprob, -9999.0), "rank": e.rank, "decoded_token": e.token}
+
+    return [None if e is None else {**{str(t.id): one(t) for t in e.top}, str(e.id): one(e)} for e in entries]

@@ -373,6 +373,8 @@ class ChatCompletionRequest(EndUser):
     # (truncation_side right) or its end (left; unset: the tokenizer's own side)
     truncate_prompt_tokens: int | None = Field(default=None, ge=-1)
     truncation_side: Literal["left", "right"] | None = None
+    # vLLM's: each prompt token's log probability, rank and the k likeliest there (0..20; not streamed)
+    prompt_logprobs: int | None = Field(default=None, ge=0, le=20)
     return_token_ids: bool | None = None  # vLLM's: the prompt's and each choice's token ids in the answer
     return_tokens_as_token_ids: bool | None = None  # vLLM's: logprobs name each token "token_id:<id>"
     tools: list[Tool] | None = Field(default=None, max_length=MAX_TOOLS)

@@ -810,6 +810,40 @@ def test_truncate_prompt_tokens_cuts_the_prompt_as_vllm_does(server):
         assert bad.value.body["param"] in ("truncate_prompt_tokens", "truncation_side"), extra
 
 
+def test_prompt_logprobs_as_vllm_answers_them(server):
+    """vLLM's chat ``prompt_logprobs``, on both engines: per prompt token after the first, its log
+    probability given the tokens before it and its rank (as plain transformers computes them on the
+    rendered prompt, within 1e-3), with the k likeliest there ranked 1..k, by token id; not with
+    ``stream``, as vLLM refuses it."""
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    tok = tokenizer(server)
+    c = client(server)
+    prompt = tok(tok.apply_chat_template(ASK, tokenize=False, add_generation_prompt=True),
+                 add_special_tokens=False)["input_ids"]
+    r = c.chat.completions.create(model="tiny-chat", messages=ASK, max_tokens=2, temperature=0,
+                                  extra_body={"prompt_logprobs": 2})
+    places = r.model_extra["prompt_logprobs"]
+    assert len(places) == len(prompt) == r.usage.prompt_tokens and places[0] is None
+    model = AutoModelForCausalLM.from_pretrained(str(server.services.arbiter.specs["tiny-chat"].path)).eval()
+    with torch.no_grad():
+        rows = torch.log_softmax(model(input_ids=torch.tensor([prompt])).logits[0].float(), dim=-1)
+    for at, (token, place) in enumerate(zip(prompt[1:], places[1:])):
+        row = rows[at]
+        own = place[str(token)]
+        assert abs(own["logprob"] - float(row[token])) < 1e-3, at
+        assert own["rank"] == int((row > row[token]).sum()) + 1 and own["decoded_token"] == tok.decode([token])
+        best = sorted((v["rank"], int(k)) for k, v in place.items() if v["rank"] <= 2)
+        assert [t for _, t in best] == torch.topk(row, 2).indices.tolist() and [k for k, _ in best] == [1, 2]
+    assert "prompt_logprobs" not in c.chat.completions.create(model="tiny-chat", messages=ASK, max_tokens=2).model_extra
+    for extra, stream in (({"prompt_logprobs": 1}, True), ({"prompt_logprobs": -1}, False),
+                          ({"prompt_logprobs": 21}, False)):
+        with pytest.raises(openai.BadRequestError) as bad:
+            c.chat.completions.create(model="tiny-chat", messages=ASK, max_tokens=2, stream=stream, extra_body=extra)
+        assert bad.value.body["param"] == "prompt_logprobs", extra
+
+
 def test_user_is_logged_scoped_to_the_key(server, caplog):
     caplog.set_level("INFO", logger="tiergate")
     client(server).chat.completions.create(model="tiny-chat", messages=ASK, max_tokens=2, user="alice@example.com")

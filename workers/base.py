@@ -242,6 +242,7 @@ class TokenLogprob:
     top: tuple[TokenLogprob, ...] = ()
     raw: bytes | None = None
     id: int | None = None  # the token's id in the model's vocabulary
+    rank: int | None = None  # its place among the tokens by probability there (1: the likeliest), where known
 
 
 @dataclass

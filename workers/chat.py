@@ -825,12 +825,15 @@ class ChatWorker(ThreadWorker):
             end = min(start + _PROMPT_CHUNK, len(ids) - 1)  # the places that predict ids[start + 1 : end + 1]
             rows = torch.log_softmax(logits[start:end].float(), dim=-1)
             targets = torch.tensor(ids[start + 1 : end + 1], device=rows.device)
-            chosen = rows.gather(1, targets[:, None])[:, 0].tolist()
+            picked = rows.gather(1, targets[:, None])
+            ranks = ((rows > picked).sum(dim=-1) + 1).tolist()  # (1 + the tokens likelier than it)
+            chosen = picked[:, 0].tolist()
             best = torch.topk(rows, min(top, rows.shape[-1])) if top else None
             for i, token in enumerate(targets.tolist()):
                 alternatives = () if best is None else tuple(
-                    vocab.entry(t, v) for v, t in zip(best.values[i].tolist(), best.indices[i].tolist()))
-                out.append(vocab.entry(token, chosen[i], alternatives))
+                    vocab.entry(t, v, rank=r + 1)
+                    for r, (v, t) in enumerate(zip(best.values[i].tolist(), best.indices[i].tolist())))
+                out.append(vocab.entry(token, chosen[i], alternatives, rank=ranks[i]))
         return out
 
     def _logprob(self, logits: torch.Tensor, token: int, top: int) -> TokenLogprob:

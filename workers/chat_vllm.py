@@ -667,8 +667,9 @@ class VllmChatEngine(Worker):
         rank) as the engines' shape: vLLM's text for each token, and its own bytes."""
         top = sorted(((t, e) for t, e in entries.items() if e.rank is not None and e.rank <= k), key=lambda te: te[1].rank)
         entry = self._vocab.entry
-        return entry(token, entries[token].logprob, tuple(entry(t, e.logprob, text=e.decoded_token or "") for t, e in top),
-                     text=entries[token].decoded_token or "")
+        return entry(token, entries[token].logprob,
+                     tuple(entry(t, e.logprob, text=e.decoded_token or "", rank=e.rank) for t, e in top),
+                     text=entries[token].decoded_token or "", rank=entries[token].rank)
 
     async def _watch(self, ctx, rid: str, pausable: Callable[[], bool] = lambda: True) -> None:
         """Abort ``rid`` when its context is cancelled or (while ``pausable()``) asks to pause while

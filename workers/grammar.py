@@ -217,10 +217,10 @@ class Vocabulary:
         return self._raw[token] if self._raw is not None and 0 <= token < len(self._raw) else None
 
     def entry(self, token: int, logprob: float, top: tuple[TokenLogprob, ...] = (),
-              text: str | None = None) -> TokenLogprob:
+              text: str | None = None, rank: int | None = None) -> TokenLogprob:
         """``token``'s logprob entry; ``text``: the engine's own text for it (vLLM's), instead of
-        ``decode([token])``."""
-        return TokenLogprob(self.text(token) if text is None else text, logprob, top, self.raw(token), token)
+        ``decode([token])``; ``rank`` its place by probability, where the engine knows it."""
+        return TokenLogprob(self.text(token) if text is None else text, logprob, top, self.raw(token), token, rank)
 
 
 _BYTES: dict[tuple[str, int], list[bytes] | None] = {}  # by tokenizer folder and size, the last few read
