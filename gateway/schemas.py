@@ -166,6 +166,7 @@ TEMPLATE_ARGUMENTS = frozenset({"conversation", "messages", "tools", "documents"
                                 "continue_final_message", "tokenize", "padding", "truncation", "max_length",
                                 "return_tensors", "return_dict", "return_assistant_tokens_mask", "tokenizer_kwargs"})
 MAX_TOOLS = 128
+MAX_DOCUMENTS = 1024
 # vLLM takes any positive penalty; a seen token's logit is divided by it (or multiplied), so past ~2 it is all but
 # barred, and a tiny one would make its logit infinite: 0.01..100 here
 MIN_REPETITION_PENALTY, MAX_REPETITION_PENALTY = 0.01, 100.0
@@ -392,7 +393,10 @@ class ChatCompletionRequest(EndUser):
     audio: SpokenReply | None = None  # the spoken reply's voice and format
     prediction: Prediction | None = None  # Predicted Outputs
     reasoning_effort: Literal["none", "minimal", "low", "medium", "high", "xhigh"] | None = None  # to the template
-    chat_template_kwargs: dict[str, Any] | None = None  # vLLM's extension: the chat template's own variables
+    chat_template_kwargs: dict[str, Any] | None = None
+    # vLLM's: documents for a template that renders them (RAG templates: Command-R's, Granite's), each a dict of
+    # strings ("title", "text", ...); a template that does not use them ignores them, as vLLM's does
+    documents: list[dict[str, str]] | None = Field(default=None, max_length=MAX_DOCUMENTS)  # vLLM's extension: the chat template's own variables
     include_reasoning: bool = True  # vLLM's extension: false leaves a reasoning model's thinking out
     # vLLM's: where the prompt ends (``prompt_end``); continue_final_message prefills the reply with the last message
     add_generation_prompt: bool = True
@@ -440,13 +444,13 @@ class ChatCompletionRequest(EndUser):
         return "open" if self.continue_final_message else "generation" if self.add_generation_prompt else "closed"
 
     def template_kwargs(self) -> dict[str, Any] | None:
-        """The chat template's variables: ``chat_template_kwargs``, and ``reasoning_effort`` as
-        vLLM passes it (itself, and ``enable_thinking`` false for ``none``, true otherwise,
-        unless ``chat_template_kwargs`` sets it); None when neither is given."""
+        """The chat template's variables: ``chat_template_kwargs``, ``documents``, and
+        ``reasoning_effort`` as vLLM passes it (itself, and ``enable_thinking`` false for ``none``,
+        true otherwise, unless ``chat_template_kwargs`` sets it); None when none is given."""
+        given = {**(self.chat_template_kwargs or {}), **({"documents": self.documents} if self.documents else {})}
         if self.reasoning_effort is None:
-            return self.chat_template_kwargs or None
-        return {"reasoning_effort": self.reasoning_effort, "enable_thinking": self.reasoning_effort != "none",
-                **(self.chat_template_kwargs or {})}
+            return given or None
+        return {"reasoning_effort": self.reasoning_effort, "enable_thinking": self.reasoning_effort != "none", **given}
 
     @field_validator("modalities")
     @classmethod

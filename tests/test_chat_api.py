@@ -844,6 +844,44 @@ def test_prompt_logprobs_as_vllm_answers_them(server):
         assert bad.value.body["param"] == "prompt_logprobs", extra
 
 
+def test_documents_reach_a_template_that_renders_them(tiny_chat, tmp_path):
+    """vLLM's ``documents``: a RAG template (here: each document's title and text before the
+    conversation) renders them, as the prompt's own ids show (``return_token_ids``); the stock
+    template, which has no use for them, renders the same prompt with or without them, as vLLM's."""
+    from transformers import AutoTokenizer
+
+    folder = tmp_path / "rag"
+    folder.mkdir()
+    for f in tiny_chat.iterdir():
+        if f.name != "chat_template.jinja":
+            (folder / f.name).symlink_to(f)
+    template = (tiny_chat / "chat_template.jinja").read_text()
+    (folder / "chat_template.jinja").write_text(
+        "{% for d in documents or [] %}[{{ d['title'] }}: {{ d['text'] }}]\n{% endfor %}" + template)
+    running = start_server(write_config(tmp_path, {"rag": ("chat", folder), "tiny-chat": ("chat", tiny_chat)}))
+    tok = AutoTokenizer.from_pretrained(str(tiny_chat))
+    try:
+        c = openai.OpenAI(base_url=running.base_url, api_key=running.keys["paid"], max_retries=0, timeout=120)
+
+        def prompt(model: str, **extra) -> str:
+            r = c.chat.completions.create(model=model, messages=ASK, max_tokens=1,
+                                          extra_body={"return_token_ids": True, **extra})
+            return tok.decode(r.model_extra["prompt_token_ids"])
+
+        docs = [{"title": "Tiers", "text": "Paid requests go first."}, {"title": "Batch", "text": "Batch waits."}]
+        told = prompt("rag", documents=docs)
+        assert "[Tiers: Paid requests go first.]" in told and "[Batch: Batch waits.]" in told
+        assert "Paid requests" not in prompt("rag")
+        assert prompt("tiny-chat", documents=docs) == prompt("tiny-chat")
+        for bad, param in (([{"title": 3}], "documents[0].title"), ("x", "documents"),
+                           ([{"text": "t"}] * 1025, "documents")):
+            with pytest.raises(openai.BadRequestError) as refused:
+                prompt("rag", documents=bad)
+            assert refused.value.body["param"] == param, bad
+    finally:
+        running.stop()
+
+
 def test_user_is_logged_scoped_to_the_key(server, caplog):
     caplog.set_level("INFO", logger="tiergate")
     client(server).chat.completions.create(model="tiny-chat", messages=ASK, max_tokens=2, user="alice@example.com")

@@ -199,6 +199,8 @@ ENDPOINTS = {
          "add_generation_prompt": st.booleans() | ANY_JSON, "continue_final_message": st.booleans() | ANY_JSON,
          "chat_template_kwargs": st.dictionaries(st.sampled_from(["enable_thinking", "tools", "x", "tokenize"]),
                                                  ANY_JSON, max_size=2),
+         "documents": st.lists(st.dictionaries(st.sampled_from(["title", "text", "x"]), TEXT | ANY_JSON, max_size=2),
+                               max_size=3) | ANY_JSON,
          "function_call": st.sampled_from(["none", "auto", "required"]) | st.fixed_dictionaries({"name": TOOL_NAME}),
          "response_format": FORMAT, "adapters": ADAPTERS, "store": st.booleans(), **END_USER,
          "verbosity": st.sampled_from(["low", "high", "max"]), "modalities": st.lists(st.sampled_from(["text", "audio"]), max_size=2),
