@@ -356,7 +356,7 @@ async def _events(deltas: AsyncIterator[ChoiceDelta], first: ChoiceDelta, mid: s
     except Exception as exc:  # noqa: BLE001 - the stream has started: report in-band, as Anthropic's API does
         err = exc if isinstance(exc, APIError) else APIError(500, f"generation failed: {type(exc).__name__}",
                                                              "generation_failed")
-        yield _event("error", error={"type": "api_error", "message": err.message})
+        yield _event("error", **err.body())  # the same error object as a refusal's, in Anthropic's event
     finally:
         await deltas.aclose()
 

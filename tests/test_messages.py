@@ -179,6 +179,29 @@ def test_image_blocks_and_thinking(server):
     assert quiet > thinking == on
 
 
+def test_an_error_after_the_stream_started_is_an_error_event_both_sdks_read():
+    """The engine failing mid-reply: the blocks so far are stopped by an ``error`` event (no
+    message_stop) carrying the same error object as a refusal's, which Anthropic's SDK raises."""
+    import asyncio
+
+    from gateway.chat import ChoiceDelta
+    from gateway.messages import _events
+
+    async def failing():
+        raise RuntimeError("the engine died")
+        yield  # (an async generator)
+
+    async def read() -> list[dict]:
+        lines = [line async for line in _events(failing(), ChoiceDelta(0, "Hel"), "msg_1", "tiny-chat")]
+        return [json.loads(line.split("data: ", 1)[1]) for line in lines]
+
+    events = asyncio.run(read())
+    assert [e["type"] for e in events] == ["message_start", "content_block_start", "content_block_delta", "error"]
+    err = events[-1]["error"]
+    assert set(err) == {"message", "type", "param", "code"} and err["code"] == "generation_failed"
+    assert "RuntimeError" in err["message"]
+
+
 @pytest.mark.parametrize("body, status, param", [
     ({"messages": ASK}, 400, "max_tokens"),  # required, as Anthropic's
     ({"messages": ASK, "max_tokens": 4, "stop_sequences": ["a", "b", "c", "d", "e"]}, 400, "stop_sequences"),
