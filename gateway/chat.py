@@ -145,16 +145,16 @@ def plan_chat(svc: Services, body: ChatCompletionRequest) -> ChatJob:
     asked = request_grammar(body.response_format, body.structured_outputs, limits.grammar_max_chars)
     grammar = tools.reply_grammar(asked, "response_format" if body.structured_outputs is None else "structured_outputs")
     service_tier.check(svc.config, body.service_tier)
+    reasoning = getattr(engine, "reasoning_parser", "none")
     params = ChatParams(
         max_tokens, stop=body.stop or [], seed=body.seed,
         logprobs=(body.top_logprobs or 0) if body.logprobs else None,
         logit_bias={int(k): v for k, v in (body.logit_bias or {}).items()}, prompt_logprobs=body.prompt_logprobs,
-        grammar=grammar, **sampling(body, defaults), **reply_options(body, max_tokens),
+        grammar=grammar, **sampling(body, defaults), **reply_options(body, max_tokens, reasoning),
     )
     return ChatJob(spec.name, body.messages_as_dicts(), params, stack, tools, body.n, body.service_tier,
                    stream=bool(body.stream), template_kwargs=body.template_kwargs(), prompt_end=body.prompt_end(),
-                   reasoning=getattr(engine, "reasoning_parser", "none"),
-                   include_reasoning=body.include_reasoning, images=images, own_adapter=names_own(body.model, stack),
+                   reasoning=reasoning, include_reasoning=body.include_reasoning, images=images, own_adapter=names_own(body.model, stack),
                    prediction=body.prediction.text() if body.prediction is not None else None,
                    token_ids=bool(body.return_token_ids), tokens_as_ids=bool(body.return_tokens_as_token_ids),
                    echo=body.echoed(), truncate=_truncate(body.truncate_prompt_tokens, bool(images)),

@@ -49,7 +49,7 @@ from starlette.responses import JSONResponse, Response
 from gateway import service_tier
 from gateway.adapters import names_own, resolve_request
 from gateway.auth import Caller
-from gateway.chat import ChatJob, ChoiceDelta, Reply, collect, interleave, served_caller, serve_chat
+from gateway.chat import ChatJob, ChoiceDelta, Reply, collect, engine_config, interleave, served_caller, serve_chat
 from gateway.errors import APIError, bad_request
 from gateway.http import Streamed, disconnect_signal
 from gateway.logprobs import token_name
@@ -98,6 +98,7 @@ class CompletionRequest(_Body):
     spaces_between_special_tokens: bool = True
     allowed_token_ids: list[int] | None = Field(default=None, min_length=1, max_length=MAX_ALLOWED_TOKEN_IDS)
     bad_words: list[BadWord] | None = Field(default=None, max_length=MAX_BAD_WORDS)
+    thinking_token_budget: int | None = Field(default=None, ge=-1)  # vLLM's, as chat's: by the prompt's markers
     truncate_prompt_tokens: int | None = Field(default=None, ge=-1)  # vLLM's: each prompt cut, as chat's
     truncation_side: Literal["left", "right"] | None = None
     return_token_ids: bool | None = None  # vLLM's: each choice's prompt and generated token ids
@@ -295,7 +296,8 @@ async def plan_completion(svc: Services, body: CompletionRequest) -> CompletionJ
         logit_bias={int(k): v for k, v in (body.logit_bias or {}).items()},
         prompt_logprobs=body.logprobs if body.echo else None,
         grammar=request_grammar(body.response_format, body.structured_outputs, limits.grammar_max_chars),
-        **sampling(body, defaults), **reply_options(body, max_tokens),
+        **sampling(body, defaults),
+        **reply_options(body, max_tokens, getattr(engine_config(svc, spec.name), "reasoning_parser", "none")),
     )
     token_ids = bool(body.return_token_ids)
     jobs = [ChatJob(spec.name, [], params, stack, n=made, service_tier=body.service_tier, prompt_ids=p.ids,

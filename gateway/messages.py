@@ -8,8 +8,9 @@ engines as chat completions.
   message; an assistant message's text, ``tool_use`` blocks (its calls) and ``thinking`` (the
   history's reasoning); ``tools`` (``input_schema`` the parameters), ``tool_choice`` (``any`` is
   ``required``; ``disable_parallel_tool_use``), ``stop_sequences``, ``max_tokens``, sampling,
-  ``metadata.user_id`` as the end user; ``thinking`` sets the chat template's ``enable_thinking``
-  (its ``budget_tokens`` is not enforced: ``max_tokens`` bounds the whole reply);
+  ``metadata.user_id`` as the end user; ``thinking`` sets the chat template's ``enable_thinking``,
+  and its ``budget_tokens`` (less than ``max_tokens``) is vLLM's ``thinking_token_budget`` on a
+  model that thinks (a ``reasoning_parser``; elsewhere there is no thinking to cut);
   ``output_config.format`` (a JSON schema) constrains the reply as chat's ``response_format``
   does, and ``output_config.effort`` is chat's ``reasoning_effort`` (``max`` its ``xhigh``).
 * The answer is rendered from the chat deltas: whole, a ``message`` whose content is a
@@ -25,6 +26,7 @@ Anthropic's ``"type": "error"`` beside it, so either SDK reads them."""
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import logging
 from typing import Any, AsyncIterator, Literal
@@ -182,6 +184,10 @@ def chat_request(body: MessagesRequest | CountTokensRequest) -> dict[str, Any]:
         chat["chat_template_kwargs"] = {"enable_thinking": body.thinking.type != "disabled"}
     if isinstance(body, MessagesRequest):
         chat["max_tokens"] = body.max_tokens
+        budget = _budget(body)
+        if budget is not None and budget >= body.max_tokens:  # as Anthropic's API and vLLM's
+            raise bad_request(f"thinking.budget_tokens ({budget}) must be less than max_tokens ({body.max_tokens})",
+                              "thinking.budget_tokens")
         output = body.output_config
         if output is not None and output.format is not None:  # the reply is JSON the schema allows
             chat["response_format"] = {"type": "json_schema", "json_schema": {"name": "output", "strict": True,
@@ -244,6 +250,19 @@ def _assistant(blocks: list) -> dict[str, Any]:
 
 _NAMES = {"stop": "stop_sequences", "max_completion_tokens": "max_tokens", "response_format": "output_config",
           "reasoning_effort": "output_config"}
+
+
+def _budget(body: MessagesRequest) -> int | None:
+    """The thinking's ``budget_tokens``, where the request enables thinking."""
+    return body.thinking.budget_tokens if body.thinking is not None and body.thinking.type == "enabled" else None
+
+
+def _thinking_budget(body: MessagesRequest, job: ChatJob) -> ChatJob:
+    """``job`` with ``thinking.budget_tokens`` as its thinking budget, where its model thinks."""
+    budget = _budget(body)
+    if budget is None or job.reasoning == "none":
+        return job
+    return dataclasses.replace(job, params=dataclasses.replace(job.params, thinking_budget=budget))
 
 
 def _named(exc: APIError) -> APIError:
@@ -375,6 +394,7 @@ async def messages(request: Request) -> Response:
         job: ChatJob = await with_images(svc, plan_chat(svc, chat))
     except APIError as exc:
         raise _named(exc) from None
+    job = _thinking_budget(body, job)
     if (end_user := chat.end_user(caller.key_id)) is not None:
         log.info("messages request: key %s, user %s, tier %s", caller.key_id, end_user, caller.tier)
     mid = f"msg_{new_id()}"

@@ -370,6 +370,7 @@ class ChatCompletionRequest(EndUser):
     spaces_between_special_tokens: bool = True
     allowed_token_ids: list[int] | None = Field(default=None, min_length=1, max_length=MAX_ALLOWED_TOKEN_IDS)
     bad_words: list[BadWord] | None = Field(default=None, max_length=MAX_BAD_WORDS)
+    thinking_token_budget: int | None = Field(default=None, ge=-1)  # vLLM's: the thinking cut at so many tokens
     # vLLM's: the rendered prompt cut to this many tokens (-1: the context less one), its start kept
     # (truncation_side right) or its end (left; unset: the tokenizer's own side)
     truncate_prompt_tokens: int | None = Field(default=None, ge=-1)
@@ -687,17 +688,23 @@ def sampling(body: Any, defaults: dict[str, Any]) -> dict[str, Any]:
             "repetition_penalty": pick("repetition_penalty", 1.0)}
 
 
-def reply_options(body: Any, max_tokens: int) -> dict[str, Any]:
+def reply_options(body: Any, max_tokens: int, reasoning: str = "none") -> dict[str, Any]:
     """``ChatParams``' fields for vLLM's ends of a reply, of a chat or completion request:
     ``stop_token_ids`` (tokens that end it besides the model's end of text; out of the vocabulary:
     a 400 from the engine), ``min_tokens`` (at most ``max_tokens``: a 400 naming it otherwise),
     ``ignore_eos``, ``include_stop_str_in_output`` (the stop string or token that ended it kept in
     its text); its detokenizing options ``skip_special_tokens`` and
-    ``spaces_between_special_tokens``; and its token constraints ``allowed_token_ids`` (the only
-    tokens it may have) and ``bad_words`` (words it may not write)."""
+    ``spaces_between_special_tokens``; its token constraints ``allowed_token_ids`` (the only
+    tokens it may have) and ``bad_words`` (words it may not write); and ``thinking_token_budget``
+    (-1: none), for a model whose ``reasoning`` parser is set (a 400 naming it otherwise, as vLLM's
+    without a reasoning config)."""
     if body.min_tokens > max_tokens:
         raise bad_request(f"min_tokens is {body.min_tokens}, above max_tokens ({max_tokens})", "min_tokens")
-    return {"stop_token_ids": tuple(body.stop_token_ids or ()), "min_tokens": body.min_tokens,
+    budget = None if body.thinking_token_budget == -1 else body.thinking_token_budget
+    if budget is not None and reasoning == "none":
+        raise bad_request(f"thinking_token_budget needs a reasoning model: '{body.model}' has no reasoning_parser "
+                          "(tiers.yaml, its engine block)", "thinking_token_budget")
+    return {"thinking_budget": budget,"stop_token_ids": tuple(body.stop_token_ids or ()), "min_tokens": body.min_tokens,
             "ignore_eos": body.ignore_eos, "include_stop_str": body.include_stop_str_in_output,
             "skip_special_tokens": body.skip_special_tokens,
             "spaces_between_special_tokens": body.spaces_between_special_tokens,

@@ -212,6 +212,8 @@ def test_an_error_after_the_stream_started_is_an_error_event_both_sdks_read():
      400, "tool_choice"),
     ({"messages": ASK, "max_tokens": 4, "model": "nope"}, 404, "model"),
     ({"messages": ASK, "max_tokens": 4, "logit_bias": {}}, 400, "logit_bias"),
+    ({"messages": ASK, "max_tokens": 4, "thinking": {"type": "enabled", "budget_tokens": 4}}, 400,
+     "thinking.budget_tokens"),  # less than max_tokens, as Anthropic's and vLLM's
 ])
 def test_bad_requests_are_errors_both_sdks_read(server, body, status, param):
     r = httpx.post(f"{server.url}/v1/messages", timeout=30, headers={"x-api-key": server.keys["paid"]},

@@ -457,7 +457,12 @@ def test_the_vllm_engine_gates_its_structured_outputs_on_the_thinking(tiny_chat,
         assert VllmChatEngine._thinking_gate(SimpleNamespace(reasoning_parser=parser, tokenizer=tok)) == gate
     engine = VllmChatEngine(spec, **spec.options)
     engine.tokenizer = marked
-    assert engine.engine_args().structured_outputs_config.reasoning_parser == "deepseek_r1"
+    args = engine.engine_args()
+    assert args.structured_outputs_config.reasoning_parser == "deepseek_r1"
+    # and thinking_token_budget's markers (tests/test_vllm_engine.py cuts a reply with them)
+    assert (args.reasoning_config.reasoning_start_str, args.reasoning_config.reasoning_end_str) == ("<think>", "</think>")
+    plain = load_config(write_config(tmp_path, {"m": ("chat", tiny_chat)}, engine="vllm")).models[0].spec()
+    assert VllmChatEngine(plain, **plain.options).engine_args().reasoning_config is None
 
 
 def test_a_resumed_stream_renders_its_prompt_with_the_template_variables(server, tiny_chat):
@@ -584,3 +589,110 @@ def test_when_a_vllm_request_may_pause(constrained, generated, thinking, may):
     from workers.chat_vllm import _may_pause
 
     assert _may_pause(constrained, generated, thinking) is may
+
+
+# -- thinking_token_budget ------------------------------------------------------------------------
+@pytest.mark.parametrize("prompt, budget, wants, got", [
+    ([1, 7], 2, [3, 3, 3, 3], [3, 3, 8, 3]),  # the prompt opened the thinking: two tokens, then </think> forced
+    ([1, 7], 0, [3, 3], [8, 3]),
+    ([1, 7, 3, 3], 2, [3, 3], [8, 3]),  # the thinking the prompt already holds counts
+    ([1, 7, 3, 3, 3], 2, [3], [8]),  # ... and past the budget, </think> comes first
+    ([1, 7, 8], 1, [3, 3, 3], [3, 3, 3]),  # the prompt closed it: nothing to cut
+    ([1], 1, [7, 3, 3, 3], [7, 3, 8, 3]),  # the reply opens it itself (Qwen3's): counted after <think>
+    ([1], 1, [3, 3, 3], [3, 3, 3]),  # never opened: never cut
+    ([1, 7], 2, [3, 8, 3, 3, 7, 3, 3, 3], [3, 8, 3, 3, 7, 3, 3, 8]),  # closed in time; opened again, a new count
+    ([1, 5, 6], 1, [3, 3, 3, 3, 3], [3, 5, 9, 6, 3]),  # markers of several tokens: </think>'s forced one by one
+    ([1, 5, 6], 2, [5, 9, 3, 3, 3, 3], [5, 9, 5, 9, 6, 3]),  # a marker begun by the model counts as thinking
+    ([1, 5, 6], 5, [3, 5, 9, 6, 3, 3], [3, 5, 9, 6, 3, 3]),  # ... and one it finished closes it
+])
+def test_a_thinking_budget_forces_the_end_of_a_table_of_replies(prompt, budget, wants, got):
+    """``ThinkBudget`` (vLLM's rule, ``workers.think_budget``): the reply the model ``wants`` (the
+    token it would pick at each step) and the one it ``got`` with the budget forcing
+    ``</think>``; markers <think> = 7 and </think> = 8, or (5, 6) and (5, 9, 6)."""
+    from workers.think_budget import ThinkBudget
+
+    start, end = ((7,), (8,)) if 7 in prompt else ((5, 6), (5, 9, 6)) if 5 in prompt else ((7,), (8,))
+    b = ThinkBudget.after_prompt(start, end, budget, prompt)
+    ids = list(prompt)
+    for want in wants:
+        forced = b.forced()
+        ids.append(want if forced is None else forced)
+        b.advance(ids)
+    assert ids[len(prompt):] == got
+
+
+def _tokens(r) -> list[str]:
+    return [t.token for t in r.choices[0].logprobs.content]
+
+
+@pytest.mark.parametrize("budget", [0, 3])
+def test_a_thinking_token_budget_cuts_the_thinking_where_it_says(server, budget):
+    """vLLM's ``thinking_token_budget`` on the model whose ``</think>`` is one token and whose
+    template opens the thinking: the reply thinks as it would without it for ``budget`` tokens,
+    then ``</think>`` comes (random weights never write it), and the rest is the answer; the
+    reasoning tokens are those through it. The prompt's tokens after its ``<think>`` (R1's
+    template writes a newline there) count, as on vLLM. -1 is no budget."""
+    kw = dict(model="marked", messages=ASK, max_tokens=10, temperature=0, logprobs=True)
+    free = client(server).chat.completions.create(**kw)
+    assert "</think>" not in _tokens(free) and free.choices[0].message.content is None
+    cut = client(server).chat.completions.create(extra_body={"thinking_token_budget": budget, "return_token_ids": True},
+                                                 **kw)
+    from transformers import AutoTokenizer
+
+    tok = AutoTokenizer.from_pretrained(next(m.path for m in server.services.config.models if m.name == "marked"))
+    prompt = cut.prompt_token_ids
+    kept = max(budget - (len(prompt) - prompt.index(tok.convert_tokens_to_ids("<think>")) - 1), 0)
+    tokens = _tokens(cut)
+    assert tokens[:kept] == _tokens(free)[:kept] and tokens[kept] == "</think>", tokens
+    assert budget == 0 or kept < budget  # (the template's newline was counted)
+    assert (getattr(cut.choices[0].message, "reasoning_content", None) or "") == "".join(tokens[:kept])
+    assert cut.choices[0].message.content == "".join(tokens[kept + 1:]) and len(tokens) == 10
+    assert cut.usage.completion_tokens_details.reasoning_tokens == kept + 1
+    unlimited = client(server).chat.completions.create(extra_body={"thinking_token_budget": -1}, **kw)
+    assert _tokens(unlimited) == _tokens(free)
+
+
+@pytest.mark.parametrize("model, value, code", [
+    ("r1-raw", 4, "invalid_value"),  # a model without a reasoning_parser has no thinking to cut
+    ("r1", -2, "invalid_value"),
+    ("r1", 2.5, "invalid_type"),
+    ("r1", True, "invalid_type"),
+])
+def test_a_bad_thinking_token_budget_is_a_400_naming_it(server, model, value, code):
+    for path, body in (("chat/completions", {"messages": ASK}), ("completions", {"prompt": "hi"})):
+        r = httpx.post(f"{server.base_url}/{path}", timeout=60,
+                       json={"model": model, "max_tokens": 2, "thinking_token_budget": value, **body},
+                       headers={"Authorization": f"Bearer {server.keys['paid']}"})
+        assert r.status_code == 400, r.text
+        assert (r.json()["error"]["param"], r.json()["error"]["code"]) == ("thinking_token_budget", code), r.text
+
+
+def test_a_completion_is_cut_by_the_thinking_its_prompt_opened(server):
+    """Legacy completions: the raw prompt's last marker decides, as on vLLM: a prompt ending in
+    ``<think>`` is cut after the budget; one without it is not."""
+    c = client(server)
+    kw = dict(model="marked", max_tokens=6, temperature=0, logprobs=0)
+    opened = c.completions.create(prompt="Why?<think>", extra_body={"thinking_token_budget": 2}, **kw)
+    assert opened.choices[0].logprobs.tokens[2] == "</think>", opened.choices[0].logprobs.tokens
+    plain = c.completions.create(prompt="Why?", **kw)
+    assert c.completions.create(prompt="Why?", extra_body={"thinking_token_budget": 2}, **kw).choices[0].text == \
+        plain.choices[0].text
+
+
+def test_a_messages_thinking_budget_is_the_thinking_token_budget(server):
+    """Anthropic's ``thinking.budget_tokens`` cuts the thinking as chat's ``thinking_token_budget``
+    does: the same thinking block and text; on a model without a reasoning parser it cuts nothing
+    (and is no error: Anthropic's clients send it to any model)."""
+    import anthropic
+
+    claude = anthropic.Anthropic(base_url=server.url, api_key=server.keys["paid"], max_retries=0, timeout=120)
+    for model in ("marked", "r1-raw"):
+        msg = claude.messages.create(model=model, messages=ASK, max_tokens=10, extra_body={"temperature": 0},
+                                     thinking={"type": "enabled", "budget_tokens": 3})
+        chat = client(server).chat.completions.create(
+            model=model, messages=ASK, max_tokens=10, temperature=0,
+            extra_body={"thinking_token_budget": 3} if model == "marked" else {})
+        blocks = {b.type: b for b in msg.content}
+        assert blocks["text"].text == chat.choices[0].message.content, model
+        assert getattr(blocks.get("thinking"), "thinking", None) == getattr(chat.choices[0].message, "reasoning_content", None)
+    assert "</think>" not in blocks["text"].text and "thinking" not in blocks  # r1-raw: no parser, nothing cut or split

@@ -68,7 +68,7 @@ def test_the_repetition_penalty_is_transformers_on_the_prompt_and_the_reply(pena
     logits = torch.randn(50, generator=gen) * 4
     ids = [3, 7, 7, 11, 3, 42, 0]
     seq = SimpleNamespace(params=ChatParams(repetition_penalty=penalty), ids=ids, generated=ids[4:], grammar=None,
-                          thinking=False, outside=None, bad_words=[])
+                          thinking=False, outside=None, bad_words=[], think=None)
     got = _process(logits.clone(), seq)
     want = RepetitionPenaltyLogitsProcessor(penalty)(torch.tensor([ids]), logits[None].clone())[0]
     assert torch.allclose(got, want, atol=0, rtol=0)

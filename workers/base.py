@@ -175,6 +175,9 @@ class ChatParams:
     # (``workers.chat.bad_words_ids``: a word's last token barred where the reply ends with the rest of it)
     allowed_token_ids: tuple[int, ...] = ()
     bad_words: tuple[str, ...] = ()
+    # vLLM's thinking_token_budget: a reasoning reply's thinking cut at so many tokens by forcing ``</think>``
+    # (``workers.think_budget``; the gateway takes it for a model with a reasoning_parser only); None: uncut
+    thinking_budget: int | None = None
     grammar: Grammar | None = None
     prompt_logprobs: int | None = None  # None: none; k: each prompt token's and the k most likely there
 

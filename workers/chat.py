@@ -82,6 +82,7 @@ from workers.base import (
     stack_key,
 )
 from workers.grammar import Grammars, RowGrammar, Vocabulary
+from workers.think_budget import ThinkBudget
 from workers.worker import ModelInfo, ThreadWorker
 from workers.chat_prompt import ContextTooLong  # noqa: F401 - the chat engines' 400, importable here
 from workers.chat_schedule import EngineView, Prefill, Row, plan_step, prefill_passes
@@ -138,6 +139,7 @@ class _Seq:
     grams: dict[tuple[int, ...], list[int]] | None = None  # the prediction's RESYNC_GRAM-token runs -> their places
     outside: torch.Tensor | None = None  # allowed_token_ids: True for every token not allowed
     bad_words: list[list[int]] = field(default_factory=list)  # ``bad_words_ids``
+    think: ThinkBudget | None = None  # ``thinking_token_budget``: the tokens it forces
 
     def prediction_counts(self) -> tuple[int, int]:
         """(accepted, rejected) tokens of the prediction: those the reply kept, and the rest."""
@@ -374,6 +376,7 @@ class ChatWorker(ThreadWorker):
             draft=self._draft(req, len(ids)),
             outside=self._outside(req.params),
             bad_words=bad_words_ids(self.tokenizer, req.params.bad_words) if req.params.bad_words else [],
+            think=self._think_budget(req.params, ids),
         )
         if req.token_ids:
             seq.emit = _reporting_ids(seq, seq.emit)
@@ -738,6 +741,8 @@ class ChatWorker(ThreadWorker):
         if seq.grammar is not None and not seq.thinking:
             seq.grammar.accept(token)
         seq.ids.append(token)
+        if seq.think is not None:
+            seq.think.advance(seq.ids)
         gen = seq.generated
         if seq.thinking and "</think>" in self._decode(gen[-len("</think>"):]):  # a token holds a byte or more
             seq.thinking = False  # the answer starts: constrained from the next token
@@ -776,6 +781,13 @@ class ChatWorker(ThreadWorker):
         outside = torch.ones(self.vocab_size, dtype=torch.bool, device=self.device)
         outside[list(p.allowed_token_ids)] = False
         return outside
+
+    def _think_budget(self, p: ChatParams, prompt: list[int]) -> ThinkBudget | None:
+        """``thinking_token_budget``'s state for a reply to ``prompt`` (None: no budget)."""
+        if p.thinking_budget is None:
+            return None
+        start, end = (tuple(self.tokenizer.encode(m, add_special_tokens=False)) for m in ("<think>", "</think>"))
+        return ThinkBudget.after_prompt(start, end, p.thinking_budget, prompt)
 
     def _decode(self, ids: list[int]) -> str:
         return self.tokenizer.decode(ids, skip_special_tokens=True)
@@ -888,7 +900,7 @@ def bad_words_ids(tokenizer, words: Collection[str]) -> list[list[int]]:
 def _process(logits: torch.Tensor, seq: _Seq, barred: Collection[int] = ()) -> torch.Tensor:
     """The row's logits after its logit bias, penalties, grammar mask and token constraints (in
     place); ``barred``: tokens that may not come now (the ends of a reply shorter than its
-    ``min_tokens``)."""
+    ``min_tokens``). A token its thinking budget forces is the only one left."""
     p = seq.params
     if p.logit_bias:
         ids = torch.tensor(list(p.logit_bias), device=logits.device)
@@ -912,6 +924,10 @@ def _process(logits: torch.Tensor, seq: _Seq, barred: Collection[int] = ()) -> t
                 logits[last] = float("-inf")
     if barred:
         logits[torch.tensor(sorted(barred), device=logits.device)] = float("-inf")
+    forced = seq.think.forced() if seq.think is not None else None
+    if forced is not None:  # thinking_token_budget spent: </think>'s next token, whatever else holds
+        logits.fill_(float("-inf"))
+        logits[forced] = 0.0
     return logits
 
 

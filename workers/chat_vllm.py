@@ -196,7 +196,8 @@ class VllmChatEngine(Worker):
         default elsewhere. ``max_loras``: adapters resident at once (vLLM gets one slot more,
         see the module doc). ``max_stack_loras``: stack LoRAs kept written on disk; the least
         recently used one that no request holds is deleted beyond it (see ``stack_lora``).
-        ``reasoning_parser``: the model's (tiers.yaml), so that a constrained reply thinks first.
+        ``reasoning_parser``: the model's (tiers.yaml), so that a constrained reply thinks first,
+        and a ``thinking_token_budget`` cuts the thinking (vLLM's ``reasoning_config``).
         ``engine_args``: further ``AsyncEngineArgs`` fields, verbatim."""
         if spec.kind != "chat":
             raise ValueError(f"{spec.name}: a vLLM engine serves chat models, not {spec.kind}")
@@ -274,6 +275,11 @@ class VllmChatEngine(Worker):
         # compact JSON for every constrained reply (a random model wanders in free whitespace)
         kwargs["structured_outputs_config"] = StructuredOutputsConfig(
             backend="xgrammar", disable_any_whitespace=True, reasoning_parser=self._thinking_gate())
+        if self.reasoning_parser != "none":
+            from vllm.config.reasoning import ReasoningConfig
+
+            # thinking_token_budget's markers, as the transformers engine's (workers.think_budget)
+            kwargs["reasoning_config"] = ReasoningConfig(reasoning_start_str="<think>", reasoning_end_str="</think>")
         if self.kv_cache_bytes is not None:
             kwargs["kv_cache_memory_bytes"] = int(self.kv_cache_bytes)
         if self.gpu_memory_utilization is not None:
@@ -907,6 +913,7 @@ def _sampling_extras(p: ChatParams) -> dict[str, Any]:
         "spaces_between_special_tokens": p.spaces_between_special_tokens,
         "allowed_token_ids": list(p.allowed_token_ids) or None,
         "bad_words": list(p.bad_words) or None,
+        "thinking_token_budget": p.thinking_budget,
     }
     if p.grammar is not None:  # as EBNF: a JSON schema's grammar mended as the transformers engine's is
         from vllm.sampling_params import StructuredOutputsParams
