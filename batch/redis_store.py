@@ -11,7 +11,7 @@ import time
 from dataclasses import asdict
 from typing import Any, Callable, Iterable
 
-from batch.store import (MUTABLE, BatchInfo, FileInfo, Job, Line, Outcome, Recorded, Store, check_fields,
+from batch.store import (MUTABLE, TERMINAL, BatchInfo, FileInfo, Job, Line, Outcome, Recorded, Store, check_fields,
                          dumps, line_json, line_of, outcome_json, outcome_of)
 from storage.redis import RedisKeys, honour_cancel
 
@@ -278,6 +278,18 @@ class RedisStore(RedisKeys, Store):
                 p.hgetall(self.k("batch", i.decode()))
             rows = await p.execute()
         return [b for b in map(self._batch, rows) if b is not None]
+
+    async def delete_batch(self, batch_id: str) -> bool:
+        batch = await self.get_batch(batch_id)
+        if batch is None or batch.status not in TERMINAL:  # (an ended batch never changes again)
+            return False
+        async with self._r.pipeline(transaction=True) as p:
+            p.delete(*self._batch_keys(batch_id))
+            p.zrem(self.k("batches"), batch_id)
+            p.zrem(self.k("batches", batch.owner), batch_id)
+            p.srem(self.k("open"), batch_id)
+            deleted, *_ = await p.execute()
+        return deleted > 0
 
     async def open_batches(self) -> list[str]:
         return sorted(i.decode() for i in await self._r.smembers(self.k("open")))

@@ -156,6 +156,11 @@ class SQLiteStore(SQLiteFile, Store):
 
         return await self._call(get)
 
+    async def delete_batch(self, batch_id: str) -> bool:
+        ended = ", ".join("?" * len(TERMINAL))
+        return await self._call(self._tx, lambda db: db.execute(
+            f"DELETE FROM batches WHERE id = ? AND status IN ({ended})", (batch_id, *sorted(TERMINAL))).rowcount > 0)
+
     async def open_batches(self) -> list[str]:
         def get() -> list[str]:
             marks = ",".join("?" * len(TERMINAL))

@@ -182,6 +182,11 @@ class Store(abc.ABC):
         """Newest first; ``owner`` None lists everyone's; ``after`` is the last id already seen."""
 
     @abc.abstractmethod
+    async def delete_batch(self, batch_id: str) -> bool:
+        """Delete a batch that has ended (a terminal status: its working data is gone already);
+        False, and nothing deleted, for a batch that is not there or has not ended."""
+
+    @abc.abstractmethod
     async def open_batches(self) -> list[str]:
         """Ids of batches not yet in a terminal status."""
 

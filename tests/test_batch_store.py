@@ -356,6 +356,28 @@ def test_set_status_is_compare_and_set_and_terminal_drops_the_work(make_store):
     run(go())
 
 
+def test_only_an_ended_batch_is_deleted_and_it_leaves_every_listing(make_store):
+    async def go():
+        s = await make_store()
+        running, ended, other = batch(0), batch(1), batch(2, owner="b")
+        for b in (running, ended, other):
+            await s.create_batch(b)
+        await s.start(running.id, lines(2), [], now=1)
+        assert await s.delete_batch(running.id) is False  # in progress: cancel it first
+        assert await s.delete_batch(ended.id) is False  # validating
+        assert await s.set_status(ended.id, ["validating"], "failed") is True
+        assert await s.delete_batch(ended.id) is True
+        assert await s.delete_batch(ended.id) is False  # gone already
+        assert await s.delete_batch("batch_nope") is False
+        assert await s.get_batch(ended.id) is None and (await s.get_batch(running.id)).status == "in_progress"
+        assert [b.id for b in await s.list_batches(None, None, 10)] == [other.id, running.id]
+        assert [b.id for b in await s.list_batches("owner-a", None, 10)] == [running.id]
+        assert ended.id not in await s.open_batches()
+        await _closing(s)
+
+    run(go())
+
+
 def test_lock_is_exclusive_renewable_and_lapses(make_store):
     async def go():
         s1, s2 = await make_store(), await make_store()
