@@ -354,15 +354,23 @@ async def create_batch(request: Request) -> Response:
     info = await _owned_file(runner, caller, body.input_file_id, "input_file_id")
     if info.purpose != "batch":
         raise bad_request(f"the file's purpose is {info.purpose!r}, not 'batch'", "input_file_id")
+    batch = await start_batch(runner, caller, body.endpoint, info, body.metadata,
+                              body.output_expires_after.seconds if body.output_expires_after else None)
+    return JSONResponse(batch.public())
+
+
+async def start_batch(runner: Runner, caller: Caller, endpoint: str, input_file: FileInfo,
+                      metadata: dict[str, str] | None = None, output_expires_after_s: int | None = None) -> BatchInfo:
+    """A new batch of ``caller``'s running ``input_file``'s lines on ``endpoint``, stored and
+    handed to the runner to validate (OpenAI's batches here, Anthropic's message batches too)."""
     now = int(time.time())
     batch = BatchInfo(id=f"batch_{time.time_ns():016x}{secrets.token_hex(4)}",  # ids sort by time
-                      owner=caller.key_id, endpoint=body.endpoint, input_file_id=info.id,
-                      completion_window=body.completion_window, created_at=now, expires_at=now + WINDOW_S,
-                      metadata=body.metadata,
-                      output_expires_after_s=body.output_expires_after.seconds if body.output_expires_after else None)
+                      owner=caller.key_id, endpoint=endpoint, input_file_id=input_file.id, completion_window="24h",
+                      created_at=now, expires_at=now + WINDOW_S, metadata=metadata,
+                      output_expires_after_s=output_expires_after_s)
     await runner.store.create_batch(batch)
     runner.soon("validate", batch.id)
-    return JSONResponse(batch.public())
+    return batch
 
 
 async def _owned_batch(runner: Runner, caller: Caller, batch_id: str) -> BatchInfo:

@@ -21,6 +21,7 @@ from gateway.images import ImageGenerationRequest, b64_rows, encoded, plan_image
 from gateway.input_audio import chat_audio
 from gateway.output_audio import heard_replies, plan_voice, say_replies
 from gateway.input_files import chat_files
+from gateway.messages import message_result
 from gateway.moderations import ModerationRequest, moderation_results, plan_moderation, serve_moderation
 from gateway.classify import classify_answer
 from gateway.rerank import rerank_answer, score_answer
@@ -121,4 +122,5 @@ ENDPOINTS: dict[str, Endpoint] = {
     "/v1/rerank": rerank,  # vLLM's batch runner takes these two too
     "/v1/score": score,
     "/v1/classify": classify,
+    "/v1/messages": message_result,  # Anthropic's Messages API: Message Batches' lines (batch.message_batches)
 }

@@ -24,7 +24,7 @@ from workers.base import stack_key
 # the kind of model each batch endpoint runs on
 ENDPOINT_KINDS = {"/v1/chat/completions": "chat", "/v1/images/generations": "image", "/v1/audio/speech": "tts",
                   "/v1/embeddings": "embed", "/v1/moderations": "moderation", "/v1/rerank": "rerank",
-                  "/v1/score": "rerank", "/v1/classify": "moderation"}
+                  "/v1/score": "rerank", "/v1/classify": "moderation", "/v1/messages": "chat"}
 
 
 def shape_of(svc: Services, endpoint: str, body: dict[str, Any]) -> str:

@@ -22,6 +22,7 @@ from arbiter.events import EventLog
 from arbiter.footprint import default_device, device_budget
 from arbiter.residency import Arbiter, Refused, Unavailable
 from batch import api as batch_api
+from batch import message_batches
 from batch.runner import runner_for
 from batch.uploads import uploads_for
 from tuning import api as tuning_api
@@ -312,6 +313,13 @@ def routes() -> list[BaseRoute]:
         Route("/v1/batches", batch_api.list_batches, methods=["GET"]),
         Route("/v1/batches/{batch_id}", batch_api.get_batch, methods=["GET"]),
         Route("/v1/batches/{batch_id}/cancel", batch_api.cancel_batch, methods=["POST"]),
+        Route("/v1/messages/batches", message_batches.create, methods=["POST"]),  # Anthropic's Message Batches
+        Route("/v1/messages/batches", message_batches.list_batches, methods=["GET"]),
+        Route("/v1/messages/batches/{message_batch_id}", message_batches.retrieve, methods=["GET"]),
+        Route("/v1/messages/batches/{message_batch_id}", message_batches.delete, methods=["DELETE"]),
+        Route("/v1/messages/batches/{message_batch_id}/cancel", message_batches.cancel, methods=["POST"]),
+        Route("/v1/messages/batches/{message_batch_id}/results", message_batches.results, methods=["GET"],
+              name="message_batch_results"),
         Route("/v1/load_lora_adapter", adapters.load_lora_adapter, methods=["POST"]),
         Route("/v1/unload_lora_adapter", adapters.unload_lora_adapter, methods=["POST"]),
         Route("/admin/models/{model}/{action}", admin_model, methods=["POST"]),

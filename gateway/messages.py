@@ -35,6 +35,7 @@ from pydantic import Field
 from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
 
+from gateway.auth import Caller
 from gateway.chat import ChatJob, ChoiceDelta, Reply, collect, plan_chat, serve_chat, with_images
 from gateway.errors import APIError, bad_request
 from gateway.http import Streamed, disconnect_signal
@@ -388,13 +389,7 @@ async def messages(request: Request) -> Response:
     svc: Services = request.app.state.services
     caller = svc.admit_caller(request)
     body = parse(MessagesRequest, await read_json(request, svc.config.limits.max_body))
-    try:
-        chat = parse(ChatCompletionRequest, chat_request(body))
-        await svc.adapters.ready(chat.model, chat.adapters)
-        job: ChatJob = await with_images(svc, plan_chat(svc, chat))
-    except APIError as exc:
-        raise _named(exc) from None
-    job = _thinking_budget(body, job)
+    chat, job = await _planned(svc, body)
     if (end_user := chat.end_user(caller.key_id)) is not None:
         log.info("messages request: key %s, user %s, tier %s", caller.key_id, end_user, caller.tier)
     mid = f"msg_{new_id()}"
@@ -406,6 +401,27 @@ async def messages(request: Request) -> Response:
             return JSONResponse(message(mid, body.model, replies[0]), headers=headers)
         first = await deltas.__anext__()
     return Streamed(_events(deltas, first, mid, body.model), "text/event-stream", headers=headers)
+
+
+async def _planned(svc: Services, body: MessagesRequest) -> tuple[ChatCompletionRequest, ChatJob]:
+    """The chat request ``body`` stands for and its job, errors named in the Messages API's terms."""
+    try:
+        chat = parse(ChatCompletionRequest, chat_request(body))
+        await svc.adapters.ready(chat.model, chat.adapters)
+        job = await with_images(svc, plan_chat(svc, chat))
+    except APIError as exc:
+        raise _named(exc) from None
+    return chat, _thinking_budget(body, job)
+
+
+async def message_result(svc: Services, caller: Caller, data: dict[str, Any]) -> dict[str, Any]:
+    """A batch line's message (``batch.endpoints``, Message Batches' lines): the whole message."""
+    body = parse(MessagesRequest, data)
+    if body.stream:
+        raise bad_request("stream is not supported in a batch", "stream")
+    _, job = await _planned(svc, body)
+    replies, _ = await collect(serve_chat(svc, caller, job, None))
+    return message(f"msg_{new_id()}", body.model, replies[0])
 
 
 async def count_tokens(request: Request) -> Response:
