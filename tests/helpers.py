@@ -106,6 +106,18 @@ def engine_options(config: Path, model: str, path: Path, **options: str) -> None
     config.write_text(text[:at] + engine + text[end:])
 
 
+def stand_in_batch_server(folder: Path, tiny_chat: Path, extra: str, url: str) -> RunningServer:
+    """A server on tiny-chat whose batch lines calling ``url`` go to a stand-in endpoint: set
+    ``srv.fake`` (an ``async (svc, caller, body)``) before submitting."""
+    srv = start_server(write_config(folder, {"tiny-chat": ("chat", tiny_chat)}, extra))
+
+    async def endpoint(svc, caller, body):
+        return await srv.fake(svc, caller, body)
+
+    srv.batches.endpoints = {url: endpoint}
+    return srv
+
+
 def start_server(config_path: Path, admin: bool = True) -> RunningServer:
     config = load_config(config_path)
     keys = {t: f"key-{t}-{i}" for i, t in enumerate(config.tier_names)}

@@ -33,7 +33,7 @@ from gateway.auth import KeyRing, key_id
 from gateway.config import load_config
 from gateway.errors import APIError
 from tests.forked import ForkedServer
-from tests.helpers import TIERS, spare_port, start_server, write_config
+from tests.helpers import TIERS, spare_port, stand_in_batch_server, start_server, write_config
 from tests.test_batch_store import redis_server
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -93,12 +93,7 @@ def server(tiny_chat, tiny_image, tiny_tts, tmp_path_factory):
 @pytest.fixture
 def fake_server(tiny_chat, tmp_path):
     """A server whose batch lines go to a stand-in chat endpoint (set ``srv.fake``)."""
-    srv = start_server(write_config(tmp_path, {"tiny-chat": ("chat", tiny_chat)}, BATCH_CONFIG))
-
-    async def endpoint(svc, caller, body):
-        return await srv.fake(svc, caller, body)
-
-    srv.batches.endpoints = {"/v1/chat/completions": endpoint}
+    srv = stand_in_batch_server(tmp_path, tiny_chat, BATCH_CONFIG, "/v1/chat/completions")
     yield srv
     srv.stop()
 

@@ -13,9 +13,9 @@ import openai
 import pytest
 
 from batch import api
-from tests.helpers import start_server, write_config
+from tests.helpers import stand_in_batch_server, start_server, write_config
+from tests.test_batches import BATCH_CONFIG as CONFIG
 
-CONFIG = "batch:\n  reclaim_after_s: 1\n  max_file_bytes: 256KiB\n  max_lines: 400\nlimits:\n  max_chat_tokens: 64\n"
 GREEDY = {"temperature": 0}
 
 
@@ -51,12 +51,7 @@ def server(tiny_chat, tmp_path_factory):
 @pytest.fixture
 def fake_server(tiny_chat, tmp_path):
     """A server whose message batch lines go to a stand-in endpoint (set ``srv.fake``)."""
-    srv = start_server(write_config(tmp_path, {"tiny-chat": ("chat", tiny_chat)}, CONFIG))
-
-    async def endpoint(svc, caller, body):
-        return await srv.fake(svc, caller, body)
-
-    srv.batches.endpoints = {"/v1/messages": endpoint}
+    srv = stand_in_batch_server(tmp_path, tiny_chat, CONFIG, "/v1/messages")
     yield srv
     srv.stop()
 
