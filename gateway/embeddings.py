@@ -1,14 +1,24 @@
 """Embeddings: ``plan_embeddings`` checks a request and turns its input into token ids,
 ``serve_embeddings`` (the serving core, shared with batch lines) runs them through the model in one
 forward pass, and ``embeddings`` (POST /v1/embeddings) renders OpenAI's list of vectors, as floats
-or as base64 (little-endian float32 bytes, as OpenAI sends them)."""
+or as base64 (little-endian float32 bytes, as OpenAI sends them).
+
+``cohere_embed`` (POST /v2/embed, as ``vllm serve`` has it) is Cohere's embed API on the same core:
+``texts`` with an ``input_type``, which puts the model's instruction of that name before each text
+(``EmbedConfig.prompts``: vLLM's rule; ``search_query`` and ``search_document`` also find a
+``query``, ``document`` or ``passage`` one, and Cohere's five names find none on a model without
+them: the texts go as written), ``output_dimension``, ``truncate`` (``END`` keeps each text's start,
+``START`` its end, to ``max_tokens`` or the context; ``NONE`` refuses a longer one) and
+``embedding_types`` (``float``, ``base64``, and ``binary`` / ``ubinary``: one bit per value, set
+where it is >= 0, eight to a byte, as vLLM packs them)."""
 
 from __future__ import annotations
 
 import asyncio
 import base64
+import uuid
 from dataclasses import dataclass
-from typing import Literal
+from typing import Any, Literal
 
 import numpy as np
 from pydantic import Field
@@ -17,7 +27,7 @@ from starlette.responses import JSONResponse, Response
 
 from accounts.rates import Ask
 from gateway.auth import Caller
-from gateway.errors import bad_request
+from gateway.errors import APIError, bad_request
 from gateway.http import disconnect_signal
 from gateway.schemas import _Body, parse, read_json
 from gateway.service import Services
@@ -117,6 +127,94 @@ def _encoded(vector: np.ndarray, encoding: EncodingFormat) -> list[float] | str:
     if encoding == "base64":
         return base64.b64encode(vector.astype("<f4").tobytes()).decode("ascii")
     return vector.tolist()  # each float32 exactly, as a double
+
+
+# -- Cohere's embed API ---------------------------------------------------------------------------
+
+COHERE_INPUT_TYPES = ("search_document", "search_query", "classification", "clustering", "image")
+# where a model names its instructions otherwise (E5's "query" / "passage", ...)
+PROMPT_NAMES = {"search_query": ("search_query", "query"), "search_document": ("search_document", "document", "passage")}
+
+
+class CohereEmbedRequest(_Body):
+    model: str = Field(min_length=1)
+    input_type: str | None = None
+    texts: list[str] | None = None
+    images: list[Any] | None = None
+    inputs: list[Any] | None = None
+    output_dimension: int | None = Field(default=None, ge=1)
+    embedding_types: list[Literal["float", "base64", "binary", "ubinary"]] | None = Field(default=None, min_length=1)
+    truncate: Literal["NONE", "START", "END"] = "END"
+    max_tokens: int | None = Field(default=None, ge=1)
+    priority: int | None = None  # accepted; the key's tier orders requests here
+
+
+def instruction(prompts: dict[str, str], input_type: str | None) -> str:
+    """What goes before each text of ``input_type`` (module doc); 400 naming it for a name the
+    model has no instruction for and Cohere does not define."""
+    if input_type is None:
+        return ""
+    for name in PROMPT_NAMES.get(input_type, (input_type,)):
+        if name in prompts:
+            return prompts[name]
+    if input_type in COHERE_INPUT_TYPES:
+        return ""
+    known = ", ".join(sorted(prompts)) or "none"
+    raise bad_request(f"input_type {input_type!r} is not one of Cohere's ({', '.join(COHERE_INPUT_TYPES)}) nor an "
+                      f"instruction of this model (it has: {known})", "input_type")
+
+
+def typed_embeddings(vectors: np.ndarray, types: list[str]) -> dict[str, Any]:
+    """Cohere's ``embeddings`` object: the vectors as each type asks."""
+    out: dict[str, Any] = {}
+    for kind in types:
+        if kind == "float":
+            out[kind] = vectors.tolist()
+        elif kind == "base64":
+            out[kind] = [_encoded(v, "base64") for v in vectors]
+        else:
+            bits = np.packbits(vectors >= 0, axis=-1)
+            out[kind] = (bits.astype(np.int16) - 128 if kind == "binary" else bits).tolist()
+    return out
+
+
+_COHERE_PARAMS = {"input": "texts", "dimensions": "output_dimension", "truncate_prompt_tokens": "max_tokens"}
+
+
+async def cohere_embed(request: Request) -> Response:
+    """POST /v2/embed."""
+    svc: Services = request.app.state.services
+    caller = svc.admit_caller(request)
+    body = parse(CohereEmbedRequest, await read_json(request, svc.config.limits.max_body))
+    if body.images is not None or body.inputs is not None:
+        raise bad_request("this server's embedding models read text: give texts", "images" if body.images else "inputs")
+    if not body.texts:
+        raise bad_request("texts must be a non-empty list", "texts", "missing_required_parameter")
+    types = body.embedding_types or ["float"]
+    encoder = await weightless(svc.encoders, svc.spec(body.model, "embed"), EmbedWorker.reader)
+    if {"binary", "ubinary"} & set(types) and (body.output_dimension or encoder.config.dimensions) % 8:
+        raise bad_request("binary embeddings pack 8 values to a byte: the length must be a multiple of 8",
+                          "embedding_types")
+    prefix = instruction(encoder.config.prompts, body.input_type)
+    cut = None if body.truncate == "NONE" else body.max_tokens or -1
+    try:
+        job = await plan_embeddings(svc, EmbeddingRequest(
+            model=body.model, input=[prefix + t for t in body.texts], dimensions=body.output_dimension,
+            truncate_prompt_tokens=cut, truncation_side="left" if body.truncate == "START" else "right"))
+    except APIError as exc:
+        exc.param = _COHERE_PARAMS.get(exc.param or "", exc.param)
+        raise
+    if body.max_tokens is not None and body.truncate == "NONE":
+        longest = max(len(row) for row in job.ids)
+        if longest > body.max_tokens:
+            raise bad_request(f"a text has {longest} tokens, above max_tokens ({body.max_tokens}); truncate "
+                              "END or START cuts it", "texts", "context_length_exceeded")
+    async with disconnect_signal(request) as gone:
+        vectors = await serve_embeddings(svc, caller, job, gone)
+    return JSONResponse({"id": f"embd-{uuid.uuid4().hex}", "embeddings": typed_embeddings(vectors, types),
+                         "texts": body.texts, "meta": {"api_version": {"version": "2"},
+                                                       "billed_units": {"input_tokens": job.tokens}},
+                         "response_type": "embeddings_by_type"}, headers=svc.gate.rate_headers(caller.tier))
 
 
 # -- HTTP -------------------------------------------------------------------------------------------

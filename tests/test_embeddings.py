@@ -60,10 +60,22 @@ def tiny_decoder_embed(tiny_chat: Path, tmp_path_factory) -> Path:
 
 
 @pytest.fixture(scope="module")
-def server(tiny_embed: Path, tiny_embed_mrl: Path, tiny_decoder_embed: Path, tmp_path_factory) -> RunningServer:
+def tiny_embed_prompts(tiny_embed: Path, tmp_path_factory) -> Path:
+    """tiny-embed with the instructions an E5-style model is trained with, as sentence-transformers
+    saves them (``config_sentence_transformers.json``'s ``prompts``)."""
+    folder = tmp_path_factory.mktemp("prompts") / "tiny-embed-prompts"
+    shutil.copytree(tiny_embed, folder)
+    (folder / "config_sentence_transformers.json").write_text(json.dumps(
+        {"prompts": {"query": "query: ", "passage": "passage: ", "topic": "the topic of: "}}))
+    return folder
+
+
+@pytest.fixture(scope="module")
+def server(tiny_embed: Path, tiny_embed_mrl: Path, tiny_decoder_embed: Path, tiny_embed_prompts: Path,
+           tmp_path_factory) -> RunningServer:
     folder = tmp_path_factory.mktemp("embed-server")
     models = {"tiny-embed": ("embed", tiny_embed), "tiny-embed-mrl": ("embed", tiny_embed_mrl),
-              "tiny-qwen3-embed": ("embed", tiny_decoder_embed)}
+              "tiny-qwen3-embed": ("embed", tiny_decoder_embed), "tiny-embed-prompts": ("embed", tiny_embed_prompts)}
     running = start_server(write_config(folder, models, LIMITS))
     yield running
     running.stop()
@@ -207,6 +219,78 @@ def test_truncate_prompt_tokens_keeps_the_start_or_the_end_as_vllm_does(server):
     for k in (0, -2, context + 1):
         refused(post(server, {"model": "tiny-embed", "input": "hi", "truncate_prompt_tokens": k}), "truncate_prompt_tokens")
     refused(post(server, {"model": "tiny-embed", "input": "hi", "truncation_side": "middle"}), "truncation_side")
+
+
+# ---------------------------------------------------------------- Cohere's embed API (/v2/embed)
+
+
+def cohere_client(server: RunningServer):
+    import cohere
+
+    return cohere.ClientV2(api_key=server.keys["paid"], base_url=server.url, timeout=60)
+
+
+def post_v2(server: RunningServer, body: dict) -> httpx.Response:
+    return httpx.post(f"{server.url}/v2/embed", json=body, timeout=30,
+                      headers={"Authorization": f"Bearer {server.keys['paid']}"})
+
+
+def test_coheres_client_embeds_with_the_models_instructions_in_every_type(server):
+    """Cohere's ``ClientV2.embed``: each text with the model's instruction for its ``input_type``
+    (``search_query`` finds ``query``, ``search_document`` finds ``passage``, a model's own name
+    its own; Cohere's names without one, or a model without instructions, the texts as written)
+    embeds as the OpenAI endpoint embeds the instructed text; ``base64`` is the same float32
+    values, ``ubinary`` / ``binary`` one bit per value (>= 0), unsigned and less 128."""
+    co, c = cohere_client(server), client(server)
+    for model, input_type, prefix in (("tiny-embed-prompts", "search_query", "query: "),
+                                      ("tiny-embed-prompts", "search_document", "passage: "),
+                                      ("tiny-embed-prompts", "topic", "the topic of: "),
+                                      ("tiny-embed-prompts", "clustering", ""), ("tiny-embed", "search_query", "")):
+        r = co.embed(model=model, texts=TEXTS, input_type=input_type,
+                     embedding_types=["float", "base64", "ubinary", "binary"])
+        want = c.embeddings.create(model=model, input=[prefix + t for t in TEXTS], encoding_format="float")
+        got = np.array(r.embeddings.float_, dtype=np.float64)
+        assert np.abs(got - vectors(want)).max() < BATCH_TOLERANCE, (model, input_type)
+        decoded = np.array([np.frombuffer(base64.b64decode(b), dtype="<f4") for b in r.embeddings.base64])
+        assert np.array_equal(decoded.astype(np.float64), got)
+        assert r.embeddings.ubinary == np.packbits(got >= 0, axis=-1).tolist() and len(r.embeddings.ubinary[0]) == 8
+        assert r.embeddings.binary == (np.packbits(got >= 0, axis=-1).astype(int) - 128).tolist()
+        assert r.texts == TEXTS and r.meta.billed_units.input_tokens == want.usage.prompt_tokens
+    assert co.embed(model="tiny-embed", texts=["hi"], input_type="search_query").embeddings.base64 is None  # float only
+    msg = refused(post_v2(server, {"model": "tiny-embed-prompts", "texts": ["hi"], "input_type": "summary"}), "input_type")
+    assert "passage, query, topic" in msg
+
+
+def test_coheres_truncate_max_tokens_and_output_dimension(server):
+    """``truncate`` ``END`` (the default) keeps a long text's start, ``START`` its end, to
+    ``max_tokens`` or the context, as vLLM's ``truncate_prompt_tokens`` does; ``NONE`` refuses a
+    text over either. ``output_dimension`` is ``dimensions``; errors name Cohere's fields."""
+    co, c = cohere_client(server), client(server)
+    context = read_config(server_folder(server)).context_length
+    text = "one two three four five six seven eight nine ten " * (context // 4)
+
+    def openai_vector(**extra) -> np.ndarray:
+        return vectors(c.embeddings.create(model="tiny-embed", input=text, encoding_format="float", extra_body=extra))[0]
+
+    def cohere_vector(**kw) -> np.ndarray:
+        return np.array(co.embed(model="tiny-embed", texts=[text], input_type="search_document", **kw).embeddings.float_[0])
+
+    for kw, extra in (({}, {"truncate_prompt_tokens": -1}), ({"truncate": "START"}, {"truncate_prompt_tokens": -1,
+                      "truncation_side": "left"}), ({"max_tokens": 10}, {"truncate_prompt_tokens": 10}),
+                      ({"max_tokens": 10, "truncate": "START"}, {"truncate_prompt_tokens": 10, "truncation_side": "left"})):
+        assert np.abs(cohere_vector(**kw) - openai_vector(**extra)).max() < BATCH_TOLERANCE, kw
+    refused(post_v2(server, {"model": "tiny-embed", "texts": [text], "truncate": "NONE"}), "texts",
+            "context_length_exceeded")
+    refused(post_v2(server, {"model": "tiny-embed", "texts": ["one two three four five"], "truncate": "NONE",
+                             "max_tokens": 3}), "texts", "context_length_exceeded")
+    short = co.embed(model="tiny-embed-mrl", texts=TEXTS, input_type="clustering", output_dimension=16)
+    want = c.embeddings.create(model="tiny-embed-mrl", input=TEXTS, encoding_format="float", dimensions=16)
+    assert np.abs(np.array(short.embeddings.float_) - vectors(want)).max() < BATCH_TOLERANCE
+    refused(post_v2(server, {"model": "tiny-embed-mrl", "texts": ["hi"], "output_dimension": 20}), "output_dimension")
+    refused(post_v2(server, {"model": "tiny-embed", "texts": ["hi"], "max_tokens": context + 1}), "max_tokens")
+    refused(post_v2(server, {"model": "tiny-embed", "texts": ["hi"], "embedding_types": ["int8"]}), "embedding_types[0]")
+    refused(post_v2(server, {"model": "tiny-embed", "images": ["data:image/png;base64,AAAA"]}), "images")
+    refused(post_v2(server, {"model": "tiny-embed", "texts": []}), "texts")
 
 
 def test_bad_input_is_a_400_naming_input(server):
@@ -540,6 +624,12 @@ def test_the_folder_decides_pooling_normalization_and_limits(tiny_embed, tmp_pat
     (folder / "sentence_bert_config.json").write_text(json.dumps({"max_seq_length": 32}))
     cfg = read_config(folder)
     assert (cfg.pooling, cfg.normalize, cfg.context_length) == ("cls", False, 32)
+    assert cfg.prompts == {}
+    (folder / "config_sentence_transformers.json").write_text(json.dumps({"prompts": {"query": "q: ", "n": 1}}))
+    assert read_config(folder).prompts == {"query": "q: "}  # (strings only)
+    config = json.loads((folder / "config.json").read_text())
+    (folder / "config.json").write_text(json.dumps({**config, "task_instructions": {"query": "Q: "}}))
+    assert read_config(folder).prompts == {"query": "Q: "}  # config.json's first, as vLLM reads them
     worker = EmbedWorker(ModelSpec("e", "embed", folder))
     worker.load(torch.device("cpu"))
     out = worker.embed(worker.tokenize(["hello world"]), None, StepContext())

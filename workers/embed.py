@@ -12,6 +12,9 @@ The folder is in sentence-transformers' on-disk format (read here without that p
 * The context length is the smallest of ``sentence_bert_config.json``'s ``max_seq_length``, the
   tokenizer's ``model_max_length`` and the encoder's position embeddings. Longer inputs are
   refused, never truncated.
+* The instructions it was trained with (``prompts``: ``config.json``'s ``task_instructions``, else
+  ``config_sentence_transformers.json``'s ``prompts``, as vLLM reads them), by name, for the
+  gateway to put before an input of that kind (Cohere's ``input_type``).
 * ``dimensions`` (shorter vectors) is allowed only where ``config.json`` says the model was trained
   for it, as vLLM reads it: ``matryoshka_dimensions: [..]`` (those lengths) or
   ``is_matryoshka: true`` (any length up to the full one). The pooled vector is cut to its first
@@ -77,6 +80,9 @@ class EmbedConfig:
     vocab_size: int
     matryoshka: tuple[int, ...] | bool  # the shorter lengths it allows: listed, any (True) or none (False)
     pad_id: int = 0  # fills the batch past each input's end (masked out)
+    # the instructions it was trained with, by name ("query": "query: "), put before an input of that kind
+    # (Cohere's input_type): config.json's task_instructions, else config_sentence_transformers.json's prompts
+    prompts: dict[str, str] = field(default_factory=dict)
 
     def check_dimensions(self, dimensions: int) -> None:
         """``ValueError`` unless the model may return vectors of ``dimensions`` values."""
@@ -103,8 +109,11 @@ def read_config(path: Path) -> EmbedConfig:
         limits.append(int(tok_max))
     listed = model.get("matryoshka_dimensions")
     matryoshka = tuple(int(d) for d in listed) if listed else bool(model.get("is_matryoshka", False))
+    prompts = model.get("task_instructions") or \
+        _json(path / "config_sentence_transformers.json", missing_ok=True).get("prompts") or {}
     return EmbedConfig(pooling, normalize, min(limits), int(model["hidden_size"]), int(model["vocab_size"]),
-                       matryoshka, int(model.get("pad_token_id") or 0))
+                       matryoshka, int(model.get("pad_token_id") or 0),
+                       {k: v for k, v in prompts.items() if isinstance(v, str)} if isinstance(prompts, dict) else {})
 
 
 def _json(file: Path, missing_ok: bool = False) -> dict:
