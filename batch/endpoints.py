@@ -61,7 +61,7 @@ async def chat(svc: Services, caller: Caller, data: dict) -> Result:
     replies, tier = await collect(serve_chat(svc, caller, job, None))
     if voice is not None:
         await say_replies(svc, caller, voice, replies, None)
-    return completion(f"chatcmpl-{uuid.uuid4().hex}", body.model, replies, tier, job, svc)
+    return completion(f"chatcmpl-{body.request_id or uuid.uuid4().hex}", body.model, replies, tier, job, svc)
 
 
 async def images(svc: Services, caller: Caller, data: dict) -> Result:

@@ -38,7 +38,7 @@ from gateway.logprobs import chat_content, chat_logprobs, prompt_logprob_dicts
 from gateway.output_audio import SpokenReplies, SpokenStream, heard_replies, plan_voice, say, say_replies
 from gateway.reasoning import ReasoningParser, ThinkSplitter
 from gateway.request_log import new_id
-from gateway.schemas import ChatCompletionRequest, parse, read_json, reply_options, sampling
+from gateway.schemas import ChatCompletionRequest, check_vllm_defaults, parse, read_json, reply_options, sampling
 from gateway.service import Services
 from gateway.serving import Gone, Serving
 from gateway.structured import request_grammar
@@ -90,6 +90,8 @@ class ChatJob:
     echo: str = ""  # vLLM's echo: the text each choice's content starts with (``ChatCompletionRequest.echoed``)
     truncate: int | None = None  # vLLM's truncate_prompt_tokens and truncation_side (``ChatRequest.truncate``)
     truncation_side: Literal["left", "right"] | None = None
+    cache_salt: str | None = None  # vLLM's: the prompt's cached blocks shared only under this salt (``prefix_salt``)
+    add_special_tokens: bool = False  # vLLM's: the tokenizer's special tokens added to the template's prompt
 
 
 @dataclass
@@ -145,6 +147,12 @@ def plan_chat(svc: Services, body: ChatCompletionRequest) -> ChatJob:
     asked = request_grammar(body.response_format, body.structured_outputs, limits.grammar_max_chars)
     grammar = tools.reply_grammar(asked, "response_format" if body.structured_outputs is None else "structured_outputs")
     service_tier.check(svc.config, body.service_tier)
+    check_vllm_defaults(body)
+    if body.request_id is not None and body.store:
+        raise bad_request("a stored completion's id is the server's: leave request_id out with store", "request_id")
+    if body.add_special_tokens and images:
+        raise bad_request("add_special_tokens is for a text prompt: the processor of a model that reads images "
+                          "adds its own", "add_special_tokens")
     reasoning = getattr(engine, "reasoning_parser", "none")
     params = ChatParams(
         max_tokens, stop=body.stop or [], seed=body.seed,
@@ -158,7 +166,19 @@ def plan_chat(svc: Services, body: ChatCompletionRequest) -> ChatJob:
                    prediction=body.prediction.text() if body.prediction is not None else None,
                    token_ids=bool(body.return_token_ids), tokens_as_ids=bool(body.return_tokens_as_token_ids),
                    echo=body.echoed(), truncate=_truncate(body.truncate_prompt_tokens, bool(images)),
-                   truncation_side=body.truncation_side)
+                   truncation_side=body.truncation_side, cache_salt=body.cache_salt,
+                   add_special_tokens=body.add_special_tokens)
+
+
+def prefix_salt(svc: Services, caller: Caller, job: ChatJob) -> str | None:
+    """The salt of the job's prompt in vLLM's prefix cache: the caller's key under
+    ``server.prefix_cache: per_key``, and the request's own ``cache_salt`` after it (its blocks
+    shared only with requests of the same key and salt; the pair as JSON, which no key's id alone
+    or other pair spells); None: shared with every request."""
+    own = caller.key_id if svc.config.server.prefix_cache == "per_key" else None
+    if job.cache_salt is None:
+        return own
+    return job.cache_salt if own is None else json.dumps([own, job.cache_salt])
 
 
 def _truncate(keep: int | None, images: bool) -> int | None:
@@ -340,7 +360,7 @@ async def _first_event(serving: Serving, job: ChatJob, params: ChatParams,
     req = ChatRequest(job.messages, params, priority=serving.rank, ctx=ctx, adapters=job.stack,
                       tools=job.tools.template_tools(), template_kwargs=job.template_kwargs,
                       prompt_end=job.prompt_end, prompt_ids=job.prompt_ids, stream=job.stream, reasoning=job.reasoning != "none", images=job.images,
-                      cache_salt=serving.caller.key_id if serving.svc.config.server.prefix_cache == "per_key" else None,
+                      cache_salt=prefix_salt(serving.svc, serving.caller, job), add_special_tokens=job.add_special_tokens,
                       prediction=job.prediction, token_ids=job.token_ids, truncate=job.truncate,
                       truncation_side=job.truncation_side)
     events = serving.worker.chat(req)
@@ -493,7 +513,7 @@ async def chat_completions(request: Request) -> Response:
     served = served_caller(svc, caller, job)
     if (end_user := body.end_user(caller.key_id)) is not None:
         log.info("chat request: key %s, user %s, tier %s", caller.key_id, end_user, served.tier)
-    completion_id = f"chatcmpl-{new_id()}"
+    completion_id = f"chatcmpl-{body.request_id or new_id()}"
     headers = {**svc.gate.rate_headers(served.tier), "x-tiergate-tier": served.tier}
     async with disconnect_signal(request) as gone:
         deltas = serve_chat(svc, caller, job, gone)

@@ -54,9 +54,9 @@ from gateway.errors import APIError, bad_request
 from gateway.http import Streamed, disconnect_signal
 from gateway.logprobs import token_name
 from gateway.schemas import (MAX_ALLOWED_TOKEN_IDS, MAX_BAD_WORDS, MAX_REPETITION_PENALTY, MAX_STACK,
-                             MAX_STOP_TOKEN_IDS, MIN_REPETITION_PENALTY, AdapterChoice, BadWord,
-                             ResponseFormat, StreamOptions, StructuredOutputs, _Body, checked_logit_bias, checked_stops,
-                             parse, read_json, reply_options, sampling)
+                             MAX_STOP_TOKEN_IDS, MIN_REPETITION_PENALTY, AdapterChoice, BadWord, CacheSalt,
+                             RequestId, ResponseFormat, StreamOptions, StructuredOutputs, _Body, check_vllm_defaults,
+                             checked_logit_bias, checked_stops, parse, read_json, reply_options, sampling)
 from gateway.serving import Gone
 from gateway.service import Services
 from gateway.structured import request_grammar
@@ -99,6 +99,12 @@ class CompletionRequest(_Body):
     allowed_token_ids: list[int] | None = Field(default=None, min_length=1, max_length=MAX_ALLOWED_TOKEN_IDS)
     bad_words: list[BadWord] | None = Field(default=None, max_length=MAX_BAD_WORDS)
     thinking_token_budget: int | None = Field(default=None, ge=-1)  # vLLM's, as chat's: by the prompt's markers
+    request_id: RequestId | None = None  # vLLM's, as chat's: the answer's id is cmpl-<request_id>
+    cache_salt: CacheSalt | None = None  # vLLM's, as chat's
+    add_special_tokens: bool = True  # vLLM's: a text prompt encoded with the tokenizer's special tokens (BOS)
+    priority: int = 0  # vLLM's, as chat's (``check_vllm_defaults``)
+    use_beam_search: bool = False
+    length_penalty: float = 1.0
     truncate_prompt_tokens: int | None = Field(default=None, ge=-1)  # vLLM's: each prompt cut, as chat's
     truncation_side: Literal["left", "right"] | None = None
     return_token_ids: bool | None = None  # vLLM's: each choice's prompt and generated token ids
@@ -215,18 +221,20 @@ def _token_id(tok: Any, token: str) -> int | None:
 
 
 def encode_prompts(tok: Any, prompts: list[str | TokenIds], suffix: str | None = None,
-                   fim: tuple[int, int, int] | None = None) -> list[Prompt]:
-    """Token ids and text of each prompt; 400 naming ``prompt`` for an empty one or an id
+                   fim: tuple[int, int, int] | None = None, special: bool = True) -> list[Prompt]:
+    """Token ids and text of each prompt, a text one with the tokenizer's special tokens unless not
+    ``special`` (vLLM's ``add_special_tokens``); 400 naming ``prompt`` for an empty one or an id
     outside the vocabulary. With ``suffix`` (and the model's ``fim`` ids), each prompt's ids are
-    its fill-in-the-middle layout: the tokenizer's BOS for a text prompt, then prefix token,
-    prompt, suffix token, suffix, middle token, the texts encoded without special tokens."""
+    its fill-in-the-middle layout: the tokenizer's BOS for a text prompt (when ``special``), then
+    prefix token, prompt, suffix token, suffix, middle token, the texts encoded without special
+    tokens."""
     vocab = len(tok)
     insert = suffix is not None and fim is not None
     out = []
     for i, p in enumerate(prompts):
         param = "prompt" if len(prompts) == 1 else f"prompt[{i}]"
         if isinstance(p, str):
-            ids = list(tok(p, add_special_tokens=not insert)["input_ids"])
+            ids = list(tok(p, add_special_tokens=special and not insert)["input_ids"])
             text = p
         else:
             bad = [t for t in p if not 0 <= t < vocab]
@@ -236,7 +244,7 @@ def encode_prompts(tok: Any, prompts: list[str | TokenIds], suffix: str | None =
         if not ids and not insert:
             raise bad_request("the prompt is empty (no tokens)", param)
         if insert:
-            lead = [t for t in tok("")["input_ids"] if t == tok.bos_token_id] if isinstance(p, str) else []
+            lead = [t for t in tok("")["input_ids"] if t == tok.bos_token_id] if isinstance(p, str) and special else []
             ids = [*lead, fim[0], *ids, fim[1], *tok(suffix, add_special_tokens=False)["input_ids"], fim[2]]
         out.append(Prompt(ids, text, tok.decode(ids[:1])))
     return out
@@ -279,6 +287,7 @@ async def plan_completion(svc: Services, body: CompletionRequest) -> CompletionJ
         raise bad_request(f"{len(raw)} prompts times {'best_of' if made > body.n else 'n'}={made} is above "
                           f"{MAX_CHOICES} choices", "prompt")
     service_tier.check(svc.config, body.service_tier)
+    check_vllm_defaults(body)
     tok, fim = await tokenizer_of(spec.path), None
     if body.suffix is not None:
         fim = fim_ids(tok, svc.config.fim_tokens(spec.name))
@@ -286,7 +295,7 @@ async def plan_completion(svc: Services, body: CompletionRequest) -> CompletionJ
             raise bad_request(f"the model '{spec.name}' has no fill-in-the-middle tokens (none of the layouts tiergate "
                               "knows, and no fim: in tiers.yaml), so it cannot complete between a prompt and a suffix",
                               "suffix")
-    prompts = await asyncio.to_thread(encode_prompts, tok, raw, body.suffix, fim)  # off the loop
+    prompts = await asyncio.to_thread(encode_prompts, tok, raw, body.suffix, fim, body.add_special_tokens)  # off the loop
     if body.truncate_prompt_tokens is not None:
         prompts = await _truncated(svc, spec, tok, prompts, body.truncate_prompt_tokens, body.truncation_side)
     ranked = made > body.n  # best_of: each candidate's tokens' logprobs rank it
@@ -301,7 +310,8 @@ async def plan_completion(svc: Services, body: CompletionRequest) -> CompletionJ
     )
     token_ids = bool(body.return_token_ids)
     jobs = [ChatJob(spec.name, [], params, stack, n=made, service_tier=body.service_tier, prompt_ids=p.ids,
-                    own_adapter=names_own(body.model, stack), token_ids=token_ids) for p in prompts]
+                    own_adapter=names_own(body.model, stack), token_ids=token_ids, cache_salt=body.cache_salt)
+            for p in prompts]
     return CompletionJob(jobs, prompts, made, body.echo, body.logprobs, keep=body.n if ranked else None,
                          token_ids=token_ids, tokens_as_ids=bool(body.return_tokens_as_token_ids))
 
@@ -436,7 +446,7 @@ async def completion_result(svc: Services, caller: Caller, data: dict) -> dict:
         raise bad_request("stream is not supported in a batch", "stream")
     job = await plan_completion(svc, body)
     replies, tier = await collect(serve_completion(svc, caller, job, None))
-    return text_completion(f"cmpl-{uuid.uuid4().hex}", body.model, job, replies,
+    return text_completion(f"cmpl-{body.request_id or uuid.uuid4().hex}", body.model, job, replies,
                            service_tier.label(svc.config, tier))
 
 
@@ -450,7 +460,7 @@ async def completions(request: Request) -> Response:
     job = await plan_completion(svc, body)
     served = served_caller(svc, caller, job.jobs[0])
     label = service_tier.label(svc.config, served.tier)
-    cid = f"cmpl-{uuid.uuid4().hex}"
+    cid = f"cmpl-{body.request_id or uuid.uuid4().hex}"
     headers = {**svc.gate.rate_headers(served.tier), "x-tiergate-tier": served.tier}
     async with disconnect_signal(request) as gone:
         deltas = serve_completion(svc, caller, job, gone)

@@ -173,6 +173,9 @@ MIN_REPETITION_PENALTY, MAX_REPETITION_PENALTY = 0.01, 100.0
 MAX_STOP_TOKEN_IDS = 64
 MAX_ALLOWED_TOKEN_IDS = 262_144  # more than any vocabulary has
 MAX_BAD_WORDS = 128  # vLLM's VLLM_MAX_NUM_BAD_WORDS (it counts them after tokenizing: workers.chat.bad_words_ids)
+# vLLM's request_id: the answer's id after its prefix (chatcmpl-, cmpl-); printable ASCII, no spaces
+RequestId = Annotated[str, Field(min_length=1, max_length=128, pattern=r"^[!-~]+$")]
+CacheSalt = Annotated[str, Field(min_length=1, max_length=256)]
 BadWord = Annotated[str, Field(min_length=1, max_length=256)]
 
 
@@ -371,6 +374,13 @@ class ChatCompletionRequest(EndUser):
     allowed_token_ids: list[int] | None = Field(default=None, min_length=1, max_length=MAX_ALLOWED_TOKEN_IDS)
     bad_words: list[BadWord] | None = Field(default=None, max_length=MAX_BAD_WORDS)
     thinking_token_budget: int | None = Field(default=None, ge=-1)  # vLLM's: the thinking cut at so many tokens
+    request_id: RequestId | None = None  # vLLM's: the answer's id is chatcmpl-<request_id> (not with store)
+    cache_salt: CacheSalt | None = None  # vLLM's: the prompt's cached blocks shared only among requests of this salt
+    add_special_tokens: bool = False  # vLLM's: the tokenizer's special tokens (BOS) added to the template's prompt
+    # vLLM's scheduling and beam-search fields, at the values vllm serve takes by default (``check_vllm_defaults``)
+    priority: int = 0
+    use_beam_search: bool = False
+    length_penalty: float = 1.0  # beam search's: without it vLLM reads no value of it, and nor does this server
     # vLLM's: the rendered prompt cut to this many tokens (-1: the context less one), its start kept
     # (truncation_side right) or its end (left; unset: the tokenizer's own side)
     truncate_prompt_tokens: int | None = Field(default=None, ge=-1)
@@ -686,6 +696,18 @@ def sampling(body: Any, defaults: dict[str, Any]) -> dict[str, Any]:
             "presence_penalty": pick("presence_penalty", 0.0), "frequency_penalty": pick("frequency_penalty", 0.0),
             "top_k": max(pick("top_k", 0), 0), "min_p": pick("min_p", 0.0),
             "repetition_penalty": pick("repetition_penalty", 1.0)}
+
+
+def check_vllm_defaults(body: Any) -> None:
+    """vLLM's ``priority`` and ``use_beam_search`` of a chat or completion request, at the values
+    ``vllm serve`` takes by default (clients send them as they are): a 400 naming each otherwise,
+    as vllm serve's own without ``--scheduling-policy priority``."""
+    if body.priority != 0:
+        raise bad_request("priority orders requests on vLLM's priority scheduler; this server orders them by the "
+                          "key's tier (and service_tier): leave priority at 0", "priority")
+    if body.use_beam_search:
+        raise bad_request("beam search is not served here: sample several with n (or best_of on /v1/completions)",
+                          "use_beam_search")
 
 
 def reply_options(body: Any, max_tokens: int, reasoning: str = "none") -> dict[str, Any]:

@@ -882,6 +882,26 @@ def test_documents_reach_a_template_that_renders_them(tiny_chat, tmp_path):
         running.stop()
 
 
+def test_vllms_request_id_names_the_answer_and_its_defaults_are_accepted(server):
+    """vLLM's ``request_id`` is the answer's id after its prefix (chat, each chunk of a stream, a
+    legacy completion); ``priority: 0``, ``use_beam_search: false`` and any ``length_penalty``
+    (beam search's, unread without it), as clients send them, change nothing."""
+    c = client(server)
+    kw = dict(model="tiny-chat", messages=[{"role": "user", "content": "Hi"}], max_tokens=4, temperature=0)
+    plain = c.chat.completions.create(**kw)
+    named = c.chat.completions.create(extra_body={"request_id": "trace-42/a", "priority": 0, "use_beam_search": False,
+                                                  "length_penalty": 2.0, "cache_salt": "tenant-7"}, **kw)
+    assert named.id == "chatcmpl-trace-42/a" and named.choices[0].message.content == plain.choices[0].message.content
+    assert plain.id != named.id and plain.id.startswith("chatcmpl-")
+    chunks = list(c.chat.completions.create(stream=True, extra_body={"request_id": "s1"}, **kw))
+    assert {ch.id for ch in chunks} == {"chatcmpl-s1"}
+    legacy = c.completions.create(model="tiny-chat", prompt="Hi", max_tokens=2,
+                                  extra_body={"request_id": "c1", "priority": 0, "cache_salt": "x"})
+    assert legacy.id == "cmpl-c1"
+    with pytest.raises(openai.BadRequestError):
+        c.completions.create(model="tiny-chat", prompt="Hi", max_tokens=2, extra_body={"use_beam_search": True})
+
+
 def test_user_is_logged_scoped_to_the_key(server, caplog):
     caplog.set_level("INFO", logger="tiergate")
     client(server).chat.completions.create(model="tiny-chat", messages=ASK, max_tokens=2, user="alice@example.com")
@@ -1056,6 +1076,11 @@ GOOD = {"model": "tiny-chat", "messages": ASK, "max_tokens": 4}
     ({"structured_outputs": {"choice": []}}, "structured_outputs.choice"),
     ({"structured_outputs": {"structural_tag": "{}"}}, "structured_outputs.structural_tag"),
     ({"structured_outputs": {"regex": "a", "whitespace_pattern": " *"}}, "structured_outputs.whitespace_pattern"),
+    ({"priority": 1}, "priority"),  # vLLM's without its priority scheduler: the key's tier orders requests here
+    ({"use_beam_search": True}, "use_beam_search"),
+    ({"request_id": "has space"}, "request_id"),
+    ({"request_id": "r1", "store": True}, "request_id"),
+    ({"cache_salt": ""}, "cache_salt"),
     ({"structured_outputs": {"regx": "a"}}, "structured_outputs.regx"),
     ({"structured_outputs": {"regex": "a"}, "response_format": {"type": "json_object"}}, "structured_outputs"),
     ({"structured_outputs": {"choice": ["x" * 1000] * 9}}, "structured_outputs.choice"),  # limits.grammar_max_chars 8192

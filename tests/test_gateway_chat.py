@@ -263,3 +263,20 @@ def test_tokens_are_counted_in_metrics_as_in_usage(chat_server):
             break
         time.sleep(0.05)
     assert {k: v for k, v in grew.items() if v} == want
+
+
+@pytest.mark.parametrize("prefix_cache, salt, expected", [
+    ("per_key", None, "key-1"),  # the default: each key's blocks its own
+    ("per_key", "t7", '["key-1", "t7"]'),  # a request's cache_salt within its key's
+    ("shared", None, None),  # every request's blocks shared
+    ("shared", "t7", "t7"),
+])
+def test_a_prompts_prefix_cache_salt(prefix_cache, salt, expected):
+    """``gateway.chat.prefix_salt``: the key's salt (``server.prefix_cache: per_key``), then the
+    request's vLLM ``cache_salt``."""
+    from types import SimpleNamespace
+
+    from gateway.chat import prefix_salt
+
+    svc = SimpleNamespace(config=SimpleNamespace(server=SimpleNamespace(prefix_cache=prefix_cache)))
+    assert prefix_salt(svc, SimpleNamespace(key_id="key-1"), SimpleNamespace(cache_salt=salt)) == expected

@@ -15,6 +15,24 @@ PNG = "data:image/png;base64,iVBORw0KGgoAAAANSUhEUgAAAAgAAAAIAQMAAAD+wSzIAAAABlB
 CHAT = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "Hello there, how are you?"}]
 
 
+def bos_chat(tiny_chat, folder):
+    """tiny-chat whose tokenizer adds its BOS to every text it encodes with special tokens (as
+    Llama's does; tiny-chat's adds none), for vLLM's ``add_special_tokens``."""
+    from tokenizers.processors import TemplateProcessing
+
+    folder.mkdir()
+    for f in tiny_chat.iterdir():
+        (folder / f.name).symlink_to(f)
+    tok = AutoTokenizer.from_pretrained(tiny_chat)
+    tok.backend_tokenizer.post_processor = TemplateProcessing(
+        single=f"{tok.bos_token} $A", pair=f"{tok.bos_token} $A $B", special_tokens=[(tok.bos_token, tok.bos_token_id)])
+    for f in ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "chat_template.jinja"):
+        if (folder / f).is_symlink():
+            (folder / f).unlink()
+    tok.save_pretrained(folder)
+    return folder
+
+
 @pytest.fixture(scope="module")
 def server(demo_dir, tiny_chat, tiny_embed, tiny_tts, tiny_vlm, tmp_path_factory):
     from demo import build_demo_models
@@ -22,7 +40,7 @@ def server(demo_dir, tiny_chat, tiny_embed, tiny_tts, tiny_vlm, tmp_path_factory
     pirate = build_demo_models(demo_dir, names=[PIRATE])[PIRATE]
     folder = tmp_path_factory.mktemp("tokenize")
     models = {"tiny-chat": ("chat", tiny_chat), "tiny-embed": ("embed", tiny_embed), "tiny-tts": ("tts", tiny_tts),
-              "tiny-vlm": ("chat", tiny_vlm)}
+              "tiny-vlm": ("chat", tiny_vlm), "bos-chat": ("chat", bos_chat(tiny_chat, folder / "bos-chat"))}
     extra = f"adapters:\n  - {{name: {PIRATE}, model: tiny-chat, path: {pirate}}}\n"
     running = start_server(write_config(folder, models, extra))
     yield running
@@ -135,3 +153,37 @@ def test_a_key_is_needed_and_its_model_list_applies(server):
         hidden = post(server, "/tokenize", {"model": model, "prompt": "x"}, key=key)
         assert hidden.status_code == 404 and hidden.json()["error"]["code"] == "model_not_found"
     assert post(server, "/detokenize", {"model": "tiny-chat", "tokens": [1]}, key=key).status_code == 404
+
+
+def test_add_special_tokens_puts_the_tokenizers_bos_on_a_chat_and_leaves_it_off_a_completion(server):
+    """vLLM's ``add_special_tokens``: a chat's prompt is the template's alone by default, and with
+    it the tokenizer's special tokens too (its BOS here), as ``/tokenize`` counts it either way; a
+    completion's text prompt has them by default, and false leaves them off. Read back with
+    ``return_token_ids``; on a model that reads images it is a 400."""
+    tok = AutoTokenizer.from_pretrained(next(m.path for m in server.services.config.models if m.name == "bos-chat"))
+    assert tok("hi")["input_ids"][0] == tok.bos_token_id != tok("hi", add_special_tokens=False)["input_ids"][0]
+
+    def chat_prompt(**extra) -> list[int]:
+        r = post(server, "/v1/chat/completions", {"model": "bos-chat", "messages": CHAT, "max_tokens": 1,
+                                                  "return_token_ids": True, **extra})
+        assert r.status_code == 200, r.text
+        return r.json()["prompt_token_ids"]
+
+    def counted(special: bool) -> list[int]:
+        return post(server, "/tokenize", {"model": "bos-chat", "messages": CHAT, "add_special_tokens": special}).json()["tokens"]
+
+    plain, special = chat_prompt(), chat_prompt(add_special_tokens=True)
+    assert plain == counted(False) and special == counted(True) == [tok.bos_token_id, *plain]
+
+    def completion_prompt(**extra) -> list[int]:
+        r = post(server, "/v1/completions", {"model": "bos-chat", "prompt": "The cat", "max_tokens": 1,
+                                             "return_token_ids": True, **extra})
+        assert r.status_code == 200, r.text
+        return r.json()["choices"][0]["prompt_token_ids"]
+
+    assert completion_prompt() == tok("The cat")["input_ids"]
+    assert completion_prompt(add_special_tokens=False) == tok("The cat", add_special_tokens=False)["input_ids"]
+    r = post(server, "/v1/chat/completions", {"model": "tiny-vlm", "max_tokens": 1, "add_special_tokens": True,
+                                              "messages": [{"role": "user", "content": [
+                                                  {"type": "image_url", "image_url": {"url": PNG}}]}]})
+    assert r.status_code == 400 and r.json()["error"]["param"] == "add_special_tokens", r.text

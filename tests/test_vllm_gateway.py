@@ -154,6 +154,26 @@ def test_a_repeated_prompt_reports_its_cached_tokens(vllm_server, tokenizer):
     assert answers[0].input_tokens_details.cached_tokens == 0 < answers[1].input_tokens_details.cached_tokens
 
 
+def test_a_cache_salt_shares_cached_blocks_only_under_the_same_salt(vllm_server):
+    """vLLM's ``cache_salt``: a prompt's cached blocks are read only by requests of the same salt
+    (none is a salt of its own), after the key's (``server.prefix_cache: per_key``): another key
+    with the same salt reads nothing of them."""
+    import secrets
+
+    text = " ".join(f"s{secrets.token_hex(2)}" for _ in range(55))  # new to the cache: two or more full blocks
+
+    def cached(tier: str = "paid", **extra) -> int:
+        r = client(vllm_server, tier).chat.completions.create(
+            model="tiny-chat", messages=[{"role": "user", "content": text}], max_tokens=1, temperature=0,
+            extra_body=extra)
+        return r.usage.prompt_tokens_details.cached_tokens
+
+    assert cached(cache_salt="a") == 0 < cached(cache_salt="a")
+    assert cached(cache_salt="b") == 0
+    assert cached() == 0 < cached()
+    assert cached("subscriber", cache_salt="a") == 0
+
+
 def test_vllm_echo_with_logprobs_gives_the_prompts_logprobs(vllm_server, tokenizer, tiny_chat):
     """vLLM's prompt logprobs (float32 on CPU, its own attention kernels) against the same plain
     torch reference as the transformers engine's, within 1e-3 nats."""

@@ -227,6 +227,9 @@ class ChatRequest:
     # its start (truncation_side "right") or its end ("left"; None: the tokenizer's own side)
     truncate: int | None = None
     truncation_side: Literal["left", "right"] | None = None
+    # vLLM's add_special_tokens: the rendered chat prompt encoded with the tokenizer's special tokens (BOS) on top of
+    # what the template writes (False, the default: the template's alone)
+    add_special_tokens: bool = False
     # vLLM's return_token_ids: each TextDelta carries the ids of the tokens generated since the last one's
     # (``TextDelta.token_ids``), and the first the prompt's (``prompt_ids``); the tokens after the last
     # text (the end of text, a held-back tail) come in a TextDelta of their own before ChatFinished

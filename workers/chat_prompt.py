@@ -59,8 +59,8 @@ def encode(tokenizer: Any, messages: list[dict], tools: list[dict] | None = None
     return _ids(tokenizer, render(tokenizer, messages, tools, template_kwargs))
 
 
-def _ids(tokenizer: Any, text: str) -> list[int]:
-    return list(tokenizer(text, add_special_tokens=False)["input_ids"])
+def _ids(tokenizer: Any, text: str, special: bool = False) -> list[int]:
+    return list(tokenizer(text, add_special_tokens=special)["input_ids"])
 
 
 def thinking_marker(text: str) -> str:
@@ -120,13 +120,14 @@ def truncated(tokenizer: Any, ids: list[int], keep: int, side: str | None, conte
 
 def request_ids(tokenizer: Any, req: ChatRequest, context_length: int) -> list[int]:
     """The prompt of ``req``: its raw ``prompt_ids`` when it has them (legacy completions, no
-    template), else its messages and tools through :func:`encode`; refused with
+    template), else its messages and tools through :func:`encode` (with the tokenizer's special
+    tokens too where ``req.add_special_tokens``, vLLM's); refused with
     :class:`ContextTooLong` when the reply cannot fit. The rendered prompt's last thinking marker
     goes to ``req.ctx.prompt_thinking`` (a raw prompt's too, for a reasoning model: a background
     response resumed part-way through its thinking)."""
     if req.prompt_ids is None:
         text = render(tokenizer, req.messages, req.tools, req.template_kwargs, **end_kwargs(req.prompt_end))
-        ids = _ids(tokenizer, text)
+        ids = _ids(tokenizer, text, req.add_special_tokens)
         if req.truncate is not None:
             ids = truncated(tokenizer, ids, req.truncate, req.truncation_side, context_length)
             text = tokenizer.decode(ids, skip_special_tokens=False)  # (its thinking marker: the kept part's)
