@@ -58,7 +58,9 @@ from gateway.service import ClientGone, Services
 log = logging.getLogger("tiergate")
 
 _STATUS_CODES = {404: "not_found", 405: "method_not_allowed", 413: "request_too_large"}
-ANTHROPIC_PATHS = ("/v1/messages",)  # Anthropic's Messages API: its errors carry its "type" too (gateway.messages)
+# Anthropic's Messages API: its errors carry its "type" too (gateway.messages), as do those of any request its SDK
+# sends (an anthropic-version header: its models list)
+ANTHROPIC_PATHS = ("/v1/messages",)
 
 
 def build_services(config: Config, keys: KeyRing, origin: str = "") -> Services:
@@ -117,19 +119,66 @@ async def metrics(request: Request) -> Response:
 
 
 async def list_models(request: Request) -> Response:
+    """GET /v1/models: OpenAI's list; Anthropic's (its SDK's ``models.list``, which sends an
+    ``anthropic-version`` header) lists the models its Messages API serves, in its shape."""
     svc: Services = request.app.state.services
     caller = svc.authenticate(request)
-    return JSONResponse({"object": "list", "data": _model_rows(svc, caller, await _adapter_rows(svc))})
+    rows = _model_rows(svc, caller, await _adapter_rows(svc))
+    if "anthropic-version" in request.headers:
+        return JSONResponse(_anthropic_page(svc, rows, request.query_params))
+    return JSONResponse({"object": "list", "data": rows})
 
 
 async def get_model(request: Request) -> Response:
     svc: Services = request.app.state.services
     caller = svc.authenticate(request)
     name = request.path_params["model"]
+    anthropic = "anthropic-version" in request.headers
     for row in _model_rows(svc, caller, await _adapter_rows(svc)):
-        if row["id"] == name:
-            return JSONResponse(row)
+        if row["id"] == name and (not anthropic or _speaks(svc, row)):
+            return JSONResponse(_anthropic_model(svc, row) if anthropic else row)
     raise APIError(404, f"the model '{name}' does not exist", "model_not_found", "model")
+
+
+def _speaks(svc: Services, row: dict) -> bool:
+    """Whether the Messages API serves the model of a /v1/models row: a chat model, its alias or adapter."""
+    if "alias_of" in row:
+        return svc.arbiter.specs[row["alias_of"]].kind == "chat"
+    return row.get("kind") == "chat" or row.get("base_kind") == "chat"
+
+
+def _anthropic_model(svc: Services, row: dict) -> dict:
+    """Anthropic's ``model`` object of a chat model's row (its release date unknown: the epoch, as
+    Anthropic's API says then); ``max_input_tokens`` its context, ``max_tokens`` this server's cap."""
+    base = row.get("alias_of") or row.get("parent") or row["id"]
+    return {"type": "model", "id": row["id"], "display_name": row["id"], "created_at": "1970-01-01T00:00:00Z",
+            "max_input_tokens": svc.context_lengths.get(base), "max_tokens": svc.config.limits.max_chat_tokens}
+
+
+def _anthropic_page(svc: Services, rows: list[dict], query) -> dict:
+    """A page of Anthropic's model list: ``limit`` (1 to 1000, 20 unless given) after ``after_id``
+    or before ``before_id``, in /v1/models' order."""
+    raw = query.get("limit", "20")
+    if not raw.isdigit() or not 1 <= int(raw) <= 1000:
+        raise APIError(400, f"limit must be an integer from 1 to 1000, not {raw!r}", "invalid_value", "limit")
+    data = [_anthropic_model(svc, r) for r in rows if _speaks(svc, r)]
+    ids = [m["id"] for m in data]
+    start, end, limit = 0, len(data), int(raw)
+    for cursor, param in ((query.get("after_id"), "after_id"), (query.get("before_id"), "before_id")):
+        if cursor and cursor not in ids:
+            raise APIError(400, f"no such model to page from: {cursor!r}", "invalid_value", param)
+    if query.get("before_id"):
+        end = ids.index(query["before_id"])
+        start = max(end - limit, 0)
+    elif query.get("after_id"):
+        start = ids.index(query["after_id"]) + 1
+        end = min(start + limit, len(data))
+    else:
+        end = min(limit, len(data))
+    page = data[start:end]
+    more = start > 0 if query.get("before_id") else end < len(data)
+    return {"data": page, "has_more": more, "first_id": page[0]["id"] if page else None,
+            "last_id": page[-1]["id"] if page else None}
 
 
 async def _adapter_rows(svc: Services) -> list[dict]:
@@ -192,7 +241,7 @@ async def admin_model(request: Request) -> Response:
 async def _api_error(request: Request, exc: APIError) -> Response:
     request.app.state.services.left_door()  # refused on its way to the gate: no longer demand
     note(reason=exc.code)
-    return exc.response(anthropic=request.url.path.startswith(ANTHROPIC_PATHS))
+    return exc.response(anthropic=request.url.path.startswith(ANTHROPIC_PATHS) or "anthropic-version" in request.headers)
 
 
 async def _http_error(request: Request, exc: HTTPException) -> Response:

@@ -24,15 +24,15 @@ WEATHER = {"name": "get_weather", "description": "Weather in a city.",
 
 
 @pytest.fixture(scope="module")
-def server(tiny_chat, tiny_vlm, tmp_path_factory):
-    """tiny-chat, tiny-vlm (it reads images), and tiny-chat with a template that thinks unless
-    ``enable_thinking`` is false (Qwen3's rule)."""
+def server(tiny_chat, tiny_vlm, tiny_embed, tmp_path_factory):
+    """tiny-chat, tiny-vlm (it reads images), tiny-chat with a template that thinks unless
+    ``enable_thinking`` is false (Qwen3's rule), and an embedding model (no Messages model)."""
     from tests.test_reasoning import QWEN3_PROMPT, THINKING_ASSISTANT, _model
 
     root = tmp_path_factory.mktemp("messages")
     thinker = _model(tiny_chat, root / "thinker", QWEN3_PROMPT, THINKING_ASSISTANT)
     running = start_server(write_config(root, {"tiny-chat": ("chat", tiny_chat), "tiny-vlm": ("chat", tiny_vlm),
-                                               "thinker": ("chat", thinker)}))
+                                               "thinker": ("chat", thinker), "tiny-embed": ("embed", tiny_embed)}))
     yield running
     running.stop()
 
@@ -229,3 +229,29 @@ def test_a_bad_key_is_the_sdks_authentication_error(server):
         anthropic.Anthropic(base_url=server.url, api_key="nobody", max_retries=0).messages.create(
             model="tiny-chat", max_tokens=4, messages=ASK)
     assert bad.value.status_code == 401 and bad.value.body["type"] == "error"
+
+
+def test_anthropics_models_list_shows_the_chat_models_in_its_shape(server):
+    """Anthropic's SDK (its ``anthropic-version`` header) gets the models its Messages API serves,
+    as Anthropic's ``model`` objects, paged as its SDK pages them; the OpenAI SDK still gets every
+    model in OpenAI's shape. Another model is Anthropic's 404."""
+    c = claude(server)
+    openai_rows = {m.id: m for m in gpt(server).models.list()}
+    assert "tiny-embed" in openai_rows and openai_rows["tiny-embed"].object == "model"
+    chats = [name for name, m in openai_rows.items() if m.model_extra.get("kind") == "chat"]
+    models = list(c.models.list(limit=1))  # the SDK pages on with after_id
+    assert [m.id for m in models] == chats and len(chats) == 3
+    m = c.models.retrieve("tiny-chat")
+    assert m.type == "model" and m.display_name == "tiny-chat" and m.created_at.year == 1970
+    assert m.max_input_tokens == openai_rows["tiny-chat"].model_extra["max_model_len"] and m.max_tokens > 0
+    first = c.models.list(limit=2)
+    assert [x.id for x in first.data] == chats[:2] and first.has_more and first.last_id == chats[1]
+    back = c.models.list(limit=2, before_id=chats[2])
+    assert [x.id for x in back.data] == chats[:2] and not back.has_more
+    just_before = c.models.list(limit=1, before_id=chats[2])
+    assert [x.id for x in just_before.data] == [chats[1]] and just_before.has_more
+    for name in ("tiny-embed", "nope"):
+        with pytest.raises(anthropic.NotFoundError):
+            c.models.retrieve(name)
+    with pytest.raises(anthropic.BadRequestError):
+        c.models.list(limit=0)
