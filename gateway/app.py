@@ -279,7 +279,7 @@ def routes() -> list[BaseRoute]:
     return [
         Route("/v1/chat/completions", chat.chat_completions, methods=["POST"]),
         Route("/v1/embeddings", embeddings.embeddings, methods=["POST"]),
-        Route("/v2/embed", embeddings.cohere_embed, methods=["POST"]),  # Cohere's embed API, as vLLM's
+        *(Route(path, embeddings.cohere_embed, methods=["POST"]) for path in ("/v2/embed", "/v1/embed")),  # Cohere's
         Route("/v1/moderations", moderations.moderations, methods=["POST"]),
         Route("/v1/completions", completions.completions, methods=["POST"]),
         Route("/v1/responses", responses_api.create_response, methods=["POST"]),

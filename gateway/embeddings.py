@@ -3,7 +3,7 @@
 forward pass, and ``embeddings`` (POST /v1/embeddings) renders OpenAI's list of vectors, as floats
 or as base64 (little-endian float32 bytes, as OpenAI sends them).
 
-``cohere_embed`` (POST /v2/embed, as ``vllm serve`` has it) is Cohere's embed API on the same core:
+``cohere_embed`` (POST /v2/embed, as ``vllm serve`` has it, and v1's /v1/embed) is Cohere's embed API on the same core:
 ``texts`` with an ``input_type``, which puts the model's instruction of that name before each text
 (``EmbedConfig.prompts``: vLLM's rule; ``search_query`` and ``search_document`` also find a
 ``query``, ``document`` or ``passage`` one, and Cohere's five names find none on a model without
@@ -137,7 +137,7 @@ PROMPT_NAMES = {"search_query": ("search_query", "query"), "search_document": ("
 
 
 class CohereEmbedRequest(_Body):
-    model: str = Field(min_length=1)
+    model: str | None = Field(default=None, min_length=1)  # required on v2; v1's default: the first embedding model
     input_type: str | None = None
     texts: list[str] | None = None
     images: list[Any] | None = None
@@ -182,10 +182,16 @@ _COHERE_PARAMS = {"input": "texts", "dimensions": "output_dimension", "truncate_
 
 
 async def cohere_embed(request: Request) -> Response:
-    """POST /v2/embed."""
+    """POST /v2/embed; and /v1/embed, Cohere's v1 ``Client.embed`` (``model`` optional: the first
+    embedding model; without ``embedding_types`` the answer is v1's ``embeddings_floats``)."""
     svc: Services = request.app.state.services
     caller = svc.admit_caller(request)
+    v1 = request.url.path == "/v1/embed"
     body = parse(CohereEmbedRequest, await read_json(request, svc.config.limits.max_body))
+    if body.model is None:
+        if not v1:
+            raise bad_request("missing required parameter: model", "model", "missing_required_parameter")
+        body.model = svc.first_spec("embed", "embedding model").name
     if body.images is not None or body.inputs is not None:
         raise bad_request("this server's embedding models read text: give texts", "images" if body.images else "inputs")
     if not body.texts:
@@ -211,10 +217,13 @@ async def cohere_embed(request: Request) -> Response:
                               "END or START cuts it", "texts", "context_length_exceeded")
     async with disconnect_signal(request) as gone:
         vectors = await serve_embeddings(svc, caller, job, gone)
-    return JSONResponse({"id": f"embd-{uuid.uuid4().hex}", "embeddings": typed_embeddings(vectors, types),
-                         "texts": body.texts, "meta": {"api_version": {"version": "2"},
+    floats = v1 and body.embedding_types is None
+    return JSONResponse({"id": f"embd-{uuid.uuid4().hex}",
+                         "embeddings": vectors.tolist() if floats else typed_embeddings(vectors, types),
+                         "texts": body.texts, "meta": {"api_version": {"version": "1" if v1 else "2"},
                                                        "billed_units": {"input_tokens": job.tokens}},
-                         "response_type": "embeddings_by_type"}, headers=svc.gate.rate_headers(caller.tier))
+                         "response_type": "embeddings_floats" if floats else "embeddings_by_type"},
+                        headers=svc.gate.rate_headers(caller.tier))
 
 
 # -- HTTP -------------------------------------------------------------------------------------------

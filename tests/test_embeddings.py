@@ -261,6 +261,22 @@ def test_coheres_client_embeds_with_the_models_instructions_in_every_type(server
     assert "passage, query, topic" in msg
 
 
+def test_coheres_v1_client_embeds_as_v2_and_defaults_to_the_first_embedding_model(server):
+    """Cohere's v1 ``Client.embed`` (``/v1/embed``): floats alone (``embeddings_floats``) unless
+    ``embedding_types`` asks for types; ``model`` optional there (the first embedding model,
+    tiny-embed here), required on v2."""
+    import cohere
+
+    v1 = cohere.Client(api_key=server.keys["paid"], base_url=server.url, timeout=60)
+    want = vectors(client(server).embeddings.create(model="tiny-embed", input=TEXTS, encoding_format="float"))
+    for kw in ({"model": "tiny-embed"}, {}):
+        r = v1.embed(texts=TEXTS, input_type="search_document", **kw)
+        assert r.response_type == "embeddings_floats" and np.abs(np.array(r.embeddings) - want).max() < BATCH_TOLERANCE
+    typed = v1.embed(texts=TEXTS, model="tiny-embed", embedding_types=["float", "ubinary"])
+    assert typed.response_type == "embeddings_by_type" and np.abs(np.array(typed.embeddings.float_) - want).max() < BATCH_TOLERANCE
+    refused(post_v2(server, {"texts": ["hi"], "input_type": "search_query"}), "model", "missing_required_parameter")
+
+
 def test_coheres_truncate_max_tokens_and_output_dimension(server):
     """``truncate`` ``END`` (the default) keeps a long text's start, ``START`` its end, to
     ``max_tokens`` or the context, as vLLM's ``truncate_prompt_tokens`` does; ``NONE`` refuses a
