@@ -52,7 +52,7 @@ from gateway.auth import Caller
 from gateway.chat import ChatJob, ChoiceDelta, Reply, collect, engine_config, interleave, served_caller, serve_chat
 from gateway.errors import APIError, bad_request
 from gateway.http import Streamed, disconnect_signal
-from gateway.logprobs import token_name
+from gateway.logprobs import prompt_logprob_dicts, token_name
 from gateway.schemas import (MAX_ALLOWED_TOKEN_IDS, MAX_BAD_WORDS, MAX_REPETITION_PENALTY, MAX_STACK,
                              MAX_STOP_TOKEN_IDS, MIN_REPETITION_PENALTY, AdapterChoice, BadWord, CacheSalt,
                              RequestId, ResponseFormat, StreamOptions, StructuredOutputs, _Body, check_vllm_defaults,
@@ -102,6 +102,9 @@ class CompletionRequest(_Body):
     request_id: RequestId | None = None  # vLLM's, as chat's: the answer's id is cmpl-<request_id>
     cache_salt: CacheSalt | None = None  # vLLM's, as chat's
     add_special_tokens: bool = True  # vLLM's: a text prompt encoded with the tokenizer's special tokens (BOS)
+    # vLLM's: each prompt token's log probability, rank and the k likeliest there, per choice (0..20; not streamed);
+    # it is also what echo's prompt logprobs show, as on vLLM
+    prompt_logprobs: int | None = Field(default=None, ge=0, le=20)
     priority: int = 0  # vLLM's, as chat's (``check_vllm_defaults``)
     use_beam_search: bool = False
     length_penalty: float = 1.0
@@ -156,6 +159,7 @@ class CompletionJob:
     keep: int | None = None  # best_of: choices answered per prompt, the best of the n made; None: all n
     token_ids: bool = False  # vLLM's return_token_ids: each choice's prompt_token_ids and token_ids
     tokens_as_ids: bool = False  # vLLM's return_tokens_as_token_ids (``legacy_logprobs``)
+    prompt_logprobs: bool = False  # vLLM's prompt_logprobs: each choice's, as chat's (``prompt_logprob_dicts``)
 
 
 # -- the prompt's tokens ------------------------------------------------------------------------------
@@ -261,9 +265,11 @@ async def plan_completion(svc: Services, body: CompletionRequest) -> CompletionJ
     defaults = svc.sampling_defaults.get(spec.name, {})  # (its generation_config's max_new_tokens, as vLLM's)
     max_tokens = body.max_tokens if body.max_tokens is not None else \
         min(defaults.get("max_tokens", DEFAULT_MAX_TOKENS), limits.max_chat_tokens)
-    if max_tokens == 0 and not (body.echo and body.logprobs is not None):
-        raise bad_request("max_tokens 0 scores the prompt and generates nothing: it needs echo and logprobs",
-                          "max_tokens")
+    if max_tokens == 0 and not (body.echo and body.logprobs is not None) and body.prompt_logprobs is None:
+        raise bad_request("max_tokens 0 scores the prompt and generates nothing: it needs echo and logprobs, or "
+                          "prompt_logprobs", "max_tokens")
+    if body.prompt_logprobs is not None and body.stream:  # as vLLM's
+        raise bad_request("prompt_logprobs are not available when stream is true", "prompt_logprobs")
     if max_tokens > limits.max_chat_tokens:
         raise bad_request(f"max_tokens is {max_tokens}, above this server's limit of {limits.max_chat_tokens}",
                           "max_tokens")
@@ -303,7 +309,7 @@ async def plan_completion(svc: Services, body: CompletionRequest) -> CompletionJ
         max_tokens, stop=body.stop or [], seed=body.seed,
         logprobs=0 if ranked and body.logprobs is None else body.logprobs,
         logit_bias={int(k): v for k, v in (body.logit_bias or {}).items()},
-        prompt_logprobs=body.logprobs if body.echo else None,
+        prompt_logprobs=body.prompt_logprobs if body.prompt_logprobs is not None else body.logprobs if body.echo else None,
         grammar=request_grammar(body.response_format, body.structured_outputs, limits.grammar_max_chars),
         **sampling(body, defaults),
         **reply_options(body, max_tokens, getattr(engine_config(svc, spec.name), "reasoning_parser", "none")),
@@ -313,7 +319,8 @@ async def plan_completion(svc: Services, body: CompletionRequest) -> CompletionJ
                     own_adapter=names_own(body.model, stack), token_ids=token_ids, cache_salt=body.cache_salt)
             for p in prompts]
     return CompletionJob(jobs, prompts, made, body.echo, body.logprobs, keep=body.n if ranked else None,
-                         token_ids=token_ids, tokens_as_ids=bool(body.return_tokens_as_token_ids))
+                         token_ids=token_ids, tokens_as_ids=bool(body.return_tokens_as_token_ids),
+                         prompt_logprobs=body.prompt_logprobs is not None)
 
 
 def serve_completion(svc: Services, caller: Caller, job: CompletionJob,
@@ -415,6 +422,8 @@ def text_completion(cid: str, model: str, job: CompletionJob, replies: list[Repl
                         "finish_reason": r.finish_reason, "stop_reason": r.finished.stop_reason})
         if job.token_ids:  # vLLM's: the prompt's ids in each choice (a request may have several prompts)
             choices[-1].update(prompt_token_ids=prompt.ids, token_ids=r.token_ids)
+        if job.prompt_logprobs:
+            choices[-1]["prompt_logprobs"] = prompt_logprob_dicts(r.prompt_logprobs)
     return {"id": cid, "object": "text_completion", "created": int(time.time()), "model": model,
             "choices": choices, "usage": completion_usage(job, replies), "service_tier": tier_label,
             "system_fingerprint": None}
