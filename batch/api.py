@@ -360,14 +360,16 @@ async def create_batch(request: Request) -> Response:
 
 
 async def start_batch(runner: Runner, caller: Caller, endpoint: str, input_file: FileInfo,
-                      metadata: dict[str, str] | None = None, output_expires_after_s: int | None = None) -> BatchInfo:
-    """A new batch of ``caller``'s running ``input_file``'s lines on ``endpoint``, stored and
-    handed to the runner to validate (OpenAI's batches here, Anthropic's message batches too)."""
+                      metadata: dict[str, str] | None = None, output_expires_after_s: int | None = None,
+                      requests: int | None = None) -> BatchInfo:
+    """A new batch of ``caller``'s running ``input_file``'s lines on ``endpoint`` (``requests`` of
+    them, where the caller knows), stored and handed to the runner to validate (OpenAI's batches
+    here, Anthropic's message batches too)."""
     now = int(time.time())
     batch = BatchInfo(id=f"batch_{time.time_ns():016x}{secrets.token_hex(4)}",  # ids sort by time
                       owner=caller.key_id, endpoint=endpoint, input_file_id=input_file.id, completion_window="24h",
                       created_at=now, expires_at=now + WINDOW_S, metadata=metadata,
-                      output_expires_after_s=output_expires_after_s)
+                      output_expires_after_s=output_expires_after_s, requests=requests)
     await runner.store.create_batch(batch)
     runner.soon("validate", batch.id)
     return batch

@@ -23,6 +23,7 @@ Anthropic's ``"type": "error"`` around it). Results come in the requests' order.
 
 from __future__ import annotations
 
+import asyncio
 import json
 import re
 import time
@@ -82,20 +83,18 @@ def _time(seconds: int | None) -> str | None:
 
 
 async def _lines(runner: Runner, file_id: str | None) -> list[dict[str, Any]]:
+    """The JSON lines of a file (parsed in a worker thread: an input may be many megabytes)."""
     content = await runner.store.file_content(file_id) if file_id else None
-    return [json.loads(x) for x in (content or b"").decode().splitlines() if x.strip()]
+    return await asyncio.to_thread(lambda: [json.loads(x) for x in (content or b"").decode().splitlines() if x.strip()])
 
 
-async def _shown(request: Request, runner: Runner, batch: BatchInfo, total: int | None = None) -> dict[str, Any]:
-    """Anthropic's ``message_batch`` object of ``batch`` (``total``: its requests, where the
-    batch has not counted them yet)."""
+async def _shown(request: Request, runner: Runner, batch: BatchInfo) -> dict[str, Any]:
+    """Anthropic's ``message_batch`` object of ``batch``."""
     doc = batch.public()
     ended = batch.status in TERMINAL
     counts = {"processing": 0, "succeeded": 0, "errored": 0, "canceled": 0, "expired": 0}
     if not ended:
-        if total is None:
-            total = batch.total or len(await _lines(runner, batch.input_file_id))
-        counts["processing"] = total
+        counts["processing"] = batch.total or batch.requests or 0  # (counted by the runner once validated)
     else:
         counts["succeeded"] = batch.completed
         for line in await _lines(runner, doc["error_file_id"]):
@@ -124,8 +123,8 @@ async def create(request: Request) -> Response:
     content = "".join(json.dumps({"custom_id": r.custom_id, "method": "POST", "url": ENDPOINT, "body": r.params}) + "\n"
                       for r in body.requests).encode()
     info = await _new_file(svc, runner, caller, "message_batch.jsonl", content, None, param="requests")
-    batch = await start_batch(runner, caller, ENDPOINT, info)
-    return JSONResponse(await _shown(request, runner, batch, len(body.requests)))
+    batch = await start_batch(runner, caller, ENDPOINT, info, requests=len(body.requests))
+    return JSONResponse(await _shown(request, runner, batch))
 
 
 async def retrieve(request: Request) -> Response:
@@ -208,7 +207,8 @@ async def results(request: Request) -> Response:
     doc = batch.public()
     order = [ln["custom_id"] for ln in await _lines(runner, batch.input_file_id)]
     found = {ln["custom_id"]: ln for f in ("output_file_id", "error_file_id") for ln in await _lines(runner, doc[f])}
-    out = "".join(json.dumps({"custom_id": c, "result": _result(found[c])}) + "\n" for c in order if c in found)
+    out = await asyncio.to_thread(
+        lambda: "".join(json.dumps({"custom_id": c, "result": _result(found[c])}) + "\n" for c in order if c in found))
     return Response(out, media_type="application/x-jsonl")
 
 

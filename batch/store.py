@@ -70,6 +70,7 @@ class BatchInfo:
     expires_at: int
     metadata: dict[str, str] | None = None
     output_expires_after_s: int | None = None  # its output and error files expire this long after they are written
+    requests: int | None = None  # the requests its input holds, where known when it is made (a message batch's)
     status: str = "validating"
     total: int = 0
     completed: int = 0
