@@ -39,7 +39,7 @@ from batch.runner import Runner
 from batch.store import TERMINAL, BatchInfo
 from gateway.auth import Caller
 from gateway.errors import APIError, bad_request, not_found
-from gateway.schemas import _Body, is_count, parse, read_json
+from gateway.schemas import _Body, is_count, json_object, parse, read_body
 
 ENDPOINT = "/v1/messages"
 PREFIX = "msgbatch_"
@@ -112,7 +112,17 @@ async def create(request: Request) -> Response:
     """POST /v1/messages/batches: ``requests``, each a ``custom_id`` (unique in the batch,
     1-64 of ``[A-Za-z0-9_-]``) and the ``params`` of a Messages request."""
     svc, runner, caller = _context(request)
-    body = parse(MessageBatchCreate, await read_json(request, svc.config.batch.max_file_bytes))
+    raw = await read_body(request, svc.config.batch.max_file_bytes)
+    content, count = await asyncio.to_thread(_input_file, raw)  # (a body of many megabytes: off the event loop)
+    info = await _new_file(svc, runner, caller, "message_batch.jsonl", content, None, param="requests")
+    batch = await start_batch(runner, caller, ENDPOINT, info, requests=count)
+    return JSONResponse(await _shown(request, runner, batch))
+
+
+def _input_file(raw: bytes) -> tuple[bytes, int]:
+    """The batch input file (JSON lines calling /v1/messages) of a create's body, and its count of
+    requests; 400 naming what is wrong."""
+    body = parse(MessageBatchCreate, json_object(raw))
     seen: set[str] = set()
     for i, r in enumerate(body.requests):
         if not CUSTOM_ID.fullmatch(r.custom_id):
@@ -122,9 +132,7 @@ async def create(request: Request) -> Response:
         seen.add(r.custom_id)
     content = "".join(json.dumps({"custom_id": r.custom_id, "method": "POST", "url": ENDPOINT, "body": r.params}) + "\n"
                       for r in body.requests).encode()
-    info = await _new_file(svc, runner, caller, "message_batch.jsonl", content, None, param="requests")
-    batch = await start_batch(runner, caller, ENDPOINT, info, requests=len(body.requests))
-    return JSONResponse(await _shown(request, runner, batch))
+    return content, len(body.requests)
 
 
 async def retrieve(request: Request) -> Response:

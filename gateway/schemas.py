@@ -546,6 +546,11 @@ class ChatCompletionRequest(EndUser):
 
 async def read_json(request: Request, max_bytes: int) -> dict[str, Any]:
     """The request body as a JSON object; 413 past ``max_bytes``, 400 if it is not strict JSON."""
+    return json_object(await read_body(request, max_bytes))
+
+
+async def read_body(request: Request, max_bytes: int) -> bytes:
+    """The request body's bytes; 413 past ``max_bytes``."""
     declared = request.headers.get("content-length")
     if declared and is_count(declared) and int(declared) > max_bytes:
         raise APIError(413, f"request body is larger than {max_bytes} bytes", "request_too_large")
@@ -554,8 +559,13 @@ async def read_json(request: Request, max_bytes: int) -> dict[str, Any]:
         body += chunk
         if len(body) > max_bytes:
             raise APIError(413, f"request body is larger than {max_bytes} bytes", "request_too_large")
+    return bytes(body)
+
+
+def json_object(body: bytes) -> dict[str, Any]:
+    """``body`` as a JSON object; 400 if it is not strict JSON or not an object."""
     try:
-        data = loads(bytes(body))
+        data = loads(body)
     except InvalidJSON as exc:
         raise _invalid(str(exc)) from None
     if not isinstance(data, dict):
