@@ -69,17 +69,64 @@ class disconnect_signal:
         self.gone.set()
 
 
+KEEPALIVE = b": keep-alive\n\n"  # an SSE comment: every client's parser skips it
+PING = b'event: ping\ndata: {"type": "ping"}\n\n'  # Anthropic's, on its Messages API's streams
+
+
 class Streamed(StreamingResponse):
     """A streamed response whose ``content`` is always closed when the response ends, including
     when the client disconnects before the first byte: closing it ends the serving core's
-    ``Serving`` block, which gives the slot and the lease back."""
+    ``Serving`` block, which gives the slot and the lease back.
+
+    An event stream that has sent nothing for ``server.keepalive_s`` (tiers.yaml) sends a
+    keep-alive (an SSE comment; Anthropic's ``ping`` event on ``/v1/messages``), so that a proxy's
+    idle timeout does not cut a stream that waits: a flex or batch request paused behind paid
+    traffic, a reasoning reply whose thinking is left out. A task per stream sleeps until then;
+    the stream's own chunks and the keep-alives share one lock around ``send``."""
 
     def __init__(self, content: AsyncIterator[str | bytes], media_type: str, headers: dict[str, str]) -> None:
         super().__init__(content, media_type=media_type, headers={**headers, "cache-control": "no-cache"})
         self._content = content
+        self._keepalive: tuple[float, bytes] | None = None
 
     async def __call__(self, scope, receive, send) -> None:
+        services = getattr(getattr(scope.get("app"), "state", None), "services", None)
+        every = services.config.server.keepalive_s if services is not None else 0
+        if every > 0 and self.media_type == "text/event-stream":
+            self._keepalive = (every, PING if scope.get("path", "").startswith("/v1/messages") else KEEPALIVE)
         try:
             await super().__call__(scope, receive, send)
         finally:
             await self._content.aclose()
+
+    async def stream_response(self, send) -> None:
+        if self._keepalive is None:
+            return await super().stream_response(send)
+        every, beat = self._keepalive
+        loop, lock = asyncio.get_running_loop(), asyncio.Lock()
+        last = [loop.time()]  # when the stream last sent something
+
+        async def keep_alive() -> None:
+            while True:
+                wait = last[0] + every - loop.time()
+                if wait > 0:
+                    await asyncio.sleep(wait)
+                    continue
+                async with lock:  # (behind a chunk being sent, which makes the stream busy again)
+                    if loop.time() - last[0] >= every:
+                        await send({"type": "http.response.body", "body": beat, "more_body": True})
+                        last[0] = loop.time()
+
+        await send({"type": "http.response.start", "status": self.status_code, "headers": self.raw_headers})
+        beating = asyncio.create_task(keep_alive())
+        try:
+            async for chunk in self.body_iterator:
+                if not isinstance(chunk, bytes | memoryview):
+                    chunk = chunk.encode(self.charset)
+                async with lock:
+                    await send({"type": "http.response.body", "body": chunk, "more_body": True})
+                    last[0] = loop.time()
+        finally:
+            beating.cancel()
+            await asyncio.gather(beating, return_exceptions=True)
+        await send({"type": "http.response.body", "body": b"", "more_body": False})

@@ -16,7 +16,8 @@ engines as chat completions.
 * The answer is rendered from the chat deltas: whole, a ``message`` whose content is a
   ``thinking`` block (a reasoning model's), a ``text`` block and a ``tool_use`` block per call;
   streamed, Anthropic's events (``message_start``, ``content_block_start`` / ``_delta`` /
-  ``_stop`` per block, ``message_delta`` with the stop reason and usage, ``message_stop``).
+  ``_stop`` per block, ``message_delta`` with the stop reason and usage, ``message_stop``; a
+  ``ping`` while it waits, ``gateway.http.Streamed``).
   ``stop_reason`` is ``end_turn``, ``max_tokens``, ``stop_sequence`` (with ``stop_sequence``) or
   ``tool_use``. A tool call whose arguments are not a JSON object is not a valid ``tool_use``:
   whole, its arguments as written are answered as text (streamed, they went out as they came).

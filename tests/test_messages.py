@@ -255,3 +255,48 @@ def test_anthropics_models_list_shows_the_chat_models_in_its_shape(server):
             c.models.retrieve(name)
     with pytest.raises(anthropic.BadRequestError):
         c.models.list(limit=0)
+
+
+def keepalive(server, monkeypatch, seconds: float) -> None:
+    """The running server's ``server.keepalive_s`` set to ``seconds`` (its config is frozen: a copy)."""
+    config = server.services.config
+    monkeypatch.setattr(server.services, "config", config.model_copy(
+        update={"server": config.server.model_copy(update={"keepalive_s": seconds})}))
+
+
+def test_a_stream_that_waits_sends_keep_alives_both_sdks_skip(server, monkeypatch):
+    """``server.keepalive_s``: an event stream idle that long sends a keep-alive, Anthropic's
+    ``ping`` event on /v1/messages and an SSE comment on chat, and both SDKs read the same reply
+    as without them. (The engine slowed to one event per 0.3 s, keep-alives every 0.1 s; none at 0.)"""
+    import asyncio
+
+    kw = dict(model="tiny-chat", max_tokens=4, messages=ASK)
+    quick = claude(server).messages.create(**kw, extra_body=GREEDY)  # (loads the model: its worker exists)
+    quick_chat = gpt(server).chat.completions.create(**kw, temperature=0)
+    worker = server.services.arbiter.workers["tiny-chat"]
+    chat = worker.chat
+
+    async def slow(req):
+        async for event in chat(req):
+            await asyncio.sleep(0.3)
+            yield event
+
+    monkeypatch.setattr(worker, "chat", slow)
+    keepalive(server, monkeypatch, 0.1)
+    headers = {"x-api-key": server.keys["paid"]}
+    with httpx.stream("POST", f"{server.url}/v1/messages", json={**kw, "stream": True, **GREEDY}, headers=headers,
+                      timeout=60) as r:
+        lines = list(r.iter_lines())
+    assert lines.count("event: ping") >= 3 and 'data: {"type": "ping"}' in lines
+    with claude(server).messages.stream(**kw, extra_body=GREEDY) as stream:
+        assert [b.text for b in stream.get_final_message().content] == [b.text for b in quick.content]
+    with httpx.stream("POST", f"{server.base_url}/chat/completions", json={**kw, "stream": True, "temperature": 0},
+                      headers={"Authorization": f"Bearer {server.keys['paid']}"}, timeout=60) as r:
+        assert [ln for ln in r.iter_lines() if ln.startswith(":")].count(": keep-alive") >= 3
+    text = "".join(c.choices[0].delta.content or "" for c in gpt(server).chat.completions.create(
+        **kw, temperature=0, stream=True) if c.choices)
+    assert text == quick_chat.choices[0].message.content
+    keepalive(server, monkeypatch, 0)
+    with httpx.stream("POST", f"{server.url}/v1/messages", json={**kw, "stream": True, **GREEDY}, headers=headers,
+                      timeout=60) as r:
+        assert "event: ping" not in list(r.iter_lines())
