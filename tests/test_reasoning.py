@@ -696,3 +696,14 @@ def test_a_messages_thinking_budget_is_the_thinking_token_budget(server):
         assert blocks["text"].text == chat.choices[0].message.content, model
         assert getattr(blocks.get("thinking"), "thinking", None) == getattr(chat.choices[0].message, "reasoning_content", None)
     assert "</think>" not in blocks["text"].text and "thinking" not in blocks  # r1-raw: no parser, nothing cut or split
+
+
+@pytest.mark.parametrize("ids, marker, at", [
+    ([1, 7, 2, 7, 3], (7,), 3), ([1, 2], (7,), -1), ([], (7,), -1), ([7], (7,), 0),
+    ([5, 6, 1, 5, 9, 5, 6, 2], (5, 6), 5), ([5, 6, 1, 5], (5, 6), 0),  # a first token alone at the end is no match
+    ([5, 6, 5], (5, 6, 5, 7), -1),
+])
+def test_where_a_marker_last_starts(ids, marker, at):
+    from workers.think_budget import last_at
+
+    assert last_at(ids, marker) == at

@@ -17,12 +17,19 @@ from dataclasses import dataclass
 
 
 def last_at(ids: list[int], marker: tuple[int, ...]) -> int:
-    """Where ``marker`` last starts in ``ids`` (-1: nowhere)."""
-    n = len(marker)
-    for at in range(len(ids) - n, -1, -1):
+    """Where ``marker`` last starts in ``ids`` (-1: nowhere). Its first token is looked for from
+    the end by ``list.index`` on the reversed ids (a long prompt costs a copy, not a Python loop
+    over its tokens: this runs on the event loop)."""
+    n, rev, found = len(marker), ids[::-1], 0
+    while True:
+        try:
+            found = rev.index(marker[0], found)
+        except ValueError:
+            return -1
+        at = len(ids) - 1 - found
         if tuple(ids[at:at + n]) == marker:
             return at
-    return -1
+        found += 1
 
 
 @dataclass
