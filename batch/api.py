@@ -71,8 +71,8 @@ async def _new_file(svc: Services, runner: Runner, caller: Caller, filename: str
                     expires_after_s: int | None, param: str = "file", purpose: str = "batch") -> FileInfo:
     """A file of ``purpose`` made of ``content`` and stored. A batch input must be UTF-8 JSON lines,
     at most ``batch.max_lines`` (a 400 naming ``param`` otherwise); a document is kept as sent."""
-    if purpose == "batch":
-        _check_lines(svc, content, param)
+    if purpose == "batch":  # (a file of up to batch.max_file_bytes: decoded and counted off the event loop)
+        await asyncio.to_thread(_check_lines, svc, content, param)
     elif purpose == "fine-tune":
         try:
             content.decode("utf-8")
