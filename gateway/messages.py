@@ -4,8 +4,8 @@
 engines as chat completions.
 
 * ``chat_request`` turns a request into the chat completion it asks for: ``system`` first; a
-  user message's ``tool_result`` blocks as tool messages, its text and image blocks as one user
-  message; an assistant message's text, ``tool_use`` blocks (its calls) and ``thinking`` (the
+  user message's ``tool_result`` blocks as tool messages (a result's images as a user message
+  after it), its text and image blocks as one user message; an assistant message's text, ``tool_use`` blocks (its calls) and ``thinking`` (the
   history's reasoning); ``tools`` (``input_schema`` the parameters), ``tool_choice`` (``any`` is
   ``required``; ``disable_parallel_tool_use``), ``stop_sequences``, ``max_tokens``, sampling,
   ``metadata.user_id`` as the end user; ``thinking`` sets the chat template's ``enable_thinking``,
@@ -76,10 +76,14 @@ class ToolUseBlock(_Body):
     toolset_name: str | None = None
 
 
+ResultPart = tagged(("TextBlock", TextBlock), ("ImageBlock", ImageBlock),
+                    by=part_type({"image": "ImageBlock"}, "TextBlock"))
+
+
 class ToolResultBlock(_Body):
     type: Literal["tool_result"]
     tool_use_id: str
-    content: str | list[TextBlock] | None = None
+    content: str | list[ResultPart] | None = None  # text, and images (a screenshot) as vLLM takes them
     is_error: bool | None = None
     cache_control: dict[str, Any] | None = None
 
@@ -207,13 +211,20 @@ def chat_request(body: MessagesRequest | CountTokensRequest) -> dict[str, Any]:
     return chat
 
 
-def _text(content: str | list[TextBlock]) -> str:
-    return content if isinstance(content, str) else "".join(b.text for b in content)
+def _text(content: str | list) -> str:
+    return content if isinstance(content, str) else "".join(b.text for b in content if isinstance(b, TextBlock))
+
+
+def _image(b: ImageBlock) -> dict[str, Any]:
+    src = b.source
+    url = src.url if src.type == "url" else f"data:{src.media_type};base64,{src.data}"
+    return {"type": "image_url", "image_url": {"url": url}}
 
 
 def _user(blocks: list) -> list[dict[str, Any]]:
     """A user message's blocks: each tool result a tool message (they answer the calls before
-    them), then its text and images as one user message."""
+    them), its images (a screenshot a tool took) a user message after it, as vLLM turns them;
+    then the message's text and images as one user message."""
     out: list[dict[str, Any]] = []
     parts: list[dict[str, Any]] = []
     for b in blocks:
@@ -221,12 +232,13 @@ def _user(blocks: list) -> list[dict[str, Any]]:
             text = _text(b.content or "")
             out.append({"role": "tool", "tool_call_id": b.tool_use_id,
                         "content": f"Error: {text}" if b.is_error else text})
+            images = [_image(p) for p in b.content or () if isinstance(p, ImageBlock)]
+            if images:
+                out.append({"role": "user", "content": images})
         elif isinstance(b, TextBlock):
             parts.append({"type": "text", "text": b.text})
         elif isinstance(b, ImageBlock):
-            src = b.source
-            url = src.url if src.type == "url" else f"data:{src.media_type};base64,{src.data}"
-            parts.append({"type": "image_url", "image_url": {"url": url}})
+            parts.append(_image(b))
         else:
             raise bad_request(f"a user message takes text, image and tool_result blocks, not {b.type}", "messages")
     if parts:

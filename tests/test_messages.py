@@ -300,3 +300,30 @@ def test_a_stream_that_waits_sends_keep_alives_both_sdks_skip(server, monkeypatc
     with httpx.stream("POST", f"{server.url}/v1/messages", json={**kw, "stream": True, **GREEDY}, headers=headers,
                       timeout=60) as r:
         assert "event: ping" not in list(r.iter_lines())
+
+
+def test_a_tool_results_images_follow_it_as_a_user_message(server):
+    """A ``tool_result`` holding images (a screenshot a tool took) becomes the tool message with
+    its text and, after it, a user message with its images, as vLLM turns it: counted as the same
+    result written as text with the image block beside it, the image's tokens included; refused
+    on a model that does not read images."""
+    from tests.test_vision import data_url, picture
+
+    c = claude(server)
+    image = {"type": "image", "source": {"type": "base64", "media_type": "image/png",
+                                         "data": data_url(picture(2)).split(",", 1)[1]}}
+    call = {"type": "tool_use", "id": "call_1", "name": "get_weather", "input": {"city": "oslo", "celsius": True}}
+
+    def turns(*result) -> list[dict]:
+        return ASK + [{"role": "assistant", "content": [call]}, {"role": "user", "content": list(result)}]
+
+    text = {"type": "text", "text": "the sky, as a picture"}
+    inside = turns({"type": "tool_result", "tool_use_id": "call_1", "content": [text, image]})
+    beside = turns({"type": "tool_result", "tool_use_id": "call_1", "content": [text]}, image)
+    alone = turns({"type": "tool_result", "tool_use_id": "call_1", "content": [text]})
+    counted = c.messages.count_tokens(model="tiny-vlm", messages=inside).input_tokens
+    assert counted == c.messages.count_tokens(model="tiny-vlm", messages=beside).input_tokens
+    assert counted > c.messages.count_tokens(model="tiny-vlm", messages=alone).input_tokens + 1
+    assert c.messages.create(model="tiny-vlm", max_tokens=2, messages=inside).usage.input_tokens == counted
+    with pytest.raises(anthropic.BadRequestError):
+        c.messages.create(model="tiny-chat", max_tokens=2, messages=inside)
