@@ -137,7 +137,8 @@ def _input_file(raw: bytes) -> tuple[bytes, int]:
 
 async def retrieve(request: Request) -> Response:
     _, runner, caller = _context(request)
-    return JSONResponse(await _shown(request, runner, await _owned(runner, caller, request.path_params["message_batch_id"])))
+    batch = await _owned(runner, caller, request.path_params["message_batch_id"])
+    return JSONResponse(await _shown(request, runner, batch))
 
 
 async def list_batches(request: Request) -> Response:
@@ -182,12 +183,14 @@ async def cancel(request: Request) -> Response:
     those running have, the rest ``canceled``. A batch that ended is a 409."""
     _, runner, caller = _context(request)
     batch = await _owned(runner, caller, request.path_params["message_batch_id"])
-    if await runner.store.set_status(batch.id, ["validating", "in_progress"], "cancelling", cancelling_at=int(time.time())):
+    now = int(time.time())
+    if await runner.store.set_status(batch.id, ["validating", "in_progress"], "cancelling", cancelling_at=now):
         runner.soon("finish", batch.id)
     else:
         batch = await runner.store.get_batch(batch.id) or batch
         if batch.status not in ("cancelling", "cancelled"):
-            raise APIError(409, f"cannot cancel a message batch that has ended ({batch.status})", "batch_not_cancellable")
+            raise APIError(409, f"cannot cancel a message batch that has ended ({batch.status})",
+                           "batch_not_cancellable")
     return JSONResponse(await _shown(request, runner, await _owned(runner, caller, public_id(batch.id))))
 
 

@@ -241,7 +241,8 @@ async def admin_model(request: Request) -> Response:
 async def _api_error(request: Request, exc: APIError) -> Response:
     request.app.state.services.left_door()  # refused on its way to the gate: no longer demand
     note(reason=exc.code)
-    return exc.response(anthropic=request.url.path.startswith(ANTHROPIC_PATHS) or "anthropic-version" in request.headers)
+    anthropic = request.url.path.startswith(ANTHROPIC_PATHS) or "anthropic-version" in request.headers
+    return exc.response(anthropic=anthropic)
 
 
 async def _http_error(request: Request, exc: HTTPException) -> Response:

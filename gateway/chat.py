@@ -162,7 +162,8 @@ def plan_chat(svc: Services, body: ChatCompletionRequest) -> ChatJob:
     )
     return ChatJob(spec.name, body.messages_as_dicts(), params, stack, tools, body.n, body.service_tier,
                    stream=bool(body.stream), template_kwargs=body.template_kwargs(), prompt_end=body.prompt_end(),
-                   reasoning=reasoning, include_reasoning=body.include_reasoning, images=images, own_adapter=names_own(body.model, stack),
+                   reasoning=reasoning, include_reasoning=body.include_reasoning, images=images,
+                   own_adapter=names_own(body.model, stack),
                    prediction=body.prediction.text() if body.prediction is not None else None,
                    token_ids=bool(body.return_token_ids), tokens_as_ids=bool(body.return_tokens_as_token_ids),
                    echo=body.echoed(), truncate=_truncate(body.truncate_prompt_tokens, bool(images)),
@@ -360,7 +361,8 @@ async def _first_event(serving: Serving, job: ChatJob, params: ChatParams,
     req = ChatRequest(job.messages, params, priority=serving.rank, ctx=ctx, adapters=job.stack,
                       tools=job.tools.template_tools(), template_kwargs=job.template_kwargs,
                       prompt_end=job.prompt_end, prompt_ids=job.prompt_ids, stream=job.stream, reasoning=job.reasoning != "none", images=job.images,
-                      cache_salt=prefix_salt(serving.svc, serving.caller, job), add_special_tokens=job.add_special_tokens,
+                      cache_salt=prefix_salt(serving.svc, serving.caller, job),
+                      add_special_tokens=job.add_special_tokens,
                       prediction=job.prediction, token_ids=job.token_ids, truncate=job.truncate,
                       truncation_side=job.truncation_side)
     events = serving.worker.chat(req)

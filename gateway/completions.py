@@ -301,7 +301,8 @@ async def plan_completion(svc: Services, body: CompletionRequest) -> CompletionJ
             raise bad_request(f"the model '{spec.name}' has no fill-in-the-middle tokens (none of the layouts tiergate "
                               "knows, and no fim: in tiers.yaml), so it cannot complete between a prompt and a suffix",
                               "suffix")
-    prompts = await asyncio.to_thread(encode_prompts, tok, raw, body.suffix, fim, body.add_special_tokens)  # off the loop
+    prompts = await asyncio.to_thread(encode_prompts, tok, raw, body.suffix, fim,  # off the loop
+                                      body.add_special_tokens)
     if body.truncate_prompt_tokens is not None:
         prompts = await _truncated(svc, spec, tok, prompts, body.truncate_prompt_tokens, body.truncation_side)
     ranked = made > body.n  # best_of: each candidate's tokens' logprobs rank it
@@ -309,7 +310,8 @@ async def plan_completion(svc: Services, body: CompletionRequest) -> CompletionJ
         max_tokens, stop=body.stop or [], seed=body.seed,
         logprobs=0 if ranked and body.logprobs is None else body.logprobs,
         logit_bias={int(k): v for k, v in (body.logit_bias or {}).items()},
-        prompt_logprobs=body.prompt_logprobs if body.prompt_logprobs is not None else body.logprobs if body.echo else None,
+        prompt_logprobs=body.prompt_logprobs if body.prompt_logprobs is not None else
+        body.logprobs if body.echo else None,
         grammar=request_grammar(body.response_format, body.structured_outputs, limits.grammar_max_chars),
         **sampling(body, defaults),
         **reply_options(body, max_tokens, getattr(engine_config(svc, spec.name), "reasoning_parser", "none")),

@@ -133,7 +133,8 @@ def _encoded(vector: np.ndarray, encoding: EncodingFormat) -> list[float] | str:
 
 COHERE_INPUT_TYPES = ("search_document", "search_query", "classification", "clustering", "image")
 # where a model names its instructions otherwise (E5's "query" / "passage", ...)
-PROMPT_NAMES = {"search_query": ("search_query", "query"), "search_document": ("search_document", "document", "passage")}
+PROMPT_NAMES = {"search_query": ("search_query", "query"),
+                "search_document": ("search_document", "document", "passage")}
 
 
 class CohereEmbedRequest(_Body):

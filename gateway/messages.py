@@ -5,9 +5,10 @@ engines as chat completions.
 
 * ``chat_request`` turns a request into the chat completion it asks for: ``system`` first; a
   user message's ``tool_result`` blocks as tool messages (a result's images as a user message
-  after it), its text and image blocks as one user message; an assistant message's text, ``tool_use`` blocks (its calls) and ``thinking`` (the
-  history's reasoning); ``tools`` (``input_schema`` the parameters), ``tool_choice`` (``any`` is
-  ``required``; ``disable_parallel_tool_use``), ``stop_sequences``, ``max_tokens``, sampling,
+  after it), its text and image blocks as one user message; an assistant message's text,
+  ``tool_use`` blocks (its calls) and ``thinking`` (the history's reasoning); ``tools``
+  (``input_schema`` the parameters), ``tool_choice`` (``any`` is ``required``;
+  ``disable_parallel_tool_use``), ``stop_sequences``, ``max_tokens``, sampling,
   ``metadata.user_id`` as the end user; ``thinking`` sets the chat template's ``enable_thinking``,
   and its ``budget_tokens`` (less than ``max_tokens``) is vLLM's ``thinking_token_budget`` on a
   model that thinks (a ``reasoning_parser``; elsewhere there is no thinking to cut);

@@ -843,13 +843,15 @@ def test_prompt_logprobs_as_vllm_answers_them(server):
             c.chat.completions.create(model="tiny-chat", messages=ASK, max_tokens=2, stream=stream, extra_body=extra)
         assert bad.value.body["param"] == "prompt_logprobs", extra
     # legacy completions take it too (max_tokens 0: the prompt scored alone), each choice its own
-    legacy = c.completions.create(model="tiny-chat", prompt=prompt, max_tokens=0, n=2, extra_body={"prompt_logprobs": 2})
+    legacy = c.completions.create(model="tiny-chat", prompt=prompt, max_tokens=0, n=2,
+                                  extra_body={"prompt_logprobs": 2})
     for choice in legacy.choices:
         got = choice.model_extra["prompt_logprobs"]
         assert got[0] is None and [sorted(p) for p in got[1:]] == [sorted(p) for p in places[1:]]
         assert all(abs(p[k]["logprob"] - q[k]["logprob"]) < 1e-4 for p, q in zip(got[1:], places[1:]) for k in p)
     with pytest.raises(openai.BadRequestError) as bad:
-        c.completions.create(model="tiny-chat", prompt="Hi", max_tokens=2, stream=True, extra_body={"prompt_logprobs": 1})
+        c.completions.create(model="tiny-chat", prompt="Hi", max_tokens=2, stream=True,
+                             extra_body={"prompt_logprobs": 1})
     assert bad.value.body["param"] == "prompt_logprobs"
 
 

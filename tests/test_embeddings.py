@@ -257,7 +257,8 @@ def test_coheres_client_embeds_with_the_models_instructions_in_every_type(server
         assert r.embeddings.binary == (np.packbits(got >= 0, axis=-1).astype(int) - 128).tolist()
         assert r.texts == TEXTS and r.meta.billed_units.input_tokens == want.usage.prompt_tokens
     assert co.embed(model="tiny-embed", texts=["hi"], input_type="search_query").embeddings.base64 is None  # float only
-    msg = refused(post_v2(server, {"model": "tiny-embed-prompts", "texts": ["hi"], "input_type": "summary"}), "input_type")
+    msg = refused(post_v2(server, {"model": "tiny-embed-prompts", "texts": ["hi"], "input_type": "summary"}),
+                  "input_type")
     assert "passage, query, topic" in msg
 
 
@@ -273,7 +274,8 @@ def test_coheres_v1_client_embeds_as_v2_and_defaults_to_the_first_embedding_mode
         r = v1.embed(texts=TEXTS, input_type="search_document", **kw)
         assert r.response_type == "embeddings_floats" and np.abs(np.array(r.embeddings) - want).max() < BATCH_TOLERANCE
     typed = v1.embed(texts=TEXTS, model="tiny-embed", embedding_types=["float", "ubinary"])
-    assert typed.response_type == "embeddings_by_type" and np.abs(np.array(typed.embeddings.float_) - want).max() < BATCH_TOLERANCE
+    assert typed.response_type == "embeddings_by_type"
+    assert np.abs(np.array(typed.embeddings.float_) - want).max() < BATCH_TOLERANCE
     refused(post_v2(server, {"texts": ["hi"], "input_type": "search_query"}), "model", "missing_required_parameter")
 
 
@@ -286,14 +288,17 @@ def test_coheres_truncate_max_tokens_and_output_dimension(server):
     text = "one two three four five six seven eight nine ten " * (context // 4)
 
     def openai_vector(**extra) -> np.ndarray:
-        return vectors(c.embeddings.create(model="tiny-embed", input=text, encoding_format="float", extra_body=extra))[0]
+        r = c.embeddings.create(model="tiny-embed", input=text, encoding_format="float", extra_body=extra)
+        return vectors(r)[0]
 
     def cohere_vector(**kw) -> np.ndarray:
-        return np.array(co.embed(model="tiny-embed", texts=[text], input_type="search_document", **kw).embeddings.float_[0])
+        r = co.embed(model="tiny-embed", texts=[text], input_type="search_document", **kw)
+        return np.array(r.embeddings.float_[0])
 
     for kw, extra in (({}, {"truncate_prompt_tokens": -1}), ({"truncate": "START"}, {"truncate_prompt_tokens": -1,
                       "truncation_side": "left"}), ({"max_tokens": 10}, {"truncate_prompt_tokens": 10}),
-                      ({"max_tokens": 10, "truncate": "START"}, {"truncate_prompt_tokens": 10, "truncation_side": "left"})):
+                      ({"max_tokens": 10, "truncate": "START"},
+                       {"truncate_prompt_tokens": 10, "truncation_side": "left"})):
         assert np.abs(cohere_vector(**kw) - openai_vector(**extra)).max() < BATCH_TOLERANCE, kw
     refused(post_v2(server, {"model": "tiny-embed", "texts": [text], "truncate": "NONE"}), "texts",
             "context_length_exceeded")
@@ -304,7 +309,8 @@ def test_coheres_truncate_max_tokens_and_output_dimension(server):
     assert np.abs(np.array(short.embeddings.float_) - vectors(want)).max() < BATCH_TOLERANCE
     refused(post_v2(server, {"model": "tiny-embed-mrl", "texts": ["hi"], "output_dimension": 20}), "output_dimension")
     refused(post_v2(server, {"model": "tiny-embed", "texts": ["hi"], "max_tokens": context + 1}), "max_tokens")
-    refused(post_v2(server, {"model": "tiny-embed", "texts": ["hi"], "embedding_types": ["int8"]}), "embedding_types[0]")
+    refused(post_v2(server, {"model": "tiny-embed", "texts": ["hi"], "embedding_types": ["int8"]}),
+            "embedding_types[0]")
     refused(post_v2(server, {"model": "tiny-embed", "images": ["data:image/png;base64,AAAA"]}), "images")
     refused(post_v2(server, {"model": "tiny-embed", "texts": []}), "texts")
 

@@ -258,7 +258,8 @@ ENDPOINTS = {
          "model": st.sampled_from(["tiny-embed", "tiny-chat", "nope"])}),
     "/v2/embed": (
         {"model": "tiny-embed", "texts": ["hi"], "input_type": "search_query"},
-        {"texts": st.lists(TEXT, max_size=6) | ANY_JSON, "input_type": st.sampled_from(["search_query", "image", "x"]) | TEXT,
+        {"texts": st.lists(TEXT, max_size=6) | ANY_JSON,
+         "input_type": st.sampled_from(["search_query", "image", "x"]) | TEXT,
          "embedding_types": st.lists(st.sampled_from(["float", "base64", "binary", "ubinary", "int8"]), max_size=3),
          "truncate": st.sampled_from(["NONE", "START", "END", "end"]), "max_tokens": EDGE_INTS,
          "output_dimension": EDGE_INTS, "images": st.lists(TEXT, max_size=2), "priority": EDGE_INTS,

@@ -62,7 +62,8 @@ def test_a_batch_runs_each_request_as_the_live_endpoint_answers_it(server):
     messages the live endpoint gives (greedy) or the errors it gives, as the SDK types them."""
     c = claude(server)
     requests = [{"custom_id": "bad_model", "params": params("hi", model="nope")},
-                {"custom_id": "a", "params": params("hello")}, {"custom_id": "streamed", "params": params("hi", stream=True)},
+                {"custom_id": "a", "params": params("hello")},
+                {"custom_id": "streamed", "params": params("hi", stream=True)},
                 {"custom_id": "b-1", "params": params("how are you")}]
     made = c.messages.batches.create(requests=requests)
     assert made.id.startswith("msgbatch_") and made.type == "message_batch"

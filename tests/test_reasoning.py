@@ -460,7 +460,8 @@ def test_the_vllm_engine_gates_its_structured_outputs_on_the_thinking(tiny_chat,
     args = engine.engine_args()
     assert args.structured_outputs_config.reasoning_parser == "deepseek_r1"
     # and thinking_token_budget's markers (tests/test_vllm_engine.py cuts a reply with them)
-    assert (args.reasoning_config.reasoning_start_str, args.reasoning_config.reasoning_end_str) == ("<think>", "</think>")
+    markers = (args.reasoning_config.reasoning_start_str, args.reasoning_config.reasoning_end_str)
+    assert markers == ("<think>", "</think>")
     plain = load_config(write_config(tmp_path, {"m": ("chat", tiny_chat)}, engine="vllm")).models[0].spec()
     assert VllmChatEngine(plain, **plain.options).engine_args().reasoning_config is None
 
@@ -694,7 +695,8 @@ def test_a_messages_thinking_budget_is_the_thinking_token_budget(server):
             extra_body={"thinking_token_budget": 3} if model == "marked" else {})
         blocks = {b.type: b for b in msg.content}
         assert blocks["text"].text == chat.choices[0].message.content, model
-        assert getattr(blocks.get("thinking"), "thinking", None) == getattr(chat.choices[0].message, "reasoning_content", None)
+        thought = getattr(chat.choices[0].message, "reasoning_content", None)
+        assert getattr(blocks.get("thinking"), "thinking", None) == thought
     assert "</think>" not in blocks["text"].text and "thinking" not in blocks  # r1-raw: no parser, nothing cut or split
 
 

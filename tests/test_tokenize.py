@@ -170,7 +170,8 @@ def test_add_special_tokens_puts_the_tokenizers_bos_on_a_chat_and_leaves_it_off_
         return r.json()["prompt_token_ids"]
 
     def counted(special: bool) -> list[int]:
-        return post(server, "/tokenize", {"model": "bos-chat", "messages": CHAT, "add_special_tokens": special}).json()["tokens"]
+        r = post(server, "/tokenize", {"model": "bos-chat", "messages": CHAT, "add_special_tokens": special})
+        return r.json()["tokens"]
 
     plain, special = chat_prompt(), chat_prompt(add_special_tokens=True)
     assert plain == counted(False) and special == counted(True) == [tok.bos_token_id, *plain]
