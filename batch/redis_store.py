@@ -421,4 +421,5 @@ class RedisStore(RedisKeys, Store):
 
     async def outcomes(self, batch_id: str) -> list[Outcome]:
         raw = await self._r.hgetall(self.k("batch", batch_id, "outcomes"))
-        return sorted((outcome_of(int(i), v) for i, v in raw.items()), key=lambda o: o.index)
+        return await asyncio.to_thread(  # (a big batch's: parsed off the event loop)
+            lambda: sorted((outcome_of(int(i), v) for i, v in raw.items()), key=lambda o: o.index))

@@ -414,11 +414,11 @@ class Runner:
         elif batch.status != "finalizing":
             return
         outcomes = await self.store.outcomes(batch_id)
-        fields: dict[str, Any] = {"output_file_id": None, "error_file_id": None, "usage": total_usage(outcomes)}
+        usage, files = await asyncio.to_thread(_result_files, outcomes)  # (a big batch's: seconds of JSON)
+        fields: dict[str, Any] = {"output_file_id": None, "error_file_id": None, "usage": usage}
         for ok, key, suffix in ((True, "output_file_id", "output"), (False, "error_file_id", "error")):
-            chosen = [o.line for o in outcomes if o.ok is ok]
-            if chosen:
-                content = "".join(json.dumps(x) + "\n" for x in chosen).encode()
+            content = files[ok]
+            if content:
                 expires = batch.output_expires_after_s
                 info = FileInfo(f"file-{batch_id.removeprefix('batch_')}-{suffix}", batch.owner, "batch_output",
                                 f"{batch_id}_{suffix}.jsonl", len(content), now, now + expires if expires else None)
@@ -435,6 +435,12 @@ class Runner:
             self._ended(batch, status)
             log.info("batch %s %s: %d completed, %d failed", batch_id, status,
                      sum(o.ok for o in outcomes), sum(not o.ok for o in outcomes))
+
+
+def _result_files(outcomes: list[Outcome]) -> tuple[dict[str, Any], dict[bool, bytes]]:
+    """A finished batch's usage, and its output (True) and error (False) files' JSON lines."""
+    files = {ok: "".join(json.dumps(o.line) + "\n" for o in outcomes if o.ok is ok).encode() for ok in (True, False)}
+    return total_usage(outcomes), files
 
 
 def _backoff(headers: dict[str, str], attempt: int) -> float:
