@@ -154,6 +154,8 @@ class MessagesRequest(_Body):
     metadata: Metadata | None = None
     thinking: Thinking | None = None
     output_config: OutputConfig | None = None
+    # Anthropic's: priority capacity where it has some, or standard only; here the key's tier serves either way
+    service_tier: Literal["auto", "standard_only"] | None = None
 
 
 class CountTokensRequest(_Body):

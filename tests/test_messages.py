@@ -70,6 +70,15 @@ def test_a_message_is_the_chat_completion_it_stands_for(server):
     assert counted.input_tokens == m.usage.input_tokens
 
 
+def test_anthropics_service_tiers_are_served_at_the_keys_tier(server):
+    """Anthropic's ``service_tier`` (``auto``, ``standard_only``), which its docs have clients
+    set, is accepted: the key's tier serves the message either way, as the header says."""
+    for tier in ("auto", "standard_only"):
+        r = httpx.post(f"{server.url}/v1/messages", timeout=60, headers={"x-api-key": server.keys["free"]},
+                       json={"model": "tiny-chat", "max_tokens": 2, "messages": ASK, "service_tier": tier, **GREEDY})
+        assert r.status_code == 200 and r.headers["x-tiergate-tier"] == "free", r.text
+
+
 def test_stop_reasons(server):
     """``max_tokens``, and ``stop_sequences`` (the sequence that ended it named, the text cut
     before it), on greedy replies."""
@@ -214,6 +223,7 @@ def test_an_error_after_the_stream_started_is_an_error_event_both_sdks_read():
     ({"messages": ASK, "max_tokens": 4, "logit_bias": {}}, 400, "logit_bias"),
     ({"messages": ASK, "max_tokens": 4, "thinking": {"type": "enabled", "budget_tokens": 4}}, 400,
      "thinking.budget_tokens"),  # less than max_tokens, as Anthropic's and vLLM's
+    ({"messages": ASK, "max_tokens": 4, "service_tier": "priority"}, 400, "service_tier"),  # auto or standard_only
 ])
 def test_bad_requests_are_errors_both_sdks_read(server, body, status, param):
     r = httpx.post(f"{server.url}/v1/messages", timeout=30, headers={"x-api-key": server.keys["paid"]},
