@@ -47,6 +47,7 @@ from gateway.metrics import Metrics
 from gateway.output_audio import SpokenReplies
 from gateway.realtime_secrets import ClientSecrets
 from gateway.request_log import RequestLog, note, request_id_of
+from gateway.schemas import is_count
 from gateway.completion_store import completions_for
 from gateway.conversation_store import conversations_for
 from gateway.vector_indexer import indexer_for
@@ -159,7 +160,7 @@ def _anthropic_page(svc: Services, rows: list[dict], query) -> dict:
     """A page of Anthropic's model list: ``limit`` (1 to 1000, 20 unless given) after ``after_id``
     or before ``before_id``, in /v1/models' order."""
     raw = query.get("limit", "20")
-    if not raw.isdigit() or not 1 <= int(raw) <= 1000:
+    if not is_count(raw) or not 1 <= int(raw) <= 1000:  # (not isdigit alone: "²" is one, which int refuses)
         raise APIError(400, f"limit must be an integer from 1 to 1000, not {raw!r}", "invalid_value", "limit")
     data = [_anthropic_model(svc, r) for r in rows if _speaks(svc, r)]
     ids = [m["id"] for m in data]

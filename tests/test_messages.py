@@ -265,6 +265,10 @@ def test_anthropics_models_list_shows_the_chat_models_in_its_shape(server):
             c.models.retrieve(name)
     with pytest.raises(anthropic.BadRequestError):
         c.models.list(limit=0)
+    for limit in ("²", "x", "1001"):  # ("²" is a digit to str.isdigit, not to int)
+        r = httpx.get(f"{server.url}/v1/models", params={"limit": limit}, timeout=30,
+                      headers={"x-api-key": server.keys["paid"], "anthropic-version": "2023-06-01"})
+        assert r.status_code == 400 and r.json()["type"] == "error" and r.json()["error"]["param"] == "limit", r.text
 
 
 def keepalive(server, monkeypatch, seconds: float) -> None:
