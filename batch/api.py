@@ -37,7 +37,9 @@ PURPOSES = ("batch", "assistants", "user_data", "fine-tune", "vision")  # a batc
 
 # -- files -------------------------------------------------------------------------------------
 
-def _context(request: Request) -> tuple[Services, Runner, Caller]:
+def batch_context(request: Request) -> tuple[Services, Runner, Caller]:
+    """A batch route's services, the process's runner, and the authenticated caller (no gate: these
+    routes take no slot). Shared with Anthropic's message batches (``batch.message_batches``)."""
     svc: Services = request.app.state.services
     return svc, request.app.state.batches, svc.authenticate(request)
 
@@ -45,7 +47,7 @@ def _context(request: Request) -> tuple[Services, Runner, Caller]:
 async def upload_file(request: Request) -> Response:
     """POST /v1/files: multipart ``file`` and ``purpose``: ``batch`` (JSONL, a batch's input) or a
     document for vector stores (``assistants``, ``user_data``: read when a vector store adds it)."""
-    svc, runner, caller = _context(request)
+    svc, runner, caller = batch_context(request)
     cfg = svc.config.batch
     too_big = APIError(413, f"the file is larger than {cfg.max_file_bytes} bytes", "file_too_large", "file")
     async with Multipart(request, cfg.max_file_bytes, "the fields 'file' and 'purpose'", "file", max_fields=8,
@@ -62,12 +64,12 @@ async def upload_file(request: Request) -> Response:
         expires_after = _form_expires_after(form)
     if len(content) > cfg.max_file_bytes:
         raise too_big
-    info = await _new_file(svc, runner, caller, filename, content, expires_after.seconds if expires_after else None,
+    info = await new_file(svc, runner, caller, filename, content, expires_after.seconds if expires_after else None,
                            purpose=purpose)
     return JSONResponse(info.public())
 
 
-async def _new_file(svc: Services, runner: Runner, caller: Caller, filename: str, content: bytes,
+async def new_file(svc: Services, runner: Runner, caller: Caller, filename: str, content: bytes,
                     expires_after_s: int | None, param: str = "file", purpose: str = "batch") -> FileInfo:
     """A file of ``purpose`` made of ``content`` and stored. A batch input must be UTF-8 JSON lines,
     at most ``batch.max_lines`` (a 400 naming ``param`` otherwise); a document is kept as sent."""
@@ -135,14 +137,14 @@ async def _owned_file(runner: Runner, caller: Caller, file_id: str, param: str =
 
 
 async def get_file(request: Request) -> Response:
-    _, runner, caller = _context(request)
+    _, runner, caller = batch_context(request)
     return JSONResponse((await _owned_file(runner, caller, request.path_params["file_id"])).public())
 
 
 async def list_files(request: Request) -> Response:
     """GET /v1/files?purpose=&limit=&order=&after=: the caller's files (an admin's: everyone's),
     newest first unless ``order=asc``; ``limit`` 1 to 10,000, 10,000 unless given (OpenAI's)."""
-    _, runner, caller = _context(request)
+    _, runner, caller = batch_context(request)
     query = request.query_params
     raw = query.get("limit", "10000")
     if not is_count(raw) or not 1 <= int(raw) <= 10_000:
@@ -162,7 +164,7 @@ async def list_files(request: Request) -> Response:
 
 
 async def file_content(request: Request) -> Response:
-    _, runner, caller = _context(request)
+    _, runner, caller = batch_context(request)
     info = await _owned_file(runner, caller, request.path_params["file_id"])
     content = await runner.store.file_content(info.id)
     if content is None:  # deleted meanwhile
@@ -172,7 +174,7 @@ async def file_content(request: Request) -> Response:
 
 
 async def delete_file(request: Request) -> Response:
-    _, runner, caller = _context(request)
+    _, runner, caller = batch_context(request)
     info = await _owned_file(runner, caller, request.path_params["file_id"])
     stores = getattr(request.app.state, "vector_stores", None)
     if stores is not None:  # first, so that a failure leaves the file there to delete again
@@ -231,7 +233,7 @@ async def _shown(runner: Runner, upload: UploadInfo) -> dict:
 async def create_upload(request: Request) -> Response:
     """POST /v1/uploads: an upload that takes parts for an hour, then ``complete`` makes the file, of
     any purpose ``POST /v1/files`` takes (a batch's lines, a document for a vector store, ...)."""
-    svc, _, caller = _context(request)
+    svc, _, caller = batch_context(request)
     body = parse(UploadCreate, await read_json(request, svc.config.limits.max_body))
     if body.purpose not in PURPOSES:
         raise bad_request(f"purpose is {body.purpose!r}; this server takes {', '.join(map(repr, PURPOSES))} files",
@@ -254,7 +256,7 @@ async def create_upload(request: Request) -> Response:
 
 async def add_upload_part(request: Request) -> Response:
     """POST /v1/uploads/{id}/parts: multipart ``data``, one part of at most 64 MiB."""
-    svc, _, caller = _context(request)
+    svc, _, caller = batch_context(request)
     limit = min(MAX_PART_BYTES, svc.config.batch.max_file_bytes)
     too_big = APIError(413, f"a part is at most {limit} bytes", "part_too_large", "data")
     declared = request.headers.get("content-length", "")
@@ -283,7 +285,7 @@ async def complete_upload(request: Request) -> Response:
     """POST /v1/uploads/{id}/complete: ``part_ids`` in order (parts left out are dropped) and an
     optional ``md5`` of the whole; the parts must add up to the upload's ``bytes``. The file is
     checked as ``POST /v1/files`` checks one. Completing a completed upload again returns it."""
-    svc, runner, caller = _context(request)
+    svc, runner, caller = batch_context(request)
     body = parse(UploadComplete, await read_json(request, svc.config.limits.max_body))
     upload = await _owned_upload(request, caller)
     if upload.status == "completed":
@@ -302,7 +304,7 @@ async def complete_upload(request: Request) -> Response:
                           "part_ids", "bytes_mismatch")
     if body.md5 is not None and await asyncio.to_thread(lambda: hashlib.md5(content).hexdigest()) != body.md5.lower():
         raise bad_request("the parts' md5 is not the one given", "md5", "md5_mismatch")
-    info = await _new_file(svc, runner, caller, upload.filename, content, upload.file_expires_after_s, "part_ids",
+    info = await new_file(svc, runner, caller, upload.filename, content, upload.file_expires_after_s, "part_ids",
                            upload.purpose)
     ended = await _uploads(request).end(upload.id, "completed", info.id, time.time())
     if ended is None:  # another call completed or cancelled it meanwhile (or it expired): one file only
@@ -316,7 +318,7 @@ async def complete_upload(request: Request) -> Response:
 
 async def cancel_upload(request: Request) -> Response:
     """POST /v1/uploads/{id}/cancel: no more parts; those received are deleted."""
-    _, runner, caller = _context(request)
+    _, runner, caller = batch_context(request)
     upload = await _owned_upload(request, caller)
     if upload.status == "cancelled":
         return JSONResponse(upload.public())
@@ -346,7 +348,7 @@ class BatchCreate(BaseModel):
 
 
 async def create_batch(request: Request) -> Response:
-    svc, runner, caller = _context(request)
+    svc, runner, caller = batch_context(request)
     body = parse(BatchCreate, await read_json(request, svc.config.limits.max_body))
     if body.endpoint not in runner.endpoints:
         served = ", ".join(sorted(runner.endpoints))
@@ -383,13 +385,13 @@ async def _owned_batch(runner: Runner, caller: Caller, batch_id: str) -> BatchIn
 
 
 async def get_batch(request: Request) -> Response:
-    _, runner, caller = _context(request)
+    _, runner, caller = batch_context(request)
     return JSONResponse((await _owned_batch(runner, caller, request.path_params["batch_id"])).public())
 
 
 async def list_batches(request: Request) -> Response:
     """GET /v1/batches?after=&limit=: the caller's batches (an admin's: everyone's), newest first."""
-    _, runner, caller = _context(request)
+    _, runner, caller = batch_context(request)
     raw = request.query_params.get("limit", "20")
     if not is_count(raw) or not 1 <= int(raw) <= 100:
         raise bad_request(f"limit must be an integer from 1 to 100, not {raw!r}", "limit")
@@ -402,7 +404,7 @@ async def list_batches(request: Request) -> Response:
 
 
 async def cancel_batch(request: Request) -> Response:
-    _, runner, caller = _context(request)
+    _, runner, caller = batch_context(request)
     batch = await _owned_batch(runner, caller, request.path_params["batch_id"])
     if await runner.store.set_status(batch.id, ["validating", "in_progress"], "cancelling",
                                      cancelling_at=int(time.time())):

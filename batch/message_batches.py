@@ -34,7 +34,7 @@ from pydantic import Field
 from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
 
-from batch.api import _context, _new_file, start_batch
+from batch.api import batch_context, new_file, start_batch
 from batch.runner import Runner
 from batch.store import TERMINAL, BatchInfo
 from gateway.auth import Caller
@@ -111,10 +111,10 @@ async def _shown(request: Request, runner: Runner, batch: BatchInfo) -> dict[str
 async def create(request: Request) -> Response:
     """POST /v1/messages/batches: ``requests``, each a ``custom_id`` (unique in the batch,
     1-64 of ``[A-Za-z0-9_-]``) and the ``params`` of a Messages request."""
-    svc, runner, caller = _context(request)
+    svc, runner, caller = batch_context(request)
     raw = await read_body(request, svc.config.batch.max_file_bytes)
     content, count = await asyncio.to_thread(_input_file, raw)  # (a body of many megabytes: off the event loop)
-    info = await _new_file(svc, runner, caller, "message_batch.jsonl", content, None, param="requests")
+    info = await new_file(svc, runner, caller, "message_batch.jsonl", content, None, param="requests")
     batch = await start_batch(runner, caller, ENDPOINT, info, requests=count)
     return JSONResponse(await _shown(request, runner, batch))
 
@@ -136,7 +136,7 @@ def _input_file(raw: bytes) -> tuple[bytes, int]:
 
 
 async def retrieve(request: Request) -> Response:
-    _, runner, caller = _context(request)
+    _, runner, caller = batch_context(request)
     batch = await _owned(runner, caller, request.path_params["message_batch_id"])
     return JSONResponse(await _shown(request, runner, batch))
 
@@ -145,7 +145,7 @@ async def list_batches(request: Request) -> Response:
     """GET /v1/messages/batches?limit=&after_id=&before_id=: the caller's message batches (an
     admin's: everyone's), newest first; ``limit`` 1 to 1000, 20 unless given (Anthropic's).
     ``after_id`` gives the page after that batch, ``before_id`` the page before it."""
-    _, runner, caller = _context(request)
+    _, runner, caller = batch_context(request)
     query = request.query_params
     raw = query.get("limit", "20")
     if not is_count(raw) or not 1 <= int(raw) <= 1000:
@@ -181,7 +181,7 @@ async def list_batches(request: Request) -> Response:
 async def cancel(request: Request) -> Response:
     """POST /v1/messages/batches/{id}/cancel: no more of its requests start; the batch ends once
     those running have, the rest ``canceled``. A batch that ended is a 409."""
-    _, runner, caller = _context(request)
+    _, runner, caller = batch_context(request)
     batch = await _owned(runner, caller, request.path_params["message_batch_id"])
     now = int(time.time())
     if await runner.store.set_status(batch.id, ["validating", "in_progress"], "cancelling", cancelling_at=now):
@@ -196,7 +196,7 @@ async def cancel(request: Request) -> Response:
 
 async def delete(request: Request) -> Response:
     """DELETE /v1/messages/batches/{id}: a batch that has ended, with its input and results."""
-    _, runner, caller = _context(request)
+    _, runner, caller = batch_context(request)
     batch = await _owned(runner, caller, request.path_params["message_batch_id"])
     if not await runner.store.delete_batch(batch.id):
         raise APIError(409, "a message batch can be deleted once it has ended: cancel it first", "batch_not_ended")
@@ -211,7 +211,7 @@ async def results(request: Request) -> Response:
     """GET /v1/messages/batches/{id}/results: one JSON line per request, in the requests' order:
     ``custom_id`` and its ``result`` (``succeeded`` with the ``message``, ``errored`` with the
     error, ``canceled`` or ``expired``). 409 before the batch has ended."""
-    _, runner, caller = _context(request)
+    _, runner, caller = batch_context(request)
     batch = await _owned(runner, caller, request.path_params["message_batch_id"])
     if batch.status not in TERMINAL:
         raise APIError(409, "the message batch has not ended: its results come once it has", "batch_not_ended")
