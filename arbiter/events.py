@@ -22,6 +22,7 @@ Kinds and their fields (besides ``id``, ``at`` and ``kind``), as in docs/DASHBOA
                   retry_after_s
 ``oom_relief``    model (whose step ran out of memory, or whose load did), victim, tier
 ``limits_changed`` limits (tier -> effective max_inflight, from the SLO guard), before
+``loop_stall``     lag_s, where, stack (the gateway's event loop ran late: gateway/loop_watch.py)
 """
 
 from __future__ import annotations

@@ -43,6 +43,7 @@ from gateway.background import Background
 from gateway.drain import LIVENESS, Drain, DrainGate, Preload, readyz
 from gateway.errors import APIError, store_unavailable
 from gateway.image_store import ImageStore
+from gateway.loop_watch import LoopWatch
 from gateway.metrics import Metrics
 from gateway.output_audio import SpokenReplies
 from gateway.realtime_secrets import ClientSecrets
@@ -98,6 +99,10 @@ def build_services(config: Config, keys: KeyRing, origin: str = "") -> Services:
     services.metrics.registry.register(services.accounts)  # usage kept while the store fails, and lost
     services.webhooks = webhooks_for(services)  # ConfigError for an endpoint whose secret is not set
     services.spoken = SpokenReplies(origin=origin)
+    if config.server.loop_stall_s:  # the loop's lag and stalls, with where it was (gateway/loop_watch.py)
+        watch = LoopWatch(config.server.loop_stall_s, events, services.metrics.registry)
+        services.on_startup.append(watch.start)
+        services.on_shutdown.append(watch.stop)
     services.client_secrets = ClientSecrets(origin=origin)
     return services
 

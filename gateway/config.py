@@ -409,6 +409,9 @@ class ServerConfig(_Strict):
     # an event stream idle this long sends a keep-alive (an SSE comment; Anthropic's ping on /v1/messages), so that
     # proxies' idle timeouts (nginx's 60 s) do not cut a stream that waits; 0: none (gateway.http.Streamed)
     keepalive_s: float = Field(default=15.0, ge=0)
+    # the event loop running a timer this late is a stall: counted, logged and sent to the dashboard with
+    # where the loop was (gateway/loop_watch.py); 0: not watched
+    loop_stall_s: float = Field(default=0.1, ge=0)
     # browser apps on these origins may call the API with their keys ("*": any origin); none: no CORS headers
     cors_origins: list[Annotated[str, Field(pattern=r"^(\*|https?://[^/\s]+)$")]] = []
     # vLLM's prefix cache: per_key, a key's requests reuse only their own key's cached prompt blocks

@@ -10,11 +10,12 @@ const TIMELINE_S = 300;
 const KIND_LABEL = {
   load_started: "loading", load_finished: "loaded", load_failed: "load failed", eviction: "eviction",
   refusal: "refusal", batch_paused: "batch paused", batch_resumed: "batch resumed", oom_relief: "out of memory",
-  limits_changed: "slo guard",
+  limits_changed: "slo guard", loop_stall: "loop stall",
 };
 const KIND_CLASS = {
   load_started: "load", load_finished: "load", load_failed: "oom", eviction: "eviction", refusal: "refusal",
   batch_paused: "batch", batch_resumed: "batch", oom_relief: "oom", limits_changed: "limits",
+  loop_stall: "oom",
 };
 
 let state = null;          // the last snapshot
@@ -271,6 +272,7 @@ function describe(e) {
     case "oom_relief": return `out of memory on ${e.model} (${e.tier}): evicting ${e.victim}`;
     case "limits_changed": return "SLO guard: " + Object.entries(e.limits)
       .filter(([t, n]) => n !== e.before[t]).map(([t, n]) => `${t} ${e.before[t]} → ${n}`).join(", ");
+    case "loop_stall": return `the event loop ran ${secs(e.lag_s)} late` + (e.where ? ` in ${e.where}` : "");
     default: return e.kind;
   }
 }
