@@ -56,6 +56,7 @@ from gateway.vector_store import vector_stores_for
 from gateway.response_store import responses_for
 from gateway.webhooks import webhooks_for
 from gateway.service import ClientGone, Services
+from workers import grammar
 
 log = logging.getLogger("tiergate")
 
@@ -94,6 +95,8 @@ def build_services(config: Config, keys: KeyRing, origin: str = "") -> Services:
                         accounts=Accounts.from_config(config))  # beside the batch store
     services.on_startup.append(services.accounts.start)
     services.on_startup.append(services.read_model_folders)  # /v1/models' max_model_len, sampling defaults
+    if any(m.kind == "chat" for m in config.models):  # structured outputs' compiler: not on the loop at a first request
+        services.on_startup.append(lambda: asyncio.to_thread(grammar.import_compiler))
     services.on_shutdown.append(services.accounts.stop)
     services.metrics.registry.register(services.adapters)  # folder adapters read, held, dropped
     services.metrics.registry.register(services.accounts)  # usage kept while the store fails, and lost

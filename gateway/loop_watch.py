@@ -11,14 +11,21 @@ long, and nothing in a request's own timings says which code did it. So :class:`
   reads the loop thread's stack (``sys._current_frames``) once a timer is overdue by half the
   threshold, while the stall is still under way;
 * **reports** each time the loop runs a timer ``threshold_s`` late or later: a ``loop_stall`` event
-  in the dashboard's stream (``lag_s``, ``where``: the innermost frame of tiergate's own code and
-  the library frame it called, ``stack``: the innermost frames), a warning in the log, and
-  ``tiergate_event_loop_stalls_total``.
+  in the dashboard's stream, a warning in the log, and ``tiergate_event_loop_stalls_total``. The
+  event has ``lag_s``, ``cause`` and, for code, ``where`` (the innermost frame of tiergate's own
+  code and the library frame it called) and ``stack`` (the innermost frames). ``cause`` is one of:
+
+  - ``code``: the loop was running the code ``where`` names;
+  - ``waiting``: the loop was in its own machinery (its wait for I/O: the sample found no callback
+    running), so it was waiting for the interpreter lock or for a CPU, held by another thread of
+    this process or by other processes;
+  - ``not_sampled``: the watchdog got no turn at the interpreter lock until the stall had ended, so
+    C code held the lock throughout (one long call, on the loop or on another thread).
 
 A stall is measured from the last timer that ran on time, so the lag it reports is at least the
 stall's length less one period (``period_s`` is half the threshold). Code that holds the
-interpreter lock in one long C call (one huge ``json.loads``) cannot be sampled until it returns:
-its stall is counted and reported with ``where`` null unless the sample, taken as soon as the
+interpreter lock in one long C call (one huge ``json.loads``, a full garbage collection) cannot be
+sampled until it returns: its stall is ``not_sampled`` unless the sample, taken as soon as the
 watchdog gets the lock back, still finds the loop late in the function that made that call.
 
 The cost: a timer on the loop and a thread's wake-up each ``period_s`` (20 of each a second at
@@ -83,6 +90,22 @@ def where(stack: traceback.StackSummary | list[traceback.FrameSummary], root: Pa
     return label if own == len(stack) - 1 else f"{label} > {frame_label(stack[-1], root)}"
 
 
+def loop_frames(stack: traceback.StackSummary | list[traceback.FrameSummary]) -> list[tuple[str, str]]:
+    """The frames a callback the loop runs sits on (its own stack, without its frame, taken in
+    it): the loop's, whatever it runs. asyncio's ``Handle._run`` is the callback's, not the loop's."""
+    frames = [(f.filename, f.name) for f in stack]
+    if frames and frames[-1][0].endswith("asyncio/events.py") and frames[-1][1] == "_run":
+        frames.pop()
+    return frames
+
+
+def waiting(stack: traceback.StackSummary | list[traceback.FrameSummary], loop: list[tuple[str, str]]) -> bool:
+    """Whether a sample of the loop's thread found it in its own machinery: the loop's frames and
+    at most the selector's wait after them (asyncio's; uvloop waits in C), no callback running."""
+    return [(f.filename, f.name) for f in stack[:len(loop)]] == loop and \
+        all(f.filename.endswith("/selectors.py") for f in stack[len(loop):])
+
+
 class _StallCounter(Collector):
     def __init__(self, watch: "LoopWatch") -> None:
         self.watch = watch
@@ -92,6 +115,10 @@ class _StallCounter(Collector):
                                      "server.loop_stall_s late or later (the loop_stall events)")
         family.add_metric([], self.watch.stalls)
         yield family
+
+
+_CAUSES = {"waiting": "waiting for the interpreter lock or a CPU (another thread or process had them)",
+           "not_sampled": "(not sampled: C code held the interpreter lock throughout)"}
 
 
 class LoopWatch:
@@ -109,6 +136,7 @@ class LoopWatch:
         self._loop_thread = 0
         self._due = 0.0  # when the next timer is due (time.monotonic)
         self._sample: tuple[float, traceback.StackSummary] | None = None  # (the due it was taken for, stack)
+        self._loop_frames: list[tuple[str, str]] | None = None  # the loop's own (``loop_frames``), at the first timer
         self._handle: asyncio.TimerHandle | None = None
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
@@ -136,6 +164,8 @@ class LoopWatch:
 
     def _tick(self) -> None:
         now = time.monotonic()
+        if self._loop_frames is None:
+            self._loop_frames = loop_frames(traceback.extract_stack()[:-1])
         lag = max(0.0, now - self._due)
         self.lag.observe(lag)
         sample, self._sample = self._sample, None
@@ -146,10 +176,14 @@ class LoopWatch:
 
     def _report(self, lag: float, stack: traceback.StackSummary | None) -> None:
         self.stalls += 1
-        place = where(stack) if stack else None
-        frames = [frame_label(f) for f in stack[-STACK_FRAMES:]] if stack else []
-        self.events.emit("loop_stall", lag_s=round(lag, 4), where=place, stack=frames)
-        log.warning("the event loop ran %.3f s late; it was in %s", lag, place or "(not sampled)")
+        if not stack:
+            cause, place, frames = "not_sampled", None, []
+        elif waiting(stack, self._loop_frames or []):
+            cause, place, frames = "waiting", None, []
+        else:
+            cause, place, frames = "code", where(stack), [frame_label(f) for f in stack[-STACK_FRAMES:]]
+        self.events.emit("loop_stall", lag_s=round(lag, 4), cause=cause, where=place, stack=frames)
+        log.warning("the event loop ran %.3f s late %s", lag, f"in {place}" if place else _CAUSES[cause])
 
     def _watchdog(self) -> None:
         while not self._stop.wait(self.period_s):

@@ -149,6 +149,14 @@ def _rpc_folder() -> Path:
     return folder
 
 
+def _import_vllm() -> None:
+    """The vLLM modules an engine uses, imported (2-5 s the first time here, on a thread:
+    ``gateway.loop_watch`` found the import holding the event loop)."""
+    import vllm.lora.request  # noqa: F401
+    import vllm.sampling_params  # noqa: F401
+    import vllm.v1.engine.async_llm  # noqa: F401
+
+
 def _eager_on_cpu() -> None:
     """On CPU, the engine processes spawned from now on start with TorchDynamo off (see the module
     doc): they inherit this process's environment. This process read the variable when it
@@ -309,12 +317,13 @@ class VllmChatEngine(Worker):
     async def start(self) -> None:
         if self._llm is not None:
             return
+        await asyncio.to_thread(_import_vllm)  # seconds the first time: every tier's requests wait on the loop
         rpc = _rpc_folder()
         sockets_before = set(rpc.iterdir())
         from transformers import AutoTokenizer
         from vllm.v1.engine.async_llm import AsyncLLM
 
-        self._check_head_size()
+        await asyncio.to_thread(self._check_head_size)  # imports vLLM's CPU attention: not on the loop either
         self._lora_cond = asyncio.Condition()
         self.tokenizer = await asyncio.to_thread(AutoTokenizer.from_pretrained, str(self.spec.path))
         self._vocab = Vocabulary(self.tokenizer)

@@ -74,6 +74,14 @@ def schema_strings(schema: object) -> int:
     return total
 
 
+def import_compiler() -> None:
+    """Import xgrammar (0.1-1 s the first time, with torch already imported), for a server to do on
+    a thread as it starts: ``schema_error`` and the engines import it when a request first asks
+    for a structured reply, and that import on the event loop held every tier's requests
+    (``gateway.loop_watch`` found it)."""
+    import xgrammar  # noqa: F401
+
+
 def schema_error(schema: dict | bool) -> str | None:
     """Why xgrammar cannot compile ``schema`` (or will not here: over ``MAX_SCHEMA_STRINGS``),
     or None when it can."""

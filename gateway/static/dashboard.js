@@ -272,7 +272,8 @@ function describe(e) {
     case "oom_relief": return `out of memory on ${e.model} (${e.tier}): evicting ${e.victim}`;
     case "limits_changed": return "SLO guard: " + Object.entries(e.limits)
       .filter(([t, n]) => n !== e.before[t]).map(([t, n]) => `${t} ${e.before[t]} → ${n}`).join(", ");
-    case "loop_stall": return `the event loop ran ${secs(e.lag_s)} late` + (e.where ? ` in ${e.where}` : "");
+    case "loop_stall": return `the event loop ran ${secs(e.lag_s)} late ` + (e.where ? `in ${e.where}`
+      : e.cause === "waiting" ? "waiting for the interpreter lock or a CPU" : "(not sampled: C code held the lock)");
     default: return e.kind;
   }
 }
