@@ -7,7 +7,8 @@ from __future__ import annotations
 import pytest
 
 from workers.base import ChatParams, ChatRequest
-from workers.chat_prompt import ContextTooLong, check_context, encode, request_ids, thinking_marker
+from workers.chat_prompt import (ON_LOOP_CHARS, ContextTooLong, check_context, encode, request_ids, small_prompt,
+                                 thinking_marker)
 
 CONVERSATIONS = {
     "system+user": [{"role": "system", "content": "You are terse."}, {"role": "user", "content": "Hello world!"}],
@@ -86,3 +87,46 @@ def test_request_ids_refuse_a_prompt_over_the_context(tokenizer):
 ])
 def test_the_prompts_last_thinking_marker(text, marker):
     assert thinking_marker(text) == marker
+
+
+LONG = "x" * ON_LOOP_CHARS
+
+
+@pytest.mark.parametrize("messages, tools, ids, small", [
+    (CONVERSATIONS["multi-turn"], None, None, True),
+    ([{"role": "user", "content": LONG[4:]}], None, None, True),  # exactly the limit, "user" counted
+    ([{"role": "user", "content": LONG[3:]}], None, None, False),
+    ([{"role": "user", "content": [{"type": "text", "text": LONG[:1500]}, {"type": "text", "text": LONG[:600]}]}],
+     None, None, False),  # parts count together
+    ([{"role": "user", "content": "hi"}], [{"type": "function", "function": {"name": "f", "description": LONG}}],
+     None, False),  # so do the tools' strings
+    ([{"role": "assistant", "content": None, "tool_calls": [{"function": {"arguments": LONG + "}"}}]}], None, None,
+     False),
+    (None, None, [1] * (ON_LOOP_CHARS // 4), True),  # a raw prompt: 4 characters an id
+    (None, None, [1] * (ON_LOOP_CHARS // 4 + 1), False),
+])
+def test_a_prompt_over_the_limit_is_not_small(messages, tools, ids, small):
+    req = ChatRequest(messages or [], ChatParams(8), tools=tools, prompt_ids=ids)
+    assert small_prompt(req) is small
+
+
+def test_a_long_prompt_is_encoded_on_a_thread_and_a_short_one_where_it_is_asked(tokenizer, monkeypatch):
+    import asyncio
+    import threading
+
+    from workers import chat_prompt
+
+    threads = []
+    real = chat_prompt._ids
+    monkeypatch.setattr(chat_prompt, "_ids", lambda *a: threads.append(threading.get_ident()) or real(*a))
+
+    async def both():
+        loop = threading.get_ident()
+        short = ChatRequest(CONVERSATIONS["multi-turn"], ChatParams(8))
+        long = ChatRequest([{"role": "user", "content": "word " * ON_LOOP_CHARS}], ChatParams(8))
+        got = [await chat_prompt.prompt_ids(tokenizer, r, 1 << 20) for r in (short, long)]
+        assert got == [request_ids(tokenizer, r, 1 << 20) for r in (short, long)]
+        return loop
+
+    loop = asyncio.run(both())
+    assert threads[0] == loop and threads[1] != loop

@@ -347,7 +347,7 @@ class ChatWorker(ThreadWorker):
         """Stream the reply to ``req``. Closing the iterator cancels the work."""
         vision = None
         if not req.images:
-            ids = chat_prompt.request_ids(self.tokenizer, req, self.context_length)
+            ids = await chat_prompt.prompt_ids(self.tokenizer, req, self.context_length)
         elif self.processor is None:
             raise InvalidParam(f"the model {self.spec.name} reads text only: it takes no image parts", "messages")
         else:
