@@ -15,6 +15,8 @@ long, and nothing in a request's own timings says which code did it. So :class:`
   event has ``lag_s``, ``cause`` and, for code, ``where`` (the innermost frame of tiergate's own
   code and the library frame it called) and ``stack`` (the innermost frames). ``cause`` is one of:
 
+  - ``gc``: full garbage collections (``gc_s``, on any thread: one holds the interpreter lock
+    throughout) took half the lag or more;
   - ``code``: the loop was running the code ``where`` names;
   - ``waiting``: the loop was in its own machinery (its wait for I/O: the sample found no callback
     running), so it was waiting for the interpreter lock or for a CPU, held by another thread of
@@ -29,13 +31,14 @@ sampled until it returns: its stall is ``not_sampled`` unless the sample, taken 
 watchdog gets the lock back, still finds the loop late in the function that made that call.
 
 The cost: a timer on the loop and a thread's wake-up each ``period_s`` (20 of each a second at
-the default threshold of 0.1 s), whatever the traffic. ``server.loop_stall_s`` sets the threshold;
+the default threshold of 0.1 s), whatever the traffic, and a call per garbage collection. ``server.loop_stall_s`` sets the threshold;
 0 turns the watch off.
 """
 
 from __future__ import annotations
 
 import asyncio
+import gc
 import logging
 import sys
 import threading
@@ -117,7 +120,8 @@ class _StallCounter(Collector):
         yield family
 
 
-_CAUSES = {"waiting": "waiting for the interpreter lock or a CPU (another thread or process had them)",
+_CAUSES = {"gc": "during full garbage collections ({gc_s:.3f} s)",
+           "waiting": "waiting for the interpreter lock or a CPU (another thread or process had them)",
            "not_sampled": "(not sampled: C code held the interpreter lock throughout)"}
 
 
@@ -137,6 +141,8 @@ class LoopWatch:
         self._due = 0.0  # when the next timer is due (time.monotonic)
         self._sample: tuple[float, traceback.StackSummary] | None = None  # (the due it was taken for, stack)
         self._loop_frames: list[tuple[str, str]] | None = None  # the loop's own (``loop_frames``), at the first timer
+        self._gc_s = 0.0  # seconds of full collections since the last timer ran
+        self._gc_since = 0.0  # when the full collection under way started (0: none is)
         self._handle: asyncio.TimerHandle | None = None
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
@@ -146,6 +152,7 @@ class LoopWatch:
         self._loop_thread = threading.get_ident()
         self._schedule(time.monotonic())
         self._stop.clear()
+        gc.callbacks.append(self._collected)
         self._thread = threading.Thread(target=self._watchdog, name="tiergate-loop-watch", daemon=True)
         self._thread.start()
 
@@ -154,6 +161,8 @@ class LoopWatch:
             self._handle.cancel()
             self._handle = None
         self._stop.set()
+        if self._collected in gc.callbacks:
+            gc.callbacks.remove(self._collected)
         if self._thread is not None:
             self._thread.join(1.0)  # it waits on _stop: it ends at once
             self._thread = None
@@ -169,21 +178,35 @@ class LoopWatch:
         lag = max(0.0, now - self._due)
         self.lag.observe(lag)
         sample, self._sample = self._sample, None
+        gc_s, self._gc_s = self._gc_s, 0.0
         if lag >= self.threshold_s:
             stack = sample[1] if sample is not None and sample[0] == self._due else None
-            self._report(lag, stack)
+            self._report(lag, stack, gc_s)
         self._schedule(now)
 
-    def _report(self, lag: float, stack: traceback.StackSummary | None) -> None:
+    def _collected(self, phase: str, info: dict) -> None:
+        """``gc.callbacks``: full collections timed (in whichever thread runs them; one at a time)."""
+        if info["generation"] != 2:
+            return
+        if phase == "start":
+            self._gc_since = time.monotonic()
+        elif self._gc_since:
+            self._gc_s += time.monotonic() - self._gc_since
+            self._gc_since = 0.0
+
+    def _report(self, lag: float, stack: traceback.StackSummary | None, gc_s: float = 0.0) -> None:
         self.stalls += 1
-        if not stack:
+        if gc_s >= lag / 2:
+            cause, place, frames = "gc", None, []
+        elif not stack:
             cause, place, frames = "not_sampled", None, []
         elif waiting(stack, self._loop_frames or []):
             cause, place, frames = "waiting", None, []
         else:
             cause, place, frames = "code", where(stack), [frame_label(f) for f in stack[-STACK_FRAMES:]]
-        self.events.emit("loop_stall", lag_s=round(lag, 4), cause=cause, where=place, stack=frames)
-        log.warning("the event loop ran %.3f s late %s", lag, f"in {place}" if place else _CAUSES[cause])
+        self.events.emit("loop_stall", lag_s=round(lag, 4), cause=cause, where=place, stack=frames, gc_s=round(gc_s, 4))
+        log.warning("the event loop ran %.3f s late %s", lag,
+                    f"in {place}" if place else _CAUSES[cause].format(gc_s=gc_s))
 
     def _watchdog(self) -> None:
         while not self._stop.wait(self.period_s):

@@ -73,11 +73,33 @@ def test_each_cause_is_reported_as_such():
     watch = LoopWatch(0.1, events, CollectorRegistry())
     watch._loop_frames = [(f.filename, f.name) for f in ASYNCIO]
     select = frame(f"{STDLIB}/selectors.py", 468, "select")
-    for stack in (ASYNCIO + [select], None, ASYNCIO + [frame(f"{STDLIB}/asyncio/events.py", 4, "_run")] + CALLBACK):
-        watch._report(0.25, traceback.StackSummary.from_list(stack) if stack else None)
+    code = ASYNCIO + [frame(f"{STDLIB}/asyncio/events.py", 4, "_run")] + CALLBACK
+    for stack, gc_s in ((ASYNCIO + [select], 0.0), (None, 0.0), (code, 0.1), (code, 0.125), (None, 0.2)):
+        watch._report(0.25, traceback.StackSummary.from_list(stack) if stack else None, gc_s)
     assert [(e.data["cause"], e.data["where"], e.data["stack"][-1:]) for e in events.recent] == [
-        ("waiting", None, []), ("not_sampled", None, []), ("code", "gateway/http.py:9 send", ["gateway/http.py:9 send"])]
-    assert watch.stalls == 3
+        ("waiting", None, []), ("not_sampled", None, []), ("code", "gateway/http.py:9 send", ["gateway/http.py:9 send"]),
+        ("gc", None, []), ("gc", None, [])]  # full collections for half the lag or more: theirs
+    assert watch.stalls == 5
+
+
+def test_full_collections_are_timed_and_young_ones_are_not():
+    import gc
+
+    from prometheus_client import CollectorRegistry
+
+    from arbiter.events import EventLog
+    from gateway.loop_watch import LoopWatch
+
+    watch = LoopWatch(0.1, EventLog(), CollectorRegistry())
+    gc.callbacks.append(watch._collected)
+    try:
+        gc.collect(0)
+        gc.collect(1)
+        assert watch._gc_s == 0.0
+        gc.collect(2)
+        assert watch._gc_s > 0.0
+    finally:
+        gc.callbacks.remove(watch._collected)
 
 
 # -- a real server -----------------------------------------------------------------------------------
@@ -134,6 +156,29 @@ def test_a_held_loop_is_reported_with_the_function_that_held_it(server, hold, ca
         metric(server, 'tiergate_event_loop_lag_seconds_bucket{le="0.25"}', text)
     assert late >= 1
     assert any(hold.__name__ in r.getMessage() and "ran 0." in r.getMessage() for r in caplog.records)
+
+
+def test_full_collections_on_the_loop_are_reported_as_theirs(server):
+    import gc
+    import math
+
+    keep = [[] for _ in range(1_000_000)]  # objects the collector walks: ~0.1 s a collection here
+    start = time.perf_counter()
+    gc.collect()
+    rounds = math.ceil(0.5 / (time.perf_counter() - start))
+
+    def _collect_on_the_loop() -> None:
+        for _ in range(rounds):
+            gc.collect()
+
+    before = {e["id"] for e in stalls(server)}
+    server.loop.call_soon_threadsafe(_collect_on_the_loop)
+    deadline = time.monotonic() + 20
+    while not (new := [e for e in stalls(server) if e["id"] not in before and e["lag_s"] >= 0.3]):
+        assert time.monotonic() < deadline, "the collections were not reported as a stall"
+        time.sleep(0.05)
+    assert [(e["cause"], e["gc_s"] >= e["lag_s"] / 2) for e in new] == [("gc", True)], new
+    del keep
 
 
 def test_a_stall_another_thread_causes_is_not_blamed_on_the_loops_code(server):

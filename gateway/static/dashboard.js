@@ -273,6 +273,7 @@ function describe(e) {
     case "limits_changed": return "SLO guard: " + Object.entries(e.limits)
       .filter(([t, n]) => n !== e.before[t]).map(([t, n]) => `${t} ${e.before[t]} → ${n}`).join(", ");
     case "loop_stall": return `the event loop ran ${secs(e.lag_s)} late ` + (e.where ? `in ${e.where}`
+      : e.cause === "gc" ? `during full garbage collections (${secs(e.gc_s)})`
       : e.cause === "waiting" ? "waiting for the interpreter lock or a CPU" : "(not sampled: C code held the lock)");
     default: return e.kind;
   }
