@@ -204,9 +204,10 @@ class LoopWatch:
             cause, place, frames = "waiting", None, []
         else:
             cause, place, frames = "code", where(stack), [frame_label(f) for f in stack[-STACK_FRAMES:]]
-        self.events.emit("loop_stall", lag_s=round(lag, 4), cause=cause, where=place, stack=frames, gc_s=round(gc_s, 4))
-        log.warning("the event loop ran %.3f s late %s", lag,
-                    f"in {place}" if place else _CAUSES[cause].format(gc_s=gc_s))
+        event = self.events.emit("loop_stall", lag_s=round(lag, 4), cause=cause, where=place, stack=frames,
+                                 gc_s=round(gc_s, 4))
+        log.warning("the event loop ran %.3f s late %s", lag, f"in {place}" if place else _CAUSES[cause].format(gc_s=gc_s),
+                    extra={"loop_stall": event.public()})  # the event, for a handler that keeps it whole
 
     def _watchdog(self) -> None:
         while not self._stop.wait(self.period_s):

@@ -21,7 +21,8 @@ import pytest
 
 from tests.helpers import RunningServer, adapters_yaml, redis_server, start_server, write_config
 
-pytest_plugins = ["tests.timeout_tasks"]  # a timeout prints the unfinished asyncio tasks too
+pytest_plugins = ["tests.timeout_tasks",  # a timeout prints the unfinished asyncio tasks too
+                  "tests.loop_stalls"]  # --loop-stalls FILE: the servers' event-loop stalls, as JSON lines
 
 # Modules that must run in the same test process, one after the other (one unit of xdist's
 # scheduling): the vLLM three share a session fixture that is costly to start (with

@@ -82,6 +82,38 @@ def test_each_cause_is_reported_as_such():
     assert watch.stalls == 5
 
 
+def test_a_runs_stalls_kept_as_lines_and_summed_up(tmp_path):
+    # tests/loop_stalls.py's handler (pytest --loop-stalls FILE) and scripts/loop_stalls.py's summary
+    import json
+    import subprocess
+    import sys
+
+    from prometheus_client import CollectorRegistry
+
+    from arbiter.events import EventLog
+    from gateway.loop_watch import LoopWatch
+    from tests.loop_stalls import _Lines
+
+    watch = LoopWatch(0.1, EventLog(), CollectorRegistry())
+    watch._loop_frames = [(f.filename, f.name) for f in ASYNCIO]
+    handler = _Lines(str(tmp_path / "stalls.jsonl"))
+    logging.getLogger("tiergate.loop").addHandler(handler)
+    try:
+        for lag, stack in ((0.25, ASYNCIO + CALLBACK), (0.5, ASYNCIO + CALLBACK), (0.3, None)):
+            watch._report(lag, traceback.StackSummary.from_list(stack) if stack else None)
+    finally:
+        logging.getLogger("tiergate.loop").removeHandler(handler)
+    lines = [json.loads(line) for line in (tmp_path / "stalls.jsonl").read_text().splitlines()]
+    assert [(s["cause"], s["lag_s"], s["where"]) for s in lines] == [
+        ("code", 0.25, "gateway/http.py:9 send"), ("code", 0.5, "gateway/http.py:9 send"), ("not_sampled", 0.3, None)]
+    assert all("test_a_runs_stalls_kept_as_lines_and_summed_up" in s["test"] for s in lines)
+    summary = subprocess.run([sys.executable, str(ROOT / "scripts/loop_stalls.py"), str(tmp_path / "stalls.jsonl")],
+                             capture_output=True, text=True, check=True).stdout.splitlines()
+    assert summary[1].split()[:5] == ["2", "0.75", "0.50", "code", "gateway/http.py:9"]  # the longest total first
+    assert summary[2].split()[:4] == ["1", "0.30", "0.30", "not_sampled"]
+    assert summary[-1] == "3 stalls in 2 places"
+
+
 def test_full_collections_are_timed_and_young_ones_are_not():
     import gc
 
