@@ -146,7 +146,8 @@ def small_prompt(req: ChatRequest) -> bool:
 
 
 async def prompt_ids(tokenizer: Any, req: ChatRequest, context_length: int) -> list[int]:
-    """:func:`request_ids`, on a thread for a prompt longer than ``ON_LOOP_CHARS``."""
+    """:func:`request_ids`, on a thread for a prompt longer than ``ON_LOOP_CHARS`` (the transformers
+    engine's; the vLLM engine's stays on the loop: see ``workers.chat_vllm``)."""
     if small_prompt(req):
         return request_ids(tokenizer, req, context_length)
     return await asyncio.to_thread(request_ids, tokenizer, req, context_length)

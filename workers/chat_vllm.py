@@ -493,7 +493,10 @@ class VllmChatEngine(Worker):
         if req.images:  # the gateway refuses them first (``gateway.vision``): vLLM's multimodal inputs are not wired here
             raise InvalidParam(f"the model {self.spec.name} runs on the vllm engine, which takes no image parts here",
                                "messages")
-        prompt_ids = await chat_prompt.prompt_ids(self.tokenizer, req, self.max_model_len)
+        # on the loop, not chat_prompt.prompt_ids' thread for a long prompt: the later submit let the
+        # choices of an n=2 request with prompt_logprobs share an engine step, where vLLM 0.32 on CPU
+        # fails (einsum: size 2 against 11) and its engine core dies (tests/test_chat_api.py found it)
+        prompt_ids = chat_prompt.request_ids(self.tokenizer, req, self.max_model_len)
         check_token_ids(p, self._llm.model_config.get_vocab_size())
         if p.bad_words:  # refused here as a 400, as vLLM would refuse them in the stream
             bad_words_ids(self.tokenizer, p.bad_words)
