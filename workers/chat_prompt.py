@@ -146,8 +146,7 @@ def small_prompt(req: ChatRequest) -> bool:
 
 
 async def prompt_ids(tokenizer: Any, req: ChatRequest, context_length: int) -> list[int]:
-    """:func:`request_ids`, on a thread for a prompt longer than ``ON_LOOP_CHARS`` (the transformers
-    engine's; the vLLM engine's stays on the loop: see ``workers.chat_vllm``)."""
+    """:func:`request_ids`, on a thread for a prompt longer than ``ON_LOOP_CHARS``."""
     if small_prompt(req):
         return request_ids(tokenizer, req, context_length)
     return await asyncio.to_thread(request_ids, tokenizer, req, context_length)

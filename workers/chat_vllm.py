@@ -33,7 +33,8 @@ Where vLLM differs from the transformers worker (``workers.chat``):
 * Logprobs are vLLM's (``SamplingParams(logprobs=k)``): by default the model's raw log
   probabilities, before penalties, bias and the grammar's mask. So are the prompt's
   (``SamplingParams(prompt_logprobs=k)``, asked of the first pass only: a resubmission's prompt
-  holds generated tokens).
+  holds generated tokens), except on an engine with LoRA enabled, which refuses them
+  (``PROMPT_LOGPROBS_WITH_LORA``: there one such request beside another killed the engine core).
 * LoRA. vLLM's CPU LoRA kernels (``vllm.lora.ops.torch_ops``) index the adapter stack with the
   row's slot, and rows without an adapter carry slot ``-1``, which Python indexing turns into the
   LAST slot: once an adapter has ever been activated in the last slot (vLLM only clears a slot's
@@ -147,6 +148,14 @@ def _rpc_folder() -> Path:
     folder = Path(os.environ["VLLM_RPC_BASE_PATH"])
     folder.mkdir(parents=True, exist_ok=True)
     return folder
+
+
+# vLLM 0.32 computes a prompt's logprobs with the LoRA mapping of the step's sampled rows, one per request:
+# with one request in the step it broadcasts, with two its CPU kernels fail (einsum: subscript b has size 2
+# against the prompt's length) and the engine core dies, with every tier's requests on it; on CUDA an
+# adapter's lm_head is left out of them (vllm-project/vllm#29955, #51594). So not on an engine with LoRA.
+PROMPT_LOGPROBS_WITH_LORA = ("prompt_logprobs are not available on the model {model}: it runs on the vllm engine with "
+                             "LoRA adapters enabled, where vLLM 0.32 cannot compute them")
 
 
 def _import_vllm() -> None:
@@ -493,10 +502,9 @@ class VllmChatEngine(Worker):
         if req.images:  # the gateway refuses them first (``gateway.vision``): vLLM's multimodal inputs are not wired here
             raise InvalidParam(f"the model {self.spec.name} runs on the vllm engine, which takes no image parts here",
                                "messages")
-        # on the loop, not chat_prompt.prompt_ids' thread for a long prompt: the later submit let the
-        # choices of an n=2 request with prompt_logprobs share an engine step, where vLLM 0.32 on CPU
-        # fails (einsum: size 2 against 11) and its engine core dies (tests/test_chat_api.py found it)
-        prompt_ids = chat_prompt.request_ids(self.tokenizer, req, self.max_model_len)
+        if p.prompt_logprobs is not None and self.enable_lora:
+            raise InvalidParam(PROMPT_LOGPROBS_WITH_LORA.format(model=self.spec.name), "prompt_logprobs")
+        prompt_ids = await chat_prompt.prompt_ids(self.tokenizer, req, self.max_model_len)
         check_token_ids(p, self._llm.model_config.get_vocab_size())
         if p.bad_words:  # refused here as a 400, as vLLM would refuse them in the stream
             bad_words_ids(self.tokenizer, p.bad_words)
