@@ -34,7 +34,7 @@ from gateway.errors import APIError, bad_request
 from gateway.http import Streamed, disconnect_signal
 from gateway.input_audio import chat_audio
 from gateway.input_files import chat_files
-from gateway.logprobs import chat_content, chat_logprobs, prompt_logprob_dicts
+from gateway.logprobs import chat_content, chat_logprobs, check_prompt_logprobs, prompt_logprob_dicts
 from gateway.output_audio import SpokenReplies, SpokenStream, heard_replies, plan_voice, say, say_replies
 from gateway.reasoning import ReasoningParser, ThinkSplitter
 from gateway.request_log import new_id
@@ -142,6 +142,7 @@ def plan_chat(svc: Services, body: ChatCompletionRequest) -> ChatJob:
         raise bad_request("top_logprobs needs logprobs: true", "top_logprobs")
     if body.prompt_logprobs is not None and body.stream:  # as vLLM's
         raise bad_request("prompt_logprobs are not available when stream is true", "prompt_logprobs")
+    check_prompt_logprobs(spec, body.prompt_logprobs is not None, "prompt_logprobs")
     engine = engine_config(svc, spec.name)
     tools = _plan_tools(body, getattr(engine, "tool_parser", "hermes"))
     asked = request_grammar(body.response_format, body.structured_outputs, limits.grammar_max_chars)

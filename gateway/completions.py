@@ -52,7 +52,7 @@ from gateway.auth import Caller
 from gateway.chat import ChatJob, ChoiceDelta, Reply, collect, engine_config, interleave, served_caller, serve_chat
 from gateway.errors import APIError, bad_request
 from gateway.http import Streamed, disconnect_signal
-from gateway.logprobs import prompt_logprob_dicts, token_name
+from gateway.logprobs import check_prompt_logprobs, prompt_logprob_dicts, token_name
 from gateway.schemas import (MAX_ALLOWED_TOKEN_IDS, MAX_BAD_WORDS, MAX_REPETITION_PENALTY, MAX_STACK,
                              MAX_STOP_TOKEN_IDS, MIN_REPETITION_PENALTY, AdapterChoice, BadWord, CacheSalt,
                              RequestId, ResponseFormat, StreamOptions, StructuredOutputs, _Body, check_vllm_defaults,
@@ -294,6 +294,8 @@ async def plan_completion(svc: Services, body: CompletionRequest) -> CompletionJ
                           f"{MAX_CHOICES} choices", "prompt")
     service_tier.check(svc.config, body.service_tier)
     check_vllm_defaults(body)
+    check_prompt_logprobs(spec, body.prompt_logprobs is not None, "prompt_logprobs")
+    check_prompt_logprobs(spec, bool(body.echo) and body.logprobs is not None, "echo")  # its prompt's logprobs
     tok, fim = await tokenizer_of(spec.path), None
     if body.suffix is not None:
         fim = fim_ids(tok, svc.config.fim_tokens(spec.name))

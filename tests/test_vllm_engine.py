@@ -198,6 +198,19 @@ def test_streams_deltas_and_usage_matching_transformers(loop, engine, hf_model):
     assert engine.num_unfinished() == 0 and engine.inflight == 0
 
 
+def test_an_engine_with_lora_refuses_the_prompts_logprobs_and_serves_on(loop, engine):
+    # vLLM 0.32 cannot compute them there: one such request beside another killed the engine core
+    # (workers.chat_vllm.PROMPT_LOGPROBS_WITH_LORA; the gateway refuses them first, at the door)
+    from workers.base import InvalidParam
+
+    asked = req(max_tokens=4)
+    asked.params.prompt_logprobs = 1
+    with pytest.raises(InvalidParam) as refused:
+        loop.run_until_complete(collect(engine, asked))
+    assert refused.value.param == "prompt_logprobs" and "LoRA" in str(refused.value)
+    assert loop.run_until_complete(collect(engine, req(max_tokens=4)))[2].completion_tokens == 4
+
+
 def test_eos_finishes_with_stop(loop, engine, hf_model):
     """Without ignore_eos a reply ends at EOS ("stop") or at max_tokens ("length"), as HF greedy."""
     prompt_ids = engine.encode(MSG)

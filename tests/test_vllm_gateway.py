@@ -174,10 +174,40 @@ def test_a_cache_salt_shares_cached_blocks_only_under_the_same_salt(vllm_server)
     assert cached("subscriber", cache_salt="a") == 0
 
 
-def test_vllm_echo_with_logprobs_gives_the_prompts_logprobs(vllm_server, tokenizer, tiny_chat):
+@pytest.fixture
+def plain_vllm_server(tiny_chat, tmp_path):
+    """tiny-chat on the vLLM engine without adapters, so without LoRA: where vLLM computes the
+    prompt's logprobs (the shared server's engine has LoRA, and refuses them)."""
+    server = start_server(write_config(tmp_path, {"tiny-chat": ("chat", tiny_chat)}, engine="vllm"))
+    yield server
+    server.stop()
+
+
+def test_vllm_echo_with_logprobs_gives_the_prompts_logprobs(plain_vllm_server, tokenizer, tiny_chat):
     """vLLM's prompt logprobs (float32 on CPU, its own attention kernels) against the same plain
     torch reference as the transformers engine's, within 1e-3 nats."""
-    check_echoed_logprobs(sdk_client(vllm_server), tokenizer, tiny_chat, tol=1e-3)
+    check_echoed_logprobs(sdk_client(plain_vllm_server), tokenizer, tiny_chat, tol=1e-3)
+
+
+def test_vllm_with_lora_refuses_the_prompts_logprobs_before_a_slot(vllm_server):
+    """On the engine with LoRA (workers.chat_vllm.PROMPT_LOGPROBS_WITH_LORA): chat's and the legacy
+    ``prompt_logprobs``, and the legacy echo with logprobs (its prompt's), are 400s naming the
+    field, given at the door: no slot taken, nothing sent to vLLM."""
+    c = sdk_client(vllm_server)
+    admitted = vllm_server.services.gate.admitted.copy()
+    asks = [("prompt_logprobs", lambda: c.chat.completions.create(
+                model="tiny-chat", messages=[{"role": "user", "content": "Hi"}], max_tokens=2,
+                extra_body={"prompt_logprobs": 1})),
+            ("prompt_logprobs", lambda: c.completions.create(model="tiny-chat", prompt="Hi", max_tokens=2,
+                                                             extra_body={"prompt_logprobs": 1})),
+            ("echo", lambda: c.completions.create(model="tiny-chat", prompt="Hi", max_tokens=2, echo=True, logprobs=1))]
+    for param, ask in asks:
+        with pytest.raises(openai.BadRequestError) as bad:
+            ask()
+        assert bad.value.body["param"] == param and "LoRA" in bad.value.body["message"], bad.value.body
+    assert vllm_server.services.gate.admitted == admitted
+    echoed = c.completions.create(model="tiny-chat", prompt="Hi", max_tokens=2, echo=True)  # no logprobs: served
+    assert echoed.choices[0].text.startswith("Hi")
 
 
 def test_vllm_responses(vllm_server):
