@@ -424,6 +424,14 @@ class ServerConfig(_Strict):
     # none: documents come inline or as uploads (gateway/input_files.py)
     file_url_hosts: list[Host] = []
 
+    @field_validator("loop_stall_s")
+    @classmethod
+    def _watchable(cls, seconds: float) -> float:
+        if 0 < seconds < 0.01:  # the watch wakes the loop and a thread every loop_stall_s / 2
+            raise ValueError("0 (not watched) or at least 0.01 s: a shorter threshold would wake the event loop "
+                             "and a thread 200 times a second or more")
+        return seconds
+
 
 WEBHOOK_EVENTS = ("response.completed", "response.incomplete", "response.failed", "response.cancelled",
                   "batch.completed", "batch.failed", "batch.expired", "batch.cancelled")

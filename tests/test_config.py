@@ -88,6 +88,7 @@ def test_good_config_loads(tmp_path):
     (BASE + "responses: {retention_days: 0}\n", "responses.retention_days", "greater than 0"),
     (BASE + "server: {image_url_hosts: ['https://images.example.com']}\n", "server.image_url_hosts[0]",
      "should match pattern"),  # a host name, not a URL
+    (BASE + "server: {loop_stall_s: 0.005}\n", "server.loop_stall_s", "at least 0.01 s"),
     ("tiers: [\n", "", "not valid YAML"),
 ])
 def test_bad_config_is_one_line_naming_file_field_problem(tmp_path, text, field, problem):
