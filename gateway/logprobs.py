@@ -13,14 +13,13 @@ the UTF-8 of its text.
 from __future__ import annotations
 
 from gateway.errors import bad_request
-from workers.base import ModelSpec, TokenLogprob
-from workers.chat_vllm import PROMPT_LOGPROBS_WITH_LORA
+from workers.base import PROMPT_LOGPROBS_WITH_LORA, ModelSpec, TokenLogprob
 
 
 def check_prompt_logprobs(spec: ModelSpec, asked: bool, param: str) -> None:
     """The prompt's logprobs refused before any slot or load, naming ``param`` (``prompt_logprobs``,
     or ``echo`` for a legacy echo with logprobs), on a model whose vLLM engine has LoRA enabled,
-    where vLLM 0.32 cannot compute them (``workers.chat_vllm.PROMPT_LOGPROBS_WITH_LORA``; the
+    where vLLM 0.32 cannot compute them (``workers.base.PROMPT_LOGPROBS_WITH_LORA``; the
     engine refuses them too)."""
     if asked and spec.engine == "vllm" and spec.options.get("enable_lora"):
         raise bad_request(PROMPT_LOGPROBS_WITH_LORA.format(model=spec.name), param)

@@ -200,7 +200,7 @@ def test_streams_deltas_and_usage_matching_transformers(loop, engine, hf_model):
 
 def test_an_engine_with_lora_refuses_the_prompts_logprobs_and_serves_on(loop, engine):
     # vLLM 0.32 cannot compute them there: one such request beside another killed the engine core
-    # (workers.chat_vllm.PROMPT_LOGPROBS_WITH_LORA; the gateway refuses them first, at the door)
+    # (workers.base.PROMPT_LOGPROBS_WITH_LORA; the gateway refuses them first, at the door)
     from workers.base import InvalidParam
 
     asked = req(max_tokens=4)

@@ -190,7 +190,7 @@ def test_vllm_echo_with_logprobs_gives_the_prompts_logprobs(plain_vllm_server, t
 
 
 def test_vllm_with_lora_refuses_the_prompts_logprobs_before_a_slot(vllm_server):
-    """On the engine with LoRA (workers.chat_vllm.PROMPT_LOGPROBS_WITH_LORA): chat's and the legacy
+    """On the engine with LoRA (workers.base.PROMPT_LOGPROBS_WITH_LORA): chat's and the legacy
     ``prompt_logprobs``, and the legacy echo with logprobs (its prompt's), are 400s naming the
     field, given at the door: no slot taken, nothing sent to vLLM."""
     c = sdk_client(vllm_server)

@@ -190,6 +190,15 @@ class InvalidParam(ValueError):
         self.param = param
 
 
+# vLLM 0.32 computes a prompt's logprobs with the LoRA mapping of the step's sampled rows, one per request:
+# with one request in the step it broadcasts, with two its CPU kernels fail (einsum: subscript b has size 2
+# against the prompt's length) and the engine core dies, with every tier's requests on it; on CUDA an
+# adapter's lm_head is left out of them (vllm-project/vllm#29955, #51594). So the vLLM engine with LoRA
+# refuses them (workers.chat_vllm), and the gateway before it (gateway.logprobs.check_prompt_logprobs).
+PROMPT_LOGPROBS_WITH_LORA = ("prompt_logprobs are not available on the model {model}: it runs on the vllm engine with "
+                             "LoRA adapters enabled, where vLLM 0.32 cannot compute them")
+
+
 # where a chat prompt ends (vLLM's add_generation_prompt / continue_final_message): the assistant's turn
 # opened for the reply (the default); after the last message, closed; or inside the last message, left open
 # for the reply to continue it (a prefilled start)

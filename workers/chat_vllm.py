@@ -34,7 +34,7 @@ Where vLLM differs from the transformers worker (``workers.chat``):
   probabilities, before penalties, bias and the grammar's mask. So are the prompt's
   (``SamplingParams(prompt_logprobs=k)``, asked of the first pass only: a resubmission's prompt
   holds generated tokens), except on an engine with LoRA enabled, which refuses them
-  (``PROMPT_LOGPROBS_WITH_LORA``: there one such request beside another killed the engine core).
+  (``workers.base.PROMPT_LOGPROBS_WITH_LORA``: there one such request beside another killed the engine core).
 * LoRA. vLLM's CPU LoRA kernels (``vllm.lora.ops.torch_ops``) index the adapter stack with the
   row's slot, and rows without an adapter carry slot ``-1``, which Python indexing turns into the
   LAST slot: once an adapter has ever been activated in the last slot (vLLM only clears a slot's
@@ -84,6 +84,7 @@ from workers.base import (
     ChatFinished,
     ChatParams,
     ChatRequest,
+    PROMPT_LOGPROBS_WITH_LORA,
     InvalidParam,
     ModelSpec,
     StackKey,
@@ -148,14 +149,6 @@ def _rpc_folder() -> Path:
     folder = Path(os.environ["VLLM_RPC_BASE_PATH"])
     folder.mkdir(parents=True, exist_ok=True)
     return folder
-
-
-# vLLM 0.32 computes a prompt's logprobs with the LoRA mapping of the step's sampled rows, one per request:
-# with one request in the step it broadcasts, with two its CPU kernels fail (einsum: subscript b has size 2
-# against the prompt's length) and the engine core dies, with every tier's requests on it; on CUDA an
-# adapter's lm_head is left out of them (vllm-project/vllm#29955, #51594). So not on an engine with LoRA.
-PROMPT_LOGPROBS_WITH_LORA = ("prompt_logprobs are not available on the model {model}: it runs on the vllm engine with "
-                             "LoRA adapters enabled, where vLLM 0.32 cannot compute them")
 
 
 def _import_vllm() -> None:
