@@ -32,7 +32,7 @@ from typing import Any, Literal, Protocol
 from gateway.errors import bad_request
 from gateway.schemas import AllowedToolsChoice, NamedToolChoice, Tool
 from workers.base import Grammar, JsonGrammar
-from workers.grammar import MAX_SCHEMA_STRINGS, reply_or_calls, schema_error, schema_strings
+from workers.grammar import MAX_SCHEMA_STRINGS, patterns_problem, reply_or_calls, schema_error, schema_strings
 
 EMPTY_PARAMETERS: dict[str, Any] = {"type": "object", "properties": {}}
 
@@ -94,6 +94,9 @@ def plan_tools(tools: list[Tool] | None, choice: str | NamedToolChoice | Allowed
         if problem:
             raise bad_request(f"the parameters schema of tool '{tool.function.name}' cannot be used: {problem}",
                               f"tools[{i}].function.parameters", "invalid_schema")
+    problem = patterns_problem([t.function.parameters for t in tools])  # their patterns together, as one schema's
+    if problem:
+        raise bad_request(f"the tools' parameters schemas cannot be used together: {problem}", "tools", "invalid_schema")
     counted = sum(schema_strings(t.function.parameters or EMPTY_PARAMETERS) + len(t.function.name) for t in tools)
     if counted > MAX_SCHEMA_STRINGS:  # the calls' grammar joins every tool's: bounded as one schema is
         raise bad_request(f"the tools' names, property names, enum and const values total {counted} characters, above "

@@ -1072,6 +1072,12 @@ GOOD = {"model": "tiny-chat", "messages": ASK, "max_tokens": 4}
     ({"response_format": {"type": "json_schema", "json_schema": {"name": "x", "schema": {"type": "string", "pattern": "("}}}},
      "response_format"),
     ({"response_format": {"type": "json_schema", "json_schema": {"name": "x", "schema": {"type": "bogus"}}}}, "response_format"),
+    ({"response_format": {"type": "json_schema", "json_schema": {"name": "x", "schema": {"type": "string",
+                                                                                         "pattern": "[a-z]{1,200}"}}}},
+     "response_format"),  # xgrammar 0.2.8 fails to compile it in the engine (mlc-ai/xgrammar#863)
+    ({"tools": [{"type": "function", "function": {"name": "f", "parameters": {
+        "type": "object", "properties": {"a": {"type": "string", "pattern": "([a-z]{1,100}){1,100}"}}}}}]},
+     "tools[0].function.parameters"),  # 10,000 characters written out: seconds to compile
     ({"tools": [{"type": "function", "function": {"name": "f", "parameters": {"type": "object", "properties": {"a": {"$ref": "#/$defs/none"}}}}}]},
      "tools[0].function.parameters"),
     ({"tools": TOOLS, "tool_choice": {"type": "function", "function": {"name": "Missing"}}}, "tool_choice"),

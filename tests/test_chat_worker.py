@@ -217,6 +217,22 @@ def test_prompt_over_context_is_refused(worker):
         asyncio.run(main())
 
 
+def test_a_grammar_xgrammar_fails_to_compile_is_the_requests_400_and_the_worker_serves_on(worker):
+    """A grammar the model's compiler fails on (a count above 128 in a schema's pattern: xgrammar
+    0.2.8's check fails, mlc-ai/xgrammar#863; the gateway refuses those first) is the request's
+    InvalidParam, a 400, not a 500; the next request is served."""
+    import json
+
+    from workers.base import InvalidParam, JsonGrammar
+
+    asked = greedy("Hi", 4)
+    asked.params.grammar = JsonGrammar(json.dumps({"type": "string", "pattern": "[a-z]{1,200}"}))
+    with pytest.raises(InvalidParam) as refused:
+        asyncio.run(run(worker, asked))
+    assert refused.value.param == "response_format" and "per_rule_fsm_hashes" in str(refused.value)
+    assert asyncio.run(run(worker, greedy("Hi", 4)))[1].completion_tokens == 4
+
+
 def test_pause_ordered_during_admission_holds_the_rows_not_yet_prefilled(worker):
     """A paid arrival while batch rows are prefilled a pass each (here each scores its prompt, so
     none shares a pass): the pause takes effect between two prefills, not after every admitted row

@@ -217,3 +217,67 @@ def test_a_schema_is_refused_past_openais_limit_on_its_names_enums_and_consts():
     assert schema_strings(at_limit) == MAX_SCHEMA_STRINGS and schema_error(at_limit) is None
     over = {**schema, "$defs": {**schema["$defs"], "e" * (room + 1): {}}}
     assert f"total {MAX_SCHEMA_STRINGS + 1} characters" in schema_error(over)
+
+
+@pytest.mark.parametrize("pattern, size, largest", [
+    ("([a-z]{1,100}){1,100}", 10_000, 100), ("[a-z]{1,200}", 200, 200), (r"^\d{3}-\d{4}$", 8, 4),
+    ("(ab|cd){1,1000}", 4000, 1000), ("[]a]{3}", 3, 3), ("[^]a]{3}", 3, 3), (r"[\]]{200}", 200, 200),
+    (r"\{5}", 3, 0), ("a{,5}", 5, 5), ("a{5,}", 5, 5), ("{abc}", 5, 0), ("ab*c+d?", 4, 0), ("((a)", 1, 0),
+    ("a{" + "9" * 5000 + "}", 10**9, 10**9),  # (int() refuses 5,000 digits: capped, not a 500)
+])
+def test_a_patterns_size_written_out_and_its_largest_count(pattern, size, largest):
+    from workers.grammar import pattern_size
+
+    assert pattern_size(pattern) == (size, largest)
+
+
+@pytest.mark.parametrize("where", ["pattern", "patternProperties", "propertyNames"])
+def test_a_count_above_128_in_a_schemas_pattern_is_refused_as_xgrammar_fails_on_it(where):
+    """xgrammar 0.2.8 (vLLM 0.32's) compiles a pattern's count of 128 and fails on 129 with its
+    grammar cache on, as the engines' compilers have it (mlc-ai/xgrammar#863): the gateway refuses
+    the 129 before xgrammar sees it, naming the count, and takes the 128."""
+    import xgrammar as xgr
+
+    from workers.base import JsonGrammar
+    from workers.grammar import MAX_COUNTED_REPEAT, json_ebnf, schema_error
+
+    def schema(n: int) -> dict:
+        regex = f"^[a-z]{{1,{n}}}$"
+        return {"pattern": {"type": "string", "pattern": regex},
+                "patternProperties": {"type": "object", "patternProperties": {regex: {"type": "integer"}}},
+                "propertyNames": {"type": "object", "propertyNames": {"pattern": regex},
+                                  "additionalProperties": {"type": "integer"}}}[where]
+
+    vocab = [chr(c) for c in range(32, 127)] + ["</s>"]
+    cached = xgr.GrammarCompiler(xgr.TokenizerInfo(vocab, stop_token_ids=[len(vocab) - 1]), cache_enabled=True)
+    at, over = schema(MAX_COUNTED_REPEAT), schema(MAX_COUNTED_REPEAT + 1)
+    cached.compile_grammar(json_ebnf(json.dumps(at)))
+    with pytest.raises(RuntimeError, match="per_rule_fsm_hashes"):
+        cached.compile_grammar(json_ebnf(json.dumps(over)))
+    assert schema_error(at) is None
+    assert "repeats a part 129 times" in schema_error(over)
+    if where == "pattern":
+        assert matches(JsonGrammar(json.dumps(at)), json.dumps("a" * 128))
+        assert not matches(JsonGrammar(json.dumps(at)), json.dumps("a" * 129))
+
+
+def test_a_schemas_patterns_written_out_are_bounded_together():
+    """Building a pattern's grammar takes time with its counted repetitions written out (10,000
+    characters' worth took 0.1 s, on the event loop): a schema's patterns may be 4,096 together, at
+    any depth, in a tool's parameters or across a request's tools; a "pattern" that is an enum's
+    value (data) or a property's name does not count."""
+    from workers.grammar import MAX_PATTERN_SIZE, schema_error
+
+    fill = {"type": "string", "pattern": "[a-z]{1,128}"}  # 128 each
+    def props(n: int, extra: dict | None = None) -> dict:
+        return {"type": "object", "properties": {**{f"p{i}": fill for i in range(n)}, **(extra or {})}}
+
+    assert MAX_PATTERN_SIZE == 32 * 128
+    assert schema_error(props(32)) is None
+    assert schema_error(props(32, {"pattern": {"enum": [{"pattern": "a{99}"}]}})) is None
+    assert "are 4097 characters long, above 4096" in schema_error(props(32, {"x": {"type": "string", "pattern": "b"}}))
+    assert "above 4096" in schema_error({"type": "array", "items": {"anyOf": [props(20), props(20)]}})
+    plan_tools([tool("a", props(16))], "auto", None)
+    with pytest.raises(APIError) as refused:
+        plan_tools([tool("a", props(16)), tool("b", props(17))], "auto", None)
+    assert refused.value.param == "tools" and "above 4096" in refused.value.message

@@ -81,7 +81,7 @@ from workers.base import (
     TokenReport,
     stack_key,
 )
-from workers.grammar import Grammars, RowGrammar, Vocabulary
+from workers.grammar import Grammars, RowGrammar, Vocabulary, xgrammar_reason
 from workers.think_budget import ThinkBudget
 from workers.worker import ModelInfo, ThreadWorker
 from workers.chat_prompt import ContextTooLong  # noqa: F401 - the chat engines' 400, importable here
@@ -341,7 +341,11 @@ class ChatWorker(ThreadWorker):
             return None
         if self._grammars is None:
             self._grammars = Grammars(self.tokenizer, self.vocab_size, sorted(self._eos))
-        return self._grammars.row(req.params.grammar)
+        try:
+            return self._grammars.row(req.params.grammar)
+        except RuntimeError as exc:  # xgrammar's own check failed: the request's grammar, not the engine
+            raise InvalidParam(f"the reply's grammar cannot be compiled for the model {self.spec.name}: "
+                               f"{xgrammar_reason(exc)}", "response_format") from None
 
     async def chat(self, req: ChatRequest) -> AsyncIterator[ChatEvent]:
         """Stream the reply to ``req``. Closing the iterator cancels the work."""

@@ -6,8 +6,11 @@ separators are ``","`` and ``":"`` and nothing else may be inserted (compact JSO
 on random weights. ``strict_mode`` is on: an object takes only the properties its schema
 declares (what the output may contain narrows; everything it does contain validates).
 
-* :func:`schema_error` compiles a schema without a tokenizer: the gateway refuses a schema that
-  does not compile (400) before the request queues.
+* :func:`schema_error` builds a schema's grammar without a tokenizer: the gateway refuses a schema
+  that does not build (400) before the request queues, and one whose patterns xgrammar 0.2.8
+  fails to compile or takes long to build (:func:`patterns_problem`) before xgrammar sees it.
+  What an engine still fails to compile is a 400 on the transformers engine and a 500 on vLLM's
+  (which ends the request with an error), never an empty reply.
 * The vLLM engine hands the schema to vLLM (``StructuredOutputsParams(json=...)``); the engine is
   started with ``structured_outputs_config(backend="xgrammar", disable_any_whitespace=True)``
   (vLLM 0.32 reads that flag per engine, not per request), which compiles it the same way.
@@ -74,6 +77,100 @@ def schema_strings(schema: object) -> int:
     return total
 
 
+# xgrammar 0.2.8, the version vLLM 0.32 pins, cannot compile a JSON schema whose ``pattern`` repeats
+# something a counted number of times above 128 (``[a-z]{1,200}``, ``\d{129}``) when its compiler keeps
+# a grammar cache, as vLLM's does and the transformers engine's: "Check failed:
+# per_rule_fsm_hashes[ref_rule_id].has_value()" (mlc-ai/xgrammar#863, fixed after 0.2.8). Such a
+# request passed the gateway's check and failed in the engine: a 500 on the transformers engine, an
+# empty "stop" on vLLM's. It is refused before it queues, naming the count.
+MAX_COUNTED_REPEAT = 128
+# What building a schema's grammar costs grows with its patterns' counted repetitions written out:
+# ``([a-z]{1,100}){1,100}`` is 10,000 characters' worth, 0.1 s to build (on the event loop, where the
+# gateway checks it) and seconds to compile against a model's vocabulary; ``[a-z]{1,10000}`` took 5-7 s
+# to build. A schema's patterns together may be at most this size written out (32 ``[a-z]{1,128}``).
+MAX_PATTERN_SIZE = 4096
+_COUNT = re.compile(r"\{([0-9]*)(?:,([0-9]*))?\}")
+_NOT_SCHEMAS = ("enum", "const", "default", "examples")  # values, not schemas: their "pattern" keys are data
+
+
+def pattern_size(pattern: str) -> tuple[int, int]:
+    """``pattern`` (a regular expression) written out with its counted repetitions expanded, as
+    (its length in atoms: a character, a class or an escape each one, alternatives added up), and
+    the largest count it writes (``{m}``, ``{m,}``, ``{m,n}``). ``([a-z]{1,100}){1,100}`` is
+    (10000, 100); ``*``, ``+`` and ``?`` add nothing."""
+    groups, last, largest, i = [0], 0, 0, 0
+    while i < len(pattern):
+        c = pattern[i]
+        if c == "\\":
+            groups[-1], last, i = groups[-1] + 1, 1, i + 2
+            continue
+        if c == "[":  # a class is one atom: skip to its closing bracket (a first "]" is a member)
+            j = i + 1 + (pattern[i + 1:i + 2] == "^")
+            j += pattern[j:j + 1] == "]"
+            while j < len(pattern) and pattern[j] != "]":
+                j += 2 if pattern[j] == "\\" else 1
+            groups[-1], last, i = groups[-1] + 1, 1, j + 1
+            continue
+        if c == "{" and (m := _COUNT.match(pattern, i)) and (m.group(1) or m.group(2)):
+            low = _count(m.group(1) or "0")
+            high = _count(m.group(2)) if m.group(2) else low  # {m,} writes m copies, then a loop
+            largest = max(largest, low, high)
+            groups[-1] += last * (max(high, 1) - 1)
+            last, i = 0, m.end()
+            continue
+        if c == "(":
+            groups.append(0)
+            last = 0
+        elif c == ")" and len(groups) > 1:
+            last = groups.pop()
+            groups[-1] += last
+        elif c in "|^$*+?":
+            last = 0
+        else:
+            groups[-1], last = groups[-1] + 1, 1
+        i += 1
+    return sum(groups), largest
+
+
+def _count(digits: str) -> int:
+    return int(digits) if len(digits) <= 9 else 10**9  # (int() refuses over 4,300 digits)
+
+
+def schema_patterns(schema: object) -> list[str]:
+    """The regular expressions of a JSON schema: its ``pattern`` values and ``patternProperties``
+    names, at any depth."""
+    found, stack = [], [schema]
+    while stack:
+        node = stack.pop()
+        if isinstance(node, list):
+            stack.extend(node)
+        elif isinstance(node, dict):
+            for key, value in node.items():
+                if key == "pattern" and isinstance(value, str):
+                    found.append(value)
+                elif key == "patternProperties" and isinstance(value, dict):
+                    found.extend(value)
+                if key not in _NOT_SCHEMAS:
+                    stack.append(value)
+    return found
+
+
+def patterns_problem(schema: object) -> str | None:
+    """Why the schema's patterns are refused (``MAX_COUNTED_REPEAT``, ``MAX_PATTERN_SIZE``), or None."""
+    total = 0
+    for pattern in schema_patterns(schema):
+        size, largest = pattern_size(pattern)
+        if largest > MAX_COUNTED_REPEAT:
+            return (f"the pattern {pattern[:80]!r} repeats a part {largest} times: a count above {MAX_COUNTED_REPEAT} in a "
+                    "schema's pattern is refused here, as xgrammar 0.2.8, which vLLM 0.32 uses, fails to compile it "
+                    "(mlc-ai/xgrammar#863)")
+        total += size
+    if total > MAX_PATTERN_SIZE:
+        return (f"its patterns written out with their counted repetitions are {total} characters long, above "
+                f"{MAX_PATTERN_SIZE} (compiling them takes time with that length)")
+    return None
+
+
 def import_compiler() -> None:
     """Import xgrammar (0.1-1 s the first time, with torch already imported), for a server to do on
     a thread as it starts: ``schema_error`` and the engines import it when a request first asks
@@ -83,18 +180,22 @@ def import_compiler() -> None:
 
 
 def schema_error(schema: dict | bool) -> str | None:
-    """Why xgrammar cannot compile ``schema`` (or will not here: over ``MAX_SCHEMA_STRINGS``),
-    or None when it can."""
-    import xgrammar as xgr
-
+    """Why xgrammar cannot compile ``schema`` for a model (or will not here: over
+    ``MAX_SCHEMA_STRINGS``, or its patterns past ``patterns_problem``'s limits), or None when it
+    can."""
     strings = schema_strings(schema)
     if strings > MAX_SCHEMA_STRINGS:
         return (f"its property names, definition names, enum and const values total {strings} characters, above "
                 f"{MAX_SCHEMA_STRINGS} (OpenAI's limit for structured outputs)")
-    try:
-        xgr.Grammar.from_json_schema(json.dumps(schema), any_whitespace=False, separators=SEPARATORS)
+    problem = patterns_problem(schema)
+    if problem:
+        return problem
+    try:  # what the engines compile (JsonGrammar's text: the same cache entry). Not compiled here (on a
+        # small vocabulary, say): for a large schema that takes 40-250 times as long as building it (1 s
+        # for 1,000 properties), and the event loop waits on it
+        json_ebnf(json.dumps(schema))
     except Exception as exc:  # noqa: BLE001 - xgrammar raises RuntimeError/ValueError with its reason
-        return _reason(exc)
+        return xgrammar_reason(exc)
     return None
 
 
@@ -133,9 +234,11 @@ def regex_ebnf(pattern: str) -> str:
     if "\x00" in pattern:  # vLLM refuses it too: xgrammar's converter reads a C string
         raise ValueError("a regex must not contain a NUL character")
     try:
-        return str(xgr.Grammar.from_regex(pattern))
+        text = str(xgr.Grammar.from_regex(pattern))
     except Exception as exc:  # noqa: BLE001 - RuntimeError with the position and reason
-        raise ValueError(_reason(exc)) from None
+        raise ValueError(xgrammar_reason(exc)) from None
+    return text
+
 
 
 # an EBNF string literal's escapes, as vLLM writes them (``choice_as_grammar``): the quote, the
@@ -157,9 +260,10 @@ def ebnf_text(grammar: str) -> str:
 
     lark = not any("::=" in re.sub(r"(#|//).*$", "", line) for line in grammar.splitlines())
     try:
-        return str(xgr.Grammar.from_lark(grammar) if lark else xgr.Grammar.from_ebnf(grammar))
+        text = str(xgr.Grammar.from_lark(grammar) if lark else xgr.Grammar.from_ebnf(grammar))
     except Exception as exc:  # noqa: BLE001 - RuntimeError with the line, column and reason
-        raise ValueError(_reason(exc)) from None
+        raise ValueError(xgrammar_reason(exc)) from None
+    return text
 
 
 def reply_or_calls(reply: Grammar, call: JsonGrammar, begin: str, end: str, several: bool) -> EbnfGrammar:
@@ -256,7 +360,7 @@ def _decoded_vocab(tokenizer) -> list[bytes] | None:
     return raw
 
 
-def _reason(exc: Exception) -> str:
+def xgrammar_reason(exc: Exception) -> str:
     """xgrammar's message without its C++ source location prefix."""
     text = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
     return text.split(": ", 1)[1] if text.startswith("[") and ": " in text else text
