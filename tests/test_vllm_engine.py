@@ -211,6 +211,20 @@ def test_an_engine_with_lora_refuses_the_prompts_logprobs_and_serves_on(loop, en
     assert loop.run_until_complete(collect(engine, req(max_tokens=4)))[2].completion_tokens == 4
 
 
+def test_a_grammar_vllm_fails_to_compile_is_an_error_and_the_engine_serves_on(loop, engine):
+    """vLLM ends a request whose grammar xgrammar cannot compile with finish reason "error"
+    (a count above 128 in a schema's pattern, mlc-ai/xgrammar#863; the gateway refuses those
+    first): an error, as vllm serve answers it, not an empty reply that "stop"s."""
+    from workers.base import JsonGrammar
+
+    asked = req(max_tokens=4)
+    asked.params.grammar = JsonGrammar(json.dumps({"type": "string", "pattern": "[a-z]{1,200}"}))
+    with pytest.raises(RuntimeError, match="ended request .* with an error"):
+        loop.run_until_complete(collect(engine, asked))
+    assert loop.run_until_complete(collect(engine, req(max_tokens=4)))[2].completion_tokens == 4
+    assert engine.num_unfinished() == 0 and engine.inflight == 0
+
+
 def test_eos_finishes_with_stop(loop, engine, hf_model):
     """Without ignore_eos a reply ends at EOS ("stop") or at max_tokens ("length"), as HF greedy."""
     prompt_ids = engine.encode(MSG)

@@ -622,6 +622,9 @@ class VllmChatEngine(Worker):
                                     raise Cancelled()
                                 outcome = "paused"
                                 break
+                            if c.finish_reason == "error":  # vLLM failed this request alone (its grammar did not
+                                # compile, say): an error, as vllm serve answers it, not an empty reply that "stop"s
+                                raise RuntimeError(f"vLLM ended request {rid} with an error (its log says why)")
                             reason = "length" if c.finish_reason == "length" else "stop"
                             yield self._finished(reason, req, prompt_ids, generated, cached, c.stop_reason)
                             return
