@@ -161,9 +161,9 @@ def patterns_problem(schema: object) -> str | None:
     for pattern in schema_patterns(schema):
         size, largest = pattern_size(pattern)
         if largest > MAX_COUNTED_REPEAT:
-            return (f"the pattern {pattern[:80]!r} repeats a part {largest} times: a count above {MAX_COUNTED_REPEAT} in a "
-                    "schema's pattern is refused here, as xgrammar 0.2.8, which vLLM 0.32 uses, fails to compile it "
-                    "(mlc-ai/xgrammar#863)")
+            return (f"the pattern {pattern[:80]!r} repeats a part {largest} times: a count above "
+                    f"{MAX_COUNTED_REPEAT} in a schema's pattern is refused here, as xgrammar 0.2.8, which vLLM 0.32 "
+                    "uses, fails to compile it (mlc-ai/xgrammar#863)")
         total += size
     if total > MAX_PATTERN_SIZE:
         return (f"its patterns written out with their counted repetitions are {total} characters long, above "
