@@ -326,18 +326,24 @@ class Arbiter:
     async def _load_task(self, model: str, evict: Evict | None, prior_place: str, tier: int,
                          trigger: _Waiter | None = None) -> None:
         started = time.perf_counter()
+        failure: Exception | None = None
         try:
             if evict is not None:
                 await self._evict(evict, "make_room", (model, tier))
             worker, seconds, footprint = await self._bring_in(model, prior_place)
-        except torch.OutOfMemoryError as exc:
-            self._after_oom(model, prior_place, tier, exc)
-            return
-        except Exception as exc:  # noqa: BLE001 - a failed load answers 503 and cools down
-            self._after_failure(model, f"loading {model} failed: {type(exc).__name__}: {exc}")
-            return
+        except Exception as exc:  # noqa: BLE001 - a failed load answers 503 and cools down (out of memory: retried once)
+            failure = exc
         finally:
+            # The device is free before anything below schedules: a load the failure's handling
+            # starts (the OOM retry, the next waiter's) is not cleared by this one's end, and no
+            # waiter is left waiting on a load that ended.
             self._loading = None
+        if isinstance(failure, torch.OutOfMemoryError):
+            self._after_oom(model, prior_place, tier, failure)
+            return
+        if failure is not None:
+            self._after_failure(model, f"loading {model} failed: {type(failure).__name__}: {failure}")
+            return
         self.workers[model] = worker
         if trigger is not None:
             trigger.swap_s = time.perf_counter() - started

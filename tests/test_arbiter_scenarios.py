@@ -5,6 +5,7 @@ after each step."""
 from __future__ import annotations
 
 import asyncio
+import time
 
 import pytest
 import torch
@@ -240,6 +241,80 @@ def test_failed_load_answers_503_with_cooldown_instead_of_retrying(tiny_chat, tm
             await use(arb, "x", PAID)
         assert len(calls) == 2 and third.value.retry_after == 4
         assert places(arb) == {"x": "cold"}
+
+    asyncio.run(main())
+
+
+class Loads:
+    """A worker factory whose loads take ``seconds`` and fail for the models in ``failing`` (an
+    Exception) or ``oom_once`` (torch.OutOfMemoryError, the first time), counting the loads that
+    ran at once (``most``)."""
+
+    def __init__(self, seconds: float = 0.2, failing=(), oom_once=()):
+        self.seconds, self.failing, self.oom = seconds, set(failing), set(oom_once)
+        self.running = self.most = 0
+
+    def __call__(self, spec):
+        worker = make_worker(spec)
+        real = worker.load
+
+        def load(device):
+            self.running += 1
+            self.most = max(self.most, self.running)
+            try:
+                time.sleep(self.seconds)
+                if spec.name in self.failing:
+                    raise OSError(f"{spec.name}: weights unreadable (injected)")
+                if spec.name in self.oom:
+                    self.oom.discard(spec.name)
+                    raise torch.OutOfMemoryError("CUDA out of memory (injected)")
+                real(device)
+            finally:
+                self.running -= 1
+
+        worker.load = load
+        return worker
+
+
+def test_a_failed_load_leaves_the_next_waiter_loading_without_another_request(tiny_chat):
+    """A request that waited for the device while another model's load failed is served: the
+    failure's handling used to look for the next load while the failed one still held the
+    device, and nothing looked again until some later request came."""
+    clock = Clock()
+
+    async def main():
+        factory = Loads(failing={"b"})
+        arb = make(tiny_chat, clock, factory=factory)
+        failed = asyncio.create_task(use(arb, "b", FREE))
+        await asyncio.sleep(0.05)  # b's load under way
+        async with asyncio.timeout(30):
+            served = asyncio.create_task(use(arb, "a", PAID))
+            with pytest.raises(Unavailable):
+                await failed
+            await served
+        assert places(arb) == {"a": "resident", "b": "cold", "c": "cold", "d": "cold"}
+        await arb.stop()
+
+    asyncio.run(main())
+
+
+def test_an_oom_retry_holds_the_device_as_any_load_does(tiny_chat):
+    """One load at a time on a device: while the out-of-memory retry runs, another model's load
+    waits for it (the retry's start used to be cleared by the failed attempt's end)."""
+    clock = Clock()
+
+    async def main():
+        factory = Loads(oom_once={"c"})
+        arb = make(tiny_chat, clock, factory=factory, budget=12 * GiB)
+        await use(arb, "a", FREE)
+        clock.t += 100
+        retried = asyncio.create_task(use(arb, "c", PAID))
+        await asyncio.sleep(0.3)  # c's first attempt failed; its retry is loading
+        async with asyncio.timeout(30):
+            await asyncio.gather(retried, use(arb, "b", PAID))
+        assert factory.most == 1
+        assert places(arb) == {"a": "warm", "b": "resident", "c": "resident", "d": "cold"}
+        await arb.stop()
 
     asyncio.run(main())
 
