@@ -73,6 +73,7 @@ from __future__ import annotations
 import math
 from collections.abc import Callable, Collection, Iterable, Mapping, Sequence
 from dataclasses import dataclass, field, replace
+from types import MappingProxyType
 from typing import Literal
 
 Place = Literal["resident", "warm", "cold", "loading"]
@@ -116,11 +117,15 @@ class ModelState:
             return None
         return min(self.served_at, key=lambda tier: (-self.served_at[tier], tier))
 
-    def protected_until(self, requester_tier: int, protect_window_s: float) -> float:
+    def protected_until(self, requester_tier: int, protect_window_s: float, own: float | None = None) -> float:
         """Until when ``requester_tier`` may not evict it: the window of the last serve to a tier
-        as high as the requester or higher (-inf if none)."""
+        as high as the requester or higher (-inf if none). ``own``: when the requester's own
+        request (a chain of steps on several models: speech in, a chat, speech out) last used it;
+        its tier's serve at or before then is that request's own and does not protect the model
+        from the request's next step. A higher tier's serve, or its tier's after then, does."""
         return max(
-            (t + protect_window_s for tier, t in self.served_at.items() if tier <= requester_tier),
+            (t + protect_window_s for tier, t in self.served_at.items()
+             if tier < requester_tier or (tier == requester_tier and (own is None or t > own))),
             default=-math.inf,
         )
 
@@ -214,16 +219,17 @@ def value_key(model: ModelState) -> tuple[float, float, int, str]:
 
 
 def blocker(
-    view: ArbiterView, model: ModelState, requester_tier: int, batch_rank: int
+    view: ArbiterView, model: ModelState, requester_tier: int, batch_rank: int, own: float | None = None
 ) -> Blocker | None:
-    """Why a request of ``requester_tier`` may not evict ``model`` now, or None if it may."""
+    """Why a request of ``requester_tier`` may not evict ``model`` now, or None if it may;
+    ``own``: when that request itself last used ``model`` (``ModelState.protected_until``)."""
     if model.pinned:
         return "pinned"
     if model.place == "loading" or model.running_nonbatch > 0:
         return "busy"
     if model.running_batch > 0 and requester_tier >= batch_rank:
         return "busy"
-    if view.now < model.protected_until(requester_tier, view.protect_window_s):
+    if view.now < model.protected_until(requester_tier, view.protect_window_s, own):
         return "protected"
     return None
 
@@ -311,8 +317,11 @@ def _evict(view: ArbiterView, victims: Sequence[ModelState], keep: Collection[st
     )
 
 
-def plan_load(view: ArbiterView, model: str, requester_tier: int, batch_rank: int) -> Decision:
-    """What must happen before ``model`` can be used by a request of ``requester_tier``."""
+def plan_load(view: ArbiterView, model: str, requester_tier: int, batch_rank: int,
+              own: Mapping[str, float] = MappingProxyType({})) -> Decision:
+    """What must happen before ``model`` can be used by a request of ``requester_tier``; ``own``:
+    the models that request used itself before, with when its use of each ended, whose
+    protection from its own use does not hold against it (``ModelState.protected_until``)."""
     target = view.models[model]
     if target.place in ("resident", "loading"):
         return Fit()
@@ -328,7 +337,7 @@ def plan_load(view: ArbiterView, model: str, requester_tier: int, batch_rank: in
     for m in view.models.values():
         if m.name == model or m.place not in ("resident", "loading"):
             continue
-        why = blocker(view, m, requester_tier, batch_rank)
+        why = blocker(view, m, requester_tier, batch_rank, own.get(m.name))
         if why is None:
             evictable.append(m)
         elif why == "protected":
@@ -345,10 +354,10 @@ def plan_load(view: ArbiterView, model: str, requester_tier: int, batch_rank: in
     shortfall -= sum(m.footprint for m in evictable)
     freed = 0
     window = view.protect_window_s
-    for m in sorted(protected, key=lambda m: m.protected_until(requester_tier, window)):
+    for m in sorted(protected, key=lambda m: m.protected_until(requester_tier, window, own.get(m.name))):
         freed += m.footprint
         if freed >= shortfall:
-            until = m.protected_until(requester_tier, window)
+            until = m.protected_until(requester_tier, window, own.get(m.name))
             return Refuse(
                 retry_after_s(until - view.now),
                 f"{model} needs memory held by models other requests used recently",

@@ -56,6 +56,7 @@ class Lease:
     _arbiter: "Arbiter" = field(repr=False)
     released: bool = False
     swap_s: float = 0.0  # seconds of the load (evictions included) this request triggered
+    used: dict[str, float] | None = field(default=None, repr=False)  # its request's own uses (``Arbiter.acquire``)
 
     def context(self) -> StepContext:
         if not self.is_batch:
@@ -74,6 +75,7 @@ class _Waiter:
     is_batch: bool
     future: asyncio.Future
     swap_s: float = 0.0  # the load this waiter triggered, once it is done
+    used: dict[str, float] | None = None  # its request's own uses (``Arbiter.acquire``)
 
 
 @dataclass
@@ -122,9 +124,15 @@ class Arbiter:
         self._paused: set[str] = set()  # models whose batch work is paused now
 
     # -- requests --------------------------------------------------------------------------------
-    async def acquire(self, model: str, tier: int, is_batch: bool = False) -> Lease:
-        """Wait until ``model`` is resident and hold it for one request of ``tier``."""
-        waiter = _Waiter(model, tier, is_batch, asyncio.get_running_loop().create_future())
+    async def acquire(self, model: str, tier: int, is_batch: bool = False,
+                      used: dict[str, float] | None = None) -> Lease:
+        """Wait until ``model`` is resident and hold it for one request of ``tier``. ``used``: the
+        request's own uses, one dict for all its leases (a chain: speech in, a chat, speech out):
+        each lease's release writes in it when its use of its model ended, and a model protected
+        only by the request's own use may be evicted for the request's next step; without it a
+        chain whose models do not fit together would be refused by its own first step, again at
+        every retry."""
+        waiter = _Waiter(model, tier, is_batch, asyncio.get_running_loop().create_future(), used=used)
         self._waiters.append(waiter)
         self._schedule(non_batch_only=not is_batch)
         try:
@@ -140,7 +148,10 @@ class Arbiter:
         if lease.released:
             return
         lease.released = True
-        self.states[lease.model] = _leased(self.states[lease.model], lease.tier, self.clock(), lease.is_batch, -1)
+        now = self.clock()
+        if lease.used is not None:  # the same instant as its serve below: protected_until compares them
+            lease.used[lease.model] = now
+        self.states[lease.model] = _leased(self.states[lease.model], lease.tier, now, lease.is_batch, -1)
         self._schedule(non_batch_only=not lease.is_batch)
 
     def set_demand(self, others_busy: bool) -> None:
@@ -228,7 +239,7 @@ class Arbiter:
             if cooldown and cooldown.active(self.clock()):
                 self._fail(w, Unavailable(f"loading {w.model} failed recently; cooling down", cooldown.retry_after(self.clock())))
                 continue
-            decision = policy.plan_load(self._view(), w.model, w.tier, self.batch_rank)
+            decision = policy.plan_load(self._view(), w.model, w.tier, self.batch_rank, w.used or {})
             if isinstance(decision, Refuse):
                 self._fail(w, Refused(decision.retry_after, decision.reason))
             elif isinstance(decision, Impossible) and not decision.waiting_on:
@@ -267,7 +278,8 @@ class Arbiter:
     def _grant(self, w: _Waiter) -> None:
         self._waiters.remove(w)
         self.states[w.model] = _leased(self.states[w.model], w.tier, self.clock(), w.is_batch, +1)
-        w.future.set_result(Lease(w.model, w.tier, w.is_batch, self.workers[w.model], self, swap_s=w.swap_s))
+        w.future.set_result(Lease(w.model, w.tier, w.is_batch, self.workers[w.model], self, swap_s=w.swap_s,
+                                  used=w.used))
 
     def _fail(self, w: _Waiter, exc: Exception) -> None:
         self._waiters.remove(w)

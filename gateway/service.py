@@ -45,6 +45,10 @@ if TYPE_CHECKING:
 
 # the request's own arrival at the gate (``Gate.arrive``), from ``admit_caller`` until ``hold``
 _arrival: contextvars.ContextVar[Arrival | None] = contextvars.ContextVar("tiergate_arrival", default=None)
+# The request's own uses of models, model -> when each ended (``Arbiter.acquire``'s ``used``): one
+# dict per request from the door on, shared by the tasks it starts, so the steps of a chain (speech
+# in, a chat, speech out) are not refused by the protection their own earlier steps gave.
+_used: contextvars.ContextVar[dict[str, float] | None] = contextvars.ContextVar("tiergate_used", default=None)
 
 
 class ClientGone(Exception):
@@ -184,6 +188,7 @@ class Services:
         except Rejected as exc:
             raise _too_many(self.gate, caller.tier, exc) from None
         _arrival.set(self.gate.arrive(caller.tier))
+        _used.set({})
         return caller
 
     def left_door(self) -> None:
@@ -228,7 +233,7 @@ class Services:
         self.gate.stats.admitted(tier)  # here, not in the gate's admission path (bench_admission times that)
         rank = self.tier_rank[tier]
         try:
-            lease = await self.arbiter.acquire(model, rank, is_batch=self.gate.tiers[tier].is_batch)
+            lease = await self.arbiter.acquire(model, rank, is_batch=self.gate.tiers[tier].is_batch, used=_used.get())
         except Refused as exc:
             self.gate.release(ticket)
             self.gate.stats.refused(tier, "model_protected")

@@ -164,6 +164,28 @@ def test_protection_remembers_every_tier_in_the_window():
     assert plan(view(a, *others, now=NOW + 10), "c", FREE).retry_after == 45
 
 
+@pytest.mark.parametrize(
+    "served_at, own_ago, requester, allowed",
+    [
+        ({FREE: 5}, 5, FREE, True),  # its own step, the last serve of its tier: no protection from it
+        ({FREE: 5}, None, FREE, False),  # another request's: protected
+        ({FREE: 2}, 5, FREE, False),  # its tier served it again after the request's own use
+        ({FREE: 5, SUB: 30}, 5, FREE, False),  # a higher tier's serve protects it from the request
+        ({PAID: 5}, 5, PAID, True),
+        ({PAID: 5, SUB: 1}, 5, PAID, True),  # a lower tier's serve never protects from paid
+        ({PAID: 5}, 5, FREE, False),  # the request's own use at another tier is not its tier's serve
+    ],
+)
+def test_a_requests_own_earlier_step_does_not_protect_the_model_from_its_next(served_at, own_ago, requester, allowed):
+    """A chain (speech in, a chat, speech out) whose models do not fit together: its next step may
+    evict the model its own earlier step used, as long as no one else's serve protects it."""
+    v = view(m("a", served_at=served_at), m("b", served_at={PAID: 1}), m("c", place="cold"))
+    own = {} if own_ago is None else {"a": NOW - own_ago}
+    d = plan_load(v, "c", requester, BATCH, own)
+    assert (d == Evict(("a",), to_cold=("a",))) if allowed else isinstance(d, Refuse)
+    assert blocker(v, v.models["a"], requester, BATCH, own.get("a")) == (None if allowed else "protected")
+
+
 def test_batch_requester_never_evicts_a_model_used_in_the_window():
     for tier in (PAID, SUB, FREE, BATCH):
         v = view(m("a", served_at={tier: 59}), m("b", served_at={PAID: 1}), m("c", place="cold"))

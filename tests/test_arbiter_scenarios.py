@@ -319,6 +319,32 @@ def test_an_oom_retry_holds_the_device_as_any_load_does(tiny_chat):
     asyncio.run(main())
 
 
+def test_a_chain_whose_models_do_not_fit_together_evicts_its_own_first_model(tiny_chat):
+    """One request's steps on two models that do not fit together (speech in, then a chat): the
+    second step evicts the first step's model, which only the request's own use protected; a
+    request of the same tier without that use is refused, as is the chain once another request
+    used the model after it."""
+    clock = Clock()
+
+    async def main():
+        arb = make(tiny_chat, clock, budget=6 * GiB, names="ab")
+        used: dict[str, float] = {}
+        (await arb.acquire("a", PAID, used=used)).release()
+        assert used == {"a": clock.t}
+        clock.t += 1
+        with pytest.raises(Refused):
+            await use(arb, "b", PAID)  # another paid request: a is protected from it
+        (await arb.acquire("b", PAID, used=used)).release()
+        assert places(arb) == {"a": "warm", "b": "resident"}
+        clock.t += 1
+        await use(arb, "b", PAID)  # another paid request uses b after the chain did
+        with pytest.raises(Refused):
+            await arb.acquire("a", PAID, used=used)
+        await arb.stop()
+
+    asyncio.run(main())
+
+
 def test_concurrent_requests_for_one_model_share_one_load(tiny_chat):
     clock = Clock()
     calls = []
