@@ -377,9 +377,11 @@ def test_a_chain_whose_models_do_not_fit_together_is_served_step_by_step(tight):
     time.sleep(TIGHT_WINDOW_S + 0.2)
     said = io.BytesIO()
     sf.write(said, np.sin(np.arange(16000) * 0.05) * 0.3, 16000, format="WAV", subtype="PCM_16")
+    data = base64.b64encode(said.getvalue()).decode()
     heard = chat(c, messages=[{"role": "user", "content": [
-        {"type": "input_audio", "input_audio": {"data": base64.b64encode(said.getvalue()).decode(), "format": "wav"}}]}])
+        {"type": "input_audio", "input_audio": {"data": data, "format": "wav"}}]}])
     assert heard.choices[0].finish_reason in ("length", "stop")
     with pytest.raises(openai.RateLimitError) as held_off:  # tiny-chat, just used by paid, is protected from free
-        client(tight, "free").audio.speech.create(model="tiny-tts", voice="alloy", input="Hello.", response_format="wav")
+        client(tight, "free").audio.speech.create(model="tiny-tts", voice="alloy", input="Hello.",
+                                                  response_format="wav")
     assert held_off.value.body["code"] == "model_protected"
