@@ -29,7 +29,7 @@ class Limits(_Strict):
 
     def allows_adapter(self, name: str) -> bool:
         """Whether the adapter ``name`` (of a model this key may use) is in the adapter allow-list."""
-        return self.adapters is None or any(fnmatch.fnmatchcase(name, pattern) for pattern in self.adapters)
+        return self.adapters is None or any(adapter_matches(name, pattern) for pattern in self.adapters)
 
     @functools.cached_property
     def limited(self) -> bool:
@@ -42,6 +42,26 @@ class Limits(_Strict):
     def over(self, overrides: dict) -> "Limits":
         """These limits with ``overrides`` (a key's own, only the fields it sets) on top."""
         return Limits.model_validate({**self.model_dump(), **overrides})
+
+
+def adapter_matches(name: str, pattern: str) -> bool:
+    """Whether the adapter ``name`` matches the allow-list ``pattern``: shell-style (``*``, ``?``,
+    ``[ab]``), field by field where the pattern has ``:``-separated fields. Each of the pattern's
+    fields but its last matches one of the name's; the last matches the rest of the name, colons
+    and all. So ``ft:*:key-1a2b:*`` admits ``ft:<model>:key-1a2b:<suffix>:<id>`` (and its
+    checkpoints), and not another key's model whose suffix is ``key-1a2b``, where one ``*`` over
+    the whole name let the first ``*`` run over the owner's field. A pattern without ``:`` is
+    matched against the whole name, as before. In an ``ft:`` pattern's owner field (the third) a
+    key id may be written as it is (``key_1a2b``): the name has it with ``-`` for ``_``
+    (``tuning.runner.owner_label``; an adapter's name has no ``_``)."""
+    fields, parts = pattern.split(":"), name.split(":")
+    if len(parts) < len(fields):
+        return False
+    if fields[0] == "ft" and len(fields) > 2:
+        fields[2] = fields[2].replace("_", "-")
+    last = len(fields) - 1
+    return (all(fnmatch.fnmatchcase(part, field) for part, field in zip(parts[:last], fields[:last]))
+            and fnmatch.fnmatchcase(":".join(parts[last:]), fields[last]))
 
 
 class Price(_Strict):

@@ -516,3 +516,38 @@ def test_kept_usage_is_written_in_order_once_each_however_often_it_is_written_ag
     line = next(r.getMessage() for r in caplog.records if "lost" in r.getMessage())
     summed = json.loads(line.split(": ", 1)[1])
     assert [(s["key"], s["requests"], s["output_tokens"]) for s in summed] == [("k1", 2, 30)]
+
+
+def _tuned(owner: str, suffix: str | None, job: str = "ftjob-0123456789abcdef") -> str:
+    from tuning.runner import fine_tuned_name
+    from tuning.store import Job
+
+    return fine_tuned_name(Job(id=job, owner=owner, created_at=0, model="tiny-chat", training_file="file-x",
+                               validation_file=None, hyperparameters={}, seed=0, suffix=suffix))
+
+
+MANAGED = "key_fa91626131ce094a"  # a managed key's id; its fine-tuned models' names have key-fa91...
+
+
+@pytest.mark.parametrize("name, pattern, allowed", [
+    (_tuned(MANAGED, "own"), f"ft:*:{MANAGED}:*", True),  # the key id as README writes it
+    (_tuned(MANAGED, "own"), "ft:*:key-fa91626131ce094a:*", True),  # as the name has it
+    (_tuned(MANAGED, None), f"ft:*:{MANAGED}:*", True),
+    (_tuned(MANAGED, "own") + ":ckpt-step-50", f"ft:*:{MANAGED}:*", True),  # its checkpoints
+    (_tuned("e3175ac00733985d", "key-fa91626131ce094a"), f"ft:*:{MANAGED}:*", False),  # a suffix copying its label
+    (_tuned("e3175ac00733985d", "key-fa91626131ce094a"), "ft:*:key-fa91626131ce094a:*", False),
+    (_tuned("e3175ac00733985d", "own"), f"ft:*:{MANAGED}:*", False),  # another key's
+    (_tuned("e3175ac00733985d", "own"), "ft:*", True),  # every key's fine-tuned models
+    (_tuned("e3175ac00733985d", "own"), "ft:tiny-chat:*", True),
+    (_tuned("e3175ac00733985d", "own"), "ft:other:*", False),
+    ("acme-support", "acme-*", True), ("acme:v2", "acme*", True), ("acme:v2", "acme:v?", True),  # no ":": as fnmatch
+    ("acme", "acme:*", False), ("team-b", "team_b", False),  # "_" is written as "-" only in an ft: owner's field
+])
+def test_an_adapter_pattern_matches_field_by_field_and_admits_a_keys_own_fine_tuned_models(name, pattern, allowed):
+    """README, Fine-tuning: ``ft:*:<key id>:*`` admits the key's own fine-tuned models and no
+    other key's, whose suffix may spell the key's label: the pattern's ``*`` stays within its own
+    ``:``-separated field, but for the last."""
+    from accounts.config import Limits, adapter_matches
+
+    assert adapter_matches(name, pattern) is allowed
+    assert Limits(adapters=(pattern,)).allows_adapter(name) is allowed
