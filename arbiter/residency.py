@@ -439,13 +439,16 @@ class Arbiter:
         return worker, time.perf_counter() - start, footprint
 
     def _measure(self, worker: Worker, before: int) -> int:
-        """(thread) The bytes a just-placed in-process worker occupies, with its kind's margin."""
+        """(thread) The bytes a just-placed in-process worker occupies, with its kind's margin, and
+        a trainer's room for training (``training_bytes``: not allocated until a job trains, so not
+        in the measurement; without it, after its first load the trainer's room was given away)."""
         if self.device.type == "cuda":
             torch.cuda.synchronize(self.device)
             measured = fp.cuda_allocated(self.device) - before
         else:
             measured = fp.measure_modules(worker.modules())
-        return fp.footprint_from_measurement(measured, worker.spec.kind)
+        training = int(worker.spec.options.get("training_bytes") or 0)
+        return fp.footprint_from_measurement(measured, worker.spec.kind) + training
 
     async def _evict(self, evict: Evict, reason: str, cause: tuple[str, int] | None) -> None:
         """Carry out an eviction: the victims are marked busy (``loading``) while their weights

@@ -345,6 +345,26 @@ def test_a_chain_whose_models_do_not_fit_together_evicts_its_own_first_model(tin
     asyncio.run(main())
 
 
+def test_a_trainers_room_for_training_stays_in_its_footprint_once_measured(tiny_chat):
+    """``fine_tuning.training_memory`` is counted beside the trainer's weights: in the estimate
+    before its first load and in the measured footprint after it (where the measurement, which
+    sees the weights only, replaced it)."""
+    clock = Clock()
+
+    async def main():
+        spec = ModelSpec("t", "train", tiny_chat, options={"training_bytes": GiB})
+        arb = Arbiter([spec], torch.device("cpu"), 10 * GiB, 0, 60, BATCH, clock=clock)
+        before = arb.states["t"].footprint
+        assert before > GiB
+        await use(arb, "t", BATCH)
+        row = next(r for r in arb.table() if r["id"] == "t")
+        assert row["place"] == "resident" and row["footprint_source"] == "measured"
+        assert GiB < row["footprint_bytes"] <= before + GiB // 100
+        await arb.stop()
+
+    asyncio.run(main())
+
+
 def test_concurrent_requests_for_one_model_share_one_load(tiny_chat):
     clock = Clock()
     calls = []
