@@ -4,6 +4,7 @@ headers on every response it gets. See docs/ACCOUNTS.md."""
 
 from __future__ import annotations
 
+import datetime
 import re
 import time
 from typing import Annotated, Any
@@ -165,9 +166,17 @@ async def _usage(request: Request, accounts: Accounts, key: str | None, groups: 
 
 def _day(q, name: str) -> str | None:
     value = q.get(name)
-    if value is not None and not _DAY.match(value):
+    if value is not None and not (_DAY.match(value) and _is_date(value)):  # 2026-13-01 has the shape, not a day
         raise bad_request(f"{name} must be a UTC date, YYYY-MM-DD", name)
     return value
+
+
+def _is_date(value: str) -> bool:
+    try:
+        datetime.date.fromisoformat(value)
+    except ValueError:
+        return False
+    return True
 
 
 class KeyHeaders:

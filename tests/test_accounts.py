@@ -188,7 +188,8 @@ def test_usage_per_key_is_exact_grouped_priced_and_csv(server):
         assert head.split(",")[:3] == ["day", "requests", "input_tokens"] and line.startswith(f"{today},2,")
         everyone = c.get("/admin/usage", params={"group_by": "key"}).json()["data"]
         assert key_id in {r["key"] for r in everyone} and len(everyone) > 1
-        assert c.get("/admin/usage", params={"start_date": "yesterday"}).json()["error"]["param"] == "start_date"
+        for day in ("yesterday", "2026-13-01", "2026-02-30"):
+            assert c.get("/admin/usage", params={"start_date": day}).json()["error"]["param"] == "start_date"
         assert c.get("/admin/usage", params={"key": key_id, "end_date": "2000-01-01"}).json()["data"] == []
 
 
