@@ -21,6 +21,9 @@ slowed by the batch's steps.
 The SLO guard (``gateway/slo_guard.py``, a pure function) shrinks lower tiers' effective
 ``max_inflight`` while a higher tier's recent latency drifts toward its target, and lets it grow
 back when that tier recovers; the endpoints report latencies with :meth:`Gate.observe_latency`.
+The gate decides when a latency is reported and, while some tier is lowered, also on a timer at
+the time the guard names (``next_decision_at``), so limits grow back after a slow spell even with
+no traffic; with every tier at its limit no timer is set.
 
 The gate is plain asyncio and single-threaded: all state changes happen on the event loop. It
 reports its refusals and the guard's limit changes to the event stream (``arbiter.events``) and
@@ -40,7 +43,7 @@ from typing import Callable
 
 from arbiter.events import EventLog
 from gateway.deadlines import Deadline, Deadlines
-from gateway.slo_guard import GuardSettings, TierWindow, next_limits
+from gateway.slo_guard import GuardSettings, TierWindow, next_decision_at, next_limits
 from gateway.tier_stats import TierStats
 
 MAX_RETRY_AFTER_S = 120
@@ -244,6 +247,7 @@ class Gate:
         self._latencies: dict[str, deque[tuple[float, float]]] = {t.name: deque() for t in tiers}
         self._token_latencies: dict[str, deque[tuple[float, float]]] = {t.name: deque() for t in tiers}
         self._guarded_at = -math.inf
+        self._guard_timer: asyncio.TimerHandle | None = None  # the next decision, while some tier is lowered
         self._loop: asyncio.AbstractEventLoop | None = None
         self._door_windows = Deadlines(DOOR_WINDOW_S)
         self.events = events or EventLog()
@@ -384,32 +388,55 @@ class Gate:
             self._token_latencies[tier].append((self.clock(), seconds))
             self._retune()
 
-    def _retune(self) -> None:
-        """At most once per ``interval_s``: drop latencies older than the window and let the
-        guard set every tier's effective ``max_inflight``; grown limits hand out slots at once."""
+    def _retune(self, due: bool = False) -> None:
+        """At most once per ``interval_s`` (``due``: the guard's timer, set no earlier than that):
+        drop latencies older than the window, let the guard set every tier's effective
+        ``max_inflight`` (grown limits hand out slots at once) and set the timer for the next
+        decision should no latency come first (none while every tier is at its limit)."""
         now = self.clock()
-        if now - self._guarded_at < self.guard.interval_s:
+        if not due and now - self._guarded_at < self.guard.interval_s:
             return
         self._guarded_at = now
-        horizon = now - self.guard.window_s
+        guard = self.guard
         windows = []
         for lane in self._order:
             t = lane.policy
             recent, tokens = self._latencies[t.name], self._token_latencies[t.name]
             for window in (recent, tokens):
-                while window and window[0][0] < horizon:
+                while window and window[0][0] + guard.window_s <= now:  # aged out (slo_guard.in_window)
                     window.popleft()
             windows.append(TierWindow(t.name, t.rank, t.latency_target_s, t.max_inflight, t.is_batch,
-                                      [seconds for _, seconds in recent], t.token_latency_target_s,
-                                      [seconds for _, seconds in tokens]))
+                                      recent, t.token_latency_target_s, tokens))
         before = self.limits
-        limits = next_limits(windows, before, self.guard)
+        limits = next_limits(windows, before, guard, now)
         for name, limit in limits.items():
             self._lanes[name].limit = limit
         if limits != before:
             self.events.emit("limits_changed", limits=dict(limits), before=dict(before))
         if any(limits[n] > before[n] for n in before):
             self._dispatch()
+        self._set_guard_timer(next_decision_at(windows, limits, guard, now), now)
+
+    def _set_guard_timer(self, at: float | None, now: float) -> None:
+        """Decide again at ``at`` (the gate's clock; None: only when a latency is reported)."""
+        if self._guard_timer is not None:
+            self._guard_timer.cancel()
+            self._guard_timer = None
+        if at is None:
+            return
+        try:
+            loop = self._event_loop()
+        except RuntimeError:  # told outside a running loop (tests): the next reported latency decides
+            return
+        self._guard_timer = loop.call_later(max(0.0, at - now), self._guard_due)
+
+    def _guard_due(self) -> None:
+        self._guard_timer = None
+        self._retune(due=True)
+
+    async def stop(self) -> None:
+        """The server's shutdown: no more decisions on the guard's timer."""
+        self._set_guard_timer(None, 0.0)
 
     def predict_wait(self, policy: TierPolicy) -> float:
         """Seconds until a request of ``policy``'s tier arriving now would start: the remaining

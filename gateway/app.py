@@ -98,6 +98,7 @@ def build_services(config: Config, keys: KeyRing, origin: str = "") -> Services:
     if any(m.kind == "chat" for m in config.models):  # structured outputs' compiler: not on the loop at a first request
         services.on_startup.append(lambda: asyncio.to_thread(grammar.import_compiler))
     services.on_shutdown.append(services.accounts.stop)
+    services.on_shutdown.append(gate.stop)  # the SLO guard's timer (set only while a tier's limit is lowered)
     services.metrics.registry.register(services.adapters)  # folder adapters read, held, dropped
     services.metrics.registry.register(services.accounts)  # usage kept while the store fails, and lost
     services.webhooks = webhooks_for(services)  # ConfigError for an endpoint whose secret is not set

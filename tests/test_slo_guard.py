@@ -1,6 +1,8 @@
-"""The SLO guard as a pure function over a table of windows, its place in the gate, its wiring in
-the server (the config's settings; chat reports time to first token, the others their whole
-time), and the gate's cost model fitted from running sums (equal to a plain least-squares fit)."""
+"""The SLO guard as a pure function over a table of windows and times (measurements age out; when
+to decide again with no traffic), its place in the gate (limits grow back on the gate's timer
+after a slow spell and silence), its wiring in the server (the config's settings; chat reports
+time to first token, the others their whole time; lowered limits recover with no traffic), and
+the gate's cost model fitted from running sums (equal to a plain least-squares fit)."""
 
 from __future__ import annotations
 
@@ -12,16 +14,23 @@ import pytest
 from openai import OpenAI
 
 from gateway.admission import CostModel, Gate, TierPolicy
-from gateway.slo_guard import GuardSettings, TierWindow, next_limits, quantile, tier_state
+from gateway.slo_guard import GuardSettings, TierWindow, next_decision_at, next_limits, quantile, tier_state
 
-S = GuardSettings(trigger=0.8, recover=0.5, quantile=0.9, min_samples=3)
+S = GuardSettings(trigger=0.8, recover=0.5, quantile=0.9, min_samples=3)  # window_s 10, interval_s 1
 TARGET = 1.0
+NOW = 50.0
 
 
-def table(paid=(), sub=(), free=(), batch=(), caps=(8, 8, 8, 8)) -> list[TierWindow]:
+def at(when: float, *seconds: float) -> tuple[tuple[float, float], ...]:
+    """Latencies measured at ``when``."""
+    return tuple((when, s) for s in seconds)
+
+
+def table(paid=(), sub=(), free=(), batch=(), caps=(8, 8, 8, 8), when=NOW) -> list[TierWindow]:
+    """The four tiers; plain latencies are measured at ``when``, (when, seconds) pairs as given."""
     names = ["paid", "subscriber", "free", "batch"]
-    samples = [paid, sub, free, batch]
-    return [TierWindow(n, i, TARGET, caps[i], n == "batch", tuple(samples[i])) for i, n in enumerate(names)]
+    samples = [tuple(x if isinstance(x, tuple) else (when, x) for x in tier) for tier in (paid, sub, free, batch)]
+    return [TierWindow(n, i, TARGET, caps[i], n == "batch", samples[i]) for i, n in enumerate(names)]
 
 
 HOT, MID, COOL = (0.9, 0.95, 1.2), (0.6, 0.7, 0.65), (0.1, 0.2, 0.3)
@@ -56,7 +65,71 @@ HOT, MID, COOL = (0.9, 0.95, 1.2), (0.6, 0.7, 0.65), (0.1, 0.2, 0.3)
     ],
 )
 def test_next_limits(case, windows, limits, expected):
-    assert next_limits(windows, limits, S) == expected, case
+    assert next_limits(windows, limits, S, NOW) == expected, case
+
+
+LOW = {"subscriber": 2, "free": 2}  # lowered by an earlier decision
+
+
+@pytest.mark.parametrize(
+    "case, windows, now, expected",
+    [
+        ("hot, just measured: halve", table(paid=HOT), NOW, {"subscriber": 1, "free": 1}),
+        ("hot, nearly window_s old: still counts", table(paid=HOT), NOW + 9.99, {"subscriber": 1, "free": 1}),
+        ("hot, window_s old: aged out, paid idle: grow back", table(paid=HOT), NOW + 10.0,
+         {"subscriber": 3, "free": 3}),
+        ("long after a slow spell: idle, grow back", table(paid=HOT), NOW + 3600.0, {"subscriber": 3, "free": 3}),
+        ("one of three aged out: too few to judge", table(paid=at(39.0, 0.9) + at(49.0, 0.95, 1.2)), NOW,
+         {"subscriber": 3, "free": 3}),
+        ("the slow one aged out, the middling ones hold", table(paid=at(44.0, 5.0) + at(49.0, *MID)), 54.0,
+         {"subscriber": 2, "free": 2}),
+        ("... and just before, all four judged: hot", table(paid=at(44.0, 5.0) + at(49.0, *MID)), 53.9,
+         {"subscriber": 1, "free": 1}),
+        ("subscriber's slowness aged out, paid's not: free holds", table(paid=at(48.0, *MID), sub=at(39.0, *HOT)),
+         NOW, {"subscriber": 2, "free": 2}),
+    ],
+)
+def test_next_limits_as_the_window_ages(case, windows, now, expected):
+    limits = next_limits(windows, LOW, S, now)
+    assert {t: limits[t] for t in expected} == expected, case
+
+
+@pytest.mark.parametrize(
+    "case, windows, limits, now, expected",
+    [
+        ("every tier at its limit: no timer", table(), {}, NOW, None),
+        ("at its limit though paid is hot: no timer", table(paid=HOT), {"subscriber": 8, "free": 8}, NOW, None),
+        ("the guard off: no timer", table(), LOW, NOW, "off"),
+        ("lowered, paid idle: grows at the next decision", table(), LOW, NOW, NOW + 1.0),
+        ("lowered, paid's slow samples aged out: the next decision", table(paid=HOT, when=NOW - 10.0), LOW, NOW,
+         NOW + 1.0),
+        ("lowered below hot paid: when its oldest sample ages out", table(paid=at(44.0, 5.0) + at(49.0, *HOT)),
+         LOW, NOW, 54.0),
+        ("... holding paid too", table(paid=at(47.5, *MID)), LOW, NOW, 57.5),
+        ("... but not before the next decision", table(paid=at(40.5, 5.0) + at(49.0, *HOT)), LOW, NOW, NOW + 1.0),
+        ("subscriber lowered with paid calm: the next decision", table(paid=COOL, sub=HOT), {"subscriber": 5},
+         NOW, NOW + 1.0),
+        ("only free lowered, below a hot subscriber", table(paid=COOL, sub=at(45.0, *HOT)), {"free": 4}, NOW, 55.0),
+    ],
+)
+def test_next_decision_at(case, windows, limits, now, expected):
+    if expected == "off":
+        assert next_decision_at(windows, limits, GuardSettings(enabled=False), now) is None, case
+    else:
+        assert next_decision_at(windows, limits, S, now) == expected, case
+
+
+def test_decisions_at_the_times_named_recover_after_a_slow_spell_and_silence():
+    """Paid is slow, then nothing is measured: each decision at the time the last one named
+    lowers the tiers below once, waits for paid's samples to age out, then grows them back one
+    per interval to their configured limits, and names no further time."""
+    windows = table(paid=at(NOW, *HOT), caps=(8, 8, 4, 8))
+    limits, now, seen = {}, NOW, []
+    while now is not None and len(seen) < 20:
+        limits = next_limits(windows, limits, S, now)
+        seen.append((now, limits["subscriber"], limits["free"]))
+        now = next_decision_at(windows, limits, S, now)
+    assert seen == [(50.0, 4, 2), (60.0, 5, 3), (61.0, 6, 4), (62.0, 7, 4), (63.0, 8, 4)]
 
 
 def test_quantile_is_nearest_rank():
@@ -68,12 +141,12 @@ def test_quantile_is_nearest_rank():
 
 def test_one_slow_outlier_in_ten_does_not_trigger():
     window = table(paid=(0.1,) * 9 + (5.0,))[0]
-    assert tier_state(window, S) == "calm"
+    assert tier_state(window, S, NOW) == "calm"
 
 
 def test_disabled_guard_leaves_every_cap():
     off = GuardSettings(enabled=False)
-    assert next_limits(table(paid=HOT), {"free": 1}, off) == {"paid": 8, "subscriber": 8, "free": 8, "batch": 8}
+    assert next_limits(table(paid=HOT), {"free": 1}, off, NOW) == {"paid": 8, "subscriber": 8, "free": 8, "batch": 8}
 
 
 class Clock:
@@ -119,6 +192,48 @@ def test_gate_shrinks_free_while_paid_is_slow_and_hands_out_slots_when_it_recove
         assert waiter.done()  # the grown limit handed the slot over at once
         gate.release(held)
         gate.release(waiter.result())
+
+    asyncio.run(run())
+
+
+def test_gate_grows_limits_back_on_its_timer_after_a_slow_spell_and_silence():
+    """Paid is slow, then nothing more is reported: once paid's samples age out of the window,
+    the gate's timer grows free back to its configured limit (a waiter is handed the slots),
+    one step per interval, and then sets no timer (none on an idle server)."""
+    async def run() -> None:
+        tiers = [TierPolicy("paid", 0, 8, 64, TARGET), TierPolicy("free", 1, 4, 64, TARGET)]
+        gate = Gate(tiers, slots=16, guard=GuardSettings(window_s=1.0, interval_s=0.05, min_samples=3))
+        for _ in range(3):
+            gate.observe_latency("paid", 0.95)
+        await asyncio.sleep(0.06)
+        gate.observe_latency("paid", 0.95)
+        assert gate.limits["free"] == 2
+        held = [await gate.acquire("free", "m") for _ in range(2)]
+        waiters = [asyncio.ensure_future(gate.acquire("free", "m")) for _ in range(2)]
+        await asyncio.sleep(0.2)  # paid's samples are still in the window
+        assert gate.limits["free"] <= 2 and not any(w.done() for w in waiters)
+        await asyncio.sleep(1.5)  # they age out 1 s after the last; then two steps of 0.05 s
+        assert gate.limits == {"paid": 8, "free": 4}
+        assert all(w.done() for w in waiters)  # the grown limit handed out the slots
+        assert gate._guard_timer is None
+        for ticket in held + [w.result() for w in waiters]:
+            gate.release(ticket)
+        await gate.stop()
+
+    asyncio.run(run())
+
+
+def test_gate_stop_cancels_the_guards_timer():
+    async def run() -> None:
+        clock = Clock()
+        gate = gate_with_guard(clock)
+        for _ in range(3):
+            gate.observe_latency("paid", 0.95)
+        clock.t += 1.0
+        gate.observe_latency("paid", 0.95)
+        assert gate.limits["free"] == 2 and gate._guard_timer is not None
+        await gate.stop()
+        assert gate._guard_timer is None
 
     asyncio.run(run())
 
@@ -226,7 +341,7 @@ def test_speech_reports_its_whole_time(server, monkeypatch):
 
 def token_table(paid_tokens=(), paid_token_target=0.01, paid=COOL) -> list[TierWindow]:
     rows = table(paid=paid)
-    rows[0] = TierWindow("paid", 0, TARGET, 8, False, tuple(paid), paid_token_target, tuple(paid_tokens))
+    rows[0] = TierWindow("paid", 0, TARGET, 8, False, at(NOW, *paid), paid_token_target, at(NOW, *paid_tokens))
     return rows
 
 
@@ -251,7 +366,14 @@ SLOW_TOKENS, MID_TOKENS, FAST_TOKENS = (0.009, 0.0095, 0.012), (0.006, 0.007, 0.
     ],
 )
 def test_next_limits_judges_token_latency(case, windows, limits, expected):
-    assert next_limits(windows, limits, S) == expected, case
+    assert next_limits(windows, limits, S, NOW) == expected, case
+
+
+def test_token_latencies_age_out_too():
+    windows = token_table(paid_tokens=(0.05, 0.05, 0.05))
+    assert next_limits(windows, {"free": 4}, S, NOW)["free"] == 2
+    assert next_limits(windows, {"free": 4}, S, NOW + 10.0)["free"] == 5
+    assert next_decision_at(windows, {"free": 4}, S, NOW) == NOW + 10.0
 
 
 def test_gate_feeds_token_latencies_to_the_guard():
@@ -293,3 +415,43 @@ def test_chat_reports_its_mean_time_per_later_token(server, monkeypatch):
     seen.clear()
     client.audio.speech.create(model="tiny-tts", voice="alloy", input="hello", response_format="wav").read()
     assert seen == []
+
+
+# -- in the server: limits lowered by a slow spell are back at their configured values after the window, with no traffic
+
+
+@pytest.fixture(scope="module")
+def quick_guard(tiny_tts, tmp_path_factory):
+    """A server whose paid tier's target (1 ms) every request misses, with a short window (1.5 s)."""
+    from tests.helpers import start_server, write_config
+
+    folder = tmp_path_factory.mktemp("quick-guard")
+    path = write_config(folder, {"tiny-tts": ("tts", tiny_tts)},
+                        "gate:\n  slo_guard:\n    window_s: 1.5\n    interval_s: 0.1\n")
+    text = path.read_text()
+    path.write_text(text.replace("latency_target_s: 600", "latency_target_s: 0.001", 1))  # the first tier: paid
+    running = start_server(path)
+    yield running
+    running.stop()
+
+
+def effective_limits(server) -> dict[str, float]:
+    import httpx
+
+    lines = httpx.get(server.url + "/metrics", timeout=30).text.splitlines()
+    return {line.split('"')[1]: float(line.split()[-1]) for line in lines
+            if line.startswith("tiergate_effective_max_inflight{")}
+
+
+def test_lowered_limits_grow_back_with_no_traffic(quick_guard):
+    client = OpenAI(base_url=quick_guard.base_url, api_key=quick_guard.keys["paid"])
+    assert quick_guard.services.gate.tiers["paid"].latency_target_s == 0.001
+    for _ in range(5):  # three samples to judge; decisions at most one per 0.1 s
+        client.audio.speech.create(model="tiny-tts", voice="alloy", input="hi", response_format="wav").read()
+        time.sleep(0.12)
+    lowered = effective_limits(quick_guard)
+    assert lowered["paid"] == 4 and lowered["subscriber"] < 4 and lowered["free"] < 4, lowered
+    time.sleep(3.0)  # no requests: paid's samples age out after 1.5 s, then up to three steps of 0.1 s
+    assert effective_limits(quick_guard) == {"paid": 4, "subscriber": 4, "free": 4, "batch": 4}
+    changes = [e.data["limits"] for e in quick_guard.services.gate.events.recent if e.kind == "limits_changed"]
+    assert changes[-1] == {"paid": 4, "subscriber": 4, "free": 4, "batch": 4}  # the dashboard's stream saw it
