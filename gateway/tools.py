@@ -32,7 +32,8 @@ from typing import Any, Literal, Protocol
 from gateway.errors import bad_request
 from gateway.schemas import AllowedToolsChoice, NamedToolChoice, Tool
 from workers.base import Grammar, JsonGrammar
-from workers.grammar import MAX_SCHEMA_STRINGS, patterns_problem, reply_or_calls, schema_error, schema_strings
+from workers.grammar import (MAX_SCHEMA_PROPERTIES, MAX_SCHEMA_STRINGS, patterns_problem, reply_or_calls, schema_error,
+                             schema_properties, schema_strings)
 
 EMPTY_PARAMETERS: dict[str, Any] = {"type": "object", "properties": {}}
 
@@ -94,7 +95,10 @@ def plan_tools(tools: list[Tool] | None, choice: str | NamedToolChoice | Allowed
         if problem:
             raise bad_request(f"the parameters schema of tool '{tool.function.name}' cannot be used: {problem}",
                               f"tools[{i}].function.parameters", "invalid_schema")
-    problem = patterns_problem([t.function.parameters for t in tools])  # their patterns together, as one schema's
+    every = [t.function.parameters for t in tools]  # their calls are one grammar: bounded together as one schema
+    problem = patterns_problem(every)
+    if problem is None and (properties := schema_properties(every)) > MAX_SCHEMA_PROPERTIES:
+        problem = f"they declare {properties} object properties, above {MAX_SCHEMA_PROPERTIES} (OpenAI's limit)"
     if problem:
         raise bad_request(f"the tools' parameters schemas cannot be used together: {problem}", "tools", "invalid_schema")
     counted = sum(schema_strings(t.function.parameters or EMPTY_PARAMETERS) + len(t.function.name) for t in tools)
