@@ -248,11 +248,16 @@ async def admin_model(request: Request) -> Response:
     return JSONResponse(row)
 
 
+def _anthropic(request: Request) -> bool:
+    """Whether the request's errors carry Anthropic's ``"type": "error"`` (README, "Anthropic's
+    Messages API"): on its paths, and on any request with its SDK's ``anthropic-version`` header."""
+    return request.url.path.startswith(ANTHROPIC_PATHS) or "anthropic-version" in request.headers
+
+
 async def _api_error(request: Request, exc: APIError) -> Response:
     request.app.state.services.left_door()  # refused on its way to the gate: no longer demand
     note(reason=exc.code)
-    anthropic = request.url.path.startswith(ANTHROPIC_PATHS) or "anthropic-version" in request.headers
-    return exc.response(anthropic=anthropic)
+    return exc.response(anthropic=_anthropic(request))
 
 
 async def _http_error(request: Request, exc: HTTPException) -> Response:
@@ -260,7 +265,7 @@ async def _http_error(request: Request, exc: HTTPException) -> Response:
     message = {404: f"no route for {request.method} {request.url.path}",
                405: f"method {request.method} is not allowed on {request.url.path}"}.get(exc.status_code, exc.detail)
     note(reason=code)
-    return APIError(exc.status_code, message, code, headers=dict(exc.headers or {})).response()
+    return APIError(exc.status_code, message, code, headers=dict(exc.headers or {})).response(_anthropic(request))
 
 
 async def _client_gone(request: Request, exc: ClientGone) -> Response:
@@ -273,7 +278,7 @@ async def _store_down(request: Request, exc: Exception) -> Response:
     and worth trying again shortly."""
     request.app.state.services.left_door()
     log.warning("a store did not answer on %s %s: %r", request.method, request.url.path, exc)
-    return store_unavailable("a store this request needs").response()
+    return store_unavailable("a store this request needs").response(_anthropic(request))
 
 
 async def _unexpected(request: Request, exc: Exception) -> Response:
@@ -281,7 +286,7 @@ async def _unexpected(request: Request, exc: Exception) -> Response:
     log.exception("unexpected error on %s %s", request.method, request.url.path)
     request_id = request_id_of(request.scope)  # the request log's middleware is inside this handler's
     return APIError(500, "internal error; the request was not completed", "internal_error",
-                    headers={"x-request-id": request_id} if request_id else None).response()
+                    headers={"x-request-id": request_id} if request_id else None).response(_anthropic(request))
 
 
 def routes() -> list[BaseRoute]:

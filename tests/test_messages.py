@@ -241,6 +241,30 @@ def test_a_bad_key_is_the_sdks_authentication_error(server):
     assert bad.value.status_code == 401 and bad.value.body["type"] == "error"
 
 
+@pytest.mark.parametrize("method, path, anthropic_header, status", [
+    ("GET", "/v1/messages", False, 405),
+    ("PUT", "/v1/messages/count_tokens", False, 405),
+    ("POST", "/v1/messages/nowhere", False, 404),
+    ("GET", "/v1/nowhere", True, 404),  # the SDK's header, off the Messages paths
+    ("DELETE", "/v1/models", True, 405),
+    ("GET", "/v1/nowhere", False, 404),  # neither: OpenAI's shape alone
+])
+def test_routing_errors_carry_anthropics_type_as_other_errors_do(server, method, path, anthropic_header, status):
+    """No route (404) and a method the route does not take (405) are errors like the others: on
+    the Messages API's paths, or with Anthropic's ``anthropic-version`` header, they carry its
+    ``"type": "error"`` beside the OpenAI-shaped ``error``."""
+    headers = {"x-api-key": server.keys["paid"], **({"anthropic-version": "2023-06-01"} if anthropic_header else {})}
+    r = httpx.request(method, f"{server.url}{path}", timeout=30, headers=headers)
+    assert r.status_code == status, r.text
+    body = r.json()
+    anthropic_shaped = anthropic_header or path.startswith("/v1/messages")
+    assert set(body) == ({"type", "error"} if anthropic_shaped else {"error"}), body
+    assert body.get("type", "error") == "error" and set(body["error"]) == {"message", "type", "param", "code"}
+    assert body["error"]["code"] == {404: "not_found", 405: "method_not_allowed"}[status]
+    if status == 405:
+        assert method not in r.headers["allow"]
+
+
 def test_anthropics_models_list_shows_the_chat_models_in_its_shape(server):
     """Anthropic's SDK (its ``anthropic-version`` header) gets the models its Messages API serves,
     as Anthropic's ``model`` objects, paged as its SDK pages them; the OpenAI SDK still gets every
