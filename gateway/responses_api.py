@@ -39,6 +39,7 @@ from gateway.schemas import ChatCompletionRequest, EndUser, is_count, parse, rea
 from gateway.service import Services
 from workers.base import ChatParams, ChatRequest, InvalidParam
 from workers.chat_prompt import encode, vision_inputs
+from workers.registry import describe
 
 log = logging.getLogger("tiergate.responses")
 
@@ -148,7 +149,8 @@ async def compact_response(request: Request) -> Response:
     it: every user message as it was, then one ``compaction`` item that stands for the rest (the
     assistant's turns, tool calls and their results), which a later response's input reads as a
     summary the model wrote of them. The summary is one greedy turn of the model over the whole
-    window (gated, metered and limited as a response is), at most ``limits.max_chat_tokens``."""
+    window (gated, metered and limited as a response is), of at most the tokens the model's context
+    leaves after the window and ``limits.max_chat_tokens`` (``summary_room``)."""
     svc: Services = request.app.state.services
     caller = svc.admit_caller(request)
     body = parse(CompactRequest, await read_json(request, svc.config.limits.max_body))
@@ -163,9 +165,10 @@ async def compact_response(request: Request) -> Response:
            "max_completion_tokens": svc.config.limits.max_chat_tokens,
            "messages": system + job.conversation + [{"role": "user", "content": COMPACT_ASK}]}
     with responses_names():
-        summary_job = plan_chat(svc, parse(ChatCompletionRequest, ask))
+        summary_job = replace(plan_chat(svc, parse(ChatCompletionRequest, ask)), images=job.chat.images)
+        summary_job = await summary_room(svc, caller, summary_job, body.model)
         async with disconnect_signal(request) as gone:
-            (reply,), _ = await collect(serve_chat(svc, caller, replace(summary_job, images=job.chat.images), gone))
+            (reply,), _ = await collect(serve_chat(svc, caller, summary_job, gone))
     summary = "".join(reply.content).strip()
     kept = [item for item in job.items if item.get("type", "message") == "message" and item.get("role") == "user"]
     usage = reply.finished
@@ -177,6 +180,20 @@ async def compact_response(request: Request) -> Response:
                   "output_tokens_details": {"reasoning_tokens": reply.reasoning_tokens},
                   "total_tokens": usage.prompt_tokens + usage.completion_tokens}},
         headers={"x-tiergate-tier": served_caller(svc, caller, summary_job).tier})
+
+
+async def summary_room(svc: Services, caller: Caller, job: ChatJob, model: str) -> ChatJob:
+    """The summary turn ``job`` with the room the model's context leaves after its prompt (the
+    window and the ask) for the summary, at most ``limits.max_chat_tokens``: a window that fits
+    compacts even on a model whose context is under that limit. 400 naming ``input`` when the
+    window leaves no room."""
+    prompt = await prompt_token_count(svc, caller, job, model, "input")
+    context = describe(svc.spec(job.model, "chat")).context_length
+    room = min(svc.config.limits.max_chat_tokens, context - prompt)
+    if room < 1:
+        raise bad_request(f"the window and the ask to summarize it are {prompt} tokens, which leaves no room for a "
+                          f"summary in the model's context of {context} tokens", "input", "context_length_exceeded")
+    return replace(job, params=replace(job.params, max_tokens=room))
 
 
 async def get_response(request: Request) -> Response:

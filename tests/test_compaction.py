@@ -80,6 +80,29 @@ def test_a_stored_response_chain_compacts_by_its_id(server):
     assert [o.type for o in again.output] == ["message", "message", "message", "compaction"]
 
 
+def test_the_summary_gets_the_room_the_context_leaves(server, monkeypatch):
+    """With ``limits.max_chat_tokens`` past the model's context (a model whose context is under
+    the limit), a window that fits compacts: the summary has at most what the context leaves
+    after the window, as a chat asking for just that room. A window past the context is a 400
+    naming ``input``."""
+    config = server.services.config
+    context = next(m for m in client(server).models.list() if m.id == "tiny-chat").model_extra["max_model_len"]
+    monkeypatch.setattr(server.services, "config", config.model_copy(
+        update={"limits": config.limits.model_copy(update={"max_chat_tokens": context + 100})}))
+    c = client(server)
+    compacted = c.responses.compact(model="tiny-chat", input=TURNS)
+    room = context - compacted.usage.input_tokens
+    assert 0 < compacted.usage.output_tokens <= room
+    asked = c.chat.completions.create(model="tiny-chat", temperature=0, max_tokens=room,
+                                      messages=TURNS + [{"role": "user", "content": COMPACT_ASK}])
+    assert summary_of(compacted.output[-1]) == asked.choices[0].message.content.strip()
+    assert (compacted.usage.input_tokens, compacted.usage.output_tokens) == \
+        (asked.usage.prompt_tokens, asked.usage.completion_tokens)
+    with pytest.raises(openai.BadRequestError) as caught:
+        c.responses.compact(model="tiny-chat", input=[{"role": "user", "content": "gold " * context}])
+    assert (caught.value.body["param"], caught.value.body["code"]) == ("input", "context_length_exceeded")
+
+
 def test_what_cannot_be_compacted_is_a_400_or_404(server):
     c = client(server)
     for kw, status, param in [
