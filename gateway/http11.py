@@ -18,13 +18,23 @@ from gateway.errors import APIError
 MAX_HEAD_BYTES = 64 * 1024  # request line plus headers
 
 
+class _Refused(Exception):
+    """Raised from the parser's callback once the connection is answered, to stop the parser there
+    (httptools raises it on as a parser error: ``send_400_response`` then answers nothing more)."""
+
+
 class GatewayHttpToolsProtocol(HttpToolsProtocol):
+    """The head is bounded twice: while it arrives, by the reads that end inside it (the parser
+    keeps them all), and once complete, by its own lines as parsed (``_head_size``), so a head that
+    arrives in one read, with its body, or behind another request, is held to the cap as well."""
+
     head_limit = MAX_HEAD_BYTES
 
     def __init__(self, *args, **kwargs) -> None:
         super().__init__(*args, **kwargs)
         self._in_head = True  # from a message's first byte until its headers are complete
-        self._head_bytes = 0  # bytes received while in the head (the parser keeps all of them)
+        self._head_bytes = 0  # bytes of the reads that ended while in the head
+        self._read = 0  # the length of the read being parsed
 
     def on_message_begin(self) -> None:
         super().on_message_begin()
@@ -32,19 +42,37 @@ class GatewayHttpToolsProtocol(HttpToolsProtocol):
 
     def on_headers_complete(self) -> None:
         self._in_head = False
+        # (the head is no longer than what arrived since it began: nearly every request skips the sum)
+        if self._head_bytes + self._read > self.head_limit and self._head_size() > self.head_limit:
+            self._refuse(self._too_large())
+            raise _Refused  # before its request starts: the parser stops here
         super().on_headers_complete()
 
+    def _head_size(self) -> int:
+        """The complete head's bytes: its request line, and each header line as ``name: value``
+        with its CRLF, and the blank line (a header written without the space, or with spaces
+        after its value, is counted a byte or so off)."""
+        line = len(self.parser.get_method()) + 1 + len(self.url) + len(" HTTP/1.1\r\n")
+        return line + sum(len(name) + len(value) + 4 for name, value in self.headers) + 2
+
     def data_received(self, data: bytes) -> None:
+        self._read = len(data)
         super().data_received(data)
-        # Counted after parsing, so that a body arriving with its head is never counted: a chunk
-        # counts only when the parser is still inside a head at its end.
+        # Counted after parsing, so that a body arriving with its head is never counted: a read
+        # counts here only when the parser is still inside a head at its end (a read that
+        # completes a head is measured in ``on_headers_complete``).
         if self._in_head and not self.transport.is_closing():
             self._head_bytes += len(data)
             if self._head_bytes > self.head_limit:
-                self._refuse(APIError(431, f"the request line and headers are longer than {self.head_limit} bytes",
-                                      "request_header_fields_too_large"))
+                self._refuse(self._too_large())
+
+    def _too_large(self) -> APIError:
+        return APIError(431, f"the request line and headers are longer than {self.head_limit} bytes",
+                        "request_header_fields_too_large")
 
     def send_400_response(self, msg: str) -> None:
+        if self.transport.is_closing():
+            return  # answered already (``_Refused``)
         self._refuse(APIError(400, "the request is not valid HTTP/1.1", "invalid_http_request"))
 
     def _refuse(self, error: APIError) -> None:

@@ -207,6 +207,85 @@ def test_a_head_just_under_the_cap_and_a_large_body_sent_with_it_are_served(serv
     assert status == 200, body[:300]
 
 
+def _head_of(server, size: int, body: bytes, extra: bytes = b"") -> bytes:
+    """A chat request's head for ``body`` of exactly ``size`` bytes, request line to blank line."""
+    bare = _head(server, len(body), extra=extra + b"X-Padding: \r\n")
+    head = _head(server, len(body), extra=extra + b"X-Padding: " + b"a" * (size - len(bare)) + b"\r\n")
+    assert len(head) == size
+    return head
+
+
+def _responses(sock: socket.socket, most: int) -> list[tuple[int, bytes]]:
+    """Up to ``most`` responses, fewer if the server closes the connection after one."""
+    answers = []
+    while len(answers) < most:
+        try:
+            status, headers, body = _read_response(sock)
+        except AssertionError:  # closed before another response
+            break
+        answers.append((status, body))
+        if headers.get("connection") == "close":
+            break
+    return answers
+
+
+@pytest.mark.parametrize("over", [0, 1], ids=["at the cap", "a byte over"])
+@pytest.mark.parametrize("cut", [None, 0, -2], ids=["one write", "cut at the cap", "cut in the blank line"])
+def test_the_head_cap_is_exact_however_the_head_arrives(server, over, cut):
+    """A head of exactly MAX_HEAD_BYTES is served and one a byte longer is 431, whether it comes
+    in one read with its body or in two: the cap counts the head's own bytes, those of the read
+    that completes it included."""
+    from gateway.http11 import MAX_HEAD_BYTES
+
+    body = _with()
+    size = MAX_HEAD_BYTES + over
+    request = _head_of(server, size, body) + body
+    with socket.create_connection(("127.0.0.1", _port(server)), timeout=60) as sock:
+        sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+        if cut is None:
+            sock.sendall(request)
+        else:
+            at = MAX_HEAD_BYTES if cut == 0 else size + cut
+            sock.sendall(request[:at])
+            time.sleep(0.3)  # read apart from the rest
+            sock.sendall(request[at:])
+        status, _, answer = _read_response(sock)
+    if over:
+        _error(status, answer, 431, "request_header_fields_too_large")
+    else:
+        assert status == 200, answer[:300]
+    _still_serving(server)
+
+
+def _chunked(body: bytes) -> bytes:
+    pieces = [body[i:i + 10] for i in range(0, len(body), 10)]
+    return b"".join(b"%x;n=v\r\n%s\r\n" % (len(p), p) for p in pieces) + b"0\r\nX-Trailer: t\r\n\r\n"
+
+
+@pytest.mark.parametrize("over", [0, 1], ids=["at the cap", "a byte over"])
+@pytest.mark.parametrize("framing", ["content-length", "chunked"])
+def test_the_head_cap_counts_a_pipelined_head_alone(server, over, framing):
+    """Two requests in one write: the second's head counts from its own first byte, not the
+    first request and its body read with it."""
+    from gateway.http11 import MAX_HEAD_BYTES
+
+    body = _with()
+    if framing == "chunked":
+        first = _head(server, None, extra=b"Transfer-Encoding: chunked\r\n") + _chunked(body)
+    else:
+        first = _head(server, len(body)) + body
+    second = _head_of(server, MAX_HEAD_BYTES + over, body) + body
+    with socket.create_connection(("127.0.0.1", _port(server)), timeout=60) as sock:
+        sock.sendall(first + b"\r\n" + second)  # a line end between requests is allowed
+        answers = _responses(sock, 2)
+    if over:  # answered as soon as its head is read: the first request may not be
+        assert answers and answers[-1][0] == 431, answers
+        _error(*answers[-1], 431, "request_header_fields_too_large")
+    else:
+        assert [status for status, _ in answers] == [200, 200], answers
+    _still_serving(server)
+
+
 def test_malformed_request_line_is_400_and_the_server_carries_on(server):
     with socket.create_connection(("127.0.0.1", _port(server)), timeout=30) as sock:
         sock.sendall(b"NOT HTTP AT ALL\r\n\r\n")
