@@ -82,7 +82,7 @@ from gateway.realtime import (DEFAULT_VAD, FORMATS, MIN_COMMIT_S, RATE, SessionC
 from gateway.request_log import note
 from gateway.turn_end import SemanticVad
 from gateway.schemas import ChatCompletionRequest, parse, read_json
-from gateway.service import ClientGone, Services
+from gateway.service import ClientGone, Services, own_uses
 from gateway.serving import weightless
 from workers.audio import G711Stream
 from workers.tts import TTSWorker
@@ -984,6 +984,7 @@ async def realtime(ws: WebSocket) -> None:
     svc: Services = ws.app.state.services
     try:
         caller, session = await _opening(ws, svc)
+        own_uses()  # the session's steps (speech in, its chat, speech out) as one request's
     except APIError as exc:
         try:
             await ws.send_denial_response(exc.response())

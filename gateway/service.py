@@ -188,7 +188,7 @@ class Services:
         except Rejected as exc:
             raise _too_many(self.gate, caller.tier, exc) from None
         _arrival.set(self.gate.arrive(caller.tier))
-        _used.set({})
+        own_uses()
         return caller
 
     def left_door(self) -> None:
@@ -248,6 +248,13 @@ class Services:
             self.gate.release(ticket)
             raise
         return Held(ticket, lease, self.gate, arrived)
+
+
+def own_uses() -> None:
+    """From here on, the current request (or Realtime session) and the tasks it starts keep one
+    record of the models they used (``_used``): its later steps are not refused for the protection
+    its earlier steps gave. ``admit_caller`` starts one for every model request."""
+    _used.set({})
 
 
 def _too_many(gate: Gate, tier: str, exc: Rejected) -> APIError:

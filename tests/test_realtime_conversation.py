@@ -982,3 +982,42 @@ def test_a_client_secret_expires():
     assert store.redeem(value) is secret
     now[0] += 0.2
     assert store.redeem(value) is None
+
+
+@pytest.fixture(scope="module")
+def tight_server(tiny_stt, tiny_chat, tiny_tts, tmp_path_factory) -> RunningServer:
+    """A budget of 4 GiB and three models of 3 GiB: one at a time; protection for 30 s."""
+    models = {"tiny-chat": ("chat", tiny_chat), "tiny-stt": ("stt", tiny_stt), "tiny-tts": ("tts", tiny_tts)}
+    config = write_config(tmp_path_factory.mktemp("realtime-tight"), models, "eviction:\n  protect_window_s: 30\n")
+    text = config.read_text()
+    for path in (tiny_chat, tiny_stt, tiny_tts):
+        text = text.replace(f"    path: {path}\n", f"    path: {path}\n    vram: 3GiB\n")
+    config.write_text(text)
+    running = start_server(config)
+    yield running
+    running.stop()
+
+
+def test_a_sessions_turns_take_turns_on_a_budget_that_holds_one_model(tight_server):
+    """Each turn is a chain (its chat, then its speech) and the next turn's chat evicts the speech
+    model the session itself used moments ago: a session's steps are one request's, not refused
+    for the protection its own earlier steps gave (another paid request would be, for 30 s)."""
+    async def run():
+        async with client(tight_server).realtime.connect(model="tiny-chat") as conn:
+            await begin(conn, MANUAL)
+            turns = []
+            for _ in range(2):
+                await conn.response.create()
+                turns.append(await events_until(conn, "response.done"))
+                await conn.conversation.item.create(item={"type": "message", "role": "user",
+                                                          "content": [{"type": "input_text", "text": "And?"}]})
+            return turns
+
+    for events in asyncio.run(run()):
+        assert events[-1].response.status == "completed", events[-1].response.status_details
+        transcript, audio = said(events)
+        assert transcript and len(audio) > 0
+    with pytest.raises(Exception) as held_off:  # tiny-tts, just used by this paid session, protects itself from others
+        http(tight_server).chat.completions.create(model="tiny-chat", messages=[{"role": "user", "content": "Hi"}],
+                                                   max_tokens=2)
+    assert getattr(held_off.value, "status_code", None) == 429
