@@ -93,6 +93,15 @@ def write_config(folder: Path, models: dict[str, tuple[str, Path]], extra: str =
     return path
 
 
+def declare_vram(config: Path, vram: str, *paths: Path) -> None:
+    """Each model at ``paths`` in a config ``write_config`` wrote declared ``vram`` (``"3GiB"``)."""
+    text = config.read_text()
+    for path in paths:
+        assert f"    path: {path}\n" in text, f"no model at {path} in {config}"
+        text = text.replace(f"    path: {path}\n", f"    path: {path}\n    vram: {vram}\n")
+    config.write_text(text)
+
+
 def engine_options(config: Path, model: str, path: Path, **options: str) -> None:
     """The chat model ``model``'s entry (at ``path``) in a config ``write_config`` wrote, its
     ``engine`` given ``options`` too (``audio_input="tiny-stt"``), in either of its forms."""

@@ -23,7 +23,7 @@ import pytest
 import soundfile as sf
 
 from gateway.output_audio import PCM16_RATE, SpokenReplies
-from tests.helpers import engine_options, run_batch, start_server, write_config
+from tests.helpers import declare_vram, engine_options, run_batch, start_server, write_config
 
 ASK = [{"role": "system", "content": "Answer briefly."}, {"role": "user", "content": "Tell me about the sea."}]
 SPOKEN = {"modalities": ["text", "audio"], "audio": {"voice": "alloy", "format": "wav"}}
@@ -350,10 +350,7 @@ def tight(tiny_chat, tiny_tts, tiny_stt, tmp_path_factory):
     config = write_config(tmp_path_factory.mktemp("tight-audio"), models,
                           f"eviction:\n  protect_window_s: {TIGHT_WINDOW_S}\n")
     engine_options(config, "tiny-chat", tiny_chat, audio_output="tiny-tts", audio_input="tiny-stt")
-    text = config.read_text()
-    for path in (tiny_chat, tiny_tts, tiny_stt):
-        text = text.replace(f"    path: {path}\n", f"    path: {path}\n    vram: 3GiB\n")
-    config.write_text(text)
+    declare_vram(config, "3GiB", tiny_chat, tiny_tts, tiny_stt)
     running = start_server(config)
     yield running
     running.stop()

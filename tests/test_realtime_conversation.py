@@ -17,7 +17,7 @@ import numpy as np
 import pytest
 from openai import AsyncOpenAI, OpenAI
 
-from tests.helpers import RunningServer, spoken, start_server, write_config
+from tests.helpers import RunningServer, declare_vram, spoken, start_server, write_config
 from tests.test_realtime import RATE, b64, events_until, wav_of
 
 ASK = "Where is the gold?"
@@ -989,10 +989,7 @@ def tight_server(tiny_stt, tiny_chat, tiny_tts, tmp_path_factory) -> RunningServ
     """A budget of 4 GiB and three models of 3 GiB: one at a time; protection for 30 s."""
     models = {"tiny-chat": ("chat", tiny_chat), "tiny-stt": ("stt", tiny_stt), "tiny-tts": ("tts", tiny_tts)}
     config = write_config(tmp_path_factory.mktemp("realtime-tight"), models, "eviction:\n  protect_window_s: 30\n")
-    text = config.read_text()
-    for path in (tiny_chat, tiny_stt, tiny_tts):
-        text = text.replace(f"    path: {path}\n", f"    path: {path}\n    vram: 3GiB\n")
-    config.write_text(text)
+    declare_vram(config, "3GiB", tiny_chat, tiny_stt, tiny_tts)
     running = start_server(config)
     yield running
     running.stop()

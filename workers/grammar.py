@@ -41,6 +41,7 @@ import functools
 import json
 import re
 import threading
+from collections.abc import Iterator
 
 import torch
 
@@ -60,21 +61,34 @@ _NAMED = ("properties", "patternProperties", "$defs", "definitions")
 def schema_strings(schema: object) -> int:
     """The characters OpenAI's limit counts in ``schema``: property and definition names, string
     enum values and string consts, at any depth."""
-    total, stack = 0, [schema]
+    total = 0
+    for node in _schemas(schema):
+        for key, value in node.items():
+            if key in _NAMED and isinstance(value, dict):
+                total += sum(len(name) for name in value)
+            elif key == "enum" and isinstance(value, list):
+                total += sum(len(v) for v in value if isinstance(v, str))
+            elif key == "const" and isinstance(value, str):
+                total += len(value)
+    return total
+
+
+def _schemas(schema: object) -> Iterator[dict]:
+    """Every schema object in ``schema``, itself and those under its keywords at any depth: a
+    named map's (``properties``, ``$defs``...) values, not the map itself, whose names are not
+    keywords, and nothing a keyword holds as data (``_NOT_SCHEMAS``: an enum's values...)."""
+    stack = [schema]
     while stack:
         node = stack.pop()
         if isinstance(node, list):
             stack.extend(node)
         elif isinstance(node, dict):
+            yield node
             for key, value in node.items():
                 if key in _NAMED and isinstance(value, dict):
-                    total += sum(len(name) for name in value)
-                elif key == "enum" and isinstance(value, list):
-                    total += sum(len(v) for v in value if isinstance(v, str))
-                elif key == "const" and isinstance(value, str):
-                    total += len(value)
-                stack.append(value)
-    return total
+                    stack.extend(value.values())
+                elif key not in _NOT_SCHEMAS:
+                    stack.append(value)
 
 
 # xgrammar 0.2.8, the version vLLM 0.32 pins, cannot compile a JSON schema whose ``pattern`` repeats
@@ -139,19 +153,12 @@ def _count(digits: str) -> int:
 def schema_patterns(schema: object) -> list[str]:
     """The regular expressions of a JSON schema: its ``pattern`` values and ``patternProperties``
     names, at any depth."""
-    found, stack = [], [schema]
-    while stack:
-        node = stack.pop()
-        if isinstance(node, list):
-            stack.extend(node)
-        elif isinstance(node, dict):
-            for key, value in node.items():
-                if key == "pattern" and isinstance(value, str):
-                    found.append(value)
-                elif key == "patternProperties" and isinstance(value, dict):
-                    found.extend(value)
-                if key not in _NOT_SCHEMAS:
-                    stack.append(value)
+    found = []
+    for node in _schemas(schema):
+        if isinstance(pattern := node.get("pattern"), str):
+            found.append(pattern)
+        if isinstance(named := node.get("patternProperties"), dict):
+            found.extend(named)
     return found
 
 
@@ -179,19 +186,7 @@ MAX_SCHEMA_PROPERTIES = 5000
 
 def schema_properties(schema: object) -> int:
     """The object properties a schema declares (``properties``' entries), at any depth."""
-    total, stack = 0, [schema]
-    while stack:
-        node = stack.pop()
-        if isinstance(node, list):
-            stack.extend(node)
-        elif isinstance(node, dict):
-            for key, value in node.items():
-                if key in _NAMED and isinstance(value, dict):  # names -> schemas: a name is not a keyword
-                    total += len(value) if key == "properties" else 0
-                    stack.extend(value.values())
-                elif key not in _NOT_SCHEMAS:
-                    stack.append(value)
-    return total
+    return sum(len(named) for node in _schemas(schema) if isinstance(named := node.get("properties"), dict))
 
 
 def import_compiler() -> None:
