@@ -51,6 +51,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from prometheus_client import CollectorRegistry, generate_latest
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 from prometheus_client.metrics_core import Metric
 from ray import serve
@@ -64,12 +65,14 @@ from cluster.deployments import shared_store
 from cluster.scrape import merged
 from cluster.settings import in_effect
 from accounts.store import STORE_ERRORS
+from arbiter.events import EventLog
 from gateway.accounts import Accounts
 from gateway.cors import cors
 from gateway.drain import LIVENESS
 from gateway.auth import Caller, KeyRing, bearer_token, subprotocol_key
 from gateway.config import load_config
 from gateway.errors import APIError, store_unavailable
+from gateway.loop_watch import LoopWatch
 from gateway.origin import AUDIO, CLIENT_SECRET, IMAGE, origin_of
 
 log = logging.getLogger("tiergate.cluster")
@@ -101,9 +104,18 @@ class Ingress:
         self.id = serve.get_replica_context().replica_id.unique_id
         self.redirects = 0
         self.cors = cors(self.config.server.cors_origins)  # [] when no origins are listed
+        # This ingress's event loop, watched as a replica's is (gateway.loop_watch; server.loop_stall_s):
+        # its lag and stalls in /metrics with its ``ingress`` label, each stall in its log
+        self._own_registry = CollectorRegistry(auto_describe=False)
+        stall_s = self.config.server.loop_stall_s
+        self.loop_watch = LoopWatch(stall_s, EventLog(), self._own_registry) if stall_s else None
+        self._watching = False
 
     async def asgi(self, scope: dict, receive, send) -> None:
         """An HTTP request or a WebSocket (the Realtime API), as Serve hands it over (``Dispatch``)."""
+        if self.loop_watch is not None and not self._watching:
+            self._watching = True
+            await self.loop_watch.start()  # on the loop Serve runs this ingress's requests on
         if scope["type"] == "websocket":
             await self._realtime(scope, receive, send)
             return
@@ -374,6 +386,8 @@ class Ingress:
                     break
                 seen.add(got["replica"])
                 texts.append(({"replica": got["replica"], "node": got["node"]}, got["text"]))
+        if self._watching:
+            texts.append(({"ingress": self.id}, generate_latest(self._own_registry).decode()))
         return merged(texts, self._own_metrics())
 
     def _own_metrics(self) -> list[Metric]:

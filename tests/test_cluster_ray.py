@@ -566,11 +566,15 @@ def test_one_metrics_target_for_the_whole_cluster(cluster):
     for name in ("vllm:num_requests_waiting", "vllm:num_requests_running", "vllm:kv_cache_usage_perc",
                  "tiergate_model_resident", "tiergate_admitted"):
         assert len({s.labels["replica"] for s in families[name]}) == 2, name
+    ingress = {s.labels["ingress"] for s in families["tiergate_ingress_in_flight"]}
+    lag = families["tiergate_event_loop_lag_seconds"]  # every event loop watched: the replicas' and the ingress's
+    assert {s.labels["ingress"] for s in lag if "ingress" in s.labels} == ingress
+    assert len({s.labels["replica"] for s in lag if "replica" in s.labels}) == 2
+    assert any(s.name.endswith("_count") and s.value > 0 and "ingress" in s.labels for s in lag)
     resident = {(s.labels["replica"], s.labels["model"]): s.value for s in families["tiergate_model_resident"]}
     assert sorted(m for (_, m), v in resident.items() if v == 1) == ["a", "c", "emb", "rr"]  # as tests left them
     nodes = {s.labels["node"] for s in families["vllm:num_requests_running"]}
     assert len(nodes) == 2  # one replica per node
-    ingress = {s.labels["ingress"] for s in families["tiergate_ingress_in_flight"]}
     assert len(ingress) == 1  # the answering ingress's own (one ingress per node: each counts its own)
     assert {s.labels["tier"] for s in families["tiergate_ingress_in_flight"]} == set(TIERS)
     for path in ("/healthz", "/health"):  # liveness, unauthenticated, as `tiergate serve` answers it
