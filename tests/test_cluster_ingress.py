@@ -245,6 +245,7 @@ def test_a_client_secret_s_session_goes_to_its_replica_in_the_deployment_of_its_
     ingress.deployments, ingress.default, ingress.by_model = [pool, tensor_parallel], pool, {"m": pool, "big": tensor_parallel}
     ingress.rank = {t.name: i for i, t in enumerate(config.tiers)}
     ingress.answered, ingress.sessions = Counter(), {}
+    ingress.loop_watch = None  # (server.loop_stall_s: 0)
     scope = {"type": "websocket", "path": "/v1/realtime", "query_string": b"model=big", "subprotocols": [],
              "headers": [(b"authorization", b"Bearer ek_r9~made-there")]}
     arriving = [{"type": "websocket.connect"}]
