@@ -57,6 +57,8 @@ class Drain:
         self.inflight = 0
         self.streaming = 0
         self.hooks: list[Callable[[], Awaitable[str | None]]] = []  # run once draining starts; say what they did
+        self.tasks: set[asyncio.Task] = set()  # the API requests' tasks in flight (``DrainGate``)
+        self.cut = False  # the drain timed out: what is left in flight is cancelled by it (``cut_what_is_left``)
 
     def begin(self) -> None:
         if not self.draining:
@@ -86,8 +88,17 @@ class Drain:
             await asyncio.sleep(0.05)
         if self.inflight:
             log.warning("draining: timed out after %gs with %s in flight; cutting them", self.timeout_s, self.describe())
+            self.cut_what_is_left()
         else:
             log.info("drained: nothing in flight")
+
+    def cut_what_is_left(self) -> None:
+        """Cancel the API requests still in flight; each answers for itself (``DrainGate``): one
+        not yet answered with a 503 ``shutting_down`` in OpenAI's shape, a response under way is
+        ended where it is. (Left to uvicorn's cancellation, the first got its bare text 500.)"""
+        self.cut = True
+        for task in list(self.tasks):
+            task.cancel("the drain's timeout passed")
 
     def describe(self) -> str:
         return f"{self.inflight} request{'s' * (self.inflight != 1)} ({self.streaming} streaming)"
@@ -125,9 +136,25 @@ class DrainGate:
             await send(message)
 
         drain.inflight += 1
+        task = asyncio.current_task()
+        drain.tasks.add(task)
         try:
             await self.app(scope, receive, counting_send)
+        except asyncio.CancelledError:
+            if not drain.cut:
+                raise
+            task.uncancel()  # cut by the drain (``Drain.cut_what_is_left``): answered here, then done
+            if started:
+                note(reason="interrupted")
+                await send({"type": "http.response.body", "body": b"", "more_body": False})
+            else:
+                error = APIError(503, "the server shut down before this request was served (its drain timeout "
+                                 "passed); retry on another instance", "shutting_down",
+                                 headers={"retry-after": str(RETRY_AFTER_S), "connection": "close"})
+                note(reason=error.code)
+                await error.response()(scope, receive, send)
         finally:
+            drain.tasks.discard(task)
             drain.inflight -= 1
             if started:
                 drain.streaming -= 1

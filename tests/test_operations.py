@@ -452,3 +452,50 @@ def test_preload_loads_one_model_after_another_and_keeps_going_past_a_failure():
     assert states == [["a", "b", "c"], ["b", "c"], ["c"], []]
     assert loaded == ["a", "c"] and failed == {"b": "RuntimeError: out of memory"}
     assert stopped == ["d"]  # cancelled, not loaded
+
+
+@pytest.mark.parametrize("started", [False, True], ids=["before its answer", "mid-stream"])
+def test_a_drain_that_times_out_answers_what_is_left_itself(started, caplog):
+    """Past ``drain_timeout_s`` the drain cancels the API requests still in flight, and each
+    answers for itself: one not yet answered gets a 503 ``shutting_down`` in OpenAI's shape (left
+    to uvicorn's cancellation it got a bare text 500, logged as a traceback), a stream is ended
+    where it is and logged ``interrupted``; neither raises on."""
+    from gateway.drain import Drain, DrainGate
+    from gateway.request_log import RequestLog
+
+    async def handler(scope, receive, send) -> None:
+        if started:
+            await send({"type": "http.response.start", "status": 200, "headers": []})
+            await send({"type": "http.response.body", "body": b"data: {}\n\n", "more_body": True})
+        await asyncio.sleep(3600)  # a first token (or the next) that never comes
+
+    async def main() -> list[dict]:
+        drain, sent = Drain(timeout_s=0.2), []
+
+        async def send(message: dict) -> None:
+            sent.append(message)
+
+        async def receive() -> dict:
+            await asyncio.sleep(3600)
+
+        scope = {"type": "http", "method": "POST", "path": "/v1/chat/completions", "headers": [], "query_string": b""}
+        request = asyncio.create_task(RequestLog(DrainGate(handler, drain))(scope, receive, send))
+        await asyncio.sleep(0.05)
+        assert drain.inflight == 1
+        await drain.run()  # times out: cuts it
+        await request  # answered, not raised
+        assert drain.inflight == 0 and not drain.tasks
+        return sent
+
+    caplog.set_level("INFO", logger="tiergate.requests")
+    sent = asyncio.run(main())
+    logged = [r.request for r in caplog.records if hasattr(r, "request")]
+    if started:
+        assert [m.get("status") for m in sent[:1]] == [200] and sent[-1] == {
+            "type": "http.response.body", "body": b"", "more_body": False}
+        assert (logged[-1]["status"], logged[-1]["reason"]) == (200, "interrupted")
+    else:
+        assert sent[0]["status"] == 503 and dict(sent[0]["headers"])[b"retry-after"] == b"5"
+        error = json.loads(sent[1]["body"])["error"]
+        assert (error["code"], error["type"]) == ("shutting_down", "server_error")
+        assert (logged[-1]["status"], logged[-1]["reason"]) == (503, "shutting_down")
