@@ -8,8 +8,10 @@ streams included) and the line is written once the response has ended (a stream'
 What the line says is filled in along the way, through :func:`current` (the record of the request
 running in this task): ``Services.authenticate`` notes the caller (its ``key_id``, never the key),
 the serving core notes the model, the queue wait at the gate, the wait for the model's load and the
-service time, the chat core notes tokens, and the error handlers note the refusal's code. Batch
-lines have no record (``current()`` is None).
+service time, the chat core notes tokens, and the error handlers note the refusal's code. A
+response cut after it started (an exception out of the app, or a stream its client left, which
+ends quietly) keeps the status it sent, with ``reason`` ``interrupted``. Batch lines have no
+record (``current()`` is None).
 
 Lines go to the ``tiergate.requests`` logger; ``Formatter`` writes every log record as one JSON
 object (``tiergate serve --log-format json``) or as plain text with the fields as ``key=value``.
@@ -132,16 +134,32 @@ class RequestLog:
         record = RequestRecord(_request_id(scope), scope["method"], scope["path"])
         scope[SCOPE_KEY] = record
         echo = (b"x-request-id", record.request_id.encode())
+        ended = left = False  # the response's last byte was sent; the client left after it started, before that
 
         async def send_with_id(message: Message) -> None:
+            nonlocal ended
             if message["type"] == "http.response.start":
                 record.status = message["status"]
                 message = {**message, "headers": [*message.get("headers", []), echo]}
+            elif message["type"] == "http.response.pathsend" or (
+                    message["type"] == "http.response.body" and not message.get("more_body", False)):
+                ended = True
             await send(message)
+
+        async def receive_watched() -> Message:
+            nonlocal left
+            message = await receive()
+            if message["type"] == "http.disconnect" and record.status is not None and not ended:
+                left = True
+            return message
 
         token = _current.set(record)
         try:
-            await self.app(scope, receive, send_with_id)
+            await self.app(scope, receive_watched, send_with_id)
+            # A stream whose client left ends quietly (Starlette stops it on ``http.disconnect``;
+            # the server drops what is sent after it): cut after it started, as below.
+            if record.status is not None and (left or not ended):
+                record.reason = record.reason or "interrupted"
         except BaseException:
             if record.status is None:  # the server answers 500 after this
                 record.status, record.reason = 500, record.reason or "internal_error"

@@ -1,14 +1,18 @@
 """The request log's writer (gateway.request_log.LineWriter): request lines are queued on the
 caller's thread and written by the writer's thread; every other line goes out at once, after
-the queued ones; flush and close leave nothing queued."""
+the queued ones; flush and close leave nothing queued. And what a line says of a stream its
+client left (``RequestLog``, on a server in this process)."""
 
 from __future__ import annotations
 
 import logging
+import time
 
+import httpx
 import pytest
 
 from gateway.request_log import Formatter, LineWriter, RequestRecord
+from tests.helpers import start_server, stream_and_leave, write_config
 
 
 class Captured:
@@ -197,3 +201,48 @@ def test_a_library_with_its_own_handler_still_formats_after_configure():
 
 
 # vLLM's lines in JSON in every engine process: tests/test_reaper.py, on a real engine start.
+
+
+@pytest.fixture(scope="module")
+def server(tiny_chat, tmp_path_factory):
+    s = start_server(write_config(tmp_path_factory.mktemp("request-log"), {"tiny-chat": ("chat", tiny_chat)}))
+    yield s
+    s.stop()
+
+
+def logged_line(caplog, request_id: str) -> dict:
+    """The request log line of ``request_id``, once written (after the response's last byte)."""
+    deadline = time.monotonic() + 10
+    while not (lines := [r.request for r in caplog.records
+                         if getattr(r, "request", {}).get("request_id") == request_id]):
+        assert time.monotonic() < deadline, f"no request log line for {request_id}"
+        time.sleep(0.01)
+    (line,) = lines
+    return line
+
+
+def test_a_stream_its_client_leaves_is_logged_interrupted(server, tiny_chat, caplog):
+    """The client closes a long chat stream after its first chunk: Starlette ends the stream
+    quietly, yet the line says it was cut (its status the 200 already sent, ``reason:
+    interrupted``), as README's "Request logs" documents. Whole answers, streamed or not, are
+    logged without a reason."""
+    from transformers import AutoTokenizer
+
+    caplog.set_level("INFO", logger="tiergate.requests")
+    eos = AutoTokenizer.from_pretrained(str(tiny_chat)).eos_token_id
+    body = {"model": "tiny-chat", "messages": [{"role": "user", "content": "hi"}], "temperature": 0,
+            "logit_bias": {str(eos): -100}}  # no early end: the stream is still going when the client leaves
+    url, auth = f"{server.base_url}/chat/completions", {"Authorization": f"Bearer {server.keys['paid']}"}
+    stream_and_leave(url, {**auth, "x-request-id": "left-mid-stream"}, {**body, "max_tokens": 400}, chunks=1)
+    with httpx.stream("POST", url, headers={**auth, "x-request-id": "whole-stream"}, timeout=60,
+                      json={**body, "max_tokens": 3, "stream": True}) as whole:
+        assert whole.read().decode().rstrip().endswith("data: [DONE]")
+    plain = httpx.post(url, headers={**auth, "x-request-id": "whole-plain"}, timeout=60, json={**body, "max_tokens": 2})
+    assert plain.status_code == 200
+
+    left = logged_line(caplog, "left-mid-stream")
+    assert (left["status"], left["reason"], left["model"]) == (200, "interrupted", "tiny-chat")
+    assert 1 <= left["completion_tokens"] < 400, left  # the tokens it cost, far fewer than asked for
+    for request_id, tokens in (("whole-stream", 3), ("whole-plain", 2)):
+        line = logged_line(caplog, request_id)
+        assert (line["status"], line["reason"], line["completion_tokens"]) == (200, None, tokens), line
