@@ -361,7 +361,8 @@ SRC = png_of(noise_image(32, 32))
     ({"image": ("a.png", SRC), "mask": ("m.png", b"junk")}, {}, 400, "mask", "invalid_image"),
     ([("image", ("a.png", SRC)), ("image", ("b.png", SRC))], {}, 400, "image", None),
     ({"mask": ("m.png", SRC)}, {}, 400, "image", "missing_required_parameter"),
-    ({"image": (None, "a text field")}, {}, 400, "image", None),
+    ({"image": (None, "a text field")}, {}, 400, "image", "invalid_value"),
+    ({"image": ("a.png", SRC), "mask": (None, "a text field")}, {}, 400, "mask", "invalid_value"),
     ({"image": ("big.png", b"x" * 140_000)}, {}, 413, "image", "request_too_large"),
     ({"image": ("a.png", SRC)}, {"prompt": ""}, 400, "prompt", None),
     ({"image": ("a.png", SRC)}, {"n": "3"}, 400, "n", None),
@@ -925,6 +926,9 @@ def test_translation_through_the_sdk(media):
     r = httpx.post(f"{media.base_url}/audio/translations", headers=auth(media), files={"file": ("a.wav", WAV)},
                    data={"model": "tiny-tts"})
     error(r, 400, "model", "model_not_supported")
+    r = httpx.post(f"{media.base_url}/audio/translations", headers=auth(media),
+                   files={"file": (None, "not a file part")}, data={"model": "tiny-stt"})
+    error(r, 400, "file", "invalid_value")  # a text field named file, as for transcriptions
 
 
 @pytest.mark.parametrize("fmt,rate,channels,seconds", [("FLAC", 22050, 1, 2.5), ("OGG", 48000, 2, 1.5)])
@@ -961,7 +965,7 @@ WAV = tone_file(1.0, 16000, 1, "WAV")
     ({"file": ("a.wav", WAV)}, {"include[]": "segments"}, 400, "include[0]", "invalid_value"),
     ({"file": ("a.wav", WAV)}, {"chunking_strategy": "semantic"}, 400, "chunking_strategy", "invalid_value"),
     ({"file": ("a.wav", WAV)}, {"model": "tiny-tts"}, 400, "model", "model_not_supported"),
-    ({"file": (None, "not a file part")}, {}, 400, "file", None),  # a text field named file
+    ({"file": (None, "not a file part")}, {}, 400, "file", "invalid_value"),  # a text field named file
     ({"language": (None, "en")}, {}, 400, "file", "missing_required_parameter"),  # multipart, no file
     ({"file": ("a.wav", WAV)}, {"bogus": "1"}, 400, "bogus", "unknown_parameter"),
 ])
