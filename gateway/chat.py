@@ -268,10 +268,15 @@ async def _serve_choice(svc: Services, caller: Caller, job: ChatJob, index: int,
         thinking = ThinkSplitter(job.reasoning, ctx.prompt_thinking) if job.reasoning != "none" else None
         svc.metrics.observe(svc.metrics.ttft, serving.first_token(), caller.tier)
         prompt_tokens: int | None = ctx.prompt_tokens  # told in the choice's first delta, then not again
+        # Thinking left out (include_reasoning: false) makes no delta until the answer: the first goes
+        # out empty all the same, so that a stream starts (and its keep-alives with it) as the model
+        # begins, not when its thinking ends
+        announce = thinking is not None and not job.include_reasoning
         try:
             while not isinstance(event, ChatFinished):
                 delta = _read(index, event, parser, thinking, job.include_reasoning)
-                if not delta.empty:
+                if not delta.empty or announce:
+                    announce = False
                     delta.prompt_tokens, prompt_tokens = prompt_tokens, None
                     yield delta
                 event = await serving.until_gone(events.__anext__())
@@ -424,8 +429,9 @@ class Reply:
     def message(self, legacy: bool = False) -> dict:
         """The choice's message; ``legacy`` (asked as ``functions``): its first call as ``function_call``."""
         text = "".join(self.content)
+        thought = self.reasoning or self.reasoning_tokens  # its thinking shown, or left out (include_reasoning)
         message: dict = {"role": "assistant",
-                         "content": text if text or not (self.calls.calls or self.reasoning) else None}
+                         "content": text if text or not (self.calls.calls or thought) else None}
         if self.calls.calls and legacy:
             message["function_call"] = self.calls.calls[0]["function"]
         elif self.calls.calls:
@@ -646,7 +652,7 @@ async def _sse(deltas: AsyncIterator[ChoiceDelta], first: ChoiceDelta, cid: str,
                 async for piece in audio(delta, {"index": delta.index, "delta": {}, "finish_reason": body["finish_reason"],
                                                  "stop_reason": stop_reason, "logprobs": None}):
                     yield piece
-            else:
+            elif not delta.empty:  # (an empty one: a choice's first while its thinking is left out)
                 yield chunk([choice(delta)])
             for index, piece in voicing.ready() if voicing is not None else ():  # the phrases said meanwhile
                 yield sound(index, piece)

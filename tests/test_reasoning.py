@@ -5,6 +5,7 @@ of tiny-chat whose templates open the thinking as DeepSeek-R1's does, or take Qw
 
 from __future__ import annotations
 
+import json
 import shutil
 
 import httpx
@@ -135,7 +136,7 @@ def test_a_template_that_opens_the_thinking_answers_with_it_apart(server):
         *ASK, {"role": "assistant", "content": ""}, {"role": "user", "content": "and?"}])  # what the history renders as
     assert again.usage.prompt_tokens == spelt.usage.prompt_tokens
     left_out = client(server).chat.completions.create(model="r1", extra_body={"include_reasoning": False}, **kw)
-    assert not left_out.choices[0].message.content
+    assert left_out.choices[0].message.content is None  # no answer: null, as with the thinking shown
     assert getattr(left_out.choices[0].message, "reasoning_content", None) is None
     assert left_out.usage.completion_tokens == r.usage.completion_tokens == 12
     # vLLM's return_token_ids: the thinking's tokens too; left out with the thinking, as vLLM leaves them
@@ -709,3 +710,34 @@ def test_where_a_marker_last_starts(ids, marker, at):
     from workers.think_budget import last_at
 
     assert last_at(ids, marker) == at
+
+
+def test_a_stream_whose_thinking_is_left_out_starts_at_once_and_keeps_alive(server, monkeypatch):
+    """``include_reasoning: false`` on a reply that thinks: the stream starts (its headers and
+    opening chunk) as the model begins, so that keep-alives cover the thinking, where the first
+    byte waited for the answer (all thinking here: the end). The engine slowed to one event per
+    0.3 s, keep-alives every 0.1 s."""
+    import asyncio
+
+    from tests.test_messages import keepalive
+
+    kw = dict(model="r1", messages=ASK, max_tokens=6, seed=5, stream=True, include_reasoning=False)
+    client(server).chat.completions.create(model="r1", messages=ASK, max_tokens=1)  # (loads it: its worker exists)
+    worker = server.services.arbiter.workers["r1"]
+    chat = worker.chat
+
+    async def slow(req):
+        async for event in chat(req):
+            await asyncio.sleep(0.3)
+            yield event
+
+    monkeypatch.setattr(worker, "chat", slow)
+    keepalive(server, monkeypatch, 0.1)
+    with httpx.stream("POST", f"{server.base_url}/chat/completions", json=kw, timeout=60,
+                      headers={"Authorization": f"Bearer {server.keys['paid']}"}) as r:
+        lines = [ln for ln in r.iter_lines() if ln]
+    assert lines.count(": keep-alive") >= 3, lines
+    chunks = [json.loads(ln[6:]) for ln in lines if ln.startswith("data: {")]
+    assert chunks[0]["choices"][0]["delta"] == {"role": "assistant", "content": ""}
+    assert len(chunks) == 2 and not chunks[1]["choices"][0]["delta"]  # nothing of the thinking, no empty chunk
+    assert chunks[-1]["choices"][0]["finish_reason"] == "length"
