@@ -348,8 +348,7 @@ class AdapterRegistry:
             raise bad_request(f"the lora adapter '{name}' is already served (tiers.yaml adapters or adapter_dirs)",
                               "lora_name")
         if name in self.loaded and not in_place:
-            raise bad_request(f"the lora adapter '{name}' has already been loaded; to load it again, set "
-                              "'load_inplace' to true", "lora_name")
+            raise _loaded_already(name)
         files = signature(path) if path.is_dir() else _file_signature(path)
         try:
             served = await asyncio.to_thread(self._read, name, base, path, files, self._version(name, files))
@@ -358,6 +357,8 @@ class AdapterRegistry:
         except _Changing:
             raise APIError(503, f"the files of the lora adapter '{name}' changed while they were read; try again shortly",
                            "adapter_changing", "lora_path", headers={"retry-after": "1"}) from None
+        if name in self.loaded and not in_place:  # another call loaded it while this one read: the first one wins
+            raise _loaded_already(name)
         self.loaded[name] = served = replace(served, source="runtime")
         return served
 
@@ -659,3 +660,8 @@ def _base_for(svc: "Services", name: str | None) -> ModelSpec:
         raise bad_request(f"this server has {len(chats)} chat models: name the adapter's model in 'base_model'",
                           "base_model")
     return chats[0]
+
+
+def _loaded_already(name: str) -> APIError:
+    return bad_request(f"the lora adapter '{name}' has already been loaded; to load it again, set "
+                       "'load_inplace' to true", "lora_name")

@@ -621,3 +621,25 @@ def test_an_image_folder_lists_its_lora_files_and_a_subfolder_comes_first(tiny_i
     assert [r["id"] for r in registry.rows()] == ["a", "b"]
     chat_dir = AdapterRegistry((), [AdapterDir("tiny-chat", "chat", tmp_path, tiny_image)], ["tiny-chat"])
     assert chat_dir.get("a") is None and chat_dir.rows() == []  # a chat model's adapters are folders only
+
+
+def test_two_loads_of_one_name_at_once_serve_one_and_refuse_the_other(tiny_chat, demo_adapters, tmp_path):
+    """``/v1/load_lora_adapter`` twice at once for one name (each read on a thread): the first
+    read to end is served, the other is the 400 a second load gets, where both said "Success" and
+    only one was served."""
+    from gateway.adapters import AdapterDir
+    from gateway.errors import APIError
+
+    registry = _registry(tiny_chat, tmp_path)
+    base = AdapterDir("tiny-chat", "chat", tmp_path, tiny_chat)
+    sources = [put(demo_adapters[PIRATE], tmp_path, "p"), put(demo_adapters[POET], tmp_path, "q")]
+
+    async def run() -> list:
+        return await asyncio.gather(*(registry.load("twice", path, base, False) for path in sources),
+                                    return_exceptions=True)
+
+    results = asyncio.run(run())
+    served = [r for r in results if not isinstance(r, BaseException)]
+    refused = [r for r in results if isinstance(r, APIError)]
+    assert len(served) == 1 and len(refused) == 1 and "already been loaded" in refused[0].message
+    assert registry.loaded["twice"] is served[0]
