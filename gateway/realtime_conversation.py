@@ -487,7 +487,8 @@ class ConversationSession(TranscriptionSession):
                  "assistant": ("output_text", "output_audio", "text", "audio")}[role]
         said_as = {"input_text": "text", "output_text": "text", "text": "text"}
         for i, part in enumerate(content):
-            kind, field = part.get("type"), said_as.get(part.get("type"), "transcript")
+            kind = part.get("type") if isinstance(part.get("type"), str) else None  # a list or object is no part type
+            field = said_as.get(kind, "transcript")
             if kind not in kinds or not isinstance(part.get(field), str):
                 raise bad_request(f"a {role} message's parts here are {' or '.join(kinds)}, each with its {field} "
                                   "(spoken parts: their transcript)", f"item.content[{i}]", "invalid_value")

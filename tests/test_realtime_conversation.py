@@ -495,6 +495,27 @@ def test_generated_client_events_leave_the_session_answering(server, seed):
     assert not any(e.type == "error" and e.error.code == "server_error" for e in seen)
 
 
+def test_a_part_type_that_is_a_list_or_an_object_is_an_error_event_and_the_session_goes_on(server):
+    """A content part whose ``type`` is a list or an object (unhashable) once dropped the socket
+    with a traceback: it is an ``invalid_value`` naming the part, as any other malformed part."""
+    async def run():
+        async with client(server).realtime.connect(model="tiny-chat") as conn:
+            await begin(conn, {**MANUAL, "output_modalities": ["text"]}, text=None)
+            errors = []
+            for role, bad in [("user", ["input_text"]), ("user", {"a": 1}), ("assistant", ["text"])]:
+                await conn.send({"type": "conversation.item.create", "item": {
+                    "type": "message", "role": role, "content": [{"type": bad, "text": "hi", "transcript": "hi"}]}})
+                errors.append((await events_until(conn, "error"))[-1].error)
+            await conn.conversation.item.create(item=user("item_q", ASK))
+            await conn.response.create()
+            return errors, await events_until(conn, "response.done")
+
+    errors, done = asyncio.run(run())
+    assert [(e.type, e.code, e.param) for e in errors] == [("invalid_request_error", "invalid_value",
+                                                            "item.content[0]")] * 3
+    assert done[-1].response.status == "completed"
+
+
 async def each(conn, kind: str, n: int) -> list:
     """Server events up to and including the ``n``-th of type ``kind``."""
     out = []
