@@ -261,11 +261,11 @@ class Accounts:
             return None
         return Caller(tier=record.tier, key_id=record.id)
 
-    def revoked(self, key_id: str) -> bool:
-        """Whether ``key_id`` is a managed key that has been revoked (what it made, a realtime
-        client secret, stops with it)."""
+    def current(self, key_id: str) -> Caller | None:
+        """The caller of the managed key ``key_id`` as its record stands now (its tier), or None
+        (unknown or revoked)."""
         record = self._by_id.get(key_id)
-        return record is not None and not record.active
+        return Caller(tier=record.tier, key_id=record.id) if record is not None and record.active else None
 
     def for_http(self, caller: Caller) -> Caller:
         """The caller of one HTTP request, with the holder its rate-limit headers go in. A key

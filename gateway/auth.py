@@ -59,6 +59,9 @@ class KeyRing:
         # tier when it calls the model API.
         self._entries = [(k.encode(), Caller(tier, key_id(k))) for tier, keys in keys_by_tier.items() for k in keys]
         self._entries += [(k.encode(), Caller(self.top_tier, key_id(k), admin=True)) for k in admin_keys]
+        self._by_id: dict[str, Caller] = {}
+        for _, caller in self._entries:
+            self._by_id.setdefault(caller.key_id, caller)  # the one lookup finds for that key
 
     def __len__(self) -> int:
         return len(self._entries)
@@ -71,6 +74,11 @@ class KeyRing:
             if hmac.compare_digest(key, given) and found is None:
                 found = caller
         return found
+
+    def by_id(self, key_id_: str) -> Caller | None:
+        """The caller of the configured key whose id is ``key_id_``, or None (no longer in the
+        key files: a key's id is not secret, so this is no key lookup)."""
+        return self._by_id.get(key_id_)
 
 
 def demo_keys(tiers: list[str]) -> dict[str, list[str]]:

@@ -927,19 +927,21 @@ async def client_secrets(request: Request) -> JSONResponse:
 
 
 def _redeemed(ws: WebSocket, svc: Services, value: str) -> tuple[Caller, Callable[[], TranscriptionSession]]:
-    """A session opened with a client secret: its key's caller and the settings it was made with
-    (a model the URL names must be the secret's)."""
+    """A session opened with a client secret: its key's caller as the key stands now (a key
+    revoked or taken out of its file is refused as an unknown key; a key moved to another tier
+    opens the session at that tier) and the settings it was made with (a model the URL names
+    must be the secret's)."""
     secret = svc.client_secrets.redeem(value)
     if secret is None:
         raise APIError(401, "the client secret is unknown or has expired", "invalid_api_key")
-    if svc.accounts is not None and svc.accounts.revoked(secret.caller.key_id):
-        raise APIError(401, "the key that made this client secret has been revoked", "invalid_api_key")
+    caller = svc.caller_of(secret.key_id)  # the key as it stands now: its tier, or gone
+    if caller is None:
+        raise APIError(401, "the key that made this client secret has been revoked or removed", "invalid_api_key")
     kind, config, conversing = secret.session
     named = ws.query_params.get("model")
     model = conversing.model if conversing is not None else config.model
     if named and named != model and svc.model_name(named) != model:
         raise bad_request(f"this client secret opens sessions on {model!r}", "model", "invalid_value")
-    caller = secret.caller
     note(key_id=caller.key_id, tier=caller.tier)
     if kind == "transcription":
         return caller, lambda: TranscriptionSession(ws, svc, caller, config)

@@ -3,8 +3,10 @@ server hands to a browser, so that the browser opens a realtime session without 
 server's own key.
 
 A secret is ``ek_`` and 43 random characters. It stands for the key that made it (its tier,
-limits and usage: the sessions it opens are metered to that key) and for the session settings it
-was made with, checked when it was made. It opens any number of sessions until it expires (10 s to
+limits and usage: the sessions it opens are metered to that key), as that key stands when a
+session opens (it keeps the key's id, never the key: a key taken out of its file or revoked stops
+its secrets, and a key moved to another tier takes their sessions there), and for the session
+settings it was made with, checked when it was made. It opens any number of sessions until it expires (10 s to
 2 h after it was made, 10 minutes by default, as OpenAI's). It opens realtime sessions only:
 presented to any other endpoint, it is an unknown key. Secrets live in this process's memory and
 are kept by the SHA-256 of their value, so a lookup's time does not depend on how much of a
@@ -29,7 +31,7 @@ DEFAULT_S, MIN_S, MAX_S = 600, 10, 7200
 
 @dataclass(frozen=True)
 class Secret:
-    caller: Caller  # the key that made it
+    key_id: str  # the key that made it: its id, looked up again when the secret opens a session
     expires_at: float
     session: Any  # what a session it opens starts as (gateway.realtime_conversation makes and reads it)
 
@@ -48,7 +50,7 @@ class ClientSecrets:
         while len(self._by_hash) >= self.max_items:
             del self._by_hash[next(iter(self._by_hash))]
         value = tagged(PREFIX, self.origin, secrets.token_urlsafe(32))
-        secret = Secret(caller, self.clock() + seconds, session)
+        secret = Secret(caller.key_id, self.clock() + seconds, session)
         self._by_hash[_hash(value)] = secret
         return value, secret
 

@@ -177,6 +177,17 @@ class Services:
         note(key_id=caller.key_id, tier=caller.tier)  # the request log knows the key by its id only
         return caller
 
+    def caller_of(self, key_id: str) -> Caller | None:
+        """The caller of the key whose id is ``key_id`` as it stands now (a configured key's, else
+        an active managed key's, at its current tier), or None: a key taken out of its file or
+        revoked. What a realtime client secret that key made is redeemed as."""
+        caller = self.keys.by_id(key_id)
+        if caller is None and self.accounts is not None:
+            caller = self.accounts.current(key_id)
+        if caller is not None and self.accounts is not None:
+            caller = self.accounts.for_http(caller)
+        return caller
+
     def admit_caller(self, request: Request) -> Caller:
         """Authenticate a model request and refuse it at once (429) if its tier can neither start
         nor queue: before its body is read or parsed. One that passes counts as demand from here

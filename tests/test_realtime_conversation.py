@@ -990,6 +990,54 @@ def test_a_client_secret_stops_with_the_key_that_made_it(server):
     assert asyncio.run(opened()) == "401"
 
 
+def test_a_client_secret_follows_its_key_out_of_the_key_files_and_to_another_tier(server):
+    """A client secret stands for its key as the key stands when a session opens: a key taken
+    out of the key files (their reload makes a new ``KeyRing``) stops its secrets as it stops
+    itself, and a managed key moved to another tier opens its secrets' sessions at that tier
+    (both once went on as the key was when the secret was made)."""
+    import httpx
+    import websockets
+
+    from gateway.auth import KeyRing
+
+    ws_url = server.url.replace("http", "ws") + "/v1/realtime"
+    original = server.services.keys
+    tiers = ["paid", "subscriber", "free", "batch"]
+    with_extra = KeyRing({t: [server.keys[t]] + (["key-paid-leaked"] if t == "paid" else []) for t in tiers},
+                         [server.keys["admin"]])
+
+    def mint(key: str) -> str:
+        return OpenAI(base_url=server.base_url, api_key=key, max_retries=0).realtime.client_secrets.create(
+            session={"type": "realtime", "model": "tiny-chat"}).value
+
+    async def opened(value: str) -> tuple[str, dict]:
+        try:
+            async with websockets.connect(ws_url, additional_headers={"Authorization": f"Bearer {value}"}) as ws:
+                kind = json.loads(await ws.recv())["type"]
+                return kind, dict(server.services.metrics.realtime_sessions)  # counted while it is open
+        except websockets.InvalidStatus as exc:
+            return str(exc.response.status_code), {}
+
+    server.services.keys = with_extra
+    try:
+        leaked = mint("key-paid-leaked")
+        assert asyncio.run(opened(leaked))[0] == "session.created"
+    finally:
+        server.services.keys = original  # the key file's reload, the key taken out
+    gone = httpx.get(f"{server.base_url}/models", headers={"Authorization": "Bearer key-paid-leaked"})
+    assert gone.status_code == 401
+    assert asyncio.run(opened(leaked))[0] == "401"
+
+    admin = {"Authorization": "Bearer key-admin"}
+    key = httpx.post(f"{server.url}/admin/keys", json={"tier": "paid", "name": "moved"}, headers=admin).json()
+    made = mint(key["value"])
+    assert httpx.patch(f"{server.url}/admin/keys/{key['id']}", json={"tier": "free"}, headers=admin).status_code == 200
+    before = dict(server.services.metrics.realtime_sessions)
+    kind, during = asyncio.run(opened(made))
+    assert kind == "session.created"
+    assert during.get("free", 0) == before.get("free", 0) + 1 and during.get("paid", 0) <= before.get("paid", 0)
+
+
 def test_a_client_secret_expires():
     from gateway.auth import Caller
     from gateway.realtime_secrets import ClientSecrets
