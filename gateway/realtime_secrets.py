@@ -6,9 +6,10 @@ A secret is ``ek_`` and 43 random characters. It stands for the key that made it
 limits and usage: the sessions it opens are metered to that key), as that key stands when a
 session opens (it keeps the key's id, never the key: a key taken out of its file or revoked stops
 its secrets, and a key moved to another tier takes their sessions there), and for the session
-settings it was made with, checked when it was made. It opens any number of sessions until it expires (10 s to
-2 h after it was made, 10 minutes by default, as OpenAI's). It opens realtime sessions only:
-presented to any other endpoint, it is an unknown key. Secrets live in this process's memory and
+settings it was made with, checked when it was made. It opens any number of sessions until it
+expires (10 s to 2 h after it was made, 10 minutes by default, as OpenAI's), or until the key
+that made it has made ``ClientSecrets.max_per_key`` (10,000) newer ones. It opens realtime
+sessions only: presented to any other endpoint, it is an unknown key. Secrets live in this process's memory and
 are kept by the SHA-256 of their value, so a lookup's time does not depend on how much of a
 presented secret matches, and a memory dump does not hold them.
 """
@@ -16,6 +17,7 @@ presented secret matches, and a memory dump does not hold them.
 from __future__ import annotations
 
 import hashlib
+import heapq
 import secrets
 import time
 from collections.abc import Callable
@@ -37,21 +39,31 @@ class Secret:
 
 
 class ClientSecrets:
-    """The secrets issued by this process, until they expire (at most ``max_items``, the oldest
-    dropped first)."""
+    """The secrets issued by this process, until they expire: at most ``max_per_key`` for each
+    key, that key's own oldest dropped first when it makes another (one key making many voids
+    none of another key's). Expiry is swept in expiry order (a heap), so a mint costs the
+    secrets that expired since the last one, not a walk over all of them."""
 
-    def __init__(self, clock: Callable[[], float] = time.time, max_items: int = 100_000, origin: str = "") -> None:
+    def __init__(self, clock: Callable[[], float] = time.time, max_per_key: int = 10_000, origin: str = "") -> None:
         """``origin``: the cluster replica that makes the secrets (``gateway.origin``)."""
-        self.clock, self.max_items, self.origin = clock, max_items, origin
-        self._by_hash: dict[bytes, Secret] = {}  # insertion order is issue order
+        self.clock, self.max_per_key, self.origin = clock, max_per_key, origin
+        self._by_hash: dict[bytes, Secret] = {}
+        self._of_key: dict[str, dict[bytes, None]] = {}  # each key's secrets' hashes, in issue order
+        self._expiring: list[tuple[float, bytes]] = []  # a heap by expiry; entries of dropped secrets are skipped
 
     def issue(self, caller: Caller, seconds: int, session: Any) -> tuple[str, Secret]:
         self._expire()
-        while len(self._by_hash) >= self.max_items:
-            del self._by_hash[next(iter(self._by_hash))]
+        own = self._of_key.get(caller.key_id, {})
+        while len(own) >= self.max_per_key:
+            self._drop(next(iter(own)))
         value = tagged(PREFIX, self.origin, secrets.token_urlsafe(32))
-        secret = Secret(caller.key_id, self.clock() + seconds, session)
-        self._by_hash[_hash(value)] = secret
+        secret, digest = Secret(caller.key_id, self.clock() + seconds, session), _hash(value)
+        self._by_hash[digest] = secret
+        self._of_key.setdefault(caller.key_id, {})[digest] = None
+        heapq.heappush(self._expiring, (secret.expires_at, digest))
+        if len(self._expiring) > 2 * len(self._by_hash) + 1024:  # mostly dropped ones: rebuilt, amortized O(1)
+            self._expiring = [(s.expires_at, h) for h, s in self._by_hash.items()]
+            heapq.heapify(self._expiring)
         return value, secret
 
     def redeem(self, value: str) -> Secret | None:
@@ -59,10 +71,22 @@ class ClientSecrets:
         secret = self._by_hash.get(_hash(value))
         return secret if secret is not None and secret.expires_at > self.clock() else None
 
+    def __len__(self) -> int:
+        return len(self._by_hash)
+
     def _expire(self) -> None:
         now = self.clock()
-        for key in [k for k, s in self._by_hash.items() if s.expires_at <= now]:
-            del self._by_hash[key]
+        while self._expiring and self._expiring[0][0] <= now:
+            self._drop(heapq.heappop(self._expiring)[1])
+
+    def _drop(self, digest: bytes) -> None:
+        secret = self._by_hash.pop(digest, None)
+        if secret is None:
+            return  # dropped already (its key made too many)
+        own = self._of_key[secret.key_id]
+        del own[digest]
+        if not own:
+            del self._of_key[secret.key_id]
 
 
 def _hash(value: str) -> bytes:

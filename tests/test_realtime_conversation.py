@@ -1053,6 +1053,24 @@ def test_a_client_secret_expires():
     assert store.redeem(value) is None
 
 
+def test_a_key_at_its_cap_of_client_secrets_drops_its_own_oldest_and_no_one_elses():
+    """The cap on secrets is each key's: a key making more drops its own oldest (it once dropped
+    the oldest of all keys', so one key could void every other key's). Expiry is swept in order."""
+    from gateway.auth import Caller
+    from gateway.realtime_secrets import ClientSecrets
+
+    now = [1000.0]
+    store = ClientSecrets(clock=lambda: now[0], max_per_key=3)
+    customer = store.issue(Caller("paid", "customer"), 7200, None)[0]
+    flood = [store.issue(Caller("free", "flooder"), 60, None)[0] for _ in range(2000)]
+    assert store.redeem(customer) is not None
+    assert [store.redeem(v) is not None for v in flood[-4:]] == [False, True, True, True]
+    assert len(store) == 4 and len(store._expiring) <= 2 * len(store) + 1024  # dropped ones' entries are let go
+    now[0] += 61
+    store.issue(Caller("free", "other"), 60, None)  # the flooder's expired secrets are swept as it makes one
+    assert len(store) == 2 and store.redeem(customer) is not None
+
+
 @pytest.fixture(scope="module")
 def tight_server(tiny_stt, tiny_chat, tiny_tts, tmp_path_factory) -> RunningServer:
     """A budget of 4 GiB and three models of 3 GiB: one at a time; protection for 30 s."""
