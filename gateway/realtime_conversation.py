@@ -201,6 +201,7 @@ class ConversationSession(TranscriptionSession):
         self._heard: dict[str, asyncio.Event] = {}  # a committed utterance's item: set once transcribed
         self._response: _Response | None = None  # the conversation's, in progress
         self._side: dict[str, _Response] = {}  # out-of-band responses in progress, by id
+        self._ending: dict[str, _Response] = {}  # cancelled conversation responses a newer one waits for, by id
         self._said: dict[str, _Said] = {}  # a spoken assistant message's id -> its speech
         self._typed_audio: set[str] = set()  # user items created with audio (no response of their own)
         self._idle: asyncio.Task | None = None  # idle_timeout_ms's wait, after a reply has been heard
@@ -227,7 +228,7 @@ class ConversationSession(TranscriptionSession):
             await super().run()
         finally:
             self._not_idle()
-            for response in [self._response, *self._side.values()]:
+            for response in [self._response, *self._ending.values(), *self._side.values()]:
                 if response is not None and response.task is not None:
                     response.task.cancel()
                     with contextlib.suppress(asyncio.CancelledError):
@@ -651,7 +652,8 @@ class ConversationSession(TranscriptionSession):
 
     async def _start_response(self, settings: Conversing, conversation: bool = True,
                               context: list[dict] | None = None, metadata: dict | None = None) -> None:
-        if conversation and self._response is not None:
+        ending = self._response if conversation and self._response is not None and self._response.cancelled else None
+        if conversation and self._response is not None and ending is None:
             raise bad_request("the conversation has a response in progress: wait for its response.done, or cancel "
                               "it (an out-of-band response, conversation: \"none\", may run beside it)", None,
                               "conversation_already_has_active_response")
@@ -659,9 +661,11 @@ class ConversationSession(TranscriptionSession):
         if conversation:
             self._not_idle()
             self._response = response
+            if ending is not None:  # cancelled, its end still under way: this one begins once it is over
+                self._ending[ending.id] = ending
         else:
             self._side[response.id] = response
-        response.task = asyncio.create_task(self._respond(response, settings))
+        response.task = asyncio.create_task(self._respond(response, settings, ending))
 
     def _shown(self, response: _Response, status: str, usage: dict | None = None, error: dict | None = None) -> dict:
         details = None if error is None else {"type": "failed", "error": error}
@@ -672,7 +676,11 @@ class ConversationSession(TranscriptionSession):
                 "output_modalities": list(response.settings.modalities), "metadata": response.metadata,
                 "usage": usage}
 
-    async def _respond(self, response: _Response, settings: Conversing) -> None:
+    async def _respond(self, response: _Response, settings: Conversing, after: _Response | None = None) -> None:
+        """Run ``response`` to its ``response.done``; ``after``: a cancelled response of the
+        conversation's still ending, waited for first (its events and items come before this one's)."""
+        if after is not None and after.task is not None and not after.task.done():
+            await asyncio.wait([after.task])  # (a cancel meanwhile only marks this one: it ends as it begins)
         response.started = True
         try:
             await self.send({"type": "response.created", "response": self._shown(response, "in_progress")})
@@ -701,6 +709,7 @@ class ConversationSession(TranscriptionSession):
                 self._response = None
                 self._idle_after(response)
             self._side.pop(response.id, None)
+            self._ending.pop(response.id, None)
 
     def _idle_after(self, response: _Response) -> None:
         """Start ``idle_timeout_ms``'s wait once the conversation's response is over: after its

@@ -422,7 +422,18 @@ def test_the_agents_sdk_realtime_agent_calls_its_function_tool(server):
 
 def test_a_cancel_right_after_a_create_ends_that_response_and_the_next_one_runs(server):
     """A response cancelled before its task began (the two events sent back to back) still ends,
-    cancelled; it once stayed "in progress" for ever and refused every later response."""
+    cancelled; it once stayed "in progress" for ever and refused every later response. A create
+    right after a cancel (interrupt and ask again) is taken, in turn after the cancelled one's end:
+    it was once refused, conversation_already_has_active_response, while that end was under way."""
+    async def two_done_or_an_error(conn) -> list:
+        out = []
+        async with asyncio.timeout(60):
+            async for event in conn:
+                out.append(event)
+                if event.type == "error" or sum(e.type == "response.done" for e in out) == 2:
+                    return out
+        raise AssertionError(f"the session ended: {[e.type for e in out]}")
+
     async def run():
         async with client(server).realtime.connect(model="tiny-chat") as conn:
             await begin(conn, {**MANUAL, "output_modalities": ["text"]})
@@ -430,12 +441,28 @@ def test_a_cancel_right_after_a_create_ends_that_response_and_the_next_one_runs(
             await conn.send({"type": "response.cancel"})
             first = await events_until(conn, "response.done")
             await conn.response.create()
-            return first, await events_until(conn, "response.done")
+            second = await events_until(conn, "response.done")
+            again = []
+            for _ in range(3):
+                await conn.send({"type": "response.create"})
+                started = await events_until(conn, "response.created")
+                await conn.send({"type": "response.cancel"})
+                await conn.send({"type": "response.create"})
+                again.append(started + await two_done_or_an_error(conn))
+                if again[-1][-1].type == "error":
+                    break
+            return first, second, again
 
-    first, second = asyncio.run(run())
+    first, second, again = asyncio.run(run())
     assert [e.type for e in first if e.type.startswith("response.")][0] == "response.created"
     assert first[-1].response.status == "cancelled"
     assert second[-1].response.status == "completed"
+    for events in again:
+        assert not [e.error for e in events if e.type == "error"]
+        done = [e.response for e in events if e.type == "response.done"]
+        assert [d.status for d in done] == ["cancelled", "completed"]
+        created = [e.response.id for e in events if e.type == "response.created"]
+        assert created == [d.id for d in done]  # the second begins once the cancelled one has ended
 
 
 @pytest.mark.parametrize("seed", range(3))
