@@ -439,8 +439,11 @@ class TranscriptionSession:
             self._detector = await asyncio.to_thread(TurnDetector, self.config.vad, RATE)
             self._vad_origin = self._start + self._buffered - len(samples)  # it hears from these samples on
         edges = await asyncio.to_thread(self._detector.feed, samples.astype(np.float32) / 32768.0)
+        # all of one feed's edges are placed from the origin it was heard from: a turn's end and the
+        # next one's start may come together (a short pause), and the end's commit must not move the start
+        origin = self._vad_origin
         for kind, at in edges:
-            at += self._vad_origin
+            at += origin
             if kind == "start" and self._speech is None:
                 item, start = _new_id("item"), max(self._start, at)
                 self._speech = (item, start)
@@ -466,7 +469,7 @@ class TranscriptionSession:
         await self.send({"type": "input_audio_buffer.speech_stopped", "item_id": item,
                          "audio_end_ms": round(end / RATE * 1000)})
         self._drop(start)  # the silence before the speech is not transcribed
-        await self._commit(item, end)
+        await self._commit(item, end, heard=True)
 
     # -- semantic_vad -------------------------------------------------------------------------------
 
@@ -528,8 +531,10 @@ class TranscriptionSession:
             self._detector.close()
             self._detector, self._speech = None, None
 
-    async def _commit(self, item: str, end: int) -> None:
-        """Commit the buffer up to the stream's sample ``end`` as utterance ``item``."""
+    async def _commit(self, item: str, end: int, heard: bool = False) -> None:
+        """Commit the buffer up to the stream's sample ``end`` as utterance ``item``. A turn the
+        detector ended (``heard``) leaves it hearing on: the stream it heard is still the session's,
+        and the next turn may already have started in it. A client's commit restarts it."""
         audio = self._take(end)
         try:
             self._room_for(len(audio) / RATE)
@@ -541,7 +546,10 @@ class TranscriptionSession:
         await self.send({"type": "input_audio_buffer.committed", "item_id": item, "previous_item_id": self._previous})
         self._previous = item
         self._speech = None
-        self._restart_detector()
+        if heard:
+            self._forget_pause()
+        else:
+            self._restart_detector()
         self._transcribe_later(item, audio)
 
     def _room_for(self, seconds: float) -> None:

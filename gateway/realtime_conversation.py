@@ -562,10 +562,10 @@ class ConversationSession(TranscriptionSession):
 
     # -- committed utterances: user items ----------------------------------------------------------
 
-    async def _commit(self, item: str, end: int) -> None:
+    async def _commit(self, item: str, end: int, heard: bool = False) -> None:
         self._heard[item] = asyncio.Event()
         try:
-            await super()._commit(item, end)
+            await super()._commit(item, end, heard)
         except APIError:
             del self._heard[item]
             raise

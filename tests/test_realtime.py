@@ -11,6 +11,7 @@ import io
 import json
 import re
 from pathlib import Path
+from types import SimpleNamespace
 
 import httpx
 import numpy as np
@@ -18,8 +19,11 @@ import pytest
 import soundfile as sf
 import websockets
 from openai import AsyncOpenAI, OpenAI
+from starlette.websockets import WebSocketState
 
+from gateway.realtime import SessionConfig, TranscriptionSession
 from tests.helpers import RunningServer, spoken, start_server, write_config
+from workers.stt import ServerVad, TurnDetector
 
 RATE = 24000
 
@@ -181,6 +185,74 @@ def test_server_vad_ends_each_utterance_at_a_silence(server):
         assert end + 200 <= stop.audio_end_ms <= end + 450
         # the turn's audio only: the silences between the turns are not transcribed
         assert d.usage.seconds == pytest.approx((stop.audio_end_ms - start.audio_start_ms) / 1000, abs=0.002)
+
+
+class _Socket:
+    """A connected WebSocket that keeps what the session sends (the session driven in-process)."""
+
+    def __init__(self) -> None:
+        self.application_state, self.sent = WebSocketState.CONNECTED, []
+
+    async def send_text(self, text: str) -> None:
+        self.sent.append(json.loads(text))
+
+
+@pytest.mark.parametrize("chunk_ms, silence_ms, pause_ms", [(200, 500, 520), (40, 300, 328)])
+def test_server_vad_places_a_turn_that_starts_in_the_append_that_ends_the_one_before(chunk_ms, silence_ms, pause_ms,
+                                                                                     monkeypatch):
+    """A pause just past ``silence_duration_ms`` (300 ms of padding): one detector feed hears the
+    first turn's end and the second's start together (200 ms appends, as OpenAI's example sends,
+    and a microphone's 40 ms). Both turns are placed where the detector heard them, in order, and
+    each commits the audio of its phrase."""
+    first = spoken("Where is the gold hidden?", rate=RATE)
+    second = spoken("The pirates buried it under the old oak tree.", rate=RATE)
+    lead, pause = 0, RATE * pause_ms // 1000
+    stream = np.concatenate([np.zeros(lead, np.float32), first, np.zeros(pause, np.float32), second,
+                             np.zeros(3 * RATE // 2, np.float32)])
+    samples = np.frombuffer(pcm16(stream), "<i2")
+    svc = SimpleNamespace(config=SimpleNamespace(limits=SimpleNamespace(transcription_max_seconds=1800,
+                                                                        prompt_max_chars=4000)))
+    together, feed = [], TurnDetector.feed
+
+    def heard(detector, audio):
+        edges = feed(detector, audio)
+        together.append(len({kind for kind, _ in edges}) == 2)
+        return edges
+
+    monkeypatch.setattr(TurnDetector, "feed", heard)
+
+    async def run():
+        socket = _Socket()
+        config = SessionConfig("tiny-stt", vad=ServerVad(0.5, 300, silence_ms))
+        session = TranscriptionSession(socket, svc, None, config)
+        committed = []
+        session._transcribe_later = lambda item, audio: committed.append((item, audio))
+        step = RATE * chunk_ms // 1000
+        try:
+            for i in range(0, len(samples), step):
+                await session._append(samples[i:i + step].copy())
+        finally:
+            session._detector.close()
+        return socket.sent, committed
+
+    sent, committed = asyncio.run(run())
+    assert any(together)  # the case at hand: a feed with an end and a start
+    kinds = [e["type"] for e in sent]
+    assert kinds == ["input_audio_buffer.speech_started", "input_audio_buffer.speech_stopped",
+                     "input_audio_buffer.committed"] * 2
+    starts = [round(e["audio_start_ms"] * RATE / 1000) for e in sent if e["type"].endswith("speech_started")]
+    stops = [round(e["audio_end_ms"] * RATE / 1000) for e in sent if e["type"].endswith("speech_stopped")]
+    assert starts[0] < stops[0] <= starts[1] < stops[1]
+    turns = []  # each turn's committed audio is the stream's, from where its events say (to the ms)
+    for start, stop, (_, audio) in zip(starts, stops, committed):
+        assert abs(len(audio) - (stop - start)) <= RATE // 1000
+        (at,) = [k for k in range(start - RATE // 1000, start + RATE // 1000 + 1)
+                 if np.array_equal(audio, samples[k:k + len(audio)])]
+        turns.append((at, at + len(audio)))
+    # every sample of both phrases is in a turn: the first's padding after it may hold the second's first samples
+    a_end, b_begin = lead + len(first), lead + len(first) + pause
+    assert turns[0][0] <= lead and a_end <= turns[0][1]
+    assert turns[1][0] <= max(b_begin, turns[0][1]) and b_begin + len(second) <= turns[1][1]
 
 
 @pytest.mark.parametrize("event, param, code", [
