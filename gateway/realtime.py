@@ -56,6 +56,7 @@ from gateway.audio import TranscriptionJob, stream_transcription
 from gateway.auth import Caller
 from gateway.errors import APIError, bad_request
 from gateway.logprobs import token_entries
+from gateway.schemas import InvalidJSON, check_shape
 from gateway.service import ClientGone, Services
 from gateway.serving import Gone
 from gateway.turn_end import EAGERNESS_MAX_MS, SemanticVad, end_probability, transcript_of, turn_wait_ms
@@ -364,7 +365,10 @@ class TranscriptionSession:
                 if text is None:
                     raise bad_request("client events are JSON text frames, not binary ones", None, "invalid_event")
                 try:
+                    check_shape(text, "the client event")  # as HTTP bodies: no depth can raise RecursionError
                     event = json.loads(text)
+                except InvalidJSON as exc:
+                    raise bad_request(str(exc), None, "invalid_json") from None
                 except ValueError:
                     raise bad_request("the client event is not valid JSON", None, "invalid_json") from None
                 if not isinstance(event, dict) or not isinstance(event.get("type"), str):

@@ -585,12 +585,12 @@ def loads(raw: bytes | str) -> Any:
             raw = raw.decode("utf-8")
         except UnicodeDecodeError as exc:
             raise InvalidJSON(f"the request body is not valid UTF-8 (byte {exc.start})") from None
-    _check_shape(raw)
+    check_shape(raw)
     try:
         data = _DECODER.decode(raw)
     except InvalidJSON:
         raise
-    except RecursionError:  # not reached past _check_shape; kept so no body can make a 500
+    except RecursionError:  # not reached past check_shape; kept so no body can make a 500
         raise InvalidJSON("the request body nests too deeply") from None
     except ValueError as exc:
         raise InvalidJSON(f"the request body is not valid JSON: {exc}") from None
@@ -603,21 +603,27 @@ _SURROGATE_ESCAPE = re.compile(r"\\u[dD][89a-fA-F]")
 _NOT_STRUCTURE = re.compile(r"[^\[\]{},]")
 
 
-def _check_shape(text: str) -> None:
-    """Depth and value count, counted on the text outside strings, before anything is built."""
+def check_shape(text: str, what: str = "the request body") -> None:
+    """Depth and value count, counted on the text outside strings, before anything is built
+    (``what`` names the text in the :class:`InvalidJSON`). Any JSON text, parsed by any decoder:
+    a realtime client event is checked too, so no depth can raise ``RecursionError``."""
+    opening = text.count("[") + text.count("{")
+    marks = opening + text.count("]") + text.count("}") + text.count(",")
+    if opening <= MAX_DEPTH and marks <= 2 * MAX_VALUES and text.count('"') <= 4 * MAX_VALUES:
+        return  # within the limits even counting inside strings (an audio append's base64 has none of these)
     plain = text.replace("\\\\", "").replace('\\"', "")  # no escaped quote is left: a string is "..."
     if plain.count('"') > 4 * MAX_VALUES:  # a key or a string value per value, two quotes each
-        raise InvalidJSON(f"the request body has more than {MAX_VALUES} JSON values")
+        raise InvalidJSON(f"{what} has more than {MAX_VALUES} JSON values")
     structure = _NOT_STRUCTURE.sub("", "".join(plain.split('"')[::2]))  # brackets and commas outside strings
     if len(structure) > 2 * MAX_VALUES:  # every value adds at most a comma or an opening and a closing bracket
-        raise InvalidJSON(f"the request body has more than {MAX_VALUES} JSON values")
+        raise InvalidJSON(f"{what} has more than {MAX_VALUES} JSON values")
     depth = 0
     for ch in structure:
         if ch == ",":
             continue
         depth += 1 if ch in "[{" else -1
         if depth > MAX_DEPTH:
-            raise InvalidJSON(f"the request body nests arrays and objects deeper than {MAX_DEPTH} levels")
+            raise InvalidJSON(f"{what} nests arrays and objects deeper than {MAX_DEPTH} levels")
 
 
 def _constant(name: str) -> float:

@@ -409,7 +409,11 @@ def test_a_session_that_closes_gives_back_its_slot_and_its_detector(server):
 
 
 @pytest.mark.parametrize("frame, code", [(b"\x00\x01binary", "invalid_event"), ("{not json", "invalid_json"),
-                                         ('["a list"]', "invalid_event"), ('{"type": 5}', "invalid_event")])
+                                         ('["a list"]', "invalid_event"), ('{"type": 5}', "invalid_event"),
+                                         # nested past the 32 levels HTTP bodies may have (too deep for Python's parser)
+                                         ("[" * 100_000 + "]" * 100_000, "invalid_json"),
+                                         ('{"type": "session.update", "x": ' + "[" * 33 + "]" * 33 + "}",
+                                          "invalid_json")])
 def test_a_frame_that_is_no_client_event_is_an_error_event(server, frame, code):
     async def run():
         async with websockets.connect(server.url.replace("http", "ws") + "/v1/realtime",
@@ -424,6 +428,8 @@ def test_a_frame_that_is_no_client_event_is_an_error_event(server, frame, code):
     error, cleared = asyncio.run(run())
     assert error["type"] == "error" and error["error"]["code"] == code and error["error"]["event_id"] is None
     assert cleared["type"] == "input_audio_buffer.cleared"
+    if isinstance(frame, str) and frame.count("[") > 32:  # refused by the HTTP bodies' rule, before parsing
+        assert error["error"]["message"] == "the client event nests arrays and objects deeper than 32 levels"
 
 
 def test_a_browser_sends_its_key_as_a_subprotocol_and_sessions_are_counted(server):
