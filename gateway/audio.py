@@ -9,7 +9,7 @@ import base64
 import itertools
 import json
 import logging
-from collections.abc import AsyncGenerator, AsyncIterator, Iterator
+from collections.abc import AsyncGenerator, AsyncIterator, Callable, Iterator
 from dataclasses import dataclass
 from typing import Literal
 
@@ -318,8 +318,12 @@ async def stream_transcription(svc: Services, caller: Caller, job: Transcription
                        Ask(audio_seconds=job.duration)) as serving:
         serving.usage.audio_in_seconds = job.duration
         worker = serving.worker
-        audio = sound.resample(job.audio, job.rate, worker.sample_rate)
-        pieces = relayed(serving, lambda ctx, send: worker.transcribe(audio, job.request, ctx, send), "transcribing with")
+
+        def run(ctx: StepContext, send: Callable[[TextDelta], None]) -> Transcript:
+            # resampled on the model's thread, as serve_transcription does: a long utterance's took the event loop
+            return worker.transcribe(sound.resample(job.audio, job.rate, worker.sample_rate), job.request, ctx, send)
+
+        pieces = relayed(serving, run, "transcribing with")
         try:
             async for piece in pieces:
                 yield piece.result if isinstance(piece, Finished) else piece

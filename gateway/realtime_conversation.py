@@ -510,7 +510,7 @@ class ConversationSession(TranscriptionSession):
         if self.config.model is None:
             raise bad_request("this server has no speech-to-text model to hear audio with: send text items",
                               "item.content[0].audio", "audio_input_not_supported")
-        samples = self._samples(_audio_bytes(content[0]["audio"]), whole=True, param="item.content[0].audio")
+        samples = await self._samples(_audio_bytes(content[0]["audio"]), whole=True, param="item.content[0].audio")
         seconds = len(samples) / RATE
         if seconds < MIN_COMMIT_S:
             raise bad_request(f"the audio is {seconds * 1000:.0f} ms: at least {MIN_COMMIT_S * 1000:.0f} ms are needed",

@@ -23,7 +23,7 @@ from starlette.websockets import WebSocketState
 
 from gateway.realtime import SessionConfig, TranscriptionSession
 from tests.helpers import RunningServer, spoken, start_server, write_config
-from workers.stt import ServerVad, TurnDetector
+from workers.stt import ServerVad, Transcript, TurnDetector
 
 RATE = 24000
 
@@ -253,6 +253,87 @@ def test_server_vad_places_a_turn_that_starts_in_the_append_that_ends_the_one_be
     a_end, b_begin = lead + len(first), lead + len(first) + pause
     assert turns[0][0] <= lead and a_end <= turns[0][1]
     assert turns[1][0] <= max(b_begin, turns[0][1]) and b_begin + len(second) <= turns[1][1]
+
+
+def _on_loop() -> bool:
+    try:
+        asyncio.get_running_loop()
+    except RuntimeError:
+        return False
+    return True
+
+
+def test_large_telephone_appends_and_long_utterances_are_worked_on_off_the_event_loop(monkeypatch):
+    """G.711 past a second is decoded on a thread (a 12 MB append froze every session for a
+    second), in the order it came; a short append stays on the loop, where the hop would cost as
+    much as the work. A long committed utterance is converted to float32 on a thread too."""
+    import gateway.realtime as realtime
+    from workers.audio import G711Stream
+
+    law = np.frombuffer(pcm16(spoken("Hello from the telephone.", rate=8000)), "<i2")
+    encoder = G711Stream("pcmu", 8000, encode=True)
+    pcmu = encoder.feed(np.tile(law, 3).tobytes()) + encoder.flush()
+    decoded, floats, feed = [], [], G711Stream.feed
+
+    def heard(stream, data):
+        decoded.append((len(data), _on_loop()))
+        return feed(stream, data)
+
+    def to_float(samples):
+        floats.append((len(samples), _on_loop()))
+        return samples.astype(np.float32) / 32768.0
+
+    async def told(svc, caller, job, gone):
+        yield Transcript("heard", None, 1.0)
+
+    monkeypatch.setattr(G711Stream, "feed", heard)
+    monkeypatch.setattr(realtime, "_float", to_float)
+    monkeypatch.setattr(realtime, "stream_transcription", told)
+    svc = SimpleNamespace(config=SimpleNamespace(limits=SimpleNamespace(transcription_max_seconds=1800,
+                                                                        prompt_max_chars=4000)))
+
+    async def run():
+        session = TranscriptionSession(_Socket(), svc, None, SessionConfig("tiny-stt", vad=None, codec="pcmu"))
+        small, large = pcmu[:1600], pcmu[1600:]  # 200 ms, then the rest (more than a second)
+        pieces = [await session._samples(small), await session._samples(large)]
+        for speech in ((np.zeros(RATE, np.int16)), np.zeros(11 * RATE, np.int16)):
+            await session._transcribe("item", speech, session.config)
+        return pieces
+
+    pieces = asyncio.run(run())
+    large = len(pcmu) - 1600
+    assert large > 2 * 8000 and decoded == [(1600, True), (large, False)]
+    one = G711Stream("pcmu", RATE, encode=False)  # in order: the stream decoded as one piece
+    whole = np.frombuffer(one.feed(pcmu), "<i2")
+    assert np.array_equal(np.concatenate(pieces), whole[:sum(map(len, pieces))])
+    assert floats == [(RATE, True), (11 * RATE, False)]
+
+
+def test_a_streamed_transcription_resamples_its_audio_on_the_model_s_thread(server, monkeypatch):
+    """A committed utterance's resampling to the model's rate ran on the event loop (a second for
+    25 minutes of audio); it runs where the model does, as an upload's does."""
+    from workers import audio as sound
+
+    resampled, resample = [], sound.resample
+
+    def recorded(x, rate, to):
+        resampled.append((rate, to, _on_loop()))
+        return resample(x, rate, to)
+
+    speech = spoken("Resample me.", rate=RATE)
+    monkeypatch.setattr(sound, "resample", recorded)
+
+    async def run():
+        async with client(server).realtime.connect(extra_query={"intent": "transcription"}) as conn:
+            await events_until(conn, "session.created")
+            await conn.session.update(session=MANUAL)
+            await events_until(conn, "session.updated")
+            await conn.input_audio_buffer.append(audio=b64(speech))
+            await conn.input_audio_buffer.commit()
+            return await events_until(conn, "conversation.item.input_audio_transcription.completed")
+
+    asyncio.run(run())
+    assert [(rate, on_loop) for rate, _, on_loop in resampled] == [(RATE, False)]
 
 
 @pytest.mark.parametrize("event, param, code", [
