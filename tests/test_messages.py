@@ -302,24 +302,30 @@ def keepalive(server, monkeypatch, seconds: float) -> None:
         update={"server": config.server.model_copy(update={"keepalive_s": seconds})}))
 
 
-def test_a_stream_that_waits_sends_keep_alives_both_sdks_skip(server, monkeypatch):
-    """``server.keepalive_s``: an event stream idle that long sends a keep-alive, Anthropic's
-    ``ping`` event on /v1/messages and an SSE comment on chat, and both SDKs read the same reply
-    as without them. (The engine slowed to one event per 0.3 s, keep-alives every 0.1 s; none at 0.)"""
+def slowed(server, monkeypatch, model: str, seconds: float) -> None:
+    """The running server's engine for ``model`` (loaded: its worker exists) made to wait
+    ``seconds`` after each of its events."""
     import asyncio
 
-    kw = dict(model="tiny-chat", max_tokens=4, messages=ASK)
-    quick = claude(server).messages.create(**kw, extra_body=GREEDY)  # (loads the model: its worker exists)
-    quick_chat = gpt(server).chat.completions.create(**kw, temperature=0)
-    worker = server.services.arbiter.workers["tiny-chat"]
+    worker = server.services.arbiter.workers[model]
     chat = worker.chat
 
     async def slow(req):
         async for event in chat(req):
-            await asyncio.sleep(0.3)
+            await asyncio.sleep(seconds)
             yield event
 
     monkeypatch.setattr(worker, "chat", slow)
+
+
+def test_a_stream_that_waits_sends_keep_alives_both_sdks_skip(server, monkeypatch):
+    """``server.keepalive_s``: an event stream idle that long sends a keep-alive, Anthropic's
+    ``ping`` event on /v1/messages and an SSE comment on chat, and both SDKs read the same reply
+    as without them. (The engine slowed to one event per 0.3 s, keep-alives every 0.1 s; none at 0.)"""
+    kw = dict(model="tiny-chat", max_tokens=4, messages=ASK)
+    quick = claude(server).messages.create(**kw, extra_body=GREEDY)  # (loads the model: its worker exists)
+    quick_chat = gpt(server).chat.completions.create(**kw, temperature=0)
+    slowed(server, monkeypatch, "tiny-chat", 0.3)
     keepalive(server, monkeypatch, 0.1)
     headers = {"x-api-key": server.keys["paid"]}
     with httpx.stream("POST", f"{server.url}/v1/messages", json={**kw, "stream": True, **GREEDY}, headers=headers,

@@ -66,6 +66,13 @@ async def events_until(conn, last: str, timeout: float = 60) -> list:
     raise AssertionError(f"the session ended before {last}: {[e.type for e in out]}")
 
 
+async def manual(conn) -> None:
+    """A session opened and set to ``MANUAL`` (the client commits each utterance)."""
+    await events_until(conn, "session.created")
+    await conn.session.update(session=MANUAL)
+    await events_until(conn, "session.updated")
+
+
 MANUAL = {"type": "transcription", "audio": {"input": {"format": {"type": "audio/pcm", "rate": RATE},
                                                         "transcription": {"model": "tiny-stt", "language": "en"},
                                                         "turn_detection": None}}}
@@ -325,9 +332,7 @@ def test_a_streamed_transcription_resamples_its_audio_on_the_model_s_thread(serv
 
     async def run():
         async with client(server).realtime.connect(extra_query={"intent": "transcription"}) as conn:
-            await events_until(conn, "session.created")
-            await conn.session.update(session=MANUAL)
-            await events_until(conn, "session.updated")
+            await manual(conn)
             await conn.input_audio_buffer.append(audio=b64(speech))
             await conn.input_audio_buffer.commit()
             return await events_until(conn, "conversation.item.input_audio_transcription.completed")
@@ -724,9 +729,7 @@ def test_audio_waiting_past_the_limit_is_a_429_and_stays_in_the_buffer_to_commit
 
     async def run():
         async with client(running).realtime.connect(extra_query={"intent": "transcription"}) as conn:
-            await events_until(conn, "session.created")
-            await conn.session.update(session=MANUAL)
-            await events_until(conn, "session.updated")
+            await manual(conn)
             await conn.input_audio_buffer.append(audio=b64(first))
             await conn.input_audio_buffer.commit()
             committed = await events_until(conn, "input_audio_buffer.committed")

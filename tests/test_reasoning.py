@@ -717,21 +717,11 @@ def test_a_stream_whose_thinking_is_left_out_starts_at_once_and_keeps_alive(serv
     opening chunk) as the model begins, so that keep-alives cover the thinking, where the first
     byte waited for the answer (all thinking here: the end). The engine slowed to one event per
     0.3 s, keep-alives every 0.1 s."""
-    import asyncio
-
-    from tests.test_messages import keepalive
+    from tests.test_messages import keepalive, slowed
 
     kw = dict(model="r1", messages=ASK, max_tokens=6, seed=5, stream=True, include_reasoning=False)
     client(server).chat.completions.create(model="r1", messages=ASK, max_tokens=1)  # (loads it: its worker exists)
-    worker = server.services.arbiter.workers["r1"]
-    chat = worker.chat
-
-    async def slow(req):
-        async for event in chat(req):
-            await asyncio.sleep(0.3)
-            yield event
-
-    monkeypatch.setattr(worker, "chat", slow)
+    slowed(server, monkeypatch, "r1", 0.3)
     keepalive(server, monkeypatch, 0.1)
     with httpx.stream("POST", f"{server.base_url}/chat/completions", json=kw, timeout=60,
                       headers={"Authorization": f"Bearer {server.keys['paid']}"}) as r:
