@@ -9,7 +9,9 @@ as 24 kHz PCM16 with its transcript. OpenAI's protocol, as its SDK speaks it:
   or G.711 telephone audio, as ``gateway.realtime`` takes it; ``transcription.model``, a
   speech-to-text model; ``turn_detection``, ``server_vad``, ``semantic_vad`` (judged by the
   session's own chat model: ``gateway.turn_end``) or null, with ``create_response``,
-  ``interrupt_response`` and, for ``server_vad``, ``idle_timeout_ms``) and
+  ``interrupt_response`` and, for ``server_vad``, ``idle_timeout_ms``), ``truncation`` (``auto``:
+  each response reads the conversation without its oldest turns when it outgrows the context,
+  ``gateway.responses.fitting``; or ``disabled``) and
   ``audio.output`` (``format``: the same three, the speech resampled to 8 kHz and encoded as it
   streams for G.711; ``voice``; ``speed``, 0.25 to 1.5, as ``/v1/audio/speech`` says it).
 * Turns: ``input_audio_buffer.append`` / ``commit`` / ``clear`` (or the turn detection), each committed
@@ -82,6 +84,7 @@ from gateway.realtime import (DEFAULT_VAD, FORMATS, MIN_COMMIT_S, RATE, SessionC
 from gateway.request_log import note
 from gateway.turn_end import SemanticVad
 from gateway.schemas import ChatCompletionRequest, parse, read_json
+from gateway.responses import fitting
 from gateway.service import ClientGone, Services, own_uses
 from gateway.serving import weightless
 from workers.audio import G711Stream
@@ -124,6 +127,7 @@ class Conversing:
     tool_choice: Any = "auto"  # as chat takes it
     codec: str = "pcm"  # the speech's format: a key of gateway.realtime.FORMATS
     idle_timeout_ms: int | None = None  # server_vad: answer unprompted after this long a silence
+    truncation: str = "auto"  # auto: the oldest turns dropped until the conversation fits the context; disabled
 
 
 @dataclass
@@ -216,6 +220,7 @@ class ConversationSession(TranscriptionSession):
                 "output_modalities": list(c.modalities), "instructions": c.instructions,
                 "max_output_tokens": "inf" if c.max_output_tokens is None else c.max_output_tokens,
                 "tools": [{"type": "function", **t["function"]} for t in c.tools], "tool_choice": _choice_shown(c.tool_choice),
+                "truncation": c.truncation,
                 "audio": {"input": {"format": FORMATS[self.config.codec],
                                     "transcription": {"model": self.config.model} if self.config.model else None,
                                     "turn_detection": detection,
@@ -351,6 +356,13 @@ class ConversationSession(TranscriptionSession):
                               "session.model", "invalid_value")
         if "tools" in session or "tool_choice" in session:
             conversing = self._tools(conversing, session.pop("tools", None), session.pop("tool_choice", None), "session")
+        if "truncation" in session:
+            truncation = session.pop("truncation")
+            if truncation not in ("auto", "disabled"):  # (OpenAI's retention_ratio object is not served)
+                raise bad_request('truncation is "auto" (the oldest turns dropped until the conversation fits the '
+                                  'model\'s context) or "disabled"', "session.truncation",
+                                  "unsupported_value" if isinstance(truncation, dict) else "invalid_value")
+            conversing = replace(conversing, truncation=truncation)
         for key in ("id", "object", "tracing"):
             session.pop(key, None)
         if session:
@@ -773,6 +785,12 @@ class ConversationSession(TranscriptionSession):
         if settings.tools:
             asked.update(tools=list(settings.tools), tool_choice=settings.tool_choice)
         job = plan_chat(self.svc, parse(ChatCompletionRequest, asked))
+        if settings.truncation == "auto":  # OpenAI's default: a long conversation drops its oldest turns
+            messages = asked["messages"]
+            system = messages[:1] if messages[0]["role"] == "system" else []
+            kept = await fitting(self.svc, job, system, messages[len(system):])
+            if len(kept) < len(messages) - len(system):
+                job = plan_chat(self.svc, parse(ChatCompletionRequest, {**asked, "messages": system + kept}))
         audio = "audio" in settings.modalities
         # a content part event names its part "audio" or "text"; the item's content, "output_audio" or "output_text"
         part_type, event_part, said_as = ("output_audio", "audio", "transcript") if audio else ("output_text", "text", "text")

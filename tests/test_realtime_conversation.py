@@ -1132,3 +1132,39 @@ def test_a_sessions_turns_take_turns_on_a_budget_that_holds_one_model(tight_serv
         http(tight_server).chat.completions.create(model="tiny-chat", messages=[{"role": "user", "content": "Hi"}],
                                                    max_tokens=2)
     assert getattr(held_off.value, "status_code", None) == 429
+
+
+def test_a_long_conversation_drops_its_oldest_turns_unless_truncation_is_disabled(server):
+    """``truncation: "auto"`` (OpenAI's default): a conversation past the model's context (tiny-chat's
+    512 tokens) drops its oldest turns for each response, where every response after that failed
+    with context_length_exceeded; ``"disabled"`` keeps them all (and fails so), and a ratio is
+    refused by name."""
+    said = "Tell me more about where the pirates buried the gold, and who keeps the map now. " * 2
+
+    async def run(truncation: str | None) -> list:
+        async with client(server).realtime.connect(model="tiny-chat") as conn:
+            await begin(conn, {**MANUAL, "output_modalities": ["text"],
+                               **({"truncation": truncation} if truncation else {})}, text=None)
+            done = []
+            for _ in range(12):
+                await conn.conversation.item.create(item={"type": "message", "role": "user",
+                                                          "content": [{"type": "input_text", "text": said}]})
+                await conn.response.create(response={"max_output_tokens": 16})
+                done.append((await events_until(conn, "response.done"))[-1].response)
+            return done
+
+    auto = asyncio.run(run(None))
+    assert [r.status for r in auto] == ["completed"] * 12
+    kept = asyncio.run(run("disabled"))
+    failed = [r for r in kept if r.status == "failed"]
+    assert failed and failed[0].status_details.error.code == "context_length_exceeded"
+
+    async def ratio():
+        async with client(server).realtime.connect(model="tiny-chat") as conn:
+            await events_until(conn, "session.created")
+            await conn.session.update(session={"type": "realtime", "truncation": {"type": "retention_ratio",
+                                                                                  "retention_ratio": 0.5}})
+            return (await events_until(conn, "error"))[-1].error
+
+    error = asyncio.run(ratio())
+    assert (error.param, error.code) == ("session.truncation", "unsupported_value")
