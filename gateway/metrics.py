@@ -27,6 +27,7 @@ import math
 import time
 from collections import Counter
 from collections.abc import Iterable
+from typing import TYPE_CHECKING
 
 from prometheus_client import CollectorRegistry, generate_latest
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
@@ -34,8 +35,9 @@ from prometheus_client.metrics_core import Metric
 from prometheus_client.registry import Collector
 from prometheus_client.utils import floatToGoString
 
-from arbiter.residency import Arbiter
-from gateway.admission import Gate
+if TYPE_CHECKING:  # annotations only: the cluster's ingress imports this module (its loop watch) without torch
+    from arbiter.residency import Arbiter
+    from gateway.admission import Gate
 
 _BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 120)
 _RESIDENT = {"resident": 1.0, "warm": 0.5}  # tiergate_model_resident; anything else 0
