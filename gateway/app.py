@@ -41,7 +41,7 @@ from gateway.config import Config
 from gateway.cors import cors
 from gateway.background import Background
 from gateway.drain import LIVENESS, Drain, DrainGate, Preload, readyz
-from gateway.errors import APIError, store_unavailable
+from gateway.errors import APIError, speaks_anthropic, store_unavailable
 from gateway.image_store import ImageStore
 from gateway.loop_watch import LoopWatch
 from gateway.metrics import Metrics
@@ -63,7 +63,6 @@ log = logging.getLogger("tiergate")
 _STATUS_CODES = {404: "not_found", 405: "method_not_allowed", 413: "request_too_large"}
 # Anthropic's Messages API: its errors carry its "type" too (gateway.messages), as do those of any request its SDK
 # sends (an anthropic-version header: its models list)
-ANTHROPIC_PATHS = ("/v1/messages",)
 
 
 def build_services(config: Config, keys: KeyRing, origin: str = "") -> Services:
@@ -251,7 +250,7 @@ async def admin_model(request: Request) -> Response:
 def _anthropic(request: Request) -> bool:
     """Whether the request's errors carry Anthropic's ``"type": "error"`` (README, "Anthropic's
     Messages API"): on its paths, and on any request with its SDK's ``anthropic-version`` header."""
-    return request.url.path.startswith(ANTHROPIC_PATHS) or "anthropic-version" in request.headers
+    return speaks_anthropic(request.url.path, request.headers)
 
 
 async def _api_error(request: Request, exc: APIError) -> Response:

@@ -34,7 +34,7 @@ from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
-from gateway.errors import APIError
+from gateway.errors import APIError, speaks_anthropic
 from gateway.request_log import note
 
 log = logging.getLogger("tiergate.drain")
@@ -121,7 +121,7 @@ class DrainGate:
             error = APIError(503, "the server is shutting down; retry on another instance", "shutting_down",
                              headers={"retry-after": str(retry), "connection": "close"})
             note(reason=error.code)
-            await error.response()(scope, receive, send)
+            await error.response(speaks_anthropic(scope["path"], scope["headers"]))(scope, receive, send)
             return
         if not scope["path"].startswith("/v1/"):
             await self.app(scope, receive, send)
@@ -152,7 +152,7 @@ class DrainGate:
                                  "passed); retry on another instance", "shutting_down",
                                  headers={"retry-after": str(RETRY_AFTER_S), "connection": "close"})
                 note(reason=error.code)
-                await error.response()(scope, receive, send)
+                await error.response(speaks_anthropic(scope["path"], scope["headers"]))(scope, receive, send)
         finally:
             drain.tasks.discard(task)
             drain.inflight -= 1

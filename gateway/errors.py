@@ -52,6 +52,20 @@ class APIError(Exception):
         return JSONResponse(body, status_code=self.status, headers=self.headers)
 
 
+ANTHROPIC_PATHS = ("/v1/messages",)
+
+
+def speaks_anthropic(path: str, headers) -> bool:
+    """Whether a request's errors carry Anthropic's ``"type": "error"`` (README, "Anthropic's
+    Messages API"): on its paths, and on any request with its SDK's ``anthropic-version`` header
+    (``headers``: Starlette's, or an ASGI scope's raw list)."""
+    if path.startswith(ANTHROPIC_PATHS):
+        return True
+    if isinstance(headers, list):
+        return any(name == b"anthropic-version" for name, _ in headers)
+    return "anthropic-version" in headers
+
+
 def store_unavailable(what: str = "the key store") -> APIError:
     """A store a request needs did not answer (``accounts.store.STORE_ERRORS``): try again shortly."""
     return APIError(503, f"{what} is unavailable; try again shortly", "store_unavailable",

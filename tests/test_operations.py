@@ -499,3 +499,32 @@ def test_a_drain_that_times_out_answers_what_is_left_itself(started, caplog):
         error = json.loads(sent[1]["body"])["error"]
         assert (error["code"], error["type"]) == ("shutting_down", "server_error")
         assert (logged[-1]["status"], logged[-1]["reason"]) == (503, "shutting_down")
+
+
+@pytest.mark.parametrize("path, headers, anthropic", [
+    ("/v1/messages", [], True), ("/v1/chat/completions", [(b"anthropic-version", b"2023-06-01")], True),
+    ("/v1/chat/completions", [], False),
+])
+def test_a_draining_servers_refusal_speaks_anthropic_where_its_sdk_asks(path, headers, anthropic):
+    """The drain's 503 ``shutting_down`` carries Anthropic's ``"type": "error"`` on its paths and
+    with its SDK's header, as every other error there does (README, Anthropic's Messages API)."""
+    from gateway.drain import Drain, DrainGate
+
+    async def main() -> list[dict]:
+        drain, sent = Drain(timeout_s=1), []
+        drain.begin()
+
+        async def send(message: dict) -> None:
+            sent.append(message)
+
+        async def never(scope, receive, send) -> None:
+            raise AssertionError("a draining server passes nothing on")
+
+        scope = {"type": "http", "method": "POST", "path": path, "headers": headers, "query_string": b""}
+        await DrainGate(never, drain)(scope, None, send)
+        return sent
+
+    sent = asyncio.run(main())
+    body = json.loads(sent[1]["body"])
+    assert sent[0]["status"] == 503 and body["error"]["code"] == "shutting_down"
+    assert (body.get("type") == "error") is anthropic
