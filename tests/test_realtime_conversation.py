@@ -825,6 +825,50 @@ def test_a_message_may_carry_its_audio_or_be_the_assistant_s_and_the_reply_reads
                                              {"role": "user", "content": heard}])[0]
 
 
+def test_a_deleted_audio_item_keeps_its_id_until_its_audio_is_heard(server, monkeypatch):
+    """A user audio item deleted while its transcription waits keeps its id until that ends: a
+    new item with the id is an error event (it would get the deleted audio's transcript, and the
+    reply would not wait for its own); the session goes on and the next reply reads the new
+    item's words. (Transcriptions slowed by 1 s, so the deleted one is still waiting.)"""
+    import gateway.realtime as realtime
+
+    hear = realtime.stream_transcription
+
+    async def slow(*args, **kwargs):
+        await asyncio.sleep(1)
+        async for piece in hear(*args, **kwargs):
+            yield piece
+
+    monkeypatch.setattr(realtime, "stream_transcription", slow)
+    long, short = spoken("Where is the gold hidden, captain?", rate=RATE), spoken("Ahoy.", rate=RATE)
+    heard = http(server).audio.transcriptions.create(model="tiny-stt", file=("a.wav", wav_of(short))).text
+
+    def audio(item_id: str, speech: np.ndarray) -> dict:
+        return {"id": item_id, "type": "message", "role": "user", "content": [{"type": "input_audio",
+                                                                                "audio": b64(speech)}]}
+
+    async def run():
+        async with client(server).realtime.connect(model="tiny-chat") as conn:
+            await begin(conn, {**MANUAL, "output_modalities": ["text"]}, text=None)
+            await conn.conversation.item.create(item=audio("item_x", long))
+            await conn.conversation.item.delete(item_id="item_x")
+            await events_until(conn, "conversation.item.deleted")
+            await conn.send({"type": "conversation.item.create", "item": audio("item_x", short)})
+            error = (await events_until(conn, "error", timeout=10))[-1].error
+            await conn.conversation.item.create(item=audio("item_y", short))
+            await conn.response.create()
+            return error, await events_until(conn, "response.done")
+
+    error, events = asyncio.run(run())
+    assert (error.param, error.code) == ("item.id", "invalid_value")
+    kinds = [(e.type, getattr(e, "item_id", None)) for e in events]
+    heard_at = kinds.index(("conversation.item.input_audio_transcription.completed", "item_y"))
+    assert heard_at < kinds.index(("response.done", None))  # the reply waited for item_y's words
+    assert events[heard_at].transcript == heard
+    written = "".join(e.delta for e in events if e.type == "response.output_text.delta")
+    assert written == answer(server, [{"role": "user", "content": heard}])[0]
+
+
 def test_audio_output_speed_is_said_as_the_speech_endpoint_says_it(server):
     """``audio.output.speed`` 1.5 (the Realtime API's most): the reply sounds as long as
     ``/v1/audio/speech`` makes its text at 1.5 (a phrase at a time: within 0.1 s), well under its
