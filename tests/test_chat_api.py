@@ -6,6 +6,7 @@ engines. The vLLM server is shared with test_vllm_gateway (conftest.py)."""
 from __future__ import annotations
 
 import json
+import math
 import re
 import threading
 from typing import Literal
@@ -388,6 +389,33 @@ def test_logprobs_whole_and_streamed(server):
     streamed = [e for c in chunks if c.choices and c.choices[0].logprobs for e in c.choices[0].logprobs.content]
     assert [e.token for e in streamed] == [e.token for e in entries]
     assert [e.logprob for e in streamed] == pytest.approx([e.logprob for e in entries], abs=1e-4)
+
+
+def test_logprobs_under_a_grammar_leave_out_what_it_forbids(server):
+    """Logprobs with a grammar (a choice, JSON mode, a required tool call): more alternatives asked
+    than the grammar allows at a step give fewer, each finite, whole and streamed (vLLM's raw
+    logprobs are masked by the grammar: its forbidden tokens were ``-inf``, a 500 whole and
+    ``-Infinity``, not JSON, streamed)."""
+    tool = {"type": "function", "function": {"name": "f", "parameters": {"type": "object", "properties": {}}}}
+    for constraint in [{"structured_outputs": {"choice": ["Yes", "No"]}}, {"response_format": {"type": "json_object"}},
+                       {"tools": [tool], "tool_choice": "required"}]:
+        body = dict(model="tiny-chat", messages=ASK, max_tokens=4, temperature=0, logprobs=True, top_logprobs=5,
+                    **constraint)
+        headers = {"authorization": f"Bearer {server.keys['paid']}"}
+        whole = httpx.post(f"{server.base_url}/chat/completions", json=body, headers=headers, timeout=120)
+        assert whole.status_code == 200, whole.text
+        streamed = httpx.post(f"{server.base_url}/chat/completions", json={**body, "stream": True}, headers=headers,
+                              timeout=120)
+        events = [line[6:] for line in streamed.text.splitlines() if line.startswith("data: {")]
+
+        def strict(text: str):
+            return json.loads(text, parse_constant=lambda c: pytest.fail(f"{c} in {constraint}"))
+
+        entries = [e for event in [strict(whole.text)] + [strict(e) for e in events] for c in event["choices"]
+                   if c.get("logprobs") for e in c["logprobs"]["content"] or []]
+        assert entries and all(len(e["top_logprobs"]) <= 5 for e in entries)
+        assert any(len(e["top_logprobs"]) < 5 for e in entries), constraint  # the grammar narrowed some step
+        assert all(math.isfinite(t["logprob"]) for e in entries for t in [e, *e["top_logprobs"]])
 
 
 def test_logprobs_bytes_are_each_tokens_own(server):

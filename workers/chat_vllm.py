@@ -31,7 +31,8 @@ Where vLLM differs from the transformers worker (``workers.chat``):
   thinks: the resubmitted prompt ends inside the thinking, so vLLM's gate waits again); after that
   it runs to its end (it stays bounded by max_tokens).
 * Logprobs are vLLM's (``SamplingParams(logprobs=k)``): by default the model's raw log
-  probabilities, before penalties, bias and the grammar's mask. So are the prompt's
+  probabilities, before penalties and bias, but after the grammar's mask (the alternatives it
+  forbids are left out: ``_token_logprob``). So are the prompt's
   (``SamplingParams(prompt_logprobs=k)``, asked of the first pass only: a resubmission's prompt
   holds generated tokens), except on an engine with LoRA enabled, which refuses them
   (``workers.base.PROMPT_LOGPROBS_WITH_LORA``: there one such request beside another killed the engine core).
@@ -66,6 +67,7 @@ import atexit
 import contextlib
 import itertools
 import json
+import math
 import os
 import shutil
 import tempfile
@@ -686,8 +688,11 @@ class VllmChatEngine(Worker):
 
     def _token_logprob(self, token: int, entries: dict, k: int) -> TokenLogprob:
         """One place of vLLM's logprobs (``{token id: Logprob}``: the token's and the ``k`` best by
-        rank) as the engines' shape: vLLM's text for each token, and its own bytes."""
-        top = sorted(((t, e) for t, e in entries.items() if e.rank is not None and e.rank <= k), key=lambda te: te[1].rank)
+        rank) as the engines' shape: vLLM's text for each token, and its own bytes. Tokens the
+        grammar's mask forbids (``-inf``: vLLM masks the logits before its raw logprobs) are left
+        out, as the transformers engine leaves them out: JSON has no infinity."""
+        top = sorted(((t, e) for t, e in entries.items() if e.rank is not None and e.rank <= k
+                      and math.isfinite(e.logprob)), key=lambda te: te[1].rank)
         entry = self._vocab.entry
         return entry(token, entries[token].logprob,
                      tuple(entry(t, e.logprob, text=e.decoded_token or "", rank=e.rank) for t, e in top),
