@@ -131,6 +131,11 @@ def plan_chat(svc: Services, body: ChatCompletionRequest) -> ChatJob:
     limits = svc.config.limits
     images = request_images(body, spec, svc.config)
     defaults = svc.sampling_defaults.get(spec.name, {})  # (its generation_config's max_new_tokens, as vLLM's)
+    if body.max_completion_tokens is not None and body.max_tokens is not None:  # OpenAI's refusal
+        raise bad_request("max_tokens and max_completion_tokens cannot both be set: max_completion_tokens replaces "
+                          "max_tokens", "max_tokens", "invalid_parameter_combination")
+    if body.stream_options is not None and not body.stream:  # OpenAI's and vLLM's
+        raise bad_request("stream_options is only allowed when stream is true", "stream_options")
     max_tokens = body.max_completion_tokens or body.max_tokens or \
         min(defaults.get("max_tokens", DEFAULT_MAX_TOKENS), limits.max_chat_tokens)
     if max_tokens > limits.max_chat_tokens:
@@ -156,7 +161,8 @@ def plan_chat(svc: Services, body: ChatCompletionRequest) -> ChatJob:
                           "adds its own", "add_special_tokens")
     reasoning = getattr(engine, "reasoning_parser", "none")
     params = ChatParams(
-        max_tokens, stop=body.stop or [], seed=body.seed,
+        max_tokens, max_tokens_default=not (body.max_completion_tokens or body.max_tokens),
+        stop=body.stop or [], seed=body.seed,
         logprobs=(body.top_logprobs or 0) if body.logprobs else None,
         logit_bias={int(k): v for k, v in (body.logit_bias or {}).items()}, prompt_logprobs=body.prompt_logprobs,
         grammar=grammar, **sampling(body, defaults), **reply_options(body, max_tokens, reasoning),

@@ -270,6 +270,8 @@ async def plan_completion(svc: Services, body: CompletionRequest) -> CompletionJ
                           "prompt_logprobs", "max_tokens")
     if body.prompt_logprobs is not None and body.stream:  # as vLLM's
         raise bad_request("prompt_logprobs are not available when stream is true", "prompt_logprobs")
+    if body.stream_options is not None and not body.stream:  # OpenAI's and vLLM's
+        raise bad_request("stream_options is only allowed when stream is true", "stream_options")
     if max_tokens > limits.max_chat_tokens:
         raise bad_request(f"max_tokens is {max_tokens}, above this server's limit of {limits.max_chat_tokens}",
                           "max_tokens")
@@ -309,7 +311,7 @@ async def plan_completion(svc: Services, body: CompletionRequest) -> CompletionJ
         prompts = await _truncated(svc, spec, tok, prompts, body.truncate_prompt_tokens, body.truncation_side)
     ranked = made > body.n  # best_of: each candidate's tokens' logprobs rank it
     params = ChatParams(
-        max_tokens, stop=body.stop or [], seed=body.seed,
+        max_tokens, max_tokens_default=body.max_tokens is None, stop=body.stop or [], seed=body.seed,
         logprobs=0 if ranked and body.logprobs is None else body.logprobs,
         logit_bias={int(k): v for k, v in (body.logit_bias or {}).items()},
         prompt_logprobs=body.prompt_logprobs if body.prompt_logprobs is not None else

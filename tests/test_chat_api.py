@@ -391,6 +391,26 @@ def test_logprobs_whole_and_streamed(server):
     assert [e.logprob for e in streamed] == pytest.approx([e.logprob for e in entries], abs=1e-4)
 
 
+def test_a_reply_without_max_tokens_fits_in_the_room_the_prompt_leaves(server):
+    """Without ``max_tokens``, the reply's default (chat's 256, legacy completions' 16) shrinks to
+    the room a long prompt leaves in the context, as vLLM's does (``ignore_eos``: the reply fills
+    it), where it was a 400 blaming a max_tokens the client never sent; one the client asks that
+    does not fit is still refused."""
+    context = client(server).models.retrieve("tiny-chat").model_extra["max_model_len"]
+    word = len(tokenizer(server).encode("word " * 100, add_special_tokens=False)) / 100
+    messages = [{"role": "user", "content": "word " * int((context - 100) / word)}]
+    kw = dict(model="tiny-chat", messages=messages, temperature=0, extra_body={"ignore_eos": True})
+    r = client(server).chat.completions.create(**kw)
+    assert context - 256 < r.usage.prompt_tokens < context  # the default would not have fit
+    assert r.usage.completion_tokens == context - r.usage.prompt_tokens and r.choices[0].finish_reason == "length"
+    with pytest.raises(openai.BadRequestError) as caught:
+        client(server).chat.completions.create(**kw, max_tokens=256)
+    assert caught.value.body["code"] == "context_length_exceeded"
+    legacy = client(server).completions.create(model="tiny-chat", prompt=[5] * (context - 5), temperature=0,
+                                               extra_body={"ignore_eos": True})
+    assert legacy.usage.completion_tokens == 5 and legacy.choices[0].finish_reason == "length"
+
+
 def test_logprobs_under_a_grammar_leave_out_what_it_forbids(server):
     """Logprobs with a grammar (a choice, JSON mode, a required tool call): more alternatives asked
     than the grammar allows at a step give fewer, each finite, whole and streamed (vLLM's raw

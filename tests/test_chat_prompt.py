@@ -7,7 +7,7 @@ from __future__ import annotations
 import pytest
 
 from workers.base import ChatParams, ChatRequest
-from workers.chat_prompt import (ON_LOOP_CHARS, ContextTooLong, check_context, encode, request_ids, small_prompt,
+from workers.chat_prompt import (ON_LOOP_CHARS, ContextTooLong, check_context, encode, fit_context, request_ids, small_prompt,
                                  thinking_marker)
 
 CONVERSATIONS = {
@@ -65,6 +65,23 @@ def test_context_check_allows_an_exact_fit_and_refuses_one_more():
     check_context(100, 412, 512)
     with pytest.raises(ContextTooLong, match=r"prompt \(100 tokens\) plus max_tokens \(413\) exceeds .* 512"):
         check_context(100, 413, 512)
+
+
+def test_a_default_max_tokens_shrinks_to_the_room_left_and_an_asked_one_is_refused():
+    """vLLM's default: a ``max_tokens`` the client did not ask becomes the room the prompt leaves
+    (a copy: the request's choices share the original), not below ``min_tokens``; one it asked
+    is checked as it is."""
+    default = ChatParams(256, max_tokens_default=True)
+    assert fit_context(default, 100, 512) is default
+    fitted = fit_context(default, 400, 512)
+    assert (fitted.max_tokens, default.max_tokens) == (112, 256)
+    assert fit_context(default, 511, 512).max_tokens == 1
+    with pytest.raises(ContextTooLong, match=r"prompt \(512 tokens\) leaves no room for a reply of at least 1 "):
+        fit_context(default, 512, 512)
+    with pytest.raises(ContextTooLong, match="at least 20 "):
+        fit_context(ChatParams(256, max_tokens_default=True, min_tokens=20), 500, 512)
+    with pytest.raises(ContextTooLong, match=r"plus max_tokens \(256\)"):
+        fit_context(ChatParams(256), 400, 512)
 
 
 def test_request_ids_refuse_a_prompt_over_the_context(tokenizer):

@@ -399,6 +399,7 @@ def test_a_tokenizer_s_bos_comes_before_the_fim_layout(tokenizer):
     ({"prompt": "x", "logit_bias": {"²": 1}}, "logit_bias"),  # a digit to str.isdigit, not to int
     ({"prompt": "x", "temperature": 3}, "temperature"),
     ({"prompt": "x", "frobnicate": 1}, "frobnicate"),
+    ({"prompt": "x", "stream_options": {"include_usage": True}}, "stream_options"),  # without stream
 ])
 def test_bad_completion_input_is_a_400_naming_the_param(server, body, param):
     r = post(server, "/completions", {"model": "tiny-chat", **body})

@@ -127,6 +127,8 @@ GOOD = {"model": "tiny-chat", "messages": [{"role": "user", "content": "hi"}], "
     ({**GOOD, "n": 5}, "n"),  # above limits.max_n (4)
     ({**GOOD, "bogus": 1}, "bogus"),
     ({k: v for k, v in GOOD.items() if k != "model"}, "model"),
+    ({**GOOD, "max_completion_tokens": 1}, "max_tokens"),  # both: OpenAI's invalid_parameter_combination
+    ({**GOOD, "stream_options": {"include_usage": True}}, "stream_options"),  # without stream (OpenAI's, vLLM's)
 ])
 def test_bad_fields_are_400_with_param(chat_server, body, param):
     _error(_post(chat_server, body), 400, param=param)

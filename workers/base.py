@@ -180,6 +180,9 @@ class ChatParams:
     thinking_budget: int | None = None
     grammar: Grammar | None = None
     prompt_logprobs: int | None = None  # None: none; k: each prompt token's and the k most likely there
+    # max_tokens is the server's default, not the client's: a prompt that leaves less room shrinks it to that
+    # room, as vLLM's default (``workers.chat_prompt.fit_context``), where the client's own is refused
+    max_tokens_default: bool = False
 
 
 class InvalidParam(ValueError):

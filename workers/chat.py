@@ -356,6 +356,7 @@ class ChatWorker(ThreadWorker):
             raise InvalidParam(f"the model {self.spec.name} reads text only: it takes no image parts", "messages")
         else:
             ids, vision = await self._vision_prompt(req)
+            req.params = chat_prompt.fit_context(req.params, len(ids), self.context_length)  # (n choices share it)
         check_token_ids(req.params, self.vocab_size)
         req.ctx.prompt_tokens = len(ids)
         # compiling a grammar may take a while (off the loop); most requests have none

@@ -17,10 +17,11 @@ makes the vision tower's inputs (``pixel_values``), which the engine hands to th
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import io
 from typing import Any, Callable
 
-from workers.base import ChatRequest, InvalidParam, PromptEnd
+from workers.base import ChatParams, ChatRequest, InvalidParam, PromptEnd
 
 
 class ContextTooLong(ValueError):
@@ -101,6 +102,21 @@ def tokens_through_think_end(decode: Callable[[list[int]], str], ids: list[int],
     return low
 
 
+def fit_context(params: ChatParams, prompt_len: int, context_length: int) -> ChatParams:
+    """``params`` for a prompt of ``prompt_len`` tokens, checked as :func:`check_context` checks
+    it; a ``max_tokens`` the client did not ask (``max_tokens_default``) first shrinks to the room
+    the prompt leaves, as vLLM's default does (not below ``min_tokens``): a copy then, since the
+    n choices and the prompts of one request share ``params``."""
+    if params.max_tokens_default and prompt_len + params.max_tokens > context_length:
+        room = max(context_length - prompt_len, params.min_tokens, 1)
+        if prompt_len + room > context_length:
+            raise ContextTooLong(f"the prompt ({prompt_len} tokens) leaves no room for a reply of at least {room} "
+                                 f"in the model's context of {context_length} tokens")
+        return dataclasses.replace(params, max_tokens=room)
+    check_context(prompt_len, params.max_tokens, context_length)
+    return params
+
+
 def check_context(prompt_len: int, max_tokens: int, context_length: int) -> None:
     """Refuse a prompt that leaves no room for ``max_tokens`` in the context window."""
     if prompt_len + max_tokens > context_length:
@@ -165,10 +181,10 @@ def request_ids(tokenizer: Any, req: ChatRequest, context_length: int) -> list[i
         if req.truncate is not None:
             ids = truncated(tokenizer, ids, req.truncate, req.truncation_side, context_length)
             text = tokenizer.decode(ids, skip_special_tokens=False)  # (its thinking marker: the kept part's)
-        check_context(len(ids), req.params.max_tokens, context_length)
+        req.params = fit_context(req.params, len(ids), context_length)
         req.ctx.prompt_thinking = thinking_marker(text)
         return ids
-    check_context(len(req.prompt_ids), req.params.max_tokens, context_length)
+    req.params = fit_context(req.params, len(req.prompt_ids), context_length)
     if req.reasoning:
         req.ctx.prompt_thinking = thinking_marker(tokenizer.decode(req.prompt_ids, skip_special_tokens=False))
     return list(req.prompt_ids)
@@ -194,6 +210,6 @@ def vision_inputs(processor: Any, req: ChatRequest, context_length: int) -> tupl
     except ValueError as exc:  # placeholders and images do not pair up (a template that drops image parts)
         raise InvalidParam(f"the model's processor refused the request's images: {exc}", "messages") from None
     ids = enc["input_ids"][0].tolist()
-    check_context(len(ids), req.params.max_tokens, context_length)
+    req.params = fit_context(req.params, len(ids), context_length)
     req.ctx.prompt_thinking = thinking_marker(text)
     return ids, {k: v for k, v in enc.items() if k not in ("input_ids", "attention_mask")}

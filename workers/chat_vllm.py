@@ -500,6 +500,7 @@ class VllmChatEngine(Worker):
         if p.prompt_logprobs is not None and self.enable_lora:
             raise InvalidParam(PROMPT_LOGPROBS_WITH_LORA.format(model=self.spec.name), "prompt_logprobs")
         prompt_ids = await chat_prompt.prompt_ids(self.tokenizer, req, self.max_model_len)
+        p = req.params  # (a default max_tokens fitted to the room the prompt leaves)
         check_token_ids(p, self._llm.model_config.get_vocab_size())
         if p.bad_words:  # refused here as a 400, as vLLM would refuse them in the stream
             bad_words_ids(self.tokenizer, p.bad_words)
