@@ -138,9 +138,11 @@ def plan_chat(svc: Services, body: ChatCompletionRequest) -> ChatJob:
         raise bad_request("stream_options is only allowed when stream is true", "stream_options")
     max_tokens = body.max_completion_tokens or body.max_tokens or \
         min(defaults.get("max_tokens", DEFAULT_MAX_TOKENS), limits.max_chat_tokens)
+    param = "max_completion_tokens" if body.max_completion_tokens else "max_tokens"
     if max_tokens > limits.max_chat_tokens:
-        param = "max_completion_tokens" if body.max_completion_tokens else "max_tokens"
         raise bad_request(f"{param} is {max_tokens}, above this server's limit of {limits.max_chat_tokens}", param)
+    if body.max_completion_tokens or body.max_tokens:  # one no prompt fits beside: at once, a background one too
+        check_room(svc, spec.name, max_tokens, param)
     if body.n > limits.max_n:
         raise bad_request(f"n is {body.n}, above this server's limit of {limits.max_n} choices", "n")
     if body.top_logprobs is not None and not body.logprobs:
@@ -176,6 +178,15 @@ def plan_chat(svc: Services, body: ChatCompletionRequest) -> ChatJob:
                    echo=body.echoed(), truncate=_truncate(body.truncate_prompt_tokens, bool(images)),
                    truncation_side=body.truncation_side, cache_salt=body.cache_salt,
                    add_special_tokens=body.add_special_tokens)
+
+
+def check_room(svc: Services, model: str, max_tokens: int, param: str) -> None:
+    """400 ``context_length_exceeded`` for a reply limit that leaves no token of the model's
+    context for a prompt: known before any prompt is read (vLLM refuses it so too)."""
+    context = svc.context_lengths.get(model)
+    if context is not None and max_tokens >= context:
+        raise bad_request(f"{param} is {max_tokens}: the model's context of {context} tokens leaves no room for "
+                          "a prompt beside it", param, "context_length_exceeded")
 
 
 def prefix_salt(svc: Services, caller: Caller, job: ChatJob) -> str | None:

@@ -49,7 +49,8 @@ from starlette.responses import JSONResponse, Response
 from gateway import service_tier
 from gateway.adapters import names_own, resolve_request
 from gateway.auth import Caller
-from gateway.chat import ChatJob, ChoiceDelta, Reply, collect, engine_config, interleave, served_caller, serve_chat
+from gateway.chat import (ChatJob, ChoiceDelta, Reply, check_room, collect, engine_config, interleave, served_caller,
+                          serve_chat)
 from gateway.errors import APIError, bad_request
 from gateway.http import Streamed, disconnect_signal
 from gateway.logprobs import check_prompt_logprobs, prompt_logprob_dicts, token_name
@@ -275,6 +276,8 @@ async def plan_completion(svc: Services, body: CompletionRequest) -> CompletionJ
     if max_tokens > limits.max_chat_tokens:
         raise bad_request(f"max_tokens is {max_tokens}, above this server's limit of {limits.max_chat_tokens}",
                           "max_tokens")
+    if body.max_tokens is not None:
+        check_room(svc, spec.name, max_tokens, "max_tokens")
     if body.n > limits.max_n:
         raise bad_request(f"n is {body.n}, above this server's limit of {limits.max_n} choices", "n")
     made = body.n if body.best_of is None else body.best_of

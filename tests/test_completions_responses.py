@@ -807,6 +807,29 @@ def test_background_response_is_answered_queued_and_polled_to_its_end(server):
     assert follow.status in ("completed", "incomplete")
 
 
+def test_a_limit_no_prompt_fits_beside_is_a_400_at_once_even_in_the_background(server, monkeypatch):
+    """A reply limit at or past the model's context (the server's own limit above it) leaves no
+    room for any prompt: 400 ``context_length_exceeded`` naming the limit, before anything runs,
+    on chat, completions and responses, a background one too (it was answered queued, then
+    failed); a limit one token under the context is served (its prompt then decides)."""
+    config = server.services.config
+    context = client(server).models.retrieve("tiny-chat").model_extra["max_model_len"]
+    monkeypatch.setattr(server.services, "config", config.model_copy(
+        update={"limits": config.limits.model_copy(update={"max_chat_tokens": context + 100})}))
+    for path, body, param in [
+            ("/chat/completions", {"messages": [{"role": "user", "content": "hi"}], "max_tokens": context},
+             "max_tokens"),
+            ("/completions", {"prompt": "hi", "max_tokens": context + 1}, "max_tokens"),
+            ("/responses", {"input": "hi", "max_output_tokens": context}, "max_output_tokens"),
+            ("/responses", {"input": "hi", "max_output_tokens": context, "background": True}, "max_output_tokens")]:
+        r = post(server, path, {"model": "tiny-chat", **body})
+        assert r.status_code == 400, (path, body, r.text)
+        assert (r.json()["error"]["code"], r.json()["error"]["param"]) == ("context_length_exceeded", param)
+    fits = post(server, "/chat/completions", {"model": "tiny-chat", "messages": [{"role": "user", "content": "hi"}],
+                                              "max_tokens": context - 32, "temperature": 0})
+    assert fits.status_code == 200, fits.text
+
+
 def _slow_background(c, **kw):
     """A background response long enough to be caught running, mostly: 64 tokens (the tiny model
     writes one every ~1-3 ms here, so it runs for ~0.06-0.2 s)."""
