@@ -162,12 +162,16 @@ def plan_chat(svc: Services, body: ChatCompletionRequest) -> ChatJob:
         raise bad_request("add_special_tokens is for a text prompt: the processor of a model that reads images "
                           "adds its own", "add_special_tokens")
     reasoning = getattr(engine, "reasoning_parser", "none")
+    ends = reply_options(body, max_tokens, reasoning)
+    stop = body.stop or []
+    if tools.mode == "forced":  # the reply is the grammar's calls alone: a stop string or token could
+        stop, ends["stop_token_ids"] = [], ()  # only cut one short, its arguments no longer JSON
     params = ChatParams(
         max_tokens, max_tokens_default=not (body.max_completion_tokens or body.max_tokens),
-        stop=body.stop or [], seed=body.seed,
+        stop=stop, seed=body.seed,
         logprobs=(body.top_logprobs or 0) if body.logprobs else None,
         logit_bias={int(k): v for k, v in (body.logit_bias or {}).items()}, prompt_logprobs=body.prompt_logprobs,
-        grammar=grammar, **sampling(body, defaults), **reply_options(body, max_tokens, reasoning),
+        grammar=grammar, **sampling(body, defaults), **ends,
     )
     return ChatJob(spec.name, body.messages_as_dicts(), params, stack, tools, body.n, body.service_tier,
                    stream=bool(body.stream), template_kwargs=body.template_kwargs(), prompt_end=body.prompt_end(),

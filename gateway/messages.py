@@ -20,8 +20,9 @@ engines as chat completions.
   ``_stop`` per block, ``message_delta`` with the stop reason and usage, ``message_stop``; a
   ``ping`` while it waits, ``gateway.http.Streamed``).
   ``stop_reason`` is ``end_turn``, ``max_tokens``, ``stop_sequence`` (with ``stop_sequence``) or
-  ``tool_use``. A tool call whose arguments are not a JSON object is not a valid ``tool_use``:
-  whole, its arguments as written are answered as text (streamed, they went out as they came).
+  ``tool_use`` (with ``stop_sequence`` where one cut the text after the calls). A tool call whose
+  arguments are not a JSON object is not a valid ``tool_use``: whole, its arguments as written are
+  answered as text (streamed, they went out as they came).
 
 Keys may come as Anthropic's SDK sends them (``x-api-key``). Errors keep OpenAI's shape, with
 Anthropic's ``"type": "error"`` beside it, so either SDK reads them."""
@@ -297,15 +298,16 @@ def _named(exc: APIError) -> APIError:
 
 
 def stop_reason(reply: Reply | ChoiceDelta) -> tuple[str, str | None]:
-    """Anthropic's stop reason of a finished reply, and the stop sequence that ended it."""
+    """Anthropic's stop reason of a finished reply, and the stop sequence that ended it: named
+    beside ``tool_use`` too (its calls came before the text the sequence cut), as Anthropic's
+    ``stop_sequence`` is whichever of the request's sequences was generated."""
     finished = reply.finished
+    sequence = finished.stop_reason if finished is not None and isinstance(finished.stop_reason, str) else None
     if reply.finish_reason in ("tool_calls", "function_call"):
-        return "tool_use", None
+        return "tool_use", sequence
     if reply.finish_reason == "length":
         return "max_tokens", None
-    if finished is not None and isinstance(finished.stop_reason, str):
-        return "stop_sequence", finished.stop_reason
-    return "end_turn", None
+    return ("end_turn", None) if sequence is None else ("stop_sequence", sequence)
 
 
 def usage(reply: Reply | ChoiceDelta) -> dict[str, int]:
@@ -334,8 +336,8 @@ def message(mid: str, model: str, reply: Reply) -> dict[str, Any]:
     if text or not (content or calls):
         content.append({"type": "text", "text": text})
     reason, sequence = stop_reason(reply)
-    if reason == "tool_use" and not calls:
-        reason = "end_turn"
+    if reason == "tool_use" and not calls:  # (no call Anthropic's clients can run: what ended the text)
+        reason = "end_turn" if sequence is None else "stop_sequence"
     return {"id": mid, "type": "message", "role": "assistant", "model": model, "content": content + calls,
             "stop_reason": reason, "stop_sequence": sequence, "usage": usage(reply)}
 

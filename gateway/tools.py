@@ -14,6 +14,8 @@ Modes (:func:`plan_tools`)
       calls, ``[{"name": "<tool>", "arguments": {...}}, ...]`` (one call for a named function or
       with ``parallel_tool_calls: false``), whose arguments follow each tool's ``parameters``
       schema (``workers.grammar``): every call names a declared tool and its arguments validate.
+      Stop strings and stop tokens do not apply to such a reply (``gateway.chat.plan_chat``): they
+      could only cut a call short.
 
 Both parsers take the reply's text piece by piece (:meth:`feed`) and give back pieces of
 content (``str``) and :class:`CallDelta` in OpenAI's streaming order: a call's index, id and name

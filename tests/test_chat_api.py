@@ -229,6 +229,25 @@ def test_required_tool_choice_whole_and_streamed(server):
     models[calls[0]["name"]].model_validate_json(calls[0]["arguments"])
 
 
+def test_stop_strings_do_not_cut_a_forced_call(server):
+    """A forced reply is its calls alone: a stop string or stop token that the call writes (here
+    its argument's key, ``city``, and every token with a quote) does not cut it, so the call's
+    arguments are JSON that validates, whole and streamed, and ``finish_reason`` is ``tool_calls``
+    (cut, the reply was no call, or one whose arguments were ``{"``, a call all the same)."""
+    tok = tokenizer(server)
+    quotes = [i for i in range(len(tok)) if '"' in tok.decode([i])]
+    choice = {"type": "function", "function": {"name": "GetWeather"}}
+    kw = dict(model="tiny-chat", messages=ASK, tools=TOOLS, tool_choice=choice, max_tokens=128, seed=3,
+              stop=["city", "zzz"], extra_body={"stop_token_ids": quotes})
+    r = client(server).chat.completions.create(**kw)
+    (call,) = r.choices[0].message.tool_calls
+    GetWeather.model_validate_json(call.function.arguments)
+    assert r.choices[0].finish_reason == "tool_calls" and r.choices[0].model_extra["stop_reason"] is None
+    calls, finishes, _ = stream_calls(client(server).chat.completions.create(**kw, stream=True))
+    assert finishes == ["tool_calls"] and len(calls) == 1
+    GetWeather.model_validate_json(calls[0]["arguments"])
+
+
 def test_auto_tools_beside_a_response_format_answer_with_the_json_or_calls(server):
     """An agent's usual request: tools it may call and the shape of its final answer. Each reply
     is either the format's JSON (``stop``) or valid calls (``tool_calls``), never text outside

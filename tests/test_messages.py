@@ -147,6 +147,45 @@ def test_tool_use_and_tool_results(server):
     assert c.messages.count_tokens(model="tiny-chat", messages=turns).input_tokens == rendered["count"]
 
 
+def test_stop_sequences_do_not_cut_a_forced_tool_use(server):
+    """``stop_sequences`` beside ``tool_choice: any``: a sequence the call writes (its input's key)
+    does not cut it, so the reply is a ``tool_use`` whose input is the schema's, whole and streamed
+    (cut, it was text ``{"`` with ``end_turn``, and streamed a ``tool_use`` with an empty input)."""
+    c = claude(server)
+    kw = dict(model="tiny-chat", max_tokens=64, messages=ASK, tools=[WEATHER], tool_choice={"type": "any"},
+              stop_sequences=["city"], extra_body=GREEDY)
+    m = c.messages.create(**kw)
+    with c.messages.stream(**kw) as stream:
+        final = stream.get_final_message()
+    for answer in (m, final):
+        (call,) = answer.content
+        assert (answer.stop_reason, answer.stop_sequence, call.type) == ("tool_use", None, "tool_use"), answer
+        assert set(call.input) == {"city", "celsius"} and call.input["city"] in ("paris", "oslo", "lima")
+
+
+def test_a_stop_sequence_that_ended_a_reply_is_named_whatever_its_calls():
+    """The stop sequence that ended a reply is named: beside ``tool_use`` when calls came before
+    the text it cut, and as the stop reason when the reply's call is not one a client can run
+    (its arguments, not JSON, answered as text)."""
+    from gateway.chat import Reply
+    from gateway.messages import message
+    from gateway.tools import ToolCalls
+    from workers.base import ChatFinished
+
+    def answer(arguments: str) -> dict:
+        calls = ToolCalls([{"id": "call_1", "type": "function", "function": {"name": "f", "arguments": arguments}}])
+        reply = Reply(0, ["Observation"], calls=calls, finish_reason="tool_calls",
+                      finished=ChatFinished("stop", 5, 9, stop_reason="\nObs"))
+        return message("msg_1", "tiny-chat", reply)
+
+    ran = answer('{"x": 1}')
+    assert (ran["stop_reason"], ran["stop_sequence"]) == ("tool_use", "\nObs")
+    assert [b["type"] for b in ran["content"]] == ["text", "tool_use"] and ran["content"][1]["input"] == {"x": 1}
+    cut = answer('{"')
+    assert (cut["stop_reason"], cut["stop_sequence"]) == ("stop_sequence", "\nObs")
+    assert cut["content"] == [{"type": "text", "text": 'Observation{"'}]
+
+
 def test_output_config_format_constrains_the_reply_to_its_schema(server):
     """``output_config.format``: the reply's text is JSON the schema allows (constrained as chat's
     response_format is), even on random weights; a schema that is not one is a 400 naming
