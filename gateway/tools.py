@@ -38,6 +38,7 @@ from workers.grammar import (MAX_SCHEMA_PROPERTIES, MAX_SCHEMA_STRINGS, patterns
                              schema_properties, schema_strings)
 
 EMPTY_PARAMETERS: dict[str, Any] = {"type": "object", "properties": {}}
+_DECLARES_KEYS = ("properties", "patternProperties", "additionalProperties")  # how an object says what keys it takes
 
 
 @dataclass(frozen=True)
@@ -140,13 +141,27 @@ def plan_tools(tools: list[Tool] | None, choice: str | NamedToolChoice | Allowed
     return ToolPlan("forced", tuple(tools), tuple(allowed), parser, grammar, single=single)
 
 
+def arguments_schema(parameters: dict[str, Any] | None) -> dict[str, Any]:
+    """A tool's ``parameters`` as its calls' grammar takes them. An object root that declares no
+    keys (no ``properties``, ``patternProperties`` or ``additionalProperties``: ``{"type":
+    "object"}``, how Anthropic's API and MCP servers declare a tool without arguments) takes none,
+    ``{}``: xgrammar would compile it as an open object, and a forced call of random weights writes
+    keys until ``max_tokens``. A response format's root and nested objects stay as written (free
+    objects, as vLLM takes them)."""
+    if not parameters:
+        return EMPTY_PARAMETERS
+    if parameters.get("type") != "object" or any(key in parameters for key in _DECLARES_KEYS):
+        return parameters
+    return {**parameters, "properties": {}, "additionalProperties": False}
+
+
 def call_schema(tools: list[Tool]) -> dict:
     """The JSON schema of one ``{"name", "arguments"}`` call of one of ``tools``. Each tool's
     ``$defs`` move to the root, renamed."""
     defs: dict[str, Any] = {}
     items = []
     for i, tool in enumerate(tools):
-        params = _hoist_defs(tool.function.parameters or EMPTY_PARAMETERS, f"tool{i}_", defs)
+        params = _hoist_defs(arguments_schema(tool.function.parameters), f"tool{i}_", defs)
         items.append({"type": "object", "properties": {"name": {"const": tool.function.name}, "arguments": params},
                       "required": ["name", "arguments"], "additionalProperties": False})
     schema: dict[str, Any] = items[0] if len(items) == 1 else {"anyOf": items}

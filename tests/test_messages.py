@@ -163,6 +163,23 @@ def test_stop_sequences_do_not_cut_a_forced_tool_use(server):
         assert set(call.input) == {"city", "celsius"} and call.input["city"] in ("paris", "oslo", "lima")
 
 
+def test_a_tool_without_arguments_is_called_with_an_empty_input(server):
+    """A tool declared as Anthropic's docs and MCP servers declare one without arguments,
+    ``input_schema: {"type": "object"}``, forced: a ``tool_use`` whose input is ``{}``, whole and
+    streamed (taken as an open object, random weights wrote keys until ``max_tokens``). One call
+    (``disable_parallel_tool_use``): random weights may write call after call."""
+    c = claude(server)
+    now = {"name": "now", "description": "The time.", "input_schema": {"type": "object"}}
+    kw = dict(model="tiny-chat", max_tokens=32, messages=ASK, tools=[now],
+              tool_choice={"type": "any", "disable_parallel_tool_use": True})
+    for temperature in (0, 1, 1):
+        m = c.messages.create(**kw, extra_body={"temperature": temperature})
+        assert m.stop_reason == "tool_use" and [(b.type, b.input) for b in m.content] == [("tool_use", {})], m
+    with c.messages.stream(**kw) as stream:
+        final = stream.get_final_message()
+    assert final.stop_reason == "tool_use" and [b.input for b in final.content] == [{}]
+
+
 def test_a_stop_sequence_that_ended_a_reply_is_named_whatever_its_calls():
     """The stop sequence that ended a reply is named: beside ``tool_use`` when calls came before
     the text it cut, and as the stop reason when the reply's call is not one a client can run

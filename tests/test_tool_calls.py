@@ -167,6 +167,33 @@ def test_a_response_format_beside_auto_tools_takes_the_json_or_calls_of_the_tool
     assert plan_tools([tool("alarm", HOUR)], "auto", None).reply_grammar(None) is None
 
 
+def test_a_tool_whose_parameters_declare_no_properties_takes_no_arguments():
+    """``{"type": "object"}`` with no ``properties`` (how Anthropic's API and MCP servers declare a
+    tool without arguments) is called with ``{}`` only, forced or beside a format, as a tool
+    without ``parameters`` is; an object that declares its keys another way keeps them, and a
+    response format's bare object (and a nested one) stays a free object, as vLLM takes it."""
+    from workers.base import JsonGrammar
+
+    bare = {"type": "object", "description": "no arguments"}
+    for parameters in (bare, None):
+        forced = plan_tools([tool("now", parameters)], "required", None).grammar
+        assert matches(forced, '[{"name":"now","arguments":{}}]')
+        assert not matches(forced, '[{"name":"now","arguments":{"a":1}}]')
+        beside = plan_tools([tool("now", parameters)], "auto", None).reply_grammar(JsonGrammar(json.dumps(REPLY)))
+        assert not matches(beside, '<tool_call>{"name":"now","arguments":{"a":1}}</tool_call>')
+    free = {"type": "object", "additionalProperties": {"type": "integer"}}
+    tally = plan_tools([tool("tally", free)], "required", None).grammar
+    assert matches(tally, '[{"name":"tally","arguments":{"a":1}}]')
+    nested = {"type": "object", "properties": {"extra": {"type": "object"}}, "required": ["extra"]}
+    assert matches(plan_tools([tool("f", nested)], "required", None).grammar,
+                   '[{"name":"f","arguments":{"extra":{"a":1}}}]')
+    from gateway.schemas import ResponseFormat
+    from gateway.structured import response_grammar
+
+    fmt = ResponseFormat.model_validate({"type": "json_schema", "json_schema": {"name": "x", "schema": bare}})
+    assert matches(response_grammar(fmt), '{"a":1}')  # a response format's root: a free object
+
+
 def test_a_format_that_cannot_be_joined_with_the_calls_is_a_400(monkeypatch):
     import gateway.tools
     from workers.base import JsonGrammar

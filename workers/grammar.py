@@ -3,8 +3,10 @@ and each token's own bytes for logprobs (:class:`Vocabulary`).
 
 A :class:`~workers.base.JsonGrammar` (a JSON schema) is compiled with no free whitespace: the
 separators are ``","`` and ``":"`` and nothing else may be inserted (compact JSON), so a closed schema (enums, booleans, bounded integers) ends in a few dozen tokens even
-on random weights. ``strict_mode`` is on: an object takes only the properties its schema
-declares (what the output may contain narrows; everything it does contain validates).
+on random weights. ``strict_mode`` is on: an object that declares ``properties`` takes only those
+(what the output may contain narrows; everything it does contain validates); one that declares no
+keys at all (``{"type": "object"}``) is a free object, any keys, as vLLM's (the gateway closes a
+tool's ``parameters`` root of that kind: ``gateway.tools.arguments_schema``).
 
 * :func:`schema_error` builds a schema's grammar without a tokenizer: the gateway refuses a schema
   that does not build (400) before the request queues, and one whose patterns xgrammar 0.2.8
