@@ -6,7 +6,8 @@ engines as chat completions.
 * ``chat_request`` turns a request into the chat completion it asks for: ``system`` first; a
   user message's ``tool_result`` blocks as tool messages (a result's images as a user message
   after it), its text and image blocks as one user message; an assistant message's text,
-  ``tool_use`` blocks (its calls) and ``thinking`` (the history's reasoning); ``tools``
+  ``tool_use`` blocks (its calls) and ``thinking`` (the history's reasoning), its
+  ``redacted_thinking`` skipped (a block of a type not taken is a 400 naming it); ``tools``
   (``input_schema`` the parameters), ``tool_choice`` (``any`` is ``required``;
   ``disable_parallel_tool_use``), ``stop_sequences``, ``max_tokens``, sampling,
   ``metadata.user_id`` as the end user; ``thinking`` sets the chat template's ``enable_thinking``,
@@ -32,9 +33,9 @@ from __future__ import annotations
 import dataclasses
 import json
 import logging
-from typing import Any, AsyncIterator, Literal
+from typing import Any, AsyncIterator, Callable, Literal
 
-from pydantic import Field
+from pydantic import Field, model_validator
 from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
 
@@ -43,7 +44,7 @@ from gateway.chat import ChatJob, ChoiceDelta, Reply, collect, plan_chat, serve_
 from gateway.errors import APIError, bad_request
 from gateway.http import Streamed, disconnect_signal
 from gateway.request_log import new_id
-from gateway.schemas import ChatCompletionRequest, _Body, parse, part_type, read_json, tagged
+from gateway.schemas import ChatCompletionRequest, _Body, parse, read_json, tagged, text_or_parts
 from gateway.service import Services
 
 log = logging.getLogger("tiergate")
@@ -78,14 +79,36 @@ class ToolUseBlock(_Body):
     toolset_name: str | None = None
 
 
-ResultPart = tagged(("TextBlock", TextBlock), ("ImageBlock", ImageBlock),
-                    by=part_type({"image": "ImageBlock"}, "TextBlock"))
+class UnsupportedBlock(_Body):
+    """A block of a type this server does not take (``document``, ``search_result``, ...): refused
+    naming its type, not as the text block it is not."""
+
+    type: str
+
+    @model_validator(mode="before")
+    @classmethod
+    def _refused(cls, value: Any) -> Any:
+        raise ValueError(f"{value['type']} blocks are not supported by this server's Messages API")
+
+
+def block_type(kinds: dict[str, str]) -> Callable[[Any], str]:
+    """A block's tag from its ``type``: one of ``kinds``, a text block where it has no type (whose
+    error says so), or :class:`UnsupportedBlock`."""
+    def tag(value: Any) -> str:
+        kind = value.get("type") if isinstance(value, dict) else None
+        return kinds.get(kind, "UnsupportedBlock") if isinstance(kind, str) else "TextBlock"
+    return tag
+
+
+ResultPart = tagged(("TextBlock", TextBlock), ("ImageBlock", ImageBlock), ("UnsupportedBlock", UnsupportedBlock),
+                    by=block_type({"text": "TextBlock", "image": "ImageBlock"}))
+ResultContent = tagged(("Text", str), ("Parts", list[ResultPart]), by=text_or_parts)
 
 
 class ToolResultBlock(_Body):
     type: Literal["tool_result"]
     tool_use_id: str
-    content: str | list[ResultPart] | None = None  # text, and images (a screenshot) as vLLM takes them
+    content: ResultContent | None = None  # text, and images (a screenshot) as vLLM takes them
     is_error: bool | None = None
     cache_control: dict[str, Any] | None = None
 
@@ -96,15 +119,25 @@ class ThinkingBlock(_Body):
     signature: str | None = None
 
 
+class RedactedThinkingBlock(_Body):
+    """Anthropic's encrypted thinking, sent back as history: accepted and not rendered (no text to
+    give the chat template), as vLLM's endpoint skips it."""
+
+    type: Literal["redacted_thinking"]
+    data: str
+
+
 Block = tagged(("TextBlock", TextBlock), ("ImageBlock", ImageBlock), ("ToolUseBlock", ToolUseBlock),
                ("ToolResultBlock", ToolResultBlock), ("ThinkingBlock", ThinkingBlock),
-               by=part_type({"image": "ImageBlock", "tool_use": "ToolUseBlock", "tool_result": "ToolResultBlock",
-                             "thinking": "ThinkingBlock"}, "TextBlock"))
+               ("RedactedThinkingBlock", RedactedThinkingBlock), ("UnsupportedBlock", UnsupportedBlock),
+               by=block_type({"text": "TextBlock", "image": "ImageBlock", "tool_use": "ToolUseBlock",
+                              "tool_result": "ToolResultBlock", "thinking": "ThinkingBlock",
+                              "redacted_thinking": "RedactedThinkingBlock"}))
 
 
 class Message(_Body):
     role: Literal["user", "assistant"]
-    content: str | list[Block]
+    content: tagged(("Text", str), ("Parts", list[Block]), by=text_or_parts)
 
 
 class Tool(_Body):
@@ -113,6 +146,7 @@ class Tool(_Body):
     input_schema: dict[str, Any]
     type: Literal["custom"] | None = None
     cache_control: dict[str, Any] | None = None
+    strict: bool | None = None  # accepted: a forced call is constrained to its schema whatever it says, as chat's
 
 
 class ToolChoice(_Body):
@@ -186,6 +220,9 @@ def chat_request(body: MessagesRequest | CountTokensRequest) -> dict[str, Any]:
                                                            "parameters": t.input_schema}} for t in body.tools]
     if body.tool_choice is not None:
         choice = body.tool_choice
+        if choice.type == "tool" and not choice.name:
+            raise bad_request("tool_choice of type tool needs the name of the tool to call", "tool_choice.name",
+                              "missing_required_parameter")
         chat["tool_choice"] = {"auto": "auto", "any": "required", "none": "none"}.get(choice.type) or \
             {"type": "function", "function": {"name": choice.name or ""}}
         if choice.disable_parallel_tool_use:
@@ -251,7 +288,8 @@ def _user(blocks: list) -> list[dict[str, Any]]:
 
 
 def _assistant(blocks: list) -> dict[str, Any]:
-    """An assistant message's blocks as one chat message: its text, its calls, its thinking."""
+    """An assistant message's blocks as one chat message: its text, its calls, its thinking (not
+    its redacted thinking, which has no text)."""
     text = "".join(b.text for b in blocks if isinstance(b, TextBlock))
     message: dict[str, Any] = {"role": "assistant", "content": text}
     calls = [{"id": b.id, "type": "function", "function": {"name": b.name, "arguments": json.dumps(b.input)}}
@@ -262,7 +300,8 @@ def _assistant(blocks: list) -> dict[str, Any]:
     if thinking:
         message["reasoning_content"] = thinking
     if any(isinstance(b, (ImageBlock, ToolResultBlock)) for b in blocks):
-        raise bad_request("an assistant message takes text, tool_use and thinking blocks", "messages")
+        raise bad_request("an assistant message takes text, tool_use, thinking and redacted_thinking blocks",
+                          "messages")
     return message
 
 
@@ -284,8 +323,9 @@ def _thinking_budget(body: MessagesRequest, job: ChatJob) -> ChatJob:
 
 
 def _named(exc: APIError) -> APIError:
-    """A chat field's error named as the Messages API names the field (a message's by ``messages``
-    alone: the chat's list has the system prompt and each tool result as messages of their own)."""
+    """A chat field's error named as the Messages API names the field, in ``param`` and where its
+    message names it (a message's by ``messages`` alone: the chat's list has the system prompt and
+    each tool result as messages of their own)."""
     param = exc.param or ""
     head = param.split("[")[0].split(".")[0]
     if head == "messages":
@@ -294,6 +334,8 @@ def _named(exc: APIError) -> APIError:
         exc.param = _NAMES[head] + param[len(head):]
     elif head == "tools":
         exc.param = param.replace(".function.parameters", ".input_schema").replace(".function", "")
+    if param and exc.param != param:  # ("invalid value for stop: ...", as gateway.schemas.parse words it)
+        exc.message = exc.message.replace(f" for {param}:", f" for {exc.param}:")
     return exc
 
 

@@ -244,6 +244,41 @@ def test_image_blocks_and_thinking(server):
     assert quiet > thinking == on
 
 
+def test_the_sdks_strict_tools_and_redacted_thinking_are_taken(server):
+    """A tool's ``strict: true`` (typed in the SDK's ToolParam) is accepted: a forced call is
+    constrained to its schema either way. A ``redacted_thinking`` block sent back as history is
+    accepted and not rendered (it has no text), as vLLM's endpoint skips it."""
+    c = claude(server)
+    m = c.messages.create(model="tiny-chat", max_tokens=64, messages=ASK, tools=[{**WEATHER, "strict": True}],
+                          tool_choice={"type": "any"}, extra_body=GREEDY)
+    assert m.stop_reason == "tool_use" and m.content[0].input["city"] in ("paris", "oslo", "lima")
+    turns = [*ASK, {"role": "assistant", "content": [{"type": "text", "text": "Sunny."}]},
+             {"role": "user", "content": "And tomorrow?"}]
+    redacted = [dict(t) for t in turns]
+    redacted[1]["content"] = [{"type": "redacted_thinking", "data": "EmwKAhgBEgy3va3pzix"}, *turns[1]["content"]]
+    counted = c.messages.count_tokens(model="tiny-chat", messages=redacted).input_tokens
+    assert counted == c.messages.count_tokens(model="tiny-chat", messages=turns).input_tokens
+    assert c.messages.create(model="tiny-chat", max_tokens=2, messages=redacted).usage.input_tokens == counted
+
+
+@pytest.mark.parametrize("extra, param, says", [
+    ({"messages": [{"role": "user", "content": [
+        {"type": "document", "source": {"type": "text", "media_type": "text/plain", "data": "a doc"}},
+        {"type": "text", "text": "Sum it up."}]}]},
+     "messages[0].content[0]", "document blocks are not supported"),
+    ({"tools": [WEATHER], "tool_choice": {"type": "tool"}}, "tool_choice.name", "tool_choice of type tool needs"),
+    ({"stop_sequences": ["a", "b", "c", "d", "e"]}, "stop_sequences", "invalid value for stop_sequences: at most 4"),
+])
+def test_refusals_name_the_messages_apis_own_fields_and_blocks(server, extra, param, says):
+    """A block type this server does not take is named (not "Input should be a valid string"); a
+    ``tool`` choice without a name and too many ``stop_sequences`` are worded in the Messages
+    API's terms, not chat's (``'none', 'auto' or 'required'``, ``stop``)."""
+    with pytest.raises(anthropic.BadRequestError) as bad:
+        claude(server).messages.create(**{"model": "tiny-chat", "max_tokens": 4, "messages": ASK, **extra})
+    err = bad.value.body["error"]
+    assert err["param"] == param and says in err["message"], err
+
+
 def test_an_error_after_the_stream_started_is_an_error_event_both_sdks_read():
     """The engine failing mid-reply: the blocks so far are stopped by an ``error`` event (no
     message_stop) carrying the same error object as a refusal's, which Anthropic's SDK raises."""
