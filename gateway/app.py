@@ -8,6 +8,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
+import sqlite3
 import time
 from typing import AsyncIterator, Sequence
 
@@ -274,7 +275,10 @@ async def _client_gone(request: Request, exc: ClientGone) -> Response:
 
 async def _store_down(request: Request, exc: Exception) -> Response:
     """Redis or SQLite did not answer (``accounts.store.STORE_ERRORS``): not the request's fault,
-    and worth trying again shortly."""
+    and worth trying again shortly. A constraint SQLite refused is no outage (trying again fails
+    again): a 500, as any other error nothing expected."""
+    if isinstance(exc, sqlite3.IntegrityError):
+        return await _unexpected(request, exc)
     request.app.state.services.left_door()
     log.warning("a store did not answer on %s %s: %r", request.method, request.url.path, exc)
     return store_unavailable("a store this request needs").response(_anthropic(request))

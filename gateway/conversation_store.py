@@ -15,11 +15,12 @@ them either).
 from __future__ import annotations
 
 import abc
+import functools
 import json
 import sqlite3
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, Callable, Iterable
 
 from gateway.service import Services
 from storage import on_backend
@@ -42,7 +43,52 @@ class Conversation:
         return {"id": self.id, "object": "conversation", "created_at": self.created_at, "metadata": self.metadata}
 
 
+class DuplicateItem(Exception):
+    """An item id the conversation has already (or that a response running here will add to it)."""
+
+    def __init__(self, item_id: str) -> None:
+        super().__init__(item_id)
+        self.item_id = item_id
+
+
+class Holds:
+    """The item ids that responses running in this process will add to their conversations once
+    they end. A second response (or ``items.create``) that brings one is refused before its model
+    runs, as it would be once the first had added it. Another process's responses are not seen
+    here: the store's append refuses their ids (``add_items``), once their model has run."""
+
+    def __init__(self) -> None:
+        self._held: dict[str, set[str]] = {}
+
+    def taken(self, conversation_id: str) -> set[str]:
+        return self._held.get(conversation_id, set())
+
+    def hold(self, conversation_id: str, ids: Iterable[str]) -> Callable[[], None]:
+        """Hold ``ids`` in the conversation (DuplicateItem for one held already); what releases
+        them (once, however often it is called)."""
+        ids = set(ids)
+        held = self._held.setdefault(conversation_id, set())
+        clash = held & ids
+        if clash:
+            raise DuplicateItem(min(clash))
+        held |= ids
+        holding = [ids]
+
+        def release() -> None:
+            if holding:
+                held.difference_update(holding.pop())
+            if not held and self._held.get(conversation_id) is held:
+                del self._held[conversation_id]
+
+        return release
+
+
 class ConversationStore(abc.ABC):
+    @functools.cached_property
+    def holds(self) -> Holds:
+        """The item ids this process's running responses hold (``Holds``)."""
+        return Holds()
+
     @abc.abstractmethod
     async def open(self) -> None: ...
 
@@ -71,7 +117,9 @@ class ConversationStore(abc.ABC):
 
     @abc.abstractmethod
     async def add_items(self, conversation_id: str, owner: str, items: list[dict[str, Any]]) -> bool:
-        """Append ``items`` (ids not in it yet: the caller checked); False when ``get`` finds none."""
+        """Append ``items``, all or none: DuplicateItem for an id the conversation has already
+        (checked with the append, so that two racing appends cannot both add one); False when
+        ``get`` finds none."""
 
     @abc.abstractmethod
     async def delete_item(self, conversation_id: str, owner: str, item_id: str) -> bool:
@@ -101,6 +149,13 @@ class SQLiteConversations(SQLiteFile, ConversationStore):
 
     @staticmethod
     def _append(db: sqlite3.Connection, conversation_id: str, items: list[dict[str, Any]]) -> None:
+        ids = [item["id"] for item in items]
+        marks = ",".join("?" * len(ids))
+        taken = {row[0] for row in db.execute(
+            f"SELECT item_id FROM conversation_items WHERE conversation_id = ? AND item_id IN ({marks})",
+            (conversation_id, *ids))}
+        if taken:  # (checked in the append's transaction: the table's UNIQUE would be a store error)
+            raise DuplicateItem(next(i for i in ids if i in taken))
         db.executemany("INSERT INTO conversation_items (conversation_id, item_id, doc) VALUES (?, ?, ?)",
                        [(conversation_id, item["id"], json.dumps(item)) for item in items])
 
@@ -154,9 +209,16 @@ class SQLiteConversations(SQLiteFile, ConversationStore):
 
 
 # KEYS conversation, its items; ARGV owner, items...: append while the owner's conversation exists
+# and has none of their ids (else the first id it has, and nothing is added)
 _ADD = """
 local doc = redis.call('GET', KEYS[1])
 if not doc or cjson.decode(doc)['owner'] ~= ARGV[1] then return 0 end
+local new = {}
+for i = 2, #ARGV do new[cjson.decode(ARGV[i])['id']] = true end
+for _, item in ipairs(redis.call('LRANGE', KEYS[2], 0, -1)) do
+  local id = cjson.decode(item)['id']
+  if new[id] then return id end
+end
 for i = 2, #ARGV do redis.call('RPUSH', KEYS[2], ARGV[i]) end
 return 1
 """
@@ -238,7 +300,10 @@ class RedisConversations(ConversationStore):
         return [json.loads(item) for item in await self._r.lrange(self._keys(conversation_id)[1], 0, -1)]
 
     async def add_items(self, conversation_id: str, owner: str, items: list[dict[str, Any]]) -> bool:
-        return bool(await self._add(keys=self._keys(conversation_id), args=[owner, *[json.dumps(i) for i in items]]))
+        added = await self._add(keys=self._keys(conversation_id), args=[owner, *[json.dumps(i) for i in items]])
+        if isinstance(added, bytes):  # an id it has already
+            raise DuplicateItem(added.decode())
+        return bool(added)
 
     async def delete_item(self, conversation_id: str, owner: str, item_id: str) -> bool:
         return bool(await self._delete_item(keys=self._keys(conversation_id), args=[owner, item_id]))

@@ -11,7 +11,8 @@ continues with ``conversation`` (instead of ``previous_response_id``) and adds t
 Items are checked as a response's ``input`` is (``gateway.responses.input_messages``: messages with
 text parts, ``function_call``, ``function_call_output``; a 400 names ``items[i]...``) and listed as
 its input items are: each as sent, with its own ``id`` or a new one, ``status: completed``; an id
-already in the conversation is a 400. A response made with ``conversation`` reads every item as the
+already in the conversation, or held by a response running here (``conversation_store.Holds``),
+is a 400. A response made with ``conversation`` reads every item as the
 start of its prompt, and once it ends ``completed`` or ``incomplete`` its input items and output
 items are added (``gateway.response_runs``, ``gateway.responses_api``). Only the key that made a conversation sees it (a 404
 otherwise). Kept in ``gateway.conversation_store``, until deleted.
@@ -28,7 +29,7 @@ from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
 
 from gateway.auth import Caller
-from gateway.conversation_store import Conversation, ConversationStore
+from gateway.conversation_store import Conversation, ConversationStore, DuplicateItem
 from gateway.errors import bad_request, not_found
 from gateway.pages import cursor_page, listing, page_query
 from gateway.input_files import read_files
@@ -62,10 +63,14 @@ async def checked_items(svc: Services, caller: Caller, items: list[dict[str, Any
     seen = set(taken)
     for i, item in enumerate(listed):
         if item["id"] in seen:
-            raise bad_request(f"duplicate item id '{item['id'][:80]}' (in these items or the conversation)",
-                              f"items[{i}].id", "duplicate_item_id")
+            raise _duplicate(item["id"], i)
         seen.add(item["id"])
     return listed
+
+
+def _duplicate(item_id: str, i: int) -> Exception:
+    return bad_request(f"duplicate item id '{item_id[:80]}' (in these items or the conversation)",
+                       f"items[{i}].id", "duplicate_item_id")
 
 
 def _store(request: Request) -> ConversationStore:
@@ -133,9 +138,14 @@ async def add_items(request: Request) -> Response:
     owner, conversation_id, items = await _items(request)
     svc: Services = request.app.state.services
     body = parse(ItemsCreate, await read_json(request, svc.config.limits.max_body))
-    added = await checked_items(svc, svc.authenticate(request), body.items, {item["id"] for item in items})
-    if not await _store(request).add_items(conversation_id, owner, added):
-        raise _missing(conversation_id)  # deleted meanwhile
+    store = _store(request)  # (an id a response running here will add is taken already)
+    taken = {item["id"] for item in items} | store.holds.taken(conversation_id)
+    added = await checked_items(svc, svc.authenticate(request), body.items, taken)
+    try:
+        if not await store.add_items(conversation_id, owner, added):
+            raise _missing(conversation_id)  # deleted meanwhile
+    except DuplicateItem as exc:  # added meanwhile (by a response that ended, another call)
+        raise _duplicate(exc.item_id, [item["id"] for item in added].index(exc.item_id)) from None
     return JSONResponse(listing(added, False))
 
 

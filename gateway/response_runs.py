@@ -119,11 +119,14 @@ async def run_in_background(svc: Services, caller: Caller, draft: Draft, store: 
             if events is not None:
                 events.log.end()
             return
+    if status in CONTINUABLE:  # added before it is recorded: one its conversation refuses has failed
+        try:
+            await draft.add_to_conversation(conversations, owner)
+        except APIError as exc:  # one of its input ids was added meanwhile (by a response another process ran)
+            status, error = "failed", {"code": exc.code, "message": exc.message}
     if events is not None:  # what it had begun, closed; all stored before its record says it ended
         await events.add(events.s.close("incomplete") if status not in CONTINUABLE else [])
     kept = await store.update_running(draft.record(status, owner, error))
-    if kept and status in CONTINUABLE:
-        await draft.add_to_conversation(conversations, owner)
     if (kept or status == "cancelled") and svc.webhooks is not None:  # (not for one deleted meanwhile)
         svc.webhooks.emit(f"response.{status}", draft.id, owner)
     if events is not None:

@@ -54,7 +54,7 @@ import sys
 import time
 import uuid
 from dataclasses import dataclass, field, replace
-from typing import Annotated, Any, Literal
+from typing import Annotated, Any, Callable, Literal
 
 from pydantic import Discriminator, Field, Tag
 
@@ -63,7 +63,7 @@ from gateway.auth import Caller
 from gateway.chat import ChatJob, ChoiceDelta, Reply, collect, engine_config, plan_chat, serve_chat, with_images
 from gateway.completions import processor_of, tokenizer_of
 from gateway.adapters import resolve_request
-from gateway.conversation_store import ConversationStore
+from gateway.conversation_store import ConversationStore, DuplicateItem
 from gateway.errors import APIError, bad_request, not_found
 from gateway.input_files import read_files
 from gateway.logprobs import chat_content
@@ -525,11 +525,30 @@ async def plan_response(svc: Services, caller: Caller, store: ResponseStore | No
     seen = {item["id"] for item in items}
     for i, item in enumerate(given):  # an id names one item: a page's cursor must find one place
         if item["id"] in seen:
-            raise bad_request(f"duplicate item id '{item['id'][:80]}' (in this input or the conversation it continues)",
-                              f"input[{i}].id", "duplicate_item_id")
+            raise duplicate_item(item["id"], given, i)
         seen.add(item["id"])
     planned = ResponseJob(job, conversation, body, items + given, conversation_id, given, system=system)
     return await prepared(svc, caller, planned, write_queries) if prepare else planned
+
+
+def duplicate_item(item_id: str, given: list[dict[str, Any]], at: int | None = None) -> APIError:
+    """The 400 of the input item (of ``given``, its items; at ``at``, else the first with that id)
+    whose id the conversation (or the input before it) has already."""
+    at = at if at is not None else next((i for i, item in enumerate(given) if item["id"] == item_id), None)
+    return bad_request(f"duplicate item id '{item_id[:80]}' (in this input or the conversation it continues)",
+                       "input" if at is None else f"input[{at}].id", "duplicate_item_id")
+
+
+def held(conversations: ConversationStore | None, job: ResponseJob) -> Callable[[], None]:
+    """``job``'s input item ids, held in its conversation until it ends (``Holds``), so that a
+    response racing it with one of them is refused before its model runs: 400 when a response
+    running here holds one already. What releases them."""
+    if job.conversation_id is None or conversations is None:
+        return lambda: None
+    try:
+        return conversations.holds.hold(job.conversation_id, [item["id"] for item in job.added])
+    except DuplicateItem as exc:
+        raise duplicate_item(exc.item_id, job.added) from None
 
 
 async def prepared(svc: Services, caller: Caller, planned: ResponseJob, write_queries: bool = True,
@@ -892,16 +911,23 @@ class Draft:
         return self.job.conversation + [self.reply.message()]
 
     async def keep(self, store: ResponseStore | None, owner: str, conversations: ConversationStore | None) -> None:
-        """Store the finished response when the request asked to, and add it to its conversation."""
+        """Add the finished response to its conversation, then store it when the request asked to
+        (one that its conversation refuses is not stored)."""
+        await self.add_to_conversation(conversations, owner)
         if self.job.body.store and store is not None:
             await store.put(self.record(self.status, owner))
-        await self.add_to_conversation(conversations, owner)
 
     async def add_to_conversation(self, conversations: ConversationStore | None, owner: str) -> None:
-        """Its input items and output items, added to the conversation it continued (if any)."""
+        """Its input items and output items, added to the conversation it continued (if any); the
+        400 ``duplicate_item_id`` when the conversation has one of its input ids already (added
+        since it was planned, by a response another process ran, say)."""
         if self.job.conversation_id is None or conversations is None:
             return
-        if not await conversations.add_items(self.job.conversation_id, owner, self.job.added + self.output):
+        try:
+            added = await conversations.add_items(self.job.conversation_id, owner, self.job.added + self.output)
+        except DuplicateItem as exc:
+            raise duplicate_item(exc.item_id, self.job.added) from None
+        if not added:
             log.info("response %s: its conversation %s was deleted before it ended", self.id, self.job.conversation_id)
 
     def record(self, status: str, owner: str, error: dict[str, str] | None = None) -> StoredResponse:

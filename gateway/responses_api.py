@@ -14,7 +14,7 @@ import logging
 import sys
 import time
 from dataclasses import replace
-from typing import Any, AsyncGenerator, AsyncIterator
+from typing import Any, AsyncGenerator, AsyncIterator, Awaitable, Callable
 
 from pydantic import Field
 
@@ -27,14 +27,14 @@ from gateway.auth import Caller
 from gateway.chat import ChatJob, ChoiceDelta, collect, plan_chat, served_caller, serve_chat
 from gateway.completions import processor_of, tokenizer_of
 from gateway.conversation_store import ConversationStore
-from gateway.errors import bad_request, not_found
+from gateway.errors import APIError, bad_request, not_found
 from gateway.http import Streamed, disconnect_signal
 from gateway.pages import cursor_page, page_query
 from gateway.response_runs import StoredEvents, replay, run_in_background
 from gateway.response_store import ResponseStore
-from gateway.responses import (RUNNING, Draft, InputTokensRequest, ResponseEvents, ResponsesRequest, closing_events,
-                               compaction_item, delta_events, input_items, new_item_id, plan_response, responses_names,
-                               shown, whole_output)
+from gateway.responses import (RUNNING, Draft, InputTokensRequest, ResponseEvents, ResponseJob, ResponsesRequest,
+                               closing_events, compaction_item, delta_events, held, input_items, new_item_id,
+                               plan_response, responses_names, shown, whole_output)
 from gateway.schemas import ChatCompletionRequest, EndUser, is_count, parse, read_json
 from gateway.service import Services
 from workers.base import ChatParams, ChatRequest, InvalidParam
@@ -58,6 +58,19 @@ async def create_response(request: Request) -> Response:
     # a background response is answered queued at once: its file search (and the turn in which a
     # model writes the queries) runs in its run
     job = await plan_response(svc, caller, store, body, conversations, prepare=not body.background)
+    release = held(conversations, job)  # until it ends (the background run, or the stream, takes it over)
+    try:
+        return await _started(request, svc, caller, body, job, release)
+    except BaseException:
+        release()
+        raise
+
+
+async def _started(request: Request, svc: Services, caller: Caller, body: ResponsesRequest, job: ResponseJob,
+                   release: Callable[[], None]) -> Response:
+    """The response to ``job``: answered whole, streamed, or queued to run in the background;
+    ``release`` called once it ended."""
+    store, conversations = _store(request), request.app.state.conversations
     served = served_caller(svc, caller, job.chat)
     if (end_user := body.end_user(caller.key_id)) is not None:
         log.info("response request: key %s, user %s, tier %s", caller.key_id, end_user, served.tier)
@@ -77,9 +90,9 @@ async def create_response(request: Request) -> Response:
             await events.add([events.s.event("response.created", response=queued),
                               events.s.event("response.queued", response=queued)])
         background: Background = request.app.state.background
-        background.start(draft.id, lambda gone: run_in_background(svc, caller, draft, store, conversations, background,
-                                                                   gone, events),
-                         events.log if events else None)
+        background.start(draft.id, lambda gone: _released(run_in_background(
+            svc, caller, draft, store, conversations, background, gone, events), release),
+            events.log if events else None)
         if events is not None:
             return Streamed(events.log.follow(-1), "text/event-stream", headers=headers)
         return JSONResponse(draft.public("queued"), headers=headers)
@@ -91,10 +104,38 @@ async def create_response(request: Request) -> Response:
                 draft.reply = replies[0]
                 draft.output = whole_output(draft)
                 await draft.keep(store, caller.key_id, conversations)
+                release()
                 return JSONResponse(draft.public(draft.status), headers=headers)
             first = await deltas.__anext__()
     events = live_events(deltas, first, draft, store, caller.key_id, conversations)
-    return Streamed(events, "text/event-stream", headers=headers)
+    return Streamed(_Releasing(events, release), "text/event-stream", headers=headers)
+
+
+async def _released(work: Awaitable[None], release: Callable[[], None]) -> None:
+    try:
+        await work
+    finally:
+        release()
+
+
+class _Releasing:
+    """A live stream's events, which call ``release`` once closed: ``Streamed`` closes it however
+    the stream ended, even before its first event (where a generator's ``finally`` would not run)."""
+
+    def __init__(self, events: AsyncGenerator[str, None], release: Callable[[], None]) -> None:
+        self.events, self.release = events, release
+
+    def __aiter__(self) -> "_Releasing":
+        return self
+
+    async def __anext__(self) -> str:
+        return await self.events.__anext__()
+
+    async def aclose(self) -> None:
+        try:
+            await self.events.aclose()
+        finally:
+            self.release()
 
 
 async def count_input_tokens(request: Request) -> Response:
@@ -291,6 +332,8 @@ async def live_events(deltas: AsyncGenerator[ChoiceDelta, None], first: ChoiceDe
         status = draft.status
         await draft.keep(store, owner, conversations)
         yield s.event(f"response.{status}", response=draft.public(status))
+    except APIError as exc:  # (its conversation refused its items: a duplicate_item_id)
+        yield s.event("error", code=exc.code, message=exc.message, param=exc.param)
     except Exception as exc:  # noqa: BLE001 - the stream has started: report in-band
         yield s.event("error", code="generation_failed", message=f"generation failed: {type(exc).__name__}",
                       param=None)

@@ -4,13 +4,15 @@ real server; the store under them on both backends (SQLite, Redis)."""
 from __future__ import annotations
 
 import asyncio
+import sqlite3
 import time
+from concurrent.futures import ThreadPoolExecutor
 
 import httpx
 import openai
 import pytest
 
-from gateway.conversation_store import Conversation, RedisConversations, SQLiteConversations
+from gateway.conversation_store import Conversation, DuplicateItem, RedisConversations, SQLiteConversations
 from tests.helpers import start_server, write_config
 from tests.test_batch_store import redis_server
 
@@ -123,6 +125,116 @@ def test_a_response_that_fails_adds_nothing_and_bad_references_are_refused(serve
     assert e.value.body["code"] == "duplicate_item_id"
 
 
+def _race(calls) -> list:
+    """What each of ``calls`` answered (or raised), all made at once."""
+    def outcome(call):
+        try:
+            return call()
+        except openai.APIStatusError as exc:
+            return exc
+
+    with ThreadPoolExecutor(len(calls)) as pool:
+        return list(pool.map(outcome, calls))
+
+
+def _settled(c, conv_id, count) -> list[str]:
+    """The conversation's item ids, oldest first, once it has ``count`` (a background response adds
+    its items when it ends)."""
+    deadline = time.monotonic() + 60
+    while len(c.conversations.items.list(conv_id).data) < count and time.monotonic() < deadline:
+        time.sleep(0.05)
+    return ids(c.conversations.items.list(conv_id, order="asc"))
+
+
+@pytest.mark.parametrize("how", [{}, {"stream": True}, {"background": True}])
+def test_racing_responses_with_one_item_id_refuse_all_but_one_before_any_work(server, how):
+    """Responses made at once in one conversation whose inputs have the same item id: the first one
+    holds the id while it runs, and the others are refused as they would be once it had added
+    it, with a 400 ``duplicate_item_id`` naming the item, before their model runs (not a 503
+    store_unavailable after it ran, nor a crashed background run); the conversation holds the
+    first one's items only; once it ended the id is held no more."""
+    c = client(server)
+    conv = c.conversations.create()
+    item = [{"type": "message", "role": "user", "content": "hi", "id": "msg_race"}]
+    generated = server.services.metrics.tokens
+    before = generated[("tiny-chat", "paid", "completion")]
+    outcomes = _race([lambda: respond(c, item, conversation=conv.id, **how)] * 4)
+    refused = [o for o in outcomes if isinstance(o, openai.APIStatusError)]
+    assert len(refused) == 3, outcomes
+    assert {(e.status_code, e.body["code"], e.body["param"]) for e in refused} == {
+        (400, "duplicate_item_id", "input[0].id")}
+    winner = next(o for o in outcomes if not isinstance(o, openai.APIStatusError))
+    if how.get("stream"):
+        events = list(winner)
+        assert events[-1].type in ("response.completed", "response.incomplete")
+        winner = events[-1].response
+    assert _settled(c, conv.id, 2)[0] == "msg_race" and len(_settled(c, conv.id, 2)) == 2
+    usage = c.responses.retrieve(winner.id).usage
+    assert generated[("tiny-chat", "paid", "completion")] - before == usage.output_tokens  # only the first one ran
+    c.conversations.items.delete("msg_race", conversation_id=conv.id)  # its id, free again once it ended
+    assert respond(c, item, conversation=conv.id).conversation.id == conv.id
+
+
+def _added_meanwhile(monkeypatch, server, item) -> None:
+    """The server's conversation store, made to get ``item`` (as from another process, whose
+    running responses this one does not see) just before each append."""
+    store = server.app.state.conversations
+    real = store.add_items
+
+    async def add_items(conversation_id, owner, items):
+        await real(conversation_id, owner, [item])
+        return await real(conversation_id, owner, items)
+
+    monkeypatch.setattr(store, "add_items", add_items)
+
+
+def test_an_item_id_added_while_a_response_runs_is_refused_by_the_append(server, monkeypatch):
+    """An input item id that the conversation gets while the response runs (another process's
+    response added it) is refused by the store's append itself, all of the items or none: a
+    whole response is a 400 ``duplicate_item_id`` naming it, a streamed one ends with an
+    ``error`` event with that code, neither is stored; a background one is ``failed`` with that
+    error (its run does not crash). The conversation holds only the item added meanwhile."""
+    c = client(server)
+    _added_meanwhile(monkeypatch, server, {"id": "msg_twice", "type": "message", "role": "user", "status": "completed",
+                                           "content": [{"type": "input_text", "text": "x"}]})
+    item = [{"type": "message", "role": "user", "content": "hi", "id": "msg_twice"}]
+    conv = c.conversations.create()
+    with pytest.raises(openai.BadRequestError) as e:
+        respond(c, item, conversation=conv.id)
+    assert (e.value.body["code"], e.value.body["param"]) == ("duplicate_item_id", "input[0].id")
+    assert _settled(c, conv.id, 1) == ["msg_twice"]
+
+    conv = c.conversations.create()
+    events = list(respond(c, item, conversation=conv.id, stream=True))
+    assert (events[-1].type, events[-1].code) == ("error", "duplicate_item_id"), events[-1]
+    with pytest.raises(openai.NotFoundError):
+        c.responses.retrieve(events[0].response.id)
+    assert _settled(c, conv.id, 1) == ["msg_twice"]
+
+    conv = c.conversations.create()
+    queued = respond(c, item, conversation=conv.id, background=True)
+    deadline = time.monotonic() + 60
+    while (ended := c.responses.retrieve(queued.id)).status in ("queued", "in_progress"):
+        assert time.monotonic() < deadline
+        time.sleep(0.05)
+    assert ended.status == "failed" and ended.error.code == "duplicate_item_id", ended
+    assert _settled(c, conv.id, 1) == ["msg_twice"]
+
+
+def test_a_constraint_the_store_refuses_is_a_500_not_store_unavailable(server, monkeypatch):
+    """A constraint SQLite refused is no outage that trying again shortly would get past: a 500
+    ``internal_error``, not the 503 ``store_unavailable`` of a store that did not answer."""
+    async def refused(*args):
+        raise sqlite3.IntegrityError("UNIQUE constraint failed: conversation_items.conversation_id")
+
+    conv = client(server).conversations.create()
+    monkeypatch.setattr(server.app.state.conversations, "add_items", refused)
+    r = httpx.post(f"{server.base_url}/conversations/{conv.id}/items", timeout=60,
+                   json={"items": [{"role": "user", "content": "x"}]},
+                   headers={"Authorization": f"Bearer {server.keys['paid']}"})
+    assert r.status_code == 500 and r.json()["error"]["code"] == "internal_error", r.text
+
+
 @pytest.mark.parametrize("path, body, param", [
     ("/conversations", {"items": [{"type": "message", "role": "user", "content": "x"}] * 21}, "items"),
     ("/conversations", {"items": [{"type": "message", "role": "robot", "content": "x"}]}, "items[0].role"),
@@ -167,6 +279,9 @@ async def _contract(store) -> None:
         assert await store.items("conv_b", "k") == [] and await store.items("conv_a", "other") is None
         assert await store.add_items("conv_a", "k", [{"id": "i2", "n": [], "e": {}}])  # (empty lists stay lists)
         assert not await store.add_items("conv_a", "other", [{"id": "x"}])
+        with pytest.raises(DuplicateItem) as e:  # an id it has: none of the items is added
+            await store.add_items("conv_a", "k", [{"id": "i3"}, {"id": "i1"}])
+        assert e.value.item_id == "i1" and [i["id"] for i in await store.items("conv_a", "k")] == ["i0", "i1", "i2"]
         assert [i["id"] for i in await store.items("conv_a", "k")] == ["i0", "i1", "i2"]
         assert (await store.items("conv_a", "k"))[2] == {"id": "i2", "n": [], "e": {}}
         assert not await store.delete_item("conv_a", "other", "i1") and not await store.delete_item("conv_a", "k", "i9")
