@@ -20,7 +20,7 @@ import functools
 import re
 import time
 from collections import Counter, OrderedDict
-from dataclasses import dataclass, replace
+from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
@@ -277,7 +277,7 @@ async def search_stores(svc: Services, stores: VectorStoreStore, caller: Caller,
     now = int(time.time())
     for store in found:  # expiry is in days: a store searched all day is written once a minute, not per search
         if now - store.last_active_at >= ACTIVE_EVERY_S:
-            await stores.update(replace(store, last_active_at=now))
+            await stores.touch(store.id, store.owner, now)  # (not the store as read: an update meanwhile stays)
     hits.sort(key=lambda hit: -hit[0])
     return hits[:limit]
 

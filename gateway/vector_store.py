@@ -145,6 +145,11 @@ class VectorStoreStore(abc.ABC):
         """Replace the stored fields of ``store`` (same id and owner); False when it is gone."""
 
     @abc.abstractmethod
+    async def touch(self, store_id: str, owner: str, at: int) -> None:
+        """Its ``last_active_at`` set to ``at`` where that is later, and nothing else: a search
+        that read the store does not write back the rest (an update made meanwhile stays)."""
+
+    @abc.abstractmethod
     async def delete(self, store_id: str, owner: str) -> bool:
         """Delete the store with its files and chunks; False when there is none (or not the owner's)."""
 
@@ -261,6 +266,11 @@ class SQLiteVectorStores(SQLiteFile, VectorStoreStore):
     async def update(self, store: VectorStore) -> bool:
         return await self._call(self._tx, lambda db: db.execute(
             "UPDATE vector_stores SET doc = ? WHERE id = ? AND owner = ?", (store.doc(), store.id, store.owner)).rowcount == 1)
+
+    async def touch(self, store_id: str, owner: str, at: int) -> None:
+        await self._call(self._tx, lambda db: db.execute(
+            "UPDATE vector_stores SET doc = json_set(doc, '$.last_active_at', ?) WHERE id = ? AND owner = ? "
+            "AND json_extract(doc, '$.last_active_at') < ?", (at, store_id, owner, at)))
 
     async def delete(self, store_id: str, owner: str) -> bool:
         def write(db: sqlite3.Connection) -> bool:
@@ -431,6 +441,17 @@ redis.call('SET', KEYS[1], ARGV[2])
 return 1
 """
 
+# KEYS store; ARGV owner, time: the owner's store last active then, where that is later
+_TOUCH = """
+local doc = redis.call('GET', KEYS[1])
+if not doc then return 0 end
+local d = cjson.decode(doc)
+if d['owner'] ~= ARGV[1] or d['last_active_at'] >= tonumber(ARGV[2]) then return 0 end
+d['last_active_at'] = tonumber(ARGV[2])
+redis.call('SET', KEYS[1], cjson.encode(d))
+return 1
+"""
+
 # KEYS store, owned, files, texts, vectors, order, pending, version; ARGV owner, store id: the owner's
 # store with its files, chunks and waiting files
 _DELETE = """
@@ -496,6 +517,7 @@ class RedisVectorStores(RedisKeys, VectorStoreStore):
         await super().open()
         self._create = self._r.register_script(_CREATE)
         self._update = self._r.register_script(_UPDATE)
+        self._touch = self._r.register_script(_TOUCH)
         self._delete = self._r.register_script(_DELETE)
         self._add_file = self._r.register_script(_ADD_FILE)
         self._delete_file = self._r.register_script(_DELETE_FILE)
@@ -533,6 +555,9 @@ class RedisVectorStores(RedisKeys, VectorStoreStore):
 
     async def update(self, store: VectorStore) -> bool:
         return bool(await self._update(keys=[self.k("vs", store.id)], args=[store.owner, store.doc()]))
+
+    async def touch(self, store_id: str, owner: str, at: int) -> None:
+        await self._touch(keys=[self.k("vs", store_id)], args=[owner, at])
 
     async def delete(self, store_id: str, owner: str) -> bool:
         keys = [self.k("vs", store_id), self.k("vs-owned", owner),

@@ -4,6 +4,7 @@ server: one contract, run against each."""
 from __future__ import annotations
 
 import asyncio
+from dataclasses import replace
 
 import numpy as np
 
@@ -29,6 +30,11 @@ async def _contract(store: VectorStoreStore) -> None:
         renamed = VectorStore("vs_a", "k", 10, "a2", "tiny-embed", {}, None, None, 50)
         assert await store.update(renamed) and await store.get("vs_a", "k") == renamed
         assert not await store.update(VectorStore("vs_a", "other", 10, "x", "tiny-embed"))  # not the owner's
+        await store.touch("vs_a", "k", 70)  # last active: that field only, and only later
+        await store.touch("vs_a", "k", 60)
+        await store.touch("vs_a", "other", 90)
+        assert await store.get("vs_a", "k") == replace(renamed, last_active_at=70)
+        assert await store.update(renamed)
 
         # files: added, listed in order, a second addition replaces the first
         f1, f2 = _file("vs_a", "file-1", "t1", attributes={"lang": "en"}), _file("vs_a", "file-2", "t2")

@@ -8,7 +8,9 @@ from __future__ import annotations
 import asyncio
 import json
 import sqlite3
+import threading
 import time
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import replace
 
 import httpx
@@ -19,6 +21,7 @@ from transformers import AutoTokenizer
 
 from gateway.errors import APIError
 from gateway.vector_store import Chunks, SQLiteVectorStores, StoreFile, VectorStore
+from gateway import vector_search
 from gateway.vector_search import Matrix, Shelf, Words, check_filter, matches, rank
 from gateway.vector_stores import ChunkingStrategy, chunk_sizes
 from tests.helpers import start_server, tiny_pdf, write_config
@@ -448,6 +451,38 @@ def test_an_expired_store_is_shown_expired_and_refuses_search_and_files(server):
     assert e.value.body["param"] == "tools[0].vector_store_ids[0]"
     assert c.vector_stores.update(made.id, expires_after=None).status == "completed"  # no expiry any more
     assert c.vector_stores.search(made.id, query="x").data == []
+
+
+def test_a_search_does_not_undo_an_update_made_while_it_ran(server, monkeypatch):
+    """A search makes its store active by writing its ``last_active_at`` alone, not the store as
+    the search read it: a ``vector_stores.update`` made while the search waited (at the gate,
+    embedding its query) keeps its name, metadata and expiry."""
+    c = client(server)
+    made = c.vector_stores.create(name="before", metadata={"v": "old"},
+                                  expires_after={"anchor": "last_active_at", "days": 7})
+    owner = server.services.keys.lookup(server.keys["paid"]).key_id
+    stores = server.app.state.vector_stores
+    stored = server.wait(stores.get(made.id, owner))
+    server.wait(stores.update(replace(stored, last_active_at=stored.last_active_at - 3600)))  # idle: a search writes it
+    reached, go_on = threading.Event(), threading.Event()
+    embed = vector_search.serve_embeddings
+
+    async def waiting(*args):
+        reached.set()
+        await asyncio.to_thread(go_on.wait, 30)
+        return await embed(*args)
+
+    monkeypatch.setattr(vector_search, "serve_embeddings", waiting)
+    with ThreadPoolExecutor(1) as pool:
+        searched = pool.submit(c.vector_stores.search, made.id, query="x")
+        assert reached.wait(30)
+        c.vector_stores.update(made.id, name="after", metadata={"v": "new"},
+                               expires_after={"anchor": "last_active_at", "days": 30})
+        go_on.set()
+        searched.result(60)
+    now = c.vector_stores.retrieve(made.id)
+    assert (now.name, now.metadata, now.expires_after.days) == ("after", {"v": "new"}, 30)
+    assert now.last_active_at >= time.time() - 5  # made active by the search all the same
 
 
 def test_a_store_whose_model_left_tiers_yaml_is_a_clean_503(server):
