@@ -28,6 +28,7 @@ import numpy as np
 from gateway.auth import Caller
 from gateway.embeddings import EmbedJob, serve_embeddings
 from gateway.errors import APIError, bad_request
+from gateway.schemas import INT64
 from gateway.service import Services
 from gateway.serving import weightless
 from gateway.vector_store import Chunks, StoreFile, VectorStore, VectorStoreStore
@@ -54,13 +55,16 @@ def check_filter(f: Any, param: str = "filters") -> None:
                           f"{param}.type", "invalid_filter")
     if set(f) != {"type", "key", "value"} or not isinstance(f["key"], str):
         raise bad_request(f"a '{kind}' filter has 'type', 'key' (a string) and 'value'", param, "invalid_filter")
-    scalars = (str, int, float, bool)
     value = f["value"]
-    ok = (isinstance(value, list) and all(isinstance(v, scalars) for v in value)) if kind in ("in", "nin") \
-        else isinstance(value, scalars)
+    ok = (isinstance(value, list) and all(map(_scalar, value))) if kind in ("in", "nin") else _scalar(value)
     if not ok:
         raise bad_request(f"the value of a '{kind}' filter is {'a list of ' if kind in ('in', 'nin') else 'a '}"
-                          "string, number or boolean", f"{param}.value", "invalid_filter")
+                          "string, number (an integer fits in 64 bits) or boolean", f"{param}.value", "invalid_filter")
+
+
+def _scalar(value: Any) -> bool:
+    """A value an attribute can have: a string, a boolean, a float or a 64-bit integer."""
+    return isinstance(value, (str, float, bool)) or type(value) is int and INT64[0] <= value <= INT64[1]
 
 
 def _same_kind(a: Any, b: Any) -> bool:

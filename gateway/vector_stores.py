@@ -40,7 +40,7 @@ from gateway.auth import Caller
 from gateway.errors import APIError, bad_request, not_found
 from gateway.input_files import DOCUMENT_PURPOSES, owned_file
 from gateway.pages import cursor_page, page_query
-from gateway.schemas import Metadata, _Body, parse, read_json
+from gateway.schemas import INT64, Metadata, _Body, parse, read_json
 from gateway.service import Services
 from gateway.vector_search import check_filter, encoder_of, search_stores
 from gateway.vector_store import StoreFile, VectorStore, VectorStoreStore
@@ -59,6 +59,8 @@ def _checked_attributes(value: dict[str, Any] | None) -> dict[str, Any] | None:
             raise ValueError(f"attribute key {key[:80]!r} is longer than 64 characters")
         if isinstance(item, str) and len(item) > 512:
             raise ValueError(f"attribute {key!r} is longer than 512 characters")
+        if type(item) is int and not INT64[0] <= item <= INT64[1]:  # (as every integer of the API)
+            raise ValueError(f"attribute {key[:80]!r}: integer out of range (a signed 64-bit integer is expected)")
     return value
 
 

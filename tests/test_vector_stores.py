@@ -256,6 +256,10 @@ def _error(r: httpx.Response) -> dict:
     ("/search", {"query": "word " * 200}, 400, "query"),
     ("/files", {"file_id": "file-nope"}, 404, "file_id"),
     ("/files", {"file_id": "x", "attributes": {"k" * 65: 1}}, 400, "attributes"),
+    ("/files", {"file_id": "x", "attributes": {"n": 2**63}}, 400, "attributes"),  # integers fit in 64 bits
+    ("/file_batches", {"files": [{"file_id": "x", "attributes": {"n": -(10**30)}}]}, 400, "files[0].attributes"),
+    ("/search", {"query": "x", "filters": {"type": "eq", "key": "n", "value": 10**40}}, 400, "filters.value"),
+    ("/search", {"query": "x", "filters": {"type": "in", "key": "n", "value": [1, 2**64]}}, 400, "filters.value"),
 ])
 def test_bad_requests_are_openai_errors_naming_the_field(server, path, body, status, param):
     c = client(server)
