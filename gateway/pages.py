@@ -30,8 +30,11 @@ def listing(data: list[dict[str, Any]], has_more: bool) -> dict[str, Any]:
 
 def cursor_page(items: list[dict[str, Any]], order: str, limit: int, after: str | None,
                 before: str | None) -> dict[str, Any]:
-    """One page of ``items`` (oldest first) in ``order``: those after the item ``after`` and
-    before the item ``before`` (ids; 400 naming the one that is not an item), ``limit`` at most."""
+    """One page of ``items`` (oldest first) in ``order``: of those after the item ``after`` and
+    before the item ``before`` (ids; 400 naming the one that is not an item), the first ``limit``,
+    or with ``before`` the last ``limit``: the page just before that item, as OpenAI's ``before``
+    ("the previous page") reads. ``has_more``: there are more between the cursors (with
+    ``before``, earlier ones)."""
     ranked = items if order == "asc" else items[::-1]
     ids = [item["id"] for item in ranked]
     start, end = 0, len(ranked)
@@ -42,4 +45,5 @@ def cursor_page(items: list[dict[str, Any]], order: str, limit: int, after: str 
         start = ids.index(after) + 1
     if before is not None:
         end = ids.index(before)
-    return listing(ranked[start:end][:limit], end - start > limit)
+    between = ranked[start:end]
+    return listing(between[-limit:] if before is not None else between[:limit], len(between) > limit)

@@ -585,6 +585,8 @@ def test_input_items_list_what_a_response_was_made_from(server):
     assert [i.id for i in later.data] == [asc[2].id, asc[3].id] and later.has_more
     before = c.responses.input_items.list(second.id, order="asc", extra_query={"before": asc[2].id})
     assert [i.id for i in before.data] == [asc[0].id, asc[1].id] and not before.has_more
+    before = c.responses.input_items.list(second.id, order="asc", limit=2, extra_query={"before": asc[5].id})
+    assert [i.id for i in before.data] == [asc[3].id, asc[4].id] and before.has_more  # the page just before it
     with pytest.raises(openai.NotFoundError):
         client(server, "free").responses.input_items.list(second.id)
     for given, at in (([{"role": "user", "content": "a", "id": "msg_twice"}, {"role": "user", "content": "b", "id": "msg_twice"}],

@@ -306,6 +306,11 @@ def test_listing_stores_pages_them_and_reads_only_the_pages_files(server, monkey
     after = c.vector_stores.list(limit=2, order="asc", after=made[1])
     assert [s.id for s in after.data] == made[2:4] and after.data[0].file_counts.total == 0
     assert [s.id for s in c.vector_stores.list(order="desc")] == made[::-1]  # the SDK follows the pages
+    # before: the page just before that store (in the order asked), has_more when there are earlier ones
+    back = c.vector_stores.list(limit=2, order="desc", before=made[0])
+    assert [s.id for s in back.data] == [made[2], made[1]] and back.has_more
+    back = c.vector_stores.list(limit=2, order="desc", before=back.first_id)
+    assert [s.id for s in back.data] == [made[4], made[3]] and not back.has_more
     with pytest.raises(openai.BadRequestError):
         c.vector_stores.list(after="vs_nobody")
 
