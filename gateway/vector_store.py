@@ -1,13 +1,14 @@
 """Where vector stores (``/v1/vector_stores``) are kept: on the batch store's backend
 (``batch.store`` in tiers.yaml), as conversations are.
 
-* ``sqlite`` (the default): ``vector_stores`` and ``vector_store_files`` tables in the batch store's
-  SQLite file; a file's chunks (their texts, and their vectors as one float32 matrix) in its row.
+* ``sqlite`` (the default): ``vector_stores``, ``vector_store_files`` and ``vector_store_batches``
+  tables in the batch store's SQLite file; a file's chunks (their texts, and their vectors as one
+  float32 matrix) in its row.
 * ``redis://...``: ``tg:vs:{id}`` holds a vector store, ``tg:vs-files:{id}`` (a hash by file id) its
   files, ``tg:vs-texts:{id}`` and ``tg:vs-vectors:{id}`` (hashes by file id) their chunks,
-  ``tg:vs-owned:{owner}`` (a set) a key's stores, ``tg:vs-version:{id}`` a counter of its files'
-  changes, ``tg:vs-order:{id}`` (a sorted set, by the
-  counter ``tg:vs-seq``) the order its files were added in, and ``tg:vs-pending`` (a sorted set, by
+  ``tg:vs-owned:{owner}`` (a set) a key's stores, ``tg:vs-batches:{id}`` (a hash by batch id) its
+  file batches, ``tg:vs-version:{id}`` a counter of its files' changes, ``tg:vs-order:{id}`` (a
+  sorted set, by the counter ``tg:vs-seq``) the order its files were added in, and ``tg:vs-pending`` (a sorted set, by
   lease end) the files waiting to be read (``gateway.vector_store_redis``).
 
 A vector store belongs to the key that made it (another key finds nothing). A file in it is
@@ -43,7 +44,9 @@ CREATE TABLE IF NOT EXISTS vector_store_files (
     vector_store_id TEXT NOT NULL, file_id TEXT NOT NULL, status TEXT NOT NULL, lease_until REAL NOT NULL,
     doc TEXT NOT NULL, texts TEXT, vectors BLOB, UNIQUE (vector_store_id, file_id));
 CREATE INDEX IF NOT EXISTS vector_store_files_waiting ON vector_store_files (status, lease_until);
-CREATE INDEX IF NOT EXISTS vector_store_files_by_file ON vector_store_files (file_id);"""
+CREATE INDEX IF NOT EXISTS vector_store_files_by_file ON vector_store_files (file_id);
+CREATE TABLE IF NOT EXISTS vector_store_batches (
+    vector_store_id TEXT NOT NULL, id TEXT NOT NULL, doc TEXT NOT NULL, PRIMARY KEY (vector_store_id, id));"""
 
 
 @dataclass(frozen=True)
@@ -109,6 +112,18 @@ class StoreFile(JsonRecord):
 
 
 @dataclass(frozen=True)
+class FileBatch(JsonRecord):
+    """A file batch: the files added in it, kept with it (their rows are replaced when a file is
+    added again, and go when it is removed), and once it ended the counts it ended with."""
+
+    id: str
+    vector_store_id: str
+    created_at: int
+    file_ids: list[str]
+    counts: dict[str, int] | None = None  # in_progress, completed, failed, cancelled: set once it ended
+
+
+@dataclass(frozen=True)
 class Chunks:
     """A completed file's chunks: their texts, and their vectors (one float32 row each)."""
 
@@ -152,6 +167,14 @@ class VectorStoreStore(abc.ABC):
     @abc.abstractmethod
     async def delete(self, store_id: str, owner: str) -> bool:
         """Delete the store with its files and chunks; False when there is none (or not the owner's)."""
+
+    @abc.abstractmethod
+    async def put_batch(self, batch: FileBatch) -> bool:
+        """Keep (or replace) a file batch while its store exists; False when it is gone."""
+
+    @abc.abstractmethod
+    async def batch(self, store_id: str, batch_id: str) -> FileBatch | None:
+        """The file batch, or None."""
 
     @abc.abstractmethod
     async def add_file(self, file: StoreFile) -> bool:
@@ -226,7 +249,7 @@ def _finished(file: StoreFile, texts: list[str]) -> StoreFile:
 
 
 class SQLiteVectorStores(SQLiteFile, VectorStoreStore):
-    """Two tables in the batch store's SQLite file (WAL; ``storage.sqlite``), every call on the
+    """Three tables in the batch store's SQLite file (WAL; ``storage.sqlite``), every call on the
     thread that owns the connection."""
 
     def __init__(self, path: Path) -> None:
@@ -277,9 +300,28 @@ class SQLiteVectorStores(SQLiteFile, VectorStoreStore):
             if db.execute("DELETE FROM vector_stores WHERE id = ? AND owner = ?", (store_id, owner)).rowcount != 1:
                 return False
             db.execute("DELETE FROM vector_store_files WHERE vector_store_id = ?", (store_id,))
+            db.execute("DELETE FROM vector_store_batches WHERE vector_store_id = ?", (store_id,))
             return True
 
         return await self._call(self._tx, write)
+
+    async def put_batch(self, batch: FileBatch) -> bool:
+        def write(db: sqlite3.Connection) -> bool:
+            if db.execute("SELECT 1 FROM vector_stores WHERE id = ?", (batch.vector_store_id,)).fetchone() is None:
+                return False
+            db.execute("INSERT OR REPLACE INTO vector_store_batches (vector_store_id, id, doc) VALUES (?, ?, ?)",
+                       (batch.vector_store_id, batch.id, batch.doc()))
+            return True
+
+        return await self._call(self._tx, write)
+
+    async def batch(self, store_id: str, batch_id: str) -> FileBatch | None:
+        def read() -> FileBatch | None:
+            row = self._db.execute("SELECT doc FROM vector_store_batches WHERE vector_store_id = ? AND id = ?",
+                                   (store_id, batch_id)).fetchone()
+            return FileBatch.of(row[0]) if row else None
+
+        return await self._call(read)
 
     async def add_file(self, file: StoreFile) -> bool:
         def write(db: sqlite3.Connection) -> bool:
@@ -452,14 +494,21 @@ redis.call('SET', KEYS[1], cjson.encode(d))
 return 1
 """
 
-# KEYS store, owned, files, texts, vectors, order, pending, version; ARGV owner, store id: the owner's
-# store with its files, chunks and waiting files
+# KEYS store, owned, files, texts, vectors, order, pending, version, batches; ARGV owner, store id: the
+# owner's store with its files, chunks, waiting files and file batches
 _DELETE = """
 local doc = redis.call('GET', KEYS[1])
 if not doc or cjson.decode(doc)['owner'] ~= ARGV[1] then return 0 end
 for _, file_id in ipairs(redis.call('HKEYS', KEYS[3])) do redis.call('ZREM', KEYS[7], ARGV[2] .. '\\n' .. file_id) end
-redis.call('DEL', KEYS[1], KEYS[3], KEYS[4], KEYS[5], KEYS[6], KEYS[8])
+redis.call('DEL', KEYS[1], KEYS[3], KEYS[4], KEYS[5], KEYS[6], KEYS[8], KEYS[9])
 redis.call('SREM', KEYS[2], ARGV[2])
+return 1
+"""
+
+# KEYS store, batches; ARGV batch id, doc: the batch, while the store exists
+_PUT_BATCH = """
+if redis.call('EXISTS', KEYS[1]) == 0 then return 0 end
+redis.call('HSET', KEYS[2], ARGV[1], ARGV[2])
 return 1
 """
 
@@ -519,6 +568,7 @@ class RedisVectorStores(RedisKeys, VectorStoreStore):
         self._update = self._r.register_script(_UPDATE)
         self._touch = self._r.register_script(_TOUCH)
         self._delete = self._r.register_script(_DELETE)
+        self._put_batch = self._r.register_script(_PUT_BATCH)
         self._add_file = self._r.register_script(_ADD_FILE)
         self._delete_file = self._r.register_script(_DELETE_FILE)
         self._swap = self._r.register_script(_SWAP)
@@ -562,8 +612,16 @@ class RedisVectorStores(RedisKeys, VectorStoreStore):
     async def delete(self, store_id: str, owner: str) -> bool:
         keys = [self.k("vs", store_id), self.k("vs-owned", owner),
                 *self._of(store_id, "vs-files", "vs-texts", "vs-vectors", "vs-order"), self._pending,
-                self.k("vs-version", store_id)]
+                self.k("vs-version", store_id), self.k("vs-batches", store_id)]
         return bool(await self._delete(keys=keys, args=[owner, store_id]))
+
+    async def put_batch(self, batch: FileBatch) -> bool:
+        keys = self._of(batch.vector_store_id, "vs", "vs-batches")
+        return bool(await self._put_batch(keys=keys, args=[batch.id, batch.doc()]))
+
+    async def batch(self, store_id: str, batch_id: str) -> FileBatch | None:
+        raw = await self._r.hget(self.k("vs-batches", store_id), batch_id)
+        return FileBatch.of(raw) if raw else None
 
     async def add_file(self, file: StoreFile) -> bool:
         s = file.vector_store_id

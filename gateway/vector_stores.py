@@ -43,7 +43,7 @@ from gateway.pages import cursor_page, page_query
 from gateway.schemas import INT64, Metadata, _Body, parse, read_json
 from gateway.service import Services
 from gateway.vector_search import check_filter, encoder_of, search_stores
-from gateway.vector_store import StoreFile, VectorStore, VectorStoreStore
+from gateway.vector_store import FileBatch, StoreFile, VectorStore, VectorStoreStore
 
 AUTO_CHUNK, AUTO_OVERLAP = 800, 400  # OpenAI's auto strategy, in tokens
 MAX_BATCH = 2000  # files in one file batch, as OpenAI allows
@@ -400,14 +400,27 @@ async def search(request: Request) -> Response:
 # -- file batches: files added together, followed and cancelled together ----------------------------
 
 
-def batch_public(store_id: str, batch_id: str, files: list[StoreFile]) -> dict[str, Any]:
-    """A file batch as OpenAI shows it, made from its files: ``in_progress`` while any is,
-    ``cancelled`` if any was cancelled, ``failed`` if every file failed, ``completed`` otherwise."""
-    counts = {s: sum(f.status == s for f in files) for s in ("in_progress", "completed", "failed", "cancelled")}
+_STATUSES = ("in_progress", "completed", "failed", "cancelled")
+
+
+def batch_counts(batch: FileBatch, files: list[StoreFile]) -> dict[str, int]:
+    """What a file batch's files are now (``files``: the store's): each by its row in the store,
+    whatever addition it is now of; one taken out of the store before the batch ended counts
+    as ``cancelled`` (its reading was stopped). The counts it ended with, once it has."""
+    if batch.counts is not None:
+        return batch.counts
+    now = {f.id: f.status for f in files}
+    return {s: sum(now.get(file_id, "cancelled") == s for file_id in batch.file_ids) for s in _STATUSES}
+
+
+def batch_public(batch: FileBatch, counts: dict[str, int]) -> dict[str, Any]:
+    """A file batch as OpenAI shows it: ``in_progress`` while any of its files is, ``cancelled`` if
+    any was cancelled, ``failed`` if every file failed, ``completed`` otherwise."""
     status = ("in_progress" if counts["in_progress"] else "cancelled" if counts["cancelled"]
-              else "failed" if counts["failed"] == len(files) else "completed")
-    return {"id": batch_id, "object": "vector_store.files_batch", "created_at": min(f.created_at for f in files),
-            "vector_store_id": store_id, "status": status, "file_counts": {**counts, "total": len(files)}}
+              else "failed" if counts["failed"] == len(batch.file_ids) else "completed")
+    return {"id": batch.id, "object": "vector_store.files_batch", "created_at": batch.created_at,
+            "vector_store_id": batch.vector_store_id, "status": status,
+            "file_counts": {**counts, "total": len(batch.file_ids)}}
 
 
 async def create_batch(request: Request) -> Response:
@@ -438,37 +451,51 @@ async def create_batch(request: Request) -> Response:
             raise bad_request(f"the file '{file_id[:80]}' is in the batch twice", param, "duplicate_file")
         seen.add(file_id)
         checked.append((await _document(request, caller, file_id, param), attributes, sizes))
-    batch_id = f"vsfb_{secrets.token_hex(12)}"
-    added = [await _add(request, caller, store, info, attributes, sizes, batch_id) for info, attributes, sizes in checked]
-    return JSONResponse(batch_public(store.id, batch_id, added))
+    batch = FileBatch(f"vsfb_{secrets.token_hex(12)}", store.id, int(time.time()), [info.id for info, _, _ in checked])
+    if not await _store(request).put_batch(batch):  # kept with its files: adding them again or removing one later
+        raise _missing(store.id)  # changes the store's rows, not the batch
+    added = [await _add(request, caller, store, info, attributes, sizes, batch.id)
+             for info, attributes, sizes in checked]
+    return JSONResponse(batch_public(batch, batch_counts(batch, added)))
 
 
-async def _batch(request: Request) -> tuple[VectorStore, str, list[StoreFile]]:
+async def _batch(request: Request) -> tuple[FileBatch, list[StoreFile]]:
+    """The file batch of the path and its files as they are in the store now; once it has ended,
+    the counts it ended with are kept with it (read here, so they change no more)."""
     owner, _ = _owner(request)
     store = await _owned(request, owner)
     batch_id = request.path_params["batch_id"]
-    files = [f for f in await _store(request).files(store.id) if f.batch_id == batch_id]
-    if not files:
-        raise not_found(f"no file batch '{batch_id[:80]}' in this vector store", "batch_id", "batch_not_found")
-    return store, batch_id, files
+    files, batch = await _store(request).files(store.id), await _store(request).batch(store.id, batch_id)
+    if batch is None:  # made before batches were kept: what its files say
+        mine = [f for f in files if f.batch_id == batch_id]
+        if not mine:
+            raise not_found(f"no file batch '{batch_id[:80]}' in this vector store", "batch_id", "batch_not_found")
+        return FileBatch(batch_id, store.id, min(f.created_at for f in mine), [f.id for f in mine]), mine
+    counts = batch_counts(batch, files)
+    if batch.counts is None and not counts["in_progress"]:
+        batch = replace(batch, counts=counts)
+        await _store(request).put_batch(batch)
+    wanted = set(batch.file_ids)
+    return batch, [f for f in files if f.id in wanted]
 
 
 async def get_batch(request: Request) -> Response:
-    store, batch_id, files = await _batch(request)
-    return JSONResponse(batch_public(store.id, batch_id, files))
+    batch, files = await _batch(request)
+    return JSONResponse(batch_public(batch, batch_counts(batch, files)))
 
 
 async def cancel_batch(request: Request) -> Response:
     """POST .../file_batches/{batch_id}/cancel: its files not read yet are ``cancelled`` (and not
-    read); those read keep their chunks."""
-    store, batch_id, files = await _batch(request)
+    read); those read keep their chunks. (A file added again since, by another addition, is that
+    one's now: not cancelled.)"""
+    batch, files = await _batch(request)
     for f in files:
-        if f.status == "in_progress":
+        if f.status == "in_progress" and f.batch_id == batch.id:
             await _store(request).cancel(f)
-    now = [f for f in await _store(request).files(store.id) if f.batch_id == batch_id]
-    return JSONResponse(batch_public(store.id, batch_id, now or files))
+    batch, files = await _batch(request)
+    return JSONResponse(batch_public(batch, batch_counts(batch, files)))
 
 
 async def list_batch_files(request: Request) -> Response:
-    _, _, files = await _batch(request)
+    _, files = await _batch(request)
     return _file_page(request, files)

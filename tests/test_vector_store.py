@@ -8,7 +8,7 @@ from dataclasses import replace
 
 import numpy as np
 
-from gateway.vector_store import RedisVectorStores, SQLiteVectorStores, StoreFile, VectorStore, VectorStoreStore
+from gateway.vector_store import FileBatch, RedisVectorStores, SQLiteVectorStores, StoreFile, VectorStore, VectorStoreStore
 from tests.helpers import redis_server
 
 
@@ -118,8 +118,15 @@ async def _contract(store: VectorStoreStore) -> None:
         assert await store.version("vs_a") != before
         assert [f.id for f in await store.files("vs_a")] == ["file-1"]
         assert await store.add_file(_file("vs_b", "file-9", "t5"))
+        # file batches: kept with their files, replaced (with the counts they ended with), gone with the store
+        made = FileBatch("vsfb_2", "vs_b", 100, ["file-9"])
+        assert await store.put_batch(made) and await store.batch("vs_b", "vsfb_2") == made
+        ended = replace(made, counts={"in_progress": 0, "completed": 1, "failed": 0, "cancelled": 0})
+        assert await store.put_batch(ended) and await store.batch("vs_b", "vsfb_2") == ended
+        assert await store.batch("vs_a", "vsfb_2") is None and not await store.put_batch(replace(made, vector_store_id="vs_x"))
         assert not await store.delete("vs_b", "other")
         assert await store.delete("vs_b", "k") and not await store.delete("vs_b", "k")
+        assert await store.batch("vs_b", "vsfb_2") is None
         assert await store.version("vs_b") is None
         assert await store.files("vs_b") == [] and await store.claim(9000.0, 30.0, 10) == []
         assert [s.id for s in await store.list("k")] == ["vs_a"]

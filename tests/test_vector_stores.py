@@ -389,6 +389,25 @@ def test_file_batches_are_added_followed_and_cancelled_together(server):
     assert e.value.body["param"] == "batch_id"
 
 
+def test_a_file_batch_is_kept_as_it_ended_when_its_files_are_added_again_or_removed(server):
+    """A file batch is kept with its files: adding them again (another batch over the same files,
+    a re-sync) or taking one out of the store later leaves it found, with the counts it ended
+    with; its files list shows those still in the store."""
+    c = client(server)
+    store = c.vector_stores.create(name="kept batches")
+    x, y = upload(c, "x.txt", DOC_A), upload(c, "y.txt", DOC_B)
+    first = c.vector_stores.file_batches.create_and_poll(store.id, file_ids=[x, y], poll_interval_ms=100)
+    assert first.status == "completed" and (first.file_counts.completed, first.file_counts.total) == (2, 2)
+    second = c.vector_stores.file_batches.create_and_poll(store.id, file_ids=[x], poll_interval_ms=100)
+    assert second.status == "completed" and second.file_counts.total == 1
+    c.vector_stores.files.delete(y, vector_store_id=store.id)
+    for batch, total in ((first, 2), (second, 1)):
+        again = c.vector_stores.file_batches.retrieve(batch.id, vector_store_id=store.id)
+        assert again.status == "completed" and (again.file_counts.completed, again.file_counts.total) == (total, total)
+        assert again.created_at == batch.created_at
+    assert [f.id for f in c.vector_stores.file_batches.list_files(first.id, vector_store_id=store.id)] == [x]
+
+
 @pytest.mark.parametrize("body, param", [
     ({}, "file_ids"),
     ({"file_ids": ["x"], "files": [{"file_id": "x"}]}, "file_ids"),
