@@ -92,6 +92,40 @@ local c = redis.call('HMGET', KEYS[1], 'completed', 'failed', 'total')
 return {added, tonumber(c[1] or '0') + tonumber(c[2] or '0'), tonumber(c[3] or '0')}
 """
 
+# KEYS batch, outcomes, shapes; ARGV group, backlog key prefix, batch id, held ms, then (idx, ok 1|0, outcome)*
+# -> added. The lines left are those held: an entry of the batch pending in a shape's stream with an idle
+# time under held ms (a live consumer runs it). In one script, so no claim slips in between the look and the
+# write: a line claimed before is left, one claimed after has its outcome (and the claim drops it).
+_FILL = _TERMINAL_LUA + """
+local status = redis.call('HGET', KEYS[1], 'status')
+if (not status) or terminal[status] then return 0 end
+local held, held_ms = {}, tonumber(ARGV[4])
+if held_ms > 0 then
+  for _, shape in ipairs(redis.call('ZRANGE', KEYS[3], 0, -1)) do
+    local stream = ARGV[2] .. shape
+    local pending = redis.pcall('XPENDING', stream, ARGV[1], '-', '+', 1000000)
+    if type(pending) == 'table' and not pending.err then
+      for _, p in ipairs(pending) do
+        local entry = tonumber(p[3]) < held_ms and redis.call('XRANGE', stream, p[1], p[1])[1]
+        if entry then
+          local f = {}
+          for k = 1, #entry[2], 2 do f[entry[2][k]] = entry[2][k + 1] end
+          if f.b == ARGV[3] and f.i then held[f.i] = true end
+        end
+      end
+    end
+  end
+end
+local added = 0
+for j = 5, #ARGV, 3 do
+  if not held[ARGV[j]] and redis.call('HSETNX', KEYS[2], ARGV[j], ARGV[j + 2]) == 1 then
+    added = added + 1
+    redis.call('HINCRBY', KEYS[1], ARGV[j + 1] == '1' and 'completed' or 'failed', 1)
+  end
+end
+return added
+"""
+
 # KEYS shapes; ARGV backlog key prefix -> the shapes whose stream has entries, oldest first (the
 # others leave the set, in the same step that checks them, so a start cannot slip in between)
 _SHAPES = """
@@ -124,6 +158,7 @@ class RedisStore(RedisKeys, Store):
         self._start = self._r.register_script(_START)
         self._set_status = self._r.register_script(_SET_STATUS)
         self._record = self._r.register_script(_RECORD)
+        self._fill = self._r.register_script(_FILL)
         self._unlock = self._r.register_script(_UNLOCK)
         self._indexer = asyncio.create_task(self._index_in_background())
 
@@ -362,8 +397,11 @@ class RedisStore(RedisKeys, Store):
                 await self._drop(token)
                 continue
             batch_id, idx = data[b"b"].decode(), int(data[b"i"])
-            raw = await self._r.hget(self.k("batch", batch_id, "lines"), idx)
-            if raw is None:  # its batch has ended
+            async with self._r.pipeline(transaction=False) as p:
+                p.hget(self.k("batch", batch_id, "lines"), idx)
+                p.hexists(self.k("batch", batch_id, "outcomes"), idx)
+                raw, done = await p.execute()
+            if raw is None or done:  # its batch has ended, or it was filled (cancel, expiry)
                 await self._drop(token)
                 continue
             jobs.append(Job(batch_id, line_of(idx, raw, shape), token, deliveries.get(entry_id, 1)))
@@ -410,14 +448,17 @@ class RedisStore(RedisKeys, Store):
         added, done, total = await self._add(job.batch_id, job.token, [outcome])
         return Recorded(bool(added), done, total)
 
-    async def fill(self, batch_id: str, make: Callable[[Line], Outcome]) -> int:
+    async def fill(self, batch_id: str, make: Callable[[Line], Outcome], held_s: float = 0.0) -> int:
         lines = await self._r.hgetall(self.k("batch", batch_id, "lines"))
         have = set(await self._r.hkeys(self.k("batch", batch_id, "outcomes")))
         missing = [make(line_of(int(i), raw)) for i, raw in lines.items() if i not in have]
         if not missing:
             return 0
-        added, _, _ = await self._add(batch_id, "", missing)
-        return added
+        args: list[Any] = [GROUP, self.backlog, batch_id, int(held_s * 1000)]
+        for o in missing:
+            args += [o.index, int(o.ok), outcome_json(o)]
+        keys = [self.k("batch", batch_id), self.k("batch", batch_id, "outcomes"), self.k("shapes")]
+        return await self._fill(keys=keys, args=args)
 
     async def outcomes(self, batch_id: str) -> list[Outcome]:
         raw = await self._r.hgetall(self.k("batch", batch_id, "outcomes"))

@@ -25,7 +25,9 @@ is recorded, and to another store: a process that dies between the two leaves a 
 runs again elsewhere. So each line runs with its metering ids (``gateway.auth.Metering``:
 ``{batch_id}:{index}:{k}`` for its k-th serving block), the same in every attempt and delivery,
 and the usage store counts each id once (``accounts.store``): the first delivery's usage is the
-one kept.
+one kept. A batch that stops (cancelled, expired) has its lines' error outcomes filled in only once
+no live process runs them (``_fill_stopped``): a line that ended first was metered, and keeps its
+own outcome, so the owner is metered for what the output file shows.
 """
 
 from __future__ import annotations
@@ -50,7 +52,7 @@ from batch.lines import error_line, parse_input, response_line, total_usage
 from batch.redis_store import RedisStore
 from batch.shapes import model_of, shape_of, width
 from batch.sqlite_store import SQLiteStore
-from batch.store import BatchInfo, FileInfo, Job, Line, Outcome, Store
+from batch.store import TERMINAL, BatchInfo, FileInfo, Job, Line, Outcome, Store
 from gateway.auth import Caller, Metering
 from gateway.errors import APIError
 from gateway.service import Services
@@ -228,8 +230,7 @@ class Runner:
                 continue
             self._batches = {b: info for b, info in latest.items() if info is not None}
             for token, (job, task) in running.items():
-                info = latest[job.batch_id]
-                if (info is None or info.status != "in_progress") and token in self._running:
+                if _stopped(latest[job.batch_id]) and token in self._running:
                     self._dropping.add(token)
                     task.cancel()
 
@@ -260,9 +261,10 @@ class Runner:
 
     # -- one line
     async def _run(self, job: Job) -> None:
+        outcome: Outcome | None = None
         try:
             batch = self._batches.get(job.batch_id) or await self.store.get_batch(job.batch_id)
-            if batch is None or batch.status != "in_progress":
+            if _stopped(batch):
                 await self.store.ack(job)  # cancelled or over: its outcome is (or will be) filled in
                 return
             self._batches.setdefault(job.batch_id, batch)
@@ -277,8 +279,9 @@ class Runner:
                 if recorded.done >= recorded.total:
                     self.soon("finish", job.batch_id)
         except asyncio.CancelledError:
-            if job.token in self._dropping:  # its batch stopped: the entry goes, the outcome is filled in
-                await asyncio.shield(self.store.ack(job))
+            if job.token in self._dropping:  # its batch stopped: the entry goes, and the finisher fills its outcome,
+                # unless the line had ended (and was metered) first: then that outcome is its own
+                await asyncio.shield(self.store.ack(job) if outcome is None else self.store.record(job, outcome))
             raise
         except Exception:  # noqa: BLE001 - the store failed: the line is reclaimed and runs again
             log.exception("batch: line %s of %s failed to record", job.line.custom_id, job.batch_id)
@@ -399,18 +402,18 @@ class Runner:
             return
         if batch.status == "in_progress":
             if now >= batch.expires_at:
-                await self.store.fill(batch_id, lambda ln: error_line(
-                    ln.index, ln.custom_id, "batch_expired", "the batch expired before this request ran"))
-                batch = await self.store.get_batch(batch_id)
-            if batch.done < batch.total:
+                batch = await self._fill_stopped(batch_id, "batch_expired", "the batch expired before this request ran")
+            if batch is None or batch.done < batch.total:
                 return
             if await self.store.set_status(batch_id, ["in_progress"], "finalizing", finalizing_at=now):
                 batch.status = "finalizing"
             else:
                 batch = await self.store.get_batch(batch_id)  # cancelled meanwhile
         if batch.status == "cancelling":
-            await self.store.fill(batch_id, lambda ln: error_line(
-                ln.index, ln.custom_id, "batch_cancelled", "the batch was cancelled before this request ran"))
+            batch = await self._fill_stopped(batch_id, "batch_cancelled",
+                                             "the batch was cancelled before this request ran")
+            if batch is None or batch.status != "cancelling" or batch.done < batch.total:
+                return
         elif batch.status != "finalizing":
             return
         outcomes = await self.store.outcomes(batch_id)
@@ -435,6 +438,29 @@ class Runner:
             self._ended(batch, status)
             log.info("batch %s %s: %d completed, %d failed", batch_id, status,
                      sum(o.ok for o in outcomes), sum(not o.ok for o in outcomes))
+
+    async def _fill_stopped(self, batch_id: str, code: str, message: str) -> BatchInfo | None:
+        """Give each line of a stopped batch (cancelled, expired) that has no outcome the error
+        ``code``, once no live process runs it: each line running is, within that process's
+        heartbeat, either recorded (it ended first, and was metered: its outcome is kept, so what
+        the owner is metered for is in the output) or cut unmetered and given up, and then filled.
+        Returns the batch as it then stands; None if it is gone or the finishing lock lapsed."""
+        def make(ln: Line) -> Outcome:
+            return error_line(ln.index, ln.custom_id, code, message)
+
+        while True:
+            await self.store.fill(batch_id, make, self.reclaim_after_s)
+            batch = await self.store.get_batch(batch_id)
+            if batch is None or batch.done >= batch.total or batch.status in TERMINAL:
+                return batch
+            await asyncio.sleep(self.poll_s)
+            if not await self.store.lock(batch_id, self.name, self.reclaim_after_s):  # renewed while it waits
+                return None
+
+
+def _stopped(batch: BatchInfo | None) -> bool:
+    """Whether a batch's lines stop running: it is gone, cancelled, ending, or out of time."""
+    return batch is None or batch.status != "in_progress" or time.time() >= batch.expires_at
 
 
 def _result_files(outcomes: list[Outcome]) -> tuple[dict[str, Any], dict[bool, bytes]]:

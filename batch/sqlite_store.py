@@ -224,13 +224,14 @@ class SQLiteStore(SQLiteFile, Store):
             now = time.time()
             of_shape, args = ("AND b.shape = ? ", (shape,)) if shape is not None else ("", ())
             rows = db.execute(
-                "SELECT b.seq, b.batch_id, b.idx, b.deliveries, b.shape, l.line FROM backlog b "
+                "SELECT b.seq, b.batch_id, b.idx, b.deliveries, b.shape, l.line, o.idx FROM backlog b "
                 "LEFT JOIN lines l ON l.batch_id = b.batch_id AND l.idx = b.idx "
+                "LEFT JOIN outcomes o ON o.batch_id = b.batch_id AND o.idx = b.idx "
                 f"WHERE (b.claimed_by IS NULL OR b.claimed_at < ?) {of_shape}ORDER BY b.seq LIMIT ?",
                 (now - reclaim_after_s, *args, count)).fetchall()
             jobs = []
-            for seq, batch_id, idx, deliveries, line_shape, line in rows:
-                if line is None:  # its batch has ended
+            for seq, batch_id, idx, deliveries, line_shape, line, done in rows:
+                if line is None or done is not None:  # its batch has ended, or it was filled (cancel, expiry)
                     db.execute("DELETE FROM backlog WHERE seq = ?", (seq,))
                     continue
                 db.execute("UPDATE backlog SET claimed_by = ?, claimed_at = ?, deliveries = deliveries + 1 "
@@ -288,12 +289,15 @@ class SQLiteStore(SQLiteFile, Store):
 
         return await self._call(self._tx, record)
 
-    async def fill(self, batch_id: str, make: Callable[[Line], Outcome]) -> int:
+    async def fill(self, batch_id: str, make: Callable[[Line], Outcome], held_s: float = 0.0) -> int:
         def fill(db: sqlite3.Connection) -> int:
+            held = {idx for idx, in db.execute(
+                "SELECT idx FROM backlog WHERE batch_id = ? AND claimed_by IS NOT NULL AND claimed_at >= ?",
+                (batch_id, time.time() - held_s))} if held_s > 0 else set()
             rows = db.execute("SELECT l.idx, l.line FROM lines l LEFT JOIN outcomes o "
                               "ON o.batch_id = l.batch_id AND o.idx = l.idx "
                               "WHERE l.batch_id = ? AND o.idx IS NULL", (batch_id,)).fetchall()
-            return self._add_outcomes(db, batch_id, [make(line_of(idx, line)) for idx, line in rows])
+            return self._add_outcomes(db, batch_id, [make(line_of(idx, line)) for idx, line in rows if idx not in held])
 
         return await self._call(self._tx, fill)
 

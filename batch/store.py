@@ -213,7 +213,7 @@ class Store(abc.ABC):
     async def claim(self, consumer: str, count: int, reclaim_after_s: float, shape: str | None = None) -> list[Job]:
         """Up to ``count`` entries, of ``shape`` only unless it is None: first those idle longer
         than ``reclaim_after_s`` (their consumer went silent), then new ones. Entries of finished
-        batches are dropped here."""
+        batches, and of lines that have an outcome (``fill`` gave them one), are dropped here."""
 
     @abc.abstractmethod
     async def shapes(self, reclaim_after_s: float) -> list[str]:
@@ -238,8 +238,11 @@ class Store(abc.ABC):
         """Write ``job``'s outcome unless it has one, count it, and drop the entry: atomically."""
 
     @abc.abstractmethod
-    async def fill(self, batch_id: str, make: Callable[[Line], Outcome]) -> int:
-        """Record ``make(line)`` for every line that has no outcome yet (cancel, expiry)."""
+    async def fill(self, batch_id: str, make: Callable[[Line], Outcome], held_s: float = 0.0) -> int:
+        """Record ``make(line)`` for every line that has no outcome yet (cancel, expiry), but those
+        a consumer claimed and touched within ``held_s``: they still run, and end on their own
+        (recorded, or dropped and filled by a later call). Atomic against ``claim``: a line is
+        either held, so left, or filled, so never handed out again."""
 
     @abc.abstractmethod
     async def outcomes(self, batch_id: str) -> list[Outcome]:

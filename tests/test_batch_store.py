@@ -461,3 +461,31 @@ def test_racing_consumers_some_dying_give_every_line_exactly_one_outcome(make_st
         await _closing(*stores)
 
     run(go())
+
+
+def test_fill_leaves_the_lines_a_live_consumer_holds_and_a_claim_drops_the_filled(make_store):
+    """A stopped batch's fill (``held_s``: the runner's reclaim timeout) gives an outcome to every
+    line but those claimed by a consumer that touched them since: they still run, and record their
+    own outcome. Lines filled are never handed out again, and a later fill takes what was given up."""
+    async def go():
+        s = await make_store()
+        b = batch()
+        await s.create_batch(b)
+        await s.start(b.id, lines(5), [], now=1)
+        live, gone = await s.claim("live", 2, 60), await s.claim("gone", 1, 60)
+        await asyncio.sleep(0.3)
+        await s.touch("live", live)  # "gone" stopped touching its claim
+        assert await s.set_status(b.id, ["in_progress"], "cancelling", cancelling_at=5)
+        assert await s.fill(b.id, failed, held_s=0.2) == 3  # 2 waiting, and the silent consumer's
+        assert await s.claim("other", 10, 0.2) == []  # the waiting and the silent one: filled, so dropped
+        first = await s.record(live[0], ok(live[0], "ran"))
+        assert (first.new, first.done, first.total) == (True, 4, 5)
+        late = await s.record(gone[0], ok(gone[0]))
+        assert late.new is False  # filled already: its consumer went silent
+        await s.ack(live[1])  # cut and given up
+        assert await s.fill(b.id, failed, held_s=0.2) == 1
+        outs = await s.outcomes(b.id)
+        assert [o.ok for o in outs] == [o.index == live[0].line.index for o in outs]
+        await _closing(s)
+
+    run(go())

@@ -270,3 +270,75 @@ def test_a_line_handed_back_mid_reply_is_metered_by_the_attempt_that_ends(spec, 
             await s.close()
 
     assert asyncio.run(metered_now()) == (2, replied)
+
+
+@pytest.mark.parametrize("spec", ["sqlite", "redis"])
+def test_lines_that_end_as_their_batch_is_cancelled_keep_their_outcome_and_are_metered_once(
+        spec, tiny_chat, tmp_path, request):
+    """A batch of 6 lines is cancelled while 4 of them are on the real chat model (the batch
+    tier's width) and 2 wait in the backlog; the 4 end right after the cancel, before a heartbeat
+    could cut them (none comes in the test's time). A line that ended was metered, so it keeps its
+    outcome: the finisher waits for the lines running before it fills the rest, and the 2 that
+    waited are never run. The batch ends ``cancelled`` with 4 responses and 2 ``batch_cancelled``
+    lines, and the owner is metered for exactly the output file's responses. (Filling every line
+    at once with ``batch_cancelled`` metered answers the owner never got.)"""
+    store = request.getfixturevalue("redis_url") if spec == "redis" else "sqlite"
+    config = load_config(write_config(tmp_path, {"tiny-chat": ("chat", tiny_chat)},
+                                      f"batch:\n  reclaim_after_s: 30\n  store: {store}\n"))
+    data_dir = tmp_path / "tiergate-data"
+    owner = f"owner-{uuid.uuid4().hex[:8]}"  # the Redis is the session's: a key of its own
+
+    async def go():
+        svc = build_services(config, KeyRing({t: [f"k-{t}"] for t in TIERS}))
+        await svc.accounts.start()
+        go_on, ran = asyncio.Event(), []
+
+        async def chat(svc_, caller, body):
+            await go_on.wait()
+            ran.append(body["messages"][0]["content"])
+            return await ENDPOINTS["/v1/chat/completions"](svc_, caller, body)
+
+        runner = Runner(svc, open_store(store, data_dir), {"/v1/chat/completions": chat})
+        runner.tick_s = 300.0  # no heartbeat cuts the lines running: they end first
+        await runner.start()
+        f = FileInfo("file-in", owner, "batch", "in.jsonl", 1, int(time.time()))
+        await runner.store.put_file(f, jsonl([chat_line(i, max_tokens=4, temperature=0) for i in range(6)]))
+        batch = BatchInfo(f"batch_{uuid.uuid4().hex[:12]}", owner, "/v1/chat/completions", f.id, "24h",
+                          int(time.time()), int(time.time()) + 3600)
+        await runner.store.create_batch(batch)
+        runner.soon("validate", batch.id)
+        await until(lambda: len(runner._running) == 4, "4 lines run, 2 wait")
+        assert await runner.store.set_status(batch.id, ["in_progress"], "cancelling", cancelling_at=int(time.time()))
+        runner.soon("finish", batch.id)  # as POST /v1/batches/{id}/cancel does
+        await asyncio.sleep(0.3)  # the finisher at work
+        go_on.set()
+
+        async def ended() -> bool:
+            return (await runner.store.get_batch(batch.id)).status == "cancelled"
+
+        try:
+            await until(ended, "the batch is cancelled")
+            final = await runner.store.get_batch(batch.id)
+            files = [await runner.store.file_content(final.fields[k]) if final.fields.get(k) else None
+                     for k in ("output_file_id", "error_file_id")]
+        finally:
+            await runner.stop()
+            await svc.accounts.stop()
+            await svc.arbiter.stop()
+        return final, [[json.loads(x) for x in (content or b"").splitlines()] for content in files], ran
+
+    final, (output, errors), ran = asyncio.run(go())
+    assert (final.completed, final.failed) == (4, 2) and len(ran) == 4
+    assert {e["error"]["code"] for e in errors} == {"batch_cancelled"}
+    replied = sum(o["response"]["body"]["usage"]["completion_tokens"] for o in output)
+    assert final.fields["usage"]["output_tokens"] == replied > 0
+
+    async def metered_now():
+        s = config_store(store, data_dir)
+        await s.open()
+        try:
+            return await requests_of(s, owner)
+        finally:
+            await s.close()
+
+    assert asyncio.run(metered_now()) == (4, replied)
