@@ -64,6 +64,15 @@ def wait(c, job_id, statuses=("succeeded", "failed", "cancelled"), timeout=180):
     return job
 
 
+def trained_tokens_metered(server) -> float:
+    """The paid key's ``trained_tokens`` in its usage so far (its batch tier's)."""
+    from gateway.auth import key_id
+
+    usage = httpx.get(f"{server.url}/admin/usage", params={"group_by": "tier", "key": key_id(server.keys["paid"])},
+                      headers={"Authorization": f"Bearer {server.keys['admin']}"}).json()
+    return sum(row["trained_tokens"] for row in usage["data"] if row["tier"] == "batch")
+
+
 def ask(c, model, question) -> str:
     r = c.chat.completions.create(model=model, max_tokens=10, temperature=0,
                                   messages=[{"role": "system", "content": "You are a pirate."},
@@ -303,9 +312,11 @@ def test_paid_traffic_pauses_training_and_may_evict_it_yet_the_job_ends_as_if_al
 def test_a_job_whose_process_stopped_goes_on_from_its_last_epoch_to_the_same_weights(server):
     """The runner stops mid-job (as at a restart) after an epoch has ended; when it runs again and
     takes the job back (its lease run out), the job goes on after that epoch and ends with the
-    very weights of the same job run without a stop; its result file has each step once."""
+    very weights of the same job run without a stop; its result file has each step once. Its key
+    is metered its ``trained_tokens``: the steps before the stop too, each once."""
     c = client(server)
     tuner = server.app.state.tuner
+    metered = trained_tokens_metered(server)
     settings = dict(model="tiny-chat", training_file=upload(c, LINES * 2), seed=5,
                     hyperparameters={"n_epochs": 12, "batch_size": 2})  # 3 steps an epoch
     alone = wait(c, c.fine_tuning.jobs.create(**settings).id)
@@ -332,6 +343,7 @@ def test_a_job_whose_process_stopped_goes_on_from_its_last_epoch_to_the_same_wei
         torch.testing.assert_close(second[key], first[key], rtol=0, atol=0)
     rows = c.files.content(resumed.result_files[0]).text.splitlines()[1:]
     assert [int(r.split(",")[0]) for r in rows] == list(range(1, 37))
+    assert trained_tokens_metered(server) - metered == alone.trained_tokens + resumed.trained_tokens
     assert not (tuner.scratch / job.id).exists()  # the job ended: its folder went with it
     # folders of jobs that ended while another process ran them (or that are gone) go at the next start
     for name in (alone.id, "ftjob-gone"):
@@ -343,10 +355,12 @@ def test_a_job_whose_process_stopped_goes_on_from_its_last_epoch_to_the_same_wei
 def test_a_paused_job_keeps_its_state_and_resumes_to_the_same_weights(server):
     """``pause`` stops a running job at its next step and keeps it ``paused`` (nothing trains,
     nothing is published); ``resume`` queues it again and it goes on from that step, ending with
-    the very weights of the same job never paused. A paused job can be cancelled; an ended one
-    can be neither paused nor resumed."""
+    the very weights of the same job never paused, and is metered its ``trained_tokens``, the
+    steps before the pause included. A paused job can be cancelled; an ended one can be neither
+    paused nor resumed."""
     c = client(server)
     tuner = server.app.state.tuner
+    metered = trained_tokens_metered(server)
     settings = dict(model="tiny-chat", training_file=upload(c, LINES * 2), seed=7,
                     hyperparameters={"n_epochs": 12, "batch_size": 2})
     alone = wait(c, c.fine_tuning.jobs.create(**settings).id)
@@ -379,6 +393,7 @@ def test_a_paused_job_keeps_its_state_and_resumes_to_the_same_weights(server):
     second = load_file(server.adapters / resumed.fine_tuned_model / "adapter_model.safetensors")
     for key in first:
         torch.testing.assert_close(second[key], first[key], rtol=0, atol=0)
+    assert trained_tokens_metered(server) - metered == alone.trained_tokens + resumed.trained_tokens
     for call in (c.fine_tuning.jobs.pause, c.fine_tuning.jobs.resume):
         with pytest.raises(openai.ConflictError):
             call(job.id)

@@ -19,8 +19,11 @@ At the end the job's adapters are published in the model's adapter folder (``Con
 each copied beside it and renamed into place: the last three epochs' checkpoints as
 ``<name>:ckpt-step-<N>`` and the last one as the fine-tuned model, ``ft:<model>:<key id>:<suffix>:<id>``,
 which requests can name at once. Its figures per step are a CSV result file
-(``fine-tune-results``); its usage (the tokens trained on, every epoch; GPU-seconds) is the
-owner's, at the batch tier, under the base model.
+(``fine-tune-results``); its usage is the owner's, at the batch tier, under the base model
+(``Tuner._meter``): each epoch's tokens when its checkpoint is written, under a metering id of
+the epoch's (``gateway.auth.Metering``), so an epoch trained again (after a crash, from the last
+epoch's end) is counted once, and each start's GPU-seconds, its time since the last epoch's end
+metered when it stops.
 """
 
 from __future__ import annotations
@@ -43,7 +46,7 @@ from prometheus_client.registry import Collector
 
 from accounts.usage import Usage
 from batch.store import FileInfo, Store as FileStore
-from gateway.auth import Caller
+from gateway.auth import Caller, Metering
 from gateway.claim_loop import ClaimLoop
 from gateway.errors import APIError
 from gateway.service import Held, Services
@@ -81,6 +84,11 @@ class _Running:
     began: float = 0.0  # when its training started (monotonic), for ``estimated_finish``
     first_step: int = 0  # the step it started from: where an earlier start stopped, or 0
     step: int = 0  # the last step it ended
+    steps_per_epoch: int = 1
+    epoch_tokens: int = 0  # an epoch's tokens (each example once): what each epoch is metered
+    metered_at: float = 0.0  # (monotonic) where the time metered so far ends, in this start
+    metered_paused: float = 0.0  # the time paused by then (``ctx.paused_s``), which is not metered
+    metered_step: int = 0  # the step the training not metered yet began at
     stopped: asyncio.Event = field(default_factory=asyncio.Event)  # set with ``lost``: ends a wait for the trainer
 
     def stop(self) -> None:
@@ -204,7 +212,7 @@ class Tuner(ClaimLoop[Job], Collector):
         validation = await self._read(job.validation_file, "validation_file", job.method) if job.validation_file else []
         hp = job.hyperparameters
         held = await self._hold(running)
-        started, trained = time.monotonic(), 0
+        running.metered_at = time.monotonic()
         try:
             worker = held.lease.worker
             limit = self.svc.config.fine_tuning.max_tokens or worker.describe(worker.spec).context_length or 2048
@@ -222,14 +230,14 @@ class Tuner(ClaimLoop[Job], Collector):
                            tuning.lora_alpha, self.scratch / job.id, self.scratch / job.id / "resume.pt",
                            hp.get("beta") if job.method == "dpo" else None, self._start(job))
             running.total_steps, running.began = run.total_steps, time.monotonic()
+            running.steps_per_epoch, running.epoch_tokens = run.steps_per_epoch, sum(e.tokens for e in examples)
             running.ctx = ctx = held.lease.context()
             if running.lost:
                 ctx.cancel()
-            trained = await self._steps(running, worker, run, ctx)
+            await self._steps(running, worker, run, ctx)
         finally:
             held.release(None)  # a job's hours teach the gate's cost model nothing about requests
-            paused = running.ctx.paused_s if running.ctx is not None else 0.0
-            await self._meter(job, trained, max(time.monotonic() - started - paused, 0.0))
+            await self._meter(running, None)  # a stop's GPU time since the last epoch's end
         await self._publish(running, run)
 
     async def _steps(self, running: _Running, worker, run: TrainRun, ctx: StepContext) -> int:
@@ -268,6 +276,7 @@ class Tuner(ClaimLoop[Job], Collector):
             return
         if "checkpoint" in report:
             running.rows[-1].update(valid_loss=report["valid_loss"], valid_mean_token_accuracy=report["valid_mean_token_accuracy"])
+            await self._meter(running, report["step"] // running.steps_per_epoch)
             return
         self.steps += 1
         running.step = report["step"]
@@ -301,7 +310,7 @@ class Tuner(ClaimLoop[Job], Collector):
         there are the metrics events the earlier starts recorded (the latest of each step), with
         their epochs' validation scores."""
         job, step = running.job, report["resumed"]
-        running.first_step = running.step = step
+        running.first_step = running.step = running.metered_step = step
         recorded: dict[int, dict] = {}
         after = None
         while page := await self.store.events(job.id, after, 1000):  # newest first
@@ -397,12 +406,28 @@ class Tuner(ClaimLoop[Job], Collector):
                         await running.stopped.wait()
         raise Cancelled()
 
-    async def _meter(self, job: Job, trained: int, gpu_s: float) -> None:
-        accounts = self.svc.accounts
-        if accounts is None or not trained:
+    async def _meter(self, running: _Running, epoch: int | None) -> None:
+        """Meter the training since this start last metered it: at the end of ``epoch`` (from 1)
+        that epoch's tokens, under the id ``<job>:epoch-<n>``, so that an epoch is counted once
+        however often it is trained (a start after a crash trains again the steps after the last
+        epoch's end, or another process starts the job over) and a job that succeeds is metered its
+        ``trained_tokens``; at the end of a start (``epoch`` None), the GPU time of the steps it
+        trained since the last epoch's end (a pause, a shutdown, a cancel stopped it there), which
+        the next start does not train again. GPU-seconds: the time since, less the time paused."""
+        now, paused = time.monotonic(), running.ctx.paused_s if running.ctx is not None else 0.0
+        gpu_s = max(now - running.metered_at - (paused - running.metered_paused), 0.0)
+        first, step = running.metered_step, running.step
+        running.metered_at, running.metered_paused, running.metered_step = now, paused, step
+        if epoch is not None:  # the job's first epoch is its request
+            part, usage = f"epoch-{epoch}", Usage(requests=int(epoch == 1), trained_tokens=running.epoch_tokens,
+                                                  gpu_seconds=gpu_s)
+        elif step > first:
+            part, usage = f"steps-{first}-{step}", Usage(gpu_seconds=gpu_s)
+        else:
             return
-        caller = Caller(self.tier, job.owner)
-        await accounts.finish(caller, job.model, None, Usage(requests=1, trained_tokens=trained, gpu_seconds=gpu_s))
+        if self.svc.accounts is not None:
+            caller = Caller(self.tier, running.job.owner, metering=Metering(f"{running.job.id}:{part}"))
+            await self.svc.accounts.finish(caller, running.job.model, None, usage)
 
     async def _fail(self, running: _Running, code: str, message: str, param: str | None = None) -> None:
         job = running.job
