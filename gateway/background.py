@@ -5,7 +5,8 @@ stop signal (a :class:`~gateway.serving.Gone`, the signal a client's disconnect 
 request: the wait for a slot ends, and the model work stops at its next step boundary). While a
 piece runs it counts as an API request in flight for the drain, so a SIGTERM lets it finish, for
 at most ``server.drain_timeout_s``; at shutdown what still runs is stopped with ``stopping`` set,
-so that it can record why it ended. ``/metrics`` shows how many run here
+so that it can record why it ended, and its stop signal handed back (``Gone.hand_back``): the cut
+attempt writes no usage, as it runs again. ``/metrics`` shows how many run here
 (``tiergate_background_responses``, :meth:`Background.collect`).
 
 A piece made with ``stream: true`` has an :class:`EventLog` while it runs here: its events as they
@@ -142,7 +143,7 @@ class Background(Collector):
         self.stopping = True
         tasks = [task for task, _ in self.running.values()]
         for _, gone in list(self.running.values()):
-            gone.set()
+            gone.hand_back()  # its attempt is not metered: it runs again (or ends failed, unanswered)
         if tasks:
             await asyncio.wait(tasks, timeout=STOP_WAIT_S)
 

@@ -22,7 +22,9 @@ A ``Serving`` owns, for one request:
   left, or the server cancelled it) is metered by the tokens its engine had counted by then
   (``StepContext.prompt_tokens`` and ``completion_tokens``). A batch line's block that is cut is
   not metered at all: the line runs again (handed back at a drain) or never (its batch was
-  cancelled), and its usage is the one of the attempt that ends, under the same metering ids;
+  cancelled), and its usage is the one of the attempt that ends, under the same metering ids; nor
+  is a background response's block that a shutdown cuts (``Gone.hand_back``): it runs again, and
+  the attempt that ends is metered;
 * the request log's figures (``gateway.request_log``): the model, the queue wait at the gate, the
   wait for the model's load, the service time and (``count_tokens``) the tokens.
 
@@ -63,6 +65,7 @@ class Gone:
     def __init__(self) -> None:
         self.is_set = False
         self.watched = True
+        self.handed_back = False  # set by a shutdown: the work runs again elsewhere (or after the restart)
         self.waiting: set[asyncio.Task] = set()  # tasks in until_gone now
 
     def set(self) -> None:
@@ -70,6 +73,12 @@ class Gone:
             self.is_set = True
             for task in self.waiting:
                 task.cancel()
+
+    def hand_back(self) -> None:
+        """Set, for a shutdown: the work stops to run again from its stored request, so a block it
+        cuts writes no usage (as a batch line's cut attempt does); the attempt that ends is metered."""
+        self.handed_back = True
+        self.set()
 
 
 class Serving:
@@ -193,8 +202,9 @@ class Serving:
         if self.svc.accounts is not None:
             self.usage.gpu_seconds = self._gpu_seconds(service_s)
             self.usage.swap_seconds = held.lease.swap_s
-            # a batch line's cut block: its next attempt is metered under the same ids (see above)
-            usage = None if cut and self.caller.metering is not None else self.usage
+            # a batch line's cut block, or a handed-back one's: the attempt that ends is metered (see above)
+            again = self.caller.metering is not None or (self.gone is not None and self.gone.handed_back)
+            usage = None if cut and again else self.usage
             finish = self.svc.accounts.finish(self.caller, self.model, self._admission, usage)
             if in_cancel_scope():
                 with anyio.CancelScope(shield=True):  # a cut stream is metered too

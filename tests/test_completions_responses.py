@@ -1324,7 +1324,8 @@ def test_background_work_left_at_shutdown_is_handed_back_and_run_by_the_next_ser
     that can run again is handed back (stored queued, unwritten), and the next server on the same
     store runs it to its end; a streamed one still queued (its followers saw no output) too, its
     events going on in the next server; and a streamed one that had begun its text (another
-    tier's, not held at the gate), from that text."""
+    tier's, not held at the gate), from that text. The attempt the shutdown cut is not metered:
+    its key is metered once, for the attempt that ended."""
     import sqlite3
 
     import gateway.response_runs as runs
@@ -1375,6 +1376,8 @@ def test_background_work_left_at_shutdown_is_handed_back_and_run_by_the_next_ser
         assert kinds.count("response.in_progress") == kinds.count("response.output_item.added") == 1
         assert events[-1].type in ("response.completed", "response.incomplete")
         assert _deltas(events) == events[-1].response.output_text and _deltas(events).startswith(begun[-1].delta)
+        usage = httpx.get(f"{s.base_url}/usage", headers={"Authorization": f"Bearer {s.keys['subscriber']}"}).json()
+        assert sum(row["requests"] for row in usage["data"]) == 2  # the first request, and the attempt that ended
     finally:
         s.stop()
 
