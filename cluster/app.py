@@ -10,22 +10,24 @@ from pathlib import Path
 from ray import serve
 from ray.serve.config import RequestRouterConfig
 
-from cluster.deployments import Deployment, deployments
+from cluster.deployments import Deployment, deployments, largest_body
 from cluster.ingress import Dispatch, Ingress
 from cluster.replica import TierReplica
 from cluster.settings import SERVE_LOGGING, ingress_settings, serve_settings
-from gateway.config import Config
+from gateway.config import BatchConfig, Config, LimitsConfig
 
 ROOT = Path(__file__).resolve().parents[1]  # on every worker's path, for a source checkout
 REALTIME_SESSIONS = 256  # realtime sessions a replica may hold open beside its gate's requests
 
 
-def runtime_env(ingress_port: int | None = None, ports: int = 1) -> dict:
+def runtime_env(ingress_port: int | None = None, ports: int = 1, config: Config | None = None) -> dict:
     """The job's runtime_env: tiergate's Serve settings (``cluster.settings``; with
     ``ingress_port``, each ingress serves HTTP itself on the first free port of
-    ``[ingress_port, ingress_port + ports)``), and what Ray's workers need to import tiergate from
-    this checkout (a pip install needs no ``PYTHONPATH``)."""
-    return {"env_vars": {"PYTHONPATH": str(ROOT), **serve_settings(ingress_port, ports)}}
+    ``[ingress_port, ingress_port + ports)``; gRPC messages as large as ``config``'s largest body,
+    the default limits' without one), and what Ray's workers need to import tiergate from this
+    checkout (a pip install needs no ``PYTHONPATH``)."""
+    limits, batch = (config.limits, config.batch) if config is not None else (LimitsConfig(), BatchConfig())
+    return {"env_vars": {"PYTHONPATH": str(ROOT), **serve_settings(ingress_port, ports, largest_body(limits, batch))}}
 
 
 def build(config: Config, keys: dict[str, list[str]], admin_keys: list[str]) -> serve.Application:

@@ -39,7 +39,7 @@ def run(config_path: str, address: str | None, demo: bool) -> int:
     from cluster.settings import SERVE_LOGGING, is_direct
 
     port = config.cluster.port
-    env = runtime_env(ingress_port=port)  # each node's ingress serves cluster.port itself (direct ingress)
+    env = runtime_env(ingress_port=port, config=config)  # each node's ingress serves cluster.port itself (direct ingress)
     ray.init(address=address, runtime_env=env)
     proxy_port = port + 1 if is_direct(env["env_vars"]) else port  # Serve's proxy: head node only, a fallback
     serve.start(http_options={"host": config.cluster.host, "port": proxy_port, "location": "EveryNode"},

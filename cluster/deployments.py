@@ -12,7 +12,9 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from gateway.config import Config
+from batch.uploads import MAX_PART_BYTES
+from gateway.config import BatchConfig, Config, LimitsConfig
+from gateway.multipart import FORM_SLACK
 
 POOL = "replica"
 
@@ -71,3 +73,12 @@ def serving_only(config: Config, models: list[str] | None, pinned: bool) -> Conf
         budget = sum(m.vram or 0 for m in update["models"])
         update["gpu"] = config.gpu.model_copy(update={"vram_budget": budget})
     return config.model_copy(update=update)
+
+
+def largest_body(limits: LimitsConfig, batch: BatchConfig) -> int:
+    """The largest request body any endpoint of ``tiergate serve`` accepts with these limits: a JSON
+    body (``limits.max_body``), an uploaded image, audio or batch file (each with its form's slack),
+    an upload's part or a Message Batches body. The ingress refuses a larger one (413) and forwards
+    anything up to it to a replica in one message (``cluster.settings.message_limit``)."""
+    files = [limits.image_edit_max_bytes, limits.transcription_max_bytes, batch.max_file_bytes, MAX_PART_BYTES]
+    return max(limits.max_body, batch.max_file_bytes, *(f + FORM_SLACK for f in files))

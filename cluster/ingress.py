@@ -61,7 +61,7 @@ from starlette.requests import HTTPConnection, Request
 from starlette.responses import JSONResponse, Response, StreamingResponse
 
 from cluster.quota import early_refusal
-from cluster.deployments import shared_store
+from cluster.deployments import largest_body, shared_store
 from cluster.scrape import merged
 from cluster.settings import in_effect
 from accounts.store import STORE_ERRORS
@@ -87,6 +87,7 @@ class Ingress:
                  deployments: dict[str, dict]) -> None:
         """``deployments``: name -> {"models", "replicas", "handle"} (``cluster.app``)."""
         self.config = shared_store(load_config(Path(config_path)))
+        self.max_body = largest_body(self.config.limits, self.config.batch)  # what crosses to a replica whole
         self.keys = KeyRing(keys, admin_keys)
         self.accounts = Accounts.from_config(self.config)
         self._accounts_started: asyncio.Future | None = None
@@ -160,7 +161,7 @@ class Ingress:
         return {**in_effect(), "replica_calls": sorted("actor task" if r else "grpc" for r in by_reference)}
 
     async def _serve(self, request: Request, path: str, caller: Caller) -> Response:
-        body = await request.body()
+        body = await _read_body(request, self.max_body)
         model, streamed, affinity, origin = self._model(request, body, path)
         if model is not None and not self.accounts.allows(caller, model):
             raise APIError(404, f"the model '{model}' does not exist", "model_not_found", "model")
@@ -578,6 +579,21 @@ def _app_path(scope: dict) -> str:
     """The path below the application's route prefix (ASGI's ``path`` includes ``root_path``)."""
     path, root = scope["path"], scope.get("root_path", "")
     return path[len(root):] or "/" if root and path.startswith(root) else path
+
+
+async def _read_body(request: Request, max_bytes: int) -> bytes:
+    """The request's body; 413 past the largest any endpoint accepts (the replica judges the
+    endpoint's own limit), so a body that could not cross to a replica in one message is refused
+    here, as ``tiergate serve`` refuses it, without holding it all first."""
+    declared = request.headers.get("content-length")
+    if declared and declared.isdigit() and int(declared) > max_bytes:
+        raise APIError(413, f"request body is larger than {max_bytes} bytes", "request_too_large")
+    body = bytearray()
+    async for chunk in request.stream():
+        body += chunk
+        if len(body) > max_bytes:
+            raise APIError(413, f"request body is larger than {max_bytes} bytes", "request_too_large")
+    return bytes(body)
 
 
 def _with_request_id(headers: list[tuple[bytes, bytes]]) -> list[tuple[bytes, bytes]]:

@@ -31,6 +31,9 @@ from gateway.config import load_config
 from gateway.errors import APIError
 
 WHOLE_BODY_BYTES = 1 << 20  # a non-streamed answer up to this size goes back as one message
+# a streamed body goes back in messages of at most this size, whatever the app sends at once (a
+# file's content, a batch's output file: one chunk), so none nears the hop's gRPC message limit
+CHUNK_BYTES = 1 << 20
 REPLICA_HEADER = b"x-tiergate-replica"
 NODE_HEADER = b"x-tiergate-node"
 
@@ -131,13 +134,15 @@ class TierReplica:
                     yield head
                     head = None
             elif head is None:
-                yield item
+                for piece in _pieces(item):
+                    yield piece
             else:
                 held.append(item)
                 size += len(item)
                 if size > WHOLE_BODY_BYTES:  # too big to send whole: stream the rest
                     yield head
-                    yield b"".join(held)
+                    for piece in _pieces(b"".join(held)):
+                        yield piece
                     head, held = None, []
         if head is not None:
             yield {**head, "body": b"".join(held)}
@@ -146,7 +151,8 @@ class TierReplica:
                      avoid: list[str] | None = None, verdict: dict | None = None,
                      affinity: str | None = None, replica: str | None = None) -> dict:
         """``forward`` as one reply, for a request that asked for no stream: ``{"redirect"}``, or
-        ``{"status", "headers", "body"}`` with the whole body."""
+        ``{"status", "headers", "body"}`` with the whole body (a JSON answer: one gRPC message,
+        within ``cluster.settings.ANSWER_BYTES`` at least)."""
         head: dict = {}
         chunks: list[bytes] = []
         async for item in self.forward(request, model, tier, avoid, verdict):
@@ -226,6 +232,14 @@ def _span(arbiter, model: str, devices: int) -> None:
         engine_args = {**spec.options.get("engine_args", {}), "tensor_parallel_size": devices}
         arbiter.specs[model] = replace(spec, options={**spec.options, "engine_args": engine_args})
     arbiter.pin(model, True)
+
+
+def _pieces(chunk: bytes) -> list[bytes]:
+    """``chunk`` in slices of at most ``CHUNK_BYTES``, each one message of the hop."""
+    if len(chunk) <= CHUNK_BYTES:
+        return [chunk]
+    view = memoryview(chunk)
+    return [bytes(view[i:i + CHUNK_BYTES]) for i in range(0, len(chunk), CHUNK_BYTES)]
 
 
 def _streamed(headers: list[tuple[bytes, bytes]]) -> bool:

@@ -55,6 +55,23 @@ SERVE_LOGGING = {"enable_access_log": False, "log_level": "WARNING"}
 
 DIRECT_INGRESS = "RAY_SERVE_ENABLE_DIRECT_INGRESS"
 
+# The largest gRPC message a replica's server (the request) and the ingress's channel to it (the
+# answer) receive: gRPC's 4 MiB by default, so a 5 MiB upload failed the hop with a 500 while
+# ``tiergate serve`` takes 25 MiB bodies and 200 MiB files (hunt K, finding 1). A request crosses
+# whole, so the limit is the largest body the server accepts (``cluster.deployments.largest_body``;
+# the ingress refuses a larger one) with room for its headers; a streamed answer crosses in chunks
+# of at most ``cluster.replica.CHUNK_BYTES``, a non-streamed one (a JSON answer) whole, so never
+# below ``ANSWER_BYTES``. gRPC allocates nothing up to the limit: it only refuses beyond it.
+GRPC_MESSAGE = "RAY_SERVE_REPLICA_GRPC_MAX_MESSAGE_LENGTH"
+ANSWER_BYTES = 256 << 20
+HEADROOM = 1 << 20  # the request's headers and the call's own fields beside its body
+GRPC_MAX = (1 << 31) - 1  # gRPC's own ceiling (a signed 32-bit length)
+
+
+def message_limit(largest_body: int) -> dict[str, str]:
+    """Serve's gRPC message limit for a server whose largest accepted body is ``largest_body``."""
+    return {GRPC_MESSAGE: str(min(GRPC_MAX, max(ANSWER_BYTES, largest_body + HEADROOM)))}
+
 
 def direct_ingress(port: int, ports: int = 1) -> dict[str, str]:
     """Serve's direct ingress: each ingress replica serves HTTP itself, on the first free port of
@@ -65,10 +82,12 @@ def direct_ingress(port: int, ports: int = 1) -> dict[str, str]:
             "RAY_SERVE_DIRECT_INGRESS_MAX_HTTP_PORT": str(port + ports), "RAY_SERVE_PORT_QUARANTINE_S": "0"}
 
 
-def serve_settings(ingress_port: int | None = None, ports: int = 1) -> dict[str, str]:
-    """``SERVE_SETTINGS``, direct ingress on ``ingress_port`` when given, and every ``RAY_SERVE_*``
-    variable of this process's environment, which wins over both."""
-    chosen = {**SERVE_SETTINGS, **(direct_ingress(ingress_port, ports) if ingress_port is not None else {})}
+def serve_settings(ingress_port: int | None = None, ports: int = 1, largest_body: int = 0) -> dict[str, str]:
+    """``SERVE_SETTINGS``, direct ingress on ``ingress_port`` when given, the gRPC message limit for
+    ``largest_body`` (``message_limit``), and every ``RAY_SERVE_*`` variable of this process's
+    environment, which wins over them."""
+    chosen = {**SERVE_SETTINGS, **(direct_ingress(ingress_port, ports) if ingress_port is not None else {}),
+              **message_limit(largest_body)}
     return {**chosen, **{k: v for k, v in os.environ.items() if k.startswith("RAY_SERVE_")}}
 
 
@@ -83,8 +102,8 @@ def is_direct(settings: dict[str, str]) -> bool:
 
 def in_effect() -> dict[str, object]:
     """The values Ray Serve runs with in this process, for each of ``SERVE_SETTINGS``,
-    ``INGRESS_SETTINGS`` and direct ingress."""
+    ``INGRESS_SETTINGS``, direct ingress and the gRPC message limit."""
     from ray.serve._private import constants
 
     return {name: getattr(constants, CONSTANT_NAMES.get(name, name))
-            for name in [*SERVE_SETTINGS, *INGRESS_SETTINGS, DIRECT_INGRESS]}
+            for name in [*SERVE_SETTINGS, *INGRESS_SETTINGS, DIRECT_INGRESS, GRPC_MESSAGE]}

@@ -114,6 +114,23 @@ def test_the_cluster_section_is_checked(tmp_path, cluster, message):
 
 # --- the early quota refusal, on the real account store -------------------------------------------
 
+def test_the_hops_grpc_messages_fit_the_largest_body_the_server_accepts(tmp_path, monkeypatch):
+    """Serve's gRPC message limit between the ingress and the replicas (4 MiB by default, which
+    failed 5 MiB uploads) is set in the job's runtime_env above the largest body the tiers.yaml's
+    limits accept (a batch file of ``batch.max_file_bytes`` here), never below what a JSON answer
+    needs, and a ``RAY_SERVE_*`` variable of the environment still wins."""
+    from cluster.app import runtime_env
+    from cluster.settings import ANSWER_BYTES, GRPC_MESSAGE
+
+    monkeypatch.delenv(GRPC_MESSAGE, raising=False)
+    path = tiers_yaml(tmp_path, "  nodes: 1\n")
+    path.write_text(path.read_text() + "limits: {max_body: 1MiB}\nbatch: {max_file_bytes: 300MiB}\n")
+    assert int(runtime_env(8000, config=load_config(path))["env_vars"][GRPC_MESSAGE]) > (300 << 20) + (64 << 10)
+    assert int(runtime_env()["env_vars"][GRPC_MESSAGE]) == ANSWER_BYTES  # the default limits: 200 MiB files
+    monkeypatch.setenv(GRPC_MESSAGE, "12345")
+    assert runtime_env(config=load_config(path))["env_vars"][GRPC_MESSAGE] == "12345"
+
+
 def test_the_ingress_refuses_a_spent_minute_limit_and_a_spent_budget(tmp_path):
     config = load_config(tiers_yaml(tmp_path, "  nodes: 1\n"))
 

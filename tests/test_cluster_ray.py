@@ -315,14 +315,15 @@ def test_serve_settings_reach_the_replicas(cluster):
     """tiergate's Ray Serve settings (``cluster.settings``) travel in the job's runtime_env and are
     what Serve read in each replica's and ingress's process, not Serve's defaults; the ingress calls
     the replicas over gRPC."""
-    from cluster.settings import INGRESS_SETTINGS, SERVE_SETTINGS
+    from cluster.settings import ANSWER_BYTES, GRPC_MESSAGE, INGRESS_SETTINGS, SERVE_SETTINGS
 
     for name in ("tiergate", "stale"):
         seen = serve.get_deployment_handle("replica", app_name=name).serve_settings.remote().result(timeout_s=30)
         assert seen == {"RAY_SERVE_USE_GRPC_BY_DEFAULT": True, "RAY_SERVE_ENABLE_DIRECT_INGRESS": True,
                         "RAY_SERVE_PROXY_READY_CHECK_TIMEOUT_S": 60.0,
                         "RAY_SERVE_RUN_USER_CODE_IN_SEPARATE_THREAD": True,  # Serve's defaults in the replicas
-                        "RAY_SERVE_RUN_ROUTER_IN_SEPARATE_LOOP": True}
+                        "RAY_SERVE_RUN_ROUTER_IN_SEPARATE_LOOP": True,
+                        GRPC_MESSAGE: ANSWER_BYTES}  # the default limits' largest body (200 MiB files) is less
         assert seen.keys() >= SERVE_SETTINGS.keys() | INGRESS_SETTINGS.keys()
         ingress = serve.get_deployment_handle("ingress", app_name=name).serve_settings.remote().result(timeout_s=30)
         assert ingress == {**seen, "RAY_SERVE_RUN_USER_CODE_IN_SEPARATE_THREAD": False,  # the ingress's own
@@ -489,6 +490,33 @@ def test_a_file_uploaded_in_parts_through_the_ingress(cluster, tmp_path):
     upload = c.uploads.upload_file_chunked(file=path, mime_type="application/jsonl", purpose="batch", part_size=100)
     assert upload.status == "completed" and upload.file.bytes == len(content)
     assert c.files.content(upload.file.id).content == content
+
+
+def test_bodies_past_grpcs_4_mib_cross_the_hop_both_ways(cluster):
+    """A body over gRPC's default 4 MiB message crosses the hop between the ingress and a replica
+    as on ``tiergate serve``: a 6 MiB file is uploaded and read back whole, a 5 MiB JSON body
+    reaches the replica (which judges it: 400, not the ingress's 500), and a body past the largest
+    any endpoint accepts is refused at the ingress with 413."""
+    c = openai.OpenAI(base_url=f"{cluster.url}/v1", api_key="key-paid", max_retries=0, timeout=120)
+    content = bytes(range(256)) * (6 * 4096)  # 6 MiB
+    stored = c.files.create(file=("big.bin", content), purpose="user_data")
+    assert stored.bytes == len(content)
+    assert c.files.content(stored.id).content == content
+    c.files.delete(stored.id)
+    big = {"model": "c", "input": "x" * (5 << 20)}  # c, resident since the first test, embeds nothing
+    judged = httpx.post(f"{cluster.url}/v1/embeddings", headers={"authorization": "Bearer key-paid"}, json=big,
+                        timeout=120)
+    assert judged.status_code == 400 and judged.headers["x-tiergate-replica"], judged.text[:300]
+    import socket  # a client that declares 300 MiB (and sends none of it): httpx would not
+
+    port = int(cluster.url.rsplit(":", 1)[1])
+    with socket.create_connection(("127.0.0.1", port), timeout=60) as s:
+        s.sendall(b"POST /v1/chat/completions HTTP/1.1\r\nhost: x\r\nauthorization: Bearer key-paid\r\n"
+                  b"content-type: application/json\r\ncontent-length: %d\r\n\r\n{" % (300 << 20))
+        answer = b""
+        while b"request_too_large" not in answer and (got := s.recv(65536)):
+            answer += got
+    assert answer.startswith(b"HTTP/1.1 413") and b"request_too_large" in answer, answer[:500]
 
 
 def test_background_responses_through_the_ingress(cluster):
