@@ -44,5 +44,70 @@ def run(config_path: str, address: str | None, demo: bool) -> int:
     proxy_port = port + 1 if is_direct(env["env_vars"]) else port  # Serve's proxy: head node only, a fallback
     serve.start(http_options={"host": config.cluster.host, "port": proxy_port, "location": "EveryNode"},
                 logging_config=SERVE_LOGGING)
-    serve.run(build(config, keys, admin), name="tiergate", route_prefix="/", blocking=True)
+    serve.run(build(config, keys, admin), name=APP, route_prefix="/", blocking=False)
+    stop = Stop()  # after ray.init: Ray's own SIGTERM handler (a crash dump, then death) is replaced
+    print(f"tiergate: serving on {config.cluster.host}:{port}; SIGTERM or Ctrl+C drains, then stops", file=sys.stderr)
+    stop.wait()
+    try:
+        drain(config)
+    except KeyboardInterrupt:  # a second signal: stop now
+        print("tiergate: stopping without waiting for the drain", file=sys.stderr)
+    finally:
+        serve.shutdown()
+        ray.shutdown()
     return 0
+
+
+APP = "tiergate"  # the Serve application's name
+
+
+class Stop:
+    """The first SIGTERM or SIGINT ends ``wait`` (the drain begins); a second raises
+    KeyboardInterrupt wherever the driver is, cutting the drain short."""
+
+    def __init__(self) -> None:
+        import signal
+        import threading
+
+        self.asked = threading.Event()
+        for sig in (signal.SIGTERM, signal.SIGINT):
+            signal.signal(sig, self._signalled)
+
+    def _signalled(self, sig: int, frame) -> None:
+        if self.asked.is_set():
+            raise KeyboardInterrupt
+        self.asked.set()
+
+    def wait(self) -> None:
+        while not self.asked.wait(1.0):  # a timeout, so the signal's handler runs promptly
+            pass
+
+
+def drain(config, app: str = APP) -> None:
+    """Drain every replica of ``app`` at once, as ``tiergate serve`` drains (``TierReplica.drain``:
+    503 ``shutting_down`` to new requests, batch lines handed back, requests in flight finished for
+    up to ``server.drain_timeout_s``), and return when all have: the ingresses relay what the
+    replicas still send meanwhile. Serve's shutdown then stops what is idle."""
+    from ray import serve
+
+    from cluster.deployments import deployments
+
+    timeout = config.server.drain_timeout_s
+    print(f"tiergate: draining: new requests refused, those in flight get up to {timeout:g} s", file=sys.stderr)
+    calls = []
+    for d in deployments(config):
+        handle = serve.get_deployment_handle(d.name, app_name=app)
+        named = handle.options(method_name="name")
+        seen: list[str] = []
+        for _ in range(d.num_replicas):
+            replica = named.remote(avoid=seen).result(timeout_s=30)
+            if replica in seen:  # every replica answered already (the router fell back)
+                break
+            seen.append(replica)
+        calls += [(r, handle.options(method_name="drain").remote(replica=r)) for r in seen]
+    for replica, call in calls:
+        try:
+            said = call.result(timeout_s=timeout + 30)
+        except Exception as exc:  # noqa: BLE001 - a replica that died or hung: Serve's shutdown stops it
+            said = f"failed: {type(exc).__name__}: {exc}"[:300]
+        print(f"tiergate: replica {replica} drained: {said}", file=sys.stderr)

@@ -110,6 +110,21 @@ class TierReplica:
         (``gateway.collector``: at start, then after each worker class's first load)."""
         return {"replica": self.id, "freezes": self.collector.freezes}
 
+    def name(self, avoid: list[str] | None = None) -> str:
+        """This replica's id (``avoid`` is read by the router: asked once per replica, a caller
+        learns every replica's, as ``cluster.cli.drain`` does)."""
+        return self.id
+
+    async def drain(self, replica: str | None = None) -> str:
+        """Drain as ``tiergate serve`` drains on SIGTERM (``gateway.drain``): refuse new requests
+        with 503 ``shutting_down``, hand the batch lines held here back to the store, let the
+        requests in flight (streams included) finish for up to ``server.drain_timeout_s``, then
+        cut what is left; returns once nothing runs. ``replica`` pins the call here (the router)."""
+        await self._start()
+        drain = self.app.state.drain
+        await drain.run()
+        return "cut what was left at the timeout" if drain.cut else "nothing left in flight"
+
     def record_routing_stats(self) -> dict:
         return replica_stats(self.id, self.services.arbiter, self.services.gate).to_dict()
 

@@ -77,9 +77,13 @@ def direct_ingress(port: int, ports: int = 1) -> dict[str, str]:
     """Serve's direct ingress: each ingress replica serves HTTP itself, on the first free port of
     ``[port, port + ports)`` on its node, so a request skips Serve's proxy (which then runs on the
     head node only, as a fallback on its own port). A port an ingress released is free again at once
-    (Serve holds it back 150 s for its HAProxy mode, which tiergate does not use)."""
+    (Serve holds it back 150 s for its HAProxy mode, which tiergate does not use). A stopping ingress
+    stops once its requests are done, not 30 s later at the earliest (Serve's wait for a load
+    balancer to deregister it): ``tiergate cluster`` drains the replicas first (``cluster.cli.drain``),
+    and ends, as ``tiergate serve`` does, as soon as nothing is in flight."""
     return {DIRECT_INGRESS: "1", "RAY_SERVE_DIRECT_INGRESS_MIN_HTTP_PORT": str(port),
-            "RAY_SERVE_DIRECT_INGRESS_MAX_HTTP_PORT": str(port + ports), "RAY_SERVE_PORT_QUARANTINE_S": "0"}
+            "RAY_SERVE_DIRECT_INGRESS_MAX_HTTP_PORT": str(port + ports), "RAY_SERVE_PORT_QUARANTINE_S": "0",
+            "RAY_SERVE_DIRECT_INGRESS_MIN_DRAINING_PERIOD_S": "0"}
 
 
 def serve_settings(ingress_port: int | None = None, ports: int = 1, largest_body: int = 0) -> dict[str, str]:

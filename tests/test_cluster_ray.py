@@ -89,7 +89,6 @@ def cluster(tiny_chat, tiny_image, tiny_stt, tiny_embed, tiny_rerank, tmp_path_f
     port = next(p for p in iter(spare_port, None) if not ingress_port <= p < ingress_port + INGRESS_PORTS)
     folder = tmp_path_factory.mktemp("cluster")
     env = runtime_env(ingress_port, INGRESS_PORTS)
-    env["env_vars"]["RAY_SERVE_DIRECT_INGRESS_MIN_DRAINING_PERIOD_S"] = "0"  # Serve's 30 s, for a load balancer
     with redis_server(tmp_path_factory.mktemp("redis")) as redis_url:
         nodes = Cluster(initialize_head=True, head_node_args={"num_cpus": 2, "include_dashboard": False})
         nodes.add_node(num_cpus=2)
@@ -111,7 +110,7 @@ def cluster(tiny_chat, tiny_image, tiny_stt, tiny_embed, tiny_rerank, tmp_path_f
         main = ingress_ports("tiergate")
         assert len(main) == 2 and port not in main  # one ingress per node, each on its own port
         yield type("Cluster", (), {"url": f"http://127.0.0.1:{min(main)}", "proxy": f"http://127.0.0.1:{port}",
-                                   "redis_url": redis_url, "deploy": deploy})
+                                   "redis_url": redis_url, "deploy": deploy, "folder": folder})
         serve.shutdown()
         ray.shutdown()
         nodes.shutdown()
@@ -719,6 +718,34 @@ def test_stale_stats_redirect(cluster):
     assert a.headers["x-tiergate-redirects"] == "0"
     assert b.headers["x-tiergate-redirects"] == "1"
     assert replica(b) != replica(a)
+
+
+def test_a_drain_lets_streams_finish_and_refuses_new_requests(cluster):
+    """``tiergate cluster`` on SIGTERM drains as ``tiergate serve`` does (``cluster.cli.drain``;
+    here on the second application, which no test uses after this one but to delete it): while a stream is in
+    flight, a new request is refused 503 ``shutting_down``, the stream runs to its end
+    (``[DONE]``, not cut), and the drain returns once it has, with nothing cut."""
+    import threading
+
+    from cluster.cli import drain
+
+    url = f"{cluster.proxy}/stale/v1"
+    paid = {"authorization": "Bearer key-paid"}
+    body = {"model": "a", "messages": [{"role": "user", "content": "count"}], "max_tokens": 400, "stream": True}
+    drained = threading.Thread(target=drain, args=(load_config(cluster.folder / "stale.yaml"), "stale"))
+    with httpx.stream("POST", f"{url}/chat/completions", headers=paid, json=body, timeout=120) as stream:
+        lines = stream.iter_lines()
+        assert next(lines).startswith("data: ")  # in flight
+        drained.start()
+        deadline = time.monotonic() + 30
+        while (refused := httpx.get(f"{url}/models", headers=paid, timeout=30)).status_code != 503:
+            assert time.monotonic() < deadline, refused.text
+            time.sleep(0.2)
+        assert refused.json()["error"]["code"] == "shutting_down"
+        rest = [line for line in lines if line]
+    assert rest[-1] == "data: [DONE]" and not any('"error"' in line for line in rest)
+    drained.join(timeout=60)
+    assert not drained.is_alive()
 
 
 def test_a_replica_killed_mid_stream(cluster):
