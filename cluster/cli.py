@@ -32,6 +32,10 @@ def run(config_path: str, address: str | None, demo: bool) -> int:
         for tier, ring in {**keys, "admin": admin}.items():
             print(f"  {tier}: {', '.join(ring)}", file=sys.stderr)
 
+    # on a cluster of its own (no address) the port must be free; on one joined, Serve may already run an ingress there
+    if (error := wait_for_port(config.cluster.host, config.cluster.port, may_be_used=address is not None)) is not None:
+        print(f"tiergate: {error}", file=sys.stderr)
+        return 2
     import ray
     from ray import serve
 
@@ -44,7 +48,15 @@ def run(config_path: str, address: str | None, demo: bool) -> int:
     proxy_port = port + 1 if is_direct(env["env_vars"]) else port  # Serve's proxy: head node only, a fallback
     serve.start(http_options={"host": config.cluster.host, "port": proxy_port, "location": "EveryNode"},
                 logging_config=SERVE_LOGGING)
-    serve.run(build(config, keys, admin), name=APP, route_prefix="/", blocking=False)
+    try:
+        serve.run(build(config, keys, admin), name=APP, route_prefix="/", blocking=False)
+    except RuntimeError as exc:  # Serve's "Deploying application tiergate failed", with its traceback
+        print(f"tiergate: the application did not start ({str(exc).splitlines()[0]}); if the ingress failed, "
+              f"is port {port} in use on a node (Serve's log under /tmp/ray/session_latest/logs/serve says)?",
+              file=sys.stderr)
+        serve.shutdown()
+        ray.shutdown()
+        return 1
     stop = Stop()  # after ray.init: Ray's own SIGTERM handler (a crash dump, then death) is replaced
     print(f"tiergate: serving on {config.cluster.host}:{port}; SIGTERM or Ctrl+C drains, then stops", file=sys.stderr)
     stop.wait()
@@ -59,6 +71,45 @@ def run(config_path: str, address: str | None, demo: bool) -> int:
 
 
 APP = "tiergate"  # the Serve application's name
+TIME_WAIT_S = 65  # Linux keeps a closed connection's port in TIME_WAIT for 60 s
+
+
+def port_state(host: str, port: int) -> str:
+    """"free", "closing" (held only by connections of a process that stopped: TIME_WAIT) or "in use",
+    as Serve's direct ingress binds it: without SO_REUSEADDR, so a closing port fails it too."""
+    import socket
+
+    for reuse in (False, True):
+        with socket.socket(socket.AF_INET6 if ":" in host else socket.AF_INET) as s:
+            if reuse:
+                s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+            try:
+                s.bind((host, port))
+            except OSError:
+                continue
+            return "closing" if reuse else "free"
+    return "in use"
+
+
+def wait_for_port(host: str, port: int, wait_s: float = TIME_WAIT_S, may_be_used: bool = False) -> str | None:
+    """None once this node's ingress can bind ``host:port``, waiting out a last run's closing
+    connections (a restart right after a stop: the ingress failed to bind, and Serve's deploy with
+    it); else the one-line reason it cannot. ``may_be_used``: a listener there is no reason (an
+    ingress of a Serve already running on the cluster)."""
+    import time
+
+    state = port_state(host, port)
+    if state == "closing":
+        print(f"tiergate: port {port} is still held by the last run's closed connections (TIME_WAIT); "
+              f"waiting up to {wait_s:g} s for it", file=sys.stderr)
+        deadline = time.monotonic() + wait_s
+        while (state := port_state(host, port)) == "closing" and time.monotonic() < deadline:
+            time.sleep(0.5)
+    if state == "free" or (state == "in use" and may_be_used):
+        return None
+    if state == "closing":
+        return f"port {port} on {host} is still held by closed connections (TIME_WAIT) after {wait_s:g} s"
+    return f"port {port} on {host} (cluster.port) is in use by another process"
 
 
 class Stop:

@@ -131,6 +131,34 @@ def test_the_hops_grpc_messages_fit_the_largest_body_the_server_accepts(tmp_path
     assert runtime_env(config=load_config(path))["env_vars"][GRPC_MESSAGE] == "12345"
 
 
+def test_a_restart_waits_out_the_last_runs_closing_port_and_names_a_port_in_use(capsys):
+    """Serve's direct ingress binds ``cluster.port`` without SO_REUSEADDR, so a restart within a
+    minute of a stop that had connections open failed with a RuntimeError traceback (the port in
+    TIME_WAIT). ``tiergate cluster`` first waits for such a port (saying so), and names a port
+    another process listens on in one line."""
+    import socket
+
+    from cluster.cli import port_state, wait_for_port
+
+    listener = socket.socket()
+    listener.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+    listener.bind(("127.0.0.1", 0))
+    listener.listen()
+    port = listener.getsockname()[1]
+    assert port_state("127.0.0.1", port) == "in use"
+    assert wait_for_port("127.0.0.1", port) == f"port {port} on 127.0.0.1 (cluster.port) is in use by another process"
+    assert wait_for_port("127.0.0.1", port, may_be_used=True) is None  # a Serve already running there
+    client = socket.create_connection(("127.0.0.1", port))
+    served, _ = listener.accept()
+    served.close()  # the server's side closes first: its end of the connection stays in TIME_WAIT
+    client.close()
+    listener.close()
+    assert port_state("127.0.0.1", port) == "closing"
+    error = wait_for_port("127.0.0.1", port, wait_s=0.6)
+    assert error == f"port {port} on 127.0.0.1 is still held by closed connections (TIME_WAIT) after 0.6 s"
+    assert f"port {port} is still held by the last run's closed connections" in capsys.readouterr().err
+
+
 def test_the_ingress_refuses_a_spent_minute_limit_and_a_spent_budget(tmp_path):
     config = load_config(tiers_yaml(tmp_path, "  nodes: 1\n"))
 
