@@ -57,9 +57,13 @@ class TierReplica:
                  models: list[str] | None = None, pinned: bool = False) -> None:
         # here, not at the top: the driver that builds the application (tiergate cluster, the
         # benchmark) imports this module too, and needs no torch, transformers or engines
-        from gateway import collector
+        from gateway import collector, request_log
         from gateway.app import build_services, create_app
 
+        # the request log and tiergate's other lines as tiergate serve writes them (text), on this
+        # process's stderr, which Ray sends to the driver's output: nothing configured them here,
+        # so the INFO request lines went nowhere (Ray's and Serve's loggers keep their own handlers)
+        request_log.configure(json_lines=False)
         config = shared_store(load_config(Path(config_path)))
         self.config = serving_only(config, models, pinned)
         self.id = replica_id()

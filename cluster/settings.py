@@ -50,7 +50,7 @@ INGRESS_SETTINGS = {
 }
 
 # Serve's per-request access log lines (proxy, ingress, replica) off; its warnings stay. tiergate's
-# request log (the replica's app) is not Serve's and is unchanged.
+# request log is not Serve's: each replica writes it on its stderr (``TierReplica.__init__``).
 SERVE_LOGGING = {"enable_access_log": False, "log_level": "WARNING"}
 
 DIRECT_INGRESS = "RAY_SERVE_ENABLE_DIRECT_INGRESS"

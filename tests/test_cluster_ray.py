@@ -371,6 +371,24 @@ def test_other_endpoints_and_one_request_id(cluster):
     assert bad.status_code == 400 and bad.json()["error"]["code"] == "invalid_json"
 
 
+def test_each_request_is_logged_by_its_replica(cluster):
+    """A replica writes ``tiergate serve``'s request line for each request it serves (Serve's
+    access log is off), on its stderr, which Ray sends to the driver's output and keeps in the
+    worker's log file: it names the request's id and its caller."""
+    import uuid
+
+    probe = f"probe-{uuid.uuid4().hex}"
+    r = httpx.get(f"{cluster.url}/v1/models", headers={"authorization": "Bearer key-free", "x-request-id": probe})
+    assert r.status_code == 200
+    logs = Path(ray._private.worker._global_node.get_logs_dir_path())
+    deadline = time.monotonic() + 20
+    while not (lines := [line for f in logs.glob("worker-*.err") for line in f.read_text(errors="replace").splitlines()
+                         if probe in line]):
+        assert time.monotonic() < deadline, "no replica logged the request"
+        time.sleep(0.5)
+    assert len(lines) == 1 and "tiergate.requests" in lines[0] and "status=200" in lines[0] and "tier=free" in lines[0]
+
+
 def test_anthropics_messages_through_the_ingress(cluster):
     """The Messages API through the ingress with the anthropic SDK, which sends its key as
     x-api-key: whole, streamed (Anthropic's events, relayed as they come), and a bad key refused
