@@ -17,8 +17,9 @@ router picks, streamed back.
   answers "redirect" (its stats were stale) is avoided and the router is asked again, until a replica
   takes the request or the router refuses (at most once per replica); a replica that died before
   answering is tried once more (Serve drops it from the router's candidates).
-* a replica that dies mid-answer: a stream (SSE) ends with an OpenAI-shaped error event, which the
-  OpenAI SDK raises as an ``APIError``; any other body is cut short.
+* a replica that dies mid-answer: a stream (SSE) ends with an error event, which the client's SDK
+  raises: OpenAI-shaped, or Anthropic's ``event: error`` on the Messages API; any other body is cut
+  short.
 * the Realtime API's WebSocket (``/v1/realtime``): the key, the model's access and the key's
   limits checked at the handshake, then the session runs on the replica the router picks for its
   model, its messages relayed both ways (``_realtime``; docs/CLUSTER.md, Realtime sessions);
@@ -71,7 +72,7 @@ from gateway.cors import cors
 from gateway.drain import LIVENESS
 from gateway.auth import Caller, KeyRing, bearer_token, subprotocol_key
 from gateway.config import load_config
-from gateway.errors import APIError, store_unavailable
+from gateway.errors import APIError, speaks_anthropic, store_unavailable
 from gateway.loop_watch import LoopWatch
 from gateway.origin import AUDIO, CLIENT_SECRET, IMAGE, origin_of
 
@@ -189,7 +190,8 @@ class Ingress:
             response.raw_headers = headers + [(b"content-length", str(len(head["body"])).encode())]
             return response
         sse = any(k.lower() == b"content-type" and v.startswith(b"text/event-stream") for k, v in headers)
-        response = StreamingResponse(self._body(rest, tier, sse), status_code=head["status"])
+        anthropic = sse and speaks_anthropic(path, request.headers)
+        response = StreamingResponse(self._body(rest, tier, sse, anthropic), status_code=head["status"])
         response.raw_headers = headers
         return response
 
@@ -359,7 +361,11 @@ class Ingress:
         """The deployment that serves ``model`` (the pool for requests that need none)."""
         return self.by_model.get(model, self.default) if model is not None else self.default
 
-    async def _body(self, rest, tier: str, sse: bool) -> AsyncIterator[bytes]:
+    async def _body(self, rest, tier: str, sse: bool, anthropic: bool = False) -> AsyncIterator[bytes]:
+        """The replica's body as it comes; a stream (SSE) whose replica dies ends with an error
+        event the client's SDK raises: OpenAI's ``data: {"error"}``, or on the Messages API
+        (``anthropic``) Anthropic's ``event: error``, as its stream reports a failure (the openai
+        shape there was ignored by the anthropic SDK: a truncated message, read as whole)."""
         try:
             async for chunk in rest:
                 yield chunk
@@ -367,7 +373,10 @@ class Ingress:
             log.warning("replica failed mid-answer: %s", type(exc).__name__)
             if sse:
                 error = APIError(502, "the replica serving this request failed; retry it", "replica_failed")
-                yield b"data: " + json.dumps(error.body()).encode() + b"\n\n"
+                if anthropic:
+                    yield b"event: error\ndata: " + json.dumps({"type": "error", **error.body()}).encode() + b"\n\n"
+                else:
+                    yield b"data: " + json.dumps(error.body()).encode() + b"\n\n"
         finally:
             self.inflight[tier] -= 1
 

@@ -263,3 +263,77 @@ def test_a_client_secret_s_session_goes_to_its_replica_in_the_deployment_of_its_
     opened = [(name, kw["replica"], kw["model"]) for name, kw in calls if not name.endswith("input")]
     assert opened == [("tp", "r9", None)]
     assert [m["type"] for m in sent] == ["websocket.accept", "websocket.close"] and ingress.sessions == {"-": 0}
+
+
+def test_a_replica_dying_mid_stream_ends_a_messages_stream_with_anthropics_error_event(tmp_path, tiny_chat):
+    """A replica that dies mid-stream ends the stream with an error event the client's SDK raises:
+    on the Messages API Anthropic's ``event: error`` (the anthropic SDK ignored the OpenAI-shaped
+    event and returned the cut message as whole), on chat completions OpenAI's. The replica's
+    stream is a stand-in that sends a head and one event, then fails as Serve's does."""
+    import anthropic
+    import httpx
+    import httpx2  # the anthropic SDK's own httpx
+    import openai
+    from ray.exceptions import RayError
+
+    from accounts.sqlite_store import SQLiteAccounts
+    from cluster.ingress import _Target
+
+    config = load_config(write_config(tmp_path, {"m": ("chat", tiny_chat)}))
+
+    class Dying:  # a streaming call's reply: its head, one event, then the replica is gone
+        def __init__(self, event: bytes) -> None:
+            self.items = [{"status": 200, "headers": [(b"content-type", b"text/event-stream")]}, event]
+
+        def __aiter__(self):
+            return self
+
+        async def __anext__(self):
+            if not self.items:
+                raise RayError("the replica died")
+            return self.items.pop(0)
+
+        def cancel(self) -> None:
+            pass
+
+    class Forward:
+        def remote(self, forwarded: dict, **kwargs) -> Dying:
+            if forwarded["path"] == "/v1/messages":
+                return Dying(b'event: message_start\ndata: {"type": "message_start", "message": {"id": "msg_1", '
+                             b'"type": "message", "role": "assistant", "model": "m", "content": [], "stop_reason": '
+                             b'null, "stop_sequence": null, "usage": {"input_tokens": 1, "output_tokens": 0}}}\n\n')
+            return Dying(b'data: {"id": "c1", "object": "chat.completion.chunk", "created": 1, "model": "m", '
+                         b'"choices": [{"index": 0, "delta": {"content": "hi"}, "finish_reason": null}]}\n\n')
+
+    pool = _Target(Forward(), None, None, None, None, 1)
+    ingress = object.__new__(Ingress)
+    ingress.config, ingress.base, ingress.max_body = config, {"m": "m"}, 1 << 20
+    ingress.keys = KeyRing({"paid": ["key-paid"]}, [])
+    ingress.accounts = Accounts(config, SQLiteAccounts(tmp_path / "accounts.sqlite3"))
+    ingress._accounts_started = None
+    ingress.deployments, ingress.default, ingress.by_model = [pool], pool, {"m": pool}
+    ingress.rank = {t.name: i for i, t in enumerate(config.tiers)}
+    ingress.inflight = {t.name: 0 for t in config.tiers}
+    ingress.capacity = {t.name: 100 for t in config.tiers}
+    ingress.answered, ingress.redirects, ingress.cors = Counter(), 0, []
+    ingress.loop_watch, ingress._watching = None, False
+
+    async def scenario() -> None:
+        own = httpx2.AsyncClient(transport=httpx2.ASGITransport(app=ingress.asgi), base_url="http://ingress")
+        claude = anthropic.AsyncAnthropic(api_key="key-paid", base_url="http://ingress", http_client=own, max_retries=0)
+        with pytest.raises(anthropic.APIStatusError) as failed:
+            async for _ in await claude.messages.create(model="m", max_tokens=8, stream=True,
+                                                        messages=[{"role": "user", "content": "hi"}]):
+                pass
+        assert failed.value.body["error"]["code"] == "replica_failed"
+        http = httpx.AsyncClient(transport=httpx.ASGITransport(app=ingress.asgi), base_url="http://ingress")
+        gpt = openai.AsyncOpenAI(api_key="key-paid", base_url="http://ingress/v1", http_client=http, max_retries=0)
+        with pytest.raises(openai.APIError) as failed:
+            async for _ in await gpt.chat.completions.create(model="m", stream=True,
+                                                             messages=[{"role": "user", "content": "hi"}]):
+                pass
+        assert failed.value.code == "replica_failed"
+        assert ingress.inflight["paid"] == 0
+        await ingress.accounts.stop()
+
+    asyncio.run(scenario())
