@@ -20,7 +20,9 @@ _TYPES = {
     431: "invalid_request_error",
     429: "rate_limit_error",
     500: "server_error",
+    502: "server_error",  # a cluster's replica failed (cluster.ingress): not the client's request
     503: "server_error",
+    504: "server_error",
 }
 
 

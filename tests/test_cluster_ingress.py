@@ -268,7 +268,8 @@ def test_a_client_secret_s_session_goes_to_its_replica_in_the_deployment_of_its_
 def test_a_replica_dying_mid_stream_ends_a_messages_stream_with_anthropics_error_event(tmp_path, tiny_chat):
     """A replica that dies mid-stream ends the stream with an error event the client's SDK raises:
     on the Messages API Anthropic's ``event: error`` (the anthropic SDK ignored the OpenAI-shaped
-    event and returned the cut message as whole), on chat completions OpenAI's. The replica's
+    event and returned the cut message as whole), on chat completions OpenAI's; both are
+    ``server_error``s (not ``invalid_request_error``, which blames the request). The replica's
     stream is a stand-in that sends a head and one event, then fails as Serve's does."""
     import anthropic
     import httpx
@@ -333,6 +334,7 @@ def test_a_replica_dying_mid_stream_ends_a_messages_stream_with_anthropics_error
                                                              messages=[{"role": "user", "content": "hi"}]):
                 pass
         assert failed.value.code == "replica_failed"
+        assert failed.value.type == "server_error"  # the server's failure, not the request's
         assert ingress.inflight["paid"] == 0
         await ingress.accounts.stop()
 
