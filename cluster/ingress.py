@@ -431,7 +431,7 @@ class Ingress:
             if path.startswith(IMAGE_FILES):
                 origin = origin_of(path[len(IMAGE_FILES):], IMAGE)
             return None, request.method != "POST", None, origin
-        kind = request.headers.get("content-type", "")
+        kind = request.headers.get("content-type", "").lower()  # media types are case-insensitive (RFC 9110)
         streamed = True
         if kind.startswith("multipart/"):
             found = _FORM_MODEL.search(body)

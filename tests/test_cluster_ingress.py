@@ -75,6 +75,17 @@ def test_a_folder_adapter_goes_to_its_base_models_replicas(tmp_path, tiny_chat):
         assert e.value.status == 404 and e.value.code == "model_not_found"
 
 
+def test_a_json_body_is_routed_by_its_model_whatever_the_case_of_its_content_type(tmp_path, tiny_chat):
+    """Media types are case-insensitive: ``Application/JSON`` is JSON to the replicas' app, so the
+    ingress reads its model too (it routed such a body as one naming no model, to any replica)."""
+    config = load_config(write_config(tmp_path, {"m": ("chat", tiny_chat)}))
+    ingress = object.__new__(Ingress)
+    ingress.config, ingress.base = config, {"m": "m"}
+    post = Request({"type": "http", "method": "POST", "path": "/v1/chat/completions", "query_string": b"",
+                    "headers": [(b"content-type", b"Application/JSON; charset=UTF-8")]})
+    assert ingress._model(post, b'{"model": "m"}', "/v1/chat/completions")[0] == "m"
+
+
 def test_a_request_naming_an_id_a_replica_made_goes_to_that_replica(tmp_path, tiny_chat):
     """What one replica keeps in memory is named by ids with its origin (``gateway.origin``): an
     image url's file, and the first spoken reply a chat sends back by its audio id, are routed to
