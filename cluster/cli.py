@@ -45,6 +45,7 @@ def run(config_path: str, address: str | None, demo: bool) -> int:
     port = config.cluster.port
     env = runtime_env(ingress_port=port, config=config)  # each node's ingress serves cluster.port itself (direct ingress)
     ray.init(address=address, runtime_env=env)
+    stop = Stop()  # after ray.init: Ray's own SIGTERM handler (a crash dump, then death) is replaced
     proxy_port = port + 1 if is_direct(env["env_vars"]) else port  # Serve's proxy: head node only, a fallback
     serve.start(http_options={"host": config.cluster.host, "port": proxy_port, "location": "EveryNode"},
                 logging_config=SERVE_LOGGING)
@@ -57,7 +58,6 @@ def run(config_path: str, address: str | None, demo: bool) -> int:
         serve.shutdown()
         ray.shutdown()
         return 1
-    stop = Stop()  # after ray.init: Ray's own SIGTERM handler (a crash dump, then death) is replaced
     print(f"tiergate: serving on {config.cluster.host}:{port}; SIGTERM or Ctrl+C drains, then stops", file=sys.stderr)
     stop.wait()
     try:
