@@ -43,7 +43,8 @@ def run(config_path: str, address: str | None, demo: bool) -> int:
     from cluster.settings import SERVE_LOGGING, is_direct
 
     port = config.cluster.port
-    env = runtime_env(ingress_port=port, config=config)  # each node's ingress serves cluster.port itself (direct ingress)
+    # each node's ingress serves cluster.port itself (direct ingress)
+    env = runtime_env(ingress_port=port, config=config)
     ray.init(address=address, runtime_env=env)
     stop = Stop()  # after ray.init: Ray's own SIGTERM handler (a crash dump, then death) is replaced
     proxy_port = port + 1 if is_direct(env["env_vars"]) else port  # Serve's proxy: head node only, a fallback
