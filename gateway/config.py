@@ -659,7 +659,8 @@ def load_config(path: str | Path, check_paths: bool = True) -> Config:
     except ValidationError as exc:
         err = exc.errors()[0]
         where = _loc(err["loc"]) + (".kind" if err["type"].startswith("union_tag") else "")
-        raise ConfigError(f"{path}: {where}: {_message(err)}") from None
+        # checks across fields (Config's own validators) have no location: their message names the fields
+        raise ConfigError(f"{path}: {where + ': ' if where else ''}{_message(err)}") from None
     base = path.parent
     models = []
     for i, m in enumerate(config.models):
@@ -735,7 +736,7 @@ def _loc(loc: tuple[Any, ...]) -> str:
         if part in KINDS and i >= 2 and loc[i - 2] == "models":
             continue  # the union's tag: the kind the entry was read as
         out += f"[{part}]" if isinstance(part, int) else (f".{part}" if out else str(part))
-    return out or "(top level)"
+    return out
 
 
 def _message(err: dict[str, Any]) -> str:

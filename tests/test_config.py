@@ -90,6 +90,8 @@ def test_good_config_loads(tmp_path):
      "should match pattern"),  # a host name, not a URL
     (BASE + "server: {loop_stall_s: 0.005}\n", "server.loop_stall_s", "at least 0.01 s"),
     ("tiers: [\n", "", "not valid YAML"),
+    # checks across fields name their field, with no "(top level)" before it
+    (BASE + "accounts: {limits: {gold: {}}}\n", "accounts.limits", "no tier named 'gold'"),
 ])
 def test_bad_config_is_one_line_naming_file_field_problem(tmp_path, text, field, problem):
     path = write(tmp_path, text)
