@@ -651,7 +651,7 @@ def load_config(path: str | Path, check_paths: bool = True) -> Config:
     except OSError as exc:
         raise ConfigError(f"{path}: cannot read: {exc.strerror or exc}") from None
     except yaml.YAMLError as exc:
-        raise ConfigError(f"{path}: not valid YAML: {str(exc).splitlines()[0]}") from None
+        raise ConfigError(f"{path}: not valid YAML: {_yaml_problem(exc)}") from None
     if not isinstance(raw, dict):
         raise ConfigError(f"{path}: the top level must be a mapping")
     try:
@@ -695,6 +695,19 @@ def load_config(path: str | Path, check_paths: bool = True) -> Config:
             raise ConfigError(f"{where}: fine_tuning.lora_rank {rank} is above {name!r}'s engine.max_lora_rank "
                               f"{base.engine.max_lora_rank}: vLLM would refuse its fine-tuned adapters")
     return config.model_copy(update={"models": models, "adapters": adapters, "adapter_dirs": dirs})
+
+
+def _yaml_problem(exc: yaml.YAMLError) -> str:
+    """PyYAML's problem and where it is (``line 12, column 1: found character '\\t' ...``), on one line;
+    ``str(exc)`` spreads them over several, its first line only the context."""
+    mark = getattr(exc, "problem_mark", None)
+    problem = getattr(exc, "problem", None) or str(exc).splitlines()[0]
+    if mark is None:
+        return problem
+    context, start = getattr(exc, "context", None), getattr(exc, "context_mark", None)
+    if context and start is not None and start.line != mark.line:  # an unclosed list: where it opened
+        problem += f" ({context} from line {start.line + 1}, column {start.column + 1})"
+    return f"line {mark.line + 1}, column {mark.column + 1}: {problem}"
 
 
 def _adapter_base(where: str, model: str, models: list[ModelConfig]) -> None:

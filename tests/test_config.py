@@ -90,6 +90,10 @@ def test_good_config_loads(tmp_path):
      "should match pattern"),  # a host name, not a URL
     (BASE + "server: {loop_stall_s: 0.005}\n", "server.loop_stall_s", "at least 0.01 s"),
     ("tiers: [\n", "", "not valid YAML"),
+    # YAML mistakes: where and what
+    (BASE + "\tgpu: {}\n", "", "not valid YAML: line 8, column 1: found character '\\t' that cannot start any token"),
+    ("tiers: [{name: paid}\nmodels: []\n", "", "not valid YAML: line 2, column 1: expected ',' or ']', but got '<scalar>' "
+     "(while parsing a flow sequence from line 1, column 8)"),  # an unclosed list: where it opened too
     # checks across fields name their field, with no "(top level)" before it
     (BASE + "accounts: {limits: {gold: {}}}\n", "accounts.limits", "no tier named 'gold'"),
 ])
