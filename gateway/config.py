@@ -17,6 +17,7 @@ import importlib.util
 import logging
 import os
 import re
+from collections.abc import Hashable
 from pathlib import Path
 from typing import Annotated, Any, Literal, Union
 
@@ -647,7 +648,7 @@ def load_config(path: str | Path, check_paths: bool = True) -> Config:
     """Read and validate ``path``; model paths are resolved relative to the file's folder."""
     path = Path(path)
     try:
-        raw = yaml.safe_load(path.read_text()) or {}
+        raw = yaml.load(path.read_text(), Loader=_StrictLoader) or {}
     except OSError as exc:
         raise ConfigError(f"{path}: cannot read: {exc.strerror or exc}") from None
     except yaml.YAMLError as exc:
@@ -695,6 +696,27 @@ def load_config(path: str | Path, check_paths: bool = True) -> Config:
             raise ConfigError(f"{where}: fine_tuning.lora_rank {rank} is above {name!r}'s engine.max_lora_rank "
                               f"{base.engine.max_lora_rank}: vLLM would refuse its fine-tuned adapters")
     return config.model_copy(update={"models": models, "adapters": adapters, "adapter_dirs": dirs})
+
+
+class _StrictLoader(yaml.SafeLoader):
+    """PyYAML's safe loader, but a key written twice in one mapping is an error, where
+    ``safe_load`` keeps the last silently (a second ``tiers:`` replaced every tier)."""
+
+    def construct_mapping(self, node: yaml.MappingNode, deep: bool = False) -> dict:
+        if isinstance(node, yaml.MappingNode):
+            first: dict = {}
+            for key_node, _ in node.value:
+                if key_node.tag == "tag:yaml.org,2002:merge":
+                    continue  # keys written beside a merge (<<) override what it merges, as YAML means
+                key = self.construct_object(key_node, deep=True)
+                if not isinstance(key, Hashable):
+                    continue  # the base class refuses it
+                if key in first:
+                    raise yaml.constructor.ConstructorError(
+                        problem=f"duplicate key {key!r} (first at line {first[key].line + 1})",
+                        problem_mark=key_node.start_mark)
+                first[key] = key_node.start_mark
+        return super().construct_mapping(node, deep)
 
 
 def _yaml_problem(exc: yaml.YAMLError) -> str:

@@ -94,6 +94,10 @@ def test_good_config_loads(tmp_path):
     (BASE + "\tgpu: {}\n", "", "not valid YAML: line 8, column 1: found character '\\t' that cannot start any token"),
     ("tiers: [{name: paid}\nmodels: []\n", "", "not valid YAML: line 2, column 1: expected ',' or ']', but got '<scalar>' "
      "(while parsing a flow sequence from line 1, column 8)"),  # an unclosed list: where it opened too
+    # a key written twice, at any level, is refused (safe_load kept the last: a second tiers: replaced them all)
+    (BASE + "tiers: []\n", "", "not valid YAML: line 8, column 1: duplicate key 'tiers' (first at line 2)"),
+    (BASE.replace("{device: cpu,", "{device: cpu, vram_budget: 64GiB,"), "",
+     "not valid YAML: line 7, column 40: duplicate key 'vram_budget' (first at line 7)"),
     # checks across fields name their field, with no "(top level)" before it
     (BASE + "accounts: {limits: {gold: {}}}\n", "accounts.limits", "no tier named 'gold'"),
 ])
