@@ -98,6 +98,20 @@ def check_tiers(accounts: AccountsConfig, prices: dict[str, Price], tiers: list[
     for name, price in prices.items():
         if price.like is not None and (price.like not in prices or prices[price.like].like is not None):
             raise ValueError(f"prices.{name}.like: {price.like!r} must be a tier priced directly")
+        _priced_one_way(name, price)
+
+
+def _priced_one_way(name: str, price: Price) -> None:
+    """A tier is priced either directly or ``like`` another times ``factor``, never both:
+    ``resolved_price`` would drop a price written next to ``like``, and ``factor`` scales only
+    ``like``'s prices, so either mistake would bill other than the file says."""
+    own = sorted(price.model_fields_set - {"like", "factor"})
+    if price.like is not None and own:
+        raise ValueError(f"prices.{name}.{own[0]}: a tier priced like another takes only factor; "
+                         f"price {name!r} directly, without like, to set its own prices")
+    if price.like is None and "factor" in price.model_fields_set:
+        raise ValueError(f"prices.{name}.factor: factor scales the prices of like; a tier priced directly "
+                         "has no factor (write its prices as they are)")
 
 
 def resolved_price(prices: dict[str, Price], tier: str) -> Price | None:

@@ -100,6 +100,11 @@ def test_good_config_loads(tmp_path):
      "not valid YAML: line 7, column 40: duplicate key 'vram_budget' (first at line 7)"),
     # checks across fields name their field, with no "(top level)" before it
     (BASE + "accounts: {limits: {gold: {}}}\n", "accounts.limits", "no tier named 'gold'"),
+    # prices: a tier is priced directly or like another times factor, never both (either was ignored)
+    (BASE + "prices: {paid: {input_tokens_per_1m: 1}, batch: {like: paid, input_tokens_per_1m: 0}}\n",
+     "prices.batch.input_tokens_per_1m", "a tier priced like another takes only factor"),
+    (BASE + "prices: {paid: {input_tokens_per_1m: 1, factor: 0.5}}\n", "prices.paid.factor",
+     "a tier priced directly has no factor"),
 ])
 def test_bad_config_is_one_line_naming_file_field_problem(tmp_path, text, field, problem):
     path = write(tmp_path, text)
