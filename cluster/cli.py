@@ -6,7 +6,7 @@ from __future__ import annotations
 import sys
 
 from gateway.auth import ADMIN_ENV, demo_keys
-from gateway.config import ConfigError, env_keys, load_config, tier_keys
+from gateway.config import ConfigError, check_keys_apart, env_keys, load_config, tier_keys
 
 
 def run(config_path: str, address: str | None, demo: bool) -> int:
@@ -17,7 +17,8 @@ def run(config_path: str, address: str | None, demo: bool) -> int:
         return 2
     try:
         keys, admin = tier_keys(config), env_keys(ADMIN_ENV)
-    except ConfigError as exc:  # a key file that cannot be read
+        check_keys_apart(config, keys, admin)
+    except ConfigError as exc:  # a key file that cannot be read, a key in two places
         print(f"tiergate: {exc}", file=sys.stderr)
         return 2
     if not any(keys.values()):

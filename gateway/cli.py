@@ -12,7 +12,8 @@ from typing import TYPE_CHECKING
 
 from gateway import keys_cli
 from gateway.auth import ADMIN_ENV, KeyRing, demo_keys
-from gateway.config import KEY_FILE_SUFFIX, Config, ConfigError, env_keys, key_variables, load_config, tier_keys
+from gateway.config import (KEY_FILE_SUFFIX, Config, ConfigError, check_keys_apart, env_keys, key_variables,
+                            load_config, tier_keys)
 
 if TYPE_CHECKING:
     import uvicorn
@@ -123,7 +124,8 @@ def _check(config_path: str) -> int:
 
 def _check_keys(config: Config, environ=os.environ) -> int:
     """How many keys each tier and the admins have, from their variables and the files their
-    ``_FILE`` variables name (counts, never keys); how many of those files cannot be read."""
+    ``_FILE`` variables name (counts, never keys); how many of those files cannot be read, or 1
+    where a key is in two places."""
     counts, tier_keys_seen, unreadable = [], 0, 0
     for name, var in zip([*config.tier_names, "admin"], key_variables(config)):
         try:
@@ -137,6 +139,12 @@ def _check_keys(config: Config, environ=os.environ) -> int:
         counts.append(f"{name} {n}" + (f" ({var}{KEY_FILE_SUFFIX}: {file})" if file else ""))
     none = "" if tier_keys_seen or unreadable else " (no tier key here: serve needs one, or --demo)"
     print("keys: " + ", ".join(counts) + none)
+    if not unreadable:
+        try:
+            check_keys_apart(config, tier_keys(config, environ), env_keys(ADMIN_ENV, environ), environ)
+        except ConfigError as exc:  # serve would refuse them: one key in two places
+            print(f"tiergate: {exc}", file=sys.stderr)
+            return 1
     return unreadable
 
 
@@ -190,6 +198,8 @@ def resolve_keys(config: Config, demo: bool, environ=os.environ) -> tuple[KeyRin
         admin = made.pop("admin")
         keys = made
         made = {**made, "admin": admin}
+    else:
+        check_keys_apart(config, keys, admin, environ)
     return KeyRing(keys, admin), made
 
 

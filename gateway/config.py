@@ -579,6 +579,11 @@ class Config(_Strict):
     @classmethod
     def _unique_tiers(cls, tiers: list[TierConfig]) -> list[TierConfig]:
         _no_duplicates([t.name for t in tiers])
+        envs = [t.keys_env for t in tiers] + [ADMIN_ENV]
+        for i, t in enumerate(tiers):  # one variable's keys in two places would serve them at one tier only
+            if t.keys_env in envs[:i] or t.keys_env == ADMIN_ENV:
+                raise ValueError(f"tiers[{i}].keys_env: {t.keys_env!r} is another tier's or the admin keys' "
+                                 "variable; a key has one tier")
         marked = [t.name for t in tiers if t.batch]
         if len(marked) > 1:
             raise ValueError(f"only one tier may be the batch tier; batch: true on {', '.join(marked)}")
@@ -825,3 +830,24 @@ def key_variables(config: Config) -> list[str]:
 def tier_keys(config: Config, environ: os._Environ[str] | dict[str, str] = os.environ) -> dict[str, list[str]]:
     """API keys per tier, read from each tier's environment variable and its file (``env_keys``)."""
     return {tier.name: env_keys(tier.keys_env, environ) for tier in config.tiers}
+
+
+def check_keys_apart(config: Config, keys: dict[str, list[str]], admin: list[str],
+                     environ: os._Environ[str] | dict[str, str] = os.environ) -> None:
+    """A key is listed in one place only: in two tiers it would serve at the first alone, and a
+    tier key also listed as an admin key would lose its admin rights (tier keys match first). A
+    :class:`ConfigError` names the two variables (or files), never the key."""
+    where: dict[str, str] = {}
+    for var, listed in [*((t.keys_env, keys[t.name]) for t in config.tiers), (ADMIN_ENV, admin)]:
+        for key in listed:
+            if where.setdefault(key, var) != var:
+                raise ConfigError(f"a key is listed in both {_key_source(where[key], key, environ)} and "
+                                  f"{_key_source(var, key, environ)}: a key has one tier, or is an admin key "
+                                  "(which acts at the top tier)")
+
+
+def _key_source(var: str, key: str, environ: os._Environ[str] | dict[str, str]) -> str:
+    """Where ``key`` of ``var`` was read: the variable, or the file its ``_FILE`` variable names."""
+    if key in _split_keys(environ.get(var, "")):
+        return var
+    return f"{var}{KEY_FILE_SUFFIX} ({environ.get(var + KEY_FILE_SUFFIX)})"

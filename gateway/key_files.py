@@ -11,8 +11,8 @@ as Docker and Kubernetes mount secrets. When any does, :class:`KeyFiles` reads t
 A successful read replaces the server's :class:`~gateway.auth.KeyRing` whole (one assignment on
 the event loop: a request is checked against the old ring or the new one, never a mix), so a key
 taken out of its file stops working and a key put in starts. A read that fails (a file missing or
-unreadable, or no tier key left in any file or variable) changes nothing: the keys before stay,
-and the log says why. The log and ``tiergate_key_reloads_total{outcome}`` count reloads; neither
+unreadable, no tier key left in any file or variable, or a key in two places) changes nothing: the
+keys before stay, and the log says why. The log and ``tiergate_key_reloads_total{outcome}`` count reloads; neither
 ever shows a key. Variables themselves cannot change in a running process: their keys stay.
 """
 
@@ -28,7 +28,7 @@ from typing import TYPE_CHECKING
 from prometheus_client.core import CounterMetricFamily
 
 from gateway.auth import ADMIN_ENV, KeyRing
-from gateway.config import KEY_FILE_SUFFIX, ConfigError, env_keys, key_variables, tier_keys
+from gateway.config import KEY_FILE_SUFFIX, ConfigError, check_keys_apart, env_keys, key_variables, tier_keys
 
 if TYPE_CHECKING:
     from gateway.service import Services
@@ -73,6 +73,7 @@ class KeyFiles:
             keys, admin = tier_keys(self.services.config, self.environ), env_keys(ADMIN_ENV, self.environ)
             if not any(keys.values()):
                 raise ConfigError("no tier has a key left")
+            check_keys_apart(self.services.config, keys, admin, self.environ)
         except ConfigError as exc:
             self.outcomes["failed"] += 1
             log.error("API keys not reloaded (%s): %s; the keys before stay", why, exc)

@@ -192,6 +192,28 @@ def test_demo_mode_makes_fresh_keys_and_env_keys_win(tmp_path):
     assert ring.lookup("a, b") is None
 
 
+def test_a_key_in_two_places_stops_startup_naming_both_never_the_key(tmp_path):
+    """A key in two tiers would serve at the first alone, and a tier key also listed as an admin
+    key would lose its admin rights (tier keys match first): refused, naming the two variables
+    or files it is in; a tier whose keys_env is another's or the admins' is refused at load."""
+    c = load_config(write(tmp_path, BASE))
+    admin = tmp_path / "admin-keys"
+    admin.write_text("sk-secret-a\n")
+    for environ, where in [({"K_PAID": "sk-secret-p", "K_BATCH": "sk-secret-p"}, "K_PAID and K_BATCH"),
+                           ({"K_PAID": "sk-secret-a", "TIERGATE_KEYS_ADMIN_FILE": str(admin)},
+                            f"K_PAID and TIERGATE_KEYS_ADMIN_FILE ({admin})")]:
+        with pytest.raises(ConfigError) as exc:
+            resolve_keys(c, demo=False, environ=environ)
+        assert str(exc.value).startswith(f"a key is listed in both {where}: a key has one tier, or is an admin key")
+        assert "sk-secret" not in str(exc.value)
+    ring, _ = resolve_keys(c, demo=False, environ={"K_PAID": "sk-p, sk-p", "K_PAID_FILE": str(admin)})
+    assert ring.lookup("sk-p").tier == "paid"  # twice in one tier's variable and file: no harm
+    for env in ("K_PAID", "TIERGATE_KEYS_ADMIN"):
+        path = write(tmp_path, BASE.replace("keys_env: K_BATCH", f"keys_env: {env}"))
+        with pytest.raises(ConfigError, match=rf"tiers\[1\]\.keys_env: '{env}' is another tier's or the admin"):
+            load_config(path)
+
+
 def test_keys_come_from_a_variable_and_the_file_its_FILE_variable_names(tmp_path):
     """``K_PAID_FILE`` names a file of keys (a mounted secret): one a line or comma-separated,
     blank lines and ``#`` comments skipped, beside the variable's own; the admin keys too."""
@@ -313,6 +335,12 @@ def test_tiergate_check_counts_each_tiers_keys_and_names_a_key_file_it_cannot_re
     assert main(["check", "--config", str(path)]) == 1
     captured = capsys.readouterr()
     assert f"tiergate: K_FREE_FILE: cannot read {tmp_path / 'missing'}" in captured.err
+    assert "sk-secret" not in captured.out + captured.err
+    monkeypatch.delenv("K_FREE_FILE")
+    monkeypatch.setenv("K_FREE", "sk-secret-admin")  # serve would refuse it: check says so
+    assert main(["check", "--config", str(path)]) == 1
+    captured = capsys.readouterr()
+    assert "tiergate: a key is listed in both K_FREE and TIERGATE_KEYS_ADMIN" in captured.err
     assert "sk-secret" not in captured.out + captured.err
 
 

@@ -66,12 +66,15 @@ def test_a_file_rewritten_in_place_between_checks_is_read_when_it_settles(setup)
     assert tier_of(setup, "sk-half-written-then-whole") == "paid" and tier_of(setup, "sk-half") is None
 
 
-@pytest.mark.parametrize("change", ["remove the file", "empty every tier"])
+@pytest.mark.parametrize("change", ["remove the file", "empty every tier", "a key in two places"])
 def test_a_read_that_fails_keeps_the_keys_before_and_says_why(setup, change, caplog):
     ring = setup.services.keys
     if change == "remove the file":
         setup.paid.unlink()
         reason = f"TEST_KEYS_PAID_FILE: cannot read {setup.paid}"
+    elif change == "a key in two places":  # as a tier key too, the admin key would lose its admin rights
+        setup.paid.write_text("sk-old\nsk-admin\n")
+        reason = f"a key is listed in both TEST_KEYS_PAID_FILE ({setup.paid}) and TIERGATE_KEYS_ADMIN_FILE ({setup.admin})"
     else:
         setup.files.environ = {**setup.files.environ, "TEST_KEYS_FREE": ""}
         setup.paid.write_text("# no keys now\n")
@@ -80,7 +83,7 @@ def test_a_read_that_fails_keeps_the_keys_before_and_says_why(setup, change, cap
         assert setup.files.reload("SIGHUP") is False
     assert setup.services.keys is ring and tier_of(setup, "sk-old") == "paid"
     assert setup.files.outcomes == {"reloaded": 0, "failed": 1}
-    assert reason in caplog.text and "the keys before stay" in caplog.text
+    assert reason in caplog.text and "the keys before stay" in caplog.text and "sk-admin" not in caplog.text
     setup.files.check()
     setup.files.check()
     assert setup.files.outcomes["failed"] == 1  # not tried again until the file changes again
@@ -97,7 +100,7 @@ def test_the_log_and_the_metric_count_reloads_and_never_show_a_key(setup, caplog
         ("tiergate_key_reloads_total", "reloaded", 1), ("tiergate_key_reloads_total", "failed", 0)}
 
 
-def test_tiergate_cluster_stops_at_a_key_file_it_cannot_read(tmp_path, monkeypatch, capsys):
+def test_tiergate_cluster_stops_at_a_key_file_it_cannot_read_or_a_key_in_two_places(tmp_path, monkeypatch, capsys):
     """The cluster's driver reads the same variables and files (once, at start), before Ray."""
     from cluster.cli import run
 
@@ -108,3 +111,8 @@ def test_tiergate_cluster_stops_at_a_key_file_it_cannot_read(tmp_path, monkeypat
     assert run(str(config), None, demo=False) == 2
     err = capsys.readouterr().err
     assert f"TEST_KEYS_PAID_FILE: cannot read {tmp_path / 'missing'}" in err and "sk-secret" not in err
+    monkeypatch.delenv("TEST_KEYS_PAID_FILE")
+    monkeypatch.setenv("TIERGATE_KEYS_ADMIN", "sk-secret-env")  # a key in two places: refused as serve does
+    assert run(str(config), None, demo=False) == 2
+    err = capsys.readouterr().err
+    assert "a key is listed in both TEST_KEYS_PAID and TIERGATE_KEYS_ADMIN" in err and "sk-secret" not in err
