@@ -12,6 +12,8 @@ back to the loop and schedules again. Batch work is paused and resumed through a
 from __future__ import annotations
 
 import asyncio
+import logging
+import os
 import threading
 import time
 from dataclasses import dataclass, field, replace
@@ -26,6 +28,8 @@ from arbiter.policy import ArbiterView, Evict, Fit, Impossible, ModelState, Refu
 from workers.base import ModelSpec, StepContext
 from workers.registry import make_worker
 from workers.worker import Worker
+
+log = logging.getLogger("tiergate")
 
 
 class Refused(Exception):
@@ -354,7 +358,10 @@ class Arbiter:
             self._after_oom(model, prior_place, tier, failure)
             return
         if failure is not None:
-            self._after_failure(model, f"loading {model} failed: {type(failure).__name__}: {failure}")
+            log.error("loading %s failed: %s: %s", model, type(failure).__name__, failure)
+            # the reason reaches callers of every tier (503) and /readyz: the log has the folder, they do not
+            public = without_folder(str(failure), self.specs[model])
+            self._after_failure(model, f"loading {model} failed: {type(failure).__name__}: {public}")
             return
         self.workers[model] = worker
         if trigger is not None:
@@ -522,3 +529,12 @@ def _set_event() -> threading.Event:
     event = threading.Event()
     event.set()
     return event
+
+
+def without_folder(message: str, spec: ModelSpec) -> str:
+    """``message`` with the model's folder (as configured and resolved) written as its name's:
+    a library's error names the server's files, which are no caller's business."""
+    for folder in sorted({str(spec.path), os.path.realpath(spec.path), os.path.abspath(spec.path)}, key=len,
+                         reverse=True):
+        message = message.replace(folder, f"<{spec.name}'s folder>")
+    return message

@@ -77,7 +77,7 @@ def _check(config_path: str) -> int:
     from arbiter.footprint import default_device, device_budget
     from arbiter.residency import _estimate
     from gateway.adapters import load_adapters
-    from workers.registry import describe
+    from workers.registry import describe, folder_kind_mismatch
 
     try:
         config = load_config(config_path)
@@ -102,7 +102,7 @@ def _check(config_path: str) -> int:
             footprint = _estimate(spec)  # as the arbiter starts from it: the weights' headers, no load
             fits = footprint <= budget
             describe(spec)  # what the gateway reads of the folder before loading it
-            problem = "" if fits else f"never fits: {_size(footprint)} > the budget"
+            problem = folder_kind_mismatch(spec) or ("" if fits else f"never fits: {_size(footprint)} > the budget")
         except Exception as exc:  # noqa: BLE001 - what serve would meet when it reads the folder
             problem = f"its folder cannot be read: {type(exc).__name__}: {str(exc).splitlines()[0][:160]}"
         failed += bool(problem)

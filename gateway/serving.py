@@ -35,6 +35,7 @@ HTTP handlers only render what those return.
 from __future__ import annotations
 
 import asyncio
+import logging
 import time
 from collections.abc import AsyncGenerator
 from concurrent.futures import ThreadPoolExecutor
@@ -46,11 +47,14 @@ import torch
 
 from accounts.rates import Ask
 from accounts.usage import Usage
+from arbiter.residency import without_folder
 from gateway.auth import Caller
 from gateway.errors import APIError
 from gateway.request_log import current as current_request
 from gateway.service import ClientGone, Held, Services
 from workers.base import Cancelled, ModelSpec, StepContext
+
+log = logging.getLogger("tiergate")
 
 T = TypeVar("T")
 R = TypeVar("R")
@@ -378,5 +382,7 @@ async def weightless(cache: dict[str, W], spec: ModelSpec, make: Callable[[Model
         try:
             cache[spec.name] = await asyncio.to_thread(make, spec)
         except (OSError, ValueError, KeyError) as exc:
-            raise APIError(503, f"the model '{spec.name}' cannot be used: {exc}", "model_unavailable") from None
+            log.error("the model %s cannot be used: %s", spec.name, exc)  # the folder for the log, not the caller
+            raise APIError(503, f"the model '{spec.name}' cannot be used: {without_folder(str(exc), spec)}",
+                           "model_unavailable") from None
     return cache[spec.name]

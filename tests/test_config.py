@@ -309,6 +309,8 @@ def test_tiergate_check_reads_every_model_and_its_fit(tiny_chat, tiny_embed, tmp
     assert code == 1 and "hollow" in out and "its folder cannot be read" in out
     assert main(["serve", "--config", str(tmp_path / "tiers.yaml"), "--demo"]) == 2  # serve refuses it too, naming it
     assert "tiers.yaml: models: model 'hollow': no weights" in capsys.readouterr().err
+    code, out, _ = check(good + f"  - {{name: pictures, kind: image, path: {tiny_chat}}}\n")  # a chat folder
+    assert code == 1 and "pictures is kind image, but its folder holds a chat model" in line(out, "pictures")
     code, _, err = check("  - {name: chat, kind: video, path: /}\n")
     assert code == 2 and "models[0].kind" in err
 

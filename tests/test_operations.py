@@ -8,6 +8,7 @@ from __future__ import annotations
 import asyncio
 import io
 import json
+import logging
 import os
 import signal
 import sqlite3
@@ -416,6 +417,27 @@ def test_preloaded_models_are_resident_before_any_request_and_readyz_names_a_fai
         server.app.state.preload.pending.append("tiny-chat")  # as while a load is going
         loading = httpx.get(f"{server.url}/readyz", timeout=10)
         assert loading.status_code == 503 and loading.json() == {"status": "loading", "models": ["tiny-chat"]}
+    finally:
+        server.stop()
+
+
+def test_a_model_that_fails_to_load_answers_503_without_the_servers_paths(tiny_chat, tmp_path, caplog):
+    """A folder that is not the model its kind reads (a chat folder as ``kind: image``) fails to
+    load: the 503 names the model and the library's reason, but a free key is shown no server
+    path; the log has the folder."""
+    from tests.helpers import start_server
+
+    cfg = write_config(tmp_path, {"pictures": ("image", tiny_chat)})
+    server = start_server(cfg)
+    try:
+        with caplog.at_level(logging.ERROR, "tiergate"):
+            r = httpx.post(f"{server.url}/v1/images/generations",
+                           headers={"Authorization": f"Bearer {server.keys['free']}"}, json={"model": "pictures", "prompt": "a cat", "size": "64x64"}, timeout=60)
+        error = r.json()["error"]
+        assert r.status_code == 503 and error["code"] == "model_unavailable", r.text
+        assert error["message"].startswith("loading pictures failed: ") and "<pictures's folder>" in error["message"]
+        assert str(tiny_chat) not in r.text and str(tmp_path) not in r.text
+        assert str(tiny_chat) in caplog.text  # the operator's log has it
     finally:
         server.stop()
 

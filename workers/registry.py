@@ -7,6 +7,8 @@ vLLM), and a server that serves no images never imports diffusers.
 from __future__ import annotations
 
 import importlib
+import json
+from pathlib import Path
 
 from workers.base import ModelSpec
 from workers.worker import ModelInfo, Worker
@@ -43,3 +45,36 @@ def make_worker(spec: ModelSpec) -> Worker:
 def describe(spec: ModelSpec) -> ModelInfo:
     """What the gateway may know of ``spec``'s model before loading it (read from its folder)."""
     return worker_class(spec).describe(spec)
+
+
+def folder_kind_mismatch(spec: ModelSpec) -> str | None:
+    """Why ``spec``'s folder holds another kind of model than its ``kind``, or None: an image
+    model's folder is a diffusers pipeline (``model_index.json``), every other kind's a
+    transformers model (``config.json``). An image model's ``describe`` reads no file that tells
+    them apart, so a chat folder given as ``kind: image`` passed ``tiergate check`` and failed at
+    its first request."""
+    path = Path(spec.path)
+    diffusers, transformers = (path / "model_index.json").is_file(), (path / "config.json").is_file()
+    if spec.kind == "image" and transformers and not diffusers:
+        return (f"{spec.name} is kind image, but its folder holds {_transformers_kind(path)} "
+                "(config.json, no model_index.json of a diffusers pipeline)")
+    if spec.kind != "image" and diffusers and not transformers:
+        return (f"{spec.name} is kind {spec.kind}, but its folder holds an image model "
+                "(a diffusers pipeline's model_index.json)")
+    return None
+
+
+def _transformers_kind(path: Path) -> str:
+    """The kind of model a transformers folder's ``config.json`` names, as well as it tells."""
+    try:
+        config = json.loads((path / "config.json").read_text())
+        family, architectures = str(config.get("model_type", "")), " ".join(config.get("architectures") or ())
+    except (OSError, ValueError, AttributeError, TypeError):
+        return "a transformers model"
+    if family == "whisper":
+        return "a speech-to-text (stt) model"
+    if family in ("vits", "speecht5"):
+        return "a text-to-speech (tts) model"
+    if "ForCausalLM" in architectures or "ForConditionalGeneration" in architectures:
+        return f"a chat model ({family or architectures})"
+    return f"a transformers model ({family or 'no model_type'})"
