@@ -15,8 +15,8 @@ On SIGTERM (or the first Ctrl+C) :class:`DrainingServer` drains before uvicorn s
 3. API requests already in flight, streams included, run to their end, for at most
    ``server.drain_timeout_s``; progress is logged every second;
 4. then uvicorn shuts down as usual (what is still running past the timeout is cancelled) and
-   the process exits 0. A second signal cuts what still runs (after ``CUT_AFTER_S``) and shuts
-   down the same way.
+   the process exits 0. A second signal cuts what still runs at once, as the timeout does (each
+   request answered 503 ``shutting_down``, or its stream ended), and shuts down the same way.
 """
 
 from __future__ import annotations
@@ -58,7 +58,7 @@ class Drain:
         self.streaming = 0
         self.hooks: list[Callable[[], Awaitable[str | None]]] = []  # run once draining starts; say what they did
         self.tasks: set[asyncio.Task] = set()  # the API requests' tasks in flight (``DrainGate``)
-        self.cut = False  # the drain timed out: what is left in flight is cancelled by it (``cut_what_is_left``)
+        self.cut = False  # timed out, or a second signal: what is left in flight is cancelled (``cut_what_is_left``)
 
     def begin(self) -> None:
         if not self.draining:
@@ -88,17 +88,17 @@ class Drain:
             await asyncio.sleep(0.05)
         if self.inflight:
             log.warning("draining: timed out after %gs with %s in flight; cutting them", self.timeout_s, self.describe())
-            self.cut_what_is_left()
-        else:
+            self.cut_what_is_left("the drain's timeout passed")
+        elif not self.cut:
             log.info("drained: nothing in flight")
 
-    def cut_what_is_left(self) -> None:
+    def cut_what_is_left(self, why: str) -> None:
         """Cancel the API requests still in flight; each answers for itself (``DrainGate``): one
         not yet answered with a 503 ``shutting_down`` in OpenAI's shape, a response under way is
         ended where it is. (Left to uvicorn's cancellation, the first got its bare text 500.)"""
         self.cut = True
         for task in list(self.tasks):
-            task.cancel("the drain's timeout passed")
+            task.cancel(why)
 
     def describe(self) -> str:
         return f"{self.inflight} request{'s' * (self.inflight != 1)} ({self.streaming} streaming)"
@@ -148,8 +148,8 @@ class DrainGate:
                 note(reason="interrupted")
                 await send({"type": "http.response.body", "body": b"", "more_body": False})
             else:
-                error = APIError(503, "the server shut down before this request was served (its drain timeout "
-                                 "passed); retry on another instance", "shutting_down",
+                error = APIError(503, "the server shut down before this request was served (its drain was "
+                                 "cut short); retry on another instance", "shutting_down",
                                  headers={"retry-after": str(RETRY_AFTER_S), "connection": "close"})
                 note(reason=error.code)
                 await error.response(speaks_anthropic(scope["path"], scope["headers"]))(scope, receive, send)
@@ -231,12 +231,20 @@ class DrainingServer(uvicorn.Server):
 
     def handle_exit(self, sig: int, frame: FrameType | None) -> None:
         if self.drain.draining or self._loop is None or not self.started:
-            # second signal, or not started yet: cut what runs (the app's shutdown still stops the engines)
+            # second signal, or not started yet: cut what runs (the app's shutdown still stops the engines);
+            # the drain cuts the API requests itself, before uvicorn's cancel, so that they answer as its timeout's do
+            if self.drain.draining and self._loop is not None:
+                self._loop.call_soon_threadsafe(self._cut)
             self.config.timeout_graceful_shutdown = CUT_AFTER_S
             self.should_exit = True
             return
         self.drain.begin()  # refuse from this instant on
         self._loop.call_soon_threadsafe(self._start_draining)
+
+    def _cut(self) -> None:
+        if self.drain.inflight:
+            log.warning("draining: a second signal; cutting %s", self.drain.describe())
+        self.drain.cut_what_is_left("a second signal came")
 
     def _start_draining(self) -> None:
         self._draining = asyncio.ensure_future(self._drain_then_exit())

@@ -284,6 +284,50 @@ def test_sigterm_drains_a_stream_refuses_new_work_hands_back_batch_lines_and_exi
     assert_no_secret(served.output())
 
 
+def test_a_second_signal_cuts_what_is_left_as_the_drain_timeout_does(tiny_chat, tmp_path):
+    """A second SIGTERM during a drain cuts what still runs the way the drain's timeout does: each
+    request not yet answered (running or queued) gets a 503 ``shutting_down`` in OpenAI's shape, a
+    stream is ended where it is and logged ``interrupted``; no bare text 500, no traceback in the
+    log (hunt report L, finding 1), and the process exits 0."""
+    config = write_config(tmp_path, {"tiny-chat": ("chat", tiny_chat)}, "server:\n  drain_timeout_s: 60\n")
+    served = Served(config)
+    body = {"model": "tiny-chat", "messages": [{"role": "user", "content": "hi"}], "max_tokens": 480, "temperature": 0}
+    headers = {"authorization": f"Bearer {KEYS['free']}"}  # free: 4 at a time, the rest queued
+
+    async def main() -> tuple[list[httpx.Response], bytes]:
+        async with httpx.AsyncClient(base_url=served.url, headers=headers, timeout=60) as client:
+            plain = [asyncio.create_task(client.post("/v1/chat/completions", json=body,
+                                                     headers={"x-request-id": f"cut-{i}"})) for i in range(8)]
+            async with client.stream("POST", "/v1/chat/completions", json=body | {"stream": True},
+                                     headers={"x-request-id": "cut-stream"}) as sse:
+                chunks = sse.aiter_raw()
+                streamed = await anext(chunks)
+                served.proc.send_signal(signal.SIGTERM)
+                while (await client.get("/readyz")).status_code == 200:
+                    await asyncio.sleep(0.02)
+                served.proc.send_signal(signal.SIGTERM)
+                async for chunk in chunks:
+                    streamed += chunk
+            return await asyncio.gather(*plain), streamed
+
+    try:
+        answers, streamed = asyncio.run(main())
+        assert served.proc.wait(30) == 0
+    finally:
+        served.stop()
+    cut = [r for r in answers if r.status_code != 200]
+    assert cut, "the second signal cut nothing"
+    for r in cut:
+        assert r.status_code == 503 and r.json()["error"]["code"] == "shutting_down", r.text
+        assert int(r.headers["retry-after"]) >= 1
+    assert not streamed.rstrip().endswith(b"data: [DONE]")  # ended where it was
+    output = served.output()
+    assert "Traceback" not in output and "Exception in ASGI application" not in output, output[-5000:]
+    logged = served.requests()
+    assert (logged["cut-stream"]["status"], logged["cut-stream"]["reason"]) == (200, "interrupted")
+    assert sum(logged[f"cut-{i}"]["reason"] == "shutting_down" for i in range(8)) == len(cut)
+
+
 def backlog(store: Path, batch_id: str) -> list[tuple[str | None, int]]:
     """(claimed_by, deliveries) of each backlog entry of the batch, read beside the server."""
     if not store.exists():
