@@ -203,6 +203,24 @@ def resolve_keys(config: Config, demo: bool, environ=os.environ) -> tuple[KeyRin
     return KeyRing(keys, admin), made
 
 
+def usable_data_dir(config: Config) -> None:
+    """``batch.data_dir``, made if missing and written to once, when the SQLite stores live there:
+    one that cannot be used is a config error now, not SQLite's traceback from the app's start-up."""
+    if config.batch.store != "sqlite":
+        return
+    import tempfile
+
+    folder = config.data_dir()
+    try:
+        folder.mkdir(parents=True, exist_ok=True)
+        with tempfile.TemporaryFile(dir=folder):  # a read-only filesystem lets root make no file either
+            pass
+    except OSError as exc:
+        problem = "it is not a folder" if folder.exists() and not folder.is_dir() else exc.strerror or exc
+        raise ConfigError(f"{config.source}: batch.data_dir: {folder} cannot hold the SQLite stores: "
+                          f"{problem}") from None
+
+
 def _serve(args: argparse.Namespace) -> int:
     from gateway import request_log
 
@@ -211,6 +229,7 @@ def _serve(args: argparse.Namespace) -> int:
     try:
         config = load_config(args.config)
         keyring, made = resolve_keys(config, args.demo)
+        usable_data_dir(config)
     except ConfigError as exc:
         print(f"tiergate: {exc}", file=sys.stderr)
         return 2

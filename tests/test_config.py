@@ -179,6 +179,24 @@ def test_no_keys_outside_demo_mode_stops_startup(tmp_path):
     assert "K_PAID" in str(exc.value) and "tiers" in str(exc.value)
 
 
+def test_a_data_dir_that_cannot_be_used_stops_startup_naming_field_path_and_file(tmp_path, capsys):
+    """A ``batch.data_dir`` that cannot hold the SQLite stores (a file; a read-only filesystem) stops
+    ``serve`` with one line naming the file, the field and the path, exit 2, as other config errors
+    do, not with SQLite's traceback from the app's start-up (hunt report L, finding 2)."""
+    from gateway.cli import main
+
+    (tmp_path / "afile").write_text("not a folder")
+    path = write(tmp_path, BASE + "batch:\n  data_dir: afile\n")
+    assert main(["serve", "--config", str(path), "--demo"]) == 2
+    err = capsys.readouterr().err.splitlines()  # the log's lines before it (the engine chosen), then the error
+    assert err[-1] == (f"tiergate: {path}: batch.data_dir: {tmp_path / 'afile'} cannot hold the SQLite stores: "
+                       "it is not a folder")
+    below = tmp_path / "afile" / "below"
+    path = write(tmp_path, BASE + f"batch:\n  data_dir: {below}\n")
+    assert main(["serve", "--config", str(path), "--demo"]) == 2
+    assert capsys.readouterr().err.splitlines()[-1].startswith(f"tiergate: {path}: batch.data_dir: {below} ")
+
+
 def test_demo_mode_makes_fresh_keys_and_env_keys_win(tmp_path):
     c = load_config(write(tmp_path, BASE))
     ring1, made1 = resolve_keys(c, demo=True, environ={})
