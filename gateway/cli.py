@@ -25,7 +25,7 @@ def main(argv: list[str] | None = None) -> int:
     serve = sub.add_parser("serve", help="run the HTTP server")
     serve.add_argument("--config", default="tiers.yaml", help="path to tiers.yaml")
     serve.add_argument("--host", default="127.0.0.1")
-    serve.add_argument("--port", type=int, default=8000)
+    serve.add_argument("--port", type=tcp_port, default=8000, help="1 to 65535")
     serve.add_argument("--demo", action="store_true",
                        help="when no API keys are set, make random ones for this run and print them")
     serve.add_argument("--log-format", choices=["text", "json"], default="text",
@@ -67,6 +67,18 @@ def main(argv: list[str] | None = None) -> int:
             print(f"{name}: {folder}")
         return 0
     return _serve(args)
+
+
+def tcp_port(text: str) -> int:
+    """``--port``: 1 to 65535, as ``cluster.port``; the socket call would wrap a larger number
+    (70000 listened on 4464), and 0 (a port the system picks) would leave the printed URLs wrong."""
+    try:
+        port = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a port number") from None
+    if not 1 <= port <= 65535:
+        raise argparse.ArgumentTypeError(f"{port} is not a port: 1 to 65535")
+    return port
 
 
 def _check(config_path: str) -> int:

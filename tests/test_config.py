@@ -197,6 +197,19 @@ def test_a_data_dir_that_cannot_be_used_stops_startup_naming_field_path_and_file
     assert capsys.readouterr().err.splitlines()[-1].startswith(f"tiergate: {path}: batch.data_dir: {below} ")
 
 
+@pytest.mark.parametrize("port", ["70000", "0", "-1", "http"])
+def test_serve_refuses_a_port_outside_1_to_65535(tmp_path, capsys, port):
+    """``serve --port`` outside 1..65535 is argparse's one-line error, exit 2, before the config is
+    read: 70000 was accepted and listened on 4464 (hunt report L, finding 9)."""
+    from gateway.cli import main
+
+    with pytest.raises(SystemExit) as exited:
+        main(["serve", "--config", str(tmp_path / "missing.yaml"), "--port", port])
+    err = capsys.readouterr().err
+    assert exited.value.code == 2 and err.splitlines()[-1].startswith("tiergate serve: error: argument --port: ")
+    assert "Traceback" not in err
+
+
 def test_demo_mode_makes_fresh_keys_and_env_keys_win(tmp_path):
     c = load_config(write(tmp_path, BASE))
     ring1, made1 = resolve_keys(c, demo=True, environ={})
