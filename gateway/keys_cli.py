@@ -7,6 +7,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import json
+import sys
 import time
 from typing import Any
 
@@ -52,8 +53,7 @@ async def _run(args: argparse.Namespace, config: Config) -> int:
             return 0
         record = await store.update_key(args.key_id, revoked_at=int(time.time()))
         if record is None:
-            print(f"tiergate: no key {args.key_id}", flush=True)
-            return 1
+            return _refuse(f"no key {args.key_id}", 1)
         print(json.dumps(record.public()))
         return 0
     finally:
@@ -62,27 +62,44 @@ async def _run(args: argparse.Namespace, config: Config) -> int:
 
 async def _create(args: argparse.Namespace, config: Config, store) -> int:
     if args.tier not in config.tier_names:
-        print(f"tiergate: --tier: no tier named {args.tier!r} (tiers: {', '.join(config.tier_names)})")
-        return 2
+        return _refuse(f"--tier: no tier named {args.tier!r} (tiers: {', '.join(config.tier_names)})")
     limits: dict[str, Any] = {}
     for item in args.limit:
         name, _, value = item.partition("=")
         if name not in LIMIT_FIELDS or not value:
-            print(f"tiergate: --limit {item!r}: use FIELD=VALUE with FIELD one of {', '.join(LIMIT_FIELDS)}")
-            return 2
-        limits[name] = float(value) if "." in value else int(value)
+            return _refuse(f"--limit {item!r}: use FIELD=VALUE with FIELD one of {', '.join(LIMIT_FIELDS)}")
+        number = _number(value)
+        if number is None:
+            return _refuse(f"--limit {item!r}: {value!r} is not a number")
+        limits[name] = number
     try:
         Limits.model_validate(limits)
     except ValueError as exc:
-        print(f"tiergate: --limit: {exc.errors()[0]['msg'] if hasattr(exc, 'errors') else exc}")
-        return 2
+        return _refuse(f"--limit: {exc.errors()[0]['msg'] if hasattr(exc, 'errors') else exc}")
     models = tuple(m.strip() for m in args.models.split(",") if m.strip()) if args.models else None
     unknown = sorted(set(models or ()) - {m.name for m in config.models})
     if unknown:
-        print(f"tiergate: --models: no model named {unknown[0]!r}")
-        return 2
+        return _refuse(f"--models: no model named {unknown[0]!r}")
     adapters = tuple(a.strip() for a in args.adapters.split(",") if a.strip()) if args.adapters is not None else None
     record, secret = make_key(args.name, args.tier, limits, models, adapters)
     record = await store.create_key(record)
     print(json.dumps({**record.public(), "value": secret}), flush=True)
     return 0
+
+
+def _number(text: str) -> int | float | None:
+    """A limit's value as written: an int, else a float (``Limits`` checks its type and range), else None."""
+    try:
+        return int(text)
+    except ValueError:
+        pass
+    try:
+        return float(text)
+    except ValueError:
+        return None
+
+
+def _refuse(message: str, code: int = 2) -> int:
+    """One error line on stderr (stdout carries only the JSON records); the exit status."""
+    print(f"tiergate: {message}", file=sys.stderr, flush=True)
+    return code

@@ -84,6 +84,20 @@ def test_a_key_made_at_run_time_works_at_once_is_listed_without_secret_and_revok
     assert not_admin.status_code == 403
 
 
+@pytest.mark.parametrize("limit", ["requests_per_min=abc", "requests_per_min=20/min", "concurrent=1.5", "nope=1"])
+def test_tiergate_keys_create_refuses_a_bad_limit_in_one_line_on_stderr(tmp_path, capsys, limit):
+    """``tiergate keys create --limit`` with a value that is not a number is one ``tiergate: --limit``
+    line on stderr and exit 2, as the other bad limits are, not a traceback (hunt report L, finding
+    10); stdout carries only the keys' JSON, and no key is made."""
+    from gateway.cli import main
+
+    config = write_config(tmp_path, {"tiny-chat": ("chat", tmp_path / "unread")}, "batch:\n  store: sqlite\n")
+    assert main(["keys", "--config", str(config), "create", "--tier", "free", "--limit", limit]) == 2
+    out, err = capsys.readouterr()
+    assert out == "" and err.startswith("tiergate: --limit") and len(err.splitlines()) == 1, err
+    assert main(["keys", "--config", str(config), "list"]) == 0 and capsys.readouterr().out == ""
+
+
 def test_headers_are_true_for_the_key(server):
     key_id, secret = new_key(server, limits={"requests_per_min": 3, "tokens_per_min": 1000})
     spent = 0  # tokens the bucket holds after each request is corrected to what it used
