@@ -808,7 +808,7 @@ def env_keys(var: str, environ: os._Environ[str] | dict[str, str] = os.environ) 
     path = environ.get(var + KEY_FILE_SUFFIX)
     if path:
         try:
-            text = Path(path).read_text(encoding="utf-8")
+            text = Path(path).read_text(encoding="utf-8-sig")  # a BOM (Notepad, PowerShell) is not the first key's
         except (OSError, UnicodeDecodeError) as exc:
             reason = exc.strerror if isinstance(exc, OSError) and exc.strerror else "not UTF-8 text"
             raise ConfigError(f"{var}{KEY_FILE_SUFFIX}: cannot read {path}: {reason}") from None

@@ -55,6 +55,20 @@ def test_a_changed_file_is_read_once_it_has_stayed_for_one_more_check(setup):
     assert setup.files.outcomes == {"reloaded": 1, "failed": 0}  # once per change
 
 
+def test_a_file_saved_with_a_utf8_bom_keeps_its_first_key(setup):
+    """A key file saved as UTF-8 with a byte order mark (Windows Notepad, PowerShell 5's
+    ``-Encoding utf8``) gives every key in it, its first one too, at start and when read again:
+    the mark was read as part of the first key, which then got 401 forever (hunt report L, finding 11)."""
+    from gateway.config import env_keys
+
+    replace(setup.paid, "\ufeffsk-bom-1\r\nsk-bom-2\r\n")
+    assert setup.paid.read_bytes().startswith(b"\xef\xbb\xbfsk-bom-1")
+    assert env_keys("TEST_KEYS_PAID", setup.files.environ) == ["sk-bom-1", "sk-bom-2"]
+    setup.files.check()
+    setup.files.check()
+    assert tier_of(setup, "sk-bom-1") == tier_of(setup, "sk-bom-2") == "paid"
+
+
 def test_a_file_rewritten_in_place_between_checks_is_read_when_it_settles(setup):
     setup.paid.write_text("sk-half")
     setup.files.check()
