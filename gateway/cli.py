@@ -182,7 +182,9 @@ def _size(n: int) -> str:
 
 def _build_demo_models(out: Path, seed: int, force: bool) -> dict[str, Path]:
     """Every demo model with its adapters, one model at a time under a progress bar (shown in a
-    terminal only)."""
+    terminal only, as the bars of the libraries that write the weights)."""
+    if not sys.stderr.isatty():
+        _no_library_bars()
     from tqdm import tqdm
 
     from demo import DEMO_ADAPTERS, DEMO_MODELS, build_demo_models
@@ -194,6 +196,14 @@ def _build_demo_models(out: Path, seed: int, force: bool) -> dict[str, Path]:
             adapters = [a for a, (base, *_) in DEMO_ADAPTERS.items() if base == model]
             built.update(build_demo_models(out, seed, names=[model, *adapters], force=force))
     return built
+
+
+def _no_library_bars() -> None:
+    """The weight writers' own bars off (transformers' "Writing model shards", diffusers',
+    huggingface_hub's): through the environment, which they read as they are imported, since
+    importing them here would cost seconds a run that finds every model built has no need of."""
+    os.environ.setdefault("HF_HUB_DISABLE_PROGRESS_BARS", "1")  # huggingface_hub's; transformers' asks it at import
+    os.environ.setdefault("TQDM_DISABLE", "1")  # every other tqdm bar's default: diffusers'
 
 
 def resolve_keys(config: Config, demo: bool, environ=os.environ) -> tuple[KeyRing, dict[str, list[str]] | None]:

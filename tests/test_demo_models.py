@@ -32,3 +32,15 @@ def test_the_embedders_tokenizer_is_the_same_in_every_process() -> None:
     code = "from demo.embed import wordpiece_tokenizer; print(sorted(wordpiece_tokenizer().get_vocab().items()))"
     out = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True, check=True).stdout
     assert out.strip() == str(sorted(wordpiece_tokenizer().get_vocab().items()))
+
+
+def test_tiergate_demo_models_writes_no_progress_bar_outside_a_terminal(tmp_path: Path) -> None:
+    """``tiergate demo-models`` into a log or a pipe writes no progress bar (README, "Progress
+    bars": a terminal only): transformers' "Writing model shards" bars came through while tiergate's
+    own was off (hunt report L, finding 12)."""
+    done = subprocess.run([sys.executable, "-m", "gateway.cli", "demo-models", "--out", str(tmp_path / "models")],
+                          cwd=ROOT, capture_output=True, text=True, stdin=subprocess.DEVNULL, timeout=600)
+    assert done.returncode == 0, done.stderr[-3000:]
+    assert "tiny-chat: " in done.stdout
+    bars = [ln for ln in done.stderr.replace("\r", "\n").splitlines() if "%|" in ln or "it/s]" in ln]
+    assert bars == []
