@@ -29,7 +29,10 @@ The gate is plain asyncio and single-threaded: all state changes happen on the e
 reports its refusals and the guard's limit changes to the event stream (``arbiter.events``) and
 keeps each tier's recent figures for the dashboard (``stats``, a :class:`TierStats`: the gate
 records its refusals there; admissions and latencies are recorded by ``Services.hold``, per request,
-off the gate's hot path).
+off the gate's hot path). A request is counted admitted (``admitted``, the stats) once it holds its
+model too (:meth:`Gate.holds_its_model`); one the arbiter refuses after the gate let it through
+(``model_protected``, ``model_unavailable``) is counted refused instead (:meth:`Gate.turned_back`),
+as the gate's own refusals are.
 """
 
 from __future__ import annotations
@@ -47,6 +50,8 @@ from gateway.slo_guard import GuardSettings, TierWindow, next_decision_at, next_
 from gateway.tier_stats import TierStats
 
 MAX_RETRY_AFTER_S = 120
+# why a tier's requests were refused: at the gate (queue_full, latency_target), or by the arbiter past it
+REFUSALS = ("queue_full", "latency_target", "model_protected", "model_unavailable")
 DOOR_WINDOW_S = 0.05  # an arrival counts as demand at most this long before it reaches ``acquire``
 
 
@@ -242,7 +247,7 @@ class Gate:
         # Told whenever ``others_busy()`` flips (the arbiter pauses or resumes batch work then).
         self.on_change: Callable[[], None] | None = None
         self._told_busy = False  # what on_change was last told
-        self.rejected = {(t.name, r): 0 for t in tiers for r in ("queue_full", "latency_target")}
+        self.rejected = {(t.name, r): 0 for t in tiers for r in REFUSALS}
         self.guard = guard or GuardSettings(enabled=False)
         self._latencies: dict[str, deque[tuple[float, float]]] = {t.name: deque() for t in tiers}
         self._token_latencies: dict[str, deque[tuple[float, float]]] = {t.name: deque() for t in tiers}
@@ -354,6 +359,22 @@ class Gate:
                 self._leave(ticket, lane)
             raise
         return ticket
+
+    def holds_its_model(self, tier: str) -> None:
+        """A request the gate let through holds its model too: admitted, for ``/metrics`` and the
+        dashboard (counted here, not as the gate lets it through, so that one the arbiter then
+        refuses counts once, as refused, and the counter never goes back)."""
+        self._lanes[tier].admitted += 1
+        self.stats.admitted(tier)
+
+    def turned_back(self, ticket: Ticket, reason: str) -> None:
+        """The arbiter refused the model of a request the gate let through (``model_protected``,
+        ``model_unavailable``; it reported the refusal to the event stream): its slot given back,
+        counted refused with the gate's own refusals."""
+        self.release(ticket)
+        tier = ticket.tier.name
+        self.rejected[(tier, reason)] += 1
+        self.stats.refused(tier, reason)
 
     def release(self, ticket: Ticket, measured_s: float | None = None) -> None:
         """Give the slot back; ``measured_s`` (service time) feeds the cost model."""
@@ -486,7 +507,6 @@ class Gate:
     def _start(self, ticket: Ticket, lane: _Lane, now: float) -> None:
         ticket.started = now
         lane.inflight += 1
-        lane.admitted += 1
         self.total_inflight += 1
         if not lane.is_batch:
             self._nonbatch_running += 1

@@ -97,8 +97,11 @@ class _StateCollector(Collector):
 
     def collect(self):
         g = self.gate
-        admitted = CounterMetricFamily("tiergate_admitted", "Requests admitted by the gate", labels=["tier"])
-        rejected = CounterMetricFamily("tiergate_rejected", "Requests refused by the gate", labels=["tier", "reason"])
+        admitted = CounterMetricFamily("tiergate_admitted", "Requests admitted: a slot at the gate, their model held",
+                                       labels=["tier"])
+        rejected = CounterMetricFamily("tiergate_rejected", "Requests refused: at the gate (queue_full, "
+                                       "latency_target) or their model (model_protected, model_unavailable)",
+                                       labels=["tier", "reason"])
         queued = GaugeMetricFamily("tiergate_queued", "Requests waiting at the gate", labels=["tier"])
         inflight = GaugeMetricFamily("tiergate_in_flight", "Requests holding a slot", labels=["tier"])
         limit = GaugeMetricFamily("tiergate_effective_max_inflight",

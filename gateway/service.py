@@ -241,23 +241,21 @@ class Services:
         except Rejected as exc:
             raise _too_many(self.gate, tier, exc) from None
         self.metrics.observe(self.metrics.queue_wait, ticket.queued_s, tier)
-        self.gate.stats.admitted(tier)  # here, not in the gate's admission path (bench_admission times that)
         rank = self.tier_rank[tier]
         try:
             lease = await self.arbiter.acquire(model, rank, is_batch=self.gate.tiers[tier].is_batch, used=_used.get())
         except Refused as exc:
-            self.gate.release(ticket)
-            self.gate.stats.refused(tier, "model_protected")
+            self.gate.turned_back(ticket, "model_protected")
             headers = {**_retry_headers(exc.retry_after), **self.gate.rate_headers(tier, refused_for=exc.retry_after)}
             raise APIError(429, str(exc), "model_protected", headers=headers, type="rate_limit_error") from None
         except Unavailable as exc:
-            self.gate.release(ticket)
-            self.gate.stats.refused(tier, "model_unavailable")
+            self.gate.turned_back(ticket, "model_unavailable")
             headers = _retry_headers(exc.retry_after) if exc.retry_after else {}
             raise APIError(503, str(exc), "model_unavailable", headers=headers) from None
         except BaseException:
             self.gate.release(ticket)
             raise
+        self.gate.holds_its_model(tier)  # here, not in the gate's admission path (bench_admission times that)
         return Held(ticket, lease, self.gate, arrived)
 
 

@@ -104,6 +104,9 @@ def test_admin_routes_need_an_admin_key(server):
 
 
 def test_state_reports_a_load_an_eviction_by_a_higher_tier_and_a_refusal(server):
+    """The state after ``bring_to_known_state``; the refusal counts once, as refused, not admitted,
+    here and in ``/metrics`` beside the gate's own refusals (it had no series there and was counted
+    admitted: hunt report L, finding 7)."""
     bring_to_known_state(server)
     state = httpx.get(server.url + "/admin/state", headers=admin(server)).json()
     assert places(state) == {"tiny-chat": "warm", "tiny-image": "resident", "tiny-tts": "resident"}
@@ -117,8 +120,13 @@ def test_state_reports_a_load_an_eviction_by_a_higher_tier_and_a_refusal(server)
     assert 590 < models["tiny-tts"]["protected_until_s"] <= 600
 
     tiers = {t["name"]: t for t in state["tiers"]}
-    assert tiers["free"]["admitted_per_min"] == 3 and tiers["free"]["refused_per_min"] == 1
+    assert tiers["free"]["admitted_per_min"] == 2 and tiers["free"]["refused_per_min"] == 1
     assert tiers["free"]["refused_by_reason_per_min"] == {"model_protected": 1}
+    metrics = httpx.get(server.url + "/metrics").text
+    assert 'tiergate_admitted_total{tier="free"} 2.0' in metrics.splitlines()
+    assert 'tiergate_rejected_total{reason="model_protected",tier="free"} 1.0' in metrics.splitlines()
+    for reason in ("queue_full", "latency_target", "model_unavailable"):  # every reason's series, from the start
+        assert f'tiergate_rejected_total{{reason="{reason}",tier="free"}} 0.0' in metrics.splitlines()
     assert tiers["paid"]["admitted_per_min"] == 1 and tiers["paid"]["refused_per_min"] == 0
     assert tiers["free"]["latency_samples"] == 2 and tiers["paid"]["latency_samples"] == 1
     assert 0 < tiers["paid"]["p50_s"] <= tiers["paid"]["p99_s"] < 120
@@ -253,7 +261,7 @@ def test_the_page_shows_the_state_in_a_real_browser(server, tmp_path):
 
         free = '#tiers tr[data-tier="free"]'
         assert read(f'{free} [data-field="refused_per_min"]') == "1"
-        assert read(f'{free} [data-field="admitted_per_min"]') == "3"
+        assert read(f'{free} [data-field="admitted_per_min"]') == "2"  # the refused one is not admitted
         assert read(f'{free} [data-field="realtime_sessions"]') == "0"  # no Realtime API session open
 
         assert "evicted tiny-chat to warm by a paid request for tiny-image" in read('#events li[data-kind="eviction"]')
