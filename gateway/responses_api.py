@@ -202,8 +202,7 @@ async def compact_response(request: Request) -> Response:
                                 service_tier=body.service_tier, store=False)
     job = await plan_response(svc, caller, _store(request), window, request.app.state.conversations, write_queries=False)
     system = [{"role": "system", "content": body.instructions}] if body.instructions else []
-    ask = {"model": body.model, "temperature": 0, "service_tier": body.service_tier,
-           "max_completion_tokens": svc.config.limits.max_chat_tokens,
+    ask = {"model": body.model, "temperature": 0, "service_tier": body.service_tier,  # (its length: summary_room)
            "messages": system + job.conversation + [{"role": "user", "content": COMPACT_ASK}]}
     with responses_names():
         summary_job = replace(plan_chat(svc, parse(ChatCompletionRequest, ask)), images=job.chat.images)
