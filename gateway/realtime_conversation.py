@@ -470,7 +470,8 @@ class ConversationSession(TranscriptionSession):
             self._item(previous, "previous_item_id")
         if isinstance(item.get("id"), str) and any(i["id"] == item["id"] for i in self.items):
             raise bad_request(f"the conversation already has an item {item['id'][:64]!r}", "item.id", "invalid_value")
-        if isinstance(item.get("id"), str) and item["id"] in self._heard:  # a deleted item's audio, still in the transcription queue, keeps its id
+        # a deleted item's audio, still in the transcription queue, keeps its id until it is heard
+        if isinstance(item.get("id"), str) and item["id"] in self._heard:
             raise bad_request(f"item {item['id'][:64]!r} was deleted while its audio is still being transcribed: "
                               "choose another id", "item.id", "invalid_value")
         if kind == "function_call_output":

@@ -7,8 +7,8 @@ from __future__ import annotations
 import pytest
 
 from workers.base import ChatParams, ChatRequest
-from workers.chat_prompt import (ON_LOOP_CHARS, ContextTooLong, check_context, encode, fit_context, request_ids, small_prompt,
-                                 thinking_marker)
+from workers.chat_prompt import (ON_LOOP_CHARS, ContextTooLong, check_context, encode, fit_context, request_ids,
+                                 small_prompt, thinking_marker)
 
 CONVERSATIONS = {
     "system+user": [{"role": "system", "content": "You are terse."}, {"role": "user", "content": "Hello world!"}],

@@ -92,7 +92,8 @@ def test_good_config_loads(tmp_path):
     ("tiers: [\n", "", "not valid YAML"),
     # YAML mistakes: where and what
     (BASE + "\tgpu: {}\n", "", "not valid YAML: line 8, column 1: found character '\\t' that cannot start any token"),
-    ("tiers: [{name: paid}\nmodels: []\n", "", "not valid YAML: line 2, column 1: expected ',' or ']', but got '<scalar>' "
+    ("tiers: [{name: paid}\nmodels: []\n", "",
+     "not valid YAML: line 2, column 1: expected ',' or ']', but got '<scalar>' "
      "(while parsing a flow sequence from line 1, column 8)"),  # an unclosed list: where it opened too
     # a key written twice, at any level, is refused (safe_load kept the last: a second tiers: replaced them all)
     (BASE + "tiers: []\n", "", "not valid YAML: line 8, column 1: duplicate key 'tiers' (first at line 2)"),

@@ -88,7 +88,8 @@ def test_a_read_that_fails_keeps_the_keys_before_and_says_why(setup, change, cap
         reason = f"TEST_KEYS_PAID_FILE: cannot read {setup.paid}"
     elif change == "a key in two places":  # as a tier key too, the admin key would lose its admin rights
         setup.paid.write_text("sk-old\nsk-admin\n")
-        reason = f"a key is listed in both TEST_KEYS_PAID_FILE ({setup.paid}) and TIERGATE_KEYS_ADMIN_FILE ({setup.admin})"
+        reason = (f"a key is listed in both TEST_KEYS_PAID_FILE ({setup.paid}) and "
+                  f"TIERGATE_KEYS_ADMIN_FILE ({setup.admin})")
     else:
         setup.files.environ = {**setup.files.environ, "TEST_KEYS_FREE": ""}
         setup.paid.write_text("# no keys now\n")

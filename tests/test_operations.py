@@ -476,7 +476,8 @@ def test_a_model_that_fails_to_load_answers_503_without_the_servers_paths(tiny_c
     try:
         with caplog.at_level(logging.ERROR, "tiergate"):
             r = httpx.post(f"{server.url}/v1/images/generations",
-                           headers={"Authorization": f"Bearer {server.keys['free']}"}, json={"model": "pictures", "prompt": "a cat", "size": "64x64"}, timeout=60)
+                           headers={"Authorization": f"Bearer {server.keys['free']}"},
+                           json={"model": "pictures", "prompt": "a cat", "size": "64x64"}, timeout=60)
         error = r.json()["error"]
         assert r.status_code == 503 and error["code"] == "model_unavailable", r.text
         assert error["message"].startswith("loading pictures failed: ") and "<pictures's folder>" in error["message"]

@@ -8,7 +8,8 @@ from dataclasses import replace
 
 import numpy as np
 
-from gateway.vector_store import FileBatch, RedisVectorStores, SQLiteVectorStores, StoreFile, VectorStore, VectorStoreStore
+from gateway.vector_store import (FileBatch, RedisVectorStores, SQLiteVectorStores, StoreFile, VectorStore,
+                                  VectorStoreStore)
 from tests.helpers import redis_server
 
 
@@ -123,7 +124,8 @@ async def _contract(store: VectorStoreStore) -> None:
         assert await store.put_batch(made) and await store.batch("vs_b", "vsfb_2") == made
         ended = replace(made, counts={"in_progress": 0, "completed": 1, "failed": 0, "cancelled": 0})
         assert await store.put_batch(ended) and await store.batch("vs_b", "vsfb_2") == ended
-        assert await store.batch("vs_a", "vsfb_2") is None and not await store.put_batch(replace(made, vector_store_id="vs_x"))
+        assert await store.batch("vs_a", "vsfb_2") is None
+        assert not await store.put_batch(replace(made, vector_store_id="vs_x"))
         assert not await store.delete("vs_b", "other")
         assert await store.delete("vs_b", "k") and not await store.delete("vs_b", "k")
         assert await store.batch("vs_b", "vsfb_2") is None
