@@ -75,6 +75,7 @@ from gateway.config import load_config
 from gateway.errors import APIError, speaks_anthropic, store_unavailable
 from gateway.loop_watch import LoopWatch
 from gateway.origin import AUDIO, CLIENT_SECRET, IMAGE, origin_of
+from gateway.schemas import read_body
 
 log = logging.getLogger("tiergate.cluster")
 _DROPPED = {b"x-request-id", b"content-length"}  # the proxy writes the same id; the length is set here
@@ -162,7 +163,8 @@ class Ingress:
         return {**in_effect(), "replica_calls": sorted("actor task" if r else "grpc" for r in by_reference)}
 
     async def _serve(self, request: Request, path: str, caller: Caller) -> Response:
-        body = await _read_body(request, self.max_body)
+        # 413 past the largest body any endpoint takes (the replica judges each endpoint's own), before it is all held
+        body = await read_body(request, self.max_body)
         model, streamed, affinity, origin = self._model(request, body, path)
         if model is not None and not self.accounts.allows(caller, model):
             raise APIError(404, f"the model '{model}' does not exist", "model_not_found", "model")
@@ -588,21 +590,6 @@ def _app_path(scope: dict) -> str:
     """The path below the application's route prefix (ASGI's ``path`` includes ``root_path``)."""
     path, root = scope["path"], scope.get("root_path", "")
     return path[len(root):] or "/" if root and path.startswith(root) else path
-
-
-async def _read_body(request: Request, max_bytes: int) -> bytes:
-    """The request's body; 413 past the largest any endpoint accepts (the replica judges the
-    endpoint's own limit), so a body that could not cross to a replica in one message is refused
-    here, as ``tiergate serve`` refuses it, without holding it all first."""
-    declared = request.headers.get("content-length")
-    if declared and declared.isdigit() and int(declared) > max_bytes:
-        raise APIError(413, f"request body is larger than {max_bytes} bytes", "request_too_large")
-    body = bytearray()
-    async for chunk in request.stream():
-        body += chunk
-        if len(body) > max_bytes:
-            raise APIError(413, f"request body is larger than {max_bytes} bytes", "request_too_large")
-    return bytes(body)
 
 
 def _with_request_id(headers: list[tuple[bytes, bytes]]) -> list[tuple[bytes, bytes]]:
