@@ -241,6 +241,7 @@ class Ingress:
         the deployment to call when it is not ``model``'s."""
         target = via or self.target(model)
         avoid: list[str] = []
+        ends: list[int | None] = []  # each redirecting replica's protection end (None: no protection in the way)
         for _ in range(max(2, target.replicas)):  # until a replica takes it or the router refuses
             stream = None
             pin = origin if origin not in avoid else None
@@ -260,9 +261,14 @@ class Ingress:
             if "redirect" not in first:
                 return first, stream, len(avoid)
             avoid.append(first["redirect"])
+            ends.append(first.get("retry_after"))
+        # every replica asked would refuse (their reports were stale): Retry-After the earliest protection end
+        # among them, as the router's own cluster-wide 429 (1 s where some replica's refusal was no protection)
+        wait = min((s or 1 for s in ends), default=1)
         raise APIError(503 if not avoid else 429, f"no replica can take '{model}' now",
                        "model_protected" if avoid else "replica_unavailable",
-                       headers={"retry-after": "1", "retry-after-ms": "1000"},
+                       headers={"retry-after": str(wait), "retry-after-ms": str(wait * 1000),
+                                "x-tiergate-redirects": str(len(avoid))},
                        type="rate_limit_error" if avoid else None)
 
     async def _realtime(self, scope: dict, receive, send) -> None:

@@ -226,15 +226,16 @@ class TierReplica:
         (unless this replica can take it after all: the reports were stale)."""
         arbiter = self.services.arbiter
         known = model is not None and model in arbiter.states
-        takes = known and option(arbiter.view(), model, tier, arbiter.batch_rank).need in RANK
+        here = option(arbiter.view(), model, tier, arbiter.batch_rank) if known else None
+        takes = here is not None and here.need in RANK
         if verdict is not None and not takes:  # the router found no replica: answer for the cluster
             error = APIError(verdict["status"], verdict["message"], verdict["code"],
                              headers=_retry(verdict.get("retry_after")), type=verdict.get("type"))
             response = error.response()
             return {"status": response.status_code, "headers": self._headers(response.raw_headers),
                     "body": bytes(response.body)}
-        if known and not takes:
-            return {"redirect": self.id}
+        if known and not takes:  # with when its protection ends, for the ingress's 429 if every replica says so
+            return {"redirect": self.id, "retry_after": here.retry_after if here.need == "refuse" else None}
         return None
 
     def _headers(self, headers: list[tuple[bytes, bytes]]) -> list[tuple[bytes, bytes]]:

@@ -350,3 +350,54 @@ def test_a_replica_dying_mid_stream_ends_a_messages_stream_with_anthropics_error
         await ingress.accounts.stop()
 
     asyncio.run(scenario())
+
+
+def test_a_429_after_every_replica_redirected_says_when_the_earliest_protection_ends(tmp_path, tiny_chat):
+    """When the router's reports were stale and every replica asked answers "redirect" (its own
+    arbiter would refuse), the ingress's cluster-wide 429 carries Retry-After the earliest of their
+    protection ends (it said 1 s, and a client honouring it retried every second for a minute),
+    and how many replicas were asked; 1 s where a replica's refusal was not a protection (the
+    model waits on work that ends). The replicas are stand-ins answering as ``TierReplica``."""
+    import httpx
+
+    from accounts.sqlite_store import SQLiteAccounts
+    from cluster.ingress import _Target
+
+    config = load_config(write_config(tmp_path, {"m": ("chat", tiny_chat)}))
+
+    class Answer:  # each replica asked redirects, with its protection's end (None: not a protection)
+        def __init__(self, ends: list[int | None]) -> None:
+            self.ends = ends
+
+        async def remote(self, forwarded: dict, avoid: list[str], **kwargs) -> dict:
+            return {"redirect": f"r{len(avoid)}", "retry_after": self.ends[len(avoid)]}
+
+    ingress = object.__new__(Ingress)
+    ingress.config, ingress.base, ingress.max_body = config, {"m": "m"}, 1 << 20
+    ingress.keys = KeyRing({"free": ["key-free"]}, [])
+    ingress.accounts = Accounts(config, SQLiteAccounts(tmp_path / "accounts.sqlite3"))
+    ingress._accounts_started = None
+    ingress.rank = {t.name: i for i, t in enumerate(config.tiers)}
+    ingress.inflight = {t.name: 0 for t in config.tiers}
+    ingress.capacity = {t.name: 100 for t in config.tiers}
+    ingress.answered, ingress.redirects, ingress.cors = Counter(), 0, []
+    ingress.loop_watch, ingress._watching = None, False
+
+    async def refused(ends: list[int | None]) -> httpx.Response:
+        pool = _Target(None, Answer(ends), None, None, None, len(ends))
+        ingress.deployments, ingress.default, ingress.by_model = [pool], pool, {"m": pool}
+        async with httpx.AsyncClient(transport=httpx.ASGITransport(app=ingress.asgi), base_url="http://ingress") as c:
+            return await c.post("/v1/chat/completions", headers={"authorization": "Bearer key-free"},
+                                json={"model": "m", "messages": [{"role": "user", "content": "hi"}]})
+
+    async def scenario() -> list[httpx.Response]:
+        try:
+            return [await refused([57, 41]), await refused([57, None, 30])]
+        finally:
+            await ingress.accounts.stop()
+
+    protected, waiting = asyncio.run(scenario())
+    assert protected.status_code == 429 and protected.json()["error"]["code"] == "model_protected"
+    assert (protected.headers["retry-after"], protected.headers["x-tiergate-redirects"]) == ("41", "2")
+    assert (waiting.headers["retry-after"], waiting.headers["x-tiergate-redirects"]) == ("1", "3")
+    assert ingress.inflight["free"] == 0
