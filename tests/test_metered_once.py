@@ -174,15 +174,7 @@ def test_a_line_metered_by_a_runner_that_died_before_recording_it_is_metered_onc
 
     first = asyncio.run(go())
 
-    async def metered_now():  # read after the runners stopped: every write has landed
-        s = config_store(store, data_dir)
-        await s.open()
-        try:
-            return await requests_of(s, "owner")
-        finally:
-            await s.close()
-
-    assert asyncio.run(metered_now()) == first  # each line once (line 0: two choices), as A metered it
+    assert metered(store, data_dir, "owner") == first  # each line once (line 0: two choices), as A metered it
 
 
 async def finished_by(b: Runner, svc, batch_id: str) -> tuple[BatchInfo, list[dict]]:
@@ -204,6 +196,20 @@ async def finished_by(b: Runner, svc, batch_id: str) -> tuple[BatchInfo, list[di
 
 def config_store(spec: str, data_dir):
     return RedisAccounts(spec) if spec.startswith("redis") else SQLiteAccounts(data_dir / "accounts.sqlite3")
+
+
+def metered(spec: str, data_dir, owner: str) -> tuple[int, int]:
+    """``owner``'s requests and output tokens in the config's usage store, read anew (after the
+    runners stopped: every write has landed)."""
+    async def read() -> tuple[int, int]:
+        store = config_store(spec, data_dir)
+        await store.open()
+        try:
+            return await requests_of(store, owner)
+        finally:
+            await store.close()
+
+    return asyncio.run(read())
 
 
 async def until(check, what: str, timeout: float = 60) -> None:
@@ -261,15 +267,7 @@ def test_a_line_handed_back_mid_reply_is_metered_by_the_attempt_that_ends(spec, 
     replied = asyncio.run(go())
     assert replied == 400
 
-    async def metered_now():
-        s = config_store(store, data_dir)
-        await s.open()
-        try:
-            return await requests_of(s, owner)
-        finally:
-            await s.close()
-
-    assert asyncio.run(metered_now()) == (2, replied)
+    assert metered(store, data_dir, owner) == (2, replied)
 
 
 @pytest.mark.parametrize("spec", ["sqlite", "redis"])
@@ -333,12 +331,4 @@ def test_lines_that_end_as_their_batch_is_cancelled_keep_their_outcome_and_are_m
     replied = sum(o["response"]["body"]["usage"]["completion_tokens"] for o in output)
     assert final.fields["usage"]["output_tokens"] == replied > 0
 
-    async def metered_now():
-        s = config_store(store, data_dir)
-        await s.open()
-        try:
-            return await requests_of(s, owner)
-        finally:
-            await s.close()
-
-    assert asyncio.run(metered_now()) == (4, replied)
+    assert metered(store, data_dir, owner) == (4, replied)
