@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import asyncio
 import hashlib
+import mimetypes
 import re
 import secrets
 import time
@@ -170,7 +171,16 @@ async def file_content(request: Request) -> Response:
     if content is None:  # deleted meanwhile
         raise not_found(f"no such file: '{info.id}'", "file_id", "file_not_found")
     safe = re.sub(r"[^A-Za-z0-9._-]", "_", info.filename)  # the uploader chose it: keep it out of the header
-    return Response(content, media_type="application/jsonl", headers={"content-disposition": f'attachment; filename="{safe}"'})
+    return Response(content, media_type=media_type(info.filename),
+                    headers={"content-disposition": f'attachment; filename="{safe}"'})
+
+
+def media_type(filename: str) -> str:
+    """A file's content type by its name's extension (JSONL, which ``mimetypes`` does not know: a
+    batch's and a fine-tuning file's), else ``application/octet-stream``."""
+    if filename.lower().endswith(".jsonl"):
+        return "application/jsonl"
+    return mimetypes.guess_type(filename, strict=False)[0] or "application/octet-stream"
 
 
 async def delete_file(request: Request) -> Response:

@@ -270,6 +270,12 @@ def test_upload_errors_are_openai_shaped(server):
     got = httpx.get(f"{url}/{odd['id']}/content", headers=auth)  # the name is not latin-1: kept out of the header
     assert got.status_code == 200 and got.content == b"{}\n"
     assert got.headers["content-disposition"] == 'attachment; filename="___x.jsonl"'
+    assert got.headers["content-type"].startswith("application/jsonl")
+    for name, purpose, content_type in [("notes.md", "assistants", "text/markdown"), ("data.bin", "user_data",
+                                        "application/octet-stream"), ("report.pdf", "user_data", "application/pdf")]:
+        made = httpx.post(url, headers=auth, files={"file": (name, b"%PDF-1.4 or words")}, data={"purpose": purpose})
+        got = httpx.get(f"{url}/{made.json()['id']}/content", headers=auth)  # each file as the type it is
+        assert got.headers["content-type"].split(";")[0] == content_type, name
 
 
 def test_create_errors_name_the_field(server):
