@@ -11,6 +11,7 @@ renews as it goes; a file whose process died is taken again once its lease ends.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import itertools
 import logging
 import time
@@ -48,7 +49,8 @@ class Indexer(ClaimLoop[StoreFile], Collector):
     (``wake``) or ``POLL_S`` passes. A file's chunks are embedded ``GROUP`` at a time, each group
     one request of the key that added the file, at its tier, waiting its turn at the gate as any
     request does (a 429 there is waited out, not a failure); the lease is renewed after each group.
-    Stopped at shutdown: a file half read is taken again, whole, by the next process to claim it.
+    Stopped at shutdown: a file half read is given up (its lease ended now, where a crash leaves it
+    to run out) and taken again, whole, by the next process to claim it.
     ``/metrics`` shows the files this process read by how they ended, the chunks it embedded and
     whether it is reading one now (``collect``)."""
 
@@ -92,7 +94,9 @@ class Indexer(ClaimLoop[StoreFile], Collector):
             ended = "failed" if await self.store.fail(file, refused.code, refused.message) else "dropped"
         except _Dropped:
             ended = "dropped"
-        except asyncio.CancelledError:
+        except asyncio.CancelledError:  # stopped (a shutdown): the next process to look takes the file at once
+            with contextlib.suppress(Exception):  # (a store that does not answer: its lease ends, as for a crash)
+                await self.store.hold(file, time.time())
             raise
         except Exception as exc:  # noqa: BLE001 - recorded on the file; the indexer goes on
             log.exception("vector stores: reading %s into %s failed", file.id, file.vector_store_id)

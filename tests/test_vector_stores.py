@@ -547,6 +547,39 @@ def test_the_indexer_outlives_a_store_that_fails(server):
         del store.claim
 
 
+def test_a_file_half_read_at_shutdown_is_the_next_claimers_at_once(tmp_path):
+    """An indexer stopped (a shutdown) while it reads a file gives the file up: the next process
+    to look claims it at once, where a crash leaves it to wait out its lease (it waited the whole
+    60 s after a quick restart). The read is a stand-in that waits, so the stop lands inside it."""
+    from gateway.vector_indexer import LEASE_S, Indexer
+
+    async def go() -> tuple[list[StoreFile], list[StoreFile]]:
+        store = SQLiteVectorStores(tmp_path / "vs.sqlite3")
+        await store.open()
+        try:
+            await store.create(VectorStore("vs_a", "k", 10, "a", "tiny-embed"))
+            await store.add_file(StoreFile("vs_a", "file-1", "t1", "k", "paid", 100, "a.txt", 80, 40))
+            indexer, reading = Indexer(None, store, None), asyncio.Event()
+
+            async def read(file):
+                reading.set()
+                await asyncio.Event().wait()
+
+            indexer._read = read
+            [file] = await store.claim(time.time(), LEASE_S, 1)
+            work = asyncio.create_task(indexer._index(file))
+            await reading.wait()
+            held = await store.claim(time.time(), LEASE_S, 1)  # while it reads: its own
+            work.cancel()
+            await asyncio.gather(work, return_exceptions=True)
+            return held, await store.claim(time.time() + 0.01, LEASE_S, 1)
+        finally:
+            await store.close()
+
+    held, after = asyncio.run(go())
+    assert held == [] and [f.id for f in after] == ["file-1"]
+
+
 def test_a_file_a_dead_process_held_is_read_again(server):
     """Another process claimed the file and died: once its lease ends, this server's indexer takes
     the file and reads it (nothing accepted is lost), not before (the lease outlasts two of the
