@@ -802,7 +802,8 @@ KEY_FILE_SUFFIX = "_FILE"  # TIERGATE_KEYS_PAID_FILE=/run/secrets/paid: the keys
 def env_keys(var: str, environ: os._Environ[str] | dict[str, str] = os.environ) -> list[str]:
     """The API keys of the environment variable ``var`` (comma-separated), and those in the file
     that ``<var>_FILE`` names, if it is set (as Docker and Kubernetes mount secrets): one key a
-    line or comma-separated, blank lines and lines starting with ``#`` skipped. A file that
+    line or comma-separated, blank lines and lines starting with ``#`` skipped, and a comment after
+    a key (``sk-... # alice``: a ``#`` after a space) left out of it. A file that
     cannot be read is a :class:`ConfigError` naming the variable and the path, never a key."""
     keys = _split_keys(environ.get(var, ""))
     path = environ.get(var + KEY_FILE_SUFFIX)
@@ -814,8 +815,11 @@ def env_keys(var: str, environ: os._Environ[str] | dict[str, str] = os.environ) 
             raise ConfigError(f"{var}{KEY_FILE_SUFFIX}: cannot read {path}: {reason}") from None
         for line in text.splitlines():
             if not line.lstrip().startswith("#"):
-                keys += _split_keys(line)
+                keys += _split_keys(_INLINE_COMMENT.split(line, maxsplit=1)[0])
     return keys
+
+
+_INLINE_COMMENT = re.compile(r"\s#")  # a comment after a key in a key file (keys have no spaces)
 
 
 def _split_keys(raw: str) -> list[str]:

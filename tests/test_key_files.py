@@ -69,6 +69,18 @@ def test_a_file_saved_with_a_utf8_bom_keeps_its_first_key(setup):
     assert tier_of(setup, "sk-bom-1") == tier_of(setup, "sk-bom-2") == "paid"
 
 
+def test_a_comment_after_a_key_is_not_part_of_it(setup):
+    """``sk-... # alice`` in a key file: the key is what comes before the comment (it took the
+    comment in, and the key got 401 forever); whole-line comments and comma lists as before."""
+    from gateway.config import env_keys
+
+    replace(setup.paid, "# the team's keys\nsk-alice  # alice\nsk-bob\t# bob, rotated 2026-12\nsk-c1, sk-c2 # both\n")
+    assert env_keys("TEST_KEYS_PAID", setup.files.environ) == ["sk-alice", "sk-bob", "sk-c1", "sk-c2"]
+    setup.files.check()
+    setup.files.check()  # (read once it settled)
+    assert tier_of(setup, "sk-alice") == tier_of(setup, "sk-bob") == tier_of(setup, "sk-c2") == "paid"
+
+
 def test_a_file_rewritten_in_place_between_checks_is_read_when_it_settles(setup):
     setup.paid.write_text("sk-half")
     setup.files.check()
