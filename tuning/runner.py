@@ -165,6 +165,7 @@ class Tuner(ClaimLoop[Job], Collector):
         running = self._current = _Running(job)
         keeper = asyncio.create_task(self._keep(running))
         ended = True  # False: its folder stays, to go on from (this process stops, or another has the job)
+        stopping = False  # this process stops (a shutdown) while it holds the job
         try:
             await self._train(running)
         except (Cancelled, asyncio.CancelledError) as exc:
@@ -176,6 +177,7 @@ class Tuner(ClaimLoop[Job], Collector):
                 if running.lost and status != "paused":
                     await self._event(job, "info", "This process stopped the job: another process has taken it over")
             if isinstance(exc, asyncio.CancelledError):
+                stopping = not running.lost
                 raise
         except _Failed as failed:
             await self._fail(running, failed.code, failed.message, failed.param)
@@ -186,6 +188,11 @@ class Tuner(ClaimLoop[Job], Collector):
         finally:
             keeper.cancel()
             await asyncio.gather(keeper, return_exceptions=True)
+            # its lease given up: the next process to look (this one restarted) takes it at once; a store that
+            # does not answer leaves the lease to run out, as at a crash
+            if stopping:
+                with contextlib.suppress(Exception):
+                    await self.store.hold(running.job, time.time())
             self._current = None
             if ended:
                 await asyncio.to_thread(shutil.rmtree, self.scratch / job.id, True)
