@@ -1078,6 +1078,58 @@ def test_a_streamed_response_whose_stored_events_ended_its_item_reads_failed(tin
         s.stop()
 
 
+@pytest.mark.parametrize("dies_at", ["closing events", "final record"])
+def test_a_streamed_background_response_whose_process_died_as_its_reply_ended_is_finished(
+        tiny_chat, tmp_path, monkeypatch, dies_at):
+    """A streamed background response whose process dies after its reply ended, before its items'
+    closing events are stored or between those and its record saying it ended: the process that
+    claims it does not fail it (its followers saw the whole answer) nor run it again, but finishes
+    it: the closing events a follower has not seen yet, then ``response.incomplete`` with the
+    text the deltas made and the usage the reply had, metered once."""
+    import gateway.response_runs as runs
+
+    monkeypatch.setattr(runs, "RECLAIM_S", 0.1)
+    s = start_server(write_config(tmp_path, {"tiny-chat": ("chat", tiny_chat)}, "responses:\n  reclaim_after_s: 1\n"))
+    try:
+        c, store, died = client(s, "subscriber"), s.app.state.responses, []
+        ask = dict(model="tiny-chat", input="Tell me a story", max_output_tokens=12, temperature=0)
+        alone = c.responses.create(**ask)  # (greedy, tiny-chat runs to its length: incomplete)
+        add_events, update_running = store.add_events, store.update_running
+
+        async def dying_add(response_id, created_at, n, events):
+            if dies_at == "closing events" and not died and "event: response.output_item.done" in "".join(events):
+                died.append(response_id)
+                raise asyncio.CancelledError  # its process dies here: its task ends, nothing more is written
+            return await add_events(response_id, created_at, n, events)
+
+        async def dying_update(record):
+            if dies_at == "final record" and not died and record.response["status"] == "incomplete":
+                died.append(record.id)
+                raise asyncio.CancelledError
+            return await update_running(record)
+
+        monkeypatch.setattr(store, "add_events", dying_add)
+        monkeypatch.setattr(store, "update_running", dying_update)
+        first = list(c.responses.create(**ask, background=True, stream=True))  # its follower, ended with it
+        rid = first[0].response.id
+        assert died == [rid] and first[-1].type != "response.incomplete"
+        done = wait_until_done(c, rid)
+        events = list(c.responses.retrieve(rid, stream=True))
+        assert [e.sequence_number for e in events] == list(range(len(events)))
+        kinds = [e.type for e in events]
+        assert kinds.count("response.output_item.added") == kinds.count("response.output_item.done") == 1
+        assert kinds[-4:] == ["response.output_text.done", "response.content_part.done", "response.output_item.done",
+                              "response.incomplete"]
+        assert done.status == "incomplete" and done.incomplete_details.reason == "max_output_tokens"
+        assert done.output_text == _deltas(events) == events[-1].response.output_text == alone.output_text
+        assert done.output[0].id == next(e.item.id for e in events if e.type == "response.output_item.added")
+        assert (done.usage.input_tokens, done.usage.output_tokens) == (alone.usage.input_tokens, 12)
+        usage = httpx.get(f"{s.base_url}/usage", headers={"Authorization": f"Bearer {s.keys['subscriber']}"}).json()
+        assert sum(row["requests"] for row in usage["data"]) == 2  # the first request, and the one that ended
+    finally:
+        s.stop()
+
+
 def check_a_response_goes_on_from_its_text(s, tiny_chat: Path, sent: int | None, stale_s: float,
                                            reclaim_now: bool = False, model: str = "tiny-chat",
                                            extra: dict | None = None, template_kwargs: dict | None = None) -> None:
