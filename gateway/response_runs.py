@@ -69,7 +69,7 @@ async def run_in_background(svc: Services, caller: Caller, draft: Draft, store: 
     added to ``events`` as they are made, its last after its record is written."""
     owner, phase = caller.key_id, ["queued"]
     beat = asyncio.get_running_loop().create_task(_heartbeat(store, draft, owner, phase, gone))
-    status, error, shut_down, added = "failed", None, False, False
+    status, error, shut_down = "failed", None, False
     try:
         with responses_names():
             draft.job = await prepared(svc, caller, draft.job, gone=gone)  # searched here, not when it was asked
@@ -94,11 +94,9 @@ async def run_in_background(svc: Services, caller: Caller, draft: Draft, store: 
                         await events.add(delta_events(events.s, delta))
                         if delta.finished is not None:
                             break
-                status, error = await _ended(draft, store, conversations, owner)
-                added = True
+            status, error = await _ended(draft, store, conversations, owner)
+            if events is not None:
                 await events.add(closing_events(events.s) if status in CONTINUABLE else [])
-        if not added:
-            status = draft.status
     except ClientGone:
         status = "cancelled"
         if background.stopping:  # stopped by the shutdown (a finished one is recorded as it ended)
@@ -124,10 +122,9 @@ async def run_in_background(svc: Services, caller: Caller, draft: Draft, store: 
             if events is not None:
                 events.log.end()
             return
-    if status in CONTINUABLE and not added:  # added before it is recorded: one its conversation refuses has failed
-        status, error = await _added(draft, conversations, owner, status)
     if events is not None:  # what it had begun, closed; all stored before its record says it ended
         await events.add(events.s.close("incomplete") if status not in CONTINUABLE else [])
+    draft.request.pop("ended", None)  # (its record says how it ended from now)
     kept = await store.update_running(draft.record(status, owner, error))
     if (kept or status == "cancelled") and svc.webhooks is not None:  # (not for one deleted meanwhile)
         svc.webhooks.emit(f"response.{status}", draft.id, owner)
@@ -138,50 +135,44 @@ async def run_in_background(svc: Services, caller: Caller, draft: Draft, store: 
              "" if kept else " (not recorded: cancelled or deleted meanwhile)")
 
 
-async def _added(draft: Draft, conversations: ConversationStore | None, owner: str,
-                 status: str) -> tuple[str, dict[str, str] | None]:
-    """The ended reply added to its conversation: ``status`` and no error, or ``failed`` when the
-    conversation refuses it (one of its input ids was added meanwhile, by a response another
-    process ran)."""
+async def _ended(draft: Draft, store: ResponseStore, conversations: ConversationStore | None,
+                 owner: str) -> tuple[str, dict[str, str] | None]:
+    """A reply that ended (a streamed one's before its items' closing events): added to its
+    conversation, then its record (still running) written with its whole output, its usage and how
+    it ended (``ended`` in its request), so that a process that claims it, should this one die
+    before its record says it ended, finishes it (``_finish``) rather than failing it (streamed)
+    or running it again (its input items already in its conversation, it would fail). Its status,
+    and an error when its conversation refused it (one of its input ids was added meanwhile, by a
+    response another process ran): then it failed."""
     try:
         await draft.add_to_conversation(conversations, owner)
     except APIError as exc:
         return "failed", {"code": exc.code, "message": exc.message}
-    return status, None
-
-
-async def _ended(draft: Draft, store: ResponseStore, conversations: ConversationStore | None,
-                 owner: str) -> tuple[str, dict[str, str] | None]:
-    """A streamed reply that ended, before its items' closing events: added to its conversation,
-    then its record (still running) written with its whole output, its usage and how it ended
-    (``ended`` in its request), so that a process that claims it, should this one die before its
-    record says it ended, finishes it from the stored events (``_finish``) rather than failing
-    it. Its status and error, as ``_added``."""
-    status, error = await _added(draft, conversations, owner, draft.status)
-    if status in CONTINUABLE:
-        draft.request = {**draft.request, "ended": status}  # (the heartbeat writes it too from now)
-        try:
-            await store.update_running(draft.record("in_progress", owner))
-        except Exception as exc:  # noqa: BLE001 - only a safeguard: its record is written again as it ends
-            log.warning("background response %s: storing that its reply ended failed: %s", draft.id, exc)
-    return status, error
+    draft.request = {**draft.request, "ended": draft.status}  # (the heartbeat writes it too from now)
+    try:
+        await store.update_running(draft.record("in_progress", owner))
+    except Exception as exc:  # noqa: BLE001 - only a safeguard: its record is written again as it ends
+        log.warning("background response %s: storing that its reply ended failed: %s", draft.id, exc)
+    return draft.status, None
 
 
 async def _finish(svc: Services, store: ResponseStore, record: StoredResponse, claimed: StoredResponse,
-                  events: "StoredEvents") -> None:
-    """Finish a dead process's streamed response whose reply had ended (``_ended``): its items'
-    closing events stored when they were not yet, then its record ended as the reply did, with
-    the usage its ending record kept and the output items its stored events closed (its last event
-    is made from that record, as ``replay`` makes one). Nothing runs again, and nothing is metered
-    again (its process metered the reply)."""
-    ended = record.request["ended"]
-    if not events.sent.closed:
-        await events.add(events.s.close(ended))
-    output = [json.loads(event.split("data: ", 1)[1])["item"] for event in await store.events(record.id, -1)
-              if event.startswith("event: response.output_item.done\n")]
+                  events: "StoredEvents | None") -> None:
+    """Finish a dead process's response whose reply had ended (``_ended``): its record ended as
+    the reply did, with the output and usage its ending record kept; a streamed one's output is
+    the items its stored events closed, its items' closing events stored first when they were not
+    yet (its last event is made from the record, as ``replay`` makes one). Nothing runs again, and
+    nothing is metered again (its process metered the reply)."""
+    ended, output = record.request["ended"], record.response["output"]
+    if events is not None:
+        if not events.sent.closed:
+            await events.add(events.s.close(ended))
+        output = [json.loads(event.split("data: ", 1)[1])["item"] for event in await store.events(record.id, -1)
+                  if event.startswith("event: response.output_item.done\n")]
     response = {**record.response, "status": ended, "output": output,
                 "incomplete_details": {"reason": "max_output_tokens"} if ended == "incomplete" else None}
-    kept = await store.update_running(replace(claimed, response=response, beat=time.time()))
+    asked = {k: v for k, v in claimed.request.items() if k != "ended"}
+    kept = await store.update_running(replace(claimed, response=response, request=asked, beat=time.time()))
     if kept and svc.webhooks is not None:
         svc.webhooks.emit(f"response.{ended}", record.id, record.owner)
     log.info("background response %s: its process had ended its reply; finished here (%s)", record.id, ended)
@@ -268,7 +259,7 @@ async def reclaim(svc: Services, store: ResponseStore, conversations: Conversati
         draft = Draft(response_id, job, record.response["service_tier"], created_at=record.created_at, background=True,
                       request=asked, runner=background.runner)
         events = await StoredEvents.resumed(store, draft) if body.stream else None
-        if events is not None and asked.get("ended") in CONTINUABLE:  # its reply had ended: finish it
+        if asked.get("ended") in CONTINUABLE:  # its reply had ended: finish it
             await _finish(svc, store, record, claimed, events)
             taken.append(response_id)
             continue

@@ -1078,14 +1078,15 @@ def test_a_streamed_response_whose_stored_events_ended_its_item_reads_failed(tin
         s.stop()
 
 
-@pytest.mark.parametrize("dies_at", ["closing events", "final record"])
-def test_a_streamed_background_response_whose_process_died_as_its_reply_ended_is_finished(
-        tiny_chat, tmp_path, monkeypatch, dies_at):
-    """A streamed background response whose process dies after its reply ended, before its items'
-    closing events are stored or between those and its record saying it ended: the process that
-    claims it does not fail it (its followers saw the whole answer) nor run it again, but finishes
-    it: the closing events a follower has not seen yet, then ``response.incomplete`` with the
-    text the deltas made and the usage the reply had, metered once."""
+@pytest.mark.parametrize("dies_at,stream", [("closing events", True), ("final record", True), ("final record", False)])
+def test_a_background_response_whose_process_died_as_its_reply_ended_is_finished(
+        tiny_chat, tmp_path, monkeypatch, dies_at, stream):
+    """A background response whose process dies after its reply ended (and was metered), before
+    its record says it ended (and a streamed one's before its items' closing events are stored,
+    or after): the process that claims it neither fails it (a streamed one's followers saw the
+    whole answer) nor runs it again, but finishes it: a streamed one with the closing events a
+    follower has not seen yet, then ``response.incomplete``; with the reply's text and usage,
+    metered once."""
     import gateway.response_runs as runs
 
     monkeypatch.setattr(runs, "RECLAIM_S", 0.1)
@@ -1110,6 +1111,14 @@ def test_a_streamed_background_response_whose_process_died_as_its_reply_ended_is
 
         monkeypatch.setattr(store, "add_events", dying_add)
         monkeypatch.setattr(store, "update_running", dying_update)
+        if not stream:
+            rid = c.responses.create(**ask, background=True).id
+            done = wait_until_done(c, rid)
+            assert died == [rid] and done.status == "incomplete" and done.output_text == alone.output_text
+            assert (done.usage.input_tokens, done.usage.output_tokens) == (alone.usage.input_tokens, 12)
+            usage = httpx.get(f"{s.base_url}/usage", headers={"Authorization": f"Bearer {s.keys['subscriber']}"})
+            assert sum(row["requests"] for row in usage.json()["data"]) == 2  # not run again
+            return
         first = list(c.responses.create(**ask, background=True, stream=True))  # its follower, ended with it
         rid = first[0].response.id
         assert died == [rid] and first[-1].type != "response.incomplete"
