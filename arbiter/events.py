@@ -84,6 +84,7 @@ class EventLog:
         self.recent: deque[Event] = deque(maxlen=capacity)
         self.queue_size = queue_size
         self.clock = clock
+        self.started_at = clock()  # a new log (a new process): its ids start at 1 again
         self._ids = itertools.count(1)
         self._subscribers: set[Subscription] = set()
 

@@ -62,6 +62,7 @@ async def snapshot(svc: Services, batch_store: Any, tuner: Any = None) -> dict[s
                        "protected_from": protected})
     return {
         "time": time.time(),
+        "started_at": arbiter.events.started_at,
         "last_event_id": arbiter.events.last_id,
         "vram": {"device": str(arbiter.device), "budget_bytes": view.budget, "used_bytes": view.used},
         "host_cache": {"budget_bytes": view.host_cache_budget, "used_bytes": view.host_used},

@@ -34,11 +34,13 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "scripts"))
 from benchlib import spare_port  # noqa: E402,F401  (for servers in processes of their own)
 
 
-def bound_socket() -> socket.socket:
-    """A listening-to-be socket on 127.0.0.1, on a port the kernel chose: for a server in this
-    process, which is handed the socket itself, so no other process can take its port first."""
+def bound_socket(port: int = 0) -> socket.socket:
+    """A listening-to-be socket on 127.0.0.1, on ``port`` or one the kernel chose: for a server in
+    this process, which is handed the socket itself, so no other process can take its port first."""
     sock = socket.socket()
-    sock.bind(("127.0.0.1", 0))
+    # (so that a server can start again where one was: its connections, which inherit this, may linger)
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+    sock.bind(("127.0.0.1", port))
     return sock
 
 
@@ -127,7 +129,7 @@ def stand_in_batch_server(folder: Path, tiny_chat: Path, extra: str, url: str) -
     return srv
 
 
-def start_server(config_path: Path, admin: bool = True) -> RunningServer:
+def start_server(config_path: Path, admin: bool = True, port: int = 0) -> RunningServer:
     config = load_config(config_path)
     keys = {t: f"key-{t}-{i}" for i, t in enumerate(config.tier_names)}
     if admin:
@@ -135,7 +137,7 @@ def start_server(config_path: Path, admin: bool = True) -> RunningServer:
     ring = KeyRing({t: [keys[t]] for t in config.tier_names}, [keys["admin"]] if admin else [])
     services = build_services(config, ring)
     app = create_app(services)
-    sock = bound_socket()
+    sock = bound_socket(port)
     port = sock.getsockname()[1]
     server = uvicorn.Server(server_config(app, "127.0.0.1", port, log_level="warning"))
     holder: dict = {}

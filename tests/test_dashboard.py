@@ -296,6 +296,40 @@ def test_the_page_shows_the_state_in_a_real_browser(server, tmp_path):
         driver.quit()
 
 
+def test_the_page_drops_a_restarted_servers_old_events(tmp_path, tiny_tts):
+    """A server started again numbers its events from 1 again (its ``started_at`` is new): the
+    open page, once it has reconnected, lists only the new process's events, not the old ones
+    above them (nor some of them in place of the new ones with the same ids). Until then the
+    page has logged no error."""
+    from selenium.webdriver.support.ui import WebDriverWait
+
+    config = write_config(tmp_path, {"tiny-tts": ("tts", tiny_tts)})
+    s = start_server(config)
+    port = int(s.url.rsplit(":", 1)[1])
+    driver = chromium(tmp_path)
+    ids = 'return [...document.querySelectorAll("#events li")].map((e) => Number(e.dataset.eventId))'
+    try:
+        driver.get(s.url + "/dashboard")
+        driver.execute_script("sessionStorage.setItem('tiergate.adminKey', arguments[0])", s.keys["admin"])
+        driver.get(s.url + "/dashboard")
+        for _ in range(3):  # six events: three loads, each started and finished, and two unloads between
+            speech(s, "paid")
+            httpx.post(f"{s.url}/admin/models/tiny-tts/unload", headers=admin(s), timeout=60)
+        wait = WebDriverWait(driver, 30)
+        wait.until(lambda d: len(d.execute_script(ids)) >= 6)
+        assert [e for e in driver.get_log("browser") if e["level"] == "SEVERE"] == []  # (no favicon.ico 404 either)
+        s.loop.call_soon_threadsafe(s.app.state.drain.begin)  # as a SIGTERM does: it ends the page's stream
+        s.stop()
+        s = start_server(config, port=port)
+        speech(s, "paid")  # the new process's load: its events 1 and 2
+        new = [e["id"] for e in httpx.get(f"{s.url}/admin/state", headers=admin(s)).json()["events"]]
+        assert new == [1, 2]
+        wait.until(lambda d: d.execute_script(ids) == [2, 1])
+    finally:
+        driver.quit()
+        s.stop()
+
+
 def _hold_the_loop() -> None:
     time.sleep(0.4)
 

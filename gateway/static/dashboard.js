@@ -149,6 +149,8 @@ function onMessage(block) {
 }
 
 function onState(snapshot) {
+  // a restarted server numbers its events from 1 again: the old process's are not its
+  if (state && state.started_at !== snapshot.started_at) events.clear();
   state = snapshot;
   stateAt = Date.now();
   for (const e of snapshot.events) addEvent(e);
