@@ -1332,3 +1332,20 @@ def test_a_turn_detector_closed_during_a_feed_hands_its_model_back_after_it():
     again = stt.TurnDetector(stt.ServerVad(), rate)
     assert again._model is model  # back in the pool once, not twice
     again.close()
+
+
+@pytest.mark.parametrize("pieces,text", [
+    (["Hello there.", "How are you?"], "Hello there. How are you?"),
+    (["こんにちは。", "元気ですか？"], "こんにちは。元気ですか？"),  # Japanese: no spaces between sentences
+    (["你好", "世界"], "你好世界"),
+    (["สวัสดี", "ครับ"], "สวัสดีครับ"),  # Thai
+    (["안녕하세요.", "반갑습니다."], "안녕하세요. 반갑습니다."),  # Korean is written with spaces
+    (["東京に行きました。", "It was fun."], "東京に行きました。It was fun."),
+    (["", "one", "", "two"], "one two"),
+])
+def test_a_transcript_joins_its_segments_as_their_script_is_written(pieces, text):
+    """A transcript's segments (and windows) are joined with a space, but not where either side is
+    a script written without spaces: a Japanese or Chinese transcript gets none inserted."""
+    from workers.stt import _joined
+
+    assert _joined(pieces) == text

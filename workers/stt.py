@@ -50,6 +50,7 @@ import math
 import queue
 import threading
 import time
+import unicodedata
 import warnings
 import zlib
 from dataclasses import dataclass, field
@@ -907,8 +908,24 @@ def _mean_logprob(passes: list[dict]) -> float:
 
 
 def _joined(texts) -> str:
-    """Pieces of a transcript as it reads: the non-empty ones, a space between."""
-    return " ".join(t for t in texts if t)
+    """Pieces of a transcript as it reads: the non-empty ones, a space between, except where either
+    side is a script written without spaces (Chinese, Japanese, Thai, ...), where Whisper's own
+    transcript (its segments' tokens, decoded together) has none either."""
+    out = ""
+    for t in texts:
+        if t:
+            out += t if not out or _unspaced(out[-1]) or _unspaced(t[0]) else " " + t
+    return out
+
+
+_UNSPACED = ("CJK", "HIRAGANA", "KATAKANA", "IDEOGRAPHIC", "FULLWIDTH", "HALFWIDTH KATAKANA", "THAI", "LAO", "KHMER",
+             "MYANMAR", "TIBETAN", "BOPOMOFO", "YI ")
+
+
+def _unspaced(char: str) -> bool:
+    """Whether ``char`` belongs to a script (or is punctuation of one) written without spaces
+    between words."""
+    return unicodedata.name(char, "").startswith(_UNSPACED)
 
 
 class _Tokens:
