@@ -40,7 +40,7 @@ from gateway.reasoning import ReasoningParser, ThinkSplitter
 from gateway.request_log import new_id
 from gateway.schemas import ChatCompletionRequest, check_vllm_defaults, parse, read_json, reply_options, sampling
 from gateway.service import Services
-from gateway.serving import Gone, Serving
+from gateway.serving import Gone, Joint, Serving
 from gateway.structured import request_grammar
 from gateway.tools import CallDelta, CallParser, ToolCalls, ToolPlan, plan_tools
 from gateway.vision import PendingImage, request_images, resolve_images
@@ -256,34 +256,55 @@ def served_caller(svc: Services, caller: Caller, job: ChatJob) -> Caller:
     return caller if tier == caller.tier else dataclasses.replace(caller, tier=tier)
 
 
-def serve_chat(svc: Services, caller: Caller, job: ChatJob, gone: Gone | None) -> AsyncGenerator[ChoiceDelta, None]:
+def serve_chat(svc: Services, caller: Caller, job: ChatJob, gone: Gone | None,
+               joint: Joint | None = None) -> AsyncGenerator[ChoiceDelta, None]:
     """The deltas of every choice of a completion, interleaved as they come; each choice ends with
     a delta that has its ``finish_reason``. What goes wrong before the first delta (429/503, a
     bad field the engine finds, context too long, out of memory after relief, client gone) is
-    raised by the first ``__anext__``. Closing the iterator early cancels the generation."""
+    raised by the first ``__anext__``. Closing the iterator early cancels the generation. The
+    choices are one request to the key's account (``joint``: the request they are part of, which
+    admits them; else, with ``n`` above 1, one of their own)."""
     served = served_caller(svc, caller, job)
-    choices = [_serve_choice(svc, served, job, i, gone) for i in range(job.n)]
+    if joint is None and job.n > 1:
+        joint = joint_request(svc, served, [job])
+        return joint.serve(_choices(svc, served, job, gone, joint))
+    return _choices(svc, served, job, gone, joint)
+
+
+def _choices(svc: Services, caller: Caller, job: ChatJob, gone: Gone | None,
+             joint: Joint | None) -> AsyncGenerator[ChoiceDelta, None]:
+    choices = [_serve_choice(svc, caller, job, i, gone, joint) for i in range(job.n)]
     return choices[0] if job.n == 1 else interleave(choices)
 
 
-def _ask(svc: Services, caller: Caller, job: ChatJob, params: ChatParams) -> Ask:
-    """What the request spends of its key's minute limits, corrected when it ends; nothing to work
-    out for a key without limits (most: the prompt would be serialised only to be ignored)."""
+def joint_request(svc: Services, caller: Caller, jobs: list[ChatJob]) -> Joint:
+    """The request that runs ``jobs`` (a completion's prompts; else one chat job), each ``n``
+    times, to its key's account: admitted once for all their prompts and choices."""
+    first = jobs[0]
+    ask = Ask(tokens=sum(_ask(svc, caller, j, j.params, j.n).tokens for j in jobs))
+    return Joint(svc, caller, first.model, ask, sum(j.n for j in jobs), served_names(first.stack), first.own_adapter)
+
+
+def _ask(svc: Services, caller: Caller, job: ChatJob, params: ChatParams, choices: int = 1) -> Ask:
+    """What the request spends of its key's minute limits, corrected when it ends: its prompt
+    once, and ``max_tokens`` for each of its ``choices``; nothing to work out for a key without
+    limits (most: the prompt would be serialised only to be ignored)."""
     if svc.accounts is None or not svc.accounts.limits(caller.key_id, caller.tier).limited:
         return Ask()
     prompt = len(job.prompt_ids) if job.prompt_ids is not None else estimate_tokens(job.messages)
-    return Ask(tokens=prompt + params.max_tokens)
+    return Ask(tokens=prompt + choices * params.max_tokens)
 
 
 async def _serve_choice(svc: Services, caller: Caller, job: ChatJob, index: int,
-                        gone: Gone | None) -> AsyncGenerator[ChoiceDelta, None]:
+                        gone: Gone | None, joint: Joint | None) -> AsyncGenerator[ChoiceDelta, None]:
     params = job.params
     if index and params.seed is not None:
         params = dataclasses.replace(params, seed=params.seed + index)
     parser = job.tools.parser_for_reply()
-    ask = _ask(svc, caller, job, params)
+    ask = _ask(svc, caller, job, params) if joint is None else Ask()  # (a joint request asked for it)
     adapters = served_names(job.stack)
-    async with Serving(svc, caller, job.model, params.max_tokens, "chat", gone, ask, adapters, job.own_adapter) as serving:
+    async with Serving(svc, caller, job.model, params.max_tokens, "chat", gone, ask, adapters, job.own_adapter,
+                       joint=joint) as serving:
         events, event, ctx = await serving.step(lambda ctx: _first_event(serving, job, params, ctx), "running")
         # (after the first event: the engine has rendered the prompt, and noted its thinking marker)
         thinking = ThinkSplitter(job.reasoning, ctx.prompt_thinking) if job.reasoning != "none" else None

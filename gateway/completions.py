@@ -49,8 +49,8 @@ from starlette.responses import JSONResponse, Response
 from gateway import service_tier
 from gateway.adapters import names_own, resolve_request
 from gateway.auth import Caller
-from gateway.chat import (ChatJob, ChoiceDelta, Reply, check_room, collect, engine_config, interleave, served_caller,
-                          serve_chat)
+from gateway.chat import (ChatJob, ChoiceDelta, Reply, check_room, collect, engine_config, interleave, joint_request,
+                          served_caller, serve_chat)
 from gateway.errors import APIError, bad_request
 from gateway.http import Streamed, disconnect_signal
 from gateway.logprobs import check_prompt_logprobs, prompt_logprob_dicts, token_name
@@ -336,8 +336,12 @@ def serve_completion(svc: Services, caller: Caller, job: CompletionJob,
                      gone: Gone | None) -> AsyncGenerator[ChoiceDelta, None]:
     """Every choice's deltas, indexed across prompts (prompt ``p``'s choice ``i`` is ``p * n + i``);
     errors before the first delta come from the first ``__anext__``, as with chat."""
-    streams = [_reindexed(serve_chat(svc, caller, j, gone), p * job.n) for p, j in enumerate(job.jobs)]
-    return streams[0] if len(streams) == 1 else interleave(streams)
+    if len(job.jobs) == 1:  # (its n choices, if more than one, are one request: serve_chat's joint)
+        return _reindexed(serve_chat(svc, caller, job.jobs[0], gone), 0)
+    served = served_caller(svc, caller, job.jobs[0])
+    joint = joint_request(svc, served, job.jobs)  # its prompts are one request to the key's account
+    return joint.serve(interleave([_reindexed(serve_chat(svc, caller, j, gone, joint), p * job.n)
+                                   for p, j in enumerate(job.jobs)]))
 
 
 async def _reindexed(deltas: AsyncGenerator[ChoiceDelta, None], offset: int) -> AsyncGenerator[ChoiceDelta, None]:

@@ -28,6 +28,10 @@ A ``Serving`` owns, for one request:
 * the request log's figures (``gateway.request_log``): the model, the queue wait at the gate, the
   wait for the model's load, the service time and (``count_tokens``) the tokens.
 
+A request that runs as several blocks (a chat request's ``n`` choices, a completion's prompts) is
+one request to its key's account: a :class:`Joint` admits it once, before any of its blocks takes
+a slot, and writes its usage once, when its last block ends.
+
 Endpoints build on it (``gateway.chat.serve_chat``, ``gateway.images.serve_images``, ...) and
 HTTP handlers only render what those return.
 """
@@ -35,6 +39,7 @@ HTTP handlers only render what those return.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
 import time
 from collections.abc import AsyncGenerator
@@ -91,13 +96,14 @@ class Serving:
 
     def __init__(self, svc: Services, caller: Caller, model: str, units: float, endpoint: str,
                  gone: Gone | None, ask: Ask = Ask(), adapters: tuple[str, ...] = (), own_adapter: bool = False,
-                 recorded: bool = True) -> None:
+                 recorded: bool = True, joint: "Joint | None" = None) -> None:
         self.svc, self.caller, self.model, self.units, self.endpoint = svc, caller, model, units, endpoint
         self.adapters = adapters  # its adapter stack's names: the key's allow-list checks them
         self.own_adapter = own_adapter  # the request's ``model`` named the first
         self.lora_names = adapters if endpoint == "chat" else ()  # vllm:lora_requests_info counts LLM adapters
         self.gone = gone
         self.ask = ask  # what the request spends of its key's minute limits, as estimated now
+        self.joint = joint  # the request this block is one of, admitted and metered as a whole (else None)
         self.usage = Usage(requests=1)  # filled in by the core; GPU and swap seconds by the block
         self.arrived = time.monotonic()
         self._latency_reported = False  # to the gate's SLO guard: once per request
@@ -155,7 +161,7 @@ class Serving:
         if self.record is not None:
             self.record.model = self.model
         accounts = self.svc.accounts
-        if accounts is not None:
+        if accounts is not None and self.joint is None:  # (a joint request was admitted as a whole)
             self._admission = await accounts.admit(self.caller, self.model, self.ask, self.adapters, self.own_adapter)
         lora = self.svc.metrics.lora
         lora.move(self.lora_names, None, lora.waiting)
@@ -163,7 +169,10 @@ class Serving:
             self.held = await self.until_gone(self.svc.hold(self.caller.tier, self.model, self.units))
         except BaseException:
             lora.move(self.lora_names, lora.waiting, None)
-            if self._admission is not None:  # refused or gone before any work: give the limits back
+            if self.joint is not None:  # this block never ran; the request's last block gives the limits back
+                with anyio.CancelScope(shield=True):
+                    await self.joint.ended(None)
+            elif self._admission is not None:  # refused or gone before any work: give the limits back
                 with anyio.CancelScope(shield=True):
                     await accounts.finish(self.caller, self.model, self._admission, None)
             raise
@@ -203,13 +212,17 @@ class Serving:
         tokens = self.usage.output_tokens
         if completed and self._first_at is not None and tokens > 1:  # its mean time per later token
             self.svc.gate.observe_token_latency(self.caller.tier, (time.monotonic() - self._first_at) / (tokens - 1))
-        if self.svc.accounts is not None:
+        if self.svc.accounts is not None or self.joint is not None:
             self.usage.gpu_seconds = self._gpu_seconds(service_s)
             self.usage.swap_seconds = held.lease.swap_s
             # a batch line's cut block, or a handed-back one's: the attempt that ends is metered (see above)
-            again = self.caller.metering is not None or (self.gone is not None and self.gone.handed_back)
-            usage = None if cut and again else self.usage
-            finish = self.svc.accounts.finish(self.caller, self.model, self._admission, usage)
+            again = cut and (self.caller.metering is not None or (self.gone is not None and self.gone.handed_back))
+            if self.joint is not None:
+                finish = self.joint.ended(self.usage, again)
+            else:
+                assert self.svc.accounts is not None
+                usage = None if again else self.usage
+                finish = self.svc.accounts.finish(self.caller, self.model, self._admission, usage)
             if in_cancel_scope():
                 with anyio.CancelScope(shield=True):  # a cut stream is metered too
                     await finish
@@ -263,6 +276,71 @@ class Serving:
                 result.release(None)
             raise ClientGone()
         return result
+
+
+class Joint:
+    """One request that runs as several ``Serving`` blocks (a chat request's ``n`` choices, a
+    completion's prompts times ``n``), to its key's account: ``serve`` admits it once, for the whole
+    request, before any block takes a slot (one of ``requests_per_min``, one of ``concurrent``, and
+    ``ask``: its prompts plus every choice's ``max_tokens``), so it is refused whole or not at all;
+    its usage is written once, when its last block ends, or when the request ends for blocks that
+    never started. Each block still takes a gate slot of its own: the engine serves each choice as
+    a row of its own."""
+
+    def __init__(self, svc: Services, caller: Caller, model: str, ask: Ask, blocks: int,
+                 adapters: tuple[str, ...] = (), own_adapter: bool = False) -> None:
+        self.svc, self.caller, self.model, self.ask = svc, caller, model, ask
+        self.adapters, self.own_adapter = adapters, own_adapter
+        self.left = blocks  # blocks yet to end
+        self.usage = Usage(requests=1)  # its blocks' usage, summed
+        self.ran = False  # a block got its slot: the request is usage
+        self.again = False  # a block was cut to run again (see Serving.__aexit__): the attempt is not metered
+        self.done = False
+        self._admission = None
+
+    async def serve(self, blocks: AsyncGenerator[T, None]) -> AsyncGenerator[T, None]:
+        """What ``blocks`` yields, once the request is admitted (a refusal is raised by the first
+        ``__anext__``, before any block starts); its usage is written once they have all ended."""
+        accounts = self.svc.accounts
+        if accounts is not None:
+            self._admission = await accounts.admit(self.caller, self.model, self.ask, self.adapters, self.own_adapter)
+        try:
+            async with contextlib.aclosing(blocks):
+                async for item in blocks:
+                    yield item
+        finally:
+            await self._end()
+
+    async def ended(self, usage: Usage | None, again: bool = False) -> None:
+        """A block ended (``usage`` None: before it got its slot); the last one writes the request's
+        usage, before its last delta goes out."""
+        self.left -= 1
+        if usage is not None:
+            self.ran = True
+            self.again |= again
+            self._add(usage)
+        if self.left == 0:
+            await self._end()
+
+    def _add(self, usage: Usage) -> None:
+        requests = self.usage.requests
+        self.usage.add(usage)
+        self.usage.requests = requests  # one request, however many blocks
+
+    async def _end(self) -> None:
+        if self.done:
+            return
+        self.done = True
+        accounts = self.svc.accounts
+        if accounts is None:
+            return
+        usage = self.usage if self.ran and not self.again else None
+        finish = accounts.finish(self.caller, self.model, self._admission, usage)
+        if in_cancel_scope():
+            with anyio.CancelScope(shield=True):  # a cut stream is metered too
+                await finish
+        else:
+            await finish
 
 
 # How a block ends when its reply is cut before its end: the client left (``ClientGone``, or the

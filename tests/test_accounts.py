@@ -143,6 +143,39 @@ def test_a_request_over_the_token_limit_and_too_many_at_once(server):
     assert chat(server, secret, max_tokens=2).status_code == 200
 
 
+@pytest.mark.parametrize("limits", [{"concurrent": 2}, {"requests_per_min": 2}], ids=["concurrent", "per-min"])
+def test_a_request_of_n_choices_is_one_request_to_the_keys_limits(server, limits):
+    """A chat request of ``n`` 3 choices, and a completion of two prompts of 2 choices each, are one
+    request each to the key's ``concurrent`` and ``requests_per_min`` (as OpenAI counts them),
+    admitted whole before any choice starts: both are served on a key whose limit is 2, and are
+    usage of one request each; the minute's bucket then has no room for a third request."""
+    key_id, secret = new_key(server, tier="paid", limits=limits)
+    client = openai.OpenAI(base_url=server.base_url, api_key=secret, max_retries=0)
+    chat_reply = client.chat.completions.create(model="tiny-chat", messages=HI, max_tokens=3, n=3)
+    assert sorted(c.index for c in chat_reply.choices) == [0, 1, 2]
+    text_reply = client.completions.create(model="tiny-chat", prompt=["one", "two"], max_tokens=3, n=2)
+    assert sorted(c.index for c in text_reply.choices) == [0, 1, 2, 3]
+    [row] = httpx.get(f"{server.base_url}/usage", headers={"Authorization": f"Bearer {secret}"}).json()["data"]
+    assert row["requests"] == 2
+    assert row["output_tokens"] == chat_reply.usage.completion_tokens + text_reply.usage.completion_tokens
+    if "requests_per_min" in limits:
+        with pytest.raises(openai.RateLimitError, match="try again in"):
+            client.chat.completions.create(model="tiny-chat", messages=HI, max_tokens=3)
+
+
+def test_a_request_of_n_choices_whose_tokens_alone_are_over_the_limit_is_refused_whole(server):
+    """``tokens_per_min`` is asked for the prompt once plus every choice's ``max_tokens``: an ``n``
+    3 request that needs more than the key's limit is refused with the message that says so, and
+    none of its choices ran (no usage), however little one choice alone would need."""
+    _, secret = new_key(server, tier="paid", limits={"tokens_per_min": HI_ESTIMATE + 20})
+    client = openai.OpenAI(base_url=server.base_url, api_key=secret, max_retries=0)
+    with pytest.raises(openai.RateLimitError, match="more than this key's limit") as err:
+        client.chat.completions.create(model="tiny-chat", messages=HI, max_tokens=10, n=3)
+    assert f"needs {HI_ESTIMATE + 30} tokens" in err.value.message
+    assert httpx.get(f"{server.base_url}/usage", headers={"Authorization": f"Bearer {secret}"}).json()["data"] == []
+    assert client.chat.completions.create(model="tiny-chat", messages=HI, max_tokens=10, n=2).choices
+
+
 def test_a_budget_spent_mid_day_gives_insufficient_quota(server):
     key_id, secret = new_key(server, limits={"gpu_seconds_per_day": 0.000001})
     assert chat(server, secret).status_code == 200  # under budget when it starts; it spends past it
