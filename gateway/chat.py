@@ -257,23 +257,24 @@ def served_caller(svc: Services, caller: Caller, job: ChatJob) -> Caller:
 
 
 def serve_chat(svc: Services, caller: Caller, job: ChatJob, gone: Gone | None,
-               joint: Joint | None = None) -> AsyncGenerator[ChoiceDelta, None]:
+               joint: Joint | None = None, part: int = 0) -> AsyncGenerator[ChoiceDelta, None]:
     """The deltas of every choice of a completion, interleaved as they come; each choice ends with
     a delta that has its ``finish_reason``. What goes wrong before the first delta (429/503, a
     bad field the engine finds, context too long, out of memory after relief, client gone) is
     raised by the first ``__anext__``. Closing the iterator early cancels the generation. The
     choices are one request to the key's account (``joint``: the request they are part of, which
-    admits them; else, with ``n`` above 1, one of their own)."""
+    admits them, and ``part``, which of its prompts this job is; else, with ``n`` above 1, one of
+    their own)."""
     served = served_caller(svc, caller, job)
     if joint is None and job.n > 1:
         joint = joint_request(svc, served, [job])
         return joint.serve(_choices(svc, served, job, gone, joint))
-    return _choices(svc, served, job, gone, joint)
+    return _choices(svc, served, job, gone, joint, part)
 
 
-def _choices(svc: Services, caller: Caller, job: ChatJob, gone: Gone | None,
-             joint: Joint | None) -> AsyncGenerator[ChoiceDelta, None]:
-    choices = [_serve_choice(svc, caller, job, i, gone, joint) for i in range(job.n)]
+def _choices(svc: Services, caller: Caller, job: ChatJob, gone: Gone | None, joint: Joint | None,
+             part: int = 0) -> AsyncGenerator[ChoiceDelta, None]:
+    choices = [_serve_choice(svc, caller, job, i, gone, joint, part) for i in range(job.n)]
     return choices[0] if job.n == 1 else interleave(choices)
 
 
@@ -296,7 +297,7 @@ def _ask(svc: Services, caller: Caller, job: ChatJob, params: ChatParams, choice
 
 
 async def _serve_choice(svc: Services, caller: Caller, job: ChatJob, index: int,
-                        gone: Gone | None, joint: Joint | None) -> AsyncGenerator[ChoiceDelta, None]:
+                        gone: Gone | None, joint: Joint | None, part: int) -> AsyncGenerator[ChoiceDelta, None]:
     params = job.params
     if index and params.seed is not None:
         params = dataclasses.replace(params, seed=params.seed + index)
@@ -304,7 +305,7 @@ async def _serve_choice(svc: Services, caller: Caller, job: ChatJob, index: int,
     ask = _ask(svc, caller, job, params) if joint is None else Ask()  # (a joint request asked for it)
     adapters = served_names(job.stack)
     async with Serving(svc, caller, job.model, params.max_tokens, "chat", gone, ask, adapters, job.own_adapter,
-                       joint=joint) as serving:
+                       joint=joint, part=part) as serving:
         events, event, ctx = await serving.step(lambda ctx: _first_event(serving, job, params, ctx), "running")
         # (after the first event: the engine has rendered the prompt, and noted its thinking marker)
         thinking = ThinkSplitter(job.reasoning, ctx.prompt_thinking) if job.reasoning != "none" else None

@@ -340,7 +340,7 @@ def serve_completion(svc: Services, caller: Caller, job: CompletionJob,
         return _reindexed(serve_chat(svc, caller, job.jobs[0], gone), 0)
     served = served_caller(svc, caller, job.jobs[0])
     joint = joint_request(svc, served, job.jobs)  # its prompts are one request to the key's account
-    return joint.serve(interleave([_reindexed(serve_chat(svc, caller, j, gone, joint), p * job.n)
+    return joint.serve(interleave([_reindexed(serve_chat(svc, caller, j, gone, joint, p), p * job.n)
                                    for p, j in enumerate(job.jobs)]))
 
 

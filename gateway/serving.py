@@ -96,7 +96,7 @@ class Serving:
 
     def __init__(self, svc: Services, caller: Caller, model: str, units: float, endpoint: str,
                  gone: Gone | None, ask: Ask = Ask(), adapters: tuple[str, ...] = (), own_adapter: bool = False,
-                 recorded: bool = True, joint: "Joint | None" = None) -> None:
+                 recorded: bool = True, joint: "Joint | None" = None, part: int = 0) -> None:
         self.svc, self.caller, self.model, self.units, self.endpoint = svc, caller, model, units, endpoint
         self.adapters = adapters  # its adapter stack's names: the key's allow-list checks them
         self.own_adapter = own_adapter  # the request's ``model`` named the first
@@ -104,6 +104,7 @@ class Serving:
         self.gone = gone
         self.ask = ask  # what the request spends of its key's minute limits, as estimated now
         self.joint = joint  # the request this block is one of, admitted and metered as a whole (else None)
+        self.part = part  # which of the joint request's prompts this block answers (each is counted once)
         self.usage = Usage(requests=1)  # filled in by the core; GPU and swap seconds by the block
         self.arrived = time.monotonic()
         self._latency_reported = False  # to the gate's SLO guard: once per request
@@ -171,7 +172,7 @@ class Serving:
             lora.move(self.lora_names, lora.waiting, None)
             if self.joint is not None:  # this block never ran; the request's last block gives the limits back
                 with anyio.CancelScope(shield=True):
-                    await self.joint.ended(None)
+                    await self.joint.ended(None, part=self.part)
             elif self._admission is not None:  # refused or gone before any work: give the limits back
                 with anyio.CancelScope(shield=True):
                     await accounts.finish(self.caller, self.model, self._admission, None)
@@ -207,8 +208,9 @@ class Serving:
             self._latency_reported = True
             self.svc.gate.observe_latency(self.caller.tier, latency)
         u = self.usage
-        self.svc.metrics.count_tokens(self.model, self.caller.tier, u.input_tokens, u.cached_input_tokens,
-                                      u.output_tokens, u.embedding_tokens)
+        if self.joint is None:  # (a joint request's tokens are counted once it ends, each prompt once)
+            self.svc.metrics.count_tokens(self.model, self.caller.tier, u.input_tokens, u.cached_input_tokens,
+                                          u.output_tokens, u.embedding_tokens)
         tokens = self.usage.output_tokens
         if completed and self._first_at is not None and tokens > 1:  # its mean time per later token
             self.svc.gate.observe_token_latency(self.caller.tier, (time.monotonic() - self._first_at) / (tokens - 1))
@@ -218,7 +220,7 @@ class Serving:
             # a batch line's cut block, or a handed-back one's: the attempt that ends is metered (see above)
             again = cut and (self.caller.metering is not None or (self.gone is not None and self.gone.handed_back))
             if self.joint is not None:
-                finish = self.joint.ended(self.usage, again)
+                finish = self.joint.ended(self.usage, again, self.part)
             else:
                 assert self.svc.accounts is not None
                 usage = None if again else self.usage
@@ -284,15 +286,18 @@ class Joint:
     request, before any block takes a slot (one of ``requests_per_min``, one of ``concurrent``, and
     ``ask``: its prompts plus every choice's ``max_tokens``), so it is refused whole or not at all;
     its usage is written once, when its last block ends, or when the request ends for blocks that
-    never started. Each block still takes a gate slot of its own: the engine serves each choice as
-    a row of its own."""
+    never started, with each of its prompts counted once (as the response's usage counts them), not
+    once per choice. Each block still takes a gate slot of its own: the engine serves each choice
+    as a row of its own."""
 
     def __init__(self, svc: Services, caller: Caller, model: str, ask: Ask, blocks: int,
                  adapters: tuple[str, ...] = (), own_adapter: bool = False) -> None:
         self.svc, self.caller, self.model, self.ask = svc, caller, model, ask
         self.adapters, self.own_adapter = adapters, own_adapter
         self.left = blocks  # blocks yet to end
-        self.usage = Usage(requests=1)  # its blocks' usage, summed
+        self.usage = Usage(requests=1)  # its blocks' usage, summed, but its prompts counted once
+        self.prompts: dict[int, tuple[int, int]] = {}  # prompt (``Serving.part``) -> its tokens, cached tokens
+        self.record = current_request()  # the HTTP request's log record (None for a batch line)
         self.ran = False  # a block got its slot: the request is usage
         self.again = False  # a block was cut to run again (see Serving.__aexit__): the attempt is not metered
         self.done = False
@@ -311,30 +316,42 @@ class Joint:
         finally:
             await self._end()
 
-    async def ended(self, usage: Usage | None, again: bool = False) -> None:
+    async def ended(self, usage: Usage | None, again: bool = False, part: int = 0) -> None:
         """A block ended (``usage`` None: before it got its slot); the last one writes the request's
         usage, before its last delta goes out."""
         self.left -= 1
         if usage is not None:
             self.ran = True
             self.again |= again
-            self._add(usage)
+            self._add(usage, part)
         if self.left == 0:
             await self._end()
 
-    def _add(self, usage: Usage) -> None:
-        requests = self.usage.requests
-        self.usage.add(usage)
-        self.usage.requests = requests  # one request, however many blocks
+    def _add(self, usage: Usage, part: int) -> None:
+        """A block's usage into the request's: each of its choices has the whole prompt in its usage
+        (as far as the engine read it, when cut), which the request counts once."""
+        total = self.usage
+        total.add(usage)
+        total.requests = 1  # one request, however many blocks
+        prompt, cached = self.prompts.get(part, (0, 0))
+        self.prompts[part] = (max(prompt, usage.input_tokens), max(cached, usage.cached_input_tokens))
+        total.input_tokens = sum(tokens for tokens, _ in self.prompts.values())
+        total.cached_input_tokens = sum(cached for _, cached in self.prompts.values())
 
     async def _end(self) -> None:
         if self.done:
             return
         self.done = True
+        u = self.usage
+        if self.ran:
+            self.svc.metrics.count_tokens(self.model, self.caller.tier, u.input_tokens, u.cached_input_tokens,
+                                          u.output_tokens, u.embedding_tokens)
+            if self.record is not None and u.input_tokens:
+                self.record.prompt_tokens = u.input_tokens  # (each block set its own prompt's)
         accounts = self.svc.accounts
         if accounts is None:
             return
-        usage = self.usage if self.ran and not self.again else None
+        usage = u if self.ran and not self.again else None
         finish = accounts.finish(self.caller, self.model, self._admission, usage)
         if in_cancel_scope():
             with anyio.CancelScope(shield=True):  # a cut stream is metered too

@@ -176,6 +176,31 @@ def test_a_request_of_n_choices_whose_tokens_alone_are_over_the_limit_is_refused
     assert client.chat.completions.create(model="tiny-chat", messages=HI, max_tokens=10, n=2).choices
 
 
+def test_a_request_of_n_choices_is_metered_its_prompt_once(server):
+    """A chat request of ``n`` 4 choices, and a completion of two prompts of 3 choices each: the
+    response's usage counts each prompt once and every choice's completion, and so do the key's
+    usage (and its cost) and ``tiergate_tokens_total{type="prompt"}``, not the prompt once per choice."""
+    from prometheus_client.parser import text_string_to_metric_families
+
+    def prompt_tokens_counted() -> float:
+        text = httpx.get(f"{server.url}/metrics").text
+        [family] = [f for f in text_string_to_metric_families(text) if f.name == "tiergate_tokens"]
+        return sum(s.value for s in family.samples if s.name == "tiergate_tokens_total"
+                   and s.labels == {"model": "tiny-chat", "tier": "paid", "type": "prompt"})
+
+    _, secret = new_key(server, tier="paid")
+    client = openai.OpenAI(base_url=server.base_url, api_key=secret, max_retries=0)
+    before = prompt_tokens_counted()
+    chat_reply = client.chat.completions.create(model="tiny-chat", messages=HI, max_tokens=2, n=4)
+    text_reply = client.completions.create(model="tiny-chat", prompt=["one two three", "four"], max_tokens=2, n=3)
+    prompt = chat_reply.usage.prompt_tokens + text_reply.usage.prompt_tokens
+    completion = chat_reply.usage.completion_tokens + text_reply.usage.completion_tokens
+    [row] = httpx.get(f"{server.base_url}/usage", headers={"Authorization": f"Bearer {secret}"}).json()["data"]
+    assert (row["requests"], row["input_tokens"], row["output_tokens"]) == (2, prompt, completion)
+    assert row["cost_usd"] == pytest.approx(prompt * 1.0 + completion * 2.0 + row["gpu_seconds"], rel=1e-6)
+    assert prompt_tokens_counted() - before == prompt  # counted before the last byte, with the usage
+
+
 def test_a_budget_spent_mid_day_gives_insufficient_quota(server):
     key_id, secret = new_key(server, limits={"gpu_seconds_per_day": 0.000001})
     assert chat(server, secret).status_code == 200  # under budget when it starts; it spends past it
