@@ -10,6 +10,11 @@ how long a refused request must wait all follow from ``tat`` alone (``Bucket``).
 Concurrency is a count of requests in flight; the daily GPU-seconds budget compares what the key
 has spent today (from the usage store) with its budget, before the request: the request that
 crosses the budget completes, the next one is refused with ``insufficient_quota`` until 00:00 UTC.
+A request in flight has spent nothing yet, so each holds an estimate of its GPU-seconds
+(``Ask.gpu_seconds``) until it ends and its true usage is written: a request is admitted only
+while today's usage plus what the key's requests in flight hold is under the budget (else a 429
+``rate_limit_exceeded`` to try again in a second, since what they hold comes back as they end).
+Without it, every request that arrives while others run would see the budget unspent.
 
 :class:`LocalLimiter` keeps the buckets in this process (the SQLite store's mode);
 ``accounts.redis_store.RedisLimiter`` runs the same decision as one Lua script on Redis, so every
@@ -39,6 +44,7 @@ class Ask:
     tokens: float = 0.0
     images: float = 0.0
     audio_seconds: float = 0.0
+    gpu_seconds: float = 0.0  # of the daily budget, held while it is in flight (an estimate; not a bucket)
 
     def of(self, dimension: str) -> float:
         return getattr(self, dimension)
@@ -102,6 +108,15 @@ def over_budget(spent: float, budget: float, now: float) -> Verdict:
                            f"({spent:.2f} used today); it renews at 00:00 UTC")
 
 
+def budget_held(spent: float, held: float, budget: float) -> Verdict:
+    """The 429 for a budget that the key's requests in flight may spend: what they hold comes
+    back as they end, so the SDK may try again soon."""
+    return Verdict(False, code="rate_limit_exceeded", retry_after_s=1.0,
+                   message=f"this key's requests in flight may use the rest of its daily budget of {budget:g} "
+                           f"GPU-seconds ({spent:.2f} used today, {held:.2f} held by requests in flight); "
+                           "try again when one ends")
+
+
 def too_many_at_once(limit: int) -> Verdict:
     return Verdict(False, code="rate_limit_exceeded", retry_after_s=1.0,
                    message=f"this key already has {limit} requests in flight, its limit")
@@ -112,12 +127,19 @@ class Limiter(abc.ABC):
 
     @abc.abstractmethod
     async def admit(self, key: str, limits: Limits, ask: Ask, spent_gpu_s: float, request_id: str) -> Verdict:
-        """Admit (spending ``ask`` and a concurrency slot) or refuse, all limits at once.
-        ``spent_gpu_s`` is today's GPU-seconds so far (the Redis limiter reads its own)."""
+        """Admit (spending ``ask``, a concurrency slot and holding ``ask.gpu_seconds`` of the daily
+        budget) or refuse, all limits at once. ``spent_gpu_s`` is today's GPU-seconds so far (the
+        Redis limiter reads its own)."""
 
     @abc.abstractmethod
     async def settle(self, key: str, limits: Limits, asked: Ask, used: Ask, request_id: str) -> None:
-        """The request ended: free its concurrency slot and correct the buckets by ``used - asked``."""
+        """The request ended (its usage written): free its concurrency slot and what it held of the
+        budget, and correct the buckets by ``used - asked``."""
+
+    def held_gpu(self, key: str) -> dict[str, float]:
+        """Request id -> GPU-seconds each request of ``key`` in flight holds, where this process
+        keeps them (the in-process limiter's; the Redis limiter's script reads its own)."""
+        return {}
 
     @abc.abstractmethod
     async def peek(self, key: str, limits: Limits) -> dict[str, Bucket]:
@@ -134,11 +156,20 @@ class LocalLimiter(Limiter):
         self.clock = clock
         self._tat: dict[tuple[str, str], float] = {}
         self._inflight: dict[str, int] = {}
+        self._held: dict[str, dict[str, float]] = {}  # key -> request id -> GPU-seconds it holds of the budget
+
+    def held_gpu(self, key: str) -> dict[str, float]:
+        return dict(self._held.get(key, {}))
 
     async def admit(self, key: str, limits: Limits, ask: Ask, spent_gpu_s: float, request_id: str) -> Verdict:
         now = self.clock()
-        if limits.gpu_seconds_per_day is not None and spent_gpu_s >= limits.gpu_seconds_per_day:
-            return over_budget(spent_gpu_s, limits.gpu_seconds_per_day, now)
+        budget = limits.gpu_seconds_per_day
+        if budget is not None:
+            if spent_gpu_s >= budget:
+                return over_budget(spent_gpu_s, budget, now)
+            held = sum(self._held.get(key, {}).values())
+            if spent_gpu_s + held >= budget:
+                return budget_held(spent_gpu_s, held, budget)
         if limits.concurrent is not None and self._inflight.get(key, 0) >= limits.concurrent:
             return too_many_at_once(limits.concurrent)
         new_tat = {}
@@ -151,6 +182,8 @@ class LocalLimiter(Limiter):
         for dim, tat in new_tat.items():
             self._tat[(key, dim)] = tat
         self._inflight[key] = self._inflight.get(key, 0) + 1
+        if budget is not None:
+            self._held.setdefault(key, {})[request_id] = ask.gpu_seconds
         return Verdict(True, {dim: bucket_after(tat, now, rates(limits)[dim]) for dim, tat in new_tat.items()})
 
     async def settle(self, key: str, limits: Limits, asked: Ask, used: Ask, request_id: str) -> None:
@@ -159,6 +192,11 @@ class LocalLimiter(Limiter):
             self._inflight[key] = left
         else:
             self._inflight.pop(key, None)
+        held = self._held.get(key)
+        if held is not None:
+            held.pop(request_id, None)
+            if not held:
+                del self._held[key]
         now = self.clock()
         for dim, limit in rates(limits).items():
             delta = used.of(dim) - asked.of(dim)

@@ -7,8 +7,10 @@ Keys (prefix ``tg:acct:``): ``key:{id}`` (hash: doc = the record as JSON, versio
 members are those names, so a day range is a lexical range); ``gpu:{day}:{key}`` (GPU-seconds
 that day, read by the admission script); ``m:{metering id}`` (a batch line's usage was counted:
 set NX by the script that adds the usage, which adds nothing when it was set already; it expires
-after ``METERED_KEEP_S``, two days); ``rl:{key}:{bucket}`` (a bucket's GCRA time) and ``cc:{key}``
-(requests in flight: a sorted set of request ids scored by when their claim lapses).
+after ``METERED_KEEP_S``, two days); ``rl:{key}:{bucket}`` (a bucket's GCRA time), ``cc:{key}``
+(requests in flight: a sorted set of request ids scored by when their claim lapses) and ``gh:{key}``
+(what the key's requests in flight hold of its daily GPU budget: a sorted set of
+``<request id> <GPU-seconds>`` scored the same way).
 """
 
 from __future__ import annotations
@@ -19,7 +21,7 @@ from typing import Any
 
 from accounts.config import Limits
 from accounts.keys import KeyRecord
-from accounts.rates import (Ask, Bucket, Limiter, Verdict, bucket_after, over_budget, rates, refusal,
+from accounts.rates import (Ask, Bucket, Limiter, Verdict, budget_held, bucket_after, over_budget, rates, refusal,
                             too_many_at_once, utc_day)
 from accounts.store import METERED_KEEP_S, AccountStore
 from accounts.usage import COUNTERS, INTEGER_COUNTERS, Usage, UsageRow
@@ -61,14 +63,20 @@ return 1
 
 _NOW = "local t = redis.call('TIME')\nlocal now = tonumber(t[1]) + tonumber(t[2]) / 1e6\n"
 
-# KEYS the n buckets' times, in flight, gpu day; ARGV n, concurrent (-1: none), budget (-1), request id,
-# ttl, (limit, cost)* -> {'ok', now, tat...} | {'quota', spent} | {'concurrent'} | {'rate', i, wait}
+# KEYS the n buckets' times, in flight, gpu day, gpu held; ARGV n, concurrent (-1: none), budget (-1),
+# request id, ttl, the GPU-seconds it holds, (limit, cost)*
+# -> {'ok', now, tat...} | {'quota', spent, now} | {'held', spent, held} | {'concurrent'} | {'rate', i, wait}
 _ADMIT = _NOW + """
 local n = tonumber(ARGV[1])
 local conc, budget = tonumber(ARGV[2]), tonumber(ARGV[3])
+local held_as = ARGV[4] .. ' ' .. ARGV[6]
 if budget >= 0 then
   local spent = tonumber(redis.call('GET', KEYS[n + 2]) or '0')
   if spent >= budget then return {'quota', string.format('%.17g', spent), string.format('%.17g', now)} end
+  redis.call('ZREMRANGEBYSCORE', KEYS[n + 3], '-inf', now)
+  local held = 0
+  for _, m in ipairs(redis.call('ZRANGE', KEYS[n + 3], 0, -1)) do held = held + tonumber(string.match(m, ' (%S+)$')) end
+  if spent + held >= budget then return {'held', string.format('%.17g', spent), string.format('%.17g', held)} end
 end
 if conc >= 0 then
   redis.call('ZREMRANGEBYSCORE', KEYS[n + 1], '-inf', now)
@@ -76,7 +84,7 @@ if conc >= 0 then
 end
 local tats = {}
 for i = 1, n do
-  local limit, cost = tonumber(ARGV[4 + 2 * i]), tonumber(ARGV[5 + 2 * i])
+  local limit, cost = tonumber(ARGV[5 + 2 * i]), tonumber(ARGV[6 + 2 * i])
   local tat = tonumber(redis.call('GET', KEYS[i]) or '0')
   if tat < now then tat = now end
   tat = tat + cost * 60 / limit
@@ -89,13 +97,18 @@ for i = 1, n do
   out[#out + 1] = string.format('%.17g', tats[i])
 end
 if conc >= 0 then redis.call('ZADD', KEYS[n + 1], now + tonumber(ARGV[5]), ARGV[4]) end
+if budget >= 0 then
+  redis.call('ZADD', KEYS[n + 3], now + tonumber(ARGV[5]), held_as)
+  redis.call('EXPIRE', KEYS[n + 3], tonumber(ARGV[5]))
+end
 return out
 """
 
-# KEYS the n buckets' times, in flight; ARGV n, request id, (limit, used - asked)*
+# KEYS the n buckets' times, in flight, gpu held; ARGV n, request id, (limit, used - asked)*, what it held
 _SETTLE = _NOW + """
 local n = tonumber(ARGV[1])
 redis.call('ZREM', KEYS[n + 1], ARGV[2])
+redis.call('ZREM', KEYS[n + 2], ARGV[2] .. ' ' .. ARGV[3 + 2 * n])
 for i = 1, n do
   local limit, delta = tonumber(ARGV[1 + 2 * i]), tonumber(ARGV[2 + 2 * i])
   local tat = tonumber(redis.call('GET', KEYS[i]) or '0')
@@ -242,14 +255,17 @@ class RedisLimiter(Limiter):
 
         per_min = rates(limits)
         dims = list(per_min)
-        keys = self._bucket_keys(key, dims) + [self.store.k("cc", key), self.store.k("gpu", utc_day(time.time()), key)]
+        keys = self._bucket_keys(key, dims) + [self.store.k("cc", key), self.store.k("gpu", utc_day(time.time()), key),
+                                               self.store.k("gh", key)]
         args: list[Any] = [len(dims), _or_none(limits.concurrent), _or_none(limits.gpu_seconds_per_day), request_id,
-                           INFLIGHT_TTL_S]
+                           INFLIGHT_TTL_S, repr(float(ask.gpu_seconds))]
         for dim in dims:
             args += [repr(per_min[dim]), repr(float(ask.of(dim)))]
         out = [x.decode() if isinstance(x, bytes) else x for x in await self.store.admit_script(keys=keys, args=args)]
         if out[0] == "quota":
             return over_budget(float(out[1]), limits.gpu_seconds_per_day, float(out[2]))
+        if out[0] == "held":
+            return budget_held(float(out[1]), float(out[2]), limits.gpu_seconds_per_day)
         if out[0] == "concurrent":
             return too_many_at_once(limits.concurrent)
         if out[0] == "rate":
@@ -264,7 +280,9 @@ class RedisLimiter(Limiter):
         args: list[Any] = [len(dims), request_id]
         for dim in dims:
             args += [repr(per_min[dim]), repr(float(used.of(dim) - asked.of(dim)))]
-        await self.store.settle_script(keys=self._bucket_keys(key, dims) + [self.store.k("cc", key)], args=args)
+        args.append(repr(float(asked.gpu_seconds)))  # its member of gh, as admit wrote it
+        await self.store.settle_script(keys=self._bucket_keys(key, dims) + [self.store.k("cc", key),
+                                                                            self.store.k("gh", key)], args=args)
 
     async def peek(self, key: str, limits: Limits) -> dict[str, Bucket]:
         per_min = rates(limits)

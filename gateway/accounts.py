@@ -30,13 +30,14 @@ from __future__ import annotations
 
 import asyncio
 import collections
+import dataclasses
 import json
 import logging
 import math
 import time
 import uuid
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, Callable
 
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 
@@ -314,10 +315,11 @@ class Accounts:
 
     # -- requests
     async def admit(self, caller: Caller, model: str, ask: Ask, adapters: tuple[str, ...] = (),
-                    own_adapter: bool = False) -> Admission | None:
+                    own_adapter: bool = False, gpu_s: Callable[[], float] = lambda: 0.0) -> Admission | None:
         """Before a request takes a slot: 404 for a model, or an adapter of its stack, outside the
         key's allow-lists (as for one that does not exist); for HTTP requests, 429 over a limit.
-        Returns the hold to give back in ``finish`` (None: nothing held)."""
+        ``gpu_s``: the request's GPU-seconds as estimated now, which it holds of a daily budget
+        while in flight. Returns the hold to give back in ``finish`` (None: nothing held)."""
         limits = self.limits(caller.key_id, caller.tier)
         if limits.models is not None and model not in limits.models:
             raise APIError(404, f"the model '{model}' does not exist", "model_not_found", "model")
@@ -329,10 +331,12 @@ class Accounts:
         if caller.rate is None or not limits.limited:
             return None
         spent = 0.0
+        if limits.gpu_seconds_per_day is not None:
+            ask = dataclasses.replace(ask, gpu_seconds=gpu_s())
         held = Admission(caller.key_id, limits, ask)
         try:
             if limits.gpu_seconds_per_day is not None and not self.store.shares_limits:
-                spent = await self.store.gpu_spent(caller.key_id, utc_day(time.time()))
+                spent = await self._gpu_spent(caller.key_id)
             verdict = await self.limiter.admit(caller.key_id, limits, ask, spent, held.request_id)
             if not verdict.ok:
                 caller.rate.headers = rate_headers(await self.limiter.peek(caller.key_id, limits))
@@ -343,6 +347,15 @@ class Accounts:
             raise refused(verdict)
         caller.rate.headers = rate_headers(verdict.buckets)
         return held
+
+    async def _gpu_spent(self, key: str) -> float:
+        """Today's GPU-seconds of ``key`` as the store has them, for this process's limiter; plus
+        what its requests that ended while the store was read held: their usage may have been
+        written just after the read, and they no longer hold anything (counted twice at worst)."""
+        before = self.limiter.held_gpu(key)
+        spent = await self.store.gpu_spent(key, utc_day(time.time()))
+        now = self.limiter.held_gpu(key)
+        return spent + sum(gpu_s for request_id, gpu_s in before.items() if request_id not in now)
 
     async def finish(self, caller: Caller, model: str, held: Admission | None, usage: Usage | None) -> None:
         """After a request: correct its key's buckets by what it used (``usage`` None: it never
@@ -361,8 +374,14 @@ class Accounts:
             used = Ask() if usage is None else Ask(
                 1.0, usage.input_tokens + usage.output_tokens + usage.embedding_tokens, usage.images,
                 usage.audio_in_seconds + usage.audio_out_seconds)
-            writes.append(self.limiter.settle(held.key, held.limits, held.ask, used, held.request_id))
-            for result in await asyncio.gather(*writes, return_exceptions=True):
+            settle = self.limiter.settle(held.key, held.limits, held.ask, used, held.request_id)
+            if held.limits.gpu_seconds_per_day is not None and writes:
+                # what it holds of the budget goes only once its usage is written: no moment counts neither
+                results = [*await asyncio.gather(*writes, return_exceptions=True),
+                           *await asyncio.gather(settle, return_exceptions=True)]
+            else:
+                results = await asyncio.gather(*writes, settle, return_exceptions=True)
+            for result in results:
                 if isinstance(result, BaseException):
                     log.error("usage of a request on %s could not be written: %r", model, result)
         self.record_s.append(time.perf_counter() - start)

@@ -283,7 +283,8 @@ def joint_request(svc: Services, caller: Caller, jobs: list[ChatJob]) -> Joint:
     times, to its key's account: admitted once for all their prompts and choices."""
     first = jobs[0]
     ask = Ask(tokens=sum(_ask(svc, caller, j, j.params, j.n).tokens for j in jobs))
-    return Joint(svc, caller, first.model, ask, sum(j.n for j in jobs), served_names(first.stack), first.own_adapter)
+    return Joint(svc, caller, first.model, ask, sum(j.n for j in jobs), first.params.max_tokens,
+                 served_names(first.stack), first.own_adapter)
 
 
 def _ask(svc: Services, caller: Caller, job: ChatJob, params: ChatParams, choices: int = 1) -> Ask:

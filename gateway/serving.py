@@ -163,7 +163,8 @@ class Serving:
             self.record.model = self.model
         accounts = self.svc.accounts
         if accounts is not None and self.joint is None:  # (a joint request was admitted as a whole)
-            self._admission = await accounts.admit(self.caller, self.model, self.ask, self.adapters, self.own_adapter)
+            self._admission = await accounts.admit(self.caller, self.model, self.ask, self.adapters, self.own_adapter,
+                                                   self._gpu_estimate)
         lora = self.svc.metrics.lora
         lora.move(self.lora_names, None, lora.waiting)
         try:
@@ -231,6 +232,11 @@ class Serving:
             else:
                 await finish
 
+    def _gpu_estimate(self) -> float:
+        """What this block may cost of its key's GPU budget, held while it runs: the service time
+        the gate's cost model predicts for its model and size (its prior before it has measured one)."""
+        return self.svc.gate.costs.predict(self.model, self.units)
+
     def _gpu_seconds(self, service_s: float) -> float:
         """The device time this request cost: what an engine that shares its steps among rows
         charged it (``StepContext.gpu_s``), else its service time less the time it was paused."""
@@ -290,9 +296,9 @@ class Joint:
     once per choice. Each block still takes a gate slot of its own: the engine serves each choice
     as a row of its own."""
 
-    def __init__(self, svc: Services, caller: Caller, model: str, ask: Ask, blocks: int,
+    def __init__(self, svc: Services, caller: Caller, model: str, ask: Ask, blocks: int, units: float,
                  adapters: tuple[str, ...] = (), own_adapter: bool = False) -> None:
-        self.svc, self.caller, self.model, self.ask = svc, caller, model, ask
+        self.svc, self.caller, self.model, self.ask, self.units = svc, caller, model, ask, units
         self.adapters, self.own_adapter = adapters, own_adapter
         self.left = blocks  # blocks yet to end
         self.usage = Usage(requests=1)  # its blocks' usage, summed, but its prompts counted once
@@ -308,7 +314,9 @@ class Joint:
         ``__anext__``, before any block starts); its usage is written once they have all ended."""
         accounts = self.svc.accounts
         if accounts is not None:
-            self._admission = await accounts.admit(self.caller, self.model, self.ask, self.adapters, self.own_adapter)
+            count = self.left  # each holds what one block of its size is predicted to cost of a GPU budget
+            self._admission = await accounts.admit(self.caller, self.model, self.ask, self.adapters, self.own_adapter,
+                                                   lambda: count * self.svc.gate.costs.predict(self.model, self.units))
         try:
             async with contextlib.aclosing(blocks):
                 async for item in blocks:

@@ -220,6 +220,44 @@ def test_a_budget_spent_mid_day_gives_insufficient_quota(server):
     assert usage[0]["requests"] == 2 and usage[0]["gpu_seconds"] > 0.000001
 
 
+def test_requests_in_flight_count_against_the_gpu_budget(server, tiny_chat):
+    """The daily GPU budget counts the key's requests in flight, not only those that ended: while
+    one long stream runs (holding the GPU-seconds the gate predicts for it), requests that arrive
+    find the budget taken and are refused with 429 ``rate_limit_exceeded`` to try again soon, none
+    admitted to overrun it; once the stream ends its true usage counts, and spent past the budget
+    the next request gets ``insufficient_quota``. Usage: the one request that ran."""
+    from transformers import AutoTokenizer
+
+    _, secret = new_key(server, tier="paid", limits={"gpu_seconds_per_day": 0.000001})
+    eos = AutoTokenizer.from_pretrained(str(tiny_chat)).eos_token_id
+    client = openai.OpenAI(base_url=server.base_url, api_key=secret, max_retries=0)
+    stream = client.chat.completions.create(model="tiny-chat", messages=HI, max_tokens=400, temperature=0,
+                                            logit_bias={str(eos): -100}, stream=True)
+    with stream:
+        next(iter(stream))  # in flight
+
+        def another(_) -> openai.RateLimitError | None:
+            try:
+                client.chat.completions.create(model="tiny-chat", messages=HI, max_tokens=2)
+            except openai.RateLimitError as exc:
+                return exc
+            return None
+
+        from concurrent.futures import ThreadPoolExecutor
+
+        with ThreadPoolExecutor(4) as pool:
+            refused = list(pool.map(another, range(8)))
+        assert all(r is not None and r.code == "rate_limit_exceeded" for r in refused), refused
+        assert "held by requests in flight" in refused[0].message
+        assert refused[0].response.headers["retry-after"] == "1"
+        assert sum(1 for _ in stream) > 0  # the stream runs to its end
+    with pytest.raises(openai.RateLimitError) as err:
+        client.chat.completions.create(model="tiny-chat", messages=HI, max_tokens=2)
+    assert err.value.code == "insufficient_quota"
+    [row] = httpx.get(f"{server.base_url}/usage", headers={"Authorization": f"Bearer {secret}"}).json()["data"]
+    assert row["requests"] == 1
+
+
 def test_a_model_outside_the_allow_list_does_not_exist_for_that_key(server):
     _, secret = new_key(server, models=["tiny-image"])
     auth = {"Authorization": f"Bearer {secret}"}

@@ -201,6 +201,46 @@ def test_redis_limiter_is_one_bucket_for_every_process(redis_url):
     asyncio.run(go())
 
 
+@pytest.mark.parametrize("kind", ["local", "redis"])
+def test_requests_in_flight_hold_their_estimate_of_the_gpu_budget(kind, request):
+    """Each request admitted against a daily GPU budget holds its estimated GPU-seconds until it
+    ends: one more is admitted only while today's usage plus what those in flight hold is under
+    the budget, else 429 ``rate_limit_exceeded`` to try again in a second (not the day's
+    ``insufficient_quota``); what a request held comes back when it settles. On Redis the
+    decision is one script, so two processes' limiters see each other's requests in flight."""
+    budget = Limits(gpu_seconds_per_day=4.0)
+
+    async def go(limiters):
+        assert (await limiters[0].admit("g", budget, Ask(gpu_seconds=3.0), 1.0, "a")).ok  # 1 used + 0 held
+        held = await limiters[1].admit("g", budget, Ask(gpu_seconds=3.0), 1.0, "b")  # 1 used + 3 held: all of it
+        assert not held.ok and held.code == "rate_limit_exceeded" and held.retry_after_s == 1.0
+        assert "3.00 held by requests in flight" in held.message
+        await limiters[0].settle("g", budget, Ask(gpu_seconds=3.0), Ask(), "a")
+        assert (await limiters[1].admit("g", budget, Ask(gpu_seconds=3.0), 1.0, "b")).ok
+        assert not (await limiters[0].admit("g", budget, Ask(gpu_seconds=0.5), 1.0, "c")).ok
+        assert (await limiters[0].admit("other", budget, Ask(gpu_seconds=3.0), 1.0, "d")).ok  # per key
+
+    async def on_redis():
+        url = request.getfixturevalue("redis_url")
+        stores = [RedisAccounts(url, f"t{uuid.uuid4().hex[:6]}:")]
+        stores.append(RedisAccounts(url, stores[0].prefix))
+        for s in stores:
+            await s.open()
+        try:
+            day = __import__("accounts.rates", fromlist=["utc_day"]).utc_day(__import__("time").time())
+            await stores[0].record(day, "g", "m", "paid", Usage(gpu_seconds=1.0))  # the script reads its own
+            await go([s.limiter() for s in stores])
+        finally:
+            for s in stores:
+                await s.close()
+
+    if kind == "local":
+        lim = LocalLimiter()
+        asyncio.run(go([lim, lim]))
+    else:
+        asyncio.run(on_redis())
+
+
 def test_grouping_prices_each_row_at_its_tier_and_writes_csv():
     from accounts.usage import UsageRow
 
