@@ -51,7 +51,8 @@ from gateway.tier_stats import TierStats
 
 MAX_RETRY_AFTER_S = 120
 # why a tier's requests were refused: at the gate (queue_full, latency_target), or by the arbiter past it
-REFUSALS = ("queue_full", "latency_target", "model_protected", "model_unavailable")
+# (key_limit: a 429 of the key's own limits, docs/ACCOUNTS.md, counted by ``key_refused``)
+REFUSALS = ("queue_full", "latency_target", "model_protected", "model_unavailable", "key_limit")
 DOOR_WINDOW_S = 0.05  # an arrival counts as demand at most this long before it reaches ``acquire``
 
 
@@ -375,6 +376,13 @@ class Gate:
         tier = ticket.tier.name
         self.rejected[(tier, reason)] += 1
         self.stats.refused(tier, reason)
+
+    def key_refused(self, tier: str) -> None:
+        """A request of ``tier`` refused (429) by its key's own limits before it asked for a slot:
+        counted refused (``key_limit``) beside the gate's refusals, so that an operator sees why a
+        tier's callers get 429s (no event: one key over its limit may be refused many times a second)."""
+        self.rejected[(tier, "key_limit")] += 1
+        self.stats.refused(tier, "key_limit")
 
     def release(self, ticket: Ticket, measured_s: float | None = None) -> None:
         """Give the slot back; ``measured_s`` (service time) feeds the cost model."""

@@ -100,7 +100,8 @@ class _StateCollector(Collector):
         admitted = CounterMetricFamily("tiergate_admitted", "Requests admitted: a slot at the gate, their model held",
                                        labels=["tier"])
         rejected = CounterMetricFamily("tiergate_rejected", "Requests refused: at the gate (queue_full, "
-                                       "latency_target) or their model (model_protected, model_unavailable)",
+                                       "latency_target), their model (model_protected, model_unavailable) or "
+                                       "their key's own limits (key_limit)",
                                        labels=["tier", "reason"])
         queued = GaugeMetricFamily("tiergate_queued", "Requests waiting at the gate", labels=["tier"])
         inflight = GaugeMetricFamily("tiergate_in_flight", "Requests holding a slot", labels=["tier"])

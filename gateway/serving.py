@@ -53,6 +53,7 @@ import torch
 from accounts.rates import Ask
 from accounts.usage import Usage
 from arbiter.residency import without_folder
+from gateway.accounts import Admission
 from gateway.auth import Caller
 from gateway.errors import APIError
 from gateway.request_log import current as current_request
@@ -163,8 +164,8 @@ class Serving:
             self.record.model = self.model
         accounts = self.svc.accounts
         if accounts is not None and self.joint is None:  # (a joint request was admitted as a whole)
-            self._admission = await accounts.admit(self.caller, self.model, self.ask, self.adapters, self.own_adapter,
-                                                   self._gpu_estimate)
+            self._admission = await admitted(self.svc, self.caller, self.model, self.ask, self.adapters,
+                                             self.own_adapter, self._gpu_estimate)
         lora = self.svc.metrics.lora
         lora.move(self.lora_names, None, lora.waiting)
         try:
@@ -286,6 +287,18 @@ class Serving:
         return result
 
 
+async def admitted(svc: Services, caller: Caller, model: str, ask: Ask, adapters: tuple[str, ...], own_adapter: bool,
+                   gpu_s: Callable[[], float]) -> Admission | None:
+    """``Accounts.admit``, its 429s (the key's own limits) counted with the tier's refusals."""
+    assert svc.accounts is not None
+    try:
+        return await svc.accounts.admit(caller, model, ask, adapters, own_adapter, gpu_s)
+    except APIError as exc:
+        if exc.status == 429:
+            svc.gate.key_refused(caller.tier)
+        raise
+
+
 class Joint:
     """One request that runs as several ``Serving`` blocks (a chat request's ``n`` choices, a
     completion's prompts times ``n``), to its key's account: ``serve`` admits it once, for the whole
@@ -315,8 +328,9 @@ class Joint:
         accounts = self.svc.accounts
         if accounts is not None:
             count = self.left  # each holds what one block of its size is predicted to cost of a GPU budget
-            self._admission = await accounts.admit(self.caller, self.model, self.ask, self.adapters, self.own_adapter,
-                                                   lambda: count * self.svc.gate.costs.predict(self.model, self.units))
+            predicted = self.svc.gate.costs.predict
+            self._admission = await admitted(self.svc, self.caller, self.model, self.ask, self.adapters,
+                                             self.own_adapter, lambda: count * predicted(self.model, self.units))
         try:
             async with contextlib.aclosing(blocks):
                 async for item in blocks:

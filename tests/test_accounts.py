@@ -163,6 +163,32 @@ def test_a_request_of_n_choices_is_one_request_to_the_keys_limits(server, limits
             client.chat.completions.create(model="tiny-chat", messages=HI, max_tokens=3)
 
 
+def test_a_keys_own_limit_refusals_are_counted_with_its_tiers_refusals(server):
+    """A 429 of a key's own limit is counted refused for its tier, reason ``key_limit``: in
+    ``tiergate_rejected_total`` and the dashboard's ``refused_by_reason_per_min``, so that an
+    operator sees why that tier's callers get 429s; a request served is not."""
+    from prometheus_client.parser import text_string_to_metric_families
+
+    def refused() -> float:
+        text = httpx.get(f"{server.url}/metrics").text
+        [family] = [f for f in text_string_to_metric_families(text) if f.name == "tiergate_rejected"]
+        return sum(s.value for s in family.samples if s.labels == {"tier": "subscriber", "reason": "key_limit"}
+                   and s.name.endswith("_total"))
+
+    def on_the_dashboard() -> int:
+        [tier] = [t for t in admin(server).get("/admin/state").json()["tiers"] if t["name"] == "subscriber"]
+        return tier["refused_by_reason_per_min"].get("key_limit", 0)
+
+    _, secret = new_key(server, tier="subscriber", limits={"requests_per_min": 1})
+    client = openai.OpenAI(base_url=server.base_url, api_key=secret, max_retries=0)
+    before = (refused(), on_the_dashboard())
+    client.chat.completions.create(model="tiny-chat", messages=HI, max_tokens=2)
+    for _ in range(2):
+        with pytest.raises(openai.RateLimitError, match="try again in"):
+            client.chat.completions.create(model="tiny-chat", messages=HI, max_tokens=2)
+    assert (refused() - before[0], on_the_dashboard() - before[1]) == (2, 2)
+
+
 def test_a_request_of_n_choices_whose_tokens_alone_are_over_the_limit_is_refused_whole(server):
     """``tokens_per_min`` is asked for the prompt once plus every choice's ``max_tokens``: an ``n``
     3 request that needs more than the key's limit is refused with the message that says so, and
