@@ -8,6 +8,7 @@ import io
 import json
 import re
 import socket
+import struct
 import time
 from pathlib import Path
 
@@ -948,6 +949,31 @@ def _transcribe(server, files=None, data=None, **kw) -> httpx.Response:
 
 
 WAV = tone_file(1.0, 16000, 1, "WAV")
+
+
+def wav_claiming(rate: int, samples: int = 100) -> bytes:
+    """A 16-bit mono WAV of ``samples`` samples whose header says ``rate`` (any number, as a hand-made
+    file can)."""
+    data = np.full(samples, 1000, "<i2").tobytes()
+    fmt = struct.pack("<4sIHHIIHH", b"fmt ", 16, 1, 1, rate, (rate * 2) & 0xFFFFFFFF, 2, 16)
+    return (struct.pack("<4sI4s", b"RIFF", 36 + len(data), b"WAVE") + fmt
+            + struct.pack("<4sI", b"data", len(data)) + data)
+
+
+@pytest.mark.parametrize("endpoint", ["transcriptions", "translations"])
+@pytest.mark.parametrize("rate", [2**31 - 1, 999])
+def test_an_upload_claiming_a_rate_no_audio_has_is_refused_before_it_is_resampled(media, endpoint, rate):
+    """The sample rate is the file's header's word: one outside 1 kHz..384 kHz is a 400 ``invalid_file``
+    saying so (2**31-1 Hz was a 500, the resampling filter of 320 GiB; 4,000,037 Hz took 30 s and
+    GBs; 999 Hz was resampled 16-fold). 1 kHz and 384 kHz are taken."""
+    r = httpx.post(f"{media.base_url}/audio/{endpoint}", headers=auth(media), data={"model": "tiny-stt"},
+                   files={"file": ("odd.wav", wav_claiming(rate))})
+    assert f"{rate} Hz" in error(r, 400, "file", "invalid_file")["message"]
+    for taken in (1_000, 384_000):
+        r = httpx.post(f"{media.base_url}/audio/{endpoint}", headers=auth(media),
+                       data={"model": "tiny-stt", "response_format": "verbose_json"},
+                       files={"file": ("ok.wav", wav_claiming(taken, taken // 10))})
+        assert r.status_code == 200 and r.json()["duration"] == pytest.approx(0.1, abs=0.001), r.text
 
 
 @pytest.mark.parametrize("files,data,status,param,code", [

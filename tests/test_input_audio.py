@@ -8,6 +8,7 @@ from __future__ import annotations
 import base64
 import io
 import json
+import struct
 
 import numpy as np
 import openai
@@ -37,6 +38,13 @@ def wav(samples: np.ndarray, rate: int = 16000) -> bytes:
     out = io.BytesIO()
     sf.write(out, samples, rate, format="WAV", subtype="PCM_16")
     return out.getvalue()
+
+
+def claiming(data: bytes, rate: int) -> bytes:
+    """The WAV ``data`` with its header's sample rate (and byte rate) made ``rate``."""
+    out = bytearray(data)
+    struct.pack_into("<II", out, 24, rate, (rate * 2) & 0xFFFFFFFF)
+    return bytes(out)
 
 
 def audio_part(data: bytes, fmt: str = "wav") -> dict:
@@ -76,6 +84,8 @@ def test_an_input_audio_part_is_read_as_its_transcript(server):
         ("tiny-chat", {"type": "input_audio", "input_audio": {"data": "not base64!", "format": "wav"}},
          f"{part}.input_audio.data", "invalid_value"),
         ("tiny-chat", audio_part(b"RIFF not a wave file"), f"{part}.input_audio.data", "invalid_value"),
+        # a header's rate no audio has (2**31-1 Hz was a 500: the resampling filter's 320 GiB)
+        ("tiny-chat", audio_part(claiming(speech, 2**31 - 1)), f"{part}.input_audio.data", "invalid_value"),
         ("tiny-chat", {"type": "input_audio", "input_audio": {"format": "wav"}}, f"{part}.input_audio.data",
          "missing_required_parameter"),
         ("tiny-chat", {"type": "input_audio", "input_audio": "x"}, part, "invalid_value"),

@@ -5,6 +5,7 @@ from __future__ import annotations
 import io
 import json
 import re
+import struct
 import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
@@ -461,6 +462,30 @@ def test_stt_transcribes_a_44k_stereo_wav(stt_worker):
     assert result.language is not None and re.fullmatch(r"[a-z]{2,3}|haw|yue", result.language)
     assert result.segments and all(0 <= s.start <= s.end <= 5.0 for s in result.segments)
     assert [s.id for s in result.segments] == list(range(len(result.segments)))
+
+
+def test_resampling_an_odd_rate_costs_what_its_samples_do(monkeypatch):
+    """The polyphase filter has 20 x max(up, down) taps: a common rate's ratio is exact (44.1 kHz:
+    160/441), an odd rate's is approximated with terms of at most 8192, so its filter (and time)
+    does not grow with the rate (383,999 Hz to 16 kHz was a 7.7M-tap filter, 1.6 s for 100 samples;
+    the upload's rate itself is bounded by ``decode_audio``). The length stays the rate's."""
+    import scipy.signal
+
+    ratios, resample_poly = [], scipy.signal.resample_poly
+    monkeypatch.setattr(scipy.signal, "resample_poly",
+                        lambda x, up, down: ratios.append((up, down)) or resample_poly(x, up, down))
+    x = np.ones(383_999, np.float32)
+    assert len(audio.resample(x, 383_999, 16000)) == 16000
+    assert len(audio.resample(x[:44100], 44100, 16000)) == 16000
+    assert len(audio.resample(x[:1001], 1001, 16000)) == pytest.approx(16000, abs=1)
+    assert ratios[0] == (1, 24) and ratios[1] == (160, 441) and max(ratios[2]) <= 8192
+    for rate in (2**31 - 1, 999, 384_001):  # and no header's rate outside 1..384 kHz is read
+        buf = io.BytesIO()
+        sf.write(buf, np.zeros(100, np.float32), 16000, format="WAV", subtype="PCM_16")
+        data = bytearray(buf.getvalue())
+        data[24:32] = struct.pack("<II", rate, (rate * 2) & 0xFFFFFFFF)
+        with pytest.raises(ValueError, match=f"{rate} Hz"):
+            audio.decode_audio(bytes(data))
 
 
 @pytest.mark.parametrize("seconds, temperature", [(45.0, 0.0), (4.0, 0.8)])

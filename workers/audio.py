@@ -12,10 +12,10 @@ from __future__ import annotations
 
 import ctypes
 import io
-import math
 import struct
 import threading
 from collections.abc import Iterable, Iterator, Sequence
+from fractions import Fraction
 from typing import Protocol
 
 import numpy as np
@@ -42,6 +42,15 @@ CONTENT_TYPES: dict[str, str] = {
     "pcm": "audio/pcm",
 }
 _AAC_RATES = (7350, 8000, 11025, 12000, 16000, 22050, 24000, 32000, 44100, 48000, 64000, 88200, 96000)
+
+# An upload's sample rate is taken from its header, which says what its maker likes: every real
+# recording lies between a few kHz (telephone 8 kHz, old 4-6 kHz dictation) and DXD's 352.8 kHz or
+# 384 kHz; a rate outside is refused before a sample is read (a 244-byte WAV claiming 2**31-1 Hz
+# was a 320 GiB filter in ``resample``, one of 4,000,037 Hz 30 s and GBs for its 100 samples)
+MIN_UPLOAD_RATE, MAX_UPLOAD_RATE = 1_000, 384_000
+# ``resample``'s filter has 20 x max(up, down) taps: an odd rate's exact ratio (16000/4000037) is
+# approximated by one with terms at most this large, so its cost follows the samples, not the rate
+_MAX_PHASES = 8192
 
 
 def _probe(fmt: str) -> bool:
@@ -73,11 +82,13 @@ def decode_audio(data: bytes, max_seconds: float | None = None) -> tuple[np.ndar
 
     Stereo and multi-channel audio is mixed down. Both decode at most ``max_seconds`` plus a
     second (a small FLAC or WebM file of a long silence is not decoded whole: the caller sees it is
-    too long). Raises ``ValueError`` for bytes that are not audio, are corrupt, or hold no samples.
+    too long). Raises ``ValueError`` for bytes that are not audio, are corrupt, hold no samples, or
+    whose header says a rate outside ``MIN_UPLOAD_RATE``..``MAX_UPLOAD_RATE`` (checked before any
+    sample is decoded).
     """
     try:
         with sf.SoundFile(io.BytesIO(data)) as f:
-            sr = f.samplerate
+            sr = _checked_rate(f.samplerate)
             x = f.read(-1 if max_seconds is None else int((max_seconds + 1) * sr), dtype="float32", always_2d=True)
     except (sf.LibsndfileError, RuntimeError, TypeError) as e:
         why = getattr(e, "error_string", None) or str(e)  # libsndfile's own words, not "Error opening <BytesIO at 0x...>"
@@ -108,6 +119,7 @@ def _decode_with_ffmpeg(data: bytes, max_seconds: float | None, why: str) -> tup
             if not rate:
                 raise ValueError(f"could not decode audio ({expected}): its audio stream has no codec or sample rate "
                                  "FFmpeg can read")
+            _checked_rate(rate)
             mono = av.AudioResampler(format="flt", layout="mono", rate=rate)
             cap = None if max_seconds is None else int((max_seconds + 1) * rate)
             got = 0
@@ -125,14 +137,26 @@ def _decode_with_ffmpeg(data: bytes, max_seconds: float | None, why: str) -> tup
     return x, rate
 
 
+def _checked_rate(rate: int) -> int:
+    """``rate``, read from an upload's header; ``ValueError`` outside the rates real audio has."""
+    if not MIN_UPLOAD_RATE <= rate <= MAX_UPLOAD_RATE:
+        raise ValueError(f"the audio's header says a sample rate of {rate} Hz; this server takes "
+                         f"{MIN_UPLOAD_RATE} to {MAX_UPLOAD_RATE} Hz")
+    return rate
+
+
 def resample(x: np.ndarray, sr_from: int, sr_to: int) -> np.ndarray:
-    """Resample float32 mono audio with a polyphase filter."""
+    """Resample float32 mono audio with a polyphase filter. The ratio of two common rates is exact
+    (44.1 kHz to 16 kHz: 160/441); that of an odd rate is approximated (``_MAX_PHASES``), its
+    length then off by less than one part in 8192."""
     if sr_from == sr_to:
         return x.astype(np.float32, copy=False)
     from scipy.signal import resample_poly
 
-    g = math.gcd(sr_from, sr_to)
-    return resample_poly(x, sr_to // g, sr_from // g).astype(np.float32)
+    ratio = Fraction(sr_to, sr_from)
+    if max(ratio.numerator, ratio.denominator) > _MAX_PHASES:  # bound the larger term: down, or up
+        ratio = ratio.limit_denominator(_MAX_PHASES) if ratio < 1 else 1 / (1 / ratio).limit_denominator(_MAX_PHASES)
+    return resample_poly(x, ratio.numerator, ratio.denominator).astype(np.float32)
 
 
 G711_CODECS = {"pcmu": "pcm_mulaw", "pcma": "pcm_alaw"}  # G.711 mu-law and A-law: telephone audio
