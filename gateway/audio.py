@@ -33,7 +33,7 @@ from gateway.service import ClientGone, Services
 from gateway.serving import Finished, Gone, Serving, in_thread, relayed, weightless
 from workers import audio as sound
 from workers.base import Cancelled, StepContext
-from workers.stt import ServerVad, TextDelta, Transcript, TranscriptionError, TranscriptionRequest
+from workers.stt import ServerVad, STTWorker, TextDelta, Transcript, TranscriptionError, TranscriptionRequest
 from workers.tts import MAX_SPEED, MIN_SPEED, SpeechRequest, TTSWorker
 
 log = logging.getLogger("tiergate")
@@ -79,18 +79,23 @@ class SpeechJob:
 
 
 async def plan_speech(svc: Services, body: SpeechBody) -> SpeechJob:
-    """The job of ``body``; an unknown voice is refused before the request takes a slot."""
+    """The job of ``body``; an unknown voice, or an input with nothing the model can say, is refused
+    before the request takes a slot (a refused request is not usage)."""
     spec = svc.spec(body.model, "tts")
     if body.instructions and body.instructions.strip():
         raise bad_request(f"the model '{spec.name}' speaks as its voice is; it cannot follow instructions (as "
                           "OpenAI's tts-1 cannot): leave instructions out", "instructions", "unsupported_parameter")
     fmt = _speech_format(body.response_format)
     _check_input(body.input, svc.config.limits.speech_max_chars)
-    voices = await weightless(svc.voices, spec, TTSWorker)  # its voices, read from the folder
+    voices = await weightless(svc.voices, spec, TTSWorker.reader)  # its voices, read from the folder
     try:
         voices.resolve_voice(body.voice)
     except ValueError as exc:
         raise bad_request(str(exc), "voice") from None
+    try:  # (the model's tokenizer over up to speech_max_chars characters: off the event loop)
+        await anyio.to_thread.run_sync(voices.speakable, body.input)
+    except ValueError as exc:
+        raise bad_request(str(exc), "input") from None
     return SpeechJob(spec.name, SpeechRequest(body.input, body.voice, body.speed), fmt, voices.sample_rate)
 
 
@@ -107,7 +112,8 @@ async def serve_speech(svc: Services, caller: Caller, job: SpeechJob, gone: Gone
     async with Serving(svc, caller, job.model, float(len(job.request.input)), "speech", gone, ask,
                        recorded=recorded) as serving:
         worker = serving.worker
-        ctx, chunks, first = await serving.step(lambda ctx: _first_sentence(worker, job, ctx), "speaking with")
+        ctx, chunks, first = await serving.step(lambda ctx: _first_sentence(worker, job, ctx, serving.refused),
+                                                "speaking with")
         if read is not None:
             read.append(len(worker.tokenizer(job.request.input)["input_ids"]))
         rest = itertools.chain([first], chunks) if first is not None else iter(())
@@ -137,14 +143,17 @@ def _timed(chunks: Iterator[np.ndarray], rate: int, usage: Usage) -> Iterator[np
         yield chunk
 
 
-async def _first_sentence(worker: TTSWorker, job: SpeechJob,
-                          ctx: StepContext) -> tuple[StepContext, Iterator[np.ndarray], np.ndarray | None]:
+async def _first_sentence(worker: TTSWorker, job: SpeechJob, ctx: StepContext,
+                          refuse: Callable[[str, str], APIError] = bad_request,
+                          ) -> tuple[StepContext, Iterator[np.ndarray], np.ndarray | None]:
+    """The first sentence made; ``refuse`` makes the 400 for an input with nothing speakable
+    (``Serving.refused``: not metered), which plan_speech checked but a chat reply's is not."""
     try:
         chunks = worker.synthesize(job.request, ctx)
-    except ValueError as exc:  # nothing speakable in the input
+    except ValueError as exc:
         if job.quiet:
             return ctx, iter(()), None
-        raise bad_request(str(exc), "input") from None
+        raise refuse(str(exc), "input") from None
     return ctx, chunks, await in_thread(lambda: next(chunks, None), ctx)
 
 
@@ -291,9 +300,21 @@ class TranscriptionJob:
         return len(self.audio) / self.rate
 
 
+async def check_transcription(svc: Services, job: TranscriptionJob) -> None:
+    """What ``job`` asks that its model cannot do (a language it does not know, a translation, word
+    timestamps or logprobs from a model without them): a 400 naming the field, read from the
+    model's folder before the request takes a slot or spends its key's limits."""
+    hearer = await weightless(svc.transcribers, svc.spec(job.model, "stt"), STTWorker.reader)
+    try:
+        hearer.check(job.request)
+    except TranscriptionError as exc:
+        raise bad_request(str(exc), exc.param) from None
+
+
 async def serve_transcription(svc: Services, caller: Caller, job: TranscriptionJob, gone: Gone | None) -> Transcript:
     """The serving core: the transcript (or English translation) of one upload."""
     endpoint = "translations" if job.request.task == "translate" else "transcriptions"
+    await check_transcription(svc, job)
     async with Serving(svc, caller, job.model, job.duration, endpoint, gone,
                        Ask(audio_seconds=job.duration)) as serving:
         serving.usage.audio_in_seconds = job.duration
@@ -304,8 +325,8 @@ async def serve_transcription(svc: Services, caller: Caller, job: TranscriptionJ
 
         try:
             return await serving.step(lambda ctx: in_thread(lambda: run(ctx), ctx), "transcribing with")
-        except ValueError as exc:  # what the worker refuses after our checks: the language, a translation
-            raise bad_request(str(exc), exc.param if isinstance(exc, TranscriptionError) else None) from None
+        except ValueError as exc:  # what the worker refuses after check_transcription's: not metered
+            raise serving.refused(str(exc), exc.param if isinstance(exc, TranscriptionError) else None) from None
 
 
 async def stream_transcription(svc: Services, caller: Caller, job: TranscriptionJob,
@@ -314,6 +335,7 @@ async def stream_transcription(svc: Services, caller: Caller, job: Transcription
     whole ``Transcript`` (the pieces join to its text). What goes wrong before the first piece
     is raised by the first ``__anext__``; closing the iterator early stops the model at its next
     token."""
+    await check_transcription(svc, job)
     async with Serving(svc, caller, job.model, job.duration, "transcriptions", gone,
                        Ask(audio_seconds=job.duration)) as serving:
         serving.usage.audio_in_seconds = job.duration
@@ -327,8 +349,8 @@ async def stream_transcription(svc: Services, caller: Caller, job: Transcription
         try:
             async for piece in pieces:
                 yield piece.result if isinstance(piece, Finished) else piece
-        except ValueError as exc:  # what the worker refuses after our checks: the language
-            raise bad_request(str(exc), exc.param if isinstance(exc, TranscriptionError) else None) from None
+        except ValueError as exc:  # what the worker refuses after check_transcription's: not metered
+            raise serving.refused(str(exc), exc.param if isinstance(exc, TranscriptionError) else None) from None
         finally:
             await pieces.aclose()
 

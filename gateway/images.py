@@ -308,8 +308,8 @@ async def serve_images(svc: Services, caller: Caller, job: Plan, gone: Gone | No
         try:
             pngs = await serving.step(lambda ctx: in_thread(lambda: worker.generate(job.request, ctx), ctx),
                                       "generating images with")
-        except ValueError as exc:
-            raise bad_request(str(exc)) from None
+        except ValueError as exc:  # what the worker refuses before denoising: not metered
+            raise serving.refused(str(exc), None) from None
         _metered(serving, pngs)
         return pngs
 
@@ -331,8 +331,8 @@ async def stream_images(svc: Services, caller: Caller, job: Plan,
                     done = piece
                 else:
                     yield piece
-        except ValueError as exc:
-            raise bad_request(str(exc)) from None
+        except ValueError as exc:  # what the worker refuses before denoising: not metered
+            raise serving.refused(str(exc), None) from None
         finally:
             await pieces.aclose()
         _metered(serving, done.result)

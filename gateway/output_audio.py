@@ -136,7 +136,7 @@ async def plan_voice(svc: Services, body: ChatCompletionRequest) -> Voice | None
         raise bad_request(f"this installation cannot encode {body.audio.format}; audio.format is one of "
                           f"{', '.join(can)}", "audio.format", "invalid_value")
     spec = svc.spec(engine.audio_output, "tts")
-    voices = await weightless(svc.voices, spec, TTSWorker)  # its voices, read from the folder
+    voices = await weightless(svc.voices, spec, TTSWorker.reader)  # its voices, read from the folder
     try:
         voices.resolve_voice(body.audio.voice)
     except ValueError as exc:

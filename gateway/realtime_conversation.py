@@ -187,7 +187,7 @@ async def opening(svc: Services, model: str) -> tuple[SessionConfig, Conversing]
     voice = None
     if spoken is not None:
         spec = svc.spec(spoken, "tts")
-        voices = await weightless(svc.voices, spec, TTSWorker)
+        voices = await weightless(svc.voices, spec, TTSWorker.reader)
         voice = Voice(spec.name, "alloy", "pcm", PCM16_RATE, voices.sample_rate)
     modalities = ("audio",) if voice is not None else ("text",)
     return SessionConfig(heard, vad=DEFAULT_VAD if heard else None), Conversing(svc.spec(model, "chat").name, voice, modalities=modalities)
@@ -456,7 +456,7 @@ class ConversationSession(TranscriptionSession):
                               "audio_output_not_supported")
         if not isinstance(name, str) or not name:
             raise bad_request("voice is a voice's name", param, "invalid_type")
-        voices = await weightless(self.svc.voices, self.svc.spec(self.conversing.voice.model, "tts"), TTSWorker)
+        voices = await weightless(self.svc.voices, self.svc.spec(self.conversing.voice.model, "tts"), TTSWorker.reader)
         try:
             voices.resolve_voice(name)
         except ValueError as exc:

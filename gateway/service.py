@@ -40,6 +40,7 @@ if TYPE_CHECKING:
     from workers.embed import EmbedWorker
     from workers.moderation import ModerationWorker
     from workers.rerank import RerankWorker
+    from workers.stt import STTWorker
     from workers.tts import TTSWorker
 
 
@@ -96,7 +97,8 @@ class Services:
     adapters: AdapterRegistry  # the LoRA adapters requests may select
     images: ImageStore  # the PNGs behind image urls
     native_sizes: dict[str, tuple[int, int] | None] = field(default_factory=dict)  # image model -> size
-    voices: dict[str, "TTSWorker"] = field(default_factory=dict)  # tts model -> its voices (no weights)
+    voices: dict[str, "TTSWorker"] = field(default_factory=dict)  # tts model -> its voices and tokenizer (no weights)
+    transcribers: dict[str, "STTWorker"] = field(default_factory=dict)  # stt model -> its configs (no weights)
     # embed, moderation or rerank model -> its tokenizer and config (no weights)
     encoders: dict[str, "EmbedWorker | ModerationWorker | RerankWorker"] = field(default_factory=dict)
     on_startup: list[Callable[[], Awaitable[None]]] = field(default_factory=list)  # run by the app's lifespan

@@ -24,7 +24,8 @@ A ``Serving`` owns, for one request:
   not metered at all: the line runs again (handed back at a drain) or never (its batch was
   cancelled), and its usage is the one of the attempt that ends, under the same metering ids; nor
   is a background response's block that a shutdown cuts (``Gone.hand_back``): it runs again, and
-  the attempt that ends is metered;
+  the attempt that ends is metered; nor a block whose input the model's worker turned down before
+  any work (``refused``: a 400, which refused requests are not usage);
 * the request log's figures (``gateway.request_log``): the model, the queue wait at the gate, the
   wait for the model's load, the service time and (``count_tokens``) the tokens.
 
@@ -55,7 +56,7 @@ from accounts.usage import Usage
 from arbiter.residency import without_folder
 from gateway.accounts import Admission
 from gateway.auth import Caller
-from gateway.errors import APIError
+from gateway.errors import APIError, bad_request
 from gateway.request_log import current as current_request
 from gateway.service import ClientGone, Held, Services
 from workers.base import Cancelled, ModelSpec, StepContext
@@ -114,6 +115,7 @@ class Serving:
         self.contexts: list[StepContext] = []
         self._admission = None
         self._counted = False  # the core counted the reply's tokens (it ran to its end)
+        self._refused = False  # the model's worker turned the input down before any work (``refused``)
         # the HTTP request's log record; None for a batch line, and for work done for a request's reply
         # after its own (``recorded`` False: a chat reply's speech), whose figures are not the request's
         self.record = current_request() if recorded else None
@@ -141,6 +143,13 @@ class Serving:
         if self.record is not None:
             self.record.prompt_tokens = prompt
             self.record.completion_tokens = (self.record.completion_tokens or 0) + completion
+
+    def refused(self, message: str, param: str | None) -> APIError:
+        """The 400 for an input the model's worker turned down before doing any work (what the
+        gateway could not check before the slot): the block writes no usage, as a request refused
+        before its slot writes none, and the key's minute limits get back all but the request."""
+        self._refused = True
+        return bad_request(message, param)
 
     def first_token(self) -> float:
         """The time to first token (seconds since the request arrived), which the gate's SLO guard
@@ -222,10 +231,10 @@ class Serving:
             # a batch line's cut block, or a handed-back one's: the attempt that ends is metered (see above)
             again = cut and (self.caller.metering is not None or (self.gone is not None and self.gone.handed_back))
             if self.joint is not None:
-                finish = self.joint.ended(self.usage, again, self.part)
+                finish = self.joint.ended(None if self._refused else self.usage, again, self.part)
             else:
                 assert self.svc.accounts is not None
-                usage = None if again else self.usage
+                usage = None if again or self._refused else self.usage
                 finish = self.svc.accounts.finish(self.caller, self.model, self._admission, usage)
             if in_cancel_scope():
                 with anyio.CancelScope(shield=True):  # a cut stream is metered too

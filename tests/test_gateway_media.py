@@ -1000,6 +1000,49 @@ def test_bad_transcription_requests_name_the_param(media, files, data, status, p
     assert " at 0x" not in err["message"]  # libsndfile's reason, without the repr of our buffer
 
 
+def test_a_refused_transcription_or_speech_is_not_usage(media, monkeypatch):
+    """A request refused with a 400 is not usage (docs/ACCOUNTS.md) and spends none of its key's
+    minute limits: a 15 s file in a language the model does not know and speech with nothing the
+    model can say, both checked from the model's folder before the slot (no request is served: none
+    in /metrics), and past that check the worker's own refusal in the slot is not metered either.
+    They were metered a request each and the file's seconds, so a key's next valid 15 s file against
+    ``audio_seconds_per_min: 20`` was a 429."""
+    import gateway.audio
+
+    def served() -> float:  # paid-tier speech and transcription requests that held a slot
+        found = re.findall(r'^tiergate_request_seconds_count\{(?=[^}]*tier="paid")(?=[^}]*endpoint="(?:speech|'
+                           r'transcriptions)")[^}]*\} (\S+)$', httpx.get(f"{media.url}/metrics").text, re.M)
+        return sum(map(float, found))
+
+    admin = {"Authorization": f"Bearer {media.keys['admin']}"}
+    made = httpx.post(f"{media.url}/admin/keys", headers=admin,
+                      json={"name": "refused", "tier": "paid", "limits": {"audio_seconds_per_min": 20}})
+    assert made.status_code == 201, made.text
+    key = {"Authorization": f"Bearer {made.json()['value']}"}
+    fifteen = tone_file(15.0, 16000, 1, "WAV")
+
+    def transcribe(language: str) -> httpx.Response:
+        return httpx.post(f"{media.base_url}/audio/transcriptions", headers=key, timeout=60,
+                          data={"model": "tiny-stt", "language": language}, files={"file": ("a.wav", fifteen)})
+
+    before = served()
+    error(transcribe("xx"), 400, "language", "invalid_value")
+    error(httpx.post(f"{media.base_url}/audio/speech", headers=key, timeout=60,
+                     json={"model": "tiny-tts", "voice": "alloy", "input": "😀 🎉"}), 400, "input")
+    assert served() == before
+    with monkeypatch.context() as patched:  # as if the gateway had not known: the worker refuses it in the slot
+
+        async def unchecked(svc, job) -> None:
+            return None
+
+        patched.setattr(gateway.audio, "check_transcription", unchecked)
+        error(transcribe("xx"), 400, "language", "invalid_value")
+    assert httpx.get(f"{media.base_url}/usage", headers=key).json()["data"] == []
+    assert transcribe("en").status_code == 200
+    row = httpx.get(f"{media.base_url}/usage", headers=key).json()["data"][0]
+    assert (row["requests"], row["audio_in_seconds"]) == (1, 15.0)
+
+
 def test_transcription_needs_multipart(media):
     r = httpx.post(f"{media.base_url}/audio/transcriptions", headers=auth(media),
                    json={"model": "tiny-stt", "file": base64.b64encode(WAV).decode()})

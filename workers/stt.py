@@ -59,7 +59,7 @@ from typing import Callable, Literal
 
 import numpy as np
 import torch
-from transformers import AutoModelForSpeechSeq2Seq, AutoProcessor
+from transformers import AutoConfig, AutoModelForSpeechSeq2Seq, AutoProcessor, GenerationConfig
 from transformers.generation.logits_process import LogitsProcessor, LogitsProcessorList
 from transformers.generation.stopping_criteria import StoppingCriteria, StoppingCriteriaList
 from transformers.generation.streamers import BaseStreamer
@@ -320,10 +320,25 @@ class STTWorker(ThreadWorker):
         self.shared: SharedRuns[_Job] = SharedRuns(self._take, self._decode_taken, long_runs=True)  # requests' decodes, shared
         self.decodes = 0  # ``generate`` calls run (a shared one once)
         self.share_decodes = True  # False: each request decodes its own windows, one at a time (the baseline)
+        self._folder: tuple[str, GenerationConfig] | None = None  # (model type, generation config): ``reader``'s
 
     @classmethod
     def describe(cls, spec: ModelSpec) -> ModelInfo:
         return ModelInfo()
+
+    @classmethod
+    def reader(cls, spec: ModelSpec) -> "STTWorker":
+        """A worker for ``spec`` with its config and generation config read and no weights: what the
+        gateway checks a request with (``check``) before it takes a slot."""
+        worker = cls(spec, **spec.options)
+        path = Path(spec.path)
+        config = AutoConfig.from_pretrained(path)
+        try:
+            generation = GenerationConfig.from_pretrained(path)
+        except OSError:  # no generation_config.json: the model's config stands for it, as when it is loaded
+            generation = GenerationConfig.from_model_config(config)
+        worker._folder = (config.model_type, generation)
+        return worker
 
     @property
     def sample_rate(self) -> int:
@@ -364,20 +379,10 @@ class STTWorker(ThreadWorker):
         ``req.logprobs`` each piece carries the text tokens decoded since the last (module doc)."""
         if self.model is None:
             raise RuntimeError(f"model {self.spec.name!r} is not loaded")
-        if req.temperature < 0:
-            raise TranscriptionError("temperature must be >= 0", "temperature")
+        language = self.check(req)
         if len(audio) == 0:
             raise TranscriptionError("no audio samples to transcribe", "file")
-        if req.task == "translate" and not self._multilingual() and self.model.config.model_type != "whisper":
-            raise TranscriptionError(f"the model {self.spec.name!r} transcribes only: it cannot translate", "model")
-        if req.words and not self._whisper_timestamps():
-            raise TranscriptionError(f"the model {self.spec.name!r} gives no word timestamps (only Whisper models do)",
-                                     "timestamp_granularities")
-        if req.logprobs and not self._whisper_timestamps():
-            raise TranscriptionError(f"the model {self.spec.name!r} gives no token logprobs (only Whisper models do)",
-                                     "include")
         sr = self.sample_rate
-        language = self._language(req.language)
         prompt_ids = self._prompt_ids(req.prompt)
         segments: list[Segment] = []
         words: list[Word] | None = [] if req.words else None
@@ -524,9 +529,28 @@ class STTWorker(ThreadWorker):
                 row.job.error = Cancelled()
             row.window = window
 
+    def check(self, req: TranscriptionRequest) -> str | None:
+        """What ``req`` asks of the model that it cannot do (``TranscriptionError`` naming the field),
+        checked from its weights' configs or, on a ``reader``, from its folder's; its language's code."""
+        if req.temperature < 0:
+            raise TranscriptionError("temperature must be >= 0", "temperature")
+        if req.task == "translate" and not self._multilingual() and self._model_type != "whisper":
+            raise TranscriptionError(f"the model {self.spec.name!r} transcribes only: it cannot translate", "model")
+        if req.words and not self._whisper_timestamps():
+            raise TranscriptionError(f"the model {self.spec.name!r} gives no word timestamps (only Whisper models do)",
+                                     "timestamp_granularities")
+        if req.logprobs and not self._whisper_timestamps():
+            raise TranscriptionError(f"the model {self.spec.name!r} gives no token logprobs (only Whisper models do)",
+                                     "include")
+        return self._language(req.language)
+
     @property
     def _gen(self):
-        return self.model.generation_config
+        return self.model.generation_config if self.model is not None else self._folder[1]
+
+    @property
+    def _model_type(self) -> str:
+        return self.model.config.model_type if self.model is not None else self._folder[0]
 
     def _multilingual(self) -> bool:
         return bool(getattr(self._gen, "is_multilingual", False) and getattr(self._gen, "lang_to_id", None))
@@ -535,7 +559,7 @@ class STTWorker(ThreadWorker):
         return getattr(self._gen, "no_timestamps_token_id", None) is not None
 
     def _whisper_timestamps(self) -> bool:
-        return self.model.config.model_type == "whisper" and self._timestamps()
+        return self._model_type == "whisper" and self._timestamps()
 
     def _language(self, language: str | None) -> str | None:
         """The requested language as an ISO code; ``ValueError`` if the model has no such token."""
@@ -550,7 +574,7 @@ class STTWorker(ThreadWorker):
     def _detect_language(self, features: torch.Tensor) -> str | None:
         """The language code the model hears; English-only Whisper says "en", other models None."""
         if not self._multilingual():
-            return "en" if self.model.config.model_type == "whisper" else None
+            return "en" if self._model_type == "whisper" else None
         with torch.inference_mode():
             lang_id = int(self.model.detect_language(features)[0])
         token = self.processor.tokenizer.convert_ids_to_tokens(lang_id)

@@ -90,6 +90,14 @@ class TTSWorker(ThreadWorker):
     def describe(cls, spec: ModelSpec) -> ModelInfo:
         return ModelInfo(voices=tuple(cls(spec).voices))
 
+    @classmethod
+    def reader(cls, spec: ModelSpec) -> "TTSWorker":
+        """A worker for ``spec`` with its voices and tokenizer read and no weights: what the gateway
+        checks a request's voice and input with (``resolve_voice``, ``speakable``) before it takes a slot."""
+        worker = cls(spec)
+        worker.tokenizer = AutoTokenizer.from_pretrained(Path(spec.path))
+        return worker
+
     @property
     def voice_map(self) -> dict[str, str]:
         """OpenAI voice name -> the model's own voice (round-robin, in order)."""
@@ -141,12 +149,16 @@ class TTSWorker(ThreadWorker):
         speaker = self.resolve_voice(req.voice)
         if not MIN_SPEED <= req.speed <= MAX_SPEED:
             raise ValueError(f"speed must be between {MIN_SPEED} and {MAX_SPEED}, got {req.speed}")
-        # a sentence of characters the tokenizer does not know ("¹", emoji, for VITS' character
-        # vocabulary) is no tokens at all, which the model cannot run on: it is left out
-        sentences = [s for s in split_sentences(req.input) if self.tokenizer(s)["input_ids"]]
+        return self._chunks(self.speakable(req.input), speaker, req.speed, ctx)
+
+    def speakable(self, text: str) -> list[str]:
+        """The sentences of ``text`` the model can say; ``ValueError`` when there are none. A sentence of
+        characters the tokenizer does not know ("¹", emoji, for VITS' character vocabulary) is no tokens
+        at all, which the model cannot run on: it is left out."""
+        sentences = [s for s in split_sentences(text) if self.tokenizer(s)["input_ids"]]
         if not sentences:
             raise ValueError("input has no speakable text (no characters this model's tokenizer knows)")
-        return self._chunks(sentences, speaker, req.speed, ctx)
+        return sentences
 
     def _chunks(self, sentences: list[str], speaker: int, speed: float, ctx: StepContext) -> Iterator[np.ndarray]:
         speak = self._vits if self.family == "vits" else self._speecht5
