@@ -246,6 +246,10 @@ def read_image(data: bytes, param: str, formats: tuple[str, ...], max_pixels: in
             return use(img)
     except APIError:
         raise
+    except (PILImage.DecompressionBombError, PILImage.DecompressionBombWarning):  # (the warning where made an error)
+        # Pillow's own guard, in open, above MAX_IMAGE_PIXELS (89M): before the header is ours to read
+        raise bad_request(f"{param} has more than {PILImage.MAX_IMAGE_PIXELS} pixels (its header says), above this "
+                          f"server's limit of {max_pixels} pixels", param, "image_too_large") from None
     except Exception:  # Pillow's decoders raise many kinds on a damaged or hostile file (OSError, ValueError,
         # SyntaxError, EOFError, zlib's error...), and their messages may quote our buffer's repr
         raise bad_request(f"{param} is not a {names} image this server can read (empty, cut short, damaged "

@@ -148,9 +148,19 @@ def image_type(data: bytes) -> str | None:
     try:
         with Image.open(io.BytesIO(data)) as image:
             kind = image.format
+    except (Image.DecompressionBombError, Image.DecompressionBombWarning):  # an image, of too many pixels to open:
+        kind = _sniffed(data)  # its type all the same (refused as image_too_large where it is read)
     except (UnidentifiedImageError, OSError, ValueError):
         return None
     return f"image/{kind.lower()}" if kind in FORMATS else None
+
+
+def _sniffed(data: bytes) -> str | None:
+    """The format of ``FORMATS`` that ``data``'s magic bytes name, where Pillow will not open it."""
+    if data[:4] == b"RIFF" and data[8:12] == b"WEBP":
+        return "WEBP"
+    magic = {b"\x89PNG\r\n\x1a\n": "PNG", b"\xff\xd8\xff": "JPEG", b"GIF87a": "GIF", b"GIF89a": "GIF"}
+    return next((kind for head, kind in magic.items() if data.startswith(head)), None)
 
 
 def _decode(url: str, start: int, param: str) -> bytes:

@@ -262,6 +262,19 @@ def redis_server(folder: Path, port: int | None = None, persist: bool = False) -
         proc.wait(10)
 
 
+def png_claiming(width: int, height: int) -> bytes:
+    """A PNG whose header says ``width`` x ``height`` (RGB), with a few bytes of pixels: what a
+    decompression bomb, or a file cut short, looks like before it is decoded."""
+    import struct
+    import zlib
+
+    def chunk(kind: bytes, data: bytes) -> bytes:
+        return struct.pack(">I", len(data)) + kind + data + struct.pack(">I", zlib.crc32(kind + data))
+
+    return (b"\x89PNG\r\n\x1a\n" + chunk(b"IHDR", struct.pack(">IIBBBBB", width, height, 8, 2, 0, 0, 0))
+            + chunk(b"IDAT", zlib.compress(b"\0" * 100)) + chunk(b"IEND", b""))
+
+
 def recorded(fmt: str, codec: str, seconds: float, rate: int = 48000, freq: float = 440.0, channels: int = 2) -> bytes:
     """A tone (or silence, at ``freq`` 0) as browsers and phones record: encoded by FFmpeg (PyAV)."""
     import av

@@ -10,6 +10,7 @@ import re
 import socket
 import struct
 import time
+import warnings
 from pathlib import Path
 
 import httpx
@@ -21,7 +22,7 @@ import soundfile as sf
 from PIL import Image
 
 from gateway.image_store import ImageStore
-from tests.helpers import RunningServer, recorded, spoken, start_server, write_config
+from tests.helpers import RunningServer, png_claiming, recorded, spoken, start_server, write_config
 from workers.audio import decode_audio, supported_speech_formats
 from workers.base import ModelSpec
 from workers.tts import TTSWorker
@@ -382,6 +383,35 @@ SRC = png_of(noise_image(32, 32))
 def test_bad_image_edits_name_the_param(media, files, data, status, param, code):
     err = error(_edit(media, files, data), status, param, code)
     assert " at 0x" not in err["message"]  # no repr of our buffers
+
+
+@pytest.mark.parametrize("side", [4097, 20_000, 50_000])
+@pytest.mark.parametrize("endpoint", ["edits", "variations"])
+def test_an_image_whose_header_claims_too_many_pixels_is_image_too_large(media, endpoint, side):
+    """A source (or mask) whose header says more than 4096x4096 is ``image_too_large``, however
+    large: past Pillow's own bomb guard (over 2 x 89.5M pixels, raised in ``Image.open`` before our
+    check reads the header) it was ``invalid_image``, telling the client its file was damaged."""
+    data = {"model": "tiny-image", "num_inference_steps": "2", **({"prompt": "a cat"} if endpoint == "edits" else {})}
+    r = httpx.post(f"{media.base_url}/images/{endpoint}", headers=auth(media), data=data,
+                   files={"image": ("big.png", png_claiming(side, side))})
+    assert "pixels" in error(r, 400, "image", "image_too_large")["message"]
+    if endpoint == "edits":
+        r = httpx.post(f"{media.base_url}/images/edits", headers=auth(media), data=data,
+                       files={"image": ("a.png", SRC), "mask": ("m.png", png_claiming(side, side))})
+        error(r, 400, "mask", "image_too_large")
+
+
+def test_pillows_bomb_warning_made_an_error_is_image_too_large_too():
+    """Where warnings are errors (``python -W error``), Pillow's DecompressionBombWarning (over
+    89.5M pixels), raised in ``Image.open``, is ``image_too_large`` as its error is, not ``invalid_image``."""
+    from gateway.errors import APIError
+    from gateway.images import read_image
+
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", Image.DecompressionBombWarning)
+        with pytest.raises(APIError) as caught:
+            read_image(png_claiming(10_000, 10_000), "image", ("PNG",), 4096 * 4096, lambda img: img)
+    assert (caught.value.status, caught.value.code, caught.value.param) == (400, "image_too_large", "image")
 
 
 def test_image_variation_remakes_the_whole_image(media):

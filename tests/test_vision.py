@@ -20,7 +20,7 @@ import torch
 from PIL import Image
 
 from demo.vision import IMAGE_SIDE, PATCH
-from tests.helpers import FileServer, run_batch, start_server, write_config
+from tests.helpers import FileServer, png_claiming, run_batch, start_server, write_config
 from tests.test_chat_worker import GREEDY_MARGIN, run
 from workers.base import ChatParams, ChatRequest, InvalidParam, ModelSpec, StepContext
 from workers.chat import ChatWorker
@@ -312,6 +312,19 @@ def test_an_input_image_may_name_an_uploaded_file(server, vlm):
     assert caught.value.body["code"] == "invalid_file"
 
 
+def test_a_vision_file_past_pillows_bomb_guard_is_an_image_too_large_to_read(server):
+    """A PNG whose header says 20000x20000 is an image (a file of purpose ``vision`` is taken, as a
+    5000x5000 one is) and too large where it is read: ``image_too_large`` naming the part. Pillow's
+    bomb guard raised in ``image_type`` and the upload was a 500."""
+    c = client(server)
+    f = c.files.create(file=("huge.png", io.BytesIO(png_claiming(20_000, 20_000))), purpose="vision")
+    with pytest.raises(openai.BadRequestError) as caught:
+        c.responses.create(model="tiny-vlm", max_output_tokens=2, input=[{"role": "user", "content": [
+            {"type": "input_image", "file_id": f.id}, {"type": "input_text", "text": TEXT["text"]}]}])
+    assert (caught.value.body["param"], caught.value.body["code"]) == ("input[0].content[0].image_url",
+                                                                       "image_too_large")
+
+
 def test_a_batch_line_with_an_image_is_answered_as_the_endpoint_answers(server):
     c = client(server, "batch")
     body = {"model": "tiny-vlm", "messages": user(image_part(data_url(picture(9))), TEXT), "max_tokens": 6,
@@ -348,6 +361,9 @@ def _gif(frames: int) -> bytes:
      "messages[0].content[0].image_url.url", "invalid_image_format"),
     ("tiny-vlm", user(image_part(data_url(_gif(3), "image/gif")), TEXT), 400, "messages[0].content[0].image_url.url",
      "invalid_image_format"),
+    # a header past Pillow's bomb guard (2 x 89.5M pixels): too large, not damaged (was invalid_image)
+    ("tiny-vlm", user(image_part(data_url(png_claiming(20_000, 20_000))), TEXT), 400,
+     "messages[0].content[0].image_url.url", "image_too_large"),
     ("tiny-vlm", user(TEXT, *[image_part(data_url(picture(i))) for i in range(3)]), 400, "messages[0].content[3]",
      "too_many_images"),
     ("tiny-vlm", [{"role": "system", "content": [image_part(data_url(picture(1)))]}, {"role": "user", "content": "hi"}],
