@@ -601,6 +601,43 @@ def test_a_request_paused_across_a_restart_is_counted_again_as_its_loras_user(lo
     assert engine.num_unfinished() == 0 and engine.inflight == 0
 
 
+def test_paused_requests_give_their_lora_slots_up_to_a_third_lora(loop, engine, adapters):
+    """Batch rows paused on two adapters, which held both LoRA slots, give their slots up while
+    paused: a request for a third adapter (the paid request they paused for) gets a slot and
+    finishes while they wait, and they then take slots again and finish their replies. Before,
+    paused rows kept their slots, and the third adapter's request waited for a slot that they
+    would give back only after it (the paid tier) went idle: a deadlock."""
+    paused = {"on": False}
+
+    async def scenario():
+        ctxs = [StepContext(pause_check=lambda: paused["on"]) for _ in range(2)]
+        batch = [engine.chat(req(max_tokens=300, ctx=ctx), adapters[a], ignore_eos=True)
+                 for ctx, a in zip(ctxs, ("a1", "a2"))]
+        for events in batch:
+            await events.__anext__()  # both run: every resident slot is held
+        full = [engine._resident[adapters[a][0]].users for a in ("a1", "a2")]
+        rest = [asyncio.ensure_future(collect_rest(events)) for events in batch]
+        paused["on"] = True
+        try:
+            while not all(ctx.paused for ctx in ctxs) or engine.inflight:
+                await asyncio.sleep(0.01)
+            async with asyncio.timeout(30):
+                third = await collect(engine, req(max_tokens=8), adapters["a3"])
+        finally:
+            paused["on"] = False
+        return full, third[2], await asyncio.gather(*rest)
+
+    async def collect_rest(events) -> ChatFinished:
+        return [ev async for ev in events if isinstance(ev, ChatFinished)][0]
+
+    full, third, resumed = loop.run_until_complete(scenario())
+    assert full == [1, 1]
+    assert third.completion_tokens == 8
+    assert [fin.completion_tokens for fin in resumed] == [300, 300]
+    assert all(r.users == 0 for r in engine._resident.values())
+    assert engine.num_unfinished() == 0 and engine.inflight == 0
+
+
 # -- one prompt encoding for both engines ----------------------------------------------------------
 CONVERSATIONS = {
     "system+user": [{"role": "system", "content": "You are terse."}, {"role": "user", "content": "Hello world!"}],

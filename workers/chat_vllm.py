@@ -43,8 +43,9 @@ Where vLLM differs from the transformers worker (``workers.chat``):
   So the engine gives vLLM ``max_loras + 1`` slots and keeps at most ``max_loras`` adapters
   resident itself, evicting an idle one (``remove_lora``) before a new one is used: activation
   takes the lowest free slot, so the last slot stays empty and zero. Each request counts as its
-  adapter's user from its start to its end; one paused while the engine is shut down and started
-  again (an eviction on CPU) is counted again in the new run when it resumes.
+  adapter's user while it is in the engine: a paused request gives its slot up and waits for one
+  again when it resumes (paused batch rows holding every slot would otherwise leave a paid request
+  for another LoRA waiting on them while they wait for it), in the engine's current run.
 
 On CPU the engine's processes run without TorchDynamo (``TORCHDYNAMO_DISABLE=1`` in their
 environment, see ``_eager_on_cpu``): ``enforce_eager`` keeps the model out of ``torch.compile``,
@@ -522,10 +523,10 @@ class VllmChatEngine(Worker):
         try:
             while True:  # one pass per submission; a pause ends a pass and resubmits
                 if lora is not None and held != self._residency:
-                    # The engine was shut down and started again while this request was paused
-                    # (an eviction on CPU): the new run has not counted it, and may not have the
-                    # LoRA loaded. Count it there, so that nobody evicts the LoRA under it and its
-                    # release below lowers the right count.
+                    # Resumed after a pause, which gave the LoRA's slot up (or, where the engine was
+                    # shut down and started again meanwhile, an eviction on CPU, whose new run may
+                    # not have the LoRA loaded): count it again, so that nobody evicts the LoRA
+                    # under it and its release below lowers the right count.
                     held = None
                     lora_request = await self._acquire_lora(lora, ctx)
                     held = self._residency
@@ -646,6 +647,12 @@ class VllmChatEngine(Worker):
                     self._inflight.discard(rid)
                 if outcome != "paused":
                     raise RuntimeError(f"request {rid}: the engine's stream ended without finishing")
+                if lora is not None and held == self._residency:
+                    # A paused request gives its LoRA slot up, and takes one again when it resumes
+                    # (at the loop's top): kept, the slots of paused batch rows would leave a paid
+                    # request for another LoRA waiting for a slot while they wait for paid to go idle.
+                    await self._release_lora(lora[0])  # (a cancel can only come before it counts)
+                held = None
                 while ctx.must_pause():
                     if ctx.cancelled:
                         raise Cancelled()
