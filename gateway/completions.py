@@ -53,7 +53,7 @@ from gateway.chat import (ChatJob, ChoiceDelta, Reply, check_room, collect, engi
                           served_caller, serve_chat)
 from gateway.errors import APIError, bad_request
 from gateway.http import Streamed, disconnect_signal
-from gateway.logprobs import check_prompt_logprobs, prompt_logprob_dicts, token_name
+from gateway.logprobs import check_prompt_logprobs, json_logprob, prompt_logprob_dicts, token_name
 from gateway.schemas import (MAX_ALLOWED_TOKEN_IDS, MAX_BAD_WORDS, MAX_REPETITION_PENALTY, MAX_STACK,
                              MAX_STOP_TOKEN_IDS, MIN_REPETITION_PENALTY, AdapterChoice, BadWord, CacheSalt,
                              RequestId, ResponseFormat, StreamOptions, StructuredOutputs, _Body, check_vllm_defaults,
@@ -368,7 +368,8 @@ def legacy_logprobs(entries: list[TokenLogprob], offset: int, prompt: tuple[Prom
     out: dict[str, list] = {"tokens": [], "token_logprobs": [], "top_logprobs": [], "text_offset": []}
 
     def top(e: TokenLogprob) -> dict[str, float]:
-        return {token_name(e, as_ids): e.logprob, **{token_name(t, as_ids): t.logprob for t in e.top}}
+        return {token_name(e, as_ids): json_logprob(e.logprob),
+                **{token_name(t, as_ids): json_logprob(t.logprob) for t in e.top}}
 
     if prompt is not None:
         at = 0
@@ -376,13 +377,13 @@ def legacy_logprobs(entries: list[TokenLogprob], offset: int, prompt: tuple[Prom
             text = e.token if e is not None else prompt[0].first
             out["tokens"].append(token_name(e, as_ids) if e is not None else
                                  f"token_id:{prompt[0].ids[0]}" if as_ids else text)
-            out["token_logprobs"].append(None if e is None else e.logprob)
+            out["token_logprobs"].append(None if e is None else json_logprob(e.logprob))
             out["top_logprobs"].append(None if e is None else top(e))
             out["text_offset"].append(at)
             at += len(text)
     for e in entries:
         out["tokens"].append(token_name(e, as_ids))
-        out["token_logprobs"].append(e.logprob)
+        out["token_logprobs"].append(json_logprob(e.logprob))
         out["top_logprobs"].append(top(e))
         out["text_offset"].append(offset)
         offset += len(e.token)
@@ -458,7 +459,7 @@ def best(job: CompletionJob, replies: list[Reply]) -> list[tuple[int, Reply]]:
 
 
 def _mean_logprob(entries: list[TokenLogprob]) -> float:
-    return sum(e.logprob for e in entries) / len(entries) if entries else float("-inf")
+    return sum(json_logprob(e.logprob) for e in entries) / len(entries) if entries else float("-inf")
 
 
 async def completion_result(svc: Services, caller: Caller, data: dict) -> dict:

@@ -8,9 +8,16 @@ of the token itself, where the engine knows them (``TokenLogprob.raw``): a token
 multi-byte character has that part's bytes (``[195]``), so joining the entries' bytes gives the
 reply's UTF-8, while its ``token`` text alone is U+FFFD (or empty, as vLLM gives it); otherwise
 the UTF-8 of its text.
+
+Every logprob sent is a JSON number (``json_logprob``): an engine's ``-inf`` (an impossible
+token) is -9999.0, as vLLM's own server writes it, and so is a NaN (a model whose outputs went
+non-finite: no probability is known); ``+inf`` (above any log probability) is 0.0. JSON has no
+infinity or NaN: a whole reply with one was a 500, a streamed chunk not JSON at all.
 """
 
 from __future__ import annotations
+
+import math
 
 from gateway.errors import bad_request
 from workers.base import PROMPT_LOGPROBS_WITH_LORA, ModelSpec, TokenLogprob
@@ -25,11 +32,22 @@ def check_prompt_logprobs(spec: ModelSpec, asked: bool, param: str) -> None:
         raise bad_request(PROMPT_LOGPROBS_WITH_LORA.format(model=spec.name), param)
 
 
+IMPOSSIBLE = -9999.0  # vLLM's server's logprob for -inf
+
+
+def json_logprob(logprob: float) -> float:
+    """``logprob`` as a JSON number (the module's doc): -inf and NaN as -9999.0, +inf as 0.0."""
+    if math.isfinite(logprob):
+        return logprob
+    return 0.0 if logprob > 0 else IMPOSSIBLE
+
+
 def _entry(e: TokenLogprob, as_id: bool = False) -> dict:
     if as_id:
-        return {"token": (name := token_name(e, True)), "logprob": e.logprob, "bytes": list(name.encode())}
+        name = token_name(e, True)
+        return {"token": name, "logprob": json_logprob(e.logprob), "bytes": list(name.encode())}
     raw = e.raw if e.raw is not None else e.token.encode("utf-8", "replace")
-    return {"token": e.token, "logprob": e.logprob, "bytes": list(raw)}
+    return {"token": e.token, "logprob": json_logprob(e.logprob), "bytes": list(raw)}
 
 
 def token_name(e: TokenLogprob, as_id: bool) -> str:
@@ -66,6 +84,6 @@ def prompt_logprob_dicts(entries: list[TokenLogprob | None] | None) -> list[dict
         return None
 
     def one(e: TokenLogprob) -> dict:
-        return {"logprob": max(e.logprob, -9999.0), "rank": e.rank, "decoded_token": e.token}
+        return {"logprob": json_logprob(e.logprob), "rank": e.rank, "decoded_token": e.token}
 
     return [None if e is None else {**{str(t.id): one(t) for t in e.top}, str(e.id): one(e)} for e in entries]

@@ -410,6 +410,38 @@ def test_logprobs_whole_and_streamed(server):
     assert [e.logprob for e in streamed] == pytest.approx([e.logprob for e in entries], abs=1e-4)
 
 
+def test_non_finite_logprobs_are_sent_as_json_numbers(server, monkeypatch):
+    """An engine's logprob that is not finite (an impossible token's -inf; NaN or inf from a model
+    whose outputs overflowed) is sent as a JSON number, as vLLM's server sends -inf: -inf and NaN
+    as -9999.0, +inf as 0.0, on chat, legacy completions and responses, whole and streamed. Before,
+    a whole reply was a 500 (``Out of range float values are not JSON compliant``), and a streamed
+    chunk carried ``NaN``/``Infinity``, which is not JSON."""
+    import itertools
+
+    from workers.grammar import Vocabulary
+
+    real, odd = Vocabulary.entry, itertools.cycle([float("-inf"), float("nan"), float("inf")])
+    monkeypatch.setattr(Vocabulary, "entry", lambda self, token, _, *a, **kw: real(self, token, next(odd), *a, **kw))
+
+    def refuse(constant: str):
+        raise AssertionError(f"{constant} in the JSON")
+
+    calls = [("/chat/completions", {"messages": ASK, "logprobs": True, "top_logprobs": 2}),
+             ("/completions", {"prompt": "Hello", "logprobs": 2}),
+             ("/responses", {"input": "Hello", "top_logprobs": 2})]
+    for path, body in calls:
+        for stream in (False, True):
+            r = httpx.post(f"{server.base_url}{path}", headers={"Authorization": f"Bearer {server.keys['paid']}"},
+                           json={"model": "tiny-chat", "max_tokens" if path != "/responses" else "max_output_tokens": 4,
+                                 "temperature": 0, "stream": stream, **body}, timeout=120)
+            assert r.status_code == 200, (path, stream, r.text)
+            lines = [ln[6:] for ln in r.text.splitlines() if ln.startswith("data: ") and ln != "data: [DONE]"]
+            text = "\n".join(lines) if stream else r.text
+            assert "-9999.0" in text, (path, stream)
+            for line in lines if stream else [text]:
+                json.loads(line, parse_constant=refuse)
+
+
 def test_a_reply_without_max_tokens_fits_in_the_room_the_prompt_leaves(server):
     """Without ``max_tokens``, the reply's default (chat's 256, legacy completions' 16) shrinks to
     the room a long prompt leaves in the context, as vLLM's does (``ignore_eos``: the reply fills
