@@ -286,13 +286,17 @@ class SpokenReply(_Body):
 
 
 MAX_STACK = 8  # adapters in one request's stack
+# |weight| of an adapter in a stack: far beyond any blend or extrapolation in use (weights of a
+# few units), and low enough that no factor folds to infinity: a weight of 1e300 made inf of a
+# stack's factors, and vLLM's later base-model rows of other keys came out wrong.
+MAX_ADAPTER_WEIGHT = 100.0
 
 
 class AdapterChoice(_Body):
     """One entry of the ``adapters`` extension field: a configured adapter and its weight."""
 
     name: str = Field(min_length=1)
-    weight: float = Field(default=1.0, allow_inf_nan=False)
+    weight: float = Field(default=1.0, allow_inf_nan=False, ge=-MAX_ADAPTER_WEIGHT, le=MAX_ADAPTER_WEIGHT)
 
 
 def is_count(text: str) -> bool:

@@ -11,6 +11,7 @@ from .adapters import (
     load_peft_adapter,
     save_stack_as_peft,
 )
+from .factors import NonFiniteFactors
 from .ops import LoraFactor, Mode, concat_factors, merge_into, merge_loop, merge_reference
 from .stack import AdapterStack
 
@@ -22,6 +23,7 @@ __all__ = [
     "LoraFactor",
     "LoraModule",
     "Mode",
+    "NonFiniteFactors",
     "concat_factors",
     "concat_stack",
     "load_diffusers_lora",

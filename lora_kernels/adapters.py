@@ -2,7 +2,9 @@
 
 Only plain linear LoRA is accepted (W' = W + scale * B @ A per module). DoRA, other peft LoRA
 variants, trained biases, full-module weights (``modules_to_save``) and embedding LoRA are refused
-with :class:`AdapterRefused`, naming the adapter and the reason, never merged silently.
+with :class:`AdapterRefused`, naming the adapter and the reason, never merged silently. Factors
+that are not finite (NaN or inf: a diverged training run), or not once their scale is folded in,
+are an :class:`AdapterFormatError`; a stack whose weights fold them to inf, ``NonFiniteFactors``.
 """
 
 from __future__ import annotations
@@ -19,6 +21,7 @@ from safetensors import SafetensorError, safe_open
 from safetensors.torch import save_file
 from torch import Tensor
 
+from .factors import NonFiniteFactors, folds_finite
 from .ops import concat_factors
 
 PEFT_CONFIG = "adapter_config.json"
@@ -214,6 +217,9 @@ def _build_modules(
             alpha = alphas.get(module, float(rank))
         scale = alpha / math.sqrt(rank) if config.get("use_rslora") else alpha / rank
         down, up = pair["down"], pair["up"]
+        if not (torch.isfinite(down).all() and folds_finite(up, scale)):  # a diverged training run's NaN
+            raise AdapterFormatError(f"adapter {name!r} ({source}): module {module!r} has factors that are not "
+                                     f"finite (NaN or inf, or overflowing with its scale {scale:g})")
         if dtype is not None:
             down, up = down.to(dtype), up.to(dtype)
         modules[module] = LoraModule(down=down, up=up, scale=scale)
@@ -285,7 +291,8 @@ def load_diffusers_lora(
 
 def concat_stack(stack: Stack, dtype: torch.dtype = torch.float32) -> dict[str, tuple[Tensor, Tensor]]:
     """Per module: (B_cat [out, K], A_cat [K, in...]) in peft layout (``up``/``down`` shapes) with
-    ``w_i * scale_i`` folded into each B block, so ``B_cat @ A_cat = sum_i w_i s_i B_i A_i``."""
+    ``w_i * scale_i`` folded into each B block, so ``B_cat @ A_cat = sum_i w_i s_i B_i A_i``;
+    ``NonFiniteFactors`` where a folded B is not finite."""
     per_module: dict[str, list[tuple[Tensor, Tensor, float]]] = {}
     for adapter, weight in stack:
         for module, lm in adapter.modules.items():
@@ -296,6 +303,9 @@ def concat_stack(stack: Stack, dtype: torch.dtype = torch.float32) -> dict[str, 
         if any(a.shape[1:] != trailing for _, a, _ in fs):
             raise ValueError(f"module {module!r}: adapters disagree on the factor shapes")
         b_cat, a_flat = concat_factors([(b, a.flatten(1), s) for b, a, s in fs], dtype)
+        if not torch.isfinite(b_cat).all():  # the weights folded in: a stack written so would poison vLLM
+            raise NonFiniteFactors(f"module {module!r}: the stack's factors are not finite with its weights "
+                                   "folded in")
         up_shape = (b_cat.shape[0], b_cat.shape[1]) + ((1, 1) if len(trailing) == 3 else ())
         out[module] = (b_cat.reshape(up_shape), a_flat.reshape((a_flat.shape[0],) + tuple(trailing)))
     return out

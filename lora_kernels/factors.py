@@ -4,6 +4,7 @@ checks and concatenation of factors. Both ``ops`` (the entry point and torch pat
 
 from __future__ import annotations
 
+import math
 from collections.abc import Sequence
 from typing import Literal
 
@@ -15,6 +16,22 @@ Backend = Literal["auto", "torch", "triton"]
 LoraFactor = tuple[Tensor, Tensor, float]  # (B [d_out, r], A [r, d_in], scale)
 
 LOW_PRECISION = (torch.bfloat16, torch.float16)
+FP32_MAX = torch.finfo(torch.float32).max
+
+
+class NonFiniteFactors(ValueError):
+    """Factors that are not finite, or not once the scale (and a stack's weight) is folded into
+    B: served, every reply of the stack was empty and, on vLLM, other requests' rows went wrong."""
+
+
+def folds_finite(b: Tensor, scale: float) -> bool:
+    """Whether ``scale * b``, the fold every merge path (and a stack written for vLLM) makes in
+    fp32, is finite; False for a NaN or inf in ``b`` or ``scale``. One reduction over ``b``."""
+    if b.is_meta:  # no values to check (a merge of it fails on its own)
+        return True
+    if not b.numel():
+        return math.isfinite(scale)
+    return float(b.abs().amax()) * abs(scale) <= FP32_MAX  # (NaN compares False)
 
 
 def factor_dtype(weight_dtype: torch.dtype, mode: Mode) -> torch.dtype:

@@ -16,6 +16,7 @@ import torch
 from torch import Tensor, nn
 
 from .adapters import LoraAdapter, LoraModule
+from .factors import NonFiniteFactors, folds_finite
 from .ops import Backend, LoraFactor, Mode, merge_into
 
 
@@ -101,6 +102,9 @@ class AdapterStack:
             for key, lm in adapter.modules.items():
                 name = resolve_module(self._modules, key, adapter.name)
                 b, a = lm.factors(is_transposed(self._modules[name], lm, name))
+                if not folds_finite(b, lm.scale * w):
+                    raise NonFiniteFactors(f"adapter {adapter.name!r} at weight {w:g}: module {key!r}'s factors "
+                                           "are not finite with the weight folded in")
                 targets.setdefault(name, []).append((b, a, lm.scale * w))
         with torch.no_grad():
             for name in [n for n in self._pristine if n not in targets]:

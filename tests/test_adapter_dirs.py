@@ -169,6 +169,44 @@ def test_a_broken_folder_is_a_400_until_it_is_fixed(server, folders, demo_adapte
     assert refused and float(refused.group(1)) >= 3 and "tiergate_adapter_folder_held_bytes" in scraped
 
 
+def loud(source: Path, folder: Path, name: str, fold: float = 1e37) -> Path:
+    """``source``'s adapter as ``name`` of ``folder`` with a ``lora_alpha`` that makes its largest
+    ``scale * B`` ``fold``: finite at weight 1, inf at weight 100 (fp32 ends at 3.4e38)."""
+    import json
+
+    from lora_kernels import load_peft_adapter
+
+    peak = max(float(m.up.abs().max()) * m.scale for m in load_peft_adapter(source).modules.values())
+    target = put(source, folder, name)
+    config = json.loads((target / "adapter_config.json").read_text())
+    config["lora_alpha"] *= fold / peak
+    (target / "adapter_config.json").write_text(json.dumps(config))
+    return settled(target)
+
+
+def test_factors_that_are_not_finite_are_refused(server, folders, demo_adapters):
+    """A folder whose factors hold NaN (a diverged training run) is a 400 ``adapter_invalid``, as
+    any broken folder; a stack whose weight folds an adapter's factors to inf is a 400 naming
+    ``adapters``, and the engine serves on as before. Both were a 200 with an empty reply (and a
+    500 with logprobs); on vLLM the requests of other keys then came out wrong."""
+    import torch
+    from safetensors.torch import load_file, save_file
+
+    base = chat(server)
+    target = put(demo_adapters[PIRATE], folders["chat"], "diverged")
+    weights = target / "adapter_model.safetensors"
+    save_file({k: torch.full_like(v, float("nan")) for k, v in load_file(weights).items()}, weights)
+    settled(target)
+    with pytest.raises(openai.BadRequestError) as e:
+        chat(server, "diverged")
+    assert e.value.body["code"] == "adapter_invalid" and "not finite" in e.value.body["message"]
+    loud(demo_adapters[PIRATE], folders["chat"], "loud")
+    with pytest.raises(openai.BadRequestError) as e:
+        chat(server, adapters=[{"name": "loud", "weight": 100}])
+    assert e.value.body["param"] == "adapters" and "not finite" in e.value.body["message"]
+    assert chat(server) == base
+
+
 @pytest.mark.parametrize("name", ["../chat2/reached", "chat2/../reached", ".hidden", "/etc", "a" * 129])
 def test_names_cannot_reach_outside_their_folder(server, folders, demo_adapters, name):
     put(demo_adapters[PIRATE], folders["chat2"], "reached")

@@ -165,6 +165,18 @@ def test_non_finite_weights_are_400(server, weight):
     assert r.json()["error"]["code"] == "invalid_json"
 
 
+@pytest.mark.parametrize("weight", [1e300, 100.5, -101])
+def test_weights_beyond_100_are_400(server, weight):
+    """A stack's weight is at most 100 either way: far past any blend in use, and small enough that
+    no adapter's factors fold to inf (1e300 did, and on vLLM then changed other keys' replies)."""
+    body = {"model": "tiny-chat", "messages": HELLO, "max_tokens": 2, "adapters": [{"name": PIRATE, "weight": weight}]}
+    r = httpx.post(f"{server.base_url}/chat/completions", headers={"Authorization": f"Bearer {server.keys['paid']}"},
+                   json=body)
+    assert r.status_code == 400, r.text
+    assert r.json()["error"]["param"] == "adapters[0].weight" and "100" in r.json()["error"]["message"]
+    assert chat(server, "tiny-chat", adapters=[{"name": PIRATE, "weight": -100}]) is not None  # the bound itself serves
+
+
 @pytest.mark.parametrize("adapters,param", [
     ([{"name": PIRATE, "weight": "heavy"}], "adapters[0].weight"),
     ([{"name": PIRATE, "path": "/etc"}], "adapters[0].path"),  # no request names a folder

