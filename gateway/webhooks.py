@@ -20,8 +20,9 @@ the ``standardwebhooks`` package does the same and brings an API client's depend
 Delivery is at least once, and outlives the process: each event for each endpoint is first
 written to the outbox (``gateway.webhook_outbox``, on the batch store: SQLite or Redis), and a
 process's delivery loop claims what is due there, tries it, and removes it once the endpoint
-answers 2xx. An answer other than 2xx, or none within ``TIMEOUT_S``, is tried again after 1, 2,
-4... s (at most an hour apart), each try signed afresh, until ``RETRY_WINDOW_S`` (72 hours, as
+answers 2xx. An answer other than 2xx, or none within ``TIMEOUT_S`` (the whole try, up to the
+answer's status and headers; its body is not read), is tried again after 1, 2, 4... s (at most an
+hour apart), each try signed afresh, until ``RETRY_WINDOW_S`` (72 hours, as
 OpenAI retries) after the event was made; then it is dropped (logged). At shutdown the tries in
 flight get ``STOP_WAIT_S`` and the rest stay in the outbox for the next start; what a crashed
 process had claimed is taken by any process serving that endpoint once the claim (``HOLD_S``)
@@ -49,6 +50,7 @@ import uuid
 from collections import Counter
 from dataclasses import dataclass
 
+import anyio
 import httpx
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 from prometheus_client.registry import Collector
@@ -62,7 +64,7 @@ log = logging.getLogger("tiergate.webhooks")
 RETRY_WINDOW_S = 72 * 3600.0  # an event is tried until this long after it was made
 FIRST_RETRY_S = 1.0  # the wait after the first failed try; it doubles after each
 MAX_RETRY_S = 3600.0  # and is at most this
-TIMEOUT_S = 10.0  # one try's
+TIMEOUT_S = 10.0  # one try's, whole: connecting, sending and the answer's status line and headers
 HOLD_S = TIMEOUT_S + 20.0  # a claim: one try, with room to record its outcome
 POLL_S = 2.0  # how often a process looks for deliveries it was not told of (another's, a crashed one's)
 CLAIM_AT_ONCE = 32
@@ -244,10 +246,12 @@ class Webhooks(Collector):
             headers = {"content-type": "application/json", "webhook-id": d.event_id,
                        "webhook-timestamp": str(timestamp), "webhook-signature": sign(endpoint.secret, d.event_id, timestamp, d.body)}
             try:
-                answer = await self._client.post(d.url, content=d.body, headers=headers)
-                ok, why = 200 <= answer.status_code < 300, f"HTTP {answer.status_code}"
+                status = await self._post(d.url, d.body, headers)
+                ok, why = 200 <= status < 300, f"HTTP {status}"
             except httpx.HTTPError as exc:
                 ok, why = False, type(exc).__name__
+            except TimeoutError:
+                ok, why = False, f"no answer in {TIMEOUT_S:g}s"
             except asyncio.CancelledError:  # shutdown: released, so the next start sends it at once
                 await self._record(self.outbox.reschedule(d, self.runner, d.attempt, time.time()))
                 raise
@@ -269,6 +273,15 @@ class Webhooks(Collector):
             self.outcomes[d.url, outcome] += 1
         finally:
             self.trying -= 1
+
+    async def _post(self, url: str, body: str, headers: dict[str, str]) -> int:
+        """The status an endpoint answers ``body`` with; TimeoutError past ``TIMEOUT_S`` for the
+        whole try (httpx's timeout is per read: an endpoint that trickles would hold the try for
+        ever). The answer's body is not read: the status is the answer, and a body sent slowly
+        (a proxy's) cannot hold the try either."""
+        with anyio.fail_after(TIMEOUT_S):
+            async with self._client.stream("POST", url, content=body, headers=headers) as answer:
+                return answer.status_code
 
     async def _record(self, change) -> None:
         """An outcome written to the outbox; a store that fails here leaves the claim to run out,

@@ -10,6 +10,7 @@ import io
 import json
 import os
 import queue
+import socketserver
 import threading
 import time
 from dataclasses import replace
@@ -245,6 +246,62 @@ def test_the_outbox_gives_a_delivery_to_one_claimant_at_a_time(outbox_factory):
             await b.close()
 
     asyncio.run(go())
+
+
+class Trickler:
+    """An endpoint that sends ``head`` at once, then ``tail`` a byte every 0.1 s: an answer that
+    never ends while each read gets something."""
+
+    def __init__(self, head: bytes, tail: bytes) -> None:
+        self.tries = 0
+        trickler = self
+
+        class Handler(socketserver.BaseRequestHandler):
+            def handle(self) -> None:
+                trickler.tries += 1
+                try:
+                    self.request.sendall(head)
+                    for byte in tail:
+                        time.sleep(0.1)
+                        self.request.sendall(bytes([byte]))
+                except OSError:  # the sender gave up
+                    pass
+
+        self.server = socketserver.ThreadingTCPServer(("127.0.0.1", 0), Handler)
+        self.server.daemon_threads = True
+        self.url = f"http://127.0.0.1:{self.server.server_address[1]}/hook"
+        threading.Thread(target=self.server.serve_forever, daemon=True).start()
+
+
+def test_a_try_ends_at_its_deadline_however_slowly_the_endpoint_answers(tmp_path, monkeypatch):
+    """An endpoint whose status line and headers come a byte at a time fails its try at the
+    deadline (a timeout per read never fires) and is tried again; one that answers 200 and then
+    trickles its body is delivered: the status is the answer, the body is not waited for."""
+    import gateway.webhooks as webhooks
+
+    monkeypatch.setattr(webhooks, "TIMEOUT_S", 1.0)
+    monkeypatch.setattr(webhooks, "FIRST_RETRY_S", 0.05)
+    slow_head = Trickler(b"HTTP/1.1 200 OK\r\n", b"x-padding: " + b"." * 600)
+    slow_body = Trickler(b"HTTP/1.1 200 OK\r\ncontent-length: 600\r\n\r\n", b"." * 600)
+
+    async def go():
+        hooks = webhooks.Webhooks([webhooks.Endpoint(t.url, b"secret", None, None) for t in (slow_head, slow_body)],
+                                  SQLiteOutbox(tmp_path / "batches.sqlite3"))
+        await hooks.start()
+        try:
+            hooks.emit("batch.completed", "batch_1", "key")
+            await asyncio.sleep(3.0)
+            return dict(hooks.outcomes)
+        finally:
+            await hooks.stop()
+
+    try:
+        outcomes = asyncio.run(go())
+        assert outcomes.get((slow_body.url, "delivered")) == 1 and slow_body.tries == 1
+        assert outcomes.get((slow_head.url, "retried"), 0) >= 2 and slow_head.tries >= 2
+    finally:
+        slow_head.server.shutdown()
+        slow_body.server.shutdown()
 
 
 def test_an_event_whose_try_was_cut_by_a_shutdown_is_sent_by_the_next_start(tiny_chat, tmp_path, monkeypatch):
