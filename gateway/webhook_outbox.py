@@ -50,11 +50,12 @@ class Outbox(abc.ABC):
         after it had landed) is left as it is."""
 
     @abc.abstractmethod
-    async def claim(self, urls: list[str], runner: str, now: float, until: float, limit: int,
+    async def claim(self, rooms: dict[str, int], runner: str, now: float, until: float,
                     made_after: float) -> list[Delivery]:
-        """Up to ``limit`` deliveries to ``urls`` available at ``now`` (an endpoint's soonest first), claimed for
-        ``runner`` until ``until``. Deliveries made before ``made_after`` (their retry window
-        over) are deleted instead of returned."""
+        """Up to ``rooms[url]`` deliveries to each endpoint of ``rooms`` available at ``now`` (its
+        soonest first; each endpoint's apart, so that one's backlog never takes another's room),
+        claimed for ``runner`` until ``until``. Deliveries made before ``made_after`` (their retry
+        window over) are deleted instead of returned."""
 
     @abc.abstractmethod
     async def pending(self, urls: list[str]) -> dict[str, int]:
@@ -87,20 +88,18 @@ class SQLiteOutbox(SQLiteFile, Outbox):
             "VALUES (?, ?, ?, ?, ?, ?, ?)",
             [(d.id, d.url, d.event_id, d.body, d.created_at, d.attempt, now) for d in deliveries])))
 
-    async def claim(self, urls: list[str], runner: str, now: float, until: float, limit: int,
+    async def claim(self, rooms: dict[str, int], runner: str, now: float, until: float,
                     made_after: float) -> list[Delivery]:
         def take(db: sqlite3.Connection) -> list[Delivery]:
             db.execute("DELETE FROM webhook_deliveries WHERE created_at < ?", (made_after,))
-            marks = ",".join("?" * len(urls))
-            rows = db.execute(
-                f"SELECT id, url, event_id, body, created_at, attempt FROM webhook_deliveries "
-                f"WHERE url IN ({marks}) AND available_at <= ? ORDER BY available_at LIMIT ?",
-                (*urls, now, limit)).fetchall()
+            rows = [row for url, limit in rooms.items() for row in db.execute(
+                "SELECT id, url, event_id, body, created_at, attempt FROM webhook_deliveries "
+                "WHERE url = ? AND available_at <= ? ORDER BY available_at LIMIT ?", (url, now, limit))]
             db.executemany("UPDATE webhook_deliveries SET runner = ?, available_at = ? WHERE id = ?",
                            [(runner, until, r[0]) for r in rows])
             return [Delivery(*r) for r in rows]
 
-        return await self._call(self._tx, take) if urls else []
+        return await self._call(self._tx, take) if rooms else []
 
     async def pending(self, urls: list[str]) -> dict[str, int]:
         marks = ",".join("?" * len(urls))
@@ -174,14 +173,12 @@ class RedisOutbox(RedisKeys, Outbox):
                 tx.zadd(self.k("webhook-due", d.url), {d.id: now}, nx=True)  # written again: its due time kept
             await tx.execute()
 
-    async def claim(self, urls: list[str], runner: str, now: float, until: float, limit: int,
+    async def claim(self, rooms: dict[str, int], runner: str, now: float, until: float,
                     made_after: float) -> list[Delivery]:
         out: list[Delivery] = []
-        for url in urls:
-            if len(out) >= limit:
-                break
+        for url, limit in rooms.items():
             rows = await self._claim(keys=[self.k("webhook-due", url)],
-                                     args=[repr(now), repr(until), limit - len(out), runner,
+                                     args=[repr(now), repr(until), limit, runner,
                                            self.k("webhook-delivery", ""), repr(made_after)])
             for flat in rows:
                 f: dict[str, Any] = {flat[i].decode(): flat[i + 1].decode() for i in range(0, len(flat), 2)}

@@ -30,8 +30,11 @@ runs out, found by the loop's poll (``POLL_S``). While the store fails, new even
 process and each turn of the loop (every ``POLL_S`` at most) writes them again. An event can still
 be lost when the process dies after the work ended and before the event was written (a store
 write's time, or as long as the store stays down), and at a shutdown while the store is down
-(logged with the events' ids). ``/metrics`` counts tries by endpoint and outcome (``tiergate_webhook_deliveries_total``) and
-what waits in the outbox (``tiergate_webhook_pending``: a growing count is an endpoint down).
+(logged with the events' ids). A process has at most ``MAX_TRYING`` tries in flight, and
+``MAX_TRYING_EACH`` of them to one endpoint, each endpoint's claimed apart: one that is slow to
+answer or down delays only its own deliveries. ``/metrics`` counts tries by endpoint and outcome
+(``tiergate_webhook_deliveries_total``) and what waits in the outbox (``tiergate_webhook_pending``:
+a growing count is an endpoint down).
 """
 
 from __future__ import annotations
@@ -67,8 +70,8 @@ MAX_RETRY_S = 3600.0  # and is at most this
 TIMEOUT_S = 10.0  # one try's, whole: connecting, sending and the answer's status line and headers
 HOLD_S = TIMEOUT_S + 20.0  # a claim: one try, with room to record its outcome
 POLL_S = 2.0  # how often a process looks for deliveries it was not told of (another's, a crashed one's)
-CLAIM_AT_ONCE = 32
 MAX_TRYING = 64  # tries in flight per process
+MAX_TRYING_EACH = 16  # of them to one endpoint: one that is slow to answer leaves room for the others
 STOP_WAIT_S = 5.0
 
 
@@ -130,7 +133,8 @@ class Webhooks(Collector):
         self.outbox = outbox
         self.runner = f"{socket.gethostname()}:{os.getpid()}:{secrets.token_hex(3)}"
         self.pending: set[asyncio.Task] = set()  # events being written, and tries in flight
-        self.trying = 0
+        self.trying: Counter[str] = Counter()  # per endpoint, tries in flight
+        self._turn = 0  # which endpoint is offered room first this turn of the loop
         self.outcomes: Counter[tuple[str, str]] = Counter()  # (url, delivered|retried|dropped)
         self.waiting: dict[str, int] = {}  # per endpoint, deliveries in the outbox (read by each turn of the loop)
         self.unwritten: list[Delivery] = []  # deliveries whose outbox write failed, written again each turn
@@ -210,28 +214,44 @@ class Webhooks(Collector):
             log.info("webhooks: %d deliveries kept while the outbox failed are written", len(kept))
         return True
 
+    def _rooms(self) -> dict[str, int]:
+        """How many deliveries each endpoint may claim now: up to ``MAX_TRYING_EACH`` of its tries
+        in flight, and ``MAX_TRYING`` of all, offered from another endpoint first each turn, so
+        that no endpoint's backlog (a slow one's retries) waits on another's."""
+        urls = list(self.by_url)
+        first = self._turn % len(urls)
+        self._turn += 1
+        left, rooms = MAX_TRYING - sum(self.trying.values()), {}
+        for url in urls[first:] + urls[:first]:
+            room = min(MAX_TRYING_EACH - self.trying[url], left)
+            if room > 0:
+                rooms[url] = room
+                left -= room
+        return rooms
+
     async def _deliver_loop(self) -> None:
         urls = list(self.by_url)
         while True:
             self._wake.clear()
             await self._write_again()
-            room = min(CLAIM_AT_ONCE, MAX_TRYING - self.trying)
+            rooms = self._rooms()
             claimed: list[Delivery] = []
-            if room > 0:
+            if rooms:
                 now = time.time()
                 try:
-                    claimed = await self.outbox.claim(urls, self.runner, now, now + HOLD_S, room, now - RETRY_WINDOW_S)
+                    claimed = await self.outbox.claim(rooms, self.runner, now, now + HOLD_S, now - RETRY_WINDOW_S)
                 except Exception as exc:  # noqa: BLE001 - a store that is down: the next turn tries again
                     log.warning("webhooks: the outbox could not be read: %s", exc)
             for delivery in claimed:
-                self.trying += 1
+                self.trying[delivery.url] += 1
                 self._spawn(self._try(delivery))
             try:
                 self.waiting = await self.outbox.pending(urls)
             except Exception as exc:  # noqa: BLE001 - as above
                 log.warning("webhooks: the outbox could not be counted: %s", exc)
             honour_cancel()
-            if claimed and len(claimed) == room:
+            taken = Counter(d.url for d in claimed)
+            if any(taken[url] == room for url, room in rooms.items()):
                 continue  # more may be due
             try:
                 async with asyncio.timeout(POLL_S):
@@ -272,7 +292,10 @@ class Webhooks(Collector):
                 await self._record(self.outbox.finish(d, self.runner))
             self.outcomes[d.url, outcome] += 1
         finally:
-            self.trying -= 1
+            full = self.trying[d.url] >= MAX_TRYING_EACH or sum(self.trying.values()) >= MAX_TRYING
+            self.trying[d.url] -= 1
+            if full:  # the loop offered no room that this try's end makes: it may claim again now
+                self._wake.set()
 
     async def _post(self, url: str, body: str, headers: dict[str, str]) -> int:
         """The status an endpoint answers ``body`` with; TimeoutError past ``TIMEOUT_S`` for the

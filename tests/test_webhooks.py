@@ -225,25 +225,48 @@ def test_the_outbox_gives_a_delivery_to_one_claimant_at_a_time(outbox_factory):
             assert await b.pending([x, y, "http://127.0.0.1:1/z"]) == {x: 1, y: 1, "http://127.0.0.1:1/z": 0}
             await b.add([dx], now + 50)  # written again (its first write's answer was lost): left as it was
             assert await b.pending([x, y]) == {x: 1, y: 1}
-            assert await a.claim([x], "A", now, now + 30, 10, early) == [dx]  # only its endpoints'
-            assert await b.claim([x], "B", now + 29, now + 59, 10, early) == []  # A holds it
+            assert await a.claim({x: 10}, "A", now, now + 30, early) == [dx]  # only its endpoints'
+            assert await b.claim({x: 10}, "B", now + 29, now + 59, early) == []  # A holds it
             assert not await b.finish(dx, "B") and not await b.reschedule(dx, "B", 1, now)  # not B's to change
-            assert await b.claim([x], "B", now + 30, now + 60, 10, early) == [dx]  # A's claim ran out
+            assert await b.claim({x: 10}, "B", now + 30, now + 60, early) == [dx]  # A's claim ran out
             assert not await a.finish(dx, "A") and not await a.reschedule(dx, "A", 1, now)  # A, late, changes nothing
             assert await b.reschedule(dx, "B", 1, now + 40)  # B's try failed: the next at +40
-            assert await a.claim([x], "A", now + 39, now + 69, 10, early) == []
-            again = await a.claim([x], "A", now + 40, now + 70, 10, early)
+            assert await a.claim({x: 10}, "A", now + 39, now + 69, early) == []
+            again = await a.claim({x: 10}, "A", now + 40, now + 70, early)
             assert again == [replace(dx, attempt=1)]
             assert await a.finish(again[0], "A")  # delivered: gone
             assert await b.pending([x, y]) == {x: 0, y: 1}
-            assert await a.claim([x], "A", now + 1000, now + 1030, 10, early) == []
-            assert await b.claim([x, y], "B", now + 1000, now + 1030, 10, early) == [dy]
+            assert await a.claim({x: 10}, "A", now + 1000, now + 1030, early) == []
+            assert await b.claim({x: 10, y: 10}, "B", now + 1000, now + 1030, early) == [dy]
             assert await b.reschedule(dy, "B", 1, now + 1000)
-            assert await b.claim([y], "B", now + 1000, now + 1030, 10, now + 1) == []  # its window is over
-            assert await b.claim([y], "B", now + 1000, now + 1030, 10, early) == []  # and it was deleted
+            assert await b.claim({y: 10}, "B", now + 1000, now + 1030, now + 1) == []  # its window is over
+            assert await b.claim({y: 10}, "B", now + 1000, now + 1030, early) == []  # and it was deleted
         finally:
             await a.close()
             await b.close()
+
+    asyncio.run(go())
+
+
+def test_the_outbox_gives_each_endpoint_its_own_room(outbox_factory):
+    """A claim takes up to each endpoint's own room, the soonest first: a backlog at one endpoint
+    (listed first, and due first) does not take the room of another."""
+    x, y = "http://127.0.0.1:1/x", "http://127.0.0.1:1/y"
+
+    async def go():
+        outbox = outbox_factory()
+        await outbox.open()
+        try:
+            now = time.time()
+            xs = [Delivery(f"whd_x{i}", x, f"evt_{i}", "{}", now) for i in range(5)]
+            ys = [Delivery(f"whd_y{i}", y, f"evt_{i}", "{}", now) for i in range(5)]
+            for i, (dx, dy) in enumerate(zip(xs, ys)):
+                await outbox.add([dx], now - 10 + i)
+                await outbox.add([dy], now - 5 + i)
+            got = await outbox.claim({x: 2, y: 3}, "A", now, now + 30, now - 100)
+            assert sorted(d.id for d in got) == ["whd_x0", "whd_x1", "whd_y0", "whd_y1", "whd_y2"]
+        finally:
+            await outbox.close()
 
     asyncio.run(go())
 
@@ -302,6 +325,41 @@ def test_a_try_ends_at_its_deadline_however_slowly_the_endpoint_answers(tmp_path
     finally:
         slow_head.server.shutdown()
         slow_body.server.shutdown()
+
+
+def test_an_endpoint_that_never_answers_leaves_room_for_the_others(outbox_factory, monkeypatch):
+    """``stuck`` (listed first) holds each try until the 10 s timeout; its tries in flight are
+    capped per endpoint, so ``ok`` gets every event waiting for it at once, on either store."""
+    import gateway.webhooks as webhooks
+
+    monkeypatch.setattr(webhooks, "MAX_TRYING", 4)
+    monkeypatch.setattr(webhooks, "MAX_TRYING_EACH", 2)
+    monkeypatch.setattr(webhooks, "STOP_WAIT_S", 0.2)
+    stuck, ok = Receiver(), Receiver()
+    stuck.delay_s = 15.0
+    urls = [f"http://127.0.0.1:{r.port}/hook" for r in (stuck, ok)]
+
+    async def go():
+        made = outbox_factory()  # the events, made before the loop's first turn: it has 16 to choose from
+        await made.open()
+        body = [json.dumps({"data": {"id": f"batch_{i}"}}) for i in range(8)]
+        await made.add([Delivery(f"whd_{i}_{j}", url, f"evt_{i}", body[i], time.time())
+                        for i in range(8) for j, url in enumerate(urls)], time.time())
+        await made.close()
+        hooks = webhooks.Webhooks([webhooks.Endpoint(url, b"secret", None, None) for url in urls], outbox_factory())
+        await hooks.start()
+        try:
+            got = [json.loads((await asyncio.to_thread(ok.next, 3))[0])["data"]["id"] for _ in range(8)]
+            assert sorted(got) == sorted(f"batch_{i}" for i in range(8))
+            assert hooks.trying[urls[0]] == 2
+        finally:
+            await hooks.stop()
+
+    try:
+        asyncio.run(go())
+    finally:
+        stuck.http.shutdown()
+        ok.http.shutdown()
 
 
 def test_an_event_whose_try_was_cut_by_a_shutdown_is_sent_by_the_next_start(tiny_chat, tmp_path, monkeypatch):
