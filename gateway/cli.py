@@ -82,18 +82,21 @@ def tcp_port(text: str) -> int:
 
 
 def _check(config_path: str) -> int:
-    """``tiergate check``: the config as ``serve`` reads it (2 when it cannot be read), then each
+    """``tiergate check``: the config as ``serve`` reads it, its adapters and webhooks' secrets
+    too (2 when it cannot be read), then each
     model's kind, engine, aliases and footprint against the device budget, what the gateway reads
     of its folder before loading it, and whether all fit at once; each tier's key count; 1 when a
     model's folder or a key file cannot be read or a model can never fit. Loads no weights."""
     from arbiter.footprint import default_device, device_budget
     from arbiter.residency import _estimate
     from gateway.adapters import load_adapters
+    from gateway.webhooks import endpoints_of
     from workers.registry import describe, folder_kind_mismatch
 
     try:
         config = load_config(config_path)
         adapters = load_adapters(config)
+        endpoints_of(config)  # as serve reads them: each secret set and readable, each URL once
     except ConfigError as exc:
         print(f"tiergate: {exc}", file=sys.stderr)
         return 2

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import base64
 import subprocess
 import sys
 from pathlib import Path
@@ -345,6 +346,34 @@ def test_tiergate_check_reads_every_model_and_its_fit(tiny_chat, tiny_embed, tmp
     assert code == 1 and "pictures is kind image, but its folder holds a chat model" in line(out, "pictures")
     code, _, err = check("  - {name: chat, kind: video, path: /}\n")
     assert code == 2 and "models[0].kind" in err
+
+
+def test_tiergate_check_refuses_the_webhooks_serve_refuses(tiny_chat, tmp_path, capsys, monkeypatch):
+    """``tiergate check`` reads ``webhooks:`` as ``serve`` does: an endpoint whose secret variable
+    is unset, whose ``whsec_`` secret is not base64, or a URL listed twice is exit 2 with serve's
+    message; a good one passes."""
+    from gateway.cli import main
+
+    monkeypatch.delenv("TG_UNSET_SECRET", raising=False)
+    monkeypatch.setenv("TG_GOOD_SECRET", "whsec_" + base64.b64encode(b"x" * 32).decode())
+    monkeypatch.setenv("TG_BAD_SECRET", "whsec_not base64!")
+    hook = "  - {url: 'http://127.0.0.1:1/h', secret_env: %s}\n"
+
+    def check(webhooks: str) -> tuple[int, str]:
+        path = tmp_path / "tiers.yaml"
+        path.write_text("tiers:\n  - {name: paid, keys_env: K_PAID}\nmodels:\n"
+                        f"  - {{name: chat, kind: chat, path: {tiny_chat}, engine: transformers}}\n"
+                        "gpu: {device: cpu, vram_budget: 1GiB}\nwebhooks:\n" + webhooks)
+        code = main(["check", "--config", str(path)])
+        return code, capsys.readouterr().err
+
+    assert check(hook % "TG_GOOD_SECRET") == (0, "")
+    code, err = check(hook % "TG_UNSET_SECRET")
+    assert code == 2 and "webhooks[0] (http://127.0.0.1:1/h): the environment variable TG_UNSET_SECRET" in err
+    code, err = check(hook % "TG_BAD_SECRET")
+    assert code == 2 and "TG_BAD_SECRET starts with whsec_ but the rest is not base64" in err
+    code, err = check(hook % "TG_GOOD_SECRET" * 2)
+    assert code == 2 and "webhooks[1] (http://127.0.0.1:1/h): this URL is listed twice" in err
 
 
 def test_tiergate_check_counts_each_tiers_keys_and_names_a_key_file_it_cannot_read(tiny_chat, tmp_path, capsys,
