@@ -42,6 +42,7 @@ from gateway.config import Config
 from gateway.cors import cors
 from gateway.background import Background
 from gateway.drain import LIVENESS, Drain, DrainGate, Preload, readyz
+from gateway.store_watch import StoreWatch
 from gateway.errors import APIError, speaks_anthropic, store_unavailable
 from gateway.image_store import ImageStore
 from gateway.loop_watch import LoopWatch
@@ -280,6 +281,7 @@ async def _store_down(request: Request, exc: Exception) -> Response:
     if isinstance(exc, sqlite3.IntegrityError):
         return await _unexpected(request, exc)
     request.app.state.services.left_door()
+    request.app.state.store_watch.failed(exc)  # stored responses and chat completions: refused before their work
     log.warning("a store did not answer on %s %s: %r", request.method, request.url.path, exc)
     return store_unavailable("a store this request needs").response(_anthropic(request))
 
@@ -431,6 +433,7 @@ def create_app(services: Services, extra: Sequence[BaseRoute] = ()) -> Starlette
     app.state.uploads = uploads_for(services)  # input files sent in parts (batch/api.py)
     app.state.responses = responses_for(services)
     app.state.completions = completions_for(services)  # stored chat completions
+    app.state.store_watch = StoreWatch()  # whether the store was last seen failing
     app.state.conversations = conversations_for(services)
     app.state.vector_stores = vector_stores_for(services)
     app.state.indexer = indexer_for(services, app.state.vector_stores, app.state.batches.store)

@@ -41,6 +41,7 @@ from gateway.request_log import new_id
 from gateway.schemas import ChatCompletionRequest, check_vllm_defaults, parse, read_json, reply_options, sampling
 from gateway.service import Services
 from gateway.serving import Gone, Joint, Serving
+from gateway.store_watch import NOT_STORED, StoreWatch
 from gateway.structured import request_grammar
 from gateway.tools import CallDelta, CallParser, ToolCalls, ToolPlan, plan_tools
 from gateway.vision import PendingImage, request_images, resolve_images
@@ -568,6 +569,9 @@ async def chat_completions(request: Request) -> Response:
         log.info("chat request: key %s, user %s, tier %s", caller.key_id, end_user, served.tier)
     completion_id = f"chatcmpl-{body.request_id or new_id()}"
     headers = {**svc.gate.rate_headers(served.tier), "x-tiergate-tier": served.tier}
+    watch: StoreWatch = request.app.state.store_watch
+    if body.store:  # refused before the work while the store is down, not after it
+        await watch.check(lambda: request.app.state.completions.get(completion_id, caller.key_id))
     async with disconnect_signal(request) as gone:
         deltas = serve_chat(svc, caller, job, gone)
         if not body.stream:
@@ -575,16 +579,18 @@ async def chat_completions(request: Request) -> Response:
             if voice is not None:
                 await say_replies(svc, caller, voice, replies, gone)
             answer = completion(completion_id, body.model, replies, tier, job, svc)
-            if body.store:
-                await stored_chat.keep(request.app.state.completions, caller.key_id, _unsaid(answer), body)
+            if body.store and not await watch.kept(stored_chat.keep(request.app.state.completions, caller.key_id,
+                                                                    _unsaid(answer), body), completion_id):
+                headers = {**headers, **NOT_STORED}  # answered all the same: the work is done and metered
             return JSONResponse(answer, headers=headers)
         first = await deltas.__anext__()
     include_usage = bool(body.stream_options and body.stream_options.include_usage)
     label = service_tier.label(svc.config, served.tier)
     kept = None
     if body.store:
-        async def kept(answer: dict) -> None:
-            await stored_chat.keep(request.app.state.completions, caller.key_id, _unsaid(answer), body)
+        async def kept(answer: dict) -> None:  # a store that failed: logged, and the stream ends as it would
+            await watch.kept(stored_chat.keep(request.app.state.completions, caller.key_id, _unsaid(answer), body),
+                             completion_id)
     speaker = None
     if voice is not None:
         def speaker(text: str) -> AsyncIterator[bytes]:  # the client leaving closes the stream, and the speech with it

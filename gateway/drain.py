@@ -207,8 +207,10 @@ async def readyz(request: Request) -> Response:
         async with asyncio.timeout(STORE_TIMEOUT_S):  # not wait_for: it can swallow a cancel on 3.11
             await store.get_batch("batch_readyz")  # a read: None, if it answers
     except Exception as exc:  # noqa: BLE001 - any failure means not ready
+        request.app.state.store_watch.failed(exc)
         return JSONResponse({"status": "store_unavailable", "store": type(store).__name__,
                              "error": f"{type(exc).__name__}: {exc}"[:300]}, status_code=503)
+    request.app.state.store_watch.answered()
     failed = {"preload_failed": preload.failed} if preload.failed else {}
     return JSONResponse({"status": "ready", "config": str(request.app.state.services.config.source),
                          "store": type(store).__name__, **failed})

@@ -37,6 +37,7 @@ from gateway.responses import (RUNNING, Draft, InputTokensRequest, ResponseEvent
                                plan_response, responses_names, shown, whole_output)
 from gateway.schemas import ChatCompletionRequest, EndUser, is_count, parse, read_json
 from gateway.service import Services
+from gateway.store_watch import NOT_STORED, StoreWatch
 from workers.base import ChatParams, ChatRequest, InvalidParam
 from workers.chat_prompt import encode, vision_inputs
 from workers.registry import describe
@@ -96,6 +97,9 @@ async def _started(request: Request, svc: Services, caller: Caller, body: Respon
         if events is not None:
             return Streamed(events.log.follow(-1), "text/event-stream", headers=headers)
         return JSONResponse(draft.public("queued"), headers=headers)
+    watch: StoreWatch = request.app.state.store_watch
+    if body.store:  # refused before the work while the store is down, not after it
+        await watch.check(lambda: store.get(draft.id, caller.key_id))
     with responses_names():  # the engine refuses a prompt past the context: that is ``input``
         async with disconnect_signal(request) as gone:
             deltas = serve_chat(svc, caller, job.chat, gone)
@@ -103,11 +107,12 @@ async def _started(request: Request, svc: Services, caller: Caller, body: Respon
                 replies, _ = await collect(deltas)
                 draft.reply = replies[0]
                 draft.output = whole_output(draft)
-                await draft.keep(store, caller.key_id, conversations)
+                if not await watch.kept(draft.keep(store, caller.key_id, conversations), draft.id):
+                    headers = {**headers, **NOT_STORED}  # answered all the same: the work is done and metered
                 release()
                 return JSONResponse(draft.public(draft.status), headers=headers)
             first = await deltas.__anext__()
-    events = live_events(deltas, first, draft, store, caller.key_id, conversations)
+    events = live_events(deltas, first, draft, store, caller.key_id, conversations, watch)
     return Streamed(_Releasing(events, release), "text/event-stream", headers=headers)
 
 
@@ -312,7 +317,8 @@ async def delete_response(request: Request) -> Response:
 
 
 async def live_events(deltas: AsyncGenerator[ChoiceDelta, None], first: ChoiceDelta, draft: Draft,
-                  store: ResponseStore, owner: str, conversations: ConversationStore | None) -> AsyncIterator[str]:
+                      store: ResponseStore, owner: str, conversations: ConversationStore | None,
+                      watch: StoreWatch) -> AsyncIterator[str]:
     s = ResponseEvents(draft)
     try:
         yield s.event("response.created", response=draft.public("in_progress"))
@@ -329,7 +335,7 @@ async def live_events(deltas: AsyncGenerator[ChoiceDelta, None], first: ChoiceDe
         for line in closing_events(s):
             yield line
         status = draft.status
-        await draft.keep(store, owner, conversations)
+        await watch.kept(draft.keep(store, owner, conversations), draft.id)  # failed: logged, and it ends as it would
         yield s.event(f"response.{status}", response=draft.public(status))
     except APIError as exc:  # (its conversation refused its items: a duplicate_item_id)
         yield s.event("error", code=exc.code, message=exc.message, param=exc.param)

@@ -13,7 +13,9 @@ stored-completions API:
   was sent as parts; ``order`` ``asc`` by default, ``limit``, ``after`` a message id.
 
 A completion is stored when its last choice finished: one whose client left mid-way, or that
-failed, is not. Batch lines are not stored (their output file is their record). Another key's
+failed, is not. While the store is known to be down, a ``store: true`` request is refused 503
+before its work; one whose store write fails after it is answered all the same
+(``gateway.store_watch``). Batch lines are not stored (their output file is their record). Another key's
 completion is a 404, as if it did not exist.
 """
 

@@ -955,6 +955,31 @@ def test_on_redis_another_processs_cancel_or_delete_stops_the_work_at_once(tiny_
             s.stop()
 
 
+def test_while_the_store_is_down_a_stored_response_is_refused_before_its_work_or_answered_unstored(tiny_chat,
+                                                                                                    tmp_path):
+    """Redis stops: the first response (``store`` by default; the server did not know yet) is
+    answered all the same, its work done: a streamed one ends ``response.completed`` or
+    ``incomplete`` with no error event, and a whole one carries ``x-tiergate-stored: false``. Once
+    the server knows, one is refused with 503 ``store_unavailable`` before any work, while
+    ``store: false`` is served."""
+    with redis_server(tmp_path) as url:
+        s = start_server(write_config(tmp_path, {"tiny-chat": ("chat", tiny_chat)}, f"batch:\n  store: {url}\n"))
+    try:
+        c, watch = client(s), s.app.state.store_watch
+        types = [e.type for e in c.responses.create(model="tiny-chat", input="hi", max_output_tokens=4, stream=True)]
+        assert types[-1] in ("response.completed", "response.incomplete") and "error" not in types, types
+        with pytest.raises(openai.APIStatusError) as refused:
+            c.responses.create(model="tiny-chat", input="hi", max_output_tokens=4)
+        assert refused.value.status_code == 503 and refused.value.code == "store_unavailable"
+        assert c.responses.create(model="tiny-chat", input="hi", max_output_tokens=4, store=False).output_text
+        s.call(lambda: setattr(watch, "down", False))  # as if the outage began during the next one's work
+        raw = c.responses.with_raw_response.create(model="tiny-chat", input="hi", max_output_tokens=4)
+        assert raw.status_code == 200 and raw.headers["x-tiergate-stored"] == "false" and raw.parse().output_text
+        assert s.call(lambda: watch.down)  # and the next is refused before its work
+    finally:
+        s.stop()
+
+
 def test_a_background_response_whose_process_died_is_run_again_here(tiny_chat, tmp_path, monkeypatch):
     """A record left running by a dead process (its last write older than reclaim_after_s), with its
     request kept: another process claims it and runs it from the start, so it ends as it would

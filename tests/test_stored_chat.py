@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import json
 import sqlite3
 import time
 
@@ -256,3 +257,55 @@ def test_retention_on_redis(tmp_path):
             assert [m.decode() for m in r.zrange("tg:chat-completions:k", 0, -1)] == ["c1"]
         finally:
             r.close()
+
+
+def test_while_the_store_is_down_a_stored_completion_is_refused_before_its_work_or_answered_unstored(tiny_chat,
+                                                                                                      tmp_path):
+    """Redis stops: the first ``store: true`` completion (the server did not know yet) is answered
+    all the same, its work done and metered: a streamed one ends as it would, with no error, and
+    a whole one carries ``x-tiergate-stored: false``. Once the server knows, one is refused with
+    503 ``store_unavailable`` before any work (no usage), while ``store: false`` is served; with
+    Redis back, completions are stored again."""
+    from tests.helpers import spare_port
+
+    def unwritten() -> float:  # usage kept in memory while the store is down: a row per request metered
+        line = next(ln for ln in httpx.get(f"{s.url}/metrics", timeout=30).text.splitlines()
+                    if ln.startswith("tiergate_usage_unwritten "))
+        return float(line.split()[1])
+
+    def stream() -> list[str]:
+        with httpx.stream("POST", f"{s.base_url}/chat/completions", timeout=60,
+                          headers={"Authorization": f"Bearer {s.keys['paid']}"},
+                          json={"model": "tiny-chat", "messages": [{"role": "user", "content": "Hi"}],
+                                "max_tokens": 4, "store": True, "stream": True}) as answer:
+            assert answer.status_code == 200
+            return [ln for ln in answer.iter_lines() if ln.startswith("data: ")]
+
+    port = spare_port()
+    (tmp_path / "redis").mkdir()
+    with redis_server(tmp_path / "redis", port) as url:
+        s = start_server(write_config(tmp_path, {"tiny-chat": ("chat", tiny_chat)}, f"batch:\n  store: {url}\n"))
+    try:
+        c = client(s)
+        lines = stream()
+        assert lines[-1] == "data: [DONE]" and not any('"error"' in ln for ln in lines), lines
+        assert json.loads(lines[-2][6:])["choices"][0]["finish_reason"] in ("length", "stop")
+        metered = unwritten()
+        with pytest.raises(openai.APIStatusError) as refused:
+            ask(c, "Hi", store=True)
+        assert refused.value.status_code == 503 and refused.value.code == "store_unavailable"
+        assert refused.value.response.headers["retry-after"] == "1"
+        ask(c, "Hi")  # store false: served
+        assert unwritten() == metered + 1  # the store: false one only
+        with redis_server(tmp_path / "redis", port):
+            for _ in range(5):  # a pooled connection to the stopped Redis fails its first command
+                if httpx.get(f"{s.url}/readyz", timeout=30).status_code == 200:
+                    break
+            kept = ask(c, "Hi", store=True)
+            assert c.chat.completions.retrieve(kept.id).id == kept.id
+        raw = c.chat.completions.with_raw_response.create(
+            model="tiny-chat", messages=[{"role": "user", "content": "Hi"}], max_tokens=4, store=True)
+        assert raw.status_code == 200 and raw.headers["x-tiergate-stored"] == "false"
+        assert raw.parse().choices[0].finish_reason in ("length", "stop")
+    finally:
+        s.stop()
