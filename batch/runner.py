@@ -57,6 +57,7 @@ from gateway.auth import Caller, Metering
 from gateway.errors import APIError
 from gateway.service import Services
 from storage import on_backend
+from storage.outage import Outage, unanswered
 from storage.redis import honour_cancel
 
 log = logging.getLogger("tiergate.batches")
@@ -108,6 +109,8 @@ class Runner:
         self._shapes_at = -math.inf  # when the claim loop last listed the store's shapes
         self._last_shape: dict[str, str] = {}  # model -> the shape whose lines it ran last
         self._streak: Counter[str] = Counter()  # model -> starts in a row of that shape
+        # each loop says once that the store does not answer, and once that it is back
+        self._outages = {name: Outage(log, f"batch: {name}") for name in ("claiming lines", "heartbeat", "sweep")}
 
     async def start(self) -> None:
         await self.store.open()
@@ -155,16 +158,20 @@ class Runner:
     async def _logged(work: Awaitable[None], what: str) -> None:
         try:
             await work
-        except Exception:  # noqa: BLE001 - the sweep tries again
-            log.exception("batch: %s failed; will retry", what)
+        except Exception as exc:  # noqa: BLE001 - the sweep tries again
+            if not unanswered(exc):
+                log.exception("batch: %s failed; will retry", what)
+            else:  # (the sweep's own outage line says the store is down)
+                log.info("batch: %s waits for the store: %s", what, exc)
 
     # -- loops
     async def _claim_loop(self) -> None:
         while True:
             try:
                 claimed = await self._claim()
-            except Exception:  # noqa: BLE001 - the store is down: keep trying
-                log.exception("batch: claiming lines failed")
+                self._outages["claiming lines"].answered()
+            except Exception as exc:  # noqa: BLE001 - the store is down: keep trying
+                self._outages["claiming lines"].failed(exc)
                 claimed = 0
             honour_cancel()  # a cancel the store's client swallowed (storage.redis)
             if claimed:
@@ -225,9 +232,10 @@ class Runner:
             try:
                 await self.store.touch(self.name, [job for job, _ in running.values()])
                 latest = {b: await self.store.get_batch(b) for b in {job.batch_id for job, _ in running.values()}}
-            except Exception:  # noqa: BLE001
-                log.exception("batch: heartbeat failed")
+            except Exception as exc:  # noqa: BLE001
+                self._outages["heartbeat"].failed(exc)
                 continue
+            self._outages["heartbeat"].answered()
             self._batches = {b: info for b, info in latest.items() if info is not None}
             for token, (job, task) in running.items():
                 if _stopped(latest[job.batch_id]) and token in self._running:
@@ -240,8 +248,9 @@ class Runner:
         while True:
             try:
                 await self._sweep()
-            except Exception:  # noqa: BLE001
-                log.exception("batch: sweep failed")
+                self._outages["sweep"].answered()
+            except Exception as exc:  # noqa: BLE001
+                self._outages["sweep"].failed(exc)
             honour_cancel()
             await asyncio.sleep(sweep_s)
 
@@ -283,8 +292,12 @@ class Runner:
                 # unless the line had ended (and was metered) first: then that outcome is its own
                 await asyncio.shield(self.store.ack(job) if outcome is None else self.store.record(job, outcome))
             raise
-        except Exception:  # noqa: BLE001 - the store failed: the line is reclaimed and runs again
-            log.exception("batch: line %s of %s failed to record", job.line.custom_id, job.batch_id)
+        except Exception as exc:  # noqa: BLE001 - the store failed: the line is reclaimed and runs again
+            if not unanswered(exc):
+                log.exception("batch: line %s of %s failed to record", job.line.custom_id, job.batch_id)
+            else:  # (the loops' outage lines say the store is down)
+                log.info("batch: line %s of %s not recorded, the store does not answer (%s); it runs again",
+                         job.line.custom_id, job.batch_id, exc)
         finally:
             self._running.pop(job.token, None)
             self._dropping.discard(job.token)

@@ -51,6 +51,7 @@ from accounts.usage import Usage
 from gateway.auth import Caller, RateState
 from gateway.config import Config
 from gateway.errors import APIError, store_unavailable
+from storage.outage import Outage
 from storage.redis import honour_cancel
 
 log = logging.getLogger("tiergate.accounts")
@@ -153,14 +154,16 @@ class Accounts:
         self._by_hash[record.hash] = record
 
     async def _refresh_loop(self) -> None:
+        outage = Outage(log, "accounts: refreshing managed keys")  # a store down: one line, not one per turn
         while True:
             honour_cancel()  # a cancel the store's client swallowed (storage.redis)
             await asyncio.sleep(self.refresh_s)
             try:
                 await self.refresh()
-            except Exception:  # noqa: BLE001 - the store is down: keep what we know, try again
-                log.warning("could not refresh managed keys from the store", exc_info=True)
+            except Exception as exc:  # noqa: BLE001 - the store is down: keep what we know, try again
+                outage.failed(exc)
             else:
+                outage.answered()
                 if self.unwritten:  # it answers again: the usage kept meanwhile goes in
                     await self.write_again()
 

@@ -457,7 +457,8 @@ async def _follow_stops(services: Services, state) -> None:
     background: Background = state.background
     background.follow_stops(state.responses.stops())
     period = min(response_runs.RECLAIM_S, services.config.responses.reclaim_after_s / 3)
-    background.every(period, lambda: response_runs.reclaim(services, state.responses, state.conversations, background))
+    background.every(period, lambda: response_runs.reclaim(services, state.responses, state.conversations, background),
+                     "reclaiming responses whose process died")
 
 
 @contextlib.asynccontextmanager

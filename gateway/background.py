@@ -26,6 +26,7 @@ from prometheus_client.registry import Collector
 
 from gateway.drain import Drain
 from gateway.serving import Gone
+from storage.outage import Outage
 
 log = logging.getLogger("tiergate.background")
 STOP_WAIT_S = 5.0  # at shutdown, how long the stopped work gets to record how it ended
@@ -122,15 +123,20 @@ class Background(Collector):
 
         self._listener = asyncio.get_running_loop().create_task(listen())
 
-    def every(self, period_s: float, fn: Callable[[], Awaitable[object]]) -> None:
-        """Run ``fn()`` every ``period_s`` until ``stop`` (a failed run is logged; the next tries again)."""
+    def every(self, period_s: float, fn: Callable[[], Awaitable[object]], what: str = "a periodic task") -> None:
+        """Run ``fn()`` every ``period_s`` until ``stop`` (a failed run is logged, a store that does not
+        answer once; the next tries again)."""
+        outage = Outage(log, f"background: {what}")
+
         async def loop() -> None:
             while True:
                 await asyncio.sleep(period_s)
                 try:
                     await fn()
-                except Exception:  # noqa: BLE001 - the store was down, say: the next turn tries again
-                    log.exception("background: a periodic task failed")
+                except Exception as exc:  # noqa: BLE001 - the store was down, say: the next turn tries again
+                    outage.failed(exc)
+                else:
+                    outage.answered()
 
         self._loops.append(asyncio.get_running_loop().create_task(loop()))
 

@@ -4,7 +4,8 @@ the vector stores' indexer (``gateway.vector_indexer``) and fine-tuning's runner
 ``start`` runs the loop; it claims a piece (``_claim``: a new one, or one whose process died and
 whose lease ran out), works on it (``_work``), and when there was none sleeps until ``wake`` (work
 added in this process) or ``POLL_S`` (work other processes added or left). A claim or a piece that
-fails is logged and the loop goes on: its lease ends, and it is taken again. ``stop`` cancels it.
+fails is logged and the loop goes on: its lease ends, and it is taken again. A store that does
+not answer is logged once, and once when it is back (``storage.outage``). ``stop`` cancels it.
 """
 
 from __future__ import annotations
@@ -14,6 +15,7 @@ import contextlib
 import logging
 from typing import Generic, TypeVar
 
+from storage.outage import Outage
 from storage.redis import honour_cancel
 
 T = TypeVar("T")
@@ -22,9 +24,10 @@ POLL_S = 2.0  # how often an idle loop looks for work other processes added or l
 
 class ClaimLoop(Generic[T]):
     log: logging.Logger
-    failure = "claiming or working on a piece failed"  # the log's line when one does
+    work = "claiming or working on a piece"  # what the log's lines name when it fails
 
     def __init__(self) -> None:
+        self._outage = Outage(self.log, self.work)
         self._wake = asyncio.Event()
         self._task: asyncio.Task | None = None
 
@@ -52,10 +55,11 @@ class ClaimLoop(Generic[T]):
             piece = None
             try:
                 piece = await self._claim()
+                self._outage.answered()
                 if piece is not None:
                     await self._work(piece)
-            except Exception:  # noqa: BLE001 - the store is down: the piece's lease ends, and it is taken again
-                self.log.exception(self.failure)
+            except Exception as exc:  # noqa: BLE001 - the store is down: the piece's lease ends, and it is taken again
+                self._outage.failed(exc)
             honour_cancel()
             if piece is None:
                 with contextlib.suppress(TimeoutError):

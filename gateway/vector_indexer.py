@@ -55,7 +55,7 @@ class Indexer(ClaimLoop[StoreFile], Collector):
     whether it is reading one now (``collect``)."""
 
     log = log
-    failure = "vector stores: claiming or recording a file failed"
+    work = "vector stores: claiming or recording a file"
 
     def __init__(self, svc: Services, store: VectorStoreStore, files: BatchStore) -> None:
         super().__init__()

@@ -721,3 +721,59 @@ def test_total_usage_reads_each_endpoints_usage_and_counts_only_the_output_file(
                                      "output_tokens": 13, "output_tokens_details": {"reasoning_tokens": 2},
                                      "total_tokens": 49}
     assert total_usage([])["total_tokens"] == 0
+
+
+def test_a_redis_outage_is_one_warning_per_loop_not_a_traceback_per_turn(tiny_chat, tmp_path, caplog):
+    """Redis stops for a few seconds under an idle server: each loop that calls the store every
+    turn (the batch runner's, the vector stores' indexer, the responses' reclaim, the managed
+    keys' refresh) logs one warning when it meets the outage and one when the store answers again, and no
+    traceback (one per turn before: 118 in a 10 s outage)."""
+    import logging
+
+    port = spare_port()
+    (tmp_path / "redis").mkdir()
+    config = "batch:\n  store: {url}\n  reclaim_after_s: 2\nresponses:\n  reclaim_after_s: 3\n"
+    with redis_server(tmp_path / "redis", port) as url:
+        s = start_server(write_config(tmp_path, {"tiny-chat": ("chat", tiny_chat)}, config.format(url=url)))
+    try:
+        with caplog.at_level(logging.INFO, logger="tiergate"):
+            time.sleep(4)  # several turns of every loop
+            with redis_server(tmp_path / "redis", port):
+                time.sleep(4)
+            records = [r for r in caplog.records if r.name.startswith("tiergate")]
+    finally:
+        s.stop()
+    assert not [r.getMessage() for r in records if r.exc_info]
+    down = [r.getMessage().split(": the store does not answer")[0] for r in records
+            if ": the store does not answer" in r.getMessage()]
+    back = [r.getMessage().split(": the store answers again")[0] for r in records
+            if ": the store answers again" in r.getMessage()]
+    assert len(down) == len(set(down)) and sorted(back) == sorted(down), (down, back)
+    assert {"batch: claiming lines", "batch: sweep", "vector stores: claiming or recording a file",
+            "background: reclaiming responses whose process died"} <= set(down)
+
+
+def test_a_loop_logs_a_bug_with_its_traceback_every_time_and_a_store_down_once(caplog):
+    """``storage.outage``: a store that does not answer is one warning until it answers again
+    (then one more); any other failure is an error with its traceback, each time."""
+    import logging
+
+    import redis
+
+    from storage.outage import Outage
+
+    outage = Outage(logging.getLogger("tiergate.test"), "test: a loop")
+    with caplog.at_level(logging.INFO, logger="tiergate"):
+        for _ in range(3):
+            outage.failed(redis.ConnectionError("refused"))
+            outage.failed(sqlite3.OperationalError("database is locked"))
+        outage.answered()
+        outage.answered()
+        for _ in range(2):
+            outage.failed(sqlite3.OperationalError("no such column: x"))
+            outage.failed(KeyError("a bug"))
+    lines = [(r.levelname, r.getMessage(), r.exc_info is not None) for r in caplog.records]
+    assert lines[:2] == [("WARNING", "test: a loop: the store does not answer (ConnectionError: refused); trying again "
+                                     "until it does", False),
+                         ("WARNING", "test: a loop: the store answers again, after 0 s", False)]
+    assert lines[2:] == [("ERROR", "test: a loop failed", True)] * 4

@@ -103,7 +103,7 @@ class Tuner(ClaimLoop[Job], Collector):
     """The process's fine-tuning runner (see the module's docstring)."""
 
     log = log
-    failure = "fine-tuning: claiming or running a job failed"
+    work = "fine-tuning: claiming or running a job"
 
     def __init__(self, svc: Services, store: FineTuningStore, files: FileStore) -> None:
         super().__init__()
