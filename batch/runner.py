@@ -53,6 +53,7 @@ from batch.redis_store import RedisStore
 from batch.shapes import model_of, shape_of, width
 from batch.sqlite_store import SQLiteStore
 from batch.store import TERMINAL, BatchInfo, FileInfo, Job, Line, Outcome, Store
+from gateway.adapters import resolve_as
 from gateway.auth import Caller, Metering
 from gateway.errors import APIError
 from gateway.service import Services
@@ -319,6 +320,7 @@ class Runner:
             if endpoint is None:
                 return response_line(line, 404, APIError(404, f"{batch.endpoint} is not served here", "not_found").body(),
                                      request_id)
+            resolve_as(self.svc.accounts, caller)  # its owner's allow-lists, as over HTTP
             try:
                 status, body, headers = 200, line_body(await endpoint(self.svc, caller, dict(line.body))), {}
             except APIError as exc:

@@ -30,6 +30,7 @@ which the files changed, or that failed on files younger than ``SETTLE_S``, is a
 from __future__ import annotations
 
 import asyncio
+import contextvars
 import logging
 import math
 import os
@@ -54,6 +55,8 @@ from lora_kernels.stack import resolve_module
 from workers.base import AdapterStackSpec, ModelSpec
 
 if TYPE_CHECKING:
+    from gateway.accounts import Accounts
+    from gateway.auth import Caller
     from gateway.service import Services
 
 DENOISERS = ("unet", "transformer")  # the pipeline component a diffusers LoRA may target
@@ -63,6 +66,26 @@ log = logging.getLogger("tiergate.adapters")
 NAME = ADAPTER_NAME
 Signature = tuple[tuple[str, int, int, int], ...]  # a folder's files: (name, size, mtime_ns, inode)
 SETTLE_S = 2.0  # a read that fails on files younger than this may have met a copy under way
+# the key whose allow-lists this task (one request, or one batch line) resolves adapters for
+_viewer: contextvars.ContextVar[tuple[Accounts, Caller] | None] = \
+    contextvars.ContextVar("tiergate_adapters_viewer", default=None)
+
+
+def resolve_as(accounts: Accounts | None, caller: Caller) -> None:
+    """Resolve adapters in this task as ``caller``'s key sees them: one outside its allow-lists
+    (docs/ACCOUNTS.md) is an adapter that does not exist, on every endpoint and before anything
+    else is said about it (its kind, its base model, its files), so no answer tells a key which
+    adapters other keys have."""
+    _viewer.set(None if accounts is None else (accounts, caller))
+
+
+def _hidden(name: str, model: str) -> bool:
+    """Whether the adapter ``name`` of the model ``model`` is outside this task's key's allow-lists."""
+    viewer = _viewer.get()
+    if viewer is None:
+        return False
+    accounts, caller = viewer
+    return not (accounts.allows(caller, model) and accounts.allows_adapter(caller, name))
 
 
 @dataclass(frozen=True)
@@ -191,16 +214,18 @@ class AdapterRegistry:
 
     def get(self, name: str) -> ServedAdapter | None:
         """The adapter ``name`` names: configured, or a folder's (read here, on the calling thread,
-        if ``ready`` has not read it); None when there is none. 400 ``adapter_invalid`` for a
-        folder that is no LoRA fitting its model."""
+        if ``ready`` has not read it); None when there is none, or when this task's key may not
+        use it (``resolve_as``). 400 ``adapter_invalid`` for a folder that is no LoRA fitting its model."""
         served = self.adapters.get(name) or self.loaded.get(name)
         if served is not None or not self.dirs or name in self.models or not NAME.fullmatch(name):
-            return served
+            return None if served is not None and _hidden(name, served.model) else served
         found = self._find(name)
         if found is None:  # removed from its folder: not held any more either
             self.cached.pop(name, None)
             return None
         d, folder, files = found
+        if _hidden(name, d.model):  # not read either: its files' state would tell that it exists
+            return None
         held = self.cached.get(name)
         if held is not None and held.path == folder and held.signature == files:
             self.cached.move_to_end(name)
@@ -231,6 +256,8 @@ class AdapterRegistry:
                 self.cached.pop(name, None)
                 continue
             d, folder, files = found
+            if _hidden(name, d.model):  # ``get`` answers it as missing, without reading it
+                continue
             held = self.cached.get(name)
             if (held is not None and held.path == folder and held.signature == files) or (folder, files) in self._refused:
                 continue
@@ -491,7 +518,8 @@ def names_own(model: str, stack: AdapterStackSpec) -> bool:
 def resolve_request(svc: "Services", model: str, choices: Sequence[AdapterChoice] | None,
                     kind: str) -> tuple[ModelSpec, AdapterStackSpec]:
     """The base model's spec and the adapter stack of one request (errors as the API's 4xx; an
-    unknown model is a 404 before anything is said about its adapters)."""
+    unknown model is a 404 before anything is said about its adapters, and so is an adapter the
+    request's key may not use: ``resolve_as``)."""
     adapters = svc.adapters
     model = svc.model_name(model)
     own = adapters.get(model)

@@ -74,6 +74,7 @@ from starlette.responses import JSONResponse
 from starlette.websockets import WebSocket
 
 from gateway import realtime_secrets
+from gateway.adapters import resolve_as
 from gateway.auth import Caller, bearer_token, subprotocol_key
 from gateway.chat import plan_chat, serve_chat
 from gateway.errors import APIError, bad_request
@@ -974,6 +975,7 @@ def _redeemed(ws: WebSocket, svc: Services, value: str) -> tuple[Caller, Callabl
     if named and named != model and svc.model_name(named) != model:
         raise bad_request(f"this client secret opens sessions on {model!r}", "model", "invalid_value")
     note(key_id=caller.key_id, tier=caller.tier)
+    resolve_as(svc.accounts, caller)
     if kind == "transcription":
         return caller, lambda: TranscriptionSession(ws, svc, caller, config)
     return caller, lambda: ConversationSession(ws, svc, caller, config, conversing)

@@ -15,7 +15,7 @@ from typing import TYPE_CHECKING, Any, Awaitable, Callable, Protocol, TypeVar
 from starlette.requests import HTTPConnection, Request
 
 from arbiter.residency import Arbiter, Lease, Refused, Unavailable
-from gateway.adapters import AdapterRegistry
+from gateway.adapters import AdapterRegistry, resolve_as
 from gateway.admission import Arrival, Gate, Rejected, Ticket
 from gateway.auth import Caller, KeyRing, bearer_token
 from gateway.config import Config, a_kind
@@ -177,6 +177,7 @@ class Services:
             caller = self.accounts.for_http(caller)
             request.state.caller = caller  # its rate-limit headers go on the response
         note(key_id=caller.key_id, tier=caller.tier)  # the request log knows the key by its id only
+        resolve_as(self.accounts, caller)  # adapters outside its allow-lists do not exist for it
         return caller
 
     def caller_of(self, key_id: str) -> Caller | None:

@@ -442,6 +442,46 @@ def test_a_keys_adapter_allow_list(server, folders, demo_adapters):
     assert admin.patch(f"/admin/keys/{key_id}", json={"adapters": [""]}).status_code == 400
 
 
+def test_another_keys_adapter_is_missing_on_every_endpoint(server, folders, demo_adapters):
+    """An adapter outside a key's allow-list gets, on every endpoint that takes a model or adapters,
+    the answer a name nobody has gets: not a count of its tokens, not a 400 naming its kind or base
+    model (which would tell the key that another customer has it)."""
+    put(demo_adapters[POET], folders["chat"], "globex-chat")
+    put(demo_adapters[SKETCH], folders["image"], "globex-art")
+    admin = httpx.Client(base_url=server.url, headers={"Authorization": f"Bearer {server.keys['admin']}"}, timeout=30)
+    made = admin.post("/admin/keys", json={"name": "acme-probe", "tier": "paid", "adapters": ["acme-*"]})
+    assert made.status_code == 201, made.text
+    key = made.json()["value"]
+    http = httpx.Client(base_url=server.url, headers={"Authorization": f"Bearer {key}"}, timeout=60)
+    say = [{"role": "user", "content": "hi"}]
+    asks = {  # (path, body) with {name} where a name goes
+        "chat as model": ("/v1/chat/completions", {"model": "{name}", "messages": say, "max_tokens": 2}),
+        "chat stack": ("/v1/chat/completions", {"model": "tiny-chat", "messages": say, "max_tokens": 2,
+                                                "adapters": [{"name": "{name}"}]}),
+        "chat, too many tokens": ("/v1/chat/completions", {"model": "{name}", "messages": say, "max_tokens": 10 ** 6}),
+        "completions": ("/v1/completions", {"model": "{name}", "prompt": "hi", "max_tokens": 2}),
+        "responses": ("/v1/responses", {"model": "{name}", "input": "hi", "max_output_tokens": 16}),
+        "input_tokens": ("/v1/responses/input_tokens", {"model": "{name}", "input": "hi"}),
+        "count_tokens": ("/v1/messages/count_tokens", {"model": "{name}", "messages": say}),
+        "messages": ("/v1/messages", {"model": "{name}", "messages": say, "max_tokens": 2}),
+        "images": ("/v1/images/generations", {"model": "{name}", "prompt": "a cat", "size": "32x32"}),
+        "images stack": ("/v1/images/generations", {"model": "tiny-image", "prompt": "a cat", "size": "32x32",
+                                                    "adapters": [{"name": "{name}"}]}),
+    }
+
+    def answer(path: str, body: dict, name: str) -> tuple[int, str | None]:
+        filled = httpx.Request("POST", "/", json=body).content.decode().replace("{name}", name)
+        r = http.post(path, content=filled, headers={"content-type": "application/json"})
+        error = r.json().get("error", {})
+        return r.status_code, error.get("code") if isinstance(error, dict) else error
+
+    for what, (path, body) in asks.items():
+        missing = answer(path, body, "nobody-x")
+        assert missing[0] == 404, (what, missing)
+        for name in ("globex-chat", "globex-art", PIRATE, SKETCH):  # folder and configured, of either kind
+            assert answer(path, body, name) == missing, (what, name)
+
+
 @pytest.mark.parametrize("patterns, name, allowed", [
     (None, "anything", True),
     ((), "acme-a", False),
