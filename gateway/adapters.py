@@ -345,6 +345,18 @@ class AdapterRegistry:
             self.dropped += 1
         return served
 
+    async def drop_gone(self) -> None:
+        """Let go of the held folder adapters whose files are gone (their folder deleted or moved
+        away), which no request would ask for again to find so: host memory and the ``held``
+        gauges keep only adapters that exist. Their folders are looked at in a worker thread."""
+        held = list(self.cached.values())
+        if not held:
+            return
+        gone = await asyncio.to_thread(lambda: [a for a in held if _files_now(a.path) is None])
+        for served in gone:
+            if self.cached.get(served.name) is served:  # (not read again meanwhile)
+                del self.cached[served.name]
+
     def collect(self):
         """Prometheus: the folder adapters read, refused, held and dropped by this process."""
         reads = CounterMetricFamily("tiergate_adapter_folder_reads", "adapter_dirs adapters read by this process, by "

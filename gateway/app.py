@@ -126,6 +126,7 @@ async def healthz(request: Request) -> Response:
 
 async def metrics(request: Request) -> Response:
     svc: Services = request.app.state.services
+    await svc.adapters.drop_gone()  # the held gauges: what is held now, deleted folders let go
     return Response(svc.metrics.render(), media_type="text/plain; version=0.0.4")
 
 
@@ -193,8 +194,12 @@ def _anthropic_page(svc: Services, rows: list[dict], query) -> dict:
 
 
 async def _adapter_rows(svc: Services) -> list[dict]:
-    """The adapters' rows: with ``adapter_dirs``, their folders are listed in a worker thread."""
-    return await asyncio.to_thread(svc.adapters.rows) if svc.adapters.dirs else svc.adapters.rows()
+    """The adapters' rows: with ``adapter_dirs``, their folders are listed in a worker thread (and
+    held adapters whose folders are gone let go)."""
+    if not svc.adapters.dirs:
+        return svc.adapters.rows()
+    await svc.adapters.drop_gone()
+    return await asyncio.to_thread(svc.adapters.rows)
 
 
 def _model_rows(svc: Services, caller: Caller | None = None, adapter_rows: list[dict] | None = None) -> list[dict]:
@@ -451,14 +456,20 @@ def create_app(services: Services, extra: Sequence[BaseRoute] = ()) -> Starlette
     return app
 
 
+ADAPTER_SWEEP_S = 60.0  # how often held folder adapters are checked for deleted folders
+
+
 async def _follow_stops(services: Services, state) -> None:
     """(After the stores opened: they start first.) Other processes' cancels, and the background
-    responses of processes that died, taken over (``gateway.response_runs.reclaim``)."""
+    responses of processes that died, taken over (``gateway.response_runs.reclaim``); held folder
+    adapters whose folders were deleted let go (``AdapterRegistry.drop_gone``)."""
     background: Background = state.background
     background.follow_stops(state.responses.stops())
     period = min(response_runs.RECLAIM_S, services.config.responses.reclaim_after_s / 3)
     background.every(period, lambda: response_runs.reclaim(services, state.responses, state.conversations, background),
                      "reclaiming responses whose process died")
+    if services.adapters.dirs:  # deleted adapter folders let go even where nothing scrapes /metrics
+        background.every(ADAPTER_SWEEP_S, services.adapters.drop_gone, "letting go of deleted adapter folders")
 
 
 @contextlib.asynccontextmanager

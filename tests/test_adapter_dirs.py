@@ -207,6 +207,32 @@ def test_factors_that_are_not_finite_are_refused(server, folders, demo_adapters)
     assert chat(server) == base
 
 
+def test_deleted_folders_are_let_go_of(server, folders, demo_adapters):
+    """A held folder adapter whose folder is deleted leaves host memory, and the ``held`` gauges,
+    at the next scrape of /metrics (or listing of /v1/models), though no request names it again."""
+    def held() -> tuple[float, float]:
+        scraped = httpx.get(f"{server.url}/metrics").text
+        found = dict(re.findall(r"^(tiergate_adapter_folder_held(?:_bytes)?) (\S+)$", scraped, re.M))
+        return float(found["tiergate_adapter_folder_held"]), float(found["tiergate_adapter_folder_held_bytes"])
+
+    names = ["gone-a", "gone-b"]
+    for name in names:
+        put(demo_adapters[PIRATE], folders["chat"], name)
+        chat(server, name)
+    count, size = held()
+    assert {*names} <= set(server.services.adapters.cached) and size > 0
+    one = server.services.adapters.cached["gone-a"].nbytes
+    for name in names:
+        shutil.rmtree(folders["chat"] / name)
+    assert held() == (count - 2, size - 2 * one)
+    assert not {*names} & set(server.services.adapters.cached)
+    put(demo_adapters[PIRATE], folders["chat"], "gone-a")  # and by the listing too
+    chat(server, "gone-a")
+    shutil.rmtree(folders["chat"] / "gone-a")
+    client(server).models.list()
+    assert "gone-a" not in server.services.adapters.cached
+
+
 @pytest.mark.parametrize("name", ["../chat2/reached", "chat2/../reached", ".hidden", "/etc", "a" * 129])
 def test_names_cannot_reach_outside_their_folder(server, folders, demo_adapters, name):
     put(demo_adapters[PIRATE], folders["chat2"], "reached")
