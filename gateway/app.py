@@ -18,6 +18,7 @@ from starlette.middleware import Middleware
 from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
 from starlette.routing import BaseRoute, Route, WebSocketRoute
+from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from arbiter.events import EventLog
 from arbiter.footprint import default_device, device_budget
@@ -299,6 +300,37 @@ async def _unexpected(request: Request, exc: Exception) -> Response:
                     headers={"x-request-id": request_id} if request_id else None).response(_anthropic(request))
 
 
+class Unexpected:
+    """Middleware (outside all but CORS): an error nothing handled, before the response started, is answered
+    with ``_unexpected``'s 500 (its traceback logged once) and the connection stays open for the
+    client's next request. (Starlette's own last resort, ServerErrorMiddleware, raises the error
+    again after its 500, and uvicorn then drops the kept-alive connection unannounced: the
+    client's next request on it failed with a reset.) An error after the response started is
+    raised on: that response is cut, and so is its connection."""
+
+    def __init__(self, app: ASGIApp) -> None:
+        self.app = app
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] != "http":
+            await self.app(scope, receive, send)
+            return
+        started = False
+
+        async def watched(message: Message) -> None:
+            nonlocal started
+            started = started or message["type"] == "http.response.start"
+            await send(message)
+
+        try:
+            await self.app(scope, receive, watched)
+        except Exception as exc:
+            if started:
+                raise
+            response = await _unexpected(Request(scope, receive), exc)
+            await response(scope, receive, send)
+
+
 def routes() -> list[BaseRoute]:
     """Every route the server has. The router tries them in order on every request, so the
     model endpoints come first (no two routes match the same path and method)."""
@@ -420,15 +452,15 @@ def create_app(services: Services, extra: Sequence[BaseRoute] = ()) -> Starlette
     ``app.state.indexer``), the drain
     (``app.state.drain``: readiness, refusing while draining, handing batch lines back), and
     ``extra`` routes (benchmarks add probes), and the models loaded at start (``app.state.preload``). Middleware, outermost first: CORS when
-    ``server.cors_origins`` names any (``cors``), the request log, the drain's gate, the body
-    deadline, the keys' rate-limit headers."""
+    ``server.cors_origins`` names any (``cors``), the 500 for an unexpected error (``Unexpected``),
+    the request log, the drain's gate, the body deadline, the keys' rate-limit headers."""
     drain = Drain(services.config.server.drain_timeout_s)
     app = Starlette(
         routes=routes() + list(extra),
         exception_handlers={APIError: _api_error, HTTPException: _http_error, ClientGone: _client_gone,
-                            **dict.fromkeys(STORE_ERRORS, _store_down), Exception: _unexpected},
+                            **dict.fromkeys(STORE_ERRORS, _store_down)},  # any other: ``Unexpected``
         lifespan=_lifespan,
-        middleware=[*cors(services.config.server.cors_origins), Middleware(RequestLog), Middleware(DrainGate, drain=drain),
+        middleware=[*cors(services.config.server.cors_origins), Middleware(Unexpected), Middleware(RequestLog), Middleware(DrainGate, drain=drain),
                     Middleware(BodyDeadline, seconds=services.config.limits.body_timeout_s),
                     Middleware(KeyHeaders)],
     )

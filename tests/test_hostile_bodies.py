@@ -3,6 +3,7 @@ a dropped connection), and afterwards the server still answers /healthz and a no
 
 from __future__ import annotations
 
+import http.client
 import json
 import logging
 import socket
@@ -334,3 +335,32 @@ def test_client_leaving_mid_body_leaves_no_error(server, caplog):
     time.sleep(0.3)
     _still_serving(server)
     assert not [r for r in caplog.records if r.levelno >= logging.ERROR], caplog.text
+
+
+def test_a_500_keeps_the_connection_for_the_next_request(server, monkeypatch, caplog):
+    """A request that fails with an error nothing expected is a 500 ``internal_error`` (logged
+    once, with its traceback) on a connection that stays open: the client's next request on it
+    is answered, not reset, and nothing announces a close that does not come."""
+    def broken() -> list:
+        raise RuntimeError("a bug")
+
+    monkeypatch.setattr(server.services.adapters, "rows", broken)
+    caplog.set_level(logging.ERROR)
+    conn = http.client.HTTPConnection("127.0.0.1", _port(server), timeout=30)  # one connection, never replaced
+    auth = {"Authorization": f"Bearer {server.keys['paid']}", "Content-Type": "application/json"}
+    conn.request("GET", "/v1/models", headers={**auth, "x-request-id": "req-broken"})
+    failed = conn.getresponse()
+    body = json.loads(failed.read())
+    assert failed.status == 500 and body["error"]["code"] == "internal_error", body
+    assert not failed.will_close and failed.getheader("x-request-id") == "req-broken"
+    time.sleep(0.3)  # time for the server to drop the connection, were it to
+    monkeypatch.undo()
+    for method, path, sent in (("GET", "/v1/models", None), ("POST", "/v1/chat/completions", json.dumps(GOOD))):
+        conn.request(method, path, body=sent, headers=auth)
+        answer = conn.getresponse()
+        assert answer.status == 200, answer.read()
+        answer.read()
+    conn.close()
+    logged = [r for r in caplog.records if r.levelno >= logging.ERROR]
+    assert len(logged) == 1 and "unexpected error on GET /v1/models" in logged[0].getMessage(), caplog.text
+    assert logged[0].exc_info is not None
