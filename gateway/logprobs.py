@@ -6,8 +6,9 @@ a streamed chunk carries the entries of the tokens behind its text. Transcriptio
 (``include[]=logprobs``): ``{"token", "logprob", "bytes"}`` per token of the text. ``bytes`` are the UTF-8 bytes
 of the token itself, where the engine knows them (``TokenLogprob.raw``): a token that is part of a
 multi-byte character has that part's bytes (``[195]``), so joining the entries' bytes gives the
-reply's UTF-8, while its ``token`` text alone is U+FFFD (or empty, as vLLM gives it); otherwise
-the UTF-8 of its text.
+reply's UTF-8, while its ``token`` is ``""``, and the part that completes the character has the
+whole character, on both chat engines as ``vllm serve`` gives them
+(``workers.grammar.Vocabulary.text_after``); otherwise the UTF-8 of its text.
 
 Every logprob sent is a JSON number (``json_logprob``): an engine's ``-inf`` (an impossible
 token) is -9999.0, as vLLM's own server writes it, and so is a NaN (a model whose outputs went

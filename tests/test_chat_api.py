@@ -491,7 +491,7 @@ def test_logprobs_under_a_grammar_leave_out_what_it_forbids(server):
 
 def test_logprobs_bytes_are_each_tokens_own(server):
     """OpenAI's ``bytes`` let a client join the pieces of a character split over tokens: a token
-    that is the byte 0xC3 alone has ``bytes`` [0xC3] (its text alone is U+FFFD, or empty on vLLM),
+    that is the byte 0xC3 alone has ``bytes`` [0xC3] (its ``token`` is "": see the next test),
     not the UTF-8 of U+FFFD; and a reply's entries' bytes, joined, decode to its text."""
     from transformers.convert_slow_tokenizer import bytes_to_unicode
 
@@ -507,6 +507,37 @@ def test_logprobs_bytes_are_each_tokens_own(server):
     assert joined.rstrip("\ufffd") == r.choices[0].message.content.rstrip("\ufffd")  # an unfinished last character: either way
     for t in (t for e in entries for t in e.top_logprobs):
         assert bytes(t.bytes).decode("utf-8", "replace") == t.token or t.token == ""
+
+
+def test_logprobs_tokens_join_into_the_text_as_vllm_serve_gives_them(server):
+    """A token's ``token`` is its text as ``vllm serve`` gives it, on both engines alike: a piece of
+    a multi-byte character is "" and the piece that completes the character has the whole
+    character (its ``bytes`` still its own), so a reply's tokens join into its text, whole,
+    streamed and in the legacy shape (whose ``text_offset`` counts the tokens' texts)."""
+    from transformers.convert_slow_tokenizer import bytes_to_unicode
+
+    tok = tokenizer(server)
+    piece = tok.convert_tokens_to_ids(bytes_to_unicode()[0xC3])
+    kw = dict(model="tiny-chat", temperature=0, logprobs=True, top_logprobs=2)
+    forced = client(server).chat.completions.create(**kw, messages=ASK, max_tokens=1, logit_bias={str(piece): 100})
+    assert forced.choices[0].logprobs.content[0].token == "" and forced.choices[0].logprobs.content[0].bytes == [0xC3]
+    r = client(server).chat.completions.create(**kw, messages=ASK, max_tokens=64,
+                                               logit_bias={str(tok.eos_token_id): -100})
+    entries, text = r.choices[0].logprobs.content, r.choices[0].message.content
+    completing = [e for e in entries if e.token and e.token.encode() != bytes(e.bytes)]  # the whole character's
+    assert completing and all("\ufffd" in bytes(e.bytes).decode("utf-8", "replace") for e in completing)
+    # (this random model also writes pieces no character completes, where the text has U+FFFD and
+    # the tokens "", and special tokens, which the text leaves out)
+    written = [e.token for e in entries if e.token not in tok.all_special_tokens]
+    assert "".join(written) == text.replace("\ufffd", "")
+    streamed = client(server).chat.completions.create(**kw, messages=ASK, max_tokens=64, stream=True,
+                                                      logit_bias={str(tok.eos_token_id): -100})
+    assert [e.token for c in streamed if c.choices and c.choices[0].logprobs
+            for e in c.choices[0].logprobs.content or []] == [e.token for e in entries]
+    legacy = client(server).completions.create(model="tiny-chat", prompt="naïve café", max_tokens=64, temperature=0,
+                                               logprobs=1, logit_bias={str(tok.eos_token_id): -100}).choices[0]
+    assert "".join(t for t in legacy.logprobs.tokens if t not in tok.all_special_tokens) == \
+        legacy.text.replace("\ufffd", "")
 
 
 def test_logprobs_of_a_reply_that_ends_at_once(server):
@@ -667,7 +698,7 @@ def test_return_tokens_as_token_ids_names_each_logprob_by_its_id(server):
     assert all(e.bytes == list(e.token.encode()) for e in content)
     assert all(len(e.top_logprobs) == 2 and all(named.fullmatch(t.token) for t in e.top_logprobs) for e in content)
     plain = c.chat.completions.create(**kw, extra_body={"ignore_eos": True}).choices[0].logprobs.content
-    assert all(e.token in (tok.decode([i]), "") for e, i in zip(plain, ids))  # (vLLM's: "" for a piece of a character)
+    assert all(e.token in (tok.decode([i]), "") for e, i in zip(plain, ids))  # ("" for a piece of a character)
     assert [e.logprob for e in plain] == pytest.approx([e.logprob for e in content], abs=1e-5)
     chunks = c.chat.completions.create(**kw, stream=True, extra_body=both)
     assert [e.token for ch in chunks if ch.choices and ch.choices[0].logprobs

@@ -253,7 +253,8 @@ class TokenLogprob:
     """One generated token's text and log probability, the ``top`` most likely tokens at its step
     (most likely first; each without a ``top`` of its own), and ``raw``, the token's own bytes
     where the engine knows them: a piece of a multi-byte character is that byte (b"\\xc3"), where
-    its text alone is U+FFFD or empty (``workers.grammar.Vocabulary``)."""
+    a chat engine's text for it is "" (the piece that completes the character has the whole
+    character: ``workers.grammar.Vocabulary.text_after``) and a transcription's U+FFFD."""
 
     token: str
     logprob: float

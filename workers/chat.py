@@ -81,7 +81,7 @@ from workers.base import (
     TokenReport,
     stack_key,
 )
-from workers.grammar import Grammars, RowGrammar, Vocabulary, xgrammar_reason
+from workers.grammar import PIECES, Grammars, RowGrammar, Vocabulary, xgrammar_reason
 from workers.think_budget import ThinkBudget
 from workers.worker import ModelInfo, ThreadWorker
 from workers.chat_prompt import ContextTooLong  # noqa: F401 - the chat engines' 400, importable here
@@ -756,7 +756,7 @@ class ChatWorker(ThreadWorker):
         seq.req.ctx.completion_tokens = len(gen)  # read from the loop if the reply is cut (an int: no lock)
         eos = token in ends
         if seq.params.logprobs is not None and not eos:
-            seq.logprobs.append(self._logprob(logits, token, seq.params.logprobs))
+            seq.logprobs.append(self._logprob(logits, token, seq.params.logprobs, gen[-PIECES - 1 : -1]))
         reason = "stop" if eos else "length" if len(gen) >= seq.params.max_tokens else None
         if reason is None and seq.holds_text and not seq.params.stop:
             return False  # nothing to look for in the text, and none of it goes out before the end
@@ -849,22 +849,25 @@ class ChatWorker(ThreadWorker):
             chosen = picked[:, 0].tolist()
             best = torch.topk(rows, min(top, rows.shape[-1])) if top else None
             for i, token in enumerate(targets.tolist()):
+                at = start + i + 1  # its place: the tokens before it with entries of their own are its context
+                before = ids[max(1, at - PIECES) : at]
                 alternatives = () if best is None else tuple(
-                    vocab.entry(t, v, rank=r + 1)
+                    vocab.entry(t, v, rank=r + 1, before=before)
                     for r, (v, t) in enumerate(zip(best.values[i].tolist(), best.indices[i].tolist())))
-                out.append(vocab.entry(token, chosen[i], alternatives, rank=ranks[i]))
+                out.append(vocab.entry(token, chosen[i], alternatives, rank=ranks[i], before=before))
         return out
 
-    def _logprob(self, logits: torch.Tensor, token: int, top: int) -> TokenLogprob:
+    def _logprob(self, logits: torch.Tensor, token: int, top: int, before: list[int]) -> TokenLogprob:
         """The sampled token's log probability under the processed logits, and the ``top`` most
-        likely tokens' (those the grammar forbids are left out)."""
+        likely tokens' (those the grammar forbids are left out); their texts as after the reply's
+        tokens ``before`` (``Vocabulary.text_after``: a piece of a character is "", as vLLM's)."""
         logprobs = torch.log_softmax(logits, dim=-1)
         vocab = self._vocab
         best = []
         if top:
             values, ids = torch.topk(logprobs, min(top, logprobs.numel()))
-            best = [vocab.entry(int(i), float(v)) for v, i in zip(values, ids) if torch.isfinite(v)]
-        return vocab.entry(token, float(logprobs[token]), tuple(best))
+            best = [vocab.entry(int(i), float(v), before=before) for v, i in zip(values, ids) if torch.isfinite(v)]
+        return vocab.entry(token, float(logprobs[token]), tuple(best), before=before)
 
 
 # -- helpers: sampling, stop strings, cache surgery ----------------------------------------------

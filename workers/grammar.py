@@ -41,9 +41,10 @@ from __future__ import annotations
 
 import functools
 import json
+import os
 import re
 import threading
-from collections.abc import Iterator
+from collections.abc import Iterator, Sequence
 
 import torch
 
@@ -352,13 +353,41 @@ class Vocabulary:
         self.read()
         return self._raw[token] if self._raw is not None and 0 <= token < len(self._raw) else None
 
+    def text_after(self, token: int, before: Sequence[int]) -> str:
+        """``token``'s text as logprobs show it after the tokens ``before`` (those of the reply, or
+        of the prompt, up to it), as ``vllm serve`` shows it (vLLM's ``LogprobsProcessor``): a piece
+        of a multi-byte character is ``""``, and the piece that completes the character has the
+        whole character, so the entries' texts join into the reply's text. Any other token's
+        text is ``decode([token])``."""
+        text = self.text(token)
+        if not text.endswith("\ufffd"):
+            return text
+        context = list(before[-PIECES:])
+        for n in range(1, len(context) + 1):  # the fewest tokens before it that complete a character
+            tokens = context[-n:]
+            whole = self._tokenizer.decode([*tokens, token])
+            if whole.endswith("\ufffd"):
+                continue
+            clean = len(tokens)  # the pieces before it showed "": their text is this token's
+            while clean and self.text(tokens[clean - 1]).endswith("\ufffd"):
+                clean -= 1
+            prefix = self._tokenizer.decode(tokens[:clean]) if clean else ""
+            if not whole.startswith(prefix):  # a tokenizer that normalises: their common start
+                prefix = os.path.commonprefix([prefix, whole])
+            return whole[len(prefix):]
+        return ""
+
     def entry(self, token: int, logprob: float, top: tuple[TokenLogprob, ...] = (),
-              text: str | None = None, rank: int | None = None) -> TokenLogprob:
-        """``token``'s logprob entry; ``text``: the engine's own text for it (vLLM's), instead of
-        ``decode([token])``; ``rank`` its place by probability, where the engine knows it."""
-        return TokenLogprob(self.text(token) if text is None else text, logprob, top, self.raw(token), token, rank)
+              text: str | None = None, rank: int | None = None, before: Sequence[int] | None = None) -> TokenLogprob:
+        """``token``'s logprob entry: its text after the tokens ``before`` (``text_after``; None:
+        ``decode([token])``, a piece of a character U+FFFD); ``text``: the engine's own text for it
+        (vLLM's, made as ``text_after`` makes it); ``rank`` its place by probability, where the
+        engine knows it."""
+        shown = text if text is not None else self.text(token) if before is None else self.text_after(token, before)
+        return TokenLogprob(shown, logprob, top, self.raw(token), token, rank)
 
 
+PIECES = 4  # the most tokens before a piece of a character looked at to complete it (as vLLM looks)
 _BYTES: dict[tuple[str, int], list[bytes] | None] = {}  # by tokenizer folder and size, the last few read
 _BYTES_KEPT = 8
 _BYTES_LOCK = threading.Lock()  # engines read from threads of their own
