@@ -84,6 +84,50 @@ def put(source: Path, folder: Path, name: str) -> Path:
     return target
 
 
+def quirk(source: Path, folder: Path, name: str, kind: str) -> Path:
+    """``source``'s peft adapter put in ``folder`` as ``name``, with one thing that tiergate reads
+    and vLLM's own loader refuses: ``rank_pattern`` (its v_proj modules of rank 128, zero padded),
+    ``rank128`` (every module zero padded to rank 128, ``r: 128``), ``segkeys`` (keys
+    ``lora_A.default.weight``), ``noalpha`` (no ``lora_alpha``) or ``pissa`` (``init_lora_weights:
+    "pissa"``). Padding with zeros keeps the delta's direction (its scale alpha/r changes)."""
+    import json
+
+    import torch
+    from safetensors.torch import load_file, save_file
+
+    work = folder.parent / f".quirk-{folder.name}-{name}"
+    shutil.rmtree(work, ignore_errors=True)
+    shutil.copytree(source, work)
+    config = json.loads((work / "adapter_config.json").read_text())
+    weights = load_file(work / "adapter_model.safetensors")
+
+    def padded(key: str, t):  # lora_A [r, in] gets rows, lora_B [out, r] columns
+        if ".lora_A." in key:
+            return torch.cat([t, t.new_zeros(128 - t.shape[0], *t.shape[1:])])
+        return torch.cat([t, t.new_zeros(t.shape[0], 128 - t.shape[1])], dim=1)
+
+    if kind == "rank_pattern":
+        config["rank_pattern"] = {"v_proj": 128}
+        weights = {k: padded(k, t) if ".v_proj." in k else t for k, t in weights.items()}
+    elif kind == "rank128":
+        config["r"] = 128
+        weights = {k: padded(k, t) for k, t in weights.items()}
+    elif kind == "segkeys":
+        weights = {k.replace(".lora_A.", ".lora_A.default.").replace(".lora_B.", ".lora_B.default."): t
+                   for k, t in weights.items()}
+    elif kind == "noalpha":
+        del config["lora_alpha"]
+    else:
+        assert kind == "pissa", kind
+        config["init_lora_weights"] = "pissa"
+    save_file({k: t.contiguous() for k, t in weights.items()}, str(work / "adapter_model.safetensors"))
+    (work / "adapter_config.json").write_text(json.dumps(config))
+    try:
+        return put(work, folder, name)
+    finally:
+        shutil.rmtree(work, ignore_errors=True)
+
+
 def settled(path: Path) -> Path:
     """``path``'s files dated 10 s back: no longer young enough to be a copy under way, so a broken
     one reads as broken (a 400) rather than as being written (a 503)."""

@@ -14,6 +14,7 @@ import time
 from pathlib import Path
 
 import pytest
+import torch
 
 from lora_kernels import load_peft_adapter
 from workers.base import ModelSpec
@@ -32,7 +33,11 @@ def engine(tiny_chat: Path, **options) -> VllmChatEngine:
     return VllmChatEngine(ModelSpec("tiny-chat", "chat", str(tiny_chat), engine="vllm"), **options)
 
 
-def test_a_stack_is_written_once_and_a_plain_adapter_not_at_all(tiny_chat, pirate_poet):
+def test_a_stack_is_written_once_and_a_plain_adapter_too_never_its_own_folder(tiny_chat, pirate_poet):
+    """One adapter at weight 1 is written too, from the factors tiergate read: vLLM reads a LoRA's
+    files only when it first schedules it, when the adapter's own folder may be gone or changed, and
+    its loader refuses some folders tiergate reads (hunt P, findings 1, 2 and 5). The folder is
+    named by the stack: one written before is served again."""
     pirate, poet = pirate_poet
     eng = engine(tiny_chat)
     blend = eng.stack_lora(((pirate, 0.5), (poet, -0.7)))
@@ -40,8 +45,15 @@ def test_a_stack_is_written_once_and_a_plain_adapter_not_at_all(tiny_chat, pirat
     assert eng.stack_lora(((pirate, 0.5), (poet, -0.7))) == blend  # same stack: same LoRA, same id
     other = eng.stack_lora(((pirate, 0.25),))
     assert other[1] != blend[1] and Path(other[2]).parent == Path(blend[2]).parent
-    plain = eng.stack_lora(((poet, 1.0),))  # one adapter at weight 1: its own folder
-    assert Path(plain[2]) == Path(poet.source)
+    plain = eng.stack_lora(((poet, 1.0),))
+    assert Path(plain[2]) != Path(poet.source) and Path(plain[2]).parent == Path(blend[2]).parent
+    written = load_peft_adapter(plain[2])
+    for name, lm in poet.modules.items():
+        got = written.modules[name]
+        assert torch.allclose(got.scale * got.up @ got.down, lm.scale * lm.up @ lm.down, atol=1e-6)
+    stamp = (Path(plain[2]) / "adapter_model.safetensors").stat().st_mtime_ns
+    assert eng._write_stack(((poet, 1.0),), 99, Path(plain[2]).parent)[2] == plain[2]
+    assert (Path(plain[2]) / "adapter_model.safetensors").stat().st_mtime_ns == stamp  # there: not written again
 
 
 def test_beyond_the_limit_the_least_recently_used_stack_is_deleted(tiny_chat, pirate_poet):

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import json
 import os
+import shutil
 import tempfile
 import threading
 import time
@@ -421,3 +422,88 @@ def test_a_stack_whose_weight_folds_to_inf_is_refused_and_other_keys_replies_sta
         ask(vllm_server, "tiny-chat", [{"name": "loud", "weight": 100}])
     assert e.value.body["param"] == "adapters" and "not finite" in e.value.body["message"]
     assert replies() == before
+
+
+# -- what vLLM is handed: a LoRA folder tiergate wrote, never the adapter's own (hunt P, findings 1, 2, 5) --
+
+
+def test_a_folder_adapter_deleted_while_its_request_waits_for_a_slot_is_served_and_vllm_lives(
+        vllm_server, demo_dir, monkeypatch):
+    """vLLM reads a LoRA's files when it first schedules a request for it, which can be after the
+    request waited for a LoRA slot. A folder adapter deleted meanwhile (or a fine-tuned model, by
+    ``models.delete``) is no matter there: vLLM reads the folder tiergate wrote from the factors it
+    had read, the request answers as the adapter does, and the engine serves on (it used to die:
+    every later request a 500). Requests after the deletion get the 404."""
+    from demo import build_demo_models
+    from tests.test_adapter_dirs import put
+
+    built = build_demo_models(demo_dir, names=["tiny-chat-pirate"])
+    folder = vllm_server.services.config.adapter_dirs[0].path
+    expected, base = ask(vllm_server, "tiny-chat-pirate", None), ask(vllm_server, "tiny-chat", None)
+    put(built["tiny-chat-pirate"], folder, "doomed")
+    engine = vllm_server.services.arbiter.workers["tiny-chat"]
+    acquire = engine._acquire_lora
+
+    async def deleted_while_waiting(*args, **kwargs):  # the folder goes while the request waits for its slot
+        shutil.rmtree(folder / "doomed", ignore_errors=True)
+        return await acquire(*args, **kwargs)
+
+    monkeypatch.setattr(engine, "_acquire_lora", deleted_while_waiting)
+    assert ask(vllm_server, "doomed", None) == expected
+    monkeypatch.undo()
+    assert ask(vllm_server, "tiny-chat", None) == base
+    with pytest.raises(openai.NotFoundError):
+        ask(vllm_server, "doomed", None)
+
+
+@pytest.mark.parametrize("kind", ["segkeys", "noalpha", "pissa", "rank_pattern"])
+def test_a_folder_vllms_loader_refuses_is_served_from_tiergates_own_or_is_a_400(vllm_server, demo_dir, kind):
+    """Folders tiergate reads that vLLM's own loader refuses (keys ``lora_A.<name>.weight``, no
+    ``lora_alpha``, ``init_lora_weights: "pissa"``) are served from the plain peft folder tiergate
+    writes from their factors: the same answers as the adapter they were made from. One whose
+    ``rank_pattern`` goes above ``engine.max_lora_rank`` is a 400 ``adapter_not_supported``, as a
+    plain ``r`` above it is. Either way the engine serves on: each of them used to kill its engine
+    core, every later request of every key a 500."""
+    from demo import build_demo_models
+    from tests.test_adapter_dirs import quirk
+
+    built = build_demo_models(demo_dir, names=["tiny-chat-pirate"])
+    folder = vllm_server.services.config.adapter_dirs[0].path
+    base, pirate = ask(vllm_server, "tiny-chat", None), ask(vllm_server, "tiny-chat-pirate", None)
+    quirk(built["tiny-chat-pirate"], folder, f"quirk-{kind}", kind)
+    if kind == "rank_pattern":
+        with pytest.raises(openai.BadRequestError) as refused:
+            ask(vllm_server, f"quirk-{kind}", None)
+        assert refused.value.code == "adapter_not_supported" and "rank 128" in refused.value.message
+    elif kind == "noalpha":  # (tiergate's default alpha, not the pirate's)
+        assert ask(vllm_server, f"quirk-{kind}", None) not in (None, base)
+    else:
+        assert ask(vllm_server, f"quirk-{kind}", None) == pirate
+    assert ask(vllm_server, "tiny-chat", None) == base
+    shutil.rmtree(folder / f"quirk-{kind}")
+
+
+def test_an_adapter_loaded_at_run_time_stays_what_was_loaded_when_its_files_change(vllm_server, demo_dir, tmp_path):
+    """An adapter loaded with ``POST /v1/load_lora_adapter`` is held until it is unloaded: files
+    written over its path afterwards change nothing (vLLM is handed tiergate's copy of what was
+    loaded, not the path, which it would read only when it first schedules the adapter), and
+    ``load_inplace`` reads them again."""
+    from demo import build_demo_models
+    from tests.test_adapter_dirs import put
+
+    built = build_demo_models(demo_dir, names=["tiny-chat-pirate", "tiny-chat-poet"])
+    source = put(built["tiny-chat-pirate"], tmp_path, "held")
+    admin = {"Authorization": f"Bearer {vllm_server.keys['admin']}"}
+
+    def load(in_place: bool) -> httpx.Response:
+        return httpx.post(f"{vllm_server.url}/v1/load_lora_adapter", headers=admin, timeout=60,
+                          json={"lora_name": "runtime-held", "lora_path": str(source), "load_inplace": in_place})
+
+    assert load(False).status_code == 200
+    put(built["tiny-chat-poet"], tmp_path, "held")
+    assert ask(vllm_server, "runtime-held", None) == ask(vllm_server, "tiny-chat-pirate", None)
+    assert load(True).status_code == 200
+    assert ask(vllm_server, "runtime-held", None) == ask(vllm_server, "tiny-chat-poet", None)
+    assert httpx.post(f"{vllm_server.url}/v1/unload_lora_adapter", headers=admin,
+                      json={"lora_name": "runtime-held"}).status_code == 200
+

@@ -46,6 +46,9 @@ Where vLLM differs from the transformers worker (``workers.chat``):
   adapter's user while it is in the engine: a paused request gives its slot up and waits for one
   again when it resumes (paused batch rows holding every slot would otherwise leave a paid request
   for another LoRA waiting on them while they wait for it), in the engine's current run.
+  Every LoRA vLLM gets is a folder tiergate wrote itself (``_write_stack``), never an adapter's own
+  folder: vLLM reads a LoRA's files only when it first schedules a request for it, and a load that
+  fails there (the folder deleted meanwhile, or one its loader refuses) kills the engine core.
 
 On CPU the engine's processes run without TorchDynamo (``TORCHDYNAMO_DISABLE=1`` in their
 environment, see ``_eager_on_cpu``): ``enforce_eager`` keeps the model out of ``torch.compile``,
@@ -66,8 +69,8 @@ from __future__ import annotations
 import asyncio
 import atexit
 import contextlib
+import hashlib
 import itertools
-import json
 import math
 import os
 import shutil
@@ -718,10 +721,10 @@ class VllmChatEngine(Worker):
 
     # -- LoRA residency ----------------------------------------------------------------------
     def stack_lora(self, stack: AdapterStackSpec) -> LoraRef:
-        """The one LoRA that serves a request's weighted adapter stack, unmerged: a single peft
-        adapter at weight 1 is served from its own folder; any other stack is concatenated along
-        the rank with the weights folded in (lora_kernels.save_stack_as_peft) and written as a
-        peft folder of rank sum(r_i). Same stack -> same LoRA id while it is kept, so vLLM
+        """The one LoRA that serves a request's weighted adapter stack, unmerged: the stack (one
+        adapter at weight 1 too) is concatenated along the rank with the weights folded in
+        (lora_kernels.save_stack_as_peft) and written as a peft folder of rank sum(r_i) (see
+        ``_write_stack``). Same stack -> same LoRA id while it is kept, so vLLM
         batches its rows. At most ``max_stack_loras`` are kept: beyond that the least recently
         used one that no request holds is forgotten and its folder deleted (a stack that comes
         back is written again, under a new id). Writes on the calling thread; ``chat()`` writes
@@ -764,23 +767,26 @@ class VllmChatEngine(Worker):
         return self._stack_dir
 
     def _write_stack(self, stack: AdapterStackSpec, lora_id: int, into: Path) -> LoraRef:
-        """(any thread) The LoRA of ``stack``: its own folder for one adapter at weight 1, else
-        written under ``into``; refused above ``max_lora_rank``."""
-        (adapter, weight), *rest = stack
-        source = Path(adapter.source) if adapter.source else None
-        if not rest and weight == 1.0 and source is not None and (source / "adapter_config.json").is_file():
-            folder = source
-        else:
-            from lora_kernels import save_stack_as_peft
-
-            folder = save_stack_as_peft(list(stack), into / f"stack-{lora_id}")
-        rank = json.loads((folder / "adapter_config.json").read_text())["r"]
+        """(any thread) The LoRA of ``stack``: a plain peft folder of one rank under ``into``, written
+        from the factors tiergate read and checked (lora_kernels.save_stack_as_peft), once per
+        stack: its folder is named by the stack's identity (its adapters' contents and weights),
+        and one already there is served again. Never an adapter's own folder, even for one adapter
+        at weight 1: vLLM reads the files when it first schedules a request, by when that folder
+        may be deleted or written again, and its loader refuses folders tiergate serves
+        (``rank_pattern``, ``lora_A.<name>`` keys, no ``lora_alpha``, ``init_lora_weights``); a
+        load that fails in vLLM kills its engine core. Refused (ValueError: a 400) above
+        ``max_lora_rank``, every module's rank counted."""
+        rank = stack_rank(stack)
         if rank > self.max_lora_rank:
-            if folder != source:
-                shutil.rmtree(folder, ignore_errors=True)
             raise ValueError(f"the adapter stack has rank {rank}, above this engine's max_lora_rank of "
                              f"{self.max_lora_rank}")
-        return "+".join(f"{n}*{w:g}" for n, w in stack_key(stack)), lora_id, str(folder)
+        key = stack_key(stack)
+        folder = into / f"stack-{hashlib.sha256(repr(key).encode()).hexdigest()[:24]}"
+        if not (folder / "adapter_config.json").is_file():  # (written last: a folder with it is whole)
+            from lora_kernels import save_stack_as_peft
+
+            save_stack_as_peft(list(stack), folder)
+        return "+".join(f"{n}*{w:g}" for n, w in key), lora_id, str(folder)
 
     def _keep_stack(self, key: StackKey, ref: LoraRef) -> _StackLora:
         self._forget_stacks(room_for=1)
@@ -856,6 +862,16 @@ class VllmChatEngine(Worker):
                 if res.users == 0:
                     # Few waiters, and any of them may be able to go: wake them all.
                     self._lora_cond.notify_all()
+
+
+def stack_rank(stack: AdapterStackSpec) -> int:
+    """The rank of the one LoRA written for ``stack`` (``save_stack_as_peft``): per module, the
+    ranks of the adapters that target it added up (a ``rank_pattern``'s own included); the largest."""
+    ranks: dict[str, int] = {}
+    for adapter, _ in stack:
+        for module, lm in adapter.modules.items():
+            ranks[module] = ranks.get(module, 0) + lm.rank
+    return max(ranks.values(), default=0)
 
 
 def _reported(report: TokenReport | None, delta: TextDelta) -> TextDelta:
