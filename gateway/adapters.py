@@ -128,6 +128,7 @@ class AdapterDir:
     path: Path
     model_path: Path
     format: str | None = None
+    max_rank: int | None = None  # the largest rank its model's engine serves (vLLM's max_lora_rank); None: any
 
     def locate(self, name: str) -> tuple[Path, Signature] | None:
         """Where the adapter ``name`` is in this folder, with its files' signature; None if nowhere."""
@@ -434,8 +435,7 @@ class AdapterRegistry:
                     try:
                         if where is None:
                             raise _NotAnAdapter("gone while it was read")
-                        self._read(name, d, where[0], where[1], name)
-                        problem = ""
+                        problem = _beyond_engine(self._read(name, d, where[0], where[1], name), d)
                     except _NotAnAdapter as exc:
                         problem = f"refused: {exc}"
                     except _Changing:
@@ -502,6 +502,16 @@ class AdapterRegistry:
         return tuple(stack)
 
 
+def _beyond_engine(served: ServedAdapter, d: AdapterDir) -> str:
+    """What the engine of ``d``'s model refuses in an adapter that reads as one (``tiergate check``:
+    a request for it would be a 400): on vLLM, a rank above ``max_lora_rank``, every module's
+    counted (a ``rank_pattern``'s too); empty when it serves."""
+    if d.max_rank is not None and served.rank > d.max_rank:
+        return (f"refused: rank {served.rank} is above {d.model}'s engine.max_lora_rank {d.max_rank} "
+                "(vLLM serves no larger LoRA)")
+    return ""
+
+
 def _young(files: Signature) -> bool:
     """Whether a file of ``files`` was written less than ``SETTLE_S`` ago."""
     return bool(files) and time.time_ns() - max(mtime for _, _, mtime, _ in files) < SETTLE_S * 1e9
@@ -556,8 +566,15 @@ def load_adapters(config: Config) -> AdapterRegistry:
         except Exception as exc:  # noqa: BLE001 - reading files: whatever fails (safetensors' own error too) is the adapter's
             message = " ".join(str(exc).strip("'\"").split())
             raise ConfigError(f"{config.source}: adapters[{i}] ({entry.name}): {message}") from None
-    dirs = [AdapterDir(d.model, models[d.model].kind, d.path, models[d.model].path, d.format) for d in config.adapter_dirs]
+    dirs = [AdapterDir(d.model, models[d.model].kind, d.path, models[d.model].path, d.format,
+                       _max_rank(models[d.model])) for d in config.adapter_dirs]
     return AdapterRegistry(served, dirs, [*models, *config.aliases], config.gpu.adapter_cache_budget)
+
+
+def _max_rank(model) -> int | None:
+    """The largest LoRA rank ``model``'s engine serves: vLLM's ``engine.max_lora_rank``; None: any."""
+    engine = getattr(model, "engine", None)
+    return engine.max_lora_rank if engine is not None and engine.name == "vllm" else None
 
 
 def load_adapter(entry: AdapterConfig, kind: str, model_path: Path) -> ServedAdapter:

@@ -639,6 +639,29 @@ def test_tiergate_check_reads_every_folder_adapter(tiny_chat, demo_adapters, tmp
     assert f"adapter folder {folder} (tiny-chat): 1 adapters serve, 0 cannot" in capsys.readouterr()[0]
 
 
+def test_tiergate_check_refuses_what_the_vllm_engine_would(tiny_chat, demo_adapters, tmp_path, capsys):
+    """For a model on vLLM, ``tiergate check`` applies its engine's limit too, as a request would
+    meet it (a 400): a rank above ``engine.max_lora_rank`` (64 by default), a ``rank_pattern``'s
+    rank counted as well as ``r``. On the transformers engine, which has no such limit, they serve."""
+    from gateway.cli import main
+
+    folder = tmp_path / "dir"
+    folder.mkdir()
+    put(demo_adapters[PIRATE], folder, "good")
+    quirk(demo_adapters[PIRATE], folder, "wide", "rank128")
+    quirk(demo_adapters[PIRATE], folder, "patterned", "rank_pattern")
+    for engine, refused in (("vllm", {"wide", "patterned"}), ("transformers", set())):
+        path = write_config(tmp_path, {"tiny-chat": ("chat", tiny_chat)},
+                            f"adapter_dirs:\n  - {{model: tiny-chat, path: {folder}}}\n", engine=engine)
+        code = main(["check", "--config", str(path)])
+        out = capsys.readouterr()[0]
+        lines = out[out.index(f"adapter folder {folder}"):].splitlines()
+        problems = {line.split()[0]: line for line in lines[1:]}
+        assert (code, set(problems)) == (1 if refused else 0, refused), out
+        for name in refused:
+            assert "rank 128 is above tiny-chat's engine.max_lora_rank 64" in problems[name]
+
+
 # -- vLLM's runtime LoRA endpoints ----------------------------------------------------------------------
 
 
