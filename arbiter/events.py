@@ -13,6 +13,7 @@ Kinds and their fields (besides ``id``, ``at`` and ``kind``), as in docs/DASHBOA
 ``load_started``  model, from_place (the place it is loaded from), tier (whose request started it)
 ``load_finished`` model, from_place, seconds, footprint_bytes
 ``load_failed``   model, reason
+``engine_failed`` model, reason (its resident worker's engine died: dropped, loaded again on demand)
 ``eviction``      model (the victim), from_place, to_place (``warm`` or ``cold``), reason (``make_room``,
                   ``oom``, ``admin``, ``host_cache``), by_model and by_tier (whose request caused
                   it; null for an admin unload)

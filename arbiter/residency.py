@@ -7,6 +7,11 @@ evictions and warm reloads are the workers' own calls (``workers.worker.Worker``
 ``to_host``, ``to_device``, ``release``), awaited one at a time per device; their completion comes
 back to the loop and schedules again. Batch work is paused and resumed through a per-model
 ``threading.Event`` that the work checks at its step boundaries.
+
+A resident worker whose engine died (``Worker.failure``: vLLM's engine core, which does not come
+back by itself) is dropped as soon as the arbiter sees it, at a lease's end, a grant or a look at
+the table: marked ``loading`` while it is released, then ``cold``, so that the next request for the
+model places a fresh one (``engine_failed`` event). Its requests in flight fail with a 503.
 """
 
 from __future__ import annotations
@@ -156,6 +161,7 @@ class Arbiter:
         if lease.used is not None:  # the same instant as its serve below: protected_until compares them
             lease.used[lease.model] = now
         self.states[lease.model] = _leased(self.states[lease.model], lease.tier, now, lease.is_batch, -1)
+        self._drop_if_failed(lease.model)
         self._schedule(non_batch_only=not lease.is_batch)
 
     def set_demand(self, others_busy: bool) -> None:
@@ -187,6 +193,8 @@ class Arbiter:
         return True
 
     def table(self) -> list[dict]:
+        for name in self.states:  # a dead engine shows as what it is, not as resident
+            self._drop_if_failed(name)
         now = self.clock()
         rows = []
         for name, s in self.states.items():
@@ -234,10 +242,10 @@ class Arbiter:
                 self._waiters.remove(w)
                 continue
             state = self.states[w.model]
-            if state.place == "resident":
+            if state.place == "resident" and not self._drop_if_failed(w.model):
                 self._grant(w)
                 continue
-            if state.place == "loading" or self._loading is not None:
+            if self.states[w.model].place == "loading" or self._loading is not None:
                 continue
             cooldown = self._cooldowns.get(w.model)
             if cooldown and cooldown.active(self.clock()):
@@ -387,6 +395,31 @@ class Arbiter:
         for w in [w for w in self._waiters if w.model == model]:
             self._fail(w, Unavailable(reason, retry))
         self._schedule()
+
+    def _drop_if_failed(self, model: str) -> bool:
+        """Whether ``model`` is resident on a worker that failed (``Worker.failure``: its engine
+        died); if so, start dropping it: ``loading`` (its memory still taken) until its worker is
+        released, then ``cold``, and the next request loads it again."""
+        worker = self.workers.get(model)
+        if self.states[model].place != "resident" or worker is None:
+            return False
+        reason = worker.failure
+        if reason is None:
+            return False
+        log.error("%s failed: %s; it is dropped and loaded again for its next request", model, reason)
+        self.states[model] = replace(self.states[model], place="loading")
+        self.events.emit("engine_failed", model=model, reason=without_folder(reason, self.specs[model]))
+        asyncio.get_running_loop().create_task(self._drop_failed(model, worker))
+        return True
+
+    async def _drop_failed(self, model: str, worker: Worker) -> None:
+        try:
+            await worker.release()  # its processes and memory: the engine shuts down
+        except Exception:  # noqa: BLE001 - it is dropped all the same; the next load starts afresh
+            log.exception("releasing the failed %s", model)
+        finally:
+            self._went_cold(model)  # (batch work paused on it keeps the object: placed again, it resumes)
+            self._schedule()
 
     def _after_oom(self, model: str, prior_place: str, tier: int, exc: Exception) -> None:
         """Out of memory while loading: evict the least valuable model and retry once."""

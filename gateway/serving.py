@@ -9,6 +9,8 @@ A ``Serving`` owns, for one request:
 * out-of-memory relief: ``step`` runs one attempt of the model work; on ``torch.OutOfMemoryError``
   the arbiter evicts the least valuable model this requester may evict, the eviction finishes,
   and the work is tried once more; a second failure (or nothing to evict) is a 503;
+* a model that fails under it (``WorkerFailed``: its engine died): a 503 ``model_failed``, and the
+  arbiter drops the worker as the lease ends, so the next request gets a fresh one;
 * the outcome for the admission cost model: the service time is learned only when the request
   completed (the block ended without an exception) and none of its work was ever paused. A cut
   stream, a disconnect, an error or batch work that waited at a pause gate teach it nothing;
@@ -60,6 +62,7 @@ from gateway.errors import APIError, bad_request
 from gateway.request_log import current as current_request
 from gateway.service import ClientGone, Held, Services
 from workers.base import Cancelled, ModelSpec, StepContext
+from workers.worker import WorkerFailed
 
 log = logging.getLogger("tiergate")
 
@@ -241,6 +244,8 @@ class Serving:
                     await finish
             else:
                 await finish
+        if isinstance(exc, WorkerFailed):  # the arbiter dropped the worker as the lease ended: the next one is fresh
+            raise model_failed(self.model, exc) from exc
 
     def _gpu_estimate(self) -> float:
         """What this block may cost of its key's GPU budget, held while it runs: the service time
@@ -389,6 +394,12 @@ class Joint:
                 await finish
         else:
             await finish
+
+
+def model_failed(model: str, exc: WorkerFailed) -> APIError:
+    """The 503 of a request whose model's engine died under it (``WorkerFailed``)."""
+    return APIError(503, f"the model '{model}' failed while serving this request ({exc}); it is loaded again for "
+                    "the next request: try again", "model_failed", headers={"retry-after": "1"})
 
 
 # How a block ends when its reply is cut before its end: the client left (``ClientGone``, or the

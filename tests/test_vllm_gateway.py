@@ -507,3 +507,31 @@ def test_an_adapter_loaded_at_run_time_stays_what_was_loaded_when_its_files_chan
     assert httpx.post(f"{vllm_server.url}/v1/unload_lora_adapter", headers=admin,
                       json={"lora_name": "runtime-held"}).status_code == 200
 
+
+def test_a_dead_engine_core_is_a_503_and_the_next_request_gets_a_fresh_engine(vllm_server):
+    """When vLLM's engine core dies (killed here; a LoRA it failed to load did it before), the
+    request in flight ends with a 503 ``model_failed`` (in-band: its stream had started), the
+    model no longer shows as resident, an ``engine_failed`` event says why, and the next request
+    is served by a fresh engine: the arbiter drops the dead one and loads the model again. (Before,
+    every later request was a 500 while the model showed as resident and /readyz said ready.)"""
+    import signal
+
+    s = vllm_server
+    arbiter = s.services.arbiter
+    base = ask(s, "tiny-chat", None)
+    engine, loads, seen = arbiter.workers["tiny-chat"], arbiter.counters.loads["tiny-chat"], arbiter.events.last_id
+    body = {"model": "tiny-chat", "messages": [{"role": "user", "content": "talk"}], "max_tokens": 256,
+            "ignore_eos": True, "temperature": 0, "stream": True}
+    with httpx.stream("POST", f"{s.base_url}/chat/completions", json=body, timeout=120,
+                      headers={"Authorization": f"Bearer {s.keys['paid']}"}) as r:
+        lines = (line for line in r.iter_lines() if line.startswith("data: {"))
+        next(lines)  # the reply has started
+        os.kill(engine._llm.engine_core.resources.engine_manager.processes[0].pid, signal.SIGKILL)
+        last = json.loads(list(lines)[-1][len("data: "):])
+    assert last.get("error", {}).get("code") == "model_failed", last
+    admin = {"Authorization": f"Bearer {s.keys['admin']}"}
+    assert httpx.get(f"{s.base_url}/models/tiny-chat", headers=admin).json()["place"] != "resident"
+    assert [e.data["model"] for e in arbiter.events.since(seen) if e.kind == "engine_failed"] == ["tiny-chat"]
+    assert ask(s, "tiny-chat", None) == base
+    assert arbiter.counters.loads["tiny-chat"] == loads + 1 and arbiter.workers["tiny-chat"].failure is None
+    assert httpx.get(f"{s.base_url}/models/tiny-chat", headers=admin).json()["place"] == "resident"

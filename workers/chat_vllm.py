@@ -49,6 +49,9 @@ Where vLLM differs from the transformers worker (``workers.chat``):
   Every LoRA vLLM gets is a folder tiergate wrote itself (``_write_stack``), never an adapter's own
   folder: vLLM reads a LoRA's files only when it first schedules a request for it, and a load that
   fails there (the folder deleted meanwhile, or one its loader refuses) kills the engine core.
+* Engine death. Once the engine core has died (vLLM's ``EngineDeadError``: a crash, a killed
+  process) every request on it fails: ``chat()`` raises ``WorkerFailed`` and ``failure`` says why,
+  so that the gateway answers a 503 and the arbiter drops the engine and starts a fresh one.
 
 On CPU the engine's processes run without TorchDynamo (``TORCHDYNAMO_DISABLE=1`` in their
 environment, see ``_eager_on_cpu``): ``enforce_eager`` keeps the model out of ``torch.compile``,
@@ -101,7 +104,7 @@ from workers.base import (
 )
 from workers import chat_prompt, reaper
 from workers.grammar import Vocabulary, grammar_text
-from workers.worker import ModelInfo, Worker
+from workers.worker import ModelInfo, Worker, WorkerFailed
 from workers.chat_prompt import ContextTooLong
 
 # The gateway never talks to a model hub: every model is a local folder. Set before vLLM (and
@@ -382,7 +385,7 @@ class VllmChatEngine(Worker):
         llm, self._llm = self._llm, None
         if llm is None:
             return
-        if self._inflight:
+        if self._inflight and not llm.errored:  # a dead engine core takes no abort (it raises)
             await llm.abort(list(self._inflight))
         await asyncio.to_thread(llm.shutdown)
         self._resident.clear()
@@ -451,6 +454,16 @@ class VllmChatEngine(Worker):
     def resident_loras(self) -> list[str]:
         return sorted(self._resident)
 
+    @property
+    def failure(self) -> str | None:
+        """Why this engine serves no more (its engine core died), or None. vLLM does not start
+        the core again: every later request would fail, so the arbiter drops a failed engine."""
+        return self._died if self._llm is not None and self._llm.errored else None
+
+    @property
+    def _died(self) -> str:
+        return f"the vLLM engine core of {self.spec.name} died (the server's log says why)"
+
     # -- requests ----------------------------------------------------------------------------
     def encode(self, messages: list[dict], tools: list[dict] | None = None) -> list[int]:
         return chat_prompt.encode(self.tokenizer, messages, tools)
@@ -471,8 +484,24 @@ class VllmChatEngine(Worker):
         ``req.ctx.cancel()`` does too and makes the iterator raise ``Cancelled``.
         """
         if lora is None and req.adapters:
-            return self._chat_on_stack(req, ignore_eos)
-        return self._chat(req, lora, ignore_eos)
+            return self._failing_loudly(self._chat_on_stack(req, ignore_eos))
+        return self._failing_loudly(self._chat(req, lora, ignore_eos))
+
+    async def _failing_loudly(self, events: AsyncIterator[ChatEvent]) -> AsyncIterator[ChatEvent]:
+        """``events``, with what fails once the engine core is dead raised as ``WorkerFailed``
+        (vLLM's ``EngineDeadError``, or the abort that follows it): not a request's own error."""
+        try:
+            async with contextlib.aclosing(events):
+                async for event in events:
+                    yield event
+        except Cancelled:
+            raise
+        except Exception as exc:
+            from vllm.v1.engine.exceptions import EngineDeadError
+
+            if self.failure is None and not isinstance(exc, EngineDeadError):  # (the engine dropped already)
+                raise
+            raise WorkerFailed(self._died) from exc
 
     async def _chat_on_stack(self, req: ChatRequest, ignore_eos: bool) -> AsyncIterator[ChatEvent]:
         """``_chat`` with the stack's LoRA held: its folder is not deleted while this runs."""

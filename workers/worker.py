@@ -11,6 +11,10 @@ it holds:
 * ``to_device(device)`` brings a host copy back;
 * ``release()`` frees the weights (device and host); the object may be placed again.
 
+A worker whose engine dies under it (vLLM's engine core process) says so: ``failure`` names why,
+and its requests raise :class:`WorkerFailed`; the arbiter then releases it and places the model
+again for the next request.
+
 Where a worker's memory lives decides how the arbiter counts it: ``modules()`` lists the torch
 modules holding its weights in this process, which the arbiter measures after a load; a worker
 whose memory lives in other processes (``reserves_memory``) is counted at its reservation.
@@ -42,6 +46,10 @@ class ModelInfo:
     native_size: tuple[int, int] | None = None  # image: (width, height) when the folder says
     voices: tuple[str, ...] = ()  # tts: the model's own voice names, in order
     images: bool = False  # chat: the model reads images in its messages (a vision-language model)
+
+
+class WorkerFailed(RuntimeError):
+    """The worker can serve no more requests: its engine died (the message says which and why)."""
 
 
 class Worker(ABC):
@@ -76,6 +84,11 @@ class Worker(ABC):
     def modules(self) -> list[torch.nn.Module]:
         """The torch modules holding its weights in this process (measured after a load)."""
         return []
+
+    @property
+    def failure(self) -> str | None:
+        """Why this placed worker can serve no more requests (its engine died), or None."""
+        return None
 
 
 def keep_cudnn_out_of_attention() -> None:

@@ -8,13 +8,13 @@ const SVG = "http://www.w3.org/2000/svg";
 const MAX_EVENTS = 200;
 const TIMELINE_S = 300;
 const KIND_LABEL = {
-  load_started: "loading", load_finished: "loaded", load_failed: "load failed", eviction: "eviction",
-  refusal: "refusal", batch_paused: "batch paused", batch_resumed: "batch resumed", oom_relief: "out of memory",
-  limits_changed: "slo guard", loop_stall: "loop stall",
+  load_started: "loading", load_finished: "loaded", load_failed: "load failed", engine_failed: "engine failed",
+  eviction: "eviction", refusal: "refusal", batch_paused: "batch paused", batch_resumed: "batch resumed",
+  oom_relief: "out of memory", limits_changed: "slo guard", loop_stall: "loop stall",
 };
 const KIND_CLASS = {
-  load_started: "load", load_finished: "load", load_failed: "oom", eviction: "eviction", refusal: "refusal",
-  batch_paused: "batch", batch_resumed: "batch", oom_relief: "oom", limits_changed: "limits",
+  load_started: "load", load_finished: "load", load_failed: "oom", engine_failed: "oom", eviction: "eviction",
+  refusal: "refusal", batch_paused: "batch", batch_resumed: "batch", oom_relief: "oom", limits_changed: "limits",
   loop_stall: "oom",
 };
 
@@ -266,6 +266,7 @@ function describe(e) {
     case "load_started": return `loading ${e.model} from ${e.from_place} for ${e.tier}`;
     case "load_finished": return `loaded ${e.model} from ${e.from_place} in ${secs(e.seconds)} (${bytes(e.footprint_bytes)})`;
     case "load_failed": return `loading ${e.model} failed: ${e.reason}`;
+    case "engine_failed": return `${e.model} failed: ${e.reason}; it is loaded again on demand`;
     case "eviction": return `evicted ${e.model} to ${e.to_place}${by}`;
     case "refusal": return `refused ${e.tier}${e.model ? ` for ${e.model}` : ""}: ${e.reason}` +
       (e.retry_after_s ? ` (retry in ${e.retry_after_s} s)` : "");
