@@ -371,6 +371,8 @@ class LimitsConfig(_Strict):
     rerank_max_tokens: int = Field(default=262144, ge=1)
     # tokens in one /v1/moderations request, all texts together (long texts are scored in full: this bounds the work)
     moderation_max_tokens: int = Field(default=32768, ge=1)
+    # tokens one /tokenize counts (or the model's context, if longer): its answer and the work grow with them
+    tokenize_max_tokens: int = Field(default=262144, ge=1)
     body_timeout_s: float = Field(default=60.0, gt=0)  # a request body must arrive whole within this; else 408
 
 

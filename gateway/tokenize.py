@@ -7,7 +7,9 @@ written for it count and read tokens here the same way.
   chat template as a chat request's prompt is made: ``add_generation_prompt`` (true),
   ``continue_final_message`` (false), ``chat_template_kwargs``; ``add_special_tokens`` false) and
   answers ``{"count", "max_model_len", "tokens", "token_strs"}`` (``return_token_strs``: each
-  token as the vocabulary spells it).
+  token as the vocabulary spells it). At most ``limits.tokenize_max_tokens`` tokens, or the
+  model's context where that is longer (a 400 ``too_many_tokens`` naming ``prompt`` or
+  ``messages``): the answer, built off the event loop, grows with them.
 * ``/detokenize`` takes ``tokens`` and answers ``{"prompt"}``, the text they decode to (special
   tokens kept, as vLLM's).
 
@@ -85,13 +87,13 @@ async def tokenize(request: Request) -> Response:
         if job.images:
             raise bad_request("a chat's image parts are not tokenized here: count them with "
                               "POST /v1/responses/input_tokens", "messages")
-        tok = await tokenizer_of(spec.path)
+        tok, cap = await tokenizer_of(spec.path), await _most_tokens(svc, spec)
 
         def chat_ids() -> list[int]:
             text = render(tok, job.messages, job.tools.template_tools(), job.template_kwargs,
                           add_generation_prompt=body.add_generation_prompt,
                           continue_final_message=body.continue_final_message)
-            return list(tok(text, add_special_tokens=body.add_special_tokens)["input_ids"])
+            return _encoded(tok, text, body.add_special_tokens, cap, "messages")
 
         try:
             ids = await asyncio.to_thread(chat_ids)
@@ -103,14 +105,13 @@ async def tokenize(request: Request) -> Response:
     elif "prompt" in raw:
         body = parse(TokenizeText, raw)
         spec = _allowed(svc, caller, body.model)
-        tok = await tokenizer_of(spec.path)
-        ids = list((await asyncio.to_thread(tok, body.prompt, add_special_tokens=body.add_special_tokens))["input_ids"])
+        tok, cap = await tokenizer_of(spec.path), await _most_tokens(svc, spec)
+        ids = await asyncio.to_thread(_encoded, tok, body.prompt, body.add_special_tokens, cap, "prompt")
     else:
         raise bad_request("send prompt (a text) or messages (a chat) to tokenize", "prompt",
                           "missing_required_parameter")
-    context = svc.context_lengths.get(spec.name) or (await asyncio.to_thread(describe, spec)).context_length
-    return JSONResponse({"count": len(ids), "max_model_len": context, "tokens": ids,
-                         "token_strs": tok.convert_ids_to_tokens(ids) if body.return_token_strs else None})
+    # a long answer's token strings and JSON take seconds: made off the loop, as the ids were
+    return await asyncio.to_thread(_answer, tok, ids, await _context(svc, spec), bool(body.return_token_strs))
 
 
 async def detokenize(request: Request) -> Response:
@@ -124,6 +125,34 @@ async def detokenize(request: Request) -> Response:
         if not 0 <= token < vocab:
             raise bad_request(f"token {token} is not in this model's vocabulary (ids 0 to {vocab - 1})", f"tokens[{i}]")
     return JSONResponse({"prompt": await asyncio.to_thread(tok.decode, body.tokens)})
+
+
+async def _context(svc: Services, spec: ModelSpec) -> int | None:
+    return svc.context_lengths.get(spec.name) or (await asyncio.to_thread(describe, spec)).context_length
+
+
+async def _most_tokens(svc: Services, spec: ModelSpec) -> int:
+    """The tokens one request may count: ``limits.tokenize_max_tokens``, or the model's context
+    where that is longer (any prompt the model could take is counted)."""
+    return max(svc.config.limits.tokenize_max_tokens, await _context(svc, spec) or 0)
+
+
+def _encoded(tok: Any, text: str, special: bool, cap: int, param: str) -> list[int]:
+    """``text``'s ids (in a thread); a 400 naming ``param`` above ``cap`` tokens, refused unread
+    above 32 characters a token (as moderations' and rerank's limits are)."""
+    too_long = f"above this server's limit of {cap} tokens per /tokenize request"
+    if len(text) > 32 * cap:
+        raise bad_request(f"{param} is {len(text)} characters, {too_long}", param, "too_many_tokens")
+    ids = list(tok(text, add_special_tokens=special)["input_ids"])
+    if len(ids) > cap:
+        raise bad_request(f"{param} is {len(ids)} tokens, {too_long}", param, "too_many_tokens")
+    return ids
+
+
+def _answer(tok: Any, ids: list[int], context: int | None, token_strs: bool) -> Response:
+    """vLLM's answer to ``/tokenize`` (in a thread: its JSON is made when it is built)."""
+    return JSONResponse({"count": len(ids), "max_model_len": context, "tokens": ids,
+                         "token_strs": tok.convert_ids_to_tokens(ids) if token_strs else None})
 
 
 def _allowed(svc: Services, caller: Caller, name: str) -> ModelSpec:

@@ -12,6 +12,7 @@ from tests.helpers import start_server, write_config
 
 PIRATE = "tiny-chat-pirate"
 PNG = "data:image/png;base64,iVBORw0KGgoAAAANSUhEUgAAAAgAAAAIAQMAAAD+wSzIAAAABlBMVEX///+/v7+jQ3Y5AAAADklEQVQI12P4AQQKDKQAAB+4AeW6S5UjAAAAAElFTkSuQmCC"
+CAP = 1000  # limits.tokenize_max_tokens here: above tiny-chat's context (512)
 CHAT = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "Hello there, how are you?"}]
 
 
@@ -41,7 +42,8 @@ def server(demo_dir, tiny_chat, tiny_embed, tiny_tts, tiny_vlm, tmp_path_factory
     folder = tmp_path_factory.mktemp("tokenize")
     models = {"tiny-chat": ("chat", tiny_chat), "tiny-embed": ("embed", tiny_embed), "tiny-tts": ("tts", tiny_tts),
               "tiny-vlm": ("chat", tiny_vlm), "bos-chat": ("chat", bos_chat(tiny_chat, folder / "bos-chat"))}
-    extra = f"adapters:\n  - {{name: {PIRATE}, model: tiny-chat, path: {pirate}}}\n"
+    extra = (f"adapters:\n  - {{name: {PIRATE}, model: tiny-chat, path: {pirate}}}\n"
+             f"limits: {{tokenize_max_tokens: {CAP}}}\n")
     running = start_server(write_config(folder, models, extra))
     yield running
     running.stop()
@@ -188,3 +190,55 @@ def test_add_special_tokens_puts_the_tokenizers_bos_on_a_chat_and_leaves_it_off_
                                               "messages": [{"role": "user", "content": [
                                                   {"type": "image_url", "image_url": {"url": PNG}}]}]})
     assert r.status_code == 400 and r.json()["error"]["param"] == "add_special_tokens", r.text
+
+
+def test_a_request_counts_at_most_the_servers_limit_of_tokens(server, tiny_chat):
+    """``limits.tokenize_max_tokens`` (or the model's context, if longer) bounds what one request
+    counts, in either form: above it a 400 ``too_many_tokens`` naming ``prompt`` or ``messages``
+    (refused unread above 32 characters a token); a 9 MB prompt was answered with 40 MB."""
+    tok = AutoTokenizer.from_pretrained(tiny_chat)
+    words = tok.decode(tok("hello " * CAP)["input_ids"][:CAP])
+    assert len(tok(words)["input_ids"]) == CAP
+    assert post(server, "/tokenize", {"model": "tiny-chat", "prompt": words}).json()["count"] == CAP
+    for body, param in (({"prompt": words + "hello"}, "prompt"),
+                        ({"prompt": "x" * (32 * CAP + 1)}, "prompt"),
+                        ({"messages": [{"role": "user", "content": words}]}, "messages")):
+        r = post(server, "/tokenize", {"model": "tiny-chat", **body})
+        assert r.status_code == 400, r.text
+        error = r.json()["error"]
+        assert (error["param"], error["code"]) == (param, "too_many_tokens")
+        assert f"limit of {CAP} tokens" in error["message"]
+
+
+def test_the_answer_is_made_off_the_event_loop(server, tiny_chat, monkeypatch):
+    """A long answer's token strings and JSON held the event loop, every tier's requests with it
+    (2.7 s for 4.5 M tokens): they are made in a thread, as the ids are."""
+    import asyncio
+
+    from starlette.responses import JSONResponse
+
+    def on_loop() -> bool:
+        try:
+            asyncio.get_running_loop()
+        except RuntimeError:
+            return False
+        return True
+
+    where: dict[str, bool] = {}
+    kind = type(AutoTokenizer.from_pretrained(tiny_chat))
+    spell, render = kind.convert_ids_to_tokens, JSONResponse.render
+
+    def spelled(self, ids, *args, **kwargs):
+        where["token_strs"] = on_loop()
+        return spell(self, ids, *args, **kwargs)
+
+    def rendered(self, content):
+        if isinstance(content, dict) and "token_strs" in content:
+            where["json"] = on_loop()
+        return render(self, content)
+
+    monkeypatch.setattr(kind, "convert_ids_to_tokens", spelled)
+    monkeypatch.setattr(JSONResponse, "render", rendered)
+    r = post(server, "/tokenize", {"model": "tiny-chat", "prompt": "hello " * 100, "return_token_strs": True})
+    assert r.status_code == 200 and len(r.json()["token_strs"]) == r.json()["count"], r.text
+    assert where == {"token_strs": False, "json": False}
