@@ -17,8 +17,11 @@ Any model with a tokenizer: a chat model (either form), an embedding, moderation
 an adapter (its base model's tokenizer); the model is required (a server here serves many). Any
 tier's key; a key's model allow-list applies. No model work, so no gate and no load: the
 tokenizer is read from the model's folder once (``gateway.completions.tokenizer_of``), as
-``/v1/responses/input_tokens`` reads it. A chat's image parts are not tokenized here (400): count
-them with ``/v1/responses/input_tokens``.
+``/v1/responses/input_tokens`` reads it. A chat's ``file`` parts are read as chat reads them (a
+document's text, ``gateway.input_files``), and a spoken reply's ``audio`` id as its transcript. Its
+image parts are not tokenized here (400): count them with ``/v1/responses/input_tokens``; nor its
+``input_audio`` parts (400): chat hears those through a speech-to-text model, model work this
+endpoint does not do.
 """
 
 from __future__ import annotations
@@ -34,6 +37,8 @@ from gateway.auth import Caller
 from gateway.chat import plan_chat
 from gateway.completions import tokenizer_of
 from gateway.errors import bad_request, not_found
+from gateway.input_files import chat_files
+from gateway.output_audio import heard_replies
 from gateway.schemas import ChatCompletionRequest, _Body, parse, read_json
 from gateway.service import TEXT_KINDS, Services
 from workers.base import InvalidParam, ModelSpec
@@ -83,6 +88,9 @@ async def tokenize(request: Request) -> Response:
             raise bad_request("continue_final_message leaves the last message open: set add_generation_prompt to "
                               "false with it", "continue_final_message")
         chat = {k: v for k, v in raw.items() if k in ("model", "messages", "tools", "chat_template_kwargs")}
+        _unheard(body.messages)
+        # documents and spoken replies' transcripts become text as chat's own request reads them
+        chat = heard_replies(svc, caller, await chat_files(svc, caller, chat))
         job = plan_chat(svc, parse(ChatCompletionRequest, chat))
         if job.images:
             raise bad_request("a chat's image parts are not tokenized here: count them with "
@@ -125,6 +133,20 @@ async def detokenize(request: Request) -> Response:
         if not 0 <= token < vocab:
             raise bad_request(f"token {token} is not in this model's vocabulary (ids 0 to {vocab - 1})", f"tokens[{i}]")
     return JSONResponse({"prompt": await asyncio.to_thread(tok.decode, body.tokens)})
+
+
+def _unheard(messages: list[Any]) -> None:
+    """A 400 naming a chat's first ``input_audio`` part: chat hears one through a speech-to-text
+    model, a transcription (gated and metered) that a request without model work does not run."""
+    for i, message in enumerate(messages):
+        content = message.get("content") if isinstance(message, dict) else None
+        for j, part in enumerate(content if isinstance(content, list) else ()):
+            if isinstance(part, dict) and part.get("type") == "input_audio":
+                raise bad_request("input_audio parts are not tokenized here: a chat hears them through a "
+                                  "speech-to-text model (engine.audio_input), a transcription /tokenize does not "
+                                  "run; transcribe the audio with POST /v1/audio/transcriptions and send its text "
+                                  "as a text part",
+                                  f"messages[{i}].content[{j}]")
 
 
 async def _context(svc: Services, spec: ModelSpec) -> int | None:

@@ -242,3 +242,37 @@ def test_the_answer_is_made_off_the_event_loop(server, tiny_chat, monkeypatch):
     r = post(server, "/tokenize", {"model": "tiny-chat", "prompt": "hello " * 100, "return_token_strs": True})
     assert r.status_code == 200 and len(r.json()["token_strs"]) == r.json()["count"], r.text
     assert where == {"token_strs": False, "json": False}
+
+
+def test_a_chats_documents_are_counted_as_chat_reads_them(server, tiny_chat):
+    """A ``file`` part (a document) is read as chat reads it, its text where the part was, so the
+    count is chat's ``prompt_tokens`` for the same messages (a 400 that listed 'file' among the
+    supported types refused it); an assistant's ``audio`` is read as chat reads it too."""
+    import base64
+
+    doc = base64.b64encode(b"Paid requests come first.").decode()
+    messages = [{"role": "user", "content": [
+                    {"type": "text", "text": "Summarize this."},
+                    {"type": "file", "file": {"file_data": f"data:text/plain;base64,{doc}", "filename": "a.txt"}}]},
+                {"role": "assistant", "content": "Paid first.", "audio": None},
+                {"role": "user", "content": "Shorter?"}]
+    r = post(server, "/tokenize", {"model": "tiny-chat", "messages": messages})
+    assert r.status_code == 200, r.text
+    tok = AutoTokenizer.from_pretrained(tiny_chat)
+    assert "[file: a.txt]\nPaid requests come first." in tok.decode(r.json()["tokens"])
+    chat = post(server, "/v1/chat/completions", {"model": "tiny-chat", "messages": messages, "max_tokens": 1})
+    assert chat.status_code == 200, chat.text
+    assert r.json()["count"] == chat.json()["usage"]["prompt_tokens"]
+
+
+def test_a_chats_audio_is_refused_with_why(server):
+    """An ``input_audio`` part is heard by a speech-to-text model (a transcription), which
+    ``/tokenize`` does not run: a 400 naming the part that says so and where to transcribe it,
+    not one that lists ``input_audio`` as supported while refusing it."""
+    audio = {"type": "input_audio", "input_audio": {"data": "UklGRg==", "format": "wav"}}
+    r = post(server, "/tokenize", {"model": "tiny-chat", "messages": [
+        {"role": "user", "content": [{"type": "text", "text": "What was said?"}, audio]}]})
+    assert r.status_code == 400, r.text
+    error = r.json()["error"]
+    assert error["param"] == "messages[0].content[1]" and "/v1/audio/transcriptions" in error["message"]
+    assert "not supported: the chat models here take" not in error["message"]
