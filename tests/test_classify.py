@@ -110,6 +110,20 @@ def test_a_long_input_is_refused_or_cut_as_asked(server, tiny_moderation, side):
     assert whole.status_code == 200 and whole.json()["usage"]["prompt_tokens"] == 128
 
 
+def test_truncate_below_the_special_tokens_keeps_that_many_of_them(server, tiny_moderation):
+    """``truncate_prompt_tokens: 1`` on BERT, whose [CLS] and [SEP] are 2 tokens, classifies
+    [CLS] alone (right) or [SEP] alone (left), as vLLM cuts it: for a short text and a long one,
+    never the whole text nor a 400 on ``input``."""
+    tok = AutoTokenizer.from_pretrained(tiny_moderation)
+    for text in (TEXTS[1], LONG):
+        for side, kept in (("right", tok.cls_token_id), ("left", tok.sep_token_id)):
+            cut = post(server, {"model": "multi", "input": text, "truncate_prompt_tokens": 1, "truncation_side": side})
+            assert cut.status_code == 200, cut.text
+            assert cut.json()["usage"]["prompt_tokens"] == 1
+            alone = post(server, {"model": "multi", "input": [kept]}).json()["data"][0]["probs"]
+            assert np.abs(np.array(cut.json()["data"][0]["probs"]) - alone).max() < TOLERANCE
+
+
 @pytest.mark.parametrize("body, status, param", [
     ({"input": []}, 400, "input"),
     ({"input": ""}, 400, "input"),

@@ -221,6 +221,29 @@ def test_truncate_prompt_tokens_keeps_the_start_or_the_end_as_vllm_does(server):
     refused(post(server, {"model": "tiny-embed", "input": "hi", "truncation_side": "middle"}), "truncation_side")
 
 
+def test_truncate_below_the_special_tokens_keeps_that_many_of_them_as_vllm_does(server):
+    """``truncate_prompt_tokens: 1`` (Cohere's ``max_tokens: 1``) on BERT, whose [CLS] and [SEP]
+    are 2 tokens, is still a cut to 1 token, as vLLM's: [CLS] alone (right), [SEP] alone (left),
+    for a text within the context and one over it; never the whole text, nor a 400 on ``input``."""
+    from transformers import AutoTokenizer
+
+    folder = server_folder(server)
+    tok = AutoTokenizer.from_pretrained(folder)
+    context = read_config(folder).context_length
+    c = client(server)
+    for text in ("the quick brown fox jumps", "one two three four five six seven eight nine ten " * (context // 4)):
+        for side, kept in (("right", tok.cls_token_id), ("left", tok.sep_token_id)):
+            r = c.embeddings.create(model="tiny-embed", input=text, encoding_format="float",
+                                    extra_body={"truncate_prompt_tokens": 1, "truncation_side": side})
+            want = c.embeddings.create(model="tiny-embed", input=[kept], encoding_format="float")
+            assert r.usage.prompt_tokens == 1, (text, side)
+            assert np.abs(vectors(r) - vectors(want)).max() < BATCH_TOLERANCE, (text, side)
+        co = cohere_client(server).embed(model="tiny-embed", texts=[text], input_type="search_query", max_tokens=1)
+        assert co.meta.billed_units.input_tokens == 1
+        want = c.embeddings.create(model="tiny-embed", input=[tok.cls_token_id], encoding_format="float")
+        assert np.abs(np.array(co.embeddings.float_) - vectors(want)).max() < BATCH_TOLERANCE
+
+
 # ---------------------------------------------------------------- Cohere's embed API (/v2/embed)
 
 

@@ -339,8 +339,9 @@ class EncoderWorker(ThreadWorker):
         """Token ids of each input: strings through the tokenizer (with its special tokens), token
         ids as given. ``truncate`` (vLLM's ``truncate_prompt_tokens``) keeps at most that many
         tokens of each input, from its start (``side`` right) or its end (left): a string's
-        through the tokenizer's own truncation, its special tokens kept. ``InputError`` for an
-        empty input, an id outside the ``vocab``, or one over ``limit`` tokens (the context).
+        through the tokenizer's own truncation, its special tokens kept; below their count (1 on
+        BERT's [CLS] ... [SEP]) that many of them, as vLLM cuts it. ``InputError`` for an empty
+        input, an id outside the ``vocab``, or one over ``limit`` tokens (the context).
         Needs no weights; any thread."""
         if inputs and isinstance(inputs[0], str):
             if any(not text for text in inputs):
@@ -355,8 +356,8 @@ class EncoderWorker(ThreadWorker):
                     tokenizer.truncation_side = kept
         else:
             ids = [list(row) for row in inputs]
-            if truncate is not None:
-                ids = [row[-truncate:] if side == "left" else row[:truncate] for row in ids]
+        if truncate is not None:  # a token array's cut; a text's where the tokenizer will not cut below its specials
+            ids = [row[-truncate:] if side == "left" else row[:truncate] for row in ids]
         for i, row in enumerate(ids):
             if not row:
                 raise InputError(f"input[{i}] has no tokens")
