@@ -70,7 +70,9 @@ async def plan_embeddings(svc: Services, body: EmbeddingRequest) -> EmbedJob:
     inputs = _inputs(body.input)
     cap = svc.config.limits.embed_max_inputs
     if len(inputs) > cap:
-        raise bad_request(f"input has {len(inputs)} items, above this server's limit of {cap} per request",
+        # how to batch too: LangChain's OpenAIEmbeddings sends 1000 a request by default (OpenAI takes 2048)
+        raise bad_request(f"input has {len(inputs)} items, above this server's limit of {cap} per request: send them "
+                          f"in batches of at most {cap} (LangChain's OpenAIEmbeddings: chunk_size={cap})",
                           "input", "too_many_inputs")
     encoder = await weightless(svc.encoders, spec, EmbedWorker.reader)
     dimensions = body.dimensions

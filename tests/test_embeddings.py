@@ -361,6 +361,9 @@ def test_bad_input_is_a_400_naming_input(server):
 
 
 def test_langchain_openai_embeddings(server, monkeypatch):
+    """docs/MODALITIES.md's settings: ``check_embedding_ctx_length=False`` and ``chunk_size`` at
+    ``limits.embed_max_inputs`` (8 here) embed more texts than the limit, in batches; LangChain's
+    default chunk_size (1000) is a 400 that says the limit and how to batch."""
     import tiktoken
     from langchain_openai import OpenAIEmbeddings
 
@@ -369,12 +372,21 @@ def test_langchain_openai_embeddings(server, monkeypatch):
     for name in ("get_encoding", "encoding_for_model"):
         monkeypatch.setattr(tiktoken, name, lambda *a, **k: pytest.fail("tiktoken was used"))
     lc = OpenAIEmbeddings(model="tiny-embed", base_url=server.base_url, api_key=server.keys["paid"],
-                          check_embedding_ctx_length=False, max_retries=0)
+                          check_embedding_ctx_length=False, max_retries=0, chunk_size=8)
     docs = np.array(lc.embed_documents(TEXTS))
     query = np.array(lc.embed_query(TEXTS[0]))
     direct = vectors(client(server).embeddings.create(model="tiny-embed", input=TEXTS, encoding_format="float"))
     assert docs.shape == (3, 64) and np.abs(docs - direct).max() < BATCH_TOLERANCE
     assert np.abs(query - direct[0]).max() < BATCH_TOLERANCE
+    chunks = [f"chunk {i}: " + TEXTS[i % 3] for i in range(20)]  # more than the limit's worth
+    many = np.array(lc.embed_documents(chunks))
+    assert many.shape == (20, 64) and np.abs(many[:3] - vectors(client(server).embeddings.create(
+        model="tiny-embed", input=chunks[:3], encoding_format="float"))).max() < BATCH_TOLERANCE
+    with pytest.raises(openai.BadRequestError) as exc:
+        OpenAIEmbeddings(model="tiny-embed", base_url=server.base_url, api_key=server.keys["paid"],
+                         check_embedding_ctx_length=False, max_retries=0).embed_documents(chunks)
+    assert exc.value.body["code"] == "too_many_inputs"
+    assert "limit of 8" in exc.value.body["message"] and "chunk_size=8" in exc.value.body["message"]
 
 
 def test_models_list_shows_the_embed_kind(server):
