@@ -243,6 +243,20 @@ class AdapterRegistry:
             raise self._changing(name) from None
         return self._keep(served)
 
+    def base_of(self, name: str) -> tuple[str, str] | None:
+        """The base model and its kind of the adapter ``name``, found without reading it (a folder's
+        is listed, as ``get`` lists it: the event loop may ask); None when there is none, or when
+        this task's key may not use it (``resolve_as``)."""
+        served = self.adapters.get(name) or self.loaded.get(name)
+        if served is not None:
+            found = served.model, served.kind
+        elif self.dirs and name not in self.models and NAME.fullmatch(name):
+            located = self._find(name)
+            found = None if located is None else (located[0].model, located[0].kind)
+        else:
+            return None
+        return None if found is None or _hidden(name, found[0]) else found
+
     async def ready(self, model: str, choices: Sequence[AdapterChoice] | None) -> None:
         """Read, in a worker thread, the folder adapters among ``model`` and ``choices`` not held
         yet (once for every request that waits for the same files), so that ``get`` finds them

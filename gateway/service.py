@@ -218,13 +218,19 @@ class Services:
 
     def spec(self, name: str, kind: str | tuple[str, ...]) -> ModelSpec:
         """The spec of the model ``name`` (or an alias) calls; 404 for none, 400 for one of another
-        kind (``kind``, or any of several)."""
+        kind (``kind``, or any of several), an adapter of a model of another kind included (it is
+        listed by /v1/models: refused as its base is; one the key may not use stays a 404)."""
         spec = self.arbiter.specs.get(self.aliases.get(name, name))
+        kinds = (kind,) if isinstance(kind, str) else kind
+        wanted = " or ".join(a_kind(k) for k in kinds)
+        if spec is None:
+            adapter = self.adapters.base_of(name)
+            if adapter is not None and adapter[1] not in kinds:
+                raise bad_request(f"the model '{name}' is an adapter of {a_kind(adapter[1])} ('{adapter[0]}'), "
+                                  f"not {wanted}", "model", "model_not_supported")
         if spec is None or spec.kind == "train":  # a fine-tuning trainer's weights: no request calls them
             raise not_found(f"the model '{name}' does not exist", "model", "model_not_found")
-        kinds = (kind,) if isinstance(kind, str) else kind
         if spec.kind not in kinds:
-            wanted = " or ".join(a_kind(k) for k in kinds)
             raise bad_request(f"the model '{name}' is {a_kind(spec.kind)}, not {wanted}", "model", "model_not_supported")
         return spec
 

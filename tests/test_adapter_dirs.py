@@ -537,6 +537,10 @@ def test_another_keys_adapter_is_missing_on_every_endpoint(server, folders, demo
         "images": ("/v1/images/generations", {"model": "{name}", "prompt": "a cat", "size": "32x32"}),
         "images stack": ("/v1/images/generations", {"model": "tiny-image", "prompt": "a cat", "size": "32x32",
                                                     "adapters": [{"name": "{name}"}]}),
+        # where a chat or image adapter is of the wrong kind: a 400 only for an adapter the key may use
+        "embeddings": ("/v1/embeddings", {"model": "{name}", "input": "hi"}),
+        "rerank": ("/v1/rerank", {"model": "{name}", "query": "hi", "documents": ["there"]}),
+        "moderations": ("/v1/moderations", {"model": "{name}", "input": "hi"}),
     }
 
     def answer(path: str, body: dict, name: str) -> tuple[int, str | None]:

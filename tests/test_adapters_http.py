@@ -200,6 +200,25 @@ def test_models_lists_adapters(server):
     assert client(server).models.retrieve(POET).model_extra["format"] == "peft"
 
 
+def test_an_adapter_on_an_endpoint_of_another_kind_is_refused_as_its_base_is(server):
+    """An adapter (listed by /v1/models) named as the model of embeddings, rerank, moderations,
+    /classify or speech is a 400 ``model_not_supported`` naming it an adapter of its base's kind,
+    as its base model gets one there: not a 404 "does not exist"."""
+    http = httpx.Client(base_url=server.url, headers={"Authorization": f"Bearer {server.keys['paid']}"}, timeout=30)
+    asks = {"/v1/embeddings": {"input": "x"}, "/v1/rerank": {"query": "x", "documents": ["y"]},
+            "/v1/moderations": {"input": "x"}, "/classify": {"input": "x"},
+            "/v1/audio/speech": {"input": "x", "voice": "alloy"}}
+    for path, body in asks.items():
+        for base, adapter in (("tiny-chat", PIRATE), ("tiny-image", SKETCH)):
+            for model in (base, adapter):
+                r = http.post(path, json={"model": model, **body})
+                assert r.status_code == 400, (path, model, r.text)
+                assert (r.json()["error"]["code"], r.json()["error"]["param"]) == ("model_not_supported", "model")
+            kind = "a chat model" if base == "tiny-chat" else "an image model"
+            assert f"adapter of {kind} ('{base}')" in r.json()["error"]["message"], (path, r.text)
+        assert http.post(path, json={"model": "tiny-chat-nobody", **body}).status_code == 404
+
+
 # -- images ------------------------------------------------------------------------------------------
 
 
