@@ -79,6 +79,13 @@ def resolve_as(accounts: Accounts | None, caller: Caller) -> None:
     _viewer.set(None if accounts is None else (accounts, caller))
 
 
+def may_use(model: str) -> bool:
+    """Whether this task's key may use the model ``model`` (its models allow-list; ``resolve_as``):
+    one it may not is, to it, a model that does not exist."""
+    viewer = _viewer.get()
+    return viewer is None or viewer[0].allows(viewer[1], model)
+
+
 def _hidden(name: str, model: str) -> bool:
     """Whether the adapter ``name`` of the model ``model`` is outside this task's key's allow-lists."""
     viewer = _viewer.get()

@@ -108,5 +108,5 @@ async def _heard(svc: Services, caller: Caller, stt: str, part: dict[str, Any], 
                           f"{where}.input_audio.data", "audio_too_large")
     samples, rate = await decoded_audio(raw, limits.transcription_max_seconds, f"{where}.input_audio.data",
                                         "input_audio.data", "invalid_value")
-    job = TranscriptionJob(svc.spec(stt, "stt").name, samples, rate, TranscriptionRequest())
+    job = TranscriptionJob(svc.spec(stt, "stt", chosen=True).name, samples, rate, TranscriptionRequest())
     return (await serve_transcription(svc, caller, job, None)).text.strip()

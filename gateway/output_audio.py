@@ -135,7 +135,7 @@ async def plan_voice(svc: Services, body: ChatCompletionRequest) -> Voice | None
         can = [name for name, ours in FORMATS.items() if ours in sound.supported_speech_formats()]
         raise bad_request(f"this installation cannot encode {body.audio.format}; audio.format is one of "
                           f"{', '.join(can)}", "audio.format", "invalid_value")
-    spec = svc.spec(engine.audio_output, "tts")
+    spec = svc.spec(engine.audio_output, "tts", chosen=True)
     voices = await weightless(svc.voices, spec, TTSWorker.reader)  # its voices, read from the folder
     try:
         voices.resolve_voice(body.audio.voice)

@@ -187,7 +187,7 @@ async def opening(svc: Services, model: str) -> tuple[SessionConfig, Conversing]
         (s.name for s in svc.arbiter.specs.values() if s.kind == "tts"), None)
     voice = None
     if spoken is not None:
-        spec = svc.spec(spoken, "tts")
+        spec = svc.spec(spoken, "tts", chosen=True)
         voices = await weightless(svc.voices, spec, TTSWorker.reader)
         voice = Voice(spec.name, "alloy", "pcm", PCM16_RATE, voices.sample_rate)
     modalities = ("audio",) if voice is not None else ("text",)
@@ -457,7 +457,8 @@ class ConversationSession(TranscriptionSession):
                               "audio_output_not_supported")
         if not isinstance(name, str) or not name:
             raise bad_request("voice is a voice's name", param, "invalid_type")
-        voices = await weightless(self.svc.voices, self.svc.spec(self.conversing.voice.model, "tts"), TTSWorker.reader)
+        spoken = self.svc.spec(self.conversing.voice.model, "tts", chosen=True)
+        voices = await weightless(self.svc.voices, spoken, TTSWorker.reader)
         try:
             voices.resolve_voice(name)
         except ValueError as exc:

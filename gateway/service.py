@@ -15,7 +15,7 @@ from typing import TYPE_CHECKING, Any, Awaitable, Callable, Protocol, TypeVar
 from starlette.requests import HTTPConnection, Request
 
 from arbiter.residency import Arbiter, Lease, Refused, Unavailable
-from gateway.adapters import AdapterRegistry, resolve_as
+from gateway.adapters import AdapterRegistry, may_use, resolve_as
 from gateway.admission import Arrival, Gate, Rejected, Ticket
 from gateway.auth import Caller, KeyRing, bearer_token
 from gateway.config import Config, a_kind
@@ -216,11 +216,16 @@ class Services:
             raise APIError(403, "this endpoint needs an admin key", "admin_only")
         return caller
 
-    def spec(self, name: str, kind: str | tuple[str, ...]) -> ModelSpec:
-        """The spec of the model ``name`` (or an alias) calls; 404 for none, 400 for one of another
-        kind (``kind``, or any of several), an adapter of a model of another kind included (it is
-        listed by /v1/models: refused as its base is; one the key may not use stays a 404)."""
+    def spec(self, name: str, kind: str | tuple[str, ...], chosen: bool = False) -> ModelSpec:
+        """The spec of the model ``name`` (or an alias) calls; 404 for none, or for one this task's
+        key may not use (``may_use``: named as asked, never by the name an alias hides, before its
+        kind is said), unless the server ``chosen`` it (a chat model's speech model: admission
+        refuses it where it is used); 400 for one of another kind (``kind``, or any of several),
+        an adapter of a model of another kind included (it is listed by /v1/models: refused as its
+        base is; one the key may not use stays a 404)."""
         spec = self.arbiter.specs.get(self.aliases.get(name, name))
+        if spec is not None and not chosen and not may_use(spec.name):
+            spec = None
         kinds = (kind,) if isinstance(kind, str) else kind
         wanted = " or ".join(a_kind(k) for k in kinds)
         if spec is None:
@@ -235,9 +240,10 @@ class Services:
         return spec
 
     def first_spec(self, kind: str, what: str) -> ModelSpec:
-        """The first model of ``kind`` in tiers.yaml: an endpoint's default when a request names
-        none; 404 naming ``what`` (e.g. "moderation model") when the server has none."""
-        spec = next((s for s in self.arbiter.specs.values() if s.kind == kind), None)
+        """The first model of ``kind`` in tiers.yaml that this task's key may use: an endpoint's
+        default when a request names none; 404 naming ``what`` (e.g. "moderation model"), and no
+        model, when the server has none (none for this key)."""
+        spec = next((s for s in self.arbiter.specs.values() if s.kind == kind and may_use(s.name)), None)
         if spec is None:
             raise not_found(f"this server has no {what}", "model", "model_not_found")
         return spec

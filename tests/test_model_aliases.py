@@ -106,6 +106,35 @@ def test_a_keys_allow_list_covers_its_models_aliases(server):
         c.embeddings.create(model="text-embedding-3-small", input="hello")
 
 
+def test_a_hidden_model_is_named_only_as_the_key_asked_for_it(server):
+    """A model outside a key's allow-list is a 404 that names what the request named (an alias),
+    or no model where it named none (the first moderation, classification or embedding model is
+    then the first the key may use: here there is none), and is refused before its kind is said:
+    the answer a name nobody has gets, never the hidden model's own name."""
+    admin = httpx.Client(base_url=server.url, headers={"Authorization": f"Bearer {server.keys['admin']}"}, timeout=30)
+    with admin:
+        r = admin.post("/admin/keys", json={"name": "chat only", "tier": "paid", "models": ["tiny-chat"]})
+    assert r.status_code == 201, r.text
+    http = httpx.Client(base_url=server.url, headers={"Authorization": f"Bearer {r.json()['value']}"}, timeout=30)
+
+    def missing(path: str, body: dict, name: str) -> None:
+        hidden = http.post(path, json={**body, "model": name})
+        nobody = http.post(path, json={**body, "model": "no-such-model"})
+        assert hidden.status_code == nobody.status_code == 404, (path, name, hidden.text)
+        assert hidden.json() == json.loads(json.dumps(nobody.json()).replace("no-such-model", name)), (path, name)
+
+    missing("/v1/moderations", {"input": "hi"}, "omni-moderation-latest")
+    missing("/v1/embeddings", {"input": "hi"}, "text-embedding-3-small")
+    missing("/v1/embeddings", {"input": "hi"}, "tiny-moderation")  # not a 400 saying it is a moderation model
+    missing("/classify", {"input": "hi"}, "tiny-moderation")
+    for path, body in (("/v1/moderations", {"input": "hi"}), ("/classify", {"input": "hi"}),
+                       ("/v1/embed", {"texts": ["hi"]})):
+        r = http.post(path, json=body)
+        assert r.status_code == 404 and r.json()["error"]["param"] == "model", (path, r.text)
+        assert "tiny-" not in r.json()["error"]["message"] and "this server has no" in r.json()["error"]["message"]
+    assert client(server).moderations.create(input="hi").model == "tiny-moderation"  # other keys: the first
+
+
 def test_a_batch_line_may_name_an_alias(server):
     c = client(server)
     lines = [{"custom_id": f"r{i}", "method": "POST", "url": "/v1/chat/completions",
