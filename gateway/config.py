@@ -284,7 +284,7 @@ class FineTuningConfig(_Strict):
     learning_rate: float = Field(default=2e-4, gt=0, le=1)  # the base rate; a job's multiplier scales it
     max_tokens: int | None = Field(default=None, ge=16)  # an example's tokens kept (None: the model's context)
     training_memory: Size = parse_size("512MiB")  # counted beside the weights: LoRA factors, Adam's moments, activations
-    max_jobs_per_key: int = Field(default=4, ge=1)  # queued or running at once (more: a 429)
+    max_jobs_per_key: int = Field(default=4, ge=1)  # queued, running or paused at once (more: a 429)
 
     def trainer(self, model: str) -> str:
         """The arbiter's name for ``model``'s trainer (a model of its own: the weights it trains on)."""

@@ -13,7 +13,7 @@ from dataclasses import replace
 import pytest
 
 from tests.helpers import opened, shared_store
-from tuning.store import (FineTuningStore, Job, RedisFineTuning, SQLiteFineTuning, _CLAIMABLE, _SCHEMA,
+from tuning.store import (FineTuningStore, Job, RedisFineTuning, SQLiteFineTuning, TooManyJobs, _CLAIMABLE, _SCHEMA,
                           open_fine_tuning_store)
 
 HYPER = {"n_epochs": 3, "batch_size": 4, "learning_rate_multiplier": 2.0}
@@ -247,6 +247,33 @@ def test_two_processes_claiming_at_once_never_take_the_same_job(make_store):
                 again += [j for j in got if j is not None]
             assert sorted(j.id for j in again) == sorted(f"ftjob-{i}" for i in range(12))
             assert {j.attempt for j in again} == {2}
+        finally:
+            await a.close()
+            await b.close()
+
+    run(go())
+
+
+def test_creates_at_once_in_two_processes_never_exceed_the_owner_s_most(make_store):
+    """``create(job, most)`` counts the owner's queued, running and paused jobs and writes the job in
+    one step: of 12 creates at once from two processes, only those that fit are made, the others
+    refused with the count; ended jobs and another key's do not count."""
+    async def go():
+        a, b = await make_store(), await make_store()
+        try:
+            await _created(a, job(0, status="succeeded"), job(1, status="paused"), job(2, owner="key-b"),
+                           job(3, status="cancelled"))
+            stores = [a, b] * 6
+            got = await asyncio.gather(*(s.create(job(10 + i), most=3) for i, s in enumerate(stores)),
+                                       return_exceptions=True)
+            assert sum(g is None for g in got) == 2, got
+            assert all(isinstance(g, TooManyJobs) and g.count == 3 for g in got if g is not None), got
+            assert len([j for j in await b.list("key-a", None, 100) if j.status != "succeeded"]) == 4
+            await a.change(await a.get("ftjob-1", None), ["paused"], status="cancelled")
+            await b.create(job(30), most=3)  # a job that ended leaves room
+            with pytest.raises(TooManyJobs):
+                await a.create(job(31), most=3)
+            await a.create(job(32, owner="key-b"), most=3)
         finally:
             await a.close()
             await b.close()

@@ -31,7 +31,7 @@ from gateway.schemas import Metadata, _Body, is_count, parse, read_json
 from gateway.service import Services
 from tuning.data import FileProblem, conversations, preferences, resolve
 from tuning.runner import Tuner, event, fine_tuned_name, owner_label
-from tuning.store import WAITING, Job
+from tuning.store import OPEN, Job, TooManyJobs
 
 SUFFIX = re.compile(r"[A-Za-z0-9.-]{1,40}")  # within an adapter's name (no '_' or ':')
 CKPT_ROOM = len(":ckpt-step-") + 9  # a checkpoint's name adds this much to the model's at most
@@ -156,11 +156,9 @@ async def create_job(request: Request) -> Response:
     method = body.method.type if body.method is not None else "supervised"
     asked = body.method.asked() if body.method is not None else (body.hyperparameters or Hyperparameters()).asked()
     most = svc.config.fine_tuning.max_jobs_per_key
-    waiting = [j for j in await tuner.store.list(caller.key_id, None, 1000) if j.status in (*WAITING, "paused")]
-    if len(waiting) >= most:
-        raise APIError(429, f"this key has {len(waiting)} fine-tuning jobs queued, running or paused, the most it may "
-                       "have; wait for one to end, or cancel one", "too_many_jobs", headers={"retry-after": "60"},
-                       type="rate_limit_error")
+    waiting = [j for j in await tuner.store.list(caller.key_id, None, 1000) if j.status in OPEN]
+    if len(waiting) >= most:  # at once, before the file is read; the store counts again as it writes the job
+        raise _too_many(len(waiting))
     examples = await _examples(tuner, caller, body.training_file, "training_file", method)
     if body.validation_file is not None:
         await _examples(tuner, caller, body.validation_file, "validation_file", method)
@@ -171,11 +169,20 @@ async def create_job(request: Request) -> Response:
     name = fine_tuned_name(job)
     if not ADAPTER_NAME.fullmatch(name) or len(name) + CKPT_ROOM > 128:  # the suffix's characters are checked
         raise bad_request(f"the fine-tuned model's name '{name}' would be too long; use a shorter suffix", "suffix")
-    await tuner.store.create(job)
+    try:
+        await tuner.store.create(job, most)
+    except TooManyJobs as exc:  # other creates of this key's got in while its file was read
+        raise _too_many(exc.count) from None
     await tuner.store.add_event(job.id, event("message", "info", f"Validated the training file: {examples} examples; "
                                                                  "job queued"))
     tuner.wake()
     return JSONResponse(public(job))
+
+
+def _too_many(count: int) -> APIError:
+    return APIError(429, f"this key has {count} fine-tuning jobs queued, running or paused, the most it may have; "
+                    "wait for one to end, or cancel one", "too_many_jobs", headers={"retry-after": "60"},
+                    type="rate_limit_error")
 
 
 async def _examples(tuner: Tuner, caller: Caller, file_id: str, param: str, method: str) -> int:

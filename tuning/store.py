@@ -34,6 +34,15 @@ from storage.redis import RedisKeys
 from storage.sqlite import SQLiteFile
 
 WAITING = ("queued", "running")  # the statuses of a job not yet finished
+OPEN = (*WAITING, "paused")  # those that count towards a key's ``max_jobs_per_key``
+
+
+class TooManyJobs(Exception):
+    """``create`` refused a job: its owner has ``count`` open jobs, the most it may have."""
+
+    def __init__(self, count: int) -> None:
+        super().__init__(f"{count} open fine-tuning jobs")
+        self.count = count
 
 _SCHEMA = """CREATE TABLE IF NOT EXISTS fine_tuning_jobs (
     id TEXT PRIMARY KEY, owner TEXT NOT NULL, status TEXT NOT NULL, lease_until REAL NOT NULL, doc TEXT NOT NULL);
@@ -100,8 +109,10 @@ class FineTuningStore(abc.ABC):
     async def close(self) -> None: ...
 
     @abc.abstractmethod
-    async def create(self, job: Job) -> None:
-        """Store a new job, last in the order made; a ValueError when its id is taken."""
+    async def create(self, job: Job, most: int | None = None) -> None:
+        """Store a new job, last in the order made; a ValueError when its id is taken. With ``most``,
+        ``TooManyJobs`` (nothing stored) when its owner has that many ``OPEN`` jobs already: the
+        count and the write are one step, so creates at once (in any process) never exceed it."""
 
     @abc.abstractmethod
     async def get(self, job_id: str, owner: str | None) -> Job | None:
@@ -172,8 +183,13 @@ class SQLiteFineTuning(SQLiteFile, FineTuningStore):
             self._put(db, changed)
         return changed
 
-    async def create(self, job: Job) -> None:
-        def write(db: sqlite3.Connection) -> None:
+    async def create(self, job: Job, most: int | None = None) -> None:
+        def write(db: sqlite3.Connection) -> None:  # BEGIN IMMEDIATE: another process's create waits
+            if most is not None:
+                count = db.execute(f"SELECT COUNT(*) FROM fine_tuning_jobs WHERE owner = ? AND status IN "
+                                   f"({', '.join('?' * len(OPEN))})", (job.owner, *OPEN)).fetchone()[0]
+                if count >= most:
+                    raise TooManyJobs(count)
             try:
                 db.execute("INSERT INTO fine_tuning_jobs (id, owner, status, lease_until, doc) VALUES (?, ?, ?, ?, ?)",
                            (job.id, job.owner, job.status, job.lease_until, job.doc()))
@@ -251,8 +267,11 @@ class SQLiteFineTuning(SQLiteFile, FineTuningStore):
         return await self._newest("fine_tuning_checkpoints", job_id, after, limit)
 
 
-# KEYS job, seq, order, owned, waiting; ARGV job id, doc, '1' when it waits: only a new job, last in the order
+# KEYS job, seq, order, owned, waiting; ARGV job id, doc, '1' when it waits, how many jobs the owner had when its
+# open ones were counted ('' when not counted): only a new job, last in the order, and only when the owner has
+# made none since (-1)
 _CREATE = """
+if ARGV[4] ~= '' and redis.call('ZCARD', KEYS[4]) ~= tonumber(ARGV[4]) then return -1 end
 if not redis.call('SET', KEYS[1], ARGV[2], 'NX') then return 0 end
 local seq = redis.call('INCR', KEYS[2])
 redis.call('ZADD', KEYS[3], seq, ARGV[1])
@@ -306,11 +325,33 @@ class RedisFineTuning(RedisKeys, FineTuningStore):
             if changed is None or await self._swap(raw, changed):
                 return changed
 
-    async def create(self, job: Job) -> None:
+    async def create(self, job: Job, most: int | None = None) -> None:
+        """With ``most``, a compare-and-set on the owner's jobs: their open ones are counted outside
+        the script (reading every doc would hold Redis up), and the script writes only if the owner
+        has made no job since. A key's jobs are never removed and only a create opens one, so a job
+        that ended meanwhile can only make the count too high, never too low."""
         keys = [self.k("ft", job.id), self.k("ft-seq"), self.k("ft-order"), self.k("ft-owned", job.owner),
                 self.k("ft-waiting")]
-        if not await self._create(keys=keys, args=[job.id, job.doc(), self._waits(job)]):
-            raise ValueError(f"fine-tuning job {job.id!r} exists already")
+        while True:
+            made = ""
+            if most is not None:
+                count, made = await self._open_of(job.owner)
+                if count >= most:
+                    raise TooManyJobs(count)
+            done = await self._create(keys=keys, args=[job.id, job.doc(), self._waits(job), made])
+            if done == 0:
+                raise ValueError(f"fine-tuning job {job.id!r} exists already")
+            if done == 1:
+                return
+
+    async def _open_of(self, owner: str) -> tuple[int, str]:
+        """How many of ``owner``'s jobs are ``OPEN``, and how many jobs it had when they were read."""
+        ids = await self._r.zrange(self.k("ft-owned", owner), 0, -1)
+        count = 0
+        for start in range(0, len(ids), CLAIM_PAGE):
+            docs = await self._r.mget([self.k("ft", i.decode()) for i in ids[start:start + CLAIM_PAGE]])
+            count += sum(1 for raw in docs if raw and Job.of(raw).status in OPEN)
+        return count, str(len(ids))
 
     async def get(self, job_id: str, owner: str | None) -> Job | None:
         raw = await self._r.get(self.k("ft", job_id))
