@@ -486,6 +486,10 @@ def test_a_job_goes_on_from_a_fine_tuned_model_and_dpo_takes_it_as_reference(ser
       "preferred_output": [{"role": "assistant", "content": "a"}], "non_preferred_output": [{"role": "assistant", "content": "b"}]},
      "must end with a user message"),
     ({"messages": [{"role": "user", "content": "Hi"}, {"role": "assistant", "content": "x"}]}, "unknown field 'messages'"),
+    ({"input": {"messages": [{"role": "user", "content": "Hi"}]},
+      "non_preferred_output": [{"role": "assistant", "content": "b"}],
+      "preferred_output": [{"role": "assistant", "tool_calls": [{"id": "c1", "type": "function", "function": "f"}]}]},
+     "preferred_output[0].tool_calls[0].function must be an object"),
 ])
 def test_a_bad_preference_file_is_a_400_naming_the_line(server, line, says):
     c = client(server)
@@ -598,6 +602,27 @@ def test_a_key_has_at_most_max_jobs_per_key_waiting(server):
      "weight must be 0 or 1, on an assistant message"),
     ({"messages": [{"role": "user", "content": "hi"}, {"role": "assistant", "content": "yo"}], "extra": 1},
      "unknown field 'extra'"),
+    # tool calls the chat template could not render (the job failed later, as a server error)
+    ({"messages": [{"role": "user", "content": "hi"}, {"role": "assistant", "tool_calls": "x"}]},
+     "line 1: messages[1].tool_calls must be a list of tool calls"),
+    ({"messages": [{"role": "user", "content": "hi"}, {"role": "assistant", "tool_calls": ["x"]}]},
+     "messages[1].tool_calls[0] must be an object with 'id', 'type' and 'function'"),
+    ({"messages": [{"role": "user", "content": "hi"},
+                   {"role": "assistant", "tool_calls": [{"id": "c1", "type": "function", "function": "f"}]}]},
+     "messages[1].tool_calls[0].function must be an object with 'name' and 'arguments'"),
+    ({"messages": [{"role": "user", "content": "hi"}, {"role": "assistant", "tool_calls": [
+        {"id": "c1", "type": "function", "function": {"name": "f", "arguments": {"a": 1}}}]}]},
+     "messages[1].tool_calls[0].function.arguments must be a string"),
+    ({"messages": [{"role": "user", "content": "hi", "tool_calls": []}, {"role": "assistant", "content": "yo"}]},
+     "messages[0].tool_calls is only for assistant messages, not user"),
+    ({"messages": [{"role": "user", "content": "hi", "name": 123}, {"role": "assistant", "content": "yo"}]},
+     "messages[0].name must be a string"),
+    ({"messages": [{"role": "user", "content": "hi"}, {"role": "assistant", "content": "yo"}],
+      "tools": [{"type": "function", "function": {"name": "f", "parameters": "{}"}}]}, "'tools' must be a list"),
+    ({"messages": [{"role": "user", "content": "hi"}, {"role": "assistant", "content": "yo"}], "functions": "nope"},
+     "'functions' must be a list of functions"),
+    ({"messages": [{"role": "user", "content": "hi"}, {"role": "assistant", "content": "yo"}],
+      "parallel_tool_calls": "yes"}, "'parallel_tool_calls' must be true or false"),
 ])
 def test_a_bad_training_file_is_a_400_naming_the_line(server, line, says):
     c = client(server)
@@ -605,6 +630,20 @@ def test_a_bad_training_file_is_a_400_naming_the_line(server, line, says):
         c.fine_tuning.jobs.create(model="tiny-chat", training_file=upload(c, [line]))
     assert e.value.body["code"] == "invalid_file_format" and e.value.body["param"] == "training_file"
     assert says in e.value.body["message"], e.value.body["message"]
+
+
+def test_a_file_of_tool_calls_shaped_as_in_a_chat_request_is_accepted(server):
+    """Tools, an assistant's tool calls (no content) and the tool's answer, as OpenAI's files have them."""
+    c = client(server)
+    line = {"messages": [{"role": "user", "content": "Weather in Oslo?"},
+                         {"role": "assistant", "tool_calls": [{"id": "c1", "type": "function", "function": {
+                             "name": "weather", "arguments": '{"city": "Oslo"}'}}]},
+                         {"role": "tool", "tool_call_id": "c1", "content": "rain"},
+                         {"role": "assistant", "content": "Rain.", "name": "bot"}],
+            "tools": [{"type": "function", "function": {"name": "weather", "parameters": {"type": "object"}}}],
+            "parallel_tool_calls": False}
+    job = c.fine_tuning.jobs.create(model="tiny-chat", training_file=upload(c, [line]))
+    assert c.fine_tuning.jobs.cancel(job.id).status == "cancelled"
 
 
 def test_what_a_job_cannot_be_made_of(server):

@@ -4,8 +4,8 @@ job's hyperparameters with ``auto`` worked out.
 A file is UTF-8 JSON lines, one example per line (blank lines skipped): an object with
 ``messages`` (a list of chat messages: ``system``/``developer``/``user``/``assistant``/``tool``,
 their ``content`` a string or text parts; an assistant's may be empty where it has
-``tool_calls``) and optionally ``tools`` (function tools, as in a chat request) and
-``parallel_tool_calls``. Each example needs an assistant message to learn from: one without
+``tool_calls``, each shaped as in a chat request) and optionally ``tools`` (function tools, as in a
+chat request) and ``parallel_tool_calls``. Each example needs an assistant message to learn from: one without
 ``"weight": 0`` (``weight`` is 0 or 1, on assistant messages only). Anything else is a
 ``FileProblem`` naming the line and the field.
 
@@ -99,7 +99,7 @@ def _preference(example: Any, where: str) -> Preference:
         if not (isinstance(output, list) and len(output) == 1 and isinstance(output[0], dict)
                 and output[0].get("role") == "assistant"):
             raise FileProblem(f"{where}: '{key}' must be a list of one assistant message")
-        _check_content(output[0], f"{where}: {key}[0]", "assistant")
+        _check_message(output[0], f"{where}: {key}[0]", "assistant")
         answers.append({k: v for k, v in output[0].items() if k != "weight"})
     return Preference(messages, context.tools, answers[0], answers[1])
 
@@ -122,7 +122,7 @@ def _conversation(example: Any, where: str) -> Conversation:
         role = m.get("role")
         if role not in ROLES:
             raise FileProblem(f"{at}.role must be one of {', '.join(ROLES)}")
-        _check_content(m, at, role)
+        _check_message(m, at, role)
         if "weight" in m:
             if role != "assistant" or m["weight"] not in (0, 1) or isinstance(m["weight"], bool):
                 raise FileProblem(f"{at}.weight must be 0 or 1, on an assistant message")
@@ -131,11 +131,55 @@ def _conversation(example: Any, where: str) -> Conversation:
         raise FileProblem(f"{where}: no assistant message to learn from (each example needs one without 'weight': 0)")
     tools = example.get("tools")
     if tools is not None and (not isinstance(tools, list) or not all(
-            isinstance(t, dict) and t.get("type") == "function" and isinstance(t.get("function"), dict)
-            and isinstance(t["function"].get("name"), str) for t in tools)):
+            isinstance(t, dict) and t.get("type") == "function" and _is_function(t.get("function")) for t in tools)):
         raise FileProblem(f"{where}: 'tools' must be a list of function tools ({{'type': 'function', 'function': "
-                          "{'name': ...}}})")
+                          "{'name': ..., 'parameters': {...}}}})")
+    functions = example.get("functions")  # the deprecated form of tools: checked, not trained on
+    if functions is not None and not (isinstance(functions, list) and all(map(_is_function, functions))):
+        raise FileProblem(f"{where}: 'functions' must be a list of functions ({{'name': ..., 'parameters': {{...}}}})")
+    if not isinstance(example.get("parallel_tool_calls", False), bool):
+        raise FileProblem(f"{where}: 'parallel_tool_calls' must be true or false")
     return Conversation(messages, tools)
+
+
+def _is_function(f: Any) -> bool:
+    """A function as ``tools`` describe one: a name, and its parameters (if given) a JSON schema object."""
+    return isinstance(f, dict) and isinstance(f.get("name"), str) and isinstance(f.get("parameters", {}), dict)
+
+
+def _check_message(m: dict, at: str, role: str) -> None:
+    """The fields of a message the chat template reads, shaped as in a chat request: a message the
+    template cannot render would fail the job later, as a server error."""
+    _check_content(m, at, role)
+    for key in ("name", "tool_call_id"):
+        if key in m and not isinstance(m[key], str):
+            raise FileProblem(f"{at}.{key} must be a string")
+    if "tool_calls" not in m:
+        return
+    calls = m["tool_calls"]
+    if role != "assistant":
+        raise FileProblem(f"{at}.tool_calls is only for assistant messages, not {role}")
+    if not isinstance(calls, list):
+        raise FileProblem(f"{at}.tool_calls must be a list of tool calls")
+    for j, call in enumerate(calls):
+        _check_call(call, f"{at}.tool_calls[{j}]")
+
+
+def _check_call(call: Any, at: str) -> None:
+    """One tool call: ``{"id": ..., "type": "function", "function": {"name": ..., "arguments": "<JSON text>"}}``."""
+    if not isinstance(call, dict):
+        raise FileProblem(f"{at} must be an object with 'id', 'type' and 'function'")
+    if not (isinstance(call.get("id"), str) and call["id"]):
+        raise FileProblem(f"{at}.id must be a non-empty string")
+    if call.get("type", "function") != "function":
+        raise FileProblem(f"{at}.type must be 'function'")
+    function = call.get("function")
+    if not isinstance(function, dict):
+        raise FileProblem(f"{at}.function must be an object with 'name' and 'arguments'")
+    if not (isinstance(function.get("name"), str) and function["name"]):
+        raise FileProblem(f"{at}.function.name must be a non-empty string")
+    if not isinstance(function.get("arguments"), str):
+        raise FileProblem(f"{at}.function.arguments must be a string (the arguments as JSON text)")
 
 
 def _check_content(m: dict, at: str, role: str) -> None:
