@@ -14,6 +14,7 @@ import tempfile
 import threading
 import time
 import weakref
+from dataclasses import replace
 from pathlib import Path
 
 import httpx
@@ -499,6 +500,32 @@ def test_a_bad_preference_file_is_a_400_naming_the_line(server, line, says):
     assert says in err.value.body["message"], err.value.body["message"]
 
 
+def test_a_model_whose_suffix_reads_as_a_checkpoint_is_still_its_key_s(server, tiny_chat):
+    """Such a suffix is refused now (above); a model made with one before is found by its name
+    read from the right end (a checkpoint's ends ``:ckpt-step-<N>``): its key fine-tunes from it
+    and deletes it and its checkpoint."""
+    from demo.chat import build_demo_adapter
+    from gateway.auth import key_id
+    from tuning.runner import fine_tuned_name
+    from tuning.store import Job
+
+    c = client(server)
+    made = Job("ftjob-0dd5c0ffee0123456789abcd", key_id(server.keys["paid"]), int(time.time()), "tiny-chat",
+               "file-gone", None, {"n_epochs": 1, "batch_size": 1, "learning_rate_multiplier": 1.0}, 1,
+               suffix="ckpt-step-1", status="succeeded")
+    name = fine_tuned_name(made)
+    assert name.endswith(":ckpt-step-1:0dd5c0ff")
+    server.wait(server.app.state.tuner.store.create(replace(made, fine_tuned_model=name)))
+    for adapter in (name, f"{name}:ckpt-step-3"):
+        build_demo_adapter(tiny_chat, server.adapters / adapter, seed=1, rank=16)
+    more = c.fine_tuning.jobs.create(model=f"{name}:ckpt-step-3", training_file=upload(c, LINES * 20),
+                                     hyperparameters={"n_epochs": 50, "batch_size": 1})
+    assert more.model == f"{name}:ckpt-step-3"
+    c.fine_tuning.jobs.cancel(more.id)
+    assert c.models.delete(f"{name}:ckpt-step-3").deleted and c.models.delete(name).deleted
+    assert not (server.adapters / name).exists() and not (server.adapters / f"{name}:ckpt-step-3").exists()
+
+
 def test_the_dashboard_shows_the_jobs_and_the_steps_of_the_one_training(server, tmp_path):
     """``/admin/state``'s ``fine_tuning`` lists the jobs, the one this process trains with its steps;
     the dashboard page shows them in a real browser, live."""
@@ -663,6 +690,7 @@ def test_what_a_job_cannot_be_made_of(server):
     assert refused(openai.BadRequestError, training_file=batch_file)["code"] == "invalid_file_purpose"
     assert refused(openai.BadRequestError, suffix="no spaces")["param"] == "suffix"
     assert refused(openai.BadRequestError, suffix="under_score")["message"] == "suffix is 1 to 40 letters, digits, '.' or '-'"
+    assert refused(openai.BadRequestError, suffix="my-ckpt-step-1")["param"] == "suffix"  # would read as a checkpoint
     assert refused(openai.BadRequestError, hyperparameters={"n_epochs": 0})["param"] == "hyperparameters.n_epochs"
     assert refused(openai.BadRequestError, hyperparameters={"n_epochs": 2},
                    method={"type": "supervised"})["param"] == "hyperparameters"

@@ -34,7 +34,9 @@ from tuning.runner import Tuner, event, fine_tuned_name, owner_label
 from tuning.store import OPEN, Job, TooManyJobs
 
 SUFFIX = re.compile(r"[A-Za-z0-9.-]{1,40}")  # within an adapter's name (no '_' or ':')
-CKPT_ROOM = len(":ckpt-step-") + 9  # a checkpoint's name adds this much to the model's at most
+CKPT = "ckpt-step-"  # a checkpoint's name is its model's with ":ckpt-step-<N>" after it
+CKPT_ROOM = len(f":{CKPT}") + 9  # a checkpoint's name adds this much to the model's at most
+CHECKPOINT = re.compile(rf"(.+):{CKPT}[0-9]+")  # its model's name, read from the right end
 Auto = Literal["auto"]
 
 
@@ -153,6 +155,8 @@ async def create_job(request: Request) -> Response:
                           "hyperparameters")
     if body.suffix is not None and not SUFFIX.fullmatch(body.suffix):
         raise bad_request("suffix is 1 to 40 letters, digits, '.' or '-'", "suffix")
+    if body.suffix is not None and CKPT in body.suffix.lower():  # the name would read as a checkpoint's
+        raise bad_request(f"suffix may not contain '{CKPT}': checkpoints' names end with it", "suffix")
     method = body.method.type if body.method is not None else "supervised"
     asked = body.method.asked() if body.method is not None else (body.hyperparameters or Hyperparameters()).asked()
     most = svc.config.fine_tuning.max_jobs_per_key
@@ -346,7 +350,8 @@ async def _job_of(tuner: Tuner, caller: Caller, name: str) -> Job | None:
     """The caller's job whose fine-tuned model (or a checkpoint of it) is ``name``."""
     if not name.startswith("ft:"):
         return None
-    model = name.split(":ckpt-step-", 1)[0]
+    checkpoint = CHECKPOINT.fullmatch(name)  # not a split at the first: a suffix made before it was refused may hold it
+    model = checkpoint.group(1) if checkpoint else name
     after = None
     while True:
         page = await tuner.store.list(None if caller.admin else caller.key_id, after, 100)
