@@ -209,18 +209,35 @@ def test_a_running_job_is_cancelled_at_its_next_step_and_publishes_nothing(serve
         time.sleep(0.05)
     assert running.estimated_finish > time.time() - 1  # 3,000 steps to go: not yet reached
     cancelled = c.fine_tuning.jobs.cancel(job.id)
-    assert cancelled.status == "cancelled"
+    assert cancelled.status == "cancelled" and cancelled.estimated_finish is None  # OpenAI's: null unless running
     deadline = time.time() + 30
     while server.app.state.tuner.running:  # the training stops at its next step, and the trainer goes back
         assert time.time() < deadline
         time.sleep(0.05)
-    assert c.fine_tuning.jobs.retrieve(job.id).status == "cancelled"
+    ended = c.fine_tuning.jobs.retrieve(job.id)
+    assert ended.status == "cancelled" and ended.estimated_finish is None  # the steps after the cancel set none
     assert not [p for p in server.adapters.iterdir() if job.id.removeprefix("ftjob-")[:8] in p.name]
     trainer = next(r for r in server.services.arbiter.table() if r["id"] == "tiny-chat~train")
     assert trainer["running"] == 0
     events = c.fine_tuning.jobs.list_events(job.id, limit=100).data
     cancel = next(i for i, e in enumerate(events) if e.message == "The job was cancelled")
     assert cancel <= 2  # in this process the cancel stops it at once: a step under way may still end after it
+
+
+def test_a_failed_job_has_no_estimated_finish(server):
+    """A running job's ``estimated_finish`` goes when it fails, as when it succeeds or is paused."""
+    from gateway.auth import key_id
+    from tuning.runner import _Running
+    from tuning.store import Job
+
+    tuner = server.app.state.tuner
+    running = Job("ftjob-fa11ed000000000000000000", key_id(server.keys["paid"]), int(time.time()), "tiny-chat",
+                  "file-x", None, {"n_epochs": 1, "batch_size": 1, "learning_rate_multiplier": 1.0}, 1,
+                  status="running", attempt=1, lease_until=time.time() + 600, estimated_finish=int(time.time()) + 60)
+    server.wait(tuner.store.create(running))  # as a process trains it (its lease held: no other takes it)
+    server.wait(tuner._fail(_Running(running), "server_error", "the server failed while training"))
+    failed = client(server).fine_tuning.jobs.retrieve(running.id)
+    assert failed.status == "failed" and failed.error.code == "server_error" and failed.estimated_finish is None
 
 
 def test_a_job_waiting_for_the_trainer_is_cancelled_at_once(server):

@@ -253,7 +253,7 @@ async def cancel_job(request: Request) -> Response:
     at its next optimizer step: at once in this process, within ``RENEW_S`` in another); 409 for
     one that has ended."""
     done = await _stop(request, ("queued", "running", "paused"), "job_not_cancellable", status="cancelled",
-                       finished_at=int(time.time()))
+                       finished_at=int(time.time()), estimated_finish=None)  # OpenAI's: null when not running
     if done.previous == "paused":  # no process runs it: its folder here goes now (others' at their next start)
         _, tuner, _ = _context(request)
         await asyncio.to_thread(shutil.rmtree, tuner.scratch / done.job.id, True)

@@ -439,6 +439,7 @@ class Tuner(ClaimLoop[Job], Collector):
     async def _fail(self, running: _Running, code: str, message: str, param: str | None = None) -> None:
         job = running.job
         if await self.store.change(job, ["running"], status="failed", finished_at=int(time.time()),
+                                   estimated_finish=None,  # OpenAI's: null when not running
                                    error={"code": code, "message": message, "param": param}) is None:
             return
         await self._event(job, "error", f"Fine-tuning job failed: {message}")
