@@ -677,7 +677,7 @@ def parse(model: type[M], data: dict[str, Any]) -> M:
         return model.model_validate(data)
     except ValidationError as exc:
         err = exc.errors()[0]
-        param = _param(err["loc"])
+        param = _param(err["loc"], err["type"])
         if err["type"] == "extra_forbidden":  # the last place is the unknown key itself, whatever it looks like
             param = ".".join(p for p in (_param(err["loc"][:-1]), str(err["loc"][-1])) if p)
             raise bad_request(f"unrecognized request argument: {param}", param, "unknown_parameter") from None
@@ -689,13 +689,23 @@ def parse(model: type[M], data: dict[str, Any]) -> M:
         raise bad_request(f"invalid value for {param}: {msg}", param, "invalid_value") from None
 
 
-def _param(loc: tuple[Any, ...]) -> str:
+# pydantic's labels of a union's scalar branches (``int | Literal["auto"]``), and the prefix of their errors' types
+_SCALAR_BRANCHES = {"str": "string_", "int": "int_", "float": "float_", "bool": "bool_", "bytes": "bytes_"}
+
+
+def _param(loc: tuple[Any, ...], error: str = "") -> str:
+    """The request's place of an error at ``loc``, of type ``error``, without pydantic's union-branch
+    labels: types (``list[TextPart]``, ``literal['auto']``), model classes and tags (capitalized), and
+    a scalar's (``int``) as the last place of an error about that scalar (nothing is inside a scalar;
+    a key named so, as in ``metadata.int``, stays)."""
     out = ""
-    for part in loc:
+    for i, part in enumerate(loc):
         if isinstance(part, int):
             out += f"[{part}]"
-        elif part in ("str", "list[TextPart]", "literal['text']") or "[" in str(part) or str(part)[:1].isupper():
-            continue  # pydantic's union-branch labels (types, model classes) are not fields
+        elif "[" in str(part) or str(part)[:1].isupper():
+            continue
+        elif i == len(loc) - 1 and error.startswith(_SCALAR_BRANCHES.get(str(part), "-")):
+            continue
         else:
             out += f".{part}" if out else str(part)
     return out

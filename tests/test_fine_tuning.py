@@ -709,6 +709,14 @@ def test_what_a_job_cannot_be_made_of(server):
     assert refused(openai.BadRequestError, suffix="under_score")["message"] == "suffix is 1 to 40 letters, digits, '.' or '-'"
     assert refused(openai.BadRequestError, suffix="my-ckpt-step-1")["param"] == "suffix"  # would read as a checkpoint
     assert refused(openai.BadRequestError, hyperparameters={"n_epochs": 0})["param"] == "hyperparameters.n_epochs"
+    # a number-or-"auto" field of the wrong type: the field's place, not pydantic's union branch ("...n_epochs.int")
+    for field, wrong in (("n_epochs", "3"), ("n_epochs", 2.5), ("batch_size", "8"), ("learning_rate_multiplier", "x")):
+        body = refused(openai.BadRequestError, hyperparameters={field: wrong})
+        assert (body["param"], body["code"]) == (f"hyperparameters.{field}", "invalid_type"), body
+        assert body["message"].startswith(f"invalid type for hyperparameters.{field}: "), body
+    assert refused(openai.BadRequestError, method={"type": "dpo", "dpo": {"hyperparameters": {"beta": "x"}}})["param"] \
+        == "method.dpo.hyperparameters.beta"
+    assert refused(openai.BadRequestError, metadata={"int": 5})["param"] == "metadata.int"  # a key named so stays
     assert refused(openai.BadRequestError, hyperparameters={"n_epochs": 2},
                    method={"type": "supervised"})["param"] == "hyperparameters"
     assert refused(openai.BadRequestError, method={"type": "reinforcement"})["param"].startswith("method")
