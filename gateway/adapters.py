@@ -34,6 +34,7 @@ import contextvars
 import logging
 import math
 import os
+import re
 import time
 from collections import Counter, OrderedDict
 from dataclasses import dataclass, replace
@@ -108,6 +109,7 @@ class ServedAdapter:
     adapter: LoraAdapter  # its ``name`` is the served name, or ``name@N`` for the N-th content read under it
     source: str = "config"  # or "folder", or "runtime" (POST /v1/load_lora_adapter)
     signature: Signature = ()  # a folder adapter's files when read
+    created: int = 0  # its folder's (or file's) modification time when read (``made_at``)
 
     @property
     def rank(self) -> int:
@@ -119,9 +121,9 @@ class ServedAdapter:
 
     def row(self) -> dict[str, Any]:
         """Its /v1/models entry."""
-        return {"id": self.name, "object": "model", "created": 0, "owned_by": "tiergate", "kind": "adapter",
-                "parent": self.model, "root": self.model, "base_kind": self.kind, "format": self.format,
-                "rank": self.rank, "modules": len(self.adapter.modules), "source": self.source}
+        return {"id": self.name, "object": "model", "created": self.created, "owned_by": owned_by(self.name),
+                "kind": "adapter", "parent": self.model, "root": self.model, "base_kind": self.kind,
+                "format": self.format, "rank": self.rank, "modules": len(self.adapter.modules), "source": self.source}
 
 
 @dataclass(frozen=True)
@@ -188,6 +190,29 @@ def _file_signature(file: Path) -> Signature:
     """One file's (name, size, mtime_ns, inode): a diffusers LoRA given as its file."""
     st = file.stat()
     return ((file.name, st.st_size, st.st_mtime_ns, st.st_ino),)
+
+
+def made_at(path: Path) -> int:
+    """(thread) An adapter's ``created`` in /v1/models: its folder's (or file's) modification time,
+    in whole seconds (a fine-tuned model's or checkpoint's: when its job published it); 0 when it
+    cannot be read."""
+    try:
+        return int(path.stat().st_mtime)
+    except OSError:
+        return 0
+
+
+_CHECKPOINT_END = re.compile(r":ckpt-step-[0-9]+$")
+
+
+def owned_by(name: str) -> str:
+    """An adapter's ``owned_by`` in /v1/models. A fine-tuned model's (and its checkpoints'): the key
+    that made it, as its name ``ft:<model>:<key id>:<suffix>:<job>`` says (OpenAI's names carry the
+    organisation there; the key's id, never the key), read from the right end as a model's name may
+    hold ':'. Any other: this server, as for base models."""
+    fields = _CHECKPOINT_END.sub("", name).rsplit(":", 3)
+    fine_tuned = name.startswith("ft:") and len(fields) == 4 and fields[0] != "ft" and fields[1]
+    return fields[1] if fine_tuned else "tiergate"
 
 
 def _files_now(path: Path) -> Signature | None:
@@ -352,7 +377,8 @@ class AdapterRegistry:
             raise _NotAnAdapter(why.replace(str(folder), name).replace(str(d.path), "the folder")) from None
         if _files_now(folder) != files:  # written to meanwhile: what was read may be half of it
             raise _Changing
-        return ServedAdapter(name, d.model, d.kind, served.format, folder, served.adapter, "folder", files)
+        return ServedAdapter(name, d.model, d.kind, served.format, folder, served.adapter, "folder", files,
+                             made_at(folder))
 
     def _keep(self, served: ServedAdapter) -> ServedAdapter:
         """Hold ``served`` (the most recently used), dropping the least recently used folder
@@ -480,9 +506,11 @@ class AdapterRegistry:
                 shown.add(name)
                 held = self.cached.get(name)
                 rows.append(held.row() if held is not None and held.path.parent == d.path else
-                            {"id": name, "object": "model", "created": 0, "owned_by": "tiergate", "kind": "adapter",
-                             "parent": d.model, "root": d.model, "base_kind": d.kind, "format": d.format,
-                             "rank": None, "modules": None, "source": "folder"})
+                            {"id": name, "object": "model",
+                             "created": made_at(d.path / name) or made_at(d.path / f"{name}{LORA_FILE}"),
+                             "owned_by": owned_by(name), "kind": "adapter", "parent": d.model, "root": d.model,
+                             "base_kind": d.kind, "format": d.format, "rank": None, "modules": None,
+                             "source": "folder"})
         return rows
 
     def base_model(self, model: str) -> str:
@@ -612,7 +640,7 @@ def read_adapter(entry: AdapterConfig, kind: str, shapes: dict[str, tuple[int, .
     else:
         adapter = load_diffusers_lora(entry.path, component=_denoiser(entry.path), name=internal)
     check_fits(adapter, shapes, entry.model)
-    return ServedAdapter(entry.name, entry.model, kind, fmt, entry.path, adapter)
+    return ServedAdapter(entry.name, entry.model, kind, fmt, entry.path, adapter, created=made_at(entry.path))
 
 
 def detect_format(path: Path) -> str:

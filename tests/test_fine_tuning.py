@@ -99,12 +99,20 @@ def test_a_job_trains_an_adapter_that_answers_as_taught(server):
     assert name == f"ft:tiny-chat:{owner}:pirate:{job.id.removeprefix('ftjob-')[:8]}" and job.organization_id == owner
     assert job.trained_tokens == 50 * sum(len(_ids(server, line)) for line in LINES) and job.finished_at
 
+    def made_and_owned(model) -> tuple[bool, str]:
+        """/v1/models says when the model was published and whose it is (its key's id, as OpenAI's the organisation)."""
+        row = c.models.retrieve(model)
+        return job.created_at <= row.created <= job.finished_at + 1, row.owned_by
+
+    assert made_and_owned(name) == made_and_owned(f"{name}:ckpt-step-49") == (True, owner)  # not yet read
     # it answers as taught (the base model does not), and requests name it at once
     base = [ask(c, "tiny-chat", q) for q, _ in PAIRS]
     tuned = [ask(c, name, q) for q, _ in PAIRS]
     assert tuned == [TAUGHT] * 3 and TAUGHT not in base, (tuned, base)
     listed = {m.id: m.model_extra for m in c.models.list()}
     assert listed[name]["parent"] == "tiny-chat" and listed[name]["source"] == "folder"
+    assert made_and_owned(name) == (True, owner)  # held now, as read
+    assert c.models.retrieve("tiny-chat").owned_by == "tiergate"
     assert "tiny-chat~train" not in listed  # the trainer's weights: no request calls them
     with pytest.raises(openai.NotFoundError):
         ask(c, "tiny-chat~train", "Hello")
