@@ -135,12 +135,16 @@ class Ingress:
         path = _app_path(request.scope)
         if path in LIVENESS:
             return self._own(JSONResponse({"status": "ok"}))
-        if path == "/metrics" and request.method == "GET":
+        if path == "/metrics" and request.method == "GET" and not self.config.server.metrics_need_admin:
             return self._own(Response(await self._scrape(), media_type="text/plain; version=0.0.4"))
         tier = "-"
         try:
             caller = await self._caller(request)
             tier = caller.tier
+            if path == "/metrics" and request.method == "GET":  # (server.metrics_need_admin)
+                if not caller.admin:
+                    raise APIError(403, "this endpoint needs an admin key", "admin_only")
+                return self._own(Response(await self._scrape(), media_type="text/plain; version=0.0.4"))
             if path in RUNTIME_LORA_PATHS:  # one replica would know the adapter, and this ingress none
                 raise APIError(400, f"{path} changes one process's adapters: in a cluster, put adapters in the "
                                "adapter_dirs folders every node reads (README, Adapter folders)", "unsupported_in_cluster")

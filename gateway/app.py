@@ -127,6 +127,8 @@ async def healthz(request: Request) -> Response:
 
 async def metrics(request: Request) -> Response:
     svc: Services = request.app.state.services
+    if svc.config.server.metrics_need_admin:
+        svc.require_admin(request)
     await svc.adapters.drop_gone()  # the held gauges: what is held now, deleted folders let go
     return Response(svc.metrics.render(), media_type="text/plain; version=0.0.4")
 

@@ -426,6 +426,9 @@ class ServerConfig(_Strict):
     # hosts whose http(s) document URLs (input_file's file_url) requests may name, fetched as above;
     # none: documents come inline or as uploads (gateway/input_files.py)
     file_url_hosts: list[Host] = []
+    # true: GET /metrics needs an admin key (Prometheus: the scrape job's ``authorization``), as /admin/* does;
+    # false: open, as Prometheus endpoints usually are (it names every model and tier, hidden ones too)
+    metrics_need_admin: bool = False
 
     @field_validator("loop_stall_s")
     @classmethod

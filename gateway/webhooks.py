@@ -49,6 +49,7 @@ import os
 import secrets
 import socket
 import time
+import urllib.parse
 import uuid
 from collections import Counter
 from dataclasses import dataclass
@@ -315,17 +316,28 @@ class Webhooks(Collector):
             log.warning("webhooks: the outbox could not be written: %s", exc)
 
     def collect(self):
+        named = {e.url: shown_url(e.url, i) for i, e in enumerate(self.endpoints)}
         family = CounterMetricFamily("tiergate_webhook_deliveries", "Webhook deliveries by endpoint and outcome",
                                      labels=["url", "outcome"])
         for (url, outcome), n in sorted(self.outcomes.items()):
-            family.add_metric([url, outcome], n)
+            family.add_metric([named.get(url, shown_url(url)), outcome], n)
         yield family
         waiting = GaugeMetricFamily("tiergate_webhook_pending", "Webhook deliveries waiting in the outbox, by endpoint "
                                     "(all processes' on a shared store; counted every few seconds)", labels=["url"])
         kept = Counter(d.url for d in self.unwritten)
         for url, n in sorted(self.waiting.items()):
-            waiting.add_metric([url], n + kept[url])
+            waiting.add_metric([named.get(url, shown_url(url))], n + kept[url])
         yield waiting
+
+
+def shown_url(url: str, index: int | None = None) -> str:
+    """An endpoint's URL as /metrics names it: its scheme and host, and its place in ``webhooks:``
+    (``https://hooks.example.com #0``), never its path, query or user info: receivers often take a
+    token there, and /metrics may be open to anyone who can reach the port."""
+    parts = urllib.parse.urlsplit(url)
+    host = parts.hostname or ""
+    shown = f"{parts.scheme}://{f'[{host}]' if ':' in host else host}{f':{parts.port}' if parts.port else ''}"
+    return shown if index is None else f"{shown} #{index}"
 
 
 def webhooks_for(services) -> Webhooks:

@@ -190,6 +190,38 @@ def test_the_ingress_refuses_a_spent_minute_limit_and_a_spent_budget(tmp_path):
     asyncio.run(main())
 
 
+@pytest.mark.parametrize("need_admin", [False, True])
+def test_the_ingress_metrics_need_an_admin_key_where_configured(tmp_path, monkeypatch, need_admin):
+    """``server.metrics_need_admin``: the cluster's /metrics (the ingress's scrape of its replicas)
+    answers 401 without a key and 403 to a key that is not an admin's, as tiergate serve's does;
+    without it, it is open, as Prometheus endpoints usually are."""
+    import types
+
+    import httpx
+
+    import cluster.ingress as ingress
+
+    class Handle:  # a deployment's handle: never called here (the scrape is stood in for)
+        def options(self, **_):
+            return self
+
+    path = tiers_yaml(tmp_path, "  nodes: 1\n")
+    server = "  metrics_need_admin: true\n" if need_admin else ""
+    path.write_text(path.read_text() + f"server:\n  loop_stall_s: 0\n{server}")
+    context = types.SimpleNamespace(replica_id=types.SimpleNamespace(unique_id="ingress-1"))
+    monkeypatch.setattr(ingress.serve, "get_replica_context", lambda: context)
+    monkeypatch.setattr(ingress.Ingress, "_scrape", lambda self: asyncio.sleep(0, "tiergate_up 1\n"))
+    front = ingress.Ingress(str(path), {"paid": ["k-paid"], "free": ["k-free"]}, ["k-admin"],
+                            {"pool": {"models": ["big", "m1", "m2"], "replicas": 1, "handle": Handle()}})
+
+    async def main() -> list[int]:
+        async with httpx.AsyncClient(transport=httpx.ASGITransport(app=front.asgi), base_url="http://x") as c:
+            return [(await c.get("/metrics", headers={"Authorization": f"Bearer {key}"} if key else {})).status_code
+                    for key in (None, "k-free", "k-admin")]
+
+    assert asyncio.run(main()) == ([401, 403, 200] if need_admin else [200, 200, 200])
+
+
 # --- one scrape target --------------------------------------------------------------------------
 
 def _replica_text(admitted: int, waiting: float) -> str:

@@ -226,6 +226,20 @@ def test_healthz_and_metrics(chat_server):
     assert admitted and float(admitted[0].split()[-1]) >= 1
 
 
+def test_metrics_need_an_admin_key_where_configured(chat_server, monkeypatch):
+    """/metrics is open (as Prometheus endpoints usually are); with ``server.metrics_need_admin``
+    it answers 401 without a key and 403 to a key that is not an admin's, as /admin/* does."""
+    def statuses() -> list[int]:
+        return [httpx.get(f"{chat_server.url}/metrics", headers={"Authorization": f"Bearer {key}"} if key else {},
+                          timeout=30).status_code for key in (None, chat_server.keys["paid"], chat_server.keys["admin"])]
+
+    assert statuses() == [200, 200, 200]
+    config = chat_server.services.config
+    monkeypatch.setattr(chat_server.services, "config", config.model_copy(
+        update={"server": config.server.model_copy(update={"metrics_need_admin": True})}))
+    assert statuses() == [401, 403, 200]
+
+
 def test_the_prefix_cache_salt_is_the_callers_key_unless_shared(chat_server, monkeypatch):
     """``ChatRequest.cache_salt`` (what vLLM scopes its prefix cache by) is the calling key's id
     with ``server.prefix_cache: per_key`` (the default), and None with ``shared``."""

@@ -152,8 +152,9 @@ def test_a_failed_delivery_is_tried_again_with_the_same_id(hooked, monkeypatch):
     assert SDK.webhooks.unwrap(*attempts[-1], secret=SECRET).data.id == made.id
     assert every.nothing()
     scraped = httpx.get(f"{s.url}/metrics", timeout=30).text
-    url = f"http://127.0.0.1:{every.port}/hook"
-    assert f'tiergate_webhook_deliveries_total{{outcome="retried",url="{url}"}} 2.0' in scraped
+    # named by scheme, host and place in webhooks:, never the path or query a receiver's token may be in
+    assert f'tiergate_webhook_deliveries_total{{outcome="retried",url="http://127.0.0.1:{every.port} #0"}} 2.0' \
+        in scraped and "/hook" not in scraped
 
 
 def test_the_signature_is_the_one_the_sdk_checks():
@@ -200,7 +201,7 @@ def test_a_delivery_whose_retry_window_ends_is_dropped(hooked, monkeypatch):
     finally:
         every.statuses = []
     scraped = httpx.get(f"{s.url}/metrics", timeout=30).text
-    assert f'tiergate_webhook_deliveries_total{{outcome="dropped",url="http://127.0.0.1:{every.port}/hook"}} 1.0' in scraped
+    assert f'tiergate_webhook_deliveries_total{{outcome="dropped",url="http://127.0.0.1:{every.port} #0"}} 1.0' in scraped
 
 
 @pytest.fixture(params=["sqlite", "redis"])
@@ -379,7 +380,7 @@ def test_an_event_whose_try_was_cut_by_a_shutdown_is_sent_by_the_next_start(tiny
         try:
             made = client(s).responses.create(model="tiny-chat", input="hi", max_output_tokens=2, background=True)
             first = slow.next()
-            pending = f'tiergate_webhook_pending{{url="http://127.0.0.1:{slow.port}/hook"}}'
+            pending = f'tiergate_webhook_pending{{url="http://127.0.0.1:{slow.port} #0"}}'
             deadline = time.time() + 4  # the gauge is read at each turn of the delivery loop (every 2 s)
             while f"{pending} 1.0" not in httpx.get(f"{s.url}/metrics", timeout=30).text:
                 assert time.time() < deadline, "the pending delivery never showed in /metrics"
@@ -426,7 +427,7 @@ def test_an_event_made_while_the_outbox_is_down_is_written_and_sent_once_it_is_b
             hooks.emit("batch.completed", "batch_1", "key")
             await asyncio.sleep(0.5)  # several turns of the loop, each failing to write it
             assert hooks.unwritten and receiver.nothing(0.01)
-            assert 'tiergate_webhook_pending{url="%s"} 1.0' % url in metrics_of(hooks)
+            assert 'tiergate_webhook_pending{url="%s #0"} 1.0' % url.removesuffix("/hook") in metrics_of(hooks)
             outbox.down = False
             body, _ = await asyncio.to_thread(receiver.next, 5)
             assert json.loads(body)["data"] == {"id": "batch_1"} and not hooks.unwritten
@@ -464,3 +465,17 @@ def metrics_of(collector) -> str:
     registry = CollectorRegistry()
     registry.register(collector)
     return generate_latest(registry).decode()
+
+
+@pytest.mark.parametrize("url,shown", [
+    ("https://hooks.example.com/services/T000/B000/SECRET", "https://hooks.example.com"),
+    ("http://user:pw@127.0.0.1:9000/hook?token=SECRET", "http://127.0.0.1:9000"),
+    ("http://[::1]:8080/x", "http://[::1]:8080"),
+])
+def test_metrics_name_an_endpoint_by_its_host_never_its_path_or_query(url, shown):
+    """/metrics may be open to anyone who can reach the port, and receivers often carry a token in
+    their URL's path or query (or user info): an endpoint is named by scheme, host and port, and
+    its place in ``webhooks:``."""
+    from gateway.webhooks import shown_url
+
+    assert shown_url(url, 3) == f"{shown} #3" and "SECRET" not in shown_url(url) and "pw" not in shown_url(url)
