@@ -488,6 +488,24 @@ def test_resampling_an_odd_rate_costs_what_its_samples_do(monkeypatch):
             audio.decode_audio(bytes(data))
 
 
+@pytest.mark.parametrize("fmt", ["wav", "m4a"])  # libsndfile (every channel read), FFmpeg (mixed down as it goes)
+def test_an_upload_that_would_decode_to_too_many_samples_is_refused(monkeypatch, fmt):
+    """What an upload decodes to is bounded in samples, not only in seconds (``max_seconds``): a
+    file of a high rate or many channels is refused, saying how long it may be at its rate, rather
+    than decoded to GBs (1,800 s of 384 kHz stereo was 5.5 GB in libsndfile's read)."""
+    if fmt == "wav":
+        buf = io.BytesIO()
+        sf.write(buf, np.zeros((48000, 2), np.float32), 48000, format="WAV", subtype="PCM_16")
+        data, decoded = buf.getvalue(), 2 * 48000  # one second, both channels
+    else:
+        data, decoded = recorded("ipod", "aac", 1.0, channels=2), 48000  # mono once FFmpeg mixed it down
+    monkeypatch.setattr(audio, "MAX_DECODED_SAMPLES", decoded + 4096)
+    assert len(audio.decode_audio(data, max_seconds=1800)[0]) == pytest.approx(48000, abs=2048)
+    monkeypatch.setattr(audio, "MAX_DECODED_SAMPLES", decoded // 2)
+    with pytest.raises(ValueError, match=r"too long for its sample rate \(48000 Hz"):
+        audio.decode_audio(data, max_seconds=1800)
+
+
 @pytest.mark.parametrize("seconds, temperature", [(45.0, 0.0), (4.0, 0.8)])
 def test_stt_streamed_pieces_join_to_the_transcript(stt_worker, seconds, temperature, monkeypatch):
     """``on_text`` across two windows (45 s) and sampled (0.8), the text read at every token

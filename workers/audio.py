@@ -51,6 +51,9 @@ MIN_UPLOAD_RATE, MAX_UPLOAD_RATE = 1_000, 384_000
 # ``resample``'s filter has 20 x max(up, down) taps: an odd rate's exact ratio (16000/4000037) is
 # approximated by one with terms at most this large, so its cost follows the samples, not the rate
 _MAX_PHASES = 8192
+# What an upload may decode to, in float32 samples (1 GiB): 30 minutes of 48 kHz stereo or of 96 kHz fit; a file of a
+# higher rate or more channels may be as much shorter (a 384 kHz recording 11 minutes) rather than take GBs to decode
+MAX_DECODED_SAMPLES = 2**28
 
 
 def _probe(fmt: str) -> bool:
@@ -89,7 +92,9 @@ def decode_audio(data: bytes, max_seconds: float | None = None) -> tuple[np.ndar
     try:
         with sf.SoundFile(io.BytesIO(data)) as f:
             sr = _checked_rate(f.samplerate)
-            x = f.read(-1 if max_seconds is None else int((max_seconds + 1) * sr), dtype="float32", always_2d=True)
+            frames = f.frames if max_seconds is None else min(f.frames, int((max_seconds + 1) * sr))
+            _checked_size(frames * f.channels, sr, f.channels)
+            x = f.read(frames, dtype="float32", always_2d=True)
     except (sf.LibsndfileError, RuntimeError, TypeError) as e:
         why = getattr(e, "error_string", None) or str(e)  # libsndfile's own words, not "Error opening <BytesIO at 0x...>"
         mono, sr = _decode_with_ffmpeg(data, max_seconds, why)
@@ -127,6 +132,7 @@ def _decode_with_ffmpeg(data: bytes, max_seconds: float | None, why: str) -> tup
                 for out in mono.resample(frame):
                     chunks.append(out.to_ndarray().reshape(-1))
                     got += chunks[-1].size
+                    _checked_size(got, rate, 1)
                 if cap is not None and got > cap:
                     break
             else:
@@ -135,6 +141,14 @@ def _decode_with_ffmpeg(data: bytes, max_seconds: float | None, why: str) -> tup
         raise ValueError(f"could not decode audio ({expected}): {why}; FFmpeg: {e.strerror or e}") from None
     x = np.concatenate(chunks).astype(np.float32, copy=False) if chunks else np.zeros(0, np.float32)
     return x, rate
+
+
+def _checked_size(samples: int, rate: int, channels: int) -> None:
+    """``ValueError`` when an upload decodes to more than ``MAX_DECODED_SAMPLES`` (mono after
+    FFmpeg's mix-down, every channel through libsndfile, which reads them before the mix)."""
+    if samples > MAX_DECODED_SAMPLES:
+        raise ValueError(f"the audio is too long for its sample rate ({rate} Hz, {channels} channel(s)): this server "
+                         f"decodes at most {MAX_DECODED_SAMPLES // (rate * channels)} s of it")
 
 
 def _checked_rate(rate: int) -> int:
