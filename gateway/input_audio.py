@@ -19,7 +19,7 @@ import base64
 import binascii
 from typing import Any
 
-from gateway.adapters import resolve_request
+from gateway.adapters import may_use, resolve_request
 from gateway.audio import TranscriptionJob, decoded_audio, serve_transcription
 from gateway.auth import Caller
 from gateway.config import EngineConfig
@@ -54,7 +54,8 @@ async def chat_audio(svc: Services, caller: Caller, data: Any) -> Any:
                               f"{str(message.get('role'))[:20]}", f"{where}.role")
         if stt is None:
             raise bad_request(f"the model '{data.get('model')}' takes no audio here (tiers.yaml names no "
-                              "engine.audio_input for it): send text, or transcribe with /v1/audio/transcriptions",
+                              "engine.audio_input for it that this key may use): send text, or transcribe with "
+                              "/v1/audio/transcriptions",
                               f"{where}.content", "audio_input_not_supported")
         parts = []
         for j, part in enumerate(message["content"]):
@@ -77,9 +78,11 @@ def chat_engine(svc: Services, model: Any) -> EngineConfig | None:
 
 
 def _hearing_model(svc: Services, model: Any) -> str | None:
-    """The speech-to-text model tiers.yaml names for the chat model ``model`` (None: none)."""
+    """The speech-to-text model tiers.yaml names for the chat model ``model`` (None: none, or one
+    the key may not use: a model it does not have, so refused before any audio is read, unnamed)."""
     engine = chat_engine(svc, model)
-    return engine.audio_input if engine is not None else None
+    stt = engine.audio_input if engine is not None else None
+    return stt if stt is not None and may_use(svc.model_name(stt)) else None
 
 
 async def _heard(svc: Services, caller: Caller, stt: str, part: dict[str, Any], where: str) -> str:
@@ -108,5 +111,5 @@ async def _heard(svc: Services, caller: Caller, stt: str, part: dict[str, Any], 
                           f"{where}.input_audio.data", "audio_too_large")
     samples, rate = await decoded_audio(raw, limits.transcription_max_seconds, f"{where}.input_audio.data",
                                         "input_audio.data", "invalid_value")
-    job = TranscriptionJob(svc.spec(stt, "stt", chosen=True).name, samples, rate, TranscriptionRequest())
+    job = TranscriptionJob(svc.spec(stt, "stt").name, samples, rate, TranscriptionRequest())
     return (await serve_transcription(svc, caller, job, None)).text.strip()

@@ -30,6 +30,7 @@ from collections.abc import AsyncIterator
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, Callable
 
+from gateway.adapters import may_use
 from gateway.audio import SpeechJob, serve_speech
 from gateway.auth import Caller
 from gateway.errors import bad_request
@@ -123,10 +124,11 @@ async def plan_voice(svc: Services, body: ChatCompletionRequest) -> Voice | None
         raise bad_request('missing required parameter: audio (the voice and format), which modalities ["text", '
                           '"audio"] needs', "audio", "missing_required_parameter")
     engine = chat_engine(svc, body.model)
-    if engine is None or engine.audio_output is None:
+    # a speech model the key may not use is one it does not have: refused now, unnamed, not once the reply is written
+    if engine is None or engine.audio_output is None or not may_use(svc.model_name(engine.audio_output)):
         raise bad_request(f"the model '{body.model}' does not speak here (tiers.yaml names no engine.audio_output "
-                          'for it): ask for modalities ["text"], and say the text with /v1/audio/speech',
-                          "modalities", "audio_output_not_supported")
+                          'for it that this key may use): ask for modalities ["text"], and say the text with '
+                          "/v1/audio/speech", "modalities", "audio_output_not_supported")
     fmt = FORMATS[body.audio.format]
     if body.stream and fmt != "pcm":
         raise bad_request("a streamed spoken reply is pcm16 (16-bit PCM at 24 kHz), as OpenAI's is: set "
@@ -135,7 +137,7 @@ async def plan_voice(svc: Services, body: ChatCompletionRequest) -> Voice | None
         can = [name for name, ours in FORMATS.items() if ours in sound.supported_speech_formats()]
         raise bad_request(f"this installation cannot encode {body.audio.format}; audio.format is one of "
                           f"{', '.join(can)}", "audio.format", "invalid_value")
-    spec = svc.spec(engine.audio_output, "tts", chosen=True)
+    spec = svc.spec(engine.audio_output, "tts")
     voices = await weightless(svc.voices, spec, TTSWorker.reader)  # its voices, read from the folder
     try:
         voices.resolve_voice(body.audio.voice)

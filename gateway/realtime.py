@@ -53,6 +53,7 @@ from functools import partial
 import numpy as np
 from starlette.websockets import WebSocket, WebSocketDisconnect, WebSocketState
 
+from gateway.adapters import may_use
 from gateway.audio import TranscriptionJob, stream_transcription
 from gateway.auth import Caller
 from gateway.errors import APIError, bad_request
@@ -177,10 +178,12 @@ def updated(config: SessionConfig, session: object, svc: Services, limits_prompt
 
 def judge_of(svc: Services, heard_by: str | None, chat: str | None = None) -> str | None:
     """The chat model that judges turns (``semantic_vad``) heard by the speech model ``heard_by``:
-    its tiers.yaml ``turn_model``, else the conversation's chat model ``chat``, else the first."""
+    its tiers.yaml ``turn_model``, else the conversation's chat model ``chat``, else the first;
+    only one the key may use (``may_use``: a judge it may not would fail each turn's judgement)."""
     name = svc.model_name(heard_by) if heard_by else None
-    chosen = next((m.turn_model for m in svc.config.models if m.name == name and m.kind == "stt"), None) or chat
-    return chosen or next((s.name for s in svc.arbiter.specs.values() if s.kind == "chat"), None)
+    turn_model = next((m.turn_model for m in svc.config.models if m.name == name and m.kind == "stt"), None)
+    chosen = turn_model if turn_model and may_use(svc.model_name(turn_model)) else chat
+    return chosen or next((s.name for s in svc.arbiter.specs.values() if s.kind == "chat" and may_use(s.name)), None)
 
 
 def audio_format(value: object, param: str) -> str:

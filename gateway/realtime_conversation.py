@@ -44,7 +44,9 @@ as 24 kHz PCM16 with its transcript. OpenAI's protocol, as its SDK speaks it:
 
 The three models are the session's: the chat model the URL names, its tiers.yaml
 ``engine.audio_input`` (else the first speech-to-text model) and ``engine.audio_output`` (else the
-first text-to-speech model). Each transcription, reply and speech is a request of the caller's tier:
+first text-to-speech model), each only one the key may use (``may_use``: one it may not is, to the
+session, a model the server does not have: never named, and without a speech model its output is
+text). Each transcription, reply and speech is a request of the caller's tier:
 gated, metered and limited as its endpoint's. The reply is greedy (the session has no temperature);
 the words are heard, not the voice, as chat's ``input_audio`` hears them.
 
@@ -53,8 +55,8 @@ Function tools (``session.tools``, ``tool_choice``) are chat's: a reply of calls
 said; the client's ``function_call_output`` item answers one, and the next reply reads both as chat
 reads a tool call and a tool message.
 
-With no speech-to-text model on the server a session takes text turns only (no turn detection;
-the audio buffer's events are refused).
+With no speech-to-text model on the server (none the key may use) a session takes text turns
+only (no turn detection; the audio buffer's events are refused).
 
 Not served (an ``error`` event naming it): items other than messages and function call outputs.
 """
@@ -74,7 +76,7 @@ from starlette.responses import JSONResponse
 from starlette.websockets import WebSocket
 
 from gateway import realtime_secrets
-from gateway.adapters import resolve_as
+from gateway.adapters import may_use, resolve_as
 from gateway.auth import Caller, bearer_token, subprotocol_key
 from gateway.chat import plan_chat, serve_chat
 from gateway.errors import APIError, bad_request
@@ -178,16 +180,23 @@ class _Said:
         return text if words >= len(found) else text[:found[words - 1].end()] if words else ""
 
 
+def _own(svc: Services, named: str | None, kind: str) -> str | None:
+    """A session's model of ``kind`` (stt or tts): the chat model's own (``named``), else the first
+    of its kind, either only if the key may use it (a hidden model is one the server does not have:
+    its name is never shown, nor is it used); None: none."""
+    if named and may_use(svc.model_name(named)):
+        return named
+    return next((s.name for s in svc.arbiter.specs.values() if s.kind == kind and may_use(s.name)), None)
+
+
 async def opening(svc: Services, model: str) -> tuple[SessionConfig, Conversing]:
     """The session's models, from the chat model the URL names (``APIError`` naming ``model``)."""
     engine = chat_engine(svc, model)
-    heard = engine.audio_input if engine is not None and engine.audio_input else next(
-        (s.name for s in svc.arbiter.specs.values() if s.kind == "stt"), None)  # None: text turns only
-    spoken = engine.audio_output if engine is not None and engine.audio_output else next(
-        (s.name for s in svc.arbiter.specs.values() if s.kind == "tts"), None)
+    heard = _own(svc, engine and engine.audio_input, "stt")  # None: text turns only
+    spoken = _own(svc, engine and engine.audio_output, "tts")
     voice = None
     if spoken is not None:
-        spec = svc.spec(spoken, "tts", chosen=True)
+        spec = svc.spec(spoken, "tts")
         voices = await weightless(svc.voices, spec, TTSWorker.reader)
         voice = Voice(spec.name, "alloy", "pcm", PCM16_RATE, voices.sample_rate)
     modalities = ("audio",) if voice is not None else ("text",)
@@ -457,7 +466,7 @@ class ConversationSession(TranscriptionSession):
                               "audio_output_not_supported")
         if not isinstance(name, str) or not name:
             raise bad_request("voice is a voice's name", param, "invalid_type")
-        spoken = self.svc.spec(self.conversing.voice.model, "tts", chosen=True)
+        spoken = self.svc.spec(self.conversing.voice.model, "tts")
         voices = await weightless(self.svc.voices, spoken, TTSWorker.reader)
         try:
             voices.resolve_voice(name)

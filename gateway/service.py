@@ -216,15 +216,15 @@ class Services:
             raise APIError(403, "this endpoint needs an admin key", "admin_only")
         return caller
 
-    def spec(self, name: str, kind: str | tuple[str, ...], chosen: bool = False) -> ModelSpec:
+    def spec(self, name: str, kind: str | tuple[str, ...]) -> ModelSpec:
         """The spec of the model ``name`` (or an alias) calls; 404 for none, or for one this task's
         key may not use (``may_use``: named as asked, never by the name an alias hides, before its
-        kind is said), unless the server ``chosen`` it (a chat model's speech model: admission
-        refuses it where it is used); 400 for one of another kind (``kind``, or any of several),
+        kind is said; a model the server picks for a request, a chat model's speech model or a turn
+        judge, is picked among those the key may use); 400 for one of another kind (``kind``, or any of several),
         an adapter of a model of another kind included (it is listed by /v1/models: refused as its
         base is; one the key may not use stays a 404)."""
         spec = self.arbiter.specs.get(self.aliases.get(name, name))
-        if spec is not None and not chosen and not may_use(spec.name):
+        if spec is not None and not may_use(spec.name):
             spec = None
         kinds = (kind,) if isinstance(kind, str) else kind
         wanted = " or ".join(a_kind(k) for k in kinds)

@@ -100,7 +100,7 @@ def prompt_ids(tok, end: EndOfMessage, transcript: str) -> list[int]:
 
 async def end_probability(svc: Services, caller: Caller, model: str, transcript: str) -> float:
     """The probability that ``transcript`` is a whole user message, by chat model ``model``."""
-    path = Path(svc.spec(model, "chat", chosen=True).path)
+    path = Path(svc.spec(model, "chat").path)
     end = await end_of_message(path)
     ids = prompt_ids(await tokenizer_of(path), end, transcript)
     scored = await completion_result(svc, caller, {"model": model, "prompt": ids, "max_tokens": 0, "echo": True,

@@ -99,6 +99,28 @@ def test_an_input_audio_part_is_read_as_its_transcript(server):
     assert caught.value.body["param"] == "messages[0].role"
 
 
+def test_a_key_that_may_not_use_the_speech_to_text_model_is_refused_audio_as_by_a_deaf_model(server):
+    """A key whose allow-list leaves out the chat model's speech-to-text model has a chat model
+    that takes no audio (docs/ACCOUNTS.md: "as if the model did not exist"): the 400 a model with
+    no engine.audio_input gets, naming no speech model, not a 404 for tiny-stt."""
+    import httpx
+
+    made = httpx.post(f"{server.url}/admin/keys", json={"name": "chat only", "tier": "paid",
+                                                         "models": ["tiny-chat", "tiny-chat-deaf"]},
+                      headers={"Authorization": f"Bearer {server.keys['admin']}"}, timeout=30)
+    assert made.status_code == 201, made.text
+    c = openai.OpenAI(base_url=server.base_url, api_key=made.json()["value"], max_retries=0, timeout=120)
+    refused = []
+    for model in ("tiny-chat", "tiny-chat-deaf"):
+        with pytest.raises(openai.BadRequestError) as caught:
+            c.chat.completions.create(model=model, max_tokens=2, messages=[
+                {"role": "user", "content": [audio_part(wav(spoken(SAID)))]}])
+        refused.append(caught.value.body)
+    assert (refused[0]["param"], refused[0]["code"]) == ("messages[0].content", "audio_input_not_supported")
+    assert refused[0]["message"] == refused[1]["message"].replace("tiny-chat-deaf", "tiny-chat")
+    assert "tiny-stt" not in refused[0]["message"]
+
+
 def test_audio_input_must_name_a_speech_to_text_model(tiny_chat, tiny_stt, tmp_path):
     from gateway.config import ConfigError, load_config
 

@@ -210,6 +210,27 @@ def test_what_cannot_be_spoken_is_refused_before_anything_is_written(server):
         assert (caught.value.body["param"], caught.value.body["code"]) == (param, code), kw
 
 
+def test_a_key_that_may_not_use_the_speech_model_is_refused_a_spoken_reply_before_it_is_written(server):
+    """A key whose allow-list leaves out the chat model's speech model has a chat model that does
+    not speak (docs/ACCOUNTS.md: "as if the model did not exist"): the refusal tiny-chat-mute gets,
+    naming no speech model, before the reply is written, rather than a 404 for tiny-tts once it is."""
+    made = httpx.post(f"{server.url}/admin/keys", json={"name": "chat only", "tier": "paid",
+                                                         "models": ["tiny-chat", "tiny-chat-mute"]},
+                      headers={"Authorization": f"Bearer {server.keys['admin']}"}, timeout=30)
+    assert made.status_code == 201, made.text
+    c = openai.OpenAI(base_url=server.base_url, api_key=made.json()["value"], max_retries=0, timeout=120)
+    assert chat(c).choices[0].message.content  # the chat model itself it may use
+    for kw in ({**SPOKEN}, {**SPOKEN, "audio": {"voice": "alloy", "format": "pcm16"}, "stream": True}):
+        refused = []
+        for model in ("tiny-chat", "tiny-chat-mute"):
+            with pytest.raises(openai.BadRequestError) as caught:
+                chat(c, **{**kw, "model": model})
+            refused.append(caught.value.body)
+        assert (refused[0]["param"], refused[0]["code"]) == ("modalities", "audio_output_not_supported"), kw
+        assert refused[0]["message"] == refused[1]["message"].replace("tiny-chat-mute", "tiny-chat")
+        assert "tiny-tts" not in refused[0]["message"]
+
+
 def test_a_reply_with_only_tool_calls_is_not_said(server):
     c = client(server)
     tool = {"type": "function", "function": {"name": "lookup", "parameters": {"type": "object", "properties": {

@@ -711,6 +711,57 @@ def test_a_server_without_speech_to_text_serves_text_turns_and_refuses_audio(tex
     assert said(reply)[0] == answer(server, [{"role": "user", "content": ASK}])[0] and said(reply)[1]
 
 
+def test_a_key_that_may_not_use_the_speech_models_gets_a_text_session_that_names_neither(server):
+    """A key whose allow-list leaves out the speech models has them as a server without them
+    (docs/ACCOUNTS.md: "as if the model did not exist"): its session names no transcription model
+    and answers in text, so a default response completes instead of failing once the reply is
+    written; asking for the speech-to-text model by name is the 404 a name nobody has gets, and
+    for spoken output the refusal a server without text-to-speech gives, both at session.update."""
+    import httpx
+
+    admin = {"Authorization": f"Bearer {server.keys['admin']}"}
+    made = httpx.post(f"{server.url}/admin/keys", json={"name": "chat only", "tier": "paid", "models": ["tiny-chat"]},
+                      headers=admin, timeout=30)
+    assert made.status_code == 201, made.text
+    chat_only = AsyncOpenAI(base_url=server.base_url, api_key=made.json()["value"], max_retries=0)
+
+    def hear_with(model: str) -> dict:
+        return {"type": "realtime", "audio": {"input": {"transcription": {"model": model}}}}
+
+    async def default():
+        async with chat_only.realtime.connect(model="tiny-chat") as conn:
+            created = (await events_until(conn, "session.created"))[-1]
+            await conn.conversation.item.create(item=user("item_q", ASK))
+            await conn.response.create(response={"max_output_tokens": 12, "instructions": "Answer briefly."})
+            return created.session, await events_until(conn, "response.done")
+
+    async def refused():
+        async with chat_only.realtime.connect(model="tiny-chat") as conn:
+            await events_until(conn, "session.created")
+            refusals = []
+            for session in (hear_with("tiny-stt"), hear_with("no-such-model"),
+                            {"type": "realtime", "output_modalities": ["audio"]}):
+                await conn.session.update(session=session)
+                refusals.append((await events_until(conn, "error"))[-1].error)
+            return refusals
+
+    session, reply = asyncio.run(default())
+    shown = json.dumps(session.model_dump())
+    assert "tiny-stt" not in shown and "tiny-tts" not in shown, shown
+    assert session.audio.input.transcription is None and session.audio.input.turn_detection is None
+    assert session.output_modalities == ["text"] and session.audio.output.voice is None
+    done = reply[-1].response
+    assert done.status == "completed", done.status_details
+    text = "".join(e.delta for e in reply if e.type == "response.output_text.delta")
+    assert text == answer(server, [{"role": "user", "content": ASK}])[0]
+    assert not [e for e in reply if e.type == "response.output_audio.delta"]
+    hidden, nobody, spoken_out = asyncio.run(refused())
+    assert (hidden.code, hidden.param) == (nobody.code, nobody.param) == \
+        ("model_not_found", "session.audio.input.transcription.model")
+    assert hidden.message == nobody.message.replace("no-such-model", "tiny-stt")
+    assert spoken_out.code == "audio_output_not_supported" and "tiny-tts" not in spoken_out.message
+
+
 def test_an_out_of_band_response_answers_beside_the_conversation_and_leaves_it_as_it_was(server):
     """``conversation: "none"`` with an ``input`` of its own: a text response runs beside the
     conversation's spoken one, answers its own context as chat would, comes back with its
