@@ -312,15 +312,19 @@ def _library_output(interactive: bool) -> None:
 
 def server_config(app, host: str, port: int, log_level: str = "info", **options) -> "uvicorn.Config":
     """uvicorn as tiergate runs it (the tests run the same): httptools with the request head capped
-    at ``MAX_HEAD_BYTES`` and protocol errors in OpenAI's shape (gateway/http11.py). Request bodies
-    are bounded by the app: ``limits.max_body`` and ``limits.body_timeout_s``. ``options`` go to
-    uvicorn as they are."""
+    at ``MAX_HEAD_BYTES``, due within ``limits.head_timeout_s``, and protocol errors in OpenAI's
+    shape (gateway/http11.py). Request bodies are bounded by the app: ``limits.max_body`` and
+    ``limits.body_timeout_s``. ``options`` go to uvicorn as they are.
+
+    No ``limit_concurrency``: uvicorn still accepts every connection past it and answers its
+    requests 503 (plain text), so it caps no descriptors; it only lets the connections a client
+    holds refuse everyone else's requests. The head deadline is what frees held connections."""
     import uvicorn
 
     from gateway.http11 import GatewayHttpToolsProtocol
 
-    return uvicorn.Config(app, host=host, port=port, log_level=log_level, lifespan="on", http=GatewayHttpToolsProtocol,
-                          **options)
+    protocol = GatewayHttpToolsProtocol.timed(app.state.services.config.limits.head_timeout_s)
+    return uvicorn.Config(app, host=host, port=port, log_level=log_level, lifespan="on", http=protocol, **options)
 
 
 def _print_demo_keys(made: dict[str, list[str]], host: str, port: int, scheme: str = "http") -> None:

@@ -374,6 +374,9 @@ class LimitsConfig(_Strict):
     # tokens one /tokenize counts (or the model's context, if longer): its answer and the work grow with them
     tokenize_max_tokens: int = Field(default=262144, ge=1)
     body_timeout_s: float = Field(default=60.0, gt=0)  # a request body must arrive whole within this; else 408
+    # a request's line and headers must arrive whole within this, from the connection's start (or, kept alive, from
+    # its first byte); else 408 and the connection closed (gateway/http11.py)
+    head_timeout_s: float = Field(default=10.0, gt=0)
 
 
 class BatchConfig(_Strict):

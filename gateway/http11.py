@@ -2,6 +2,10 @@
 the request line and headers capped at ``MAX_HEAD_BYTES`` (httptools reads them without limit),
 and a request it cannot parse answered in OpenAI's error shape: 431 for a head past the cap, 400
 for anything else malformed. The connection is closed after either answer; the server carries on.
+A head must also arrive whole within ``limits.head_timeout_s``, or it is answered 408 and closed:
+httptools reads it for as long as the client likes (uvicorn times only the idle wait between
+requests, ``timeout_keep_alive``), so a client sending a header line now and then, with no key,
+would hold its connection (and a file descriptor) open forever.
 
 Not uvicorn's h11 protocol, which caps the head itself: h11 parses in Python, and on a small
 request it cost the server ~0.16 ms of CPU against httptools' ~0.06 (docs/BENCHMARKS.md, "The
@@ -13,9 +17,11 @@ import json
 
 from uvicorn.protocols.http.httptools_impl import STATUS_LINE, HttpToolsProtocol
 
+from gateway.deadlines import Deadline, Deadlines
 from gateway.errors import APIError
 
 MAX_HEAD_BYTES = 64 * 1024  # request line plus headers
+HEAD_TIMEOUT_S = 10.0  # limits.head_timeout_s's default
 
 
 class _Refused(Exception):
@@ -26,22 +32,65 @@ class _Refused(Exception):
 class GatewayHttpToolsProtocol(HttpToolsProtocol):
     """The head is bounded twice: while it arrives, by the reads that end inside it (the parser
     keeps them all), and once complete, by its own lines as parsed (``_head_size``), so a head that
-    arrives in one read, with its body, or behind another request, is held to the cap as well."""
+    arrives in one read, with its body, or behind another request, is held to the cap as well.
+
+    And it is timed: a new connection's head is due ``head_deadlines.seconds`` after the
+    connection is made, a kept-alive one's after the first read that ends the idle wait (which is
+    uvicorn's keep-alive timeout), whatever that read holds (line ends, the rest of a body its app
+    answered unread), and a pipelined one's after the response before it. One deadline per
+    request, from a FIFO shared by all (gateway/deadlines.py): no loop timer each."""
 
     head_limit = MAX_HEAD_BYTES
+    head_deadlines = Deadlines(HEAD_TIMEOUT_S)
+
+    @classmethod
+    def timed(cls, head_timeout_s: float) -> type[GatewayHttpToolsProtocol]:
+        """This protocol with heads due within ``head_timeout_s`` (uvicorn takes a class)."""
+        return type(cls.__name__, (cls,), {"head_deadlines": Deadlines(head_timeout_s)})
 
     def __init__(self, *args, **kwargs) -> None:
         super().__init__(*args, **kwargs)
         self._in_head = True  # from a message's first byte until its headers are complete
         self._head_bytes = 0  # bytes of the reads that ended while in the head
         self._read = 0  # the length of the read being parsed
+        self._head_due: Deadline | None = None  # pending while a head is awaited and no response is
+
+    def connection_made(self, transport) -> None:
+        super().connection_made(transport)
+        self._head_due = self.head_deadlines.after(self._head_late)
+
+    def connection_lost(self, exc: Exception | None) -> None:
+        if self._head_due is not None:
+            self._head_due.cancel()
+        super().connection_lost(exc)
 
     def on_message_begin(self) -> None:
         super().on_message_begin()
         self._in_head, self._head_bytes = True, 0
 
+    def on_response_complete(self) -> None:
+        super().on_response_complete()
+        if self._in_head and self._head_due is None and not self.transport.is_closing():
+            self._head_due = self.head_deadlines.after(self._head_late)  # a pipelined head, begun meanwhile
+
+    def _head_late(self) -> None:
+        self._head_due = None
+        if self.transport.is_closing():
+            return
+        if self.scope is None or not self._in_head:
+            # no head begun (a new connection that sent nothing, a browser's preconnect say, or only line ends or the
+            # rest of an answered body since the last head): closed unanswered, as an idle kept-alive connection is,
+            # since its client would read an unasked-for 408 as its next request's answer
+            self.transport.close()
+            return
+        message = f"the request line and headers did not arrive within {self.head_deadlines.seconds:g} s"
+        self._refuse(APIError(408, message, "request_timeout"))
+
     def on_headers_complete(self) -> None:
         self._in_head = False
+        if self._head_due is not None:
+            self._head_due.cancel()
+            self._head_due = None
         # (the head is no longer than what arrived since it began: nearly every request skips the sum)
         if self._head_bytes + self._read > self.head_limit and self._head_size() > self.head_limit:
             self._refuse(self._too_large())
@@ -56,6 +105,8 @@ class GatewayHttpToolsProtocol(HttpToolsProtocol):
         return line + sum(len(name) + len(value) + 4 for name, value in self.headers) + 2
 
     def data_received(self, data: bytes) -> None:
+        if self.timeout_keep_alive_task is not None and self._head_due is None:  # (uvicorn cancels it, below)
+            self._head_due = self.head_deadlines.after(self._head_late)  # the idle wait is over: a head is due
         self._read = len(data)
         super().data_received(data)
         # Counted after parsing, so that a body arriving with its head is never counted: a read

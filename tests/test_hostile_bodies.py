@@ -17,12 +17,14 @@ from tests.helpers import start_server, write_config
 
 GOOD = {"model": "tiny-chat", "messages": [{"role": "user", "content": "hi"}], "max_tokens": 2}
 BODY_TIMEOUT_S = 2.0
+HEAD_TIMEOUT_S = 1.5
 
 
 @pytest.fixture(scope="module")
 def server(tiny_chat, tiny_stt, tmp_path_factory):
     folder = tmp_path_factory.mktemp("hostile")
-    extra = f"limits:\n  max_body: 1MiB\n  max_chat_tokens: 64\n  body_timeout_s: {BODY_TIMEOUT_S}\n"
+    extra = (f"limits:\n  max_body: 1MiB\n  max_chat_tokens: 64\n  body_timeout_s: {BODY_TIMEOUT_S}\n"
+             f"  head_timeout_s: {HEAD_TIMEOUT_S}\n")
     running = start_server(write_config(folder, {"tiny-chat": ("chat", tiny_chat), "tiny-stt": ("stt", tiny_stt)}, extra))
     yield running
     running.stop()
@@ -324,6 +326,108 @@ def test_slow_body_is_cut_off_with_408_while_others_are_served(server):
     _error(status, body, 408, "request_timeout")
     assert BODY_TIMEOUT_S <= waited < BODY_TIMEOUT_S + 10
     _still_serving(server)
+
+
+def _closed(sock: socket.socket) -> bool:
+    """Whether the server has closed the connection (nothing more to read)."""
+    try:
+        return sock.recv(1) == b""
+    except ConnectionResetError:  # a byte the client sent after the close: reset
+        return True
+
+
+def _dripping(sock: socket.socket, stop: threading.Event) -> threading.Thread:
+    """A thread sending a header line every 0.3 s until ``stop`` (or the server closes)."""
+    def drip() -> None:
+        n = 0
+        while not stop.wait(0.3):
+            n += 1
+            try:
+                sock.sendall(b"X-Slow-%d: x\r\n" % n)
+            except OSError:
+                return
+
+    dripping = threading.Thread(target=drip, daemon=True)
+    dripping.start()
+    return dripping
+
+
+@pytest.mark.parametrize("idle", [False, True], ids=["a header line now and then", "idle half-sent"])
+def test_a_head_not_whole_in_time_is_408_and_closed(server, idle):
+    """A client with no key that never finishes its request line and headers (a header line every
+    0.3 s, or half a head left idle) gets a 408 ``request_timeout`` in OpenAI's shape within
+    ``limits.head_timeout_s`` and its connection closed, instead of holding it for as long as it
+    likes; others are served meanwhile."""
+    with socket.create_connection(("127.0.0.1", _port(server)), timeout=HEAD_TIMEOUT_S + 10) as sock:
+        started = time.monotonic()
+        stop = threading.Event()
+        if idle:
+            sock.sendall(b"GET /v1/models HTTP/1.1\r\nHost: te")
+        else:
+            sock.sendall(b"POST /v1/chat/completions HTTP/1.1\r\nHost: test\r\n")
+            dripping = _dripping(sock, stop)
+        try:
+            status, headers, body = _read_response(sock)
+            waited = time.monotonic() - started
+        finally:
+            stop.set()
+        if not idle:
+            dripping.join(5)
+        assert _closed(sock)
+    _error(status, body, 408, "request_timeout")
+    assert headers["connection"] == "close"
+    assert HEAD_TIMEOUT_S - 0.1 <= waited < HEAD_TIMEOUT_S + 5
+    _still_serving(server)
+
+
+def test_a_connection_that_sends_nothing_is_closed_unanswered(server):
+    """A new connection that sends no byte is closed after ``limits.head_timeout_s`` with no
+    answer (as an idle kept-alive one is): a client would read a 408 as its next request's."""
+    with socket.create_connection(("127.0.0.1", _port(server)), timeout=HEAD_TIMEOUT_S + 10) as sock:
+        started = time.monotonic()
+        assert sock.recv(65536) == b""
+        waited = time.monotonic() - started
+    assert HEAD_TIMEOUT_S - 0.1 <= waited < HEAD_TIMEOUT_S + 5
+
+
+@pytest.mark.parametrize("then", [b"GET /healthz HTTP/1.1\r\nHo", b"\r\n"], ids=["half a head", "a line end"])
+def test_a_kept_alive_connection_times_each_head_from_its_first_byte(server, then):
+    """On a kept-alive connection each head has its own ``limits.head_timeout_s``, from the first
+    byte after the idle wait: requests spread over longer than that are all served, and a next
+    head that does not come whole is cut off: half of one with a 408, only a line end (no head
+    begun) with the connection closed unanswered."""
+    healthz = b"GET /healthz HTTP/1.1\r\nHost: test\r\n\r\n"
+    with socket.create_connection(("127.0.0.1", _port(server)), timeout=HEAD_TIMEOUT_S + 10) as sock:
+        for _ in range(3):  # 3 x 0.8 s: longer than one head's time, on one connection
+            sock.sendall(healthz)
+            status, headers, _ = _read_response(sock)
+            assert status == 200 and headers.get("connection") != "close"
+            time.sleep(0.8)
+        sock.sendall(then)
+        started = time.monotonic()
+        if then == b"\r\n":
+            assert _closed(sock)
+        else:
+            status, headers, body = _read_response(sock)
+            assert _closed(sock)
+            _error(status, body, 408, "request_timeout")
+        waited = time.monotonic() - started
+    assert HEAD_TIMEOUT_S - 0.1 <= waited < HEAD_TIMEOUT_S + 5
+
+
+def test_a_pipelined_head_is_timed_from_the_response_before_it(server):
+    """Half a head sent behind a whole request (one write) is timed once that request is
+    answered: the first is served, then the half head is a 408 and a close."""
+    with socket.create_connection(("127.0.0.1", _port(server)), timeout=HEAD_TIMEOUT_S + 10) as sock:
+        sock.sendall(b"GET /healthz HTTP/1.1\r\nHost: test\r\n\r\nGET /healthz HTTP/1.1\r\nHo")
+        status, _, _ = _read_response(sock)
+        assert status == 200
+        started = time.monotonic()
+        status, _, body = _read_response(sock)
+        waited = time.monotonic() - started
+        assert _closed(sock)
+    _error(status, body, 408, "request_timeout")
+    assert HEAD_TIMEOUT_S - 0.3 <= waited < HEAD_TIMEOUT_S + 5
 
 
 def test_client_leaving_mid_body_leaves_no_error(server, caplog):
