@@ -313,7 +313,8 @@ def _library_output(interactive: bool) -> None:
 def server_config(app, host: str, port: int, log_level: str = "info", **options) -> "uvicorn.Config":
     """uvicorn as tiergate runs it (the tests run the same): httptools with the request head capped
     at ``MAX_HEAD_BYTES``, due within ``limits.head_timeout_s``, and protocol errors in OpenAI's
-    shape (gateway/http11.py). Request bodies are bounded by the app: ``limits.max_body`` and
+    shape (gateway/http11.py; the default head timeout for an app without tiergate's services, as
+    the benchmarks' bare one). Request bodies are bounded by the app: ``limits.max_body`` and
     ``limits.body_timeout_s``. ``options`` go to uvicorn as they are.
 
     No ``limit_concurrency``: uvicorn still accepts every connection past it and answers its
@@ -321,9 +322,10 @@ def server_config(app, host: str, port: int, log_level: str = "info", **options)
     holds refuse everyone else's requests. The head deadline is what frees held connections."""
     import uvicorn
 
-    from gateway.http11 import GatewayHttpToolsProtocol
+    from gateway.http11 import HEAD_TIMEOUT_S, GatewayHttpToolsProtocol
 
-    protocol = GatewayHttpToolsProtocol.timed(app.state.services.config.limits.head_timeout_s)
+    services = getattr(app.state, "services", None)  # (a benchmark's bare app has none: the default)
+    protocol = GatewayHttpToolsProtocol.timed(services.config.limits.head_timeout_s if services else HEAD_TIMEOUT_S)
     return uvicorn.Config(app, host=host, port=port, log_level=log_level, lifespan="on", http=protocol, **options)
 
 
