@@ -281,8 +281,9 @@ def test_the_vllm_engine_processes_end_when_its_server_is_killed(engine_server):
     assert all(os.getsid(p) == os.getsid(proc.pid) for p in engine)
     sockets = Path(pids["sockets"])  # tiergate's own folder for vLLM's socket files
     assert sockets.name.startswith(f"tiergate-vllm-{proc.pid}-") and any(sockets.iterdir())
-    stacks = Path(pids["stack"]).parent
-    assert stacks.name.startswith("tiergate-tiny-chat-stacks-") and (stacks / "stack-1").is_dir()
+    stack = Path(pids["stack"])  # the stack's LoRA folder (named by its content), in the engine's folder of them
+    stacks = stack.parent
+    assert stacks.name.startswith("tiergate-tiny-chat-stacks-") and stack.is_dir() and any(stack.iterdir())
     proc.kill()
     proc.wait()
     left = wait_gone(engine, within_s=reaper.GRACE_S + 10)
