@@ -48,6 +48,7 @@ from redis.exceptions import RedisError
 
 from gateway.service import Services
 from storage import on_backend
+from storage.outage import Outage
 from storage.redis import honour_cancel
 from storage.retention import Retained
 from storage.sqlite import SweptFile
@@ -377,16 +378,19 @@ class RedisResponses(ResponseStore):
 
     async def stops(self) -> AsyncIterator[str]:
         """Subscribed again after a lost connection, STOPS_RETRY_S later (what was announced
-        meanwhile is found by the running process's next write, as on SQLite)."""
+        meanwhile is found by the running process's next write, as on SQLite); a Redis that does
+        not answer is one warning when it goes and one when it is back (``storage.outage``)."""
+        outage = Outage(log, "stored responses: the stops channel")
         while True:
             pubsub = self._r.pubsub(ignore_subscribe_messages=True)
             try:
                 await pubsub.subscribe(self._stops_channel())
+                outage.answered()
                 async for message in pubsub.listen():
                     if message["type"] == "message":
                         yield message["data"].decode()
             except (OSError, RedisError) as exc:
-                log.warning("stored responses: the stops channel failed (%s); again in %gs", exc, STOPS_RETRY_S)
+                outage.failed(exc)
             finally:
                 await pubsub.aclose()
             await asyncio.sleep(STOPS_RETRY_S)
