@@ -79,7 +79,9 @@ from gateway.schemas import read_body
 
 log = logging.getLogger("tiergate.cluster")
 _DROPPED = {b"x-request-id", b"content-length"}  # the proxy writes the same id; the length is set here
-_FORM_MODEL = re.compile(rb'name="model"\r\n\r\n([^\r\n]*)\r\n')
+# the ``model`` field of a form: its Content-Disposition, any headers of the part after it (RFC 7578
+# allows a Content-Type: curl's ``-F 'model=x;type=text/plain'``), a blank line, the value
+_FORM_MODEL = re.compile(rb'; *name="model"(?:\r\n[^\r\n]+)*\r\n\r\n([^\r\n]*)\r\n')
 
 
 class Ingress:
@@ -122,11 +124,13 @@ class Ingress:
         if scope["type"] == "websocket":
             await self._realtime(scope, receive, send)
             return
+        request = Request(scope, receive, send)
         try:
-            response = await self.handle(Request(scope, receive, send))
+            response = await self.handle(request)
         except Exception:  # noqa: BLE001 - a bug here: a clean 500, as Serve gave one
             log.exception("the ingress failed on a request")
-            response = APIError(500, "the ingress failed on this request", "internal_error").response()
+            error = APIError(500, "the ingress failed on this request", "internal_error")
+            response = error.response(speaks_anthropic(_app_path(scope), request.headers))
         await response(scope, receive, send)
 
     async def handle(self, request: Request) -> Response:
@@ -139,6 +143,8 @@ class Ingress:
             return self._own(Response(await self._scrape(), media_type="text/plain; version=0.0.4"))
         tier = "-"
         try:
+            if path == "/readyz":  # a probe, keyless as on tiergate serve: a replica's readiness
+                return await self._serve(request, path, None)
             caller = await self._caller(request)
             tier = caller.tier
             if path == "/metrics" and request.method == "GET":  # (server.metrics_need_admin)
@@ -154,7 +160,7 @@ class Ingress:
             return await self._serve(request, path, caller)  # the replica's answer, its CORS headers in it
         except APIError as exc:
             self.answered[(tier, "ingress", exc.status)] += 1
-            return self._own(exc.response())
+            return self._own(exc.response(speaks_anthropic(path, request.headers)))  # the Messages API's shape
 
     def _own(self, response: Response) -> Response:
         """An answer the ingress makes itself, through the CORS middleware when there is one."""
@@ -166,13 +172,17 @@ class Ingress:
         by_reference = {t.answer.handle_options._by_reference for t in self.deployments}
         return {**in_effect(), "replica_calls": sorted("actor task" if r else "grpc" for r in by_reference)}
 
-    async def _serve(self, request: Request, path: str, caller: Caller) -> Response:
+    async def _serve(self, request: Request, path: str, caller: Caller | None) -> Response:
+        """``caller`` None: a keyless probe (``/readyz``), carried as the top tier's."""
         # 413 past the largest body any endpoint takes (the replica judges each endpoint's own), before it is all held
         body = await read_body(request, self.max_body)
-        model, streamed, affinity, origin = self._model(request, body, path)
+        if caller is None:
+            model, streamed, affinity, origin = None, False, None, None
+        else:
+            model, streamed, affinity, origin = self._model(request, body, path)
         if model is not None and not self.accounts.allows(caller, model):
             raise APIError(404, f"the model '{model}' does not exist", "model_not_found", "model")
-        tier = caller.tier
+        tier = caller.tier if caller is not None else self.config.tiers[0].name
         if model is not None and (early := await early_refusal(self.accounts, caller)) is not None:
             raise early
         if self.inflight[tier] >= self.capacity[tier]:
@@ -229,9 +239,11 @@ class Ingress:
             log.warning("the key store did not answer: %s: %s", type(exc).__name__, exc)
             raise store_unavailable() from exc
         token = bearer_token(request.headers.get("authorization")) or request.headers.get("x-api-key") or token
-        caller = (self.keys.lookup(token) or self.accounts.lookup(token)) if token else None
+        if token is None:  # as tiergate serve answers (gateway.service.authenticate)
+            raise APIError(401, "missing API key: send 'Authorization: Bearer <key>'", "missing_api_key")
+        caller = self.keys.lookup(token) or self.accounts.lookup(token)
         if caller is None:
-            raise APIError(401, "missing or incorrect API key", "invalid_api_key")
+            raise APIError(401, "incorrect API key provided", "invalid_api_key")
         return caller
 
     async def _call(self, forwarded: dict, model: str | None, tier: int, streamed: bool, affinity: str | None = None,
@@ -300,7 +312,7 @@ class Ingress:
             if presented is None or not presented.startswith(CLIENT_SECRET):
                 caller = await self._caller(connection, subprotocol_key(scope))
                 tier, rank = caller.tier, self.rank[caller.tier]
-                model, via = self._session_model(connection.query_params.get("model")), None
+                model, via = self._session_model(connection.query_params.get("model"), caller), None
                 if model is not None and not self.accounts.allows(caller, model):
                     raise APIError(404, f"the model '{model}' does not exist", "model_not_found", "model")
                 if model is not None and (early := await early_refusal(self.accounts, caller)) is not None:
@@ -360,14 +372,21 @@ class Ingress:
                 with contextlib.suppress(asyncio.CancelledError, Exception):
                     await pump
 
-    def _session_model(self, name: str | None) -> str | None:
+    def _session_model(self, name: str | None, caller: Caller | None = None) -> str | None:
         """The model a realtime session is routed by: the chat model of a conversation, or the
-        speech-to-text model of a transcription (the first one configured when the URL names
-        none); None for a name the cluster does not know (the replica refuses it as
-        ``tiergate serve`` does)."""
+        speech-to-text model of a transcription (when the URL names none, the first one configured
+        that ``caller`` may use: 404 as ``tiergate serve``'s when there is none, never naming a model
+        the key's allow-list hides); None for a name the cluster does not know (the replica refuses
+        it as ``tiergate serve`` does)."""
         if name:
             return self.base.get(name)
-        return next((m.name for m in self.config.models if m.kind == "stt"), None)
+        usable = (m.name for m in self.config.models
+                  if m.kind == "stt" and (caller is None or self.accounts.allows(caller, m.name)))
+        model = next(usable, None)
+        if model is None and caller is not None:
+            raise APIError(404, "this server has no transcription (stt) model for realtime sessions",
+                           "model_not_found", "model")
+        return model
 
     def target(self, model: str | None) -> "_Target":
         """The deployment that serves ``model`` (the pool for requests that need none)."""
@@ -466,8 +485,10 @@ class Ingress:
             return None, True, None, None
         if name is None:
             return None, streamed, None, origin
-        base = self.base.get(name) if isinstance(name, str) else None
-        if base is None and isinstance(name, str):
+        if not isinstance(name, str):  # as the replicas' schemas answer it
+            raise APIError(400, f"'model' must be a string, not {type(name).__name__}", "invalid_type", "model")
+        base = self.base.get(name)
+        if base is None:
             base = self.config.folder_adapter_base(name)  # an adapter_dirs adapter: its replica reads and checks it
         if base is None:
             raise APIError(404, f"the model '{name}' does not exist", "model_not_found", "model")

@@ -401,3 +401,121 @@ def test_a_429_after_every_replica_redirected_says_when_the_earliest_protection_
     assert (protected.headers["retry-after"], protected.headers["x-tiergate-redirects"]) == ("41", "2")
     assert (waiting.headers["retry-after"], waiting.headers["x-tiergate-redirects"]) == ("1", "3")
     assert ingress.inflight["free"] == 0
+
+
+def _ingress_answering(tmp_path, tiny_chat, replies: list[dict]) -> Ingress:
+    """An ingress without Serve whose replicas' answers are stubbed: each forwarded request is
+    appended to ``replies`` and answered 200 ``{}``."""
+    config = load_config(write_config(tmp_path, {"m": ("chat", tiny_chat)}))
+    ingress = object.__new__(Ingress)
+    ingress.config, ingress.base, ingress.cors = config, {"m": "m"}, []
+    ingress.keys = KeyRing({"paid": ["key-paid"]}, [])
+    ingress.accounts = Accounts.from_config(config)
+    ingress.answered, ingress.redirects, ingress.max_body = Counter(), 0, 1 << 20
+    ingress.rank = {t.name: i for i, t in enumerate(config.tiers)}
+    ingress.inflight = {t.name: 0 for t in config.tiers}
+    ingress.capacity = {t.name: 8 for t in config.tiers}
+
+    async def accounts_ready() -> None:
+        return None
+
+    async def call(forwarded, model, tier, streamed, affinity=None, origin=None, **_):
+        replies.append({"path": forwarded["path"], "model": model, "tier": tier})
+        return {"status": 200, "headers": [(b"content-type", b"application/json")], "body": b"{}"}, None, 0
+
+    ingress._accounts, ingress._call = accounts_ready, call
+    return ingress
+
+
+def _post(path: str, body: bytes, headers: list[tuple[bytes, bytes]], method: str = "POST") -> Request:
+    sent = [{"type": "http.request", "body": body, "more_body": False}]
+
+    async def receive() -> dict:
+        return sent.pop(0) if sent else {"type": "http.disconnect"}
+
+    return Request({"type": "http", "method": method, "path": path, "query_string": b"", "headers": headers}, receive)
+
+
+def test_the_ingress_s_own_refusals_on_the_messages_api_are_anthropic_shaped(tmp_path, tiny_chat):
+    """A refusal the ingress makes itself (no key, a wrong key, bad JSON, an unknown model) has
+    Anthropic's ``{"type": "error", ...}`` on the Messages API, as ``tiergate serve``'s (hunt 4 X1:
+    it was OpenAI-shaped, so the anthropic SDK read no error type), and stays OpenAI-shaped elsewhere;
+    a missing key is ``missing_api_key``, a wrong one ``invalid_api_key``, as serve names them."""
+    ingress = _ingress_answering(tmp_path, tiny_chat, [])
+    json_type = (b"content-type", b"application/json")
+    cases = [([json_type], b'{"model": "m"}', 401, "missing_api_key"),
+             ([json_type, (b"x-api-key", b"key-nobody")], b'{"model": "m"}', 401, "invalid_api_key"),
+             ([json_type, (b"x-api-key", b"key-paid")], b"{not json", 400, "invalid_json"),
+             ([json_type, (b"x-api-key", b"key-paid")], b'{"model": "nobody"}', 404, "model_not_found")]
+    for headers, body, status, code in cases:
+        for path, anthropic in (("/v1/messages", True), ("/v1/chat/completions", False)):
+            answer = asyncio.run(ingress.handle(_post(path, body, headers)))
+            got = json.loads(answer.body)
+            assert (answer.status_code, got["error"]["code"]) == (status, code), (path, got)
+            assert (got.get("type") == "error") is anthropic, (path, got)
+
+
+def test_a_form_s_model_part_with_headers_of_its_own_is_routed_by_its_model(tmp_path, tiny_chat):
+    """RFC 7578 lets a part carry a Content-Type after its Content-Disposition (curl's
+    ``-F 'model=m;type=text/plain'`` sends one): such a ``model`` part was not found, and the
+    request was routed as one needing no model, to any replica, which loaded a second copy (hunt 4
+    X2). A file part whose *filename* is "model" is not the model field."""
+    config = load_config(write_config(tmp_path, {"m": ("chat", tiny_chat)}))
+    ingress = object.__new__(Ingress)
+    ingress.config, ingress.base = config, {"m": "m"}
+    form = [(b"content-type", b"multipart/form-data; boundary=XyZ")]
+
+    def model_of(*parts: bytes) -> str | None:
+        body = b"".join(b"--XyZ\r\n" + part + b"\r\n" for part in parts) + b"--XyZ--\r\n"
+        return ingress._model(_post("/v1/audio/transcriptions", body, form), body, "/v1/audio/transcriptions")[0]
+
+    plain = b'Content-Disposition: form-data; name="model"\r\n\r\nm'
+    typed = b'Content-Disposition: form-data; name="model"\r\nContent-Type: text/plain\r\n\r\nm'
+    typed_first = b'Content-Type: text/plain\r\nContent-Disposition: form-data; name="model"\r\n\r\nm'
+    a_file = b'Content-Disposition: form-data; name="file"; filename="model"\r\nContent-Type: audio/wav\r\n\r\nRIFF'
+    assert model_of(plain) == model_of(typed) == model_of(typed_first) == "m"
+    assert model_of(a_file, typed) == "m"
+    assert model_of(a_file) is None
+
+
+def test_the_ingress_answers_a_model_that_is_no_string_and_a_keyless_readiness_probe_as_serve_does(tmp_path, tiny_chat):
+    """``"model": 5`` is a 400 ``invalid_type`` naming ``model`` (it was a 404 saying the model '5'
+    does not exist), and ``/readyz`` needs no key, as on ``tiergate serve`` (it was a 401, so a
+    probe copied from a serve deployment failed on a cluster): it goes to a replica (hunt 4 X3)."""
+    replies: list[dict] = []
+    ingress = _ingress_answering(tmp_path, tiny_chat, replies)
+    answer = asyncio.run(ingress.handle(_post("/v1/chat/completions", b'{"model": 5}', [
+        (b"content-type", b"application/json"), (b"authorization", b"Bearer key-paid")])))
+    error = json.loads(answer.body)["error"]
+    assert (answer.status_code, error["code"], error["param"]) == (400, "invalid_type", "model")
+    answer = asyncio.run(ingress.handle(_post("/readyz", b"", [], method="GET")))
+    assert answer.status_code == 200
+    assert replies == [{"path": "/readyz", "model": None, "tier": 0}]
+
+
+def test_a_realtime_transcription_session_picks_an_stt_model_the_key_may_use(tmp_path, tiny_chat, tiny_stt):
+    """With no ``?model``, a transcription session is routed by the first speech-to-text model
+    the key's allow-list holds; a key with none gets serve's 404, which names no model (it named
+    the first one configured: a model that key's ``/v1/models`` hides; hunt 4 X3)."""
+    from gateway.auth import Caller
+
+    config = load_config(write_config(tmp_path, {"m": ("chat", tiny_chat), "s1": ("stt", tiny_stt),
+                                                 "s2": ("stt", tiny_stt)}))
+    ingress = object.__new__(Ingress)
+    ingress.config, ingress.base = config, {"m": "m", "s1": "s1", "s2": "s2"}
+
+    class Allowing:
+        def __init__(self, models: set[str]) -> None:
+            self.models = models
+
+        def allows(self, caller, model: str) -> bool:
+            return model in self.models
+
+    caller = Caller("paid", "key_1")
+    ingress.accounts = Allowing({"m", "s2"})
+    assert ingress._session_model(None, caller) == "s2"
+    assert ingress._session_model(None) == "s1"  # a client secret's session: its replica checks it
+    ingress.accounts = Allowing({"m"})
+    with pytest.raises(APIError) as refused:
+        ingress._session_model(None, caller)
+    assert refused.value.status == 404 and "s1" not in refused.value.message and "s2" not in refused.value.message
