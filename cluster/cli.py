@@ -33,17 +33,23 @@ def run(config_path: str, address: str | None, demo: bool) -> int:
         for tier, ring in {**keys, "admin": admin}.items():
             print(f"  {tier}: {', '.join(ring)}", file=sys.stderr)
 
-    # on a cluster of its own (no address) the port must be free; on one joined, Serve may already run an ingress there
-    if (error := wait_for_port(config.cluster.host, config.cluster.port, may_be_used=address is not None)) is not None:
-        print(f"tiergate: {error}", file=sys.stderr)
-        return 2
+    # on a cluster of its own (no address) the ports must be free (the ingress's, and with direct ingress Serve's
+    # proxy's on the next); on one joined, Serve may already run there
+    from cluster.settings import is_direct, serve_settings
+
+    port = config.cluster.port
+    ports = {port: "cluster.port"} | ({port + 1: "cluster.port + 1, Serve's proxy"}
+                                      if is_direct(serve_settings(port)) else {})
+    for each, what in ports.items():
+        if (error := wait_for_port(config.cluster.host, each, may_be_used=address is not None, what=what)) is not None:
+            print(f"tiergate: {error}", file=sys.stderr)
+            return 2
     import ray
     from ray import serve
 
     from cluster.app import build, runtime_env
-    from cluster.settings import SERVE_LOGGING, is_direct
+    from cluster.settings import SERVE_LOGGING
 
-    port = config.cluster.port
     # each node's ingress serves cluster.port itself (direct ingress)
     env = runtime_env(ingress_port=port, config=config)
     ray.init(address=address, runtime_env=env)
@@ -93,7 +99,8 @@ def port_state(host: str, port: int) -> str:
     return "in use"
 
 
-def wait_for_port(host: str, port: int, wait_s: float = TIME_WAIT_S, may_be_used: bool = False) -> str | None:
+def wait_for_port(host: str, port: int, wait_s: float = TIME_WAIT_S, may_be_used: bool = False,
+                  what: str = "cluster.port") -> str | None:
     """None once this node's ingress can bind ``host:port``, waiting out a last run's closing
     connections (a restart right after a stop: the ingress failed to bind, and Serve's deploy with
     it); else the one-line reason it cannot. ``may_be_used``: a listener there is no reason (an
@@ -111,7 +118,7 @@ def wait_for_port(host: str, port: int, wait_s: float = TIME_WAIT_S, may_be_used
         return None
     if state == "closing":
         return f"port {port} on {host} is still held by closed connections (TIME_WAIT) after {wait_s:g} s"
-    return f"port {port} on {host} (cluster.port) is in use by another process"
+    return f"port {port} on {host} ({what}) is in use by another process"
 
 
 class Stop:

@@ -283,3 +283,32 @@ def test_a_replica_sees_the_gpus_ray_gave_it(tmp_path, tiny_chat):
     finally:
         serve.shutdown()
         ray.shutdown()
+
+
+def test_tiergate_cluster_refuses_in_one_line_when_the_proxys_port_is_taken(tmp_path, monkeypatch, capsys):
+    """With direct ingress, Serve's proxy binds ``cluster.port + 1`` on the head node: a listener
+    there made the start die after ~20 s of Ray with a long traceback, exit 1. ``tiergate cluster``
+    checks both of its node's ports before starting Ray, and names the taken one in one line, exit 2."""
+    import socket
+
+    from cluster.cli import run
+    from tests.helpers import spare_port
+
+    monkeypatch.setenv("K_PAID", "key-paid")
+    monkeypatch.delenv("RAY_SERVE_ENABLE_DIRECT_INGRESS", raising=False)
+    while True:  # a free port whose next one this test can take
+        ingress, listener = spare_port(), socket.socket()
+        try:
+            listener.bind(("127.0.0.1", ingress + 1))
+            break
+        except OSError:
+            listener.close()
+    listener.listen()
+    try:
+        path = tiers_yaml(tmp_path, f"  nodes: 1\n  host: 127.0.0.1\n  port: {ingress}\n")
+        assert run(str(path), None, False) == 2
+    finally:
+        listener.close()
+    err = capsys.readouterr().err.strip().splitlines()
+    assert err == [f"tiergate: port {ingress + 1} on 127.0.0.1 (cluster.port + 1, Serve's proxy) is in use by another "
+                   "process"]
