@@ -39,7 +39,10 @@ Making room (``plan_load``)
       ``Impossible`` it cannot fit by evicting or waiting out protection: ``waiting_on`` names
                      the busy models whose work must end first (the caller waits or answers
                      503); empty ``waiting_on`` means never (bigger than the budget, or pinned
-                     models are in the way).
+                     models are in the way). ``drain``: those of them this tier may evict once
+                     their work ends, as many as make it fit (least valuable first; none when
+                     they cannot make it fit alone): the owner gives lower tiers no new work
+                     on them meanwhile, or a lower tier that keeps one busy would starve it.
     Every ``Evict`` leaves enough room, so a load is never started that does not fit. The owner
     loads one model at a time per device; a ``loading`` model counts as busy here.
 
@@ -47,9 +50,10 @@ Host cache (``host_cache_plan``, folded into every ``Evict``)
     Evicted models go warm while the host cache has room, most valuable victim first; to make
     room, warm models less valuable than the victim are dropped to cold (least valuable first,
     only as many as needed), never the model about to be loaded from the cache. A victim that
-    still does not fit goes cold. A model counts against the host cache only while ``warm``: once
-    the owner marks it ``loading`` its host copy is no longer counted, so until the owner frees
-    that copy the host cache may briefly exceed its budget by that one model.
+    still does not fit goes cold. A model counts against the host cache only while ``warm``, and
+    not at all when it is the one about to be loaded from the cache (its copy leaves in the same
+    load: a swap of two models through a cache that holds one sent the other cold every time), so
+    until the owner frees that copy the host cache may briefly exceed its budget by that one model.
 
 Batch yields (``batch_must_yield``)
     Batch work runs only while no other tier has work running or queued, here or at the
@@ -191,10 +195,13 @@ class Refuse:
 
 @dataclass(frozen=True)
 class Impossible:
-    """It cannot fit now: after ``waiting_on``'s work ends, or never if that is empty."""
+    """It cannot fit now: after ``waiting_on``'s work ends, or never if that is empty; ``drain``:
+    the models of ``waiting_on`` whose work must end for it to fit, which lower tiers may not
+    start new work on meanwhile."""
 
     reason: str
     waiting_on: tuple[str, ...] = ()
+    drain: tuple[str, ...] = ()
 
 
 Decision = Fit | Evict | Refuse | Impossible
@@ -276,7 +283,9 @@ def host_cache_plan(
         m for m in view.models.values() if m.place == "warm" and not m.pinned and m.name not in keep
     )
     warm = sorted(droppable_warm, key=value_key)
-    host_free = view.host_cache_budget - view.host_used
+    # the model about to be loaded from the cache leaves it in this same load (below: counted only while warm)
+    leaving = sum(view.models[n].warm_bytes for n in keep if view.models[n].place == "warm")
+    host_free = view.host_cache_budget - view.host_used + leaving
     to_warm: list[str] = []
     to_cold: list[str] = []
     dropped: list[str] = []
@@ -367,8 +376,22 @@ def plan_load(view: ArbiterView, model: str, requester_tier: int, batch_rank: in
         return Impossible(
             f"{model} fits only after running work ends",
             waiting_on=tuple(sorted(m.name for m in busy)),
+            drain=_drain(view, busy, shortfall, requester_tier, batch_rank, own),
         )
     return Impossible(f"{model} does not fit beside the pinned models")
+
+
+def _drain(view: ArbiterView, busy: Sequence[ModelState], shortfall: int, requester_tier: int, batch_rank: int,
+           own: Mapping[str, float]) -> tuple[str, ...]:
+    """The busy models whose work must end for ``shortfall`` bytes to be freed, least valuable
+    first, among those ``requester_tier`` may evict once idle (not loading, pinned or protected
+    from it); none when they cannot free enough alone (protection must end as well)."""
+    idle = (replace(m, running_nonbatch=0, running_batch=0) for m in busy if m.place != "loading")
+    drainable = sorted((m for m in idle if blocker(view, m, requester_tier, batch_rank, own.get(m.name)) is None),
+                       key=value_key)
+    if sum(m.footprint for m in drainable) < shortfall:
+        return ()
+    return tuple(m.name for m in _enough(drainable, shortfall, _footprint))
 
 
 def pick_oom_victim(

@@ -85,6 +85,7 @@ class _Waiter:
     future: asyncio.Future
     swap_s: float = 0.0  # the load this waiter triggered, once it is done
     used: dict[str, float] | None = None  # its request's own uses (``Arbiter.acquire``)
+    loads_only: bool = False  # ``Arbiter.load``: no lease, no serve
 
 
 @dataclass
@@ -141,14 +142,17 @@ class Arbiter:
         only by the request's own use may be evicted for the request's next step; without it a
         chain whose models do not fit together would be refused by its own first step, again at
         every retry."""
-        waiter = _Waiter(model, tier, is_batch, asyncio.get_running_loop().create_future(), used=used)
+        return await self._wait(_Waiter(model, tier, is_batch, asyncio.get_running_loop().create_future(), used=used))
+
+    async def _wait(self, waiter: "_Waiter") -> "Lease | None":
         self._waiters.append(waiter)
-        self._schedule(non_batch_only=not is_batch)
+        self._schedule(non_batch_only=not waiter.is_batch)
         try:
             return await waiter.future
         except asyncio.CancelledError:
             if waiter.future.done() and not waiter.future.cancelled() and waiter.future.exception() is None:
-                waiter.future.result().release()
+                if (lease := waiter.future.result()) is not None:
+                    lease.release()
             elif waiter in self._waiters:
                 self._waiters.remove(waiter)
             raise
@@ -176,7 +180,11 @@ class Arbiter:
         self._schedule()
 
     async def load(self, model: str, tier: int = 0) -> None:
-        (await self.acquire(model, tier)).release()
+        """Make ``model`` resident with ``tier``'s right to make room (a preload, an admin's load),
+        serving no one: it is no tier's use, so it gives the model no protection (a preload once
+        locked even paid out of the memory it held, for a protection window nobody was served in:
+        hunt 4 U3); until a request uses it, it is the first to make room."""
+        await self._wait(_Waiter(model, tier, False, asyncio.get_running_loop().create_future(), loads_only=True))
 
     async def unload(self, model: str) -> bool:
         """Evict ``model`` to the host cache (or disk) now, if nothing runs on it."""
@@ -237,12 +245,17 @@ class Arbiter:
         brought back only for its paused batch work), so they are skipped unless this call
         granted batch work or started a load."""
         self._waiters.sort(key=lambda w: w.tier)  # stable: arrival order within a tier
+        draining: dict[str, int] = {}  # a busy model -> the highest tier waiting for its work to end
         for w in list(self._waiters):
             if w.future.done():
                 self._waiters.remove(w)
                 continue
             state = self.states[w.model]
             if state.place == "resident" and not self._drop_if_failed(w.model):
+                if draining.get(w.model, w.tier) < w.tier:  # no new lower-tier work: the higher tier goes first
+                    if not w.is_batch:  # (batch work waits: it yields anyway)
+                        self._fail(w, Refused(1, f"{w.model} is being freed for a higher tier's request"))
+                    continue
                 self._grant(w)
                 continue
             if self.states[w.model].place == "loading" or self._loading is not None:
@@ -258,7 +271,9 @@ class Arbiter:
                 self._fail(w, Unavailable(decision.reason))
             elif isinstance(decision, (Fit, Evict)):
                 self._start_load(w.model, decision if isinstance(decision, Evict) else None, w.tier, w)
-            # Impossible with waiting_on: stay queued until that work ends
+            else:  # Impossible with waiting_on: stay queued until that work ends, lower tiers starting none
+                for name in decision.drain:
+                    draining.setdefault(name, w.tier)
         if non_batch_only and self._loading is None and self._batch_idle():
             return
         self._bring_back_batch()
@@ -289,6 +304,9 @@ class Arbiter:
 
     def _grant(self, w: _Waiter) -> None:
         self._waiters.remove(w)
+        if w.loads_only:  # resident now, and nobody served
+            w.future.set_result(None)
+            return
         self.states[w.model] = _leased(self.states[w.model], w.tier, self.clock(), w.is_batch, +1)
         w.future.set_result(Lease(w.model, w.tier, w.is_batch, self.workers[w.model], self, swap_s=w.swap_s,
                                   used=w.used))
@@ -338,14 +356,23 @@ class Arbiter:
         self._loading = model
         prior_place = self.states[model].place
         self.states[model] = replace(self.states[model], place="loading")
+        self._moving(evict)
         self.events.emit("load_started", model=model, from_place=prior_place, tier=self._tier(tier))
         for name in evict.pause_batch_on if evict else ():
+            if self._may_run[name].is_set():  # (batch work the gate's demand paused already counted then)
+                self.counters.batch_pauses += 1
             self._may_run[name].clear()
-            self.counters.batch_pauses += 1
             if name not in self._paused:
                 self._paused.add(name)
                 self.events.emit("batch_paused", model=name)
         asyncio.get_running_loop().create_task(self._load_task(model, evict, prior_place, tier, trigger))
+
+    def _moving(self, evict: Evict | None) -> None:
+        """Mark ``evict``'s victims busy (``loading``) now, as their eviction is decided, not when
+        its task first runs: until then a waiter for one of them was granted it, in the same
+        pass of ``_schedule`` or the next, and ran on a model being evicted (hunt 4 U1)."""
+        for name in evict.victims if evict else ():
+            self.states[name] = replace(self.states[name], place="loading")
 
     async def _load_task(self, model: str, evict: Evict | None, prior_place: str, tier: int,
                          trigger: _Waiter | None = None) -> None:
@@ -442,6 +469,7 @@ class Arbiter:
         if victim is None or self._loading is not None:
             return False
         self._loading = victim.victims[0]
+        self._moving(victim)
         self.events.emit("oom_relief", model=model, victim=victim.victims[0], tier=self._tier(tier))
 
         async def run() -> None:

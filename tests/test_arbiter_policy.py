@@ -199,7 +199,44 @@ def test_running_nonbatch_work_is_never_evicted():
     v = view(a, m("b", served_at={PAID: 100}), m("c", place="cold"))
     assert plan(v, "c", PAID).victims == ("b",)
     alone = view(a, m("b", pinned=True), m("c", place="cold"))
-    assert plan(alone, "c", PAID) == Impossible(plan(alone, "c", PAID).reason, waiting_on=("a",))
+    assert plan(alone, "c", PAID) == Impossible(plan(alone, "c", PAID).reason, waiting_on=("a",), drain=("a",))
+
+
+# Which busy models a waiting request drains (no new lower-tier work on them until it fits): 10 GiB,
+# "c" (4 GiB) to load, "p" pinned (4 GiB) unless a case says otherwise. Each row: the models, the
+# requester, what it waits on, what it drains.
+DRAINS = [
+    ("one busy free model: paid drains it",
+     [m("a", served_at={FREE: 1}, running_nonbatch=2), m("p", pinned=True)], PAID, ("a",), ("a",)),
+    ("the requester's own tier's model is protected from it once idle: nothing to drain",
+     [m("a", served_at={PAID: 1}, running_nonbatch=1), m("p", pinned=True)], PAID, ("a",), ()),
+    ("a subscriber's model: free may not drain it, subscriber's protection holds",
+     [m("a", served_at={SUB: 1}, running_nonbatch=1), m("p", pinned=True)], FREE, ("a",), ()),
+    ("a protection long over: a subscriber drains a model paid used a while ago, now busy for free",
+     [m("a", served_at={PAID: 100, FREE: 1}, running_nonbatch=1), m("p", pinned=True)], SUB, ("a",), ("a",)),
+    ("free's own recent use protects a busy model from another free request: nothing to drain",
+     [m("a", served_at={FREE: 1}, running_nonbatch=1), m("p", pinned=True)], FREE, ("a",), ()),
+    ("two busy 2 GiB models, 4 GiB needed beside 2 free: only the least valuable one is drained",
+     [m("a", gib=2, served_at={FREE: 5}, running_nonbatch=1), m("b", gib=2, served_at={SUB: 90}, running_nonbatch=1),
+      m("p", pinned=True)], PAID, ("a", "b"), ("a",)),
+    ("a loading model cannot be drained; the busy one frees enough",
+     [m("a", place="loading", gib=2), m("b", gib=4, served_at={FREE: 1}, running_nonbatch=1),
+      m("p", gib=2, pinned=True)],
+     PAID, ("a", "b"), ("b",)),
+    ("what is drainable cannot free enough alone: a paid protection must end too, nothing drained",
+     [m("a", gib=2, served_at={FREE: 1}, running_nonbatch=1), m("b", gib=4, served_at={PAID: 1}, running_nonbatch=1),
+      m("p", pinned=True)], SUB, ("a", "b"), ()),
+]
+
+
+@pytest.mark.parametrize("case, models, tier, waiting_on, drain", DRAINS, ids=[row[0] for row in DRAINS])
+def test_a_waiting_request_drains_just_the_busy_models_it_may_evict_once_idle(case, models, tier, waiting_on, drain):
+    """A request waiting for busy models names those whose work must end for it to fit and that
+    it may evict then; the owner starts no lower-tier work on them meanwhile (a lower tier that
+    kept one busy starved a paid request past its target: hunt 4 U2)."""
+    d = plan(view(*models, m("c", place="cold")), "c", tier)
+    assert isinstance(d, Impossible)
+    assert (d.waiting_on, d.drain) == (waiting_on, drain)
 
 
 def test_batch_only_work_is_paused_then_evicted():
@@ -340,10 +377,17 @@ def test_model_bigger_than_the_host_cache_goes_cold():
     assert plan(v, "c", PAID) == Evict(("a",), to_cold=("a",))
 
 
-def test_the_model_being_loaded_is_not_dropped_from_the_cache():
+def test_the_model_being_loaded_from_the_cache_leaves_its_room_to_its_victim():
+    """Its host copy leaves the cache in the same load: a swap of two models through a cache that
+    holds one keeps both a copy away (the victim went cold every time: hunt 4 U4); it is never
+    dropped to cold to make that room, and other warm models stay."""
     v = view(m("a", served_at={SUB: 100}), m("b", served_at={PAID: 1}),
              m("c", place="warm", served_at={BATCH: 900}), host=4)  # fmt: skip
-    assert plan(v, "c", PAID) == Evict(("a",), to_cold=("a",))
+    assert plan(v, "c", PAID) == Evict(("a",), to_warm=("a",))
+    fuller = view(m("a", served_at={SUB: 100}), m("b", served_at={PAID: 1}),
+                  m("c", place="warm", served_at={BATCH: 900}), m("w", place="warm", gib=2, served_at={BATCH: 950}),
+                  host=6)  # fmt: skip
+    assert plan(fuller, "c", PAID) == Evict(("a",), to_warm=("a",))
 
 
 def test_host_cache_plan_most_valuable_victim_gets_the_room():
@@ -471,6 +515,8 @@ def test_decisions_hold_their_invariants():
             assert sorted(d.to_warm + d.to_cold) == sorted(d.victims)
             assert target.name not in d.drop_warm
             host = v.host_used - sum(v.models[n].warm_bytes for n in d.drop_warm)
+            if target.place == "warm":  # its copy leaves the cache in the same load
+                host -= target.warm_bytes
             # only models holding paused batch work may go past the host cache budget
             free_to_warm = [n for n in d.to_warm if not v.models[n].running_batch]
             assert host + sum(v.models[n].warm_bytes for n in free_to_warm) <= v.host_cache_budget

@@ -125,6 +125,92 @@ def test_busy_model_is_never_evicted_and_the_request_waits(tiny_chat):
     asyncio.run(main())
 
 
+def test_a_model_chosen_for_eviction_is_not_granted_to_a_request_waiting_for_it(tiny_chat):
+    """A free request's load of ``a`` ends while paid waits for ``b`` (one model fits): paid's
+    load evicts ``a``, and the free request, granted ``a`` in the same pass before the eviction
+    ran, ran on an evicted model (a 500 without a host cache: hunt 4 U1). Now the victim is busy
+    from the decision on: the free request waits, then gets paid's protection as a 429."""
+    clock = Clock()
+
+    async def main():
+        arb = make(tiny_chat, clock, budget=5 * GiB)
+        free = asyncio.create_task(arb.acquire("a", FREE))
+        await asyncio.sleep(0)  # free's load of a starts
+        assert places(arb)["a"] == "loading"
+        paid = await asyncio.wait_for(arb.acquire("b", PAID), 30)
+        assert places(arb) == {"a": "warm", "b": "resident", "c": "cold", "d": "cold"}
+        paid.release()
+        with pytest.raises(Refused):
+            await asyncio.wait_for(free, 30)
+        assert all(r["running"] == 0 for r in arb.table())
+        await arb.stop()
+
+    asyncio.run(main())
+
+
+def test_lower_tiers_start_no_new_work_on_a_busy_model_a_higher_tier_waits_to_evict(tiny_chat):
+    """Paid waits for ``a``'s running free work to end (one model fits). Free requests kept
+    being granted ``a`` meanwhile, so with free traffic that overlapped, paid waited as long as it
+    lasted (19 s for a 10 s target: hunt 4 U2). New free requests for ``a`` now get a 429 at once
+    (Retry-After 1: by then paid's model is in) and paid goes in when the running one ends."""
+    clock = Clock()
+
+    async def main():
+        arb = make(tiny_chat, clock, budget=5 * GiB)
+        running = await arb.acquire("a", FREE)
+        paid = asyncio.create_task(arb.acquire("b", PAID))
+        await asyncio.sleep(0.05)
+        assert not paid.done()
+        with pytest.raises(Refused) as refused:
+            await arb.acquire("a", FREE)
+        assert refused.value.retry_after == 1
+        clock.t += 1
+        running.release()
+        (await asyncio.wait_for(paid, 30)).release()
+        assert places(arb) == {"a": "warm", "b": "resident", "c": "cold", "d": "cold"}
+        await arb.stop()
+
+    asyncio.run(main())
+
+
+def test_a_load_that_serves_no_one_gives_no_protection(tiny_chat):
+    """A preload or an admin's load (``Arbiter.load``) made the model paid's for the protection
+    window, so even paid got 429 ``model_protected`` for memory no request had used (hunt 4 U3).
+    It is now no tier's use: the model is the first to make room until a request uses it."""
+    clock = Clock()
+
+    async def main():
+        arb = make(tiny_chat, clock, budget=5 * GiB)
+        await arb.load("a")
+        row = next(r for r in arb.table() if r["id"] == "a")
+        assert (row["place"], row["last_tier"], row["protected_until_s"]) == ("resident", None, 0.0)
+        await use(arb, "b", FREE)  # even free may take its room
+        assert places(arb)["a"] == "warm"
+        await arb.stop()
+
+    asyncio.run(main())
+
+
+def test_a_batch_pause_is_counted_once_when_the_paused_model_is_then_evicted(tiny_chat):
+    """Batch work paused for the gate's demand, whose model a paid request then evicts, was
+    counted twice in ``tiergate_batch_pauses_total`` for its one ``batch_paused`` event (hunt 4 U5)."""
+    clock = Clock()
+
+    async def main():
+        arb = make(tiny_chat, clock, budget=5 * GiB)
+        batch = await arb.acquire("a", BATCH, is_batch=True)
+        arb.set_demand(True)  # paid arrives at the gate: the batch work pauses
+        assert arb.counters.batch_pauses == 1
+        (await asyncio.wait_for(arb.acquire("b", PAID), 30)).release()  # and a makes room
+        assert places(arb)["a"] == "warm"
+        assert arb.counters.batch_pauses == 1
+        assert [e.kind for e in arb.events.since(0)].count("batch_paused") == 1
+        batch.release()
+        await arb.stop()
+
+    asyncio.run(main())
+
+
 def test_warm_reload_is_faster_than_cold_load(tiny_chat):
     clock = Clock()
 
