@@ -182,11 +182,13 @@ class SQLiteResponses(SweptFile, ResponseStore):
         return StoredResponse.of(response_id, row[0]) if row else None
 
     async def delete(self, response_id: str, owner: str) -> bool:
-        return await self._call(self._tx, lambda db: self._delete(db, response_id, owner))
+        cutoff = self._cutoff()  # one past the retention is gone already (GET says 404), as the sweep will make it
+        return await self._call(self._tx, lambda db: self._delete(db, response_id, owner, cutoff))
 
     @staticmethod
-    def _delete(db: sqlite3.Connection, response_id: str, owner: str) -> bool:
-        if db.execute("DELETE FROM responses WHERE id = ? AND owner = ?", (response_id, owner)).rowcount != 1:
+    def _delete(db: sqlite3.Connection, response_id: str, owner: str, cutoff: float | None = None) -> bool:
+        if db.execute("DELETE FROM responses WHERE id = ? AND owner = ? AND (? IS NULL OR created_at >= ?)",
+                      (response_id, owner, cutoff, cutoff)).rowcount != 1:
             return False
         db.execute("DELETE FROM response_events WHERE response_id = ?", (response_id,))
         return True
@@ -341,6 +343,8 @@ class RedisResponses(ResponseStore):
         return given
 
     async def delete(self, response_id: str, owner: str) -> bool:
+        if await self.get(response_id, owner) is None:  # none, another key's, or past the retention (GET's 404)
+            return False
         return bool(await self._delete(keys=[self._key(response_id), self._events_key(response_id)], args=[owner]))
 
     async def update_running(self, record: StoredResponse) -> bool:

@@ -1756,7 +1756,8 @@ def test_unknown_previous_response_is_404(server):
 
 def test_a_response_past_the_30_days_retention_is_gone(server):
     """The shipped retention (responses.retention_days: 30, as OpenAI keeps them): a stored
-    response made 31 days ago cannot be read or continued; one made 29 days ago can."""
+    response made 31 days ago cannot be read, continued or deleted (its DELETE said deleted: true,
+    beside GET's 404: hunt 4 Z1); one made 29 days ago can."""
     import sqlite3
 
     c = client(server)
@@ -1770,6 +1771,8 @@ def test_a_response_past_the_30_days_retention_is_gone(server):
         c.responses.retrieve(old.id)
     with pytest.raises(openai.NotFoundError):
         respond(c, "x", previous_response_id=old.id)
+    with pytest.raises(openai.NotFoundError):
+        c.responses.delete(old.id)
     assert c.responses.retrieve(recent.id).id == recent.id
     assert respond(c, "More", previous_response_id=recent.id).previous_response_id == recent.id
 
@@ -1965,6 +1968,14 @@ def test_redis_retention_is_each_keys_expiry(tmp_path):
                 await store.put(r)
                 await store.add_events(r.id, r.created_at, 0, ["e0"])
             assert await store.get("resp_new", "k") is not None and await store.get("resp_old", "k") is None
+            # a record past the retention that has no expiry yet (the scan gives it one) is hidden, and
+            # so is not deleted either (its DELETE answered deleted: true beside GET's 404: hunt 4 Z1)
+            await store._r.set(store._key("resp_unexpiring"), record("resp_unexpiring", 40 * DAY).doc())
+            assert await store.get("resp_unexpiring", "k") is None
+            assert await store.delete("resp_unexpiring", "k") is False
+            await store._r.delete(store._key("resp_unexpiring"))
+            await store.put(record("resp_recent", 0))
+            assert await store.delete("resp_recent", "k") is True
         finally:
             await store.close()
 
