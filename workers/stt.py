@@ -46,6 +46,7 @@ from __future__ import annotations
 
 import contextlib
 import itertools
+import logging
 import math
 import queue
 import threading
@@ -70,6 +71,19 @@ from workers.base import Cancelled, ModelSpec, StepContext, TokenLogprob
 from workers.grammar import Vocabulary
 from workers.sharing import SharedJob, SharedRuns
 from workers.worker import ModelInfo, ThreadWorker
+
+
+class _BothLengths(logging.Filter):
+    """Drops transformers' "Both `max_new_tokens` and `max_length` seem to have been set": Whisper's
+    generate fills ``max_length`` (20) into the config of each pass it makes, so a model whose
+    generation config sets ``max_new_tokens`` (the demo's) logged it twice per transcription, 93% of
+    a soak's warnings (hunt 4 Z2). ``max_new_tokens`` winning is what the config asks for."""
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        return not record.getMessage().startswith("Both `max_new_tokens`")
+
+
+logging.getLogger("transformers.generation.utils").addFilter(_BothLengths())
 
 _SEARCH_S = 5.0  # how far back from a window's end to look for a quiet cut
 _FRAME_S = 0.02
