@@ -26,16 +26,19 @@ log = logging.getLogger("tiergate.batch")
 # batch:{id}:lines and batch:{id}:outcomes (hashes by line index); batch:{id}:lock; batches and
 # batches:{owner} (sorted sets of ids, which sort by time); open (set of ids); backlog:{shape} (a
 # stream per line shape, entries {b: batch id, i: line index}, consumer group "runners");
+# batch:{id}:spans (hash: shape -> "first last", the ids of the batch's first and last entries in
+# that shape's stream: one script adds them all, so no other entry lies between);
 # shapes (sorted set of the shapes whose stream has entries, by when the shape first got work:
 # the counter shapes:seq). A job's token is "{entry id} {shape}".
 
 _TERMINAL_LUA = "local terminal = {failed=true, completed=true, expired=true, cancelled=true}\n"
 
-# KEYS batch, lines, outcomes, shapes, shapes:seq; ARGV now, batch id, n lines, backlog key prefix,
+# KEYS batch, lines, outcomes, shapes, shapes:seq, spans; ARGV now, batch id, n lines, backlog key prefix,
 # n*(idx, shape, line), then (idx, outcome)*
 _START = """
 if redis.call('HGET', KEYS[1], 'status') ~= 'validating' then return 0 end
 local n = tonumber(ARGV[3])
+local first, last = {}, {}
 for i = 0, n - 1 do
   local idx, shape = ARGV[5 + 3 * i], ARGV[6 + 3 * i]
   local stream = ARGV[4] .. shape
@@ -44,8 +47,10 @@ for i = 0, n - 1 do
     redis.pcall('XGROUP', 'CREATE', stream, 'runners', '0', 'MKSTREAM')
     redis.call('ZADD', KEYS[4], redis.call('INCR', KEYS[5]), shape)
   end
-  redis.call('XADD', stream, '*', 'b', ARGV[2], 'i', idx)
+  last[shape] = redis.call('XADD', stream, '*', 'b', ARGV[2], 'i', idx)
+  first[shape] = first[shape] or last[shape]
 end
+for shape, id in pairs(first) do redis.call('HSET', KEYS[6], shape, id .. ' ' .. last[shape]) end
 local bad = 0
 for j = 5 + 3 * n, #ARGV, 2 do
   redis.call('HSET', KEYS[3], ARGV[j], ARGV[j + 1])
@@ -55,18 +60,31 @@ redis.call('HSET', KEYS[1], 'status', 'in_progress', 'in_progress_at', ARGV[1], 
 return 1
 """
 
-# KEYS batch, lines, outcomes, open, lock; ARGV batch id, new status, n allowed, allowed..., (field, json)*
+# KEYS batch, lines, outcomes, open, lock, spans; ARGV batch id, new status, backlog key prefix, group, n allowed,
+# allowed..., (field, json)*. A terminal status also takes the batch's entries out of the backlog (its spans),
+# so the lines it never ran cost later batches of their shapes nothing; a consumer still holding one finds it
+# gone (its record and ack do nothing, and a fill no longer runs).
 _SET_STATUS = _TERMINAL_LUA + """
 local status = redis.call('HGET', KEYS[1], 'status')
 if not status then return 0 end
-local n = tonumber(ARGV[3])
+local n = tonumber(ARGV[5])
 local ok = false
-for i = 4, 3 + n do if ARGV[i] == status then ok = true end end
+for i = 6, 5 + n do if ARGV[i] == status then ok = true end end
 if not ok then return 0 end
 redis.call('HSET', KEYS[1], 'status', ARGV[2])
-for j = 4 + n, #ARGV, 2 do redis.call('HSET', KEYS[1], ARGV[j], ARGV[j + 1]) end
+for j = 6 + n, #ARGV, 2 do redis.call('HSET', KEYS[1], ARGV[j], ARGV[j + 1]) end
 if terminal[ARGV[2]] then
-  redis.call('DEL', KEYS[2], KEYS[3], KEYS[5])
+  local spans = redis.call('HGETALL', KEYS[6])
+  for s = 1, #spans, 2 do
+    local stream, first, last = ARGV[3] .. spans[s], string.match(spans[s + 1], '(%S+) (%S+)')
+    local ids = {}
+    for _, entry in ipairs(redis.call('XRANGE', stream, first, last)) do table.insert(ids, entry[1]) end
+    for k = 1, #ids, 1000 do  -- (unpack has a limit on its arguments)
+      redis.pcall('XACK', stream, ARGV[4], unpack(ids, k, math.min(k + 999, #ids)))
+      redis.call('XDEL', stream, unpack(ids, k, math.min(k + 999, #ids)))
+    end
+  end
+  redis.call('DEL', KEYS[2], KEYS[3], KEYS[5], KEYS[6])
   redis.call('SREM', KEYS[4], ARGV[1])
 end
 return 1
@@ -335,16 +353,18 @@ class RedisStore(RedisKeys, Store):
             args += [ln.index, ln.shape, line_json(ln)]
         for o in invalid:
             args += [o.index, outcome_json(o)]
-        keys = [*self._batch_keys(batch_id), self.k("shapes"), self.k("shapes", "seq")]
+        keys = [*self._batch_keys(batch_id), self.k("shapes"), self.k("shapes", "seq"),
+                self.k("batch", batch_id, "spans")]
         return bool(await self._start(keys=keys, args=args))
 
     async def set_status(self, batch_id: str, allowed: Iterable[str], status: str, **fields: Any) -> bool:
         check_fields(fields)
         allowed = list(allowed)
-        args: list[Any] = [batch_id, status, len(allowed), *allowed]
+        args: list[Any] = [batch_id, status, self.backlog, GROUP, len(allowed), *allowed]
         for k, v in fields.items():
             args += [k, dumps(v)]
-        keys = [*self._batch_keys(batch_id), self.k("open"), self.k("batch", batch_id, "lock")]
+        keys = [*self._batch_keys(batch_id), self.k("open"), self.k("batch", batch_id, "lock"),
+                self.k("batch", batch_id, "spans")]
         return bool(await self._set_status(keys=keys, args=args))
 
     async def lock(self, batch_id: str, holder: str, ttl_s: float) -> bool:
@@ -371,6 +391,17 @@ class RedisStore(RedisKeys, Store):
         return [s.decode() for s in await self._shapes(keys=[self.k("shapes")], args=[self.backlog])]
 
     async def _claim_shape(self, consumer: str, count: int, reclaim_after_s: float, shape: str) -> list[Job]:
+        jobs: list[Job] = []
+        while len(jobs) < count:  # entries dropped make room for the next ones, rather than a poll's wait
+            got, dropped = await self._claim_some(consumer, count - len(jobs), reclaim_after_s, shape)
+            jobs += got
+            if not dropped:
+                break
+        return jobs
+
+    async def _claim_some(self, consumer: str, count: int, reclaim_after_s: float,
+                          shape: str) -> tuple[list[Job], int]:
+        """Up to ``count`` jobs of ``shape``, and how many entries were dropped instead."""
         from redis.exceptions import ResponseError
 
         stream = self.backlog + shape
@@ -379,7 +410,7 @@ class RedisStore(RedisKeys, Store):
                                                    start_id="0-0", count=count)
         except ResponseError as exc:
             if "NOGROUP" in str(exc):  # no work of this shape was ever started
-                return []
+                return [], 0
             raise
         deliveries = {}
         for entry_id, _ in stale:
@@ -390,11 +421,12 @@ class RedisStore(RedisKeys, Store):
             fresh = await self._r.xreadgroup(GROUP, consumer, {stream: ">"}, count=count - len(entries))
             for _, got in fresh or []:
                 entries += got
-        jobs = []
+        jobs, dropped = [], 0
         for entry_id, data in entries:
             token = f"{entry_id.decode()} {shape}"
             if not data:  # deleted while pending
                 await self._drop(token)
+                dropped += 1
                 continue
             batch_id, idx = data[b"b"].decode(), int(data[b"i"])
             async with self._r.pipeline(transaction=False) as p:
@@ -403,9 +435,10 @@ class RedisStore(RedisKeys, Store):
                 raw, done = await p.execute()
             if raw is None or done:  # its batch has ended, or it was filled (cancel, expiry)
                 await self._drop(token)
+                dropped += 1
                 continue
             jobs.append(Job(batch_id, line_of(idx, raw, shape), token, deliveries.get(entry_id, 1)))
-        return jobs
+        return jobs, dropped
 
     def _entry(self, token: str) -> tuple[str, str]:
         """(stream, entry id) of a job's token."""

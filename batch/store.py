@@ -20,7 +20,9 @@ Both give the same guarantees, which the runner in ``batch.runner`` relies on:
   removes the entry from the backlog, all in one atomic step. A line run twice (its first consumer
   was only slow) is therefore recorded once; a crash before the write loses only that attempt.
 * :meth:`Store.set_status` is a compare-and-set, so two processes racing to finish (or cancel) a
-  batch cannot both win; reaching a terminal status also deletes the batch's working data.
+  batch cannot both win; reaching a terminal status also deletes the batch's working data, its
+  entries still in the backlog included (so the lines a cancelled or expired batch never ran do not
+  stand before later batches' lines of their shape).
 
 Outcomes are keyed by line index, which is one-to-one with ``custom_id`` for runnable lines (a
 duplicate ``custom_id`` is an invalid line); invalid lines, which may have no ``custom_id``, get a
@@ -199,7 +201,8 @@ class Store(abc.ABC):
     @abc.abstractmethod
     async def set_status(self, batch_id: str, allowed: Iterable[str], status: str, **fields: Any) -> bool:
         """Compare-and-set: move to ``status`` (setting MUTABLE ``fields``) only from an
-        ``allowed`` status. A terminal status also drops the batch's lines and outcomes."""
+        ``allowed`` status. A terminal status also drops the batch's lines, outcomes and backlog
+        entries, in the same atomic step."""
 
     @abc.abstractmethod
     async def lock(self, batch_id: str, holder: str, ttl_s: float) -> bool:

@@ -356,6 +356,33 @@ def test_set_status_is_compare_and_set_and_terminal_drops_the_work(make_store):
     run(go())
 
 
+@pytest.mark.parametrize("end", ["cancelled", "expired"])
+def test_an_ended_batch_takes_its_lines_out_of_the_backlog_so_later_batches_run_next(make_store, end):
+    """A batch that ends with lines it never ran (cancelled, expired) takes them out of the backlog in
+    the step that ends it: its shape is no longer listed, and a later batch's line of that shape, from
+    another key, is the very next claim rather than waiting behind them. A consumer (another process)
+    that still held one of its lines finds it gone: touching, recording and releasing it do nothing."""
+    async def go():
+        s1, s2 = await make_store(), await make_store()
+        big, later = batch(1), batch(2, owner="owner-b")
+        for b in (big, later):
+            await s1.create_batch(b)
+        await s1.start(big.id, [dataclasses.replace(ln, shape="m") for ln in lines(300)], [], now=1)
+        held = await s2.claim("elsewhere", 2, 60)
+        assert await s1.set_status(big.id, ["in_progress"], end) is True
+        assert await s1.shapes(60) == []  # nothing of it left to claim
+        await s2.touch("elsewhere", held)
+        assert (await s2.record(held[0], ok(held[0]))).new is False
+        await s2.release("elsewhere", held[1:])
+        assert await s1.claim("c", 10, 0) == []
+        await s1.start(later.id, [Line(0, "only", {"model": "m"}, "m")], [], now=2)
+        got = await s1.claim("c", 1, 60, "m")
+        assert [(j.batch_id, j.line.custom_id) for j in got] == [(later.id, "only")]
+        await _closing(s1, s2)
+
+    run(go())
+
+
 def test_only_an_ended_batch_is_deleted_and_it_leaves_every_listing(make_store):
     async def go():
         s = await make_store()
