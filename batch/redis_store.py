@@ -33,16 +33,17 @@ log = logging.getLogger("tiergate.batch")
 
 _TERMINAL_LUA = "local terminal = {failed=true, completed=true, expired=true, cancelled=true}\n"
 
-# KEYS batch, lines, outcomes, shapes, shapes:seq, spans; ARGV now, batch id, n lines, backlog key prefix,
-# n*(idx, shape, line), then (idx, outcome)*
+# KEYS batch, lines, outcomes, shapes, shapes:seq, spans; ARGV now, batch id, backlog key prefix, the lines
+# as one JSON array of [idx, shape, line], the invalid ones' outcomes as one of [idx, outcome] (two values,
+# not three per line: a 50,000-line batch's arguments would take the event loop a third of a second to pack)
 _START = """
 if redis.call('HGET', KEYS[1], 'status') ~= 'validating' then return 0 end
-local n = tonumber(ARGV[3])
+local lines, bad = cjson.decode(ARGV[4]), cjson.decode(ARGV[5])
 local first, last = {}, {}
-for i = 0, n - 1 do
-  local idx, shape = ARGV[5 + 3 * i], ARGV[6 + 3 * i]
-  local stream = ARGV[4] .. shape
-  redis.call('HSET', KEYS[2], idx, ARGV[7 + 3 * i])
+for _, line in ipairs(lines) do
+  local idx, shape = line[1], line[2]
+  local stream = ARGV[3] .. shape
+  redis.call('HSET', KEYS[2], idx, line[3])
   if redis.call('ZSCORE', KEYS[4], shape) == false then
     redis.pcall('XGROUP', 'CREATE', stream, 'runners', '0', 'MKSTREAM')
     redis.call('ZADD', KEYS[4], redis.call('INCR', KEYS[5]), shape)
@@ -51,12 +52,8 @@ for i = 0, n - 1 do
   first[shape] = first[shape] or last[shape]
 end
 for shape, id in pairs(first) do redis.call('HSET', KEYS[6], shape, id .. ' ' .. last[shape]) end
-local bad = 0
-for j = 5 + 3 * n, #ARGV, 2 do
-  redis.call('HSET', KEYS[3], ARGV[j], ARGV[j + 1])
-  bad = bad + 1
-end
-redis.call('HSET', KEYS[1], 'status', 'in_progress', 'in_progress_at', ARGV[1], 'total', n + bad, 'failed', bad)
+for _, o in ipairs(bad) do redis.call('HSET', KEYS[3], o[1], o[2]) end
+redis.call('HSET', KEYS[1], 'status', 'in_progress', 'in_progress_at', ARGV[1], 'total', #lines + #bad, 'failed', #bad)
 return 1
 """
 
@@ -144,6 +141,20 @@ end
 return added
 """
 
+# KEYS lines, outcomes; ARGV cursor, count -> {next cursor, idx, line, ...}: one HSCAN page of the lines,
+# those that have no outcome (a big batch's are read a page at a time, so no reply holds the event loop)
+_MISSING = """
+local page, out = redis.call('HSCAN', KEYS[1], ARGV[1], 'COUNT', ARGV[2]), {}
+out[1] = page[1]
+for k = 1, #page[2], 2 do
+  if redis.call('HEXISTS', KEYS[2], page[2][k]) == 0 then
+    table.insert(out, page[2][k])
+    table.insert(out, page[2][k + 1])
+  end
+end
+return out
+"""
+
 # KEYS shapes; ARGV backlog key prefix -> the shapes whose stream has entries, oldest first (the
 # others leave the set, in the same step that checks them, so a start cannot slip in between)
 _SHAPES = """
@@ -162,6 +173,7 @@ return 0
 """
 
 GROUP = "runners"
+PAGE = 1000  # lines or outcomes read (and filled) per call: each a short turn of the event loop
 _FAR_PAST_MS = 10 ** 12  # an idle time that any reclaim threshold passes
 
 
@@ -177,6 +189,7 @@ class RedisStore(RedisKeys, Store):
         self._set_status = self._r.register_script(_SET_STATUS)
         self._record = self._r.register_script(_RECORD)
         self._fill = self._r.register_script(_FILL)
+        self._missing = self._r.register_script(_MISSING)
         self._unlock = self._r.register_script(_UNLOCK)
         self._indexer = asyncio.create_task(self._index_in_background())
 
@@ -348,14 +361,10 @@ class RedisStore(RedisKeys, Store):
         return sorted(i.decode() for i in await self._r.smembers(self.k("open")))
 
     async def start(self, batch_id: str, lines: list[Line], invalid: list[Outcome], now: int) -> bool:
-        args: list[Any] = [now, batch_id, len(lines), self.backlog]
-        for ln in lines:
-            args += [ln.index, ln.shape, line_json(ln)]
-        for o in invalid:
-            args += [o.index, outcome_json(o)]
+        queued, failed = await asyncio.to_thread(_start_args, lines, invalid)  # (a big batch's: seconds of JSON)
         keys = [*self._batch_keys(batch_id), self.k("shapes"), self.k("shapes", "seq"),
                 self.k("batch", batch_id, "spans")]
-        return bool(await self._start(keys=keys, args=args))
+        return bool(await self._start(keys=keys, args=[now, batch_id, self.backlog, queued, failed]))
 
     async def set_status(self, batch_id: str, allowed: Iterable[str], status: str, **fields: Any) -> bool:
         check_fields(fields)
@@ -482,18 +491,46 @@ class RedisStore(RedisKeys, Store):
         return Recorded(bool(added), done, total)
 
     async def fill(self, batch_id: str, make: Callable[[Line], Outcome], held_s: float = 0.0) -> int:
-        lines = await self._r.hgetall(self.k("batch", batch_id, "lines"))
-        have = set(await self._r.hkeys(self.k("batch", batch_id, "outcomes")))
-        missing = [make(line_of(int(i), raw)) for i, raw in lines.items() if i not in have]
-        if not missing:
-            return 0
-        args: list[Any] = [GROUP, self.backlog, batch_id, int(held_s * 1000)]
-        for o in missing:
-            args += [o.index, int(o.ok), outcome_json(o)]
+        """A page of lines at a time (atomic per line, which is what ``claim`` needs), each page's
+        outcomes made in a thread: a big batch's fill, repeated while lines are held, never holds
+        the event loop for long."""
         keys = [self.k("batch", batch_id), self.k("batch", batch_id, "outcomes"), self.k("shapes")]
-        return await self._fill(keys=keys, args=args)
+        scanned = [self.k("batch", batch_id, "lines"), self.k("batch", batch_id, "outcomes")]
+        added, cursor = 0, 0
+        while True:
+            cursor, *found = await self._missing(keys=scanned, args=[cursor, PAGE])
+            if found:
+                outcomes = await asyncio.to_thread(_fill_args, found, make)
+                args = [GROUP, self.backlog, batch_id, int(held_s * 1000), *outcomes]
+                added += await self._fill(keys=keys, args=args)
+            if int(cursor) == 0:
+                return added
 
     async def outcomes(self, batch_id: str) -> list[Outcome]:
-        raw = await self._r.hgetall(self.k("batch", batch_id, "outcomes"))
+        key, raw, cursor = self.k("batch", batch_id, "outcomes"), {}, 0
+        while True:  # a page at a time: one reply of a big batch's outcomes would hold the event loop
+            cursor, page = await self._r.hscan(key, cursor, count=PAGE)
+            raw.update(page)  # (a scan may return a field twice)
+            if cursor == 0:
+                break
         return await asyncio.to_thread(  # (a big batch's: parsed off the event loop)
             lambda: sorted((outcome_of(int(i), v) for i, v in raw.items()), key=lambda o: o.index))
+
+
+def _start_args(lines: list[Line], invalid: list[Outcome]) -> tuple[bytes, bytes]:
+    """The start script's lines ([idx, shape, line]) and invalid outcomes ([idx, outcome]), as JSON."""
+    def blob(rows: Iterable[list[str]]) -> bytes:  # a row at a time: one dumps of them all would hold the GIL
+        return ("[" + ",".join(json.dumps(row, ensure_ascii=False, separators=(",", ":")) for row in rows)
+                + "]").encode()
+
+    return (blob([str(ln.index), ln.shape, line_json(ln)] for ln in lines),
+            blob([str(o.index), outcome_json(o)] for o in invalid))
+
+
+def _fill_args(found: list[bytes], make: Callable[[Line], Outcome]) -> list[Any]:
+    """The fill script's (idx, ok, outcome) for ``found``'s lines (idx, line, ...) that have no outcome."""
+    args: list[Any] = []
+    for k in range(0, len(found), 2):
+        o = make(line_of(int(found[k]), found[k + 1]))
+        args += [o.index, int(o.ok), outcome_json(o)]
+    return args

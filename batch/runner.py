@@ -66,6 +66,7 @@ log = logging.getLogger("tiergate.batches")
 MAX_DELIVERIES = 5  # a line whose process died this many times running it is recorded as failed
 MAX_STREAK = 8  # starts in a row of one shape on a model before an older shape goes first
 RETRIES_503 = 5  # "model unavailable" is retried this often before the line fails
+SLICE = 1000  # lines whose shapes are worked out between two turns of the event loop's other work
 
 
 def runner_for(svc: Services) -> Runner:
@@ -376,7 +377,7 @@ class Runner:
             return False
         lines, invalid = await asyncio.to_thread(parse_input, content, batch.endpoint)
         await self._ready_adapters(lines)
-        lines = [replace(ln, shape=shape_of(self.svc, batch.endpoint, ln.body)) for ln in lines]
+        lines = await self._shaped(batch.endpoint, lines)
         if not lines and not invalid:
             await self._fail(batch, "empty_file", "the input file has no requests")
             return False
@@ -387,6 +388,16 @@ class Runner:
             await self.store.set_status(batch_id, ["in_progress"], "in_progress", model=model)
         self._wake.set()
         return not lines
+
+    async def _shaped(self, endpoint: str, lines: list[Line]) -> list[Line]:
+        """``lines`` with their shapes. Worked out on the event loop (they read the models and
+        adapters it keeps), a slice at a time: a 50,000-line batch's take most of a second, which
+        would hold up every other request."""
+        shaped: list[Line] = []
+        for at in range(0, len(lines), SLICE):
+            shaped += [replace(ln, shape=shape_of(self.svc, endpoint, ln.body)) for ln in lines[at:at + SLICE]]
+            await asyncio.sleep(0)
+        return shaped
 
     async def _fail(self, batch: BatchInfo, code: str, message: str) -> None:
         errors = {"object": "list", "data": [{"code": code, "message": message, "param": "input_file_id", "line": None}]}
@@ -432,7 +443,7 @@ class Runner:
         elif batch.status != "finalizing":
             return
         outcomes = await self.store.outcomes(batch_id)
-        usage, files = await asyncio.to_thread(_result_files, outcomes)  # (a big batch's: seconds of JSON)
+        usage, files, expired, succeeded = await asyncio.to_thread(_result_files, outcomes)  # (a big batch's: seconds)
         fields: dict[str, Any] = {"output_file_id": None, "error_file_id": None, "usage": usage}
         for ok, key, suffix in ((True, "output_file_id", "output"), (False, "error_file_id", "error")):
             content = files[ok]
@@ -444,15 +455,14 @@ class Runner:
                 fields[key] = info.id
         if batch.status == "cancelling":
             status = "cancelled"
-        elif any((o.line.get("error") or {}).get("code") == "batch_expired" for o in outcomes):
+        elif expired:
             status = "expired"
         else:
             status = "completed"
         fields[f"{status}_at"] = now
         if await self.store.set_status(batch_id, [batch.status], status, **fields):
             self._ended(batch, status)
-            log.info("batch %s %s: %d completed, %d failed", batch_id, status,
-                     sum(o.ok for o in outcomes), sum(not o.ok for o in outcomes))
+            log.info("batch %s %s: %d completed, %d failed", batch_id, status, succeeded, len(outcomes) - succeeded)
 
     async def _fill_stopped(self, batch_id: str, code: str, message: str) -> BatchInfo | None:
         """Give each line of a stopped batch (cancelled, expired) that has no outcome the error
@@ -478,10 +488,12 @@ def _stopped(batch: BatchInfo | None) -> bool:
     return batch is None or batch.status != "in_progress" or time.time() >= batch.expires_at
 
 
-def _result_files(outcomes: list[Outcome]) -> tuple[dict[str, Any], dict[bool, bytes]]:
-    """A finished batch's usage, and its output (True) and error (False) files' JSON lines."""
+def _result_files(outcomes: list[Outcome]) -> tuple[dict[str, Any], dict[bool, bytes], bool, int]:
+    """A finished batch's usage, its output (True) and error (False) files' JSON lines, whether
+    it expired (a line never ran for lack of time), and how many lines succeeded."""
     files = {ok: "".join(json.dumps(o.line) + "\n" for o in outcomes if o.ok is ok).encode() for ok in (True, False)}
-    return total_usage(outcomes), files
+    expired = any((o.line.get("error") or {}).get("code") == "batch_expired" for o in outcomes)
+    return total_usage(outcomes), files, expired, sum(o.ok for o in outcomes)
 
 
 def _backoff(headers: dict[str, str], attempt: int) -> float:
