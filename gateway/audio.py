@@ -39,6 +39,12 @@ from workers.tts import MAX_SPEED, MIN_SPEED, SpeechRequest, TTSWorker
 log = logging.getLogger("tiergate")
 
 SPOKEN_CHARS_PER_S = 15.0  # speech's length estimated from its text, for the key's audio limit
+# A streamed audio event's most: 100 ms of 24 kHz PCM16 (6.4 KB as base64), the scale of the small
+# deltas OpenAI's own servers send. A sentence, or a whole file, in one event runs to megabytes: past
+# the 1 MiB frame the openai SDK's realtime websocket takes (close 1009), and compressed for the
+# websocket (permessage-deflate) on the event loop in one go, tens of ms a sentence; a delta this
+# size takes well under a millisecond.
+AUDIO_DELTA_BYTES = 4800
 
 
 # ---------------------------------------------------------------- speech
@@ -136,6 +142,13 @@ async def serve_speech(svc: Services, caller: Caller, job: SpeechJob, gone: Gone
         yield last
 
 
+def deltas(piece: bytes) -> Iterator[bytes]:
+    """``piece`` of the encoded audio in the deltas that stream it, each at most
+    ``AUDIO_DELTA_BYTES`` (an even count: PCM's samples stay whole)."""
+    for start in range(0, len(piece), AUDIO_DELTA_BYTES):
+        yield piece[start:start + AUDIO_DELTA_BYTES]
+
+
 def _timed(chunks: Iterator[np.ndarray], rate: int, usage: Usage) -> Iterator[np.ndarray]:
     """The audio as it is made, its seconds added to the request's usage."""
     for chunk in chunks:
@@ -177,15 +190,17 @@ async def speech(request: Request) -> Response:
 
 
 async def _events(first: bytes, pieces: AsyncGenerator[bytes, None], read: list[int]) -> AsyncIterator[bytes]:
-    """``stream_format: sse``: each piece of the encoded audio as a ``speech.audio.delta`` event
-    (base64; decoded and joined, they are the file), then ``speech.audio.done`` with the usage:
+    """``stream_format: sse``: the encoded audio as ``speech.audio.delta`` events as it is made,
+    each piece in ``deltas`` (base64; decoded and joined, they are the file), then ``speech.audio.done`` with the usage:
     the tokens the model read, and no output tokens (it writes a waveform, not audio tokens; its
     seconds are metered in /v1/usage). A stream cut short by a failure has no done event."""
     finished = False
     try:
-        yield _event({"type": "speech.audio.delta", "audio": base64.b64encode(first).decode("ascii")})
+        for delta in deltas(first):
+            yield _event({"type": "speech.audio.delta", "audio": base64.b64encode(delta).decode("ascii")})
         async for piece in pieces:
-            yield _event({"type": "speech.audio.delta", "audio": base64.b64encode(piece).decode("ascii")})
+            for delta in deltas(piece):
+                yield _event({"type": "speech.audio.delta", "audio": base64.b64encode(delta).decode("ascii")})
         finished = True
     except Exception:  # noqa: BLE001 - the response has started: it ends short, and the gateway lives on
         log.exception("speech stream failed")

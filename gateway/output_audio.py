@@ -7,8 +7,8 @@ metered and limited as /v1/audio/speech is, but not the HTTP request's log line,
 chat's. The message's ``content`` is then null and its ``audio`` is ``{"id", "data" (the file,
 base64), "expires_at", "transcript"}``. Streamed (``format: "pcm16"`` only, as OpenAI's), each
 choice's transcript goes out as its text is written (``delta.audio.transcript``), and its speech a
-phrase at a time as soon as the phrase is written (``delta.audio.data``: 16-bit mono PCM at 24 kHz;
-``SpokenStream``, each phrase a speech request of its own), then ``delta.audio: {"id",
+phrase at a time as soon as the phrase is written (``delta.audio.data``: 16-bit mono PCM at 24 kHz,
+in deltas of at most 100 ms; ``SpokenStream``, each phrase a speech request of its own), then ``delta.audio: {"id",
 "expires_at"}`` with the finish reason. A reply with no text (only tool calls) is not said.
 
 A later turn may send the reply back as ``{"role": "assistant", "audio": {"id": ...}}``: it is read
@@ -31,7 +31,7 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, Callable
 
 from gateway.adapters import may_use
-from gateway.audio import SpeechJob, serve_speech
+from gateway.audio import SpeechJob, deltas, serve_speech
 from gateway.auth import Caller
 from gateway.errors import bad_request
 from gateway.input_audio import chat_engine
@@ -159,11 +159,14 @@ def phrases_of(text: str, first: bool = True) -> tuple[list[str], str]:
 
 
 async def say(svc: Services, caller: Caller, voice: Voice, text: str, gone: Gone | None) -> AsyncIterator[bytes]:
-    """``text`` said in ``voice``, encoded, a sentence a piece for pcm16 and wav (whose first piece
-    is a header of unknown length), whole for the others; nothing said for a text the model
-    cannot say."""
+    """``text`` said in ``voice``, encoded, as it is made (a sentence at a time for pcm16 and wav,
+    whose first piece is a header of unknown length; whole for the others), in the deltas that
+    stream it (``gateway.audio.deltas``); nothing said for a text the model cannot say."""
     async for piece in serve_speech(svc, caller, voice.job(text), gone, recorded=False):
-        yield piece
+        for i, delta in enumerate(deltas(piece)):
+            if i:  # a sentence's deltas are sent back to back, unawaited: the loop runs others between them
+                await asyncio.sleep(0)
+            yield delta
 
 
 class SpokenStream:

@@ -33,7 +33,8 @@ as 24 kHz PCM16 with its transcript. OpenAI's protocol, as its SDK speaks it:
   its start, with ``interrupt_response``, the default, cancels a response in progress) answers: ``response.created``, the assistant item's ``response.output_item.added`` and
   ``conversation.item.added``, ``response.content_part.added``, the reply's text as
   ``response.output_audio_transcript.delta`` events as it is written, and its speech a phrase at a
-  time as ``response.output_audio.delta`` while the rest is written (``response.output_text.delta``
+  time as ``response.output_audio.delta`` while the rest is written, in deltas of at most 100 ms
+  (``gateway.audio.AUDIO_DELTA_BYTES``) (``response.output_text.delta``
   with text output), the ``.done`` events in reverse order, and ``response.done`` with its usage. One response at a time;
   ``response.cancel`` stops it (``response.done`` with ``status: "cancelled"``).
 * Out-of-band responses: ``response.create`` with ``conversation: "none"`` answers beside the

@@ -132,7 +132,9 @@ def test_a_streamed_spoken_reply_sends_its_speech_a_phrase_at_a_time_in_pcm16_at
     """Streamed, the transcript goes out as it is written and the speech a phrase at a time, each
     phrase a speech request of its own (counted in /metrics) started as soon as it is written (how
     much sooner the first sound comes is bench_voice's to measure, on the realtime path that shares
-    the phrasing), its sound the phrases' sound said apart, in order."""
+    the phrasing), its sound the phrases' sound said apart, in order, in deltas of at most 100 ms
+    (``AUDIO_DELTA_BYTES``)."""
+    from gateway.audio import AUDIO_DELTA_BYTES
     from gateway.output_audio import phrases_of
     from tests.test_realtime_conversation import speech_requests
 
@@ -157,8 +159,9 @@ def test_a_streamed_spoken_reply_sends_its_speech_a_phrase_at_a_time_in_pcm16_at
     assert speech_requests(server) == before + len(phrases)
     first_data = next(i for i, d in enumerate(deltas) if d and "data" in d)
     assert any(d and d.get("transcript") for d in deltas[1:first_data])  # a phrase is written before it is said
-    pcm = b"".join(base64.b64decode(d["data"]) for d in deltas if d and "data" in d)
-    assert len(pcm) % 2 == 0
+    pieces = [base64.b64decode(d["data"]) for d in deltas if d and "data" in d]
+    pcm = b"".join(pieces)
+    assert len(pcm) % 2 == 0 and len(pcm) > AUDIO_DELTA_BYTES and max(map(len, pieces)) <= AUDIO_DELTA_BYTES
     expected, rounding = 0.0, 0
     for phrase in phrases:
         samples, rate = speech_samples(c, phrase)

@@ -295,8 +295,6 @@ def test_the_speech_follows_the_words_a_phrase_at_a_time(server):
     as soon as the phrase is written (how much sooner the first sound comes is bench_voice's to
     measure: on a machine this fast the words may all be written before the first phrase is
     said), the sound each phrase said apart, in order."""
-    from gateway.output_audio import phrases_of
-
     before = speech_requests(server)
 
     async def run():
@@ -308,17 +306,57 @@ def test_the_speech_follows_the_words_a_phrase_at_a_time(server):
     events = asyncio.run(run())
     kinds = [e.type for e in events]
     transcript, audio = said(events)
-    pending, phrases = "", []
-    for e in events:
-        if e.type == "response.output_audio_transcript.delta":
-            ready, pending = phrases_of(pending + e.delta, first=not phrases)
-            phrases += ready
-    phrases += [pending] if pending.strip() else []
+    phrases = phrases_said(events)
     assert len(phrases) >= 2, transcript  # the premise: a reply of several phrases
     assert speech_requests(server) == before + len(phrases)
     assert kinds.index("response.output_audio_transcript.delta") < kinds.index("response.output_audio.delta")
     expected = sum(speech_seconds(server, p) for p in phrases)
     assert abs(len(audio) / 2 / 24000 - expected) < 0.05 * len(phrases)
+
+
+def phrases_said(events) -> list[str]:
+    """The phrases a reply was said in, from its transcript's deltas as the server cut them."""
+    from gateway.output_audio import phrases_of
+
+    pending, phrases = "", []
+    for e in events:
+        if e.type == "response.output_audio_transcript.delta":
+            ready, pending = phrases_of(pending + e.delta, first=not phrases)
+            phrases += ready
+    return phrases + ([pending] if pending.strip() else [])
+
+
+def test_long_phrases_stream_in_small_deltas_that_the_sdk_takes_whole(server):
+    """The speech goes out in deltas of at most 100 ms of audio (``AUDIO_DELTA_BYTES``), as it is
+    made, however long a phrase is: a reply said slowly (speed 0.25), whose phrases run to many
+    seconds, more than the 1 MiB frame the openai SDK's websocket takes by default (a phrase in
+    one event was a close 1009), reaches that client whole: every phrase as long as
+    ``/v1/audio/speech`` says it at that speed."""
+    import io
+
+    import soundfile as sf
+
+    from gateway.audio import AUDIO_DELTA_BYTES
+
+    async def run():
+        async with client(server).realtime.connect(model="tiny-chat") as conn:  # the SDK's default max_size
+            slow = {**MANUAL["audio"], "output": {"speed": 0.25}}
+            await begin(conn, {**MANUAL, "max_output_tokens": 64, "audio": slow})
+            await conn.response.create()
+            return await events_until(conn, "response.done", timeout=120)
+
+    events = asyncio.run(run())
+    transcript, audio = said(events)
+    sizes = [len(base64.b64decode(e.delta)) for e in events if e.type == "response.output_audio.delta"]
+    assert events[-1].response.status == "completed"
+    assert len(base64.b64encode(audio)) > 2**20  # the premise: more than one frame could carry
+    assert max(sizes) <= AUDIO_DELTA_BYTES and all(size % 2 == 0 for size in sizes)
+    seconds = 0.0
+    for phrase in phrases_said(events):
+        slow = sf.read(io.BytesIO(http(server).audio.speech.create(model="tiny-tts", voice="alloy", input=phrase,
+                                                                   speed=0.25, response_format="wav").content))
+        seconds += len(slow[0]) / slow[1]
+    assert abs(len(audio) / 2 / 24000 - seconds) < 0.1 * len(phrases_said(events)), transcript
 
 
 @pytest.mark.parametrize("text, whole, rest", [
