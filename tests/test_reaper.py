@@ -256,10 +256,12 @@ def engine_server(tmp_path_factory, tiny_chat, chat_adapters):
 def test_vllm_lines_are_json_lines_in_every_engine_process(engine_server):
     """``--log-format json``: vLLM's loggers, in the serving process and in the engine core and
     worker it spawns, write tiergate's JSON lines (gateway/vllm_logging.json), not vLLM's own
-    format. (Import-time warnings of a spawned process come before any configuration, as
-    Python's last-resort text: not vLLM's format either.)"""
+    format, and its weight-loading bar (a terminal's only) is not among them. (Import-time
+    warnings of a spawned process come before any configuration, as Python's last-resort text: not
+    vLLM's format either; and torch's C++ warnings are not Python's: README, Request logs.)"""
     _, out, _ = engine_server
     assert [line for line in out if VLLM_FORMAT.match(line)] == []
+    assert [line for line in out if "checkpoint shards" in line] == []
     loggers = {json.loads(line)["logger"] for line in out if line.startswith("{")}
     assert "vllm.v1.engine.core" in loggers  # the engine core process: "Initializing a V1 LLM engine"
     assert any(name.startswith("vllm.v1.worker.") for name in loggers), loggers  # the worker process

@@ -77,6 +77,7 @@ import itertools
 import math
 import os
 import shutil
+import sys
 import tempfile
 import time
 import uuid
@@ -286,6 +287,9 @@ class VllmChatEngine(Worker):
             enforce_eager=on_cpu if self.enforce_eager is None else self.enforce_eager,
             disable_log_stats=True,
             enable_log_requests=False,
+            # its weight-loading bar ("Loading safetensors checkpoint shards") at each engine start
+            # in a terminal only, as the other libraries' (gateway.cli): in a log it is plain-text noise
+            use_tqdm_on_load=sys.stderr.isatty(),
             # The model folder's generation_config.json must not change ChatParams' meaning.
             generation_config="vllm",
         )
