@@ -66,6 +66,7 @@ class Verdict:
     code: str = ""  # "rate_limit_exceeded" | "insufficient_quota" when refused
     message: str = ""
     retry_after_s: float = 0.0
+    never: bool = False  # refused however long it waits (its cost alone is over a limit): no Retry-After
 
 
 def rates(limits: Limits) -> dict[str, float]:
@@ -92,12 +93,34 @@ def bucket_after(tat: float, now: float, limit: float) -> Bucket:
     return Bucket(limit, max(math.floor((WINDOW_S - ahead) / t + 1e-9), 0), ahead)
 
 
+# what a caller can change to bring a request that never fits under a minute limit
+SMALLER = {"requests": "", "tokens": ": reduce its input or max_tokens", "images": ": ask for fewer images",
+           "audio_seconds": ": send shorter audio or ask for shorter speech"}
+
+
+def too_large(limits: Limits, ask: Ask) -> Verdict | None:
+    """The refusal of a request whose cost alone is over one of its key's minute limits, or None.
+    Decided before the buckets, so such a request is never told to wait for one of them first."""
+    for dim, limit in rates(limits).items():
+        if ask.of(dim) > limit:
+            return never_fits(dim, limit, ask.of(dim))
+    return None
+
+
+def never_fits(dim: str, limit: float, cost: float) -> Verdict:
+    """The 429 for a request that needs more of a minute bucket than the bucket ever holds: as
+    OpenAI's "Request too large ... on tokens per min", but final (``never``), since no wait helps."""
+    unit = dim.replace("_", " ")
+    return Verdict(False, code="rate_limit_exceeded", never=True,
+                   message=f"this request needs {cost:g} {unit}, more than this key's limit of {limit:g} {unit} "
+                           f"per min, so it can never be admitted{SMALLER[dim]}")
+
+
 def refusal(dim: str, limit: float, cost: float, need_s: float) -> Verdict:
     """The 429 for a minute bucket that cannot take ``cost`` now."""
     per = f"{limit:g} {dim.replace('_', ' ')} per min"
     if cost > limit:
-        return Verdict(False, code="rate_limit_exceeded", retry_after_s=WINDOW_S,
-                       message=f"this request needs {cost:g} {dim.replace('_', ' ')}, more than this key's limit of {per}")
+        return never_fits(dim, limit, cost)
     return Verdict(False, code="rate_limit_exceeded", retry_after_s=need_s,
                    message=f"rate limit reached for this key: {per}; try again in {need_s:.1f}s")
 

@@ -39,9 +39,13 @@ async def _early_refusal(accounts: Accounts, caller: Caller) -> APIError | None:
         return None
     buckets = await accounts.limiter.peek(caller.key_id, limits)
     for dim, bucket in buckets.items():
-        if bucket.remaining < 1:  # not one unit left: any request would be refused
-            need_s = bucket.reset_s - WINDOW_S + WINDOW_S / bucket.limit
-            error = refused(refusal(dim, bucket.limit, 1.0, max(need_s, 0.001)))
+        # not one unit left (all of a limit under one unit): any request would be refused. The
+        # ingress does not know a request's cost, so it only ever says "wait": a request too large
+        # for a limit whatever the wait is the replica's to refuse (final, x-should-retry: false)
+        unit = min(1.0, bucket.limit)
+        if bucket.limit - bucket.reset_s * bucket.limit / WINDOW_S < unit - 1e-9:
+            need_s = bucket.reset_s - WINDOW_S + unit * WINDOW_S / bucket.limit
+            error = refused(refusal(dim, bucket.limit, unit, max(need_s, 0.001)))
             error.headers.update(rate_headers(buckets))
             return error
     return None

@@ -43,7 +43,7 @@ from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 
 from accounts.config import Limits, Price, resolved_price
 from accounts.keys import PREFIX, KeyRecord, make_key, secret_hash
-from accounts.rates import Ask, Bucket, Limiter, Verdict, utc_day
+from accounts.rates import Ask, Bucket, Limiter, Verdict, too_large, utc_day
 from accounts.redis_store import RedisAccounts
 from accounts.sqlite_store import SQLiteAccounts
 from accounts.store import STORE_ERRORS, AccountStore
@@ -337,6 +337,8 @@ class Accounts:
         if limits.gpu_seconds_per_day is not None:
             ask = dataclasses.replace(ask, gpu_seconds=gpu_s())
         held = Admission(caller.key_id, limits, ask)
+        if (too_big := too_large(limits, ask)) is not None:  # whatever the buckets hold: asks the store nothing
+            raise refused(too_big)
         try:
             if limits.gpu_seconds_per_day is not None and not self.store.shares_limits:
                 spent = await self._gpu_spent(caller.key_id)
@@ -410,6 +412,9 @@ def _kept_id() -> str:
 
 
 def refused(verdict: Verdict) -> APIError:
+    if verdict.never:  # no wait helps: no Retry-After to honour, and the SDKs must not retry it
+        return APIError(429, verdict.message, "rate_limit_exceeded", headers={"x-should-retry": "false"},
+                        type="rate_limit_error")
     seconds = max(1, math.ceil(verdict.retry_after_s))  # a budget's wait (until 00:00 UTC) may be hours
     headers = {"retry-after": str(seconds), "retry-after-ms": str(int(verdict.retry_after_s * 1000))}
     if verdict.code == "insufficient_quota":  # waiting a little does not help: the SDK must not retry

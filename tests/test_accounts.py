@@ -189,6 +189,41 @@ def test_a_keys_own_limit_refusals_are_counted_with_its_tiers_refusals(server):
     assert (refused() - before[0], on_the_dashboard() - before[1]) == (2, 2)
 
 
+@pytest.mark.parametrize("dimension", ["tokens", "images", "messages"])
+def test_a_request_larger_than_a_minute_limit_fails_at_once_without_retries(server, dimension):
+    """A request whose cost alone is over one of its key's minute limits (``max_tokens`` above
+    ``tokens_per_min``, more images than ``images_per_min``; on the Messages API too) can never be
+    admitted: its 429 ``rate_limit_exceeded`` says so, with ``x-should-retry: false`` and no
+    ``Retry-After``, so the openai and anthropic SDKs, retries left, fail at once: the server saw
+    the request once (one ``key_limit`` refusal), not three times two minutes apart."""
+    import anthropic
+    from prometheus_client.parser import text_string_to_metric_families
+
+    def refused() -> float:
+        text = httpx.get(f"{server.url}/metrics").text
+        [family] = [f for f in text_string_to_metric_families(text) if f.name == "tiergate_rejected"]
+        return sum(s.value for s in family.samples if s.labels == {"tier": "subscriber", "reason": "key_limit"}
+                   and s.name.endswith("_total"))
+
+    limits = {"images_per_min": 1} if dimension == "images" else {"tokens_per_min": 100}
+    _, secret = new_key(server, tier="subscriber", limits=limits)
+    before = refused()
+    if dimension == "messages":
+        claude = anthropic.Anthropic(base_url=server.url, api_key=secret, max_retries=2)
+        with pytest.raises(anthropic.RateLimitError, match="can never be admitted") as err:
+            claude.messages.create(model="tiny-chat", max_tokens=200, messages=HI)
+    else:
+        client = openai.OpenAI(base_url=server.base_url, api_key=secret, max_retries=2)
+        with pytest.raises(openai.RateLimitError, match="can never be admitted") as err:
+            if dimension == "images":
+                client.images.generate(model="tiny-image", prompt="a cat", n=2, size="64x64")
+            else:
+                client.chat.completions.create(model="tiny-chat", messages=HI, max_tokens=200)
+    assert refused() - before == 1
+    answer = err.value.response
+    assert answer.headers["x-should-retry"] == "false" and "retry-after" not in answer.headers
+
+
 def test_a_request_of_n_choices_whose_tokens_alone_are_over_the_limit_is_refused_whole(server):
     """``tokens_per_min`` is asked for the prompt once plus every choice's ``max_tokens``: an ``n``
     3 request that needs more than the key's limit is refused with the message that says so, and

@@ -190,6 +190,29 @@ def test_the_ingress_refuses_a_spent_minute_limit_and_a_spent_budget(tmp_path):
     asyncio.run(main())
 
 
+def test_the_ingress_refuses_a_limit_under_one_unit_only_when_it_is_spent(tmp_path):
+    """A minute limit under one unit (``audio_seconds_per_min: 0.5``) never holds a whole unit: the
+    ingress, which does not know a request's cost, refuses early only once the limit is spent, and
+    then with a wait (``Retry-After``); a request too large for it is the replica's to refuse."""
+    config = load_config(tiers_yaml(tmp_path, "  nodes: 1\n"))
+
+    async def main():
+        accounts = Accounts(config, SQLiteAccounts(tmp_path / "accounts.sqlite3"))
+        await accounts.start()
+        try:
+            key, _ = await accounts.create_key("asr", "paid", {"audio_seconds_per_min": 0.5}, None)
+            caller = Caller(tier="paid", key_id=key.id, rate=RateState())
+            assert await early_refusal(accounts, caller) is None
+            assert await accounts.admit(caller, "m1", Ask(audio_seconds=0.5)) is not None
+            spent = await early_refusal(accounts, caller)
+            assert spent is not None and spent.code == "rate_limit_exceeded" and "try again in" in spent.message
+            assert 60 <= int(spent.headers["retry-after"]) <= 120 and "x-should-retry" not in spent.headers
+        finally:
+            await accounts.stop()
+
+    asyncio.run(main())
+
+
 @pytest.mark.parametrize("need_admin", [False, True])
 def test_the_ingress_metrics_need_an_admin_key_where_configured(tmp_path, monkeypatch, need_admin):
     """``server.metrics_need_admin``: the cluster's /metrics (the ingress's scrape of its replicas)
