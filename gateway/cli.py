@@ -91,7 +91,7 @@ def _check(config_path: str) -> int:
     from arbiter.residency import _estimate
     from gateway.adapters import load_adapters
     from gateway.webhooks import endpoints_of
-    from workers.registry import describe, folder_kind_mismatch
+    from workers.registry import context_over_folder, describe, folder_kind_mismatch
 
     try:
         config = load_config(config_path)
@@ -117,7 +117,8 @@ def _check(config_path: str) -> int:
             footprint = _estimate(spec)  # as the arbiter starts from it: the weights' headers, no load
             fits = footprint <= budget
             describe(spec)  # what the gateway reads of the folder before loading it
-            problem = folder_kind_mismatch(spec) or ("" if fits else f"never fits: {_size(footprint)} > the budget")
+            problem = folder_kind_mismatch(spec) or context_over_folder(spec) or \
+                ("" if fits else f"never fits: {_size(footprint)} > the budget")
         except Exception as exc:  # noqa: BLE001 - what serve would meet when it reads the folder
             problem = f"its folder cannot be read: {type(exc).__name__}: {str(exc).splitlines()[0][:160]}"
         failed += bool(problem)

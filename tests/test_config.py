@@ -307,8 +307,9 @@ def test_stored_responses_are_kept_30_days_unless_set():
 
 def test_tiergate_check_reads_every_model_and_its_fit(tiny_chat, tiny_embed, tmp_path, capsys, monkeypatch):
     """``tiergate check``: a row per model (kind, engine, footprint, whether it fits, aliases) and
-    whether all fit at once, exit 0; a model declared bigger than the budget, or a folder that is
-    not the model its kind reads, exit 1 naming it; a config that cannot be read, exit 2."""
+    whether all fit at once, exit 0; a model declared bigger than the budget, a folder that is
+    not the model its kind reads, or a vLLM ``engine.max_model_len`` above the folder's own context
+    (which vLLM refuses to load), exit 1 naming it; a config that cannot be read, exit 2."""
     from gateway.cli import main
 
     for var in ("K_PAID", "K_PAID_FILE", "TIERGATE_KEYS_ADMIN", "TIERGATE_KEYS_ADMIN_FILE"):
@@ -344,6 +345,13 @@ def test_tiergate_check_reads_every_model_and_its_fit(tiny_chat, tiny_embed, tmp
     assert "tiers.yaml: models: model 'hollow': no weights" in capsys.readouterr().err
     code, out, _ = check(good + f"  - {{name: pictures, kind: image, path: {tiny_chat}}}\n")  # a chat folder
     assert code == 1 and "pictures is kind image, but its folder holds a chat model" in line(out, "pictures")
+    long = f"  - {{name: long, kind: chat, path: {tiny_chat}, engine: {{name: vllm, max_model_len: 2048}}}}\n"
+    code, out, _ = check(good + long)  # the demo model's context is 512, which vLLM holds to
+    assert code == 1 and "engine.max_model_len 2048 is above the model's context of 512" in line(out, "long")
+    monkeypatch.setenv("VLLM_ALLOW_LONG_MAX_MODEL_LEN", "1")  # as vLLM allows it then
+    assert check(good + long)[0] == 0
+    monkeypatch.delenv("VLLM_ALLOW_LONG_MAX_MODEL_LEN")
+    assert check(good + long.replace("2048", "512"))[0] == 0
     code, _, err = check("  - {name: chat, kind: video, path: /}\n")
     assert code == 2 and "models[0].kind" in err
 

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import importlib
 import json
+import os
 from pathlib import Path
 
 from workers.base import ModelSpec
@@ -62,6 +63,24 @@ def folder_kind_mismatch(spec: ModelSpec) -> str | None:
         return (f"{spec.name} is kind {spec.kind}, but its folder holds an image model "
                 "(a diffusers pipeline's model_index.json)")
     return None
+
+
+def context_over_folder(spec: ModelSpec, environ=os.environ) -> str | None:
+    """Why a vLLM chat model's ``engine.max_model_len`` cannot be served, or None: it is above the
+    context its folder's ``config.json`` declares (``max_position_embeddings``), and vLLM refuses
+    such a load (unless ``VLLM_ALLOW_LONG_MAX_MODEL_LEN`` is set, as vLLM allows then). A config
+    that scales its positions (``rope_scaling``) is left to vLLM, which stretches the context by it."""
+    declared = spec.options.get("max_model_len")
+    allowed = environ.get("VLLM_ALLOW_LONG_MAX_MODEL_LEN", "0").strip().lower() in ("1", "true")
+    if spec.engine != "vllm" or not declared or allowed:
+        return None
+    config = json.loads((Path(spec.path) / "config.json").read_text())
+    config = config.get("text_config", config)
+    own = config.get("max_position_embeddings")
+    if not isinstance(own, int) or config.get("rope_scaling") or declared <= own:
+        return None
+    return (f"engine.max_model_len {declared} is above the model's context of {own} (max_position_embeddings "
+            "in its config.json): vLLM refuses to load it")
 
 
 def _transformers_kind(path: Path) -> str:
