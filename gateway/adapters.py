@@ -31,6 +31,7 @@ from __future__ import annotations
 
 import asyncio
 import contextvars
+import json
 import logging
 import math
 import os
@@ -727,7 +728,9 @@ async def load_lora_adapter(request: Request) -> Response:
     body = parse(LoadLoraAdapter, await read_json(request, svc.config.limits.max_body))
     if body.is_3d_lora_weight:
         raise bad_request("3-D LoRA weights (mixture-of-experts) are not supported", "is_3d_lora_weight")
-    spec = _base_for(svc, body.base_model)
+    # vLLM's own body names no model: the adapter's config may (with several chat models to choose from)
+    named = None if body.base_model is not None else await asyncio.to_thread(_named_base, body.lora_path)
+    spec = _base_for(svc, body.base_model, named)
     if spec.engine == "vllm" and not spec.options.get("enable_lora"):
         raise bad_request(f"the model '{spec.name}' runs on vLLM started without LoRA: give it an adapter_dirs entry "
                           "(or an adapter) in tiers.yaml so that its engine starts with LoRA", "base_model")
@@ -752,7 +755,33 @@ async def unload_lora_adapter(request: Request) -> Response:
     return PlainTextResponse(f"Success: LoRA adapter '{body.lora_name}' removed successfully.")
 
 
-def _base_for(svc: "Services", name: str | None) -> ModelSpec:
+def _named_base(lora_path: str) -> str | None:
+    """The base model a peft adapter's ``adapter_config.json`` names (``base_model_name_or_path``),
+    or None where it names none or cannot be read (the load itself then says why)."""
+    try:
+        config = json.loads((Path(lora_path) / PEFT_CONFIG).read_text())
+    except (OSError, ValueError):
+        return None
+    named = config.get("base_model_name_or_path") if isinstance(config, dict) else None
+    return named if isinstance(named, str) and named else None
+
+
+def _chat_named(svc: "Services", chats: list[ModelSpec], named: str) -> list[ModelSpec]:
+    """The chat models an adapter's ``base_model_name_or_path`` names: by name (or alias), or by
+    folder (absolute, or relative to tiers.yaml's folder or to the server's working folder)."""
+    by_name = [s for s in chats if s.name == svc.model_name(named)]
+    if by_name:
+        return by_name
+    try:
+        folders = {(base / named).resolve() for base in (svc.config.source.parent, Path.cwd())}
+        return [s for s in chats if Path(s.path).resolve() in folders]
+    except (OSError, ValueError):  # not a path this system can resolve
+        return []
+
+
+def _base_for(svc: "Services", name: str | None, named: str | None = None) -> ModelSpec:
+    """The model an adapter loaded at run time is for: ``base_model`` where given; else the only
+    chat model, or the one chat model the adapter's own config (``named``) names."""
     if name is not None:
         spec = svc.arbiter.specs.get(svc.model_name(name))
         if spec is None:
@@ -762,9 +791,11 @@ def _base_for(svc: "Services", name: str | None) -> ModelSpec:
                               "base_model")
         return spec
     chats = [s for s in svc.arbiter.specs.values() if s.kind == "chat"]
+    if len(chats) > 1 and named is not None:
+        chats = _chat_named(svc, chats, named) or chats
     if len(chats) != 1:
-        raise bad_request(f"this server has {len(chats)} chat models: name the adapter's model in 'base_model'",
-                          "base_model")
+        raise bad_request(f"this server has {len(chats)} chat models and the adapter's config names none of them: "
+                          "name the adapter's model in 'base_model'", "base_model")
     return chats[0]
 
 

@@ -724,6 +724,41 @@ def test_load_and_unload_lora_adapter_as_vllm_does(server, folders, demo_adapter
     assert admin.post("/v1/unload_lora_adapter", json={"lora_name": "y"}).status_code == 200
 
 
+def test_load_lora_adapter_without_base_model_takes_the_model_its_config_names(demo_adapters, tiny_chat, tiny_vlm,
+                                                                               tmp_path):
+    """On a server of two chat models, vLLM's own body (no ``base_model``) loads an adapter whose
+    ``adapter_config.json`` names one of them in ``base_model_name_or_path``: by name (the demo
+    adapters'), or by folder (fine-tuned adapters', relative to tiers.yaml); one that names neither
+    model is still the 400 asking for ``base_model``."""
+    import json
+
+    folder = tmp_path / "server"
+    folder.mkdir()
+    running = start_server(write_config(folder, {"tiny-chat": ("chat", tiny_chat), "tiny-vlm": ("chat", tiny_vlm)}))
+    try:
+        admin = httpx.Client(base_url=running.url, headers={"Authorization": f"Bearer {running.keys['admin']}"},
+                             timeout=30)
+
+        def naming(base: str, name: str) -> Path:
+            copy = put(demo_adapters[PIRATE], tmp_path, name)
+            config = json.loads((copy / "adapter_config.json").read_text())
+            (copy / "adapter_config.json").write_text(json.dumps({**config, "base_model_name_or_path": base}))
+            return copy
+
+        by_name = admin.post("/v1/load_lora_adapter", json={"lora_name": "by-name",
+                                                             "lora_path": str(demo_adapters[PIRATE])})
+        assert (by_name.status_code, by_name.text) == (200, "Success: LoRA adapter 'by-name' added successfully.")
+        by_folder = {"lora_name": "by-folder", "lora_path": str(naming(os.path.relpath(tiny_chat, folder), "f"))}
+        assert admin.post("/v1/load_lora_adapter", json=by_folder).status_code == 200
+        for name in ("by-name", "by-folder"):
+            assert client(running).models.retrieve(name).model_extra["parent"] == "tiny-chat"
+        other = admin.post("/v1/load_lora_adapter", json={"lora_name": "x", "lora_path": str(naming("elsewhere", "e"))})
+        assert other.status_code == 400 and other.json()["error"]["param"] == "base_model"
+        assert "2 chat models" in other.json()["error"]["message"]
+    finally:
+        running.stop()
+
+
 def test_a_batch_naming_folder_adapters_reads_each_once_before_its_lines_run(server, folders, demo_adapters,
                                                                                monkeypatch):
     import json
