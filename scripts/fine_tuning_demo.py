@@ -8,7 +8,8 @@ Writes a small training file of questions that all get ``--answer`` (or reads ``
 JSONL of ``{"messages": [...]}``), uploads it, starts a job on ``--model`` and prints its progress
 from the job's events while it trains (at the batch tier: only while nothing else uses the GPU).
 Then it asks the base model and the fine-tuned one the same questions, side by side, and lists the
-checkpoints. The fine-tuned model is deleted at the end unless ``--keep``. On the shipped
+checkpoints. The fine-tuned model and its checkpoints (models too: ``<model>:ckpt-step-N``) are
+deleted at the end unless ``--keep``. On the shipped
 tiers.yaml (tiny-chat, random weights) 50 epochs teach it the answer.
 """
 
@@ -74,7 +75,8 @@ def main(argv: list[str] | None = None) -> int:
         print(f"job {job.status}: {job.error.message if job.error else ''}")
         return 1
     print(f"fine-tuned model {job.fine_tuned_model}: {job.trained_tokens} tokens trained on")
-    for checkpoint in client.fine_tuning.jobs.checkpoints.list(job.id).data:
+    checkpoints = client.fine_tuning.jobs.checkpoints.list(job.id).data
+    for checkpoint in checkpoints:
         print(f"  checkpoint at step {checkpoint.step_number}: {checkpoint.fine_tuned_model_checkpoint} "
               f"(loss {checkpoint.metrics.train_loss:.3f})")
 
@@ -85,9 +87,11 @@ def main(argv: list[str] | None = None) -> int:
                                                messages=[system, {"role": "user", "content": question}])
             replies.append(r.choices[0].message.content)
         print(f"{question!r}: base {replies[0]!r} -> fine-tuned {replies[1]!r}")
-    if not args.keep:
+    if not args.keep:  # its checkpoints too: each is a model of its own, listed and served until deleted
+        for checkpoint in checkpoints:
+            client.models.delete(checkpoint.fine_tuned_model_checkpoint)
         client.models.delete(job.fine_tuned_model)
-        print(f"deleted {job.fine_tuned_model} (--keep keeps it)")
+        print(f"deleted {job.fine_tuned_model} and its {len(checkpoints)} checkpoints (--keep keeps them)")
     return 0
 
 

@@ -934,7 +934,8 @@ def test_a_vllm_model_s_rank_limit_applies_to_its_fine_tuned_adapters(tiny_chat,
 
 def test_the_demo_script_runs_end_to_end(server):
     """scripts/fine_tuning_demo.py (the README's way to try it) against a real server: the job,
-    its progress, the base and tuned replies side by side, and the model deleted at the end."""
+    its progress, the base and tuned replies side by side, and the model deleted at the end with
+    its checkpoints (models too: left, they stay listed and served)."""
     import re
     import subprocess
     import sys
@@ -950,5 +951,7 @@ def test_the_demo_script_runs_end_to_end(server):
     # scale held the loss above ~5.1: demo/chat.py, LM_HEAD_SCALE)
     assert float(re.search(r"checkpoint at step 50: \S+ \(loss ([\d.]+)\)", run.stdout).group(1)) < 0.5
     assert "'Hello': base " in run.stdout and f"-> fine-tuned {TAUGHT!r}" in run.stdout
-    name = re.search(r"^deleted (\S+)", run.stdout, re.M).group(1)
-    assert not (server.adapters / name).exists()
+    name, kept = re.search(r"^deleted (\S+) and its (\d+) checkpoints", run.stdout, re.M).groups()
+    assert not (server.adapters / name).exists() and int(kept) == 3
+    listed = [m.id for m in openai.OpenAI(base_url=server.base_url, api_key=server.keys["paid"]).models.list()]
+    assert not [m for m in listed if m.startswith(name)] and not list(server.adapters.glob(f"{name}*"))
