@@ -211,7 +211,9 @@ def _no_library_bars() -> None:
 
 
 def resolve_keys(config: Config, demo: bool, environ=os.environ) -> tuple[KeyRing, dict[str, list[str]] | None]:
-    """The key ring, and the demo keys if they were made up (to print once)."""
+    """The key ring, and the demo keys if they were made up (to print once). Demo mode makes up
+    the tier keys, and an admin key only where the environment sets none: an operator's admin
+    keys (for the dashboard, say) are kept, and not printed (``admin_source``)."""
     keys = tier_keys(config, environ)
     admin = env_keys(ADMIN_ENV, environ)
     made = None
@@ -220,13 +222,19 @@ def resolve_keys(config: Config, demo: bool, environ=os.environ) -> tuple[KeyRin
             names = ", ".join(t.keys_env for t in config.tiers)
             raise ConfigError(f"{config.source}: tiers: no API keys are set (set {names}, or each with _FILE "
                               "naming a file of keys, or run with --demo)")
-        made = demo_keys(config.tier_names + ["admin"])
-        admin = made.pop("admin")
-        keys = made
-        made = {**made, "admin": admin}
+        made = demo_keys(config.tier_names + ([] if admin else ["admin"]))
+        keys = {tier: made[tier] for tier in config.tier_names}
+        admin = admin or made["admin"]
     else:
         check_keys_apart(config, keys, admin, environ)
     return KeyRing(keys, admin), made
+
+
+def admin_source(environ=os.environ) -> str:
+    """Where the environment's admin keys come from, for the demo banner: the variables, never a key."""
+    file = environ.get(ADMIN_ENV + KEY_FILE_SUFFIX)
+    named = [ADMIN_ENV] if environ.get(ADMIN_ENV, "").strip() else []
+    return " and ".join(named + ([f"{ADMIN_ENV}{KEY_FILE_SUFFIX} ({file})"] if file else []))
 
 
 def usable_data_dir(config: Config) -> None:
@@ -335,6 +343,8 @@ def _print_demo_keys(made: dict[str, list[str]], host: str, port: int, scheme: s
     print("\ntiergate demo mode: random API keys for this run only", flush=True)
     for tier, keys in made.items():
         print(f"  {tier:<11} {keys[0]}")
+    if "admin" not in made:  # the environment's, kept: never printed
+        print(f"  {'admin':<11} the environment's admin keys, from {admin_source()} (not made up, not shown)")
     paid = made[next(iter(made))][0]
     print(f"""
 Try it:

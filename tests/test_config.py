@@ -225,6 +225,27 @@ def test_demo_mode_makes_fresh_keys_and_env_keys_win(tmp_path):
     assert ring.lookup("a, b") is None
 
 
+def test_demo_mode_keeps_the_environments_admin_keys_and_says_where_they_come_from(tmp_path, capsys, monkeypatch):
+    """``serve --demo`` with ``TIERGATE_KEYS_ADMIN`` (or its ``_FILE``) set and no tier key makes up
+    the tier keys but keeps the environment's admin keys, making up none; its banner says where
+    they come from and never prints one."""
+    from gateway.cli import _print_demo_keys
+
+    c = load_config(write(tmp_path, BASE))
+    admins = tmp_path / "admins"
+    admins.write_text("from-file\n")
+    environ = {"TIERGATE_KEYS_ADMIN": "my-admin", "TIERGATE_KEYS_ADMIN_FILE": str(admins)}
+    ring, made = resolve_keys(c, demo=True, environ=environ)
+    assert set(made) == set(c.tier_names) and ring.lookup(made["paid"][0]).tier == "paid"
+    assert ring.lookup("my-admin").admin and ring.lookup("from-file").admin
+    for var, value in environ.items():
+        monkeypatch.setenv(var, value)
+    _print_demo_keys(made, "127.0.0.1", 8000)
+    banner = capsys.readouterr().out
+    assert f"from TIERGATE_KEYS_ADMIN and TIERGATE_KEYS_ADMIN_FILE ({admins}) (not made up, not shown)" in banner
+    assert "my-admin" not in banner and "from-file" not in banner
+
+
 def test_a_key_in_two_places_stops_startup_naming_both_never_the_key(tmp_path):
     """A key in two tiers would serve at the first alone, and a tier key also listed as an admin
     key would lose its admin rights (tier keys match first): refused, naming the two variables
