@@ -258,7 +258,12 @@ class Arbiter:
                     continue
                 self._grant(w)
                 continue
-            if self.states[w.model].place == "loading" or self._loading is not None:
+            if self.states[w.model].place == "loading":
+                continue
+            if self._loading is not None:  # the device is busy: nothing starts, but what this waiter drains holds
+                decision = policy.plan_load(self._view(), w.model, w.tier, self.batch_rank, w.used or {})
+                for name in decision.drain if isinstance(decision, Impossible) else ():
+                    draining.setdefault(name, w.tier)
                 continue
             cooldown = self._cooldowns.get(w.model)
             if cooldown and cooldown.active(self.clock()):

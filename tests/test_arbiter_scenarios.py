@@ -173,6 +173,49 @@ def test_lower_tiers_start_no_new_work_on_a_busy_model_a_higher_tier_waits_to_ev
     asyncio.run(main())
 
 
+def test_the_drain_holds_while_another_model_loads(tiny_chat):
+    """While a subscriber's load of ``b`` runs, paid waits for ``a``'s running free work to end
+    (``c`` fits only without it). Every waiter was skipped while the device was busy loading, so
+    the drain was never worked out and free requests were handed ``a`` through the whole load: 10-40
+    s on a vLLM engine (hunt 4 U2, second round). They get the drain's 429 during loads too."""
+    import threading
+
+    clock = Clock()
+    go = threading.Event()
+
+    def factory(spec):
+        worker = make_worker(spec)
+        if spec.name == "b":
+            load = worker.load
+
+            def held(device):
+                go.wait(30)
+                return load(device)
+
+            worker.load = held
+        return worker
+
+    async def main():
+        arb = make(tiny_chat, clock, factory=factory)
+        running = await arb.acquire("a", FREE)
+        sub = asyncio.create_task(arb.acquire("b", SUB))
+        await asyncio.sleep(0)
+        assert places(arb)["b"] == "loading"
+        paid = asyncio.create_task(arb.acquire("c", PAID))
+        await asyncio.sleep(0.05)
+        with pytest.raises(Refused) as refused:
+            await arb.acquire("a", FREE)
+        assert refused.value.retry_after == 1
+        go.set()
+        running.release()
+        (await asyncio.wait_for(paid, 30)).release()
+        assert places(arb)["c"] == "resident"
+        (await asyncio.wait_for(sub, 30)).release()  # (its b made room for paid's c, then came back)
+        await arb.stop()
+
+    asyncio.run(main())
+
+
 def test_a_load_that_serves_no_one_gives_no_protection(tiny_chat):
     """A preload or an admin's load (``Arbiter.load``) made the model paid's for the protection
     window, so even paid got 429 ``model_protected`` for memory no request had used (hunt 4 U3).
