@@ -39,10 +39,12 @@ Making room (``plan_load``)
       ``Impossible`` it cannot fit by evicting or waiting out protection: ``waiting_on`` names
                      the busy models whose work must end first (the caller waits or answers
                      503); empty ``waiting_on`` means never (bigger than the budget, or pinned
-                     models are in the way). ``drain``: those of them this tier may evict once
-                     their work ends, as many as make it fit (least valuable first; none when
-                     they cannot make it fit alone): the owner gives lower tiers no new work
-                     on them meanwhile, or a lower tier that keeps one busy would starve it.
+                     models are in the way). ``drain``: what it counts on, the idle models it may
+                     evict and those of ``waiting_on`` it may evict once their work ends, as many
+                     as make it fit (least valuable first; none when they cannot make it fit
+                     alone): the owner gives lower tiers no new work on them and starts no
+                     lower-tier load meanwhile (every free byte is counted on too), or a lower
+                     tier that kept one busy would starve it.
     Every ``Evict`` leaves enough room, so a load is never started that does not fit. The owner
     loads one model at a time per device; a ``loading`` model counts as busy here.
 
@@ -376,22 +378,24 @@ def plan_load(view: ArbiterView, model: str, requester_tier: int, batch_rank: in
         return Impossible(
             f"{model} fits only after running work ends",
             waiting_on=tuple(sorted(m.name for m in busy)),
-            drain=_drain(view, busy, shortfall, requester_tier, batch_rank, own),
+            drain=_drain(view, evictable, busy, shortfall, requester_tier, batch_rank, own),
         )
     return Impossible(f"{model} does not fit beside the pinned models")
 
 
-def _drain(view: ArbiterView, busy: Sequence[ModelState], shortfall: int, requester_tier: int, batch_rank: int,
-           own: Mapping[str, float]) -> tuple[str, ...]:
-    """The busy models whose work must end for ``shortfall`` bytes to be freed, least valuable
-    first, among those ``requester_tier`` may evict once idle (not loading, pinned or protected
-    from it); none when they cannot free enough alone (protection must end as well)."""
-    idle = (replace(m, running_nonbatch=0, running_batch=0) for m in busy if m.place != "loading")
+def _drain(view: ArbiterView, evictable: Sequence[ModelState], busy: Sequence[ModelState], shortfall: int,
+           requester_tier: int, batch_rank: int, own: Mapping[str, float]) -> tuple[str, ...]:
+    """What a request waiting for busy models' work to end counts on: the idle models it may
+    evict (all of them: they alone are not enough) and, least valuable first, the busy ones
+    whose work must end for the ``shortfall`` left, among those it may evict once idle (a model
+    loading for another request counts as what it will be once loaded); none when they cannot
+    free enough alone (protection must end as well)."""
+    idle = (replace(m, place="resident", running_nonbatch=0, running_batch=0) for m in busy)
     drainable = sorted((m for m in idle if blocker(view, m, requester_tier, batch_rank, own.get(m.name)) is None),
                        key=value_key)
     if sum(m.footprint for m in drainable) < shortfall:
         return ()
-    return tuple(m.name for m in _enough(drainable, shortfall, _footprint))
+    return tuple(m.name for m in evictable) + tuple(m.name for m in _enough(drainable, shortfall, _footprint))
 
 
 def pick_oom_victim(

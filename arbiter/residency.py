@@ -275,6 +275,11 @@ class Arbiter:
             elif isinstance(decision, Impossible) and not decision.waiting_on:
                 self._fail(w, Unavailable(decision.reason))
             elif isinstance(decision, (Fit, Evict)):
+                if min(draining.values(), default=w.tier) < w.tier:  # a higher tier counts on every free byte
+                    if not w.is_batch:
+                        self._fail(w, Refused(1, f"the memory {w.model} needs is being freed for a higher tier's "
+                                                 "request"))
+                    continue
                 self._start_load(w.model, decision if isinstance(decision, Evict) else None, w.tier, w)
             else:  # Impossible with waiting_on: stay queued until that work ends, lower tiers starting none
                 for name in decision.drain:

@@ -219,10 +219,18 @@ DRAINS = [
     ("two busy 2 GiB models, 4 GiB needed beside 2 free: only the least valuable one is drained",
      [m("a", gib=2, served_at={FREE: 5}, running_nonbatch=1), m("b", gib=2, served_at={SUB: 90}, running_nonbatch=1),
       m("p", pinned=True)], PAID, ("a", "b"), ("a",)),
-    ("a loading model cannot be drained; the busy one frees enough",
+    ("a model loading for a lower tier counts as what it will be once loaded: never served, drained first",
      [m("a", place="loading", gib=2), m("b", gib=4, served_at={FREE: 1}, running_nonbatch=1),
       m("p", gib=2, pinned=True)],
+     PAID, ("a", "b"), ("a",)),
+    ("a loading model protected from the requester counts for nothing; the busy one is drained",
+     [m("a", place="loading", gib=2, served_at={PAID: 1}), m("b", gib=4, served_at={FREE: 1}, running_nonbatch=1),
+      m("p", gib=2, pinned=True)],
      PAID, ("a", "b"), ("b",)),
+    ("an idle model it may evict is counted on too: a lower tier must not make it busy",
+     [m("a", gib=1, served_at={FREE: 5}), m("b", gib=4, served_at={FREE: 1}, running_nonbatch=1),
+      m("p", gib=5, pinned=True)],
+     PAID, ("b",), ("a", "b")),
     ("what is drainable cannot free enough alone: a paid protection must end too, nothing drained",
      [m("a", gib=2, served_at={FREE: 1}, running_nonbatch=1), m("b", gib=4, served_at={PAID: 1}, running_nonbatch=1),
       m("p", pinned=True)], SUB, ("a", "b"), ()),
@@ -230,10 +238,11 @@ DRAINS = [
 
 
 @pytest.mark.parametrize("case, models, tier, waiting_on, drain", DRAINS, ids=[row[0] for row in DRAINS])
-def test_a_waiting_request_drains_just_the_busy_models_it_may_evict_once_idle(case, models, tier, waiting_on, drain):
-    """A request waiting for busy models names those whose work must end for it to fit and that
-    it may evict then; the owner starts no lower-tier work on them meanwhile (a lower tier that
-    kept one busy starved a paid request past its target: hunt 4 U2)."""
+def test_a_waiting_request_drains_what_it_counts_on(case, models, tier, waiting_on, drain):
+    """A request waiting for busy models names what it counts on: the idle models it may evict and
+    the busy ones whose work must end for it to fit and that it may evict then; the owner starts no
+    lower-tier work on them meanwhile (a lower tier that kept one busy starved a paid request past
+    its target: hunt 4 U2)."""
     d = plan(view(*models, m("c", place="cold")), "c", tier)
     assert isinstance(d, Impossible)
     assert (d.waiting_on, d.drain) == (waiting_on, drain)

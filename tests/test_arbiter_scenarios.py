@@ -197,6 +197,7 @@ def test_the_drain_holds_while_another_model_loads(tiny_chat):
 
     async def main():
         arb = make(tiny_chat, clock, factory=factory)
+        arb.pin("b", True)  # (so that paid cannot count on evicting it once loaded: a must drain)
         running = await arb.acquire("a", FREE)
         sub = asyncio.create_task(arb.acquire("b", SUB))
         await asyncio.sleep(0)
@@ -207,10 +208,39 @@ def test_the_drain_holds_while_another_model_loads(tiny_chat):
             await arb.acquire("a", FREE)
         assert refused.value.retry_after == 1
         go.set()
+        (await asyncio.wait_for(sub, 30)).release()
         running.release()
         (await asyncio.wait_for(paid, 30)).release()
-        assert places(arb)["c"] == "resident"
-        (await asyncio.wait_for(sub, 30)).release()  # (its b made room for paid's c, then came back)
+        assert places(arb) == {"a": "warm", "b": "resident", "c": "resident", "d": "cold"}
+        await arb.stop()
+
+    asyncio.run(main())
+
+
+def test_no_lower_tier_load_starts_while_a_higher_tier_drains(tiny_chat):
+    """Paid waits for ``a``'s free work to end, counting on every free byte as well: a subscriber's
+    load that started meanwhile took that memory, so paid then had to evict it too (hunt 4 U2, second
+    round). A lower tier's load is refused (429, Retry-After 1) while a higher tier drains, and
+    starts once it is served."""
+    clock = Clock()
+
+    async def main():
+        sizes = {"a": 4, "b": 4, "c": 4, "e": 1}
+        arb = Arbiter([ModelSpec(n, "chat", tiny_chat, g * GiB) for n, g in sizes.items()], torch.device("cpu"),
+                      10 * GiB, 8 * GiB, protect_window_s=60, batch_rank=BATCH, clock=clock)
+        await arb.load("b")
+        arb.pin("b", True)  # 2 GiB free beside a and b
+        running = await arb.acquire("a", FREE)
+        paid = asyncio.create_task(arb.acquire("c", PAID))
+        await asyncio.sleep(0.05)
+        assert not paid.done()
+        with pytest.raises(Refused) as refused:
+            await arb.acquire("e", SUB)  # it fits in the 2 GiB paid counts on
+        assert refused.value.retry_after == 1 and places(arb)["e"] == "cold"
+        running.release()
+        (await asyncio.wait_for(paid, 30)).release()
+        await use(arb, "e", SUB)
+        assert places(arb) == {"a": "warm", "b": "resident", "c": "resident", "e": "resident"}
         await arb.stop()
 
     asyncio.run(main())
