@@ -13,20 +13,18 @@ from typing import Any, Awaitable, Callable
 
 from gateway.audio import SpeechBody, plan_speech, serve_speech
 from gateway.auth import Caller
-from gateway.chat import collect, completion, plan_chat, serve_chat, with_images
+from gateway.chat import checked_chat, collect, completion, serve_chat
 from gateway.completions import completion_result
 from gateway.embeddings import EmbeddingRequest, embedding_list, plan_embeddings, serve_embeddings
 from gateway.errors import bad_request
 from gateway.images import ImageGenerationRequest, b64_rows, encoded, plan_images, serve_images
-from gateway.input_audio import chat_audio
-from gateway.output_audio import heard_replies, plan_voice, say_replies
-from gateway.input_files import chat_files
+from gateway.output_audio import say_replies
 from gateway.messages import message_result
 from gateway.moderations import ModerationRequest, moderation_results, plan_moderation, serve_moderation
 from gateway.classify import classify_answer
 from gateway.rerank import rerank_answer, score_answer
 from gateway.responses import response_result
-from gateway.schemas import ChatCompletionRequest, parse
+from gateway.schemas import parse
 from gateway.service import Services
 
 
@@ -51,13 +49,7 @@ def line_body(result: Result) -> Any:
 
 
 async def chat(svc: Services, caller: Caller, data: dict) -> Result:
-    heard = await chat_audio(svc, caller, await chat_files(svc, caller, data))
-    body = parse(ChatCompletionRequest, heard_replies(svc, caller, heard))
-    if body.stream:
-        raise bad_request("stream is not supported in a batch", "stream")
-    await svc.adapters.ready(body.model, body.adapters)
-    job = await with_images(svc, plan_chat(svc, body))
-    voice = await plan_voice(svc, body)
+    body, job, voice = await checked_chat(svc, caller, data, in_batch=True)
     replies, tier = await collect(serve_chat(svc, caller, job, None))
     if voice is not None:
         await say_replies(svc, caller, voice, replies, None)

@@ -20,7 +20,7 @@ import json
 import logging
 import time
 from dataclasses import dataclass, field
-from typing import AsyncGenerator, AsyncIterator, Awaitable, Callable, Literal
+from typing import Any, AsyncGenerator, AsyncIterator, Awaitable, Callable, Literal
 
 from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
@@ -32,10 +32,10 @@ from gateway.accounts import estimate_tokens
 from gateway.auth import Caller
 from gateway.errors import APIError, bad_request
 from gateway.http import Streamed, disconnect_signal
-from gateway.input_audio import chat_audio
+from gateway.input_audio import chat_audio, hear
 from gateway.input_files import chat_files
 from gateway.logprobs import chat_content, chat_logprobs, check_prompt_logprobs, prompt_logprob_dicts
-from gateway.output_audio import SpokenReplies, SpokenStream, heard_replies, plan_voice, say, say_replies
+from gateway.output_audio import SpokenReplies, SpokenStream, Voice, heard_replies, plan_voice, say, say_replies
 from gateway.reasoning import ReasoningParser, ThinkSplitter
 from gateway.request_log import new_id
 from gateway.schemas import ChatCompletionRequest, check_vllm_defaults, parse, read_json, reply_options, sampling
@@ -559,11 +559,7 @@ def _usage(choices: list[Reply] | list[ChoiceDelta]) -> dict:
 async def chat_completions(request: Request) -> Response:
     svc: Services = request.app.state.services
     caller = svc.admit_caller(request)
-    data = await chat_files(svc, caller, await read_json(request, svc.config.limits.max_body))
-    body = parse(ChatCompletionRequest, heard_replies(svc, caller, await chat_audio(svc, caller, data)))
-    await svc.adapters.ready(body.model, body.adapters)
-    job = await with_images(svc, plan_chat(svc, body))
-    voice = await plan_voice(svc, body) if body.spoken or body.audio is not None else None  # (no coroutine per plain request)
+    body, job, voice = await checked_chat(svc, caller, await read_json(request, svc.config.limits.max_body))
     served = served_caller(svc, caller, job)
     if (end_user := body.end_user(caller.key_id)) is not None:
         log.info("chat request: key %s, user %s, tier %s", caller.key_id, end_user, served.tier)
@@ -598,6 +594,25 @@ async def chat_completions(request: Request) -> Response:
     sse = _sse(deltas, first, completion_id, body.model, job, label, include_usage, kept, speaker, svc.spoken,
                caller.key_id)
     return Streamed(sse, "text/event-stream", headers=headers)
+
+
+async def checked_chat(svc: Services, caller: Caller, data: Any,
+                       in_batch: bool = False) -> tuple[ChatCompletionRequest, ChatJob, Voice | None]:
+    """A chat request's body, its job (images read) and how its replies are said (None: they are
+    not), all checked before its ``input_audio`` parts are heard: a request refused for any field
+    spends no speech-to-text work and is not metered. ``in_batch``: a batch line, which does not stream."""
+    data, unheard = await chat_audio(svc, heard_replies(svc, caller, await chat_files(svc, caller, data)))
+    body = parse(ChatCompletionRequest, data)
+    if in_batch and body.stream:
+        raise bad_request("stream is not supported in a batch", "stream")
+    await svc.adapters.ready(body.model, body.adapters)
+    job = await with_images(svc, plan_chat(svc, body))
+    spoken = body.spoken or body.audio is not None
+    voice = await plan_voice(svc, body) if spoken else None  # (no coroutine per plain request)
+    if unheard is not None:  # checked whole: now the audio is heard, and the job planned with its transcripts
+        body = parse(ChatCompletionRequest, await hear(svc, caller, data, unheard))
+        job = dataclasses.replace(plan_chat(svc, body), images=job.images)  # (the images, already read)
+    return body, job, voice
 
 
 def _unsaid(answer: dict) -> dict:

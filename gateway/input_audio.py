@@ -10,14 +10,20 @@ they are in the Realtime API's turns here. For a model without ``audio_input`` t
 naming it (``audio_input_not_supported``).
 
 :func:`chat_audio` works on the request's JSON before it is parsed (as ``gateway.input_files``
-does for documents), so a stored completion keeps the transcript, not the audio.
+does for documents), so a stored completion keeps the transcript, not the audio. It checks and
+decodes every part, an empty text part standing in for each, and :func:`hear` transcribes them
+once the whole request has been checked: a request refused for any field (a later part's bad
+base64 too) spends no speech-to-text work and is not metered.
 """
 
 from __future__ import annotations
 
 import base64
 import binascii
+from dataclasses import dataclass
 from typing import Any
+
+import numpy as np
 
 from gateway.adapters import may_use, resolve_request
 from gateway.audio import TranscriptionJob, decoded_audio, serve_transcription
@@ -35,15 +41,33 @@ def _has_audio(message: Any) -> bool:
     return isinstance(content, list) and any(isinstance(p, dict) and p.get("type") == "input_audio" for p in content)
 
 
-async def chat_audio(svc: Services, caller: Caller, data: Any) -> Any:
-    """A chat request's JSON with each ``input_audio`` part of its user messages a ``text`` part of
-    its transcript; ``data`` as it is when none has one. 400s name the part
-    (``messages[i].content[j].input_audio...``)."""
+@dataclass(frozen=True)
+class Speech:
+    """An ``input_audio`` part checked and decoded, still to be heard: ``messages[message].content[part]``."""
+
+    message: int
+    part: int
+    samples: np.ndarray
+    rate: int
+
+
+@dataclass(frozen=True)
+class Unheard:
+    """A request's audio parts, checked, and the speech-to-text model that hears them."""
+
+    stt: str
+    speech: tuple[Speech, ...]
+
+
+async def chat_audio(svc: Services, data: Any) -> tuple[Any, Unheard | None]:
+    """A chat request's JSON with each ``input_audio`` part of its user messages checked, decoded
+    and an empty ``text`` part for now (:func:`hear` gives it the transcript), and those parts;
+    ``(data, None)`` when none has one. 400s name the part (``messages[i].content[j].input_audio...``)."""
     messages = data.get("messages") if isinstance(data, dict) else None
     if not isinstance(messages, list) or not any(_has_audio(m) for m in messages):
-        return data
+        return data, None
     stt = _hearing_model(svc, data.get("model"))
-    out = []
+    out, speech = [], []
     for i, message in enumerate(messages):
         if not _has_audio(message):
             out.append(message)
@@ -60,10 +84,24 @@ async def chat_audio(svc: Services, caller: Caller, data: Any) -> Any:
         parts = []
         for j, part in enumerate(message["content"]):
             if isinstance(part, dict) and part.get("type") == "input_audio":
-                part = {"type": "text", "text": await _heard(svc, caller, stt, part, f"{where}.content[{j}]")}
+                speech.append(Speech(i, j, *await _decoded(svc, part, f"{where}.content[{j}]")))
+                part = {"type": "text", "text": ""}
             parts.append(part)
         out.append({**message, "content": parts})
-    return {**data, "messages": out}
+    return {**data, "messages": out}, Unheard(stt, tuple(speech))
+
+
+async def hear(svc: Services, caller: Caller, data: dict, unheard: Unheard) -> dict:
+    """``data`` (as :func:`chat_audio` gave it) with each audio part's text its transcript: a
+    transcription of the caller's tier each, gated and metered as /v1/audio/transcriptions is."""
+    messages = [{**m, "content": list(m["content"])} if isinstance(m, dict) and isinstance(m.get("content"), list)
+                else m for m in data["messages"]]
+    name = svc.spec(unheard.stt, "stt").name
+    for s in unheard.speech:
+        job = TranscriptionJob(name, s.samples, s.rate, TranscriptionRequest())
+        text = (await serve_transcription(svc, caller, job, None)).text.strip()
+        messages[s.message]["content"][s.part] = {"type": "text", "text": text}
+    return {**data, "messages": messages}
 
 
 def chat_engine(svc: Services, model: Any) -> EngineConfig | None:
@@ -85,8 +123,8 @@ def _hearing_model(svc: Services, model: Any) -> str | None:
     return stt if stt is not None and may_use(svc.model_name(stt)) else None
 
 
-async def _heard(svc: Services, caller: Caller, stt: str, part: dict[str, Any], where: str) -> str:
-    """The transcript of one ``input_audio`` part."""
+async def _decoded(svc: Services, part: dict[str, Any], where: str) -> tuple[np.ndarray, int]:
+    """The samples and rate of one ``input_audio`` part, checked."""
     audio = part.get("input_audio")
     if not isinstance(audio, dict) or set(part) - {"type", "input_audio"}:
         raise bad_request('an input_audio part is {"type": "input_audio", "input_audio": {"data": <base64>, '
@@ -109,7 +147,5 @@ async def _heard(svc: Services, caller: Caller, stt: str, part: dict[str, Any], 
     if len(raw) > limits.transcription_max_bytes:
         raise bad_request(f"the audio is larger than {limits.transcription_max_bytes} bytes",
                           f"{where}.input_audio.data", "audio_too_large")
-    samples, rate = await decoded_audio(raw, limits.transcription_max_seconds, f"{where}.input_audio.data",
-                                        "input_audio.data", "invalid_value")
-    job = TranscriptionJob(svc.spec(stt, "stt").name, samples, rate, TranscriptionRequest())
-    return (await serve_transcription(svc, caller, job, None)).text.strip()
+    return await decoded_audio(raw, limits.transcription_max_seconds, f"{where}.input_audio.data",
+                               "input_audio.data", "invalid_value")

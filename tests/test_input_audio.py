@@ -128,3 +128,30 @@ def test_audio_input_must_name_a_speech_to_text_model(tiny_chat, tiny_stt, tmp_p
     engine_options(config, "tiny-chat", tiny_chat, audio_input="tiny-chat")
     with pytest.raises(ConfigError, match=r"models\[0\].engine.audio_input: 'tiny-chat' is not a speech-to-text model"):
         load_config(config)
+
+
+def test_a_request_refused_for_any_field_hears_no_audio_and_is_not_metered(server):
+    """The whole request is checked before its audio is heard: a 400 for another field (a sampling
+    value, an unknown field, the reply limit, a later audio part's bad base64) spends no
+    speech-to-text work and leaves nothing in the key's usage (it was heard, and billed, first)."""
+    import httpx
+
+    c = client(server, "subscriber")
+    part = audio_part(wav(spoken(SAID)))
+    bad = {"type": "input_audio", "input_audio": {"data": "@@@", "format": "wav"}}
+    for extra, parts, param in [({"temperature": 99}, [part], "temperature"),
+                                ({"extra_body": {"bogus_field": 1}}, [part], "bogus_field"),
+                                ({"max_tokens": 100000}, [part], "max_tokens"),
+                                ({}, [part, bad], "messages[0].content[1].input_audio.data")]:
+        with pytest.raises(openai.BadRequestError) as caught:
+            c.chat.completions.create(model="tiny-chat", messages=[{"role": "user", "content": parts}],
+                                      **{"max_tokens": 2, **extra})
+        assert caught.value.body["param"] == param, extra
+
+    def usage() -> list[dict]:
+        return httpx.get(f"{server.base_url}/usage", headers={"Authorization": f"Bearer {server.keys['subscriber']}"},
+                         timeout=30).json()["data"]
+
+    assert usage() == []
+    c.chat.completions.create(model="tiny-chat", max_tokens=2, messages=[{"role": "user", "content": [part]}])
+    assert sum(row["audio_in_seconds"] for row in usage()) > 0  # what a served one is metered
