@@ -5,8 +5,9 @@ output items, how a stored response reads, and the stream of events a response i
 A request becomes a chat job: ``input`` (a string, or items: messages with ``input_text`` /
 ``output_text`` parts, ``function_call`` and ``function_call_output`` items) is turned into chat
 messages after ``instructions`` (a system message) and, with ``previous_response_id``, after the
-stored conversation of that response (its input and its reply; its instructions are not carried
-over, as OpenAI does), or with ``conversation`` after that conversation's items
+items of that response (its input items and its output, read again as a conversation's are: a
+file deleted since is a 404; its instructions are not carried over, as OpenAI does), or with
+``conversation`` after that conversation's items
 (``gateway.conversations``), to which its input and output items are added once it ends
 ``completed`` or ``incomplete``. Tools, ``tool_choice``, ``text.format`` and the sampling fields are read by
 the chat planner (``gateway.chat.plan_chat``: tools, structured outputs, the token limit), so a
@@ -267,6 +268,9 @@ def input_messages(items: str | list[dict[str, Any]], name: str = "input", hosts
     for i, item in enumerate(items):
         where = f"{name}[{i}]"
         kind = item.get("type", "message")
+        if thought is not None and not _answers(item):  # a reply that was thinking only (cut short): a turn still
+            out.append(_thinking_only(thought))
+            thought = None
         if kind not in _ITEM_KEYS:
             raise bad_request(f"input items of type {str(kind)[:40]!r} are not supported (message, function_call, "
                               "function_call_output, reasoning, file_search_call, compaction)", f"{where}.type")
@@ -302,9 +306,23 @@ def input_messages(items: str | list[dict[str, Any]], name: str = "input", hosts
         if thought and out[-1]["role"] == "assistant":  # the thinking that led to this reply or call
             out[-1]["reasoning_content"] = thought
         thought = None
+    if thought is not None and name != "input":  # the history's last reply was thinking only; the input follows it
+        out.append(_thinking_only(thought))
     if not out and name == "input":  # (a conversation's items may be anything so far)
         raise bad_request(f"{name} holds reasoning items only: no message to answer", name)
     return out
+
+
+def _thinking_only(thought: str) -> dict[str, Any]:
+    """The assistant message of a reply that was only thinking (as chat's ``Reply.message`` stores one)."""
+    return {"role": "assistant", "content": None, "reasoning_content": thought} if thought \
+        else {"role": "assistant", "content": ""}
+
+
+def _answers(item: Any) -> bool:
+    """Whether ``item`` carries the reply a reasoning item before it thought: an assistant message or a call."""
+    kind = item.get("type", "message") if isinstance(item, dict) else None
+    return kind in ("function_call", "reasoning") or (kind == "message" and item.get("role") == "assistant")
 
 
 def _role(item: dict[str, Any], where: str) -> str:
@@ -506,8 +524,11 @@ async def plan_response(svc: Services, caller: Caller, store: ResponseStore | No
         if status not in CONTINUABLE:
             raise bad_request(f"the response '{body.previous_response_id}' is {status}: only a completed or incomplete "
                               "response can be continued", "previous_response_id")
-        history = previous.conversation
         items = input_items(previous) + previous.response.get("output", [])
+        # read again from its items, as a conversation's are: a file deleted since is a 404, not kept in the record
+        history = previous.conversation if previous.input_items is None else \
+            input_messages(await read_files(svc, caller, items, "previous_response_id"), "previous_response_id",
+                           svc.config.server.image_url_hosts)
     await svc.adapters.ready(body.model, body.adapters)
     image = _first_image(body.input)
     if image is not None:  # named here as an input item: chat's check would name a message

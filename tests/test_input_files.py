@@ -108,6 +108,25 @@ def test_a_conversation_may_hold_a_document(server):
     same(in_conversation({"type": "input_file", "file_id": upload.id}), in_conversation(as_text(pdf, "treasure.pdf")))
 
 
+def test_a_continued_response_reads_its_documents_again(server):
+    """A response that continues one by ``previous_response_id`` reads its files again, as a
+    conversation does: a file deleted since is a 404 naming its place among the items it continues
+    (the response's input items, then its output), not a copy the stored response kept."""
+    c = client(server)
+    upload = c.files.create(file=("gold.txt", io.BytesIO(GOLD[0].encode())), purpose="user_data")
+    first = ask(c, {"type": "input_file", "file_id": upload.id}, store=True)
+    kept = c.responses.create(model="tiny-chat", previous_response_id=first.id, input="And the map?",
+                              max_output_tokens=1)
+    assert kept.usage.input_tokens > first.usage.input_tokens
+    assert c.files.delete(upload.id).deleted
+    with pytest.raises(openai.NotFoundError) as caught:
+        c.responses.create(model="tiny-chat", previous_response_id=first.id, input="And the map?", max_output_tokens=1)
+    assert (caught.value.body["param"], caught.value.body["code"]) == \
+        ("previous_response_id[0].content[0].file_id", "file_not_found")
+    with pytest.raises(openai.NotFoundError):  # counted as it would run
+        c.responses.input_tokens.count(model="tiny-chat", previous_response_id=first.id, input="And the map?")
+
+
 def test_what_cannot_be_read_is_refused_naming_the_part(server):
     c = client(server)
     pdf = tiny_pdf(GOLD)

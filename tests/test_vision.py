@@ -310,6 +310,11 @@ def test_an_input_image_may_name_an_uploaded_file(server, vlm):
     with pytest.raises(openai.BadRequestError) as caught:  # a vision file is an image
         c.files.create(file=("notes.txt", io.BytesIO(b"not a picture")), purpose="vision")
     assert caught.value.body["code"] == "invalid_file"
+    c.files.delete(f.id)  # read again by a response that continues it: not kept in the stored response
+    with pytest.raises(openai.NotFoundError) as caught:
+        c.responses.create(model="tiny-vlm", previous_response_id=got.id, input="And now?", max_output_tokens=1)
+    assert (caught.value.body["param"], caught.value.body["code"]) == \
+        ("previous_response_id[0].content[0].file_id", "file_not_found")
 
 
 def test_a_vision_file_past_pillows_bomb_guard_is_an_image_too_large_to_read(server):
