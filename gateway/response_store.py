@@ -4,10 +4,10 @@ beside the Batch API's, on the same backend (``batch.store`` in tiers.yaml).
 * ``sqlite`` (the default): a ``responses`` table in the batch store's SQLite file.
 * ``redis://...``: one key per response, ``tg:response:{id}``, on the batch store's Redis.
 
-A record is the response object as the API returns it, the conversation behind it (the
-messages its prompt was built from, without ``instructions``, followed by its own reply), which a
-later request continues with ``previous_response_id``, and its input items as the API lists them
-(``input_items``). A record is visible only to the key that made it: ``get`` and ``delete`` by
+A record is the response object as the API returns it and its input items as the API lists them
+(``input_items``): a later request continues it with ``previous_response_id`` from those items and
+its output, its files read again (a record from before input items were kept has the chat
+messages its prompt was built from instead, ``conversation``, which it continues from). A record is visible only to the key that made it: ``get`` and ``delete`` by
 another key find nothing, so the API answers 404, as it does for files and batches.
 
 A background response (``background: true``) is stored when it is accepted, ``queued``, and
@@ -71,7 +71,9 @@ class StoredResponse:
     owner: str  # key_id of the key that made it
     created_at: int
     response: dict[str, Any]  # the public response object
-    conversation: list[dict[str, Any]]  # chat messages: its input (no instructions), then its reply
+    # a record from before input items were kept: chat messages, its input (no instructions), then its reply;
+    # None since (an inline image would be kept twice a record, and a file already read stay read)
+    conversation: list[dict[str, Any]] | None
     # its input as the Responses API's items (``input_items``): None in a record from before they were kept
     input_items: list[dict[str, Any]] | None = None
     beat: float | None = None  # a background response's last write (epoch seconds); None for the others
@@ -87,7 +89,7 @@ class StoredResponse:
     @classmethod
     def of(cls, response_id: str, doc: str | bytes) -> "StoredResponse":
         d = json.loads(doc)
-        return cls(response_id, d["owner"], d["created_at"], d["response"], d["conversation"], d.get("input_items"),
+        return cls(response_id, d["owner"], d["created_at"], d["response"], d.get("conversation"), d.get("input_items"),
                    d.get("beat"), d.get("request"), d.get("runner"))
 
 

@@ -927,10 +927,6 @@ class Draft:
     def status(self) -> str:
         return "incomplete" if self.reply.finish_reason == "length" else "completed"
 
-    def conversation(self) -> list[dict[str, Any]]:
-        """The conversation a later response continues: this one's input, then its reply."""
-        return self.job.conversation + [self.reply.message()]
-
     async def keep(self, store: ResponseStore | None, owner: str, conversations: ConversationStore | None) -> None:
         """Add the finished response to its conversation, then store it when the request asked to
         (one that its conversation refuses is not stored)."""
@@ -953,8 +949,8 @@ class Draft:
 
     def record(self, status: str, owner: str, error: dict[str, str] | None = None) -> StoredResponse:
         """The stored record of this response at ``status`` (a background one's carries the time)."""
-        return StoredResponse(self.id, owner, self.created_at, self.public(status, error), self.conversation(),
-                              self.job.items, time.time() if self.background else None, self.request, self.runner)
+        return StoredResponse(self.id, owner, self.created_at, self.public(status, error), None, self.job.items,
+                              time.time() if self.background else None, self.request, self.runner)
 
 
 def message_item(item_id: str, text: str, status: str, logprobs: list | None,

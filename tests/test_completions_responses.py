@@ -529,6 +529,23 @@ def test_previous_response_id_continues_the_conversation(server):
     assert second.output_text == spelt.output_text
 
 
+def test_a_stored_response_keeps_its_input_once(server):
+    """A stored response keeps its input items (what ``input_items`` lists and a continuation reads
+    again), not also the chat messages made of them: a chain over a long input (an inline image,
+    say) stores it once a record, where it stored it twice, and a continuation reads it as before."""
+    c, store, owner = client(server), server.app.state.responses, key_id(server.keys["paid"])
+    text = "The gold is under the palm tree. " * 12
+    first = respond(c, text, max_output_tokens=2)
+    second = respond(c, "Where?", previous_response_id=first.id, max_output_tokens=2)
+    third = respond(c, "And the map?", previous_response_id=second.id, max_output_tokens=2)
+    for made in (first, second, third):
+        assert server.wait(store.get(made.id, owner)).doc().count(text) == 1
+    spelt = respond(c, [{"role": "user", "content": text}, {"role": "assistant", "content": first.output_text},
+                        {"role": "user", "content": "Where?"}, {"role": "assistant", "content": second.output_text},
+                        {"role": "user", "content": "And the map?"}], max_output_tokens=2)
+    assert third.usage.input_tokens == spelt.usage.input_tokens
+
+
 def test_a_reasoning_item_in_the_input_is_accepted_and_listed_as_given(server):
     """A reasoning item from an earlier turn (as OpenAI wrote it; the Agents SDK sends them back)
     is accepted and ``input_items`` lists it as sent. Its text goes to the template with the
