@@ -255,21 +255,27 @@ def _compacted(item: dict[str, Any], where: str) -> str:
                       f"{where}.encrypted_content", "invalid_value")
 
 
-def input_messages(items: str | list[dict[str, Any]], name: str = "input", hosts: list[str] = ()) -> list[dict[str, Any]]:
+def input_messages(items: str | list[dict[str, Any]], name: str = "input", hosts: list[str] = (),
+                   places: list[str] | None = None) -> list[dict[str, Any]]:
     """Chat messages of ``input`` (or items called ``name``); 400 naming the item (``input[i]...``)
     that cannot be one. Function calls join the assistant message before them (or start one).
-    ``hosts``: where image URLs may point (``server.image_url_hosts``)."""
+    ``hosts``: where image URLs may point (``server.image_url_hosts``). ``places``: each message's
+    item (``input[i]``) is added to it, to name a chat error's part as the request does (``Places``)."""
     if isinstance(items, str):
+        if places is not None:
+            places.append(name)
         return [{"role": "user", "content": items}]
     if not items:
         raise bad_request(f"{name} must not be an empty list", name)
     out: list[dict[str, Any]] = []
+    origin: list[str] = []  # each message's item
     thought: str | None = None  # a reasoning item's text, for the assistant message after it
     for i, item in enumerate(items):
         where = f"{name}[{i}]"
         kind = item.get("type", "message")
         if thought is not None and not _answers(item):  # a reply that was thinking only (cut short): a turn still
             out.append(_thinking_only(thought))
+            origin.append(f"{name}[{i - 1}]")
             thought = None
         if kind not in _ITEM_KEYS:
             raise bad_request(f"input items of type {str(kind)[:40]!r} are not supported (message, function_call, "
@@ -282,6 +288,7 @@ def input_messages(items: str | list[dict[str, Any]], name: str = "input", hosts
             continue
         if kind == "compaction":
             out.append({"role": "system", "content": COMPACTED + _compacted(item, where)})
+            origin.append(where)
             continue
         if kind == "reasoning":
             if not isinstance(item.get("summary", []), list) or not isinstance(item.get("content", []), list):
@@ -306,10 +313,14 @@ def input_messages(items: str | list[dict[str, Any]], name: str = "input", hosts
         if thought and out[-1]["role"] == "assistant":  # the thinking that led to this reply or call
             out[-1]["reasoning_content"] = thought
         thought = None
+        origin += [where] * (len(out) - len(origin))
     if thought is not None and name != "input":  # the history's last reply was thinking only; the input follows it
         out.append(_thinking_only(thought))
+        origin.append(f"{name}[{len(items) - 1}]")
     if not out and name == "input":  # (a conversation's items may be anything so far)
         raise bad_request(f"{name} holds reasoning items only: no message to answer", name)
+    if places is not None:
+        places += origin
     return out
 
 
@@ -424,16 +435,47 @@ def responses_param(param: str | None) -> str | None:
     return param
 
 
+_CONTINUED = {"previous_response_id": "previous response", "conversation": "conversation"}
+
+
+@dataclass(frozen=True)
+class Places:
+    """Where each chat message of a response's prompt came from (``instructions``, ``input[i]``,
+    ``previous_response_id[i]``, ``conversation[i]``): a chat error about a message's part is named
+    as the request names it, ``input[i].content[j].image_url`` (or ``.detail``), not ``messages[k]...``."""
+
+    paths: tuple[str, ...]
+
+    def name(self, param: str) -> str | None:
+        found = re.match(r"messages\[(\d+)\](.*)", param)
+        if found is None or int(found[1]) >= len(self.paths):
+            return None
+        path, rest = self.paths[int(found[1])], found[2]
+        if path == "instructions":
+            return path
+        part = re.fullmatch(r"\.content\[(\d+)\]\.image_url\.(url|detail)", rest)
+        if part is not None:  # an input_image's fields: image_url (a string), detail
+            rest = f".content[{part[1]}].{'detail' if part[2] == 'detail' else 'image_url'}"
+        return path + rest
+
+    def continued(self) -> str | None:
+        """What the prompt continues (``previous_response_id``, ``conversation``), if anything."""
+        return next((p.split("[")[0] for p in self.paths if p.startswith(("previous_response_id", "conversation"))),
+                    None)
+
+
 @contextlib.contextmanager
-def responses_names():
-    """Errors raised inside name the Responses API's fields."""
+def responses_names(places: Places | None = None):
+    """Errors raised inside name the Responses API's fields (a message's part by ``places``)."""
     try:
         yield
     except APIError as exc:
-        named = responses_param(exc.param)
+        named = (places.name(exc.param) if places is not None and exc.param else None) or responses_param(exc.param)
         if named != exc.param and exc.param:
             exc.message = exc.message.replace(exc.param, named)
             exc.param = named
+        if exc.code == "too_many_images" and places is not None and places.continued():  # not this input's alone
+            exc.message += f" (counting those of the {_CONTINUED[places.continued()]} it continues)"
         raise
 
 
@@ -506,6 +548,7 @@ async def plan_response(svc: Services, caller: Caller, store: ResponseStore | No
     history: list[dict[str, Any]] = []
     items: list[dict[str, Any]] = []
     conversation_id = None
+    paths: list[str] = []  # each chat message's place in the request (``Places``)
     if body.conversation is not None:
         conversation_id = body.conversation if isinstance(body.conversation, str) else body.conversation.id
         if body.previous_response_id is not None:
@@ -514,7 +557,7 @@ async def plan_response(svc: Services, caller: Caller, store: ResponseStore | No
         if found is None:
             raise not_found(f"no conversation with id '{conversation_id}'", "conversation")
         history = input_messages(await read_files(svc, caller, found, "conversation"), "conversation",
-                                 svc.config.server.image_url_hosts) if found else []
+                                 svc.config.server.image_url_hosts, paths) if found else []
         items = found
     if body.previous_response_id is not None:
         previous = await store.get(body.previous_response_id, caller.key_id) if store is not None else None
@@ -526,18 +569,20 @@ async def plan_response(svc: Services, caller: Caller, store: ResponseStore | No
                               "response can be continued", "previous_response_id")
         items = input_items(previous) + previous.response.get("output", [])
         # read again from its items, as a conversation's are: a file deleted since is a 404, not kept in the record
-        history = previous.conversation if previous.input_items is None else \
-            input_messages(await read_files(svc, caller, items, "previous_response_id"), "previous_response_id",
-                           svc.config.server.image_url_hosts)
+        if previous.input_items is None:  # (a record from before they were kept)
+            history, paths = previous.conversation, ["previous_response_id"] * len(previous.conversation)
+        else:
+            history = input_messages(await read_files(svc, caller, items, "previous_response_id"),
+                                     "previous_response_id", svc.config.server.image_url_hosts, paths)
     await svc.adapters.ready(body.model, body.adapters)
     image = _first_image(body.input)
     if image is not None:  # named here as an input item: chat's check would name a message
         check_reads_images(resolve_request(svc, body.model, body.adapters, "chat")[0], image)
     conversation = history + (input_messages(await read_files(svc, caller, body.input),
-                                             hosts=svc.config.server.image_url_hosts)
+                                             hosts=svc.config.server.image_url_hosts, places=paths)
                               if body.input is not None else [])
     system = [{"role": "system", "content": body.instructions}] if body.instructions else []
-    with responses_names():
+    with responses_names(Places(tuple(["instructions"] * len(system) + paths))):
         chat = parse(ChatCompletionRequest, chat_body(body, system + conversation))
         job = await with_images(svc, plan_chat(svc, chat))
         if not prepare:  # checked now, searched when it runs (``prepared`` looks its stores up again then)

@@ -75,7 +75,7 @@ def request_images(body: ChatCompletionRequest, spec: ModelSpec, config: Config)
     limits = config.limits
     if len(places) > limits.chat_max_images:
         i, j, _ = places[limits.chat_max_images]
-        raise bad_request(f"the request has {len(places)} images, above this server's limit of {limits.chat_max_images}",
+        raise bad_request(f"the prompt has {len(places)} images, above this server's limit of {limits.chat_max_images}",
                           f"messages[{i}].content[{j}]", "too_many_images")
     return tuple(read_image_url(part.image_url.url, f"messages[{i}].content[{j}].image_url.url",
                                 config.server.image_url_hosts) for i, j, part in places)

@@ -204,6 +204,7 @@ def image_part(url: str) -> dict:
 
 
 TEXT = {"type": "text", "text": "What is in the picture?"}
+TEXT_IN = {"type": "input_text", "text": TEXT["text"]}
 
 
 def test_the_openai_sdk_sends_an_image_and_gets_the_models_reply(server, vlm):
@@ -254,6 +255,34 @@ def test_the_responses_api_takes_input_image_parts(server, vlm):
             {"type": "input_text", "text": "x"}, {"type": "input_image", "image_url": data_url(image)}]}])
     assert (caught.value.body["param"], caught.value.body["code"]) == ("input[0].content[1].type",
                                                                        "image_input_not_supported")
+
+
+def test_a_responses_image_error_names_its_input_item(server):
+    """An image refused by chat's checks (too many, a bad ``detail``, a long data: URL that is not
+    an image) is named as the request names it, ``input[i].content[j]...``, whatever comes before
+    it (instructions, earlier items), not ``input.content[j]``; too many images counted with those
+    of the response it continues says so."""
+    c = client(server)
+    image = {"type": "input_image", "image_url": data_url(picture(3))}
+    earlier = [{"role": "user", "content": "first"}, {"role": "assistant", "content": "ok"}]
+    not_image = {"type": "input_image", "image_url": "data:image/png;base64," + base64.b64encode(b"x" * 70_000).decode()}
+    for kw, param, code in [
+        ({"input": earlier + [{"role": "user", "content": [image] * 3}]}, "input[2].content[2]", "too_many_images"),
+        ({"input": earlier + [{"role": "user", "content": [TEXT_IN, {**image, "detail": "bogus"}]}]},
+         "input[2].content[1].detail", "invalid_value"),
+        ({"instructions": "Be brief.", "input": earlier + [{"role": "user", "content": [TEXT_IN, not_image]}]},
+         "input[2].content[1].image_url", "invalid_image"),
+    ]:
+        with pytest.raises(openai.BadRequestError) as caught:
+            c.responses.create(model="tiny-vlm", max_output_tokens=1, **kw)
+        assert (caught.value.body["param"], caught.value.body.get("code")) == (param, code), kw
+    first = c.responses.create(model="tiny-vlm", max_output_tokens=1, input=[{"role": "user", "content": [image] * 2}])
+    with pytest.raises(openai.BadRequestError) as caught:
+        c.responses.create(model="tiny-vlm", max_output_tokens=1, previous_response_id=first.id,
+                           input=[{"role": "user", "content": [TEXT_IN, image]}])
+    assert (caught.value.body["param"], caught.value.body["code"]) == ("input[0].content[1]", "too_many_images")
+    assert "the prompt has 3 images" in caught.value.body["message"]
+    assert "previous response it continues" in caught.value.body["message"]
 
 
 def test_an_input_image_may_name_an_uploaded_file(server, vlm):
