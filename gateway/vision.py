@@ -7,8 +7,11 @@ over ``INLINE_DECODE`` is decoded on a thread, in :func:`resolve_images`: 10 MiB
 ~27 ms, which the event loop would otherwise not spend on anyone else): a PNG,
 JPEG, WebP or single-frame GIF of at most ``MAX_PIXELS``, at most ``limits.chat_max_images`` of
 them, for a model whose folder has a vision tower (``ModelInfo.images``). Each refusal is a 400
-naming the part (``messages[i].content[j].image_url.url``). The pixels are decoded later, off the
-event loop, by the engine (``workers.chat_prompt.vision_inputs``).
+naming the part (``messages[i].content[j].image_url.url``). :func:`resolve_images` then decodes
+every image's pixels on a thread, one at a time, still before admission: a file cut short or
+damaged past its header is that 400 too (``invalid_image``), not a failure in the engine after a
+slot was taken and the request metered. The engine decodes them again for the model's processor
+(``workers.chat_prompt.vision_inputs``), off the event loop.
 
 The Responses API's ``input_image`` may name an uploaded file instead (``file_id``: the caller's
 file of purpose ``vision`` or ``user_data``), read as that file's data: URL
@@ -47,21 +50,23 @@ INLINE_DECODE = 64 * 1024  # base64 characters a data: URL may have to be decode
 
 @dataclass(frozen=True)
 class PendingImage:
-    """An image part not read yet (:func:`resolve_images`): an http(s) URL on a listed host, or a
-    data: URL too long to decode on the event loop."""
+    """An image part not read yet (:func:`resolve_images`): an http(s) URL on a listed host, a
+    data: URL too long to decode on the event loop, or ``data``, a file whose header was read and
+    whose pixels are still to decode."""
 
     url: str
     param: str  # the part, for a 400
+    data: bytes | None = None
 
     @property
     def remote(self) -> bool:
         return is_remote(self.url)
 
 
-def request_images(body: ChatCompletionRequest, spec: ModelSpec, config: Config) -> tuple[bytes | PendingImage, ...]:
-    """The images of ``body``'s image parts, in order: encoded files, and those still to read;
-    () without any. 400 for a model that reads no images, too many images, or one that is not
-    an image this server reads or fetches."""
+def request_images(body: ChatCompletionRequest, spec: ModelSpec, config: Config) -> tuple[PendingImage, ...]:
+    """The images of ``body``'s image parts, in order, to read (:func:`resolve_images`); () without
+    any. 400 for a model that reads no images, too many images, or one that is not an image
+    this server reads or fetches (from its header)."""
     for m in body.messages:
         if isinstance(m.content, list):
             break
@@ -77,25 +82,46 @@ def request_images(body: ChatCompletionRequest, spec: ModelSpec, config: Config)
         i, j, _ = places[limits.chat_max_images]
         raise bad_request(f"the prompt has {len(places)} images, above this server's limit of {limits.chat_max_images}",
                           f"messages[{i}].content[{j}]", "too_many_images")
-    return tuple(read_image_url(part.image_url.url, f"messages[{i}].content[{j}].image_url.url",
-                                config.server.image_url_hosts) for i, j, part in places)
+    return tuple(_pending(part.image_url.url, f"messages[{i}].content[{j}].image_url.url",
+                          config.server.image_url_hosts) for i, j, part in places)
+
+
+def _pending(url: str, param: str, hosts: list[str]) -> PendingImage:
+    read = read_image_url(url, param, hosts)
+    return read if isinstance(read, PendingImage) else PendingImage(url, param, read)
 
 
 async def resolve_images(images: tuple[bytes | PendingImage, ...], limits: LimitsConfig) -> tuple[bytes, ...]:
-    """``images`` with every pending one read (at the same time) and checked: fetched, or decoded
-    on a thread."""
+    """``images`` with every pending one read (fetched at the same time, long data: URLs decoded on
+    a thread) and checked, then its pixels decoded on a thread, one image at a time (a decoded
+    4096x4096 image is 64 MiB): a 400 naming the part for one that does not decode."""
     if not any(isinstance(image, PendingImage) for image in images):
         return images  # type: ignore[return-value]
-    async with client(limits.image_fetch_timeout_s) as http:
-        return tuple(await asyncio.gather(*(_read(http, image, limits) for image in images)))
+    if any(isinstance(image, PendingImage) and image.remote for image in images):
+        async with client(limits.image_fetch_timeout_s) as http:
+            files = await asyncio.gather(*(_read(http, image, limits) for image in images))
+    else:
+        files = [await _read(None, image, limits) for image in images]
+    pending = [(data, image.param) for data, image in zip(files, images) if isinstance(image, PendingImage)]
+    await asyncio.to_thread(_check_pixels, pending)
+    return tuple(files)
 
 
 async def _read(http, image: bytes | PendingImage, limits: LimitsConfig) -> bytes:
     if not isinstance(image, PendingImage):
         return image
+    if image.data is not None:
+        return image.data
     if image.remote:
         return await _fetch(http, image, limits)
     return await asyncio.to_thread(_decode, image.url, _DATA_URL.match(image.url).end(), image.param)
+
+
+def _check_pixels(images: list[tuple[bytes, str]]) -> None:
+    """Each image's pixels decoded (then let go): one cut short or damaged past its header is a 400
+    naming its part (``invalid_image``) here, before admission, not the engine's failure after it."""
+    for data, param in images:
+        read_image(data, param, FORMATS, MAX_PIXELS, lambda image: image.load())
 
 
 async def _fetch(http, image: PendingImage, limits: LimitsConfig) -> bytes:

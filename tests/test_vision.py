@@ -416,6 +416,34 @@ def test_what_cannot_be_read_as_an_image_gets_a_400_naming_the_part(server, mode
     assert isinstance(err["message"], str) and err["message"]
 
 
+def test_an_image_cut_short_is_refused_before_admission_naming_the_part(server):
+    """A PNG or JPEG whose header reads but whose data is cut short has its pixels decoded before
+    the request is admitted: a 400 ``invalid_image`` naming the part, as a file that is not an
+    image gets, with nothing metered (it failed in the engine, named ``messages``, after it was)."""
+    import httpx
+
+    c = client(server, "subscriber")
+
+    def usage() -> list[dict]:
+        return httpx.get(f"{server.base_url}/usage", headers={"Authorization": f"Bearer {server.keys['subscriber']}"},
+                         timeout=30).json()["data"]
+
+    before = usage()
+    for fmt, media in [("PNG", "image/png"), ("JPEG", "image/jpeg")]:
+        whole = picture(5, size=(64, 64), fmt=fmt)
+        cut = data_url(whole[:len(whole) // 2], media)
+        with pytest.raises(openai.BadRequestError) as caught:
+            c.chat.completions.create(model="tiny-vlm", max_tokens=2, messages=user(TEXT, image_part(cut)))
+        assert (caught.value.body["param"], caught.value.body["code"]) == \
+            ("messages[0].content[1].image_url.url", "invalid_image"), fmt
+        with pytest.raises(openai.BadRequestError) as caught:
+            c.responses.create(model="tiny-vlm", max_output_tokens=2, input=[{"role": "user", "content": [
+                TEXT_IN, {"type": "input_image", "image_url": cut}]}])
+        assert (caught.value.body["param"], caught.value.body["code"]) == \
+            ("input[0].content[1].image_url", "invalid_image")
+    assert usage() == before
+
+
 def test_a_single_frame_gif_is_read(server, vlm):
     got = client(server).chat.completions.create(model="tiny-vlm", max_tokens=2,
                                                  messages=user(image_part(data_url(_gif(1), "image/gif")), TEXT))
