@@ -19,7 +19,7 @@ from gateway.errors import bad_request
 
 
 def is_remote(url: str) -> bool:
-    return url.startswith(("http://", "https://"))
+    return url[:8].lower().startswith(("http://", "https://"))  # a scheme is case-insensitive (RFC 3986)
 
 
 def listed(url: str, hosts: list[str]) -> bool:

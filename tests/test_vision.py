@@ -467,7 +467,8 @@ def test_only_listed_hosts_are_fetched_and_a_star_covers_subdomains():
     from gateway.vision import PendingImage, read_image_url
 
     hosts = ["*.example.com", "images.test"]
-    for url in ("https://a.example.com/x.png", "http://b.a.example.com:8080/x.png", "https://IMAGES.test/y.jpg"):
+    for url in ("https://a.example.com/x.png", "http://b.a.example.com:8080/x.png", "https://IMAGES.test/y.jpg",
+                "HTTPS://a.example.com/x.png"):  # a scheme in any case (it was refused as not a data: URL)
         assert read_image_url(url, "p", hosts) == PendingImage(url, "p")
     for url in ("https://example.com/x.png", "https://evil.test/a.example.com/x.png", "https://images.test.evil/x",
                 "https://a.example.com.evil/x.png", "https://a.example.com@evil.test/x.png"):
