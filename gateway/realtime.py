@@ -566,7 +566,8 @@ class TranscriptionSession:
             self._buffered += len(audio)
             self._start -= len(audio)
             raise
-        await self.send({"type": "input_audio_buffer.committed", "item_id": item, "previous_item_id": self._previous})
+        previous = self._placed(item)
+        await self.send({"type": "input_audio_buffer.committed", "item_id": item, "previous_item_id": previous})
         self._previous = item
         self._speech = None
         if heard:
@@ -574,6 +575,11 @@ class TranscriptionSession:
         else:
             self._restart_detector()
         self._transcribe_later(item, audio)
+
+    def _placed(self, item: str) -> str | None:
+        """The committed utterance ``item`` placed: the id of the item before it (here the last
+        committed; a conversation places its user item among its own)."""
+        return self._previous
 
     def _room_for(self, seconds: float) -> None:
         """429 when ``seconds`` more audio would pass what a session may have waiting to be

@@ -555,8 +555,7 @@ class ConversationSession(TranscriptionSession):
         at = len(self.items) if previous is None else 0 if previous == "root" else \
             next(i for i, entry in enumerate(self.items) if entry["id"] == previous) + 1
         self.items.insert(at, item)
-        await self.send({"type": "conversation.item.added", "previous_item_id": self.items[at - 1]["id"] if at else None,
-                         "item": item})
+        await self.send({"type": "conversation.item.added", "previous_item_id": self._before(item), "item": item})
 
     def _item(self, item_id: object, param: str = "item_id") -> dict:
         """The conversation's item ``item_id`` (an error naming ``param`` when it has none)."""
@@ -597,8 +596,22 @@ class ConversationSession(TranscriptionSession):
         except APIError:
             del self._heard[item]
             raise
-        await self._add({"id": item, "type": "message", "object": "realtime.item", "status": "completed",
-                         "role": "user", "content": [{"type": "input_audio", "transcript": None}]})
+        entry = next((i for i in self.items if i["id"] == item), None)
+        if entry is not None:  # (not deleted meanwhile)
+            await self.send({"type": "conversation.item.added", "previous_item_id": self._before(entry), "item": entry})
+
+    def _placed(self, item: str) -> str | None:
+        """A committed utterance's user item goes last in the conversation as it is committed, so
+        that ``input_audio_buffer.committed`` and ``conversation.item.added`` name the same item
+        before it."""
+        self.items.append({"id": item, "type": "message", "object": "realtime.item", "status": "completed",
+                           "role": "user", "content": [{"type": "input_audio", "transcript": None}]})
+        return self._before(self.items[-1])
+
+    def _before(self, item: dict) -> str | None:
+        """The id of the conversation's item before ``item`` (None: it is first)."""
+        at = next(i for i, entry in enumerate(self.items) if entry is item)
+        return self.items[at - 1]["id"] if at else None
 
     async def transcribed(self, item: str, transcript: str | None) -> None:
         """The user item of a committed utterance (or of a message created with audio) gets its

@@ -1301,3 +1301,31 @@ def test_a_long_conversation_drops_its_oldest_turns_unless_truncation_is_disable
 
     error = asyncio.run(ratio())
     assert (error.param, error.code) == ("session.truncation", "unsupported_value")
+
+
+def test_committed_audio_names_the_item_before_it_in_the_conversation(server):
+    """``input_audio_buffer.committed``'s ``previous_item_id`` is the conversation's item before the
+    user item, the one its ``conversation.item.added`` names: a text item before the first turn,
+    the assistant's reply before the next (not the last committed audio)."""
+    speech = spoken("Where is the gold hidden?", rate=RATE)
+
+    async def turn(conn) -> tuple[str | None, str | None]:
+        await conn.input_audio_buffer.append(audio=b64(speech))
+        await conn.input_audio_buffer.commit()
+        committed = (await events_until(conn, "input_audio_buffer.committed"))[-1]
+        added = (await events_until(conn, "conversation.item.added"))[-1]
+        assert added.item.id == committed.item_id
+        return committed.previous_item_id, added.previous_item_id
+
+    async def run():
+        async with client(server).realtime.connect(model="tiny-chat") as conn:
+            await begin(conn, {**MANUAL, "output_modalities": ["text"]}, text=None)
+            await conn.conversation.item.create(item=user("item_text1", ASK))
+            first = await turn(conn)
+            await conn.response.create()
+            reply = (await events_until(conn, "response.done"))[-1].response.output[0].id
+            return first, reply, await turn(conn)
+
+    first, reply, second = asyncio.run(run())
+    assert first == ("item_text1", "item_text1")
+    assert second == (reply, reply)
