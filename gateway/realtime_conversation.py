@@ -109,6 +109,25 @@ def _speed(value: object, param: str) -> float:
     return float(value)
 
 
+def _tool_choice(choice: object, param: str) -> Any:
+    """A ``tool_choice`` as the Realtime API takes it (``auto``, ``none``, ``required`` or
+    ``{"type": "function", "name"}``), as chat takes it (``APIError`` naming ``param``); OpenAI's
+    MCP choice names a tool of a kind not served here."""
+    if isinstance(choice, str) and choice in ("auto", "none", "required"):
+        return choice
+    if isinstance(choice, dict) and choice.get("type") == "mcp":
+        raise bad_request("MCP tools are not served here: tool_choice names a function tool", f"{param}.type",
+                          "unsupported_value")
+    if not isinstance(choice, dict) or choice.get("type") != "function":
+        raise bad_request('tool_choice is "auto", "none", "required" or {"type": "function", "name": ...}', param,
+                          "invalid_value" if isinstance(choice, (str, dict)) else "invalid_type")
+    for key in sorted(set(choice) - {"type", "name"}):
+        raise bad_request(f"unknown field tool_choice.{key}", f"{param}.{key}", "unknown_parameter")
+    if not isinstance(choice.get("name"), str) or not choice["name"]:
+        raise bad_request("tool_choice.name is the function's name", f"{param}.name", "invalid_type")
+    return {"type": "function", "function": {"name": choice["name"]}}
+
+
 def _choice_shown(choice: Any) -> Any:
     """A tool choice as the Realtime API shows it (a named function flat, as it takes it)."""
     if isinstance(choice, dict) and "function" in choice:
@@ -448,15 +467,19 @@ class ConversationSession(TranscriptionSession):
             if not isinstance(tool, dict) or tool.get("type", "function") != "function":
                 raise bad_request("only function tools are served here", f"{where}.tools[{i}].type", "invalid_value")
             chat_tools.append({"type": "function", "function": {k: v for k, v in tool.items() if k != "type"}})
-        choice = conversing.tool_choice if choice is None else choice
-        if isinstance(choice, dict) and choice.get("type") == "function" and "name" in choice:
-            choice = {"type": "function", "function": {"name": choice["name"]}}
+        sent = choice is not None
+        choice = _tool_choice(choice, f"{where}.tool_choice") if sent else conversing.tool_choice
+        if isinstance(choice, dict) and not chat_tools:  # (chat checks a choice only beside its tools)
+            raise bad_request(f"tool_choice names the function {choice['function']['name']!r}, and there are no "
+                              "tools", f"{where}.tool_choice" if sent else f"{where}.tools", "invalid_value")
         try:
             plan_chat(self.svc, parse(ChatCompletionRequest, {
                 "model": conversing.model, "messages": [{"role": "user", "content": "-"}],
                 **({"tools": chat_tools, "tool_choice": choice} if chat_tools else {})}))
         except APIError as exc:
             param = (exc.param or "tools").replace(".function.", ".").replace(".function", "")
+            if param.startswith("tool_choice") and not sent:  # the session's choice, which these tools leave out
+                param = "tools"
             raise APIError(exc.status, exc.message, exc.code, f"{where}.{param}") from None
         return replace(conversing, tools=tuple(chat_tools), tool_choice=choice)
 

@@ -1329,3 +1329,38 @@ def test_committed_audio_names_the_item_before_it_in_the_conversation(server):
     first, reply, second = asyncio.run(run())
     assert first == ("item_text1", "item_text1")
     assert second == (reply, reply)
+
+
+def test_tool_choice_is_checked_with_or_without_tools_naming_the_field_sent(server):
+    """``tool_choice`` is checked whenever it is sent, tools or none: a value OpenAI does not take,
+    a function no tool has and an MCP choice (no MCP tools here) are errors naming it; a session
+    whose named choice the new ``tools`` leave out is an error naming ``tools``, the field sent."""
+    weather = {"type": "function", "name": "get_weather", "parameters": {"type": "object", "properties": {}}}
+
+    async def run():
+        async with client(server).realtime.connect(model="tiny-chat") as conn:
+            await begin(conn, {**MANUAL, "output_modalities": ["text"]}, text=None)
+            refusals = []
+            for choice in (5, "sometimes", {"type": "function", "name": "nope"}, {"type": "function"},
+                           {"type": "mcp", "server_label": "deepwiki"}):
+                await conn.send({"type": "session.update", "session": {"type": "realtime", "tool_choice": choice}})
+                refusals.append((await events_until(conn, "error"))[-1].error)
+            await conn.send({"type": "response.create", "response": {"tool_choice": "sometimes"}})
+            refusals.append((await events_until(conn, "error"))[-1].error)
+            await conn.session.update(session={"type": "realtime", "tool_choice": "required"})  # no tools: kept
+            required = (await events_until(conn, "session.updated"))[-1].session.tool_choice
+            await conn.session.update(session={"type": "realtime", "tools": [weather],
+                                               "tool_choice": {"type": "function", "name": "get_weather"}})
+            await events_until(conn, "session.updated")
+            await conn.send({"type": "session.update", "session": {"type": "realtime", "tools": [
+                {**weather, "name": "get_time"}]}})
+            refusals.append((await events_until(conn, "error"))[-1].error)
+            return refusals, required
+
+    refusals, required = asyncio.run(run())
+    assert [(r.param, r.code) for r in refusals] == [
+        ("session.tool_choice", "invalid_type"), ("session.tool_choice", "invalid_value"),
+        ("session.tool_choice", "invalid_value"), ("session.tool_choice.name", "invalid_type"),
+        ("session.tool_choice.type", "unsupported_value"), ("response.tool_choice", "invalid_value"),
+        ("session.tools", "invalid_value")]
+    assert required == "required" and "get_weather" in refusals[-1].message
