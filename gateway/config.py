@@ -361,6 +361,12 @@ class LimitsConfig(_Strict):
     speech_max_chars: int = Field(default=4096, ge=1)
     transcription_max_bytes: Size = parse_size("25MiB")  # the uploaded file
     transcription_max_seconds: float = Field(default=1800.0, gt=0)  # of decoded audio
+    # a Realtime session's length, as OpenAI's 60 minutes: then an error event (session_expired) and a close
+    realtime_max_session_s: float = Field(default=3600.0, gt=0)
+    # a Realtime conversation's items, and their text all together (characters): a conversation.item.create past
+    # either is an error event (deleting items makes room); its turns and replies, metered requests, go on
+    realtime_max_items: int = Field(default=4096, ge=1)
+    realtime_max_chars: int = Field(default=4_000_000, ge=1)
     embed_max_inputs: int = Field(default=256, ge=1)  # inputs in one /v1/embeddings request
     moderation_max_inputs: int = Field(default=64, ge=1)  # texts in one /v1/moderations (or /classify) request
     # characters of a structured_outputs regex, grammar or choices (all together): what xgrammar compiles

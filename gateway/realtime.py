@@ -20,7 +20,9 @@ lease on the model like any other request, is metered by its audio seconds, and 
 utterances are transcribed in order. The key is checked once, at the handshake (the
 ``Authorization`` header, or for a browser, which cannot set one, the subprotocol
 ``openai-insecure-api-key.<key>``, as OpenAI takes it; a refused key gets an HTTP error before the
-upgrade). ``tiergate_realtime_sessions{tier}`` counts the sessions open.
+upgrade). ``tiergate_realtime_sessions{tier}`` counts the sessions open. A session lasts at most
+``limits.realtime_max_session_s`` (OpenAI's 60 minutes): then an ``error`` event,
+``session_expired``, and a normal close.
 
 Audio formats, as OpenAI names them: ``{"type": "audio/pcm", "rate": 24000}`` (16-bit mono
 little-endian, the default), and telephone audio, ``{"type": "audio/pcmu"}`` (G.711 mu-law) or
@@ -342,7 +344,11 @@ class TranscriptionSession:
         await self.send({"type": "session.created", "session": self.config.as_event(self.id)})
         transcriber = asyncio.create_task(self._transcribe_all())
         try:
-            await self._read()
+            try:
+                async with asyncio.timeout(self.limits.realtime_max_session_s):
+                    await self._read()
+            except TimeoutError:
+                await self._expired()
         finally:
             self.gone.set()
             self._forget_pause()
@@ -359,6 +365,18 @@ class TranscriptionSession:
             if self.ws.application_state == WebSocketState.CONNECTED:
                 with contextlib.suppress(WebSocketDisconnect, RuntimeError):  # the client left meanwhile
                     await self.ws.send_text(json.dumps(event))
+
+    async def _expired(self) -> None:
+        """The session reached ``limits.realtime_max_session_s`` (OpenAI's 60 minutes): an
+        ``error`` event, ``session_expired``, and the socket closed normally."""
+        limit = self.limits.realtime_max_session_s
+        length = f"{limit / 60:g} minutes" if limit % 60 == 0 else f"{limit:g} seconds"
+        await self.error(APIError(400, f"Your session hit the maximum duration of {length}: open a new one",
+                                  "session_expired"), None)
+        async with self._send_lock:  # (after any event being sent)
+            if self.ws.application_state == WebSocketState.CONNECTED:
+                with contextlib.suppress(WebSocketDisconnect, RuntimeError):
+                    await self.ws.close(code=1000, reason="session_expired")
 
     async def error(self, exc: APIError, event_id: str | None) -> None:
         await self.send({"type": "error", "error": {"type": exc.type, "code": exc.code, "message": exc.message,

@@ -59,6 +59,9 @@ reads a tool call and a tool message.
 With no speech-to-text model on the server (none the key may use) a session takes text turns
 only (no turn detection; the audio buffer's events are refused).
 
+A conversation holds at most ``limits.realtime_max_items`` items and ``realtime_max_chars`` of
+text: ``conversation.item.create`` past either is an ``error`` (``conversation_too_large``).
+
 Not served (an ``error`` event naming it): items other than messages and function call outputs.
 """
 
@@ -107,6 +110,12 @@ def _speed(value: object, param: str) -> float:
     if not SPEED[0] <= value <= SPEED[1]:
         raise bad_request(f"speed must be between {SPEED[0]} and {SPEED[1]}, not {value}", param, "invalid_value")
     return float(value)
+
+
+def _chars(item: dict) -> int:
+    """The text a conversation item holds: its parts' text or transcript, a call's arguments, its output."""
+    return sum(len(p.get("text") or p.get("transcript") or "") for p in item.get("content") or ()) + \
+        len(item.get("arguments") or "") + len(item.get("output") or "")
 
 
 def _tool_choice(choice: object, param: str) -> Any:
@@ -519,6 +528,7 @@ class ConversationSession(TranscriptionSession):
             added = {"id": item.get("id") if isinstance(item.get("id"), str) else _new_id("item"),
                      "type": "function_call_output", "object": "realtime.item", "status": "completed",
                      "call_id": item["call_id"], "output": item["output"]}
+            self._room_for_item(added)
             await self._add(added, previous)
             await self.send({"type": "conversation.item.done", "item": added})
             return
@@ -548,6 +558,7 @@ class ConversationSession(TranscriptionSession):
                    for p in content]  # (the words: a spoken part's sound is not kept)
         added = {"id": item_id, "type": "message", "object": "realtime.item", "status": "completed", "role": role,
                  "content": content}
+        self._room_for_item(added)
         await self._add(added, previous)
         await self.send({"type": "conversation.item.done", "item": added})
 
@@ -567,11 +578,26 @@ class ConversationSession(TranscriptionSession):
             raise bad_request(f"the audio is {seconds * 1000:.0f} ms: at least {MIN_COMMIT_S * 1000:.0f} ms are needed",
                               "item.content[0].audio", "invalid_value")
         self._room_for(seconds)
+        self._room_for_item({})  # (its transcript is bounded by the audio's limits)
         self._heard[item_id] = asyncio.Event()
         self._typed_audio.add(item_id)
         await self._add({"id": item_id, "type": "message", "object": "realtime.item", "status": "completed",
                          "role": "user", "content": [{"type": "input_audio", "transcript": None}]}, previous)
         self._transcribe_later(item_id, samples)
+
+    def _room_for_item(self, item: dict) -> None:
+        """A ``conversation.item.create``'s ``item`` fits the conversation: ``limits.realtime_max_items``
+        items, and ``realtime_max_chars`` of text all together (the client's items are requests of
+        no one's; the turns and replies, each a metered request of the tier, go on past them)."""
+        limits = self.limits
+        if len(self.items) >= limits.realtime_max_items:
+            raise bad_request(f"the conversation holds {len(self.items)} items, this server's limit: delete some "
+                              "(conversation.item.delete) to add more", "item", "conversation_too_large")
+        chars = sum(map(_chars, self.items)) + _chars(item)
+        if chars > limits.realtime_max_chars:
+            raise bad_request(f"the conversation's text would be {chars} characters, above this server's limit of "
+                              f"{limits.realtime_max_chars}: delete items (conversation.item.delete) to add this one",
+                              "item", "conversation_too_large")
 
     async def _add(self, item: dict, previous: str | None = None) -> None:
         """Add ``item`` after the item ``previous`` ("root": first; None: last)."""

@@ -977,3 +977,28 @@ def test_turn_model_must_name_a_chat_model(tiny_chat, tiny_stt, tmp_path):
         load_config(with_turn_model(write_config(tmp_path / "bad", models), tiny_stt, "tiny-stt"))
     good = load_config(with_turn_model(write_config(tmp_path / "good", models), tiny_stt, "tiny-chat"))
     assert good.models[1].turn_model == "tiny-chat"
+
+
+def test_a_session_ends_at_its_maximum_length_with_an_error_event_and_a_normal_close(server, monkeypatch):
+    """A session open ``limits.realtime_max_session_s`` (OpenAI's 60 minutes) gets an ``error``
+    event, ``session_expired``, and the socket is closed normally (1000); the next one opens."""
+    config = server.services.config
+    monkeypatch.setattr(server.services, "config", config.model_copy(update={"limits": config.limits.model_copy(
+        update={"realtime_max_session_s": 1.5})}))
+
+    async def run():
+        events = []
+        async with websockets.connect(server.url.replace("http", "ws") + "/v1/realtime",
+                                      additional_headers={"Authorization": f"Bearer {server.keys['paid']}"}) as ws:
+            async with asyncio.timeout(30):
+                with pytest.raises(websockets.exceptions.ConnectionClosedOK):
+                    while True:
+                        events.append(json.loads(await ws.recv()))
+            return events, ws.close_code, ws.close_reason
+
+    events, code, reason = asyncio.run(run())
+    assert [e["type"] for e in events] == ["session.created", "error"]
+    error = events[-1]["error"]
+    assert error["code"] == "session_expired" and error["type"] == "invalid_request_error"
+    assert "1.5 seconds" in error["message"] and error["event_id"] is None
+    assert (code, reason) == (1000, "session_expired")

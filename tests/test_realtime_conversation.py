@@ -1364,3 +1364,38 @@ def test_tool_choice_is_checked_with_or_without_tools_naming_the_field_sent(serv
         ("session.tool_choice.type", "unsupported_value"), ("response.tool_choice", "invalid_value"),
         ("session.tools", "invalid_value")]
     assert required == "required" and "get_weather" in refusals[-1].message
+
+
+def test_a_conversation_s_items_are_bounded_and_deleting_makes_room(server, monkeypatch):
+    """``conversation.item.create`` past ``limits.realtime_max_items`` items, or past
+    ``realtime_max_chars`` of text in the conversation, is an ``error`` event
+    (``conversation_too_large``) and adds nothing; deleting items makes room; replies go on."""
+    config = server.services.config
+    monkeypatch.setattr(server.services, "config", config.model_copy(update={"limits": config.limits.model_copy(
+        update={"realtime_max_items": 3, "realtime_max_chars": 1000})}))
+
+    async def create(conn, item: dict):
+        await conn.send({"type": "conversation.item.create", "item": item})
+        async for event in conn:
+            if event.type in ("conversation.item.done", "error"):
+                return event
+
+    async def run():
+        async with client(server).realtime.connect(model="tiny-chat") as conn:
+            await begin(conn, {**MANUAL, "output_modalities": ["text"], "max_output_tokens": 4}, text=None)
+            out = [await create(conn, user("a", "x" * 1001)), await create(conn, user("a", "x" * 600)),
+                   await create(conn, user("b", "x" * 401)), await create(conn, user("b", "x" * 300))]
+            await conn.response.create()  # a third item, the reply: replies go on
+            out.append((await events_until(conn, "response.done"))[-1])
+            out.append(await create(conn, user("c", "y")))
+            await conn.conversation.item.delete(item_id="a")
+            await events_until(conn, "conversation.item.deleted")
+            out.append(await create(conn, user("c", "y")))
+            return out
+
+    too_long, a, too_much, b, reply, too_many, c = asyncio.run(run())
+    for refused in (too_long, too_much, too_many):
+        assert refused.type == "error" and refused.error.code == "conversation_too_large", refused
+        assert refused.error.param == "item"
+    assert "1001 characters" in too_long.error.message and "3 items" in too_many.error.message
+    assert (a.item.id, b.item.id, c.item.id) == ("a", "b", "c") and reply.response.status == "completed"
