@@ -36,7 +36,8 @@ as 24 kHz PCM16 with its transcript. OpenAI's protocol, as its SDK speaks it:
   time as ``response.output_audio.delta`` while the rest is written, in deltas of at most 100 ms
   (``gateway.audio.AUDIO_DELTA_BYTES``) (``response.output_text.delta``
   with text output), the ``.done`` events in reverse order, and ``response.done`` with its usage. One response at a time;
-  ``response.cancel`` stops it (``response.done`` with ``status: "cancelled"``).
+  ``response.cancel`` stops it (``response.done`` with ``status: "cancelled"``, reason
+  ``client_cancelled``; ``turn_detected`` where the user's speech did).
 * Out-of-band responses: ``response.create`` with ``conversation: "none"`` answers beside the
   conversation (its items are not added to it, its ``conversation_id`` is null), as many at once
   as the client asks, each cancelled by its ``response_id``; ``input`` (item references and text
@@ -171,12 +172,12 @@ class _Response:
     metadata: dict | None = None
     task: asyncio.Task | None = None
     started: bool = False  # its task has begun (a task cancelled before it begins never runs its cleanup)
-    cancelled: bool = False
+    cancelled: str | None = None  # why it was: "client_cancelled" (response.cancel) or "turn_detected" (speech)
     items: list[dict[str, Any]] = field(default_factory=list)
 
-    def cancel(self) -> None:
+    def cancel(self, reason: str = "client_cancelled") -> None:
         """Stop it: at once when it has begun, else as it begins (it then ends cancelled)."""
-        self.cancelled = True
+        self.cancelled = self.cancelled or reason
         if self.started and self.task is not None:
             self.task.cancel()
 
@@ -294,7 +295,7 @@ class ConversationSession(TranscriptionSession):
         """With ``interrupt_response``, the user's turn starting (server_vad) cancels the response in
         progress; what it wrote stays, as its transcript so far."""
         if self.conversing.interrupt_response and self._response is not None:
-            self._response.cancel()
+            self._response.cancel("turn_detected")
 
     def _not_idle(self) -> None:
         if self._idle is not None:
@@ -760,7 +761,7 @@ class ConversationSession(TranscriptionSession):
     def _shown(self, response: _Response, status: str, usage: dict | None = None, error: dict | None = None) -> dict:
         details = None if error is None else {"type": "failed", "error": error}
         if status == "cancelled":
-            details = {"type": "cancelled", "reason": "client_cancelled"}
+            details = {"type": "cancelled", "reason": response.cancelled}
         return {"object": "realtime.response", "id": response.id, "status": status, "status_details": details,
                 "output": response.items, "conversation_id": self.id if response.conversation else None,
                 "output_modalities": list(response.settings.modalities), "metadata": response.metadata,
