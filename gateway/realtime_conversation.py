@@ -35,7 +35,8 @@ as 24 kHz PCM16 with its transcript. OpenAI's protocol, as its SDK speaks it:
   ``response.output_audio_transcript.delta`` events as it is written, and its speech a phrase at a
   time as ``response.output_audio.delta`` while the rest is written, in deltas of at most 100 ms
   (``gateway.audio.AUDIO_DELTA_BYTES``) (``response.output_text.delta``
-  with text output), the ``.done`` events in reverse order, and ``response.done`` with its usage. One response at a time;
+  with text output), the ``.done`` events in reverse order, and ``response.done`` with its usage (as
+  metered: a cancelled reply's too). One response at a time;
   ``response.cancel`` stops it (``response.done`` with ``status: "cancelled"``, reason
   ``client_cancelled``; ``turn_detected`` where the user's speech did).
 * Out-of-band responses: ``response.create`` with ``conversation: "none"`` answers beside the
@@ -89,7 +90,7 @@ from gateway.input_audio import chat_engine
 from gateway.output_audio import PCM16_RATE, Voice, phrases_of, say
 from gateway.realtime import (DEFAULT_VAD, FORMATS, MIN_COMMIT_S, RATE, SessionConfig, TranscriptionSession, _audio_bytes,
                               _new_id, _object, audio_format, detection_event, judge_of, noise_event, updated)
-from gateway.request_log import note
+from gateway.request_log import RequestRecord, note, tallied
 from gateway.turn_end import SemanticVad
 from gateway.schemas import ChatCompletionRequest, parse, read_json
 from gateway.responses import fitting
@@ -111,6 +112,16 @@ def _speed(value: object, param: str) -> float:
     if not SPEED[0] <= value <= SPEED[1]:
         raise bad_request(f"speed must be between {SPEED[0]} and {SPEED[1]}, not {value}", param, "invalid_value")
     return float(value)
+
+
+def _usage(record: RequestRecord | None) -> dict:
+    """A response's ``usage``: its chat's tokens as they were metered (a cancelled reply's, as far
+    as its engine had counted them), from the response's own record (``tallied``)."""
+    prompt = (record.prompt_tokens or 0) if record is not None else 0
+    completion = (record.completion_tokens or 0) if record is not None else 0
+    return {"total_tokens": prompt + completion, "input_tokens": prompt, "output_tokens": completion,
+            "input_token_details": {"text_tokens": prompt, "audio_tokens": 0, "cached_tokens": 0},
+            "output_token_details": {"text_tokens": completion, "audio_tokens": 0}}
 
 
 def _chars(item: dict) -> int:
@@ -174,6 +185,7 @@ class _Response:
     started: bool = False  # its task has begun (a task cancelled before it begins never runs its cleanup)
     cancelled: str | None = None  # why it was: "client_cancelled" (response.cancel) or "turn_detected" (speech)
     items: list[dict[str, Any]] = field(default_factory=list)
+    record: RequestRecord | None = None  # what its steps cost, as the serving core counts them (``tallied``)
 
     def cancel(self, reason: str = "client_cancelled") -> None:
         """Stop it: at once when it has begun, else as it begins (it then ends cancelled)."""
@@ -773,18 +785,21 @@ class ConversationSession(TranscriptionSession):
         if after is not None and after.task is not None and not after.task.done():
             await asyncio.wait([after.task])  # (a cancel meanwhile only marks this one: it ends as it begins)
         response.started = True
+        response.record = tallied()  # its chat's tokens, a cut one's too, as they are metered
         try:
             await self.send({"type": "response.created", "response": self._shown(response, "in_progress")})
             if response.cancelled:  # before it began
                 raise asyncio.CancelledError()
-            usage = await self._answer(response, settings)
+            await self._answer(response, settings)
         except ClientGone:  # the session closed: nobody to answer
             if response.cancelled:
-                await self.send({"type": "response.done", "response": self._shown(response, "cancelled")})
+                await self.send({"type": "response.done", "response": self._shown(response, "cancelled",
+                                                                                  _usage(response.record))})
         except asyncio.CancelledError:
             if not response.cancelled:  # the session closed
                 raise
-            await self.send({"type": "response.done", "response": self._shown(response, "cancelled")})
+            await self.send({"type": "response.done", "response": self._shown(response, "cancelled",
+                                                                              _usage(response.record))})
         except APIError as exc:
             error = {"type": exc.type, "code": exc.code, "message": exc.message, "param": exc.param}
             await self.send({"type": "error", "error": {**error, "event_id": None}})
@@ -794,7 +809,8 @@ class ConversationSession(TranscriptionSession):
             error = {"type": "server_error", "code": "server_error", "message": "the response failed", "param": None}
             await self.send({"type": "response.done", "response": self._shown(response, "failed", error=error)})
         else:
-            await self.send({"type": "response.done", "response": self._shown(response, "completed", usage)})
+            await self.send({"type": "response.done", "response": self._shown(response, "completed",
+                                                                              _usage(response.record))})
         finally:
             if self._response is response:
                 self._response = None
@@ -852,7 +868,7 @@ class ConversationSession(TranscriptionSession):
         if telephone is not None:
             await send(telephone.flush())
 
-    async def _answer(self, response: _Response, settings: Conversing) -> dict:
+    async def _answer(self, response: _Response, settings: Conversing) -> None:
         if response.context is None:
             for heard in list(self._heard.values()):  # the turns committed before it, transcribed
                 await heard.wait()
@@ -878,7 +894,6 @@ class ConversationSession(TranscriptionSession):
         base: dict = {}
         calls: dict[int, tuple[dict, int]] = {}  # a tool call's index -> its function_call item, its output index
         written: list[str] = []
-        finished = None
         # the speech follows the words a phrase at a time: a task says each phrase as soon as it is
         # written, while the reply goes on; the writing never waits for the speech
         phrases: asyncio.Queue[str | None] = asyncio.Queue()
@@ -938,8 +953,6 @@ class ConversationSession(TranscriptionSession):
                             await self.send({"type": "response.function_call_arguments.delta", "response_id": response.id,
                                              "item_id": item["id"], "output_index": index, "call_id": item["call_id"],
                                              "delta": call.arguments})
-                    if delta.finished is not None:
-                        finished = delta.finished
             if message is None and not calls:  # nothing written: an empty message, as a reply of no words
                 await open_message()
             if message is not None:  # (what a retrieve shows while the speech goes on)
@@ -983,11 +996,6 @@ class ConversationSession(TranscriptionSession):
                              "item": item})
             if response.conversation:
                 await self.send({"type": "conversation.item.done", "item": item})
-        prompt = finished.prompt_tokens if finished else 0
-        completion = finished.completion_tokens if finished else 0
-        return {"total_tokens": prompt + completion, "input_tokens": prompt, "output_tokens": completion,
-                "input_token_details": {"text_tokens": prompt, "audio_tokens": 0, "cached_tokens": 0},
-                "output_token_details": {"text_tokens": completion, "audio_tokens": 0}}
 
 
 # -- the endpoint: a transcription session or a conversation ------------------------------------

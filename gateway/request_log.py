@@ -86,6 +86,16 @@ def current() -> RequestRecord | None:
     return _current.get()
 
 
+def tallied() -> RequestRecord:
+    """A record of its own, never logged, for this task and those it starts from here on: what
+    their steps cost is noted in it as in an HTTP request's (the serving core's tokens, a cut
+    reply's as its engine counted them), for one that reports it itself (a Realtime response,
+    the session's request, whose ``usage`` is what was metered)."""
+    record = RequestRecord(f"req_{new_id()}", "", "")
+    _current.set(record)
+    return record
+
+
 def note(**fields: Any) -> None:
     """Set ``fields`` on the current request's record, if there is one."""
     record = _current.get()

@@ -210,8 +210,8 @@ def test_text_output_cancel_and_refusals_leave_the_session_open(server):
 
 def test_the_user_speaking_interrupts_the_reply_and_the_conversation_keeps_what_was_written(server):
     """server_vad with interrupt_response (the default): speech that starts while a reply is being
-    written or said cancels it (``reason: "turn_detected"``, as OpenAI's); the conversation goes on
-    with the words it had written."""
+    written or said cancels it (``reason: "turn_detected"``, as OpenAI's, with the usage metered
+    so far); the conversation goes on with the words it had written."""
     speech = spoken("Stop, and listen to me.", rate=RATE)
 
     async def run():
@@ -228,7 +228,7 @@ def test_the_user_speaking_interrupts_the_reply_and_the_conversation_keeps_what_
     assert "input_audio_buffer.speech_started" in kinds
     done = events[-1].response
     assert done.status == "cancelled" and done.status_details.reason == "turn_detected"  # (not the client's cancel)
-    assert done.output[0].status == "incomplete"
+    assert done.output[0].status == "incomplete" and done.usage.output_tokens > 0
 
 
 async def sdk_session(server: RunningServer, agent, **settings):
@@ -1302,6 +1302,42 @@ def test_a_long_conversation_drops_its_oldest_turns_unless_truncation_is_disable
 
     error = asyncio.run(ratio())
     assert (error.param, error.code) == ("session.truncation", "unsupported_value")
+
+
+def managed_key(server: RunningServer, **limits) -> str:
+    """A new paid key of its own (its usage and buckets no other test's), with ``limits``."""
+    import httpx
+
+    made = httpx.post(f"{server.url}/admin/keys", json={"name": "rt", "tier": "paid", "limits": limits},
+                      headers={"Authorization": f"Bearer {server.keys['admin']}"}, timeout=30)
+    assert made.status_code == 201, made.text
+    return made.json()["value"]
+
+
+def test_a_cancelled_response_reports_the_usage_that_was_metered(server):
+    """``response.cancel`` mid-reply: the cancelled ``response.done`` carries the tokens the key
+    was metered for it (the prompt, and the reply as far as the engine had written it), not null."""
+    import httpx
+
+    key = managed_key(server)
+
+    async def run():
+        conn_client = AsyncOpenAI(base_url=server.base_url, api_key=key, max_retries=0)
+        async with conn_client.realtime.connect(model="tiny-chat") as conn:
+            await begin(conn, {**MANUAL, "output_modalities": ["text"], "max_output_tokens": 200})
+            await conn.response.create()
+            for _ in range(3):
+                await events_until(conn, "response.output_text.delta")
+            await conn.response.cancel()
+            return await events_until(conn, "response.done")
+
+    done = asyncio.run(run())[-1].response
+    assert done.status == "cancelled" and done.status_details.reason == "client_cancelled"
+    usage = httpx.get(f"{server.base_url}/usage", headers={"Authorization": f"Bearer {key}"}).json()["data"]
+    metered = (sum(r.get("input_tokens", 0) for r in usage), sum(r.get("output_tokens", 0) for r in usage))
+    assert done.usage is not None and metered[1] >= 3
+    assert (done.usage.input_tokens, done.usage.output_tokens) == metered
+    assert done.usage.total_tokens == sum(metered)
 
 
 def test_committed_audio_names_the_item_before_it_in_the_conversation(server):
