@@ -36,7 +36,8 @@ as 24 kHz PCM16 with its transcript. OpenAI's protocol, as its SDK speaks it:
   time as ``response.output_audio.delta`` while the rest is written, in deltas of at most 100 ms
   (``gateway.audio.AUDIO_DELTA_BYTES``) (``response.output_text.delta``
   with text output), the ``.done`` events in reverse order, and ``response.done`` with its usage (as
-  metered: a cancelled reply's too). One response at a time;
+  metered: a cancelled reply's too), ``status: "incomplete"`` (reason ``max_output_tokens``) where
+  that limit cut it. One response at a time;
   ``response.cancel`` stops it (``response.done`` with ``status: "cancelled"``, reason
   ``client_cancelled``; ``turn_detected`` where the user's speech did).
 * Out-of-band responses: ``response.create`` with ``conversation: "none"`` answers beside the
@@ -72,6 +73,7 @@ from __future__ import annotations
 import asyncio
 import base64
 import contextlib
+import json
 import logging
 import re
 from dataclasses import dataclass, field, replace
@@ -128,6 +130,15 @@ def _chars(item: dict) -> int:
     """The text a conversation item holds: its parts' text or transcript, a call's arguments, its output."""
     return sum(len(p.get("text") or p.get("transcript") or "") for p in item.get("content") or ()) + \
         len(item.get("arguments") or "") + len(item.get("output") or "")
+
+
+def _whole(arguments: str) -> bool:
+    """A function call's arguments are whole JSON (those of a call cut short are not)."""
+    try:
+        json.loads(arguments)
+    except ValueError:
+        return False
+    return True
 
 
 def _tool_choice(choice: object, param: str) -> Any:
@@ -774,6 +785,8 @@ class ConversationSession(TranscriptionSession):
         details = None if error is None else {"type": "failed", "error": error}
         if status == "cancelled":
             details = {"type": "cancelled", "reason": response.cancelled}
+        elif status == "incomplete":  # (OpenAI's other reason, content_filter, has no filter here to give it)
+            details = {"type": "incomplete", "reason": "max_output_tokens"}
         return {"object": "realtime.response", "id": response.id, "status": status, "status_details": details,
                 "output": response.items, "conversation_id": self.id if response.conversation else None,
                 "output_modalities": list(response.settings.modalities), "metadata": response.metadata,
@@ -790,7 +803,7 @@ class ConversationSession(TranscriptionSession):
             await self.send({"type": "response.created", "response": self._shown(response, "in_progress")})
             if response.cancelled:  # before it began
                 raise asyncio.CancelledError()
-            await self._answer(response, settings)
+            cut = await self._answer(response, settings)
         except ClientGone:  # the session closed: nobody to answer
             if response.cancelled:
                 await self.send({"type": "response.done", "response": self._shown(response, "cancelled",
@@ -809,8 +822,9 @@ class ConversationSession(TranscriptionSession):
             error = {"type": "server_error", "code": "server_error", "message": "the response failed", "param": None}
             await self.send({"type": "response.done", "response": self._shown(response, "failed", error=error)})
         else:
-            await self.send({"type": "response.done", "response": self._shown(response, "completed",
-                                                                              _usage(response.record))})
+            status = "incomplete" if cut else "completed"
+            shown = self._shown(response, status, _usage(response.record))
+            await self.send({"type": "response.done", "response": shown})
         finally:
             if self._response is response:
                 self._response = None
@@ -868,7 +882,9 @@ class ConversationSession(TranscriptionSession):
         if telephone is not None:
             await send(telephone.flush())
 
-    async def _answer(self, response: _Response, settings: Conversing) -> None:
+    async def _answer(self, response: _Response, settings: Conversing) -> bool:
+        """Write (and say) ``response``'s reply; True when ``max_output_tokens`` cut it (its items
+        are then ``incomplete``)."""
         if response.context is None:
             for heard in list(self._heard.values()):  # the turns committed before it, transcribed
                 await heard.wait()
@@ -894,6 +910,7 @@ class ConversationSession(TranscriptionSession):
         base: dict = {}
         calls: dict[int, tuple[dict, int]] = {}  # a tool call's index -> its function_call item, its output index
         written: list[str] = []
+        finished = None
         # the speech follows the words a phrase at a time: a task says each phrase as soon as it is
         # written, while the reply goes on; the writing never waits for the speech
         phrases: asyncio.Queue[str | None] = asyncio.Queue()
@@ -953,6 +970,8 @@ class ConversationSession(TranscriptionSession):
                             await self.send({"type": "response.function_call_arguments.delta", "response_id": response.id,
                                              "item_id": item["id"], "output_index": index, "call_id": item["call_id"],
                                              "delta": call.arguments})
+                    if delta.finished is not None:
+                        finished = delta.finished
             if message is None and not calls:  # nothing written: an empty message, as a reply of no words
                 await open_message()
             if message is not None:  # (what a retrieve shows while the speech goes on)
@@ -974,6 +993,13 @@ class ConversationSession(TranscriptionSession):
             raise
         whole = "".join(written)
         text = kept(whole)
+        cut = finished is not None and finished.finish_reason == "length"
+
+        def ended(item: dict) -> str:
+            """``incomplete``: the item the limit cut (the last written; a call only when its
+            arguments are not whole JSON, as a call whose end the parser has is whole)."""
+            last = item is response.items[-1] and not (item["type"] == "function_call" and _whole(item["arguments"]))
+            return "incomplete" if cut and last else "completed"
         if message is not None:
             if audio:
                 await self.send({"type": "response.output_audio.done", **base})
@@ -982,13 +1008,13 @@ class ConversationSession(TranscriptionSession):
                 await self.send({"type": "response.output_text.done", **base, "text": text})
             part = {"type": part_type, said_as: text}
             await self.send({"type": "response.content_part.done", **base, "part": {**part, "type": event_part}})
-            message.update(status="completed", content=[{**part, said_as: kept(whole)}])  # (a truncate meanwhile)
+            message.update(status=ended(message), content=[{**part, said_as: kept(whole)}])  # (a truncate meanwhile)
             await self.send({"type": "response.output_item.done", "response_id": response.id,
                              "output_index": base["output_index"], "item": message})
             if response.conversation:
                 await self.send({"type": "conversation.item.done", "item": message})
         for item, index in calls.values():
-            item["status"] = "completed"
+            item["status"] = ended(item)
             await self.send({"type": "response.function_call_arguments.done", "response_id": response.id,
                              "item_id": item["id"], "output_index": index, "call_id": item["call_id"],
                              "name": item["name"], "arguments": item["arguments"]})
@@ -996,6 +1022,7 @@ class ConversationSession(TranscriptionSession):
                              "item": item})
             if response.conversation:
                 await self.send({"type": "conversation.item.done", "item": item})
+        return cut
 
 
 # -- the endpoint: a transcription session or a conversation ------------------------------------

@@ -239,7 +239,7 @@ def test_a_realtime_conversation_through_the_ingress(cluster):
     created, reply = asyncio.run(conversation())
     assert created.session.model == "c"
     text = "".join(e.delta for e in reply if e.type == "response.output_text.delta")
-    assert reply[-1].response.status == "completed"
+    assert reply[-1].response.status in ("completed", "incomplete")  # (max_output_tokens may cut it)
     assert text == expected.choices[0].message.content
     headers, during = asyncio.run(raw())
     assert headers["x-tiergate-replica"] == holder  # the session ran where c is resident
