@@ -394,13 +394,19 @@ class Accounts:
     async def headers(self, caller: Caller) -> dict[str, str]:
         """The key's rate-limit headers as they stand now (for responses that spent nothing; none
         while the store does not answer)."""
+        return rate_headers(await self.buckets(caller))
+
+    async def buckets(self, caller: Caller) -> dict[str, Bucket]:
+        """The key's ``requests`` and ``tokens`` per-minute buckets as they stand now, those it has
+        (none while the store does not answer): what its ``x-ratelimit-*`` headers say."""
         limits = self.limits(caller.key_id, caller.tier)
         if not (limits.requests_per_min or limits.tokens_per_min):
             return {}
         try:
-            return rate_headers(await self.limiter.peek(caller.key_id, limits))
-        except STORE_ERRORS:  # the response is decided already: it goes without them
+            buckets = await self.limiter.peek(caller.key_id, limits)
+        except STORE_ERRORS:  # what asked is decided already: it goes without them
             return {}
+        return {dim: buckets[dim] for dim in ("requests", "tokens") if dim in buckets}
 
 
 _NO_LIMITS = Limits()

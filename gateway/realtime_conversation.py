@@ -39,7 +39,8 @@ as 24 kHz PCM16 with its transcript. OpenAI's protocol, as its SDK speaks it:
   metered: a cancelled reply's too), ``status: "incomplete"`` (reason ``max_output_tokens``) where
   that limit cut it. One response at a time;
   ``response.cancel`` stops it (``response.done`` with ``status: "cancelled"``, reason
-  ``client_cancelled``; ``turn_detected`` where the user's speech did).
+  ``client_cancelled``; ``turn_detected`` where the user's speech did). A key with per-minute
+  limits gets ``rate_limits.updated`` after each ``response.done``.
 * Out-of-band responses: ``response.create`` with ``conversation: "none"`` answers beside the
   conversation (its items are not added to it, its ``conversation_id`` is null), as many at once
   as the client asks, each cancelled by its ``response_id``; ``input`` (item references and text
@@ -831,6 +832,19 @@ class ConversationSession(TranscriptionSession):
                 self._idle_after(response)
             self._side.pop(response.id, None)
             self._ending.pop(response.id, None)
+        await self._rate_limits()
+
+    async def _rate_limits(self) -> None:
+        """``rate_limits.updated`` after a response's ``response.done``, for a key with per-minute
+        request or token limits: its buckets as the response left them, the figures its HTTP
+        ``x-ratelimit-*`` headers carry (a key without any gets none)."""
+        if self.gone.is_set or self.svc.accounts is None:
+            return
+        buckets = await self.svc.accounts.buckets(self.caller)
+        if buckets:
+            await self.send({"type": "rate_limits.updated", "rate_limits": [
+                {"name": name, "limit": int(b.limit), "remaining": int(b.remaining),
+                 "reset_seconds": round(b.reset_s, 3)} for name, b in buckets.items()]})
 
     def _idle_after(self, response: _Response) -> None:
         """Start ``idle_timeout_ms``'s wait once the conversation's response is over: after its

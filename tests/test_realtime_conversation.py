@@ -1431,6 +1431,36 @@ def test_tool_choice_is_checked_with_or_without_tools_naming_the_field_sent(serv
     assert required == "required" and "get_weather" in refusals[-1].message
 
 
+def test_rate_limits_updated_follows_each_response_with_the_keys_header_figures(server):
+    """A key with per-minute limits gets ``rate_limits.updated`` after each ``response.done``: its
+    ``requests`` and ``tokens`` buckets as the response left them, the figures an HTTP answer's
+    ``x-ratelimit-*`` headers then carry; a key without limits gets none."""
+    import httpx
+
+    key = managed_key(server, requests_per_min=5, tokens_per_min=100_000)
+
+    async def run(api_key: str):
+        async with AsyncOpenAI(base_url=server.base_url, api_key=api_key, max_retries=0).realtime.connect(
+                model="tiny-chat") as conn:
+            await begin(conn, {**MANUAL, "output_modalities": ["text"], "max_output_tokens": 4})
+            await conn.response.create()
+            await events_until(conn, "response.done")
+            await conn.send({"type": "conversation.item.retrieve", "item_id": "nope"})  # a marker: the next error
+            events = await events_until(conn, "error")
+            headers = httpx.get(f"{server.base_url}/models", headers={"Authorization": f"Bearer {api_key}"}).headers
+            return [e for e in events if e.type == "rate_limits.updated"], headers
+
+    updates, headers = asyncio.run(run(key))
+    assert len(updates) == 1
+    limits = {r.name: r for r in updates[0].rate_limits}
+    assert limits["requests"].limit == int(headers["x-ratelimit-limit-requests"]) == 5
+    assert limits["requests"].remaining == int(headers["x-ratelimit-remaining-requests"]) == 4
+    assert limits["tokens"].limit == int(headers["x-ratelimit-limit-tokens"]) == 100_000
+    assert abs(limits["tokens"].remaining - int(headers["x-ratelimit-remaining-tokens"])) < 100_000 / 60 * 5
+    assert 0 < limits["requests"].reset_seconds <= 60
+    assert asyncio.run(run(server.keys["paid"]))[0] == []
+
+
 def test_a_conversation_s_items_are_bounded_and_deleting_makes_room(server, monkeypatch):
     """``conversation.item.create`` past ``limits.realtime_max_items`` items, or past
     ``realtime_max_chars`` of text in the conversation, is an ``error`` event
