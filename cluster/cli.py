@@ -41,7 +41,7 @@ def run(config_path: str, address: str | None, demo: bool) -> int:
     ports = {port: "cluster.port"} | ({port + 1: "cluster.port + 1, Serve's proxy"}
                                       if is_direct(serve_settings(port)) else {})
     for each, what in ports.items():
-        if (error := wait_for_port(config.cluster.host, each, may_be_used=address is not None, what=what)) is not None:
+        if (error := check_port(config.cluster.host, each, may_be_used=address is not None, what=what)) is not None:
             print(f"tiergate: {error}", file=sys.stderr)
             return 2
     import ray
@@ -79,12 +79,12 @@ def run(config_path: str, address: str | None, demo: bool) -> int:
 
 
 APP = "tiergate"  # the Serve application's name
-TIME_WAIT_S = 65  # Linux keeps a closed connection's port in TIME_WAIT for 60 s
 
 
 def port_state(host: str, port: int) -> str:
-    """"free", "closing" (held only by connections of a process that stopped: TIME_WAIT) or "in use",
-    as Serve's direct ingress binds it: without SO_REUSEADDR, so a closing port fails it too."""
+    """"free", "closing" (held only by connections of a process that stopped, TIME_WAIT, whose
+    listener bound with SO_REUSEADDR) or "in use" (a listener, or closing connections a bind with
+    SO_REUSEADDR cannot pass: their listener bound without it)."""
     import socket
 
     for reuse in (False, True):
@@ -99,25 +99,13 @@ def port_state(host: str, port: int) -> str:
     return "in use"
 
 
-def wait_for_port(host: str, port: int, wait_s: float = TIME_WAIT_S, may_be_used: bool = False,
-                  what: str = "cluster.port") -> str | None:
-    """None once this node's ingress can bind ``host:port``, waiting out a last run's closing
-    connections (a restart right after a stop: the ingress failed to bind, and Serve's deploy with
-    it); else the one-line reason it cannot. ``may_be_used``: a listener there is no reason (an
-    ingress of a Serve already running on the cluster)."""
-    import time
-
-    state = port_state(host, port)
-    if state == "closing":
-        print(f"tiergate: port {port} is still held by the last run's closed connections (TIME_WAIT); "
-              f"waiting up to {wait_s:g} s for it", file=sys.stderr)
-        deadline = time.monotonic() + wait_s
-        while (state := port_state(host, port)) == "closing" and time.monotonic() < deadline:
-            time.sleep(0.5)
-    if state == "free" or (state == "in use" and may_be_used):
+def check_port(host: str, port: int, may_be_used: bool = False, what: str = "cluster.port") -> str | None:
+    """None when this node's ingress (or Serve's proxy) can bind ``host:port``, else the one-line
+    reason it cannot. Both bind with SO_REUSEADDR (the ingress: ``cluster.settings.reuse_address``),
+    so a last run's closed connections (TIME_WAIT, a restart right after a stop) are no reason.
+    ``may_be_used``: a listener there is none either (an ingress of a Serve already running on the cluster)."""
+    if port_state(host, port) != "in use" or may_be_used:
         return None
-    if state == "closing":
-        return f"port {port} on {host} is still held by closed connections (TIME_WAIT) after {wait_s:g} s"
     return f"port {port} on {host} ({what}) is in use by another process"
 
 

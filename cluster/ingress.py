@@ -64,7 +64,7 @@ from starlette.responses import JSONResponse, Response, StreamingResponse
 from cluster.quota import early_refusal
 from cluster.deployments import largest_body, shared_store
 from cluster.scrape import merged
-from cluster.settings import in_effect
+from cluster.settings import in_effect, reuse_address
 from accounts.store import STORE_ERRORS
 from arbiter.events import EventLog
 from gateway.accounts import Accounts
@@ -90,6 +90,9 @@ class Ingress:
     def __init__(self, config_path: str, keys: dict[str, list[str]], admin_keys: list[str],
                  deployments: dict[str, dict]) -> None:
         """``deployments``: name -> {"models", "replicas", "handle"} (``cluster.app``)."""
+        # before Serve binds cluster.port for this ingress: a replacement binds it through the TIME_WAIT
+        # connections of one that died (cluster.settings.reuse_address)
+        self.reuses_address = reuse_address()
         self.config = shared_store(load_config(Path(config_path)))
         self.max_body = largest_body(self.config.limits, self.config.batch)  # what crosses to a replica whole
         self.keys = KeyRing(keys, admin_keys)
@@ -167,10 +170,12 @@ class Ingress:
         return _WithCors(response, self.cors[0]) if self.cors else response
 
     def serve_settings(self) -> dict:
-        """The Serve settings in this ingress's process (``cluster.settings``) and how its calls to
-        the replicas travel: "grpc" or "actor task" (by reference)."""
+        """The Serve settings in this ingress's process (``cluster.settings``), how its calls to the
+        replicas travel ("grpc" or "actor task": by reference) and whether its port is bound with
+        SO_REUSEADDR (``cluster.settings.reuse_address``)."""
         by_reference = {t.answer.handle_options._by_reference for t in self.deployments}
-        return {**in_effect(), "replica_calls": sorted("actor task" if r else "grpc" for r in by_reference)}
+        return {**in_effect(), "replica_calls": sorted("actor task" if r else "grpc" for r in by_reference),
+                "reuses_address": self.reuses_address}
 
     async def _serve(self, request: Request, path: str, caller: Caller | None) -> Response:
         """``caller`` None: a keyless probe (``/readyz``), carried as the top tier's."""

@@ -14,7 +14,12 @@ proxy again) or another one tried without a code change.
 
 from __future__ import annotations
 
+import inspect
+import logging
 import os
+import socket
+
+log = logging.getLogger("tiergate.cluster")
 
 SERVE_SETTINGS = {
     # Handle calls (ingress -> replica) and the proxy's calls (proxy -> ingress) go over gRPC
@@ -84,6 +89,53 @@ def direct_ingress(port: int, ports: int = 1) -> dict[str, str]:
     return {DIRECT_INGRESS: "1", "RAY_SERVE_DIRECT_INGRESS_MIN_HTTP_PORT": str(port),
             "RAY_SERVE_DIRECT_INGRESS_MAX_HTTP_PORT": str(port + ports), "RAY_SERVE_PORT_QUARANTINE_S": "0",
             "RAY_SERVE_DIRECT_INGRESS_MIN_DRAINING_PERIOD_S": "0"}
+
+
+def reuse_address() -> bool:
+    """Make Serve's direct ingress in this process bind its HTTP port with SO_REUSEADDR, as uvicorn
+    and Serve's own proxy do; True once it does. Called in the ingress's process
+    (``Ingress.__init__``), which Serve binds only after the ingress is made.
+
+    Serve (2.60) binds it without (``http_util.start_asgi_http_server``, called with
+    ``enable_so_reuseport=False``; no setting changes that). An ingress that died with connections
+    open (an OOM kill, a crash) leaves them in TIME_WAIT for a minute, so its replacement could not
+    bind ``cluster.port``; Serve then takes the port for another service's and never offers it again
+    (``release_replica_port(block_port=True)``), and with tiergate's range of one port every later
+    replacement failed: the node's port never answered again (hunt CC, finding 1). With SO_REUSEADDR
+    on both the dead listener and the new one, Linux lets the new one bind through the TIME_WAIT
+    connections, while a port another process listens on still fails it. SO_REUSEPORT (which Serve's
+    helper sets beside it when asked for reuse) is left off: it would let a live listener share the port.
+
+    The patch: the replica module's name for Serve's helper asks it for reuse, and the helper's
+    reuse step sets SO_REUSEADDR alone. Applied only where Serve's code is as described (the
+    helper takes ``enable_so_reuseport`` and calls ``set_socket_reuse_port`` by its module's name);
+    otherwise logged, and Serve binds as it does by itself."""
+    from ray.serve._private import http_util, replica
+
+    if replica.start_asgi_http_server is _start_reusing_address:
+        return True
+    helper = http_util.start_asgi_http_server
+    if (replica.start_asgi_http_server is not helper or "set_socket_reuse_port" not in helper.__code__.co_names
+            or "enable_so_reuseport" not in inspect.signature(helper).parameters):
+        log.warning("this Ray Serve binds its direct ingress differently: cluster.port is bound without SO_REUSEADDR, "
+                    "so an ingress that dies with connections open may leave it unbound (docs/CLUSTER.md)")
+        return False
+    http_util.set_socket_reuse_port = _reuse_address_only
+    replica.start_asgi_http_server = _start_reusing_address
+    return True
+
+
+async def _start_reusing_address(app, options, *, event_loop, enable_so_reuseport: bool = False):
+    """Serve's helper, always asked for reuse (its one caller here, the direct ingress, asks for none)."""
+    from ray.serve._private import http_util
+
+    return await http_util.start_asgi_http_server(app, options, event_loop=event_loop, enable_so_reuseport=True)
+
+
+def _reuse_address_only(sock: socket.socket) -> bool:
+    """The helper's reuse step in the ingress's process (its only user there): SO_REUSEADDR, no SO_REUSEPORT."""
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+    return True
 
 
 def serve_settings(ingress_port: int | None = None, ports: int = 1, largest_body: int = 0) -> dict[str, str]:

@@ -131,32 +131,84 @@ def test_the_hops_grpc_messages_fit_the_largest_body_the_server_accepts(tmp_path
     assert runtime_env(config=load_config(path))["env_vars"][GRPC_MESSAGE] == "12345"
 
 
-def test_a_restart_waits_out_the_last_runs_closing_port_and_names_a_port_in_use(capsys):
-    """Serve's direct ingress binds ``cluster.port`` without SO_REUSEADDR, so a restart within a
-    minute of a stop that had connections open failed with a RuntimeError traceback (the port in
-    TIME_WAIT). ``tiergate cluster`` first waits for such a port (saying so), and names a port
-    another process listens on in one line."""
+def test_a_restart_right_after_a_stop_starts_at_once_and_names_a_port_in_use(capsys):
+    """A restart within a minute of a stop that had connections open found ``cluster.port`` held by
+    them (TIME_WAIT). The ingress and Serve's proxy now bind with SO_REUSEADDR, through such
+    connections, so ``tiergate cluster`` starts at once (it waited up to 65 s); a port another
+    process listens on is named in one line."""
     import socket
 
-    from cluster.cli import port_state, wait_for_port
+    from cluster.cli import check_port, port_state
 
     listener = socket.socket()
-    listener.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+    listener.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)  # as the ingress binds
     listener.bind(("127.0.0.1", 0))
     listener.listen()
     port = listener.getsockname()[1]
     assert port_state("127.0.0.1", port) == "in use"
-    assert wait_for_port("127.0.0.1", port) == f"port {port} on 127.0.0.1 (cluster.port) is in use by another process"
-    assert wait_for_port("127.0.0.1", port, may_be_used=True) is None  # a Serve already running there
+    assert check_port("127.0.0.1", port) == f"port {port} on 127.0.0.1 (cluster.port) is in use by another process"
+    assert check_port("127.0.0.1", port, may_be_used=True) is None  # a Serve already running there
     client = socket.create_connection(("127.0.0.1", port))
     served, _ = listener.accept()
     served.close()  # the server's side closes first: its end of the connection stays in TIME_WAIT
     client.close()
     listener.close()
     assert port_state("127.0.0.1", port) == "closing"
-    error = wait_for_port("127.0.0.1", port, wait_s=0.6)
-    assert error == f"port {port} on 127.0.0.1 is still held by closed connections (TIME_WAIT) after 0.6 s"
-    assert f"port {port} is still held by the last run's closed connections" in capsys.readouterr().err
+    assert check_port("127.0.0.1", port) is None
+    assert capsys.readouterr().err == ""
+
+
+def test_a_replacement_ingress_binds_the_port_its_dead_predecessors_connections_still_hold(monkeypatch):
+    """Serve's direct ingress bound ``cluster.port`` without SO_REUSEADDR: when an ingress died with
+    connections open (TIME_WAIT for a minute), its replacement could not bind the port, Serve took it
+    for another service's and never offered it again, and the node's port never answered again
+    (hunt CC, finding 1). In the ingress's process Serve now binds with SO_REUSEADDR
+    (``cluster.settings.reuse_address``), so a replacement serves on the port at once, while a port
+    another process listens on still fails it."""
+    import socket
+
+    import httpx
+    from ray.serve._private import http_util, replica
+    from ray.serve.config import HTTPOptions
+
+    from cluster.settings import reuse_address
+    from tests.helpers import spare_port
+
+    for module, name in ((replica, "start_asgi_http_server"), (http_util, "set_socket_reuse_port")):
+        monkeypatch.setattr(module, name, getattr(module, name))  # Serve as it was, after the test
+    assert reuse_address()  # the installed Serve binds as the patch expects
+    port = spare_port()
+    url = f"http://127.0.0.1:{port}/"
+
+    async def app(scope, receive, send) -> None:
+        await send({"type": "http.response.start", "status": 200, "headers": []})
+        await send({"type": "http.response.body", "body": b"ok"})
+
+    async def ingress():
+        """Serve's direct ingress server on ``port``, as the replica starts it."""
+        options = HTTPOptions(host="127.0.0.1", port=port)
+        task, server = await replica.start_asgi_http_server(app, options, event_loop=asyncio.get_running_loop())
+        while not server.started:
+            await asyncio.sleep(0.01)
+        return task, server
+
+    async def scenario() -> None:
+        task, server = await ingress()
+        async with httpx.AsyncClient() as client:  # its connection stays open
+            assert (await client.get(url)).status_code == 200
+            server.should_exit = True  # the ingress goes with a connection open: its end closes first
+            await task
+        with socket.socket() as plain, pytest.raises(OSError):  # that connection holds the port (TIME_WAIT)
+            plain.bind(("127.0.0.1", port))
+        task, server = await ingress()  # the replacement: Serve's RuntimeError "Failed to bind" without the fix
+        async with httpx.AsyncClient() as client:
+            assert (await client.get(url)).text == "ok"
+        with pytest.raises(RuntimeError, match="Failed to bind"):  # a live listener's port is still no one else's
+            await ingress()
+        server.should_exit = True
+        await task
+
+    asyncio.run(scenario())
 
 
 def test_the_ingress_refuses_a_spent_minute_limit_and_a_spent_budget(tmp_path):
@@ -234,6 +286,7 @@ def test_the_ingress_metrics_need_an_admin_key_where_configured(tmp_path, monkey
     context = types.SimpleNamespace(replica_id=types.SimpleNamespace(unique_id="ingress-1"))
     monkeypatch.setattr(ingress.serve, "get_replica_context", lambda: context)
     monkeypatch.setattr(ingress.Ingress, "_scrape", lambda self: asyncio.sleep(0, "tiergate_up 1\n"))
+    monkeypatch.setattr(ingress, "reuse_address", lambda: False)  # this process's Serve left as it is
     front = ingress.Ingress(str(path), {"paid": ["k-paid"], "free": ["k-free"]}, ["k-admin"],
                             {"pool": {"models": ["big", "m1", "m2"], "replicas": 1, "handle": Handle()}})
 

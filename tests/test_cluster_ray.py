@@ -313,7 +313,7 @@ def test_a_client_secret_opens_sessions_on_the_replica_that_made_it(cluster):
 def test_serve_settings_reach_the_replicas(cluster):
     """tiergate's Ray Serve settings (``cluster.settings``) travel in the job's runtime_env and are
     what Serve read in each replica's and ingress's process, not Serve's defaults; the ingress calls
-    the replicas over gRPC."""
+    the replicas over gRPC and binds its port with SO_REUSEADDR (``cluster.settings.reuse_address``)."""
     from cluster.settings import ANSWER_BYTES, GRPC_MESSAGE, INGRESS_SETTINGS, SERVE_SETTINGS
 
     for name in ("tiergate", "stale"):
@@ -327,7 +327,8 @@ def test_serve_settings_reach_the_replicas(cluster):
         ingress = serve.get_deployment_handle("ingress", app_name=name).serve_settings.remote().result(timeout_s=30)
         assert ingress == {**seen, "RAY_SERVE_RUN_USER_CODE_IN_SEPARATE_THREAD": False,  # the ingress's own
                            "RAY_SERVE_RUN_ROUTER_IN_SEPARATE_LOOP": False,
-                           "replica_calls": ["grpc"]}  # its handles were made in the driver, by reference
+                           "replica_calls": ["grpc"],  # its handles were made in the driver, by reference
+                           "reuses_address": True}
 
 
 def freezes(app: str, want: set[str] | int) -> dict[str, int]:
