@@ -15,8 +15,9 @@ router picks, streamed back.
   model's own, ``cluster.deployments``) with ``stream=True``; the router (a
   ``cluster.ray_router.TierRouter``) reads the model and tier from its arguments. A replica that
   answers "redirect" (its stats were stale) is avoided and the router is asked again, until a replica
-  takes the request or the router refuses (at most once per replica); a replica that died before
-  answering is tried once more (Serve drops it from the router's candidates).
+  takes the request or the router refuses (at most once per replica); a model request whose replica
+  died before answering is tried once more (Serve drops it from the router's candidates), and one
+  that needs no model (a file, a DELETE: it may have taken effect) is answered 502 ``replica_failed``.
 * a replica that dies mid-answer: a stream (SSE) ends with an error event, which the client's SDK
   raises: OpenAI-shaped, or Anthropic's ``event: error`` on the Messages API; any other body is cut
   short.
@@ -197,7 +198,8 @@ class Ingress:
                      "headers": _with_request_id(request.headers.raw), "body": body}
         self.inflight[tier] += 1
         try:
-            head, rest, redirects = await self._call(forwarded, model, self.rank[tier], streamed, affinity, origin=origin)
+            head, rest, redirects = await self._call(forwarded, model, self.rank[tier], streamed, affinity, origin=origin,
+                                                     once=model is None)
         except BaseException:
             self.inflight[tier] -= 1
             raise
@@ -252,19 +254,20 @@ class Ingress:
         return caller
 
     async def _call(self, forwarded: dict, model: str | None, tier: int, streamed: bool, affinity: str | None = None,
-                    method: str = "", origin: str | None = None, via: "_Target | None" = None):
+                    method: str = "", origin: str | None = None, via: "_Target | None" = None, once: bool = False):
         """The first reply of the replica that takes the request (``{"status", "headers"}``, with
         ``"body"`` when it is the whole answer), the rest of a streamed one, and the redirects.
         A request that did not ask for a stream is one plain call (``answer``), cheaper in Ray
         than a streaming call. ``method="realtime"``: a realtime session's opening (the first
         reply is ``{"replica"}`` or a refusal). ``origin``: the replica that made an id the
         request names (``gateway.origin``), asked first (unless it answered "redirect"); ``via``:
-        the deployment to call when it is not ``model``'s."""
+        the deployment to call when it is not ``model``'s. ``once``: a request that may have taken effect
+        on a replica that died before answering (a file stored): 502 ``replica_failed``, not tried again."""
         target = via or self.target(model)
         avoid: list[str] = []
         ends: list[int | None] = []  # each redirecting replica's protection end (None: no protection in the way)
         for _ in range(max(2, target.replicas)):  # until a replica takes it or the router refuses
-            stream = None
+            stream = None  # (a plain call's answer has no rest)
             pin = origin if origin not in avoid else None
             try:
                 if streamed:
@@ -276,7 +279,7 @@ class Ingress:
                                                        replica=pin)
             except RayError as exc:  # died before answering: Serve stops routing to it
                 log.warning("replica failed before answering: %s", type(exc).__name__)
-                if stream is None and model is None:  # a file, a batch, a key: it may have been made
+                if once:  # a file, a batch, a key: it may have been made (whether its answer was to stream or not)
                     raise APIError(502, "the replica serving this request failed; retry it", "replica_failed") from None
                 continue  # a model request: once more elsewhere
             if "redirect" not in first:

@@ -519,3 +519,126 @@ def test_a_realtime_transcription_session_picks_an_stt_model_the_key_may_use(tmp
     with pytest.raises(APIError) as refused:
         ingress._session_model(None, caller)
     assert refused.value.status == 404 and "s1" not in refused.value.message and "s2" not in refused.value.message
+
+
+def _ingress_calling(tmp_path, tiny_chat, target) -> Ingress:
+    """An ingress without Serve whose every model's deployment is ``target`` (stand-ins for Serve's
+    calls), with the real ``_serve`` and ``_call``; the key ``key-paid`` is the paid tier's."""
+    from accounts.sqlite_store import SQLiteAccounts
+
+    config = load_config(write_config(tmp_path, {"m": ("chat", tiny_chat)}))
+    ingress = object.__new__(Ingress)
+    ingress.config, ingress.base, ingress.max_body = config, {"m": "m"}, 1 << 20
+    ingress.keys = KeyRing({"paid": ["key-paid"]}, [])
+    ingress.accounts = Accounts(config, SQLiteAccounts(tmp_path / "accounts.sqlite3"))
+    ingress._accounts_started = None
+    ingress.deployments, ingress.default, ingress.by_model = [target], target, {"m": target}
+    ingress.rank = {t.name: i for i, t in enumerate(config.tiers)}
+    ingress.inflight = {t.name: 0 for t in config.tiers}
+    ingress.capacity = {t.name: 100 for t in config.tiers}
+    ingress.answered, ingress.redirects, ingress.cors = Counter(), 0, []
+    ingress.loop_watch, ingress._watching = None, False
+    return ingress
+
+
+class _Replies:
+    """A streaming call's reply, as Serve's generator hands it over; ``None`` for a replica that
+    died before its first message (Serve raises then, not at the call)."""
+
+    def __init__(self, items: list | None) -> None:
+        self.items = items
+
+    def __aiter__(self):
+        return self
+
+    async def __anext__(self):
+        from ray.exceptions import RayError
+
+        if self.items is None:
+            raise RayError("the replica died")
+        if not self.items:
+            raise StopAsyncIteration
+        return self.items.pop(0)
+
+
+def _dying_first(asked: list[tuple[str, str]], whole: dict):
+    """A deployment of two stand-in replicas: the first asked dies before answering, the next
+    answers ``whole``; each call is recorded in ``asked`` as (how it was called, its path)."""
+    from ray.exceptions import RayError
+
+    from cluster.ingress import _Target
+
+    class Forward:
+        def remote(self, forwarded: dict, **kwargs) -> _Replies:
+            asked.append(("forward", forwarded["path"]))
+            return _Replies(None if len(asked) == 1 else [dict(whole)])
+
+    class Answer:
+        async def remote(self, forwarded: dict, **kwargs) -> dict:
+            asked.append(("answer", forwarded["path"]))
+            if len(asked) == 1:
+                raise RayError("the replica died")
+            return dict(whole)
+
+    return _Target(Forward(), Answer(), None, None, None, 2)
+
+
+COMPLETION = {"id": "c1", "object": "chat.completion", "created": 1, "model": "m",
+              "choices": [{"index": 0, "message": {"role": "assistant", "content": "hi"}, "finish_reason": "stop"}]}
+JSON_HEADERS = [(b"content-type", b"application/json")]
+
+
+async def _answered(send) -> tuple[int, dict]:
+    """The status and error object of what ``send()`` got: an SDK call's error, or httpx's response
+    (200 and no error for the object an SDK call returned)."""
+    import httpx
+    import openai
+
+    try:
+        got = await send()
+    except openai.APIStatusError as failed:
+        return failed.status_code, failed.body
+    if isinstance(got, httpx.Response):
+        return got.status_code, got.json().get("error", {}) if got.status_code >= 400 else {}
+    return 200, {}
+
+
+def test_a_request_that_needs_no_model_is_not_sent_again_when_its_replica_dies(tmp_path, tiny_chat):
+    """A request that needs no model (a file's upload, any body that is not JSON, a DELETE) whose
+    replica dies before answering is answered 502 ``replica_failed``, as docs/CLUSTER.md says: it may
+    have taken effect there (the file stored). Such a request is a streamed call (its answer may be a
+    file's content), and a streamed call exists before its first message fails, so it went to
+    another replica, and an upload was stored twice (hunt CC, finding 2). A chat whose replica died
+    before answering is still tried once more elsewhere, streamed or not."""
+    import httpx
+    import openai
+
+    asked: list[tuple[str, str]] = []
+    whole = {"status": 200, "headers": JSON_HEADERS, "body": json.dumps(COMPLETION).encode()}
+    ingress = _ingress_calling(tmp_path, tiny_chat, _dying_first(asked, whole))
+    key = {"authorization": "Bearer key-paid"}
+
+    async def scenario() -> None:
+        http = httpx.AsyncClient(transport=httpx.ASGITransport(app=ingress.asgi), base_url="http://ingress")
+        gpt = openai.AsyncOpenAI(api_key="key-paid", base_url="http://ingress/v1", http_client=http, max_retries=0)
+        upload = ("a.jsonl", b"{}\n", "application/jsonl")
+        not_twice = {"/v1/files": lambda: gpt.files.create(file=upload, purpose="batch"),
+                     "/v1/files/file-1": lambda: gpt.files.delete("file-1"),
+                     "/v1/uploads/upload_1/parts": lambda: http.post("/v1/uploads/upload_1/parts", content=b"raw",
+                                                                     headers={**key, "content-type": "text/plain"})}
+        for path, send in not_twice.items():
+            asked.clear()
+            status, error = await _answered(send)
+            assert (status, error.get("code"), error.get("type")) == (502, "replica_failed", "server_error"), path
+            assert asked == [("forward", path)]
+        asked.clear()
+        answer = await gpt.chat.completions.create(model="m", messages=[{"role": "user", "content": "hi"}])
+        assert answer.choices[0].message.content == "hi" and asked == [("answer", "/v1/chat/completions")] * 2
+        asked.clear()
+        got = await http.post("/v1/chat/completions", headers=key,
+                              json={"model": "m", "stream": True, "messages": [{"role": "user", "content": "hi"}]})
+        assert got.status_code == 200 and asked == [("forward", "/v1/chat/completions")] * 2
+        assert ingress.inflight["paid"] == 0
+        await ingress.accounts.stop()
+
+    asyncio.run(scenario())
