@@ -17,7 +17,8 @@ router picks, streamed back.
   answers "redirect" (its stats were stale) is avoided and the router is asked again, until a replica
   takes the request or the router refuses (at most once per replica); a model request whose replica
   died before answering is tried once more (Serve drops it from the router's candidates), and one
-  that needs no model (a file, a DELETE: it may have taken effect) is answered 502 ``replica_failed``.
+  that may have taken effect there (it needs no model: a file, a DELETE; or it writes what outlives
+  it: a stored or background response, ``lasting``) is answered 502 ``replica_failed``.
 * a replica that dies mid-answer: a stream (SSE) ends with an error event, which the client's SDK
   raises: OpenAI-shaped, or Anthropic's ``event: error`` on the Messages API; any other body is cut
   short.
@@ -51,7 +52,7 @@ from collections import Counter
 from collections.abc import AsyncIterator
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, NamedTuple
 
 from prometheus_client import CollectorRegistry, generate_latest
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
@@ -182,10 +183,8 @@ class Ingress:
         """``caller`` None: a keyless probe (``/readyz``), carried as the top tier's."""
         # 413 past the largest body any endpoint takes (the replica judges each endpoint's own), before it is all held
         body = await read_body(request, self.max_body)
-        if caller is None:
-            model, streamed, affinity, origin = None, False, None, None
-        else:
-            model, streamed, affinity, origin = self._model(request, body, path)
+        routing = Routing(None, False, None, None, True) if caller is None else self._model(request, body, path)
+        model, streamed, affinity, origin = routing.model, routing.streamed, routing.affinity, routing.origin
         if model is not None and not self.accounts.allows(caller, model):
             raise APIError(404, f"the model '{model}' does not exist", "model_not_found", "model")
         tier = caller.tier if caller is not None else self.config.tiers[0].name
@@ -199,7 +198,7 @@ class Ingress:
         self.inflight[tier] += 1
         try:
             head, rest, redirects = await self._call(forwarded, model, self.rank[tier], streamed, affinity, origin=origin,
-                                                     once=model is None)
+                                                     once=routing.once)
         except BaseException:
             self.inflight[tier] -= 1
             raise
@@ -262,7 +261,8 @@ class Ingress:
         reply is ``{"replica"}`` or a refusal). ``origin``: the replica that made an id the
         request names (``gateway.origin``), asked first (unless it answered "redirect"); ``via``:
         the deployment to call when it is not ``model``'s. ``once``: a request that may have taken effect
-        on a replica that died before answering (a file stored): 502 ``replica_failed``, not tried again."""
+        on a replica that died before answering (a file, a background response stored: ``Routing.once``)
+        is answered 502 ``replica_failed``, not tried again."""
         target = via or self.target(model)
         avoid: list[str] = []
         ends: list[int | None] = []  # each redirecting replica's protection end (None: no protection in the way)
@@ -279,7 +279,7 @@ class Ingress:
                                                        replica=pin)
             except RayError as exc:  # died before answering: Serve stops routing to it
                 log.warning("replica failed before answering: %s", type(exc).__name__)
-                if once:  # a file, a batch, a key: it may have been made (whether its answer was to stream or not)
+                if once:  # a file, a key, a stored response: it may have been made (whether its answer streams or not)
                     raise APIError(502, "the replica serving this request failed; retry it", "replica_failed") from None
                 continue  # a model request: once more elsewhere
             if "redirect" not in first:
@@ -460,16 +460,14 @@ class Ingress:
         redirects.add_metric([me], self.redirects)
         return [answered, inflight, sessions, redirects]
 
-    def _model(self, request: Request, body: bytes, path: str = "") -> tuple[str | None, bool, str | None, str | None]:
-        """The base model the request needs (None for endpoints that need none), whether its
-        answer may come as a stream (asked for one, or not a JSON POST: a file's content, a form),
-        its affinity for the router (``affinity``), and the replica that made an id it names (an
-        image url's file, a spoken reply's audio id: ``gateway.origin``); 400/404 on bad input."""
+    def _model(self, request: Request, body: bytes, path: str = "") -> Routing:
+        """How the request is routed (``Routing``); 400/404 on bad input."""
         affinity = origin = None
+        once = False
         if request.method != "POST" or not body:
             if path.startswith(IMAGE_FILES):
                 origin = origin_of(path[len(IMAGE_FILES):], IMAGE)
-            return None, request.method != "POST", None, origin
+            return Routing(None, request.method != "POST", None, origin, True)
         kind = request.headers.get("content-type", "").lower()  # media types are case-insensitive (RFC 9110)
         streamed = True
         if kind.startswith("multipart/"):
@@ -484,15 +482,17 @@ class Ingress:
             if path == CLIENT_SECRETS:  # made where its sessions' chat model is best placed: they run there
                 session = parsed.get("session")
                 name = session.get("model") if isinstance(session, dict) else None
-                return self.base.get(name) if isinstance(name, str) else None, False, None, None
+                model = self.base.get(name) if isinstance(name, str) else None
+                return Routing(model, False, None, None, model is None)
             name = parsed.get("model")
             affinity = affinity_of(parsed)
             origin = spoken_origin(parsed.get("messages"))
             streamed = parsed.get("stream") is True or parsed.get("stream_format") == "sse"
+            once = lasting(path, parsed)
         else:
-            return None, True, None, None
+            return Routing(None, True, None, None, True)
         if name is None:
-            return None, streamed, None, origin
+            return Routing(None, streamed, None, origin, True)
         if not isinstance(name, str):  # as the replicas' schemas answer it
             raise APIError(400, f"'model' must be a string, not {type(name).__name__}", "invalid_type", "model")
         base = self.base.get(name)
@@ -500,7 +500,31 @@ class Ingress:
             base = self.config.folder_adapter_base(name)  # an adapter_dirs adapter: its replica reads and checks it
         if base is None:
             raise APIError(404, f"the model '{name}' does not exist", "model_not_found", "model")
-        return base, streamed, affinity, origin
+        return Routing(base, streamed, affinity, origin, once)
+
+
+class Routing(NamedTuple):
+    """What the ingress reads from a request to route it (``Ingress._model``)."""
+
+    model: str | None  # the base model it needs (None for endpoints that need none)
+    streamed: bool  # its answer may come as a stream: asked for one, or not a JSON POST (a file's content, a form)
+    affinity: str | None  # for the router (``affinity_of``)
+    origin: str | None  # the replica that made an id it names (an image url's file, a spoken reply: ``gateway.origin``)
+    # it may take effect before its answer (it needs no model: a file, a key; or ``lasting``): a replica that
+    # died before answering may have made it, so it is answered 502 ``replica_failed``, never sent to another
+    once: bool
+
+
+def lasting(path: str, body: dict) -> bool:
+    """Whether a model request writes what outlives the call before it answers, so that a second
+    replica would make it again: a stored response (``store`` is true unless false; a background one's
+    record, written before it answers, is run again by another replica's reclaim), a turn added to a
+    conversation, a stored chat completion (listed at ``GET /v1/chat/completions``), a vector store."""
+    if path == "/v1/responses":
+        return body.get("store") is not False or body.get("background") is True or body.get("conversation") is not None
+    if path == "/v1/chat/completions":
+        return body.get("store") is True
+    return path.startswith("/v1/vector_stores") and not path.endswith("/search")
 
 
 RUNTIME_LORA_PATHS = ("/v1/load_lora_adapter", "/v1/unload_lora_adapter")

@@ -306,10 +306,14 @@ class RedisResponses(ResponseStore):
         return f"{self.prefix}responses-running"
 
     async def put(self, record: StoredResponse) -> None:
-        # (an expiry already past deletes the key at once, as Redis does for any EXAT)
-        await self._r.set(self._key(record.id), record.doc(), nx=True, exat=self._expires_at(record.created_at))
-        if record.response.get("status") in ("queued", "in_progress"):
-            await self._r.sadd(self._running_key(), record.id)
+        # one transaction: a process that died between the record and its place in the running set left
+        # a queued record that no reclaim finds, queued until its retention (hunt CC, finding 4)
+        async with self._r.pipeline(transaction=True) as p:
+            # (an expiry already past deletes the key at once, as Redis does for any EXAT)
+            p.set(self._key(record.id), record.doc(), nx=True, exat=self._expires_at(record.created_at))
+            if record.response.get("status") in ("queued", "in_progress"):
+                p.sadd(self._running_key(), record.id)
+            await p.execute()
 
     async def get(self, response_id: str, owner: str) -> StoredResponse | None:
         raw = await self._r.get(self._key(response_id))

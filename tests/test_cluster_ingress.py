@@ -642,3 +642,43 @@ def test_a_request_that_needs_no_model_is_not_sent_again_when_its_replica_dies(t
         await ingress.accounts.stop()
 
     asyncio.run(scenario())
+
+
+def test_a_request_that_writes_what_outlives_it_is_not_sent_again_when_its_replica_dies(tmp_path, tiny_chat):
+    """A model request that writes state outliving the call before it answers is answered 502
+    ``replica_failed`` when its replica dies before answering, not sent to another replica: a
+    background response (its record stored, then run by another replica's reclaim: it ran twice and
+    was metered twice; hunt CC, finding 4), a stored response (``store`` is true unless false), one
+    added to a conversation, a stored chat completion, a vector store made with its embedding model.
+    The same request with ``store: false`` is still tried once more elsewhere."""
+    import httpx
+    import openai
+
+    asked: list[tuple[str, str]] = []
+    queued = {"id": "resp_1", "object": "response", "created_at": 1, "status": "queued", "model": "m", "output": []}
+    whole = {"status": 200, "headers": JSON_HEADERS, "body": json.dumps(queued).encode()}
+    ingress = _ingress_calling(tmp_path, tiny_chat, _dying_first(asked, whole))
+    said = [{"role": "user", "content": "hi"}]
+
+    async def scenario() -> None:
+        http = httpx.AsyncClient(transport=httpx.ASGITransport(app=ingress.asgi), base_url="http://ingress")
+        gpt = openai.AsyncOpenAI(api_key="key-paid", base_url="http://ingress/v1", http_client=http, max_retries=0)
+        respond = gpt.responses.create
+        not_twice = [lambda: respond(model="m", input="hi", background=True),
+                     lambda: respond(model="m", input="hi", background=True, stream=True),
+                     lambda: respond(model="m", input="hi"),
+                     lambda: respond(model="m", input="hi", store=False, conversation="conv_1"),
+                     lambda: gpt.chat.completions.create(model="m", messages=said, store=True),
+                     lambda: gpt.vector_stores.create(name="docs", extra_body={"model": "m"})]
+        for i, send in enumerate(not_twice):
+            asked.clear()
+            status, error = await _answered(send)
+            assert (status, error.get("code")) == (502, "replica_failed"), i
+            assert len(asked) == 1, i
+        asked.clear()
+        answer = await gpt.responses.create(model="m", input="hi", store=False)
+        assert answer.id == "resp_1" and asked == [("answer", "/v1/responses")] * 2
+        assert ingress.inflight["paid"] == 0
+        await ingress.accounts.stop()
+
+    asyncio.run(scenario())

@@ -1900,6 +1900,43 @@ def test_redis_store(tmp_path):
         asyncio.run(_store_contract(RedisResponses(url)))
 
 
+def test_on_redis_a_queued_record_is_written_with_its_place_in_the_running_set_or_not_at_all(tmp_path, monkeypatch):
+    """A queued (background) record and its place in ``responses-running``, which the reclaim reads,
+    are one transaction: a process that died after writing the record and before adding it there (its
+    connection gone, here) left a record that no reclaim ever found, ``queued`` until its retention
+    (hunt CC, finding 4). Either both are written or neither."""
+    from redis.asyncio.connection import AbstractConnection
+    from redis.exceptions import ConnectionError as RedisConnectionError
+
+    sent = AbstractConnection.send_packed_command
+
+    async def dying_at_sadd(self, command, check_health=True):
+        packed = b"".join(command) if isinstance(command, (list, tuple)) else command
+        if b"SADD" in packed:
+            raise RedisConnectionError("the process died here")
+        return await sent(self, command, check_health)
+
+    async def main(url: str) -> None:
+        store = RedisResponses(url)
+        await store.open()
+        try:
+            queued = record("resp_queued", 0)
+            queued.response["status"] = "queued"
+            monkeypatch.setattr(AbstractConnection, "send_packed_command", dying_at_sadd)
+            with pytest.raises(RedisConnectionError):
+                await store.put(queued)
+            monkeypatch.setattr(AbstractConnection, "send_packed_command", sent)
+            written = await store._r.exists(store._key("resp_queued"))
+            assert (written, await store._r.sismember(store._running_key(), "resp_queued")) == (0, 0)
+            await store.put(queued)  # (a live process: both)
+            assert [i for i, _ in await store.running()] == ["resp_queued"]
+        finally:
+            await store.close()
+
+    with redis_server(tmp_path) as url:
+        asyncio.run(main(url))
+
+
 DAY = 86400
 
 
