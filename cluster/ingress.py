@@ -487,7 +487,7 @@ class Ingress:
             name = parsed.get("model")
             affinity = affinity_of(parsed)
             origin = spoken_origin(parsed.get("messages"))
-            streamed = parsed.get("stream") is True or parsed.get("stream_format") == "sse"
+            streamed = parsed.get("stream") is True or parsed.get("stream_format") == "sse" or path in STREAMED_ANSWERS
             once = lasting(path, parsed)
         else:
             return Routing(None, True, None, None, True)
@@ -507,7 +507,7 @@ class Routing(NamedTuple):
     """What the ingress reads from a request to route it (``Ingress._model``)."""
 
     model: str | None  # the base model it needs (None for endpoints that need none)
-    streamed: bool  # its answer may come as a stream: asked for one, or not a JSON POST (a file's content, a form)
+    streamed: bool  # its answer may come as a stream: asked for one, speech, or not a JSON POST (a file, a form)
     affinity: str | None  # for the router (``affinity_of``)
     origin: str | None  # the replica that made an id it names (an image url's file, a spoken reply: ``gateway.origin``)
     # it may take effect before its answer (it needs no model: a file, a key; or ``lasting``): a replica that
@@ -528,6 +528,7 @@ def lasting(path: str, body: dict) -> bool:
 
 
 RUNTIME_LORA_PATHS = ("/v1/load_lora_adapter", "/v1/unload_lora_adapter")
+STREAMED_ANSWERS = ("/v1/audio/speech",)  # answers sent as they are made, whatever the body asks (a streaming call)
 IMAGE_FILES = "/v1/images/files/"
 CLIENT_SECRETS = "/v1/realtime/client_secrets"
 

@@ -30,7 +30,7 @@ from gateway.auth import KeyRing
 from gateway.config import load_config
 from gateway.errors import APIError
 
-WHOLE_BODY_BYTES = 1 << 20  # a non-streamed answer up to this size goes back as one message
+WHOLE_BODY_BYTES = 1 << 20  # an answer made whole (its length declared) up to this size goes back as one message
 # a streamed body goes back in messages of at most this size, whatever the app sends at once (a
 # file's content, a batch's output file: one chunk), so none nears the hop's gRPC message limit
 CHUNK_BYTES = 1 << 20
@@ -136,9 +136,10 @@ class TierReplica:
                       avoid: list[str] | None = None, verdict: dict | None = None,
                       affinity: str | None = None, replica: str | None = None) -> AsyncIterator[dict | bytes]:
         """Serve one forwarded request: yield ``{"status", "headers", "body"}`` for a whole answer
-        (one message back, the common case), or ``{"status", "headers"}`` then body chunks for a
-        stream (SSE, or a body past ``WHOLE_BODY_BYTES``), or ``{"redirect": replica}`` when this
-        replica's arbiter would refuse the request now. ``affinity`` is the router's (read there)."""
+        (one message back, the common case), or ``{"status", "headers"}`` then body chunks as the
+        app sends them for a stream (SSE, any other body made as it is sent: streamed speech; or a
+        body past ``WHOLE_BODY_BYTES``), or ``{"redirect": replica}`` when this replica's arbiter
+        would refuse the request now. ``affinity`` is the router's (read there)."""
         await self._start()
         if (refused := self._routed(model, tier, verdict)) is not None:
             yield refused
@@ -149,7 +150,7 @@ class TierReplica:
         async for item in call(self.app, Forwarded(**request)):
             if isinstance(item, Head):
                 head = {"status": item.status, "headers": self._headers(item.headers)}
-                if _streamed(item.headers):
+                if _streamed(item):
                     yield head
                     head = None
             elif head is None:
@@ -262,8 +263,15 @@ def _pieces(chunk: bytes) -> list[bytes]:
     return [bytes(view[i:i + CHUNK_BYTES]) for i in range(0, len(chunk), CHUNK_BYTES)]
 
 
-def _streamed(headers: list[tuple[bytes, bytes]]) -> bool:
-    return any(k.lower() == b"content-type" and v.startswith(b"text/event-stream") for k, v in headers)
+def _streamed(head: Head) -> bool:
+    """Whether an answer goes back as the app sends it: an event stream, or any body whose length
+    is not declared (a ``StreamingResponse``: speech's audio, sentence by sentence, which was held
+    to its end or 1 MiB, so a voice client got it all at once; hunt CC, finding 3). One whose
+    length is declared was made whole (JSON, a file's content) and is held to go back in one message."""
+    if head.status < 200 or head.status in (204, 304):  # no body
+        return False
+    sse = any(k.lower() == b"content-type" and v.startswith(b"text/event-stream") for k, v in head.headers)
+    return sse or not any(k.lower() == b"content-length" for k, _ in head.headers)
 
 
 def _retry(seconds: int | None) -> dict[str, str] | None:

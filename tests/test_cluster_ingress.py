@@ -5,8 +5,10 @@ fails and a request gets a clean 503, and both try again, so the ingress recover
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
 from collections import Counter
+from types import SimpleNamespace
 
 import pytest
 from starlette.requests import Request
@@ -682,3 +684,87 @@ def test_a_request_that_writes_what_outlives_it_is_not_sent_again_when_its_repli
         await ingress.accounts.stop()
 
     asyncio.run(scenario())
+
+
+def test_streamed_speech_through_the_ingress_and_a_replica_arrives_as_it_is_made(tmp_path, tiny_chat):
+    """Speech's audio (``stream_format: audio``, its default) is sent as it is made, as ``tiergate
+    serve`` sends it: the ingress calls the replica streamed, and the replica (``TierReplica.forward``)
+    sends back any body of no declared length as the app sends it. It held such a body to its end or
+    1 MiB, and the ingress made one plain call for it, so a voice client got all of its audio at once
+    at the end (hunt CC, finding 3). Here the app's second sentence is made only once the client has
+    the first (or after 3 s). An answer made whole (JSON) still crosses as one message."""
+    import httpx
+    import openai
+    from starlette.applications import Starlette
+    from starlette.responses import JSONResponse, StreamingResponse
+    from starlette.routing import Route
+
+    from cluster.ingress import _Target
+    from cluster.replica import TierReplica
+
+    happened: list[str] = []
+
+    async def speech(request) -> StreamingResponse:
+        async def sentences():
+            yield b"one. "
+            with contextlib.suppress(TimeoutError):
+                async with asyncio.timeout(3):
+                    await heard.wait()
+            happened.append("made the second")
+            yield b"two."
+        return StreamingResponse(sentences(), media_type="audio/pcm")
+
+    async def models(request) -> JSONResponse:
+        return JSONResponse({"object": "list", "data": []})
+
+    class Replica(TierReplica):
+        def __del__(self) -> None:  # (it stops the app's lifespan, which this one never started)
+            pass
+
+    replica = object.__new__(Replica)
+    replica.app = Starlette(routes=[Route("/v1/audio/speech", speech, methods=["POST"]), Route("/v1/models", models)])
+    replica.id, replica.node = "r1", "n1"
+    replica.services = SimpleNamespace(arbiter=SimpleNamespace(states={}))
+
+    async def started() -> None:
+        return None
+
+    replica._start = started
+    asked: list[str] = []
+
+    class Forward:
+        def remote(self, forwarded: dict, **kwargs):
+            asked.append("forward")
+            return replica.forward(forwarded, **kwargs)
+
+    class Answer:
+        async def remote(self, forwarded: dict, **kwargs) -> dict:
+            asked.append("answer")
+            return await replica.answer(forwarded, **kwargs)
+
+    ingress = _ingress_calling(tmp_path, tiny_chat, _Target(Forward(), Answer(), None, None, None, 1))
+
+    async def spied(scope, receive, send) -> None:  # the ingress's app, seen from the client's side
+        async def sent(message: dict) -> None:
+            if message["type"] == "http.response.body" and message.get("body"):
+                happened.append(f"sent {message['body'].decode()!r}")
+                heard.set()
+            await send(message)
+
+        await ingress.asgi(scope, receive, sent)
+
+    async def scenario() -> bytes:
+        nonlocal heard
+        heard = asyncio.Event()
+        http = httpx.AsyncClient(transport=httpx.ASGITransport(app=spied), base_url="http://ingress")
+        gpt = openai.AsyncOpenAI(api_key="key-paid", base_url="http://ingress/v1", http_client=http, max_retries=0)
+        audio = await gpt.audio.speech.create(model="m", voice="alloy", input="One. Two.", response_format="pcm")
+        whole = [item async for item in replica.forward({"method": "GET", "path": "/v1/models"})]
+        assert [sorted(item) for item in whole] == [["body", "headers", "status"]]  # one message
+        await ingress.accounts.stop()
+        return audio.content
+
+    heard: asyncio.Event
+    assert asyncio.run(scenario()) == b"one. two."
+    assert happened == ["sent 'one. '", "made the second", "sent 'two.'"]
+    assert asked == ["forward"] and ingress.inflight["paid"] == 0
