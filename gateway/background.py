@@ -27,6 +27,7 @@ from prometheus_client.registry import Collector
 from gateway.drain import Drain
 from gateway.serving import Gone
 from storage.outage import Outage
+from storage.redis import honour_cancel
 
 log = logging.getLogger("tiergate.background")
 STOP_WAIT_S = 5.0  # at shutdown, how long the stopped work gets to record how it ended
@@ -130,6 +131,7 @@ class Background(Collector):
 
         async def loop() -> None:
             while True:
+                honour_cancel()  # a cancel the store's client swallowed (storage.redis): ``stop`` waits for this loop
                 await asyncio.sleep(period_s)
                 try:
                     await fn()

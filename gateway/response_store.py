@@ -63,6 +63,7 @@ CREATE INDEX IF NOT EXISTS response_events_created_at ON response_events (create
 log = logging.getLogger("tiergate.responses")
 DAY_S = 86400
 STOPS_RETRY_S = 1.0
+STOPS_POLL_S = 1.0  # how long one wait for an announced stop lasts (a swallowed cancel is seen after it)
 
 
 @dataclass(frozen=True)
@@ -396,8 +397,10 @@ class RedisResponses(ResponseStore):
             try:
                 await pubsub.subscribe(self._stops_channel())
                 outage.answered()
-                async for message in pubsub.listen():
-                    if message["type"] == "message":
+                while True:  # not ``listen()``, which waits for ever: a cancel its client swallowed is seen each turn
+                    honour_cancel()  # (a cancel landing on the subscribe is: the app's shutdown then never ended)
+                    message = await pubsub.get_message(timeout=STOPS_POLL_S)
+                    if message is not None and message["type"] == "message":
                         yield message["data"].decode()
             except (OSError, RedisError) as exc:
                 outage.failed(exc)

@@ -972,6 +972,60 @@ def test_on_redis_another_processs_cancel_or_delete_stops_the_work_at_once(tiny_
             s.stop()
 
 
+@pytest.mark.parametrize("loop", ["stops", "every"])
+def test_on_redis_the_shutdown_ends_when_the_store_swallows_the_cancel(redis_url, loop):
+    """At shutdown ``Background.stop`` cancels its loops (the stops channel's listener, the periodic
+    reclaim) and waits for them. redis-py sends every command through ``asyncio.wait_for``, which on
+    Python 3.11 swallows a cancel that lands as the send finishes (``storage.redis``): a server that
+    could not bind its port shut down just as the listener subscribed, and it never exited, not even
+    on SIGTERM. Here the listener's subscribe, or the periodic call, swallows the cancel: ``stop``
+    must return all the same."""
+    from gateway.background import Background
+    from gateway.drain import Drain
+
+    async def go():
+        store, inside, swallowed = RedisResponses(redis_url), asyncio.Event(), []
+        await store.open()
+
+        def swallowing(real):
+            async def call(*args, **kwargs):
+                inside.set()
+                try:
+                    await asyncio.sleep(0.5)  # the command on its way when the cancel lands
+                except asyncio.CancelledError:
+                    if swallowed:  # once is enough: later cancels (the test's cleanup) go through
+                        raise
+                    swallowed.append(True)  # as wait_for on 3.11 when the send had finished
+                return await real(*args, **kwargs)
+            return call
+
+        background = Background(Drain(1.0))
+        if loop == "stops":
+            make = store._r.pubsub
+
+            def pubsub(**kwargs):
+                channel = make(**kwargs)
+                channel.subscribe = swallowing(channel.subscribe)
+                return channel
+
+            store._r.pubsub = pubsub
+            background.follow_stops(store.stops())
+        else:
+            background.every(0.01, swallowing(store._r.ping))
+        async with asyncio.timeout(10):
+            await inside.wait()
+        loops = [t for t in (background._listener, *background._loops) if t is not None]
+        stopping = asyncio.create_task(background.stop())
+        done, _ = await asyncio.wait({stopping}, timeout=10)
+        for task in loops:  # a loop that ignored the cancel gets another, to end the test
+            task.cancel()
+        await asyncio.gather(stopping, return_exceptions=True)
+        await store.close()
+        return stopping in done, swallowed
+
+    assert asyncio.run(go()) == (True, [True]), "Background.stop() did not return: a loop ignored its cancel"
+
+
 def test_while_the_store_is_down_a_stored_response_is_refused_before_its_work_or_answered_unstored(tiny_chat,
                                                                                                     tmp_path):
     """Redis stops: the first response (``store`` by default; the server did not know yet) is
