@@ -13,7 +13,7 @@ from typing import Any, Callable, Iterable
 
 from batch.store import (MUTABLE, TERMINAL, BatchInfo, FileInfo, Job, Line, Outcome, Recorded, Store, check_fields,
                          dumps, line_json, line_of, outcome_json, outcome_of)
-from storage.redis import RedisKeys, honour_cancel
+from storage.redis import RedisKeys, honour_cancel, keyset_page
 
 log = logging.getLogger("tiergate.batch")
 
@@ -239,28 +239,30 @@ class RedisStore(RedisKeys, Store):
     async def list_files(self, owner: str | None, purpose: str | None, after: str | None, limit: int,
                          ascending: bool) -> list[FileInfo] | None:
         index = self.k("files", owner) if owner is not None else self.k("files")
-        place = self._r.zrank if ascending else self._r.zrevrank  # by score, then id: as SQLite orders them
-        start = 0
+        cursor = None
         if after is not None:
-            rank = await place(index, after)
-            if rank is None or await self.get_file(after) is None:
+            score = await self._r.zscore(index, after)
+            if score is None or await self.get_file(after) is None:
                 return None
-            start = rank + 1
+            cursor = (score, after.encode())
         found: list[FileInfo] = []
         gone: list[bytes] = []
         now = time.time()
         while len(found) < limit:
-            ids = await self._r.zrange(index, start, start + max(limit - len(found), 100) - 1, desc=not ascending)
-            if not ids:
+            # past the last one read, by (created_at, id) as SQLite orders them: not by rank, which the
+            # files listed or unlisted meanwhile move (the page then repeated some and skipped others)
+            page = await keyset_page(self._r, index, cursor, max(limit - len(found), 100), not ascending)
+            if not page:
                 break
+            ids = [file_id for file_id, _ in page]
             for file_id, raw in zip(ids, await self._r.mget([self.k("file", i.decode()) for i in ids])):
                 info = FileInfo(**json.loads(raw)) if raw else None
                 if info is None:
                     gone.append(file_id)  # expired (Redis deleted its keys) or deleted mid-listing
                 elif not info.expired(now) and purpose in (None, info.purpose):
                     found.append(info)
-            last = await place(index, ids[-1])  # files listed or unlisted meanwhile move the ranks
-            start = start + len(ids) if last is None else last + 1
+            last, score = page[-1]
+            cursor = (score, last)
         if gone:
             await self._r.zrem(index, *gone)
         return found[:limit]

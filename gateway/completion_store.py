@@ -28,6 +28,7 @@ from typing import Any
 
 from gateway.service import Services
 from storage import on_backend
+from storage.redis import keyset_page
 from storage.retention import Retained
 from storage.sqlite import SweptFile
 
@@ -243,20 +244,22 @@ class RedisCompletions(CompletionStore):
         cutoff = self._cutoff()
         if cutoff is not None:  # (their keys expired already)
             await self._r.zremrangebyscore(listed, "-inf", f"({int(cutoff * 1e6)}")
-        start = 0
+        cursor = None
         if after is not None:
-            rank = await (self._r.zrank if ascending else self._r.zrevrank)(listed, after)
-            if rank is None:
+            score = await self._r.zscore(listed, after)
+            if score is None:
                 raise KeyError(after)
-            start = rank + 1
+            cursor = (score, after.encode())
         found: list[StoredCompletion] = []
         while len(found) <= limit:
-            ids = await (self._r.zrange(listed, start, start + 99) if ascending
-                         else self._r.zrevrange(listed, start, start + 99))
-            if not ids:
+            # past the last one read, by (stored at, id): not by rank, which the completions stored or
+            # deleted meanwhile move (the page then repeated some and skipped others)
+            page = await keyset_page(self._r, listed, cursor, 100, not ascending)
+            if not page:
                 break
-            start += len(ids)
-            names = [i.decode() for i in ids]
+            last, score = page[-1]
+            cursor = (score, last)
+            names = [i.decode() for i, _ in page]
             for name, raw in zip(names, await self._r.mget([self._key(n) for n in names])):
                 record = self._mine(name, raw, owner)
                 if record is None:

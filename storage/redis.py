@@ -42,3 +42,26 @@ class RedisKeys:
         if self._r is not None:
             await self._r.aclose()
             self._r = None
+
+
+async def keyset_page(r: Any, key: str, after: tuple[float, bytes] | None, count: int,
+                      descending: bool) -> list[tuple[bytes, float]]:
+    """Up to ``count`` members of the sorted set ``key`` with their scores, in its order (by score,
+    then member; ``descending`` reverses both), from the start or past ``after`` (a score and a
+    member): a keyset page, as SQL's ``WHERE (score, member) > (?, ?)``. The bound is a value, not a
+    rank, so members added or removed meanwhile move no other member in or out of the page, and
+    ``after`` need not be listed still (deleted since the last page)."""
+    if after is None:
+        return await r.zrange(key, 0, count - 1, desc=descending, withscores=True)
+    score, member = after
+    beyond = f"({score!r}"
+    async with r.pipeline(transaction=True) as p:  # one snapshot of the cursor's ties and what follows them
+        p.zrangebyscore(key, score, score)  # the cursor's ties, by member
+        if descending:
+            p.zrevrangebyscore(key, beyond, "-inf", start=0, num=count, withscores=True)
+        else:
+            p.zrangebyscore(key, beyond, "+inf", start=0, num=count, withscores=True)
+        tied, rest = await p.execute()
+    # (bytes compare as Redis orders members)
+    tied = [m for m in reversed(tied) if m < member] if descending else [m for m in tied if m > member]
+    return ([(m, score) for m in tied] + rest)[:count]

@@ -170,6 +170,46 @@ def test_files_list_by_owner_purpose_and_time_in_either_order_with_cursor(make_s
     run(go())
 
 
+def test_files_pages_list_each_file_once_while_other_files_come_and_go(make_store):
+    """A client pages through an owner's files (``after``: the last one's id) while another process
+    adds and deletes other files of the owner, newer and older: each file is listed once, in order.
+    (On Redis a page was read from the cursor's rank, in a call of its own: the files listed or
+    unlisted between the two moved it, and the pages repeated some files and skipped others.)"""
+    async def go():
+        s, other = await make_store(), await make_store()
+        now = int(time.time())
+        kept = [FileInfo(f"file-k{i:02d}", "a", "batch", "x.jsonl", 1, now - 100 + i // 3) for i in range(24)]
+        for info in kept:
+            await s.put_file(info, b"x")
+        newest = sorted(kept, key=lambda f: (f.created_at, f.id), reverse=True)
+        done = asyncio.Event()
+
+        async def churn(n: int) -> None:  # files above and below the cursor, in both orders
+            i = 0
+            while not done.is_set():
+                made = FileInfo(f"file-c{n}-{i}", "a", "user_data", "x.txt", 1, now - 200 if i % 2 else now)
+                await other.put_file(made, b"x")
+                await other.delete_file(f"file-c{n}-{i - 1}")
+                i += 1
+
+        churners = [asyncio.create_task(churn(n)) for n in range(3)]
+        wrong = []
+        for _ in range(5):
+            for ascending in (False, True):
+                listed, after = [], None
+                while page := await s.list_files("a", "batch", after, 3, ascending):
+                    listed += [f.id for f in page]
+                    after = listed[-1]
+                if listed != [f.id for f in (newest[::-1] if ascending else newest)]:
+                    wrong.append(listed)
+        done.set()
+        await asyncio.gather(*churners)
+        await _closing(s, other)
+        assert wrong == []
+
+    run(go())
+
+
 def test_redis_files_from_before_the_listings_are_listed(redis_url):
     """Files written to Redis before there were listings (their two keys only) are listed once a
     store opens; the pass runs once per Redis."""

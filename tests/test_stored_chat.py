@@ -205,6 +205,58 @@ def test_redis_store(tmp_path):
         asyncio.run(_contract(RedisCompletions(url)))
 
 
+@pytest.mark.parametrize("backend", ["sqlite", "redis"])
+def test_pages_list_each_completion_once_while_others_come_and_go(backend, tmp_path, request):
+    """A client pages through a key's stored completions (``after``: the last one's id) while
+    another process stores and deletes others of the key's, older and newer: each is listed once, in
+    order. (On Redis a page was read from the cursor's rank, in a call of its own: the completions
+    stored or deleted between the two moved it, and the pages repeated some and skipped others.)"""
+    def make():
+        if backend == "sqlite":
+            return SQLiteCompletions(tmp_path / "batches.sqlite3")
+        return RedisCompletions(request.getfixturevalue("redis_url"), prefix=f"t{time.time_ns()}:")
+
+    async def go() -> list[list[str]]:
+        store, other = make(), None
+        await store.open()
+        other = store if backend == "sqlite" else RedisCompletions(store.url, prefix=store.prefix)
+        await other.open()
+        for i in range(30):  # older ones, deleted while the client pages
+            await store.put(rec(100 + i, metadata={"g": "noise"}))
+        kept = [rec(i, metadata={"g": "kept"}) for i in range(10)]
+        for record in kept:
+            await store.put(record)
+        done = asyncio.Event()
+
+        async def churn(n: int) -> None:
+            i = 0
+            while not done.is_set():
+                await other.put(rec(1000 * (n + 1) + i, metadata={"g": "noise"}))
+                await other.delete(f"c{1000 * (n + 1) + i - 1}", "k")
+                await other.delete(f"c{100 + 10 * n + i % 10}", "k")
+                i += 1
+
+        churners = [asyncio.create_task(churn(n)) for n in range(3)]
+        wrong = []
+        for _ in range(5):
+            for ascending in (False, True):
+                listed, after, more = [], None, True
+                while more:
+                    page, more = await store.page("k", after, 2, ascending, None, {"g": "kept"})
+                    listed += [r.id for r in page]
+                    after = listed[-1]
+                if listed != [r.id for r in (kept if ascending else kept[::-1])]:
+                    wrong.append(listed)
+        done.set()
+        await asyncio.gather(*churners)
+        await store.close()
+        if other is not store:
+            await other.close()
+        return wrong
+
+    assert asyncio.run(go()) == []
+
+
 DAY = 86400
 
 
