@@ -345,7 +345,8 @@ async def replay(store: ResponseStore, record: StoredResponse, after: int, stale
     """A streamed background response's stored events above ``after``; while another process
     still runs it, each new one as that process stores it (read every POLL_S). Its last event is
     one of ENDING; when the record ended without one stored (that process died, or had not stored
-    it yet), the last is made from the record as ``last_event`` makes it there."""
+    it yet), the last is made from the record as ``last_event`` makes it there. Past the last (a
+    client that saw it coming back with its number), none."""
     n = after + 1
     while True:
         new = await store.events(record.id, n - 1)
@@ -362,10 +363,21 @@ async def replay(store: ResponseStore, record: StoredResponse, after: int, stale
             new = await store.events(record.id, n - 1)  # stored just before its record ended
             for event in new:
                 yield event
-            if not (new and _ends(new[-1])):
-                yield last_event(response, n + len(new))
+            n += len(new)
+            if await _ends_unstored(store, record.id, n):
+                yield last_event(response, n)
             return
         await asyncio.sleep(POLL_S)
+
+
+async def _ends_unstored(store: ResponseStore, response_id: str, n: int) -> bool:
+    """Whether the stream of an ended response, none of it stored from number ``n`` on, ends with an
+    event made up as number ``n``: its stored events end at ``n - 1``, with none of ENDING. When its
+    end is stored, or ``n - 1`` is past its last, the client asked from after the end: nothing is left."""
+    if n == 0:
+        return True  # none stored at all
+    last = await store.events(response_id, n - 2)
+    return bool(last) and not _ends(last[0])
 
 
 ENDING = ("response.completed", "response.incomplete", "response.failed", "error")

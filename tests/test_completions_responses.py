@@ -1679,6 +1679,29 @@ def test_a_streamed_background_response_whose_process_died_ends_failed(server):
     assert events[1].response.status == "failed" and events[1].response.error.code == "server_error"
 
 
+def test_a_streamed_background_response_followed_from_its_last_event_gives_nothing_more(server):
+    """A client that saw the last event (stored, or made from the record of one whose process died)
+    and comes back from its number, or from a number past it, gets an empty stream: no second end,
+    numbered after it (one was made up, numbered ``starting_after + 1``)."""
+    c, store, owner = client(server), server.app.state.responses, key_id(server.keys["paid"])
+    rid = list(c.responses.create(model="tiny-chat", input="hi", max_output_tokens=4, background=True,
+                                  stream=True))[0].response.id
+    last = list(c.responses.retrieve(rid, stream=True))[-1]
+    assert last.type == "response.incomplete" and not server.call(lambda: rid in server.app.state.background.logs)
+    for after in (last.sequence_number, last.sequence_number + 5, 1000):
+        assert list(c.responses.retrieve(rid, stream=True, starting_after=after)) == [], after
+    record = server.wait(store.get(rid, owner))
+    dead = replace(record, id="resp_dead3", beat=time.time() - STALE_S - 5, request=None,  # (not run again)
+                   response={**record.response, "id": "resp_dead3", "status": "in_progress"})
+    server.wait(store.put(dead))
+    created = sse_event("response.created", 0, response=dead.response)
+    server.wait(store.add_events(dead.id, dead.created_at, 0, [created]))
+    ended = list(c.responses.retrieve(dead.id, stream=True, starting_after=0))
+    assert [(e.type, e.sequence_number) for e in ended] == [("response.failed", 1)]
+    for after in (1, 6):
+        assert list(c.responses.retrieve(dead.id, stream=True, starting_after=after)) == [], after
+
+
 def test_a_streamed_response_shows_its_message_so_far():
     """A record written while the reply streams (a background one's heartbeat) shows the open
     message with its text so far, not the stream's own bookkeeping."""
