@@ -76,6 +76,9 @@ class ChatJob:
     n: int = 1
     service_tier: str | None = None
     prompt_ids: list[int] | None = None  # a raw prompt (legacy completions): no chat template
+    # of prompt_ids, the last tokens that are the reply so far (a background response run again from
+    # its text, ``response_runs._continued``): metered as output, as its usage counts them
+    said: int = 0
     stream: bool = True  # False: the reply is read whole (the engine may hand it over in fewer pieces)
     template_kwargs: dict | None = None  # the chat template's own variables (enable_thinking, ...)
     prompt_end: PromptEnd = "generation"  # vLLM's add_generation_prompt / continue_final_message
@@ -307,7 +310,7 @@ async def _serve_choice(svc: Services, caller: Caller, job: ChatJob, index: int,
     ask = _ask(svc, caller, job, params) if joint is None else Ask()  # (a joint request asked for it)
     adapters = served_names(job.stack)
     async with Serving(svc, caller, job.model, params.max_tokens, "chat", gone, ask, adapters, job.own_adapter,
-                       joint=joint, part=part) as serving:
+                       joint=joint, part=part, said=job.said) as serving:
         events, event, ctx = await serving.step(lambda ctx: _first_event(serving, job, params, ctx), "running")
         # (after the first event: the engine has rendered the prompt, and noted its thinking marker)
         thinking = ThinkSplitter(job.reasoning, ctx.prompt_thinking) if job.reasoning != "none" else None

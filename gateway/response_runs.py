@@ -280,8 +280,8 @@ async def _continued(svc: Services, caller: Caller, draft: Draft, sent: Sent,
     """The deltas of a reply that goes on after what a resumed stream's followers saw (``sent``):
     the chat model is given its prompt (rendered with the request's template variables, as the
     first run's was) and the reply so far as a raw prompt, and what is left of ``max_tokens``; the
-    last delta's token counts are the whole reply's (the reply so far is output, not input). None
-    left: the reply ends there, at its length.
+    last delta's token counts are the whole reply's (the reply so far is output, not input), and
+    the key is metered so (``ChatJob.said``). None left: the reply ends there, at its length.
 
     The reply so far is its text, or a reasoning model's thinking (after ``<think>``, unless the
     prompt opened it) and, once the thinking ended, ``</think>`` and the answer's text. Cut while
@@ -304,7 +304,7 @@ async def _continued(svc: Services, caller: Caller, draft: Draft, sent: Sent,
         ended = ChatFinished("length", len(prompt) + len(said), 0)  # as the engine counts: the text in the prompt
         return _counted(_one(ChoiceDelta(0, finish_reason="length", finished=ended)), len(said), thinking)
     still_thinking = sent.thought_id is not None and not sent.thought_done
-    job = replace(job, prompt_ids=prompt + said, params=replace(job.params, max_tokens=left),
+    job = replace(job, prompt_ids=prompt + said, said=len(said), params=replace(job.params, max_tokens=left),
                   reasoning=job.reasoning if still_thinking else "none")
     return _counted(serve_chat(svc, caller, job, gone), len(said), thinking)
 

@@ -101,7 +101,7 @@ class Serving:
 
     def __init__(self, svc: Services, caller: Caller, model: str, units: float, endpoint: str,
                  gone: Gone | None, ask: Ask = Ask(), adapters: tuple[str, ...] = (), own_adapter: bool = False,
-                 recorded: bool = True, joint: "Joint | None" = None, part: int = 0) -> None:
+                 recorded: bool = True, joint: "Joint | None" = None, part: int = 0, said: int = 0) -> None:
         self.svc, self.caller, self.model, self.units, self.endpoint = svc, caller, model, units, endpoint
         self.adapters = adapters  # its adapter stack's names: the key's allow-list checks them
         self.own_adapter = own_adapter  # the request's ``model`` named the first
@@ -110,6 +110,7 @@ class Serving:
         self.ask = ask  # what the request spends of its key's minute limits, as estimated now
         self.joint = joint  # the request this block is one of, admitted and metered as a whole (else None)
         self.part = part  # which of the joint request's prompts this block answers (each is counted once)
+        self.said = said  # the prompt's last tokens are the reply so far (``ChatJob.said``): counted as output
         self.usage = Usage(requests=1)  # filled in by the core; GPU and swap seconds by the block
         self.arrived = time.monotonic()
         self._latency_reported = False  # to the gate's SLO guard: once per request
@@ -138,8 +139,12 @@ class Serving:
 
     def count_tokens(self, prompt: int, completion: int, cached: int = 0) -> None:
         """The request's tokens, for its usage and the request log (completions add up over a
-        request's blocks); ``cached``, of the prompt's, those the engine's prefix cache served."""
+        request's blocks); ``cached``, of the prompt's, those the engine's prefix cache served. The
+        block's ``said`` tokens, at the prompt's end, move from the prompt to the completion."""
         self._counted = True
+        if self.said:
+            said = min(self.said, prompt)
+            prompt, completion, cached = prompt - said, completion + said, min(cached, prompt - said)
         self.usage.input_tokens = prompt
         self.usage.cached_input_tokens = cached
         self.usage.output_tokens += completion

@@ -1244,9 +1244,10 @@ def check_a_response_goes_on_from_its_text(s, tiny_chat: Path, sent: int | None,
     second ``response.in_progress`` nor item, the same message item, its deltas joining to the
     whole text. What it adds is what the model makes from the prompt and that text's tokens (the
     same raw prompt through ``/v1/completions``, greedy, with what is left of
-    ``max_output_tokens``), and the text's tokens count as output. With the whole reply sent,
-    nothing is left to make: it ends at its length with that text. ``model`` takes the request's
-    ``extra`` fields, which render its prompt with ``template_kwargs``."""
+    ``max_output_tokens``), and the text's tokens count as output, in its usage and in what its key
+    is metered (they were metered as input). With the whole reply sent, nothing is left to make: it
+    ends at its length with that text. ``model`` takes the request's ``extra`` fields, which render
+    its prompt with ``template_kwargs``."""
     import gateway.response_runs as runs
     from workers.chat_prompt import encode
 
@@ -1279,6 +1280,12 @@ def check_a_response_goes_on_from_its_text(s, tiny_chat: Path, sent: int | None,
     before += [sse_event("response.output_text.delta", 5 + k, delta=d, logprobs=[], **at)
                for k, d in enumerate([text[:3], text[3:]])]
     s.wait(store.add_events(rid, dead.created_at, 0, before))
+
+    def metered() -> tuple[int, int]:
+        rows = httpx.get(f"{s.base_url}/usage", headers={"Authorization": f"Bearer {s.keys['paid']}"}).json()["data"]
+        return sum(r["input_tokens"] for r in rows), sum(r["output_tokens"] for r in rows)
+
+    metered_before = metered()
     assert s.wait(store.update_running(replace(dead, beat=time.time() - stale_s - 5)))  # then its process died
     if reclaim_now:
         state = s.app.state
@@ -1295,6 +1302,9 @@ def check_a_response_goes_on_from_its_text(s, tiny_chat: Path, sent: int | None,
     done = c.responses.retrieve(rid)
     assert done.output_text == text + added and done.status == "incomplete"
     assert (done.usage.input_tokens, done.usage.output_tokens) == (alone.usage.input_tokens, max(24, len(said)))
+    if left > 0:  # (none left: no model work, nothing metered)
+        now = metered()
+        assert (now[0] - metered_before[0], now[1] - metered_before[1]) == (done.usage.input_tokens, 24)
 
 
 def test_what_stored_events_show_of_the_output():
