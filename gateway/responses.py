@@ -485,6 +485,8 @@ LOGPROBS = "message.output_text.logprobs"  # the include that asks for the outpu
 def chat_body(body: ResponsesRequest, messages: list[dict[str, Any]]) -> dict[str, Any]:
     """The chat completion request that ``body`` asks for, on ``messages``."""
     chat: dict[str, Any] = {"model": body.model, "messages": messages}
+    if body.stream:  # its text as the engine writes it, not held to the reply's end (``ChatRequest.stream``):
+        chat["stream"] = True  # a client that leaves mid-stream is seen there, and its work stopped
     if body.max_output_tokens is not None:
         chat["max_completion_tokens"] = body.max_output_tokens
     # the sampling fields the request sets; the rest are the model's defaults, as chat's (``schemas.sampling``)

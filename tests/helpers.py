@@ -183,18 +183,25 @@ CHAT_ADAPTERS = ["tiny-chat-pirate", "tiny-chat-poet"]
 
 
 def stream_and_leave(url: str, headers: dict, body: dict, chunks: int = 3) -> None:
-    """POST a streamed chat request to ``url`` and close the connection after ``chunks`` chunks of
-    text, as a client that leaves mid-reply."""
+    """POST a streamed chat request (or a Responses API request) to ``url`` and close the
+    connection after ``chunks`` chunks of text, as a client that leaves mid-reply."""
     import httpx
 
     received = 0
     with httpx.stream("POST", url, headers=headers, timeout=60, json={**body, "stream": True}) as r:
         for line in r.iter_lines():
-            if line.startswith("data: {") and json.loads(line[6:])["choices"][0]["delta"].get("content"):
+            if line.startswith("data: {") and _text_of(json.loads(line[6:])):
                 received += 1
                 if received == chunks:
                     return
     raise AssertionError(f"the stream ended after {received} chunks of text, before the client left")
+
+
+def _text_of(event: dict) -> str | None:
+    """The text a streamed chat chunk, or a Responses API event, carries."""
+    if "choices" in event:
+        return event["choices"][0]["delta"].get("content")
+    return event["delta"] if event.get("type") == "response.output_text.delta" else None
 
 
 def adapters_yaml(demo_dir: Path) -> str:
