@@ -15,7 +15,7 @@ from typing import AsyncIterator, Sequence
 from starlette.applications import Starlette
 from starlette.exceptions import HTTPException
 from starlette.middleware import Middleware
-from starlette.requests import Request
+from starlette.requests import ClientDisconnect, Request
 from starlette.responses import JSONResponse, Response
 from starlette.routing import BaseRoute, Route, WebSocketRoute
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
@@ -277,7 +277,9 @@ async def _http_error(request: Request, exc: HTTPException) -> Response:
     return APIError(exc.status_code, message, code, headers=dict(exc.headers or {})).response(_anthropic(request))
 
 
-async def _client_gone(request: Request, exc: ClientGone) -> Response:
+async def _client_gone(request: Request, exc: ClientGone | ClientDisconnect) -> Response:
+    """The client left before its answer was ready (``ClientGone``), or while its body was still
+    arriving (``ClientDisconnect``): a 499 nobody reads (the server drops it), for its log line."""
     request.app.state.services.left_door()
     return Response(status_code=499)
 
@@ -460,6 +462,7 @@ def create_app(services: Services, extra: Sequence[BaseRoute] = ()) -> Starlette
     app = Starlette(
         routes=routes() + list(extra),
         exception_handlers={APIError: _api_error, HTTPException: _http_error, ClientGone: _client_gone,
+                            ClientDisconnect: _client_gone,
                             **dict.fromkeys(STORE_ERRORS, _store_down)},  # any other: ``Unexpected``
         lifespan=_lifespan,
         middleware=[*cors(services.config.server.cors_origins), Middleware(Unexpected), Middleware(RequestLog), Middleware(DrainGate, drain=drain),

@@ -4,7 +4,8 @@ A client that sends its body too slowly (one byte a second, say) gets a 408 in O
 its connection closed, instead of holding a connection and a handler open for as long as it
 likes. The clock starts when the app first asks for the body and stops once the body is whole;
 waiting for the client's disconnect afterwards (streamed responses) is not limited. A client
-that leaves halfway through its body gets no answer and leaves no traceback behind.
+that leaves halfway through its body leaves no traceback behind: the app's handler answers it
+499 (``gateway.app``: logged so, the answer dropped), and one raised outside it ends here.
 """
 
 from __future__ import annotations

@@ -1,11 +1,14 @@
 """The request log's writer (gateway.request_log.LineWriter): request lines are queued on the
 caller's thread and written by the writer's thread; every other line goes out at once, after
 the queued ones; flush and close leave nothing queued. And what a line says of a stream its
-client left (``RequestLog``, on a server in this process)."""
+client left, or of a request whose client left while sending its body (``RequestLog``, on a
+server in this process)."""
 
 from __future__ import annotations
 
+import json
 import logging
+import socket
 import time
 
 import httpx
@@ -246,3 +249,24 @@ def test_a_stream_its_client_leaves_is_logged_interrupted(server, tiny_chat, cap
     for request_id, tokens in (("whole-stream", 3), ("whole-plain", 2)):
         line = logged_line(caplog, request_id)
         assert (line["status"], line["reason"], line["completion_tokens"]) == (200, None, tokens), line
+
+
+@pytest.mark.parametrize("framing", ["content-length", "chunked"])
+def test_a_client_that_leaves_mid_body_is_logged_499(server, caplog, framing):
+    """The client sends its head and half its body, then closes: nothing is answered (nobody is
+    there to read it), and the line says it left before its response started, a ``status`` 499
+    as README's "Request logs" documents, whether the body had a length or came chunked."""
+    caplog.set_level("INFO", logger="tiergate.requests")
+    body = json.dumps({"model": "tiny-chat", "messages": [{"role": "user", "content": "hi"}]}).encode()
+    half = body[: len(body) // 2]
+    framed = b"Content-Length: %d\r\n\r\n%s" % (len(body), half) if framing == "content-length" else \
+        b"Transfer-Encoding: chunked\r\n\r\n%x\r\n%s\r\n" % (len(half), half)
+    host, port = server.url.removeprefix("http://").rsplit(":", 1)
+    with socket.create_connection((host, int(port)), timeout=30) as sock:
+        sock.sendall(b"POST /v1/chat/completions HTTP/1.1\r\nHost: test\r\nContent-Type: application/json\r\n"
+                     b"Authorization: Bearer " + server.keys["paid"].encode() + b"\r\n"
+                     b"x-request-id: left-mid-body-" + framing.encode() + b"\r\n" + framed)
+        time.sleep(0.3)  # the server is reading the body when the client goes
+
+    line = logged_line(caplog, f"left-mid-body-{framing}")
+    assert (line["status"], line["endpoint"], line["tier"]) == (499, "/v1/chat/completions", "paid"), line
