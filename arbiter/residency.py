@@ -124,6 +124,7 @@ class Arbiter:
         self.workers: dict[str, Worker] = {}  # loaded (resident or warm), or cold holding paused work
         self._waiters: list[_Waiter] = []
         self._loading: str | None = None
+        self._loads: set[asyncio.Task] = set()  # the load under way (and an OOM retry's): cancelled at stop
         self._cooldowns: dict[str, policy.LoadCooldown] = {}
         self._may_run = {s.name: _set_event() for s in specs}
         self._others_busy = False
@@ -220,6 +221,12 @@ class Arbiter:
         return rows
 
     async def stop(self) -> None:
+        """Release every worker; a load under way first stops where it is (a vLLM engine's start
+        abandoned, its processes ended): its worker is not yet among them, and the server's exit
+        would otherwise wait for it to finish."""
+        for task in self._loads:
+            task.cancel()
+        await asyncio.gather(*self._loads, return_exceptions=True)
         for worker in self.workers.values():
             await worker.release()
         self.workers.clear()
@@ -375,7 +382,9 @@ class Arbiter:
             if name not in self._paused:
                 self._paused.add(name)
                 self.events.emit("batch_paused", model=name)
-        asyncio.get_running_loop().create_task(self._load_task(model, evict, prior_place, tier, trigger))
+        task = asyncio.get_running_loop().create_task(self._load_task(model, evict, prior_place, tier, trigger))
+        self._loads.add(task)
+        task.add_done_callback(self._loads.discard)
 
     def _moving(self, evict: Evict | None) -> None:
         """Mark ``evict``'s victims busy (``loading``) now, as their eviction is decided, not when

@@ -404,6 +404,41 @@ def test_failed_load_answers_503_with_cooldown_instead_of_retrying(tiny_chat, tm
     asyncio.run(main())
 
 
+def test_stop_ends_a_load_under_way_and_releases_its_worker(tiny_chat):
+    """The server stops while a model loads (a preload, a load for a request): ``stop`` does not
+    leave the load running for the process's exit to wait on (a vLLM engine's start: tens of
+    seconds, past the drain's timeout) but cancels it, and releases its worker, not yet among the
+    loaded ones (the engine's start abandoned, its processes ended)."""
+    clock = Clock()
+    released = []
+
+    def factory(spec):
+        worker = make_worker(spec)
+        real = worker.release
+
+        async def place(device):
+            await asyncio.sleep(3600)  # a start that has not ended when the server stops
+
+        async def release():
+            released.append(spec.name)
+            await real()
+
+        worker.place, worker.release = place, release
+        return worker
+
+    async def main():
+        arb = make(tiny_chat, clock, factory=factory)
+        loading = asyncio.create_task(arb.load("a"))
+        while places(arb)["a"] != "loading":
+            await asyncio.sleep(0.01)
+        async with asyncio.timeout(10):
+            await arb.stop()
+        assert released == ["a"]
+        loading.cancel()
+
+    asyncio.run(main())
+
+
 class Loads:
     """A worker factory whose loads take ``seconds`` and fail for the models in ``failing`` (an
     Exception) or ``oom_once`` (torch.OutOfMemoryError, the first time), counting the loads that

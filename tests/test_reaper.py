@@ -188,6 +188,74 @@ def test_a_guarded_pid_reused_by_another_process_is_not_signalled(tmp_path):
         bystander.wait()
 
 
+# A serving process killed while an engine starts: what it spawned in its own group (an engine
+# core, which starts a worker of its own) is guarded from the spawn on, before any
+# guard_new_descendants (which runs once the engine has started).
+STARTING_SERVER = textwrap.dedent("""
+    import json, multiprocessing, os, subprocess, sys, time
+    from workers import reaper
+
+    if __name__ == "__main__":  # the spawned "engine core" imports this module again
+        with reaper.own_group():
+            core = multiprocessing.get_context("spawn").Process(target=subprocess.call, args=(["sleep", "120"],))
+            core.start()
+        while not reaper.descendants(core.pid):  # its "worker"
+            time.sleep(0.02)
+        print(json.dumps({"core": core.pid, "worker": reaper.descendants(core.pid)[0],
+                          "reaper": reaper._reaper.pid if reaper._reaper else -1}), flush=True)
+        time.sleep(120)
+""")
+
+
+def test_a_server_killed_while_its_engine_starts_leaves_none_of_its_processes(tmp_path):
+    """SIGKILL during an engine's start: the engine core, guarded from its spawn on, and the worker
+    it started itself (never handed to the reaper) end with the server."""
+    script = tmp_path / "starting.py"
+    script.write_text(STARTING_SERVER)
+    proc = subprocess.Popen([sys.executable, str(script)], stdout=subprocess.PIPE, text=True,
+                            env={**os.environ, "PYTHONPATH": str(ROOT)})
+    pids = json.loads(proc.stdout.readline())
+    try:
+        proc.kill()
+        proc.wait()
+        left = wait_gone([pids["core"], pids["worker"]], within_s=reaper.GRACE_S + 5)
+        assert left == [], described(left)
+        assert pids["reaper"] > 0 and wait_gone([pids["reaper"]], within_s=5) == []
+    finally:
+        cleanup(pids["core"], pids["worker"], pids["reaper"])
+
+
+def test_an_abandoned_start_ends_what_it_spawned_and_spawns_no_more():
+    """``Spawns.stop``, as a shutdown during an engine's start calls it: the processes the block
+    spawned end, with what they started (an engine core's worker), and a later spawn in the block
+    (the start going on) is refused. multiprocessing's resource tracker, which this process's
+    every spawned process shares, is not the start's to end."""
+    import multiprocessing
+    from multiprocessing import resource_tracker
+
+    ctx = multiprocessing.get_context("spawn")
+    spawns = reaper.Spawns()
+    core = worker = None
+    try:
+        with reaper.own_group(spawns):
+            core = ctx.Process(target=subprocess.call, args=(["sleep", "30"],))
+            core.start()
+            deadline = time.monotonic() + 30
+            while not reaper.descendants(core.pid) and time.monotonic() < deadline:
+                time.sleep(0.02)
+            (worker,) = reaper.descendants(core.pid)
+            assert list(spawns.started) == [core.pid]
+            spawns.stop(grace_s=0.5)
+            with pytest.raises(ChildProcessError):
+                ctx.Process(target=time.sleep, args=(30,)).start()
+        assert wait_gone([core.pid, worker], within_s=3) == []
+        assert alive(resource_tracker._resource_tracker._pid)
+    finally:
+        cleanup(*[p for p in (core and core.pid, worker) if p])
+        if core is not None:
+            core.join()
+
+
 ENGINE_SERVER = textwrap.dedent("""
     import asyncio, json, os, sys, time
 

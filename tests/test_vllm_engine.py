@@ -794,6 +794,44 @@ def test_a_start_that_fails_part_way_removes_the_socket_files_it_made(loop, mode
     assert set(folder.iterdir()) - before == set()
 
 
+def test_a_shutdown_during_a_start_abandons_it_and_ends_its_processes(loop, model_dir):
+    """The server stops while an engine starts (a preload, a model loading for a request): the
+    shutdown does not wait for the start to finish (tens of seconds, past the drain's timeout),
+    it ends the processes the start spawned, the engine core and whatever it started, at once,
+    and the start fails. (Shut down as soon as the engine core exists, which spares its import of
+    vLLM, as the test above does.)"""
+    from workers import reaper
+
+    eng = VllmChatEngine(ModelSpec("tiny-chat", "chat", model_dir, engine="vllm"), max_model_len=512,
+                         kv_cache_bytes=64 << 20, dtype="float32", enforce_eager=True)
+
+    async def shut_down_as_it_starts() -> tuple[list[int], float, BaseException | None]:
+        start = asyncio.ensure_future(eng.start())
+        deadline = time.monotonic() + 120
+        while not (eng._starting and eng._starting[0].started):  # the engine core is spawned
+            assert not start.done() and time.monotonic() < deadline, "no engine core was spawned"
+            await asyncio.sleep(0.02)
+        cores = list(eng._starting[0].started)
+        spawned = cores + [p for core in cores for p in reaper.descendants(core)]
+        began = time.monotonic()
+        await eng.shutdown()
+        took = time.monotonic() - began
+        failure = (await asyncio.gather(start, return_exceptions=True))[0]
+        return sorted(spawned), took, failure
+
+    try:
+        spawned, took, failure = loop.run_until_complete(shut_down_as_it_starts())
+    finally:
+        if eng.started:  # the start ran on: leave no engine running behind the test
+            loop.run_until_complete(eng.shutdown())
+    assert isinstance(failure, Exception), failure
+    assert took < 15, f"the shutdown waited {took:.1f} s for the start"
+    deadline = time.monotonic() + 5
+    while (left := [p for p in spawned if reaper.start_time(p) is not None]) and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert spawned and left == [], left
+
+
 # The first delta of a resumed pass, as the suite saw vLLM send it (test_vllm_gateway's batch
 # request, paused once): the tail of the prompt's text, the reply so far as already delivered, then
 # the new text. A full decode of prompt + reply rendered the reply's undecodable bytes otherwise,

@@ -74,11 +74,13 @@ import atexit
 import contextlib
 import hashlib
 import itertools
+import logging
 import math
 import os
 import shutil
 import sys
 import tempfile
+import threading
 import time
 import uuid
 import weakref
@@ -117,6 +119,10 @@ LoraRef = tuple[str, int, str]  # (name, int_id >= 1, local adapter folder)
 
 _CANCEL_POLL_S = 0.05
 _PAUSE_POLL_S = 0.02
+_ABANDON_GRACE_S = 2.0  # an abandoned start's processes: from SIGTERM to SIGKILL
+_ABANDON_WAIT_S = 10.0  # then its thread ends (its wait for them fails): waited for this long at most
+
+log = logging.getLogger("tiergate.vllm")
 
 
 @dataclass
@@ -167,6 +173,37 @@ def _import_vllm() -> None:
     import vllm.lora.request  # noqa: F401
     import vllm.sampling_params  # noqa: F401
     import vllm.v1.engine.async_llm  # noqa: F401
+
+
+def _started_engine(args, spawns: reaper.Spawns) -> asyncio.Future:
+    """``AsyncLLM.from_engine_args(args)`` (the whole start-up: engine core spawn, weights, KV
+    allocation), its processes spawned in a group of their own into ``spawns``, on a daemon thread
+    of its own, as a future of this loop. Not ``asyncio.to_thread``: the process joins that
+    executor's threads when it exits, so a server stopped during a start waited for the engine to
+    finish starting, past its drain's timeout (hunt DD, finding 2)."""
+    from vllm.v1.engine.async_llm import AsyncLLM
+
+    loop = asyncio.get_running_loop()
+    engine = loop.create_future()
+
+    def settle(llm, exc: BaseException | None) -> None:
+        if exc is None:
+            engine.set_result(llm)
+        else:
+            engine.set_exception(exc)
+
+    def run() -> None:
+        llm, exc = None, None
+        try:
+            with reaper.own_group(spawns):
+                llm = AsyncLLM.from_engine_args(args)
+        except BaseException as failed:  # noqa: BLE001 - handed to the loop, which raises it in start()
+            exc = failed
+        with contextlib.suppress(RuntimeError):  # the loop has closed: nobody waits (the reaper ends its processes)
+            loop.call_soon_threadsafe(settle, llm, exc)
+
+    threading.Thread(target=run, name="vllm-engine-start", daemon=True).start()
+    return engine
 
 
 def _eager_on_cpu() -> None:
@@ -258,6 +295,8 @@ class VllmChatEngine(Worker):
         self._stack_writes: dict[StackKey, asyncio.Task] = {}  # stacks being written, for those who wait
         self._stack_dir: Path | None = None
         self._sockets: set[Path] = set()  # the ZMQ socket files this engine's start made
+        # a start under way: the processes it spawned, and the engine it is to give
+        self._starting: tuple[reaper.Spawns, asyncio.Future] | None = None
 
     # -- lifecycle ---------------------------------------------------------------------------
     @property
@@ -336,7 +375,6 @@ class VllmChatEngine(Worker):
         rpc = _rpc_folder()
         sockets_before = set(rpc.iterdir())
         from transformers import AutoTokenizer
-        from vllm.v1.engine.async_llm import AsyncLLM
 
         await asyncio.to_thread(self._check_head_size)  # imports vLLM's CPU attention: not on the loop either
         self._lora_cond = asyncio.Condition()
@@ -346,15 +384,24 @@ class VllmChatEngine(Worker):
         # the token that ends a reasoning reply's thinking, where vLLM gates its grammar on it
         self._think_end = self._think_end_token if self._thinking_gate() else None
         args = self.engine_args()
-        # Blocking for the whole start-up (engine core spawn, weights, KV allocation): keep it
-        # off the event loop. Its processes start out of this process's group (a Ctrl+C reaches
-        # this process alone, which drains), and end with this process even when it is killed.
+        # Blocking for the whole start-up: off the event loop (``_started_engine``). Its processes
+        # start out of this process's group (a Ctrl+C reaches this process alone, which drains),
+        # and end with this process even when it is killed, from their spawn on. A start
+        # cancelled, or a shutdown meanwhile, abandons it: its processes end (``_abandon_start``).
         before = set(reaper.descendants(os.getpid()))
         _eager_on_cpu()
+        spawns = reaper.Spawns()
+        self._starting = (spawns, _started_engine(args, spawns))
         try:
-            with reaper.own_group():
-                self._llm = await asyncio.to_thread(AsyncLLM.from_engine_args, args)
+            llm = await asyncio.shield(self._starting[1])
+            if spawns.stopped:  # started as a shutdown abandoned it: that shutdown ends it
+                raise RuntimeError(f"{self.spec.name}: the engine's start was abandoned (shutdown)")
+            self._llm = llm
+        except asyncio.CancelledError:
+            await self._abandon_start(*self._starting)
+            raise
         finally:  # a start that fails part-way has bound some of them already
+            self._starting = None
             self._sockets = set(rpc.iterdir()) - sockets_before
             if self._llm is None:
                 self._remove_sockets()
@@ -386,6 +433,8 @@ class VllmChatEngine(Worker):
             )
 
     async def shutdown(self) -> None:
+        if self._starting is not None:  # a start under way (the server stopping as a model loads)
+            await self._abandon_start(*self._starting)
         llm, self._llm = self._llm, None
         if llm is None:
             return
@@ -395,6 +444,20 @@ class VllmChatEngine(Worker):
         self._resident.clear()
         self._residency += 1  # the counts of requests paused meanwhile are gone with it
         self._remove_sockets()
+
+    async def _abandon_start(self, spawns: reaper.Spawns, engine: asyncio.Future) -> None:
+        """End a start under way where it is: its processes (and those they started) end, which
+        fails its thread's wait for them, and it spawns no more; an engine that finished starting
+        meanwhile shuts down. Waited for ``_ABANDON_GRACE_S`` + ``_ABANDON_WAIT_S`` at most: the
+        start's thread is a daemon, which the process's exit does not wait for."""
+        log.info("%s: its engine's start is abandoned: its processes are stopped", self.spec.name)
+        await asyncio.to_thread(spawns.stop, _ABANDON_GRACE_S)
+        done, _ = await asyncio.wait([engine], timeout=_ABANDON_WAIT_S)
+        if not done:
+            log.warning("%s: the engine's start, abandoned, did not end within %.0f s", self.spec.name,
+                        _ABANDON_WAIT_S)
+        elif engine.exception() is None:
+            await asyncio.to_thread(engine.result().shutdown)
 
     def _remove_sockets(self) -> None:
         for path in self._sockets:  # vLLM 0.32 leaves its socket files behind

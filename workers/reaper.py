@@ -11,7 +11,8 @@ The reaper is a small process of its own, started by the serving process at the 
 processes to guard, each as its pid and its start time, and watches the serving process (a pidfd,
 or its parent pid where pidfds are missing). When the serving process is gone, the reaper sends
 SIGTERM to each guarded process that is still the same process (same pid, same start time: a pid
-can be reused), and SIGKILL to those still running ``grace_s`` later; then it removes the folders
+can be reused), and to the processes below them (vLLM's workers, under its engine core), and
+SIGKILL to those still running ``grace_s`` later; then it removes the folders
 handed to it with :func:`remove_when_gone` (vLLM's socket folder, which the serving process
 removes at its exit when it gets to run it). It runs in a session of its
 own and ignores SIGINT, SIGTERM and SIGHUP: a signal to the serving process's group (Ctrl+C, a
@@ -24,7 +25,11 @@ process's whole group (Ctrl+C in a terminal, ``kill -- -PGID``) used to cut its 
 processes that ``multiprocessing`` spawns (vLLM's engine core, and under it its workers) start in a
 process group of their own, so such a signal reaches the serving process alone, which drains and
 then stops its engines; the reaper is what makes this safe when the serving process cannot stop
-them. A group, not a session: Linux's scheduler gives each session its own share of the CPU
+them. What :func:`own_group` spawns is guarded from its spawn on, not only once the engine has
+started: a server killed while an engine starts leaves none of its processes behind. Handed a
+:class:`Spawns`, the block's spawns are also kept there, for the serving process to end them
+itself (``Spawns.stop``: an engine start abandoned at shutdown).
+A group, not a session: Linux's scheduler gives each session its own share of the CPU
 (autogroups), and with the engine core in a session of its own (``setsid``, tried first) the
 engine decoded a whole 480-token reply before the serving process delivered its first chunk on
 this 2-core machine: streams came in 3-6 bursts instead of 240 chunks, and a paid request arrived
@@ -48,7 +53,7 @@ import subprocess
 import sys
 import threading
 import time
-from typing import Iterator
+from typing import Callable, Iterator
 
 GRACE_S = 5.0  # from SIGTERM to SIGKILL for a guarded process still running
 _POLL_S = 0.5  # how often the parent is checked where there is no pidfd
@@ -58,6 +63,10 @@ _reaper: subprocess.Popen | None = None
 _guarded: set[tuple[int, int]] = set()
 _removing: set[str] = set()  # folders handed to the reaper
 _groups = 0  # own_group blocks open
+_here = threading.local()  # .spawns: the Spawns of the own_group block open in this thread, if any
+# multiprocessing's resource tracker, spawned with the first process it starts: this process's for
+# every one (it ends once the processes that hold its pipe have), not a start's to end
+_TRACKER = "multiprocessing.resource_tracker"
 _spawnv_passfds = multiprocessing.util.spawnv_passfds  # what multiprocessing spawns with
 
 
@@ -107,12 +116,19 @@ def guard_new_descendants(before: set[int], grace_s: float = GRACE_S) -> list[in
     Returns the pids newly guarded."""
     if not sys.platform.startswith("linux"):
         return []
+    return _guard([pid for pid in descendants(os.getpid()) if pid not in before], grace_s)
+
+
+def _guard(pids: list[int], grace_s: float = GRACE_S) -> list[int]:
+    """Hand ``pids`` to the reaper (those not yet handed, and not exited); returns those handed."""
+    if not sys.platform.startswith("linux"):
+        return []
     with _lock:
         _start(grace_s)
         new = []
-        for pid in descendants(os.getpid()):
+        for pid in pids:
             started = start_time(pid)
-            if pid in before or pid == _reaper.pid or started is None or (pid, started) in _guarded:
+            if pid == _reaper.pid or started is None or (pid, started) in _guarded:
                 continue
             _guarded.add((pid, started))
             new.append(pid)
@@ -152,23 +168,63 @@ _NEW_GROUP = ("import os, signal, sys; os.setpgid(0, 0); signal.signal(signal.SI
               "os.execv(sys.argv[1], sys.argv[2:])")
 
 
+class Spawns:
+    """The processes an :func:`own_group` block spawned in its thread (vLLM's engine core, which
+    starts its workers itself): :meth:`stop` ends them and what they started, and refuses the
+    block's later spawns, so that a start abandoned part-way (the server shutting down) ends
+    wherever it was, instead of running on to start an engine nobody will use."""
+
+    def __init__(self) -> None:
+        self.started: dict[int, int] = {}  # pid -> its start time
+        self.stopped = False
+        self._lock = threading.Lock()
+
+    def spawn(self, start: Callable[[], int]) -> int:
+        with self._lock:  # (a stop meanwhile sees this one, or this one sees the stop)
+            if self.stopped:
+                raise ChildProcessError("the engine's start was abandoned: nothing more is spawned for it")
+            pid = start()
+            if (started := start_time(pid)) is not None:
+                self.started[pid] = started
+            return pid
+
+    def stop(self, grace_s: float = GRACE_S) -> None:
+        """(blocking, up to ``grace_s``) End the processes spawned so far and those below them:
+        SIGTERM, then SIGKILL for those still running ``grace_s`` later."""
+        with self._lock:
+            self.stopped = True
+            started = dict(self.started)
+        _reap(started, grace_s)
+
+
 @contextlib.contextmanager
-def own_group() -> Iterator[None]:
+def own_group(spawns: Spawns | None = None) -> Iterator[None]:
     """While open (in any thread), processes ``multiprocessing`` spawns start in a process group of
-    their own, in this process's session. Pair it with :func:`guard_new_descendants`: out of the
-    group, only the reaper ends them if this process is killed."""
+    their own, in this process's session, and are guarded by the reaper from their spawn on (out
+    of the group, only the reaper ends them if this process is killed). Pair it with
+    :func:`guard_new_descendants` for the processes they start. ``spawns``: the processes this
+    thread spawns in the block are kept there too (see :class:`Spawns`)."""
     global _groups
 
     def spawn_in_own_group(path: bytes, args: list, passfds) -> int:
         shim = [sys.executable, "-I", "-S", "-c", _NEW_GROUP, os.fsdecode(path), *map(os.fsdecode, args)]
-        return _spawnv_passfds(os.fsencode(sys.executable), shim, passfds)
+        spawns = None if any(_TRACKER in os.fsdecode(a) for a in args) else getattr(_here, "spawns", None)
+
+        def start() -> int:
+            return _spawnv_passfds(os.fsencode(sys.executable), shim, passfds)
+
+        pid = start() if spawns is None else spawns.spawn(start)
+        _guard([pid])
+        return pid
 
     with _lock:
         _groups += 1
         multiprocessing.util.spawnv_passfds = spawn_in_own_group
+    outer, _here.spawns = getattr(_here, "spawns", None), spawns
     try:
         yield
     finally:
+        _here.spawns = outer
         with _lock:
             _groups -= 1
             if _groups == 0:
@@ -196,13 +252,20 @@ def _read_lines(fd: int, pending: bytes, guarded: dict[int, int], folders: set[s
 
 
 def _reap(guarded: dict[int, int], grace_s: float) -> None:
-    alive = [pid for pid, started in guarded.items() if is_same_process(pid, started)]
+    """SIGTERM to the ``guarded`` processes (pid -> start time) still running and to the processes
+    below them (an engine core's workers, guarded or not: it may be killed before it could end
+    them, or while it starts them), then SIGKILL to those still running ``grace_s`` later."""
+    alive = {pid: started for pid, started in guarded.items() if is_same_process(pid, started)}
+    for pid in list(alive):
+        for below in descendants(pid):
+            if (started := start_time(below)) is not None:
+                alive[below] = started
     for pid in alive:
         _signal(pid, signal.SIGTERM)
     deadline = time.monotonic() + grace_s
     while alive and time.monotonic() < deadline:
         time.sleep(0.05)
-        alive = [pid for pid in alive if is_same_process(pid, guarded[pid])]
+        alive = {pid: started for pid, started in alive.items() if is_same_process(pid, started)}
     for pid in alive:
         _signal(pid, signal.SIGKILL)
 
