@@ -443,7 +443,7 @@ def routes() -> list[BaseRoute]:
         Route("/admin/usage", accounts_api.admin_usage, methods=["GET"]),
         Route("/v1/usage", accounts_api.own_usage, methods=["GET"]),
         Route("/admin/state", dashboard.admin_state, methods=["GET"]),
-        Route("/admin/events", dashboard.admin_events, methods=["GET"]),
+        Route(dashboard.EVENTS, dashboard.admin_events, methods=["GET"]),
         Route("/dashboard", dashboard.page, methods=["GET"]),
         Route("/dashboard/{name}", dashboard.asset, methods=["GET"]),
     ]
@@ -465,7 +465,8 @@ def create_app(services: Services, extra: Sequence[BaseRoute] = ()) -> Starlette
                             ClientDisconnect: _client_gone,
                             **dict.fromkeys(STORE_ERRORS, _store_down)},  # any other: ``Unexpected``
         lifespan=_lifespan,
-        middleware=[*cors(services.config.server.cors_origins), Middleware(Unexpected), Middleware(RequestLog), Middleware(DrainGate, drain=drain),
+        middleware=[*cors(services.config.server.cors_origins), Middleware(Unexpected), Middleware(RequestLog),
+                    Middleware(DrainGate, drain=drain, unwaited=frozenset({dashboard.EVENTS})),
                     Middleware(BodyDeadline, seconds=services.config.limits.body_timeout_s),
                     Middleware(KeyHeaders)],
     )

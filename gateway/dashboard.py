@@ -30,6 +30,7 @@ from gateway.errors import APIError
 from gateway.http import Streamed
 from gateway.service import Services
 
+EVENTS = "/admin/events"  # the stream's path: the drain does not wait for it (it ends itself as the drain begins)
 STATE_EVERY_S = 2.0
 HEARTBEAT_S = 15.0
 RECENT_EVENTS = 100

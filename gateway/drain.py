@@ -12,8 +12,11 @@ On SIGTERM (or the first Ctrl+C) :class:`DrainingServer` drains before uvicorn s
    turns 503, so load balancers stop sending traffic;
 2. the drain's hooks run: the batch runner hands its in-flight lines back to the store (neither
    lost nor run twice: ``Store.release``);
-3. API requests already in flight, streams included, run to their end, for at most
-   ``server.drain_timeout_s``; progress is logged every second;
+3. requests already in flight, streams included, run to their end, for at most
+   ``server.drain_timeout_s``; progress is logged every second. Every request counts, on any path
+   (``/v1/...``, vLLM's ``/rerank``, ``/tokenize``, Cohere's ``/v2/embed``, the admin API's), but the
+   probes and ``/metrics`` and the dashboard's event stream, which ends itself as the drain begins
+   (and a reader that stopped reading would hold the drain to its timeout);
 4. then uvicorn shuts down as usual (what is still running past the timeout is cancelled) and
    the process exits 0. A second signal cuts what still runs at once, as the timeout does (each
    request answered 503 ``shutting_down``, or its stream ended), and shuts down the same way.
@@ -47,8 +50,8 @@ CUT_AFTER_S = 1.0  # past the drain timeout, how long uvicorn waits before cance
 
 
 class Drain:
-    """Whether the server is draining, and the API requests in flight (``/v1/...``; responses
-    that have started sending count as streams)."""
+    """Whether the server is draining, and the requests in flight (responses that have started
+    sending count as streams)."""
 
     def __init__(self, timeout_s: float) -> None:
         self.timeout_s = timeout_s
@@ -57,7 +60,7 @@ class Drain:
         self.inflight = 0
         self.streaming = 0
         self.hooks: list[Callable[[], Awaitable[str | None]]] = []  # run once draining starts; say what they did
-        self.tasks: set[asyncio.Task] = set()  # the API requests' tasks in flight (``DrainGate``)
+        self.tasks: set[asyncio.Task] = set()  # the requests' tasks in flight (``DrainGate``)
         self.cut = False  # timed out, or a second signal: what is left in flight is cancelled (``cut_what_is_left``)
 
     def begin(self) -> None:
@@ -68,7 +71,7 @@ class Drain:
         return 0.0 if self.since is None else max(0.0, self.timeout_s - (time.monotonic() - self.since))
 
     async def run(self) -> None:
-        """Drain: stop admitting, run the hooks, wait for the API requests in flight (at most
+        """Drain: stop admitting, run the hooks, wait for the requests in flight (at most
         ``timeout_s``), logging progress. Returns when the server may shut down."""
         self.begin()
         log.info("draining: no new requests; %s in flight; waiting up to %gs", self.describe(), self.timeout_s)
@@ -93,9 +96,9 @@ class Drain:
             log.info("drained: nothing in flight")
 
     def cut_what_is_left(self, why: str) -> None:
-        """Cancel the API requests still in flight; each answers for itself (``DrainGate``): one
-        not yet answered with a 503 ``shutting_down`` in OpenAI's shape, a response under way is
-        ended where it is. (Left to uvicorn's cancellation, the first got its bare text 500.)"""
+        """Cancel the requests still in flight; each answers for itself (``DrainGate``): one not yet
+        answered with a 503 ``shutting_down`` in OpenAI's shape, a response under way is ended where
+        it is. (Left to uvicorn's cancellation, the first got its bare text 500.)"""
         self.cut = True
         for task in list(self.tasks):
             task.cancel(why)
@@ -105,11 +108,13 @@ class Drain:
 
 
 class DrainGate:
-    """ASGI middleware: counts API requests in flight; while draining, refuses new ones."""
+    """ASGI middleware: counts the requests in flight (every path's but the probes' and
+    ``unwaited``'s); while draining, refuses new ones."""
 
-    def __init__(self, app: ASGIApp, drain: Drain) -> None:
+    def __init__(self, app: ASGIApp, drain: Drain, unwaited: frozenset[str] = frozenset()) -> None:
         self.app = app
         self.drain = drain
+        self.unwaited = unwaited  # long-lived event streams that end themselves as the drain begins
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         if scope["type"] != "http" or scope["path"] in PROBES:
@@ -123,7 +128,7 @@ class DrainGate:
             note(reason=error.code)
             await error.response(speaks_anthropic(scope["path"], scope["headers"]))(scope, receive, send)
             return
-        if not scope["path"].startswith("/v1/"):
+        if scope["path"] in self.unwaited:
             await self.app(scope, receive, send)
             return
         started = False
@@ -234,7 +239,7 @@ class DrainingServer(uvicorn.Server):
     def handle_exit(self, sig: int, frame: FrameType | None) -> None:
         if self.drain.draining or self._loop is None or not self.started:
             # second signal, or not started yet: cut what runs (the app's shutdown still stops the engines);
-            # the drain cuts the API requests itself, before uvicorn's cancel, so that they answer as its timeout's do
+            # the drain cuts the requests itself, before uvicorn's cancel, so that they answer as its timeout's do
             if self.drain.draining and self._loop is not None:
                 self._loop.call_soon_threadsafe(self._cut)
             self.config.timeout_graceful_shutdown = CUT_AFTER_S
