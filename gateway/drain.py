@@ -16,7 +16,9 @@ On SIGTERM (or the first Ctrl+C) :class:`DrainingServer` drains before uvicorn s
    ``server.drain_timeout_s``; progress is logged every second. Every request counts, on any path
    (``/v1/...``, vLLM's ``/rerank``, ``/tokenize``, Cohere's ``/v2/embed``, the admin API's), but the
    probes and ``/metrics`` and the dashboard's event stream, which ends itself as the drain begins
-   (and a reader that stopped reading would hold the drain to its timeout);
+   (and a reader that stopped reading would hold the drain to its timeout). Each Realtime session
+   (a WebSocket: ``Drain.open_session``) takes no new work, lets its work under way (a reply, a
+   committed turn's transcription) end, then says why it ends and closes; an idle one, at once;
 4. then uvicorn shuts down as usual (what is still running past the timeout is cancelled) and
    the process exits 0. A second signal cuts what still runs at once, as the timeout does (each
    request answered 503 ``shutting_down``, or its stream ended), and shuts down the same way.
@@ -50,8 +52,8 @@ CUT_AFTER_S = 1.0  # past the drain timeout, how long uvicorn waits before cance
 
 
 class Drain:
-    """Whether the server is draining, and the requests in flight (responses that have started
-    sending count as streams)."""
+    """Whether the server is draining, the requests in flight (responses that have started
+    sending count as streams), and the Realtime sessions open (ended as the drain begins)."""
 
     def __init__(self, timeout_s: float) -> None:
         self.timeout_s = timeout_s
@@ -62,6 +64,9 @@ class Drain:
         self.hooks: list[Callable[[], Awaitable[str | None]]] = []  # run once draining starts; say what they did
         self.tasks: set[asyncio.Task] = set()  # the requests' tasks in flight (``DrainGate``)
         self.cut = False  # timed out, or a second signal: what is left in flight is cancelled (``cut_what_is_left``)
+        self.sessions: set[Callable[[], Awaitable[None]]] = set()  # each open Realtime session's end (``open_session``)
+        self.ending: set[asyncio.Task] = set()  # the sessions ending (the drain waits for them as for requests)
+        self._sessions_told = False  # the drain told the sessions open to end: one opened since is told at once
 
     def begin(self) -> None:
         if not self.draining:
@@ -71,10 +76,14 @@ class Drain:
         return 0.0 if self.since is None else max(0.0, self.timeout_s - (time.monotonic() - self.since))
 
     async def run(self) -> None:
-        """Drain: stop admitting, run the hooks, wait for the requests in flight (at most
-        ``timeout_s``), logging progress. Returns when the server may shut down."""
+        """Drain: stop admitting, tell the Realtime sessions to end, run the hooks, wait for the
+        requests in flight and the sessions (at most ``timeout_s``), logging progress. Returns when
+        the server may shut down."""
         self.begin()
         log.info("draining: no new requests; %s in flight; waiting up to %gs", self.describe(), self.timeout_s)
+        self._sessions_told = True
+        for end in list(self.sessions):
+            self._end(end)
         for hook in self.hooks:
             try:
                 said = await hook()
@@ -84,27 +93,52 @@ class Drain:
                 if said:
                     log.info("draining: %s", said)
         last = -1.0
-        while self.inflight and self.left_s() > 0:
+        while self.busy() and self.left_s() > 0:
             if time.monotonic() - last >= 1.0:
                 last = time.monotonic()
                 log.info("draining: %s in flight, %.0fs left", self.describe(), self.left_s())
             await asyncio.sleep(0.05)
-        if self.inflight:
+        if self.busy():
             log.warning("draining: timed out after %gs with %s in flight; cutting them", self.timeout_s, self.describe())
             self.cut_what_is_left("the drain's timeout passed")
+            if self.ending:  # each session cut says how its reply ended, and closes, before uvicorn's close (1012)
+                await asyncio.wait(list(self.ending), timeout=CUT_AFTER_S)
         elif not self.cut:
             log.info("drained: nothing in flight")
 
     def cut_what_is_left(self, why: str) -> None:
         """Cancel the requests still in flight; each answers for itself (``DrainGate``): one not yet
         answered with a 503 ``shutting_down`` in OpenAI's shape, a response under way is ended where
-        it is. (Left to uvicorn's cancellation, the first got its bare text 500.)"""
+        it is. (Left to uvicorn's cancellation, the first got its bare text 500.) A session ending
+        cuts its work under way, says so and closes."""
         self.cut = True
-        for task in list(self.tasks):
+        for task in [*self.tasks, *self.ending]:
             task.cancel(why)
 
+    def open_session(self, end: Callable[[], Awaitable[None]]) -> None:
+        """A Realtime session opened; ``end()`` ends it once the drain begins (a session opened as it
+        began, at once): its work under way first, for as long as the drain waits for requests (its
+        task cancelled by the drain's cut)."""
+        self.sessions.add(end)
+        if self._sessions_told:
+            self._end(end)
+
+    def close_session(self, end: Callable[[], Awaitable[None]]) -> None:
+        self.sessions.discard(end)
+
+    def _end(self, end: Callable[[], Awaitable[None]]) -> None:
+        task = asyncio.get_running_loop().create_task(end())
+        self.ending.add(task)
+        task.add_done_callback(self.ending.discard)
+
+    def busy(self) -> bool:
+        """Whether a request is in flight or a session ending (the drain waits for either)."""
+        return bool(self.inflight or self.ending)
+
     def describe(self) -> str:
-        return f"{self.inflight} request{'s' * (self.inflight != 1)} ({self.streaming} streaming)"
+        said = f"{self.inflight} request{'s' * (self.inflight != 1)} ({self.streaming} streaming)"
+        sessions = len(self.ending) if self._sessions_told else len(self.sessions)
+        return f"{said} and {sessions} realtime session{'s' * (sessions != 1)}" if sessions else said
 
 
 class DrainGate:
@@ -249,7 +283,7 @@ class DrainingServer(uvicorn.Server):
         self._loop.call_soon_threadsafe(self._start_draining)
 
     def _cut(self) -> None:
-        if self.drain.inflight:
+        if self.drain.busy():
             log.warning("draining: a second signal; cutting %s", self.drain.describe())
         self.drain.cut_what_is_left("a second signal came")
 

@@ -22,7 +22,9 @@ utterances are transcribed in order. The key is checked once, at the handshake (
 ``openai-insecure-api-key.<key>``, as OpenAI takes it; a refused key gets an HTTP error before the
 upgrade). ``tiergate_realtime_sessions{tier}`` counts the sessions open. A session lasts at most
 ``limits.realtime_max_session_s`` (OpenAI's 60 minutes): then an ``error`` event,
-``session_expired``, and a normal close.
+``session_expired``, and a normal close. When the server drains (SIGTERM), a session takes no new
+work, its work under way (utterances committed; a conversation's replies) runs to its end, then
+an ``error`` event, ``shutting_down``, and a close with 1012 (service restart): ``end_for_drain``.
 
 Audio formats, as OpenAI names them: ``{"type": "audio/pcm", "rate": 24000}`` (16-bit mono
 little-endian, the default), and telephone audio, ``{"type": "audio/pcmu"}`` (G.711 mu-law) or
@@ -79,6 +81,8 @@ NOISE_REDUCTION = ("near_field", "far_field")  # OpenAI's types; both run the on
 _OFF_LOOP_G711_BYTES = G711_RATE  # a second of telephone audio: ~0.2 ms to decode and resample
 _OFF_LOOP_SAMPLES = 10 * RATE  # ten seconds of PCM16 to float32: ~0.8 ms
 _SESSION_PARAMS = ("model", "language", "prompt")  # the HTTP fields a session sets in audio.input.transcription
+WORK_POLL_S = 0.05  # while the server drains, how often a session looks whether its work under way has ended
+CUT_WAIT_S = 1.0  # the drain cut short: how long a session's work cut gets to say how it ended
 
 
 @dataclass(frozen=True)
@@ -296,6 +300,11 @@ async def _told(transcript: Transcript):
     yield transcript
 
 
+def shutting_down(message: str) -> APIError:
+    """A session's work refused, or its end, as the server drains (HTTP's code for the same)."""
+    return APIError(503, message, "shutting_down")
+
+
 def _new_id(prefix: str) -> str:
     return f"{prefix}_{secrets.token_hex(12)}"
 
@@ -336,6 +345,8 @@ class TranscriptionSession:
         self._known: dict[str, tuple[Transcript, int, SessionConfig]] = {}  # items the judge transcribed already
         self._previous: str | None = None  # the last committed item
         self._queued_s = 0.0  # audio committed and not yet transcribed
+        self._untranscribed = 0  # utterances committed and not yet transcribed
+        self.ending = False  # the server drains: the session takes no new work (``end_for_drain``)
         self._utterances: asyncio.Queue[tuple[str, np.ndarray, SessionConfig]] = asyncio.Queue()
         self._telephone: tuple[str, G711Stream] | None = None  # G.711 in: its decoder, which keeps its state
         self._denoiser: NoiseReducer | None = None  # noise_reduction's, made at the first append it hears
@@ -373,10 +384,39 @@ class TranscriptionSession:
         length = f"{limit / 60:g} minutes" if limit % 60 == 0 else f"{limit:g} seconds"
         await self.error(APIError(400, f"Your session hit the maximum duration of {length}: open a new one",
                                   "session_expired"), None)
+        await self._close(1000, "session_expired")
+
+    async def _close(self, code: int, reason: str) -> None:
         async with self._send_lock:  # (after any event being sent)
             if self.ws.application_state == WebSocketState.CONNECTED:
                 with contextlib.suppress(WebSocketDisconnect, RuntimeError):
-                    await self.ws.close(code=1000, reason="session_expired")
+                    await self.ws.close(code=code, reason=reason)
+
+    async def end_for_drain(self) -> None:
+        """The server drains (``Drain.open_session``): the session takes no new work (``shutting_down``),
+        its work under way runs to its end (its events sent, its usage metered, as ever), then an
+        ``error`` event, ``shutting_down``, and the socket closed with 1012 (service restart, as
+        uvicorn closes what is left open at shutdown). An idle session ends at once. The drain's cut
+        (its timeout, a second signal) cuts the work under way instead."""
+        self.ending = True
+        try:
+            while self.busy() and not self.gone.is_set:
+                await asyncio.sleep(WORK_POLL_S)
+        except asyncio.CancelledError:
+            await self.cut_work()
+            raise
+        finally:
+            if not self.gone.is_set:
+                await self.error(shutting_down("the server is shutting down: open a new session on another instance"),
+                                 None)
+                await self._close(1012, "shutting_down")
+
+    def busy(self) -> bool:
+        """Whether work is under way: an utterance committed and not yet transcribed."""
+        return self._untranscribed > 0
+
+    async def cut_work(self) -> None:
+        """The drain was cut short: the work under way stops (the socket's close stops a transcription)."""
 
     async def error(self, exc: APIError, event_id: str | None) -> None:
         await self.send({"type": "error", "error": {"type": exc.type, "code": exc.code, "message": exc.message,
@@ -601,7 +641,10 @@ class TranscriptionSession:
 
     def _room_for(self, seconds: float) -> None:
         """429 when ``seconds`` more audio would pass what a session may have waiting to be
-        transcribed (``limits.transcription_max_seconds``)."""
+        transcribed (``limits.transcription_max_seconds``); 503 while the server drains."""
+        if self.ending:
+            raise shutting_down("the server is shutting down: this session takes no new audio to transcribe; open "
+                                "a new session on another instance")
         if self._queued_s + seconds > self.limits.transcription_max_seconds:
             raise APIError(429, "this session's audio waits to be transcribed beyond the server's limit of "
                                 f"{self.limits.transcription_max_seconds:g} s: send it again later",
@@ -610,6 +653,7 @@ class TranscriptionSession:
     def _transcribe_later(self, item: str, audio: np.ndarray) -> None:
         """Queue ``audio`` as utterance ``item``, transcribed after those before it."""
         self._queued_s += len(audio) / RATE
+        self._untranscribed += 1
         self._utterances.put_nowait((item, audio, self.config))
 
     def _take(self, end: int) -> np.ndarray:
@@ -645,6 +689,7 @@ class TranscriptionSession:
                 await self._transcribe(item, audio, config)
             finally:
                 self._queued_s -= len(audio) / RATE
+                self._untranscribed -= 1
 
     async def _transcribe(self, item: str, samples: np.ndarray, config: SessionConfig) -> None:
         # a long utterance is converted on a thread (0.04-0.3 s for 25 minutes here); resampled on the model's

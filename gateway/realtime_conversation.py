@@ -91,8 +91,9 @@ from gateway.chat import plan_chat, serve_chat
 from gateway.errors import APIError, bad_request
 from gateway.input_audio import chat_engine
 from gateway.output_audio import PCM16_RATE, Voice, phrases_of, say
-from gateway.realtime import (DEFAULT_VAD, FORMATS, MIN_COMMIT_S, RATE, SessionConfig, TranscriptionSession, _audio_bytes,
-                              _new_id, _object, audio_format, detection_event, judge_of, noise_event, updated)
+from gateway.realtime import (CUT_WAIT_S, DEFAULT_VAD, FORMATS, MIN_COMMIT_S, RATE, SessionConfig, TranscriptionSession,
+                              _audio_bytes, _new_id, _object, audio_format, detection_event, judge_of, noise_event,
+                              shutting_down, updated)
 from gateway.request_log import RequestRecord, note, tallied
 from gateway.turn_end import SemanticVad
 from gateway.schemas import ChatCompletionRequest, parse, read_json
@@ -195,7 +196,7 @@ class _Response:
     metadata: dict | None = None
     task: asyncio.Task | None = None
     started: bool = False  # its task has begun (a task cancelled before it begins never runs its cleanup)
-    cancelled: str | None = None  # why it was: "client_cancelled" (response.cancel) or "turn_detected" (speech)
+    cancelled: str | None = None  # why: "client_cancelled" (response.cancel), "turn_detected" (speech), "shutting_down"
     items: list[dict[str, Any]] = field(default_factory=list)
     record: RequestRecord | None = None  # what its steps cost, as the serving core counts them (``tallied``)
 
@@ -273,6 +274,7 @@ class ConversationSession(TranscriptionSession):
         self._said: dict[str, _Said] = {}  # a spoken assistant message's id -> its speech
         self._typed_audio: set[str] = set()  # user items created with audio (no response of their own)
         self._idle: asyncio.Task | None = None  # idle_timeout_ms's wait, after a reply has been heard
+        self._responding: set[asyncio.Task] = set()  # the responses' tasks running (the conversation's and out of band)
 
     def session_event(self) -> dict:
         c, detection = self.conversing, detection_event(self.config.vad)
@@ -332,7 +334,7 @@ class ConversationSession(TranscriptionSession):
         a response that carries the conversation on, as if the user had asked for one."""
         await asyncio.sleep(seconds)
         self._idle = None
-        if self._response is not None or self.config.vad is None or self._speech is not None:
+        if self._response is not None or self.config.vad is None or self._speech is not None or self.ending:
             return
         at = round((self._start + self._buffered) / RATE * 1000)
         await self.send({"type": "input_audio_buffer.timeout_triggered", "item_id": _new_id("item"),
@@ -702,7 +704,7 @@ class ConversationSession(TranscriptionSession):
             self._typed_audio.discard(item)
             return
         if transcript is not None and not self.gone.is_set and self.config.vad is not None \
-                and self.conversing.create_response and self._response is None:
+                and self.conversing.create_response and self._response is None and not self.ending:
             await self._start_response(self.conversing)
 
     # -- responses --------------------------------------------------------------------------------
@@ -767,6 +769,9 @@ class ConversationSession(TranscriptionSession):
 
     async def _start_response(self, settings: Conversing, conversation: bool = True,
                               context: list[dict] | None = None, metadata: dict | None = None) -> None:
+        if self.ending:
+            raise shutting_down("the server is shutting down: this session starts no new response; open a new "
+                                "session on another instance")
         ending = self._response if conversation and self._response is not None and self._response.cancelled else None
         if conversation and self._response is not None and ending is None:
             raise bad_request("the conversation has a response in progress: wait for its response.done, or cancel "
@@ -781,6 +786,21 @@ class ConversationSession(TranscriptionSession):
         else:
             self._side[response.id] = response
         response.task = asyncio.create_task(self._respond(response, settings, ending))
+        self._responding.add(response.task)
+        response.task.add_done_callback(self._responding.discard)
+
+    def busy(self) -> bool:
+        """Whether work is under way: an utterance to transcribe, or a response running."""
+        return super().busy() or bool(self._responding)
+
+    async def cut_work(self) -> None:
+        """The drain was cut short: each response running ends ``cancelled`` (reason ``shutting_down``),
+        its ``response.done`` with the usage metered so far."""
+        for response in [self._response, *self._ending.values(), *self._side.values()]:
+            if response is not None:
+                response.cancel("shutting_down")
+        if self._responding:
+            await asyncio.wait(list(self._responding), timeout=CUT_WAIT_S)
 
     def _shown(self, response: _Response, status: str, usage: dict | None = None, error: dict | None = None) -> dict:
         details = None if error is None else {"type": "failed", "error": error}
@@ -1155,7 +1175,10 @@ async def realtime(ws: WebSocket) -> None:
     await ws.accept(subprotocol="realtime" if "realtime" in ws.scope.get("subprotocols", ()) else None)
     sessions = svc.metrics.realtime_sessions
     sessions[caller.tier] += 1
+    running, drain = session(), ws.app.state.drain
+    drain.open_session(running.end_for_drain)  # a drain lets its work under way end, then ends it
     try:
-        await session().run()
+        await running.run()
     finally:
+        drain.close_session(running.end_for_drain)
         sessions[caller.tier] -= 1

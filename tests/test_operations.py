@@ -1,11 +1,12 @@
 """Operating tiergate, on a real ``tiergate serve`` process: one JSON log line per request with
 no secret in it and the request's id echoed; ``/readyz``; and SIGTERM draining: a stream in flight
-completes, a new request gets 503 ``shutting_down``, batch lines in flight go back to the store,
-and the process exits 0."""
+completes (a request on any path, a Realtime reply under way too), a new request gets 503
+``shutting_down``, batch lines in flight go back to the store, and the process exits 0."""
 
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import io
 import json
 import logging
@@ -22,6 +23,7 @@ from pathlib import Path
 import httpx
 import openai
 import pytest
+import websockets
 
 from gateway.auth import key_id
 from gateway.request_log import Formatter, valid_request_id
@@ -346,6 +348,75 @@ def test_a_second_signal_cuts_what_is_left_as_the_drain_timeout_does(tiny_chat, 
     logged = served.requests()
     assert (logged["cut-stream"]["status"], logged["cut-stream"]["reason"]) == (200, "interrupted")
     assert sum(logged[f"cut-{i}"]["reason"] == "shutting_down" for i in range(8)) == len(cut)
+
+
+def test_sigterm_lets_a_realtime_reply_under_way_end_then_closes_its_session(tiny_chat, tmp_path):
+    """SIGTERM during a Realtime conversation's reply: the reply runs to its end (its ``response.done``,
+    its usage metered), a new response is refused meanwhile, then an ``error`` event ``shutting_down``
+    and a close with 1012, reason ``shutting_down``; a session idle at the signal gets the same at
+    once. (The drain closed every session with 1012 at once: the reply cut without a ``response.done``
+    and not metered; hunt report BB, finding 2.)"""
+    config = write_config(tmp_path, {"tiny-chat": ("chat", tiny_chat)}, "server:\n  drain_timeout_s: 60\n")
+    served = Served(config)
+    url = served.url.replace("http", "ws") + "/v1/realtime?model=tiny-chat"
+    headers = {"Authorization": f"Bearer {KEYS['paid']}"}
+
+    async def until_closed(ws, seen: list[dict]) -> tuple[int, str]:
+        with contextlib.suppress(websockets.ConnectionClosed):
+            async for message in ws:
+                seen.append(json.loads(message))
+        return ws.close_code, ws.close_reason
+
+    async def main():
+        async with websockets.connect(url, additional_headers=headers) as idle, \
+                websockets.connect(url, additional_headers=headers) as busy:
+            for ws in (idle, busy):
+                assert json.loads(await ws.recv())["type"] == "session.created"
+            for event in ({"type": "session.update", "session": {"type": "realtime", "output_modalities": ["text"],
+                                                                  "max_output_tokens": 400}},
+                          {"type": "conversation.item.create", "item": {"type": "message", "role": "user", "content": [
+                              {"type": "input_text", "text": "Tell me a long story."}]}},
+                          {"type": "response.create"}):
+                await busy.send(json.dumps(event))
+            before: list[dict] = []
+            while sum(e["type"] == "response.output_text.delta" for e in before) < 3:
+                before.append(json.loads(await busy.recv()))
+            served.proc.send_signal(signal.SIGTERM)
+            idle_seen, busy_seen = [], []
+            idle_closed = await until_closed(idle, idle_seen)
+            await busy.send(json.dumps({"type": "response.create", "event_id": "late", "response": {
+                "conversation": "none"}}))
+            busy_closed = await until_closed(busy, busy_seen)
+            return before, busy_seen, busy_closed, idle_seen, idle_closed
+
+    try:
+        before, after, busy_closed, idle_seen, idle_closed = asyncio.run(main())
+        assert served.proc.wait(60) == 0
+    finally:
+        served.stop()
+    # the idle session: told why at once, and closed
+    assert [e["type"] for e in idle_seen] == ["error"] and idle_seen[0]["error"]["code"] == "shutting_down"
+    assert idle_closed == (1012, "shutting_down")
+    # the busy one: its reply ran to its end, the late response refused, then told why and closed
+    kinds = [e["type"] for e in after]
+    done = next(e["response"] for e in after if e["type"] == "response.done")
+    assert done["status"] in ("completed", "incomplete") and done["usage"]["output_tokens"] >= 3, done
+    assert "response.output_text.done" in kinds and kinds.index("response.output_text.done") < kinds.index("response.done")
+    refused = [e["error"] for e in after if e["type"] == "error" and e["error"]["event_id"] == "late"]
+    assert [(r["code"], r["type"]) for r in refused] == [("shutting_down", "server_error")]
+    assert kinds[-1] == "error" and after[-1]["error"]["code"] == "shutting_down" and after[-1]["error"]["event_id"] is None
+    assert kinds.count("response.created") == 0  # (the late one never began)
+    assert busy_closed == (1012, "shutting_down")
+    # metered: the key's usage holds the reply's tokens (written before the process exited)
+    with sqlite3.connect(tmp_path / "tiergate-data" / "accounts.sqlite3") as db:
+        metered = db.execute("SELECT requests, output_tokens FROM usage WHERE key = ? AND model = 'tiny-chat'",
+                             (key_id(KEYS["paid"]),)).fetchall()
+    assert metered == [(1, done["usage"]["output_tokens"])]
+    messages = [ln["message"] for ln in served.lines() if ln["logger"] == "tiergate.drain"]
+    assert messages[0].startswith("draining: no new requests; 0 requests (0 streaming) and 2 realtime sessions in "
+                                  "flight"), messages
+    assert messages[-1] == "drained: nothing in flight"
+    assert "Traceback" not in served.output()
 
 
 def backlog(store: Path, batch_id: str) -> list[tuple[str | None, int]]:
