@@ -196,15 +196,15 @@ def test_key_files_are_read_at_start_again_when_they_change_and_at_once_on_sighu
     assert "sk-file" not in output
 
 
-def test_sigterm_drains_a_stream_refuses_new_work_hands_back_batch_lines_and_exits_0(tiny_chat, tiny_image,
-                                                                                     tiny_embed, tmp_path):
-    """SIGTERM during a stream, a background response and a rerank on vLLM's ``/rerank`` path, with
-    batch lines running: new requests are refused, the stream, the background response and the
-    rerank run to their ends (a request off ``/v1/`` counts in flight as any: hunt report BB,
-    finding 1), the batch lines go back to the store, the process exits 0."""
+def test_sigterm_drains_a_stream_refuses_new_work_hands_back_batch_lines_and_exits_0(tiny_chat, tiny_image, tmp_path):
+    """SIGTERM during a stream and a background response, with batch lines running: new requests
+    are refused, the stream and the background response run to their ends, the batch lines go
+    back to the store, the process exits 0. (That a request off ``/v1/`` counts in flight as any:
+    ``test_every_route_but_the_probes_and_the_dashboards_stream_counts_in_flight_for_the_drain``;
+    a 1,000-document rerank added here delayed the signal until the stream could end first, once
+    in a run with three test processes.)"""
     extra = "limits:\n  image_max_steps: 5000\nserver:\n  drain_timeout_s: 40\n"
-    config = write_config(tmp_path, {"tiny-chat": ("chat", tiny_chat), "tiny-image": ("image", tiny_image),
-                                     "tiny-embed": ("embed", tiny_embed)}, extra)
+    config = write_config(tmp_path, {"tiny-chat": ("chat", tiny_chat), "tiny-image": ("image", tiny_image)}, extra)
     served = Served(config)
     try:
         # batch lines that take long, claimed and running before the drain
@@ -239,17 +239,6 @@ def test_sigterm_drains_a_stream_refuses_new_work_hands_back_batch_lines_and_exi
         # and a background response (no connection held for it) taken before the signal
         background = served.client().responses.create(model="tiny-chat", input="hi", max_output_tokens=480,
                                                       temperature=0, background=True)
-        # and a rerank of many documents on vLLM's path outside /v1/, at work when the signal comes
-        reranked: list[httpx.Response] = []
-        documents = [f"word{i} " * 40 for i in range(1000)]
-        reranker = threading.Thread(target=lambda: reranked.append(httpx.post(
-            f"{served.url}/rerank", json={"model": "tiny-embed", "query": "word5", "documents": documents, "top_n": 3},
-            headers={"authorization": f"Bearer {KEYS['subscriber']}", "x-request-id": "drain-rerank"}, timeout=120)))
-        reranker.start()
-        deadline = time.time() + 30
-        while 'tiergate_in_flight{tier="subscriber"} 1.0' not in httpx.get(f"{served.url}/metrics", timeout=5).text:
-            assert time.time() < deadline, "the rerank never took its slot"
-            time.sleep(0.02)
         served.proc.send_signal(signal.SIGTERM)
 
         deadline = time.time() + 10
@@ -267,8 +256,7 @@ def test_sigterm_drains_a_stream_refuses_new_work_hands_back_batch_lines_and_exi
         assert refused.value.response.headers["x-request-id"].startswith("req_")
 
         reader.join(60)
-        reranker.join(60)
-        assert not reader.is_alive() and not reranker.is_alive()
+        assert not reader.is_alive()
         assert served.proc.wait(60) == 0
     finally:
         served.stop()
@@ -293,15 +281,12 @@ def test_sigterm_drains_a_stream_refuses_new_work_hands_back_batch_lines_and_exi
     # the log: JSON lines, the drain's progress, the stream's line, no secret
     lines = served.lines()
     messages = [ln["message"] for ln in lines if ln["logger"] == "tiergate.drain"]
-    assert any(m.startswith("draining: no new requests; 3 requests (1 streaming) in flight") for m in messages), messages
+    assert any(m.startswith("draining: no new requests; 2 requests (1 streaming) in flight") for m in messages), messages
     assert any("batch line" in m and "handed back to the store" in m and not m.startswith("draining: 0 ") for m in messages)
     assert messages[-1] == "drained: nothing in flight"
     logged = {ln["request_id"]: ln for ln in lines if ln["logger"] == "tiergate.requests"}
     assert (logged["drain-stream"]["status"], logged["drain-stream"]["completion_tokens"]) == (200, usage["completion_tokens"])
     assert any(ln["status"] == 503 and ln["reason"] == "shutting_down" for ln in logged.values())
-    # the rerank was answered whole (no bare text 500 once the server stopped under it) and logged
-    assert reranked[0].status_code == 200 and len(reranked[0].json()["results"]) == 3, reranked[0].text[:300]
-    assert (logged["drain-rerank"]["status"], logged["drain-rerank"]["reason"]) == (200, None)
     assert "Traceback" not in served.output()
     assert_no_secret(served.output())
 
