@@ -290,10 +290,7 @@ def test_a_replica_dying_mid_stream_ends_a_messages_stream_with_anthropics_error
     import openai
     from ray.exceptions import RayError
 
-    from accounts.sqlite_store import SQLiteAccounts
     from cluster.ingress import _Target
-
-    config = load_config(write_config(tmp_path, {"m": ("chat", tiny_chat)}))
 
     class Dying:  # a streaming call's reply: its head, one event, then the replica is gone
         def __init__(self, event: bytes) -> None:
@@ -319,18 +316,7 @@ def test_a_replica_dying_mid_stream_ends_a_messages_stream_with_anthropics_error
             return Dying(b'data: {"id": "c1", "object": "chat.completion.chunk", "created": 1, "model": "m", '
                          b'"choices": [{"index": 0, "delta": {"content": "hi"}, "finish_reason": null}]}\n\n')
 
-    pool = _Target(Forward(), None, None, None, None, 1)
-    ingress = object.__new__(Ingress)
-    ingress.config, ingress.base, ingress.max_body = config, {"m": "m"}, 1 << 20
-    ingress.keys = KeyRing({"paid": ["key-paid"]}, [])
-    ingress.accounts = Accounts(config, SQLiteAccounts(tmp_path / "accounts.sqlite3"))
-    ingress._accounts_started = None
-    ingress.deployments, ingress.default, ingress.by_model = [pool], pool, {"m": pool}
-    ingress.rank = {t.name: i for i, t in enumerate(config.tiers)}
-    ingress.inflight = {t.name: 0 for t in config.tiers}
-    ingress.capacity = {t.name: 100 for t in config.tiers}
-    ingress.answered, ingress.redirects, ingress.cors = Counter(), 0, []
-    ingress.loop_watch, ingress._watching = None, False
+    ingress = _ingress_calling(tmp_path, tiny_chat, _Target(Forward(), None, None, None, None, 1))
 
     async def scenario() -> None:
         own = httpx2.AsyncClient(transport=httpx2.ASGITransport(app=ingress.asgi), base_url="http://ingress")
