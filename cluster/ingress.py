@@ -467,7 +467,8 @@ class Ingress:
         if request.method != "POST" or not body:
             if path.startswith(IMAGE_FILES):
                 origin = origin_of(path[len(IMAGE_FILES):], IMAGE)
-            return Routing(None, request.method != "POST", None, origin, True)
+            # a read (GET, HEAD, OPTIONS) takes no effect: tried once more elsewhere, as a model request is
+            return Routing(None, request.method != "POST", None, origin, request.method not in READS)
         kind = request.headers.get("content-type", "").lower()  # media types are case-insensitive (RFC 9110)
         streamed = True
         if kind.startswith("multipart/"):
@@ -501,6 +502,9 @@ class Ingress:
         if base is None:
             raise APIError(404, f"the model '{name}' does not exist", "model_not_found", "model")
         return Routing(base, streamed, affinity, origin, once)
+
+
+READS = ("GET", "HEAD", "OPTIONS")  # methods that change nothing where they are served
 
 
 class Routing(NamedTuple):

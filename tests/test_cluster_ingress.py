@@ -594,7 +594,7 @@ async def _answered(send) -> tuple[int, dict]:
 def test_a_request_that_needs_no_model_is_not_sent_again_when_its_replica_dies(tmp_path, tiny_chat):
     """A request that needs no model (a file's upload, any body that is not JSON, a DELETE) whose
     replica dies before answering is answered 502 ``replica_failed``, as docs/CLUSTER.md says: it may
-    have taken effect there (the file stored). Such a request is a streamed call (its answer may be a
+    have taken effect there (the file stored). A read (GET) is tried once more, as a model request is. Such a request is a streamed call (its answer may be a
     file's content), and a streamed call exists before its first message fails, so it went to
     another replica, and an upload was stored twice (hunt CC, finding 2). A chat whose replica died
     before answering is still tried once more elsewhere, streamed or not."""
@@ -626,6 +626,9 @@ def test_a_request_that_needs_no_model_is_not_sent_again_when_its_replica_dies(t
         got = await http.post("/v1/chat/completions", headers=key,
                               json={"model": "m", "stream": True, "messages": [{"role": "user", "content": "hi"}]})
         assert got.status_code == 200 and asked == [("forward", "/v1/chat/completions")] * 2
+        asked.clear()  # a read takes no effect: once more elsewhere (a batch polled as its replica died got 502)
+        read = await http.get("/v1/batches/batch_1", headers=key)
+        assert read.status_code == 200 and asked == [("forward", "/v1/batches/batch_1")] * 2
         assert ingress.inflight["paid"] == 0
         await ingress.accounts.stop()
 
