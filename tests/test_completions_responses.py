@@ -1042,10 +1042,12 @@ def test_while_the_store_is_down_a_stored_response_is_refused_before_its_work_or
         with pytest.raises(openai.APIStatusError) as refused:
             c.responses.create(model="tiny-chat", input="hi", max_output_tokens=4)
         assert refused.value.status_code == 503 and refused.value.code == "store_unavailable"
-        assert c.responses.create(model="tiny-chat", input="hi", max_output_tokens=4, store=False).output_text
+        served = c.responses.create(model="tiny-chat", input="hi", max_output_tokens=4, store=False)
+        assert served.status in ("completed", "incomplete") and served.usage.output_tokens >= 1  # sampled: may be EOS
         s.call(lambda: setattr(watch, "down", False))  # as if the outage began during the next one's work
         raw = c.responses.with_raw_response.create(model="tiny-chat", input="hi", max_output_tokens=4)
-        assert raw.status_code == 200 and raw.headers["x-tiergate-stored"] == "false" and raw.parse().output_text
+        assert raw.status_code == 200 and raw.headers["x-tiergate-stored"] == "false"
+        assert raw.parse().status in ("completed", "incomplete") and raw.parse().usage.output_tokens >= 1
         assert s.call(lambda: watch.down)  # and the next is refused before its work
     finally:
         s.stop()
