@@ -80,6 +80,9 @@ from gateway.origin import AUDIO, CLIENT_SECRET, IMAGE, origin_of
 from gateway.schemas import read_body
 
 log = logging.getLogger("tiergate.cluster")
+READS = ("GET", "HEAD", "OPTIONS")  # methods that change nothing where they are served
+SCRAPE_ASK_S = 3.0  # how long a scrape waits for one replica's metrics
+SCRAPE_S = 8.0  # and for all of them
 _DROPPED = {b"x-request-id", b"content-length"}  # the proxy writes the same id; the length is set here
 # the ``model`` field of a form: its Content-Disposition, any headers of the part after it (RFC 7578
 # allows a Content-Type: curl's ``-F 'model=x;type=text/plain'``), a blank line, the value
@@ -112,7 +115,7 @@ class Ingress:
         self.sessions = {t.name: 0 for t in self.config.tiers}  # realtime sessions open through this ingress
         self.answered: Counter[tuple[str, str, int]] = Counter()  # (tier, where, status) -> responses
         self.id = serve.get_replica_context().replica_id.unique_id
-        self.redirects = 0
+        self.redirects = self.scrape_misses = 0
         self.cors = cors(self.config.server.cors_origins)  # [] when no origins are listed
         # This ingress's event loop, watched as a replica's is (gateway.loop_watch; server.loop_stall_s):
         # its lag and stalls in /metrics with its ``ingress`` label, each stall in its log
@@ -421,15 +424,23 @@ class Ingress:
 
     async def _scrape(self) -> bytes:
         """Every replica's metrics (each asked once, in turn: the router avoids those already
-        asked) with ``replica`` and ``node`` labels, and this ingress's own."""
+        asked) with ``replica`` and ``node`` labels, and this ingress's own. A replica that does not
+        answer within ``SCRAPE_ASK_S`` (hung, or its loop held) is left out of this scrape, and the
+        whole scrape stops asking after ``SCRAPE_S``, within Prometheus' default 10 s timeout."""
         texts = []
+        deadline = asyncio.get_running_loop().time() + SCRAPE_S
         for target in self.deployments:
             seen: set[str] = set()
             for _ in range(target.replicas):
+                left = deadline - asyncio.get_running_loop().time()
+                if left <= 0:
+                    break
                 try:
-                    got = await target.metrics.remote(avoid=sorted(seen))
-                except RayError as exc:  # a replica dying: the next scrape has its replacement
+                    async with asyncio.timeout(min(SCRAPE_ASK_S, left)):
+                        got = await target.metrics.remote(avoid=sorted(seen))
+                except (RayError, TimeoutError) as exc:  # a replica dying or hung: the next scrape asks again
                     log.warning("a replica's metrics failed: %s", type(exc).__name__)
+                    self.scrape_misses += 1
                     continue
                 if got["replica"] in seen:  # every replica answered already (the router fell back)
                     break
@@ -458,7 +469,10 @@ class Ingress:
         redirects = CounterMetricFamily("tiergate_ingress_redirects", "Replicas that answered redirect (stale stats)",
                                         labels=["ingress"])
         redirects.add_metric([me], self.redirects)
-        return [answered, inflight, sessions, redirects]
+        misses = CounterMetricFamily("tiergate_ingress_scrape_misses", "Replicas' metrics left out of a scrape "
+                                     "(the replica died, or did not answer in time)", labels=["ingress"])
+        misses.add_metric([me], self.scrape_misses)
+        return [answered, inflight, sessions, redirects, misses]
 
     def _model(self, request: Request, body: bytes, path: str = "") -> Routing:
         """How the request is routed (``Routing``); 400/404 on bad input."""
@@ -504,7 +518,6 @@ class Ingress:
         return Routing(base, streamed, affinity, origin, once)
 
 
-READS = ("GET", "HEAD", "OPTIONS")  # methods that change nothing where they are served
 
 
 class Routing(NamedTuple):

@@ -757,3 +757,41 @@ def test_streamed_speech_through_the_ingress_and_a_replica_arrives_as_it_is_made
     assert asyncio.run(scenario()) == b"one. two."
     assert happened == ["sent 'one. '", "made the second", "sent 'two.'"]
     assert asked == ["forward"] and ingress.inflight["paid"] == 0
+
+
+def test_a_replica_that_does_not_answer_is_left_out_of_the_scrape_not_waited_for(tmp_path, tiny_chat, monkeypatch):
+    """A hung replica (its metrics call never answers) is left out of ``GET /metrics`` after
+    ``SCRAPE_ASK_S``, the others' metrics still come, and the miss is counted; when every replica
+    hangs, the scrape ends after ``SCRAPE_S`` with the ingress's own metrics."""
+    import cluster.ingress as ingress_module
+    from cluster.ingress import _Target
+
+    monkeypatch.setattr(ingress_module, "SCRAPE_ASK_S", 0.2)
+    monkeypatch.setattr(ingress_module, "SCRAPE_S", 0.5)
+    hung: set[int] = set()
+    asked = []
+
+    class Metrics:
+        async def remote(self, avoid: list[str]) -> dict:
+            asked.append(len(asked))
+            if asked[-1] in hung:
+                await asyncio.Event().wait()  # the replica never answers
+            return {"replica": f"r{asked[-1]}", "node": "n1", "text": "tiergate_up 1\n"}
+
+    ingress = _ingress_calling(tmp_path, tiny_chat, _Target(None, None, Metrics(), None, None, 2))
+    ingress.id, ingress.sessions, ingress.scrape_misses = "i1", {}, 0
+
+    async def scrape() -> str:
+        async with asyncio.timeout(10):  # a scrape that waits for the hung replica fails here
+            return (await ingress._scrape()).decode()
+
+    hung.add(0)
+    text = asyncio.run(scrape())
+    assert 'tiergate_up{node="n1",replica="r1"} 1.0' in text and 'replica="r0"' not in text
+    assert 'tiergate_ingress_scrape_misses_total{ingress="i1"} 1.0' in text
+    asked.clear()
+    hung.update(range(10))
+    ingress.deployments = [_Target(None, None, Metrics(), None, None, 10)]
+    text = asyncio.run(scrape())
+    assert "tiergate_up" not in text and 'tiergate_ingress_scrape_misses_total{ingress="i1"}' in text
+    assert 2 <= len(asked) <= 3  # asked until SCRAPE_S had passed (0.2 + 0.2 + what was left), not ten times
