@@ -182,10 +182,12 @@ def _allowed(svc: Services, caller: Caller, name: str) -> ModelSpec:
     an adapter's base model; 404 for none, or for one the caller's key may not use (as if it did
     not exist); 400 for a model without a tokenizer."""
     model = svc.model_name(name)
-    adapter = svc.adapters.get(model)
-    spec = svc.arbiter.specs.get(adapter.model if adapter is not None else model)
+    # an adapter's base model, found without reading the adapter (a folder adapter's read is a worker
+    # thread's job, and its tokenizer is its base model's): on the event loop here
+    base = svc.adapters.base_of(model)
+    spec = svc.arbiter.specs.get(base[0] if base is not None else model)
     hidden = svc.accounts is not None and spec is not None and not (
-        svc.accounts.allows(caller, spec.name) and (adapter is None or svc.accounts.allows_adapter(caller, model)))
+        svc.accounts.allows(caller, spec.name) and (base is None or svc.accounts.allows_adapter(caller, model)))
     if spec is None or spec.kind == "train" or hidden:
         raise not_found(f"the model '{name}' does not exist", "model", "model_not_found")
     if spec.kind not in TEXT_KINDS:

@@ -167,6 +167,20 @@ def test_a_folder_dropped_in_is_an_adapter_at_once(server, folders, demo_adapter
     assert "sailor" not in {m.id for m in client(server).models.list()}
 
 
+def test_tokenize_names_a_folder_adapter_without_reading_it_on_the_loop(server, folders, demo_adapters):
+    """/tokenize needs an adapter's base model's tokenizer, not its factors: a folder adapter not
+    read yet is not read there (that read would be on the event loop, stalling every request)."""
+    put(demo_adapters[PIRATE], folders["chat"], "counted")
+    http = httpx.Client(base_url=server.url, headers={"Authorization": f"Bearer {server.keys['paid']}"}, timeout=30)
+    try:
+        base = http.post("/tokenize", json={"model": "tiny-chat", "prompt": "Hello there"})
+        counted = http.post("/tokenize", json={"model": "counted", "prompt": "Hello there"})
+        assert counted.status_code == 200 and counted.json()["tokens"] == base.json()["tokens"]
+        assert "counted" not in server.services.adapters.cached  # never read for it
+    finally:
+        shutil.rmtree(folders["chat"] / "counted")
+
+
 def test_folders_resolve_in_order_after_models_and_configured_adapters(server, folders, demo_adapters):
     pirate, poet = chat(server, PIRATE), chat(server, POET)
     put(demo_adapters[POET], folders["chat"], "twice")
