@@ -232,6 +232,36 @@ def test_a_running_job_is_cancelled_at_its_next_step_and_publishes_nothing(serve
     assert cancel <= 2  # in this process the cancel stops it at once: a step under way may still end after it
 
 
+def test_a_job_cancelled_as_it_publishes_leaves_no_adapter_behind(server, monkeypatch):
+    """A cancel that lands after the last step, while the job places its adapters in the folder:
+    the job is cancelled and nothing stays published (no job names those adapters, so no DELETE
+    /v1/models could remove them)."""
+    import tuning.runner
+
+    c = client(server)
+    job = c.fine_tuning.jobs.create(model="tiny-chat", training_file=upload(c, LINES),
+                                    hyperparameters={"n_epochs": 1, "batch_size": 1})
+    real, cancels = tuning.runner._place, []
+
+    def place(*args):  # (a worker thread) the cancel comes in as the first adapter is placed
+        if not cancels:
+            cancels.append(httpx.post(f"{server.base_url}/fine_tuning/jobs/{job.id}/cancel",
+                                      headers={"Authorization": f"Bearer {server.keys['paid']}"}).status_code)
+        real(*args)
+
+    monkeypatch.setattr(tuning.runner, "_place", place)
+    cancelled = server.app.state.tuner.ended["cancelled"]
+    assert wait(c, job.id).status == "cancelled"
+    deadline = time.time() + 30
+    while server.app.state.tuner.running:  # (it was cancelled while the runner published it)
+        assert time.time() < deadline
+        time.sleep(0.05)
+    assert cancels == [200]
+    assert c.fine_tuning.jobs.retrieve(job.id).fine_tuned_model is None
+    assert not [p for p in server.adapters.iterdir() if job.id.removeprefix("ftjob-")[:8] in p.name]
+    assert server.app.state.tuner.ended["cancelled"] == cancelled + 1
+
+
 def test_a_failed_job_has_no_estimated_finish(server):
     """A running job's ``estimated_finish`` goes when it fails, as when it succeeds or is paused."""
     from gateway.auth import key_id

@@ -30,7 +30,7 @@ from gateway.errors import APIError, bad_request, not_found
 from gateway.schemas import Metadata, _Body, is_count, parse, read_json
 from gateway.service import Services
 from tuning.data import FileProblem, conversations, preferences, resolve
-from tuning.runner import Tuner, event, fine_tuned_name, owner_label
+from tuning.runner import Tuner, event, fine_tuned_name, owner_label, remove_adapter
 from tuning.store import OPEN, Job, TooManyJobs
 
 SUFFIX = re.compile(r"[A-Za-z0-9.-]{1,40}")  # within an adapter's name (no '_' or ':')
@@ -341,7 +341,7 @@ async def delete_model(request: Request) -> Response:
         raise APIError(403, f"the model '{name}' is not a fine-tuned model of this key: it cannot be deleted",
                        "model_not_deletable", "model", type="invalid_request_error")
     folder = svc.config.tuning_dir(job.model)
-    if folder is None or not await asyncio.to_thread(_remove, folder, name):
+    if folder is None or not await asyncio.to_thread(remove_adapter, folder, name):
         raise not_found(f"the model '{name}' does not exist", "model", "model_not_found")
     return JSONResponse({"id": name, "object": "model", "deleted": True})
 
@@ -361,23 +361,6 @@ async def _job_of(tuner: Tuner, caller: Caller, name: str) -> Job | None:
         if len(page) < 100:
             return None
         after = page[-1].id
-
-
-def _remove(folder, name: str) -> bool:
-    """(thread) The adapter ``name`` out of ``folder``: renamed to a dot name (no request lists or
-    reads those), then deleted. False when it is not there."""
-    import shutil
-
-    target = folder / name
-    if not target.is_dir():
-        return False
-    gone = folder / f".deleted-{secrets.token_hex(6)}"
-    try:
-        target.rename(gone)
-    except FileNotFoundError:  # another request removed it meanwhile
-        return False
-    shutil.rmtree(gone, ignore_errors=True)
-    return True
 
 
 def tuner_for(svc: Services, files) -> Tuner:

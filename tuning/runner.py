@@ -358,8 +358,14 @@ class Tuner(ClaimLoop[Job], Collector):
         tokens = sum(e.tokens for e in run.examples) * run.n_epochs
         done = await self.store.change(job, ["running"], status="succeeded", fine_tuned_model=name, finished_at=now,
                                        trained_tokens=tokens, result_files=[result], estimated_finish=None)
-        if done is None:  # cancelled at the last moment: its adapters stay, the job says cancelled
-            return
+        if done is None:  # cancelled or paused as it published: nothing stays published (no job names these
+            # adapters, so no DELETE /v1/models could remove them); another process that took the job over
+            # publishes the same names itself. The job then ends as a stop ends it (``_job``).
+            running.stop()
+            if await self._status(job) in ("cancelled", "paused"):
+                for gone in (name, *(f"{name}:ckpt-step-{step}" for step in steps)):
+                    await asyncio.to_thread(remove_adapter, folder, gone)
+            raise Cancelled()
         await self._event(job, "info", f"New fine-tuned model created: {name}")
         await self._event(job, "info", "The job has successfully completed")
         self._count(job, "succeeded")
@@ -488,6 +494,21 @@ def _encode(worker, examples: list, limit: int) -> tuple[list[Example] | list[Pa
            else worker.encode(e.messages, e.tools, limit) for e in examples]
     kept = [e for e in out if e.trained]
     return kept, len(out) - len(kept)
+
+
+def remove_adapter(folder: Path, name: str) -> bool:
+    """(thread) The adapter ``name`` out of ``folder``: renamed to a dot name (no request lists or
+    reads those), then deleted. False when it is not there."""
+    target = folder / name
+    if not target.is_dir():
+        return False
+    gone = folder / f".deleted-{secrets.token_hex(6)}"
+    try:
+        target.rename(gone)
+    except FileNotFoundError:  # another request removed it meanwhile
+        return False
+    shutil.rmtree(gone, ignore_errors=True)
+    return True
 
 
 def _place(source: Path, folder: Path, name: str) -> None:
