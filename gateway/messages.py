@@ -492,7 +492,9 @@ async def count_tokens(request: Request) -> Response:
     caller = svc.authenticate(request)
     body = parse(CountTokensRequest, await read_json(request, svc.config.limits.max_body))
     try:
-        job = await with_images(svc, plan_chat(svc, parse(ChatCompletionRequest, chat_request(body))))
+        chat = parse(ChatCompletionRequest, chat_request(body))
+        await svc.adapters.ready(chat.model, chat.adapters)  # a folder adapter read in a worker thread, not below
+        job = await with_images(svc, plan_chat(svc, chat))
     except APIError as exc:
         raise _named(exc) from None
     return JSONResponse({"input_tokens": await prompt_token_count(svc, caller, job, body.model, "messages")})

@@ -181,6 +181,30 @@ def test_tokenize_names_a_folder_adapter_without_reading_it_on_the_loop(server, 
         shutil.rmtree(folders["chat"] / "counted")
 
 
+def test_count_tokens_reads_a_folder_adapter_off_the_loop(server, folders, demo_adapters, monkeypatch):
+    """/v1/messages/count_tokens naming a folder adapter not read yet reads it in a worker thread
+    first, as /v1/messages does: a read by get() itself would be on the event loop."""
+    put(demo_adapters[PIRATE], folders["chat"], "counted-too")
+    registry = server.services.adapters
+    on_loop: list[str] = []
+    real_get = registry.get
+
+    def get(name):
+        if name == "counted-too" and registry.cached.get(name) is None:
+            on_loop.append(name)
+        return real_get(name)
+
+    monkeypatch.setattr(registry, "get", get)
+    try:
+        counted = httpx.post(f"{server.url}/v1/messages/count_tokens", timeout=30,
+                             headers={"Authorization": f"Bearer {server.keys['paid']}"},
+                             json={"model": "counted-too", "messages": [{"role": "user", "content": "Hello there"}]})
+        assert counted.status_code == 200 and counted.json()["input_tokens"] > 0, counted.text
+        assert on_loop == []
+    finally:
+        shutil.rmtree(folders["chat"] / "counted-too")
+
+
 def test_folders_resolve_in_order_after_models_and_configured_adapters(server, folders, demo_adapters):
     pirate, poet = chat(server, PIRATE), chat(server, POET)
     put(demo_adapters[POET], folders["chat"], "twice")
