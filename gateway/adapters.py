@@ -71,6 +71,11 @@ SETTLE_S = 2.0  # a read that fails on files younger than this may have met a co
 # the key whose allow-lists this task (one request, or one batch line) resolves adapters for
 _viewer: contextvars.ContextVar[tuple[Accounts, Caller] | None] = \
     contextvars.ContextVar("tiergate_adapters_viewer", default=None)
+# the folder adapters ``ready`` found or read for this task (one request), by name: ``get`` serves them
+# even when the budget has dropped them since (a stack larger than it, or another request's reads),
+# rather than read them again itself, on the event loop
+_readied: contextvars.ContextVar[dict[str, ServedAdapter] | None] = \
+    contextvars.ContextVar("tiergate_adapters_readied", default=None)
 
 
 def resolve_as(accounts: Accounts | None, caller: Caller) -> None:
@@ -264,6 +269,9 @@ class AdapterRegistry:
         if held is not None and held.path == folder and held.signature == files:
             self.cached.move_to_end(name)
             return held
+        readied = (_readied.get() or {}).get(name)
+        if readied is not None and readied.path == folder and readied.signature == files:
+            return readied  # read for this request by ``ready``, dropped past the budget since
         self._check_refused(name, folder, files)
         try:
             served = self._read(name, d, folder, files, self._version(name, files))
@@ -296,6 +304,8 @@ class AdapterRegistry:
         without reading on the event loop."""
         if not self.dirs:
             return
+        readied: dict[str, ServedAdapter] = {}  # only this call's: a task that readies many (a batch's
+        _readied.set(readied)  # validation, name by name) keeps the last call's alone, never more than one stack
         for name in (model, *(c.name for c in choices or ())):
             if name in self.adapters or name in self.loaded or name in self.models or not NAME.fullmatch(name):
                 continue
@@ -307,23 +317,30 @@ class AdapterRegistry:
             if _hidden(name, d.model):  # ``get`` answers it as missing, without reading it
                 continue
             held = self.cached.get(name)
-            if (held is not None and held.path == folder and held.signature == files) or (folder, files) in self._refused:
+            if held is not None and held.path == folder and held.signature == files:
+                readied[name] = held
+                continue
+            if (folder, files) in self._refused:
                 continue
             key = (folder, files)
             read = self._reads.get(key)
             if read is None:
                 read = self._reads[key] = asyncio.create_task(self._read_off_loop(name, d, folder, files))
                 read.add_done_callback(lambda t: t.cancelled() or t.exception())  # those who waited may be gone
-            await asyncio.shield(read)
+            served = await asyncio.shield(read)
+            if served is not None:
+                readied[name] = served
 
-    async def _read_off_loop(self, name: str, d: AdapterDir, folder: Path, files: Signature) -> None:
+    async def _read_off_loop(self, name: str, d: AdapterDir, folder: Path, files: Signature) -> ServedAdapter | None:
+        """The folder's adapter, read in a worker thread and held; None when it is no adapter (refused)."""
         try:
             served = await asyncio.to_thread(self._read, name, d, folder, files, self._version(name, files))
-            self._keep(served)
+            return self._keep(served)
         except _NotAnAdapter as exc:
             if _young(files):  # a copy may still be writing them: not remembered as broken
                 raise self._changing(name) from None
             self._refuse(folder, files, str(exc))
+            return None
         except _Changing:
             raise self._changing(name) from None
         finally:

@@ -395,6 +395,30 @@ def test_many_waiters_read_a_folder_once_off_the_loop(tiny_chat, demo_adapters, 
     assert reads == ["a"] and registry.get("a") is not None and reads == ["a"]
 
 
+def test_a_stack_larger_than_the_budget_is_read_once_off_the_loop(tiny_chat, demo_adapters, tmp_path, monkeypatch):
+    """Two folder adapters that the budget cannot hold together: ``ready`` reads both in worker
+    threads (the second dropping the first), and the request's stack is made of those reads, not of
+    reads by ``get`` on the event loop."""
+    import threading
+
+    put(demo_adapters[PIRATE], tmp_path, "a")
+    put(demo_adapters[POET], tmp_path, "b")
+    registry = _registry(tiny_chat, tmp_path, cache_bytes=1)  # holds one adapter at a time
+    reads: list[tuple[str, bool]] = []  # (name, on the event loop's thread)
+    real = registry._read
+    monkeypatch.setattr(registry, "_read", lambda name, *args: (
+        reads.append((name, threading.current_thread() is threading.main_thread())), real(name, *args))[1])
+    choices = [AdapterChoice(name="a", weight=0.5), AdapterChoice(name="b", weight=0.5)]
+
+    async def request():
+        await registry.ready("tiny-chat", choices)
+        return registry.stack("tiny-chat", choices, "chat")
+
+    stack = asyncio.run(request())
+    assert served_names(stack) == ("a", "b") and list(registry.cached) == ["b"]
+    assert reads == [("a", False), ("b", False)]
+
+
 def test_files_changed_are_read_again(tiny_chat, demo_adapters, tmp_path):
     put(demo_adapters[PIRATE], tmp_path, "a")
     registry = _registry(tiny_chat, tmp_path)
