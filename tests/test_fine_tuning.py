@@ -465,6 +465,34 @@ def test_a_paused_job_keeps_its_state_and_resumes_to_the_same_weights(server):
     assert not (tuner.scratch / other.id).exists()  # no process would take it again: its folder went
 
 
+def test_a_job_paused_and_resumed_at_once_goes_on_here_and_its_events_say_so(server, monkeypatch):
+    """A pause and a resume both made before the running start stopped (as through another process,
+    whose pause this one sees at its next lease renewal): the job goes on in this process from where
+    it stopped, and no event says another process took it over."""
+    c = client(server)
+    tuner = server.app.state.tuner
+    monkeypatch.setattr(tuner, "stop_job", lambda job_id: None)  # the pause reaches it by its lease alone
+    job = c.fine_tuning.jobs.create(model="tiny-chat", training_file=upload(c, LINES * 20),
+                                    hyperparameters={"n_epochs": 50, "batch_size": 1})
+    deadline = time.time() + 60
+    while not [e for e in c.fine_tuning.jobs.list_events(job.id).data if e.type == "metrics"]:
+        assert time.time() < deadline
+        time.sleep(0.01)
+    assert c.fine_tuning.jobs.pause(job.id).status == "paused"
+    assert c.fine_tuning.jobs.resume(job.id).status == "queued"
+    deadline = time.time() + 60
+    while not [e for e in c.fine_tuning.jobs.list_events(job.id, limit=100) if e.message.startswith("Going on from")]:
+        assert time.time() < deadline
+        time.sleep(0.05)
+    c.fine_tuning.jobs.cancel(job.id)
+    deadline = time.time() + 30
+    while tuner.running:
+        assert time.time() < deadline
+        time.sleep(0.05)
+    messages = [e.message for e in c.fine_tuning.jobs.list_events(job.id, limit=100)]
+    assert "The job was resumed" in messages and not [m for m in messages if "another process" in m], messages
+
+
 def test_a_dpo_job_makes_the_served_model_favour_the_preferred_answers(server, trainer):
     """``method: {type: dpo}`` through the API on a preference file: the job runs, is shown with its
     method and beta, and the model it publishes, asked through /v1/completions to score each

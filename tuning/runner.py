@@ -172,9 +172,9 @@ class Tuner(ClaimLoop[Job], Collector):
             status = await self._status(job) if running.lost else None
             if status == "cancelled":  # its cancel wrote the event
                 self._count(job, "cancelled")
-            else:  # paused (its pause wrote the event), this process stops, or another has the job
-                ended = False
-                if running.lost and status != "paused":
+            else:  # paused (its pause wrote the event; queued: resumed too, before this start stopped), this
+                ended = False  # process stops, or another has the job
+                if running.lost and status not in ("paused", "queued"):
                     await self._event(job, "info", "This process stopped the job: another process has taken it over")
             if isinstance(exc, asyncio.CancelledError):
                 stopping = not running.lost
