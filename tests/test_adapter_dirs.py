@@ -270,7 +270,9 @@ def test_factors_that_are_not_finite_are_refused(server, folders, demo_adapters)
     """A folder whose factors hold NaN (a diverged training run) is a 400 ``adapter_invalid``, as
     any broken folder; a stack whose weight folds an adapter's factors to inf is a 400 naming
     ``adapters``, and the engine serves on as before. Both were a 200 with an empty reply (and a
-    500 with logprobs); on vLLM the requests of other keys then came out wrong."""
+    500 with logprobs); on vLLM the requests of other keys then came out wrong. Factors finite but
+    so large that the model's logits overflow are a 400 too (they were a 500 sampled, and garbage at
+    temperature 0: hunt EE, finding 6)."""
     import torch
     from safetensors.torch import load_file, save_file
 
@@ -286,6 +288,9 @@ def test_factors_that_are_not_finite_are_refused(server, folders, demo_adapters)
     with pytest.raises(openai.BadRequestError) as e:
         chat(server, adapters=[{"name": "loud", "weight": 100}])
     assert e.value.body["param"] == "adapters" and "not finite" in e.value.body["message"]
+    with pytest.raises(openai.BadRequestError) as e:  # finite factors, too large: the model's logits overflow
+        chat(server, "loud")
+    assert e.value.body["code"] == "adapter_not_supported" and "non-finite" in e.value.body["message"]
     assert chat(server) == base
 
 

@@ -114,6 +114,12 @@ class AdapterStackFailed(RuntimeError):
     """The request's adapter stack could not be merged into the model."""
 
 
+class NonFiniteLogits(RuntimeError):
+    """The model's logits for the next token hold NaN or +inf: there is nothing to sample from. With
+    an adapter stack merged, raised as ``ValueError`` (the request's stack: a 400, as a stack whose
+    factors fold to inf is); without one, the model itself overflowed (a 500 with this message)."""
+
+
 @dataclass
 class _Seq:
     ids: list[int]  # prompt + generated tokens; the last one is not yet in the KV cache
@@ -744,7 +750,14 @@ class ChatWorker(ThreadWorker):
         ends = self._ends(p)
         short = p.min_tokens and len(seq.ids) - seq.prompt_len < p.min_tokens  # no slice per step when off
         logits = _process(logits.float().clone(), seq, ends if short else ())
-        token = _sample(logits, p, seq.generator)
+        try:
+            token = _sample(logits, p, seq.generator)
+        except NonFiniteLogits:
+            if not seq.key:
+                raise NonFiniteLogits(f"{self.spec.name}'s output is not finite (NaN or inf logits)") from None
+            names = ", ".join(name for name, _ in seq.key)
+            raise ValueError(f"adapter stack [{names}] makes {self.spec.name}'s output non-finite (NaN or inf "
+                             "logits): its factors are too large") from None
         if seq.grammar is not None and not seq.thinking:
             seq.grammar.accept(token)
         seq.ids.append(token)
@@ -1009,9 +1022,12 @@ _MIN_TEMPERATURE = 0.01  # a temperature above 0 and below this samples at this,
 
 def _sample(logits: torch.Tensor, params: ChatParams, generator: torch.Generator) -> int:
     """One token from the processed ``logits``: the likeliest at temperature 0, else a draw from
-    ``_probs``."""
+    ``_probs``. ``NonFiniteLogits`` where they hold NaN or +inf (-inf is a token masked out)."""
+    top, best = torch.max(logits, 0)  # NaN is the max where there is one
+    if not float(top) < float("inf"):
+        raise NonFiniteLogits()
     if params.temperature <= 0:
-        return int(torch.argmax(logits))
+        return int(best)
     return int(torch.multinomial(_probs(logits, params).cpu(), 1, generator=generator))
 
 
