@@ -18,6 +18,7 @@ from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
 
 from batch.endpoints import ENDPOINTS
+from batch.lines import jsonl_lines
 from batch.runner import Runner
 from batch.store import BatchInfo, FileInfo
 from batch.uploads import MAX_PART_BYTES, PartRefused, UploadInfo, UploadStore
@@ -96,7 +97,7 @@ def _check_lines(svc: Services, content: bytes, param: str) -> None:
         text = content.decode("utf-8")
     except UnicodeDecodeError:
         raise bad_request("the file is not UTF-8 text (JSONL expected)", param, "invalid_file") from None
-    n = sum(1 for ln in text.splitlines() if ln.strip())
+    n = sum(1 for ln in jsonl_lines(text) if ln.strip())
     if n > limit:
         raise bad_request(f"the file has {n} requests; at most {limit} are allowed", param, "too_many_lines")
 

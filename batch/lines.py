@@ -4,10 +4,21 @@ and the output and error file lines of what ran."""
 from __future__ import annotations
 
 import json
+import re
 import uuid
 from typing import Any
 
 from batch.store import Line, Outcome
+
+_EOL = re.compile(r"\r\n|\r|\n")
+
+
+def jsonl_lines(text: str) -> list[str]:
+    """The lines of a JSON-lines text: split at ``\\n``, ``\\r\\n`` and ``\\r`` only. ``str.splitlines``
+    also splits at U+2028, U+2029 and U+0085, which a JSON string may hold unescaped (JavaScript's
+    ``JSON.stringify`` and ``json.dumps(ensure_ascii=False)`` write them so): a line holding one
+    would become two lines of bad JSON."""
+    return _EOL.split(text)
 
 
 def parse_input(content: bytes, endpoint: str) -> tuple[list[Line], list[Outcome]]:
@@ -16,7 +27,7 @@ def parse_input(content: bytes, endpoint: str) -> tuple[list[Line], list[Outcome
     lines: list[Line] = []
     invalid: list[Outcome] = []
     seen: set[str] = set()
-    for index, raw in enumerate(content.decode("utf-8", errors="replace").splitlines()):
+    for index, raw in enumerate(jsonl_lines(content.decode("utf-8", errors="replace"))):
         if raw.strip():
             checked = _check_line(index, raw, endpoint, seen)
             (lines if isinstance(checked, Line) else invalid).append(checked)

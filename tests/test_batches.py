@@ -26,6 +26,7 @@ import openai
 import pytest
 from batch import api
 from batch.endpoints import Binary
+from batch.lines import parse_input
 from batch.runner import Runner, open_store
 from batch.sqlite_store import SQLiteStore
 from batch.store import BatchInfo, FileInfo
@@ -158,6 +159,22 @@ def test_bad_lines_go_to_the_error_file_and_the_rest_runs(server):
     refused = {x["custom_id"]: x["response"]["body"]["error"] for x in errors if x["response"]}
     assert refused["req-10"]["param"] == "max_tokens" and refused["req-11"]["param"] == "stream"
     assert refused["req-9"]["code"] == "model_not_found"
+
+
+def test_a_line_holding_a_unicode_line_separator_is_one_line(server):
+    """JSON strings may hold U+2028, U+2029 and U+0085 unescaped (JavaScript's JSON.stringify writes
+    them so); a line ends only at a newline (``\\n``, ``\\r\\n``, ``\\r``), not there too."""
+    def text(rows: list[dict]) -> bytes:
+        return "".join(json.dumps(r, ensure_ascii=False) + "\n" for r in rows).encode()
+
+    seps = "\u2028\u2029\x85"
+    rows = [chat_line(i, messages=[{"role": "user", "content": f"a{sep}b"}]) for i, sep in enumerate(seps)]
+    lines, invalid = parse_input(text(rows).replace(b"\n", b"\r\n", 1), "/v1/chat/completions")
+    assert invalid == [] and [(ln.index, ln.custom_id) for ln in lines] == [(0, "req-0"), (1, "req-1"), (2, "req-2")]
+    assert lines[0].body["messages"][0]["content"] == "a\u2028b"
+    many = text([chat_line(i, messages=[{"role": "user", "content": "a\u2028b"}]) for i in range(300)])
+    f = sdk(server).files.create(file=("in.jsonl", io.BytesIO(many)), purpose="batch")  # 300 lines of 400, not 600
+    assert f.bytes == len(many)
 
 
 def test_image_batch_returns_png_b64(server):
