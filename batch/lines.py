@@ -23,11 +23,13 @@ def jsonl_lines(text: str) -> list[str]:
 
 def parse_input(content: bytes, endpoint: str) -> tuple[list[Line], list[Outcome]]:
     """The runnable lines of an input file, and an error outcome for each bad one. Blank lines
-    are skipped; a line's index is its position in the file (0-based)."""
+    are skipped, and a UTF-8 byte order mark before the first (as fine-tuning files take one,
+    ``tuning.data``); a line's index is its position in the file (0-based)."""
     lines: list[Line] = []
     invalid: list[Outcome] = []
     seen: set[str] = set()
-    for index, raw in enumerate(jsonl_lines(content.decode("utf-8", errors="replace"))):
+    text = content.decode("utf-8", errors="replace").removeprefix("\ufeff")  # a BOM (Windows tools write one)
+    for index, raw in enumerate(jsonl_lines(text)):
         if raw.strip():
             checked = _check_line(index, raw, endpoint, seen)
             (lines if isinstance(checked, Line) else invalid).append(checked)

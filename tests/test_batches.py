@@ -177,6 +177,12 @@ def test_a_line_holding_a_unicode_line_separator_is_one_line(server):
     assert f.bytes == len(many)
 
 
+def test_a_byte_order_mark_before_the_first_line_is_skipped():
+    """A UTF-8 file saved with a BOM (Windows tools write one) is the same JSON lines."""
+    lines, invalid = parse_input(b"\xef\xbb\xbf" + jsonl([chat_line(0), chat_line(1)]), "/v1/chat/completions")
+    assert invalid == [] and [ln.custom_id for ln in lines] == ["req-0", "req-1"]
+
+
 def test_image_batch_returns_png_b64(server):
     c = sdk(server)
     line = {"method": "POST", "url": "/v1/images/generations",
