@@ -742,6 +742,17 @@ def test_a_bad_training_file_is_a_400_naming_the_line(server, line, says):
     assert says in e.value.body["message"], e.value.body["message"]
 
 
+def test_a_line_holding_a_unicode_line_separator_is_one_example():
+    """A JSON string may hold U+2028, U+2029 and U+0085 unescaped (JavaScript's JSON.stringify writes
+    them so): a line ends at a newline only."""
+    from tuning.data import conversations
+
+    lines = [{"messages": [{"role": "user", "content": f"a{sep}b"}, {"role": "assistant", "content": "yo"}]}
+             for sep in "\u2028\u2029\x85"]
+    found = conversations("".join(json.dumps(x, ensure_ascii=False) + "\n" for x in lines).encode())
+    assert len(found) == 3
+
+
 def test_a_file_of_tool_calls_shaped_as_in_a_chat_request_is_accepted(server):
     """Tools, an assistant's tool calls (no content) and the tool's answer, as OpenAI's files have them."""
     c = client(server)

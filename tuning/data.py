@@ -22,6 +22,8 @@ import math
 from dataclasses import dataclass
 from typing import Any
 
+from batch.lines import jsonl_lines
+
 ROLES = ("system", "developer", "user", "assistant", "tool")
 DEFAULT_EPOCHS = 3
 MAX_BATCH = 8
@@ -65,7 +67,7 @@ def _lines(content: bytes, what: str) -> list[tuple[Any, str]]:
     except UnicodeDecodeError:
         raise FileProblem(f"{what} is not UTF-8 text (JSONL expected)") from None
     out = []
-    for number, line in enumerate(text.splitlines(), 1):
+    for number, line in enumerate(jsonl_lines(text), 1):  # (not splitlines: a string may hold U+2028)
         if not line.strip():
             continue
         try:
