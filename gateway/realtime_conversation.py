@@ -64,7 +64,8 @@ With no speech-to-text model on the server (none the key may use) a session take
 only (no turn detection; the audio buffer's events are refused).
 
 A conversation holds at most ``limits.realtime_max_items`` items and ``realtime_max_chars`` of
-text: ``conversation.item.create`` past either is an ``error`` (``conversation_too_large``).
+text: ``conversation.item.create`` past either is an ``error`` (``conversation_too_large``), and
+so is an item id of the client's past ``MAX_ITEM_ID_CHARS`` (``string_above_max_length``).
 
 Not served (an ``error`` event naming it): items other than messages and function call outputs.
 """
@@ -106,6 +107,7 @@ from workers.tts import TTSWorker
 log = logging.getLogger("tiergate.realtime")
 
 SPEED = (0.25, 1.5)  # audio.output.speed's range in the Realtime API (/v1/audio/speech allows up to 4.0)
+MAX_ITEM_ID_CHARS = 64  # a client's item id (as OpenAI's item ids): ids are kept, and the bounds count text only
 
 
 def _speed(value: object, param: str) -> float:
@@ -537,6 +539,9 @@ class ConversationSession(TranscriptionSession):
     async def _create_item(self, item: object, previous: object = None) -> None:
         item = _object(item, "item")
         kind = item.get("type", "message")
+        if isinstance(item.get("id"), str) and len(item["id"]) > MAX_ITEM_ID_CHARS:
+            raise bad_request(f"item.id is {len(item['id'])} characters, more than {MAX_ITEM_ID_CHARS}", "item.id",
+                              "string_above_max_length")
         if previous is not None and previous != "root":
             self._item(previous, "previous_item_id")
         if isinstance(item.get("id"), str) and any(i["id"] == item["id"] for i in self.items):

@@ -1494,3 +1494,31 @@ def test_a_conversation_s_items_are_bounded_and_deleting_makes_room(server, monk
         assert refused.error.param == "item"
     assert "1001 characters" in too_long.error.message and "3 items" in too_many.error.message
     assert (a.item.id, b.item.id, c.item.id) == ("a", "b", "c") and reply.response.status in ANSWERED
+
+
+def test_an_item_id_past_64_characters_is_an_error_event_and_adds_nothing(server):
+    """A client's item id is at most 64 characters: a longer one is an ``error`` event
+    (``string_above_max_length``, ``param: "item.id"``) that adds nothing. (Ids were kept whole and
+    the bounds count only text: a session held 200 MB for 20 one-character items with 10 MB ids;
+    hunt report GG, finding 1.)"""
+
+    async def answer_to(conn, event: dict):
+        await conn.send(event)
+        async with asyncio.timeout(10):
+            async for reply in conn:
+                if reply.type in ("conversation.item.done", "conversation.item.retrieved", "error"):
+                    return reply
+
+    async def run():
+        async with client(server).realtime.connect(model="tiny-chat") as conn:
+            await begin(conn, {**MANUAL, "output_modalities": ["text"]}, text=None)
+            items = (user("x" * 65, "a"), {**user("y" * 65, "a"), "type": "function_call_output"}, user("z" * 64, "a"))
+            out = [await answer_to(conn, {"type": "conversation.item.create", "item": item}) for item in items]
+            return out + [await answer_to(conn, {"type": "conversation.item.retrieve", "item_id": "x" * 65})]
+
+    long, long_output, kept, retrieved = asyncio.run(run())
+    for refused in (long, long_output):
+        assert (refused.error.code, refused.error.param) == ("string_above_max_length", "item.id"), refused
+        assert "65 characters" in refused.error.message
+    assert kept.type == "conversation.item.done" and kept.item.id == "z" * 64
+    assert retrieved.type == "error" and retrieved.error.param == "item_id"  # the refused item was never added
