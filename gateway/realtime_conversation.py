@@ -550,6 +550,10 @@ class ConversationSession(TranscriptionSession):
         if isinstance(item.get("id"), str) and item["id"] in self._heard:
             raise bad_request(f"item {item['id'][:64]!r} was deleted while its audio is still being transcribed: "
                               "choose another id", "item.id", "invalid_value")
+        # the turn detection named the user's turn in progress (speech_started): its commit adds that item
+        if self._speech is not None and item.get("id") == self._speech[0]:
+            raise bad_request(f"item {item['id']!r} is the user's turn in progress (input_audio_buffer."
+                              "speech_started): choose another id", "item.id", "invalid_value")
         if kind == "function_call_output":
             if not isinstance(item.get("call_id"), str) or not isinstance(item.get("output"), str):
                 raise bad_request("a function_call_output item has the call's call_id and its output, both strings",

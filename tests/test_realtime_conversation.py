@@ -1496,18 +1496,21 @@ def test_a_conversation_s_items_are_bounded_and_deleting_makes_room(server, monk
     assert (a.item.id, b.item.id, c.item.id) == ("a", "b", "c") and reply.response.status in ANSWERED
 
 
+async def answer_to(conn, event: dict):
+    """The answer to the client ``event`` about an item: the item done, retrieved or deleted, or an error."""
+    await conn.send(event)
+    async with asyncio.timeout(10):
+        async for reply in conn:
+            if reply.type in ("conversation.item.done", "conversation.item.retrieved", "conversation.item.deleted",
+                              "error"):
+                return reply
+
+
 def test_an_item_id_past_64_characters_is_an_error_event_and_adds_nothing(server):
     """A client's item id is at most 64 characters: a longer one is an ``error`` event
     (``string_above_max_length``, ``param: "item.id"``) that adds nothing. (Ids were kept whole and
     the bounds count only text: a session held 200 MB for 20 one-character items with 10 MB ids;
     hunt report GG, finding 1.)"""
-
-    async def answer_to(conn, event: dict):
-        await conn.send(event)
-        async with asyncio.timeout(10):
-            async for reply in conn:
-                if reply.type in ("conversation.item.done", "conversation.item.retrieved", "error"):
-                    return reply
 
     async def run():
         async with client(server).realtime.connect(model="tiny-chat") as conn:
@@ -1522,3 +1525,30 @@ def test_an_item_id_past_64_characters_is_an_error_event_and_adds_nothing(server
         assert "65 characters" in refused.error.message
     assert kept.type == "conversation.item.done" and kept.item.id == "z" * 64
     assert retrieved.type == "error" and retrieved.error.param == "item_id"  # the refused item was never added
+
+
+def test_an_item_may_not_take_the_id_of_the_user_s_turn_in_progress(server):
+    """``speech_started`` names the user's turn before its commit adds the item: a
+    ``conversation.item.create`` with that id meanwhile is an ``error`` event, so the committed turn
+    is the one item with it. (It was accepted, and the commit added a second item with the same
+    id: the transcript overwrote the client's text in both; hunt report GG, finding 2.)"""
+    speech = spoken("Tell me about the sea.", rate=RATE)
+
+    async def run():
+        async with client(server).realtime.connect(model="tiny-chat") as conn:
+            await begin(conn, {"type": "realtime", "output_modalities": ["text"], "audio": {"input": {
+                "turn_detection": {"type": "server_vad", "create_response": False}}}}, text=None)
+            await conn.input_audio_buffer.append(audio=b64(speech))
+            turn = (await events_until(conn, "input_audio_buffer.speech_started"))[-1].item_id
+            refused = await answer_to(conn, {"type": "conversation.item.create", "item": user(turn, "typed")})
+            await conn.input_audio_buffer.append(audio=b64(np.zeros(RATE, np.float32)))
+            heard = await events_until(conn, "conversation.item.done")  # (its transcript's)
+            deletes = [await answer_to(conn, {"type": "conversation.item.delete", "item_id": turn}) for _ in range(2)]
+            return turn, refused, heard, deletes
+
+    turn, refused, heard, (deleted, none_left) = asyncio.run(run())
+    assert (refused.error.code, refused.error.param) == ("invalid_value", "item.id")
+    assert "in progress" in refused.error.message
+    assert [e.item_id for e in heard if e.type == "input_audio_buffer.committed"] == [turn]
+    assert deleted.type == "conversation.item.deleted" and deleted.item_id == turn
+    assert none_left.type == "error" and none_left.error.param == "item_id"  # one item had the id
