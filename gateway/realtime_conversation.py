@@ -97,7 +97,7 @@ from gateway.realtime import (CUT_WAIT_S, DEFAULT_VAD, FORMATS, MIN_COMMIT_S, RA
                               shutting_down, updated)
 from gateway.request_log import RequestRecord, note, tallied
 from gateway.turn_end import SemanticVad
-from gateway.schemas import ChatCompletionRequest, parse, read_json
+from gateway.schemas import ChatCompletionRequest, json_object, parse, read_body
 from gateway.responses import fitting
 from gateway.service import ClientGone, Services, own_uses
 from gateway.serving import weightless
@@ -1079,7 +1079,8 @@ async def client_secrets(request: Request) -> JSONResponse:
     default) have passed."""
     svc: Services = request.app.state.services
     caller = svc.authenticate(request)
-    body = await read_json(request, svc.config.limits.max_body)
+    raw = await read_body(request, svc.config.limits.max_body)
+    body = json_object(raw)
     for key in sorted(set(body) - {"expires_after", "session"}):
         raise bad_request(f"unknown parameter {key!r}", key, "unknown_parameter")
     expires = _object(body.get("expires_after") or {}, "expires_after")
@@ -1106,7 +1107,7 @@ async def client_secrets(request: Request) -> JSONResponse:
         config, conversing = await detached.applied(session)
         opened = ("realtime", config, conversing)
         shown = ConversationSession(None, svc, caller, config, conversing).session_event()
-    value, secret = svc.client_secrets.issue(caller, seconds, opened)
+    value, secret = svc.client_secrets.issue(caller, seconds, opened, len(raw))  # (its settings' size, bounded per key)
     return JSONResponse({"value": value, "expires_at": int(secret.expires_at), "session": shown})
 
 

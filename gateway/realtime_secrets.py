@@ -8,9 +8,11 @@ session opens (it keeps the key's id, never the key: a key taken out of its file
 its secrets, and a key moved to another tier takes their sessions there), and for the session
 settings it was made with, checked when it was made. It opens any number of sessions until it
 expires (10 s to 2 h after it was made, 10 minutes by default, as OpenAI's), or until the key
-that made it has made ``ClientSecrets.max_per_key`` (10,000) newer ones. It opens realtime
-sessions only: presented to any other endpoint, it is an unknown key. Secrets live in this process's memory and
-are kept by the SHA-256 of their value, so a lookup's time does not depend on how much of a
+that made it has made ``ClientSecrets.max_per_key`` (10,000) newer ones, or newer ones whose
+settings fill ``ClientSecrets.max_bytes_per_key`` (32 MiB, as the requests that made them
+measured them: a request may be 25 MiB, and 10,000 of those held in memory would be 250 GB). It
+opens realtime sessions only: presented to any other endpoint, it is an unknown key. Secrets live
+in this process's memory and are kept by the SHA-256 of their value, so a lookup's time does not depend on how much of a
 presented secret matches, and a memory dump does not hold them.
 """
 
@@ -29,6 +31,7 @@ from gateway.origin import CLIENT_SECRET, tagged
 
 PREFIX = CLIENT_SECRET
 DEFAULT_S, MIN_S, MAX_S = 600, 10, 7200
+MAX_BYTES_PER_KEY = 32 * 2**20  # the settings a key's unexpired secrets hold, all together (their requests' bytes)
 
 
 @dataclass(frozen=True)
@@ -36,30 +39,38 @@ class Secret:
     key_id: str  # the key that made it: its id, looked up again when the secret opens a session
     expires_at: float
     session: Any  # what a session it opens starts as (gateway.realtime_conversation makes and reads it)
+    size: int = 0  # the bytes of the request that made it: what its settings hold, counted against the key's bound
 
 
 class ClientSecrets:
     """The secrets issued by this process, until they expire: at most ``max_per_key`` for each
-    key, that key's own oldest dropped first when it makes another (one key making many voids
-    none of another key's). Expiry is swept in expiry order (a heap), so a mint costs the
-    secrets that expired since the last one, not a walk over all of them."""
+    key, and ``max_bytes_per_key`` of their settings, that key's own oldest dropped first when it
+    makes another past either (one key making many voids none of another key's). Expiry is swept
+    in expiry order (a heap), so a mint costs the secrets that expired since the last one, not a
+    walk over all of them."""
 
-    def __init__(self, clock: Callable[[], float] = time.time, max_per_key: int = 10_000, origin: str = "") -> None:
+    def __init__(self, clock: Callable[[], float] = time.time, max_per_key: int = 10_000, origin: str = "",
+                 max_bytes_per_key: int = MAX_BYTES_PER_KEY) -> None:
         """``origin``: the cluster replica that makes the secrets (``gateway.origin``)."""
         self.clock, self.max_per_key, self.origin = clock, max_per_key, origin
+        self.max_bytes_per_key = max_bytes_per_key
         self._by_hash: dict[bytes, Secret] = {}
         self._of_key: dict[str, dict[bytes, None]] = {}  # each key's secrets' hashes, in issue order
+        self._bytes: dict[str, int] = {}  # each key's secrets' sizes, summed
         self._expiring: list[tuple[float, bytes]] = []  # a heap by expiry; entries of dropped secrets are skipped
 
-    def issue(self, caller: Caller, seconds: int, session: Any) -> tuple[str, Secret]:
+    def issue(self, caller: Caller, seconds: int, session: Any, size: int = 0) -> tuple[str, Secret]:
+        """A new secret of ``caller``'s key for ``seconds``, opening sessions set as ``session``,
+        which the ``size`` bytes of its request made."""
         self._expire()
         own = self._of_key.get(caller.key_id, {})
-        while len(own) >= self.max_per_key:
+        while own and (len(own) >= self.max_per_key or self._bytes[caller.key_id] + size > self.max_bytes_per_key):
             self._drop(next(iter(own)))
         value = tagged(PREFIX, self.origin, secrets.token_urlsafe(32))
-        secret, digest = Secret(caller.key_id, self.clock() + seconds, session), _hash(value)
+        secret, digest = Secret(caller.key_id, self.clock() + seconds, session, size), _hash(value)
         self._by_hash[digest] = secret
         self._of_key.setdefault(caller.key_id, {})[digest] = None
+        self._bytes[caller.key_id] = self._bytes.get(caller.key_id, 0) + size
         heapq.heappush(self._expiring, (secret.expires_at, digest))
         if len(self._expiring) > 2 * len(self._by_hash) + 1024:  # mostly dropped ones: rebuilt, amortized O(1)
             self._expiring = [(s.expires_at, h) for h, s in self._by_hash.items()]
@@ -85,8 +96,10 @@ class ClientSecrets:
             return  # dropped already (its key made too many)
         own = self._of_key[secret.key_id]
         del own[digest]
+        self._bytes[secret.key_id] -= secret.size
         if not own:
             del self._of_key[secret.key_id]
+            del self._bytes[secret.key_id]
 
 
 def _hash(value: str) -> bytes:

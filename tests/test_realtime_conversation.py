@@ -1234,6 +1234,27 @@ def test_a_key_at_its_cap_of_client_secrets_drops_its_own_oldest_and_no_one_else
     assert len(store) == 2 and store.redeem(customer) is not None
 
 
+def test_a_key_s_client_secrets_hold_at_most_its_bytes_of_settings_dropping_its_own_oldest():
+    """Each secret keeps the settings it was made with (``instructions``, ``tools``: up to a 25 MiB
+    request) for up to 2 h: a key's secrets hold at most ``max_bytes_per_key`` of them, its own
+    oldest dropped to make room, no other key's. (Only their count was bounded: 20 secrets with
+    10 MB of instructions held 200 MB of the server's memory, 10,000 could hold 250 GB; hunt report
+    GG, finding 3.)"""
+    from gateway.auth import Caller
+    from gateway.realtime_secrets import MAX_BYTES_PER_KEY, ClientSecrets
+
+    assert MAX_BYTES_PER_KEY == 32 * 2**20
+    store = ClientSecrets(max_bytes_per_key=100)
+    customer = store.issue(Caller("paid", "customer"), 7200, None, 60)[0]
+    flood = [store.issue(Caller("free", "flooder"), 7200, None, 40)[0] for _ in range(5)]
+    assert [store.redeem(v) is not None for v in flood] == [False, False, False, True, True]
+    assert store.redeem(customer) is not None
+    assert store.redeem(store.issue(Caller("free", "flooder"), 7200, None, 100)[0]) is not None  # the whole bound
+    assert [store.redeem(v) is not None for v in flood[-2:]] == [False, False] and len(store) == 2
+    store.issue(Caller("paid", "customer"), 7200, None, 40)  # its 60 and 40 fit: nothing dropped
+    assert store.redeem(customer) is not None and len(store) == 3
+
+
 @pytest.fixture(scope="module")
 def tight_server(tiny_stt, tiny_chat, tiny_tts, tmp_path_factory) -> RunningServer:
     """A budget of 4 GiB and three models of 3 GiB: one at a time; protection for 30 s."""
