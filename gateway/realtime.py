@@ -17,10 +17,12 @@ the model decodes, then ``...completed`` (the transcript and its usage in second
 
 Each committed utterance is one request of the caller's tier: it waits for a gate slot and a
 lease on the model like any other request, is metered by its audio seconds, and the session's
-utterances are transcribed in order. The key is checked once, at the handshake (the
+utterances are transcribed in order. The key is checked at the handshake (the
 ``Authorization`` header, or for a browser, which cannot set one, the subprotocol
 ``openai-insecure-api-key.<key>``, as OpenAI takes it; a refused key gets an HTTP error before the
-upgrade). ``tiergate_realtime_sessions{tier}`` counts the sessions open. A session lasts at most
+upgrade), and again before each step that makes a request (``key_stands``): a key revoked or
+taken out of its file since ends the session there (an ``error`` event, ``invalid_api_key``, and
+a close with 1008). ``tiergate_realtime_sessions{tier}`` counts the sessions open. A session lasts at most
 ``limits.realtime_max_session_s`` (OpenAI's 60 minutes): then an ``error`` event,
 ``session_expired``, and a normal close. When the server drains (SIGTERM), a session takes no new
 work, its work under way (utterances committed; a conversation's replies) runs to its end, then
@@ -350,6 +352,7 @@ class TranscriptionSession:
         self._utterances: asyncio.Queue[tuple[str, np.ndarray, SessionConfig]] = asyncio.Queue()
         self._telephone: tuple[str, G711Stream] | None = None  # G.711 in: its decoder, which keeps its state
         self._denoiser: NoiseReducer | None = None  # noise_reduction's, made at the first append it hears
+        self.key_gone = False  # the key was revoked or taken out of its file: the session ended (``key_stands``)
 
     async def run(self) -> None:
         await self.send({"type": "session.created", "session": self.config.as_event(self.id)})
@@ -410,6 +413,25 @@ class TranscriptionSession:
                 await self.error(shutting_down("the server is shutting down: open a new session on another instance"),
                                  None)
                 await self._close(1012, "shutting_down")
+
+    async def key_stands(self) -> bool:
+        """Whether the session's key still stands, looked up as HTTP's would be now
+        (``Services.caller_of``: the key files' ring and the managed keys' copy in memory, no I/O):
+        asked before each step that makes a request (an utterance's transcription, a
+        ``semantic_vad`` judgement, a response), not per audio chunk. A key revoked or taken out of
+        its file since (a client secret's: the key that made it) ends the session: an ``error``
+        event, ``invalid_api_key``, the socket closed with 1008 (policy violation), and the work
+        under way cut (``gone``: a reply stops where it is, metered as far as it ran). A key moved
+        to another tier stands: the session goes on at the tier it opened at."""
+        if not self.key_gone and self.svc.caller_of(self.caller.key_id) is not None:
+            return True
+        if not self.key_gone:
+            self.key_gone = True
+            await self.error(APIError(401, "the API key of this session has been revoked or removed: the session has "
+                                           "ended", "invalid_api_key", type="invalid_request_error"), None)
+            await self._close(1008, "invalid_api_key")
+            self.gone.set()
+        return False
 
     def busy(self) -> bool:
         """Whether work is under way: an utterance committed and not yet transcribed."""
@@ -567,6 +589,8 @@ class TranscriptionSession:
         whole = np.concatenate(self._buffer) if self._buffer else np.zeros(0, np.int16)
         audio = whole[max(0, start - self._start):max(0, pause.end - self._start)]
         config, judge = self.config, self.judge_model()
+        if not await self.key_stands():
+            return
         try:
             heard = await transcript_of(self.svc, self.caller, config.model, audio, RATE,
                                         TranscriptionRequest(config.language, config.prompt or None,
@@ -702,6 +726,8 @@ class TranscriptionSession:
         known = self._known.pop(item, None)
         known = known[0] if known is not None and known[1:] == (len(samples), config) else None
         try:
+            if not await self.key_stands():  # the session has ended (its item's waiters still hear it went untold)
+                return
             # a turn semantic_vad ended where it was judged: its transcript is the judge's (made, and metered, once)
             pieces = _told(known) if known is not None else stream_transcription(self.svc, self.caller, job, self.gone)
             async for piece in pieces:

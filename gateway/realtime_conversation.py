@@ -781,6 +781,8 @@ class ConversationSession(TranscriptionSession):
         if self.ending:
             raise shutting_down("the server is shutting down: this session starts no new response; open a new "
                                 "session on another instance")
+        if not await self.key_stands():  # revoked or removed: the session has ended
+            return
         ending = self._response if conversation and self._response is not None and self._response.cancelled else None
         if conversation and self._response is not None and ending is None:
             raise bad_request("the conversation has a response in progress: wait for its response.done, or cancel "

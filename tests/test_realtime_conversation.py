@@ -1573,3 +1573,77 @@ def test_an_item_may_not_take_the_id_of_the_user_s_turn_in_progress(server):
     assert [e.item_id for e in heard if e.type == "input_audio_buffer.committed"] == [turn]
     assert deleted.type == "conversation.item.deleted" and deleted.item_id == turn
     assert none_left.type == "error" and none_left.error.param == "item_id"  # one item had the id
+
+
+def test_a_revoked_or_removed_key_ends_its_open_sessions_at_their_next_step(server):
+    """A session looks its key up again, as HTTP would, before each step that makes a request: a
+    managed key revoked (here through a client secret it made) or a key taken out of the key files
+    ends its open session at the next response or transcription (an ``error`` event,
+    ``invalid_api_key``, and a close with 1008), which starts no request; a key moved to another
+    tier goes on. (Both went on for up to the session's 60 minutes, metered: hunt report GG, finding 5.)"""
+    import httpx
+    import websockets
+
+    from gateway.auth import KeyRing
+
+    admin = {"Authorization": f"Bearer {server.keys['admin']}"}
+    ws_url = server.url.replace("http", "ws") + "/v1/realtime"
+    hi = {"type": "conversation.item.create", "item": {"type": "message", "role": "user",
+                                                       "content": [{"type": "input_text", "text": "hi"}]}}
+
+    async def until(ws, last: str) -> tuple[list[dict], int | None]:
+        """Events up to ``last``, or to the socket's close (then its code)."""
+        out = []
+        async with asyncio.timeout(60):
+            try:
+                while out[-1:] == [] or out[-1]["type"] != last:
+                    out.append(json.loads(await ws.recv()))
+            except websockets.ConnectionClosed as exc:
+                return out, exc.rcvd.code if exc.rcvd else None
+        return out, None
+
+    key = httpx.post(f"{server.url}/admin/keys", json={"tier": "paid", "name": "revoked"}, headers=admin).json()
+    secret = OpenAI(base_url=server.base_url, api_key=key["value"], max_retries=0).realtime.client_secrets.create(
+        session={**MANUAL, "model": "tiny-chat", "output_modalities": ["text"], "max_output_tokens": 2}).value
+
+    async def conversation():
+        async with websockets.connect(ws_url, additional_headers={"Authorization": f"Bearer {secret}"}) as ws:
+            await until(ws, "session.created")
+            await ws.send(json.dumps(hi))
+            await ws.send(json.dumps({"type": "response.create"}))
+            before = await until(ws, "response.done")
+            moved = httpx.patch(f"{server.url}/admin/keys/{key['id']}", json={"tier": "free"}, headers=admin)
+            await ws.send(json.dumps({"type": "response.create"}))
+            after_move = await until(ws, "response.done")
+            revoked = httpx.delete(f"{server.url}/admin/keys/{key['id']}", headers=admin)
+            await ws.send(json.dumps({"type": "response.create"}))
+            return before, (moved.status_code, after_move), (revoked.status_code, await until(ws, "response.done"))
+
+    before, (moved, after_move), (revoked, (events, code)) = asyncio.run(conversation())
+    assert before[1] is None and before[0][-1]["response"]["status"] in ANSWERED
+    assert moved == 200 and after_move[1] is None and after_move[0][-1]["response"]["status"] in ANSWERED
+    assert revoked == 200 and code == 1008
+    assert [e["type"] for e in events] == ["error"]  # no response.created: nothing more was asked of a model
+    assert (events[0]["error"]["code"], events[0]["error"]["type"]) == ("invalid_api_key", "invalid_request_error")
+
+    original, removed = server.services.keys, "key-paid-removed"
+    tiers = ["paid", "subscriber", "free", "batch"]
+    server.services.keys = KeyRing({t: [server.keys[t]] + ([removed] if t == "paid" else []) for t in tiers},
+                                   [server.keys["admin"]])
+
+    async def transcription():
+        try:
+            async with websockets.connect(f"{ws_url}?model=tiny-stt",
+                                          additional_headers={"Authorization": f"Bearer {removed}"}) as ws:
+                await until(ws, "session.created")
+                server.services.keys = original  # the key files' reload, the key taken out
+                await ws.send(json.dumps({"type": "input_audio_buffer.append", "audio": b64(np.zeros(RATE // 2))}))
+                await ws.send(json.dumps({"type": "input_audio_buffer.commit"}))
+                return await until(ws, "conversation.item.input_audio_transcription.completed")
+        finally:
+            server.services.keys = original
+
+    events, code = asyncio.run(transcription())
+    assert code == 1008
+    assert [e["type"] for e in events] == ["input_audio_buffer.committed", "error"]
+    assert events[-1]["error"]["code"] == "invalid_api_key"
