@@ -204,17 +204,19 @@ class LocalLimiter(Limiter):
             new_tat[dim] = tat
         for dim, tat in new_tat.items():
             self._tat[(key, dim)] = tat
-        self._inflight[key] = self._inflight.get(key, 0) + 1
+        if limits.concurrent is not None:  # (as Redis counts: only under a limit; settle gets the same limits)
+            self._inflight[key] = self._inflight.get(key, 0) + 1
         if budget is not None:
             self._held.setdefault(key, {})[request_id] = ask.gpu_seconds
         return Verdict(True, {dim: bucket_after(tat, now, rates(limits)[dim]) for dim, tat in new_tat.items()})
 
     async def settle(self, key: str, limits: Limits, asked: Ask, used: Ask, request_id: str) -> None:
-        left = self._inflight.get(key, 0) - 1
-        if left > 0:
-            self._inflight[key] = left
-        else:
-            self._inflight.pop(key, None)
+        if limits.concurrent is not None:  # (counted only then: ``admit``)
+            left = self._inflight.get(key, 0) - 1
+            if left > 0:
+                self._inflight[key] = left
+            else:
+                self._inflight.pop(key, None)
         held = self._held.get(key)
         if held is not None:
             held.pop(request_id, None)

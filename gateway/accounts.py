@@ -318,12 +318,18 @@ class Accounts:
 
     # -- requests
     async def admit(self, caller: Caller, model: str, ask: Ask, adapters: tuple[str, ...] = (),
-                    own_adapter: bool = False, gpu_s: Callable[[], float] = lambda: 0.0) -> Admission | None:
+                    own_adapter: bool = False, gpu_s: Callable[[], float] = lambda: 0.0,
+                    within: bool = False) -> Admission | None:
         """Before a request takes a slot: 404 for a model, or an adapter of its stack, outside the
         key's allow-lists (as for one that does not exist); for HTTP requests, 429 over a limit.
         ``gpu_s``: the request's GPU-seconds as estimated now, which it holds of a daily budget
-        while in flight. Returns the hold to give back in ``finish`` (None: nothing held)."""
+        while in flight. ``within``: a step of a request already admitted (a reply's speech, said
+        while the reply is written), which its ``concurrent`` count covers: neither refused by
+        that limit nor counted against it (its other limits as any request's). Returns the hold
+        to give back in ``finish`` (None: nothing held)."""
         limits = self.limits(caller.key_id, caller.tier)
+        if within and limits.concurrent is not None:
+            limits = limits.over({"concurrent": None})
         if limits.models is not None and model not in limits.models:
             raise APIError(404, f"the model '{model}' does not exist", "model_not_found", "model")
         for i, adapter in enumerate(adapters):  # refused as the registry refuses one that does not exist

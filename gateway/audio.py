@@ -106,17 +106,19 @@ async def plan_speech(svc: Services, body: SpeechBody) -> SpeechJob:
 
 
 async def serve_speech(svc: Services, caller: Caller, job: SpeechJob, gone: Gone | None,
-                       read: list[int] | None = None, recorded: bool = True) -> AsyncGenerator[bytes, None]:
+                       read: list[int] | None = None, recorded: bool = True,
+                       within: bool = False) -> AsyncGenerator[bytes, None]:
     """The serving core: the encoded audio, a sentence a piece for wav and pcm, whole for the
     others. What goes wrong before the first sentence is made (429/503, out of memory after
     relief) is raised by the first ``__anext__``; closing the iterator early stops the worker at
     its next sentence. ``read``, when given, gets the number of tokens the model reads (its
     tokenizer's, for the whole input). ``recorded`` False: the HTTP request's log line is not
-    this speech's (a chat reply's, said after the reply was written)."""
+    this speech's (a chat reply's, said after the reply was written). ``within``: said while the
+    reply is written, a step of its request (not one more of the key's ``concurrent``)."""
     last: bytes | None = None  # each piece waits for the next, so the last goes out after the usage is written
     ask = Ask(audio_seconds=len(job.request.input) / SPOKEN_CHARS_PER_S)  # corrected by what was made
     async with Serving(svc, caller, job.model, float(len(job.request.input)), "speech", gone, ask,
-                       recorded=recorded) as serving:
+                       recorded=recorded, within=within) as serving:
         worker = serving.worker
         ctx, chunks, first = await serving.step(lambda ctx: _first_sentence(worker, job, ctx, serving.refused),
                                                 "speaking with")

@@ -593,7 +593,7 @@ async def chat_completions(request: Request) -> Response:
     speaker = None
     if voice is not None:
         def speaker(text: str) -> AsyncIterator[bytes]:  # the client leaving closes the stream, and the speech with it
-            return say(svc, caller, voice, text, None)
+            return say(svc, caller, voice, text, None, within=True)
     sse = _sse(deltas, first, completion_id, body.model, job, label, include_usage, kept, speaker, svc.spoken,
                caller.key_id)
     return Streamed(sse, "text/event-stream", headers=headers)

@@ -158,11 +158,15 @@ def phrases_of(text: str, first: bool = True) -> tuple[list[str], str]:
     return whole, text[cut:]
 
 
-async def say(svc: Services, caller: Caller, voice: Voice, text: str, gone: Gone | None) -> AsyncIterator[bytes]:
+async def say(svc: Services, caller: Caller, voice: Voice, text: str, gone: Gone | None,
+              within: bool = False) -> AsyncIterator[bytes]:
     """``text`` said in ``voice``, encoded, as it is made (a sentence at a time for pcm16 and wav,
     whose first piece is a header of unknown length; whole for the others), in the deltas that
-    stream it (``gateway.audio.deltas``); nothing said for a text the model cannot say."""
-    async for piece in serve_speech(svc, caller, voice.job(text), gone, recorded=False):
+    stream it (``gateway.audio.deltas``); nothing said for a text the model cannot say.
+    ``within``: a phrase of a reply said while the reply is written, a step of the reply's own
+    request, which its key's ``concurrent`` limit counts once (``Accounts.admit``): else a key
+    with ``concurrent: 1`` would have every such phrase refused by its own reply."""
+    async for piece in serve_speech(svc, caller, voice.job(text), gone, recorded=False, within=within):
         for i, delta in enumerate(deltas(piece)):
             if i:  # a sentence's deltas are sent back to back, unawaited: the loop runs others between them
                 await asyncio.sleep(0)

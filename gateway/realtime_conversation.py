@@ -52,8 +52,10 @@ The three models are the session's: the chat model the URL names, its tiers.yaml
 first text-to-speech model), each only one the key may use (``may_use``: one it may not is, to the
 session, a model the server does not have: never named, and without a speech model its output is
 text). Each transcription, reply and speech is a request of the caller's tier:
-gated, metered and limited as its endpoint's. The reply is greedy (the session has no temperature);
-the words are heard, not the voice, as chat's ``input_audio`` hears them.
+gated, metered and limited as its endpoint's (a reply's speech, said while it is written, as a
+step of the reply's request for the key's ``concurrent`` limit: ``say``'s ``within``). The
+reply is greedy (the session has no temperature); the words are heard, not the voice, as chat's
+``input_audio`` hears them.
 
 Function tools (``session.tools``, ``tool_choice``) are chat's: a reply of calls is
 ``function_call`` items (arguments streamed as ``response.function_call_arguments.delta``), not
@@ -919,7 +921,7 @@ class ConversationSession(TranscriptionSession):
 
         while (phrase := await phrases.get()) is not None:
             said.phrases.append([said.samples, said.samples, phrase])
-            async with contextlib.aclosing(say(self.svc, self.caller, voice, phrase, self.gone)) as pieces:
+            async with contextlib.aclosing(say(self.svc, self.caller, voice, phrase, self.gone, within=True)) as pieces:
                 async for piece in pieces:
                     said.samples += len(piece) // 2
                     said.phrases[-1][1] = said.samples

@@ -101,7 +101,8 @@ class Serving:
 
     def __init__(self, svc: Services, caller: Caller, model: str, units: float, endpoint: str,
                  gone: Gone | None, ask: Ask = Ask(), adapters: tuple[str, ...] = (), own_adapter: bool = False,
-                 recorded: bool = True, joint: "Joint | None" = None, part: int = 0, said: int = 0) -> None:
+                 recorded: bool = True, joint: "Joint | None" = None, part: int = 0, said: int = 0,
+                 within: bool = False) -> None:
         self.svc, self.caller, self.model, self.units, self.endpoint = svc, caller, model, units, endpoint
         self.adapters = adapters  # its adapter stack's names: the key's allow-list checks them
         self.own_adapter = own_adapter  # the request's ``model`` named the first
@@ -111,6 +112,7 @@ class Serving:
         self.joint = joint  # the request this block is one of, admitted and metered as a whole (else None)
         self.part = part  # which of the joint request's prompts this block answers (each is counted once)
         self.said = said  # the prompt's last tokens are the reply so far (``ChatJob.said``): counted as output
+        self.within = within  # a step of a request admitted already: not one more of ``concurrent`` (Accounts.admit)
         self.usage = Usage(requests=1)  # filled in by the core; GPU and swap seconds by the block
         self.arrived = time.monotonic()
         self._latency_reported = False  # to the gate's SLO guard: once per request
@@ -182,7 +184,7 @@ class Serving:
         accounts = self.svc.accounts
         if accounts is not None and self.joint is None:  # (a joint request was admitted as a whole)
             self._admission = await admitted(self.svc, self.caller, self.model, self.ask, self.adapters,
-                                             self.own_adapter, self._gpu_estimate)
+                                             self.own_adapter, self._gpu_estimate, self.within)
         lora = self.svc.metrics.lora
         lora.move(self.lora_names, None, lora.waiting)
         try:
@@ -307,11 +309,11 @@ class Serving:
 
 
 async def admitted(svc: Services, caller: Caller, model: str, ask: Ask, adapters: tuple[str, ...], own_adapter: bool,
-                   gpu_s: Callable[[], float]) -> Admission | None:
+                   gpu_s: Callable[[], float], within: bool = False) -> Admission | None:
     """``Accounts.admit``, its 429s (the key's own limits) counted with the tier's refusals."""
     assert svc.accounts is not None
     try:
-        return await svc.accounts.admit(caller, model, ask, adapters, own_adapter, gpu_s)
+        return await svc.accounts.admit(caller, model, ask, adapters, own_adapter, gpu_s, within)
     except APIError as exc:
         if exc.status == 429:
             svc.gate.key_refused(caller.tier)

@@ -241,6 +241,34 @@ def test_requests_in_flight_hold_their_estimate_of_the_gpu_budget(kind, request)
         asyncio.run(on_redis())
 
 
+@pytest.mark.parametrize("kind", ["local", "redis"])
+def test_a_request_admitted_without_a_concurrent_limit_is_not_counted_in_flight(kind, request):
+    """Only requests admitted under a ``concurrent`` limit count against it, as Redis's script
+    counts them: a reply's speech is admitted with the limit left out (``Accounts.admit``,
+    ``within``), a step of the reply's own request. (The in-process limiter counted every request,
+    so a key with ``concurrent: 2`` had its other request refused while a phrase was said.)"""
+    conc = Limits(concurrent=1)
+
+    async def go(lim):
+        assert (await lim.admit("k", Limits(), Ask(), 0.0, "speech")).ok
+        assert (await lim.admit("k", conc, Ask(), 0.0, "chat")).ok
+        assert not (await lim.admit("k", conc, Ask(), 0.0, "other")).ok
+        await lim.settle("k", Limits(), Ask(), Ask(), "speech")  # gives back nothing of the chat's
+        assert not (await lim.admit("k", conc, Ask(), 0.0, "other")).ok
+        await lim.settle("k", conc, Ask(), Ask(), "chat")
+        assert (await lim.admit("k", conc, Ask(), 0.0, "other")).ok
+
+    async def on_redis():
+        store = RedisAccounts(request.getfixturevalue("redis_url"), f"t{uuid.uuid4().hex[:6]}:")
+        await store.open()
+        try:
+            await go(store.limiter())
+        finally:
+            await store.close()
+
+    asyncio.run(go(LocalLimiter()) if kind == "local" else on_redis())
+
+
 def test_grouping_prices_each_row_at_its_tier_and_writes_csv():
     from accounts.usage import UsageRow
 

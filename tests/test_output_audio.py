@@ -213,6 +213,24 @@ def test_what_cannot_be_spoken_is_refused_before_anything_is_written(server):
         assert (caught.value.body["param"], caught.value.body["code"]) == (param, code), kw
 
 
+def test_a_key_with_concurrent_1_gets_its_streamed_reply_said(server):
+    """A streamed reply is said a phrase at a time while it is written: each phrase's speech is a
+    step of the reply's own request, which the key's ``concurrent`` limit counts once. (A key with
+    ``concurrent: 1`` had its first phrase refused by its own reply, ``rate_limit_exceeded`` in
+    the stream: hunt report GG, finding 4.) Nothing stays counted once the reply has ended."""
+    made = httpx.post(f"{server.url}/admin/keys", json={"name": "one at a time", "tier": "paid",
+                                                         "limits": {"concurrent": 1}},
+                      headers={"Authorization": f"Bearer {server.keys['admin']}"}, timeout=30)
+    assert made.status_code == 201, made.text
+    c = openai.OpenAI(base_url=server.base_url, api_key=made.json()["value"], max_retries=0, timeout=120)
+    chunks = list(chat(c, max_tokens=64, stream=True, modalities=["text", "audio"],
+                       audio={"voice": "alloy", "format": "pcm16"}))
+    deltas = [(ch.choices[0].delta.model_extra or {}).get("audio") for ch in chunks if ch.choices]
+    assert sum(1 for d in deltas if d and d.get("data")) >= 2  # the phrases were said
+    assert server.services.accounts.limiter._inflight.get(made.json()["id"], 0) == 0
+    assert chat(c).choices[0].message.content  # and the key's next request is admitted
+
+
 def test_a_key_that_may_not_use_the_speech_model_is_refused_a_spoken_reply_before_it_is_written(server):
     """A key whose allow-list leaves out the chat model's speech model has a chat model that does
     not speak (docs/ACCOUNTS.md: "as if the model did not exist"): the refusal tiny-chat-mute gets,

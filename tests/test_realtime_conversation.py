@@ -1363,6 +1363,24 @@ def managed_key(server: RunningServer, **limits) -> str:
     return made.json()["value"]
 
 
+def test_a_key_with_concurrent_1_gets_its_reply_said(server):
+    """A reply is said a phrase at a time while it is written: the speech is a step of the reply's
+    own request, which the key's ``concurrent`` limit counts once. (A key with ``concurrent: 1``
+    had every spoken response fail, its speech refused by its own reply: hunt report GG, finding 4.)"""
+
+    async def run():
+        async with AsyncOpenAI(base_url=server.base_url, api_key=managed_key(server, concurrent=1),
+                               max_retries=0).realtime.connect(model="tiny-chat") as conn:
+            await begin(conn, {**MANUAL, "max_output_tokens": 32})
+            await conn.response.create()
+            return await events_until(conn, "response.done")
+
+    events = asyncio.run(run())
+    assert events[-1].response.status in ANSWERED, events[-1].response.status_details
+    transcript, audio = said(events)
+    assert transcript and audio
+
+
 def test_a_cancelled_response_reports_the_usage_that_was_metered(server):
     """``response.cancel`` mid-reply: the cancelled ``response.done`` carries the tokens the key
     was metered for it (the prompt, and the reply as far as the engine had written it), not null."""
