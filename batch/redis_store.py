@@ -13,7 +13,8 @@ from typing import Any, Callable, Iterable
 
 from batch.store import (MUTABLE, TERMINAL, BatchInfo, FileInfo, Job, Line, Outcome, Recorded, Store, check_fields,
                          dumps, line_json, line_of, outcome_json, outcome_of)
-from storage.redis import RedisKeys, honour_cancel, keyset_page
+from storage import Along, along_json
+from storage.redis import ALONG_LUA, RedisKeys, honour_cancel, keyset_page
 
 log = logging.getLogger("tiergate.batch")
 
@@ -57,19 +58,20 @@ redis.call('HSET', KEYS[1], 'status', 'in_progress', 'in_progress_at', ARGV[1], 
 return 1
 """
 
-# KEYS batch, lines, outcomes, open, lock, spans; ARGV batch id, new status, backlog key prefix, group, n allowed,
-# allowed..., (field, json)*. A terminal status also takes the batch's entries out of the backlog (its spans),
-# so the lines it never ran cost later batches of their shapes nothing; a consumer still holding one finds it
-# gone (its record and ack do nothing, and a fill no longer runs).
-_SET_STATUS = _TERMINAL_LUA + """
+# KEYS batch, lines, outcomes, open, lock, spans; ARGV batch id, new status, backlog key prefix, group, the writes
+# that go with it (``storage.Along``), n allowed, allowed..., (field, json)*. A terminal status also takes the
+# batch's entries out of the backlog (its spans), so the lines it never ran cost later batches of their shapes
+# nothing; a consumer still holding one finds it gone (its record and ack do nothing, and a fill no longer runs).
+_SET_STATUS = _TERMINAL_LUA + ALONG_LUA + """
 local status = redis.call('HGET', KEYS[1], 'status')
 if not status then return 0 end
-local n = tonumber(ARGV[5])
+local n = tonumber(ARGV[6])
 local ok = false
-for i = 6, 5 + n do if ARGV[i] == status then ok = true end end
+for i = 7, 6 + n do if ARGV[i] == status then ok = true end end
 if not ok then return 0 end
 redis.call('HSET', KEYS[1], 'status', ARGV[2])
-for j = 6 + n, #ARGV, 2 do redis.call('HSET', KEYS[1], ARGV[j], ARGV[j + 1]) end
+for j = 7 + n, #ARGV, 2 do redis.call('HSET', KEYS[1], ARGV[j], ARGV[j + 1]) end
+along(ARGV[5])
 if terminal[ARGV[2]] then
   local spans = redis.call('HGETALL', KEYS[6])
   for s = 1, #spans, 2 do
@@ -368,10 +370,11 @@ class RedisStore(RedisKeys, Store):
                 self.k("batch", batch_id, "spans")]
         return bool(await self._start(keys=keys, args=[now, batch_id, self.backlog, queued, failed]))
 
-    async def set_status(self, batch_id: str, allowed: Iterable[str], status: str, **fields: Any) -> bool:
+    async def set_status(self, batch_id: str, allowed: Iterable[str], status: str, along: Along | None = None,
+                         **fields: Any) -> bool:
         check_fields(fields)
         allowed = list(allowed)
-        args: list[Any] = [batch_id, status, self.backlog, GROUP, len(allowed), *allowed]
+        args: list[Any] = [batch_id, status, self.backlog, GROUP, along_json(along), len(allowed), *allowed]
         for k, v in fields.items():
             args += [k, dumps(v)]
         keys = [*self._batch_keys(batch_id), self.k("open"), self.k("batch", batch_id, "lock"),

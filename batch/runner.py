@@ -57,7 +57,7 @@ from gateway.adapters import resolve_as
 from gateway.auth import Caller, Metering
 from gateway.errors import APIError
 from gateway.service import Services
-from storage import on_backend
+from storage import Along, on_backend
 from storage.outage import Outage, unanswered
 from storage.redis import honour_cancel
 
@@ -401,13 +401,19 @@ class Runner:
 
     async def _fail(self, batch: BatchInfo, code: str, message: str) -> None:
         errors = {"object": "list", "data": [{"code": code, "message": message, "param": "input_file_id", "line": None}]}
-        if await self.store.set_status(batch.id, ["validating"], "failed", failed_at=int(time.time()), errors=errors):
-            self._ended(batch, "failed")
+        if await self.store.set_status(batch.id, ["validating"], "failed", self._event(batch, "failed"),
+                                       failed_at=int(time.time()), errors=errors):
+            self._ended()
 
-    def _ended(self, batch: BatchInfo, status: str) -> None:
-        """Tell the webhooks that ``batch`` ended (called by the one process whose compare-and-set ended it)."""
+    def _event(self, batch: BatchInfo, status: str) -> Along | None:
+        """The webhook event of ``batch``'s end, written in the compare-and-set that ends it: only
+        the process whose set ends it sends it, and no crash or stop right after loses it."""
+        return None if self.svc.webhooks is None else self.svc.webhooks.along(f"batch.{status}", batch.id, batch.owner)
+
+    def _ended(self) -> None:
+        """A batch ended, its event in the outbox: the webhooks' delivery loop sends it now."""
         if self.svc.webhooks is not None:
-            self.svc.webhooks.emit(f"batch.{status}", batch.id, batch.owner)
+            self.svc.webhooks.written()
 
     async def _finish(self, batch_id: str) -> None:
         if not await self.store.lock(batch_id, self.name, self.reclaim_after_s):
@@ -460,8 +466,8 @@ class Runner:
         else:
             status = "completed"
         fields[f"{status}_at"] = now
-        if await self.store.set_status(batch_id, [batch.status], status, **fields):
-            self._ended(batch, status)
+        if await self.store.set_status(batch_id, [batch.status], status, self._event(batch, status), **fields):
+            self._ended()
             log.info("batch %s %s: %d completed, %d failed", batch_id, status, succeeded, len(outcomes) - succeeded)
 
     async def _fill_stopped(self, batch_id: str, code: str, message: str) -> BatchInfo | None:

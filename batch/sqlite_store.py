@@ -10,6 +10,7 @@ from typing import Any, Callable, Iterable
 
 from batch.store import (TERMINAL, BatchInfo, FileInfo, Job, Line, Outcome, Recorded, Store, check_fields,
                          dumps, line_json, line_of, outcome_json, outcome_of)
+from storage import Along
 from storage.sqlite import SQLiteFile
 
 _SCHEMA = """
@@ -186,7 +187,8 @@ class SQLiteStore(SQLiteFile, Store):
 
         return await self._call(self._tx, start)
 
-    async def set_status(self, batch_id: str, allowed: Iterable[str], status: str, **fields: Any) -> bool:
+    async def set_status(self, batch_id: str, allowed: Iterable[str], status: str, along: Along | None = None,
+                         **fields: Any) -> bool:
         allowed = set(allowed)
         check_fields(fields)
 
@@ -200,6 +202,8 @@ class SQLiteStore(SQLiteFile, Store):
                 for table in ("lines", "outcomes", "backlog"):
                     db.execute(f"DELETE FROM {table} WHERE batch_id = ?", (batch_id,))
                 db.execute("UPDATE batches SET locked_by = NULL, locked_until = NULL WHERE id = ?", (batch_id,))
+            if along is not None:
+                along.run_sqlite(db)
             return True
 
         return await self._call(self._tx, cas)

@@ -36,6 +36,8 @@ import json
 from dataclasses import asdict, dataclass, field
 from typing import Any, Callable, Iterable
 
+from storage import Along
+
 TERMINAL = frozenset({"failed", "completed", "expired", "cancelled"})
 # Batch fields that change after creation (besides status and counts); every store keeps them as JSON.
 MUTABLE = ("errors", "output_file_id", "error_file_id", "in_progress_at", "finalizing_at", "completed_at",
@@ -199,10 +201,12 @@ class Store(abc.ABC):
         failed, atomically; False (and nothing written) if the batch was not validating."""
 
     @abc.abstractmethod
-    async def set_status(self, batch_id: str, allowed: Iterable[str], status: str, **fields: Any) -> bool:
+    async def set_status(self, batch_id: str, allowed: Iterable[str], status: str, along: Along | None = None,
+                         **fields: Any) -> bool:
         """Compare-and-set: move to ``status`` (setting MUTABLE ``fields``) only from an
         ``allowed`` status. A terminal status also drops the batch's lines, outcomes and backlog
-        entries, in the same atomic step."""
+        entries, in the same atomic step; ``along``'s writes (its end's webhook event) are made in
+        it too, and only if the status changed."""
 
     @abc.abstractmethod
     async def lock(self, batch_id: str, holder: str, ttl_s: float) -> bool:

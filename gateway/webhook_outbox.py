@@ -22,7 +22,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from storage import on_backend
+from storage import Along, on_backend
 from storage.redis import RedisKeys
 from storage.sqlite import SQLiteFile
 
@@ -48,6 +48,12 @@ class Outbox(abc.ABC):
     async def add(self, deliveries: list[Delivery], now: float) -> None:
         """Store new deliveries, available at ``now``; one already stored (a write tried again
         after it had landed) is left as it is."""
+
+    @abc.abstractmethod
+    def along(self, deliveries: list[Delivery], now: float) -> Along:
+        """New deliveries (as ``add``'s) as writes for another store on this backend to make in
+        the same atomic step as its change (``storage.Along``): the end of a batch or response
+        and its event are stored together, or neither."""
 
     @abc.abstractmethod
     async def claim(self, rooms: dict[str, int], runner: str, now: float, until: float,
@@ -83,10 +89,13 @@ class SQLiteOutbox(SQLiteFile, Outbox):
         super().__init__(path, _SCHEMA, "tiergate-webhooks")
 
     async def add(self, deliveries: list[Delivery], now: float) -> None:
-        await self._call(lambda: self._tx(lambda db: db.executemany(
+        await self._call(self._tx, self.along(deliveries, now).run_sqlite)
+
+    def along(self, deliveries: list[Delivery], now: float) -> Along:
+        rows = [(d.id, d.url, d.event_id, d.body, d.created_at, d.attempt, now) for d in deliveries]
+        return Along(sqlite=lambda db: db.executemany(
             "INSERT OR IGNORE INTO webhook_deliveries (id, url, event_id, body, created_at, attempt, available_at) "
-            "VALUES (?, ?, ?, ?, ?, ?, ?)",
-            [(d.id, d.url, d.event_id, d.body, d.created_at, d.attempt, now) for d in deliveries])))
+            "VALUES (?, ?, ?, ?, ?, ?, ?)", rows))
 
     async def claim(self, rooms: dict[str, int], runner: str, now: float, until: float,
                     made_after: float) -> list[Delivery]:
@@ -165,13 +174,20 @@ class RedisOutbox(RedisKeys, Outbox):
 
     async def add(self, deliveries: list[Delivery], now: float) -> None:
         async with self._r.pipeline(transaction=True) as tx:
-            for d in deliveries:
-                key = self.k("webhook-delivery", d.id)
-                tx.hset(key, mapping={"id": d.id, "url": d.url, "event_id": d.event_id, "body": d.body,
-                                      "created_at": repr(d.created_at), "attempt": d.attempt, "runner": ""})
-                tx.expireat(key, int(d.created_at + self.window_s) + 1)
-                tx.zadd(self.k("webhook-due", d.url), {d.id: now}, nx=True)  # written again: its due time kept
+            for command in self.along(deliveries, now).redis:
+                tx.execute_command(*command)
             await tx.execute()
+
+    def along(self, deliveries: list[Delivery], now: float) -> Along:
+        commands: list[tuple[str, ...]] = []
+        for d in deliveries:
+            key = self.k("webhook-delivery", d.id)
+            commands += [("HSET", key, "id", d.id, "url", d.url, "event_id", d.event_id, "body", d.body,
+                          "created_at", repr(d.created_at), "attempt", str(d.attempt), "runner", ""),
+                         ("EXPIREAT", key, str(int(d.created_at + self.window_s) + 1)),
+                         # written again: its due time kept
+                         ("ZADD", self.k("webhook-due", d.url), "NX", repr(now), d.id)]
+        return Along(redis=tuple(commands))
 
     async def claim(self, rooms: dict[str, int], runner: str, now: float, until: float,
                     made_after: float) -> list[Delivery]:

@@ -5,8 +5,9 @@ key's by default):
 
 * ``response.completed``, ``response.incomplete``, ``response.failed``, ``response.cancelled``: a
   background response ended (sent by the process that ran it);
-* ``batch.completed``, ``batch.failed``, ``batch.expired``, ``batch.cancelled``: a batch ended (sent
-  by the process whose compare-and-set ended it, so once).
+* ``batch.completed``, ``batch.failed``, ``batch.expired``, ``batch.cancelled``: a batch ended (written
+  to the outbox by the compare-and-set that ended it, ``along``: so once, and a crash or a stop
+  just after it loses nothing).
 
 The body is OpenAI's event, ``{"id": "evt_...", "object": "event", "created_at", "type", "data":
 {"id": <the response or batch id>}}``, signed as OpenAI signs its webhooks (the Standard Webhooks
@@ -27,10 +28,10 @@ OpenAI retries) after the event was made; then it is dropped (logged). At shutdo
 flight get ``STOP_WAIT_S`` and the rest stay in the outbox for the next start; what a crashed
 process had claimed is taken by any process serving that endpoint once the claim (``HOLD_S``)
 runs out, found by the loop's poll (``POLL_S``). While the store fails, new events wait in the
-process and each turn of the loop (every ``POLL_S`` at most) writes them again. An event can still
-be lost when the process dies after the work ended and before the event was written (a store
-write's time, or as long as the store stays down), and at a shutdown while the store is down
-(logged with the events' ids). A process has at most ``MAX_TRYING`` tries in flight, and
+process and each turn of the loop (every ``POLL_S`` at most) writes them again. A response's event
+can still be lost when the process dies after the work ended and before the event was written (a
+store write's time, or as long as the store stays down), and at a shutdown while the store is down
+(logged with the events' ids); a batch's cannot (its end waits for the store instead). A process has at most ``MAX_TRYING`` tries in flight, and
 ``MAX_TRYING_EACH`` of them to one endpoint, each endpoint's claimed apart: one that is slow to
 answer or down delays only its own deliveries. ``/metrics`` counts tries by endpoint and outcome
 (``tiergate_webhook_deliveries_total``) and what waits in the outbox (``tiergate_webhook_pending``:
@@ -61,6 +62,7 @@ from prometheus_client.registry import Collector
 
 from gateway.config import Config, ConfigError
 from gateway.webhook_outbox import Delivery, Outbox, open_outbox
+from storage import Along
 from storage.redis import honour_cancel
 
 log = logging.getLogger("tiergate.webhooks")
@@ -173,16 +175,35 @@ class Webhooks(Collector):
     def emit(self, kind: str, object_id: str, owner: str) -> None:
         """Send the event ``kind`` about ``object_id`` (a response's or batch's id), made by the
         key ``owner``, to every endpoint that wants it; returns at once."""
-        wanting = [e for e in self.endpoints if e.wants(kind, owner)]
-        if not wanting:
+        made = self.deliveries(kind, object_id, owner)
+        if not made:
             return
         if self._client is None:
             log.warning("webhooks: %s of %s came after shutdown; not sent", kind, object_id)
             return
+        self._spawn(self._write(made))
+
+    def deliveries(self, kind: str, object_id: str, owner: str) -> list[Delivery]:
+        """A new event ``kind`` about ``object_id``, one delivery per endpoint that wants it."""
+        wanting = [e for e in self.endpoints if e.wants(kind, owner)]
+        if not wanting:
+            return []
         event_id, now = f"evt_{uuid.uuid4().hex}", time.time()
         body = json.dumps({"id": event_id, "object": "event", "created_at": int(now), "type": kind,
                            "data": {"id": object_id}}, separators=(",", ":"))
-        self._spawn(self._write([Delivery(f"whd_{uuid.uuid4().hex}", e.url, event_id, body, now) for e in wanting]))
+        return [Delivery(f"whd_{uuid.uuid4().hex}", e.url, event_id, body, now) for e in wanting]
+
+    def along(self, kind: str, object_id: str, owner: str) -> Along | None:
+        """The event as ``emit`` would send it, as writes to make in the same atomic step as the
+        change it tells of (``storage.Along``: a batch's or response's end, on the outbox's
+        backend), so that no crash or stop between the two leaves the change without its event;
+        None when no endpoint wants it. Call ``written`` once the change is made."""
+        made = self.deliveries(kind, object_id, owner)
+        return self.outbox.along(made, time.time()) if made else None
+
+    def written(self) -> None:
+        """Deliveries were written to the outbox along with a change: the loop claims them now."""
+        self._wake.set()
 
     def _spawn(self, work) -> None:
         task = asyncio.get_running_loop().create_task(work)

@@ -14,6 +14,14 @@ import asyncio
 from typing import Any
 
 
+# a script's helper: run the commands of a ``storage.Along`` (its argument, ``storage.along_json``)
+ALONG_LUA = """
+local function along(commands)
+  for _, c in ipairs(cjson.decode(commands)) do redis.call(unpack(c)) end
+end
+"""
+
+
 def honour_cancel() -> None:
     """Raise ``CancelledError`` when this task was cancelled and the cancel never reached it (a
     library swallowed it; see the module's doc). Call it once per turn of a loop, after its store

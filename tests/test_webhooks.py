@@ -13,6 +13,7 @@ import queue
 import socketserver
 import threading
 import time
+import uuid
 from dataclasses import replace
 
 import httpx
@@ -138,6 +139,63 @@ def test_a_batch_that_ends_is_announced_to_both_endpoints_for_the_free_key(hooke
         assert c.batches.retrieve(batch.id).status == "completed"
     event = SDK.webhooks.unwrap(*batches.next(), secret=SECRET)  # the free key's only
     assert event.type == "batch.completed" and event.data.id == batch.id and batches.nothing()
+
+
+@pytest.mark.parametrize("spec", ["sqlite", "redis"])
+def test_a_batch_whose_finish_is_cut_short_after_it_ended_still_has_its_event(spec, tiny_chat, tmp_path, request):
+    """A batch's end and its event are written in one step (the compare-and-set): a finish cut
+    short just after that step (a shutdown's cancel landing as the store's thread committed it, or
+    the process killed there) leaves the event in the outbox, for this or the next process to send.
+    It used to be written after the set, by a task of its own: the ended batch never had one."""
+    import gateway.webhooks as webhooks
+    from batch.lines import error_line
+    from batch.runner import Runner, open_store
+    from batch.store import BatchInfo
+    from gateway.app import build_services
+    from gateway.auth import KeyRing
+    from tests.helpers import TIERS
+
+    url = f"http://127.0.0.1:9/hook-{uuid.uuid4().hex[:8]}"  # its own (a shared Redis)
+
+    async def go():
+        config = load_config(write_config(tmp_path, {"tiny-chat": ("chat", tiny_chat)}))
+        svc = build_services(config, KeyRing({t: [f"k-{t}"] for t in TIERS}))
+        store = request.getfixturevalue("redis_url") if spec == "redis" else "sqlite"
+        svc.webhooks = hooks = webhooks.Webhooks([webhooks.Endpoint(url, b"secret", None, None)],
+                                                 webhooks.open_outbox(store, tmp_path, webhooks.RETRY_WINDOW_S))
+        runner = Runner(svc, open_store(store, tmp_path))  # its loops not started
+        await hooks.outbox.open()  # (as the app's start does, before the runner's)
+        await runner.store.open()
+        batch_id = f"batch_cut{uuid.uuid4().hex[:8]}"
+        try:
+            await runner.store.create_batch(BatchInfo(batch_id, "me", "/v1/chat/completions", "file-x", "24h", 0,
+                                                      int(time.time()) + 600))
+            await runner.store.start(batch_id, [], [error_line(0, "1", "invalid_request", "bad")], int(time.time()))
+            real = runner.store.set_status
+
+            async def cut_after_the_end(batch_id, allowed, status, *args, **fields):
+                changed = await real(batch_id, allowed, status, *args, **fields)
+                if changed and status == "completed":
+                    raise asyncio.CancelledError  # the stop's cancel, as the store answers
+                return changed
+
+            runner.store.set_status = cut_after_the_end
+            with pytest.raises(asyncio.CancelledError):
+                await runner._finish(batch_id)
+            assert (await runner.store.get_batch(batch_id)).status == "completed"
+            assert await hooks.outbox.pending([url]) == {url: 1}
+            assert not await real(batch_id, ["finalizing"], "completed", hooks.along("batch.completed", batch_id, "me"))
+            assert await hooks.outbox.pending([url]) == {url: 1}  # a set that lost writes no event
+            now = time.time()
+            sent, = await hooks.outbox.claim({url: 10}, "next", now, now + 30, now - 3600)
+            event = json.loads(sent.body)
+            assert (event["type"], event["data"]["id"]) == ("batch.completed", batch_id)
+        finally:
+            await runner.store.close()
+            await hooks.outbox.close()
+            await svc.arbiter.stop()
+
+    asyncio.run(go())
 
 
 def test_a_failed_delivery_is_tried_again_with_the_same_id(hooked, monkeypatch):
