@@ -125,14 +125,26 @@ async def run_in_background(svc: Services, caller: Caller, draft: Draft, store: 
     if events is not None:  # what it had begun, closed; all stored before its record says it ended
         await events.add(events.s.close("incomplete") if status not in CONTINUABLE else [])
     draft.request.pop("ended", None)  # (its record says how it ended from now)
-    kept = await store.update_running(draft.record(status, owner, error))
-    if (kept or status == "cancelled") and svc.webhooks is not None:  # (not for one deleted meanwhile)
-        svc.webhooks.emit(f"response.{status}", draft.id, owner)
+    # (not kept: deleted meanwhile, or cancelled by another process, whose write carried the event)
+    kept = await end_response(svc, store, draft.record(status, owner, error))
     if events is not None:
         await events.add([last_event(draft.public(status, error), events.s.next())])
         events.log.end()
     log.info("background response %s: %s%s%s", draft.id, status, f" ({error['code']})" if error else "",
              "" if kept else " (not recorded: cancelled or deleted meanwhile)")
+
+
+async def end_response(svc: Services, store: ResponseStore, record: StoredResponse) -> bool:
+    """Write ``record``, which ends a background response (``update_running``), with its webhook
+    event in the same step (``Webhooks.along``): no crash or stop right after the write leaves the
+    response ended without its event, and only the one write that ends it sends one. Whether it
+    was written."""
+    hooks = svc.webhooks
+    event = None if hooks is None else hooks.along(f"response.{record.response['status']}", record.id, record.owner)
+    kept = await store.update_running(record, event)
+    if kept and event is not None:
+        hooks.written()
+    return kept
 
 
 async def _ended(draft: Draft, store: ResponseStore, conversations: ConversationStore | None,
@@ -172,9 +184,7 @@ async def _finish(svc: Services, store: ResponseStore, record: StoredResponse, c
     response = {**record.response, "status": ended, "output": output,
                 "incomplete_details": {"reason": "max_output_tokens"} if ended == "incomplete" else None}
     asked = {k: v for k, v in claimed.request.items() if k != "ended"}
-    kept = await store.update_running(replace(claimed, response=response, request=asked, beat=time.time()))
-    if kept and svc.webhooks is not None:
-        svc.webhooks.emit(f"response.{ended}", record.id, record.owner)
+    await end_response(svc, store, replace(claimed, response=response, request=asked, beat=time.time()))
     log.info("background response %s: its process had ended its reply; finished here (%s)", record.id, ended)
 
 
@@ -253,8 +263,8 @@ async def reclaim(svc: Services, store: ResponseStore, conversations: Conversati
         try:
             job = await plan_response(svc, caller, store, body, conversations, prepare=False)
         except APIError as exc:  # what it continued is gone, say
-            await store.update_running(replace(claimed, response={**claimed.response, "status": "failed",
-                                                                   "error": {"code": exc.code, "message": exc.message}}))
+            await end_response(svc, store, replace(claimed, response={
+                **claimed.response, "status": "failed", "error": {"code": exc.code, "message": exc.message}}))
             continue
         draft = Draft(response_id, job, record.response["service_tier"], created_at=record.created_at, background=True,
                       request=asked, runner=background.runner)
@@ -264,7 +274,7 @@ async def reclaim(svc: Services, store: ResponseStore, conversations: Conversati
             taken.append(response_id)
             continue
         if events is not None and events.sent.closed:  # it had ended an item: nothing to go on from
-            await store.update_running(replace(claimed, response={**claimed.response, "status": "failed", "error": {
+            await end_response(svc, store, replace(claimed, response={**claimed.response, "status": "failed", "error": {
                 "code": "server_error", "message": "the server failed while making this response"}}))
             continue
         background.start(response_id, lambda gone, d=draft, e=events: run_in_background(

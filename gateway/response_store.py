@@ -47,9 +47,9 @@ from typing import Any, AsyncIterator
 from redis.exceptions import RedisError
 
 from gateway.service import Services
-from storage import on_backend
+from storage import Along, along_json, on_backend
 from storage.outage import Outage
-from storage.redis import honour_cancel
+from storage.redis import ALONG_LUA, honour_cancel
 from storage.retention import Retained
 from storage.sqlite import SweptFile
 
@@ -114,11 +114,12 @@ class ResponseStore(Retained, abc.ABC):
         """Delete the record; False when there is none or another key made it."""
 
     @abc.abstractmethod
-    async def update_running(self, record: StoredResponse) -> bool:
+    async def update_running(self, record: StoredResponse, along: Along | None = None) -> bool:
         """Replace the stored record of ``record.id`` (made by ``record.owner``) with ``record``, only
         while the stored one's status is ``queued`` or ``in_progress`` and its ``runner`` is
         ``record.runner``; False when not (it ended, was cancelled or deleted, or another process
-        took it over), and then nothing changes."""
+        took it over), and then nothing changes. ``along``'s writes (the webhook event of the end
+        ``record`` says) are made in the same atomic step, only if the record was replaced."""
 
     @abc.abstractmethod
     async def running(self) -> list[tuple[str, str]]:
@@ -196,10 +197,16 @@ class SQLiteResponses(SweptFile, ResponseStore):
         db.execute("DELETE FROM response_events WHERE response_id = ?", (response_id,))
         return True
 
-    async def update_running(self, record: StoredResponse) -> bool:
-        return await self._call(self._changed, f"UPDATE responses SET doc = ? WHERE id = ? AND owner = ? AND {_RUNNING_SQL} "
-                                "AND coalesce(json_extract(doc, '$.runner'), '') = ?",
-                                (record.doc(), record.id, record.owner, record.runner or "")) == 1
+    async def update_running(self, record: StoredResponse, along: Along | None = None) -> bool:
+        def update(db: sqlite3.Connection) -> bool:
+            changed = db.execute(f"UPDATE responses SET doc = ? WHERE id = ? AND owner = ? AND {_RUNNING_SQL} "
+                                 "AND coalesce(json_extract(doc, '$.runner'), '') = ?",
+                                 (record.doc(), record.id, record.owner, record.runner or "")).rowcount == 1
+            if changed and along is not None:
+                along.run_sqlite(db)
+            return changed
+
+        return await self._call(self._tx, update)
 
     async def running(self) -> list[tuple[str, str]]:
         return await self._call(lambda: self._db.execute(f"SELECT id, doc FROM responses WHERE {_RUNNING_SQL}").fetchall())
@@ -243,9 +250,10 @@ return 1
 """
 
 
-# KEYS response, the running set; ARGV the new record, owner, runner ('' for none), the new status:
-# replace only the owner's record while it runs under that runner; one that ends leaves the set
-_UPDATE_RUNNING = """
+# KEYS response, the running set; ARGV the new record, owner, runner ('' for none), the new status, id, the writes
+# that go with it (``storage.Along``): replace only the owner's record while it runs under that runner; one
+# that ends leaves the set
+_UPDATE_RUNNING = ALONG_LUA + """
 local doc = redis.call('GET', KEYS[1])
 if not doc then return 0 end
 local d = cjson.decode(doc)
@@ -257,6 +265,7 @@ if runner == nil or runner == cjson.null then runner = '' end
 if runner ~= ARGV[3] then return 0 end
 redis.call('SET', KEYS[1], ARGV[1], 'KEEPTTL')
 if ARGV[4] ~= 'queued' and ARGV[4] ~= 'in_progress' then redis.call('SREM', KEYS[2], ARGV[5]) end
+along(ARGV[6])
 return 1
 """
 
@@ -354,10 +363,10 @@ class RedisResponses(ResponseStore):
             return False
         return bool(await self._delete(keys=[self._key(response_id), self._events_key(response_id)], args=[owner]))
 
-    async def update_running(self, record: StoredResponse) -> bool:
+    async def update_running(self, record: StoredResponse, along: Along | None = None) -> bool:
         return bool(await self._update_running(keys=[self._key(record.id), self._running_key()],
                                                args=[record.doc(), record.owner, record.runner or "",
-                                                     record.response.get("status", ""), record.id]))
+                                                     record.response.get("status", ""), record.id, along_json(along)]))
 
     async def running(self) -> list[tuple[str, str]]:
         ids = [i.decode() for i in await self._r.smembers(self._running_key())]

@@ -30,7 +30,7 @@ from gateway.conversation_store import ConversationStore
 from gateway.errors import APIError, bad_request, not_found
 from gateway.http import Streamed, disconnect_signal
 from gateway.pages import cursor_page, page_query
-from gateway.response_runs import StoredEvents, replay, run_in_background
+from gateway.response_runs import StoredEvents, end_response, replay, run_in_background
 from gateway.response_store import ResponseStore
 from gateway.responses import (RUNNING, Draft, InputTokensRequest, ResponseEvents, ResponseJob, ResponsesRequest,
                                closing_events, compaction_item, delta_events, held, input_items, new_item_id,
@@ -286,8 +286,8 @@ async def cancel_response(request: Request) -> Response:
         background: Background = request.app.state.background
         if not await background.cancel(response_id, CANCEL_WAIT_S):  # another process runs it, or none does
             # (written as the record's runner: the only writer the store lets through)
-            if await store.update_running(replace(record, response={**record.response, "status": "cancelled"},
-                                                  beat=time.time())):
+            if await end_response(svc, store, replace(record, response={**record.response, "status": "cancelled"},
+                                                          beat=time.time())):
                 await store.announce_stop(response_id)  # the process running it stops now (Redis), not at its next write
         record = await store.get(response_id, caller.key_id) or record
     return JSONResponse(shown(record, svc.config.responses.reclaim_after_s))

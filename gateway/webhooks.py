@@ -4,10 +4,12 @@ events it asked for (``events``, all by default) of the keys it names (``keys``,
 key's by default):
 
 * ``response.completed``, ``response.incomplete``, ``response.failed``, ``response.cancelled``: a
-  background response ended (sent by the process that ran it);
-* ``batch.completed``, ``batch.failed``, ``batch.expired``, ``batch.cancelled``: a batch ended (written
-  to the outbox by the compare-and-set that ended it, ``along``: so once, and a crash or a stop
-  just after it loses nothing).
+  background response ended;
+* ``batch.completed``, ``batch.failed``, ``batch.expired``, ``batch.cancelled``: a batch ended.
+
+Each is written to the outbox by the write that ends its work (``along``: a batch's
+compare-and-set, a response's ending record, or another process's cancel of it): so once, and no
+crash or stop just after that write loses it.
 
 The body is OpenAI's event, ``{"id": "evt_...", "object": "event", "created_at", "type", "data":
 {"id": <the response or batch id>}}``, signed as OpenAI signs its webhooks (the Standard Webhooks
@@ -27,11 +29,11 @@ hour apart), each try signed afresh, until ``RETRY_WINDOW_S`` (72 hours, as
 OpenAI retries) after the event was made; then it is dropped (logged). At shutdown the tries in
 flight get ``STOP_WAIT_S`` and the rest stay in the outbox for the next start; what a crashed
 process had claimed is taken by any process serving that endpoint once the claim (``HOLD_S``)
-runs out, found by the loop's poll (``POLL_S``). While the store fails, new events wait in the
-process and each turn of the loop (every ``POLL_S`` at most) writes them again. A response's event
-can still be lost when the process dies after the work ended and before the event was written (a
-store write's time, or as long as the store stays down), and at a shutdown while the store is down
-(logged with the events' ids); a batch's cannot (its end waits for the store instead). A process has at most ``MAX_TRYING`` tries in flight, and
+runs out, found by the loop's poll (``POLL_S``). While the store fails, the work's end waits with
+its event (written once the store answers). An event sent on its own (``emit``) waits in the
+process while the store fails, and each turn of the loop (every ``POLL_S`` at most) writes it
+again; it is lost when the process dies first, or stops while the store is still down (logged
+with the events' ids). A process has at most ``MAX_TRYING`` tries in flight, and
 ``MAX_TRYING_EACH`` of them to one endpoint, each endpoint's claimed apart: one that is slow to
 answer or down delays only its own deliveries. ``/metrics`` counts tries by endpoint and outcome
 (``tiergate_webhook_deliveries_total``) and what waits in the outbox (``tiergate_webhook_pending``:

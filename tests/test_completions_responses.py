@@ -1201,11 +1201,11 @@ def test_a_background_response_whose_process_died_as_its_reply_ended_is_finished
                 raise asyncio.CancelledError  # its process dies here: its task ends, nothing more is written
             return await add_events(response_id, created_at, n, events)
 
-        async def dying_update(record):
+        async def dying_update(record, along=None):
             if dies_at == "final record" and not died and record.response["status"] == "incomplete":
                 died.append(record.id)
                 raise asyncio.CancelledError
-            return await update_running(record)
+            return await update_running(record, along)
 
         monkeypatch.setattr(store, "add_events", dying_add)
         monkeypatch.setattr(store, "update_running", dying_update)

@@ -126,6 +126,68 @@ def test_a_cancelled_one_is_announced_cancelled_and_a_live_one_not_at_all(hooked
     assert every.nothing()
 
 
+def test_a_background_response_whose_process_dies_as_it_ends_still_has_its_event(hooked, monkeypatch):
+    """The write that ends a background response carries its event: the process dying just after
+    that write (here its task cut there) leaves the event in the outbox, sent all the same. It
+    used to be written after the record, by a task of its own: the response never had one."""
+    s, every, _ = hooked
+    store, died = s.app.state.responses, []
+    update_running = store.update_running
+
+    async def dying_update(record, along=None):
+        kept = await update_running(record, along)
+        if kept and not died and record.response["status"] not in ("queued", "in_progress"):
+            died.append(record.id)
+            raise asyncio.CancelledError  # its process dies here: nothing more runs
+        return kept
+
+    monkeypatch.setattr(store, "update_running", dying_update)
+    made = client(s).responses.create(model="tiny-chat", input="hi", max_output_tokens=2, background=True)
+    event = SDK.webhooks.unwrap(*every.next(timeout=10), secret=SECRET)
+    assert died == [made.id] and event.data.id == made.id
+    assert event.type == f"response.{client(s).responses.retrieve(made.id).status}"
+    assert every.nothing()
+
+
+@pytest.mark.parametrize("spec", ["sqlite", "redis"])
+def test_an_ending_write_carries_its_event_only_when_it_ends_the_response(spec, tmp_path, request):
+    """On both stores: the record that ends a response and its deliveries are written together;
+    a write refused (the response was cancelled meanwhile, or another process took it over)
+    writes neither."""
+    from gateway.response_store import RedisResponses, SQLiteResponses, StoredResponse
+
+    url, prefix = f"http://127.0.0.1:9/hook-{uuid.uuid4().hex[:8]}", f"t{uuid.uuid4().hex[:8]}:"
+    if spec == "sqlite":
+        store, outbox = SQLiteResponses(tmp_path / "batches.sqlite3"), SQLiteOutbox(tmp_path / "batches.sqlite3")
+    else:
+        redis_url = request.getfixturevalue("redis_url")
+        store, outbox = RedisResponses(redis_url, prefix), RedisOutbox(redis_url, 3600.0, prefix)
+
+    def record(status: str, runner: str = "r1") -> StoredResponse:
+        return StoredResponse("resp_e", "key-a", 1, {"id": "resp_e", "status": status, "background": True}, [], [],
+                              time.time(), None, runner)
+
+    def event(n: int):
+        return outbox.along([Delivery(f"whd_{n}", url, f"evt_{n}", "{}", time.time())], time.time())
+
+    async def go():
+        await store.open()
+        await outbox.open()
+        try:
+            await store.put(record("in_progress"))
+            assert not await store.update_running(record("completed", runner="r2"), event(1))  # not its runner
+            assert await outbox.pending([url]) == {url: 0}
+            assert await store.update_running(record("completed"), event(2))
+            assert not await store.update_running(record("cancelled"), event(3))  # it ended already
+            now = time.time()
+            assert [d.id for d in await outbox.claim({url: 10}, "A", now, now + 30, now - 60)] == ["whd_2"]
+        finally:
+            await outbox.close()
+            await store.close()
+
+    asyncio.run(go())
+
+
 def test_a_batch_that_ends_is_announced_to_both_endpoints_for_the_free_key(hooked):
     s, every, batches = hooked
     for tier in ("paid", "free"):
