@@ -30,10 +30,7 @@ OpenAI retries) after the event was made; then it is dropped (logged). At shutdo
 flight get ``STOP_WAIT_S`` and the rest stay in the outbox for the next start; what a crashed
 process had claimed is taken by any process serving that endpoint once the claim (``HOLD_S``)
 runs out, found by the loop's poll (``POLL_S``). While the store fails, the work's end waits with
-its event (written once the store answers). An event sent on its own (``emit``) waits in the
-process while the store fails, and each turn of the loop (every ``POLL_S`` at most) writes it
-again; it is lost when the process dies first, or stops while the store is still down (logged
-with the events' ids). A process has at most ``MAX_TRYING`` tries in flight, and
+its event (written once the store answers): no event waits in a process's memory. A process has at most ``MAX_TRYING`` tries in flight, and
 ``MAX_TRYING_EACH`` of them to one endpoint, each endpoint's claimed apart: one that is slow to
 answer or down delays only its own deliveries. ``/metrics`` counts tries by endpoint and outcome
 (``tiergate_webhook_deliveries_total``) and what waits in the outbox (``tiergate_webhook_pending``:
@@ -128,8 +125,8 @@ def endpoints_of(config: Config) -> list[Endpoint]:
 
 
 class Webhooks(Collector):
-    """The process's deliveries: ``emit`` writes an event's deliveries to the outbox, and the
-    delivery loop (one task, started with the app when any endpoint is configured) claims the
+    """The process's deliveries: ``along`` makes an event's deliveries as writes on the outbox's
+    backend, made with the change the event tells of, and the delivery loop (one task, started with the app when any endpoint is configured) claims the
     due ones and tries each in a task of its own."""
 
     def __init__(self, endpoints: list[Endpoint], outbox: Outbox) -> None:
@@ -142,7 +139,6 @@ class Webhooks(Collector):
         self._turn = 0  # which endpoint is offered room first this turn of the loop
         self.outcomes: Counter[tuple[str, str]] = Counter()  # (url, delivered|retried|dropped)
         self.waiting: dict[str, int] = {}  # per endpoint, deliveries in the outbox (read by each turn of the loop)
-        self.unwritten: list[Delivery] = []  # deliveries whose outbox write failed, written again each turn
         self._client: httpx.AsyncClient | None = None
         self._loop: asyncio.Task | None = None
         self._wake = asyncio.Event()
@@ -163,27 +159,10 @@ class Webhooks(Collector):
             for task in late:
                 task.cancel()
             await asyncio.gather(*late, return_exceptions=True)
-        if not await self._write_again():  # the store is still down: these are lost, and said so
-            for d in self.unwritten:
-                self.outcomes[d.url, "dropped"] += 1
-            log.error("webhooks: the outbox could not be written before shutdown; events dropped: %s",
-                      ", ".join(sorted({d.event_id for d in self.unwritten})))
-            self.unwritten = []
         if self._client is not None:
             await self._client.aclose()
             self._client = None
             await self.outbox.close()
-
-    def emit(self, kind: str, object_id: str, owner: str) -> None:
-        """Send the event ``kind`` about ``object_id`` (a response's or batch's id), made by the
-        key ``owner``, to every endpoint that wants it; returns at once."""
-        made = self.deliveries(kind, object_id, owner)
-        if not made:
-            return
-        if self._client is None:
-            log.warning("webhooks: %s of %s came after shutdown; not sent", kind, object_id)
-            return
-        self._spawn(self._write(made))
 
     def deliveries(self, kind: str, object_id: str, owner: str) -> list[Delivery]:
         """A new event ``kind`` about ``object_id``, one delivery per endpoint that wants it."""
@@ -196,7 +175,8 @@ class Webhooks(Collector):
         return [Delivery(f"whd_{uuid.uuid4().hex}", e.url, event_id, body, now) for e in wanting]
 
     def along(self, kind: str, object_id: str, owner: str) -> Along | None:
-        """The event as ``emit`` would send it, as writes to make in the same atomic step as the
+        """The event ``kind`` about ``object_id`` (a response's or batch's id), made by the key
+        ``owner``, for every endpoint that wants it, as writes to make in the same atomic step as the
         change it tells of (``storage.Along``: a batch's or response's end, on the outbox's
         backend), so that no crash or stop between the two leaves the change without its event;
         None when no endpoint wants it. Call ``written`` once the change is made."""
@@ -211,32 +191,6 @@ class Webhooks(Collector):
         task = asyncio.get_running_loop().create_task(work)
         self.pending.add(task)
         task.add_done_callback(self.pending.discard)
-
-    async def _write(self, deliveries: list[Delivery]) -> None:
-        """Store new deliveries in the outbox; while the store fails, they wait in this process
-        (``unwritten``) and each turn of the delivery loop writes them again."""
-        try:
-            await self.outbox.add(deliveries, time.time())
-        except Exception as exc:  # noqa: BLE001 - a store that is down: kept here, written again
-            self.unwritten.extend(deliveries)
-            log.warning("webhooks: %s could not be written to the outbox (%s); kept to write again",
-                        deliveries[0].event_id, exc)
-            return
-        self._wake.set()
-
-    async def _write_again(self) -> bool:
-        """The deliveries kept while the store failed, written now (``add`` is idempotent, so a
-        write that failed after it landed only lands again); whether none is left."""
-        if self.unwritten:
-            kept, self.unwritten = self.unwritten, []
-            try:
-                await self.outbox.add(kept, time.time())
-            except Exception as exc:  # noqa: BLE001 - still down: the next turn tries again
-                self.unwritten = kept + self.unwritten
-                log.warning("webhooks: %d deliveries still cannot be written to the outbox: %s", len(kept), exc)
-                return False
-            log.info("webhooks: %d deliveries kept while the outbox failed are written", len(kept))
-        return True
 
     def _rooms(self) -> dict[str, int]:
         """How many deliveries each endpoint may claim now: up to ``MAX_TRYING_EACH`` of its tries
@@ -257,7 +211,6 @@ class Webhooks(Collector):
         urls = list(self.by_url)
         while True:
             self._wake.clear()
-            await self._write_again()
             rooms = self._rooms()
             claimed: list[Delivery] = []
             if rooms:
@@ -347,9 +300,8 @@ class Webhooks(Collector):
         yield family
         waiting = GaugeMetricFamily("tiergate_webhook_pending", "Webhook deliveries waiting in the outbox, by endpoint "
                                     "(all processes' on a shared store; counted every few seconds)", labels=["url"])
-        kept = Counter(d.url for d in self.unwritten)
         for url, n in sorted(self.waiting.items()):
-            waiting.add_metric([named.get(url, shown_url(url))], n + kept[url])
+            waiting.add_metric([named.get(url, shown_url(url))], n)
         yield waiting
 
 
@@ -365,7 +317,7 @@ def shown_url(url: str, index: int | None = None) -> str:
 
 def webhooks_for(services) -> Webhooks:
     """The configured webhooks, started and stopped with the app, their outbox on the batch
-    store's backend (no endpoints: emit does nothing, and no outbox is opened)."""
+    store's backend (no endpoints: ``along`` makes nothing, and no outbox is opened)."""
     config = services.config
     hooks = Webhooks(endpoints_of(config), open_outbox(config.batch.store, config.data_dir(), RETRY_WINDOW_S))
     services.on_startup.append(hooks.start)

@@ -433,7 +433,8 @@ def test_a_try_ends_at_its_deadline_however_slowly_the_endpoint_answers(tmp_path
                                   SQLiteOutbox(tmp_path / "batches.sqlite3"))
         await hooks.start()
         try:
-            hooks.emit("batch.completed", "batch_1", "key")
+            await hooks.outbox.add(hooks.deliveries("batch.completed", "batch_1", "key"), time.time())
+            hooks.written()
             await asyncio.sleep(3.0)
             return dict(hooks.outcomes)
         finally:
@@ -519,72 +520,6 @@ def test_an_event_whose_try_was_cut_by_a_shutdown_is_sent_by_the_next_start(tiny
             s.stop()
     finally:
         slow.http.shutdown()
-
-
-class FailingOutbox(SQLiteOutbox):
-    """An outbox whose store fails to write new deliveries while ``down``."""
-
-    down = True
-
-    async def add(self, deliveries, now):
-        if self.down:
-            raise OSError("the store is down")
-        await super().add(deliveries, now)
-
-
-def test_an_event_made_while_the_outbox_is_down_is_written_and_sent_once_it_is_back(tmp_path, monkeypatch):
-    import gateway.webhooks as webhooks
-
-    monkeypatch.setattr(webhooks, "POLL_S", 0.1)
-    receiver = Receiver()
-    url = f"http://127.0.0.1:{receiver.port}/hook"
-
-    async def go():
-        outbox = FailingOutbox(tmp_path / "batches.sqlite3")
-        hooks = webhooks.Webhooks([webhooks.Endpoint(url, b"secret", None, None)], outbox)
-        await hooks.start()
-        try:
-            hooks.emit("batch.completed", "batch_1", "key")
-            await asyncio.sleep(0.5)  # several turns of the loop, each failing to write it
-            assert hooks.unwritten and receiver.nothing(0.01)
-            assert 'tiergate_webhook_pending{url="%s #0"} 1.0' % url.removesuffix("/hook") in metrics_of(hooks)
-            outbox.down = False
-            body, _ = await asyncio.to_thread(receiver.next, 5)
-            assert json.loads(body)["data"] == {"id": "batch_1"} and not hooks.unwritten
-            assert await asyncio.to_thread(receiver.nothing, 0.5)  # sent once
-        finally:
-            await hooks.stop()
-
-    try:
-        asyncio.run(go())
-    finally:
-        receiver.http.shutdown()
-
-
-def test_an_event_still_unwritten_at_shutdown_is_counted_dropped(tmp_path, caplog):
-    import gateway.webhooks as webhooks
-
-    url = "http://127.0.0.1:9/hook"
-
-    async def go():
-        hooks = webhooks.Webhooks([webhooks.Endpoint(url, b"secret", None, None)], FailingOutbox(tmp_path / "b.sqlite3"))
-        await hooks.start()
-        hooks.emit("batch.completed", "batch_1", "key")
-        await asyncio.sleep(0.1)
-        await hooks.stop()
-        return hooks
-
-    hooks = asyncio.run(go())
-    assert hooks.outcomes[url, "dropped"] == 1 and not hooks.unwritten
-    assert "events dropped: evt_" in caplog.text
-
-
-def metrics_of(collector) -> str:
-    from prometheus_client import CollectorRegistry, generate_latest
-
-    registry = CollectorRegistry()
-    registry.register(collector)
-    return generate_latest(registry).decode()
 
 
 @pytest.mark.parametrize("url,shown", [
