@@ -658,7 +658,8 @@ def _cut_whole(tok, text: str, size: int, overlap: int) -> list[tuple[str, list[
 
 @pytest.mark.parametrize("text", [
     DOC_A, DOC_B * 3, "  leading and trailing spaces  ", "ünïcödé wörds, and\ttabs\nand newlines " * 40,
-    "nowhitespaceatallinthisverylongrunofletters" * 30 + " then words " * 20, "", "   ", "one"])
+    "nowhitespaceatallinthisverylongrunofletters" * 30 + " then words " * 20, "", "   ", "one",
+    '[{"key":"alpha","n":12},{"key":"béta","n":3.5}]' * 12])
 @pytest.mark.parametrize("size, overlap", [(8, 3), (126, 63), (100, 0), (5, 2)])
 def test_cutting_piece_by_piece_is_cutting_the_whole(tiny_embed, text, size, overlap):
     """A long text is tokenized in pieces (to bound memory): the chunks are the whole text's."""
@@ -669,6 +670,20 @@ def test_cutting_piece_by_piece_is_cutting_the_whole(tiny_embed, text, size, ove
     want = _cut_whole(AutoTokenizer.from_pretrained(tiny_embed), text, size, overlap)
     for piece in (16, 37, 1 << 16):
         assert list(encoder.cut(text, size, overlap, segment=piece)) == want, piece
+
+
+def test_a_text_without_whitespace_is_still_read_in_pieces():
+    """Compact JSON (or minified code) has no whitespace to cut before: it is cut where a word ends
+    (before its punctuation), and a run of word characters at ``longest``, so no piece is the whole
+    file (3 MB of it held ~2 GiB of tokens at once)."""
+    from workers.embed import _pieces
+
+    text = json.dumps([{"k": i, "v": "x"} for i in range(2000)], separators=(",", ":"))
+    pieces = list(_pieces(text, 64))
+    assert pieces[0][0] == 0 and pieces[-1][1] == len(text) and all(a[1] == b[0] for a, b in zip(pieces, pieces[1:]))
+    assert max(end - start for start, end in pieces) <= 128
+    assert all(text[end] in ',:}"]' for _, end in pieces[:-1])  # each ends where a word does
+    assert [end - start for start, end in _pieces("ab" * 1000, 64, longest=500)] == [500] * 4
 
 
 def test_cutting_stops_past_the_token_limit(tiny_embed):

@@ -35,6 +35,7 @@ rows wait at a pause holds no interactive request, and interactive passes run be
 from __future__ import annotations
 
 import json
+import re
 import threading
 import time
 from dataclasses import dataclass, field
@@ -172,21 +173,29 @@ def finish(pooled: torch.Tensor, dimensions: int | None, normalize: bool) -> tor
 
 
 SEGMENT_CHARS = 1 << 16  # ``EmbedWorker.cut`` tokenizes a long text this many characters at a time
+LONGEST_PIECE = 1 << 18  # a run of this many characters with no whitespace or word's end is cut anyway
+_SPACE = re.compile(r"\s")
+_WORD_END = re.compile(r"(?<=\w)[^\w\s]")  # a word's last character is before it: punctuation after a word
 
 
-def _pieces(text: str, length: int) -> Iterator[tuple[int, int]]:
+def _pieces(text: str, length: int, longest: int = LONGEST_PIECE) -> Iterator[tuple[int, int]]:
     """``text`` as consecutive ``[start, end)`` pieces of about ``length`` characters, each but the
     last ending just before a whitespace character (so the whitespace begins the next piece, as
-    tokenizers that fold a leading space into a token expect); a run without whitespace is one
-    piece, however long."""
+    tokenizers that fold a leading space into a token expect). Where there is none within twice
+    ``length`` (compact JSON, minified code, a data URL), the piece ends where a word does, before
+    the punctuation that follows it (which tokenizers split from a word too); a run without either
+    ends at ``longest`` characters. So no piece, whatever the text, is tokenized whole: memory
+    follows the piece."""
     start = 0
     while start < len(text):
         end = start + length
         if end >= len(text):
             end = len(text)
         else:
-            while end < len(text) and not text[end].isspace():
-                end += 1
+            near = min(len(text), start + 2 * length)
+            found = (_SPACE.search(text, end, near) or _WORD_END.search(text, end, near)
+                     or _SPACE.search(text, near, start + longest))
+            end = found.start() if found else min(len(text), max(near, start + longest))
         yield start, end
         start = end
 
@@ -411,7 +420,7 @@ class EmbedWorker(EncoderWorker):
         starting ``size - overlap`` tokens after the one before (``windows``): each chunk's text
         (the span of ``text`` its tokens came from, as written) and its ids with the model's
         special tokens, made as they are asked for. The text is tokenized ``segment`` characters
-        at a time, each piece ending before whitespace (tokens do not cross it), so memory follows
+        at a time, each piece ending before whitespace or a word's punctuation (``_pieces``), so memory follows
         a piece and not the whole; past ``max_tokens`` tokens of text, ``InputError``. Needs a
         fast tokenizer (offsets) and no weights; may run on any thread."""
         prefix: list[int] | None = None
