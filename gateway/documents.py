@@ -178,15 +178,39 @@ def _html(content: bytes) -> str:
     from bs4 import BeautifulSoup
 
     soup = BeautifulSoup(content, "html.parser")  # bytes: it finds the encoding (BOM, <meta charset>, guess)
-    for tag in soup(_HIDDEN):
-        tag.decompose()
-    for tag in soup.find_all(list(_BLOCKS) + ["td", "th"]):
-        if tag.name in ("td", "th"):
-            tag.insert_after(" | ")
-            continue
-        prefix = "\n" + ("#" * int(tag.name[1]) + " " if re.fullmatch(r"h[1-6]", tag.name) else
-                         "- " if tag.name == "li" else "")
-        tag.insert_before(prefix)
-        tag.insert_after("\n")
-    lines = (" ".join(line.split()).removesuffix(" |") for line in soup.get_text().splitlines())
+    lines = (" ".join(line.split()).removesuffix(" |") for line in "".join(_seen(soup)).splitlines())
     return "\n".join(line for line in lines if line.strip("#-| "))  # not a heading, item or row left empty
+
+
+def _seen(soup) -> list[str]:
+    """The page's text as its reader sees it, in pieces: its strings (as ``get_text`` takes them:
+    no comments, scripts or styles), none of a hidden element's, a line begun before each block
+    (a heading's ``#``, a list item's ``- ``) and ended after it, a cell followed by `` | ``. One
+    walk over the tree: marks inserted into the tree cost a search of their parent's children
+    each, quadratic in a page of many paragraphs (300 KiB of them: 110 s)."""
+    from bs4.element import Tag
+
+    strings = soup.interesting_string_types
+    parts: list[str] = []
+    walks, ends = [iter(soup.contents)], [""]
+    while walks:
+        node = next(walks[-1], None)
+        if node is None:
+            walks.pop()
+            parts.append(ends.pop())
+        elif isinstance(node, Tag):
+            if node.name in _HIDDEN:
+                continue
+            if node.name in ("td", "th"):
+                end = " | "
+            elif node.name in _BLOCKS:
+                parts.append("\n" + ("#" * int(node.name[1]) + " " if re.fullmatch(r"h[1-6]", node.name) else
+                                     "- " if node.name == "li" else ""))
+                end = "\n"
+            else:
+                end = ""
+            walks.append(iter(node.contents))
+            ends.append(end)
+        elif type(node) in strings:
+            parts.append(str(node))
+    return parts
