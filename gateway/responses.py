@@ -679,6 +679,8 @@ async def search_plan(svc: Services, caller: Caller, body: ResponsesRequest,
     found = []
     for j, store_id in enumerate(tool.vector_store_ids):
         param = f"tools[{i}].vector_store_ids[{j}]"
+        if store_id in tool.vector_store_ids[:j]:
+            continue  # named twice, searched once: its hits would be read (and shown) twice
         store = await svc.vector_stores.get(store_id, caller.key_id)
         if store is None:
             raise not_found(f"no vector store with id '{store_id[:80]}'", param, "vector_store_not_found")

@@ -955,6 +955,17 @@ def test_file_search_runs_before_the_model_which_reads_what_it_found(server, sea
     assert hybrid.output[0].results[0].score == 1.0 and "lazy dog" in hybrid.output[0].results[0].text
 
 
+def test_a_store_named_twice_is_searched_once(server, searchable):
+    """Its hits were each found, shown and read by the model twice."""
+    c = client(server)
+    tools = [{"type": "file_search", "vector_store_ids": [searchable, searchable], "max_num_results": 10}]
+    twice = respond(c, searchable, include=["file_search_call.results"], tools=tools).output[0].results
+    alone = [{**tools[0], "vector_store_ids": [searchable]}]
+    once = respond(c, searchable, include=["file_search_call.results"], tools=alone)
+    assert [(h.file_id, h.text) for h in twice] == [(h.file_id, h.text) for h in once.output[0].results]
+    assert len({(h.file_id, h.text) for h in twice}) == len(twice) > 1
+
+
 def test_file_search_queries_written_by_the_model(server, searchable):
     """``engine.search_queries: model``: the model writes the queries in a turn of its own (a
     forced call of a ``file_search`` function, greedy), they are what is searched for, and the
