@@ -17,9 +17,12 @@ HTML, which is text either way):
 ``Unreadable`` (with OpenAI's ``last_error.code``: ``unsupported_file`` or ``invalid_file``) for
 the rest: encrypted or broken PDFs and Office files, other Office formats (``.xlsx``, ``.odt``,
 the old binary ``.doc``/``.ppt``), images, archives. An Office file is a ZIP of XML parts: its
-parts may unpack to at most ``MAX_UNPACKED`` bytes, checked from the archive's directory before
-any part is read, so a small upload cannot expand into gigabytes of XML; both libraries parse
-with lxml without resolving entities.
+parts may unpack to at most ``MAX_UNPACKED`` bytes, its XML parts to ``MAX_XML`` (parsed into a
+tree of ~35 bytes of memory per byte of XML: 256 MiB of it took ~9 GB and ~10 minutes), checked
+from the archive's directory before any part is read, so a small upload cannot expand into
+gigabytes; both libraries parse with lxml without resolving entities. A PDF's text stops at
+``MAX_TEXT_CHARS`` (``invalid_file``), checked after each page: pages may share one content
+stream, so a small PDF can hold its text many times over.
 """
 
 from __future__ import annotations
@@ -32,6 +35,8 @@ import pypdf
 from pypdf.errors import PdfReadError
 
 MAX_UNPACKED = 256 * 2**20  # what an Office file's parts may unpack to, together
+MAX_XML = 32 * 2**20  # and its XML parts (a 500-page document's is a few MiB)
+MAX_TEXT_CHARS = 40_000_000  # a PDF's text (a vector store reads at most 5,000,000 tokens of a file)
 HTML_NAMES = (".html", ".htm", ".xhtml")
 _HTML_START = re.compile(rb"\s*(<!--.*?-->\s*)*<(!doctype\s+html|html[\s>])", re.IGNORECASE | re.DOTALL)
 _OLE = b"\xd0\xcf\x11\xe0\xa1\xb1\x1a\xe1"  # the old binary Office formats' signature
@@ -65,14 +70,27 @@ def _pdf(content: bytes) -> str:
     try:
         reader = pypdf.PdfReader(io.BytesIO(content))
         encrypted = reader.is_encrypted
-        text = "" if encrypted else "\n\n".join(page.extract_text() for page in reader.pages)
+        text = "" if encrypted else "\n\n".join(_pages(reader))
     except PdfReadError as exc:
         raise Unreadable("invalid_file", f"the PDF cannot be read: {exc}") from None
+    except Unreadable:
+        raise
     except Exception as exc:  # noqa: BLE001 - a malformed PDF trips pypdf in many ways: the file's fault
         raise Unreadable("invalid_file", f"the PDF cannot be read ({type(exc).__name__})") from None
     if encrypted:
         raise Unreadable("unsupported_file", "the PDF is encrypted")
     return text
+
+
+def _pages(reader: pypdf.PdfReader) -> list[str]:
+    """Each page's text, until they hold more than ``MAX_TEXT_CHARS`` (``Unreadable``)."""
+    pages, total = [], 0
+    for page in reader.pages:
+        pages.append(page.extract_text())
+        total += len(pages[-1])
+        if total > MAX_TEXT_CHARS:
+            raise Unreadable("invalid_file", f"the PDF's text is longer than {MAX_TEXT_CHARS:,} characters")
+    return pages
 
 
 def _office(content: bytes) -> str:
@@ -94,6 +112,8 @@ def _office(content: bytes) -> str:
                                              "PowerPoint (.pptx) are read")
     if sum(part.file_size for part in parts) > MAX_UNPACKED:
         raise Unreadable("invalid_file", f"the {kind} file unpacks to more than {MAX_UNPACKED // 2**20} MiB")
+    if sum(part.file_size for part in parts if part.filename.lower().endswith((".xml", ".rels"))) > MAX_XML:
+        raise Unreadable("invalid_file", f"the {kind} file's XML unpacks to more than {MAX_XML // 2**20} MiB")
     try:
         return read(io.BytesIO(content))
     except Exception as exc:  # noqa: BLE001 - a malformed part trips the library in many ways: the file's fault

@@ -146,6 +146,34 @@ def test_an_office_file_that_unpacks_too_large_is_refused_before_it_is_parsed(mo
     assert "Refund policy" in document_text(content, "big.docx")
 
 
+def test_an_office_file_whose_xml_unpacks_too_large_is_refused_before_it_is_parsed(monkeypatch):
+    """Its XML parts are counted apart (a tree costs ~35 bytes a byte of XML: 256 MiB of it took ~9 GB):
+    the same file passes once its XML is within ``MAX_XML``, however large its other parts."""
+    content = word_file()
+    xml = sum(p.file_size for p in zipfile.ZipFile(io.BytesIO(content)).infolist()
+              if p.filename.endswith((".xml", ".rels")))
+    monkeypatch.setattr(documents, "MAX_XML", xml - 1)
+    with pytest.raises(Unreadable) as refused:
+        document_text(content, "big.docx")
+    assert refused.value.code == "invalid_file" and "XML unpacks to more than" in refused.value.message
+    monkeypatch.setattr(documents, "MAX_XML", xml)
+    assert "Refund policy" in document_text(content, "big.docx")
+
+
+def test_a_pdf_whose_text_grows_past_the_limit_is_refused(monkeypatch):
+    """Pages may share one content stream, so a small PDF can hold its text many times: reading
+    stops once the pages' text passes ``MAX_TEXT_CHARS``."""
+    from tests.helpers import tiny_pdf
+
+    pdf = tiny_pdf(["first page", "second page"])
+    monkeypatch.setattr(documents, "MAX_TEXT_CHARS", len("first page") + 3)
+    with pytest.raises(Unreadable) as refused:
+        document_text(pdf, "a.pdf")
+    assert refused.value.code == "invalid_file" and "longer than" in refused.value.message
+    monkeypatch.setattr(documents, "MAX_TEXT_CHARS", len("first page") + len("second page"))
+    assert document_text(pdf, "a.pdf") == "first page\n\nsecond page"
+
+
 def test_an_external_entity_in_an_office_file_is_never_read(tmp_path):
     """XXE: a document.xml that declares an entity for a file on the server. The libraries' parser
     does not resolve it, so the file's text never reaches a chunk."""
