@@ -22,6 +22,7 @@ import time
 from dataclasses import dataclass, field
 from typing import Any, AsyncGenerator, AsyncIterator, Awaitable, Callable, Literal
 
+import anyio
 from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
 
@@ -403,7 +404,13 @@ async def interleave(streams: list[AsyncGenerator[ChoiceDelta, None]]) -> AsyncG
     finally:
         for task in tasks:
             task.cancel()
-        await asyncio.gather(*tasks, return_exceptions=True)
+        # Each ends its choice's block, which meters it into the request's usage (``Joint``): waited
+        # for to the end, not cut short by a cancel of this task (a stream the client left: its
+        # scope cancels it again at every await), which would cancel them again mid-write (a gather
+        # passes its cancel on; ``wait`` does not), and let the request's usage be written before
+        # its choices' (none).
+        with anyio.CancelScope(shield=True):
+            await asyncio.wait(tasks)
 
 
 async def _first_event(serving: Serving, job: ChatJob, params: ChatParams,

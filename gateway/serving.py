@@ -48,7 +48,7 @@ import time
 from collections.abc import AsyncGenerator
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
-from typing import Awaitable, Callable, Generic, TypeVar
+from typing import Any, Awaitable, Callable, Coroutine, Generic, TypeVar
 
 import anyio
 import torch
@@ -240,7 +240,7 @@ class Serving:
             self.usage.swap_seconds = held.lease.swap_s
             # a batch line's cut block, or a handed-back one's: the attempt that ends is metered (see above)
             again = cut and (self.caller.metering is not None or (self.gone is not None and self.gone.handed_back))
-            if self.joint is not None:
+            if self.joint is not None:  # (its last block's write goes uncut: Joint._end)
                 finish = self.joint.ended(None if self._refused else self.usage, again, self.part)
             else:
                 assert self.svc.accounts is not None
@@ -395,12 +395,9 @@ class Joint:
         if accounts is None:
             return
         usage = u if self.ran and not self.again else None
-        finish = accounts.finish(self.caller, self.model, self._admission, usage)
-        if in_cancel_scope():
-            with anyio.CancelScope(shield=True):  # a cut stream is metered too
-                await finish
-        else:
-            await finish
+        # uncut: its last block may end in a task that is cancelled while it writes (``interleave``
+        # cancels the choices of a request that failed or was left, and they may be ending already)
+        await uncut(accounts.finish(self.caller, self.model, self._admission, usage))
 
 
 def model_failed(model: str, exc: WorkerFailed) -> APIError:
@@ -412,6 +409,28 @@ def model_failed(model: str, exc: WorkerFailed) -> APIError:
 # How a block ends when its reply is cut before its end: the client left (``ClientGone``, or the
 # streamed response's generator closed), or the server cancelled it (a drain, a batch's cancel).
 _CUT = (asyncio.CancelledError, GeneratorExit, ClientGone, Cancelled)
+
+
+_finishing: set[asyncio.Task] = set()  # usage writes running in tasks of their own (``uncut``): held till done
+
+
+async def uncut(finish: Coroutine[Any, Any, None]) -> None:
+    """Await ``finish`` (``Accounts.finish``: a request's usage write and what it gives back of its
+    key's limits) so that no cancel cuts it short. It runs in a task of its own, which a cancel of
+    the awaiting task does not reach: asyncio's ``Task.cancel`` (a task cancelled again while it
+    meters its cut block, as a stream's cancelled scope cancels it at every await, or ``interleave``
+    cancelling the choices of a request that is over) then ends the wait only, and the write goes
+    on to its end; inside a stream's cancelled scope the wait is shielded, so it is waited for.
+    Cut short, the key's usage was lost, and on ``concurrent`` the request counted in flight
+    for good (15 minutes on Redis)."""
+    task = asyncio.ensure_future(finish)
+    _finishing.add(task)
+    task.add_done_callback(_finishing.discard)
+    if in_cancel_scope():
+        with anyio.CancelScope(shield=True):
+            await asyncio.shield(task)
+    else:
+        await asyncio.shield(task)
 
 
 def in_cancel_scope() -> bool:

@@ -435,6 +435,32 @@ def test_a_client_that_leaves_before_a_whole_answer_is_metered_by_the_tokens_it_
     assert 1 <= got["output_tokens"] - 1 - 8 < 400  # the two whole replies' 1 + 8, then the cut one's
 
 
+@pytest.mark.parametrize("streamed", [True, False], ids=["stream-cut", "whole-left"])
+def test_a_request_of_n_choices_the_client_leaves_is_metered_and_gives_its_slot_back(server, tiny_chat, streamed):
+    """A chat request of three choices that the client leaves mid-reply (a stream it closes, or a
+    whole answer it stops waiting for): its choices' blocks end in tasks of their own, which were
+    cancelled again as they wrote the request's usage, so it was not metered at all and, under
+    ``concurrent``, counted in flight for good (every later request a 429). Now: one request,
+    its prompt once and the tokens generated, and the key's slot back."""
+    from transformers import AutoTokenizer
+
+    key_id, secret = new_key(server, tier="paid", limits={"concurrent": 1, "tokens_per_min": 100000})
+    eos = AutoTokenizer.from_pretrained(str(tiny_chat)).eos_token_id
+    body = {"model": "tiny-chat", "messages": HI, "temperature": 0, "logit_bias": {str(eos): -100}, "n": 3}
+    headers = {"Authorization": f"Bearer {secret}"}
+    if streamed:
+        stream_and_leave(f"{server.base_url}/chat/completions", headers, {**body, "max_tokens": 400}, chunks=6)
+    else:
+        with pytest.raises(httpx.ReadTimeout):
+            httpx.post(f"{server.base_url}/chat/completions", headers=headers, json={**body, "max_tokens": 400},
+                       timeout=httpx.Timeout(60, read=0.3))
+
+    row = usage_row_of(server, headers, requests=1, what="the request of three choices the client left")
+    assert row["input_tokens"] > 0 and 2 <= row["output_tokens"] < 3 * 400
+    r = chat(server, secret, max_tokens=1)  # its one slot of concurrent is free again
+    assert r.status_code == 200, r.text
+
+
 def test_secrets_never_in_logs_nor_stored_in_clear(server, caplog, capfd):
     caplog.set_level(logging.DEBUG)
     key_id, secret = new_key(server, limits={"requests_per_min": 1})
