@@ -429,15 +429,17 @@ async def _first_event(serving: Serving, job: ChatJob, params: ChatParams,
     events = serving.worker.chat(req)
     try:
         return events, await events.__anext__(), ctx
+    # turned down on submission, before any work (the prompt is longer than the model's context, a
+    # field the engine cannot serve): refused, as a 400 before the slot is, so not metered
     except ContextTooLong as exc:
         await events.aclose()
-        raise bad_request(str(exc), "messages", "context_length_exceeded") from None
+        raise serving.refused(str(exc), "messages", "context_length_exceeded") from None
     except InvalidParam as exc:
         await events.aclose()
-        raise bad_request(str(exc), exc.param) from None
+        raise serving.refused(str(exc), exc.param) from None
     except ValueError as exc:  # the engine cannot serve this adapter stack (e.g. rank too high)
         await events.aclose()
-        raise bad_request(str(exc), "adapters", "adapter_not_supported") from None
+        raise serving.refused(str(exc), "adapters", "adapter_not_supported") from None
     except BaseException:
         await events.aclose()
         raise

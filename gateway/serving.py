@@ -154,12 +154,12 @@ class Serving:
             self.record.prompt_tokens = prompt
             self.record.completion_tokens = (self.record.completion_tokens or 0) + completion
 
-    def refused(self, message: str, param: str | None) -> APIError:
+    def refused(self, message: str, param: str | None, code: str = "invalid_value") -> APIError:
         """The 400 for an input the model's worker turned down before doing any work (what the
         gateway could not check before the slot): the block writes no usage, as a request refused
         before its slot writes none, and the key's minute limits get back all but the request."""
         self._refused = True
-        return bad_request(message, param)
+        return bad_request(message, param, code)
 
     def first_token(self) -> float:
         """The time to first token (seconds since the request arrived), which the gate's SLO guard
@@ -241,7 +241,7 @@ class Serving:
             # a batch line's cut block, or a handed-back one's: the attempt that ends is metered (see above)
             again = cut and (self.caller.metering is not None or (self.gone is not None and self.gone.handed_back))
             if self.joint is not None:  # (its last block's write goes uncut: Joint._end)
-                finish = self.joint.ended(None if self._refused else self.usage, again, self.part)
+                finish = self.joint.ended(None if self._refused else self.usage, again, self.part, self._refused)
             else:
                 assert self.svc.accounts is not None
                 usage = None if again or self._refused else self.usage
@@ -340,6 +340,7 @@ class Joint:
         self.record = current_request()  # the HTTP request's log record (None for a batch line)
         self.ran = False  # a block got its slot: the request is usage
         self.again = False  # a block was cut to run again (see Serving.__aexit__): the attempt is not metered
+        self.refused = False  # a block's input was turned down before any work (``Serving.refused``): a 400, not usage
         self.done = False
         self._admission = None
 
@@ -359,10 +360,12 @@ class Joint:
         finally:
             await self._end()
 
-    async def ended(self, usage: Usage | None, again: bool = False, part: int = 0) -> None:
-        """A block ended (``usage`` None: before it got its slot); the last one writes the request's
-        usage, before its last delta goes out."""
+    async def ended(self, usage: Usage | None, again: bool = False, part: int = 0, refused: bool = False) -> None:
+        """A block ended (``usage`` None: before it got its slot, or ``refused``); the last one writes
+        the request's usage, before its last delta goes out. One block refused makes the request a
+        400 whose input was turned down before any work, so not usage (its other blocks cancelled)."""
         self.left -= 1
+        self.refused |= refused
         if usage is not None:
             self.ran = True
             self.again |= again
@@ -394,7 +397,7 @@ class Joint:
         accounts = self.svc.accounts
         if accounts is None:
             return
-        usage = u if self.ran and not self.again else None
+        usage = u if self.ran and not self.again and not self.refused else None
         # uncut: its last block may end in a task that is cancelled while it writes (``interleave``
         # cancels the choices of a request that failed or was left, and they may be ending already)
         await uncut(accounts.finish(self.caller, self.model, self._admission, usage))

@@ -461,6 +461,21 @@ def test_a_request_of_n_choices_the_client_leaves_is_metered_and_gives_its_slot_
     assert r.status_code == 200, r.text
 
 
+def test_a_chat_request_the_engine_turns_down_on_submission_is_not_usage(server):
+    """A prompt longer than the model's context is found by the engine as it is submitted, in the
+    slot but before any work: a 400 ``context_length_exceeded`` that, like every 400 refused before
+    any work (docs/ACCOUNTS.md), is not usage and gives back its tokens. It was metered one request
+    of no tokens; a request of n choices is refused whole, not metered either."""
+    key_id, secret = new_key(server, tier="paid", limits={"tokens_per_min": 100000})
+    long = [{"role": "user", "content": "hello " * 600}]  # tiny-chat's context is 512 tokens
+    for n in (1, 2):
+        r = chat(server, secret, messages=long, n=n)
+        assert r.status_code == 400 and r.json()["error"]["code"] == "context_length_exceeded", r.text
+    assert httpx.get(f"{server.base_url}/usage", headers={"Authorization": f"Bearer {secret}"}).json()["data"] == []
+    models = httpx.get(f"{server.base_url}/models", headers={"Authorization": f"Bearer {secret}"})
+    assert models.headers["x-ratelimit-remaining-tokens"] == "100000"
+
+
 def test_secrets_never_in_logs_nor_stored_in_clear(server, caplog, capfd):
     caplog.set_level(logging.DEBUG)
     key_id, secret = new_key(server, limits={"requests_per_min": 1})
