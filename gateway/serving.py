@@ -246,6 +246,8 @@ class Serving:
                 assert self.svc.accounts is not None
                 usage = None if again or self._refused else self.usage
                 finish = self.svc.accounts.finish(self.caller, self.model, self._admission, usage)
+                if cut:  # its task may be cancelled again while it writes (a spoken reply's speech: ``uncut``)
+                    finish = uncut(finish)
             if in_cancel_scope():
                 with anyio.CancelScope(shield=True):  # a cut stream is metered too
                     await finish

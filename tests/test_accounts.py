@@ -476,6 +476,50 @@ def test_a_chat_request_the_engine_turns_down_on_submission_is_not_usage(server)
     assert models.headers["x-ratelimit-remaining-tokens"] == "100000"
 
 
+def test_a_cut_blocks_usage_write_is_not_cut_by_a_second_cancel(server):
+    """A block cut in a task of its own can be cancelled again while it writes its usage: a spoken
+    reply's speech, whose task ``output_audio`` cancels and then awaits inside the stream's
+    cancelled scope, which cancels it once more. That cut the write: the speech was not metered,
+    nor given back to its key's limits (under ``concurrent``, in flight for good). The store's
+    write is slowed here, so that the second cancel lands in it."""
+    from gateway.auth import Caller
+    from gateway.serving import Serving
+
+    key_id, secret = new_key(server, tier="paid", limits={"concurrent": 1})
+    svc = server.services
+    store = svc.accounts.store
+    real = store.record
+
+    async def slow(*args, **kwargs):
+        await asyncio.sleep(0.2)
+        await real(*args, **kwargs)
+
+    async def cut_twice() -> None:
+        entered = asyncio.Event()
+
+        async def block() -> None:
+            async with Serving(svc, svc.accounts.for_http(Caller("paid", key_id)), "tiny-chat", 1, "chat", None):
+                entered.set()
+                await asyncio.sleep(60)
+
+        task = asyncio.create_task(block())
+        await entered.wait()
+        store.record = slow
+        try:
+            task.cancel()
+            await asyncio.sleep(0.05)  # the block is cut and writes its usage
+            task.cancel()
+            await asyncio.gather(task, return_exceptions=True)
+            await asyncio.sleep(0.3)
+        finally:
+            del store.record
+
+    server.wait(cut_twice())
+    assert usage_row_of(server, {"Authorization": f"Bearer {secret}"}, requests=1, what="the cut block")
+    r = chat(server, secret, max_tokens=1)  # its one slot of concurrent is free again
+    assert r.status_code == 200, r.text
+
+
 def test_secrets_never_in_logs_nor_stored_in_clear(server, caplog, capfd):
     caplog.set_level(logging.DEBUG)
     key_id, secret = new_key(server, limits={"requests_per_min": 1})
