@@ -117,7 +117,11 @@ async def change_key(request: Request) -> Response:
         changes["models"] = _checked(svc, None, body.models)
     if "adapters" in given:
         changes["adapters"] = tuple(body.adapters) if body.adapters is not None else None
-    return JSONResponse(_found(await accounts.update_key(request.path_params["key_id"], **changes)).public())
+    key_id = request.path_params["key_id"]
+    if not _found(await accounts.store.get_key(key_id)).active:  # a revoke is final: a change would look made
+        raise APIError(409, f"the key '{key_id}' is revoked: it cannot be changed", "key_revoked",
+                       type="invalid_request_error")
+    return JSONResponse(_found(await accounts.update_key(key_id, **changes)).public())
 
 
 async def revoke_key(request: Request) -> Response:

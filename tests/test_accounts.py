@@ -75,6 +75,9 @@ def test_a_key_made_at_run_time_works_at_once_is_listed_without_secret_and_revok
             == "limits.requests_per_min"
         assert c.delete(f"/admin/keys/{key_id}").json() == {"id": key_id, "object": "api_key.deleted", "deleted": True}
         assert c.delete("/admin/keys/key_nope").status_code == 404
+        late = c.patch(f"/admin/keys/{key_id}", json={"name": "renamed"})  # a revoke is final
+        assert late.status_code == 409 and late.json()["error"]["code"] == "key_revoked"
+        assert c.get(f"/admin/keys/{key_id}").json()["name"] == "ci"
     with pytest.raises(openai.AuthenticationError):
         client.chat.completions.create(model="tiny-chat", messages=HI, max_tokens=2)
     other = httpx.get(f"{server.base_url}/models", headers={"Authorization": f"Bearer {secret}"})
