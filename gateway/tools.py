@@ -183,7 +183,11 @@ def calls_schema(tools: list[Tool], single: bool) -> dict:
 
 def _hoist_defs(schema: dict, prefix: str, defs: dict[str, Any]) -> dict:
     """``schema`` with its top-level ``$defs``/``definitions`` moved into ``defs`` under
-    ``prefix`` and its local references (``#``, ``#/$defs/X``, ``#/definitions/X``) rewritten."""
+    ``prefix`` and its local references rewritten: ``#/$defs/X`` and ``#/definitions/X`` to the
+    moved definitions, and any other (``#``, a JSON pointer into the schema such as
+    ``#/properties/a``, as zod-to-json-schema writes a reused part) into a copy of the whole
+    schema among ``defs`` (``<prefix>root``): the calls' grammar nests the schema under
+    ``arguments``, where a pointer from the root no longer finds it."""
     schema = copy.deepcopy(schema)
     local = {**schema.pop("definitions", {}), **schema.pop("$defs", {})}
 
@@ -192,12 +196,11 @@ def _hoist_defs(schema: dict, prefix: str, defs: dict[str, Any]) -> dict:
             out = {k: rewrite(v) for k, v in node.items()}
             ref = out.get("$ref")
             if isinstance(ref, str):
-                if ref == "#":
-                    out["$ref"] = f"#/$defs/{prefix}root"
-                else:
-                    m = re.fullmatch(r"#/(?:\$defs|definitions)/(.+)", ref)
-                    if m:
-                        out["$ref"] = f"#/$defs/{prefix}{m.group(1)}"
+                m = re.fullmatch(r"#/(?:\$defs|definitions)/(.+)", ref)
+                if m:
+                    out["$ref"] = f"#/$defs/{prefix}{m.group(1)}"
+                elif ref == "#" or ref.startswith("#/"):
+                    out["$ref"] = f"#/$defs/{prefix}root{ref[1:]}"
             return out
         if isinstance(node, list):
             return [rewrite(v) for v in node]

@@ -89,6 +89,27 @@ def test_forced_schema_moves_each_tools_defs_to_the_root():
     assert items[0]["properties"]["name"] == {"const": "a"}
 
 
+def test_a_tools_json_pointer_references_resolve_under_its_calls_arguments():
+    """A reference other than to a definition (``#/properties/a``, as zod-to-json-schema writes a
+    reused part; a pointer into a nested ``$defs``) compiles alone and so passes the gateway's
+    check: the calls' grammar, which nests the parameters under ``arguments``, resolves it too."""
+    reused = {"type": "object", "properties": {"a": {"enum": ["x", "y"]}, "b": {"$ref": "#/properties/a"},
+                                               "c": {"$defs": {"N": {"type": "boolean"}},
+                                                     "$ref": "#/properties/c/$defs/N"}},
+              "required": ["a", "b", "c"]}
+    person = {"$defs": {"P": {"type": "integer"}}, "type": "object", "properties": {"p": {"$ref": "#/$defs/P"}},
+              "required": ["p"]}
+    for tools in ([tool("f", reused)], [tool("g", person), tool("f", reused)]):
+        forced = plan_tools(tools, "required", None).grammar
+        assert matches(forced, '[{"name":"f","arguments":{"a":"x","b":"y","c":true}}]')
+        assert not matches(forced, '[{"name":"f","arguments":{"a":"x","b":1,"c":true}}]')
+        assert not matches(forced, '[{"name":"f","arguments":{"a":"x","b":"y","c":"z"}}]')
+    from workers.base import JsonGrammar
+
+    beside = plan_tools([tool("f", reused)], "auto", None).reply_grammar(JsonGrammar(json.dumps(REPLY)))
+    assert matches(beside, '<tool_call>{"name":"f","arguments":{"a":"y","b":"x","c":false}}</tool_call>')
+
+
 def test_plans():
     tools = [tool("a"), tool("b")]
     assert plan_tools(None, None, None).mode == "none"
