@@ -252,14 +252,18 @@ def test_a_length_bounded_string_is_a_json_string():
 
 
 def test_a_schema_is_refused_past_openais_limit_on_its_names_enums_and_consts():
-    """OpenAI's count (property and definition names, string enum values and consts, at any
-    depth; descriptions and other strings not counted): at 120,000 characters a schema compiles,
-    one more is refused with the count."""
+    """OpenAI's count (property and definition names, enum values and consts, at any depth; a value
+    that is not a string as its compact JSON; descriptions and other strings not counted): at
+    120,000 characters a schema compiles, one more is refused with the count."""
     from workers.grammar import MAX_SCHEMA_STRINGS, schema_error, schema_strings
 
-    schema = {"type": "object", "description": "d" * 10_000, "$defs": {"ab": {"enum": ["xyz", 3, "q"]}},
+    schema = {"type": "object", "description": "d" * 10_000, "$defs": {"ab": {"enum": ["xyz", 31, "q"]}},
               "properties": {"p": {"anyOf": [{"const": "cc"}, {"type": "string", "pattern": "z" * 50}]}}}
-    assert schema_strings(schema) == 2 + 3 + 1 + 1 + 2
+    assert schema_strings(schema) == 2 + 3 + 2 + 1 + 1 + 2
+    # a literal that is not a string costs as much to compile: a 1 MB object const took 215 s
+    assert schema_strings({"const": {"a": ["x" * 10, None]}}) == len('{"a":["xxxxxxxxxx",null]}')
+    assert "total 488890 characters" in schema_error({"enum": list(range(100_000))})
+    assert "total 120008 characters" in schema_error({"enum": [{"k": "v" * 120_000}]})
     room = MAX_SCHEMA_STRINGS - schema_strings(schema)
     at_limit = {**schema, "$defs": {**schema["$defs"], "e" * room: {}}}
     assert schema_strings(at_limit) == MAX_SCHEMA_STRINGS and schema_error(at_limit) is None
