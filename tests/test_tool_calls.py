@@ -353,3 +353,22 @@ def test_a_schema_is_refused_past_openais_limit_of_5000_object_properties():
     with pytest.raises(APIError) as refused:
         plan_tools([tool("a", props(2500)), tool("b", props(2501))], "auto", None)
     assert refused.value.param == "tools" and "5001 object properties" in refused.value.message
+
+
+def test_the_engines_compiled_grammars_are_bounded_in_memory(monkeypatch):
+    """Every distinct schema compiled stayed cached for as long as the model was loaded (xgrammar's
+    default has no bound): the transformers engine's compiler keeps at most COMPILE_CACHE_BYTES."""
+    import xgrammar as xgr
+
+    from workers import grammar
+    from workers.base import JsonGrammar
+
+    vocab = [chr(i) for i in range(128)] + ["</s>"]
+    monkeypatch.setattr(xgr.TokenizerInfo, "from_huggingface",
+                        staticmethod(lambda *a, **k: xgr.TokenizerInfo(vocab, stop_token_ids=[128])))
+    monkeypatch.setattr(grammar, "COMPILE_CACHE_BYTES", 100_000)
+    grammars = grammar.Grammars(None, len(vocab), [128])
+    for i in range(40):
+        grammars.row(JsonGrammar(json.dumps({"type": "object", "properties": {f"k{i}_{j}": {"enum": ["a", "b"]}
+                                                                              for j in range(10)}})))
+    assert 0 < grammars._compiler.get_cache_size_bytes() <= 100_000

@@ -17,7 +17,7 @@ tool's ``parameters`` root of that kind: ``gateway.tools.arguments_schema``).
   started with ``structured_outputs_config(backend="xgrammar", disable_any_whitespace=True)``
   (vLLM 0.32 reads that flag per engine, not per request), which compiles it the same way.
 * The transformers engine keeps one :class:`Grammars` per loaded model (the tokenizer's
-  vocabulary and a compile cache) and one :class:`RowGrammar` per constrained row: before each
+  vocabulary and a compile cache, bounded) and one :class:`RowGrammar` per constrained row: before each
   sample the row's logits are masked to the tokens the grammar allows next, and the sampled token
   advances the row's matcher. Rows of one batch each have their own matcher.
 * A reasoning model's reply (``ChatRequest.reasoning``) is constrained after its thinking, on
@@ -431,15 +431,24 @@ def xgrammar_reason(exc: Exception) -> str:
     return text.split(": ", 1)[1] if text.startswith("[") and ": " in text else text
 
 
+# xgrammar's compiler keeps every grammar it compiled unless told a bound (cache_limit_bytes=-1 by
+# default): each distinct schema a request sends stayed in memory while its model was loaded (~80 KB
+# each on tiny-chat's 564 tokens, growing with a vocabulary), so a client whose schema differs per
+# request (an enum of ids) grew the server without end. vLLM bounds its compiler the same way
+# (VLLM_XGRAMMAR_CACHE_MB, 512 by default); past it the least recently used grammars go.
+COMPILE_CACHE_BYTES = 512 * 1024 * 1024
+
+
 class Grammars:
-    """xgrammar's view of one model's vocabulary, and compiled grammars cached by schema."""
+    """xgrammar's view of one model's vocabulary, and compiled grammars cached by schema (at most
+    ``COMPILE_CACHE_BYTES`` of them)."""
 
     def __init__(self, tokenizer, vocab_size: int, stop_ids: list[int]) -> None:
         import xgrammar as xgr
 
         self.vocab_size = vocab_size
         info = xgr.TokenizerInfo.from_huggingface(tokenizer, vocab_size=vocab_size, stop_token_ids=stop_ids)
-        self._compiler = xgr.GrammarCompiler(info, max_threads=2)
+        self._compiler = xgr.GrammarCompiler(info, max_threads=2, cache_limit_bytes=COMPILE_CACHE_BYTES)
 
     def row(self, grammar: Grammar) -> "RowGrammar":
         """A fresh matcher for one row constrained by ``grammar``."""
