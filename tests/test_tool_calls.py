@@ -372,3 +372,16 @@ def test_the_engines_compiled_grammars_are_bounded_in_memory(monkeypatch):
         grammars.row(JsonGrammar(json.dumps({"type": "object", "properties": {f"k{i}_{j}": {"enum": ["a", "b"]}
                                                                               for j in range(10)}})))
     assert 0 < grammars._compiler.get_cache_size_bytes() <= 100_000
+
+
+@pytest.mark.parametrize("schema", [{"anyOf": []}, {"type": "object", "properties": {"a": {"oneOf": []}}}])
+def test_an_empty_anyof_or_oneof_is_refused_not_compiled_to_an_empty_reply(schema):
+    """No value matches an empty ``anyOf``/``oneOf`` (JSON Schema's meta-schema wants one entry or
+    more): xgrammar compiled it to the empty string, and the reply was ``""`` or ``{"a":}`` with
+    finish_reason stop. It is a 400, as an empty ``enum`` is."""
+    from workers.grammar import schema_error
+
+    assert "must not be empty" in schema_error(schema)
+    with pytest.raises(APIError) as refused:
+        plan_tools([tool("a", {"type": "object", "properties": {"x": schema}})], "auto", None)
+    assert refused.value.param == "tools[0].function.parameters"

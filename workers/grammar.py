@@ -227,6 +227,10 @@ def schema_error(schema: dict | bool) -> str | None:
     problem = patterns_problem(schema)
     if problem:
         return problem
+    for node in _schemas(schema):  # xgrammar compiles an empty choice to "": an empty reply, or `{"a":}`
+        for key in ("anyOf", "oneOf"):
+            if node.get(key) == []:
+                return f"{key} must not be empty: no value matches it"
     try:  # what the engines compile (JsonGrammar's text: the same cache entry). Not compiled here (on a
         # small vocabulary, say): for a large schema that takes 40-250 times as long as building it (1 s
         # for 1,000 properties), and the event loop waits on it
