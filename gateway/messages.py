@@ -367,8 +367,8 @@ def message(mid: str, model: str, reply: Reply) -> dict[str, Any]:
     calls = []
     for call in reply.calls.calls:
         arguments = call["function"]["arguments"]
-        try:
-            given = json.loads(arguments or "{}")
+        try:  # ("": a forced call that max_tokens cut before its arguments, not a call of no arguments)
+            given = json.loads(arguments)
         except ValueError:
             given = None
         if isinstance(given, dict):

@@ -203,6 +203,12 @@ def test_a_stop_sequence_that_ended_a_reply_is_named_whatever_its_calls():
     cut = answer('{"')
     assert (cut["stop_reason"], cut["stop_sequence"]) == ("stop_sequence", "\nObs")
     assert cut["content"] == [{"type": "text", "text": 'Observation{"'}]
+    # a call max_tokens cut after its name, before any argument, is no call a client can run either
+    for arguments in ("", '{"'):
+        calls = ToolCalls([{"id": "call_1", "type": "function", "function": {"name": "f", "arguments": arguments}}])
+        cut = message("msg_1", "tiny-chat", Reply(0, [], calls=calls, finish_reason="length",
+                                                  finished=ChatFinished("length", 5, 9)))
+        assert cut["stop_reason"] == "max_tokens" and [b["type"] for b in cut["content"]] == ["text"]
 
 
 def test_output_config_format_constrains_the_reply_to_its_schema(server):
