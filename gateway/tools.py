@@ -39,6 +39,8 @@ from workers.grammar import (MAX_SCHEMA_PROPERTIES, MAX_SCHEMA_STRINGS, patterns
 
 EMPTY_PARAMETERS: dict[str, Any] = {"type": "object", "properties": {}}
 _DECLARES_KEYS = ("properties", "patternProperties", "additionalProperties")  # how an object says what keys it takes
+_DATA = ("enum", "const", "default", "examples")  # a schema's keywords whose values are data, not schemas
+_SCHEMA_MAPS = ("properties", "patternProperties", "$defs", "definitions", "dependentSchemas")  # names to schemas
 
 
 @dataclass(frozen=True)
@@ -192,19 +194,22 @@ def _hoist_defs(schema: dict, prefix: str, defs: dict[str, Any]) -> dict:
     local = {**schema.pop("definitions", {}), **schema.pop("$defs", {})}
 
     def rewrite(node: Any) -> Any:
-        if isinstance(node, dict):
-            out = {k: rewrite(v) for k, v in node.items()}
-            ref = out.get("$ref")
-            if isinstance(ref, str):
-                m = re.fullmatch(r"#/(?:\$defs|definitions)/(.+)", ref)
-                if m:
-                    out["$ref"] = f"#/$defs/{prefix}{m.group(1)}"
-                elif ref == "#" or ref.startswith("#/"):
-                    out["$ref"] = f"#/$defs/{prefix}root{ref[1:]}"
-            return out
+        """A schema (or a list of them) with its references rewritten; data (an enum's values, a
+        const: ``{"const": {"$ref": "#/x"}}`` is that object) as written."""
         if isinstance(node, list):
             return [rewrite(v) for v in node]
-        return node
+        if not isinstance(node, dict):
+            return node
+        out = {key: value if key in _DATA else {name: rewrite(sub) for name, sub in value.items()}
+               if key in _SCHEMA_MAPS and isinstance(value, dict) else rewrite(value) for key, value in node.items()}
+        ref = out.get("$ref")
+        if isinstance(ref, str):
+            m = re.fullmatch(r"#/(?:\$defs|definitions)/(.+)", ref)
+            if m:
+                out["$ref"] = f"#/$defs/{prefix}{m.group(1)}"
+            elif ref == "#" or ref.startswith("#/"):
+                out["$ref"] = f"#/$defs/{prefix}root{ref[1:]}"
+        return out
 
     schema = rewrite(schema)
     for name, sub in local.items():

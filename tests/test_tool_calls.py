@@ -109,6 +109,13 @@ def test_a_tools_json_pointer_references_resolve_under_its_calls_arguments():
     beside = plan_tools([tool("f", reused)], "auto", None).reply_grammar(JsonGrammar(json.dumps(REPLY)))
     assert matches(beside, '<tool_call>{"name":"f","arguments":{"a":"y","b":"x","c":false}}</tool_call>')
 
+    # a const's or an enum's value that looks like a reference is data, kept as written; a property
+    # named as a keyword is a schema
+    data = {"type": "object", "properties": {"k": {"const": {"$ref": "#/$defs/A"}}, "enum": {"$ref": "#/$defs/A"}},
+            "required": ["k", "enum"], "$defs": {"A": {"type": "integer"}}}
+    forced = plan_tools([tool("d", data)], "required", None).grammar
+    assert matches(forced, '[{"name":"d","arguments":{"k":{"$ref":"#/$defs/A"},"enum":7}}]')
+
 
 def test_plans():
     tools = [tool("a"), tool("b")]
