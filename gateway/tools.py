@@ -97,6 +97,10 @@ def plan_tools(tools: list[Tool] | None, choice: str | NamedToolChoice | Allowed
     tools = list(tools or [])
     for i, tool in enumerate(tools):
         problem = schema_error(tool.function.parameters or EMPTY_PARAMETERS)
+        kind = (tool.function.parameters or EMPTY_PARAMETERS).get("type", "object")
+        if not problem and kind not in ("object", ["object"]):  # as OpenAI's API and Anthropic's refuse it
+            problem = (f"a call's arguments are a JSON object: its schema's type must be 'object', not "
+                       f"{json.dumps(kind)}")
         if problem:
             raise bad_request(f"the parameters schema of tool '{tool.function.name}' cannot be used: {problem}",
                               f"tools[{i}].function.parameters", "invalid_schema")

@@ -131,6 +131,9 @@ def test_plans():
 
 @pytest.mark.parametrize("tools,choice,param", [
     ([tool("a", {"type": "string", "pattern": "("})], "auto", "tools[0].function.parameters"),
+    # a call's arguments are an object (a string's was answered as text on the Messages API, its tool_use lost)
+    ([tool("a"), tool("b", {"type": "string"})], "required", "tools[1].function.parameters"),
+    ([tool("a", {"type": ["array", "null"], "items": {"type": "integer"}})], "auto", "tools[0].function.parameters"),
     ([tool("a")], NamedToolChoice.model_validate({"type": "function", "function": {"name": "zz"}}), "tool_choice"),
     (None, "required", "tool_choice"),
     ([tool("a"), tool("a")], "auto", "tools"),
