@@ -395,3 +395,22 @@ def test_an_empty_anyof_or_oneof_is_refused_not_compiled_to_an_empty_reply(schem
     with pytest.raises(APIError) as refused:
         plan_tools([tool("a", {"type": "object", "properties": {"x": schema}})], "auto", None)
     assert refused.value.param == "tools[0].function.parameters"
+
+
+def test_the_grammar_caches_do_not_keep_a_schemas_text():
+    """The built grammars are cached by a digest of the schema's text: ``lru_cache`` kept each
+    text whole, megabytes of descriptions (which the grammar drops) kept for good, request by
+    request (a 4 MB description grew the server 4 MB each)."""
+    import sys
+
+    from workers.base import JsonGrammar
+    from workers.grammar import json_ebnf, reply_or_calls
+
+    schema = json.dumps({"type": "object", "description": "d" * 100_000, "properties": {"ok": {"type": "boolean"}}})
+    call = JsonGrammar(json.dumps({"type": "object", "description": "e" * 100_000}))
+    held = sys.getrefcount(schema), sys.getrefcount(call.schema)
+    first = json_ebnf(schema)
+    assert json_ebnf(schema) is first  # cached
+    reply_or_calls(JsonGrammar(schema), call, "<tool_call>", "</tool_call>", True)
+    assert (sys.getrefcount(schema), sys.getrefcount(call.schema)) == held
+    assert json_ebnf(schema[:-1] + " }") == first and json_ebnf(schema[:-1] + " }") is not first

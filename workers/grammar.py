@@ -40,11 +40,13 @@ tool's ``parameters`` root of that kind: ``gateway.tools.arguments_schema``).
 from __future__ import annotations
 
 import functools
+import hashlib
 import json
 import os
 import re
 import threading
-from collections.abc import Iterator, Sequence
+from collections import OrderedDict
+from collections.abc import Callable, Iterator, Sequence
 
 import torch
 
@@ -257,7 +259,38 @@ def grammar_text(grammar: Grammar) -> str:
     return grammar.ebnf if isinstance(grammar, EbnfGrammar) else json_ebnf(grammar.schema)
 
 
-@functools.lru_cache(maxsize=512)
+def lru_by_digest(maxsize: int) -> Callable[[Callable[..., str]], Callable[..., str]]:
+    """``functools.lru_cache`` keyed by a SHA-256 of the arguments' text, not the text itself: a
+    schema's text may be megabytes of descriptions its grammar drops (a body may be 25 MiB), and
+    ``lru_cache`` kept each of its keys whole: a 4 MB description grew the server 4 MB a request,
+    for good, up to the cache's size. What it keeps is the grammar, bounded by the schema limits."""
+    def wrap(build: Callable[..., str]) -> Callable[..., str]:
+        kept: OrderedDict[bytes, str] = OrderedDict()
+        lock = threading.Lock()  # (the engines build from threads of their own)
+
+        @functools.wraps(build)
+        def cached(*args: object) -> str:
+            digest = hashlib.sha256()
+            for arg in args:
+                text = str(arg).encode("utf-8", "surrogatepass")
+                digest.update(len(text).to_bytes(8, "little") + text)
+            key = digest.digest()
+            with lock:
+                if key in kept:
+                    kept.move_to_end(key)
+                    return kept[key]
+            value = build(*args)
+            with lock:
+                kept[key] = value
+                while len(kept) > maxsize:
+                    kept.popitem(last=False)
+            return value
+
+        return cached
+    return wrap
+
+
+@lru_by_digest(maxsize=512)
 def json_ebnf(schema: str) -> str:
     """The compact grammar of a JSON schema as EBNF, its length-bounded strings mended (above)."""
     import xgrammar as xgr
@@ -318,7 +351,7 @@ def reply_or_calls(reply: Grammar, call: JsonGrammar, begin: str, end: str, seve
     return EbnfGrammar(_reply_or_calls(grammar_text(reply), call.schema, begin, end, several))
 
 
-@functools.lru_cache(maxsize=256)
+@lru_by_digest(maxsize=256)  # (the call's schema has the tools' descriptions)
 def _reply_or_calls(reply: str, call: str, begin: str, end: str, several: bool) -> str:
     import xgrammar as xgr
 
