@@ -328,7 +328,10 @@ async def _serve_choice(svc: Services, caller: Caller, job: ChatJob, index: int,
                     announce = False
                     delta.prompt_tokens, prompt_tokens = prompt_tokens, None
                     yield delta
-                event = await serving.until_gone(events.__anext__())
+                try:
+                    event = await serving.until_gone(events.__anext__())
+                except InvalidParam as exc:  # found as it generates: constraints that leave no token to sample
+                    raise bad_request(str(exc), exc.param) from None
             serving.count_tokens(event.prompt_tokens, event.completion_tokens, event.cached_tokens)
         finally:
             await events.aclose()

@@ -551,8 +551,9 @@ async def _sse(deltas: AsyncIterator[ChoiceDelta], first: ChoiceDelta, cid: str,
             delta = await deltas.__anext__()
         if include_usage:
             yield chunk([], completion_usage(job, done))
-    except Exception as exc:  # noqa: BLE001 - the stream has started: report in-band
-        err = APIError(500, f"generation failed: {type(exc).__name__}", "generation_failed")
+    except Exception as exc:  # noqa: BLE001 - the stream has started: report in-band (a request's error as it is)
+        err = exc if isinstance(exc, APIError) else APIError(500, f"generation failed: {type(exc).__name__}",
+                                                             "generation_failed")
         yield f"data: {json.dumps(err.body())}\n\n"
     finally:
         await deltas.aclose()

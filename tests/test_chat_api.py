@@ -644,6 +644,35 @@ def test_vllms_ends_of_a_reply_reach_the_engine(server):
         assert bad.value.body["param"] == param
 
 
+def test_constraints_that_leave_no_token_to_sample_are_a_400_naming_the_field(server):
+    """A grammar that allows only the end, which min_tokens or ignore_eos bars, or a grammar and
+    allowed_token_ids / bad_words with no token in common, left every token masked: a 500 (a draw
+    from nothing; at temperature 0 a token outside the grammar). A 400 naming the field, whole and
+    streamed, chat and legacy completions."""
+    if server.services.arbiter.specs["tiny-chat"].engine != "transformers":
+        pytest.skip("the transformers engine's sampler")
+    eos = tokenizer(server).eos_token_id
+    short = {"type": "json_schema", "json_schema": {"name": "b", "schema": {
+        "type": "object", "properties": {"a": {"type": "boolean"}}, "required": ["a"]}}}
+    yes = {"structured_outputs": {"choice": ["yes"]}}
+    for extra, param in (({"response_format": short, "min_tokens": 30}, "min_tokens"),
+                         ({"response_format": short, "min_tokens": 30, "temperature": 0}, "min_tokens"),
+                         ({"response_format": short, "ignore_eos": True}, "ignore_eos"),
+                         ({**yes, "allowed_token_ids": [eos]}, "allowed_token_ids"),
+                         ({**yes, "bad_words": ["yes", "ye", "y"]}, "bad_words")):
+        body = {"model": "tiny-chat", "messages": ASK, "max_tokens": 40, **extra}
+        r = httpx.post(f"{server.base_url}/chat/completions", json=body, timeout=60,
+                       headers={"Authorization": f"Bearer {server.keys['paid']}"})
+        assert r.status_code == 400 and r.json()["error"]["param"] == param, r.text
+    for path, body in (("chat/completions", {"messages": ASK}), ("completions", {"prompt": "Say"})):
+        r = httpx.post(f"{server.base_url}/{path}", timeout=60,
+                       headers={"Authorization": f"Bearer {server.keys['paid']}"},
+                       json={"model": "tiny-chat", "max_tokens": 40, "min_tokens": 30, "response_format": short,
+                             "stream": True, **body})
+        errors = [json.loads(line[6:])["error"] for line in r.text.splitlines() if line.startswith('data: {"error"')]
+        assert [e["param"] for e in errors] == ["min_tokens"] and "min_tokens (30)" in errors[0]["message"], r.text
+
+
 def test_stop_reason_names_what_ended_the_reply(server):
     """vLLM's ``stop_reason``, on both engines, whole and streamed, chat and legacy completions:
     the stop string or stop token id that ended the reply, None for the model's end of text or

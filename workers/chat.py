@@ -120,6 +120,14 @@ class NonFiniteLogits(RuntimeError):
     factors fold to inf is); without one, the model itself overflowed (a 500 with this message)."""
 
 
+class NoTokenLeft(RuntimeError):
+    """Every token is barred at once: the row's constraints together leave nothing to sample (a
+    grammar that allows only the end, which ``min_tokens`` or ``ignore_eos`` bars; a grammar and
+    ``allowed_token_ids`` or ``bad_words`` that allow nothing in common). The request's: a 400
+    naming the field (``_no_token_left``), where it was a 500 (a draw from an all-zero
+    distribution; at temperature 0 a token outside the grammar)."""
+
+
 @dataclass
 class _Seq:
     ids: list[int]  # prompt + generated tokens; the last one is not yet in the KV cache
@@ -752,6 +760,8 @@ class ChatWorker(ThreadWorker):
         logits = _process(logits.float().clone(), seq, ends if short else ())
         try:
             token = _sample(logits, p, seq.generator)
+        except NoTokenLeft:
+            raise _no_token_left(seq, bool(short)) from None
         except NonFiniteLogits:
             if not seq.key:
                 raise NonFiniteLogits(f"{self.spec.name}'s output is not finite (NaN or inf logits)") from None
@@ -1022,13 +1032,35 @@ _MIN_TEMPERATURE = 0.01  # a temperature above 0 and below this samples at this,
 
 def _sample(logits: torch.Tensor, params: ChatParams, generator: torch.Generator) -> int:
     """One token from the processed ``logits``: the likeliest at temperature 0, else a draw from
-    ``_probs``. ``NonFiniteLogits`` where they hold NaN or +inf (-inf is a token masked out)."""
+    ``_probs``. ``NonFiniteLogits`` where they hold NaN or +inf (-inf is a token masked out),
+    ``NoTokenLeft`` where every token is masked out."""
     top, best = torch.max(logits, 0)  # NaN is the max where there is one
     if not float(top) < float("inf"):
         raise NonFiniteLogits()
+    if float(top) == float("-inf"):
+        raise NoTokenLeft()
     if params.temperature <= 0:
         return int(best)
     return int(torch.multinomial(_probs(logits, params).cpu(), 1, generator=generator))
+
+
+def _no_token_left(seq: _Seq, barred: bool) -> InvalidParam:
+    """The 400 for a row whose constraints leave no token (``NoTokenLeft``), naming the field
+    that barred the last ones: the end ``min_tokens`` or ``ignore_eos`` keeps from a finished
+    grammar, else the tokens ``allowed_token_ids`` or ``bad_words`` take from it."""
+    p, made = seq.params, len(seq.ids) - seq.prompt_len
+    if barred:
+        param, why = "min_tokens", f"min_tokens ({p.min_tokens}) bars the reply's end"
+    elif p.ignore_eos:
+        param, why = "ignore_eos", "ignore_eos makes the end the reply's grammar allows no end"
+    elif seq.outside is not None:
+        param, why = "allowed_token_ids", "allowed_token_ids allow none of the tokens the reply's grammar allows"
+    elif seq.bad_words:
+        param, why = "bad_words", "bad_words bar every token the reply's grammar allows"
+    else:
+        param, why = "response_format", "the reply's grammar allows none"
+    return InvalidParam(f"no token may come after the reply's {made} tokens: {why} (the request's constraints "
+                        "cannot all hold)", param)
 
 
 def _probs(logits: torch.Tensor, params: ChatParams) -> torch.Tensor:

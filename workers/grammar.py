@@ -504,7 +504,12 @@ class RowGrammar:
         self._vocab_size = vocab_size
 
     def mask(self, logits: torch.Tensor) -> None:
-        """Set the logits (1-D, in place) of every token the grammar forbids now to -inf."""
+        """Set the logits (1-D, in place) of every token the grammar forbids now to -inf: every
+        token, once the grammar has ended (its stop token accepted, which ``ignore_eos`` does not
+        end the reply at; xgrammar refuses to fill a mask then)."""
+        if self._matcher.is_terminated():
+            logits.fill_(float("-inf"))
+            return
         self._matcher.fill_next_token_bitmask(self._bitmask)
         bitmask = self._bitmask.to(logits.device, non_blocking=True)
         self._xgr.apply_token_bitmask_inplace(logits.unsqueeze(0), bitmask, vocab_size=self._vocab_size)
