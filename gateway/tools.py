@@ -81,7 +81,7 @@ class ToolPlan:
         if self.mode == "forced":
             return ForcedCalls(self.names)
         if self.mode == "auto":
-            return HermesCalls(self.names)
+            return HermesCalls(self.names, 1 if self.single else None)
         return None
 
 
@@ -337,9 +337,11 @@ class HermesCalls:
     Whitespace beside a call (before it, between calls, after the last) is not content: a reply of
     calls a newline apart has no content, as OpenAI's has none (the openai SDK's ``parse()`` would
     read a ``"\n"`` as the answer's JSON). So a text's trailing whitespace is held back until what
-    follows it is known."""
+    follows it is known. With ``most`` (``parallel_tool_calls: false``: 1) the calls past it are
+    dropped, as ``vllm serve`` drops them (the model was told, not made, to call one tool)."""
 
     names: tuple[str, ...]
+    most: int | None = None
     calls: int = 0
     _buf: str = ""
     _space: str = ""  # whitespace held back: content only if text follows it
@@ -364,7 +366,7 @@ class HermesCalls:
                 break
             block, self._buf = self._buf[: end + len(CLOSE)], self._buf[end + len(CLOSE):]
             pieces = self._block(block)
-            if isinstance(pieces[0], CallDelta):
+            if not pieces or isinstance(pieces[0], CallDelta):  # a call (given out, or one past ``most``)
                 self._space, self._after_call = "", True
                 out.extend(pieces)
             else:
@@ -387,6 +389,8 @@ class HermesCalls:
             return [block]
         if not (isinstance(call, dict) and call.get("name") in self.names and isinstance(call.get("arguments", {}), dict)):
             return [block]
+        if self.most is not None and self.calls >= self.most:
+            return []
         index = self.calls
         self.calls += 1
         return [CallDelta(index, call_id(), call["name"]),

@@ -70,6 +70,22 @@ def test_whitespace_beside_calls_is_not_content_in_any_split(cut):
     assert content == "Checking.\nDone.\n\n" and len(calls) == 2
 
 
+@pytest.mark.parametrize("cut", range(len(SEVERAL) + 1))
+def test_auto_calls_past_the_first_are_dropped_without_parallel_tool_calls(cut):
+    """``parallel_tool_calls: false`` in auto mode (no format beside, whose grammar stops after
+    one call): a model that writes several calls is answered with the first, as vLLM's
+    ``maybe_filter_parallel_tool_calls`` answers it, whole and streamed."""
+    parser = plan_tools([tool("a"), tool("b")], "auto", False).parser_for_reply()
+    content, calls = assemble(feed_split(parser, SEVERAL, cut))
+    assert content == "" and [c["function"]["name"] for c in calls] == ["a"]
+    text = "Checking.\n" + SEVERAL.strip() + "\nDone."
+    content, calls = assemble(feed_split(plan_tools([tool("a"), tool("b")], "auto", False).parser_for_reply(),
+                                         text, min(cut, len(text))))
+    assert content == "Checking.\nDone." and len(calls) == 1
+    assert len(assemble(feed_split(plan_tools([tool("a"), tool("b")], "auto", None).parser_for_reply(),
+                                   SEVERAL, cut))[1]) == 2
+
+
 def test_hermes_call_of_an_undeclared_tool_is_content():
     text = '<tool_call>{"name": "rm_rf", "arguments": {}}</tool_call>'
     assert assemble(HermesCalls(("get_weather",)).feed(text)) == (text, [])
