@@ -34,8 +34,8 @@ from typing import Any, Literal, Protocol
 from gateway.errors import bad_request
 from gateway.schemas import AllowedToolsChoice, NamedToolChoice, Tool
 from workers.base import Grammar, JsonGrammar
-from workers.grammar import (MAX_SCHEMA_PROPERTIES, MAX_SCHEMA_STRINGS, patterns_problem, reply_or_calls, schema_error,
-                             schema_properties, schema_strings)
+from workers.grammar import (MAX_SCHEMA_BRANCHES, MAX_SCHEMA_PROPERTIES, MAX_SCHEMA_STRINGS, patterns_problem,
+                             reply_or_calls, schema_branches, schema_error, schema_properties, schema_strings)
 
 EMPTY_PARAMETERS: dict[str, Any] = {"type": "object", "properties": {}}
 _DECLARES_KEYS = ("properties", "patternProperties", "additionalProperties")  # how an object says what keys it takes
@@ -108,6 +108,8 @@ def plan_tools(tools: list[Tool] | None, choice: str | NamedToolChoice | Allowed
     problem = patterns_problem(every)
     if problem is None and (properties := schema_properties(every)) > MAX_SCHEMA_PROPERTIES:
         problem = f"they declare {properties} object properties, above {MAX_SCHEMA_PROPERTIES} (OpenAI's limit)"
+    if problem is None and (branches := schema_branches(every)) > MAX_SCHEMA_BRANCHES:
+        problem = f"they declare {branches} anyOf, oneOf and prefixItems entries, above {MAX_SCHEMA_BRANCHES}"
     if problem:
         raise bad_request(f"the tools' parameters schemas cannot be used together: {problem}", "tools", "invalid_schema")
     counted = sum(schema_strings(t.function.parameters or EMPTY_PARAMETERS) + len(t.function.name) for t in tools)

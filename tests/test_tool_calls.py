@@ -430,3 +430,23 @@ def test_the_grammar_caches_do_not_keep_a_schemas_text():
     reply_or_calls(JsonGrammar(schema), call, "<tool_call>", "</tool_call>", True)
     assert (sys.getrefcount(schema), sys.getrefcount(call.schema)) == held
     assert json_ebnf(schema[:-1] + " }") == first and json_ebnf(schema[:-1] + " }") is not first
+
+
+def test_a_schema_is_refused_past_10000_anyof_oneof_and_prefixitems_entries():
+    """Alternatives and tuple items declare no property, and cost more than properties: 100,000
+    small anyOf branches held the event loop 9.4 s to build, 20,000 took 20 s to compile. At
+    10,000 (at any depth, a request's tools together) a schema builds; one more is refused."""
+    from workers.grammar import MAX_SCHEMA_BRANCHES, schema_branches, schema_error
+
+    def either(n: int) -> dict:
+        return {"anyOf": [{"type": "boolean"}] * (n - 2) + [{"oneOf": [{"type": "null"}]}]}
+
+    tuple_ = {"type": "array", "prefixItems": [{"type": "integer"}]}
+    at = {"type": "array", "items": either(MAX_SCHEMA_BRANCHES - 2), "prefixItems": [tuple_]}
+    assert schema_branches(at) == MAX_SCHEMA_BRANCHES and schema_error(at) is None
+    assert "10001 anyOf, oneOf and prefixItems entries, above 10000" in schema_error({"anyOf": [at]})
+    half = {"type": "object", "properties": {"x": either(5000)}}
+    plan_tools([tool("a", half), tool("b", half)], "auto", None)
+    with pytest.raises(APIError) as refused:
+        plan_tools([tool("a", half), tool("b", {"type": "object", "properties": {"x": either(5001)}})], "auto", None)
+    assert refused.value.param == "tools" and "10001 anyOf" in refused.value.message
