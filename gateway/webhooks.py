@@ -30,9 +30,9 @@ OpenAI retries) after the event was made; then it is dropped (logged). At shutdo
 flight get ``STOP_WAIT_S`` and the rest stay in the outbox for the next start; what a crashed
 process had claimed is taken by any process serving that endpoint once the claim (``HOLD_S``)
 runs out, found by the loop's poll (``POLL_S``). While the store fails, the work's end waits with
-its event (written once the store answers): no event waits in a process's memory. A process has at most ``MAX_TRYING`` tries in flight, and
-``MAX_TRYING_EACH`` of them to one endpoint, each endpoint's claimed apart: one that is slow to
-answer or down delays only its own deliveries. ``/metrics`` counts tries by endpoint and outcome
+its event (written once the store answers): no event waits in a process's memory. A process has
+at most ``MAX_TRYING`` tries in flight, and ``MAX_TRYING_EACH`` of them to one endpoint, each
+endpoint's claimed apart: one that is slow to answer or down delays only its own deliveries. ``/metrics`` counts tries by endpoint and outcome
 (``tiergate_webhook_deliveries_total``) and what waits in the outbox (``tiergate_webhook_pending``:
 a growing count is an endpoint down).
 """
@@ -126,8 +126,9 @@ def endpoints_of(config: Config) -> list[Endpoint]:
 
 class Webhooks(Collector):
     """The process's deliveries: ``along`` makes an event's deliveries as writes on the outbox's
-    backend, made with the change the event tells of, and the delivery loop (one task, started with the app when any endpoint is configured) claims the
-    due ones and tries each in a task of its own."""
+    backend, made with the change the event tells of, and the delivery loop (one task, started
+    with the app when any endpoint is configured) claims the due ones and tries each in a task of
+    its own."""
 
     def __init__(self, endpoints: list[Endpoint], outbox: Outbox) -> None:
         self.endpoints = endpoints
