@@ -727,7 +727,7 @@ class VllmChatEngine(Worker):
                                 break
                             if c.finish_reason == "error":  # vLLM failed this request alone (its grammar did not
                                 # compile, say): an error, as vllm serve answers it, not an empty reply that "stop"s
-                                raise RuntimeError(f"vLLM ended request {rid} with an error (its log says why)")
+                                raise _ended_in_error(rid, p)
                             reason = "length" if c.finish_reason == "length" else "stop"
                             yield self._finished(reason, req, prompt_ids, generated, cached, c.stop_reason)
                             return
@@ -1030,6 +1030,21 @@ def _without_replay(text: str, repeated: str, prompt_text: str, sent: str) -> st
             return text[at + len(sent):]
         at = text.find(sent, at + 1)
     return text
+
+
+def _ended_in_error(rid: str, p: ChatParams) -> Exception:
+    """What a request vLLM ended with ``finish_reason == "error"`` raises. A constrained one that
+    also restricts its tokens (``allowed_token_ids``, ``bad_words``) is a 400 naming that field:
+    vLLM's scheduler ends a request whose grammar rejects the token sampled ("grammar rejected
+    tokens"), which happens when those leave no token the grammar allows (the transformers engine's
+    ``_no_token_left``); any other is the engine's own failure (a 500)."""
+    if p.grammar is not None and p.allowed_token_ids:
+        return InvalidParam("allowed_token_ids allow none of the tokens the reply's grammar allows next (the "
+                            "request's constraints cannot all hold)", "allowed_token_ids")
+    if p.grammar is not None and p.bad_words:
+        return InvalidParam("bad_words bar every token the reply's grammar allows next (the request's constraints "
+                            "cannot all hold)", "bad_words")
+    return RuntimeError(f"vLLM ended request {rid} with an error (its log says why)")
 
 
 def _may_pause(constrained: bool, generated: bool, thinking: bool) -> bool:
