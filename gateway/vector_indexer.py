@@ -16,6 +16,8 @@ import itertools
 import logging
 import time
 from collections import Counter
+from collections.abc import Awaitable
+from typing import TypeVar
 
 import numpy as np
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
@@ -33,6 +35,7 @@ from gateway.vector_store import StoreFile, VectorStoreStore
 from workers.embed import InputError
 
 log = logging.getLogger("tiergate.vector_stores")
+T = TypeVar("T")
 LEASE_S = 60.0  # a file being read is another process's to take once its lease is this old
 GROUP = 64  # chunks embedded in one request
 MAX_FILE_TOKENS = 5_000_000  # tokens of text one file may have, as OpenAI's file search allows
@@ -114,7 +117,7 @@ class Indexer(ClaimLoop[StoreFile], Collector):
         content = await self.files.file_content(file.id)
         if content is None:
             raise Unreadable("invalid_file", "the file was deleted before it was read")
-        text = await asyncio.to_thread(document_text, content, file.filename)
+        text = await self._held_while(file, asyncio.to_thread(document_text, content, file.filename))
         encoder = await encoder_of(self.svc, store.model)
         chunks = encoder.cut(text, file.chunk_tokens, file.overlap_tokens, MAX_FILE_TOKENS)
         caller = Caller(file.tier, file.owner)
@@ -135,6 +138,20 @@ class Indexer(ClaimLoop[StoreFile], Collector):
         if not texts:
             raise Unreadable("invalid_file", "the file has no text")
         return texts, np.concatenate(parts)
+
+    async def _held_while(self, file: StoreFile, work: Awaitable[T]) -> T:
+        """``work`` (a document's parse in a thread: a large PDF's may take minutes), with the
+        file's lease renewed every third of ``LEASE_S`` meanwhile, so that no other process takes
+        the file and reads it again while it runs (``_Dropped`` when it was taken from this one)."""
+        task = asyncio.ensure_future(work)
+        task.add_done_callback(lambda t: t.cancelled() or t.exception())  # (its error read where no one waits)
+        try:
+            while not (await asyncio.wait({task}, timeout=LEASE_S / 3))[0]:
+                if not await self.store.hold(file, time.time() + LEASE_S):
+                    raise _Dropped
+            return task.result()
+        finally:
+            task.cancel()  # (a thread runs on to its end; its result is not waited for)
 
     async def _embed(self, file: StoreFile, caller: Caller, model: str, rows: list[list[int]]) -> np.ndarray:
         while True:

@@ -580,6 +580,44 @@ def test_a_file_half_read_at_shutdown_is_the_next_claimers_at_once(tmp_path):
     assert held == [] and [f.id for f in after] == ["file-1"]
 
 
+def test_a_files_lease_is_renewed_while_its_document_is_parsed(tmp_path, monkeypatch):
+    """A parse in a thread that outlasts the lease (a large PDF: minutes) renews it meanwhile, so no
+    other process takes the file and parses it again (it did after 60 s on a shared store)."""
+    import gateway.vector_indexer as vector_indexer
+    from gateway.documents import Unreadable
+    from gateway.vector_indexer import Indexer
+
+    monkeypatch.setattr(vector_indexer, "LEASE_S", 1.0)
+
+    def slow_parse(content: bytes, filename: str) -> str:
+        time.sleep(3.0)  # three leases long
+        raise Unreadable("invalid_file", "stand-in")
+
+    monkeypatch.setattr(vector_indexer, "document_text", slow_parse)
+
+    class Files:
+        async def file_content(self, file_id: str) -> bytes:
+            return b"text"
+
+    async def go() -> list[StoreFile]:
+        store = SQLiteVectorStores(tmp_path / "vs.sqlite3")
+        await store.open()
+        try:
+            await store.create(VectorStore("vs_a", "k", 10, "a", "tiny-embed"))
+            await store.add_file(StoreFile("vs_a", "file-1", "t1", "k", "paid", 100, "a.txt", 80, 40))
+            [file] = await store.claim(time.time(), 1.0, 1)
+            reading = asyncio.create_task(Indexer(None, store, Files())._read(file))
+            await asyncio.sleep(2.0)  # past the lease it was claimed with
+            taken = await store.claim(time.time(), 1.0, 1)
+            with pytest.raises(Unreadable):
+                await reading
+            return taken
+        finally:
+            await store.close()
+
+    assert asyncio.run(go()) == []
+
+
 def test_a_file_a_dead_process_held_is_read_again(server):
     """Another process claimed the file and died: once its lease ends, this server's indexer takes
     the file and reads it (nothing accepted is lost), not before (the lease outlasts two of the
