@@ -19,10 +19,12 @@ from accounts.keys import KeyRecord
 from accounts.usage import group, to_csv
 from gateway.accounts import Accounts
 from gateway.errors import APIError, bad_request, not_found
+from gateway.pages import cursor_page, listing, page_query
 from gateway.schemas import _Body, parse, read_json
 from gateway.service import Services
 
 MAX_BODY = 64 * 1024
+PAGING = ("limit", "after", "before", "order")  # GET /admin/keys: OpenAI's cursor list, once one is given
 _DAY = re.compile(r"^\d{4}-\d{2}-\d{2}$")
 
 # A key's own limits as the API takes them: Limits' numbers, strictly typed (the allow-lists are
@@ -85,10 +87,19 @@ async def create_key(request: Request) -> Response:
 
 
 async def list_keys(request: Request) -> Response:
-    """GET /admin/keys: every managed key, without secrets."""
+    """GET /admin/keys: the managed keys, without secrets, oldest first: all of them, or a page
+    (OpenAI's ``limit``, ``after``, ``before``, ``order``) once any of those is given."""
     svc, accounts = _accounts(request)
     svc.require_admin(request)
-    return JSONResponse({"object": "list", "data": [r.public() for r in await accounts.store.list_keys()]})
+    q = request.query_params
+    for name in sorted(set(q) - set(PAGING)):
+        raise bad_request(f"unrecognized query parameter: {name}", name, "unknown_parameter")
+    keys = [r.public() for r in await accounts.store.list_keys()]
+    if not set(q) & set(PAGING):
+        return JSONResponse(listing(keys, False))
+    limit, order = page_query(q, "asc")
+    return JSONResponse(cursor_page(keys, order, limit, q.get("after"), q.get("before")))
+
 
 
 async def get_key(request: Request) -> Response:

@@ -68,6 +68,17 @@ def test_a_key_made_at_run_time_works_at_once_is_listed_without_secret_and_revok
         mine = next(k for k in listed if k["id"] == key_id)
         assert mine["redacted_value"] == f"sk-tg-...{secret[-4:]}" and mine["status"] == "active"
         assert secret not in json.dumps(listed) and "value" not in mine and "hash" not in mine
+        new_key(server, name="p1"), new_key(server, name="p2")
+        every = [k["id"] for k in c.get("/admin/keys").json()["data"]]  # no paging asked: every key, oldest first
+        assert len(every) == len(listed) + 2
+        page = c.get("/admin/keys", params={"limit": 1, "after": every[0]}).json()
+        assert [k["id"] for k in page["data"]] == every[1:2] and page["has_more"] and page["last_id"] == every[1]
+        page = c.get("/admin/keys", params={"after": every[-2]}).json()
+        assert [k["id"] for k in page["data"]] == every[-1:] and not page["has_more"]
+        assert [k["id"] for k in c.get("/admin/keys", params={"order": "desc", "limit": 2}).json()["data"]] == \
+            every[::-1][:2]
+        refused = c.get("/admin/keys", params={"page": 2}).json()["error"]
+        assert (refused["param"], refused["code"]) == ("page", "unknown_parameter")
         changed = c.patch(f"/admin/keys/{key_id}", json={"tier": "paid", "limits": {"requests_per_min": 7}}).json()
         assert changed["tier"] == "paid" and changed["limits"] == {"requests_per_min": 7}
         assert c.patch(f"/admin/keys/{key_id}", json={"tier": "gold"}).status_code == 400
