@@ -147,6 +147,12 @@ def _whole(arguments: str) -> bool:
     return True
 
 
+def _given(value: object) -> object:
+    """An object field as sent: null (or absent) is an empty object; anything else is checked as it
+    is (``_object``: a list or a string is ``invalid_type``, where ``or {}`` took it as empty)."""
+    return {} if value is None else value
+
+
 def _tool_choice(choice: object, param: str) -> Any:
     """A ``tool_choice`` as the Realtime API takes it (``auto``, ``none``, ``required`` or
     ``{"type": "function", "name"}``), as chat takes it (``APIError`` naming ``param``); OpenAI's
@@ -366,7 +372,7 @@ class ConversationSession(TranscriptionSession):
             raise bad_request("this server has no speech-to-text model to hear audio with: send text items",
                               "type", "audio_input_not_supported")
         elif kind == "response.create":
-            await self._start_response(**await self._response_fields(event.get("response", {}) or {}))
+            await self._start_response(**await self._response_fields(_given(event.get("response"))))
         elif kind == "response.cancel":
             wanted = event.get("response_id")
             if wanted is not None and not isinstance(wanted, str):
@@ -397,12 +403,12 @@ class ConversationSession(TranscriptionSession):
             raise bad_request("this is a conversation session: session.type is 'realtime' (open a transcription "
                               "session with ?intent=transcription)", "session.type", "unsupported_session_type")
         conversing = self._settings(session, "session")
-        audio = dict(_object(session.pop("audio", {}) or {}, "session.audio"))
-        output = _object(audio.pop("output", {}) or {}, "session.audio.output")
+        audio = dict(_object(_given(session.pop("audio", None)), "session.audio"))
+        output = _object(_given(audio.pop("output", None)), "session.audio.output")
         for key in set(audio) - {"input"}:
             raise bad_request(f"unknown field audio.{key}", f"session.audio.{key}", "unknown_parameter")
         conversing = await self._output(conversing, output, "session")
-        given_input = dict(_object(audio.get("input", {}) or {}, "session.audio.input"))
+        given_input = dict(_object(_given(audio.get("input")), "session.audio.input"))
         detection = given_input.get("turn_detection")
         for flag in ("create_response", "interrupt_response"):
             if isinstance(detection, dict) and flag in detection:
@@ -748,10 +754,10 @@ class ConversationSession(TranscriptionSession):
         if "tools" in given or "tool_choice" in given:
             settings = self._tools(settings, given.pop("tools", None), given.pop("tool_choice", None), "response")
         if "audio" in given:
-            audio = _object(given.pop("audio") or {}, "response.audio")
+            audio = _object(_given(given.pop("audio")), "response.audio")
             for key in set(audio) - {"output"}:
                 raise bad_request(f"a response has no audio.{key}", f"response.audio.{key}", "unknown_parameter")
-            settings = await self._output(settings, _object(audio.get("output") or {}, "response.audio.output"),
+            settings = await self._output(settings, _object(_given(audio.get("output")), "response.audio.output"),
                                           "response")
         return {"settings": settings, "conversation": conversation == "auto", "context": context, "metadata": metadata}
 
@@ -1087,7 +1093,7 @@ async def client_secrets(request: Request) -> JSONResponse:
     body = json_object(raw)
     for key in sorted(set(body) - {"expires_after", "session"}):
         raise bad_request(f"unknown parameter {key!r}", key, "unknown_parameter")
-    expires = _object(body.get("expires_after") or {}, "expires_after")
+    expires = _object(_given(body.get("expires_after")), "expires_after")
     if expires.get("anchor", "created_at") != "created_at":
         raise bad_request('expires_after.anchor is "created_at"', "expires_after.anchor", "invalid_value")
     seconds = expires.get("seconds", realtime_secrets.DEFAULT_S)

@@ -1449,8 +1449,9 @@ def test_tool_choice_is_checked_with_or_without_tools_naming_the_field_sent(serv
                            {"type": "mcp", "server_label": "deepwiki"}):
                 await conn.send({"type": "session.update", "session": {"type": "realtime", "tool_choice": choice}})
                 refusals.append((await events_until(conn, "error"))[-1].error)
-            await conn.send({"type": "response.create", "response": {"tool_choice": "sometimes"}})
-            refusals.append((await events_until(conn, "error"))[-1].error)
+            for response in ({"tool_choice": "sometimes"}, [], {"audio": []}):  # (a list was taken as {})
+                await conn.send({"type": "response.create", "response": response})
+                refusals.append((await events_until(conn, "error"))[-1].error)
             await conn.session.update(session={"type": "realtime", "tool_choice": "required"})  # no tools: kept
             required = (await events_until(conn, "session.updated"))[-1].session.tool_choice
             await conn.session.update(session={"type": "realtime", "tools": [weather],
@@ -1466,7 +1467,7 @@ def test_tool_choice_is_checked_with_or_without_tools_naming_the_field_sent(serv
         ("session.tool_choice", "invalid_type"), ("session.tool_choice", "invalid_value"),
         ("session.tool_choice", "invalid_value"), ("session.tool_choice.name", "invalid_type"),
         ("session.tool_choice.type", "unsupported_value"), ("response.tool_choice", "invalid_value"),
-        ("session.tools", "invalid_value")]
+        ("response", "invalid_type"), ("response.audio", "invalid_type"), ("session.tools", "invalid_value")]
     assert required == "required" and "get_weather" in refusals[-1].message
 
 
