@@ -32,7 +32,8 @@ process had claimed is taken by any process serving that endpoint once the claim
 runs out, found by the loop's poll (``POLL_S``). While the store fails, the work's end waits with
 its event (written once the store answers): no event waits in a process's memory. A process has
 at most ``MAX_TRYING`` tries in flight, and ``MAX_TRYING_EACH`` of them to one endpoint, each
-endpoint's claimed apart: one that is slow to answer or down delays only its own deliveries. ``/metrics`` counts tries by endpoint and outcome
+endpoint's claimed apart: one that is slow to answer or down delays only its own deliveries.
+``/metrics`` counts tries by endpoint and outcome
 (``tiergate_webhook_deliveries_total``) and what waits in the outbox (``tiergate_webhook_pending``:
 a growing count is an endpoint down).
 """
