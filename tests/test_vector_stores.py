@@ -587,10 +587,10 @@ def test_a_files_lease_is_renewed_while_its_document_is_parsed(tmp_path, monkeyp
     from gateway.documents import Unreadable
     from gateway.vector_indexer import Indexer
 
-    monkeypatch.setattr(vector_indexer, "LEASE_S", 1.0)
+    monkeypatch.setattr(vector_indexer, "LEASE_S", 2.0)
 
     def slow_parse(content: bytes, filename: str) -> str:
-        time.sleep(3.0)  # three leases long
+        time.sleep(5.0)  # two and a half leases long
         raise Unreadable("invalid_file", "stand-in")
 
     monkeypatch.setattr(vector_indexer, "document_text", slow_parse)
@@ -605,10 +605,10 @@ def test_a_files_lease_is_renewed_while_its_document_is_parsed(tmp_path, monkeyp
         try:
             await store.create(VectorStore("vs_a", "k", 10, "a", "tiny-embed"))
             await store.add_file(StoreFile("vs_a", "file-1", "t1", "k", "paid", 100, "a.txt", 80, 40))
-            [file] = await store.claim(time.time(), 1.0, 1)
+            [file] = await store.claim(time.time(), 2.0, 1)
             reading = asyncio.create_task(Indexer(None, store, Files())._read(file))
-            await asyncio.sleep(2.0)  # past the lease it was claimed with
-            taken = await store.claim(time.time(), 1.0, 1)
+            await asyncio.sleep(3.5)  # past the lease it was claimed with (renewals every 0.67 s meanwhile)
+            taken = await store.claim(time.time(), 2.0, 1)
             with pytest.raises(Unreadable):
                 await reading
             return taken
