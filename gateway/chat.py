@@ -412,8 +412,9 @@ async def interleave(streams: list[AsyncGenerator[ChoiceDelta, None]]) -> AsyncG
         # scope cancels it again at every await), which would cancel them again mid-write (a gather
         # passes its cancel on; ``wait`` does not), and let the request's usage be written before
         # its choices' (none).
-        with anyio.CancelScope(shield=True):
-            await asyncio.wait(tasks)
+        if tasks:  # (asyncio.wait refuses an empty set)
+            with anyio.CancelScope(shield=True):
+                await asyncio.wait(tasks)
 
 
 async def _first_event(serving: Serving, job: ChatJob, params: ChatParams,

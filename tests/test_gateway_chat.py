@@ -296,3 +296,22 @@ def test_a_prompts_prefix_cache_salt(prefix_cache, salt, expected):
 
     svc = SimpleNamespace(config=SimpleNamespace(server=SimpleNamespace(prefix_cache=prefix_cache)))
     assert prefix_salt(svc, SimpleNamespace(key_id="key-1"), SimpleNamespace(cache_salt=salt)) == expected
+
+
+def test_interleave_waits_for_each_choice_and_takes_none():
+    """``interleave`` hands on every choice's deltas and waits for their tasks at its end (each meters
+    its choice there); with no choice it ends at once (``asyncio.wait`` refuses an empty set)."""
+    import asyncio
+
+    from gateway.chat import interleave
+
+    async def choice(name: str):
+        for i in range(2):
+            await asyncio.sleep(0)
+            yield f"{name}{i}"
+
+    async def go(streams) -> list:
+        return [d async for d in interleave(streams)]
+
+    assert sorted(asyncio.run(go([choice("a"), choice("b")]))) == ["a0", "a1", "b0", "b1"]
+    assert asyncio.run(go([])) == []
