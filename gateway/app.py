@@ -58,6 +58,7 @@ from gateway.vector_indexer import indexer_for
 from gateway.vector_store import vector_stores_for
 from gateway.response_store import responses_for
 from gateway.webhooks import webhooks_for
+from gateway.serving import use_threads
 from gateway.service import ClientGone, Services
 from workers import grammar
 
@@ -513,6 +514,7 @@ async def _follow_stops(services: Services, state) -> None:
 @contextlib.asynccontextmanager
 async def _lifespan(app: Starlette) -> AsyncIterator[None]:
     services: Services = app.state.services
+    use_threads(asyncio.get_running_loop())
     for start in services.on_startup:
         await start()
     yield

@@ -46,7 +46,7 @@ import contextlib
 import logging
 import time
 from collections.abc import AsyncGenerator
-from concurrent.futures import ThreadPoolExecutor
+from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import Any, Awaitable, Callable, Coroutine, Generic, TypeVar
 
@@ -456,13 +456,38 @@ except ImportError:  # pragma: no cover - another anyio layout
     _anyio_tasks = None
 
 
+class Threads(ThreadPoolExecutor):
+    """A thread pool whose work's ``StopIteration`` comes back as a ``RuntimeError``. asyncio before
+    3.12.1 cannot set a StopIteration on a future (CPython gh-112182): the callback copying the
+    thread's outcome raises TypeError, the future stays pending, and the request awaiting it waits
+    forever, holding its gate slot and lease. Library code raises one from a stray ``next()`` (a
+    processor with more image placeholders than images did). tiergate's thread work, and asyncio's
+    default executor (``use_threads``), runs on these."""
+
+    def submit(self, fn: Callable[..., T], /, *args: Any, **kwargs: Any) -> Future[T]:
+        return super().submit(_no_stop_iteration, fn, *args, **kwargs)
+
+
+def _no_stop_iteration(fn: Callable[..., T], *args: Any, **kwargs: Any) -> T:
+    try:
+        return fn(*args, **kwargs)
+    except StopIteration as exc:
+        raise RuntimeError(f"{getattr(fn, '__qualname__', fn)!s} raised StopIteration") from exc
+
+
+def use_threads(loop: asyncio.AbstractEventLoop) -> None:
+    """Make ``loop``'s default executor (``asyncio.to_thread``, ``run_in_executor(None, ...)``:
+    the arbiter's loads and evictions, parsing, file reads) a ``Threads`` of asyncio's own size."""
+    loop.set_default_executor(Threads(thread_name_prefix="asyncio"))
+
+
 # Model work gets its own threads: on asyncio's default executor, long generations could starve
 # the arbiter's loads and evictions (which run there) and deadlock the requests waiting on them.
 # Batch work (a pause gate) gets threads apart from the others': a batch line holds its thread
 # while it waits at a pause, or in an encoder's batch lane (16 lines of each embedding and
 # moderation model), and the work it yields to must never wait for a thread behind it.
-_MODEL_THREADS = ThreadPoolExecutor(max_workers=64, thread_name_prefix="tiergate-model")
-_BATCH_THREADS = ThreadPoolExecutor(max_workers=256, thread_name_prefix="tiergate-batch")
+_MODEL_THREADS = Threads(max_workers=64, thread_name_prefix="tiergate-model")
+_BATCH_THREADS = Threads(max_workers=256, thread_name_prefix="tiergate-batch")
 
 
 async def in_thread(work: Callable[[], T], ctx: StepContext) -> T:

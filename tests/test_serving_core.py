@@ -355,3 +355,25 @@ def test_batch_work_waiting_at_a_pause_takes_no_thread_the_others_need():
 
     name, batch = asyncio.run(main())
     assert name.startswith("tiergate-model") and all(n.startswith("tiergate-batch") for n in batch)
+
+
+def test_a_stop_iteration_in_thread_work_is_an_error_not_a_wait_forever():
+    """asyncio (3.11) cannot set a StopIteration on a future: thread work raising one (a stray
+    ``next()`` in library code) left the request awaiting it waiting forever. Model threads,
+    batch threads and the default executor the server's lifespan sets (``use_threads``) raise it
+    as a RuntimeError."""
+    from gateway.serving import in_thread, use_threads
+    from workers.base import StepContext
+
+    def stray_next() -> int:
+        return next(iter(()))
+
+    async def main() -> None:
+        use_threads(asyncio.get_running_loop())
+        for call in (lambda: in_thread(stray_next, StepContext()),
+                     lambda: in_thread(stray_next, StepContext(pause_gate=lambda c: None)),
+                     lambda: asyncio.to_thread(stray_next)):
+            with pytest.raises(RuntimeError, match="StopIteration"):
+                await asyncio.wait_for(call(), 10)
+
+    asyncio.run(main())
