@@ -563,6 +563,28 @@ def test_a_job_goes_on_from_a_fine_tuned_model_and_dpo_takes_it_as_reference(ser
             client(server, key).fine_tuning.jobs.create(model=name, training_file=upload(client(server, key), LINES))
 
 
+def test_a_start_model_deleted_as_the_trainer_reads_it_fails_the_job_by_name(server, monkeypatch):
+    """``DELETE /v1/models`` of the fine-tuned model a job goes on from, in the instant between the
+    runner's look at its folder and the trainer's read of it: the job fails ``model_not_available``
+    naming that model, as when it was deleted earlier (not a ``server_error``)."""
+    import workers.trainer as trainer_module
+
+    c = client(server)
+    sft = wait(c, c.fine_tuning.jobs.create(model="tiny-chat", training_file=upload(c, LINES), seed=1,
+                                            hyperparameters={"n_epochs": 1, "batch_size": 3}).id)
+    read = trainer_module._start_state
+
+    def deleted_first(run):
+        c.models.delete(sft.fine_tuned_model)  # (the trainer's thread; the server answers on its own loop)
+        return read(run)
+
+    monkeypatch.setattr(trainer_module, "_start_state", deleted_first)
+    job = wait(c, c.fine_tuning.jobs.create(model=sft.fine_tuned_model, training_file=upload(c, LINES), seed=1,
+                                            hyperparameters={"n_epochs": 1, "batch_size": 3}).id)
+    assert job.status == "failed" and job.error.code == "model_not_available", job.error
+    assert job.error.message == f"the model '{sft.fine_tuned_model}' this job goes on from was deleted"
+
+
 @pytest.mark.parametrize("line, says", [
     ({"input": {"messages": [{"role": "user", "content": "Hi"}]}, "preferred_output": [{"role": "assistant", "content": "a"}]},
      "'non_preferred_output' must be a list of one assistant message"),

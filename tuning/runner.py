@@ -53,7 +53,7 @@ from gateway.service import Held, Services
 from tuning.data import FileProblem, Preference, conversations, preferences
 from tuning.store import FineTuningStore, Job
 from workers.base import Cancelled, StepContext
-from workers.trainer import Example, Pair, StartMismatch, TemplateNotTurnByTurn, TrainerGone, TrainRun
+from workers.trainer import Example, Pair, StartGone, StartMismatch, TemplateNotTurnByTurn, TrainerGone, TrainRun
 
 log = logging.getLogger("tiergate.fine_tuning")
 LEASE_S = 30.0  # a running job is another process's to take once its lease is this old
@@ -270,6 +270,8 @@ class Tuner(ClaimLoop[Job], Collector):
             raise _Failed("unsupported_model", str(exc)) from None
         except StartMismatch as exc:
             raise _Failed("model_not_available", str(exc)) from None
+        except StartGone:  # deleted after ``_start`` looked, before the trainer read it
+            raise _Failed("model_not_available", _start_gone(running.job)) from None
         except TrainerGone as exc:
             raise _Failed("server_error", f"{exc}; create the job again") from None
         finally:
@@ -304,12 +306,13 @@ class Tuner(ClaimLoop[Job], Collector):
 
     def _start(self, job: Job) -> Path | None:
         """The folder of the fine-tuned model ``job`` goes on from (None: from the base model);
-        ``_Failed`` when it was deleted since the job was made."""
+        ``_Failed`` when it was deleted since the job was made (the trainer's ``StartGone`` when
+        that happens after this look)."""
         if job.start is None:
             return None
         folder = self.svc.config.tuning_dir(job.model)
         if folder is None or not (folder / job.start).is_dir():
-            raise _Failed("model_not_available", f"the model '{job.start}' this job goes on from was deleted")
+            raise _Failed("model_not_available", _start_gone(job))
         return folder / job.start
 
     async def _resumed(self, running: _Running, report: dict) -> None:
@@ -461,6 +464,10 @@ class Tuner(ClaimLoop[Job], Collector):
     def _count(self, job: Job, outcome: str) -> None:
         self.ended[outcome] += 1
         log.info("fine-tuning job %s on %s: %s", job.id, job.model, outcome)
+
+
+def _start_gone(job: Job) -> str:
+    return f"the model '{job.start}' this job goes on from was deleted"
 
 
 class _Failed(Exception):

@@ -130,6 +130,10 @@ class StartMismatch(ValueError):
     """The fine-tuned model a job starts from has another rank or alpha than fine-tuning's now."""
 
 
+class StartGone(ValueError):
+    """The fine-tuned model a job starts from was deleted before the trainer read it."""
+
+
 class LoraTrainer(ThreadWorker):
     """A chat model's weights for LoRA fine-tuning (see the module's docstring)."""
 
@@ -395,14 +399,19 @@ def _write_resume(path: Path, live: _Live, step: int, epochs: int, scores: dict)
 
 def _start_state(run: TrainRun) -> dict[str, torch.Tensor]:
     """The LoRA of the fine-tuned model ``run.start`` (peft's saved keys), checked to have the
-    rank and alpha the job trains with; ``StartMismatch`` otherwise."""
+    rank and alpha the job trains with; ``StartMismatch`` otherwise, ``StartGone`` when it was
+    deleted (only a job's first start reads it: a later one goes on from its ``run.resume``)."""
     from safetensors.torch import load_file
 
-    config = json.loads((run.start / "adapter_config.json").read_text())
-    if (config.get("r"), config.get("lora_alpha")) != (run.rank, run.alpha):
-        raise StartMismatch(f"the model this job goes on from has LoRA rank {config.get('r')} and alpha "
-                            f"{config.get('lora_alpha')}; fine-tuning here now trains rank {run.rank}, alpha {run.alpha}")
-    return load_file(run.start / "adapter_model.safetensors")
+    try:  # a DELETE /v1/models renames the folder away at any moment, even between these two reads
+        config = json.loads((run.start / "adapter_config.json").read_text())
+        if (config.get("r"), config.get("lora_alpha")) != (run.rank, run.alpha):
+            raise StartMismatch(f"the model this job goes on from has LoRA rank {config.get('r')} and alpha "
+                                f"{config.get('lora_alpha')}; fine-tuning here now trains rank {run.rank}, "
+                                f"alpha {run.alpha}")
+        return load_file(run.start / "adapter_model.safetensors")
+    except FileNotFoundError:
+        raise StartGone("the model this job goes on from was deleted") from None
 
 
 def _read_resume(path: Path | None) -> dict | None:
