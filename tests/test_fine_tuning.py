@@ -585,6 +585,33 @@ def test_a_start_model_deleted_as_the_trainer_reads_it_fails_the_job_by_name(ser
     assert job.error.message == f"the model '{sft.fine_tuned_model}' this job goes on from was deleted"
 
 
+def test_a_paused_job_goes_on_from_its_own_state_once_its_start_model_is_deleted(server):
+    """A job that goes on from a fine-tuned model, paused with its state written (``resume.pt``),
+    then the start model deleted: resumed, the job goes on from that state, which no longer needs
+    the start model, and succeeds."""
+    c = client(server)
+    tuner = server.app.state.tuner
+    sft = wait(c, c.fine_tuning.jobs.create(model="tiny-chat", training_file=upload(c, LINES), seed=1,
+                                            hyperparameters={"n_epochs": 1, "batch_size": 3}).id)
+    job = c.fine_tuning.jobs.create(model=sft.fine_tuned_model, training_file=upload(c, LINES * 2), seed=1,
+                                    hyperparameters={"n_epochs": 12, "batch_size": 2})
+    deadline = time.time() + 60
+    while not [e for e in c.fine_tuning.jobs.list_events(job.id).data if e.type == "metrics"]:
+        assert time.time() < deadline
+        time.sleep(0.01)
+    c.fine_tuning.jobs.pause(job.id)
+    deadline = time.time() + 10
+    while tuner.running:
+        assert time.time() < deadline
+        time.sleep(0.02)
+    assert (tuner.scratch / job.id / "resume.pt").exists()
+    c.models.delete(sft.fine_tuned_model)
+    c.fine_tuning.jobs.resume(job.id)
+    done = wait(c, job.id)
+    assert done.status == "succeeded", done.error
+    assert [e for e in c.fine_tuning.jobs.list_events(job.id, limit=100) if e.message.startswith("Going on from step")]
+
+
 @pytest.mark.parametrize("line, says", [
     ({"input": {"messages": [{"role": "user", "content": "Hi"}]}, "preferred_output": [{"role": "assistant", "content": "a"}]},
      "'non_preferred_output' must be a list of one assistant message"),

@@ -307,11 +307,15 @@ class Tuner(ClaimLoop[Job], Collector):
     def _start(self, job: Job) -> Path | None:
         """The folder of the fine-tuned model ``job`` goes on from (None: from the base model);
         ``_Failed`` when it was deleted since the job was made (the trainer's ``StartGone`` when
-        that happens after this look)."""
+        that happens after this look), unless the job goes on from a state of its own
+        (``resume.pt``, from a pause, a shutdown or an epoch's end: the trainer then reads no start
+        model; one it cannot read starts the job over, from the start model, and fails then)."""
         if job.start is None:
             return None
         folder = self.svc.config.tuning_dir(job.model)
-        if folder is None or not (folder / job.start).is_dir():
+        if folder is None:
+            raise _Failed("model_not_available", _start_gone(job))
+        if not (folder / job.start).is_dir() and not (self.scratch / job.id / "resume.pt").is_file():
             raise _Failed("model_not_available", _start_gone(job))
         return folder / job.start
 
