@@ -125,10 +125,16 @@ def refusal(dim: str, limit: float, cost: float, need_s: float) -> Verdict:
                    message=f"rate limit reached for this key: {per}; try again in {need_s:.1f}s")
 
 
+def gpu_figure(seconds: float) -> str:
+    """GPU-seconds in a refusal's message: to the hundredth from 1 up, else to two significant
+    digits, so that a small budget's figures do not read as 0.00."""
+    return f"{seconds:.2f}" if seconds >= 1 else f"{seconds:.2g}"
+
+
 def over_budget(spent: float, budget: float, now: float) -> Verdict:
     return Verdict(False, code="insufficient_quota", retry_after_s=seconds_to_utc_midnight(now),
                    message=f"this key has used its daily budget of {budget:g} GPU-seconds "
-                           f"({spent:.2f} used today); it renews at 00:00 UTC")
+                           f"({gpu_figure(spent)} used today); it renews at 00:00 UTC")
 
 
 def budget_held(spent: float, held: float, budget: float) -> Verdict:
@@ -136,7 +142,8 @@ def budget_held(spent: float, held: float, budget: float) -> Verdict:
     back as they end, so the SDK may try again soon."""
     return Verdict(False, code="rate_limit_exceeded", retry_after_s=1.0,
                    message=f"this key's requests in flight may use the rest of its daily budget of {budget:g} "
-                           f"GPU-seconds ({spent:.2f} used today, {held:.2f} held by requests in flight); "
+                           f"GPU-seconds ({gpu_figure(spent)} used today, {gpu_figure(held)} held by requests in "
+                           "flight); "
                            "try again when one ends")
 
 

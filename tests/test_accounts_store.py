@@ -157,6 +157,12 @@ def test_gcra_local_limiter_counts_exactly_and_corrects():
         assert (await lim.admit("k", limits, Ask(tokens=10), 0.0, "r5")).ok
         over = await lim.admit("k", Limits(gpu_seconds_per_day=5), Ask(), 5.0, "r6")
         assert not over.ok and over.code == "insufficient_quota"
+        tiny = Limits(gpu_seconds_per_day=0.001)  # a small budget's figures are not rounded to 0.00
+        over = await lim.admit("k", tiny, Ask(), 0.0042, "r7")
+        assert "(0.0042 used today)" in over.message, over.message
+        assert (await lim.admit("k", tiny, Ask(gpu_seconds=0.0009), 0.0002, "r8")).ok
+        held = await lim.admit("k", tiny, Ask(), 0.0002, "r9")
+        assert "(0.0002 used today, 0.0009 held by requests in flight)" in held.message, held.message
 
     asyncio.run(go())
 
