@@ -158,7 +158,8 @@ def plan_chat(svc: Services, body: ChatCompletionRequest) -> ChatJob:
     engine = engine_config(svc, spec.name)
     tools = _plan_tools(body, getattr(engine, "tool_parser", "hermes"))
     asked = request_grammar(body.response_format, body.structured_outputs, limits.grammar_max_chars)
-    grammar = tools.reply_grammar(asked, "response_format" if body.structured_outputs is None else "structured_outputs")
+    asked_param = "response_format" if body.structured_outputs is None else "structured_outputs"
+    grammar = tools.reply_grammar(asked, asked_param)
     service_tier.check(svc.config, body.service_tier)
     check_vllm_defaults(body)
     if body.request_id is not None and body.store:
@@ -176,7 +177,7 @@ def plan_chat(svc: Services, body: ChatCompletionRequest) -> ChatJob:
         stop=stop, seed=body.seed,
         logprobs=(body.top_logprobs or 0) if body.logprobs else None,
         logit_bias={int(k): v for k, v in (body.logit_bias or {}).items()}, prompt_logprobs=body.prompt_logprobs,
-        grammar=grammar, **sampling(body, defaults), **ends,
+        grammar=grammar, grammar_param=tools.grammar_param(asked_param), **sampling(body, defaults), **ends,
     )
     return ChatJob(spec.name, body.messages_as_dicts(), params, stack, tools, body.n, body.service_tier,
                    stream=bool(body.stream), template_kwargs=body.template_kwargs(), prompt_end=body.prompt_end(),

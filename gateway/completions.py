@@ -320,6 +320,7 @@ async def plan_completion(svc: Services, body: CompletionRequest) -> CompletionJ
         prompt_logprobs=body.prompt_logprobs if body.prompt_logprobs is not None else
         body.logprobs if body.echo else None,
         grammar=request_grammar(body.response_format, body.structured_outputs, limits.grammar_max_chars),
+        grammar_param="response_format" if body.structured_outputs is None else "structured_outputs",
         **sampling(body, defaults),
         **reply_options(body, max_tokens, getattr(engine_config(svc, spec.name), "reasoning_parser", "none")),
     )

@@ -71,6 +71,12 @@ class ToolPlan:
                                   param, "invalid_schema") from None
         return reply
 
+    def grammar_param(self, reply_param: str) -> str:
+        """The request field an error of ``reply_grammar``'s grammar names (one the engine meets
+        compiling it, say): ``tools`` for forced calls, whose array is the whole grammar; else the
+        format's ``reply_param``, as its join with the calls' grammar names it."""
+        return "tools" if self.mode == "forced" else reply_param
+
     def template_tools(self) -> list[dict] | None:
         """The tools as the chat template takes them (None: render none)."""
         if self.mode == "none":

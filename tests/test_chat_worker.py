@@ -231,6 +231,11 @@ def test_a_grammar_xgrammar_fails_to_compile_is_the_requests_400_and_the_worker_
         asyncio.run(run(worker, asked))
     assert refused.value.param == "response_format" and "per_rule_fsm_hashes" in str(refused.value)
     assert asyncio.run(run(worker, greedy("Hi", 4)))[1].completion_tokens == 4
+    called = greedy("Hi", 4)  # a grammar made of the request's tools (forced calls) names them, not response_format
+    called.params.grammar, called.params.grammar_param = asked.params.grammar, "tools"
+    with pytest.raises(InvalidParam) as refused:
+        asyncio.run(run(worker, called))
+    assert refused.value.param == "tools"
 
 
 def test_pause_ordered_during_admission_holds_the_rows_not_yet_prefilled(worker):

@@ -143,6 +143,10 @@ def test_plans():
     assert json.loads(forced.grammar.schema)["maxItems"] == 1
     assert "maxItems" not in json.loads(plan_tools(tools, "required", None).grammar.schema)
     assert json.loads(plan_tools(tools, "required", False).grammar.schema)["maxItems"] == 1
+    # an error of the reply's grammar (the engine's compile) names where it came from: forced calls' tools
+    assert forced.grammar_param("response_format") == "tools"
+    assert plan_tools(tools, "auto", None).grammar_param("structured_outputs") == "structured_outputs"
+    assert plan_tools(None, None, None).grammar_param("response_format") == "response_format"
 
 
 @pytest.mark.parametrize("tools,choice,param", [

@@ -179,6 +179,7 @@ class ChatParams:
     # (``workers.think_budget``; the gateway takes it for a model with a reasoning_parser only); None: uncut
     thinking_budget: int | None = None
     grammar: Grammar | None = None
+    grammar_param: str = "response_format"  # the request field ``grammar`` came from, named in its 400s
     prompt_logprobs: int | None = None  # None: none; k: each prompt token's and the k most likely there
     # max_tokens is the server's default, not the client's: a prompt that leaves less room shrinks it to that
     # room, as vLLM's default (``workers.chat_prompt.fit_context``), where the client's own is refused

@@ -359,7 +359,7 @@ class ChatWorker(ThreadWorker):
             return self._grammars.row(req.params.grammar)
         except RuntimeError as exc:  # xgrammar's own check failed: the request's grammar, not the engine
             raise InvalidParam(f"the reply's grammar cannot be compiled for the model {self.spec.name}: "
-                               f"{xgrammar_reason(exc)}", "response_format") from None
+                               f"{xgrammar_reason(exc)}", req.params.grammar_param) from None
 
     async def chat(self, req: ChatRequest) -> AsyncIterator[ChatEvent]:
         """Stream the reply to ``req``. Closing the iterator cancels the work."""
@@ -1058,7 +1058,7 @@ def _no_token_left(seq: _Seq, barred: bool) -> InvalidParam:
     elif seq.bad_words:
         param, why = "bad_words", "bad_words bar every token the reply's grammar allows"
     else:
-        param, why = "response_format", "the reply's grammar allows none"
+        param, why = p.grammar_param, "the reply's grammar allows none"
     return InvalidParam(f"no token may come after the reply's {made} tokens: {why} (the request's constraints "
                         "cannot all hold)", param)
 
