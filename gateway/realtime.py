@@ -463,9 +463,10 @@ class TranscriptionSession:
                     raise bad_request(str(exc), None, "invalid_json") from None
                 except ValueError:
                     raise bad_request("the client event is not valid JSON", None, "invalid_json") from None
+                if isinstance(event, dict) and isinstance(event.get("event_id"), str):
+                    event_id = event["event_id"]  # echoed by any error about the event, its type's too
                 if not isinstance(event, dict) or not isinstance(event.get("type"), str):
                     raise bad_request("a client event is a JSON object with a string 'type'", "type", "invalid_event")
-                event_id = event.get("event_id") if isinstance(event.get("event_id"), str) else None
                 await self._handle(event)
             except APIError as exc:
                 await self.error(exc, event_id)

@@ -346,6 +346,7 @@ def test_a_streamed_transcription_resamples_its_audio_on_the_model_s_thread(serv
     ({"type": "input_audio_buffer.append", "audio": base64.b64encode(b"abc").decode()}, "audio", "invalid_value"),
     ({"type": "input_audio_buffer.commit"}, None, "input_audio_buffer_commit_empty"),
     ({"type": "response.create"}, "type", "invalid_event"),
+    ({"type": 5}, "type", "invalid_event"),  # a type that is not a string: its event_id is still echoed
     ({"type": "session.update", "session": {"type": "realtime"}}, "session.type", "unsupported_session_type"),
     ({"type": "session.update", "session": {"type": "transcription", "audio": {"input": {
         "format": {"type": "audio/wav"}}}}}, "session.audio.input.format.type", "unsupported_format"),
