@@ -7,7 +7,8 @@ as 24 kHz PCM16 with its transcript. OpenAI's protocol, as its SDK speaks it:
 * ``session.update`` (``type: "realtime"``): ``instructions``, ``output_modalities`` (``["audio"]``,
   the default, or ``["text"]``), ``max_output_tokens``, ``audio.input`` (``format``: 24 kHz PCM16,
   or G.711 telephone audio, as ``gateway.realtime`` takes it; ``transcription.model``, a
-  speech-to-text model; ``turn_detection``, ``server_vad``, ``semantic_vad`` (judged by the
+  speech-to-text model, or ``transcription: null``: no transcription events, the speech still heard;
+  ``turn_detection``, ``server_vad``, ``semantic_vad`` (judged by the
   session's own chat model: ``gateway.turn_end``) or null, with ``create_response``,
   ``interrupt_response`` and, for ``server_vad``, ``idle_timeout_ms``), ``truncation`` (``auto``:
   each response reads the conversation without its oldest turns when it outgrows the context,
@@ -94,9 +95,9 @@ from gateway.chat import plan_chat, serve_chat
 from gateway.errors import APIError, bad_request
 from gateway.input_audio import chat_engine
 from gateway.output_audio import PCM16_RATE, Voice, phrases_of, say
-from gateway.realtime import (CUT_WAIT_S, DEFAULT_VAD, FORMATS, MIN_COMMIT_S, RATE, SessionConfig, TranscriptionSession,
-                              _audio_bytes, _new_id, _object, audio_format, detection_event, judge_of, noise_event,
-                              shutting_down, updated)
+from gateway.realtime import (CUT_WAIT_S, DEFAULT_VAD, FORMATS, LOGPROBS, MIN_COMMIT_S, RATE, SessionConfig,
+                              TranscriptionSession, _audio_bytes, _new_id, _object, audio_format, detection_event,
+                              judge_of, noise_event, shutting_down, updated)
 from gateway.request_log import RequestRecord, note, tallied
 from gateway.turn_end import SemanticVad
 from gateway.schemas import ChatCompletionRequest, json_object, parse, read_body
@@ -109,6 +110,8 @@ from workers.tts import TTSWorker
 log = logging.getLogger("tiergate.realtime")
 
 SPEED = (0.25, 1.5)  # audio.output.speed's range in the Realtime API (/v1/audio/speech allows up to 4.0)
+_TRANSCRIPTS = ("conversation.item.input_audio_transcription.delta",  # not sent with audio.input.transcription null
+                "conversation.item.input_audio_transcription.completed")
 MAX_ITEM_ID_CHARS = 64  # a client's item id (as OpenAI's item ids): ids are kept, and the bounds count text only
 
 
@@ -195,6 +198,10 @@ class Conversing:
     codec: str = "pcm"  # the speech's format: a key of gateway.realtime.FORMATS
     idle_timeout_ms: int | None = None  # server_vad: answer unprompted after this long a silence
     truncation: str = "auto"  # auto: the oldest turns dropped until the conversation fits the context; disabled
+    # audio.input.transcription null (OpenAI's "no input transcription"): the user's speech is still transcribed,
+    # as that is how the chat model hears it, but no conversation.item.input_audio_transcription delta or
+    # completed event is sent
+    transcripts: bool = True
 
 
 @dataclass
@@ -296,9 +303,10 @@ class ConversationSession(TranscriptionSession):
                 "output_modalities": list(c.modalities), "instructions": c.instructions,
                 "max_output_tokens": "inf" if c.max_output_tokens is None else c.max_output_tokens,
                 "tools": [{"type": "function", **t["function"]} for t in c.tools], "tool_choice": _choice_shown(c.tool_choice),
-                "truncation": c.truncation,
+                "truncation": c.truncation, "include": [LOGPROBS] if self.config.logprobs else [],
                 "audio": {"input": {"format": FORMATS[self.config.codec],
-                                    "transcription": {"model": self.config.model} if self.config.model else None,
+                                    "transcription": {"model": self.config.model}
+                                    if self.config.model and c.transcripts else None,
                                     "turn_detection": detection,
                                     "noise_reduction": noise_event(self.config.noise_reduction)},
                           "output": {"format": FORMATS[c.codec], "voice": c.voice.voice if c.voice else None,
@@ -318,6 +326,8 @@ class ConversationSession(TranscriptionSession):
     async def send(self, event: dict) -> None:
         if event.get("type") == "session.created":  # the transcription session's own opening, as a conversation's
             event = {**event, "session": self.session_event()}
+        elif event.get("type") in _TRANSCRIPTS and not self.conversing.transcripts:
+            return
         elif event.get("type") == "input_audio_buffer.speech_started":
             self._not_idle()
             self._interrupt()
@@ -409,6 +419,10 @@ class ConversationSession(TranscriptionSession):
             raise bad_request(f"unknown field audio.{key}", f"session.audio.{key}", "unknown_parameter")
         conversing = await self._output(conversing, output, "session")
         given_input = dict(_object(_given(audio.get("input")), "session.audio.input"))
+        if "transcription" in given_input:  # null: no transcription events (the speech is still heard: ``Conversing``)
+            conversing = replace(conversing, transcripts=given_input["transcription"] is not None)
+            if given_input["transcription"] is None:
+                del given_input["transcription"]
         detection = given_input.get("turn_detection")
         for flag in ("create_response", "interrupt_response"):
             if isinstance(detection, dict) and flag in detection:
@@ -439,14 +453,18 @@ class ConversationSession(TranscriptionSession):
                                   'model\'s context) or "disabled"', "session.truncation",
                                   "unsupported_value" if isinstance(truncation, dict) else "invalid_value")
             conversing = replace(conversing, truncation=truncation)
+        transcription: dict[str, Any] = {"type": "transcription"}  # what the transcription session's update checks
+        if "include" in session:  # the logprobs of the user's transcripts, as a transcription session includes them
+            transcription["include"] = session.pop("include")
         for key in ("id", "object", "tracing"):
             session.pop(key, None)
         if session:
             key = sorted(session)[0]
             raise bad_request(f"unknown or unsupported session field {key!r} for a conversation session",
                               f"session.{key}", "unknown_parameter")
-        transcription = {"type": "transcription", "audio": {"input": given_input}} if given_input else {}
-        config = updated(self.config, transcription, self.svc, self.limits.prompt_max_chars) if transcription \
+        if given_input:
+            transcription["audio"] = {"input": given_input}
+        config = updated(self.config, transcription, self.svc, self.limits.prompt_max_chars) if len(transcription) > 1 \
             else self.config
         if isinstance(config.vad, SemanticVad):  # idle_timeout_ms is server_vad's
             conversing = replace(conversing, idle_timeout_ms=None)

@@ -584,6 +584,43 @@ def test_a_part_type_that_is_a_list_or_an_object_is_an_error_event_and_the_sessi
     assert done[-1].response.status in ANSWERED
 
 
+def test_transcription_null_hears_without_transcript_events_and_include_asks_logprobs(server):
+    """OpenAI's session settings: ``audio.input.transcription: null`` (no input transcription) sends
+    no transcription events, yet the speech is still heard (the cascade's chat model reads its
+    transcript) and answered; ``include: ["item.input_audio_transcription.logprobs"]`` is taken
+    as a transcription session takes it, and a transcription set again brings the events back with
+    their logprobs."""
+    speech = b64(spoken("Where is the gold?", rate=RATE))
+    transcribed = ("conversation.item.input_audio_transcription.delta",
+                   "conversation.item.input_audio_transcription.completed")
+
+    async def turn(conn) -> list:
+        await conn.input_audio_buffer.append(audio=speech)
+        await conn.input_audio_buffer.commit()
+        await conn.response.create()
+        return await events_until(conn, "response.done")
+
+    async def run():
+        async with client(server).realtime.connect(model="tiny-chat") as conn:
+            text = {**MANUAL, "output_modalities": ["text"], "max_output_tokens": 2}
+            await begin(conn, {**text, "include": ["item.input_audio_transcription.logprobs"],
+                               "audio": {"input": {"turn_detection": None, "transcription": None}}}, text=None)
+            unheard = await turn(conn)
+            await conn.session.update(session={"type": "realtime", "audio": {"input": {"transcription": {
+                "model": "tiny-stt"}}}})
+            shown = (await events_until(conn, "session.updated"))[-1].session
+            return unheard, shown, await turn(conn)
+
+    unheard, shown, heard = asyncio.run(run())
+    assert not [e for e in unheard if e.type in transcribed] and unheard[-1].response.status in ANSWERED
+    user_item = next(e.item for e in unheard if e.type == "conversation.item.done" and e.item.role == "user")
+    assert user_item.content[0].type == "input_audio"
+    assert shown.audio.input.transcription.model == "tiny-stt"
+    assert shown.include == ["item.input_audio_transcription.logprobs"]
+    completed = next(e for e in heard if e.type == "conversation.item.input_audio_transcription.completed")
+    assert completed.logprobs and heard[-1].response.status in ANSWERED
+
+
 async def each(conn, kind: str, n: int) -> list:
     """Server events up to and including the ``n``-th of type ``kind``."""
     out = []
