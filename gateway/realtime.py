@@ -20,9 +20,10 @@ lease on the model like any other request, is metered by its audio seconds, and 
 utterances are transcribed in order. The key is checked at the handshake (the
 ``Authorization`` header, or for a browser, which cannot set one, the subprotocol
 ``openai-insecure-api-key.<key>``, as OpenAI takes it; a refused key gets an HTTP error before the
-upgrade), and again before each step that makes a request (``key_stands``): a key revoked or
-taken out of its file since ends the session there (an ``error`` event, ``invalid_api_key``, and
-a close with 1008). ``tiergate_realtime_sessions{tier}`` counts the sessions open. A session lasts at most
+upgrade), and again before each step that makes a request (``key_stands``), and every
+``KEY_CHECK_S`` while the session is open: a key revoked or taken out of its file since ends the
+session there, an idle one too (an ``error`` event, ``invalid_api_key``, and a close with 1008).
+``tiergate_realtime_sessions{tier}`` counts the sessions open. A session lasts at most
 ``limits.realtime_max_session_s`` (OpenAI's 60 minutes): then an ``error`` event,
 ``session_expired``, and a normal close. When the server drains (SIGTERM), a session takes no new
 work, its work under way (utterances committed; a conversation's replies) runs to its end, then
@@ -85,6 +86,7 @@ _OFF_LOOP_SAMPLES = 10 * RATE  # ten seconds of PCM16 to float32: ~0.8 ms
 _SESSION_PARAMS = ("model", "language", "prompt")  # the HTTP fields a session sets in audio.input.transcription
 WORK_POLL_S = 0.05  # while the server drains, how often a session looks whether its work under way has ended
 CUT_WAIT_S = 1.0  # the drain cut short: how long a session's work cut gets to say how it ended
+KEY_CHECK_S = 0.5  # how often an open session looks its key up (in memory), so that a revoke ends an idle one too
 
 
 @dataclass(frozen=True)
@@ -357,6 +359,7 @@ class TranscriptionSession:
     async def run(self) -> None:
         await self.send({"type": "session.created", "session": self.config.as_event(self.id)})
         transcriber = asyncio.create_task(self._transcribe_all())
+        watcher = asyncio.create_task(self._watch_key())
         try:
             try:
                 async with asyncio.timeout(self.limits.realtime_max_session_s):
@@ -366,9 +369,10 @@ class TranscriptionSession:
         finally:
             self.gone.set()
             self._forget_pause()
-            transcriber.cancel()
-            with contextlib.suppress(asyncio.CancelledError):
-                await transcriber
+            for task in (transcriber, watcher):
+                task.cancel()
+                with contextlib.suppress(asyncio.CancelledError):
+                    await task
             if self._detector is not None:
                 self._detector.close()
             self._quiet(None)
@@ -432,6 +436,13 @@ class TranscriptionSession:
             await self._close(1008, "invalid_api_key")
             self.gone.set()
         return False
+
+    async def _watch_key(self) -> None:
+        """``key_stands`` every ``KEY_CHECK_S`` too, so that a session with nothing to do (no step
+        to look its key up before) ends within about a second of its key's revoke, not at its next
+        step or its ``realtime_max_session_s``: a lookup in memory, as ``key_stands``' own."""
+        while await self.key_stands():
+            await asyncio.sleep(KEY_CHECK_S)
 
     def busy(self) -> bool:
         """Whether work is under way: an utterance committed and not yet transcribed."""

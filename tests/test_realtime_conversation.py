@@ -1700,6 +1700,40 @@ def test_a_revoked_or_removed_key_ends_its_open_sessions_at_their_next_step(serv
             server.services.keys = original
 
     events, code = asyncio.run(transcription())
-    assert code == 1008
-    assert [e["type"] for e in events] == ["input_audio_buffer.committed", "error"]
+    assert code == 1008  # (the commit, or the session's own look at its key, came first: either ends it)
+    assert [e["type"] for e in events] in (["input_audio_buffer.committed", "error"], ["error"])
     assert events[-1]["error"]["code"] == "invalid_api_key"
+
+
+def test_an_idle_session_of_a_revoked_key_ends_within_a_second(server):
+    """A session that sends nothing after its key is revoked (no step to look the key up before)
+    still ends: it looks its key up every ``KEY_CHECK_S``, so within about a second there is an
+    ``error`` event, ``invalid_api_key``, and a close with 1008, not the session's 60 minutes.
+    A key that stands is not disturbed: its idle session stays open."""
+    import httpx
+    import websockets
+
+    admin = {"Authorization": f"Bearer {server.keys['admin']}"}
+    ws_url = server.url.replace("http", "ws") + "/v1/realtime?model=tiny-stt"
+    key = httpx.post(f"{server.url}/admin/keys", json={"tier": "paid", "name": "idle"}, headers=admin).json()
+    revoking, standing = ({"Authorization": f"Bearer {k}"} for k in (key["value"], server.keys["paid"]))
+
+    async def idle():
+        async with websockets.connect(ws_url, additional_headers=revoking) as ws, \
+                websockets.connect(ws_url, additional_headers=standing) as kept:
+            assert json.loads(await ws.recv())["type"] == "session.created"
+            assert json.loads(await kept.recv())["type"] == "session.created"
+            assert httpx.delete(f"{server.url}/admin/keys/{key['id']}", headers=admin).status_code == 200
+            revoked = time.monotonic()
+            events = []
+            with pytest.raises(websockets.ConnectionClosed) as closed:
+                async with asyncio.timeout(10):
+                    while True:
+                        events.append(json.loads(await ws.recv()))
+            ended = time.monotonic() - revoked
+            await kept.send(json.dumps({"type": "input_audio_buffer.clear"}))
+            return events, closed.value.rcvd.code, ended, json.loads(await kept.recv())["type"]
+
+    events, code, ended, still = asyncio.run(idle())
+    assert [(e["type"], e["error"]["code"]) for e in events] == [("error", "invalid_api_key")] and code == 1008
+    assert ended < 5 and still == "input_audio_buffer.cleared"
