@@ -5,7 +5,7 @@ carries its image inline as a ``data:`` URL, ``data:image/png;base64,...``. The 
 into the file's bytes and checks what its header says, before the request is admitted (a payload
 over ``INLINE_DECODE`` is decoded on a thread, in :func:`resolve_images`: 10 MiB of base64 takes
 ~27 ms, which the event loop would otherwise not spend on anyone else): a PNG,
-JPEG, WebP or single-frame GIF of at most ``MAX_PIXELS``, at most ``limits.chat_max_images`` of
+JPEG, WebP or single-frame GIF of at most ``MAX_SIDE`` pixels a side, at most ``limits.chat_max_images`` of
 them, for a model whose folder has a vision tower (``ModelInfo.images``). Each refusal is a 400
 naming the part (``messages[i].content[j].image_url.url``). :func:`resolve_images` then decodes
 every image's pixels on a thread, one at a time, still before admission: a file cut short or
@@ -43,7 +43,9 @@ from workers.base import ModelSpec
 from workers.registry import describe
 
 FORMATS = ("PNG", "JPEG", "WEBP", "GIF")  # OpenAI's list for image inputs
-MAX_PIXELS = 4096 * 4096  # an image's width x height, from its header, before its pixels are decoded
+MAX_SIDE = 4096  # either side of an image, from its header, before its pixels are decoded: the processor scales
+# the short side to its size, so a long thin image within MAX_PIXELS (16777216 x 1) would grow to billions of pixels
+MAX_PIXELS = MAX_SIDE * MAX_SIDE  # its width x height
 _DATA_URL = re.compile(r"data:(?P<media>[^;,]*)(;[^;,]*)*?;base64,", re.IGNORECASE)
 INLINE_DECODE = 64 * 1024  # base64 characters a data: URL may have to be decoded on the event loop
 
@@ -201,6 +203,9 @@ def _decode(url: str, start: int, param: str) -> bytes:
 
 def _check_header(data: bytes, param: str) -> None:
     def one_frame(image) -> None:
+        if max(image.size) > MAX_SIDE:
+            raise bad_request(f"{param} is {image.width}x{image.height}, above this server's limit of {MAX_SIDE} "
+                              "pixels a side", param, "image_too_large")
         if getattr(image, "n_frames", 1) > 1:
             raise bad_request(f"{param} is an animated GIF: send one frame", param, "invalid_image_format")
 

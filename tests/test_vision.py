@@ -398,6 +398,9 @@ def _gif(frames: int) -> bytes:
     # a header past Pillow's bomb guard (2 x 89.5M pixels): too large, not damaged (was invalid_image)
     ("tiny-vlm", user(image_part(data_url(png_claiming(20_000, 20_000))), TEXT), 400,
      "messages[0].content[0].image_url.url", "image_too_large"),
+    # within 4096 x 4096 pixels in all, but past 4096 a side: the processor would scale it to 131072 x 32
+    ("tiny-vlm", user(image_part(data_url(picture(2, size=(4097, 1)))), TEXT), 400,
+     "messages[0].content[0].image_url.url", "image_too_large"),
     ("tiny-vlm", user(TEXT, *[image_part(data_url(picture(i))) for i in range(3)]), 400, "messages[0].content[3]",
      "too_many_images"),
     ("tiny-vlm", [{"role": "system", "content": [image_part(data_url(picture(1)))]}, {"role": "user", "content": "hi"}],
