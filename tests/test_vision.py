@@ -447,6 +447,23 @@ def test_an_image_cut_short_is_refused_before_admission_naming_the_part(server):
     assert usage() == before
 
 
+def test_text_that_spells_the_image_placeholder_is_a_400_not_a_request_that_never_ends(server):
+    """A text part holding the model's own placeholder (``<image>``) beside an image part leaves
+    the processor more placeholders than images: a 400 naming the messages (the processor's
+    StopIteration, out of its thread, never reached the request's future: it waited forever),
+    on chat and where a Responses request's tokens are counted."""
+    c = openai.OpenAI(base_url=server.base_url, api_key=server.keys["paid"], max_retries=0, timeout=60)
+    url = data_url(picture(3))
+    with pytest.raises(openai.BadRequestError) as caught:
+        c.chat.completions.create(model="tiny-vlm", max_tokens=2,
+                                  messages=user({"type": "text", "text": "<image> and"}, image_part(url)))
+    assert caught.value.body["param"] == "messages" and "<image>" in caught.value.body["message"]
+    with pytest.raises(openai.BadRequestError) as caught:
+        c.responses.input_tokens.count(model="tiny-vlm", input=[{"role": "user", "content": [
+            {"type": "input_text", "text": "<image>"}, {"type": "input_image", "image_url": url}]}])
+    assert caught.value.body["param"] == "input"
+
+
 def test_a_single_frame_gif_is_read(server, vlm):
     got = client(server).chat.completions.create(model="tiny-vlm", max_tokens=2,
                                                  messages=user(image_part(data_url(_gif(1), "image/gif")), TEXT))

@@ -209,6 +209,11 @@ def vision_inputs(processor: Any, req: ChatRequest, context_length: int) -> tupl
         enc = processor(text=[text], images=images, return_tensors="pt", add_special_tokens=False)
     except ValueError as exc:  # placeholders and images do not pair up (a template that drops image parts)
         raise InvalidParam(f"the model's processor refused the request's images: {exc}", "messages") from None
+    except StopIteration:  # more placeholders than images (the text spells the model's own): as an error here, a
+        # StopIteration out of a thread cannot be set on its asyncio future, and the request would wait forever
+        token = getattr(processor, "image_token", None) or "image placeholder"
+        raise InvalidParam(f"the messages hold more image placeholders ({token}) than the request has images: the "
+                           "text may not spell the model's own", "messages") from None
     ids = enc["input_ids"][0].tolist()
     req.params = fit_context(req.params, len(ids), context_length)
     req.ctx.prompt_thinking = thinking_marker(text)
