@@ -57,6 +57,11 @@ FILE_HEAD = "[file: {name}]\n"  # what comes before a document's text in the mes
 TEXT_CACHE_CHARS = 64 * 2**20  # documents' text kept (the least recently read goes first), in characters
 _TEXTS: LRUCache = LRUCache(maxsize=TEXT_CACHE_CHARS, getsizeof=len)  # (kind, upload id or digest, name) -> text
 _DATA_HEAD = re.compile(r"data:[^;,]*(;[^;,]*)*?;base64,", re.IGNORECASE)
+INLINE_ENCODE = 48 * 1024  # an uploaded image's bytes encoded as base64 on the event loop; more on a thread
+
+
+def _data_url(media: str, data: bytes) -> str:
+    return f"data:{media};base64,{base64.b64encode(data).decode()}"
 
 
 def _names_image(part: Any) -> bool:
@@ -91,8 +96,9 @@ async def read_files(svc: Services, caller: Caller, items: str | list[dict[str, 
                 if media is None:
                     raise bad_request("the file is not an image (PNG, JPEG, WebP or GIF)", f"{where}.file_id",
                                       "invalid_image_format")
-                part = {**{k: v for k, v in part.items() if k != "file_id"},
-                        "image_url": f"data:{media};base64,{base64.b64encode(data).decode()}"}
+                url = _data_url(media, data) if len(data) <= INLINE_ENCODE else \
+                    await asyncio.to_thread(_data_url, media, data)  # (an upload may be up to 200 MiB)
+                part = {**{k: v for k, v in part.items() if k != "file_id"}, "image_url": url}
             elif _names_file(part):
                 part = {"type": "input_text", "text": await _document(svc, caller, part, where)}
             parts.append(part)

@@ -247,3 +247,51 @@ def test_a_document_url_on_a_listed_host_is_fetched_and_read_as_the_same_bytes_i
         with pytest.raises(openai.BadRequestError) as caught:
             ask(c, {"type": "input_file", "file_url": url})
         assert (caught.value.body["param"], caught.value.body["code"]) == (part, code), url
+
+
+def test_a_large_uploaded_image_is_encoded_off_the_event_loop(monkeypatch):
+    """An input_image's file_id past INLINE_ENCODE bytes becomes its data: URL on a thread (an
+    upload may be up to batch.max_file_bytes: its base64 took the event loop from every other
+    request); a small one stays on the loop. Both are the file's data: URL."""
+    import asyncio
+    from types import SimpleNamespace
+
+    from PIL import Image
+    from PIL.PngImagePlugin import PngInfo
+
+    import gateway.input_files as input_files
+    from batch.store import FileInfo
+
+    def png(padding: int) -> bytes:
+        info = PngInfo()
+        info.add_text("pad", "x" * padding)
+        out = io.BytesIO()
+        Image.new("RGB", (8, 8), (1, 2, 3)).save(out, "PNG", pnginfo=info)
+        return out.getvalue()
+
+    files = {"file-small": png(0), "file-large": png(input_files.INLINE_ENCODE)}
+
+    async def get_file(file_id):
+        return FileInfo(file_id, "k", "vision", "a.png", len(files[file_id]), 0)
+
+    async def file_content(file_id):
+        return files[file_id]
+
+    where, encode = [], input_files._data_url
+
+    def watched(media: str, data: bytes) -> str:
+        try:
+            asyncio.get_running_loop()
+            where.append("loop")
+        except RuntimeError:
+            where.append("thread")
+        return encode(media, data)
+
+    monkeypatch.setattr(input_files, "_data_url", watched)
+    svc = SimpleNamespace(files=SimpleNamespace(get_file=get_file, file_content=file_content))
+    caller = SimpleNamespace(admin=False, key_id="k")
+    items = [{"role": "user", "content": [{"type": "input_image", "file_id": f}]} for f in files]
+    got = asyncio.run(input_files.read_files(svc, caller, items))
+    assert where == ["loop", "thread"]
+    assert [item["content"][0]["image_url"] for item in got] == \
+        [f"data:image/png;base64,{base64.b64encode(data).decode()}" for data in files.values()]
