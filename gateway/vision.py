@@ -207,6 +207,7 @@ def _check_header(data: bytes, param: str) -> None:
             raise bad_request(f"{param} is {image.width}x{image.height}, above this server's limit of {MAX_SIDE} "
                               "pixels a side", param, "image_too_large")
         if getattr(image, "n_frames", 1) > 1:
-            raise bad_request(f"{param} is an animated GIF: send one frame", param, "invalid_image_format")
+            raise bad_request(f"{param} is an animated {image.format} ({image.n_frames} frames): send one frame", param,
+                              "invalid_image_format")  # (an animated PNG or WebP too, not only a GIF)
 
     read_image(data, param, FORMATS, MAX_PIXELS, one_frame)

@@ -464,6 +464,20 @@ def test_text_that_spells_the_image_placeholder_is_a_400_not_a_request_that_neve
     assert caught.value.body["param"] == "input"
 
 
+def test_an_animated_png_or_webp_is_refused_as_what_it_is(server):
+    """An animated PNG or WebP is refused as a GIF of several frames is (the processor would read
+    one frame), its message naming its own format, not a GIF."""
+    frames = [Image.new("RGB", (8, 8), (80 * i, 0, 0)) for i in range(2)]
+    for fmt, media in [("PNG", "image/png"), ("WEBP", "image/webp")]:
+        out = io.BytesIO()
+        frames[0].save(out, fmt, save_all=True, append_images=frames[1:])
+        with pytest.raises(openai.BadRequestError) as caught:
+            client(server).chat.completions.create(model="tiny-vlm", max_tokens=2,
+                                                   messages=user(image_part(data_url(out.getvalue(), media)), TEXT))
+        assert caught.value.body["code"] == "invalid_image_format"
+        assert f"animated {fmt} (2 frames)" in caught.value.body["message"], fmt
+
+
 def test_a_single_frame_gif_is_read(server, vlm):
     got = client(server).chat.completions.create(model="tiny-vlm", max_tokens=2,
                                                  messages=user(image_part(data_url(_gif(1), "image/gif")), TEXT))
