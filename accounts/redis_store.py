@@ -194,8 +194,8 @@ class RedisAccounts(RedisKeys, AccountStore):
 
     async def keys_since(self, version: int) -> tuple[list[KeyRecord], int]:
         latest = int(await self._r.get(self.k("version")) or 0)
-        if latest <= version:
-            return [], version
+        if latest <= version:  # lower when Redis went back (restarted empty or from an older snapshot)
+            return [], latest
         ids = await self._r.zrangebyscore(self.k("keys"), f"({version}", latest)
         records = [r for r in await self._many(ids) if r.version > version]
         return records, max([version] + [r.version for r in records])

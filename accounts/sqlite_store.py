@@ -201,7 +201,9 @@ class SQLiteAccounts(SQLiteFile, AccountStore):
             rows = self._db.execute("SELECT doc, version FROM keys WHERE version > ? ORDER BY version",
                                     (version,)).fetchall()
             records = [KeyRecord.of(json.loads(d), v) for d, v in rows]
-            return records, max([version] + [r.version for r in records])
+            if not records:  # the latest, lower than ``version`` if the file went back (restored from a backup)
+                return [], self._db.execute("SELECT COALESCE(MAX(version), 0) FROM keys").fetchone()[0]
+            return records, records[-1].version
 
         return await self._call(run)
 

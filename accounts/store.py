@@ -73,7 +73,8 @@ class AccountStore(abc.ABC):
 
     @abc.abstractmethod
     async def keys_since(self, version: int) -> tuple[list[KeyRecord], int]:
-        """Keys changed after ``version``, and the latest version."""
+        """Keys changed after ``version``, and the latest version: the store's own, lower than
+        ``version`` when the store went back (a Redis restarted empty or from an older snapshot)."""
 
     # -- usage
     @abc.abstractmethod

@@ -142,7 +142,18 @@ class Accounts:
         await self.store.close()
 
     async def refresh(self) -> None:
-        records, self._version = await self.store.keys_since(self._version)
+        records, version = await self.store.keys_since(self._version)
+        if version < self._version:
+            # the store's change counter went back: it lost changes this process saw (a Redis
+            # restarted empty or from an older snapshot, a file restored from a backup), and the
+            # keys made since have versions this process thinks it has seen. What the store holds
+            # is all there is: read every key again, and forget those it no longer has (no list
+            # shows them and no revoke reaches them)
+            log.warning("accounts: the store's key changes went back from %d to %d (a store restarted empty or "
+                        "restored): reading every managed key again", self._version, version)
+            records, version = await self.store.keys_since(0)
+            self._by_id, self._by_hash, self._limits = {}, {}, {}
+        self._version = version
         for r in records:
             self._learn(r)
 

@@ -5,6 +5,7 @@ both limiters (in-process, Redis's Lua script) against the same GCRA arithmetic.
 from __future__ import annotations
 
 import asyncio
+import sqlite3
 import uuid
 
 import pytest
@@ -55,6 +56,48 @@ def test_keys_round_trip_and_changes_are_versioned(store_factory):
         finally:
             await a.close()
             await b.close()
+
+    run(go())
+
+
+def test_a_process_follows_a_store_whose_key_changes_went_back(store_factory, tmp_path):
+    """A Redis restarted empty (or from an older snapshot), or a file restored from a backup,
+    counts its key changes from a lower value again: a process that had seen more never learned
+    the keys made after (401 on every process but the one that made it) and went on serving the
+    keys the store no longer had (which no list showed and no revoke reached)."""
+    from gateway.accounts import Accounts
+    from gateway.config import load_config
+    from tests.helpers import write_config
+
+    async def go():
+        admin = store_factory()
+        accounts = Accounts(load_config(write_config(tmp_path, {"m": ("chat", tmp_path)})), store_factory())
+        await admin.open()
+        await accounts.store.open()
+        try:
+            made = [make_key(f"old{i}", "free") for i in range(3)]
+            for record, _ in made:
+                await admin.create_key(record)
+            await accounts.refresh()
+            old = made[0][1]
+            assert accounts.lookup(old) is not None
+            if isinstance(admin, RedisAccounts):  # restarted empty: this test's keys are gone
+                await admin._r.delete(*[k async for k in admin._r.scan_iter(match=admin.prefix + "*")])
+            else:
+                with sqlite3.connect(tmp_path / "accounts.sqlite3") as db:
+                    db.execute("DELETE FROM keys")
+            record, new = make_key("new", "free")
+            await admin.create_key(record)
+            await accounts.refresh()
+            assert accounts.lookup(new) is not None, "a key made after the store went back was never learned"
+            assert accounts.lookup(old) is None and accounts.current(made[0][0].id) is None
+            another, newer = make_key("newer", "free")
+            await admin.create_key(another)
+            await accounts.refresh()  # and it goes on following the store from there
+            assert accounts.lookup(newer) is not None and accounts.lookup(new) is not None
+        finally:
+            await admin.close()
+            await accounts.store.close()
 
     run(go())
 
