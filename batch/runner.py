@@ -131,9 +131,14 @@ class Runner:
     async def hand_back(self) -> str:
         """Stop claiming and abandon running lines, handing them back to the store (a drain does
         this first; the store stays open). Says how many went back."""
-        tasks = self._loops + [t for _, t in self._running.values()] + list(self._soon.values())
+        loops, self._loops = self._loops, []
+        for t in loops:
+            t.cancel()
+        # the loops end first: a claim whose store swallowed the cancel (``storage.redis``) starts
+        # the lines it claimed before its loop sees the stop, and those are handed back too
+        await asyncio.gather(*loops, return_exceptions=True)
+        tasks = [t for _, t in self._running.values()] + list(self._soon.values())
         unfinished = [job for job, _ in self._running.values()]
-        self._loops = []
         for t in tasks:
             t.cancel()
         await asyncio.gather(*tasks, return_exceptions=True)

@@ -717,6 +717,59 @@ def test_a_runner_stops_when_its_store_swallows_the_cancel(tiny_chat, tmp_path, 
     assert asyncio.run(go()), "the runner's stop() did not return: a loop went on after its store swallowed the cancel"
 
 
+def test_lines_claimed_as_a_stop_lands_are_handed_back_not_left_running(tiny_chat, tmp_path):
+    """The claim loop's store call can swallow the stop's cancel (``storage.redis``): the call
+    returns the lines it claimed and the loop starts them before it sees the stop. ``hand_back``
+    listed the running lines before the loops had ended, so those were neither cancelled nor
+    handed back: they ran on through the shutdown, and one cut by its model's unloading was
+    recorded failed (a 500, "the request failed: Cancelled") instead of running elsewhere."""
+    from batch.shapes import shape_of
+    from batch.store import Line
+
+    async def go():
+        extra = "batch:\n  reclaim_after_s: 60\n"
+        config = load_config(write_config(tmp_path, {"tiny-chat": ("chat", tiny_chat)}, extra))
+        svc = build_services(config, KeyRing({t: [f"k-{t}"] for t in TIERS}))
+        runner = Runner(svc, SQLiteStore(tmp_path / "b.sqlite3"))
+        setup = SQLiteStore(tmp_path / "b.sqlite3")
+        await setup.open()
+        now = int(time.time())
+        info = BatchInfo(id=f"batch_{time.time_ns():024x}", owner="k", endpoint="/v1/chat/completions",
+                         input_file_id="file-x", completion_window="24h", created_at=now, expires_at=now + 86400)
+        await setup.create_batch(info)
+        body = {"model": "tiny-chat", "messages": [{"role": "user", "content": "hi"}], "max_tokens": 2}
+        queued = [Line(i, f"req-{i}", body, shape_of(svc, "/v1/chat/completions", body)) for i in range(3)]
+        await setup.start(info.id, queued, [], now=now)
+        real, inside, swallowed = runner.store.claim, asyncio.Event(), []
+
+        async def swallowing(*args, **kwargs):
+            inside.set()
+            try:
+                await asyncio.sleep(0.5)  # the claim on its way when the stop's cancel lands
+            except asyncio.CancelledError:
+                if swallowed:
+                    raise
+                swallowed.append(True)  # as wait_for on 3.11 when the send had finished: the cancel is gone
+            return await real(*args, **kwargs)
+
+        runner.store.claim = swallowing
+        await runner.start()
+        async with asyncio.timeout(10):
+            await inside.wait()
+        await runner.stop()
+        left = [t for t in asyncio.all_tasks() if t.get_coro().__qualname__ == "Runner._run" and not t.done()]
+        for t in left:
+            t.cancel()
+        await asyncio.gather(*left, return_exceptions=True)
+        again = await setup.claim("heir", 10, 60)  # handed back: another process takes them at once
+        await setup.close()
+        await svc.arbiter.stop()
+        return swallowed, len(left), sorted(j.line.index for j in again)
+
+    swallowed, left, again = asyncio.run(go())
+    assert swallowed and left == 0 and again == [0, 1, 2], (left, again)
+
+
 @pytest.mark.parametrize("store", ["sqlite", "redis"])
 def test_validating_and_cancelling_a_big_batch_leave_the_event_loop_free(store, tiny_chat, tmp_path, request):
     """Validating a batch of the most lines a file may have (its lines' shapes, queueing them) and
