@@ -24,6 +24,10 @@ and at shutdown. The id makes a kept row count once however often it is written 
 request's first write has none, so one that Redis ran before its answer was lost (a timeout) counts
 twice. Past ``UNWRITTEN_MAX`` rows the newest are dropped and counted
 (``tiergate_usage_dropped_total``), as is what is still kept when the process stops.
+
+A request's settle the store fails (its slot of ``concurrent`` and what it held of the daily
+budget stay in Redis for ``INFLIGHT_TTL_S`` else) is kept too, and made again by the refresh loop
+once the store answers and the kept usage is written.
 """
 
 from __future__ import annotations
@@ -59,6 +63,7 @@ UNWRITTEN_MAX = 100_000  # usage rows kept while the store fails (a few hundred 
 WRITE_AGAIN_CHUNK = 256  # kept rows written at once
 STOP_WRITE_S = 5.0  # at shutdown, the last try to write the kept rows
 KEEP_ERRORS = (*STORE_ERRORS, OSError)  # a store that failed a write (OSError: the SQLite journal's file; timeouts)
+UNSETTLED_MAX = 10_000  # settles kept while the store fails; past it the oldest go (their holds run out alone)
 
 
 def store_for(config: Config) -> AccountStore:
@@ -115,6 +120,7 @@ class Accounts:
         self.unwritten: collections.deque[KeptRow] = collections.deque()  # oldest first, written again in order
         self.dropped = 0  # rows past UNWRITTEN_MAX, lost
         self._writing_again: asyncio.Task | None = None
+        self.unsettled: collections.deque[tuple[Admission, Ask]] = collections.deque(maxlen=UNSETTLED_MAX)
 
     @classmethod
     def from_config(cls, config: Config) -> "Accounts":
@@ -177,6 +183,8 @@ class Accounts:
                 outage.answered()
                 if self.unwritten:  # it answers again: the usage kept meanwhile goes in
                     await self.write_again()
+                if self.unsettled and not self.unwritten:  # then the holds go (no moment counts neither)
+                    await self._settle_again()
 
     # -- usage kept while the store fails
     async def _record(self, day: str, key: str, model: str, tier: str, usage: Usage, metering_id: str | None) -> None:
@@ -243,6 +251,19 @@ class Accounts:
                             len(self.unwritten), next(r for r in results if isinstance(r, again)))
                 return
         log.info("usage kept while the store failed: %d rows written", written)
+
+    async def _settle_again(self) -> None:
+        """Settle the requests whose settle the store failed, oldest first; those it still fails
+        wait for the next pass."""
+        while self.unsettled:
+            held, used = self.unsettled.popleft()
+            try:
+                await self.limiter.settle(held.key, held.limits, held.ask, used, held.request_id)
+            except KEEP_ERRORS:
+                self.unsettled.appendleft((held, used))
+                return
+            except Exception as exc:  # noqa: BLE001 - not the store's failure: it would fail again
+                log.error("the limits of key %s could not be settled: %r", held.key, exc)
 
     def _lose_unwritten(self) -> None:
         """At shutdown, with the store still failing: the kept usage is lost; the log keeps its sums
@@ -403,9 +424,16 @@ class Accounts:
                            *await asyncio.gather(settle, return_exceptions=True)]
             else:
                 results = await asyncio.gather(*writes, settle, return_exceptions=True)
-            for result in results:
+            *written, settled = results
+            for result in written:
                 if isinstance(result, BaseException):
                     log.error("usage of a request on %s could not be written: %r", model, result)
+            if isinstance(settled, KEEP_ERRORS):  # else its slot and holds stay in the store for INFLIGHT_TTL_S
+                log.warning("the limits of key %s could not be settled, settled again when the store answers: %r",
+                            held.key, settled)
+                self.unsettled.append((held, used))
+            elif isinstance(settled, BaseException):
+                log.error("the limits of key %s could not be settled: %r", held.key, settled)
         self.record_s.append(time.perf_counter() - start)
 
     async def headers(self, caller: Caller) -> dict[str, str]:

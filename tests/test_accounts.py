@@ -652,6 +652,55 @@ def test_accounts_stop_when_the_store_swallows_the_cancel(tmp_path):
     assert asyncio.run(go()), "Accounts.stop() did not return: the refresh loop went on after a swallowed cancel"
 
 
+def test_a_settle_the_store_failed_is_made_again_when_it_answers(tmp_path, redis_url):
+    """A request's settle gives back its slot of ``concurrent`` (and what it held of the budget):
+    one that Redis failed (an outage as the request ended) left the slot held in Redis for 15
+    minutes, and a key with ``concurrent: 1`` was refused on every process once Redis was back,
+    with nothing in flight. It is kept and made again once the store answers."""
+    import uuid
+
+    from redis.exceptions import ConnectionError as RedisConnectionError
+
+    from accounts.rates import Ask
+    from accounts.redis_store import RedisAccounts
+    from gateway.accounts import Accounts
+    from gateway.auth import Caller
+    from gateway.config import load_config
+    from gateway.errors import APIError
+
+    config = load_config(write_config(tmp_path, {"m": ("chat", tmp_path)}, "accounts:\n  refresh_s: 0.05\n"))
+
+    async def go() -> float | None:
+        accounts = Accounts(config, RedisAccounts(redis_url, f"t{uuid.uuid4().hex[:8]}:"))
+        await accounts.start()
+        try:
+            record, _ = await accounts.create_key("one", "free", {"concurrent": 1}, None)
+            caller = accounts.for_http(Caller("free", record.id))
+            held = await accounts.admit(caller, "m", Ask(requests=1.0))
+            real = accounts.store.settle_script
+
+            async def down(*args, **kwargs):
+                accounts.store.settle_script = real  # the store answers again right after
+                raise RedisConnectionError("Redis went away")
+
+            accounts.store.settle_script = down
+            await accounts.finish(caller, "m", held, None)
+            at = time.monotonic()
+            while time.monotonic() - at < 3:
+                try:
+                    await accounts.finish(caller, "m", await accounts.admit(accounts.for_http(caller), "m",
+                                                                            Ask(requests=1.0)), None)
+                    return time.monotonic() - at
+                except APIError as exc:
+                    assert exc.status == 429, exc.body()
+                await asyncio.sleep(0.02)
+            return None
+        finally:
+            await accounts.stop()
+
+    assert asyncio.run(go()) is not None, "the request's slot stayed held after the store answered again"
+
+
 def test_a_limited_key_gets_503_while_its_store_is_down_and_is_served_again_after(tiny_chat, tmp_path):
     """A managed key's limits live in the store (Redis here): while it does not answer, the key's
     requests are refused with 503 ``store_unavailable`` and Retry-After (not a 500), as are the
