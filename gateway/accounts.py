@@ -26,8 +26,9 @@ twice. Past ``UNWRITTEN_MAX`` rows the newest are dropped and counted
 (``tiergate_usage_dropped_total``), as is what is still kept when the process stops.
 
 A request's settle the store fails (its slot of ``concurrent`` and what it held of the daily
-budget stay in Redis for ``INFLIGHT_TTL_S`` else) is kept too, and made again by the refresh loop
-once the store answers and the kept usage is written.
+budget stay in Redis for ``INFLIGHT_TTL_S`` else) is kept too, and its holds are given back by the
+refresh loop once the store answers and the kept usage is written (not the buckets' correction by
+what the request used: a settle that timed out may have run).
 """
 
 from __future__ import annotations
@@ -120,7 +121,7 @@ class Accounts:
         self.unwritten: collections.deque[KeptRow] = collections.deque()  # oldest first, written again in order
         self.dropped = 0  # rows past UNWRITTEN_MAX, lost
         self._writing_again: asyncio.Task | None = None
-        self.unsettled: collections.deque[tuple[Admission, Ask]] = collections.deque(maxlen=UNSETTLED_MAX)
+        self.unsettled: collections.deque[Admission] = collections.deque(maxlen=UNSETTLED_MAX)
 
     @classmethod
     def from_config(cls, config: Config) -> "Accounts":
@@ -254,13 +255,16 @@ class Accounts:
 
     async def _settle_again(self) -> None:
         """Settle the requests whose settle the store failed, oldest first; those it still fails
-        wait for the next pass."""
+        wait for the next pass. Only their holds go (the slot of ``concurrent``, the budget held):
+        the buckets' correction by ``used - asked`` is left out, since a settle that timed out may
+        have run, and a second correction would give the key back twice what it did not use (left
+        out, it is charged what it asked for, for at most the bucket's minute)."""
         while self.unsettled:
-            held, used = self.unsettled.popleft()
+            held = self.unsettled.popleft()
             try:
-                await self.limiter.settle(held.key, held.limits, held.ask, used, held.request_id)
+                await self.limiter.settle(held.key, held.limits, held.ask, held.ask, held.request_id)
             except KEEP_ERRORS:
-                self.unsettled.appendleft((held, used))
+                self.unsettled.appendleft(held)
                 return
             except Exception as exc:  # noqa: BLE001 - not the store's failure: it would fail again
                 log.error("the limits of key %s could not be settled: %r", held.key, exc)
@@ -431,7 +435,7 @@ class Accounts:
             if isinstance(settled, KEEP_ERRORS):  # else its slot and holds stay in the store for INFLIGHT_TTL_S
                 log.warning("the limits of key %s could not be settled, settled again when the store answers: %r",
                             held.key, settled)
-                self.unsettled.append((held, used))
+                self.unsettled.append(held)
             elif isinstance(settled, BaseException):
                 log.error("the limits of key %s could not be settled: %r", held.key, settled)
         self.record_s.append(time.perf_counter() - start)
