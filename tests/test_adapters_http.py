@@ -285,6 +285,55 @@ def test_stack_gate_runs_one_stack_at_a_time_and_same_stacks_together():
     assert switched[0] == a and len(switched) <= 4
 
 
+def test_stack_gate_lets_go_of_the_weights_while_batch_work_is_paused():
+    """Batch work paused at a step boundary (a higher tier's request came) on one stack must not
+    keep a call wanting another stack out: that call is what the pause is for. It used to wait
+    until its client gave up. Resumed, the batch call gets its own stack back before its next step."""
+    gate = StackGate()
+    switched: list = []
+    run = threading.Event()
+    run.set()
+
+    def pause_gate(ctx: StepContext) -> None:
+        while not run.wait(0.01) and not ctx.cancelled:
+            pass
+
+    a, b = (("a", 1.0),), (("b", 1.0),)
+    batch_ctx = StepContext(pause_gate=pause_gate, pause_check=lambda: not run.is_set())
+    stepping, seen = threading.Event(), []
+
+    def batch_call():
+        with gate.use(a, switched.append, batch_ctx):
+            for _ in range(6):
+                seen.append(gate.key)
+                stepping.set()
+                batch_ctx.boundary()
+                time.sleep(0.01)
+
+    batch = threading.Thread(target=batch_call, daemon=True)
+    batch.start()
+    assert stepping.wait(5)
+    run.clear()  # a paid request arrived: the batch call pauses at its next boundary
+    served = threading.Event()
+
+    def paid_call():
+        with gate.use(b, switched.append, StepContext()):
+            seen.append(gate.key)
+            served.set()
+
+    paid = threading.Thread(target=paid_call, daemon=True)
+    paid.start()
+    try:
+        assert served.wait(5), "the call on another stack waited for the paused batch call"
+    finally:
+        run.set()
+    batch.join(5)
+    paid.join(5)
+    assert not batch.is_alive()
+    assert switched == [a, b, a] and seen[-1] == a and gate.users == 0
+    assert batch_ctx.paused and batch_ctx.pause_gate is pause_gate
+
+
 # -- configuration -------------------------------------------------------------------------------------
 
 

@@ -88,7 +88,39 @@ class StackGate:
 
     @contextmanager
     def use(self, key: StackKey, switch: Callable[[StackKey], None], ctx: StepContext) -> Iterator[None]:
-        """Hold the weights with stack ``key`` for one call; ``switch(key)`` changes the weights."""
+        """Hold the weights with stack ``key`` for one call; ``switch(key)`` changes the weights.
+        Work that yields at its step boundaries (batch work: ``ctx.pause_gate``) lets go of the
+        weights while it is paused and takes them again, with its stack, before its next step. Held
+        through the pause, a paused call on one stack kept every call wanting another waiting for
+        it, the very calls it had paused for: those waited until their clients gave up."""
+        self._acquire(key, switch, ctx)
+        held, gate = True, ctx.pause_gate
+
+        def paused(c: StepContext) -> None:  # ctx's pause gate, the weights let go while it waits
+            nonlocal held
+            if c.pause_check is None:  # a gate that says nothing of pausing ahead: called as it is
+                gate(c)
+                return
+            while c.must_pause() and not c.cancelled:
+                self._release()
+                held = False
+                gate(c)
+                if c.cancelled:  # (boundary raises Cancelled: nothing to take again)
+                    return
+                with torch.inference_mode(False):  # a switch here is the one before the call: outside it
+                    self._acquire(key, switch, c)
+                held = True
+
+        if gate is not None:
+            ctx.pause_gate = paused
+        try:
+            yield
+        finally:
+            ctx.pause_gate = gate
+            if held:
+                self._release()
+
+    def _acquire(self, key: StackKey, switch: Callable[[StackKey], None], ctx: StepContext) -> None:
         with self._cond:
             ticket = next(self._tickets)
             self._waiting[ticket] = key
@@ -108,12 +140,11 @@ class StackGate:
             finally:
                 del self._waiting[ticket]
                 self._cond.notify_all()
-        try:
-            yield
-        finally:
-            with self._cond:
-                self.users -= 1
-                self._cond.notify_all()
+
+    def _release(self) -> None:
+        with self._cond:
+            self.users -= 1
+            self._cond.notify_all()
 
     def _may_start(self, ticket: int, key: StackKey) -> bool:
         if self.users == 0:
