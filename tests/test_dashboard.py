@@ -292,6 +292,16 @@ def test_the_page_shows_the_state_in_a_real_browser(server, tmp_path):
         print(f"dashboard screenshot: {shot}")
         if os.environ.get("TIERGATE_UPDATE_SCREENSHOT") == "1":
             shutil.copyfile(shot, ROOT / "docs" / "img" / "dashboard.png")
+
+        # a burst of events (clients retrying a refused request in a loop make hundreds a second) is
+        # drawn once, not once per event: drawn per event, it froze the page for ~40 s (hunt 7, MM)
+        events = server.services.arbiter.events
+        last = server.call(lambda: [events.emit("refusal", tier="free", model="tiny-image", reason="queue_full",
+                                                retry_after_s=1).id for _ in range(900)][-1])
+        started = time.monotonic()
+        newest = "return Math.max(...[...document.querySelectorAll('#events li')].map((e) => +e.dataset.eventId))"
+        WebDriverWait(driver, 120).until(lambda d: d.execute_script(newest) >= last)
+        assert time.monotonic() - started < 5, f"the page drew a burst of events in {time.monotonic() - started:.1f} s"
     finally:
         driver.quit()
 
