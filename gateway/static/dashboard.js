@@ -80,10 +80,16 @@ function showLogin(message) {
 }
 
 let controller = null;
+const HEADER_VALUE = /^[\t\x20-\x7e\x80-\xff]*$/;  // what fetch sends in a header: ISO-8859-1, no controls
 
 async function connect() {
   const key = sessionStorage.getItem(KEY);
   if (!key) { showLogin(); return; }
+  if (!HEADER_VALUE.test(key)) {  // fetch would throw, and the page would "reconnect" every 2 s for ever
+    sessionStorage.removeItem(KEY);
+    showLogin("that key has characters an HTTP header cannot carry (pasted with a stray character?)");
+    return;
+  }
   $("login").hidden = true;
   $("forget").hidden = false;
   setStatus("connecting");
