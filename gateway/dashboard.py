@@ -7,8 +7,8 @@ store, recent events from the one event stream the arbiter and the gate produce 
 (``arbiter.events``). The stream sends a snapshot first, then every event as it happens, a fresh
 snapshot every ``STATE_EVERY_S`` (counters move without events) and a heartbeat comment every
 ``HEARTBEAT_S``; a reader that falls behind gets a fresh snapshot instead of the events it missed.
-The stream ends when its client disconnects, or when the server starts draining (so that it does
-not hold the shutdown).
+The stream ends when its client disconnects, when the server starts draining (so that it does
+not hold the shutdown), or once its key is no longer an admin key (taken out of its key file).
 
 Both JSON routes need an admin key. The page itself holds no data: it asks for the key once,
 keeps it in ``sessionStorage`` and sends it as a bearer header, never in a URL.
@@ -144,20 +144,31 @@ async def admin_state(request: Request) -> Response:
 
 
 async def admin_events(request: Request) -> Response:
-    svc = _services(request)
+    svc: Services = request.app.state.services
+    key = svc.require_admin(request).key_id
     drain = getattr(request.app.state, "drain", None)
     draining = (lambda: drain.draining) if drain is not None else (lambda: False)
-    return Streamed(_stream(svc, _store(request), _tuner(request), draining), "text/event-stream",
+    return Streamed(_stream(svc, _store(request), _tuner(request), draining, key), "text/event-stream",
                     {"x-accel-buffering": "no"})
 
 
-async def _stream(svc: Services, store: Any, tuner: Any, draining: Callable[[], bool]) -> AsyncIterator[str]:
+def _still_admin(svc: Services, key: str | None) -> bool:
+    """Whether the key with id ``key`` is an admin key still (admin keys are configured keys,
+    in a variable or a key file read again when it changes: ``gateway.key_files``)."""
+    if key is None:
+        return True
+    caller = svc.keys.by_id(key)
+    return caller is not None and caller.admin
+
+
+async def _stream(svc: Services, store: Any, tuner: Any, draining: Callable[[], bool],
+                  key: str | None = None) -> AsyncIterator[str]:
     events = svc.arbiter.events
     sub = events.subscribe()  # before the snapshot: nothing falls between the two
     try:
         next_state = time.monotonic()
         next_beat = next_state + HEARTBEAT_S
-        while not draining():
+        while not draining() and _still_admin(svc, key):  # a key taken out of its file: its stream ends
             now = time.monotonic()
             if now >= next_state:
                 yield _sse("state", await snapshot(svc, store, tuner))

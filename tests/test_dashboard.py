@@ -25,6 +25,7 @@ import httpx
 import openai
 import pytest
 
+from gateway.auth import KeyRing
 from tests import helpers
 from tests.helpers import RunningServer, chromium, start_server, write_config
 
@@ -194,6 +195,16 @@ def test_event_stream_reports_a_real_eviction_within_a_second(server):
     deadline = time.monotonic() + 10
     while server.call(lambda: len(server.services.arbiter.events._subscribers)) and time.monotonic() < deadline:
         time.sleep(0.05)
+    assert server.call(lambda: len(server.services.arbiter.events._subscribers)) == 0
+
+    # an admin key taken out of its file (the ring replaced, as gateway.key_files does) ends its stream
+    reader = EventReader(server)
+    reader.start()
+    reader.next("state")
+    ring = KeyRing({t: [k] for t, k in server.keys.items() if t != "admin"})
+    server.call(lambda: setattr(server.services, "keys", ring))
+    reader.join(10)  # the next state is due within 2 s: the stream ends by then; it went on for ever (hunt 7, MM)
+    assert not reader.is_alive()
     assert server.call(lambda: len(server.services.arbiter.events._subscribers)) == 0
 
 
