@@ -28,7 +28,7 @@ from gateway.errors import APIError, bad_request
 from gateway.http import Streamed, disconnect_signal
 from gateway.logprobs import token_entries
 from gateway.multipart import Multipart, text_fields
-from gateway.schemas import _Body, _Form, parse, read_json
+from gateway.schemas import _Body, _Form, loads, parse, read_json
 from gateway.service import ClientGone, Services
 from gateway.serving import Finished, Gone, Serving, in_thread, relayed, weightless
 from workers import audio as sound
@@ -289,7 +289,7 @@ def _chunking(fields: dict) -> ServerVad | None:
     value = fields.get(name)
     if isinstance(value, str) and value.lstrip().startswith("{"):
         try:
-            vad = json.loads(value)
+            vad = loads(value)  # strict, as a body: no depth raises RecursionError
         except ValueError:
             raise bad_request(f"invalid value for {name}: not a JSON object", name, "invalid_value") from None
         if not isinstance(vad, dict):

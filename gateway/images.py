@@ -32,7 +32,7 @@ from gateway.config import LimitsConfig
 from gateway.errors import APIError, bad_request, not_found
 from gateway.http import Streamed, disconnect_signal
 from gateway.multipart import Multipart, text_fields
-from gateway.schemas import MAX_STACK, AdapterChoice, _Body, _Form, parse, read_json
+from gateway.schemas import MAX_STACK, AdapterChoice, _Body, _Form, loads, parse, read_json
 from gateway.service import Services
 from gateway.serving import Finished, Gone, Serving, in_thread, relayed
 from workers.base import ModelSpec
@@ -541,7 +541,7 @@ def _adapters(text: str | None) -> list[AdapterChoice] | None:
     if text is None:
         return None
     try:
-        value = json.loads(text)
+        value = loads(text)  # strict, as a body: no depth raises RecursionError
     except ValueError:
         raise bad_request("adapters must be JSON text: a list of {\"name\", \"weight\"} objects", "adapters") from None
     return parse(_EditAdapters, {"adapters": value}).adapters

@@ -70,8 +70,8 @@ from gateway.input_files import read_files
 from gateway.logprobs import chat_content
 from gateway.response_store import ResponseStore, StoredResponse
 from gateway.schemas import (MAX_REPETITION_PENALTY, MAX_STACK, MAX_TOOLS, MIN_REPETITION_PENALTY, TOOL_NAME,
-                             AdapterChoice, ChatCompletionRequest, EndUser, Metadata, StructuredOutputs, _Body, parse,
-                             served_tool_types)
+                             AdapterChoice, ChatCompletionRequest, EndUser, Metadata, StructuredOutputs, _Body, loads,
+                             parse, served_tool_types)
 from gateway.service import Services
 from gateway.serving import Gone
 from gateway.tools import CallDelta
@@ -246,7 +246,7 @@ def compaction_item(summary: str) -> dict[str, Any]:
 def _compacted(item: dict[str, Any], where: str) -> str:
     """The summary a compaction item holds; 400 naming its ``encrypted_content`` when it holds none."""
     try:
-        doc = json.loads(base64.urlsafe_b64decode(item["encrypted_content"].encode()))
+        doc = loads(base64.urlsafe_b64decode(item["encrypted_content"].encode()))  # strict: no RecursionError
         if isinstance(doc, dict) and doc.get("v") == 1 and isinstance(doc.get("summary"), str):
             return doc["summary"]
     except (KeyError, AttributeError, TypeError, ValueError):

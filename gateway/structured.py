@@ -19,7 +19,7 @@ from __future__ import annotations
 import json
 
 from gateway.errors import bad_request
-from gateway.schemas import ResponseFormat, StructuredOutputs
+from gateway.schemas import ResponseFormat, StructuredOutputs, loads
 from workers.base import EbnfGrammar, Grammar, JsonGrammar
 from workers.grammar import choice_ebnf, ebnf_text, regex_ebnf, schema_error
 
@@ -79,7 +79,7 @@ def outputs_grammar(so: StructuredOutputs, max_chars: int) -> Grammar:
         schema = so.json_
         if isinstance(schema, str):
             try:
-                schema = json.loads(schema)
+                schema = loads(schema)  # as strict as a body (a schema object's depth is capped there)
             except ValueError:
                 raise bad_request("structured_outputs.json is a JSON schema, or its text: this text is not JSON",
                                   where, "invalid_schema") from None

@@ -3,7 +3,9 @@ a dropped connection), and afterwards the server still answers /healthz and a no
 
 from __future__ import annotations
 
+import base64
 import http.client
+import io
 import json
 import logging
 import socket
@@ -154,6 +156,43 @@ def test_wrong_type_or_range_is_400_with_param(server, name):
 def test_an_int_is_a_fine_float(server):
     status, body = _post(server, _with(temperature=1, top_p=1))
     assert status == 200, body
+
+
+DEEP = "[" * 2000 + "]" * 2000  # json.loads raises RecursionError past ~1000 levels
+
+
+def _png() -> bytes:
+    from PIL import Image
+
+    out = io.BytesIO()
+    Image.new("RGB", (8, 8)).save(out, "PNG")
+    return out.getvalue()
+
+
+# JSON text inside a field (read by a second parse): as deep as a body may be, or a 400 naming it
+JSON_TEXT = {
+    "structured_outputs.json": ("/chat/completions", {**GOOD, "structured_outputs": {"json": DEEP}}, None,
+                                "structured_outputs.json"),
+    "a compaction item": ("/responses", {"model": "tiny-chat", "max_output_tokens": 1, "input": [
+        {"type": "compaction", "encrypted_content": base64.urlsafe_b64encode(DEEP.encode()).decode()},
+        {"role": "user", "content": "hi"}]}, None, "input[0].encrypted_content"),
+    "chunking_strategy": ("/audio/transcriptions", {"model": "tiny-stt", "chunking_strategy": '{"a": ' + DEEP + "}"},
+                          "file", "chunking_strategy"),
+    "an image edit's adapters": ("/images/edits", {"model": "tiny-image", "prompt": "x", "adapters": DEEP}, "image",
+                                 "adapters"),
+}
+
+
+@pytest.mark.parametrize("name", list(JSON_TEXT))
+def test_json_text_in_a_field_nested_past_the_parser_is_400(server, name):
+    path, fields, upload, param = JSON_TEXT[name]
+    headers = {"Authorization": f"Bearer {server.keys['paid']}"}
+    if upload is None:
+        r = httpx.post(f"{server.base_url}{path}", json=fields, headers=headers, timeout=30)
+    else:
+        r = httpx.post(f"{server.base_url}{path}", data=fields, headers=headers, timeout=30,
+                       files={upload: ("a.png", _png())})
+    _error(r.status_code, r.content, 400, None, param)
 
 
 @pytest.mark.parametrize("path", ["/audio/transcriptions", "/files", "/images/edits", "/images/variations"])
