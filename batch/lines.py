@@ -9,6 +9,7 @@ import uuid
 from typing import Any
 
 from batch.store import Line, Outcome
+from gateway.schemas import MAX_DEPTH, InvalidJSON, check_shape
 
 _EOL = re.compile(r"\r\n|\r|\n")
 
@@ -41,7 +42,10 @@ def _check_line(index: int, raw: str, endpoint: str, seen: set[str]) -> Line | O
         return error_line(index, custom_id, code, f"line {index + 1}: {message}")
 
     try:
+        check_shape(raw, "the line", MAX_DEPTH + 1)  # its body as a request's: no RecursionError below
         doc = json.loads(raw)
+    except InvalidJSON as exc:
+        return bad("invalid_json", f"{exc} (a request body may nest {MAX_DEPTH})")
     except ValueError:
         return bad("invalid_json", "not valid JSON")
     if not isinstance(doc, dict):

@@ -607,13 +607,14 @@ _SURROGATE_ESCAPE = re.compile(r"\\u[dD][89a-fA-F]")
 _NOT_STRUCTURE = re.compile(r"[^\[\]{},]")
 
 
-def check_shape(text: str, what: str = "the request body") -> None:
-    """Depth and value count, counted on the text outside strings, before anything is built
-    (``what`` names the text in the :class:`InvalidJSON`). Any JSON text, parsed by any decoder:
-    a realtime client event is checked too, so no depth can raise ``RecursionError``."""
+def check_shape(text: str, what: str = "the request body", max_depth: int = MAX_DEPTH) -> None:
+    """Depth (at most ``max_depth``) and value count, counted on the text outside strings, before
+    anything is built (``what`` names the text in the :class:`InvalidJSON`). Any JSON text, parsed
+    by any decoder: a realtime client event is checked too, and a Batch API or fine-tuning file's
+    line, so no depth can raise ``RecursionError``."""
     opening = text.count("[") + text.count("{")
     marks = opening + text.count("]") + text.count("}") + text.count(",")
-    if opening <= MAX_DEPTH and marks <= 2 * MAX_VALUES and text.count('"') <= 4 * MAX_VALUES:
+    if opening <= max_depth and marks <= 2 * MAX_VALUES and text.count('"') <= 4 * MAX_VALUES:
         return  # within the limits even counting inside strings (an audio append's base64 has none of these)
     plain = text.replace("\\\\", "").replace('\\"', "")  # no escaped quote is left: a string is "..."
     if plain.count('"') > 4 * MAX_VALUES:  # a key or a string value per value, two quotes each
@@ -626,8 +627,8 @@ def check_shape(text: str, what: str = "the request body") -> None:
         if ch == ",":
             continue
         depth += 1 if ch in "[{" else -1
-        if depth > MAX_DEPTH:
-            raise InvalidJSON(f"{what} nests arrays and objects deeper than {MAX_DEPTH} levels")
+        if depth > max_depth:
+            raise InvalidJSON(f"{what} nests arrays and objects deeper than {max_depth} levels")
 
 
 def _constant(name: str) -> float:

@@ -183,6 +183,22 @@ def test_a_byte_order_mark_before_the_first_line_is_skipped():
     assert invalid == [] and [ln.custom_id for ln in lines] == ["req-0", "req-1"]
 
 
+def test_a_line_nested_deeper_than_a_request_body_is_an_invalid_json_line():
+    """A line's body may nest as deep as a request body (32 levels), no deeper: json.loads raises
+    RecursionError past ~1000 levels, and a line just under that parsed here but not where the
+    store wrote it (a deeper stack), so its batch stayed validating, retried forever."""
+    def line(depth: int) -> str:
+        body = json.dumps(chat_line(0)["body"])[:-1] + ', "user": ' + "[" * depth + "]" * depth + "}"
+        return '{"custom_id": "req-0", "method": "POST", "url": "/v1/chat/completions", "body": ' + body + "}"
+
+    lines, invalid = parse_input(jsonl([line(31)]), "/v1/chat/completions")  # the body: 32 levels
+    assert invalid == [] and len(lines) == 1
+    for depth in (32, 985, 2000):
+        lines, invalid = parse_input(jsonl([line(depth)]), "/v1/chat/completions")
+        assert lines == [] and [o.line["error"]["code"] for o in invalid] == ["invalid_json"], depth
+        assert "deeper than" in invalid[0].line["error"]["message"]
+
+
 def test_image_batch_returns_png_b64(server):
     c = sdk(server)
     line = {"method": "POST", "url": "/v1/images/generations",
