@@ -791,6 +791,17 @@ def test_a_bad_training_file_is_a_400_naming_the_line(server, line, says):
     assert says in e.value.body["message"], e.value.body["message"]
 
 
+@pytest.mark.parametrize("depth", [40, 985, 2000])
+def test_a_line_nested_deeper_than_a_request_body_is_a_400_naming_the_line(server, depth):
+    """Past ~1000 levels json.loads raises RecursionError (a 500); a line nests as a request may."""
+    c = client(server)
+    deep = '{"messages": [{"role": "user", "content": "hi"}, {"role": "assistant", "content": "yo"}], "x": '
+    with pytest.raises(openai.BadRequestError) as e:
+        c.fine_tuning.jobs.create(model="tiny-chat", training_file=upload(c, [deep + "[" * depth + "]" * depth + "}"]))
+    assert e.value.body["code"] == "invalid_file_format" and e.value.body["param"] == "training_file"
+    assert "line 1" in e.value.body["message"] and "deeper than" in e.value.body["message"]
+
+
 def test_a_line_holding_a_unicode_line_separator_is_one_example():
     """A JSON string may hold U+2028, U+2029 and U+0085 unescaped (JavaScript's JSON.stringify writes
     them so): a line ends at a newline only."""

@@ -23,6 +23,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from batch.lines import jsonl_lines
+from gateway.schemas import MAX_DEPTH, InvalidJSON, check_shape
 
 ROLES = ("system", "developer", "user", "assistant", "tool")
 DEFAULT_EPOCHS = 3
@@ -71,7 +72,10 @@ def _lines(content: bytes, what: str) -> list[tuple[Any, str]]:
         if not line.strip():
             continue
         try:
+            check_shape(line, "it", MAX_DEPTH + 1)  # a DPO line's input as deep as a request: no RecursionError below
             out.append((json.loads(line), f"{what}, line {number}"))
+        except InvalidJSON as exc:
+            raise FileProblem(f"{what}, line {number}: not JSON as a request body may be ({exc})") from None
         except json.JSONDecodeError as exc:
             raise FileProblem(f"{what}, line {number}: not JSON ({exc.msg})") from None
     if not out:
