@@ -369,7 +369,7 @@ def message(mid: str, model: str, reply: Reply) -> dict[str, Any]:
         arguments = call["function"]["arguments"]
         try:  # ("": a forced call that max_tokens cut before its arguments, not a call of no arguments)
             given = json.loads(arguments)
-        except ValueError:
+        except (ValueError, RecursionError):  # (nested past json.loads' depth: not a call's input either)
             given = None
         if isinstance(given, dict):
             calls.append({"type": "tool_use", "id": call["id"], "name": call["function"]["name"], "input": given})

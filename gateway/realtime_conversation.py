@@ -145,7 +145,7 @@ def _whole(arguments: str) -> bool:
     """A function call's arguments are whole JSON (those of a call cut short are not)."""
     try:
         json.loads(arguments)
-    except ValueError:
+    except (ValueError, RecursionError):  # nested past the parser's depth: not whole either
         return False
     return True
 

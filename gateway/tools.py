@@ -393,7 +393,7 @@ class HermesCalls:
     def _block(self, block: str) -> list[Piece]:
         try:
             call = json.loads(block[len(OPEN): -len(CLOSE)])
-        except ValueError:
+        except (ValueError, RecursionError):  # past ~1000 levels json.loads raises the latter: no call either
             return [block]
         if not (isinstance(call, dict) and call.get("name") in self.names and isinstance(call.get("arguments", {}), dict)):
             return [block]

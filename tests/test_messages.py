@@ -211,6 +211,21 @@ def test_a_stop_sequence_that_ended_a_reply_is_named_whatever_its_calls():
         assert cut["stop_reason"] == "max_tokens" and [b["type"] for b in cut["content"]] == ["text"]
 
 
+def test_a_call_whose_arguments_nest_past_the_json_parser_is_text():
+    """Arguments a model wrote nested past json.loads' ~1000 levels (RecursionError, a 500) are no
+    call a client can run: answered as text, as arguments that are not JSON are."""
+    from gateway.chat import Reply
+    from gateway.messages import message
+    from gateway.tools import ToolCalls
+    from workers.base import ChatFinished
+
+    deep = "[" * 2000 + "]" * 2000
+    calls = ToolCalls([{"id": "call_1", "type": "function", "function": {"name": "f", "arguments": deep}}])
+    answer = message("msg_1", "tiny-chat", Reply(0, [], calls=calls, finish_reason="tool_calls",
+                                                 finished=ChatFinished("stop", 5, 9)))
+    assert answer["content"] == [{"type": "text", "text": deep}]
+
+
 def test_output_config_format_constrains_the_reply_to_its_schema(server):
     """``output_config.format``: the reply's text is JSON the schema allows (constrained as chat's
     response_format is), even on random weights; a schema that is not one is a 400 naming

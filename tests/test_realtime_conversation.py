@@ -361,6 +361,14 @@ def test_long_phrases_stream_in_small_deltas_that_the_sdk_takes_whole(server):
     assert abs(len(audio) / 2 / 24000 - seconds) < 0.1 * len(phrases_said(events)), transcript
 
 
+def test_call_arguments_nested_past_the_json_parser_are_not_whole():
+    """json.loads raises RecursionError past ~1000 levels: such arguments are not whole JSON (the
+    response's end read them, a model's text, and the session ended on the exception)."""
+    from gateway.realtime_conversation import _whole
+
+    assert not _whole("[" * 2000 + "]" * 2000) and _whole('{"a": [1]}')
+
+
 @pytest.mark.parametrize("text, whole, rest", [
     ("Hello there. How are", ["Hello there."], "How are"),
     ("One, two; three: four", ["One,", "two;", "three:"], "four"),

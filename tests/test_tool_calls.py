@@ -91,6 +91,13 @@ def test_hermes_call_of_an_undeclared_tool_is_content():
     assert assemble(HermesCalls(("get_weather",)).feed(text)) == (text, [])
 
 
+def test_a_hermes_block_nested_past_the_json_parser_is_content():
+    """A model may write any text: a block nested past json.loads' ~1000 levels (RecursionError,
+    a 500) is content, as any block that is not a call."""
+    text = "<tool_call>" + "[" * 2000 + "]" * 2000 + "</tool_call>"
+    assert assemble(HermesCalls(("get_weather",)).feed(text)) == (text, [])
+
+
 def tool(name: str, parameters: dict | None = None) -> Tool:
     return Tool.model_validate({"type": "function", "function": {"name": name, "parameters": parameters}})
 
