@@ -19,8 +19,10 @@ the rest: encrypted or broken PDFs and Office files, other Office formats (``.xl
 the old binary ``.doc``/``.ppt``), images, archives. An Office file is a ZIP of XML parts: its
 parts may unpack to at most ``MAX_UNPACKED`` bytes, its XML parts to ``MAX_XML`` (parsed into a
 tree of ~35 bytes of memory per byte of XML: 256 MiB of it took ~9 GB and ~10 minutes), checked
-from the archive's directory before any part is read, so a small upload cannot expand into
-gigabytes; both libraries parse with lxml without resolving entities. A PDF's text stops at
+from the archive's directory before any part but ``[Content_Types].xml`` is read, so a small upload
+cannot expand into gigabytes (a part is XML by its name, or by the content type that part gives it,
+which is what the libraries go by: a part named ``.dat`` may be the document's XML); both libraries
+parse with lxml without resolving entities. A PDF's text stops at
 ``MAX_TEXT_CHARS`` (``invalid_file``), checked after each page: pages may share one content
 stream, so a small PDF can hold its text many times over.
 """
@@ -112,12 +114,44 @@ def _office(content: bytes) -> str:
                                              "PowerPoint (.pptx) are read")
     if sum(part.file_size for part in parts) > MAX_UNPACKED:
         raise Unreadable("invalid_file", f"the {kind} file unpacks to more than {MAX_UNPACKED // 2**20} MiB")
-    if sum(part.file_size for part in parts if part.filename.lower().endswith((".xml", ".rels"))) > MAX_XML:
+    xml_named = [part for part in parts if part.filename.lower().endswith((".xml", ".rels"))]
+    if sum(part.file_size for part in xml_named) > MAX_XML:  # [Content_Types].xml among them: read next
+        raise Unreadable("invalid_file", f"the {kind} file's XML unpacks to more than {MAX_XML // 2**20} MiB")
+    if sum(part.file_size for part in _xml_typed(content, parts)) > MAX_XML:
         raise Unreadable("invalid_file", f"the {kind} file's XML unpacks to more than {MAX_XML // 2**20} MiB")
     try:
         return read(io.BytesIO(content))
     except Exception as exc:  # noqa: BLE001 - a malformed part trips the library in many ways: the file's fault
         raise Unreadable("invalid_file", f"the {kind} file cannot be read ({type(exc).__name__})") from None
+
+
+def _xml_typed(content: bytes, parts: list[zipfile.ZipInfo]) -> list[zipfile.ZipInfo]:
+    """The parts the libraries may parse as XML: those named so, and those whose content type
+    (``[Content_Types].xml``: an ``Override`` by part name, else a ``Default`` by extension, both
+    without regard to case, as python-docx and python-pptx look them up) is XML whatever their
+    names, so that a part named ``.dat`` whose type is a document's XML is held to ``MAX_XML`` too."""
+    from lxml import etree
+
+    try:
+        with zipfile.ZipFile(io.BytesIO(content)) as archive:
+            types = archive.read("[Content_Types].xml")
+        root = etree.fromstring(types, etree.XMLParser(resolve_entities=False, no_network=True))
+    except (KeyError, zipfile.BadZipFile, EOFError, ValueError, etree.XMLSyntaxError):
+        return [part for part in parts if part.filename.lower().endswith((".xml", ".rels"))]  # the library refuses it
+    defaults, overrides = {}, {}
+    for entry in root:
+        kind, ctype = etree.QName(entry).localname if isinstance(entry.tag, str) else "", entry.get("ContentType", "")
+        if kind == "Default":
+            defaults[entry.get("Extension", "").lower()] = ctype
+        elif kind == "Override":
+            overrides[entry.get("PartName", "").lower()] = ctype
+
+    def xml(name: str) -> bool:
+        leaf = name.rsplit("/", 1)[-1]
+        extension = leaf.rsplit(".", 1)[-1].lower() if "." in leaf else ""
+        ctype = overrides.get("/" + name.lower()) or defaults.get(extension)
+        return name.lower().endswith((".xml", ".rels")) or (ctype or "").lower().endswith("xml")
+    return [part for part in parts if xml(part.filename)]
 
 
 def _docx(stream: io.BytesIO) -> str:

@@ -151,6 +151,37 @@ def test_an_office_file_that_unpacks_too_large_is_refused_before_it_is_parsed(mo
     assert "Refund policy" in document_text(content, "big.docx")
 
 
+def test_an_office_part_whose_content_type_is_xml_counts_as_xml_whatever_its_name(monkeypatch):
+    """python-docx parses a part by the content type [Content_Types].xml gives it, not by its name:
+    a styles part named ``big.dat`` is parsed as XML, so it counts against ``MAX_XML`` (it did not:
+    a 0.2 MiB upload with 48 MiB of XML so named was parsed, past the 32 MiB cap)."""
+    source = zipfile.ZipFile(io.BytesIO(word_file()))
+    big = (b'<w:styles xmlns:w="http://schemas.openxmlformats.org/wordprocessingml/2006/main">'
+           + b'<w:style w:type="paragraph" w:styleId="s"/>' * 2000 + b"</w:styles>")
+    out = io.BytesIO()
+    with zipfile.ZipFile(out, "w", zipfile.ZIP_DEFLATED) as z:
+        for info in source.infolist():
+            data = source.read(info.filename)
+            if info.filename == "[Content_Types].xml":
+                data = data.replace(b"<Default ", b'<Default Extension="DAT" ContentType="application/vnd.'
+                                    b'openxmlformats-officedocument.wordprocessingml.styles+xml"/><Default ', 1)
+            elif info.filename == "word/_rels/document.xml.rels":
+                data = data.replace(b"</Relationships>", b'<Relationship Id="rIdBig" Type="http://schemas.'
+                                    b'openxmlformats.org/officeDocument/2006/relationships/customXml" '
+                                    b'Target="big.dat"/></Relationships>')
+            z.writestr(info.filename, data)
+        z.writestr("word/big.dat", big)
+    content = out.getvalue()
+    named = sum(p.file_size for p in zipfile.ZipFile(io.BytesIO(content)).infolist()
+                if p.filename.endswith((".xml", ".rels")))
+    monkeypatch.setattr(documents, "MAX_XML", named + len(big) - 1)
+    with pytest.raises(Unreadable) as refused:
+        document_text(content, "big.docx")
+    assert refused.value.code == "invalid_file" and "XML unpacks to more than" in refused.value.message
+    monkeypatch.setattr(documents, "MAX_XML", named + len(big))
+    assert "Refund policy" in document_text(content, "big.docx")
+
+
 def test_a_pdf_whose_text_grows_past_the_limit_is_refused(monkeypatch):
     """Pages may share one content stream, so a small PDF can hold its text many times: reading
     stops once the pages' text passes ``MAX_TEXT_CHARS``."""
