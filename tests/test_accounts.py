@@ -345,6 +345,13 @@ def test_a_model_outside_the_allow_list_does_not_exist_for_that_key(server):
     assert [m["id"] for m in listed] == ["tiny-image"]
     assert httpx.get(f"{server.base_url}/models/tiny-chat", headers=auth).status_code == 404
     assert httpx.get(f"{server.base_url}/models/tiny-image", headers=auth).status_code == 200
+    # deleting it is no exception: a 404 as for none (it was a 403, model_not_deletable, telling that it exists)
+    hidden, missing = (httpx.delete(f"{server.base_url}/models/{m}", headers=auth)
+                       for m in ("tiny-chat", "no-such-model"))
+    assert hidden.status_code == missing.status_code == 404
+    assert hidden.json() == json.loads(json.dumps(missing.json()).replace("no-such-model", "tiny-chat"))
+    own = httpx.delete(f"{server.base_url}/models/tiny-image", headers=auth)
+    assert own.status_code == 403 and own.json()["error"]["code"] == "model_not_deletable"
     assert chat(server, server.keys["free"]).status_code == 200  # other keys still see it
 
 

@@ -24,6 +24,7 @@ from pydantic import Field, field_validator
 from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
 
+from gateway.adapters import may_use
 from gateway.auth import Caller
 from gateway.config import ADAPTER_NAME
 from gateway.errors import APIError, bad_request, not_found
@@ -328,14 +329,16 @@ async def delete_model(request: Request) -> Response:
     """DELETE /v1/models/{model}: a fine-tuned model (or one of its checkpoints) of the caller's
     jobs (an admin's: anyone's) is removed from its adapter folder: renamed out of sight first,
     so no request reads it half removed, then deleted. Any other model is not the caller's to
-    delete (403); one that does not exist, or another key's, is a 404."""
+    delete (403); one that does not exist, another key's, or one outside the key's allow-lists
+    (docs/ACCOUNTS.md: to it, one that does not exist) is a 404."""
     svc, tuner, caller = _context(request)
     name = request.path_params["model"]
     job = await _job_of(tuner, caller, name)
     if job is None:
         spec = svc.arbiter.specs.get(svc.model_name(name))
-        served = ((spec is not None and spec.kind != "train") or name in svc.adapters.adapters
-                  or name in svc.adapters.loaded or svc.config.folder_adapter_base(name) is not None)
+        # as the key sees them (resolve_as): a model or adapter outside its allow-lists does not exist
+        served = ((spec is not None and spec.kind != "train" and may_use(spec.name))
+                  or svc.adapters.base_of(name) is not None)
         if name.startswith("ft:") or not served:  # another key's fine-tuned model is as good as none
             raise not_found(f"the model '{name}' does not exist", "model", "model_not_found")
         raise APIError(403, f"the model '{name}' is not a fine-tuned model of this key: it cannot be deleted",
