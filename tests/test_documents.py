@@ -151,6 +151,25 @@ def test_an_office_file_that_unpacks_too_large_is_refused_before_it_is_parsed(mo
     assert "Refund policy" in document_text(content, "big.docx")
 
 
+def test_an_html_page_of_too_many_tags_is_refused_before_it_is_parsed(monkeypatch):
+    """Beautiful Soup spends ~20 us and ~1 KiB an element: a 25 MiB page of empty elements took ~40 s
+    and ~2 GB. Its tags are counted first (each '<'), and past ``MAX_HTML_TAGS`` the page is never
+    parsed."""
+    import bs4
+
+    page = b"<html><body>" + b"<p>word</p>" * 50 + b"</body></html>"
+    tags = page.count(b"<")
+    monkeypatch.setattr(documents, "MAX_HTML_TAGS", tags - 1)
+    parse = bs4.BeautifulSoup
+    monkeypatch.setattr(bs4, "BeautifulSoup", lambda *a, **k: pytest.fail("the page was parsed"))
+    with pytest.raises(Unreadable) as refused:
+        document_text(page, "page.html")
+    assert refused.value.code == "invalid_file" and f"{tags - 1:,} tags" in refused.value.message
+    monkeypatch.setattr(bs4, "BeautifulSoup", parse)
+    monkeypatch.setattr(documents, "MAX_HTML_TAGS", tags)
+    assert "word" in document_text(page, "page.html")
+
+
 def test_an_office_part_whose_content_type_is_xml_counts_as_xml_whatever_its_name(monkeypatch):
     """python-docx parses a part by the content type [Content_Types].xml gives it, not by its name:
     a styles part named ``big.dat`` is parsed as XML, so it counts against ``MAX_XML`` (it did not:
