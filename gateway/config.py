@@ -667,9 +667,11 @@ def load_config(path: str | Path, check_paths: bool = True) -> Config:
     """Read and validate ``path``; model paths are resolved relative to the file's folder."""
     path = Path(path)
     try:
-        raw = yaml.load(path.read_text(), Loader=_StrictLoader) or {}
+        raw = yaml.load(path.read_text(encoding="utf-8"), Loader=_StrictLoader) or {}
     except OSError as exc:
         raise ConfigError(f"{path}: cannot read: {exc.strerror or exc}") from None
+    except UnicodeDecodeError as exc:  # read_text's, before YAML sees it: the file is not UTF-8 text
+        raise ConfigError(f"{path}: not UTF-8 text: byte {exc.object[exc.start]:#04x} at offset {exc.start}") from None
     except yaml.YAMLError as exc:
         raise ConfigError(f"{path}: not valid YAML: {_yaml_problem(exc)}") from None
     if not isinstance(raw, dict):

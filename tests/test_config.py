@@ -118,6 +118,17 @@ def test_bad_config_is_one_line_naming_file_field_problem(tmp_path, text, field,
     assert problem in msg
 
 
+def test_a_config_that_is_not_utf8_is_one_line_naming_the_file(tmp_path):
+    """A tiers.yaml in another encoding (Latin-1's 0xe9 in a comment) is one line naming the file
+    and the byte, as other config errors are: it was UnicodeDecodeError's traceback from every
+    command (hunt report QQ, finding 1)."""
+    path = tmp_path / "tiers.yaml"
+    path.write_bytes(b"# caf\xe9\n" + BASE.encode())
+    with pytest.raises(ConfigError) as exc:
+        load_config(path)
+    assert str(exc.value) == f"{path}: not UTF-8 text: byte 0xe9 at offset 5"
+
+
 def test_vllm_args_reach_the_engines_arguments(tmp_path):
     """``engine.vllm_args`` go to vLLM's ``AsyncEngineArgs`` verbatim, beside what tiergate sets
     (built without starting the engine)."""
