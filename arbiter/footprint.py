@@ -51,6 +51,16 @@ def default_device() -> torch.device:
     return torch.device("cuda", 0) if torch.cuda.is_available() else torch.device("cpu")
 
 
+def configured_device(setting: str) -> torch.device:
+    """The device ``gpu.device`` names (``auto``: CUDA where it exists, else the CPU); RuntimeError
+    for ``cuda`` where torch sees none."""
+    if setting == "auto":
+        return default_device()
+    if setting == "cuda" and not torch.cuda.is_available():
+        raise RuntimeError("gpu.device is 'cuda' but torch sees no CUDA device")
+    return torch.device(setting)
+
+
 def device_budget(device: str | torch.device | None, vram_budget: int | None, reserve: int) -> int:
     """Bytes the arbiter may fill with models on ``device`` (see the module docstring)."""
     dev = default_device() if device is None else torch.device(device)

@@ -21,7 +21,7 @@ from starlette.routing import BaseRoute, Route, WebSocketRoute
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from arbiter.events import EventLog
-from arbiter.footprint import default_device, device_budget
+from arbiter.footprint import configured_device, device_budget
 from arbiter.residency import Arbiter, Refused, Unavailable
 from batch import api as batch_api
 from batch import message_batches
@@ -79,7 +79,7 @@ def build_services(config: Config, keys: KeyRing, origin: str = "") -> Services:
     ]
     events = EventLog()  # the one stream the gate and the arbiter report into (the dashboard's)
     gate = Gate(policies, config.gate.slots, guard=config.gate.slo_guard.settings(), events=events)
-    device = default_device() if config.gpu.device == "auto" else _device(config.gpu.device)
+    device = configured_device(config.gpu.device)  # RuntimeError for cuda where there is none
     arbiter = Arbiter(
         config.model_specs(),
         device=device,
@@ -112,14 +112,6 @@ def build_services(config: Config, keys: KeyRing, origin: str = "") -> Services:
         services.on_shutdown.append(watch.stop)
     services.client_secrets = ClientSecrets(origin=origin)
     return services
-
-
-def _device(name: str):
-    import torch
-
-    if name == "cuda" and not torch.cuda.is_available():
-        raise RuntimeError("gpu.device is 'cuda' but torch sees no CUDA device")
-    return torch.device(name)
 
 
 async def healthz(request: Request) -> Response:

@@ -87,7 +87,7 @@ def _check(config_path: str) -> int:
     model's kind, engine, aliases and footprint against the device budget, what the gateway reads
     of its folder before loading it, and whether all fit at once; each tier's key count; 1 when a
     model's folder or a key file cannot be read or a model can never fit. Loads no weights."""
-    from arbiter.footprint import default_device, device_budget
+    from arbiter.footprint import configured_device, device_budget
     from arbiter.residency import _estimate
     from gateway.adapters import load_adapters
     from gateway.webhooks import endpoints_of
@@ -97,13 +97,16 @@ def _check(config_path: str) -> int:
         config = load_config(config_path)
         adapters = load_adapters(config)
         endpoints_of(config)  # as serve reads them: each secret set and readable, each URL once
+        usable_data_dir(config, make=False)  # the SQLite stores' folder, as serve refuses it (nothing made here)
     except ConfigError as exc:
         print(f"tiergate: {exc}", file=sys.stderr)
         return 2
-    import torch
-
-    device = default_device() if config.gpu.device == "auto" else torch.device(config.gpu.device)
-    budget = device_budget(device, config.gpu.vram_budget, config.gpu.reserve)
+    try:  # as serve reads them, with serve's message: cuda where there is none, no budget on the CPU
+        device = configured_device(config.gpu.device)
+        budget = device_budget(device, config.gpu.vram_budget, config.gpu.reserve)
+    except (ValueError, RuntimeError) as exc:
+        print(f"tiergate: {config.source}: gpu: {exc}", file=sys.stderr)
+        return 2
     specs = config.model_specs()
     aliases = config.aliases
     folders = f" (and {len(adapters.dirs)} adapter folders, read as requests name them)" if adapters.dirs else ""
@@ -237,17 +240,21 @@ def admin_source(environ=os.environ) -> str:
     return " and ".join(named + ([f"{ADMIN_ENV}{KEY_FILE_SUFFIX} ({file})"] if file else []))
 
 
-def usable_data_dir(config: Config) -> None:
+def usable_data_dir(config: Config, make: bool = True) -> None:
     """``batch.data_dir``, made if missing and written to once, when the SQLite stores live there:
-    one that cannot be used is a config error now, not SQLite's traceback from the app's start-up."""
+    one that cannot be used is a config error now, not SQLite's traceback from the app's start-up.
+    ``make=False`` (``tiergate check``): nothing is made; a missing folder's nearest existing
+    folder above it is written to instead (a file made and gone at once)."""
     if config.batch.store != "sqlite":
         return
     import tempfile
 
     folder = config.data_dir()
     try:
-        folder.mkdir(parents=True, exist_ok=True)
-        with tempfile.TemporaryFile(dir=folder):  # a read-only filesystem lets root make no file either
+        if make:
+            folder.mkdir(parents=True, exist_ok=True)
+        probe = folder if make else next(p for p in (folder, *folder.parents) if p.exists())
+        with tempfile.TemporaryFile(dir=probe):  # a read-only filesystem lets root make no file either
             pass
     except OSError as exc:
         problem = "it is not a folder" if folder.exists() and not folder.is_dir() else exc.strerror or exc

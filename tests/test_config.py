@@ -416,6 +416,36 @@ def test_tiergate_check_refuses_the_webhooks_serve_refuses(tiny_chat, tmp_path, 
     assert code == 2 and "webhooks[1] (http://127.0.0.1:1/h): this URL is listed twice" in err
 
 
+def test_tiergate_check_refuses_the_gpu_and_data_dir_serve_refuses(tmp_path, capsys):
+    """``tiergate check`` refuses, exit 2 with serve's line, what serve refuses before it loads a
+    model: no ``gpu.vram_budget`` without CUDA (was a traceback), ``gpu.device: cuda`` where torch
+    sees none, and a ``batch.data_dir`` that cannot hold the SQLite stores (both were exit 0); it
+    makes no folder (hunt report QQ, finding 2)."""
+    import torch
+
+    from gateway.cli import main
+
+    def check(tail: str) -> tuple[int, str]:
+        path = tmp_path / "tiers.yaml"
+        path.write_text("tiers:\n  - {name: paid, keys_env: K_PAID}\n" + tail)
+        code = main(["check", "--config", str(path)])
+        return code, capsys.readouterr().err
+
+    path = tmp_path / "tiers.yaml"
+    budget = "gpu: {device: cpu, vram_budget: 1GiB}\n"
+    assert check(budget + "batch: {data_dir: new/data}\n") == (0, "") and not (tmp_path / "new").exists()
+    assert check("gpu: {device: cpu}\n") == (2, f"tiergate: {path}: gpu: no CUDA device (cpu): set gpu.vram_budget "
+                                               "to the simulated budget, e.g. '16GiB'\n")
+    if not torch.cuda.is_available():
+        assert check("gpu: {device: cuda, vram_budget: 1GiB}\n") == (
+            2, f"tiergate: {path}: gpu: gpu.device is 'cuda' but torch sees no CUDA device\n")
+    (tmp_path / "afile").write_text("not a folder")
+    for data_dir in ("afile", "afile/below"):
+        code, err = check(budget + f"batch: {{data_dir: {data_dir}}}\n")
+        assert code == 2 and err.startswith(f"tiergate: {path}: batch.data_dir: {tmp_path / data_dir} cannot hold "
+                                            "the SQLite stores: "), err
+
+
 def test_tiergate_check_counts_each_tiers_keys_and_names_a_key_file_it_cannot_read(tiny_chat, tmp_path, capsys,
                                                                                      monkeypatch):
     """``tiergate check`` says how many keys each tier and the admins have and where the file ones
