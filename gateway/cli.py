@@ -56,6 +56,7 @@ def main(argv: list[str] | None = None) -> int:
     if args.command == "keys":
         try:
             config = load_config(args.config, check_paths=False)
+            usable_data_dir(config)  # the SQLite store's folder, as serve makes it: a bad one is a line, not SQLite's
         except ConfigError as exc:
             print(f"tiergate: {exc}", file=sys.stderr)
             return 2

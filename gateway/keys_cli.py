@@ -12,6 +12,7 @@ import time
 from typing import Any
 
 from accounts.config import Limits
+from accounts.store import STORE_ERRORS
 from gateway.accounts import store_for
 from gateway.config import Config
 from accounts.keys import make_key
@@ -37,27 +38,35 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
 
 
 def run(args: argparse.Namespace, config: Config) -> int:
-    """Carry out ``args.action``; 0 on success, 1 when the key does not exist, 2 for bad input."""
+    """Carry out ``args.action``; 0 on success, 1 when the key does not exist or the store does not
+    answer, 2 for bad input."""
     return asyncio.run(_run(args, config))
 
 
 async def _run(args: argparse.Namespace, config: Config) -> int:
     store = store_for(config)
-    await store.open()
     try:
-        if args.action == "create":
-            return await _create(args, config, store)
-        if args.action == "list":
-            for record in await store.list_keys():
-                print(json.dumps(record.public()))
-            return 0
-        record = await store.update_key(args.key_id, revoked_at=int(time.time()))
-        if record is None:
-            return _refuse(f"no key {args.key_id}", 1)
-        print(json.dumps(record.public()))
+        await store.open()
+        try:
+            return await _act(args, config, store)
+        finally:
+            await store.close()
+    except STORE_ERRORS as exc:  # Redis down, SQLite's file refused: one line, not the client's traceback
+        return _refuse(f"{config.source}: batch.store: the key store did not answer: {exc}", 1)
+
+
+async def _act(args: argparse.Namespace, config: Config, store) -> int:
+    if args.action == "create":
+        return await _create(args, config, store)
+    if args.action == "list":
+        for record in await store.list_keys():
+            print(json.dumps(record.public()))
         return 0
-    finally:
-        await store.close()
+    record = await store.update_key(args.key_id, revoked_at=int(time.time()))
+    if record is None:
+        return _refuse(f"no key {args.key_id}", 1)
+    print(json.dumps(record.public()))
+    return 0
 
 
 async def _create(args: argparse.Namespace, config: Config, store) -> int:

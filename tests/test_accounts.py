@@ -112,6 +112,26 @@ def test_tiergate_keys_create_refuses_a_bad_limit_in_one_line_on_stderr(tmp_path
     assert main(["keys", "--config", str(config), "list"]) == 0 and capsys.readouterr().out == ""
 
 
+def test_tiergate_keys_names_a_store_it_cannot_use_in_one_line(tmp_path, capsys):
+    """``tiergate keys`` with a ``batch.data_dir`` that cannot hold the SQLite store is serve's one
+    line and exit 2, and a Redis store that does not answer one line and exit 1: both were a
+    traceback (hunt report QQ, finding 3)."""
+    from gateway.cli import main
+
+    (tmp_path / "afile").write_text("not a folder")
+    config = write_config(tmp_path, {"tiny-chat": ("chat", tmp_path / "unread")}, "batch:\n  data_dir: afile\n")
+    assert main(["keys", "--config", str(config), "list"]) == 2
+    out, err = capsys.readouterr()
+    assert out == "" and err == (f"tiergate: {config}: batch.data_dir: {tmp_path / 'afile'} cannot hold the SQLite "
+                                 "stores: it is not a folder\n")
+    config = write_config(tmp_path, {"tiny-chat": ("chat", tmp_path / "unread")},
+                          "batch:\n  store: redis://127.0.0.1:1/0\n")  # nothing listens on port 1
+    assert main(["keys", "--config", str(config), "list"]) == 1
+    out, err = capsys.readouterr()
+    assert out == "" and len(err.splitlines()) == 1, err
+    assert err.startswith(f"tiergate: {config}: batch.store: the key store did not answer: "), err
+
+
 def test_headers_are_true_for_the_key(server):
     key_id, secret = new_key(server, limits={"requests_per_min": 3, "tokens_per_min": 1000})
     spent = 0  # tokens the bucket holds after each request is corrected to what it used
