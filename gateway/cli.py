@@ -64,6 +64,11 @@ def main(argv: list[str] | None = None) -> int:
     if args.command == "check":
         return _check(args.config)
     if args.command == "demo-models":
+        try:  # a folder that cannot be made (a file there, a read-only place) is a line, not pathlib's traceback
+            Path(args.out).mkdir(parents=True, exist_ok=True)
+        except OSError as exc:
+            print(f"tiergate: --out {args.out}: cannot make the folder: {exc.strerror or exc}", file=sys.stderr)
+            return 2
         for name, folder in _build_demo_models(Path(args.out), args.seed, args.force).items():
             print(f"{name}: {folder}")
         return 0

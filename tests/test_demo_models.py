@@ -44,3 +44,17 @@ def test_tiergate_demo_models_writes_no_progress_bar_outside_a_terminal(tmp_path
     assert "tiny-chat: " in done.stdout
     bars = [ln for ln in done.stderr.replace("\r", "\n").splitlines() if "%|" in ln or "it/s]" in ln]
     assert bars == []
+
+
+def test_tiergate_demo_models_names_an_out_folder_it_cannot_make(tmp_path: Path, capsys) -> None:
+    """``tiergate demo-models --out`` naming a file, or a folder below one, is one line and exit 2,
+    before any model is built: it was pathlib's FileExistsError traceback (hunt report QQ,
+    finding 4)."""
+    from gateway.cli import main
+
+    (tmp_path / "afile").write_text("not a folder")
+    for out, why in (("afile", "File exists"), ("afile/below", "Not a directory")):
+        assert main(["demo-models", "--out", str(tmp_path / out)]) == 2
+        captured = capsys.readouterr()
+        assert captured.out == ""
+        assert captured.err == f"tiergate: --out {tmp_path / out}: cannot make the folder: {why}\n"
