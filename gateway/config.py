@@ -598,6 +598,9 @@ class Config(_Strict):
             if t.keys_env in envs[:i] or t.keys_env == ADMIN_ENV:
                 raise ValueError(f"tiers[{i}].keys_env: {t.keys_env!r} is another tier's or the admin keys' "
                                  "variable; a key has one tier")
+            if t.keys_env.removesuffix(KEY_FILE_SUFFIX) in envs and t.keys_env.endswith(KEY_FILE_SUFFIX):
+                raise ValueError(f"tiers[{i}].keys_env: {t.keys_env!r} names the file of "
+                                 f"{t.keys_env.removesuffix(KEY_FILE_SUFFIX)}'s keys: its path would be a key here")
         marked = [t.name for t in tiers if t.batch]
         if len(marked) > 1:
             raise ValueError(f"only one tier may be the batch tier; batch: true on {', '.join(marked)}")

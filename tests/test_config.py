@@ -79,6 +79,12 @@ def test_good_config_loads(tmp_path):
      "protect_window_s moved to eviction.protect_window_s"),
     (BASE.replace("models:\n", "models:\n  - {name: m, kind: chat, path: model}\n"), "models", "duplicate name 'm'"),
     (BASE.replace("{name: batch", "{name: paid"), "tiers", "duplicate name 'paid'"),
+    # a tier's variable that is another's _FILE variable: that file's path would be one of its keys
+    (BASE.replace("keys_env: K_BATCH", "keys_env: K_PAID_FILE"), "tiers",
+     "tiers[1].keys_env: 'K_PAID_FILE' names the file of K_PAID's keys: its path would be a key here"),
+    (BASE.replace("keys_env: K_BATCH", "keys_env: TIERGATE_KEYS_ADMIN_FILE"), "tiers",
+     "tiers[1].keys_env: 'TIERGATE_KEYS_ADMIN_FILE' names the file of TIERGATE_KEYS_ADMIN's keys"),
+    (BASE.replace("keys_env: K_PAID", "keys_env: K_BATCH_FILE"), "tiers", "tiers[0].keys_env: 'K_BATCH_FILE' names"),
     (BASE.replace("path: model", "path: nowhere"), "models[0].path", "no such folder"),
     (BASE.replace("keys_env: K_PAID}", "keys_env: K_PAID, max_inflight: 0}"), "tiers[0].max_inflight", "greater than"),
     ("tiers: []\n", "tiers", "at least 1"),
