@@ -270,7 +270,9 @@ def usable_data_dir(config: Config, make: bool = True) -> None:
 
 def _serve(args: argparse.Namespace) -> int:
     from gateway import request_log
+    from gateway.key_files import hold_hangups, release_hangups, watch_key_files
 
+    hold_hangups()  # a SIGHUP while it starts: key files read again once it runs, or the default then
     request_log.configure(json_lines=args.log_format == "json")
     _library_output(sys.stderr.isatty())
     try:
@@ -301,10 +303,8 @@ def _serve(args: argparse.Namespace) -> int:
         where = "models" if str(exc).startswith("model '") else "gpu"
         print(f"tiergate: {config.source}: {where}: {exc}", file=sys.stderr)
         return 2
-    if not made:  # keys in files are read again when they change, and on SIGHUP
-        from gateway.key_files import watch_key_files
-
-        watch_key_files(services)
+    if made or watch_key_files(services) is None:  # keys in files are read again when they change, and on SIGHUP
+        release_hangups()
     collector.attach(services)  # the long-lived objects frozen out of the garbage collector's walks
     app = create_app(services)
     scheme = "https" if args.ssl_certfile else "http"

@@ -37,6 +37,30 @@ log = logging.getLogger("tiergate")
 
 POLL_S = 2.0
 
+_held: list[str] = []  # SIGHUPs that came while the server started (hold_hangups), not yet acted on
+
+
+def hold_hangups() -> None:
+    """From ``tiergate serve``'s first line: a SIGHUP is noted, not the end of the process, until
+    the key files' watcher takes it over as it starts (and reads the files again for one that came)
+    or :func:`release_hangups` gives it back. Without it a SIGHUP sent while the server imported
+    and loaded (seconds) ended it, key files or not."""
+    try:
+        signal.signal(signal.SIGHUP, lambda *_: _held.append("SIGHUP during start-up"))
+    except ValueError:  # not the main thread (a server run inside a test)
+        pass
+
+
+def release_hangups() -> None:
+    """No key files to read again: SIGHUP's default back (it ends the process, README), and one
+    that came while held delivered now."""
+    try:
+        signal.signal(signal.SIGHUP, signal.SIG_DFL)
+    except ValueError:
+        return
+    if _held:
+        os.kill(os.getpid(), signal.SIGHUP)
+
 Stamp = tuple[tuple[str, int, int, int] | tuple[str, None, None, None], ...]
 
 
@@ -97,13 +121,17 @@ class KeyFiles:
             loop.add_signal_handler(signal.SIGHUP, self.reload, "SIGHUP")
         except (RuntimeError, ValueError):  # not the main thread (a server run inside a test)
             log.warning("SIGHUP does not reload the key files here (not the main thread); they are still watched")
+        if _held:  # one came while the server started: the keys read then may be older than the files
+            _held.clear()
+            self.reload("SIGHUP during start-up")
         self._task = asyncio.create_task(self._watch(), name="tiergate-key-files")
 
     async def stop(self) -> None:
         if self._task is not None:
             self._task.cancel()
         try:
-            asyncio.get_running_loop().remove_signal_handler(signal.SIGHUP)
+            asyncio.get_running_loop().remove_signal_handler(signal.SIGHUP)  # (which puts back SIGHUP's default)
+            signal.signal(signal.SIGHUP, signal.SIG_IGN)  # not the end of a process still closing its stores
         except (RuntimeError, ValueError):
             pass
 

@@ -143,3 +143,42 @@ def test_tiergate_cluster_stops_at_a_key_file_it_cannot_read_or_a_key_in_two_pla
     assert run(str(config), None, demo=False) == 2
     err = capsys.readouterr().err
     assert "a key is listed in both TEST_KEYS_PAID and TIERGATE_KEYS_ADMIN" in err and "sk-secret" not in err
+
+
+def test_a_sighup_while_the_server_starts_is_held_then_read_or_given_back(setup, monkeypatch):
+    """``tiergate serve`` holds SIGHUP from its first line: one sent while it imports and loads
+    (seconds) ended the process, key files or not. The watcher reads the files as it starts for
+    one that came; after it stops, one is not the end of a process still closing its stores; with
+    no key files the default (the end of the process) is back, and one held is delivered then
+    (hunt report QQ, finding 6)."""
+    import asyncio
+    import signal
+
+    from gateway import key_files
+
+    before = signal.getsignal(signal.SIGHUP)
+    try:
+        key_files.hold_hangups()
+        replace(setup.paid, "sk-new\n")
+        os.kill(os.getpid(), signal.SIGHUP)  # the process's end, before
+        assert tier_of(setup, "sk-new") is None  # held: not read until the watcher starts
+
+        async def run() -> None:
+            await setup.files.start()
+            await setup.files.stop()
+
+        asyncio.run(run())
+        assert tier_of(setup, "sk-new") == "paid" and tier_of(setup, "sk-old") is None
+        assert signal.getsignal(signal.SIGHUP) is signal.SIG_IGN
+        sent: list[int] = []
+        monkeypatch.setattr(key_files.os, "kill", lambda pid, sig: sent.append(sig))
+        key_files.hold_hangups()
+        key_files.release_hangups()  # none came: nothing delivered
+        assert signal.getsignal(signal.SIGHUP) is signal.SIG_DFL and sent == []
+        key_files.hold_hangups()
+        signal.raise_signal(signal.SIGHUP)
+        key_files.release_hangups()
+        assert signal.getsignal(signal.SIGHUP) is signal.SIG_DFL and sent == [signal.SIGHUP]
+    finally:
+        signal.signal(signal.SIGHUP, before)
+        key_files._held.clear()
