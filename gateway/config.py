@@ -553,7 +553,8 @@ class Config(_Strict):
                 if alias in taken:
                     raise ValueError(f"models[{i}].aliases: {alias!r} is the name of a model or adapter")
                 if alias in seen:
-                    raise ValueError(f"models[{i}].aliases: {alias!r} is another model's alias too")
+                    whose = "listed twice" if m.aliases.count(alias) > 1 else "another model's alias too"
+                    raise ValueError(f"models[{i}].aliases: {alias!r} is {whose}")
                 seen.add(alias)
         return self
 

@@ -79,6 +79,8 @@ def test_good_config_loads(tmp_path):
      "protect_window_s moved to eviction.protect_window_s"),
     (BASE.replace("models:\n", "models:\n  - {name: m, kind: chat, path: model}\n"), "models", "duplicate name 'm'"),
     (BASE.replace("{name: batch", "{name: paid"), "tiers", "duplicate name 'paid'"),
+    (BASE.replace("vram: 6GiB", "vram: 6GiB, aliases: [gpt-4o, gpt-4o]"), "models[0].aliases",
+     "'gpt-4o' is listed twice"),  # not "another model's alias": there is no other model
     # a tier's variable that is another's _FILE variable: that file's path would be one of its keys
     (BASE.replace("keys_env: K_BATCH", "keys_env: K_PAID_FILE"), "tiers",
      "tiers[1].keys_env: 'K_PAID_FILE' names the file of K_PAID's keys: its path would be a key here"),
