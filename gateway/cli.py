@@ -72,7 +72,15 @@ def main(argv: list[str] | None = None) -> int:
         for name, folder in _build_demo_models(Path(args.out), args.seed, args.force).items():
             print(f"{name}: {folder}")
         return 0
-    return _serve(args)
+    from gateway.key_files import drop_hold
+
+    try:
+        return _serve(args)
+    except KeyboardInterrupt:  # Ctrl+C before uvicorn runs (its imports, the stores): once it runs, a drain
+        print("tiergate: stopped while starting (Ctrl+C)", file=sys.stderr)
+        return 130
+    finally:
+        drop_hold()  # SIGHUP as it was where serve ended before its key files' watcher took it
 
 
 def tcp_port(text: str) -> int:

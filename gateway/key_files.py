@@ -46,9 +46,25 @@ def hold_hangups() -> None:
     or :func:`release_hangups` gives it back. Without it a SIGHUP sent while the server imported
     and loaded (seconds) ended it, key files or not."""
     try:
-        signal.signal(signal.SIGHUP, lambda *_: _held.append("SIGHUP during start-up"))
+        signal.signal(signal.SIGHUP, _hold)
     except ValueError:  # not the main thread (a server run inside a test)
         pass
+
+
+def _hold(signum: int, frame: object) -> None:
+    _held.append("SIGHUP during start-up")
+
+
+def drop_hold() -> None:
+    """``serve`` ended before the watcher took SIGHUP over (a config refused, Ctrl+C while it
+    started): the default back, what was held forgotten (a caller that goes on, as a test, keeps
+    no handler of a server that never ran)."""
+    try:
+        if signal.getsignal(signal.SIGHUP) is _hold:
+            signal.signal(signal.SIGHUP, signal.SIG_DFL)
+    except ValueError:
+        pass
+    _held.clear()
 
 
 def release_hangups() -> None:

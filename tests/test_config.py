@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import base64
+import signal
 import subprocess
 import sys
 from pathlib import Path
@@ -216,6 +217,21 @@ def test_a_data_dir_that_cannot_be_used_stops_startup_naming_field_path_and_file
     path = write(tmp_path, BASE + f"batch:\n  data_dir: {below}\n")
     assert main(["serve", "--config", str(path), "--demo"]) == 2
     assert capsys.readouterr().err.splitlines()[-1].startswith(f"tiergate: {path}: batch.data_dir: {below} ")
+
+
+def test_ctrl_c_while_serve_starts_is_one_line_and_exit_130(tmp_path, capsys, monkeypatch):
+    """Ctrl+C while ``serve`` imports and sets up (before uvicorn runs and drains on it) is one line
+    and exit 130, as a shell's Ctrl+C: it was KeyboardInterrupt's traceback through the imports
+    (hunt report QQ, finding 8)."""
+    from gateway import cli
+
+    def interrupted(interactive: bool) -> None:
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(cli, "_library_output", interrupted)  # where the imports' seconds go
+    assert cli.main(["serve", "--config", str(write(tmp_path, BASE)), "--demo"]) == 130
+    assert capsys.readouterr().err == "tiergate: stopped while starting (Ctrl+C)\n"
+    assert signal.getsignal(signal.SIGHUP) is signal.SIG_DFL  # serve's hold on it let go
 
 
 @pytest.mark.parametrize("port", ["70000", "0", "-1", "http"])
