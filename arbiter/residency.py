@@ -548,7 +548,7 @@ class Arbiter:
             self.states[name] = replace(self.states[name], place="loading")
         for name in evict.drop_warm:
             if name in self.workers:
-                await self.workers[name].release()
+                await _release_anyway(name, self.workers[name])
             self._went_cold(name)
             self.events.emit("eviction", model=name, from_place="warm", to_place="cold", reason="host_cache", **by)
         pin = self.device.type == "cuda"
@@ -556,10 +556,16 @@ class Arbiter:
             worker = self.workers.get(name)
             warm = False
             if worker is not None:
-                if name in evict.to_warm:
-                    warm = await worker.to_host(pin)
-                else:
-                    await worker.release()
+                try:
+                    if name in evict.to_warm:
+                        warm = await worker.to_host(pin)
+                    else:
+                        await worker.release()
+                except Exception:  # noqa: BLE001 - a move that failed (pinning host memory) must not strand it
+                    # ``loading`` for good: its requests waited forever and its bytes stayed counted
+                    log.exception("evicting %s failed; it is released and goes cold", name)
+                    warm = False
+                    await _release_anyway(name, worker)
             if warm:
                 self.states[name] = replace(self.states[name], place="warm")
             else:
@@ -603,6 +609,15 @@ def _estimate(spec: ModelSpec) -> int:
     except ValueError as exc:
         raise ValueError(f"model {spec.name!r}: {exc}") from None
     return weights + int(spec.options.get("kv_cache_bytes") or 0) + int(spec.options.get("training_bytes") or 0)
+
+
+async def _release_anyway(name: str, worker: Worker) -> None:
+    """Release ``worker`` for an eviction; a failure is logged, and the model counts as cold all
+    the same (its next load starts afresh)."""
+    try:
+        await worker.release()
+    except Exception:  # noqa: BLE001
+        log.exception("releasing %s failed; it counts as cold", name)
 
 
 def _set_event() -> threading.Event:

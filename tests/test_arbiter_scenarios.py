@@ -539,6 +539,37 @@ def test_a_chain_whose_models_do_not_fit_together_evicts_its_own_first_model(tin
     asyncio.run(main())
 
 
+def test_an_eviction_that_fails_sends_its_victim_cold_instead_of_stranding_it(tiny_chat):
+    """A victim's move to the host cache fails (pinning host memory, say) while it makes room:
+    it is released and goes cold, the load goes on, and the victim's next request loads it again
+    (it stayed ``loading`` for good, its bytes counted, and that request waited forever)."""
+    clock = Clock()
+
+    def factory(spec):
+        worker = make_worker(spec)
+        if spec.name == "a":
+            async def to_host(pin):
+                raise RuntimeError("cannot pin host memory (injected)")
+
+            worker.to_host = to_host
+        return worker
+
+    async def main():
+        arb = make(tiny_chat, clock, factory=factory, budget=6 * GiB)
+        await use(arb, "a", FREE)
+        clock.t += 100
+        await use(arb, "b", PAID)
+        assert places(arb) == {"a": "cold", "b": "resident", "c": "cold", "d": "cold"}
+        assert arb.view().used == 4 * GiB
+        clock.t += 100
+        async with asyncio.timeout(30):
+            await use(arb, "a", PAID)
+        assert places(arb)["a"] == "resident"
+        await arb.stop()
+
+    asyncio.run(main())
+
+
 def test_a_trainers_room_for_training_stays_in_its_footprint_once_measured(tiny_chat):
     """``fine_tuning.training_memory`` is counted beside the trainer's weights: in the estimate
     before its first load and in the measured footprint after it (where the measurement, which
