@@ -403,6 +403,9 @@ class Arbiter:
             worker, seconds, footprint = await self._bring_in(model, prior_place)
         except Exception as exc:  # noqa: BLE001 - a failed load answers 503 and cools down (out of memory: retried once)
             failure = exc
+            if prior_place == "warm" and not isinstance(exc, torch.OutOfMemoryError) and model in self.workers:
+                # it goes cold below: its host copy (and engine thread) freed first, not dropped unreleased
+                await _release_anyway(model, self.workers[model])
         finally:
             # The device is free before anything below schedules: a load the failure's handling
             # starts (the OOM retry, the next waiter's) is not cleared by this one's end, and no

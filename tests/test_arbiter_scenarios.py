@@ -570,6 +570,45 @@ def test_an_eviction_that_fails_sends_its_victim_cold_instead_of_stranding_it(ti
     asyncio.run(main())
 
 
+def test_a_failed_reload_from_the_host_cache_frees_the_host_copy(tiny_chat):
+    """Bringing a warm model back fails (not for memory): the model goes cold, and its host copy
+    and engine thread are released first (they were dropped unreleased: a whole model's host
+    memory and a thread leaked per failure, and batch work paused on it then placed the same
+    worker again over its live thread, which hung the server's stop)."""
+    clock = Clock()
+    released = []
+
+    def factory(spec):
+        worker = make_worker(spec)
+        if spec.name == "a":
+            real = worker.release
+
+            async def to_device(device):
+                raise OSError("host copy unreadable (injected)")
+
+            async def release():
+                released.append(spec.name)
+                await real()
+
+            worker.to_device, worker.release = to_device, release
+        return worker
+
+    async def main():
+        arb = make(tiny_chat, clock, factory=factory, budget=6 * GiB)
+        await use(arb, "a", FREE)
+        thread = arb.workers["a"]._thread
+        clock.t += 100
+        await use(arb, "b", PAID)
+        assert places(arb)["a"] == "warm" and released == []
+        clock.t += 100
+        with pytest.raises(Unavailable):
+            await use(arb, "a", PAID)
+        assert places(arb)["a"] == "cold" and released == ["a"] and not thread.is_alive()
+        await arb.stop()
+
+    asyncio.run(main())
+
+
 def test_a_trainers_room_for_training_stays_in_its_footprint_once_measured(tiny_chat):
     """``fine_tuning.training_memory`` is counted beside the trainer's weights: in the estimate
     before its first load and in the measured footprint after it (where the measurement, which
