@@ -133,6 +133,7 @@ class Arbiter:
         self.events = events or EventLog()  # loads, evictions, refusals, pauses, OOM relief
         self.tier_names = list(tier_names)  # rank -> name, for the events
         self._paused: set[str] = set()  # models whose batch work is paused now
+        self._later: asyncio.TimerHandle | None = None  # ``_look_again``'s timer
 
     # -- requests --------------------------------------------------------------------------------
     async def acquire(self, model: str, tier: int, is_batch: bool = False,
@@ -224,6 +225,8 @@ class Arbiter:
         """Release every worker; a load under way first stops where it is (a vLLM engine's start
         abandoned, its processes ended): its worker is not yet among them, and the server's exit
         would otherwise wait for it to finish."""
+        if self._later is not None:
+            self._later.cancel()
         for task in self._loads:
             task.cancel()
         await asyncio.gather(*self._loads, return_exceptions=True)
@@ -312,12 +315,23 @@ class Arbiter:
             return
         for name, state in self.states.items():
             if state.running_batch > 0 and state.place in ("warm", "cold"):
+                cooldown = self._cooldowns.get(name)
+                if cooldown and cooldown.active(self.clock()):  # its last load failed: look again after the
+                    self._look_again(cooldown.retry_after(self.clock()))  # cooldown, not at once (a busy loop)
+                    return
                 decision = policy.plan_load(self._view(), name, self.batch_rank, self.batch_rank)
                 if isinstance(decision, (Fit, Evict)):
                     self._start_load(name, decision if isinstance(decision, Evict) else None, self.batch_rank)
                 elif isinstance(decision, Refuse):  # look again when the protection ends
-                    asyncio.get_running_loop().call_later(decision.retry_after, self._schedule)
+                    self._look_again(decision.retry_after)
                 return
+
+    def _look_again(self, seconds: float) -> None:
+        """Schedule again in ``seconds``: one timer, the latest asked for (each pass that found
+        the same wait added a timer of its own)."""
+        if self._later is not None:
+            self._later.cancel()
+        self._later = asyncio.get_running_loop().call_later(seconds, self._schedule)
 
     def _grant(self, w: _Waiter) -> None:
         self._waiters.remove(w)

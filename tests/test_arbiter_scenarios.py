@@ -609,6 +609,54 @@ def test_a_failed_reload_from_the_host_cache_frees_the_host_copy(tiny_chat):
     asyncio.run(main())
 
 
+def test_bringing_back_a_paused_batch_model_keeps_the_failed_load_cooldown(tiny_chat):
+    """Batch work paused on a model evicted meanwhile; bringing the model back fails (its files
+    went bad): the next try waits for the cooldown, as a request's would (it was tried again at
+    once, thousands of times a second, on the event loop), and once the model loads again the
+    work resumes."""
+    clock = Clock()
+    attempts, broken = [], [False]
+
+    def factory(spec):
+        worker = make_worker(spec)
+        if spec.name == "a":
+            for method in ("place", "to_device"):
+                async def move(device, real=getattr(worker, method)):
+                    attempts.append(device)
+                    if broken[0]:
+                        raise OSError("weights unreadable (injected)")
+                    await real(device)
+
+                setattr(worker, method, move)
+        return worker
+
+    async def main():
+        arb = make(tiny_chat, clock, factory=factory, budget=6 * GiB)
+        batch = await arb.acquire("a", BATCH, is_batch=True)
+        arb.set_demand(True)  # another tier's request: the batch work pauses
+        clock.t += 100
+        await use(arb, "b", PAID)  # evicts a, its batch work paused
+        assert places(arb)["a"] == "warm"
+        attempts.clear()
+        broken[0] = True
+        clock.t += 100  # b's protection over
+        arb.set_demand(False)  # idle: a is brought back for its batch work, and that fails
+        await asyncio.sleep(0.5)
+        assert len(attempts) == 1 and places(arb)["a"] == "cold"
+        broken[0] = False
+        clock.t += 3  # the cooldown is over
+        arb.set_demand(True)
+        arb.set_demand(False)
+        async with asyncio.timeout(30):
+            while places(arb)["a"] != "resident":
+                await asyncio.sleep(0.02)
+        assert len(attempts) == 2 and arb._may_run["a"].is_set()  # the batch work resumes
+        batch.release()
+        await arb.stop()
+
+    asyncio.run(main())
+
+
 def test_a_trainers_room_for_training_stays_in_its_footprint_once_measured(tiny_chat):
     """``fine_tuning.training_memory`` is counted beside the trainer's weights: in the estimate
     before its first load and in the measured footprint after it (where the measurement, which
