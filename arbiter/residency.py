@@ -327,11 +327,16 @@ class Arbiter:
                 return
 
     def _look_again(self, seconds: float) -> None:
-        """Schedule again in ``seconds``: one timer, the latest asked for (each pass that found
-        the same wait added a timer of its own)."""
+        """Schedule again in ``seconds``, or sooner where a timer set before comes first: one timer
+        (each pass that found the same wait added a timer of its own); the pass it runs sets the
+        next one still needed."""
+        loop = asyncio.get_running_loop()
+        at = loop.time() + seconds
         if self._later is not None:
+            if loop.time() < self._later.when() <= at and not self._later.cancelled():
+                return
             self._later.cancel()
-        self._later = asyncio.get_running_loop().call_later(seconds, self._schedule)
+        self._later = loop.call_at(at, self._schedule)
 
     def _grant(self, w: _Waiter) -> None:
         self._waiters.remove(w)

@@ -760,3 +760,20 @@ def test_non_batch_schedules_decide_batch_work_as_a_full_schedule_does(tiny_chat
             await arb.stop()
 
     asyncio.run(main())
+
+
+def test_looking_again_later_keeps_the_sooner_timer(tiny_chat):
+    """The arbiter keeps one timer to look at paused batch work again (each pass that found the
+    same wait added one of its own): a later wait asked for does not put off a sooner one."""
+    async def main():
+        arb = make(tiny_chat, Clock())
+        loop = asyncio.get_running_loop()
+        arb._look_again(5)
+        first = arb._later.when()
+        arb._look_again(30)  # later: the sooner timer stays
+        assert arb._later.when() == first
+        arb._look_again(1)  # sooner: it takes the timer's place
+        assert arb._later.when() < first and loop.time() + 0.9 < arb._later.when()
+        await arb.stop()
+
+    asyncio.run(main())
