@@ -59,7 +59,7 @@ from gateway.vector_store import vector_stores_for
 from gateway.response_store import responses_for
 from gateway.webhooks import webhooks_for
 from gateway.serving import use_threads
-from gateway.service import ClientGone, Services
+from gateway.service import ClientGone, Services, retry_headers
 from workers import grammar
 
 log = logging.getLogger("tiergate")
@@ -237,8 +237,9 @@ async def admin_model(request: Request) -> Response:
             await svc.arbiter.load(name)
         except Refused as exc:
             raise APIError(429, str(exc), "model_protected", headers={"retry-after": str(exc.retry_after)}) from None
-        except Unavailable as exc:
-            raise APIError(503, str(exc), "model_unavailable") from None
+        except Unavailable as exc:  # (a cooldown's seconds, as the model API's 503 gives them)
+            headers = retry_headers(exc.retry_after) if exc.retry_after else {}
+            raise APIError(503, str(exc), "model_unavailable", headers=headers) from None
     elif action == "unload":
         if not await svc.arbiter.unload(name):
             raise APIError(409, f"'{name}' is not resident or is busy", "model_busy", type="invalid_request_error")

@@ -261,11 +261,11 @@ class Services:
             lease = await self.arbiter.acquire(model, rank, is_batch=self.gate.tiers[tier].is_batch, used=_used.get())
         except Refused as exc:
             self.gate.turned_back(ticket, "model_protected")
-            headers = {**_retry_headers(exc.retry_after), **self.gate.rate_headers(tier, refused_for=exc.retry_after)}
+            headers = {**retry_headers(exc.retry_after), **self.gate.rate_headers(tier, refused_for=exc.retry_after)}
             raise APIError(429, str(exc), "model_protected", headers=headers, type="rate_limit_error") from None
         except Unavailable as exc:
             self.gate.turned_back(ticket, "model_unavailable")
-            headers = _retry_headers(exc.retry_after) if exc.retry_after else {}
+            headers = retry_headers(exc.retry_after) if exc.retry_after else {}
             raise APIError(503, str(exc), "model_unavailable", headers=headers) from None
         except BaseException:
             self.gate.release(ticket)
@@ -282,10 +282,10 @@ def own_uses() -> None:
 
 
 def _too_many(gate: Gate, tier: str, exc: Rejected) -> APIError:
-    headers = {**_retry_headers(exc.retry_after), **gate.rate_headers(tier, refused_for=exc.retry_after)}
+    headers = {**retry_headers(exc.retry_after), **gate.rate_headers(tier, refused_for=exc.retry_after)}
     return APIError(429, str(exc), exc.reason, headers=headers, type="rate_limit_error")
 
 
-def _retry_headers(seconds: float) -> dict[str, str]:
+def retry_headers(seconds: float) -> dict[str, str]:
     seconds = int(seconds)
     return {"retry-after": str(seconds), "retry-after-ms": str(seconds * 1000)}

@@ -36,6 +36,20 @@ def test_load_unload_pin(server):
     assert post(server, "tiny-chat/load").json()["place"] == "resident"
 
 
+def test_a_load_that_cannot_be_served_answers_503_with_retry_after(server, monkeypatch):
+    """A failed load's cooldown (the arbiter's ``Unavailable``) reaches the admin as the model API's
+    503 gives it: with ``Retry-After`` and ``retry-after-ms`` (they were left out)."""
+    from arbiter.residency import Unavailable
+
+    async def cooling(name):
+        raise Unavailable(f"'{name}' failed to load; cooling down", retry_after=4)
+
+    monkeypatch.setattr(server.app.state.services.arbiter, "load", cooling)
+    r = post(server, "tiny-chat/load")
+    assert r.status_code == 503 and r.json()["error"]["code"] == "model_unavailable", r.text
+    assert r.headers["retry-after"] == "4" and r.headers["retry-after-ms"] == "4000"
+
+
 def test_unknown_model_or_action(server):
     assert post(server, "nope/load").status_code == 404
     r = post(server, "tiny-chat/explode")
