@@ -40,7 +40,7 @@ import time
 import uuid
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, AsyncGenerator, AsyncIterator, Literal
+from typing import Any, AsyncGenerator, AsyncIterator, ClassVar, Literal
 
 from pydantic import Field, field_validator
 from starlette.requests import Request
@@ -73,6 +73,8 @@ TokenIds = list[int]
 
 
 class CompletionRequest(_Body):
+    null_is_default: ClassVar[frozenset[str]] = frozenset(  # OpenAI's nullable fields (_Body)
+        {"temperature", "top_p", "n", "stream", "echo", "presence_penalty", "frequency_penalty"})
     model: str = Field(min_length=1)
     prompt: str | list[str] | TokenIds | list[TokenIds]
     max_tokens: int | None = Field(default=None, ge=0)  # 0: score the prompt (echo and logprobs), generate nothing

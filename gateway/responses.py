@@ -55,7 +55,7 @@ import sys
 import time
 import uuid
 from dataclasses import dataclass, field, replace
-from typing import Annotated, Any, Callable, Literal
+from typing import Annotated, Any, Callable, ClassVar, Literal
 
 from pydantic import Discriminator, Field, Tag
 
@@ -162,6 +162,8 @@ class ResponseStreamOptions(_Body):
 
 
 class ResponsesRequest(EndUser):
+    # OpenAI's nullable fields (_Body): null is the default (store: true)
+    null_is_default: ClassVar[frozenset[str]] = frozenset({"temperature", "top_p", "store", "stream", "background"})
     model: str = Field(min_length=1)
     input: str | list[dict[str, Any]]
     instructions: str | None = None

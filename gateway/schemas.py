@@ -13,9 +13,10 @@ import hashlib
 import json
 import math
 import re
-from typing import Annotated, Any, Callable, Literal, TypeVar, Union
+from typing import Annotated, Any, Callable, ClassVar, Literal, TypeVar, Union
 
-from pydantic import AfterValidator, BaseModel, BeforeValidator, ConfigDict, Discriminator, Field, Tag, ValidationError, field_validator
+from pydantic import (AfterValidator, BaseModel, BeforeValidator, ConfigDict, Discriminator, Field, Tag, ValidationError,
+                      field_validator, model_validator)
 from starlette.requests import Request
 
 from gateway.errors import APIError, bad_request
@@ -33,6 +34,18 @@ class _Body(BaseModel):
     """A JSON request body: unknown fields refused, types strict, numbers finite and 64-bit."""
 
     model_config = ConfigDict(extra="forbid", strict=True, allow_inf_nan=False)
+    # fields OpenAI's API declares nullable whose null is their default here, as if left out (the
+    # openai SDK sends ``temperature=None`` as null; OpenAI and vllm serve take it); null
+    # elsewhere stays a 400 where the field's type has no None
+    null_is_default: ClassVar[frozenset[str]] = frozenset()
+
+    @model_validator(mode="before")
+    @classmethod
+    def _nulls_left_out(cls, data: Any) -> Any:
+        if cls.null_is_default and isinstance(data, dict) and any(
+                data.get(k, 0) is None for k in cls.null_is_default):
+            return {k: v for k, v in data.items() if not (v is None and k in cls.null_is_default)}
+        return data
 
     @field_validator("*")
     @classmethod
@@ -348,6 +361,8 @@ class EndUser(_Body):
 
 
 class ChatCompletionRequest(EndUser):
+    null_is_default: ClassVar[frozenset[str]] = frozenset(
+        {"temperature", "top_p", "n", "stream", "logprobs", "presence_penalty", "frequency_penalty"})
     model: str = Field(min_length=1)
     messages: list[Message] = Field(min_length=1)
     max_tokens: int | None = Field(default=None, ge=1)

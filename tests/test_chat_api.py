@@ -1306,3 +1306,18 @@ def test_bad_fields_are_400_naming_the_param(server, extra, param):
     err = r.json()["error"]
     assert err["param"] == param and isinstance(err["code"], str) and err["message"]
     assert param != "tools[0].type" or "'custom' are not served here" in err["message"]
+
+
+def test_openais_nullable_fields_sent_as_null_are_their_defaults(server):
+    """The openai SDK sends an explicit None (``temperature=None``, as code that passes its own
+    settings through does) as null: OpenAI's nullable fields take it, and vllm serve too, as if
+    left out. A null where the field has no None (``min_tokens``) stays a 400."""
+    c = client(server)
+    nulls = dict.fromkeys(("temperature", "top_p", "n", "stream", "logprobs", "presence_penalty", "frequency_penalty"))
+    left_out = c.chat.completions.create(model="tiny-chat", messages=ASK, max_tokens=6, seed=3)
+    sent = c.chat.completions.create(model="tiny-chat", messages=ASK, max_tokens=6, seed=3, **nulls)
+    assert len(sent.choices) == 1 and sent.choices[0].logprobs is None
+    assert sent.choices[0].message.content == left_out.choices[0].message.content  # temperature 1, as OpenAI's default
+    with pytest.raises(openai.BadRequestError) as bad:
+        c.chat.completions.create(model="tiny-chat", messages=ASK, max_tokens=6, extra_body={"min_tokens": None})
+    assert bad.value.body["param"] == "min_tokens"

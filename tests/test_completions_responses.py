@@ -470,6 +470,22 @@ def test_responses_take_vllms_sampling_extensions(server):
         assert bad.value.body["param"] == field
 
 
+def test_openais_nullable_fields_sent_as_null_are_their_defaults(server):
+    """OpenAI's nullable fields sent as null (the openai SDK's explicit None) are taken as left out,
+    as OpenAI and vllm serve take them: a completion's sampling fields, ``n``, ``stream`` and
+    ``echo``; a response's sampling fields, ``stream``, ``background`` and ``store`` (stored: true
+    is its default)."""
+    c = client(server)
+    left_out = c.completions.create(model="tiny-chat", prompt="Hello", max_tokens=6, seed=4)
+    sent = c.completions.create(model="tiny-chat", prompt="Hello", max_tokens=6, seed=4, temperature=None, top_p=None,
+                                n=None, stream=None, echo=None, presence_penalty=None, frequency_penalty=None)
+    assert [x.text for x in sent.choices] == [x.text for x in left_out.choices]
+    r = c.responses.create(model="tiny-chat", input="Hello", max_output_tokens=8, temperature=None, top_p=None,
+                           store=None, stream=None, background=None)
+    assert r.status in ("completed", "incomplete") and r.temperature == 1.0
+    assert c.responses.retrieve(r.id).id == r.id
+
+
 def test_the_end_user_and_cache_fields_are_accepted_echoed_and_logged_scoped(server, caplog):
     from gateway.auth import key_id
     from gateway.schemas import EndUser
