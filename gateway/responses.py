@@ -223,8 +223,10 @@ _ROLES = {"user": "user", "system": "system", "developer": "system", "assistant"
 _TEXT_PARTS = ("input_text", "output_text", "text")
 _ITEM_KEYS = {
     "message": {"type", "role", "content", "id", "status", "phase"},
-    "function_call": {"type", "call_id", "name", "arguments", "id", "status"},
-    "function_call_output": {"type", "call_id", "output", "id", "status"},
+    # caller and namespace (name on an output): OpenAI's for namespaced tools and calls a program made, which
+    # the SDK's own items carry as null (``model_dump()``); taken at a plain call's values (``_plain_call``)
+    "function_call": {"type", "call_id", "name", "arguments", "id", "status", "caller", "namespace"},
+    "function_call_output": {"type", "call_id", "output", "id", "status", "caller", "name", "namespace"},
     # a reasoning model's thinking from an earlier turn (sent back as the Agents SDK does): its text
     # goes to the template as the next assistant message's reasoning_content
     "reasoning": {"type", "id", "summary", "content", "encrypted_content", "status"},
@@ -286,6 +288,8 @@ def input_messages(items: str | list[dict[str, Any]], name: str = "input", hosts
         if extra:
             raise bad_request(f"unrecognized field of a {kind} item: {extra[0]}", f"{where}.{extra[0]}",
                               "unknown_parameter")
+        if kind in ("function_call", "function_call_output"):
+            _plain_call(item, where)
         if kind == "file_search_call":
             continue
         if kind == "compaction":
@@ -324,6 +328,20 @@ def input_messages(items: str | list[dict[str, Any]], name: str = "input", hosts
     if places is not None:
         places += origin
     return out
+
+
+def _plain_call(item: dict[str, Any], where: str) -> None:
+    """A call item's (or its output's) ``caller`` and ``namespace`` at a plain function call's values,
+    null or ``{"type": "direct"}`` and null, and an output's ``name`` a string or null; 400 naming
+    the field otherwise: namespaced tools and calls made by a program are not served here."""
+    if item.get("caller") not in (None, {"type": "direct"}):
+        raise bad_request("a call made by a program is not served here: a call's caller is null or {\"type\": "
+                          "\"direct\"} (the model called it)", f"{where}.caller", "invalid_value")
+    if item.get("namespace") is not None:
+        raise bad_request("namespaced tools are not served here: a call's namespace is null", f"{where}.namespace",
+                          "invalid_value")
+    if item.get("type") == "function_call_output" and not isinstance(item.get("name"), (str, type(None))):
+        raise bad_request(f"invalid type for {where}.name: a string is expected", f"{where}.name", "invalid_type")
 
 
 def _thinking_only(thought: str) -> dict[str, Any]:

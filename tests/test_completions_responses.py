@@ -740,6 +740,11 @@ def test_required_tool_call_and_its_output(server):
                     + [{"type": "function_call_output", "call_id": calls[0].call_id, "output": "sunny"}], tools=TOOLS)
     assert after.usage.input_tokens == spelt.usage.input_tokens > r.usage.input_tokens
     assert after.output_text == spelt.output_text
+    # or dumped whole (model_dump()): the SDK's call items carry caller and namespace, null here
+    dumped = respond(c, [{"role": "user", "content": "Weather in Paris?"}] + [o.model_dump() for o in r.output]
+                     + [{"type": "function_call_output", "call_id": calls[0].call_id, "output": "sunny", "caller": None,
+                         "name": "get_weather", "namespace": None}], tools=TOOLS)
+    assert dumped.usage.input_tokens == spelt.usage.input_tokens and dumped.output_text == spelt.output_text
 
 
 def test_allowed_tools_choice_calls_only_the_listed_tools(server):
@@ -795,6 +800,10 @@ def test_streamed_function_call_arguments(server):
     ({"input": [{"role": "user", "content": [{"type": "input_image", "image_url": "x"}]}]}, "input[0].content[0].type"),
     ({"input": [{"role": "robot", "content": "x"}]}, "input[0].role"),
     ({"input": [{"type": "function_call_output", "output": "x"}]}, "input[0].call_id"),
+    ({"input": [{"type": "function_call", "call_id": "c", "name": "f", "arguments": "{}", "namespace": "ns"}]},
+     "input[0].namespace"),  # namespaced tools are not served
+    ({"input": [{"type": "function_call", "call_id": "c", "name": "f", "arguments": "{}",
+                 "caller": {"type": "program", "caller_id": "p"}}]}, "input[0].caller"),
     ({"input": [{"type": "web_search_call", "id": "ws_1"}]}, "input[0].type"),
     ({"input": [{"type": "reasoning", "summary": []}]}, "input"),  # thinking alone: no message to answer
     ({"input": "x", "max_output_tokens": 65}, "max_output_tokens"),
