@@ -297,8 +297,11 @@ def input_messages(items: str | list[dict[str, Any]], name: str = "input", hosts
             origin.append(where)
             continue
         if kind == "reasoning":
-            if not isinstance(item.get("summary", []), list) or not isinstance(item.get("content", []), list):
-                raise bad_request("a reasoning item's summary and content are lists", f"{where}.summary", "invalid_type")
+            if not isinstance(item.get("summary", []), list):
+                raise bad_request("a reasoning item's summary is a list", f"{where}.summary", "invalid_type")
+            content = item.get("content")  # null: none (the SDK's item without content, dumped whole)
+            if content is not None and not isinstance(content, list):
+                raise bad_request("a reasoning item's content is a list", f"{where}.content", "invalid_type")
             thought = "".join(p.get("text", "") for p in item.get("content") or [] if isinstance(p, dict)
                               and isinstance(p.get("text"), str))
             continue

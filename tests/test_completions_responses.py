@@ -577,9 +577,17 @@ def test_a_reasoning_item_in_the_input_is_accepted_and_listed_as_given(server):
     assert with_it.usage.input_tokens == without.usage.input_tokens
     listed = list(c.responses.input_items.list(with_it.id, order="asc"))
     assert [(i.type, i.id) for i in listed][1] == ("reasoning", "rs_1")
+    # the SDK's own item dumped whole (model_dump()): content and status null
+    from openai.types.responses import ResponseReasoningItem
+    dumped = ResponseReasoningItem.model_validate(thought).model_dump()
+    assert dumped["content"] is None
+    assert respond(c, [dumped if item is thought else item for item in turn]).usage.input_tokens == without.usage.input_tokens
     with pytest.raises(openai.BadRequestError) as bad:
         respond(c, [{"type": "reasoning", "summary": "text"}, {"role": "user", "content": "Hi"}])
     assert bad.value.body["param"] == "input[0].summary"
+    with pytest.raises(openai.BadRequestError) as bad:
+        respond(c, [{"type": "reasoning", "summary": [], "content": "text"}, {"role": "user", "content": "Hi"}])
+    assert bad.value.body["param"] == "input[0].content"
     with pytest.raises(openai.BadRequestError) as bad:
         respond(c, [thought])
     assert bad.value.body["param"] == "input" and "no message to answer" in bad.value.body["message"]
