@@ -145,6 +145,9 @@ class Message(_Body):
     function_call: FunctionCall | None = None  # assistant, the old functions API's one call
     tool_call_id: str | None = None  # tool
     refusal: str | None = None  # assistant: accepted, not rendered
+    # assistant: a reply's citations (OpenAI's url_citation), in the SDK's message dumped whole (model_dump(),
+    # null): accepted as history, not rendered
+    annotations: list[dict[str, Any]] | None = None
     reasoning_content: str | None = None  # assistant, a reasoning model's thinking (both names), handed to the
     reasoning: str | None = None  # template as reasoning_content (Qwen3's renders it within a tool-calling turn)
 
@@ -509,6 +512,8 @@ class ChatCompletionRequest(EndUser):
             if m.role != "user" and m.image_parts():
                 j = m.image_parts()[0][0]
                 return f"content parts of type 'image_url' are only for user messages, not {m.role}", f"{where}.content[{j}].type"
+            if m.role != "assistant" and m.annotations is not None:
+                return f"annotations are only for assistant messages, not {m.role}", f"{where}.annotations"
             if m.role != "assistant" and m.function_call is not None:
                 return f"function_call is only for assistant messages, not {m.role}", f"{where}.function_call"
             if m.tool_calls and m.function_call is not None:

@@ -175,6 +175,28 @@ def test_an_assistant_refusal_part_goes_back_as_history_unrendered(chat_server):
     assert "only for assistant messages" in err["message"]
 
 
+def test_an_assistant_message_dumped_by_the_sdk_goes_back_as_history(chat_server):
+    """``messages.append(reply.choices[0].message.model_dump())``: the SDK's message dumped whole
+    carries ``annotations`` (a reply's citations; null here) and ``audio``, ``function_call``,
+    ``tool_calls`` null: accepted, the prompt that of the message's role and content alone.
+    ``annotations`` on a user message is a 400 naming it."""
+    from openai.types.chat import ChatCompletionMessage
+
+    reply = _post(chat_server, GOOD)
+    assert reply.status_code == 200, reply.text
+    dumped = ChatCompletionMessage.model_validate(reply.json()["choices"][0]["message"]).model_dump()
+    assert "annotations" in dumped
+    cited = {**dumped, "annotations": [{"type": "url_citation", "url_citation": {
+        "url": "https://example.com", "title": "t", "start_index": 0, "end_index": 1}}]}
+    plain = {"role": "assistant", "content": dumped["content"]}
+    asked = [{"role": "user", "content": "why?"}]
+    answers = [_post(chat_server, {**GOOD, "messages": GOOD["messages"] + [m] + asked}) for m in (dumped, cited, plain)]
+    assert [a.status_code for a in answers] == [200] * 3, answers[0].text
+    assert len({a.json()["usage"]["prompt_tokens"] for a in answers}) == 1
+    _error(_post(chat_server, {**GOOD, "messages": [{"role": "user", "content": "hi", "annotations": []}]}),
+           400, "invalid_value", "messages[0].annotations")
+
+
 def test_context_too_long_is_400(chat_server):
     body = {**GOOD, "messages": [{"role": "user", "content": "word " * 600}], "max_tokens": 8}
     _error(_post(chat_server, body), 400, "context_length_exceeded", "messages")
