@@ -9,13 +9,18 @@ would hold its connection (and a file descriptor) open forever.
 
 Not uvicorn's h11 protocol, which caps the head itself: h11 parses in Python, and on a small
 request it cost the server ~0.16 ms of CPU against httptools' ~0.06 (docs/BENCHMARKS.md, "The
-HTTP parser"), for every request, refusals included, on the same interpreter as the engine."""
+HTTP parser"), for every request, refusals included, on the same interpreter as the engine.
+
+A response to an HTTP/1.0 request that has no ``content-length`` (a stream) is close-delimited, as
+h11 sends it: uvicorn's httptools protocol would frame it with ``transfer-encoding: chunked``,
+which an HTTP/1.0 client does not know (RFC 9112, 6.1: not to a request below HTTP/1.1), so its
+body would carry the chunks' sizes. uvicorn closes an HTTP/1.0 connection after each response."""
 
 from __future__ import annotations
 
 import json
 
-from uvicorn.protocols.http.httptools_impl import STATUS_LINE, HttpToolsProtocol
+from uvicorn.protocols.http.httptools_impl import STATUS_LINE, HttpToolsProtocol, RequestResponseCycle
 
 from gateway.deadlines import Deadline, Deadlines
 from gateway.errors import APIError
@@ -97,6 +102,11 @@ class GatewayHttpToolsProtocol(HttpToolsProtocol):
             raise _Refused  # before its request starts: the parser stops here
         super().on_headers_complete()
 
+    def _start_asgi_task(self, cycle: RequestResponseCycle, app) -> None:
+        if cycle.scope.get("http_version") == "1.0":
+            app = _close_delimited(app, cycle)
+        super()._start_asgi_task(cycle, app)
+
     def _head_size(self) -> int:
         """The complete head's bytes: its request line, and each header line as ``name: value``
         with its CRLF, and the blank line (a header written without the space, or with spaces
@@ -135,3 +145,26 @@ class GatewayHttpToolsProtocol(HttpToolsProtocol):
                  b"\r\nconnection: close\r\n\r\n", body]
         self.transport.write(b"".join(head))
         self.transport.close()
+
+
+def _close_delimited(app, cycle: RequestResponseCycle):
+    """``app`` answering an HTTP/1.0 request on ``cycle``: a response without ``content-length``
+    or ``transfer-encoding`` is sent as is and ends with the connection (HTTP/1.0 is never kept
+    alive), not chunked; each body part passes uvicorn's length check as a part of its own size."""
+
+    async def answer(scope, receive, send) -> None:
+        delimited = False
+
+        async def send_delimited(message) -> None:
+            nonlocal delimited
+            if message["type"] == "http.response.start" and not cycle.response_started:
+                names = {name.lower() for name, _ in message.get("headers", ())}
+                if b"content-length" not in names and b"transfer-encoding" not in names:
+                    delimited, cycle.chunked_encoding = True, False  # uvicorn adds no transfer-encoding
+            elif delimited and message["type"] == "http.response.body" and not cycle.response_complete:
+                cycle.expected_content_length = len(message.get("body", b""))
+            await send(message)
+
+        await app(scope, receive, send_delimited)
+
+    return answer

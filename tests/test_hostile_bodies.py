@@ -507,3 +507,29 @@ def test_a_500_keeps_the_connection_for_the_next_request(server, monkeypatch, ca
     logged = [r for r in caplog.records if r.levelno >= logging.ERROR]
     assert len(logged) == 1 and "unexpected error on GET /v1/models" in logged[0].getMessage(), caplog.text
     assert logged[0].exc_info is not None
+
+
+def test_a_stream_to_an_http_1_0_client_is_not_chunked(server):
+    """HTTP/1.0 has no chunked coding (RFC 9112, 6.1): a stream to an HTTP/1.0 request (a proxy or
+    a tool that speaks it) is its SSE text alone, ended by the close, with no chunk sizes in it;
+    a response with a length keeps it."""
+    body = _with(stream=True, temperature=0)
+    for request, streamed in ((b"POST /v1/chat/completions HTTP/1.0\r\nAuthorization: Bearer "
+                               + server.keys["paid"].encode() + b"\r\nContent-Type: application/json\r\n"
+                               + b"Content-Length: %d\r\n\r\n" % len(body) + body, True),
+                              (b"GET /healthz HTTP/1.0\r\n\r\n", False)):
+        with socket.create_connection(("127.0.0.1", _port(server)), timeout=30) as sock:
+            sock.sendall(request)
+            data = b""
+            while chunk := sock.recv(65536):  # the server closes the connection after the response
+                data += chunk
+        head, _, answer = data.partition(b"\r\n\r\n")
+        head = head.decode("latin-1").lower()
+        assert head.startswith("http/1.1 200") and "transfer-encoding" not in head, data[:300]
+        if streamed:
+            events = answer.decode().split("\n\n")
+            assert events[-2:] == ["data: [DONE]", ""], answer[-200:]
+            assert all(e.startswith("data: ") for e in events[:-1]), answer[:300]
+            assert json.loads(events[0][len("data: "):])["object"] == "chat.completion.chunk"
+        else:
+            assert "content-length" in head and json.loads(answer) == {"status": "ok"}
