@@ -58,6 +58,9 @@ class GatewayHttpToolsProtocol(HttpToolsProtocol):
         self._in_head = True  # from a message's first byte until its headers are complete
         self._head_bytes = 0  # bytes of the reads that ended while in the head
         self._read = 0  # the length of the read being parsed
+        self._ended_in_read = False  # whether a message ended in the read being parsed
+        self._pipelined = False  # whether the head being read began after a message ended in the same read
+        self._head_slack = 0  # bytes of such a read that may be the head's, not counted in _head_bytes
         self._head_due: Deadline | None = None  # pending while a head is awaited and no response is
 
     def connection_made(self, transport) -> None:
@@ -71,7 +74,11 @@ class GatewayHttpToolsProtocol(HttpToolsProtocol):
 
     def on_message_begin(self) -> None:
         super().on_message_begin()
-        self._in_head, self._head_bytes = True, 0
+        self._in_head, self._head_bytes, self._pipelined, self._head_slack = True, 0, self._ended_in_read, 0
+
+    def on_message_complete(self) -> None:
+        super().on_message_complete()
+        self._ended_in_read = True
 
     def on_response_complete(self) -> None:
         super().on_response_complete()
@@ -97,7 +104,8 @@ class GatewayHttpToolsProtocol(HttpToolsProtocol):
             self._head_due.cancel()
             self._head_due = None
         # (the head is no longer than what arrived since it began: nearly every request skips the sum)
-        if self._head_bytes + self._read > self.head_limit and self._head_size() > self.head_limit:
+        over = self._head_bytes + self._head_slack + self._read > self.head_limit
+        if over and self._head_size() > self.head_limit:
             self._refuse(self._too_large())
             raise _Refused  # before its request starts: the parser stops here
         super().on_headers_complete()
@@ -106,6 +114,11 @@ class GatewayHttpToolsProtocol(HttpToolsProtocol):
         if cycle.scope.get("http_version") == "1.0":
             app = _close_delimited(app, cycle)
         super()._start_asgi_task(cycle, app)
+
+    def _parsed_head(self) -> int:
+        """A lower bound of the bytes of a head begun in this read: its URL and its whole header
+        lines so far (the method is known at the head's end)."""
+        return len(self.url) + sum(len(name) + len(value) + 4 for name, value in self.headers)
 
     def _head_size(self) -> int:
         """The complete head's bytes: its request line, and each header line as ``name: value``
@@ -117,13 +130,20 @@ class GatewayHttpToolsProtocol(HttpToolsProtocol):
     def data_received(self, data: bytes) -> None:
         if self.timeout_keep_alive_task is not None and self._head_due is None:  # (uvicorn cancels it, below)
             self._head_due = self.head_deadlines.after(self._head_late)  # the idle wait is over: a head is due
-        self._read = len(data)
+        self._read, self._ended_in_read, self._pipelined = len(data), False, False
         super().data_received(data)
         # Counted after parsing, so that a body arriving with its head is never counted: a read
         # counts here only when the parser is still inside a head at its end (a read that
-        # completes a head is measured in ``on_headers_complete``).
+        # completes a head is measured in ``on_headers_complete``), whole, unless the head began
+        # after a message that ended in it (pipelined: the request before and its body came in
+        # the same read), which counts what was parsed of it (its URL and whole header lines),
+        # the rest kept as slack: a header line in progress is counted at the head's end
         if self._in_head and not self.transport.is_closing():
-            self._head_bytes += len(data)
+            if self._pipelined:
+                self._head_bytes = self._parsed_head()
+                self._head_slack = len(data) - self._head_bytes
+            else:
+                self._head_bytes += len(data)
             if self._head_bytes > self.head_limit:
                 self._refuse(self._too_large())
 
