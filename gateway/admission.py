@@ -216,6 +216,8 @@ class _Lane:
     waiting: int = 0  # tickets in ``queue`` that have not left
     queued_cost: float = 0.0  # their predicted costs
     inflight: int = 0
+    running_cost: float = 0.0  # the predicted costs of its admitted tickets
+    running_started: float = 0.0  # the sum of their start times
     admitted: int = 0
     above: list[_Lane] = field(default_factory=list)  # this lane and the lanes of higher tiers
 
@@ -391,6 +393,8 @@ class Gate:
         ticket.released = True
         lane = ticket.lane
         lane.inflight -= 1
+        lane.running_cost -= ticket.cost
+        lane.running_started -= ticket.started
         self.total_inflight -= 1
         if not lane.is_batch:
             self._nonbatch_running -= 1
@@ -469,7 +473,9 @@ class Gate:
 
     def predict_wait(self, policy: TierPolicy) -> float:
         """Seconds until a request of ``policy``'s tier arriving now would start: the remaining
-        work of everything running plus everything queued at its tier or above, over the slots."""
+        work of everything running plus everything queued at its tier or above, over the slots;
+        for a tier at its own (effective) ``max_inflight``, its own remaining and queued work over
+        that limit where that is longer (its requests pass through that many slots, not all)."""
         lane = self._lanes[policy.name]
         if self._can_start(lane):
             return 0.0
@@ -481,7 +487,13 @@ class Gate:
         ahead = 0.0
         for other in lane.above:
             ahead += other.queued_cost
-        return ((running_left if running_left > 0.0 else 0.0) + ahead) / self.slots
+        wait = ((running_left if running_left > 0.0 else 0.0) + ahead) / self.slots
+        if lane.inflight >= lane.limit:  # held at its own limit: its work passes through lane.limit slots
+            own_left = lane.running_cost - (lane.inflight * now - lane.running_started)
+            own = ((own_left if own_left > 0.0 else 0.0) + lane.queued_cost) / lane.limit
+            if own > wait:
+                return own
+        return wait
 
     def rate_headers(self, tier: str, refused_for: float | None = None) -> dict[str, str]:
         """OpenAI's ``x-ratelimit-*-requests`` for ``tier``: its requests at once (``max_inflight +
@@ -515,6 +527,8 @@ class Gate:
     def _start(self, ticket: Ticket, lane: _Lane, now: float) -> None:
         ticket.started = now
         lane.inflight += 1
+        lane.running_cost += ticket.cost
+        lane.running_started += now
         self.total_inflight += 1
         if not lane.is_batch:
             self._nonbatch_running += 1

@@ -344,3 +344,35 @@ def test_a_refused_arrival_stops_counting():
         assert not gate.others_busy()
 
     asyncio.run(main())
+
+
+def test_a_tier_at_its_own_limit_waits_for_its_own_work():
+    """A tier held at its own max_inflight passes through that many slots, not all of them: its
+    predicted wait is its own work over its limit (10 s here, not 10 s over 8 slots), so the latency
+    target refuses what would wait too long, and a client back after the Retry-After is queued."""
+
+    async def main():
+        clock = Clock()
+        costs = CostModel()
+        costs.observe("m", 1, 10.0)
+        gate = Gate([TierPolicy("paid", 0, 8, 10, 5.0), TierPolicy("free", 1, 1, 10, 5.0)], slots=8,
+                    costs=costs, clock=clock)
+        held = await gate.acquire("free", "m")
+        second = asyncio.create_task(gate.acquire("free", "m"))
+        await settle()
+        if not second.done():  # queued for 10 s against a 5 s target (not awaited: the test would hang)
+            second.cancel()
+            pytest.fail(f"queued, its wait predicted {gate.predict_wait(gate.tiers['free'])} s")
+        with pytest.raises(Rejected) as exc:
+            second.result()
+        assert exc.value.reason == "latency_target" and exc.value.retry_after == 5
+        clock.t += exc.value.retry_after
+        back = asyncio.create_task(gate.acquire("free", "m"))
+        await settle()
+        assert gate.queued("free") == 1  # queued: 5 s left, within the target
+        assert gate.predict_wait(gate.tiers["paid"]) == 0.0  # paid has slots of its own
+        gate.release(held)
+        gate.release(await back)
+        assert gate.total_inflight == 0 and gate.predict_wait(gate.tiers["free"]) == 0.0
+
+    asyncio.run(main())

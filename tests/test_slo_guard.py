@@ -202,7 +202,9 @@ def test_gate_grows_limits_back_on_its_timer_after_a_slow_spell_and_silence():
     one step per interval, and then sets no timer (none on an idle server)."""
     async def run() -> None:
         tiers = [TierPolicy("paid", 0, 8, 64, TARGET), TierPolicy("free", 1, 4, 64, TARGET)]
-        gate = Gate(tiers, slots=16, guard=GuardSettings(window_s=1.0, interval_s=0.05, min_samples=3))
+        # requests of 0.1 s: the waiters' predicted wait (free's work over its lowered limit) is within its target
+        gate = Gate(tiers, slots=16, costs=CostModel(prior_s=0.1),
+                    guard=GuardSettings(window_s=1.0, interval_s=0.05, min_samples=3))
         for _ in range(3):
             gate.observe_latency("paid", 0.95)
         await asyncio.sleep(0.06)
