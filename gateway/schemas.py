@@ -15,8 +15,8 @@ import math
 import re
 from typing import Annotated, Any, Callable, ClassVar, Literal, TypeVar, Union
 
-from pydantic import (AfterValidator, BaseModel, BeforeValidator, ConfigDict, Discriminator, Field, Tag, ValidationError,
-                      field_validator, model_validator)
+from pydantic import (AfterValidator, BaseModel, BeforeValidator, ConfigDict, Discriminator, Field, Tag,
+                      ValidationError, field_validator, model_validator)
 from starlette.requests import Request
 
 from gateway.errors import APIError, bad_request
