@@ -47,7 +47,8 @@ class _Strict(BaseModel):
 class TierConfig(_Strict):
     name: str = Field(pattern=r"^[a-z][a-z0-9_-]*$")
     keys_env: str  # environment variable holding comma-separated API keys
-    max_inflight: int | None = Field(default=None, ge=1)  # None: 8; on the batch tier, every engine's width together
+    # None: 8; on the batch tier, every engine's width together (strict: YAML's true is not 1)
+    max_inflight: int | None = Field(default=None, ge=1, strict=True)
     max_queued: int = Field(default=64, ge=0)
     latency_target_s: float = Field(default=30.0, gt=0)
     # text replies: the time per token (after the first) this tier should see; the SLO guard shrinks
@@ -296,7 +297,7 @@ TRAINER_SUFFIX = "~train"  # no model, alias or adapter has such a name ('~' is 
 
 class GpuConfig(_Strict):
     device: Literal["auto", "cuda", "cpu"] = "auto"
-    vram_budget: Size | None = None  # required on CPU: the simulated budget
+    vram_budget: Size | None = Field(default=None, gt=0)  # required on CPU: the simulated budget
     reserve: Size = parse_size("1GiB")  # CUDA: left free when the budget is the free memory
     host_cache_budget: Size = parse_size("8GiB")
     adapter_cache_budget: Size = parse_size("2GiB")  # host memory for adapters read from adapter_dirs (LRU)

@@ -75,6 +75,10 @@ def test_good_config_loads(tmp_path):
     (BASE.replace("  - {name: paid, keys_env: K_PAID}\n  - {name: batch, keys_env: K_BATCH, batch: true}\n",
                   "  - {name: batch, keys_env: K_BATCH, batch: true}\n  - {name: paid, keys_env: K_PAID}\n"),
      "tiers", "the batch tier ('batch') must be the last"),
+    # a budget nothing fits in, and YAML's true for a count (taken as 1)
+    (BASE.replace("vram_budget: 10GiB}", "vram_budget: 0}"), "gpu.vram_budget", "greater than 0"),
+    (BASE.replace("keys_env: K_PAID}", "keys_env: K_PAID, max_inflight: true}"), "tiers[0].max_inflight",
+     "valid integer"),
     # protect_window_s is an eviction rule now
     (BASE.replace("vram_budget: 10GiB}", "vram_budget: 10GiB, protect_window_s: 5}"), "gpu",
      "protect_window_s moved to eviction.protect_window_s"),
